@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvroute bench`."""

@@ -1,0 +1,1 @@
+"""The kvroute router: HTTP proxy, routing policies, admin API, config and CLI."""
