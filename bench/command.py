@@ -1,0 +1,57 @@
+"""`kvroute bench SUITE`: each suite lives in its own module under `bench/`.
+
+Suite modules expose `add_arguments(parser)` and `run(args) -> int` and write their report to
+`docs/benchmarks/`. They load lazily, so one suite's heavy imports cost nothing to the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Protocol
+
+__all__ = ["add_arguments", "run"]
+
+
+class _Suite(Protocol):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+# suite -> (module, one-line help)
+SUITES: dict[str, tuple[str, str]] = {
+    "routing": ("bench.routing_bench", "routing quality per policy on a reference fleet"),
+    "index": ("bench.index_bench", "indexer ingest rate, query latency, memory per entry"),
+    "proxy": ("bench.proxy_bench", "router overhead over calling a worker directly"),
+    "decode": ("bench.decode_bench", "KV-event payload decode throughput"),
+}
+
+
+def _load(module: str) -> _Suite | None:
+    try:
+        suite: _Suite = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None
+        raise
+    return suite
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register one sub-verb per installed suite."""
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    for name, (module, help_text) in SUITES.items():
+        suite = _load(module)
+        if suite is None:
+            continue
+        suite_parser = sub.add_parser(name, help=help_text, description=help_text)
+        suite.add_arguments(suite_parser)
+        suite_parser.set_defaults(_suite_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen suite."""
+    suite = _load(args._suite_module)
+    assert suite is not None
+    return suite.run(args)
