@@ -1,15 +1,125 @@
 """Payload decoder: every SGLang and vLLM KV-event layout into `EventBatch`.
 
-(Implementation lands with the protocol issue.)
+A payload is `[ts, events, dp_rank]`. Real streams are homogeneous, so the whole batch is
+first decoded in one msgspec call as all-array events, then as all-map events; msgspec does
+the per-element work (hashes, tokens, limits) in C. Only when both fail (a batch that mixes
+layouts, carries an unknown event tag, or is malformed) do we fall back to decoding event by
+event, which skips and counts unknown tags and names the event that is malformed.
+
+Every failure surfaces as `ProtocolError`: msgspec errors, RecursionError from hostile
+nesting, and anything else a parser could raise are translated here, in one place.
 """
 
 from __future__ import annotations
 
-from indexer.protocol.events import EventBatch
+import math
+
+import msgspec
+
+from indexer.errors import ProtocolError
+from indexer.protocol.events import Event, EventBatch
+from indexer.protocol.wire import (
+    KNOWN_TAGS,
+    ArrayBatch,
+    ArrayEvent,
+    ArrayTag,
+    MapBatch,
+    MapEvent,
+    MapTag,
+    RawBatch,
+)
 
 __all__ = ["decode_batch"]
+
+# Built once: msgspec decoders cache their type plans.
+_ARRAY_BATCH = msgspec.msgpack.Decoder(ArrayBatch)
+_MAP_BATCH = msgspec.msgpack.Decoder(MapBatch)
+_RAW_BATCH = msgspec.msgpack.Decoder(RawBatch)
+_ARRAY_EVENT: msgspec.msgpack.Decoder[ArrayEvent] = msgspec.msgpack.Decoder(ArrayEvent)
+_MAP_EVENT: msgspec.msgpack.Decoder[MapEvent] = msgspec.msgpack.Decoder(MapEvent)
+_ARRAY_TAG = msgspec.msgpack.Decoder(ArrayTag)
+_MAP_TAG = msgspec.msgpack.Decoder(MapTag)
+
+# First byte of a msgpack value: fixarray, array16, array32 / fixmap, map16, map32.
+_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one payload; raises ProtocolError (and nothing else) on bad input."""
-    raise NotImplementedError
+    try:
+        return _decode(payload)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as exc:
+        raise ProtocolError(f"malformed KV-event payload: {exc}") from exc
+    except RecursionError as exc:
+        raise ProtocolError("KV-event payload nests too deeply") from exc
+    except Exception as exc:
+        # The contract is that only ProtocolError escapes (a subscriber counts and skips it);
+        # the exception type stays in the reason so a decoder bug is still visible in logs.
+        raise ProtocolError(f"undecodable KV-event payload ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode(payload: bytes) -> EventBatch:
+    wire: ArrayBatch | MapBatch
+    try:
+        wire = _ARRAY_BATCH.decode(payload)
+    except msgspec.ValidationError:
+        try:
+            wire = _MAP_BATCH.decode(payload)
+        except msgspec.ValidationError:
+            return _decode_mixed(payload)
+    _check_ts(wire.ts)
+    try:
+        events = [event.normalize() for event in wire.events]
+    except ProtocolError:
+        # Rare (a bad token count); redo it event by event to name the offending event.
+        return _decode_mixed(payload)
+    return EventBatch(wire.ts, events, wire.dp_rank)
+
+
+def _check_ts(ts: float) -> None:
+    if not math.isfinite(ts):
+        raise ProtocolError(f"batch ts is not a finite number: {ts!r}")
+
+
+def _decode_mixed(payload: bytes) -> EventBatch:
+    # Raises the batch-level error (not an array, bad ts, bad dp_rank) with its msgspec path.
+    raw = _RAW_BATCH.decode(payload)
+    _check_ts(raw.ts)
+    events: list[Event] = []
+    skipped = 0
+    for index, item in enumerate(raw.events):
+        event = _decode_event(index, item)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return EventBatch(raw.ts, events, raw.dp_rank, skipped)
+
+
+def _decode_event(index: int, item: msgspec.Raw) -> Event | None:
+    """One event of a batch; None for a well-formed event of an unknown kind."""
+    view = memoryview(item)
+    head = view[0] if len(view) else -1
+    try:
+        if head in _ARRAY_HEADS:
+            try:
+                return _ARRAY_EVENT.decode(item).normalize()
+            except msgspec.ValidationError:
+                if _ARRAY_TAG.decode(item).tag not in KNOWN_TAGS:
+                    return None
+                raise
+        if head in _MAP_HEADS:
+            try:
+                return _MAP_EVENT.decode(item).normalize()
+            except msgspec.ValidationError:
+                if _MAP_TAG.decode(item).type not in KNOWN_TAGS:
+                    return None
+                raise
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"event {index}: {exc}") from exc
+    except ProtocolError as exc:
+        raise ProtocolError(f"event {index}: {exc}") from exc
+    raise ProtocolError(f"event {index} is neither an array nor a map")
