@@ -1,0 +1,418 @@
+"""The routing benchmark runner: one fresh fleet per policy, the same open-loop workload for all.
+
+For each policy the harness starts a fleet of reference workers (same capacity and latency
+model every time), puts a router with that policy in front of it (or, for `oracle`, routes
+itself: it asks every worker's `/debug/match` and sends each request straight to the worker
+that truly holds the longest prefix, ties to its own least in-flight count), then replays the
+workload's requests at their arrival times whatever happened to earlier ones (open loop).
+Every request is a streaming SGLang `/generate` with `input_ids` and `cache_salt`, so TTFT is
+the time to the first streamed chunk with content and the hit rate comes from the worker's own
+`meta_info.cached_tokens`.
+
+Routing overhead: for `oracle` it is the `/debug/match` fan-out of each request. For router
+policies it is measured after the workload, on the idle fleet, as paired probes: the same tiny
+request sent directly to a worker and through the router (to that same worker), difference of
+the two latencies. That is the whole hop (proxy + decision), an upper bound on the decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+
+from bench.report import PolicyRun, RequestRecord
+from bench.workloads import BenchRequest, Workload
+from indexer.stats import StreamState
+from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
+from router.config import WorkerConfig as RoutedWorker
+from router.service import RouterService
+from workers.config import WorkerConfig as ReferenceWorkerConfig
+from workers.worker import ReferenceWorker
+
+__all__ = [
+    "ORACLE",
+    "POLICIES",
+    "FleetSpec",
+    "HarnessError",
+    "Target",
+    "run_policy",
+    "send_generate",
+]
+
+ORACLE = "oracle"
+POLICIES: tuple[str, ...] = ("kv", "approx_tree", "least_load", "round_robin", "random", ORACLE)
+WORKER_HEADER = "x-kvroute-worker"
+MATCHED_HEADER = "x-kvroute-matched-tokens"
+PENDING_HEADER = "x-kvroute-pending-tokens"
+_PROBES = 12
+
+
+class HarnessError(RuntimeError):
+    """The benchmark cannot run: a fleet or router failed to start or answer."""
+
+
+class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The fleet every policy runs on: size, KV capacity and latency model."""
+
+    workers: int = 4
+    page_size: int = 16
+    capacity_tokens: int = 16384
+    prefill_ms_per_token: float = 0.25
+    decode_ms_per_token: float = 4.0
+    max_running_requests: int = 8
+    time_scale: float = 0.2
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where one request goes: a base URL, plus what the harness knows of the choice."""
+
+    url: str
+    worker: str = ""
+    route_s: float | None = None
+    ticket: int = 0  # the chooser's own handle, for release()
+
+
+class Chooser(Protocol):
+    """Decides where each request goes; `release` is called once its response has ended."""
+
+    async def choose(self, session: aiohttp.ClientSession, request: BenchRequest) -> Target:
+        """Where `request` goes."""
+        ...
+
+    def release(self, target: Target) -> None:
+        """The request sent to `target` has ended."""
+        ...
+
+
+class _ViaRouter:
+    """Every request goes to the router, which decides."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    async def choose(self, session: aiohttp.ClientSession, request: BenchRequest) -> Target:
+        """The router's URL."""
+        return Target(url=self._url)
+
+    def release(self, target: Target) -> None:
+        """Nothing to track: the router keeps its own load."""
+
+
+def _body(request: BenchRequest, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": request.input_ids,
+        "sampling_params": {"max_new_tokens": request.max_new_tokens, "temperature": 0.0},
+        "stream": stream,
+    }
+    if request.cache_salt is not None:
+        body["cache_salt"] = request.cache_salt
+    return body
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+async def send_generate(
+    session: aiohttp.ClientSession,
+    target: Target,
+    request: BenchRequest,
+    index: int,
+    sent_s: float,
+    timeout_s: float,
+    started: float | None = None,
+) -> RequestRecord:
+    """Send one streaming /generate and measure it; failures become a failed record.
+
+    Latencies count from `started` (a `perf_counter` reading; default: now), so a chooser's own
+    time (the oracle's fan-out) is inside TTFT like the router's decision is.
+    """
+    start = time.perf_counter() if started is None else started
+    record = RequestRecord(index=index, sent_s=sent_s, ok=False, worker=target.worker)
+    record.route_s = target.route_s
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.post(f"{target.url}/generate", json=_body(request, True)) as resp,
+        ):
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                record.error = f"HTTP {resp.status}: {text}"
+                return record
+            record.worker = resp.headers.get(WORKER_HEADER, target.worker)
+            matched = resp.headers.get(MATCHED_HEADER)
+            if matched is not None and matched.isdigit():
+                record.predicted_tokens = int(matched)
+            pending = resp.headers.get(PENDING_HEADER)
+            if pending is not None and pending.isdigit():
+                record.pending_tokens = int(pending)
+            meta: dict[str, Any] = {}
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    continue
+                if record.ttft_s is None and (chunk.get("text") or chunk.get("output_ids")):
+                    record.ttft_s = time.perf_counter() - start
+                if isinstance(chunk.get("meta_info"), dict):
+                    meta = chunk["meta_info"]
+                if "error" in chunk:
+                    record.error = str(chunk["error"])[:200]
+                    return record
+            record.e2e_s = time.perf_counter() - start
+            if record.ttft_s is None:
+                record.ttft_s = record.e2e_s
+            record.prompt_tokens = _int(meta.get("prompt_tokens")) or len(request.input_ids)
+            record.cached_tokens = _int(meta.get("cached_tokens"))
+            record.output_tokens = _int(meta.get("completion_tokens"))
+            record.ok = True
+    except TimeoutError:
+        record.error = f"timeout after {timeout_s:g} s"
+    except (aiohttp.ClientError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+    return record
+
+
+async def _drive(
+    session: aiohttp.ClientSession,
+    workload: Workload,
+    chooser: Chooser,
+    timeout_s: float,
+    on_done: Callable[[RequestRecord], None],
+) -> list[RequestRecord]:
+    """Open loop: each request leaves at its arrival time, whatever earlier ones are doing."""
+    records: list[RequestRecord | None] = [None] * len(workload.requests)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def one(i: int, request: BenchRequest) -> None:
+        sent = loop.time() - t0
+        started = time.perf_counter()
+        try:
+            target = await chooser.choose(session, request)
+        except (aiohttp.ClientError, TimeoutError, HarnessError) as exc:
+            record = RequestRecord(index=i, sent_s=sent, ok=False, error=f"choose: {exc}"[:200])
+        else:
+            try:
+                record = await send_generate(session, target, request, i, sent, timeout_s, started)
+            finally:
+                chooser.release(target)
+        records[i] = record
+        on_done(record)
+
+    async with asyncio.TaskGroup() as tg:
+        for i, request in enumerate(workload.requests):
+            delay = t0 + request.arrival_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tg.create_task(one(i, request))
+    return [r for r in records if r is not None]
+
+
+def _shared_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+    """Tokens of prompt `a` that prompt `b`'s cached pages would serve (whole common pages).
+
+    A worker matches a prompt without its last token (that one must be computed), and caches
+    only whole pages, so both ends are rounded down to pages.
+    """
+    limit = min(len(a) - 1, len(b)) // page_size * page_size
+    n = 0
+    while n < limit and a[n : n + page_size] == b[n : n + page_size]:
+        n += page_size
+    return n
+
+
+class _Oracle:
+    """Routes to the worker that truly holds, or is about to hold, the longest prefix.
+
+    "Holds" is each worker's own answer to `/debug/match` (its radix cache right now, in the
+    request's namespace); "about to hold" is the oracle's own requests still in flight there,
+    whose prompts the worker caches once prefilled. Without the second part, siblings that
+    arrive while the first one prefills would scatter across the fleet. Ties go to the worker
+    with the fewest in flight, then at random.
+    """
+
+    def __init__(self, urls: Sequence[str], page_size: int, seed: int) -> None:
+        self._urls = list(urls)
+        self._page_size = page_size
+        self._inflight: dict[str, dict[int, BenchRequest]] = {u: {} for u in self._urls}
+        self._tickets = itertools.count(1)
+        self._rng = random.Random(seed)
+
+    async def _match(self, session: aiohttp.ClientSession, url: str, req: BenchRequest) -> int:
+        body: dict[str, Any] = {"input_ids": req.input_ids}
+        if req.cache_salt is not None:
+            body["cache_salt"] = req.cache_salt
+        async with asyncio.timeout(10.0), session.post(f"{url}/debug/match", json=body) as resp:
+            if resp.status != 200:
+                raise HarnessError(f"/debug/match answered HTTP {resp.status}")
+            data = await resp.json()
+        if isinstance(data, dict) and isinstance(data.get("cached_tokens"), int):
+            return int(data["cached_tokens"])
+        raise HarnessError(f"/debug/match answer has no cached_tokens: {data!r:.200}")
+
+    def _upcoming(self, url: str, req: BenchRequest) -> int:
+        return max(
+            (
+                _shared_pages(req.input_ids, other.input_ids, self._page_size)
+                for other in self._inflight[url].values()
+                if other.cache_salt == req.cache_salt
+            ),
+            default=0,
+        )
+
+    async def choose(self, session: aiohttp.ClientSession, request: BenchRequest) -> Target:
+        """Ask every worker, add what is in flight there, pick the longest; ties to the idlest."""
+        start = time.perf_counter()
+        cached = await asyncio.gather(*(self._match(session, u, request) for u in self._urls))
+        matches = [
+            max(c, self._upcoming(u, request)) for u, c in zip(self._urls, cached, strict=True)
+        ]
+        best = max(matches)
+        ties = [u for u, m in zip(self._urls, matches, strict=True) if m == best]
+        fewest = min(len(self._inflight[u]) for u in ties)
+        url = self._rng.choice([u for u in ties if len(self._inflight[u]) == fewest])
+        ticket = next(self._tickets)
+        self._inflight[url][ticket] = request
+        return Target(url=url, worker=url, route_s=time.perf_counter() - start, ticket=ticket)
+
+    def release(self, target: Target) -> None:
+        """The request is over: the worker's cache now speaks for it."""
+        self._inflight[target.url].pop(target.ticket, None)
+
+
+async def _probe_overhead(
+    session: aiohttp.ClientSession, router_url: str, worker_urls: dict[str, str], seed: int
+) -> list[float]:
+    """Paired tiny requests, direct and through the router: the router hop's added latency."""
+    rng = random.Random(seed)
+    samples: list[float] = []
+    for i in range(_PROBES):
+        ids = [rng.randrange(3, 259) for _ in range(8)]
+        probe = BenchRequest(arrival_s=0.0, input_ids=ids, max_new_tokens=1)
+        via = await send_generate(session, Target(url=router_url), probe, i, 0.0, 10.0)
+        url = worker_urls.get(via.worker)
+        if not via.ok or via.e2e_s is None or url is None:
+            continue
+        again = BenchRequest(arrival_s=0.0, input_ids=[*ids[::-1]], max_new_tokens=1)
+        direct = await send_generate(session, Target(url=url), again, i, 0.0, 10.0)
+        if direct.ok and direct.e2e_s is not None:
+            samples.append(max(0.0, via.e2e_s - direct.e2e_s))
+    return samples
+
+
+@contextlib.asynccontextmanager
+async def _fleet(spec: FleetSpec) -> AsyncIterator[list[str]]:
+    """A fresh fleet of in-process reference workers; yields their base URLs."""
+    config = ReferenceWorkerConfig(
+        page_size=spec.page_size,
+        capacity_tokens=spec.capacity_tokens,
+        prefill_ms_per_token=spec.prefill_ms_per_token,
+        decode_ms_per_token=spec.decode_ms_per_token,
+        max_running_requests=spec.max_running_requests,
+        time_scale=spec.time_scale,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(ReferenceWorker(config)) for _ in range(spec.workers)
+        ]
+        yield [w.url for w in workers]
+
+
+async def _await_streams(
+    service: RouterService, urls: dict[str, str], page_size: int, seed: int
+) -> None:
+    """Make each worker publish a page until the router's indexer has applied one from each.
+
+    ZMQ subscriptions join asynchronously and a PUB drops what it sends before that, so the
+    probe repeats (a fresh page each time) until every event path is proven live. The probe
+    pages are unique and negligible next to any working set.
+    """
+    rng = random.Random(seed ^ 0x5EED)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(20.0):
+        while True:
+            live = {
+                s.worker
+                for s in service.indexer.streams()
+                if s.state == StreamState.SYNCED and s.blocks_stored > 0
+            }
+            waiting = [url for name, url in urls.items() if name not in live]
+            if not waiting:
+                return
+            for url in waiting:
+                ids = [rng.randrange(3, 259) for _ in range(page_size + 1)]
+                probe = BenchRequest(arrival_s=0.0, input_ids=ids, max_new_tokens=1)
+                record = await send_generate(session, Target(url=url), probe, 0, 0.0, 10.0)
+                if not record.ok:
+                    raise HarnessError(f"worker {url} failed a warm-up request: {record.error}")
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def _router(
+    policy: str, urls: dict[str, str], spec: FleetSpec, seed: int
+) -> AsyncIterator[str]:
+    """A router with `policy` in front of the workers; yields its URL once its streams are live."""
+    config = RouterConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        admin=AdminConfig(enabled=False),
+        policy=PolicyConfig(name=policy, seed=seed),  # type: ignore[arg-type]
+        workers=tuple(RoutedWorker(url=url, id=name) for name, url in urls.items()),
+    )
+    async with RouterService(config) as service:
+        try:
+            await _await_streams(service, urls, spec.page_size, seed)
+        except TimeoutError as exc:
+            raise HarnessError("the router's KV-event streams did not become live") from exc
+        yield service.url
+
+
+async def run_policy(
+    policy: str,
+    workload: Workload,
+    spec: FleetSpec,
+    seed: int,
+    on_done: Callable[[RequestRecord], None] = lambda _: None,
+    timeout_s: float = 60.0,
+) -> PolicyRun:
+    """Run `workload` with `policy` on a fresh fleet and collect every request's record."""
+    started = time.perf_counter()
+    overhead: list[float] = []
+    async with (
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=None)
+        ) as session,
+        _fleet(spec) as workers,
+    ):
+        names = {f"w{i}": url for i, url in enumerate(workers)}
+        if policy == ORACLE:
+            oracle = _Oracle(list(names.values()), spec.page_size, seed)
+            records = await _drive(session, workload, oracle, timeout_s, on_done)
+            by_url = {url: name for name, url in names.items()}
+            for r in records:
+                r.worker = by_url.get(r.worker, r.worker)
+        else:
+            async with _router(policy, names, spec, seed) as router_url:
+                chooser = _ViaRouter(router_url)
+                records = await _drive(session, workload, chooser, timeout_s, on_done)
+                overhead = await _probe_overhead(session, router_url, names, seed)
+    return PolicyRun(
+        policy=policy,
+        records=records,
+        wall_s=time.perf_counter() - started,
+        route_overhead_s=overhead,
+    )

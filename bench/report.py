@@ -1,0 +1,555 @@
+"""Routing benchmark results: the record model, per-policy summaries, targets, markdown and plots.
+
+The harness fills `RequestRecord`s; everything here is pure arithmetic over them except the
+writers at the bottom (markdown, JSON, PNG via matplotlib's headless Agg backend).
+
+Definitions used in the report:
+- hit rate: sum of worker-reported `cached_tokens` / sum of `prompt_tokens` (completed requests);
+- TTFT: client send to the first streamed chunk carrying content; e2e: send to the last byte;
+- throughput: completed requests / (last completion - first send);
+- routing overhead: per request, the time the router (or the oracle's `/debug/match` fan-out)
+  spent choosing, as reported by the run (absent when it cannot be observed);
+- index accuracy (kv): token agreement between the router-predicted matched tokens p and the
+  worker-reported cached tokens c, sum(min(p, c)) / sum(max(p, c)); requests where both are 0
+  agree trivially and carry no weight. p is what the router's index answered for the chosen
+  worker: blocks known from KV events (`x-kvroute-matched-tokens`) plus its pending entries,
+  the prefixes of requests it just routed there whose events have not arrived yet
+  (`x-kvroute-pending-tokens`). The events-only agreement and the exact share (p == c) are
+  printed beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+__all__ = [
+    "BenchReport",
+    "PolicyRun",
+    "PolicySummary",
+    "RequestRecord",
+    "TargetResult",
+    "WorkloadSection",
+    "closing_note",
+    "evaluate_targets",
+    "percentile",
+    "render_markdown",
+    "summarize",
+    "write_report",
+]
+
+TARGET_PRESSURE = 2.0
+
+
+class RequestRecord(msgspec.Struct):
+    """What happened to one request of one policy run."""
+
+    index: int
+    sent_s: float
+    ok: bool
+    worker: str = ""
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    predicted_tokens: int | None = None
+    # tokens the router credited to recent routing decisions (pending entries), beyond events
+    pending_tokens: int | None = None
+    route_s: float | None = None
+
+
+class PolicyRun(msgspec.Struct):
+    """One policy against one workload on a fresh fleet."""
+
+    policy: str
+    records: list[RequestRecord]
+    wall_s: float
+    # routing overhead samples taken apart from the workload's requests (router probes)
+    route_overhead_s: list[float] = []
+    note: str = ""
+
+
+class WorkloadSection(msgspec.Struct):
+    """A workload at one KV pressure, with every policy's run."""
+
+    workload: str
+    description: str
+    seed: int
+    params: dict[str, object]
+    requests: int
+    rate_rps: float
+    working_set_tokens: int
+    capacity_tokens: int
+    workers: int
+    pressure: float
+    runs: list[PolicyRun]
+
+
+class BenchReport(msgspec.Struct):
+    """Everything a routing benchmark run produced, with how to reproduce it."""
+
+    command: str
+    seed: int
+    mode: str
+    started_at: str
+    fleet: dict[str, object]
+    sections: list[WorkloadSection]
+    notes: list[str] = []
+
+
+class PolicySummary(msgspec.Struct):
+    """The per-policy row of the results table."""
+
+    policy: str
+    requests: int
+    completed: int
+    failed: int
+    hit_rate: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p99_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p99_ms: float | None
+    throughput_rps: float
+    output_tokens_per_s: float
+    route_overhead_p50_ms: float | None
+    route_overhead_p99_ms: float | None
+    index_accuracy: float | None
+    index_events_accuracy: float | None
+    index_exact_share: float | None
+
+
+class TargetResult(msgspec.Struct):
+    """One acceptance target evaluated on one workload section."""
+
+    workload: str
+    pressure: float
+    target: str
+    value: float | None
+    threshold: float
+    met: bool | None  # None: cannot be evaluated (missing policy or failed run)
+    detail: str
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
+
+
+def _agreement(pairs: Sequence[tuple[int, int]]) -> float | None:
+    if not pairs:
+        return None
+    weight = sum(max(p, c) for p, c in pairs)
+    return sum(min(p, c) for p, c in pairs) / weight if weight else 1.0
+
+
+def summarize(run: PolicyRun) -> PolicySummary:
+    """Aggregate one policy run into its table row."""
+    done = [r for r in run.records if r.ok]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+    route = [r.route_s for r in run.records if r.route_s is not None] + run.route_overhead_s
+    span = 0.0
+    if done:
+        first = min(r.sent_s for r in run.records)
+        span = max(r.sent_s + (r.e2e_s or 0.0) for r in done) - first
+    events = [(r.predicted_tokens, r.cached_tokens) for r in done if r.predicted_tokens is not None]
+    full = [
+        (r.predicted_tokens + (r.pending_tokens or 0), r.cached_tokens)
+        for r in done
+        if r.predicted_tokens is not None
+    ]
+    exact = sum(1 for p, c in full if p == c) / len(full) if full else None
+    return PolicySummary(
+        policy=run.policy,
+        requests=len(run.records),
+        completed=len(done),
+        failed=len(run.records) - len(done),
+        hit_rate=cached / prompt if prompt else 0.0,
+        ttft_p50_ms=_ms(percentile(ttft, 50)),
+        ttft_p90_ms=_ms(percentile(ttft, 90)),
+        ttft_p99_ms=_ms(percentile(ttft, 99)),
+        e2e_p50_ms=_ms(percentile(e2e, 50)),
+        e2e_p99_ms=_ms(percentile(e2e, 99)),
+        throughput_rps=len(done) / span if span > 0 else 0.0,
+        output_tokens_per_s=sum(r.output_tokens for r in done) / span if span > 0 else 0.0,
+        route_overhead_p50_ms=_ms(percentile(route, 50)),
+        route_overhead_p99_ms=_ms(percentile(route, 99)),
+        index_accuracy=_agreement(full),
+        index_events_accuracy=_agreement(events),
+        index_exact_share=exact,
+    )
+
+
+def _ratio_target(
+    section: WorkloadSection,
+    rows: dict[str, PolicySummary],
+    name: str,
+    mine: str,
+    other: str,
+    field: str,
+    threshold: float,
+    at_most: bool,
+) -> TargetResult:
+    a = rows.get(mine)
+    b = rows.get(other)
+    value: float | None = None
+    if a is not None and b is not None:
+        x = getattr(a, field)
+        y = getattr(b, field)
+        if x is not None and y:
+            value = x / y
+        elif x is not None and y == 0:
+            value = math.inf if x > 0 else None
+    met = None if value is None else (value <= threshold if at_most else value >= threshold)
+    relation = "<=" if at_most else ">="
+    return TargetResult(
+        workload=section.workload,
+        pressure=section.pressure,
+        target=name,
+        value=value,
+        threshold=threshold,
+        met=met,
+        detail=f"{mine}.{field} / {other}.{field} {relation} {threshold:g}",
+    )
+
+
+def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
+    """The issue's acceptance targets on one section (meaningful at KV pressure >= 2)."""
+    rows = {run.policy: summarize(run) for run in section.runs}
+    out = [
+        _ratio_target(
+            section, rows, "kv hit rate >= 1.5x approx_tree", "kv", "approx_tree",
+            "hit_rate", 1.5, at_most=False,
+        ),
+        _ratio_target(
+            section, rows, "kv hit rate >= 2x round_robin", "kv", "round_robin",
+            "hit_rate", 2.0, at_most=False,
+        ),
+        _ratio_target(
+            section, rows, "kv TTFT p90 <= 0.5x approx_tree", "kv", "approx_tree",
+            "ttft_p90_ms", 0.5, at_most=True,
+        ),
+        _ratio_target(
+            section, rows, "kv hit rate within 5% of oracle", "kv", "oracle",
+            "hit_rate", 0.95, at_most=False,
+        ),
+    ]  # fmt: skip
+    kv = rows.get("kv")
+    accuracy = kv.index_accuracy if kv is not None else None
+    out.append(
+        TargetResult(
+            workload=section.workload,
+            pressure=section.pressure,
+            target="kv index accuracy >= 98%",
+            value=accuracy,
+            threshold=0.98,
+            met=None if accuracy is None else accuracy >= 0.98,
+            detail="sum(min(predicted, cached)) / sum(max(predicted, cached)), events + pending",
+        )
+    )
+    return out
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "n/a"}[met]
+
+
+def _section_table(section: WorkloadSection) -> list[str]:
+    lines = [
+        "| policy | completed | failed | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
+        "| e2e p50 ms | e2e p99 ms | req/s | out tok/s | route p50 ms | route p99 ms "
+        "| index acc. (events only; exact) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in section.runs:
+        s = summarize(run)
+        acc = "-"
+        if s.index_accuracy is not None:
+            acc = (
+                f"{_pct(s.index_accuracy)} ({_pct(s.index_events_accuracy)}; "
+                f"{_pct(s.index_exact_share)})"
+            )
+        lines.append(
+            f"| {s.policy} | {s.completed}/{s.requests} | {s.failed} | {_pct(s.hit_rate)} "
+            f"| {_fmt(s.ttft_p50_ms)} | {_fmt(s.ttft_p90_ms)} | {_fmt(s.ttft_p99_ms)} "
+            f"| {_fmt(s.e2e_p50_ms)} | {_fmt(s.e2e_p99_ms)} | {_fmt(s.throughput_rps)} "
+            f"| {_fmt(s.output_tokens_per_s, 0)} | {_fmt(s.route_overhead_p50_ms, 2)} "
+            f"| {_fmt(s.route_overhead_p99_ms, 2)} | {acc} |"
+        )
+    notes = [f"- `{run.policy}`: {run.note}" for run in section.runs if run.note]
+    return lines + (["", *notes] if notes else [])
+
+
+def _params_line(params: dict[str, object]) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in params.items())
+
+
+def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
+    """The report as markdown; `plots` maps a caption to a PNG file name beside it."""
+    out = [
+        "# Routing benchmark",
+        "",
+        f"Mode: **{report.mode}**. Started {report.started_at}. Seed `{report.seed}`.",
+        "",
+        "Reproduce with:",
+        "",
+        "```",
+        report.command,
+        "```",
+        "",
+        "## Fleet",
+        "",
+        *[f"- `{k}`: {v}" for k, v in report.fleet.items()],
+        "",
+        f"## Targets (evaluated where KV pressure >= {TARGET_PRESSURE:g})",
+        "",
+        "| workload | KV pressure | target | value | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    evaluated = False
+    for section in report.sections:
+        if section.pressure < TARGET_PRESSURE:
+            continue
+        evaluated = True
+        for t in evaluate_targets(section):
+            value = _pct(t.value) if "accuracy" in t.target else f"{_fmt(t.value, 2)}x"
+            if "oracle" in t.target and t.value is not None:
+                value = f"{_pct(t.value)} of oracle"
+            out.append(
+                f"| {t.workload} | {section.pressure:.2f} | {t.target} | {value} "
+                f"| {_verdict(t.met)} |"
+            )
+    if not evaluated:
+        out.append(f"| - | - | no section ran at KV pressure >= {TARGET_PRESSURE:g} | - | n/a |")
+    out += ["", "## Results", ""]
+    for section in report.sections:
+        out += [
+            f"### {section.workload} at KV pressure {section.pressure:.2f}",
+            "",
+            section.description + ".",
+            "",
+            f"- requests: {section.requests}, open-loop arrivals at {section.rate_rps:g} req/s, "
+            f"seed `{section.seed}`",
+            f"- working set: {section.working_set_tokens} tokens; fleet: {section.workers} workers "
+            f"x {section.capacity_tokens} tokens of KV cache",
+            f"- parameters: {_params_line(section.params)}",
+            "",
+            *_section_table(section),
+            "",
+        ]
+    if plots:
+        out += ["## Plots", ""]
+        for caption, name in plots.items():
+            out += [f"![{caption}]({name})", ""]
+    if report.notes:
+        out += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    closing = closing_note(report)
+    if closing:
+        out += ["## Closing note: missed targets, why, and what would close them", ""]
+        out += [*[f"- {c}" for c in closing], ""]
+    return "\n".join(out)
+
+
+def _mispredictions(run: PolicyRun) -> tuple[int, int, int]:
+    """(over-predicted tokens, under-predicted tokens, agreeing tokens) of a router run."""
+    over = under = agree = 0
+    for r in run.records:
+        if not r.ok or r.predicted_tokens is None:
+            continue
+        p = r.predicted_tokens + (r.pending_tokens or 0)
+        over += max(0, p - r.cached_tokens)
+        under += max(0, r.cached_tokens - p)
+        agree += min(p, r.cached_tokens)
+    return over, under, agree
+
+
+def closing_note(report: BenchReport) -> list[str]:
+    """Why each missed target was missed, from the run's own numbers, and what would close it."""
+    notes: list[str] = []
+    for section in report.sections:
+        if section.pressure < TARGET_PRESSURE:
+            continue
+        runs = {run.policy: run for run in section.runs}
+        rows = {policy: summarize(run) for policy, run in runs.items()}
+        where = f"`{section.workload}` (KV pressure {section.pressure:.2f})"
+        for t in evaluate_targets(section):
+            if t.met is not False:
+                continue
+            kv = rows["kv"]
+            if "index accuracy" in t.target:
+                over, under, agree = _mispredictions(runs["kv"])
+                notes.append(
+                    f"{where}: {t.target} missed ({_pct(t.value)}). Of the disagreeing tokens, "
+                    f"{over} were predicted but not cached at admission (evicted between routing "
+                    f"and admission, or pending entries that had not materialized) and {under} "
+                    f"were cached but not predicted (the worker cached them after routing, while "
+                    f"the request waited in its queue; events-only agreement "
+                    f"{_pct(kv.index_events_accuracy)}); {agree} agreed. Closing it: route "
+                    "with the worker's queue in view (predict what the cache will hold at "
+                    "admission), or lower the offered load so requests are admitted soon after "
+                    "routing."
+                )
+            elif "oracle" in t.target:
+                oracle = rows.get("oracle")
+                notes.append(
+                    f"{where}: {t.target} missed (kv {_pct(kv.hit_rate)} vs oracle "
+                    f"{_pct(oracle.hit_rate if oracle else None)}). The oracle follows the "
+                    "longest match whatever the load; kv weighs the saved prefill against the "
+                    "work queued on the holder and spills to another worker when the holder is "
+                    "busy, which costs hits under heavy load. Closing it: raise the policy's "
+                    "`hit_weight` (or lower `decode_weight`) so affinity wins more often, at "
+                    "some cost in balance."
+                )
+            elif "TTFT" in t.target:
+                other = rows.get("approx_tree")
+                notes.append(
+                    f"{where}: {t.target} missed (kv p90 {_fmt(kv.ttft_p90_ms)} ms vs approx_tree "
+                    f"{_fmt(other.ttft_p90_ms if other else None)} ms; hit rates "
+                    f"{_pct(kv.hit_rate)} vs {_pct(other.hit_rate if other else None)}). The "
+                    "p90 falls on requests that cannot hit at all (first turns, new groups) and "
+                    "pay the full prefill under either policy; the gap only opens when the "
+                    "baseline's extra prefill work pushes its workers into queueing. Closing "
+                    "it: a larger hit-rate gap, or a higher offered load (`--load`)."
+                )
+            else:
+                base = "approx_tree" if "approx_tree" in t.target else "round_robin"
+                other = rows.get(base)
+                oracle = rows.get("oracle")
+                notes.append(
+                    f"{where}: {t.target} missed ({_fmt(t.value, 2)}x: kv {_pct(kv.hit_rate)} vs "
+                    f"{base} {_pct(other.hit_rate if other else None)}, oracle "
+                    f"{_pct(oracle.hit_rate if oracle else None)}). When even the oracle's hit "
+                    "rate is low the caches are too small for any placement to keep the reuse "
+                    "(each prefix is evicted before its next use), so the baseline and kv "
+                    "converge; the ratio grows with more workers (a finer partition) and with "
+                    "more reuse per prefix. Closing it: see the hit-rate-vs-pressure plot for "
+                    "the pressure where the ratio holds, and weigh affinity higher in `kv`."
+                )
+    return notes
+
+
+def _plot_ttft_cdf(sections: list[WorkloadSection], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.2), squeeze=False)
+    for ax, section in zip(axes[0], sections, strict=True):
+        for run in section.runs:
+            ttft = sorted(r.ttft_s * 1000.0 for r in run.records if r.ok and r.ttft_s is not None)
+            if not ttft:
+                continue
+            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            ax.step(ttft, ys, where="post", label=run.policy)
+        ax.set_xscale("log")
+        ax.set_title(f"{section.workload} (KV pressure {section.pressure:.2f})")
+        ax.set_xlabel("TTFT (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_hit_vs_pressure(sections: list[WorkloadSection], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(s.workload for s in sections))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        points: dict[str, list[tuple[float, float]]] = {}
+        for section in sections:
+            if section.workload != name:
+                continue
+            for run in section.runs:
+                rate = summarize(run).hit_rate
+                points.setdefault(run.policy, []).append((section.pressure, rate * 100.0))
+        for policy, pts in points.items():
+            pts.sort()
+            ax.plot([p for p, _ in pts], [h for _, h in pts], marker="o", label=policy)
+        ax.axvline(TARGET_PRESSURE, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(name)
+        ax.set_xlabel("KV pressure (working set / fleet cache)")
+        ax.set_ylabel("worker-reported hit rate (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _headline_sections(sections: list[WorkloadSection]) -> list[WorkloadSection]:
+    """Per workload, the section at the highest pressure (the one targets are read from)."""
+    best: dict[str, WorkloadSection] = {}
+    for s in sections:
+        if s.workload not in best or s.pressure > best[s.workload].pressure:
+            best[s.workload] = s
+    return list(best.values())
+
+
+def write_report(report: BenchReport, out_dir: Path, stem: str = "routing") -> Path:
+    """Write `<stem>.md`, `<stem>.json` and the PNG plots into `out_dir`; return the .md path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, str] = {}
+    if report.sections:
+        cdf = f"{stem}_ttft_cdf.png"
+        _plot_ttft_cdf(_headline_sections(report.sections), out_dir / cdf)
+        plots["TTFT CDF per policy"] = cdf
+        hit = f"{stem}_hit_rate_vs_pressure.png"
+        _plot_hit_vs_pressure(report.sections, out_dir / hit)
+        plots["Hit rate vs KV pressure"] = hit
+    summary = {
+        "command": report.command,
+        "seed": report.seed,
+        "mode": report.mode,
+        "fleet": report.fleet,
+        "sections": [
+            {
+                "workload": s.workload,
+                "pressure": s.pressure,
+                "requests": s.requests,
+                "summaries": [summarize(run) for run in s.runs],
+                "targets": evaluate_targets(s) if s.pressure >= TARGET_PRESSURE else [],
+            }
+            for s in report.sections
+        ],
+    }
+    (out_dir / f"{stem}.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    md = out_dir / f"{stem}.md"
+    md.write_text(render_markdown(report, plots), encoding="utf-8")
+    return md

@@ -1,0 +1,376 @@
+"""`kvroute bench routing`: every policy against the same seeded workloads, side by side.
+
+For each workload and each KV pressure, the per-worker cache capacity is derived from the
+workload's working set (`capacity = working set / (pressure x workers)`), then every policy
+runs on a fresh fleet of that capacity (see `bench.harness`). The report (markdown, JSON and
+PNG plots) goes to `docs/benchmarks/` unless `--out` says otherwise.
+
+`--quick` is the about-a-minute version (2 workers, small workloads); the default is the full
+run the committed report comes from. `--requests N` caps every workload (the CI smoke test
+uses it to run a tiny version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import shlex
+import time
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from bench.harness import POLICIES, FleetSpec, run_policy
+from bench.report import BenchReport, PolicyRun, WorkloadSection, write_report
+from bench.workloads import (
+    MooncakeParams,
+    MultiTenantParams,
+    SharedPrefixParams,
+    Workload,
+    capacity_for_pressure,
+    kv_pressure,
+    load_trace,
+    mooncake_replay,
+    multi_tenant,
+    shared_prefix,
+    working_set_tokens,
+)
+
+__all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suite"]
+
+WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
+DEFAULT_OUT = Path("docs/benchmarks")
+
+
+class SuiteSettings(msgspec.Struct, frozen=True):
+    """Everything one routing benchmark run depends on (echoed in the report)."""
+
+    seed: int
+    quick: bool
+    workloads: tuple[str, ...]
+    policies: tuple[str, ...]
+    pressures: tuple[float, ...]
+    # offered prefill load at zero cache hits (1.0 = the fleet's prefill capacity); sets each
+    # workload's arrival rate unless `rate_rps` fixes one for all
+    load: float
+    rate_rps: float | None
+    requests: int | None
+    trace: str
+    fleet: FleetSpec
+    request_timeout_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute bench routing`."""
+    parser.add_argument("--quick", action="store_true", help="about a minute on 2 cores")
+    parser.add_argument("--seed", type=int, default=1, help="workload and policy seed")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report directory")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"
+    )
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}"
+    )
+    parser.add_argument(
+        "--pressures",
+        default=None,
+        help="comma list of KV pressures to run every workload at (default: quick 2.5, full 1,2.5)",
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=1.0,
+        help="offered prefill load with no cache hits, as a fraction of the fleet's prefill "
+        "capacity; sets each workload's arrival rate (default 1.0)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="fixed arrival rate, requests/s (overrides --load)"
+    )
+    parser.add_argument("--requests", type=int, default=None, help="cap requests per workload")
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--workers", type=int, default=None, help="reference workers per fleet")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.5)
+    parser.add_argument("--decode-ms-per-token", type=float, default=2.0)
+    parser.add_argument("--max-running-requests", type=int, default=8)
+    parser.add_argument("--time-scale", type=float, default=0.3)
+    parser.add_argument("--request-timeout", type=float, default=60.0)
+
+
+def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"--{what}: unknown {bad or 'empty list'}; choose from {allowed}")
+    return items
+
+
+def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
+    """Validate the command line into settings (defaults depend on --quick)."""
+    quick = bool(args.quick)
+    pressures_text = args.pressures or ("2.5" if quick else "1,2.5")
+    try:
+        pressures = tuple(float(p) for p in pressures_text.split(","))
+    except ValueError as exc:
+        raise SystemExit(f"--pressures: {exc}") from exc
+    if any(p <= 0 for p in pressures):
+        raise SystemExit("--pressures must be > 0")
+    fleet = FleetSpec(
+        workers=args.workers or (2 if quick else 4),
+        page_size=args.page_size,
+        capacity_tokens=args.page_size,  # replaced per section from the pressure
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        decode_ms_per_token=args.decode_ms_per_token,
+        max_running_requests=args.max_running_requests,
+        time_scale=args.time_scale,
+    )
+    return SuiteSettings(
+        seed=args.seed,
+        quick=quick,
+        workloads=_csv(args.workloads, WORKLOADS, "workloads"),
+        policies=_csv(args.policies, POLICIES, "policies"),
+        pressures=pressures,
+        load=args.load,
+        rate_rps=args.rate,
+        requests=args.requests,
+        trace=str(args.trace),
+        fleet=fleet,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def _command(settings: SuiteSettings, out: Path) -> str:
+    f = settings.fleet
+    argv = ["kvroute", "bench", "routing"]
+    if settings.quick:
+        argv.append("--quick")
+    argv += ["--seed", str(settings.seed), "--workloads", ",".join(settings.workloads)]
+    argv += ["--policies", ",".join(settings.policies)]
+    argv += ["--pressures", ",".join(f"{p:g}" for p in settings.pressures)]
+    if settings.rate_rps is not None:
+        argv += ["--rate", f"{settings.rate_rps:g}"]
+    else:
+        argv += ["--load", f"{settings.load:g}"]
+    argv += ["--workers", str(f.workers)]
+    if settings.requests is not None:
+        argv += ["--requests", str(settings.requests)]
+    if Path(settings.trace).resolve() != DEFAULT_TRACE:
+        argv += ["--trace", settings.trace]
+    argv += ["--page-size", str(f.page_size)]
+    argv += ["--prefill-ms-per-token", f"{f.prefill_ms_per_token:g}"]
+    argv += ["--decode-ms-per-token", f"{f.decode_ms_per_token:g}"]
+    argv += ["--max-running-requests", str(f.max_running_requests)]
+    argv += ["--time-scale", f"{f.time_scale:g}", "--out", str(out)]
+    return shlex.join(argv)
+
+
+def _build(name: str, settings: SuiteSettings, rate: float) -> Workload:
+    quick = settings.quick
+    if name == "multi_tenant":
+        mt = MultiTenantParams(
+            system_prompt_tokens=768, user_tokens=96, assistant_tokens=48, rate_rps=rate
+        )
+        if quick:
+            mt = MultiTenantParams(
+                tenants=8,
+                shared_prompt_tenants=3,
+                system_prompt_tokens=384,
+                conversations_per_tenant=2,
+                turns=3,
+                user_tokens=96,
+                assistant_tokens=48,
+                rate_rps=rate,
+                min_turn_gap_s=0.3,
+            )
+        workload = multi_tenant(mt, settings.seed)
+    elif name == "shared_prefix":
+        sp = SharedPrefixParams(
+            groups=80, prefix_tokens=1024, users_per_group=2, questions_per_user=2, rate_rps=rate
+        )
+        if quick:
+            sp = SharedPrefixParams(
+                groups=12, prefix_tokens=1024, users_per_group=2, questions_per_user=2,
+                rate_rps=rate,
+            )  # fmt: skip
+        workload = shared_prefix(sp, settings.seed)
+    else:
+        rows = load_trace(Path(settings.trace))
+        mc = MooncakeParams(rate_rps=rate)
+        if quick:
+            mc = MooncakeParams(rate_rps=rate, replay_block_tokens=32, max_requests=96)
+        workload = mooncake_replay(rows, mc, settings.seed)
+    if settings.requests is not None:
+        workload = msgspec.structs.replace(
+            workload, requests=workload.requests[: settings.requests]
+        )
+    return workload
+
+
+def rate_for_load(workload: Workload, fleet: FleetSpec, load: float) -> float:
+    """Arrival rate at which the workload's prompts, all uncached, would take `load` of the
+    fleet's prefill capacity (wall-clock prefill cost per token after the time scale)."""
+    mean_prompt = workload.prompt_tokens / max(1, len(workload.requests))
+    wall_s_per_token = fleet.prefill_ms_per_token * fleet.time_scale / 1000.0
+    if wall_s_per_token <= 0:
+        return 50.0
+    return load * fleet.workers / (mean_prompt * wall_s_per_token)
+
+
+def build_workloads(settings: SuiteSettings) -> list[Workload]:
+    """The chosen workloads at their mode's size and arrival rate (fixed, or from the load)."""
+    out: list[Workload] = []
+    for name in settings.workloads:
+        if settings.rate_rps is not None:
+            out.append(_build(name, settings, settings.rate_rps))
+            continue
+        # the shape does not depend on the rate: build once to measure it, then at the rate
+        probe = _build(name, settings, 1.0)
+        out.append(_build(name, settings, rate_for_load(probe, settings.fleet, settings.load)))
+    return out
+
+
+def _notes() -> list[str]:
+    notes = [
+        "Open-loop arrivals: every request leaves at its scheduled time whatever happened to "
+        "earlier ones; `multi_tenant` delays a conversation's next turn at least the think time.",
+        "Routing overhead for router policies: paired tiny probes on the idle fleet after the "
+        "workload (through the router minus direct to the same worker), i.e. the whole proxy "
+        "hop; for `oracle`, each request's `/debug/match` fan-out.",
+        "Everything (workers, router, load generator) shares one event loop on a shared 2-core "
+        "machine: absolute latencies include that contention; compare policies within a run.",
+    ]
+    if importlib.util.find_spec("sglang_router") is None:
+        notes.append(
+            "`sglang-router` (SGLang's Rust router) is not installed: its `cache_aware` external "
+            "baseline was skipped (`pip install sglang-router` to add it)."
+        )
+    else:
+        notes.append(
+            "`sglang-router` is installed but this harness does not drive it yet: external "
+            "baseline skipped."
+        )
+    return notes
+
+
+async def run_suite(settings: SuiteSettings, console: Console, command: str) -> BenchReport:
+    """Run every workload x pressure x policy and gather the report."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    workloads = build_workloads(settings)
+    sections: list[WorkloadSection] = []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        for workload in workloads:
+            page = settings.fleet.page_size
+            rate = float(workload.params["rate_rps"])  # type: ignore[arg-type]
+            working = working_set_tokens(workload.requests, page)
+            longest = max(len(r.input_ids) for r in workload.requests)
+            # room for two running prompts at once, or a worker could only run them one by one
+            output = max(r.max_new_tokens for r in workload.requests)
+            floor = 2 * (longest + output + page)
+            for asked in settings.pressures:
+                capacity = capacity_for_pressure(
+                    working, settings.fleet.workers, asked, page, floor
+                )
+                pressure = kv_pressure(working, settings.fleet.workers, capacity)
+                spec = msgspec.structs.replace(settings.fleet, capacity_tokens=capacity)
+                console.print(
+                    f"[bold]{workload.name}[/]: {len(workload.requests)} requests at "
+                    f"{rate:.1f} req/s; working set {working} tokens; fleet "
+                    f"{spec.workers} x {capacity} tokens; [bold]KV pressure {pressure:.2f}[/]"
+                    + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
+                )
+                runs: list[PolicyRun] = []
+                for policy in settings.policies:
+                    task = progress.add_task(
+                        f"{workload.name} p={pressure:.2f} {policy:<12}",
+                        total=len(workload.requests),
+                    )
+
+                    def advance(_: object, task: TaskID = task) -> None:
+                        progress.advance(task)
+
+                    try:
+                        run = await run_policy(
+                            policy, workload, spec, settings.seed, advance,
+                            settings.request_timeout_s,
+                        )  # fmt: skip
+                    except Exception as exc:  # a policy that cannot run is reported, not fatal
+                        run = PolicyRun(
+                            policy=policy,
+                            records=[],
+                            wall_s=0.0,
+                            note=f"did not run: {type(exc).__name__}: {exc}",
+                        )
+                    progress.stop_task(task)
+                    runs.append(run)
+                sections.append(
+                    WorkloadSection(
+                        workload=workload.name,
+                        description=workload.description,
+                        seed=workload.seed,
+                        params=workload.params,
+                        requests=len(workload.requests),
+                        rate_rps=rate,
+                        working_set_tokens=working,
+                        capacity_tokens=capacity,
+                        workers=spec.workers,
+                        pressure=pressure,
+                        runs=runs,
+                    )
+                )
+    fleet = msgspec.structs.asdict(settings.fleet)
+    fleet["capacity_tokens"] = "per section (from the KV pressure), see below"
+    fleet["worker"] = "in-process reference workers (`workers.worker.ReferenceWorker`)"
+    fleet["requests"] = "streaming SGLang `/generate` with `input_ids` and `cache_salt`"
+    fleet["offered_load"] = (
+        f"fixed rate {settings.rate_rps:g} req/s"
+        if settings.rate_rps is not None
+        else f"{settings.load:g} x the fleet's prefill capacity with no cache hits "
+        "(sets each workload's arrival rate)"
+    )
+    return BenchReport(
+        command=command,
+        seed=settings.seed,
+        mode="quick" if settings.quick else "full",
+        started_at=started,
+        fleet=fleet,
+        sections=sections,
+        notes=_notes(),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite, write the report, print where it is."""
+    settings = settings_from_args(args)
+    console = Console(stderr=True)
+    out: Path = args.out
+    command = _command(settings, out)
+    console.print(f"[dim]{command}[/]")
+    report = asyncio.run(run_suite(settings, console, command))
+    path = write_report(report, out)
+    failed = [
+        f"{s.workload}/{r.policy}"
+        for s in report.sections
+        for r in s.runs
+        if not r.records or not all(rec.ok for rec in r.records)
+    ]
+    console.print(f"report: {path}")
+    if failed:
+        console.print(f"[yellow]incomplete runs: {', '.join(failed)}[/]")
+    return 0

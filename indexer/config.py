@@ -1,0 +1,33 @@
+"""Configuration of the indexer service and of each subscribed stream (frozen, validated)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+__all__ = ["IndexerConfig", "StreamConfig"]
+
+
+class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One (worker, dp rank) KV-event stream to subscribe to."""
+
+    endpoint: str  # "tcp://127.0.0.1:5557", the PUB of this (worker, dp rank)
+    replay_endpoint: str | None = None  # ROUTER replay socket, or None (gaps then clear the stream)
+    topic: str = ""  # subscription PREFIX (never compared for equality)
+    block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None  # None: learned from the wire
+    engine: Literal["sglang", "vllm"] = "sglang"
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    model: str = ""
+
+
+class IndexerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Tuning of the indexer service; every field has a working default."""
+
+    pending_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    stale_after_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    replay_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    rcv_hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000  # SUB queue; overflow shows as gaps
+    log_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # per stream and kind of problem
+    yield_every: Annotated[int, msgspec.Meta(gt=0)] = 64  # messages before yielding the loop
+    restart_backoff_max_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0

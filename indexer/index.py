@@ -1,0 +1,761 @@
+"""The namespaced prefix index: which stream holds which block of which namespace.
+
+Pure and synchronous (no asyncio, no zmq): one writer, the subscriber, applies decoded batches;
+readers query between mutations, so there are no locks.
+
+Data layout, chosen for Python speed and memory (see docs/benchmarks/index.md):
+- `_table`: one dict, block key -> `(stream bits << CODE_BITS) | ns_code(namespace id)`. Every
+  stream has a slot (a bit); a key's value says which streams hold it and which namespace it
+  belongs to. A query (`indexer.walk`) ANDs the values of its blocks in C: the code of
+  id x is `x | ~x << 24`, so the AND of two different codes never equals either of them, and an
+  entry of another namespace ends every match right there (isolation is structural, not a
+  matter of hash odds).
+- per stream, `blocks`: engine hash -> block key (the same int object as the table key). Engine
+  hashes are opaque ids, used only to resolve `parent_block_hash` and `BlockRemoved`.
+- rare cases live in small side dicts so the common entry costs two dict slots: extra reference
+  counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`), entries in a
+  non-default medium (`media` + per-tier tables), partial trailing pages (`partial`).
+
+Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
+the first block of a request (`["salt"]`, or `[lora_name, salt]`) and children inherit their
+parent's namespace. A block whose parent is unknown is not indexed (fail closed) and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat
+from operator import and_
+from typing import Literal, cast
+
+import msgspec
+
+from indexer.namespace import (
+    Namespace,
+    chain_keys,
+    namespace_seed,
+    partial_key,
+)
+from indexer.pending import PendingTable
+from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from indexer.walk import CODE_BITS, CODE_MASK, NS_BITS, NS_MASK, ns_code, walk_prefix
+
+__all__ = [
+    "CODE_BITS",
+    "CODE_MASK",
+    "DEFAULT_MEDIUM",
+    "NS_BITS",
+    "NS_MASK",
+    "ApplyOutcome",
+    "Engine",
+    "NamespaceSize",
+    "PrefixIndex",
+    "PrefixMatch",
+    "StreamCounters",
+    "StreamMatch",
+    "ns_code",
+]
+
+Engine = Literal["sglang", "vllm"]
+
+DEFAULT_MEDIUM = "GPU"
+
+_INTERN_LIMIT = 1 << 16  # distinct table values shared as one int object each
+
+
+class StreamCounters(msgspec.Struct):
+    """What the index did with one stream's events, cumulative."""
+
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    unknown_parents: int = 0
+    unknown_removes: int = 0
+    block_size_mismatches: int = 0
+    skipped_events: int = 0
+    clears: int = 0
+
+
+class ApplyOutcome(msgspec.Struct, gc=False):
+    """What one batch did (the subscriber logs mismatches from it)."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: bool = False
+    unknown_parents: int = 0
+    block_size_mismatches: int = 0
+    skipped: int = 0
+
+
+class StreamMatch(msgspec.Struct, gc=False):
+    """Leading blocks of a request that one stream holds."""
+
+    blocks: int
+    pending_blocks: int  # extra leading blocks covered only by pending entries
+    block_size: int | None
+    by_medium: dict[str, int]
+
+
+class PrefixMatch(msgspec.Struct, gc=False):
+    """Per-stream results of one query, listing only streams with something to report."""
+
+    blocks: dict[str, int]  # stream -> leading blocks held (real events)
+    pending_blocks: dict[str, int]  # stream -> extra leading blocks covered only by pending
+    by_medium: dict[str, dict[str, int]]  # stream -> tier -> blocks, when not all default tier
+
+
+class NamespaceSize(msgspec.Struct):
+    """Size of one namespace: unique blocks, their tokens, and blocks per holding stream."""
+
+    namespace: Namespace
+    blocks: int
+    tokens: int
+    holders: dict[str, int]
+
+
+class _Stream:
+    """Everything the index knows about one (worker, dp rank) stream."""
+
+    __slots__ = (
+        "bit",
+        "block_size",
+        "blocks",
+        "counters",
+        "dup_keys",
+        "engine",
+        "last_seq",
+        "media",
+        "model",
+        "ns_cache",
+        "ns_counts",
+        "partial",
+        "refs",
+        "sbit",
+        "slot",
+    )
+
+    def __init__(self, slot: int, model: str, engine: Engine, block_size: int | None) -> None:
+        self.slot = slot
+        self.bit = 1 << slot
+        self.sbit = 1 << (slot + CODE_BITS)
+        self.model = model
+        self.engine: Engine = engine
+        self.block_size = block_size
+        self.last_seq: int | None = None
+        self.counters = StreamCounters()
+        self.blocks: dict[BlockHash, int] = {}
+        self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1
+        self.dup_keys: dict[int, int] = {}  # key -> extra engine hashes of this stream on it
+        self.media: dict[BlockHash, str] = {}  # engine hash -> medium, only when not default
+        self.partial: dict[BlockHash, tuple[int, int]] = {}  # engine hash -> (key, ns id)
+        self.ns_counts: dict[int, int] = {}  # ns id -> indexed blocks of this stream
+        # (lora, salt) -> ns id, so steady traffic builds no Namespace per event
+        self.ns_cache: dict[tuple[str | None, str | None], int] = {}
+
+
+def _vllm_salt(extra_keys: list[list[object] | None] | None, lora_name: str | None) -> str | None:
+    """vLLM's cache_salt: the last string of the first block's extra keys, after the LoRA name."""
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list) or not first:
+        return None
+    items = first[1:] if lora_name is not None and first[0] == lora_name else first
+    last = items[-1] if items else None
+    return last if isinstance(last, str) and last else None
+
+
+class PrefixIndex:
+    """Per-namespace prefix index over many streams; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pending_ttl_s: float = 2.0,
+        default_medium: str = DEFAULT_MEDIUM,
+    ) -> None:
+        self.clock = clock
+        self.default_medium = default_medium
+        self._table: dict[int, int] = {}
+        self._tiers: dict[str, dict[int, int]] = {}  # medium -> key -> stream bits (unshifted)
+        self._streams: dict[str, _Stream] = {}
+        self._by_slot: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
+        self._ns_ids: dict[Namespace, int] = {}
+        self._ns: list[Namespace | None] = [None]  # id 0 is never used: 0 means "no namespace"
+        self._ns_blocks: list[int] = [0]
+        self._ns_tokens: list[int] = [0]
+        self._seeds: dict[tuple[int, int], int] = {}
+        self._values: dict[int, int] = {}
+        self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, fill=CODE_MASK)
+
+    # ---------------------------------------------------------------- streams
+
+    def add_stream(
+        self,
+        stream: str,
+        *,
+        model: str = "",
+        engine: Engine = "sglang",
+        block_size: int | None = None,
+    ) -> None:
+        """Register a stream (idempotent: an existing stream keeps its entries)."""
+        st = self._streams.get(stream)
+        if st is not None:
+            if (st.model, st.engine) != (model, engine):
+                st.model = model
+                st.engine = engine
+                st.ns_cache.clear()
+            if block_size is not None and st.block_size is None:
+                self._set_block_size(st, block_size)
+            return
+        slot = min(self._free_slots) if self._free_slots else len(self._streams)
+        if self._free_slots:
+            self._free_slots.remove(slot)
+        st = _Stream(slot, model, engine, None)
+        self._streams[stream] = st
+        self._by_slot[slot] = stream
+        if block_size is not None:
+            self._set_block_size(st, block_size)
+
+    def _set_block_size(self, st: _Stream, block_size: int) -> None:
+        st.block_size = block_size
+        bit = 1 << st.slot
+        self._by_block_size[block_size] = self._by_block_size.get(block_size, 0) | bit
+
+    def drop_stream(self, stream: str) -> int:
+        """Forget a stream and all its entries; returns how many entries were dropped."""
+        st = self._streams.get(stream)
+        if st is None:
+            return 0
+        dropped = self.clear_stream(stream, count=False)
+        self.pending.discard_slot(st.slot)
+        if st.block_size is not None:
+            rest = self._by_block_size.get(st.block_size, 0) & ~(1 << st.slot)
+            if rest:
+                self._by_block_size[st.block_size] = rest
+            else:
+                self._by_block_size.pop(st.block_size, None)
+        del self._streams[stream]
+        del self._by_slot[st.slot]
+        self._free_slots.append(st.slot)
+        return dropped
+
+    def clear_stream(self, stream: str, *, count: bool = True) -> int:
+        """Drop exactly one stream's entries (AllBlocksCleared, restart, lost gap)."""
+        st = self._streams.get(stream)
+        if st is None:
+            return 0
+        dropped = len(st.blocks) + len(st.partial)
+        for h, key in st.blocks.items():
+            self._unlink(st, h, key)
+        st.blocks.clear()
+        st.refs.clear()
+        st.media.clear()
+        st.partial.clear()
+        st.ns_counts.clear()
+        if count:
+            st.counters.clears += 1
+        return dropped
+
+    def streams(self) -> list[str]:
+        """Ids of every registered stream."""
+        return list(self._streams)
+
+    def has_stream(self, stream: str) -> bool:
+        """Whether `stream` is registered."""
+        return stream in self._streams
+
+    def block_size(self, stream: str) -> int | None:
+        """The stream's block size (configured or learned), None while unknown."""
+        return self._streams[stream].block_size
+
+    def entries(self, stream: str) -> int:
+        """Blocks the stream holds now (partial pages included)."""
+        st = self._streams[stream]
+        return len(st.blocks) + len(st.partial)
+
+    def counters(self, stream: str) -> StreamCounters:
+        """The stream's cumulative counters (a live object: read, do not keep)."""
+        return self._streams[stream].counters
+
+    def last_seq(self, stream: str) -> int | None:
+        """Seq of the last batch applied to this stream (None when unknown)."""
+        return self._streams[stream].last_seq
+
+    def set_last_seq(self, stream: str, seq: int | None) -> None:
+        """Record the seq the stream's state corresponds to (snapshots carry it)."""
+        self._streams[stream].last_seq = seq
+
+    def __len__(self) -> int:
+        return sum(len(st.blocks) + len(st.partial) for st in self._streams.values())
+
+    # ------------------------------------------------------------- namespaces
+
+    def _intern(self, namespace: Namespace) -> int:
+        ns_id = self._ns_ids.get(namespace)
+        if ns_id is None:
+            ns_id = len(self._ns)
+            if ns_id > NS_MASK:
+                raise OverflowError("more than 16M namespaces in one index")
+            self._ns_ids[namespace] = ns_id
+            self._ns.append(namespace)
+            self._ns_blocks.append(0)
+            self._ns_tokens.append(0)
+        return ns_id
+
+    def _seed(self, ns_id: int, block_size: int) -> int:
+        seed = self._seeds.get((ns_id, block_size))
+        if seed is None:
+            namespace = self._ns[ns_id]
+            assert namespace is not None
+            seed = namespace_seed(namespace, block_size)
+            if len(self._seeds) >= _INTERN_LIMIT:
+                self._seeds.clear()  # bounded: a miss only recomputes one BLAKE2b
+            self._seeds[(ns_id, block_size)] = seed
+        return seed
+
+    def _event_namespace(self, st: _Stream, ev: Stored, parent_key: int | None) -> int:
+        lora = ev.lora_name if ev.lora_name else None
+        if lora is None and ev.lora_id is not None and ev.lora_id != 0:
+            lora = str(ev.lora_id)
+        salt = ev.cache_salt or None
+        if salt is None and (st.engine == "vllm" or ev.extra_keys is not None):
+            if parent_key is not None:
+                # vLLM children inherit their parent's namespace
+                inherited = self._table.get(parent_key, 0) & NS_MASK
+                if inherited:
+                    return inherited
+            salt = _vllm_salt(ev.extra_keys, ev.lora_name)
+        cache = st.ns_cache
+        ns_id = cache.get((lora, salt))
+        if ns_id is None:
+            ns_id = self._intern(Namespace(st.model, lora, salt))
+            if len(cache) >= 4096:
+                cache.clear()  # bounded: a miss only costs building the Namespace again
+            cache[(lora, salt)] = ns_id
+        return ns_id
+
+    def namespaces(self) -> list[NamespaceSize]:
+        """Every namespace that holds blocks, with sizes and per-stream holders."""
+        holders: dict[int, dict[str, int]] = {}
+        for stream, st in self._streams.items():
+            for ns_id, n in st.ns_counts.items():
+                if n:
+                    holders.setdefault(ns_id, {})[stream] = n
+        out = []
+        for ns_id, namespace in enumerate(self._ns):
+            if namespace is None or not self._ns_blocks[ns_id]:
+                continue
+            out.append(
+                NamespaceSize(
+                    namespace=namespace,
+                    blocks=self._ns_blocks[ns_id],
+                    tokens=self._ns_tokens[ns_id],
+                    holders=holders.get(ns_id, {}),
+                )
+            )
+        return out
+
+    def evict_namespace(self, namespace: Namespace) -> int:
+        """Drop every entry of one namespace from every stream; returns entries dropped."""
+        ns_id = self._ns_ids.get(namespace)
+        if ns_id is None:
+            return 0
+        self.pending.discard_namespace(ns_id)
+        keys = {k for k, v in self._table.items() if v & NS_MASK == ns_id}
+        dropped = 0
+        for st in self._streams.values():
+            doomed = [h for h, k in st.blocks.items() if k in keys]
+            for h in doomed:
+                key = st.blocks.pop(h)
+                st.refs.pop(h, None)
+                self._unlink(st, h, key)
+            lost = [h for h, (_, pns) in st.partial.items() if pns == ns_id]
+            for h in lost:
+                del st.partial[h]
+                st.refs.pop(h, None)
+            dropped += len(doomed) + len(lost)
+        return dropped
+
+    # --------------------------------------------------------------- applying
+
+    def apply(self, stream: str, batch: EventBatch, seq: int | None = None) -> ApplyOutcome:
+        """Apply one decoded batch to `stream` (registered first if needed)."""
+        st = self._streams.get(stream)
+        if st is None:
+            self.add_stream(stream)
+            st = self._streams[stream]
+        outcome = ApplyOutcome(skipped=batch.skipped)
+        for ev in batch.events:
+            if type(ev) is Stored:
+                self._store(st, ev, outcome)
+            elif type(ev) is Removed:
+                self._remove(st, ev, outcome)
+            elif type(ev) is Cleared:
+                self.clear_stream(stream)
+                outcome.cleared = True
+            else:
+                outcome.skipped += 1
+        c = st.counters
+        c.blocks_stored += outcome.stored
+        c.blocks_removed += outcome.removed
+        c.unknown_parents += outcome.unknown_parents
+        c.block_size_mismatches += outcome.block_size_mismatches
+        c.skipped_events += outcome.skipped
+        if seq is not None:
+            st.last_seq = seq
+        return outcome
+
+    def _store(self, st: _Stream, ev: Stored, outcome: ApplyOutcome) -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        page = ev.block_size
+        tokens = ev.token_ids
+        if n == 0 or page <= 0:
+            outcome.skipped += 1
+            return
+        if st.block_size is None:
+            self._set_block_size(st, page)
+        block_size = st.block_size
+        assert block_size is not None
+        partial = False
+        if page != block_size or len(tokens) != n * page:
+            if n == 1 and page < block_size and len(tokens) == page:
+                partial = True  # SGLang's trailing partial page: kept, never matchable
+            else:
+                outcome.block_size_mismatches += 1
+                return
+        parent = ev.parent
+        prev: int | None = None
+        if parent is not None:
+            prev = st.blocks.get(parent)
+            if prev is None:
+                held = st.partial.get(parent)
+                if held is None:
+                    outcome.unknown_parents += 1
+                    return
+                # below a partial page nothing can match a full request block either
+                self._store_partial(st, ev, held[0], held[1], outcome)
+                return
+        ns_id = None
+        if ev.extra_keys is None and ev.lora_id is None and st.engine == "sglang":
+            # steady SGLang traffic: the namespace is (lora_name, cache_salt), already seen
+            ns_id = st.ns_cache.get((ev.lora_name or None, ev.cache_salt or None))
+        if ns_id is None:
+            ns_id = self._event_namespace(st, ev, prev)
+        if prev is None:
+            prev = self._seed(ns_id, block_size)
+        if partial:
+            self._store_partial(st, ev, prev, ns_id, outcome)
+            return
+        keys = chain_keys(prev, tokens, block_size)
+        medium = ev.medium if ev.medium is not None else self.default_medium
+        code = ns_code(ns_id)
+        blocks = st.blocks
+        pending = self.pending.bits
+        if medium == self.default_medium and (not pending or pending.keys().isdisjoint(keys)):
+            before = len(blocks)
+            if blocks.keys().isdisjoint(hashes) and (
+                not st.partial or st.partial.keys().isdisjoint(hashes)
+            ):
+                # the common case, in C: new hashes on this stream, mostly new keys
+                table = self._table
+                values = [] if table.keys().isdisjoint(keys) else list(map(table.get, keys))
+                blocks.update(zip(hashes, keys, strict=True))
+                if len(blocks) - before == n:
+                    self._link(st, hashes, keys, values, code, ns_id, block_size)
+                    outcome.stored += n
+                    return
+                for h in hashes:  # one hash twice in one event: undo, take the careful path
+                    blocks.pop(h, None)
+        self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
+        outcome.stored += n
+
+    def _link(
+        self,
+        st: _Stream,
+        hashes: list[BlockHash],
+        keys: list[int],
+        values: list[int | None],
+        code: int,
+        ns_id: int,
+        block_size: int,
+    ) -> None:
+        """Set the stream's bit on `keys` (already in its map; `values` as read before)."""
+        table = self._table
+        single = self._shared(st.sbit | code)
+        n = len(keys)
+        if not values or values.count(None) == n:
+            table.update(zip(keys, repeat(single)))
+            new_unique = added = n
+        else:
+            new_unique = 0
+            added = n
+            sbit = st.sbit
+            for h, key, v in zip(hashes, keys, values, strict=True):
+                if v is None:
+                    table[key] = single
+                    new_unique += 1
+                elif v & CODE_MASK != code:
+                    # a key collision across namespaces: keep it out of the table
+                    del st.blocks[h]
+                    st.partial[h] = (key, ns_id)
+                    added -= 1
+                elif v & sbit:
+                    st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
+                else:
+                    table[key] = self._shared(v | sbit)
+        self._ns_blocks[ns_id] += new_unique
+        self._ns_tokens[ns_id] += new_unique * block_size
+        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + added
+
+    def _store_slow(
+        self,
+        st: _Stream,
+        hashes: list[BlockHash],
+        keys: list[int],
+        medium: str,
+        code: int,
+        ns_id: int,
+        block_size: int,
+    ) -> None:
+        """Block by block: repeated hashes, pending entries to replace, non-default media."""
+        tiered = medium != self.default_medium
+        blocks = st.blocks
+        table = self._table
+        sbit = st.sbit
+        single = self._shared(sbit | code)
+        pending = self.pending.bits
+        ns_counts = st.ns_counts
+        for h, key in zip(hashes, keys, strict=True):
+            # counts move block by block here: a later block of this very event may undo one
+            if st.partial and st.partial.pop(h, None) is not None:
+                st.refs.pop(h, None)  # a partial page's hash now names a full page
+            old = blocks.get(h)
+            if old is not None:
+                if old == key:
+                    st.refs[h] = st.refs.get(h, 1) + 1
+                    continue
+                # the engine reused a hash for other content: the old mapping is gone
+                self._drop_hash(st, h, old)
+            v = table.get(key)
+            if v is None:
+                table[key] = single
+                self._ns_blocks[ns_id] += 1
+                self._ns_tokens[ns_id] += block_size
+            elif v & CODE_MASK != code:
+                # a key collision across namespaces: keep it out of the table (never matches)
+                st.partial[h] = (key, ns_id)
+                continue
+            elif v & sbit:
+                st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
+            else:
+                table[key] = self._shared(v | sbit)
+            blocks[h] = key
+            ns_counts[ns_id] = ns_counts.get(ns_id, 0) + 1
+            if pending and pending.get(key, 0) & sbit:
+                self.pending.discard(key, st.slot)
+            if tiered:
+                st.media[h] = medium
+                tier = self._tiers.setdefault(medium, {})
+                tier[key] = tier.get(key, 0) | st.bit
+
+    def _shared(self, value: int) -> int:
+        """One shared int object per distinct table value (most keys have few holder sets)."""
+        shared = self._values.get(value)
+        if shared is None:
+            if len(self._values) >= _INTERN_LIMIT:
+                self._values.clear()  # bounded: only sharing is lost, never correctness
+            self._values[value] = shared = value
+        return shared
+
+    def _store_partial(
+        self, st: _Stream, ev: Stored, prev: int, ns_id: int, outcome: ApplyOutcome
+    ) -> None:
+        page = ev.block_size
+        tokens = ev.token_ids
+        for i, h in enumerate(ev.block_hashes):
+            prev = partial_key(prev, tokens[i * page : (i + 1) * page])
+            if h in st.partial or h in st.blocks:
+                st.refs[h] = st.refs.get(h, 1) + 1
+                continue
+            st.partial[h] = (prev, ns_id)
+        outcome.stored += len(ev.block_hashes)
+
+    def _remove(self, st: _Stream, ev: Removed, outcome: ApplyOutcome) -> None:
+        if st.refs or st.media or st.dup_keys:
+            self._remove_slow(st, ev, outcome)
+            return
+        hashes = ev.block_hashes
+        blocks = st.blocks
+        popped = list(map(blocks.pop, hashes, repeat(None)))
+        if None in popped:
+            # unknown hashes or partial pages among them: undo and go block by block
+            for h, old in zip(hashes, popped, strict=True):
+                if old is not None:
+                    blocks[h] = old
+            self._remove_slow(st, ev, outcome)
+            return
+        keys = cast(list[int], popped)
+        # the common case, in C: every hash known, one namespace, only this stream's bit
+        table = self._table
+        values = list(map(table.__getitem__, keys))
+        rests = list(map(and_, values, repeat(~st.sbit)))
+        namespaces = set(map(and_, values, repeat(NS_MASK)))
+        n = len(keys)
+        if len(namespaces) == 1 and n and not max(rests) >> CODE_BITS:
+            ns_id = namespaces.pop()
+            for key in keys:
+                del table[key]
+            st.ns_counts[ns_id] -= n
+            self._ns_blocks[ns_id] -= n
+            self._ns_tokens[ns_id] -= n * (st.block_size or 0)
+        else:
+            for key, v, rest in zip(keys, values, rests, strict=True):
+                ns_id = v & NS_MASK
+                st.ns_counts[ns_id] -= 1
+                if rest >> CODE_BITS:
+                    table[key] = self._shared(rest)
+                else:
+                    del table[key]
+                    self._ns_blocks[ns_id] -= 1
+                    self._ns_tokens[ns_id] -= st.block_size or 0
+        outcome.removed += n
+
+    def _remove_slow(self, st: _Stream, ev: Removed, outcome: ApplyOutcome) -> None:
+        blocks = st.blocks
+        refs = st.refs
+        for h in ev.block_hashes:
+            if refs:
+                r = refs.get(h)
+                if r is not None:
+                    if r > 2:
+                        refs[h] = r - 1
+                    else:
+                        del refs[h]
+                    outcome.removed += 1
+                    continue
+            key = blocks.pop(h, None)
+            if key is None:
+                if st.partial.pop(h, None) is None:
+                    st.counters.unknown_removes += 1
+                else:
+                    outcome.removed += 1
+                continue
+            self._unlink(st, h, key)
+            outcome.removed += 1
+
+    def _drop_hash(self, st: _Stream, h: BlockHash, key: int) -> None:
+        del st.blocks[h]
+        st.refs.pop(h, None)
+        self._unlink(st, h, key)
+
+    def _unlink(self, st: _Stream, h: BlockHash, key: int) -> None:
+        """Take stream `st`'s hold of `key` (via engine hash `h`) out of the tables."""
+        v = self._table[key]
+        ns_id = v & NS_MASK
+        st.ns_counts[ns_id] -= 1
+        # another engine hash of this stream may still hold the same key (rare)
+        still = False
+        if st.dup_keys:
+            extra = st.dup_keys.get(key)
+            if extra is not None:
+                still = True
+                if extra > 1:
+                    st.dup_keys[key] = extra - 1
+                else:
+                    del st.dup_keys[key]
+        if st.media:
+            medium = st.media.pop(h, None)
+            if medium is not None and not (
+                still and any(m == medium and st.blocks.get(o) == key for o, m in st.media.items())
+            ):
+                tier = self._tiers.get(medium)
+                if tier is not None:
+                    rest = tier.get(key, 0) & ~st.bit
+                    if rest:
+                        tier[key] = rest
+                    else:
+                        tier.pop(key, None)
+                        if not tier:
+                            del self._tiers[medium]
+        if still:
+            return
+        v &= ~st.sbit
+        if v >> CODE_BITS:
+            self._table[key] = self._shared(v)
+        else:
+            del self._table[key]
+            self._ns_blocks[ns_id] -= 1
+            self._ns_tokens[ns_id] -= st.block_size or 0
+
+    # ---------------------------------------------------------------- queries
+
+    def add_pending(self, stream: str, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """Mark a routed request's full blocks as pending on `stream`; returns blocks marked."""
+        st = self._streams.get(stream)
+        if st is None or st.block_size is None:
+            return 0
+        self.pending.expire()
+        ns_id = self._intern(namespace)
+        keys = chain_keys(self._seed(ns_id, st.block_size), tokens, st.block_size)
+        table = self._table
+        sbit = st.sbit
+        fresh = [k for k in keys if not table.get(k, 0) & sbit]
+        return self.pending.add(fresh, st.slot, ns_id)
+
+    def match(self, namespace: Namespace, tokens: Sequence[Hashable]) -> PrefixMatch:
+        """Leading full blocks of `tokens` held in `namespace`, only for streams holding some.
+
+        The router's hot path: nothing is allocated per stream that matches nothing.
+        """
+        self.pending.expire()
+        out = PrefixMatch({}, {}, {})
+        ns_id = self._ns_ids.get(namespace)
+        if ns_id is None:
+            return out
+        by_slot = self._by_slot
+        for block_size, bits in self._by_block_size.items():
+            real, extra, tiers = walk_prefix(
+                self._table,
+                self.pending.bits,
+                self._tiers,
+                self._seed(ns_id, block_size),
+                ns_code(ns_id),
+                bits,
+                tokens,
+                block_size,
+            )
+            for slot, depth in real.items():
+                if depth:
+                    out.blocks[by_slot[slot]] = depth
+            for slot, depth in extra.items():
+                more = depth - real.get(slot, 0)
+                if more > 0:
+                    out.pending_blocks[by_slot[slot]] = more
+            for medium, counts in tiers.items():
+                for slot, n in counts.items():
+                    stream = by_slot[slot]
+                    tiered = out.by_medium.setdefault(stream, {})
+                    tiered[medium] = n
+                    left = out.blocks[stream] - sum(tiered.values())
+                    tiered.pop(self.default_medium, None)
+                    if left:
+                        tiered[self.default_medium] = left
+        return out
+
+    def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, StreamMatch]:
+        """For every stream, the leading full blocks of `tokens` it holds in `namespace`."""
+        found = self.match(namespace, tokens)
+        result = {}
+        for stream, st in self._streams.items():
+            blocks = found.blocks.get(stream, 0)
+            by_medium = found.by_medium.get(stream)
+            if by_medium is None:
+                by_medium = {self.default_medium: blocks} if blocks else {}
+            pending = found.pending_blocks.get(stream, 0)
+            result[stream] = StreamMatch(blocks, pending, st.block_size, by_medium)
+        return result

@@ -1,0 +1,95 @@
+"""Cache namespaces and the router's own block keys.
+
+A namespace is (model, lora, cache_salt): two requests share cached KV only inside one. Block
+keys are a chain over (namespace seed, block tokens), computed the same way from the
+`token_ids` of a `BlockStored` and from a request's tokens, so matching never depends on
+reproducing any engine's hash.
+
+Key scheme (stable across processes and runs, documented because snapshots persist it):
+
+    seed  = BLAKE2b-64(msgpack([model, lora, salt, block_size])) as a signed big-endian int
+    key_0 = seed
+    key_i = hash((key_{i-1}, tuple(block_i_tokens)))
+
+CPython's `hash` of ints and of tuples of ints is NOT salted by PYTHONHASHSEED (only str and
+bytes are): ints hash to themselves modulo 2**61 - 1 and tuples use the xxHash-derived mix
+unchanged since CPython 3.8, so keys are identical in every 64-bit CPython >= 3.8 process. It is
+the fastest stable mix reachable from Python (a block costs one C-level tuple hash, ~0.2 us for
+16 tokens; BLAKE2b per block was 5-8x slower). Snapshots carry `HASH_PROBE` so a runtime with
+another mix refuses them instead of silently mismatching.
+
+Collision odds: chain states are ~61-bit (int hashes are reduced modulo 2**61 - 1), so a request
+block falsely matching one of N unrelated keys of its namespace has probability about
+N / 2**61 (~1e-12 for N = 2 million). The mix is not cryptographic; a collision can only cost a
+routing decision (a worker isolates its own cache by salt), and cross-namespace matches are
+excluded structurally by the index (every entry carries its namespace id), not by odds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Iterator, Sequence
+
+import msgspec
+
+__all__ = [
+    "HASH_PROBE",
+    "Namespace",
+    "block_tuples",
+    "chain_keys",
+    "namespace_seed",
+    "partial_key",
+    "request_keys",
+]
+
+
+class Namespace(msgspec.Struct, frozen=True):
+    """A cache namespace: KV computed in one is never reused in another."""
+
+    model: str = ""  # the worker's served model name as configured for its stream
+    lora: str | None = None  # lora_name (or str(lora_id) when only an id is on the wire)
+    cache_salt: str | None = None  # "" is normalized to None
+
+    def __post_init__(self) -> None:
+        # Struct is frozen; normalizing "" here keeps ("m", None, "") and ("m", None, None) equal.
+        if self.cache_salt == "":
+            msgspec.structs.force_setattr(self, "cache_salt", None)
+        if self.lora == "":
+            msgspec.structs.force_setattr(self, "lora", None)
+
+
+_seed_encoder = msgspec.msgpack.Encoder()
+
+
+def namespace_seed(namespace: Namespace, block_size: int) -> int:
+    """The chain's starting value for one namespace and block size."""
+    packed = _seed_encoder.encode(
+        [namespace.model, namespace.lora, namespace.cache_salt, block_size]
+    )
+    digest = hashlib.blake2b(packed, digest_size=8, person=b"kvroute-ns-v1").digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[Hashable, ...]]:
+    """Lazy tuple of every FULL block of `tokens` (a trailing partial block is dropped)."""
+    # zip over one shared iterator builds the block tuples in C
+    return zip(*[iter(tokens)] * block_size, strict=False)
+
+
+def chain_keys(prev: int, tokens: Sequence[Hashable], block_size: int) -> list[int]:
+    """Keys of the full blocks of `tokens` chained after key `prev` (or a namespace seed)."""
+    return [prev := hash((prev, block)) for block in block_tuples(tokens, block_size)]
+
+
+def request_keys(namespace: Namespace, tokens: Sequence[Hashable], block_size: int) -> list[int]:
+    """Keys of a request's full blocks in `namespace`: what the index is queried with."""
+    return chain_keys(namespace_seed(namespace, block_size), tokens, block_size)
+
+
+def partial_key(prev: int, tokens: Sequence[Hashable]) -> int:
+    """Key of a trailing partial page; never equal to a full block's key except by collision."""
+    return hash((prev, tuple(tokens), len(tokens)))
+
+
+# Probe value recorded in snapshots: equal only where `hash` mixes exactly as when they were made.
+HASH_PROBE = chain_keys(namespace_seed(Namespace("probe"), 4), list(range(1, 17)), 4)[-1]

@@ -1,0 +1,571 @@
+"""The recording file format: raw KV-event messages with receive times, appendable and crash-safe.
+
+A recording is what `kvroute record` captured: every message a subscriber accepted, live or
+replayed, with its exact payload bytes (malformed ones included), so an offline replay sees
+precisely what the live router saw. Pure file I/O: no zmq, no asyncio.
+
+Layout (all integers little-endian; `docs/recording.md` has the full description)::
+
+    magic  b"\\x89KVREC\\r\\n"                                  8 bytes, once
+    frame  sync b"KVR\\xfe" | kind u8 | flags u8 | reserved u16 |
+           length u32 | count u32 | first_record u64 | time f64 | crc32 u32   36 bytes
+           body (length bytes)
+
+The first frame is the header (`H`); then `R` (one record), `Z` (a zlib chunk of records) and
+`S` (sources added when a later session appends) frames. The CRC covers the frame header after
+the sync word and the body, so a torn or damaged frame is detected and reading stops right before
+it. Every frame says its receive time and absolute record number, and receive times never
+decrease inside a file, so a reader bisects by time over file offsets (re-synchronising on the
+sync word) without an index. Each uncompressed record is written with one `write` call, so a
+crash of the recorder loses at most the record being written.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, Literal, Self
+
+import msgspec
+
+from indexer.errors import IndexerError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Damage",
+    "Positioned",
+    "Record",
+    "RecordingError",
+    "RecordingHeader",
+    "RecordingReader",
+    "RecordingWriter",
+    "Source",
+]
+
+FORMAT_VERSION = 1
+MAGIC = b"\x89KVREC\r\n"
+_SYNC = b"KVR\xfe"
+# sync, kind, flags, reserved, length, count, first_record, time, crc
+_FRAME = struct.Struct("<4sBBHIIQdI")
+_CRC_SPAN = slice(4, _FRAME.size - 4)
+_KIND_HEADER = ord("H")
+_KIND_SOURCES = ord("S")
+_KIND_RECORD = ord("R")
+_KIND_CHUNK = ord("Z")
+_KINDS = {_KIND_HEADER, _KIND_SOURCES, _KIND_RECORD, _KIND_CHUNK}
+_FLAG_ZLIB = 1
+# A frame longer than this is damage, not data: ZMQ payloads of KV events are kilobytes.
+_MAX_FRAME = 64 * 1024 * 1024
+_RESYNC_WINDOW = 64 * 1024
+
+
+class RecordingError(IndexerError):
+    """A file that is not a kvroute recording, has an unsupported version, or cannot be written."""
+
+
+class Source(msgspec.Struct, frozen=True, kw_only=True):
+    """One recorded stream: a (worker, dp rank) publisher."""
+
+    stream: str
+    endpoint: str = ""
+    replay_endpoint: str | None = None
+    topic: str = ""
+    engine: str = "sglang"
+    block_size: int | None = None
+    dp_rank: int = 0
+    model: str = ""
+    worker: str = ""
+
+
+class RecordingHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """The first frame of every recording."""
+
+    format_version: int = FORMAT_VERSION
+    created_unix_s: float
+    sources: list[Source] = []
+    tool: str = "kvroute"
+
+
+class Record(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One accepted message exactly as it arrived; `replayed` marks gap-repair replies."""
+
+    recv_time: float
+    stream: str
+    topic: bytes
+    seq: int
+    payload: bytes
+    replayed: bool = False
+
+
+class Positioned(msgspec.Struct, frozen=True, gc=False):
+    """A record with its absolute number in the file and the offset of the frame holding it."""
+
+    number: int
+    offset: int
+    record: Record
+
+
+class Damage(msgspec.Struct, frozen=True):
+    """Where and why reading stopped before the end of the file.
+
+    `offset` is the byte offset of the bad frame; `record` the number of the first record not
+    read (every record before it was read), -1 when unknown (reading started at a seek).
+    """
+
+    offset: int
+    record: int
+    kind: Literal["truncated", "corrupt"]
+    reason: str
+
+
+class _Frame(msgspec.Struct, frozen=True, gc=False):
+    offset: int
+    kind: int
+    flags: int
+    count: int
+    first_record: int
+    time: float
+    body: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + _FRAME.size + len(self.body)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(RecordingHeader)
+_sources_decoder = msgspec.msgpack.Decoder(list[Source])
+_record_decoder = msgspec.msgpack.Decoder(Record)
+_chunk_decoder = msgspec.msgpack.Decoder(list[Record])
+
+
+def _pack_frame(
+    kind: int, body: bytes, *, flags: int = 0, count: int = 0, first: int = 0, at: float = 0.0
+) -> bytes:
+    head = _FRAME.pack(_SYNC, kind, flags, 0, len(body), count, first, at, 0)
+    crc = zlib.crc32(body, zlib.crc32(head[_CRC_SPAN]))
+    return head[:-4] + crc.to_bytes(4, "little") + body
+
+
+class _FrameError(Exception):
+    def __init__(self, kind: Literal["truncated", "corrupt"], reason: str) -> None:
+        super().__init__(reason)
+        self.kind: Literal["truncated", "corrupt"] = kind
+        self.reason = reason
+
+
+def _read_frame(f: BinaryIO, offset: int) -> _Frame | None:
+    """The frame at `offset`; None at a clean end of file; _FrameError on damage."""
+    head = f.read(_FRAME.size)
+    if not head:
+        return None
+    if len(head) < _FRAME.size:
+        raise _FrameError("truncated", f"frame header cut after {len(head)} bytes")
+    sync, kind, flags, _, length, count, first, at, crc = _FRAME.unpack(head)
+    if sync != _SYNC:
+        raise _FrameError("corrupt", "no frame sync word")
+    if kind not in _KINDS or length > _MAX_FRAME:
+        raise _FrameError("corrupt", f"bad frame kind {kind} or length {length}")
+    body = f.read(length)
+    if len(body) < length:
+        raise _FrameError("truncated", f"frame body cut at {len(body)} of {length} bytes")
+    if zlib.crc32(body, zlib.crc32(head[_CRC_SPAN])) != crc:
+        raise _FrameError("corrupt", "frame checksum mismatch")
+    return _Frame(offset, kind, flags, count, first, at, body)
+
+
+def _decode_records(frame: _Frame) -> list[Record]:
+    """The records a R or Z frame holds; _FrameError when the body does not decode."""
+    try:
+        if frame.kind == _KIND_RECORD:
+            return [_record_decoder.decode(frame.body)]
+        body = zlib.decompress(frame.body) if frame.flags & _FLAG_ZLIB else frame.body
+        records = _chunk_decoder.decode(body)
+    except (msgspec.DecodeError, zlib.error) as exc:
+        raise _FrameError("corrupt", f"record body does not decode: {exc}") from exc
+    if len(records) != frame.count:
+        raise _FrameError("corrupt", f"chunk holds {len(records)} records, says {frame.count}")
+    return records
+
+
+class RecordingReader:
+    """Reads a recording front to back (or from a time), stopping cleanly at the first damage.
+
+    A file that is still being written reads up to its last complete frame; a torn last frame
+    is reported in `damage` like any other, so callers decide whether it matters.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._file: BinaryIO = self.path.open("rb", buffering=1024 * 1024)
+        try:
+            self.header, self._data_start = self._read_header()
+        except Exception:
+            self._file.close()
+            raise
+        self.sources: dict[str, Source] = {s.stream: s for s in self.header.sources}
+        self.damage: Damage | None = None
+        self.end_offset = self._data_start
+        self.records_read = 0
+
+    def _read_header(self) -> tuple[RecordingHeader, int]:
+        if self._file.read(len(MAGIC)) != MAGIC:
+            raise RecordingError(f"{self.path}: not a kvroute recording (bad magic)")
+        try:
+            frame = _read_frame(self._file, len(MAGIC))
+        except _FrameError as exc:
+            raise RecordingError(f"{self.path}: damaged header: {exc.reason}") from exc
+        if frame is None or frame.kind != _KIND_HEADER:
+            raise RecordingError(f"{self.path}: the header frame is missing")
+        try:
+            header = _header_decoder.decode(frame.body)
+        except msgspec.DecodeError as exc:
+            raise RecordingError(f"{self.path}: header does not decode: {exc}") from exc
+        if header.format_version != FORMAT_VERSION:
+            raise RecordingError(
+                f"{self.path}: format version {header.format_version} is not supported "
+                f"(this kvroute reads version {FORMAT_VERSION})"
+            )
+        return header, frame.end
+
+    def close(self) -> None:
+        """Release the file."""
+        self._file.close()
+
+    def __enter__(self) -> RecordingReader:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _frames(self, offset: int) -> Iterator[_Frame]:
+        """Frames from `offset` on; records damage and stops at the first bad one."""
+        self.damage = None
+        self._file.seek(offset)
+        # -1: unknown, when reading started at a bisected offset and no record frame came yet
+        next_record = 0 if offset == self._data_start else -1
+        while True:
+            try:
+                frame = _read_frame(self._file, offset)
+            except _FrameError as exc:
+                self.damage = Damage(offset, next_record, exc.kind, exc.reason)
+                return
+            if frame is None:
+                return
+            if frame.kind == _KIND_HEADER:
+                self.damage = Damage(offset, next_record, "corrupt", "a second header")
+                return
+            if frame.kind in (_KIND_RECORD, _KIND_CHUNK):
+                next_record = frame.first_record + frame.count
+            offset = frame.end
+            self.end_offset = offset
+            yield frame
+
+    def records(self, *, from_time: float | None = None) -> Iterator[Positioned]:
+        """Every record in file order, from the first with recv_time >= from_time when given."""
+        start = self._data_start if from_time is None else self.offset_for_time(from_time)
+        for frame in self._frames(start):
+            if frame.kind == _KIND_SOURCES:
+                self._add_sources(frame)
+                continue
+            try:
+                records = _decode_records(frame)
+            except _FrameError as exc:
+                self.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
+                self.end_offset = frame.offset
+                return
+            for i, record in enumerate(records):
+                if from_time is not None and record.recv_time < from_time:
+                    continue
+                self.records_read += 1
+                yield Positioned(frame.first_record + i, frame.offset, record)
+
+    def __iter__(self) -> Iterator[Positioned]:
+        return self.records()
+
+    def _add_sources(self, frame: _Frame) -> None:
+        try:
+            added = _sources_decoder.decode(frame.body)
+        except msgspec.DecodeError:
+            return  # sources are metadata; records stay readable without them
+        for source in added:
+            self.sources.setdefault(source.stream, source)
+
+    def _frame_near(self, offset: int) -> _Frame | None:
+        """The first valid record frame at or after `offset` (sync word + checksum agree)."""
+        self._file.seek(offset)
+        window = self._file.read(_RESYNC_WINDOW + _FRAME.size)
+        pos = 0
+        while True:
+            at = window.find(_SYNC, pos)
+            if at < 0 or at > _RESYNC_WINDOW:
+                return None
+            self._file.seek(offset + at)
+            try:
+                frame = _read_frame(self._file, offset + at)
+            except _FrameError:
+                frame = None
+            if frame is not None and frame.kind in (_KIND_RECORD, _KIND_CHUNK):
+                return frame
+            pos = at + 1
+
+    def offset_for_time(self, at: float) -> int:
+        """A frame offset from which reading finds every record with recv_time >= `at`.
+
+        Bisects over file offsets, re-synchronising on the sync word; receive times never
+        decrease inside a file, so O(log size) small reads replace a scan.
+        """
+        lo = self._data_start
+        hi = self.path.stat().st_size
+        while hi - lo > _RESYNC_WINDOW:
+            mid = (lo + hi) // 2
+            frame = self._frame_near(mid)
+            if frame is None or frame.time >= at:
+                hi = mid
+            else:
+                lo = frame.offset
+        return lo
+
+
+class RecordingWriter:
+    """Appends records to a recording; use `create` or `append`, then `write`, `flush`, `close`.
+
+    Uncompressed records go to the OS with one `write` each (nothing buffered in the process)
+    unless `buffer_bytes` asks for batching (bulk generation). With `compress`, records are
+    gathered into zlib chunks of up to `chunk_records` or `chunk_interval_s`; an open chunk is
+    what a crash can lose, so `flush` regularly.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        *,
+        next_record: int,
+        last_time: float,
+        known: Iterable[str],
+        compress: bool,
+        chunk_records: int,
+        chunk_interval_s: float,
+        buffer_bytes: int,
+    ) -> None:
+        self.path = path
+        self._fd = fd
+        self._next = next_record
+        self._last_time = last_time
+        self._known = set(known)
+        self._compress = compress
+        self._chunk_records = max(1, chunk_records)
+        self._chunk_interval_s = chunk_interval_s
+        self._chunk: list[Record] = []
+        self._chunk_started = 0.0
+        self._buffer = bytearray()
+        self._buffer_bytes = buffer_bytes
+        self.bytes_written = os.lseek(fd, 0, os.SEEK_END)
+        self.records_written = 0
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        sources: Iterable[Source] = (),
+        *,
+        overwrite: bool = False,
+        compress: bool = False,
+        chunk_records: int = 256,
+        chunk_interval_s: float = 1.0,
+        buffer_bytes: int = 0,
+    ) -> Self:
+        """Start a new recording at `path` (refuses to replace a file unless `overwrite`)."""
+        path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise RecordingError(f"{path}: cannot create: {exc.strerror}") from exc
+        source_list = list(sources)
+        header = RecordingHeader(created_unix_s=time.time(), sources=source_list)
+        head = MAGIC + _pack_frame(_KIND_HEADER, _encoder.encode(header), at=header.created_unix_s)
+        _write_all(fd, head)
+        return cls(
+            path,
+            fd,
+            next_record=0,
+            last_time=0.0,
+            known=(s.stream for s in source_list),
+            compress=compress,
+            chunk_records=chunk_records,
+            chunk_interval_s=chunk_interval_s,
+            buffer_bytes=buffer_bytes,
+        )
+
+    @classmethod
+    def append(
+        cls,
+        path: str | os.PathLike[str],
+        sources: Iterable[Source] = (),
+        *,
+        compress: bool = False,
+        chunk_records: int = 256,
+        chunk_interval_s: float = 1.0,
+        buffer_bytes: int = 0,
+    ) -> Self:
+        """Continue an existing recording: a damaged tail is cut off first, new sources added."""
+        path = Path(path)
+        with RecordingReader(path) as reader:
+            next_record = 0
+            last_time = 0.0
+            for frame in reader._frames(reader._data_start):
+                if frame.kind == _KIND_SOURCES:
+                    reader._add_sources(frame)
+                elif frame.count:
+                    next_record = frame.first_record + frame.count
+                    last_time = max(last_time, frame.time)
+                    if frame.kind == _KIND_CHUNK:
+                        last_time = max(last_time, _decode_records(frame)[-1].recv_time)
+            valid_end = reader.end_offset
+            known = dict(reader.sources)
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as exc:
+            raise RecordingError(f"{path}: cannot append: {exc.strerror}") from exc
+        # Frames written after damage would be unreachable, so the damage goes first.
+        os.ftruncate(fd, valid_end)
+        writer = cls(
+            path,
+            fd,
+            next_record=next_record,
+            last_time=last_time,
+            known=known,
+            compress=compress,
+            chunk_records=chunk_records,
+            chunk_interval_s=chunk_interval_s,
+            buffer_bytes=buffer_bytes,
+        )
+        writer.add_sources(sources)
+        return writer
+
+    @property
+    def records(self) -> int:
+        """Records in the file so far, counting earlier sessions."""
+        return self._next
+
+    def add_sources(self, sources: Iterable[Source]) -> None:
+        """Declare streams not yet in the file (an `S` frame; known streams are skipped)."""
+        new = [s for s in sources if s.stream not in self._known]
+        if not new:
+            return
+        self._known.update(s.stream for s in new)
+        self._emit(_pack_frame(_KIND_SOURCES, _encoder.encode(new), at=self._last_time))
+
+    def write(
+        self,
+        stream: str,
+        topic: bytes,
+        seq: int,
+        payload: bytes,
+        *,
+        replayed: bool = False,
+        recv_time: float | None = None,
+    ) -> int:
+        """Record one message; returns its record number. Receive times are kept monotonic."""
+        now = time.time() if recv_time is None else recv_time
+        self._last_time = max(self._last_time, now)
+        record = Record(self._last_time, stream, bytes(topic), seq, bytes(payload), replayed)
+        number = self._next
+        if not self._compress:
+            body = _encoder.encode(record)
+            self._emit(_pack_frame(_KIND_RECORD, body, count=1, first=number, at=record.recv_time))
+            self._next += 1
+            self.records_written += 1
+            return number
+        self._next += 1
+        self.records_written += 1
+        if not self._chunk:
+            self._chunk_started = time.monotonic()
+        self._chunk.append(record)
+        if (
+            len(self._chunk) >= self._chunk_records
+            or time.monotonic() - self._chunk_started >= self._chunk_interval_s
+        ):
+            self._close_chunk()
+        return number
+
+    def _close_chunk(self) -> None:
+        if not self._chunk:
+            return
+        chunk, self._chunk = self._chunk, []
+        body = zlib.compress(_encoder.encode(chunk), 6)
+        first = self._next - len(chunk)
+        frame = _pack_frame(
+            _KIND_CHUNK,
+            body,
+            flags=_FLAG_ZLIB,
+            count=len(chunk),
+            first=first,
+            at=chunk[0].recv_time,
+        )
+        self._emit(frame)
+
+    def _emit(self, frame: bytes) -> None:
+        if len(frame) - _FRAME.size > _MAX_FRAME:
+            # readers treat longer frames as damage; refuse rather than write an unreadable tail
+            raise RecordingError(f"a frame of {len(frame)} bytes exceeds the format's limit")
+        if self._buffer_bytes <= 0:
+            _write_all(self._fd, frame)
+            self.bytes_written += len(frame)
+            return
+        self._buffer += frame
+        if len(self._buffer) >= self._buffer_bytes:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._buffer:
+            _write_all(self._fd, bytes(self._buffer))
+            self.bytes_written += len(self._buffer)
+            self._buffer.clear()
+
+    def flush(self) -> None:
+        """Hand everything written so far to the OS (closes an open compressed chunk)."""
+        self._close_chunk()
+        self._drain()
+
+    def sync(self) -> None:
+        """`flush`, then ask the OS to put the file on disk."""
+        self.flush()
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Flush and close; safe to call twice."""
+        if self._fd < 0:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RecordingWriter:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as exc:
+        raise RecordingError(f"write failed: {exc.strerror}") from exc

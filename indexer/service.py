@@ -1,0 +1,254 @@
+"""The indexer service: the router's one door to the index and the stream subscriptions.
+
+An async context manager that owns one subscriber task per (worker, dp rank) stream over a
+single pure `PrefixIndex`. Only the subscriber tasks mutate the index and none awaits in the
+middle of a mutation, so the router's synchronous `query` always sees a consistent index.
+
+    async with IndexerService(IndexerConfig()) as indexer:
+        await indexer.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:5557")])
+        matches = indexer.query(Namespace("model", None, salt), token_ids)
+
+Pending entries are per worker: `add_pending` marks the prefix on every stream of the worker
+(the worker picks the dp rank itself), and `query` reports them as `pending_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.index import PrefixIndex
+from indexer.namespace import Namespace
+from indexer.snapshot import dump_index, load_index
+from indexer.stats import STATE_RANK, NamespaceStats, StreamState, StreamStats, WorkerMatch
+from indexer.subscriber import RawSink, StreamSubscriber
+
+__all__ = [
+    "IndexerConfig",
+    "IndexerService",
+    "Namespace",
+    "NamespaceStats",
+    "RawSink",
+    "StreamConfig",
+    "StreamState",
+    "StreamStats",
+    "WorkerMatch",
+    "stream_id",
+]
+
+
+def stream_id(worker: str, dp_rank: int) -> str:
+    """The id of one (worker, dp rank) stream, as used in stats and the index."""
+    return f"{worker}#dp{dp_rank}"
+
+
+class IndexerService:
+    """Owns the index and one subscriber task per stream; see the module docstring."""
+
+    def __init__(
+        self,
+        config: IndexerConfig | None = None,
+        *,
+        sink: RawSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or IndexerConfig()
+        self._clock = clock
+        self._sink = sink
+        self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._workers: dict[str, list[StreamSubscriber]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
+
+    async def __aenter__(self) -> IndexerService:
+        self._ctx = zmq.asyncio.Context()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for worker in list(self._workers):
+            await self.remove_worker(worker)
+        for _, _, fut in self._waiters:
+            if not fut.done():
+                fut.set_result(False)
+        self._waiters.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # -------------------------------------------------------------- workers
+
+    async def add_worker(self, worker: str, streams: Sequence[StreamConfig]) -> None:
+        """Subscribe to a worker's streams (replacing any it had); its entries start empty."""
+        if self._ctx is None:
+            raise RuntimeError("IndexerService is not entered (use `async with`)")
+        if worker in self._workers:
+            await self.remove_worker(worker)
+        subs: list[StreamSubscriber] = []
+        for cfg in streams:
+            sid = stream_id(worker, cfg.dp_rank)
+            if any(s.stream_id == sid for s in subs):
+                raise ValueError(f"worker {worker!r} lists dp rank {cfg.dp_rank} twice")
+            self.index.add_stream(
+                sid, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
+            )
+            sub = StreamSubscriber(
+                sid,
+                worker,
+                cfg,
+                self.index,
+                self._ctx,
+                self.config,
+                sink=self._sink,
+                on_applied=self._on_applied,
+                clock=self._clock,
+            )
+            subs.append(sub)
+        self._workers[worker] = subs
+        for sub in subs:
+            self._tasks[sub.stream_id] = asyncio.create_task(
+                sub.run(), name=f"kv-events {sub.stream_id}"
+            )
+
+    async def remove_worker(self, worker: str) -> None:
+        """Stop a worker's subscriptions and drop its index entries."""
+        subs = self._workers.pop(worker, [])
+        tasks = [self._tasks.pop(s.stream_id) for s in subs if s.stream_id in self._tasks]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sub in subs:
+            self.index.drop_stream(sub.stream_id)
+
+    def workers(self) -> list[str]:
+        """Names of the subscribed workers."""
+        return list(self._workers)
+
+    # -------------------------------------------------------------- queries
+
+    def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, WorkerMatch]:
+        """For EVERY known worker, the leading blocks of `tokens` it holds in `namespace`."""
+        found = self.index.match(namespace, tokens)
+        blocks = found.blocks
+        pending = found.pending_blocks
+        default_medium = self.index.default_medium
+        now = self._clock()
+        out: dict[str, WorkerMatch] = {}
+        for worker, subs in self._workers.items():
+            state = StreamState.STALE
+            best: StreamSubscriber | None = None
+            best_score = (-1, -1)
+            for sub in subs:
+                s_state = sub.current_state(now)
+                if STATE_RANK[s_state] < STATE_RANK[state]:
+                    state = s_state
+                sid = sub.stream_id
+                bs = sub.block_size or 0
+                held = blocks.get(sid, 0)
+                score = (held * bs, (held + pending.get(sid, 0)) * bs)
+                if score > best_score:
+                    best, best_score = sub, score
+            if best is None:
+                out[worker] = WorkerMatch(worker, 0, 0, 0, None, {}, state)
+                continue
+            sid = best.stream_id
+            size = best.block_size
+            held = blocks.get(sid, 0)
+            by_medium = found.by_medium.get(sid)
+            if by_medium is None:
+                by_medium = {default_medium: held} if held else {}
+            out[worker] = WorkerMatch(
+                worker,
+                held,
+                held * (size or 0),
+                pending.get(sid, 0) * (size or 0),
+                size,
+                by_medium,
+                state,
+            )
+        return out
+
+    def add_pending(self, namespace: Namespace, tokens: Sequence[int], worker: str) -> None:
+        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s."""
+        for sub in self._workers.get(worker, []):
+            self.index.add_pending(sub.stream_id, namespace, tokens)
+
+    def streams(self) -> list[StreamStats]:
+        """State and counters of every stream."""
+        return [sub.stats() for subs in self._workers.values() for sub in subs]
+
+    def namespaces(self) -> list[NamespaceStats]:
+        """Every namespace with blocks: sizes and blocks per holding worker."""
+        owner = {sub.stream_id: w for w, subs in self._workers.items() for sub in subs}
+        out = []
+        for size in self.index.namespaces():
+            holders: dict[str, int] = {}
+            for stream, blocks in size.holders.items():
+                worker = owner.get(stream)
+                if worker is not None:
+                    holders[worker] = max(holders.get(worker, 0), blocks)
+            out.append(NamespaceStats(size.namespace, size.blocks, size.tokens, holders))
+        return out
+
+    def evict_namespace(self, namespace: Namespace) -> int:
+        """Drop a namespace from the index (not from the workers); returns entries dropped."""
+        return self.index.evict_namespace(namespace)
+
+    # ------------------------------------------------------------ snapshots
+
+    def dump(self) -> bytes:
+        """A versioned msgpack snapshot of the whole index."""
+        return dump_index(self.index)
+
+    def load(self, data: bytes) -> None:
+        """Replace the index with a snapshot; raises SnapshotError and keeps the old one."""
+        index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
+        for subs in self._workers.values():
+            for sub in subs:
+                cfg = sub.config
+                known = index.has_stream(sub.stream_id)
+                index.add_stream(
+                    sub.stream_id, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
+                )
+                # continue from the snapshot's seq: live messages then apply, show a gap that
+                # the replay fills, or a restart that clears; unknown streams rebuild from 0
+                sub.rebind(index, index.last_seq(sub.stream_id) if known else None)
+        self.index = index
+
+    # -------------------------------------------------------------- waiting
+
+    def _on_applied(self, stream: str, seq: int) -> None:
+        if not self._waiters:
+            return
+        still = []
+        for worker, want, fut in self._waiters:
+            if fut.done():
+                continue
+            if self._worker_reached(worker, want):
+                fut.set_result(True)
+            else:
+                still.append((worker, want, fut))
+        self._waiters = still
+
+    def _worker_reached(self, worker: str, seq: int) -> bool:
+        seen = [s.tracker.last for s in self._workers.get(worker, []) if s.tracker.last is not None]
+        return bool(seen) and all(last >= seq for last in seen)
+
+    async def wait_applied(self, worker: str, seq: int, timeout_s: float = 5.0) -> bool:
+        """True once every stream of `worker` that has received anything applied seq >= `seq`."""
+        if self._worker_reached(worker, seq):
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append((worker, seq, fut))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        except TimeoutError:
+            return False

@@ -1,0 +1,192 @@
+"""Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
+
+Layout (version 1): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
+scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
+silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
+block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
+and namespace ids, plus the rare side tables (reference counts, media, partial pages). The
+shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
+Pending entries are not stored (they live for seconds).
+
+Loading validates everything into a fresh index and only then returns it, so a damaged
+snapshot raises `SnapshotError` and never leaves a half-loaded index behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from indexer.errors import SnapshotError
+from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, _Stream, ns_code
+from indexer.namespace import HASH_PROBE, Namespace
+from indexer.protocol.events import BlockHash
+
+__all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
+
+SNAPSHOT_VERSION = 1
+_FORMAT = "kvroute-index"
+
+
+class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    stream: str
+    slot: int
+    model: str
+    engine: str
+    block_size: int | None
+    last_seq: int | None
+    hashes: list[BlockHash]
+    keys: list[int]
+    ns_ids: list[int]
+    refs: list[tuple[BlockHash, int]]
+    media: list[tuple[BlockHash, str]]
+    partial: list[tuple[BlockHash, int, int]]
+    counters: StreamCounters
+
+
+class _Snapshot(msgspec.Struct, forbid_unknown_fields=True):
+    format: str
+    version: int
+    hash_probe: int
+    namespaces: list[tuple[int, Namespace]]
+    streams: list[_StreamSnapshot]
+
+
+class _Header(msgspec.Struct):
+    format: str = ""
+    version: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Snapshot)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def dump_index(index: PrefixIndex) -> bytes:
+    """Serialize `index` (without pending entries)."""
+    table = index._table
+    streams = []
+    for name, st in index._streams.items():
+        keys = list(st.blocks.values())
+        streams.append(
+            _StreamSnapshot(
+                stream=name,
+                slot=st.slot,
+                model=st.model,
+                engine=st.engine,
+                block_size=st.block_size,
+                last_seq=st.last_seq,
+                hashes=list(st.blocks),
+                keys=keys,
+                ns_ids=[table[k] & NS_MASK for k in keys],
+                refs=list(st.refs.items()),
+                media=list(st.media.items()),
+                partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
+                counters=st.counters,
+            )
+        )
+    namespaces = [(i, ns) for i, ns in enumerate(index._ns) if ns is not None]
+    return _encoder.encode(
+        _Snapshot(
+            format=_FORMAT,
+            version=SNAPSHOT_VERSION,
+            hash_probe=HASH_PROBE,
+            namespaces=namespaces,
+            streams=streams,
+        )
+    )
+
+
+def load_index(
+    data: bytes, *, clock: Callable[[], float] = time.monotonic, pending_ttl_s: float = 2.0
+) -> PrefixIndex:
+    """Rebuild an index from `dump_index` output; raises SnapshotError on anything wrong."""
+    try:
+        header = _header_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"not an index snapshot: {exc}") from exc
+    if header.format != _FORMAT or header.version != SNAPSHOT_VERSION:
+        raise SnapshotError(
+            f"unsupported snapshot {header.format!r} version {header.version} "
+            f"(this build reads {_FORMAT!r} version {SNAPSHOT_VERSION})"
+        )
+    try:
+        snap = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"damaged snapshot: {exc}") from exc
+    if snap.hash_probe != HASH_PROBE:
+        raise SnapshotError("snapshot was made with another block-key hash; start cold")
+    try:
+        return _rebuild(snap, clock, pending_ttl_s)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as exc:
+        raise SnapshotError(f"inconsistent snapshot: {exc}") from exc
+
+
+def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) -> PrefixIndex:
+    index = PrefixIndex(clock=clock, pending_ttl_s=pending_ttl_s)
+    size = max((i for i, _ in snap.namespaces), default=0) + 1
+    if size > NS_MASK + 1:
+        raise ValueError("namespace id out of range")
+    index._ns = [None] * size
+    index._ns_blocks = [0] * size
+    index._ns_tokens = [0] * size
+    for ns_id, namespace in snap.namespaces:
+        if ns_id <= 0 or index._ns[ns_id] is not None or namespace in index._ns_ids:
+            raise ValueError(f"bad or repeated namespace id {ns_id}")
+        index._ns[ns_id] = namespace
+        index._ns_ids[namespace] = ns_id
+    slots = {s.slot for s in snap.streams}
+    if len(slots) != len(snap.streams) or any(not 0 <= s < 1 << 20 for s in slots):
+        raise ValueError("stream slots are not unique small integers")
+    table = index._table
+    for s in snap.streams:
+        if s.engine not in ("sglang", "vllm"):
+            raise ValueError(f"stream {s.stream!r}: unknown engine {s.engine!r}")
+        if s.stream in index._streams:
+            raise ValueError(f"stream {s.stream!r} appears twice")
+        if not len(s.hashes) == len(s.keys) == len(s.ns_ids):
+            raise ValueError(f"stream {s.stream!r}: arrays of different lengths")
+        if s.hashes and (s.block_size is None or s.block_size <= 0):
+            raise ValueError(f"stream {s.stream!r}: entries without a block size")
+        st = _Stream(s.slot, s.model, s.engine, None)  # type: ignore[arg-type]
+        index._streams[s.stream] = st
+        index._by_slot[s.slot] = s.stream
+        if s.block_size is not None:
+            index._set_block_size(st, s.block_size)
+        st.last_seq = s.last_seq
+        st.counters = s.counters
+        bs = s.block_size or 0
+        for h, key, ns_id in zip(s.hashes, s.keys, s.ns_ids, strict=True):
+            if not 0 < ns_id < size or index._ns[ns_id] is None or h in st.blocks:
+                raise ValueError(f"stream {s.stream!r}: bad entry")
+            v = table.get(key)
+            if v is None:
+                table[key] = st.sbit | ns_code(ns_id)
+                index._ns_blocks[ns_id] += 1
+                index._ns_tokens[ns_id] += bs
+            elif v & CODE_MASK != ns_code(ns_id):
+                raise ValueError(f"stream {s.stream!r}: key in two namespaces")
+            elif v & st.sbit:
+                st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
+            else:
+                table[key] = v | st.sbit
+            st.blocks[h] = key
+            st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + 1
+        for h, n in s.refs:
+            if n < 2 or (h not in st.blocks and h not in {p[0] for p in s.partial}):
+                raise ValueError(f"stream {s.stream!r}: bad reference count")
+            st.refs[h] = n
+        for h, key, ns_id in s.partial:
+            if not 0 < ns_id < size:
+                raise ValueError(f"stream {s.stream!r}: bad partial entry")
+            st.partial[h] = (key, ns_id)
+        for h, medium in s.media:
+            key = st.blocks[h]
+            st.media[h] = medium
+            tier = index._tiers.setdefault(medium, {})
+            tier[key] = tier.get(key, 0) | st.bit
+    used = set(index._by_slot)
+    index._free_slots = [i for i in range(max(used, default=-1) + 1) if i not in used]
+    return index

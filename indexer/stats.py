@@ -1,0 +1,77 @@
+"""What the indexer service reports: stream states and counters, matches, namespace sizes."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from indexer.namespace import Namespace
+
+__all__ = ["NamespaceStats", "StreamState", "StreamStats", "WorkerMatch"]
+
+
+class StreamState(enum.StrEnum):
+    """Health of one stream's picture in the index."""
+
+    SYNCING = "syncing"  # connected, first message or initial catch-up replay not done yet
+    SYNCED = "synced"  # every message up to last_seq applied in order
+    DEGRADED = "degraded"  # a gap was seen and is being repaired
+    STALE = "stale"  # no message for stale_after_s (idle or dead worker)
+
+
+# best first: a worker's state is the best among its streams
+STATE_RANK = {
+    StreamState.SYNCED: 0,
+    StreamState.DEGRADED: 1,
+    StreamState.SYNCING: 2,
+    StreamState.STALE: 3,
+}
+
+
+class StreamStats(msgspec.Struct):
+    """Counters and state of one (worker, dp rank) stream."""
+
+    stream: str
+    worker: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    state: StreamState
+    last_seq: int | None
+    block_size: int | None
+    batches: int
+    events: int
+    blocks_stored: int
+    blocks_removed: int
+    gaps: int
+    replays: int
+    restarts: int
+    clears: int  # entries dropped wholesale: AllBlocksCleared, restart, unrepairable gap
+    decode_errors: int
+    unknown_parents: int
+    block_size_mismatches: int
+    skipped_events: int
+    last_event_age_s: float | None
+    entries: int  # blocks held now
+
+
+class WorkerMatch(msgspec.Struct):
+    """How much of a request one worker holds (its best dp stream)."""
+
+    worker: str
+    matched_blocks: int  # leading blocks held, from real events
+    matched_tokens: int  # matched_blocks * block_size
+    pending_tokens: int  # extra leading tokens covered only by pending (routing-time) entries
+    block_size: int | None
+    by_medium: dict[str, int]  # leading blocks per tier, e.g. {"GPU": 10, "CPU": 2}
+    state: StreamState  # best state among the worker's streams
+
+
+class NamespaceStats(msgspec.Struct):
+    """One namespace: unique blocks, their tokens, blocks per holding worker."""
+
+    namespace: Namespace
+    blocks: int
+    tokens: int
+    holders: dict[str, int]  # worker -> blocks

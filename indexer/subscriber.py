@@ -1,0 +1,387 @@
+"""One ZMQ subscription per (worker, dp rank): live events in, gaps repaired, index updated.
+
+The subscriber owns a SUB socket (topic prefix subscription) and, when configured, a DEALER to
+the worker's replay ROUTER. Every live message goes through the `SequenceTracker`:
+- APPLY: decode and apply to the index;
+- GAP (a message was dropped, or we joined mid-way): ask the replay socket for everything from
+  the first missing seq, apply the replies in order, then continue with live messages (those
+  already covered by the replay are duplicates and skipped);
+- the replay cannot cover the gap (first replayed seq later than asked), no replay endpoint, or
+  the replay times out: clear the stream and rebuild from what comes next;
+- RESTART (seq went backwards): clear the stream and start over from the new seq;
+- a live seq beyond everything the replay just listed cannot be real (a corrupt seq frame):
+  skipped and counted, unless the next seq follows it (a publisher that buffers nothing).
+
+Malformed frames are counted and skipped; problems are logged at most once per
+`log_interval_s` per stream and kind. The task never blocks the loop: sockets are
+`zmq.asyncio`, and it yields every `yield_every` messages so a flooding stream cannot starve
+the others (a consumer that falls behind overflows its SUB queue, which shows up as gaps that
+the replay repairs, never as silent drift).
+
+Raw sink: `sink(stream_id, topic, seq, payload, replayed)` is called for every message the
+subscriber accepts, live or replayed, in the order it is applied, malformed payloads included
+(frames whose seq cannot be read are not messages and are not passed on). `kvroute record`
+uses it to record a gap-free stream. The sink must not block; its exceptions are logged and
+swallowed so a broken recorder cannot stop indexing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.errors import ProtocolError
+from indexer.index import PrefixIndex
+from indexer.protocol.decode import decode_batch
+from indexer.protocol.events import EventBatch
+from indexer.protocol.frames import (
+    ReplayEnd,
+    build_replay_request,
+    parse_live,
+    parse_replay_reply,
+    topic_matches,
+)
+from indexer.sequence import SequenceTracker, SeqVerdict
+from indexer.stats import StreamState, StreamStats
+
+__all__ = ["RawSink", "StreamSubscriber"]
+
+log = logging.getLogger(__name__)
+
+RawSink = Callable[[str, bytes, int, bytes, bool], None]
+
+
+class _RateLimiter:
+    """Allows one log line per kind per interval and counts the suppressed ones."""
+
+    __slots__ = ("_clock", "_interval_s", "_last", "_suppressed")
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def allow(self, kind: str) -> int | None:
+        """None when suppressed, else how many lines of this kind were suppressed before."""
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return None
+        self._last[kind] = now
+        return self._suppressed.pop(kind, 0)
+
+
+class StreamSubscriber:
+    """Subscribes to one stream and keeps its part of the index in sync; `run` is its task."""
+
+    def __init__(
+        self,
+        stream_id: str,
+        worker: str,
+        config: StreamConfig,
+        index: PrefixIndex,
+        ctx: zmq.asyncio.Context,
+        settings: IndexerConfig | None = None,
+        *,
+        sink: RawSink | None = None,
+        on_applied: Callable[[str, int], None] | None = None,
+        decode: Callable[[bytes], EventBatch] = decode_batch,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream_id = stream_id
+        self.worker = worker
+        self.config = config
+        self.index = index
+        self.settings = settings or IndexerConfig()
+        self.sink = sink
+        self._ctx = ctx
+        self._on_applied = on_applied
+        self._decode = decode
+        self._clock = clock
+        self._topic = config.topic.encode()
+        self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._block_size = config.block_size
+        self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
+        self.tracker = SequenceTracker(
+            index.last_seq(stream_id) if index.has_stream(stream_id) else None
+        )
+        self.state = StreamState.SYNCING
+        self.started_at = clock()
+        self.last_event_at: float | None = None
+        self.batches = 0
+        self.events = 0
+        self.gaps = 0
+        self.replays = 0
+        self.restarts = 0
+        self.decode_errors = 0
+
+    # ------------------------------------------------------------------ task
+
+    async def run(self) -> None:
+        """Subscribe until cancelled; unexpected errors restart the session with backoff."""
+        backoff_s = 0.05
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("stream %s: subscriber failed; restarting", self.stream_id)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.settings.restart_backoff_max_s)
+
+    async def _session(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.settings.rcv_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self.config.endpoint)  # non-blocking: zmq connects and reconnects itself
+        try:
+            handled = 0
+            while True:
+                frames = await sub.recv_multipart()
+                await self._on_live(frames)
+                handled += 1
+                if handled % self.settings.yield_every == 0:
+                    await asyncio.sleep(0)
+        finally:
+            sub.close(linger=0)
+            self._close_dealer()
+
+    # ------------------------------------------------------------- messages
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        try:
+            msg = parse_live(frames)
+        except ProtocolError as exc:
+            self._malformed(f"bad live frames: {exc}")
+            return
+        if not topic_matches(msg.topic, self._topic):
+            return
+        prev_live = self.tracker.live
+        decision = self.tracker.on_live(msg.seq)
+        if decision.verdict is SeqVerdict.RESTART:
+            self.restarts += 1
+            self._clear(f"seq went back to {msg.seq}: publisher restarted")
+            decision = self.tracker.on_live(msg.seq)
+        if decision.verdict is SeqVerdict.APPLY:
+            self._apply(msg.topic, msg.seq, msg.payload, replayed=False)
+            self.state = StreamState.SYNCED
+        elif decision.verdict is SeqVerdict.GAP:
+            assert decision.replay_from is not None
+            await self._repair(decision.replay_from, msg.topic, msg.seq, msg.payload, prev_live)
+
+    async def _repair(
+        self, start: int, topic: bytes, seq: int, payload: bytes, prev_live: int | None
+    ) -> None:
+        """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
+        joining = self.tracker.last is None and start == 0 and self.last_event_at is None
+        if not joining:
+            self.gaps += 1
+            self.state = StreamState.DEGRADED
+        answered, newest = False, None
+        if self.config.replay_endpoint is not None:
+            self.replays += 1
+            answered, newest = await self._replay(start)
+        decision = self.tracker.on_live(seq)
+        if (
+            decision.verdict is SeqVerdict.GAP
+            and answered
+            and (newest is None or seq > newest + 1)
+            and (self._suspect is None or seq != self._suspect + 1)
+        ):
+            # the publisher just listed everything it has and this seq is not among it: a
+            # corrupt seq frame, skipped. (If the next seq follows it, it was real after all:
+            # a publisher that buffers nothing; then we clear below instead.)
+            self._suspect = seq
+            self.tracker.live = prev_live  # live order continues from before the bogus seq
+            self._malformed(f"live seq {seq} is beyond everything the publisher buffers")
+            self.state = StreamState.SYNCED
+            if self.tracker.last is not None:
+                self._notify(self.tracker.last)
+            return
+        self._suspect = None
+        if decision.verdict is SeqVerdict.GAP:
+            # the replay did not reach this message (none configured, timed out, or too short)
+            if self.tracker.last is not None:
+                self._clear(f"gap before seq {seq} could not be repaired")
+            self.tracker.restart_at(seq)
+            decision = self.tracker.on_live(seq)
+        if decision.verdict is SeqVerdict.APPLY:
+            self._apply(topic, seq, payload, replayed=False)
+        self.state = StreamState.SYNCED
+        if self.tracker.last is not None:
+            self._notify(self.tracker.last)  # replayed messages notify only once repaired
+
+    async def _replay(self, start: int) -> tuple[bool, int | None]:
+        """Ask for every buffered batch from `start` and apply the ones we lack, in order.
+
+        Returns whether the publisher answered to the end marker, and the newest seq it
+        replayed (None when it sent none).
+        """
+        dealer = self._get_dealer()
+        timeout_s = self.settings.replay_timeout_s
+        newest: int | None = None
+        try:
+            await dealer.send_multipart(build_replay_request(start))
+            received = 0
+            while True:
+                async with asyncio.timeout(timeout_s):
+                    frames = await dealer.recv_multipart()
+                received += 1
+                if received % self.settings.yield_every == 0:
+                    await asyncio.sleep(0)  # a long replay must not starve the other streams
+                try:
+                    reply = parse_replay_reply(frames)
+                except ProtocolError as exc:
+                    self._malformed(f"bad replay frames: {exc}")
+                    continue
+                if isinstance(reply, ReplayEnd):
+                    return True, newest
+                if reply.topic is not None and not topic_matches(reply.topic, self._topic):
+                    continue
+                newest = reply.seq if newest is None else max(newest, reply.seq)
+                decision = self.tracker.on_replay(reply.seq)
+                if decision.verdict is SeqVerdict.GAP:
+                    # the buffer no longer holds what we miss: the worker's state is unknown
+                    # (nothing to clear when we have nothing yet: joining mid-way, restarted)
+                    if self.tracker.last is not None:
+                        self._clear(f"replay starts at {reply.seq}, needed {decision.replay_from}")
+                    self.tracker.restart_at(reply.seq)
+                    decision = self.tracker.on_replay(reply.seq)
+                if decision.verdict is SeqVerdict.APPLY:
+                    self._apply(reply.topic or b"", reply.seq, reply.payload, replayed=True)
+        except TimeoutError:
+            self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")
+            # late replies of this request must not be read as answers to the next one
+            self._close_dealer()
+            return False, None
+
+    def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> None:
+        if self.sink is not None:
+            try:
+                self.sink(self.stream_id, topic, seq, payload, replayed)
+            except Exception:
+                log.exception("stream %s: raw sink failed", self.stream_id)
+        self.last_event_at = self._clock()
+        try:
+            batch = self._decode(payload)
+        except Exception as exc:  # decode_batch raises ProtocolError; anything else is a bug there
+            self.index.set_last_seq(self.stream_id, seq)
+            self._malformed(f"undecodable payload at seq {seq}: {type(exc).__name__}")
+            if not replayed:
+                self._notify(seq)
+            return
+        outcome = self.index.apply(self.stream_id, batch, seq)
+        self.batches += 1
+        self.events += len(batch.events)
+        if outcome.block_size_mismatches:
+            self._warn(
+                "block-size",
+                f"BLOCK SIZE MISMATCH: {outcome.block_size_mismatches} event(s) at seq {seq} "
+                f"have pages that do not fit the stream's block size "
+                f"{self.index.block_size(self.stream_id)}; they are NOT indexed and KV routing "
+                f"for this worker will miss. Check the worker's page size and the configured "
+                f"block_size.",
+            )
+        if not replayed:
+            self._notify(seq)
+
+    def _notify(self, seq: int) -> None:
+        if self._on_applied is not None:
+            self._on_applied(self.stream_id, seq)
+
+    def _clear(self, reason: str) -> None:
+        dropped = self.index.clear_stream(self.stream_id)
+        self._warn("clear", f"cleared {dropped} entries: {reason}")
+
+    def _malformed(self, what: str) -> None:
+        self.decode_errors += 1
+        self._warn("malformed", what)
+
+    def _warn(self, kind: str, message: str) -> None:
+        suppressed = self._limiter.allow(kind)
+        if suppressed is None:
+            return
+        more = f" ({suppressed} similar suppressed)" if suppressed else ""
+        log.warning("stream %s: %s%s", self.stream_id, message, more)
+
+    # --------------------------------------------------------------- sockets
+
+    def _get_dealer(self) -> zmq.asyncio.Socket:
+        if self._dealer is None:
+            assert self.config.replay_endpoint is not None
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.config.replay_endpoint)
+            self._dealer = dealer
+        return self._dealer
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._dealer.close(linger=0)
+            self._dealer = None
+
+    # ----------------------------------------------------------------- stats
+
+    @property
+    def block_size(self) -> int | None:
+        """The stream's block size, None until configured or learned (then cached)."""
+        if self._block_size is None and self.index.has_stream(self.stream_id):
+            self._block_size = self.index.block_size(self.stream_id)
+        return self._block_size
+
+    def rebind(self, index: PrefixIndex, last_seq: int | None) -> None:
+        """Switch to another index (a loaded snapshot) whose state matches seq `last_seq`."""
+        self.index = index
+        self._block_size = self.config.block_size
+        self.tracker = SequenceTracker(last_seq)
+
+    def current_state(self, now: float | None = None) -> StreamState:
+        """The state, STALE when nothing arrived for stale_after_s."""
+        now = self._clock() if now is None else now
+        since = self.last_event_at if self.last_event_at is not None else self.started_at
+        return StreamState.STALE if now - since > self.settings.stale_after_s else self.state
+
+    def stats(self) -> StreamStats:
+        """A snapshot of this stream's state and counters."""
+        now = self._clock()
+        age = None if self.last_event_at is None else now - self.last_event_at
+        state = self.current_state(now)
+        has = self.index.has_stream(self.stream_id)
+        counters = self.index.counters(self.stream_id) if has else None
+        return StreamStats(
+            stream=self.stream_id,
+            worker=self.worker,
+            endpoint=self.config.endpoint,
+            replay_endpoint=self.config.replay_endpoint,
+            topic=self.config.topic,
+            state=state,
+            last_seq=self.tracker.last,
+            block_size=self.index.block_size(self.stream_id) if has else None,
+            batches=self.batches,
+            events=self.events,
+            blocks_stored=counters.blocks_stored if counters else 0,
+            blocks_removed=counters.blocks_removed if counters else 0,
+            gaps=self.gaps,
+            replays=self.replays,
+            restarts=self.restarts,
+            clears=counters.clears if counters else 0,
+            decode_errors=self.decode_errors,
+            unknown_parents=counters.unknown_parents if counters else 0,
+            block_size_mismatches=counters.block_size_mismatches if counters else 0,
+            skipped_events=counters.skipped_events if counters else 0,
+            last_event_age_s=age,
+            entries=self.index.entries(self.stream_id) if has else 0,
+        )

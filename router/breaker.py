@@ -1,0 +1,61 @@
+"""A per-worker circuit breaker: stop sending to a worker that keeps failing, then probe it.
+
+CLOSED counts consecutive failures; `failure_threshold` of them (or one hard failure, such as a
+refused connection, which says the worker process is gone) open the circuit. OPEN admits nothing
+until `cooldown_s` has passed; then HALF_OPEN admits traffic again, and the first failure
+reopens it while the first success (a request or a health check) closes it. Time is passed in,
+so the breaker is pure and `allows` never changes state (dry runs stay side-effect free).
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["BreakerState", "CircuitBreaker"]
+
+
+class BreakerState(enum.StrEnum):
+    """Where a breaker stands."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Consecutive-failure circuit breaker with a cooldown."""
+
+    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0) -> None:
+        self._threshold = failure_threshold
+        self._cooldown_s = cooldown_s
+        self._failures = 0
+        self._opened_at: float | None = None
+
+    def state(self, now: float) -> BreakerState:
+        """The state at time `now` (monotonic seconds)."""
+        if self._opened_at is None:
+            return BreakerState.CLOSED
+        if now - self._opened_at >= self._cooldown_s:
+            return BreakerState.HALF_OPEN
+        return BreakerState.OPEN
+
+    def allows(self, now: float) -> bool:
+        """Whether traffic may go to the worker at `now`."""
+        return self.state(now) is not BreakerState.OPEN
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failures since the last success."""
+        return self._failures
+
+    def success(self) -> None:
+        """A request or health check succeeded: close the circuit."""
+        self._failures = 0
+        self._opened_at = None
+
+    def failure(self, now: float, *, hard: bool = False) -> None:
+        """A request failed at `now`; `hard` failures open the circuit at once."""
+        self._failures += 1
+        half_open = self.state(now) is BreakerState.HALF_OPEN
+        if hard or half_open or self._failures >= self._threshold:
+            self._opened_at = now

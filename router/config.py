@@ -1,0 +1,206 @@
+"""The router's configuration: TOML validated into frozen msgspec structs.
+
+Every table rejects unknown keys by name (`forbid_unknown_fields`), so a typo such as
+`[policy] decode_wieght` fails at startup instead of silently using a default. Every field has
+a default, so `RouterConfig(workers=(WorkerConfig(url=...),))` is a complete config in code
+(the benchmarks start one router per policy that way).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from router.errors import ConfigError
+
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "AdminConfig",
+    "BreakerConfig",
+    "HealthConfig",
+    "IndexerSection",
+    "LimitsConfig",
+    "ListenConfig",
+    "PolicyConfig",
+    "PolicyName",
+    "RouterConfig",
+    "TimeoutsConfig",
+    "TokenizerConfig",
+    "WorkerConfig",
+    "load_config",
+    "parse_config",
+]
+
+ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
+
+PolicyName = Literal["kv", "round_robin", "random", "least_load", "approx_tree"]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class ListenConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where the router's HTTP server listens (port 0 picks a free port)."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8000
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Which routing policy runs, and its weights."""
+
+    name: PolicyName = "kv"
+    seed: int = 0
+    # kv: score = hit_weight * cached prefix tokens - (queued prefill tokens + decode_weight *
+    # running requests); a running decode costs about as much as this many prefill tokens
+    hit_weight: NonNegativeFloat = 1.0
+    decode_weight: NonNegativeFloat = 32.0
+    # prefix blocks held off-GPU save less work (they must be loaded back first)
+    medium_weights: dict[str, NonNegativeFloat] = msgspec.field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25}
+    )
+    # approx_tree (SGLang router's cache-aware policy): follow the longest past-routing match
+    # when it covers at least `approx_cache_threshold` of the prompt, unless the fleet is out of
+    # balance (max load - min load > abs and max > rel * min), then go to the least loaded
+    approx_cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    approx_balance_abs: NonNegativeFloat = 32.0
+    approx_balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    approx_chunk_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    approx_max_chunks: Annotated[int, msgspec.Meta(ge=1)] = 1_000_000
+
+
+class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How the router turns text into token ids (must match the workers' tokenizer)."""
+
+    kind: Literal["byte", "hf"] = "byte"
+    path: str = ""  # tokenizer.json, when kind = "hf"
+
+    def __post_init__(self) -> None:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("tokenizer.path is required when tokenizer.kind = 'hf'")
+
+
+class AdminConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The admin API under /admin."""
+
+    enabled: bool = True
+    token: str = ""  # or $KVROUTE_ADMIN_TOKEN; without either, admin only binds on loopback
+    # key of the namespace fingerprints shown instead of salts; empty: random per process
+    fingerprint_key: str = ""
+
+
+class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Deadlines of the upstream hop."""
+
+    request_s: PositiveFloat = 300.0
+    connect_s: PositiveFloat = 2.0
+
+
+class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Periodic health checks of every worker."""
+
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 1.0
+    path: str = "/health"
+
+
+class BreakerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The per-worker circuit breaker."""
+
+    failure_threshold: Annotated[int, msgspec.Meta(ge=1)] = 3
+    cooldown_s: PositiveFloat = 5.0
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Bounds on what one request may cost the router."""
+
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+
+
+class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Options passed to the KV-event indexer."""
+
+    pending_ttl_s: PositiveFloat = 2.0
+    stale_after_s: PositiveFloat = 30.0
+    replay_timeout_s: PositiveFloat = 1.0
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One worker; everything but `url` can be discovered from its `/server_info`."""
+
+    url: str
+    id: str = ""  # defaults to the url
+    # the rank-0 PUB endpoint ("tcp://host:port"; rank r is port + r) or one endpoint per rank
+    events: str | list[str] | None = None
+    replay: str | list[str] | None = None
+    engine: Literal["sglang", "vllm"] = "sglang"
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dp_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    topic: str | None = None
+    # the model namespace of this worker's events: requests whose body `model` names it match its
+    # cache; "" (single-model fleets) is used for every request naming no configured model
+    model: str = ""
+    kv_events: bool = True  # false: a plain backend, routed without cache affinity
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"workers.url must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def worker_id(self) -> str:
+        """The id the router and the admin API use for this worker."""
+        return self.id or self.url.rstrip("/")
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole router configuration (one TOML file)."""
+
+    listen: ListenConfig = ListenConfig()
+    policy: PolicyConfig = PolicyConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    admin: AdminConfig = AdminConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    indexer: IndexerSection = IndexerSection()
+    # header whose value overrides the body's cache_salt (set by a trusted gateway); "" = none
+    salt_header: str = ""
+    workers: tuple[WorkerConfig, ...] = ()
+    # `kvroute up` only: the embedded fleet, validated by the workers package
+    fleet: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        ids = [w.worker_id for w in self.workers]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"workers: duplicate id {dupes[0]!r}")
+
+    def admin_token(self) -> str:
+        """The admin bearer token: the config's, else $KVROUTE_ADMIN_TOKEN, else ''."""
+        return self.admin.token or os.environ.get(ADMIN_TOKEN_ENV, "")
+
+
+def parse_config(data: dict[str, Any], *, source: str = "config") -> RouterConfig:
+    """Validate a decoded TOML document into a RouterConfig."""
+    try:
+        return msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a TOML config file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    return parse_config(data, source=str(path))

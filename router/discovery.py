@@ -1,0 +1,148 @@
+"""Turning a worker's config and `/server_info` into the KV-event streams to subscribe to.
+
+A worker entry may spell out its event endpoints; whatever it leaves out is read from the
+worker's `/server_info` (or `/get_server_info`). Two shapes are understood: the `kv_events`
+block of the reference workers and of SGLang builds that advertise one ({endpoint,
+replay_endpoint, topic, block_size, dp_size, endpoint_port_base, replay_port_base}), and the
+`kv_events_config` of stock SGLang (a JSON string of the publisher's settings, with `page_size`
+and `dp_size` beside it). A wildcard bind host (`*`, `0.0.0.0`) means "the worker's own host".
+Data-parallel rank r publishes on base port + r and replays on replay base port + r.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from indexer.service import StreamConfig
+from router.config import WorkerConfig
+from router.errors import RequestError
+
+__all__ = ["needs_discovery", "streams_for", "worker_host"]
+
+_WILDCARDS = {"*", "0.0.0.0", "", "::", "[::]"}
+
+
+def worker_host(url: str) -> str:
+    """The host part of a worker's HTTP url."""
+    return urlsplit(url).hostname or "127.0.0.1"
+
+
+def needs_discovery(worker: WorkerConfig) -> bool:
+    """True when the config alone does not say where the worker publishes."""
+    return worker.kv_events and (worker.events is None or worker.block_size is None)
+
+
+def _split(endpoint: str) -> tuple[str, str, int | None]:
+    """(scheme://, host, port) of a ZMQ tcp endpoint."""
+    scheme, sep, rest = endpoint.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return endpoint, "", None
+    return scheme + "://", host, int(port)
+
+
+def _localize(endpoint: str, host: str) -> str:
+    scheme, bound, port = _split(endpoint)
+    if port is None:
+        return endpoint
+    if bound in _WILDCARDS:
+        bound = host
+    return f"{scheme}{bound}:{port}"
+
+
+def _per_rank(
+    spec: str | list[str] | None, base_port: int | None, dp_size: int, host: str
+) -> list[str | None]:
+    if spec is None:
+        return [None] * dp_size
+    if isinstance(spec, list):
+        if len(spec) != dp_size:
+            raise RequestError(f"expected {dp_size} endpoints (one per dp rank), got {len(spec)}")
+        return [_localize(e, host) for e in spec]
+    scheme, bound, port = _split(_localize(spec, host))
+    if port is None:
+        if dp_size != 1:
+            raise RequestError(f"endpoint {spec!r} has no port to offset per dp rank")
+        return [spec]
+    first = port if base_port is None else base_port
+    return [f"{scheme}{bound}:{first + r}" for r in range(dp_size)]
+
+
+def _advertised(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The kv-events settings a server_info answer advertises, normalized to one dict."""
+    block = info.get("kv_events")
+    if isinstance(block, Mapping):
+        return dict(block)
+    raw = info.get("kv_events_config")
+    if isinstance(raw, str) and raw:
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raw = None
+    advertised = dict(raw) if isinstance(raw, Mapping) else {}
+    if "block_size" not in advertised and isinstance(info.get("page_size"), int):
+        advertised["block_size"] = info["page_size"]
+    if "dp_size" not in advertised and isinstance(info.get("dp_size"), int):
+        advertised["dp_size"] = info["dp_size"]
+    return advertised
+
+
+def streams_for(worker: WorkerConfig, info: Mapping[str, Any] | None) -> list[StreamConfig]:
+    """The streams of `worker`: its config, completed from its `/server_info` when given."""
+    if not worker.kv_events:
+        return []
+    adv = _advertised(info) if info is not None else {}
+    host = worker_host(worker.url)
+    events = (
+        worker.events if worker.events is not None else _endpoints(adv, "endpoints", "endpoint")
+    )
+    if not isinstance(events, str | list):
+        raise RequestError(
+            f"worker {worker.worker_id}: no KV-event endpoint configured or advertised"
+        )
+    replay = (
+        worker.replay
+        if worker.replay is not None
+        else _endpoints(adv, "replay_endpoints", "replay_endpoint")
+    )
+    dp_size = (
+        worker.dp_size
+        or _int(adv.get("dp_size"))
+        or (len(events) if isinstance(events, list) else 1)
+    )
+    block_size = worker.block_size or _int(adv.get("block_size"))
+    topic = worker.topic if worker.topic is not None else adv.get("topic")
+    base = None if worker.events is not None else _int(adv.get("endpoint_port_base"))
+    replay_base = None if worker.replay is not None else _int(adv.get("replay_port_base"))
+    live = _per_rank(events, base, dp_size, host)
+    replays = _per_rank(
+        replay if isinstance(replay, str | list) else None, replay_base, dp_size, host
+    )
+    return [
+        StreamConfig(
+            endpoint=endpoint,
+            replay_endpoint=replays[rank],
+            topic=topic if isinstance(topic, str) else "",
+            block_size=block_size,
+            engine=worker.engine,
+            dp_rank=rank,
+            model=worker.model,
+        )
+        for rank, endpoint in enumerate(live)
+        if endpoint is not None
+    ]
+
+
+def _endpoints(adv: Mapping[str, Any], many: str, one: str) -> object:
+    """The advertised per-rank endpoint list when there is one, else the rank-0 endpoint."""
+    listed = adv.get(many)
+    if isinstance(listed, list) and listed and all(isinstance(e, str) for e in listed):
+        return listed
+    return adv.get(one)
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

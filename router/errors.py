@@ -1,0 +1,86 @@
+"""Errors raised by the router; each one knows the HTTP status it becomes.
+
+RouterError                    500 unless a subclass says otherwise
+├── ConfigError                a config file or struct that cannot be used (never an HTTP answer)
+├── RequestError               400: a request body or header the router cannot route
+│   └── PayloadTooLargeError   413: a body over the configured limit
+├── AuthError                  401: admin call without the right bearer token
+├── NotFoundError              404: an unknown worker or namespace on the admin API
+├── ConflictError              409: adding a worker id that already exists
+├── NoWorkerError              503: no healthy worker can take the request
+└── UpstreamError              502: every worker tried failed before answering
+    └── UpstreamTimeoutError   504: the per-request deadline passed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "ConfigError",
+    "ConflictError",
+    "NoWorkerError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "RequestError",
+    "RouterError",
+    "UpstreamError",
+    "UpstreamTimeoutError",
+]
+
+
+class RouterError(Exception):
+    """Base of every error the router raises on purpose."""
+
+    status = 500
+
+
+class ConfigError(RouterError):
+    """A config that cannot be used; the message names the offending key."""
+
+
+class RequestError(RouterError):
+    """A client request the router cannot route; the message names the field."""
+
+    status = 400
+
+
+class PayloadTooLargeError(RequestError):
+    """A request body larger than `limits.max_body_bytes`."""
+
+    status = 413
+
+
+class AuthError(RouterError):
+    """An admin call without a valid bearer token."""
+
+    status = 401
+
+
+class NotFoundError(RouterError):
+    """An admin call naming a worker or namespace the router does not know."""
+
+    status = 404
+
+
+class ConflictError(RouterError):
+    """An admin call that would create a duplicate (a worker id already in the pool)."""
+
+    status = 409
+
+
+class NoWorkerError(RouterError):
+    """No worker is healthy, undrained and closed-circuit right now."""
+
+    status = 503
+
+
+class UpstreamError(RouterError):
+    """Every worker tried failed before a byte reached the client."""
+
+    status = 502
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """The per-request deadline passed while waiting on a worker."""
+
+    status = 504

@@ -1,0 +1,37 @@
+"""Typed application keys: the one place the app's shared objects are named."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from indexer.service import IndexerService
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.namespace import Fingerprinter
+from router.proxy import Proxy
+from router.scheduler import Scheduler
+from router.supervisor import Supervisor
+from router.tokenizer import PromptTokenizer
+
+__all__ = [
+    "CONFIG",
+    "FINGERPRINT",
+    "INDEXER",
+    "METRICS",
+    "PROXY",
+    "SCHEDULER",
+    "SESSION",
+    "SUPERVISOR",
+    "TOKENIZER",
+]
+
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+TOKENIZER = web.AppKey("tokenizer", PromptTokenizer)
+FINGERPRINT = web.AppKey("fingerprint", Fingerprinter)
+INDEXER = web.AppKey("indexer", IndexerService)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+PROXY = web.AppKey("proxy", Proxy)

@@ -1,0 +1,117 @@
+"""Prometheus metrics of one router, in its own registry (several routers may share a process).
+
+Labels are worker ids, endpoints and outcomes only: never a salt, never a fingerprint (a label
+per tenant would be unbounded and would leak who is active).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
+
+
+class RouterMetrics:
+    """Every metric the router exports."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[str, str, int], tuple[Counter, Counter, Counter, Histogram]] = {}
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Proxied requests by endpoint, worker and status code",
+            ["endpoint", "worker", "code"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvroute_rejected_requests",
+            "Requests answered by the router itself (4xx/5xx)",
+            ["endpoint", "error"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Upstream attempts that failed before any byte reached the client",
+            ["worker"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time from request to last byte, by endpoint",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens routed, by worker", ["worker"], registry=r
+        )
+        self.matched_tokens = Counter(
+            "kvroute_matched_tokens",
+            "Prompt tokens the index predicted cached on the chosen worker",
+            ["worker"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvroute_in_flight_requests",
+            "Requests the router has in flight per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvroute_worker_routable",
+            "1 when the worker takes new requests",
+            ["worker"],
+            registry=r,
+        )
+
+    def record(
+        self, endpoint: str, worker: str, code: int, prompt: int, matched: int, seconds: float
+    ) -> None:
+        """Count one proxied request (children cached: `labels()` is slow on the hot path)."""
+        key = (endpoint, worker, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(endpoint, worker, str(code)),
+                self.prompt_tokens.labels(worker),
+                self.matched_tokens.labels(worker),
+                self.latency.labels(endpoint),
+            )
+        requests, prompt_tokens, matched_tokens, latency = children
+        requests.inc()
+        prompt_tokens.inc(prompt)
+        matched_tokens.inc(matched)
+        latency.observe(seconds)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+    def forget(self, worker: str) -> None:
+        """Drop the per-worker gauges of a removed worker."""
+        self._children = {k: v for k, v in self._children.items() if k[1] != worker}
+        for gauge in (self.in_flight, self.healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker)

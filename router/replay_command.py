@@ -1,0 +1,260 @@
+"""`kvroute replay FILE`: a recording into an in-memory index, or republished on PUB sockets.
+
+`--into index` (default) decodes and applies as fast as possible and prints what the router
+would have known; `--publish tcp://HOST:PORT` plays the streams to a live router at the recorded
+pace (`--speed`), with optional faults. `--from/--to` take a time (`+SECONDS` after the first
+record, `SECONDSs`, or an ISO 8601 timestamp, UTC when naive) or a seq (`seq:N`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+import msgspec
+
+from indexer.errors import IndexerError
+from indexer.recording import Record, RecordingReader, Source
+from indexer.replayer import RecordFilter, ReplaySummary, replay_into_index, select_records
+from indexer.republisher import PublishedStream, RepublishConfig, Republisher, parse_faults
+from indexer.snapshot import dump_index
+
+__all__ = ["add_arguments", "parse_window", "print_summary", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute replay`."""
+    parser.add_argument("file", type=Path, help="a recording made by `kvroute record`")
+    parser.add_argument(
+        "--into", choices=["index"], default="index", help="replay into an in-memory index"
+    )
+    parser.add_argument("--dump", type=Path, help="write the final index snapshot here")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--publish",
+        metavar="tcp://HOST:PORT",
+        help="republish on PUB sockets (port + i per stream)",
+    )
+    parser.add_argument(
+        "--replay-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="replay ROUTER of the first stream (default: after the PUB ports)",
+    )
+    parser.add_argument("--replay-buffer", type=int, default=10_000, help="batches kept per stream")
+    parser.add_argument(
+        "--speed", default="1", help="pace multiplier of the recorded timing, or 'max' (default 1)"
+    )
+    parser.add_argument(
+        "--faults", default="", help="drop=P,dup=P,reorder=P,restart-at=SEQ (with --publish)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
+    parser.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for subscribers (--publish)"
+    )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=2.0,
+        help="seconds to keep answering replay requests after the last message (--publish)",
+    )
+    parser.add_argument("--from", dest="start", help="first record: +SECONDS, ISO time or seq:N")
+    parser.add_argument("--to", dest="end", help="last record: +SECONDS, ISO time or seq:N")
+    parser.add_argument(
+        "--stream", action="append", default=[], help="replay only this stream (repeatable)"
+    )
+
+
+def parse_window(reader: RecordingReader, start: str | None, end: str | None) -> RecordFilter:
+    """Turn `--from/--to` (and nothing else) into a filter; ValueError names the bad bound."""
+    first: float | None = None
+    bounds: dict[str, float | int] = {}
+    for name, text in (("from", start), ("to", end)):
+        if text is None:
+            continue
+        text = text.strip()
+        if text.startswith("seq:"):
+            try:
+                bounds[f"{name}_seq"] = int(text[4:])
+            except ValueError:
+                raise ValueError(f"--{name} {text!r}: seq:N needs an integer") from None
+            continue
+        if text.startswith("+") or text.endswith("s") or _is_number(text):
+            try:
+                offset = float(text.lstrip("+").rstrip("s"))
+            except ValueError:
+                raise ValueError(f"--{name} {text!r}: not a number of seconds") from None
+            if first is None:
+                first = _first_time(reader)
+            bounds[f"{name}_time"] = first + offset
+            continue
+        try:
+            when = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(
+                f"--{name} {text!r}: expected +SECONDS, SECONDSs, an ISO 8601 time or seq:N"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        bounds[f"{name}_time"] = when.timestamp()
+    return msgspec.convert(bounds, RecordFilter)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _first_time(reader: RecordingReader) -> float:
+    for positioned in reader.records():
+        return positioned.record.recv_time
+    return 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay into an index (default) or republish."""
+    try:
+        with RecordingReader(args.file) as reader:
+            flt = parse_window(reader, args.start, args.end)
+    except (OSError, IndexerError, ValueError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+    if args.stream:
+        flt = msgspec.structs.replace(flt, streams=frozenset(args.stream))
+    if args.publish:
+        return _publish(args, flt)
+    if args.faults:
+        print("kvroute replay: --faults needs --publish", file=sys.stderr)
+        return 2
+    try:
+        summary, index = replay_into_index(args.file, flt=flt)
+    except IndexerError as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+    if args.dump:
+        # the same snapshot `/admin` and `IndexerService.dump` produce: loadable by a router
+        args.dump.write_bytes(dump_index(index))
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
+    else:
+        print_summary(summary, sys.stdout)
+    return 1 if summary.damage is not None else 0
+
+
+def print_summary(summary: ReplaySummary, out: TextIO) -> None:
+    """The human summary of an offline replay."""
+    span = (summary.last_time or 0.0) - (summary.first_time or 0.0)
+    w = out.write
+    w(f"{summary.path}: {summary.records} records over {span:.1f} s\n")
+    w(
+        f"  batches {summary.batches}  events {summary.events}  blocks stored "
+        f"{summary.blocks_stored}  removed {summary.blocks_removed}  decode errors "
+        f"{summary.decode_errors}\n"
+    )
+    w(
+        f"  applied in {summary.elapsed_s:.3f} s: {summary.block_ops_per_s:,.0f} block ops/s "
+        "(read + decode + apply)\n"
+    )
+    w(f"  final index: {summary.index_entries} entries\n")
+    w("  streams:\n")
+    for s in summary.streams:
+        w(
+            f"    {s.stream}: records {s.records} (replayed {s.replayed_records})  seq "
+            f"{s.first_seq}..{s.last_seq}  gaps {s.gaps} (repaired by {s.replays} replays, "
+            f"lost {s.lost_gaps})  restarts {s.restarts}  decode errors {s.decode_errors}  "
+            f"unknown parents {s.unknown_parents}  block size {s.block_size} (mismatches "
+            f"{s.block_size_mismatches})  entries {s.entries}\n"
+        )
+    w("  namespaces (model, lora, salt fingerprint: blocks, tokens, holders):\n")
+    for ns in summary.namespaces:
+        holders = ", ".join(f"{k}={v}" for k, v in sorted(ns.holders.items()))
+        w(
+            f"    {ns.model or '-'}, {ns.lora or '-'}, {ns.salt}: "
+            f"{ns.blocks}, {ns.tokens}, {holders}\n"
+        )
+    if summary.damage is not None:
+        d = summary.damage
+        w(
+            f"  STOPPED at byte {d.offset} (record {d.record}): {d.kind}: {d.reason}; "
+            "everything before it was replayed\n"
+        )
+
+
+def _parse_speed(text: str) -> float | None:
+    if text == "max":
+        return None
+    speed = float(text)
+    if speed <= 0:
+        raise ValueError("--speed must be > 0 or 'max'")
+    return speed
+
+
+def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
+    try:
+        config = RepublishConfig(
+            endpoint=args.publish,
+            replay_endpoint=args.replay_endpoint,
+            speed=_parse_speed(args.speed),
+            replay_buffer=args.replay_buffer,
+            faults=parse_faults(args.faults, seed=args.seed),
+        )
+        with RecordingReader(args.file) as reader:
+            sources = _sources(reader, flt)
+    except (OSError, IndexerError, ValueError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_republish(args, config, sources, flt))
+    except (OSError, IndexerError, ValueError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+
+
+def _sources(reader: RecordingReader, flt: RecordFilter) -> list[Source]:
+    """Every stream the selected records hold, in first-seen order (one pass, no decoding)."""
+    seen: dict[str, None] = {}
+    for positioned in select_records(reader, flt):
+        seen.setdefault(positioned.record.stream)
+    return [reader.sources.get(s) or Source(stream=s) for s in seen]
+
+
+def _records(path: Path, flt: RecordFilter) -> Iterator[Record]:
+    with RecordingReader(path) as reader:
+        for positioned in select_records(reader, flt):
+            yield positioned.record
+        if reader.damage is not None:
+            d = reader.damage
+            print(
+                f"recording damaged at byte {d.offset} (record {d.record}): {d.reason}",
+                file=sys.stderr,
+            )
+
+
+async def _republish(
+    args: argparse.Namespace, config: RepublishConfig, sources: list[Source], flt: RecordFilter
+) -> int:
+    async with Republisher(sources, config) as rep:
+        for s in rep.streams:
+            print(f"stream {s.stream}: PUB {s.endpoint}  replay {s.replay_endpoint}", flush=True)
+        if args.wait > 0 and not await rep.wait_subscribed(args.wait):
+            print("no subscriber on every stream yet; publishing anyway", flush=True)
+        streams = await rep.run(_records(args.file, flt))
+        await asyncio.sleep(max(0.0, args.linger))  # late replay requests still get answers
+    _print_published(streams, sys.stdout)
+    return 0
+
+
+def _print_published(streams: list[PublishedStream], out: TextIO) -> None:
+    for s in streams:
+        out.write(
+            f"{s.stream}: sent {s.sent}  dropped {s.dropped}  duplicated {s.duplicated}  "
+            f"reordered {s.reordered}  restarts {s.restarts}  replay requests "
+            f"{s.replay_requests} ({s.replayed} batches)  last seq {s.last_seq}\n"
+        )

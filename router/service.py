@@ -1,0 +1,80 @@
+"""`RouterService`: a whole router (indexer, health checks, HTTP server) as one async context.
+
+    async with RouterService(RouterConfig(workers=(WorkerConfig(url=...),))) as router:
+        print(router.url)
+
+Port 0 picks a free port; `url` reports the bound one. The benchmarks start one per policy.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from indexer.service import IndexerService
+from router.app import create_app
+from router.config import RouterConfig
+from router.keys import INDEXER, SCHEDULER, SUPERVISOR
+from router.scheduler import Scheduler
+from router.supervisor import Supervisor
+
+__all__ = ["RouterService"]
+
+
+class RouterService:
+    """Runs the router application on its configured listen address until exited."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+
+    async def __aenter__(self) -> RouterService:
+        # handler cancellation: a client that disconnects cancels its handler, which closes the
+        # upstream request, so an abandoned generation stops on the worker as well
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        started = False
+        try:
+            site = web.TCPSite(runner, self.config.listen.host, self.config.listen.port)
+            await site.start()
+            started = True
+        finally:
+            if not started:
+                await runner.cleanup()
+        self._runner = runner
+        address = runner.addresses[0]
+        self._port = int(address[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the running router, e.g. http://127.0.0.1:8000."""
+        if self._port is None:
+            raise RuntimeError("RouterService is not running")
+        host = self.config.listen.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}"
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The routing core (pool, load, policy, indexer) of the running router."""
+        return self.app[SCHEDULER]
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """Pool membership and health checks of the running router."""
+        return self.app[SUPERVISOR]
+
+    @property
+    def indexer(self) -> IndexerService:
+        """The running IndexerService."""
+        return self.app[INDEXER]

@@ -1,0 +1,158 @@
+"""Report arithmetic (summaries, targets) and the files the report writer produces."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.report import (
+    BenchReport,
+    PolicyRun,
+    RequestRecord,
+    WorkloadSection,
+    evaluate_targets,
+    percentile,
+    render_markdown,
+    summarize,
+    write_report,
+)
+
+
+def _run(policy: str, cached: int, ttft_s: float, predicted: int | None = None) -> PolicyRun:
+    records = [
+        RequestRecord(
+            index=i,
+            sent_s=i * 0.1,
+            ok=True,
+            worker="w0",
+            prompt_tokens=100,
+            cached_tokens=cached,
+            output_tokens=4,
+            ttft_s=ttft_s,
+            e2e_s=ttft_s + 0.05,
+            predicted_tokens=predicted,
+        )
+        for i in range(10)
+    ]
+    records.append(RequestRecord(index=10, sent_s=1.0, ok=False, error="HTTP 503"))
+    return PolicyRun(policy=policy, records=records, wall_s=2.0)
+
+
+def _section(pressure: float, kv_cached: int = 80) -> WorkloadSection:
+    return WorkloadSection(
+        workload="multi_tenant",
+        description="test",
+        seed=1,
+        params={"tenants": 2},
+        requests=11,
+        rate_rps=10.0,
+        working_set_tokens=1000,
+        capacity_tokens=250,
+        workers=2,
+        pressure=pressure,
+        runs=[
+            _run("kv", kv_cached, 0.01, predicted=kv_cached),
+            _run("approx_tree", 40, 0.05),
+            _run("round_robin", 20, 0.08),
+            _run("oracle", 82, 0.01),
+        ],
+    )
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+
+
+def test_summary_counts_hits_failures_and_accuracy() -> None:
+    s = summarize(_run("kv", 30, 0.02, predicted=40))
+    assert (s.requests, s.completed, s.failed) == (11, 10, 1)
+    assert s.hit_rate == pytest.approx(0.30)
+    assert s.ttft_p90_ms == pytest.approx(20.0)
+    assert s.index_accuracy == pytest.approx(30 / 40)
+    assert s.index_exact_share == 0.0
+    # 10 completions between the first send (0 s) and the last end (0.9 + 0.07 s)
+    assert s.throughput_rps == pytest.approx(10 / 0.97)
+    assert summarize(_run("round_robin", 30, 0.02)).index_accuracy is None
+
+
+def test_targets_met_and_missed() -> None:
+    met = {t.target: t for t in evaluate_targets(_section(2.5))}
+    assert all(t.met for t in met.values()), met
+    assert met["kv hit rate >= 2x round_robin"].value == pytest.approx(4.0)
+    missed = {t.target: t for t in evaluate_targets(_section(2.5, kv_cached=50))}
+    assert missed["kv hit rate >= 1.5x approx_tree"].met is False
+    assert missed["kv hit rate within 5% of oracle"].met is False
+    # a policy that never ran makes its targets unevaluable, not passed
+    section = _section(2.5)
+    section.runs = [r for r in section.runs if r.policy != "oracle"]
+    gone = {t.target: t for t in evaluate_targets(section)}
+    assert gone["kv hit rate within 5% of oracle"].met is None
+
+
+def test_zero_baseline_hit_rate_is_an_infinite_ratio() -> None:
+    section = _section(3.0)
+    section.runs[2] = _run("round_robin", 0, 0.08)
+    by = {t.target: t for t in evaluate_targets(section)}
+    assert by["kv hit rate >= 2x round_robin"].value == math.inf
+    assert by["kv hit rate >= 2x round_robin"].met is True
+
+
+def test_write_report_files(tmp_path: Path) -> None:
+    report = BenchReport(
+        command="kvroute bench routing --quick --seed 1",
+        seed=1,
+        mode="quick",
+        started_at="now",
+        fleet={"workers": 2},
+        sections=[_section(1.0), _section(2.5)],
+        notes=["sglang-router not installed: external baseline skipped"],
+    )
+    md = write_report(report, tmp_path)
+    text = md.read_text()
+    assert "kvroute bench routing --quick --seed 1" in text
+    assert "### multi_tenant at KV pressure 2.50" in text
+    assert "| kv | 10/11 | 1 | 80.0% |" in text
+    assert "sglang-router not installed" in text
+    for png in ("routing_ttft_cdf.png", "routing_hit_rate_vs_pressure.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+    data = json.loads((tmp_path / "routing.json").read_text())
+    assert [s["pressure"] for s in data["sections"]] == [1.0, 2.5]
+    assert data["sections"][0]["targets"] == []
+    assert len(data["sections"][1]["targets"]) == 5
+    # the markdown renders without plots too
+    assert "## Plots" not in render_markdown(report, {})
+
+
+def test_closing_note_explains_each_missed_target() -> None:
+    report = BenchReport(
+        command="c",
+        seed=1,
+        mode="full",
+        started_at="now",
+        fleet={},
+        sections=[_section(2.5, kv_cached=50)],
+    )
+    text = render_markdown(report, {})
+    assert "## Closing note" in text
+    assert "kv hit rate within 5% of oracle missed" in text
+    met = BenchReport(
+        command="c", seed=1, mode="full", started_at="now", fleet={}, sections=[_section(2.5)]
+    )
+    assert "## Closing note" not in render_markdown(met, {})
+
+
+def test_pending_tokens_count_as_the_routers_prediction() -> None:
+    run = _run("kv", 60, 0.01, predicted=20)
+    for r in run.records:
+        r.pending_tokens = 40
+    s = summarize(run)
+    assert s.index_accuracy == pytest.approx(1.0)
+    assert s.index_events_accuracy == pytest.approx(20 / 60)
+    assert s.index_exact_share == 1.0

@@ -1,0 +1,1 @@
+"""Indexer tests: the pure index, sequence tracking, subscriptions over real ZMQ."""

@@ -1,0 +1,123 @@
+"""Hostile event sequences never crash the index and never leave it inconsistent.
+
+After every batch the shared table, namespace sizes, duplicate-key counts and tier tables are
+recomputed from the per-stream maps and compared with what the index maintains incrementally.
+Events are drawn adversarially: repeated hashes inside one event, hashes reused for other
+content, unknown parents and removes, partial pages with children, odd media, page sizes that
+do not fit, clears, evictions, snapshots reloaded mid-way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from indexer.index import CODE_BITS, CODE_MASK, NS_MASK, PrefixIndex, ns_code
+from indexer.namespace import Namespace
+from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored
+from indexer.snapshot import dump_index, load_index
+
+
+def check_invariants(index: PrefixIndex) -> None:
+    table: dict[int, int] = {}
+    ns_of: dict[int, int] = {}
+    blocks_per_ns: dict[int, int] = {}
+    for st in index._streams.values():
+        counts: dict[int, int] = {}
+        per_key: dict[int, int] = {}
+        for key in st.blocks.values():
+            v = index._table[key]
+            ns_id = v & NS_MASK
+            assert v & CODE_MASK == ns_code(ns_id)
+            ns_of.setdefault(key, ns_id)
+            assert ns_of[key] == ns_id
+            table[key] = table.get(key, 0) | st.sbit
+            counts[ns_id] = counts.get(ns_id, 0) + 1
+            per_key[key] = per_key.get(key, 0) + 1
+        assert {k: n for k, n in st.ns_counts.items() if n} == counts
+        assert st.dup_keys == {k: n - 1 for k, n in per_key.items() if n > 1}
+        assert all(n > 1 for n in st.refs.values())
+        assert set(st.refs) <= set(st.blocks) | set(st.partial)
+        for h, medium in st.media.items():
+            assert h in st.blocks and index._tiers[medium][st.blocks[h]] & st.bit
+    assert {k: v >> CODE_BITS for k, v in index._table.items()} == {
+        k: v >> CODE_BITS for k, v in table.items()
+    }
+    for ns_id in ns_of.values():
+        blocks_per_ns[ns_id] = blocks_per_ns.get(ns_id, 0) + 1
+    got = {i: n for i, n in enumerate(index._ns_blocks) if n}
+    assert got == blocks_per_ns
+
+
+def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
+    events: list[Event] = []
+    for _ in range(rng.randrange(1, 5)):
+        roll = rng.random()
+        recent = held[-20:]
+        if roll < 0.6:
+            n = rng.randrange(1, 5)
+            # a small hash space: hashes get stored twice (refcounts) and reused for other
+            # content; a tiny token alphabet: different hashes share keys (dup_keys)
+            hashes: list[object] = [rng.randrange(40) for _ in range(n)]
+            if rng.random() < 0.05:
+                hashes.append(hashes[0])  # one hash twice in one event
+            if rng.random() < 0.05:
+                hashes[0] = b"\x01" * 32
+            page = 4 if rng.random() < 0.85 else rng.choice([2, 8, 0])
+            if page == 2:
+                hashes = hashes[:1]  # a trailing partial page
+            tokens = [rng.randrange(3) for _ in range(len(hashes) * max(page, 1))]
+            if rng.random() < 0.05:
+                tokens = tokens[:-1]
+            parent_roll = rng.random()
+            parent = None
+            if parent_roll < 0.5 and recent:
+                parent = rng.choice(recent)
+            elif parent_roll < 0.55:
+                parent = rng.randrange(1000, 1010)  # never stored
+            events.append(
+                Stored(
+                    block_hashes=hashes,  # type: ignore[arg-type]
+                    parent=parent,  # type: ignore[arg-type]
+                    token_ids=tokens,  # type: ignore[arg-type]
+                    block_size=page,
+                    medium=rng.choice([None, "GPU", "GPU", "CPU"]),
+                    cache_salt=rng.choice([None, None, "", "a"]),
+                    lora_name=rng.choice([None, None, "l"]),
+                    extra_keys=rng.choice([None, [["a"]], [["l", "b"]], [[]]]),
+                )
+            )
+            held.extend(hashes)
+        elif roll < 0.97:
+            pool = [*recent, 1, 2, 3, 12345]
+            k = rng.randrange(1, 6)
+            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[arg-type]
+        else:
+            events.append(Cleared())
+    return EventBatch(ts=0.0, events=events)
+
+
+@pytest.mark.parametrize("seed", [11, 12, int(os.environ.get("KVROUTE_TEST_SEED", "13"))])
+def test_hostile_sequences_keep_the_index_consistent(seed: int) -> None:
+    print(f"invariants seed={seed}")
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    for name, engine in (("s", "sglang"), ("v", "vllm"), ("t", "sglang")):
+        index.add_stream(name, model="m", engine=engine, block_size=4)  # type: ignore[arg-type]
+    held: list[object] = []
+    for step in range(600):
+        stream = rng.choice(["s", "v", "t"])
+        index.apply(stream, hostile_batch(rng, held), step)
+        if rng.random() < 0.03:
+            index.evict_namespace(Namespace("m", rng.choice([None, "l"]), rng.choice([None, "a"])))
+        if rng.random() < 0.02:
+            index = load_index(dump_index(index))
+        if rng.random() < 0.01:
+            index.drop_stream(stream)
+            index.add_stream(stream, model="m", block_size=4)
+        if rng.random() < 0.05:
+            index.add_pending(stream, Namespace("m"), [rng.randrange(4) for _ in range(12)])
+        check_invariants(index)
+        index.query(Namespace("m", None, "a"), [rng.randrange(4) for _ in range(16)])

@@ -1,0 +1,192 @@
+"""PrefixIndex details the differential test does not reach: sizes, tiers, pending, snapshots."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from indexer.errors import SnapshotError
+from indexer.index import PrefixIndex
+from indexer.namespace import Namespace, namespace_seed, request_keys
+from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from indexer.snapshot import dump_index, load_index
+
+NS = Namespace("m")
+TOKENS = list(range(100, 116))  # 4 blocks of 4
+
+
+def stored(
+    hashes: list[BlockHash], tokens: list[int], parent: int | None = None, **kw: object
+) -> Stored:
+    page = kw.pop("block_size", 4)
+    return Stored(block_hashes=hashes, parent=parent, token_ids=tokens, block_size=page, **kw)  # type: ignore[arg-type]
+
+
+def batch(*events: object) -> EventBatch:
+    return EventBatch(0.0, list(events))  # type: ignore[arg-type]
+
+
+def make(block_size: int | None = 4) -> PrefixIndex:
+    index = PrefixIndex()
+    index.add_stream("a", model="m", block_size=block_size)
+    index.add_stream("b", model="m", block_size=block_size)
+    return index
+
+
+def test_block_keys_are_stable_and_namespaced() -> None:
+    keys = request_keys(NS, TOKENS, 4)
+    assert len(keys) == 4 and keys == request_keys(Namespace("m", None, ""), [*TOKENS, 1], 4)
+    assert keys != request_keys(Namespace("m", None, "s"), TOKENS, 4)
+    assert namespace_seed(NS, 4) != namespace_seed(NS, 8)
+
+
+def test_parents_refcounts_and_unknown_parents() -> None:
+    index = make()
+    out = index.apply("a", batch(stored([1, 2], TOKENS[:8]), stored([3], TOKENS[8:12], parent=2)))
+    assert out.stored == 3 and index.query(NS, TOKENS)["a"].blocks == 3
+    out = index.apply("a", batch(stored([9], TOKENS[12:], parent=777)))
+    assert out.unknown_parents == 1 and index.counters("a").unknown_parents == 1
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])))  # duplicate store: refcount 2
+    index.apply("a", batch(Removed(block_hashes=[1, 2])))
+    assert index.query(NS, TOKENS)["a"].blocks == 3
+    index.apply("a", batch(Removed(block_hashes=[2])))
+    assert index.query(NS, TOKENS)["a"].blocks == 1
+    assert index.entries("a") == 2
+
+
+def test_cleared_drops_exactly_that_stream() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])))
+    index.apply("b", batch(stored([1, 2, 3], TOKENS[:12])))
+    index.apply("a", batch(Cleared()))
+    got = index.query(NS, TOKENS)
+    assert (got["a"].blocks, got["b"].blocks) == (0, 3)
+    assert index.counters("a").clears == 1
+    assert [(s.blocks, s.holders) for s in index.namespaces()] == [(3, {"b": 3})]
+
+
+def test_block_size_learned_partial_pages_and_mismatches() -> None:
+    index = make(block_size=None)
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])))
+    assert index.block_size("a") == 4
+    # a trailing partial page: held, never matching a full request block
+    out = index.apply("a", batch(stored([5], TOKENS[8:10], parent=2, block_size=2)))
+    assert out.block_size_mismatches == 0 and index.entries("a") == 3
+    assert index.query(NS, TOKENS)["a"].blocks == 2
+    index.apply("a", batch(Removed(block_hashes=[5])))
+    assert index.entries("a") == 2
+    # pages of 8 on a stream of 4, or several short pages: counted, not indexed
+    out = index.apply("a", batch(stored([6], TOKENS[:8], block_size=8)))
+    out2 = index.apply("a", batch(stored([7, 8], TOKENS[:4], block_size=2)))
+    assert out.block_size_mismatches == 1 and out2.block_size_mismatches == 1
+    assert index.counters("a").block_size_mismatches == 2 and index.entries("a") == 2
+
+
+def test_media_are_reported_per_tier() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
+    index.apply("a", batch(stored([3, 4], TOKENS[8:], parent=2, medium="CPU")))
+    got = index.query(NS, TOKENS)["a"]
+    assert got.blocks == 4 and got.by_medium == {"GPU": 2, "CPU": 2}
+    index.apply("a", batch(Removed(block_hashes=[3, 4])))
+    assert index.query(NS, TOKENS)["a"].by_medium == {"GPU": 2}
+
+
+def test_pending_entries_expire_and_are_replaced() -> None:
+    now = [0.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=2.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.apply("a", batch(stored([1], TOKENS[:4])))
+    assert index.add_pending("a", NS, TOKENS) == 3  # the first block is already real
+    got = index.query(NS, TOKENS)["a"]
+    assert (got.blocks, got.pending_blocks) == (1, 3)
+    index.apply("a", batch(stored([2], TOKENS[4:8], parent=1)))
+    assert len(index.pending) == 2  # the real block replaced its pending entry
+    now[0] = 2.5
+    got = index.query(NS, TOKENS)["a"]
+    assert (got.blocks, got.pending_blocks) == (2, 0) and len(index.pending) == 0
+
+
+def test_evict_namespace_and_drop_stream() -> None:
+    index = make()
+    salted = Namespace("m", None, "s")
+    index.apply("a", batch(stored([1, 2], TOKENS[:8]), stored([3, 4], TOKENS[:8], cache_salt="s")))
+    index.apply("b", batch(stored([3, 4], TOKENS[:8], cache_salt="s")))
+    assert index.evict_namespace(salted) == 4
+    assert index.query(salted, TOKENS)["a"].blocks == 0 and index.entries("b") == 0
+    assert index.query(NS, TOKENS)["a"].blocks == 2
+    assert index.drop_stream("a") == 2 and index.streams() == ["b"]
+    assert index.namespaces() == []
+
+
+def test_snapshot_round_trip() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="s"), stored([3], TOKENS[:4])), 7)
+    index.apply("b", batch(stored([b"x" * 32], TOKENS[:4], medium="CPU")), 3)
+    index.apply("b", batch(stored([b"x" * 32], TOKENS[:4], medium="CPU")), 4)
+    loaded = load_index(dump_index(index))
+    for ns in (NS, Namespace("m", None, "s")):
+        assert loaded.query(ns, TOKENS) == index.query(ns, TOKENS)
+    assert loaded.namespaces() == index.namespaces()
+    assert (loaded.last_seq("a"), loaded.last_seq("b")) == (7, 4)
+    loaded.apply("b", batch(Removed(block_hashes=[b"x" * 32])))
+    assert loaded.entries("b") == 1  # the reference count survived
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x81\xa3abc\x01",
+        msgspec.msgpack.encode({"format": "kvroute-index", "version": 99}),
+        msgspec.msgpack.encode({"format": "kvroute-index", "version": 1, "hash_probe": 1}),
+    ],
+)
+def test_bad_snapshots_raise_snapshot_error(data: bytes) -> None:
+    with pytest.raises(SnapshotError):
+        load_index(data)
+
+
+def test_truncated_and_inconsistent_snapshots_raise() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])))
+    data = dump_index(index)
+    for cut in (len(data) // 2, len(data) - 1):
+        with pytest.raises(SnapshotError):
+            load_index(data[:cut])
+    doc = msgspec.msgpack.decode(data)
+    doc["streams"][0][8] = [99, 99]  # namespace ids that do not exist
+    with pytest.raises(SnapshotError):
+        load_index(msgspec.msgpack.encode(doc))
+
+
+def test_an_entry_of_another_namespace_never_matches_even_on_a_key_collision() -> None:
+    index = make()
+    other = Namespace("m", None, "other")
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS)))
+    index.apply("b", batch(stored([5], TOKENS[:4], cache_salt="other")))
+    # forge a collision: block 2 of NS now carries the other namespace's code in the table
+    key = request_keys(NS, TOKENS, 4)[2]
+    other_value = index._table[request_keys(other, TOKENS, 4)[0]]
+    saved = index._table[key]
+    index._table[key] = other_value
+    got = index.query(NS, TOKENS)
+    assert (got["a"].blocks, got["b"].blocks) == (2, 0)
+    index._table[key] = saved
+    assert index.query(NS, TOKENS)["a"].blocks == 4
+
+
+def test_block_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
+    code = (
+        "from indexer.namespace import Namespace, request_keys;"
+        "print(request_keys(Namespace('m', 'l', 's'), list(range(64)), 16))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == str(request_keys(Namespace("m", "l", "s"), list(range(64)), 16))

@@ -1,0 +1,308 @@
+"""The indexer service against a scripted publisher over real ZMQ on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.index import NS_MASK, PrefixIndex
+from indexer.namespace import Namespace
+from indexer.protocol.events import EventBatch, Stored
+from indexer.protocol.frames import pack_seq
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload
+
+WORKER = "w0"
+STREAM = "w0#dp0"
+CONFIG = IndexerConfig(replay_timeout_s=0.5)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def view(index: PrefixIndex, stream: str) -> dict[object, tuple[int, Namespace | None]]:
+    """What a stream holds: engine hash -> (block key, namespace)."""
+    st = index._streams[stream]
+    return {h: (k, index._ns[index._table[k] & NS_MASK]) for h, k in st.blocks.items()}
+
+
+def reference(batches: list[EventBatch]) -> PrefixIndex:
+    index = PrefixIndex()
+    index.add_stream(STREAM)
+    for seq, batch in enumerate(batches):
+        index.apply(STREAM, batch, seq)
+    return index
+
+
+async def connect(svc: IndexerService, pub: ScriptedPublisher, **kw: object) -> None:
+    """Add the worker and wait until its SUB really receives (publishing empty batches)."""
+    cfg = StreamConfig(
+        endpoint=pub.endpoint,
+        replay_endpoint=kw.pop("replay_endpoint", pub.replay_endpoint),  # type: ignore[arg-type]
+        topic="kv",
+        **kw,  # type: ignore[arg-type]
+    )
+    await svc.add_worker(WORKER, [cfg])
+    for _ in range(100):
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+        if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+            return
+    raise AssertionError("subscriber never received anything")
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll a condition the service exposes no event for."""
+    async with asyncio.timeout(timeout_s):
+        # the service has no event for "restarted"; a short poll is the honest wait
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def publish_all(
+    pub: ScriptedPublisher,
+    batches: list[EventBatch],
+    drop: set[int] | None = None,
+    settle: IndexerService | None = None,
+) -> int:
+    """Publish `batches`, dropping the indexes in `drop`; with `settle`, one at a time."""
+    seq = -1
+    for i, batch in enumerate(batches):
+        dropped = i in (drop or set())
+        seq = await pub.publish(batch, drop=dropped)
+        if settle is not None and not dropped:
+            assert await settle.wait_applied(WORKER, seq)
+    return seq
+
+
+@pytest.mark.parametrize("with_topic", [True, False], ids=["new-layout", "old-layout"])
+async def test_dropped_batches_are_repaired_to_the_loss_free_index(
+    ctx: zmq.asyncio.Context, with_topic: bool
+) -> None:
+    batches = workload(seed=11, batches=60)
+    async with (
+        ScriptedPublisher(ctx, reply_with_topic=with_topic) as pub,
+        IndexerService(CONFIG) as svc,
+    ):
+        await connect(svc, pub)
+        warmup = pub.next_seq
+        last = await publish_all(pub, batches, drop={3, 4, 20, 41, 42, 43, 59}, settle=svc)
+        # the last batch was dropped: one more live message reveals the gap
+        last = await pub.publish(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        want = reference([EventBatch(ts=0.0, events=[])] * warmup + batches)
+        assert view(svc.index, STREAM) == view(want, STREAM)
+        assert view(svc.index, STREAM)  # not trivially empty
+        stats = svc.streams()[0]
+        assert (stats.gaps, stats.clears) == (4, 0)
+        assert stats.replays == len(pub.replay_requests) >= 4
+        assert stats.state is StreamState.SYNCED
+        assert stats.entries == len(want._streams[STREAM].blocks)
+        ns = Namespace("", None, "tenant-a")
+        tokens = [t for ev in batches[0].events if isinstance(ev, Stored) for t in ev.token_ids]
+        assert svc.query(ns, tokens) == {WORKER: svc.query(ns, tokens)[WORKER]}
+
+
+async def test_restart_clears_the_stream(ctx: zmq.asyncio.Context) -> None:
+    before = workload(seed=1, batches=10)
+    after = workload(seed=2, batches=5)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        assert await svc.wait_applied(WORKER, await publish_all(pub, before))
+        assert svc.streams()[0].entries > 0
+        pub.restart()
+        last = await publish_all(pub, after)
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and svc.streams()[0].batches > 15)
+        assert await svc.wait_applied(WORKER, last)
+        assert view(svc.index, STREAM) == view(reference(after), STREAM)
+        stats = svc.streams()[0]
+        assert stats.restarts == 1 and stats.last_seq == last
+
+
+async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=5, batches=30)
+    async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        assert await svc.wait_applied(WORKER, await publish_all(pub, batches[:10]))
+        # 6 lost batches, the buffer keeps 3: the replay cannot cover the gap
+        first_lost = pub.next_seq
+        last = await publish_all(pub, batches[10:], drop=set(range(6)), settle=svc)
+        stats = svc.streams()[0]
+        assert stats.clears == 1 and stats.gaps == 1 and stats.last_seq == last
+        assert pub.replay_requests[-1] == first_lost
+        # when the 7th batch revealed the gap the buffer held lost batches 5 and 6 and the 7th:
+        # what is left is exactly what those and the later batches build on a clean stream
+        kept = reference(batches[14:])
+        assert view(svc.index, STREAM) == view(kept, STREAM)
+        assert stats.state is StreamState.SYNCED
+
+
+async def test_gap_without_replay_endpoint_clears(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=6, batches=12)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+        last = await publish_all(pub, batches, drop={5})
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.clears == 1 and stats.replays == 0
+        kept = reference([EventBatch(ts=0.0, events=[])] * 6 + batches[6:])
+        assert view(svc.index, STREAM) == view(kept, STREAM)
+
+
+async def test_replay_timeout_clears_and_continues(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=7, batches=8)
+    async with ScriptedPublisher(ctx, answer_replays=False) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        last = await publish_all(pub, batches, drop={2})
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.clears == 1 and stats.gaps == 1 and stats.last_seq == last
+        assert stats.replays == len(pub.replay_requests)
+
+
+async def test_garbage_frames_never_stop_the_stream(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=8, batches=6)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        await publish_all(pub, batches[:3])
+        await pub.send_raw([b"kv", b"\x00" * 3, b"payload"])  # bad seq frame
+        await pub.send_raw([b"kv", pack_seq(1)])  # 2 frames
+        await pub.publish_payload(b"\xc1\xff garbage")
+        await pub.publish_payload(b"\x93\xcb")  # truncated msgpack
+        await pub.send_raw([b"kv", pack_seq(10**15), b"\x90"])  # a seq from nowhere
+        last = await publish_all(pub, batches[3:])
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.decode_errors == 5
+        assert stats.clears == 0 and stats.restarts == 0
+        empty = EventBatch(ts=0.0, events=[])
+        warm = last - len(batches) - 2 + 1
+        want = reference([empty] * warm + batches[:3] + [empty, empty] + batches[3:])
+        assert view(svc.index, STREAM) == view(want, STREAM)
+
+
+async def test_late_router_replays_from_zero(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=9, batches=15)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await publish_all(pub, batches[:10])  # nobody listens yet
+        await connect(svc, pub)  # its first live message has seq >= 10: replay from 0
+        last = await publish_all(pub, batches[10:])
+        assert await svc.wait_applied(WORKER, last)
+        assert pub.replay_requests[0] == 0
+        warm = last + 1 - 15
+        want = reference(batches[:10] + [EventBatch(ts=0.0, events=[])] * warm + batches[10:])
+        assert view(svc.index, STREAM) == view(want, STREAM)
+        assert svc.streams()[0].clears == 0
+
+
+async def test_raw_sink_sees_every_message_in_order(ctx: zmq.asyncio.Context) -> None:
+    seen: list[tuple[int, bool]] = []
+    batches = workload(seed=10, batches=12)
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        IndexerService(CONFIG, sink=lambda s, t, seq, p, r: seen.append((seq, r))) as svc,
+    ):
+        await connect(svc, pub)
+        last = await publish_all(pub, batches, drop={4, 5}, settle=svc)
+    seqs = [seq for seq, _ in seen]
+    assert seqs == list(range(last + 1))  # the warm-up's first seqs come from the join replay
+    start = last + 1 - len(batches)
+    # the replay also brings the live message that revealed the gap; its live copy is skipped
+    replayed = [seq for seq, r in seen if r and seq >= start]
+    assert replayed == [start + 4, start + 5, start + 6]
+
+
+async def test_service_query_dump_load_and_pending(ctx: zmq.asyncio.Context) -> None:
+    clock = [100.0]
+    tokens = list(range(16))
+    hashes = [engine_hash("s", tuple(tokens[: (b + 1) * 4])) for b in range(4)]
+    stored = Stored(block_hashes=hashes, parent=None, token_ids=tokens, block_size=4)  # type: ignore[arg-type]
+    salted = Stored(
+        block_hashes=[h + 1 for h in hashes],
+        parent=None,
+        token_ids=tokens,  # type: ignore[arg-type]
+        block_size=4,
+        cache_salt="s",
+    )
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        IndexerService(IndexerConfig(pending_ttl_s=2.0), clock=lambda: clock[0]) as svc,
+    ):
+        await connect(svc, pub, model="m")
+        last = await pub.publish(EventBatch(ts=0.0, events=[stored, salted]))
+        assert await svc.wait_applied(WORKER, last)
+        salted_ns = Namespace("m", None, "s")
+        match = svc.query(salted_ns, [*tokens, 99, 98, 97, 96])[WORKER]
+        assert (match.matched_blocks, match.matched_tokens, match.block_size) == (4, 16, 4)
+        assert match.by_medium == {"GPU": 4} and match.state is StreamState.SYNCED
+        assert svc.query(Namespace("other"), tokens)[WORKER].matched_blocks == 0
+        sizes = {n.namespace: (n.blocks, n.holders) for n in svc.namespaces()}
+        assert sizes == {salted_ns: (4, {WORKER: 4}), Namespace("m"): (4, {WORKER: 4})}
+
+        longer = [*tokens, 5, 5, 5, 5, 6, 6, 6, 6]
+        svc.add_pending(salted_ns, longer, WORKER)
+        assert svc.query(salted_ns, longer)[WORKER].pending_tokens == 8
+        clock[0] += 2.5
+        assert svc.query(salted_ns, longer)[WORKER].pending_tokens == 0
+
+        snapshot = svc.dump()
+        assert svc.evict_namespace(salted_ns) == 4
+        assert svc.query(salted_ns, tokens)[WORKER].matched_blocks == 0
+        svc.load(snapshot)
+        assert svc.query(salted_ns, tokens)[WORKER].matched_blocks == 4
+        # the loaded stream continues from its seq: the next live batch applies in order
+        last = await pub.publish(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        assert svc.streams()[0].gaps == 0
+        await svc.remove_worker(WORKER)
+        assert svc.workers() == [] and svc.index.streams() == []
+
+
+async def test_stale_state(ctx: zmq.asyncio.Context) -> None:
+    clock = [0.0]
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        IndexerService(IndexerConfig(stale_after_s=5.0), clock=lambda: clock[0]) as svc,
+    ):
+        await connect(svc, pub)
+        assert svc.streams()[0].state is StreamState.SYNCED
+        clock[0] += 6.0
+        assert svc.streams()[0].state is StreamState.STALE
+        assert svc.query(Namespace(), [1, 2, 3])[WORKER].state is StreamState.STALE
+        await asyncio.sleep(0)
+
+
+async def test_late_router_with_a_short_buffer_starts_from_what_is_buffered(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    batches = workload(seed=12, batches=10)
+    async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
+        await publish_all(pub, batches)  # nobody listens; only the last 3 stay buffered
+        await connect(svc, pub)
+        stats = svc.streams()[0]
+        # joining is not a gap and there was nothing to clear
+        assert (stats.gaps, stats.clears, stats.state) == (0, 0, StreamState.SYNCED)
+        assert pub.replay_requests[0] == 0
+
+
+async def test_publisher_that_buffers_nothing_still_recovers(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=13, batches=8)
+    async with ScriptedPublisher(ctx, buffer_steps=0) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        # a lost batch: the empty replay cannot repair it; the stream is cleared and goes on
+        await publish_all(pub, batches[:3], settle=svc)
+        await pub.publish(batches[3], drop=True)
+        await pub.publish(batches[4])  # reveals the gap; the empty replay makes it a suspect
+        last = await publish_all(pub, batches[5:], settle=svc)
+        stats = svc.streams()[0]
+        assert stats.last_seq == last and stats.clears == 1
+        kept = reference(batches[5:])  # batch 4 revealed the gap and was skipped as suspect
+        assert view(svc.index, STREAM) == view(kept, STREAM)

@@ -1,0 +1,254 @@
+"""The `kvroute record`, `kvroute record inspect` and `kvroute replay` verbs, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from indexer.config import StreamConfig
+from indexer.protocol import EventBatch, Stored, encode_batch
+from indexer.recording import RecordingReader, RecordingWriter, Source
+from indexer.replayer import SyntheticWorkload, replay_into_index, synthesize_recording
+from indexer.republisher import RepublishConfig, Republisher
+from indexer.service import IndexerService
+from indexer.snapshot import dump_index, load_index
+from router.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SMALL = SyntheticWorkload(streams=2, tenants=3, conversations=12, capacity_pages=64, seed=3)
+
+
+@pytest.fixture
+def recording(tmp_path: Path) -> Path:
+    path = tmp_path / "small.kvrec"
+    synthesize_recording(path, SMALL)
+    return path
+
+
+def test_replay_prints_a_summary(recording: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(recording)]) == 0
+    out = capsys.readouterr().out
+    assert "block ops/s" in out and "final index:" in out
+    assert "sim-0#dp0" in out and "sim-1#dp0" in out
+    assert "tenant-" not in out  # salts are secrets
+    assert "salt:" in out
+
+
+def test_replay_json_and_dump(
+    recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump = tmp_path / "index.msgpack"
+    assert main(["replay", str(recording), "--json", "--dump", str(dump)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    _, index = replay_into_index(recording)
+    assert summary["index_entries"] == len(index) == len(load_index(dump.read_bytes())) > 0
+    assert dump.read_bytes() == dump_index(index)
+
+
+def test_replay_windows_and_streams(recording: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(recording), "--json", "--stream", "sim-1#dp0"]) == 0
+    assert [s["stream"] for s in json.loads(capsys.readouterr().out)["streams"]] == ["sim-1#dp0"]
+    assert main(["replay", str(recording), "--json", "--from", "seq:2", "--to", "seq:4"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all((s["first_seq"], s["last_seq"]) == (2, 4) for s in doc["streams"])
+    assert main(["replay", str(recording), "--json", "--from", "+0.01", "--to", "0.05s"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["first_time"] - 1_700_000_000.0 >= 0.01
+    assert doc["last_time"] - doc["first_time"] <= 0.04 + 1e-6
+    # 1_700_000_000 is 2023-11-14T22:13:20Z; naive ISO times are UTC
+    iso = ["--from", "2023-11-14T22:13:20.02Z", "--to", "2023-11-14T22:13:20.06"]
+    assert main(["replay", str(recording), "--json", *iso]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert 1_700_000_000.02 <= doc["first_time"] <= doc["last_time"] <= 1_700_000_000.06
+    assert main(["replay", str(recording), "--from", "yesterday"]) == 2
+    assert "--from 'yesterday'" in capsys.readouterr().err
+
+
+def test_replay_of_a_damaged_file_says_where_it_stopped(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = recording.read_bytes()
+    recording.write_bytes(data[: len(data) * 2 // 3])
+    assert main(["replay", str(recording)]) == 1
+    out = capsys.readouterr().out
+    assert "STOPPED at byte" in out and "truncated" in out
+
+
+def test_inspect_hides_salts_unless_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.kvrec"
+    event = Stored(
+        block_hashes=[7], parent=None, token_ids=[1, 2], block_size=2, cache_salt="s3cr3t"
+    )
+    with RecordingWriter.create(path, [Source(stream="w#dp0", block_size=2)]) as writer:
+        writer.write("w#dp0", b"kv", 0, encode_batch(EventBatch(ts=1.0, events=[event])))
+        writer.write("w#dp0", b"kv", 1, b"\x93not msgpack")
+    assert main(["record", "inspect", str(path), "--events"]) == 0
+    out = capsys.readouterr().out
+    assert "format version 1" in out and "w#dp0" in out
+    assert "BlockStored 1 pages x 2" in out and "MALFORMED" in out
+    assert "s3cr3t" not in out and "salt:" in out
+    assert "decode errors 1" in out
+    assert main(["record", "inspect", str(path), "--events", "--show-salts"]) == 0
+    assert "'s3cr3t'" in capsys.readouterr().out
+
+
+def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["record", "--endpoint", "tcp://127.0.0.1:1"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["record", "--out", "/nonexistent/x.kvrec"]) == 2
+    assert "exactly one of" in capsys.readouterr().err
+
+
+async def _cli(*args: str) -> asyncio.subprocess.Process:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+
+
+async def test_record_cli_stops_at_max_bytes_and_on_ctrl_c(recording: Path, tmp_path: Path) -> None:
+    with RecordingReader(recording) as reader:
+        records = [p.record for p in reader if p.record.stream == "sim-0#dp0"]
+    source = Source(stream="sim-0#dp0", topic="kv", block_size=16, worker="sim-0")
+    async with Republisher([source], RepublishConfig(speed=None)) as rep:
+        (pub,) = rep.streams
+        out = tmp_path / "cli.kvrec"
+        proc = await _cli(
+            "record",
+            "--endpoint",
+            pub.endpoint,
+            "--replay",
+            pub.replay_endpoint,
+            "--topic",
+            "kv",
+            "--worker",
+            "sim-0",
+            "--out",
+            str(out),
+            "--max-bytes",
+            "2000",
+        )
+        assert await rep.wait_subscribed(20.0)
+        await rep.run(records)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
+        assert proc.returncode == 0, stderr
+        assert b"stopped by max-bytes" in stdout
+        with RecordingReader(out) as reader:
+            got = list(reader)
+            assert reader.damage is None
+        assert 2000 <= out.stat().st_size < 2000 + max(len(r.payload) for r in records) + 100
+        assert [p.record.payload for p in got] == [r.payload for r in records[: len(got)]]
+
+        # Ctrl-C: a clean stop, the file ends at a complete record
+        out2 = tmp_path / "ctrlc.kvrec"
+        proc = await _cli(
+            "record",
+            "--endpoint",
+            pub.endpoint,
+            "--replay",
+            pub.replay_endpoint,
+            "--worker",
+            "sim-0",
+            "--out",
+            str(out2),
+        )
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(proc.stderr.readline(), 20.0)
+        assert line.startswith(b"recording 1 stream(s)"), line
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
+        assert proc.returncode == 0, stderr
+        with RecordingReader(out2) as reader:
+            list(reader)
+            assert reader.damage is None
+
+
+async def test_replay_publish_cli_feeds_a_live_indexer(recording: Path) -> None:
+    proc = await _cli(
+        "replay",
+        str(recording),
+        "--publish",
+        "tcp://127.0.0.1:0",
+        "--speed",
+        "max",
+        "--wait",
+        "20",
+        "--linger",
+        "1",
+        "--faults",
+        "drop=0.1",
+        "--seed",
+        "4",
+    )
+    assert proc.stdout is not None
+    endpoints: dict[str, tuple[str, str]] = {}
+    while len(endpoints) < 2:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20.0)).decode()
+        assert line.startswith("stream "), line
+        _, stream, _, pub, _, replay = line.split()
+        endpoints[stream.rstrip(":")] = (pub, replay)
+    _, expected = replay_into_index(recording)
+    with RecordingReader(recording) as reader:
+        last = {p.record.stream: p.record.seq for p in reader}
+    async with IndexerService() as service:
+        for stream, (pub, replay) in endpoints.items():
+            worker = stream.split("#")[0]
+            config = StreamConfig(endpoint=pub, replay_endpoint=replay, topic="kv", model="sim")
+            await service.add_worker(worker, [config])
+        for stream in endpoints:
+            assert await service.wait_applied(stream.split("#")[0], last[stream], timeout_s=20.0)
+        assert len(service.index) == len(expected)
+        assert sorted(n.blocks for n in service.namespaces()) == sorted(
+            n.blocks for n in expected.namespaces()
+        )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
+    assert proc.returncode == 0, stderr
+    assert b"dropped" in stdout
+
+
+def test_record_config_lists_every_stream_of_every_worker(tmp_path: Path) -> None:
+    from router.record_command import _config_sources
+
+    config = tmp_path / "router.toml"
+    config.write_text(
+        """
+[[workers]]
+url = "http://127.0.0.1:30000"
+id = "a"
+events = "tcp://127.0.0.1:5557"
+replay = "tcp://127.0.0.1:5600"
+block_size = 16
+dp_size = 2
+topic = "kv"
+model = "m"
+
+[[workers]]
+url = "http://127.0.0.1:30001"
+id = "b"
+events = "tcp://127.0.0.1:6557"
+block_size = 32
+engine = "vllm"
+"""
+    )
+    sources = _config_sources(config)
+    assert [(s.stream, s.endpoint, s.replay_endpoint, s.dp_rank) for s in sources] == [
+        ("a#dp0", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600", 0),
+        ("a#dp1", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601", 1),
+        ("b#dp0", "tcp://127.0.0.1:6557", None, 0),
+    ]
+    assert (sources[0].model, sources[0].topic, sources[0].block_size) == ("m", "kv", 16)
+    assert (sources[2].engine, sources[2].block_size) == ("vllm", 32)

@@ -1,0 +1,204 @@
+"""The recording file format: exact bytes back, appendable, crash-safe, seekable by time."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from indexer.recording import (
+    MAGIC,
+    Record,
+    RecordingError,
+    RecordingReader,
+    RecordingWriter,
+    Source,
+)
+
+SOURCES = [
+    Source(stream="w0/0", endpoint="tcp://127.0.0.1:5557", topic="kv", block_size=16),
+    Source(stream="w1/0", endpoint="tcp://127.0.0.1:5558", engine="vllm", dp_rank=0),
+]
+
+
+def _payloads(rng: random.Random, n: int) -> list[bytes]:
+    # msgpack-looking and plain garbage alike: the format must not care
+    return [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))) for _ in range(n)]
+
+
+def _write(path: Path, payloads: list[bytes], *, compress: bool, t0: float = 1000.0) -> None:
+    with RecordingWriter.create(path, SOURCES, compress=compress, chunk_records=7) as writer:
+        for i, payload in enumerate(payloads):
+            stream = SOURCES[i % 2].stream
+            writer.write(stream, b"kv", i // 2, payload, replayed=i % 5 == 0, recv_time=t0 + i)
+
+
+def _read_all(path: Path) -> tuple[list[Record], RecordingReader]:
+    with RecordingReader(path) as reader:
+        records = [p.record for p in reader]
+    return records, reader
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_round_trip_keeps_exact_bytes_and_metadata(tmp_path: Path, compress: bool) -> None:
+    rng = random.Random(1)
+    payloads = [*_payloads(rng, 60), b"", b"\xc1", b"\x93\xcb"]
+    path = tmp_path / "r.kvrec"
+    _write(path, payloads, compress=compress)
+    records, reader = _read_all(path)
+    assert reader.damage is None
+    assert reader.header.format_version == 1
+    assert list(reader.sources.values()) == SOURCES
+    assert [r.payload for r in records] == payloads
+    assert [r.seq for r in records] == [i // 2 for i in range(len(payloads))]
+    assert [r.replayed for r in records] == [i % 5 == 0 for i in range(len(payloads))]
+    assert [r.stream for r in records[:2]] == ["w0/0", "w1/0"]
+    assert all(r.topic == b"kv" for r in records)
+
+
+def test_receive_times_never_decrease(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvrec"
+    with RecordingWriter.create(path) as writer:
+        for t in (5.0, 3.0, 7.0, 6.0):
+            writer.write("s", b"", 0, b"x", recv_time=t)
+    records, _ = _read_all(path)
+    assert [r.recv_time for r in records] == [5.0, 5.0, 7.0, 7.0]
+
+
+def test_a_reader_sees_what_a_live_writer_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "live.kvrec"
+    with RecordingWriter.create(path, SOURCES) as writer:
+        writer.write("w0/0", b"", 0, b"a")
+        writer.write("w0/0", b"", 1, b"b")
+        # no flush, no close: uncompressed records reach the OS one write each
+        assert [r.payload for r in _read_all(path)[0]] == [b"a", b"b"]
+        writer.write("w0/0", b"", 2, b"c")
+        assert len(_read_all(path)[0]) == 3
+
+
+def test_compressed_chunks_are_readable_after_flush(tmp_path: Path) -> None:
+    path = tmp_path / "z.kvrec"
+    with RecordingWriter.create(path, compress=True, chunk_records=1000) as writer:
+        for i in range(10):
+            writer.write("s", b"", i, b"p%d" % i)
+        assert _read_all(path)[0] == []
+        writer.flush()
+        assert len(_read_all(path)[0]) == 10
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_truncations_read_up_to_the_damage(tmp_path: Path, compress: bool) -> None:
+    rng = random.Random(2)
+    payloads = _payloads(rng, 16)
+    full = tmp_path / "full.kvrec"
+    _write(full, payloads, compress=compress)
+    data = full.read_bytes()
+    with RecordingReader(full) as reader:
+        positions = list(reader)
+        data_start = reader._data_start
+    # every frame boundary: records of complete frames survive, the cut frame is reported
+    frame_ends = sorted({p.offset for p in positions} | {len(data)})
+    cut = tmp_path / "cut.kvrec"
+    # every cut that matters: around each frame boundary, inside headers, inside bodies
+    sizes = {data_start}
+    for start in frame_ends:
+        sizes.update(start + d for d in (-1, 1, 4, 17, 35, 36, 37, 80))
+    for size in sorted(x for x in sizes if data_start <= x < len(data)):
+        cut.write_bytes(data[:size])
+        with RecordingReader(cut) as reader:
+            got = list(reader)
+        complete = [p for p in positions if _frame_end(frame_ends, p.offset) <= size]
+        assert [p.number for p in got] == [p.number for p in complete], size
+        if size in frame_ends:
+            assert reader.damage is None
+        else:
+            assert reader.damage is not None
+            assert reader.damage.kind == "truncated"
+            assert reader.damage.offset == max([data_start, *(e for e in frame_ends if e <= size)])
+            assert reader.damage.record == len(complete)
+
+
+def _frame_end(frame_starts: list[int], offset: int) -> int:
+    return next(s for s in frame_starts if s > offset)
+
+
+def test_corruption_stops_at_the_damaged_record(tmp_path: Path) -> None:
+    path = tmp_path / "c.kvrec"
+    _write(path, [b"payload-%d" % i for i in range(20)], compress=False)
+    with RecordingReader(path) as reader:
+        positions = list(reader)
+    victim = positions[12]
+    data = bytearray(path.read_bytes())
+    data[victim.offset + 40] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with RecordingReader(path) as reader:
+        got = list(reader)
+    assert [p.number for p in got] == list(range(12))
+    assert reader.damage is not None
+    assert (reader.damage.kind, reader.damage.offset, reader.damage.record) == (
+        "corrupt",
+        victim.offset,
+        12,
+    )
+
+
+def test_append_cuts_a_torn_tail_and_continues_numbering(tmp_path: Path) -> None:
+    path = tmp_path / "a.kvrec"
+    _write(path, [b"one", b"two", b"three"], compress=False)
+    with path.open("ab") as f:
+        f.write(b"KVR\xfe\x52garbage-of-a-crash")
+    extra = Source(stream="w9/1", endpoint="tcp://127.0.0.1:6000", dp_rank=1)
+    with RecordingWriter.append(path, [SOURCES[0], extra], compress=True) as writer:
+        assert writer.records == 3
+        writer.write("w9/1", b"", 0, b"four", recv_time=1.0)
+    with RecordingReader(path) as reader:
+        got = list(reader)
+        assert reader.damage is None
+        assert reader.sources["w9/1"] == extra
+        assert len(reader.sources) == 3
+    assert [p.record.payload for p in got] == [b"one", b"two", b"three", b"four"]
+    assert [p.number for p in got] == [0, 1, 2, 3]
+    # time stays monotonic across sessions even when the new clock reads earlier
+    assert got[3].record.recv_time == got[2].record.recv_time
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_seek_by_time_finds_exactly_the_later_records(tmp_path: Path, compress: bool) -> None:
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    path = tmp_path / "t.kvrec"
+    times: list[float] = []
+    t = 100.0
+    with RecordingWriter.create(path, compress=compress, chunk_records=50) as writer:
+        for i in range(3000):
+            t += rng.choice([0.0, 0.001, 0.5])
+            times.append(t)
+            writer.write("s", b"", i, bytes(rng.getrandbits(8) for _ in range(40)), recv_time=t)
+    with RecordingReader(path) as reader:
+        for _ in range(20):
+            at = rng.uniform(99.0, t + 1.0)
+            got = [p.number for p in reader.records(from_time=at)]
+            assert got == [i for i, ti in enumerate(times) if ti >= at], at
+            assert reader.damage is None
+
+
+def test_not_a_recording_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"hello world, definitely not a recording")
+    with pytest.raises(RecordingError, match="not a kvroute recording"):
+        RecordingReader(path)
+    path.write_bytes(MAGIC + b"\x00" * 10)
+    with pytest.raises(RecordingError, match="header"):
+        RecordingReader(path)
+
+
+def test_create_refuses_to_replace_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvrec"
+    RecordingWriter.create(path).close()
+    with pytest.raises(RecordingError, match="cannot create"):
+        RecordingWriter.create(path)
+    RecordingWriter.create(path, overwrite=True).close()
+    assert os.path.getsize(path) > len(MAGIC)

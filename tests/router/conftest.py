@@ -1,0 +1,115 @@
+"""Shared helpers of the router tests: real routers and reference workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.config import AdminConfig, HealthConfig, ListenConfig, RouterConfig, WorkerConfig
+from router.service import RouterService
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """Wait until `check()` is true, polling; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def router_config(workers: list[tuple[str, str]], **overrides: Any) -> RouterConfig:
+    """A loopback router on a free port in front of (id, url) workers, admin token set."""
+    fields: dict[str, Any] = {
+        "listen": ListenConfig(host="127.0.0.1", port=0),
+        "admin": AdminConfig(token=TOKEN),
+        "health": HealthConfig(interval_s=0.2, timeout_s=0.5),
+        "workers": tuple(WorkerConfig(url=url, id=wid) for wid, url in workers),
+    }
+    fields.update(overrides)
+    return RouterConfig(**fields)
+
+
+class Fleet:
+    """Two reference workers behind one router, and an HTTP session to drive them."""
+
+    def __init__(
+        self,
+        router: RouterService,
+        workers: dict[str, ReferenceWorker],
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.router = router
+        self.workers = workers
+        self.session = session
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    async def post(self, path: str, body: object, **kw: Any) -> tuple[int, dict[str, str], Any]:
+        async with self.session.post(self.url + path, json=body, **kw) as resp:
+            return resp.status, dict(resp.headers), await resp.json()
+
+    async def admin(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        async with self.session.request(
+            method, self.url + "/admin" + path, json=body, headers=AUTH
+        ) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def route(self, body: object) -> dict[str, Any]:
+        status, plan = await self.admin("POST", "/route", body)
+        assert status == 200, plan
+        return plan  # type: ignore[no-any-return]
+
+    async def warm(self) -> None:
+        """Wait until every worker's event stream delivers to the index.
+
+        A ZMQ SUB only receives once its connection is up (the "slow joiner"), and a message
+        published before that is recovered only when the next one reveals the gap. So: poke each
+        worker until its stream has applied something.
+        """
+        pokes = iter(range(1_000_000))
+        for wid, worker in self.workers.items():
+
+            async def applied(wid: str = wid, url: str = worker.url) -> bool:
+                # a new prompt every time: a cache hit would publish nothing
+                poke = {"input_ids": [8, next(pokes) % 250 + 3] * 8, "cache_salt": "warm-up"}
+                async with self.session.post(url + "/generate", json=poke) as resp:
+                    assert resp.status == 200, await resp.text()
+                _, streams = await self.admin("GET", "/streams")
+                return any(
+                    s["worker"] == wid and s["last_seq"] is not None for s in streams["streams"]
+                )
+
+            await eventually(applied, what=f"{wid}'s KV events to reach the index")
+
+    async def holds(self, body: object, worker: str, tokens: int) -> bool:
+        """Whether the index says `worker` holds at least `tokens` of the body's prompt."""
+        plan = await self.route(body)
+        held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+        return held.get(worker, 0) >= tokens
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    """Two reference workers (no simulated latency, 16-token pages) and a kv router."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        config = router_config([("w0", w0.url), ("w1", w1.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            yield fleet

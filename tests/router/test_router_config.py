@@ -1,0 +1,64 @@
+"""Config: typed TOML, unknown keys rejected by name, shipped configs valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import RouterConfig, WorkerConfig, load_config, parse_config
+from router.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize(
+    ("doc", "name"),
+    [
+        ({"polcy": {}}, "polcy"),
+        ({"policy": {"decode_wieght": 1.0}}, "decode_wieght"),
+        ({"workers": [{"url": "http://a:1", "evnets": "tcp://a:2"}]}, "evnets"),
+        ({"policy": {"name": "fastest"}}, "policy.name"),
+        ({"listen": {"port": 70000}}, "listen.port"),
+    ],
+)
+def test_bad_keys_and_values_are_named(doc: dict[str, object], name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    message = str(info.value)
+    assert name.split(".")[-1] in message or f"$.{name}" in message
+
+
+def test_cross_field_checks() -> None:
+    with pytest.raises(ConfigError, match="duplicate"):
+        parse_config({"workers": [{"url": "http://a:1"}, {"url": "http://a:1/"}]})
+    with pytest.raises(ConfigError, match=r"tokenizer\.path"):
+        parse_config({"tokenizer": {"kind": "hf"}})
+    with pytest.raises(ConfigError, match="http"):
+        parse_config({"workers": [{"url": "a:1"}]})
+
+
+def test_constructible_in_code_with_defaults() -> None:
+    config = RouterConfig(workers=(WorkerConfig(url="http://127.0.0.1:1"),))
+    assert config.policy.name == "kv"
+    assert config.workers[0].worker_id == "http://127.0.0.1:1"
+
+
+def test_admin_token_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_ADMIN_TOKEN", "from-env")
+    assert RouterConfig().admin_token() == "from-env"
+    assert parse_config({"admin": {"token": "cfg"}}).admin_token() == "cfg"
+
+
+def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[policy\nname = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml"])
+def test_shipped_configs_load(name: str) -> None:
+    load_config(CONFIGS / name)

@@ -1,0 +1,199 @@
+"""End to end on 127.0.0.1: reference workers publishing KV events, the real indexer, the router.
+
+These are the issue's acceptance tests: namespace isolation between tenants, conversation
+affinity, dry runs whose numbers match the workers' cached_tokens, eviction (index and workers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+
+from router.config import IndexerSection
+from router.service import RouterService
+from tests.router.conftest import Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+SYSTEM = "You are the support assistant of ACME. " * 12  # ~470 tokens, 29 pages
+
+
+def _chat(salt: str | None, *turns: str, max_tokens: int = 4) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": "user", "content": t} for t in turns]
+    body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": max_tokens}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_tenants_sharing_a_system_prompt_never_hit_each_other(fleet: Fleet) -> None:
+    a = _chat("tenant-a", "hello")
+    status, headers, answer = await fleet.post("/v1/chat/completions", a)
+    assert status == 200 and _cached(answer) == 0
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(a, holder, 400), what="tenant a's prefix indexed")
+
+    b = _chat("tenant-b", "hello")
+    plan = await fleet.route(b)
+    assert all(c["matched_tokens"] == 0 and c["pending_tokens"] == 0 for c in plan["candidates"])
+    plan_a = await fleet.route(a)
+    assert plan["namespace"] != plan_a["namespace"]
+    # tenant b, same tokens: predicted 0, and the worker really had nothing for it
+    for _ in range(3):
+        status, headers, answer = await fleet.post("/v1/chat/completions", b)
+        assert status == 200
+        if headers["x-kvroute-worker"] == holder:
+            break
+    b_on_holder = headers["x-kvroute-worker"] == holder
+    assert headers["x-kvroute-matched-tokens"] == "0" or not b_on_holder
+    # unsalted traffic is its own namespace too
+    plain = await fleet.route(_chat(None, "hello"))
+    assert all(c["matched_tokens"] == 0 for c in plain["candidates"])
+
+
+async def test_a_repeated_conversation_returns_to_its_worker(fleet: Fleet) -> None:
+    first = _chat("t", "What is the refund policy?")
+    status, headers, answer = await fleet.post("/v1/chat/completions", first)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(first, holder, 400), what="first turn indexed")
+    follow_up = _chat("t", "What is the refund policy?", "And for digital goods?")
+    for _ in range(4):  # every later turn, from either worker's view, goes back to the holder
+        status, headers, answer = await fleet.post("/v1/chat/completions", follow_up)
+        assert status == 200
+        assert headers["x-kvroute-worker"] == holder
+        assert _cached(answer) >= 400
+
+
+async def test_dry_run_numbers_match_the_workers_cached_tokens(fleet: Fleet) -> None:
+    warm = {"prompt": "The quick brown fox jumps over the lazy dog. " * 10, "max_tokens": 2}
+    status, headers, _ = await fleet.post("/v1/completions", warm)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(warm, holder, 400), what="prefix indexed")
+
+    probe = {**warm, "prompt": warm["prompt"] + "Then it sleeps."}
+    plan = await fleet.route(probe)
+    again = await fleet.route(probe)
+    assert plan == again  # a dry run changes nothing (no pending entries, no load, no policy)
+    assert plan["worker"] == holder
+    assert plan["prompt_tokens"] == len(probe["prompt"].encode())
+    assert {c["worker"] for c in plan["candidates"]} == {"w0", "w1"}
+    chosen = plan["candidates"][0]
+    assert chosen["worker"] == holder and chosen["healthy"]
+    assert chosen["matched_tokens"] == chosen["matched_blocks"] * 16 > 0
+
+    status, headers, answer = await fleet.post("/v1/completions", probe)
+    assert status == 200
+    assert headers["x-kvroute-worker"] == plan["worker"]
+    assert int(headers["x-kvroute-matched-tokens"]) == chosen["matched_tokens"]
+    assert _cached(answer) == chosen["matched_tokens"]
+
+
+async def test_generate_with_input_ids_routes_by_those_ids(fleet: Fleet) -> None:
+    ids = list(range(10, 10 + 160))
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "cache_salt": "g"}
+    status, headers, _ = await fleet.post("/generate", body)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(body, holder, 144), what="ids indexed")
+    status, headers, answer = await fleet.post("/generate", {**body, "input_ids": [*ids, 5, 6]})
+    assert status == 200 and headers["x-kvroute-worker"] == holder
+    assert answer["meta_info"]["cached_tokens"] == int(headers["x-kvroute-matched-tokens"]) == 160
+
+
+async def test_namespace_eviction_clears_index_and_workers(fleet: Fleet) -> None:
+    body = _chat("evict-me", "hi")
+    status, headers, _ = await fleet.post("/v1/chat/completions", body)
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(body, holder, 400), what="namespace indexed")
+    fingerprint = (await fleet.route(body))["namespace"]
+    _, listed = await fleet.admin("GET", "/namespaces")
+    row = next(r for r in listed["namespaces"] if r["id"] == fingerprint)
+    assert row["salted"] and row["holders"].get(holder, 0) >= 25 and row["tokens"] >= 400
+    assert "evict-me" not in str(listed)  # salts never leave the router
+
+    status, result = await fleet.admin(
+        "POST", "/namespaces/evict", {"cache_salt": "evict-me", "flush_workers": True}
+    )
+    assert status == 200, result
+    assert result["namespaces"] == [fingerprint] and result["entries_dropped"] > 0
+    assert result["flushed"] == {"w0": "ok", "w1": "ok"}
+    _, listed = await fleet.admin("GET", "/namespaces")
+    assert fingerprint not in {r["id"] for r in listed["namespaces"]}
+    async with fleet.session.post(
+        fleet.workers[holder].url + "/debug/match", json={**body, "max_tokens": 1}
+    ) as resp:
+        assert (await resp.json())["cached_tokens"] == 0
+    # the same salt again starts cold
+    status, _, answer = await fleet.post("/v1/chat/completions", body)
+    assert status == 200 and _cached(answer) == 0
+
+
+async def test_evict_by_fingerprint_and_unknown_fingerprint(fleet: Fleet) -> None:
+    body = {"prompt": "z" * 64, "max_tokens": 1, "cache_salt": "fp"}
+    status, headers, _ = await fleet.post("/v1/completions", body)
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(body, holder, 64), what="indexed")
+    fingerprint = (await fleet.route(body))["namespace"]
+    status, result = await fleet.admin("POST", "/namespaces/evict", {"namespace": fingerprint})
+    assert status == 200 and result["entries_dropped"] > 0 and result["flushed"] == {}
+    status, result = await fleet.admin("POST", "/namespaces/evict", {"namespace": fingerprint})
+    assert status == 404 and result["error"]["type"] == "NotFoundError"
+    status, result = await fleet.admin("POST", "/namespaces/evict", {"flush_workers": True})
+    assert status == 400
+
+
+async def test_streaming_through_the_router_with_the_openai_client(fleet: Fleet) -> None:
+    async with openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused") as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": "Tell me a story."}],
+            max_tokens=12,
+            stream=True,
+            extra_body={"cache_salt": "openai-tenant"},
+        )
+        assert raw.headers["x-kvroute-worker"] in ("w0", "w1")
+        stream = raw.parse()
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert len(pieces) > 1 and "".join(pieces)
+        completion = await client.completions.create(
+            model="m", prompt="Once upon a time", max_tokens=3, extra_body={"cache_salt": "x"}
+        )
+        assert completion.choices[0].text and completion.usage is not None
+
+
+async def test_a_stale_stream_attracts_no_cache_affinity() -> None:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        config = router_config(
+            [("w0", w0.url), ("w1", w1.url)], indexer=IndexerSection(stale_after_s=0.5)
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            body = {"prompt": "stale " * 40, "max_tokens": 1}
+            _, headers, _ = await fleet.post("/v1/completions", body)
+            holder = headers["x-kvroute-worker"]
+            await eventually(lambda: fleet.holds(body, holder, 224), what="indexed")
+
+            async def stale() -> bool:
+                plan = await fleet.route(body)
+                return plan["candidates"][0]["stream_state"] == "stale" or any(
+                    c["worker"] == holder and c["stream_state"] == "stale"
+                    for c in plan["candidates"]
+                )
+
+            # no event for stale_after_s: the index's picture of that worker is not trusted
+            await eventually(stale, what="the holder's stream to go stale")
+            plan = await fleet.route(body)
+            held = next(c for c in plan["candidates"] if c["worker"] == holder)
+            assert held["matched_tokens"] >= 224  # still reported, for explanation
+            assert held["score"] == 0.0  # but worth nothing

@@ -1,0 +1,65 @@
+"""Pure router state: circuit breaker, load tracking, the approximate prefix tree."""
+
+from __future__ import annotations
+
+from router.approx_tree import ApproxTree
+from router.breaker import BreakerState, CircuitBreaker
+from router.load import LoadTracker
+
+
+def test_breaker_opens_after_threshold_and_half_opens_after_cooldown() -> None:
+    b = CircuitBreaker(failure_threshold=3, cooldown_s=5.0)
+    b.failure(0.0)
+    b.failure(1.0)
+    assert b.allows(1.0)
+    b.failure(2.0)
+    assert b.state(2.0) is BreakerState.OPEN and not b.allows(6.9)
+    assert b.state(7.0) is BreakerState.HALF_OPEN and b.allows(7.0)
+    b.failure(7.5)  # a failure while half open reopens at once
+    assert b.state(8.0) is BreakerState.OPEN
+    b.success()
+    assert b.state(8.0) is BreakerState.CLOSED and b.failures == 0
+
+
+def test_a_hard_failure_opens_the_breaker_at_once() -> None:
+    b = CircuitBreaker(failure_threshold=3, cooldown_s=5.0)
+    b.failure(10.0, hard=True)
+    assert not b.allows(10.0)
+
+
+def test_load_tracks_prefill_until_first_byte_and_running_until_end() -> None:
+    loads = LoadTracker()
+    t1 = loads.begin("a", 100)
+    t2 = loads.begin("a", 50)
+    assert (loads.of("a").queued_prefill_tokens, loads.of("a").running) == (150, 2)
+    loads.first_byte(t1)
+    loads.first_byte(t1)  # idempotent
+    assert (loads.of("a").queued_prefill_tokens, loads.of("a").running) == (50, 2)
+    loads.end(t2)  # ending before the first byte releases its prefill too
+    loads.end(t2)
+    loads.end(t1)
+    assert (loads.of("a").queued_prefill_tokens, loads.of("a").running) == (0, 0)
+    t3 = loads.begin("b", 10)
+    loads.forget("b")
+    loads.end(t3)  # a ticket of a forgotten worker changes nothing
+    assert loads.of("b").running == 0
+
+
+def test_approx_tree_matches_whole_chunks_of_the_routed_prefix() -> None:
+    tree = ApproxTree(chunk_tokens=4)
+    tree.insert(list(range(10)), "a")
+    tree.insert([*list(range(8)), 50, 51, 52, 53], "b")
+    assert tree.match(list(range(10))) == {"a": 10, "b": 8}
+    assert tree.match([*list(range(8)), 50, 51, 52, 53, 54]) == {"a": 8, "b": 12}
+    assert tree.match([7, 7, 7, 7]) == {}
+    assert tree.size("a") == 3 and tree.size("b") == 3
+
+
+def test_approx_tree_is_bounded_and_forgets_workers() -> None:
+    tree = ApproxTree(chunk_tokens=2, max_chunks=5)
+    for i in range(20):
+        tree.insert([i, i, i, i], "a")
+    assert len(tree) == 5
+    assert tree.size("a") == 5
+    tree.remove_worker("a")
+    assert len(tree) == 0 and tree.size("a") == 0

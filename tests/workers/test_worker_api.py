@@ -1,0 +1,283 @@
+"""The HTTP API as clients use it: the openai package, SSE streams, info endpoints, latency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from indexer.protocol import ByteTokenizer, render_chat
+from workers.config import WorkerConfig
+from workers.worker import ReferenceWorker
+
+PAGE = 4
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[ReferenceWorker]:
+    config = WorkerConfig(page_size=PAGE, capacity_tokens=4096, time_scale=0, model="ref-model")
+    async with ReferenceWorker(config) as running:
+        yield running
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You are a careful assistant with a long system prompt."},
+    {"role": "user", "content": "What is a radix tree?"},
+]
+
+
+async def test_openai_chat_with_and_without_streaming(worker: ReferenceWorker) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="unused") as client:
+        first = await client.chat.completions.create(
+            model="ref-model",
+            messages=MESSAGES,
+            max_tokens=5,
+            extra_body={"cache_salt": "t1"},
+        )
+        prompt_ids = ByteTokenizer().encode(render_chat(MESSAGES), add_bos=True)
+        assert first.choices[0].message.content
+        assert first.choices[0].finish_reason == "length"
+        assert first.usage is not None
+        assert first.usage.prompt_tokens == len(prompt_ids)
+        assert first.usage.completion_tokens == 5
+        assert first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+        stream = await client.chat.completions.create(
+            model="ref-model",
+            messages=MESSAGES,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"cache_salt": "t1"},
+        )
+        pieces: list[str] = []
+        usage = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert "".join(pieces) == first.choices[0].message.content
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // PAGE * PAGE
+
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["ref-model"]
+
+
+async def test_openai_completions_with_token_prompt(worker: ReferenceWorker) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="unused") as client:
+        ids = list(range(10, 40))
+        for expected_cached in (0, 28):
+            out = await client.completions.create(model="ref-model", prompt=ids, max_tokens=3)
+            assert out.usage is not None and out.usage.prompt_tokens_details is not None
+            assert out.usage.prompt_tokens_details.cached_tokens == expected_cached
+            assert len(out.choices[0].text) == 3
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> list[object]:
+    events: list[object] = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def test_generate_stream_reports_cumulative_text_and_meta(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    body = {
+        "input_ids": list(range(5, 25)),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 4},
+    }
+    async with http.post(f"{worker.url}/generate", json=body) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await _sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert len(chunks) == 4
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert chunks[-1]["meta_info"]["prompt_tokens"] == 20
+    assert chunks[0]["meta_info"]["finish_reason"] is None
+
+
+async def test_completions_stream_with_usage(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    body = {
+        "prompt": "hello world, how are you",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_salt": "x",
+    }
+    async with http.post(f"{worker.url}/v1/completions", json=body) as resp:
+        events = await _sse(resp)
+    usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage and usage[0]["completion_tokens"] == 3
+    assert usage[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_info_endpoints(worker: ReferenceWorker, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{worker.url}/health") as resp:
+        assert resp.status == 200
+    async with http.get(f"{worker.url}/get_model_info") as resp:
+        assert (await resp.json())["model_path"] == "ref-model"
+    for path in ("/server_info", "/get_server_info"):
+        async with http.get(f"{worker.url}{path}") as resp:
+            info = await resp.json()
+        kv = info["kv_events"]
+        assert kv["publisher"] == "zmq"
+        assert kv["endpoint"] == worker.kv_events.endpoint
+        assert kv["endpoint_port_base"] == int(kv["endpoint"].rsplit(":", 1)[1])
+        assert kv["replay_port_base"] == int(kv["replay_endpoint"].rsplit(":", 1)[1])
+        assert (kv["block_size"], kv["dp_size"], kv["topic"]) == (PAGE, 1, "")
+
+
+async def test_flush_one_salt_keeps_the_others(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    text = "flush only one namespace please"
+    for salt in ("keep", "drop"):
+        body = {"text": text, "cache_salt": salt, "sampling_params": {"max_new_tokens": 1}}
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            assert resp.status == 200
+    async with http.post(f"{worker.url}/flush_cache", json={"cache_salt": "drop"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["pages_removed"] > 0
+    for salt, cached in (("keep", True), ("drop", False)):
+        async with http.post(
+            f"{worker.url}/debug/match", json={"text": text, "cache_salt": salt}
+        ) as resp:
+            assert ((await resp.json())["cached_tokens"] > 0) is cached
+    async with http.post(f"{worker.url}/flush_cache", json={"cache_salt": 3}) as resp:
+        assert resp.status == 400
+        assert "cache_salt" in (await resp.json())["error"]["message"]
+
+
+async def test_bad_bodies_are_400(worker: ReferenceWorker, http: aiohttp.ClientSession) -> None:
+    cases = [
+        ("/generate", b"{not json"),
+        ("/generate", b"[1, 2]"),
+        ("/generate", b'{"text": "a", "input_ids": [1]}'),
+        ("/generate", b'{"input_ids": [1, -2]}'),
+        ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": "x"}}'),
+        ("/v1/chat/completions", b'{"messages": []}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "cache_salt": 1}'),
+        ("/v1/completions", b'{"prompt": 5}'),
+        ("/generate", b'{"text": "a", "data_parallel_rank": 3}'),
+        ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 100000}}'),
+    ]
+    for path, raw in cases:
+        async with http.post(f"{worker.url}{path}", data=raw) as resp:
+            assert resp.status == 400, (path, raw)
+            assert (await resp.json())["error"]["message"]
+
+
+async def test_a_cache_hit_shortens_time_to_first_token() -> None:
+    config = WorkerConfig(
+        page_size=PAGE, capacity_tokens=8192, prefill_ms_per_token=0.5, decode_ms_per_token=0
+    )
+    async with ReferenceWorker(config) as worker, aiohttp.ClientSession() as http:
+        body = {"input_ids": [7] * 400, "sampling_params": {"max_new_tokens": 1}}
+        latencies = []
+        for _ in range(2):
+            async with http.post(f"{worker.url}/generate", json=body) as resp:
+                latencies.append((await resp.json())["meta_info"]["e2e_latency"])
+    assert latencies[0] >= 0.2  # 400 uncached tokens at 0.5 ms
+    assert latencies[1] < 0.2  # 4 uncached tokens
+
+
+async def test_running_batch_is_bounded_and_queue_drains() -> None:
+    config = WorkerConfig(page_size=PAGE, max_running_requests=2, decode_ms_per_token=5)
+    async with ReferenceWorker(config) as worker:
+        from workers.io_struct import parse_generate
+
+        jobs = [
+            worker.submit(
+                parse_generate(
+                    {"input_ids": [i + 3] * 8, "sampling_params": {"max_new_tokens": 4}}
+                ).items[0]
+            )
+            for i in range(5)
+        ]
+        sched = worker.ranks[0]
+        for _ in range(1000):
+            if sched.load[0] == 2:
+                break
+            await asyncio.sleep(0.001)
+        assert sched.load == (2, 3)
+        outputs = await asyncio.gather(*(job.wait() for job in jobs))
+        assert all(len(o) == 4 for o in outputs)
+        assert sched.idle and sched.completed == 5
+        stats = sched.cache.stats()
+        assert stats.reserved_pages == 0 and stats.protected_pages == 0
+
+
+async def test_pool_pressure_evicts_and_never_overflows(http: aiohttp.ClientSession) -> None:
+    config = WorkerConfig(page_size=PAGE, capacity_tokens=64, time_scale=0)
+    async with ReferenceWorker(config) as worker:
+        for i in range(12):
+            body = {"input_ids": [i + 10] * 20, "sampling_params": {"max_new_tokens": 2}}
+            async with http.post(f"{worker.url}/generate", json=body) as resp:
+                assert resp.status == 200
+            stats = worker.ranks[0].cache.stats()
+            assert stats.tree_pages + stats.reserved_pages <= stats.total_pages
+        async with http.post(f"{worker.url}/debug/match", json={"input_ids": [10] * 20}) as resp:
+            assert (await resp.json())["cached_tokens"] == 0  # evicted long ago
+        async with http.post(f"{worker.url}/debug/match", json={"tokens": [21] * 20}) as resp:
+            assert (await resp.json())["cached_tokens"] == 20
+
+
+async def test_a_client_that_goes_away_frees_its_pages(http: aiohttp.ClientSession) -> None:
+    config = WorkerConfig(page_size=PAGE, decode_ms_per_token=2)
+    async with ReferenceWorker(config) as worker:
+        sched = worker.ranks[0]
+        body = {
+            "text": "a long answer nobody reads",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 5000},
+        }
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            await resp.content.readline()  # the first chunk arrived: the request is running
+            assert sched.load == (1, 0)
+        for _ in range(5000):  # the server notices on its next write
+            if sched.idle:
+                break
+            await asyncio.sleep(0.002)
+        assert sched.idle
+        stats = sched.cache.stats()
+        assert (stats.reserved_pages, stats.protected_pages) == (0, 0)
+
+
+async def test_the_waiting_queue_is_bounded() -> None:
+    from workers.io_struct import parse_generate
+    from workers.scheduler import QueueFullError
+
+    config = WorkerConfig(
+        page_size=PAGE, max_running_requests=1, max_queued_requests=1, time_scale=0
+    )
+    async with ReferenceWorker(config) as worker:
+        item = parse_generate(
+            {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+        ).items[0]
+        job = worker.submit(item)
+        with pytest.raises(QueueFullError):
+            worker.submit(item)
+        assert await job.wait()

@@ -1,0 +1,136 @@
+"""The fleet, DP ranks, and the CLI as a user runs it (a real process, a real signal)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from indexer.protocol import (
+    ReplayData,
+    Stored,
+    build_replay_request,
+    decode_batch,
+    parse_replay_reply,
+)
+from workers.config import WorkerConfig
+from workers.fleet import Fleet
+
+
+async def _replayed(ctx: zmq.asyncio.Context, endpoint: str) -> list[ReplayData]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(endpoint)
+    await dealer.send_multipart(build_replay_request(0))
+    out: list[ReplayData] = []
+    while True:
+        assert await dealer.poll(5000)
+        reply = parse_replay_reply(await dealer.recv_multipart())
+        if not isinstance(reply, ReplayData):
+            break
+        out.append(reply)
+    dealer.close()
+    return out
+
+
+async def test_fleet_with_dp_ranks() -> None:
+    config = WorkerConfig(page_size=4, dp_size=2, time_scale=0, event_format="map")
+    ctx = zmq.asyncio.Context()
+    try:
+        async with Fleet(2, config) as fleet, aiohttp.ClientSession() as http:
+            assert [w.id for w in fleet.workers] == ["worker-0", "worker-1"]
+            assert [w.topic for w in fleet.workers] == ["kv@worker-0", "kv@worker-1"]
+            urls = {w.url for w in fleet.workers}
+            assert len(urls) == 2
+            for w in fleet.workers:
+                assert w.dp_size == 2 and w.block_size == 4
+                ports = [int(e.rsplit(":", 1)[1]) for e in w.events_endpoints]
+                assert ports[1] == ports[0] + 1
+                replay_ports = [int(e.rsplit(":", 1)[1]) for e in w.replay_endpoints]
+                assert replay_ports[1] == replay_ports[0] + 1
+            target = fleet.workers[1]
+            body = {"text": "rank one only", "data_parallel_rank": 1, "cache_salt": "s"}
+            async with http.post(f"{target.url}/generate", json=body) as resp:
+                assert (await resp.json())["meta_info"]["dp_rank"] == 1
+            rank1 = [
+                decode_batch(r.payload) for r in await _replayed(ctx, target.replay_endpoints[1])
+            ]
+            rank0 = [
+                decode_batch(r.payload) for r in await _replayed(ctx, target.replay_endpoints[0])
+            ]
+            assert all(b.dp_rank == 1 for b in rank1)
+            assert any(isinstance(e, Stored) for b in rank1 for e in b.events)
+            assert not any(isinstance(e, Stored) for b in rank0 for e in b.events)
+            async with http.post(
+                f"{target.url}/debug/match", json={"text": "rank one only", "cache_salt": "s"}
+            ) as resp:
+                assert (await resp.json())["ranks"] == [0, 12]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_fleet_port_bases_are_per_worker_and_per_rank() -> None:
+    fleet = Fleet(
+        3,
+        WorkerConfig(dp_size=2),
+        http_port_base=41000,
+        events_port_base=42000,
+        replay_port_base=43000,
+    )
+    cfg = fleet.worker_config(2)
+    assert (cfg.port, cfg.events_port, cfg.replay_port, cfg.topic) == (
+        41002,
+        42004,
+        43004,
+        "kv@worker-2",
+    )
+    assert fleet.worker_config(0).events_port == 42000
+
+
+@pytest.mark.parametrize(
+    ("argv", "workers"),
+    [
+        (["worker", "--port", "0", "--events", "tcp://127.0.0.1:0", "--time-scale", "0"], 1),
+        # `kvroute up` now also starts the router: its test lives with the router's
+    ],
+    ids=["worker"],
+)
+async def test_cli_runs_until_sigint(argv: list[str], workers: int) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.cli",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        async with asyncio.timeout(20):
+            while "Ctrl-C" not in banner:
+                line = await proc.stdout.readline()
+                assert line, "the worker exited early"
+                banner += line.decode()
+        urls = sorted(set(re.findall(r"http://127\.0\.0\.1:\d+", banner)))
+        assert len(urls) == workers, banner
+        assert banner.count("events tcp://127.0.0.1:") == workers
+        async with aiohttp.ClientSession() as http:
+            for url in urls:
+                async with http.get(f"{url}/health") as resp:
+                    assert resp.status == 200
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,79 @@
+"""Request normalization: the seed's cache_salt/extra_key rules and the body checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer.protocol import ByteTokenizer, render_chat
+from workers.cache import Namespace
+from workers.errors import RequestError
+from workers.io_struct import (
+    DEFAULT_COMPLETION_TOKENS,
+    DEFAULT_GENERATE_TOKENS,
+    normalize_key,
+    normalize_keys,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+
+
+def test_salt_normalization() -> None:
+    assert normalize_key(None, "cache_salt") is None
+    assert normalize_key("", "cache_salt") is None
+    assert normalize_key("t", "cache_salt") == "t"
+    for bad in (1, 1.5, True, ["t"], {"t": 1}):
+        with pytest.raises(RequestError, match="cache_salt"):
+            normalize_key(bad, "cache_salt")
+
+
+def test_batch_takes_one_value_per_item_or_one_for_all() -> None:
+    assert normalize_keys("t", "cache_salt", 3) == ["t", "t", "t"]
+    assert normalize_keys(["a", "", None], "cache_salt", 3) == ["a", None, None]
+    with pytest.raises(RequestError, match="cache_salt has 2 values"):
+        normalize_keys(["a", "b"], "cache_salt", 3)
+    with pytest.raises(RequestError, match=r"extra_key\[1\]"):
+        normalize_keys(["a", 2], "extra_key", 2)
+
+
+def test_generate_single_and_batch() -> None:
+    one = parse_generate({"text": "hi", "cache_salt": "s", "extra_key": ""})
+    assert not one.batch
+    (item,) = one.items
+    assert item.input_ids == ByteTokenizer().encode("hi")
+    assert item.namespace == Namespace(extra_key=None, cache_salt="s")
+    assert item.max_new_tokens == DEFAULT_GENERATE_TOKENS
+    batch = parse_generate(
+        {
+            "input_ids": [[5, 6], [7]],
+            "cache_salt": ["a", "b"],
+            "extra_key": "k",
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 0}],
+        }
+    )
+    assert batch.batch
+    assert [i.namespace for i in batch.items] == [Namespace("k", "a"), Namespace("k", "b")]
+    assert [i.max_new_tokens for i in batch.items] == [1, 0]
+
+
+def test_single_request_rejects_a_list_salt() -> None:
+    with pytest.raises(RequestError, match="cache_salt"):
+        parse_generate({"text": "hi", "cache_salt": ["a"]})
+
+
+def test_openai_bodies() -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    chat = parse_chat({"messages": messages, "cache_salt": "s", "max_completion_tokens": 3})
+    (item,) = chat.items
+    assert item.input_ids == ByteTokenizer().encode(render_chat(messages), add_bos=True)
+    assert item.input_ids[0] == 1  # BOS, as the router renders it
+    assert item.max_new_tokens == 3
+    done = parse_completion(
+        {"prompt": ["text"], "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert done.stream and done.include_usage
+    assert done.items[0].max_new_tokens == DEFAULT_COMPLETION_TOKENS
+    with pytest.raises(RequestError, match="n must be 1"):
+        parse_completion({"prompt": "x", "n": 2})
+    with pytest.raises(RequestError, match="messages"):
+        parse_chat({"messages": "hello"})

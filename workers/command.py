@@ -1,0 +1,207 @@
+"""`kvroute worker`: run one reference worker until Ctrl-C or SIGTERM.
+
+The knobs are shared with `kvroute up` (`add_worker_options`, `config_from_args`), so a fleet
+and a single worker are configured the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from urllib.parse import urlsplit
+
+import msgspec
+
+from workers.config import DEFAULT_MODEL, WorkerConfig
+from workers.errors import WorkerError
+from workers.worker import KvEventsInfo, ReferenceWorker
+
+__all__ = [
+    "add_arguments",
+    "add_worker_options",
+    "config_from_args",
+    "describe_kv_events",
+    "run",
+    "wait_for_shutdown",
+]
+
+
+def _tcp_endpoint(value: str) -> tuple[str, int]:
+    """tcp://HOST:PORT -> (host, port); port 0 means ephemeral."""
+    parts = urlsplit(value)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {value!r}")
+    return parts.hostname, parts.port
+
+
+def add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """The cache, event and latency knobs every reference worker takes."""
+    defaults = WorkerConfig()
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument(
+        "--page-size", type=int, default=defaults.page_size, help="tokens per KV page (block_size)"
+    )
+    cache.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=defaults.capacity_tokens,
+        help="KV pool size per DP rank, in tokens (rounded down to whole pages)",
+    )
+    cache.add_argument(
+        "--dp-size", type=int, default=1, help="data-parallel ranks: one cache and stream each"
+    )
+    events = parser.add_argument_group("KV events")
+    events.add_argument(
+        "--event-format",
+        choices=["array", "map"],
+        default=defaults.event_format,
+        help="wire layout: SGLang <= 0.5.19 arrays (default) or >= 0.5.20 maps",
+    )
+    events.add_argument(
+        "--buffer-steps",
+        type=int,
+        default=defaults.buffer_steps,
+        help="batches kept per stream for replay",
+    )
+    latency = parser.add_argument_group("latency model")
+    latency.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=defaults.prefill_ms_per_token,
+        help="prefill cost per uncached prompt token",
+    )
+    latency.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=defaults.decode_ms_per_token,
+        help="cost of one decode step (one token for every running request)",
+    )
+    latency.add_argument(
+        "--time-scale",
+        type=float,
+        default=defaults.time_scale,
+        help="multiplies every simulated duration (0 = as fast as possible)",
+    )
+    latency.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=defaults.max_running_requests,
+        help="running batch size per DP rank; more requests wait in a queue",
+    )
+    latency.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="waiting queue bound per DP rank (beyond it: HTTP 503)",
+    )
+    latency.add_argument(
+        "--context-length",
+        type=int,
+        default=defaults.context_length,
+        help="longest prompt + output accepted",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name the worker reports")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute worker`."""
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port (0 = ephemeral)")
+    parser.add_argument(
+        "--events",
+        type=_tcp_endpoint,
+        default=("127.0.0.1", 5557),
+        metavar="tcp://HOST:PORT",
+        help="PUB endpoint of DP rank 0; rank r binds PORT + r (port 0 = ephemeral)",
+    )
+    parser.add_argument(
+        "--replay",
+        type=_tcp_endpoint,
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="ROUTER replay endpoint of DP rank 0, on the --events host; rank r binds PORT + r "
+        "(default: the events port + 100, or ephemeral when that is ephemeral)",
+    )
+    parser.add_argument("--topic", default="", help="topic frame of every published message")
+    add_worker_options(parser)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerConfig:
+    """A WorkerConfig from parsed options (plus per-command overrides such as ports)."""
+    fields: dict[str, object] = {
+        "model": args.model,
+        "page_size": args.page_size,
+        "capacity_tokens": args.capacity_tokens,
+        "dp_size": args.dp_size,
+        "event_format": args.event_format,
+        "buffer_steps": args.buffer_steps,
+        "prefill_ms_per_token": args.prefill_ms_per_token,
+        "decode_ms_per_token": args.decode_ms_per_token,
+        "time_scale": args.time_scale,
+        "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "context_length": args.context_length,
+    }
+    fields.update(overrides)
+    return msgspec.convert(fields, WorkerConfig)
+
+
+def describe_kv_events(kv: KvEventsInfo) -> str:
+    """One line per DP rank: where its events and replays are."""
+    topic = kv.topic or "(empty topic)"
+    lines = [
+        f"  rank {rank}: events {events}  replay {replay}  topic {topic}"
+        for rank, (events, replay) in enumerate(zip(kv.endpoints, kv.replay_endpoints, strict=True))
+    ]
+    return "\n".join(lines)
+
+
+async def wait_for_shutdown() -> None:
+    """Return on SIGINT or SIGTERM (Ctrl-C included)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(config: WorkerConfig) -> None:
+    async with ReferenceWorker(config) as worker:
+        print(f"reference worker {config.model} at {worker.url}", flush=True)
+        print(describe_kv_events(worker.kv_events), flush=True)
+        print("Ctrl-C to stop", flush=True)
+        await wait_for_shutdown()
+    print("stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one worker until interrupted."""
+    events_host, events_port = args.events
+    if args.replay is not None:
+        if args.replay[0] != events_host:
+            print("kvroute worker: --replay must use the --events host", file=sys.stderr)
+            return 2
+        replay_port = args.replay[1]
+    else:
+        replay_port = events_port + 100 if events_port else 0
+    try:
+        config = config_from_args(
+            args,
+            host=args.host,
+            port=args.port,
+            events_host=events_host,
+            events_port=events_port,
+            replay_port=replay_port,
+            topic=args.topic,
+        )
+        asyncio.run(_serve(config))
+    except (msgspec.ValidationError, ValueError, WorkerError, OSError) as exc:
+        print(f"kvroute worker: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,82 @@
+"""Every knob of one reference worker, validated by type at the boundary."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from indexer.protocol.encode import WireLayout
+
+__all__ = ["DEFAULT_MODEL", "WorkerConfig"]
+
+DEFAULT_MODEL = "kvroute/reference-byte-lm"
+
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One reference worker: its cache, its event streams, its latency model, its ports.
+
+    Ports of 0 are ephemeral (the bound ones are reported by the running worker). With
+    `dp_size > 1`, rank r publishes on `events_port + r` and replays on `replay_port + r`;
+    ephemeral bases are chosen so the whole run of ports is free.
+    """
+
+    model: str = DEFAULT_MODEL
+    # Simulated SGLang version string reported by /server_info and /get_server_info.
+    version: str = "0.5.23-kvroute"
+    host: str = "127.0.0.1"
+    port: _Port = 0
+    # KV-event streams (ZMQ PUB + ROUTER replay), bound on `events_host`.
+    events_host: str = "127.0.0.1"
+    events_port: _Port = 0
+    replay_port: _Port = 0
+    topic: str = ""
+    event_format: WireLayout = "array"
+    # Batches kept for replay per stream (SGLang's default buffer_steps).
+    buffer_steps: _Positive = 10_000
+    dp_size: _Positive = 1
+    # The paged KV pool of each DP rank.
+    page_size: _Positive = 16
+    capacity_tokens: _Positive = 131_072
+    # Latency model: a prefill step costs prefill_ms_per_token per uncached prompt token; a
+    # decode step (one token for every running request) costs decode_ms_per_token.
+    prefill_ms_per_token: _NonNegative = 0.05
+    decode_ms_per_token: _NonNegative = 10.0
+    # Multiplies every simulated duration: 0 runs as fast as the event loop allows (tests).
+    time_scale: _NonNegative = 1.0
+    max_running_requests: _Positive = 32
+    max_queued_requests: _Positive = 4096
+    # Longest prompt + output accepted (SGLang's context length).
+    context_length: _Positive = 32_768
+
+    def __post_init__(self) -> None:
+        # msgspec checks Meta constraints only when decoding; direct construction needs these.
+        for name in ("port", "events_port", "replay_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a port number (0 = ephemeral)")
+        for name in ("buffer_steps", "dp_size", "page_size", "capacity_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("max_running_requests", "max_queued_requests", "context_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("prefill_ms_per_token", "decode_ms_per_token", "time_scale"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.capacity_tokens < self.page_size:
+            raise ValueError("capacity_tokens must hold at least one page")
+        if self.dp_size > 1 and self.events_port and self.events_port + self.dp_size > 65536:
+            raise ValueError("events_port + dp_size runs past port 65535")
+        if self.dp_size > 1 and self.replay_port and self.replay_port + self.dp_size > 65536:
+            raise ValueError("replay_port + dp_size runs past port 65535")
+        if self.event_format not in ("array", "map"):
+            raise ValueError("event_format must be 'array' or 'map'")
+
+    @property
+    def total_pages(self) -> int:
+        """Pages in each rank's pool."""
+        return self.capacity_tokens // self.page_size

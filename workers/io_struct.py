@@ -1,0 +1,249 @@
+"""Request normalization for the worker's HTTP API, as SGLang's `io_struct` does it.
+
+Every body is checked completely before anything is queued, so a bad field is a clean 400
+naming it. `cache_salt` and `extra_key` must be strings (the seed's fix: a list or a number
+used to travel deep into the engine before failing); the empty string means none; a batched
+`/generate` takes one value per item or one for all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from indexer.protocol.tokens import ByteTokenizer, ChatTemplateError, render_chat
+from workers.cache import Namespace
+from workers.errors import RequestError
+
+__all__ = [
+    "DEFAULT_COMPLETION_TOKENS",
+    "DEFAULT_GENERATE_TOKENS",
+    "ApiRequest",
+    "Generation",
+    "normalize_key",
+    "normalize_keys",
+    "parse_chat",
+    "parse_completion",
+    "parse_generate",
+]
+
+# SGLang's /generate default, and OpenAI's for completions.
+DEFAULT_GENERATE_TOKENS = 128
+DEFAULT_COMPLETION_TOKENS = 16
+_TOKENIZER = ByteTokenizer()
+
+
+class Generation(msgspec.Struct, frozen=True):
+    """One prompt to run: its tokens, its cache namespace, how many tokens to produce."""
+
+    input_ids: list[int]
+    namespace: Namespace
+    max_new_tokens: int
+    dp_rank: int | None = None
+    rid: str | None = None
+
+
+class ApiRequest(msgspec.Struct, frozen=True):
+    """A parsed HTTP request: its items (one unless batched) and how to answer."""
+
+    items: list[Generation]
+    batch: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+def normalize_key(value: object, field: str) -> str | None:
+    """A scalar cache_salt/extra_key: a string, the empty string meaning none."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(f"{field} must be a string, got {type(value).__name__}")
+    return value or None
+
+
+def normalize_keys(value: object, field: str, count: int) -> list[str | None]:
+    """Per-item values for a batch of `count`: one string for all, or a list of one per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise RequestError(f"{field} has {len(value)} values for a batch of {count}")
+        return [normalize_key(v, f"{field}[{i}]") for i, v in enumerate(value)]
+    one = normalize_key(value, field)
+    return [one] * count
+
+
+def _body(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _bool(body: Mapping[str, Any], field: str) -> bool:
+    value = body.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{field} must be a boolean")
+    return value
+
+
+def _count(value: object, field: str, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"{field} must be a non-negative integer")
+    return value
+
+
+def _token_ids(value: object, field: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{field} must be a non-empty list of token ids")
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
+            raise RequestError(f"{field} must hold non-negative integer token ids")
+    return list(value)
+
+
+def _text_ids(value: object, field: str) -> list[int]:
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{field} must be a non-empty string")
+    return _TOKENIZER.encode(value)
+
+
+def _dp_rank(body: Mapping[str, Any]) -> int | None:
+    value = body.get("data_parallel_rank")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError("data_parallel_rank must be a non-negative integer")
+    return value
+
+
+def _stream_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, Mapping):
+        raise RequestError("stream_options must be an object")
+    return _bool(options, "include_usage")
+
+
+def parse_generate(raw: object) -> ApiRequest:
+    """SGLang's `POST /generate`: text or input_ids, single or batched."""
+    body = _body(raw)
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("exactly one of text and input_ids is required")
+    prompts: list[list[int]]
+    if text is not None:
+        batch = isinstance(text, list)
+        texts = text if isinstance(text, list) else [text]
+        prompts = [_text_ids(t, "text") for t in texts]
+    else:
+        batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        nested = input_ids if batch else [input_ids]
+        assert isinstance(nested, list)
+        prompts = [_token_ids(ids, "input_ids") for ids in nested]
+    if not prompts:
+        raise RequestError("a batch needs at least one prompt")
+    n = len(prompts)
+    params = body.get("sampling_params")
+    per_item = params if isinstance(params, list) else [params] * n
+    if len(per_item) != n:
+        raise RequestError(f"sampling_params has {len(per_item)} entries for a batch of {n}")
+    budgets: list[int] = []
+    for item in per_item:
+        if item is not None and not isinstance(item, Mapping):
+            raise RequestError("sampling_params must be an object")
+        value = None if item is None else item.get("max_new_tokens")
+        budgets.append(_count(value, "sampling_params.max_new_tokens", DEFAULT_GENERATE_TOKENS))
+    salts = normalize_keys(body.get("cache_salt"), "cache_salt", n) if batch else None
+    extras = normalize_keys(body.get("extra_key"), "extra_key", n) if batch else None
+    if not batch:
+        salts = [normalize_key(body.get("cache_salt"), "cache_salt")]
+        extras = [normalize_key(body.get("extra_key"), "extra_key")]
+    assert salts is not None and extras is not None
+    stream = _bool(body, "stream")
+    if stream and batch:
+        raise RequestError("stream is not supported for batched requests")
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * n
+    if len(rids) != n or not all(r is None or isinstance(r, str) for r in rids):
+        raise RequestError("rid must be a string (or one string per batch item)")
+    dp_rank = _dp_rank(body)
+    items = [
+        Generation(
+            input_ids=prompts[i],
+            namespace=Namespace(extra_key=extras[i], cache_salt=salts[i]),
+            max_new_tokens=budgets[i],
+            dp_rank=dp_rank,
+            rid=rids[i],
+        )
+        for i in range(n)
+    ]
+    return ApiRequest(items=items, batch=batch, stream=stream)
+
+
+def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
+    for field in fields:
+        if body.get(field) is not None:
+            return _count(body[field], field, DEFAULT_COMPLETION_TOKENS)
+    return DEFAULT_COMPLETION_TOKENS
+
+
+def _openai_common(body: Mapping[str, Any], ids: list[int], budget: int) -> ApiRequest:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise RequestError("n must be 1")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model must be a string")
+    namespace = Namespace(
+        extra_key=normalize_key(body.get("extra_key"), "extra_key"),
+        cache_salt=normalize_key(body.get("cache_salt"), "cache_salt"),
+    )
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("rid must be a string")
+    item = Generation(
+        input_ids=ids,
+        namespace=namespace,
+        max_new_tokens=budget,
+        dp_rank=_dp_rank(body),
+        rid=rid,
+    )
+    return ApiRequest(
+        items=[item],
+        stream=_bool(body, "stream"),
+        include_usage=_stream_usage(body),
+        model=model,
+    )
+
+
+def parse_completion(raw: object) -> ApiRequest:
+    """OpenAI `POST /v1/completions`: one prompt, as text or token ids."""
+    body = _body(raw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = _text_ids(prompt, "prompt")
+    elif isinstance(prompt, list):
+        ids = _token_ids(prompt, "prompt")
+    else:
+        raise RequestError("prompt must be a string or a list of token ids")
+    return _openai_common(body, ids, _openai_budget(body, "max_tokens"))
+
+
+def parse_chat(raw: object) -> ApiRequest:
+    """OpenAI `POST /v1/chat/completions`: messages through the shared chat template."""
+    body = _body(raw)
+    try:
+        text = render_chat(body.get("messages"))  # type: ignore[arg-type]
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc)) from exc
+    ids = _TOKENIZER.encode(text, add_bos=True)
+    budget = _openai_budget(body, "max_completion_tokens", "max_tokens")
+    return _openai_common(body, ids, budget)

@@ -1,0 +1,355 @@
+"""The reference worker's HTTP API, compatible with SGLang's where clients and routers look.
+
+SGLang: `POST /generate` (text or input_ids, batched or not, SSE with `stream`), `GET /health`,
+`GET /get_model_info`, `GET /server_info` and `/get_server_info` (with the `kv_events` block),
+`POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace).
+OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_options
+.include_usage`), `GET /v1/models`; usage carries `prompt_tokens_details.cached_tokens`.
+kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
+can compare the router's index with the truth.
+
+Errors are JSON `{"error": {"type", "message"}}`: 400 for bad input (checked before anything is
+queued), 503 when the waiting queue is full. Salts are never echoed or logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from indexer.protocol.tokens import ByteTokenizer
+from workers.cache import Namespace
+from workers.errors import CacheBusyError, RequestError, WorkerError
+from workers.io_struct import (
+    ApiRequest,
+    normalize_key,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+from workers.scheduler import Job, QueueFullError
+
+if TYPE_CHECKING:
+    from workers.worker import ReferenceWorker
+
+__all__ = ["WORKER_KEY", "build_app"]
+
+WORKER_KEY: web.AppKey[ReferenceWorker] = web.AppKey("worker")
+_MAX_BODY_BYTES = 16 * 1024 * 1024
+_TOKENIZER = ByteTokenizer()
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Domain errors into JSON answers, in one place."""
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _error(400, "invalid_request_error", str(exc))
+    except CacheBusyError as exc:
+        return _error(400, "cache_busy", str(exc))
+    except QueueFullError as exc:
+        return _error(503, "overloaded", str(exc))
+    except WorkerError as exc:
+        return _error(500, "worker_error", str(exc))
+
+
+async def _json(request: web.Request, *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if optional and not raw.strip():
+        return {}
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from exc
+
+
+def _worker(request: web.Request) -> ReferenceWorker:
+    return request.app[WORKER_KEY]
+
+
+def _sse(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response
+
+
+def _submit_all(worker: ReferenceWorker, api: ApiRequest) -> list[Job]:
+    jobs: list[Job] = []
+    try:
+        for item in api.items:
+            jobs.append(worker.submit(item))
+    except WorkerError:
+        for job in jobs:
+            worker.cancel(job)
+        raise
+    return jobs
+
+
+async def _run(worker: ReferenceWorker, jobs: list[Job]) -> None:
+    """Wait for every job; a cancelled handler (client gone) cancels them."""
+    try:
+        for job in jobs:
+            await job.wait()
+    except asyncio.CancelledError:
+        for job in jobs:
+            worker.cancel(job)
+        raise
+
+
+def _finish_reason(job: Job) -> str:
+    return "abort" if job.cancelled else "length"
+
+
+def _meta_info(job: Job, rid: str) -> dict[str, Any]:
+    end = job.finished_at or time.monotonic()
+    finish: dict[str, Any] | None = None
+    if job.finished:
+        finish = {"type": _finish_reason(job)}
+        if not job.cancelled:
+            finish["length"] = len(job.output)
+    return {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(job.prompt),
+        "completion_tokens": len(job.output),
+        "cached_tokens": job.cached_tokens,
+        "e2e_latency": end - job.created_at,
+        "dp_rank": job.rank,
+    }
+
+
+def _generate_result(job: Job, rid: str) -> dict[str, Any]:
+    return {
+        "text": _TOKENIZER.decode(job.output),
+        "output_ids": list(job.output),
+        "meta_info": _meta_info(job, rid),
+    }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's native endpoint."""
+    api = parse_generate(await _json(request))
+    worker = _worker(request)
+    jobs = _submit_all(worker, api)
+    rids = [item.rid or uuid.uuid4().hex for item in api.items]
+    if not api.stream:
+        await _run(worker, jobs)
+        results = [_generate_result(job, rid) for job, rid in zip(jobs, rids, strict=True)]
+        return web.json_response(results if api.batch else results[0])
+    (job,), (rid,) = jobs, rids
+    response = await _open_sse(request)
+    try:
+        async for _ in job.tokens():
+            await response.write(_sse(_generate_result(job, rid)))
+        if not job.output:
+            await response.write(_sse(_generate_result(job, rid)))
+        await response.write(_DONE)
+    except (asyncio.CancelledError, ConnectionResetError):
+        worker.cancel(job)
+        raise
+    return response
+
+
+def _usage(job: Job) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(job.prompt),
+        "completion_tokens": len(job.output),
+        "total_tokens": len(job.prompt) + len(job.output),
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
+
+
+async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.StreamResponse:
+    worker = _worker(request)
+    (job,) = _submit_all(worker, api)
+    model = api.model or worker.config.model
+    prefix = "chatcmpl" if chat else "cmpl"
+    head = {
+        "id": f"{prefix}-{api.items[0].rid or uuid.uuid4().hex}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    if not api.stream:
+        await _run(worker, [job])
+        text = _TOKENIZER.decode(job.output)
+        reason = _finish_reason(job)
+        choice: dict[str, Any]
+        if chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        body = head | {"object": "chat.completion" if chat else "text_completion"}
+        return web.json_response(body | {"choices": [choice], "usage": _usage(job)})
+
+    def chunk(delta: str | None, reason: str | None, *, role: bool = False) -> bytes:
+        piece: dict[str, Any]
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if delta is not None:
+                d["content"] = delta
+            piece = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+        else:
+            piece = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        return _sse(head | {"choices": [piece]})
+
+    response = await _open_sse(request)
+    try:
+        if chat:
+            await response.write(chunk(None, None, role=True))
+        async for token in job.tokens():
+            await response.write(chunk(_TOKENIZER.decode([token]), None))
+        await response.write(chunk(None, _finish_reason(job)))
+        if api.include_usage:
+            await response.write(_sse(head | {"choices": [], "usage": _usage(job)}))
+        await response.write(_DONE)
+    except (asyncio.CancelledError, ConnectionResetError):
+        worker.cancel(job)
+        raise
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI text completions."""
+    return await _openai(request, parse_completion(await _json(request)), chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions through the shared byte tokenizer and chat template."""
+    return await _openai(request, parse_chat(await _json(request)), chat=True)
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    """200 while every scheduler runs."""
+    _worker(request).check_alive()
+    return web.Response(text="")
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    """The one model this worker serves."""
+    cfg = _worker(request).config
+    card = {
+        "id": cfg.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvroute",
+        "root": cfg.model,
+        "max_model_len": cfg.context_length,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def model_info(request: web.Request) -> web.StreamResponse:
+    """SGLang's /get_model_info."""
+    cfg = _worker(request).config
+    return web.json_response(
+        {
+            "model_path": cfg.model,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "reference-byte-lm",
+            "architectures": ["KvrouteReferenceWorker"],
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.StreamResponse:
+    """SGLang's /server_info: the settings a router needs, with the `kv_events` block."""
+    worker = _worker(request)
+    cfg = worker.config
+    loads = [sched.load for sched in worker.ranks]
+    return web.json_response(
+        {
+            "model_path": cfg.model,
+            "served_model_name": cfg.model,
+            "version": cfg.version,
+            "page_size": cfg.page_size,
+            "dp_size": cfg.dp_size,
+            "max_total_num_tokens": cfg.total_pages * cfg.page_size,
+            "max_running_requests": cfg.max_running_requests,
+            "context_length": cfg.context_length,
+            "tokenizer": "byte",
+            "kv_events": msgspec.to_builtins(worker.kv_events),
+            "internal_states": [
+                {"dp_rank": r, "running": run, "waiting": wait}
+                for r, (run, wait) in enumerate(loads)
+            ],
+        }
+    )
+
+
+async def flush_cache(request: web.Request) -> web.StreamResponse:
+    """Flush everything (only when idle, as SGLang), or one salt's pages with `cache_salt`."""
+    body = await _json(request, optional=True)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    salt = normalize_key(body.get("cache_salt"), "cache_salt")
+    removed = _worker(request).flush(salt)
+    return web.json_response({"message": "Cache flushed.", "pages_removed": removed})
+
+
+async def debug_match(request: web.Request) -> web.StreamResponse:
+    """Cached prefix length of a prompt in a namespace, per DP rank; changes nothing."""
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    probe = dict(body)
+    probe.pop("sampling_params", None)
+    probe.pop("stream", None)
+    if "tokens" in probe:
+        probe["input_ids"] = probe.pop("tokens")
+    api = parse_chat(body) if "messages" in body else parse_generate(probe)
+    if api.batch:
+        raise RequestError("debug/match takes one prompt")
+    item = api.items[0]
+    namespace = Namespace(extra_key=item.namespace.extra_key, cache_salt=item.namespace.cache_salt)
+    per_rank = _worker(request).match(namespace, item.input_ids)
+    return web.json_response(
+        {
+            "cached_tokens": max(per_rank),
+            "ranks": per_rank,
+            "prompt_tokens": len(item.input_ids),
+        }
+    )
+
+
+def build_app(worker: ReferenceWorker) -> web.Application:
+    """The aiohttp application of one worker."""
+    app = web.Application(middlewares=[_errors], client_max_size=_MAX_BODY_BYTES)
+    app[WORKER_KEY] = worker
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/debug/match", debug_match)
+    return app

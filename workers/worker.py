@@ -1,0 +1,192 @@
+"""`ReferenceWorker`: one reference worker as an in-process service.
+
+    async with ReferenceWorker(WorkerConfig(time_scale=0)) as worker:
+        worker.url              # http://127.0.0.1:PORT
+        worker.kv_events        # KvEventsInfo: endpoints per DP rank, topic, block_size, ...
+
+It owns a ZMQ context, one cache + scheduler + publisher per DP rank (rank r publishes on
+events_port + r and replays on replay_port + r), and the aiohttp server of the HTTP API. Leaving
+the context stops the schedulers, the replay services and the server, and closes every socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from types import TracebackType
+
+import msgspec
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from workers.cache import Namespace, PagedRadixCache
+from workers.config import WorkerConfig
+from workers.errors import CacheBusyError, RequestError, WorkerError
+from workers.io_struct import Generation
+from workers.publisher import EventPublisher, bind_port_run
+from workers.scheduler import Job, RankScheduler
+from workers.server import build_app
+
+__all__ = ["KvEventsInfo", "ReferenceWorker"]
+
+
+class KvEventsInfo(msgspec.Struct, frozen=True):
+    """Where a worker's KV events are, as its /server_info `kv_events` block advertises it."""
+
+    publisher: str
+    endpoint: str
+    endpoint_port_base: int
+    replay_endpoint: str
+    replay_port_base: int
+    topic: str
+    block_size: int
+    dp_size: int
+    event_format: str
+    endpoints: list[str]
+    replay_endpoints: list[str]
+
+
+class ReferenceWorker:
+    """A reference SGLang worker: HTTP API, paged radix caches, KV-event streams."""
+
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        self.config = config or WorkerConfig()
+        self.ranks: list[RankScheduler] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self._next_rank = itertools.count()
+        self._url: str | None = None
+        self._kv_events: KvEventsInfo | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP API (available once started)."""
+        if self._url is None:
+            raise WorkerError("the worker is not running")
+        return self._url
+
+    @property
+    def kv_events(self) -> KvEventsInfo:
+        """The KV-event endpoints (available once started)."""
+        if self._kv_events is None:
+            raise WorkerError("the worker is not running")
+        return self._kv_events
+
+    async def __aenter__(self) -> ReferenceWorker:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stop()
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self._ctx = zmq.asyncio.Context()
+        host = cfg.events_host
+        pubs, pub_base = bind_port_run(self._ctx, zmq.PUB, host, cfg.events_port, cfg.dp_size)
+        replays, replay_base = bind_port_run(
+            self._ctx, zmq.ROUTER, host, cfg.replay_port, cfg.dp_size
+        )
+        for rank in range(cfg.dp_size):
+            publisher = EventPublisher(
+                pub=pubs[rank],
+                replay=replays[rank],
+                topic=cfg.topic,
+                layout=cfg.event_format,
+                buffer_steps=cfg.buffer_steps,
+                dp_rank=rank,
+            )
+            await self._stack.enter_async_context(publisher)
+            cache = PagedRadixCache(page_size=cfg.page_size, capacity_tokens=cfg.capacity_tokens)
+            self.ranks.append(RankScheduler(cfg, rank, cache, publisher))
+        endpoints = [f"tcp://{host}:{pub_base + r}" for r in range(cfg.dp_size)]
+        replay_endpoints = [f"tcp://{host}:{replay_base + r}" for r in range(cfg.dp_size)]
+        self._kv_events = KvEventsInfo(
+            publisher="zmq",
+            endpoint=endpoints[0],
+            endpoint_port_base=pub_base,
+            replay_endpoint=replay_endpoints[0],
+            replay_port_base=replay_base,
+            topic=cfg.topic,
+            block_size=cfg.page_size,
+            dp_size=cfg.dp_size,
+            event_format=cfg.event_format,
+            endpoints=endpoints,
+            replay_endpoints=replay_endpoints,
+        )
+        for sched in self.ranks:
+            self._tasks.append(asyncio.create_task(sched.run(), name=f"scheduler-{sched.rank}"))
+        self._runner = web.AppRunner(
+            build_app(self), access_log=None, handle_signals=False, handler_cancellation=True
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self._url = f"http://{cfg.host}:{port}"
+
+    async def _stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self._stack.aclose()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        self._url = None
+
+    # ----------------------------------------------------------------- used by the HTTP API
+
+    def check_alive(self) -> None:
+        """Raise if a scheduler task died (the worker is then unhealthy)."""
+        for task in self._tasks:
+            if task.done():
+                raise WorkerError(f"{task.get_name()} stopped")
+
+    def submit(self, generation: Generation) -> Job:
+        """Queue one request on its DP rank (the one asked for, else round robin)."""
+        rank = generation.dp_rank
+        if rank is None:
+            rank = next(self._next_rank) % len(self.ranks)
+        elif rank >= len(self.ranks):
+            raise RequestError(
+                f"data_parallel_rank {rank} is out of range (dp_size {len(self.ranks)})"
+            )
+        return self.ranks[rank].submit(generation)
+
+    def cancel(self, job: Job) -> None:
+        """Stop a request whose client went away."""
+        self.ranks[job.rank].cancel(job)
+
+    def flush(self, cache_salt: str | None) -> int:
+        """Flush every rank's cache, or only one salt's pages; returns pages removed (salt)."""
+        if cache_salt is None:
+            if not all(sched.idle for sched in self.ranks):
+                raise CacheBusyError("cache not flushed: requests are running or waiting")
+            for sched in self.ranks:
+                sched.flush()
+            return 0
+        return sum(sched.flush_namespace(cache_salt) for sched in self.ranks)
+
+    def match(self, namespace: Namespace, tokens: list[int]) -> list[int]:
+        """Cached prefix length of `tokens` on each rank, with no side effect."""
+        return [sched.cache.peek(namespace, tokens) for sched in self.ranks]
