@@ -2,9 +2,10 @@
 
 For each policy the harness starts a fleet of reference workers (same capacity and latency
 model every time), puts a router with that policy in front of it (or, for `oracle`, routes
-itself: it asks every worker's `/debug/match` and sends each request straight to the worker
-that truly holds the longest prefix, ties to its own least in-flight count), then replays the
-workload's requests at their arrival times whatever happened to earlier ones (open loop).
+itself: it asks every worker's `/debug/match`, adds what its own in-flight requests are about
+to cache there, and sends each request straight to the worker with the longest prefix), then
+replays the workload's requests at their arrival times whatever happened to earlier ones
+(open loop). Before a router run starts, the harness proves every KV-event path is live.
 Every request is a streaming SGLang `/generate` with `input_ids` and `cache_salt`, so TTFT is
 the time to the first streamed chunk with content and the hit rate comes from the worker's own
 `meta_info.cached_tokens`.
@@ -43,6 +44,7 @@ __all__ = [
     "POLICIES",
     "FleetSpec",
     "HarnessError",
+    "PolicyWeights",
     "Target",
     "run_policy",
     "send_generate",
@@ -66,10 +68,17 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers: int = 4
     page_size: int = 16
     capacity_tokens: int = 16384
-    prefill_ms_per_token: float = 0.25
-    decode_ms_per_token: float = 4.0
+    prefill_ms_per_token: float = 0.5
+    decode_ms_per_token: float = 2.0
     max_running_requests: int = 8
     time_scale: float = 0.2
+
+
+class PolicyWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Overrides of the router's `kv` policy weights; None keeps the router's default."""
+
+    hit_weight: float | None = None
+    decode_weight: float | None = None
 
 
 class Target(msgspec.Struct, frozen=True):
@@ -364,13 +373,17 @@ async def _await_streams(
 
 @contextlib.asynccontextmanager
 async def _router(
-    policy: str, urls: dict[str, str], spec: FleetSpec, seed: int
+    policy: str, urls: dict[str, str], spec: FleetSpec, seed: int, weights: PolicyWeights
 ) -> AsyncIterator[str]:
     """A router with `policy` in front of the workers; yields its URL once its streams are live."""
     config = RouterConfig(
         listen=ListenConfig(host="127.0.0.1", port=0),
         admin=AdminConfig(enabled=False),
-        policy=PolicyConfig(name=policy, seed=seed),  # type: ignore[arg-type]
+        policy=PolicyConfig(
+            name=policy,  # type: ignore[arg-type]
+            seed=seed,
+            **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
+        ),
         workers=tuple(RoutedWorker(url=url, id=name) for name, url in urls.items()),
     )
     async with RouterService(config) as service:
@@ -388,9 +401,11 @@ async def run_policy(
     seed: int,
     on_done: Callable[[RequestRecord], None] = lambda _: None,
     timeout_s: float = 60.0,
+    weights: PolicyWeights | None = None,
 ) -> PolicyRun:
     """Run `workload` with `policy` on a fresh fleet and collect every request's record."""
     started = time.perf_counter()
+    weights = weights or PolicyWeights()
     overhead: list[float] = []
     async with (
         aiohttp.ClientSession(
@@ -406,7 +421,7 @@ async def run_policy(
             for r in records:
                 r.worker = by_url.get(r.worker, r.worker)
         else:
-            async with _router(policy, names, spec, seed) as router_url:
+            async with _router(policy, names, spec, seed, weights) as router_url:
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)

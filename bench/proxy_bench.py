@@ -433,6 +433,11 @@ async def _run(args: argparse.Namespace) -> str:
                     f"{section.rates['kvroute'] / bare:.2f} (the cost of routing itself)"
                 )
                 if "sglang-router" in section.rates:
+                    notes.append(
+                        "sglang-router: SGLang's Rust router from PyPI, run by "
+                        f"`{args.sglang_router_python} -m sglang_router.launch_router` with "
+                        "`--policy round_robin` in front of the same backend"
+                    )
                     ratio = section.rates["kvroute"] / section.rates["sglang-router"]
                     notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
             if not args.skip_clients:

@@ -30,7 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bench.harness import POLICIES, FleetSpec, run_policy
+from bench.harness import POLICIES, FleetSpec, PolicyWeights, run_policy
 from bench.report import BenchReport, PolicyRun, WorkloadSection, write_report
 from bench.workloads import (
     MooncakeParams,
@@ -45,6 +45,7 @@ from bench.workloads import (
     shared_prefix,
     working_set_tokens,
 )
+from router.config import PolicyConfig
 
 __all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suite"]
 
@@ -68,6 +69,7 @@ class SuiteSettings(msgspec.Struct, frozen=True):
     requests: int | None
     trace: str
     fleet: FleetSpec
+    weights: PolicyWeights
     request_timeout_s: float
 
 
@@ -104,8 +106,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.5)
     parser.add_argument("--decode-ms-per-token", type=float, default=2.0)
     parser.add_argument("--max-running-requests", type=int, default=8)
-    parser.add_argument("--time-scale", type=float, default=0.3)
+    parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--request-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line to add to the report's notes (repeatable; not echoed in the command)",
+    )
+    parser.add_argument(
+        "--kv-hit-weight",
+        type=float,
+        default=None,
+        help="the router's [policy] hit_weight for kv (default: the router's own default)",
+    )
+    parser.add_argument(
+        "--kv-decode-weight",
+        type=float,
+        default=None,
+        help="the router's [policy] decode_weight for kv (default: the router's own default)",
+    )
 
 
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -126,6 +146,12 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         raise SystemExit(f"--pressures: {exc}") from exc
     if any(p <= 0 for p in pressures):
         raise SystemExit("--pressures must be > 0")
+    for flag, value in (
+        ("--kv-hit-weight", args.kv_hit_weight),
+        ("--kv-decode-weight", args.kv_decode_weight),
+    ):
+        if value is not None and value < 0:
+            raise SystemExit(f"{flag} must be >= 0")
     fleet = FleetSpec(
         workers=args.workers or (2 if quick else 4),
         page_size=args.page_size,
@@ -146,6 +172,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         requests=args.requests,
         trace=str(args.trace),
         fleet=fleet,
+        weights=PolicyWeights(hit_weight=args.kv_hit_weight, decode_weight=args.kv_decode_weight),
         request_timeout_s=args.request_timeout,
     )
 
@@ -171,7 +198,12 @@ def _command(settings: SuiteSettings, out: Path) -> str:
     argv += ["--prefill-ms-per-token", f"{f.prefill_ms_per_token:g}"]
     argv += ["--decode-ms-per-token", f"{f.decode_ms_per_token:g}"]
     argv += ["--max-running-requests", str(f.max_running_requests)]
-    argv += ["--time-scale", f"{f.time_scale:g}", "--out", str(out)]
+    argv += ["--time-scale", f"{f.time_scale:g}"]
+    if settings.weights.hit_weight is not None:
+        argv += ["--kv-hit-weight", f"{settings.weights.hit_weight:g}"]
+    if settings.weights.decode_weight is not None:
+        argv += ["--kv-decode-weight", f"{settings.weights.decode_weight:g}"]
+    argv += ["--out", str(out)]
     return shlex.join(argv)
 
 
@@ -242,6 +274,10 @@ def build_workloads(settings: SuiteSettings) -> list[Workload]:
 
 def _notes() -> list[str]:
     notes = [
+        "`oracle` is the harness routing by itself: it asks every worker's `/debug/match` for "
+        "its cached prefix in the request's namespace, adds what its own in-flight requests "
+        "there are about to cache, and takes the longest (ties: fewest in flight). It ignores "
+        "load, so it bounds affinity, not latency.",
         "Open-loop arrivals: every request leaves at its scheduled time whatever happened to "
         "earlier ones; `multi_tenant` delays a conversation's next turn at least the think time.",
         "Routing overhead for router policies: paired tiny probes on the idle fleet after the "
@@ -308,7 +344,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                     try:
                         run = await run_policy(
                             policy, workload, spec, settings.seed, advance,
-                            settings.request_timeout_s,
+                            settings.request_timeout_s, settings.weights,
                         )  # fmt: skip
                     except Exception as exc:  # a policy that cannot run is reported, not fatal
                         run = PolicyRun(
@@ -338,6 +374,15 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
     fleet["capacity_tokens"] = "per section (from the KV pressure), see below"
     fleet["worker"] = "in-process reference workers (`workers.worker.ReferenceWorker`)"
     fleet["requests"] = "streaming SGLang `/generate` with `input_ids` and `cache_salt`"
+    defaults = PolicyConfig()
+    hit = settings.weights.hit_weight
+    decode = settings.weights.decode_weight
+    fleet["kv_policy_weights"] = (
+        f"hit_weight={defaults.hit_weight if hit is None else hit:g}"
+        + (" (router default)" if hit is None else " (set by --kv-hit-weight)")
+        + f", decode_weight={defaults.decode_weight if decode is None else decode:g}"
+        + (" (router default)" if decode is None else " (set by --kv-decode-weight)")
+    )
     fleet["offered_load"] = (
         f"fixed rate {settings.rate_rps:g} req/s"
         if settings.rate_rps is not None
@@ -363,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
     command = _command(settings, out)
     console.print(f"[dim]{command}[/]")
     report = asyncio.run(run_suite(settings, console, command))
+    report.notes.extend(args.note)
     path = write_report(report, out)
     failed = [
         f"{s.workload}/{r.policy}"

@@ -31,3 +31,9 @@ class IndexerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # per stream and kind of problem
     yield_every: Annotated[int, msgspec.Meta(gt=0)] = 64  # messages before yielding the loop
     restart_backoff_max_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # When a stream has been quiet this long, ask its replay socket for anything newer than
+    # what was applied. PUB drops silently, so a batch published before our SUB connected, or
+    # a dropped last batch, would otherwise stay unknown until the worker publishes again
+    # (which an idle worker may never do). A publisher that answers is alive, so this also
+    # keeps an idle but healthy stream from going STALE. 0 disables it.
+    probe_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
-from operator import and_
 from typing import Literal, cast
 
 import msgspec
@@ -185,6 +184,7 @@ class PrefixIndex:
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
         self._ns_ids: dict[Namespace, int] = {}
         self._ns: list[Namespace | None] = [None]  # id 0 is never used: 0 means "no namespace"
+        self._codes: list[int] = [ns_code(0)]  # ns id -> ns_code(ns id), precomputed
         self._ns_blocks: list[int] = [0]
         self._ns_tokens: list[int] = [0]
         self._seeds: dict[tuple[int, int], int] = {}
@@ -302,6 +302,7 @@ class PrefixIndex:
                 raise OverflowError("more than 16M namespaces in one index")
             self._ns_ids[namespace] = ns_id
             self._ns.append(namespace)
+            self._codes.append(ns_code(ns_id))
             self._ns_blocks.append(0)
             self._ns_tokens.append(0)
         return ns_id
@@ -452,25 +453,36 @@ class PrefixIndex:
             self._store_partial(st, ev, prev, ns_id, outcome)
             return
         keys = chain_keys(prev, tokens, block_size)
-        medium = ev.medium if ev.medium is not None else self.default_medium
-        code = ns_code(ns_id)
+        medium = ev.medium
+        code = self._codes[ns_id]
         blocks = st.blocks
         pending = self.pending.bits
-        if medium == self.default_medium and (not pending or pending.keys().isdisjoint(keys)):
+        if (medium is None or medium == self.default_medium) and (
+            not pending or pending.keys().isdisjoint(keys)
+        ):
             before = len(blocks)
             if blocks.keys().isdisjoint(hashes) and (
                 not st.partial or st.partial.keys().isdisjoint(hashes)
             ):
                 # the common case, in C: new hashes on this stream, mostly new keys
                 table = self._table
-                values = [] if table.keys().isdisjoint(keys) else list(map(table.get, keys))
                 blocks.update(zip(hashes, keys, strict=True))
                 if len(blocks) - before == n:
-                    self._link(st, hashes, keys, values, code, ns_id, block_size)
+                    if table.keys().isdisjoint(keys):
+                        # every key is new to the table: one C-level update, no per-key work
+                        table.update(zip(keys, repeat(self._shared(st.sbit | code))))
+                        self._ns_blocks[ns_id] += n
+                        self._ns_tokens[ns_id] += n * block_size
+                        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
+                    else:
+                        values = list(map(table.get, keys))
+                        self._link(st, hashes, keys, values, code, ns_id, block_size)
                     outcome.stored += n
                     return
                 for h in hashes:  # one hash twice in one event: undo, take the careful path
                     blocks.pop(h, None)
+        if medium is None:
+            medium = self.default_medium
         self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
         outcome.stored += n
 
@@ -600,27 +612,26 @@ class PrefixIndex:
             self._remove_slow(st, ev, outcome)
             return
         keys = cast(list[int], popped)
-        # the common case, in C: every hash known, one namespace, only this stream's bit
+        # the common case, in C: every hash known, each key held by this stream alone, in
+        # one namespace; pop them all, then put back whatever another stream still holds
         table = self._table
-        values = list(map(table.__getitem__, keys))
-        rests = list(map(and_, values, repeat(~st.sbit)))
-        namespaces = set(map(and_, values, repeat(NS_MASK)))
+        values = list(map(table.pop, keys))
         n = len(keys)
-        if len(namespaces) == 1 and n and not max(rests) >> CODE_BITS:
-            ns_id = namespaces.pop()
-            for key in keys:
-                del table[key]
+        first = values[0] if values else 0
+        ns_id = first & NS_MASK
+        if values.count(first) == n and first >> CODE_BITS == st.bit:
             st.ns_counts[ns_id] -= n
             self._ns_blocks[ns_id] -= n
             self._ns_tokens[ns_id] -= n * (st.block_size or 0)
         else:
-            for key, v, rest in zip(keys, values, rests, strict=True):
+            keep = ~st.sbit
+            for key, v in zip(keys, values, strict=True):
                 ns_id = v & NS_MASK
                 st.ns_counts[ns_id] -= 1
+                rest = v & keep
                 if rest >> CODE_BITS:
                     table[key] = self._shared(rest)
                 else:
-                    del table[key]
                     self._ns_blocks[ns_id] -= 1
                     self._ns_tokens[ns_id] -= st.block_size or 0
         outcome.removed += n

@@ -78,7 +78,9 @@ def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[
 
 def chain_keys(prev: int, tokens: Sequence[Hashable], block_size: int) -> list[int]:
     """Keys of the full blocks of `tokens` chained after key `prev` (or a namespace seed)."""
-    return [prev := hash((prev, block)) for block in block_tuples(tokens, block_size)]
+    # the block tuples are built inline (not via block_tuples): one call less per event
+    blocks = zip(*[iter(tokens)] * block_size, strict=False)
+    return [prev := hash((prev, block)) for block in blocks]
 
 
 def request_keys(namespace: Namespace, tokens: Sequence[Hashable], block_size: int) -> list[int]:

@@ -12,6 +12,8 @@ live seq `live` (live seqs only grow on a healthy PUB; replays may run ahead of 
 - seq > last + 1  -> GAP from last + 1 (ask the replay socket for the missing range);
 - seq <= last and seq >= live -> DUPLICATE (a replay already applied it: live messages queued
   during the replay arrive afterwards);
+- seq <= last with no live seq seen yet, but within what a replay applied -> DUPLICATE (the
+  catch-up replay at subscription time ran ahead of the first live message);
 - seq < live, or seq <= last with no live seq seen since a snapshot load -> RESTART: the
   caller clears the stream; the tracker forgets both, so observing the same seq again gives
   APPLY (seq 0) or GAP from 0.
@@ -59,11 +61,12 @@ _RESTART = SeqDecision(SeqVerdict.RESTART)
 class SequenceTracker:
     """Tracks the last applied seq of one stream and classifies the next message."""
 
-    __slots__ = ("last", "live")
+    __slots__ = ("last", "live", "replayed_to")
 
     def __init__(self, last: int | None = None) -> None:
         self.last = last
         self.live: int | None = None
+        self.replayed_to: int | None = None  # newest seq a replay applied
 
     def on_live(self, seq: int) -> SeqDecision:
         """Classify a live message; advances on APPLY, forgets on RESTART."""
@@ -81,8 +84,9 @@ class SequenceTracker:
             return SeqDecision(SeqVerdict.GAP, last + 1)
         if prev_live is not None and seq >= prev_live:
             return _DUPLICATE
-        self.last = None
-        self.live = None
+        if prev_live is None and self.replayed_to is not None and seq <= self.replayed_to:
+            return _DUPLICATE
+        self.reset()
         return _RESTART
 
     def on_replay(self, seq: int) -> SeqDecision:
@@ -92,6 +96,7 @@ class SequenceTracker:
             return _DUPLICATE
         if seq == expected:
             self.last = seq
+            self.replayed_to = seq
             return _APPLY
         return SeqDecision(SeqVerdict.GAP, expected)
 
@@ -103,3 +108,4 @@ class SequenceTracker:
         """Forget everything (the stream was cleared and will be rebuilt from seq 0)."""
         self.last = None
         self.live = None
+        self.replayed_to = None

@@ -131,6 +131,7 @@ def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) 
         raise ValueError("namespace id out of range")
     index._ns = [None] * size
     index._ns_blocks = [0] * size
+    index._codes = [ns_code(i) for i in range(size)]
     index._ns_tokens = [0] * size
     for ns_id, namespace in snap.namespaces:
         if ns_id <= 0 or index._ns[ns_id] is not None or namespace in index._ns_ids:

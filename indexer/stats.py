@@ -54,6 +54,7 @@ class StreamStats(msgspec.Struct):
     skipped_events: int
     last_event_age_s: float | None
     entries: int  # blocks held now
+    probes: int = 0  # catch-up replay requests made while the stream was quiet
 
 
 class WorkerMatch(msgspec.Struct):

@@ -118,12 +118,15 @@ class StreamSubscriber:
         self.state = StreamState.SYNCING
         self.started_at = clock()
         self.last_event_at: float | None = None
+        self.last_heard_at: float | None = None  # last event, or a replay probe answered
         self.batches = 0
         self.events = 0
         self.gaps = 0
         self.replays = 0
         self.restarts = 0
         self.decode_errors = 0
+        self.probes = 0
+        self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
     # ------------------------------------------------------------------ task
 
@@ -146,9 +149,15 @@ class StreamSubscriber:
         sub.setsockopt(zmq.RCVHWM, self.settings.rcv_hwm)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(self.config.endpoint)  # non-blocking: zmq connects and reconnects itself
+        probing = self.config.replay_endpoint is not None and self.settings.probe_interval_s > 0
         try:
+            if probing:
+                await self._probe()  # catch up on what was published before we subscribed
             handled = 0
             while True:
+                if probing and not await sub.poll(timeout=self._probe_wait_ms):
+                    await self._probe()
+                    continue
                 frames = await sub.recv_multipart()
                 await self._on_live(frames)
                 handled += 1
@@ -222,6 +231,26 @@ class StreamSubscriber:
         self.state = StreamState.SYNCED
         if self.tracker.last is not None:
             self._notify(self.tracker.last)  # replayed messages notify only once repaired
+
+    async def _probe(self) -> None:
+        """Ask the replay socket for anything newer than what we applied (see probe_interval_s)."""
+        before = self.tracker.last
+        self.probes += 1
+        answered, _ = await self._replay(0 if before is None else before + 1)
+        base_ms = int(self.settings.probe_interval_s * 1000)
+        if not answered:
+            # a replay socket that does not answer must not stall the live stream every
+            # interval: back off (capped), and say so once in a while
+            self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
+            return
+        self._probe_wait_ms = base_ms
+        self.last_heard_at = self._clock()
+        after = self.tracker.last
+        # Not counted as a gap: the probe may simply have run ahead of a live copy in flight.
+        if after != before and after is not None:
+            self._notify(after)
+        if self.state is StreamState.SYNCING:
+            self.state = StreamState.SYNCED
 
     async def _replay(self, start: int) -> tuple[bool, int | None]:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.
@@ -349,9 +378,10 @@ class StreamSubscriber:
         self.tracker = SequenceTracker(last_seq)
 
     def current_state(self, now: float | None = None) -> StreamState:
-        """The state, STALE when nothing arrived for stale_after_s."""
+        """The state, STALE when nothing (event or probe answer) arrived for stale_after_s."""
         now = self._clock() if now is None else now
-        since = self.last_event_at if self.last_event_at is not None else self.started_at
+        heard = [t for t in (self.last_event_at, self.last_heard_at) if t is not None]
+        since = max(heard) if heard else self.started_at
         return StreamState.STALE if now - since > self.settings.stale_after_s else self.state
 
     def stats(self) -> StreamStats:
@@ -384,4 +414,5 @@ class StreamSubscriber:
             skipped_events=counters.skipped_events if counters else 0,
             last_event_age_s=age,
             entries=self.index.entries(self.stream_id) if has else 0,
+            probes=self.probes,
         )

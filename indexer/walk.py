@@ -1,19 +1,19 @@
 """The query walk: one pass over a request's blocks against the shared table.
 
-Pure and allocation-light: block tuples, chain keys, table lookups and the running AND are
-C-level iterators over chunks of `_WALK_CHUNK` blocks (small chunks stay in the CPU cache and
-let the walk stop early once no stream still matches). See `indexer.index` for the layout of
-table values: `(stream bits << CODE_BITS) | namespace code`.
+Pure and allocation-light: chain keys (`indexer.namespace.chain_keys`, the very function the
+event side uses) and table lookups are C-level passes over chunks of blocks (64, then doubling
+up to 256: a prompt that shares only a system prompt stops after the first chunk, one held to
+the end takes four passes); the running AND only visits the few distinct holder sets. See
+`indexer.index` for the layout of table values: `(stream bits << CODE_BITS) | namespace code`.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import accumulate, islice, repeat
-from operator import and_, neg, or_
+from itertools import repeat
+from operator import or_
 
-from indexer.namespace import block_tuples
+from indexer.namespace import chain_keys
 
 __all__ = ["CODE_BITS", "CODE_MASK", "NS_BITS", "NS_MASK", "ns_code", "walk_prefix"]
 
@@ -21,7 +21,10 @@ NS_BITS = 24
 NS_MASK = (1 << NS_BITS) - 1
 CODE_BITS = 2 * NS_BITS
 CODE_MASK = (1 << CODE_BITS) - 1
-_WALK_CHUNK = 64  # request blocks hashed and looked up per C-level pass
+# request blocks hashed and looked up per C-level pass: small first (a prompt sharing only a
+# system prompt stops early), then growing (fewer passes for a prompt held to the end)
+_FIRST_CHUNK = 64
+_MAX_CHUNK = 256
 
 
 def ns_code(ns_id: int) -> int:
@@ -56,35 +59,35 @@ def walk_prefix(
     key = seed
     alive = (bits << CODE_BITS) | code
     table_get = table.get
-    blocks = block_tuples(tokens, block_size)
     keep_keys = bool(tiers_table)
     all_keys: list[int] = []
     real: dict[int, int] = {}
     extra: dict[int, int] = {}
     done = 0
     alive_any = alive
+    size = _FIRST_CHUNK
     while True:
-        chunk = list(islice(blocks, _WALK_CHUNK))
-        if not chunk:
+        # the very function the event side uses (one key scheme), a chunk of tokens at a time
+        keys = chain_keys(key, tokens[done * block_size : (done + size) * block_size], block_size)
+        if not keys:
             break
-        keys = [key := hash((key, block)) for block in chunk]
+        key = keys[-1]
         if keep_keys:
             all_keys.extend(keys)
         values = list(map(table_get, keys, repeat(0)))
         if alive >> CODE_BITS:
-            acc = list(accumulate(values, and_, initial=alive))
-            alive = _record_drops(acc, code, done, real)
+            alive = _record_drops(values, alive, code, done, real)
         if pending:
             # pending values carry every code bit: they neither break nor prove a namespace
             # (their keys are namespace-seeded); real entries of another namespace still do
-            held = map(pending.get, keys, repeat(0))
-            acc = list(accumulate(map(or_, values, held), and_, initial=alive_any))
-            alive_any = _record_drops(acc, code, done, extra)
+            held = list(map(or_, values, map(pending.get, keys, repeat(0))))
+            alive_any = _record_drops(held, alive_any, code, done, extra)
         else:
             alive_any = alive
-        done += len(chunk)
+        done += len(keys)
         if not alive_any >> CODE_BITS:
             break
+        size = min(2 * size, _MAX_CHUNK)
     for slot in _bits(alive >> CODE_BITS):
         real[slot] = done
     for slot in _bits(alive_any >> CODE_BITS):
@@ -104,27 +107,33 @@ def walk_prefix(
     return real, extra, tiers
 
 
-def _record_drops(acc: list[int], code: int, done: int, depths: dict[int, int]) -> int:
-    """Record where streams stop matching in one chunk's running AND; returns the last value.
+def _record_drops(
+    values: list[int], alive: int, code: int, done: int, depths: dict[int, int]
+) -> int:
+    """Record where streams stop matching in one chunk of table values; returns the new mask.
 
-    `acc[j]` is the AND of the entering mask and the chunk's first j values; it only loses
-    bits, so it is numerically non-increasing and each distinct value's first position is a
-    C-level bisection. A value whose code part is not `code` means a missing key or another
+    The running AND of `alive` and the values only changes at the first occurrence of a value,
+    so only distinct values (few: holder sets are shared) are visited, in first-occurrence
+    order, and positions are found by C-level `list.index` scans that together cover the
+    chunk once. A value whose code part is not `code` means a missing key or another
     namespace's entry: everything still matching stops there.
     """
-    last = acc[-1]
-    first = acc[0]
-    if last == first:
-        return last
-    prev = first
-    for value in sorted(set(acc), reverse=True)[1:]:
-        j = bisect_left(acc, -value, key=neg)
-        if value & CODE_MASK != code:
-            value = code
-        dropped = (prev & ~value) >> CODE_BITS
-        for slot in _bits(dropped):
-            depths[slot] = done + j - 1
-        prev = value
-        if value == code:
-            return code
-    return prev
+    first = values[0]
+    if values.count(first) == len(values):
+        distinct: Iterable[int] = (first,)  # one holder set for the whole chunk
+    else:
+        distinct = dict.fromkeys(values)
+    j = 0
+    for value in distinct:
+        now = alive & value
+        if now == alive:
+            continue
+        j = values.index(value, j)
+        if now & CODE_MASK != code:
+            now = code
+        for slot in _bits((alive & ~now) >> CODE_BITS):
+            depths[slot] = done + j
+        alive = now
+        if alive == code:
+            break
+    return alive

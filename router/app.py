@@ -72,6 +72,12 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
             raise
         kind = "PayloadTooLargeError" if exc.status == 413 else type(exc).__name__
         status, message = exc.status, exc.text or exc.reason
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
+    except Exception:
+        # a bug: say so in the log (tracebacks carry no request bodies, so no salts), answer JSON
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        status, kind, message = 500, "InternalError", "internal router error (see the router log)"
     metrics = request.config_dict.get(METRICS)
     if metrics is not None:
         metrics.rejected.labels(request.path if status != 404 else "-", kind).inc()

@@ -3,7 +3,7 @@
 A policy ranks every worker for one request from `WorkerView`s (prefix hit from the index, the
 router's own in-flight load, health) and is told afterwards which worker actually got the
 request (`record`). `rank` changes no state, which is what makes the `/admin/route` dry run
-honest. Ties are broken by a generator seeded from (seed, decisions so far), so a run is
+honest. Ties are broken by draws fixed by (seed, decisions so far), so a run is
 reproducible and a dry run sees the tie-break the next real request would.
 
 Scores are "higher is better". For `kv`:
@@ -17,7 +17,6 @@ which orders workers exactly like the prefill work they would do for this reques
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -37,6 +36,16 @@ __all__ = [
     "build_policy",
     "effective_hit",
 ]
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit value from a counter."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -97,15 +106,23 @@ class Policy:
     def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
         raise NotImplementedError
 
+    def _draws(self, n: int, salt: int = 0) -> list[int]:
+        """`n` pseudo-random draws fixed by (seed, decisions so far, salt): reproducible, and
+        the same in a dry run as in the real decision that follows it."""
+        base = (
+            self._config.seed * 0x9E3779B97F4A7C15 + self._decisions * 0xBF58476D1CE4E5B9 + salt
+        ) & _MASK
+        return [_mix(base + i) for i in range(n)]
+
     def rank(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[Scored]:
         """Every worker, best first (unhealthy ones last); changes no state."""
         scores = self._scores(tokens, views)
-        rng = random.Random(self._config.seed * 1_000_003 + self._decisions)
+        draws = self._draws(len(views))
         keyed = []
-        for view, score in zip(views, scores, strict=True):
+        for view, score, draw in zip(views, scores, draws, strict=True):
             load = self.load(view)
             scored = Scored(view.worker, view.healthy, view.hit_tokens, load, score)
-            keyed.append(((not view.healthy, -score, load, rng.random()), scored))
+            keyed.append(((not view.healthy, -score, load, draw), scored))
         keyed.sort(key=lambda pair: pair[0])
         return [scored for _, scored in keyed]
 
@@ -142,8 +159,7 @@ class RandomPolicy(Policy):
     name = "random"
 
     def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
-        rng = random.Random(self._config.seed * 7_919 + self._decisions)
-        return [rng.random() for _ in views]
+        return [float(draw) for draw in self._draws(len(views), salt=1 << 32)]
 
 
 class RoundRobinPolicy(Policy):

@@ -67,11 +67,7 @@ class _Retryable(Exception):
 
 
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in drop:
-            out.add(key, value)
-    return out
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
 class Proxy:

@@ -103,7 +103,8 @@ async def test_dropped_batches_are_repaired_to_the_loss_free_index(
         assert view(svc.index, STREAM)  # not trivially empty
         stats = svc.streams()[0]
         assert (stats.gaps, stats.clears) == (4, 0)
-        assert stats.replays == len(pub.replay_requests) >= 4
+        assert stats.replays + stats.probes == len(pub.replay_requests)
+        assert stats.replays >= 4
         assert stats.state is StreamState.SYNCED
         assert stats.entries == len(want._streams[STREAM].blocks)
         ns = Namespace("", None, "tenant-a")
@@ -165,7 +166,7 @@ async def test_replay_timeout_clears_and_continues(ctx: zmq.asyncio.Context) -> 
         assert await svc.wait_applied(WORKER, last)
         stats = svc.streams()[0]
         assert stats.clears == 1 and stats.gaps == 1 and stats.last_seq == last
-        assert stats.replays == len(pub.replay_requests)
+        assert stats.replays + stats.probes == len(pub.replay_requests)
 
 
 async def test_garbage_frames_never_stop_the_stream(ctx: zmq.asyncio.Context) -> None:
@@ -306,3 +307,47 @@ async def test_publisher_that_buffers_nothing_still_recovers(ctx: zmq.asyncio.Co
         assert stats.last_seq == last and stats.clears == 1
         kept = reference(batches[5:])  # batch 4 revealed the gap and was skipped as suspect
         assert view(svc.index, STREAM) == view(kept, STREAM)
+
+
+async def test_router_started_after_a_silent_worker_learns_its_cache(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # The worker publishes, then goes quiet: no later live message will ever reveal what the
+    # SUB missed, so only the catch-up replay at subscription time can warm the index.
+    batches = workload(seed=14, batches=6)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        last = await publish_all(pub, batches)
+        await svc.add_worker(WORKER, [StreamConfig(pub.endpoint, pub.replay_endpoint, topic="kv")])
+        assert await svc.wait_applied(WORKER, last)
+        assert view(svc.index, STREAM) == view(reference(batches), STREAM)
+        stats = svc.streams()[0]
+        assert (stats.state, stats.gaps, stats.clears) == (StreamState.SYNCED, 0, 0)
+        # the live copies of what the catch-up replay applied are not mistaken for a restart
+        tail = await publish_all(pub, workload(seed=15, batches=2))
+        assert await svc.wait_applied(WORKER, tail)
+        assert svc.streams()[0].restarts == 0
+
+
+async def test_a_dropped_last_batch_is_found_by_the_idle_probe(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=16, batches=5)
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        await connect(svc, pub)
+        await publish_all(pub, batches[:-1], settle=svc)
+        lost = await pub.publish(batches[-1], drop=True)  # PUB dropped it; nothing follows
+        assert await svc.wait_applied(WORKER, lost)
+        stats = svc.streams()[0]
+        assert (stats.clears, stats.last_seq) == (0, lost) and stats.probes >= 2
+
+
+async def test_without_the_probe_a_dropped_last_batch_stays_unknown(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # the counterpart that shows the probe test above can fail
+    batches = workload(seed=16, batches=5)
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        await connect(svc, pub)
+        await publish_all(pub, batches[:-1], settle=svc)
+        lost = await pub.publish(batches[-1], drop=True)
+        assert not await svc.wait_applied(WORKER, lost, timeout_s=0.3)

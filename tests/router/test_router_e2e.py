@@ -45,14 +45,17 @@ async def test_tenants_sharing_a_system_prompt_never_hit_each_other(fleet: Fleet
     assert all(c["matched_tokens"] == 0 and c["pending_tokens"] == 0 for c in plan["candidates"])
     plan_a = await fleet.route(a)
     assert plan["namespace"] != plan_a["namespace"]
-    # tenant b, same tokens: predicted 0, and the worker really had nothing for it
-    for _ in range(3):
-        status, headers, answer = await fleet.post("/v1/chat/completions", b)
-        assert status == 200
-        if headers["x-kvroute-worker"] == holder:
-            break
-    b_on_holder = headers["x-kvroute-worker"] == holder
-    assert headers["x-kvroute-matched-tokens"] == "0" or not b_on_holder
+    # force tenant b onto the very worker that caches tenant a's identical tokens
+    other = next(w for w in fleet.workers if w != holder)
+    status, _ = await fleet.admin("POST", f"/workers/{other}/drain")
+    assert status == 200
+    status, headers, answer = await fleet.post("/v1/chat/completions", b)
+    assert status == 200 and headers["x-kvroute-worker"] == holder
+    assert headers["x-kvroute-matched-tokens"] == "0" and headers["x-kvroute-pending-tokens"] == "0"
+    assert _cached(answer) == 0  # and the worker agrees: no sharing across salts
+    # tenant a still hits its own prefix there
+    status, headers, answer = await fleet.post("/v1/chat/completions", a)
+    assert int(headers["x-kvroute-matched-tokens"]) == _cached(answer) >= 400
     # unsalted traffic is its own namespace too
     plain = await fleet.route(_chat(None, "hello"))
     assert all(c["matched_tokens"] == 0 for c in plain["candidates"])

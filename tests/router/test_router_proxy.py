@@ -313,3 +313,24 @@ async def test_health_models_and_drain(
             router.url + "/admin/workers/a/drain", json={"drain": False}, headers=AUTH
         ) as resp:
             assert (await resp.json())["status"] == "ready"
+
+
+async def test_a_bug_is_a_json_500_not_a_crash(
+    pair: tuple[Upstream, Upstream],
+    session: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug")  # a fault no real input produces
+
+        monkeypatch.setattr(router.scheduler, "plan", broken)
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 500
+            assert (await resp.json())["error"]["type"] == "InternalError"
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 200  # and the router keeps serving
+    assert "a bug" in caplog.text
