@@ -130,6 +130,7 @@ class _Stream:
         "partial",
         "refs",
         "sbit",
+        "singles",
         "slot",
     )
 
@@ -150,6 +151,7 @@ class _Stream:
         self.ns_counts: dict[int, int] = {}  # ns id -> indexed blocks of this stream
         # (lora, salt) -> ns id, so steady traffic builds no Namespace per event
         self.ns_cache: dict[tuple[str | None, str | None], int] = {}
+        self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
 
 
 def _vllm_salt(extra_keys: list[list[object] | None] | None, lora_name: str | None) -> str | None:
@@ -390,11 +392,13 @@ class PrefixIndex:
             self.add_stream(stream)
             st = self._streams[stream]
         outcome = ApplyOutcome(skipped=batch.skipped)
+        store = self._store
+        remove = self._remove
         for ev in batch.events:
             if type(ev) is Stored:
-                self._store(st, ev, outcome)
+                store(st, ev, outcome)
             elif type(ev) is Removed:
-                self._remove(st, ev, outcome)
+                remove(st, ev, outcome)
             elif type(ev) is Cleared:
                 self.clear_stream(stream)
                 outcome.cleared = True
@@ -470,7 +474,10 @@ class PrefixIndex:
                 if len(blocks) - before == n:
                     if table.keys().isdisjoint(keys):
                         # every key is new to the table: one C-level update, no per-key work
-                        table.update(zip(keys, repeat(self._shared(st.sbit | code))))
+                        single = st.singles.get(ns_id)
+                        if single is None:
+                            single = self._single(st, ns_id)
+                        table.update(zip(keys, repeat(single)))
                         self._ns_blocks[ns_id] += n
                         self._ns_tokens[ns_id] += n * block_size
                         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
@@ -574,6 +581,13 @@ class PrefixIndex:
                 st.media[h] = medium
                 tier = self._tiers.setdefault(medium, {})
                 tier[key] = tier.get(key, 0) | st.bit
+
+    def _single(self, st: _Stream, ns_id: int) -> int:
+        """The table value of a key only `st` holds in namespace `ns_id` (cached per stream)."""
+        if len(st.singles) >= 4096:
+            st.singles.clear()  # bounded: a miss only recomputes one value
+        single = st.singles[ns_id] = self._shared(st.sbit | self._codes[ns_id])
+        return single
 
     def _shared(self, value: int) -> int:
         """One shared int object per distinct table value (most keys have few holder sets)."""

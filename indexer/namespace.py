@@ -78,9 +78,14 @@ def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[
 
 def chain_keys(prev: int, tokens: Sequence[Hashable], block_size: int) -> list[int]:
     """Keys of the full blocks of `tokens` chained after key `prev` (or a namespace seed)."""
-    # the block tuples are built inline (not via block_tuples): one call less per event
-    blocks = zip(*[iter(tokens)] * block_size, strict=False)
-    return [prev := hash((prev, block)) for block in blocks]
+    # A plain loop, not a comprehension with `:=`: the walrus would make `prev` a closure cell
+    # and the comprehension a function call, together ~1.3 us per 8-block event (40% of it).
+    keys: list[int] = []
+    append = keys.append
+    for block in zip(*[iter(tokens)] * block_size, strict=False):
+        prev = hash((prev, block))
+        append(prev)
+    return keys
 
 
 def request_keys(namespace: Namespace, tokens: Sequence[Hashable], block_size: int) -> list[int]:

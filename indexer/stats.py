@@ -45,7 +45,7 @@ class StreamStats(msgspec.Struct):
     blocks_stored: int
     blocks_removed: int
     gaps: int
-    replays: int
+    replays: int  # replay runs: gap repairs, and probes that brought batches
     restarts: int
     clears: int  # entries dropped wholesale: AllBlocksCleared, restart, unrepairable gap
     decode_errors: int

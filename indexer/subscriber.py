@@ -246,8 +246,10 @@ class StreamSubscriber:
         self._probe_wait_ms = base_ms
         self.last_heard_at = self._clock()
         after = self.tracker.last
-        # Not counted as a gap: the probe may simply have run ahead of a live copy in flight.
         if after != before and after is not None:
+            # A replay run that brought batches (what the offline replayer sees in a recording),
+            # but not a gap: the probe may simply have run ahead of a live copy in flight.
+            self.replays += 1
             self._notify(after)
         if self.state is StreamState.SYNCING:
             self.state = StreamState.SYNCED

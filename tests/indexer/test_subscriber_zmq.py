@@ -103,7 +103,8 @@ async def test_dropped_batches_are_repaired_to_the_loss_free_index(
         assert view(svc.index, STREAM)  # not trivially empty
         stats = svc.streams()[0]
         assert (stats.gaps, stats.clears) == (4, 0)
-        assert stats.replays + stats.probes == len(pub.replay_requests)
+        # probes that brought batches count as replay runs too
+        assert stats.replays <= len(pub.replay_requests) <= stats.replays + stats.probes
         assert stats.replays >= 4
         assert stats.state is StreamState.SYNCED
         assert stats.entries == len(want._streams[STREAM].blocks)
@@ -166,7 +167,7 @@ async def test_replay_timeout_clears_and_continues(ctx: zmq.asyncio.Context) -> 
         assert await svc.wait_applied(WORKER, last)
         stats = svc.streams()[0]
         assert stats.clears == 1 and stats.gaps == 1 and stats.last_seq == last
-        assert stats.replays + stats.probes == len(pub.replay_requests)
+        assert stats.replays <= len(pub.replay_requests) <= stats.replays + stats.probes
 
 
 async def test_garbage_frames_never_stop_the_stream(ctx: zmq.asyncio.Context) -> None:
