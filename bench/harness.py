@@ -40,6 +40,7 @@ from workers.config import WorkerConfig as ReferenceWorkerConfig
 from workers.worker import ReferenceWorker
 
 __all__ = [
+    "KV_DEFAULT",
     "ORACLE",
     "POLICIES",
     "FleetSpec",
@@ -52,6 +53,8 @@ __all__ = [
 
 ORACLE = "oracle"
 POLICIES: tuple[str, ...] = ("kv", "approx_tree", "least_load", "round_robin", "random", ORACLE)
+# the router's kv policy with its own default weights, beside a `kv` run with overridden ones
+KV_DEFAULT = "kv_default"
 WORKER_HEADER = "x-kvroute-worker"
 MATCHED_HEADER = "x-kvroute-matched-tokens"
 PENDING_HEADER = "x-kvroute-pending-tokens"
@@ -421,7 +424,11 @@ async def run_policy(
             for r in records:
                 r.worker = by_url.get(r.worker, r.worker)
         else:
-            async with _router(policy, names, spec, seed, weights) as router_url:
+            if policy == KV_DEFAULT:
+                policy_name, weights = "kv", PolicyWeights()
+            else:
+                policy_name = policy
+            async with _router(policy_name, names, spec, seed, weights) as router_url:
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)

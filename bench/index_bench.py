@@ -7,11 +7,15 @@ Three measurements, written to `docs/benchmarks/index.md`:
   scheduler step, FIFO eviction as `BlockRemoved` once the worker's pool is full. Payloads are
   encoded by our byte-identical SGLang encoder beforehand; the timed loop is exactly what the
   subscriber does per message (`decode_batch` + `PrefixIndex.apply`). Unit: block operations
-  (stored + removed hashes) per second, one core.
+  (stored + removed hashes) per second, one core; the naive baseline applies the same
+  pre-decoded batches.
 - query: an 8,192-token prompt (512 blocks) against 64 streams holding ~2M (block, stream)
   entries, through `IndexerService.query` (what the router calls: all 64 workers' matches).
-  Prompts are documents some streams hold entirely (the worst case: the walk goes to the end)
-  and fresh prompts that share only a system prompt.
+  Prompts are documents some streams hold entirely (the worst case: the walk goes to the end),
+  fresh prompts that share only a system prompt, and held documents while the pending table
+  is busy (as in a live router). Samples come in rounds, so a round disturbed by another
+  tenant of a shared machine is visible as such. A per-stage breakdown and a naive
+  dict-of-sets baseline holding the same entries are measured in the same run.
 - memory: bytes traced by `tracemalloc` while building that index (everything the index
   allocates and keeps: dicts, engine-hash ints, keys, values), per entry, with the sharing
   factor (entries per unique block key) stated, and a no-sharing worst case at a smaller scale.
@@ -36,8 +40,8 @@ import msgspec
 
 from indexer.config import StreamConfig
 from indexer.index import PrefixIndex
-from indexer.namespace import Namespace
-from indexer.protocol import EventBatch, Removed, Stored, decode_batch, encode_batch
+from indexer.namespace import Namespace, chain_keys, namespace_seed
+from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
 from indexer.service import IndexerService, stream_id
 
 __all__ = ["add_arguments", "run"]
@@ -60,6 +64,7 @@ class IngestResult(msgspec.Struct):
     decode_apply_ops_s: float
     apply_only_ops_s: float
     decode_only_ops_s: float
+    naive_apply_ops_s: float  # `NaiveIndex`, the same pre-decoded batches, same run
 
 
 class QueryResult(msgspec.Struct):
@@ -67,9 +72,21 @@ class QueryResult(msgspec.Struct):
 
     kind: str
     queries: int
-    p50_us: float
-    p99_us: float
+    p50_us: float  # over every sample
+    p99_us: float  # over every sample (includes the other tenants' CPU bursts)
+    quiet_p50_us: float  # the round with the lowest p99 (see `_ROUNDS`)
+    quiet_p99_us: float
     mean_matched_blocks: float
+
+
+class StageResult(msgspec.Struct):
+    """Median cost of the stages of one held-document query, microseconds (same run)."""
+
+    keys_us: float  # chain_keys over the whole prompt
+    floor_us: float  # keys + one table lookup per block: any dict-based layout pays this
+    match_us: float  # PrefixIndex.match (the walk, early-stop bookkeeping, result dicts)
+    service_us: float  # IndexerService.query (per-worker states and WorkerMatch objects)
+    naive_us: float  # `NaiveIndex.match` on the same entries: a block-by-block set walk
 
 
 class MemoryResult(msgspec.Struct):
@@ -149,6 +166,76 @@ def _stored(hashes: list[int], parent: int | None, tokens: list[int], salt: str 
     )
 
 
+class NaiveIndex:
+    """The baseline: block key -> set of streams, per stream engine hash -> key, no tricks.
+
+    Same key function and the same events as `PrefixIndex`, but one Python step per block and
+    no namespace codes (isolation rests on the seeded keys alone). Only for comparison.
+    """
+
+    def __init__(self) -> None:
+        self.table: dict[int, set[str]] = {}
+        self.blocks: dict[str, dict[BlockHash, int]] = {}
+        self._seeds: dict[str | None, int] = {}
+
+    def seed(self, salt: str | None) -> int:
+        """The chain seed of the bench model's namespace with `salt`."""
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = namespace_seed(Namespace(MODEL, None, salt), PAGE)
+        return seed
+
+    def apply(self, stream: str, batch: EventBatch) -> None:
+        """Apply SGLang-style stores and removes, block by block."""
+        blocks = self.blocks.setdefault(stream, {})
+        table = self.table
+        for ev in batch.events:
+            if isinstance(ev, Stored):
+                prev = self.seed(ev.cache_salt) if ev.parent is None else blocks.get(ev.parent)
+                if prev is None:
+                    continue
+                keys = chain_keys(prev, ev.token_ids, PAGE)
+                for h, key in zip(ev.block_hashes, keys, strict=False):
+                    blocks[h] = key
+                    table.setdefault(key, set()).add(stream)
+            elif isinstance(ev, Removed):
+                for h in ev.block_hashes:
+                    gone = blocks.pop(h, None)
+                    if gone is not None:
+                        holders = table[gone]
+                        holders.discard(stream)
+                        if not holders:
+                            del table[gone]
+
+    def match(self, namespace: Namespace, tokens: list[int]) -> dict[str, int]:
+        """Leading blocks held per stream, one set intersection per block."""
+        depths: dict[str, int] = {}
+        alive: set[str] | None = None
+        done = 0
+        for key in chain_keys(self.seed(namespace.cache_salt), tokens, PAGE):
+            holders = self.table.get(key, set())
+            now = holders if alive is None else alive & holders
+            for stream in (alive or set()) - now:
+                depths[stream] = done
+            alive = now
+            if not alive:
+                break
+            done += 1
+        for stream in alive or ():
+            depths[stream] = done
+        return depths
+
+    @classmethod
+    def mirror(cls, index: PrefixIndex) -> NaiveIndex:
+        """A naive index holding exactly `index`'s entries (sharing its int objects)."""
+        naive = cls()
+        for sid, st in index._streams.items():
+            naive.blocks[sid] = dict(st.blocks)
+            for key in st.blocks.values():
+                naive.table.setdefault(key, set()).add(sid)
+        return naive
+
+
 def bench_ingest(payloads: list[bytes], seconds: float) -> IngestResult:
     """Decode + apply every payload in order (repeating on fresh indexes up to `seconds`)."""
     decoded = [decode_batch(p) for p in payloads]
@@ -187,7 +274,24 @@ def bench_ingest(payloads: list[bytes], seconds: float) -> IngestResult:
         decode_apply_ops_s=timed(True, True),
         apply_only_ops_s=timed(False, True),
         decode_only_ops_s=timed(True, False),
+        naive_apply_ops_s=_timed_naive(decoded, ops, seconds),
     )
+
+
+def _timed_naive(decoded: list[EventBatch], ops: int, seconds: float) -> float:
+    """Best block ops/s of `NaiveIndex.apply` over the pre-decoded batches."""
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    rounds = 0
+    while rounds < 2 or (time.perf_counter() < deadline and rounds < 20):
+        rounds += 1
+        naive = NaiveIndex()
+        gc.collect()
+        start = time.perf_counter()
+        for b in decoded:
+            naive.apply("w#dp0", b)
+        best = max(best, ops / (time.perf_counter() - start))
+    return best
 
 
 # ---------------------------------------------------------- query and memory
@@ -220,7 +324,7 @@ def build_index(
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     start = time.perf_counter()
-    index = PrefixIndex()
+    index = PrefixIndex(pending_ttl_s=3600.0)  # pending entries outlive the query rounds
     for sid in held:
         index.add_stream(sid, model=MODEL, block_size=PAGE)
     for sid, doc_ids in held.items():
@@ -242,9 +346,17 @@ def build_index(
     return index, held, memory, label
 
 
+_ROUNDS = 5  # query samples are taken in rounds; a round hit by another tenant shows as such
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
 async def _query_latencies(
     index: PrefixIndex, held: dict[str, list[int]], seconds: float, seed: int
-) -> list[QueryResult]:
+) -> tuple[list[QueryResult], StageResult]:
     rng = random.Random(seed)
     async with IndexerService() as service:
         # real subscribers (their SUBs connect to a port nobody listens on), the built index
@@ -258,34 +370,85 @@ async def _query_latencies(
                 sub.index = index
         service.index = index
         all_docs = sorted({d for ds in held.values() for d in ds})
-        fresh_ids = [10_000_000 + i for i in range(50)]
+        held_ids = [rng.choice(all_docs) for _ in range(50)]
         kinds = {
-            "held document (full 512-block walk)": [rng.choice(all_docs) for _ in range(50)],
-            "fresh prompt (system prompt only)": fresh_ids,
+            "held document (full 512-block walk)": (held_ids, False),
+            "fresh prompt (system prompt only)": ([10_000_000 + i for i in range(50)], False),
+            "held document, pending entries present": (held_ids, True),
         }
         results = []
-        for kind, doc_ids in kinds.items():
+        for kind, (doc_ids, with_pending) in kinds.items():
             prompts = [(_doc_ns(d), _doc(d, 16)) for d in doc_ids]
-            samples: list[float] = []
+            if with_pending:
+                # a live router marks every routed prompt pending for a few seconds: the walk
+                # then also reads the pending table (other prompts' entries, here)
+                for i in range(64):
+                    ns, tokens = _doc_ns(20_000_000 + i), _doc(20_000_000 + i, 16)
+                    index.add_pending(rng.choice(list(held)), ns, tokens)
+            rounds: list[list[float]] = []
             matched = 0
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline and len(samples) < 20_000:
-                for ns, tokens in prompts:
-                    t0 = time.perf_counter_ns()
-                    out = service.query(ns, tokens)
-                    samples.append((time.perf_counter_ns() - t0) / 1000)
-                    matched += max(m.matched_blocks for m in out.values())
-            samples.sort()
+            for _ in range(_ROUNDS):
+                samples: list[float] = []
+                deadline = time.perf_counter() + seconds / _ROUNDS
+                while time.perf_counter() < deadline and len(samples) < 4_000:
+                    for ns, tokens in prompts:
+                        t0 = time.perf_counter_ns()
+                        out = service.query(ns, tokens)
+                        samples.append((time.perf_counter_ns() - t0) / 1000)
+                        matched += max(m.matched_blocks for m in out.values())
+                rounds.append(samples)
+            index.pending.clear()
+            everything = [x for r in rounds for x in r]
+            p50, p99 = _percentiles(everything)
+            quiet_p50, quiet_p99 = min((_percentiles(r) for r in rounds), key=lambda q: q[1])
             results.append(
                 QueryResult(
                     kind=kind,
-                    queries=len(samples),
-                    p50_us=samples[len(samples) // 2],
-                    p99_us=samples[min(len(samples) - 1, int(len(samples) * 0.99))],
-                    mean_matched_blocks=matched / len(samples),
+                    queries=len(everything),
+                    p50_us=p50,
+                    p99_us=p99,
+                    quiet_p50_us=quiet_p50,
+                    quiet_p99_us=quiet_p99,
+                    mean_matched_blocks=matched / len(everything),
                 )
             )
-        return results
+        prompts = [(_doc_ns(d), _doc(d, 16)) for d in held_ids]
+        return results, _stages(index, service, prompts)
+
+
+def _stages(
+    index: PrefixIndex, service: IndexerService, prompts: list[tuple[Namespace, list[int]]]
+) -> StageResult:
+    """Median per-query cost of each stage over the held-document prompts (a few passes)."""
+    table_get = index._table.get
+    seeds = {ns: namespace_seed(ns, PAGE) for ns, _ in prompts}
+
+    def floor(ns: Namespace, tokens: list[int]) -> object:
+        return list(map(table_get, chain_keys(seeds[ns], tokens, PAGE)))
+
+    def keys(ns: Namespace, tokens: list[int]) -> object:
+        return chain_keys(seeds[ns], tokens, PAGE)
+
+    naive = NaiveIndex.mirror(index)
+    stages: dict[str, list[float]] = {}
+    fns = {
+        "keys": keys,
+        "floor": floor,
+        "match": index.match,
+        "service": service.query,
+        "naive": naive.match,
+    }
+    for _ in range(5):
+        for name, fn in fns.items():
+            for ns, tokens in prompts:
+                t0 = time.perf_counter_ns()
+                fn(ns, tokens)
+                stages.setdefault(name, []).append((time.perf_counter_ns() - t0) / 1000)
+    med = {name: _percentiles(v)[0] for name, v in stages.items()}
+    for ns, tokens in prompts[:5]:  # the baseline answers the same question
+        found = index.match(ns, tokens).blocks
+        assert {s: d for s, d in naive.match(ns, tokens).items() if d} == found
+    return StageResult(med["keys"], med["floor"], med["match"], med["service"], med["naive"])
 
 
 # ---------------------------------------------------------------- report
@@ -296,7 +459,11 @@ def _verdict(ok: bool) -> str:
 
 
 def render(
-    ingest: IngestResult, queries: list[QueryResult], memory: list[MemoryResult], args: object
+    ingest: IngestResult,
+    queries: list[QueryResult],
+    stages: StageResult,
+    memory: list[MemoryResult],
+    args: object,
 ) -> str:
     """The markdown report."""
     lines = [
@@ -319,25 +486,47 @@ def render(
         f"| decode + apply (what the subscriber does) | {ingest.decode_apply_ops_s:,.0f} |",
         f"| apply only (pre-decoded) | {ingest.apply_only_ops_s:,.0f} |",
         f"| decode only | {ingest.decode_only_ops_s:,.0f} |",
+        f"| baseline: `NaiveIndex` apply only (dict of sets, block by block) | "
+        f"{ingest.naive_apply_ops_s:,.0f} |",
         "",
         f"Target >= {TARGET_OPS:,} block ops/s: "
         f"**{_verdict(ingest.decode_apply_ops_s >= TARGET_OPS)}**.",
         "",
         "## Query (8,192-token prompt, 64 streams, IndexerService.query)",
         "",
-        "| prompt | queries | p50 us | p99 us | mean best match (blocks) |",
-        "|---|---:|---:|---:|---:|",
+        f"Samples are taken in {_ROUNDS} rounds per kind. The machine is shared, so a round "
+        'that another tenant\'s burst lands in shows it in its p99; "quietest round" is the '
+        'round with the lowest p99, "all" pools every sample.',
+        "",
+        "| prompt | queries | p50 us (all) | p99 us (all) | p50 us (quietest round) "
+        "| p99 us (quietest round) | mean best match (blocks) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for q in queries:
         lines.append(
             f"| {q.kind} | {q.queries:,} | {q.p50_us:,.0f} | {q.p99_us:,.0f} | "
-            f"{q.mean_matched_blocks:,.1f} |"
+            f"{q.quiet_p50_us:,.0f} | {q.quiet_p99_us:,.0f} | {q.mean_matched_blocks:,.1f} |"
         )
-    worst = max(q.p99_us for q in queries)
+    worst_quiet = max(q.quiet_p99_us for q in queries)
+    worst_all = max(q.p99_us for q in queries)
     lines += [
         "",
-        f"Target p99 <= {TARGET_P99_US:.0f} us (worst kind): "
-        f"**{_verdict(worst <= TARGET_P99_US)}**.",
+        f"Target p99 <= {TARGET_P99_US:.0f} us (worst kind): quietest round "
+        f"**{_verdict(worst_quiet <= TARGET_P99_US)}** ({worst_quiet:,.0f} us), all samples "
+        f"**{_verdict(worst_all <= TARGET_P99_US)}** ({worst_all:,.0f} us).",
+        "",
+        "Where a held-document query's time goes (medians, same run; each line includes the "
+        "one above):",
+        "",
+        "| stage | us |",
+        "|---|---:|",
+        f"| block keys (`chain_keys`, 512 blocks) | {stages.keys_us:,.0f} |",
+        f"| keys + one table lookup per block (floor of a dict-based layout) | "
+        f"{stages.floor_us:,.0f} |",
+        f"| `PrefixIndex.match` (walk, drops, result) | {stages.match_us:,.0f} |",
+        f"| `IndexerService.query` (64 `WorkerMatch`, stream states) | {stages.service_us:,.0f} |",
+        f"| baseline: `NaiveIndex.match` (one set intersection per block) | "
+        f"{stages.naive_us:,.0f} |",
         "",
         "## Memory",
         "",
@@ -365,29 +554,35 @@ def render(
 
 
 LIMITS = """\
-All of it is single-threaded CPython; what is left is interpreter work and memory traffic, not
-algorithmic cost. Measured breakdowns (same machine, same session, provisional):
-- Ingest: `decode_batch` (msgspec, C) costs ~0.3-0.4 us per block entry, `PrefixIndex.apply`
-  ~0.9 us per block operation. A stored block costs one C-level tuple hash of its 16 tokens plus a
-  chain hash (~0.2 us) and C-level dict updates (`isdisjoint`/`update` over the whole event);
-  a removed block costs a few C-level passes per event. The rest is fixed per-event Python
-  work (validation, namespace resolution, calls), ~3 us per event of ~8 pages. Apply alone
-  runs at ~1.1 M block ops/s; with decode the total is ~0.8 M, short of 1 M. Ways past it:
-  decoding straight into the index's shapes (skipping the `EventBatch` model), or the hot
-  loop in a compiled extension.
-- Query: for a prompt held to the end (512 blocks, 2M entries), measured per stage: building
-  the block tuples ~40 us, chain-hashing them ~75 us, looking the keys up ~95-125 us (the
-  table and its key objects are ~100 MB: each lookup is ~3 cache misses, and an int key
-  must be loaded to compare it), the C-level running AND ~20 us, drop bookkeeping ~15 us.
-  The walk stops as soon as no stream still matches, so a prompt that only shares a system
-  prompt costs ~100 us. Turning the result into 64
-  `WorkerMatch` objects adds ~20-40 us. The full walk's p99 misses 250 us here.
-- Memory: an entry costs one slot in its stream's dict (~42 bytes amortized) and its engine
-  hash, a 36-byte int; each UNIQUE block key adds a table slot (~42 bytes) and the 36-byte key
-  int (shared with the stream dicts); table values (holder sets) are shared int objects. So
-  ~80 bytes per entry plus ~80 per unique key: ~160 with no sharing, ~135 when, as here, a key
-  is held by ~2.4 streams on average. Under 120 would need a compiled table (Rust/C, ~40-65
-  bytes) or dropping engine hashes, which the protocol needs for parents and removals.
+All of it is single-threaded CPython: what is left is interpreter work per event and memory
+latency per lookup, not algorithmic cost. numpy was measured and not adopted: turning an
+8,192-token Python list into an array costs 105-135 us (np.array / np.fromiter /
+array.array), more than chaining the whole prompt in pure Python (~90 us), and a keyed numpy
+mix of an 8-block event costs ~11 us against ~2 us; it only pays if tokens arrive as a buffer.
+- Ingest: `decode_batch` (msgspec) costs ~0.3 us per block operation and is outside the index;
+  `PrefixIndex.apply` ~0.7 us. Steady SGLang stores (known parent, seen salt, fresh hashes)
+  take an inline path: one key-chain call (~0.18 us a block: a tuple of 16 tokens and one
+  C-level hash), one insert-if-absent pass over the stream map, one disjointness check and
+  one update of the shared table. Removes pop both maps in two C-level passes. What remains
+  is ~3 us of fixed Python per event (~8 pages here), so the naive dict-of-sets baseline,
+  which does none of the bookkeeping (namespaces, refcounts, sizes, validation), is about as
+  fast (within ~10%, either way) at this event size. Past 1 M with decode needs either
+  decoding straight into the index's shapes (the decoder is another module's) or a compiled
+  hot loop.
+- Query: keys ~90-100 us plus one dict lookup per block ~120 us make the floor of any
+  dict-based layout (~215-230 us here). The table and its key objects are ~100 MB, so a lookup
+  is up to 3 cache misses (index slot, entry, key object); this bench repeats 50 prompts, so
+  they are partly cached, and a stream of never-seen prompts pays more (~300 us for 512
+  lookups into a cold 832k-key dict, measured separately). The walk itself (drops found from
+  the few distinct holder sets, chunks of 64 then doubling) adds ~25-30 us; the service's
+  per-worker `WorkerMatch` and state logic another ~70-80 us for 64 workers. So p50 is ~310 us
+  and p99 misses 250 us: the target needs compact open-addressing arrays (compiled code).
+- Memory: per entry a stream-map slot (~42 bytes), its engine hash (a 36-byte int) and its own
+  copy of the block key (36 bytes: CPython cannot hand back the table's key object for an
+  equal int, and a key -> key interning map costs as much as it saves); per unique key a table
+  slot (~50 bytes) shared by its holders; holder sets are shared int objects. 42 + 36 + 36 +
+  50 / 2.4 = ~135 bytes at this sharing, ~160 with none: the floor of dicts of int objects.
+  Under 120 needs entries stored without per-entry objects (arrays in a compiled table).
 """
 
 
@@ -413,9 +608,13 @@ def run(args: argparse.Namespace) -> int:
     del payloads
     index, held, shared, _ = build_index(args.streams, args.docs_per_stream, args.pool, args.seed)
     print(f"memory: {shared.entries:,} entries, {shared.bytes_per_entry:.0f} bytes/entry")
-    queries = asyncio.run(_query_latencies(index, held, args.seconds, args.seed))
+    queries, stages = asyncio.run(_query_latencies(index, held, args.seconds, args.seed))
     for q in queries:
-        print(f"query {q.kind}: p50 {q.p50_us:.0f} us, p99 {q.p99_us:.0f} us")
+        print(
+            f"query {q.kind}: p50 {q.p50_us:.0f} us, p99 {q.p99_us:.0f} us "
+            f"(quietest round: p50 {q.quiet_p50_us:.0f} us, p99 {q.quiet_p99_us:.0f} us)"
+        )
+    print(f"stages: {stages}")
     del index, held
     gc.collect()
     small = max(1, args.docs_per_stream // 8)
@@ -426,6 +625,6 @@ def run(args: argparse.Namespace) -> int:
         f"seed={args.seed}, batches={args.batches}, streams={args.streams}, "
         f"docs/stream={args.docs_per_stream}, pool={args.pool}, seconds={args.seconds}"
     )
-    args.output.write_text(render(ingest, queries, [shared, unshared], params))
+    args.output.write_text(render(ingest, queries, stages, [shared, unshared], params))
     print(f"wrote {args.output}")
     return 0

@@ -30,7 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bench.harness import POLICIES, FleetSpec, PolicyWeights, run_policy
+from bench.harness import KV_DEFAULT, POLICIES, FleetSpec, PolicyWeights, run_policy
 from bench.report import BenchReport, PolicyRun, WorkloadSection, write_report
 from bench.workloads import (
     MooncakeParams,
@@ -82,7 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"
     )
     parser.add_argument(
-        "--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}"
+        "--policies",
+        default=None,
+        help=f"comma list of {', '.join((*POLICIES, KV_DEFAULT))} (default: all; {KV_DEFAULT}, "
+        "the router's kv with its default weights, joins when --kv-*-weight overrides them)",
     )
     parser.add_argument(
         "--pressures",
@@ -136,6 +139,15 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
     return items
 
 
+def _policies(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.policies is not None:
+        return _csv(args.policies, (*POLICIES, KV_DEFAULT), "policies")
+    if args.kv_hit_weight is None and args.kv_decode_weight is None:
+        return POLICIES
+    # show what the override buys: the router's defaults run right after the tuned kv
+    return (POLICIES[0], KV_DEFAULT, *POLICIES[1:])
+
+
 def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
     """Validate the command line into settings (defaults depend on --quick)."""
     quick = bool(args.quick)
@@ -146,6 +158,10 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         raise SystemExit(f"--pressures: {exc}") from exc
     if any(p <= 0 for p in pressures):
         raise SystemExit("--pressures must be > 0")
+    if args.requests is not None and args.requests < 1:
+        raise SystemExit("--requests must be >= 1")
+    if args.workers is not None and args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
     for flag, value in (
         ("--kv-hit-weight", args.kv_hit_weight),
         ("--kv-decode-weight", args.kv_decode_weight),
@@ -165,7 +181,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         seed=args.seed,
         quick=quick,
         workloads=_csv(args.workloads, WORKLOADS, "workloads"),
-        policies=_csv(args.policies, POLICIES, "policies"),
+        policies=_policies(args),
         pressures=pressures,
         load=args.load,
         rate_rps=args.rate,
@@ -272,7 +288,7 @@ def build_workloads(settings: SuiteSettings) -> list[Workload]:
     return out
 
 
-def _notes() -> list[str]:
+def _notes(settings: SuiteSettings) -> list[str]:
     notes = [
         "`oracle` is the harness routing by itself: it asks every worker's `/debug/match` for "
         "its cached prefix in the request's namespace, adds what its own in-flight requests "
@@ -286,6 +302,12 @@ def _notes() -> list[str]:
         "Everything (workers, router, load generator) shares one event loop on a shared 2-core "
         "machine: absolute latencies include that contention; compare policies within a run.",
     ]
+    if KV_DEFAULT in settings.policies:
+        notes.append(
+            f"`{KV_DEFAULT}` is the router's `kv` policy with the router's default weights, run "
+            "beside `kv` (which uses the weights named under Fleet) so the effect of the "
+            "override is measured in the same run; targets are read from `kv`."
+        )
     if importlib.util.find_spec("sglang_router") is None:
         notes.append(
             "`sglang-router` (SGLang's Rust router) is not installed: its `cache_aware` external "
@@ -396,12 +418,12 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         started_at=started,
         fleet=fleet,
         sections=sections,
-        notes=_notes(),
+        notes=_notes(settings),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the suite, write the report, print where it is."""
+    """Run the suite and write the report; 1 when a policy could not run at all."""
     settings = settings_from_args(args)
     console = Console(stderr=True)
     out: Path = args.out
@@ -418,5 +440,6 @@ def run(args: argparse.Namespace) -> int:
     ]
     console.print(f"report: {path}")
     if failed:
+        # requests may fail under load (the report counts them); a policy that never ran may not
         console.print(f"[yellow]incomplete runs: {', '.join(failed)}[/]")
-    return 0
+    return 1 if any(not r.records for s in report.sections for r in s.runs) else 0

@@ -15,6 +15,11 @@ Data layout, chosen for Python speed and memory (see docs/benchmarks/index.md):
 - rare cases live in small side dicts so the common entry costs two dict slots: extra reference
   counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`), entries in a
   non-default medium (`media` + per-tier tables), partial trailing pages (`partial`).
+- pending entries (`indexer.pending`) have the same value shape, with their namespace's code.
+
+Applying: the steady SGLang store (a child of a known block, a namespace already seen, fresh
+hashes and keys) is a few C-level dict passes per event (`_store`); everything else goes
+through `_store_general`, block by block where it must. Removes pop both maps in bulk.
 
 Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
 the first block of a request (`["salt"]`, or `[lora_name, salt]`) and children inherit their
@@ -24,6 +29,7 @@ parent's namespace. A block whose parent is unknown is not indexed (fail closed)
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from typing import Literal, cast
@@ -32,13 +38,25 @@ import msgspec
 
 from indexer.namespace import (
     Namespace,
+    chain_block_keys,
     chain_keys,
     namespace_seed,
     partial_key,
+    vllm_salt,
 )
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
-from indexer.walk import CODE_BITS, CODE_MASK, NS_BITS, NS_MASK, ns_code, walk_prefix
+from indexer.walk import (
+    CODE_BITS,
+    CODE_MASK,
+    NS_BITS,
+    NS_MASK,
+    PrefixMatch,
+    StreamMatch,
+    collect,
+    ns_code,
+    walk_prefix,
+)
 
 __all__ = [
     "CODE_BITS",
@@ -84,23 +102,6 @@ class ApplyOutcome(msgspec.Struct, gc=False):
     unknown_parents: int = 0
     block_size_mismatches: int = 0
     skipped: int = 0
-
-
-class StreamMatch(msgspec.Struct, gc=False):
-    """Leading blocks of a request that one stream holds."""
-
-    blocks: int
-    pending_blocks: int  # extra leading blocks covered only by pending entries
-    block_size: int | None
-    by_medium: dict[str, int]
-
-
-class PrefixMatch(msgspec.Struct, gc=False):
-    """Per-stream results of one query, listing only streams with something to report."""
-
-    blocks: dict[str, int]  # stream -> leading blocks held (real events)
-    pending_blocks: dict[str, int]  # stream -> extra leading blocks covered only by pending
-    by_medium: dict[str, dict[str, int]]  # stream -> tier -> blocks, when not all default tier
 
 
 class NamespaceSize(msgspec.Struct):
@@ -154,18 +155,6 @@ class _Stream:
         self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
 
 
-def _vllm_salt(extra_keys: list[list[object] | None] | None, lora_name: str | None) -> str | None:
-    """vLLM's cache_salt: the last string of the first block's extra keys, after the LoRA name."""
-    if not extra_keys:
-        return None
-    first = extra_keys[0]
-    if not isinstance(first, list) or not first:
-        return None
-    items = first[1:] if lora_name is not None and first[0] == lora_name else first
-    last = items[-1] if items else None
-    return last if isinstance(last, str) and last else None
-
-
 class PrefixIndex:
     """Per-namespace prefix index over many streams; see the module docstring for the layout."""
 
@@ -191,7 +180,7 @@ class PrefixIndex:
         self._ns_tokens: list[int] = [0]
         self._seeds: dict[tuple[int, int], int] = {}
         self._values: dict[int, int] = {}
-        self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, fill=CODE_MASK)
+        self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS)
 
     # ---------------------------------------------------------------- streams
 
@@ -331,7 +320,7 @@ class PrefixIndex:
                 inherited = self._table.get(parent_key, 0) & NS_MASK
                 if inherited:
                     return inherited
-            salt = _vllm_salt(ev.extra_keys, ev.lora_name)
+            salt = vllm_salt(ev.extra_keys, ev.lora_name)
         cache = st.ns_cache
         ns_id = cache.get((lora, salt))
         if ns_id is None:
@@ -415,6 +404,64 @@ class PrefixIndex:
         return outcome
 
     def _store(self, st: _Stream, ev: Stored, outcome: ApplyOutcome) -> None:
+        """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
+
+        The fast path only runs when its outcome is exactly the general path's: a known
+        parent on this stream, full pages of the stream's size, an already seen (lora, salt),
+        the default medium, no pending or partial entries, hashes and keys all new.
+        """
+        parent = ev.parent
+        tokens = ev.token_ids
+        hashes = ev.block_hashes
+        block_size = st.block_size
+        n = len(hashes)
+        blocks = st.blocks
+        if (
+            parent is None
+            or not n
+            or ev.block_size != block_size
+            or len(tokens) != n * block_size
+            or st.engine != "sglang"
+            or ev.extra_keys is not None
+            or ev.lora_id is not None
+            or (ev.medium is not None and ev.medium != self.default_medium)
+            or self.pending.bits
+            or st.partial
+        ):
+            self._store_general(st, ev, outcome)
+            return
+        prev = blocks.get(parent)
+        ns_id = st.ns_cache.get((ev.lora_name or None, ev.cache_salt or None))
+        single = st.singles.get(ns_id) if ns_id is not None else None
+        if prev is None or single is None:
+            self._store_general(st, ev, outcome)
+            return
+        assert ns_id is not None and block_size is not None
+        # `chain_block_keys` is the key function (`chain_keys` wraps it): one call less here
+        keys = chain_block_keys(prev, zip(*[iter(tokens)] * block_size, strict=False))
+        table = self._table
+        if not table.keys().isdisjoint(keys):
+            self._store_general(st, ev, outcome)
+            return
+        before = len(blocks)
+        # insert-if-absent in one C-level pass: a known hash keeps its old key untouched
+        deque(map(blocks.setdefault, hashes, keys), maxlen=0)
+        if len(blocks) - before != n:
+            # a hash already held, or one hash twice in this event: take back exactly what
+            # this pass inserted, then go careful. A held hash maps to a key in the table and
+            # none of `keys` is, so `is key` can only be true of what this pass inserted.
+            for h, key in zip(hashes, keys, strict=True):
+                if blocks.get(h) is key:
+                    del blocks[h]
+            self._store_general(st, ev, outcome)
+            return
+        table.update(zip(keys, repeat(single)))
+        self._ns_blocks[ns_id] += n
+        self._ns_tokens[ns_id] += n * block_size
+        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n  # a clear may have emptied it
+        outcome.stored += n
+
+    def _store_general(self, st: _Stream, ev: Stored, outcome: ApplyOutcome) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
         page = ev.block_size
@@ -730,7 +777,7 @@ class PrefixIndex:
         table = self._table
         sbit = st.sbit
         fresh = [k for k in keys if not table.get(k, 0) & sbit]
-        return self.pending.add(fresh, st.slot, ns_id)
+        return self.pending.add(fresh, st.slot, ns_id, self._codes[ns_id])
 
     def match(self, namespace: Namespace, tokens: Sequence[Hashable]) -> PrefixMatch:
         """Leading full blocks of `tokens` held in `namespace`, only for streams holding some.
@@ -754,22 +801,7 @@ class PrefixIndex:
                 tokens,
                 block_size,
             )
-            for slot, depth in real.items():
-                if depth:
-                    out.blocks[by_slot[slot]] = depth
-            for slot, depth in extra.items():
-                more = depth - real.get(slot, 0)
-                if more > 0:
-                    out.pending_blocks[by_slot[slot]] = more
-            for medium, counts in tiers.items():
-                for slot, n in counts.items():
-                    stream = by_slot[slot]
-                    tiered = out.by_medium.setdefault(stream, {})
-                    tiered[medium] = n
-                    left = out.blocks[stream] - sum(tiered.values())
-                    tiered.pop(self.default_medium, None)
-                    if left:
-                        tiered[self.default_medium] = left
+            collect(out, real, extra, tiers, by_slot, self.default_medium)
         return out
 
     def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, StreamMatch]:

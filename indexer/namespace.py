@@ -28,7 +28,7 @@ excluded structurally by the index (every entry carries its namespace id), not b
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -36,10 +36,12 @@ __all__ = [
     "HASH_PROBE",
     "Namespace",
     "block_tuples",
+    "chain_block_keys",
     "chain_keys",
     "namespace_seed",
     "partial_key",
     "request_keys",
+    "vllm_salt",
 ]
 
 
@@ -70,6 +72,18 @@ def namespace_seed(namespace: Namespace, block_size: int) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+def vllm_salt(extra_keys: list[list[object] | None] | None, lora_name: str | None) -> str | None:
+    """vLLM's cache_salt: the last string of the first block's extra keys, after the LoRA name."""
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list) or not first:
+        return None
+    items = first[1:] if lora_name is not None and first[0] == lora_name else first
+    last = items[-1] if items else None
+    return last if isinstance(last, str) and last else None
+
+
 def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[Hashable, ...]]:
     """Lazy tuple of every FULL block of `tokens` (a trailing partial block is dropped)."""
     # zip over one shared iterator builds the block tuples in C
@@ -78,11 +92,20 @@ def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[
 
 def chain_keys(prev: int, tokens: Sequence[Hashable], block_size: int) -> list[int]:
     """Keys of the full blocks of `tokens` chained after key `prev` (or a namespace seed)."""
+    return chain_block_keys(prev, zip(*[iter(tokens)] * block_size, strict=False))
+
+
+def chain_block_keys(prev: int, blocks: Iterable[tuple[Hashable, ...]]) -> list[int]:
+    """THE key function: keys of `blocks` (token tuples) chained after key `prev`.
+
+    Stores (`chain_keys`) and queries (`indexer.walk`, a chunk of a lazy block iterator at a
+    time) both go through here, so the two sides can never drift apart.
+    """
     # A plain loop, not a comprehension with `:=`: the walrus would make `prev` a closure cell
     # and the comprehension a function call, together ~1.3 us per 8-block event (40% of it).
     keys: list[int] = []
     append = keys.append
-    for block in zip(*[iter(tokens)] * block_size, strict=False):
+    for block in blocks:
         prev = hash((prev, block))
         append(prev)
     return keys

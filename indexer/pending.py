@@ -6,7 +6,8 @@ pending on the chosen stream; entries expire after a TTL (the clock is injected 
 time) and a real store of the same key on the same stream replaces them.
 
 Layout: `bits` maps a block key to `(stream-slot bitmask << shift) | fill`, the same shape as
-the index's table values, so the query ORs and ANDs both in the same C-level pass. Expiry is a
+the index's table values (the index fills in the namespace code), so the query ORs and ANDs
+both in the same C-level pass. Expiry is a
 FIFO of (deadline, key, slot): the TTL is constant, so deadlines are ordered and expiring is
 amortized O(1) per entry.
 """
@@ -46,12 +47,16 @@ class PendingTable:
     def __len__(self) -> int:
         return len(self._deadline)
 
-    def add(self, keys: Iterable[int], slot: int, ns_id: int) -> int:
-        """Mark `keys` pending on stream `slot` until now + TTL; returns how many were marked."""
+    def add(self, keys: Iterable[int], slot: int, ns_id: int, fill: int | None = None) -> int:
+        """Mark `keys` pending on stream `slot` until now + TTL; returns how many were marked.
+
+        `fill` (default: the table's) is ORed into the low bits of each key's value; the index
+        passes the namespace's code so a query can tell another namespace's pending entry.
+        """
         if self.ttl_s <= 0:
             return 0
         deadline = self._clock() + self.ttl_s
-        bit = (1 << (slot + self._shift)) | self._fill
+        bit = (1 << (slot + self._shift)) | (self._fill if fill is None else fill)
         bits = self.bits
         marked = 0
         for key in keys:

@@ -1,7 +1,7 @@
 """The query walk: one pass over a request's blocks against the shared table.
 
-Pure and allocation-light: chain keys (`indexer.namespace.chain_keys`, the very function the
-event side uses) and table lookups are C-level passes over chunks of blocks (64, then doubling
+Pure and allocation-light: chain keys (`indexer.namespace.chain_block_keys`, the very function
+the event side uses) and table lookups are C-level passes over chunks of blocks (64, then doubling
 up to 256: a prompt that shares only a system prompt stops after the first chunk, one held to
 the end takes four passes); the running AND only visits the few distinct holder sets. See
 `indexer.index` for the layout of table values: `(stream bits << CODE_BITS) | namespace code`.
@@ -10,12 +10,24 @@ the end takes four passes); the running AND only visits the few distinct holder 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from operator import or_
 
-from indexer.namespace import chain_keys
+import msgspec
 
-__all__ = ["CODE_BITS", "CODE_MASK", "NS_BITS", "NS_MASK", "ns_code", "walk_prefix"]
+from indexer.namespace import block_tuples, chain_block_keys
+
+__all__ = [
+    "CODE_BITS",
+    "CODE_MASK",
+    "NS_BITS",
+    "NS_MASK",
+    "PrefixMatch",
+    "StreamMatch",
+    "collect",
+    "ns_code",
+    "walk_prefix",
+]
 
 NS_BITS = 24
 NS_MASK = (1 << NS_BITS) - 1
@@ -25,6 +37,23 @@ CODE_MASK = (1 << CODE_BITS) - 1
 # system prompt stops early), then growing (fewer passes for a prompt held to the end)
 _FIRST_CHUNK = 64
 _MAX_CHUNK = 256
+
+
+class StreamMatch(msgspec.Struct, gc=False):
+    """Leading blocks of a request that one stream holds."""
+
+    blocks: int
+    pending_blocks: int  # extra leading blocks covered only by pending entries
+    block_size: int | None
+    by_medium: dict[str, int]
+
+
+class PrefixMatch(msgspec.Struct, gc=False):
+    """Per-stream results of one query, listing only streams with something to report."""
+
+    blocks: dict[str, int]  # stream -> leading blocks held (real events)
+    pending_blocks: dict[str, int]  # stream -> extra leading blocks covered only by pending
+    by_medium: dict[str, dict[str, int]]  # stream -> tier -> blocks, when not all default tier
 
 
 def ns_code(ns_id: int) -> int:
@@ -59,6 +88,7 @@ def walk_prefix(
     key = seed
     alive = (bits << CODE_BITS) | code
     table_get = table.get
+    blocks = block_tuples(tokens, block_size)
     keep_keys = bool(tiers_table)
     all_keys: list[int] = []
     real: dict[int, int] = {}
@@ -67,25 +97,33 @@ def walk_prefix(
     alive_any = alive
     size = _FIRST_CHUNK
     while True:
-        # the very function the event side uses (one key scheme), a chunk of tokens at a time
-        keys = chain_keys(key, tokens[done * block_size : (done + size) * block_size], block_size)
+        # the very function the event side uses (one key scheme), a chunk of blocks at a time
+        keys = chain_block_keys(key, islice(blocks, size))
         if not keys:
             break
         key = keys[-1]
         if keep_keys:
             all_keys.extend(keys)
         values = list(map(table_get, keys, repeat(0)))
+        before = alive
         if alive >> CODE_BITS:
             alive = _record_drops(values, alive, code, done, real)
-        if pending:
-            # pending values carry every code bit: they neither break nor prove a namespace
-            # (their keys are namespace-seeded); real entries of another namespace still do
-            held = list(map(or_, values, map(pending.get, keys, repeat(0))))
-            alive_any = _record_drops(held, alive_any, code, done, extra)
-        else:
+        if not pending or (alive_any == before and pending.keys().isdisjoint(keys)):
+            # no pending entry so far nor in this chunk: the pending walk is the real one
             alive_any = alive
+        elif alive_any >> CODE_BITS:
+            # pending values carry their namespace's code like real ones; ORing two values
+            # would hide a foreign code, so the first foreign entry (real or pending) is
+            # found first and ends the pending walk there
+            marks = list(map(pending.get, keys, repeat(0)))
+            held = list(map(or_, values, marks))
+            cut = _first_foreign(values, marks, code)
+            if cut is not None:
+                held[cut] = 0
+            alive_any = _record_drops(held, alive_any, code, done, extra)
         done += len(keys)
-        if not alive_any >> CODE_BITS:
+        # a foreign pending entry can end the pending walk before the real one: stop when both
+        if not (alive | alive_any) >> CODE_BITS:
             break
         size = min(2 * size, _MAX_CHUNK)
     for slot in _bits(alive >> CODE_BITS):
@@ -137,3 +175,40 @@ def _record_drops(
         if alive == code:
             break
     return alive
+
+
+def _first_foreign(values: list[int], marks: list[int], code: int) -> int | None:
+    """First position holding an entry (real or pending) of another namespace, if any."""
+    # distinct values are few (holder sets are shared), so this is two C-level set builds
+    foreign = [v for v in {*values, *marks} if v & CODE_MASK not in (0, code)]
+    if not foreign:
+        return None
+    return min(seq.index(v) for v in foreign for seq in (values, marks) if v in seq)
+
+
+def collect(
+    out: PrefixMatch,
+    real: dict[int, int],
+    extra: dict[int, int],
+    tiers: dict[str, dict[int, int]],
+    by_slot: dict[int, str],
+    default_medium: str,
+) -> None:
+    """Add one `walk_prefix` result (per slot) to `out` (per stream name)."""
+    for slot, depth in real.items():
+        if depth:
+            out.blocks[by_slot[slot]] = depth
+    if extra is not real:  # without pending entries there is nothing extra to report
+        for slot, depth in extra.items():
+            more = depth - real.get(slot, 0)
+            if more > 0:
+                out.pending_blocks[by_slot[slot]] = more
+    for medium, counts in tiers.items():
+        for slot, n in counts.items():
+            stream = by_slot[slot]
+            tiered = out.by_medium.setdefault(stream, {})
+            tiered[medium] = n
+            left = out.blocks[stream] - sum(tiered.values())
+            tiered.pop(default_medium, None)
+            if left:
+                tiered[default_medium] = left

@@ -1,13 +1,26 @@
-"""Pure pieces of the benchmark runner and suite: the oracle's page matching, rate from load."""
+"""Pieces of the benchmark runner and suite: the oracle, failed requests, rate from load."""
 
 from __future__ import annotations
 
 import argparse
 
+import aiohttp
+import msgspec
 import pytest
 
-from bench.harness import FleetSpec, _shared_pages
+from bench.harness import (
+    KV_DEFAULT,
+    POLICIES,
+    FleetSpec,
+    Target,
+    _Oracle,
+    _shared_pages,
+    send_generate,
+)
 from bench.routing_bench import add_arguments, build_workloads, rate_for_load, settings_from_args
+from bench.workloads import BenchRequest
+from workers.config import WorkerConfig
+from workers.worker import ReferenceWorker
 
 
 def test_shared_pages_counts_whole_common_pages_without_the_last_token() -> None:
@@ -47,3 +60,53 @@ def test_bad_command_lines_are_refused() -> None:
     fixed = settings_from_args(_settings("--quick", "--rate", "5", "--workloads", "mooncake"))
     (workload,) = build_workloads(fixed)
     assert workload.params["rate_rps"] == 5.0
+
+
+async def test_oracle_follows_the_cache_and_its_own_in_flight_requests() -> None:
+    config = WorkerConfig(page_size=16, capacity_tokens=4096, time_scale=0.0)
+    prompt = BenchRequest(arrival_s=0, input_ids=list(range(3, 103)), max_new_tokens=2)
+    sibling = BenchRequest(arrival_s=0, input_ids=[*range(3, 83), 200, 201], max_new_tokens=2)
+    salted = msgspec.structs.replace(sibling, cache_salt="other-tenant")
+    async with (
+        ReferenceWorker(config) as a,
+        ReferenceWorker(config) as b,
+        aiohttp.ClientSession() as session,
+    ):
+        done = await send_generate(session, Target(url=b.url), prompt, 0, 0.0, 10.0)
+        assert done.ok and done.cached_tokens == 0
+        oracle = _Oracle([a.url, b.url], page_size=16, seed=1)
+        # b holds the first 80 tokens (5 pages) in the unsalted namespace
+        chosen = await oracle.choose(session, sibling)
+        assert chosen.url == b.url and chosen.route_s is not None
+        oracle.release(chosen)
+        # another salt never matches there: a tie, broken towards the idle worker a
+        other = await oracle.choose(session, salted)
+        assert other.url == a.url
+        # a fresh salted sibling follows the in-flight salted request to a, although b is idler
+        again = await oracle.choose(session, msgspec.structs.replace(salted, max_new_tokens=3))
+        assert again.url == a.url
+        for target in (other, again):
+            oracle.release(target)
+        record = await send_generate(session, chosen, sibling, 1, 0.0, 10.0)
+        assert record.ok and record.cached_tokens == 80
+
+
+async def test_a_dead_worker_is_a_failed_record_not_a_crash() -> None:
+    async with ReferenceWorker(WorkerConfig(time_scale=0.0)) as worker:
+        url = worker.url
+    # the worker is gone: its port refuses connections
+    request = BenchRequest(arrival_s=0, input_ids=[5, 6, 7], max_new_tokens=1)
+    async with aiohttp.ClientSession() as session:
+        record = await send_generate(session, Target(url=url), request, 0, 0.0, 5.0)
+    assert not record.ok and "Connect" in record.error
+
+
+def test_kv_default_joins_only_when_the_weights_are_overridden() -> None:
+    assert settings_from_args(_settings()).policies == POLICIES
+    tuned = settings_from_args(_settings("--kv-hit-weight", "4"))
+    assert tuned.policies[:2] == ("kv", KV_DEFAULT) and set(POLICIES) <= set(tuned.policies)
+    assert tuned.weights.hit_weight == 4.0 and tuned.weights.decode_weight is None
+    chosen = settings_from_args(_settings("--kv-hit-weight", "4", "--policies", "kv,oracle"))
+    assert chosen.policies == ("kv", "oracle")
+    with pytest.raises(SystemExit, match="kv-hit-weight"):
+        settings_from_args(_settings("--kv-hit-weight", "-1"))

@@ -156,3 +156,19 @@ def test_pending_tokens_count_as_the_routers_prediction() -> None:
     assert s.index_accuracy == pytest.approx(1.0)
     assert s.index_events_accuracy == pytest.approx(20 / 60)
     assert s.index_exact_share == 1.0
+
+
+def test_closing_note_tells_an_oracle_bound_from_a_policy_gap() -> None:
+    bounded = _section(2.5)
+    bounded.runs[2] = _run("round_robin", 45, 0.08)  # kv 1.78x, oracle only 1.82x
+    text = render_markdown(
+        BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[bounded]),
+        {},
+    )
+    assert "The oracle itself reaches only 1.82x round_robin" in text
+    gap = _section(2.5, kv_cached=50)  # kv 2.5x rr but only 1.25x approx_tree; oracle 2.05x
+    text = render_markdown(
+        BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[gap]),
+        {},
+    )
+    assert "The oracle shows a placement worth 2.05x exists" in text

@@ -86,14 +86,14 @@ def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
                     medium=rng.choice([None, "GPU", "GPU", "CPU"]),
                     cache_salt=rng.choice([None, None, "", "a"]),
                     lora_name=rng.choice([None, None, "l"]),
-                    extra_keys=rng.choice([None, [["a"]], [["l", "b"]], [[]]]),
+                    extra_keys=rng.choice([None, [["a"]], [["l", "b"]], [[]]]),  # type: ignore[arg-type]
                 )
             )
             held.extend(hashes)
         elif roll < 0.97:
             pool = [*recent, 1, 2, 3, 12345]
             k = rng.randrange(1, 6)
-            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[arg-type]
+            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[misc]
         else:
             events.append(Cleared())
     return EventBatch(ts=0.0, events=events)
@@ -121,3 +121,69 @@ def test_hostile_sequences_keep_the_index_consistent(seed: int) -> None:
             index.add_pending(stream, Namespace("m"), [rng.randrange(4) for _ in range(12)])
         check_invariants(index)
         index.query(Namespace("m", None, "a"), [rng.randrange(4) for _ in range(16)])
+
+
+def steady_batch(rng: random.Random, held: list[object]) -> EventBatch:
+    """SGLang-style traffic the inline store path takes, with hostile repeats mixed in."""
+    events: list[Event] = []
+    for _ in range(rng.randrange(1, 6)):
+        if rng.random() < 0.75:
+            n = rng.randrange(1, 5)
+            # mostly fresh hashes (the steady case), sometimes a small space where they recur
+            space = 60 if rng.random() < 0.3 else 1 << 40
+            hashes: list[object] = [rng.randrange(space) for _ in range(n)]
+            if rng.random() < 0.1:
+                hashes.append(hashes[0])  # one hash twice in one event
+            parent = rng.choice(held[-30:]) if held and rng.random() < 0.8 else None
+            alphabet = 3 if rng.random() < 0.3 else 1000  # small: keys shared across streams
+            events.append(
+                Stored(
+                    block_hashes=hashes,  # type: ignore[arg-type]
+                    parent=parent,  # type: ignore[arg-type]
+                    token_ids=[rng.randrange(alphabet) for _ in range(len(hashes) * 4)],
+                    block_size=4,
+                    medium=rng.choice([None, "GPU"]),
+                    cache_salt=rng.choice([None, "a"]),
+                )
+            )
+            held.extend(hashes)
+        else:
+            k = rng.randrange(1, 6)
+            pool = [*held[-30:], 7]
+            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[misc]
+    return EventBatch(ts=0.0, events=events)
+
+
+def state(index: PrefixIndex) -> object:
+    streams = {
+        name: (
+            st.blocks,
+            st.refs,
+            st.dup_keys,
+            st.partial,
+            {k: n for k, n in st.ns_counts.items() if n},
+        )
+        for name, st in index._streams.items()
+    }
+    return index._table, streams, index._ns_blocks, index._ns_tokens
+
+
+@pytest.mark.parametrize("seed", [21, int(os.environ.get("KVROUTE_TEST_SEED", "22"))])
+def test_inline_store_path_equals_the_general_one(seed: int) -> None:
+    print(f"inline store seed={seed}")
+    rng = random.Random(seed)
+    fast, slow = PrefixIndex(), PrefixIndex()
+    slow._store = slow._store_general  # type: ignore[method-assign]
+    for index in (fast, slow):
+        for name in ("s", "t"):
+            index.add_stream(name, model="m", block_size=4)
+    held: list[object] = []
+    for step in range(400):
+        stream = rng.choice(["s", "t"])
+        batch = steady_batch(rng, held)
+        assert fast.apply(stream, batch, step) == slow.apply(stream, batch, step)
+        if rng.random() < 0.02:
+            fast.apply(stream, EventBatch(ts=0.0, events=[Cleared()]))
+            slow.apply(stream, EventBatch(ts=0.0, events=[Cleared()]))
+        check_invariants(fast)
+        assert state(fast) == state(slow)

@@ -190,3 +190,28 @@ def test_block_keys_are_the_same_in_another_process_with_another_hash_seed() -> 
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == str(request_keys(Namespace("m", "l", "s"), list(range(64)), 16))
+
+
+def test_steady_store_path_after_clear_and_eviction() -> None:
+    # children of a known parent take the inline path; it must keep every size right after a
+    # clear or an eviction emptied the stream's per-namespace counts (a salted child under an
+    # unsalted parent is hostile SGLang input, but must still be counted right)
+    from tests.indexer.test_index_invariants import check_invariants
+
+    index = make()
+    salted = Namespace("m", None, "s")
+    for reset in ("clear", "evict", None):
+        index.apply("a", batch(stored([1, 2], TOKENS[:8])))
+        index.apply("a", batch(stored([3], TOKENS[8:12], parent=2)))
+        index.apply("a", batch(stored([5], TOKENS[12:], parent=2, cache_salt="s")))
+        index.apply("a", batch(stored([4], TOKENS[12:], parent=3)))
+        check_invariants(index)
+        assert index.query(NS, TOKENS)["a"].blocks == 4
+        sizes = {s.namespace: (s.blocks, s.holders) for s in index.namespaces()}
+        assert sizes == {NS: (4, {"a": 4}), salted: (1, {"a": 1})}
+        if reset == "clear":
+            index.apply("a", batch(Cleared()))
+        elif reset == "evict":
+            assert index.evict_namespace(NS) + index.evict_namespace(salted) == 5
+        check_invariants(index)
+        assert (index.namespaces() == []) == (reset is not None)

@@ -19,7 +19,9 @@ from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload
 
 WORKER = "w0"
 STREAM = "w0#dp0"
-CONFIG = IndexerConfig(replay_timeout_s=0.5)
+# No idle probe: these tests drop messages on purpose and check how the LIVE path notices; a
+# probe firing in a slow moment would repair the drop first (the probe has its own tests).
+CONFIG = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
 
 
 @pytest.fixture
@@ -316,7 +318,8 @@ async def test_router_started_after_a_silent_worker_learns_its_cache(
     # The worker publishes, then goes quiet: no later live message will ever reveal what the
     # SUB missed, so only the catch-up replay at subscription time can warm the index.
     batches = workload(seed=14, batches=6)
-    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+    config = IndexerConfig(replay_timeout_s=0.5)  # the default probe, on
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
         last = await publish_all(pub, batches)
         await svc.add_worker(WORKER, [StreamConfig(pub.endpoint, pub.replay_endpoint, topic="kv")])
         assert await svc.wait_applied(WORKER, last)

@@ -107,7 +107,8 @@ async def _publish_into_service(
     recorded = {} if recorded is None else recorded
     sources = _sources(path)
     records = _records(path)
-    settings = IndexerConfig(replay_timeout_s=2.0)
+    # no idle probe: the fault counts below are about what the live path notices
+    settings = IndexerConfig(replay_timeout_s=2.0, probe_interval_s=0)
     async with Republisher(sources, config) as rep, IndexerService(settings) as service:
         for s, pub in zip(sources, rep.streams, strict=True):
             await service.add_worker(
