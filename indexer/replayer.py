@@ -14,7 +14,6 @@ the index benchmark and the tests have a stream to replay without a capture at h
 from __future__ import annotations
 
 import hashlib
-import hmac
 import os
 import random
 import time
@@ -26,6 +25,7 @@ from typing import Literal
 import msgspec
 
 from indexer.errors import ProtocolError
+from indexer.fingerprint import Fingerprinter, salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.encode import WireLayout, encode_batch
@@ -34,34 +34,15 @@ from indexer.recording import Damage, Positioned, Record, RecordingReader, Recor
 from indexer.sequence import SequenceTracker, SeqVerdict
 
 __all__ = [
-    "FINGERPRINT_KEY_ENV",
     "NamespaceReplay",
     "RecordFilter",
     "ReplaySummary",
     "StreamReplay",
     "SyntheticWorkload",
     "replay_into_index",
-    "salt_fingerprint",
     "select_records",
     "synthesize_recording",
 ]
-
-FINGERPRINT_KEY_ENV = "KVROUTE_FINGERPRINT_KEY"
-_process_key = os.urandom(16)
-
-
-def salt_fingerprint(salt: str | None, key: bytes | None = None) -> str:
-    """A short keyed fingerprint of a cache_salt: comparable within a run, never the secret.
-
-    The key is $KVROUTE_FINGERPRINT_KEY when set (stable across runs and tools), else random per
-    process, so fingerprints cannot be looked up in a table of guessed salts.
-    """
-    if salt is None:
-        return "-"
-    if key is None:
-        env = os.environ.get(FINGERPRINT_KEY_ENV, "")
-        key = env.encode() if env else _process_key
-    return "salt:" + hmac.new(key, salt.encode(), hashlib.sha256).hexdigest()[:12]
 
 
 class RecordFilter(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +102,7 @@ class NamespaceReplay(msgspec.Struct, kw_only=True):
     model: str
     lora: str | None
     salt: str  # fingerprint, "-" when unsalted
+    namespace: str = ""  # the id /admin/namespaces shows under the same fingerprint key
     blocks: int
     tokens: int
     holders: dict[str, int]
@@ -216,11 +198,13 @@ def replay_into_index(
         stats.block_size_mismatches = counters.block_size_mismatches
         stats.block_size = target.block_size(stats.stream)
     summary.streams = sorted(streams.values(), key=lambda s: s.stream)
+    fingerprint = Fingerprinter()
     summary.namespaces = [
         NamespaceReplay(
             model=ns.namespace.model,
             lora=ns.namespace.lora,
             salt=salt_fingerprint(ns.namespace.cache_salt),
+            namespace=fingerprint(ns.namespace),
             blocks=ns.blocks,
             tokens=ns.tokens,
             holders=ns.holders,

@@ -24,10 +24,11 @@ import msgspec
 
 from indexer.config import StreamConfig
 from indexer.errors import IndexerError, ProtocolError
+from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, Removed, Stored
 from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import replay_into_index, salt_fingerprint
+from indexer.replayer import replay_into_index
 from indexer.service import IndexerService, stream_id
 from router.errors import RouterError
 from router.replay_command import print_summary

@@ -172,11 +172,11 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
             f"unknown parents {s.unknown_parents}  block size {s.block_size} (mismatches "
             f"{s.block_size_mismatches})  entries {s.entries}\n"
         )
-    w("  namespaces (model, lora, salt fingerprint: blocks, tokens, holders):\n")
+    w("  namespaces (id, model, lora, salt fingerprint: blocks, tokens, holders):\n")
     for ns in summary.namespaces:
         holders = ", ".join(f"{k}={v}" for k, v in sorted(ns.holders.items()))
         w(
-            f"    {ns.model or '-'}, {ns.lora or '-'}, {ns.salt}: "
+            f"    {ns.namespace}  {ns.model or '-'}, {ns.lora or '-'}, {ns.salt}: "
             f"{ns.blocks}, {ns.tokens}, {holders}\n"
         )
     if summary.damage is not None:

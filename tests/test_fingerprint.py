@@ -1,0 +1,36 @@
+"""Fingerprints: one scheme for the router's admin API and the record/replay tools."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer.fingerprint import FINGERPRINT_KEY_ENV, Fingerprinter, salt_fingerprint
+from indexer.namespace import Namespace
+
+
+def test_the_same_key_gives_the_same_ids_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = Namespace("m", None, "tenant-a")
+    monkeypatch.setenv(FINGERPRINT_KEY_ENV, "shared-key")
+    from_env = Fingerprinter()(ns)
+    assert from_env == Fingerprinter("shared-key")(ns)
+    assert from_env != Fingerprinter("other-key")(ns)
+    assert salt_fingerprint("tenant-a") == salt_fingerprint("tenant-a", b"shared-key")
+
+
+def test_fingerprints_hide_the_salt_and_separate_namespaces() -> None:
+    fp = Fingerprinter("k")
+    ids = {fp(Namespace("m", None, s)) for s in ("a", "b", None)} | {fp(Namespace("m", "a", None))}
+    assert len(ids) == 4
+    assert all("tenant" not in i and len(i) == 16 for i in ids)
+    assert salt_fingerprint(None) == "-"
+    # a colliding concatenation of fields must not collide (msgpack keeps the fields apart)
+    assert fp(Namespace("m", "a:b", None)) != fp(Namespace("m", "a", "b"))
+
+
+def test_without_a_key_fingerprints_are_random_per_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(FINGERPRINT_KEY_ENV, raising=False)
+    ns = Namespace("", None, "tenant-a")
+    assert Fingerprinter()(ns) == Fingerprinter()(ns)  # one process key
+    assert Fingerprinter()(ns) != Fingerprinter("guess")(ns)
