@@ -24,6 +24,7 @@ through `_store_general`, block by block where it must. Removes pop both maps in
 Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
 the first block of a request (`["salt"]`, or `[lora_name, salt]`) and children inherit their
 parent's namespace. A block whose parent is unknown is not indexed (fail closed) and counted.
+Namespace ids, codes, seeds and per-namespace sizes live in `indexer.registry`.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from indexer.namespace import (
     Namespace,
     chain_block_keys,
     chain_keys,
-    namespace_seed,
     partial_key,
     vllm_salt,
 )
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from indexer.registry import NamespaceRegistry, NamespaceSize
 from indexer.walk import (
     CODE_BITS,
     CODE_MASK,
@@ -102,15 +103,6 @@ class ApplyOutcome(msgspec.Struct, gc=False):
     unknown_parents: int = 0
     block_size_mismatches: int = 0
     skipped: int = 0
-
-
-class NamespaceSize(msgspec.Struct):
-    """Size of one namespace: unique blocks, their tokens, and blocks per holding stream."""
-
-    namespace: Namespace
-    blocks: int
-    tokens: int
-    holders: dict[str, int]
 
 
 class _Stream:
@@ -173,12 +165,7 @@ class PrefixIndex:
         self._by_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
-        self._ns_ids: dict[Namespace, int] = {}
-        self._ns: list[Namespace | None] = [None]  # id 0 is never used: 0 means "no namespace"
-        self._codes: list[int] = [ns_code(0)]  # ns id -> ns_code(ns id), precomputed
-        self._ns_blocks: list[int] = [0]
-        self._ns_tokens: list[int] = [0]
-        self._seeds: dict[tuple[int, int], int] = {}
+        self._registry = NamespaceRegistry()
         self._values: dict[int, int] = {}
         self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS)
 
@@ -285,30 +272,6 @@ class PrefixIndex:
 
     # ------------------------------------------------------------- namespaces
 
-    def _intern(self, namespace: Namespace) -> int:
-        ns_id = self._ns_ids.get(namespace)
-        if ns_id is None:
-            ns_id = len(self._ns)
-            if ns_id > NS_MASK:
-                raise OverflowError("more than 16M namespaces in one index")
-            self._ns_ids[namespace] = ns_id
-            self._ns.append(namespace)
-            self._codes.append(ns_code(ns_id))
-            self._ns_blocks.append(0)
-            self._ns_tokens.append(0)
-        return ns_id
-
-    def _seed(self, ns_id: int, block_size: int) -> int:
-        seed = self._seeds.get((ns_id, block_size))
-        if seed is None:
-            namespace = self._ns[ns_id]
-            assert namespace is not None
-            seed = namespace_seed(namespace, block_size)
-            if len(self._seeds) >= _INTERN_LIMIT:
-                self._seeds.clear()  # bounded: a miss only recomputes one BLAKE2b
-            self._seeds[(ns_id, block_size)] = seed
-        return seed
-
     def _event_namespace(self, st: _Stream, ev: Stored, parent_key: int | None) -> int:
         lora = ev.lora_name if ev.lora_name else None
         if lora is None and ev.lora_id is not None and ev.lora_id != 0:
@@ -324,7 +287,7 @@ class PrefixIndex:
         cache = st.ns_cache
         ns_id = cache.get((lora, salt))
         if ns_id is None:
-            ns_id = self._intern(Namespace(st.model, lora, salt))
+            ns_id = self._registry.intern(Namespace(st.model, lora, salt))
             if len(cache) >= 4096:
                 cache.clear()  # bounded: a miss only costs building the Namespace again
             cache[(lora, salt)] = ns_id
@@ -337,23 +300,11 @@ class PrefixIndex:
             for ns_id, n in st.ns_counts.items():
                 if n:
                     holders.setdefault(ns_id, {})[stream] = n
-        out = []
-        for ns_id, namespace in enumerate(self._ns):
-            if namespace is None or not self._ns_blocks[ns_id]:
-                continue
-            out.append(
-                NamespaceSize(
-                    namespace=namespace,
-                    blocks=self._ns_blocks[ns_id],
-                    tokens=self._ns_tokens[ns_id],
-                    holders=holders.get(ns_id, {}),
-                )
-            )
-        return out
+        return self._registry.sizes(holders)
 
     def evict_namespace(self, namespace: Namespace) -> int:
         """Drop every entry of one namespace from every stream; returns entries dropped."""
-        ns_id = self._ns_ids.get(namespace)
+        ns_id = self._registry.find(namespace)
         if ns_id is None:
             return 0
         self.pending.discard_namespace(ns_id)
@@ -456,8 +407,8 @@ class PrefixIndex:
             self._store_general(st, ev, outcome)
             return
         table.update(zip(keys, repeat(single)))
-        self._ns_blocks[ns_id] += n
-        self._ns_tokens[ns_id] += n * block_size
+        self._registry.blocks[ns_id] += n
+        self._registry.tokens[ns_id] += n * block_size
         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n  # a clear may have emptied it
         outcome.stored += n
 
@@ -499,13 +450,13 @@ class PrefixIndex:
         if ns_id is None:
             ns_id = self._event_namespace(st, ev, prev)
         if prev is None:
-            prev = self._seed(ns_id, block_size)
+            prev = self._registry.seed(ns_id, block_size)
         if partial:
             self._store_partial(st, ev, prev, ns_id, outcome)
             return
         keys = chain_keys(prev, tokens, block_size)
         medium = ev.medium
-        code = self._codes[ns_id]
+        code = self._registry.codes[ns_id]
         blocks = st.blocks
         pending = self.pending.bits
         if (medium is None or medium == self.default_medium) and (
@@ -525,8 +476,8 @@ class PrefixIndex:
                         if single is None:
                             single = self._single(st, ns_id)
                         table.update(zip(keys, repeat(single)))
-                        self._ns_blocks[ns_id] += n
-                        self._ns_tokens[ns_id] += n * block_size
+                        self._registry.blocks[ns_id] += n
+                        self._registry.tokens[ns_id] += n * block_size
                         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
                     else:
                         values = list(map(table.get, keys))
@@ -574,8 +525,8 @@ class PrefixIndex:
                     st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
                 else:
                     table[key] = self._shared(v | sbit)
-        self._ns_blocks[ns_id] += new_unique
-        self._ns_tokens[ns_id] += new_unique * block_size
+        self._registry.blocks[ns_id] += new_unique
+        self._registry.tokens[ns_id] += new_unique * block_size
         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + added
 
     def _store_slow(
@@ -610,8 +561,8 @@ class PrefixIndex:
             v = table.get(key)
             if v is None:
                 table[key] = single
-                self._ns_blocks[ns_id] += 1
-                self._ns_tokens[ns_id] += block_size
+                self._registry.blocks[ns_id] += 1
+                self._registry.tokens[ns_id] += block_size
             elif v & CODE_MASK != code:
                 # a key collision across namespaces: keep it out of the table (never matches)
                 st.partial[h] = (key, ns_id)
@@ -633,7 +584,7 @@ class PrefixIndex:
         """The table value of a key only `st` holds in namespace `ns_id` (cached per stream)."""
         if len(st.singles) >= 4096:
             st.singles.clear()  # bounded: a miss only recomputes one value
-        single = st.singles[ns_id] = self._shared(st.sbit | self._codes[ns_id])
+        single = st.singles[ns_id] = self._shared(st.sbit | self._registry.codes[ns_id])
         return single
 
     def _shared(self, value: int) -> int:
@@ -682,8 +633,8 @@ class PrefixIndex:
         ns_id = first & NS_MASK
         if values.count(first) == n and first >> CODE_BITS == st.bit:
             st.ns_counts[ns_id] -= n
-            self._ns_blocks[ns_id] -= n
-            self._ns_tokens[ns_id] -= n * (st.block_size or 0)
+            self._registry.blocks[ns_id] -= n
+            self._registry.tokens[ns_id] -= n * (st.block_size or 0)
         else:
             keep = ~st.sbit
             for key, v in zip(keys, values, strict=True):
@@ -693,8 +644,8 @@ class PrefixIndex:
                 if rest >> CODE_BITS:
                     table[key] = self._shared(rest)
                 else:
-                    self._ns_blocks[ns_id] -= 1
-                    self._ns_tokens[ns_id] -= st.block_size or 0
+                    self._registry.blocks[ns_id] -= 1
+                    self._registry.tokens[ns_id] -= st.block_size or 0
         outcome.removed += n
 
     def _remove_slow(self, st: _Stream, ev: Removed, outcome: ApplyOutcome) -> None:
@@ -761,8 +712,8 @@ class PrefixIndex:
             self._table[key] = self._shared(v)
         else:
             del self._table[key]
-            self._ns_blocks[ns_id] -= 1
-            self._ns_tokens[ns_id] -= st.block_size or 0
+            self._registry.blocks[ns_id] -= 1
+            self._registry.tokens[ns_id] -= st.block_size or 0
 
     # ---------------------------------------------------------------- queries
 
@@ -772,12 +723,12 @@ class PrefixIndex:
         if st is None or st.block_size is None:
             return 0
         self.pending.expire()
-        ns_id = self._intern(namespace)
-        keys = chain_keys(self._seed(ns_id, st.block_size), tokens, st.block_size)
+        ns_id = self._registry.intern(namespace)
+        keys = chain_keys(self._registry.seed(ns_id, st.block_size), tokens, st.block_size)
         table = self._table
         sbit = st.sbit
         fresh = [k for k in keys if not table.get(k, 0) & sbit]
-        return self.pending.add(fresh, st.slot, ns_id, self._codes[ns_id])
+        return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id])
 
     def match(self, namespace: Namespace, tokens: Sequence[Hashable]) -> PrefixMatch:
         """Leading full blocks of `tokens` held in `namespace`, only for streams holding some.
@@ -786,7 +737,7 @@ class PrefixIndex:
         """
         self.pending.expire()
         out = PrefixMatch({}, {}, {})
-        ns_id = self._ns_ids.get(namespace)
+        ns_id = self._registry.find(namespace)
         if ns_id is None:
             return out
         by_slot = self._by_slot
@@ -795,8 +746,8 @@ class PrefixIndex:
                 self._table,
                 self.pending.bits,
                 self._tiers,
-                self._seed(ns_id, block_size),
-                ns_code(ns_id),
+                self._registry.seed(ns_id, block_size),
+                self._registry.codes[ns_id],
                 bits,
                 tokens,
                 block_size,

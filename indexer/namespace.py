@@ -95,15 +95,26 @@ def chain_keys(prev: int, tokens: Sequence[Hashable], block_size: int) -> list[i
     return chain_block_keys(prev, zip(*[iter(tokens)] * block_size, strict=False))
 
 
-def chain_block_keys(prev: int, blocks: Iterable[tuple[Hashable, ...]]) -> list[int]:
+def chain_block_keys(
+    prev: int, blocks: Iterable[tuple[Hashable, ...]], *, many: bool = False
+) -> list[int]:
     """THE key function: keys of `blocks` (token tuples) chained after key `prev`.
 
     Stores (`chain_keys`) and queries (`indexer.walk`, a chunk of a lazy block iterator at a
-    time) both go through here, so the two sides can never drift apart.
+    time) both go through here, so the two sides can never drift apart. `many=True` (a query
+    chunk of 64+ blocks) takes an all-C pass; both passes give the same keys (checked below).
     """
+    if many and _SELF_FEEDING:
+        # `zip` reads the list while `extend` appends to it: each 2-tuple pairs the previous
+        # key with the next block, hashed in C with no Python step per block (~12% faster on
+        # a 512-block prompt; slower below ~8 blocks, hence only for query chunks)
+        keys = [prev]
+        keys.extend(map(hash, zip(keys, blocks, strict=False)))
+        del keys[0]
+        return keys
     # A plain loop, not a comprehension with `:=`: the walrus would make `prev` a closure cell
     # and the comprehension a function call, together ~1.3 us per 8-block event (40% of it).
-    keys: list[int] = []
+    keys = []
     append = keys.append
     for block in blocks:
         prev = hash((prev, block))
@@ -120,6 +131,13 @@ def partial_key(prev: int, tokens: Sequence[Hashable]) -> int:
     """Key of a trailing partial page; never equal to a full block's key except by collision."""
     return hash((prev, tuple(tokens), len(tokens)))
 
+
+# The all-C pass relies on `list.extend` publishing each item before it pulls the next one
+# (CPython does); where it does not, every caller silently gets the plain loop instead.
+_SELF_FEEDING = False
+_SELF_FEEDING = chain_block_keys(7, block_tuples(range(64), 2), many=True) == chain_block_keys(
+    7, block_tuples(range(64), 2)
+)
 
 # Probe value recorded in snapshots: equal only where `hash` mixes exactly as when they were made.
 HASH_PROBE = chain_keys(namespace_seed(Namespace("probe"), 4), list(range(1, 17)), 4)[-1]

@@ -25,8 +25,9 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.snapshot import dump_index, load_index
-from indexer.stats import STATE_RANK, NamespaceStats, StreamState, StreamStats, WorkerMatch
+from indexer.stats import NamespaceStats, StreamState, StreamStats, WorkerMatch
 from indexer.subscriber import RawSink, StreamSubscriber
+from indexer.worker_matches import WorkerMatches
 
 __all__ = [
     "IndexerConfig",
@@ -65,6 +66,7 @@ class IndexerService:
         self._workers: dict[str, list[StreamSubscriber]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
+        self._matches = WorkerMatches(clock)
 
     async def __aenter__(self) -> IndexerService:
         self._ctx = zmq.asyncio.Context()
@@ -110,6 +112,7 @@ class IndexerService:
             )
             subs.append(sub)
         self._workers[worker] = subs
+        self._matches.invalidate()
         for sub in subs:
             self._tasks[sub.stream_id] = asyncio.create_task(
                 sub.run(), name=f"kv-events {sub.stream_id}"
@@ -118,6 +121,7 @@ class IndexerService:
     async def remove_worker(self, worker: str) -> None:
         """Stop a worker's subscriptions and drop its index entries."""
         subs = self._workers.pop(worker, [])
+        self._matches.invalidate()
         tasks = [self._tasks.pop(s.stream_id) for s in subs if s.stream_id in self._tasks]
         for task in tasks:
             task.cancel()
@@ -134,46 +138,13 @@ class IndexerService:
     # -------------------------------------------------------------- queries
 
     def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, WorkerMatch]:
-        """For EVERY known worker, the leading blocks of `tokens` it holds in `namespace`."""
+        """For EVERY known worker, the leading blocks of `tokens` it holds in `namespace`.
+
+        The per-worker part costs a dict copy plus one object per worker that matched
+        something: states and "holds nothing" answers are cached (`indexer.worker_matches`).
+        """
         found = self.index.match(namespace, tokens)
-        blocks = found.blocks
-        pending = found.pending_blocks
-        default_medium = self.index.default_medium
-        now = self._clock()
-        out: dict[str, WorkerMatch] = {}
-        for worker, subs in self._workers.items():
-            state = StreamState.STALE
-            best: StreamSubscriber | None = None
-            best_score = (-1, -1)
-            for sub in subs:
-                s_state = sub.current_state(now)
-                if STATE_RANK[s_state] < STATE_RANK[state]:
-                    state = s_state
-                sid = sub.stream_id
-                bs = sub.block_size or 0
-                held = blocks.get(sid, 0)
-                score = (held * bs, (held + pending.get(sid, 0)) * bs)
-                if score > best_score:
-                    best, best_score = sub, score
-            if best is None:
-                out[worker] = WorkerMatch(worker, 0, 0, 0, None, {}, state)
-                continue
-            sid = best.stream_id
-            size = best.block_size
-            held = blocks.get(sid, 0)
-            by_medium = found.by_medium.get(sid)
-            if by_medium is None:
-                by_medium = {default_medium: held} if held else {}
-            out[worker] = WorkerMatch(
-                worker,
-                held,
-                held * (size or 0),
-                pending.get(sid, 0) * (size or 0),
-                size,
-                by_medium,
-                state,
-            )
-        return out
+        return self._matches.answer(self._workers, found, self.index.default_medium)
 
     def add_pending(self, namespace: Namespace, tokens: Sequence[int], worker: str) -> None:
         """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s."""
@@ -221,10 +192,12 @@ class IndexerService:
                 # the replay fills, or a restart that clears; unknown streams rebuild from 0
                 sub.rebind(index, index.last_seq(sub.stream_id) if known else None)
         self.index = index
+        self._matches.invalidate()
 
     # -------------------------------------------------------------- waiting
 
     def _on_applied(self, stream: str, seq: int) -> None:
+        self._matches.on_applied(stream)
         if not self._waiters:
             return
         still = []

@@ -87,7 +87,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 counters=st.counters,
             )
         )
-    namespaces = [(i, ns) for i, ns in enumerate(index._ns) if ns is not None]
+    namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
     return _encoder.encode(
         _Snapshot(
             format=_FORMAT,
@@ -126,18 +126,10 @@ def load_index(
 
 def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) -> PrefixIndex:
     index = PrefixIndex(clock=clock, pending_ttl_s=pending_ttl_s)
-    size = max((i for i, _ in snap.namespaces), default=0) + 1
-    if size > NS_MASK + 1:
-        raise ValueError("namespace id out of range")
-    index._ns = [None] * size
-    index._ns_blocks = [0] * size
-    index._codes = [ns_code(i) for i in range(size)]
-    index._ns_tokens = [0] * size
+    registry = index._registry
     for ns_id, namespace in snap.namespaces:
-        if ns_id <= 0 or index._ns[ns_id] is not None or namespace in index._ns_ids:
-            raise ValueError(f"bad or repeated namespace id {ns_id}")
-        index._ns[ns_id] = namespace
-        index._ns_ids[namespace] = ns_id
+        registry.place(ns_id, namespace)  # ValueError on a bad or repeated id
+    size = len(registry.names)
     slots = {s.slot for s in snap.streams}
     if len(slots) != len(snap.streams) or any(not 0 <= s < 1 << 20 for s in slots):
         raise ValueError("stream slots are not unique small integers")
@@ -160,13 +152,13 @@ def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) 
         st.counters = s.counters
         bs = s.block_size or 0
         for h, key, ns_id in zip(s.hashes, s.keys, s.ns_ids, strict=True):
-            if not 0 < ns_id < size or index._ns[ns_id] is None or h in st.blocks:
+            if not registry.known(ns_id) or h in st.blocks:
                 raise ValueError(f"stream {s.stream!r}: bad entry")
             v = table.get(key)
             if v is None:
                 table[key] = st.sbit | ns_code(ns_id)
-                index._ns_blocks[ns_id] += 1
-                index._ns_tokens[ns_id] += bs
+                registry.blocks[ns_id] += 1
+                registry.tokens[ns_id] += bs
             elif v & CODE_MASK != ns_code(ns_id):
                 raise ValueError(f"stream {s.stream!r}: key in two namespaces")
             elif v & st.sbit:

@@ -56,8 +56,12 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     name: PolicyName = "kv"
     seed: int = 0
     # kv: score = hit_weight * cached prefix tokens - (queued prefill tokens + decode_weight *
-    # running requests); a running decode costs about as much as this many prefill tokens
-    hit_weight: NonNegativeFloat = 1.0
+    # running requests); a running decode costs about as much as this many prefill tokens.
+    # A hit is worth more than the prefill it saves right now: sending a prefix elsewhere also
+    # copies it into a second cache, evicting other tenants' pages under KV pressure. At 1.0
+    # the routing benchmark (docs/benchmarks/routing.md, kv_default vs kv) lost a third of the
+    # oracle's hit rate to load noise; 4.0 stays within a few percent of the oracle.
+    hit_weight: NonNegativeFloat = 4.0
     decode_weight: NonNegativeFloat = 32.0
     # prefix blocks held off-GPU save less work (they must be loaded back first)
     medium_weights: dict[str, NonNegativeFloat] = msgspec.field(

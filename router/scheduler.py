@@ -98,7 +98,9 @@ class Scheduler:
 
     def _plan(self, ns: Namespace, tokens: Sequence[int]) -> Plan:
         now = self.clock()
-        matches = self.indexer.query(ns, tokens) if len(self.indexer.workers()) else {}
+        # Engines never reuse the cache for a prompt's last token (its logits must be computed),
+        # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks.
+        matches = self.indexer.query(ns, tokens[:-1]) if len(self.indexer.workers()) else {}
         weights = self._config.medium_weights
         views: list[WorkerView] = []
         info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}

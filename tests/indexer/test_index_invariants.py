@@ -47,7 +47,7 @@ def check_invariants(index: PrefixIndex) -> None:
     }
     for ns_id in ns_of.values():
         blocks_per_ns[ns_id] = blocks_per_ns.get(ns_id, 0) + 1
-    got = {i: n for i, n in enumerate(index._ns_blocks) if n}
+    got = {i: n for i, n in enumerate(index._registry.blocks) if n}
     assert got == blocks_per_ns
 
 
@@ -165,7 +165,7 @@ def state(index: PrefixIndex) -> object:
         )
         for name, st in index._streams.items()
     }
-    return index._table, streams, index._ns_blocks, index._ns_tokens
+    return index._table, streams, index._registry.blocks, index._registry.tokens
 
 
 @pytest.mark.parametrize("seed", [21, int(os.environ.get("KVROUTE_TEST_SEED", "22"))])

@@ -34,7 +34,7 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 def view(index: PrefixIndex, stream: str) -> dict[object, tuple[int, Namespace | None]]:
     """What a stream holds: engine hash -> (block key, namespace)."""
     st = index._streams[stream]
-    return {h: (k, index._ns[index._table[k] & NS_MASK]) for h, k in st.blocks.items()}
+    return {h: (k, index._registry.names[index._table[k] & NS_MASK]) for h, k in st.blocks.items()}
 
 
 def reference(batches: list[EventBatch]) -> PrefixIndex:

@@ -23,7 +23,7 @@ BLOCKS = 800  # 64 + 128 + 256 + 256 + 96: five chunks
 
 def brute_depths(index: PrefixIndex, tokens: list[int]) -> dict[str, int]:
     keys = request_keys(NS, tokens, PAGE)
-    ns_id = index._ns_ids[NS]
+    ns_id = index._registry.find(NS)
     out = {}
     for name, st in index._streams.items():
         held = {k for k in st.blocks.values() if index._table[k] & 0xFFFFFF == ns_id}

@@ -144,7 +144,7 @@ async def test_evict_by_fingerprint_and_unknown_fingerprint(fleet: Fleet) -> Non
     body = {"prompt": "z" * 64, "max_tokens": 1, "cache_salt": "fp"}
     status, headers, _ = await fleet.post("/v1/completions", body)
     holder = headers["x-kvroute-worker"]
-    await eventually(lambda: fleet.holds(body, holder, 64), what="indexed")
+    await eventually(lambda: fleet.holds(body, holder, 48), what="indexed")  # last token: never
     fingerprint = (await fleet.route(body))["namespace"]
     status, result = await fleet.admin("POST", "/namespaces/evict", {"namespace": fingerprint})
     assert status == 200 and result["entries_dropped"] > 0 and result["flushed"] == {}

@@ -30,14 +30,14 @@ def _views(
 
 
 def test_kv_prefers_the_longest_hit_when_loads_are_equal() -> None:
-    policy = KvPolicy(PolicyConfig())
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0))
     ranked = policy.rank([1] * 100, _views(("a", 0, 0, 0), ("b", 64, 0, 0), ("c", 32, 0, 0)))
     assert [s.worker for s in ranked] == ["b", "c", "a"]
     assert ranked[0].score == 64
 
 
 def test_kv_weighs_the_hit_against_in_flight_load() -> None:
-    policy = KvPolicy(PolicyConfig(decode_weight=32.0))
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0, decode_weight=32.0))
     # b holds 64 more tokens but has 3 running (96 token-equivalents) and 10 queued: a wins
     ranked = policy.rank([1] * 200, _views(("a", 0, 0, 0), ("b", 64, 10, 3)))
     assert ranked[0].worker == "a"
@@ -45,7 +45,7 @@ def test_kv_weighs_the_hit_against_in_flight_load() -> None:
 
 
 def test_kv_ties_go_to_the_less_loaded_then_random() -> None:
-    policy = KvPolicy(PolicyConfig(decode_weight=0.0))
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0, decode_weight=0.0))
     # same score (hit - load): a has hit 10 and load 10, b has hit 0 and load 0
     ranked = policy.rank([1] * 50, _views(("a", 10, 10, 0), ("b", 0, 0, 0)))
     assert ranked[0].worker == "b"
@@ -142,3 +142,11 @@ def test_every_policy_is_buildable_by_name(name: str) -> None:
     assert policy.name == name
     ranked = policy.rank([1, 2, 3], _views(("a", 0, 0, 0)))
     assert ranked[0].worker == "a"
+
+
+def test_the_default_hit_weight_keeps_affinity_against_moderate_load() -> None:
+    # the default (4) keeps a 64-token hit on a worker with 3 running requests and 10 queued
+    # tokens, which the plain saved-prefill comparison (weight 1) would give up
+    policy = KvPolicy(PolicyConfig())
+    ranked = policy.rank([1] * 200, _views(("a", 0, 0, 0), ("b", 64, 10, 3)))
+    assert ranked[0].worker == "b" and ranked[0].score == 4 * 64 - (10 + 3 * 32)

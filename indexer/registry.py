@@ -1,0 +1,118 @@
+"""The namespace registry of one index: namespace ids and codes, chain seeds, sizes.
+
+Every namespace an index has seen gets a small integer id (1, 2, ...; 0 means "none"). Table
+values carry the id's code (`indexer.walk.ns_code`) so a lookup says which namespace an entry
+belongs to and a query walk stops at another namespace's entry. Ids are never reused while
+the index lives (an evicted namespace keeps its id, with zero blocks), so an id found in a
+value always names the namespace that stored it. Snapshots persist ids (`place`).
+
+The registry also keeps, per id, the unique blocks and tokens indexed in the namespace (the
+index updates them as it links and unlinks keys), and caches chain seeds per (id, block
+size): a seed is a BLAKE2b over the namespace, too slow to compute per event or query.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from indexer.namespace import Namespace, namespace_seed
+from indexer.walk import NS_MASK, ns_code
+
+__all__ = ["NamespaceRegistry", "NamespaceSize"]
+
+_SEED_LIMIT = 1 << 16  # cached (id, block size) -> seed entries
+
+
+class NamespaceSize(msgspec.Struct):
+    """Size of one namespace: unique blocks, their tokens, and blocks per holding stream."""
+
+    namespace: Namespace
+    blocks: int
+    tokens: int
+    holders: dict[str, int]
+
+
+class NamespaceRegistry:
+    """Namespace <-> id, the id's code, cached seeds, unique blocks and tokens per id.
+
+    The lists are indexed by id and only ever grow in place, so hot paths may read them
+    directly (`codes[ns_id]`, `blocks[ns_id] += n`).
+    """
+
+    __slots__ = ("_ids", "_seeds", "blocks", "codes", "names", "tokens")
+
+    def __init__(self) -> None:
+        self._ids: dict[Namespace, int] = {}
+        self.names: list[Namespace | None] = [None]  # id 0 is never used: 0 means "none"
+        self.codes: list[int] = [ns_code(0)]  # id -> ns_code(id), precomputed
+        self.blocks: list[int] = [0]  # id -> unique block keys indexed
+        self.tokens: list[int] = [0]  # id -> tokens of those blocks
+        self._seeds: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def find(self, namespace: Namespace) -> int | None:
+        """The id of `namespace`, None when this index never saw it."""
+        return self._ids.get(namespace)
+
+    def intern(self, namespace: Namespace) -> int:
+        """The id of `namespace`, assigning the next one on first sight."""
+        ns_id = self._ids.get(namespace)
+        if ns_id is None:
+            ns_id = len(self.names)
+            if ns_id > NS_MASK:
+                raise OverflowError("more than 16M namespaces in one index")
+            self._ids[namespace] = ns_id
+            self.names.append(namespace)
+            self.codes.append(ns_code(ns_id))
+            self.blocks.append(0)
+            self.tokens.append(0)
+        return ns_id
+
+    def place(self, ns_id: int, namespace: Namespace) -> None:
+        """Give `namespace` exactly id `ns_id` (loading a snapshot); ValueError if taken."""
+        if not 0 < ns_id <= NS_MASK:
+            raise ValueError(f"namespace id {ns_id} out of range")
+        if namespace in self._ids or (ns_id < len(self.names) and self.names[ns_id] is not None):
+            raise ValueError(f"bad or repeated namespace id {ns_id}")
+        grow = ns_id + 1 - len(self.names)
+        if grow > 0:
+            self.names.extend([None] * grow)
+            self.codes.extend(ns_code(i) for i in range(len(self.codes), ns_id + 1))
+            self.blocks.extend([0] * grow)
+            self.tokens.extend([0] * grow)
+        self.names[ns_id] = namespace
+        self._ids[namespace] = ns_id
+
+    def known(self, ns_id: int) -> bool:
+        """Whether `ns_id` names a namespace of this registry."""
+        return 0 < ns_id < len(self.names) and self.names[ns_id] is not None
+
+    def seed(self, ns_id: int, block_size: int) -> int:
+        """The chain seed of namespace `ns_id` for pages of `block_size` tokens (cached)."""
+        seed = self._seeds.get((ns_id, block_size))
+        if seed is None:
+            namespace = self.names[ns_id]
+            assert namespace is not None
+            seed = namespace_seed(namespace, block_size)
+            if len(self._seeds) >= _SEED_LIMIT:
+                self._seeds.clear()  # bounded: a miss only recomputes one BLAKE2b
+            self._seeds[(ns_id, block_size)] = seed
+        return seed
+
+    def sizes(self, holders: dict[int, dict[str, int]]) -> list[NamespaceSize]:
+        """Every namespace holding blocks, with `holders` (id -> stream -> blocks) attached."""
+        out = []
+        for ns_id, namespace in enumerate(self.names):
+            if namespace is None or not self.blocks[ns_id]:
+                continue
+            out.append(
+                NamespaceSize(
+                    namespace=namespace,
+                    blocks=self.blocks[ns_id],
+                    tokens=self.tokens[ns_id],
+                    holders=holders.get(ns_id, {}),
+                )
+            )
+        return out

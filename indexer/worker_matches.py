@@ -1,0 +1,240 @@
+"""Per-worker query answers: the index's per-stream match turned into one `WorkerMatch` each.
+
+The router asks for every known worker on every request, but a query matches only some of
+them and stream states change rarely. So `WorkerMatches` caches, per worker, its state (the
+best among its streams) and an answer for "holds nothing", and a query copies that dict and
+builds objects only for the workers whose streams matched something.
+
+The cache is checked on every query and rebuilt when anything it depends on moved:
+- a stream's `state` attribute (SYNCING / SYNCED / DEGRADED), compared in one C-level pass;
+- time: a live stream goes STALE exactly `stale_after_s` after it last heard anything, so the
+  cache expires at the earliest such deadline; a STALE stream that hears something again (an
+  event or a probe answer) is noticed by its heard-at time moving;
+- a stream whose block size is still unknown (the owner calls `invalidate` once it applies);
+- and at most every `REFRESH_S` regardless, as a backstop.
+Workers added or removed and snapshot loads invalidate it explicitly (`IndexerService`).
+
+The zero-match `WorkerMatch` objects (and their empty `by_medium` dicts) are shared between
+queries until the cache is rebuilt: callers read them and must not mutate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter
+
+from indexer.stats import STATE_RANK, StreamState, WorkerMatch
+from indexer.subscriber import StreamSubscriber
+from indexer.walk import PrefixMatch
+
+__all__ = ["REFRESH_S", "WorkerMatches", "heard_at"]
+
+REFRESH_S = 0.1  # the longest a cached per-worker view is used without being rebuilt
+
+_MEMO_LIMIT = 1 << 14  # cached non-zero answers, (stream, held, pending) -> WorkerMatch
+
+_state_of = attrgetter("state")
+_worker_of = attrgetter("worker")
+
+
+def heard_at(sub: StreamSubscriber) -> float:
+    """When the stream last heard anything (event or probe answer): what STALE counts from."""
+    # the same rule as StreamSubscriber.current_state, which decides the state itself
+    heard = [t for t in (sub.last_event_at, sub.last_heard_at) if t is not None]
+    return max(heard) if heard else sub.started_at
+
+
+class WorkerMatches:
+    """Cached per-worker states and zero answers over a set of workers' subscribers."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._valid = False
+        self._expires = 0.0
+        self._subs: list[StreamSubscriber] = []  # every stream, in worker order
+        self._states: list[StreamState] = []  # their `state` attributes when cached
+        self._revive: list[tuple[StreamSubscriber, float]] = []  # STALE streams, heard at
+        self._unsized: set[str] = set()  # streams whose block size is not known yet
+        self._zeros: dict[str, WorkerMatch] = {}  # worker -> its "holds nothing" answer
+        # stream -> (worker, block size, state) for workers with exactly one stream (the rule)
+        self._solo: dict[str, tuple[str, int | None, StreamState]] = {}
+        self._multi: dict[str, str] = {}  # stream -> worker, for workers with several streams
+        self._worker_subs: dict[str, Sequence[StreamSubscriber]] = {}
+        self._worker_state: dict[str, StreamState] = {}
+        self._memo: dict[tuple[str, int, int], WorkerMatch] = {}  # (stream, held, pending)
+
+    def invalidate(self) -> None:
+        """Rebuild at the next query (workers changed, a snapshot was loaded)."""
+        self._valid = False
+
+    def on_applied(self, stream: str) -> None:
+        """A stream applied a batch: its block size may just have become known."""
+        if self._unsized and stream in self._unsized:
+            self._valid = False
+
+    def answer(
+        self,
+        workers: dict[str, list[StreamSubscriber]],
+        found: PrefixMatch,
+        default_medium: str,
+    ) -> dict[str, WorkerMatch]:
+        """One `WorkerMatch` per worker of `workers` for the per-stream match `found`."""
+        now = self._clock()
+        if (
+            not self._valid
+            or now > self._expires
+            or list(map(_state_of, self._subs)) != self._states
+            or (self._revive and any(heard_at(s) != t for s, t in self._revive))
+        ):
+            self._rebuild(workers, now)
+        out = dict(self._zeros)  # a fresh dict: the caller may add to it or drop from it
+        blocks = found.blocks
+        pending = found.pending_blocks
+        if not blocks and not pending:
+            return out
+        several: set[str] = set()  # workers answered by `_best`
+        if not pending and not found.by_medium:
+            # the common case: every answer was given before, all looked up in C
+            try:
+                hits = list(map(self._memo.__getitem__, zip(blocks, blocks.values(), repeat(0))))
+            except KeyError:
+                pass  # a new depth, a multi-stream worker, a stream of no worker: below
+            else:
+                out.update(zip(map(_worker_of, hits), hits, strict=True))
+                return out
+            get = self._memo.get
+            for sid, held in blocks.items():
+                match = get((sid, held, 0))
+                if match is None:
+                    match = self._solo_answer(sid, held, 0, None, default_medium, several)
+                    if match is None:
+                        continue
+                out[match.worker] = match
+        else:
+            tiered = found.by_medium
+            for sid in blocks.keys() | pending.keys():
+                match = self._solo_answer(
+                    sid,
+                    blocks.get(sid, 0),
+                    pending.get(sid, 0),
+                    tiered.get(sid),
+                    default_medium,
+                    several,
+                )
+                if match is not None:
+                    out[match.worker] = match
+        for worker in several:
+            out[worker] = self._best(worker, found, default_medium)
+        return out
+
+    def _solo_answer(
+        self,
+        sid: str,
+        held: int,
+        more: int,
+        by_medium: dict[str, int] | None,
+        default_medium: str,
+        several: set[str],
+    ) -> WorkerMatch | None:
+        """The answer of a single-stream worker; None (and its worker in `several`) otherwise."""
+        info = self._solo.get(sid)
+        if info is None:
+            worker = self._multi.get(sid)
+            if worker is not None:  # None: a stream of no worker (left by a snapshot)
+                several.add(worker)
+            return None
+        worker, size, state = info
+        if size is None:  # not known when cached: `_best` asks the subscriber
+            several.add(worker)
+            return None
+        if by_medium is not None:
+            return WorkerMatch(worker, held, held * size, more * size, size, by_medium, state)
+        # answers repeat (a shared system prompt matches the same depth on many queries):
+        # reuse them until the cache is rebuilt, like the zero answers
+        memo = self._memo
+        match = memo.get((sid, held, more))
+        if match is not None:
+            return match
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()  # bounded: a miss only rebuilds one object
+        match = memo[(sid, held, more)] = WorkerMatch(
+            worker,
+            held,
+            held * size,
+            more * size,
+            size,
+            {default_medium: held} if held else {},
+            state,
+        )
+        return match
+
+    def _best(self, worker: str, found: PrefixMatch, default_medium: str) -> WorkerMatch:
+        """The answer of a worker with several streams (or an unknown block size): its best."""
+        blocks = found.blocks
+        pending = found.pending_blocks
+        best: StreamSubscriber | None = None
+        best_score = (-1, -1)
+        for sub in self._worker_subs[worker]:
+            sid = sub.stream_id
+            bs = sub.block_size or 0
+            held = blocks.get(sid, 0)
+            score = (held * bs, (held + pending.get(sid, 0)) * bs)
+            if score > best_score:
+                best, best_score = sub, score
+        state = self._worker_state[worker]
+        if best is None:
+            return WorkerMatch(worker, 0, 0, 0, None, {}, state)
+        sid = best.stream_id
+        size = best.block_size
+        held = blocks.get(sid, 0)
+        by_medium = found.by_medium.get(sid)
+        if by_medium is None:
+            by_medium = {default_medium: held} if held else {}
+        return WorkerMatch(
+            worker,
+            held,
+            held * (size or 0),
+            pending.get(sid, 0) * (size or 0),
+            size,
+            by_medium,
+            state,
+        )
+
+    def _rebuild(self, workers: dict[str, list[StreamSubscriber]], now: float) -> None:
+        expires = now + REFRESH_S
+        self._subs = []
+        self._revive = []
+        self._unsized = set()
+        self._zeros = {}
+        self._solo = {}
+        self._multi = {}
+        self._worker_subs = {}
+        self._worker_state = {}
+        self._memo = {}
+        for worker, subs in workers.items():
+            state = StreamState.STALE
+            for sub in subs:
+                self._subs.append(sub)
+                s_state = sub.current_state(now)
+                if s_state is StreamState.STALE:
+                    self._revive.append((sub, heard_at(sub)))
+                else:
+                    expires = min(expires, heard_at(sub) + sub.settings.stale_after_s)
+                if STATE_RANK[s_state] < STATE_RANK[state]:
+                    state = s_state
+                if sub.block_size is None:
+                    self._unsized.add(sub.stream_id)
+            # with nothing matched the first stream is the "best" (same rule as `_best`)
+            size = subs[0].block_size if subs else None
+            self._zeros[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state)
+            self._worker_subs[worker] = subs
+            self._worker_state[worker] = state
+            if len(subs) == 1:
+                self._solo[subs[0].stream_id] = (worker, size, state)
+            else:
+                for sub in subs:
+                    self._multi[sub.stream_id] = worker
+        self._states = list(map(_state_of, self._subs))
+        self._expires = expires
+        self._valid = True

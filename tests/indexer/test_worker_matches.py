@@ -1,0 +1,156 @@
+"""The cached per-worker answers equal a fresh per-query computation, through state changes.
+
+Real (unstarted) `StreamSubscriber` objects over a real index; the test moves what the
+subscriber task would move (its `state`, heard-at times, a learned block size, the clock)
+and compares every answer with the reference: states and best streams recomputed per query.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.index import PrefixIndex
+from indexer.stats import STATE_RANK, StreamState, WorkerMatch
+from indexer.subscriber import StreamSubscriber
+from indexer.walk import PrefixMatch
+from indexer.worker_matches import REFRESH_S, WorkerMatches
+
+STALE_AFTER_S = 5.0
+STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED]
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def reference(
+    workers: dict[str, list[StreamSubscriber]], found: PrefixMatch, now: float
+) -> dict[str, WorkerMatch]:
+    """The uncached rule: best state among a worker's streams, best stream by matched tokens."""
+    out = {}
+    for worker, subs in workers.items():
+        state = StreamState.STALE
+        best: StreamSubscriber | None = None
+        best_score = (-1, -1)
+        for sub in subs:
+            s_state = sub.current_state(now)
+            if STATE_RANK[s_state] < STATE_RANK[state]:
+                state = s_state
+            bs = sub.block_size or 0
+            held = found.blocks.get(sub.stream_id, 0)
+            score = (held * bs, (held + found.pending_blocks.get(sub.stream_id, 0)) * bs)
+            if score > best_score:
+                best, best_score = sub, score
+        if best is None:
+            out[worker] = WorkerMatch(worker, 0, 0, 0, None, {}, state)
+            continue
+        sid = best.stream_id
+        size = best.block_size or 0
+        held = found.blocks.get(sid, 0)
+        by_medium = found.by_medium.get(sid) or ({"GPU": held} if held else {})
+        out[worker] = WorkerMatch(
+            worker,
+            held,
+            held * size,
+            found.pending_blocks.get(sid, 0) * size,
+            best.block_size,
+            by_medium,
+            state,
+        )
+    return out
+
+
+async def test_cached_answers_match_the_uncached_rule(ctx: zmq.asyncio.Context) -> None:
+    seed = int(os.environ.get("KVROUTE_SEED", random.randrange(1 << 30)))
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    clock = [100.0]
+    settings = IndexerConfig(stale_after_s=STALE_AFTER_S, probe_interval_s=0)
+    index = PrefixIndex()
+    workers: dict[str, list[StreamSubscriber]] = {}
+    for w in range(8):
+        subs = []
+        for dp in range(rng.choice([0, 1, 1, 1, 2, 3])):
+            sid = f"w{w}#dp{dp}"
+            size = rng.choice([None, 16, 16, 32])
+            cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=size, dp_rank=dp)
+            index.add_stream(sid, block_size=size)
+            subs.append(
+                StreamSubscriber(sid, f"w{w}", cfg, index, ctx, settings, clock=lambda: clock[0])
+            )
+        workers[f"w{w}"] = subs
+    streams = [sub for subs in workers.values() for sub in subs]
+    matches = WorkerMatches(lambda: clock[0])
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.15:
+            rng.choice(streams).state = rng.choice(STATES)
+        elif op < 0.3:
+            sub = rng.choice(streams)
+            sub.last_event_at = clock[0]  # an applied batch (heard again)
+            if sub.block_size is None and rng.random() < 0.3:
+                index.add_stream(sub.stream_id, block_size=16)  # learned from the wire
+            matches.on_applied(sub.stream_id)
+        elif op < 0.35:
+            rng.choice(streams).last_heard_at = clock[0]  # a probe answered, nothing new
+        elif op < 0.55:
+            # small steps near REFRESH_S, now and then one past stale_after_s
+            clock[0] += rng.choice([0.0, 0.01, REFRESH_S, 1.0, STALE_AFTER_S / 2, STALE_AFTER_S])
+        found = PrefixMatch({}, {}, {})
+        for sub in rng.sample(streams, rng.randrange(len(streams) + 1)):
+            if rng.random() < 0.8:
+                found.blocks[sub.stream_id] = rng.choice([1, 2, 32, 32, 512])
+            if rng.random() < 0.2:
+                found.pending_blocks[sub.stream_id] = rng.randrange(1, 4)
+            if rng.random() < 0.05 and sub.stream_id in found.blocks:
+                found.by_medium[sub.stream_id] = {"CPU": found.blocks[sub.stream_id]}
+        if rng.random() < 0.02:
+            found.blocks["ghost#dp0"] = 3  # a stream no worker owns (left by a snapshot)
+        got = matches.answer(workers, found, "GPU")
+        want = reference(workers, found, clock[0])
+        assert got == want, f"step {step} (seed {seed})"
+
+
+async def test_stale_exactly_at_the_deadline_and_back(ctx: zmq.asyncio.Context) -> None:
+    clock = [10.0]
+    settings = IndexerConfig(stale_after_s=STALE_AFTER_S, probe_interval_s=0)
+    index = PrefixIndex()
+    cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=16)
+    sub = StreamSubscriber("w#dp0", "w", cfg, index, ctx, settings, clock=lambda: clock[0])
+    sub.state = StreamState.SYNCED
+    sub.last_event_at = 10.0
+    workers = {"w": [sub]}
+    matches = WorkerMatches(lambda: clock[0])
+    empty = PrefixMatch({}, {}, {})
+    assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.SYNCED
+    clock[0] = 10.0 + STALE_AFTER_S
+    assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.SYNCED
+    clock[0] += 1e-6
+    assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.STALE
+    sub.last_heard_at = clock[0]  # a probe answer revives it, no batch applied
+    assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.SYNCED
+    sub.state = StreamState.DEGRADED  # a gap: seen at the very next query
+    assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.DEGRADED
+
+
+async def test_answers_are_fresh_dicts_with_one_entry_per_worker(ctx: zmq.asyncio.Context) -> None:
+    index = PrefixIndex()
+    cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=16)
+    workers = {f"w{i}": [StreamSubscriber(f"w{i}#dp0", f"w{i}", cfg, index, ctx)] for i in range(3)}
+    workers["none"] = []
+    matches = WorkerMatches(lambda: 0.0)
+    first = matches.answer(workers, PrefixMatch({"w1#dp0": 2}, {}, {}), "GPU")
+    assert set(first) == set(workers) and first["w1"].matched_tokens == 32
+    assert first["none"] == WorkerMatch("none", 0, 0, 0, None, {}, StreamState.STALE)
+    first.clear()  # the caller owns the dict
+    again = matches.answer(workers, PrefixMatch({}, {}, {}), "GPU")
+    assert set(again) == set(workers) and again["w1"].matched_blocks == 0
