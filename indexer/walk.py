@@ -125,10 +125,18 @@ def walk_prefix(
         before = alive
         if alive >> CODE_BITS:
             alive = _record_drops(values, alive, code, done, real)
-        if not pending or (alive_any == before and pending.keys().isdisjoint(keys)):
-            # no pending entry so far nor in this chunk: the pending walk is the real one
+        if not pending:
             alive_any = alive
-        elif alive_any >> CODE_BITS:
+        elif not alive_any >> CODE_BITS:
+            pass  # the pending walk has ended (the real one may go on)
+        elif pending.keys().isdisjoint(keys):
+            if alive_any == before:
+                # no pending entry so far nor in this chunk: the pending walk is the real one
+                alive_any = alive
+            else:
+                # it diverged earlier, but this chunk has no pending entry: real values only
+                alive_any = _record_drops(values, alive_any, code, done, extra)
+        else:
             # pending values carry their namespace's code like real ones; ORing two values
             # would hide a foreign code, so the first foreign entry (real or pending) is
             # found first and ends the pending walk there

@@ -3,25 +3,27 @@
 The router asks for every known worker on every request, but a query matches only some of
 them and stream states change rarely. So `WorkerMatches` caches, per worker, its state (the
 best among its streams) and an answer for "holds nothing", and a query copies that dict and
-builds objects only for the workers whose streams matched something.
+touches only the workers whose streams matched something; a single-stream worker's answer is
+reused per (stream, matched depth) when no pending entry or tier is involved (a shared system
+prompt matches the same depth on many queries).
 
 The cache is checked on every query and rebuilt when anything it depends on moved:
 - a stream's `state` attribute (SYNCING / SYNCED / DEGRADED), compared in one C-level pass;
 - time: a live stream goes STALE exactly `stale_after_s` after it last heard anything, so the
   cache expires at the earliest such deadline; a STALE stream that hears something again (an
   event or a probe answer) is noticed by its heard-at time moving;
-- a stream whose block size is still unknown (the owner calls `invalidate` once it applies);
+- a stream whose block size was unknown applies a batch (the owner calls `on_applied`); until
+  then its worker is answered uncached on every query, so a learned size shows at once;
 - and at most every `REFRESH_S` regardless, as a backstop.
 Workers added or removed and snapshot loads invalidate it explicitly (`IndexerService`).
 
-The zero-match `WorkerMatch` objects (and their empty `by_medium` dicts) are shared between
-queries until the cache is rebuilt: callers read them and must not mutate them.
+The cached `WorkerMatch` objects (and their `by_medium` dicts) are shared between queries
+until the cache is rebuilt: callers read them and must not mutate them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from operator import attrgetter
 
 from indexer.stats import STATE_RANK, StreamState, WorkerMatch
@@ -32,10 +34,9 @@ __all__ = ["REFRESH_S", "WorkerMatches", "heard_at"]
 
 REFRESH_S = 0.1  # the longest a cached per-worker view is used without being rebuilt
 
-_MEMO_LIMIT = 1 << 14  # cached non-zero answers, (stream, held, pending) -> WorkerMatch
+_MEMO_LIMIT = 1 << 14  # cached non-zero answers, (stream, held) -> WorkerMatch
 
 _state_of = attrgetter("state")
-_worker_of = attrgetter("worker")
 
 
 def heard_at(sub: StreamSubscriber) -> float:
@@ -56,13 +57,14 @@ class WorkerMatches:
         self._states: list[StreamState] = []  # their `state` attributes when cached
         self._revive: list[tuple[StreamSubscriber, float]] = []  # STALE streams, heard at
         self._unsized: set[str] = set()  # streams whose block size is not known yet
+        self._unsized_workers: set[str] = set()  # their workers: answered live, every query
         self._zeros: dict[str, WorkerMatch] = {}  # worker -> its "holds nothing" answer
         # stream -> (worker, block size, state) for workers with exactly one stream (the rule)
         self._solo: dict[str, tuple[str, int | None, StreamState]] = {}
         self._multi: dict[str, str] = {}  # stream -> worker, for workers with several streams
         self._worker_subs: dict[str, Sequence[StreamSubscriber]] = {}
         self._worker_state: dict[str, StreamState] = {}
-        self._memo: dict[tuple[str, int, int], WorkerMatch] = {}  # (stream, held, pending)
+        self._memo: dict[tuple[str, int], WorkerMatch] = {}  # (stream, held), none pending
 
     def invalidate(self) -> None:
         """Rebuild at the next query (workers changed, a snapshot was loaded)."""
@@ -91,23 +93,19 @@ class WorkerMatches:
         out = dict(self._zeros)  # a fresh dict: the caller may add to it or drop from it
         blocks = found.blocks
         pending = found.pending_blocks
+        # workers answered by `_best`, which reads block sizes from the subscribers
+        several = set(self._unsized_workers)
         if not blocks and not pending:
+            for worker in several:
+                out[worker] = self._best(worker, found, default_medium)
             return out
-        several: set[str] = set()  # workers answered by `_best`
         if not pending and not found.by_medium:
-            # the common case: every answer was given before, all looked up in C
-            try:
-                hits = list(map(self._memo.__getitem__, zip(blocks, blocks.values(), repeat(0))))
-            except KeyError:
-                pass  # a new depth, a multi-stream worker, a stream of no worker: below
-            else:
-                out.update(zip(map(_worker_of, hits), hits, strict=True))
-                return out
+            # the common case: the answer given before for this (stream, depth), if any
             get = self._memo.get
-            for sid, held in blocks.items():
-                match = get((sid, held, 0))
+            for item in blocks.items():
+                match = get(item)
                 if match is None:
-                    match = self._solo_answer(sid, held, 0, None, default_medium, several)
+                    match = self._solo_answer(item[0], item[1], 0, None, default_medium, several)
                     if match is None:
                         continue
                 out[match.worker] = match
@@ -148,25 +146,26 @@ class WorkerMatches:
         if size is None:  # not known when cached: `_best` asks the subscriber
             several.add(worker)
             return None
-        if by_medium is not None:
-            return WorkerMatch(worker, held, held * size, more * size, size, by_medium, state)
+        if by_medium is not None or more:
+            return WorkerMatch(
+                worker,
+                held,
+                held * size,
+                more * size,
+                size,
+                by_medium if by_medium is not None else {default_medium: held} if held else {},
+                state,
+            )
         # answers repeat (a shared system prompt matches the same depth on many queries):
         # reuse them until the cache is rebuilt, like the zero answers
         memo = self._memo
-        match = memo.get((sid, held, more))
-        if match is not None:
-            return match
-        if len(memo) >= _MEMO_LIMIT:
-            memo.clear()  # bounded: a miss only rebuilds one object
-        match = memo[(sid, held, more)] = WorkerMatch(
-            worker,
-            held,
-            held * size,
-            more * size,
-            size,
-            {default_medium: held} if held else {},
-            state,
-        )
+        match = memo.get((sid, held))
+        if match is None:
+            if len(memo) >= _MEMO_LIMIT:
+                memo.clear()  # bounded: a miss only rebuilds one object
+            match = memo[(sid, held)] = WorkerMatch(
+                worker, held, held * size, 0, size, {default_medium: held} if held else {}, state
+            )
         return match
 
     def _best(self, worker: str, found: PrefixMatch, default_medium: str) -> WorkerMatch:
@@ -206,6 +205,7 @@ class WorkerMatches:
         self._subs = []
         self._revive = []
         self._unsized = set()
+        self._unsized_workers = set()
         self._zeros = {}
         self._solo = {}
         self._multi = {}
@@ -225,6 +225,7 @@ class WorkerMatches:
                     state = s_state
                 if sub.block_size is None:
                     self._unsized.add(sub.stream_id)
+                    self._unsized_workers.add(worker)
             # with nothing matched the first stream is the "best" (same rule as `_best`)
             size = subs[0].block_size if subs else None
             self._zeros[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state)
