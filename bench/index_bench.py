@@ -1,14 +1,16 @@
 """`kvroute bench index`: indexer ingest rate, query latency and memory per indexed entry.
 
 Three measurements, written to `docs/benchmarks/index.md`:
-- ingest: decode + apply of a realistic coalesced SGLang stream (page size 16): multi-turn
-  sessions over shared system prompts (half of them salted by tenant), each request storing
-  its uncached suffix as ONE `BlockStored` chained to its cached prefix, several requests per
-  scheduler step, FIFO eviction as `BlockRemoved` once the worker's pool is full. Payloads are
-  encoded by our byte-identical SGLang encoder beforehand; the timed loop is exactly what the
-  subscriber does per message (`decode_batch` + `PrefixIndex.apply`). Unit: block operations
-  (stored + removed hashes) per second, one core; the naive baseline applies the same
-  pre-decoded batches.
+- ingest: decode + apply of a recorded KV-event stream, read back from a `kvroute record`
+  file (`--recording FILE` takes a real capture; without it the bench first records the
+  synthetic stream below to a file and reads that). The synthetic stream is a realistic
+  coalesced SGLang stream (page size 16): multi-turn sessions over shared system prompts (half
+  of them salted by tenant), each request storing its uncached suffix as ONE `BlockStored`
+  chained to its cached prefix, several requests per scheduler step, FIFO eviction as
+  `BlockRemoved` once the worker's pool is full, encoded by our byte-identical SGLang encoder.
+  The timed loop is exactly what the subscriber does per message (`decode_batch` +
+  `PrefixIndex.apply` into the record's stream). Unit: block operations (stored + removed
+  hashes) per second, one core; the naive baseline applies the same pre-decoded batches.
 - query: an 8,192-token prompt (512 blocks) against 64 streams holding ~2M (block, stream)
   entries, through `IndexerService.query` (what the router calls: all 64 workers' matches).
   Prompts are documents some streams hold entirely (the worst case: the walk goes to the end),
@@ -31,6 +33,7 @@ import asyncio
 import gc
 import platform
 import random
+import tempfile
 import time
 import tracemalloc
 from collections import deque
@@ -39,6 +42,7 @@ from pathlib import Path
 import msgspec
 
 from indexer.config import StreamConfig
+from indexer.errors import ProtocolError
 from indexer.index import PrefixIndex
 from indexer.namespace import (
     Namespace,
@@ -48,6 +52,7 @@ from indexer.namespace import (
     namespace_seed,
 )
 from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
+from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.service import IndexerService, stream_id
 
 __all__ = ["add_arguments", "run"]
@@ -245,9 +250,47 @@ class NaiveIndex:
         return naive
 
 
-def bench_ingest(payloads: list[bytes], seconds: float) -> IngestResult:
-    """Decode + apply every payload in order (repeating on fresh indexes up to `seconds`)."""
-    decoded = [decode_batch(p) for p in payloads]
+class IngestRecord(msgspec.Struct, frozen=True):
+    """One recorded message, as the ingest loop applies it."""
+
+    stream: str
+    seq: int
+    payload: bytes
+
+
+INGEST_STREAM = "w#dp0"
+
+
+def record_ingest_workload(path: Path, payloads: list[bytes]) -> None:
+    """Write the synthetic stream as a `kvroute record` file (one source, seqs from 0)."""
+    source = Source(stream=INGEST_STREAM, topic="kv", block_size=PAGE, model=MODEL, worker="w")
+    with RecordingWriter.create(path, [source], overwrite=True, buffer_bytes=1 << 20) as writer:
+        for seq, payload in enumerate(payloads):
+            writer.write(INGEST_STREAM, b"kv", seq, payload, recv_time=float(seq))
+
+
+def read_recording(path: Path) -> tuple[list[IngestRecord], dict[str, int | None]]:
+    """Every readable record of a recording, and each stream's block size from its header."""
+    with RecordingReader(path) as reader:
+        records = [IngestRecord(p.record.stream, p.record.seq, p.record.payload) for p in reader]
+        if reader.damage is not None:
+            print(f"recording damaged at byte {reader.damage.offset}: {reader.damage.reason}")
+        return records, {sid: src.block_size for sid, src in reader.sources.items()}
+
+
+def bench_ingest(
+    records: list[IngestRecord], seconds: float, block_sizes: dict[str, int | None] | None = None
+) -> IngestResult:
+    """Decode + apply every record in order (repeating on fresh indexes up to `seconds`)."""
+    sizes = block_sizes or {}
+    streams = sorted({r.stream for r in records})
+    payloads = [r.payload for r in records]
+    decoded = []
+    for p in payloads:
+        try:
+            decoded.append(decode_batch(p))
+        except ProtocolError:
+            decoded.append(EventBatch(ts=0.0, events=[]))  # a malformed capture: skipped
     stored = sum(len(e.block_hashes) for b in decoded for e in b.events if isinstance(e, Stored))
     removed = sum(len(e.block_hashes) for b in decoded for e in b.events if isinstance(e, Removed))
     ops = stored + removed
@@ -260,23 +303,30 @@ def bench_ingest(payloads: list[bytes], seconds: float) -> IngestResult:
         while rounds < 2 or (time.perf_counter() < deadline and rounds < 20):
             rounds += 1
             index = PrefixIndex()
-            index.add_stream("w#dp0", model=MODEL, block_size=PAGE)
+            for sid in streams:
+                index.add_stream(sid, model=MODEL, block_size=sizes.get(sid) or PAGE)
             gc.collect()
             start = time.perf_counter()
             if fn_decode and fn_apply:
-                for seq, p in enumerate(payloads):
-                    index.apply("w#dp0", decode_batch(p), seq)
+                for r in records:
+                    try:
+                        index.apply(r.stream, decode_batch(r.payload), r.seq)
+                    except ProtocolError:
+                        continue
             elif fn_apply:
-                for seq, b in enumerate(decoded):
-                    index.apply("w#dp0", b, seq)
+                for r, b in zip(records, decoded, strict=True):
+                    index.apply(r.stream, b, r.seq)
             else:
                 for p in payloads:
-                    decode_batch(p)
+                    try:
+                        decode_batch(p)
+                    except ProtocolError:
+                        continue
             best = max(best, ops / (time.perf_counter() - start))
         return best
 
     return IngestResult(
-        batches=len(payloads),
+        batches=len(records),
         block_ops=ops,
         stored=stored,
         removed=removed,
@@ -629,6 +679,12 @@ mix of an 8-block event costs ~11 us against ~2 us; it only pays if tokens arriv
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute bench index`."""
     parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    parser.add_argument(
+        "--recording",
+        type=Path,
+        default=None,
+        help="ingest this `kvroute record` capture instead of the synthetic stream",
+    )
     parser.add_argument("--batches", type=int, default=2000, help="ingest batches")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument(
@@ -642,10 +698,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the three measurements and write the report."""
     print(f"index bench: seed={args.seed}")
-    payloads = ingest_workload(args.seed, args.batches, capacity_blocks=50_000)
-    ingest = bench_ingest(payloads, args.seconds)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.recording
+        if path is None:
+            path = Path(tmp) / "ingest.kvrec"
+            record_ingest_workload(path, ingest_workload(args.seed, args.batches, 50_000))
+        records, block_sizes = read_recording(path)
+    print(
+        f"ingest input: {len(records):,} records from {args.recording or 'a synthetic recording'}"
+    )
+    ingest = bench_ingest(records, args.seconds, block_sizes)
     print(f"ingest: {ingest.decode_apply_ops_s:,.0f} block ops/s (decode + apply)")
-    del payloads
+    del records
     index, held, shared, _ = build_index(args.streams, args.docs_per_stream, args.pool, args.seed)
     print(f"memory: {shared.entries:,} entries, {shared.bytes_per_entry:.0f} bytes/entry")
     queries, stages = asyncio.run(_query_latencies(index, held, args.seconds, args.seed))
@@ -663,7 +727,8 @@ def run(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     params = (
         f"seed={args.seed}, batches={args.batches}, streams={args.streams}, "
-        f"docs/stream={args.docs_per_stream}, pool={args.pool}, seconds={args.seconds}"
+        f"docs/stream={args.docs_per_stream}, pool={args.pool}, seconds={args.seconds}, "
+        f"ingest input={args.recording or 'synthetic stream, recorded to a kvrec file'}"
     )
     args.output.write_text(render(ingest, queries, stages, [shared, unshared], params))
     print(f"wrote {args.output}")

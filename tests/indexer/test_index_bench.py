@@ -17,3 +17,23 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     assert index_bench.run(args) == 0
     text = out.read_text()
     assert "block ops/s" in text and "p99 us" in text and "bytes/entry" in text
+
+
+def test_index_bench_ingests_a_recording(tmp_path: Path) -> None:
+    from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
+
+    capture = tmp_path / "capture.kvrec"
+    written = synthesize_recording(capture, SyntheticWorkload(streams=3, conversations=20))
+    records, sizes = index_bench.read_recording(capture)
+    assert len(records) == written and len({r.stream for r in records}) == 3
+    result = index_bench.bench_ingest(records, 0.01, sizes)
+    assert result.batches == written and result.block_ops > 0 and result.stored > 0
+    assert result.decode_apply_ops_s > 0
+
+    parser = argparse.ArgumentParser()
+    index_bench.add_arguments(parser)
+    out = tmp_path / "index.md"
+    tiny = ["--streams", "2", "--docs-per-stream", "1", "--pool", "2", "--seconds", "0.02"]
+    args = parser.parse_args([*tiny, "--recording", str(capture), "--output", str(out)])
+    assert index_bench.run(args) == 0
+    assert str(capture) in out.read_text()

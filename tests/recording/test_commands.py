@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import StreamConfig
 from indexer.protocol import EventBatch, Stored, encode_batch
 from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import SyntheticWorkload, replay_into_index, synthesize_recording
+from indexer.replayer import replay_into_index
 from indexer.republisher import RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index, load_index

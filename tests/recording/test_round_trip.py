@@ -15,14 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import (
-    RecordFilter,
-    SyntheticWorkload,
-    replay_into_index,
-    synthesize_recording,
-)
+from indexer.replayer import RecordFilter, replay_into_index
 from indexer.republisher import FaultPlan, RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index

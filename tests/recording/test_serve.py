@@ -10,8 +10,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.recording import RecordingReader
-from indexer.replayer import SyntheticWorkload, replay_into_index, synthesize_recording
+from indexer.replayer import replay_into_index
 from indexer.republisher import FaultPlan, RepublishConfig, Republisher
 from indexer.snapshot import dump_index
 from router.config import ListenConfig, RouterConfig, WorkerConfig
