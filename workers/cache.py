@@ -211,15 +211,17 @@ class PagedRadixCache:
     ) -> tuple[Namespace, tuple[int, ...]]:
         return namespace, tuple(tokens[at : at + self.page_size])
 
-    def _matched_in_node(self, node: RadixNode, tokens: Sequence[int], at: int) -> int:
-        """Tokens of `node.key` matched by `tokens[at:]`, in whole pages."""
+    def _matched_in_node(self, node: RadixNode, tokens: list[int], at: int) -> int:
+        """Tokens of `node.key` matched by the page-aligned `tokens[at:]`, in whole pages.
+
+        The caller found `node` by its first page (the child key), so comparing starts at
+        the second page.
+        """
         page = self.page_size
         limit = min(len(node.key), len(tokens) - at)
-        matched = 0
+        matched = page
         while matched + page <= limit:
-            if node.key[matched : matched + page] != list(
-                tokens[at + matched : at + matched + page]
-            ):
+            if node.key[matched : matched + page] != tokens[at + matched : at + matched + page]:
                 break
             matched += page
         return matched

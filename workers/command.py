@@ -50,7 +50,10 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         help="KV pool size per DP rank, in tokens (rounded down to whole pages)",
     )
     cache.add_argument(
-        "--dp-size", type=int, default=1, help="data-parallel ranks: one cache and stream each"
+        "--dp-size",
+        type=int,
+        default=defaults.dp_size,
+        help="data-parallel ranks: one cache and stream each",
     )
     events = parser.add_argument_group("KV events")
     events.add_argument(

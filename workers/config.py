@@ -58,10 +58,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("port", "events_port", "replay_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number (0 = ephemeral)")
-        for name in ("buffer_steps", "dp_size", "page_size", "capacity_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("max_running_requests", "max_queued_requests", "context_length"):
+        for name in (
+            "buffer_steps",
+            "dp_size",
+            "page_size",
+            "capacity_tokens",
+            "max_running_requests",
+            "max_queued_requests",
+            "context_length",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("prefill_ms_per_token", "decode_ms_per_token", "time_scale"):

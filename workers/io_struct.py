@@ -159,12 +159,12 @@ def parse_generate(raw: object) -> ApiRequest:
             raise RequestError("sampling_params must be an object")
         value = None if item is None else item.get("max_new_tokens")
         budgets.append(_count(value, "sampling_params.max_new_tokens", DEFAULT_GENERATE_TOKENS))
-    salts = normalize_keys(body.get("cache_salt"), "cache_salt", n) if batch else None
-    extras = normalize_keys(body.get("extra_key"), "extra_key", n) if batch else None
-    if not batch:
+    if batch:
+        salts = normalize_keys(body.get("cache_salt"), "cache_salt", n)
+        extras = normalize_keys(body.get("extra_key"), "extra_key", n)
+    else:  # a single prompt takes a single value: a list is a type error, as in the seed
         salts = [normalize_key(body.get("cache_salt"), "cache_salt")]
         extras = [normalize_key(body.get("extra_key"), "extra_key")]
-    assert salts is not None and extras is not None
     stream = _bool(body, "stream")
     if stream and batch:
         raise RequestError("stream is not supported for batched requests")

@@ -6,6 +6,11 @@ batches are also kept for replay: a DEALER sends `[b"", start_seq]` to the ROUTE
 gets every buffered batch with seq >= start_seq in the newer layout `[b"", topic, seq,
 payload]`, then the end marker `[b"", b"", END_SEQ, b""]` (SGLang >= 0.5.22).
 
+A plain ROUTER drops what a slow requester cannot take (the end marker included: it then waits
+for nothing), so the replay socket is `ROUTER_MANDATORY`: a full pipe makes the send wait, a
+requester that stalls past `replay_stall_s` (or has gone) loses its replay, and the others are
+served.
+
 `bind_port_run` binds one socket per DP rank on consecutive ports (rank r on base + r), also
 when the base is ephemeral.
 """
@@ -40,6 +45,7 @@ _log = logging.getLogger(__name__)
 
 # SGLang's publisher default: a deep send queue, so bursts are not dropped locally.
 _SNDHWM = 100_000
+_REPLAY_STALL_S = 5.0
 _PORT_ATTEMPTS = 64
 
 
@@ -90,6 +96,7 @@ class EventPublisher:
         buffer_steps: int,
         dp_rank: int,
         clock: Callable[[], float] = time.time,
+        replay_stall_s: float = _REPLAY_STALL_S,
     ) -> None:
         self._pub = pub
         self._replay = replay
@@ -100,9 +107,12 @@ class EventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._next_seq = 0
         self._task: asyncio.Task[None] | None = None
+        self._replay_stall_s = replay_stall_s
         self.bad_replay_requests = 0
+        self.abandoned_replays = 0
         self.send_failures = 0
         pub.sndhwm = _SNDHWM
+        replay.router_mandatory = True
 
     @property
     def next_seq(self) -> int:
@@ -155,9 +165,21 @@ class EventPublisher:
                 if self.bad_replay_requests == 1:
                     _log.warning("ignoring a malformed replay request: %s", exc)
                 continue
-            # A snapshot: batches published while replies go out are live, not replayed.
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    reply = build_replay_reply(self._topic, seq, payload)
-                    await self._replay.send_multipart([identity, *reply])
-            await self._replay.send_multipart([identity, *build_replay_end(with_topic=True)])
+            try:
+                await self._send_replay(identity, start)
+            except (TimeoutError, zmq.ZMQError) as exc:
+                self.abandoned_replays += 1
+                if self.abandoned_replays == 1:
+                    _log.warning("abandoned a replay (requester gone or not reading): %s", exc)
+
+    async def _send_replay(self, identity: bytes, start: int) -> None:
+        # A snapshot: batches published while replies go out are live, not replayed.
+        replies = [
+            build_replay_reply(self._topic, seq, payload)
+            for seq, payload in list(self._buffer)
+            if seq >= start
+        ]
+        replies.append(build_replay_end(with_topic=True))
+        for reply in replies:
+            async with asyncio.timeout(self._replay_stall_s):
+                await self._replay.send_multipart([identity, *reply])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,8 @@ from workers.io_struct import Generation
 from workers.publisher import EventPublisher
 
 __all__ = ["Job", "QueueFullError", "RankScheduler", "deterministic_output"]
+
+_log = logging.getLogger(__name__)
 
 _OUTPUT_TEXT = (
     "The reference worker answers every prompt with this same text, entered at an offset "
@@ -158,8 +161,8 @@ class RankScheduler:
         self.cache.flush()
         self._publish()
 
-    def flush_namespace(self, cache_salt: str) -> int:
-        """Evict one salt's unreferenced pages; returns pages removed."""
+    def flush_namespace(self, cache_salt: str | None) -> int:
+        """Evict one salt's unreferenced pages (None: the unsalted ones); returns pages removed."""
         removed = self.cache.flush_namespace(cache_salt)
         self._publish()
         return removed
@@ -175,7 +178,25 @@ class RankScheduler:
         await asyncio.sleep(ms * self.config.time_scale / 1000.0)
 
     async def run(self) -> None:
-        """The scheduler loop; runs until cancelled."""
+        """The scheduler loop; runs until cancelled, or until a bug stops it (logged).
+
+        A crash must not leave clients waiting forever on jobs nobody will run: every queued
+        and running job is ended, and the task returns, so the worker reports itself dead.
+        """
+        try:
+            await self._loop()
+        except Exception:
+            _log.exception(
+                "the scheduler of DP rank %d crashed; its requests are aborted", self.rank
+            )
+            for job in [*self._waiting, *self._running]:
+                job.cancelled = True
+                if not job.finished:
+                    job.mark_finished()
+            self._waiting.clear()
+            self._running = []
+
+    async def _loop(self) -> None:
         self._publish()  # the cache's startup AllBlocksCleared: seq 0, like SGLang
         while True:
             if self.idle:
@@ -195,9 +216,7 @@ class RankScheduler:
 
     def _admit(self) -> list[Job]:
         admitted: list[Job] = []
-        while (
-            self._waiting and len(self._running) + len(admitted) < self.config.max_running_requests
-        ):
+        while self._waiting and len(self._running) < self.config.max_running_requests:
             job = self._waiting[0]
             # The last prompt token is always computed (it yields the first output token).
             found = self.cache.match(job.namespace, job.prompt[:-1])
@@ -209,6 +228,9 @@ class RankScheduler:
                 break
             self._waiting.popleft()
             job.node, job.cached_tokens, job.reserved_pages = found.node, found.length, need
+            # Running from admission on (SGLang counts the prefill batch as running), so a
+            # crash mid-prefill still finds it.
+            self._running.append(job)
             admitted.append(job)
         if admitted:
             self._publish()  # evictions made to reserve room
@@ -221,7 +243,6 @@ class RankScheduler:
             self._cache_tokens(job, job.prompt)
             if job.planned and not job.cancelled:
                 job.emit_next()
-            self._running.append(job)
         self._retire()
         self._publish()
 

@@ -2,7 +2,7 @@
 
 SGLang: `POST /generate` (text or input_ids, batched or not, SSE with `stream`), `GET /health`,
 `GET /get_model_info`, `GET /server_info` and `/get_server_info` (with the `kv_events` block),
-`POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace).
+`POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace, "" the unsalted one).
 OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_options
 .include_usage`), `GET /v1/models`; usage carries `prompt_tokens_details.cached_tokens`.
 kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
@@ -24,7 +24,6 @@ import msgspec
 from aiohttp import web
 
 from indexer.protocol.tokens import ByteTokenizer
-from workers.cache import Namespace
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import (
     ApiRequest,
@@ -115,6 +114,9 @@ async def _run(worker: ReferenceWorker, jobs: list[Job]) -> None:
         for job in jobs:
             worker.cancel(job)
         raise
+    if any(job.cancelled for job in jobs):
+        # Not by this client (it is still here): a crashed scheduler aborted them.
+        worker.check_alive()
 
 
 def _finish_reason(job: Job) -> str:
@@ -158,8 +160,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         results = [_generate_result(job, rid) for job, rid in zip(jobs, rids, strict=True)]
         return web.json_response(results if api.batch else results[0])
     (job,), (rid,) = jobs, rids
-    response = await _open_sse(request)
     try:
+        response = await _open_sse(request)
         async for _ in job.tokens():
             await response.write(_sse(_generate_result(job, rid)))
         if not job.output:
@@ -215,8 +217,8 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
             piece = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
         return _sse(head | {"choices": [piece]})
 
-    response = await _open_sse(request)
     try:
+        response = await _open_sse(request)
         if chat:
             await response.write(chunk(None, None, role=True))
         async for token in job.tokens():
@@ -308,8 +310,13 @@ async def flush_cache(request: web.Request) -> web.StreamResponse:
     body = await _json(request, optional=True)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    salt = normalize_key(body.get("cache_salt"), "cache_salt")
-    removed = _worker(request).flush(salt)
+    worker = _worker(request)
+    if "cache_salt" not in body:
+        worker.flush_all()
+        return web.json_response({"message": "Cache flushed.", "pages_removed": 0})
+    # A body that names a namespace never empties the others: "" (or null) is the unsalted one.
+    salt = normalize_key(body["cache_salt"], "cache_salt")
+    removed = worker.flush_namespace(salt)
     return web.json_response({"message": "Cache flushed.", "pages_removed": removed})
 
 
@@ -327,8 +334,7 @@ async def debug_match(request: web.Request) -> web.StreamResponse:
     if api.batch:
         raise RequestError("debug/match takes one prompt")
     item = api.items[0]
-    namespace = Namespace(extra_key=item.namespace.extra_key, cache_salt=item.namespace.cache_salt)
-    per_rank = _worker(request).match(namespace, item.input_ids)
+    per_rank = _worker(request).match(item.namespace, item.input_ids)
     return web.json_response(
         {
             "cached_tokens": max(per_rank),

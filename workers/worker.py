@@ -164,6 +164,7 @@ class ReferenceWorker:
 
     def submit(self, generation: Generation) -> Job:
         """Queue one request on its DP rank (the one asked for, else round robin)."""
+        self.check_alive()  # a dead scheduler would never run it
         rank = generation.dp_rank
         if rank is None:
             rank = next(self._next_rank) % len(self.ranks)
@@ -177,14 +178,15 @@ class ReferenceWorker:
         """Stop a request whose client went away."""
         self.ranks[job.rank].cancel(job)
 
-    def flush(self, cache_salt: str | None) -> int:
-        """Flush every rank's cache, or only one salt's pages; returns pages removed (salt)."""
-        if cache_salt is None:
-            if not all(sched.idle for sched in self.ranks):
-                raise CacheBusyError("cache not flushed: requests are running or waiting")
-            for sched in self.ranks:
-                sched.flush()
-            return 0
+    def flush_all(self) -> None:
+        """Flush every rank's whole cache; refused unless every rank is idle (as SGLang)."""
+        if not all(sched.idle for sched in self.ranks):
+            raise CacheBusyError("cache not flushed: requests are running or waiting")
+        for sched in self.ranks:
+            sched.flush()
+
+    def flush_namespace(self, cache_salt: str | None) -> int:
+        """Evict one salt's unreferenced pages on every rank (None: the unsalted ones)."""
         return sum(sched.flush_namespace(cache_salt) for sched in self.ranks)
 
     def match(self, namespace: Namespace, tokens: list[int]) -> list[int]:

@@ -247,8 +247,8 @@ async def test_replayed_events_reproduce_the_worker_cache_under_pressure(
             for _ in range(15):
                 await asyncio.gather(*(one() for _ in range(4)))
             # a namespace flush in the middle of the stream
-            async with http.post(f"{worker.url}/flush_cache", json={"cache_salt": "s1"}):
-                pass
+            async with http.post(f"{worker.url}/flush_cache", json={"cache_salt": "s1"}) as resp:
+                assert resp.status == 200, await resp.text()
             await asyncio.gather(*(one() for _ in range(4)))
             removed = 0
             for rank, endpoint in enumerate(worker.kv_events.replay_endpoints):

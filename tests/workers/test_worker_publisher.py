@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -80,7 +82,7 @@ def _publisher(
         layout="map",
         buffer_steps=buffer_steps,
         dp_rank=0,
-        **({"clock": clock} if clock else {}),
+        clock=clock or time.time,
     )
     return publisher, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
 
@@ -174,3 +176,87 @@ def test_dp_ranks_get_consecutive_ports(ctx: zmq.asyncio.Context) -> None:
     finally:
         for s in sockets:
             s.close()
+
+
+def _small_buffered_router(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, str]:
+    """A replay ROUTER with a tiny kernel send buffer, so a slow reader fills its pipe fast."""
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.sndbuf = 4096
+    router.sndhwm = 16
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    return router, f"tcp://127.0.0.1:{port}"
+
+
+def _slow_dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.rcvhwm = 1
+    dealer.rcvbuf = 4096
+    dealer.connect(endpoint)
+    return dealer
+
+
+async def test_a_slow_replay_reader_gets_every_batch_and_the_end(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    (pub,), _ = bind_port_run(ctx, zmq.PUB, "127.0.0.1", 0, 1)
+    router, endpoint = _small_buffered_router(ctx)
+    publisher = EventPublisher(
+        pub=pub, replay=router, topic="kv", layout="array", buffer_steps=500, dp_rank=0
+    )
+    page: list[int | tuple[int, int]] = list(
+        range(1000, 1512)
+    )  # ~1.5 kB a batch: far more than the pipes hold
+    async with publisher:
+        for _ in range(500):
+            publisher.publish(
+                [Stored(block_hashes=[1], parent=None, token_ids=page, block_size=512)]
+            )
+        dealer = _slow_dealer(ctx, endpoint)
+        await dealer.send_multipart(build_replay_request(0))
+        assert await dealer.poll(5000)  # the replay is under way
+        # A slow reader: meanwhile a plain ROUTER would drop most replies and the end marker.
+        await asyncio.sleep(0.2)
+        seqs: list[int] = []
+        while True:
+            assert await dealer.poll(5000), f"replay stopped after {len(seqs)} batches"
+            reply = parse_replay_reply(await dealer.recv_multipart())
+            if isinstance(reply, ReplayEnd):
+                break
+            seqs.append(reply.seq)
+        dealer.close()
+    assert seqs == list(range(500))
+    assert publisher.abandoned_replays == 0
+
+
+async def test_a_stalled_replay_reader_does_not_block_the_others(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    (pub,), _ = bind_port_run(ctx, zmq.PUB, "127.0.0.1", 0, 1)
+    router, endpoint = _small_buffered_router(ctx)
+    publisher = EventPublisher(
+        pub=pub,
+        replay=router,
+        topic="kv",
+        layout="array",
+        buffer_steps=500,
+        dp_rank=0,
+        replay_stall_s=0.2,
+    )
+    page: list[int | tuple[int, int]] = list(range(1000, 1512))
+    async with publisher:
+        for _ in range(500):
+            publisher.publish(
+                [Stored(block_hashes=[1], parent=None, token_ids=page, block_size=512)]
+            )
+        stalled = _slow_dealer(ctx, endpoint)
+        await stalled.send_multipart(build_replay_request(0))  # and never reads
+        async with asyncio.timeout(10):
+            while True:  # no event to wait on: poll the counter, under a deadline
+                if publisher.abandoned_replays:
+                    break
+                await asyncio.sleep(0.02)
+        replies = await _replay(ctx, endpoint, 499)
+        assert [parse_replay_reply(r).seq for r in replies[:-1]] == [499]  # type: ignore[union-attr]
+        stalled.close()
