@@ -423,15 +423,20 @@ class RecordingWriter:
         with RecordingReader(path) as reader:
             next_record = 0
             last_time = 0.0
+            valid_end = reader._data_start
             for frame in reader._frames(reader._data_start):
                 if frame.kind == _KIND_SOURCES:
                     reader._add_sources(frame)
                 elif frame.count:
+                    if frame.kind == _KIND_CHUNK:
+                        try:
+                            chunk_end = _decode_records(frame)[-1].recv_time
+                        except _FrameError:
+                            break  # readers stop at this chunk, so it is cut like a torn tail
+                        last_time = max(last_time, chunk_end)
                     next_record = frame.first_record + frame.count
                     last_time = max(last_time, frame.time)
-                    if frame.kind == _KIND_CHUNK:
-                        last_time = max(last_time, _decode_records(frame)[-1].recv_time)
-            valid_end = reader.end_offset
+                valid_end = frame.end
             known = dict(reader.sources)
         try:
             fd = os.open(path, os.O_WRONLY)

@@ -20,7 +20,6 @@ message arrives, so a dropped or held tail is sent once more at the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from indexer.errors import ProtocolError
+from indexer.errors import IndexerError, ProtocolError
 from indexer.protocol.frames import (
     build_live,
     build_replay_end,
@@ -191,6 +190,8 @@ class _Publisher:
                         [identity, *build_replay_reply(topic, seq, payload)]
                     )
                     self.info.replayed += 1
+                    if self.info.replayed % 64 == 0:
+                        await asyncio.sleep(0)  # a long answer must not stall the live sends
             await self.router.send_multipart([identity, *build_replay_end(with_topic=True)])
 
     def close(self) -> None:
@@ -200,9 +201,12 @@ class _Publisher:
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
     head, port = _split_endpoint(endpoint)
-    if port == 0:
-        return f"{head}:{sock.bind_to_random_port(head)}"
-    sock.bind(endpoint)
+    try:
+        if port == 0:
+            return f"{head}:{sock.bind_to_random_port(head)}"
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:  # e.g. the port is taken: a message for the operator
+        raise IndexerError(f"cannot bind {endpoint}: {exc}") from exc
     return endpoint
 
 
@@ -273,10 +277,13 @@ class Republisher:
     ) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._close()
+        try:
+            if self._tasks:
+                # not `suppress(CancelledError): await task`, which would also swallow a
+                # cancellation of the caller arriving meanwhile
+                await asyncio.wait(self._tasks)
+        finally:
+            self._close()
 
     def _close(self) -> None:
         for publisher in self._publishers.values():
@@ -297,12 +304,15 @@ class Republisher:
                 continue
             if first_time is None:
                 first_time = record.recv_time
+            delay = 0.0
             if speed is not None:
                 delay = start + (record.recv_time - first_time) / speed - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            if delay > 0:
+                await asyncio.sleep(delay)
             elif n % 64 == 0:
-                await asyncio.sleep(0)  # let the ROUTERs answer replay requests
+                # flat out, or a burst recorded at one instant: sends do not yield by
+                # themselves, so let the ROUTERs answer replay requests
+                await asyncio.sleep(0)
             await self._emit(publisher, record)
             if on_sent is not None:
                 on_sent(record)

@@ -15,7 +15,6 @@ Pending entries are per worker: `add_pending` marks the prefix on every stream o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -73,15 +72,17 @@ class IndexerService:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for worker in list(self._workers):
-            await self.remove_worker(worker)
-        for _, _, fut in self._waiters:
-            if not fut.done():
-                fut.set_result(False)
-        self._waiters.clear()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+        try:
+            for worker in list(self._workers):
+                await self.remove_worker(worker)
+        finally:  # even when cancelled meanwhile: no waiter left hanging, no socket left open
+            for _, _, fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(False)
+            self._waiters.clear()
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)
+                self._ctx = None
 
     # -------------------------------------------------------------- workers
 
@@ -89,13 +90,16 @@ class IndexerService:
         """Subscribe to a worker's streams (replacing any it had); its entries start empty."""
         if self._ctx is None:
             raise RuntimeError("IndexerService is not entered (use `async with`)")
+        ranks = [cfg.dp_rank for cfg in streams]
+        for rank in ranks:
+            # checked before anything changes: a refused worker leaves no stream behind
+            if ranks.count(rank) > 1:
+                raise ValueError(f"worker {worker!r} lists dp rank {rank} twice")
         if worker in self._workers:
             await self.remove_worker(worker)
         subs: list[StreamSubscriber] = []
         for cfg in streams:
             sid = stream_id(worker, cfg.dp_rank)
-            if any(s.stream_id == sid for s in subs):
-                raise ValueError(f"worker {worker!r} lists dp rank {cfg.dp_rank} twice")
             self.index.add_stream(
                 sid, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
             )
@@ -125,9 +129,10 @@ class IndexerService:
         tasks = [self._tasks.pop(s.stream_id) for s in subs if s.stream_id in self._tasks]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if tasks:
+            # asyncio.wait, not `suppress(CancelledError): await task`: that would also swallow
+            # a cancellation of the caller arriving while the subscribers wind down
+            await asyncio.wait(tasks)
         for sub in subs:
             self.index.drop_stream(sub.stream_id)
 
@@ -219,9 +224,14 @@ class IndexerService:
         if self._worker_reached(worker, seq):
             return True
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiters.append((worker, seq, fut))
+        waiter = (worker, seq, fut)
+        self._waiters.append(waiter)
         try:
             async with asyncio.timeout(timeout_s):
                 return await fut
         except TimeoutError:
             return False
+        finally:
+            # a waiter that timed out on an idle stream must not stay listed forever
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)

@@ -44,7 +44,7 @@ class StreamStats(msgspec.Struct):
     events: int
     blocks_stored: int
     blocks_removed: int
-    gaps: int
+    gaps: int  # missing seqs noticed once joined (by a live message or the idle probe)
     replays: int  # replay runs: gap repairs, and probes that brought batches
     restarts: int
     clears: int  # entries dropped wholesale: AllBlocksCleared, restart, unrepairable gap

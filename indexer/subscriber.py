@@ -21,8 +21,8 @@ the replay repairs, never as silent drift).
 Raw sink: `sink(stream_id, topic, seq, payload, replayed)` is called for every message the
 subscriber accepts, live or replayed, in the order it is applied, malformed payloads included
 (frames whose seq cannot be read are not messages and are not passed on). `kvroute record`
-uses it to record a gap-free stream. The sink must not block; its exceptions are logged and
-swallowed so a broken recorder cannot stop indexing.
+uses it to record a gap-free stream. The sink must not block; its exceptions are logged (rate
+limited) and swallowed so a broken recorder cannot stop indexing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -112,6 +113,10 @@ class StreamSubscriber:
         self._dealer: zmq.asyncio.Socket | None = None
         self._block_size = config.block_size
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
+        # Until the SUB delivers its first message we are joining: what replay brings then
+        # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
+        # worker's history, not a gap.
+        self._joined = False
         self.tracker = SequenceTracker(
             index.last_seq(stream_id) if index.has_stream(stream_id) else None
         )
@@ -134,12 +139,15 @@ class StreamSubscriber:
         """Subscribe until cancelled; unexpected errors restart the session with backoff."""
         backoff_s = 0.05
         while True:
+            began = self._clock()
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("stream %s: subscriber failed; restarting", self.stream_id)
+                if self._clock() - began > self.settings.restart_backoff_max_s:
+                    backoff_s = 0.05  # a failure after a long healthy session starts over
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.restart_backoff_max_s)
 
@@ -155,7 +163,13 @@ class StreamSubscriber:
                 await self._probe()  # catch up on what was published before we subscribed
             handled = 0
             while True:
-                if probing and not await sub.poll(timeout=self._probe_wait_ms):
+                # The async poll costs a poller, futures and a timer: only pay for it when
+                # nothing is queued (a busy stream then reads at the probe-free rate).
+                if (
+                    probing
+                    and not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN
+                    and not await sub.poll(timeout=self._probe_wait_ms)
+                ):
                     await self._probe()
                     continue
                 frames = await sub.recv_multipart()
@@ -177,6 +191,7 @@ class StreamSubscriber:
             return
         if not topic_matches(msg.topic, self._topic):
             return
+        joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
         decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.RESTART:
@@ -188,13 +203,21 @@ class StreamSubscriber:
             self.state = StreamState.SYNCED
         elif decision.verdict is SeqVerdict.GAP:
             assert decision.replay_from is not None
-            await self._repair(decision.replay_from, msg.topic, msg.seq, msg.payload, prev_live)
+            await self._repair(
+                decision.replay_from, msg.topic, msg.seq, msg.payload, prev_live, joining=joining
+            )
 
     async def _repair(
-        self, start: int, topic: bytes, seq: int, payload: bytes, prev_live: int | None
+        self,
+        start: int,
+        topic: bytes,
+        seq: int,
+        payload: bytes,
+        prev_live: int | None,
+        *,
+        joining: bool,
     ) -> None:
         """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
-        joining = self.tracker.last is None and start == 0 and self.last_event_at is None
         if not joining:
             self.gaps += 1
             self.state = StreamState.DEGRADED
@@ -235,8 +258,20 @@ class StreamSubscriber:
     async def _probe(self) -> None:
         """Ask the replay socket for anything newer than what we applied (see probe_interval_s)."""
         before = self.tracker.last
+        joining = not self._joined
         self.probes += 1
         answered, _ = await self._replay(0 if before is None else before + 1)
+        after = self.tracker.last
+        if after != before and after is not None:
+            # Batches the live path had not delivered (a dropped last batch, or ones published
+            # before we subscribed): a gap repaired by a replay run, unless we were joining.
+            # The offline replayer counts the same run of replayed records the same way; a
+            # probe that merely ran ahead of a live copy in flight is counted alike on both sides.
+            # (Also when the answer timed out midway: what it brought is applied.)
+            self.replays += 1
+            if not joining:
+                self.gaps += 1
+            self._notify(after)
         base_ms = int(self.settings.probe_interval_s * 1000)
         if not answered:
             # a replay socket that does not answer must not stall the live stream every
@@ -245,12 +280,6 @@ class StreamSubscriber:
             return
         self._probe_wait_ms = base_ms
         self.last_heard_at = self._clock()
-        after = self.tracker.last
-        if after != before and after is not None:
-            # A replay run that brought batches (what the offline replayer sees in a recording),
-            # but not a gap: the probe may simply have run ahead of a live copy in flight.
-            self.replays += 1
-            self._notify(after)
         if self.state is StreamState.SYNCING:
             self.state = StreamState.SYNCED
 
@@ -302,8 +331,9 @@ class StreamSubscriber:
         if self.sink is not None:
             try:
                 self.sink(self.stream_id, topic, seq, payload, replayed)
-            except Exception:
-                log.exception("stream %s: raw sink failed", self.stream_id)
+            except Exception as exc:
+                # rate limited: a sink that fails on every message must not flood the log
+                self._warn("sink", f"raw sink failed: {type(exc).__name__}: {exc}")
         self.last_event_at = self._clock()
         try:
             batch = self._decode(payload)

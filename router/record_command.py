@@ -27,7 +27,7 @@ from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, Removed, Stored
-from indexer.recording import RecordingReader, RecordingWriter, Source
+from indexer.recording import RecordingError, RecordingReader, RecordingWriter, Source
 from indexer.replayer import replay_into_index
 from indexer.service import IndexerService, stream_id
 from router.errors import RouterError
@@ -103,12 +103,22 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     _print_done(args.out, writer, stats, sys.stdout)
+    if stats.error:
+        print(f"kvroute record: {stats.error}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _sources(args: argparse.Namespace) -> list[Source]:
     if (args.config is None) == (args.endpoint is None):
         raise ValueError("give exactly one of --config FILE or --endpoint tcp://...")
+    for flag, endpoint in (("--endpoint", args.endpoint), ("--replay", args.replay)):
+        # zmq would refuse it only inside the subscriber, which retries forever
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT")
+    if args.block_size is not None and args.block_size <= 0:
+        # StreamConfig's bound is only checked when decoding, not when built here
+        raise ValueError(f"--block-size {args.block_size}: must be > 0")
     if args.endpoint is not None:
         return [
             Source(
@@ -176,6 +186,7 @@ class RecordStats(msgspec.Struct, kw_only=True):
     records: int = 0
     streams: dict[str, dict[str, int]] = {}
     stopped_by: str = ""
+    error: str = ""  # why writing failed ("write-error" stops), empty when it did not
 
 
 async def record(
@@ -200,7 +211,11 @@ async def record(
     def sink(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
         if stop.is_set():
             return  # stopping: the file ends at the record that reached the limit
-        writer.write(stream, topic, seq, payload, replayed=replayed)
+        try:
+            writer.write(stream, topic, seq, payload, replayed=replayed)
+        except RecordingError as exc:  # disk full, file gone: stop, keep what was written
+            _fail(stats, stop, exc)
+            return
         stats.records += 1
         if max_bytes is not None and writer.bytes_written >= max_bytes:
             stats.stopped_by = stats.stopped_by or "max-bytes"
@@ -242,7 +257,10 @@ async def record(
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
-        writer.close()
+        try:
+            writer.close()
+        except RecordingError as exc:
+            _fail(stats, stop, exc)
     stats.seconds = time.monotonic() - started
     return stats
 
@@ -250,6 +268,11 @@ async def record(
 def _stop_by(stats: RecordStats, stop: asyncio.Event, reason: str) -> None:
     stats.stopped_by = stats.stopped_by or reason
     stop.set()
+
+
+def _fail(stats: RecordStats, stop: asyncio.Event, exc: RecordingError) -> None:
+    stats.error = stats.error or str(exc)
+    _stop_by(stats, stop, "write-error")
 
 
 async def _wait(
@@ -273,7 +296,10 @@ async def _wait(
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(tick):
                     await stop.wait()
-            writer.flush()  # closes an open compressed chunk; uncompressed records are out
+            try:
+                writer.flush()  # closes an open compressed chunk; uncompressed records are out
+            except RecordingError as exc:
+                _fail(stats, stop, exc)
             if live is not None:
                 live.update()
     finally:

@@ -135,12 +135,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         summary, index = replay_into_index(args.file, flt=flt)
-    except IndexerError as exc:
+        if args.dump:
+            # the same snapshot `/admin` and `IndexerService.dump` produce: loadable by a router
+            args.dump.write_bytes(dump_index(index))
+    except (OSError, IndexerError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
-    if args.dump:
-        # the same snapshot `/admin` and `IndexerService.dump` produce: loadable by a router
-        args.dump.write_bytes(dump_index(index))
     if args.json:
         sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import zmq.asyncio
@@ -13,6 +14,8 @@ from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
 from indexer.protocol.frames import pack_seq
+from indexer.recording import RecordingWriter, Source
+from indexer.replayer import replay_into_index
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload
@@ -54,9 +57,11 @@ async def connect(svc: IndexerService, pub: ScriptedPublisher, **kw: object) -> 
         **kw,  # type: ignore[arg-type]
     )
     await svc.add_worker(WORKER, [cfg])
+    (sub,) = svc._workers[WORKER]
     for _ in range(100):
         seq = await pub.publish(EventBatch(ts=0.0, events=[]))
-        if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+        # applied is not enough: the catch-up probe can apply a batch the SUB never saw
+        if await svc.wait_applied(WORKER, seq, timeout_s=0.1) and sub.tracker.live is not None:
             return
     raise AssertionError("subscriber never received anything")
 
@@ -344,6 +349,35 @@ async def test_a_dropped_last_batch_is_found_by_the_idle_probe(ctx: zmq.asyncio.
         assert (stats.clears, stats.last_seq) == (0, lost) and stats.probes >= 2
 
 
+async def test_a_batch_the_probe_found_is_a_gap_live_and_offline(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    batches = workload(seed=18, batches=5)
+    # long enough that a probe never overtakes a live copy in flight during the settled run
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.3)
+    path = tmp_path / "probe.kvrec"
+    with RecordingWriter.create(path, [Source(stream=STREAM)]) as writer:
+
+        def sink(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
+            writer.write(stream, topic, seq, payload, replayed=replayed)
+
+        async with ScriptedPublisher(ctx) as pub, IndexerService(config, sink=sink) as svc:
+            await connect(svc, pub)
+            await publish_all(pub, batches[:-1], settle=svc)
+            lost = await pub.publish(batches[-1], drop=True)  # PUB dropped it; nothing follows
+            assert await svc.wait_applied(WORKER, lost)
+            live = svc.streams()[0]
+    # the lost batch was a gap (whatever the join did, joining is never one), repaired by the
+    # probe's replay run; the recording replayed offline reads the same gaps from its records
+    assert live.gaps == 1 and live.clears == 0
+    summary, _ = replay_into_index(path)
+    (offline,) = summary.streams
+    assert (offline.gaps, offline.restarts, offline.lost_gaps, offline.last_seq) == (1, 0, 0, lost)
+    # a join can take two runs live (probe, then what the SUB missed while connecting) that the
+    # file shows as one
+    assert 1 <= offline.replays <= live.replays
+
+
 async def test_without_the_probe_a_dropped_last_batch_stays_unknown(
     ctx: zmq.asyncio.Context,
 ) -> None:
@@ -355,3 +389,47 @@ async def test_without_the_probe_a_dropped_last_batch_stays_unknown(
         await publish_all(pub, batches[:-1], settle=svc)
         lost = await pub.publish(batches[-1], drop=True)
         assert not await svc.wait_applied(WORKER, lost, timeout_s=0.3)
+
+
+async def test_a_refused_worker_leaves_no_stream_behind(ctx: zmq.asyncio.Context) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        cfg = StreamConfig(pub.endpoint, pub.replay_endpoint, topic="kv")
+        with pytest.raises(ValueError, match="dp rank 0 twice"):
+            await svc.add_worker(WORKER, [cfg, cfg])
+        assert svc.workers() == [] and svc.index.streams() == []
+
+
+async def test_a_timed_out_wait_is_forgotten(ctx: zmq.asyncio.Context) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        for _ in range(3):
+            assert not await svc.wait_applied(WORKER, 10**6, timeout_s=0.01)
+        assert svc._waiters == []  # an idle stream would otherwise keep them forever
+
+
+async def test_removing_a_worker_does_not_swallow_the_callers_cancel(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        removing = asyncio.create_task(svc.remove_worker(WORKER))
+        await asyncio.sleep(0)  # it cancelled the subscriber and waits for it to end
+        removing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await removing
+
+
+async def test_a_failing_sink_is_logged_once_and_never_stops_indexing(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
+        raise OSError("disk full")
+
+    batches = workload(seed=17, batches=20)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG, sink=broken) as svc:
+        await connect(svc, pub)
+        last = await publish_all(pub, batches)
+        assert await svc.wait_applied(WORKER, last)
+        assert svc.streams()[0].batches > len(batches)
+    failures = [r for r in caplog.records if "raw sink failed" in r.getMessage()]
+    assert len(failures) == 1 and "disk full" in failures[0].getMessage()

@@ -9,7 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import StreamConfig
@@ -20,6 +22,7 @@ from indexer.republisher import RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index, load_index
 from router.cli import main
+from router.record_command import record
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SMALL = SyntheticWorkload(streams=2, tenants=3, conversations=12, capacity_pages=64, seed=3)
@@ -106,6 +109,11 @@ def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) ->
     assert "--out" in capsys.readouterr().err
     assert main(["record", "--out", "/nonexistent/x.kvrec"]) == 2
     assert "exactly one of" in capsys.readouterr().err
+    bad = ["--endpoint", "tcp://127.0.0.1:1", "--block-size", "0"]
+    assert main(["record", *bad, "--out", "/nonexistent/x.kvrec"]) == 2
+    assert "--block-size 0" in capsys.readouterr().err
+    assert main(["record", "--endpoint", "127.0.0.1:5557", "--out", "/nonexistent/x.kvrec"]) == 2
+    assert "--endpoint '127.0.0.1:5557'" in capsys.readouterr().err
 
 
 async def _cli(*args: str) -> asyncio.subprocess.Process:
@@ -253,3 +261,42 @@ engine = "vllm"
     ]
     assert (sources[0].model, sources[0].topic, sources[0].block_size) == ("m", "kv", 16)
     assert (sources[2].engine, sources[2].block_size) == ("vllm", 32)
+
+
+def test_replay_reports_unwritable_dump_and_taken_port(
+    recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", str(recording), "--dump", str(tmp_path / "no" / "x.msgpack")]) == 2
+    assert "kvroute replay:" in capsys.readouterr().err
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--wait", "0", "--linger", "0"]
+        assert main(["replay", str(recording), *publish]) == 2
+        assert f"cannot bind tcp://127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        taken.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+async def test_record_stops_cleanly_when_the_disk_is_full(recording: Path, tmp_path: Path) -> None:
+    with RecordingReader(recording) as reader:
+        records = [p.record for p in reader if p.record.stream == "sim-0#dp0"]
+    source = Source(stream="sim-0#dp0", topic="kv", block_size=16, worker="sim-0")
+    async with Republisher([source], RepublishConfig(speed=None)) as rep:
+        (pub,) = rep.streams
+        live = msgspec.structs.replace(
+            source, endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint
+        )
+        writer = RecordingWriter.create(tmp_path / "full.kvrec", [live])
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, writer._fd)  # every later write fails with ENOSPC, as on a full disk
+        os.close(full)
+        recorder = asyncio.create_task(record(writer, [live]))
+        assert await rep.wait_subscribed(20.0)
+        await rep.run(records)
+        stats = await asyncio.wait_for(recorder, 20.0)
+    assert stats.stopped_by == "write-error" and "write failed" in stats.error
+    assert stats.records == 0

@@ -202,3 +202,20 @@ def test_create_refuses_to_replace_a_file(tmp_path: Path) -> None:
         RecordingWriter.create(path)
     RecordingWriter.create(path, overwrite=True).close()
     assert os.path.getsize(path) > len(MAGIC)
+
+
+def test_append_cuts_a_chunk_whose_body_does_not_decode(tmp_path: Path) -> None:
+    from indexer.recording import _KIND_CHUNK, _pack_frame
+
+    path = tmp_path / "a.kvrec"
+    _write(path, [b"one", b"two"], compress=False)
+    # a frame intact on disk (checksum fine) but holding no records: readers stop before it
+    with path.open("ab") as f:
+        f.write(_pack_frame(_KIND_CHUNK, b"\xc1 not msgpack", count=1, first=2, at=2000.0))
+    with RecordingWriter.append(path) as writer:
+        assert writer.records == 2
+        writer.write("w0/0", b"", 1, b"three", recv_time=1.0)
+    with RecordingReader(path) as reader:
+        got = [p.record.payload for p in reader]
+        assert reader.damage is None
+    assert got == [b"one", b"two", b"three"]
