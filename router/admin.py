@@ -7,6 +7,7 @@ are shown and addressed by keyed fingerprint (`router.namespace`), and an evicti
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -176,9 +177,11 @@ async def evict_namespace(request: web.Request) -> web.Response:
     dropped = sum(indexer.evict_namespace(ns) for ns in targets)
     flushed: dict[str, str] = {}
     if body.flush_workers and salt is not None:
+        # all at once: one unreachable worker must not hold the answer for 10 s per worker
         session = request.config_dict[SESSION]
-        for entry in request.config_dict[SCHEDULER].pool:
-            flushed[entry.id] = await _flush(session, entry.url, salt)
+        entries = list(request.config_dict[SCHEDULER].pool)
+        results = await asyncio.gather(*(_flush(session, e.url, salt) for e in entries))
+        flushed = {e.id: result for e, result in zip(entries, results, strict=True)}
     return _reply(
         {
             "namespaces": sorted(fingerprint(ns) for ns in targets),

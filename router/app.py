@@ -80,8 +80,17 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         status, kind, message = 500, "InternalError", "internal router error (see the router log)"
     metrics = request.config_dict.get(METRICS)
     if metrics is not None:
-        metrics.rejected.labels(request.path if status != 404 else "-", kind).inc()
+        metrics.rejected.labels(_route_label(request), kind).inc()
     return _error(status, kind, message)
+
+
+def _route_label(request: web.Request) -> str:
+    """The matched route's template (`/admin/workers/{id}/drain`), never the raw path.
+
+    Paths are client input: as a label they would be unbounded, one series per id ever tried.
+    """
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "-"
 
 
 def is_loopback(host: str) -> bool:
@@ -161,6 +170,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         policy = build_policy(config.policy)
         pool = WorkerPool(config.breaker)
         load = LoadTracker()
+        app[METRICS].export_in_flight(load.running)
         scheduler = Scheduler(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
         supervisor = Supervisor(
             pool, indexer, session, config.health, policy, load, app[METRICS], scheduler.clock

@@ -2,8 +2,9 @@
 
 CLOSED counts consecutive failures; `failure_threshold` of them (or one hard failure, such as a
 refused connection, which says the worker process is gone) open the circuit. OPEN admits nothing
-until `cooldown_s` has passed; then HALF_OPEN admits traffic again, and the first failure
-reopens it while the first success (a request or a health check) closes it. Time is passed in,
+until `cooldown_s` has passed; then HALF_OPEN admits traffic again, and the first failed
+request reopens it while the first successful one closes it (health checks do not close it: a
+worker can answer /health and still fail every request). Time is passed in,
 so the breaker is pure and `allows` never changes state (dry runs stay side-effect free).
 """
 

@@ -12,6 +12,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -154,6 +155,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"workers.url must start with http:// or https://, got {self.url!r}")
+        # checked here so a bad url is a 400 on POST /admin/workers, not a 500 from discovery
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 - parsing the port is the check
+        except ValueError as exc:
+            raise ValueError(f"workers.url {self.url!r}: {exc}") from None
+        if not parts.hostname:
+            raise ValueError(f"workers.url {self.url!r} names no host")
 
     @property
     def worker_id(self) -> str:

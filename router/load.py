@@ -72,6 +72,10 @@ class LoadTracker:
         if load is not None:
             load.running -= 1
 
+    def running(self) -> dict[str, int]:
+        """Requests in flight per worker (what `kvroute_in_flight_requests` exports)."""
+        return {worker: load.running for worker, load in self._loads.items()}
+
     def forget(self, worker: str) -> None:
         """Drop a removed worker's counters (its open tickets then change nothing)."""
         self._loads.pop(worker, None)

@@ -7,8 +7,11 @@ per tenant would be unbounded and would leak who is active).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["RouterMetrics"]
 
@@ -32,10 +35,40 @@ _LATENCY_BUCKETS = (
 )
 
 
+class _InFlight(Collector):
+    """`kvroute_in_flight_requests`, read from the load tracker when scraped.
+
+    The router already counts running requests per worker for routing; a gauge of its own
+    would be the same number kept twice, with two locked updates on every request.
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "kvroute_in_flight_requests",
+            "Requests the router has in flight per worker",
+            labels=["worker"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric's name and type, without samples."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        """The current in-flight count of every worker."""
+        family = self._family()
+        for worker, running in sorted(self.source().items()):
+            family.add_metric([worker], running)
+        yield family
+
+
 class RouterMetrics:
     """Every metric the router exports."""
 
     def __init__(self) -> None:
+        # label children cached: `labels()` validates and locks on every call (hot path)
         self._children: dict[tuple[str, str, int], tuple[Counter, Counter, Counter, Histogram]] = {}
         self.registry = CollectorRegistry()
         r = self.registry
@@ -73,12 +106,8 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
-        self.in_flight = Gauge(
-            "kvroute_in_flight_requests",
-            "Requests the router has in flight per worker",
-            ["worker"],
-            registry=r,
-        )
+        self._in_flight = _InFlight()
+        r.register(self._in_flight)
         self.healthy = Gauge(
             "kvroute_worker_routable",
             "1 when the worker takes new requests",
@@ -89,7 +118,7 @@ class RouterMetrics:
     def record(
         self, endpoint: str, worker: str, code: int, prompt: int, matched: int, seconds: float
     ) -> None:
-        """Count one proxied request (children cached: `labels()` is slow on the hot path)."""
+        """Count one proxied request."""
         key = (endpoint, worker, code)
         children = self._children.get(key)
         if children is None:
@@ -105,13 +134,16 @@ class RouterMetrics:
         matched_tokens.inc(matched)
         latency.observe(seconds)
 
+    def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:
+        """Export `running()` (requests in flight per worker) as the in-flight gauge."""
+        self._in_flight.source = running
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
 
     def forget(self, worker: str) -> None:
-        """Drop the per-worker gauges of a removed worker."""
+        """Drop a removed worker's series (its in-flight count leaves with the load tracker)."""
         self._children = {k: v for k, v in self._children.items() if k[1] != worker}
-        for gauge in (self.in_flight, self.healthy):
-            with contextlib.suppress(KeyError):
-                gauge.remove(worker)
+        with contextlib.suppress(KeyError):
+            self.healthy.remove(worker)

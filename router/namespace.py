@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from indexer.fingerprint import Fingerprinter
 from indexer.service import Namespace
 
@@ -9,7 +11,7 @@ __all__ = ["Fingerprinter", "request_namespace"]
 
 
 def request_namespace(
-    salt: str | None, lora: str | None, model: str, fleet_models: set[str]
+    salt: str | None, lora: str | None, model: str, fleet_models: Container[str]
 ) -> Namespace:
     """The namespace a request is cached in: the fleet model it names (else ""), lora, salt."""
     return Namespace(

@@ -81,6 +81,7 @@ class WorkerPool:
     def __init__(self, breaker: BreakerConfig) -> None:
         self._breaker = breaker
         self._workers: dict[str, WorkerEntry] = {}
+        self._models: frozenset[str] = frozenset()  # asked on every request: kept, not rebuilt
 
     def add(self, config: WorkerConfig) -> WorkerEntry:
         """Add a worker; its id must be new."""
@@ -88,14 +89,17 @@ class WorkerPool:
         if entry.id in self._workers:
             raise ConflictError(f"worker {entry.id!r} already exists")
         self._workers[entry.id] = entry
+        self._models = self._models | {entry.config.model}
         return entry
 
     def remove(self, worker_id: str) -> WorkerEntry:
         """Take a worker out of the pool."""
         try:
-            return self._workers.pop(worker_id)
+            entry = self._workers.pop(worker_id)
         except KeyError:
             raise NotFoundError(f"no worker {worker_id!r}") from None
+        self._models = frozenset(w.config.model for w in self._workers.values())
+        return entry
 
     def get(self, worker_id: str) -> WorkerEntry:
         """The worker with this id."""
@@ -108,9 +112,9 @@ class WorkerPool:
         """The worker with this id, or None."""
         return self._workers.get(worker_id)
 
-    def models(self) -> set[str]:
+    def models(self) -> frozenset[str]:
         """The namespace models configured across the fleet."""
-        return {w.config.model for w in self._workers.values()}
+        return self._models
 
     def __iter__(self) -> Iterator[WorkerEntry]:
         return iter(list(self._workers.values()))

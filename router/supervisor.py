@@ -97,14 +97,21 @@ class Supervisor:
         """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
         entry = self._pool.add(config)
         self._metrics.healthy.labels(entry.id).set(1)
+        settled = False
         try:
             await self.register(entry)
+            settled = True
         except RequestError as exc:
             if must_register:
-                self._pool.remove(entry.id)
-                self._metrics.forget(entry.id)
                 raise
             log.warning("worker %s: %s (retrying on each health round)", entry.id, exc)
+            settled = True
+        finally:
+            # refused, or cancelled mid-discovery (the admin client left): leave no half-added
+            # worker behind, unless someone already removed or replaced it
+            if not settled and self._pool.find(entry.id) is entry:
+                self._pool.remove(entry.id)
+                self._metrics.forget(entry.id)
         return entry
 
     async def remove(self, worker_id: str) -> WorkerEntry:
@@ -126,6 +133,8 @@ class Supervisor:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             healthy = False
+        if self._pool.find(entry.id) is not entry:
+            return healthy  # removed while probed: recording it would revive its metric series
         if healthy != entry.healthy:
             log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
         entry.healthy = healthy

@@ -12,11 +12,11 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
-from router.config import RouterConfig, load_config
+from router.config import PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
 from router.serve import apply_overrides, serve_fleet
@@ -101,7 +101,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--router-port", type=int, help="override listen.port (0 = any free port)")
     router.add_argument(
         "--policy",
-        choices=["kv", "round_robin", "random", "least_load", "approx_tree"],
+        choices=get_args(PolicyName),
         help="override policy.name",
     )
     router.add_argument("--no-router", action="store_true", help="start the workers only")

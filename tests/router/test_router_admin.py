@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import msgspec
 import pytest
@@ -77,6 +79,11 @@ async def test_workers_are_added_by_discovery_drained_and_removed(fleet: Fleet) 
     assert status == 400 and "evnets" in bad["error"]["message"]
     status, unreachable = await fleet.admin("POST", "/workers", {"url": "http://127.0.0.1:9"})
     assert status == 400 and "server_info" in unreachable["error"]["message"]
+    explicit = {"url": "http://[::1", "events": "tcp://127.0.0.1:9", "block_size": 16}
+    status, bad_url = await fleet.admin("POST", "/workers", explicit)
+    assert status == 400 and "workers.url" in bad_url["error"]["message"]
+    _, listed = await fleet.admin("GET", "/workers")
+    assert [w["id"] for w in listed["workers"]] == ["w0", "again"]  # refused adds leave no trace
 
     # drained: no new traffic, even for a prompt it would otherwise attract
     status, drained = await fleet.admin("POST", "/workers/w0/drain")
@@ -128,3 +135,29 @@ async def test_streams_report_state_and_counters(fleet: Fleet) -> None:
     for row in rows.values():
         assert row["state"] in ("synced", "syncing", "degraded")
         assert {"last_seq", "gaps", "replays", "restarts", "decode_errors", "lag_s"} <= set(row)
+
+
+async def test_an_add_abandoned_during_discovery_leaves_no_worker_behind(fleet: Fleet) -> None:
+    accepted = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()  # a worker that accepts and never answers /server_info
+        await reader.read()  # until the router hangs up
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        add = asyncio.create_task(
+            fleet.admin("POST", "/workers", {"url": f"http://127.0.0.1:{port}", "id": "mute"})
+        )
+        await asyncio.wait_for(accepted.wait(), 5)
+        add.cancel()  # the admin client gives up: aiohttp cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await add
+
+        async def gone() -> bool:
+            _, listed = await fleet.admin("GET", "/workers")
+            return [w["id"] for w in listed["workers"]] == ["w0", "w1"]
+
+        await eventually(gone, what="the abandoned worker to be rolled back")

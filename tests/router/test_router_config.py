@@ -36,6 +36,9 @@ def test_cross_field_checks() -> None:
         parse_config({"tokenizer": {"kind": "hf"}})
     with pytest.raises(ConfigError, match="http"):
         parse_config({"workers": [{"url": "a:1"}]})
+    for url in ("http://[::1", "http://a:port", "http://"):  # unparseable: refused up front
+        with pytest.raises(ConfigError, match=r"workers\.url"):
+            parse_config({"workers": [{"url": url}]})
 
 
 def test_constructible_in_code_with_defaults() -> None:

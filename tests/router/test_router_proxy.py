@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +12,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from router.config import LimitsConfig, TimeoutsConfig
+from router.breaker import BreakerState
+from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 
@@ -26,6 +26,10 @@ class Upstream:
         self.mode = "ok"
         self.bodies: list[dict[str, Any]] = []
         self.release = asyncio.Event()
+        self.health_open = asyncio.Event()  # cleared: /health hangs until set again
+        self.health_open.set()
+        self.health_probed = asyncio.Event()
+        self.health_checks = 0
         self.disconnected = asyncio.Event()
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -72,6 +76,9 @@ class Upstream:
         return web.json_response({"worker": self.name, "echo": body})
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        self.health_probed.set()
+        await self.health_open.wait()
         return web.Response(text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -89,10 +96,16 @@ class Upstream:
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def stop(self) -> None:
+        """Stop serving (idempotent): the port then refuses connections."""
         self.release.set()
-        assert self._runner is not None
-        await self._runner.cleanup()
+        self.health_open.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
 
 def _plain(workers: list[tuple[str, str]], **overrides: Any) -> Any:
@@ -111,12 +124,6 @@ async def pair() -> AsyncIterator[tuple[Upstream, Upstream]]:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_streams_pass_through_chunk_by_chunk(
@@ -188,18 +195,23 @@ async def test_a_5xx_is_retried_on_the_next_worker(
 async def test_a_refused_connection_is_retried_and_opens_the_circuit(
     pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
 ) -> None:
-    _, b = pair
-    dead = f"http://127.0.0.1:{_free_port()}"
+    a, b = pair
+    # health rounds far apart: the first check passes, so only the refused request can tell
     config = _plain(
-        [("dead", dead), ("b", b.url)],
-        policy=router_config([]).policy.__class__(name="round_robin"),
+        [("a", a.url), ("b", b.url)],
+        policy=PolicyConfig(name="round_robin"),
+        health=HealthConfig(interval_s=60.0, timeout_s=0.5),
     )
     async with RouterService(config) as router:
-        for _ in range(3):
+        entry = router.scheduler.pool.get("a")
+        assert entry.healthy
+        await a.stop()  # the worker process is gone: its port refuses connections
+        for _ in range(2):  # round robin: one of the two requests goes to a first
             async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
                 assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b"
-        entry = router.scheduler.pool.get("dead")
-        assert not entry.routable(router.scheduler.clock())
+        assert entry.healthy  # not the health check: the refused attempt opened the circuit
+        assert entry.breaker.state(router.scheduler.clock()) is BreakerState.OPEN
+        assert len(b.bodies) == 2
 
 
 async def test_every_worker_failing_is_a_502_and_none_routable_a_503(
@@ -334,3 +346,61 @@ async def test_a_bug_is_a_json_500_not_a_crash(
         async with session.get(router.url + "/health") as resp:
             assert resp.status == 200  # and the router keeps serving
     assert "a bug" in caplog.text
+
+
+async def test_a_stream_cut_by_the_request_deadline_does_not_open_the_circuit(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    a.mode = "sse-endless"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=0.5))
+    async with RouterService(config) as router:
+        async with session.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        ) as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.content.read()  # cut, not cleanly ended, when the deadline passes
+        await asyncio.wait_for(a.disconnected.wait(), 5)
+        # a long answer is no sign of a dead worker: one soft failure, the circuit stays closed
+        entry = router.scheduler.pool.get("a")
+        assert entry.breaker.failures == 1 and entry.routable(router.scheduler.clock())
+
+
+async def test_rejections_are_labelled_by_route_not_by_raw_path(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        for i in range(3):  # client-chosen ids must not each become a metric series
+            async with session.post(router.url + f"/admin/workers/nobody-{i}/drain") as resp:
+                assert resp.status == 401
+        async with session.post(router.url + "/v1/completions", data=b"{") as resp:
+            assert resp.status == 400
+        async with session.get(router.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert "nobody-" not in metrics
+    assert 'endpoint="/admin/workers/{id}/drain",error="AuthError"} 3.0' in metrics
+    assert 'endpoint="/v1/completions",error="RequestError"} 1.0' in metrics
+
+
+async def test_a_worker_removed_mid_health_check_leaves_no_metric_series(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    async with RouterService(_plain([("a", a.url), ("b", b.url)])) as router:
+        a.health_open.clear()
+        a.health_probed.clear()
+        await asyncio.wait_for(a.health_probed.wait(), 5)  # a health round is stuck on a
+        async with session.delete(router.url + "/admin/workers/a", headers=AUTH) as resp:
+            assert resp.status == 200
+        seen = b.health_checks
+        a.health_open.set()  # the round ends; the next one proves the late answer was handled
+
+        async def next_round() -> bool:
+            return b.health_checks > seen
+
+        await eventually(next_round, what="the next health round")
+        async with session.get(router.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert 'worker="b"' in metrics and 'worker="a"' not in metrics

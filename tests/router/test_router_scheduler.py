@@ -109,3 +109,8 @@ async def test_request_model_selects_the_namespace_model_only_when_configured(
     assert (
         scheduler.plan(_request("x", salt="s")).namespace != scheduler.plan(_request("x")).namespace
     )
+    # the fleet's models follow membership
+    scheduler.pool.remove("w1")
+    assert scheduler.namespace(_request("x", model="qwen")) == Namespace(model="")
+    scheduler.pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="qwen"))
+    assert scheduler.namespace(_request("x", model="qwen")) == Namespace(model="qwen")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from router.approx_tree import ApproxTree
 from router.breaker import BreakerState, CircuitBreaker
 from router.load import LoadTracker
+from router.metrics import RouterMetrics
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown() -> None:
@@ -63,3 +64,29 @@ def test_approx_tree_is_bounded_and_forgets_workers() -> None:
     assert tree.size("a") == 5
     tree.remove_worker("a")
     assert len(tree) == 0 and tree.size("a") == 0
+
+
+def test_in_flight_metrics_follow_the_load_tracker() -> None:
+    loads = LoadTracker()
+    metrics = RouterMetrics()
+    metrics.export_in_flight(loads.running)
+    ticket = loads.begin("w", 10)
+    loads.begin("w", 5)
+    assert 'kvroute_in_flight_requests{worker="w"} 2.0' in metrics.render().decode()
+    loads.end(ticket)
+    assert 'kvroute_in_flight_requests{worker="w"} 1.0' in metrics.render().decode()
+    loads.forget("w")  # a removed worker's series goes with it
+    assert 'worker="w"' not in metrics.render().decode()
+
+
+def test_metrics_forget_a_removed_workers_series() -> None:
+    metrics = RouterMetrics()
+    metrics.healthy.labels("gone").set(1)
+    metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
+    assert 'kvroute_worker_routable{worker="gone"} 1.0' in metrics.render().decode()
+    metrics.forget("gone")
+    assert 'kvroute_worker_routable{worker="gone"}' not in metrics.render().decode()
+    metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
+    assert 'kvroute_requests_total{code="200",endpoint="/generate",worker="gone"} 2.0' in (
+        metrics.render().decode()
+    )
