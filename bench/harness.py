@@ -10,6 +10,12 @@ Every request is a streaming SGLang `/generate` with `input_ids` and `cache_salt
 the time to the first streamed chunk with content and the hit rate comes from the worker's own
 `meta_info.cached_tokens`.
 
+`sglang_cache_aware` is SGLang's own Rust router (`sglang-router`, `bench.sglang_router`) with
+its `cache_aware` policy in front of the fleet: no KV events, only its approximate tree. It drops
+`cache_salt` from `/generate` (its typed request has no such field) but forwards `extra_key`,
+which namespaces the cache the same way, so on that run the harness sends each salt as
+`extra_key`: the workers keep tenants apart as they do for every other policy.
+
 Routing overhead: for `oracle` it is the `/debug/match` fan-out of each request. For router
 policies it is measured after the workload, on the idle fleet, as paired probes: the same tiny
 request sent directly to a worker and through the router (to that same worker), difference of
@@ -30,7 +36,8 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from bench.report import PolicyRun, RequestRecord
+from bench.report import EXTERNAL_BASELINE, PolicyRun, RequestRecord
+from bench.sglang_router import launch as launch_sglang_router
 from bench.workloads import BenchRequest, Workload
 from indexer.stats import StreamState
 from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
@@ -43,6 +50,7 @@ __all__ = [
     "KV_DEFAULT",
     "ORACLE",
     "POLICIES",
+    "SGLANG_CACHE_AWARE",
     "FleetSpec",
     "HarnessError",
     "PolicyWeights",
@@ -55,6 +63,8 @@ ORACLE = "oracle"
 POLICIES: tuple[str, ...] = ("kv", "approx_tree", "least_load", "round_robin", "random", ORACLE)
 # the router's kv policy with its own default weights, beside a `kv` run with overridden ones
 KV_DEFAULT = "kv_default"
+# SGLang's Rust router, an external baseline: runs only when its python package is installed
+SGLANG_CACHE_AWARE = EXTERNAL_BASELINE
 WORKER_HEADER = "x-kvroute-worker"
 MATCHED_HEADER = "x-kvroute-matched-tokens"
 PENDING_HEADER = "x-kvroute-pending-tokens"
@@ -91,6 +101,8 @@ class Target(msgspec.Struct, frozen=True):
     worker: str = ""
     route_s: float | None = None
     ticket: int = 0  # the chooser's own handle, for release()
+    # the body field that carries the request's salt (sglang-router forwards only `extra_key`)
+    salt_field: str = "cache_salt"
 
 
 class Chooser(Protocol):
@@ -108,25 +120,25 @@ class Chooser(Protocol):
 class _ViaRouter:
     """Every request goes to the router, which decides."""
 
-    def __init__(self, url: str) -> None:
-        self._url = url
+    def __init__(self, url: str, salt_field: str = "cache_salt") -> None:
+        self._target = Target(url=url, salt_field=salt_field)
 
     async def choose(self, session: aiohttp.ClientSession, request: BenchRequest) -> Target:
         """The router's URL."""
-        return Target(url=self._url)
+        return self._target
 
     def release(self, target: Target) -> None:
         """Nothing to track: the router keeps its own load."""
 
 
-def _body(request: BenchRequest, stream: bool) -> dict[str, Any]:
+def _body(request: BenchRequest, stream: bool, salt_field: str) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": request.input_ids,
         "sampling_params": {"max_new_tokens": request.max_new_tokens, "temperature": 0.0},
         "stream": stream,
     }
     if request.cache_salt is not None:
-        body["cache_salt"] = request.cache_salt
+        body[salt_field] = request.cache_salt
     return body
 
 
@@ -154,7 +166,9 @@ async def send_generate(
     try:
         async with (
             asyncio.timeout(timeout_s),
-            session.post(f"{target.url}/generate", json=_body(request, True)) as resp,
+            session.post(
+                f"{target.url}/generate", json=_body(request, True, target.salt_field)
+            ) as resp,
         ):
             if resp.status != 200:
                 text = (await resp.text())[:200]
@@ -310,15 +324,20 @@ class _Oracle:
 async def _probe_overhead(
     session: aiohttp.ClientSession, router_url: str, worker_urls: dict[str, str], seed: int
 ) -> list[float]:
-    """Paired tiny requests, direct and through the router: the router hop's added latency."""
+    """Paired tiny requests, direct and through the router: the router hop's added latency.
+
+    The direct request goes to the worker the router chose when it says which (kvroute does);
+    otherwise to the workers in turn, alike on an idle fleet of identical workers.
+    """
     rng = random.Random(seed)
     samples: list[float] = []
+    urls = list(worker_urls.values())
     for i in range(_PROBES):
         ids = [rng.randrange(3, 259) for _ in range(8)]
         probe = BenchRequest(arrival_s=0.0, input_ids=ids, max_new_tokens=1)
         via = await send_generate(session, Target(url=router_url), probe, i, 0.0, 10.0)
-        url = worker_urls.get(via.worker)
-        if not via.ok or via.e2e_s is None or url is None:
+        url = worker_urls.get(via.worker, urls[i % len(urls)])
+        if not via.ok or via.e2e_s is None:
             continue
         again = BenchRequest(arrival_s=0.0, input_ids=[*ids[::-1]], max_new_tokens=1)
         direct = await send_generate(session, Target(url=url), again, i, 0.0, 10.0)
@@ -405,8 +424,12 @@ async def run_policy(
     on_done: Callable[[RequestRecord], None] = lambda _: None,
     timeout_s: float = 60.0,
     weights: PolicyWeights | None = None,
+    sglang_router_python: str | None = None,
 ) -> PolicyRun:
-    """Run `workload` with `policy` on a fresh fleet and collect every request's record."""
+    """Run `workload` with `policy` on a fresh fleet and collect every request's record.
+
+    `sglang_router_python` is the interpreter that runs sglang-router, for its policy only.
+    """
     started = time.perf_counter()
     weights = weights or PolicyWeights()
     overhead: list[float] = []
@@ -423,6 +446,13 @@ async def run_policy(
             by_url = {url: name for name, url in names.items()}
             for r in records:
                 r.worker = by_url.get(r.worker, r.worker)
+        elif policy == SGLANG_CACHE_AWARE:
+            if sglang_router_python is None:
+                raise HarnessError(f"{policy} needs the python that has sglang-router")
+            async with launch_sglang_router(sglang_router_python, workers) as router_url:
+                chooser = _ViaRouter(router_url, salt_field="extra_key")
+                records = await _drive(session, workload, chooser, timeout_s, on_done)
+                overhead = await _probe_overhead(session, router_url, names, seed)
         else:
             if policy == KV_DEFAULT:
                 policy_name, weights = "kv", PolicyWeights()

@@ -34,6 +34,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from bench.sglang_router import DEFAULT_PYTHON, launch
+
 __all__ = ["add_arguments", "run"]
 
 _BODY = msgspec.json.encode({"model": "m", "prompt": "hi", "max_tokens": 1})
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-s", type=float, default=30.0, help="cap per measurement")
     parser.add_argument(
         "--sglang-router-python",
-        default=os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", sys.executable),
+        default=DEFAULT_PYTHON,
         help="python that can import sglang_router (skipped when it cannot)",
     )
     parser.add_argument("--skip-clients", action="store_true", help="skip aiohttp vs httpx")
@@ -182,74 +184,6 @@ async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
         drain.cancel()
     finally:
         proc.stdin.close()
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            async with asyncio.timeout(10):
-                await proc.wait()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
-@contextlib.asynccontextmanager
-async def _sglang_router(python: str, backend: str) -> AsyncIterator[str]:
-    """SGLang's Rust router in front of `backend` (raises when it cannot start)."""
-    import socket
-
-    probe = await asyncio.create_subprocess_exec(
-        python,
-        "-c",
-        "import sglang_router",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    if await probe.wait() != 0:
-        raise RuntimeError(
-            f"{python} cannot import sglang_router (pip install sglang-router into some "
-            "environment and pass its python with --sglang-router-python)"
-        )
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = await asyncio.create_subprocess_exec(
-        python,
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        backend,
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warn",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.returncode is not None:
-                    raise RuntimeError(f"sglang-router exited with {proc.returncode}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.post(
-                        url + "/v1/completions",
-                        data=_BODY,
-                        headers={"Content-Type": "application/json"},
-                    ) as r:
-                        if r.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("sglang-router did not become ready in 60 s")
-                await asyncio.sleep(0.2)
-        yield url
-    finally:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         try:
@@ -419,7 +353,7 @@ async def _run(args: argparse.Namespace) -> str:
                 )
                 try:
                     targets["sglang-router"] = await stack.enter_async_context(
-                        _sglang_router(args.sglang_router_python, backend)
+                        launch(args.sglang_router_python, [backend], policy="round_robin")
                     )
                 except (RuntimeError, OSError) as exc:
                     notes.append(f"sglang-router not measured: {exc}")

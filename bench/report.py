@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 TARGET_PRESSURE = 2.0
+# the external baseline's policy name (bench.harness.SGLANG_CACHE_AWARE; report stays pure)
+EXTERNAL_BASELINE = "sglang_cache_aware"
 
 
 class RequestRecord(msgspec.Struct):
@@ -310,6 +313,40 @@ def _section_table(section: WorkloadSection) -> list[str]:
     return lines + (["", *notes] if notes else [])
 
 
+def _external_table(report: BenchReport) -> list[str]:
+    """kv against SGLang's own router where both ran at KV pressure >= 2 (information only)."""
+    rows: list[str] = []
+    for section in report.sections:
+        runs = {run.policy: summarize(run) for run in section.runs}
+        kv, sg = runs.get("kv"), runs.get(EXTERNAL_BASELINE)
+        if section.pressure < TARGET_PRESSURE or kv is None or sg is None or not sg.completed:
+            continue
+        ratios = [
+            f"{_fmt(a / b, 2)}x" if a is not None and b else "-"
+            for a, b in (
+                (kv.hit_rate, sg.hit_rate),
+                (kv.ttft_p50_ms, sg.ttft_p50_ms),
+                (kv.ttft_p90_ms, sg.ttft_p90_ms),
+                (kv.ttft_p99_ms, sg.ttft_p99_ms),
+            )
+        ]
+        rows.append(
+            f"| {section.workload} | {section.pressure:.2f} | {_pct(kv.hit_rate)} "
+            f"| {_pct(sg.hit_rate)} | {' | '.join(ratios)} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        f"### kv against `{EXTERNAL_BASELINE}` (SGLang's own router; information, not a target)",
+        "",
+        f"| workload | KV pressure | kv hit rate | {EXTERNAL_BASELINE} hit rate | hit rate ratio "
+        "| TTFT p50 ratio | TTFT p90 ratio | TTFT p99 ratio |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def _params_line(params: dict[str, object]) -> str:
     return ", ".join(f"`{k}={v}`" for k, v in params.items())
 
@@ -360,6 +397,7 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
             )
     if not evaluated:
         out.append(f"| - | - | no section ran at KV pressure >= {TARGET_PRESSURE:g} | - | n/a |")
+    out += _external_table(report)
     out += ["", "## Results", ""]
     for section in report.sections:
         out += [
@@ -488,28 +526,59 @@ def closing_note(report: BenchReport) -> list[str]:
     return notes
 
 
+# fixed per-policy styles, so a policy looks the same in both plots whatever ran: kvroute's kv
+# bold, the oracle dashed black on top of it (visible where they coincide), the external
+# baseline in its own colour
+_STYLES: dict[str, dict[str, object]] = {
+    "kv": {"color": "tab:blue", "linewidth": 2.4, "zorder": 5},
+    "kv_default": {"color": "tab:cyan", "linewidth": 1.6, "zorder": 4},
+    "approx_tree": {"color": "tab:orange", "linewidth": 1.4},
+    "sglang_cache_aware": {"color": "tab:green", "linewidth": 1.8, "zorder": 3},
+    "least_load": {"color": "tab:red", "linewidth": 1.2},
+    "round_robin": {"color": "tab:purple", "linewidth": 1.2},
+    "random": {"color": "tab:brown", "linewidth": 1.2},
+    "oracle": {"color": "black", "linewidth": 1.4, "linestyle": "--", "zorder": 6},
+}
+
+
+def _style(policy: str) -> dict[str, object]:
+    return _STYLES.get(policy, {"linewidth": 1.2})
+
+
+def _save_with_legend(fig: Any, axes: Any, path: Path) -> None:
+    """One legend for all panels, below them, so no panel's curves hide behind it."""
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0.0, 0.09, 1.0, 1.0))
+    fig.savefig(path, dpi=110)
+
+
 def _plot_ttft_cdf(sections: list[WorkloadSection], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.6), squeeze=False)
     for ax, section in zip(axes[0], sections, strict=True):
         for run in section.runs:
             ttft = sorted(r.ttft_s * 1000.0 for r in run.records if r.ok and r.ttft_s is not None)
             if not ttft:
                 continue
             ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
-            ax.step(ttft, ys, where="post", label=run.policy)
+            ax.step(ttft, ys, where="post", label=run.policy, **_style(run.policy))
         ax.set_xscale("log")
-        ax.set_title(f"{section.workload} (KV pressure {section.pressure:.2f})")
-        ax.set_xlabel("TTFT (ms, log)")
+        # plain numbers at 1-2-5 steps: the default minor labels of a short log range collide
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_ylim(0.0, 1.02)
+        ax.set_title(f"TTFT CDF: {section.workload} (KV pressure {section.pressure:.2f})")
+        ax.set_xlabel("TTFT (ms, log scale)")
         ax.set_ylabel("fraction of requests")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_with_legend(fig, axes, path)
     plt.close(fig)
 
 
@@ -520,7 +589,7 @@ def _plot_hit_vs_pressure(sections: list[WorkloadSection], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(s.workload for s in sections))
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.6), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         points: dict[str, list[tuple[float, float]]] = {}
         for section in sections:
@@ -531,15 +600,19 @@ def _plot_hit_vs_pressure(sections: list[WorkloadSection], path: Path) -> None:
                 points.setdefault(run.policy, []).append((section.pressure, rate * 100.0))
         for policy, pts in points.items():
             pts.sort()
-            ax.plot([p for p, _ in pts], [h for _, h in pts], marker="o", label=policy)
+            ax.plot(
+                [p for p, _ in pts], [h for _, h in pts], marker="o", markersize=4,
+                label=policy, **_style(policy),
+            )  # fmt: skip
         ax.axvline(TARGET_PRESSURE, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(name)
+        # from 0, with the target line in view, so a single pressure is not a lone point at an edge
+        ax.set_xlim(0.0, 1.1 * max(TARGET_PRESSURE, *(s.pressure for s in sections)))
+        ax.set_ylim(bottom=0.0)
+        ax.set_title(f"hit rate vs KV pressure: {name}")
         ax.set_xlabel("KV pressure (working set / fleet cache)")
         ax.set_ylabel("worker-reported hit rate (%)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save_with_legend(fig, axes, path)
     plt.close(fig)
 
 

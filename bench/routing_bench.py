@@ -7,15 +7,17 @@ PNG plots) goes to `docs/benchmarks/` unless `--out` says otherwise.
 
 `--quick` is the about-a-minute version (2 workers, small workloads); the default is the full
 run the committed report comes from. `--requests N` caps every workload (the CI smoke test
-uses it to run a tiny version).
+uses it to run a tiny version). `sglang_cache_aware` (SGLang's Rust router, an external
+baseline) joins the default policies when `--sglang-router-python` can import `sglang_router`;
+otherwise it is skipped and the report says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,15 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bench.harness import KV_DEFAULT, POLICIES, FleetSpec, PolicyWeights, run_policy
+from bench import sglang_router
+from bench.harness import (
+    KV_DEFAULT,
+    POLICIES,
+    SGLANG_CACHE_AWARE,
+    FleetSpec,
+    PolicyWeights,
+    run_policy,
+)
 from bench.report import BenchReport, PolicyRun, WorkloadSection, write_report
 from bench.workloads import (
     MooncakeParams,
@@ -52,6 +62,7 @@ __all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suit
 WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
 DEFAULT_OUT = Path("docs/benchmarks")
+ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE)
 
 
 class SuiteSettings(msgspec.Struct, frozen=True):
@@ -71,6 +82,10 @@ class SuiteSettings(msgspec.Struct, frozen=True):
     fleet: FleetSpec
     weights: PolicyWeights
     request_timeout_s: float
+    # the interpreter that runs sglang-router, None when it cannot import it (policy skipped)
+    sglang_router_python: str | None = None
+    # what the user named, echoed in the command and the notes ("": the policy was not chosen)
+    sglang_router_python_asked: str = ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help=f"comma list of {', '.join((*POLICIES, KV_DEFAULT))} (default: all; {KV_DEFAULT}, "
-        "the router's kv with its default weights, joins when --kv-*-weight overrides them)",
+        help=f"comma list of {', '.join(ALL_POLICIES)} (default: all; {KV_DEFAULT}, the "
+        "router's kv with its default weights, joins when --kv-*-weight overrides them; "
+        f"{SGLANG_CACHE_AWARE} runs only when --sglang-router-python can import sglang_router)",
+    )
+    parser.add_argument(
+        "--sglang-router-python",
+        default=sglang_router.DEFAULT_PYTHON,
+        help="python that can import sglang_router, for the sglang_cache_aware baseline "
+        "(default: $KVROUTE_SGLANG_ROUTER_PYTHON or this python; skipped when it cannot)",
     )
     parser.add_argument(
         "--pressures",
@@ -139,13 +161,18 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
     return items
 
 
-def _policies(args: argparse.Namespace) -> tuple[str, ...]:
+def _policies(args: argparse.Namespace, sglang: bool) -> tuple[str, ...]:
+    """The policies to run; `sglang`: whether sglang-router can run (else it is left out)."""
     if args.policies is not None:
-        return _csv(args.policies, (*POLICIES, KV_DEFAULT), "policies")
-    if args.kv_hit_weight is None and args.kv_decode_weight is None:
-        return POLICIES
-    # show what the override buys: the router's defaults run right after the tuned kv
-    return (POLICIES[0], KV_DEFAULT, *POLICIES[1:])
+        chosen = _csv(args.policies, ALL_POLICIES, "policies")
+        return tuple(p for p in chosen if sglang or p != SGLANG_CACHE_AWARE)
+    policies = list(POLICIES)
+    if sglang:  # beside the kvroute policy that mimics it
+        policies.insert(policies.index("approx_tree") + 1, SGLANG_CACHE_AWARE)
+    if args.kv_hit_weight is not None or args.kv_decode_weight is not None:
+        # show what the override buys: the router's defaults run right after the tuned kv
+        policies.insert(1, KV_DEFAULT)
+    return tuple(policies)
 
 
 def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
@@ -168,6 +195,9 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
     ):
         if value is not None and value < 0:
             raise SystemExit(f"{flag} must be >= 0")
+    wanted = args.policies is None or SGLANG_CACHE_AWARE in args.policies.split(",")
+    asked_python = str(args.sglang_router_python) if wanted else ""
+    sglang = wanted and sglang_router.importable(asked_python)
     fleet = FleetSpec(
         workers=args.workers or (2 if quick else 4),
         page_size=args.page_size,
@@ -181,7 +211,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         seed=args.seed,
         quick=quick,
         workloads=_csv(args.workloads, WORKLOADS, "workloads"),
-        policies=_policies(args),
+        policies=_policies(args, sglang),
         pressures=pressures,
         load=args.load,
         rate_rps=args.rate,
@@ -190,6 +220,8 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         fleet=fleet,
         weights=PolicyWeights(hit_weight=args.kv_hit_weight, decode_weight=args.kv_decode_weight),
         request_timeout_s=args.request_timeout,
+        sglang_router_python=asked_python if sglang else None,
+        sglang_router_python_asked=asked_python,
     )
 
 
@@ -219,6 +251,8 @@ def _command(settings: SuiteSettings, out: Path) -> str:
         argv += ["--kv-hit-weight", f"{settings.weights.hit_weight:g}"]
     if settings.weights.decode_weight is not None:
         argv += ["--kv-decode-weight", f"{settings.weights.decode_weight:g}"]
+    if settings.sglang_router_python_asked not in ("", sys.executable):
+        argv += ["--sglang-router-python", settings.sglang_router_python_asked]
     argv += ["--out", str(out)]
     return shlex.join(argv)
 
@@ -308,15 +342,30 @@ def _notes(settings: SuiteSettings) -> list[str]:
             "beside `kv` (which uses the weights named under Fleet) so the effect of the "
             "override is measured in the same run; targets are read from `kv`."
         )
-    if importlib.util.find_spec("sglang_router") is None:
+    if settings.sglang_router_python is None and settings.sglang_router_python_asked:
         notes.append(
-            "`sglang-router` (SGLang's Rust router) is not installed: its `cache_aware` external "
-            "baseline was skipped (`pip install sglang-router` to add it)."
+            f"`{SGLANG_CACHE_AWARE}` (SGLang's Rust router, `sglang-router` on PyPI) was "
+            f"skipped: `{settings.sglang_router_python_asked}` cannot import `sglang_router`. "
+            "Install it into some environment and pass that python with "
+            "`--sglang-router-python` (or `KVROUTE_SGLANG_ROUTER_PYTHON`) to add the baseline."
         )
-    else:
+    elif settings.sglang_router_python is not None:
         notes.append(
-            "`sglang-router` is installed but this harness does not drive it yet: external "
-            "baseline skipped."
+            f"`{SGLANG_CACHE_AWARE}` is SGLang's own Rust router (`sglang-router` "
+            f"{sglang_router.version(settings.sglang_router_python)}, run by "
+            f"`{settings.sglang_router_python} -m sglang_router.launch_router --policy "
+            "cache_aware` with its defaults) in front of a fresh fleet. It gets no KV events: "
+            "it routes on its own approximate radix tree of the text of each request's "
+            "`input_ids` (ids joined by spaces) with its load-balance thresholds. It drops "
+            "`cache_salt` from `/generate` (its typed request has no such field; `extra_key` "
+            "is forwarded), so on this run the harness sends each tenant's salt as `extra_key`, "
+            "which namespaces the workers' cache the same way: tenants stay apart on the "
+            "workers, as for every other policy, while its routing ignores the salt (a "
+            "salt-blind tree sees the shared system prompts of different tenants as one "
+            "prefix). Sent as `cache_salt`, the salt would never reach the workers and its hit "
+            "rate would count cross-tenant hits that salting forbids. Routing overhead: paired "
+            "probes as for kvroute, the direct half to the workers in turn (it does not say "
+            "which worker it chose)."
         )
     return notes
 
@@ -367,6 +416,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                         run = await run_policy(
                             policy, workload, spec, settings.seed, advance,
                             settings.request_timeout_s, settings.weights,
+                            settings.sglang_router_python,
                         )  # fmt: skip
                     except Exception as exc:  # a policy that cannot run is reported, not fatal
                         run = PolicyRun(

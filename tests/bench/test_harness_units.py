@@ -36,7 +36,8 @@ def test_shared_pages_counts_whole_common_pages_without_the_last_token() -> None
 def _settings(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args(list(argv))
+    # without sglang-router whatever the environment says (its own tests cover it)
+    return parser.parse_args(["--sglang-router-python", "/nonexistent/python", *argv])
 
 
 def test_rate_from_load_fills_the_stated_share_of_prefill_capacity() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.report import (
+    EXTERNAL_BASELINE,
     BenchReport,
     PolicyRun,
     RequestRecord,
@@ -172,3 +173,25 @@ def test_closing_note_tells_an_oracle_bound_from_a_policy_gap() -> None:
         {},
     )
     assert "The oracle shows a placement worth 2.05x exists" in text
+
+
+def test_the_external_baseline_gets_an_informational_comparison_where_it_ran() -> None:
+    def report(*sections: WorkloadSection) -> str:
+        return render_markdown(
+            BenchReport(
+                command="c", seed=1, mode="full", started_at="", fleet={}, sections=[*sections]
+            ),
+            {},
+        )
+
+    low, high = _section(1.0), _section(2.5)
+    for section in (low, high):
+        section.runs.append(_run(EXTERNAL_BASELINE, 40, 0.04))
+    text = report(low, high)
+    assert f"### kv against `{EXTERNAL_BASELINE}`" in text
+    # kv 80% vs 40% cached; TTFT 10 ms vs 40 ms; only the section at pressure >= 2 is compared
+    assert "| multi_tenant | 2.50 | 80.0% | 40.0% | 2.00x | 0.25x | 0.25x | 0.25x |" in text
+    assert "| multi_tenant | 1.00 |" not in text
+    # the targets stay the issue's: the baseline adds none
+    assert len(evaluate_targets(high)) == 5
+    assert f"kv against `{EXTERNAL_BASELINE}`" not in report(_section(2.5))

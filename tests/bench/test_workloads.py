@@ -85,7 +85,7 @@ def test_multi_tenant_shape() -> None:
 def test_multi_tenant_identical_system_prompts_across_salts() -> None:
     """The false-hit trap: same system prompt tokens, different salts."""
     w = multi_tenant(SMALL_MT, 5)
-    first = {}
+    first: dict[str, list[int]] = {}
     for r in w.requests:
         first.setdefault(r.tenant, r.input_ids[:200])
     shared = {first[f"t{t}"][:150].__repr__() for t in range(3)}

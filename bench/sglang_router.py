@@ -1,0 +1,175 @@
+"""SGLang's Rust router (`sglang-router` on PyPI) as a child process, for the benchmarks.
+
+`kvroute bench proxy` puts it in front of a trivial backend (its proxy cost), `kvroute bench
+routing` in front of a reference fleet with its `cache_aware` policy (an external routing
+baseline). It lives in whatever Python environment has it installed, named by
+`--sglang-router-python` (env `KVROUTE_SGLANG_ROUTER_PYTHON`); kvroute never imports it.
+
+Facts about it that the benchmarks depend on (checked against sglang-router 0.3.2):
+- on `/generate` it parses the body into its own typed request and re-serializes it, so fields
+  it does not know are dropped: `cache_salt` is one of them, `extra_key` is kept;
+- it routes `input_ids` by the text of the ids joined with spaces (its approximate radix tree
+  works on characters), and it receives no KV events;
+- on start it looks up a tokenizer for the workers' model path on the Hugging Face hub. The
+  child gets proxy variables that point at a closed loopback port (loopback itself exempt), so
+  that lookup fails at once and nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+
+__all__ = ["DEFAULT_PYTHON", "SglangRouterError", "importable", "launch", "version"]
+
+DEFAULT_PYTHON = os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", sys.executable)
+# port 9 (discard) on loopback: nothing listens, so any off-host request fails immediately
+_DEAD_PROXY = "http://127.0.0.1:9"
+
+
+class SglangRouterError(RuntimeError):
+    """sglang-router is not installed for that python, or did not start and become ready."""
+
+
+def importable(python: str) -> bool:
+    """Whether `python` can import `sglang_router` (False when `python` does not run)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", "import sglang_router"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def version(python: str) -> str:
+    """The sglang-router version installed for `python` ("(version unknown)" if it cannot say)."""
+    code = "import importlib.metadata as m; print(m.version('sglang-router'))"
+    try:
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "(version unknown)"
+    found = done.stdout.strip()
+    return found if done.returncode == 0 and found else "(version unknown)"
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = _DEAD_PROXY
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    # the router takes a port number, not a socket: a tiny race, acceptable on loopback
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def _registered(data: Any) -> set[str]:
+    """Worker URLs the router lists as healthy (`/workers`, or the older `/list_workers`)."""
+    if not isinstance(data, dict):
+        return set()
+    if isinstance(data.get("workers"), list):
+        return {
+            str(w.get("url", "")).rstrip("/")
+            for w in data["workers"]
+            if isinstance(w, dict) and w.get("is_healthy", True)
+        }
+    if isinstance(data.get("urls"), list):
+        return {str(u).rstrip("/") for u in data["urls"]}
+    return set()
+
+
+async def _wait_ready(
+    proc: asyncio.subprocess.Process, url: str, workers: Sequence[str], timeout_s: float
+) -> None:
+    """Poll the router until it lists every worker as healthy."""
+    want = {w.rstrip("/") for w in workers}
+    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout_s):
+        while True:
+            if proc.returncode is not None:
+                raise SglangRouterError(f"sglang-router exited with {proc.returncode}")
+            for path in ("/workers", "/list_workers"):
+                with contextlib.suppress(aiohttp.ClientError, ValueError):
+                    async with session.get(url + path) as resp:
+                        if resp.status == 200 and want <= _registered(await resp.json()):
+                            return
+            await asyncio.sleep(0.1)
+
+
+def _tail(log: Any) -> str:
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    return " | ".join(lines[-3:])[-600:]
+
+
+@contextlib.asynccontextmanager
+async def launch(
+    python: str,
+    workers: Sequence[str],
+    policy: str = "cache_aware",
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 60.0,
+) -> AsyncIterator[str]:
+    """sglang-router with `policy` in front of `workers`; yields its URL once all are registered.
+
+    Raises SglangRouterError when it cannot start (not importable, exits, or never ready).
+    """
+    port = _free_port()
+    argv = [
+        python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *workers, "--policy", policy, "--log-level", "warn", *extra_args,
+    ]  # fmt: skip
+    # on registration it probes each worker with an HTTP/2 preface, which an aiohttp worker in
+    # this process logs as a bad request: expected, so hushed until the router is ready
+    server_log = logging.getLogger("aiohttp.server")
+    level = server_log.level
+    server_log.setLevel(logging.CRITICAL)
+    with tempfile.TemporaryFile() as log:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=_child_env()
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            try:
+                await _wait_ready(proc, url, workers, ready_timeout_s)
+            except TimeoutError as exc:
+                raise SglangRouterError(
+                    f"sglang-router did not list every worker within {ready_timeout_s:g} s: "
+                    f"{_tail(log)}"
+                ) from exc
+            except SglangRouterError as exc:
+                raise SglangRouterError(f"{exc}: {_tail(log)}") from exc
+            finally:
+                server_log.setLevel(level)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

@@ -1,0 +1,76 @@
+"""The sglang-router external baseline: skipped with a note without it, runs for real with it.
+
+The live test needs a python that can import `sglang_router` (SGLang's Rust router from PyPI),
+named by `KVROUTE_SGLANG_ROUTER_PYTHON`; CI does not have one, so there it is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import sglang_router
+from bench.harness import POLICIES, SGLANG_CACHE_AWARE, FleetSpec, run_policy
+from bench.routing_bench import _command, _notes, add_arguments, settings_from_args
+from bench.workloads import BenchRequest, Workload
+
+_PYTHON = os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", "")
+_HAVE = bool(_PYTHON) and sglang_router.importable(_PYTHON)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_python_without_sglang_router_skips_the_baseline_with_a_note() -> None:
+    missing = "/nonexistent/bin/python"
+    assert not sglang_router.importable(missing)
+    settings = settings_from_args(_args("--sglang-router-python", missing))
+    assert settings.policies == POLICIES and settings.sglang_router_python is None
+    named = settings_from_args(
+        _args("--sglang-router-python", missing, "--policies", f"kv,{SGLANG_CACHE_AWARE}")
+    )
+    assert named.policies == ("kv",)
+    (note,) = [n for n in _notes(settings) if SGLANG_CACHE_AWARE in n]
+    assert "skipped" in note and missing in note
+    unchosen = settings_from_args(
+        _args("--sglang-router-python", missing, "--policies", "kv,oracle")
+    )
+    assert not [n for n in _notes(unchosen) if SGLANG_CACHE_AWARE in n]
+    assert "--sglang-router-python" not in _command(unchosen, Path("out"))
+
+
+@pytest.mark.skipif(not _HAVE, reason="KVROUTE_SGLANG_ROUTER_PYTHON cannot import sglang_router")
+def test_the_baseline_joins_beside_approx_tree_and_is_echoed_in_the_command() -> None:
+    settings = settings_from_args(_args("--quick", "--sglang-router-python", _PYTHON))
+    order = list(settings.policies)
+    assert order.index(SGLANG_CACHE_AWARE) == order.index("approx_tree") + 1
+    assert set(order) == {*POLICIES, SGLANG_CACHE_AWARE}
+    assert f"--sglang-router-python {_PYTHON}" in _command(settings, Path("out"))
+    assert any("cache_salt" in n and "extra_key" in n for n in _notes(settings))
+
+
+@pytest.mark.skipif(not _HAVE, reason="KVROUTE_SGLANG_ROUTER_PYTHON cannot import sglang_router")
+async def test_sglang_cache_aware_routes_a_salted_workload_and_workers_keep_tenants_apart() -> None:
+    shared = list(range(3, 3 + 64))  # 4 pages, the same text for both tenants
+    requests = [
+        BenchRequest(arrival_s=0.0, input_ids=[*shared, 200], max_new_tokens=2, cache_salt="a"),
+        BenchRequest(arrival_s=0.3, input_ids=[*shared, 201], max_new_tokens=2, cache_salt="a"),
+        BenchRequest(arrival_s=0.6, input_ids=[*shared, 202], max_new_tokens=2, cache_salt="b"),
+    ]
+    workload = Workload(
+        name="tiny", description="two tenants, one prompt", seed=0, params={}, requests=requests
+    )
+    spec = FleetSpec(workers=2, capacity_tokens=4096, time_scale=0.0)
+    run = await run_policy(SGLANG_CACHE_AWARE, workload, spec, seed=1, sglang_router_python=_PYTHON)
+    assert [r.ok for r in run.records] == [True, True, True], [r.error for r in run.records]
+    cached = [r.cached_tokens for r in run.records]
+    # the router is salt-blind and sends all three to one worker (same text, the tree matches);
+    # the salt, carried as extra_key, still keeps tenant b off tenant a's pages there
+    assert cached == [0, 64, 0]
+    assert run.route_overhead_s
