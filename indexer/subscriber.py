@@ -260,7 +260,12 @@ class StreamSubscriber:
         before = self.tracker.last
         joining = not self._joined
         self.probes += 1
-        answered, _ = await self._replay(0 if before is None else before + 1)
+        # Ask from the last applied seq, not the one after it: a publisher always still buffers
+        # its newest batch, so an answer without it means its seqs went back (a restart whose
+        # startup batch we missed while reconnecting; see _check_restart).
+        answered, newest = await self._replay(0 if before is None else before)
+        if answered and before is not None and newest is None:
+            await self._check_restart(before)
         after = self.tracker.last
         if after != before and after is not None:
             # Batches the live path had not delivered (a dropped last batch, or ones published
@@ -282,6 +287,42 @@ class StreamSubscriber:
         self.last_heard_at = self._clock()
         if self.state is StreamState.SYNCING:
             self.state = StreamState.SYNCED
+
+    async def _check_restart(self, last: int) -> None:
+        """Clear and rebuild the stream when the publisher's newest buffered seq is below ours.
+
+        Without this, a worker that restarted while our SUB was reconnecting (its startup
+        AllBlocksCleared lost like any early message) and then stayed idle would keep its old
+        entries in the index until it published again: the first request would be routed on them.
+        """
+        newest = await self._newest_buffered()
+        if newest is None or newest >= last:
+            return  # the publisher buffers nothing, or a race with new batches: no verdict
+        self.restarts += 1
+        self._clear(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
+        self.tracker.reset()
+        await self._replay(0)
+
+    async def _newest_buffered(self) -> int | None:
+        """The newest seq the replay socket holds (asking from 0), applying nothing."""
+        dealer = self._get_dealer()
+        newest: int | None = None
+        try:
+            await dealer.send_multipart(build_replay_request(0))
+            while True:
+                async with asyncio.timeout(self.settings.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
+                try:
+                    reply = parse_replay_reply(frames)
+                except ProtocolError:
+                    continue
+                if isinstance(reply, ReplayEnd):
+                    return newest
+                if reply.topic is None or topic_matches(reply.topic, self._topic):
+                    newest = reply.seq if newest is None else max(newest, reply.seq)
+        except TimeoutError:
+            self._close_dealer()  # late replies must not answer the next request
+            return None
 
     async def _replay(self, start: int) -> tuple[bool, int | None]:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.

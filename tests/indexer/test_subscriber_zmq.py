@@ -433,3 +433,35 @@ async def test_a_failing_sink_is_logged_once_and_never_stops_indexing(
         assert svc.streams()[0].batches > len(batches)
     failures = [r for r in caplog.records if "raw sink failed" in r.getMessage()]
     assert len(failures) == 1 and "disk full" in failures[0].getMessage()
+
+
+async def test_an_idle_worker_that_restarted_unseen_is_rebuilt_by_the_probe(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # The worker restarts while nobody sees it (its first batches are lost, as a reconnecting
+    # SUB loses them) and then stays idle: only the probe can notice that its seqs went back.
+    before = workload(seed=17, batches=8)
+    after = workload(seed=18, batches=2)
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        await connect(svc, pub)
+        assert await svc.wait_applied(WORKER, await publish_all(pub, before, settle=svc))
+        pub.restart()
+        for batch in after:
+            await pub.publish(batch, drop=True)
+        await wait_until(lambda: svc.streams()[0].restarts == 1)
+        await wait_until(lambda: svc.streams()[0].last_seq == len(after) - 1)
+        assert view(svc.index, STREAM) == view(reference(after), STREAM)
+        assert svc.streams()[0].restarts == 1  # and the probes that follow find nothing new
+
+
+async def test_an_idle_worker_that_did_not_restart_is_left_alone(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=19, batches=6)
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        await connect(svc, pub)
+        last = await publish_all(pub, batches, settle=svc)
+        await wait_until(lambda: svc.streams()[0].probes >= 5)
+        stats = svc.streams()[0]
+        assert (stats.restarts, stats.clears, stats.last_seq) == (0, 0, last)
+        assert view(svc.index, STREAM)  # still holding everything
