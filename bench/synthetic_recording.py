@@ -8,7 +8,6 @@ format, so everything that reads recordings can be exercised without a fleet.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 from collections import OrderedDict
@@ -18,6 +17,7 @@ import msgspec
 from indexer.protocol.encode import WireLayout, encode_batch
 from indexer.protocol.events import BlockHash, EventBatch, Removed, Stored
 from indexer.recording import RecordingWriter, Source
+from workers.hashing import digest_to_hash, page_digests, salt_seed
 
 __all__ = ["SyntheticWorkload", "synthesize_recording"]
 
@@ -57,20 +57,9 @@ class _SimCache:
 
     def request(self, tokens: list[int], salt: str | None, page: int) -> list[Stored | Removed]:
         """The events of caching `tokens` (full pages only, like SGLang's page-aligned keys)."""
-        prior = (
-            hashlib.sha256(b"sglang-cache-salt-v1\x00" + salt.encode()).digest() if salt else b""
-        )
-        path: list[int] = []
-        new_from = None
-        for i in range(len(tokens) // page):
-            chunk = tokens[i * page : (i + 1) * page]
-            prior = hashlib.sha256(
-                prior + b"".join(t.to_bytes(4, "little") for t in chunk)
-            ).digest()
-            h = int.from_bytes(prior[:8], "big", signed=True)
-            if new_from is None and h not in self.lru:
-                new_from = i
-            path.append(h)
+        full = tokens[: len(tokens) // page * page]
+        path = [digest_to_hash(d) for d in page_digests(full, page, salt_seed(salt))]
+        new_from = next((i for i, h in enumerate(path) if h not in self.lru), None)
         events: list[Stored | Removed] = []
         if new_from is not None:
             evicted = self._evict(len(path) - new_from, set(path))
