@@ -140,6 +140,14 @@ class IndexerService:
         """Names of the subscribed workers."""
         return list(self._workers)
 
+    def has_worker(self, worker: str) -> bool:
+        """Whether `worker` is subscribed (O(1): the router asks on every request)."""
+        return worker in self._workers
+
+    def worker_count(self) -> int:
+        """How many workers are subscribed."""
+        return len(self._workers)
+
     # -------------------------------------------------------------- queries
 
     def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, WorkerMatch]:

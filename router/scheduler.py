@@ -100,7 +100,7 @@ class Scheduler:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks.
-        matches = self.indexer.query(ns, tokens[:-1]) if len(self.indexer.workers()) else {}
+        matches = self.indexer.query(ns, tokens[:-1]) if self.indexer.worker_count() else {}
         weights = self._config.medium_weights
         views: list[WorkerView] = []
         info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}
@@ -153,7 +153,7 @@ class Scheduler:
         """Record that the request goes to `candidate`; returns its load ticket."""
         if first_try:
             self.policy.record(tokens, candidate.worker)
-        if self.policy.name == "kv" and candidate.worker in self.indexer.workers():
+        if self.policy.name == "kv" and self.indexer.has_worker(candidate.worker):
             self.indexer.add_pending(ns, tokens, candidate.worker)
         hit = candidate.matched_tokens + candidate.pending_tokens
         return self.load.begin(candidate.worker, max(0, len(tokens) - hit))

@@ -117,7 +117,7 @@ class Supervisor:
     async def remove(self, worker_id: str) -> WorkerEntry:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
-        if worker_id in self._indexer.workers():
+        if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
         self._load.forget(worker_id)

@@ -6,47 +6,18 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import msgspec
 
 from indexer.config import StreamConfig
-from indexer.recording import RecordingWriter, Source
+from indexer.recording import Source
 from indexer.replayer import replay_into_index
 from indexer.service import IndexerService, stream_id
 from indexer.snapshot import dump_index
 from router.record_command import record
+from tests.recording.snapshots import CountingWriter, canonical
 from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker
-
-
-def canonical(dump: bytes) -> dict[str, Any]:
-    """An index snapshot without what legitimately differs (slots, id order, counters)."""
-    snap = msgspec.msgpack.decode(dump)
-    names = {i: tuple(ns.values()) for i, ns in snap["namespaces"]}
-    out: dict[str, Any] = {}
-    for st in snap["streams"]:
-        name, _, model, engine, block_size, _, hashes, keys, ns_ids, refs, _media, partial, _ = st
-        entries = sorted(
-            (repr(h), k, names[n]) for h, k, n in zip(hashes, keys, ns_ids, strict=True)
-        )
-        if entries or refs or partial:
-            out[name] = (model, engine, block_size, entries, sorted(map(repr, refs)), partial)
-    return out
-
-
-class _CountingWriter(RecordingWriter):
-    """Signals once the recorder has written `target` records."""
-
-    target = 0
-    reached: asyncio.Event
-
-    def write(self, *args: Any, **kwargs: Any) -> int:
-        number = super().write(*args, **kwargs)
-        if self.records >= self.target:
-            self.reached.set()
-        return number
 
 
 def _streams(worker: ReferenceWorker) -> list[StreamConfig]:
@@ -111,7 +82,7 @@ async def test_recorded_reference_fleet_replays_to_the_live_index(tmp_path: Path
         ]
         for name, w in fleet.items():
             await service.add_worker(name, _streams(w))
-        writer = _CountingWriter.create(path, sources)
+        writer = CountingWriter.create(path, sources)
         writer.reached = asyncio.Event()
         writer.target = 1 << 60
         stop = asyncio.Event()

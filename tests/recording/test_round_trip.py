@@ -17,50 +17,15 @@ import pytest
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import IndexerConfig, StreamConfig
-from indexer.recording import RecordingReader, RecordingWriter, Source
+from indexer.recording import RecordingReader, Source
 from indexer.replayer import RecordFilter, replay_into_index
 from indexer.republisher import FaultPlan, RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index
 from router.record_command import record
+from tests.recording.snapshots import CountingWriter, canonical
 
 WORKLOAD = SyntheticWorkload(streams=2, tenants=4, conversations=30, capacity_pages=96, seed=5)
-
-
-def canonical(dump: bytes) -> dict[str, Any]:
-    """An index snapshot without what legitimately differs (slots, id order, counters)."""
-    snap = msgspec.msgpack.decode(dump)
-    names = {
-        i: tuple(ns) if isinstance(ns, list) else tuple(ns.values()) for i, ns in snap["namespaces"]
-    }
-    out: dict[str, Any] = {}
-    for st in snap["streams"]:
-        name, _, model, engine, block_size, _, hashes, keys, ns_ids, refs, media, partial, _ = st
-        entries = sorted(
-            (repr(h), k, names[n]) for h, k, n in zip(hashes, keys, ns_ids, strict=True)
-        )
-        if entries or refs or partial:
-            out[name] = {
-                "meta": (model, engine, block_size),
-                "entries": entries,
-                "refs": sorted(map(repr, refs)),
-                "media": sorted(map(repr, media)),
-                "partial": sorted((repr(h), k, names[n]) for h, k, n in partial),
-            }
-    return out
-
-
-class _CountingWriter(RecordingWriter):
-    """Signals when the recorder has written `target` records."""
-
-    target = 0
-    reached: asyncio.Event
-
-    def write(self, *args: Any, **kwargs: Any) -> int:
-        number = super().write(*args, **kwargs)
-        if self.records >= self.target:
-            self.reached.set()
-        return number
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +85,14 @@ async def _publish_into_service(
                 ],
             )
         recorder: asyncio.Task[Any] | None = None
-        writer: _CountingWriter | None = None
+        writer: CountingWriter | None = None
         stop = asyncio.Event()
         if record_to is not None:
             live_sources = [
                 msgspec.structs.replace(s, endpoint=p.endpoint, replay_endpoint=p.replay_endpoint)
                 for s, p in zip(sources, rep.streams, strict=True)
             ]
-            writer = _CountingWriter.create(record_to, live_sources)
+            writer = CountingWriter.create(record_to, live_sources)
             writer.target = len(records) - restart_at * len(sources)
             writer.reached = asyncio.Event()
             recorder = asyncio.create_task(record(writer, live_sources, stop=stop))

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.recording import RecordingReader
@@ -17,21 +16,7 @@ from indexer.republisher import FaultPlan, RepublishConfig, Republisher
 from indexer.snapshot import dump_index
 from router.config import ListenConfig, RouterConfig, WorkerConfig
 from router.service import RouterService
-
-
-def canonical(dump: bytes) -> dict[str, Any]:
-    """Per stream: (engine hash, block key, namespace) entries, ignoring slots and counters."""
-    snap = msgspec.msgpack.decode(dump)
-    names = {i: tuple(ns.values()) for i, ns in snap["namespaces"]}
-    out: dict[str, Any] = {}
-    for st in snap["streams"]:
-        name, hashes, keys, ns_ids = st[0], st[6], st[7], st[8]
-        entries = sorted(
-            (repr(h), k, names[n]) for h, k, n in zip(hashes, keys, ns_ids, strict=True)
-        )
-        if entries:
-            out[name] = entries
-    return out
+from tests.recording.snapshots import canonical
 
 
 async def test_publish_into_a_running_router(tmp_path: Path) -> None:
