@@ -41,16 +41,11 @@ from pathlib import Path
 
 import msgspec
 
+from indexer.backend import DEFAULT, NATIVE, PURE, Backend
 from indexer.config import StreamConfig
 from indexer.errors import ProtocolError
 from indexer.index import PrefixIndex
-from indexer.namespace import (
-    Namespace,
-    block_tuples,
-    chain_block_keys,
-    chain_keys,
-    namespace_seed,
-)
+from indexer.namespace import Namespace, chain_keys, namespace_seed, py_chain
 from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
 from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.service import IndexerService, stream_id
@@ -76,6 +71,7 @@ class IngestResult(msgspec.Struct):
     apply_only_ops_s: float
     decode_only_ops_s: float
     naive_apply_ops_s: float  # `NaiveIndex`, the same pre-decoded batches, same run
+    python_decode_apply_ops_s: float  # decode + apply on the pure-Python backend, same run
 
 
 class QueryResult(msgspec.Struct):
@@ -95,12 +91,22 @@ class QueryResult(msgspec.Struct):
 class StageResult(msgspec.Struct):
     """Median cost of the stages of one held-document query, microseconds (same run)."""
 
-    keys_loop_us: float  # chain_keys over the whole prompt (the per-event loop)
-    keys_us: float  # the same keys by the all-C pass the query walk uses (`many=True`)
-    floor_us: float  # keys + one table lookup per block: any dict-based layout pays this
+    python_keys_us: float  # the pure-Python chain (`py_chain`) over the whole prompt
+    keys_us: float  # the same keys by the backend's chain, which the query walk uses
+    floor_us: float  # keys + one table lookup per block (`get_many`): the floor of any walk
     match_us: float  # PrefixIndex.match (the walk, early-stop bookkeeping, result dicts)
     service_us: float  # IndexerService.query (per-worker states and WorkerMatch objects)
     naive_us: float  # `NaiveIndex.match` on the same entries: a block-by-block set walk
+
+
+class BackendResult(msgspec.Struct):
+    """The pure-Python backend on the same inputs, same run (the compiled one's baseline)."""
+
+    name: str
+    decode_apply_ops_s: float
+    match_p50_us: float  # `PrefixIndex.match`, held documents
+    match_p99_us: float
+    bytes_per_entry: float
 
 
 class MemoryResult(msgspec.Struct):
@@ -279,7 +285,10 @@ def read_recording(path: Path) -> tuple[list[IngestRecord], dict[str, int | None
 
 
 def bench_ingest(
-    records: list[IngestRecord], seconds: float, block_sizes: dict[str, int | None] | None = None
+    records: list[IngestRecord],
+    seconds: float,
+    block_sizes: dict[str, int | None] | None = None,
+    backend: Backend = DEFAULT,
 ) -> IngestResult:
     """Decode + apply every record in order (repeating on fresh indexes up to `seconds`)."""
     sizes = block_sizes or {}
@@ -295,14 +304,14 @@ def bench_ingest(
     removed = sum(len(e.block_hashes) for b in decoded for e in b.events if isinstance(e, Removed))
     ops = stored + removed
 
-    def timed(fn_decode: bool, fn_apply: bool) -> float:
+    def timed(fn_decode: bool, fn_apply: bool, on: Backend = backend) -> float:
         """Best block ops/s over rounds on fresh indexes (at least 2, up to `seconds`)."""
         best = 0.0
         deadline = time.perf_counter() + seconds
         rounds = 0
         while rounds < 2 or (time.perf_counter() < deadline and rounds < 20):
             rounds += 1
-            index = PrefixIndex()
+            index = PrefixIndex(backend=on)
             for sid in streams:
                 index.add_stream(sid, model=MODEL, block_size=sizes.get(sid) or PAGE)
             gc.collect()
@@ -334,6 +343,7 @@ def bench_ingest(
         apply_only_ops_s=timed(False, True),
         decode_only_ops_s=timed(True, False),
         naive_apply_ops_s=_timed_naive(decoded, ops, seconds),
+        python_decode_apply_ops_s=timed(True, True, PURE),
     )
 
 
@@ -367,7 +377,7 @@ def _doc_ns(doc_id: int) -> Namespace:
 
 
 def build_index(
-    streams: int, docs_per_stream: int, pool: int | None, seed: int
+    streams: int, docs_per_stream: int, pool: int | None, seed: int, backend: Backend = DEFAULT
 ) -> tuple[PrefixIndex, dict[str, list[int]], MemoryResult, str]:
     """64 streams each holding whole 8,192-token documents (pool=None: nobody shares)."""
     rng = random.Random(seed)
@@ -383,7 +393,8 @@ def build_index(
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     start = time.perf_counter()
-    index = PrefixIndex(pending_ttl_s=3600.0)  # pending entries outlive the query rounds
+    # pending entries outlive the query rounds
+    index = PrefixIndex(pending_ttl_s=3600.0, backend=backend)
     for sid in held:
         index.add_stream(sid, model=MODEL, block_size=PAGE)
     for sid, doc_ids in held.items():
@@ -399,7 +410,7 @@ def build_index(
     tracemalloc.stop()
     entries = len(index)
     unique = len(index._table)
-    label = "shared" if pool is not None else "no sharing"
+    label = ("shared" if pool is not None else "no sharing") + f", {backend.name}"
     memory = MemoryResult(label, streams, entries, unique, grown, grown / entries, build_s)
     del docs
     return index, held, memory, label
@@ -485,26 +496,44 @@ async def _query_latencies(
         return results, _stages(index, service, prompts)
 
 
+def match_latencies(
+    index: PrefixIndex, held: dict[str, list[int]], seconds: float, seed: int
+) -> tuple[float, float]:
+    """p50/p99 of `PrefixIndex.match` on held documents (the python-backend comparison)."""
+    rng = random.Random(seed)
+    all_docs = sorted({d for ds in held.values() for d in ds})
+    prompts = [(_doc_ns(d), _doc(d, 16)) for d in (rng.choice(all_docs) for _ in range(50))]
+    samples: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline and len(samples) < 10_000:
+        for ns, tokens in prompts:
+            t0 = time.perf_counter_ns()
+            index.match(ns, tokens)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+    return _percentiles(samples)
+
+
 def _stages(
     index: PrefixIndex, service: IndexerService, prompts: list[tuple[Namespace, list[int]]]
 ) -> StageResult:
     """Median per-query cost of each stage over the held-document prompts (a few passes)."""
-    table_get = index._table.get
+    get_many = index._table.get_many
+    chain = index.backend.chain
     seeds = {ns: namespace_seed(ns, PAGE) for ns, _ in prompts}
 
     def floor(ns: Namespace, tokens: list[int]) -> object:
-        return list(map(table_get, keys(ns, tokens)))
+        return get_many(keys(ns, tokens), 0)
 
     def keys(ns: Namespace, tokens: list[int]) -> list[int]:
-        return chain_block_keys(seeds[ns], block_tuples(tokens, PAGE), many=True)
+        return chain(seeds[ns], tokens, PAGE, 0, -1)
 
-    def keys_loop(ns: Namespace, tokens: list[int]) -> object:
-        return chain_keys(seeds[ns], tokens, PAGE)
+    def python_keys(ns: Namespace, tokens: list[int]) -> object:
+        return py_chain(seeds[ns], tokens, PAGE)
 
     naive = NaiveIndex.mirror(index)
     stages: dict[str, list[float]] = {}
     fns = {
-        "keys_loop": keys_loop,
+        "python_keys": python_keys,
         "keys": keys,
         "floor": floor,
         "match": index.match,
@@ -522,7 +551,7 @@ def _stages(
         found = index.match(ns, tokens).blocks
         assert {s: d for s, d in naive.match(ns, tokens).items() if d} == found
     return StageResult(
-        med["keys_loop"], med["keys"], med["floor"], med["match"], med["service"], med["naive"]
+        med["python_keys"], med["keys"], med["floor"], med["match"], med["service"], med["naive"]
     )
 
 
@@ -539,6 +568,8 @@ def render(
     stages: StageResult,
     memory: list[MemoryResult],
     args: object,
+    backend: str = DEFAULT.name,
+    compared: BackendResult | None = None,
 ) -> str:
     """The markdown report."""
     lines = [
@@ -548,7 +579,8 @@ def render(
         "2-core machine; rerun on a quiet machine before quoting them.",
         "",
         f"Machine: {platform.machine()}, Python {platform.python_version()}, "
-        f"msgspec {msgspec.__version__}. Parameters: {args}",
+        f"msgspec {msgspec.__version__}. Backend: **{backend}** (`indexer.backend`). "
+        f"Parameters: {args}",
         "",
         "## Ingest (decode + apply, one core)",
         "",
@@ -599,11 +631,10 @@ def render(
         "",
         "| stage | us |",
         "|---|---:|",
-        f"| block keys, per-event loop (`chain_keys`, 512 blocks; not part of a query) | "
-        f"{stages.keys_loop_us:,.0f} |",
-        f"| block keys, the walk's all-C pass (`chain_block_keys(many=True)`) | "
-        f"{stages.keys_us:,.0f} |",
-        f"| keys + one table lookup per block (floor of a dict-based layout) | "
+        f"| block keys, pure-Python chain (`py_chain`, 512 blocks; for comparison) | "
+        f"{stages.python_keys_us:,.0f} |",
+        f"| block keys, the backend's chain (what the walk calls) | {stages.keys_us:,.0f} |",
+        f"| keys + one table lookup per block (`get_many`: the floor of any walk) | "
         f"{stages.floor_us:,.0f} |",
         f"| `PrefixIndex.match` (walk, drops, result) | {stages.match_us:,.0f} |",
         f"| `IndexerService.query` (64 `WorkerMatch`, stream states) | {stages.service_us:,.0f} |",
@@ -628,6 +659,30 @@ def render(
         f"Target <= {TARGET_BYTES:.0f} bytes/entry (shared index): "
         f"**{_verdict(shared.bytes_per_entry <= TARGET_BYTES)}**.",
         "",
+    ]
+    if compared is not None:
+        held = queries[0]
+        lines += [
+            f"## {backend} vs {compared.name} backend (same inputs, same run)",
+            "",
+            "The pure-Python backend (`KVROUTE_PURE_PYTHON=1`, or no C compiler at install) "
+            "gives the same answers; this is what the compiled maps and key chain buy.",
+            "",
+            "| measure | " + backend + " | " + compared.name + " | ratio |",
+            "|---|---:|---:|---:|",
+            f"| ingest, decode + apply (block ops/s) | {ingest.decode_apply_ops_s:,.0f} | "
+            f"{compared.decode_apply_ops_s:,.0f} | "
+            f"{ingest.decode_apply_ops_s / compared.decode_apply_ops_s:.2f}x |",
+            f"| `match`, held document, p50 (us) | {held.match_p50_us:,.0f} | "
+            f"{compared.match_p50_us:,.0f} | {held.match_p50_us / compared.match_p50_us:.2f}x |",
+            f"| `match`, held document, p99 (us) | {held.match_p99_us:,.0f} | "
+            f"{compared.match_p99_us:,.0f} | {held.match_p99_us / compared.match_p99_us:.2f}x |",
+            f"| bytes per entry (shared index) | {shared.bytes_per_entry:,.0f} | "
+            f"{compared.bytes_per_entry:,.0f} | "
+            f"{shared.bytes_per_entry / compared.bytes_per_entry:.2f}x |",
+            "",
+        ]
+    lines += [
         "## What limits these numbers",
         "",
         LIMITS,
@@ -692,12 +747,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--pool", type=int, default=2000, help="distinct documents to draw from")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--backend",
+        choices=["native", "python"],
+        default=DEFAULT.name,
+        help="index backend to measure (default: %(default)s); with native, the python "
+        "backend is measured too, as the baseline",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the three measurements and write the report."""
-    print(f"index bench: seed={args.seed}")
+    if args.backend == "native" and NATIVE is None:
+        print(
+            "the compiled backend is not available (C extensions not built); use --backend python"
+        )
+        return 2
+    backend = NATIVE if args.backend == "native" and NATIVE is not None else PURE
+    print(f"index bench: seed={args.seed} backend={backend.name}")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.recording
         if path is None:
@@ -707,10 +775,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"ingest input: {len(records):,} records from {args.recording or 'a synthetic recording'}"
     )
-    ingest = bench_ingest(records, args.seconds, block_sizes)
+    ingest = bench_ingest(records, args.seconds, block_sizes, backend)
     print(f"ingest: {ingest.decode_apply_ops_s:,.0f} block ops/s (decode + apply)")
     del records
-    index, held, shared, _ = build_index(args.streams, args.docs_per_stream, args.pool, args.seed)
+    index, held, shared, _ = build_index(
+        args.streams, args.docs_per_stream, args.pool, args.seed, backend
+    )
     print(f"memory: {shared.entries:,} entries, {shared.bytes_per_entry:.0f} bytes/entry")
     queries, stages = asyncio.run(_query_latencies(index, held, args.seconds, args.seed))
     for q in queries:
@@ -721,8 +791,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"stages: {stages}")
     del index, held
     gc.collect()
+    compared = None
+    if backend is not PURE:
+        index, held, slow, _ = build_index(
+            args.streams, args.docs_per_stream, args.pool, args.seed, PURE
+        )
+        p50, p99 = match_latencies(index, held, args.seconds, args.seed)
+        compared = BackendResult(
+            PURE.name, ingest.python_decode_apply_ops_s, p50, p99, slow.bytes_per_entry
+        )
+        print(
+            f"python backend: match p50 {p50:.0f} us, p99 {p99:.0f} us, "
+            f"{slow.bytes_per_entry:.0f} B/entry"
+        )
+        del index, held
+        gc.collect()
     small = max(1, args.docs_per_stream // 8)
-    _, _, unshared, _ = build_index(args.streams, small, None, args.seed)
+    _, _, unshared, _ = build_index(args.streams, small, None, args.seed, backend)
     print(f"memory (no sharing): {unshared.bytes_per_entry:.0f} bytes/entry")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     params = (
@@ -730,6 +815,8 @@ def run(args: argparse.Namespace) -> int:
         f"docs/stream={args.docs_per_stream}, pool={args.pool}, seconds={args.seconds}, "
         f"ingest input={args.recording or 'synthetic stream, recorded to a kvrec file'}"
     )
-    args.output.write_text(render(ingest, queries, stages, [shared, unshared], params))
+    args.output.write_text(
+        render(ingest, queries, stages, [shared, unshared], params, backend.name, compared)
+    )
     print(f"wrote {args.output}")
     return 0

@@ -3,22 +3,25 @@
 Pure and synchronous (no asyncio, no zmq): one writer, the subscriber, applies decoded batches;
 readers query between mutations, so there are no locks.
 
-Data layout, chosen for Python speed and memory (see docs/benchmarks/index.md):
-- `_table`: one dict, block key -> `(stream bits << CODE_BITS) | ns_code(namespace id)`. Every
-  stream has a slot (a bit); a key's value says which streams hold it and which namespace it
-  belongs to. A query (`indexer.walk`) ANDs the values of its blocks in C: the code of
-  id x is `x | ~x << 24`, so the AND of two different codes never equals either of them, and an
-  entry of another namespace ends every match right there (isolation is structural, not a
-  matter of hash odds).
-- per stream, `blocks`: engine hash -> block key (the same int object as the table key). Engine
-  hashes are opaque ids, used only to resolve `parent_block_hash` and `BlockRemoved`.
-- rare cases live in small side dicts so the common entry costs two dict slots: extra reference
-  counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`), entries in a
-  non-default medium (`media` + per-tier tables), partial trailing pages (`partial`).
+Data layout, chosen for speed and memory (see docs/benchmarks/index.md). The two big maps are
+int-keyed maps of the backend (`indexer.backend`): the compiled `IntMap`, 16-byte slots in one
+flat array, or its dict twin:
+- `_table`: block key -> `(stream bits << CODE_BITS) | ns_code(namespace id)`. Every stream
+  has a slot (a bit); a key's value says which streams hold it and which namespace it belongs
+  to. A query (`indexer.walk`) ANDs the values of its blocks in C: the code of id x is
+  `x | ~x << 24`, so the AND of two different codes never equals either of them, and an entry
+  of another namespace ends every match right there (isolation is structural, not a matter of
+  hash odds). Values are shared int objects (few distinct holder sets).
+- per stream, `blocks`: engine hash -> block key (packed int64 values). Engine hashes are
+  opaque ids, used only to resolve `parent_block_hash` and `BlockRemoved`.
+- rare cases live in small side dicts so the common entry costs one slot in each map: extra
+  reference counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`),
+  entries in a non-default medium (`media` + per-tier tables), partial trailing pages
+  (`partial`).
 - pending entries (`indexer.pending`) have the same value shape, with their namespace's code.
 
 Applying: the steady SGLang store (a child of a known block, a namespace already seen, fresh
-hashes and keys) is a few C-level dict passes per event (`_store`); everything else goes
+hashes and keys) is a few C-level map passes per event (`_store`); everything else goes
 through `_store_general`, block by block where it must. Removes pop both maps in bulk.
 
 Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
@@ -37,13 +40,9 @@ from typing import Literal, cast
 
 import msgspec
 
-from indexer.namespace import (
-    Namespace,
-    chain_block_keys,
-    chain_keys,
-    partial_key,
-    vllm_salt,
-)
+from indexer.backend import DEFAULT, Backend
+from indexer.int_map import PyIntMap
+from indexer.namespace import Namespace, vllm_salt
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
 from indexer.registry import NamespaceRegistry, NamespaceSize
@@ -127,7 +126,14 @@ class _Stream:
         "slot",
     )
 
-    def __init__(self, slot: int, model: str, engine: Engine, block_size: int | None) -> None:
+    def __init__(
+        self,
+        slot: int,
+        model: str,
+        engine: Engine,
+        block_size: int | None,
+        int_map: type[PyIntMap] = PyIntMap,
+    ) -> None:
         self.slot = slot
         self.bit = 1 << slot
         self.sbit = 1 << (slot + CODE_BITS)
@@ -136,7 +142,8 @@ class _Stream:
         self.block_size = block_size
         self.last_seq: int | None = None
         self.counters = StreamCounters()
-        self.blocks: dict[BlockHash, int] = {}
+        # engine hash -> block key, values packed as int64 in the compiled map
+        self.blocks = int_map(True)
         self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1
         self.dup_keys: dict[int, int] = {}  # key -> extra engine hashes of this stream on it
         self.media: dict[BlockHash, str] = {}  # engine hash -> medium, only when not default
@@ -156,10 +163,13 @@ class PrefixIndex:
         clock: Callable[[], float] = time.monotonic,
         pending_ttl_s: float = 2.0,
         default_medium: str = DEFAULT_MEDIUM,
+        backend: Backend = DEFAULT,
     ) -> None:
         self.clock = clock
         self.default_medium = default_medium
-        self._table: dict[int, int] = {}
+        self.backend = backend
+        self._chain = backend.chain
+        self._table = backend.int_map(False)  # key -> (stream bits << CODE_BITS) | ns code
         self._tiers: dict[str, dict[int, int]] = {}  # medium -> key -> stream bits (unshifted)
         self._streams: dict[str, _Stream] = {}
         self._by_slot: dict[int, str] = {}
@@ -192,11 +202,14 @@ class PrefixIndex:
         slot = min(self._free_slots) if self._free_slots else len(self._streams)
         if self._free_slots:
             self._free_slots.remove(slot)
-        st = _Stream(slot, model, engine, None)
+        st = self._new_stream(slot, model, engine)
         self._streams[stream] = st
         self._by_slot[slot] = stream
         if block_size is not None:
             self._set_block_size(st, block_size)
+
+    def _new_stream(self, slot: int, model: str, engine: Engine) -> _Stream:
+        return _Stream(slot, model, engine, None, self.backend.int_map)
 
     def _set_block_size(self, st: _Stream, block_size: int) -> None:
         st.block_size = block_size
@@ -388,10 +401,9 @@ class PrefixIndex:
             self._store_general(st, ev, outcome)
             return
         assert ns_id is not None and block_size is not None
-        # `chain_block_keys` is the key function (`chain_keys` wraps it): one call less here
-        keys = chain_block_keys(prev, zip(*[iter(tokens)] * block_size, strict=False))
+        keys = self._chain(prev, tokens, block_size, 0, -1)
         table = self._table
-        if not table.keys().isdisjoint(keys):
+        if not table.isdisjoint(keys):
             self._store_general(st, ev, outcome)
             return
         before = len(blocks)
@@ -400,9 +412,10 @@ class PrefixIndex:
         if len(blocks) - before != n:
             # a hash already held, or one hash twice in this event: take back exactly what
             # this pass inserted, then go careful. A held hash maps to a key in the table and
-            # none of `keys` is, so `is key` can only be true of what this pass inserted.
+            # none of `keys` is, so `== key` can only be true of what this pass inserted (and
+            # of the one position that inserted it, as chained keys are distinct).
             for h, key in zip(hashes, keys, strict=True):
-                if blocks.get(h) is key:
+                if blocks.get(h) == key:
                     del blocks[h]
             self._store_general(st, ev, outcome)
             return
@@ -454,7 +467,7 @@ class PrefixIndex:
         if partial:
             self._store_partial(st, ev, prev, ns_id, outcome)
             return
-        keys = chain_keys(prev, tokens, block_size)
+        keys = self._chain(prev, tokens, block_size, 0, -1)
         medium = ev.medium
         code = self._registry.codes[ns_id]
         blocks = st.blocks
@@ -463,14 +476,14 @@ class PrefixIndex:
             not pending or pending.keys().isdisjoint(keys)
         ):
             before = len(blocks)
-            if blocks.keys().isdisjoint(hashes) and (
+            if blocks.isdisjoint(hashes) and (
                 not st.partial or st.partial.keys().isdisjoint(hashes)
             ):
                 # the common case, in C: new hashes on this stream, mostly new keys
                 table = self._table
                 blocks.update(zip(hashes, keys, strict=True))
                 if len(blocks) - before == n:
-                    if table.keys().isdisjoint(keys):
+                    if table.isdisjoint(keys):
                         # every key is new to the table: one C-level update, no per-key work
                         single = st.singles.get(ns_id)
                         if single is None:
@@ -602,7 +615,7 @@ class PrefixIndex:
         page = ev.block_size
         tokens = ev.token_ids
         for i, h in enumerate(ev.block_hashes):
-            prev = partial_key(prev, tokens[i * page : (i + 1) * page])
+            prev = self.backend.partial(prev, tokens[i * page : (i + 1) * page])
             if h in st.partial or h in st.blocks:
                 st.refs[h] = st.refs.get(h, 1) + 1
                 continue
@@ -724,7 +737,7 @@ class PrefixIndex:
             return 0
         self.pending.expire()
         ns_id = self._registry.intern(namespace)
-        keys = chain_keys(self._registry.seed(ns_id, st.block_size), tokens, st.block_size)
+        keys = self._chain(self._registry.seed(ns_id, st.block_size), tokens, st.block_size, 0, -1)
         table = self._table
         sbit = st.sbit
         fresh = [k for k in keys if not table.get(k, 0) & sbit]
@@ -743,6 +756,7 @@ class PrefixIndex:
         by_slot = self._by_slot
         for block_size, bits in self._by_block_size.items():
             real, extra, tiers = walk_prefix(
+                self._chain,
                 self._table,
                 self.pending.bits,
                 self._tiers,

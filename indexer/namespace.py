@@ -40,6 +40,7 @@ __all__ = [
     "chain_keys",
     "namespace_seed",
     "partial_key",
+    "py_chain",
     "request_keys",
     "vllm_salt",
 ]
@@ -120,6 +121,28 @@ def chain_block_keys(
         prev = hash((prev, block))
         append(prev)
     return keys
+
+
+def py_chain(
+    prev: int, tokens: Sequence[Hashable], block_size: int, start: int = 0, count: int = -1
+) -> list[int]:
+    """Keys of full blocks `start`, `start + 1`, ... (at most `count`; -1: all) of `tokens`.
+
+    The pure-Python twin of `indexer._keychain.chain`: same signature, same keys (the C one
+    also insists on an int `prev`, which every caller passes).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    full = len(tokens) // block_size
+    stop = full if count < 0 else min(full, start + count)
+    if start >= stop:
+        return []
+    part = tokens[start * block_size : stop * block_size]
+    return chain_block_keys(
+        prev, zip(*[iter(part)] * block_size, strict=False), many=stop - start >= 8
+    )
 
 
 def request_keys(namespace: Namespace, tokens: Sequence[Hashable], block_size: int) -> list[int]:

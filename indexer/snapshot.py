@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import msgspec
 
+from indexer.backend import DEFAULT, Backend
 from indexer.errors import SnapshotError
-from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, _Stream, ns_code
+from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, ns_code
 from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 
@@ -100,7 +101,11 @@ def dump_index(index: PrefixIndex) -> bytes:
 
 
 def load_index(
-    data: bytes, *, clock: Callable[[], float] = time.monotonic, pending_ttl_s: float = 2.0
+    data: bytes,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    pending_ttl_s: float = 2.0,
+    backend: Backend = DEFAULT,
 ) -> PrefixIndex:
     """Rebuild an index from `dump_index` output; raises SnapshotError on anything wrong."""
     try:
@@ -119,13 +124,15 @@ def load_index(
     if snap.hash_probe != HASH_PROBE:
         raise SnapshotError("snapshot was made with another block-key hash; start cold")
     try:
-        return _rebuild(snap, clock, pending_ttl_s)
+        return _rebuild(snap, clock, pending_ttl_s, backend)
     except (ValueError, KeyError, IndexError, TypeError, OverflowError) as exc:
         raise SnapshotError(f"inconsistent snapshot: {exc}") from exc
 
 
-def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) -> PrefixIndex:
-    index = PrefixIndex(clock=clock, pending_ttl_s=pending_ttl_s)
+def _rebuild(
+    snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float, backend: Backend
+) -> PrefixIndex:
+    index = PrefixIndex(clock=clock, pending_ttl_s=pending_ttl_s, backend=backend)
     registry = index._registry
     for ns_id, namespace in snap.namespaces:
         registry.place(ns_id, namespace)  # ValueError on a bad or repeated id
@@ -143,7 +150,7 @@ def _rebuild(snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float) 
             raise ValueError(f"stream {s.stream!r}: arrays of different lengths")
         if s.hashes and (s.block_size is None or s.block_size <= 0):
             raise ValueError(f"stream {s.stream!r}: entries without a block size")
-        st = _Stream(s.slot, s.model, s.engine, None)  # type: ignore[arg-type]
+        st = index._new_stream(s.slot, s.model, s.engine)  # type: ignore[arg-type]
         index._streams[s.stream] = st
         index._by_slot[s.slot] = s.stream
         if s.block_size is not None:

@@ -1,21 +1,22 @@
 """The query walk: one pass over a request's blocks against the shared table.
 
-Pure and allocation-light: chain keys (`indexer.namespace.chain_block_keys`, the very function
-the event side uses) and table lookups are C-level passes over chunks of blocks (64, then doubling
-up to 256: a prompt that shares only a system prompt stops after the first chunk, one held to
-the end takes four passes); the running AND only visits the few distinct holder sets. See
+Pure and allocation-light: block keys (the backend's `chain`, the very function the event side
+uses) and table lookups (`get_many`, prefetched in the compiled map) are C-level passes over
+chunks of blocks (64, then doubling up to 256: a prompt that shares only a system prompt stops
+after the first chunk, one held to the end takes four passes); the running AND only visits the
+few distinct holder sets. See
 `indexer.index` for the layout of table values: `(stream bits << CODE_BITS) | namespace code`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
-from itertools import islice, repeat
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import repeat
 from operator import or_
 
 import msgspec
 
-from indexer.namespace import block_tuples, chain_block_keys
+from indexer.int_map import PyIntMap
 
 __all__ = [
     "CODE_BITS",
@@ -87,7 +88,8 @@ def _slots(mask: int) -> tuple[int, ...]:
 
 
 def walk_prefix(
-    table: dict[int, int],
+    chain: Callable[[int, Sequence[Hashable], int, int, int], list[int]],
+    table: PyIntMap,
     pending: dict[int, int],
     tiers_table: dict[str, dict[int, int]],
     seed: int,
@@ -104,8 +106,7 @@ def walk_prefix(
     """
     key = seed
     alive = (bits << CODE_BITS) | code
-    table_get = table.get
-    blocks = block_tuples(tokens, block_size)
+    get_many = table.get_many
     keep_keys = bool(tiers_table)
     all_keys: list[int] = []
     real: dict[int, int] = {}
@@ -115,13 +116,13 @@ def walk_prefix(
     size = _FIRST_CHUNK
     while True:
         # the very function the event side uses (one key scheme), a chunk of blocks at a time
-        keys = chain_block_keys(key, islice(blocks, size), many=True)
+        keys = chain(key, tokens, block_size, done, size)
         if not keys:
             break
         key = keys[-1]
         if keep_keys:
             all_keys.extend(keys)
-        values = list(map(table_get, keys, repeat(0)))
+        values = get_many(keys, 0)
         before = alive
         if alive >> CODE_BITS:
             alive = _record_drops(values, alive, code, done, real)

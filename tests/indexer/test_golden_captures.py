@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
+from indexer.backend import PURE
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import EventBatch
 from indexer.protocol.frames import ReplayData, parse_replay_reply
+from tests.indexer.backends import native_or_skip
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
 MODEL = "m"
@@ -102,7 +104,15 @@ def _engine(doc: dict[str, Any]) -> str:
 
 
 def _run(doc: dict[str, Any], messages: list[tuple[bytes, list[dict[str, Any]]]]) -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(backend=PURE)
+    _check(doc, messages, index)
+    index = PrefixIndex(backend=native_or_skip())
+    _check(doc, messages, index)
+
+
+def _check(
+    doc: dict[str, Any], messages: list[tuple[bytes, list[dict[str, Any]]]], index: PrefixIndex
+) -> None:
     engine = _engine(doc)
     index.add_stream("s", model=MODEL, engine=engine)  # type: ignore[arg-type]
     reading = Reading(engine)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from indexer.backend import DEFAULT, Backend
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.events import Cleared, EventBatch, Removed, Stored
@@ -98,12 +99,12 @@ class Model:
         return out
 
 
-def run_differential(seed: int, steps: int) -> None:
-    print(f"differential seed={seed}")
+def run_differential(seed: int, steps: int, backend: Backend = DEFAULT) -> None:
+    print(f"differential seed={seed} backend={backend.name}")
     rng = random.Random(seed)
     docs = [[rng.randrange(3) for _ in range(DOC_BLOCKS * 4)] for _ in range(DOCS)]
     configs = {"s1": ("sglang", 4), "s2": ("sglang", 4), "s3": ("sglang", 2), "v1": ("vllm", 4)}
-    index = PrefixIndex()
+    index = PrefixIndex(backend=backend)
     model = Model()
     for name, (engine, bs) in configs.items():
         index.add_stream(name, model="m", engine=engine, block_size=bs)  # type: ignore[arg-type]
@@ -193,12 +194,12 @@ def run_differential(seed: int, steps: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, int(os.environ.get("KVROUTE_TEST_SEED", "4"))])
-def test_index_matches_brute_force_model(seed: int) -> None:
-    run_differential(seed, 400)
+def test_index_matches_brute_force_model(seed: int, backend: Backend) -> None:
+    run_differential(seed, 400, backend)
 
 
-def test_no_cross_namespace_match() -> None:
-    index = PrefixIndex()
+def test_no_cross_namespace_match(backend: Backend) -> None:
+    index = PrefixIndex(backend=backend)
     index.add_stream("s", model="m", block_size=2)
     tokens = [1, 2, 3, 4]
     ev = Stored(block_hashes=[1, 2], parent=None, token_ids=tokens, block_size=2, cache_salt="a")  # type: ignore[arg-type]

@@ -14,10 +14,12 @@ import random
 
 import pytest
 
+from indexer.backend import PURE, Backend
 from indexer.index import CODE_BITS, CODE_MASK, NS_MASK, PrefixIndex, ns_code
 from indexer.namespace import Namespace
 from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored
 from indexer.snapshot import dump_index, load_index
+from tests.indexer.backends import native_or_skip
 
 
 def check_invariants(index: PrefixIndex) -> None:
@@ -100,10 +102,10 @@ def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
 
 
 @pytest.mark.parametrize("seed", [11, 12, int(os.environ.get("KVROUTE_TEST_SEED", "13"))])
-def test_hostile_sequences_keep_the_index_consistent(seed: int) -> None:
-    print(f"invariants seed={seed}")
+def test_hostile_sequences_keep_the_index_consistent(seed: int, backend: Backend) -> None:
+    print(f"invariants seed={seed} backend={backend.name}")
     rng = random.Random(seed)
-    index = PrefixIndex()
+    index = PrefixIndex(backend=backend)
     for name, engine in (("s", "sglang"), ("v", "vllm"), ("t", "sglang")):
         index.add_stream(name, model="m", engine=engine, block_size=4)  # type: ignore[arg-type]
     held: list[object] = []
@@ -113,7 +115,7 @@ def test_hostile_sequences_keep_the_index_consistent(seed: int) -> None:
         if rng.random() < 0.03:
             index.evict_namespace(Namespace("m", rng.choice([None, "l"]), rng.choice([None, "a"])))
         if rng.random() < 0.02:
-            index = load_index(dump_index(index))
+            index = load_index(dump_index(index), backend=backend)
         if rng.random() < 0.01:
             index.drop_stream(stream)
             index.add_stream(stream, model="m", block_size=4)
@@ -121,6 +123,41 @@ def test_hostile_sequences_keep_the_index_consistent(seed: int) -> None:
             index.add_pending(stream, Namespace("m"), [rng.randrange(4) for _ in range(12)])
         check_invariants(index)
         index.query(Namespace("m", None, "a"), [rng.randrange(4) for _ in range(16)])
+
+
+@pytest.mark.parametrize("seed", [31, int(os.environ.get("KVROUTE_TEST_SEED", "32"))])
+def test_compiled_and_python_backends_agree(seed: int) -> None:
+    print(f"backends seed={seed}")
+    rng = random.Random(seed)
+    native = PrefixIndex(backend=native_or_skip())
+    python = PrefixIndex(backend=PURE)
+    both = (native, python)
+    for index in both:
+        for name, engine in (("s", "sglang"), ("v", "vllm")):
+            index.add_stream(name, model="m", engine=engine, block_size=4)  # type: ignore[arg-type]
+    held: list[object] = []
+    matched = 0
+    for step in range(500):
+        stream = rng.choice(["s", "v"])
+        batch = hostile_batch(rng, held)
+        assert native.apply(stream, batch, step) == python.apply(stream, batch, step)
+        if rng.random() < 0.03:
+            doomed = Namespace("m", rng.choice([None, "l"]), rng.choice([None, "a"]))
+            assert native.evict_namespace(doomed) == python.evict_namespace(doomed)
+        if rng.random() < 0.05:
+            tokens = [rng.randrange(4) for _ in range(12)]
+            assert native.add_pending(stream, Namespace("m"), tokens) == python.add_pending(
+                stream, Namespace("m"), tokens
+            )
+        assert state(native) == state(python), step
+        for salt in (None, "a"):
+            tokens = [rng.randrange(3) for _ in range(16)]
+            want = python.query(Namespace("m", None, salt), tokens)
+            assert native.query(Namespace("m", None, salt), tokens) == want
+            matched += sum(m.blocks for m in want.values())
+    assert matched, "no query ever matched: the comparison proved nothing"
+    restored = load_index(dump_index(native), backend=PURE)
+    assert state(restored) == state(python)
 
 
 def steady_batch(rng: random.Random, held: list[object]) -> EventBatch:
@@ -157,7 +194,7 @@ def steady_batch(rng: random.Random, held: list[object]) -> EventBatch:
 def state(index: PrefixIndex) -> object:
     streams = {
         name: (
-            st.blocks,
+            dict(st.blocks.items()),
             st.refs,
             st.dup_keys,
             st.partial,
@@ -165,14 +202,14 @@ def state(index: PrefixIndex) -> object:
         )
         for name, st in index._streams.items()
     }
-    return index._table, streams, index._registry.blocks, index._registry.tokens
+    return dict(index._table.items()), streams, index._registry.blocks, index._registry.tokens
 
 
 @pytest.mark.parametrize("seed", [21, int(os.environ.get("KVROUTE_TEST_SEED", "22"))])
-def test_inline_store_path_equals_the_general_one(seed: int) -> None:
-    print(f"inline store seed={seed}")
+def test_inline_store_path_equals_the_general_one(seed: int, backend: Backend) -> None:
+    print(f"inline store seed={seed} backend={backend.name}")
     rng = random.Random(seed)
-    fast, slow = PrefixIndex(), PrefixIndex()
+    fast, slow = PrefixIndex(backend=backend), PrefixIndex(backend=backend)
     slow._store = slow._store_general  # type: ignore[method-assign]
     for index in (fast, slow):
         for name in ("s", "t"):

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from indexer.backend import Backend
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace, chain_keys, namespace_seed, request_keys
 from indexer.protocol.events import EventBatch, Removed, Stored
@@ -35,11 +36,11 @@ def brute_depths(index: PrefixIndex, tokens: list[int]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("seed", [1, 2, int(os.environ.get("KVROUTE_TEST_SEED", "3"))])
-def test_long_prompts_match_brute_force_across_chunks(seed: int) -> None:
+def test_long_prompts_match_brute_force_across_chunks(seed: int, backend: Backend) -> None:
     print(f"walk seed={seed}")
     rng = random.Random(seed)
     tokens = [rng.randrange(50) for _ in range(BLOCKS * PAGE)]
-    index = PrefixIndex(clock=lambda: 0.0, pending_ttl_s=10.0)
+    index = PrefixIndex(clock=lambda: 0.0, pending_ttl_s=10.0, backend=backend)
     for s in range(12):
         name = f"s{s}"
         index.add_stream(name, model="m", block_size=PAGE)

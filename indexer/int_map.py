@@ -1,0 +1,40 @@
+"""`PyIntMap`: the pure-Python stand-in for the compiled `indexer._intmap.IntMap`.
+
+The index's two big maps (block key -> holder value, and per stream engine hash -> block key)
+are int-keyed. The compiled map stores them in a flat open-addressing array of 16-byte slots,
+which is what brings an indexed entry under ~120 bytes and lets a query prefetch its lookups;
+this dict subclass has the same methods and results, for machines that could not build it
+(`indexer.backend` picks one). Only what the index uses is part of the contract:
+
+- the mapping basics: `len`, `in`, `[]`, `get`, `pop`, `setdefault`, `update`, `clear`,
+  iteration, `keys` / `values` / `items` (the compiled map returns lists: callers only iterate);
+- `isdisjoint(keys)`: no element of `keys` is a key (dict only has it on its keys view);
+- `get_many(keys, default)`: one value (or `default`) per key, in order: the query's lookups;
+- `packed`: the compiled map stores values inline as int64 when True (per-stream maps, whose
+  values are block keys) and as shared int objects otherwise (the table, whose values are wide
+  holder bit sets). Here it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import repeat
+
+__all__ = ["PyIntMap"]
+
+
+class PyIntMap(dict[int | bytes, int]):
+    """A dict with the compiled map's extra methods (keys are ints or bytes, values ints)."""
+
+    __slots__ = ()
+
+    def __init__(self, packed: bool = False) -> None:
+        super().__init__()
+
+    def isdisjoint(self, keys: Iterable[int | bytes], /) -> bool:
+        """True when no element of `keys` is a key of this map."""
+        return self.keys().isdisjoint(keys)
+
+    def get_many(self, keys: Iterable[int | bytes], default: int, /) -> list[int]:
+        """The value of every key of `keys` (`default` when absent), in order."""
+        return list(map(self.get, keys, repeat(default)))
