@@ -1087,6 +1087,125 @@ error:
     return NULL;
 }
 
+/* ------------------------------------------------------------------- bulk event methods
+ * The index's store and remove paths handle an event's ~8 hashes at once; these save it the
+ * zip tuples and the per-key method calls of doing the same through map(). Each works on a
+ * tuple copy of its arguments, so nothing a finalizer does to the caller's lists matters. */
+
+static PyObject *
+intmap_assign(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "assign expected 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *keys = PySequence_Tuple(args[0]);
+    if (keys == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
+        if (set_item(m, PyTuple_GET_ITEM(keys, i), args[1]) < 0) {
+            Py_DECREF(keys);
+            return NULL; /* keys before i stay assigned, as with update */
+        }
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+intmap_pop_many(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "pop_many expected 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *keys = PySequence_Tuple(args[0]);
+    if (keys == NULL) {
+        return NULL;
+    }
+    const Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v;
+        int rc = pop_item(m, PyTuple_GET_ITEM(keys, i), &v);
+        if (rc < 0) {
+            Py_CLEAR(out); /* keys before i stay popped, as with a loop of pop */
+            break;
+        }
+        PyList_SET_ITEM(out, i, rc == 1 ? v : Py_NewRef(args[1]));
+    }
+    Py_DECREF(keys);
+    return out;
+}
+
+/* Pop keys[0:n] again (they were absent before this call inserted them). */
+static int
+take_back(IntMapObject *m, PyObject *keys, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = NULL;
+        if (pop_item(m, PyTuple_GET_ITEM(keys, i), &v) < 0) {
+            return -1;
+        }
+        Py_XDECREF(v);
+    }
+    return 0;
+}
+
+static PyObject *
+intmap_insert_new(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "insert_new expected 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *keys = PySequence_Tuple(args[0]);
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *values = PySequence_Tuple(args[1]);
+    if (values == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    if (PyTuple_GET_SIZE(values) != n) {
+        PyErr_Format(PyExc_ValueError, "insert_new got %zd keys and %zd values", n,
+                     PyTuple_GET_SIZE(values));
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int rc = intmap_contains(m, PyTuple_GET_ITEM(keys, i));
+        if (rc != 0) {
+            result = rc < 0 ? NULL : Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t before = intmap_length(m);
+        if (set_item(m, PyTuple_GET_ITEM(keys, i), PyTuple_GET_ITEM(values, i)) < 0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            (void)take_back(m, keys, i);
+            PyErr_Restore(type, value, tb);
+            goto done;
+        }
+        if (intmap_length(m) == before) {
+            /* a key repeated within the call: the map is as before once keys[0:i] are gone
+             * (keys[i] is one of them) */
+            result = take_back(m, keys, i) < 0 ? NULL : Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_True);
+done:
+    Py_DECREF(keys);
+    Py_DECREF(values);
+    return result;
+}
+
 static PyObject *
 intmap_sizeof(IntMapObject *m, PyObject *Py_UNUSED(ignored))
 {
@@ -1140,6 +1259,16 @@ static PyMethodDef intmap_methods[] = {
     {"get_many", (PyCFunction)(void (*)(void))intmap_get_many, METH_FASTCALL,
      "get_many($self, keys, default, /)\n--\n\n"
      "A list with the value (or default) of each key, in order."},
+    {"assign", (PyCFunction)(void (*)(void))intmap_assign, METH_FASTCALL,
+     "assign($self, keys, value, /)\n--\n\n"
+     "Set every key of keys to value."},
+    {"pop_many", (PyCFunction)(void (*)(void))intmap_pop_many, METH_FASTCALL,
+     "pop_many($self, keys, default, /)\n--\n\n"
+     "Remove each key; a list of the values (default for absent keys), in order."},
+    {"insert_new", (PyCFunction)(void (*)(void))intmap_insert_new, METH_FASTCALL,
+     "insert_new($self, keys, values, /)\n--\n\n"
+     "Insert every pair and return True when no key is present and none repeats;\n"
+     "otherwise change nothing and return False."},
     {"__sizeof__", (PyCFunction)intmap_sizeof, METH_NOARGS,
      "Bytes of the object, its array and its overflow dict."},
     {NULL, NULL, 0, NULL},

@@ -33,9 +33,7 @@ Namespace ids, codes, seeds and per-namespace sizes live in `indexer.registry`.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import repeat
 from typing import Literal, cast
 
 import msgspec
@@ -406,20 +404,11 @@ class PrefixIndex:
         if not table.isdisjoint(keys):
             self._store_general(st, ev, outcome)
             return
-        before = len(blocks)
-        # insert-if-absent in one C-level pass: a known hash keeps its old key untouched
-        deque(map(blocks.setdefault, hashes, keys), maxlen=0)
-        if len(blocks) - before != n:
-            # a hash already held, or one hash twice in this event: take back exactly what
-            # this pass inserted, then go careful. A held hash maps to a key in the table and
-            # none of `keys` is, so `== key` can only be true of what this pass inserted (and
-            # of the one position that inserted it, as chained keys are distinct).
-            for h, key in zip(hashes, keys, strict=True):
-                if blocks.get(h) == key:
-                    del blocks[h]
+        if not blocks.insert_new(hashes, keys):
+            # a hash already held, or one hash twice in this event (nothing was inserted)
             self._store_general(st, ev, outcome)
             return
-        table.update(zip(keys, repeat(single)))
+        table.assign(keys, single)
         self._registry.blocks[ns_id] += n
         self._registry.tokens[ns_id] += n * block_size
         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n  # a clear may have emptied it
@@ -472,33 +461,28 @@ class PrefixIndex:
         code = self._registry.codes[ns_id]
         blocks = st.blocks
         pending = self.pending.bits
-        if (medium is None or medium == self.default_medium) and (
-            not pending or pending.keys().isdisjoint(keys)
+        if (
+            (medium is None or medium == self.default_medium)
+            and (not pending or pending.keys().isdisjoint(keys))
+            and (not st.partial or st.partial.keys().isdisjoint(hashes))
+            and blocks.insert_new(hashes, keys)
         ):
-            before = len(blocks)
-            if blocks.isdisjoint(hashes) and (
-                not st.partial or st.partial.keys().isdisjoint(hashes)
-            ):
-                # the common case, in C: new hashes on this stream, mostly new keys
-                table = self._table
-                blocks.update(zip(hashes, keys, strict=True))
-                if len(blocks) - before == n:
-                    if table.isdisjoint(keys):
-                        # every key is new to the table: one C-level update, no per-key work
-                        single = st.singles.get(ns_id)
-                        if single is None:
-                            single = self._single(st, ns_id)
-                        table.update(zip(keys, repeat(single)))
-                        self._registry.blocks[ns_id] += n
-                        self._registry.tokens[ns_id] += n * block_size
-                        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
-                    else:
-                        values = list(map(table.get, keys))
-                        self._link(st, hashes, keys, values, code, ns_id, block_size)
-                    outcome.stored += n
-                    return
-                for h in hashes:  # one hash twice in one event: undo, take the careful path
-                    blocks.pop(h, None)
+            # the common case, in C: new hashes on this stream (none twice), mostly new keys
+            table = self._table
+            if table.isdisjoint(keys):
+                # every key is new to the table: one C-level assignment, no per-key work
+                single = st.singles.get(ns_id)
+                if single is None:
+                    single = self._single(st, ns_id)
+                table.assign(keys, single)
+                self._registry.blocks[ns_id] += n
+                self._registry.tokens[ns_id] += n * block_size
+                st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
+            else:
+                values = table.get_many(keys, None)
+                self._link(st, hashes, keys, values, code, ns_id, block_size)
+            outcome.stored += n
+            return
         if medium is None:
             medium = self.default_medium
         self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
@@ -519,7 +503,7 @@ class PrefixIndex:
         single = self._shared(st.sbit | code)
         n = len(keys)
         if not values or values.count(None) == n:
-            table.update(zip(keys, repeat(single)))
+            table.assign(keys, single)
             new_unique = added = n
         else:
             new_unique = 0
@@ -628,7 +612,7 @@ class PrefixIndex:
             return
         hashes = ev.block_hashes
         blocks = st.blocks
-        popped = list(map(blocks.pop, hashes, repeat(None)))
+        popped = blocks.pop_many(hashes, None)
         if None in popped:
             # unknown hashes or partial pages among them: undo and go block by block
             for h, old in zip(hashes, popped, strict=True):
@@ -640,7 +624,7 @@ class PrefixIndex:
         # the common case, in C: every hash known, each key held by this stream alone, in
         # one namespace; pop them all, then put back whatever another stream still holds
         table = self._table
-        values = list(map(table.pop, keys))
+        values = table.pop_many(keys, 0)
         n = len(keys)
         first = values[0] if values else 0
         ns_id = first & NS_MASK

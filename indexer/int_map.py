@@ -10,6 +10,8 @@ this dict subclass has the same methods and results, for machines that could not
   iteration, `keys` / `values` / `items` (the compiled map returns lists: callers only iterate);
 - `isdisjoint(keys)`: no element of `keys` is a key (dict only has it on its keys view);
 - `get_many(keys, default)`: one value (or `default`) per key, in order: the query's lookups;
+- an event's bulk operations: `assign(keys, value)`, `pop_many(keys, default)` and
+  `insert_new(keys, values)` (all or nothing: inserts only when no key is present or repeats);
 - `packed`: the compiled map stores values inline as int64 when True (per-stream maps, whose
   values are block keys) and as shared int objects otherwise (the table, whose values are wide
   holder bit sets). Here it changes nothing.
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import repeat
+from typing import TypeVar
 
 __all__ = ["PyIntMap"]
+
+_T = TypeVar("_T")
 
 
 class PyIntMap(dict[int | bytes, int]):
@@ -35,6 +40,30 @@ class PyIntMap(dict[int | bytes, int]):
         """True when no element of `keys` is a key of this map."""
         return self.keys().isdisjoint(keys)
 
-    def get_many(self, keys: Iterable[int | bytes], default: int, /) -> list[int]:
+    def get_many(self, keys: Iterable[int | bytes], default: _T, /) -> list[int | _T]:
         """The value of every key of `keys` (`default` when absent), in order."""
         return list(map(self.get, keys, repeat(default)))
+
+    def assign(self, keys: Iterable[int | bytes], value: int, /) -> None:
+        """Set every key of `keys` to `value`."""
+        self.update(zip(keys, repeat(value)))
+
+    def pop_many(self, keys: Iterable[int | bytes], default: _T, /) -> list[int | _T]:
+        """Remove each key; the values (`default` for absent keys), in order."""
+        return list(map(self.pop, keys, repeat(default)))
+
+    def insert_new(self, keys: Iterable[int | bytes], values: Iterable[int], /) -> bool:
+        """Insert every pair when no key is present and none repeats; else change nothing."""
+        keys = tuple(keys)
+        values = tuple(values)
+        if len(keys) != len(values):
+            raise ValueError(f"insert_new got {len(keys)} keys and {len(values)} values")
+        if not self.keys().isdisjoint(keys):
+            return False
+        before = len(self)
+        self.update(zip(keys, values, strict=True))
+        if len(self) - before != len(keys):
+            for key in keys:
+                self.pop(key, None)
+            return False
+        return True

@@ -159,6 +159,25 @@ def _differential(m: Any, packed: bool, seed: int, n_ops: int) -> None:
         elif op < 0.872:
             m.clear()
             model.clear()
+        elif op < 0.90:
+            ks = rng.sample(pool, rng.randrange(0, 9))
+            v = _value(rng, packed)
+            m.assign(ks if rng.random() < 0.5 else iter(ks), v)
+            model.update(dict.fromkeys(ks, v))
+        elif op < 0.93:
+            ks = [rng.choice(pool) for _ in range(rng.randrange(0, 9))]  # repeats included
+            assert m.pop_many(ks, missing) == [model.pop(x, missing) for x in ks]
+        elif op < 0.97:
+            # mostly fresh keys (the store path's common case), sometimes a held or repeated one
+            ks = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(rng.randrange(0, 9))]
+            if ks and rng.random() < 0.3:
+                ks[rng.randrange(len(ks))] = rng.choice([*pool, ks[0]])
+            vs = [_value(rng, packed) for _ in ks]
+            fresh = model.keys().isdisjoint(ks) and len(set(ks)) == len(ks)
+            assert m.insert_new(ks, vs) is fresh
+            if fresh:
+                model.update(zip(ks, vs, strict=True))
+            _same(m, model)
         else:
             assert len(m) == len(model)
         if step % 500 == 0:
@@ -479,3 +498,44 @@ def test_finalizers_mutating_the_map_mid_operation(native: type[Any]) -> None:
         gc.collect()
     assert fired[0] > 0
     assert len(m.items()) == len(m) == len(m.keys()) == len(m.values())
+
+
+def test_bulk_methods_errors_leave_the_map_sane(native: type[Any]) -> None:
+    m = native(True)
+    m.update([(1, 10), (2, 20)])
+    with pytest.raises(ValueError):
+        m.insert_new([3, 4], [30])
+    with pytest.raises(OverflowError):
+        m.insert_new([5, 6, 7], [50, 2**70, 70])  # the second value does not fit: all undone
+    assert sorted(m.items()) == [(1, 10), (2, 20)]
+    with pytest.raises(TypeError):
+        m.insert_new([8, 1.5], [80, 90])  # a bad key after a good one: undone too
+    assert sorted(m.items()) == [(1, 10), (2, 20)]
+    with pytest.raises(TypeError):
+        m.assign([3, 4.5], 7)  # keys before the bad one stay assigned, as with update
+    assert m[3] == 7 and len(m) == 3
+    with pytest.raises(TypeError):
+        m.pop_many([1, None], 0)  # keys before the bad one stay popped, as with pop
+    assert 1 not in m and len(m) == 2
+    for method, n in (("assign", 2), ("pop_many", 2), ("insert_new", 2)):
+        with pytest.raises(TypeError):
+            getattr(m, method)(*range(n + 1))
+    with pytest.raises(TypeError):
+        m.assign(5, 1)  # not iterable
+
+
+def test_bulk_methods_keep_value_refcounts_exact(native: type[Any]) -> None:
+    value = 10**30 + 7  # a fresh int object nobody else holds
+    base = sys.getrefcount(value)
+    m = native(False)
+    m.assign([1, 2, 3, b"x"], value)
+    assert sys.getrefcount(value) == base + 4
+    assert m.insert_new([4, 5, 4], [value] * 3) is False  # repeated key: rolled back
+    assert not m.insert_new([6, 1], [value, value])  # a held key: nothing inserted
+    assert sys.getrefcount(value) == base + 4
+    assert m.insert_new([7, 8], [value, value]) is True
+    assert sys.getrefcount(value) == base + 6
+    popped = m.pop_many([1, 2, 3, b"x", 7, 8, 99], None)
+    assert popped == [value] * 6 + [None]
+    del popped
+    assert sys.getrefcount(value) == base and len(m) == 0
