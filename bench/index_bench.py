@@ -691,43 +691,30 @@ def render(
 
 
 LIMITS = """\
-All of it is single-threaded CPython: what is left is interpreter work per event and memory
-latency per lookup, not algorithmic cost. numpy was measured and not adopted: turning an
-8,192-token Python list into an array costs 105-135 us (np.array / np.fromiter /
-array.array), more than chaining the whole prompt in pure Python (~90 us), and a keyed numpy
-mix of an 8-block event costs ~11 us against ~2 us; it only pays if tokens arrive as a buffer.
-- Ingest: `decode_batch` (msgspec) costs ~0.3 us per block operation and is outside the index;
-  `PrefixIndex.apply` ~0.7 us. Steady SGLang stores (known parent, seen salt, fresh hashes)
-  take an inline path: one key-chain call (~0.18 us a block: a tuple of 16 tokens and one
-  C-level hash), one insert-if-absent pass over the stream map, one disjointness check and
-  one update of the shared table. Removes pop both maps in two C-level passes. What remains
-  is ~3 us of fixed Python per event (~8 pages here), so the naive dict-of-sets baseline,
-  which does none of the bookkeeping (namespaces, refcounts, sizes, validation), is about as
-  fast (within ~10%, either way) at this event size. Past 1 M with decode needs either
-  decoding straight into the index's shapes (the decoder is another module's) or a compiled
-  hot loop.
-- Query: block keys ~80-85 us (the walk's all-C chain pass: `zip` over the key list that
-  `extend` is filling, ~12% under the per-event Python loop, which stays for events because
-  it is faster below ~8 blocks) plus one dict lookup per block ~115-125 us make the floor of
-  any dict-based layout (~195-210 us here). The table and its key objects are ~100 MB, so a
-  lookup is up to 3 cache misses (index slot, entry, key object): the same `match` run right
-  after a service call on the same prompt, its entries still cached, took ~135 us p50 instead
-  of ~235. The walk adds ~15-25 us (drops found from the few distinct holder sets; streams
-  that stop together recorded by one C-level update from a memo of slot masks). The service
-  adds ~5-10 us for 64 workers (was ~70-80): stream states and "holds nothing" answers are
-  cached and rechecked with one C-level pass per query, answers of matched workers are reused
-  per (stream, depth). With pending entries present each chunk also costs a C-level
-  disjointness check against the pending table (~7 us per 256 keys into a 31k-entry dict),
-  and the chunk where pending and real diverge a second pass. So p50 is ~200-245 us over
-  three runs (was ~310-365), and p99 (~290-400 us, worse when another tenant's burst lands)
-  misses 250 us: past the floor the target needs compact open-addressing arrays (compiled
-  code).
-- Memory: per entry a stream-map slot (~42 bytes), its engine hash (a 36-byte int) and its own
-  copy of the block key (36 bytes: CPython cannot hand back the table's key object for an
-  equal int, and a key -> key interning map costs as much as it saves); per unique key a table
-  slot (~50 bytes) shared by its holders; holder sets are shared int objects. 42 + 36 + 36 +
-  50 / 2.4 = ~135 bytes at this sharing, ~160 with none: the floor of dicts of int objects.
-  Under 120 needs entries stored without per-entry objects (arrays in a compiled table).
+With the compiled backend (`indexer/_intmap.c`, `indexer/_keychain.c`; the default when the
+install could build them) every hot loop is C; what remains is CPython call overhead per
+event and memory latency per lookup. The pure-Python backend's figures are in the table
+above; its limits were per-event interpreter work, one dict lookup (up to three cache misses)
+per block, and two 48-byte int objects per entry.
+- Ingest: `decode_batch` (msgspec) costs ~0.3 us per block operation, `PrefixIndex.apply`
+  ~0.4 us. A steady SGLang store (known parent, seen salt, fresh hashes) is one key-chain call
+  (~0.04 us a block: the tuple hash computed in C, no tuple built), one all-or-nothing
+  `insert_new` into the stream map, one `isdisjoint` and one `assign` on the table; a remove is
+  two `pop_many`. What is left is ~2 us of Python per event (~8 pages here): attribute reads,
+  the fast-path checks, counters. The naive dict-of-sets baseline, which does none of the
+  bookkeeping (namespaces, refcounts, sizes, validation), is now ~0.6x the index's apply.
+- Query: keys ~22 us for 512 blocks (~1.3 ns a token of hashing, ~7 us of it allocating the
+  512 result ints), lookups ~15 us (`get_many` hashes 16 keys ahead and prefetches their
+  slots, so the misses into the ~40 MB table overlap instead of queueing), the walk ~15 us
+  (drops found from the few distinct holder sets, chunk by chunk), the service ~8 us for 64
+  workers. With pending entries present each chunk also costs an `isdisjoint` against the
+  pending map (itself an `IntMap`), and the chunk where pending and real diverge a second
+  lookup pass (~15-20 us in all).
+- Memory: per entry one 16-byte slot in its stream's map (values packed as int64), at a load
+  between 3/8 and 3/4 (~30 bytes on average); per unique key one table slot (~40 bytes at this
+  size, just past a doubling) shared by its holders, whose values are a few shared int
+  objects: 30 + 40 / 2.4 = ~47, plus the side structures, ~52 bytes at this sharing and ~74
+  with none. Dynamo's Rust indexer is quoted at ~65 bytes per block.
 """
 
 

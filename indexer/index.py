@@ -175,7 +175,7 @@ class PrefixIndex:
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
         self._registry = NamespaceRegistry()
         self._values: dict[int, int] = {}
-        self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS)
+        self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, int_map=backend.int_map)
 
     # ---------------------------------------------------------------- streams
 
@@ -463,7 +463,7 @@ class PrefixIndex:
         pending = self.pending.bits
         if (
             (medium is None or medium == self.default_medium)
-            and (not pending or pending.keys().isdisjoint(keys))
+            and (not pending or pending.isdisjoint(keys))
             and (not st.partial or st.partial.keys().isdisjoint(hashes))
             and blocks.insert_new(hashes, keys)
         ):

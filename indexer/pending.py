@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from indexer.int_map import PyIntMap
+
 __all__ = ["PendingTable"]
 
 
@@ -33,13 +35,14 @@ class PendingTable:
         *,
         shift: int = 0,
         fill: int = 0,
+        int_map: type[PyIntMap] = PyIntMap,
     ) -> None:
         self._clock = clock
         self._shift = shift
         self._fill = fill
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self.bits: dict[int, int] = {}
+        self.bits = int_map(False)  # the backend's map: queries read it like the table
         # (key, slot) -> (deadline, namespace id)
         self._deadline: dict[tuple[int, int], tuple[float, int]] = {}
         self._fifo: deque[tuple[float, int, int]] = deque()

@@ -90,7 +90,7 @@ def _slots(mask: int) -> tuple[int, ...]:
 def walk_prefix(
     chain: Callable[[int, Sequence[Hashable], int, int, int], list[int]],
     table: PyIntMap,
-    pending: dict[int, int],
+    pending: PyIntMap,
     tiers_table: dict[str, dict[int, int]],
     seed: int,
     code: int,
@@ -130,7 +130,7 @@ def walk_prefix(
             alive_any = alive
         elif not alive_any >> CODE_BITS:
             pass  # the pending walk has ended (the real one may go on)
-        elif pending.keys().isdisjoint(keys):
+        elif pending.isdisjoint(keys):
             if alive_any == before:
                 # no pending entry so far nor in this chunk: the pending walk is the real one
                 alive_any = alive
@@ -141,7 +141,7 @@ def walk_prefix(
             # pending values carry their namespace's code like real ones; ORing two values
             # would hide a foreign code, so the first foreign entry (real or pending) is
             # found first and ends the pending walk there
-            marks = list(map(pending.get, keys, repeat(0)))
+            marks = pending.get_many(keys, 0)
             held = list(map(or_, values, marks))
             cut = _first_foreign(values, marks, code)
             if cut is not None:
