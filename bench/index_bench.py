@@ -37,6 +37,7 @@ import tempfile
 import time
 import tracemalloc
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -532,7 +533,7 @@ def _stages(
 
     naive = NaiveIndex.mirror(index)
     stages: dict[str, list[float]] = {}
-    fns = {
+    fns: dict[str, Callable[[Namespace, list[int]], object]] = {
         "python_keys": python_keys,
         "keys": keys,
         "floor": floor,

@@ -727,10 +727,14 @@ class PrefixIndex:
         fresh = [k for k in keys if not table.get(k, 0) & sbit]
         return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id])
 
-    def match(self, namespace: Namespace, tokens: Sequence[Hashable]) -> PrefixMatch:
+    def match(
+        self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
+    ) -> PrefixMatch:
         """Leading full blocks of `tokens` held in `namespace`, only for streams holding some.
 
-        The router's hot path: nothing is allocated per stream that matches nothing.
+        Only the first `limit` tokens count (None: all), so the router can leave out a
+        prompt's last token without copying the list. The router's hot path: nothing is
+        allocated per stream that matches nothing.
         """
         self.pending.expire()
         out = PrefixMatch({}, {}, {})
@@ -749,13 +753,16 @@ class PrefixIndex:
                 bits,
                 tokens,
                 block_size,
+                limit,
             )
             collect(out, real, extra, tiers, by_slot, self.default_medium)
         return out
 
-    def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, StreamMatch]:
-        """For every stream, the leading full blocks of `tokens` it holds in `namespace`."""
-        found = self.match(namespace, tokens)
+    def query(
+        self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
+    ) -> dict[str, StreamMatch]:
+        """For every stream, the leading full blocks of `tokens` (the first `limit`) it holds."""
+        found = self.match(namespace, tokens, limit)
         result = {}
         for stream, st in self._streams.items():
             blocks = found.blocks.get(stream, 0)

@@ -150,13 +150,16 @@ class IndexerService:
 
     # -------------------------------------------------------------- queries
 
-    def query(self, namespace: Namespace, tokens: Sequence[Hashable]) -> dict[str, WorkerMatch]:
+    def query(
+        self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
+    ) -> dict[str, WorkerMatch]:
         """For EVERY known worker, the leading blocks of `tokens` it holds in `namespace`.
 
-        The per-worker part costs a dict copy plus one object per worker that matched
-        something: states and "holds nothing" answers are cached (`indexer.worker_matches`).
+        Only the first `limit` tokens count (None: all). The per-worker part costs a dict copy
+        plus one object per worker that matched something: states and "holds nothing" answers
+        are cached (`indexer.worker_matches`).
         """
-        found = self.index.match(namespace, tokens)
+        found = self.index.match(namespace, tokens, limit)
         return self._matches.answer(self._workers, found, self.index.default_medium)
 
     def add_pending(self, namespace: Namespace, tokens: Sequence[int], worker: str) -> None:

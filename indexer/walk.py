@@ -97,12 +97,14 @@ def walk_prefix(
     bits: int,
     tokens: Sequence[Hashable],
     block_size: int,
+    limit: int | None = None,
 ) -> tuple[dict[int, int], dict[int, int], dict[str, dict[int, int]]]:
     """One pass over the request blocks: depth per slot holding any (real, real+pending, tiers).
 
     `bits` are the slots of the streams with this block size; `seed` and `code` are the
-    namespace's. Blocks are hashed, looked up and ANDed in chunks by C-level iterators; Python
-    only looks at the few places where the running AND changes (a stream stops matching).
+    namespace's; only the full blocks of the first `limit` tokens count (None: all). Blocks
+    are hashed, looked up and ANDed in chunks by C-level calls; Python only looks at the few
+    places where the running AND changes (a stream stops matching).
     """
     key = seed
     alive = (bits << CODE_BITS) | code
@@ -114,9 +116,10 @@ def walk_prefix(
     done = 0
     alive_any = alive
     size = _FIRST_CHUNK
-    while True:
+    total = (len(tokens) if limit is None else min(limit, len(tokens))) // block_size
+    while done < total:
         # the very function the event side uses (one key scheme), a chunk of blocks at a time
-        keys = chain(key, tokens, block_size, done, size)
+        keys = chain(key, tokens, block_size, done, min(size, total - done))
         if not keys:
             break
         key = keys[-1]

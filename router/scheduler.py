@@ -99,8 +99,10 @@ class Scheduler:
     def _plan(self, ns: Namespace, tokens: Sequence[int]) -> Plan:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
-        # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks.
-        matches = self.indexer.query(ns, tokens[:-1]) if self.indexer.worker_count() else {}
+        # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
+        # (`limit` says so without copying an 8k-token list).
+        limit = max(len(tokens) - 1, 0)
+        matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         weights = self._config.medium_weights
         views: list[WorkerView] = []
         info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}

@@ -66,6 +66,11 @@ def test_long_prompts_match_brute_force_across_chunks(seed: int, backend: Backen
     want = brute_depths(index, tokens)
     got = index.query(NS, tokens)
     assert {name: m.blocks for name, m in got.items()} == want
+    # `limit` looks at a prefix without copying it: the same answer as the copied prefix
+    for limit in (0, 15, 16, 1023, 1024, 1025, rng.randrange(len(tokens)), len(tokens) + 5):
+        cut = index.query(NS, tokens, limit)
+        assert cut == index.query(NS, tokens[:limit]), limit
+        assert all(m.blocks <= limit // PAGE for m in cut.values())
     # pending extends a real match only where it continues it, block for block
     seed_key = namespace_seed(NS, PAGE)
     keys = chain_keys(seed_key, tokens, PAGE)
