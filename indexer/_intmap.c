@@ -1206,6 +1206,92 @@ done:
     return result;
 }
 
+/* pop_by_value(other): remove every entry whose value is a key of `other` (an IntMap); a list of
+ * the removed (key, value) pairs. Evicting a namespace drops a stream's entries of a set of
+ * block keys this way in one pass over the slots instead of a Python step per entry. The array
+ * part is found and removed before any Python object is allocated, so nothing can run and change
+ * the map in between. */
+static PyObject *
+intmap_pop_by_value(IntMapObject *m, PyObject *other_obj)
+{
+    if (!m->packed || !PyObject_TypeCheck(other_obj, &IntMap_Type)) {
+        PyErr_SetString(PyExc_TypeError, "pop_by_value needs a packed IntMap and an IntMap");
+        return NULL;
+    }
+    IntMapObject *other = (IntMapObject *)other_obj;
+    PyObject *minus_one = NULL;
+    int minus_one_in_other = 0; /* -1 is never an array key: ask the overflow once */
+    if (other->overflow != NULL) {
+        minus_one = PyLong_FromLong(-1);
+        if (minus_one == NULL) {
+            return NULL;
+        }
+        minus_one_in_other = PyDict_Contains(other->overflow, minus_one);
+        Py_DECREF(minus_one);
+        if (minus_one_in_other < 0) {
+            return NULL;
+        }
+    }
+    Py_ssize_t n = 0;
+    int64_t *pairs = NULL;
+    if (m->used > 0) {
+        pairs = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)m->used);
+        if (pairs == NULL) {
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t j = 0; j < m->cap; j++) {
+            const Slot *s = &m->slots[j];
+            if (s->tag == 0) {
+                continue;
+            }
+            const int64_t v = s->v.i;
+            if (v == -1 ? minus_one_in_other : find(other, v) != NULL) {
+                pairs[2 * n] = (int64_t)~s->tag;
+                pairs[2 * n + 1] = v;
+                n++;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            remove_slot(m, find(m, pairs[2 * i]));
+        }
+    }
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *item = Py_BuildValue("(LL)", (long long)pairs[2 * i], (long long)pairs[2 * i + 1]);
+        if (item == NULL) {
+            Py_CLEAR(out); /* the entries are gone either way: the caller sees the error */
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    PyMem_Free(pairs);
+    if (out == NULL || m->overflow == NULL) {
+        return out;
+    }
+    PyObject *items = PyDict_Items(m->overflow);
+    if (items == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        int rc = intmap_contains(other, PyTuple_GET_ITEM(item, 1));
+        if (rc > 0) {
+            rc = PyDict_DelItem(m->overflow, PyTuple_GET_ITEM(item, 0));
+            if (rc == 0) {
+                rc = PyList_Append(out, item);
+            }
+        }
+        if (rc < 0) {
+            Py_DECREF(items);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    Py_DECREF(items);
+    return out;
+}
+
 static PyObject *
 intmap_sizeof(IntMapObject *m, PyObject *Py_UNUSED(ignored))
 {
@@ -1269,6 +1355,10 @@ static PyMethodDef intmap_methods[] = {
      "insert_new($self, keys, values, /)\n--\n\n"
      "Insert every pair and return True when no key is present and none repeats;\n"
      "otherwise change nothing and return False."},
+    {"pop_by_value", (PyCFunction)intmap_pop_by_value, METH_O,
+     "pop_by_value($self, other, /)\n--\n\n"
+     "Remove every entry whose value is a key of other (an IntMap; self must be packed);\n"
+     "a list of the removed (key, value) pairs."},
     {"__sizeof__", (PyCFunction)intmap_sizeof, METH_NOARGS,
      "Bytes of the object, its array and its overflow dict."},
     {NULL, NULL, 0, NULL},

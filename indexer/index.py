@@ -319,19 +319,36 @@ class PrefixIndex:
         if ns_id is None:
             return 0
         self.pending.discard_namespace(ns_id)
-        keys = {k for k, v in self._table.items() if v & NS_MASK == ns_id}
+        # every table key of the namespace goes, whoever holds it: drop them in bulk, then
+        # each stream's entries of those keys in one pass over its map
+        table = self._table
+        keys = [k for k, v in table.items() if v & NS_MASK == ns_id]
+        doomed = self.backend.int_map(True)
+        doomed.assign(keys, 0)
+        table.pop_many(keys, None)
+        for tier_medium, tier in list(self._tiers.items()):
+            for k in [k for k in tier if k in doomed]:
+                del tier[k]
+            if not tier:
+                del self._tiers[tier_medium]
+        self._registry.blocks[ns_id] = 0
+        self._registry.tokens[ns_id] = 0
         dropped = 0
         for st in self._streams.values():
-            doomed = [h for h, k in st.blocks.items() if k in keys]
-            for h in doomed:
-                key = st.blocks.pop(h)
-                st.refs.pop(h, None)
-                self._unlink(st, h, key)
+            gone = st.blocks.pop_by_value(doomed)
+            if gone:
+                for h, _ in gone:
+                    st.refs.pop(h, None)
+                    st.media.pop(h, None)
+                for k in [k for k in st.dup_keys if k in doomed]:
+                    del st.dup_keys[k]
+                st.ns_counts.pop(ns_id, None)
+            dropped += len(gone)
             lost = [h for h, (_, pns) in st.partial.items() if pns == ns_id]
             for h in lost:
                 del st.partial[h]
                 st.refs.pop(h, None)
-            dropped += len(doomed) + len(lost)
+            dropped += len(lost)
         return dropped
 
     # --------------------------------------------------------------- applying

@@ -12,6 +12,8 @@ this dict subclass has the same methods and results, for machines that could not
 - `get_many(keys, default)`: one value (or `default`) per key, in order: the query's lookups;
 - an event's bulk operations: `assign(keys, value)`, `pop_many(keys, default)` and
   `insert_new(keys, values)` (all or nothing: inserts only when no key is present or repeats);
+- `pop_by_value(other)`: remove the entries whose value is a key of `other` (evicting a
+  namespace: a stream's entries of a set of block keys);
 - `packed`: the compiled map stores values inline as int64 when True (per-stream maps, whose
   values are block keys) and as shared int objects otherwise (the table, whose values are wide
   holder bit sets). Here it changes nothing.
@@ -67,3 +69,10 @@ class PyIntMap(dict[int | bytes, int]):
                 self.pop(key, None)
             return False
         return True
+
+    def pop_by_value(self, other: PyIntMap, /) -> list[tuple[int | bytes, int]]:
+        """Remove every entry whose value is a key of `other`; the removed (key, value) pairs."""
+        gone = [(k, v) for k, v in self.items() if v in other]
+        for k, _ in gone:
+            del self[k]
+        return gone

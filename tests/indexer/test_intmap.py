@@ -539,3 +539,32 @@ def test_bulk_methods_keep_value_refcounts_exact(native: type[Any]) -> None:
     assert popped == [value] * 6 + [None]
     del popped
     assert sys.getrefcount(value) == base and len(m) == 0
+
+
+@pytest.mark.parametrize("seed", [5, int(os.environ.get("KVROUTE_TEST_SEED", "6"))])
+def test_pop_by_value_against_dict(factory: MapFactory, seed: int) -> None:
+    print(f"pop_by_value seed={seed}")
+    rng = random.Random(seed)
+    pool = _key_pool(rng)
+    m = factory(True)
+    model: dict[Any, int] = {}
+    values = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(300)] + [-1, 0, INT64_MIN]
+    for _ in range(3000):
+        k, v = rng.choice(pool), rng.choice(values)
+        m[k] = v
+        model[k] = v
+    other = factory(True)
+    chosen = [*rng.sample(values, 120), -1]
+    other.assign(chosen, 7)
+    gone = m.pop_by_value(other)
+    want = {k: v for k, v in model.items() if v in set(chosen)}
+    assert dict(gone) == want and len(gone) == len(want)
+    assert dict(m.items()) == {k: v for k, v in model.items() if k not in want}
+    assert m.pop_by_value(other) == []
+
+
+def test_pop_by_value_needs_packed_intmaps(native: type[Any]) -> None:
+    with pytest.raises(TypeError):
+        native(False).pop_by_value(native(True))
+    with pytest.raises(TypeError):
+        native(True).pop_by_value({1: 2})
