@@ -162,6 +162,7 @@ class PrefixIndex:
         pending_ttl_s: float = 2.0,
         default_medium: str = DEFAULT_MEDIUM,
         backend: Backend = DEFAULT,
+        namespace_sweep: int = 4096,
     ) -> None:
         self.clock = clock
         self.default_medium = default_medium
@@ -175,6 +176,10 @@ class PrefixIndex:
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
         self._registry = NamespaceRegistry()
         self._values: dict[int, int] = {}
+        # namespace ids are swept for reuse once this many are in use (then at twice the
+        # number left), so the registry stays within ~2x the live namespaces
+        self._sweep_floor = max(namespace_sweep, 1)
+        self._next_sweep = self._sweep_floor
         self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, int_map=backend.int_map)
 
     # ---------------------------------------------------------------- streams
@@ -298,11 +303,40 @@ class PrefixIndex:
         cache = st.ns_cache
         ns_id = cache.get((lora, salt))
         if ns_id is None:
-            ns_id = self._registry.intern(Namespace(st.model, lora, salt))
+            ns_id = self._intern(Namespace(st.model, lora, salt))
             if len(cache) >= 4096:
                 cache.clear()  # bounded: a miss only costs building the Namespace again
             cache[(lora, salt)] = ns_id
         return ns_id
+
+    def _intern(self, namespace: Namespace) -> int:
+        """The id of `namespace`, sweeping unused ids first when their number calls for it."""
+        if len(self._registry) >= self._next_sweep and self._registry.find(namespace) is None:
+            self.reclaim_namespaces()
+        return self._registry.intern(namespace)
+
+    def reclaim_namespaces(self) -> int:
+        """Release the ids of namespaces with no entry of any kind left; returns how many.
+
+        Live means: unique keys in the table, pending entries (expired ones are dropped
+        first) or partial pages. Every cache that maps to ids (per-stream namespace caches
+        and shared values) is cleared, since a released id will name another namespace.
+        """
+        registry = self._registry
+        self.pending.expire()
+        live = self.pending.namespaces()
+        for st in self._streams.values():
+            live.update(ns_id for _, ns_id in st.partial.values())
+        idle = [i for i in registry.ids() if not registry.blocks[i] and i not in live]
+        registry.release(idle)
+        if idle:
+            for st in self._streams.values():
+                st.ns_cache.clear()
+                st.singles.clear()
+                for ns_id in idle:
+                    st.ns_counts.pop(ns_id, None)
+        self._next_sweep = max(self._sweep_floor, 2 * len(registry))
+        return len(idle)
 
     def namespaces(self) -> list[NamespaceSize]:
         """Every namespace that holds blocks, with sizes and per-stream holders."""
@@ -737,7 +771,7 @@ class PrefixIndex:
         if st is None or st.block_size is None:
             return 0
         self.pending.expire()
-        ns_id = self._registry.intern(namespace)
+        ns_id = self._intern(namespace)
         keys = self._chain(self._registry.seed(ns_id, st.block_size), tokens, st.block_size, 0, -1)
         table = self._table
         sbit = st.sbit

@@ -99,6 +99,10 @@ class PendingTable:
         for key, entry_slot in [ks for ks in self._deadline if ks[1] == slot]:
             self.discard(key, entry_slot)
 
+    def namespaces(self) -> set[int]:
+        """Ids of the namespaces that have entries (expired ones included until `expire`)."""
+        return {ns_id for _, ns_id in self._deadline.values()}
+
     def discard_namespace(self, ns_id: int) -> None:
         """Forget every entry of one namespace (it is being evicted)."""
         for key, slot in [ks for ks, entry in self._deadline.items() if entry[1] == ns_id]:

@@ -1,10 +1,12 @@
 """The namespace registry of one index: namespace ids and codes, chain seeds, sizes.
 
-Every namespace an index has seen gets a small integer id (1, 2, ...; 0 means "none"). Table
-values carry the id's code (`indexer.walk.ns_code`) so a lookup says which namespace an entry
-belongs to and a query walk stops at another namespace's entry. Ids are never reused while
-the index lives (an evicted namespace keeps its id, with zero blocks), so an id found in a
-value always names the namespace that stored it. Snapshots persist ids (`place`).
+Every namespace an index holds entries of gets a small integer id (1, 2, ...; 0 means "none").
+Table values carry the id's code (`indexer.walk.ns_code`) so a lookup says which namespace an
+entry belongs to and a query walk stops at another namespace's entry. The index releases the
+ids that nothing refers to any more (no table key, pending or partial entry), so salt churn
+(a salt per user, or per request) cannot grow the registry without bound; an id is only
+handed out again after that, so an id found in a value always names the namespace that
+stored it. Snapshots persist ids (`place`).
 
 The registry also keeps, per id, the unique blocks and tokens indexed in the namespace (the
 index updates them as it links and unlinks keys), and caches chain seeds per (id, block
@@ -39,7 +41,7 @@ class NamespaceRegistry:
     directly (`codes[ns_id]`, `blocks[ns_id] += n`).
     """
 
-    __slots__ = ("_ids", "_seeds", "blocks", "codes", "names", "tokens")
+    __slots__ = ("_free", "_ids", "_seeds", "blocks", "codes", "names", "tokens")
 
     def __init__(self) -> None:
         self._ids: dict[Namespace, int] = {}
@@ -48,6 +50,7 @@ class NamespaceRegistry:
         self.blocks: list[int] = [0]  # id -> unique block keys indexed
         self.tokens: list[int] = [0]  # id -> tokens of those blocks
         self._seeds: dict[tuple[int, int], int] = {}
+        self._free: set[int] = set()  # released ids (and holes left by `place`), reused first
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -59,16 +62,38 @@ class NamespaceRegistry:
     def intern(self, namespace: Namespace) -> int:
         """The id of `namespace`, assigning the next one on first sight."""
         ns_id = self._ids.get(namespace)
-        if ns_id is None:
+        if ns_id is not None:
+            return ns_id
+        if self._free:
+            ns_id = self._free.pop()
+            self.names[ns_id] = namespace
+        else:
             ns_id = len(self.names)
             if ns_id > NS_MASK:
-                raise OverflowError("more than 16M namespaces in one index")
-            self._ids[namespace] = ns_id
+                raise OverflowError("more than 16M live namespaces in one index")
             self.names.append(namespace)
             self.codes.append(ns_code(ns_id))
             self.blocks.append(0)
             self.tokens.append(0)
+        self._ids[namespace] = ns_id
         return ns_id
+
+    def ids(self) -> list[int]:
+        """Every id in use."""
+        return list(self._ids.values())
+
+    def release(self, ns_ids: list[int]) -> None:
+        """Forget namespaces nothing refers to any more; their ids become free for reuse."""
+        for ns_id in ns_ids:
+            namespace = self.names[ns_id]
+            if namespace is None or self.blocks[ns_id]:
+                raise ValueError(f"namespace id {ns_id} is not releasable")
+            del self._ids[namespace]
+            self.names[ns_id] = None
+            self.tokens[ns_id] = 0
+            self._free.add(ns_id)
+        if ns_ids:
+            self._seeds.clear()  # keyed by id: a reused id must not find the old seed
 
     def place(self, ns_id: int, namespace: Namespace) -> None:
         """Give `namespace` exactly id `ns_id` (loading a snapshot); ValueError if taken."""
@@ -78,12 +103,14 @@ class NamespaceRegistry:
             raise ValueError(f"bad or repeated namespace id {ns_id}")
         grow = ns_id + 1 - len(self.names)
         if grow > 0:
+            self._free.update(range(len(self.names), ns_id))
             self.names.extend([None] * grow)
             self.codes.extend(ns_code(i) for i in range(len(self.codes), ns_id + 1))
             self.blocks.extend([0] * grow)
             self.tokens.extend([0] * grow)
         self.names[ns_id] = namespace
         self._ids[namespace] = ns_id
+        self._free.discard(ns_id)
 
     def known(self, ns_id: int) -> bool:
         """Whether `ns_id` names a namespace of this registry."""

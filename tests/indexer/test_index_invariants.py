@@ -51,6 +51,16 @@ def check_invariants(index: PrefixIndex) -> None:
         blocks_per_ns[ns_id] = blocks_per_ns.get(ns_id, 0) + 1
     got = {i: n for i, n in enumerate(index._registry.blocks) if n}
     assert got == blocks_per_ns
+    # every id a value, a pending or a partial entry carries names a namespace (released ids
+    # are never referenced), and the registry's two directions agree
+    registry = index._registry
+    referenced = set(ns_of.values()) | index.pending.namespaces()
+    for st in index._streams.values():
+        referenced.update(ns_id for _, ns_id in st.partial.values())
+        for ns_id in st.ns_cache.values():
+            assert registry.known(ns_id)
+    assert all(registry.known(i) for i in referenced)
+    assert all(registry.find(registry.names[i]) == i for i in registry.ids())  # type: ignore[arg-type]
 
 
 def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
@@ -105,7 +115,7 @@ def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
 def test_hostile_sequences_keep_the_index_consistent(seed: int, backend: Backend) -> None:
     print(f"invariants seed={seed} backend={backend.name}")
     rng = random.Random(seed)
-    index = PrefixIndex(backend=backend)
+    index = PrefixIndex(backend=backend, namespace_sweep=2)  # ids released and reused often
     for name, engine in (("s", "sglang"), ("v", "vllm"), ("t", "sglang")):
         index.add_stream(name, model="m", engine=engine, block_size=4)  # type: ignore[arg-type]
     held: list[object] = []
@@ -129,8 +139,8 @@ def test_hostile_sequences_keep_the_index_consistent(seed: int, backend: Backend
 def test_compiled_and_python_backends_agree(seed: int) -> None:
     print(f"backends seed={seed}")
     rng = random.Random(seed)
-    native = PrefixIndex(backend=native_or_skip())
-    python = PrefixIndex(backend=PURE)
+    native = PrefixIndex(backend=native_or_skip(), namespace_sweep=2)
+    python = PrefixIndex(backend=PURE, namespace_sweep=2)
     both = (native, python)
     for index in both:
         for name, engine in (("s", "sglang"), ("v", "vllm")):
