@@ -223,10 +223,20 @@ def test_namespace_registry_ids_survive_placing_and_interning() -> None:
         registry.place(5, a)  # namespace already placed
     with pytest.raises(ValueError):
         registry.place(0, b)  # 0 means "no namespace"
-    assert registry.intern(b) == 4 and registry.intern(a) == 3 and registry.find(b) == 4
-    assert [registry.known(i) for i in range(6)] == [False, False, False, True, True, False]
-    assert len(registry.codes) == len(registry.blocks) == len(registry.names) == 5
+    nb = registry.intern(b)  # a hole below the placed id is reused first
+    assert nb in (1, 2) and registry.intern(a) == 3 and registry.find(b) == nb
+    assert [registry.known(i) for i in range(5)] == [i in (nb, 3) for i in range(5)]
+    assert len(registry.codes) == len(registry.blocks) == len(registry.names) == 4
     assert registry.seed(3, 16) == namespace_seed(a, 16)
+    c = Namespace("m", None, "c")
+    assert registry.intern(c) == 3 - nb  # the other hole
+    assert registry.intern(Namespace("m", None, "d")) == 4  # no hole left: appended
+    registry.blocks[3] = 1
+    with pytest.raises(ValueError):
+        registry.release([3])  # still holds blocks
+    registry.release([nb])
+    assert registry.find(b) is None and not registry.known(nb)
+    assert registry.intern(Namespace("m", None, "e")) == nb  # released ids are reused
 
 
 def test_steady_store_path_after_clear_and_eviction() -> None:
