@@ -21,6 +21,20 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     assert ("vs python backend" in text) == (index_bench.DEFAULT.name == "native")
 
 
+def test_index_bench_runs_on_the_python_backend(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    index_bench.add_arguments(parser)
+    out = tmp_path / "index.md"
+    tiny = ["--batches", "20", "--streams", "2", "--docs-per-stream", "1", "--pool", "2"]
+    args = parser.parse_args(
+        [*tiny, "--seconds", "0.02", "--backend", "python", "--output", str(out)]
+    )
+    assert index_bench.run(args) == 0
+    text = out.read_text()
+    assert "Backend: **python**" in text and "shared, python" in text
+    assert "vs python backend" not in text  # no baseline to compare itself against
+
+
 def test_index_bench_ingests_a_recording(tmp_path: Path) -> None:
     from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 
