@@ -14,6 +14,7 @@ from typing import get_args
 
 import msgspec
 
+from indexer.backend import DEFAULT as INDEX_BACKEND
 from router.config import PolicyName, RouterConfig, WorkerConfig, load_config
 from router.errors import ConfigError
 from router.service import RouterService
@@ -64,7 +65,10 @@ async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) ->
     async with RouterService(config) as router:
         _freeze_startup_heap()
         if announce:
-            print(f"kvroute router listening on {router.url} (policy {config.policy.name})")
+            print(
+                f"kvroute router listening on {router.url} (policy {config.policy.name}, "
+                f"index core {INDEX_BACKEND.name})"
+            )
             sys.stdout.flush()
         await stop.wait()
 

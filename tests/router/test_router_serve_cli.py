@@ -30,6 +30,7 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert "listening on http://127.0.0.1:" in line and "round_robin" in line
+        assert "index core native" in line or "index core python" in line
         url = line.split("listening on ")[1].split()[0]
         async with aiohttp.ClientSession() as session:
             async with session.get(url + "/health") as resp:
