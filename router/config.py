@@ -83,6 +83,17 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     kind: Literal["byte", "hf"] = "byte"
     path: str = ""  # tokenizer.json, when kind = "hf"
+    # How chat messages become prompt text; it must be the template the engine uses.
+    # "": auto. With kind = "hf": the model's template beside `path` (chat_template.jinja, else
+    #     tokenizer_config.json's chat_template), falling back to kvroute's with a warning.
+    #     With kind = "byte": kvroute's (what the reference workers use).
+    # "kvroute": kvroute's built-in template.
+    # a path: a tokenizer_config.json, or a .jinja file (special tokens then come from the
+    #     tokenizer_config.json beside `path`, else beside the .jinja file).
+    chat_template: str = ""
+    # whose OpenAI layer to mirror when a message's content is a list of parts (SGLang joins
+    # text parts with a space for string templates, vLLM with a newline)
+    chat_engine: Literal["sglang", "vllm"] = "sglang"
 
     def __post_init__(self) -> None:
         if self.kind == "hf" and not self.path:
