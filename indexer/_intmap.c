@@ -1005,14 +1005,23 @@ intmap_isdisjoint(IntMapObject *m, PyObject *iterable)
     Py_RETURN_TRUE;
 }
 
-/* get_many over a list's or tuple's items, a batch at a time. */
+/* get_many over a list's or tuple's items, a batch at a time. The result is allocated before
+ * the items are read: a collection inside that allocation may run a finalizer that resizes or
+ * clears a list argument, so its size is checked again and its item array read only after. */
 static PyObject *
-get_many_items(IntMapObject *m, PyObject *const *items, Py_ssize_t n, PyObject *dflt)
+get_many_items(IntMapObject *m, PyObject *seq, PyObject *dflt)
 {
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        return NULL;
-    }
+    PyObject *out = NULL;
+    Py_ssize_t n;
+    do {
+        Py_XDECREF(out); /* unfilled items are NULL, which list dealloc skips */
+        n = PySequence_Fast_GET_SIZE(seq);
+        out = PyList_New(n);
+        if (out == NULL) {
+            return NULL;
+        }
+    } while (n != PySequence_Fast_GET_SIZE(seq));
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
     Batch b;
     for (Py_ssize_t base = 0; base < n; base += BATCH) {
         if (batch_load(m, &b, items + base, n - base) < 0) {
@@ -1050,8 +1059,7 @@ intmap_get_many(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *keys = args[0], *dflt = args[1];
     if (PyList_CheckExact(keys) || PyTuple_CheckExact(keys)) {
-        return get_many_items(m, PySequence_Fast_ITEMS(keys), PySequence_Fast_GET_SIZE(keys),
-                              dflt);
+        return get_many_items(m, keys, dflt);
     }
     PyObject *it = PyObject_GetIter(keys);
     if (it == NULL) {
@@ -1206,6 +1214,54 @@ done:
     return result;
 }
 
+/* A packed copy of m's entries: what pop_by_value(m) decides against, as the Python twin does
+ * (it reads every value's membership before deleting anything). */
+static IntMapObject *
+packed_copy(IntMapObject *m)
+{
+    IntMapObject *copy = PyObject_New(IntMapObject, &IntMap_Type);
+    if (copy == NULL) {
+        return NULL;
+    }
+    copy->slots = NULL;
+    copy->cap = 0;
+    copy->used = 0;
+    copy->overflow = NULL;
+    copy->packed = 1;
+    if (update_from_intmap(copy, m) < 0) {
+        Py_DECREF(copy);
+        return NULL;
+    }
+    return copy;
+}
+
+/* Remove the overflow entries whose value is a key of other; append them to out. 0 or -1. */
+static int
+pop_overflow_by_value(IntMapObject *m, IntMapObject *other, PyObject *out)
+{
+    /* A collection inside PyDict_Items may run a finalizer that clears the map (freeing the
+     * dict) or replaces its overflow dict: hold the dict, and delete only while it is still the
+     * map's. The loop itself allocates nothing GC-tracked, so the snapshot stays current. */
+    PyObject *overflow = Py_NewRef(m->overflow);
+    PyObject *items = PyDict_Items(overflow);
+    int rc = items == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; rc == 0 && m->overflow == overflow && i < PyList_GET_SIZE(items); i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(item, 0), *value = PyTuple_GET_ITEM(item, 1);
+        rc = intmap_contains(other, value);
+        if (rc > 0) {
+            PyObject *now = PyDict_GetItemWithError(overflow, key);
+            rc = now != value ? (PyErr_Occurred() ? -1 : 0) : PyDict_DelItem(overflow, key);
+            if (rc == 0 && now == value) {
+                rc = PyList_Append(out, item);
+            }
+        }
+    }
+    Py_XDECREF(items);
+    Py_DECREF(overflow);
+    return rc < 0 ? -1 : 0;
+}
+
 /* pop_by_value(other): remove every entry whose value is a key of `other` (an IntMap); a list of
  * the removed (key, value) pairs. Evicting a namespace drops a stream's entries of a set of
  * block keys this way in one pass over the slots instead of a Python step per entry. The array
@@ -1219,25 +1275,32 @@ intmap_pop_by_value(IntMapObject *m, PyObject *other_obj)
         return NULL;
     }
     IntMapObject *other = (IntMapObject *)other_obj;
-    PyObject *minus_one = NULL;
+    if (other != m) {
+        Py_INCREF(other); /* one reference to release on every path, copy or not */
+    }
+    else if ((other = packed_copy(m)) == NULL) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    int64_t *pairs = NULL;
+    Py_ssize_t n = 0;
     int minus_one_in_other = 0; /* -1 is never an array key: ask the overflow once */
     if (other->overflow != NULL) {
-        minus_one = PyLong_FromLong(-1);
+        PyObject *minus_one = PyLong_FromLong(-1);
         if (minus_one == NULL) {
-            return NULL;
+            goto done;
         }
         minus_one_in_other = PyDict_Contains(other->overflow, minus_one);
         Py_DECREF(minus_one);
         if (minus_one_in_other < 0) {
-            return NULL;
+            goto done;
         }
     }
-    Py_ssize_t n = 0;
-    int64_t *pairs = NULL;
     if (m->used > 0) {
         pairs = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)m->used);
         if (pairs == NULL) {
-            return PyErr_NoMemory();
+            PyErr_NoMemory();
+            goto done;
         }
         for (Py_ssize_t j = 0; j < m->cap; j++) {
             const Slot *s = &m->slots[j];
@@ -1255,7 +1318,7 @@ intmap_pop_by_value(IntMapObject *m, PyObject *other_obj)
             remove_slot(m, find(m, pairs[2 * i]));
         }
     }
-    PyObject *out = PyList_New(n);
+    out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *item = Py_BuildValue("(LL)", (long long)pairs[2 * i], (long long)pairs[2 * i + 1]);
         if (item == NULL) {
@@ -1264,31 +1327,13 @@ intmap_pop_by_value(IntMapObject *m, PyObject *other_obj)
         }
         PyList_SET_ITEM(out, i, item);
     }
+    /* the tuples above may have run a finalizer: m->overflow is read only now */
+    if (out != NULL && m->overflow != NULL && pop_overflow_by_value(m, other, out) < 0) {
+        Py_CLEAR(out);
+    }
+done:
     PyMem_Free(pairs);
-    if (out == NULL || m->overflow == NULL) {
-        return out;
-    }
-    PyObject *items = PyDict_Items(m->overflow);
-    if (items == NULL) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *item = PyList_GET_ITEM(items, i);
-        int rc = intmap_contains(other, PyTuple_GET_ITEM(item, 1));
-        if (rc > 0) {
-            rc = PyDict_DelItem(m->overflow, PyTuple_GET_ITEM(item, 0));
-            if (rc == 0) {
-                rc = PyList_Append(out, item);
-            }
-        }
-        if (rc < 0) {
-            Py_DECREF(items);
-            Py_DECREF(out);
-            return NULL;
-        }
-    }
-    Py_DECREF(items);
+    Py_DECREF(other);
     return out;
 }
 

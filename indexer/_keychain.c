@@ -179,6 +179,26 @@ clamped_index(PyObject *o, const char *name, long long *out)
     return 0;
 }
 
+/* list[lo:hi] as a new tuple, allocated before any item is read: a collection inside the
+ * allocation may run a finalizer that shrinks the list, and CPython's own slice and tuple() copy
+ * from the item array they saw before allocating (a read of freed memory). NULL, with
+ * RuntimeError when the list no longer holds the range. */
+static PyObject *
+list_range_copy(PyObject *list, Py_ssize_t lo, Py_ssize_t hi)
+{
+    PyObject *copy = PyTuple_New(hi - lo);
+    if (copy == NULL)
+        return NULL;
+    if (PyList_GET_SIZE(list) < hi) {
+        Py_DECREF(copy); /* unfilled items are NULL, which tuple dealloc skips */
+        PyErr_SetString(PyExc_RuntimeError, "tokens changed size while being keyed");
+        return NULL;
+    }
+    for (Py_ssize_t i = lo; i < hi; i++)
+        PyTuple_SET_ITEM(copy, i - lo, Py_NewRef(PyList_GET_ITEM(list, i)));
+    return copy;
+}
+
 /* The keys of `nblocks` blocks of `bs` items after `lane` (the hash of prev), into `keys`.
  * `owner` holds the items; when it is the caller's list and an item needs PyObject_Hash (which
  * may run Python code that mutates that list), the rest is read from a private copy, which is
@@ -197,7 +217,7 @@ chain_keys(uint64_t lane, PyObject *owner, Py_ssize_t lo, Py_ssize_t bs, Py_ssiz
     for (Py_ssize_t i = 0; i < nblocks; i++, block += bs) {
         if (!block_fast(block, bs, &inner)) {
             if (copy == NULL && PyList_CheckExact(owner)) {
-                copy = PyList_GetSlice(owner, lo + i * bs, lo + nblocks * bs);
+                copy = list_range_copy(owner, lo + i * bs, lo + nblocks * bs);
                 if (copy == NULL)
                     return -1;
                 block = PySequence_Fast_ITEMS(copy);
@@ -334,11 +354,11 @@ partial(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     n = PySequence_Fast_GET_SIZE(seq);
     fast = block_fast(PySequence_Fast_ITEMS(seq), n, &inner);
     if (!fast && PyList_CheckExact(seq)) {
-        /* PyObject_Hash may run code that mutates the caller's list: hash a snapshot */
-        Py_SETREF(seq, PyList_AsTuple(seq));
+        /* PyObject_Hash may run code that mutates the caller's list: hash a snapshot of the n
+         * tokens seen (RuntimeError if a finalizer run by its allocation dropped some) */
+        Py_SETREF(seq, list_range_copy(seq, 0, n));
         if (seq == NULL)
             return NULL;
-        n = PyTuple_GET_SIZE(seq);
     }
     if (!fast && items_hash(PySequence_Fast_ITEMS(seq), n, &inner) < 0) {
         Py_DECREF(seq);

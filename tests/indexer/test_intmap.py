@@ -6,6 +6,7 @@ KVROUTE_PURE_PYTHON=1 says the pure-Python fallbacks are in use on purpose (then
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -568,3 +569,89 @@ def test_pop_by_value_needs_packed_intmaps(native: type[Any]) -> None:
         native(False).pop_by_value(native(True))
     with pytest.raises(TypeError):
         native(True).pop_by_value({1: 2})
+
+
+# ------------------------------------------------------- regressions found by the C review
+
+
+class _Cyclic:
+    """Garbage only the cyclic collector frees; its __del__ runs `action` at that point."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
+        self.cycle = self
+
+    def __del__(self) -> None:
+        self.action()
+
+
+@contextlib.contextmanager
+def _collect_at_next_allocation(action: Callable[[], None]) -> Iterator[None]:
+    """Leave one _Cyclic as garbage with a threshold that collects at the next allocation."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    _Cyclic(action)
+    gc.set_threshold(1, 1, 1)
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.collect()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_get_many_survives_a_finalizer_that_empties_the_key_list(
+    native: type[Any], packed: bool
+) -> None:
+    # get_many used to read the list's item array and size, then allocate its result: a
+    # collection in that allocation ran this __del__, which freed the array (use after free)
+    m = native(packed)
+    m.update([(i, i) for i in range(100)])
+    keys: list[Any] = [10**6 + i for i in range(2000)]
+
+    def refill() -> None:
+        keys.clear()
+        keys.extend([b"x", 5, 10**6])
+
+    with _collect_at_next_allocation(refill):
+        got = m.get_many(keys, None)
+    assert got in ([None] * 2000, [None, 5, None])
+    assert keys == [b"x", 5, 10**6]
+
+
+@pytest.mark.parametrize("when", range(1, 9))
+def test_pop_by_value_survives_a_finalizer_that_clears_the_map(
+    native: type[Any], when: int
+) -> None:
+    # the overflow pass used to call PyDict_Items and PyDict_DelItem on m's overflow dict after
+    # allocating; a __del__ run there that cleared m left a NULL dict (segfault) or a freed one
+    m = native(True)
+    other = native(True)
+    other[5] = 1
+    m.update([(b"k%d" % i, 5) for i in range(50)] + [(i, 5) for i in range(3)] + [(9, 6)])
+    fired = [0]
+
+    def clear_on_nth() -> None:
+        fired[0] += 1
+        if fired[0] == when:
+            m.clear()
+        else:
+            _Cyclic(clear_on_nth)  # more garbage: the next allocation collects again
+
+    with _collect_at_next_allocation(clear_on_nth):
+        gone = m.pop_by_value(other)
+    assert fired[0] >= 1
+    assert all(v == 5 for _, v in gone) and len({k for k, _ in gone}) == len(gone)
+    assert len(m.items()) == len(m) <= 1
+
+
+def test_pop_by_value_of_itself_matches_the_python_twin(factory: MapFactory) -> None:
+    # m.pop_by_value(m) decided the overflow entries after deleting the array ones, so an
+    # overflow value naming a just-deleted array key was kept; PyIntMap decides all first
+    m = factory(True)
+    m.update({5: 6, 6: 0, -1: 5, b"b": -1, 2**64: 7, 7: 8})
+    gone = m.pop_by_value(m)
+    assert sorted(gone, key=repr) == sorted([(5, 6), (-1, 5), (b"b", -1), (2**64, 7)], key=repr)
+    assert dict(m.items()) == {6: 0, 7: 8}

@@ -204,7 +204,7 @@ def test_int_subclass_prev_keeps_its_own_hash(kc: ModuleType) -> None:
             return 12345
 
     tokens = list(range(32))
-    want = literal_chain(Odd(7), tokens, 8)  # type: ignore[arg-type]
+    want = literal_chain(Odd(7), tokens, 8)
     assert want != literal_chain(7, tokens, 8)
     assert kc.chain(Odd(7), tokens, 8) == want
     assert kc.partial(Odd(7), tokens[:3]) == hash((Odd(7), (0, 1, 2), 3))
@@ -249,12 +249,13 @@ def test_unhashable_token_raises_the_error_hash_raises(kc: ModuleType) -> None:
     with pytest.raises(TypeError) as expected:
         hash([1])
     tokens: list[Hashable] = [*range(10), [1], *range(10)]  # type: ignore[list-item]
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: kc.chain(3, tokens, 4),
         lambda: kc.chain(3, tuple(tokens), 4),
         lambda: kc.chain(3, tokens, 4, 1),
         lambda: kc.partial(3, tokens),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(TypeError) as got:
             call()
         assert str(got.value) == str(expected.value)
@@ -345,3 +346,54 @@ def test_no_reference_leaks(kc: ModuleType) -> None:
     finally:
         tracemalloc.stop()
     assert end_bytes - start_bytes < 64 * 1024, end_bytes - start_bytes
+
+
+@pytest.mark.parametrize("shrink", [True, False])
+@pytest.mark.parametrize("function", ["chain", "partial"])
+def test_a_finalizer_that_empties_the_tokens_mid_copy_cannot_corrupt(
+    kc: ModuleType, function: str, shrink: bool
+) -> None:
+    # A slow token makes chain/partial snapshot the caller's list. They used PyList_GetSlice /
+    # PyList_AsTuple, which allocate and then copy from the item array seen before: a garbage
+    # collection inside that allocation ran this __del__, which freed it (a read of freed
+    # memory, a segfault). The snapshot is now allocated first, then filled and size-checked.
+    def call(tokens: list[Hashable]) -> object:
+        if function == "chain":
+            return kc.chain(7, tokens, 4)
+        return kc.partial(7, tokens)
+
+    tokens: list[Hashable] = [*range(64), "slow", *range(3000)]
+    original = list(tokens)
+
+    class Mutator:
+        def __init__(self) -> None:
+            self.cycle = self  # only the cyclic collector frees it
+
+        def __del__(self) -> None:
+            if shrink:
+                tokens.clear()
+            tokens.extend([1] * 3)
+
+    def arm() -> None:
+        # leave a Mutator as garbage, collected at the next GC-tracked allocation
+        gc.collect()
+        gc.disable()
+        Mutator()
+        gc.set_threshold(1, 1, 1)
+        gc.enable()
+
+    old = gc.get_threshold()
+    try:
+        if shrink:
+            with pytest.raises(RuntimeError, match="changed size"):
+                arm()
+                call(tokens)
+        else:  # grown: the tokens the call was given are keyed
+            arm()
+            got = call(tokens)
+            gc.set_threshold(*old)
+            assert got == call(original)
+    finally:
+        gc.set_threshold(*old)
+        gc.collect()
+    assert tokens[-3:] == [1, 1, 1]
