@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MIN_CAP 8
 #ifndef LOAD_NUM
@@ -59,10 +60,18 @@ static PyTypeObject IntMap_Type;
 
 enum { KEY_ERROR = -1, KEY_ARRAY = 0, KEY_OVERFLOW = 1 };
 
-/* murmur3's fmix64: full avalanche, so consecutive keys land on unrelated slots. */
+/* A random per-process key for the slot mix, set at import. Block keys are CPython tuple hashes
+ * of prompt tokens, which a client chooses: with a fixed mix anyone could search offline for
+ * prompts whose keys pile into one linear-probe run and slow every lookup down. Slot positions
+ * (and so iteration order) differ between processes; nothing persists them. */
+static uint64_t mix_key;
+
+/* murmur3's fmix64 of the keyed value: full avalanche, so consecutive keys land on unrelated
+ * slots, and unpredictable ones without mix_key. */
 static inline uint64_t
 mix(uint64_t x)
 {
+    x ^= mix_key;
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdULL;
     x ^= x >> 33;
@@ -1450,6 +1459,19 @@ static struct PyModuleDef intmap_module = {
 PyMODINIT_FUNC
 PyInit__intmap(void)
 {
+    PyObject *os = PyImport_ImportModule("os");
+    PyObject *random = os != NULL ? PyObject_CallMethod(os, "urandom", "i", 8) : NULL;
+    Py_XDECREF(os);
+    if (random == NULL) {
+        return NULL;
+    }
+    if (!PyBytes_Check(random) || PyBytes_GET_SIZE(random) != 8) {
+        Py_DECREF(random);
+        PyErr_SetString(PyExc_RuntimeError, "os.urandom(8) did not return 8 bytes");
+        return NULL;
+    }
+    memcpy(&mix_key, PyBytes_AS_STRING(random), sizeof(mix_key));
+    Py_DECREF(random);
     if (PyType_Ready(&IntMap_Type) < 0) {
         return NULL;
     }

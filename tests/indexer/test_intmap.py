@@ -655,3 +655,22 @@ def test_pop_by_value_of_itself_matches_the_python_twin(factory: MapFactory) -> 
     gone = m.pop_by_value(m)
     assert sorted(gone, key=repr) == sorted([(5, 6), (-1, 5), (b"b", -1), (2**64, 7)], key=repr)
     assert dict(m.items()) == {6: 0, 7: 8}
+
+
+def test_slot_positions_are_keyed_per_process(native: type[Any]) -> None:
+    # block keys come from client-chosen tokens: slots must not be predictable across processes
+    import subprocess
+
+    code = (
+        "from indexer._intmap import IntMap\n"
+        "m = IntMap(True)\n"
+        "m.update((i, i) for i in range(64))\n"
+        "print(m.keys())\n"
+    )
+    orders = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(3)
+    }
+    assert len(orders) > 1  # the same inserts, another layout in another process
