@@ -11,18 +11,25 @@ never matches the blocks the engine published. So this module mirrors, without i
   extension, a `{% generation %}` tag that renders its body, the `raise_exception` and
   `strftime_now` globals, a `tojson` filter that does not HTML-escape (plain `json.dumps`), and
   the `dict`/`namespace` globals that refuse underscore names;
-- the variables: `messages`, `tools` and `documents` (always none: see below),
-  `add_generation_prompt`, and the named special tokens (`bos_token`, `eos_token`, ...), whose
-  config values may be strings or AddedToken dicts with a `"content"`;
+- the variables: `messages`, `tools`, `documents`, `add_generation_prompt`, the request's
+  `chat_template_kwargs` and the named special tokens (`bos_token`, `eos_token`, ...), whose
+  config values may be strings or AddedToken dicts with a `"content"` (kwargs override tokens);
 - the message normalization of `transformers` >= 5 (keys whose value is null are dropped, a
   message's reasoning is also offered as `reasoning_content` and `thinking`) and of the engine's
   OpenAI layer: whether the template wants `content` as a string or as a list of typed parts
   ("content format", detected from the template's syntax tree as both engines do), and how list
   content is flattened for string templates (SGLang joins text parts with a space, vLLM with a
-  newline).
+  newline);
+- what each engine's OpenAI layer passes besides the messages (`router.request.ChatOptions`):
+  the request's `tools` as its pydantic models dump them (SGLang drops them for
+  `tool_choice: "none"` and keeps only the named one for a named choice; vLLM passes them all),
+  `chat_template_kwargs`, `reasoning_effort` and the thinking switches it implies, `documents`,
+  vLLM's `add_generation_prompt`/`continue_final_message` and SGLang's `continue_final_message`;
+  SGLang's retry with function-only tool schemas when the first render fails; a tokenizer
+  config's `tool_use` named template, chosen when tools are passed; and the assistant
+  `tool_calls` arguments both engines parse from JSON strings into objects.
 
-Not mirrored: request-level `tools` (the engine renders tool schemas into the prompt; the router
-renders without them) and media parts, which the engine expands into model-specific tokens.
+Not mirrored: media parts, which the engine expands into model-specific tokens.
 
 Rendering is bounded: the sandbox forbids attribute access to Python internals and mutation of
 the request data, file and network access do not exist in the environment, `range` is capped by
@@ -37,7 +44,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -48,6 +55,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from indexer.protocol.tokens import ChatTemplateError
 from router.errors import ConfigError
+from router.request import ChatEngine, ChatOptions
 
 __all__ = [
     "MAX_RENDERED_CHARS",
@@ -59,7 +67,6 @@ __all__ = [
     "special_tokens",
 ]
 
-ChatEngine = Literal["sglang", "vllm"]
 ContentFormat = Literal["string", "openai"]
 
 # the named special tokens transformers passes to every template (its `special_tokens_map`)
@@ -236,6 +243,53 @@ def _text_parts(content: list[Any], index: int) -> Iterator[tuple[str, str | Non
             yield _MEDIA_PART_TYPES[kind], None
 
 
+def _function_only(tools: list[Any]) -> list[Any]:
+    """SGLang's second try: tool schemas without the OpenAI wrapper (Mistral-style templates)."""
+    return [t["function"] if isinstance(t, dict) and "function" in t else t for t in tools]
+
+
+def _tool_call_arguments(message: dict[str, Any], index: int, engine: ChatEngine) -> None:
+    """An assistant's tool calls as the engine hands them over: arguments parsed from JSON text.
+
+    SGLang also dumps each call through its `ToolCall` model (id, index, type, function), so
+    unset fields are there as nulls, and requires the arguments to be a JSON object.
+    """
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return
+    if engine == "vllm" and not calls:
+        del message["tool_calls"]  # vLLM keeps templates on the plain assistant path
+        return
+    parsed_calls = []
+    for j, call in enumerate(calls):
+        field = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(function, dict):
+            raise ChatTemplateError(f"{field}.function must be an object")
+        arguments = function.get("arguments")
+        if engine == "vllm" and not arguments:
+            arguments = {}
+        elif isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as exc:
+                raise ChatTemplateError(f"{field}.function.arguments must be valid JSON") from exc
+            if engine == "sglang" and not isinstance(arguments, dict):
+                raise ChatTemplateError(f"{field}.function.arguments must be a JSON object")
+        if engine == "vllm":
+            parsed_calls.append({**call, "function": {**function, "arguments": arguments}})
+            continue
+        parsed_calls.append(
+            {
+                "id": call.get("id"),
+                "index": call.get("index"),
+                "type": call.get("type", "function"),
+                "function": {"name": function.get("name"), "arguments": arguments},
+            }
+        )
+    message["tool_calls"] = parsed_calls
+
+
 class ModelChatTemplate:
     """A model's Jinja chat template with its special tokens, rendered like the engine does."""
 
@@ -246,15 +300,25 @@ class ModelChatTemplate:
         special: Mapping[str, str] | None = None,
         engine: ChatEngine = "sglang",
         origin: str = "chat template",
+        tool_source: str | None = None,
     ) -> None:
         self.origin = origin
         self.engine = engine
         self.special = dict(special or {})
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ConfigError(f"{origin}: invalid Jinja at line {exc.lineno}: {exc}") from exc
+        self._template = self._compile(source)
+        self._source = source
         self.content_format = detect_content_format(source)
+        # a config's `tool_use` named template: transformers picks it when tools are passed
+        self._tool_template: tuple[jinja2.Template, str, ContentFormat] | None = None
+        if tool_source is not None:
+            compiled = self._compile(tool_source)
+            self._tool_template = (compiled, tool_source, detect_content_format(tool_source))
+
+    def _compile(self, source: str) -> jinja2.Template:
+        try:
+            return _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(f"{self.origin}: invalid Jinja at line {exc.lineno}: {exc}") from exc
 
     @classmethod
     def load(
@@ -276,28 +340,83 @@ class ModelChatTemplate:
             beside = path.with_name("chat_template.jinja")
             if beside.is_file():
                 source, origin = _read_text(beside), beside
+                tool_source = None
             else:
                 source, origin = _config_template(config, path), path
-            return cls(source, special=special_tokens(config), engine=engine, origin=str(origin))
+                tool_source = _config_template(config, path, "tool_use")
+            return cls(
+                source,
+                special=special_tokens(config),
+                engine=engine,
+                origin=str(origin),
+                tool_source=tool_source,
+            )
         special: dict[str, str] = {}
         if special_tokens_from is not None and Path(special_tokens_from).is_file():
             special = special_tokens(_read_json(Path(special_tokens_from)))
         return cls(_read_text(path), special=special, engine=engine, origin=str(path))
 
-    def render(self, messages: Sequence[object], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` (raises ChatTemplateError naming the problem)."""
-        prepared = self._prepare(messages)
+    def render(
+        self,
+        messages: Sequence[object],
+        *,
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
+    ) -> str:
+        """The prompt text of `messages` (raises ChatTemplateError naming the problem).
+
+        `options` are what the request adds (see `chat_options`); without them the messages are
+        rendered alone, as `apply_chat_template(messages, add_generation_prompt=...)` does.
+        """
+        if options is None:
+            options = ChatOptions(add_generation_prompt=add_generation_prompt)
+        template, source, content_format = self._template, self._source, self.content_format
+        if options.tools is not None and self._tool_template is not None:
+            template, source, content_format = self._tool_template
+        prepared = self._prepare(messages, content_format)
+        prefix = ""
+        if options.continue_final_message and self.engine == "sglang":
+            # SGLang renders the conversation without the final assistant message, then
+            # appends that message's text for the model to continue
+            last = prepared[-1]
+            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                prefix, prepared = last["content"], prepared[:-1]
+                if not prepared:
+                    raise ChatTemplateError("messages must hold more than the continued message")
+        continued = None
+        if options.continue_final_message and self.engine == "vllm":
+            continued = _mark_final_message(prepared, source)
+        try:
+            text = self._generate(template, prepared, options, options.tools)
+        except ChatTemplateError:
+            if self.engine != "sglang" or not options.tools:
+                raise
+            # SGLang's second try, for templates that want bare function schemas
+            text = self._generate(template, prepared, options, _function_only(options.tools))
+        if continued is not None:
+            text = _cut_at_final_message(text, continued)
+        return text + prefix
+
+    def _generate(
+        self,
+        template: jinja2.Template,
+        messages: list[dict[str, Any]],
+        options: ChatOptions,
+        tools: list[Any] | None,
+    ) -> str:
+        """One bounded render; every failure is a ChatTemplateError."""
         variables: dict[str, Any] = {
             **self.special,
-            "messages": prepared,
-            "tools": None,
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
+            **options.variables,  # transformers lets template kwargs override special tokens
+            "messages": messages,
+            "tools": tools,
+            "documents": options.documents,
+            "add_generation_prompt": options.add_generation_prompt,
         }
         chunks: list[str] = []
         size = 0
         try:
-            for chunk in self._template.generate(**variables):
+            for chunk in template.generate(**variables):
                 size += len(chunk)
                 if size > MAX_RENDERED_CHARS:
                     raise ChatTemplateError(
@@ -320,7 +439,9 @@ class ModelChatTemplate:
             ) from exc
         return "".join(chunks)
 
-    def _prepare(self, messages: Sequence[object]) -> list[dict[str, Any]]:
+    def _prepare(
+        self, messages: Sequence[object], content_format: ContentFormat
+    ) -> list[dict[str, Any]]:
         """The messages as the engine hands them to the template."""
         if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
             raise ChatTemplateError("messages must be a list")
@@ -334,35 +455,78 @@ class ModelChatTemplate:
             if not isinstance(role, str) or not role:
                 raise ChatTemplateError(f"messages[{i}].role must be a non-empty string")
             if self.engine == "vllm":
-                fields = {"role": role, "content": self._vllm_content(message.get("content"), i)}
+                content = _vllm_content(message.get("content"), i, content_format)
+                fields = {"role": role, "content": content}
                 fields.update({k: message[k] for k in _VLLM_MESSAGE_FIELDS if k in message})
             else:
                 fields = dict(message)
-                fields["content"] = self._sglang_content(message.get("content"), i)
+                fields["content"] = _sglang_content(message.get("content"), i, content_format)
+            _tool_call_arguments(fields, i, self.engine)
             prepared.append(_transformers_message(fields))
         return prepared
 
-    def _sglang_content(self, content: object, index: int) -> object:
-        if content is None:
-            return ""  # SGLang renders a null content as the empty string
-        if not isinstance(content, list):
-            return content
-        parts = list(_text_parts(content, index))
-        if self.content_format == "string":
-            return " ".join(text for _, text in parts if text is not None)
-        return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
 
-    def _vllm_content(self, content: object, index: int) -> object:
-        if content is None:
-            content = []
-        elif isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise ChatTemplateError(f"messages[{index}].content must be a string or a list")
-        parts = list(_text_parts(content, index))
-        if self.content_format == "string":
-            return "\n".join(text for _, text in parts if text is not None)
-        return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
+def _sglang_content(content: object, index: int, content_format: ContentFormat) -> object:
+    if content is None:
+        return ""  # SGLang renders a null content as the empty string
+    if not isinstance(content, list):
+        return content
+    parts = list(_text_parts(content, index))
+    if content_format == "string":
+        return " ".join(text for _, text in parts if text is not None)
+    return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
+
+
+def _vllm_content(content: object, index: int, content_format: ContentFormat) -> object:
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"messages[{index}].content must be a string or a list")
+    parts = list(_text_parts(content, index))
+    if content_format == "string":
+        return "\n".join(text for _, text in parts if text is not None)
+    return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
+
+
+# transformers' marker for continue_final_message: appended to the final message, cut after render
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _mark_final_message(messages: list[dict[str, Any]], source: str) -> str:
+    """Tag the final message's text as transformers does; the untagged text is returned."""
+    final = messages[-1].get("content")
+    if final is None:
+        raise ChatTemplateError("continue_final_message: the final message has no content")
+    if "content" not in source:
+        raise ChatTemplateError("continue_final_message: the template does not read content")
+    if isinstance(final, list):
+        for j in range(len(final) - 1, -1, -1):
+            if isinstance(final[j], dict) and "text" in final[j]:
+                text = str(final[j]["text"])
+                parts = list(final)
+                parts[j] = {**final[j], "text": text + _CONTINUE_TAG}
+                messages[-1] = {**messages[-1], "content": parts}
+                return text
+        raise ChatTemplateError("continue_final_message: no text to continue in the final message")
+    if not isinstance(final, str):
+        raise ChatTemplateError("continue_final_message: the final content must be text")
+    messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
+    return final
+
+
+def _cut_at_final_message(rendered: str, final: str) -> str:
+    """The rendered text up to where the final message's text ends."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message: the template dropped part of the final message"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space
 
 
 def _transformers_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -391,12 +555,25 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _config_template(config: Mapping[str, Any], path: Path) -> str:
-    """The default template of a tokenizer config (a string, or a list of named templates)."""
+@overload
+def _config_template(config: Mapping[str, Any], path: Path) -> str: ...
+@overload
+def _config_template(config: Mapping[str, Any], path: Path, name: str) -> str | None: ...
+
+
+def _config_template(config: Mapping[str, Any], path: Path, name: str = "default") -> str | None:
+    """A named template of a tokenizer config (a string, or a list of named templates).
+
+    The default one must exist; another name is None when the config does not have it.
+    """
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
+        template = named.get(name)
+    elif name != "default":
+        return None
+    if name != "default" and not isinstance(template, str):
+        return None
     if not isinstance(template, str):
         raise ConfigError(f"{path}: no chat_template (a string or a 'default' named template)")
     return template

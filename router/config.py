@@ -91,8 +91,9 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # a path: a tokenizer_config.json, or a .jinja file (special tokens then come from the
     #     tokenizer_config.json beside `path`, else beside the .jinja file).
     chat_template: str = ""
-    # whose OpenAI layer to mirror when a message's content is a list of parts (SGLang joins
-    # text parts with a space for string templates, vLLM with a newline)
+    # whose OpenAI layer to mirror when rendering: how list-of-parts content is flattened
+    # (SGLang joins text parts with a space for string templates, vLLM with a newline) and how
+    # `tools`, `tool_choice`, `chat_template_kwargs` and `reasoning_effort` reach the template
     chat_engine: Literal["sglang", "vllm"] = "sglang"
 
     def __post_init__(self) -> None:

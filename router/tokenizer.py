@@ -27,6 +27,7 @@ from router.errors import ConfigError
 if TYPE_CHECKING:
     # jinja2 comes with the optional extra: imported only when a model template is configured
     from router.chat_template import ModelChatTemplate
+    from router.request import ChatOptions
 
 __all__ = ["BUILTIN_TEMPLATE", "PromptTokenizer", "build_tokenizer", "load_chat_template"]
 
@@ -55,10 +56,15 @@ class PromptTokenizer:
         """Ids of a completion or /generate prompt (no BOS, as the workers do)."""
         return self._encoder.encode(text)
 
-    def chat(self, messages: Sequence[object]) -> list[int]:
-        """Ids of a chat prompt as the engine computes them (raises ChatTemplateError)."""
+    def chat(self, messages: Sequence[object], options: ChatOptions | None = None) -> list[int]:
+        """Ids of a chat prompt as the engine computes them (raises ChatTemplateError).
+
+        `options` (tools, template kwargs, ...) reach the model template only: kvroute's own
+        template, like the reference workers, renders the messages alone.
+        """
         if self.template is not None:
-            return self._encoder.encode(self.template.render(messages), add_bos=False)
+            text = self.template.render(messages, options=options)
+            return self._encoder.encode(text, add_bos=False)
         return self._encoder.encode(render_chat(messages), add_bos=True)
 
 
