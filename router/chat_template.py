@@ -53,7 +53,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from indexer.protocol.tokens import ChatTemplateError
+from indexer.protocol.tokens import ChatTemplateError, checked_messages
 from router.errors import ConfigError
 from router.request import ChatEngine, ChatOptions
 
@@ -443,17 +443,8 @@ class ModelChatTemplate:
         self, messages: Sequence[object], content_format: ContentFormat
     ) -> list[dict[str, Any]]:
         """The messages as the engine hands them to the template."""
-        if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
-            raise ChatTemplateError("messages must be a list")
-        if not messages:
-            raise ChatTemplateError("messages must not be empty")
         prepared: list[dict[str, Any]] = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping):
-                raise ChatTemplateError(f"messages[{i}] must be an object")
-            role = message.get("role")
-            if not isinstance(role, str) or not role:
-                raise ChatTemplateError(f"messages[{i}].role must be a non-empty string")
+        for i, (message, role) in enumerate(checked_messages(messages)):
             if self.engine == "vllm":
                 content = _vllm_content(message.get("content"), i, content_format)
                 fields = {"role": role, "content": content}

@@ -21,6 +21,7 @@ __all__ = [
     "VOCAB_SIZE",
     "ByteTokenizer",
     "ChatTemplateError",
+    "checked_messages",
     "render_chat",
 ]
 
@@ -67,19 +68,30 @@ def _content_text(content: object, index: int) -> str:
     raise ChatTemplateError(f"messages[{index}].content must be a string or a list of parts")
 
 
-def render_chat(messages: Sequence[object], *, add_generation_prompt: bool = True) -> str:
-    """Render OpenAI-style chat messages into the prompt text both sides tokenize."""
+def checked_messages(messages: object) -> list[tuple[Mapping[str, object], str]]:
+    """Each message of a chat request with its role; ChatTemplateError names the bad field.
+
+    Every chat template (this one and a model's, `router.chat_template`) starts from here.
+    """
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise ChatTemplateError("messages must be a list")
     if not messages:
         raise ChatTemplateError("messages must not be empty")
-    chunks: list[str] = []
+    out: list[tuple[Mapping[str, object], str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"messages[{i}] must be an object")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{i}].role must be a non-empty string")
+        out.append((message, role))
+    return out
+
+
+def render_chat(messages: Sequence[object], *, add_generation_prompt: bool = True) -> str:
+    """Render OpenAI-style chat messages into the prompt text both sides tokenize."""
+    chunks: list[str] = []
+    for i, (message, role) in enumerate(checked_messages(messages)):
         chunks.append(f"<|{role}|>\n{_content_text(message.get('content'), i)}\n")
     if add_generation_prompt:
         chunks.append("<|assistant|>\n")

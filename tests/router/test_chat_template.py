@@ -13,19 +13,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from indexer.protocol.tokens import ByteTokenizer, ChatTemplateError, render_chat
 from router import chat_template as chat_template_module
 from router.chat_template import ModelChatTemplate, detect_content_format, special_tokens
-from router.config import IndexerSection, TokenizerConfig, parse_config
+from router.config import TokenizerConfig, parse_config
 from router.errors import ConfigError
-from router.service import RouterService
 from router.tokenizer import build_tokenizer, load_chat_template
-from tests.router.conftest import AUTH, eventually, router_config
-from workers.config import WorkerConfig as ReferenceConfig
-from workers.worker import ReferenceWorker
+from tests.router.chat_routing import check_chat_matches_rendered_text
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates"
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "goldens.json").is_file())
@@ -360,33 +356,10 @@ async def test_the_router_matches_chat_requests_rendered_with_the_model_template
         {"role": "user", "content": "Where is my order?"},
     ]
     rendered = ModelChatTemplate.load(model / "tokenizer_config.json").render(messages)
-    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
-    async with ReferenceWorker(cfg) as worker:
-        tokenizer = TokenizerConfig(chat_template=str(model / "tokenizer_config.json"))
-        config = router_config(
-            [("w0", worker.url)], tokenizer=tokenizer, indexer=IndexerSection(pending_ttl_s=0.05)
-        )
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def matched() -> int:
-                url = router.url + "/admin/route?endpoint=/v1/chat/completions"
-                body = {"model": "m", "messages": messages}
-                async with session.post(url, json=body, headers=AUTH) as resp:
-                    assert resp.status == 200, await resp.text()
-                    plan = await resp.json()
-                return int(plan["candidates"][0]["matched_tokens"])
-
-            assert await matched() == 0
-            warm = {"text": rendered, "sampling_params": {"max_new_tokens": 1}}
-            async with session.post(router.url + "/generate", json=warm) as resp:
-                assert resp.status == 200, await resp.text()
-            full_pages = len(rendered.encode()) // 16 * 16
-
-            async def indexed() -> bool:
-                return await matched() == full_pages
-
-            await eventually(indexed, what="the rendered chat prompt to be indexed")
-            bad = {"model": "m", "messages": [{"content": "no role"}]}
-            async with session.post(router.url + "/v1/chat/completions", json=bad) as resp:
-                assert resp.status == 400
-                assert "messages[0].role" in (await resp.text())
+    await check_chat_matches_rendered_text(
+        model / "tokenizer_config.json",
+        {"model": "m", "messages": messages},
+        rendered,
+        {"model": "m", "messages": [{"content": "no role"}]},
+        "messages[0].role",
+    )
