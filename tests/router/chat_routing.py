@@ -1,8 +1,10 @@
-"""The end-to-end check both chat-template test files share: a chat request must match the
+"""What both chat-template test files share: the golden fixtures (their frozen clock is the
+`frozen_now` fixture of conftest.py) and the end-to-end check that a chat request matches the
 pages a reference worker cached for the same prompt sent as rendered text."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,15 @@ from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates"
+MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "goldens.json").is_file())
+
+
+def goldens(model: str) -> dict[str, Any]:
+    """One model's goldens (made with the real transformers; see the fixtures' README)."""
+    data: dict[str, Any] = json.loads((FIXTURES / model / "goldens.json").read_text("utf-8"))
+    return data
 
 
 async def check_chat_matches_rendered_text(

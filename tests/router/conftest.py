@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as real_datetime
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from router import chat_template as chat_template_module
 from router.config import AdminConfig, HealthConfig, ListenConfig, RouterConfig, WorkerConfig
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceConfig
@@ -113,3 +117,18 @@ async def fleet() -> AsyncIterator[Fleet]:
             fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
             await fleet.warm()
             yield fleet
+
+
+@pytest.fixture
+def frozen_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat templates that print today's date see the day the chat-template goldens were made."""
+    goldens = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates"
+    made = next(goldens.glob("*/goldens.json"))
+    golden_now = real_datetime.datetime.fromisoformat(json.loads(made.read_text("utf-8"))["now"])
+
+    class Frozen(real_datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return golden_now
+
+    monkeypatch.setattr(chat_template_module, "datetime", Frozen)

@@ -7,7 +7,6 @@ messages and must agree exactly, errors included.
 
 from __future__ import annotations
 
-import datetime as real_datetime
 import json
 import logging
 from pathlib import Path
@@ -21,23 +20,20 @@ from router.chat_template import ModelChatTemplate, detect_content_format, speci
 from router.config import TokenizerConfig, parse_config
 from router.errors import ConfigError
 from router.tokenizer import build_tokenizer, load_chat_template
-from tests.router.chat_routing import check_chat_matches_rendered_text
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates"
-MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "goldens.json").is_file())
-
-
-def _goldens(model: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / model / "goldens.json").read_text("utf-8"))
-    return data
+from tests.router.chat_routing import (
+    FIXTURES,
+    MODELS,
+    check_chat_matches_rendered_text,
+    goldens,
+)
 
 
 def _cases() -> list[tuple[str, str]]:
-    return [(m, c["name"]) for m in MODELS for c in _goldens(m)["cases"]]
+    return [(m, c["name"]) for m in MODELS for c in goldens(m)["cases"]]
 
 
 def _case(model: str, name: str) -> dict[str, Any]:
-    return next(c for c in _goldens(model)["cases"] if c["name"] == name)
+    return next(c for c in goldens(model)["cases"] if c["name"] == name)
 
 
 def _model_config(model: str) -> TokenizerConfig:
@@ -46,16 +42,8 @@ def _model_config(model: str) -> TokenizerConfig:
 
 
 @pytest.fixture(autouse=True)
-def frozen_now(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Templates that print today's date see the day the goldens were made."""
-    golden_now = real_datetime.datetime.fromisoformat(_goldens(MODELS[0])["now"])
-
-    class Frozen(real_datetime.datetime):
-        @classmethod
-        def now(cls, tz: Any = None) -> Any:
-            return golden_now
-
-    monkeypatch.setattr(chat_template_module, "datetime", Frozen)
+def _golden_day(frozen_now: None) -> None:
+    """Every test here sees the day the goldens were made."""
 
 
 def test_the_fixtures_cover_the_templates_the_issue_names() -> None:

@@ -8,23 +8,24 @@ parser and must give the same text and ids.
 
 from __future__ import annotations
 
-import datetime as real_datetime
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router import chat_template as chat_template_module
 from router.chat_template import ModelChatTemplate
 from router.config import TokenizerConfig
 from router.errors import RequestError
 from router.request import ChatEngine, ChatOptions, Endpoint, chat_options, parse_request
 from router.tokenizer import build_tokenizer
-from tests.router.chat_routing import check_chat_matches_rendered_text
+from tests.router.chat_routing import (
+    FIXTURES,
+    MODELS,
+    check_chat_matches_rendered_text,
+    goldens,
+)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates"
-MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "goldens.json").is_file())
 WEATHER = {
     "type": "function",
     "function": {
@@ -35,28 +36,15 @@ WEATHER = {
 }
 
 
-def _goldens(model: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / model / "goldens.json").read_text("utf-8"))
-    return data
-
-
 def _request_cases() -> list[tuple[str, str, str]]:
     return [
-        (m, c["name"], c["engine"]) for m in MODELS for c in _goldens(m).get("request_cases", [])
+        (m, c["name"], c["engine"]) for m in MODELS for c in goldens(m).get("request_cases", [])
     ]
 
 
 @pytest.fixture(autouse=True)
-def frozen_now(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Templates that print today's date see the day the goldens were made."""
-    golden_now = real_datetime.datetime.fromisoformat(_goldens(MODELS[0])["now"])
-
-    class Frozen(real_datetime.datetime):
-        @classmethod
-        def now(cls, tz: Any = None) -> Any:
-            return golden_now
-
-    monkeypatch.setattr(chat_template_module, "datetime", Frozen)
+def _golden_day(frozen_now: None) -> None:
+    """Every test here sees the day the goldens were made."""
 
 
 def _tokenizer_config(model: str, engine: ChatEngine) -> TokenizerConfig:
@@ -71,7 +59,7 @@ def test_the_goldens_cover_tools_and_kwargs_for_both_engines() -> None:
     assert {"tools_auto", "tool_choice_named", "tool_choice_none", "thinking_off"} <= names
     assert {engine for _, _, engine in cases} == {"sglang", "vllm"}
     # the two engines must really differ somewhere, or the goldens prove nothing about either
-    qwen = {(c["name"], c["engine"]): c for c in _goldens("qwen3-0.6b")["request_cases"]}
+    qwen = {(c["name"], c["engine"]): c for c in goldens("qwen3-0.6b")["request_cases"]}
     assert qwen["tools_auto", "sglang"]["rendered"] != qwen["tools_auto", "vllm"]["rendered"]
     assert "<think>\n\n</think>" in qwen["thinking_off", "vllm"]["rendered"]
 
@@ -80,7 +68,7 @@ def test_the_goldens_cover_tools_and_kwargs_for_both_engines() -> None:
 def test_chat_requests_render_like_each_engine(model: str, name: str, engine: ChatEngine) -> None:
     pytest.importorskip("tokenizers")
     case = next(
-        c for c in _goldens(model)["request_cases"] if c["name"] == name and c["engine"] == engine
+        c for c in goldens(model)["request_cases"] if c["name"] == name and c["engine"] == engine
     )
     tokenizer = build_tokenizer(_tokenizer_config(model, engine))
     assert tokenizer.template is not None and tokenizer.template.engine == engine
