@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, cast
-
-import msgspec
+from typing import cast
 
 from indexer.backend import DEFAULT, Backend
-from indexer.int_map import PyIntMap
 from indexer.namespace import Namespace, vllm_salt
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
 from indexer.registry import NamespaceRegistry, NamespaceSize
+from indexer.stream_entries import ApplyOutcome, Engine, IndexedStream, StreamCounters
 from indexer.walk import (
     CODE_BITS,
     CODE_MASK,
@@ -72,84 +70,9 @@ __all__ = [
     "ns_code",
 ]
 
-Engine = Literal["sglang", "vllm"]
-
 DEFAULT_MEDIUM = "GPU"
 
 _INTERN_LIMIT = 1 << 16  # distinct table values shared as one int object each
-
-
-class StreamCounters(msgspec.Struct):
-    """What the index did with one stream's events, cumulative."""
-
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    unknown_parents: int = 0
-    unknown_removes: int = 0
-    block_size_mismatches: int = 0
-    skipped_events: int = 0
-    clears: int = 0
-
-
-class ApplyOutcome(msgspec.Struct, gc=False):
-    """What one batch did (the subscriber logs mismatches from it)."""
-
-    stored: int = 0
-    removed: int = 0
-    cleared: bool = False
-    unknown_parents: int = 0
-    block_size_mismatches: int = 0
-    skipped: int = 0
-
-
-class _Stream:
-    """Everything the index knows about one (worker, dp rank) stream."""
-
-    __slots__ = (
-        "bit",
-        "block_size",
-        "blocks",
-        "counters",
-        "dup_keys",
-        "engine",
-        "last_seq",
-        "media",
-        "model",
-        "ns_cache",
-        "ns_counts",
-        "partial",
-        "refs",
-        "sbit",
-        "singles",
-        "slot",
-    )
-
-    def __init__(
-        self,
-        slot: int,
-        model: str,
-        engine: Engine,
-        block_size: int | None,
-        int_map: type[PyIntMap] = PyIntMap,
-    ) -> None:
-        self.slot = slot
-        self.bit = 1 << slot
-        self.sbit = 1 << (slot + CODE_BITS)
-        self.model = model
-        self.engine: Engine = engine
-        self.block_size = block_size
-        self.last_seq: int | None = None
-        self.counters = StreamCounters()
-        # engine hash -> block key, values packed as int64 in the compiled map
-        self.blocks = int_map(True)
-        self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1
-        self.dup_keys: dict[int, int] = {}  # key -> extra engine hashes of this stream on it
-        self.media: dict[BlockHash, str] = {}  # engine hash -> medium, only when not default
-        self.partial: dict[BlockHash, tuple[int, int]] = {}  # engine hash -> (key, ns id)
-        self.ns_counts: dict[int, int] = {}  # ns id -> indexed blocks of this stream
-        # (lora, salt) -> ns id, so steady traffic builds no Namespace per event
-        self.ns_cache: dict[tuple[str | None, str | None], int] = {}
-        self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
 
 
 class PrefixIndex:
@@ -170,7 +93,7 @@ class PrefixIndex:
         self._chain = backend.chain
         self._table = backend.int_map(False)  # key -> (stream bits << CODE_BITS) | ns code
         self._tiers: dict[str, dict[int, int]] = {}  # medium -> key -> stream bits (unshifted)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, IndexedStream] = {}
         self._by_slot: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
@@ -211,10 +134,10 @@ class PrefixIndex:
         if block_size is not None:
             self._set_block_size(st, block_size)
 
-    def _new_stream(self, slot: int, model: str, engine: Engine) -> _Stream:
-        return _Stream(slot, model, engine, None, self.backend.int_map)
+    def _new_stream(self, slot: int, model: str, engine: Engine) -> IndexedStream:
+        return IndexedStream(slot, model, engine, None, self.backend.int_map)
 
-    def _set_block_size(self, st: _Stream, block_size: int) -> None:
+    def _set_block_size(self, st: IndexedStream, block_size: int) -> None:
         st.block_size = block_size
         bit = 1 << st.slot
         self._by_block_size[block_size] = self._by_block_size.get(block_size, 0) | bit
@@ -288,7 +211,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------- namespaces
 
-    def _event_namespace(self, st: _Stream, ev: Stored, parent_key: int | None) -> int:
+    def _event_namespace(self, st: IndexedStream, ev: Stored, parent_key: int | None) -> int:
         lora = ev.lora_name if ev.lora_name else None
         if lora is None and ev.lora_id is not None and ev.lora_id != 0:
             lora = str(ev.lora_id)
@@ -416,7 +339,7 @@ class PrefixIndex:
             st.last_seq = seq
         return outcome
 
-    def _store(self, st: _Stream, ev: Stored, outcome: ApplyOutcome) -> None:
+    def _store(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
         """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
 
         The fast path only runs when its outcome is exactly the general path's: a known
@@ -465,7 +388,7 @@ class PrefixIndex:
         st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n  # a clear may have emptied it
         outcome.stored += n
 
-    def _store_general(self, st: _Stream, ev: Stored, outcome: ApplyOutcome) -> None:
+    def _store_general(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
         page = ev.block_size
@@ -541,7 +464,7 @@ class PrefixIndex:
 
     def _link(
         self,
-        st: _Stream,
+        st: IndexedStream,
         hashes: list[BlockHash],
         keys: list[int],
         values: list[int | None],
@@ -579,7 +502,7 @@ class PrefixIndex:
 
     def _store_slow(
         self,
-        st: _Stream,
+        st: IndexedStream,
         hashes: list[BlockHash],
         keys: list[int],
         medium: str,
@@ -628,7 +551,7 @@ class PrefixIndex:
                 tier = self._tiers.setdefault(medium, {})
                 tier[key] = tier.get(key, 0) | st.bit
 
-    def _single(self, st: _Stream, ns_id: int) -> int:
+    def _single(self, st: IndexedStream, ns_id: int) -> int:
         """The table value of a key only `st` holds in namespace `ns_id` (cached per stream)."""
         if len(st.singles) >= 4096:
             st.singles.clear()  # bounded: a miss only recomputes one value
@@ -645,7 +568,7 @@ class PrefixIndex:
         return shared
 
     def _store_partial(
-        self, st: _Stream, ev: Stored, prev: int, ns_id: int, outcome: ApplyOutcome
+        self, st: IndexedStream, ev: Stored, prev: int, ns_id: int, outcome: ApplyOutcome
     ) -> None:
         page = ev.block_size
         tokens = ev.token_ids
@@ -657,7 +580,7 @@ class PrefixIndex:
             st.partial[h] = (prev, ns_id)
         outcome.stored += len(ev.block_hashes)
 
-    def _remove(self, st: _Stream, ev: Removed, outcome: ApplyOutcome) -> None:
+    def _remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
         if st.refs or st.media or st.dup_keys:
             self._remove_slow(st, ev, outcome)
             return
@@ -696,7 +619,7 @@ class PrefixIndex:
                     self._registry.tokens[ns_id] -= st.block_size or 0
         outcome.removed += n
 
-    def _remove_slow(self, st: _Stream, ev: Removed, outcome: ApplyOutcome) -> None:
+    def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
         blocks = st.blocks
         refs = st.refs
         for h in ev.block_hashes:
@@ -719,12 +642,12 @@ class PrefixIndex:
             self._unlink(st, h, key)
             outcome.removed += 1
 
-    def _drop_hash(self, st: _Stream, h: BlockHash, key: int) -> None:
+    def _drop_hash(self, st: IndexedStream, h: BlockHash, key: int) -> None:
         del st.blocks[h]
         st.refs.pop(h, None)
         self._unlink(st, h, key)
 
-    def _unlink(self, st: _Stream, h: BlockHash, key: int) -> None:
+    def _unlink(self, st: IndexedStream, h: BlockHash, key: int) -> None:
         """Take stream `st`'s hold of `key` (via engine hash `h`) out of the tables."""
         v = self._table[key]
         ns_id = v & NS_MASK
