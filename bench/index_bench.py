@@ -50,6 +50,7 @@ from indexer.namespace import Namespace, chain_keys, namespace_seed, py_chain
 from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
 from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.service import IndexerService, stream_id
+from indexer.snapshot import dump_index, load_index
 
 __all__ = ["add_arguments", "run"]
 
@@ -108,6 +109,19 @@ class BackendResult(msgspec.Struct):
     match_p50_us: float  # `PrefixIndex.match`, held documents
     match_p99_us: float
     bytes_per_entry: float
+
+
+class AdminResult(msgspec.Struct):
+    """Whole-index operations on the query index (seconds; each blocks the event loop)."""
+
+    entries: int
+    dump_s: float  # dump_index (msgpack snapshot)
+    snapshot_mib: float
+    load_s: float  # load_index of that snapshot, validated
+    evict_s: float  # evict_namespace of one tenant's namespace
+    evicted: int
+    clear_stream_s: float  # clear_stream of one stream (AllBlocksCleared, restart)
+    cleared: int
 
 
 class MemoryResult(msgspec.Struct):
@@ -514,6 +528,26 @@ def match_latencies(
     return _percentiles(samples)
 
 
+def admin_operations(index: PrefixIndex, backend: Backend) -> AdminResult:
+    """Time snapshot dump and load, then a namespace eviction and a stream clear on the loaded
+    copy (`index` itself is left as it was)."""
+    entries = len(index)
+    t0 = time.perf_counter()
+    data = dump_index(index)
+    t1 = time.perf_counter()
+    loaded = load_index(data, backend=backend)
+    t2 = time.perf_counter()
+    assert len(loaded) == entries
+    evicted = loaded.evict_namespace(_doc_ns(0))  # tenant-0's namespace
+    t3 = time.perf_counter()
+    cleared = loaded.clear_stream(loaded.streams()[0])
+    t4 = time.perf_counter()
+    del loaded
+    return AdminResult(
+        entries, t1 - t0, len(data) / 2**20, t2 - t1, t3 - t2, evicted, t4 - t3, cleared
+    )
+
+
 def _stages(
     index: PrefixIndex, service: IndexerService, prompts: list[tuple[Namespace, list[int]]]
 ) -> StageResult:
@@ -571,6 +605,7 @@ def render(
     args: object,
     backend: str = DEFAULT.name,
     compared: BackendResult | None = None,
+    admin: AdminResult | None = None,
 ) -> str:
     """The markdown report."""
     lines = [
@@ -661,6 +696,22 @@ def render(
         f"**{_verdict(shared.bytes_per_entry <= TARGET_BYTES)}**.",
         "",
     ]
+    if admin is not None:
+        lines += [
+            f"## Whole-index operations ({admin.entries:,} entries)",
+            "",
+            "Each runs on the event loop in a live router, so this is how long it stalls it.",
+            "",
+            "| operation | s |",
+            "|---|---:|",
+            f"| `dump_index` (snapshot, {admin.snapshot_mib:,.0f} MiB) | {admin.dump_s:.2f} |",
+            f"| `load_index` of that snapshot (validated) | {admin.load_s:.2f} |",
+            f"| `evict_namespace` of one tenant ({admin.evicted:,} entries) | "
+            f"{admin.evict_s:.2f} |",
+            f"| `clear_stream` of one stream ({admin.cleared:,} entries) | "
+            f"{admin.clear_stream_s:.3f} |",
+            "",
+        ]
     if compared is not None:
         held = queries[0]
         lines += [
@@ -770,6 +821,9 @@ def run(args: argparse.Namespace) -> int:
         args.streams, args.docs_per_stream, args.pool, args.seed, backend
     )
     print(f"memory: {shared.entries:,} entries, {shared.bytes_per_entry:.0f} bytes/entry")
+    admin = admin_operations(index, backend)  # before the query service takes the streams
+    print(f"admin: {admin}")
+    gc.collect()
     queries, stages = asyncio.run(_query_latencies(index, held, args.seconds, args.seed))
     for q in queries:
         print(
@@ -804,7 +858,7 @@ def run(args: argparse.Namespace) -> int:
         f"ingest input={args.recording or 'synthetic stream, recorded to a kvrec file'}"
     )
     args.output.write_text(
-        render(ingest, queries, stages, [shared, unshared], params, backend.name, compared)
+        render(ingest, queries, stages, [shared, unshared], params, backend.name, compared, admin)
     )
     print(f"wrote {args.output}")
     return 0

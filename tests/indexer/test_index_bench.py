@@ -17,6 +17,7 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     assert index_bench.run(args) == 0
     text = out.read_text()
     assert "block ops/s" in text and "p99 us" in text and "bytes/entry" in text
+    assert "`evict_namespace` of one tenant" in text and "`load_index`" in text
     # the compiled backend is measured against the python one in the same run
     assert ("vs python backend" in text) == (index_bench.DEFAULT.name == "native")
 
