@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from itertools import compress
+from operator import not_
 from typing import cast
 
 from indexer.backend import DEFAULT, Backend
@@ -696,9 +698,13 @@ class PrefixIndex:
         self.pending.expire()
         ns_id = self._intern(namespace)
         keys = self._chain(self._registry.seed(ns_id, st.block_size), tokens, st.block_size, 0, -1)
+        # keys the stream already holds need no pending mark (C-level passes, no per-key step;
+        # a prompt nobody holds, the common case for a new prefix, skips even those)
         table = self._table
-        sbit = st.sbit
-        fresh = [k for k in keys if not table.get(k, 0) & sbit]
+        fresh = keys
+        if not table.isdisjoint(keys):
+            held = map(st.sbit.__and__, table.get_many(keys, 0))
+            fresh = list(compress(keys, map(not_, held)))
         return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id])
 
     def match(

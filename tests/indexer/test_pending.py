@@ -1,0 +1,91 @@
+"""PendingTable on its own: refresh, expiry order, discards and the size cap, on both backends."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from indexer.backend import Backend
+from indexer.pending import PendingTable
+
+SHIFT = 48
+
+
+def marks(table: PendingTable, key: int) -> int:
+    """Stream bits of `key` (slot i is bit i)."""
+    return table.bits.get(key, 0) >> SHIFT
+
+
+def test_marks_refresh_expire_and_discard(backend: Backend) -> None:
+    now = [0.0]
+    table = PendingTable(lambda: now[0], 2.0, shift=SHIFT, int_map=backend.int_map)
+    assert table.add([1, 2, 3], slot=0, ns_id=5, fill=7) == 3
+    assert table.add([2, 3, 4], slot=1, ns_id=5, fill=7) == 3
+    assert marks(table, 2) == 0b11 and table.bits[2] & 0xFF == 7 and len(table) == 6
+    now[0] = 1.0
+    table.add([3], slot=0, ns_id=5, fill=7)  # refreshes (3, slot 0) until 3.0
+    now[0] = 2.5
+    table.expire()  # the marks of t=0 expire, except the refreshed (3, 0)
+    assert (marks(table, 1), marks(table, 2), marks(table, 3), marks(table, 4)) == (0, 0, 1, 0)
+    assert 1 not in table.bits and len(table) == 1 and table.namespaces() == {5}
+    table.discard(3, 0)
+    assert len(table) == 0 and not table.bits
+    now[0] = 10.0
+    table.expire()  # the refreshing mark expires with nothing left to drop
+    assert table.namespaces() == set()
+
+
+def test_discard_slot_and_namespace(backend: Backend) -> None:
+    table = PendingTable(lambda: 0.0, 2.0, shift=SHIFT, int_map=backend.int_map)
+    table.add([1, 2], slot=0, ns_id=1)
+    table.add([2, 3], slot=1, ns_id=1)
+    table.add([9], slot=1, ns_id=2)
+    table.discard_slot(1)
+    assert (marks(table, 1), marks(table, 2), marks(table, 3), marks(table, 9)) == (1, 1, 0, 0)
+    table.add([9], slot=2, ns_id=2)
+    table.discard_namespace(1)
+    assert (marks(table, 1), marks(table, 2), marks(table, 9)) == (0, 0, 0b100)
+    assert table.namespaces() == {2} and len(table) == 1
+    table.clear()
+    assert len(table) == 0 and not table.bits and table.namespaces() == set()
+
+
+def test_cap_and_zero_ttl(backend: Backend) -> None:
+    table = PendingTable(lambda: 0.0, 2.0, max_entries=5, shift=SHIFT, int_map=backend.int_map)
+    assert table.add(range(4), slot=0, ns_id=1) == 4
+    assert table.add(range(10, 20), slot=0, ns_id=1) == 1  # room for one more
+    assert table.add([99], slot=1, ns_id=1) == 0 and len(table) == 5
+    off = PendingTable(lambda: 0.0, 0.0, shift=SHIFT, int_map=backend.int_map)
+    assert off.add([1], slot=0, ns_id=1) == 0 and not off.bits
+
+
+def test_against_a_per_entry_model(backend: Backend) -> None:
+    seed = int(os.environ.get("KVROUTE_TEST_SEED", "51"))
+    print(f"pending seed={seed} backend={backend.name}")
+    rng = random.Random(seed)
+    now = [0.0]
+    table = PendingTable(lambda: now[0], 1.0, shift=SHIFT, int_map=backend.int_map)
+    model: dict[tuple[int, int], float] = {}  # (key, slot) -> deadline
+    for _ in range(400):
+        now[0] += rng.random() * 0.2
+        roll = rng.random()
+        if roll < 0.6:
+            slot = rng.randrange(4)
+            keys = rng.sample(range(60), rng.randrange(1, 12))
+            table.add(keys, slot=slot, ns_id=1)
+            model.update(dict.fromkeys([(k, slot) for k in keys], now[0] + 1.0))
+        elif roll < 0.8:
+            key, slot = rng.randrange(60), rng.randrange(4)
+            table.discard(key, slot)
+            model.pop((key, slot), None)
+        else:
+            slot = rng.randrange(4)
+            table.discard_slot(slot)
+            model = {ks: d for ks, d in model.items() if ks[1] != slot}
+        table.expire()
+        model = {ks: d for ks, d in model.items() if d > now[0]}
+        want: dict[int, int] = {}
+        for key, slot in model:
+            want[key] = want.get(key, 0) | 1 << slot
+        assert {k: v >> SHIFT for k, v in table.bits.items()} == want
+        assert len(table) == len(model)
