@@ -1156,6 +1156,49 @@ intmap_pop_many(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* or_many(keys, mask): m[k] = m.get(k, 0) | mask for every key (object maps: holder bit sets;
+ * a routed prompt's pending marks join the bits other streams already have on its keys). */
+static PyObject *
+intmap_or_many(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "or_many expected 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (m->packed) {
+        PyErr_SetString(PyExc_TypeError, "or_many needs an object IntMap (packed=False)");
+        return NULL;
+    }
+    if (!PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "or_many mask must be int, not %.200s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    PyObject *keys = PySequence_Tuple(args[0]);
+    if (keys == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        PyObject *old = NULL;
+        int rc = lookup(m, key, &old);
+        if (rc < 0) {
+            Py_DECREF(keys);
+            return NULL; /* keys before i stay updated, as with a loop of assignments */
+        }
+        PyObject *merged = rc == 1 ? PyNumber_Or(old, args[1]) : Py_NewRef(args[1]);
+        Py_XDECREF(old);
+        if (merged == NULL || set_item(m, key, merged) < 0) {
+            Py_XDECREF(merged);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        Py_DECREF(merged);
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+}
+
 /* Pop keys[0:n] again (they were absent before this call inserted them). */
 static int
 take_back(IntMapObject *m, PyObject *keys, Py_ssize_t n)
@@ -1402,6 +1445,9 @@ static PyMethodDef intmap_methods[] = {
     {"assign", (PyCFunction)(void (*)(void))intmap_assign, METH_FASTCALL,
      "assign($self, keys, value, /)\n--\n\n"
      "Set every key of keys to value."},
+    {"or_many", (PyCFunction)(void (*)(void))intmap_or_many, METH_FASTCALL,
+     "or_many($self, keys, mask, /)\n--\n\n"
+     "Set every key to its value (0 when absent) ORed with mask (object maps only)."},
     {"pop_many", (PyCFunction)(void (*)(void))intmap_pop_many, METH_FASTCALL,
      "pop_many($self, keys, default, /)\n--\n\n"
      "Remove each key; a list of the values (default for absent keys), in order."},

@@ -12,6 +12,7 @@ this dict subclass has the same methods and results, for machines that could not
 - `get_many(keys, default)`: one value (or `default`) per key, in order: the query's lookups;
 - an event's bulk operations: `assign(keys, value)`, `pop_many(keys, default)` and
   `insert_new(keys, values)` (all or nothing: inserts only when no key is present or repeats);
+- `or_many(keys, mask)`: each key's value (0 when absent) ORed with `mask` (pending marks);
 - `pop_by_value(other)`: remove the entries whose value is a key of `other` (evicting a
   namespace: a stream's entries of a set of block keys);
 - `packed`: the compiled map stores values inline as int64 when True (per-stream maps, whose
@@ -76,3 +77,8 @@ class PyIntMap(dict[int | bytes, int]):
         for k, _ in gone:
             del self[k]
         return gone
+
+    def or_many(self, keys: Iterable[int | bytes], mask: int, /) -> None:
+        """Set every key to its value (0 when absent) ORed with `mask`."""
+        for key in keys:
+            self[key] = self.get(key, 0) | mask

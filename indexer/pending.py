@@ -92,9 +92,9 @@ class PendingTable:
         bit = (1 << (slot + self._shift)) | (self._fill if fill is None else fill)
         bits = self.bits
         if bits.isdisjoint(marked):
-            bits.assign(marked, bit)  # the common case: one shared value, one C-level pass
+            bits.assign(marked, bit)  # a new prefix: one shared value object for all its keys
         else:
-            bits.update(zip(marked, map(bit.__or__, bits.get_many(marked, 0)), strict=True))
+            bits.or_many(marked, bit)
         deadline = self._clock() + self.ttl_s
         self._fifo.append((deadline, slot, self._generation, ns_id, marked))
         return len(marked)

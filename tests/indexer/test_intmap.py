@@ -674,3 +674,29 @@ def test_slot_positions_are_keyed_per_process(native: type[Any]) -> None:
         for _ in range(3)
     }
     assert len(orders) > 1  # the same inserts, another layout in another process
+
+
+def test_or_many_against_dict(factory: MapFactory) -> None:
+    m = factory(False)
+    model: dict[Any, int] = {}
+    rng = random.Random(61)
+    for _ in range(300):
+        keys = [
+            rng.choice([*range(-3, 40), 2**70, b"k", INT64_MIN]) for _ in range(rng.randrange(9))
+        ]
+        mask = rng.choice([1, 1 << 60, 1 << 100, 0, 5])
+        m.or_many(keys if rng.random() < 0.5 else iter(keys), mask)
+        for k in keys:
+            model[k] = model.get(k, 0) | mask
+        assert dict(m.items()) == model
+
+
+def test_or_many_refuses_packed_maps_and_bad_masks(native: type[Any]) -> None:
+    with pytest.raises(TypeError):
+        native(True).or_many([1], 1)
+    with pytest.raises(TypeError):
+        native(False).or_many([1], 1.5)
+    m = native(False)
+    with pytest.raises(TypeError):
+        m.or_many([1, 2.5, 3], 4)  # the key before the bad one stays updated
+    assert dict(m.items()) == {1: 4}
