@@ -39,6 +39,7 @@ from operator import not_
 from typing import cast
 
 from indexer.backend import DEFAULT, Backend
+from indexer.fence import BatchFence
 from indexer.namespace import Namespace, vllm_salt
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
@@ -204,9 +205,15 @@ class PrefixIndex:
         """Seq of the last batch applied to this stream (None when unknown)."""
         return self._streams[stream].last_seq
 
-    def set_last_seq(self, stream: str, seq: int | None) -> None:
-        """Record the seq the stream's state corresponds to (snapshots carry it)."""
-        self._streams[stream].last_seq = seq
+    def set_last_seq(self, stream: str, seq: int | None, payload: bytes | None = None) -> None:
+        """Record the seq (and batch) the stream's state corresponds to (snapshots carry it)."""
+        st = self._streams[stream]
+        st.last_seq = seq
+        st.fence = None if seq is None or payload is None else BatchFence.of(seq, payload)
+
+    def fence(self, stream: str) -> BatchFence | None:
+        """What identifies the stream's last applied batch (None: nothing can prove it)."""
+        return self._streams[stream].fence
 
     def __len__(self) -> int:
         return sum(len(st.blocks) + len(st.partial) for st in self._streams.values())
@@ -312,8 +319,17 @@ class PrefixIndex:
 
     # --------------------------------------------------------------- applying
 
-    def apply(self, stream: str, batch: EventBatch, seq: int | None = None) -> ApplyOutcome:
-        """Apply one decoded batch to `stream` (registered first if needed)."""
+    def apply(
+        self,
+        stream: str,
+        batch: EventBatch,
+        seq: int | None = None,
+        payload: bytes | None = None,
+    ) -> ApplyOutcome:
+        """Apply one decoded batch to `stream` (registered first if needed).
+
+        `payload`, the batch's wire bytes, becomes the stream's fence (kept by reference).
+        """
         st = self._streams.get(stream)
         if st is None:
             self.add_stream(stream)
@@ -339,6 +355,7 @@ class PrefixIndex:
         c.skipped_events += outcome.skipped
         if seq is not None:
             st.last_seq = seq
+            st.fence = None if payload is None else BatchFence.of(seq, payload)
         return outcome
 
     def _store(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:

@@ -81,6 +81,8 @@ class StreamReplay(msgspec.Struct, kw_only=True):
     restarts: int = 0
     duplicates: int = 0
     decode_errors: int = 0
+    refetches: int = 0  # live batches that did not decode, fetched again by replay
+    lost_batches: int = 0  # batches that decoded neither live nor replayed: stream cleared
     skipped_events: int = 0
     unknown_parents: int = 0
     block_size_mismatches: int = 0
@@ -125,12 +127,15 @@ class ReplaySummary(msgspec.Struct, kw_only=True):
 class _StreamState:
     """Per-stream replay state: the live subscriber's tracker plus where a repair run is."""
 
-    __slots__ = ("in_replay", "joined", "tracker")
+    __slots__ = ("in_replay", "joined", "refetch", "tracker")
 
     def __init__(self) -> None:
         self.tracker = SequenceTracker()
         self.in_replay = False
         self.joined = False  # the first record is a join: never a gap (as live)
+        # a live batch that did not decode: the subscriber fetched it again through the
+        # replay, so its replayed copy is what comes next (or it was lost)
+        self.refetch: int | None = None
 
 
 def _count_batch(stats: StreamReplay, batch: EventBatch) -> int:
@@ -230,8 +235,17 @@ def _sequence(
     tracker = state.tracker
     joining = not state.joined
     state.joined = True
+    refetch, state.refetch = state.refetch, None
+    if refetch is not None and not (record.replayed and record.seq == refetch):
+        # the copy never came (no replay, timed out, no longer buffered): the subscriber
+        # gave the batch up and cleared the stream
+        stats.lost_batches += 1
+        target.clear_stream(record.stream)
+        tracker.restart_at(refetch + 1)
     if record.replayed:
-        if not state.in_replay:
+        if refetch is not None:
+            stats.refetches += 1  # the subscriber's refetch of one batch: not a gap
+        elif not state.in_replay:
             stats.replays += 1
             stats.gaps += 0 if joining else 1
         state.in_replay = True
@@ -282,7 +296,15 @@ def _apply_record(
         batch = decode_batch(record.payload)
     except ProtocolError:
         stats.decode_errors += 1
+        target.set_last_seq(record.stream, record.seq, record.payload)
+        if record.replayed:
+            # a copy from the replay does not decode either: given up, as live
+            stats.lost_batches += 1
+            target.clear_stream(record.stream)
+        else:
+            state.refetch = record.seq
+            state.tracker.restart_at(record.seq)  # its replayed copy applies next
         return 0
     ops = _count_batch(stats, batch)
-    target.apply(record.stream, batch, record.seq)
+    target.apply(record.stream, batch, record.seq, record.payload)
     return ops

@@ -24,11 +24,12 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.snapshot import dump_index, load_index
-from indexer.stats import NamespaceStats, StreamState, StreamStats, WorkerMatch
+from indexer.stats import UNTRUSTED, NamespaceStats, StreamState, StreamStats, WorkerMatch
 from indexer.subscriber import RawSink, StreamSubscriber
 from indexer.worker_matches import WorkerMatches
 
 __all__ = [
+    "UNTRUSTED",
     "IndexerConfig",
     "IndexerService",
     "Namespace",
@@ -135,6 +136,16 @@ class IndexerService:
             await asyncio.wait(tasks)
         for sub in subs:
             self.index.drop_stream(sub.stream_id)
+
+    def suspect_restart(self, worker: str, why: str) -> None:
+        """A sign the worker may have restarted (its health came back): prove its streams.
+
+        Until the replay proves each stream's last batch unchanged (`indexer.fence`), the
+        stream is UNVERIFIED and its entries predict no hit; an unproven stream is rebuilt.
+        """
+        for sub in self._workers.get(worker, []):
+            sub.suspect_restart(why)
+        self._matches.invalidate()
 
     def workers(self) -> list[str]:
         """Names of the subscribed workers."""

@@ -1,10 +1,12 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 1): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
+Layout (version 2): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
 scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
 silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
 block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
-and namespace ids, plus the rare side tables (reference counts, media, partial pages). The
+and namespace ids, plus the rare side tables (reference counts, media, partial pages) and the
+digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
+with streams that must be rebuilt before they are trusted). The
 shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
 Pending entries are not stored (they live for seconds).
 
@@ -21,13 +23,15 @@ import msgspec
 
 from indexer.backend import DEFAULT, Backend
 from indexer.errors import SnapshotError
+from indexer.fence import BatchFence
 from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, ns_code
 from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1 has no fences: its streams prove nothing
 _FORMAT = "kvroute-index"
 
 
@@ -45,6 +49,9 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     media: list[tuple[BlockHash, str]]
     partial: list[tuple[BlockHash, int, int]]
     counters: StreamCounters
+    # version 2: the digest of the batch at last_seq, so a warm start can prove that the
+    # publisher it reconnects to is still the process the snapshot followed (indexer.fence)
+    fence: bytes | None = None
 
 
 class _Snapshot(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,6 +93,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 media=list(st.media.items()),
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
                 counters=st.counters,
+                fence=None if st.fence is None else st.fence.digest(),
             )
         )
     namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
@@ -112,10 +120,10 @@ def load_index(
         header = _header_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise SnapshotError(f"not an index snapshot: {exc}") from exc
-    if header.format != _FORMAT or header.version != SNAPSHOT_VERSION:
+    if header.format != _FORMAT or header.version not in _READABLE_VERSIONS:
         raise SnapshotError(
             f"unsupported snapshot {header.format!r} version {header.version} "
-            f"(this build reads {_FORMAT!r} version {SNAPSHOT_VERSION})"
+            f"(this build reads {_FORMAT!r} versions {', '.join(map(str, _READABLE_VERSIONS))})"
         )
     try:
         snap = _decoder.decode(data)
@@ -156,6 +164,10 @@ def _rebuild(
         if s.block_size is not None:
             index._set_block_size(st, s.block_size)
         st.last_seq = s.last_seq
+        if s.fence is not None:
+            if s.last_seq is None:
+                raise ValueError(f"stream {s.stream!r}: a fence without a seq")
+            st.fence = BatchFence(s.last_seq, digest=s.fence)
         st.counters = s.counters
         bs = s.block_size or 0
         for h, key, ns_id in zip(s.hashes, s.keys, s.ns_ids, strict=True):

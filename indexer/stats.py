@@ -8,7 +8,14 @@ import msgspec
 
 from indexer.namespace import Namespace
 
-__all__ = ["NamespaceStats", "StreamState", "StreamStats", "WorkerMatch"]
+__all__ = [
+    "STATE_RANK",
+    "UNTRUSTED",
+    "NamespaceStats",
+    "StreamState",
+    "StreamStats",
+    "WorkerMatch",
+]
 
 
 class StreamState(enum.StrEnum):
@@ -17,6 +24,9 @@ class StreamState(enum.StrEnum):
     SYNCING = "syncing"  # connected, first message or initial catch-up replay not done yet
     SYNCED = "synced"  # every message up to last_seq applied in order
     DEGRADED = "degraded"  # a gap was seen and is being repaired
+    # the publisher may have restarted (the event connection dropped, or the worker's health
+    # check came back from down) and the replay has not proven it is the same process yet
+    UNVERIFIED = "unverified"
     STALE = "stale"  # no message for stale_after_s (idle or dead worker)
 
 
@@ -25,8 +35,13 @@ STATE_RANK = {
     StreamState.SYNCED: 0,
     StreamState.DEGRADED: 1,
     StreamState.SYNCING: 2,
-    StreamState.STALE: 3,
+    StreamState.UNVERIFIED: 3,
+    StreamState.STALE: 4,
 }
+
+# States in which a stream's entries predict nothing: kvroute cannot know that the worker
+# still holds them, so they earn no affinity (fail closed).
+UNTRUSTED = frozenset({StreamState.UNVERIFIED, StreamState.STALE})
 
 
 class StreamStats(msgspec.Struct):
@@ -55,6 +70,12 @@ class StreamStats(msgspec.Struct):
     last_event_age_s: float | None
     entries: int  # blocks held now
     probes: int = 0  # catch-up replay requests made while the stream was quiet
+    # batches that failed to decode and were fetched again through the replay socket
+    refetches: int = 0
+    # batches that could not be decoded even from the replay: the stream was cleared for them
+    lost_batches: int = 0
+    # restart candidates (reconnects, health transitions) checked against the epoch fence
+    verifications: int = 0
 
 
 class WorkerMatch(msgspec.Struct):

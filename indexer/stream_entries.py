@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from indexer.fence import BatchFence
 from indexer.int_map import PyIntMap
 from indexer.protocol.events import BlockHash
 from indexer.walk import CODE_BITS
@@ -53,6 +54,7 @@ class IndexedStream:
         "counters",
         "dup_keys",
         "engine",
+        "fence",
         "last_seq",
         "media",
         "model",
@@ -80,6 +82,8 @@ class IndexedStream:
         self.engine: Engine = engine
         self.block_size = block_size
         self.last_seq: int | None = None
+        # what proves the publisher's batch `last_seq` is still the one applied (indexer.fence)
+        self.fence: BatchFence | None = None
         self.counters = StreamCounters()
         # engine hash -> block key, values packed as int64 in the compiled map
         self.blocks = int_map(True)

@@ -10,7 +10,19 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   the replay times out: clear the stream and rebuild from what comes next;
 - RESTART (seq went backwards): clear the stream and start over from the new seq;
 - a live seq beyond everything the replay just listed cannot be real (a corrupt seq frame):
-  skipped and counted, unless the next seq follows it (a publisher that buffers nothing).
+  skipped and counted, unless the next seq follows it (a publisher that buffers nothing);
+- a payload that does not decode although its seq is intact: a gap of one batch, fetched
+  again through the replay once; a copy that does not decode either clears the stream
+  (a lost batch may have held removals: keeping the entries could be a false hit).
+
+Epoch fence (`indexer.fence`): seqs cannot tell a restarted publisher from the old one, so
+every replay that continues the stream asks from the last applied seq, not the one after
+it, and the batch the publisher returns at that seq must be the one applied. A different
+batch is a restart (clear, replay from 0); an answer without it proves nothing and is
+treated the same (fail closed). Restart candidates make the stream UNVERIFIED (its entries
+predict no hit) until such a replay proves it: the event connection dropping (a socket
+monitor on the SUB sees it at once), the worker's health check coming back from down
+(`suspect_restart`), and a snapshot loaded at startup.
 
 Malformed frames are counted and skipped; problems are logged at most once per
 `log_interval_s` per stream and kind. The task never blocks the loop: sockets are
@@ -29,13 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError
@@ -57,6 +71,24 @@ __all__ = ["RawSink", "StreamSubscriber"]
 log = logging.getLogger(__name__)
 
 RawSink = Callable[[str, bytes, int, bytes, bool], None]
+
+# what the SUB's monitor reports: a connection made (handshake done) or lost
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class _Continuity(enum.Enum):
+    """What a continuing replay (asked from the last applied seq) said about the epoch."""
+
+    NONE = "none"  # not a continuing replay, or no batch came back
+    PROVEN = "proven"  # the batch at our last seq is the one we applied
+    BROKEN = "broken"  # a different batch at that seq: the publisher restarted
+    UNPROVEN = "unproven"  # the answer started after our last seq: nothing proves it
+
+
+class _ReplayResult(NamedTuple):
+    answered: bool  # the publisher answered to the end marker
+    newest: int | None  # the newest seq it sent (None: none)
+    continuity: _Continuity
 
 
 class _RateLimiter:
@@ -120,7 +152,13 @@ class StreamSubscriber:
         self.tracker = SequenceTracker(
             index.last_seq(stream_id) if index.has_stream(stream_id) else None
         )
-        self.state = StreamState.SYNCING
+        # a restart candidate is pending: entries predict nothing until a replay proves them
+        self._unverified = self.tracker.last is not None
+        self._why_unverified = "state from a snapshot"
+        self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
+        self._connected = False  # the SUB's connection is up (per its monitor)
+        self._phase = StreamState.SYNCING
+        self.state = StreamState.UNVERIFIED if self._unverified else StreamState.SYNCING
         self.started_at = clock()
         self.last_event_at: float | None = None
         self.last_heard_at: float | None = None  # last event, or a replay probe answered
@@ -131,6 +169,9 @@ class StreamSubscriber:
         self.restarts = 0
         self.decode_errors = 0
         self.probes = 0
+        self.refetches = 0
+        self.lost_batches = 0
+        self.verifications = 0
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
     # ------------------------------------------------------------------ task
@@ -156,21 +197,34 @@ class StreamSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcv_hwm)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        # before connecting, so no connection event is missed: a dropped connection is the
+        # first sign of a restart (see the module docstring)
+        monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         sub.connect(self.config.endpoint)  # non-blocking: zmq connects and reconnects itself
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        self._connected = False
         probing = self.config.replay_endpoint is not None and self.settings.probe_interval_s > 0
         try:
             if probing:
-                await self._probe()  # catch up on what was published before we subscribed
+                # catch up on what was published before we subscribed (and, when the state
+                # came from a snapshot, prove it against the publisher's fence)
+                await self._probe()
             handled = 0
             while True:
+                if cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:
+                    await self._on_monitor(monitor)
+                    continue
+                if self._unverified and self._connected:
+                    await self._verify()
+                    continue
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
-                if (
-                    probing
-                    and not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN
-                    and not await sub.poll(timeout=self._probe_wait_ms)
-                ):
-                    await self._probe()
+                if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
+                    timeout_ms = self._probe_wait_ms if probing else None
+                    if not await self._idle(poller, timeout_ms) and probing:
+                        await self._probe()
                     continue
                 frames = await sub.recv_multipart()
                 await self._on_live(frames)
@@ -178,8 +232,82 @@ class StreamSubscriber:
                 if handled % self.settings.yield_every == 0:
                     await asyncio.sleep(0)
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             self._close_dealer()
+
+    async def _idle(self, poller: zmq.asyncio.Poller, timeout_ms: int | None) -> bool:
+        """Wait for a readable socket (True), a requested check or the timeout (False)."""
+        wake = self._wake
+        if wake is None or wake.done():
+            wake = self._wake = asyncio.get_running_loop().create_future()
+        # zmq.asyncio's poll returns a Future (typed as a plain Awaitable)
+        poll = cast("asyncio.Future[list[tuple[object, int]]]", poller.poll(timeout_ms))
+        done, _ = await asyncio.wait((poll, wake), return_when=asyncio.FIRST_COMPLETED)
+        if poll not in done:
+            poll.cancel()
+            return True  # woken by suspect_restart: the loop looks at the stream again
+        return bool(poll.result())
+
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._connected = False
+            self.suspect_restart("the event connection dropped")
+
+    def suspect_restart(self, why: str) -> None:
+        """A sign that the publisher may have restarted: trust nothing until a replay proves it.
+
+        The stream turns UNVERIFIED at once (its entries predict no hit) and is checked against
+        its fence as soon as it is connected (module docstring).
+        """
+        if self.tracker.last is None and not self.index.entries(self.stream_id):
+            return  # nothing held, nothing to prove
+        if not self._unverified:
+            log.info("stream %s: %s; verifying before its entries are used", self.stream_id, why)
+        self._unverified = True
+        self._why_unverified = why
+        self.state = StreamState.UNVERIFIED
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _verify(self) -> None:
+        """Prove that the publisher is the process our state follows, or rebuild the stream."""
+        self.verifications += 1
+        last = self.tracker.last
+        why = self._why_unverified
+        if last is None:
+            self._trust()  # nothing applied: nothing to prove
+            return
+        if self.config.replay_endpoint is None:
+            self._restart(f"{why} and without a replay socket nothing proves it did not restart")
+            self._trust()
+            return
+        restarts = self.restarts
+        result = await self._replay(last)
+        if result.continuity is _Continuity.NONE:
+            if result.answered and result.newest is None:
+                await self._check_restart(last)  # the publisher's seqs may have gone back
+            if self.restarts == restarts:
+                # no answer, or nothing at or after our seq and no older verdict: unproven
+                self._restart(f"{why} and the replay did not prove the publisher unchanged")
+                if result.answered:
+                    await self._replay(0)
+        self._trust()
+        self._notify_last()
+
+    def _trust(self) -> None:
+        if self._unverified:
+            self._unverified = False
+            self.state = self._phase
+
+    def _set_phase(self, phase: StreamState) -> None:
+        self._phase = phase
+        self.state = StreamState.UNVERIFIED if self._unverified else phase
 
     # ------------------------------------------------------------- messages
 
@@ -191,6 +319,10 @@ class StreamSubscriber:
             return
         if not topic_matches(msg.topic, self._topic):
             return
+        if self._unverified:
+            # a live message proves we are connected: check before it is applied
+            self._connected = True
+            await self._verify()
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
         decision = self.tracker.on_live(msg.seq)
@@ -199,13 +331,29 @@ class StreamSubscriber:
             self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
-            self._apply(msg.topic, msg.seq, msg.payload, replayed=False)
-            self.state = StreamState.SYNCED
+            await self._apply_live(msg.topic, msg.seq, msg.payload)
+            self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.GAP:
             assert decision.replay_from is not None
             await self._repair(
                 decision.replay_from, msg.topic, msg.seq, msg.payload, prev_live, joining=joining
             )
+
+    async def _apply_live(self, topic: bytes, seq: int, payload: bytes) -> None:
+        """Apply a live batch; one that does not decode is fetched again (module docstring)."""
+        if self._apply(topic, seq, payload, replayed=False):
+            return
+        if self.config.replay_endpoint is None:
+            self._lose(seq, "no replay socket to fetch it again")
+            return
+        self.refetches += 1
+        self.tracker.restart_at(seq)  # the replay's copy of `seq` is the next to apply
+        await self._replay(seq)
+        if self.tracker.last is None or self.tracker.last < seq:
+            # not brought back (timed out, or no longer buffered): lost
+            self.tracker.restart_at(seq + 1)
+            self._lose(seq, "the replay did not bring it again")
+        self._notify_last()
 
     async def _repair(
         self,
@@ -220,11 +368,14 @@ class StreamSubscriber:
         """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
         if not joining:
             self.gaps += 1
-            self.state = StreamState.DEGRADED
+            self._set_phase(StreamState.DEGRADED)
         answered, newest = False, None
         if self.config.replay_endpoint is not None:
             self.replays += 1
-            answered, newest = await self._replay(start)
+            # from the last applied seq, not `start`: its batch proves the epoch (fence)
+            last = self.tracker.last
+            result = await self._replay(start if last is None else last)
+            answered, newest = result.answered, result.newest
         decision = self.tracker.on_live(seq)
         if (
             decision.verdict is SeqVerdict.GAP
@@ -238,9 +389,8 @@ class StreamSubscriber:
             self._suspect = seq
             self.tracker.live = prev_live  # live order continues from before the bogus seq
             self._malformed(f"live seq {seq} is beyond everything the publisher buffers")
-            self.state = StreamState.SYNCED
-            if self.tracker.last is not None:
-                self._notify(self.tracker.last)
+            self._set_phase(StreamState.SYNCED)
+            self._notify_last()
             return
         self._suspect = None
         if decision.verdict is SeqVerdict.GAP:
@@ -250,22 +400,23 @@ class StreamSubscriber:
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
-            self._apply(topic, seq, payload, replayed=False)
-        self.state = StreamState.SYNCED
-        if self.tracker.last is not None:
-            self._notify(self.tracker.last)  # replayed messages notify only once repaired
+            await self._apply_live(topic, seq, payload)
+        self._set_phase(StreamState.SYNCED)
+        self._notify_last()  # replayed messages notify only once repaired
 
     async def _probe(self) -> None:
         """Ask the replay socket for anything newer than what we applied (see probe_interval_s)."""
         before = self.tracker.last
         joining = not self._joined
         self.probes += 1
-        # Ask from the last applied seq, not the one after it: a publisher always still buffers
-        # its newest batch, so an answer without it means its seqs went back (a restart whose
-        # startup batch we missed while reconnecting; see _check_restart).
-        answered, newest = await self._replay(0 if before is None else before)
-        if answered and before is not None and newest is None:
+        # Ask from the last applied seq, not the one after it: its batch must come back
+        # unchanged (the fence), and an answer without it means the seqs went back (a restart
+        # whose startup batch we missed while reconnecting; see _check_restart).
+        result = await self._replay(0 if before is None else before)
+        if result.answered and before is not None and result.newest is None:
             await self._check_restart(before)
+        if self._unverified and result.continuity is not _Continuity.NONE:
+            self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
         if after != before and after is not None:
             # Batches the live path had not delivered (a dropped last batch, or ones published
@@ -278,15 +429,15 @@ class StreamSubscriber:
                 self.gaps += 1
             self._notify(after)
         base_ms = int(self.settings.probe_interval_s * 1000)
-        if not answered:
+        if not result.answered:
             # a replay socket that does not answer must not stall the live stream every
             # interval: back off (capped), and say so once in a while
             self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
             return
         self._probe_wait_ms = base_ms
         self.last_heard_at = self._clock()
-        if self.state is StreamState.SYNCING:
-            self.state = StreamState.SYNCED
+        if self._phase is StreamState.SYNCING:
+            self._set_phase(StreamState.SYNCED)
 
     async def _check_restart(self, last: int) -> None:
         """Clear and rebuild the stream when the publisher's newest buffered seq is below ours.
@@ -298,9 +449,7 @@ class StreamSubscriber:
         newest = await self._newest_buffered()
         if newest is None or newest >= last:
             return  # the publisher buffers nothing, or a race with new batches: no verdict
-        self.restarts += 1
-        self._clear(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
-        self.tracker.reset()
+        self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
         await self._replay(0)
 
     async def _newest_buffered(self) -> int | None:
@@ -324,15 +473,20 @@ class StreamSubscriber:
             self._close_dealer()  # late replies must not answer the next request
             return None
 
-    async def _replay(self, start: int) -> tuple[bool, int | None]:
+    async def _replay(self, start: int) -> _ReplayResult:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.
 
-        Returns whether the publisher answered to the end marker, and the newest seq it
-        replayed (None when it sent none).
+        Asked from the last applied seq, the publisher's batch at that seq is checked against
+        the stream's fence first: a different batch is a restart (the stream is cleared and
+        replayed from 0 at once); an answer that starts later proves nothing, so the stream is
+        cleared and rebuilt from what it holds (`continuity` says which).
         """
         dealer = self._get_dealer()
         timeout_s = self.settings.replay_timeout_s
         newest: int | None = None
+        last = self.tracker.last
+        continuing = last is not None and start == last
+        continuity = _Continuity.NONE
         try:
             await dealer.send_multipart(build_replay_request(start))
             received = 0
@@ -348,10 +502,24 @@ class StreamSubscriber:
                     self._malformed(f"bad replay frames: {exc}")
                     continue
                 if isinstance(reply, ReplayEnd):
-                    return True, newest
+                    break
                 if reply.topic is not None and not topic_matches(reply.topic, self._topic):
                     continue
                 newest = reply.seq if newest is None else max(newest, reply.seq)
+                if continuing and continuity is _Continuity.NONE:
+                    continuity = self._check_fence(start, reply.seq, reply.payload)
+                    if continuity is _Continuity.PROVEN:
+                        continue  # the fence batch itself is applied already
+                    if continuity is _Continuity.UNPROVEN:
+                        # the buffer starts after our last batch: whether or not it follows
+                        # it, nothing proves that it does, so our state is unknown
+                        self._clear(
+                            f"replay starts at {reply.seq}, after our last batch {start}: "
+                            "nothing proves the publisher unchanged"
+                        )
+                        self.tracker.restart_at(reply.seq)
+                if continuity is _Continuity.BROKEN:
+                    continue  # read to the end marker: the answer belongs to this request
                 decision = self.tracker.on_replay(reply.seq)
                 if decision.verdict is SeqVerdict.GAP:
                     # the buffer no longer holds what we miss: the worker's state is unknown
@@ -360,15 +528,32 @@ class StreamSubscriber:
                         self._clear(f"replay starts at {reply.seq}, needed {decision.replay_from}")
                     self.tracker.restart_at(reply.seq)
                     decision = self.tracker.on_replay(reply.seq)
-                if decision.verdict is SeqVerdict.APPLY:
-                    self._apply(reply.topic or b"", reply.seq, reply.payload, replayed=True)
+                if decision.verdict is SeqVerdict.APPLY and not self._apply(
+                    reply.topic or b"", reply.seq, reply.payload, replayed=True
+                ):
+                    self._lose(reply.seq, "its replayed copy does not decode either")
         except TimeoutError:
             self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")
             # late replies of this request must not be read as answers to the next one
             self._close_dealer()
-            return False, None
+            return _ReplayResult(False, None, continuity)
+        if continuity is _Continuity.BROKEN:
+            self._restart(f"the publisher's batch {start} is not the one applied: it restarted")
+            rebuilt = await self._replay(0)
+            return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
+        return _ReplayResult(True, newest, continuity)
 
-    def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> None:
+    def _check_fence(self, start: int, seq: int, payload: bytes) -> _Continuity:
+        """The verdict on the first batch a continuing replay returned (asked from `start`)."""
+        if seq != start:
+            return _Continuity.UNPROVEN  # the buffer starts after our last batch
+        fence = self.index.fence(self.stream_id)
+        if fence is not None and fence.matches(seq, payload):
+            return _Continuity.PROVEN
+        return _Continuity.BROKEN
+
+    def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> bool:
+        """Decode and apply one batch; False when the payload does not decode."""
         if self.sink is not None:
             try:
                 self.sink(self.stream_id, topic, seq, payload, replayed)
@@ -379,12 +564,11 @@ class StreamSubscriber:
         try:
             batch = self._decode(payload)
         except Exception as exc:  # decode_batch raises ProtocolError; anything else is a bug there
-            self.index.set_last_seq(self.stream_id, seq)
+            # the fence is these bytes all the same: they are what the publisher has at `seq`
+            self.index.set_last_seq(self.stream_id, seq, payload)
             self._malformed(f"undecodable payload at seq {seq}: {type(exc).__name__}")
-            if not replayed:
-                self._notify(seq)
-            return
-        outcome = self.index.apply(self.stream_id, batch, seq)
+            return False  # not applied: waiters hear of it once refetched or given up
+        outcome = self.index.apply(self.stream_id, batch, seq, payload)
         self.batches += 1
         self.events += len(batch.events)
         if outcome.block_size_mismatches:
@@ -398,6 +582,23 @@ class StreamSubscriber:
             )
         if not replayed:
             self._notify(seq)
+        return True
+
+    def _restart(self, reason: str) -> None:
+        """The publisher restarted (or may have): drop the stream's state, rebuild from 0."""
+        self.restarts += 1
+        self._clear(reason)
+        self.tracker.reset()
+        self.index.set_last_seq(self.stream_id, None)
+
+    def _lose(self, seq: int, why: str) -> None:
+        """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""
+        self.lost_batches += 1
+        self._clear(f"batch {seq} does not decode and is lost ({why})")
+
+    def _notify_last(self) -> None:
+        if self.tracker.last is not None:
+            self._notify(self.tracker.last)
 
     def _notify(self, seq: int) -> None:
         if self._on_applied is not None:
@@ -449,6 +650,9 @@ class StreamSubscriber:
         self.index = index
         self._block_size = self.config.block_size
         self.tracker = SequenceTracker(last_seq)
+        if last_seq is not None:
+            # the snapshot's state is unproven until the publisher's fence matches it
+            self.suspect_restart("state loaded from a snapshot")
 
     def current_state(self, now: float | None = None) -> StreamState:
         """The state, STALE when nothing (event or probe answer) arrived for stale_after_s."""
@@ -488,4 +692,7 @@ class StreamSubscriber:
             last_event_age_s=age,
             entries=self.index.entries(self.stream_id) if has else 0,
             probes=self.probes,
+            refetches=self.refetches,
+            lost_batches=self.lost_batches,
+            verifications=self.verifications,
         )

@@ -7,8 +7,13 @@ touches only the workers whose streams matched something; a single-stream worker
 reused per (stream, matched depth) when no pending entry or tier is involved (a shared system
 prompt matches the same depth on many queries).
 
+Streams in an UNTRUSTED state (UNVERIFIED: a restart candidate not yet disproven; STALE) add
+nothing to their worker's answer, whatever they hold: kvroute cannot know the worker still has
+those pages (fail closed).
+
 The cache is checked on every query and rebuilt when anything it depends on moved:
-- a stream's `state` attribute (SYNCING / SYNCED / DEGRADED), compared in one C-level pass;
+- a stream's `state` attribute (SYNCING / SYNCED / DEGRADED / UNVERIFIED), compared in one
+  C-level pass;
 - time: a live stream goes STALE exactly `stale_after_s` after it last heard anything, so the
   cache expires at the earliest such deadline; a STALE stream that hears something again (an
   event or a probe answer) is noticed by its heard-at time moving;
@@ -26,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
-from indexer.stats import STATE_RANK, StreamState, WorkerMatch
+from indexer.stats import STATE_RANK, UNTRUSTED, StreamState, WorkerMatch
 from indexer.subscriber import StreamSubscriber
 from indexer.walk import PrefixMatch
 
@@ -62,7 +67,10 @@ class WorkerMatches:
         # stream -> (worker, block size, state) for workers with exactly one stream (the rule)
         self._solo: dict[str, tuple[str, int | None, StreamState]] = {}
         self._multi: dict[str, str] = {}  # stream -> worker, for workers with several streams
-        self._worker_subs: dict[str, Sequence[StreamSubscriber]] = {}
+        # per worker, the streams whose entries may be used: not UNVERIFIED or STALE, so a
+        # worker whose other rank is fine never scores on a rank that may have restarted
+        self._worker_trusted: dict[str, Sequence[StreamSubscriber]] = {}
+        self._worker_first: dict[str, StreamSubscriber | None] = {}
         self._worker_state: dict[str, StreamState] = {}
         self._memo: dict[tuple[str, int], WorkerMatch] = {}  # (stream, held), none pending
 
@@ -174,7 +182,7 @@ class WorkerMatches:
         pending = found.pending_blocks
         best: StreamSubscriber | None = None
         best_score = (-1, -1)
-        for sub in self._worker_subs[worker]:
+        for sub in self._worker_trusted[worker]:
             sid = sub.stream_id
             bs = sub.block_size or 0
             held = blocks.get(sid, 0)
@@ -182,8 +190,10 @@ class WorkerMatches:
             if score > best_score:
                 best, best_score = sub, score
         state = self._worker_state[worker]
-        if best is None:
-            return WorkerMatch(worker, 0, 0, 0, None, {}, state)
+        if best is None:  # no stream, or none trusted: the first stream's size, as cached
+            first = self._worker_first[worker]
+            size = first.block_size if first is not None else None
+            return WorkerMatch(worker, 0, 0, 0, size, {}, state)
         sid = best.stream_id
         size = best.block_size
         held = blocks.get(sid, 0)
@@ -209,14 +219,18 @@ class WorkerMatches:
         self._zeros = {}
         self._solo = {}
         self._multi = {}
-        self._worker_subs = {}
+        self._worker_trusted = {}
+        self._worker_first = {}
         self._worker_state = {}
         self._memo = {}
         for worker, subs in workers.items():
             state = StreamState.STALE
+            trusted = []
             for sub in subs:
                 self._subs.append(sub)
                 s_state = sub.current_state(now)
+                if s_state not in UNTRUSTED:
+                    trusted.append(sub)
                 if s_state is StreamState.STALE:
                     self._revive.append((sub, heard_at(sub)))
                 else:
@@ -226,13 +240,16 @@ class WorkerMatches:
                 if sub.block_size is None:
                     self._unsized.add(sub.stream_id)
                     self._unsized_workers.add(worker)
-            # with nothing matched the first stream is the "best" (same rule as `_best`)
-            size = subs[0].block_size if subs else None
+            # with nothing matched the first trusted stream is the "best" (the rule of `_best`)
+            first = trusted[0] if trusted else subs[0] if subs else None
+            size = first.block_size if first is not None else None
             self._zeros[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state)
-            self._worker_subs[worker] = subs
+            self._worker_trusted[worker] = trusted
+            self._worker_first[worker] = first
             self._worker_state[worker] = state
             if len(subs) == 1:
-                self._solo[subs[0].stream_id] = (worker, size, state)
+                if trusted:  # an untrusted stream's matches are left out: its zero answer
+                    self._solo[subs[0].stream_id] = (worker, size, state)
             else:
                 for sub in subs:
                     self._multi[sub.stream_id] = worker

@@ -161,6 +161,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         pending_ttl_s=section.pending_ttl_s,
         stale_after_s=section.stale_after_s,
         replay_timeout_s=section.replay_timeout_s,
+        probe_interval_s=section.probe_interval_s,
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with (

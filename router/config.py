@@ -145,6 +145,9 @@ class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     pending_ttl_s: PositiveFloat = 2.0
     stale_after_s: PositiveFloat = 30.0
     replay_timeout_s: PositiveFloat = 1.0
+    # a quiet stream asks its replay socket for anything newer (and proves its epoch) this
+    # often; 0 disables the probe
+    probe_interval_s: NonNegativeFloat = 2.0
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from indexer.service import IndexerService, Namespace, StreamState, WorkerMatch
+from indexer.service import UNTRUSTED, IndexerService, Namespace, StreamState, WorkerMatch
 from router.config import PolicyConfig
 from router.load import LoadTracker, Ticket
 from router.namespace import Fingerprinter, request_namespace
@@ -108,7 +108,7 @@ class Scheduler:
         info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}
         for entry in self.pool:
             match = matches.get(entry.id, _NO_MATCH)
-            stale = match.state is StreamState.STALE
+            stale = match.state in UNTRUSTED  # entries kvroute cannot vouch for: no affinity
             load = self.load.of(entry.id)
             status = entry.status(now)
             views.append(

@@ -137,6 +137,10 @@ class Supervisor:
             return healthy  # removed while probed: recording it would revive its metric series
         if healthy != entry.healthy:
             log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
+            if healthy and entry.discovered:
+                # down -> up may be a new process whose first batches we missed: its index
+                # entries predict nothing until the replay proves them (indexer.fence)
+                self._indexer.suspect_restart(entry.id, "its health check came back")
         entry.healthy = healthy
         if healthy and not entry.discovered:
             try:

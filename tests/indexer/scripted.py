@@ -39,6 +39,7 @@ class ScriptedPublisher:
         reply_with_topic: bool = True,
         answer_replays: bool = True,
         layout: WireLayout = "array",
+        endpoints: tuple[str, str] | None = None,
     ) -> None:
         self.topic = topic
         self.reply_with_topic = reply_with_topic
@@ -49,12 +50,18 @@ class ScriptedPublisher:
         self.replay_requests: list[int] = []
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+        if endpoints is not None:
+            # the ports of a publisher that died: a restarted process on the same sockets
+            self.endpoint, self.replay_endpoint = endpoints
+            self.pub.bind(self.endpoint)
+            self.router.bind(self.replay_endpoint)
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ScriptedPublisher:
@@ -69,14 +76,21 @@ class ScriptedPublisher:
         self.pub.close(linger=0)
         self.router.close(linger=0)
 
-    async def publish(self, batch: EventBatch, *, drop: bool = False) -> int:
-        """Publish the next batch (or only buffer it when `drop`); returns its seq."""
+    async def publish(
+        self, batch: EventBatch, *, drop: bool = False, corrupt_live: bool = False
+    ) -> int:
+        """Publish the next batch (or only buffer it when `drop`); returns its seq.
+
+        `corrupt_live` damages the live copy only (a bit flip in flight): the replay buffer
+        keeps the good bytes, as the engine's does.
+        """
         seq = self.next_seq
         self.next_seq += 1
         payload = encode_batch(batch, self.layout)
         self.buffer.append((seq, payload))
         if not drop:
-            await self.pub.send_multipart(build_live(self.topic, seq, payload))
+            live = b"\xc1" + payload[1:] if corrupt_live else payload
+            await self.pub.send_multipart(build_live(self.topic, seq, live))
         return seq
 
     async def publish_payload(self, payload: bytes) -> int:
@@ -92,7 +106,8 @@ class ScriptedPublisher:
         await self.pub.send_multipart(frames)
 
     def restart(self) -> None:
-        """The engine restarted: seq back to 0 and an empty replay buffer."""
+        """The engine restarted: seq back to 0 and an empty replay buffer (same sockets, so
+        no connection drops: only the seqs and the buffered batches tell)."""
         self.next_seq = 0
         self.buffer.clear()
 

@@ -22,7 +22,7 @@ from indexer.walk import PrefixMatch
 from indexer.worker_matches import REFRESH_S, WorkerMatches
 
 STALE_AFTER_S = 5.0
-STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED]
+STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED, StreamState.UNVERIFIED]
 
 
 @pytest.fixture
@@ -35,7 +35,10 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 def reference(
     workers: dict[str, list[StreamSubscriber]], found: PrefixMatch, now: float
 ) -> dict[str, WorkerMatch]:
-    """The uncached rule: best state among a worker's streams, best stream by matched tokens."""
+    """The uncached rule: best state among a worker's streams, best stream by matched tokens.
+
+    Streams kvroute cannot vouch for (UNVERIFIED, STALE) are never the best: they match nothing.
+    """
     out = {}
     for worker, subs in workers.items():
         state = StreamState.STALE
@@ -45,13 +48,16 @@ def reference(
             s_state = sub.current_state(now)
             if STATE_RANK[s_state] < STATE_RANK[state]:
                 state = s_state
+            if s_state in (StreamState.UNVERIFIED, StreamState.STALE):
+                continue
             bs = sub.block_size or 0
             held = found.blocks.get(sub.stream_id, 0)
             score = (held * bs, (held + found.pending_blocks.get(sub.stream_id, 0)) * bs)
             if score > best_score:
                 best, best_score = sub, score
         if best is None:
-            out[worker] = WorkerMatch(worker, 0, 0, 0, None, {}, state)
+            size = subs[0].block_size if subs else None
+            out[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state)
             continue
         sid = best.stream_id
         size = best.block_size or 0

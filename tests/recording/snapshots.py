@@ -18,7 +18,8 @@ def canonical(dump: bytes) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for st in snap["streams"]:
-        name, _, model, engine, block_size, _, hashes, keys, ns_ids, refs, media, partial, _ = st
+        # the seq and the fence after the counters are positions in a stream, not its content
+        name, _, model, engine, block_size, _, hashes, keys, ns_ids, refs, media, partial = st[:12]
         entries = sorted(
             (repr(h), k, names[n]) for h, k, n in zip(hashes, keys, ns_ids, strict=True)
         )

@@ -103,7 +103,25 @@ def test_malformed_payloads_are_counted_not_fatal(tmp_path: Path) -> None:
     _write(path, rows)
     summary, _ = replay_into_index(path)
     (s,) = summary.streams
-    assert (s.decode_errors, s.batches, s.entries) == (2, 2, 2)
+    assert (s.decode_errors, s.batches) == (2, 2)
+    # no replayed copy followed either bad batch: the subscriber gave each up and cleared the
+    # stream (a lost batch may have removed blocks), so only batch 3 is held
+    assert (s.lost_batches, s.refetches, s.entries) == (2, 0, 1)
+
+
+def test_a_refetched_copy_replaces_the_undecodable_live_batch(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvrec"
+    rows = [("s", 0, _store(0), False), ("s", 1, b"\xc1garbage", False)]
+    rows += [("s", 1, _store(1, parent=1000), True), ("s", 2, _store(2, parent=1001), False)]
+    # a second stream whose refetched copy is garbage too: cleared, then continues
+    rows += [("t", 0, _store(0), False), ("t", 1, b"\xc1", False), ("t", 1, b"\xc1", True)]
+    rows += [("t", 2, _store(2), False)]
+    _write(path, rows)
+    summary, _ = replay_into_index(path)
+    s, t = summary.streams
+    assert (s.decode_errors, s.refetches, s.lost_batches, s.entries) == (1, 1, 0, 3)
+    assert (s.gaps, s.replays, s.restarts) == (0, 0, 0)  # a refetch is not a gap
+    assert (t.decode_errors, t.refetches, t.lost_batches, t.entries) == (2, 1, 1, 1)
 
 
 def test_a_truncated_file_replays_up_to_the_damage(tmp_path: Path) -> None:

@@ -198,5 +198,7 @@ async def test_a_stale_stream_attracts_no_cache_affinity() -> None:
             await eventually(stale, what="the holder's stream to go stale")
             plan = await fleet.route(body)
             held = next(c for c in plan["candidates"] if c["worker"] == holder)
-            assert held["matched_tokens"] >= 224  # still reported, for explanation
-            assert held["score"] == 0.0  # but worth nothing
+            # the index does not vouch for a stale stream's entries: they match nothing, and
+            # the explanation says why (its state)
+            assert held["matched_tokens"] == 0 and held["stream_state"] == "stale"
+            assert held["score"] == 0.0

@@ -1,0 +1,237 @@
+"""Restarts that seqs cannot show, and batches that arrive damaged: the epoch fence and refetch.
+
+A scripted publisher on real ZMQ sockets (127.0.0.1) plays a worker whose process restarted
+while the router was not looking: its seqs start again from 0 and reach the router's last seq,
+so the numbers alone look continuous (seq aliasing). The router must notice from the batch at
+its last seq (`indexer.fence`), drop the dead process's entries and apply the new process's
+batches from its first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.namespace import Namespace
+from indexer.protocol.events import EventBatch
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from tests.indexer.scripted import ScriptedPublisher, workload
+from tests.indexer.test_subscriber_zmq import (
+    STREAM,
+    WORKER,
+    connect,
+    reference,
+    view,
+    wait_until,
+)
+
+# the idle probe on, fast: the aliasing case is the probe meeting the new process's seq L
+PROBING = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+LIVE_ONLY = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
+EMPTY = EventBatch(ts=0.0, events=[])
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def follow_old_epoch(svc: IndexerService, pub: ScriptedPublisher) -> list[EventBatch]:
+    """Connect and apply an 'old process' history; returns every batch it published."""
+    await connect(svc, pub)
+    old = [EMPTY] * pub.next_seq + workload(seed=1, batches=8)
+    for batch in old[pub.next_seq :]:
+        await pub.publish(batch)
+    assert await svc.wait_applied(WORKER, len(old) - 1)
+    assert view(svc.index, STREAM) == view(reference(old), STREAM) != {}
+    return old
+
+
+def new_epoch(old_last: int) -> list[EventBatch]:
+    """What the restarted process publishes: more batches than the old one had (last + 3)."""
+    return workload(seed=2, batches=old_last + 3)
+
+
+def synced(svc: IndexerService) -> bool:
+    return svc.streams()[0].state is StreamState.SYNCED
+
+
+async def test_the_idle_probe_meeting_a_new_process_at_our_seq_rebuilds(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        pub.restart()  # same sockets: no connection drops, only the batches tell
+        new = new_epoch(last)
+        for batch in new:
+            await pub.publish(batch, drop=True)  # every live copy missed, all buffered
+        # the probe asks from `last`: the new process has a batch there, a different one
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(new) - 1)
+        # the dead process's entries are gone and the new batches 0..last are applied too
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        assert svc.streams()[0].clears >= 1
+
+
+async def test_a_live_gap_into_a_new_process_rebuilds(ctx: zmq.asyncio.Context) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        pub.restart()
+        new = new_epoch(len(old) - 1)
+        for batch in new[:-1]:
+            await pub.publish(batch, drop=True)
+        # the last one arrives live: a gap after our seq, whose repair meets the new epoch
+        assert await svc.wait_applied(WORKER, await pub.publish(new[-1]))
+        await wait_until(lambda: synced(svc))
+        stats = svc.streams()[0]
+        assert stats.restarts == 1 and stats.gaps == 1
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+async def test_a_replay_that_no_longer_holds_our_batch_proves_nothing(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(PROBING) as svc:
+        old = await follow_old_epoch(svc, pub)
+        more = workload(seed=3, batches=3)
+        for batch in more:
+            await pub.publish(batch, drop=True)
+        # the buffer holds exactly the three batches after ours: they may well follow it, but
+        # nothing proves that, so the state is rebuilt from them (cleared, never a restart)
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(old) + 2)
+        stats = svc.streams()[0]
+        assert stats.restarts == 0 and stats.clears == 1
+        rebuilt = reference([EMPTY] * len(old))
+        for seq, batch in enumerate(more, start=len(old)):
+            rebuilt.apply(STREAM, batch, seq)
+        assert view(svc.index, STREAM) == view(rebuilt, STREAM)
+
+
+async def test_a_dropped_connection_trusts_nothing_until_proven(ctx: zmq.asyncio.Context) -> None:
+    async with IndexerService(LIVE_ONLY) as svc:
+        pub = ScriptedPublisher(ctx)
+        async with pub:
+            old = await follow_old_epoch(svc, pub)
+        # the process died: its sockets closed, the SUB's monitor sees the connection drop
+        await wait_until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+        doc = workload(seed=1, batches=8)
+        stored = next(e for b in doc for e in b.events if hasattr(e, "token_ids"))
+        tokens = list(stored.token_ids)  # type: ignore[attr-defined]
+        salt = stored.cache_salt  # type: ignore[attr-defined]
+        assert len(svc.index) > 0  # still held, but predicting nothing
+        assert svc.query(Namespace("", None, salt), tokens)[WORKER].matched_blocks == 0
+        # a new process on the same ports, with fewer batches than the old one had
+        async with ScriptedPublisher(ctx, endpoints=(pub.endpoint, pub.replay_endpoint)) as again:
+            new = workload(seed=2, batches=3)
+            for batch in new:
+                await again.publish(batch, drop=True)
+            await wait_until(lambda: synced(svc) and svc.streams()[0].restarts == 1)
+            assert view(svc.index, STREAM) == view(reference(new), STREAM)
+            assert svc.streams()[0].verifications >= 1
+            assert len(old) > len(new)
+
+
+async def test_a_health_transition_is_proven_and_keeps_the_entries(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        svc.suspect_restart(WORKER, "its health check came back")
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        await wait_until(lambda: synced(svc))
+        stats = svc.streams()[0]
+        assert (stats.verifications, stats.restarts, stats.clears) == (1, 0, 0)
+        assert view(svc.index, STREAM) == view(reference(old), STREAM)
+
+
+async def test_without_a_replay_socket_a_suspected_restart_clears(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+        await pub.publish(workload(seed=1, batches=1)[0])
+        await wait_until(lambda: len(svc.index) > 0)
+        svc.suspect_restart(WORKER, "its health check came back")
+        await wait_until(lambda: synced(svc))
+        assert len(svc.index) == 0 and svc.streams()[0].restarts == 1
+
+
+async def test_a_snapshot_of_a_dead_process_is_not_trusted(ctx: zmq.asyncio.Context) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        snapshot = svc.dump()
+        pub.restart()
+        new = new_epoch(len(old) - 1)
+        for batch in new:
+            await pub.publish(batch, drop=True)
+        # the snapshot's seq exists in the new process too; only its batch digest differs
+        svc.load(snapshot)
+        await wait_until(lambda: synced(svc) and svc.streams()[0].restarts == 1)
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(new) - 1)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+async def test_a_damaged_live_batch_is_fetched_again(ctx: zmq.asyncio.Context) -> None:
+    batches = workload(seed=4, batches=40)
+    damaged = {3, 4, 17, 39}
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        await connect(svc, pub)
+        warm = pub.next_seq
+        last = -1
+        for i, batch in enumerate(batches):
+            # one at a time: a refetch replays everything buffered after the damaged batch,
+            # which would turn later live copies (damaged or not) into duplicates
+            last = await pub.publish(batch, corrupt_live=i in damaged)
+            assert await svc.wait_applied(WORKER, last)
+        await wait_until(lambda: synced(svc))
+        stats = svc.streams()[0]
+        assert stats.refetches == len(damaged) and stats.decode_errors == len(damaged)
+        assert stats.lost_batches == 0 and stats.clears == 0 and stats.gaps == 0
+        # every batch applied as published: the loss-free index
+        want = reference([EMPTY] * warm + batches)
+        assert view(svc.index, STREAM) == view(want, STREAM)
+
+
+async def test_a_batch_damaged_in_the_buffer_too_is_lost_and_clears(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    batches = workload(seed=4, batches=6)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        await connect(svc, pub)
+        for batch in batches[:3]:
+            await pub.publish(batch)
+        await pub.publish_payload(b"\xc1 damaged at the source")
+        last = -1
+        for batch in batches[3:]:
+            last = await pub.publish(batch)
+        assert await svc.wait_applied(WORKER, last)
+        await wait_until(lambda: synced(svc))
+        stats = svc.streams()[0]
+        assert (stats.refetches, stats.lost_batches, stats.clears) == (1, 1, 1)
+        # the lost batch may have removed blocks: nothing from before it is trusted
+        lost_at = last - len(batches[3:])
+        want = reference([EMPTY] * (lost_at + 1))
+        for seq, batch in enumerate(batches[3:], start=lost_at + 1):
+            want.apply(STREAM, batch, seq)
+        assert view(svc.index, STREAM) == view(want, STREAM)
+
+
+async def test_a_late_joiner_catching_up_from_zero_is_no_restart(ctx: zmq.asyncio.Context) -> None:
+    # a router that joins after the worker published: a catch-up from 0 is not a restart
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        batches = workload(seed=6, batches=5)
+        for batch in batches:
+            await pub.publish(batch)
+        cfg = StreamConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, topic="kv")
+        await svc.add_worker(WORKER, [cfg])
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(batches) - 1)
+        stats = svc.streams()[0]
+        assert stats.restarts == 0 and stats.clears == 0
+        assert view(svc.index, STREAM) == view(reference(batches), STREAM)
