@@ -1,0 +1,236 @@
+"""A worker process killed with SIGKILL and restarted on the same ports: no stale prediction.
+
+The restarted process numbers its event batches from 0 again and is sent more prompts than the
+old one had batches, straight (not through the router), so its seqs pass the router's last seq
+while the router's SUB reconnects: the seq-aliasing case. Whatever the router saw of it, every
+prediction it makes from the moment the worker died must be what the new process really has
+(`cached_tokens`), never what the dead one had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq.asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from indexer.protocol.events import EventBatch
+from router.config import IndexerSection, WorkerConfig
+from router.service import RouterService
+from tests.indexer.scripted import ScriptedPublisher, workload
+from tests.router.conftest import AUTH, eventually, router_config
+
+PROBE_S = 0.1
+
+_WORKER = """
+import asyncio, sys
+from workers.config import WorkerConfig
+from workers.worker import ReferenceWorker
+
+async def main():
+    http, events, replay = map(int, sys.argv[1:4])
+    cfg = WorkerConfig(
+        time_scale=0.0, page_size=16, port=http, events_port=events, replay_port=replay
+    )
+    async with ReferenceWorker(cfg) as worker:
+        print(worker.url, flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now (the worker binds them a moment later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class WorkerProcess:
+    """A reference worker in its own process on fixed ports, so it can come back on them."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _WORKER,
+            *map(str, self.ports),
+            stdout=asyncio.subprocess.PIPE,
+            cwd=os.getcwd(),
+        )
+        assert self.proc.stdout is not None
+        self.url = (await asyncio.wait_for(self.proc.stdout.readline(), 30)).decode().strip()
+        assert self.url.startswith("http://"), self.url
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[WorkerProcess]:
+    proc = WorkerProcess(free_ports(3))
+    try:
+        await proc.start()
+        yield proc
+    finally:
+        await proc.stop()
+
+
+def prompt(i: int, kind: str) -> dict[str, Any]:
+    """Prompts that share no page with each other (they differ from the first token)."""
+    return {"prompt": f"{i} {kind} prompt: " + "lorem ipsum " * 12, "max_tokens": 1}
+
+
+async def test_a_killed_and_restarted_worker_is_never_predicted_from_its_dead_cache(
+    worker: WorkerProcess,
+) -> None:
+    config = router_config([("w", worker.url)], indexer=IndexerSection(probe_interval_s=PROBE_S))
+    async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+        async def admin(method: str, path: str, body: object = None) -> Any:
+            async with session.request(
+                method, router.url + "/admin" + path, json=body, headers=AUTH
+            ) as resp:
+                assert resp.status == 200
+                return await resp.json()
+
+        async def stream() -> dict[str, Any]:
+            (row,) = (await admin("GET", "/streams"))["streams"]
+            return row  # type: ignore[no-any-return]
+
+        async def predicted(body: dict[str, Any]) -> int:
+            plan = await admin("POST", "/route", body)
+            return sum(c["matched_tokens"] for c in plan["candidates"])  # type: ignore[no-any-return]
+
+        old = [prompt(i, "old") for i in range(8)]
+        for body in old:
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+        async def all_indexed() -> bool:
+            return all([await predicted(b) > 0 for b in old])
+
+        await eventually(all_indexed, what="the old prompts indexed")
+        last = (await stream())["last_seq"]
+
+        await worker.kill()
+
+        async def unverified() -> bool:
+            return (await stream())["state"] in ("unverified", "stale")
+
+        await eventually(unverified, what="the dead worker's stream to be distrusted")
+        assert [await predicted(b) for b in old] == [0] * len(old)
+
+        await worker.start()
+        new = [prompt(i, "new") for i in range(last + 3)]
+        # straight to the new process, at once: its seqs pass ours while the SUB reconnects
+        for body in new:
+            async with session.post(worker.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+        # from the restart on, at no moment is a dead page predicted
+        async def settled() -> bool:
+            assert [await predicted(b) for b in old] == [0] * len(old)
+            row = await stream()
+            return bool(row["state"] == "synced" and row["restarts"] >= 1)
+
+        await eventually(settled, what="the restarted worker's stream to be rebuilt")
+        for _ in range(3):  # three more probe rounds change nothing
+            await asyncio.sleep(PROBE_S)
+            assert [await predicted(b) for b in old] == [0] * len(old)
+
+        async def routable() -> bool:
+            workers = (await admin("GET", "/workers"))["workers"]
+            return bool(workers[0]["status"] == "ready")
+
+        await eventually(routable, what="the worker back in rotation")
+        # every prediction equals what the worker really reuses, new prompts and old alike
+        for body in new + old:
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                matched = int(resp.headers["x-kvroute-matched-tokens"])
+                answer = await resp.json()
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert matched == cached, body["prompt"][:20]
+            assert (cached > 0) == (" new " in body["prompt"])
+
+
+async def test_a_health_check_coming_back_makes_the_router_prove_the_stream() -> None:
+    """Health down -> up is a restart candidate: the stream is distrusted until proven."""
+    up = [True]
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200 if up[0] else 503)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    ctx = zmq.asyncio.Context()
+    try:
+        async with TestServer(app, host="127.0.0.1") as server, ScriptedPublisher(ctx) as pub:
+            cfg = WorkerConfig(
+                url=str(server.make_url("")),
+                id="w",
+                events=pub.endpoint,
+                replay=pub.replay_endpoint,
+                block_size=4,
+                topic="kv",
+            )
+            config = msgspec.structs.replace(
+                router_config([], indexer=IndexerSection(probe_interval_s=0)), workers=(cfg,)
+            )
+            async with RouterService(config) as router:
+                indexer = router.indexer
+                for batch in [EventBatch(ts=0.0, events=[]), *workload(seed=1, batches=5)]:
+                    seq = await pub.publish(batch)
+                    assert await indexer.wait_applied("w", seq)
+                held = len(indexer.index)
+                assert held > 0
+
+                def row() -> Any:
+                    return indexer.streams()[0]
+
+                up[0] = False
+
+                async def down() -> bool:
+                    return not router.scheduler.pool.get("w").healthy
+
+                await eventually(down, what="the health check to fail")
+                assert row().verifications == 0
+                up[0] = True
+
+                async def proven() -> bool:
+                    return bool(row().verifications == 1 and row().state == "synced")
+
+                await eventually(proven, what="the stream to be proven after the health flap")
+                # the same process: nothing was dropped
+                assert row().restarts == 0 and len(indexer.index) == held
+    finally:
+        ctx.destroy(linger=0)
