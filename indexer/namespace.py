@@ -1,13 +1,14 @@
 """Cache namespaces and the router's own block keys.
 
-A namespace is (model, lora, cache_salt): two requests share cached KV only inside one. Block
-keys are a chain over (namespace seed, block tokens), computed the same way from the
+A namespace is (model, lora, cache_salt, extra_key): two requests share cached KV only inside
+one. Block keys are a chain over (namespace seed, block tokens), computed the same way from the
 `token_ids` of a `BlockStored` and from a request's tokens, so matching never depends on
 reproducing any engine's hash.
 
 Key scheme (stable across processes and runs, documented because snapshots persist it):
 
-    seed  = BLAKE2b-64(msgpack([model, lora, salt, block_size])) as a signed big-endian int
+    seed  = BLAKE2b-64(msgpack([model, lora, salt, block_size] (+ [extra_key] when set)))
+            as a signed big-endian int
     key_0 = seed
     key_i = hash((key_{i-1}, tuple(block_i_tokens)))
 
@@ -47,11 +48,18 @@ __all__ = [
 
 
 class Namespace(msgspec.Struct, frozen=True):
-    """A cache namespace: KV computed in one is never reused in another."""
+    """A cache namespace: KV computed in one is never reused in another.
+
+    `extra_key` is the caller's own SGLang `extra_key`: the worker keys its radix cache by it
+    too, but publishes no event that shows it. So no event-fed entry ever lives in a namespace
+    with an extra_key (the index predicts no event-based hit for such a request: fail closed);
+    only the router's own pending marks, made under the full key, do.
+    """
 
     model: str = ""  # the worker's served model name as configured for its stream
     lora: str | None = None  # lora_name (or str(lora_id) when only an id is on the wire)
     cache_salt: str | None = None  # "" is normalized to None
+    extra_key: str | None = None  # "" is normalized to None; never on the wire (see above)
 
     def __post_init__(self) -> None:
         # Struct is frozen; normalizing "" here keeps ("m", None, "") and ("m", None, None) equal.
@@ -59,6 +67,8 @@ class Namespace(msgspec.Struct, frozen=True):
             msgspec.structs.force_setattr(self, "cache_salt", None)
         if self.lora == "":
             msgspec.structs.force_setattr(self, "lora", None)
+        if self.extra_key == "":
+            msgspec.structs.force_setattr(self, "extra_key", None)
 
 
 _seed_encoder = msgspec.msgpack.Encoder()
@@ -66,9 +76,11 @@ _seed_encoder = msgspec.msgpack.Encoder()
 
 def namespace_seed(namespace: Namespace, block_size: int) -> int:
     """The chain's starting value for one namespace and block size."""
-    packed = _seed_encoder.encode(
-        [namespace.model, namespace.lora, namespace.cache_salt, block_size]
-    )
+    fields: list[object] = [namespace.model, namespace.lora, namespace.cache_salt, block_size]
+    if namespace.extra_key is not None:
+        # appended only when set, so every key without one is what it was before it existed
+        fields.append(namespace.extra_key)
+    packed = _seed_encoder.encode(fields)
     digest = hashlib.blake2b(packed, digest_size=8, person=b"kvroute-ns-v1").digest()
     return int.from_bytes(digest, "big", signed=True)
 

@@ -221,6 +221,7 @@ async def route_dry_run(request: web.Request) -> web.Response:
             "namespace": plan.namespace,
             "prompt_tokens": plan.prompt_tokens,
             "endpoint": endpoint.value,
+            "unindexed": plan.unindexed,
             "candidates": plan.candidates,
         }
     )

@@ -106,6 +106,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.unindexed = Counter(
+            "kvroute_unindexed_requests",
+            "Requests routed without event-based affinity because their cache key has a part "
+            "the KV events do not carry, by that part (e.g. extra_key)",
+            ["reason"],
+            registry=r,
+        )
         self._in_flight = _InFlight()
         r.register(self._in_flight)
         self.healthy = Gauge(

@@ -105,6 +105,8 @@ class Proxy:
         plan = scheduler.plan(parsed, ns)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
+        if plan.unindexed is not None:
+            self._metrics.unindexed.labels(plan.unindexed).inc()
         deadline = time.monotonic() + self._config.timeouts.request_s
         failures: list[str] = []
         tried: set[str] = set()

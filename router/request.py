@@ -57,6 +57,9 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     lora: str | None
     tokens: list[int]
     stream: bool
+    # the caller's SGLang extra_key (never logged either): part of the worker's cache key that
+    # no KV event shows, so such a request gets no event-based hit (`indexer.namespace`)
+    extra_key: str | None = None
 
 
 _decoder = msgspec.json.Decoder()
@@ -85,19 +88,20 @@ def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
     raise RequestError("cannot tell the endpoint: expected messages, prompt, text or input_ids")
 
 
-def _salt(value: object, *, batched: bool) -> str | None:
+def _salt(value: object, *, batched: bool, field: str = "cache_salt") -> str | None:
+    """A cache-key string as the workers normalize it (`cache_salt`, `extra_key`)."""
     if value is None:
         return None
     if isinstance(value, str):
         return value or None
     if batched and isinstance(value, list):
-        # one salt per item; the batch is routed as a whole by its first item
+        # one per item; the batch is routed as a whole by its first item
         for i, item in enumerate(value):
             if item is not None and not isinstance(item, str):
-                raise RequestError(f"cache_salt[{i}] must be a string")
+                raise RequestError(f"{field}[{i}] must be a string")
         first = value[0] if value else None
         return first or None
-    raise RequestError("cache_salt must be a string")
+    raise RequestError(f"{field} must be a string")
 
 
 def _ids(value: object, field: str) -> list[int]:
@@ -506,4 +510,5 @@ def parse_request(
         lora=lora if isinstance(lora, str) and lora else None,
         tokens=tokens,
         stream=stream is True,
+        extra_key=_salt(body.get("extra_key"), batched=batched, field="extra_key"),
     )

@@ -20,7 +20,7 @@ from router.policy import Policy, WorkerView, effective_hit
 from router.pool import WorkerPool, WorkerStatus
 from router.request import ParsedRequest
 
-__all__ = ["Candidate", "Plan", "Scheduler"]
+__all__ = ["Candidate", "Plan", "Scheduler", "unindexed_reason"]
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -44,6 +44,9 @@ class Plan(msgspec.Struct, frozen=True):
     namespace: str  # fingerprint, never the salt
     prompt_tokens: int
     candidates: list[Candidate]
+    # why no KV event can vouch for this request's prefix on any worker (then only pending
+    # marks of earlier decisions count), e.g. "extra_key"; None when events can
+    unindexed: str | None = None
 
     @property
     def worker(self) -> str | None:
@@ -54,6 +57,16 @@ class Plan(msgspec.Struct, frozen=True):
     def ranked(self) -> list[Candidate]:
         """The routable candidates in order: the first choice, then retries."""
         return [c for c in self.candidates if c.healthy]
+
+
+def unindexed_reason(ns: Namespace) -> str | None:
+    """Which part of the request's cache key the KV events cannot show, if any.
+
+    SGLang keys its radix cache by (extra_key, cache_salt) but publishes only the salt (and a
+    LoRA adapter's name, whose id the engine appends to extra_key itself), so a request with
+    its own extra_key may not share pages an event shows: no event-based hit (fail closed).
+    """
+    return "extra_key" if ns.extra_key is not None else None
 
 
 _NO_MATCH = WorkerMatch(
@@ -89,7 +102,9 @@ class Scheduler:
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in."""
-        return request_namespace(parsed.salt, parsed.lora, parsed.model, self.pool.models())
+        return request_namespace(
+            parsed.salt, parsed.lora, parsed.model, self.pool.models(), parsed.extra_key
+        )
 
     def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
         """Rank every worker for `parsed`; changes no state."""
@@ -146,7 +161,10 @@ class Scheduler:
                 )
             )
         return Plan(
-            namespace=self.fingerprint(ns), prompt_tokens=len(tokens), candidates=candidates
+            namespace=self.fingerprint(ns),
+            prompt_tokens=len(tokens),
+            candidates=candidates,
+            unindexed=unindexed_reason(ns),
         )
 
     def commit(

@@ -208,7 +208,12 @@ async def test_a_health_check_coming_back_makes_the_router_prove_the_stream() ->
             )
             async with RouterService(config) as router:
                 indexer = router.indexer
-                for batch in [EventBatch(ts=0.0, events=[]), *workload(seed=1, batches=5)]:
+                # empty batches until the SUB has joined (PUB drops what comes before)
+                for _ in range(100):
+                    seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+                    if await indexer.wait_applied("w", seq, timeout_s=0.1):
+                        break
+                for batch in workload(seed=1, batches=5):
                     seq = await pub.publish(batch)
                     assert await indexer.wait_applied("w", seq)
                 held = len(indexer.index)
@@ -223,11 +228,11 @@ async def test_a_health_check_coming_back_makes_the_router_prove_the_stream() ->
                     return not router.scheduler.pool.get("w").healthy
 
                 await eventually(down, what="the health check to fail")
-                assert row().verifications == 0
+                before = row().verifications  # a slow machine may have flapped already
                 up[0] = True
 
                 async def proven() -> bool:
-                    return bool(row().verifications == 1 and row().state == "synced")
+                    return bool(row().verifications > before and row().state == "synced")
 
                 await eventually(proven, what="the stream to be proven after the health flap")
                 # the same process: nothing was dropped

@@ -1,0 +1,90 @@
+"""A caller's `extra_key` isolates the worker's cache but is on no KV event: no event-based hit.
+
+SGLang keys its radix cache by (extra_key, cache_salt) and publishes only the salt, so the
+index cannot know whether pages shown by events were stored under the request's extra_key.
+Predicting them would be a false hit (the issue measured: predicted 688, cached 0). Such a
+request gets no event-based hit; pending marks made under its full key still steer its
+siblings to the worker that just took it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from indexer.namespace import Namespace, namespace_seed, request_keys
+from router.scheduler import unindexed_reason
+from tests.router.conftest import Fleet, eventually
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_an_extra_key_request_is_never_predicted_from_events(fleet: Fleet) -> None:
+    prompt = "A shared system prompt long enough for several pages. " * 6
+    plain = {"prompt": prompt, "max_tokens": 1}
+    _, headers, _ = await fleet.post("/v1/completions", plain)
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(plain, holder, 256), what="the prompt indexed")
+
+    for key in ("tenant-view-1", "tenant-view-2"):
+        body = {**plain, "extra_key": key}
+        plan = await fleet.route(body)
+        assert plan["unindexed"] == "extra_key"
+        assert all(c["matched_tokens"] == 0 for c in plan["candidates"])
+        status, headers, answer = await fleet.post("/v1/completions", body)
+        assert status == 200
+        # what the router predicted is what the worker reused: nothing (its own namespace)
+        assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached(answer)
+
+    # a sibling with the same extra_key follows the first one through its pending marks
+    body = {**plain, "extra_key": "tenant-view-1", "prompt": prompt + "second question"}
+    first = {**plain, "extra_key": "tenant-view-3"}
+    _, first_headers, _ = await fleet.post("/v1/completions", first)
+    _, headers, answer = await fleet.post("/v1/completions", {**body, "extra_key": "tenant-view-3"})
+    assert headers["x-kvroute-worker"] == first_headers["x-kvroute-worker"]
+    assert int(headers["x-kvroute-matched-tokens"]) == 0
+    assert int(headers["x-kvroute-pending-tokens"]) > 0 and cached(answer) > 0
+
+    async with fleet.session.get(fleet.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'kvroute_unindexed_requests_total{reason="extra_key"} 4.0' in text
+
+
+async def test_a_bad_extra_key_is_a_400_naming_it(fleet: Fleet) -> None:
+    status, _, answer = await fleet.post("/v1/completions", {"prompt": "x", "extra_key": 7})
+    assert status == 400 and "extra_key" in answer["error"]["message"]
+
+
+def test_the_extra_key_is_a_namespace_of_its_own_and_changes_no_other_key() -> None:
+    tokens = list(range(64))
+    base = Namespace("m", "lora-a", "salt")
+    assert Namespace("m", "lora-a", "salt", "") == base  # "" means none, as on the worker
+    keyed = Namespace("m", "lora-a", "salt", "view")
+    assert request_keys(keyed, tokens, 16) != request_keys(base, tokens, 16)
+    # the pieces never run into each other: (salt "a", key "b") is not (salt "ab") or swapped
+    seeds = {
+        namespace_seed(Namespace("m", None, "a", "b"), 16),
+        namespace_seed(Namespace("m", None, "ab"), 16),
+        namespace_seed(Namespace("m", None, "b", "a"), 16),
+        namespace_seed(Namespace("m", None, None, "ab"), 16),
+    }
+    assert len(seeds) == 4
+
+
+@pytest.mark.parametrize(
+    ("namespace", "reason"),
+    [
+        (Namespace("m", None, "salt"), None),
+        # the engine appends a LoRA's id to extra_key itself and publishes the adapter's name:
+        # an adapter alone keeps its hits through the lora part of the namespace
+        (Namespace("m", "adapter", "salt"), None),
+        (Namespace("m", "adapter", None, "caller-key"), "extra_key"),
+    ],
+)
+def test_only_the_callers_own_extra_key_turns_event_hits_off(
+    namespace: Namespace, reason: str | None
+) -> None:
+    assert unindexed_reason(namespace) == reason
