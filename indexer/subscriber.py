@@ -245,11 +245,13 @@ class StreamSubscriber:
             wake = self._wake = asyncio.get_running_loop().create_future()
         # zmq.asyncio's poll returns a Future (typed as a plain Awaitable)
         poll = cast("asyncio.Future[list[tuple[object, int]]]", poller.poll(timeout_ms))
-        done, _ = await asyncio.wait((poll, wake), return_when=asyncio.FIRST_COMPLETED)
-        if poll not in done:
-            poll.cancel()
-            return True  # woken by suspect_restart: the loop looks at the stream again
-        return bool(poll.result())
+        try:
+            await asyncio.wait((poll, wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not poll.done():
+                poll.cancel()  # woken, or the session ends: no poll outlives its sockets
+        # woken by suspect_restart: True, so the loop looks at the stream again
+        return poll.cancelled() or bool(poll.result())
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> None:
         event = parse_monitor_message(await monitor.recv_multipart())["event"]
@@ -268,7 +270,7 @@ class StreamSubscriber:
         if self.tracker.last is None and not self.index.entries(self.stream_id):
             return  # nothing held, nothing to prove
         if not self._unverified:
-            log.info("stream %s: %s; verifying before its entries are used", self.stream_id, why)
+            self._warn("suspect", f"{why}: its entries predict nothing until a replay proves them")
         self._unverified = True
         self._why_unverified = why
         self.state = StreamState.UNVERIFIED
@@ -345,14 +347,14 @@ class StreamSubscriber:
             return
         if self.config.replay_endpoint is None:
             self._lose(seq, "no replay socket to fetch it again")
-            return
-        self.refetches += 1
-        self.tracker.restart_at(seq)  # the replay's copy of `seq` is the next to apply
-        await self._replay(seq)
-        if self.tracker.last is None or self.tracker.last < seq:
-            # not brought back (timed out, or no longer buffered): lost
-            self.tracker.restart_at(seq + 1)
-            self._lose(seq, "the replay did not bring it again")
+        else:
+            self.refetches += 1
+            self.tracker.restart_at(seq)  # the replay's copy of `seq` is the next to apply
+            await self._replay(seq)
+            if self.tracker.last is None or self.tracker.last < seq:
+                # not brought back (timed out, or no longer buffered): lost
+                self.tracker.restart_at(seq + 1)
+                self._lose(seq, "the replay did not bring it again")
         self._notify_last()
 
     async def _repair(
