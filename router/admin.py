@@ -204,16 +204,18 @@ async def list_streams(request: web.Request) -> web.Response:
 async def route_dry_run(request: web.Request) -> web.Response:
     """POST /admin/route: how the body would be routed now; routes nothing, changes nothing."""
     raw = await request.read()
+    config = request.config_dict[CONFIG]
     if "endpoint" in request.query:
         try:
             endpoint = Endpoint(request.query["endpoint"])
         except ValueError:
             raise RequestError(f"endpoint must be one of {[e.value for e in Endpoint]}") from None
     else:
-        endpoint = detect_endpoint(parse_body(raw))
-    config = request.config_dict[CONFIG]
+        endpoint = detect_endpoint(parse_body(raw, config.limits))
     header = request.headers.get(config.salt_header) if config.salt_header else None
-    parsed = parse_request(endpoint, raw, request.config_dict[TOKENIZER], header_salt=header)
+    parsed = parse_request(
+        endpoint, raw, request.config_dict[TOKENIZER], header_salt=header, limits=config.limits
+    )
     plan = request.config_dict[SCHEDULER].plan(parsed)
     return _reply(
         {

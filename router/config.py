@@ -137,6 +137,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+    # a body nesting deeper is a 400; kept far below Python's recursion limit (~1000) so nothing
+    # that walks a body recursively (msgspec, Jinja's tojson, the engines' parsers) can fail
+    max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=512)] = 128
 
 
 class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -99,7 +99,9 @@ class Proxy:
         started = time.perf_counter()
         raw = await request.read()
         header_salt = request.headers.get(self._salt_header) if self._salt_header else None
-        parsed = parse_request(endpoint, raw, self._tokenizer, header_salt=header_salt)
+        parsed = parse_request(
+            endpoint, raw, self._tokenizer, header_salt=header_salt, limits=self._config.limits
+        )
         scheduler = self._scheduler
         ns = scheduler.namespace(parsed)
         plan = scheduler.plan(parsed, ns)

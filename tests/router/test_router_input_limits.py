@@ -1,0 +1,119 @@
+"""Hostile request bodies and headers against the real router: always a 4xx JSON error.
+
+Deep nesting, header bytes that are not UTF-8, duplicated or oversized salts: each one was a 500
+(or worse, accepted) before; each is now refused naming the problem, and never the value.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from router.config import LimitsConfig
+from router.errors import RequestError
+from router.request import parse_body
+from router.service import RouterService
+from tests.raw_http import exchange, json_error, parse_responses, request_bytes
+from tests.router.conftest import TOKEN, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+SALT_HEADER = "x-tenant-salt"
+PROXIED = (b"/generate", b"/v1/completions", b"/v1/chat/completions")
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[RouterService]:
+    """A router without workers: what it accepts is a 503, what it refuses a 4xx."""
+    async with RouterService(router_config([], salt_header=SALT_HEADER)) as running:
+        yield running
+
+
+def _port(service: RouterService | ReferenceWorker) -> int:
+    return int(service.url.rsplit(":", 1)[1])
+
+
+async def _call(
+    service: RouterService | ReferenceWorker,
+    method: bytes,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]] = [],  # noqa: B006 - never mutated
+    body: bytes = b"",
+) -> tuple[int, dict[str, Any]]:
+    (response,) = parse_responses(
+        await exchange(_port(service), request_bytes(method, target, headers, body))
+    )
+    return response.status, json_error(response) if response.status >= 400 else {}
+
+
+def _nested(depth: int) -> bytes:
+    """A valid body whose `extra` field nests `depth - 1` lists (the body object is level 1)."""
+    return (
+        b'{"prompt": "x", "text": "x", "messages": [{"role": "user", "content": "x"}], "extra": '
+        + (b"[" * (depth - 1) + b"]" * (depth - 1) + b"}")
+    )
+
+
+# --------------------------------------------------------------------------- nesting (item 4)
+
+
+async def test_deeply_nested_json_is_a_400_naming_the_limit(router: RouterService) -> None:
+    limit = LimitsConfig().max_json_depth
+    for path in (*PROXIED, b"/admin/route"):
+        auth = [(b"Authorization", b"Bearer " + TOKEN.encode())]
+        # ~2 KB, 1,000 levels: the decoder's RecursionError used to escape as a 500
+        for depth in (1000, limit + 1):
+            status, error = await _call(router, b"POST", path, auth, _nested(depth))
+            assert status == 400, (path, depth, error)
+            assert error["type"] == "RequestError"
+            assert "max_json_depth" in error["message"], error
+        status, error = await _call(router, b"POST", path, auth, _nested(limit))
+        # at the limit the body parses: the proxy then finds no worker, the dry run plans
+        assert status in (200, 503), (path, error)
+
+
+async def test_the_reference_worker_answers_deep_json_with_a_json_400() -> None:
+    async with ReferenceWorker(ReferenceConfig(time_scale=0)) as worker:
+        for path in (*PROXIED, b"/flush_cache", b"/debug/match"):
+            status, error = await _call(worker, b"POST", path, body=_nested(1000))
+            assert status == 400, (path, error)
+            assert "nests" in error["message"]
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _random_json(rng: random.Random, budget: int) -> object:
+    """Nested lists and objects whose strings are full of brackets, quotes and escapes."""
+    roll = rng.random()
+    if budget <= 0 or roll < 0.3:
+        return rng.choice(['[{"', '\\"]', "}\\\\", "", 7, None, True, "{[", '"[', "\\u005b"])
+    items = [_random_json(rng, budget - 1) for _ in range(rng.randrange(4))]
+    if roll < 0.65:
+        return items
+    return {f"k{i}{rng.choice(['[', '{', '}', ''])}": item for i, item in enumerate(items)}
+
+
+def test_the_nesting_check_agrees_with_the_decoded_depth() -> None:
+    seed = random.randrange(2**32)
+    print(f"nesting seed={seed}")
+    rng = random.Random(seed)
+    for _ in range(3000):
+        body = {"a": _random_json(rng, rng.randrange(16))}
+        raw = json.dumps(body, indent=rng.choice([None, 1])).encode()
+        depth = _depth(body)
+        limit = rng.randrange(8, 14)
+        if depth > limit:
+            with pytest.raises(RequestError, match="max_json_depth"):
+                parse_body(raw, LimitsConfig(max_json_depth=limit))
+        else:
+            assert parse_body(raw, LimitsConfig(max_json_depth=limit)) == body
