@@ -63,7 +63,8 @@ def _token_middleware(token: str) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
+        # a header that is not UTF-8 reaches us as lone surrogates: just another wrong token
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
         if not hmac.compare_digest(given, expected):
             raise AuthError("admin API: missing or wrong bearer token")
         return await handler(request)

@@ -117,3 +117,29 @@ def test_the_nesting_check_agrees_with_the_decoded_depth() -> None:
                 parse_body(raw, LimitsConfig(max_json_depth=limit))
         else:
             assert parse_body(raw, LimitsConfig(max_json_depth=limit)) == body
+
+
+# ---------------------------------------------------------------- admin authorization (item 5)
+
+ADMIN_ROUTES = (
+    (b"GET", b"/admin/workers"),
+    (b"POST", b"/admin/workers"),
+    (b"POST", b"/admin/workers/w0/drain"),
+    (b"DELETE", b"/admin/workers/w0"),
+    (b"GET", b"/admin/namespaces"),
+    (b"POST", b"/admin/namespaces/evict"),
+    (b"GET", b"/admin/streams"),
+    (b"POST", b"/admin/route"),
+    (b"GET", b"/admin/index/dump"),
+    (b"POST", b"/admin/index/load"),
+)
+
+
+async def test_a_non_utf8_authorization_header_is_a_401_on_every_admin_route(
+    router: RouterService,
+) -> None:
+    for value in (b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer " + TOKEN.encode() + b"\x80"):
+        for method, path in ADMIN_ROUTES:
+            status, error = await _call(router, method, path, [(b"Authorization", value)], b"{}")
+            assert status == 401, (method, path, value, error)
+            assert error["type"] == "AuthError"
