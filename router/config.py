@@ -140,6 +140,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a body nesting deeper is a 400; kept far below Python's recursion limit (~1000) so nothing
     # that walks a body recursively (msgspec, Jinja's tojson, the engines' parsers) can fail
     max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=512)] = 128
+    # a cache_salt (body, salt header or admin input) longer than this is a 400
+    max_salt_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256
 
 
 class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -33,6 +33,7 @@ __all__ = [
     "Endpoint",
     "ParsedRequest",
     "chat_options",
+    "check_salt_size",
     "detect_endpoint",
     "parse_body",
     "parse_request",
@@ -119,16 +120,31 @@ def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
     raise RequestError("cannot tell the endpoint: expected messages, prompt, text or input_ids")
 
 
-def _salt(value: object, *, batched: bool) -> str | None:
+def check_salt_size(salt: str, what: str, limits: LimitsConfig) -> None:
+    """RequestError when `salt` is over `limits.max_salt_bytes`; names `what`, never the salt.
+
+    Salts are short tenant ids in practice; bounding them bounds what every request can make
+    the router hold (pending marks, namespace keys) no matter how many tenants are invented.
+    """
+    if len(salt.encode()) > limits.max_salt_bytes:
+        raise RequestError(
+            f"{what} is longer than limits.max_salt_bytes ({limits.max_salt_bytes} bytes)"
+        )
+
+
+def _salt(value: object, limits: LimitsConfig, *, batched: bool) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
+        check_salt_size(value, "cache_salt", limits)
         return value or None
     if batched and isinstance(value, list):
         # one salt per item; the batch is routed as a whole by its first item
         for i, item in enumerate(value):
             if item is not None and not isinstance(item, str):
                 raise RequestError(f"cache_salt[{i}] must be a string")
+            if item is not None:
+                check_salt_size(item, f"cache_salt[{i}]", limits)
         first = value[0] if value else None
         return first or None
     raise RequestError("cache_salt must be a string")
@@ -521,7 +537,7 @@ def parse_request(
         tokens = _completion_tokens(body, tokenizer)
     else:
         tokens = _chat_tokens(body, tokenizer)
-    salt = _salt(body.get("cache_salt"), batched=batched)
+    salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
     if header_salt is not None:
         salt = header_salt or None

@@ -143,3 +143,128 @@ async def test_a_non_utf8_authorization_header_is_a_401_on_every_admin_route(
             status, error = await _call(router, method, path, [(b"Authorization", value)], b"{}")
             assert status == 401, (method, path, value, error)
             assert error["type"] == "AuthError"
+
+
+# ------------------------------------------------------------ the salt header (item 6, hardening)
+
+BODY = b'{"prompt": "x", "text": "x", "messages": [{"role": "user", "content": "x"}]}'
+SECRET = b"tenant-SECRET-4242"
+
+
+async def test_a_non_utf8_salt_header_is_a_400_naming_the_header_not_the_value(
+    router: RouterService,
+) -> None:
+    auth = (b"Authorization", b"Bearer " + TOKEN.encode())
+    for path in (*PROXIED, b"/admin/route"):
+        for value in (SECRET + b"\xff", b"\xc3\x28" + SECRET, b"\xed\xa0\x80"):
+            status, error = await _call(
+                router, b"POST", path, [auth, (SALT_HEADER.encode(), value)], BODY
+            )
+            assert status == 400, (path, value, error)
+            assert error["type"] == "RequestError"
+            assert SALT_HEADER in error["message"] and "UTF-8" in error["message"]
+            assert SECRET.decode() not in json.dumps(error)
+
+
+async def test_a_duplicated_salt_header_is_refused_not_resolved_to_its_first_value(
+    router: RouterService,
+) -> None:
+    auth = (b"Authorization", b"Bearer " + TOKEN.encode())
+    for path in (*PROXIED, b"/admin/route"):
+        for names in ((b"x-tenant-salt", b"x-tenant-salt"), (b"X-Tenant-Salt", b"x-TENANT-salt")):
+            headers = [auth, (names[0], b"tenant-a"), (names[1], SECRET)]
+            status, error = await _call(router, b"POST", path, headers, BODY)
+            assert status == 400, (path, error)
+            assert SALT_HEADER in error["message"] and "2 times" in error["message"]
+            assert SECRET.decode() not in json.dumps(error)
+        # once is fine: the proxy then finds no worker, the dry run plans
+        status, _ = await _call(router, b"POST", path, [auth, (b"x-tenant-salt", SECRET)], BODY)
+        assert status in (200, 503)
+
+
+# --------------------------------------------------------------------- salt length (item 8)
+
+
+async def test_salts_over_max_salt_bytes_are_refused_everywhere_naming_the_limit(
+    router: RouterService,
+) -> None:
+    limit = LimitsConfig().max_salt_bytes
+    auth = (b"Authorization", b"Bearer " + TOKEN.encode())
+    at_limit, over = "s" * limit, "s" * (limit - 1) + "é"  # é is 2 bytes: one byte over
+    for path in (*PROXIED, b"/admin/route"):
+        for salt, ok in ((at_limit, True), (over, False)):
+            body = json.loads(BODY) | {"cache_salt": salt}
+            status, error = await _call(router, b"POST", path, [auth], json.dumps(body).encode())
+            assert (status in (200, 503)) is ok, (path, len(salt), error)
+            header = [auth, (SALT_HEADER.encode(), salt.encode())]
+            status, error = await _call(router, b"POST", path, header, BODY)
+            assert (status in (200, 503)) is ok, (path, len(salt), error)
+            if not ok:
+                assert "limits.max_salt_bytes" in error["message"] and salt not in error["message"]
+        batched = {"text": ["a", "b"], "cache_salt": ["t", over]}
+        status, error = await _call(router, b"POST", path, [auth], json.dumps(batched).encode())
+        if path in (b"/generate", b"/admin/route"):
+            assert status == 400 and "cache_salt[1]" in error["message"], error
+    evict = json.dumps({"cache_salt": over}).encode()
+    status, error = await _call(router, b"POST", b"/admin/namespaces/evict", [auth], evict)
+    assert status == 400 and "limits.max_salt_bytes" in error["message"], error
+
+
+# ------------------------------------------------------- the dry run is as strict as the proxy
+
+_VALUES: dict[str, list[Any]] = {
+    "messages": [[{"role": "user", "content": "hi"}], [], "hi", [{"role": 5}], [[]], None],
+    "prompt": ["x", ["x", "y"], [1, 2], [], [[1], [2]], 5, [None], None],
+    "text": ["x", ["x"], [], [5], 5, None],
+    "input_ids": [[1, 2], [[1], [2]], [], ["a"], [True], "1", None],
+    "cache_salt": ["t", "", None, 5, ["t", "u"], [5], "s" * 300],
+    "stream": [True, False, "yes", None],
+    "model": ["m", 5, None],
+    "lora_path": ["l", 5, None],
+    "chat_template_kwargs": [{}, {"messages": []}, {"tokenize": True}, [], None],
+    "tools": [[], [{"function": {"name": "f"}}], [5], {}, None],
+    "tool_choice": ["auto", "bogus", {"function": {"name": "f"}}, None],
+    "reasoning_effort": ["low", "extreme", 0.5, None],
+}
+_RAW_BODIES = [b"", b"{", b"[]", b"null", b'"x"', b"\xff", _nested(600), b"x" * 5000]
+_SALT_HEADERS: list[list[tuple[bytes, bytes]]] = [
+    [],
+    [(b"x-tenant-salt", b"good")],
+    [(b"x-tenant-salt", b"\xff")],
+    [(b"x-tenant-salt", b"a"), (b"x-tenant-salt", b"b")],
+    [(b"x-tenant-salt", b"s" * 300)],
+]
+
+
+async def test_the_dry_run_refuses_exactly_what_the_proxy_refuses() -> None:
+    seed = random.randrange(2**32)
+    print(f"dry-run seed={seed}")
+    rng = random.Random(seed)
+    config = router_config([], salt_header=SALT_HEADER, limits=LimitsConfig(max_body_bytes=4096))
+    auth = (b"Authorization", b"Bearer " + TOKEN.encode())
+    async with RouterService(config) as router:
+        refused = 0
+        for i in range(150):
+            if i % 5 == 0:
+                raw = rng.choice(_RAW_BODIES)
+            else:
+                fields = rng.sample(sorted(_VALUES), rng.randrange(1, 5))
+                body = {f: rng.choice(_VALUES[f]) for f in fields}
+                raw = json.dumps(body).encode()
+            headers = rng.choice(_SALT_HEADERS)
+            path = rng.choice(PROXIED)
+            proxy = await _call(router, b"POST", path, headers, raw)
+            dry = await _call(
+                router, b"POST", b"/admin/route?endpoint=" + path, [auth, *headers], raw
+            )
+            if proxy[0] == 503:  # accepted: no worker to send it to
+                assert dry[0] == 200, (path, raw, headers, dry)
+            else:
+                refused += 1
+                assert 400 <= proxy[0] < 500, (path, raw, headers, proxy)
+                assert (dry[0], dry[1]["type"]) == (proxy[0], proxy[1]["type"]), (
+                    path,
+                    raw,
+                    headers,
+                )
+        assert refused > 50  # the draw exercised refusals, not just acceptances
