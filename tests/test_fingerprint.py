@@ -34,3 +34,38 @@ def test_without_a_key_fingerprints_are_random_per_process(
     ns = Namespace("", None, "tenant-a")
     assert Fingerprinter()(ns) == Fingerprinter()(ns)  # one process key
     assert Fingerprinter()(ns) != Fingerprinter("guess")(ns)
+
+
+def test_the_router_names_namespaces_as_the_replay_tools_do() -> None:
+    from router.namespace import Fingerprinter as RouterFingerprinter
+
+    router_fp, tools_fp = RouterFingerprinter("k"), Fingerprinter("k")
+    for ns in (
+        Namespace("m", None, "tenant-a"),
+        Namespace("", "lora", None),
+        Namespace("m", "a:b", None),
+        Namespace("m", "a", "b"),
+        Namespace("", None, "é" * 100),
+    ):
+        assert router_fp(ns) == router_fp(ns) == tools_fp(ns)
+
+
+def test_the_router_memo_keeps_no_salt_and_a_bounded_number_of_bytes() -> None:
+    import gc
+    import tracemalloc
+
+    from router.namespace import Fingerprinter as RouterFingerprinter
+
+    entries, salts = 1_000, 4_000
+    fp = RouterFingerprinter("k", memo_entries=entries)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(salts):
+            fp(Namespace("m", None, f"{i:08d}" + "x" * 4096))  # 4 KiB each: 16 MiB if kept
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # a digest key, a 16-character id and a dict slot per entry, whatever the salt's size
+    assert grown < entries * 300, grown

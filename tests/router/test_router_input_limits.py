@@ -268,3 +268,25 @@ async def test_the_dry_run_refuses_exactly_what_the_proxy_refuses() -> None:
                     headers,
                 )
         assert refused > 50  # the draw exercised refusals, not just acceptances
+
+
+async def test_many_distinct_long_salts_are_refused_and_leave_nothing_behind(
+    router: RouterService,
+) -> None:
+    import gc
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100):
+            # the report: 400 such requests (each salt 256 KiB) kept 100 MiB in the memo
+            salt = f"{i:06d}" + "s" * (256 * 1024)
+            body = json.dumps({"prompt": "x", "cache_salt": salt}).encode()
+            status, error = await _call(router, b"POST", b"/v1/completions", body=body)
+            assert status == 400 and "limits.max_salt_bytes" in error["message"], error
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 * 1024 * 1024, grown  # 25 MiB of salts were sent
