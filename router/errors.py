@@ -3,11 +3,14 @@
 RouterError                    500 unless a subclass says otherwise
 ├── ConfigError                a config file or struct that cannot be used (never an HTTP answer)
 ├── RequestError               400: a request body or header the router cannot route
+│   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
+│   ├── RequestTimeoutError    408: headers or body not received within their timeout
 │   └── PayloadTooLargeError   413: a body over the configured limit
 ├── AuthError                  401: admin call without the right bearer token
 ├── NotFoundError              404: an unknown worker or namespace on the admin API
 ├── ConflictError              409: adding a worker id that already exists
 ├── NoWorkerError              503: no healthy worker can take the request
+├── TooManyConnectionsError    503: the listener is at limits.max_connections
 └── UpstreamError              502: every worker tried failed before answering
     └── UpstreamTimeoutError   504: the per-request deadline passed
 """
@@ -16,13 +19,16 @@ from __future__ import annotations
 
 __all__ = [
     "AuthError",
+    "BadHttpRequestError",
     "ConfigError",
     "ConflictError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
     "RequestError",
+    "RequestTimeoutError",
     "RouterError",
+    "TooManyConnectionsError",
     "UpstreamError",
     "UpstreamTimeoutError",
 ]
@@ -42,6 +48,16 @@ class RequestError(RouterError):
     """A client request the router cannot route; the message names the field."""
 
     status = 400
+
+
+class BadHttpRequestError(RequestError):
+    """A request aiohttp's parser refused; the message names the kind, never the bytes."""
+
+
+class RequestTimeoutError(RequestError):
+    """A client that did not send its headers or body within `limits.*_timeout_s`."""
+
+    status = 408
 
 
 class PayloadTooLargeError(RequestError):
@@ -70,6 +86,12 @@ class ConflictError(RouterError):
 
 class NoWorkerError(RouterError):
     """No worker is healthy, undrained and closed-circuit right now."""
+
+    status = 503
+
+
+class TooManyConnectionsError(RouterError):
+    """A connection beyond `limits.max_connections`: answered at once, then closed."""
 
     status = 503
 
