@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.protocol.tokens import ByteTokenizer
 from workers.errors import CacheBusyError, RequestError, WorkerError
@@ -65,6 +66,10 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(503, "overloaded", str(exc))
     except WorkerError as exc:
         return _error(500, "worker_error", str(exc))
+    except RequestPayloadError as exc:
+        # a body the parser could not decode; its message may quote the body, so only its kind
+        cause = type(exc.__cause__ or exc).__name__
+        return _error(400, "invalid_request_error", f"the body cannot be decoded ({cause})")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
