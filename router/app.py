@@ -17,14 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import msgspec
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
 from router.admin import create_admin_app
 from router.config import RouterConfig
-from router.errors import ConfigError, PayloadTooLargeError, RouterError
+from router.errors import ConfigError, RouterError
 from router.keys import (
     CONFIG,
     FINGERPRINT,
@@ -90,21 +89,6 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
     if metrics is not None:
         metrics.rejected.labels(_route_label(request), kind).inc()
     return _error(status, kind, message)
-
-
-def _body_limit(max_body_bytes: int) -> Middleware:
-    @web.middleware
-    async def refuse_declared(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        """A body declared over the limit is refused before a byte of it is read."""
-        declared = request.content_length
-        if declared is not None and declared > max_body_bytes:
-            raise PayloadTooLargeError(
-                f"request body of {declared} bytes is over limits.max_body_bytes "
-                f"({max_body_bytes} bytes)"
-            )
-        return await handler(request)
-
-    return refuse_declared
 
 
 def _route_label(request: web.Request) -> str:
@@ -224,8 +208,9 @@ def create_app(config: RouterConfig) -> web.Application:
             f"refusing to serve the admin API on {config.listen.host} without a token: set "
             "admin.token or KVROUTE_ADMIN_TOKEN, bind to 127.0.0.1, or set admin.enabled = false"
         )
-    limit = config.limits.max_body_bytes
-    app = web.Application(middlewares=[error_middleware, _body_limit(limit)], client_max_size=limit)
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes
+    )
     app[CONFIG] = config
     app[METRICS] = RouterMetrics()
     app[TOKENIZER] = build_tokenizer(config.tokenizer)

@@ -5,7 +5,8 @@ RouterError                    500 unless a subclass says otherwise
 ├── RequestError               400: a request body or header the router cannot route
 │   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
 │   ├── RequestTimeoutError    408: headers or body not received within their timeout
-│   └── PayloadTooLargeError   413: a body over the configured limit
+│   ├── PayloadTooLargeError   413: a body over the configured limit
+│   └── ExpectationFailedError 417: an `Expect` header other than 100-continue
 ├── AuthError                  401: admin call without the right bearer token
 ├── NotFoundError              404: an unknown worker or namespace on the admin API
 ├── ConflictError              409: adding a worker id that already exists
@@ -22,6 +23,7 @@ __all__ = [
     "BadHttpRequestError",
     "ConfigError",
     "ConflictError",
+    "ExpectationFailedError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
@@ -64,6 +66,12 @@ class PayloadTooLargeError(RequestError):
     """A request body larger than `limits.max_body_bytes`."""
 
     status = 413
+
+
+class ExpectationFailedError(RequestError):
+    """An `Expect` header the router cannot meet (only 100-continue exists)."""
+
+    status = 417
 
 
 class AuthError(RouterError):

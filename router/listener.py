@@ -9,6 +9,8 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
+- before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
+  `100 Continue`, so the client never sends it) and an `Expect` other than 100-continue a 417;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -27,7 +29,7 @@ from http import HTTPStatus
 from typing import Any
 
 import msgspec
-from aiohttp import http_exceptions, web
+from aiohttp import hdrs, http_exceptions, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
@@ -35,6 +37,8 @@ from aiohttp.streams import StreamReader
 from router.config import LimitsConfig
 from router.errors import (
     BadHttpRequestError,
+    ExpectationFailedError,
+    PayloadTooLargeError,
     RequestTimeoutError,
     RouterError,
     TooManyConnectionsError,
@@ -115,6 +119,15 @@ def _raw_answer(error: type[RouterError], message: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
+
+
+def _json_answer(error: type[RouterError], message: str) -> web.Response:
+    """The JSON error answer, closing the connection (its body will not be read)."""
+    resp = web.Response(
+        status=error.status, body=_error_body(error, message), content_type="application/json"
+    )
+    resp.force_close()
+    return resp
 
 
 def _peer(transport: asyncio.BaseTransport | None) -> str:
@@ -320,6 +333,8 @@ class GuardedServer(web.Server):
         self.refusals = RefusalLog(log, limits.refusal_log_interval_s)
         self._inner_factory = self.request_factory
         self.request_factory = self._make_guarded_request
+        self._app_handler = self.request_handler
+        self.request_handler = self._before_routing
 
     @classmethod
     def adopt(cls, server: web.Server, limits: LimitsConfig) -> GuardedServer:
@@ -344,6 +359,22 @@ class GuardedServer(web.Server):
         if isinstance(protocol, GuardedHandler):
             protocol.request_started(request)
         return request
+
+    async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect is not None and expect.lower() != "100-continue":
+            return _json_answer(
+                ExpectationFailedError, "the Expect header can only be 100-continue"
+            )
+        declared = request.content_length
+        limit = self.limits.max_body_bytes
+        if declared is not None and declared > limit:
+            return _json_answer(
+                PayloadTooLargeError,
+                f"request body of {declared} bytes is over limits.max_body_bytes ({limit} bytes)",
+            )
+        return await self._app_handler(request)
 
     def __call__(self) -> GuardedHandler:
         return GuardedHandler(self, loop=self._loop, **self._kwargs)

@@ -97,7 +97,10 @@ def parse_responses(data: bytes) -> list[RawResponse]:
         for line in header_lines:
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
-        if "content-length" in headers:
+        if 100 <= status < 200 or status in (204, 304):
+            body = b""  # no body, whatever the headers say
+            data = rest
+        elif "content-length" in headers:
             length = int(headers["content-length"])
             body, data = rest[:length], rest[length:]
         elif "chunked" in headers.get("transfer-encoding", ""):

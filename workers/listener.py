@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 __all__ = ["QuietHandler", "QuietServer", "WorkerRunner"]
 
@@ -85,6 +85,21 @@ class QuietServer(web.Server):
     def __init__(self, handler: Any, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.refusals = _RefusalLog(LOG_INTERVAL_S)
+        self._app_handler = self.request_handler
+        self.request_handler = self._before_routing
+
+    async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
+        """aiohttp answers `Expect` ahead of the middlewares, in plain text (or a 500 when the
+        value is not UTF-8): refuse what it would refuse, in JSON, before it sees it."""
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect is not None and expect.lower() != "100-continue":
+            message = "the Expect header can only be 100-continue"
+            resp = web.json_response(
+                {"error": {"type": "invalid_request_error", "message": message}}, status=417
+            )
+            resp.force_close()
+            return resp
+        return await self._app_handler(request)
 
     def __call__(self) -> QuietHandler:
         return QuietHandler(self, loop=self._loop, **self._kwargs)

@@ -272,3 +272,19 @@ def test_the_refusal_log_counts_what_it_held_back() -> None:
         "bad HTTP request from 10.0.0.1: LineTooLong, 39 similar suppressed",
         "bad HTTP request from 10.0.0.1: LineTooLong, 39 similar suppressed",
     ]
+
+
+async def test_expectations_are_refused_in_json_and_a_too_large_body_before_100_continue() -> None:
+    async with _router() as router:
+        for path in (b"/generate", b"/nope", b"/admin/route"):
+            for value in (b"\xff\xfe", b"102-processing"):
+                raw = request_bytes(b"POST", path, [(b"Expect", value)], b"{}")
+                (response,) = parse_responses(await exchange(_port(router), raw))
+                assert response.status == 417, (path, value, response)
+                assert json_error(response)["type"] == "ExpectationFailedError"
+        # with 100-continue the client waits for a go-ahead: a declared 1 GiB gets a 413 instead
+        declared = b"Content-Length: 1073741824"
+        raw = request_bytes(b"POST", b"/generate", [(b"Expect", b"100-continue")])
+        answer = await exchange(_port(router), raw.replace(b"Content-Length: 0", declared))
+    (response,) = parse_responses(answer)
+    assert response.status == 413 and json_error(response)["type"] == "PayloadTooLargeError"

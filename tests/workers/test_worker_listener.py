@@ -31,6 +31,13 @@ async def test_malformed_requests_are_json_400s_and_never_log_the_salt(
                 assert response.status == 400, (raw[:40], response)
                 assert json_error(response)["type"] == "invalid_request_error"
                 assert SECRET not in response.body
+        # aiohttp answers Expect before any middleware: plain text, or a 500 for non-UTF-8
+        for value in (b"\xff\xfe", b"102-processing"):
+            raw = request_bytes(b"POST", b"/generate", [(b"Expect", value)], b"{}")
+            (response,) = parse_responses(await exchange(port, raw))
+            assert (
+                response.status == 417 and json_error(response)["type"] == "invalid_request_error"
+            )
         # a body that does not decode (a bad gzip stream) is the client's fault too
         broken = request_bytes(b"POST", b"/generate", [(b"Content-Encoding", b"gzip")], b"{}")
         (response,) = parse_responses(await exchange(port, broken))
