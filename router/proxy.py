@@ -92,7 +92,11 @@ class Proxy:
         self._session = session
         self._tokenizer = tokenizer
         self._metrics = metrics
-        self._request_drop = _DROP | ({config.salt_header.lower()} if config.salt_header else set())
+        # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding)
+        request_only = {"content-encoding"} | (
+            {config.salt_header.lower()} if config.salt_header else set()
+        )
+        self._request_drop = _DROP | request_only
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
