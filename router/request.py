@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ import msgspec
 from indexer.protocol.tokens import ChatTemplateError
 from router.config import LimitsConfig
 from router.errors import RequestError
+from router.nesting import nests_deeper
 from router.tokenizer import PromptTokenizer
 
 __all__ = [
@@ -64,34 +64,13 @@ class ParsedRequest(msgspec.Struct, frozen=True):
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
-
-
 _LIMITS = LimitsConfig()
-# a JSON string, escapes included (unrolled so a long string is one tight scan, not a recursion)
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_ONLY_BRACKETS = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _nests_deeper(raw: bytes, limit: int) -> bool:
-    """Whether valid JSON `raw` nests arrays/objects more than `limit` levels deep."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False  # the usual body: too few brackets to nest that deep
-    # with strings gone every bracket is structure; each pass strips the innermost level
-    structure = _JSON_STRING.sub(b"", raw).translate(_ONLY_BRACKETS, _NOT_BRACKETS)
-    for _ in range(limit):
-        structure = structure.replace(b"[]", b"")
-        if not structure:
-            return False
-    return True
 
 
 def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     """The JSON object of a request body, or a RequestError saying what is wrong.
 
-    Nesting is bounded (`limits.max_json_depth`) well below the interpreter's recursion limit:
-    everything downstream that walks the body recursively (msgspec, a chat template's
-    `tojson`, the worker's own parser) then stays clear of a RecursionError.
+    Nesting is bounded by `limits.max_json_depth` (see `router.nesting` for why).
     """
     too_deep = RequestError(
         f"request body nests JSON deeper than limits.max_json_depth ({limits.max_json_depth})"
@@ -104,7 +83,7 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
         raise too_deep from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
-    if _nests_deeper(raw, limits.max_json_depth):
+    if nests_deeper(raw, limits.max_json_depth):
         raise too_deep
     return body
 
