@@ -76,7 +76,11 @@ _MALFORMED: tuple[tuple[type[Exception], str], ...] = (
     (http_exceptions.InvalidURLError, "the request target is not a valid URL"),
     (http_exceptions.InvalidHeader, "a header name is malformed"),
     (http_exceptions.PayloadEncodingError, "the body's transfer or content encoding is broken"),
-    (http_exceptions.BadHttpMessage, "a header is malformed (a control character or bad framing)"),
+    (
+        http_exceptions.BadHttpMessage,
+        f"the request headers are malformed (a control character, a bad line, bad framing, "
+        f"or more than {MAX_HEADERS} headers)",
+    ),
 )
 
 
