@@ -1,8 +1,10 @@
 """The kvroute router: HTTP proxy, routing policies, admin API, config and CLI.
 
-Request path: `app` (aiohttp application, error middleware, resources) -> `proxy` (upstream hop,
-streaming, retries) -> `request` (body validation, namespace fields, tokens via `tokenizer`) ->
-`scheduler` (index lookup + health + load, ranked by `policy`; `/admin/route` uses it too).
+Request path: `listener` (aiohttp's server: client deadlines, connection cap, malformed HTTP) ->
+`app` (aiohttp application, error middleware, resources) -> `proxy` (upstream hop, streaming,
+retries) -> `intake` (body and salt header within the limits) -> `request` (body validation,
+namespace fields, tokens via `tokenizer`; nesting depth by `nesting`) -> `scheduler` (index
+lookup + health + load, ranked by `policy`; `/admin/route` reads through `intake` and uses it too).
 
 - `policy`: the pure routing policies (`kv`, `round_robin`, `random`, `least_load`,
   `approx_tree` over `approx_tree.ApproxTree`);

@@ -20,9 +20,10 @@ from aiohttp.typedefs import Middleware
 from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
+from router.intake import read_request
 from router.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
 from router.pool import WorkerEntry, WorkerSummary
-from router.request import Endpoint, detect_endpoint, parse_body, parse_request
+from router.request import Endpoint, check_salt_size
 
 __all__ = ["create_admin_app"]
 
@@ -63,7 +64,8 @@ def _token_middleware(token: str) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
+        # a header that is not UTF-8 reaches us as lone surrogates: just another wrong token
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
         if not hmac.compare_digest(given, expected):
             raise AuthError("admin API: missing or wrong bearer token")
         return await handler(request)
@@ -159,6 +161,8 @@ async def evict_namespace(request: web.Request) -> web.Response:
     body = _decode(await request.read(), EvictRequest)
     if (body.cache_salt is None) == (body.namespace is None):
         raise RequestError("give exactly one of cache_salt or namespace")
+    if body.cache_salt is not None:
+        check_salt_size(body.cache_salt, "cache_salt", request.config_dict[CONFIG].limits)
     indexer = request.config_dict[INDEXER]
     fingerprint = request.config_dict[FINGERPRINT]
     known = [s.namespace for s in indexer.namespaces()]
@@ -203,24 +207,22 @@ async def list_streams(request: web.Request) -> web.Response:
 
 async def route_dry_run(request: web.Request) -> web.Response:
     """POST /admin/route: how the body would be routed now; routes nothing, changes nothing."""
-    raw = await request.read()
+    endpoint = None
     if "endpoint" in request.query:
         try:
             endpoint = Endpoint(request.query["endpoint"])
         except ValueError:
             raise RequestError(f"endpoint must be one of {[e.value for e in Endpoint]}") from None
-    else:
-        endpoint = detect_endpoint(parse_body(raw))
+    # the proxy's own intake: a dry run accepts exactly what the proxy accepts
     config = request.config_dict[CONFIG]
-    header = request.headers.get(config.salt_header) if config.salt_header else None
-    parsed = parse_request(endpoint, raw, request.config_dict[TOKENIZER], header_salt=header)
+    parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
     plan = request.config_dict[SCHEDULER].plan(parsed)
     return _reply(
         {
             "worker": plan.worker,
             "namespace": plan.namespace,
             "prompt_tokens": plan.prompt_tokens,
-            "endpoint": endpoint.value,
+            "endpoint": parsed.endpoint.value,
             "unindexed": plan.unindexed,
             "candidates": plan.candidates,
         }

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
@@ -72,6 +73,12 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
             raise
         kind = "PayloadTooLargeError" if exc.status == 413 else type(exc).__name__
         status, message = exc.status, exc.text or exc.reason
+    except RequestPayloadError as exc:
+        # a body the parser could not decode (broken chunking, a bad gzip stream): the
+        # client's fault. The parser's message may quote body bytes, so only its kind is told
+        cause = type(exc.__cause__ or exc).__name__
+        status, kind = 400, "BadHttpRequestError"
+        message = f"the request body cannot be decoded ({cause}): check its chunking and encoding"
     except ConnectionResetError:
         raise  # the client is gone: nobody to answer
     except Exception:

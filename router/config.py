@@ -137,6 +137,23 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+    # a body nesting deeper is a 400; kept far below Python's recursion limit (~1000) so nothing
+    # that walks a body recursively (msgspec, Jinja's tojson, the engines' parsers) can fail
+    max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=512)] = 128
+    # a cache_salt (body, salt header or admin input) longer than this is a 400
+    max_salt_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # open client connections; one more gets a 503 (lowered to what RLIMIT_NOFILE can hold)
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # a keep-alive connection with no request for this long is closed (above the 60 s idle
+    # timeout of common load balancers, so they never reuse a connection the router closed)
+    idle_timeout_s: PositiveFloat = 75.0
+    # a request's headers must be complete this long after its first byte, else 408
+    header_timeout_s: PositiveFloat = 10.0
+    # a request's body must be complete this long after its headers, else 408
+    body_timeout_s: PositiveFloat = 60.0
+    # refused clients (malformed requests, timeouts, the connection cap) are logged at most
+    # once per interval, with a count of the lines held back
+    refusal_log_interval_s: PositiveFloat = 10.0
 
 
 class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -3,11 +3,15 @@
 RouterError                    500 unless a subclass says otherwise
 ├── ConfigError                a config file or struct that cannot be used (never an HTTP answer)
 ├── RequestError               400: a request body or header the router cannot route
-│   └── PayloadTooLargeError   413: a body over the configured limit
+│   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
+│   ├── RequestTimeoutError    408: headers or body not received within their timeout
+│   ├── PayloadTooLargeError   413: a body over the configured limit
+│   └── ExpectationFailedError 417: an `Expect` header other than 100-continue
 ├── AuthError                  401: admin call without the right bearer token
 ├── NotFoundError              404: an unknown worker or namespace on the admin API
 ├── ConflictError              409: adding a worker id that already exists
 ├── NoWorkerError              503: no healthy worker can take the request
+├── TooManyConnectionsError    503: the listener is at limits.max_connections
 └── UpstreamError              502: every worker tried failed before answering
     └── UpstreamTimeoutError   504: the per-request deadline passed
 """
@@ -16,13 +20,17 @@ from __future__ import annotations
 
 __all__ = [
     "AuthError",
+    "BadHttpRequestError",
     "ConfigError",
     "ConflictError",
+    "ExpectationFailedError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
     "RequestError",
+    "RequestTimeoutError",
     "RouterError",
+    "TooManyConnectionsError",
     "UpstreamError",
     "UpstreamTimeoutError",
 ]
@@ -44,10 +52,26 @@ class RequestError(RouterError):
     status = 400
 
 
+class BadHttpRequestError(RequestError):
+    """A request aiohttp's parser refused; the message names the kind, never the bytes."""
+
+
+class RequestTimeoutError(RequestError):
+    """A client that did not send its headers or body within `limits.*_timeout_s`."""
+
+    status = 408
+
+
 class PayloadTooLargeError(RequestError):
     """A request body larger than `limits.max_body_bytes`."""
 
     status = 413
+
+
+class ExpectationFailedError(RequestError):
+    """An `Expect` header the router cannot meet (only 100-continue exists)."""
+
+    status = 417
 
 
 class AuthError(RouterError):
@@ -70,6 +94,12 @@ class ConflictError(RouterError):
 
 class NoWorkerError(RouterError):
     """No worker is healthy, undrained and closed-circuit right now."""
+
+    status = 503
+
+
+class TooManyConnectionsError(RouterError):
+    """A connection beyond `limits.max_connections`: answered at once, then closed."""
 
     status = 503
 

@@ -24,9 +24,10 @@ from multidict import CIMultiDict
 
 from router.config import RouterConfig
 from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
+from router.intake import read_request
 from router.load import Ticket
 from router.metrics import RouterMetrics
-from router.request import Endpoint, parse_request
+from router.request import Endpoint
 from router.scheduler import Candidate, Scheduler
 from router.tokenizer import PromptTokenizer
 
@@ -91,15 +92,16 @@ class Proxy:
         self._session = session
         self._tokenizer = tokenizer
         self._metrics = metrics
-        self._salt_header = config.salt_header
-        self._request_drop = _DROP | ({config.salt_header.lower()} if config.salt_header else set())
+        # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding)
+        request_only = {"content-encoding"} | (
+            {config.salt_header.lower()} if config.salt_header else set()
+        )
+        self._request_drop = _DROP | request_only
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
         started = time.perf_counter()
-        raw = await request.read()
-        header_salt = request.headers.get(self._salt_header) if self._salt_header else None
-        parsed = parse_request(endpoint, raw, self._tokenizer, header_salt=header_salt)
+        parsed = await read_request(request, endpoint, self._config, self._tokenizer)
         scheduler = self._scheduler
         ns = scheduler.namespace(parsed)
         plan = scheduler.plan(parsed, ns)

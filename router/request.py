@@ -22,7 +22,9 @@ from typing import Any, Literal
 import msgspec
 
 from indexer.protocol.tokens import ChatTemplateError
+from router.config import LimitsConfig
 from router.errors import RequestError
+from router.nesting import nests_deeper
 from router.tokenizer import PromptTokenizer
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "Endpoint",
     "ParsedRequest",
     "chat_options",
+    "check_salt_size",
     "detect_endpoint",
     "parse_body",
     "parse_request",
@@ -64,16 +67,27 @@ class ParsedRequest(msgspec.Struct, frozen=True):
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
+_LIMITS = LimitsConfig()
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or a RequestError saying what is wrong."""
+def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
+    """The JSON object of a request body, or a RequestError saying what is wrong.
+
+    Nesting is bounded by `limits.max_json_depth` (see `router.nesting` for why).
+    """
+    too_deep = RequestError(
+        f"request body nests JSON deeper than limits.max_json_depth ({limits.max_json_depth})"
+    )
     try:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    if nests_deeper(raw, limits.max_json_depth):
+        raise too_deep
     return body
 
 
@@ -88,17 +102,34 @@ def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
     raise RequestError("cannot tell the endpoint: expected messages, prompt, text or input_ids")
 
 
-def _salt(value: object, *, batched: bool, field: str = "cache_salt") -> str | None:
-    """A cache-key string as the workers normalize it (`cache_salt`, `extra_key`)."""
+def check_salt_size(salt: str, what: str, limits: LimitsConfig) -> None:
+    """RequestError when `salt` is over `limits.max_salt_bytes`; names `what`, never the salt.
+
+    Salts are short tenant ids in practice; bounding them bounds what every request can make
+    the router hold (pending marks, namespace keys) no matter how many tenants are invented.
+    """
+    if len(salt.encode()) > limits.max_salt_bytes:
+        raise RequestError(
+            f"{what} is longer than limits.max_salt_bytes ({limits.max_salt_bytes} bytes)"
+        )
+
+
+def _salt(
+    value: object, limits: LimitsConfig, *, batched: bool, field: str = "cache_salt"
+) -> str | None:
+    """A cache-key string as the workers normalize it (`cache_salt`, `extra_key`), bounded."""
     if value is None:
         return None
     if isinstance(value, str):
+        check_salt_size(value, field, limits)
         return value or None
     if batched and isinstance(value, list):
         # one per item; the batch is routed as a whole by its first item
         for i, item in enumerate(value):
             if item is not None and not isinstance(item, str):
                 raise RequestError(f"{field}[{i}] must be a string")
+            if item is not None:
+                check_salt_size(item, f"{field}[{i}]", limits)
         first = value[0] if value else None
         return first or None
     raise RequestError(f"{field} must be a string")
@@ -480,9 +511,10 @@ def parse_request(
     tokenizer: PromptTokenizer,
     *,
     header_salt: str | None = None,
+    limits: LimitsConfig = _LIMITS,
 ) -> ParsedRequest:
     """Validate `raw` for `endpoint`; `header_salt` (trusted header) overrides the body's salt."""
-    body = parse_body(raw)
+    body = parse_body(raw, limits)
     batched = False
     if endpoint is Endpoint.GENERATE:
         tokens, batched = _generate_tokens(body, tokenizer)
@@ -490,7 +522,7 @@ def parse_request(
         tokens = _completion_tokens(body, tokenizer)
     else:
         tokens = _chat_tokens(body, tokenizer)
-    salt = _salt(body.get("cache_salt"), batched=batched)
+    salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
     if header_salt is not None:
         salt = header_salt or None
@@ -510,5 +542,5 @@ def parse_request(
         lora=lora if isinstance(lora, str) and lora else None,
         tokens=tokens,
         stream=stream is True,
-        extra_key=_salt(body.get("extra_key"), batched=batched, field="extra_key"),
+        extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),
     )

@@ -14,6 +14,7 @@ from indexer.service import IndexerService
 from router.app import create_app
 from router.config import RouterConfig
 from router.keys import INDEXER, SCHEDULER, SUPERVISOR
+from router.listener import RouterRunner
 from router.scheduler import Scheduler
 from router.supervisor import Supervisor
 
@@ -32,7 +33,9 @@ class RouterService:
     async def __aenter__(self) -> RouterService:
         # handler cancellation: a client that disconnects cancels its handler, which closes the
         # upstream request, so an abandoned generation stops on the worker as well
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        runner = RouterRunner(
+            self.app, self.config.limits, handler_cancellation=True, access_log=None
+        )
         await runner.setup()
         started = False
         try:

@@ -34,3 +34,29 @@ def test_without_a_key_fingerprints_are_random_per_process(
     ns = Namespace("", None, "tenant-a")
     assert Fingerprinter()(ns) == Fingerprinter()(ns)  # one process key
     assert Fingerprinter()(ns) != Fingerprinter("guess")(ns)
+
+
+def test_an_extra_key_namespace_has_its_own_fingerprint_and_others_keep_theirs() -> None:
+    fp = Fingerprinter("k")
+    base = Namespace("m", None, "tenant-a")
+    assert fp(Namespace("m", None, "tenant-a", "view")) != fp(base)
+    assert fp(Namespace("m", None, "tenant-a", "")) == fp(base)
+
+
+def test_fingerprints_keep_no_salt_in_memory() -> None:
+    import gc
+    import tracemalloc
+
+    fp = Fingerprinter("k")
+    salts = 4_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(salts):
+            fp(Namespace("m", None, f"{i:08d}" + "x" * 4096))  # 4 KiB each: 16 MiB if kept
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # nothing per namespace is kept: well under one salt's size
+    assert grown < 4096, grown

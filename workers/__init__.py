@@ -6,6 +6,7 @@
 - `scheduler`: one DP rank's waiting queue, running batch and latency model;
 - `publisher`: the ZMQ PUB stream and ROUTER replay service of one DP rank;
 - `server`: the SGLang/OpenAI-compatible HTTP API (aiohttp);
+- `listener`: the aiohttp server under it, answering malformed requests in JSON, quietly;
 - `worker`: `ReferenceWorker`, one worker as an in-process async service;
 - `fleet`: `Fleet`, N workers on 127.0.0.1 for `kvroute up`, tests and benchmarks;
 - `command`: the `kvroute worker` verb; `config`: `WorkerConfig`; `errors`: the error tree.

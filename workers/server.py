@@ -15,6 +15,7 @@ queued), 503 when the waiting queue is full. Salts are never echoed or logged.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.protocol.tokens import ByteTokenizer
 from workers.errors import CacheBusyError, RequestError, WorkerError
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from workers.worker import ReferenceWorker
 
 __all__ = ["WORKER_KEY", "build_app"]
+
+log = logging.getLogger(__name__)
 
 WORKER_KEY: web.AppKey[ReferenceWorker] = web.AppKey("worker")
 _MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -62,6 +66,22 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(503, "overloaded", str(exc))
     except WorkerError as exc:
         return _error(500, "worker_error", str(exc))
+    except RequestPayloadError as exc:
+        # a body the parser could not decode; its message may quote the body, so only its kind
+        cause = type(exc.__cause__ or exc).__name__
+        return _error(400, "invalid_request_error", f"the body cannot be decoded ({cause})")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (unknown path, wrong method, body too large) in the same shape
+        kind = "payload_too_large" if exc.status == 413 else "invalid_request_error"
+        return _error(exc.status, kind, exc.text or exc.reason)
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
+    except Exception:
+        # a bug: the traceback goes to the log (it carries no request body, so no salt)
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        return _error(500, "internal_error", "internal worker error (see the worker log)")
 
 
 async def _json(request: web.Request, *, optional: bool = False) -> Any:
@@ -72,6 +92,8 @@ async def _json(request: web.Request, *, optional: bool = False) -> Any:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise RequestError(f"the body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise RequestError("the body nests JSON too deeply to parse") from None
 
 
 def _worker(request: web.Request) -> ReferenceWorker:

@@ -25,6 +25,7 @@ from workers.cache import Namespace, PagedRadixCache
 from workers.config import WorkerConfig
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import Generation
+from workers.listener import WorkerRunner
 from workers.publisher import EventPublisher, bind_port_run
 from workers.scheduler import Job, RankScheduler
 from workers.server import build_app
@@ -129,7 +130,7 @@ class ReferenceWorker:
         )
         for sched in self.ranks:
             self._tasks.append(asyncio.create_task(sched.run(), name=f"scheduler-{sched.rank}"))
-        self._runner = web.AppRunner(
+        self._runner = WorkerRunner(
             build_app(self), access_log=None, handle_signals=False, handler_cancellation=True
         )
         await self._runner.setup()

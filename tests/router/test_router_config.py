@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from router.config import RouterConfig, WorkerConfig, load_config, parse_config
+from router.config import (
+    LimitsConfig,
+    RouterConfig,
+    TimeoutsConfig,
+    WorkerConfig,
+    load_config,
+    parse_config,
+)
 from router.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -65,3 +73,13 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml"])
 def test_shipped_configs_load(name: str) -> None:
     load_config(CONFIGS / name)
+
+
+def test_every_limit_and_timeout_is_documented() -> None:
+    doc = (CONFIGS.parent / "docs" / "router.md").read_text(encoding="utf-8")
+    section = doc.split("## Limits and timeouts", 1)[1].split("\n## ", 1)[0]
+    reference = doc.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    for table, struct in (("limits", LimitsConfig), ("timeouts", TimeoutsConfig)):
+        for field in msgspec.structs.fields(struct):
+            key = f"`{table}.{field.name}`"
+            assert key in section and key in reference, key

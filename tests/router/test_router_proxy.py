@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -281,6 +282,19 @@ async def test_a_trusted_header_sets_the_salt_the_worker_sees(
         async with session.post(router.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
     assert [b["cache_salt"] for b in a.bodies] == ["from-gateway", "from-body"]
+
+
+async def test_a_compressed_request_body_reaches_the_worker_decoded(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        body = gzip.compress(b'{"prompt": "x", "cache_salt": "t"}')
+        async with session.post(
+            router.url + "/v1/completions", data=body, headers={"Content-Encoding": "gzip"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+    assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
 
 
 async def test_salts_never_reach_logs_or_metrics(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import aiohttp
 
+from tests.raw_http import json_error, parse_responses, wait_eof
+
 
 async def _read_until(stream: asyncio.StreamReader, marker: str, lines: list[str]) -> str:
     while True:
@@ -92,3 +94,40 @@ async def test_an_unknown_fleet_key_is_refused(tmp_path: Path) -> None:
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and b"page_sise" in err
+
+
+async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Path) -> None:
+    config = tmp_path / "local.toml"
+    config.write_text("[limits]\nheader_timeout_s = 0.3\n[fleet]\nworkers = 1\ntime_scale = 0\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.cli",
+        "up",
+        "--config",
+        str(config),
+        "--router-port",
+        "0",
+        "--worker-port-base",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
+        url = line.split("kvroute router:")[1].split()[0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        writer.write(b"GET /hea")  # half a request line: 408 at the header timeout
+        answer = await wait_eof(reader, 10)
+        writer.close()
+        (response,) = parse_responses(answer)
+        assert response.status == 408 and json_error(response)["type"] == "RequestTimeoutError"
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

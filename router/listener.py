@@ -1,0 +1,403 @@
+"""The router's HTTP listener: aiohttp's server with client deadlines, a connection cap, quiet logs.
+
+aiohttp closes idle keep-alive connections (`keepalive_timeout`, here `limits.idle_timeout_s`)
+but bounds neither how long a client may take to send its headers or its body nor how many
+connections it may hold, and it logs every malformed request at ERROR with a traceback and the
+raw header line, a salt header included. `RouterRunner` serves the app with `GuardedServer`,
+whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
+
+- headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
+- a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
+- beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
+- before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
+  `100 Continue`, so the client never sends it) and an `Expect` other than 100-continue a 417;
+- a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
+
+Every refusal is logged through one `RefusalLog`: at most one line per
+`limits.refusal_log_interval_s`, with the client address and the reason, never header contents,
+and a count of the similar lines it kept back. A flood of bad clients cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from aiohttp import hdrs, http_exceptions, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+
+from router.config import LimitsConfig
+from router.errors import (
+    BadHttpRequestError,
+    ExpectationFailedError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    RouterError,
+    TooManyConnectionsError,
+)
+
+__all__ = [
+    "MAX_FIELD_BYTES",
+    "MAX_HEADERS",
+    "MAX_LINE_BYTES",
+    "GuardedHandler",
+    "GuardedServer",
+    "RefusalLog",
+    "RouterRunner",
+    "connection_cap",
+]
+
+log = logging.getLogger(__name__)
+
+# aiohttp's own defaults, spelled out so docs/router.md can state them
+MAX_LINE_BYTES = 8190  # request line, and any one header line
+MAX_FIELD_BYTES = 8190  # one header value
+MAX_HEADERS = 128
+# after refusing a request early (a 413 before its body), how long its body is still read and
+# discarded so the client gets to read the answer instead of a reset
+_LINGER_S = 2.0
+# descriptors kept for everything but client connections (event sockets, logs, the listener)
+_RESERVED_FDS = 64
+_json = msgspec.json.Encoder()
+
+# what a malformed request did wrong, by aiohttp's exception class (most specific first)
+_MALFORMED: tuple[tuple[type[Exception], str], ...] = (
+    (http_exceptions.LineTooLong, f"a request line or header is over {MAX_LINE_BYTES} bytes"),
+    (http_exceptions.BadHttpMethod, "the request method is not a valid HTTP method"),
+    (http_exceptions.BadStatusLine, "the request line is malformed"),
+    (http_exceptions.InvalidURLError, "the request target is not a valid URL"),
+    (http_exceptions.InvalidHeader, "a header name is malformed"),
+    (http_exceptions.PayloadEncodingError, "the body's transfer or content encoding is broken"),
+    (
+        http_exceptions.BadHttpMessage,
+        f"the request headers are malformed (a control character, a bad line, bad framing, "
+        f"or more than {MAX_HEADERS} headers)",
+    ),
+)
+
+
+class RefusalLog:
+    """One WARNING line per interval about refused clients, counting the lines it held back."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next = float("-inf")
+        self._suppressed = 0
+
+    def note(self, message: str, *args: object) -> None:
+        """Log `message % args` unless a line went out less than an interval ago."""
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        self._next = now + self._interval_s
+        suppressed, self._suppressed = self._suppressed, 0
+        self._logger.warning(message + ", %d similar suppressed", *args, suppressed)
+
+
+def _error_body(error: type[RouterError], message: str) -> bytes:
+    return _json.encode({"error": {"type": error.__name__, "message": message}})
+
+
+def _raw_answer(error: type[RouterError], message: str) -> bytes:
+    """A whole HTTP/1.1 response, for a connection aiohttp is not (or no longer) serving."""
+    body = _error_body(error, message)
+    status = HTTPStatus(error.status)
+    head = (
+        f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _json_answer(error: type[RouterError], message: str) -> web.Response:
+    """The JSON error answer, closing the connection (its body will not be read)."""
+    resp = web.Response(
+        status=error.status, body=_error_body(error, message), content_type="application/json"
+    )
+    resp.force_close()
+    return resp
+
+
+def _peer(transport: asyncio.BaseTransport | None) -> str:
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+
+
+def connection_cap(limits: LimitsConfig) -> int:
+    """`limits.max_connections`, lowered to what the process's descriptor limit can hold.
+
+    A proxied request holds a client and an upstream connection; past the descriptor limit
+    accept() fails (asyncio logs every failure), the router stops answering anyone, and a cap
+    it cannot reach would never refuse the connection that breaks it.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    budget = max(1, (soft - _RESERVED_FDS) // 2)
+    if limits.max_connections > budget:
+        log.warning(
+            "limits.max_connections = %d needs more file descriptors than RLIMIT_NOFILE = %d "
+            "allows (two per proxied connection, %d reserved): capping at %d; raise the limit "
+            "with `ulimit -n` to serve more",
+            limits.max_connections,
+            soft,
+            _RESERVED_FDS,
+            budget,
+        )
+        return budget
+    return limits.max_connections
+
+
+class GuardedHandler(web.RequestHandler):
+    """aiohttp's per-connection protocol, with header and body deadlines and the cap."""
+
+    def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guarded_by = manager
+        self._limits = manager.limits
+        self._started = False  # counted against the cap, served by aiohttp
+        self._in_request = False  # headers complete, response not finished
+        self._deadline: asyncio.TimerHandle | None = None  # the header or the body deadline
+        self._body_late = False
+
+    # ----------------------------------------------------------------- connection lifecycle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._guarded_by
+        if server.open_connections >= server.cap:
+            server.refusals.note(
+                "refused a connection from %s: %d connections open (limits.max_connections)",
+                _peer(transport),
+                server.open_connections,
+            )
+            message = f"the router is at its connection limit ({server.cap}); retry shortly"
+            assert isinstance(transport, asyncio.WriteTransport)
+            transport.write(_raw_answer(TooManyConnectionsError, message))
+            transport.close()
+            return
+        self._started = True
+        server.open_connections += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._started:
+            return  # refused: aiohttp never saw this connection
+        self._started = False
+        self._guarded_by.open_connections -= 1
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._started:
+            return
+        if data and not self._in_request and self._deadline is None:
+            # the first bytes of a request: its headers are now due
+            self._deadline = asyncio.get_running_loop().call_later(
+                self._limits.header_timeout_s, self._headers_late
+            )
+        super().data_received(data)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    # --------------------------------------------------------------------------- deadlines
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        """Headers are complete (called by the server's request factory): the body is due."""
+        self._in_request = True
+        self._body_late = False
+        self._cancel_deadline()
+        body = request.content
+        if not body.is_eof():
+            self._deadline = asyncio.get_running_loop().call_later(
+                self._limits.body_timeout_s, self._body_timed_out, body
+            )
+            body.on_eof(self._cancel_deadline)
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self._in_request or self.transport is None:
+            return
+        seconds = self._limits.header_timeout_s
+        self._guarded_by.refusals.note(
+            "closed a connection from %s: request headers incomplete after %s s "
+            "(limits.header_timeout_s)",
+            _peer(self.transport),
+            seconds,
+        )
+        message = f"request headers not received within limits.header_timeout_s ({seconds} s)"
+        self.transport.write(_raw_answer(RequestTimeoutError, message))
+        self.force_close()
+
+    def _body_timed_out(self, body: StreamReader) -> None:
+        self._deadline = None
+        if body.is_eof() or self.transport is None:
+            return
+        seconds = self._limits.body_timeout_s
+        self._guarded_by.refusals.note(
+            "closed a connection from %s: request body incomplete after %s s "
+            "(limits.body_timeout_s)",
+            _peer(self.transport),
+            seconds,
+        )
+        if not self._in_request:
+            self.force_close()  # answered already; this was the rest of its body
+            return
+        # a handler waiting on the body gets the error (the middleware answers 408), and the
+        # connection closes after that answer: the rest of the body is not worth waiting for
+        self._body_late = True
+        body.set_exception(
+            RequestTimeoutError(
+                f"request body not received within limits.body_timeout_s ({seconds} s)"
+            )
+        )
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._in_request = False
+            if self._body_late or request.content.exception() is not None:
+                # a broken or late body: draining the rest would only fail or wait again
+                self.force_close()
+
+    # ------------------------------------------------------------------- malformed requests
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A JSON answer for what aiohttp refuses itself; one quiet log line per interval.
+
+        aiohttp's messages quote the offending bytes (a whole header line, salt included), so
+        neither the answer nor the log line carries them: only the kind of problem.
+        """
+        if status >= 500:
+            # a bug below the middleware: a traceback is wanted (it carries no header bytes)
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            reason = "internal router error (see the router log)"
+            body = _json.encode({"error": {"type": "InternalError", "message": reason}})
+        else:
+            reason = next(
+                (text for kind, text in _MALFORMED if isinstance(exc, kind)),
+                "malformed HTTP request",
+            )
+            self._guarded_by.refusals.note(
+                "bad HTTP request from %s: %s",
+                request.remote,
+                type(exc).__name__ if exc is not None else f"HTTP {status}",
+            )
+            body = _error_body(BadHttpRequestError, reason)
+        if request.writer.output_size > 0:
+            # as aiohttp: part of an answer went out, the connection is beyond repair
+            raise ConnectionError("response already started; cannot answer the error")
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class GuardedServer(web.Server):
+    """aiohttp's server whose connections are `GuardedHandler`s, counted against the cap."""
+
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        limits: LimitsConfig,
+        request_factory: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, request_factory=request_factory, **kwargs)
+        self.limits = limits
+        self.cap = connection_cap(limits)
+        self.open_connections = 0
+        self.refusals = RefusalLog(log, limits.refusal_log_interval_s)
+        self._inner_factory = self.request_factory
+        self.request_factory = self._make_guarded_request
+        self._app_handler = self.request_handler
+        self.request_handler = self._before_routing
+
+    @classmethod
+    def adopt(cls, server: web.Server, limits: LimitsConfig) -> GuardedServer:
+        """A guarded server with the same handler, request factory and protocol options."""
+        return cls(
+            server.request_handler,
+            limits=limits,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            **server._kwargs,
+        )
+
+    def _make_guarded_request(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: web.RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        request = self._inner_factory(message, payload, protocol, writer, task)
+        if isinstance(protocol, GuardedHandler):
+            protocol.request_started(request)
+        return request
+
+    async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
+        expect = request.headers.get(hdrs.EXPECT)
+        if expect is not None and expect.lower() != "100-continue":
+            return _json_answer(
+                ExpectationFailedError, "the Expect header can only be 100-continue"
+            )
+        declared = request.content_length
+        limit = self.limits.max_body_bytes
+        if declared is not None and declared > limit:
+            return _json_answer(
+                PayloadTooLargeError,
+                f"request body of {declared} bytes is over limits.max_body_bytes ({limit} bytes)",
+            )
+        return await self._app_handler(request)
+
+    def __call__(self) -> GuardedHandler:
+        return GuardedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class RouterRunner(web.AppRunner):
+    """`web.AppRunner` serving through `GuardedServer` with the router's limits."""
+
+    def __init__(self, app: web.Application, limits: LimitsConfig, **kwargs: Any) -> None:
+        super().__init__(
+            app,
+            keepalive_timeout=limits.idle_timeout_s,
+            lingering_time=min(_LINGER_S, limits.body_timeout_s),
+            max_line_size=MAX_LINE_BYTES,
+            max_field_size=MAX_FIELD_BYTES,
+            max_headers=MAX_HEADERS,
+            **kwargs,
+        )
+        self._limits = limits
+
+    async def _make_server(self) -> web.Server:
+        return GuardedServer.adopt(await super()._make_server(), self._limits)
