@@ -19,7 +19,14 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from router.config import AdminConfig, LimitsConfig, ListenConfig, RouterConfig, WorkerConfig
+from router.config import (
+    AdminConfig,
+    HealthConfig,
+    LimitsConfig,
+    ListenConfig,
+    RouterConfig,
+    WorkerConfig,
+)
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses
 from workers.config import WorkerConfig as ReferenceConfig
@@ -201,6 +208,10 @@ async def router(worker: ReferenceWorker) -> AsyncIterator[RouterService]:
         salt_header=SALT_HEADER.decode(),
         # a request the fuzz leaves unfinished (a chunked body never sent) ends in a second
         limits=LimitsConfig(header_timeout_s=1.0, body_timeout_s=1.0),
+        # the event loop stands still while hypothesis draws and shrinks, so a health check in
+        # flight would time out and /health turn 503 for want of a worker: only the startup
+        # check runs, since the worker's health is not what this test is about
+        health=HealthConfig(interval_s=3600.0, timeout_s=30.0),
         workers=(WorkerConfig(url=worker.url, id=WORKER_ID),),
     )
     async with RouterService(config) as running:
