@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
+
+from indexer.engines import EngineName
 
 __all__ = ["IndexerConfig", "StreamConfig"]
 
@@ -16,7 +18,7 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: str | None = None  # ROUTER replay socket, or None (gaps then clear the stream)
     topic: str = ""  # subscription PREFIX (never compared for equality)
     block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None  # None: learned from the wire
-    engine: Literal["sglang", "vllm"] = "sglang"
+    engine: EngineName = "sglang"  # its wire rules: indexer.engines
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     model: str = ""
 

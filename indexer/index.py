@@ -39,12 +39,13 @@ from operator import not_
 from typing import cast
 
 from indexer.backend import DEFAULT, Backend
+from indexer.engines import EngineName, EngineSpec, engine_spec
 from indexer.fence import BatchFence
 from indexer.namespace import Namespace, vllm_salt
 from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
 from indexer.registry import NamespaceRegistry, NamespaceSize
-from indexer.stream_entries import ApplyOutcome, Engine, IndexedStream, StreamCounters
+from indexer.stream_entries import ApplyOutcome, IndexedStream, StreamCounters
 from indexer.walk import (
     CODE_BITS,
     CODE_MASK,
@@ -64,7 +65,6 @@ __all__ = [
     "NS_BITS",
     "NS_MASK",
     "ApplyOutcome",
-    "Engine",
     "NamespaceSize",
     "PrefixIndex",
     "PrefixMatch",
@@ -115,15 +115,16 @@ class PrefixIndex:
         stream: str,
         *,
         model: str = "",
-        engine: Engine = "sglang",
+        engine: EngineName = "sglang",
         block_size: int | None = None,
     ) -> None:
         """Register a stream (idempotent: an existing stream keeps its entries)."""
+        spec = engine_spec(engine)
         st = self._streams.get(stream)
         if st is not None:
-            if (st.model, st.engine) != (model, engine):
+            if (st.model, st.engine) != (model, spec):
                 st.model = model
-                st.engine = engine
+                st.engine = spec
                 st.ns_cache.clear()
             if block_size is not None and st.block_size is None:
                 self._set_block_size(st, block_size)
@@ -131,13 +132,13 @@ class PrefixIndex:
         slot = min(self._free_slots) if self._free_slots else len(self._streams)
         if self._free_slots:
             self._free_slots.remove(slot)
-        st = self._new_stream(slot, model, engine)
+        st = self._new_stream(slot, model, spec)
         self._streams[stream] = st
         self._by_slot[slot] = stream
         if block_size is not None:
             self._set_block_size(st, block_size)
 
-    def _new_stream(self, slot: int, model: str, engine: Engine) -> IndexedStream:
+    def _new_stream(self, slot: int, model: str, engine: EngineSpec) -> IndexedStream:
         return IndexedStream(slot, model, engine, None, self.backend.int_map)
 
     def _set_block_size(self, st: IndexedStream, block_size: int) -> None:
@@ -225,9 +226,9 @@ class PrefixIndex:
         if lora is None and ev.lora_id is not None and ev.lora_id != 0:
             lora = str(ev.lora_id)
         salt = ev.cache_salt or None
-        if salt is None and (st.engine == "vllm" or ev.extra_keys is not None):
+        if salt is None and (st.engine.salt_in_root_extra_keys or ev.extra_keys is not None):
             if parent_key is not None:
-                # vLLM children inherit their parent's namespace
+                # children inherit their parent's namespace (vLLM's rule)
                 inherited = self._table.get(parent_key, 0) & NS_MASK
                 if inherited:
                     return inherited
@@ -376,7 +377,7 @@ class PrefixIndex:
             or not n
             or ev.block_size != block_size
             or len(tokens) != n * block_size
-            or st.engine != "sglang"
+            or st.engine.salt_in_root_extra_keys
             or ev.extra_keys is not None
             or ev.lora_id is not None
             or (ev.medium is not None and ev.medium != self.default_medium)
@@ -439,8 +440,8 @@ class PrefixIndex:
                 self._store_partial(st, ev, held[0], held[1], outcome)
                 return
         ns_id = None
-        if ev.extra_keys is None and ev.lora_id is None and st.engine == "sglang":
-            # steady SGLang traffic: the namespace is (lora_name, cache_salt), already seen
+        if ev.extra_keys is None and ev.lora_id is None and not st.engine.salt_in_root_extra_keys:
+            # steady per-event traffic (SGLang): the namespace is (lora_name, cache_salt), seen
             ns_id = st.ns_cache.get((ev.lora_name or None, ev.cache_salt or None))
         if ns_id is None:
             ns_id = self._event_namespace(st, ev, prev)

@@ -17,16 +17,23 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
+from indexer.engines import ENGINES
 from indexer.errors import ProtocolError
 from indexer.fingerprint import Fingerprinter, salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, EventBatch, Removed, Stored
-from indexer.recording import Damage, Positioned, Record, RecordingReader, Source
+from indexer.recording import (
+    Damage,
+    Positioned,
+    Record,
+    RecordingError,
+    RecordingReader,
+    Source,
+)
 from indexer.sequence import SequenceTracker, SeqVerdict
 
 __all__ = [
@@ -218,8 +225,13 @@ def _add_stream(index: PrefixIndex, source: Source | None, stream: str) -> None:
     if source is None:
         index.add_stream(stream)
         return
-    engine: Literal["sglang", "vllm"] = "vllm" if source.engine == "vllm" else "sglang"
-    index.add_stream(stream, model=source.model, engine=engine, block_size=source.block_size)
+    spec = ENGINES.get(source.engine)
+    if spec is None:
+        raise RecordingError(
+            f"stream {stream!r} was recorded from engine {source.engine!r}, which this build "
+            f"does not know (known: {', '.join(ENGINES)})"
+        )
+    index.add_stream(stream, model=source.model, engine=spec.name, block_size=source.block_size)
 
 
 def _sequence(

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import msgspec
 
 from indexer.backend import DEFAULT, Backend
+from indexer.engines import engine_spec
 from indexer.errors import SnapshotError
 from indexer.fence import BatchFence
 from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, ns_code
@@ -83,7 +84,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 stream=name,
                 slot=st.slot,
                 model=st.model,
-                engine=st.engine,
+                engine=st.engine.name,
                 block_size=st.block_size,
                 last_seq=st.last_seq,
                 hashes=list(st.blocks),
@@ -150,15 +151,13 @@ def _rebuild(
         raise ValueError("stream slots are not unique small integers")
     table = index._table
     for s in snap.streams:
-        if s.engine not in ("sglang", "vllm"):
-            raise ValueError(f"stream {s.stream!r}: unknown engine {s.engine!r}")
         if s.stream in index._streams:
             raise ValueError(f"stream {s.stream!r} appears twice")
         if not len(s.hashes) == len(s.keys) == len(s.ns_ids):
             raise ValueError(f"stream {s.stream!r}: arrays of different lengths")
         if s.hashes and (s.block_size is None or s.block_size <= 0):
             raise ValueError(f"stream {s.stream!r}: entries without a block size")
-        st = index._new_stream(s.slot, s.model, s.engine)  # type: ignore[arg-type]
+        st = index._new_stream(s.slot, s.model, engine_spec(s.engine))  # ValueError if unknown
         index._streams[s.stream] = st
         index._by_slot[s.slot] = s.stream
         if s.block_size is not None:

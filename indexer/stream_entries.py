@@ -7,18 +7,15 @@ cases (see the layout in indexer/index.py's docstring).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
+from indexer.engines import EngineSpec
 from indexer.fence import BatchFence
 from indexer.int_map import PyIntMap
 from indexer.protocol.events import BlockHash
 from indexer.walk import CODE_BITS
 
-__all__ = ["ApplyOutcome", "Engine", "IndexedStream", "StreamCounters"]
-
-Engine = Literal["sglang", "vllm"]
+__all__ = ["ApplyOutcome", "IndexedStream", "StreamCounters"]
 
 
 class StreamCounters(msgspec.Struct):
@@ -71,7 +68,7 @@ class IndexedStream:
         self,
         slot: int,
         model: str,
-        engine: Engine,
+        engine: EngineSpec,
         block_size: int | None,
         int_map: type[PyIntMap] = PyIntMap,
     ) -> None:
@@ -79,7 +76,7 @@ class IndexedStream:
         self.bit = 1 << slot
         self.sbit = 1 << (slot + CODE_BITS)
         self.model = model
-        self.engine: Engine = engine
+        self.engine = engine  # whose wire rules its events follow (indexer.engines)
         self.block_size = block_size
         self.last_seq: int | None = None
         # what proves the publisher's batch `last_seq` is still the one applied (indexer.fence)

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from indexer.engines import EngineName
 from router.errors import ConfigError
 
 __all__ = [
@@ -94,7 +95,7 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # whose OpenAI layer to mirror when rendering: how list-of-parts content is flattened
     # (SGLang joins text parts with a space for string templates, vLLM with a newline) and how
     # `tools`, `tool_choice`, `chat_template_kwargs` and `reasoning_effort` reach the template
-    chat_engine: Literal["sglang", "vllm"] = "sglang"
+    chat_engine: EngineName = "sglang"
 
     def __post_init__(self) -> None:
         if self.kind == "hf" and not self.path:
@@ -175,7 +176,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # the rank-0 PUB endpoint ("tcp://host:port"; rank r is port + r) or one endpoint per rank
     events: str | list[str] | None = None
     replay: str | list[str] | None = None
-    engine: Literal["sglang", "vllm"] = "sglang"
+    engine: EngineName = "sglang"  # its wire, discovery and chat rules: indexer.engines
     block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     dp_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     topic: str | None = None

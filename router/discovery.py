@@ -1,21 +1,20 @@
 """Turning a worker's config and `/server_info` into the KV-event streams to subscribe to.
 
 A worker entry may spell out its event endpoints; whatever it leaves out is read from the
-worker's `/server_info` (or `/get_server_info`). Two shapes are understood: the `kv_events`
-block of the reference workers and of SGLang builds that advertise one ({endpoint,
-replay_endpoint, topic, block_size, dp_size, endpoint_port_base, replay_port_base}), and the
-`kv_events_config` of stock SGLang (a JSON string of the publisher's settings, with `page_size`
-and `dp_size` beside it). A wildcard bind host (`*`, `0.0.0.0`) means "the worker's own host".
+worker's `/server_info` (or `/get_server_info`), read by the worker's engine spec
+(`indexer.engines`: SGLang advertises a `kv_events` block or a `kv_events_config`; vLLM
+advertises nothing, so its streams are configured). A wildcard bind host (`*`, `0.0.0.0`) means
+"the worker's own host".
 Data-parallel rank r publishes on base port + r and replays on replay base port + r.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from indexer.engines import engine_spec
 from indexer.service import StreamConfig
 from router.config import WorkerConfig
 from router.errors import RequestError
@@ -71,30 +70,11 @@ def _per_rank(
     return [f"{scheme}{bound}:{first + r}" for r in range(dp_size)]
 
 
-def _advertised(info: Mapping[str, Any]) -> dict[str, Any]:
-    """The kv-events settings a server_info answer advertises, normalized to one dict."""
-    block = info.get("kv_events")
-    if isinstance(block, Mapping):
-        return dict(block)
-    raw = info.get("kv_events_config")
-    if isinstance(raw, str) and raw:
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            raw = None
-    advertised = dict(raw) if isinstance(raw, Mapping) else {}
-    if "block_size" not in advertised and isinstance(info.get("page_size"), int):
-        advertised["block_size"] = info["page_size"]
-    if "dp_size" not in advertised and isinstance(info.get("dp_size"), int):
-        advertised["dp_size"] = info["dp_size"]
-    return advertised
-
-
 def streams_for(worker: WorkerConfig, info: Mapping[str, Any] | None) -> list[StreamConfig]:
     """The streams of `worker`: its config, completed from its `/server_info` when given."""
     if not worker.kv_events:
         return []
-    adv = _advertised(info) if info is not None else {}
+    adv = engine_spec(worker.engine).advertised_events(info) if info is not None else {}
     host = worker_host(worker.url)
     events = (
         worker.events if worker.events is not None else _endpoints(adv, "endpoints", "endpoint")

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import msgspec
 
 from indexer.config import StreamConfig
+from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="PUB endpoint of one stream (tcp://HOST:PORT)")
     parser.add_argument("--replay", help="its replay ROUTER endpoint (gap repair)")
     parser.add_argument("--topic", default="", help="subscription prefix (default: everything)")
-    parser.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="sglang")
     parser.add_argument("--block-size", type=int, help="the stream's page size, when known")
     parser.add_argument("--model", default="", help="served model name (the index namespace)")
     parser.add_argument("--worker", default="worker", help="worker id of --endpoint")
@@ -229,7 +230,7 @@ async def record(
                 replay_endpoint=s.replay_endpoint,
                 topic=s.topic,
                 block_size=s.block_size,
-                engine="vllm" if s.engine == "vllm" else "sglang",
+                engine=engine_spec(s.engine).name,
                 dp_rank=s.dp_rank,
                 model=s.model,
             )

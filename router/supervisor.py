@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from indexer.engines import SGLANG, EngineSpec, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.discovery import needs_discovery, streams_for
@@ -28,8 +29,6 @@ from router.pool import WorkerEntry, WorkerPool
 __all__ = ["Supervisor"]
 
 log = logging.getLogger(__name__)
-
-_INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 class Supervisor:
@@ -55,11 +54,11 @@ class Supervisor:
         self._metrics = metrics
         self._clock = clock
 
-    async def server_info(self, url: str) -> dict[str, Any]:
-        """A worker's /server_info (or /get_server_info) as a dict."""
+    async def server_info(self, url: str, spec: EngineSpec = SGLANG) -> dict[str, Any]:
+        """A worker's settings from the first of its engine's server-info paths that answers."""
         timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)
-        last = "no answer"
-        for path in _INFO_PATHS:
+        last = "no answer" if spec.server_info_paths else f"{spec.name} advertises no settings"
+        for path in spec.server_info_paths:
             try:
                 async with self._session.get(url.rstrip("/") + path, timeout=timeout) as resp:
                     if resp.status == 200:
@@ -73,7 +72,8 @@ class Supervisor:
 
     async def register(self, entry: WorkerEntry) -> None:
         """Discover (if needed) and subscribe to the worker's KV-event streams."""
-        info = await self.server_info(entry.url) if needs_discovery(entry.config) else None
+        spec = engine_spec(entry.config.engine)
+        info = await self.server_info(entry.url, spec) if needs_discovery(entry.config) else None
         streams = streams_for(entry.config, info)
         if entry.id not in self._pool_ids():
             return  # removed while discovering

@@ -1,0 +1,52 @@
+"""The engine specs: every engine name has one, and each owns the rules that differ."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from indexer.engines import ENGINES, SGLANG, VLLM, EngineName, NamespaceRule, engine_spec
+from indexer.index import PrefixIndex
+from indexer.namespace import Namespace
+from indexer.protocol.events import EventBatch, Stored
+
+
+def test_every_engine_name_has_exactly_one_spec() -> None:
+    assert sorted(ENGINES) == sorted(get_args(EngineName))
+    assert all(engine_spec(name).name == name for name in ENGINES)
+    with pytest.raises(ValueError, match="unknown engine 'trtllm'"):
+        engine_spec("trtllm")
+
+
+def test_the_specs_say_where_the_namespace_lives() -> None:
+    assert SGLANG.namespace_rule is NamespaceRule.PER_EVENT
+    assert VLLM.namespace_rule is NamespaceRule.ROOT_EXTRA_KEYS
+    # a child event without extra_keys inherits its parent's salt only under vLLM's rule
+    for spec, inherited in ((SGLANG, False), (VLLM, True)):
+        index = PrefixIndex()
+        index.add_stream("s", engine=spec.name, block_size=2)
+        root = Stored(
+            block_hashes=[1], parent=None, token_ids=[1, 2], block_size=2, extra_keys=[["t"]]
+        )
+        child = Stored(block_hashes=[2], parent=1, token_ids=[3, 4], block_size=2)
+        index.apply("s", EventBatch(ts=0.0, events=[root, child]))
+        held = {n.namespace: n.blocks for n in index.namespaces()}
+        assert held.get(Namespace("", None, "t")) == (2 if inherited else 1), spec.name
+
+
+def test_discovery_and_dp_rank_rules_follow_the_engines_code() -> None:
+    info = {"kv_events_config": '{"endpoint": "tcp://*:5557"}', "page_size": 16, "dp_size": 2}
+    assert SGLANG.advertised_events(info) == {
+        "endpoint": "tcp://*:5557",
+        "block_size": 16,
+        "dp_size": 2,
+    }
+    assert SGLANG.server_info_paths == ("/server_info", "/get_server_info")
+    assert VLLM.server_info_paths == () and VLLM.advertised_events(info) == {}
+    # sglang/srt/managers/io_struct.py and entrypoints/openai/serving_base.py (0.5.23)
+    assert (SGLANG.dp_rank_generate_field, SGLANG.dp_rank_header.lower()) == (
+        "routed_dp_rank",
+        "x-data-parallel-rank",
+    )
+    assert VLLM.dp_rank_header == "X-data-parallel-rank" and VLLM.dp_rank_generate_field is None
