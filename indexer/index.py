@@ -1,7 +1,8 @@
 """The namespaced prefix index: which stream holds which block of which namespace.
 
-Pure and synchronous (no asyncio, no zmq): one writer, the subscriber, applies decoded batches;
-readers query between mutations, so there are no locks.
+Pure and synchronous (no asyncio, no zmq). Its mutators (applied batches, pending marks,
+evictions) run on one event loop and never await midway, and readers query between them, so
+there are no locks.
 
 Data layout, chosen for speed and memory (see docs/benchmarks/index.md). The two big maps are
 int-keyed maps of the backend (`indexer.backend`): the compiled `IntMap`, 16-byte slots in one

@@ -1,8 +1,10 @@
 """The indexer service: the router's one door to the index and the stream subscriptions.
 
 An async context manager that owns one subscriber task per (worker, dp rank) stream over a
-single pure `PrefixIndex`. Only the subscriber tasks mutate the index and none awaits in the
-middle of a mutation, so the router's synchronous `query` always sees a consistent index.
+single pure `PrefixIndex`. Several things mutate the index (the subscriber tasks applying
+events, the router's pending marks, admin evictions and snapshot loads), all on the one event
+loop and none awaiting in the middle of a mutation, so it needs no lock and the router's
+synchronous `query` always sees a consistent index.
 
     async with IndexerService(IndexerConfig()) as indexer:
         await indexer.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:5557")])
@@ -21,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 import zmq.asyncio
 
 from indexer.config import IndexerConfig, StreamConfig
+from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.snapshot import dump_index, load_index
@@ -64,6 +67,7 @@ class IndexerService:
         self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
         self._ctx: zmq.asyncio.Context | None = None
         self._workers: dict[str, list[StreamSubscriber]] = {}
+        self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._matches = WorkerMatches(clock)
@@ -117,6 +121,7 @@ class IndexerService:
             )
             subs.append(sub)
         self._workers[worker] = subs
+        self._health[worker] = [sub.health for sub in subs]
         self._matches.invalidate()
         for sub in subs:
             self._tasks[sub.stream_id] = asyncio.create_task(
@@ -126,6 +131,7 @@ class IndexerService:
     async def remove_worker(self, worker: str) -> None:
         """Stop a worker's subscriptions and drop its index entries."""
         subs = self._workers.pop(worker, [])
+        self._health.pop(worker, None)
         self._matches.invalidate()
         tasks = [self._tasks.pop(s.stream_id) for s in subs if s.stream_id in self._tasks]
         for task in tasks:
@@ -171,7 +177,7 @@ class IndexerService:
         are cached (`indexer.worker_matches`).
         """
         found = self.index.match(namespace, tokens, limit)
-        return self._matches.answer(self._workers, found, self.index.default_medium)
+        return self._matches.answer(self._health, found, self.index.default_medium)
 
     def add_pending(self, namespace: Namespace, tokens: Sequence[int], worker: str) -> None:
         """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s."""

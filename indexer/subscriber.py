@@ -53,6 +53,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError
+from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import EventBatch
@@ -143,7 +144,6 @@ class StreamSubscriber:
         self._topic = config.topic.encode()
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
         self._dealer: zmq.asyncio.Socket | None = None
-        self._block_size = config.block_size
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
@@ -158,10 +158,14 @@ class StreamSubscriber:
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         self._phase = StreamState.SYNCING
-        self.state = StreamState.UNVERIFIED if self._unverified else StreamState.SYNCING
-        self.started_at = clock()
-        self.last_event_at: float | None = None
-        self.last_heard_at: float | None = None  # last event, or a replay probe answered
+        # what the per-worker answers read (indexer.worker_matches): state, heard-at times
+        self.health = StreamHealth(
+            stream_id,
+            started_at=clock(),
+            stale_after_s=self.settings.stale_after_s,
+            block_size=self._known_block_size(),
+            state=StreamState.UNVERIFIED if self._unverified else StreamState.SYNCING,
+        )
         self.batches = 0
         self.events = 0
         self.gaps = 0
@@ -273,7 +277,7 @@ class StreamSubscriber:
             self._warn("suspect", f"{why}: its entries predict nothing until a replay proves them")
         self._unverified = True
         self._why_unverified = why
-        self.state = StreamState.UNVERIFIED
+        self.health.state = StreamState.UNVERIFIED
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -305,11 +309,11 @@ class StreamSubscriber:
     def _trust(self) -> None:
         if self._unverified:
             self._unverified = False
-            self.state = self._phase
+            self.health.state = self._phase
 
     def _set_phase(self, phase: StreamState) -> None:
         self._phase = phase
-        self.state = StreamState.UNVERIFIED if self._unverified else phase
+        self.health.state = StreamState.UNVERIFIED if self._unverified else phase
 
     # ------------------------------------------------------------- messages
 
@@ -437,7 +441,7 @@ class StreamSubscriber:
             self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
             return
         self._probe_wait_ms = base_ms
-        self.last_heard_at = self._clock()
+        self.health.last_heard_at = self._clock()
         if self._phase is StreamState.SYNCING:
             self._set_phase(StreamState.SYNCED)
 
@@ -562,7 +566,7 @@ class StreamSubscriber:
             except Exception as exc:
                 # rate limited: a sink that fails on every message must not flood the log
                 self._warn("sink", f"raw sink failed: {type(exc).__name__}: {exc}")
-        self.last_event_at = self._clock()
+        self.health.last_event_at = self._clock()
         try:
             batch = self._decode(payload)
         except Exception as exc:  # decode_batch raises ProtocolError; anything else is a bug there
@@ -571,6 +575,8 @@ class StreamSubscriber:
             self._malformed(f"undecodable payload at seq {seq}: {type(exc).__name__}")
             return False  # not applied: waiters hear of it once refetched or given up
         outcome = self.index.apply(self.stream_id, batch, seq, payload)
+        if self.health.block_size is None:
+            self.health.block_size = self.index.block_size(self.stream_id)  # learned
         self.batches += 1
         self.events += len(batch.events)
         if outcome.block_size_mismatches:
@@ -641,16 +647,26 @@ class StreamSubscriber:
     # ----------------------------------------------------------------- stats
 
     @property
+    def state(self) -> StreamState:
+        """What the subscriber last decided (`current_state` adds STALE, which is time)."""
+        return self.health.state
+
+    @property
     def block_size(self) -> int | None:
-        """The stream's block size, None until configured or learned (then cached)."""
-        if self._block_size is None and self.index.has_stream(self.stream_id):
-            self._block_size = self.index.block_size(self.stream_id)
-        return self._block_size
+        """The stream's block size, None until configured or learned."""
+        return self.health.block_size
+
+    def _known_block_size(self) -> int | None:
+        if self.config.block_size is not None:
+            return self.config.block_size
+        return (
+            self.index.block_size(self.stream_id) if self.index.has_stream(self.stream_id) else None
+        )
 
     def rebind(self, index: PrefixIndex, last_seq: int | None) -> None:
         """Switch to another index (a loaded snapshot) whose state matches seq `last_seq`."""
         self.index = index
-        self._block_size = self.config.block_size
+        self.health.block_size = self._known_block_size()
         self.tracker = SequenceTracker(last_seq)
         if last_seq is not None:
             # the snapshot's state is unproven until the publisher's fence matches it
@@ -658,15 +674,13 @@ class StreamSubscriber:
 
     def current_state(self, now: float | None = None) -> StreamState:
         """The state, STALE when nothing (event or probe answer) arrived for stale_after_s."""
-        now = self._clock() if now is None else now
-        heard = [t for t in (self.last_event_at, self.last_heard_at) if t is not None]
-        since = max(heard) if heard else self.started_at
-        return StreamState.STALE if now - since > self.settings.stale_after_s else self.state
+        return self.health.current_state(self._clock() if now is None else now)
 
     def stats(self) -> StreamStats:
         """A snapshot of this stream's state and counters."""
         now = self._clock()
-        age = None if self.last_event_at is None else now - self.last_event_at
+        last_event_at = self.health.last_event_at
+        age = None if last_event_at is None else now - last_event_at
         state = self.current_state(now)
         has = self.index.has_stream(self.stream_id)
         counters = self.index.counters(self.stream_id) if has else None

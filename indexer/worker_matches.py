@@ -31,24 +31,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
+from indexer.health import StreamHealth
 from indexer.stats import STATE_RANK, UNTRUSTED, StreamState, WorkerMatch
-from indexer.subscriber import StreamSubscriber
 from indexer.walk import PrefixMatch
 
-__all__ = ["REFRESH_S", "WorkerMatches", "heard_at"]
+__all__ = ["REFRESH_S", "WorkerMatches"]
 
 REFRESH_S = 0.1  # the longest a cached per-worker view is used without being rebuilt
 
 _MEMO_LIMIT = 1 << 14  # cached non-zero answers, (stream, held) -> WorkerMatch
 
 _state_of = attrgetter("state")
-
-
-def heard_at(sub: StreamSubscriber) -> float:
-    """When the stream last heard anything (event or probe answer): what STALE counts from."""
-    # the same rule as StreamSubscriber.current_state, which decides the state itself
-    heard = [t for t in (sub.last_event_at, sub.last_heard_at) if t is not None]
-    return max(heard) if heard else sub.started_at
 
 
 class WorkerMatches:
@@ -58,9 +51,9 @@ class WorkerMatches:
         self._clock = clock
         self._valid = False
         self._expires = 0.0
-        self._subs: list[StreamSubscriber] = []  # every stream, in worker order
+        self._subs: list[StreamHealth] = []  # every stream, in worker order
         self._states: list[StreamState] = []  # their `state` attributes when cached
-        self._revive: list[tuple[StreamSubscriber, float]] = []  # STALE streams, heard at
+        self._revive: list[tuple[StreamHealth, float]] = []  # STALE streams, heard at
         self._unsized: set[str] = set()  # streams whose block size is not known yet
         self._unsized_workers: set[str] = set()  # their workers: answered live, every query
         self._zeros: dict[str, WorkerMatch] = {}  # worker -> its "holds nothing" answer
@@ -69,8 +62,8 @@ class WorkerMatches:
         self._multi: dict[str, str] = {}  # stream -> worker, for workers with several streams
         # per worker, the streams whose entries may be used: not UNVERIFIED or STALE, so a
         # worker whose other rank is fine never scores on a rank that may have restarted
-        self._worker_trusted: dict[str, Sequence[StreamSubscriber]] = {}
-        self._worker_first: dict[str, StreamSubscriber | None] = {}
+        self._worker_trusted: dict[str, Sequence[StreamHealth]] = {}
+        self._worker_first: dict[str, StreamHealth | None] = {}
         self._worker_state: dict[str, StreamState] = {}
         self._memo: dict[tuple[str, int], WorkerMatch] = {}  # (stream, held), none pending
 
@@ -85,7 +78,7 @@ class WorkerMatches:
 
     def answer(
         self,
-        workers: dict[str, list[StreamSubscriber]],
+        workers: dict[str, list[StreamHealth]],
         found: PrefixMatch,
         default_medium: str,
     ) -> dict[str, WorkerMatch]:
@@ -95,7 +88,7 @@ class WorkerMatches:
             not self._valid
             or now > self._expires
             or list(map(_state_of, self._subs)) != self._states
-            or (self._revive and any(heard_at(s) != t for s, t in self._revive))
+            or (self._revive and any(s.heard_at() != t for s, t in self._revive))
         ):
             self._rebuild(workers, now)
         out = dict(self._zeros)  # a fresh dict: the caller may add to it or drop from it
@@ -180,7 +173,7 @@ class WorkerMatches:
         """The answer of a worker with several streams (or an unknown block size): its best."""
         blocks = found.blocks
         pending = found.pending_blocks
-        best: StreamSubscriber | None = None
+        best: StreamHealth | None = None
         best_score = (-1, -1)
         for sub in self._worker_trusted[worker]:
             sid = sub.stream_id
@@ -210,7 +203,7 @@ class WorkerMatches:
             state,
         )
 
-    def _rebuild(self, workers: dict[str, list[StreamSubscriber]], now: float) -> None:
+    def _rebuild(self, workers: dict[str, list[StreamHealth]], now: float) -> None:
         expires = now + REFRESH_S
         self._subs = []
         self._revive = []
@@ -232,9 +225,9 @@ class WorkerMatches:
                 if s_state not in UNTRUSTED:
                     trusted.append(sub)
                 if s_state is StreamState.STALE:
-                    self._revive.append((sub, heard_at(sub)))
+                    self._revive.append((sub, sub.heard_at()))
                 else:
-                    expires = min(expires, heard_at(sub) + sub.settings.stale_after_s)
+                    expires = min(expires, sub.heard_at() + sub.stale_after_s)
                 if STATE_RANK[s_state] < STATE_RANK[state]:
                     state = s_state
                 if sub.block_size is None:

@@ -1,23 +1,17 @@
 """The cached per-worker answers equal a fresh per-query computation, through state changes.
 
-Real (unstarted) `StreamSubscriber` objects over a real index; the test moves what the
-subscriber task would move (its `state`, heard-at times, a learned block size, the clock)
-and compares every answer with the reference: states and best streams recomputed per query.
+`StreamHealth` objects as the subscribers own them; the test moves what a subscriber task
+would move (the state, heard-at times, a learned block size, the clock) and compares every
+answer with the reference: states and best streams recomputed per query.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import AsyncIterator
 
-import pytest
-import zmq.asyncio
-
-from indexer.config import IndexerConfig, StreamConfig
-from indexer.index import PrefixIndex
+from indexer.health import StreamHealth
 from indexer.stats import STATE_RANK, StreamState, WorkerMatch
-from indexer.subscriber import StreamSubscriber
 from indexer.walk import PrefixMatch
 from indexer.worker_matches import REFRESH_S, WorkerMatches
 
@@ -25,15 +19,8 @@ STALE_AFTER_S = 5.0
 STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED, StreamState.UNVERIFIED]
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def reference(
-    workers: dict[str, list[StreamSubscriber]], found: PrefixMatch, now: float
+    workers: dict[str, list[StreamHealth]], found: PrefixMatch, now: float
 ) -> dict[str, WorkerMatch]:
     """The uncached rule: best state among a worker's streams, best stream by matched tokens.
 
@@ -42,7 +29,7 @@ def reference(
     out = {}
     for worker, subs in workers.items():
         state = StreamState.STALE
-        best: StreamSubscriber | None = None
+        best: StreamHealth | None = None
         best_score = (-1, -1)
         for sub in subs:
             s_state = sub.current_state(now)
@@ -75,25 +62,22 @@ def reference(
     return out
 
 
-async def test_cached_answers_match_the_uncached_rule(ctx: zmq.asyncio.Context) -> None:
+def test_cached_answers_match_the_uncached_rule() -> None:
     seed = int(os.environ.get("KVROUTE_SEED", random.randrange(1 << 30)))
     print(f"seed={seed}")
     rng = random.Random(seed)
     clock = [100.0]
-    settings = IndexerConfig(stale_after_s=STALE_AFTER_S, probe_interval_s=0)
-    index = PrefixIndex()
-    workers: dict[str, list[StreamSubscriber]] = {}
+    workers: dict[str, list[StreamHealth]] = {}
     for w in range(8):
-        subs = []
-        for dp in range(rng.choice([0, 1, 1, 1, 2, 3])):
-            sid = f"w{w}#dp{dp}"
-            size = rng.choice([None, 16, 16, 32])
-            cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=size, dp_rank=dp)
-            index.add_stream(sid, block_size=size)
-            subs.append(
-                StreamSubscriber(sid, f"w{w}", cfg, index, ctx, settings, clock=lambda: clock[0])
+        workers[f"w{w}"] = [
+            StreamHealth(
+                f"w{w}#dp{dp}",
+                started_at=clock[0],
+                stale_after_s=STALE_AFTER_S,
+                block_size=rng.choice([None, 16, 16, 32]),
             )
-        workers[f"w{w}"] = subs
+            for dp in range(rng.choice([0, 1, 1, 1, 2, 3]))
+        ]
     streams = [sub for subs in workers.values() for sub in subs]
     matches = WorkerMatches(lambda: clock[0])
     for step in range(3000):
@@ -104,7 +88,7 @@ async def test_cached_answers_match_the_uncached_rule(ctx: zmq.asyncio.Context) 
             sub = rng.choice(streams)
             sub.last_event_at = clock[0]  # an applied batch (heard again)
             if sub.block_size is None and rng.random() < 0.3:
-                index.add_stream(sub.stream_id, block_size=16)  # learned from the wire
+                sub.block_size = 16  # learned from the wire
             if rng.random() < 0.5:  # replayed batches notify only once a repair ends
                 matches.on_applied(sub.stream_id)
         elif op < 0.35:
@@ -128,12 +112,9 @@ async def test_cached_answers_match_the_uncached_rule(ctx: zmq.asyncio.Context) 
         assert got == want, f"step {step} (seed {seed})"
 
 
-async def test_stale_exactly_at_the_deadline_and_back(ctx: zmq.asyncio.Context) -> None:
+def test_stale_exactly_at_the_deadline_and_back() -> None:
     clock = [10.0]
-    settings = IndexerConfig(stale_after_s=STALE_AFTER_S, probe_interval_s=0)
-    index = PrefixIndex()
-    cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=16)
-    sub = StreamSubscriber("w#dp0", "w", cfg, index, ctx, settings, clock=lambda: clock[0])
+    sub = StreamHealth("w#dp0", started_at=clock[0], stale_after_s=STALE_AFTER_S, block_size=16)
     sub.state = StreamState.SYNCED
     sub.last_event_at = 10.0
     workers = {"w": [sub]}
@@ -150,10 +131,11 @@ async def test_stale_exactly_at_the_deadline_and_back(ctx: zmq.asyncio.Context) 
     assert matches.answer(workers, empty, "GPU")["w"].state is StreamState.DEGRADED
 
 
-async def test_answers_are_fresh_dicts_with_one_entry_per_worker(ctx: zmq.asyncio.Context) -> None:
-    index = PrefixIndex()
-    cfg = StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=16)
-    workers = {f"w{i}": [StreamSubscriber(f"w{i}#dp0", f"w{i}", cfg, index, ctx)] for i in range(3)}
+def test_answers_are_fresh_dicts_with_one_entry_per_worker() -> None:
+    workers = {
+        f"w{i}": [StreamHealth(f"w{i}#dp0", started_at=0.0, stale_after_s=30.0, block_size=16)]
+        for i in range(3)
+    }
     workers["none"] = []
     matches = WorkerMatches(lambda: 0.0)
     first = matches.answer(workers, PrefixMatch({"w1#dp0": 2}, {}, {}), "GPU")
