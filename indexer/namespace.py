@@ -113,7 +113,7 @@ def chain_block_keys(
 ) -> list[int]:
     """THE key function: keys of `blocks` (token tuples) chained after key `prev`.
 
-    Stores (`chain_keys`) and queries (`indexer.walk`, a chunk of a lazy block iterator at a
+    Stores (`chain_keys`) and queries (`indexer.index.walk`, a chunk of a lazy block iterator at a
     time) both go through here, so the two sides can never drift apart. `many=True` (a query
     chunk of 64+ blocks) takes an all-C pass; both passes give the same keys (checked below).
     """

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 from indexer.health import StreamHealth
+from indexer.index.walk import PrefixMatch
 from indexer.stats import STATE_RANK, UNTRUSTED, StreamState, WorkerMatch
-from indexer.walk import PrefixMatch
 
 __all__ = ["REFRESH_S", "WorkerMatches"]
 

@@ -11,6 +11,7 @@ import pytest
 
 from indexer.errors import SnapshotError
 from indexer.index import PrefixIndex
+from indexer.index.registry import NamespaceRegistry
 from indexer.namespace import (
     HASH_PROBE,
     Namespace,
@@ -20,7 +21,6 @@ from indexer.namespace import (
     request_keys,
 )
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
-from indexer.registry import NamespaceRegistry
 from indexer.snapshot import dump_index, load_index
 
 NS = Namespace("m")

@@ -6,7 +6,7 @@ import os
 import random
 
 from indexer.backend import Backend
-from indexer.pending import PendingTable
+from indexer.index.pending import PendingTable
 
 SHIFT = 48
 

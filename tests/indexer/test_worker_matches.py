@@ -11,8 +11,8 @@ import os
 import random
 
 from indexer.health import StreamHealth
+from indexer.index.walk import PrefixMatch
 from indexer.stats import STATE_RANK, StreamState, WorkerMatch
-from indexer.walk import PrefixMatch
 from indexer.worker_matches import REFRESH_S, WorkerMatches
 
 STALE_AFTER_S = 5.0

@@ -11,9 +11,9 @@ import msgspec
 
 from indexer.engines import EngineSpec
 from indexer.fence import BatchFence
+from indexer.index.values import CODE_BITS
 from indexer.int_map import PyIntMap
 from indexer.protocol.events import BlockHash
-from indexer.walk import CODE_BITS
 
 __all__ = ["ApplyOutcome", "IndexedStream", "StreamCounters"]
 

@@ -9,7 +9,7 @@ int-keyed maps of the backend (`indexer.backend`): the compiled `IntMap`, 16-byt
 flat array, or its dict twin:
 - `_table`: block key -> `(stream bits << CODE_BITS) | ns_code(namespace id)`. Every stream
   has a slot (a bit); a key's value says which streams hold it and which namespace it belongs
-  to. A query (`indexer.walk`) ANDs the values of its blocks in C: the code of id x is
+  to. A query (`indexer.index.walk`) ANDs the values of its blocks in C: the code of id x is
   `x | ~x << 24`, so the AND of two different codes never equals either of them, and an entry
   of another namespace ends every match right there (isolation is structural, not a matter of
   hash odds). Values are shared int objects (few distinct holder sets).
@@ -19,7 +19,7 @@ flat array, or its dict twin:
   reference counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`),
   entries in a non-default medium (`media` + per-tier tables), partial trailing pages
   (`partial`).
-- pending entries (`indexer.pending`) have the same value shape, with their namespace's code.
+- pending entries (`indexer.index.pending`) have the same value shape, with their namespace's code.
 
 Applying: the steady SGLang store (a child of a known block, a namespace already seen, fresh
 hashes and keys) is a few C-level map passes per event (`_store`); everything else goes
@@ -28,7 +28,7 @@ through `_store_general`, block by block where it must. Removes pop both maps in
 Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
 the first block of a request (`["salt"]`, or `[lora_name, salt]`) and children inherit their
 parent's namespace. A block whose parent is unknown is not indexed (fail closed) and counted.
-Namespace ids, codes, seeds and per-namespace sizes live in `indexer.registry`.
+Namespace ids, codes, seeds and per-namespace sizes live in `indexer.index.registry`.
 """
 
 from __future__ import annotations
@@ -42,22 +42,13 @@ from typing import cast
 from indexer.backend import DEFAULT, Backend
 from indexer.engines import EngineName, EngineSpec, engine_spec
 from indexer.fence import BatchFence
+from indexer.index.pending import PendingTable
+from indexer.index.registry import NamespaceRegistry, NamespaceSize
+from indexer.index.stream_table import ApplyOutcome, IndexedStream, StreamCounters
+from indexer.index.values import CODE_BITS, CODE_MASK, NS_BITS, NS_MASK, ns_code
+from indexer.index.walk import PrefixMatch, StreamMatch, collect, walk_prefix
 from indexer.namespace import Namespace, vllm_salt
-from indexer.pending import PendingTable
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
-from indexer.registry import NamespaceRegistry, NamespaceSize
-from indexer.stream_entries import ApplyOutcome, IndexedStream, StreamCounters
-from indexer.walk import (
-    CODE_BITS,
-    CODE_MASK,
-    NS_BITS,
-    NS_MASK,
-    PrefixMatch,
-    StreamMatch,
-    collect,
-    ns_code,
-    walk_prefix,
-)
 
 __all__ = [
     "CODE_BITS",

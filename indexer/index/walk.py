@@ -5,7 +5,7 @@ uses) and table lookups (`get_many`, prefetched in the compiled map) are C-level
 chunks of blocks (64, then doubling up to 256: a prompt that shares only a system prompt stops
 after the first chunk, one held to the end takes four passes); the running AND only visits the
 few distinct holder sets. See
-`indexer.index` for the layout of table values: `(stream bits << CODE_BITS) | namespace code`.
+`indexer.index.values` for the layout of table values: `(stream bits << CODE_BITS) | code`.
 """
 
 from __future__ import annotations
@@ -16,24 +16,11 @@ from operator import or_
 
 import msgspec
 
+from indexer.index.values import CODE_BITS, CODE_MASK
 from indexer.int_map import PyIntMap
 
-__all__ = [
-    "CODE_BITS",
-    "CODE_MASK",
-    "NS_BITS",
-    "NS_MASK",
-    "PrefixMatch",
-    "StreamMatch",
-    "collect",
-    "ns_code",
-    "walk_prefix",
-]
+__all__ = ["PrefixMatch", "StreamMatch", "collect", "walk_prefix"]
 
-NS_BITS = 24
-NS_MASK = (1 << NS_BITS) - 1
-CODE_BITS = 2 * NS_BITS
-CODE_MASK = (1 << CODE_BITS) - 1
 # request blocks hashed and looked up per C-level pass: small first (a prompt sharing only a
 # system prompt stops early), then growing (fewer passes for a prompt held to the end)
 _FIRST_CHUNK = 64
@@ -55,11 +42,6 @@ class PrefixMatch(msgspec.Struct, gc=False):
     blocks: dict[str, int]  # stream -> leading blocks held (real events)
     pending_blocks: dict[str, int]  # stream -> extra leading blocks covered only by pending
     by_medium: dict[str, dict[str, int]]  # stream -> tier -> blocks, when not all default tier
-
-
-def ns_code(ns_id: int) -> int:
-    """Namespace id x as `x | ~x << NS_BITS`: ANDing two different codes changes both."""
-    return ns_id | ((~ns_id & NS_MASK) << NS_BITS)
 
 
 def _bits(mask: int) -> Iterable[int]:

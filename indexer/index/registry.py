@@ -1,11 +1,11 @@
 """The namespace registry of one index: namespace ids and codes, chain seeds, sizes.
 
 Every namespace an index holds entries of gets a small integer id (1, 2, ...; 0 means "none").
-Table values carry the id's code (`indexer.walk.ns_code`) so a lookup says which namespace an
-entry belongs to and a query walk stops at another namespace's entry. The index releases the
-ids that nothing refers to any more (no table key, pending or partial entry), so salt churn
-(a salt per user, or per request) cannot grow the registry without bound; an id is only
-handed out again after that, so an id found in a value always names the namespace that
+Table values carry the id's code (`indexer.index.values.ns_code`) so a lookup says which
+namespace an entry belongs to and a query walk stops at another namespace's entry. The index
+releases the ids that nothing refers to any more (no table key, pending or partial entry), so
+salt churn (a salt per user, or per request) cannot grow the registry without bound; an id is
+only handed out again after that, so an id found in a value always names the namespace that
 stored it. Snapshots persist ids (`place`).
 
 The registry also keeps, per id, the unique blocks and tokens indexed in the namespace (the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from indexer.index.values import NS_MASK, ns_code
 from indexer.namespace import Namespace, namespace_seed
-from indexer.walk import NS_MASK, ns_code
 
 __all__ = ["NamespaceRegistry", "NamespaceSize"]
 
