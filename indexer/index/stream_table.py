@@ -1,8 +1,10 @@
 """What the prefix index keeps per stream, and the counters it reports.
 
-`PrefixIndex` (indexer/index.py) owns one `IndexedStream` per (worker, dp rank) stream: its
-slot (the stream's bit in table values), its engine-hash map and the side tables for rare
-cases (see the layout in indexer/index.py's docstring).
+`PrefixIndex` (`indexer.index.prefix_index`) owns one `IndexedStream` per (worker, dp rank)
+stream: its slot (the stream's bit in table values), its engine-hash map and the side tables
+for rare cases (see the layout in the prefix index's docstring). Whole-stream operations
+(clearing, a namespace's eviction) are its methods; entry by entry it is written by the
+index's `BatchWriter`, whose fast paths keep those updates inline.
 """
 
 from __future__ import annotations
@@ -92,3 +94,34 @@ class IndexedStream:
         # (lora, salt) -> ns id, so steady traffic builds no Namespace per event
         self.ns_cache: dict[tuple[str | None, str | None], int] = {}
         self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
+
+    def entries(self) -> int:
+        """Blocks the stream holds now (partial pages included)."""
+        return len(self.blocks) + len(self.partial)
+
+    def forget_entries(self) -> None:
+        """Drop every entry and side table of the stream (the caller unlinked the keys)."""
+        self.blocks.clear()
+        self.refs.clear()
+        self.media.clear()
+        self.partial.clear()
+        self.ns_counts.clear()
+
+    def evict(self, doomed: PyIntMap, ns_id: int) -> int:
+        """Drop the entries of namespace `ns_id` whose keys are in `doomed`; returns how many.
+
+        The caller already took those keys out of the shared table and the tiers.
+        """
+        gone = self.blocks.pop_by_value(doomed)
+        if gone:
+            for h, _ in gone:
+                self.refs.pop(h, None)
+                self.media.pop(h, None)
+            for k in [k for k in self.dup_keys if k in doomed]:
+                del self.dup_keys[k]
+            self.ns_counts.pop(ns_id, None)
+        lost = [h for h, (_, pns) in self.partial.items() if pns == ns_id]
+        for h in lost:
+            del self.partial[h]
+            self.refs.pop(h, None)
+        return len(gone) + len(lost)

@@ -220,7 +220,7 @@ def test_inline_store_path_equals_the_general_one(seed: int, backend: Backend) -
     print(f"inline store seed={seed} backend={backend.name}")
     rng = random.Random(seed)
     fast, slow = PrefixIndex(backend=backend), PrefixIndex(backend=backend)
-    slow._store = slow._store_general  # type: ignore[method-assign]
+    slow._writer.store = slow._writer._store_general  # type: ignore[method-assign]
     for index in (fast, slow):
         for name in ("s", "t"):
             index.add_stream(name, model="m", block_size=4)

@@ -1,0 +1,434 @@
+"""Applying decoded events to the index: stores and removes, the steady cases inline.
+
+`BatchWriter` holds the algorithms that turn a `BlockStored` / `BlockRemoved` into entries of a
+stream's table (`indexer.index.stream_table`) and of the shared key table (values as
+`indexer.index.values` packs them). It is the index's one writer of entries: the facade
+(`PrefixIndex`) owns streams, namespaces and queries and hands every event here.
+
+The steady SGLang store (a child of a known block, a namespace already seen, fresh hashes and
+keys) is a few C-level map passes per event (`store`); everything else goes through
+`_store_general`, block by block where it must. Removes pop both maps in bulk. Namespaces:
+SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of the first
+block of a request and children inherit their parent's namespace (`indexer.engines`). A block
+whose parent is unknown is not indexed (fail closed) and counted.
+
+This module is longer than the house's ~500 lines on purpose: the inline fast paths and their
+general fallbacks are one algorithm, kept side by side so that each fast path can be read
+against the path it must equal (`test_inline_store_path_equals_the_general_one`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from indexer.index.stream_table import ApplyOutcome, IndexedStream
+from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
+from indexer.namespace import Namespace, vllm_salt
+from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+
+if TYPE_CHECKING:
+    from indexer.index.prefix_index import PrefixIndex
+
+__all__ = ["BatchWriter"]
+
+_INTERN_LIMIT = 1 << 16  # distinct table values shared as one int object each
+
+
+class BatchWriter:
+    """Applies events to one index's tables (see the module docstring)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self._table = index._table
+        self._tiers = index._tiers
+        self._registry = index._registry
+        self._pending = index.pending
+        self._chain = index.backend.chain
+        self._partial = index.backend.partial
+        self._default_medium = index.default_medium
+        self._values: dict[int, int] = {}
+
+    def apply(self, stream: str, st: IndexedStream, batch: EventBatch) -> ApplyOutcome:
+        """Apply one batch's events to stream `stream` (whose table is `st`)."""
+        outcome = ApplyOutcome(skipped=batch.skipped)
+        store = self.store
+        remove = self.remove
+        for ev in batch.events:
+            if type(ev) is Stored:
+                store(st, ev, outcome)
+            elif type(ev) is Removed:
+                remove(st, ev, outcome)
+            elif type(ev) is Cleared:
+                self._index.clear_stream(stream)
+                outcome.cleared = True
+            else:
+                outcome.skipped += 1
+        return outcome
+
+    def _event_namespace(self, st: IndexedStream, ev: Stored, parent_key: int | None) -> int:
+        lora = ev.lora_name if ev.lora_name else None
+        if lora is None and ev.lora_id is not None and ev.lora_id != 0:
+            lora = str(ev.lora_id)
+        salt = ev.cache_salt or None
+        if salt is None and (st.engine.salt_in_root_extra_keys or ev.extra_keys is not None):
+            if parent_key is not None:
+                # children inherit their parent's namespace (vLLM's rule)
+                inherited = self._table.get(parent_key, 0) & NS_MASK
+                if inherited:
+                    return inherited
+            salt = vllm_salt(ev.extra_keys, ev.lora_name)
+        cache = st.ns_cache
+        ns_id = cache.get((lora, salt))
+        if ns_id is None:
+            ns_id = self._index._intern(Namespace(st.model, lora, salt))
+            if len(cache) >= 4096:
+                cache.clear()  # bounded: a miss only costs building the Namespace again
+            cache[(lora, salt)] = ns_id
+        return ns_id
+
+    def store(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
+        """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
+
+        The fast path only runs when its outcome is exactly the general path's: a known
+        parent on this stream, full pages of the stream's size, an already seen (lora, salt),
+        the default medium, no pending or partial entries, hashes and keys all new.
+        """
+        parent = ev.parent
+        tokens = ev.token_ids
+        hashes = ev.block_hashes
+        block_size = st.block_size
+        n = len(hashes)
+        blocks = st.blocks
+        if (
+            parent is None
+            or not n
+            or ev.block_size != block_size
+            or len(tokens) != n * block_size
+            or st.engine.salt_in_root_extra_keys
+            or ev.extra_keys is not None
+            or ev.lora_id is not None
+            or (ev.medium is not None and ev.medium != self._default_medium)
+            or self._pending.bits
+            or st.partial
+        ):
+            self._store_general(st, ev, outcome)
+            return
+        prev = blocks.get(parent)
+        ns_id = st.ns_cache.get((ev.lora_name or None, ev.cache_salt or None))
+        single = st.singles.get(ns_id) if ns_id is not None else None
+        if prev is None or single is None:
+            self._store_general(st, ev, outcome)
+            return
+        assert ns_id is not None and block_size is not None
+        keys = self._chain(prev, tokens, block_size, 0, -1)
+        table = self._table
+        if not table.isdisjoint(keys):
+            self._store_general(st, ev, outcome)
+            return
+        if not blocks.insert_new(hashes, keys):
+            # a hash already held, or one hash twice in this event (nothing was inserted)
+            self._store_general(st, ev, outcome)
+            return
+        table.assign(keys, single)
+        self._registry.blocks[ns_id] += n
+        self._registry.tokens[ns_id] += n * block_size
+        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n  # a clear may have emptied it
+        outcome.stored += n
+
+    def _store_general(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        page = ev.block_size
+        tokens = ev.token_ids
+        if n == 0 or page <= 0:
+            outcome.skipped += 1
+            return
+        if st.block_size is None:
+            self._index._set_block_size(st, page)
+        block_size = st.block_size
+        assert block_size is not None
+        partial = False
+        if page != block_size or len(tokens) != n * page:
+            if n == 1 and page < block_size and len(tokens) == page:
+                partial = True  # SGLang's trailing partial page: kept, never matchable
+            else:
+                outcome.block_size_mismatches += 1
+                return
+        parent = ev.parent
+        prev: int | None = None
+        if parent is not None:
+            prev = st.blocks.get(parent)
+            if prev is None:
+                held = st.partial.get(parent)
+                if held is None:
+                    outcome.unknown_parents += 1
+                    return
+                # below a partial page nothing can match a full request block either
+                self._store_partial(st, ev, held[0], held[1], outcome)
+                return
+        ns_id = None
+        if ev.extra_keys is None and ev.lora_id is None and not st.engine.salt_in_root_extra_keys:
+            # steady per-event traffic (SGLang): the namespace is (lora_name, cache_salt), seen
+            ns_id = st.ns_cache.get((ev.lora_name or None, ev.cache_salt or None))
+        if ns_id is None:
+            ns_id = self._event_namespace(st, ev, prev)
+        if prev is None:
+            prev = self._registry.seed(ns_id, block_size)
+        if partial:
+            self._store_partial(st, ev, prev, ns_id, outcome)
+            return
+        keys = self._chain(prev, tokens, block_size, 0, -1)
+        medium = ev.medium
+        code = self._registry.codes[ns_id]
+        blocks = st.blocks
+        pending = self._pending.bits
+        if (
+            (medium is None or medium == self._default_medium)
+            and (not pending or pending.isdisjoint(keys))
+            and (not st.partial or st.partial.keys().isdisjoint(hashes))
+            and blocks.insert_new(hashes, keys)
+        ):
+            # the common case, in C: new hashes on this stream (none twice), mostly new keys
+            table = self._table
+            if table.isdisjoint(keys):
+                # every key is new to the table: one C-level assignment, no per-key work
+                single = st.singles.get(ns_id)
+                if single is None:
+                    single = self._single(st, ns_id)
+                table.assign(keys, single)
+                self._registry.blocks[ns_id] += n
+                self._registry.tokens[ns_id] += n * block_size
+                st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + n
+            else:
+                values = table.get_many(keys, None)
+                self._link(st, hashes, keys, values, code, ns_id, block_size)
+            outcome.stored += n
+            return
+        if medium is None:
+            medium = self._default_medium
+        self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
+        outcome.stored += n
+
+    def _link(
+        self,
+        st: IndexedStream,
+        hashes: list[BlockHash],
+        keys: list[int],
+        values: list[int | None],
+        code: int,
+        ns_id: int,
+        block_size: int,
+    ) -> None:
+        """Set the stream's bit on `keys` (already in its map; `values` as read before)."""
+        table = self._table
+        single = self._shared(st.sbit | code)
+        n = len(keys)
+        if not values or values.count(None) == n:
+            table.assign(keys, single)
+            new_unique = added = n
+        else:
+            new_unique = 0
+            added = n
+            sbit = st.sbit
+            for h, key, v in zip(hashes, keys, values, strict=True):
+                if v is None:
+                    table[key] = single
+                    new_unique += 1
+                elif v & CODE_MASK != code:
+                    # a key collision across namespaces: keep it out of the table
+                    del st.blocks[h]
+                    st.partial[h] = (key, ns_id)
+                    added -= 1
+                elif v & sbit:
+                    st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
+                else:
+                    table[key] = self._shared(v | sbit)
+        self._registry.blocks[ns_id] += new_unique
+        self._registry.tokens[ns_id] += new_unique * block_size
+        st.ns_counts[ns_id] = st.ns_counts.get(ns_id, 0) + added
+
+    def _store_slow(
+        self,
+        st: IndexedStream,
+        hashes: list[BlockHash],
+        keys: list[int],
+        medium: str,
+        code: int,
+        ns_id: int,
+        block_size: int,
+    ) -> None:
+        """Block by block: repeated hashes, pending entries to replace, non-default media."""
+        tiered = medium != self._default_medium
+        blocks = st.blocks
+        table = self._table
+        sbit = st.sbit
+        single = self._shared(sbit | code)
+        pending = self._pending.bits
+        ns_counts = st.ns_counts
+        for h, key in zip(hashes, keys, strict=True):
+            # counts move block by block here: a later block of this very event may undo one
+            if st.partial and st.partial.pop(h, None) is not None:
+                st.refs.pop(h, None)  # a partial page's hash now names a full page
+            old = blocks.get(h)
+            if old is not None:
+                if old == key:
+                    st.refs[h] = st.refs.get(h, 1) + 1
+                    continue
+                # the engine reused a hash for other content: the old mapping is gone
+                self._drop_hash(st, h, old)
+            v = table.get(key)
+            if v is None:
+                table[key] = single
+                self._registry.blocks[ns_id] += 1
+                self._registry.tokens[ns_id] += block_size
+            elif v & CODE_MASK != code:
+                # a key collision across namespaces: keep it out of the table (never matches)
+                st.partial[h] = (key, ns_id)
+                continue
+            elif v & sbit:
+                st.dup_keys[key] = st.dup_keys.get(key, 0) + 1
+            else:
+                table[key] = self._shared(v | sbit)
+            blocks[h] = key
+            ns_counts[ns_id] = ns_counts.get(ns_id, 0) + 1
+            if pending and pending.get(key, 0) & sbit:
+                self._pending.discard(key, st.slot)
+            if tiered:
+                st.media[h] = medium
+                tier = self._tiers.setdefault(medium, {})
+                tier[key] = tier.get(key, 0) | st.bit
+
+    def _single(self, st: IndexedStream, ns_id: int) -> int:
+        """The table value of a key only `st` holds in namespace `ns_id` (cached per stream)."""
+        if len(st.singles) >= 4096:
+            st.singles.clear()  # bounded: a miss only recomputes one value
+        single = st.singles[ns_id] = self._shared(st.sbit | self._registry.codes[ns_id])
+        return single
+
+    def _shared(self, value: int) -> int:
+        """One shared int object per distinct table value (most keys have few holder sets)."""
+        shared = self._values.get(value)
+        if shared is None:
+            if len(self._values) >= _INTERN_LIMIT:
+                self._values.clear()  # bounded: only sharing is lost, never correctness
+            self._values[value] = shared = value
+        return shared
+
+    def _store_partial(
+        self, st: IndexedStream, ev: Stored, prev: int, ns_id: int, outcome: ApplyOutcome
+    ) -> None:
+        page = ev.block_size
+        tokens = ev.token_ids
+        for i, h in enumerate(ev.block_hashes):
+            prev = self._partial(prev, tokens[i * page : (i + 1) * page])
+            if h in st.partial or h in st.blocks:
+                st.refs[h] = st.refs.get(h, 1) + 1
+                continue
+            st.partial[h] = (prev, ns_id)
+        outcome.stored += len(ev.block_hashes)
+
+    def remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
+        if st.refs or st.media or st.dup_keys:
+            self._remove_slow(st, ev, outcome)
+            return
+        hashes = ev.block_hashes
+        blocks = st.blocks
+        popped = blocks.pop_many(hashes, None)
+        if None in popped:
+            # unknown hashes or partial pages among them: undo and go block by block
+            for h, old in zip(hashes, popped, strict=True):
+                if old is not None:
+                    blocks[h] = old
+            self._remove_slow(st, ev, outcome)
+            return
+        keys = cast(list[int], popped)
+        # the common case, in C: every hash known, each key held by this stream alone, in
+        # one namespace; pop them all, then put back whatever another stream still holds
+        table = self._table
+        values = table.pop_many(keys, 0)
+        n = len(keys)
+        first = values[0] if values else 0
+        ns_id = first & NS_MASK
+        if values.count(first) == n and first >> CODE_BITS == st.bit:
+            st.ns_counts[ns_id] -= n
+            self._registry.blocks[ns_id] -= n
+            self._registry.tokens[ns_id] -= n * (st.block_size or 0)
+        else:
+            keep = ~st.sbit
+            for key, v in zip(keys, values, strict=True):
+                ns_id = v & NS_MASK
+                st.ns_counts[ns_id] -= 1
+                rest = v & keep
+                if rest >> CODE_BITS:
+                    table[key] = self._shared(rest)
+                else:
+                    self._registry.blocks[ns_id] -= 1
+                    self._registry.tokens[ns_id] -= st.block_size or 0
+        outcome.removed += n
+
+    def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
+        blocks = st.blocks
+        refs = st.refs
+        for h in ev.block_hashes:
+            if refs:
+                r = refs.get(h)
+                if r is not None:
+                    if r > 2:
+                        refs[h] = r - 1
+                    else:
+                        del refs[h]
+                    outcome.removed += 1
+                    continue
+            key = blocks.pop(h, None)
+            if key is None:
+                if st.partial.pop(h, None) is None:
+                    st.counters.unknown_removes += 1
+                else:
+                    outcome.removed += 1
+                continue
+            self.unlink(st, h, key)
+            outcome.removed += 1
+
+    def _drop_hash(self, st: IndexedStream, h: BlockHash, key: int) -> None:
+        del st.blocks[h]
+        st.refs.pop(h, None)
+        self.unlink(st, h, key)
+
+    def unlink(self, st: IndexedStream, h: BlockHash, key: int) -> None:
+        """Take stream `st`'s hold of `key` (via engine hash `h`) out of the tables."""
+        v = self._table[key]
+        ns_id = v & NS_MASK
+        st.ns_counts[ns_id] -= 1
+        # another engine hash of this stream may still hold the same key (rare)
+        still = False
+        if st.dup_keys:
+            extra = st.dup_keys.get(key)
+            if extra is not None:
+                still = True
+                if extra > 1:
+                    st.dup_keys[key] = extra - 1
+                else:
+                    del st.dup_keys[key]
+        if st.media:
+            medium = st.media.pop(h, None)
+            if medium is not None and not (
+                still and any(m == medium and st.blocks.get(o) == key for o, m in st.media.items())
+            ):
+                tier = self._tiers.get(medium)
+                if tier is not None:
+                    rest = tier.get(key, 0) & ~st.bit
+                    if rest:
+                        tier[key] = rest
+                    else:
+                        tier.pop(key, None)
+                        if not tier:
+                            del self._tiers[medium]
+        if still:
+            return
+        v &= ~st.sbit
+        if v >> CODE_BITS:
+            self._table[key] = self._shared(v)
+        else:
+            del self._table[key]
+            self._registry.blocks[ns_id] -= 1
+            self._registry.tokens[ns_id] -= st.block_size or 0
