@@ -50,6 +50,7 @@ from indexer.namespace import Namespace, chain_keys, namespace_seed, py_chain
 from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
 from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.service import IndexerService, stream_id
+from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 
 __all__ = ["add_arguments", "run"]
@@ -453,7 +454,7 @@ async def _query_latencies(
             )
         for subs in service._workers.values():
             for sub in subs:
-                sub.index = index
+                sub.sink = IndexSink(index, sub.stream_id)
         service.index = index
         all_docs = sorted({d for ds in held.values() for d in ds})
         held_ids = [rng.choice(all_docs) for _ in range(50)]

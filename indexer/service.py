@@ -20,15 +20,14 @@ import asyncio
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-import zmq.asyncio
-
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
+from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import UNTRUSTED, NamespaceStats, StreamState, StreamStats, WorkerMatch
-from indexer.subscriber import RawSink, StreamSubscriber
+from indexer.subscriptions import Subscriptions, stream_id
 from indexer.worker_matches import WorkerMatches
 
 __all__ = [
@@ -37,18 +36,12 @@ __all__ = [
     "IndexerService",
     "Namespace",
     "NamespaceStats",
-    "RawSink",
     "StreamConfig",
     "StreamState",
     "StreamStats",
     "WorkerMatch",
     "stream_id",
 ]
-
-
-def stream_id(worker: str, dp_rank: int) -> str:
-    """The id of one (worker, dp rank) stream, as used in stats and the index."""
-    return f"{worker}#dp{dp_rank}"
 
 
 class IndexerService:
@@ -58,22 +51,19 @@ class IndexerService:
         self,
         config: IndexerConfig | None = None,
         *,
-        sink: RawSink | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or IndexerConfig()
         self._clock = clock
-        self._sink = sink
         self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._workers: dict[str, list[StreamSubscriber]] = {}
+        self._subs = Subscriptions(self.config, on_applied=self._on_applied, clock=clock)
+        self._workers = self._subs.by_worker  # worker -> its subscribers (the one dict)
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
-        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._matches = WorkerMatches(clock)
 
     async def __aenter__(self) -> IndexerService:
-        self._ctx = zmq.asyncio.Context()
+        await self._subs.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -85,62 +75,35 @@ class IndexerService:
                 if not fut.done():
                     fut.set_result(False)
             self._waiters.clear()
-            if self._ctx is not None:
-                self._ctx.destroy(linger=0)
-                self._ctx = None
+            await self._subs.__aexit__(*exc)
 
     # -------------------------------------------------------------- workers
 
     async def add_worker(self, worker: str, streams: Sequence[StreamConfig]) -> None:
         """Subscribe to a worker's streams (replacing any it had); its entries start empty."""
-        if self._ctx is None:
-            raise RuntimeError("IndexerService is not entered (use `async with`)")
         ranks = [cfg.dp_rank for cfg in streams]
-        for rank in ranks:
+        if len(set(ranks)) != len(ranks):
             # checked before anything changes: a refused worker leaves no stream behind
-            if ranks.count(rank) > 1:
-                raise ValueError(f"worker {worker!r} lists dp rank {rank} twice")
+            rank = next(r for r in ranks if ranks.count(r) > 1)
+            raise ValueError(f"worker {worker!r} lists dp rank {rank} twice")
         if worker in self._workers:
             await self.remove_worker(worker)
-        subs: list[StreamSubscriber] = []
-        for cfg in streams:
-            sid = stream_id(worker, cfg.dp_rank)
+
+        def sink_for(sid: str, cfg: StreamConfig) -> IndexSink:
             self.index.add_stream(
                 sid, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
             )
-            sub = StreamSubscriber(
-                sid,
-                worker,
-                cfg,
-                self.index,
-                self._ctx,
-                self.config,
-                sink=self._sink,
-                on_applied=self._on_applied,
-                clock=self._clock,
-            )
-            subs.append(sub)
-        self._workers[worker] = subs
+            return IndexSink(self.index, sid)
+
+        subs = self._subs.start(worker, streams, sink_for)
         self._health[worker] = [sub.health for sub in subs]
         self._matches.invalidate()
-        for sub in subs:
-            self._tasks[sub.stream_id] = asyncio.create_task(
-                sub.run(), name=f"kv-events {sub.stream_id}"
-            )
 
     async def remove_worker(self, worker: str) -> None:
         """Stop a worker's subscriptions and drop its index entries."""
-        subs = self._workers.pop(worker, [])
         self._health.pop(worker, None)
         self._matches.invalidate()
-        tasks = [self._tasks.pop(s.stream_id) for s in subs if s.stream_id in self._tasks]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            # asyncio.wait, not `suppress(CancelledError): await task`: that would also swallow
-            # a cancellation of the caller arriving while the subscribers wind down
-            await asyncio.wait(tasks)
-        for sub in subs:
+        for sub in await self._subs.stop(worker):
             self.index.drop_stream(sub.stream_id)
 
     def suspect_restart(self, worker: str, why: str) -> None:
@@ -217,13 +180,13 @@ class IndexerService:
         for subs in self._workers.values():
             for sub in subs:
                 cfg = sub.config
-                known = index.has_stream(sub.stream_id)
                 index.add_stream(
                     sub.stream_id, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
                 )
-                # continue from the snapshot's seq: live messages then apply, show a gap that
-                # the replay fills, or a restart that clears; unknown streams rebuild from 0
-                sub.rebind(index, index.last_seq(sub.stream_id) if known else None)
+                # continue from the snapshot's seq (once its fence is proven): live messages
+                # then apply, or show a gap that the replay fills; streams the snapshot does
+                # not know rebuild from 0
+                sub.rebind(IndexSink(index, sub.stream_id))
         self.index = index
         self._matches.invalidate()
 

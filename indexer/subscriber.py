@@ -30,11 +30,10 @@ Malformed frames are counted and skipped; problems are logged at most once per
 the others (a consumer that falls behind overflows its SUB queue, which shows up as gaps that
 the replay repairs, never as silent drift).
 
-Raw sink: `sink(stream_id, topic, seq, payload, replayed)` is called for every message the
-subscriber accepts, live or replayed, in the order it is applied, malformed payloads included
-(frames whose seq cannot be read are not messages and are not passed on). `kvroute record`
-uses it to record a gap-free stream. The sink must not block; its exceptions are logged (rate
-limited) and swallowed so a broken recorder cannot stop indexing.
+Sink (`indexer.sink`): every message the subscriber accepts, live or replayed, goes to its
+`StreamSink` in the order it is accepted, malformed payloads included (frames whose seq cannot
+be read are not messages and are not passed on): an `IndexSink` applies it to the index, a
+`RecordingSink` writes it to a recording (`kvroute record`). The sink must not block.
 """
 
 from __future__ import annotations
@@ -54,9 +53,6 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError
 from indexer.health import StreamHealth
-from indexer.index import PrefixIndex
-from indexer.protocol.decode import decode_batch
-from indexer.protocol.events import EventBatch
 from indexer.protocol.frames import (
     ReplayEnd,
     build_replay_request,
@@ -65,13 +61,12 @@ from indexer.protocol.frames import (
     topic_matches,
 )
 from indexer.sequence import SequenceTracker, SeqVerdict
+from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats
 
-__all__ = ["RawSink", "StreamSubscriber"]
+__all__ = ["StreamSubscriber"]
 
 log = logging.getLogger(__name__)
-
-RawSink = Callable[[str, bytes, int, bytes, bool], None]
 
 # what the SUB's monitor reports: a connection made (handshake done) or lost
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -122,24 +117,20 @@ class StreamSubscriber:
         stream_id: str,
         worker: str,
         config: StreamConfig,
-        index: PrefixIndex,
+        sink: StreamSink,
         ctx: zmq.asyncio.Context,
         settings: IndexerConfig | None = None,
         *,
-        sink: RawSink | None = None,
         on_applied: Callable[[str, int], None] | None = None,
-        decode: Callable[[bytes], EventBatch] = decode_batch,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
         self.worker = worker
         self.config = config
-        self.index = index
-        self.settings = settings or IndexerConfig()
         self.sink = sink
+        self.settings = settings or IndexerConfig()
         self._ctx = ctx
         self._on_applied = on_applied
-        self._decode = decode
         self._clock = clock
         self._topic = config.topic.encode()
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
@@ -149,9 +140,7 @@ class StreamSubscriber:
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
         self._joined = False
-        self.tracker = SequenceTracker(
-            index.last_seq(stream_id) if index.has_stream(stream_id) else None
-        )
+        self.tracker = SequenceTracker(sink.last_seq())
         # a restart candidate is pending: entries predict nothing until a replay proves them
         self._unverified = self.tracker.last is not None
         self._why_unverified = "state from a snapshot"
@@ -176,6 +165,7 @@ class StreamSubscriber:
         self.refetches = 0
         self.lost_batches = 0
         self.verifications = 0
+        self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
     # ------------------------------------------------------------------ task
@@ -271,7 +261,7 @@ class StreamSubscriber:
         The stream turns UNVERIFIED at once (its entries predict no hit) and is checked against
         its fence as soon as it is connected (module docstring).
         """
-        if self.tracker.last is None and not self.index.entries(self.stream_id):
+        if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
         if not self._unverified:
             self._warn("suspect", f"{why}: its entries predict nothing until a replay proves them")
@@ -553,38 +543,28 @@ class StreamSubscriber:
         """The verdict on the first batch a continuing replay returned (asked from `start`)."""
         if seq != start:
             return _Continuity.UNPROVEN  # the buffer starts after our last batch
-        fence = self.index.fence(self.stream_id)
+        fence = self.sink.fence()
         if fence is not None and fence.matches(seq, payload):
             return _Continuity.PROVEN
         return _Continuity.BROKEN
 
     def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> bool:
-        """Decode and apply one batch; False when the payload does not decode."""
-        if self.sink is not None:
-            try:
-                self.sink(self.stream_id, topic, seq, payload, replayed)
-            except Exception as exc:
-                # rate limited: a sink that fails on every message must not flood the log
-                self._warn("sink", f"raw sink failed: {type(exc).__name__}: {exc}")
+        """Hand one batch to the sink; False when the payload does not decode."""
         self.health.last_event_at = self._clock()
-        try:
-            batch = self._decode(payload)
-        except Exception as exc:  # decode_batch raises ProtocolError; anything else is a bug there
-            # the fence is these bytes all the same: they are what the publisher has at `seq`
-            self.index.set_last_seq(self.stream_id, seq, payload)
-            self._malformed(f"undecodable payload at seq {seq}: {type(exc).__name__}")
+        applied = self.sink.apply(topic, seq, payload, replayed=replayed)
+        if applied is None:
+            self._malformed(f"undecodable payload at seq {seq}")
             return False  # not applied: waiters hear of it once refetched or given up
-        outcome = self.index.apply(self.stream_id, batch, seq, payload)
         if self.health.block_size is None:
-            self.health.block_size = self.index.block_size(self.stream_id)  # learned
+            self.health.block_size = self.sink.block_size()  # learned from the first store
         self.batches += 1
-        self.events += len(batch.events)
-        if outcome.block_size_mismatches:
+        self.events += applied.events
+        if applied.block_size_mismatches:
             self._warn(
                 "block-size",
-                f"BLOCK SIZE MISMATCH: {outcome.block_size_mismatches} event(s) at seq {seq} "
+                f"BLOCK SIZE MISMATCH: {applied.block_size_mismatches} event(s) at seq {seq} "
                 f"have pages that do not fit the stream's block size "
-                f"{self.index.block_size(self.stream_id)}; they are NOT indexed and KV routing "
+                f"{self.sink.block_size()}; they are NOT indexed and KV routing "
                 f"for this worker will miss. Check the worker's page size and the configured "
                 f"block_size.",
             )
@@ -597,7 +577,7 @@ class StreamSubscriber:
         self.restarts += 1
         self._clear(reason)
         self.tracker.reset()
-        self.index.set_last_seq(self.stream_id, None)
+        self.sink.forget_seq()
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""
@@ -613,7 +593,8 @@ class StreamSubscriber:
             self._on_applied(self.stream_id, seq)
 
     def _clear(self, reason: str) -> None:
-        dropped = self.index.clear_stream(self.stream_id)
+        dropped = self.sink.clear()
+        self._clears += 1
         self._warn("clear", f"cleared {dropped} entries: {reason}")
 
     def _malformed(self, what: str) -> None:
@@ -659,14 +640,13 @@ class StreamSubscriber:
     def _known_block_size(self) -> int | None:
         if self.config.block_size is not None:
             return self.config.block_size
-        return (
-            self.index.block_size(self.stream_id) if self.index.has_stream(self.stream_id) else None
-        )
+        return self.sink.block_size()
 
-    def rebind(self, index: PrefixIndex, last_seq: int | None) -> None:
-        """Switch to another index (a loaded snapshot) whose state matches seq `last_seq`."""
-        self.index = index
+    def rebind(self, sink: StreamSink) -> None:
+        """Switch to another sink (a loaded snapshot's index), continuing from its seq."""
+        self.sink = sink
         self.health.block_size = self._known_block_size()
+        last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)
         if last_seq is not None:
             # the snapshot's state is unproven until the publisher's fence matches it
@@ -682,8 +662,7 @@ class StreamSubscriber:
         last_event_at = self.health.last_event_at
         age = None if last_event_at is None else now - last_event_at
         state = self.current_state(now)
-        has = self.index.has_stream(self.stream_id)
-        counters = self.index.counters(self.stream_id) if has else None
+        counters = self.sink.counters()
         return StreamStats(
             stream=self.stream_id,
             worker=self.worker,
@@ -692,7 +671,7 @@ class StreamSubscriber:
             topic=self.config.topic,
             state=state,
             last_seq=self.tracker.last,
-            block_size=self.index.block_size(self.stream_id) if has else None,
+            block_size=self.sink.block_size(),
             batches=self.batches,
             events=self.events,
             blocks_stored=counters.blocks_stored if counters else 0,
@@ -700,13 +679,13 @@ class StreamSubscriber:
             gaps=self.gaps,
             replays=self.replays,
             restarts=self.restarts,
-            clears=counters.clears if counters else 0,
+            clears=counters.clears if counters else self._clears,
             decode_errors=self.decode_errors,
             unknown_parents=counters.unknown_parents if counters else 0,
             block_size_mismatches=counters.block_size_mismatches if counters else 0,
             skipped_events=counters.skipped_events if counters else 0,
             last_event_age_s=age,
-            entries=self.index.entries(self.stream_id) if has else 0,
+            entries=self.sink.entries(),
             probes=self.probes,
             refetches=self.refetches,
             lost_batches=self.lost_batches,

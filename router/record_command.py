@@ -22,19 +22,20 @@ from typing import Any, TextIO
 
 import msgspec
 
+from indexer.capture import Capture, CaptureStats, capture
 from indexer.config import StreamConfig
-from indexer.engines import ENGINES, engine_spec
+from indexer.engines import ENGINES
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, Removed, Stored
-from indexer.recording import RecordingError, RecordingReader, RecordingWriter, Source
+from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.replayer import replay_into_index
-from indexer.service import IndexerService, stream_id
+from indexer.subscriptions import stream_id
 from router.errors import RouterError
 from router.replay_command import print_summary
 
-__all__ = ["RecordStats", "add_arguments", "record", "run"]
+__all__ = ["add_arguments", "record", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,16 +181,6 @@ def _server_info(url: str) -> dict[str, Any] | None:
     return None
 
 
-class RecordStats(msgspec.Struct, kw_only=True):
-    """What one recording session did, per stream and in total."""
-
-    seconds: float = 0.0
-    records: int = 0
-    streams: dict[str, dict[str, int]] = {}
-    stopped_by: str = ""
-    error: str = ""  # why writing failed ("write-error" stops), empty when it did not
-
-
 async def record(
     writer: RecordingWriter,
     sources: Sequence[Source],
@@ -199,125 +190,50 @@ async def record(
     progress: bool = False,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[], None] | None = None,
-) -> RecordStats:
-    """Subscribe to `sources` and write what they publish until a limit, `stop` or Ctrl-C.
-
-    The writer is closed on return, whatever happened, so the file ends at a complete record.
-    """
-    stop = stop or asyncio.Event()
-    stats = RecordStats()
+) -> CaptureStats:
+    """Capture `sources` (`indexer.capture`) until a limit, `stop` or Ctrl-C, with progress."""
     loop = asyncio.get_running_loop()
-    started = time.monotonic()
+    live: list[_Progress] = []
 
-    def sink(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
-        if stop.is_set():
-            return  # stopping: the file ends at the record that reached the limit
-        try:
-            writer.write(stream, topic, seq, payload, replayed=replayed)
-        except RecordingError as exc:  # disk full, file gone: stop, keep what was written
-            _fail(stats, stop, exc)
-            return
-        stats.records += 1
-        if max_bytes is not None and writer.bytes_written >= max_bytes:
-            stats.stopped_by = stats.stopped_by or "max-bytes"
-            stop.set()
+    def ready(running: Capture) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, running.stop_by, "ctrl-c")
+        if progress:
+            live.append(_Progress(running))
+        if on_ready is not None:
+            on_ready()
 
-    by_worker: dict[str, list[StreamConfig]] = {}
-    for s in sources:
-        by_worker.setdefault(s.worker or s.stream, []).append(
-            StreamConfig(
-                endpoint=s.endpoint,
-                replay_endpoint=s.replay_endpoint,
-                topic=s.topic,
-                block_size=s.block_size,
-                engine=engine_spec(s.engine).name,
-                dp_rank=s.dp_rank,
-                model=s.model,
-            )
-        )
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGINT, _stop_by, stats, stop, "ctrl-c")
+    def tick(running: Capture) -> None:
+        for shown in live:
+            shown.update()
+
     try:
-        async with IndexerService(sink=sink) as service:
-            for worker, configs in by_worker.items():
-                await service.add_worker(worker, configs)
-            if on_ready is not None:
-                on_ready()
-            await _wait(stop, stats, writer, service, started, duration_s, progress)
-            stats.streams = {
-                st.stream: {
-                    "batches": st.batches,
-                    "gaps": st.gaps,
-                    "replays": st.replays,
-                    "restarts": st.restarts,
-                    "clears": st.clears,
-                    "decode_errors": st.decode_errors,
-                }
-                for st in service.streams()
-            }
+        return await capture(
+            writer,
+            sources,
+            duration_s=duration_s,
+            max_bytes=max_bytes,
+            stop=stop,
+            on_ready=ready,
+            on_tick=tick,
+        )
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
-        try:
-            writer.close()
-        except RecordingError as exc:
-            _fail(stats, stop, exc)
-    stats.seconds = time.monotonic() - started
-    return stats
-
-
-def _stop_by(stats: RecordStats, stop: asyncio.Event, reason: str) -> None:
-    stats.stopped_by = stats.stopped_by or reason
-    stop.set()
-
-
-def _fail(stats: RecordStats, stop: asyncio.Event, exc: RecordingError) -> None:
-    stats.error = stats.error or str(exc)
-    _stop_by(stats, stop, "write-error")
-
-
-async def _wait(
-    stop: asyncio.Event,
-    stats: RecordStats,
-    writer: RecordingWriter,
-    service: IndexerService,
-    started: float,
-    duration_s: float | None,
-    progress: bool,
-) -> None:
-    """Flush regularly and show progress until stopped or out of time."""
-    live = _Progress(writer, service, started) if progress else None
-    try:
-        while not stop.is_set():
-            remaining = None if duration_s is None else started + duration_s - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                stats.stopped_by = stats.stopped_by or "duration"
-                return
-            tick = 0.5 if remaining is None else min(0.5, remaining)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(tick):
-                    await stop.wait()
-            try:
-                writer.flush()  # closes an open compressed chunk; uncompressed records are out
-            except RecordingError as exc:
-                _fail(stats, stop, exc)
-            if live is not None:
-                live.update()
-    finally:
-        if live is not None:
-            live.close()
+        for shown in live:
+            shown.close()
 
 
 class _Progress:
     """A rich live table of events/s, bytes and gaps (only on a terminal)."""
 
-    def __init__(self, writer: RecordingWriter, service: IndexerService, started: float) -> None:
+    def __init__(self, running: Capture) -> None:
         from rich.live import Live
 
-        self._writer = writer
-        self._service = service
-        self._started = started
-        self._last = (started, 0)
+        self._writer = running.writer
+        self._service = running
+        self._started = time.monotonic()
+        self._last = (self._started, 0)
         self._live = Live(self._render(0.0), refresh_per_second=4, transient=False)
         self._live.start()
 
@@ -356,7 +272,7 @@ class _Progress:
         self._live.stop()
 
 
-def _print_done(path: Path, writer: RecordingWriter, stats: RecordStats, out: TextIO) -> None:
+def _print_done(path: Path, writer: RecordingWriter, stats: CaptureStats, out: TextIO) -> None:
     out.write(
         f"recorded {stats.records} records ({writer.records} in the file, "
         f"{writer.bytes_written:,} bytes) to {path} in {stats.seconds:.1f} s; "

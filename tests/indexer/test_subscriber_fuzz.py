@@ -75,7 +75,8 @@ async def test_garbage_on_the_wire_never_corrupts_the_stream(ctx: zmq.asyncio.Co
     settings = IndexerConfig(replay_timeout_s=0.3, probe_interval_s=0.05, log_interval_s=60)
     async with ScriptedPublisher(ctx) as pub, IndexerService(settings) as svc:
         await connect(svc, pub)
-        task = svc._tasks[STREAM]
+        task = svc._subs.task(STREAM)
+        assert task is not None
         for _ in range(MESSAGES):
             if rng.random() < 0.4:
                 await pub.publish(rng.choice(noise), drop=rng.random() < 0.2)

@@ -6,15 +6,17 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq.asyncio
 
+from indexer.capture import Capture
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
 from indexer.protocol.frames import pack_seq
-from indexer.recording import RecordingWriter, Source
+from indexer.recording import RecordingReader, RecordingWriter, Source
 from indexer.replayer import replay_into_index
 from indexer.service import IndexerService
 from indexer.stats import StreamState
@@ -222,15 +224,41 @@ async def test_late_router_replays_from_zero(ctx: zmq.asyncio.Context) -> None:
         assert svc.streams()[0].clears == 0
 
 
-async def test_raw_sink_sees_every_message_in_order(ctx: zmq.asyncio.Context) -> None:
-    seen: list[tuple[int, bool]] = []
+async def join(running: Capture, pub: ScriptedPublisher) -> None:
+    """Publish empty batches until the capture's SUB really receives (the slow joiner)."""
+    (sub,) = running._subs.all()
+    for _ in range(100):
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+        try:
+            await wait_until(lambda: (sub.tracker.last or -1) >= seq, timeout_s=0.1)  # noqa: B023
+        except TimeoutError:
+            continue
+        if sub.tracker.live is not None:
+            return
+    raise AssertionError("capture never received anything")
+
+
+async def test_a_capture_records_every_message_in_order(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
     batches = workload(seed=10, batches=12)
-    async with (
-        ScriptedPublisher(ctx) as pub,
-        IndexerService(CONFIG, sink=lambda s, t, seq, p, r: seen.append((seq, r))) as svc,
-    ):
-        await connect(svc, pub)
-        last = await publish_all(pub, batches, drop={4, 5}, settle=svc)
+    path = tmp_path / "capture.kvrec"
+    source = Source(stream=STREAM, worker=WORKER, topic="kv")
+    async with ScriptedPublisher(ctx) as pub:
+        source = msgspec.structs.replace(
+            source, endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint
+        )
+        writer = RecordingWriter.create(path, [source])
+        async with Capture(writer, [source], settings=CONFIG) as running:
+            await join(running, pub)
+            (sub,) = running._subs.all()
+            last = -1
+            for i, batch in enumerate(batches):
+                last = await pub.publish(batch, drop=i in {4, 5})
+                if i not in {4, 5}:
+                    await wait_until(lambda: sub.tracker.last == last)  # noqa: B023
+    with RecordingReader(path) as reader:
+        seen = [(p.record.seq, p.record.replayed) for p in reader.records()]
     seqs = [seq for seq, _ in seen]
     assert seqs == list(range(last + 1))  # the warm-up's first seqs come from the join replay
     start = last + 1 - len(batches)
@@ -371,17 +399,24 @@ async def test_a_batch_the_probe_found_is_a_gap_live_and_offline(
     # long enough that a probe never overtakes a live copy in flight during the settled run
     config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.3)
     path = tmp_path / "probe.kvrec"
-    with RecordingWriter.create(path, [Source(stream=STREAM)]) as writer:
-
-        def sink(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
-            writer.write(stream, topic, seq, payload, replayed=replayed)
-
-        async with ScriptedPublisher(ctx) as pub, IndexerService(config, sink=sink) as svc:
-            await connect(svc, pub)
-            await publish_all(pub, batches[:-1], settle=svc)
+    async with ScriptedPublisher(ctx) as pub:
+        source = Source(
+            stream=STREAM,
+            worker=WORKER,
+            topic="kv",
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+        )
+        writer = RecordingWriter.create(path, [source])
+        async with Capture(writer, [source], settings=config) as running:
+            await join(running, pub)
+            (sub,) = running._subs.all()
+            for batch in batches[:-1]:
+                seq = await pub.publish(batch)
+                await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
             lost = await pub.publish(batches[-1], drop=True)  # PUB dropped it; nothing follows
-            assert await svc.wait_applied(WORKER, lost)
-            live = svc.streams()[0]
+            await wait_until(lambda: sub.tracker.last == lost)
+            live = running.streams()[0]
     # the lost batch was a gap (whatever the join did, joining is never one), repaired by the
     # probe's replay run; the recording replayed offline reads the same gaps from its records
     assert live.gaps == 1 and live.clears == 0
@@ -432,22 +467,6 @@ async def test_removing_a_worker_does_not_swallow_the_callers_cancel(
         removing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await removing
-
-
-async def test_a_failing_sink_is_logged_once_and_never_stops_indexing(
-    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
-) -> None:
-    def broken(stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
-        raise OSError("disk full")
-
-    batches = workload(seed=17, batches=20)
-    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG, sink=broken) as svc:
-        await connect(svc, pub)
-        last = await publish_all(pub, batches)
-        assert await svc.wait_applied(WORKER, last)
-        assert svc.streams()[0].batches > len(batches)
-    failures = [r for r in caplog.records if "raw sink failed" in r.getMessage()]
-    assert len(failures) == 1 and "disk full" in failures[0].getMessage()
 
 
 async def test_an_idle_worker_that_restarted_unseen_is_rebuilt_by_the_probe(

@@ -1,0 +1,247 @@
+"""Capturing KV-event streams to a recording: what `kvroute record` runs.
+
+A capture subscribes exactly like the router's indexer (the same `StreamSubscriber`, so gaps
+are repaired through replay, epochs proven and restarts detected the same way) but sinks each
+accepted message into a `RecordingWriter` instead of an index (`RecordingSink`): in the order
+it was accepted, replayed batches flagged, malformed payloads kept byte for byte. Payloads are
+decoded only to tell the subscriber whether they decode (a batch that does not is fetched
+again, as the router would), so the file holds what the live router would have applied.
+
+Each record reaches the OS as it arrives, so a stop by duration, size, Ctrl-C or a crash never
+loses what was written. A write error (disk full, file gone) stops the capture and is
+reported, never raised into the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.engines import engine_spec
+from indexer.fence import BatchFence
+from indexer.index import StreamCounters
+from indexer.protocol.decode import decode_batch
+from indexer.protocol.events import Stored
+from indexer.recording import RecordingError, RecordingWriter, Source
+from indexer.sink import Applied
+from indexer.stats import StreamStats
+from indexer.subscriptions import Subscriptions
+
+__all__ = ["Capture", "CaptureStats", "RecordingSink", "capture"]
+
+
+class RecordingSink:
+    """Writes one stream's accepted messages to a shared `RecordingWriter`."""
+
+    def __init__(
+        self,
+        stream_id: str,
+        write: Callable[[str, bytes, int, bytes, bool], None],
+        block_size: int | None,
+    ) -> None:
+        self.stream_id = stream_id
+        self._write = write
+        self._fence: BatchFence | None = None
+        self._block_size = block_size
+
+    def apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> Applied | None:
+        """Record the message; None when its payload does not decode (it is recorded too)."""
+        self._write(self.stream_id, topic, seq, payload, replayed)
+        self._fence = BatchFence.of(seq, payload)
+        try:
+            batch = decode_batch(payload)
+        except Exception:  # ProtocolError; the bytes are in the file whatever they are
+            return None
+        if self._block_size is None:
+            self._block_size = next(
+                (ev.block_size for ev in batch.events if type(ev) is Stored and ev.block_size > 0),
+                None,
+            )
+        return Applied(len(batch.events))
+
+    def clear(self) -> int:
+        """Nothing to drop: the file shows the decision, replay reproduces it."""
+        return 0
+
+    def forget_seq(self) -> None:
+        """No fence any more."""
+        self._fence = None
+
+    def fence(self) -> BatchFence | None:
+        """The last message recorded."""
+        return self._fence
+
+    def last_seq(self) -> int | None:
+        """A capture starts with nothing: it joins every stream."""
+        return self._fence.seq if self._fence is not None else None
+
+    def entries(self) -> int:
+        """A capture keeps no state of the cache."""
+        return 0
+
+    def block_size(self) -> int | None:
+        """Configured, or the first store's page size."""
+        return self._block_size
+
+    def counters(self) -> StreamCounters | None:
+        """A capture counts no index operations."""
+        return None
+
+
+class CaptureStats(msgspec.Struct, kw_only=True):
+    """What one capture did, per stream and in total."""
+
+    seconds: float = 0.0
+    records: int = 0
+    streams: dict[str, dict[str, int]] = {}
+    stopped_by: str = ""  # duration, max-bytes, ctrl-c, write-error, stop (the caller's)
+    error: str = ""  # why writing failed, empty when it did not
+
+
+class Capture:
+    """Subscriptions whose sinks write one recording (an async context manager).
+
+    `stop` is set when a limit is reached or writing fails; the caller waits on it.
+    """
+
+    def __init__(
+        self,
+        writer: RecordingWriter,
+        sources: Sequence[Source],
+        *,
+        max_bytes: int | None = None,
+        settings: IndexerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.writer = writer
+        self.sources = list(sources)
+        self.stats = CaptureStats()
+        self.stop = asyncio.Event()
+        self._max_bytes = max_bytes
+        self._subs = Subscriptions(settings or IndexerConfig(), clock=clock)
+
+    async def __aenter__(self) -> Capture:
+        await self._subs.__aenter__()
+        by_worker: dict[str, list[StreamConfig]] = {}
+        for s in self.sources:
+            by_worker.setdefault(s.worker or s.stream, []).append(_stream_config(s))
+        try:
+            for worker, configs in by_worker.items():
+                self._subs.start(
+                    worker,
+                    configs,
+                    lambda sid, cfg: RecordingSink(sid, self._write, cfg.block_size),
+                )
+        except BaseException:
+            await self._subs.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            self.stats.streams = {
+                st.stream: {
+                    "batches": st.batches,
+                    "gaps": st.gaps,
+                    "replays": st.replays,
+                    "restarts": st.restarts,
+                    "clears": st.clears,
+                    "decode_errors": st.decode_errors,
+                }
+                for st in self.streams()
+            }
+            await self._subs.__aexit__(*exc)
+        finally:
+            try:
+                self.writer.close()
+            except RecordingError as error:
+                self.fail(error)
+
+    def streams(self) -> list[StreamStats]:
+        """State and counters of every captured stream."""
+        return [sub.stats() for sub in self._subs.all()]
+
+    def stop_by(self, reason: str) -> None:
+        """Stop, naming why (the first reason given wins)."""
+        self.stats.stopped_by = self.stats.stopped_by or reason
+        self.stop.set()
+
+    def fail(self, error: RecordingError) -> None:
+        """Writing failed: stop, keep what was written, say why."""
+        self.stats.error = self.stats.error or str(error)
+        self.stop_by("write-error")
+
+    def flush(self) -> None:
+        """Close an open compressed chunk (uncompressed records are out already)."""
+        try:
+            self.writer.flush()
+        except RecordingError as error:
+            self.fail(error)
+
+    def _write(self, stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
+        if self.stop.is_set():
+            return  # stopping: the file ends at the record that reached the limit
+        try:
+            self.writer.write(stream, topic, seq, payload, replayed=replayed)
+        except RecordingError as error:  # disk full, file gone: stop, keep what was written
+            self.fail(error)
+            return
+        self.stats.records += 1
+        if self._max_bytes is not None and self.writer.bytes_written >= self._max_bytes:
+            self.stop_by("max-bytes")
+
+
+def _stream_config(source: Source) -> StreamConfig:
+    return StreamConfig(
+        endpoint=source.endpoint,
+        replay_endpoint=source.replay_endpoint,
+        topic=source.topic,
+        block_size=source.block_size,
+        engine=engine_spec(source.engine).name,
+        dp_rank=source.dp_rank,
+        model=source.model,
+    )
+
+
+async def capture(
+    writer: RecordingWriter,
+    sources: Sequence[Source],
+    *,
+    duration_s: float | None = None,
+    max_bytes: int | None = None,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[Capture], None] | None = None,
+    on_tick: Callable[[Capture], None] | None = None,
+    tick_s: float = 0.5,
+) -> CaptureStats:
+    """Record `sources` until `duration_s`, `max_bytes`, `stop` or a write error.
+
+    Flushes every `tick_s` (and calls `on_tick`, e.g. a progress display). The writer is
+    closed on return, whatever happened, so the file ends at a complete record.
+    """
+    started = time.monotonic()
+    async with Capture(writer, sources, max_bytes=max_bytes) as running:
+        if on_ready is not None:
+            on_ready(running)
+        while not running.stop.is_set():
+            if stop is not None and stop.is_set():
+                running.stop_by("stop")
+                break
+            remaining = None if duration_s is None else started + duration_s - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                running.stop_by("duration")
+                break
+            tick = tick_s if remaining is None else min(tick_s, remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(tick):
+                    await (stop or running.stop).wait()
+            running.flush()
+            if on_tick is not None:
+                on_tick(running)
+    running.stats.seconds = time.monotonic() - started
+    return running.stats
