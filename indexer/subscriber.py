@@ -34,6 +34,10 @@ Sink (`indexer.sink`): every message the subscriber accepts, live or replayed, g
 `StreamSink` in the order it is accepted, malformed payloads included (frames whose seq cannot
 be read are not messages and are not passed on): an `IndexSink` applies it to the index, a
 `RecordingSink` writes it to a recording (`kvroute record`). The sink must not block.
+
+Longer than the house's ~500 lines on purpose: sequence tracking, the epoch fence, refetches
+and restart candidates are one state machine over one stream, read in the order they act; the
+socket work that is not a decision lives in `indexer.replay_client` and `indexer.sink`.
 """
 
 from __future__ import annotations
@@ -54,12 +58,10 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError
 from indexer.health import StreamHealth
 from indexer.protocol.frames import (
-    ReplayEnd,
-    build_replay_request,
     parse_live,
-    parse_replay_reply,
     topic_matches,
 )
+from indexer.replay_client import ReplayClient
 from indexer.sequence import SequenceTracker, SeqVerdict
 from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats
@@ -134,7 +136,7 @@ class StreamSubscriber:
         self._clock = clock
         self._topic = config.topic.encode()
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._replayer: ReplayClient | None = None  # the replay socket, made on first use
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
@@ -230,7 +232,7 @@ class StreamSubscriber:
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
-            self._close_dealer()
+            self._close_replay()
 
     async def _idle(self, poller: zmq.asyncio.Poller, timeout_ms: int | None) -> bool:
         """Wait for a readable socket (True), a requested check or the timeout (False)."""
@@ -442,32 +444,11 @@ class StreamSubscriber:
         AllBlocksCleared lost like any early message) and then stayed idle would keep its old
         entries in the index until it published again: the first request would be routed on them.
         """
-        newest = await self._newest_buffered()
+        newest = await self._replay_client().newest()
         if newest is None or newest >= last:
             return  # the publisher buffers nothing, or a race with new batches: no verdict
         self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
         await self._replay(0)
-
-    async def _newest_buffered(self) -> int | None:
-        """The newest seq the replay socket holds (asking from 0), applying nothing."""
-        dealer = self._get_dealer()
-        newest: int | None = None
-        try:
-            await dealer.send_multipart(build_replay_request(0))
-            while True:
-                async with asyncio.timeout(self.settings.replay_timeout_s):
-                    frames = await dealer.recv_multipart()
-                try:
-                    reply = parse_replay_reply(frames)
-                except ProtocolError:
-                    continue
-                if isinstance(reply, ReplayEnd):
-                    return newest
-                if reply.topic is None or topic_matches(reply.topic, self._topic):
-                    newest = reply.seq if newest is None else max(newest, reply.seq)
-        except TimeoutError:
-            self._close_dealer()  # late replies must not answer the next request
-            return None
 
     async def _replay(self, start: int) -> _ReplayResult:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.
@@ -477,30 +458,12 @@ class StreamSubscriber:
         replayed from 0 at once); an answer that starts later proves nothing, so the stream is
         cleared and rebuilt from what it holds (`continuity` says which).
         """
-        dealer = self._get_dealer()
-        timeout_s = self.settings.replay_timeout_s
         newest: int | None = None
         last = self.tracker.last
         continuing = last is not None and start == last
         continuity = _Continuity.NONE
         try:
-            await dealer.send_multipart(build_replay_request(start))
-            received = 0
-            while True:
-                async with asyncio.timeout(timeout_s):
-                    frames = await dealer.recv_multipart()
-                received += 1
-                if received % self.settings.yield_every == 0:
-                    await asyncio.sleep(0)  # a long replay must not starve the other streams
-                try:
-                    reply = parse_replay_reply(frames)
-                except ProtocolError as exc:
-                    self._malformed(f"bad replay frames: {exc}")
-                    continue
-                if isinstance(reply, ReplayEnd):
-                    break
-                if reply.topic is not None and not topic_matches(reply.topic, self._topic):
-                    continue
+            async for reply in self._replay_client().replies(start):
                 newest = reply.seq if newest is None else max(newest, reply.seq)
                 if continuing and continuity is _Continuity.NONE:
                     continuity = self._check_fence(start, reply.seq, reply.payload)
@@ -529,9 +492,8 @@ class StreamSubscriber:
                 ):
                     self._lose(reply.seq, "its replayed copy does not decode either")
         except TimeoutError:
+            timeout_s = self.settings.replay_timeout_s
             self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")
-            # late replies of this request must not be read as answers to the next one
-            self._close_dealer()
             return _ReplayResult(False, None, continuity)
         if continuity is _Continuity.BROKEN:
             self._restart(f"the publisher's batch {start} is not the one applied: it restarted")
@@ -610,20 +572,22 @@ class StreamSubscriber:
 
     # --------------------------------------------------------------- sockets
 
-    def _get_dealer(self) -> zmq.asyncio.Socket:
-        if self._dealer is None:
+    def _replay_client(self) -> ReplayClient:
+        if self._replayer is None:
             assert self.config.replay_endpoint is not None
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.config.replay_endpoint)
-            self._dealer = dealer
-        return self._dealer
+            self._replayer = ReplayClient(
+                self._ctx,
+                self.config.replay_endpoint,
+                self._topic,
+                timeout_s=self.settings.replay_timeout_s,
+                yield_every=self.settings.yield_every,
+                on_malformed=self._malformed,
+            )
+        return self._replayer
 
-    def _close_dealer(self) -> None:
-        if self._dealer is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._dealer.close(linger=0)
-            self._dealer = None
+    def _close_replay(self) -> None:
+        if self._replayer is not None:
+            self._replayer.close()
 
     # ----------------------------------------------------------------- stats
 
