@@ -23,7 +23,7 @@ from router.errors import AuthError, NotFoundError, RequestError
 from router.intake import read_request
 from router.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
 from router.pool import WorkerEntry, WorkerSummary
-from router.request import Endpoint, check_salt_size
+from router.prompt.request import Endpoint, check_salt_size
 
 __all__ = ["create_admin_app"]
 

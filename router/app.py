@@ -40,11 +40,11 @@ from router.metrics import RouterMetrics
 from router.namespace import Fingerprinter
 from router.policy import build_policy
 from router.pool import WorkerPool
+from router.prompt.request import Endpoint
+from router.prompt.tokenizer import build_tokenizer
 from router.proxy import Proxy
-from router.request import Endpoint
 from router.scheduler import Scheduler
 from router.supervisor import Supervisor
-from router.tokenizer import build_tokenizer
 
 __all__ = ["create_app", "is_loopback"]
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import RequestError
-from router.request import (
+from router.prompt.request import (
     Endpoint,
     ParsedRequest,
     check_salt_size,
@@ -20,7 +20,7 @@ from router.request import (
     parse_body,
     parse_request,
 )
-from router.tokenizer import PromptTokenizer
+from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = ["header_salt", "read_request"]
 

@@ -9,10 +9,10 @@ from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.namespace import Fingerprinter
+from router.prompt.tokenizer import PromptTokenizer
 from router.proxy import Proxy
 from router.scheduler import Scheduler
 from router.supervisor import Supervisor
-from router.tokenizer import PromptTokenizer
 
 __all__ = [
     "CONFIG",

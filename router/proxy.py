@@ -27,9 +27,9 @@ from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
 from router.intake import read_request
 from router.load import Ticket
 from router.metrics import RouterMetrics
-from router.request import Endpoint
+from router.prompt.request import Endpoint
+from router.prompt.tokenizer import PromptTokenizer
 from router.scheduler import Candidate, Scheduler
-from router.tokenizer import PromptTokenizer
 
 __all__ = ["MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
 

@@ -18,7 +18,7 @@ from router.load import LoadTracker, Ticket
 from router.namespace import Fingerprinter, request_namespace
 from router.policy import Policy, WorkerView, effective_hit
 from router.pool import WorkerPool, WorkerStatus
-from router.request import ParsedRequest
+from router.prompt.request import ParsedRequest
 
 __all__ = ["Candidate", "Plan", "Scheduler", "unindexed_reason"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from router.config import LimitsConfig
 from router.errors import RequestError
-from router.request import parse_body
+from router.prompt.request import parse_body
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses, request_bytes
 from tests.router.conftest import TOKEN, router_config

@@ -14,9 +14,9 @@ from router.load import LoadTracker
 from router.namespace import Fingerprinter
 from router.policy import build_policy
 from router.pool import WorkerPool
-from router.request import Endpoint, parse_request
+from router.prompt.request import Endpoint, parse_request
+from router.prompt.tokenizer import build_tokenizer
 from router.scheduler import Scheduler
-from router.tokenizer import build_tokenizer
 
 TOK = build_tokenizer(TokenizerConfig())
 

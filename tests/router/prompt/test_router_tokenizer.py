@@ -10,7 +10,7 @@ import pytest
 from indexer.protocol.tokens import ByteTokenizer, render_chat
 from router.config import TokenizerConfig
 from router.errors import ConfigError
-from router.tokenizer import build_tokenizer
+from router.prompt.tokenizer import build_tokenizer
 
 
 def test_byte_tokenizer_matches_the_workers() -> None:

@@ -24,8 +24,8 @@ import msgspec
 from indexer.protocol.tokens import ChatTemplateError
 from router.config import LimitsConfig
 from router.errors import RequestError
-from router.nesting import nests_deeper
-from router.tokenizer import PromptTokenizer
+from router.prompt.nesting import nests_deeper
+from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = [
     "ChatEngine",
@@ -73,7 +73,7 @@ _LIMITS = LimitsConfig()
 def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     """The JSON object of a request body, or a RequestError saying what is wrong.
 
-    Nesting is bounded by `limits.max_json_depth` (see `router.nesting` for why).
+    Nesting is bounded by `limits.max_json_depth` (see `router.prompt.nesting` for why).
     """
     too_deep = RequestError(
         f"request body nests JSON deeper than limits.max_json_depth ({limits.max_json_depth})"

@@ -9,8 +9,8 @@ import pytest
 from indexer.protocol.tokens import ByteTokenizer, render_chat
 from router.config import TokenizerConfig
 from router.errors import RequestError
-from router.request import Endpoint, detect_endpoint, parse_body, parse_request
-from router.tokenizer import build_tokenizer
+from router.prompt.request import Endpoint, detect_endpoint, parse_body, parse_request
+from router.prompt.tokenizer import build_tokenizer
 
 TOK = build_tokenizer(TokenizerConfig())
 BYTES = ByteTokenizer()

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from indexer.protocol.tokens import ByteTokenizer, ChatTemplateError, render_chat
-from router import chat_template as chat_template_module
-from router.chat_template import ModelChatTemplate, detect_content_format, special_tokens
 from router.config import TokenizerConfig, parse_config
 from router.errors import ConfigError
-from router.tokenizer import build_tokenizer, load_chat_template
+from router.prompt import chat_template as chat_template_module
+from router.prompt.chat_template import ModelChatTemplate, detect_content_format, special_tokens
+from router.prompt.tokenizer import build_tokenizer, load_chat_template
 from tests.router.chat_routing import (
     FIXTURES,
     MODELS,
@@ -265,7 +265,7 @@ def test_auto_without_a_model_template_warns_and_falls_back(
 ) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     config = TokenizerConfig(kind="hf", path=str(tmp_path / "tokenizer.json"))
-    with caplog.at_level(logging.WARNING, logger="router.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="router.prompt.tokenizer"):
         assert load_chat_template(config) is None
     assert "will not match" in caplog.text and "tokenizer.chat_template" in caplog.text
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from router.chat_template import ModelChatTemplate
 from router.config import TokenizerConfig
 from router.errors import RequestError
-from router.request import ChatEngine, ChatOptions, Endpoint, chat_options, parse_request
-from router.tokenizer import build_tokenizer
+from router.prompt.chat_template import ModelChatTemplate
+from router.prompt.request import ChatEngine, ChatOptions, Endpoint, chat_options, parse_request
+from router.prompt.tokenizer import build_tokenizer
 from tests.router.chat_routing import (
     FIXTURES,
     MODELS,

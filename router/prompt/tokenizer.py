@@ -5,8 +5,9 @@ Two kinds: the built-in byte tokenizer the reference workers use (no files), and
 only when configured.
 
 Chat requests are rendered into text first, with one of two templates:
-- the model's own Jinja chat template (`router.chat_template`), what SGLang and vLLM render with;
-  its text is encoded without added special tokens, since the template writes BOS itself;
+- the model's own Jinja chat template (`router.prompt.chat_template`), what SGLang and vLLM
+  render with; its text is encoded without added special tokens, since the template writes BOS
+  itself;
 - kvroute's built-in template (`indexer.protocol.tokens.render_chat`), what the reference workers
   render with, encoded after a BOS token.
 `tokenizer.chat_template` picks one (see `router.config.TokenizerConfig`).
@@ -26,8 +27,8 @@ from router.errors import ConfigError
 
 if TYPE_CHECKING:
     # jinja2 comes with the optional extra: imported only when a model template is configured
-    from router.chat_template import ModelChatTemplate
-    from router.request import ChatOptions
+    from router.prompt.chat_template import ModelChatTemplate
+    from router.prompt.request import ChatOptions
 
 __all__ = ["BUILTIN_TEMPLATE", "PromptTokenizer", "build_tokenizer", "load_chat_template"]
 
@@ -103,7 +104,7 @@ def load_chat_template(config: TokenizerConfig) -> ModelChatTemplate | None:
     if choice == BUILTIN_TEMPLATE or (not choice and config.kind == "byte"):
         return None
     try:
-        from router.chat_template import ModelChatTemplate
+        from router.prompt.chat_template import ModelChatTemplate
     except ImportError as exc:
         raise ConfigError(
             "model chat templates need jinja2, from the optional extra: pip install 'kvroute[hf]'"

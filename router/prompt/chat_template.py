@@ -20,7 +20,7 @@ never matches the blocks the engine published. So this module mirrors, without i
   ("content format", detected from the template's syntax tree as both engines do), and how list
   content is flattened for string templates (SGLang joins text parts with a space, vLLM with a
   newline);
-- what each engine's OpenAI layer passes besides the messages (`router.request.ChatOptions`):
+- what each engine's OpenAI layer passes besides the messages (`router.prompt.request.ChatOptions`):
   the request's `tools` as its pydantic models dump them (SGLang drops them for
   `tool_choice: "none"` and keeps only the named one for a named choice; vLLM passes them all),
   `chat_template_kwargs`, `reasoning_effort` and the thinking switches it implies, `documents`,
@@ -55,7 +55,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from indexer.protocol.tokens import ChatTemplateError, checked_messages
 from router.errors import ConfigError
-from router.request import ChatEngine, ChatOptions
+from router.prompt.request import ChatEngine, ChatOptions
 
 __all__ = [
     "MAX_RENDERED_CHARS",
