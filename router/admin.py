@@ -1,7 +1,7 @@
 """The admin API under /admin: workers, namespaces, streams, route dry run, index dump.
 
 A sub-application with its own bearer-token middleware. Salts never leave the router: namespaces
-are shown and addressed by keyed fingerprint (`router.namespace`), and an eviction by
+are shown and addressed by keyed fingerprint (`router.routing.namespace`), and an eviction by
 `cache_salt` answers with fingerprints only.
 """
 
@@ -22,8 +22,8 @@ from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
 from router.intake import read_request
 from router.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
-from router.pool import WorkerEntry, WorkerSummary
 from router.prompt.request import Endpoint, check_salt_size
+from router.routing.pool import WorkerEntry, WorkerSummary
 
 __all__ = ["create_admin_app"]
 

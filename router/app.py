@@ -35,15 +35,15 @@ from router.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.load import LoadTracker
 from router.metrics import RouterMetrics
-from router.namespace import Fingerprinter
-from router.policy import build_policy
-from router.pool import WorkerPool
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
 from router.proxy import Proxy
-from router.scheduler import Scheduler
+from router.routing.load import LoadTracker
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Scheduler
+from router.routing.policy import build_policy
+from router.routing.pool import WorkerPool
 from router.supervisor import Supervisor
 
 __all__ = ["create_app", "is_loopback"]

@@ -8,10 +8,10 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.namespace import Fingerprinter
 from router.prompt.tokenizer import PromptTokenizer
 from router.proxy import Proxy
-from router.scheduler import Scheduler
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Scheduler
 from router.supervisor import Supervisor
 
 __all__ = [

@@ -25,11 +25,11 @@ from multidict import CIMultiDict
 from router.config import RouterConfig
 from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
 from router.intake import read_request
-from router.load import Ticket
 from router.metrics import RouterMetrics
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import PromptTokenizer
-from router.scheduler import Candidate, Scheduler
+from router.routing.load import Ticket
+from router.routing.planner import Candidate, Scheduler
 
 __all__ = ["MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
 

@@ -15,7 +15,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.keys import INDEXER, SCHEDULER, SUPERVISOR
 from router.listener import RouterRunner
-from router.scheduler import Scheduler
+from router.routing.planner import Scheduler
 from router.supervisor import Supervisor
 
 __all__ = ["RouterService"]

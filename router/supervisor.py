@@ -21,10 +21,10 @@ from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.discovery import needs_discovery, streams_for
 from router.errors import RequestError
-from router.load import LoadTracker
 from router.metrics import RouterMetrics
-from router.policy import Policy
-from router.pool import WorkerEntry, WorkerPool
+from router.routing.load import LoadTracker
+from router.routing.policy import Policy
+from router.routing.pool import WorkerEntry, WorkerPool
 
 __all__ = ["Supervisor"]
 

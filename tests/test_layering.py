@@ -83,6 +83,6 @@ def test_the_checker_catches_violations() -> None:
     assert _violations("workers.cache", "indexer.index") is not None
     assert _violations("workers.cache", "router.config") is not None
     assert _violations("workers.cache", "indexer.protocol.events") is None
-    assert _violations("router.policy", "workers.cache") is not None
+    assert _violations("router.routing.policy", "workers.cache") is not None
     assert _violations("router.cli", "workers.command") is None
     assert _violations("router.app", "indexer.index") is None

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from router.breaker import BreakerState
 from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
+from router.routing.breaker import BreakerState
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 

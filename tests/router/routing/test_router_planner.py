@@ -10,13 +10,13 @@ import pytest
 
 from indexer.service import IndexerService, Namespace, StreamConfig
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
-from router.load import LoadTracker
-from router.namespace import Fingerprinter
-from router.policy import build_policy
-from router.pool import WorkerPool
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
-from router.scheduler import Scheduler
+from router.routing.load import LoadTracker
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Scheduler
+from router.routing.policy import build_policy
+from router.routing.pool import WorkerPool
 
 TOK = build_tokenizer(TokenizerConfig())
 

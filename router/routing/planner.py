@@ -14,11 +14,11 @@ import msgspec
 
 from indexer.service import UNTRUSTED, IndexerService, Namespace, StreamState, WorkerMatch
 from router.config import PolicyConfig
-from router.load import LoadTracker, Ticket
-from router.namespace import Fingerprinter, request_namespace
-from router.policy import Policy, WorkerView, effective_hit
-from router.pool import WorkerPool, WorkerStatus
 from router.prompt.request import ParsedRequest
+from router.routing.load import LoadTracker, Ticket
+from router.routing.namespace import Fingerprinter, request_namespace
+from router.routing.policy import Policy, WorkerView, effective_hit
+from router.routing.pool import WorkerPool, WorkerStatus
 
 __all__ = ["Candidate", "Plan", "Scheduler", "unindexed_reason"]
 

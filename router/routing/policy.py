@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from router.approx_tree import ApproxTree
 from router.config import PolicyConfig
+from router.routing.approx_tree import ApproxTree
 
 __all__ = [
     "ApproxTreePolicy",

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from router.config import PolicyConfig
-from router.policy import (
+from router.routing.policy import (
     ApproxTreePolicy,
     KvPolicy,
     LeastLoadPolicy,

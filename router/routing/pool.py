@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import msgspec
 
-from router.breaker import BreakerState, CircuitBreaker
 from router.config import BreakerConfig, WorkerConfig
 from router.errors import ConflictError, NotFoundError
+from router.routing.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["WorkerEntry", "WorkerPool", "WorkerStatus", "WorkerSummary"]
 
