@@ -24,6 +24,7 @@ from indexer.service import IndexerConfig, IndexerService
 from router.admin import create_admin_app
 from router.config import RouterConfig
 from router.errors import ConfigError, RouterError
+from router.fleet.supervisor import Supervisor
 from router.keys import (
     CONFIG,
     FINGERPRINT,
@@ -44,7 +45,6 @@ from router.routing.namespace import Fingerprinter
 from router.routing.planner import Scheduler
 from router.routing.policy import build_policy
 from router.routing.pool import WorkerPool
-from router.supervisor import Supervisor
 
 __all__ = ["create_app", "is_loopback"]
 

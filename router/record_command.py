@@ -139,7 +139,7 @@ def _sources(args: argparse.Namespace) -> list[Source]:
 def _config_sources(path: Path) -> list[Source]:
     """Every KV-event stream of a router config (asking `/server_info` for what it omits)."""
     from router.config import load_config
-    from router.discovery import needs_discovery, streams_for
+    from router.fleet.discovery import needs_discovery, streams_for
 
     config = load_config(path)
     sources: list[Source] = []

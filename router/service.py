@@ -13,10 +13,10 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.app import create_app
 from router.config import RouterConfig
+from router.fleet.supervisor import Supervisor
 from router.keys import INDEXER, SCHEDULER, SUPERVISOR
 from router.listener import RouterRunner
 from router.routing.planner import Scheduler
-from router.supervisor import Supervisor
 
 __all__ = ["RouterService"]
 

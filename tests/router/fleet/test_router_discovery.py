@@ -7,8 +7,8 @@ import json
 import pytest
 
 from router.config import WorkerConfig
-from router.discovery import needs_discovery, streams_for
 from router.errors import RequestError
+from router.fleet.discovery import needs_discovery, streams_for
 
 
 def test_a_fully_configured_worker_needs_no_discovery() -> None:

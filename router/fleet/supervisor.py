@@ -19,8 +19,8 @@ import msgspec
 from indexer.engines import SGLANG, EngineSpec, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
-from router.discovery import needs_discovery, streams_for
 from router.errors import RequestError
+from router.fleet.discovery import needs_discovery, streams_for
 from router.metrics import RouterMetrics
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
