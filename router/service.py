@@ -11,11 +11,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from indexer.service import IndexerService
-from router.app import create_app
 from router.config import RouterConfig
 from router.fleet.supervisor import Supervisor
-from router.keys import INDEXER, SCHEDULER, SUPERVISOR
-from router.listener import RouterRunner
+from router.http.app import create_app
+from router.http.keys import INDEXER, SCHEDULER, SUPERVISOR
+from router.http.listener import RouterRunner
 from router.routing.planner import Scheduler
 
 __all__ = ["RouterService"]

@@ -78,11 +78,11 @@ def test_imports_respect_the_layering(path: Path) -> None:
 
 
 def test_the_checker_catches_violations() -> None:
-    assert _violations("indexer.index", "router.app") is not None
+    assert _violations("indexer.index", "router.http.app") is not None
     assert _violations("indexer.index", "workers.cache") is not None
     assert _violations("workers.cache", "indexer.index") is not None
     assert _violations("workers.cache", "router.config") is not None
     assert _violations("workers.cache", "indexer.protocol.events") is None
     assert _violations("router.routing.policy", "workers.cache") is not None
     assert _violations("router.cli", "workers.command") is None
-    assert _violations("router.app", "indexer.index") is None
+    assert _violations("router.http.app", "indexer.index") is None

@@ -21,7 +21,7 @@ from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.discovery import needs_discovery, streams_for
-from router.metrics import RouterMetrics
+from router.http.metrics import RouterMetrics
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool

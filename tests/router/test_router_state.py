@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.metrics import RouterMetrics
+from router.http.metrics import RouterMetrics
 from router.routing.approx_tree import ApproxTree
 from router.routing.breaker import BreakerState, CircuitBreaker
 from router.routing.load import LoadTracker

@@ -24,8 +24,8 @@ from multidict import CIMultiDict
 
 from router.config import RouterConfig
 from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
-from router.intake import read_request
-from router.metrics import RouterMetrics
+from router.http.intake import read_request
+from router.http.metrics import RouterMetrics
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from router.config import LimitsConfig
-from router.listener import RefusalLog
+from router.http.listener import RefusalLog
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses, request_bytes, wait_eof
 from tests.router.conftest import router_config
@@ -246,7 +246,7 @@ async def test_malformed_requests_never_log_the_salt_and_log_one_line_per_interv
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     lines = [r for r in caplog.records if "bad HTTP request" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]
-    assert lines[0].name == "router.listener" and lines[0].levelno == logging.WARNING
+    assert lines[0].name == "router.http.listener" and lines[0].levelno == logging.WARNING
 
 
 def test_the_refusal_log_counts_what_it_held_back() -> None:

@@ -20,8 +20,8 @@ from aiohttp.typedefs import Middleware
 from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
-from router.intake import read_request
-from router.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
+from router.http.intake import read_request
+from router.http.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
 from router.prompt.request import Endpoint, check_salt_size
 from router.routing.pool import WorkerEntry, WorkerSummary
 

@@ -8,9 +8,9 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.fleet.supervisor import Supervisor
-from router.metrics import RouterMetrics
+from router.http.metrics import RouterMetrics
+from router.http.proxy import Proxy
 from router.prompt.tokenizer import PromptTokenizer
-from router.proxy import Proxy
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Scheduler
 

@@ -8,9 +8,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.app import create_app
 from router.config import AdminConfig, ListenConfig, RouterConfig
 from router.errors import ConfigError
+from router.http.app import create_app
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
 

@@ -21,11 +21,11 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
-from router.admin import create_admin_app
 from router.config import RouterConfig
 from router.errors import ConfigError, RouterError
 from router.fleet.supervisor import Supervisor
-from router.keys import (
+from router.http.admin import create_admin_app
+from router.http.keys import (
     CONFIG,
     FINGERPRINT,
     INDEXER,
@@ -36,10 +36,10 @@ from router.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.metrics import RouterMetrics
+from router.http.metrics import RouterMetrics
+from router.http.proxy import Proxy
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
-from router.proxy import Proxy
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Scheduler
