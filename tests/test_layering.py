@@ -10,7 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("indexer", "workers", "router", "bench")
 # router may start embedded workers only from its CLI verbs
-ROUTER_MODULES_ALLOWED_WORKERS = {"router.cli", "router.up", "router.serve"}
+ROUTER_MODULES_ALLOWED_WORKERS = {
+    "router.commands.cli",
+    "router.commands.up",
+    "router.commands.serve",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -84,5 +88,5 @@ def test_the_checker_catches_violations() -> None:
     assert _violations("workers.cache", "router.config") is not None
     assert _violations("workers.cache", "indexer.protocol.events") is None
     assert _violations("router.routing.policy", "workers.cache") is not None
-    assert _violations("router.cli", "workers.command") is None
+    assert _violations("router.commands.cli", "workers.command") is None
     assert _violations("router.http.app", "indexer.index") is None

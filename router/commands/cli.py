@@ -24,11 +24,11 @@ class _Verb(Protocol):
 
 # verb -> (module, one-line help)
 _VERBS: dict[str, tuple[str, str]] = {
-    "up": ("router.up", "run an embedded fleet of reference workers and the router"),
-    "serve": ("router.serve", "run the router in front of an existing fleet (--config)"),
+    "up": ("router.commands.up", "run an embedded fleet of reference workers and the router"),
+    "serve": ("router.commands.serve", "run the router in front of an existing fleet (--config)"),
     "worker": ("workers.command", "run one reference worker"),
-    "record": ("router.record_command", "record KV-event streams to a file"),
-    "replay": ("router.replay_command", "replay a recorded file into an index or a PUB socket"),
+    "record": ("router.commands.record", "record KV-event streams to a file"),
+    "replay": ("router.commands.replay", "replay a recorded file into an index or a PUB socket"),
     "bench": ("bench.command", "run benchmarks and write reports to docs/benchmarks/"),
 }
 

@@ -18,7 +18,7 @@ async def _run(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         "serve",
         *args,
         stdout=asyncio.subprocess.PIPE,
@@ -74,7 +74,8 @@ async def test_serve_under_a_low_descriptor_limit_refuses_idle_floods_and_stays_
     # logged 15,827 "Too many open files" lines
     config = tmp_path / "router.toml"
     config.write_text("[listen]\nport = 0\n[limits]\nidle_timeout_s = 1.0\n")
-    command = f"ulimit -n 256 && exec {shlex.quote(sys.executable)} -m router.cli serve --config "
+    python = shlex.quote(sys.executable)
+    command = f"ulimit -n 256 && exec {python} -m router.commands.cli serve --config "
     proc = await asyncio.create_subprocess_exec(
         "bash",
         "-c",

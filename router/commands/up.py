@@ -16,10 +16,10 @@ from typing import Any, get_args
 
 import msgspec
 
+from router.commands.serve import apply_overrides, serve_fleet
 from router.config import PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
-from router.serve import apply_overrides, serve_fleet
 from workers.command import (
     add_worker_options,
     config_from_args,
@@ -111,7 +111,7 @@ def _config_path(name: str) -> Path:
     """The config as given, else the copy shipped beside the package (run from anywhere)."""
     path = Path(name)
     if not path.exists() and not path.is_absolute():
-        shipped = Path(__file__).resolve().parent.parent / name
+        shipped = Path(__file__).resolve().parents[2] / name
         if shipped.exists():
             return shipped
     return path

@@ -28,7 +28,7 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         "up",
         "--router-port",
         "0",
@@ -85,7 +85,7 @@ async def test_an_unknown_fleet_key_is_refused(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         "up",
         "--config",
         str(config),
@@ -102,7 +102,7 @@ async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Pa
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         "up",
         "--config",
         str(config),

@@ -31,8 +31,8 @@ from indexer.protocol.events import Cleared, Removed, Stored
 from indexer.recording import RecordingError, RecordingReader, RecordingWriter, Source
 from indexer.replayer import replay_into_index
 from indexer.service import IndexerService, stream_id
+from router.commands.replay import print_summary
 from router.errors import RouterError
-from router.replay_command import print_summary
 
 __all__ = ["RecordStats", "add_arguments", "record", "run"]
 
