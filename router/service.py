@@ -14,9 +14,9 @@ from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.fleet.supervisor import Supervisor
 from router.http.app import create_app
-from router.http.keys import INDEXER, SCHEDULER, SUPERVISOR
+from router.http.keys import INDEXER, PLANNER, SUPERVISOR
 from router.http.listener import RouterRunner
-from router.routing.planner import Scheduler
+from router.routing.planner import Planner
 
 __all__ = ["RouterService"]
 
@@ -68,9 +68,9 @@ class RouterService:
         return f"http://{host}:{self._port}"
 
     @property
-    def scheduler(self) -> Scheduler:
+    def planner(self) -> Planner:
         """The routing core (pool, load, policy, indexer) of the running router."""
-        return self.app[SCHEDULER]
+        return self.app[PLANNER]
 
     @property
     def supervisor(self) -> Supervisor:

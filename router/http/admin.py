@@ -21,7 +21,7 @@ from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
 from router.http.intake import read_request
-from router.http.keys import CONFIG, FINGERPRINT, INDEXER, SCHEDULER, SESSION, SUPERVISOR, TOKENIZER
+from router.http.keys import CONFIG, FINGERPRINT, INDEXER, PLANNER, SESSION, SUPERVISOR, TOKENIZER
 from router.prompt.request import Endpoint, check_salt_size
 from router.routing.pool import WorkerEntry, WorkerSummary
 
@@ -74,9 +74,9 @@ def _token_middleware(token: str) -> Middleware:
 
 
 def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
-    scheduler = request.config_dict[SCHEDULER]
-    now = scheduler.clock()
-    load = scheduler.load.of(entry.id)
+    planner = request.config_dict[PLANNER]
+    now = planner.clock()
+    load = planner.load.of(entry.id)
     return WorkerSummary(
         id=entry.id,
         url=entry.url,
@@ -96,7 +96,7 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
 
 async def list_workers(request: web.Request) -> web.Response:
     """GET /admin/workers."""
-    pool = request.config_dict[SCHEDULER].pool
+    pool = request.config_dict[PLANNER].pool
     return _reply({"workers": [_summary(request, e) for e in pool]})
 
 
@@ -116,7 +116,7 @@ async def delete_worker(request: web.Request) -> web.Response:
 async def drain_worker(request: web.Request) -> web.Response:
     """POST /admin/workers/{id}/drain: no new requests; in-flight ones finish."""
     body = _decode(await request.read(), DrainRequest)
-    entry = request.config_dict[SCHEDULER].pool.get(request.match_info["id"])
+    entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
     entry.draining = body.drain
     return _reply(_summary(request, entry))
 
@@ -183,7 +183,7 @@ async def evict_namespace(request: web.Request) -> web.Response:
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker
         session = request.config_dict[SESSION]
-        entries = list(request.config_dict[SCHEDULER].pool)
+        entries = list(request.config_dict[PLANNER].pool)
         results = await asyncio.gather(*(_flush(session, e.url, salt) for e in entries))
         flushed = {e.id: result for e, result in zip(entries, results, strict=True)}
     return _reply(
@@ -216,7 +216,7 @@ async def route_dry_run(request: web.Request) -> web.Response:
     # the proxy's own intake: a dry run accepts exactly what the proxy accepts
     config = request.config_dict[CONFIG]
     parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
-    plan = request.config_dict[SCHEDULER].plan(parsed)
+    plan = request.config_dict[PLANNER].plan(parsed)
     return _reply(
         {
             "worker": plan.worker,

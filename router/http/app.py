@@ -30,8 +30,8 @@ from router.http.keys import (
     FINGERPRINT,
     INDEXER,
     METRICS,
+    PLANNER,
     PROXY,
-    SCHEDULER,
     SESSION,
     SUPERVISOR,
     TOKENIZER,
@@ -42,7 +42,7 @@ from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
-from router.routing.planner import Scheduler
+from router.routing.planner import Planner
 from router.routing.policy import build_policy
 from router.routing.pool import WorkerPool
 
@@ -119,9 +119,9 @@ def _proxy_handler(endpoint: Endpoint) -> _Handler:
 
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while at least one worker takes traffic, else 503."""
-    scheduler = request.app[SCHEDULER]
-    now = scheduler.clock()
-    workers = list(scheduler.pool)
+    planner = request.app[PLANNER]
+    now = planner.clock()
+    workers = list(planner.pool)
     ready = sum(1 for w in workers if w.routable(now))
     body = {"status": "ok" if ready else "no_worker", "workers": len(workers), "routable": ready}
     return web.Response(
@@ -131,10 +131,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     """GET /v1/models: the first routable worker's answer, else the configured models."""
-    scheduler = request.app[SCHEDULER]
-    now = scheduler.clock()
+    planner = request.app[PLANNER]
+    now = planner.clock()
     session = request.app[SESSION]
-    for entry in scheduler.pool:
+    for entry in planner.pool:
         if not entry.routable(now):
             continue
         try:
@@ -145,7 +145,7 @@ async def models(request: web.Request) -> web.Response:
                     return web.Response(body=await resp.read(), content_type="application/json")
         except (aiohttp.ClientError, TimeoutError):
             continue
-    names = sorted({w.config.model for w in scheduler.pool if w.config.model})
+    names = sorted({w.config.model for w in planner.pool if w.config.model})
     data = [{"id": name, "object": "model", "owned_by": "kvroute"} for name in names]
     return web.Response(
         body=_json.encode({"object": "list", "data": data}), content_type="application/json"
@@ -179,15 +179,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         pool = WorkerPool(config.breaker)
         load = LoadTracker()
         app[METRICS].export_in_flight(load.running)
-        scheduler = Scheduler(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
+        planner = Planner(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
         supervisor = Supervisor(
-            pool, indexer, session, config.health, policy, load, app[METRICS], scheduler.clock
+            pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock
         )
         app[SESSION] = session
         app[INDEXER] = indexer
-        app[SCHEDULER] = scheduler
+        app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
-        app[PROXY] = Proxy(config, scheduler, session, app[TOKENIZER], app[METRICS])
+        app[PROXY] = Proxy(config, planner, session, app[TOKENIZER], app[METRICS])
         for worker in config.workers:
             pool.add(worker)
         await asyncio.gather(*(supervisor.try_register(entry) for entry in pool))

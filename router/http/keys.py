@@ -12,15 +12,15 @@ from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
-from router.routing.planner import Scheduler
+from router.routing.planner import Planner
 
 __all__ = [
     "CONFIG",
     "FINGERPRINT",
     "INDEXER",
     "METRICS",
+    "PLANNER",
     "PROXY",
-    "SCHEDULER",
     "SESSION",
     "SUPERVISOR",
     "TOKENIZER",
@@ -32,6 +32,6 @@ TOKENIZER = web.AppKey("tokenizer", PromptTokenizer)
 FINGERPRINT = web.AppKey("fingerprint", Fingerprinter)
 INDEXER = web.AppKey("indexer", IndexerService)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-SCHEDULER = web.AppKey("scheduler", Scheduler)
+PLANNER = web.AppKey("planner", Planner)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)

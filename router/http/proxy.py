@@ -29,7 +29,7 @@ from router.http.metrics import RouterMetrics
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket
-from router.routing.planner import Candidate, Scheduler
+from router.routing.planner import Candidate, Planner
 
 __all__ = ["MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
 
@@ -82,13 +82,13 @@ class Proxy:
     def __init__(
         self,
         config: RouterConfig,
-        scheduler: Scheduler,
+        planner: Planner,
         session: aiohttp.ClientSession,
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
     ) -> None:
         self._config = config
-        self._scheduler = scheduler
+        self._planner = planner
         self._session = session
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -102,9 +102,9 @@ class Proxy:
         """Route one generation request and stream the chosen worker's answer back."""
         started = time.perf_counter()
         parsed = await read_request(request, endpoint, self._config, self._tokenizer)
-        scheduler = self._scheduler
-        ns = scheduler.namespace(parsed)
-        plan = scheduler.plan(parsed, ns)
+        planner = self._planner
+        ns = planner.namespace(parsed)
+        plan = planner.plan(parsed, ns)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
@@ -116,14 +116,14 @@ class Proxy:
         for attempt in range(attempts):
             if attempt:
                 # re-rank: health, drains and loads may have changed since the last attempt
-                plan = scheduler.plan(parsed, ns)
+                plan = planner.plan(parsed, ns)
             untried = [c for c in plan.ranked() if c.worker not in tried]
             if not untried:
                 break
             candidate = untried[0]
             tried.add(candidate.worker)
             last_try = attempt == attempts - 1 or len(untried) == 1
-            ticket = scheduler.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
+            ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
             try:
                 response = await self._forward(
                     request, endpoint, parsed.body, candidate, ticket, deadline, last_try=last_try
@@ -135,7 +135,7 @@ class Proxy:
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
             finally:
-                scheduler.load.end(ticket)
+                planner.load.end(ticket)
             self._metrics.record(
                 endpoint.value,
                 candidate.worker,
@@ -148,12 +148,12 @@ class Proxy:
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
     def _failed(self, worker: str, *, hard: bool) -> None:
-        entry = self._scheduler.pool.find(worker)
+        entry = self._planner.pool.find(worker)
         if entry is not None:
             entry.breaker.failure(time.monotonic(), hard=hard)
 
     def _succeeded(self, worker: str) -> None:
-        entry = self._scheduler.pool.find(worker)
+        entry = self._planner.pool.find(worker)
         if entry is not None:
             entry.breaker.success()
 
@@ -226,13 +226,13 @@ class Proxy:
         )
         if not streaming:
             payload = await upstream.read()
-            self._scheduler.load.first_byte(ticket)
+            self._planner.load.first_byte(ticket)
             if upstream.status < 500:
                 self._succeeded(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
         # wait for the first chunk before committing headers: until then, a retry is legal
         first = await upstream.content.readany()
-        self._scheduler.load.first_byte(ticket)
+        self._planner.load.first_byte(ticket)
         return await self._stream(request, upstream, out, first, candidate.worker)
 
     async def _stream(

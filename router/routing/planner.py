@@ -2,7 +2,8 @@
 
 `plan` is read-only (it backs the `/admin/route` dry run as well as real routing); `commit`
 is the one place a real decision changes state: pending index entries (kv policy), the policy's
-memory, and the in-flight load.
+memory, and the in-flight load. It picks the worker and nothing else: the batch scheduling of
+a worker's requests is the workers' business (`workers.scheduler` in the reference worker).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Policy, WorkerView, effective_hit
 from router.routing.pool import WorkerPool, WorkerStatus
 
-__all__ = ["Candidate", "Plan", "Scheduler", "unindexed_reason"]
+__all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -80,7 +81,7 @@ _NO_MATCH = WorkerMatch(
 )
 
 
-class Scheduler:
+class Planner:
     """Plans and commits routing decisions for a pool of workers."""
 
     def __init__(

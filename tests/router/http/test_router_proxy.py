@@ -165,7 +165,7 @@ async def test_client_disconnect_cancels_the_upstream_request(
 
 
 async def _running(router: RouterService, worker: str, n: int) -> bool:
-    return router.scheduler.load.of(worker).running == n
+    return router.planner.load.of(worker).running == n
 
 
 async def test_a_5xx_is_retried_on_the_next_worker(
@@ -204,14 +204,14 @@ async def test_a_refused_connection_is_retried_and_opens_the_circuit(
         health=HealthConfig(interval_s=60.0, timeout_s=0.5),
     )
     async with RouterService(config) as router:
-        entry = router.scheduler.pool.get("a")
+        entry = router.planner.pool.get("a")
         assert entry.healthy
         await a.stop()  # the worker process is gone: its port refuses connections
         for _ in range(2):  # round robin: one of the two requests goes to a first
             async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
                 assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b"
         assert entry.healthy  # not the health check: the refused attempt opened the circuit
-        assert entry.breaker.state(router.scheduler.clock()) is BreakerState.OPEN
+        assert entry.breaker.state(router.planner.clock()) is BreakerState.OPEN
         assert len(b.bodies) == 2
 
 
@@ -353,7 +353,7 @@ async def test_a_bug_is_a_json_500_not_a_crash(
         def broken(*args: object, **kwargs: object) -> None:
             raise RuntimeError("a bug")  # a fault no real input produces
 
-        monkeypatch.setattr(router.scheduler, "plan", broken)
+        monkeypatch.setattr(router.planner, "plan", broken)
         async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 500
             assert (await resp.json())["error"]["type"] == "InternalError"
@@ -377,8 +377,8 @@ async def test_a_stream_cut_by_the_request_deadline_does_not_open_the_circuit(
                 await resp.content.read()  # cut, not cleanly ended, when the deadline passes
         await asyncio.wait_for(a.disconnected.wait(), 5)
         # a long answer is no sign of a dead worker: one soft failure, the circuit stays closed
-        entry = router.scheduler.pool.get("a")
-        assert entry.breaker.failures == 1 and entry.routable(router.scheduler.clock())
+        entry = router.planner.pool.get("a")
+        assert entry.breaker.failures == 1 and entry.routable(router.planner.clock())
 
 
 async def test_rejections_are_labelled_by_route_not_by_raw_path(
