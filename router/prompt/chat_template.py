@@ -15,19 +15,16 @@ never matches the blocks the engine published. So this module mirrors, without i
   `chat_template_kwargs` and the named special tokens (`bos_token`, `eos_token`, ...), whose
   config values may be strings or AddedToken dicts with a `"content"` (kwargs override tokens);
 - the message normalization of `transformers` >= 5 (keys whose value is null are dropped, a
-  message's reasoning is also offered as `reasoning_content` and `thinking`) and of the engine's
-  OpenAI layer: whether the template wants `content` as a string or as a list of typed parts
-  ("content format", detected from the template's syntax tree as both engines do), and how list
-  content is flattened for string templates (SGLang joins text parts with a space, vLLM with a
-  newline);
-- what each engine's OpenAI layer passes besides the messages (`router.prompt.request.ChatOptions`):
-  the request's `tools` as its pydantic models dump them (SGLang drops them for
-  `tool_choice: "none"` and keeps only the named one for a named choice; vLLM passes them all),
-  `chat_template_kwargs`, `reasoning_effort` and the thinking switches it implies, `documents`,
-  vLLM's `add_generation_prompt`/`continue_final_message` and SGLang's `continue_final_message`;
-  SGLang's retry with function-only tool schemas when the first render fails; a tokenizer
-  config's `tool_use` named template, chosen when tools are passed; and the assistant
-  `tool_calls` arguments both engines parse from JSON strings into objects.
+  message's reasoning is also offered as `reasoning_content` and `thinking`), after the engine's
+  OpenAI layer prepared the messages (`router.prompt.messages`) for the content the template
+  wants: a string or a list of typed parts ("content format", detected from the template's
+  syntax tree as both engines do);
+- what each engine's OpenAI layer passes besides the messages (`ChatOptions`, derived by the
+  engine's `ChatConvention` in `router.prompt.conventions`): the request's `tools` as its
+  pydantic models dump them, `chat_template_kwargs`, `reasoning_effort`, `documents`, the
+  generation prompt and the continuation of a final message; SGLang's retry with function-only
+  tool schemas when the first render fails; and a tokenizer config's `tool_use` named template,
+  chosen when tools are passed.
 
 Not mirrored: media parts, which the engine expands into model-specific tokens.
 
@@ -41,10 +38,10 @@ controls (the messages) can only make it iterate over the messages it sent.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, overload
 
 import jinja2
 import jinja2.ext
@@ -53,21 +50,19 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from indexer.engines import EngineName
 from indexer.protocol.tokens import ChatTemplateError, checked_messages
 from router.errors import ConfigError
-from router.prompt.request import ChatEngine, ChatOptions
+from router.prompt.conventions import ChatOptions, chat_convention
+from router.prompt.messages import ContentFormat
 
 __all__ = [
     "MAX_RENDERED_CHARS",
     "SPECIAL_TOKEN_NAMES",
-    "ChatEngine",
-    "ContentFormat",
     "ModelChatTemplate",
     "detect_content_format",
     "special_tokens",
 ]
-
-ContentFormat = Literal["string", "openai"]
 
 # the named special tokens transformers passes to every template (its `special_tokens_map`)
 SPECIAL_TOKEN_NAMES = (
@@ -83,19 +78,10 @@ SPECIAL_TOKEN_NAMES = (
 MAX_RENDERED_CHARS = 64 * 1024 * 1024
 # message fields holding the model's reasoning; transformers offers the first under all names
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# what vLLM's OpenAI layer keeps of a message besides role and content
-_VLLM_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning")
 # SGLang treats a template mentioning any of these as one that wants typed content parts
 _MEDIA_WORDS = ("image", "audio", "video", "vision")
 # loop variables whose `.content` being iterated marks a typed-parts template
 _MESSAGE_NAMES = ("message", "msg", "m")
-_TEXT_PART_TYPES = ("text", "input_text")
-_MEDIA_PART_TYPES = {
-    "image_url": "image",
-    "input_image": "image",
-    "video_url": "video",
-    "audio_url": "audio",
-}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -228,66 +214,9 @@ def detect_content_format(source: str) -> ContentFormat:
     return "string"
 
 
-def _text_parts(content: list[Any], index: int) -> Iterator[tuple[str, str | None]]:
-    """(kind, text) of each content part; media parts yield their kind and no text."""
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping):
-            raise ChatTemplateError(f"messages[{index}].content[{j}] must be an object")
-        kind = part.get("type")
-        if kind in _TEXT_PART_TYPES:
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ChatTemplateError(f"messages[{index}].content[{j}].text must be a string")
-            yield "text", text
-        elif isinstance(kind, str) and kind in _MEDIA_PART_TYPES:
-            yield _MEDIA_PART_TYPES[kind], None
-
-
 def _function_only(tools: list[Any]) -> list[Any]:
     """SGLang's second try: tool schemas without the OpenAI wrapper (Mistral-style templates)."""
     return [t["function"] if isinstance(t, dict) and "function" in t else t for t in tools]
-
-
-def _tool_call_arguments(message: dict[str, Any], index: int, engine: ChatEngine) -> None:
-    """An assistant's tool calls as the engine hands them over: arguments parsed from JSON text.
-
-    SGLang also dumps each call through its `ToolCall` model (id, index, type, function), so
-    unset fields are there as nulls, and requires the arguments to be a JSON object.
-    """
-    calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not isinstance(calls, list):
-        return
-    if engine == "vllm" and not calls:
-        del message["tool_calls"]  # vLLM keeps templates on the plain assistant path
-        return
-    parsed_calls = []
-    for j, call in enumerate(calls):
-        field = f"messages[{index}].tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or not isinstance(function, dict):
-            raise ChatTemplateError(f"{field}.function must be an object")
-        arguments = function.get("arguments")
-        if engine == "vllm" and not arguments:
-            arguments = {}
-        elif isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError) as exc:
-                raise ChatTemplateError(f"{field}.function.arguments must be valid JSON") from exc
-            if engine == "sglang" and not isinstance(arguments, dict):
-                raise ChatTemplateError(f"{field}.function.arguments must be a JSON object")
-        if engine == "vllm":
-            parsed_calls.append({**call, "function": {**function, "arguments": arguments}})
-            continue
-        parsed_calls.append(
-            {
-                "id": call.get("id"),
-                "index": call.get("index"),
-                "type": call.get("type", "function"),
-                "function": {"name": function.get("name"), "arguments": arguments},
-            }
-        )
-    message["tool_calls"] = parsed_calls
 
 
 class ModelChatTemplate:
@@ -298,12 +227,13 @@ class ModelChatTemplate:
         source: str,
         *,
         special: Mapping[str, str] | None = None,
-        engine: ChatEngine = "sglang",
+        engine: EngineName = "sglang",
         origin: str = "chat template",
         tool_source: str | None = None,
     ) -> None:
         self.origin = origin
         self.engine = engine
+        self.convention = chat_convention(engine)
         self.special = dict(special or {})
         self._template = self._compile(source)
         self._source = source
@@ -326,7 +256,7 @@ class ModelChatTemplate:
         path: str | Path,
         *,
         special_tokens_from: str | Path | None = None,
-        engine: ChatEngine = "sglang",
+        engine: EngineName = "sglang",
     ) -> ModelChatTemplate:
         """A `tokenizer_config.json` (template and tokens) or a `.jinja` file (template only).
 
@@ -375,23 +305,24 @@ class ModelChatTemplate:
             template, source, content_format = self._tool_template
         prepared = self._prepare(messages, content_format)
         prefix = ""
-        if options.continue_final_message and self.engine == "sglang":
-            # SGLang renders the conversation without the final assistant message, then
-            # appends that message's text for the model to continue
+        convention = self.convention
+        if options.continue_final_message and convention.continues_by_appending:
+            # the conversation is rendered without the final assistant message, whose text is
+            # then appended for the model to continue
             last = prepared[-1]
             if last.get("role") == "assistant" and isinstance(last.get("content"), str):
                 prefix, prepared = last["content"], prepared[:-1]
                 if not prepared:
                     raise ChatTemplateError("messages must hold more than the continued message")
         continued = None
-        if options.continue_final_message and self.engine == "vllm":
+        if options.continue_final_message and not convention.continues_by_appending:
             continued = _mark_final_message(prepared, source)
         try:
             text = self._generate(template, prepared, options, options.tools)
         except ChatTemplateError:
-            if self.engine != "sglang" or not options.tools:
+            if not convention.retries_bare_function_tools or not options.tools:
                 raise
-            # SGLang's second try, for templates that want bare function schemas
+            # the second try, for templates that want bare function schemas
             text = self._generate(template, prepared, options, _function_only(options.tools))
         if continued is not None:
             text = _cut_at_final_message(text, continued)
@@ -445,40 +376,9 @@ class ModelChatTemplate:
         """The messages as the engine hands them to the template."""
         prepared: list[dict[str, Any]] = []
         for i, (message, role) in enumerate(checked_messages(messages)):
-            if self.engine == "vllm":
-                content = _vllm_content(message.get("content"), i, content_format)
-                fields = {"role": role, "content": content}
-                fields.update({k: message[k] for k in _VLLM_MESSAGE_FIELDS if k in message})
-            else:
-                fields = dict(message)
-                fields["content"] = _sglang_content(message.get("content"), i, content_format)
-            _tool_call_arguments(fields, i, self.engine)
+            fields = self.convention.prepare_message(message, role, i, content_format)
             prepared.append(_transformers_message(fields))
         return prepared
-
-
-def _sglang_content(content: object, index: int, content_format: ContentFormat) -> object:
-    if content is None:
-        return ""  # SGLang renders a null content as the empty string
-    if not isinstance(content, list):
-        return content
-    parts = list(_text_parts(content, index))
-    if content_format == "string":
-        return " ".join(text for _, text in parts if text is not None)
-    return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
-
-
-def _vllm_content(content: object, index: int, content_format: ContentFormat) -> object:
-    if content is None:
-        content = []
-    elif isinstance(content, str):
-        content = [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise ChatTemplateError(f"messages[{index}].content must be a string or a list")
-    parts = list(_text_parts(content, index))
-    if content_format == "string":
-        return "\n".join(text for _, text in parts if text is not None)
-    return [{"type": "text", "text": t} if t is not None else {"type": k} for k, t in parts]
 
 
 # transformers' marker for continue_final_message: appended to the final message, cut after render

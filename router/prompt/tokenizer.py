@@ -28,7 +28,7 @@ from router.errors import ConfigError
 if TYPE_CHECKING:
     # jinja2 comes with the optional extra: imported only when a model template is configured
     from router.prompt.chat_template import ModelChatTemplate
-    from router.prompt.request import ChatOptions
+    from router.prompt.conventions import ChatOptions
 
 __all__ = ["BUILTIN_TEMPLATE", "PromptTokenizer", "build_tokenizer", "load_chat_template"]
 

@@ -14,10 +14,18 @@ from typing import Any
 
 import pytest
 
+from indexer.engines import EngineName
 from router.config import TokenizerConfig
 from router.errors import RequestError
 from router.prompt.chat_template import ModelChatTemplate
-from router.prompt.request import ChatEngine, ChatOptions, Endpoint, chat_options, parse_request
+from router.prompt.conventions import (
+    SGLANG_CHAT,
+    VLLM_CHAT,
+    ChatOptions,
+    chat_convention,
+    chat_options,
+)
+from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
 from tests.router.chat_routing import (
     FIXTURES,
@@ -47,7 +55,7 @@ def _golden_day(frozen_now: None) -> None:
     """Every test here sees the day the goldens were made."""
 
 
-def _tokenizer_config(model: str, engine: ChatEngine) -> TokenizerConfig:
+def _tokenizer_config(model: str, engine: EngineName) -> TokenizerConfig:
     return TokenizerConfig(
         kind="hf", path=str(FIXTURES / model / "tokenizer.json"), chat_engine=engine
     )
@@ -65,7 +73,7 @@ def test_the_goldens_cover_tools_and_kwargs_for_both_engines() -> None:
 
 
 @pytest.mark.parametrize(("model", "name", "engine"), _request_cases())
-def test_chat_requests_render_like_each_engine(model: str, name: str, engine: ChatEngine) -> None:
+def test_chat_requests_render_like_each_engine(model: str, name: str, engine: EngineName) -> None:
     pytest.importorskip("tokenizers")
     case = next(
         c for c in goldens(model)["request_cases"] if c["name"] == name and c["engine"] == engine
@@ -78,7 +86,7 @@ def test_chat_requests_render_like_each_engine(model: str, name: str, engine: Ch
             parse_request(Endpoint.CHAT, raw, tokenizer)
         assert case["error"] in str(info.value)
         return
-    options = chat_options(case["request"], engine)
+    options = chat_options(case["request"], chat_convention(engine))
     assert (
         tokenizer.template.render(case["request"]["messages"], options=options)
         == (case["rendered"])
@@ -110,13 +118,14 @@ def test_chat_requests_render_like_each_engine(model: str, name: str, engine: Ch
     ],
 )
 def test_malformed_chat_fields_are_400s_naming_the_field(
-    engine: ChatEngine, body: dict[str, Any], needle: str
+    engine: EngineName, body: dict[str, Any], needle: str
 ) -> None:
     tokenizer = build_tokenizer(
-        TokenizerConfig(chat_template=str(FIXTURES / "qwen3-0.6b" / "chat_template.jinja"))
+        TokenizerConfig(
+            chat_template=str(FIXTURES / "qwen3-0.6b" / "chat_template.jinja"), chat_engine=engine
+        )
     )
     assert tokenizer.template is not None
-    tokenizer.template.engine = engine
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
     with pytest.raises(RequestError) as info:
         parse_request(Endpoint.CHAT, json.dumps(request).encode(), tokenizer)
@@ -153,10 +162,10 @@ def test_kvroutes_own_template_ignores_tools_but_checks_their_shape() -> None:
     ],
 )
 def test_each_engine_refuses_what_its_request_model_refuses(
-    engine: ChatEngine, body: dict[str, Any], needle: str
+    engine: EngineName, body: dict[str, Any], needle: str
 ) -> None:
     with pytest.raises(RequestError) as info:
-        chat_options({"messages": [], **body}, engine)
+        chat_options({"messages": [], **body}, chat_convention(engine))
     assert needle in str(info.value)
 
 
@@ -199,11 +208,11 @@ def test_sglang_retries_with_bare_function_schemas_when_the_first_render_fails()
     )
     messages = [{"role": "user", "content": "hi"}]
     template = ModelChatTemplate(source)
-    options = chat_options({"tools": [WEATHER]}, "sglang")
+    options = chat_options({"tools": [WEATHER]}, SGLANG_CHAT)
     assert template.render(messages, options=options) == "[get_weather]hi"
     vllm = ModelChatTemplate(source, engine="vllm")
     with pytest.raises(Exception, match="bare schemas only"):
-        vllm.render(messages, options=chat_options({"tools": [WEATHER]}, "vllm"))
+        vllm.render(messages, options=chat_options({"tools": [WEATHER]}, VLLM_CHAT))
 
 
 def test_a_tool_use_named_template_is_chosen_when_tools_are_passed(tmp_path: Path) -> None:
@@ -218,7 +227,7 @@ def test_a_tool_use_named_template_is_chosen_when_tools_are_passed(tmp_path: Pat
     assert template.render(messages) == "D:x"
     assert template.render(messages, options=ChatOptions(tools=[WEATHER])) == "T:1:x"
     # SGLang passes no tools for tool_choice "none": the default template renders
-    no_tools = chat_options({"tools": [WEATHER], "tool_choice": "none"}, "sglang")
+    no_tools = chat_options({"tools": [WEATHER], "tool_choice": "none"}, SGLANG_CHAT)
     assert template.render(messages, options=no_tools) == "D:x"
 
 
@@ -228,39 +237,39 @@ def test_template_kwargs_reach_the_template_and_override_special_tokens() -> Non
     )
     template = ModelChatTemplate(source, special={"bos_token": "<s>"})
     messages = [{"role": "user", "content": "x"}]
-    plain = chat_options({"chat_template_kwargs": {"flag": 1}}, "sglang")
+    plain = chat_options({"chat_template_kwargs": {"flag": 1}}, SGLANG_CHAT)
     assert template.render(messages, options=plain) == "<s>|1|||"
-    override = chat_options({"chat_template_kwargs": {"bos_token": "<B>"}}, "sglang")
+    override = chat_options({"chat_template_kwargs": {"bos_token": "<B>"}}, SGLANG_CHAT)
     assert template.render(messages, options=override).startswith("<B>|")
     # SGLang: an effort implies both thinking switches unless the request set them
     effort = {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}
-    assert template.render(messages, options=chat_options(effort, "sglang")) == (
+    assert template.render(messages, options=chat_options(effort, SGLANG_CHAT)) == (
         "<s>||True|False|low"
     )
     # vLLM: only enable_thinking, and a null or "auto" kwarg counts as unset
     vllm = ModelChatTemplate(source, special={"bos_token": "<s>"}, engine="vllm")
     body = {"reasoning_effort": "none", "chat_template_kwargs": {"flag": "auto", "thinking": None}}
-    assert vllm.render(messages, options=chat_options(body, "vllm")) == "<s>|||False|none"
+    assert vllm.render(messages, options=chat_options(body, VLLM_CHAT)) == "<s>|||False|none"
 
 
 def test_vllm_kwargs_tools_replace_the_request_tools() -> None:
     template = ModelChatTemplate("{{ tools | tojson }}", engine="vllm")
     messages = [{"role": "user", "content": "x"}]
     body = {"tools": [WEATHER], "chat_template_kwargs": {"tools": [{"name": "raw"}]}}
-    assert template.render(messages, options=chat_options(body, "vllm")) == '[{"name": "raw"}]'
+    assert template.render(messages, options=chat_options(body, VLLM_CHAT)) == '[{"name": "raw"}]'
     # and an empty tools list is still a list for vLLM (a template testing `is not none` sees it)
-    assert template.render(messages, options=chat_options({"tools": []}, "vllm")) == "[]"
+    assert template.render(messages, options=chat_options({"tools": []}, VLLM_CHAT)) == "[]"
     sglang = ModelChatTemplate("{{ tools | tojson }}")
-    assert sglang.render(messages, options=chat_options({"tools": []}, "sglang")) == "null"
+    assert sglang.render(messages, options=chat_options({"tools": []}, SGLANG_CHAT)) == "null"
 
 
 def test_documents_reach_the_template() -> None:
     source = "{% for d in documents %}[{{ d.title }}]{% endfor %}"
     messages = [{"role": "user", "content": "x"}]
     docs = [{"title": "a", "text": "1"}, {"title": "b", "text": "2"}]
-    sglang = chat_options({"chat_template_kwargs": {"documents": docs}}, "sglang")
+    sglang = chat_options({"chat_template_kwargs": {"documents": docs}}, SGLANG_CHAT)
     assert ModelChatTemplate(source).render(messages, options=sglang) == "[a][b]"
-    vllm = chat_options({"documents": docs[:1]}, "vllm")
+    vllm = chat_options({"documents": docs[:1]}, VLLM_CHAT)
     assert ModelChatTemplate(source, engine="vllm").render(messages, options=vllm) == "[a]"
 
 
@@ -282,7 +291,7 @@ async def test_the_router_matches_a_chat_request_with_tools() -> None:
         "chat_template_kwargs": {"enable_thinking": False},
     }
     rendered = ModelChatTemplate.load(model / "tokenizer_config.json").render(
-        body["messages"], options=chat_options(body, "sglang")
+        body["messages"], options=chat_options(body, SGLANG_CHAT)
     )
     assert "get_weather" in rendered and rendered.endswith("<think>\n\n</think>\n\n")
     await check_chat_matches_rendered_text(
