@@ -129,13 +129,13 @@ class Proxy:
                     request, endpoint, parsed.body, candidate, ticket, deadline, last_try=last_try
                 )
             except _Retryable as exc:
-                self._failed(candidate.worker, hard=exc.hard)
+                planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
             finally:
-                planner.load.end(ticket)
+                planner.finish(ticket)
             self._metrics.record(
                 endpoint.value,
                 candidate.worker,
@@ -146,16 +146,6 @@ class Proxy:
             )
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
-
-    def _failed(self, worker: str, *, hard: bool) -> None:
-        entry = self._planner.pool.find(worker)
-        if entry is not None:
-            entry.breaker.failure(time.monotonic(), hard=hard)
-
-    def _succeeded(self, worker: str) -> None:
-        entry = self._planner.pool.find(worker)
-        if entry is not None:
-            entry.breaker.success()
 
     async def _forward(
         self,
@@ -192,7 +182,7 @@ class Proxy:
             # could not even connect in connect_s: the next worker may well answer
             raise _Retryable(f"connect timeout: {exc}", hard=True) from exc
         except TimeoutError as exc:
-            self._failed(candidate.worker, hard=False)
+            self._planner.record_failure(candidate.worker, hard=False)
             raise UpstreamTimeoutError(
                 f"worker {candidate.worker} did not answer within the request timeout"
             ) from exc
@@ -216,7 +206,8 @@ class Proxy:
         if upstream.status >= 500:
             if not last_try:
                 raise _Retryable(f"HTTP {upstream.status}", hard=False)
-            self._failed(candidate.worker, hard=False)  # passed through, but still a failure
+            # passed through, but still a failure
+            self._planner.record_failure(candidate.worker, hard=False)
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         out[MATCHED_HEADER] = str(candidate.matched_tokens)
@@ -226,13 +217,13 @@ class Proxy:
         )
         if not streaming:
             payload = await upstream.read()
-            self._planner.load.first_byte(ticket)
+            self._planner.first_byte(ticket)
             if upstream.status < 500:
-                self._succeeded(candidate.worker)
+                self._planner.record_success(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
         # wait for the first chunk before committing headers: until then, a retry is legal
         first = await upstream.content.readany()
-        self._planner.load.first_byte(ticket)
+        self._planner.first_byte(ticket)
         return await self._stream(request, upstream, out, first, candidate.worker)
 
     async def _stream(
@@ -255,7 +246,7 @@ class Proxy:
                     # the worker failed mid-stream: bytes already reached the client, so no
                     # retry; cut the connection so the client sees a truncated stream, not a
                     # clean end. The request deadline passing is no sign of a dead worker.
-                    self._failed(worker, hard=not isinstance(exc, TimeoutError))
+                    self._planner.record_failure(worker, hard=not isinstance(exc, TimeoutError))
                     log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
                     upstream.close()
                     if request.transport is not None:
@@ -268,5 +259,5 @@ class Proxy:
             # whose bytes were sent); closing the upstream connection makes the worker abort
             upstream.close()
             return response
-        self._succeeded(worker)
+        self._planner.record_success(worker)
         return response

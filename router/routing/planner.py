@@ -1,8 +1,10 @@
 """The routing decision for one request: index lookup + health + load, ranked by the policy.
 
 `plan` is read-only (it backs the `/admin/route` dry run as well as real routing); `commit`
-is the one place a real decision changes state: pending index entries (kv policy), the policy's
-memory, and the in-flight load. It picks the worker and nothing else: the batch scheduling of
+is the one place a real decision changes state: pending index entries (when the policy marks
+them), the policy's memory, and the in-flight load. The proxy reports back what became of the
+request (`first_byte`, `finish`, `record_failure`, `record_success`) without reaching into the
+load tracker or the breakers. It picks the worker and nothing else: the batch scheduling of
 a worker's requests is the workers' business (`workers.scheduler` in the reference worker).
 """
 
@@ -174,7 +176,28 @@ class Planner:
         """Record that the request goes to `candidate`; returns its load ticket."""
         if first_try:
             self.policy.record(tokens, candidate.worker)
-        if self.policy.name == "kv" and self.indexer.has_worker(candidate.worker):
+        if self.policy.marks_pending and self.indexer.has_worker(candidate.worker):
             self.indexer.add_pending(ns, tokens, candidate.worker)
         hit = candidate.matched_tokens + candidate.pending_tokens
         return self.load.begin(candidate.worker, max(0, len(tokens) - hit))
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """The worker answered: the request's prompt no longer counts as queued prefill."""
+        self.load.first_byte(ticket)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request ended (answered, failed or cancelled): it no longer counts as running."""
+        self.load.end(ticket)
+
+    def record_failure(self, worker: str, *, hard: bool) -> None:
+        """A request to `worker` failed; a `hard` failure (the process looks gone) opens its
+        circuit at once. A worker removed meanwhile is ignored."""
+        entry = self.pool.find(worker)
+        if entry is not None:
+            entry.breaker.failure(self.clock(), hard=hard)
+
+    def record_success(self, worker: str) -> None:
+        """A request to `worker` succeeded: its circuit closes."""
+        entry = self.pool.find(worker)
+        if entry is not None:
+            entry.breaker.success()

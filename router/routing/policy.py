@@ -94,6 +94,9 @@ class Policy:
     """Base policy: rank by score, healthy first, ties to the less loaded, then random."""
 
     name = "base"
+    # whether a decision leaves pending index entries behind it, so a burst of siblings follows
+    # the first request before its KV events arrive: only a policy that reads the index gains
+    marks_pending = False
 
     def __init__(self, config: PolicyConfig) -> None:
         self._config = config
@@ -138,6 +141,7 @@ class KvPolicy(Policy):
     """Namespaced prefix hit from KV events against the router's own in-flight load."""
 
     name = "kv"
+    marks_pending = True
 
     def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
         weight = self._config.hit_weight

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import get_args
 
 import pytest
 
-from router.config import PolicyConfig
+from router.config import PolicyConfig, PolicyName
 from router.routing.policy import (
     ApproxTreePolicy,
     KvPolicy,
@@ -150,3 +151,10 @@ def test_the_default_hit_weight_keeps_affinity_against_moderate_load() -> None:
     policy = KvPolicy(PolicyConfig())
     ranked = policy.rank([1] * 200, _views(("a", 0, 0, 0), ("b", 64, 10, 3)))
     assert ranked[0].worker == "b" and ranked[0].score == 4 * 64 - (10 + 3 * 32)
+
+
+def test_only_the_kv_policy_leaves_pending_marks() -> None:
+    # the planner asks the policy instead of comparing its name
+    names = get_args(PolicyName)
+    marking = {n for n in names if build_policy(PolicyConfig(name=n)).marks_pending}
+    assert marking == {"kv"}
