@@ -1,4 +1,8 @@
-"""`kvroute serve --config FILE`: the router in front of an existing fleet."""
+"""`kvroute serve --config FILE`: the router in front of an existing fleet.
+
+The router itself (aiohttp, the indexer's ZMQ subscribers) is imported when it starts, so the
+verb's arguments load light (`kvroute serve --help`, and `kvroute up` reusing them).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,8 @@ from typing import get_args
 
 import msgspec
 
-from indexer.backend import DEFAULT as INDEX_BACKEND
 from router.config import PolicyName, RouterConfig, WorkerConfig, load_config
 from router.errors import ConfigError
-from router.service import RouterService
 
 __all__ = [
     "add_arguments",
@@ -57,6 +59,9 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
 
 async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly."""
+    from indexer.backend import DEFAULT as INDEX_BACKEND
+    from router.service import RouterService
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,6 +114,8 @@ async def serve_fleet(
     `kvroute up` calls this once its reference workers are up; it prints the router URL, a
     curl example and where the admin API is.
     """
+    from router.service import RouterService
+
     config = msgspec.structs.replace(config, workers=(*config.workers, *workers))
     async with RouterService(config) as router:
         _freeze_startup_heap()
