@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -21,14 +21,24 @@ from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.discovery import needs_discovery, streams_for
-from router.http.metrics import RouterMetrics
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "WorkerGauges"]
 
 log = logging.getLogger(__name__)
+
+
+class WorkerGauges(Protocol):
+    """The per-worker metrics the supervisor keeps (`router.http.metrics.RouterMetrics`).
+
+    A protocol rather than the class: the fleet sits below the HTTP layer that owns metrics.
+    """
+
+    def set_routable(self, worker: str, routable: bool) -> None: ...
+
+    def forget(self, worker: str) -> None: ...
 
 
 class Supervisor:
@@ -42,7 +52,7 @@ class Supervisor:
         health: HealthConfig,
         policy: Policy,
         load: LoadTracker,
-        metrics: RouterMetrics,
+        metrics: WorkerGauges,
         clock: Callable[[], float],
     ) -> None:
         self._pool = pool
@@ -96,7 +106,7 @@ class Supervisor:
     async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
         """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
         entry = self._pool.add(config)
-        self._metrics.healthy.labels(entry.id).set(1)
+        self._metrics.set_routable(entry.id, True)
         settled = False
         try:
             await self.register(entry)
@@ -147,7 +157,7 @@ class Supervisor:
                 await self.register(entry)
             except RequestError as exc:
                 log.warning("worker %s: %s", entry.id, exc)
-        self._metrics.healthy.labels(entry.id).set(1 if entry.routable(self._clock()) else 0)
+        self._metrics.set_routable(entry.id, entry.routable(self._clock()))
         return healthy
 
     async def check_all(self) -> None:

@@ -149,6 +149,10 @@ class RouterMetrics:
         """The text exposition format."""
         return generate_latest(self.registry)
 
+    def set_routable(self, worker: str, routable: bool) -> None:
+        """Export whether `worker` takes new requests (`kvroute_worker_routable`)."""
+        self.healthy.labels(worker).set(1 if routable else 0)
+
     def forget(self, worker: str) -> None:
         """Drop a removed worker's series (its in-flight count leaves with the load tracker)."""
         self._children = {k: v for k, v in self._children.items() if k[1] != worker}
