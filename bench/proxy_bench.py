@@ -324,7 +324,7 @@ def _router_cmd(config: Path) -> tuple[str, ...]:
     return (
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         "serve",
         "--config",
         str(config),

@@ -1,21 +1,24 @@
 """The kvroute router: HTTP proxy, routing policies, admin API, config and CLI.
 
-Request path: `listener` (aiohttp's server: client deadlines, connection cap, malformed HTTP) ->
-`app` (aiohttp application, error middleware, resources) -> `proxy` (upstream hop, streaming,
-retries) -> `intake` (body and salt header within the limits) -> `request` (body validation,
-namespace fields, tokens via `tokenizer`; nesting depth by `nesting`) -> `scheduler` (index
-lookup + health + load, ranked by `policy`; `/admin/route` reads through `intake` and uses it too).
+One package per kind of work, lowest layer first (`tests/test_layering.py` holds them to it: a
+module imports its own layer and those below, never one above):
 
-- `policy`: the pure routing policies (`kv`, `round_robin`, `random`, `least_load`,
-  `approx_tree` over `approx_tree.ApproxTree`);
-- `load`: the router's own in-flight bookkeeping; `breaker`: per-worker circuit breaker;
-- `pool`: the workers and their status; `supervisor`: discovery, registration, health checks;
-- `discovery`: KV-event streams from a worker's config and `/server_info`;
-- `namespace`: request namespaces and the keyed fingerprints shown instead of salts;
-- `admin`: the `/admin` API; `metrics`: Prometheus metrics; `keys`: typed app keys;
 - `config`: the TOML config as typed structs; `errors`: the error tree;
+- `prompt/`: a request body to what routing needs: body parsing and validation (`request`),
+  tokens (`tokenizer`), the model's chat template (`chat_template`), each engine's chat
+  conventions (`conventions`, `messages`), the JSON nesting bound (`nesting`);
+- `routing/`: the decision, synchronous: `planner` (index lookup + health + load, ranked by a
+  `policy`), `approx_tree`, `load`, `pool`, `breaker`, `namespace`;
+- `fleet/`: the workers behind the router: `supervisor` (membership, health loop) and
+  `discovery` (KV-event streams from a worker's config and `/server_info`);
+- `http/`: the router on the wire: `listener` -> `app` -> `proxy` (with `intake`), `admin`,
+  `metrics`, `keys`;
 - `service`: `RouterService`, a whole router as an async context manager;
-- CLI verbs: `cli` (dispatcher), `serve`, `up`, `record_command`, `replay_command`.
+- `commands/`: the `kvroute` verbs: `cli` (dispatcher), `serve`, `up`, `record`, `replay`.
 
-Nothing is imported here, so `kvroute --help` stays fast.
+Request path: `http.listener` -> `http.app` -> `http.proxy` -> `http.intake` ->
+`prompt.request` -> `routing.planner` -> the upstream worker (`/admin/route` plans the same way
+and forwards nothing).
+
+Nothing is imported here, so `kvroute --help` stays light.
 """

@@ -11,12 +11,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from indexer.service import IndexerService
-from router.app import create_app
 from router.config import RouterConfig
-from router.keys import INDEXER, SCHEDULER, SUPERVISOR
-from router.listener import RouterRunner
-from router.scheduler import Scheduler
-from router.supervisor import Supervisor
+from router.fleet.supervisor import Supervisor
+from router.http.app import create_app
+from router.http.keys import INDEXER, PLANNER, SUPERVISOR
+from router.http.listener import RouterRunner
+from router.routing.planner import Planner
 
 __all__ = ["RouterService"]
 
@@ -68,9 +68,9 @@ class RouterService:
         return f"http://{host}:{self._port}"
 
     @property
-    def scheduler(self) -> Scheduler:
+    def planner(self) -> Planner:
         """The routing core (pool, load, policy, indexer) of the running router."""
-        return self.app[SCHEDULER]
+        return self.app[PLANNER]
 
     @property
     def supervisor(self) -> Supervisor:

@@ -1,4 +1,10 @@
-"""The package layering of DESIGN.md section 1, enforced on every import statement."""
+"""The package layering of DESIGN.md section 1, enforced on every import statement.
+
+Inside `router`, the packages are layers, lowest first (`ROUTER_LAYERS`): a module imports its
+own layer and the ones below it, never one above, so the prompt and routing cores know nothing
+of HTTP or the command line, and a new top-level module must be given its place here. The CLI's
+verb table names modules it imports by string; those are checked as imports of the CLI.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,37 @@ from pathlib import Path
 
 import pytest
 
+from router.commands.cli import VERBS
+
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("indexer", "workers", "router", "bench")
-# router may start embedded workers only from its CLI verbs
-ROUTER_MODULES_ALLOWED_WORKERS = {"router.cli", "router.up", "router.serve"}
+ROUTER_LAYERS = (
+    "router.errors",
+    "router.config",
+    "router.prompt",  # request body -> tokens: parsing, tokenizer, chat templates, conventions
+    "router.routing",  # the decision: planner, policies, load, pool, breakers
+    "router.fleet",  # membership, discovery, health
+    "router.http",  # the aiohttp application, proxy, admin API, metrics
+    "router.service",  # a whole router as one async context
+    "router.commands",  # the kvroute verbs
+)
+# within router.prompt, lowest first: chat_template never reaches back into request
+PROMPT_ORDER = (
+    "router.prompt.nesting",
+    "router.prompt.messages",
+    "router.prompt.conventions",
+    "router.prompt.chat_template",
+    "router.prompt.tokenizer",
+    "router.prompt.request",
+)
+# synchronous cores (DESIGN.md section 1): no event loop, no sockets, no HTTP
+SYNC_CORES = ("router.prompt", "router.routing")
+IO_LIBRARIES = ("aiohttp", "asyncio", "zmq")
+# router reaches the reference workers and the benchmarks only from the verbs that start them
+ROUTER_MAY_IMPORT = {
+    "workers": {"router.commands.cli", "router.commands.up"},
+    "bench": {"router.commands.cli"},
+}
 
 
 def _module_name(path: Path) -> str:
@@ -46,19 +79,48 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _position(name: str, order: tuple[str, ...]) -> int | None:
+    return next((i for i, prefix in enumerate(order) if _within(name, prefix)), None)
+
+
+def _router_violation(module: str, imported: str) -> str | None:
+    """The rule `module` (in router) breaks by importing `imported` (in router), if any."""
+    src, dst = _position(module, ROUTER_LAYERS), _position(imported, ROUTER_LAYERS)
+    if dst is None:
+        return f"{imported} is in no router layer (ROUTER_LAYERS)"
+    if src is None:
+        return "the router package itself imports nothing"
+    if dst > src:
+        return f"{ROUTER_LAYERS[src]} may not import {ROUTER_LAYERS[dst]}, a layer above it"
+    here, there = _position(module, PROMPT_ORDER), _position(imported, PROMPT_ORDER)
+    if here is not None and there is not None and there >= here and not _within(imported, module):
+        return f"{PROMPT_ORDER[here]} may import only the prompt modules before it"
+    return None
+
+
 def _violations(module: str, imported: str) -> str | None:
     top = imported.split(".")[0]
+    package = module.split(".")[0]
+    if package == "router" and top in IO_LIBRARIES:
+        if any(_within(module, core) for core in SYNC_CORES):
+            return f"{module} is synchronous: no {top}"
+        return None
     if top not in OURS:
         return None
-    package = module.split(".")[0]
     if package == "indexer" and top in ("router", "workers", "bench"):
         return "indexer imports nothing of ours outside indexer"
     if package == "workers" and top != "workers" and not imported.startswith("indexer.protocol"):
         return "workers may import only indexer.protocol"
-    if package == "router" and top == "bench":
-        return "router never imports bench"
-    if package == "router" and top == "workers" and module not in ROUTER_MODULES_ALLOWED_WORKERS:
-        return "router imports workers only from its CLI verbs"
+    if package == "router" and top in ROUTER_MAY_IMPORT:
+        if module not in ROUTER_MAY_IMPORT[top]:
+            return f"router imports {top} only from {sorted(ROUTER_MAY_IMPORT[top])}"
+        return None
+    if package == "router" and top == "router":
+        return _router_violation(module, imported)
     return None
 
 
@@ -78,11 +140,56 @@ def test_imports_respect_the_layering(path: Path) -> None:
 
 
 def test_the_checker_catches_violations() -> None:
-    assert _violations("indexer.index", "router.app") is not None
+    assert _violations("indexer.index", "router.http.app") is not None
     assert _violations("indexer.index", "workers.cache") is not None
     assert _violations("workers.cache", "indexer.index") is not None
     assert _violations("workers.cache", "router.config") is not None
     assert _violations("workers.cache", "indexer.protocol.events") is None
-    assert _violations("router.policy", "workers.cache") is not None
-    assert _violations("router.cli", "workers.command") is None
-    assert _violations("router.app", "indexer.index") is None
+    assert _violations("router.routing.policy", "workers.cache") is not None
+    assert _violations("router.commands.cli", "workers.command") is None
+    assert _violations("router.commands.serve", "workers.fleet") is not None
+    assert _violations("router.commands.cli", "bench.command") is None
+    assert _violations("router.commands.up", "bench.harness") is not None
+    assert _violations("router.http.app", "indexer.index") is None
+    # layers: downwards only
+    assert _violations("router.http.proxy", "router.routing.planner.Planner") is None
+    assert _violations("router.routing.planner", "router.prompt.request") is None
+    assert _violations("router.prompt.request", "router.routing.namespace") is not None
+    assert _violations("router.prompt.request", "router.http.intake") is not None
+    assert _violations("router.routing.planner", "router.http.metrics") is not None
+    assert _violations("router.routing.pool", "router.commands.cli") is not None
+    assert _violations("router.fleet.supervisor", "router.http.metrics") is not None
+    assert _violations("router.config", "router.prompt.tokenizer") is not None
+    assert _violations("router.service", "router.commands.serve") is not None
+    assert _violations("router.commands.serve", "router.service") is None
+    assert _violations("router.http.app", "router.scheduler") is not None  # in no layer
+    # inside the prompt package: the request <-> tokenizer <-> chat_template circle stays broken
+    assert _violations("router.prompt.request", "router.prompt.conventions.chat_options") is None
+    assert _violations("router.prompt.chat_template", "router.prompt.request") is not None
+    assert _violations("router.prompt.conventions", "router.prompt.chat_template") is not None
+    assert _violations("router.prompt.tokenizer", "router.prompt.request") is not None
+    # synchronous cores
+    assert _violations("router.routing.policy", "aiohttp.web") is not None
+    assert _violations("router.prompt.tokenizer", "asyncio") is not None
+    assert _violations("router.http.proxy", "aiohttp.web") is None
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+def test_the_cli_verb_table_names_modules_that_exist_and_may_be_imported(verb: str) -> None:
+    module = VERBS[verb][0]
+    path = ROOT / (module.replace(".", "/") + ".py")
+    assert path.is_file(), f"kvroute {verb}: no module {module}"
+    reason = _violations("router.commands.cli", module)
+    assert reason is None, f"kvroute {verb}: {module}: {reason}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "router").rglob("__init__.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_router_packages_say_what_lives_where_and_import_nothing(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    assert ast.get_docstring(tree), f"{path}: the docstring says what lives where"
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert not imports, f"{path} imports nothing, so kvroute --help stays light"

@@ -4,7 +4,7 @@ aiohttp answers a request its parser refuses with plain text quoting the offendi
 logs it at ERROR with a traceback and the raw header line (a salt header included), once per
 request. The worker answers in its JSON error shape instead, naming the kind of problem, and
 logs at most one line per interval with a count of the lines held back. The router's listener
-(`router.listener`) does the same and more; the package layering keeps the two apart.
+(`router.http.listener`) does the same and more; the package layering keeps the two apart.
 """
 
 from __future__ import annotations

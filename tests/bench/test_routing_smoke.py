@@ -12,7 +12,7 @@ from pathlib import Path
 from bench import sglang_router
 from bench.harness import POLICIES, SGLANG_CACHE_AWARE
 from bench.routing_bench import WORKLOADS
-from router.cli import main
+from router.commands.cli import main
 
 
 def test_tiny_routing_bench_writes_a_complete_report(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from indexer.replayer import replay_into_index
 from indexer.republisher import RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index, load_index
-from router.cli import main
-from router.record_command import record
+from router.commands.cli import main
+from router.commands.record import record
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SMALL = SyntheticWorkload(streams=2, tenants=3, conversations=12, capacity_pages=64, seed=3)
@@ -121,7 +121,7 @@ async def _cli(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -230,7 +230,7 @@ async def test_replay_publish_cli_feeds_a_live_indexer(recording: Path) -> None:
 
 
 def test_record_config_lists_every_stream_of_every_worker(tmp_path: Path) -> None:
-    from router.record_command import _config_sources
+    from router.commands.record import _config_sources
 
     config = tmp_path / "router.toml"
     config.write_text(

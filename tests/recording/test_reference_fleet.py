@@ -14,7 +14,7 @@ from indexer.recording import Source
 from indexer.replayer import replay_into_index
 from indexer.service import IndexerService, stream_id
 from indexer.snapshot import dump_index
-from router.record_command import record
+from router.commands.record import record
 from tests.recording.snapshots import CountingWriter, canonical
 from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker

@@ -22,7 +22,7 @@ from indexer.replayer import RecordFilter, replay_into_index
 from indexer.republisher import FaultPlan, RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index
-from router.record_command import record
+from router.commands.record import record
 from tests.recording.snapshots import CountingWriter, canonical
 
 WORKLOAD = SyntheticWorkload(streams=2, tenants=4, conversations=30, capacity_pages=96, seed=5)

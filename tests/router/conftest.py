@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router import chat_template as chat_template_module
 from router.config import AdminConfig, HealthConfig, ListenConfig, RouterConfig, WorkerConfig
+from router.prompt import chat_template as chat_template_module
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker

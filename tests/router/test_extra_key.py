@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from indexer.namespace import Namespace, namespace_seed, request_keys
-from router.scheduler import unindexed_reason
+from router.routing.planner import unindexed_reason
 from tests.router.conftest import Fleet, eventually
 
 

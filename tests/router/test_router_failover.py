@@ -69,7 +69,7 @@ async def test_a_killed_worker_is_retried_elsewhere_and_leaves_rotation(
             request = asyncio.create_task(session.post(router.url + "/v1/completions", json=body))
 
             async def in_flight() -> bool:
-                return router.scheduler.load.of("doomed").running == 1
+                return router.planner.load.of("doomed").running == 1
 
             await eventually(in_flight, what="the request to be in flight on the doomed worker")
             await admin("POST", "/workers/survivor/drain", {"drain": False})
@@ -89,6 +89,6 @@ async def test_a_killed_worker_is_retried_elsewhere_and_leaves_rotation(
                     assert resp.headers["x-kvroute-worker"] == "survivor"
 
             async def marked_unhealthy() -> bool:
-                return not router.scheduler.pool.get("doomed").healthy
+                return not router.planner.pool.get("doomed").healthy
 
             await eventually(marked_unhealthy, what="health checks to fail the killed worker")

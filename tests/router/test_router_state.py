@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.approx_tree import ApproxTree
-from router.breaker import BreakerState, CircuitBreaker
-from router.load import LoadTracker
-from router.metrics import RouterMetrics
+from router.http.metrics import RouterMetrics
+from router.routing.approx_tree import ApproxTree
+from router.routing.breaker import BreakerState, CircuitBreaker
+from router.routing.load import LoadTracker
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown() -> None:

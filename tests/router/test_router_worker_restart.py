@@ -225,7 +225,7 @@ async def test_a_health_check_coming_back_makes_the_router_prove_the_stream() ->
                 up[0] = False
 
                 async def down() -> bool:
-                    return not router.scheduler.pool.get("w").healthy
+                    return not router.planner.pool.get("w").healthy
 
                 await eventually(down, what="the health check to fail")
                 before = row().verifications  # a slow machine may have flapped already

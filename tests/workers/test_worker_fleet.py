@@ -106,7 +106,7 @@ async def test_cli_runs_until_sigint(argv: list[str], workers: int) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "router.commands.cli",
         *argv,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

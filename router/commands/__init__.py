@@ -1,0 +1,10 @@
+"""The `kvroute` command line: thin verbs over the packages that do the work.
+
+- `cli`: the dispatcher behind the `kvroute` console script (the verb table);
+- `serve`: `kvroute serve`, the router in front of an existing fleet;
+- `up`: `kvroute up`, reference workers and the router in one command;
+- `record`, `replay`: capture KV-event streams to a file, and play one back.
+
+`kvroute worker` lives with the reference workers (`workers.command`), `kvroute bench` with the
+benchmarks (`bench.command`). Nothing is imported here, so `kvroute --help` stays light.
+"""

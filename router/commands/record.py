@@ -1,0 +1,364 @@
+"""`kvroute record`: capture KV-event streams to a file; `kvroute record inspect FILE` reads one.
+
+Recording subscribes exactly like the router's indexer (same `StreamSubscriber`, so gaps are
+repaired by replay and restarts detected the same way) and writes every message it accepts, in
+the order it is applied, through the subscriber's raw sink: replayed batches are flagged, and
+malformed payloads are kept byte for byte. Each record reaches the OS as it arrives, so Ctrl-C,
+`--duration`, `--max-bytes` or a crash never lose what was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from indexer.capture import Capture, CaptureStats, capture
+from indexer.config import StreamConfig
+from indexer.engines import ENGINES
+from indexer.errors import IndexerError, ProtocolError
+from indexer.fingerprint import salt_fingerprint
+from indexer.protocol.decode import decode_batch
+from indexer.protocol.events import Cleared, Removed, Stored
+from indexer.recording import RecordingReader, RecordingWriter, Source
+from indexer.replayer import replay_into_index
+from indexer.subscriptions import stream_id
+from router.commands.replay import print_summary
+from router.errors import RouterError
+
+__all__ = ["add_arguments", "record", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute record` and its `inspect` sub-verb."""
+    parser.add_argument("--config", type=Path, help="record every worker of a router TOML config")
+    parser.add_argument("--endpoint", help="PUB endpoint of one stream (tcp://HOST:PORT)")
+    parser.add_argument("--replay", help="its replay ROUTER endpoint (gap repair)")
+    parser.add_argument("--topic", default="", help="subscription prefix (default: everything)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="sglang")
+    parser.add_argument("--block-size", type=int, help="the stream's page size, when known")
+    parser.add_argument("--model", default="", help="served model name (the index namespace)")
+    parser.add_argument("--worker", default="worker", help="worker id of --endpoint")
+    parser.add_argument("--out", type=Path, help="recording file to write")
+    parser.add_argument("--append", action="store_true", help="continue an existing recording")
+    parser.add_argument("--compress", action="store_true", help="zlib chunks (flushed every 1 s)")
+    parser.add_argument("--duration", type=float, help="stop after this many seconds")
+    parser.add_argument("--max-bytes", type=int, help="stop once the file holds this many bytes")
+    sub = parser.add_subparsers(dest="record_action", metavar="ACTION")
+    inspect = sub.add_parser("inspect", help="summarize a recording", description=_INSPECT_HELP)
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--events", action="store_true", help="print every decoded event")
+    inspect.add_argument("--show-salts", action="store_true", help="print cache_salt values")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+_INSPECT_HELP = "A recording's header, streams and what replaying it builds; --events lists them."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Record, or inspect a recording."""
+    if getattr(args, "record_action", None) == "inspect":
+        return _inspect(args, sys.stdout)
+    if args.out is None:
+        print("kvroute record: --out FILE is required", file=sys.stderr)
+        return 2
+    try:
+        sources = _sources(args)
+    except (RouterError, IndexerError, ValueError, OSError) as exc:
+        print(f"kvroute record: {exc}", file=sys.stderr)
+        return 2
+    try:
+        writer = (
+            RecordingWriter.append(args.out, sources, compress=args.compress)
+            if args.append
+            else RecordingWriter.create(args.out, sources, compress=args.compress)
+        )
+    except IndexerError as exc:
+        print(f"kvroute record: {exc}", file=sys.stderr)
+        return 2
+    progress = sys.stdout.isatty()
+
+    def ready() -> None:
+        print(
+            f"recording {len(sources)} stream(s) to {args.out} (Ctrl-C to stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    stats = asyncio.run(
+        record(
+            writer,
+            sources,
+            duration_s=args.duration,
+            max_bytes=args.max_bytes,
+            progress=progress,
+            on_ready=ready,
+        )
+    )
+    _print_done(args.out, writer, stats, sys.stdout)
+    if stats.error:
+        print(f"kvroute record: {stats.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sources(args: argparse.Namespace) -> list[Source]:
+    if (args.config is None) == (args.endpoint is None):
+        raise ValueError("give exactly one of --config FILE or --endpoint tcp://...")
+    for flag, endpoint in (("--endpoint", args.endpoint), ("--replay", args.replay)):
+        # zmq would refuse it only inside the subscriber, which retries forever
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT")
+    if args.block_size is not None and args.block_size <= 0:
+        # StreamConfig's bound is only checked when decoding, not when built here
+        raise ValueError(f"--block-size {args.block_size}: must be > 0")
+    if args.endpoint is not None:
+        return [
+            Source(
+                stream=stream_id(args.worker, 0),
+                endpoint=args.endpoint,
+                replay_endpoint=args.replay,
+                topic=args.topic,
+                engine=args.engine,
+                block_size=args.block_size,
+                model=args.model,
+                worker=args.worker,
+            )
+        ]
+    return _config_sources(args.config)
+
+
+def _config_sources(path: Path) -> list[Source]:
+    """Every KV-event stream of a router config (asking `/server_info` for what it omits)."""
+    from router.config import load_config
+    from router.fleet.discovery import needs_discovery, streams_for
+
+    config = load_config(path)
+    sources: list[Source] = []
+    for worker in config.workers:
+        info = _server_info(worker.url) if needs_discovery(worker) else None
+        for s in streams_for(worker, info):
+            sources.append(_source(worker.worker_id, s))
+    if not sources:
+        raise ValueError(f"{path}: no worker publishes KV events")
+    return sources
+
+
+def _source(worker: str, s: StreamConfig) -> Source:
+    return Source(
+        stream=stream_id(worker, s.dp_rank),
+        endpoint=s.endpoint,
+        replay_endpoint=s.replay_endpoint,
+        topic=s.topic,
+        engine=s.engine,
+        block_size=s.block_size,
+        dp_rank=s.dp_rank,
+        model=s.model,
+        worker=worker,
+    )
+
+
+def _server_info(url: str) -> dict[str, Any] | None:
+    import httpx
+
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            response = httpx.get(url.rstrip("/") + path, timeout=5.0)
+        except httpx.HTTPError:
+            continue
+        if response.status_code == 200:
+            body = response.json()
+            return body if isinstance(body, dict) else None
+    return None
+
+
+async def record(
+    writer: RecordingWriter,
+    sources: Sequence[Source],
+    *,
+    duration_s: float | None = None,
+    max_bytes: int | None = None,
+    progress: bool = False,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> CaptureStats:
+    """Capture `sources` (`indexer.capture`) until a limit, `stop` or Ctrl-C, with progress."""
+    loop = asyncio.get_running_loop()
+    live: list[_Progress] = []
+
+    def ready(running: Capture) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, running.stop_by, "ctrl-c")
+        if progress:
+            live.append(_Progress(running))
+        if on_ready is not None:
+            on_ready()
+
+    def tick(running: Capture) -> None:
+        for shown in live:
+            shown.update()
+
+    try:
+        return await capture(
+            writer,
+            sources,
+            duration_s=duration_s,
+            max_bytes=max_bytes,
+            stop=stop,
+            on_ready=ready,
+            on_tick=tick,
+        )
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+        for shown in live:
+            shown.close()
+
+
+class _Progress:
+    """A rich live table of events/s, bytes and gaps (only on a terminal)."""
+
+    def __init__(self, running: Capture) -> None:
+        from rich.live import Live
+
+        self._writer = running.writer
+        self._service = running
+        self._started = time.monotonic()
+        self._last = (self._started, 0)
+        self._live = Live(self._render(0.0), refresh_per_second=4, transient=False)
+        self._live.start()
+
+    def _render(self, rate: float) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"recording to {self._writer.path}")
+        for column in ("stream", "batches", "events", "gaps", "replays", "restarts", "errors"):
+            table.add_column(column)
+        for st in self._service.streams():
+            table.add_row(
+                st.stream,
+                str(st.batches),
+                str(st.events),
+                str(st.gaps),
+                str(st.replays),
+                str(st.restarts),
+                str(st.decode_errors),
+            )
+        elapsed = time.monotonic() - self._started
+        table.caption = (
+            f"{self._writer.records} records  {self._writer.bytes_written:,} bytes  "
+            f"{rate:,.0f} events/s  {elapsed:.0f} s"
+        )
+        return table
+
+    def update(self) -> None:
+        now = time.monotonic()
+        events = sum(st.events for st in self._service.streams())
+        then, before = self._last
+        rate = (events - before) / (now - then) if now > then else 0.0
+        self._last = (now, events)
+        self._live.update(self._render(rate))
+
+    def close(self) -> None:
+        self._live.stop()
+
+
+def _print_done(path: Path, writer: RecordingWriter, stats: CaptureStats, out: TextIO) -> None:
+    out.write(
+        f"recorded {stats.records} records ({writer.records} in the file, "
+        f"{writer.bytes_written:,} bytes) to {path} in {stats.seconds:.1f} s; "
+        f"stopped by {stats.stopped_by or 'end'}\n"
+    )
+    for stream, counters in stats.streams.items():
+        out.write(f"  {stream}: " + "  ".join(f"{k} {v}" for k, v in counters.items()) + "\n")
+
+
+# ------------------------------------------------------------------------------- inspect
+
+
+def _inspect(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        with RecordingReader(args.file) as reader:
+            header = reader.header
+            if args.events:
+                _print_events(reader, out, show_salts=args.show_salts)
+            sources = dict(reader.sources)
+        summary, _ = replay_into_index(args.file)
+    except (OSError, IndexerError) as exc:
+        print(f"kvroute record inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = {"header": header, "sources": list(sources.values()), "summary": summary}
+        out.write(msgspec.json.encode(doc).decode() + "\n")
+        return 1 if summary.damage is not None else 0
+    created = datetime.datetime.fromtimestamp(header.created_unix_s, datetime.UTC)
+    out.write(
+        f"kvroute recording, format version {header.format_version}, created "
+        f"{created.isoformat(timespec='seconds')} by {header.tool}\n"
+    )
+    out.write("sources:\n")
+    for s in sources.values():
+        out.write(
+            f"  {s.stream}: {s.engine} {s.endpoint or '-'} replay {s.replay_endpoint or '-'} "
+            f"topic {s.topic!r} block size {s.block_size} dp rank {s.dp_rank} "
+            f"model {s.model or '-'}\n"
+        )
+    print_summary(summary, out)
+    return 1 if summary.damage is not None else 0
+
+
+def _salt(salt: str | None, show: bool) -> str:
+    if salt is None:
+        return "-"
+    return repr(salt) if show else salt_fingerprint(salt)
+
+
+def _event_salt(event: Stored, show: bool) -> str:
+    """SGLang's cache_salt, or vLLM's extra_keys[0] (salt, or lora name and salt)."""
+    if event.cache_salt is not None or not event.extra_keys or not event.extra_keys[0]:
+        return _salt(event.cache_salt, show)
+    keys = event.extra_keys[0]
+    shown = [repr(k) if show else salt_fingerprint(str(k)) for k in keys]
+    return "extra_keys[0]=[" + ", ".join(shown) + "]"
+
+
+def _print_events(reader: RecordingReader, out: TextIO, *, show_salts: bool) -> None:
+    for positioned in reader.records():
+        r = positioned.record
+        when = datetime.datetime.fromtimestamp(r.recv_time, datetime.UTC).strftime("%H:%M:%S.%f")
+        flag = " replayed" if r.replayed else ""
+        out.write(
+            f"#{positioned.number} {when} {r.stream} seq {r.seq} topic {r.topic!r}{flag} "
+            f"({len(r.payload)} bytes)\n"
+        )
+        try:
+            batch = decode_batch(r.payload)
+        except ProtocolError as exc:
+            out.write(f"    MALFORMED: {exc}\n")
+            continue
+        for event in batch.events:
+            if isinstance(event, Stored):
+                out.write(
+                    f"    BlockStored {len(event.block_hashes)} pages x {event.block_size} "
+                    f"parent {event.parent!r} first {event.block_hashes[:1]} "
+                    f"lora {event.lora_name or event.lora_id} medium {event.medium} "
+                    f"salt {_event_salt(event, show_salts)}\n"
+                )
+            elif isinstance(event, Removed):
+                out.write(f"    BlockRemoved {len(event.block_hashes)} pages {event.medium}\n")
+            elif isinstance(event, Cleared):
+                out.write("    AllBlocksCleared\n")
+        if batch.skipped:
+            out.write(f"    ({batch.skipped} events of unknown kinds skipped)\n")
+    if reader.damage is not None:
+        d = reader.damage
+        out.write(f"STOPPED at byte {d.offset} (record {d.record}): {d.kind}: {d.reason}\n")

@@ -1,0 +1,147 @@
+"""`kvroute serve --config FILE`: the router in front of an existing fleet.
+
+The router itself (aiohttp, the indexer's ZMQ subscribers) is imported when it starts, so the
+verb's arguments load light (`kvroute serve --help`, and `kvroute up` reusing them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import get_args
+
+import msgspec
+
+from router.config import PolicyName, RouterConfig, WorkerConfig, load_config
+from router.errors import ConfigError
+
+__all__ = [
+    "add_arguments",
+    "apply_overrides",
+    "curl_example",
+    "run",
+    "serve_fleet",
+    "serve_until_stopped",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute serve`."""
+    parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
+    parser.add_argument("--host", help="override listen.host")
+    parser.add_argument("--port", type=int, help="override listen.port (0 = any free port)")
+    parser.add_argument(
+        "--policy",
+        choices=get_args(PolicyName),
+        help="override policy.name",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+
+
+def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
+    """The config with the command line's --host/--port/--policy applied."""
+    listen = config.listen
+    if getattr(args, "host", None):
+        listen = msgspec.structs.replace(listen, host=args.host)
+    if getattr(args, "port", None) is not None:
+        listen = msgspec.structs.replace(listen, port=args.port)
+    policy = config.policy
+    if getattr(args, "policy", None):
+        policy = msgspec.structs.replace(policy, name=args.policy)
+    return msgspec.structs.replace(config, listen=listen, policy=policy)
+
+
+async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) -> None:
+    """Run the router until SIGINT or SIGTERM, then shut down cleanly."""
+    from indexer.backend import DEFAULT as INDEX_BACKEND
+    from router.service import RouterService
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with RouterService(config) as router:
+        _freeze_startup_heap()
+        if announce:
+            print(
+                f"kvroute router listening on {router.url} (policy {config.policy.name}, "
+                f"index core {INDEX_BACKEND.name})"
+            )
+            sys.stdout.flush()
+        await stop.wait()
+
+
+def _freeze_startup_heap() -> None:
+    """Exempt what startup allocated (modules, app, config) from garbage collection.
+
+    Those objects live as long as the process, yet every full collection would walk all of
+    them again; measured on the proxy hot path, frozen they cut GC time per request by half.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def curl_example(url: str, model: str = "kvroute/reference-byte-lm") -> str:
+    """A copy-pasteable request through the router at `url`."""
+    body = msgspec.json.encode(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 16,
+            "cache_salt": "tenant-a",
+        }
+    ).decode()
+    return (
+        f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"     -d '{body}'"
+    )
+
+
+async def serve_fleet(
+    config: RouterConfig,
+    workers: Sequence[WorkerConfig],
+    until: Callable[[], Awaitable[None]],
+) -> None:
+    """Run the router of `config` in front of `workers` (added to its own) until `until()`.
+
+    `kvroute up` calls this once its reference workers are up; it prints the router URL, a
+    curl example and where the admin API is.
+    """
+    from router.service import RouterService
+
+    config = msgspec.structs.replace(config, workers=(*config.workers, *workers))
+    async with RouterService(config) as router:
+        _freeze_startup_heap()
+        print(
+            f"\nkvroute router: {router.url}  (policy {config.policy.name}, "
+            f"{len(config.workers)} workers)"
+        )
+        print("try, through the router:")
+        print(curl_example(router.url))
+        auth = ' -H "Authorization: Bearer $TOKEN"' if config.admin_token() else ""
+        if config.admin.enabled:
+            print(f"admin:  curl -s{auth} {router.url}/admin/workers")
+        print("Ctrl-C stops the router and every worker.")
+        sys.stdout.flush()
+        await until()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config and serve until interrupted."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = apply_overrides(load_config(args.config), args)
+        asyncio.run(serve_until_stopped(config))
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,176 @@
+"""`kvroute up`: the embedded fleet in one command.
+
+It starts N reference workers (`workers.fleet.Fleet`), then the router in front of them, both
+configured by `configs/local.toml` (`--config`): the router by its usual tables, the workers by
+its `[fleet]` table (any worker option below, by its long name with `_` for `-`; an option given
+on the command line wins). It prints how to reach everything; Ctrl-C stops it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import msgspec
+
+from router.commands.serve import apply_overrides, serve_fleet
+from router.config import PolicyName, RouterConfig, load_config
+from router.config import WorkerConfig as RoutedWorker
+from router.errors import ConfigError, RouterError
+from workers.command import (
+    add_worker_options,
+    config_from_args,
+    describe_kv_events,
+    wait_for_shutdown,
+)
+from workers.errors import WorkerError
+from workers.fleet import Fleet
+
+__all__ = ["add_arguments", "describe_fleet", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute up`."""
+    parser.add_argument("--workers", type=int, default=2, help="reference workers to start")
+    parser.add_argument(
+        "--worker-port-base",
+        type=int,
+        default=31000,
+        help="HTTP port of worker 0; worker i listens on base + i (0 = ephemeral)",
+    )
+    parser.add_argument(
+        "--events-port-base",
+        type=int,
+        default=0,
+        help="PUB port of worker 0 rank 0; worker i uses base + i * dp_size (0 = ephemeral)",
+    )
+    parser.add_argument(
+        "--replay-port-base",
+        type=int,
+        default=0,
+        help="ROUTER replay port of worker 0 rank 0, like --events-port-base (0 = ephemeral)",
+    )
+    add_worker_options(parser)
+    _add_router_arguments(parser)
+
+
+def describe_fleet(fleet: Fleet) -> str:
+    """What a new user needs to reach every worker."""
+    lines = [f"{len(fleet.workers)} reference workers ({fleet.config.model}):"]
+    for worker in fleet.workers:
+        lines.append(f"{worker.id}: {worker.url}")
+        lines.append(describe_kv_events(worker.kv_events))
+    first = fleet.workers[0].url
+    lines += [
+        "",
+        "try:",
+        f"  curl -s {first}/generate -H 'content-type: application/json' \\",
+        """    -d '{"text": "Hello", "cache_salt": "tenant-a","""
+        """ "sampling_params": {"max_new_tokens": 8}}'""",
+        f"  curl -s {first}/server_info",
+        "Ctrl-C stops every worker.",
+    ]
+    return "\n".join(lines)
+
+
+async def _serve(fleet: Fleet, router: RouterConfig | None = None) -> None:
+    async with fleet:
+        print(describe_fleet(fleet), flush=True)
+        if router is None:
+            await wait_for_shutdown()
+        else:
+            await serve_fleet(router, _routed(fleet), wait_for_shutdown)
+    print("stopped", flush=True)
+
+
+# ------------------------------------------------------------------ the router joins the fleet
+
+DEFAULT_CONFIG = "configs/local.toml"
+
+
+def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    router = parser.add_argument_group("router")
+    router.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help=f"router config whose [fleet] table configures the workers (default {DEFAULT_CONFIG})",
+    )
+    router.add_argument("--router-port", type=int, help="override listen.port (0 = any free port)")
+    router.add_argument(
+        "--policy",
+        choices=get_args(PolicyName),
+        help="override policy.name",
+    )
+    router.add_argument("--no-router", action="store_true", help="start the workers only")
+
+
+def _config_path(name: str) -> Path:
+    """The config as given, else the copy shipped beside the package (run from anywhere)."""
+    path = Path(name)
+    if not path.exists() and not path.is_absolute():
+        shipped = Path(__file__).resolve().parents[2] / name
+        if shipped.exists():
+            return shipped
+    return path
+
+
+def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -> None:
+    """Fill worker options from `[fleet]` wherever the command line left the default."""
+    if not fleet:
+        return
+    probe = argparse.ArgumentParser()
+    add_arguments(probe)
+    defaults = vars(probe.parse_args([]))
+    router_only = {"config", "router_port", "policy", "no_router"}
+    for key, value in fleet.items():
+        if key not in defaults or key in router_only:
+            raise ConfigError(f"[fleet]: unknown key {key!r}")
+        if getattr(args, key) == defaults[key]:
+            setattr(args, key, value)
+
+
+def _routed(fleet: Fleet) -> list[RoutedWorker]:
+    """The router's view of the started workers: explicit endpoints, no discovery needed."""
+    return [
+        RoutedWorker(
+            url=w.url,
+            id=w.id,
+            events=w.events_endpoints,
+            replay=w.replay_endpoints,
+            topic=w.topic,
+            block_size=w.block_size,
+            dp_size=w.dp_size,
+        )
+        for w in fleet.workers
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the fleet and the router; keep them up until Ctrl-C or SIGTERM."""
+    router: RouterConfig | None = None
+    try:
+        if not args.no_router:
+            router = load_config(_config_path(args.config))
+            _apply_fleet_table(args, router.fleet)
+            router = apply_overrides(
+                router, argparse.Namespace(port=args.router_port, policy=args.policy)
+            )
+    except ConfigError as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 2
+    try:
+        fleet = Fleet(
+            args.workers,
+            config_from_args(args),
+            http_port_base=args.worker_port_base,
+            events_port_base=args.events_port_base,
+            replay_port_base=args.replay_port_base,
+        )
+        asyncio.run(_serve(fleet, router))
+    except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,176 @@
+"""Keeping the pool in step with the fleet: discovery, registration, health checks, removal.
+
+A worker's KV-event streams come from its config or its `/server_info`; once known they are
+registered with the indexer. Workers from the config whose server is not up yet are retried on
+every health round, so the router may start before its fleet. Health rounds run every
+`health.interval_s` and probe all workers concurrently, each with its own timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+
+from indexer.engines import SGLANG, EngineSpec, engine_spec
+from indexer.service import IndexerService
+from router.config import HealthConfig, WorkerConfig
+from router.errors import RequestError
+from router.fleet.discovery import needs_discovery, streams_for
+from router.routing.load import LoadTracker
+from router.routing.policy import Policy
+from router.routing.pool import WorkerEntry, WorkerPool
+
+__all__ = ["Supervisor", "WorkerGauges"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerGauges(Protocol):
+    """The per-worker metrics the supervisor keeps (`router.http.metrics.RouterMetrics`).
+
+    A protocol rather than the class: the fleet sits below the HTTP layer that owns metrics.
+    """
+
+    def set_routable(self, worker: str, routable: bool) -> None: ...
+
+    def forget(self, worker: str) -> None: ...
+
+
+class Supervisor:
+    """Owns the pool's membership and health; the health loop is its one background task."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        indexer: IndexerService,
+        session: aiohttp.ClientSession,
+        health: HealthConfig,
+        policy: Policy,
+        load: LoadTracker,
+        metrics: WorkerGauges,
+        clock: Callable[[], float],
+    ) -> None:
+        self._pool = pool
+        self._indexer = indexer
+        self._session = session
+        self._health = health
+        self._policy = policy
+        self._load = load
+        self._metrics = metrics
+        self._clock = clock
+
+    async def server_info(self, url: str, spec: EngineSpec = SGLANG) -> dict[str, Any]:
+        """A worker's settings from the first of its engine's server-info paths that answers."""
+        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)
+        last = "no answer" if spec.server_info_paths else f"{spec.name} advertises no settings"
+        for path in spec.server_info_paths:
+            try:
+                async with self._session.get(url.rstrip("/") + path, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        info = msgspec.json.decode(await resp.read())
+                        if isinstance(info, dict):
+                            return info
+                    last = f"{path}: HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+                last = f"{path}: {type(exc).__name__}: {exc}"
+        raise RequestError(f"cannot read server_info of {url}: {last}")
+
+    async def register(self, entry: WorkerEntry) -> None:
+        """Discover (if needed) and subscribe to the worker's KV-event streams."""
+        spec = engine_spec(entry.config.engine)
+        info = await self.server_info(entry.url, spec) if needs_discovery(entry.config) else None
+        streams = streams_for(entry.config, info)
+        if entry.id not in self._pool_ids():
+            return  # removed while discovering
+        if streams:  # a worker without events is routed by load alone
+            await self._indexer.add_worker(entry.id, streams)
+        entry.streams = [s.endpoint for s in streams]
+        entry.discovered = True
+        log.info("worker %s: %d KV-event stream(s) registered", entry.id, len(streams))
+
+    async def try_register(self, entry: WorkerEntry) -> None:
+        """Register a configured worker now if it answers; else the health rounds retry."""
+        try:
+            await self.register(entry)
+        except RequestError as exc:
+            log.warning("worker %s: %s (retrying on each health round)", entry.id, exc)
+
+    def _pool_ids(self) -> set[str]:
+        return {w.id for w in self._pool}
+
+    async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
+        """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
+        entry = self._pool.add(config)
+        self._metrics.set_routable(entry.id, True)
+        settled = False
+        try:
+            await self.register(entry)
+            settled = True
+        except RequestError as exc:
+            if must_register:
+                raise
+            log.warning("worker %s: %s (retrying on each health round)", entry.id, exc)
+            settled = True
+        finally:
+            # refused, or cancelled mid-discovery (the admin client left): leave no half-added
+            # worker behind, unless someone already removed or replaced it
+            if not settled and self._pool.find(entry.id) is entry:
+                self._pool.remove(entry.id)
+                self._metrics.forget(entry.id)
+        return entry
+
+    async def remove(self, worker_id: str) -> WorkerEntry:
+        """Remove a worker from the pool, the index, the policy and the metrics."""
+        entry = self._pool.remove(worker_id)
+        if self._indexer.has_worker(worker_id):
+            await self._indexer.remove_worker(worker_id)
+        self._policy.forget(worker_id)
+        self._load.forget(worker_id)
+        self._metrics.forget(worker_id)
+        return entry
+
+    async def check(self, entry: WorkerEntry) -> bool:
+        """Probe one worker's health endpoint; registers its streams once it is up."""
+        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s)
+        try:
+            async with self._session.get(entry.url + self._health.path, timeout=timeout) as resp:
+                healthy = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            healthy = False
+        if self._pool.find(entry.id) is not entry:
+            return healthy  # removed while probed: recording it would revive its metric series
+        if healthy != entry.healthy:
+            log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
+            if healthy and entry.discovered:
+                # down -> up may be a new process whose first batches we missed: its index
+                # entries predict nothing until the replay proves them (indexer.fence)
+                self._indexer.suspect_restart(entry.id, "its health check came back")
+        entry.healthy = healthy
+        if healthy and not entry.discovered:
+            try:
+                await self.register(entry)
+            except RequestError as exc:
+                log.warning("worker %s: %s", entry.id, exc)
+        self._metrics.set_routable(entry.id, entry.routable(self._clock()))
+        return healthy
+
+    async def check_all(self) -> None:
+        """One health round over every worker."""
+        entries = list(self._pool)
+        if entries:
+            await asyncio.gather(*(self.check(e) for e in entries))
+
+    async def run(self) -> None:
+        """Health rounds until cancelled."""
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                log.exception("health round failed")
+            await asyncio.sleep(self._health.interval_s)

@@ -1,0 +1,257 @@
+"""The admin API under /admin: workers, namespaces, streams, route dry run, index dump.
+
+A sub-application with its own bearer-token middleware. Salts never leave the router: namespaces
+are shown and addressed by keyed fingerprint (`router.routing.namespace`), and an eviction by
+`cache_salt` answers with fingerprints only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from indexer.service import Namespace
+from router.config import WorkerConfig
+from router.errors import AuthError, NotFoundError, RequestError
+from router.http.intake import read_request
+from router.http.keys import CONFIG, FINGERPRINT, INDEXER, PLANNER, SESSION, SUPERVISOR, TOKENIZER
+from router.prompt.request import Endpoint, check_salt_size
+from router.routing.pool import WorkerEntry, WorkerSummary
+
+__all__ = ["create_admin_app"]
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_json = msgspec.json.Encoder()
+_T = TypeVar("_T")
+
+
+class EvictRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of POST /admin/namespaces/evict: exactly one of cache_salt / namespace."""
+
+    cache_salt: str | None = None
+    namespace: str | None = None  # a fingerprint from GET /admin/namespaces
+    flush_workers: bool = False
+
+
+class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of POST /admin/workers/{id}/drain (optional)."""
+
+    drain: bool = True
+
+
+def _reply(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
+
+
+def _decode(raw: bytes, kind: type[_T]) -> _T:
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+
+def _token_middleware(token: str) -> Middleware:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        # a header that is not UTF-8 reaches us as lone surrogates: just another wrong token
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+        if not hmac.compare_digest(given, expected):
+            raise AuthError("admin API: missing or wrong bearer token")
+        return await handler(request)
+
+    return check
+
+
+def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
+    planner = request.config_dict[PLANNER]
+    now = planner.clock()
+    load = planner.load.of(entry.id)
+    return WorkerSummary(
+        id=entry.id,
+        url=entry.url,
+        status=entry.status(now),
+        healthy=entry.healthy,
+        draining=entry.draining,
+        breaker=entry.breaker.state(now),
+        consecutive_failures=entry.breaker.failures,
+        model=entry.config.model,
+        kv_events=entry.config.kv_events,
+        discovered=entry.discovered,
+        streams=entry.streams,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        running=load.running,
+    )
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    """GET /admin/workers."""
+    pool = request.config_dict[PLANNER].pool
+    return _reply({"workers": [_summary(request, e) for e in pool]})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    """POST /admin/workers: {url, ...}; omitted event settings come from /server_info."""
+    config = _decode(await request.read(), WorkerConfig)
+    entry = await request.config_dict[SUPERVISOR].add(config, must_register=True)
+    return _reply(_summary(request, entry), status=201)
+
+
+async def delete_worker(request: web.Request) -> web.Response:
+    """DELETE /admin/workers/{id}."""
+    entry = await request.config_dict[SUPERVISOR].remove(request.match_info["id"])
+    return _reply({"removed": entry.id})
+
+
+async def drain_worker(request: web.Request) -> web.Response:
+    """POST /admin/workers/{id}/drain: no new requests; in-flight ones finish."""
+    body = _decode(await request.read(), DrainRequest)
+    entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
+    entry.draining = body.drain
+    return _reply(_summary(request, entry))
+
+
+def _namespace_row(
+    request: web.Request, ns: Namespace, blocks: int, tokens: int, holders: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request.config_dict[FINGERPRINT](ns),
+        "model": ns.model,
+        "lora": ns.lora,
+        "salted": ns.cache_salt is not None,
+        "blocks": blocks,
+        "tokens": tokens,
+        "holders": holders,
+    }
+
+
+async def list_namespaces(request: web.Request) -> web.Response:
+    """GET /admin/namespaces: fingerprint, size and holders of every indexed namespace."""
+    rows = [
+        _namespace_row(request, s.namespace, s.blocks, s.tokens, s.holders)
+        for s in request.config_dict[INDEXER].namespaces()
+    ]
+    rows.sort(key=lambda r: (-r["tokens"], r["id"]))
+    return _reply({"namespaces": rows})
+
+
+async def _flush(session: aiohttp.ClientSession, url: str, salt: str) -> str:
+    try:
+        async with session.post(
+            url + "/flush_cache", json={"cache_salt": salt}, timeout=aiohttp.ClientTimeout(total=10)
+        ) as resp:
+            await resp.read()
+            return "ok" if resp.status < 300 else f"HTTP {resp.status}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def evict_namespace(request: web.Request) -> web.Response:
+    """POST /admin/namespaces/evict: drop a namespace from the index, optionally from workers."""
+    body = _decode(await request.read(), EvictRequest)
+    if (body.cache_salt is None) == (body.namespace is None):
+        raise RequestError("give exactly one of cache_salt or namespace")
+    if body.cache_salt is not None:
+        check_salt_size(body.cache_salt, "cache_salt", request.config_dict[CONFIG].limits)
+    indexer = request.config_dict[INDEXER]
+    fingerprint = request.config_dict[FINGERPRINT]
+    known = [s.namespace for s in indexer.namespaces()]
+    if body.namespace is not None:
+        targets = [ns for ns in known if fingerprint(ns) == body.namespace]
+        if not targets:
+            raise NotFoundError(f"no namespace {body.namespace!r} in the index")
+        salt = targets[0].cache_salt
+    else:
+        salt = body.cache_salt or None
+        targets = [ns for ns in known if ns.cache_salt == salt]
+    if body.flush_workers and salt is None:
+        raise RequestError(
+            "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"
+        )
+    dropped = sum(indexer.evict_namespace(ns) for ns in targets)
+    flushed: dict[str, str] = {}
+    if body.flush_workers and salt is not None:
+        # all at once: one unreachable worker must not hold the answer for 10 s per worker
+        session = request.config_dict[SESSION]
+        entries = list(request.config_dict[PLANNER].pool)
+        results = await asyncio.gather(*(_flush(session, e.url, salt) for e in entries))
+        flushed = {e.id: result for e, result in zip(entries, results, strict=True)}
+    return _reply(
+        {
+            "namespaces": sorted(fingerprint(ns) for ns in targets),
+            "entries_dropped": dropped,
+            "flushed": flushed,
+        }
+    )
+
+
+async def list_streams(request: web.Request) -> web.Response:
+    """GET /admin/streams: one row per (worker, dp rank) KV-event stream."""
+    rows = []
+    for stats in request.config_dict[INDEXER].streams():
+        row = msgspec.to_builtins(stats)
+        row["lag_s"] = stats.last_event_age_s
+        rows.append(row)
+    return _reply({"streams": rows})
+
+
+async def route_dry_run(request: web.Request) -> web.Response:
+    """POST /admin/route: how the body would be routed now; routes nothing, changes nothing."""
+    endpoint = None
+    if "endpoint" in request.query:
+        try:
+            endpoint = Endpoint(request.query["endpoint"])
+        except ValueError:
+            raise RequestError(f"endpoint must be one of {[e.value for e in Endpoint]}") from None
+    # the proxy's own intake: a dry run accepts exactly what the proxy accepts
+    config = request.config_dict[CONFIG]
+    parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
+    plan = request.config_dict[PLANNER].plan(parsed)
+    return _reply(
+        {
+            "worker": plan.worker,
+            "namespace": plan.namespace,
+            "prompt_tokens": plan.prompt_tokens,
+            "endpoint": parsed.endpoint.value,
+            "unindexed": plan.unindexed,
+            "candidates": plan.candidates,
+        }
+    )
+
+
+async def dump_index(request: web.Request) -> web.Response:
+    """GET /admin/index/dump: the indexer's versioned msgpack snapshot."""
+    data = request.config_dict[INDEXER].dump()
+    return web.Response(body=data, content_type="application/x-msgpack")
+
+
+async def load_index(request: web.Request) -> web.Response:
+    """POST /admin/index/load: replace the index with a snapshot from /admin/index/dump."""
+    request.config_dict[INDEXER].load(await request.read())
+    return _reply({"loaded": True})
+
+
+def create_admin_app(token: str) -> web.Application:
+    """The /admin sub-application; no token means no auth (allowed on loopback only)."""
+    app = web.Application(middlewares=[_token_middleware(token)] if token else [])
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_post("/workers/{id:.+}/drain", drain_worker)
+    app.router.add_delete("/workers/{id:.+}", delete_worker)
+    app.router.add_get("/namespaces", list_namespaces)
+    app.router.add_post("/namespaces/evict", evict_namespace)
+    app.router.add_get("/streams", list_streams)
+    app.router.add_post("/route", route_dry_run)
+    app.router.add_get("/index/dump", dump_index)
+    app.router.add_post("/index/load", load_index)
+    return app

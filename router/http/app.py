@@ -1,0 +1,229 @@
+"""The router's aiohttp application: routes, error middleware, and the resources it owns.
+
+`create_app(config)` builds the app; its cleanup context opens the upstream client session and
+the indexer, registers the configured workers, and runs the health loop, and closes all of it
+in reverse order on shutdown. Every error becomes JSON `{"error": {"type", "message"}}` in one
+middleware, with the status its RouterError subclass names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from indexer.errors import IndexerError
+from indexer.service import IndexerConfig, IndexerService
+from router.config import RouterConfig
+from router.errors import ConfigError, RouterError
+from router.fleet.supervisor import Supervisor
+from router.http.admin import create_admin_app
+from router.http.keys import (
+    CONFIG,
+    FINGERPRINT,
+    INDEXER,
+    METRICS,
+    PLANNER,
+    PROXY,
+    SESSION,
+    SUPERVISOR,
+    TOKENIZER,
+)
+from router.http.metrics import RouterMetrics
+from router.http.proxy import Proxy
+from router.prompt.request import Endpoint
+from router.prompt.tokenizer import build_tokenizer
+from router.routing.load import LoadTracker
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Planner
+from router.routing.policy import build_policy
+from router.routing.pool import WorkerPool
+
+__all__ = ["create_app", "is_loopback"]
+
+log = logging.getLogger(__name__)
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_json = msgspec.json.Encoder()
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    body = _json.encode({"error": {"type": kind, "message": message}})
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Turn every error into the JSON error shape with the right status."""
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        status, kind, message = exc.status, type(exc).__name__, str(exc)
+    except IndexerError as exc:
+        status, kind, message = 400, type(exc).__name__, str(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "PayloadTooLargeError" if exc.status == 413 else type(exc).__name__
+        status, message = exc.status, exc.text or exc.reason
+    except RequestPayloadError as exc:
+        # a body the parser could not decode (broken chunking, a bad gzip stream): the
+        # client's fault. The parser's message may quote body bytes, so only its kind is told
+        cause = type(exc.__cause__ or exc).__name__
+        status, kind = 400, "BadHttpRequestError"
+        message = f"the request body cannot be decoded ({cause}): check its chunking and encoding"
+    except ConnectionResetError:
+        raise  # the client is gone: nobody to answer
+    except Exception:
+        # a bug: say so in the log (tracebacks carry no request bodies, so no salts), answer JSON
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        status, kind, message = 500, "InternalError", "internal router error (see the router log)"
+    metrics = request.config_dict.get(METRICS)
+    if metrics is not None:
+        metrics.rejected.labels(_route_label(request), kind).inc()
+    return _error(status, kind, message)
+
+
+def _route_label(request: web.Request) -> str:
+    """The matched route's template (`/admin/workers/{id}/drain`), never the raw path.
+
+    Paths are client input: as a label they would be unbounded, one series per id ever tried.
+    """
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "-"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _proxy_handler(endpoint: Endpoint) -> _Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].handle(request, endpoint)
+
+    return handle
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 while at least one worker takes traffic, else 503."""
+    planner = request.app[PLANNER]
+    now = planner.clock()
+    workers = list(planner.pool)
+    ready = sum(1 for w in workers if w.routable(now))
+    body = {"status": "ok" if ready else "no_worker", "workers": len(workers), "routable": ready}
+    return web.Response(
+        body=_json.encode(body), status=200 if ready else 503, content_type="application/json"
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the first routable worker's answer, else the configured models."""
+    planner = request.app[PLANNER]
+    now = planner.clock()
+    session = request.app[SESSION]
+    for entry in planner.pool:
+        if not entry.routable(now):
+            continue
+        try:
+            async with session.get(
+                entry.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status == 200:
+                    return web.Response(body=await resp.read(), content_type="application/json")
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+    names = sorted({w.config.model for w in planner.pool if w.config.model})
+    data = [{"id": name, "object": "model", "owned_by": "kvroute"} for name in names]
+    return web.Response(
+        body=_json.encode({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text exposition."""
+    body = request.app[METRICS].render()
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    """Open the session and indexer, register workers, run health checks; close on exit."""
+    config = app[CONFIG]
+    section = config.indexer
+    indexer_config = IndexerConfig(
+        pending_ttl_s=section.pending_ttl_s,
+        stale_after_s=section.stale_after_s,
+        replay_timeout_s=section.replay_timeout_s,
+        probe_interval_s=section.probe_interval_s,
+    )
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    async with (
+        aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+        IndexerService(indexer_config) as indexer,
+    ):
+        policy = build_policy(config.policy)
+        pool = WorkerPool(config.breaker)
+        load = LoadTracker()
+        app[METRICS].export_in_flight(load.running)
+        planner = Planner(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
+        supervisor = Supervisor(
+            pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock
+        )
+        app[SESSION] = session
+        app[INDEXER] = indexer
+        app[PLANNER] = planner
+        app[SUPERVISOR] = supervisor
+        app[PROXY] = Proxy(config, planner, session, app[TOKENIZER], app[METRICS])
+        for worker in config.workers:
+            pool.add(worker)
+        await asyncio.gather(*(supervisor.try_register(entry) for entry in pool))
+        await supervisor.check_all()  # dead workers are out of rotation before the first request
+        health_task = asyncio.create_task(supervisor.run(), name="kvroute-health")
+        try:
+            yield
+        finally:
+            health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health_task
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    """The router application for `config` (resources open when the app starts)."""
+    token = config.admin_token()
+    if config.admin.enabled and not token and not is_loopback(config.listen.host):
+        raise ConfigError(
+            f"refusing to serve the admin API on {config.listen.host} without a token: set "
+            "admin.token or KVROUTE_ADMIN_TOKEN, bind to 127.0.0.1, or set admin.enabled = false"
+        )
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes
+    )
+    app[CONFIG] = config
+    app[METRICS] = RouterMetrics()
+    app[TOKENIZER] = build_tokenizer(config.tokenizer)
+    app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
+    for endpoint in Endpoint:
+        app.router.add_post(endpoint.value, _proxy_handler(endpoint))
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    if config.admin.enabled:
+        if not token:
+            log.warning("admin API without a token (loopback only)")
+        app.add_subapp("/admin", create_admin_app(token))
+    app.cleanup_ctx.append(_resources)
+    return app

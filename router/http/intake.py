@@ -1,0 +1,59 @@
+"""A proxied request off the wire: its body, the trusted salt header, parsed within the limits.
+
+The proxy and the `/admin/route` dry run both read requests here, so a dry run never says yes
+to a request the proxy would refuse. The salt header is a gateway's statement of the tenant: it
+must come once (two values would leave the namespace to whichever one a hop reads first), be
+UTF-8 and fit `limits.max_salt_bytes`; its value is a secret, so errors name the header only.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.errors import RequestError
+from router.prompt.request import (
+    Endpoint,
+    ParsedRequest,
+    check_salt_size,
+    detect_endpoint,
+    parse_body,
+    parse_request,
+)
+from router.prompt.tokenizer import PromptTokenizer
+
+__all__ = ["header_salt", "read_request"]
+
+
+def header_salt(request: web.Request, config: RouterConfig) -> str | None:
+    """The configured salt header's value, None without one; RequestError names the header."""
+    name = config.salt_header
+    if not name:
+        return None
+    values = request.headers.getall(name, [])
+    if not values:
+        return None
+    if len(values) > 1:
+        raise RequestError(f"the {name} header is given {len(values)} times; give it once")
+    value = values[0]
+    try:
+        # aiohttp keeps bytes that are not UTF-8 as lone surrogates, which cannot be encoded
+        value.encode()
+    except UnicodeEncodeError:
+        raise RequestError(f"the {name} header is not valid UTF-8") from None
+    check_salt_size(value, f"the {name} header", config.limits)
+    return value
+
+
+async def read_request(
+    request: web.Request,
+    endpoint: Endpoint | None,
+    config: RouterConfig,
+    tokenizer: PromptTokenizer,
+) -> ParsedRequest:
+    """Read and validate one request for `endpoint` (None: inferred from the body)."""
+    salt = header_salt(request, config)
+    raw = await request.read()
+    if endpoint is None:
+        endpoint = detect_endpoint(parse_body(raw, config.limits))
+    return parse_request(endpoint, raw, tokenizer, header_salt=salt, limits=config.limits)

@@ -1,0 +1,37 @@
+"""Typed application keys: the one place the app's shared objects are named."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from indexer.service import IndexerService
+from router.config import RouterConfig
+from router.fleet.supervisor import Supervisor
+from router.http.metrics import RouterMetrics
+from router.http.proxy import Proxy
+from router.prompt.tokenizer import PromptTokenizer
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Planner
+
+__all__ = [
+    "CONFIG",
+    "FINGERPRINT",
+    "INDEXER",
+    "METRICS",
+    "PLANNER",
+    "PROXY",
+    "SESSION",
+    "SUPERVISOR",
+    "TOKENIZER",
+]
+
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+TOKENIZER = web.AppKey("tokenizer", PromptTokenizer)
+FINGERPRINT = web.AppKey("fingerprint", Fingerprinter)
+INDEXER = web.AppKey("indexer", IndexerService)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+PLANNER = web.AppKey("planner", Planner)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+PROXY = web.AppKey("proxy", Proxy)

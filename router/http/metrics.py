@@ -1,0 +1,160 @@
+"""Prometheus metrics of one router, in its own registry (several routers may share a process).
+
+Labels are worker ids, endpoints and outcomes only: never a salt, never a fingerprint (a label
+per tenant would be unbounded and would leak who is active).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
+
+
+class _InFlight(Collector):
+    """`kvroute_in_flight_requests`, read from the load tracker when scraped.
+
+    The router already counts running requests per worker for routing; a gauge of its own
+    would be the same number kept twice, with two locked updates on every request.
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "kvroute_in_flight_requests",
+            "Requests the router has in flight per worker",
+            labels=["worker"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric's name and type, without samples."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        """The current in-flight count of every worker."""
+        family = self._family()
+        for worker, running in sorted(self.source().items()):
+            family.add_metric([worker], running)
+        yield family
+
+
+class RouterMetrics:
+    """Every metric the router exports."""
+
+    def __init__(self) -> None:
+        # label children cached: `labels()` validates and locks on every call (hot path)
+        self._children: dict[tuple[str, str, int], tuple[Counter, Counter, Counter, Histogram]] = {}
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Proxied requests by endpoint, worker and status code",
+            ["endpoint", "worker", "code"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvroute_rejected_requests",
+            "Requests answered by the router itself (4xx/5xx)",
+            ["endpoint", "error"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Upstream attempts that failed before any byte reached the client",
+            ["worker"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time from request to last byte, by endpoint",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens routed, by worker", ["worker"], registry=r
+        )
+        self.matched_tokens = Counter(
+            "kvroute_matched_tokens",
+            "Prompt tokens the index predicted cached on the chosen worker",
+            ["worker"],
+            registry=r,
+        )
+        self.unindexed = Counter(
+            "kvroute_unindexed_requests",
+            "Requests routed without event-based affinity because their cache key has a part "
+            "the KV events do not carry, by that part (e.g. extra_key)",
+            ["reason"],
+            registry=r,
+        )
+        self._in_flight = _InFlight()
+        r.register(self._in_flight)
+        self.healthy = Gauge(
+            "kvroute_worker_routable",
+            "1 when the worker takes new requests",
+            ["worker"],
+            registry=r,
+        )
+
+    def record(
+        self, endpoint: str, worker: str, code: int, prompt: int, matched: int, seconds: float
+    ) -> None:
+        """Count one proxied request."""
+        key = (endpoint, worker, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(endpoint, worker, str(code)),
+                self.prompt_tokens.labels(worker),
+                self.matched_tokens.labels(worker),
+                self.latency.labels(endpoint),
+            )
+        requests, prompt_tokens, matched_tokens, latency = children
+        requests.inc()
+        prompt_tokens.inc(prompt)
+        matched_tokens.inc(matched)
+        latency.observe(seconds)
+
+    def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:
+        """Export `running()` (requests in flight per worker) as the in-flight gauge."""
+        self._in_flight.source = running
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+    def set_routable(self, worker: str, routable: bool) -> None:
+        """Export whether `worker` takes new requests (`kvroute_worker_routable`)."""
+        self.healthy.labels(worker).set(1 if routable else 0)
+
+    def forget(self, worker: str) -> None:
+        """Drop a removed worker's series (its in-flight count leaves with the load tracker)."""
+        self._children = {k: v for k, v in self._children.items() if k[1] != worker}
+        with contextlib.suppress(KeyError):
+            self.healthy.remove(worker)

@@ -1,0 +1,14 @@
+"""From a request body to what routing needs: endpoint, namespace fields and prompt tokens.
+
+- `request`: the proxied endpoints, body parsing and validation (`parse_request` ->
+  `ParsedRequest`), salts and `extra_key` as the workers normalize them;
+- `nesting`: the JSON nesting bound, checked on the raw bytes;
+- `tokenizer`: prompt text and chat messages to token ids (byte or Hugging Face tokenizer);
+- `chat_template`: a model's Jinja chat template, rendered the way the engine renders it;
+- `conventions`: one `ChatConvention` per engine, what its OpenAI layer makes of a chat request
+  (tools, tool_choice, template kwargs, continuation, ...), found by `chat_convention(engine)`;
+- `messages`: chat messages as each engine prepares them for the template.
+
+Imports run one way: `request` -> `tokenizer` -> `chat_template` -> `conventions` ->
+`messages`. Nothing is imported here, so `kvroute --help` stays light.
+"""

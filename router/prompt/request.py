@@ -1,0 +1,228 @@
+"""Parsing a proxied request into what routing needs: namespace, tokens, streaming flag.
+
+A chat request is also read for what the engine passes to the chat template besides the messages
+(tools, tool_choice, chat_template_kwargs, reasoning_effort, documents, ...), the way the
+configured `tokenizer.chat_engine` reads them: its convention in `router.prompt.conventions`.
+
+The body is forwarded to the worker byte for byte unless a trusted salt header overrides the
+salt, in which case the body's `cache_salt` is rewritten so the worker caches the request in the
+namespace the router routed it in. `cache_salt` is validated the way the workers validate it (a
+string, `""` meaning none, one per item in a batched `/generate`), so a malformed request is a
+400 naming the field here instead of a surprise on the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from indexer.protocol.tokens import ChatTemplateError
+from router.config import LimitsConfig
+from router.errors import RequestError
+from router.prompt.conventions import chat_options, check_chat_fields
+from router.prompt.nesting import nests_deeper
+from router.prompt.tokenizer import PromptTokenizer
+
+__all__ = [
+    "Endpoint",
+    "ParsedRequest",
+    "check_salt_size",
+    "detect_endpoint",
+    "parse_body",
+    "parse_request",
+]
+
+
+class Endpoint(enum.StrEnum):
+    """The proxied generation endpoints (value = path on router and worker)."""
+
+    GENERATE = "/generate"
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+class ParsedRequest(msgspec.Struct, frozen=True):
+    """One request, ready to route: never log `salt` (a tenant secret)."""
+
+    endpoint: Endpoint
+    body: bytes  # what is forwarded
+    salt: str | None
+    model: str
+    lora: str | None
+    tokens: list[int]
+    stream: bool
+    # the caller's SGLang extra_key (never logged either): part of the worker's cache key that
+    # no KV event shows, so such a request gets no event-based hit (`indexer.namespace`)
+    extra_key: str | None = None
+
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+_LIMITS = LimitsConfig()
+
+
+def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
+    """The JSON object of a request body, or a RequestError saying what is wrong.
+
+    Nesting is bounded by `limits.max_json_depth` (see `router.prompt.nesting` for why).
+    """
+    too_deep = RequestError(
+        f"request body nests JSON deeper than limits.max_json_depth ({limits.max_json_depth})"
+    )
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise too_deep from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    if nests_deeper(raw, limits.max_json_depth):
+        raise too_deep
+    return body
+
+
+def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
+    """The endpoint a dry-run body was written for: messages, prompt, or text/input_ids."""
+    if "messages" in body:
+        return Endpoint.CHAT
+    if "prompt" in body:
+        return Endpoint.COMPLETIONS
+    if "text" in body or "input_ids" in body:
+        return Endpoint.GENERATE
+    raise RequestError("cannot tell the endpoint: expected messages, prompt, text or input_ids")
+
+
+def check_salt_size(salt: str, what: str, limits: LimitsConfig) -> None:
+    """RequestError when `salt` is over `limits.max_salt_bytes`; names `what`, never the salt.
+
+    Salts are short tenant ids in practice; bounding them bounds what every request can make
+    the router hold (pending marks, namespace keys) no matter how many tenants are invented.
+    """
+    if len(salt.encode()) > limits.max_salt_bytes:
+        raise RequestError(
+            f"{what} is longer than limits.max_salt_bytes ({limits.max_salt_bytes} bytes)"
+        )
+
+
+def _salt(
+    value: object, limits: LimitsConfig, *, batched: bool, field: str = "cache_salt"
+) -> str | None:
+    """A cache-key string as the workers normalize it (`cache_salt`, `extra_key`), bounded."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        check_salt_size(value, field, limits)
+        return value or None
+    if batched and isinstance(value, list):
+        # one per item; the batch is routed as a whole by its first item
+        for i, item in enumerate(value):
+            if item is not None and not isinstance(item, str):
+                raise RequestError(f"{field}[{i}] must be a string")
+            if item is not None:
+                check_salt_size(item, f"{field}[{i}]", limits)
+        first = value[0] if value else None
+        return first or None
+    raise RequestError(f"{field} must be a string")
+
+
+def _ids(value: object, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise RequestError(f"{field} must be a list of integers")
+    return value
+
+
+def _first(value: list[Any], field: str) -> object:
+    if not value:
+        raise RequestError(f"{field} must not be empty")
+    return value[0]
+
+
+def _generate_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> tuple[list[int], bool]:
+    if (input_ids := body.get("input_ids")) is not None:
+        if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+            return _ids(input_ids[0], "input_ids[0]"), True
+        return _ids(input_ids, "input_ids"), False
+    text = body.get("text")
+    if isinstance(text, str):
+        return tok.text(text), False
+    if isinstance(text, list):
+        first = _first(text, "text")
+        if not isinstance(first, str):
+            raise RequestError("text[0] must be a string")
+        return tok.text(first), True
+    raise RequestError("text (a string) or input_ids (a list of integers) is required")
+
+
+def _completion_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tok.text(prompt)
+    if isinstance(prompt, list):
+        first = _first(prompt, "prompt")
+        if isinstance(first, str):
+            return tok.text(first)
+        if isinstance(first, list):
+            return _ids(first, "prompt[0]")
+        return _ids(prompt, "prompt")
+    raise RequestError("prompt must be a string, a list of strings or a list of token ids")
+
+
+def _chat_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list")
+    options = None
+    if tok.template is not None:
+        options = chat_options(body, tok.template.convention)
+    else:
+        # kvroute's own template renders the messages alone: only the fields' shape is checked
+        check_chat_fields(body)
+    try:
+        return tok.chat(messages, options)
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def parse_request(
+    endpoint: Endpoint,
+    raw: bytes,
+    tokenizer: PromptTokenizer,
+    *,
+    header_salt: str | None = None,
+    limits: LimitsConfig = _LIMITS,
+) -> ParsedRequest:
+    """Validate `raw` for `endpoint`; `header_salt` (trusted header) overrides the body's salt."""
+    body = parse_body(raw, limits)
+    batched = False
+    if endpoint is Endpoint.GENERATE:
+        tokens, batched = _generate_tokens(body, tokenizer)
+    elif endpoint is Endpoint.COMPLETIONS:
+        tokens = _completion_tokens(body, tokenizer)
+    else:
+        tokens = _chat_tokens(body, tokenizer)
+    salt = _salt(body.get("cache_salt"), limits, batched=batched)
+    forwarded = raw
+    if header_salt is not None:
+        salt = header_salt or None
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+        forwarded = _encoder.encode(body)
+    model = body.get("model")
+    lora = body.get("lora_path")
+    stream = body.get("stream")
+    return ParsedRequest(
+        endpoint=endpoint,
+        body=forwarded,
+        salt=salt,
+        model=model if isinstance(model, str) else "",
+        lora=lora if isinstance(lora, str) and lora else None,
+        tokens=tokens,
+        stream=stream is True,
+        extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),
+    )

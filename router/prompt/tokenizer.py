@@ -1,0 +1,150 @@
+"""Prompt tokenization on the router side; it must agree with the workers' tokenizer.
+
+Two kinds: the built-in byte tokenizer the reference workers use (no files), and a Hugging Face
+`tokenizer.json` loaded through the optional `tokenizers` package (extra `kvroute[hf]`), imported
+only when configured.
+
+Chat requests are rendered into text first, with one of two templates:
+- the model's own Jinja chat template (`router.prompt.chat_template`), what SGLang and vLLM
+  render with; its text is encoded without added special tokens, since the template writes BOS
+  itself;
+- kvroute's built-in template (`indexer.protocol.tokens.render_chat`), what the reference workers
+  render with, encoded after a BOS token.
+`tokenizer.chat_template` picks one (see `router.config.TokenizerConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from indexer.protocol.tokens import ByteTokenizer, render_chat
+from router.config import TokenizerConfig
+from router.errors import ConfigError
+
+if TYPE_CHECKING:
+    # jinja2 comes with the optional extra: imported only when a model template is configured
+    from router.prompt.chat_template import ModelChatTemplate
+    from router.prompt.conventions import ChatOptions
+
+__all__ = ["BUILTIN_TEMPLATE", "PromptTokenizer", "build_tokenizer", "load_chat_template"]
+
+log = logging.getLogger(__name__)
+
+BUILTIN_TEMPLATE = "kvroute"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+
+
+class PromptTokenizer:
+    """Text and chat prompts to token ids, the way the workers tokenize them."""
+
+    def __init__(
+        self, encoder: _Encoder, name: str, template: ModelChatTemplate | None = None
+    ) -> None:
+        self._encoder = encoder
+        self.name = name
+        self.template = template
+
+    def text(self, text: str) -> list[int]:
+        """Ids of a completion or /generate prompt (no BOS, as the workers do)."""
+        return self._encoder.encode(text)
+
+    def chat(self, messages: Sequence[object], options: ChatOptions | None = None) -> list[int]:
+        """Ids of a chat prompt as the engine computes them (raises ChatTemplateError).
+
+        `options` (tools, template kwargs, ...) reach the model template only: kvroute's own
+        template, like the reference workers, renders the messages alone.
+        """
+        if self.template is not None:
+            text = self.template.render(messages, options=options)
+            return self._encoder.encode(text, add_bos=False)
+        return self._encoder.encode(render_chat(messages), add_bos=True)
+
+
+class _HfEncoder:
+    """`tokenizers.Tokenizer` behind the byte tokenizer's interface."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_bos).ids
+        return ids
+
+
+def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
+    """The configured tokenizer; a missing optional dependency is a ConfigError."""
+    template = load_chat_template(config)
+    if config.kind == "byte":
+        return PromptTokenizer(ByteTokenizer(), "byte", template)
+    try:
+        import tokenizers
+    except ImportError as exc:
+        raise ConfigError(
+            "tokenizer.kind = 'hf' needs the optional extra: pip install 'kvroute[hf]'"
+        ) from exc
+    try:
+        hf = tokenizers.Tokenizer.from_file(config.path)
+    except Exception as exc:
+        raise ConfigError(f"tokenizer.path {config.path!r}: {exc}") from exc
+    return PromptTokenizer(_HfEncoder(hf), f"hf:{config.path}", template)
+
+
+def load_chat_template(config: TokenizerConfig) -> ModelChatTemplate | None:
+    """The model chat template `config` selects, or None for kvroute's built-in one."""
+    choice = config.chat_template
+    if choice == BUILTIN_TEMPLATE or (not choice and config.kind == "byte"):
+        return None
+    try:
+        from router.prompt.chat_template import ModelChatTemplate
+    except ImportError as exc:
+        raise ConfigError(
+            "model chat templates need jinja2, from the optional extra: pip install 'kvroute[hf]'"
+        ) from exc
+    if not choice:
+        found = _template_beside(Path(config.path).parent)
+        if found is None:
+            log.warning(
+                "no chat template beside %s (%s or %s with a chat_template): chat requests are "
+                "rendered with kvroute's template and will not match the engine's cache; set "
+                "tokenizer.chat_template",
+                config.path,
+                CHAT_TEMPLATE_FILE,
+                TOKENIZER_CONFIG,
+            )
+            return None
+        return ModelChatTemplate.load(found, engine=config.chat_engine)
+    path = Path(choice)
+    if not path.is_file():
+        raise ConfigError(f"tokenizer.chat_template {choice!r}: no such file")
+    # a bare .jinja file takes its special tokens from the model's tokenizer config
+    special_from = path.with_name(TOKENIZER_CONFIG)
+    if config.kind == "hf" and Path(config.path).with_name(TOKENIZER_CONFIG).is_file():
+        special_from = Path(config.path).with_name(TOKENIZER_CONFIG)
+    return ModelChatTemplate.load(path, special_tokens_from=special_from, engine=config.chat_engine)
+
+
+def _template_beside(folder: Path) -> Path | None:
+    """The file holding the model's template in a model folder, if there is one."""
+    config = folder / TOKENIZER_CONFIG
+    if config.is_file():
+        if (folder / CHAT_TEMPLATE_FILE).is_file():
+            return config  # loads the .jinja file, with the config's special tokens
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{config}: {exc}") from exc
+        if isinstance(data, dict) and data.get("chat_template"):
+            return config
+        return None
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return folder / CHAT_TEMPLATE_FILE
+    return None

@@ -1,0 +1,203 @@
+"""The routing decision for one request: index lookup + health + load, ranked by the policy.
+
+`plan` is read-only (it backs the `/admin/route` dry run as well as real routing); `commit`
+is the one place a real decision changes state: pending index entries (when the policy marks
+them), the policy's memory, and the in-flight load. The proxy reports back what became of the
+request (`first_byte`, `finish`, `record_failure`, `record_success`) without reaching into the
+load tracker or the breakers. It picks the worker and nothing else: the batch scheduling of
+a worker's requests is the workers' business (`workers.scheduler` in the reference worker).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from indexer.service import UNTRUSTED, IndexerService, Namespace, StreamState, WorkerMatch
+from router.config import PolicyConfig
+from router.prompt.request import ParsedRequest
+from router.routing.load import LoadTracker, Ticket
+from router.routing.namespace import Fingerprinter, request_namespace
+from router.routing.policy import Policy, WorkerView, effective_hit
+from router.routing.pool import WorkerPool, WorkerStatus
+
+__all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One worker in a routing decision, with the numbers that placed it."""
+
+    worker: str
+    url: str
+    matched_tokens: int  # leading prompt tokens the worker holds, per its KV events
+    matched_blocks: int
+    pending_tokens: int  # further tokens covered by recent routing decisions only
+    load: float
+    score: float
+    healthy: bool
+    status: str
+    stream_state: str | None
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """A ranked decision: candidates best first, unroutable ones last."""
+
+    namespace: str  # fingerprint, never the salt
+    prompt_tokens: int
+    candidates: list[Candidate]
+    # why no KV event can vouch for this request's prefix on any worker (then only pending
+    # marks of earlier decisions count), e.g. "extra_key"; None when events can
+    unindexed: str | None = None
+
+    @property
+    def worker(self) -> str | None:
+        """The chosen worker, or None when no worker is routable."""
+        first = self.candidates[0] if self.candidates else None
+        return first.worker if first is not None and first.healthy else None
+
+    def ranked(self) -> list[Candidate]:
+        """The routable candidates in order: the first choice, then retries."""
+        return [c for c in self.candidates if c.healthy]
+
+
+def unindexed_reason(ns: Namespace) -> str | None:
+    """Which part of the request's cache key the KV events cannot show, if any.
+
+    SGLang keys its radix cache by (extra_key, cache_salt) but publishes only the salt (and a
+    LoRA adapter's name, whose id the engine appends to extra_key itself), so a request with
+    its own extra_key may not share pages an event shows: no event-based hit (fail closed).
+    """
+    return "extra_key" if ns.extra_key is not None else None
+
+
+_NO_MATCH = WorkerMatch(
+    worker="",
+    matched_blocks=0,
+    matched_tokens=0,
+    pending_tokens=0,
+    block_size=None,
+    by_medium={},
+    state=StreamState.STALE,
+)
+
+
+class Planner:
+    """Plans and commits routing decisions for a pool of workers."""
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        policy: Policy,
+        pool: WorkerPool,
+        indexer: IndexerService,
+        load: LoadTracker,
+        fingerprint: Fingerprinter,
+    ) -> None:
+        self._config = config
+        self.policy = policy
+        self.pool = pool
+        self.indexer = indexer
+        self.load = load
+        self.fingerprint = fingerprint
+        self.clock = time.monotonic
+
+    def namespace(self, parsed: ParsedRequest) -> Namespace:
+        """The cache namespace `parsed` lives in."""
+        return request_namespace(
+            parsed.salt, parsed.lora, parsed.model, self.pool.models(), parsed.extra_key
+        )
+
+    def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
+        """Rank every worker for `parsed`; changes no state."""
+        ns = namespace if namespace is not None else self.namespace(parsed)
+        return self._plan(ns, parsed.tokens)
+
+    def _plan(self, ns: Namespace, tokens: Sequence[int]) -> Plan:
+        now = self.clock()
+        # Engines never reuse the cache for a prompt's last token (its logits must be computed),
+        # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
+        # (`limit` says so without copying an 8k-token list).
+        limit = max(len(tokens) - 1, 0)
+        matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
+        weights = self._config.medium_weights
+        views: list[WorkerView] = []
+        info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}
+        for entry in self.pool:
+            match = matches.get(entry.id, _NO_MATCH)
+            stale = match.state in UNTRUSTED  # entries kvroute cannot vouch for: no affinity
+            load = self.load.of(entry.id)
+            status = entry.status(now)
+            views.append(
+                WorkerView(
+                    worker=entry.id,
+                    healthy=status is WorkerStatus.READY,
+                    hit_tokens=effective_hit(
+                        matched_blocks=match.matched_blocks,
+                        pending_tokens=match.pending_tokens,
+                        block_size=match.block_size,
+                        by_medium=match.by_medium,
+                        stale=stale,
+                        weights=weights,
+                    ),
+                    queued_prefill_tokens=load.queued_prefill_tokens,
+                    running=load.running,
+                )
+            )
+            info[entry.id] = (match, entry.url, status)
+        candidates = []
+        for scored in self.policy.rank(tokens, views):
+            match, url, status = info[scored.worker]
+            candidates.append(
+                Candidate(
+                    worker=scored.worker,
+                    url=url,
+                    matched_tokens=match.matched_tokens,
+                    matched_blocks=match.matched_blocks,
+                    pending_tokens=match.pending_tokens,
+                    load=scored.load,
+                    score=scored.score,
+                    healthy=scored.healthy,
+                    status=status,
+                    stream_state=str(match.state) if match.worker else None,
+                )
+            )
+        return Plan(
+            namespace=self.fingerprint(ns),
+            prompt_tokens=len(tokens),
+            candidates=candidates,
+            unindexed=unindexed_reason(ns),
+        )
+
+    def commit(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
+    ) -> Ticket:
+        """Record that the request goes to `candidate`; returns its load ticket."""
+        if first_try:
+            self.policy.record(tokens, candidate.worker)
+        if self.policy.marks_pending and self.indexer.has_worker(candidate.worker):
+            self.indexer.add_pending(ns, tokens, candidate.worker)
+        hit = candidate.matched_tokens + candidate.pending_tokens
+        return self.load.begin(candidate.worker, max(0, len(tokens) - hit))
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """The worker answered: the request's prompt no longer counts as queued prefill."""
+        self.load.first_byte(ticket)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request ended (answered, failed or cancelled): it no longer counts as running."""
+        self.load.end(ticket)
+
+    def record_failure(self, worker: str, *, hard: bool) -> None:
+        """A request to `worker` failed; a `hard` failure (the process looks gone) opens its
+        circuit at once. A worker removed meanwhile is ignored."""
+        entry = self.pool.find(worker)
+        if entry is not None:
+            entry.breaker.failure(self.clock(), hard=hard)
+
+    def record_success(self, worker: str) -> None:
+        """A request to `worker` succeeded: its circuit closes."""
+        entry = self.pool.find(worker)
+        if entry is not None:
+            entry.breaker.success()

@@ -1,0 +1,242 @@
+"""Routing policies: pure functions of what the router knows, deciding but never sending.
+
+A policy ranks every worker for one request from `WorkerView`s (prefix hit from the index, the
+router's own in-flight load, health) and is told afterwards which worker actually got the
+request (`record`). `rank` changes no state, which is what makes the `/admin/route` dry run
+honest. Ties are broken by draws fixed by (seed, decisions so far), so a run is
+reproducible and a dry run sees the tie-break the next real request would.
+
+Scores are "higher is better". For `kv`:
+
+    score = hit_weight * hit_tokens - load
+    load  = queued_prefill_tokens + decode_weight * running
+
+which orders workers exactly like the prefill work they would do for this request
+(prompt - hit) plus the work already queued on them, with the prompt length cancelling out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from router.config import PolicyConfig
+from router.routing.approx_tree import ApproxTree
+
+__all__ = [
+    "ApproxTreePolicy",
+    "KvPolicy",
+    "LeastLoadPolicy",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "Scored",
+    "WorkerView",
+    "build_policy",
+    "effective_hit",
+]
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit value from a counter."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class WorkerView(msgspec.Struct, frozen=True):
+    """What a policy may know about one worker for one request."""
+
+    worker: str
+    healthy: bool  # health check ok, circuit closed, not draining
+    hit_tokens: float = 0.0  # affinity-effective prefix hit (see `effective_hit`)
+    queued_prefill_tokens: int = 0
+    running: int = 0
+
+
+class Scored(msgspec.Struct, frozen=True):
+    """One worker's place in a decision."""
+
+    worker: str
+    healthy: bool
+    hit_tokens: float
+    load: float
+    score: float
+
+
+def effective_hit(
+    *,
+    matched_blocks: int,
+    pending_tokens: int,
+    block_size: int | None,
+    by_medium: Mapping[str, int],
+    stale: bool,
+    weights: Mapping[str, float],
+) -> float:
+    """Prefix tokens a worker is expected to reuse: tier-weighted blocks plus pending tokens.
+
+    A STALE stream says nothing reliable about the worker's cache, so it earns no affinity.
+    """
+    if stale or not block_size:
+        return float(pending_tokens) if not stale else 0.0
+    tiered = sum(by_medium.values())
+    hit = sum(blocks * weights.get(medium, 1.0) for medium, blocks in by_medium.items())
+    # blocks reported without a tier count at full weight
+    hit += max(0, matched_blocks - tiered)
+    return hit * block_size + pending_tokens
+
+
+class Policy:
+    """Base policy: rank by score, healthy first, ties to the less loaded, then random."""
+
+    name = "base"
+    # whether a decision leaves pending index entries behind it, so a burst of siblings follows
+    # the first request before its KV events arrive: only a policy that reads the index gains
+    marks_pending = False
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self._config = config
+        self._decisions = 0
+
+    def load(self, view: WorkerView) -> float:
+        """The in-flight work on a worker, in prefill-token equivalents."""
+        return view.queued_prefill_tokens + self._config.decode_weight * view.running
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        raise NotImplementedError
+
+    def _draws(self, n: int, salt: int = 0) -> list[int]:
+        """`n` pseudo-random draws fixed by (seed, decisions so far, salt): reproducible, and
+        the same in a dry run as in the real decision that follows it."""
+        base = (
+            self._config.seed * 0x9E3779B97F4A7C15 + self._decisions * 0xBF58476D1CE4E5B9 + salt
+        ) & _MASK
+        return [_mix(base + i) for i in range(n)]
+
+    def rank(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[Scored]:
+        """Every worker, best first (unhealthy ones last); changes no state."""
+        scores = self._scores(tokens, views)
+        draws = self._draws(len(views))
+        keyed = []
+        for view, score, draw in zip(views, scores, draws, strict=True):
+            load = self.load(view)
+            scored = Scored(view.worker, view.healthy, view.hit_tokens, load, score)
+            keyed.append(((not view.healthy, -score, load, draw), scored))
+        keyed.sort(key=lambda pair: pair[0])
+        return [scored for _, scored in keyed]
+
+    def record(self, tokens: Sequence[int], worker: str) -> None:
+        """Learn that the request with `tokens` was sent to `worker`."""
+        self._decisions += 1
+
+    def forget(self, worker: str) -> None:
+        """Drop what the policy remembers about a worker that left the pool."""
+
+
+class KvPolicy(Policy):
+    """Namespaced prefix hit from KV events against the router's own in-flight load."""
+
+    name = "kv"
+    marks_pending = True
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        weight = self._config.hit_weight
+        return [weight * v.hit_tokens - self.load(v) for v in views]
+
+
+class LeastLoadPolicy(Policy):
+    """The least in-flight work wins; no cache affinity."""
+
+    name = "least_load"
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        return [-self.load(v) for v in views]
+
+
+class RandomPolicy(Policy):
+    """A seeded uniform choice among healthy workers."""
+
+    name = "random"
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        return [float(draw) for draw in self._draws(len(views), salt=1 << 32)]
+
+
+class RoundRobinPolicy(Policy):
+    """Healthy workers in turn, in pool order."""
+
+    name = "round_robin"
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        healthy = [i for i, v in enumerate(views) if v.healthy]
+        scores = [0.0] * len(views)
+        if healthy:
+            start = self._decisions % len(healthy)
+            order = healthy[start:] + healthy[:start]
+            for place, i in enumerate(order):
+                scores[i] = float(len(order) - place)
+        return scores
+
+
+class ApproxTreePolicy(Policy):
+    """SGLang router's cache-aware policy: a prefix tree of past decisions, no events."""
+
+    name = "approx_tree"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._tree = ApproxTree(config.approx_chunk_tokens, config.approx_max_chunks)
+
+    def matched(self, tokens: Sequence[int]) -> dict[str, int]:
+        """Tokens of the prompt previously routed to each worker."""
+        return self._tree.match(tokens)
+
+    def _imbalanced(self, loads: list[float]) -> bool:
+        if not loads:
+            return False
+        low, high = min(loads), max(loads)
+        cfg = self._config
+        return high - low > cfg.approx_balance_abs and high > low * cfg.approx_balance_rel
+
+    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+        loads = [self.load(v) for v in views]
+        if self._imbalanced([load for load, v in zip(loads, views, strict=True) if v.healthy]):
+            return [-load for load in loads]
+        # `rank` put the tree's match into hit_tokens
+        best = max((v.hit_tokens for v in views if v.healthy), default=0.0)
+        if tokens and best / len(tokens) > self._config.approx_cache_threshold:
+            # longest past match first; the rest by load
+            return [v.hit_tokens * 1e6 - load for v, load in zip(views, loads, strict=True)]
+        # a new prefix goes to the worker with the smallest tree, as SGLang's router does
+        return [-float(self._tree.size(v.worker)) for v in views]
+
+    def rank(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[Scored]:
+        """As the base rank, reporting the tree's match as the hit."""
+        matched = self._tree.match(tokens)
+        views = [
+            msgspec.structs.replace(v, hit_tokens=float(matched.get(v.worker, 0))) for v in views
+        ]
+        return super().rank(tokens, views)
+
+    def record(self, tokens: Sequence[int], worker: str) -> None:
+        """Insert the prompt into the chosen worker's part of the tree."""
+        super().record(tokens, worker)
+        self._tree.insert(tokens, worker)
+
+    def forget(self, worker: str) -> None:
+        """Drop the worker's part of the tree."""
+        self._tree.remove_worker(worker)
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (KvPolicy, RoundRobinPolicy, RandomPolicy, LeastLoadPolicy, ApproxTreePolicy)
+}
+
+
+def build_policy(config: PolicyConfig) -> Policy:
+    """The policy named by `config.name`."""
+    return _POLICIES[config.name](config)

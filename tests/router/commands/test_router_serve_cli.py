@@ -1,0 +1,111 @@
+"""`kvroute serve` as a user runs it: a real process, a config file, Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from tests.raw_http import wait_eof
+
+
+async def _run(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.commands.cli",
+        "serve",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text('[listen]\nport = 0\n[admin]\ntoken = "t"\n')
+    proc = await _run("--config", str(config), "--policy", "round_robin")
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert "listening on http://127.0.0.1:" in line and "round_robin" in line
+        assert "index core native" in line or "index core python" in line
+        url = line.split("listening on ")[1].split()[0]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as resp:
+                assert resp.status == 503  # no workers configured
+            async with session.get(url + "/admin/workers") as resp:
+                assert resp.status == 401
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text("[policy]\nnmae = 'kv'\n")
+    proc = await _run("--config", str(config))
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"nmae" in err
+
+
+async def _idle_connection(port: int) -> bytes:
+    """Open a connection, send nothing, and return what the router sent before closing it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        return await wait_eof(reader, 20)
+    finally:
+        writer.close()
+
+
+async def test_serve_under_a_low_descriptor_limit_refuses_idle_floods_and_stays_reachable(
+    tmp_path: Path,
+) -> None:
+    # the report: under `ulimit -n 256`, 300 idle connections made the router unreachable and
+    # logged 15,827 "Too many open files" lines
+    config = tmp_path / "router.toml"
+    config.write_text("[listen]\nport = 0\n[limits]\nidle_timeout_s = 1.0\n")
+    python = shlex.quote(sys.executable)
+    command = f"ulimit -n 256 && exec {python} -m router.commands.cli serve --config "
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        "-c",
+        command + shlex.quote(str(config)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        url = line.split("listening on ")[1].split()[0]
+        port = int(url.rsplit(":", 1)[1])
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(_idle_connection(port) for _ in range(300))), 30
+        )
+        refused = [json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers if a]
+        # lowered to what 256 descriptors hold; every other connection got an answer at once
+        assert 100 <= len(refused) < 300
+        assert all(r["error"]["type"] == "TooManyConnectionsError" for r in refused)
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 503") for a in answers)
+        async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "no_worker"
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    log = err.decode()
+    assert "Too many open files" not in log
+    assert "limits.max_connections = 1024 needs more file descriptors" in log
+    assert log.count("(limits.max_connections)") <= 2, log  # rate-limited, not one per refusal

@@ -1,0 +1,90 @@
+"""Event-stream discovery: worker config completed from /server_info, both advertised shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.config import WorkerConfig
+from router.errors import RequestError
+from router.fleet.discovery import needs_discovery, streams_for
+
+
+def test_a_fully_configured_worker_needs_no_discovery() -> None:
+    worker = WorkerConfig(
+        url="http://10.0.0.1:30000",
+        events="tcp://10.0.0.1:5557",
+        replay="tcp://10.0.0.1:5600",
+        block_size=16,
+        dp_size=2,
+        topic="kv",
+        engine="vllm",
+        model="llama",
+    )
+    assert not needs_discovery(worker)
+    streams = streams_for(worker, None)
+    assert [(s.endpoint, s.replay_endpoint, s.dp_rank) for s in streams] == [
+        ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5600", 0),
+        ("tcp://10.0.0.1:5558", "tcp://10.0.0.1:5601", 1),
+    ]
+    assert {(s.topic, s.block_size, s.engine, s.model) for s in streams} == {
+        ("kv", 16, "vllm", "llama")
+    }
+
+
+def test_the_reference_workers_kv_events_block() -> None:
+    info = {
+        "page_size": 16,
+        "kv_events": {
+            "publisher": "zmq",
+            "endpoint": "tcp://127.0.0.1:41000",
+            "endpoint_port_base": 41000,
+            "replay_endpoint": "tcp://127.0.0.1:42000",
+            "replay_port_base": 42000,
+            "topic": "",
+            "block_size": 16,
+            "dp_size": 2,
+            "endpoints": ["tcp://127.0.0.1:41000", "tcp://127.0.0.1:41001"],
+            "replay_endpoints": ["tcp://127.0.0.1:42000", "tcp://127.0.0.1:42001"],
+        },
+    }
+    worker = WorkerConfig(url="http://127.0.0.1:30000")
+    assert needs_discovery(worker)
+    streams = streams_for(worker, info)
+    assert [(s.endpoint, s.replay_endpoint) for s in streams] == [
+        ("tcp://127.0.0.1:41000", "tcp://127.0.0.1:42000"),
+        ("tcp://127.0.0.1:41001", "tcp://127.0.0.1:42001"),
+    ]
+    assert streams[0].block_size == 16
+
+
+def test_stock_sglang_kv_events_config_with_a_wildcard_bind() -> None:
+    config = {
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558",
+        "topic": "kv-events",
+    }
+    info = {"kv_events_config": json.dumps(config), "page_size": 32, "dp_size": 2}
+    streams = streams_for(WorkerConfig(url="http://gpu-7:30000"), info)
+    assert [(s.endpoint, s.replay_endpoint) for s in streams] == [
+        ("tcp://gpu-7:5557", "tcp://gpu-7:5558"),
+        ("tcp://gpu-7:5558", "tcp://gpu-7:5559"),
+    ]
+    assert streams[0].topic == "kv-events" and streams[0].block_size == 32
+
+
+def test_config_fields_win_over_advertised_ones() -> None:
+    info = {"kv_events": {"endpoint": "tcp://127.0.0.1:1000", "block_size": 16, "topic": "a"}}
+    worker = WorkerConfig(url="http://127.0.0.1:1", topic="b", block_size=64)
+    (stream,) = streams_for(worker, info)
+    assert (stream.topic, stream.block_size, stream.replay_endpoint) == ("b", 64, None)
+
+
+def test_workers_without_events() -> None:
+    assert streams_for(WorkerConfig(url="http://a:1", kv_events=False), None) == []
+    with pytest.raises(RequestError, match="no KV-event endpoint"):
+        streams_for(WorkerConfig(url="http://a:1"), {"model_path": "m"})
+    with pytest.raises(RequestError, match="one per dp rank"):
+        streams_for(WorkerConfig(url="http://a:1", events=["tcp://a:1"], dp_size=2), None)

@@ -1,0 +1,164 @@
+"""The admin API: bearer-token auth, worker membership (with discovery), index dump/load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+import pytest
+
+from router.config import AdminConfig, ListenConfig, RouterConfig
+from router.errors import ConfigError
+from router.http.app import create_app
+from router.service import RouterService
+from tests.router.conftest import AUTH, Fleet, eventually, router_config
+
+ADMIN_CALLS = [
+    ("GET", "/admin/workers"),
+    ("POST", "/admin/workers"),
+    ("DELETE", "/admin/workers/w0"),
+    ("POST", "/admin/workers/w0/drain"),
+    ("GET", "/admin/namespaces"),
+    ("POST", "/admin/namespaces/evict"),
+    ("GET", "/admin/streams"),
+    ("POST", "/admin/route"),
+    ("GET", "/admin/index/dump"),
+    ("POST", "/admin/index/load"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ADMIN_CALLS)
+async def test_admin_refuses_without_the_token(fleet: Fleet, method: str, path: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-admin-token"}):
+        async with fleet.session.request(method, fleet.url + path, headers=headers) as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["type"] == "AuthError"
+    # nothing changed: both workers still there
+    status, workers = await fleet.admin("GET", "/workers")
+    assert status == 200 and [w["id"] for w in workers["workers"]] == ["w0", "w1"]
+
+
+def test_admin_without_a_token_only_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVROUTE_ADMIN_TOKEN", raising=False)
+    public = RouterConfig(listen=ListenConfig(host="0.0.0.0", port=0))
+    with pytest.raises(ConfigError, match="without a token"):
+        create_app(public)
+    create_app(msgspec.structs.replace(public, admin=AdminConfig(enabled=False)))
+    create_app(msgspec.structs.replace(public, admin=AdminConfig(token="t")))
+    monkeypatch.setenv("KVROUTE_ADMIN_TOKEN", "from-env")
+    create_app(public)
+
+
+async def test_loopback_admin_without_a_token_is_open() -> None:
+    config = router_config([], admin=AdminConfig(token=""))
+    async with (
+        RouterService(config) as router,
+        aiohttp.ClientSession() as session,
+        session.get(router.url + "/admin/workers") as resp,
+    ):
+        assert resp.status == 200
+
+
+async def test_workers_are_added_by_discovery_drained_and_removed(fleet: Fleet) -> None:
+    w1_url = fleet.workers["w1"].url
+    status, removed = await fleet.admin("DELETE", "/workers/w1")
+    assert status == 200 and removed == {"removed": "w1"}
+    assert "w1" not in fleet.router.indexer.workers()
+    status, _ = await fleet.admin("DELETE", "/workers/w1")
+    assert status == 404
+
+    # only the url: streams, page size and dp size come from the worker's /server_info
+    status, added = await fleet.admin("POST", "/workers", {"url": w1_url, "id": "again"})
+    assert status == 201, added
+    assert added["discovered"] and added["status"] == "ready" and len(added["streams"]) == 1
+    assert "again" in fleet.router.indexer.workers()
+    status, dup = await fleet.admin("POST", "/workers", {"url": w1_url, "id": "again"})
+    assert status == 409 and dup["error"]["type"] == "ConflictError"
+    status, bad = await fleet.admin("POST", "/workers", {"url": w1_url, "evnets": "x"})
+    assert status == 400 and "evnets" in bad["error"]["message"]
+    status, unreachable = await fleet.admin("POST", "/workers", {"url": "http://127.0.0.1:9"})
+    assert status == 400 and "server_info" in unreachable["error"]["message"]
+    explicit = {"url": "http://[::1", "events": "tcp://127.0.0.1:9", "block_size": 16}
+    status, bad_url = await fleet.admin("POST", "/workers", explicit)
+    assert status == 400 and "workers.url" in bad_url["error"]["message"]
+    _, listed = await fleet.admin("GET", "/workers")
+    assert [w["id"] for w in listed["workers"]] == ["w0", "again"]  # refused adds leave no trace
+
+    # drained: no new traffic, even for a prompt it would otherwise attract
+    status, drained = await fleet.admin("POST", "/workers/w0/drain")
+    assert status == 200 and drained["status"] == "draining"
+    for i in range(3):
+        status, headers, _ = await fleet.post(
+            "/v1/completions", {"prompt": f"p{i}", "max_tokens": 1}
+        )
+        assert status == 200 and headers["x-kvroute-worker"] == "again"
+    plan = await fleet.route({"prompt": "p0"})
+    assert plan["worker"] == "again"
+    assert {c["worker"]: c["healthy"] for c in plan["candidates"]} == {"w0": False, "again": True}
+
+
+async def test_events_after_discovery_reach_the_index(fleet: Fleet) -> None:
+    body = {"prompt": "d" * 100, "max_tokens": 1, "cache_salt": "disc"}
+    await fleet.admin("DELETE", "/workers/w0")
+    _status, headers, _ = await fleet.post("/v1/completions", body)
+    assert headers["x-kvroute-worker"] == "w1"
+    await eventually(lambda: fleet.holds(body, "w1", 96), what="indexed on w1")
+
+
+async def test_index_dump_loads_back_and_garbage_is_refused(fleet: Fleet) -> None:
+    body = {"prompt": "q" * 80, "max_tokens": 1}
+    _, headers, _ = await fleet.post("/v1/completions", body)
+    holder = headers["x-kvroute-worker"]
+    # the last prompt token is never a hit (engines compute its logits): 80 tokens -> 64
+    await eventually(lambda: fleet.holds(body, holder, 64), what="indexed")
+    async with fleet.session.get(fleet.url + "/admin/index/dump", headers=AUTH) as resp:
+        assert resp.status == 200 and resp.content_type == "application/x-msgpack"
+        snapshot = await resp.read()
+    async with fleet.session.post(
+        fleet.url + "/admin/index/load", data=snapshot, headers=AUTH
+    ) as resp:
+        assert resp.status == 200
+    # loaded entries count once the workers' replay proves them current (indexer.fence)
+    await eventually(lambda: fleet.holds(body, holder, 64), what="proven after the load")
+    async with fleet.session.post(
+        fleet.url + "/admin/index/load", data=b"\x93garbage", headers=AUTH
+    ) as resp:
+        assert resp.status == 400
+    assert await fleet.holds(body, holder, 64)  # a refused snapshot leaves the index intact
+
+
+async def test_streams_report_state_and_counters(fleet: Fleet) -> None:
+    status, streams = await fleet.admin("GET", "/streams")
+    assert status == 200
+    rows = {s["worker"]: s for s in streams["streams"]}
+    assert set(rows) == {"w0", "w1"}
+    for row in rows.values():
+        assert row["state"] in ("synced", "syncing", "degraded")
+        assert {"last_seq", "gaps", "replays", "restarts", "decode_errors", "lag_s"} <= set(row)
+
+
+async def test_an_add_abandoned_during_discovery_leaves_no_worker_behind(fleet: Fleet) -> None:
+    accepted = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()  # a worker that accepts and never answers /server_info
+        await reader.read()  # until the router hangs up
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        add = asyncio.create_task(
+            fleet.admin("POST", "/workers", {"url": f"http://127.0.0.1:{port}", "id": "mute"})
+        )
+        await asyncio.wait_for(accepted.wait(), 5)
+        add.cancel()  # the admin client gives up: aiohttp cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await add
+
+        async def gone() -> bool:
+            _, listed = await fleet.admin("GET", "/workers")
+            return [w["id"] for w in listed["workers"]] == ["w0", "w1"]
+
+        await eventually(gone, what="the abandoned worker to be rolled back")

@@ -1,0 +1,290 @@
+"""The router's listener over real sockets: client deadlines, the connection cap, quiet logs.
+
+Slow clients are played with raw asyncio streams (half a request line, half a body, nothing at
+all) and every wait is on the socket's EOF with a bounded deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from router.config import LimitsConfig
+from router.http.listener import RefusalLog
+from router.service import RouterService
+from tests.raw_http import exchange, json_error, parse_responses, request_bytes, wait_eof
+from tests.router.conftest import router_config
+
+SECRET = b"tenant-SECRET-7b1e"
+FAST = 0.3  # the deadline under test
+SLOW = 30.0  # a deadline that must not be what closed the connection
+
+
+def _port(router: RouterService) -> int:
+    return int(router.url.rsplit(":", 1)[1])
+
+
+@contextlib.asynccontextmanager
+async def _router(**limits: float) -> AsyncIterator[RouterService]:
+    fields = {"idle_timeout_s": SLOW, "header_timeout_s": SLOW, "body_timeout_s": SLOW} | limits
+    config = router_config([], salt_header="x-tenant-salt", limits=LimitsConfig(**fields))
+    async with RouterService(config) as router:
+        yield router
+
+
+@contextlib.asynccontextmanager
+async def _connect(
+    router: RouterService,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(router))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def _closed_after(reader: asyncio.StreamReader, started: float) -> tuple[float, bytes]:
+    answer = await wait_eof(reader, FAST + 5)
+    return time.monotonic() - started, answer
+
+
+# ----------------------------------------------------------------------------- deadlines
+
+
+async def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout() -> None:
+    async with _router(idle_timeout_s=FAST) as router, _connect(router) as (reader, _):
+        elapsed, answer = await _closed_after(reader, time.monotonic())
+    assert answer == b"" and FAST * 0.8 < elapsed < FAST + 3
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() -> None:
+    async with _router(idle_timeout_s=FAST) as router, _connect(router) as (reader, writer):
+        for _ in range(2):  # the connection is reused, then left idle
+            writer.write(request_bytes(b"GET", b"/health", close=False))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(length), 5)
+        elapsed, answer = await _closed_after(reader, time.monotonic())
+    assert answer == b"" and FAST * 0.8 < elapsed < FAST + 3
+
+
+async def test_half_a_request_line_is_closed_after_the_header_timeout() -> None:
+    async with _router(header_timeout_s=FAST) as router, _connect(router) as (reader, writer):
+        started = time.monotonic()
+        writer.write(b"GET /hea")
+        elapsed, answer = await _closed_after(reader, started)
+    (response,) = parse_responses(answer)
+    assert response.status == 408
+    assert json_error(response)["type"] == "RequestTimeoutError"
+    assert "limits.header_timeout_s" in json_error(response)["message"]
+    assert FAST * 0.8 < elapsed < FAST + 3  # the idle timeout (30 s) did not do it
+
+
+async def test_headers_trickling_in_do_not_extend_the_header_timeout() -> None:
+    async with _router(header_timeout_s=FAST) as router, _connect(router) as (reader, writer):
+        started = time.monotonic()
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+        answer = b""
+        for i in range(200):  # a slowloris: one header line every 20 ms, for at most 4 s
+            if reader.at_eof():
+                break
+            with contextlib.suppress(ConnectionError):
+                writer.write(f"X-Pad-{i}: {'a' * 10}\r\n".encode())
+            with contextlib.suppress(TimeoutError):
+                answer += await asyncio.wait_for(reader.read(4096), 0.02)
+        elapsed, rest = await _closed_after(reader, started)
+    assert parse_responses(answer + rest)[0].status == 408
+    assert elapsed < FAST + 3
+
+
+async def test_half_a_body_is_a_408_and_a_close_after_the_body_timeout() -> None:
+    async with _router(body_timeout_s=FAST) as router:
+        for path in (b"/v1/completions", b"/admin/route"):
+            async with _connect(router) as (reader, writer):
+                head = request_bytes(
+                    b"POST", path, [(b"Authorization", b"Bearer test-admin-token")]
+                )
+                head = head.replace(b"Content-Length: 0", b"Content-Length: 100")
+                started = time.monotonic()
+                writer.write(head + b'{"prompt": ')
+                elapsed, answer = await _closed_after(reader, started)
+            (response,) = parse_responses(answer)
+            assert response.status == 408, (path, response)
+            error = json_error(response)
+            assert error["type"] == "RequestTimeoutError"
+            assert "limits.body_timeout_s" in error["message"]
+            assert FAST * 0.8 < elapsed < FAST + 3
+
+
+async def test_a_body_nobody_reads_is_cut_at_the_body_timeout_too() -> None:
+    async with _router(body_timeout_s=FAST) as router, _connect(router) as (reader, writer):
+        # /health answers without reading the body, which then never completes
+        request = request_bytes(b"GET", b"/health", [(b"Content-Length", b"100")], close=False)
+        writer.write(request + b"0123456789")
+        elapsed, answer = await _closed_after(reader, time.monotonic())
+    assert parse_responses(answer)[0].status == 503  # no worker: the answer came first
+    assert elapsed < FAST + 3
+
+
+async def test_a_declared_body_over_the_limit_is_a_413_before_it_is_read() -> None:
+    async with _router() as router, _connect(router) as (reader, writer):
+        declared = b"Content-Length: 1073741824"  # 1 GiB that never comes
+        request = request_bytes(b"POST", b"/generate").replace(b"Content-Length: 0", declared)
+        started = time.monotonic()
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = await asyncio.wait_for(reader.readexactly(length), 5)
+        answered = time.monotonic() - started
+    (response,) = parse_responses(head + body)
+    assert response.status == 413 and answered < 2  # not after a body (30 s) timeout
+    error = json_error(response)
+    assert error["type"] == "PayloadTooLargeError" and "limits.max_body_bytes" in error["message"]
+
+
+# -------------------------------------------------------------------------- connection cap
+
+
+async def _served(router: RouterService) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection the router has accepted: one keep-alive request answered on it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(router))
+    writer.write(request_bytes(b"GET", b"/metrics", close=False))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await asyncio.wait_for(reader.readexactly(length), 5)
+    return reader, writer
+
+
+async def test_one_connection_over_the_cap_gets_a_503_and_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    cap = 4
+    config = router_config([], limits=LimitsConfig(max_connections=cap))
+    async with RouterService(config) as router:
+        held = [await _served(router) for _ in range(cap)]
+        try:
+            for _ in range(5):
+                (refused,) = parse_responses(await exchange(_port(router), b""))
+                assert refused.status == 503
+                error = json_error(refused)
+                assert error["type"] == "TooManyConnectionsError"
+                assert str(cap) in error["message"]
+        finally:
+            for _, writer in held[1:]:
+                writer.close()
+        # a freed slot serves again (the server notices the close asynchronously)
+        for _ in range(100):
+            (response,) = parse_responses(
+                await exchange(_port(router), request_bytes(b"GET", b"/metrics"))
+            )
+            if response.status == 200:
+                break
+            assert json_error(response)["type"] == "TooManyConnectionsError"
+            await asyncio.sleep(0.02)
+        assert response.status == 200
+        held[0][1].close()
+    lines = [r for r in caplog.records if "limits.max_connections" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+# ------------------------------------------------------------------------------- quiet logs
+
+MALFORMED = [
+    # a control character in the salt header: aiohttp used to log the whole line at ERROR
+    request_bytes(b"GET", b"/health", [(b"X-Tenant-Salt", SECRET + b"\x01")]),
+    request_bytes(b"POST", b"/generate", [(b"X-Tenant-Salt", b"\x00" + SECRET)], b"{}"),
+    # a header line over 8,190 bytes that starts with the salt
+    request_bytes(b"GET", b"/health", [(b"X-Tenant-Salt", SECRET + b"a" * 9000)]),
+    # a request line over 8,190 bytes with the salt in the query
+    request_bytes(b"GET", b"/health?salt=" + SECRET + b"b" * 9000),
+    # not HTTP at all, with the salt in it
+    b"\x16\x03\x01" + SECRET + b"\r\n\r\n",
+    SECRET + b" / HTTP/1.1\r\n\r\n",
+    # a header name with a space, a lone LF, broken chunking
+    b"GET / HTTP/1.1\r\nX Tenant Salt: " + SECRET + b"\r\n\r\n",
+    b"GET / HTTP/1.1\nX-Tenant-Salt: " + SECRET + b"\r\n\x01\r\n\r\n",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + SECRET + b"\r\n",
+]
+
+
+def _record_text(record: logging.LogRecord) -> str:
+    parts = [record.getMessage(), repr(record.args), record.stack_info or ""]
+    if record.exc_info:
+        parts.append(logging.Formatter().formatException(record.exc_info))
+    return "\n".join(parts)
+
+
+async def test_malformed_requests_never_log_the_salt_and_log_one_line_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with _router() as router:
+        for round_ in range(3):  # 27 bad requests inside one interval (10 s)
+            for raw in MALFORMED:
+                responses = parse_responses(await exchange(_port(router), raw))
+                assert responses, (round_, raw[:60])
+                response = responses[0]
+                assert response.status == 400, (raw[:60], response)
+                assert json_error(response)["type"] == "BadHttpRequestError"
+                assert SECRET not in response.body
+        # a body that does not decode: refused by the app, and not drained (it would fail again)
+        broken = request_bytes(b"POST", b"/generate", [(b"Content-Encoding", b"gzip")], SECRET)
+        (response,) = parse_responses(await exchange(_port(router), broken))
+        assert response.status == 400 and SECRET not in response.body
+        assert json_error(response)["type"] == "BadHttpRequestError"
+    for record in caplog.records:
+        assert SECRET.decode() not in _record_text(record), record.name
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in caplog.records if "bad HTTP request" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].name == "router.http.listener" and lines[0].levelno == logging.WARNING
+
+
+def test_the_refusal_log_counts_what_it_held_back() -> None:
+    now = [0.0]
+    logger = logging.getLogger("tests.refusals")
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        refusals = RefusalLog(logger, 10.0, clock=lambda: now[0])
+        for step in range(100):  # 100 refusals over 25 s: one line per 10 s
+            now[0] = step * 0.25
+            refusals.note("bad HTTP request from %s: %s", "10.0.0.1", "LineTooLong")
+    finally:
+        logger.removeHandler(handler)
+    assert records == [
+        "bad HTTP request from 10.0.0.1: LineTooLong, 0 similar suppressed",
+        "bad HTTP request from 10.0.0.1: LineTooLong, 39 similar suppressed",
+        "bad HTTP request from 10.0.0.1: LineTooLong, 39 similar suppressed",
+    ]
+
+
+async def test_expectations_are_refused_in_json_and_a_too_large_body_before_100_continue() -> None:
+    async with _router() as router:
+        for path in (b"/generate", b"/nope", b"/admin/route"):
+            for value in (b"\xff\xfe", b"102-processing"):
+                raw = request_bytes(b"POST", path, [(b"Expect", value)], b"{}")
+                (response,) = parse_responses(await exchange(_port(router), raw))
+                assert response.status == 417, (path, value, response)
+                assert json_error(response)["type"] == "ExpectationFailedError"
+        # with 100-continue the client waits for a go-ahead: a declared 1 GiB gets a 413 instead
+        declared = b"Content-Length: 1073741824"
+        raw = request_bytes(b"POST", b"/generate", [(b"Expect", b"100-continue")])
+        answer = await exchange(_port(router), raw.replace(b"Content-Length: 0", declared))
+    (response,) = parse_responses(answer)
+    assert response.status == 413 and json_error(response)["type"] == "PayloadTooLargeError"

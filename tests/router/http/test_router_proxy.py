@@ -1,0 +1,420 @@
+"""The proxy against real in-test HTTP upstreams: streaming, disconnects, retries, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
+from router.routing.breaker import BreakerState
+from router.service import RouterService
+from tests.router.conftest import AUTH, eventually, router_config
+
+
+class Upstream:
+    """A tiny worker stand-in whose behaviour each test sets; it records what it saw."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.bodies: list[dict[str, Any]] = []
+        self.release = asyncio.Event()
+        self.health_open = asyncio.Event()  # cleared: /health hangs until set again
+        self.health_open.set()
+        self.health_probed = asyncio.Event()
+        self.health_checks = 0
+        self.disconnected = asyncio.Event()
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "fail":
+            return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.close()  # the worker process "dies" mid-request
+            await asyncio.sleep(1)
+        if self.mode == "slow":
+            await asyncio.sleep(5)
+        if self.mode == "sse":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                await resp.write(b'data: {"n": 1}\n\n')
+                await self.release.wait()
+                for n in range(2, 200):
+                    await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
+                    await asyncio.sleep(0.01)
+                    if self.mode == "sse" and n == 3:
+                        break
+                await resp.write(b"data: [DONE]\n\n")
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            await resp.write_eof()
+            return resp
+        if self.mode == "sse-endless":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for n in range(100_000):  # bounded: ~17 minutes at most, the test ends it
+                    await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
+                    await asyncio.sleep(0.01)
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            return resp
+        return web.json_response({"worker": self.name, "echo": body})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        self.health_probed.set()
+        await self.health_open.wait()
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def __aenter__(self) -> Upstream:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        """Stop serving (idempotent): the port then refuses connections."""
+        self.release.set()
+        self.health_open.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _plain(workers: list[tuple[str, str]], **overrides: Any) -> Any:
+    config = router_config(workers, **overrides)
+    plain = tuple(msgspec.structs.replace(w, kv_events=False) for w in config.workers)
+    return msgspec.structs.replace(config, workers=plain)
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Upstream, Upstream]]:
+    async with Upstream("a") as a, Upstream("b") as b:
+        yield a, b
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_streams_pass_through_chunk_by_chunk(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    a.mode = "sse"
+    async with (
+        RouterService(_plain([("a", a.url)])) as router,
+        session.post(router.url + "/v1/completions", json={"prompt": "x", "stream": True}) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["x-kvroute-worker"] == "a"
+        # the first event arrives while the upstream still holds the rest back
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first == b'data: {"n": 1}\n\n'
+        a.release.set()
+        rest = await resp.content.read()
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"n": 3' in rest
+
+
+async def test_client_disconnect_cancels_the_upstream_request(
+    pair: tuple[Upstream, Upstream],
+) -> None:
+    a, _ = pair
+    a.mode = "sse-endless"
+    async with RouterService(_plain([("a", a.url)])) as router:
+        async with aiohttp.ClientSession() as client:
+            resp = await client.post(
+                router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+            )
+            await resp.content.readuntil(b"\n\n")
+            resp.close()  # drop the connection mid-stream
+        await asyncio.wait_for(a.disconnected.wait(), 5)
+        # the router's load bookkeeping for that request is released too
+        await eventually(lambda: _running(router, "a", 0), what="in-flight count back to 0")
+
+
+async def _running(router: RouterService, worker: str, n: int) -> bool:
+    return router.planner.load.of(worker).running == n
+
+
+async def test_a_5xx_is_retried_on_the_next_worker(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    a.mode = "fail"
+    config = _plain([("a", a.url), ("b", b.url)])
+    async with RouterService(config) as router:
+        for _ in range(60):  # ties are broken at random: go on until a was tried 3 times
+            async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvroute-worker"] == "b"
+                assert (await resp.json())["worker"] == "b"
+            if len(a.bodies) == 3:
+                break
+        # three consecutive failures opened a's circuit: it left rotation
+        assert len(a.bodies) == 3
+        for _ in range(5):
+            async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.headers["x-kvroute-worker"] == "b"
+        assert len(a.bodies) == 3
+        async with session.get(router.url + "/admin/workers", headers=AUTH) as resp:
+            rows = {w["id"]: w for w in (await resp.json())["workers"]}
+        assert rows["a"]["status"] == "circuit_open" and rows["b"]["status"] == "ready"
+
+
+async def test_a_refused_connection_is_retried_and_opens_the_circuit(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    # health rounds far apart: the first check passes, so only the refused request can tell
+    config = _plain(
+        [("a", a.url), ("b", b.url)],
+        policy=PolicyConfig(name="round_robin"),
+        health=HealthConfig(interval_s=60.0, timeout_s=0.5),
+    )
+    async with RouterService(config) as router:
+        entry = router.planner.pool.get("a")
+        assert entry.healthy
+        await a.stop()  # the worker process is gone: its port refuses connections
+        for _ in range(2):  # round robin: one of the two requests goes to a first
+            async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b"
+        assert entry.healthy  # not the health check: the refused attempt opened the circuit
+        assert entry.breaker.state(router.planner.clock()) is BreakerState.OPEN
+        assert len(b.bodies) == 2
+
+
+async def test_every_worker_failing_is_a_502_and_none_routable_a_503(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    a.mode = b.mode = "drop"
+    async with RouterService(_plain([("a", a.url), ("b", b.url)])) as router:
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 502
+            error = (await resp.json())["error"]
+            assert error["type"] == "UpstreamError"
+            assert "a:" in error["message"] and "b:" in error["message"]
+        # dropped connections are hard failures: both circuits are open now
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["type"] == "NoWorkerError"
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 503
+
+
+async def test_the_request_timeout_is_a_504(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    a.mode = "slow"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=0.3))
+    async with (
+        RouterService(config) as router,
+        session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
+    ):
+        assert resp.status == 504
+        assert (await resp.json())["error"]["type"] == "UpstreamTimeoutError"
+
+
+async def test_bad_requests_are_json_4xx_naming_the_problem(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    config = _plain([("a", a.url)], limits=LimitsConfig(max_body_bytes=4096))
+    async with RouterService(config) as router:
+        url = router.url + "/v1/completions"
+        async with session.post(url, json={"prompt": "x" * 5000}) as resp:
+            assert resp.status == 413
+            assert (await resp.json())["error"]["type"] == "PayloadTooLargeError"
+        async with session.post(url, json={"prompt": "x", "cache_salt": 7}) as resp:
+            assert resp.status == 400
+            assert "cache_salt" in (await resp.json())["error"]["message"]
+        async with session.post(url, data=b"{not json") as resp:
+            assert resp.status == 400
+        async with session.get(router.url + "/nope") as resp:
+            assert resp.status == 404 and "error" in await resp.json()
+    assert a.bodies == []
+
+
+async def test_a_trusted_header_sets_the_salt_the_worker_sees(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    config = _plain([("a", a.url)], salt_header="x-tenant-salt")
+    async with RouterService(config) as router:
+        body = {"prompt": "x", "cache_salt": "from-body"}
+        async with session.post(
+            router.url + "/v1/completions", json=body, headers={"x-tenant-salt": "from-gateway"}
+        ) as resp:
+            assert resp.status == 200
+        async with session.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+    assert [b["cache_salt"] for b in a.bodies] == ["from-gateway", "from-body"]
+
+
+async def test_a_compressed_request_body_reaches_the_worker_decoded(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        body = gzip.compress(b'{"prompt": "x", "cache_salt": "t"}')
+        async with session.post(
+            router.url + "/v1/completions", data=body, headers={"Content-Encoding": "gzip"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+    assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
+
+
+async def test_salts_never_reach_logs_or_metrics(
+    pair: tuple[Upstream, Upstream],
+    session: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    a, b = pair
+    a.mode = "fail"
+    secret = "SECRET-salt-4242"
+    async with RouterService(_plain([("a", a.url), ("b", b.url)])) as router:
+        for body in ({"prompt": "x", "cache_salt": secret}, {"prompt": 5, "cache_salt": secret}):
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+        async with session.post(
+            router.url + "/admin/namespaces/evict", json={"cache_salt": secret}, headers=AUTH
+        ) as resp:
+            assert secret not in await resp.text()
+        async with session.get(router.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert "kvroute_requests_total" in metrics and 'worker="b"' in metrics
+    assert secret not in metrics
+    assert secret not in caplog.text
+
+
+async def test_health_models_and_drain(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    async with RouterService(_plain([("a", a.url), ("b", b.url)])) as router:
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 200 and (await resp.json())["routable"] == 2
+        async with session.get(router.url + "/v1/models") as resp:
+            assert (await resp.json())["data"][0]["id"] == "m"
+        async with session.post(router.url + "/admin/workers/a/drain", headers=AUTH) as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "draining"
+        for _ in range(3):
+            async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.headers["x-kvroute-worker"] == "b"
+        async with session.post(
+            router.url + "/admin/workers/a/drain", json={"drain": False}, headers=AUTH
+        ) as resp:
+            assert (await resp.json())["status"] == "ready"
+
+
+async def test_a_bug_is_a_json_500_not_a_crash(
+    pair: tuple[Upstream, Upstream],
+    session: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug")  # a fault no real input produces
+
+        monkeypatch.setattr(router.planner, "plan", broken)
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 500
+            assert (await resp.json())["error"]["type"] == "InternalError"
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 200  # and the router keeps serving
+    assert "a bug" in caplog.text
+
+
+async def test_a_stream_cut_by_the_request_deadline_does_not_open_the_circuit(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    a.mode = "sse-endless"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=0.5))
+    async with RouterService(config) as router:
+        async with session.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        ) as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.content.read()  # cut, not cleanly ended, when the deadline passes
+        await asyncio.wait_for(a.disconnected.wait(), 5)
+        # a long answer is no sign of a dead worker: one soft failure, the circuit stays closed
+        entry = router.planner.pool.get("a")
+        assert entry.breaker.failures == 1 and entry.routable(router.planner.clock())
+
+
+async def test_rejections_are_labelled_by_route_not_by_raw_path(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        for i in range(3):  # client-chosen ids must not each become a metric series
+            async with session.post(router.url + f"/admin/workers/nobody-{i}/drain") as resp:
+                assert resp.status == 401
+        async with session.post(router.url + "/v1/completions", data=b"{") as resp:
+            assert resp.status == 400
+        async with session.get(router.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert "nobody-" not in metrics
+    assert 'endpoint="/admin/workers/{id}/drain",error="AuthError"} 3.0' in metrics
+    assert 'endpoint="/v1/completions",error="RequestError"} 1.0' in metrics
+
+
+async def test_a_worker_removed_mid_health_check_leaves_no_metric_series(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, b = pair
+    async with RouterService(_plain([("a", a.url), ("b", b.url)])) as router:
+        a.health_open.clear()
+        a.health_probed.clear()
+        await asyncio.wait_for(a.health_probed.wait(), 5)  # a health round is stuck on a
+        async with session.delete(router.url + "/admin/workers/a", headers=AUTH) as resp:
+            assert resp.status == 200
+        seen = b.health_checks
+        a.health_open.set()  # the round ends; the next one proves the late answer was handled
+
+        async def next_round() -> bool:
+            return b.health_checks > seen
+
+        await eventually(next_round, what="the next health round")
+        async with session.get(router.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert 'worker="b"' in metrics and 'worker="a"' not in metrics

@@ -1,0 +1,90 @@
+"""Request parsing: namespace fields validated like the workers do, tokens like the workers make."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from indexer.protocol.tokens import ByteTokenizer, render_chat
+from router.config import TokenizerConfig
+from router.errors import RequestError
+from router.prompt.request import Endpoint, detect_endpoint, parse_body, parse_request
+from router.prompt.tokenizer import build_tokenizer
+
+TOK = build_tokenizer(TokenizerConfig())
+BYTES = ByteTokenizer()
+
+
+def _parse(endpoint: Endpoint, body: object, header: str | None = None):  # type: ignore[no-untyped-def]
+    return parse_request(endpoint, json.dumps(body).encode(), TOK, header_salt=header)
+
+
+def test_chat_prompts_tokenize_like_the_workers() -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    parsed = _parse(Endpoint.CHAT, {"messages": messages, "cache_salt": "t1", "stream": True})
+    assert parsed.tokens == BYTES.encode(render_chat(messages), add_bos=True)
+    assert parsed.salt == "t1" and parsed.stream
+
+
+def test_completion_and_generate_text_have_no_bos() -> None:
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": "abc"}).tokens == BYTES.encode("abc")
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": ["abc", "d"]}).tokens == BYTES.encode("abc")
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": [5, 6]}).tokens == [5, 6]
+    assert _parse(Endpoint.GENERATE, {"text": "abc"}).tokens == BYTES.encode("abc")
+    assert _parse(Endpoint.GENERATE, {"input_ids": [7, 8, 9]}).tokens == [7, 8, 9]
+    assert _parse(Endpoint.GENERATE, {"input_ids": [[7, 8], [9]]}).tokens == [7, 8]
+
+
+def test_body_is_forwarded_untouched_without_a_trusted_header() -> None:
+    raw = b'{"prompt": "x",   "cache_salt": "s"}'
+    assert parse_request(Endpoint.COMPLETIONS, raw, TOK).body is raw
+
+
+def test_trusted_header_overrides_and_rewrites_the_salt() -> None:
+    parsed = _parse(Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": "body"}, header="hdr")
+    assert parsed.salt == "hdr"
+    assert json.loads(parsed.body)["cache_salt"] == "hdr"
+    cleared = _parse(Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": "body"}, header="")
+    assert cleared.salt is None and "cache_salt" not in json.loads(cleared.body)
+
+
+def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
+    assert _parse(Endpoint.GENERATE, {"text": "x", "cache_salt": ""}).salt is None
+    batched = _parse(Endpoint.GENERATE, {"text": ["a", "b"], "cache_salt": ["s1", "s2"]})
+    assert batched.salt == "s1"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "field"),
+    [
+        (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": 5}, "cache_salt"),
+        (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": ["a"]}, "cache_salt"),
+        (Endpoint.GENERATE, {"text": ["a"], "cache_salt": [1]}, "cache_salt[0]"),
+        (Endpoint.GENERATE, {"input_ids": [1, "2"]}, "input_ids"),
+        (Endpoint.GENERATE, {}, "text"),
+        (Endpoint.COMPLETIONS, {"prompt": 3}, "prompt"),
+        (Endpoint.COMPLETIONS, {"prompt": []}, "prompt"),
+        (Endpoint.CHAT, {"messages": "hi"}, "messages"),
+        (Endpoint.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    ],
+)
+def test_bad_fields_are_400s_naming_the_field(endpoint: Endpoint, body: object, field: str) -> None:
+    with pytest.raises(RequestError) as info:
+        _parse(endpoint, body)
+    assert field in str(info.value)
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'"s"', b"\xff\xfe"])
+def test_non_object_bodies_are_rejected(raw: bytes) -> None:
+    with pytest.raises(RequestError):
+        parse_body(raw)
+
+
+def test_dry_run_endpoint_detection() -> None:
+    assert detect_endpoint({"messages": []}) is Endpoint.CHAT
+    assert detect_endpoint({"prompt": "x"}) is Endpoint.COMPLETIONS
+    assert detect_endpoint({"input_ids": [1]}) is Endpoint.GENERATE
+    with pytest.raises(RequestError):
+        detect_endpoint({"foo": 1})

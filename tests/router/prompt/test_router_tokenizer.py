@@ -1,0 +1,46 @@
+"""Tokenizers: the built-in byte tokenizer, and a Hugging Face tokenizer.json (optional extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from indexer.protocol.tokens import ByteTokenizer, render_chat
+from router.config import TokenizerConfig
+from router.errors import ConfigError
+from router.prompt.tokenizer import build_tokenizer
+
+
+def test_byte_tokenizer_matches_the_workers() -> None:
+    tok = build_tokenizer(TokenizerConfig())
+    messages = [{"role": "user", "content": "héllo"}]
+    assert tok.text("héllo") == ByteTokenizer().encode("héllo")
+    assert tok.chat(messages) == ByteTokenizer().encode(render_chat(messages), add_bos=True)
+
+
+def test_hf_tokenizer_file_is_used_when_the_extra_is_installed(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "[BOS]": 1, "hello": 2, "world": 3}
+    model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
+    hf = tokenizers.Tokenizer(model)
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", 1)]
+    )
+    path = tmp_path / "tokenizer.json"
+    hf.save(str(path))
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=str(path)))
+    assert tok.text("hello world nope") == [2, 3, 0]
+    assert tok.chat([{"role": "user", "content": "hello"}])[0] == 1  # BOS from the template
+
+
+def test_hf_tokenizer_errors_are_config_errors(tmp_path: Path) -> None:
+    config = TokenizerConfig(kind="hf", path=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError) as info:
+        build_tokenizer(config)
+    if importlib.util.find_spec("tokenizers") is None:
+        assert "kvroute[hf]" in str(info.value)
+    else:
+        assert "missing.json" in str(info.value)

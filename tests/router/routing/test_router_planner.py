@@ -1,0 +1,114 @@
+"""The planner over the real IndexerService: pending entries, load accounting, namespaces."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from indexer.service import IndexerService, Namespace, StreamConfig
+from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
+from router.prompt.request import Endpoint, parse_request
+from router.prompt.tokenizer import build_tokenizer
+from router.routing.load import LoadTracker
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Planner
+from router.routing.policy import build_policy
+from router.routing.pool import WorkerPool
+
+TOK = build_tokenizer(TokenizerConfig())
+
+
+def _silent_endpoint() -> str:
+    """A tcp endpoint nobody publishes on (the stream stays empty)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _planner(
+    indexer: IndexerService, policy: str, models: tuple[str, ...] = ("", "")
+) -> Planner:
+    config = PolicyConfig(name=policy)  # type: ignore[arg-type]
+    pool = WorkerPool(BreakerConfig())
+    for i, model in enumerate(models):
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}", model=model))
+        stream = StreamConfig(endpoint=_silent_endpoint(), block_size=16, model=model)
+        await indexer.add_worker(f"w{i}", [stream])
+    return Planner(config, build_policy(config), pool, indexer, LoadTracker(), Fingerprinter("k"))
+
+
+@pytest.fixture
+async def indexer() -> AsyncIterator[IndexerService]:
+    async with IndexerService() as service:
+        yield service
+
+
+def _request(prompt: str, salt: str | None = None, model: str = "m"):  # type: ignore[no-untyped-def]
+    body = {"prompt": prompt, "model": model, **({"cache_salt": salt} if salt else {})}
+    return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
+
+
+async def test_kv_decisions_add_pending_entries_that_siblings_follow(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv")
+    first = _request("S" * 200 + "first question", salt="t")
+    ns = planner.namespace(first)
+    plan = planner.plan(first, ns)
+    assert all(c.matched_tokens == c.pending_tokens == 0 for c in plan.candidates)
+    chosen = plan.ranked()[0]
+    ticket = planner.commit(ns, first.tokens, chosen, first_try=True)
+    planner.load.end(ticket)  # finished: only the pending entry keeps attracting
+
+    sibling = _request("S" * 200 + "second question", salt="t")
+    plan = planner.plan(sibling)
+    best = plan.candidates[0]
+    assert best.worker == chosen.worker and best.matched_tokens == 0
+    assert best.pending_tokens == 192  # the 12 full 16-token pages of the shared 200 tokens
+    # another tenant sees none of it
+    other = planner.plan(_request("S" * 200 + "second question", salt="u"))
+    assert all(c.pending_tokens == 0 for c in other.candidates)
+
+
+async def test_baselines_add_no_pending_entries(indexer: IndexerService) -> None:
+    planner = await _planner(indexer, "round_robin")
+    req = _request("P" * 100)
+    ns = planner.namespace(req)
+    planner.commit(ns, req.tokens, planner.plan(req, ns).ranked()[0], first_try=True)
+    assert all(c.pending_tokens == 0 for c in planner.plan(req, ns).candidates)
+
+
+async def test_commit_tracks_uncached_prefill_and_running(indexer: IndexerService) -> None:
+    planner = await _planner(indexer, "kv")
+    req = _request("x" * 64)
+    ns = planner.namespace(req)
+    chosen = planner.plan(req, ns).ranked()[0]
+    ticket = planner.commit(ns, req.tokens, chosen, first_try=True)
+    load = planner.load.of(chosen.worker)
+    assert (load.queued_prefill_tokens, load.running) == (64, 1)
+    # a second identical request now sees the pending prefix and the load on that worker
+    plan = planner.plan(req, ns)
+    again = next(c for c in plan.candidates if c.worker == chosen.worker)
+    # the prompt's last token is never a hit: 63 tokens -> 3 whole 16-token blocks
+    assert again.pending_tokens == 48 and again.load == 64 + 32.0
+    planner.load.end(ticket)
+    assert (load.queued_prefill_tokens, load.running) == (0, 0)
+
+
+async def test_request_model_selects_the_namespace_model_only_when_configured(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv", models=("llama", "qwen"))
+    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")
+    assert planner.namespace(_request("x", model="other")) == Namespace(model="")
+    salted = planner.namespace(_request("x", salt="s", model="llama"))
+    assert salted == Namespace(model="llama", cache_salt="s")
+    assert planner.plan(_request("x", salt="s")).namespace != planner.plan(_request("x")).namespace
+    # the fleet's models follow membership
+    planner.pool.remove("w1")
+    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="")
+    planner.pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="qwen"))
+    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")

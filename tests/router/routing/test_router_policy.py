@@ -1,0 +1,160 @@
+"""Routing policies: pure ranking, deterministic tie-breaks, dry runs that change nothing."""
+
+from __future__ import annotations
+
+import random
+from typing import get_args
+
+import pytest
+
+from router.config import PolicyConfig, PolicyName
+from router.routing.policy import (
+    ApproxTreePolicy,
+    KvPolicy,
+    LeastLoadPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    WorkerView,
+    build_policy,
+    effective_hit,
+)
+
+
+def _views(
+    *specs: tuple[str, float, int, int], unhealthy: set[str] | None = None
+) -> list[WorkerView]:
+    down = unhealthy or set()
+    return [
+        WorkerView(w, w not in down, hit_tokens=hit, queued_prefill_tokens=q, running=r)
+        for w, hit, q, r in specs
+    ]
+
+
+def test_kv_prefers_the_longest_hit_when_loads_are_equal() -> None:
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0))
+    ranked = policy.rank([1] * 100, _views(("a", 0, 0, 0), ("b", 64, 0, 0), ("c", 32, 0, 0)))
+    assert [s.worker for s in ranked] == ["b", "c", "a"]
+    assert ranked[0].score == 64
+
+
+def test_kv_weighs_the_hit_against_in_flight_load() -> None:
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0, decode_weight=32.0))
+    # b holds 64 more tokens but has 3 running (96 token-equivalents) and 10 queued: a wins
+    ranked = policy.rank([1] * 200, _views(("a", 0, 0, 0), ("b", 64, 10, 3)))
+    assert ranked[0].worker == "a"
+    assert ranked[1].load == 10 + 3 * 32
+
+
+def test_kv_ties_go_to_the_less_loaded_then_random() -> None:
+    policy = KvPolicy(PolicyConfig(hit_weight=1.0, decode_weight=0.0))
+    # same score (hit - load): a has hit 10 and load 10, b has hit 0 and load 0
+    ranked = policy.rank([1] * 50, _views(("a", 10, 10, 0), ("b", 0, 0, 0)))
+    assert ranked[0].worker == "b"
+    # full ties: both orders occur across decisions, and each decision is reproducible
+    seen = set()
+    for _ in range(40):
+        first = policy.rank([1], _views(("a", 0, 0, 0), ("b", 0, 0, 0)))[0].worker
+        again = policy.rank([1], _views(("a", 0, 0, 0), ("b", 0, 0, 0)))[0].worker
+        assert first == again  # rank changes no state
+        seen.add(first)
+        policy.record([1], first)
+    assert seen == {"a", "b"}
+
+
+def test_unhealthy_workers_rank_last_whatever_their_hit() -> None:
+    policy = KvPolicy(PolicyConfig())
+    ranked = policy.rank([1] * 10, _views(("a", 1000, 0, 0), ("b", 0, 0, 0), unhealthy={"a"}))
+    assert [(s.worker, s.healthy) for s in ranked] == [("b", True), ("a", False)]
+
+
+def test_round_robin_cycles_over_healthy_workers_only_on_record() -> None:
+    policy = RoundRobinPolicy(PolicyConfig())
+    views = _views(("a", 0, 0, 0), ("b", 0, 0, 0), ("c", 0, 0, 0), unhealthy={"b"})
+    picks = []
+    for _ in range(4):
+        first = policy.rank([], views)[0].worker
+        assert policy.rank([], views)[0].worker == first
+        policy.record([], first)
+        picks.append(first)
+    assert picks == ["a", "c", "a", "c"]
+
+
+def test_least_load_ignores_hits() -> None:
+    policy = LeastLoadPolicy(PolicyConfig())
+    ranked = policy.rank([1], _views(("a", 1000, 5, 1), ("b", 0, 0, 1), ("c", 0, 0, 2)))
+    assert [s.worker for s in ranked] == ["b", "a", "c"]
+
+
+def test_random_is_seeded_and_spreads() -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    views = _views(("a", 0, 0, 0), ("b", 0, 0, 0), ("c", 0, 0, 0))
+
+    def run() -> list[str]:
+        policy = RandomPolicy(PolicyConfig(name="random", seed=seed))
+        out = []
+        for _ in range(60):
+            w = policy.rank([], views)[0].worker
+            policy.record([], w)
+            out.append(w)
+        return out
+
+    first = run()
+    assert first == run()
+    assert set(first) == {"a", "b", "c"}
+
+
+def test_approx_tree_follows_past_decisions_and_balances() -> None:
+    policy = ApproxTreePolicy(PolicyConfig(name="approx_tree", approx_chunk_tokens=4))
+    prompt = list(range(40))
+    views = _views(("a", 0, 0, 0), ("b", 0, 0, 0))
+    first = policy.rank(prompt, views)[0].worker
+    policy.record(prompt, first)
+    # same prefix, longer prompt: the tree's match wins
+    ranked = policy.rank([*prompt, 99, 98], views)
+    assert ranked[0].worker == first
+    assert ranked[0].hit_tokens == 40
+    # a new prefix goes to the worker with the smaller tree
+    other = policy.rank(list(range(100, 140)), views)[0].worker
+    assert other != first
+    # a heavily imbalanced fleet overrides affinity
+    loaded = [
+        WorkerView(first, True, queued_prefill_tokens=1000, running=10),
+        WorkerView(other, True),
+    ]
+    assert policy.rank(prompt, loaded)[0].worker == other
+    policy.forget(first)
+    assert policy.rank(prompt, views)[0].hit_tokens == 0
+
+
+def test_effective_hit_weights_tiers_and_ignores_stale_streams() -> None:
+    weights = {"GPU": 1.0, "CPU": 0.5}
+    common = {"pending_tokens": 8, "block_size": 16, "weights": weights}
+    assert effective_hit(
+        matched_blocks=4, by_medium={"GPU": 2, "CPU": 2}, stale=False, **common
+    ) == (2 * 16 + 1 * 16 + 8)
+    assert effective_hit(matched_blocks=4, by_medium={}, stale=False, **common) == 4 * 16 + 8
+    assert effective_hit(matched_blocks=4, by_medium={"GPU": 4}, stale=True, **common) == 0
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin", "random", "least_load", "approx_tree"])
+def test_every_policy_is_buildable_by_name(name: str) -> None:
+    policy = build_policy(PolicyConfig(name=name))  # type: ignore[arg-type]
+    assert policy.name == name
+    ranked = policy.rank([1, 2, 3], _views(("a", 0, 0, 0)))
+    assert ranked[0].worker == "a"
+
+
+def test_the_default_hit_weight_keeps_affinity_against_moderate_load() -> None:
+    # the default (4) keeps a 64-token hit on a worker with 3 running requests and 10 queued
+    # tokens, which the plain saved-prefill comparison (weight 1) would give up
+    policy = KvPolicy(PolicyConfig())
+    ranked = policy.rank([1] * 200, _views(("a", 0, 0, 0), ("b", 64, 10, 3)))
+    assert ranked[0].worker == "b" and ranked[0].score == 4 * 64 - (10 + 3 * 32)
+
+
+def test_only_the_kv_policy_leaves_pending_marks() -> None:
+    # the planner asks the policy instead of comparing its name
+    names = get_args(PolicyName)
+    marking = {n for n in names if build_policy(PolicyConfig(name=n)).marks_pending}
+    assert marking == {"kv"}
