@@ -48,7 +48,7 @@ from indexer.errors import ProtocolError
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace, chain_keys, namespace_seed, py_chain
 from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
-from indexer.recording import RecordingReader, RecordingWriter, Source
+from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.service import IndexerService, stream_id
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index

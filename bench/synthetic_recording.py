@@ -16,7 +16,7 @@ import msgspec
 
 from indexer.protocol.encode import WireLayout, encode_batch
 from indexer.protocol.events import BlockHash, EventBatch, Removed, Stored
-from indexer.recording import RecordingWriter, Source
+from indexer.recording.format import RecordingWriter, Source
 from workers.hashing import digest_to_hash, page_digests, salt_seed
 
 __all__ = ["SyntheticWorkload", "synthesize_recording"]

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 EngineName = Literal["sglang", "vllm"]
-ChatConvention = Literal["sglang", "vllm"]
+ChatConventionName = Literal["sglang", "vllm"]  # router.prompt.conventions holds them
 
 
 class NamespaceRule(enum.Enum):
@@ -83,7 +83,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     name: EngineName
     namespace_rule: NamespaceRule
-    chat: ChatConvention
+    chat: ChatConventionName
     # HTTP paths that may answer with the worker's settings, tried in order (none: configure)
     server_info_paths: tuple[str, ...]
     # the kv-events settings a server_info answer advertises, as one flat dict

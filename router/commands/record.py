@@ -22,15 +22,15 @@ from typing import Any, TextIO
 
 import msgspec
 
-from indexer.capture import Capture, CaptureStats, capture
 from indexer.config import StreamConfig
-from indexer.engines import ENGINES
+from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, Removed, Stored
-from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import replay_into_index
+from indexer.recording.capture import Capture, CaptureStats, capture
+from indexer.recording.format import RecordingReader, RecordingWriter, Source
+from indexer.recording.replay import replay_into_index
 from indexer.subscriptions import stream_id
 from router.commands.replay import print_summary
 from router.errors import RouterError
@@ -145,7 +145,8 @@ def _config_sources(path: Path) -> list[Source]:
     config = load_config(path)
     sources: list[Source] = []
     for worker in config.workers:
-        info = _server_info(worker.url) if needs_discovery(worker) else None
+        spec = engine_spec(worker.engine)
+        info = _server_info(worker.url, spec.server_info_paths) if needs_discovery(worker) else None
         for s in streams_for(worker, info):
             sources.append(_source(worker.worker_id, s))
     if not sources:
@@ -167,10 +168,11 @@ def _source(worker: str, s: StreamConfig) -> Source:
     )
 
 
-def _server_info(url: str) -> dict[str, Any] | None:
+def _server_info(url: str, paths: Sequence[str]) -> dict[str, Any] | None:
+    """The first of the engine's server-info `paths` that answers (a one-shot CLI read)."""
     import httpx
 
-    for path in ("/server_info", "/get_server_info"):
+    for path in paths:
         try:
             response = httpx.get(url.rstrip("/") + path, timeout=5.0)
         except httpx.HTTPError:
@@ -191,7 +193,7 @@ async def record(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> CaptureStats:
-    """Capture `sources` (`indexer.capture`) until a limit, `stop` or Ctrl-C, with progress."""
+    """Capture `sources` (`indexer.recording.capture`) until a limit, `stop` or Ctrl-C."""
     loop = asyncio.get_running_loop()
     live: list[_Progress] = []
 

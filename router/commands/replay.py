@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,16 @@ from typing import TextIO
 import msgspec
 
 from indexer.errors import IndexerError
-from indexer.recording import Record, RecordingReader, Source
-from indexer.replayer import RecordFilter, ReplaySummary, replay_into_index, select_records
-from indexer.republisher import PublishedStream, RepublishConfig, Republisher, parse_faults
+from indexer.recording.format import Record, RecordingReader, Source
+from indexer.recording.replay import (
+    RecordFilter,
+    ReplaySummary,
+    parse_window,
+    replay_into_index,
+    select_records,
+    streams_of,
+)
+from indexer.recording.republish import PublishedStream, RepublishConfig, Republisher, parse_faults
 from indexer.snapshot import dump_index
 
 __all__ = ["add_arguments", "parse_window", "print_summary", "run"]
@@ -67,55 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stream", action="append", default=[], help="replay only this stream (repeatable)"
     )
-
-
-def parse_window(reader: RecordingReader, start: str | None, end: str | None) -> RecordFilter:
-    """Turn `--from/--to` (and nothing else) into a filter; ValueError names the bad bound."""
-    first: float | None = None
-    bounds: dict[str, float | int] = {}
-    for name, text in (("from", start), ("to", end)):
-        if text is None:
-            continue
-        text = text.strip()
-        if text.startswith("seq:"):
-            try:
-                bounds[f"{name}_seq"] = int(text[4:])
-            except ValueError:
-                raise ValueError(f"--{name} {text!r}: seq:N needs an integer") from None
-            continue
-        if text.startswith("+") or text.endswith("s") or _is_number(text):
-            try:
-                offset = float(text.lstrip("+").rstrip("s"))
-            except ValueError:
-                raise ValueError(f"--{name} {text!r}: not a number of seconds") from None
-            if first is None:
-                first = _first_time(reader)
-            bounds[f"{name}_time"] = first + offset
-            continue
-        try:
-            when = datetime.datetime.fromisoformat(text)
-        except ValueError:
-            raise ValueError(
-                f"--{name} {text!r}: expected +SECONDS, SECONDSs, an ISO 8601 time or seq:N"
-            ) from None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.UTC)
-        bounds[f"{name}_time"] = when.timestamp()
-    return msgspec.convert(bounds, RecordFilter)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _first_time(reader: RecordingReader) -> float:
-    for positioned in reader.records():
-        return positioned.record.recv_time
-    return 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,7 +163,7 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
             faults=parse_faults(args.faults, seed=args.seed),
         )
         with RecordingReader(args.file) as reader:
-            sources = _sources(reader, flt)
+            sources = streams_of(reader, flt)
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
@@ -215,14 +172,6 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
-
-
-def _sources(reader: RecordingReader, flt: RecordFilter) -> list[Source]:
-    """Every stream the selected records hold, in first-seen order (one pass, no decoding)."""
-    seen: dict[str, None] = {}
-    for positioned in select_records(reader, flt):
-        seen.setdefault(positioned.record.stream)
-    return [reader.sources.get(s) or Source(stream=s) for s in seen]
 
 
 def _records(path: Path, flt: RecordFilter) -> Iterator[Record]:

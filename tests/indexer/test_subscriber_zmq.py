@@ -10,14 +10,14 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from indexer.capture import Capture
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
 from indexer.protocol.frames import pack_seq
-from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import replay_into_index
+from indexer.recording.capture import Capture
+from indexer.recording.format import RecordingReader, RecordingWriter, Source
+from indexer.recording.replay import replay_into_index
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.recording import RecordingWriter
+from indexer.recording.format import RecordingWriter
 
 
 def canonical(dump: bytes) -> dict[str, Any]:

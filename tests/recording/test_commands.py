@@ -16,9 +16,9 @@ import zmq
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import StreamConfig
 from indexer.protocol import EventBatch, Stored, encode_batch
-from indexer.recording import RecordingReader, RecordingWriter, Source
-from indexer.replayer import replay_into_index
-from indexer.republisher import RepublishConfig, Republisher
+from indexer.recording.format import RecordingReader, RecordingWriter, Source
+from indexer.recording.replay import replay_into_index
+from indexer.recording.republish import RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index, load_index
 from router.commands.cli import main

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer.recording import (
+from indexer.recording.format import (
     MAGIC,
     Record,
     RecordingError,
@@ -205,7 +205,7 @@ def test_create_refuses_to_replace_a_file(tmp_path: Path) -> None:
 
 
 def test_append_cuts_a_chunk_whose_body_does_not_decode(tmp_path: Path) -> None:
-    from indexer.recording import _KIND_CHUNK, _pack_frame
+    from indexer.recording.format import _KIND_CHUNK, _pack_frame
 
     path = tmp_path / "a.kvrec"
     _write(path, [b"one", b"two"], compress=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 
 from indexer.config import StreamConfig
-from indexer.recording import Source
-from indexer.replayer import replay_into_index
+from indexer.recording.format import Source
+from indexer.recording.replay import replay_into_index
 from indexer.service import IndexerService, stream_id
 from indexer.snapshot import dump_index
 from router.commands.record import record

@@ -10,8 +10,8 @@ import msgspec
 from indexer.fingerprint import salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol import EventBatch, Stored, decode_batch, encode_batch
-from indexer.recording import RecordingWriter, Source
-from indexer.replayer import RecordFilter, replay_into_index
+from indexer.recording.format import RecordingWriter, Source
+from indexer.recording.replay import RecordFilter, replay_into_index
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
 

@@ -16,8 +16,8 @@ from indexer.protocol.frames import (
     parse_live,
     parse_replay_reply,
 )
-from indexer.recording import Record, Source
-from indexer.republisher import (
+from indexer.recording.format import Record, Source
+from indexer.recording.republish import (
     FaultPlan,
     RepublishConfig,
     Republisher,

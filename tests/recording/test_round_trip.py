@@ -17,9 +17,9 @@ import pytest
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import IndexerConfig, StreamConfig
-from indexer.recording import RecordingReader, Source
-from indexer.replayer import RecordFilter, replay_into_index
-from indexer.republisher import FaultPlan, RepublishConfig, Republisher
+from indexer.recording.format import RecordingReader, Source
+from indexer.recording.replay import RecordFilter, replay_into_index
+from indexer.recording.republish import FaultPlan, RepublishConfig, Republisher
 from indexer.service import IndexerService
 from indexer.snapshot import dump_index
 from router.commands.record import record

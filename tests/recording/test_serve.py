@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
-from indexer.recording import RecordingReader
-from indexer.replayer import replay_into_index
-from indexer.republisher import FaultPlan, RepublishConfig, Republisher
+from indexer.recording.format import RecordingReader
+from indexer.recording.replay import replay_into_index
+from indexer.recording.republish import FaultPlan, RepublishConfig, Republisher
 from indexer.snapshot import dump_index
 from router.config import ListenConfig, RouterConfig, WorkerConfig
 from router.service import RouterService

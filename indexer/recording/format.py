@@ -18,6 +18,9 @@ it. Every frame says its receive time and absolute record number, and receive ti
 decrease inside a file, so a reader bisects by time over file offsets (re-synchronising on the
 sync word) without an index. Each uncompressed record is written with one `write` call, so a
 crash of the recorder loses at most the record being written.
+
+Longer than the house's ~500 lines on purpose: the frame codec, the reader and the writer are
+one file format, each side written against the other.
 """
 
 from __future__ import annotations

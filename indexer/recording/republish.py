@@ -36,7 +36,7 @@ from indexer.protocol.frames import (
     build_replay_reply,
     parse_replay_request,
 )
-from indexer.recording import Record, Source
+from indexer.recording.format import Record, Source
 
 __all__ = [
     "FaultPlan",

@@ -13,6 +13,7 @@ the index benchmark and the tests have a stream to replay without a capture at h
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from indexer.fingerprint import Fingerprinter, salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, EventBatch, Removed, Stored
-from indexer.recording import (
+from indexer.recording.format import (
     Damage,
     Positioned,
     Record,
@@ -41,8 +42,10 @@ __all__ = [
     "RecordFilter",
     "ReplaySummary",
     "StreamReplay",
+    "parse_window",
     "replay_into_index",
     "select_records",
+    "streams_of",
 ]
 
 
@@ -69,6 +72,63 @@ def select_records(reader: RecordingReader, flt: RecordFilter) -> Iterator[Posit
         if flt.to_seq is not None and record.seq > flt.to_seq:
             continue
         yield positioned
+
+
+def parse_window(reader: RecordingReader, start: str | None, end: str | None) -> RecordFilter:
+    """Turn `--from/--to` (and nothing else) into a filter; ValueError names the bad bound."""
+    first: float | None = None
+    bounds: dict[str, float | int] = {}
+    for name, text in (("from", start), ("to", end)):
+        if text is None:
+            continue
+        text = text.strip()
+        if text.startswith("seq:"):
+            try:
+                bounds[f"{name}_seq"] = int(text[4:])
+            except ValueError:
+                raise ValueError(f"--{name} {text!r}: seq:N needs an integer") from None
+            continue
+        if text.startswith("+") or text.endswith("s") or _is_number(text):
+            try:
+                offset = float(text.lstrip("+").rstrip("s"))
+            except ValueError:
+                raise ValueError(f"--{name} {text!r}: not a number of seconds") from None
+            if first is None:
+                first = _first_time(reader)
+            bounds[f"{name}_time"] = first + offset
+            continue
+        try:
+            when = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(
+                f"--{name} {text!r}: expected +SECONDS, SECONDSs, an ISO 8601 time or seq:N"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        bounds[f"{name}_time"] = when.timestamp()
+    return msgspec.convert(bounds, RecordFilter)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _first_time(reader: RecordingReader) -> float:
+    for positioned in reader.records():
+        return positioned.record.recv_time
+    return 0.0
+
+
+def streams_of(reader: RecordingReader, flt: RecordFilter) -> list[Source]:
+    """Every stream the selected records hold, in first-seen order (one pass, no decoding)."""
+    seen: dict[str, None] = {}
+    for positioned in select_records(reader, flt):
+        seen.setdefault(positioned.record.stream)
+    return [reader.sources.get(s) or Source(stream=s) for s in seen]
 
 
 class StreamReplay(msgspec.Struct, kw_only=True):

@@ -27,7 +27,7 @@ from indexer.fence import BatchFence
 from indexer.index import StreamCounters
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Stored
-from indexer.recording import RecordingError, RecordingWriter, Source
+from indexer.recording.format import RecordingError, RecordingWriter, Source
 from indexer.sink import Applied
 from indexer.stats import StreamStats
 from indexer.subscriptions import Subscriptions
