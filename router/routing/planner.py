@@ -20,25 +20,10 @@ from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
-from router.routing.policy import Policy, WorkerView, effective_hit
+from router.routing.policy import Candidate, Policy, effective_hit
 from router.routing.pool import WorkerPool, WorkerStatus
 
 __all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
-
-
-class Candidate(msgspec.Struct, frozen=True):
-    """One worker in a routing decision, with the numbers that placed it."""
-
-    worker: str
-    url: str
-    matched_tokens: int  # leading prompt tokens the worker holds, per its KV events
-    matched_blocks: int
-    pending_tokens: int  # further tokens covered by recent routing decisions only
-    load: float
-    score: float
-    healthy: bool
-    status: str
-    stream_state: str | None
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -122,17 +107,22 @@ class Planner:
         limit = max(len(tokens) - 1, 0)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         weights = self._config.medium_weights
-        views: list[WorkerView] = []
-        info: dict[str, tuple[WorkerMatch, str, WorkerStatus]] = {}
+        views: list[Candidate] = []
         for entry in self.pool:
             match = matches.get(entry.id, _NO_MATCH)
             stale = match.state in UNTRUSTED  # entries kvroute cannot vouch for: no affinity
             load = self.load.of(entry.id)
             status = entry.status(now)
             views.append(
-                WorkerView(
+                Candidate(
                     worker=entry.id,
+                    url=entry.url,
                     healthy=status is WorkerStatus.READY,
+                    status=status,
+                    matched_tokens=match.matched_tokens,
+                    matched_blocks=match.matched_blocks,
+                    pending_tokens=match.pending_tokens,
+                    stream_state=str(match.state) if match.worker else None,
                     hit_tokens=effective_hit(
                         matched_blocks=match.matched_blocks,
                         pending_tokens=match.pending_tokens,
@@ -145,24 +135,7 @@ class Planner:
                     running=load.running,
                 )
             )
-            info[entry.id] = (match, entry.url, status)
-        candidates = []
-        for scored in self.policy.rank(tokens, views):
-            match, url, status = info[scored.worker]
-            candidates.append(
-                Candidate(
-                    worker=scored.worker,
-                    url=url,
-                    matched_tokens=match.matched_tokens,
-                    matched_blocks=match.matched_blocks,
-                    pending_tokens=match.pending_tokens,
-                    load=scored.load,
-                    score=scored.score,
-                    healthy=scored.healthy,
-                    status=status,
-                    stream_state=str(match.state) if match.worker else None,
-                )
-            )
+        candidates = self.policy.rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
             prompt_tokens=len(tokens),

@@ -1,8 +1,10 @@
 """Routing policies: pure functions of what the router knows, deciding but never sending.
 
-A policy ranks every worker for one request from `WorkerView`s (prefix hit from the index, the
-router's own in-flight load, health) and is told afterwards which worker actually got the
-request (`record`). `rank` changes no state, which is what makes the `/admin/route` dry run
+A policy ranks every worker for one request: the planner hands it one `Candidate` per worker
+(the index's match for it, turned into the prefix hit the worker can give; the router's own
+in-flight load; health) and the policy fills in each candidate's load and score and returns
+them best first. It is told afterwards which worker actually got the request (`record`).
+`rank` changes no state of the policy, which is what makes the `/admin/route` dry run
 honest. Ties are broken by draws fixed by (seed, decisions so far), so a run is
 reproducible and a dry run sees the tie-break the next real request would.
 
@@ -26,13 +28,12 @@ from router.routing.approx_tree import ApproxTree
 
 __all__ = [
     "ApproxTreePolicy",
+    "Candidate",
     "KvPolicy",
     "LeastLoadPolicy",
     "Policy",
     "RandomPolicy",
     "RoundRobinPolicy",
-    "Scored",
-    "WorkerView",
     "build_policy",
     "effective_hit",
 ]
@@ -48,24 +49,25 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-class WorkerView(msgspec.Struct, frozen=True):
-    """What a policy may know about one worker for one request."""
+class Candidate(msgspec.Struct, gc=False):
+    """One worker in one routing decision: what placed it, and where it came out.
+
+    The planner fills everything but `load` and `score`, which the policy's `rank` sets.
+    """
 
     worker: str
+    url: str
     healthy: bool  # health check ok, circuit closed, not draining
-    hit_tokens: float = 0.0  # affinity-effective prefix hit (see `effective_hit`)
+    status: str  # why it does or does not take traffic (`WorkerStatus`)
+    matched_tokens: int = 0  # leading prompt tokens the worker holds, per its KV events
+    matched_blocks: int = 0
+    pending_tokens: int = 0  # further tokens covered by recent routing decisions only
+    stream_state: str | None = None  # its best KV-event stream's state, None without events
+    hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)
     queued_prefill_tokens: int = 0
     running: int = 0
-
-
-class Scored(msgspec.Struct, frozen=True):
-    """One worker's place in a decision."""
-
-    worker: str
-    healthy: bool
-    hit_tokens: float
-    load: float
-    score: float
+    load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
+    score: float = 0.0  # set by `rank`: higher is better
 
 
 def effective_hit(
@@ -102,11 +104,11 @@ class Policy:
         self._config = config
         self._decisions = 0
 
-    def load(self, view: WorkerView) -> float:
+    def load(self, view: Candidate) -> float:
         """The in-flight work on a worker, in prefill-token equivalents."""
         return view.queued_prefill_tokens + self._config.decode_weight * view.running
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         raise NotImplementedError
 
     def _draws(self, n: int, salt: int = 0) -> list[int]:
@@ -117,17 +119,17 @@ class Policy:
         ) & _MASK
         return [_mix(base + i) for i in range(n)]
 
-    def rank(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[Scored]:
-        """Every worker, best first (unhealthy ones last); changes no state."""
+    def rank(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[Candidate]:
+        """Every candidate, best first (unhealthy ones last), its load and score filled in."""
         scores = self._scores(tokens, views)
         draws = self._draws(len(views))
         keyed = []
         for view, score, draw in zip(views, scores, draws, strict=True):
-            load = self.load(view)
-            scored = Scored(view.worker, view.healthy, view.hit_tokens, load, score)
-            keyed.append(((not view.healthy, -score, load, draw), scored))
+            view.load = load = self.load(view)
+            view.score = score
+            keyed.append(((not view.healthy, -score, load, draw), view))
         keyed.sort(key=lambda pair: pair[0])
-        return [scored for _, scored in keyed]
+        return [view for _, view in keyed]
 
     def record(self, tokens: Sequence[int], worker: str) -> None:
         """Learn that the request with `tokens` was sent to `worker`."""
@@ -143,7 +145,7 @@ class KvPolicy(Policy):
     name = "kv"
     marks_pending = True
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         weight = self._config.hit_weight
         return [weight * v.hit_tokens - self.load(v) for v in views]
 
@@ -153,7 +155,7 @@ class LeastLoadPolicy(Policy):
 
     name = "least_load"
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         return [-self.load(v) for v in views]
 
 
@@ -162,7 +164,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         return [float(draw) for draw in self._draws(len(views), salt=1 << 32)]
 
 
@@ -171,7 +173,7 @@ class RoundRobinPolicy(Policy):
 
     name = "round_robin"
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         healthy = [i for i, v in enumerate(views) if v.healthy]
         scores = [0.0] * len(views)
         if healthy:
@@ -202,7 +204,7 @@ class ApproxTreePolicy(Policy):
         cfg = self._config
         return high - low > cfg.approx_balance_abs and high > low * cfg.approx_balance_rel
 
-    def _scores(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[float]:
+    def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         loads = [self.load(v) for v in views]
         if self._imbalanced([load for load, v in zip(loads, views, strict=True) if v.healthy]):
             return [-load for load in loads]
@@ -214,12 +216,11 @@ class ApproxTreePolicy(Policy):
         # a new prefix goes to the worker with the smallest tree, as SGLang's router does
         return [-float(self._tree.size(v.worker)) for v in views]
 
-    def rank(self, tokens: Sequence[int], views: Sequence[WorkerView]) -> list[Scored]:
-        """As the base rank, reporting the tree's match as the hit."""
+    def rank(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[Candidate]:
+        """As the base rank, reporting the tree's match as the hit (it knows no events)."""
         matched = self._tree.match(tokens)
-        views = [
-            msgspec.structs.replace(v, hit_tokens=float(matched.get(v.worker, 0))) for v in views
-        ]
+        for v in views:
+            v.hit_tokens = float(matched.get(v.worker, 0))
         return super().rank(tokens, views)
 
     def record(self, tokens: Sequence[int], worker: str) -> None:

@@ -10,11 +10,11 @@ import pytest
 from router.config import PolicyConfig, PolicyName
 from router.routing.policy import (
     ApproxTreePolicy,
+    Candidate,
     KvPolicy,
     LeastLoadPolicy,
     RandomPolicy,
     RoundRobinPolicy,
-    WorkerView,
     build_policy,
     effective_hit,
 )
@@ -22,10 +22,18 @@ from router.routing.policy import (
 
 def _views(
     *specs: tuple[str, float, int, int], unhealthy: set[str] | None = None
-) -> list[WorkerView]:
+) -> list[Candidate]:
     down = unhealthy or set()
     return [
-        WorkerView(w, w not in down, hit_tokens=hit, queued_prefill_tokens=q, running=r)
+        Candidate(
+            w,
+            url=f"http://{w}",
+            healthy=w not in down,
+            status="ready" if w not in down else "unhealthy",
+            hit_tokens=hit,
+            queued_prefill_tokens=q,
+            running=r,
+        )
         for w, hit, q, r in specs
     ]
 
@@ -119,8 +127,8 @@ def test_approx_tree_follows_past_decisions_and_balances() -> None:
     assert other != first
     # a heavily imbalanced fleet overrides affinity
     loaded = [
-        WorkerView(first, True, queued_prefill_tokens=1000, running=10),
-        WorkerView(other, True),
+        Candidate(first, "", True, "ready", queued_prefill_tokens=1000, running=10),
+        Candidate(other, "", True, "ready"),
     ]
     assert policy.rank(prompt, loaded)[0].worker == other
     policy.forget(first)
