@@ -147,7 +147,9 @@ _header_names = st.sampled_from(
     ]
 )
 # half of the draws keep the transport clean, so the bodies reach the handlers
-_headers = st.one_of(st.just([]), st.lists(st.tuples(_header_names, _header_values), max_size=4))
+_headers: st.SearchStrategy[list[tuple[bytes, bytes]]] = st.one_of(
+    st.just([]), st.lists(st.tuples(_header_names, _header_values), max_size=4)
+)
 
 
 @st.composite

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
-from indexer.protocol.events import EventBatch
+from indexer.protocol.events import EventBatch, Stored
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, workload
@@ -122,9 +122,9 @@ async def test_a_dropped_connection_trusts_nothing_until_proven(ctx: zmq.asyncio
         # the process died: its sockets closed, the SUB's monitor sees the connection drop
         await wait_until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
         doc = workload(seed=1, batches=8)
-        stored = next(e for b in doc for e in b.events if hasattr(e, "token_ids"))
-        tokens = list(stored.token_ids)  # type: ignore[attr-defined]
-        salt = stored.cache_salt  # type: ignore[attr-defined]
+        stored = next(e for b in doc for e in b.events if isinstance(e, Stored))
+        tokens = list(stored.token_ids)
+        salt = stored.cache_salt
         assert len(svc.index) > 0  # still held, but predicting nothing
         assert svc.query(Namespace("", None, salt), tokens)[WORKER].matched_blocks == 0
         # a new process on the same ports, with fewer batches than the old one had

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from bench import index_bench
+from indexer.backend import DEFAULT
 
 
 def test_index_bench_smoke(tmp_path: Path) -> None:
@@ -19,7 +20,7 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     assert "block ops/s" in text and "p99 us" in text and "bytes/entry" in text
     assert "`evict_namespace` of one tenant" in text and "`load_index`" in text
     # the compiled backend is measured against the python one in the same run
-    assert ("vs python backend" in text) == (index_bench.DEFAULT.name == "native")
+    assert ("vs python backend" in text) == (DEFAULT.name == "native")
 
 
 def test_index_bench_runs_on_the_python_backend(tmp_path: Path) -> None:

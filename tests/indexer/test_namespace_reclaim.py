@@ -48,7 +48,7 @@ def test_salt_churn_keeps_the_registry_bounded_and_isolated(backend: Backend) ->
             h = 10 + 2 * i
             store(index, "t", [h, h + 1], tokens, salt)
             assert index.query(Namespace("m", None, salt), tokens)["t"].blocks == 2
-            index.apply("t", EventBatch(0.0, [Removed(block_hashes=[h, h + 1])]))  # type: ignore[list-item]
+            index.apply("t", EventBatch(0.0, [Removed(block_hashes=[h, h + 1])]))
         now[0] += 0.01  # pending entries expire after 100 requests
         peak = max(peak, len(index._registry))
         if i % 250 == 0:
@@ -72,15 +72,15 @@ def test_reclaim_spares_pending_and_partial_namespaces(backend: Backend) -> None
     index.add_stream("s", model="m", block_size=PAGE)
     index.add_pending("s", Namespace("m", None, "pending"), [1, 2, 3, 4])
     partial = Stored(
-        block_hashes=[7],  # type: ignore[list-item]
+        block_hashes=[7],
         parent=None,
-        token_ids=[1, 2],  # type: ignore[list-item]
+        token_ids=[1, 2],
         block_size=2,  # a trailing partial page
         cache_salt="partial",
     )
     index.apply("s", EventBatch(0.0, [partial]))
     store(index, "s", [8], [5, 6, 7, 8], "gone")
-    index.apply("s", EventBatch(0.0, [Removed(block_hashes=[8])]))  # type: ignore[list-item]
+    index.apply("s", EventBatch(0.0, [Removed(block_hashes=[8])]))
     assert index.reclaim_namespaces() == 1  # only "gone"
     names = {ns.cache_salt for ns in index._registry.names if ns is not None}
     assert names == {"pending", "partial"}

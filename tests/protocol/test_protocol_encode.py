@@ -75,7 +75,7 @@ def test_map_layout_omits_what_sglang_omits() -> None:
 
 
 def test_ts_is_always_float64() -> None:
-    payload = encode_batch(EventBatch(1767225600, [], 0))  # type: ignore[arg-type]
+    payload = encode_batch(EventBatch(1767225600, [], 0))
     assert payload[1] == 0xCB
     assert decode_batch(payload).ts == 1767225600.0
 

@@ -103,7 +103,7 @@ class Fleet:
     async def holds(self, body: object, worker: str, tokens: int) -> bool:
         """Whether the index says `worker` holds at least `tokens` of the body's prompt."""
         plan = await self.route(body)
-        held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+        held = {c["worker"]: int(c["matched_tokens"]) for c in plan["candidates"]}
         return held.get(worker, 0) >= tokens
 
 

@@ -76,18 +76,19 @@ async def test_a_repeated_conversation_returns_to_its_worker(fleet: Fleet) -> No
 
 
 async def test_dry_run_numbers_match_the_workers_cached_tokens(fleet: Fleet) -> None:
-    warm = {"prompt": "The quick brown fox jumps over the lazy dog. " * 10, "max_tokens": 2}
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    warm = {"prompt": text, "max_tokens": 2}
     status, headers, _ = await fleet.post("/v1/completions", warm)
     assert status == 200
     holder = headers["x-kvroute-worker"]
     await eventually(lambda: fleet.holds(warm, holder, 400), what="prefix indexed")
 
-    probe = {**warm, "prompt": warm["prompt"] + "Then it sleeps."}
+    probe = {**warm, "prompt": text + "Then it sleeps."}
     plan = await fleet.route(probe)
     again = await fleet.route(probe)
     assert plan == again  # a dry run changes nothing (no pending entries, no load, no policy)
     assert plan["worker"] == holder
-    assert plan["prompt_tokens"] == len(probe["prompt"].encode())
+    assert plan["prompt_tokens"] == len((text + "Then it sleeps.").encode())
     assert {c["worker"] for c in plan["candidates"]} == {"w0", "w1"}
     chosen = plan["candidates"][0]
     assert chosen["worker"] == holder and chosen["healthy"]

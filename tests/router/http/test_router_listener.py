@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,11 @@ def _port(router: RouterService) -> int:
 
 @contextlib.asynccontextmanager
 async def _router(**limits: float) -> AsyncIterator[RouterService]:
-    fields = {"idle_timeout_s": SLOW, "header_timeout_s": SLOW, "body_timeout_s": SLOW} | limits
+    fields: dict[str, Any] = {
+        "idle_timeout_s": SLOW,
+        "header_timeout_s": SLOW,
+        "body_timeout_s": SLOW,
+    } | limits
     config = router_config([], salt_header="x-tenant-salt", limits=LimitsConfig(**fields))
     async with RouterService(config) as router:
         yield router

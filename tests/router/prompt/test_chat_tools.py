@@ -139,7 +139,11 @@ def test_kvroutes_own_template_ignores_tools_but_checks_their_shape() -> None:
     body = {"messages": messages, "tools": [WEATHER], "chat_template_kwargs": {"x": 1}}
     with_tools = parse_request(Endpoint.CHAT, json.dumps(body).encode(), tokenizer)
     assert with_tools.tokens == plain.tokens
-    for bad, needle in [({"tools": "x"}, "tools"), ({"chat_template_kwargs": 1}, "kwargs")]:
+    bad_fields: list[tuple[dict[str, object], str]] = [
+        ({"tools": "x"}, "tools"),
+        ({"chat_template_kwargs": 1}, "kwargs"),
+    ]
+    for bad, needle in bad_fields:
         with pytest.raises(RequestError, match=needle):
             parse_request(
                 Endpoint.CHAT, json.dumps({"messages": messages, **bad}).encode(), tokenizer
@@ -281,17 +285,18 @@ async def test_the_router_matches_a_chat_request_with_tools() -> None:
     with malformed tools is a 400 naming the field.
     """
     model = FIXTURES / "qwen3-0.6b"
+    messages = [
+        {"role": "system", "content": "You are the support agent of ACME. " * 6},
+        {"role": "user", "content": "Where is my order?"},
+    ]
     body = {
         "model": "m",
-        "messages": [
-            {"role": "system", "content": "You are the support agent of ACME. " * 6},
-            {"role": "user", "content": "Where is my order?"},
-        ],
+        "messages": messages,
         "tools": [WEATHER],
         "chat_template_kwargs": {"enable_thinking": False},
     }
     rendered = ModelChatTemplate.load(model / "tokenizer_config.json").render(
-        body["messages"], options=chat_options(body, SGLANG_CHAT)
+        messages, options=chat_options(body, SGLANG_CHAT)
     )
     assert "get_weather" in rendered and rendered.endswith("<think>\n\n</think>\n\n")
     await check_chat_matches_rendered_text(

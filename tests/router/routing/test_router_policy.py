@@ -137,12 +137,20 @@ def test_approx_tree_follows_past_decisions_and_balances() -> None:
 
 def test_effective_hit_weights_tiers_and_ignores_stale_streams() -> None:
     weights = {"GPU": 1.0, "CPU": 0.5}
-    common = {"pending_tokens": 8, "block_size": 16, "weights": weights}
-    assert effective_hit(
-        matched_blocks=4, by_medium={"GPU": 2, "CPU": 2}, stale=False, **common
-    ) == (2 * 16 + 1 * 16 + 8)
-    assert effective_hit(matched_blocks=4, by_medium={}, stale=False, **common) == 4 * 16 + 8
-    assert effective_hit(matched_blocks=4, by_medium={"GPU": 4}, stale=True, **common) == 0
+
+    def hit(by_medium: dict[str, int], *, stale: bool) -> float:
+        return effective_hit(
+            matched_blocks=4,
+            pending_tokens=8,
+            block_size=16,
+            by_medium=by_medium,
+            stale=stale,
+            weights=weights,
+        )
+
+    assert hit({"GPU": 2, "CPU": 2}, stale=False) == (2 * 16 + 1 * 16 + 8)
+    assert hit({}, stale=False) == 4 * 16 + 8
+    assert hit({"GPU": 4}, stale=True) == 0
 
 
 @pytest.mark.parametrize("name", ["kv", "round_robin", "random", "least_load", "approx_tree"])
