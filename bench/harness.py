@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from bench.report import EXTERNAL_BASELINE, PolicyRun, RequestRecord
+from bench.routing_results import EXTERNAL_BASELINE, PolicyRun, RequestRecord
 from bench.sglang_router import launch as launch_sglang_router
 from bench.workloads import BenchRequest, Workload
 from indexer.stats import StreamState

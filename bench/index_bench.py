@@ -31,274 +31,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import platform
 import random
 import tempfile
 import time
-import tracemalloc
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
+from bench.index_report import (
+    ROUNDS,
+    AdminResult,
+    BackendResult,
+    IngestResult,
+    QueryResult,
+    StageResult,
+    render,
+)
+from bench.index_workload import (
+    MODEL,
+    PAGE,
+    IngestRecord,
+    NaiveIndex,
+    build_index,
+    doc_namespace,
+    doc_tokens,
+    ingest_workload,
+    read_recording,
+    record_ingest_workload,
+)
 from indexer.backend import DEFAULT, NATIVE, PURE, Backend
 from indexer.config import StreamConfig
 from indexer.errors import ProtocolError
 from indexer.index import PrefixIndex
-from indexer.namespace import Namespace, chain_keys, namespace_seed, py_chain
-from indexer.protocol import BlockHash, EventBatch, Removed, Stored, decode_batch, encode_batch
-from indexer.recording.format import RecordingReader, RecordingWriter, Source
-from indexer.service import IndexerService, stream_id
+from indexer.namespace import Namespace, namespace_seed, py_chain
+from indexer.protocol import EventBatch, Removed, Stored, decode_batch
+from indexer.service import IndexerService
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 
 __all__ = ["add_arguments", "run"]
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "index.md"
-PAGE = 16
-MODEL = "bench-model"
-TARGET_OPS = 1_000_000
-TARGET_P99_US = 250.0
-TARGET_BYTES = 120.0
-
-
-class IngestResult(msgspec.Struct):
-    """Ingest throughput."""
-
-    batches: int
-    block_ops: int
-    stored: int
-    removed: int
-    decode_apply_ops_s: float
-    apply_only_ops_s: float
-    decode_only_ops_s: float
-    naive_apply_ops_s: float  # `NaiveIndex`, the same pre-decoded batches, same run
-    python_decode_apply_ops_s: float  # decode + apply on the pure-Python backend, same run
-
-
-class QueryResult(msgspec.Struct):
-    """Query latency of one prompt kind, microseconds."""
-
-    kind: str
-    queries: int
-    p50_us: float  # over every sample
-    p99_us: float  # over every sample (includes the other tenants' CPU bursts)
-    quiet_p50_us: float  # the round with the lowest p99 (see `_ROUNDS`)
-    quiet_p99_us: float
-    mean_matched_blocks: float
-    match_p50_us: float  # `PrefixIndex.match` alone (per-stream result), same rounds
-    match_p99_us: float
-
-
-class StageResult(msgspec.Struct):
-    """Median cost of the stages of one held-document query, microseconds (same run)."""
-
-    python_keys_us: float  # the pure-Python chain (`py_chain`) over the whole prompt
-    keys_us: float  # the same keys by the backend's chain, which the query walk uses
-    floor_us: float  # keys + one table lookup per block (`get_many`): the floor of any walk
-    match_us: float  # PrefixIndex.match (the walk, early-stop bookkeeping, result dicts)
-    service_us: float  # IndexerService.query (per-worker states and WorkerMatch objects)
-    naive_us: float  # `NaiveIndex.match` on the same entries: a block-by-block set walk
-    pending_us: float  # PrefixIndex.add_pending: what routing a prompt adds (marks its blocks)
-
-
-class BackendResult(msgspec.Struct):
-    """The pure-Python backend on the same inputs, same run (the compiled one's baseline)."""
-
-    name: str
-    decode_apply_ops_s: float
-    match_p50_us: float  # `PrefixIndex.match`, held documents
-    match_p99_us: float
-    bytes_per_entry: float
-
-
-class AdminResult(msgspec.Struct):
-    """Whole-index operations on the query index (seconds; each blocks the event loop)."""
-
-    entries: int
-    dump_s: float  # dump_index (msgpack snapshot)
-    snapshot_mib: float
-    load_s: float  # load_index of that snapshot, validated
-    evict_s: float  # evict_namespace of one tenant's namespace
-    evicted: int
-    clear_stream_s: float  # clear_stream of one stream (AllBlocksCleared, restart)
-    cleared: int
-
-
-class MemoryResult(msgspec.Struct):
-    """Index size and the memory it holds (tracemalloc)."""
-
-    label: str
-    streams: int
-    entries: int
-    unique_keys: int
-    traced_bytes: int
-    bytes_per_entry: float
-    build_s: float
-
-
-def _rand_hash(rng: random.Random) -> int:
-    return rng.getrandbits(64) - (1 << 63)
-
-
-# ---------------------------------------------------------------- ingest
-
-
-def ingest_workload(seed: int, batches: int, capacity_blocks: int) -> list[bytes]:
-    """Encoded payloads of one busy SGLang worker; see the module docstring."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(32 * PAGE)] for _ in range(8)]
-    # session -> (namespace salt, tokens so far, engine hashes of its full pages)
-    sessions: list[tuple[str | None, list[int], list[int]]] = []
-    for s in range(256):
-        salt = f"tenant-{s % 8}" if s % 2 else None
-        system = systems[s % len(systems)]
-        sessions.append((salt, list(system), []))
-    system_hashes: dict[tuple[str | None, int], list[int]] = {}
-    held: deque[list[int]] = deque()
-    held_blocks = 0
-    payloads = []
-    for step in range(batches):
-        events: list[Stored | Removed] = []
-        for _ in range(rng.randrange(4, 9)):
-            i = rng.randrange(len(sessions))
-            salt, tokens, hashes = sessions[i]
-            if not hashes:
-                # the system prompt is cached once per namespace and shared by its sessions
-                key = (salt, i % len(systems))
-                shared = system_hashes.get(key)
-                if shared is None:
-                    shared = [_rand_hash(rng) for _ in range(len(tokens) // PAGE)]
-                    system_hashes[key] = shared
-                    events.append(_stored(shared, None, tokens[: 32 * PAGE], salt))
-                    held.append(shared)
-                    held_blocks += len(shared)
-                hashes.extend(shared)
-            turn = [rng.randrange(32000) for _ in range(rng.randrange(4, 13) * PAGE)]
-            new = [_rand_hash(rng) for _ in range(len(turn) // PAGE)]
-            events.append(_stored(new, hashes[-1], turn, salt))
-            tokens.extend(turn)
-            hashes.extend(new)
-            held.append(new)
-            held_blocks += len(new)
-            if len(tokens) > 8192:  # the conversation ends; a new one starts on its system
-                sessions[i] = (salt, tokens[: 32 * PAGE], [])
-        while held_blocks > capacity_blocks:
-            victim = held.popleft()
-            held_blocks -= len(victim)
-            events.append(Removed(block_hashes=victim, medium="GPU"))  # type: ignore[arg-type]
-        payloads.append(encode_batch(EventBatch(ts=float(step), events=events), "array"))  # type: ignore[arg-type]
-    return payloads
-
-
-def _stored(hashes: list[int], parent: int | None, tokens: list[int], salt: str | None) -> Stored:
-    return Stored(
-        block_hashes=hashes,  # type: ignore[arg-type]
-        parent=parent,
-        token_ids=tokens,  # type: ignore[arg-type]
-        block_size=PAGE,
-        medium="GPU",
-        cache_salt=salt,
-    )
-
-
-class NaiveIndex:
-    """The baseline: block key -> set of streams, per stream engine hash -> key, no tricks.
-
-    Same key function and the same events as `PrefixIndex`, but one Python step per block and
-    no namespace codes (isolation rests on the seeded keys alone). Only for comparison.
-    """
-
-    def __init__(self) -> None:
-        self.table: dict[int, set[str]] = {}
-        self.blocks: dict[str, dict[BlockHash, int]] = {}
-        self._seeds: dict[str | None, int] = {}
-
-    def seed(self, salt: str | None) -> int:
-        """The chain seed of the bench model's namespace with `salt`."""
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = self._seeds[salt] = namespace_seed(Namespace(MODEL, None, salt), PAGE)
-        return seed
-
-    def apply(self, stream: str, batch: EventBatch) -> None:
-        """Apply SGLang-style stores and removes, block by block."""
-        blocks = self.blocks.setdefault(stream, {})
-        table = self.table
-        for ev in batch.events:
-            if isinstance(ev, Stored):
-                prev = self.seed(ev.cache_salt) if ev.parent is None else blocks.get(ev.parent)
-                if prev is None:
-                    continue
-                keys = chain_keys(prev, ev.token_ids, PAGE)
-                for h, key in zip(ev.block_hashes, keys, strict=False):
-                    blocks[h] = key
-                    table.setdefault(key, set()).add(stream)
-            elif isinstance(ev, Removed):
-                for h in ev.block_hashes:
-                    gone = blocks.pop(h, None)
-                    if gone is not None:
-                        holders = table[gone]
-                        holders.discard(stream)
-                        if not holders:
-                            del table[gone]
-
-    def match(self, namespace: Namespace, tokens: list[int]) -> dict[str, int]:
-        """Leading blocks held per stream, one set intersection per block."""
-        depths: dict[str, int] = {}
-        alive: set[str] | None = None
-        done = 0
-        for key in chain_keys(self.seed(namespace.cache_salt), tokens, PAGE):
-            holders = self.table.get(key, set())
-            now = holders if alive is None else alive & holders
-            for stream in (alive or set()) - now:
-                depths[stream] = done
-            alive = now
-            if not alive:
-                break
-            done += 1
-        for stream in alive or ():
-            depths[stream] = done
-        return depths
-
-    @classmethod
-    def mirror(cls, index: PrefixIndex) -> NaiveIndex:
-        """A naive index holding exactly `index`'s entries (sharing its int objects)."""
-        naive = cls()
-        for sid, st in index._streams.items():
-            naive.blocks[sid] = dict(st.blocks)
-            for key in st.blocks.values():
-                naive.table.setdefault(key, set()).add(sid)
-        return naive
-
-
-class IngestRecord(msgspec.Struct, frozen=True):
-    """One recorded message, as the ingest loop applies it."""
-
-    stream: str
-    seq: int
-    payload: bytes
-
-
-INGEST_STREAM = "w#dp0"
-
-
-def record_ingest_workload(path: Path, payloads: list[bytes]) -> None:
-    """Write the synthetic stream as a `kvroute record` file (one source, seqs from 0)."""
-    source = Source(stream=INGEST_STREAM, topic="kv", block_size=PAGE, model=MODEL, worker="w")
-    with RecordingWriter.create(path, [source], overwrite=True, buffer_bytes=1 << 20) as writer:
-        for seq, payload in enumerate(payloads):
-            writer.write(INGEST_STREAM, b"kv", seq, payload, recv_time=float(seq))
-
-
-def read_recording(path: Path) -> tuple[list[IngestRecord], dict[str, int | None]]:
-    """Every readable record of a recording, and each stream's block size from its header."""
-    with RecordingReader(path) as reader:
-        records = [IngestRecord(p.record.stream, p.record.seq, p.record.payload) for p in reader]
-        if reader.damage is not None:
-            print(f"recording damaged at byte {reader.damage.offset}: {reader.damage.reason}")
-        return records, {sid: src.block_size for sid, src in reader.sources.items()}
 
 
 def bench_ingest(
@@ -383,59 +155,6 @@ def _timed_naive(decoded: list[EventBatch], ops: int, seconds: float) -> float:
 # ---------------------------------------------------------- query and memory
 
 
-def _doc(doc_id: int, systems: int) -> list[int]:
-    """8,192 tokens: one of `systems` shared system prompts (512 tokens), then the document."""
-    system = list(random.Random(-1 - doc_id % systems).randbytes(32 * PAGE))
-    return system + list(random.Random(doc_id).randbytes(8192 - 32 * PAGE))
-
-
-def _doc_ns(doc_id: int) -> Namespace:
-    return Namespace(MODEL, None, None if doc_id % 2 else f"tenant-{doc_id % 4}")
-
-
-def build_index(
-    streams: int, docs_per_stream: int, pool: int | None, seed: int, backend: Backend = DEFAULT
-) -> tuple[PrefixIndex, dict[str, list[int]], MemoryResult, str]:
-    """64 streams each holding whole 8,192-token documents (pool=None: nobody shares)."""
-    rng = random.Random(seed)
-    systems = 16
-    held: dict[str, list[int]] = {}
-    for s in range(streams):
-        if pool is None:
-            held[stream_id(f"w{s}", 0)] = [s * docs_per_stream + d for d in range(docs_per_stream)]
-        else:
-            held[stream_id(f"w{s}", 0)] = rng.sample(range(pool), docs_per_stream)
-    docs = {d: _doc(d, systems) for d in sorted({d for ds in held.values() for d in ds})}
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    start = time.perf_counter()
-    # pending entries outlive the query rounds
-    index = PrefixIndex(pending_ttl_s=3600.0, backend=backend)
-    for sid in held:
-        index.add_stream(sid, model=MODEL, block_size=PAGE)
-    for sid, doc_ids in held.items():
-        for d in doc_ids:
-            tokens = docs[d]
-            hashes = [_rand_hash(rng) for _ in range(len(tokens) // PAGE)]
-            ns = _doc_ns(d)
-            ev = _stored(hashes, None, tokens, ns.cache_salt)
-            index.apply(sid, EventBatch(ts=0.0, events=[ev]))
-    build_s = time.perf_counter() - start
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    entries = len(index)
-    unique = len(index._table)
-    label = ("shared" if pool is not None else "no sharing") + f", {backend.name}"
-    memory = MemoryResult(label, streams, entries, unique, grown, grown / entries, build_s)
-    del docs
-    return index, held, memory, label
-
-
-_ROUNDS = 5  # query samples are taken in rounds; a round hit by another tenant shows as such
-
-
 def _percentiles(samples: list[float]) -> tuple[float, float]:
     samples = sorted(samples)
     return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))]
@@ -465,19 +184,19 @@ async def _query_latencies(
         }
         results = []
         for kind, (doc_ids, with_pending) in kinds.items():
-            prompts = [(_doc_ns(d), _doc(d, 16)) for d in doc_ids]
+            prompts = [(doc_namespace(d), doc_tokens(d, 16)) for d in doc_ids]
             if with_pending:
                 # a live router marks every routed prompt pending for a few seconds: the walk
                 # then also reads the pending table (other prompts' entries, here)
                 for i in range(64):
-                    ns, tokens = _doc_ns(20_000_000 + i), _doc(20_000_000 + i, 16)
+                    ns, tokens = doc_namespace(20_000_000 + i), doc_tokens(20_000_000 + i, 16)
                     index.add_pending(rng.choice(list(held)), ns, tokens)
             rounds: list[list[float]] = []
             match_samples: list[float] = []
             matched = 0
-            for _ in range(_ROUNDS):
+            for _ in range(ROUNDS):
                 samples: list[float] = []
-                deadline = time.perf_counter() + seconds / _ROUNDS
+                deadline = time.perf_counter() + seconds / ROUNDS
                 while time.perf_counter() < deadline and len(samples) < 4_000:
                     for ns, tokens in prompts:
                         t0 = time.perf_counter_ns()
@@ -509,7 +228,7 @@ async def _query_latencies(
                     match_p99_us=match_p99,
                 )
             )
-        prompts = [(_doc_ns(d), _doc(d, 16)) for d in held_ids]
+        prompts = [(doc_namespace(d), doc_tokens(d, 16)) for d in held_ids]
         return results, _stages(index, service, prompts)
 
 
@@ -519,7 +238,9 @@ def match_latencies(
     """p50/p99 of `PrefixIndex.match` on held documents (the python-backend comparison)."""
     rng = random.Random(seed)
     all_docs = sorted({d for ds in held.values() for d in ds})
-    prompts = [(_doc_ns(d), _doc(d, 16)) for d in (rng.choice(all_docs) for _ in range(50))]
+    prompts = [
+        (doc_namespace(d), doc_tokens(d, 16)) for d in (rng.choice(all_docs) for _ in range(50))
+    ]
     samples: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline and len(samples) < 10_000:
@@ -540,7 +261,7 @@ def admin_operations(index: PrefixIndex, backend: Backend) -> AdminResult:
     loaded = load_index(data, backend=backend)
     t2 = time.perf_counter()
     assert len(loaded) == entries
-    evicted = loaded.evict_namespace(_doc_ns(0))  # tenant-0's namespace
+    evicted = loaded.evict_namespace(doc_namespace(0))  # tenant-0's namespace
     t3 = time.perf_counter()
     cleared = loaded.clear_stream(loaded.streams()[0])
     t4 = time.perf_counter()
@@ -607,185 +328,6 @@ def _stages(
 
 
 # ---------------------------------------------------------------- report
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
-def render(
-    ingest: IngestResult,
-    queries: list[QueryResult],
-    stages: StageResult,
-    memory: list[MemoryResult],
-    args: object,
-    backend: str = DEFAULT.name,
-    compared: BackendResult | None = None,
-    admin: AdminResult | None = None,
-) -> str:
-    """The markdown report."""
-    lines = [
-        "# Indexer benchmark",
-        "",
-        "`kvroute bench index` (bench/index_bench.py). Provisional numbers from a shared "
-        "2-core machine; rerun on a quiet machine before quoting them.",
-        "",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, "
-        f"msgspec {msgspec.__version__}. Backend: **{backend}** (`indexer.backend`). "
-        f"Parameters: {args}",
-        "",
-        "## Ingest (decode + apply, one core)",
-        "",
-        f"A coalesced SGLang stream, page size 16: {ingest.batches:,} batches, "
-        f"{ingest.stored:,} stored + {ingest.removed:,} removed block hashes "
-        f"({ingest.block_ops:,} block operations). Best round.",
-        "",
-        "| path | block ops/s |",
-        "|---|---:|",
-        f"| decode + apply (what the subscriber does) | {ingest.decode_apply_ops_s:,.0f} |",
-        f"| apply only (pre-decoded) | {ingest.apply_only_ops_s:,.0f} |",
-        f"| decode only | {ingest.decode_only_ops_s:,.0f} |",
-        f"| baseline: `NaiveIndex` apply only (dict of sets, block by block) | "
-        f"{ingest.naive_apply_ops_s:,.0f} |",
-        "",
-        f"Target >= {TARGET_OPS:,} block ops/s: "
-        f"**{_verdict(ingest.decode_apply_ops_s >= TARGET_OPS)}**.",
-        "",
-        "## Query (8,192-token prompt, 64 streams, IndexerService.query)",
-        "",
-        f"Samples are taken in {_ROUNDS} rounds per kind. The machine is shared, so a round "
-        'that another tenant\'s burst lands in shows it in its p99; "quietest round" is the '
-        'round with the lowest p99, "all" pools every sample. Those columns time '
-        "`IndexerService.query`, the router's call (one `WorkerMatch` per worker); the `match` "
-        "column times `PrefixIndex.match` alone (per-stream result) on the same prompts, "
-        "in alternate sweeps (pooled over all rounds).",
-        "",
-        "| prompt | queries | p50 us (all) | p99 us (all) | p50 us (quietest round) "
-        "| p99 us (quietest round) | `match` p50 / p99 us | mean best match (blocks) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for q in queries:
-        lines.append(
-            f"| {q.kind} | {q.queries:,} | {q.p50_us:,.0f} | {q.p99_us:,.0f} | "
-            f"{q.quiet_p50_us:,.0f} | {q.quiet_p99_us:,.0f} | "
-            f"{q.match_p50_us:,.0f} / {q.match_p99_us:,.0f} | {q.mean_matched_blocks:,.1f} |"
-        )
-    worst_quiet = max(q.quiet_p99_us for q in queries)
-    worst_all = max(q.p99_us for q in queries)
-    lines += [
-        "",
-        f"Target p99 <= {TARGET_P99_US:.0f} us (worst kind): quietest round "
-        f"**{_verdict(worst_quiet <= TARGET_P99_US)}** ({worst_quiet:,.0f} us), all samples "
-        f"**{_verdict(worst_all <= TARGET_P99_US)}** ({worst_all:,.0f} us).",
-        "",
-        "Where a held-document query's time goes (medians, same run; from the second line to "
-        "`IndexerService.query`, each line includes the one above):",
-        "",
-        "| stage | us |",
-        "|---|---:|",
-        f"| block keys, pure-Python chain (`py_chain`, 512 blocks; for comparison) | "
-        f"{stages.python_keys_us:,.0f} |",
-        f"| block keys, the backend's chain (what the walk calls) | {stages.keys_us:,.0f} |",
-        f"| keys + one table lookup per block (`get_many`: the floor of any walk) | "
-        f"{stages.floor_us:,.0f} |",
-        f"| `PrefixIndex.match` (walk, drops, result) | {stages.match_us:,.0f} |",
-        f"| `IndexerService.query` (64 `WorkerMatch`, stream states) | {stages.service_us:,.0f} |",
-        f"| baseline: `NaiveIndex.match` (one set intersection per block) | "
-        f"{stages.naive_us:,.0f} |",
-        f"| after routing: `add_pending` (marks the prompt's blocks the chosen stream lacks) | "
-        f"{stages.pending_us:,.0f} |",
-        "",
-        "## Memory",
-        "",
-        "| index | streams | entries | unique keys | entries per key | traced memory | bytes/entry "
-        "| build s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for m in memory:
-        lines.append(
-            f"| {m.label} | {m.streams} | {m.entries:,} | {m.unique_keys:,} | "
-            f"{m.entries / max(m.unique_keys, 1):.2f} | {m.traced_bytes / 2**20:,.0f} MiB | "
-            f"{m.bytes_per_entry:,.0f} | {m.build_s:.1f} |"
-        )
-    shared = memory[0]
-    lines += [
-        "",
-        f"Target <= {TARGET_BYTES:.0f} bytes/entry (shared index): "
-        f"**{_verdict(shared.bytes_per_entry <= TARGET_BYTES)}**.",
-        "",
-    ]
-    if admin is not None:
-        lines += [
-            f"## Whole-index operations ({admin.entries:,} entries)",
-            "",
-            "Each runs on the event loop in a live router, so this is how long it stalls it.",
-            "",
-            "| operation | s |",
-            "|---|---:|",
-            f"| `dump_index` (snapshot, {admin.snapshot_mib:,.0f} MiB) | {admin.dump_s:.2f} |",
-            f"| `load_index` of that snapshot (validated) | {admin.load_s:.2f} |",
-            f"| `evict_namespace` of one tenant ({admin.evicted:,} entries) | "
-            f"{admin.evict_s:.2f} |",
-            f"| `clear_stream` of one stream ({admin.cleared:,} entries) | "
-            f"{admin.clear_stream_s:.3f} |",
-            "",
-        ]
-    if compared is not None:
-        held = queries[0]
-        lines += [
-            f"## {backend} vs {compared.name} backend (same inputs, same run)",
-            "",
-            "The pure-Python backend (`KVROUTE_PURE_PYTHON=1`, or no C compiler at install) "
-            "gives the same answers; this is what the compiled maps and key chain buy.",
-            "",
-            "| measure | " + backend + " | " + compared.name + " | ratio |",
-            "|---|---:|---:|---:|",
-            f"| ingest, decode + apply (block ops/s) | {ingest.decode_apply_ops_s:,.0f} | "
-            f"{compared.decode_apply_ops_s:,.0f} | "
-            f"{ingest.decode_apply_ops_s / compared.decode_apply_ops_s:.2f}x |",
-            f"| `match`, held document, p50 (us) | {held.match_p50_us:,.0f} | "
-            f"{compared.match_p50_us:,.0f} | {held.match_p50_us / compared.match_p50_us:.2f}x |",
-            f"| `match`, held document, p99 (us) | {held.match_p99_us:,.0f} | "
-            f"{compared.match_p99_us:,.0f} | {held.match_p99_us / compared.match_p99_us:.2f}x |",
-            f"| bytes per entry (shared index) | {shared.bytes_per_entry:,.0f} | "
-            f"{compared.bytes_per_entry:,.0f} | "
-            f"{shared.bytes_per_entry / compared.bytes_per_entry:.2f}x |",
-            "",
-        ]
-    lines += [
-        "## What limits these numbers",
-        "",
-        LIMITS,
-    ]
-    return "\n".join(lines) + "\n"
-
-
-LIMITS = """\
-With the compiled backend (`indexer/_intmap.c`, `indexer/_keychain.c`; the default when the
-install could build them) every hot loop is C; what remains is CPython call overhead per
-event and memory latency per lookup. The pure-Python backend's figures are in the table
-above; its limits were per-event interpreter work, one dict lookup (up to three cache misses)
-per block, and two 48-byte int objects per entry.
-- Ingest: `decode_batch` (msgspec) costs ~0.3 us per block operation, `PrefixIndex.apply`
-  ~0.4 us. A steady SGLang store (known parent, seen salt, fresh hashes) is one key-chain call
-  (~0.04 us a block: the tuple hash computed in C, no tuple built), one all-or-nothing
-  `insert_new` into the stream map, one `isdisjoint` and one `assign` on the table; a remove is
-  two `pop_many`. What is left is ~2 us of Python per event (~8 pages here): attribute reads,
-  the fast-path checks, counters. The naive dict-of-sets baseline, which does none of the
-  bookkeeping (namespaces, refcounts, sizes, validation), is now ~0.6x the index's apply.
-- Query: keys ~22 us for 512 blocks (~1.3 ns a token of hashing, ~7 us of it allocating the
-  512 result ints), lookups ~15 us (`get_many` hashes 16 keys ahead and prefetches their
-  slots, so the misses into the ~40 MB table overlap instead of queueing), the walk ~15 us
-  (drops found from the few distinct holder sets, chunk by chunk), the service ~8 us for 64
-  workers. With pending entries present each chunk also costs an `isdisjoint` against the
-  pending map (itself an `IntMap`), and the chunk where pending and real diverge a second
-  lookup pass (~15-20 us in all).
-- Memory: per entry one 16-byte slot in its stream's map (values packed as int64), at a load
-  between 3/8 and 3/4 (~30 bytes on average); per unique key one table slot (~40 bytes at this
-  size, just past a doubling) shared by its holders, whose values are a few shared int
-  objects: 30 + 40 / 2.4 = ~47, plus the side structures, ~52 bytes at this sharing and ~74
-  with none. Dynamo's Rust indexer is quoted at ~65 bytes per block.
-"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,274 +1,28 @@
-"""Routing benchmark results: the record model, per-policy summaries, targets, markdown and plots.
+"""Routing benchmark report: markdown tables, the closing note, plots and the files written.
 
-The harness fills `RequestRecord`s; everything here is pure arithmetic over them except the
-writers at the bottom (markdown, JSON, PNG via matplotlib's headless Agg backend).
-
-Definitions used in the report:
-- hit rate: sum of worker-reported `cached_tokens` / sum of `prompt_tokens` (completed requests);
-- TTFT: client send to the first streamed chunk carrying content; e2e: send to the last byte;
-- throughput: completed requests / (last completion - first send);
-- routing overhead: per request, the time the router (or the oracle's `/debug/match` fan-out)
-  spent choosing, as reported by the run (absent when it cannot be observed);
-- index accuracy (kv): token agreement between the router-predicted matched tokens p and the
-  worker-reported cached tokens c, sum(min(p, c)) / sum(max(p, c)); requests where both are 0
-  agree trivially and carry no weight. p is what the router's index answered for the chosen
-  worker: blocks known from KV events (`x-kvroute-matched-tokens`) plus its pending entries,
-  the prefixes of requests it just routed there whose events have not arrived yet
-  (`x-kvroute-pending-tokens`). The events-only agreement and the exact share (p == c) are
-  printed beside it.
+Reads the results model of `bench.routing_results` (definitions of every figure are there);
+the writers produce markdown, JSON and PNG (matplotlib's headless Agg backend).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-__all__ = [
-    "BenchReport",
-    "PolicyRun",
-    "PolicySummary",
-    "RequestRecord",
-    "TargetResult",
-    "WorkloadSection",
-    "closing_note",
-    "evaluate_targets",
-    "percentile",
-    "render_markdown",
-    "summarize",
-    "write_report",
-]
+from bench.routing_results import (
+    EXTERNAL_BASELINE,
+    TARGET_PRESSURE,
+    BenchReport,
+    PolicyRun,
+    WorkloadSection,
+    evaluate_targets,
+    summarize,
+)
 
-TARGET_PRESSURE = 2.0
-# the external baseline's policy name (bench.harness.SGLANG_CACHE_AWARE; report stays pure)
-EXTERNAL_BASELINE = "sglang_cache_aware"
-
-
-class RequestRecord(msgspec.Struct):
-    """What happened to one request of one policy run."""
-
-    index: int
-    sent_s: float
-    ok: bool
-    worker: str = ""
-    error: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    predicted_tokens: int | None = None
-    # tokens the router credited to recent routing decisions (pending entries), beyond events
-    pending_tokens: int | None = None
-    route_s: float | None = None
-
-
-class PolicyRun(msgspec.Struct):
-    """One policy against one workload on a fresh fleet."""
-
-    policy: str
-    records: list[RequestRecord]
-    wall_s: float
-    # routing overhead samples taken apart from the workload's requests (router probes)
-    route_overhead_s: list[float] = []
-    note: str = ""
-
-
-class WorkloadSection(msgspec.Struct):
-    """A workload at one KV pressure, with every policy's run."""
-
-    workload: str
-    description: str
-    seed: int
-    params: dict[str, object]
-    requests: int
-    rate_rps: float
-    working_set_tokens: int
-    capacity_tokens: int
-    workers: int
-    pressure: float
-    runs: list[PolicyRun]
-
-
-class BenchReport(msgspec.Struct):
-    """Everything a routing benchmark run produced, with how to reproduce it."""
-
-    command: str
-    seed: int
-    mode: str
-    started_at: str
-    fleet: dict[str, object]
-    sections: list[WorkloadSection]
-    notes: list[str] = []
-
-
-class PolicySummary(msgspec.Struct):
-    """The per-policy row of the results table."""
-
-    policy: str
-    requests: int
-    completed: int
-    failed: int
-    hit_rate: float
-    ttft_p50_ms: float | None
-    ttft_p90_ms: float | None
-    ttft_p99_ms: float | None
-    e2e_p50_ms: float | None
-    e2e_p99_ms: float | None
-    throughput_rps: float
-    output_tokens_per_s: float
-    route_overhead_p50_ms: float | None
-    route_overhead_p99_ms: float | None
-    index_accuracy: float | None
-    index_events_accuracy: float | None
-    index_exact_share: float | None
-
-
-class TargetResult(msgspec.Struct):
-    """One acceptance target evaluated on one workload section."""
-
-    workload: str
-    pressure: float
-    target: str
-    value: float | None
-    threshold: float
-    met: bool | None  # None: cannot be evaluated (missing policy or failed run)
-    detail: str
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value * 1000.0
-
-
-def _agreement(pairs: Sequence[tuple[int, int]]) -> float | None:
-    if not pairs:
-        return None
-    weight = sum(max(p, c) for p, c in pairs)
-    return sum(min(p, c) for p, c in pairs) / weight if weight else 1.0
-
-
-def summarize(run: PolicyRun) -> PolicySummary:
-    """Aggregate one policy run into its table row."""
-    done = [r for r in run.records if r.ok]
-    prompt = sum(r.prompt_tokens for r in done)
-    cached = sum(r.cached_tokens for r in done)
-    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-    e2e = [r.e2e_s for r in done if r.e2e_s is not None]
-    route = [r.route_s for r in run.records if r.route_s is not None] + run.route_overhead_s
-    span = 0.0
-    if done:
-        first = min(r.sent_s for r in run.records)
-        span = max(r.sent_s + (r.e2e_s or 0.0) for r in done) - first
-    events = [(r.predicted_tokens, r.cached_tokens) for r in done if r.predicted_tokens is not None]
-    full = [
-        (r.predicted_tokens + (r.pending_tokens or 0), r.cached_tokens)
-        for r in done
-        if r.predicted_tokens is not None
-    ]
-    exact = sum(1 for p, c in full if p == c) / len(full) if full else None
-    return PolicySummary(
-        policy=run.policy,
-        requests=len(run.records),
-        completed=len(done),
-        failed=len(run.records) - len(done),
-        hit_rate=cached / prompt if prompt else 0.0,
-        ttft_p50_ms=_ms(percentile(ttft, 50)),
-        ttft_p90_ms=_ms(percentile(ttft, 90)),
-        ttft_p99_ms=_ms(percentile(ttft, 99)),
-        e2e_p50_ms=_ms(percentile(e2e, 50)),
-        e2e_p99_ms=_ms(percentile(e2e, 99)),
-        throughput_rps=len(done) / span if span > 0 else 0.0,
-        output_tokens_per_s=sum(r.output_tokens for r in done) / span if span > 0 else 0.0,
-        route_overhead_p50_ms=_ms(percentile(route, 50)),
-        route_overhead_p99_ms=_ms(percentile(route, 99)),
-        index_accuracy=_agreement(full),
-        index_events_accuracy=_agreement(events),
-        index_exact_share=exact,
-    )
-
-
-def _ratio_target(
-    section: WorkloadSection,
-    rows: dict[str, PolicySummary],
-    name: str,
-    mine: str,
-    other: str,
-    field: str,
-    threshold: float,
-    at_most: bool,
-) -> TargetResult:
-    a = rows.get(mine)
-    b = rows.get(other)
-    value: float | None = None
-    if a is not None and b is not None:
-        x = getattr(a, field)
-        y = getattr(b, field)
-        if x is not None and y:
-            value = x / y
-        elif x is not None and y == 0:
-            value = math.inf if x > 0 else None
-    met = None if value is None else (value <= threshold if at_most else value >= threshold)
-    relation = "<=" if at_most else ">="
-    return TargetResult(
-        workload=section.workload,
-        pressure=section.pressure,
-        target=name,
-        value=value,
-        threshold=threshold,
-        met=met,
-        detail=f"{mine}.{field} / {other}.{field} {relation} {threshold:g}",
-    )
-
-
-def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
-    """The issue's acceptance targets on one section (meaningful at KV pressure >= 2)."""
-    rows = {run.policy: summarize(run) for run in section.runs}
-    out = [
-        _ratio_target(
-            section, rows, "kv hit rate >= 1.5x approx_tree", "kv", "approx_tree",
-            "hit_rate", 1.5, at_most=False,
-        ),
-        _ratio_target(
-            section, rows, "kv hit rate >= 2x round_robin", "kv", "round_robin",
-            "hit_rate", 2.0, at_most=False,
-        ),
-        _ratio_target(
-            section, rows, "kv TTFT p90 <= 0.5x approx_tree", "kv", "approx_tree",
-            "ttft_p90_ms", 0.5, at_most=True,
-        ),
-        _ratio_target(
-            section, rows, "kv hit rate within 5% of oracle", "kv", "oracle",
-            "hit_rate", 0.95, at_most=False,
-        ),
-    ]  # fmt: skip
-    kv = rows.get("kv")
-    accuracy = kv.index_accuracy if kv is not None else None
-    out.append(
-        TargetResult(
-            workload=section.workload,
-            pressure=section.pressure,
-            target="kv index accuracy >= 98%",
-            value=accuracy,
-            threshold=0.98,
-            met=None if accuracy is None else accuracy >= 0.98,
-            detail="sum(min(predicted, cached)) / sum(max(predicted, cached)), events + pending",
-        )
-    )
-    return out
+__all__ = ["closing_note", "render_markdown", "write_report"]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:

@@ -41,7 +41,8 @@ from bench.harness import (
     PolicyWeights,
     run_policy,
 )
-from bench.report import BenchReport, PolicyRun, WorkloadSection, write_report
+from bench.report import write_report
+from bench.routing_results import BenchReport, PolicyRun, WorkloadSection
 from bench.workloads import (
     MooncakeParams,
     MultiTenantParams,

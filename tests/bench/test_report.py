@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import (
+from bench.report import render_markdown, write_report
+from bench.routing_results import (
     EXTERNAL_BASELINE,
     BenchReport,
     PolicyRun,
@@ -16,9 +17,7 @@ from bench.report import (
     WorkloadSection,
     evaluate_targets,
     percentile,
-    render_markdown,
     summarize,
-    write_report,
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench import index_bench
+from bench import index_bench, index_workload
 from indexer.backend import DEFAULT
 
 
@@ -42,7 +42,7 @@ def test_index_bench_ingests_a_recording(tmp_path: Path) -> None:
 
     capture = tmp_path / "capture.kvrec"
     written = synthesize_recording(capture, SyntheticWorkload(streams=3, conversations=20))
-    records, sizes = index_bench.read_recording(capture)
+    records, sizes = index_workload.read_recording(capture)
     assert len(records) == written and len({r.stream for r in records}) == 3
     result = index_bench.bench_ingest(records, 0.01, sizes)
     assert result.batches == written and result.block_ops > 0 and result.stored > 0
