@@ -1,16 +1,24 @@
 """kvroute's indexer: the wire protocol, the per-namespace prefix index and the subscribers.
 
+- `engines`: one spec per inference engine (where the namespace lives on the wire, server-info
+  discovery, chat convention, DP-rank requests); nothing else compares engine names;
 - `protocol/`: wire model, decoder, encoder, frames, shared tokenizer;
 - `namespace`: `Namespace` and the router's own block keys;
-- `index`: the pure prefix index; `walk`: its query pass; `pending`: pending entries;
-- `registry`: namespace ids, codes, seeds and sizes; `worker_matches`: per-worker answers with
-  cached stream states (the service's query path);
+- `index/`: the pure prefix index (facade, per-stream tables, event writer, query walk,
+  pending marks, namespace registry);
 - `snapshot`: versioned dump/load of an index;
 - `sequence`: the pure per-stream seq tracker (live subscriber and offline replayer);
-- `subscriber`: one ZMQ subscription per (worker, dp rank), with gap repair;
+- `fence`: the epoch fence, which proves a publisher's seq L is still the batch applied at L;
+- `subscriber`: one ZMQ subscription per (worker, dp rank): gap repair, epoch proofs,
+  refetches, restart candidates; `replay_client`: its replay DEALER;
+- `sink`: where a subscriber's accepted batches go (`IndexSink`; `RecordingSink` in recording);
+- `subscriptions`: the subscriber tasks of a process, by worker;
+- `health`: the stream health the per-worker answers read; `worker_matches`: those answers,
+  with cached states (the service's query path);
 - `service`: `IndexerService`, the router's API (re-exports the structs it uses);
 - `config`, `stats`: the service's config and report structs;
-- `recording`, `replayer`, `republisher`: the recording format and replay engines;
+- `recording/`: the recording format, capture (`kvroute record`), offline replay, republish;
 - `fingerprint`: keyed fingerprints, the only way a salt or namespace is shown outside;
+- `backend`, `int_map`, `_intmap.c`, `_keychain.c`: the compiled core and its Python twins;
 - `errors`: the indexer's error tree.
 """

@@ -38,6 +38,33 @@ PROMPT_ORDER = (
 )
 # synchronous cores (DESIGN.md section 1): no event loop, no sockets, no HTTP
 SYNC_CORES = ("router.prompt", "router.routing")
+INDEXER_SYNC_CORES = (
+    "indexer.engines",
+    "indexer.fence",
+    "indexer.health",
+    "indexer.index",
+    "indexer.namespace",
+    "indexer.protocol",
+    "indexer.recording.format",
+    "indexer.recording.replay",
+    "indexer.sequence",
+    "indexer.snapshot",
+    "indexer.worker_matches",
+)
+# the pure index and the wire protocol know nothing of streams, sockets or recordings
+INDEXER_FOUNDATIONS = ("indexer.index", "indexer.protocol")
+INDEXER_ABOVE_FOUNDATIONS = (
+    "indexer.subscriber",
+    "indexer.subscriptions",
+    "indexer.service",
+    "indexer.sink",
+    "indexer.replay_client",
+    "indexer.recording",
+    "indexer.worker_matches",
+    "indexer.snapshot",
+)
+# what the reference workers may use of the indexer: the wire protocol and the engine specs
+WORKERS_MAY_IMPORT = ("indexer.protocol", "indexer.engines")
 IO_LIBRARIES = ("aiohttp", "asyncio", "zmq")
 # router reaches the reference workers and the benchmarks only from the verbs that start them
 ROUTER_MAY_IMPORT = {
@@ -105,16 +132,24 @@ def _router_violation(module: str, imported: str) -> str | None:
 def _violations(module: str, imported: str) -> str | None:
     top = imported.split(".")[0]
     package = module.split(".")[0]
-    if package == "router" and top in IO_LIBRARIES:
-        if any(_within(module, core) for core in SYNC_CORES):
+    if top in IO_LIBRARIES:
+        if any(_within(module, core) for core in (*SYNC_CORES, *INDEXER_SYNC_CORES)):
             return f"{module} is synchronous: no {top}"
         return None
     if top not in OURS:
         return None
     if package == "indexer" and top in ("router", "workers", "bench"):
         return "indexer imports nothing of ours outside indexer"
-    if package == "workers" and top != "workers" and not imported.startswith("indexer.protocol"):
-        return "workers may import only indexer.protocol"
+    if any(_within(module, low) for low in INDEXER_FOUNDATIONS) and any(
+        _within(imported, high) for high in INDEXER_ABOVE_FOUNDATIONS
+    ):
+        return f"{module} is a foundation: it imports nothing of streams or recordings"
+    if (
+        package == "workers"
+        and top != "workers"
+        and not any(_within(imported, allowed) for allowed in WORKERS_MAY_IMPORT)
+    ):
+        return f"workers may import only {', '.join(WORKERS_MAY_IMPORT)}"
     if package == "router" and top in ROUTER_MAY_IMPORT:
         if module not in ROUTER_MAY_IMPORT[top]:
             return f"router imports {top} only from {sorted(ROUTER_MAY_IMPORT[top])}"
@@ -145,6 +180,14 @@ def test_the_checker_catches_violations() -> None:
     assert _violations("workers.cache", "indexer.index") is not None
     assert _violations("workers.cache", "router.config") is not None
     assert _violations("workers.cache", "indexer.protocol.events") is None
+    assert _violations("workers.server", "indexer.engines.SGLANG") is None
+    # the indexer's pure parts stay pure and below the stream machinery
+    assert _violations("indexer.index.writer", "asyncio") is not None
+    assert _violations("indexer.recording.format", "zmq") is not None
+    assert _violations("indexer.index.prefix_index", "indexer.subscriber") is not None
+    assert _violations("indexer.protocol.decode", "indexer.recording.format") is not None
+    assert _violations("indexer.subscriber", "zmq.asyncio") is None
+    assert _violations("indexer.subscriber", "indexer.index") is None
     assert _violations("router.routing.policy", "workers.cache") is not None
     assert _violations("router.commands.cli", "workers.command") is None
     assert _violations("router.commands.serve", "workers.fleet") is not None
@@ -185,11 +228,12 @@ def test_the_cli_verb_table_names_modules_that_exist_and_may_be_imported(verb: s
 
 @pytest.mark.parametrize(
     "path",
-    sorted((ROOT / "router").rglob("__init__.py")),
+    sorted(p for pkg in ("router", "indexer") for p in (ROOT / pkg).rglob("__init__.py")),
     ids=lambda p: str(p.relative_to(ROOT)),
 )
-def test_router_packages_say_what_lives_where_and_import_nothing(path: Path) -> None:
+def test_packages_say_what_lives_where(path: Path) -> None:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     assert ast.get_docstring(tree), f"{path}: the docstring says what lives where"
-    imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
-    assert not imports, f"{path} imports nothing, so kvroute --help stays light"
+    if path.is_relative_to(ROOT / "router"):
+        imports = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+        assert not imports, f"{path} imports nothing, so kvroute --help stays light"
