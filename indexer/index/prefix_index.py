@@ -44,26 +44,13 @@ from indexer.fence import BatchFence
 from indexer.index.pending import PendingTable
 from indexer.index.registry import NamespaceRegistry, NamespaceSize
 from indexer.index.stream_table import ApplyOutcome, IndexedStream, StreamCounters
-from indexer.index.values import CODE_BITS, CODE_MASK, NS_BITS, NS_MASK, ns_code
+from indexer.index.values import CODE_BITS, NS_MASK
 from indexer.index.walk import PrefixMatch, StreamMatch, collect, walk_prefix
 from indexer.index.writer import BatchWriter
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch
 
-__all__ = [
-    "CODE_BITS",
-    "CODE_MASK",
-    "DEFAULT_MEDIUM",
-    "NS_BITS",
-    "NS_MASK",
-    "ApplyOutcome",
-    "NamespaceSize",
-    "PrefixIndex",
-    "PrefixMatch",
-    "StreamCounters",
-    "StreamMatch",
-    "ns_code",
-]
+__all__ = ["DEFAULT_MEDIUM", "PrefixIndex"]
 
 DEFAULT_MEDIUM = "GPU"
 
