@@ -1,12 +1,13 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 2): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
+Layout (version 3): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
 scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
 silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
 block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
 and namespace ids, plus the rare side tables (reference counts, media, partial pages) and the
 digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
-with streams that must be rebuilt before they are trusted). The
+with streams that must be rebuilt before they are trusted). Version 3 keeps each block's copies
+per storage tier (`indexer.index.media`); older versions name one medium per block. The
 shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
 Pending entries are not stored (they live for seconds).
 
@@ -26,13 +27,15 @@ from indexer.engines import engine_spec
 from indexer.errors import SnapshotError
 from indexer.fence import BatchFence
 from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, ns_code
+from indexer.index.media import best_medium
 from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
-SNAPSHOT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # version 1 has no fences: its streams prove nothing
+SNAPSHOT_VERSION = 3
+# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block
+_READABLE_VERSIONS = (1, 2, 3)
 _FORMAT = "kvroute-index"
 
 
@@ -47,7 +50,8 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     keys: list[int]
     ns_ids: list[int]
     refs: list[tuple[BlockHash, int]]
-    media: list[tuple[BlockHash, str]]
+    # version 3: copies per tier (`{medium: count}`); versions 1-2: one medium name
+    media: list[tuple[BlockHash, dict[str, int] | str]]
     partial: list[tuple[BlockHash, int, int]]
     counters: StreamCounters
     # version 2: the digest of the batch at last_seq, so a warm start can prove that the
@@ -91,7 +95,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 keys=keys,
                 ns_ids=[table[k] & NS_MASK for k in keys],
                 refs=list(st.refs.items()),
-                media=list(st.media.items()),
+                media=[(h, dict(held)) for h, held in st.media.items()],
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
                 counters=st.counters,
                 fence=None if st.fence is None else st.fence.digest(),
@@ -193,11 +197,18 @@ def _rebuild(
             if not 0 < ns_id < size:
                 raise ValueError(f"stream {s.stream!r}: bad partial entry")
             st.partial[h] = (key, ns_id)
-        for h, medium in s.media:
+        for h, media in s.media:
             key = st.blocks[h]
-            st.media[h] = medium
-            tier = index._tiers.setdefault(medium, {})
-            tier[key] = tier.get(key, 0) | st.bit
+            held = {media: st.refs.get(h, 1)} if isinstance(media, str) else dict(media)
+            if not held or any(n <= 0 for n in held.values()):
+                raise ValueError(f"stream {s.stream!r}: bad media entry")
+            if sum(held.values()) != st.refs.get(h, 1):
+                raise ValueError(f"stream {s.stream!r}: media copies and references disagree")
+            st.media[h] = held
+            best = best_medium(held)
+            if best != index.default_medium:
+                tier = index._tiers.setdefault(best, {})
+                tier[key] = tier.get(key, 0) | st.bit
     used = set(index._by_slot)
     index._free_slots = [i for i in range(max(used, default=-1) + 1) if i not in used]
     return index

@@ -65,9 +65,18 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # oracle's hit rate to load noise; 4.0 stays within a few percent of the oracle.
     hit_weight: NonNegativeFloat = 4.0
     decode_weight: NonNegativeFloat = 32.0
-    # prefix blocks held off-GPU save less work (they must be loaded back first)
+    # prefix blocks held off-GPU save less work (they must be loaded back first); both
+    # engines' spellings (vLLM: CPU, STORAGE; SGLang HiCache: CPU_PINNED, DISK, EXTERNAL). A
+    # medium not listed here earns nothing: kvroute cannot know what loading it back costs
     medium_weights: dict[str, NonNegativeFloat] = msgspec.field(
-        default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25}
+        default_factory=lambda: {
+            "GPU": 1.0,
+            "CPU": 0.5,
+            "CPU_PINNED": 0.5,
+            "DISK": 0.25,
+            "STORAGE": 0.25,
+            "EXTERNAL": 0.1,
+        }
     )
     # approx_tree (SGLang router's cache-aware policy): follow the longest past-routing match
     # when it covers at least `approx_cache_threshold` of the prompt, unless the fleet is out of

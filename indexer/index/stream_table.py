@@ -88,7 +88,8 @@ class IndexedStream:
         self.blocks = int_map(True)
         self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1
         self.dup_keys: dict[int, int] = {}  # key -> extra engine hashes of this stream on it
-        self.media: dict[BlockHash, str] = {}  # engine hash -> medium, only when not default
+        # engine hash -> copies per tier (indexer.index.media), only when not all in the default
+        self.media: dict[BlockHash, dict[str, int]] = {}
         self.partial: dict[BlockHash, tuple[int, int]] = {}  # engine hash -> (key, ns id)
         self.ns_counts: dict[int, int] = {}  # ns id -> indexed blocks of this stream
         # (lora, salt) -> ns id, so steady traffic builds no Namespace per event

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
+from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
 from indexer.namespace import Namespace, vllm_salt
@@ -272,7 +273,10 @@ class BatchWriter:
             old = blocks.get(h)
             if old is not None:
                 if old == key:
-                    st.refs[h] = st.refs.get(h, 1) + 1
+                    # stored again: a duplicate, or the block copied to another tier (offload)
+                    count = st.refs.get(h, 1)
+                    st.refs[h] = count + 1
+                    self._add_residency(st, h, key, medium, count)
                     continue
                 # the engine reused a hash for other content: the old mapping is gone
                 self._drop_hash(st, h, old)
@@ -294,9 +298,75 @@ class BatchWriter:
             if pending and pending.get(key, 0) & sbit:
                 self._pending.discard(key, st.slot)
             if tiered:
-                st.media[h] = medium
-                tier = self._tiers.setdefault(medium, {})
-                tier[key] = tier.get(key, 0) | st.bit
+                st.media[h] = {medium: 1}
+                self._retier(st, key, self._default_medium, medium)
+
+    def _add_residency(
+        self, st: IndexedStream, h: BlockHash, key: int, medium: str, count_before: int
+    ) -> None:
+        """One more copy of held block `h` in `medium` (the stream held `count_before`)."""
+        held = st.media.get(h)
+        default = self._default_medium
+        if held is None:
+            if medium == default:
+                return  # every copy in the default tier: no side table needed
+            held = st.media[h] = {default: count_before}
+        old_best = best_medium(held)
+        held[medium] = held.get(medium, 0) + 1
+        self._retier(st, key, old_best, best_medium(held))
+
+    def _drop_residency(
+        self, st: IndexedStream, h: BlockHash, held: dict[str, int], medium: str | None
+    ) -> bool:
+        """A removal of `h` from `medium` (None: from every tier); False if not held there."""
+        old_best = best_medium(held)
+        if medium is None:
+            for m in list(held):
+                held[m] -= 1
+        elif medium in held:
+            held[medium] -= 1
+        else:
+            return False
+        for m in [m for m, n in held.items() if n <= 0]:
+            del held[m]
+        key = st.blocks[h]
+        if not held:
+            # gone from every tier: its tier bit first, then the block itself
+            self._retier(st, key, old_best, self._default_medium)
+            del st.media[h]
+            st.refs.pop(h, None)
+            del st.blocks[h]
+            self.unlink(st, h, key)
+            return True
+        total = sum(held.values())
+        if total > 1:
+            st.refs[h] = total
+        else:
+            st.refs.pop(h, None)
+        new_best = best_medium(held)
+        if held.keys() == {self._default_medium}:
+            del st.media[h]  # back to default-only: no side table
+        self._retier(st, key, old_best, new_best)
+        return True
+
+    def _retier(self, st: IndexedStream, key: int, old: str, new: str) -> None:
+        """Move the stream's bit on `key` from tier table `old` to `new` (default: none)."""
+        if old == new:
+            return
+        bit = st.bit
+        if old != self._default_medium:
+            tier = self._tiers.get(old)
+            if tier is not None:
+                rest = tier.get(key, 0) & ~bit
+                if rest:
+                    tier[key] = rest
+                else:
+                    tier.pop(key, None)
+                    if not tier:
+                        del self._tiers[old]
+        if new != self._default_medium:
+            tier = self._tiers.setdefault(new, {})
+            tier[key] = tier.get(key, 0) | bit
 
     def _single(self, st: IndexedStream, ns_id: int) -> int:
         """The table value of a key only `st` holds in namespace `ns_id` (cached per stream)."""
@@ -322,13 +392,17 @@ class BatchWriter:
         for i, h in enumerate(ev.block_hashes):
             prev = self._partial(prev, tokens[i * page : (i + 1) * page])
             if h in st.partial or h in st.blocks:
-                st.refs[h] = st.refs.get(h, 1) + 1
+                count = st.refs.get(h, 1)
+                st.refs[h] = count + 1
+                key = st.blocks.get(h)
+                if key is not None:  # a full page's hash: its copies per tier count it too
+                    self._add_residency(st, h, key, ev.medium or self._default_medium, count)
                 continue
             st.partial[h] = (prev, ns_id)
         outcome.stored += len(ev.block_hashes)
 
     def remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
-        if st.refs or st.media or st.dup_keys:
+        if st.refs or st.media or st.dup_keys or (ev.medium not in (None, self._default_medium)):
             self._remove_slow(st, ev, outcome)
             return
         hashes = ev.block_hashes
@@ -369,7 +443,20 @@ class BatchWriter:
     def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
         blocks = st.blocks
         refs = st.refs
+        medium = ev.medium
+        default = self._default_medium
         for h in ev.block_hashes:
+            held = st.media.get(h) if st.media else None
+            if held is not None:
+                if self._drop_residency(st, h, held, medium):
+                    outcome.removed += 1
+                else:
+                    st.counters.unknown_removes += 1  # not held in the tier it names
+                continue
+            if medium is not None and medium != default and h in blocks:
+                # held in the default tier only: a removal from another tier changes nothing
+                st.counters.unknown_removes += 1
+                continue
             if refs:
                 r = refs.get(h)
                 if r is not None:
@@ -410,19 +497,17 @@ class BatchWriter:
                 else:
                     del st.dup_keys[key]
         if st.media:
-            medium = st.media.pop(h, None)
-            if medium is not None and not (
-                still and any(m == medium and st.blocks.get(o) == key for o, m in st.media.items())
-            ):
-                tier = self._tiers.get(medium)
-                if tier is not None:
-                    rest = tier.get(key, 0) & ~st.bit
-                    if rest:
-                        tier[key] = rest
-                    else:
-                        tier.pop(key, None)
-                        if not tier:
-                            del self._tiers[medium]
+            held = st.media.pop(h, None)
+            if held:
+                best = best_medium(held)
+                if not (
+                    still
+                    and any(
+                        best_medium(hm) == best and st.blocks.get(o) == key
+                        for o, hm in st.media.items()
+                    )
+                ):
+                    self._retier(st, key, best, self._default_medium)
         if still:
             return
         v &= ~st.sbit

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from indexer.index import DEFAULT_MEDIUM
 from router.config import PolicyConfig
 from router.routing.approx_tree import ApproxTree
 
@@ -86,7 +87,12 @@ def effective_hit(
     if stale or not block_size:
         return float(pending_tokens) if not stale else 0.0
     tiered = sum(by_medium.values())
-    hit = sum(blocks * weights.get(medium, 1.0) for medium, blocks in by_medium.items())
+    # a tier the weights do not name earns nothing (fail closed: its reload cost is unknown),
+    # except the GPU itself, which needs no weight to be worth a full block
+    hit = sum(
+        blocks * weights.get(medium, 1.0 if medium == DEFAULT_MEDIUM else 0.0)
+        for medium, blocks in by_medium.items()
+    )
     # blocks reported without a tier count at full weight
     hit += max(0, matched_blocks - tiered)
     return hit * block_size + pending_tokens

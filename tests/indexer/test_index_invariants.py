@@ -16,6 +16,7 @@ import pytest
 
 from indexer.backend import PURE, Backend
 from indexer.index import CODE_BITS, CODE_MASK, NS_MASK, PrefixIndex, ns_code
+from indexer.index.media import best_medium
 from indexer.namespace import Namespace
 from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored
 from indexer.snapshot import dump_index, load_index
@@ -42,8 +43,13 @@ def check_invariants(index: PrefixIndex) -> None:
         assert st.dup_keys == {k: n - 1 for k, n in per_key.items() if n > 1}
         assert all(n > 1 for n in st.refs.values())
         assert set(st.refs) <= set(st.blocks) | set(st.partial)
-        for h, medium in st.media.items():
-            assert h in st.blocks and index._tiers[medium][st.blocks[h]] & st.bit
+        for h, held in st.media.items():
+            # copies per tier add up to the references; the best tier is the one indexed
+            assert h in st.blocks and held and all(n > 0 for n in held.values())
+            assert sum(held.values()) == st.refs.get(h, 1)
+            best = best_medium(held)
+            if best != index.default_medium:
+                assert index._tiers[best][st.blocks[h]] & st.bit
     assert {k: v >> CODE_BITS for k, v in index._table.items()} == {
         k: v >> CODE_BITS for k, v in table.items()
     }
@@ -95,7 +101,7 @@ def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
                     parent=parent,  # type: ignore[arg-type]
                     token_ids=tokens,  # type: ignore[arg-type]
                     block_size=page,
-                    medium=rng.choice([None, "GPU", "GPU", "CPU"]),
+                    medium=rng.choice([None, "GPU", "GPU", "CPU", "DISK"]),
                     cache_salt=rng.choice([None, None, "", "a"]),
                     lora_name=rng.choice([None, None, "l"]),
                     extra_keys=rng.choice([None, [["a"]], [["l", "b"]], [[]]]),  # type: ignore[arg-type]
@@ -105,7 +111,12 @@ def hostile_batch(rng: random.Random, held: list[object]) -> EventBatch:
         elif roll < 0.97:
             pool = [*recent, 1, 2, 3, 12345]
             k = rng.randrange(1, 6)
-            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[misc]
+            events.append(
+                Removed(
+                    block_hashes=[rng.choice(pool) for _ in range(k)],  # type: ignore[misc]
+                    medium=rng.choice([None, None, "GPU", "CPU"]),  # offload: per-tier removes
+                )
+            )
         else:
             events.append(Cleared())
     return EventBatch(ts=0.0, events=events)
@@ -197,7 +208,12 @@ def steady_batch(rng: random.Random, held: list[object]) -> EventBatch:
         else:
             k = rng.randrange(1, 6)
             pool = [*held[-30:], 7]
-            events.append(Removed(block_hashes=[rng.choice(pool) for _ in range(k)]))  # type: ignore[misc]
+            events.append(
+                Removed(
+                    block_hashes=[rng.choice(pool) for _ in range(k)],  # type: ignore[misc]
+                    medium=rng.choice([None, None, "GPU", "CPU"]),  # offload: per-tier removes
+                )
+            )
     return EventBatch(ts=0.0, events=events)
 
 

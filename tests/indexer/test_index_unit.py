@@ -262,3 +262,51 @@ def test_steady_store_path_after_clear_and_eviction() -> None:
             assert index.evict_namespace(NS) + index.evict_namespace(salted) == 5
         check_invariants(index)
         assert (index.namespaces() == []) == (reset is not None)
+
+
+def test_offload_moves_a_block_to_the_tier_it_is_left_in() -> None:
+    # vLLM and SGLang HiCache report offload as: store on GPU, store again on the host, remove
+    # from the GPU (the host copy stays), and finally remove from the host
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
+    assert index.query(NS, TOKENS)["a"].by_medium == {"GPU": 2}
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="CPU")))
+    assert index.query(NS, TOKENS)["a"].by_medium == {"GPU": 2}  # the best tier held
+    index.apply("a", batch(Removed(block_hashes=[1, 2], medium="GPU")))
+    got = index.query(NS, TOKENS)["a"]
+    assert (got.blocks, got.by_medium) == (2, {"CPU": 2})
+    index.apply("a", batch(Removed(block_hashes=[2], medium="CPU")))
+    got = index.query(NS, TOKENS)["a"]
+    assert (got.blocks, got.by_medium) == (1, {"CPU": 1})
+    assert index.entries("a") == 1
+
+
+def test_a_removal_without_a_medium_leaves_every_tier() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="CPU_PINNED")))  # SGLang's spelling
+    index.apply("a", batch(Removed(block_hashes=[1, 2])))
+    assert index.query(NS, TOKENS)["a"].blocks == 0 and index.entries("a") == 0
+    assert index._tiers == {}
+
+
+def test_a_removal_from_a_tier_not_held_changes_nothing_and_is_counted() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
+    index.apply("a", batch(Removed(block_hashes=[1, 2], medium="CPU")))
+    assert index.query(NS, TOKENS)["a"].by_medium == {"GPU": 2}
+    assert index.counters("a").unknown_removes == 2
+    index.apply("a", batch(stored([1], TOKENS[:4], medium="DISK")))
+    index.apply("a", batch(Removed(block_hashes=[1], medium="CPU")))
+    assert index.counters("a").unknown_removes == 3
+    index.apply("a", batch(Removed(block_hashes=[1], medium="GPU")))
+    assert index.query(NS, TOKENS)["a"].by_medium == {"DISK": 1, "GPU": 1}
+
+
+def test_copies_per_tier_survive_a_snapshot() -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="CPU")))
+    loaded = load_index(dump_index(index))
+    loaded.apply("a", batch(Removed(block_hashes=[1, 2], medium="GPU")))
+    assert loaded.query(NS, TOKENS)["a"].by_medium == {"CPU": 2}

@@ -174,3 +174,19 @@ def test_only_the_kv_policy_leaves_pending_marks() -> None:
     names = get_args(PolicyName)
     marking = {n for n in names if build_policy(PolicyConfig(name=n)).marks_pending}
     assert marking == {"kv"}
+
+
+def test_a_tier_the_weights_do_not_name_earns_nothing_but_the_gpu_always_counts() -> None:
+    def hit(by_medium: dict[str, int], weights: dict[str, float]) -> float:
+        return effective_hit(
+            matched_blocks=sum(by_medium.values()),
+            pending_tokens=0,
+            block_size=16,
+            by_medium=by_medium,
+            stale=False,
+            weights=weights,
+        )
+
+    assert hit({"MYSTERY": 4}, {"GPU": 1.0}) == 0  # fail closed: reload cost unknown
+    assert hit({"GPU": 2, "CPU_PINNED": 2}, PolicyConfig().medium_weights) == 2 * 16 + 1 * 16
+    assert hit({"GPU": 3}, {"CPU": 0.5}) == 3 * 16  # GPU needs no weight entry
