@@ -76,6 +76,8 @@ class StreamStats(msgspec.Struct):
     lost_batches: int = 0
     # restart candidates (reconnects, health transitions) checked against the epoch fence
     verifications: int = 0
+    # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba): not kept
+    skipped_group_blocks: int = 0
 
 
 class WorkerMatch(msgspec.Struct):

@@ -654,4 +654,5 @@ class StreamSubscriber:
             refetches=self.refetches,
             lost_batches=self.lost_batches,
             verifications=self.verifications,
+            skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
         )

@@ -277,6 +277,7 @@ class PrefixIndex:
         c.unknown_parents += outcome.unknown_parents
         c.block_size_mismatches += outcome.block_size_mismatches
         c.skipped_events += outcome.skipped
+        c.skipped_group_blocks += outcome.skipped_group_blocks
         if seq is not None:
             st.last_seq = seq
             st.fence = None if payload is None else BatchFence.of(seq, payload)

@@ -30,6 +30,8 @@ class StreamCounters(msgspec.Struct):
     block_size_mismatches: int = 0
     skipped_events: int = 0
     clears: int = 0
+    # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba), not kept
+    skipped_group_blocks: int = 0
 
 
 class ApplyOutcome(msgspec.Struct, gc=False):
@@ -41,6 +43,7 @@ class ApplyOutcome(msgspec.Struct, gc=False):
     unknown_parents: int = 0
     block_size_mismatches: int = 0
     skipped: int = 0
+    skipped_group_blocks: int = 0
 
 
 class IndexedStream:
@@ -63,6 +66,7 @@ class IndexedStream:
         "refs",
         "sbit",
         "singles",
+        "skipped_groups",
         "slot",
     )
 
@@ -95,6 +99,8 @@ class IndexedStream:
         # (lora, salt) -> ns id, so steady traffic builds no Namespace per event
         self.ns_cache: dict[tuple[str | None, str | None], int] = {}
         self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
+        # group_idx of KV-cache groups whose kind makes no reusable prefix (hybrid models)
+        self.skipped_groups: set[int] = set()
 
     def entries(self) -> int:
         """Blocks the stream holds now (partial pages included)."""

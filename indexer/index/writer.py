@@ -34,6 +34,13 @@ __all__ = ["BatchWriter"]
 
 _INTERN_LIMIT = 1 << 16  # distinct table values shared as one int object each
 
+# vLLM's KV-cache group kinds whose blocks form a prefix a later request reuses
+# (`vllm.v1.kv_cache_interface.KVCacheSpecKind`, 0.33): full attention in its three forms.
+# Every other kind (sliding_window, sliding_window_mla, chunked_local_attention, mamba,
+# encoder_only_attention, cross_attention, unknown) is not indexed. Events without the field
+# (SGLang, older vLLM) describe a single-group model and are indexed as before.
+REUSABLE_SPEC_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
 
 class BatchWriter:
     """Applies events to one index's tables (see the module docstring)."""
@@ -56,8 +63,14 @@ class BatchWriter:
         remove = self.remove
         for ev in batch.events:
             if type(ev) is Stored:
+                if ev.kv_cache_spec_kind is not None and not self._reusable(st, ev):
+                    outcome.skipped_group_blocks += len(ev.block_hashes)
+                    continue
                 store(st, ev, outcome)
             elif type(ev) is Removed:
+                if ev.group_idx is not None and ev.group_idx in st.skipped_groups:
+                    outcome.skipped_group_blocks += len(ev.block_hashes)
+                    continue  # that group's blocks were never indexed
                 remove(st, ev, outcome)
             elif type(ev) is Cleared:
                 self._index.clear_stream(stream)
@@ -86,6 +99,21 @@ class BatchWriter:
                 cache.clear()  # bounded: a miss only costs building the Namespace again
             cache[(lora, salt)] = ns_id
         return ns_id
+
+    @staticmethod
+    def _reusable(st: IndexedStream, ev: Stored) -> bool:
+        """Whether the event's KV-cache group makes a reusable prefix (hybrid models).
+
+        A request reuses a prefix only as far as its full-attention groups hold it: a
+        sliding-window group keeps only its last window's blocks and a Mamba group a state,
+        so their stores are not residency of a prefix (indexing them would be a false hit),
+        and their removals must not take away what a full-attention group still holds.
+        """
+        if ev.kv_cache_spec_kind in REUSABLE_SPEC_KINDS:
+            return True
+        if ev.group_idx is not None:
+            st.skipped_groups.add(ev.group_idx)  # its removals are skipped from now on
+        return False
 
     def store(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
         """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.

@@ -49,6 +49,9 @@ class Stored(msgspec.Struct, frozen=True, gc=False):
     extra_keys: list[list[object] | None] | None = None
     session_id: str | None = None
     group_idx: int | None = None
+    # vLLM >= 0.33: the kind of the KV-cache group the blocks belong to ("full_attention",
+    # "sliding_window", "mamba", ...; `vllm.v1.kv_cache_interface.KVCacheSpecKind`)
+    kv_cache_spec_kind: str | None = None
 
 
 class Removed(msgspec.Struct, frozen=True, gc=False):

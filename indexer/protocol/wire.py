@@ -4,8 +4,9 @@ Two families, because msgspec cannot put array-like and map Structs in one union
 
 - array layouts, tag first: SGLang <= 0.5.17 (7 slots), SGLang 0.5.18-0.5.19 salted (8 slots,
   slot 7 a `{"cache_salt": ...}` map), vLLM <= 0.23 (12 slots, slot 7 `lora_name`);
-  `BlockRemoved` with 3 (SGLang) or 4 (vLLM, `group_idx`) slots. Trailing slots we do not
-  declare (vLLM's kv_cache_spec fields) are skipped by msgspec.
+  `BlockRemoved` with 3 (SGLang) or 4 (vLLM, `group_idx`) slots. vLLM's `kv_cache_spec_kind`
+  (slot 10) says which KV-cache group the blocks are in (hybrid models); trailing slots we do
+  not declare are skipped by msgspec.
 - map layouts tagged by `"type"`: SGLang >= 0.5.20 and vLLM >= 0.24. One Struct per tag holds
   the union of both engines' keys; unknown keys are ignored.
 
@@ -58,6 +59,7 @@ _ExtraKeys: TypeAlias = Annotated[list[list[object] | None], Meta(max_length=MAX
 _GroupIdx: TypeAlias = Annotated[int, Meta(ge=0)]
 # A Unix time from the publisher's clock: never negative (NaN/inf are refused by the decoder).
 _Ts: TypeAlias = Annotated[float, Meta(ge=0)]
+_SpecKind: TypeAlias = Annotated[str, Meta(max_length=64)]
 _DpRank: TypeAlias = Annotated[int, Meta(ge=0)]
 
 
@@ -73,6 +75,7 @@ def _stored(
     extra_keys: list[list[object] | None] | None,
     session_id: str | None,
     group_idx: int | None,
+    kv_cache_spec_kind: str | None = None,
 ) -> Stored:
     # The one rule msgspec cannot check: the tokens must fill exactly the announced pages.
     if len(token_ids) != len(block_hashes) * block_size:
@@ -94,6 +97,7 @@ def _stored(
         extra_keys,
         session_id,
         group_idx,
+        kv_cache_spec_kind,
     )
 
 
@@ -119,6 +123,8 @@ class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     slot7: StoredMetadata | str | None = None
     extra_keys: _ExtraKeys | None = None
     group_idx: _GroupIdx | None = None
+    kv_cache_spec_kind: _SpecKind | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""
@@ -140,6 +146,7 @@ class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
             self.extra_keys,
             None,
             self.group_idx,
+            self.kv_cache_spec_kind,
         )
 
 
@@ -189,6 +196,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     lora_name: str | None = None
     extra_keys: _ExtraKeys | None = None
     group_idx: _GroupIdx | None = None
+    kv_cache_spec_kind: _SpecKind | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""
@@ -204,6 +212,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
             self.extra_keys,
             self.session_id,
             self.group_idx,
+            self.kv_cache_spec_kind,
         )
 
 

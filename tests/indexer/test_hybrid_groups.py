@@ -1,0 +1,109 @@
+"""Hybrid models: only the KV-cache groups that make a reusable prefix are indexed.
+
+vLLM 0.33 publishes, for a model with several KV-cache groups (sliding window + full
+attention, Mamba hybrids), one `BlockStored` per group with `group_idx` and
+`kv_cache_spec_kind`, and `BlockRemoved` with `group_idx` only. The payloads here are the map
+layout of vLLM 0.33's `vllm/distributed/kv_events.py` (the golden `vllm-0.33.0-live-map`
+capture's keys plus the kind fields), decoded by the real decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from indexer.index import PrefixIndex
+from indexer.namespace import Namespace
+from indexer.protocol import decode_batch
+
+NS = Namespace("m", None, "tenant-a")
+TOKENS = list(range(1, 17))  # 4 pages of 4
+
+
+def stored(
+    hashes: list[int], parent: int | None, tokens: list[int], group: int, kind: str | None
+) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [["tenant-a"]] + [None] * (len(hashes) - 1) if parent is None else None,
+        "group_idx": group,
+        "kv_cache_spec_kind": kind,
+        "kv_cache_spec_sliding_window": 8 if kind == "sliding_window" else None,
+        "locality": None,
+        "ownership": None,
+        "session_id": None,
+        "lookahead_token_ids": None,
+    }
+
+
+def removed(hashes: list[int], group: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": group}
+
+
+def apply(index: PrefixIndex, *events: dict[str, Any]) -> None:
+    index.apply("v", decode_batch(msgspec.msgpack.encode([1767225600.25, list(events), 0])))
+
+
+def held(index: PrefixIndex) -> int:
+    return index.query(NS, TOKENS)["v"].blocks
+
+
+def fresh() -> PrefixIndex:
+    index = PrefixIndex()
+    index.add_stream("v", model="m", engine="vllm", block_size=4)
+    return index
+
+
+def test_the_kind_fields_decode_from_vllm_033_maps() -> None:
+    batch = decode_batch(
+        msgspec.msgpack.encode([0.0, [stored([1], None, TOKENS[:4], 1, "sliding_window")], 0])
+    )
+    (event,) = batch.events
+    assert (event.group_idx, event.kv_cache_spec_kind) == (1, "sliding_window")  # type: ignore[union-attr]
+
+
+def test_a_sliding_window_group_is_no_prefix_and_its_evictions_take_nothing_away() -> None:
+    index = fresh()
+    # the same pages, stored by the full-attention group 0 and the sliding-window group 1 (vLLM
+    # hashes a page the same way in both groups)
+    apply(
+        index,
+        stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"),
+        stored([11, 12, 13, 14], None, TOKENS, 1, "sliding_window"),
+    )
+    assert held(index) == 4
+    # the window slides: group 1 frees its oldest pages; the full-attention copy is still there
+    apply(index, removed([11, 12], 1))
+    assert held(index) == 4
+    counters = index.counters("v")
+    assert counters.skipped_group_blocks == 4 + 2 and counters.unknown_removes == 0
+    # the full-attention group evicting is what ends the prefix
+    apply(index, removed([13, 14], 0))
+    assert held(index) == 2
+
+
+def test_a_model_with_only_non_prefix_groups_predicts_nothing() -> None:
+    index = fresh()
+    apply(
+        index,
+        stored([21, 22, 23, 24], None, TOKENS, 0, "mamba"),
+        stored([31, 32, 33, 34], None, TOKENS, 1, "sliding_window"),
+    )
+    assert held(index) == 0 and index.entries("v") == 0
+
+
+def test_mla_and_single_group_events_are_indexed_as_before() -> None:
+    index = fresh()
+    apply(index, stored([41, 42], None, TOKENS[:8], 0, "mla_attention"))
+    assert held(index) == 2
+    older = fresh()
+    apply(older, stored([41, 42], None, TOKENS[:8], 0, None))  # no kind: one group (vLLM < 0.33)
+    assert held(older) == 2
