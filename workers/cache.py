@@ -15,6 +15,15 @@ Every mutation records the KV events SGLang would publish, in order: one coalesc
 per new node (its pages' hashes, the parent node's last hash), one `Removed` per evicted node
 with exactly the hashes it stored, `Cleared` on flush. A node split emits nothing: the page
 hashes are sliced between the two halves. `take_events()` hands them to the publisher.
+
+Optional host tier (`host_capacity_tokens`, as SGLang's HiCache keeps a host pool): an evicted
+GPU leaf moves to host memory instead of being dropped (`Stored` with medium CPU_PINNED, then
+`Removed` with medium GPU), host leaves are evicted LRU when the host pool is full (`Removed`
+CPU_PINNED), and a request whose prefix reaches host nodes loads them back onto the GPU
+(`load_back`: `Stored` GPU, then `Removed` CPU_PINNED), at a cost the scheduler charges. A
+node is in exactly one tier; GPU nodes always form a prefix-closed subtree (a host node's
+descendants are all on the host), since eviction takes leaves first and loading back takes
+the whole path.
 """
 
 from __future__ import annotations
@@ -29,9 +38,18 @@ from indexer.protocol.events import Cleared, Event, Removed, Stored
 from workers.errors import CacheBusyError
 from workers.hashing import Digest, digest_to_hash, page_digests, salt_seed
 
-__all__ = ["MEDIUM", "CacheStats", "Match", "Namespace", "PagedRadixCache", "RadixNode"]
+__all__ = [
+    "HOST_MEDIUM",
+    "MEDIUM",
+    "CacheStats",
+    "Match",
+    "Namespace",
+    "PagedRadixCache",
+    "RadixNode",
+]
 
 MEDIUM = "GPU"
+HOST_MEDIUM = "CPU_PINNED"  # SGLang's StorageMedium.CPU (disaggregation/kv_events.py, 0.5.23)
 
 
 class Namespace(msgspec.Struct, frozen=True, gc=False):
@@ -50,6 +68,7 @@ class RadixNode:
     __slots__ = (
         "children",
         "digests",
+        "host_entry",
         "key",
         "last_access",
         "lock_ref",
@@ -57,6 +76,7 @@ class RadixNode:
         "namespace",
         "node_id",
         "parent",
+        "tier",
     )
 
     def __init__(
@@ -76,26 +96,34 @@ class RadixNode:
         self.last_access = last_access
         # Memoized page digests (SGLang's event_hash_value): computed once, sliced on split.
         self.digests: list[Digest] | None = None
-        self.lru_entry: tuple[int, int] | None = None
+        self.lru_entry: tuple[int, int] | None = None  # in the GPU eviction order
+        self.host_entry: tuple[int, int] | None = None  # in the host eviction order
+        self.tier = MEDIUM  # GPU, or HOST_MEDIUM once offloaded
 
 
 class Match(msgspec.Struct, frozen=True):
-    """A prefix match: the deepest matched node (lock it to protect the prefix) and its length."""
+    """A prefix match: the deepest matched GPU node (lock it to protect the prefix) and its
+    length; with a host tier, the deepest host node the prefix continues into and how many
+    more tokens it covers there (`load_back` brings them to the GPU)."""
 
     node: RadixNode
     length: int
+    host_node: RadixNode | None = None
+    host_length: int = 0
 
 
 class CacheStats(msgspec.Struct, frozen=True):
     """Pool occupancy in pages, and how many page hashes were ever computed (memoization)."""
 
     total_pages: int
-    tree_pages: int
+    tree_pages: int  # on the GPU
     reserved_pages: int
     protected_pages: int
     free_pages: int
     nodes: int
     hashed_pages: int
+    host_pages: int = 0
+    host_total_pages: int = 0
 
 
 def event_digests(node: RadixNode, page_size: int) -> tuple[list[Digest], int]:
@@ -131,13 +159,18 @@ def event_digests(node: RadixNode, page_size: int) -> tuple[list[Digest], int]:
 class PagedRadixCache:
     """SGLang's paged radix cache with cache_salt namespaces, LRU eviction and KV events."""
 
-    def __init__(self, *, page_size: int, capacity_tokens: int) -> None:
+    def __init__(
+        self, *, page_size: int, capacity_tokens: int, host_capacity_tokens: int = 0
+    ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         if capacity_tokens < page_size:
             raise ValueError("capacity_tokens must hold at least one page")
+        if host_capacity_tokens < 0:
+            raise ValueError("host_capacity_tokens must be >= 0")
         self.page_size = page_size
         self.total_pages = capacity_tokens // page_size
+        self.host_total_pages = host_capacity_tokens // page_size
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self._events: list[Event] = []
@@ -153,8 +186,10 @@ class PagedRadixCache:
         self._root.lock_ref = 1  # the root is never evicted
         self._nodes: dict[int, RadixNode] = {}
         self._lru: SortedList = SortedList()
-        self._tree_pages = 0
-        self._protected_pages = 0
+        self._host_lru: SortedList = SortedList()
+        self._tree_pages = 0  # GPU pages in the tree
+        self._host_pages = 0
+        self._protected_pages = 0  # GPU tree pages a running request protects
 
     # ----------------------------------------------------------------- accounting
 
@@ -178,6 +213,8 @@ class PagedRadixCache:
             free_pages=self.free_pages,
             nodes=len(self._nodes),
             hashed_pages=self._hashed_pages,
+            host_pages=self._host_pages,
+            host_total_pages=self.host_total_pages,
         )
 
     def take_events(self) -> list[Event]:
@@ -227,7 +264,8 @@ class PagedRadixCache:
         return matched
 
     def peek(self, namespace: Namespace, tokens: Sequence[int]) -> int:
-        """Length of the cached prefix of `tokens` in `namespace`, with no side effect at all."""
+        """Length of the cached prefix of `tokens` in `namespace` (GPU and host tiers, what a
+        request would reuse), with no side effect at all."""
         aligned = self._aligned(tokens)
         node = self._root
         at = 0
@@ -242,11 +280,28 @@ class PagedRadixCache:
             node = child
         return at
 
+    def peek_gpu(self, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """Length of the prefix of `tokens` held on the GPU, with no side effect."""
+        aligned = self._aligned(tokens)
+        node = self._root
+        at = 0
+        while at < len(aligned):
+            child = node.children.get(self._child_key(namespace, aligned, at))
+            if child is None or child.tier != MEDIUM:
+                break
+            matched = self._matched_in_node(child, aligned, at)
+            at += matched
+            if matched < len(child.key):
+                break
+            node = child
+        return at
+
     def match(self, namespace: Namespace, tokens: Sequence[int]) -> Match:
         """Longest cached prefix; touches the path (LRU) and splits a partly matched node."""
         aligned = self._aligned(tokens)
         now = next(self._clock)
         node = self._root
+        gpu_node, gpu_at = node, 0
         at = 0
         while at < len(aligned):
             child = node.children.get(self._child_key(namespace, aligned, at))
@@ -255,11 +310,15 @@ class PagedRadixCache:
             self._touch(child, now)
             matched = self._matched_in_node(child, aligned, at)
             at += matched
-            if matched < len(child.key):
-                node = self._split(child, matched, now)
+            reached = child if matched == len(child.key) else self._split(child, matched, now)
+            if reached.tier == MEDIUM:
+                gpu_node, gpu_at = reached, at
+            node = reached
+            if reached is not child:
                 break
-            node = child
-        return Match(node=node, length=at)
+        if node is gpu_node:
+            return Match(node=gpu_node, length=gpu_at)
+        return Match(node=gpu_node, length=gpu_at, host_node=node, host_length=at - gpu_at)
 
     # ----------------------------------------------------------------- locks
 
@@ -267,7 +326,7 @@ class PagedRadixCache:
         """Protect `node` and its ancestors from eviction (one reference per running request)."""
         current: RadixNode | None = node
         while current is not None and current is not self._root:
-            if current.lock_ref == 0:
+            if current.lock_ref == 0 and current.tier == MEDIUM:
                 self._protected_pages += len(current.key) // self.page_size
             current.lock_ref += 1
             self._refresh(current)
@@ -280,7 +339,7 @@ class PagedRadixCache:
             if current.lock_ref <= 0:
                 raise ValueError("unlock without a matching lock")
             current.lock_ref -= 1
-            if current.lock_ref == 0:
+            if current.lock_ref == 0 and current.tier == MEDIUM:
                 self._protected_pages -= len(current.key) // self.page_size
             self._refresh(current)
             current = current.parent
@@ -298,9 +357,17 @@ class PagedRadixCache:
         """
         aligned = self._aligned(tokens)
         found = self.match(namespace, aligned)
+        used = 0
+        if found.host_node is not None:
+            # the prefix continues on the host: bring it back before growing the path on it
+            used = self.load_back(found.host_node, reserved_pages=reserved_pages)
+            reserved_pages -= used
+            found = self.match(namespace, aligned)
+            if found.host_node is not None:
+                return found, used  # the GPU pool could not take it back: cache no more
         node, at = found.node, found.length
         if at == len(aligned):
-            return found, 0
+            return found, used
         want = (len(aligned) - at) // self.page_size
         from_reserve = min(want, reserved_pages, self._reserved_pages)
         from_pool = want - from_reserve
@@ -312,7 +379,7 @@ class PagedRadixCache:
             from_pool = min(from_pool, self.free_pages)
         pages = from_reserve + from_pool
         if pages == 0:
-            return found, 0
+            return found, used
         self._reserved_pages -= from_reserve
         key = aligned[at : at + pages * self.page_size]
         child = RadixNode(next(self._ids), node, key, namespace, next(self._clock))
@@ -322,7 +389,37 @@ class PagedRadixCache:
         self._refresh(node)
         self._refresh(child)
         self._record_stored(child)
-        return Match(node=child, length=at + len(key)), from_reserve
+        return Match(node=child, length=at + len(key)), used + from_reserve
+
+    def load_back(self, host_node: RadixNode, *, reserved_pages: int = 0) -> int:
+        """Move the host nodes on the path to `host_node` onto the GPU, top-down.
+
+        Pages come from the caller's reservation first, then from the free pool (evicting
+        GPU leaves, which go to the host). Stops where the GPU pool cannot take a node; returns
+        the reserved pages used. Each moved node records `Stored` GPU, then `Removed` host.
+        """
+        path: list[RadixNode] = []
+        current: RadixNode | None = host_node
+        while current is not None and current.tier != MEDIUM:
+            path.append(current)
+            current = current.parent
+        used = 0
+        self.lock(host_node)  # nothing on the path may be evicted while it moves
+        try:
+            for node in reversed(path):
+                pages = len(node.key) // self.page_size
+                from_reserve = min(pages, reserved_pages - used, self._reserved_pages)
+                from_pool = pages - from_reserve
+                if from_pool > self.free_pages:
+                    self._make_free(from_pool)
+                if from_pool > self.free_pages:
+                    break  # the GPU is full of protected pages: the rest stays on the host
+                self._reserved_pages -= from_reserve
+                used += from_reserve
+                self._move(node, MEDIUM)
+        finally:
+            self.unlock(host_node)
+        return used
 
     def evict(self, num_tokens: int) -> int:
         """Evict LRU unreferenced leaves until `num_tokens` are freed; returns tokens freed."""
@@ -365,13 +462,26 @@ class PagedRadixCache:
         self._refresh(node)
 
     def _refresh(self, node: RadixNode) -> None:
-        """Keep the LRU index equal to the set of evictable leaves."""
+        """Keep each LRU index equal to its tier's evictable leaves.
+
+        A GPU node is a GPU leaf when none of its children is on the GPU (its host children
+        stay where they are when it goes); a host node is evictable when it has no children.
+        """
         if node.lru_entry is not None:
             self._lru.remove(node.lru_entry)
             node.lru_entry = None
-        if node is not self._root and not node.children and node.lock_ref == 0:
-            node.lru_entry = (node.last_access, node.node_id)
-            self._lru.add(node.lru_entry)
+        if node.host_entry is not None:
+            self._host_lru.remove(node.host_entry)
+            node.host_entry = None
+        if node is self._root or node.lock_ref:
+            return
+        if node.tier == MEDIUM:
+            if not any(child.tier == MEDIUM for child in node.children.values()):
+                node.lru_entry = (node.last_access, node.node_id)
+                self._lru.add(node.lru_entry)
+        elif not node.children:
+            node.host_entry = (node.last_access, node.node_id)
+            self._host_lru.add(node.host_entry)
 
     def _split(self, node: RadixNode, at: int, now: int) -> RadixNode:
         """Cut `node` after `at` tokens; the new upper half takes the first digests. No event."""
@@ -379,6 +489,7 @@ class PagedRadixCache:
         assert parent is not None and 0 < at < len(node.key)
         upper = RadixNode(next(self._ids), parent, node.key[:at], node.namespace, now)
         upper.lock_ref = node.lock_ref
+        upper.tier = node.tier  # both halves stay where the pages are
         if node.digests is not None:
             pages = at // self.page_size
             upper.digests, node.digests = node.digests[:pages], node.digests[pages:]
@@ -395,27 +506,85 @@ class PagedRadixCache:
             self._evict_one()
 
     def _evict_one(self) -> int:
+        """Free the GPU pages of the LRU GPU leaf: offloaded to the host tier, or dropped."""
         _, node_id = self._lru[0]
-        return self._remove_leaf(self._nodes[node_id])
+        node = self._nodes[node_id]
+        pages = len(node.key) // self.page_size
+        if pages > self.host_total_pages:
+            if node.children:  # host children need their parent: they go with it
+                self._drop_subtree(node)
+                return len(node.key)
+            return self._remove_leaf(node)
+        while self._host_pages + pages > self.host_total_pages and self._host_lru:
+            _, host_id = self._host_lru[0]
+            self._remove_leaf(self._nodes[host_id])
+        if self._host_pages + pages > self.host_total_pages:
+            # every host page is protected by running requests: drop this one instead
+            if node.children:
+                self._drop_subtree(node)
+                return len(node.key)
+            return self._remove_leaf(node)
+        self._move(node, HOST_MEDIUM)
+        return len(node.key)
+
+    def _move(self, node: RadixNode, tier: str) -> None:
+        """Move a node between tiers: `Stored` in the new one first, then `Removed` from the
+        old one, as an engine reports an offload or a reload."""
+        pages = len(node.key) // self.page_size
+        old = node.tier
+        self._record_stored(node, tier)
+        node.tier = tier
+        if tier == MEDIUM:
+            self._host_pages -= pages
+            self._tree_pages += pages
+            if node.lock_ref:
+                self._protected_pages += pages
+        else:
+            self._tree_pages -= pages
+            self._host_pages += pages
+            if node.lock_ref:
+                self._protected_pages -= pages
+        self._record_removed(node, old)
+        self._refresh(node)
+        if node.parent is not None:
+            self._refresh(node.parent)
+
+    def _drop_subtree(self, top: RadixNode) -> None:
+        """Remove `top` and its (host) descendants, deepest first."""
+        stack: list[tuple[RadixNode, bool]] = [(top, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+            else:
+                self._remove_leaf(node)
 
     def _remove_leaf(self, node: RadixNode) -> int:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        digests, hashed = event_digests(node, self.page_size)
-        self._hashed_pages += hashed
         del parent.children[self._child_key(node.namespace, node.key, 0)]
         if node.lru_entry is not None:
             self._lru.remove(node.lru_entry)
             node.lru_entry = None
+        if node.host_entry is not None:
+            self._host_lru.remove(node.host_entry)
+            node.host_entry = None
         del self._nodes[node.node_id]
-        self._tree_pages -= len(node.key) // self.page_size
+        if node.tier == MEDIUM:
+            self._tree_pages -= len(node.key) // self.page_size
+        else:
+            self._host_pages -= len(node.key) // self.page_size
         self._refresh(parent)
-        self._events.append(
-            Removed(block_hashes=[digest_to_hash(d) for d in digests], medium=MEDIUM)
-        )
+        self._record_removed(node, node.tier)
         return len(node.key)
 
-    def _record_stored(self, node: RadixNode) -> None:
+    def _record_removed(self, node: RadixNode, tier: str) -> None:
+        digests, hashed = event_digests(node, self.page_size)
+        self._hashed_pages += hashed
+        self._events.append(Removed(block_hashes=[digest_to_hash(d) for d in digests], medium=tier))
+
+    def _record_stored(self, node: RadixNode, tier: str = MEDIUM) -> None:
         digests, hashed = event_digests(node, self.page_size)
         self._hashed_pages += hashed
         parent = node.parent
@@ -430,7 +599,7 @@ class PagedRadixCache:
                 parent=parent_hash,
                 token_ids=list(node.key),
                 block_size=self.page_size,
-                medium=MEDIUM,
+                medium=tier,
                 cache_salt=node.namespace.cache_salt,
             )
         )

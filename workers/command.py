@@ -50,6 +50,13 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         help="KV pool size per DP rank, in tokens (rounded down to whole pages)",
     )
     cache.add_argument(
+        "--host-capacity-tokens",
+        type=int,
+        default=defaults.host_capacity_tokens,
+        help="host-memory KV tier per DP rank, in tokens: evicted GPU pages move there and "
+        "are loaded back on a hit (0 = none)",
+    )
+    cache.add_argument(
         "--dp-size",
         type=int,
         default=defaults.dp_size,
@@ -74,6 +81,12 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.prefill_ms_per_token,
         help="prefill cost per uncached prompt token",
+    )
+    latency.add_argument(
+        "--host-load-ms-per-token",
+        type=float,
+        default=defaults.host_load_ms_per_token,
+        help="cost of loading a host-tier token back onto the GPU",
     )
     latency.add_argument(
         "--decode-ms-per-token",
@@ -137,6 +150,8 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
         "model": args.model,
         "page_size": args.page_size,
         "capacity_tokens": args.capacity_tokens,
+        "host_capacity_tokens": args.host_capacity_tokens,
+        "host_load_ms_per_token": args.host_load_ms_per_token,
         "dp_size": args.dp_size,
         "event_format": args.event_format,
         "buffer_steps": args.buffer_steps,

@@ -42,9 +42,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The paged KV pool of each DP rank.
     page_size: _Positive = 16
     capacity_tokens: _Positive = 131_072
+    # Optional host tier per DP rank (SGLang HiCache's host pool): evicted GPU pages move there
+    # and are loaded back on a hit at host_load_ms_per_token. 0: no host tier.
+    host_capacity_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Latency model: a prefill step costs prefill_ms_per_token per uncached prompt token; a
     # decode step (one token for every running request) costs decode_ms_per_token.
     prefill_ms_per_token: _NonNegative = 0.05
+    host_load_ms_per_token: _NonNegative = 0.01
     decode_ms_per_token: _NonNegative = 10.0
     # Multiplies every simulated duration: 0 runs as fast as the event loop allows (tests).
     time_scale: _NonNegative = 1.0
@@ -69,7 +73,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("prefill_ms_per_token", "decode_ms_per_token", "time_scale"):
+        if self.host_capacity_tokens < 0:
+            raise ValueError("host_capacity_tokens must be >= 0")
+        for name in (
+            "prefill_ms_per_token",
+            "host_load_ms_per_token",
+            "decode_ms_per_token",
+            "time_scale",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.capacity_tokens < self.page_size:

@@ -61,6 +61,7 @@ class Job:
         self.planned = deterministic_output(self.prompt, generation.max_new_tokens)
         self.output: list[int] = []
         self.cached_tokens = 0
+        self.loaded_tokens = 0  # of cached_tokens, those loaded back from the host tier
         self.node: RadixNode | None = None
         self.reserved_pages = 0
         self.cancelled = False
@@ -220,14 +221,23 @@ class RankScheduler:
             job = self._waiting[0]
             # The last prompt token is always computed (it yields the first output token).
             found = self.cache.match(job.namespace, job.prompt[:-1])
-            self.cache.lock(found.node)
+            # the deepest node of the prefix, on the GPU or (a host-tier hit) on the host
+            held = found.host_node or found.node
+            self.cache.lock(held)
             need = self._pages_for(len(job.prompt) + len(job.planned))
-            need -= found.length // self.cache.page_size
+            need -= found.length // self.cache.page_size  # host pages need GPU pages too
             if not self.cache.reserve(need):
-                self.cache.unlock(found.node)
+                self.cache.unlock(held)
                 break
             self._waiting.popleft()
-            job.node, job.cached_tokens, job.reserved_pages = found.node, found.length, need
+            cached = found.length
+            if found.host_node is not None:
+                # the host part of the prefix comes back to the GPU (paid in the prefill step);
+                # what the GPU could not take back is computed like any uncached token
+                need -= self.cache.load_back(found.host_node, reserved_pages=need)
+                cached = self.cache.peek_gpu(job.namespace, job.prompt[:-1])
+            job.node, job.reserved_pages = held, need
+            job.cached_tokens, job.loaded_tokens = cached, cached - found.length
             # Running from admission on (SGLang counts the prefill batch as running), so a
             # crash mid-prefill still finds it.
             self._running.append(job)
@@ -238,7 +248,11 @@ class RankScheduler:
 
     async def _prefill(self, jobs: list[Job]) -> None:
         uncached = sum(len(job.prompt) - job.cached_tokens for job in jobs)
-        await self._sleep_ms(self.config.prefill_ms_per_token * uncached)
+        loaded = sum(job.loaded_tokens for job in jobs)
+        await self._sleep_ms(
+            self.config.prefill_ms_per_token * uncached
+            + self.config.host_load_ms_per_token * loaded
+        )
         for job in jobs:
             self._cache_tokens(job, job.prompt)
             if job.planned and not job.cancelled:

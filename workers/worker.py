@@ -111,7 +111,11 @@ class ReferenceWorker:
                 dp_rank=rank,
             )
             await self._stack.enter_async_context(publisher)
-            cache = PagedRadixCache(page_size=cfg.page_size, capacity_tokens=cfg.capacity_tokens)
+            cache = PagedRadixCache(
+                page_size=cfg.page_size,
+                capacity_tokens=cfg.capacity_tokens,
+                host_capacity_tokens=cfg.host_capacity_tokens,
+            )
             self.ranks.append(RankScheduler(cfg, rank, cache, publisher))
         endpoints = [f"tcp://{host}:{pub_base + r}" for r in range(cfg.dp_size)]
         replay_endpoints = [f"tcp://{host}:{replay_base + r}" for r in range(cfg.dp_size)]
