@@ -85,6 +85,11 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode_ms_per_token: float = 2.0
     max_running_requests: int = 8
     time_scale: float = 0.2
+    # data-parallel ranks per worker (each its own cache of `capacity_tokens`)
+    dp_size: int = 1
+    # a host tier per rank (0: none) and what loading a token back from it costs
+    host_capacity_tokens: int = 0
+    host_load_ms_per_token: float = 0.1
 
 
 class PolicyWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,6 +108,8 @@ class Target(msgspec.Struct, frozen=True):
     ticket: int = 0  # the chooser's own handle, for release()
     # the body field that carries the request's salt (sglang-router forwards only `extra_key`)
     salt_field: str = "cache_salt"
+    # the DP rank to ask the worker for (the oracle picks one), None: the worker's choice
+    dp_rank: int | None = None
 
 
 class Chooser(Protocol):
@@ -131,7 +138,9 @@ class _ViaRouter:
         """Nothing to track: the router keeps its own load."""
 
 
-def _body(request: BenchRequest, stream: bool, salt_field: str) -> dict[str, Any]:
+def _body(
+    request: BenchRequest, stream: bool, salt_field: str, dp_rank: int | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": request.input_ids,
         "sampling_params": {"max_new_tokens": request.max_new_tokens, "temperature": 0.0},
@@ -139,6 +148,8 @@ def _body(request: BenchRequest, stream: bool, salt_field: str) -> dict[str, Any
     }
     if request.cache_salt is not None:
         body[salt_field] = request.cache_salt
+    if dp_rank is not None:
+        body["data_parallel_rank"] = dp_rank  # SGLang's (deprecated but honoured) spelling
     return body
 
 
@@ -167,7 +178,8 @@ async def send_generate(
         async with (
             asyncio.timeout(timeout_s),
             session.post(
-                f"{target.url}/generate", json=_body(request, True, target.salt_field)
+                f"{target.url}/generate",
+                json=_body(request, True, target.salt_field, target.dp_rank),
             ) as resp,
         ):
             if resp.status != 200:
@@ -275,11 +287,13 @@ class _Oracle:
     def __init__(self, urls: Sequence[str], page_size: int, seed: int) -> None:
         self._urls = list(urls)
         self._page_size = page_size
-        self._inflight: dict[str, dict[int, BenchRequest]] = {u: {} for u in self._urls}
+        self._inflight: dict[tuple[str, int], dict[int, BenchRequest]] = {}
         self._tickets = itertools.count(1)
         self._rng = random.Random(seed)
 
-    async def _match(self, session: aiohttp.ClientSession, url: str, req: BenchRequest) -> int:
+    async def _match(
+        self, session: aiohttp.ClientSession, url: str, req: BenchRequest
+    ) -> list[int]:
         body: dict[str, Any] = {"input_ids": req.input_ids}
         if req.cache_salt is not None:
             body["cache_salt"] = req.cache_salt
@@ -287,38 +301,52 @@ class _Oracle:
             if resp.status != 200:
                 raise HarnessError(f"/debug/match answered HTTP {resp.status}")
             data = await resp.json()
-        if isinstance(data, dict) and isinstance(data.get("cached_tokens"), int):
-            return int(data["cached_tokens"])
-        raise HarnessError(f"/debug/match answer has no cached_tokens: {data!r:.200}")
+        ranks = data.get("ranks") if isinstance(data, dict) else None
+        if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+            return [int(r) for r in ranks]  # one cache per DP rank
+        raise HarnessError(f"/debug/match answer has no per-rank cached_tokens: {data!r:.200}")
 
-    def _upcoming(self, url: str, req: BenchRequest) -> int:
+    def _upcoming(self, place: tuple[str, int], req: BenchRequest) -> int:
         return max(
             (
                 _shared_pages(req.input_ids, other.input_ids, self._page_size)
-                for other in self._inflight[url].values()
+                for other in self._inflight.get(place, {}).values()
                 if other.cache_salt == req.cache_salt
             ),
             default=0,
         )
 
     async def choose(self, session: aiohttp.ClientSession, request: BenchRequest) -> Target:
-        """Ask every worker, add what is in flight there, pick the longest; ties to the idlest."""
+        """Ask every worker, add what is in flight there, pick the longest; ties to the idlest.
+
+        A worker with several DP ranks answers per rank; the oracle picks a (worker, rank) and
+        asks the worker for that rank (`data_parallel_rank`), as the router does.
+        """
         start = time.perf_counter()
         cached = await asyncio.gather(*(self._match(session, u, request) for u in self._urls))
-        matches = [
-            max(c, self._upcoming(u, request)) for u, c in zip(self._urls, cached, strict=True)
+        places = [
+            (u, r) for u, ranks in zip(self._urls, cached, strict=True) for r in range(len(ranks))
         ]
+        held = [c for ranks in cached for c in ranks]
+        matches = [max(c, self._upcoming(p, request)) for p, c in zip(places, held, strict=True)]
         best = max(matches)
-        ties = [u for u, m in zip(self._urls, matches, strict=True) if m == best]
-        fewest = min(len(self._inflight[u]) for u in ties)
-        url = self._rng.choice([u for u in ties if len(self._inflight[u]) == fewest])
+        ties = [p for p, m in zip(places, matches, strict=True) if m == best]
+        fewest = min(len(self._inflight.get(p, {})) for p in ties)
+        url, rank = self._rng.choice([p for p in ties if len(self._inflight.get(p, {})) == fewest])
         ticket = next(self._tickets)
-        self._inflight[url][ticket] = request
-        return Target(url=url, worker=url, route_s=time.perf_counter() - start, ticket=ticket)
+        self._inflight.setdefault((url, rank), {})[ticket] = request
+        multi = len(cached[self._urls.index(url)]) > 1
+        return Target(
+            url=url,
+            worker=url,
+            route_s=time.perf_counter() - start,
+            ticket=ticket,
+            dp_rank=rank if multi else None,
+        )
 
     def release(self, target: Target) -> None:
         """The request is over: the worker's cache now speaks for it."""
-        self._inflight[target.url].pop(target.ticket, None)
+        self._inflight.get((target.url, target.dp_rank or 0), {}).pop(target.ticket, None)
 
 
 async def _probe_overhead(
@@ -356,6 +384,9 @@ async def _fleet(spec: FleetSpec) -> AsyncIterator[list[str]]:
         decode_ms_per_token=spec.decode_ms_per_token,
         max_running_requests=spec.max_running_requests,
         time_scale=spec.time_scale,
+        dp_size=spec.dp_size,
+        host_capacity_tokens=spec.host_capacity_tokens,
+        host_load_ms_per_token=spec.host_load_ms_per_token,
     )
     async with contextlib.AsyncExitStack() as stack:
         workers = [

@@ -162,7 +162,13 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
             f"- requests: {section.requests}, open-loop arrivals at {section.rate_rps:g} req/s, "
             f"seed `{section.seed}`",
             f"- working set: {section.working_set_tokens} tokens; fleet: {section.workers} workers "
-            f"x {section.capacity_tokens} tokens of KV cache",
+            + (f"x {section.dp_size} DP ranks " if section.dp_size > 1 else "")
+            + f"x {section.capacity_tokens} tokens of KV cache"
+            + (
+                f" (+ {section.host_capacity_tokens} tokens of host tier each)"
+                if section.host_capacity_tokens
+                else ""
+            ),
             f"- parameters: {_params_line(section.params)}",
             "",
             *_section_table(section),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -61,6 +62,10 @@ from router.config import PolicyConfig
 __all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suite"]
 
 WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
+# fleet shapes: `flat` (one cache per worker, every workload and pressure); `dp` (half the
+# workers with 2 DP ranks each, one cache per rank) and `tiered` (a host tier of 2x the GPU
+# cache behind every worker) run the first workload at the highest pressure
+TOPOLOGIES = ("flat", "dp", "tiered")
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
 DEFAULT_OUT = Path("docs/benchmarks")
 ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE)
@@ -83,6 +88,7 @@ class SuiteSettings(msgspec.Struct, frozen=True):
     fleet: FleetSpec
     weights: PolicyWeights
     request_timeout_s: float
+    topologies: tuple[str, ...] = ("flat",)
     # the interpreter that runs sglang-router, None when it cannot import it (policy skipped)
     sglang_router_python: str | None = None
     # what the user named, echoed in the command and the notes ("": the policy was not chosen)
@@ -126,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=None, help="fixed arrival rate, requests/s (overrides --load)"
     )
     parser.add_argument("--requests", type=int, default=None, help="cap requests per workload")
+    parser.add_argument(
+        "--topologies",
+        default=None,
+        help=f"comma list of {', '.join(TOPOLOGIES)} (default: quick flat, full all): dp runs "
+        "workers with 2 DP ranks, tiered adds a host tier; both on the first workload at the "
+        "highest pressure",
+    )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     parser.add_argument("--workers", type=int, default=None, help="reference workers per fleet")
     parser.add_argument("--page-size", type=int, default=16)
@@ -219,6 +232,9 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         requests=args.requests,
         trace=str(args.trace),
         fleet=fleet,
+        topologies=_csv(
+            args.topologies or ("flat" if quick else ",".join(TOPOLOGIES)), TOPOLOGIES, "topologies"
+        ),
         weights=PolicyWeights(hit_weight=args.kv_hit_weight, decode_weight=args.kv_decode_weight),
         request_timeout_s=args.request_timeout,
         sglang_router_python=asked_python if sglang else None,
@@ -239,6 +255,7 @@ def _command(settings: SuiteSettings, out: Path) -> str:
     else:
         argv += ["--load", f"{settings.load:g}"]
     argv += ["--workers", str(f.workers)]
+    argv += ["--topologies", ",".join(settings.topologies)]
     if settings.requests is not None:
         argv += ["--requests", str(settings.requests)]
     if Path(settings.trace).resolve() != DEFAULT_TRACE:
@@ -371,6 +388,35 @@ def _notes(settings: SuiteSettings) -> list[str]:
     return notes
 
 
+TOPOLOGY_LABELS = {"flat": "", "dp": " [dp 2 ranks]", "tiered": " [GPU + host tier]"}
+TOPOLOGY_NOTES = {
+    "flat": "",
+    "dp": "; fleet: half the workers, each with 2 data-parallel ranks (one cache and one "
+    "KV-event stream per rank), the KV pressure counting every rank's cache",
+    "tiered": "; fleet: every worker has a host tier of twice its GPU cache, where evicted pages "
+    "move (medium CPU_PINNED) and are loaded back on a hit at the host load cost; the KV "
+    "pressure counts the GPU caches only",
+}
+
+
+def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
+    """The fleet a topology runs on (its capacity is set per section from the pressure)."""
+    if topology == "dp":
+        return msgspec.structs.replace(fleet, workers=max(1, fleet.workers // 2), dp_size=2)
+    return fleet
+
+
+def _plan(settings: SuiteSettings, workloads: list[Workload]) -> list[tuple[str, Workload, float]]:
+    """(topology, workload, asked pressure) for every section, in report order."""
+    plan = []
+    if "flat" in settings.topologies:
+        plan += [("flat", w, p) for w in workloads for p in settings.pressures]
+    for topology in settings.topologies:
+        if topology != "flat" and workloads:
+            plan.append((topology, workloads[0], max(settings.pressures)))
+    return plan
+
+
 async def run_suite(settings: SuiteSettings, console: Console, command: str) -> BenchReport:
     """Run every workload x pressure x policy and gather the report."""
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -383,7 +429,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        for workload in workloads:
+        for topology, workload, asked in _plan(settings, workloads):
             page = settings.fleet.page_size
             rate = float(workload.params["rate_rps"])  # type: ignore[arg-type]
             working = working_set_tokens(workload.requests, page)
@@ -391,58 +437,63 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
             # room for two running prompts at once, or a worker could only run them one by one
             output = max(r.max_new_tokens for r in workload.requests)
             floor = 2 * (longest + output + page)
-            for asked in settings.pressures:
-                capacity = capacity_for_pressure(
-                    working, settings.fleet.workers, asked, page, floor
+            spec = topology_fleet(settings.fleet, topology)
+            caches = spec.workers * spec.dp_size
+            capacity = capacity_for_pressure(working, caches, asked, page, floor)
+            pressure = kv_pressure(working, caches, capacity)
+            spec = msgspec.structs.replace(spec, capacity_tokens=capacity)
+            if topology == "tiered":
+                spec = msgspec.structs.replace(spec, host_capacity_tokens=2 * capacity)
+            label = workload.name + TOPOLOGY_LABELS[topology]
+            console.print(
+                f"[bold]{escape(label)}[/]: {len(workload.requests)} requests at "
+                f"{rate:.1f} req/s; working set {working} tokens; fleet "
+                f"{spec.workers} x {spec.dp_size} x {capacity} tokens; "
+                f"[bold]KV pressure {pressure:.2f}[/]"
+                + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
+            )
+            runs: list[PolicyRun] = []
+            for policy in settings.policies:
+                task = progress.add_task(
+                    f"{label} p={pressure:.2f} {policy:<12}",
+                    total=len(workload.requests),
                 )
-                pressure = kv_pressure(working, settings.fleet.workers, capacity)
-                spec = msgspec.structs.replace(settings.fleet, capacity_tokens=capacity)
-                console.print(
-                    f"[bold]{workload.name}[/]: {len(workload.requests)} requests at "
-                    f"{rate:.1f} req/s; working set {working} tokens; fleet "
-                    f"{spec.workers} x {capacity} tokens; [bold]KV pressure {pressure:.2f}[/]"
-                    + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
-                )
-                runs: list[PolicyRun] = []
-                for policy in settings.policies:
-                    task = progress.add_task(
-                        f"{workload.name} p={pressure:.2f} {policy:<12}",
-                        total=len(workload.requests),
-                    )
 
-                    def advance(_: object, task: TaskID = task) -> None:
-                        progress.advance(task)
+                def advance(_: object, task: TaskID = task) -> None:
+                    progress.advance(task)
 
-                    try:
-                        run = await run_policy(
-                            policy, workload, spec, settings.seed, advance,
-                            settings.request_timeout_s, settings.weights,
-                            settings.sglang_router_python,
-                        )  # fmt: skip
-                    except Exception as exc:  # a policy that cannot run is reported, not fatal
-                        run = PolicyRun(
-                            policy=policy,
-                            records=[],
-                            wall_s=0.0,
-                            note=f"did not run: {type(exc).__name__}: {exc}",
-                        )
-                    progress.stop_task(task)
-                    runs.append(run)
-                sections.append(
-                    WorkloadSection(
-                        workload=workload.name,
-                        description=workload.description,
-                        seed=workload.seed,
-                        params=workload.params,
-                        requests=len(workload.requests),
-                        rate_rps=rate,
-                        working_set_tokens=working,
-                        capacity_tokens=capacity,
-                        workers=spec.workers,
-                        pressure=pressure,
-                        runs=runs,
+                try:
+                    run = await run_policy(
+                        policy, workload, spec, settings.seed, advance,
+                        settings.request_timeout_s, settings.weights,
+                        settings.sglang_router_python,
+                    )  # fmt: skip
+                except Exception as exc:  # a policy that cannot run is reported, not fatal
+                    run = PolicyRun(
+                        policy=policy,
+                        records=[],
+                        wall_s=0.0,
+                        note=f"did not run: {type(exc).__name__}: {exc}",
                     )
+                progress.stop_task(task)
+                runs.append(run)
+            sections.append(
+                WorkloadSection(
+                    workload=label,
+                    description=workload.description + TOPOLOGY_NOTES[topology],
+                    seed=workload.seed,
+                    params=workload.params,
+                    requests=len(workload.requests),
+                    rate_rps=rate,
+                    working_set_tokens=working,
+                    capacity_tokens=capacity,
+                    workers=spec.workers,
+                    pressure=pressure,
+                    runs=runs,
+                    dp_size=spec.dp_size,
+                    host_capacity_tokens=spec.host_capacity_tokens,
                 )
+            )
     fleet = msgspec.structs.asdict(settings.fleet)
     fleet["capacity_tokens"] = "per section (from the KV pressure), see below"
     fleet["worker"] = "in-process reference workers (`workers.worker.ReferenceWorker`)"

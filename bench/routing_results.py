@@ -88,6 +88,8 @@ class WorkloadSection(msgspec.Struct):
     workers: int
     pressure: float
     runs: list[PolicyRun]
+    dp_size: int = 1  # ranks per worker, each its own cache of capacity_tokens
+    host_capacity_tokens: int = 0  # the host tier behind each cache (0: none)
 
 
 class BenchReport(msgspec.Struct):

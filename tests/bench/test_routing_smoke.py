@@ -43,3 +43,22 @@ def test_tiny_routing_bench_writes_a_complete_report(tmp_path: Path) -> None:
         assert summaries["kv"]["index_accuracy"] is not None
         for policy in expected:
             assert f"| {policy} | 6/6 | 0 |" in text
+
+
+def test_the_dp_and_tiered_topologies_run_on_their_fleets(tmp_path: Path) -> None:
+    argv = [
+        "bench", "routing", "--quick", "--seed", "3", "--requests", "6", "--rate", "40",
+        "--time-scale", "0.02", "--workloads", "multi_tenant", "--policies", "kv,oracle",
+        "--topologies", "dp,tiered", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "routing.json").read_text())
+    sections = {s["workload"]: s for s in data["sections"]}
+    assert set(sections) == {"multi_tenant [dp 2 ranks]", "multi_tenant [GPU + host tier]"}
+    # 2 quick workers become 1 worker with 2 ranks; the tiered fleet keeps its workers
+    text = (tmp_path / "routing.md").read_text()
+    assert "fleet: 1 workers x 2 DP ranks x" in text
+    assert "fleet: 2 workers x" in text and "tokens of host tier each)" in text
+    for section in sections.values():
+        for s in section["summaries"]:
+            assert s["completed"] == s["requests"] == 6 and s["failed"] == 0
