@@ -49,6 +49,17 @@ def test_cross_field_checks() -> None:
             parse_config({"workers": [{"url": url}]})
 
 
+def test_a_worker_may_name_several_models() -> None:
+    config = parse_config(
+        {"workers": [{"url": "http://a:1", "model": "a"}, {"url": "http://b:1", "models": ["b"]}]}
+    )
+    assert [w.served_models for w in config.workers] == [("a",), ("b",)]
+    with pytest.raises(ConfigError, match=r"workers\.models"):
+        parse_config({"workers": [{"url": "http://a:1", "models": [""]}]})
+    with pytest.raises(ConfigError, match="models"):
+        parse_config({"workers": [{"url": "http://a:1", "models": "a"}]})
+
+
 def test_constructible_in_code_with_defaults() -> None:
     config = RouterConfig(workers=(WorkerConfig(url="http://127.0.0.1:1"),))
     assert config.policy.name == "kv"
