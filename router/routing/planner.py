@@ -93,7 +93,7 @@ class Planner:
         return request_namespace(parsed, self.pool.resolve(parsed.model))
 
     def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
-        """Rank every worker for `parsed`; changes no state."""
+        """Rank every worker of `parsed`'s model for it; changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
         return self._plan(ns, parsed.tokens)
 
