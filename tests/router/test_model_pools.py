@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import PolicyConfig, PolicyName, WorkerConfig
+from router.config import HealthConfig, PolicyConfig, PolicyName, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -29,7 +29,11 @@ POLICIES: tuple[PolicyName, ...] = ("kv", "round_robin", "least_load", "random",
 
 @contextlib.asynccontextmanager
 async def model_fleet(
-    models: Sequence[str], *, policy: PolicyName = "kv", configured: bool = True
+    models: Sequence[str],
+    *,
+    policy: PolicyName = "kv",
+    configured: bool = True,
+    health: HealthConfig | None = None,
 ) -> AsyncIterator[Fleet]:
     """One reference worker per entry of `models` (worker i serves models[i]) behind a router;
     `configured`: the router's config names each worker's model, else it is discovered."""
@@ -42,9 +46,8 @@ async def model_fleet(
             WorkerConfig(url=w.url, id=wid, model=models[i] if configured else "")
             for i, (wid, w) in enumerate(workers.items())
         )
-        config = msgspec.structs.replace(
-            router_config([], policy=PolicyConfig(name=policy)), workers=entries
-        )
+        config = router_config([], policy=PolicyConfig(name=policy))
+        config = msgspec.structs.replace(config, workers=entries, health=health or config.health)
         router = await stack.enter_async_context(RouterService(config))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield Fleet(router, workers, session)
@@ -92,6 +95,20 @@ async def test_no_request_crosses_models(
         a_workers = [wid for wid, m in pool.items() if m == "model-a"]
         counts = [served[wid] for wid in a_workers]
         assert max(counts) - min(counts) <= 1, served
+
+
+async def test_a_failed_request_is_retried_only_within_its_model() -> None:
+    # health checks too slow to notice: the proxy itself finds model-a's only worker gone
+    slow = HealthConfig(interval_s=60.0, timeout_s=0.5)
+    async with model_fleet(("model-a", "model-b"), health=slow) as fleet:
+        await fleet.workers["w0"].__aexit__(None, None, None)
+        status, _, answer = await fleet.post("/v1/completions", _body("", "model-a", "x", "t"))
+        assert status == 502 and answer["error"]["type"] == "UpstreamError", answer
+        assert "w1" not in answer["error"]["message"]  # never tried on model-b's worker
+        status, _, answer = await fleet.post("/v1/completions", _body("", "model-a", "x", "t"))
+        assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
+        status, headers, _ = await fleet.post("/v1/completions", _body("", "model-b", "x", "t"))
+        assert status == 200 and headers["x-kvroute-worker"] == "w1"
 
 
 async def test_a_single_model_fleet_takes_any_model_name_and_shares_its_cache() -> None:
