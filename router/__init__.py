@@ -8,9 +8,11 @@ module imports its own layer and those below, never one above):
   tokens (`tokenizer`), the model's chat template (`chat_template`), each engine's chat
   conventions (`conventions`, `messages`), the JSON nesting bound (`nesting`);
 - `routing/`: the decision, synchronous: `planner` (index lookup + health + load, ranked by a
-  `policy`), `approx_tree`, `load`, `pool`, `breaker`, `namespace`;
+  `policy`), `approx_tree`, `load`, `pool` (workers and the models they serve), `breaker`,
+  `namespace`;
 - `fleet/`: the workers behind the router: `supervisor` (membership, health loop) and
-  `discovery` (KV-event streams from a worker's config and `/server_info`);
+  `discovery` (KV-event streams and served models from a worker's config, `/server_info` and
+  `/v1/models`);
 - `http/`: the router on the wire: `listener` -> `app` -> `proxy` (with `intake`), `admin`,
   `metrics`, `keys`;
 - `service`: `RouterService`, a whole router as an async context manager;

@@ -189,9 +189,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     dp_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     topic: str | None = None
-    # the model namespace of this worker's events: requests whose body `model` names it match its
-    # cache; "" (single-model fleets) is used for every request naming no configured model
+    # The model this worker serves: requests go only to workers of the model their body names
+    # (a fleet serving one model takes any name). "" and no `models`: discovered from the
+    # worker's /server_info (served_model_name) or /v1/models when it registers.
     model: str = ""
+    # further names it answers to (vLLM serves several --served-model-name); its KV events are
+    # indexed under its first name (`model`, else models[0]): one engine, one cache
+    models: tuple[str, ...] = ()
     kv_events: bool = True  # false: a plain backend, routed without cache affinity
 
     def __post_init__(self) -> None:
@@ -205,6 +209,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"workers.url {self.url!r}: {exc}") from None
         if not parts.hostname:
             raise ValueError(f"workers.url {self.url!r} names no host")
+        if any(not name.strip() for name in self.models):
+            raise ValueError("workers.models: a model name must not be empty")
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names the config says this worker serves, its cache's first; () = discover."""
+        return tuple(dict.fromkeys((self.model, *self.models) if self.model else self.models))
 
     @property
     def worker_id(self) -> str:

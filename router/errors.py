@@ -9,6 +9,7 @@ RouterError                    500 unless a subclass says otherwise
 │   └── ExpectationFailedError 417: an `Expect` header other than 100-continue
 ├── AuthError                  401: admin call without the right bearer token
 ├── NotFoundError              404: an unknown worker or namespace on the admin API
+│   └── UnknownModelError      404: a request naming a model no worker of the fleet serves
 ├── ConflictError              409: adding a worker id that already exists
 ├── NoWorkerError              503: no healthy worker can take the request
 ├── TooManyConnectionsError    503: the listener is at limits.max_connections
@@ -31,6 +32,7 @@ __all__ = [
     "RequestTimeoutError",
     "RouterError",
     "TooManyConnectionsError",
+    "UnknownModelError",
     "UpstreamError",
     "UpstreamTimeoutError",
 ]
@@ -40,6 +42,10 @@ class RouterError(Exception):
     """Base of every error the router raises on purpose."""
 
     status = 500
+
+    def details(self) -> dict[str, object]:
+        """Fields the JSON error carries beside `type` and `message` (none by default)."""
+        return {}
 
 
 class ConfigError(RouterError):
@@ -81,9 +87,29 @@ class AuthError(RouterError):
 
 
 class NotFoundError(RouterError):
-    """An admin call naming a worker or namespace the router does not know."""
+    """A name the router does not know: a worker or namespace on the admin API, a model."""
 
     status = 404
+
+
+class UnknownModelError(NotFoundError):
+    """A request whose `model` no worker serves, in a fleet serving several models.
+
+    The answer lists the served models (and OpenAI's `param`/`code`, so OpenAI clients show
+    their usual "model not found"), since the fix is always to name one of them.
+    """
+
+    def __init__(self, model: str, served: tuple[str, ...]) -> None:
+        # the client's string is echoed (clipped): a model name is no secret, but it is input
+        named = f"model {model[:64]!r}" if model else "no model"
+        listed = ", ".join(repr(name) for name in served)
+        super().__init__(f"the request names {named}; this fleet serves {listed}")
+        self.model = model
+        self.served = served
+
+    def details(self) -> dict[str, object]:
+        """OpenAI's fields for an unknown model, and the models a request may name."""
+        return {"param": "model", "code": "model_not_found", "models": list(self.served)}
 
 
 class ConflictError(RouterError):

@@ -1,8 +1,10 @@
-"""The fleet behind the router: who its workers are, where their KV events come from, health.
+"""The fleet behind the router: who its workers are, what they serve, where their KV events
+come from, health.
 
 - `supervisor`: pool membership (add, remove, registration with the indexer) and the health
   loop, the router's one background task;
-- `discovery`: a worker's KV-event streams, from its config and its `/server_info`.
+- `discovery`: a worker's KV-event streams, from its config and its `/server_info`, and what
+  its `/server_info` and `/v1/models` say it serves.
 
 Nothing is imported here, so `kvroute --help` stays light.
 """

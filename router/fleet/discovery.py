@@ -6,6 +6,12 @@ worker's `/server_info` (or `/get_server_info`), read by the worker's engine spe
 advertises nothing, so its streams are configured). A wildcard bind host (`*`, `0.0.0.0`) means
 "the worker's own host".
 Data-parallel rank r publishes on base port + r and replays on replay base port + r.
+
+The models a worker serves come from its config, else from what it advertises: SGLang's
+`/server_info` carries `served_model_name` (its `--served-model-name`, which defaults to the
+model path), and every OpenAI-compatible server lists its models on `/v1/models`, where SGLang
+and vLLM also list each loaded LoRA adapter as a card with a `parent` (an adapter of that base
+model, not a model of its own: requests reach it as `base:adapter` or with `lora_path`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from indexer.service import StreamConfig
 from router.config import WorkerConfig
 from router.errors import RequestError
 
-__all__ = ["needs_discovery", "streams_for", "worker_host"]
+__all__ = [
+    "models_from_model_list",
+    "models_from_server_info",
+    "needs_discovery",
+    "streams_for",
+    "worker_host",
+]
 
 _WILDCARDS = {"*", "0.0.0.0", "", "::", "[::]"}
 
@@ -70,8 +82,38 @@ def _per_rank(
     return [f"{scheme}{bound}:{first + r}" for r in range(dp_size)]
 
 
-def streams_for(worker: WorkerConfig, info: Mapping[str, Any] | None) -> list[StreamConfig]:
-    """The streams of `worker`: its config, completed from its `/server_info` when given."""
+def models_from_server_info(info: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The model an SGLang `/server_info` answer serves (`served_model_name`), None if absent."""
+    name = info.get("served_model_name")
+    return (name,) if isinstance(name, str) and name.strip() else None
+
+
+def models_from_model_list(answer: object) -> tuple[str, ...] | None:
+    """The base models of an OpenAI `/v1/models` list, in its order; None if it is no list.
+
+    Cards with a `parent` are LoRA adapters of that model (SGLang, vLLM) and are left out.
+    """
+    data = answer.get("data") if isinstance(answer, Mapping) else None
+    if not isinstance(data, list):
+        return None
+    names = [
+        card["id"]
+        for card in data
+        if isinstance(card, Mapping)
+        and isinstance(card.get("id"), str)
+        and card["id"].strip()
+        and card.get("parent") is None
+    ]
+    return tuple(dict.fromkeys(names))
+
+
+def streams_for(
+    worker: WorkerConfig, info: Mapping[str, Any] | None, model: str | None = None
+) -> list[StreamConfig]:
+    """The streams of `worker`: its config, completed from its `/server_info` when given.
+
+    `model` is the name its cache is indexed under (default: the config's `model`).
+    """
     if not worker.kv_events:
         return []
     adv = engine_spec(worker.engine).advertised_events(info) if info is not None else {}
@@ -109,7 +151,7 @@ def streams_for(worker: WorkerConfig, info: Mapping[str, Any] | None) -> list[St
             block_size=block_size,
             engine=worker.engine,
             dp_rank=rank,
-            model=worker.model,
+            model=worker.model if model is None else model,
         )
         for rank, endpoint in enumerate(live)
         if endpoint is not None

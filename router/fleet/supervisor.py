@@ -1,9 +1,12 @@
 """Keeping the pool in step with the fleet: discovery, registration, health checks, removal.
 
-A worker's KV-event streams come from its config or its `/server_info`; once known they are
-registered with the indexer. Workers from the config whose server is not up yet are retried on
-every health round, so the router may start before its fleet. Health rounds run every
-`health.interval_s` and probe all workers concurrently, each with its own timeout.
+A worker's KV-event streams come from its config or its `/server_info`, and the models it
+serves from its config, its `/server_info` or its `/v1/models`; once known they are registered
+with the indexer and the pool. Workers from the config whose server is not up yet are retried
+on every health round, so the router may start before its fleet. A worker whose health comes
+back (maybe a new process, maybe serving another model) has its models read again, and is
+registered anew if they changed. Health rounds run every `health.interval_s` and probe all
+workers concurrently, each with its own timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from indexer.engines import SGLANG, EngineSpec, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
-from router.fleet.discovery import needs_discovery, streams_for
+from router.fleet.discovery import (
+    models_from_model_list,
+    models_from_server_info,
+    needs_discovery,
+    streams_for,
+)
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
@@ -80,18 +88,82 @@ class Supervisor:
                 last = f"{path}: {type(exc).__name__}: {exc}"
         raise RequestError(f"cannot read server_info of {url}: {last}")
 
+    async def served_models(
+        self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
+    ) -> tuple[str, ...]:
+        """The models `entry` serves: its config's, else the ones it advertises.
+
+        SGLang's `served_model_name` when its `/server_info` was read anyway, else the
+        worker's `/v1/models`, else (an engine with a settings path) its `/server_info`.
+        RequestError when the worker cannot be asked (it is retried on the health rounds);
+        () when it answers but advertises none.
+        """
+        if entry.config.served_models:
+            return entry.config.served_models
+        if info is not None and (named := models_from_server_info(info)) is not None:
+            return named
+        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)
+        unreachable = ""
+        try:
+            async with self._session.get(entry.url + "/v1/models", timeout=timeout) as resp:
+                if resp.status == 200:
+                    listed = models_from_model_list(msgspec.json.decode(await resp.read()))
+                    if listed is not None:
+                        return listed
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            unreachable = f"/v1/models: {type(exc).__name__}: {exc}"
+        except msgspec.DecodeError:
+            pass  # answered, but with no model list
+        if info is None and spec.server_info_paths:
+            try:
+                named = models_from_server_info(await self.server_info(entry.url, spec))
+            except RequestError:
+                named = None
+            if named is not None:
+                return named
+        if unreachable:
+            raise RequestError(f"cannot read the models of {entry.url}: {unreachable}")
+        log.warning(
+            "worker %s advertises no model: it is routed only in a one-model fleet", entry.id
+        )
+        return ()
+
     async def register(self, entry: WorkerEntry) -> None:
-        """Discover (if needed) and subscribe to the worker's KV-event streams."""
+        """Discover (if needed) the worker's models and KV-event streams, and subscribe."""
         spec = engine_spec(entry.config.engine)
         info = await self.server_info(entry.url, spec) if needs_discovery(entry.config) else None
-        streams = streams_for(entry.config, info)
+        models = await self.served_models(entry, spec, info)
+        streams = streams_for(entry.config, info, model=models[0] if models else "")
         if entry.id not in self._pool_ids():
             return  # removed while discovering
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
+        self._pool.set_models(entry, models)
         entry.streams = [s.endpoint for s in streams]
         entry.discovered = True
-        log.info("worker %s: %d KV-event stream(s) registered", entry.id, len(streams))
+        log.info(
+            "worker %s: serves %s, %d KV-event stream(s) registered",
+            entry.id,
+            ", ".join(models) or "no named model",
+            len(streams),
+        )
+
+    async def _recheck_models(self, entry: WorkerEntry) -> None:
+        """Read a returning worker's models again; register it anew when they changed."""
+        if entry.config.served_models:
+            return  # configured: nothing to rediscover
+        spec = engine_spec(entry.config.engine)
+        try:
+            models = await self.served_models(entry, spec, None)
+        except RequestError as exc:
+            log.warning("worker %s: %s", entry.id, exc)
+            return
+        if models != entry.models and self._pool.find(entry.id) is entry:
+            log.warning("worker %s now serves %s", entry.id, ", ".join(models) or "no model")
+            try:
+                await self.register(entry)  # its cache is another model's: new streams
+            except RequestError as exc:
+                log.warning("worker %s: %s", entry.id, exc)
 
     async def try_register(self, entry: WorkerEntry) -> None:
         """Register a configured worker now if it answers; else the health rounds retry."""
@@ -145,19 +217,24 @@ class Supervisor:
             healthy = False
         if self._pool.find(entry.id) is not entry:
             return healthy  # removed while probed: recording it would revive its metric series
+        came_back = False
         if healthy != entry.healthy:
             log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
             if healthy and entry.discovered:
                 # down -> up may be a new process whose first batches we missed: its index
                 # entries predict nothing until the replay proves them (indexer.fence)
                 self._indexer.suspect_restart(entry.id, "its health check came back")
+                came_back = True
         entry.healthy = healthy
         if healthy and not entry.discovered:
             try:
                 await self.register(entry)
             except RequestError as exc:
                 log.warning("worker %s: %s", entry.id, exc)
-        self._metrics.set_routable(entry.id, entry.routable(self._clock()))
+        elif came_back:
+            await self._recheck_models(entry)
+        if self._pool.find(entry.id) is entry:  # not removed while registering
+            self._metrics.set_routable(entry.id, entry.routable(self._clock()))
         return healthy
 
     async def check_all(self) -> None:

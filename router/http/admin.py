@@ -85,7 +85,8 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
         draining=entry.draining,
         breaker=entry.breaker.state(now),
         consecutive_failures=entry.breaker.failures,
-        model=entry.config.model,
+        model=entry.cache_model,
+        models=list(entry.models or ()),
         kv_events=entry.config.kv_events,
         discovered=entry.discovered,
         streams=entry.streams,
@@ -216,10 +217,16 @@ async def route_dry_run(request: web.Request) -> web.Response:
     # the proxy's own intake: a dry run accepts exactly what the proxy accepts
     config = request.config_dict[CONFIG]
     parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
-    plan = request.config_dict[PLANNER].plan(parsed)
+    planner = request.config_dict[PLANNER]
+    choice = planner.pool.resolve(parsed.model)  # UnknownModelError as the proxy would
+    ns = planner.namespace(parsed)
+    plan = planner.plan(parsed, ns)
     return _reply(
         {
             "worker": plan.worker,
+            # the served model it resolved to, and the LoRA adapter its namespace holds
+            "model": choice.model,
+            "lora": ns.lora,
             "namespace": plan.namespace,
             "prompt_tokens": plan.prompt_tokens,
             "endpoint": parsed.endpoint.value,

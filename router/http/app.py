@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
 from router.config import RouterConfig
-from router.errors import ConfigError, RouterError
+from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http.admin import create_admin_app
 from router.http.keys import (
@@ -36,7 +36,7 @@ from router.http.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.http.metrics import RouterMetrics
+from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
 from router.http.proxy import Proxy
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
@@ -54,18 +54,24 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _json = msgspec.json.Encoder()
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    body = _json.encode({"error": {"type": kind, "message": message}})
+def _error(
+    status: int, kind: str, message: str, details: dict[str, object] | None = None
+) -> web.Response:
+    body = _json.encode({"error": {"type": kind, "message": message, **(details or {})}})
     return web.Response(body=body, status=status, content_type="application/json")
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Turn every error into the JSON error shape with the right status."""
+    details: dict[str, object] | None = None
+    unknown_model = False
     try:
         return await handler(request)
     except RouterError as exc:
         status, kind, message = exc.status, type(exc).__name__, str(exc)
+        details = exc.details()
+        unknown_model = isinstance(exc, UnknownModelError)
     except IndexerError as exc:
         status, kind, message = 400, type(exc).__name__, str(exc)
     except web.HTTPException as exc:
@@ -87,8 +93,10 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         status, kind, message = 500, "InternalError", "internal router error (see the router log)"
     metrics = request.config_dict.get(METRICS)
     if metrics is not None:
-        metrics.rejected.labels(_route_label(request), kind).inc()
-    return _error(status, kind, message)
+        # never the client's model string: one value stands for every model nobody serves
+        model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
+        metrics.rejected.labels(_route_label(request), kind, model).inc()
+    return _error(status, kind, message, details)
 
 
 def _route_label(request: web.Request) -> str:
@@ -130,23 +138,21 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """GET /v1/models: the first routable worker's answer, else the configured models."""
+    """GET /v1/models: every model a routable worker serves, once each (an OpenAI list).
+
+    Built from what the router routes by (the workers' configured or discovered names), so a
+    client is never shown a model the router would refuse.
+    """
     planner = request.app[PLANNER]
     now = planner.clock()
-    session = request.app[SESSION]
+    names: dict[str, None] = {}
     for entry in planner.pool:
-        if not entry.routable(now):
-            continue
-        try:
-            async with session.get(
-                entry.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp:
-                if resp.status == 200:
-                    return web.Response(body=await resp.read(), content_type="application/json")
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-    names = sorted({w.config.model for w in planner.pool if w.config.model})
-    data = [{"id": name, "object": "model", "owned_by": "kvroute"} for name in names]
+        if entry.routable(now):
+            names.update(dict.fromkeys(entry.models or ()))
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "kvroute", "root": name}
+        for name in names
+    ]
     return web.Response(
         body=_json.encode({"object": "list", "data": data}), content_type="application/json"
     )

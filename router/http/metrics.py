@@ -1,7 +1,10 @@
 """Prometheus metrics of one router, in its own registry (several routers may share a process).
 
-Labels are worker ids, endpoints and outcomes only: never a salt, never a fingerprint (a label
-per tenant would be unbounded and would leak who is active).
+Labels are worker ids, endpoints, outcomes and served models only: never a salt, never a
+fingerprint (a label per tenant would be unbounded and would leak who is active), and never the
+client's `model` string: a request is labelled with the served model it resolved to (its pool's
+cache name, "" in a fleet whose workers name none), `UNKNOWN_MODEL` when it named a model the
+fleet does not serve, and "" when the router answered before reading a model at all.
 """
 
 from __future__ import annotations
@@ -9,11 +12,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["RouterMetrics"]
+__all__ = ["REQUEST_MODEL", "UNKNOWN_MODEL", "RouterMetrics"]
+
+UNKNOWN_MODEL = "(unknown)"  # one label value for every model nobody serves
+# the model label of a request once it is known, for the error middleware's rejection count
+REQUEST_MODEL = web.RequestKey("kvroute_model", str)
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -69,19 +77,21 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         # label children cached: `labels()` validates and locks on every call (hot path)
-        self._children: dict[tuple[str, str, int], tuple[Counter, Counter, Counter, Histogram]] = {}
+        self._children: dict[
+            tuple[str, str, int, str], tuple[Counter, Counter, Counter, Histogram]
+        ] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "kvroute_requests",
-            "Proxied requests by endpoint, worker and status code",
-            ["endpoint", "worker", "code"],
+            "Proxied requests by endpoint, worker, status code and model",
+            ["endpoint", "worker", "code", "model"],
             registry=r,
         )
         self.rejected = Counter(
             "kvroute_rejected_requests",
-            "Requests answered by the router itself (4xx/5xx)",
-            ["endpoint", "error"],
+            "Requests answered by the router itself (4xx/5xx), by the model they resolved to",
+            ["endpoint", "error", "model"],
             registry=r,
         )
         self.retries = Counter(
@@ -92,18 +102,21 @@ class RouterMetrics:
         )
         self.latency = Histogram(
             "kvroute_request_duration_seconds",
-            "Time from request to last byte, by endpoint",
-            ["endpoint"],
+            "Time from request to last byte, by endpoint and model",
+            ["endpoint", "model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "kvroute_prompt_tokens", "Prompt tokens routed, by worker", ["worker"], registry=r
+            "kvroute_prompt_tokens",
+            "Prompt tokens routed, by worker and model",
+            ["worker", "model"],
+            registry=r,
         )
         self.matched_tokens = Counter(
             "kvroute_matched_tokens",
-            "Prompt tokens the index predicted cached on the chosen worker",
-            ["worker"],
+            "Prompt tokens the index predicted cached on the chosen worker, by worker and model",
+            ["worker", "model"],
             registry=r,
         )
         self.unindexed = Counter(
@@ -123,17 +136,24 @@ class RouterMetrics:
         )
 
     def record(
-        self, endpoint: str, worker: str, code: int, prompt: int, matched: int, seconds: float
+        self,
+        endpoint: str,
+        worker: str,
+        code: int,
+        prompt: int,
+        matched: int,
+        seconds: float,
+        model: str = "",
     ) -> None:
-        """Count one proxied request."""
-        key = (endpoint, worker, code)
+        """Count one proxied request of `model` (a served model's name, never client input)."""
+        key = (endpoint, worker, code, model)
         children = self._children.get(key)
         if children is None:
             children = self._children[key] = (
-                self.requests.labels(endpoint, worker, str(code)),
-                self.prompt_tokens.labels(worker),
-                self.matched_tokens.labels(worker),
-                self.latency.labels(endpoint),
+                self.requests.labels(endpoint, worker, str(code), model),
+                self.prompt_tokens.labels(worker, model),
+                self.matched_tokens.labels(worker, model),
+                self.latency.labels(endpoint, model),
             )
         requests, prompt_tokens, matched_tokens, latency = children
         requests.inc()

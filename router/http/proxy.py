@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 from router.config import RouterConfig
 from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
 from router.http.intake import read_request
-from router.http.metrics import RouterMetrics
+from router.http.metrics import REQUEST_MODEL, RouterMetrics
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket
@@ -104,6 +104,7 @@ class Proxy:
         parsed = await read_request(request, endpoint, self._config, self._tokenizer)
         planner = self._planner
         ns = planner.namespace(parsed)
+        request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         plan = planner.plan(parsed, ns)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
@@ -143,6 +144,7 @@ class Proxy:
                 len(parsed.tokens),
                 candidate.matched_tokens,
                 time.perf_counter() - started,
+                ns.model,
             )
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))

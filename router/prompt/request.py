@@ -129,6 +129,19 @@ def _salt(
     raise RequestError(f"{field} must be a string")
 
 
+def _lora(value: object) -> str | None:
+    """The LoRA adapter `lora_path` names, as SGLang reads it: a string, or one per item of a
+    batch (the batch is routed by its first item); "" and null mean the base model."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if item is not None and not isinstance(item, str):
+                raise RequestError(f"lora_path[{i}] must be a string")
+        return (value[0] or None) if value else None
+    raise RequestError("lora_path must be a string or a list of strings")
+
+
 def _ids(value: object, field: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int for t in value):
         raise RequestError(f"{field} must be a list of integers")
@@ -214,14 +227,13 @@ def parse_request(
             body["cache_salt"] = salt
         forwarded = _encoder.encode(body)
     model = body.get("model")
-    lora = body.get("lora_path")
     stream = body.get("stream")
     return ParsedRequest(
         endpoint=endpoint,
         body=forwarded,
         salt=salt,
         model=model if isinstance(model, str) else "",
-        lora=lora if isinstance(lora, str) and lora else None,
+        lora=_lora(body.get("lora_path")),
         tokens=tokens,
         stream=stream is True,
         extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),

@@ -5,7 +5,8 @@
 - `policy`: the routing policies (`kv`, `round_robin`, `random`, `least_load`, `approx_tree`);
 - `approx_tree`: the prefix tree of past decisions behind `approx_tree`;
 - `load`: the router's own in-flight bookkeeping per worker;
-- `pool`: the workers and their routing status; `breaker`: the per-worker circuit breaker;
+- `pool`: the workers, their routing status and the workers of each served model (a request's
+  `model`, `base:adapter` included, resolved to one); `breaker`: the per-worker circuit breaker;
 - `namespace`: a request's cache namespace and the keyed fingerprints shown instead of salts.
 
 Nothing is imported here, so `kvroute --help` stays light.

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from indexer.fingerprint import Fingerprinter
 from indexer.service import Namespace
+from router.prompt.request import Endpoint, ParsedRequest
+from router.routing.pool import ModelChoice
 
 __all__ = ["Fingerprinter", "request_namespace"]
 
 
-def request_namespace(
-    salt: str | None,
-    lora: str | None,
-    model: str,
-    fleet_models: Container[str],
-    extra_key: str | None = None,
-) -> Namespace:
-    """The namespace a request is cached in: the fleet model it names (else ""), lora, salt,
-    and the caller's extra_key (which no event carries: see `indexer.namespace.Namespace`)."""
+def request_namespace(parsed: ParsedRequest, choice: ModelChoice) -> Namespace:
+    """The namespace a request is cached in: its model's cache name, the LoRA adapter, the salt,
+    and the caller's extra_key (which no event carries: see `indexer.namespace.Namespace`).
+
+    The adapter is the one the `base:adapter` model names, else `lora_path`: SGLang's OpenAI
+    routes give the model's adapter precedence (`_resolve_lora_path`); its `/generate` takes
+    no `model`, so there only `lora_path` counts. The adapter is what SGLang publishes as the
+    events' `lora_name` (a request's `lora_path` names a loaded adapter).
+    """
+    lora = parsed.lora
+    if choice.adapter is not None and parsed.endpoint is not Endpoint.GENERATE:
+        lora = choice.adapter
     return Namespace(
-        model=model if model in fleet_models else "",
+        model=choice.cache_model,
         lora=lora,
-        cache_salt=salt or None,
-        extra_key=extra_key or None,
+        cache_salt=parsed.salt or None,
+        extra_key=parsed.extra_key or None,
     )

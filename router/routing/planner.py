@@ -89,13 +89,11 @@ class Planner:
         self.clock = time.monotonic
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
-        """The cache namespace `parsed` lives in."""
-        return request_namespace(
-            parsed.salt, parsed.lora, parsed.model, self.pool.models(), parsed.extra_key
-        )
+        """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
+        return request_namespace(parsed, self.pool.resolve(parsed.model))
 
     def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
-        """Rank every worker for `parsed`; changes no state."""
+        """Rank every worker of `parsed`'s model for it; changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
         return self._plan(ns, parsed.tokens)
 
@@ -108,7 +106,7 @@ class Planner:
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         weights = self._config.medium_weights
         views: list[Candidate] = []
-        for entry in self.pool:
+        for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool
             match = matches.get(entry.id, _NO_MATCH)
             stale = match.state in UNTRUSTED  # entries kvroute cannot vouch for: no affinity
             load = self.load.of(entry.id)

@@ -175,19 +175,32 @@ class RandomPolicy(Policy):
 
 
 class RoundRobinPolicy(Policy):
-    """Healthy workers in turn, in pool order."""
+    """Healthy workers in turn, in pool order: the one chosen longest ago goes next.
+
+    Turns are kept per worker, not as one counter over the fleet: the planner offers only the
+    workers of the request's model, and with one counter, requests of two models taking turns
+    would land every request of one model on the same worker of its pool.
+    """
 
     name = "round_robin"
 
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._last: dict[str, int] = {}  # worker -> the decision that last chose it
+
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
-        healthy = [i for i, v in enumerate(views) if v.healthy]
-        scores = [0.0] * len(views)
-        if healthy:
-            start = self._decisions % len(healthy)
-            order = healthy[start:] + healthy[:start]
-            for place, i in enumerate(order):
-                scores[i] = float(len(order) - place)
-        return scores
+        n = len(views)
+        # never chosen counts as chosen before everything, in pool order
+        return [-float(self._last.get(v.worker, -1) * (n + 1) + i) for i, v in enumerate(views)]
+
+    def record(self, tokens: Sequence[int], worker: str) -> None:
+        """The chosen worker's turn is over."""
+        self._last[worker] = self._decisions
+        super().record(tokens, worker)
+
+    def forget(self, worker: str) -> None:
+        """A worker that left takes no more turns."""
+        self._last.pop(worker, None)
 
 
 class ApproxTreePolicy(Policy):

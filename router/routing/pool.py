@@ -1,4 +1,10 @@
-"""The fleet as the router sees it: workers, their health, breakers and drain flags.
+"""The fleet as the router sees it: workers, their health, breakers, drain flags and models.
+
+A fleet serves models; a model is served by workers (DESIGN.md section 9). A worker serves the
+names its config gives, else those it advertised when it registered (`router.fleet`); the pool
+keeps, per served name, the workers of that name, so a request is only ever planned among the
+workers of its model (`serving`). A fleet whose workers all serve the same names is one pool:
+it takes any `model` string, as SGLang does (it ignores the field; clients send "default").
 
 Plain state, mutated only from the event loop (health checker, proxy, admin API), never across
 an await in the middle of an update, so it needs no lock.
@@ -7,15 +13,22 @@ an await in the middle of an update, so it needs no lock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import msgspec
 
 from router.config import BreakerConfig, WorkerConfig
-from router.errors import ConflictError, NotFoundError
+from router.errors import ConflictError, NotFoundError, UnknownModelError
 from router.routing.breaker import BreakerState, CircuitBreaker
 
-__all__ = ["WorkerEntry", "WorkerPool", "WorkerStatus", "WorkerSummary"]
+__all__ = [
+    "ModelChoice",
+    "WorkerEntry",
+    "WorkerPool",
+    "WorkerStatus",
+    "WorkerSummary",
+    "split_adapter",
+]
 
 
 class WorkerStatus(enum.StrEnum):
@@ -37,7 +50,8 @@ class WorkerSummary(msgspec.Struct):
     draining: bool
     breaker: BreakerState
     consecutive_failures: int
-    model: str
+    model: str  # the name its cache is indexed under ("" while unknown)
+    models: list[str]  # every name it serves, that one first
     kv_events: bool
     discovered: bool
     streams: list[str]
@@ -58,7 +72,15 @@ class WorkerEntry:
         self.breaker = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s)
         # set once the worker's streams are registered with the indexer
         self.streams: list[str] = []
-        self.discovered = not config.kv_events
+        # the names it serves, its cache's first: the config's, else set when it registers
+        # (None until then, () when it advertises none)
+        self.models: tuple[str, ...] | None = config.served_models or None
+        self.discovered = not config.kv_events and self.models is not None
+
+    @property
+    def cache_model(self) -> str:
+        """The model its KV events are indexed under: its first name ("" while unknown)."""
+        return self.models[0] if self.models else ""
 
     def status(self, now: float) -> WorkerStatus:
         """The worker's routing status at `now`."""
@@ -75,13 +97,48 @@ class WorkerEntry:
         return self.status(now) is WorkerStatus.READY
 
 
+def split_adapter(model: str, served: Iterable[str]) -> tuple[str, str | None]:
+    """SGLang's `base:adapter` spelling: (base model, LoRA adapter or None).
+
+    As SGLang's OpenAI layer reads it (`OpenAIServingBase._parse_model_parameter`, 0.5.23): a
+    name without ":" or equal to a served name is the model itself; one starting with a served
+    name and ":" names that model and the adapter after it (served names may hold a colon, e.g.
+    object-storage URIs); otherwise the first ":" splits. Both halves are stripped and an empty
+    adapter is none. A router in front of several models tries each served name (the longest
+    first, so "a:b" beats "a" for "a:b:c") where SGLang compares with its one name.
+    """
+    if ":" not in model:
+        return model, None
+    names = sorted((n for n in served if model == n or model.startswith(n + ":")), key=len)
+    if names and model == names[-1]:
+        return model, None
+    if names:
+        base, adapter = names[-1], model[len(names[-1]) + 1 :]
+    else:
+        base, adapter = model.split(":", 1)
+    return base.strip(), adapter.strip() or None
+
+
+class ModelChoice(msgspec.Struct, frozen=True):
+    """The model a request's `model` string resolved to."""
+
+    model: str  # the served name it resolved to ("" in a fleet whose workers name none)
+    # the name its workers' caches are indexed under, and the key of `WorkerPool.serving`
+    cache_model: str
+    adapter: str | None  # the LoRA adapter the string names (`base:adapter`), if any
+
+
 class WorkerPool:
-    """Workers by id, in the order they were added."""
+    """Workers by id, in the order they were added, and the models they serve."""
 
     def __init__(self, breaker: BreakerConfig) -> None:
         self._breaker = breaker
         self._workers: dict[str, WorkerEntry] = {}
-        self._models: frozenset[str] = frozenset()  # asked on every request: kept, not rebuilt
+        # asked on every request, so kept and rebuilt on membership changes (`_reindex`)
+        self._everyone: tuple[WorkerEntry, ...] = ()
+        self._by_model: dict[str, tuple[WorkerEntry, ...]] = {}
+        self._cache_model: dict[str, str] = {}  # served name -> `ModelChoice.cache_model`
+        self._single: ModelChoice | None = ModelChoice("", "", None)
 
     def add(self, config: WorkerConfig) -> WorkerEntry:
         """Add a worker; its id must be new."""
@@ -89,7 +146,7 @@ class WorkerPool:
         if entry.id in self._workers:
             raise ConflictError(f"worker {entry.id!r} already exists")
         self._workers[entry.id] = entry
-        self._models = self._models | {entry.config.model}
+        self._reindex()
         return entry
 
     def remove(self, worker_id: str) -> WorkerEntry:
@@ -98,8 +155,14 @@ class WorkerPool:
             entry = self._workers.pop(worker_id)
         except KeyError:
             raise NotFoundError(f"no worker {worker_id!r}") from None
-        self._models = frozenset(w.config.model for w in self._workers.values())
+        self._reindex()
         return entry
+
+    def set_models(self, entry: WorkerEntry, models: tuple[str, ...]) -> None:
+        """Record the names `entry` serves (discovered); ignored once it left the pool."""
+        if self._workers.get(entry.id) is entry:
+            entry.models = models
+            self._reindex()
 
     def get(self, worker_id: str) -> WorkerEntry:
         """The worker with this id."""
@@ -112,12 +175,52 @@ class WorkerPool:
         """The worker with this id, or None."""
         return self._workers.get(worker_id)
 
-    def models(self) -> frozenset[str]:
-        """The namespace models configured across the fleet."""
-        return self._models
+    def served(self) -> tuple[str, ...]:
+        """Every name a worker serves, in the order the workers were added."""
+        return tuple(self._by_model)
+
+    def resolve(self, model: str) -> ModelChoice:
+        """The served model a request naming `model` goes to; UnknownModelError when the fleet
+        serves several and none of them is `model` (or its base, in the `base:adapter` form)."""
+        base, adapter = split_adapter(model, self._by_model)
+        if self._single is not None:
+            # one pool takes every name (SGLang ignores it), and keeps the alias it was asked
+            served = base if base in self._by_model else self._single.model
+            return ModelChoice(served, self._single.cache_model, adapter)
+        if base not in self._by_model:
+            raise UnknownModelError(model, self.served())
+        return ModelChoice(base, self._cache_model[base], adapter)
+
+    def serving(self, cache_model: str) -> tuple[WorkerEntry, ...]:
+        """The workers a request resolved to `cache_model` (`resolve`) may go to."""
+        if self._single is not None:
+            return self._everyone
+        return self._by_model.get(cache_model, ())
+
+    def _reindex(self) -> None:
+        by_model: dict[str, list[WorkerEntry]] = {}
+        for entry in self._workers.values():
+            for name in entry.models or ():
+                by_model.setdefault(name, []).append(entry)
+        self._everyone = tuple(self._workers.values())
+        self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
+        # A name's requests are matched against the cache of its workers' first name when that
+        # name has exactly the same workers (aliases listed alike); otherwise under the name
+        # itself, which keeps `serving(cache_model)` equal to the workers of the name.
+        groups = {name: frozenset(e.id for e in entries) for name, entries in by_model.items()}
+        self._cache_model = {}
+        for name, entries in by_model.items():
+            first = entries[0].cache_model
+            self._cache_model[name] = first if groups.get(first) == groups[name] else name
+        # every named worker serving every name: one pool, which also takes unnamed workers
+        if len(set(groups.values())) <= 1:
+            first_name = next(iter(by_model), "")
+            self._single = ModelChoice(first_name, self._cache_model.get(first_name, ""), None)
+        else:
+            self._single = None
 
     def __iter__(self) -> Iterator[WorkerEntry]:
-        return iter(list(self._workers.values()))
+        return iter(self._everyone)
 
     def __len__(self) -> int:
         return len(self._workers)

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from router.config import (
+    BreakerConfig,
     LimitsConfig,
     RouterConfig,
     TimeoutsConfig,
@@ -16,6 +17,7 @@ from router.config import (
     parse_config,
 )
 from router.errors import ConfigError
+from router.routing.pool import WorkerPool
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -49,6 +51,17 @@ def test_cross_field_checks() -> None:
             parse_config({"workers": [{"url": url}]})
 
 
+def test_a_worker_may_name_several_models() -> None:
+    config = parse_config(
+        {"workers": [{"url": "http://a:1", "model": "a"}, {"url": "http://b:1", "models": ["b"]}]}
+    )
+    assert [w.served_models for w in config.workers] == [("a",), ("b",)]
+    with pytest.raises(ConfigError, match=r"workers\.models"):
+        parse_config({"workers": [{"url": "http://a:1", "models": [""]}]})
+    with pytest.raises(ConfigError, match="models"):
+        parse_config({"workers": [{"url": "http://a:1", "models": "a"}]})
+
+
 def test_constructible_in_code_with_defaults() -> None:
     config = RouterConfig(workers=(WorkerConfig(url="http://127.0.0.1:1"),))
     assert config.policy.name == "kv"
@@ -70,9 +83,21 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
         load_config(bad)
 
 
-@pytest.mark.parametrize("name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml"])
+@pytest.mark.parametrize(
+    "name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml", "multi-model.toml"]
+)
 def test_shipped_configs_load(name: str) -> None:
     load_config(CONFIGS / name)
+
+
+def test_the_multi_model_example_serves_two_models() -> None:
+    workers = load_config(CONFIGS / "multi-model.toml").workers
+    pool = WorkerPool(BreakerConfig())
+    for worker in workers:
+        pool.add(worker)
+    # the second 7B worker joins its pool once discovered
+    assert pool.served() == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-32B-Instruct", "qwen-32b")
+    assert pool.resolve("qwen-32b").cache_model == "Qwen/Qwen2.5-32B-Instruct"
 
 
 def test_every_limit_and_timeout_is_documented() -> None:

@@ -87,6 +87,6 @@ def test_metrics_forget_a_removed_workers_series() -> None:
     metrics.forget("gone")
     assert 'kvroute_worker_routable{worker="gone"}' not in metrics.render().decode()
     metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
-    assert 'kvroute_requests_total{code="200",endpoint="/generate",worker="gone"} 2.0' in (
+    assert 'kvroute_requests_total{code="200",endpoint="/generate",model="",worker="gone"} 2.0' in (
         metrics.render().decode()
     )

@@ -55,9 +55,20 @@ def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
     assert batched.salt == "s1"
 
 
+def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    assert _parse(Endpoint.CHAT, {"messages": hi, "lora_path": "a"}).lora == "a"
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": ""}).lora is None
+    batched = _parse(Endpoint.GENERATE, {"text": ["a", "b"], "lora_path": ["l1", None]})
+    assert batched.lora == "l1"
+    assert _parse(Endpoint.GENERATE, {"text": ["a"], "lora_path": [None]}).lora is None
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "field"),
     [
+        (Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": 5}, "lora_path"),
+        (Endpoint.GENERATE, {"text": ["a", "b"], "lora_path": ["l", 5]}, "lora_path[1]"),
         (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": 5}, "cache_salt"),
         (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": ["a"]}, "cache_salt"),
         (Endpoint.GENERATE, {"text": ["a"], "cache_salt": [1]}, "cache_salt[0]"),

@@ -10,6 +10,7 @@ import pytest
 
 from indexer.service import IndexerService, Namespace, StreamConfig
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
+from router.errors import UnknownModelError
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
@@ -98,17 +99,20 @@ async def test_commit_tracks_uncached_prefill_and_running(indexer: IndexerServic
     assert (load.queued_prefill_tokens, load.running) == (0, 0)
 
 
-async def test_request_model_selects_the_namespace_model_only_when_configured(
-    indexer: IndexerService,
-) -> None:
+async def test_request_model_selects_the_pool_and_its_namespace(indexer: IndexerService) -> None:
     planner = await _planner(indexer, "kv", models=("llama", "qwen"))
     assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")
-    assert planner.namespace(_request("x", model="other")) == Namespace(model="")
+    assert [c.worker for c in planner.plan(_request("x", model="qwen")).candidates] == ["w1"]
+    with pytest.raises(UnknownModelError) as refused:
+        planner.namespace(_request("x", model="other"))
+    assert refused.value.served == ("llama", "qwen") and refused.value.status == 404
     salted = planner.namespace(_request("x", salt="s", model="llama"))
     assert salted == Namespace(model="llama", cache_salt="s")
-    assert planner.plan(_request("x", salt="s")).namespace != planner.plan(_request("x")).namespace
-    # the fleet's models follow membership
+    salted_plan = planner.plan(_request("x", salt="s", model="llama"))
+    assert salted_plan.namespace != planner.plan(_request("x", model="llama")).namespace
+    # the fleet's models follow membership: one model left takes every name
     planner.pool.remove("w1")
-    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="")
+    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="llama")
     planner.pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="qwen"))
     assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")
+    assert [c.worker for c in planner.plan(_request("x", model="qwen")).candidates] == ["w9"]

@@ -87,6 +87,21 @@ def test_round_robin_cycles_over_healthy_workers_only_on_record() -> None:
     assert picks == ["a", "c", "a", "c"]
 
 
+def test_round_robin_takes_turns_within_each_pool_of_candidates() -> None:
+    # the planner offers only the workers of the request's model: requests of two models
+    # taking turns must still spread over each model's workers
+    policy = RoundRobinPolicy(PolicyConfig())
+    pools = [_views(("a0", 0, 0, 0), ("a1", 0, 0, 0)), _views(("b0", 0, 0, 0), ("b1", 0, 0, 0))]
+    picks: list[str] = []
+    for i in range(8):
+        first = policy.rank([], pools[i % 2])[0].worker
+        policy.record([], first)
+        picks.append(first)
+    assert picks == ["a0", "b0", "a1", "b1"] * 2
+    policy.forget("a0")  # a worker that left and came back starts over, first in line
+    assert policy.rank([], pools[0])[0].worker == "a0"
+
+
 def test_least_load_ignores_hits() -> None:
     policy = LeastLoadPolicy(PolicyConfig())
     ranked = policy.rank([1], _views(("a", 1000, 5, 1), ("b", 0, 0, 1), ("c", 0, 0, 2)))

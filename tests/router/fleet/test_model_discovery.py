@@ -1,0 +1,186 @@
+"""Which models a worker serves, when its config does not say: discovered and rediscovered.
+
+SGLang's `/server_info` names its `served_model_name`; every OpenAI-compatible server lists
+its models on `/v1/models`, where SGLang and vLLM list each loaded LoRA adapter as a card with
+a `parent`. Real servers on 127.0.0.1: reference workers, and a small OpenAI-only backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.config import WorkerConfig
+from router.fleet.discovery import models_from_model_list, models_from_server_info
+from router.service import RouterService
+from tests.router.conftest import Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+
+def test_what_the_answers_say() -> None:
+    assert models_from_server_info({"served_model_name": "Qwen/Qwen3-8B"}) == ("Qwen/Qwen3-8B",)
+    assert models_from_server_info({"model_path": "m"}) is None
+    assert models_from_server_info({"served_model_name": None}) is None
+    cards: list[Any] = [
+        {"id": "base", "object": "model", "root": "base", "parent": None},
+        {"id": "an-adapter", "object": "model", "root": "/loras/a", "parent": "base"},
+        {"id": "alias", "object": "model"},
+        {"id": "base"},
+        {"id": ""},
+        {"id": 5},
+        "junk",
+    ]
+    assert models_from_model_list({"object": "list", "data": cards}) == ("base", "alias")
+    assert models_from_model_list({"object": "list", "data": []}) == ()
+    assert models_from_model_list({"data": "x"}) is None
+    assert models_from_model_list([]) is None
+
+
+class OpenAIBackend:
+    """An OpenAI-compatible server with one model and one LoRA adapter, and no /server_info."""
+
+    def __init__(self) -> None:
+        self.models_asked = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_asked += 1
+        cards = [
+            {"id": "base-x", "object": "model", "root": "base-x", "parent": None},
+            {"id": "lora-x", "object": "model", "root": "/adapters/x", "parent": "base-x"},
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"object": "text_completion", "model": body.get("model")})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def __aenter__(self) -> OpenAIBackend:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _router(*workers: WorkerConfig) -> AsyncIterator[Fleet]:
+    config = msgspec.structs.replace(router_config([]), workers=workers)
+    async with RouterService(config) as router, aiohttp.ClientSession() as session:
+        yield Fleet(router, {}, session)
+
+
+def _models_of(workers: dict[str, Any]) -> dict[str, list[str]]:
+    return {w["id"]: w["models"] for w in workers["workers"]}
+
+
+async def test_a_worker_without_a_configured_model_serves_what_its_v1_models_lists() -> None:
+    reference = ReferenceConfig(model="model-a", time_scale=0.0)
+    async with ReferenceWorker(reference) as worker, OpenAIBackend() as backend:
+        # no events to discover, so no /server_info: the models come from /v1/models
+        workers = (
+            WorkerConfig(url=worker.url, id="ref", kv_events=False),
+            WorkerConfig(url=backend.url, id="openai", kv_events=False),
+        )
+        async with _router(*workers) as fleet:
+            assert backend.models_asked == 1
+            status, listed = await fleet.admin("GET", "/workers")
+            assert status == 200
+            # the adapter card is an adapter of base-x, not a model of its own
+            assert _models_of(listed) == {"ref": ["model-a"], "openai": ["base-x"]}
+            for model, worker_id in [
+                ("model-a", "ref"),
+                ("base-x", "openai"),
+                ("base-x:lora-x", "openai"),
+            ]:
+                body = {"model": model, "prompt": "hello", "max_tokens": 1}
+                status, headers, answer = await fleet.post("/v1/completions", body)
+                assert status == 200 and headers["x-kvroute-worker"] == worker_id, answer
+            status, _, answer = await fleet.post(
+                "/v1/completions", {"model": "lora-x", "prompt": "x"}
+            )
+            assert status == 404 and answer["error"]["models"] == ["model-a", "base-x"]
+            async with fleet.session.get(fleet.url + "/v1/models") as resp:
+                assert [c["id"] for c in (await resp.json())["data"]] == ["model-a", "base-x"]
+
+
+async def test_an_sglang_worker_names_its_model_in_server_info() -> None:
+    async with (
+        ReferenceWorker(ReferenceConfig(model="model-a", time_scale=0.0)) as a,
+        ReferenceWorker(ReferenceConfig(model="model-b", time_scale=0.0)) as b,
+        _router(WorkerConfig(url=a.url, id="a")) as fleet,
+    ):
+        async with fleet.session.get(a.url + "/server_info") as resp:
+            assert (await resp.json())["served_model_name"] == "model-a"
+        # added on the admin API, discovered like the configured one
+        status, added = await fleet.admin("POST", "/workers", {"url": b.url, "id": "b"})
+        assert status == 201 and added["models"] == ["model-b"] and added["model"] == "model-b"
+        _, workers = await fleet.admin("GET", "/workers")
+        assert _models_of(workers) == {"a": ["model-a"], "b": ["model-b"]}
+        _, streams = await fleet.admin("GET", "/streams")
+        assert len(streams["streams"]) == 2  # its events were discovered alongside
+        plan = await fleet.route({"model": "model-b", "prompt": "x"})
+        assert [c["worker"] for c in plan["candidates"]] == ["b"]
+
+
+async def test_a_worker_that_comes_back_serving_another_model_is_rediscovered() -> None:
+    async with ReferenceWorker(ReferenceConfig(model="model-b", time_scale=0.0)) as b:
+        first = ReferenceWorker(ReferenceConfig(model="model-a", time_scale=0.0))
+        await first.__aenter__()
+        port = int(first.url.rsplit(":", 1)[1])
+        try:
+            async with _router(
+                WorkerConfig(url=first.url, id="w0"), WorkerConfig(url=b.url, id="w1")
+            ) as fleet:
+                plan = await fleet.route({"model": "model-a", "prompt": "x"})
+                assert [c["worker"] for c in plan["candidates"]] == ["w0"]
+                await first.__aexit__(None, None, None)
+
+                async def down() -> bool:
+                    _, workers = await fleet.admin("GET", "/workers")
+                    return any(w["id"] == "w0" and not w["healthy"] for w in workers["workers"])
+
+                await eventually(down, what="w0 out of rotation")
+                again = ReferenceConfig(model="model-c", time_scale=0.0, port=port)
+                first = ReferenceWorker(again)
+                await first.__aenter__()
+
+                async def serves_model_c() -> bool:
+                    body = {"model": "model-c", "prompt": "x"}
+                    status, answer = await fleet.admin("POST", "/route", body)
+                    assert status in (200, 404), answer
+                    return status == 200
+
+                await eventually(serves_model_c, what="w0's new model to be discovered")
+                plan = await fleet.route({"model": "model-c", "prompt": "x"})
+                assert [c["worker"] for c in plan["candidates"]] == ["w0"]
+                gone = {"model": "model-a", "prompt": "x"}
+                status, answer = await fleet.admin("POST", "/route", gone)
+                assert status == 404 and answer["error"]["models"] == ["model-c", "model-b"]
+                request = {"model": "model-c", "prompt": "hello", "max_tokens": 1}
+                status, headers, _ = await fleet.post("/v1/completions", request)
+                assert status == 200 and headers["x-kvroute-worker"] == "w0"
+                _, streams = await fleet.admin("GET", "/streams")
+                # its cache is model-c's now: subscribed anew on the new process's endpoints
+                w0 = [s for s in streams["streams"] if s["worker"] == "w0"]
+                assert [s["endpoint"] for s in w0] == [first.kv_events.endpoint]
+        finally:
+            await first.__aexit__(None, None, None)

@@ -1,0 +1,122 @@
+"""The pool's models: which workers a request may go to, and how its `model` string resolves."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import BreakerConfig, WorkerConfig
+from router.errors import UnknownModelError
+from router.routing.pool import ModelChoice, WorkerPool, split_adapter
+
+
+def _pool(*models: str | tuple[str, ...]) -> WorkerPool:
+    """Worker i serves models[i] (a name, several names, or "" for none configured)."""
+    pool = WorkerPool(BreakerConfig())
+    for i, served in enumerate(models):
+        names = ((served,) if served else ()) if isinstance(served, str) else served
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}", models=names))
+    return pool
+
+
+def _ids(pool: WorkerPool, model: str) -> list[str]:
+    return [e.id for e in pool.serving(pool.resolve(model).cache_model)]
+
+
+# SGLang 0.5.23, OpenAIServingBase._parse_model_parameter, with its one served name "m" (and
+# an object-storage name holding colons, the one kind its validation lets contain ":")
+@pytest.mark.parametrize(
+    ("model", "served", "expected"),
+    [
+        ("m", ["m"], ("m", None)),
+        ("m:lora", ["m"], ("m", "lora")),
+        ("m:lora:v2", ["m"], ("m", "lora:v2")),  # split once
+        ("default:lora", ["m"], ("default", "lora")),  # the base is not checked: first colon
+        ("m: lora ", ["m"], ("m", "lora")),  # both halves stripped
+        (" x :lora", ["m"], ("x", "lora")),
+        ("m:", ["m"], ("m", None)),  # an empty adapter is none
+        ("m:  ", ["m"], ("m", None)),
+        (" m ", ["m"], (" m ", None)),  # no colon: the name as given, unstripped
+        ("s3://b/m", ["s3://b/m"], ("s3://b/m", None)),  # the exact served name
+        ("s3://b/m:lora", ["s3://b/m"], ("s3://b/m", "lora")),  # the served name first
+        ("s3://b/m:lora", ["m"], ("s3", "//b/m:lora")),
+        # several served names (a router's generalisation): the longest that fits
+        ("a:b:c", ["a", "a:b"], ("a:b", "c")),
+        ("a:b", ["a", "a:b"], ("a:b", None)),
+    ],
+)
+def test_split_adapter_reads_the_model_as_sglang_does(
+    model: str, served: list[str], expected: tuple[str, str | None]
+) -> None:
+    assert split_adapter(model, served) == expected
+
+
+def test_a_fleet_of_several_models_plans_each_request_among_its_own_workers() -> None:
+    pool = _pool("a", "a", "b")
+    assert pool.served() == ("a", "b")
+    assert _ids(pool, "a") == ["w0", "w1"] and _ids(pool, "b") == ["w2"]
+    assert _ids(pool, "a:adapter") == ["w0", "w1"]
+    assert pool.resolve("a:adapter") == ModelChoice("a", "a", "adapter")
+    for model in ("c", "", "default", "c:a"):
+        with pytest.raises(UnknownModelError) as refused:
+            pool.resolve(model)
+        assert refused.value.served == ("a", "b") and refused.value.status == 404
+
+
+def test_a_one_model_fleet_takes_any_name_and_every_worker() -> None:
+    pool = _pool("m", "m", "")  # the third one's model is not known (yet)
+    for model in ("m", "default", "", "other:adapter"):
+        assert _ids(pool, model) == ["w0", "w1", "w2"]
+        assert pool.resolve(model).cache_model == "m"
+    assert pool.resolve("default").model == "m"
+    assert pool.resolve("other:adapter").adapter == "adapter"
+    # a fleet that names no model at all is one pool too
+    unnamed = _pool("", "")
+    assert unnamed.resolve("anything") == ModelChoice("", "", None)
+    assert _ids(unnamed, "anything") == ["w0", "w1"]
+
+
+def test_a_worker_of_unknown_model_takes_nothing_once_the_fleet_serves_several() -> None:
+    pool = _pool("a", "b", "")
+    assert _ids(pool, "a") == ["w0"] and _ids(pool, "b") == ["w1"]
+    pool.set_models(pool.get("w2"), ("b",))  # discovered
+    assert _ids(pool, "b") == ["w1", "w2"]
+    assert pool.get("w2").cache_model == "b"
+
+
+def test_membership_and_discovery_reshape_the_pools() -> None:
+    pool = _pool("a", "b")
+    gone = pool.remove("w1")
+    assert _ids(pool, "b") == ["w0"]  # one model left: it takes every name again
+    pool.set_models(gone, ("c",))  # a late discovery of a removed worker changes nothing
+    assert pool.served() == ("a",)
+    pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="b"))
+    assert _ids(pool, "b") == ["w9"]
+    with pytest.raises(UnknownModelError):
+        pool.resolve("c")
+
+
+def test_aliases_share_the_cache_of_their_first_name() -> None:
+    # vLLM serves several names; its events are indexed under the first
+    pool = _pool(("llama-3", "llama"), ("llama-3", "llama"), "qwen")
+    assert pool.served() == ("llama-3", "llama", "qwen")
+    assert pool.resolve("llama") == ModelChoice("llama", "llama-3", None)
+    assert _ids(pool, "llama") == ["w0", "w1"]
+    # listed unevenly, a name keeps its own workers (and its own cache name)
+    uneven = _pool(("llama-3", "llama"), "llama-3", "qwen")
+    assert uneven.resolve("llama") == ModelChoice("llama", "llama", None)
+    assert _ids(uneven, "llama") == ["w0"] and _ids(uneven, "llama-3") == ["w0", "w1"]
+    # aliases alike on every worker: still a one-model fleet
+    alike = _pool(("x", "y"), ("x", "y"))
+    assert alike.resolve("default") == ModelChoice("x", "x", None)
+    assert alike.resolve("y") == ModelChoice("y", "x", None)
+
+
+def test_config_names_models_once_first_name_first() -> None:
+    assert WorkerConfig(url="http://a:1", model="a", models=("b", "a")).served_models == (
+        "a",
+        "b",
+    )
+    assert WorkerConfig(url="http://a:1", models=("b", "c")).served_models == ("b", "c")
+    assert WorkerConfig(url="http://a:1").served_models == ()
+    with pytest.raises(ValueError, match=r"workers\.models"):
+        WorkerConfig(url="http://a:1", models=("b", " "))
