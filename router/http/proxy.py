@@ -131,7 +131,8 @@ class Proxy:
                 break
             candidate = untried[0]
             tried.add(candidate.worker)
-            last_try = attempt == attempts - 1 or len(untried) == 1
+            # the last worker left (its other ranks are no retry: a failure is the worker's)
+            last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
             ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
             body, rank_header = self._tell_rank(endpoint, parsed, candidate)
             try:

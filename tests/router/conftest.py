@@ -96,6 +96,7 @@ class Fleet:
                         "input_ids": [8, next(pokes) % 250 + 3] * 8,
                         "cache_salt": "warm-up",
                         "routed_dp_rank": rank,
+                        "sampling_params": {"max_new_tokens": 1},  # quick on slow workers too
                     }
                     async with self.session.post(url + "/generate", json=poke) as resp:
                         assert resp.status == 200, await resp.text()
