@@ -70,7 +70,7 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
         load_config(bad)
 
 
-@pytest.mark.parametrize("name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml"])
+@pytest.mark.parametrize("name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml", "dp.toml"])
 def test_shipped_configs_load(name: str) -> None:
     load_config(CONFIGS / name)
 
