@@ -4,8 +4,10 @@ Reference workers with two DP ranks each (one cache, one event stream, one sched
 behind a real router: a repeated prompt must be served by the rank the index predicted, on
 `/generate` (SGLang's `routed_dp_rank` body field) and the OpenAI routes (the
 `X-Data-Parallel-Rank` header), so `cached_tokens` equals `x-kvroute-matched-tokens` for every
-repeat. Before the router chose ranks, the engine's own round robin served about half the
-repeats from the other rank (`cached_tokens` 0).
+repeat. Before the router chose ranks, the engine placed each request itself: with SGLang's
+load-driven DP controller about half the repeats land on the other rank (`cached_tokens` 0);
+with the reference worker's strict round robin a prompt and its repeat always split, so these
+tests saw 0 of 6 repeats served as predicted on every route, and now see 6 of 6.
 """
 
 from __future__ import annotations
