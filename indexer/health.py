@@ -13,10 +13,11 @@ __all__ = ["StreamHealth"]
 
 
 class StreamHealth:
-    """One stream's state, the times it heard anything, and its block size once known."""
+    """One stream's state, the times it heard anything, its block size once known, its rank."""
 
     __slots__ = (
         "block_size",
+        "dp_rank",
         "last_event_at",
         "last_heard_at",
         "stale_after_s",
@@ -33,8 +34,10 @@ class StreamHealth:
         stale_after_s: float,
         block_size: int | None = None,
         state: StreamState = StreamState.SYNCING,
+        dp_rank: int = 0,
     ) -> None:
         self.stream_id = stream_id
+        self.dp_rank = dp_rank  # which data-parallel rank of its worker this stream is
         self.state = state  # what the subscriber last decided (never STALE: that is time)
         self.started_at = started_at
         self.stale_after_s = stale_after_s

@@ -10,8 +10,11 @@ synchronous `query` always sees a consistent index.
         await indexer.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:5557")])
         matches = indexer.query(Namespace("model", None, salt), token_ids)
 
-Pending entries are per worker: `add_pending` marks the prefix on every stream of the worker
-(the worker picks the dp rank itself), and `query` reports them as `pending_tokens`.
+A worker with several data-parallel ranks has one stream per rank (one cache each): `query`
+answers every rank apart (`WorkerMatch.ranks`), so the router can choose the rank as well, and
+`add_pending` marks the prefix on the rank the request was sent to (or on every stream of the
+worker when the router left the rank to the engine); `query` reports the marks as
+`pending_tokens`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
-from indexer.stats import UNTRUSTED, NamespaceStats, StreamState, StreamStats, WorkerMatch
+from indexer.stats import (
+    UNTRUSTED,
+    NamespaceStats,
+    RankMatch,
+    StreamState,
+    StreamStats,
+    WorkerMatch,
+)
 from indexer.subscriptions import Subscriptions, stream_id
 from indexer.worker_matches import WorkerMatches
 
@@ -36,6 +46,7 @@ __all__ = [
     "IndexerService",
     "Namespace",
     "NamespaceStats",
+    "RankMatch",
     "StreamConfig",
     "StreamState",
     "StreamStats",
@@ -96,7 +107,8 @@ class IndexerService:
             return IndexSink(self.index, sid)
 
         subs = self._subs.start(worker, streams, sink_for)
-        self._health[worker] = [sub.health for sub in subs]
+        # in rank order: a query lists a worker's ranks in the order of its streams here
+        self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         self._matches.invalidate()
 
     async def remove_worker(self, worker: str) -> None:
@@ -135,6 +147,7 @@ class IndexerService:
     ) -> dict[str, WorkerMatch]:
         """For EVERY known worker, the leading blocks of `tokens` it holds in `namespace`.
 
+        Each answer is the worker's best rank, with every rank apart in `ranks` (rank order).
         Only the first `limit` tokens count (None: all). The per-worker part costs a dict copy
         plus one object per worker that matched something: states and "holds nothing" answers
         are cached (`indexer.worker_matches`).
@@ -142,10 +155,21 @@ class IndexerService:
         found = self.index.match(namespace, tokens, limit)
         return self._matches.answer(self._health, found, self.index.default_medium)
 
-    def add_pending(self, namespace: Namespace, tokens: Sequence[int], worker: str) -> None:
-        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s."""
+    def add_pending(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None = None,
+    ) -> None:
+        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s.
+
+        With `dp_rank`, only that rank's stream is marked: the request was sent there, and its
+        other ranks are other caches. None (the engine picks the rank): every stream of it.
+        """
         for sub in self._workers.get(worker, []):
-            self.index.add_pending(sub.stream_id, namespace, tokens)
+            if dp_rank is None or sub.config.dp_rank == dp_rank:
+                self.index.add_pending(sub.stream_id, namespace, tokens)
 
     def streams(self) -> list[StreamStats]:
         """State and counters of every stream."""

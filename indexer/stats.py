@@ -12,6 +12,7 @@ __all__ = [
     "STATE_RANK",
     "UNTRUSTED",
     "NamespaceStats",
+    "RankMatch",
     "StreamState",
     "StreamStats",
     "WorkerMatch",
@@ -80,8 +81,20 @@ class StreamStats(msgspec.Struct):
     skipped_group_blocks: int = 0
 
 
+class RankMatch(msgspec.Struct):
+    """How much of a request one data-parallel rank of a worker holds (its one stream)."""
+
+    dp_rank: int
+    matched_blocks: int  # leading blocks held, from real events (0 while the stream is untrusted)
+    matched_tokens: int  # matched_blocks * block_size
+    pending_tokens: int  # extra leading tokens covered only by pending (routing-time) entries
+    block_size: int | None
+    by_medium: dict[str, int]  # leading blocks per tier
+    state: StreamState  # this rank's stream's own state
+
+
 class WorkerMatch(msgspec.Struct):
-    """How much of a request one worker holds (its best dp stream)."""
+    """How much of a request one worker holds: its best dp rank, and every rank apart."""
 
     worker: str
     matched_blocks: int  # leading blocks held, from real events
@@ -90,6 +103,9 @@ class WorkerMatch(msgspec.Struct):
     block_size: int | None
     by_medium: dict[str, int]  # leading blocks per tier, e.g. {"GPU": 10, "CPU": 2}
     state: StreamState  # best state among the worker's streams
+    # one entry per stream of the worker, in dp-rank order (empty for a worker without
+    # streams): what the router needs to choose a rank, not just a worker
+    ranks: tuple[RankMatch, ...] = ()
 
 
 class NamespaceStats(msgspec.Struct):

@@ -156,6 +156,7 @@ class StreamSubscriber:
             stale_after_s=self.settings.stale_after_s,
             block_size=self._known_block_size(),
             state=StreamState.UNVERIFIED if self._unverified else StreamState.SYNCING,
+            dp_rank=config.dp_rank,
         )
         self.batches = 0
         self.events = 0

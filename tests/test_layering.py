@@ -34,6 +34,7 @@ PROMPT_ORDER = (
     "router.prompt.conventions",
     "router.prompt.chat_template",
     "router.prompt.tokenizer",
+    "router.prompt.dp_rank",
     "router.prompt.request",
 )
 # synchronous cores (DESIGN.md section 1): no event loop, no sockets, no HTTP

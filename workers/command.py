@@ -58,9 +58,11 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument(
         "--dp-size",
+        "--dp",
         type=int,
         default=defaults.dp_size,
-        help="data-parallel ranks: one cache and stream each",
+        help="data-parallel ranks per worker: one cache, scheduler and event stream each "
+        "(rank r publishes on the events port + r); a request names its rank as on SGLang",
     )
     events = parser.add_argument_group("KV events")
     events.add_argument(

@@ -4,6 +4,12 @@ Every body is checked completely before anything is queued, so a bad field is a 
 naming it. `cache_salt` and `extra_key` must be strings (the seed's fix: a list or a number
 used to travel deep into the engine before failing); the empty string means none; a batched
 `/generate` takes one value per item or one for all.
+
+A request may name the data-parallel rank that serves it, as SGLang 0.5.23 reads it: the body's
+`routed_dp_rank`, else its deprecated alias `data_parallel_rank` (`io_struct.GenerateReqInput`,
+`openai/protocol.py`), on every route; on the OpenAI routes the `X-Data-Parallel-Rank` header
+overrides the body (`serving_base.extract_routed_dp_rank_from_header`: `int()` of the value, a
+400 when it is not an integer). The range is checked when the request is queued.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from workers.errors import RequestError
 __all__ = [
     "DEFAULT_COMPLETION_TOKENS",
     "DEFAULT_GENERATE_TOKENS",
+    "DP_RANK_HEADER",
     "ApiRequest",
     "Generation",
+    "dp_rank_from_header",
     "normalize_key",
     "normalize_keys",
     "parse_chat",
@@ -33,6 +41,10 @@ __all__ = [
 DEFAULT_GENERATE_TOKENS = 128
 DEFAULT_COMPLETION_TOKENS = 16
 _TOKENIZER = ByteTokenizer()
+# SGLang's OpenAI routes read it case-insensitively (as every HTTP header)
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+# SGLang's body field and its deprecated alias, in precedence order
+_DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -113,12 +125,28 @@ def _text_ids(value: object, field: str) -> list[int]:
 
 
 def _dp_rank(body: Mapping[str, Any]) -> int | None:
-    value = body.get("data_parallel_rank")
+    """The body's rank: `routed_dp_rank`, else `data_parallel_rank` (both checked, as SGLang's
+    request model types both fields)."""
+    ranks = []
+    for field in _DP_RANK_FIELDS:
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RequestError(f"{field} must be an integer")
+        ranks.append(value)
+    routed, alias = ranks
+    return routed if routed is not None else alias
+
+
+def dp_rank_from_header(value: str | None, body_rank: int | None) -> int | None:
+    """The rank of an OpenAI-route request: the header's when given (it overrides the body)."""
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RequestError("data_parallel_rank must be a non-negative integer")
-    return value
+        return body_rank
+    try:
+        return int(value)
+    except ValueError:
+        raise RequestError(
+            f"Invalid {DP_RANK_HEADER} header: must be an integer, got {value!r}"
+        ) from None
 
 
 def _stream_usage(body: Mapping[str, Any]) -> bool:
@@ -193,7 +221,9 @@ def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
     return DEFAULT_COMPLETION_TOKENS
 
 
-def _openai_common(body: Mapping[str, Any], ids: list[int], budget: int) -> ApiRequest:
+def _openai_common(
+    body: Mapping[str, Any], ids: list[int], budget: int, dp_rank_header: str | None
+) -> ApiRequest:
     n = body.get("n", 1)
     if n not in (1, None):
         raise RequestError("n must be 1")
@@ -211,7 +241,7 @@ def _openai_common(body: Mapping[str, Any], ids: list[int], budget: int) -> ApiR
         input_ids=ids,
         namespace=namespace,
         max_new_tokens=budget,
-        dp_rank=_dp_rank(body),
+        dp_rank=dp_rank_from_header(dp_rank_header, _dp_rank(body)),
         rid=rid,
     )
     return ApiRequest(
@@ -222,8 +252,9 @@ def _openai_common(body: Mapping[str, Any], ids: list[int], budget: int) -> ApiR
     )
 
 
-def parse_completion(raw: object) -> ApiRequest:
-    """OpenAI `POST /v1/completions`: one prompt, as text or token ids."""
+def parse_completion(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
+    """OpenAI `POST /v1/completions`: one prompt, as text or token ids (and the value of the
+    request's `X-Data-Parallel-Rank` header, if any)."""
     body = _body(raw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -234,11 +265,12 @@ def parse_completion(raw: object) -> ApiRequest:
         ids = _token_ids(prompt, "prompt")
     else:
         raise RequestError("prompt must be a string or a list of token ids")
-    return _openai_common(body, ids, _openai_budget(body, "max_tokens"))
+    return _openai_common(body, ids, _openai_budget(body, "max_tokens"), dp_rank_header)
 
 
-def parse_chat(raw: object) -> ApiRequest:
-    """OpenAI `POST /v1/chat/completions`: messages through the shared chat template."""
+def parse_chat(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
+    """OpenAI `POST /v1/chat/completions`: messages through the shared chat template (and the
+    request's `X-Data-Parallel-Rank` header, if any)."""
     body = _body(raw)
     try:
         text = render_chat(body.get("messages"))  # type: ignore[arg-type]
@@ -246,4 +278,4 @@ def parse_chat(raw: object) -> ApiRequest:
         raise RequestError(str(exc)) from exc
     ids = _TOKENIZER.encode(text, add_bos=True)
     budget = _openai_budget(body, "max_completion_tokens", "max_tokens")
-    return _openai_common(body, ids, budget)
+    return _openai_common(body, ids, budget, dp_rank_header)

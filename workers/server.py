@@ -5,6 +5,9 @@ SGLang: `POST /generate` (text or input_ids, batched or not, SSE with `stream`),
 `POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace, "" the unsalted one).
 OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_options
 .include_usage`), `GET /v1/models`; usage carries `prompt_tokens_details.cached_tokens`.
+A request names its DP rank as SGLang's do (`workers.io_struct`): `routed_dp_rank` (or the
+deprecated `data_parallel_rank`) in any body, the `X-Data-Parallel-Rank` header on the OpenAI
+routes; without one, the ranks take requests in turn.
 kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
 can compare the router's index with the truth.
 
@@ -28,6 +31,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from indexer.protocol.tokens import ByteTokenizer
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import (
+    DP_RANK_HEADER,
     ApiRequest,
     normalize_key,
     parse_chat,
@@ -256,13 +260,17 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """OpenAI text completions."""
-    return await _openai(request, parse_completion(await _json(request)), chat=False)
+    """OpenAI text completions (the rank header as SGLang's OpenAI layer reads it)."""
+    rank = request.headers.get(DP_RANK_HEADER)
+    api = parse_completion(await _json(request), dp_rank_header=rank)
+    return await _openai(request, api, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions through the shared byte tokenizer and chat template."""
-    return await _openai(request, parse_chat(await _json(request)), chat=True)
+    rank = request.headers.get(DP_RANK_HEADER)
+    api = parse_chat(await _json(request), dp_rank_header=rank)
+    return await _openai(request, api, chat=True)
 
 
 async def health(request: web.Request) -> web.StreamResponse:

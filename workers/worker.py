@@ -173,10 +173,8 @@ class ReferenceWorker:
         rank = generation.dp_rank
         if rank is None:
             rank = next(self._next_rank) % len(self.ranks)
-        elif rank >= len(self.ranks):
-            raise RequestError(
-                f"data_parallel_rank {rank} is out of range (dp_size {len(self.ranks)})"
-            )
+        elif not 0 <= rank < len(self.ranks):  # SGLang's tokenizer manager, word for word
+            raise RequestError(f"routed_dp_rank={rank} out of range [0, {len(self.ranks)})")
         return self.ranks[rank].submit(generation)
 
     def cancel(self, job: Job) -> None:

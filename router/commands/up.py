@@ -59,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def describe_fleet(fleet: Fleet) -> str:
     """What a new user needs to reach every worker."""
-    lines = [f"{len(fleet.workers)} reference workers ({fleet.config.model}):"]
+    ranks = fleet.config.dp_size
+    # with several ranks the router routes to a (worker, rank) and tells the worker which
+    each = f", {ranks} data-parallel ranks each" if ranks > 1 else ""
+    lines = [f"{len(fleet.workers)} reference workers ({fleet.config.model}{each}):"]
     for worker in fleet.workers:
         lines.append(f"{worker.id}: {worker.url}")
         lines.append(describe_kv_events(worker.kv_events))

@@ -76,7 +76,7 @@ def _token_middleware(token: str) -> Middleware:
 def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
     planner = request.config_dict[PLANNER]
     now = planner.clock()
-    load = planner.load.of(entry.id)
+    load = planner.load.total(entry.id)  # over its dp ranks
     return WorkerSummary(
         id=entry.id,
         url=entry.url,
@@ -227,6 +227,7 @@ async def route_dry_run(request: web.Request) -> web.Response:
             # the served model it resolved to, and the LoRA adapter its namespace holds
             "model": choice.model,
             "lora": ns.lora,
+            "dp_rank": plan.dp_rank,
             "namespace": plan.namespace,
             "prompt_tokens": plan.prompt_tokens,
             "endpoint": parsed.endpoint.value,

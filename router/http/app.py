@@ -185,6 +185,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         pool = WorkerPool(config.breaker)
         load = LoadTracker()
         app[METRICS].export_in_flight(load.running)
+        app[METRICS].export_rank_in_flight(load.running_by_rank)
         planner = Planner(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
         supervisor = Supervisor(
             pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock

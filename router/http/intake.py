@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import RequestError
+from router.prompt.dp_rank import DP_RANK_HEADER
 from router.prompt.request import (
     Endpoint,
     ParsedRequest,
@@ -56,4 +57,11 @@ async def read_request(
     raw = await request.read()
     if endpoint is None:
         endpoint = detect_endpoint(parse_body(raw, config.limits))
-    return parse_request(endpoint, raw, tokenizer, header_salt=salt, limits=config.limits)
+    return parse_request(
+        endpoint,
+        raw,
+        tokenizer,
+        header_salt=salt,
+        header_dp_rank=request.headers.get(DP_RANK_HEADER),
+        limits=config.limits,
+    )

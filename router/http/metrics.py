@@ -72,6 +72,35 @@ class _InFlight(Collector):
         yield family
 
 
+class _RankInFlight(Collector):
+    """`kvroute_dp_rank_in_flight_requests`: the same count per dp rank, read when scraped.
+
+    Only requests the router sent with a rank (workers with several ranks) are counted here;
+    the ranks are the workers' own (their streams), so the label set is as bounded as the fleet.
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[tuple[str, int], int]] = dict
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "kvroute_dp_rank_in_flight_requests",
+            "Requests the router has in flight per data-parallel rank it told a worker to use",
+            labels=["worker", "dp_rank"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric's name and type, without samples."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        """The current in-flight count of every (worker, rank)."""
+        family = self._family()
+        for (worker, rank), running in sorted(self.source().items()):
+            family.add_metric([worker, str(rank)], running)
+        yield family
+
+
 class RouterMetrics:
     """Every metric the router exports."""
 
@@ -128,6 +157,8 @@ class RouterMetrics:
         )
         self._in_flight = _InFlight()
         r.register(self._in_flight)
+        self._rank_in_flight = _RankInFlight()
+        r.register(self._rank_in_flight)
         self.healthy = Gauge(
             "kvroute_worker_routable",
             "1 when the worker takes new requests",
@@ -164,6 +195,10 @@ class RouterMetrics:
     def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:
         """Export `running()` (requests in flight per worker) as the in-flight gauge."""
         self._in_flight.source = running
+
+    def export_rank_in_flight(self, running: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+        """Export `running()` (requests in flight per (worker, dp rank)) as the rank gauge."""
+        self._rank_in_flight.source = running
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -4,6 +4,11 @@ aiohttp's client is the upstream client: on this kind of machine a forwarder bui
 thousands of tiny requests per second where the same forwarder on httpx collapsed below a
 hundred (docs/benchmarks/proxy.md has this project's own measurement).
 
+When the chosen candidate is one data-parallel rank of its worker, the engine is told which:
+SGLang's `/generate` takes `routed_dp_rank` in the body (spliced in, every other byte as the
+client sent it), its OpenAI routes and every vLLM route the rank header (`indexer.engines`). A
+client that named a rank itself is routed to that rank and its request forwarded as it is.
+
 A request may be retried on the next-best worker as long as no byte has reached the client: on
 a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by chunk, and the
 response headers are only sent once the worker produced its first chunk, so a worker that dies
@@ -23,21 +28,23 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.config import RouterConfig
-from router.errors import NoWorkerError, UpstreamError, UpstreamTimeoutError
+from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
-from router.prompt.request import Endpoint
+from router.prompt.dp_rank import with_body_field
+from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket
 from router.routing.planner import Candidate, Planner
 
-__all__ = ["MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
+__all__ = ["DP_RANK_HEADER", "MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
 
 log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-kvroute-worker"
 MATCHED_HEADER = "x-kvroute-matched-tokens"
 PENDING_HEADER = "x-kvroute-pending-tokens"
+DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
 
 # hop-by-hop and framing headers are the proxy's own business on each side
 _DROP = frozenset(
@@ -107,6 +114,8 @@ class Proxy:
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         plan = planner.plan(parsed, ns)
         if plan.worker is None:  # the best candidate is unroutable, so all are
+            if not plan.candidates and parsed.dp_rank is not None:
+                raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
@@ -123,11 +132,20 @@ class Proxy:
                 break
             candidate = untried[0]
             tried.add(candidate.worker)
-            last_try = attempt == attempts - 1 or len(untried) == 1
+            # the last worker left (its other ranks are no retry: a failure is the worker's)
+            last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
             ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
+            body, rank_header = self._tell_rank(endpoint, parsed, candidate)
             try:
                 response = await self._forward(
-                    request, endpoint, parsed.body, candidate, ticket, deadline, last_try=last_try
+                    request,
+                    endpoint,
+                    body,
+                    candidate,
+                    ticket,
+                    deadline,
+                    rank_header=rank_header,
+                    last_try=last_try,
                 )
             except _Retryable as exc:
                 planner.record_failure(candidate.worker, hard=exc.hard)
@@ -149,6 +167,22 @@ class Proxy:
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
+    def _tell_rank(
+        self, endpoint: Endpoint, parsed: ParsedRequest, candidate: Candidate
+    ) -> tuple[bytes, str | None]:
+        """The body to forward and the rank header to set (if any), so that the engine serves
+        the request on the candidate's rank."""
+        rank = candidate.dp_rank
+        if rank is None:
+            return parsed.body, None
+        spec = self._planner.engine(candidate.worker)
+        field = spec.dp_rank_generate_field
+        if endpoint is Endpoint.GENERATE and field is not None:
+            if parsed.dp_rank is not None:  # the client's body names it already
+                return parsed.body, None
+            return with_body_field(parsed.body, field, rank), None
+        return parsed.body, spec.dp_rank_header
+
     async def _forward(
         self,
         request: web.Request,
@@ -158,6 +192,7 @@ class Proxy:
         ticket: Ticket,
         deadline: float,
         *,
+        rank_header: str | None,
         last_try: bool,
     ) -> web.StreamResponse:
         remaining = deadline - time.monotonic()
@@ -166,6 +201,9 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
         headers = _copy_headers(request.headers, self._request_drop)
         headers["Content-Type"] = "application/json"
+        if rank_header is not None:
+            # replaces a client's own (any case): for a client-named rank it says the same
+            headers[rank_header] = str(candidate.dp_rank)
         try:
             async with self._session.post(
                 candidate.url + endpoint.value, data=body, headers=headers, timeout=timeout
@@ -214,6 +252,8 @@ class Proxy:
         out[WORKER_HEADER] = candidate.worker
         out[MATCHED_HEADER] = str(candidate.matched_tokens)
         out[PENDING_HEADER] = str(candidate.pending_tokens)
+        if candidate.dp_rank is not None:
+            out[DP_RANK_HEADER] = str(candidate.dp_rank)
         streaming = "text/event-stream" in upstream.headers.get("Content-Type", "") or (
             "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         )

@@ -7,8 +7,10 @@
 - `chat_template`: a model's Jinja chat template, rendered the way the engine renders it;
 - `conventions`: one `ChatConvention` per engine, what its OpenAI layer makes of a chat request
   (tools, tool_choice, template kwargs, continuation, ...), found by `chat_convention(engine)`;
-- `messages`: chat messages as each engine prepares them for the template.
+- `messages`: chat messages as each engine prepares them for the template;
+- `dp_rank`: the data-parallel rank a request names (body field, header), and how the chosen
+  rank is told to the engine (a body field spliced in, or the header).
 
-Imports run one way: `request` -> `tokenizer` -> `chat_template` -> `conventions` ->
-`messages`. Nothing is imported here, so `kvroute --help` stays light.
+Imports run one way: `request` -> `dp_rank`, and `request` -> `tokenizer` -> `chat_template`
+-> `conventions` -> `messages`. Nothing is imported here, so `kvroute --help` stays light.
 """

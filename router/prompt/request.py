@@ -8,7 +8,8 @@ The body is forwarded to the worker byte for byte unless a trusted salt header o
 salt, in which case the body's `cache_salt` is rewritten so the worker caches the request in the
 namespace the router routed it in. `cache_salt` is validated the way the workers validate it (a
 string, `""` meaning none, one per item in a batched `/generate`), so a malformed request is a
-400 naming the field here instead of a surprise on the worker.
+400 naming the field here instead of a surprise on the worker. A data-parallel rank the client
+names (`router.prompt.dp_rank`) is read here too: the router then routes to that rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from indexer.protocol.tokens import ChatTemplateError
 from router.config import LimitsConfig
 from router.errors import RequestError
 from router.prompt.conventions import chat_options, check_chat_fields
+from router.prompt.dp_rank import requested_rank
 from router.prompt.nesting import nests_deeper
 from router.prompt.tokenizer import PromptTokenizer
 
@@ -57,6 +59,8 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the caller's SGLang extra_key (never logged either): part of the worker's cache key that
     # no KV event shows, so such a request gets no event-based hit (`indexer.namespace`)
     extra_key: str | None = None
+    # the data-parallel rank the client named (body field or header), honoured by routing
+    dp_rank: int | None = None
 
 
 _decoder = msgspec.json.Decoder()
@@ -206,9 +210,11 @@ def parse_request(
     tokenizer: PromptTokenizer,
     *,
     header_salt: str | None = None,
+    header_dp_rank: str | None = None,
     limits: LimitsConfig = _LIMITS,
 ) -> ParsedRequest:
-    """Validate `raw` for `endpoint`; `header_salt` (trusted header) overrides the body's salt."""
+    """Validate `raw` for `endpoint`; `header_salt` (trusted header) overrides the body's salt,
+    `header_dp_rank` (the `X-Data-Parallel-Rank` header) the body's rank on the OpenAI routes."""
     body = parse_body(raw, limits)
     batched = False
     if endpoint is Endpoint.GENERATE:
@@ -237,4 +243,6 @@ def parse_request(
         tokens=tokens,
         stream=stream is True,
         extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),
+        # SGLang's /generate reads no rank header
+        dp_rank=requested_rank(body, None if endpoint is Endpoint.GENERATE else header_dp_rank),
     )

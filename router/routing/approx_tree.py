@@ -74,6 +74,10 @@ class ApproxTree:
                 del self._keys[key]
         self._sizes.pop(worker, None)
 
+    def workers(self) -> list[str]:
+        """Every name anything was ever routed to and not removed since."""
+        return list(self._sizes)
+
     def size(self, worker: str) -> int:
         """Chunks currently attributed to `worker` (SGLang's 'smallest tree' tie-break)."""
         return self._sizes.get(worker, 0)

@@ -1,9 +1,12 @@
-"""The router's own view of in-flight work per worker (it never asks the workers).
+"""The router's own view of in-flight work per (worker, dp rank) (it never asks the workers).
 
 A request counts as queued prefill (its uncached prompt tokens) from dispatch until the first
 response byte arrives, and as one running request until its response ends. Tokens from the
 index are predictions, so this is an estimate; it is consistent, which is what routing needs.
-Pure bookkeeping: no I/O.
+
+A worker with several data-parallel ranks runs one scheduler per rank, so its load is kept per
+rank: the rank the router told the engine to use. A request sent without a rank (a worker with
+one rank, or whose ranks are not known) counts under the rank `None`. Pure bookkeeping: no I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ __all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
 
 
 class WorkerLoad:
-    """In-flight counters of one worker."""
+    """In-flight counters of one worker (or one dp rank of it)."""
 
     __slots__ = ("queued_prefill_tokens", "running")
 
@@ -24,41 +27,57 @@ class WorkerLoad:
 class Ticket:
     """One dispatched request; hand it back to the tracker as it progresses."""
 
-    __slots__ = ("done", "prefill_tokens", "prefilled", "worker")
+    __slots__ = ("done", "dp_rank", "prefill_tokens", "prefilled", "worker")
 
-    def __init__(self, worker: str, prefill_tokens: int) -> None:
+    def __init__(self, worker: str, prefill_tokens: int, dp_rank: int | None = None) -> None:
         self.worker = worker
+        self.dp_rank = dp_rank
         self.prefill_tokens = prefill_tokens
         self.prefilled = False
         self.done = False
 
 
 class LoadTracker:
-    """Per-worker queued prefill tokens and running requests."""
+    """Queued prefill tokens and running requests per (worker, dp rank)."""
 
     def __init__(self) -> None:
-        self._loads: dict[str, WorkerLoad] = {}
+        self._loads: dict[str, dict[int | None, WorkerLoad]] = {}
 
-    def of(self, worker: str) -> WorkerLoad:
-        """The counters of `worker` (zero for a worker with nothing in flight)."""
-        load = self._loads.get(worker)
+    def of(self, worker: str, dp_rank: int | None = None) -> WorkerLoad:
+        """The counters of one rank of `worker` (None: sent without a rank), zero when idle."""
+        ranks = self._loads.get(worker)
+        if ranks is None:
+            ranks = self._loads[worker] = {}
+        load = ranks.get(dp_rank)
         if load is None:
-            load = self._loads[worker] = WorkerLoad()
+            load = ranks[dp_rank] = WorkerLoad()
         return load
 
-    def begin(self, worker: str, prefill_tokens: int) -> Ticket:
-        """A request was sent to `worker` with this many uncached prompt tokens."""
-        load = self.of(worker)
+    def total(self, worker: str) -> WorkerLoad:
+        """The counters of `worker` summed over its ranks (a fresh object)."""
+        out = WorkerLoad()
+        for load in self._loads.get(worker, {}).values():
+            out.queued_prefill_tokens += load.queued_prefill_tokens
+            out.running += load.running
+        return out
+
+    def begin(self, worker: str, prefill_tokens: int, dp_rank: int | None = None) -> Ticket:
+        """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens."""
+        load = self.of(worker, dp_rank)
         load.queued_prefill_tokens += prefill_tokens
         load.running += 1
-        return Ticket(worker, prefill_tokens)
+        return Ticket(worker, prefill_tokens, dp_rank)
+
+    def _load(self, ticket: Ticket) -> WorkerLoad | None:
+        ranks = self._loads.get(ticket.worker)
+        return ranks.get(ticket.dp_rank) if ranks is not None else None
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the prompt is prefilled (idempotent)."""
         if ticket.prefilled or ticket.done:
             return
         ticket.prefilled = True
-        load = self._loads.get(ticket.worker)
+        load = self._load(ticket)
         if load is not None:
             load.queued_prefill_tokens -= ticket.prefill_tokens
 
@@ -68,13 +87,28 @@ class LoadTracker:
             return
         self.first_byte(ticket)
         ticket.done = True
-        load = self._loads.get(ticket.worker)
+        load = self._load(ticket)
         if load is not None:
             load.running -= 1
 
     def running(self) -> dict[str, int]:
-        """Requests in flight per worker (what `kvroute_in_flight_requests` exports)."""
-        return {worker: load.running for worker, load in self._loads.items()}
+        """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`)."""
+        return {
+            worker: sum(load.running for load in ranks.values())
+            for worker, ranks in self._loads.items()
+        }
+
+    def running_by_rank(self) -> dict[tuple[str, int], int]:
+        """Requests in flight per (worker, dp rank), for requests sent with a rank.
+
+        As bounded as the fleet: ranks are those the workers' streams name.
+        """
+        return {
+            (worker, rank): load.running
+            for worker, ranks in self._loads.items()
+            for rank, load in ranks.items()
+            if rank is not None
+        }
 
     def forget(self, worker: str) -> None:
         """Drop a removed worker's counters (its open tickets then change nothing)."""

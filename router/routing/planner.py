@@ -6,6 +6,16 @@ them), the policy's memory, and the in-flight load. The proxy reports back what 
 request (`first_byte`, `finish`, `record_failure`, `record_success`) without reaching into the
 load tracker or the breakers. It picks the worker and nothing else: the batch scheduling of
 a worker's requests is the workers' business (`workers.scheduler` in the reference worker).
+
+Data-parallel ranks: a worker whose KV events come from several ranks (one cache each) is
+offered as one candidate per rank, each with that rank's own match and load, and the engine
+is told the rank (`Candidate.dp_rank`; the proxy says it the way the worker's engine reads
+it). A worker with one rank, or without KV events (its ranks unknown), is one candidate with
+no rank: nothing is added to its requests and the engine picks, as before. A request whose
+client named a rank (`ParsedRequest.dp_rank`) is offered only that rank of each worker (a
+worker with one rank only when the rank is 0, since the engine refuses any other; a worker
+whose ranks are unknown is kept and left to check it). Health, the circuit breaker and
+retries stay per worker: a failure is the worker's, so a retry goes to another worker.
 """
 
 from __future__ import annotations
@@ -15,13 +25,21 @@ from collections.abc import Sequence
 
 import msgspec
 
-from indexer.service import UNTRUSTED, IndexerService, Namespace, StreamState, WorkerMatch
+from indexer.engines import SGLANG, EngineSpec, engine_spec
+from indexer.service import (
+    UNTRUSTED,
+    IndexerService,
+    Namespace,
+    RankMatch,
+    StreamState,
+    WorkerMatch,
+)
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
-from router.routing.pool import WorkerPool, WorkerStatus
+from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 
 __all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
 
@@ -41,6 +59,12 @@ class Plan(msgspec.Struct, frozen=True):
         """The chosen worker, or None when no worker is routable."""
         first = self.candidates[0] if self.candidates else None
         return first.worker if first is not None and first.healthy else None
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The chosen worker's rank the engine is told to use (None: the engine picks)."""
+        first = self.candidates[0] if self.candidates else None
+        return first.dp_rank if first is not None and first.healthy else None
 
     def ranked(self) -> list[Candidate]:
         """The routable candidates in order: the first choice, then retries."""
@@ -93,46 +117,22 @@ class Planner:
         return request_namespace(parsed, self.pool.resolve(parsed.model))
 
     def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
-        """Rank every worker of `parsed`'s model for it; changes no state."""
+        """Rank every worker of `parsed`'s model (every rank of one with several); changes no
+        state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
-        return self._plan(ns, parsed.tokens)
+        return self._plan(ns, parsed.tokens, parsed.dp_rank)
 
-    def _plan(self, ns: Namespace, tokens: Sequence[int]) -> Plan:
+    def _plan(self, ns: Namespace, tokens: Sequence[int], pinned: int | None = None) -> Plan:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
         # (`limit` says so without copying an 8k-token list).
         limit = max(len(tokens) - 1, 0)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
-        weights = self._config.medium_weights
         views: list[Candidate] = []
         for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool
             match = matches.get(entry.id, _NO_MATCH)
-            stale = match.state in UNTRUSTED  # entries kvroute cannot vouch for: no affinity
-            load = self.load.of(entry.id)
-            status = entry.status(now)
-            views.append(
-                Candidate(
-                    worker=entry.id,
-                    url=entry.url,
-                    healthy=status is WorkerStatus.READY,
-                    status=status,
-                    matched_tokens=match.matched_tokens,
-                    matched_blocks=match.matched_blocks,
-                    pending_tokens=match.pending_tokens,
-                    stream_state=str(match.state) if match.worker else None,
-                    hit_tokens=effective_hit(
-                        matched_blocks=match.matched_blocks,
-                        pending_tokens=match.pending_tokens,
-                        block_size=match.block_size,
-                        by_medium=match.by_medium,
-                        stale=stale,
-                        weights=weights,
-                    ),
-                    queued_prefill_tokens=load.queued_prefill_tokens,
-                    running=load.running,
-                )
-            )
+            views.extend(self._candidates(entry, match, now, pinned))
         candidates = self.policy.rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
@@ -141,16 +141,73 @@ class Planner:
             unindexed=unindexed_reason(ns),
         )
 
+    def _candidates(
+        self, entry: WorkerEntry, match: WorkerMatch, now: float, pinned: int | None
+    ) -> list[Candidate]:
+        """One candidate per rank of a worker with several, else one for the worker."""
+        status = entry.status(now)
+        ranks = match.ranks
+        if len(ranks) > 1:
+            return [
+                self._candidate(entry, status, rank.dp_rank, rank, str(rank.state))
+                for rank in ranks
+                if pinned is None or rank.dp_rank == pinned
+            ]
+        if pinned is not None and ranks and ranks[0].dp_rank != pinned:
+            return []  # its one rank is another: the engine would refuse the request
+        state = str(match.state) if match.worker else None
+        return [self._candidate(entry, status, None, match, state)]
+
+    def _candidate(
+        self,
+        entry: WorkerEntry,
+        status: WorkerStatus,
+        dp_rank: int | None,
+        match: WorkerMatch | RankMatch,
+        stream_state: str | None,
+    ) -> Candidate:
+        load = self.load.of(entry.id, dp_rank)
+        return Candidate(
+            worker=entry.id,
+            url=entry.url,
+            healthy=status is WorkerStatus.READY,
+            status=status,
+            dp_rank=dp_rank,
+            matched_tokens=match.matched_tokens,
+            matched_blocks=match.matched_blocks,
+            pending_tokens=match.pending_tokens,
+            stream_state=stream_state,
+            hit_tokens=effective_hit(
+                matched_blocks=match.matched_blocks,
+                pending_tokens=match.pending_tokens,
+                block_size=match.block_size,
+                by_medium=match.by_medium,
+                # entries kvroute cannot vouch for: no affinity
+                stale=match.state in UNTRUSTED,
+                weights=self._config.medium_weights,
+            ),
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            running=load.running,
+        )
+
+    def engine(self, worker: str) -> EngineSpec:
+        """The engine rules of `worker` (how it is told a rank); SGLang's if it left the pool."""
+        entry = self.pool.find(worker)
+        return engine_spec(entry.config.engine) if entry is not None else SGLANG
+
     def commit(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
     ) -> Ticket:
-        """Record that the request goes to `candidate`; returns its load ticket."""
+        """Record that the request goes to `candidate`; returns its load ticket.
+
+        Pending marks and load go to the candidate's rank only (with no rank, the engine picks:
+        the marks go on every stream of the worker)."""
         if first_try:
-            self.policy.record(tokens, candidate.worker)
+            self.policy.record(tokens, candidate.target)
         if self.policy.marks_pending and self.indexer.has_worker(candidate.worker):
-            self.indexer.add_pending(ns, tokens, candidate.worker)
+            self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
         hit = candidate.matched_tokens + candidate.pending_tokens
-        return self.load.begin(candidate.worker, max(0, len(tokens) - hit))
+        return self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""

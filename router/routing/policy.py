@@ -1,9 +1,10 @@
 """Routing policies: pure functions of what the router knows, deciding but never sending.
 
-A policy ranks every worker for one request: the planner hands it one `Candidate` per worker
-(the index's match for it, turned into the prefix hit the worker can give; the router's own
-in-flight load; health) and the policy fills in each candidate's load and score and returns
-them best first. It is told afterwards which worker actually got the request (`record`).
+A policy ranks every worker for one request: the planner hands it one `Candidate` per worker,
+or per (worker, dp rank) for a worker with several data-parallel ranks (the index's match for
+it, turned into the prefix hit it can give; the router's own in-flight load; health), and the
+policy fills in each candidate's load and score and returns them best first. It is told
+afterwards which candidate actually got the request (`record`, by its `target`).
 `rank` changes no state of the policy, which is what makes the `/admin/route` dry run
 honest. Ties are broken by draws fixed by (seed, decisions so far), so a run is
 reproducible and a dry run sees the tie-break the next real request would.
@@ -37,6 +38,7 @@ __all__ = [
     "RoundRobinPolicy",
     "build_policy",
     "effective_hit",
+    "rank_target",
 ]
 
 
@@ -51,24 +53,45 @@ def _mix(x: int) -> int:
 
 
 class Candidate(msgspec.Struct, gc=False):
-    """One worker in one routing decision: what placed it, and where it came out.
+    """One worker (or one dp rank of it) in one routing decision: what placed it, and where it
+    came out.
 
     The planner fills everything but `load` and `score`, which the policy's `rank` sets.
     """
 
     worker: str
     url: str
-    healthy: bool  # health check ok, circuit closed, not draining
+    healthy: bool  # health check ok, circuit closed, not draining (the worker's, every rank's)
     status: str  # why it does or does not take traffic (`WorkerStatus`)
+    # the data-parallel rank the engine is told to use; None: the worker has one rank, or its
+    # ranks are unknown (no KV events), and the engine picks
+    dp_rank: int | None = None
     matched_tokens: int = 0  # leading prompt tokens the worker holds, per its KV events
     matched_blocks: int = 0
     pending_tokens: int = 0  # further tokens covered by recent routing decisions only
-    stream_state: str | None = None  # its best KV-event stream's state, None without events
+    # its rank's KV-event stream state (a worker's best one's), None without events
+    stream_state: str | None = None
     hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)
     queued_prefill_tokens: int = 0
     running: int = 0
     load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
     score: float = 0.0  # set by `rank`: higher is better
+
+    @property
+    def target(self) -> str:
+        """What a request goes to: the worker, or one of its ranks as its stream is named."""
+        return self.worker if self.dp_rank is None else rank_target(self.worker, self.dp_rank)
+
+
+def rank_target(worker: str, dp_rank: int) -> str:
+    """The name of one dp rank of a worker, as its KV-event stream is named (`w#dp1`)."""
+    return f"{worker}#dp{dp_rank}"
+
+
+def _target_worker(target: str) -> str:
+    """The worker of a target (`rank_target`'s inverse; a worker is its own target)."""
+    worker, sep, rank = target.rpartition("#dp")
+    return worker if sep and rank.isdigit() else target
 
 
 def effective_hit(
@@ -137,12 +160,12 @@ class Policy:
         keyed.sort(key=lambda pair: pair[0])
         return [view for _, view in keyed]
 
-    def record(self, tokens: Sequence[int], worker: str) -> None:
-        """Learn that the request with `tokens` was sent to `worker`."""
+    def record(self, tokens: Sequence[int], target: str) -> None:
+        """Learn that the request with `tokens` was sent to `target` (`Candidate.target`)."""
         self._decisions += 1
 
     def forget(self, worker: str) -> None:
-        """Drop what the policy remembers about a worker that left the pool."""
+        """Drop what the policy remembers about a worker that left the pool (every rank)."""
 
 
 class KvPolicy(Policy):
@@ -204,7 +227,11 @@ class RoundRobinPolicy(Policy):
 
 
 class ApproxTreePolicy(Policy):
-    """SGLang router's cache-aware policy: a prefix tree of past decisions, no events."""
+    """SGLang router's cache-aware policy: a prefix tree of past decisions, no events.
+
+    Its tree is kept per target, each dp rank apart, as SGLang's router does in its dp-aware
+    mode: a rank is a cache of its own.
+    """
 
     name = "approx_tree"
 
@@ -233,23 +260,25 @@ class ApproxTreePolicy(Policy):
             # longest past match first; the rest by load
             return [v.hit_tokens * 1e6 - load for v, load in zip(views, loads, strict=True)]
         # a new prefix goes to the worker with the smallest tree, as SGLang's router does
-        return [-float(self._tree.size(v.worker)) for v in views]
+        return [-float(self._tree.size(v.target)) for v in views]
 
     def rank(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[Candidate]:
         """As the base rank, reporting the tree's match as the hit (it knows no events)."""
         matched = self._tree.match(tokens)
         for v in views:
-            v.hit_tokens = float(matched.get(v.worker, 0))
+            v.hit_tokens = float(matched.get(v.target, 0))
         return super().rank(tokens, views)
 
-    def record(self, tokens: Sequence[int], worker: str) -> None:
-        """Insert the prompt into the chosen worker's part of the tree."""
-        super().record(tokens, worker)
-        self._tree.insert(tokens, worker)
+    def record(self, tokens: Sequence[int], target: str) -> None:
+        """Insert the prompt into the chosen target's part of the tree."""
+        super().record(tokens, target)
+        self._tree.insert(tokens, target)
 
     def forget(self, worker: str) -> None:
-        """Drop the worker's part of the tree."""
-        self._tree.remove_worker(worker)
+        """Drop the worker's parts of the tree (itself and each of its ranks)."""
+        for target in self._tree.workers():
+            if target == worker or _target_worker(target) == worker:
+                self._tree.remove_worker(target)
 
 
 _POLICIES: dict[str, type[Policy]] = {

@@ -2,7 +2,8 @@
 
 `StreamHealth` objects as the subscribers own them; the test moves what a subscriber task
 would move (the state, heard-at times, a learned block size, the clock) and compares every
-answer with the reference: states and best streams recomputed per query.
+answer with the reference: states, best streams and every rank's own answer recomputed per
+query.
 """
 
 from __future__ import annotations
@@ -12,17 +13,30 @@ import random
 
 from indexer.health import StreamHealth
 from indexer.index.walk import PrefixMatch
-from indexer.stats import STATE_RANK, StreamState, WorkerMatch
+from indexer.stats import STATE_RANK, RankMatch, StreamState, WorkerMatch
 from indexer.worker_matches import REFRESH_S, WorkerMatches
 
 STALE_AFTER_S = 5.0
 STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED, StreamState.UNVERIFIED]
 
 
+def _rank(sub: StreamHealth, found: PrefixMatch, now: float) -> RankMatch:
+    """One rank's own answer: what its stream holds, nothing while it is untrusted."""
+    state = sub.current_state(now)
+    if state in (StreamState.UNVERIFIED, StreamState.STALE):
+        return RankMatch(sub.dp_rank, 0, 0, 0, sub.block_size, {}, state)
+    size = sub.block_size or 0
+    held = found.blocks.get(sub.stream_id, 0)
+    by_medium = found.by_medium.get(sub.stream_id) or ({"GPU": held} if held else {})
+    more = found.pending_blocks.get(sub.stream_id, 0)
+    return RankMatch(sub.dp_rank, held, held * size, more * size, sub.block_size, by_medium, state)
+
+
 def reference(
     workers: dict[str, list[StreamHealth]], found: PrefixMatch, now: float
 ) -> dict[str, WorkerMatch]:
-    """The uncached rule: best state among a worker's streams, best stream by matched tokens.
+    """The uncached rule: best state among a worker's streams, best stream by matched tokens,
+    and every stream's own answer in `ranks`, in the order the streams are given.
 
     Streams kvroute cannot vouch for (UNVERIFIED, STALE) are never the best: they match nothing.
     """
@@ -31,6 +45,7 @@ def reference(
         state = StreamState.STALE
         best: StreamHealth | None = None
         best_score = (-1, -1)
+        ranks = tuple(_rank(sub, found, now) for sub in subs)
         for sub in subs:
             s_state = sub.current_state(now)
             if STATE_RANK[s_state] < STATE_RANK[state]:
@@ -44,7 +59,7 @@ def reference(
                 best, best_score = sub, score
         if best is None:
             size = subs[0].block_size if subs else None
-            out[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state)
+            out[worker] = WorkerMatch(worker, 0, 0, 0, size, {}, state, ranks)
             continue
         sid = best.stream_id
         size = best.block_size or 0
@@ -58,6 +73,7 @@ def reference(
             best.block_size,
             by_medium,
             state,
+            ranks,
         )
     return out
 
@@ -67,17 +83,21 @@ def test_cached_answers_match_the_uncached_rule() -> None:
     print(f"seed={seed}")
     rng = random.Random(seed)
     clock = [100.0]
-    workers: dict[str, list[StreamHealth]] = {}
-    for w in range(8):
-        workers[f"w{w}"] = [
+
+    def fresh_streams(worker: str) -> list[StreamHealth]:
+        """A worker's streams as `add_worker` makes them: one per rank, in rank order."""
+        return [
             StreamHealth(
-                f"w{w}#dp{dp}",
+                f"{worker}#dp{dp}",
                 started_at=clock[0],
                 stale_after_s=STALE_AFTER_S,
                 block_size=rng.choice([None, 16, 16, 32]),
+                dp_rank=dp,
             )
-            for dp in range(rng.choice([0, 1, 1, 1, 2, 3]))
+            for dp in range(rng.choice([0, 1, 1, 1, 2, 3, 4]))
         ]
+
+    workers = {f"w{w}": fresh_streams(f"w{w}") for w in range(8)}
     streams = [sub for subs in workers.values() for sub in subs]
     matches = WorkerMatches(lambda: clock[0])
     for step in range(3000):
@@ -96,6 +116,15 @@ def test_cached_answers_match_the_uncached_rule() -> None:
         elif op < 0.55:
             # small steps near REFRESH_S, now and then one past stale_after_s
             clock[0] += rng.choice([0.0, 0.01, REFRESH_S, 1.0, STALE_AFTER_S / 2, STALE_AFTER_S])
+        elif op < 0.58:
+            # a worker re-registered (its streams may be unsized again, its rank count new)
+            worker = rng.choice(sorted(workers))
+            workers[worker] = fresh_streams(worker)
+            matches.invalidate()
+        # (a stream of no worker when every worker has none, so the ops above have a target)
+        streams = [sub for subs in workers.values() for sub in subs] or [
+            StreamHealth("idle#dp0", started_at=0.0, stale_after_s=STALE_AFTER_S)
+        ]
         found = PrefixMatch({}, {}, {})
         busy = rng.random() < 0.4  # pending entries or tiers: the general path
         for sub in rng.sample(streams, rng.randrange(len(streams) + 1)):
@@ -140,7 +169,33 @@ def test_answers_are_fresh_dicts_with_one_entry_per_worker() -> None:
     matches = WorkerMatches(lambda: 0.0)
     first = matches.answer(workers, PrefixMatch({"w1#dp0": 2}, {}, {}), "GPU")
     assert set(first) == set(workers) and first["w1"].matched_tokens == 32
-    assert first["none"] == WorkerMatch("none", 0, 0, 0, None, {}, StreamState.STALE)
+    assert first["none"] == WorkerMatch("none", 0, 0, 0, None, {}, StreamState.STALE, ())
+    assert [r.matched_tokens for r in first["w1"].ranks] == [32]
     first.clear()  # the caller owns the dict
     again = matches.answer(workers, PrefixMatch({}, {}, {}), "GPU")
     assert set(again) == set(workers) and again["w1"].matched_blocks == 0
+
+
+def test_every_rank_is_answered_apart_and_the_best_one_on_top() -> None:
+    clock = [0.0]
+    subs = [
+        StreamHealth(f"w#dp{r}", started_at=0.0, stale_after_s=30.0, block_size=16, dp_rank=r)
+        for r in range(3)
+    ]
+    for sub in subs:
+        sub.state = StreamState.SYNCED
+    subs[2].state = StreamState.UNVERIFIED  # may have restarted: predicts nothing
+    workers = {"w": subs}
+    matches = WorkerMatches(lambda: clock[0])
+    found = PrefixMatch({"w#dp0": 2, "w#dp1": 5, "w#dp2": 9}, {"w#dp0": 1}, {})
+    got = matches.answer(workers, found, "GPU")["w"]
+    assert [(r.dp_rank, r.matched_tokens, r.pending_tokens) for r in got.ranks] == [
+        (0, 32, 16),
+        (1, 80, 0),
+        (2, 0, 0),
+    ]
+    assert [r.state for r in got.ranks] == [StreamState.SYNCED] * 2 + [StreamState.UNVERIFIED]
+    assert got.matched_tokens == 80 and got.state is StreamState.SYNCED  # rank 1 is the best
+    # nothing matched: the cached zero answer still lists every rank
+    zero = matches.answer(workers, PrefixMatch({}, {}, {}), "GPU")["w"]
+    assert [(r.dp_rank, r.matched_tokens) for r in zero.ranks] == [(0, 0), (1, 0), (2, 0)]

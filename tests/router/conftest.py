@@ -79,32 +79,40 @@ class Fleet:
         return plan  # type: ignore[no-any-return]
 
     async def warm(self) -> None:
-        """Wait until every worker's event stream delivers to the index.
+        """Wait until every stream (each worker's every dp rank) delivers to the index.
 
         A ZMQ SUB only receives once its connection is up (the "slow joiner"), and a message
         published before that is recovered only when the next one reveals the gap. So: poke each
-        worker until its stream has applied something.
+        rank of each worker (asking for it by `routed_dp_rank`) until its stream has applied
+        something.
         """
         pokes = iter(range(1_000_000))
         for wid, worker in self.workers.items():
+            for rank in range(worker.config.dp_size):
 
-            async def applied(wid: str = wid, url: str = worker.url) -> bool:
-                # a new prompt every time: a cache hit would publish nothing
-                poke = {"input_ids": [8, next(pokes) % 250 + 3] * 8, "cache_salt": "warm-up"}
-                async with self.session.post(url + "/generate", json=poke) as resp:
-                    assert resp.status == 200, await resp.text()
-                _, streams = await self.admin("GET", "/streams")
-                return any(
-                    s["worker"] == wid and s["last_seq"] is not None for s in streams["streams"]
-                )
+                async def applied(wid: str = wid, url: str = worker.url, rank: int = rank) -> bool:
+                    # a new prompt every time: a cache hit would publish nothing
+                    poke = {
+                        "input_ids": [8, next(pokes) % 250 + 3] * 8,
+                        "cache_salt": "warm-up",
+                        "routed_dp_rank": rank,
+                        "sampling_params": {"max_new_tokens": 1},  # quick on slow workers too
+                    }
+                    async with self.session.post(url + "/generate", json=poke) as resp:
+                        assert resp.status == 200, await resp.text()
+                    _, streams = await self.admin("GET", "/streams")
+                    return any(
+                        s["stream"] == f"{wid}#dp{rank}" and s["last_seq"] is not None
+                        for s in streams["streams"]
+                    )
 
-            await eventually(applied, what=f"{wid}'s KV events to reach the index")
+                await eventually(applied, what=f"{wid} rank {rank}'s KV events to reach the index")
 
     async def holds(self, body: object, worker: str, tokens: int) -> bool:
-        """Whether the index says `worker` holds at least `tokens` of the body's prompt."""
+        """Whether the index says `worker` (any of its dp ranks) holds `tokens` of the prompt."""
         plan = await self.route(body)
-        held = {c["worker"]: int(c["matched_tokens"]) for c in plan["candidates"]}
-        return held.get(worker, 0) >= tokens
+        held = [int(c["matched_tokens"]) for c in plan["candidates"] if c["worker"] == worker]
+        return max(held, default=0) >= tokens
 
 
 @pytest.fixture

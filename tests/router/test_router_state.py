@@ -90,3 +90,42 @@ def test_metrics_forget_a_removed_workers_series() -> None:
     assert 'kvroute_requests_total{code="200",endpoint="/generate",model="",worker="gone"} 2.0' in (
         metrics.render().decode()
     )
+
+
+def test_load_is_kept_per_dp_rank_and_summed_per_worker() -> None:
+    loads = LoadTracker()
+    r0 = loads.begin("w", 100, dp_rank=0)
+    r1 = loads.begin("w", 40, dp_rank=1)
+    bare = loads.begin("w", 7)  # sent without a rank (the engine picks)
+    assert (loads.of("w", 0).running, loads.of("w", 1).running, loads.of("w").running) == (1, 1, 1)
+    assert loads.of("w", 1).queued_prefill_tokens == 40
+    total = loads.total("w")
+    assert (total.queued_prefill_tokens, total.running) == (147, 3)
+    assert loads.running() == {"w": 3}
+    assert loads.running_by_rank() == {("w", 0): 1, ("w", 1): 1}  # ranked requests only
+    loads.first_byte(r1)
+    loads.end(r0)
+    assert (loads.of("w", 0).running, loads.of("w", 1).queued_prefill_tokens) == (0, 0)
+    loads.end(r1)
+    loads.end(bare)
+    assert loads.running() == {"w": 0} and loads.total("w").queued_prefill_tokens == 0
+    loads.forget("w")
+    assert loads.running() == {} and loads.running_by_rank() == {}
+
+
+def test_rank_in_flight_metrics_follow_the_load_tracker() -> None:
+    loads = LoadTracker()
+    metrics = RouterMetrics()
+    metrics.export_in_flight(loads.running)
+    metrics.export_rank_in_flight(loads.running_by_rank)
+    ticket = loads.begin("w", 10, dp_rank=1)
+    loads.begin("w", 5, dp_rank=0)
+    text = metrics.render().decode()
+    assert 'kvroute_dp_rank_in_flight_requests{dp_rank="1",worker="w"} 1.0' in text
+    assert 'kvroute_in_flight_requests{worker="w"} 2.0' in text  # the worker's total
+    loads.end(ticket)
+    assert 'kvroute_dp_rank_in_flight_requests{dp_rank="1",worker="w"} 0.0' in (
+        metrics.render().decode()
+    )
+    loads.forget("w")
+    assert 'worker="w"' not in metrics.render().decode()

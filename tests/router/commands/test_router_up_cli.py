@@ -131,3 +131,47 @@ async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.commands.cli",
+        "up",
+        "--workers",
+        "1",
+        "--dp",
+        "2",
+        "--router-port",
+        "0",
+        "--worker-port-base",
+        "0",
+        "--time-scale",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
+        url = line.split("kvroute router:")[1].split()[0]
+        assert any("2 data-parallel ranks each" in text for text in lines)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/admin/workers") as resp:
+                (worker,) = (await resp.json())["workers"]
+            assert len(worker["streams"]) == 2
+            body = {"prompt": "hello ranks", "max_tokens": 1}
+            async with session.post(url + "/admin/route", json=body) as resp:
+                plan = await resp.json()
+            assert sorted(c["dp_rank"] for c in plan["candidates"]) == [0, 1]
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["x-kvroute-dp-rank"] in ("0", "1")
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
