@@ -71,6 +71,8 @@ class Candidate(msgspec.Struct, gc=False):
     pending_tokens: int = 0  # further tokens covered by recent routing decisions only
     # its rank's KV-event stream state (a worker's best one's), None without events
     stream_state: str | None = None
+    # the matched blocks per storage tier each is held in at best (e.g. {"GPU": 6, "CPU": 2})
+    by_medium: dict[str, int] = {}
     hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)
     queued_prefill_tokens: int = 0
     running: int = 0
