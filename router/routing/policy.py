@@ -200,32 +200,34 @@ class RandomPolicy(Policy):
 
 
 class RoundRobinPolicy(Policy):
-    """Healthy workers in turn, in pool order: the one chosen longest ago goes next.
+    """Healthy targets in turn, in pool order: the one chosen longest ago goes next.
 
-    Turns are kept per worker, not as one counter over the fleet: the planner offers only the
-    workers of the request's model, and with one counter, requests of two models taking turns
-    would land every request of one model on the same worker of its pool.
+    Turns are kept per target (a worker, or one DP rank of it), not as one counter over the
+    fleet: the planner offers only the workers of the request's model, and with one counter,
+    requests of two models taking turns would land every request of one model on the same
+    worker of its pool; kept per worker, a worker's second rank would never get a turn.
     """
 
     name = "round_robin"
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(config)
-        self._last: dict[str, int] = {}  # worker -> the decision that last chose it
+        self._last: dict[str, int] = {}  # target -> the decision that last chose it
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         n = len(views)
         # never chosen counts as chosen before everything, in pool order
-        return [-float(self._last.get(v.worker, -1) * (n + 1) + i) for i, v in enumerate(views)]
+        return [-float(self._last.get(v.target, -1) * (n + 1) + i) for i, v in enumerate(views)]
 
-    def record(self, tokens: Sequence[int], worker: str) -> None:
-        """The chosen worker's turn is over."""
-        self._last[worker] = self._decisions
-        super().record(tokens, worker)
+    def record(self, tokens: Sequence[int], target: str) -> None:
+        """The chosen target's turn is over."""
+        self._last[target] = self._decisions
+        super().record(tokens, target)
 
     def forget(self, worker: str) -> None:
-        """A worker that left takes no more turns."""
-        self._last.pop(worker, None)
+        """A worker that left takes no more turns (none of its ranks)."""
+        for target in [t for t in self._last if t == worker or _target_worker(t) == worker]:
+            del self._last[target]
 
 
 class ApproxTreePolicy(Policy):

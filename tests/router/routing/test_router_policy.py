@@ -205,3 +205,17 @@ def test_a_tier_the_weights_do_not_name_earns_nothing_but_the_gpu_always_counts(
     assert hit({"MYSTERY": 4}, {"GPU": 1.0}) == 0  # fail closed: reload cost unknown
     assert hit({"GPU": 2, "CPU_PINNED": 2}, PolicyConfig().medium_weights) == 2 * 16 + 1 * 16
     assert hit({"GPU": 3}, {"CPU": 0.5}) == 3 * 16  # GPU needs no weight entry
+
+
+def test_round_robin_gives_every_dp_rank_its_turn() -> None:
+    policy = RoundRobinPolicy(PolicyConfig())
+    views = [Candidate(w, "", True, "ready", dp_rank=r) for w in ("a", "b") for r in (0, 1)]
+    picks = []
+    for _ in range(8):
+        first = policy.rank([], views)[0]
+        policy.record([], first.target)
+        picks.append(first.target)
+    assert sorted(set(picks)) == sorted(v.target for v in views)
+    assert len(set(picks[:4])) == 4  # one full round before any target repeats
+    policy.forget("a")
+    assert all(not t.startswith("a") for t in policy._last)
