@@ -138,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from router.http.memory import TRACEMALLOC_ENV, start_tracing
+
+    if start_tracing():  # before the router allocates anything (see /admin/debug/memory)
+        logging.getLogger(__name__).warning(
+            "%s is set: tracemalloc traces every allocation (slower)", TRACEMALLOC_ENV
+        )
     try:
         config = apply_overrides(load_config(args.config), args)
         asyncio.run(serve_until_stopped(config))

@@ -22,6 +22,7 @@ from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
 from router.http.intake import read_request
 from router.http.keys import CONFIG, FINGERPRINT, INDEXER, PLANNER, SESSION, SUPERVISOR, TOKENIZER
+from router.http.memory import add_memory_routes
 from router.prompt.request import Endpoint, check_salt_size
 from router.routing.pool import WorkerEntry, WorkerSummary
 
@@ -262,4 +263,5 @@ def create_admin_app(token: str) -> web.Application:
     app.router.add_post("/route", route_dry_run)
     app.router.add_get("/index/dump", dump_index)
     app.router.add_post("/index/load", load_index)
+    add_memory_routes(app)
     return app
