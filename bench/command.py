@@ -25,6 +25,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "index": ("bench.index_bench", "indexer ingest rate, query latency, memory per entry"),
     "proxy": ("bench.proxy_bench", "router overhead over calling a worker directly"),
     "decode": ("bench.decode_bench", "KV-event payload decode throughput"),
+    "cluster": ("bench.cluster_bench", "router replicas on NATS: propagation, warm start"),
 }
 
 

@@ -109,8 +109,9 @@ class ClusterService:
         self.published = 0  # decisions published
         self.bad_messages = 0
         self.nats_errors = 0
-        # the warm start: the snapshot's wall time and how long loading it took
+        # the warm start: the snapshot's wall time, how long fetching and loading it took
         self.snapshot_at: float | None = None
+        self.fetch_s: float | None = None  # of which reading it from JetStream
         self.warm_start_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -285,6 +286,7 @@ class ClusterService:
         if got is None:
             return None
         data, at = got
+        self.fetch_s = time.perf_counter() - started
         try:
             self._indexer.load(data)
         except SnapshotError as exc:
