@@ -355,6 +355,10 @@ async def _run(args: argparse.Namespace) -> str:
             async with contextlib.AsyncExitStack() as stack:
                 router = await stack.enter_async_context(_process(*_router_cmd(config)))
                 targets = {"direct": backend, "kvroute": router}
+                # the same router on asyncio's own loop: what uvloop (the default) buys
+                targets["kvroute on asyncio's loop"] = await stack.enter_async_context(
+                    _process("env", "KVROUTE_EVENT_LOOP=asyncio", *_router_cmd(config))
+                )
                 if args.processes > 1:
                     # N replicas on one port, one router through a nats-server of their own
                     nats = await stack.enter_async_context(NatsServer())
@@ -385,6 +389,11 @@ async def _run(args: argparse.Namespace) -> str:
                 notes.append(
                     f"kvroute / bare aiohttp forwarder throughput ratio: "
                     f"{section.rates['kvroute'] / bare:.2f} (the cost of routing itself)"
+                )
+                plain = section.rates["kvroute on asyncio's loop"]
+                notes.append(
+                    f"kvroute on uvloop (its default) / on asyncio's loop throughput ratio: "
+                    f"{section.rates['kvroute'] / plain:.2f} (KVROUTE_EVENT_LOOP=asyncio)"
                 )
                 many = f"kvroute --processes {args.processes}"
                 if many in section.rates:
