@@ -191,7 +191,8 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
 
     Measured on the proxy hot path (`kvroute bench proxy`, the "kvroute on asyncio's loop"
     row of docs/benchmarks/replicas/proxy.md): the same router served 1.06x the requests/s on
-    uvloop there at no latency cost, so it is the default where it installs (not on Windows); asyncio's own loop stays the fallback.
+    uvloop there at no latency cost, so it is the default where it installs (not on
+    Windows); asyncio's own loop stays the fallback.
     """
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if os.environ.get("KVROUTE_EVENT_LOOP", "") != "asyncio":
