@@ -26,6 +26,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "proxy": ("bench.proxy_bench", "router overhead over calling a worker directly"),
     "decode": ("bench.decode_bench", "KV-event payload decode throughput"),
     "soak": ("bench.soak_bench", "router and worker memory under long mixed traffic"),
+    "cluster": ("bench.cluster_bench", "router replicas on NATS: propagation, warm start"),
 }
 
 

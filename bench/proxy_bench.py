@@ -35,6 +35,7 @@ import msgspec
 from aiohttp import web
 
 from bench.sglang_router import DEFAULT_PYTHON, launch
+from router.cluster.server import NatsServer
 
 __all__ = ["add_arguments", "run"]
 
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sglang-router-python",
         default=DEFAULT_PYTHON,
         help="python that can import sglang_router (skipped when it cannot)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="also measure kvroute serve --processes N (replicas on NATS); 1 skips it",
     )
     parser.add_argument("--skip-clients", action="store_true", help="skip aiohttp vs httpx")
     parser.add_argument(
@@ -348,6 +355,23 @@ async def _run(args: argparse.Namespace) -> str:
             async with contextlib.AsyncExitStack() as stack:
                 router = await stack.enter_async_context(_process(*_router_cmd(config)))
                 targets = {"direct": backend, "kvroute": router}
+                # the same router on asyncio's own loop: what uvloop (the default) buys
+                targets["kvroute on asyncio's loop"] = await stack.enter_async_context(
+                    _process("env", "KVROUTE_EVENT_LOOP=asyncio", *_router_cmd(config))
+                )
+                if args.processes > 1:
+                    # N replicas on one port, one router through a nats-server of their own
+                    nats = await stack.enter_async_context(NatsServer())
+                    replicated = Path(tmp) / "replicas.toml"
+                    replicated.write_text(
+                        config.read_text() + f'[cluster]\nurl = "{nats.url}"\n'
+                        "snapshot_interval_s = 0\n"
+                    )
+                    targets[
+                        f"kvroute --processes {args.processes}"
+                    ] = await stack.enter_async_context(
+                        _process(*_router_cmd(replicated), "--processes", str(args.processes))
+                    )
                 targets["bare aiohttp forwarder"] = await stack.enter_async_context(
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
                 )
@@ -366,6 +390,24 @@ async def _run(args: argparse.Namespace) -> str:
                     f"kvroute / bare aiohttp forwarder throughput ratio: "
                     f"{section.rates['kvroute'] / bare:.2f} (the cost of routing itself)"
                 )
+                plain = section.rates["kvroute on asyncio's loop"]
+                notes.append(
+                    f"kvroute on uvloop (its default) / on asyncio's loop throughput ratio: "
+                    f"{section.rates['kvroute'] / plain:.2f} (KVROUTE_EVENT_LOOP=asyncio)"
+                )
+                many = f"kvroute --processes {args.processes}"
+                if many in section.rates:
+                    notes.append(
+                        f"{many} / kvroute (one process) throughput ratio: "
+                        f"{section.rates[many] / section.rates['kvroute']:.2f} (replicas share "
+                        "decisions on NATS; the load generator and the backend share the same "
+                        f"{os.cpu_count()} CPUs)"
+                    )
+                    if "sglang-router" in section.rates:
+                        notes.append(
+                            f"{many} / sglang-router throughput ratio: "
+                            f"{section.rates[many] / section.rates['sglang-router']:.2f}"
+                        )
                 if "sglang-router" in section.rates:
                     notes.append(
                         "sglang-router: SGLang's Rust router from PyPI, run by "

@@ -42,6 +42,7 @@ from bench.harness import (
     PolicyWeights,
     run_policy,
 )
+from bench.replica_fleet import REPLICATED, run_replicated
 from bench.report import write_report
 from bench.routing_results import BenchReport, PolicyRun, WorkloadSection
 from bench.workloads import (
@@ -68,7 +69,7 @@ WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 TOPOLOGIES = ("flat", "dp", "tiered")
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
 DEFAULT_OUT = Path("docs/benchmarks")
-ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE)
+ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE, *REPLICATED)
 
 
 class SuiteSettings(msgspec.Struct, frozen=True):
@@ -388,6 +389,30 @@ def _notes(settings: SuiteSettings) -> list[str]:
     return notes
 
 
+def _replica_notes(sections: list[WorkloadSection]) -> list[str]:
+    """Hit rate of three replicas (sharing, alone) as a ratio of one replica's, per section."""
+    from bench.routing_results import summarize
+
+    notes = []
+    for section in sections:
+        runs = {run.policy: summarize(run) for run in section.runs if run.records}
+        one = runs.get("kv")
+        if one is None or not one.hit_rate:
+            continue
+        parts = [
+            f"`{name}` {runs[name].hit_rate / one.hit_rate:.3f}x"
+            for name in REPLICATED
+            if name in runs
+        ]
+        if parts:
+            notes.append(
+                f"{section.workload} at KV pressure {section.pressure:.2f}: hit rate of three "
+                f"kv replicas (requests spread at random) over one kv replica's "
+                f"({one.hit_rate:.1%}): " + ", ".join(parts) + " (`bench/replica_fleet.py`)"
+            )
+    return notes
+
+
 TOPOLOGY_LABELS = {"flat": "", "dp": " [dp 2 ranks]", "tiered": " [GPU + host tier]"}
 TOPOLOGY_NOTES = {
     "flat": "",
@@ -463,11 +488,17 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                     progress.advance(task)
 
                 try:
-                    run = await run_policy(
-                        policy, workload, spec, settings.seed, advance,
-                        settings.request_timeout_s, settings.weights,
-                        settings.sglang_router_python,
-                    )  # fmt: skip
+                    if policy in REPLICATED:  # three kv replicas, sharing or not
+                        run = await run_replicated(
+                            policy, workload, spec, settings.seed, advance,
+                            settings.request_timeout_s, settings.weights,
+                        )  # fmt: skip
+                    else:
+                        run = await run_policy(
+                            policy, workload, spec, settings.seed, advance,
+                            settings.request_timeout_s, settings.weights,
+                            settings.sglang_router_python,
+                        )  # fmt: skip
                 except Exception as exc:  # a policy that cannot run is reported, not fatal
                     run = PolicyRun(
                         policy=policy,
@@ -513,6 +544,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         else f"{settings.load:g} x the fleet's prefill capacity with no cache hits "
         "(sets each workload's arrival rate)"
     )
+    notes = _notes(settings) + _replica_notes(sections)
     return BenchReport(
         command=command,
         seed=settings.seed,
@@ -520,7 +552,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         started_at=started,
         fleet=fleet,
         sections=sections,
-        notes=_notes(settings),
+        notes=notes,
     )
 
 

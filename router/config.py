@@ -23,6 +23,7 @@ __all__ = [
     "ADMIN_TOKEN_ENV",
     "AdminConfig",
     "BreakerConfig",
+    "ClusterConfig",
     "HealthConfig",
     "IndexerSection",
     "LimitsConfig",
@@ -223,6 +224,43 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return self.id or self.url.rstrip("/")
 
 
+class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Router replicas that agree through NATS (`router.cluster`); absent: one replica alone."""
+
+    # the NATS server(s) every replica connects to ("nats://host:4222"), JetStream enabled
+    url: str | list[str] = "nats://127.0.0.1:4222"
+    # first token of every subject, and of the JetStream buckets' names: replicas with the same
+    # prefix are one router, so two fleets can share a NATS server under two prefixes
+    subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "kvroute"
+    # how often a replica says it is alive (and which of its requests are in flight), and how
+    # long the others wait for it before its in-flight load stops counting
+    heartbeat_interval_s: PositiveFloat = 1.0
+    heartbeat_timeout_s: PositiveFloat = 3.0
+    # at start, how long to wait for NATS, the shared fleet and the warm start before serving
+    # on local state (degraded, resyncing when NATS answers)
+    startup_timeout_s: PositiveFloat = 5.0
+    # how often the oldest live replica publishes the index snapshot new replicas start from;
+    # 0: never (new replicas then start cold and catch up from the workers' replay)
+    snapshot_interval_s: NonNegativeFloat = 60.0
+    # this replica's name among the others; "": host-pid-random, new at every start
+    replica_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                "cluster.heartbeat_timeout_s must be longer than cluster.heartbeat_interval_s "
+                "(a live replica would expire between two heartbeats)"
+            )
+        urls = [self.url] if isinstance(self.url, str) else self.url
+        if not urls or any(not u.startswith(("nats://", "tls://")) for u in urls):
+            raise ValueError(f"cluster.url must be nats:// or tls:// URL(s), got {self.url!r}")
+
+    @property
+    def servers(self) -> list[str]:
+        """The NATS URLs as a list."""
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole router configuration (one TOML file)."""
 
@@ -238,6 +276,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # header whose value overrides the body's cache_salt (set by a trusted gateway); "" = none
     salt_header: str = ""
     workers: tuple[WorkerConfig, ...] = ()
+    # several replicas as one router (NATS); None: this replica alone
+    cluster: ClusterConfig | None = None
     # `kvroute up` only: the embedded fleet, validated by the workers package
     fleet: dict[str, Any] | None = None
 

@@ -8,15 +8,20 @@ Port 0 picks a free port; `url` reports the bound one. The benchmarks start one 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.fleet.supervisor import Supervisor
 from router.http.app import create_app
-from router.http.keys import INDEXER, PLANNER, SUPERVISOR
+from router.http.keys import CLUSTER, INDEXER, PLANNER, SUPERVISOR
 from router.http.listener import RouterRunner
 from router.routing.planner import Planner
+
+if TYPE_CHECKING:
+    from router.cluster.service import ClusterService
 
 __all__ = ["RouterService"]
 
@@ -24,8 +29,10 @@ __all__ = ["RouterService"]
 class RouterService:
     """Runs the router application on its configured listen address until exited."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, reuse_port: bool = False) -> None:
         self.config = config
+        # SO_REUSEPORT: several replica processes share one port (kvroute serve --processes)
+        self._reuse_port = reuse_port
         self.app = create_app(config)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -39,7 +46,12 @@ class RouterService:
         await runner.setup()
         started = False
         try:
-            site = web.TCPSite(runner, self.config.listen.host, self.config.listen.port)
+            site = web.TCPSite(
+                runner,
+                self.config.listen.host,
+                self.config.listen.port,
+                reuse_port=self._reuse_port or None,
+            )
             await site.start()
             started = True
         finally:
@@ -81,3 +93,8 @@ class RouterService:
     def indexer(self) -> IndexerService:
         """The running IndexerService."""
         return self.app[INDEXER]
+
+    @property
+    def cluster(self) -> ClusterService | None:
+        """This replica's link to the others (None without a [cluster])."""
+        return self.app.get(CLUSTER)

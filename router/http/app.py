@@ -26,6 +26,7 @@ from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http.admin import create_admin_app
 from router.http.keys import (
+    CLUSTER,
     CONFIG,
     FINGERPRINT,
     INDEXER,
@@ -126,12 +127,21 @@ def _proxy_handler(endpoint: Endpoint) -> _Handler:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 while at least one worker takes traffic, else 503."""
+    """GET /health: 200 while at least one worker takes traffic, else 503; with a [cluster],
+    where this replica stands with the others ("ok", or "degraded": on local state)."""
     planner = request.app[PLANNER]
     now = planner.clock()
     workers = list(planner.pool)
     ready = sum(1 for w in workers if w.routable(now))
-    body = {"status": "ok" if ready else "no_worker", "workers": len(workers), "routable": ready}
+    body: dict[str, object] = {
+        "status": "ok" if ready else "no_worker",
+        "workers": len(workers),
+        "routable": ready,
+    }
+    cluster = request.app.get(CLUSTER)
+    if cluster is not None:
+        # degraded still serves (on this replica's own state): the status code says "routable"
+        body["cluster"] = cluster.describe()
     return web.Response(
         body=_json.encode(body), status=200 if ready else 503, content_type="application/json"
     )
@@ -201,7 +211,17 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await supervisor.check_all()  # dead workers are out of rotation before the first request
         health_task = asyncio.create_task(supervisor.run(), name="kvroute-health")
         try:
-            yield
+            async with contextlib.AsyncExitStack() as stack:
+                if config.cluster is not None:
+                    # nats is imported by a replica among others only
+                    from router.cluster.service import ClusterService
+
+                    cluster = await stack.enter_async_context(
+                        ClusterService(config.cluster, planner, supervisor, config.workers)
+                    )
+                    app[CLUSTER] = cluster
+                    app[METRICS].export_cluster(cluster.gauges)
+                yield
         finally:
             health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import aiohttp
 from aiohttp import web
 
@@ -14,7 +16,11 @@ from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
 
+if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
+    from router.cluster.service import ClusterService
+
 __all__ = [
+    "CLUSTER",
     "CONFIG",
     "FINGERPRINT",
     "INDEXER",
@@ -35,3 +41,5 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 PLANNER = web.AppKey("planner", Planner)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)
+# only when the config has a [cluster]: this replica's link to the others
+CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")

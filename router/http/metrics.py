@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -101,6 +102,34 @@ class _RankInFlight(Collector):
         yield family
 
 
+class _Cluster(Collector):
+    """`kvroute_cluster_*`: where this replica stands with the others, read when scraped."""
+
+    _HELP: ClassVar[dict[str, str]] = {
+        "degraded": "1 while this replica is not in step with the others (NATS away): it "
+        "serves on its own state",
+        "replicas": "Replicas of this router heard from (this one included)",
+        "decisions_published": "Routing decisions this replica published",
+        "decisions_applied": "Routing decisions of other replicas applied here",
+        "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
+        "unsent_admin_writes": "Admin changes kept here until NATS takes them",
+    }
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, float]] = dict
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing until a cluster exports: a lone router has no such series."""
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        """One gauge per value the cluster reports."""
+        for name, value in self.source().items():
+            family = GaugeMetricFamily(f"kvroute_cluster_{name}", self._HELP.get(name, name))
+            family.add_metric([], value)
+            yield family
+
+
 class RouterMetrics:
     """Every metric the router exports."""
 
@@ -159,6 +188,8 @@ class RouterMetrics:
         r.register(self._in_flight)
         self._rank_in_flight = _RankInFlight()
         r.register(self._rank_in_flight)
+        self._cluster = _Cluster()
+        r.register(self._cluster)
         self.healthy = Gauge(
             "kvroute_worker_routable",
             "1 when the worker takes new requests",
@@ -199,6 +230,10 @@ class RouterMetrics:
     def export_rank_in_flight(self, running: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         """Export `running()` (requests in flight per (worker, dp rank)) as the rank gauge."""
         self._rank_in_flight.source = running
+
+    def export_cluster(self, gauges: Callable[[], Mapping[str, float]]) -> None:
+        """Export `gauges()` (the cluster's state) as `kvroute_cluster_<name>` gauges."""
+        self._cluster.source = gauges
 
     def render(self) -> bytes:
         """The text exposition format."""

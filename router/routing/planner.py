@@ -36,6 +36,7 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
+from router.routing.decisions import DecisionSink
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
@@ -111,6 +112,8 @@ class Planner:
         self.load = load
         self.fingerprint = fingerprint
         self.clock = time.monotonic
+        # told of every commit and its progress (router replicas share them); None: alone
+        self.decisions: DecisionSink | None = None
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
@@ -205,18 +208,26 @@ class Planner:
         the marks go on every stream of the worker)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
-        if self.policy.marks_pending and self.indexer.has_worker(candidate.worker):
+        marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
+        if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
         hit = candidate.matched_tokens + candidate.pending_tokens
-        return self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
+        ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
+        if self.decisions is not None:
+            self.decisions.committed(ns, tokens, ticket, marked=marked)
+        return ticket
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""
         self.load.first_byte(ticket)
+        if self.decisions is not None:
+            self.decisions.first_byte(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         """The request ended (answered, failed or cancelled): it no longer counts as running."""
         self.load.end(ticket)
+        if self.decisions is not None:
+            self.decisions.finished(ticket)
 
     def record_failure(self, worker: str, *, hard: bool) -> None:
         """A request to `worker` failed; a `hard` failure (the process looks gone) opens its

@@ -1,0 +1,207 @@
+"""`kvroute bench cluster`: what sharing costs between router replicas on NATS (loopback).
+
+Two measurements, each against a real nats-server (JetStream) started for the run:
+
+- decision propagation: replica a commits paced routing decisions (a pending mark of a
+  1,024-token prompt and a load begin each, as the planner reports them); replica b records,
+  for every batch it applies, the delay from a's publish (`time.time()` on both ends: one host,
+  one clock). Both replicas share this process's event loop, so the delay includes waiting for
+  the other's turns;
+- warm start: replica a in front of a real reference worker holds a prompt the worker cached,
+  plus `--entries` synthetic index entries on other streams; a publishes its snapshot; then a new
+  replica c starts. Reported: snapshot size and publish time, c's start until ready (fleet read,
+  snapshot fetched and loaded, the worker's stream proven by its replay), and whether c's very
+  first request for the prompt was predicted as the hit it is (`x-kvroute-matched-tokens`).
+
+The report goes to `docs/benchmarks/cluster.md`. Every loop is bounded by a count and a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench.index_workload import _stored, doc_tokens
+from indexer.namespace import Namespace
+from indexer.protocol import EventBatch
+from indexer.service import stream_id
+from router.cluster.server import NatsServer
+from router.config import AdminConfig, ClusterConfig, ListenConfig, RouterConfig, WorkerConfig
+from router.service import RouterService
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+__all__ = ["add_arguments", "run"]
+
+_PAGE = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvroute bench cluster`."""
+    parser.add_argument("--decisions", type=int, default=4000, help="decisions a publishes")
+    parser.add_argument("--rate", type=float, default=2000.0, help="decisions per second")
+    parser.add_argument("--entries", type=int, default=1_000_000, help="snapshot index entries")
+    parser.add_argument("--output", default="docs/benchmarks/cluster.md")
+
+
+def _replica(name: str, nats: str, workers: tuple[WorkerConfig, ...] = ()) -> RouterConfig:
+    return RouterConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        admin=AdminConfig(enabled=True),
+        workers=workers,
+        cluster=ClusterConfig(
+            url=nats, replica_id=name, snapshot_interval_s=0.0, startup_timeout_s=30.0
+        ),
+    )
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _propagation(args: argparse.Namespace, nats: str) -> list[str]:
+    async with (
+        RouterService(_replica("a", nats)) as a,
+        RouterService(_replica("b", nats)) as b,
+    ):
+        assert a.cluster is not None and b.cluster is not None
+        rng = random.Random(1)
+        tokens = [rng.randrange(3, 259) for _ in range(1024)]
+        ns = Namespace("m", None, "tenant")
+        load = a.planner.load
+        b.cluster.peers.delays.clear()
+        gap = 1.0 / args.rate
+        start = time.perf_counter()
+        deadline = start + 60.0
+        for i in range(args.decisions):
+            ticket = load.begin("w0", 1024)
+            a.cluster.outbox.committed(ns, tokens, ticket, marked=True)
+            load.end(ticket)
+            a.cluster.outbox.finished(ticket)
+            pause = start + (i + 1) * gap - time.perf_counter()
+            await asyncio.sleep(max(0.0, pause))
+            if time.perf_counter() > deadline:
+                break
+        await asyncio.sleep(0.5)  # the last batches land
+        delays = [d * 1e3 for d in b.cluster.peers.delays]
+    if not delays:
+        return ["No batch arrived: propagation not measured."]
+    return [
+        f"| {args.decisions} | {args.rate:g} | {len(delays)} | {statistics.median(delays):.3f} | "
+        f"{_pct(delays, 0.99):.3f} | {max(delays):.3f} |"
+    ]
+
+
+def _fill(index_service: object, entries: int) -> int:
+    """Add about `entries` synthetic entries on 64 streams nobody serves; returns how many."""
+    from indexer.service import IndexerService
+
+    assert isinstance(index_service, IndexerService)
+    index = index_service.index
+    rng = random.Random(7)
+    per_doc = 8192 // _PAGE
+    docs = max(1, entries // per_doc)
+    streams = [stream_id(f"synthetic-{s}", 0) for s in range(64)]
+    for sid in streams:
+        index.add_stream(sid, model="bench-model", block_size=_PAGE)
+    for d in range(docs):
+        tokens = doc_tokens(d, 16)
+        hashes = [rng.getrandbits(63) for _ in range(per_doc)]
+        event = _stored(hashes, None, tokens, None if d % 2 else f"tenant-{d % 4}")
+        index.apply(streams[d % len(streams)], EventBatch(ts=0.0, events=[event]))
+    return docs * per_doc
+
+
+async def _warm_start(args: argparse.Namespace, nats: str) -> list[str]:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=_PAGE)
+    async with ReferenceWorker(cfg) as worker, aiohttp.ClientSession() as session:
+        fleet = (WorkerConfig(url=worker.url, id="w0"),)
+        body = {"text": "a prompt the worker keeps " * 12, "sampling_params": {"max_new_tokens": 1}}
+        async with RouterService(_replica("a", nats, fleet)) as a:
+            assert a.cluster is not None
+            for _ in range(200):  # the slow-joiner SUB: until the stream has applied the prompt
+                async with session.post(a.url + "/generate", json=body) as resp:
+                    await resp.read()
+                    if int(resp.headers.get("x-kvroute-matched-tokens", "0")) > 0:
+                        break
+                await asyncio.sleep(0.05)
+            filled = _fill(a.indexer, args.entries)
+            total = len(a.indexer.index)
+            started = time.perf_counter()
+            size = await a.cluster.publish_snapshot()
+            publish_s = time.perf_counter() - started
+            started = time.perf_counter()
+            async with RouterService(_replica("c", nats, fleet)) as c:
+                ready_s = time.perf_counter() - started
+                assert c.cluster is not None
+                async with session.post(c.url + "/generate", json=body) as resp:
+                    await resp.read()
+                    matched = int(resp.headers.get("x-kvroute-matched-tokens", "0"))
+                first_s = time.perf_counter() - started
+                load_s = c.cluster.warm_start_s or 0.0
+                fetch_s = c.cluster.fetch_s or 0.0
+    return [
+        f"| {total:,} ({filled:,} synthetic) | {size / 1e6:.1f} MB | {publish_s:.2f} | "
+        f"{fetch_s:.2f} | {load_s - fetch_s:.2f} | {ready_s:.2f} | {first_s:.2f} | {matched} |"
+    ]
+
+
+async def _run(args: argparse.Namespace) -> str:
+    async with NatsServer() as nats:
+        propagation = await _propagation(args, nats.url)
+    async with NatsServer() as nats:
+        warm = await _warm_start(args, nats.url)
+    load = os.getloadavg()
+    return "\n".join(
+        [
+            "# Router replicas on NATS",
+            "",
+            "Written by `kvroute bench cluster` (module docstring: `bench/cluster_bench.py`). "
+            "A real nats-server with JetStream on 127.0.0.1, started for the run.",
+            "",
+            f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, load average "
+            f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end of the run.",
+            "",
+            "## Decision propagation (replica a publishes, replica b applies)",
+            "",
+            "Target: p99 <= 2 ms on loopback.",
+            "",
+            "| decisions | per second | batches applied | p50 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|---|",
+            *propagation,
+            "",
+            "## Warm start from the snapshot in JetStream",
+            "",
+            "Target: a new replica warm (its first routed request hits) within 2 s of start at "
+            "1 M index entries. `fetch` is reading the snapshot from the object store, `load` "
+            "validating it into a fresh index (`load_index`); `ready` is the new replica's "
+            "whole start (NATS, fleet, snapshot, the worker's stream proven by its replay, "
+            "the listener); `first hit` adds its first request, whose predicted tokens are in "
+            "the last column.",
+            "",
+            "| index entries | snapshot | publish s | fetch s | load s | ready s | first hit s | "
+            "matched tokens |",
+            "|---|---|---|---|---|---|---|---|",
+            *warm,
+            "",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the cluster benchmark and write its report."""
+    report = asyncio.run(_run(args))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report, encoding="utf-8")
+    print(report)
+    return 0

@@ -1,0 +1,151 @@
+"""The fleet and the admin state, shared in JetStream KV: one truth for every replica.
+
+Two buckets under the subject prefix:
+- `<prefix>_fleet`: one key per worker (`w.<base64url of its id>`), a `WorkerRecord` in JSON:
+  its config, whether it is drained, or that it was removed. Every replica seeds the workers of
+  its own config file with a create-if-absent, so replicas starting at once against an empty
+  cluster agree (the union of their configs), and an admin removal, kept as a record, is not
+  undone by a replica restarting with the worker in its file.
+- `<prefix>_evictions`: namespaces evicted by an operator (random keys: the key shows nothing
+  of the namespace), kept a day; a warm start applies those newer than its snapshot.
+
+`/admin` on any replica writes here after changing its own state; every replica (itself too)
+applies what it reads to its pool, so applying is idempotent. A write made while NATS is away is
+kept (the latest per key) and written when it returns, before the buckets are read again.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from indexer.namespace import Namespace
+from indexer.service import IndexerService
+from router.cluster.wire import EvictionRecord, WorkerRecord
+from router.config import WorkerConfig
+from router.errors import NotFoundError
+from router.fleet.supervisor import Supervisor
+from router.routing.pool import WorkerPool
+
+__all__ = ["EVICTION_TTL_S", "FleetState", "worker_key"]
+
+log = logging.getLogger(__name__)
+
+EVICTION_TTL_S = 24 * 3600.0
+_worker_decoder = msgspec.json.Decoder(WorkerRecord)
+_eviction_decoder = msgspec.json.Decoder(EvictionRecord)
+_json = msgspec.json.Encoder()
+
+
+def worker_key(worker_id: str) -> str:
+    """The KV key of a worker (ids are URLs; keys take only [-/_=.a-zA-Z0-9])."""
+    return "w." + base64.urlsafe_b64encode(worker_id.encode()).decode().rstrip("=")
+
+
+class FleetState:
+    """Reads and writes the shared fleet and evictions, and applies them to this replica."""
+
+    def __init__(
+        self, replica: str, supervisor: Supervisor, pool: WorkerPool, indexer: IndexerService
+    ) -> None:
+        self._replica = replica
+        self._supervisor = supervisor
+        self._pool = pool
+        self._indexer = indexer
+        # writes NATS did not take yet: (bucket, key) -> value, the latest per key
+        self.unsent: dict[tuple[str, str], bytes] = {}
+        self._seen_evictions: set[str] = set()
+        self.evictions_applied = 0
+
+    # ------------------------------------------------------------------ writing
+
+    def record_worker(self, entry_id: str, config: WorkerConfig | None, **flags: bool) -> bytes:
+        """The JSON of a worker's record as this replica now holds it."""
+        record = WorkerRecord(id=entry_id, config=config, by=self._replica, **flags)
+        return _json.encode(record)
+
+    def record_eviction(self, namespace: Namespace) -> tuple[str, bytes]:
+        """(key, JSON) of an eviction record made now."""
+        record = EvictionRecord(namespace=namespace, at=time.time(), by=self._replica)
+        return f"e.{uuid.uuid4().hex}", _json.encode(record)
+
+    async def seed(self, fleet: KeyValue, workers: Sequence[WorkerConfig]) -> None:
+        """Create the record of every worker of this replica's config that has none yet."""
+        for config in workers:
+            # a record already there is the cluster's word on the worker: it wins
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                await fleet.create(
+                    worker_key(config.worker_id), self.record_worker(config.worker_id, config)
+                )
+
+    async def flush(self, buckets: dict[str, KeyValue]) -> None:
+        """Write what NATS did not take while it was away (raises on failure, keeps the rest)."""
+        for (bucket, key), value in list(self.unsent.items()):
+            await buckets[bucket].put(key, value)
+            if self.unsent.get((bucket, key)) is value:
+                del self.unsent[(bucket, key)]
+
+    # ----------------------------------------------------------------- applying
+
+    async def apply_worker(self, value: bytes) -> None:
+        """Make this replica's pool agree with one worker record."""
+        try:
+            record = _worker_decoder.decode(value)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
+            return
+        entry = self._pool.find(record.id)
+        if record.removed or record.config is None:
+            if entry is not None:
+                log.info("worker %s removed by replica %s", record.id, record.by)
+                await self._remove(record.id)
+            return
+        if entry is None or entry.config != record.config:
+            if entry is not None:
+                await self._remove(record.id)
+            log.info("worker %s added by replica %s", record.id, record.by)
+            entry = await self._supervisor.add(record.config, must_register=False)
+        if entry.draining != record.draining:
+            log.info(
+                "worker %s %s by replica %s",
+                record.id,
+                "drained" if record.draining else "undrained",
+                record.by,
+            )
+            entry.draining = record.draining
+
+    async def _remove(self, worker_id: str) -> None:
+        with contextlib.suppress(NotFoundError):  # removed meanwhile
+            await self._supervisor.remove(worker_id)
+
+    def apply_eviction(self, key: str, value: bytes, *, newer_than: float | None) -> None:
+        """Evict a namespace an operator evicted on some replica (once per record).
+
+        `newer_than`: apply only a record made after that wall time (a warm start's snapshot
+        already lacks older ones); None: apply it if it was never seen here.
+        """
+        if key in self._seen_evictions:
+            return
+        self._seen_evictions.add(key)
+        try:
+            record = _eviction_decoder.decode(value)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring an unreadable eviction record: %s", exc)
+            return
+        if newer_than is not None and record.at < newer_than:
+            return
+        if record.by != self._replica:
+            self._indexer.evict_namespace(record.namespace)
+            self.evictions_applied += 1
+
+    def mark_evictions_seen(self, keys: Sequence[str]) -> None:
+        """Records that need no applying (this replica's index never held what they evicted)."""
+        self._seen_evictions.update(keys)

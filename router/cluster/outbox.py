@@ -1,0 +1,108 @@
+"""This replica's decisions on their way to the others: the planner's `DecisionSink`.
+
+Called on the request path, so each call only appends to a bounded buffer and wakes the
+publisher (`ClusterService` sends the buffer as one `Batch` per loop turn). While NATS is away
+nothing is buffered: decisions that old would only mislead, and the next heartbeat, which lists
+every request still in flight, repairs the other replicas' view of this one's load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+from indexer.namespace import Namespace
+from router.cluster.wire import Begin, Decision, End, FirstByte, Heartbeat, OpenTicket, Pending
+from router.routing.load import Ticket
+
+__all__ = ["Outbox"]
+
+
+class _Open:
+    """A request in flight, under the number the other replicas know it by."""
+
+    __slots__ = ("answered", "number", "ticket")
+
+    def __init__(self, number: int, ticket: Ticket) -> None:
+        self.number = number
+        self.ticket = ticket
+        self.answered = False
+
+
+class Outbox:
+    """Decisions not yet published, and the requests in flight (for heartbeats)."""
+
+    def __init__(self, max_decisions: int = 65_536) -> None:
+        self.max_decisions = max_decisions
+        self.wakeup = asyncio.Event()
+        # whether decisions are buffered at all (False while NATS is away)
+        self.sending = False
+        self.dropped = 0  # decisions lost to a full buffer
+        self._buffer: list[Decision] = []
+        # keyed by id(): a ticket lives (the proxy holds it) at least until it is finished
+        self._open: dict[int, _Open] = {}
+        self._numbers = itertools.count(1)
+
+    def committed(
+        self, ns: Namespace, tokens: Sequence[int], ticket: Ticket, *, marked: bool
+    ) -> None:
+        """A request was routed (see `router.routing.decisions.DecisionSink`)."""
+        number = next(self._numbers)
+        self._open[id(ticket)] = _Open(number, ticket)
+        if not self.sending:
+            return
+        if marked:
+            ids = tokens if isinstance(tokens, list) else list(tokens)
+            self._put(Pending(ticket.worker, ticket.dp_rank, ns, ids))
+        self._put(Begin(number, ticket.worker, ticket.dp_rank, ticket.prefill_tokens))
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """The worker answered a request."""
+        entry = self._open.get(id(ticket))
+        if entry is None or entry.ticket is not ticket or entry.answered:
+            return
+        entry.answered = True
+        if self.sending:
+            self._put(FirstByte(entry.number))
+
+    def finished(self, ticket: Ticket) -> None:
+        """A request ended."""
+        entry = self._open.get(id(ticket))
+        if entry is None or entry.ticket is not ticket:
+            return
+        del self._open[id(ticket)]
+        if self.sending:
+            self._put(End(entry.number))
+
+    def heartbeat(self) -> None:
+        """Queue a heartbeat listing every request in flight."""
+        if not self.sending:
+            return
+        open_ = [
+            OpenTicket(e.number, e.ticket.worker, e.ticket.dp_rank, e.ticket.prefill_tokens,
+                       e.answered)
+            for e in self._open.values()
+        ]  # fmt: skip
+        self._put(Heartbeat(open_), force=True)
+
+    def in_flight(self) -> int:
+        """Requests this replica has in flight."""
+        return len(self._open)
+
+    def take(self) -> list[Decision]:
+        """Everything buffered, in order; the buffer starts empty again."""
+        out, self._buffer = self._buffer, []
+        self.wakeup.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget what was buffered (NATS went away)."""
+        self._buffer = []
+
+    def _put(self, decision: Decision, *, force: bool = False) -> None:
+        if len(self._buffer) >= self.max_decisions and not force:
+            self.dropped += 1
+            return
+        self._buffer.append(decision)
+        self.wakeup.set()

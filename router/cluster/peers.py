@@ -1,0 +1,139 @@
+"""The other replicas' decisions, applied here as they arrive.
+
+A peer's pending marks go into the indexer (the same cache key on the same (worker, rank)) and
+its requests into the load tracker, as tickets this module holds per peer, so the planner's
+view of load and pending prefixes is the fleet's. A peer whose heartbeats stop for
+`timeout_s` is gone: its tickets end, its load stops counting. Every heartbeat lists the
+peer's requests in flight, and the tickets held for it are made to match (a `Begin` or `End`
+lost in a NATS outage heals within one heartbeat).
+
+Everything here runs on the one event loop without awaiting, like every index mutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from indexer.service import IndexerService
+from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending
+from router.routing.load import LoadTracker, Ticket
+
+__all__ = ["Peers"]
+
+log = logging.getLogger(__name__)
+
+_DELAY_SAMPLES = 4096
+
+
+class _Peer:
+    __slots__ = ("last_seen", "tickets")
+
+    def __init__(self, now: float) -> None:
+        self.last_seen = now
+        self.tickets: dict[int, Ticket] = {}
+
+
+class Peers:
+    """Live peers, their tickets in the load tracker, and what their decisions cost to get."""
+
+    def __init__(
+        self,
+        me: str,
+        indexer: IndexerService,
+        load: LoadTracker,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.me = me
+        self._indexer = indexer
+        self._load = load
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._peers: dict[str, _Peer] = {}
+        self.applied = 0  # decisions applied
+        # publish-to-apply delays in seconds (same host: both ends read one clock)
+        self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
+
+    def live(self) -> list[str]:
+        """Ids of the peers heard from within the timeout."""
+        return sorted(self._peers)
+
+    def running(self, peer: str) -> int:
+        """Requests `peer` has in flight, as known here."""
+        state = self._peers.get(peer)
+        return len(state.tickets) if state is not None else 0
+
+    def apply(self, batch: Batch) -> None:
+        """Apply one batch of a peer's decisions (our own are ignored)."""
+        if batch.replica == self.me:
+            return
+        self.delays.append(time.time() - batch.sent_at)
+        peer = self._peers.get(batch.replica)
+        now = self._clock()
+        if peer is None:
+            peer = self._peers[batch.replica] = _Peer(now)
+            log.info("replica %s joined", batch.replica)
+        peer.last_seen = now
+        load = self._load
+        for d in batch.decisions:
+            if isinstance(d, Pending):
+                if self._indexer.has_worker(d.worker):
+                    self._indexer.add_pending(d.namespace, d.tokens, d.worker, d.dp_rank)
+            elif isinstance(d, Begin):
+                old = peer.tickets.pop(d.ticket, None)
+                if old is not None:
+                    load.end(old)
+                peer.tickets[d.ticket] = load.begin(d.worker, d.prefill_tokens, d.dp_rank)
+            elif isinstance(d, FirstByte):
+                ticket = peer.tickets.get(d.ticket)
+                if ticket is not None:
+                    load.first_byte(ticket)
+            elif isinstance(d, End):
+                ticket = peer.tickets.pop(d.ticket, None)
+                if ticket is not None:
+                    load.end(ticket)
+            elif isinstance(d, Heartbeat):
+                self._reconcile(peer, d)
+        self.applied += len(batch.decisions)
+
+    def _reconcile(self, peer: _Peer, beat: Heartbeat) -> None:
+        """Make the tickets held for `peer` exactly the requests its heartbeat lists."""
+        listed = {t.ticket: t for t in beat.open}
+        for number in [n for n in peer.tickets if n not in listed]:
+            self._load.end(peer.tickets.pop(number))
+        for number, t in listed.items():
+            ticket = peer.tickets.get(number)
+            if ticket is None:
+                ticket = peer.tickets[number] = self._load.begin(
+                    t.worker, t.prefill_tokens, t.dp_rank
+                )
+            if t.prefilled:
+                self._load.first_byte(ticket)
+
+    def sweep(self) -> list[str]:
+        """Drop the peers not heard from within the timeout; returns their ids."""
+        deadline = self._clock() - self._timeout_s
+        gone = [name for name, peer in self._peers.items() if peer.last_seen < deadline]
+        for name in gone:
+            self._drop(name)
+        return gone
+
+    def _drop(self, name: str, *, quiet: bool = False) -> None:
+        peer = self._peers.pop(name)
+        for ticket in peer.tickets.values():
+            self._load.end(ticket)
+        if quiet:
+            return
+        log.warning(
+            "replica %s is silent: its %d requests in flight no longer count",
+            name,
+            len(peer.tickets),
+        )
+
+    def clear(self) -> None:
+        """Drop every peer (this replica is shutting down)."""
+        for name in list(self._peers):
+            self._drop(name, quiet=True)

@@ -1,0 +1,458 @@
+"""`ClusterService`: this replica's connection to the others, owned by the router app.
+
+    async with ClusterService(config.cluster, planner, supervisor, config.workers) as cluster:
+        ...  # the planner now publishes its decisions and sees the other replicas'
+
+Entering connects to NATS and, within `startup_timeout_s`, seeds and reads the shared fleet,
+loads the latest index snapshot (the workers' replay then brings each stream to now, and the
+streams are proven before the replica says it is ready), and starts publishing. If NATS does
+not answer in time the replica serves on local state, `status` says DEGRADED (as `/health` and
+`/metrics` do) with one log line, and the connection keeps trying: when NATS answers (at start
+or after an outage) the replica resyncs (admin writes it kept, the whole fleet read again,
+a heartbeat listing its requests in flight) and says so in one line.
+
+Background tasks (connection, publisher, heartbeats, KV watchers) live in one TaskGroup owned
+here, each handling its own recoverable errors and stopping on cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from indexer.errors import SnapshotError
+from indexer.namespace import Namespace
+from indexer.stats import StreamState
+from router.cluster.errors import ClusterError
+from router.cluster.fleet_state import EVICTION_TTL_S, FleetState, worker_key
+from router.cluster.outbox import Outbox
+from router.cluster.peers import Peers
+from router.cluster.snapshots import fetch_snapshot, publish_snapshot
+from router.cluster.wire import Batch, Decision, batch_decoder, encoder
+from router.config import ClusterConfig, WorkerConfig
+from router.fleet.supervisor import Supervisor
+from router.routing.planner import Planner
+
+__all__ = ["ClusterService", "ClusterStatus", "replica_name"]
+
+log = logging.getLogger(__name__)
+
+# what a NATS call may fail with: the client's errors, a deadline, a socket
+_NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
+_UNPROVEN = (StreamState.SYNCING, StreamState.UNVERIFIED)
+
+
+class ClusterStatus(enum.StrEnum):
+    """Where this replica stands with the others."""
+
+    WARMING = "warming"  # starting: fleet, snapshot and streams not read yet
+    OK = "ok"  # connected, in step with the others
+    DEGRADED = "degraded"  # NATS away: serving on local state
+
+
+def replica_name() -> str:
+    """host-pid-random: unique per process start, so a restart is a new replica."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:32] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class ClusterService:
+    """Publishes this replica's decisions, applies the others', shares fleet and snapshots."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        planner: Planner,
+        supervisor: Supervisor,
+        seed_workers: Sequence[WorkerConfig] = (),
+    ) -> None:
+        self.config = config
+        self.replica = config.replica_id or replica_name()
+        self.status = ClusterStatus.WARMING
+        self._planner = planner
+        self._indexer = planner.indexer
+        self._seed_workers = tuple(seed_workers)
+        self.outbox = Outbox()
+        self.peers = Peers(self.replica, planner.indexer, planner.load, config.heartbeat_timeout_s)
+        self.fleet = FleetState(self.replica, supervisor, planner.pool, planner.indexer)
+        prefix = config.subject_prefix
+        self.subject = f"{prefix}.replica.{self.replica}"
+        self._fleet_bucket = f"{prefix}_fleet"
+        self._evictions_bucket = f"{prefix}_evictions"
+        self._index_bucket = f"{prefix}_index"
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: dict[str, KeyValue] = {}
+        self._group = asyncio.TaskGroup()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        self._sync_task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._serving = False  # startup is over: the replica takes requests
+        self._closing = False
+        self._last_snapshot = time.monotonic()
+        self.published = 0  # decisions published
+        self.bad_messages = 0
+        self.nats_errors = 0
+        # the warm start: the snapshot's wall time, how long fetching and loading it took
+        self.snapshot_at: float | None = None
+        self.fetch_s: float | None = None  # of which reading it from JetStream
+        self.warm_start_s: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> ClusterService:
+        await self._group.__aenter__()
+        self._planner.decisions = self.outbox
+        for loop in (self._connect, self._publisher, self._heartbeats):
+            self._spawn(loop())
+        try:
+            async with asyncio.timeout(self.config.startup_timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            self._degrade(
+                f"NATS at {', '.join(self.config.servers)} (or the shared fleet, or the warm "
+                f"start) did not answer within {self.config.startup_timeout_s:g} s"
+            )
+        self._serving = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closing = True
+        self._planner.decisions = None
+        self.outbox.sending = False
+        for task in [*self._tasks, *self._watchers, self._sync_task]:
+            if task is not None:
+                task.cancel()
+        try:
+            await self._group.__aexit__(None, None, None)
+        finally:
+            nc, self._nc = self._nc, None
+            if nc is not None:
+                with contextlib.suppress(*_NATS_ERRORS):
+                    async with asyncio.timeout(2.0):
+                        await nc.close()
+            self.peers.clear()
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
+        task = self._group.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks_done)
+        return task
+
+    def _tasks_done(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up now."""
+        return self._nc is not None and self._nc.is_connected
+
+    def _degrade(self, reason: str) -> None:
+        if self.status is ClusterStatus.DEGRADED or self._closing:
+            return
+        self.status = ClusterStatus.DEGRADED
+        log.warning("cluster degraded: %s; serving on local state until NATS answers", reason)
+
+    def _become_ok(self) -> None:
+        if self.status is ClusterStatus.DEGRADED:
+            log.warning(
+                "cluster resynced: NATS answers again, %d other replica(s) heard so far",
+                len(self.peers.live()),
+            )
+        self.status = ClusterStatus.OK
+        self._ready.set()
+
+    def describe(self) -> dict[str, object]:
+        """What `/health` says of the cluster."""
+        return {
+            "status": str(self.status),
+            "replica": self.replica,
+            "replicas": 1 + len(self.peers.live()),
+        }
+
+    def gauges(self) -> dict[str, float]:
+        """What `/metrics` exports as `kvroute_cluster_<name>`."""
+        return {
+            "degraded": float(self.status is not ClusterStatus.OK),
+            "replicas": float(1 + len(self.peers.live())),
+            "decisions_published": float(self.published),
+            "decisions_applied": float(self.peers.applied),
+            "decisions_dropped": float(self.outbox.dropped),
+            "unsent_admin_writes": float(len(self.fleet.unsent)),
+        }
+
+    # ------------------------------------------------------------------ connection
+
+    async def _connect(self) -> None:
+        """Connect (retrying until NATS answers), then sync; reconnects are the client's."""
+        nc = NATS()
+        interval = self.config.heartbeat_interval_s
+        await nc.connect(
+            servers=self.config.servers,
+            name=self.replica,
+            no_echo=True,  # our own decisions are applied already
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=min(1.0, interval),  # type: ignore[arg-type]
+            connect_timeout=2,
+            ping_interval=max(1, round(self.config.heartbeat_timeout_s)),
+            max_outstanding_pings=2,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+        )
+        self._nc = nc
+        self._js = nc.jetstream(timeout=5.0)
+        await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
+        await self._sync(first=True)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # every failed attempt lands here: the state changes are what gets logged, once
+        self.nats_errors += 1
+        log.debug("nats: %s: %s", type(exc).__name__, exc)
+
+    async def _on_disconnected(self) -> None:
+        self.outbox.sending = False
+        self.outbox.clear()
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+        self._degrade("lost the connection to NATS")
+
+    async def _on_reconnected(self) -> None:
+        if self._closing:
+            return
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+        self._sync_task = self._group.create_task(self._sync(first=False))
+
+    async def _sync(self, *, first: bool) -> None:
+        """Bring this replica in step (retried with capped backoff while connected)."""
+        delay = 0.1
+        while True:
+            try:
+                await self._sync_once(first=first and not self._serving)
+                return
+            except _NATS_ERRORS as exc:
+                if not self.connected:
+                    return  # the reconnect starts another sync
+                log.warning("cluster sync failed (%s: %s), retrying", type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _sync_once(self, *, first: bool) -> None:
+        js = self._js
+        assert js is not None
+        self._kv[self._fleet_bucket] = await js.create_key_value(
+            bucket=self._fleet_bucket, history=1
+        )
+        self._kv[self._evictions_bucket] = await js.create_key_value(
+            bucket=self._evictions_bucket, history=1, ttl=EVICTION_TTL_S
+        )
+        await self.fleet.flush(self._kv)  # what an operator changed here while NATS was away
+        await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers)
+        newer_than: float | None = None
+        if first:
+            newer_than = await self._warm_start(js)
+        await self._watch(first=first, newer_than=newer_than)
+        if first and self.snapshot_at is not None:
+            await self._streams_proven()
+        self.outbox.sending = True
+        self.outbox.heartbeat()
+        self._become_ok()
+
+    async def _warm_start(self, js: JetStreamContext) -> float | None:
+        """Load the latest snapshot, if any; returns its wall time."""
+        started = time.perf_counter()
+        got = await fetch_snapshot(js, self._index_bucket)
+        if got is None:
+            return None
+        data, at = got
+        self.fetch_s = time.perf_counter() - started
+        try:
+            self._indexer.load(data)
+        except SnapshotError as exc:
+            log.warning(
+                "cluster: the index snapshot in JetStream is unusable (%s): cold start", exc
+            )
+            return None
+        self.snapshot_at = at
+        self.warm_start_s = time.perf_counter() - started
+        log.info(
+            "cluster: index loaded from a %.0f s old snapshot (%d bytes) in %.2f s",
+            time.time() - at,
+            len(data),
+            self.warm_start_s,
+        )
+        return at
+
+    async def _streams_proven(self) -> None:
+        """Wait (bounded by the caller's startup deadline) until the replay proved the streams
+        the snapshot continued, so the first request routed here can hit."""
+        try:
+            async with asyncio.timeout(self.config.startup_timeout_s / 2):
+                # polled: the indexer has no event for "every stream proven" (and needs none)
+                while any(s.state in _UNPROVEN for s in self._indexer.streams()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            log.warning("cluster: streams still unproven after the warm start; serving anyway")
+
+    # ------------------------------------------------------------------ fleet and evictions
+
+    async def _watch(self, *, first: bool, newer_than: float | None) -> None:
+        """(Re)start the KV watchers; returns once both have applied what the buckets hold."""
+        for task in self._watchers:
+            task.cancel()
+        fleet_read = asyncio.Event()
+        evictions_read = asyncio.Event()
+
+        async def on_worker(key: str, value: bytes, initial: bool) -> None:
+            await self.fleet.apply_worker(value)
+
+        async def on_eviction(key: str, value: bytes, initial: bool) -> None:
+            if initial and first and newer_than is None:
+                self.fleet.mark_evictions_seen([key])  # a cold index never held them
+            else:
+                self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
+
+        self._watchers = [
+            self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),
+            self._group.create_task(
+                self._watch_bucket(self._evictions_bucket, on_eviction, evictions_read)
+            ),
+        ]
+        await fleet_read.wait()
+        await evictions_read.wait()
+
+    async def _watch_bucket(
+        self,
+        bucket: str,
+        apply: Callable[[str, bytes, bool], Awaitable[None]],
+        read: asyncio.Event,
+    ) -> None:
+        watcher = await self._kv[bucket].watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:  # the end of what the bucket held when the watch began
+                    read.set()
+                    continue
+                if entry.value is None or entry.operation is not None:
+                    continue  # a delete or purge marker: records are never deleted by us
+                try:
+                    await apply(entry.key, entry.value, not read.is_set())
+                except Exception:
+                    log.exception("cluster: applying %s/%s failed", bucket, entry.key)
+        finally:
+            with contextlib.suppress(*_NATS_ERRORS):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _write(self, bucket: str, key: str, value: bytes) -> None:
+        """Write one record now, or keep it for when NATS answers again."""
+        kv = self._kv.get(bucket)
+        if kv is None or not self.connected or self.status is not ClusterStatus.OK:
+            self.fleet.unsent[(bucket, key)] = value
+            return
+        try:
+            async with asyncio.timeout(2.0):
+                await kv.put(key, value)
+        except _NATS_ERRORS as exc:
+            log.warning("cluster: %s not written yet (%s): kept for the resync", key, exc)
+            self.fleet.unsent[(bucket, key)] = value
+
+    async def worker_changed(
+        self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,
+        draining: bool = False,
+    ) -> None:  # fmt: skip
+        """An operator added, drained or removed a worker here: tell every replica."""
+        value = self.fleet.record_worker(worker_id, config, removed=removed, draining=draining)
+        await self._write(self._fleet_bucket, worker_key(worker_id), value)
+
+    async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> None:
+        """An operator evicted namespaces here: every replica evicts them too."""
+        for ns in namespaces:
+            key, value = self.fleet.record_eviction(ns)
+            self.fleet.mark_evictions_seen([key])
+            await self._write(self._evictions_bucket, key, value)
+
+    # ------------------------------------------------------------------ decisions
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            batch = batch_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.bad_messages += 1
+            return
+        self.peers.apply(batch)
+
+    async def _publisher(self) -> None:
+        """Send the outbox as batches, one per loop turn."""
+        while True:
+            await self.outbox.wakeup.wait()
+            decisions = self.outbox.take()
+            nc = self._nc
+            if not decisions or nc is None or not nc.is_connected:
+                continue
+            try:
+                await self._publish(nc, decisions)
+                self.published += len(decisions)
+            except _NATS_ERRORS:
+                self.outbox.dropped += len(decisions)
+
+    async def _publish(self, nc: NATS, decisions: list[Decision]) -> None:
+        data = encoder.encode(Batch(self.replica, time.time(), decisions))
+        if len(data) > nc.max_payload and len(decisions) > 1:
+            half = len(decisions) // 2  # in order: the first half is sent first
+            await self._publish(nc, decisions[:half])
+            await self._publish(nc, decisions[half:])
+            return
+        await nc.publish(self.subject, data)
+
+    async def _heartbeats(self) -> None:
+        """Heartbeats, the sweep of silent peers, and the leader's snapshots."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            self.outbox.heartbeat()
+            self.peers.sweep()
+            if self._snapshot_due():
+                try:
+                    await self.publish_snapshot()
+                except _NATS_ERRORS as exc:
+                    log.warning("cluster: snapshot not published (%s)", exc)
+
+    def _snapshot_due(self) -> bool:
+        interval = self.config.snapshot_interval_s
+        if not interval or self.status is not ClusterStatus.OK:
+            return False
+        if time.monotonic() - self._last_snapshot < interval:
+            return False
+        # one writer: the replica first by name among the live ones (no election protocol)
+        return self.replica == min([self.replica, *self.peers.live()])
+
+    async def publish_snapshot(self) -> int:
+        """Publish this replica's index as the latest snapshot now; returns its size."""
+        if self._js is None or not self.connected:
+            raise ClusterError("NATS is not connected")
+        self._last_snapshot = time.monotonic()
+        at = time.time()
+        data = self._indexer.dump()
+        async with asyncio.timeout(30.0):
+            await publish_snapshot(self._js, self._index_bucket, data, at)
+        return len(data)

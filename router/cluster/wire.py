@@ -1,0 +1,121 @@
+"""What replicas tell each other on NATS: msgspec structs and the codecs built once.
+
+One subject per replica, `<prefix>.replica.<id>`, carries `Batch`es of that replica's
+decisions in the order it made them, heartbeats included: NATS keeps one publisher's messages
+in order on one subject, so a heartbeat listing the requests in flight is never overtaken by
+the `Begin` of one of them. Structs are arrays on the wire (no field names per decision) and
+evolve by appending optional fields with defaults.
+
+Salts are secrets, and they travel here: a pending mark names its namespace whole (the other
+replicas must mark the same cache key), so this traffic stays inside the cluster and is never
+logged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from indexer.namespace import Namespace
+from router.config import WorkerConfig
+
+__all__ = [
+    "Batch",
+    "Begin",
+    "Decision",
+    "End",
+    "EvictionRecord",
+    "FirstByte",
+    "Heartbeat",
+    "OpenTicket",
+    "Pending",
+    "WorkerRecord",
+    "batch_decoder",
+    "encoder",
+]
+
+
+class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
+    """A request's prefix was routed to (worker, rank): mark it pending there too."""
+
+    worker: str
+    dp_rank: int | None
+    namespace: Namespace
+    tokens: list[int]
+
+
+class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
+    """A request went to (worker, rank) with this many uncached prompt tokens."""
+
+    ticket: int  # the sender's own number for the request, unique while it is in flight
+    worker: str
+    dp_rank: int | None
+    prefill_tokens: int
+
+
+class FirstByte(msgspec.Struct, tag="first_byte", array_like=True, frozen=True):
+    """The worker answered request `ticket`: its prompt no longer counts as queued prefill."""
+
+    ticket: int
+
+
+class End(msgspec.Struct, tag="end", array_like=True, frozen=True):
+    """Request `ticket` ended: it no longer counts as running."""
+
+    ticket: int
+
+
+class OpenTicket(msgspec.Struct, array_like=True, frozen=True):
+    """One request in flight, as a heartbeat lists it."""
+
+    ticket: int
+    worker: str
+    dp_rank: int | None
+    prefill_tokens: int
+    prefilled: bool
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
+    """The sender is alive, and these are all its requests in flight.
+
+    Listing them makes the load view heal itself: a `Begin` or `End` lost while NATS was away
+    is repaired by the next heartbeat.
+    """
+
+    open: list[OpenTicket]
+
+
+Decision = Pending | Begin | FirstByte | End | Heartbeat
+
+
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    """Decisions of one replica, in order, sent together (one NATS message per loop turn)."""
+
+    replica: str
+    sent_at: float  # time.time() when published: the propagation delay, on one host
+    decisions: list[Decision]
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A worker's entry in the shared fleet (JetStream KV, one key per worker).
+
+    A removed worker keeps its record (`removed`), so a replica restarting with the worker in
+    its config file does not bring it back.
+    """
+
+    id: str
+    config: WorkerConfig | None = None
+    removed: bool = False
+    draining: bool = False
+    by: str = ""  # the replica that wrote it (for operators reading the bucket)
+
+
+class EvictionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A namespace an operator evicted from the index (JetStream KV, kept for a day)."""
+
+    namespace: Namespace
+    at: float  # time.time(): a warm start applies the evictions newer than its snapshot
+    by: str = ""
+
+
+encoder = msgspec.msgpack.Encoder()
+batch_decoder = msgspec.msgpack.Decoder(Batch)

@@ -1,0 +1,35 @@
+"""Where the planner reports each real decision, for whoever shares them (`router.cluster`).
+
+The planner calls its optional `DecisionSink` after it changed its own state: synchronously, on
+the request path, so an implementation only takes note (a bounded buffer) and never awaits or
+does I/O here. Replicas of one router use it to apply each other's pending marks and load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from indexer.namespace import Namespace
+from router.routing.load import Ticket
+
+__all__ = ["DecisionSink"]
+
+
+class DecisionSink(Protocol):
+    """Told of every committed decision and of how its request progresses."""
+
+    def committed(
+        self, ns: Namespace, tokens: Sequence[int], ticket: Ticket, *, marked: bool
+    ) -> None:
+        """A request went to `ticket`'s (worker, rank); `marked`: its prefix was marked pending
+        there (the worker, rank and uncached tokens are the ticket's)."""
+        ...
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """The worker answered the request of `ticket`."""
+        ...
+
+    def finished(self, ticket: Ticket) -> None:
+        """The request of `ticket` ended."""
+        ...

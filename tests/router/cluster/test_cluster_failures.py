@@ -1,0 +1,179 @@
+"""What replicas do when NATS or a replica fails, against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.cluster.server import NatsServer
+from router.service import RouterService
+from tests.router.cluster.conftest import admin, cluster, health, replica_config, workers
+from tests.router.conftest import TOKEN, eventually
+
+_BODY = {"text": "hello replicas", "sampling_params": {"max_new_tokens": 1}}
+
+
+async def _serves(session: aiohttp.ClientSession, router: RouterService) -> None:
+    async with session.post(router.url + "/generate", json=_BODY) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def _status(session: aiohttp.ClientSession, router: RouterService) -> str:
+    status, body = await health(session, router)
+    assert status == 200, body  # degraded still serves
+    return str(body["cluster"]["status"])
+
+
+async def _metrics(session: aiohttp.ClientSession, router: RouterService) -> str:
+    async with session.get(router.url + "/metrics") as resp:
+        return await resp.text()
+
+
+def _lines(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(1 for r in caplog.records if text in r.getMessage())
+
+
+async def test_nats_down_at_start_serves_degraded_then_resyncs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)  # its port is chosen, the server not started yet
+    async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+        config = replica_config(
+            [("w0", w0.url)], nats.url, "a", cluster=cluster(nats.url, startup_timeout_s=0.3)
+        )
+        async with RouterService(config) as a:
+            assert await _status(session, a) == "degraded"
+            assert "kvroute_cluster_degraded 1.0" in await _metrics(session, a)
+            for _ in range(20):
+                await _serves(session, a)
+            assert _lines(caplog, "cluster degraded") == 1  # one line, not one per request
+            async with nats:
+
+                async def ok() -> bool:
+                    return await _status(session, a) == "ok"
+
+                await eventually(ok, what="the replica to resync once NATS is up")
+                assert "kvroute_cluster_degraded 0.0" in await _metrics(session, a)
+                assert _lines(caplog, "cluster resynced") == 1
+
+
+async def test_nats_down_mid_traffic_serves_on_local_state_and_resyncs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with (
+                RouterService(replica_config(fleet, nats.url, "a")) as a,
+                RouterService(replica_config(fleet, nats.url, "b")) as b,
+            ):
+                await nats.stop()
+
+                async def degraded() -> bool:
+                    return {await _status(session, a), await _status(session, b)} == {"degraded"}
+
+                await eventually(degraded, what="both replicas to notice NATS is gone")
+                for _ in range(10):
+                    await _serves(session, a)
+                    await _serves(session, b)
+                assert _lines(caplog, "cluster degraded") == 2  # one per replica
+                # an operator's change during the outage is made here and kept for the resync
+                status, _ = await admin(session, a, "POST", "/workers/w1/drain", {"drain": True})
+                assert status == 200
+                await nats.start()
+
+                async def resynced() -> bool:
+                    if {await _status(session, a), await _status(session, b)} != {"ok"}:
+                        return False
+                    _, listed = await admin(session, b, "GET", "/workers")
+                    return any(w["id"] == "w1" and w["draining"] for w in listed["workers"])
+
+                await eventually(resynced, what="both to resync and b to apply a's drain")
+    finally:
+        await nats.stop()
+
+
+def _toml(workers: list[tuple[str, str]], nats_url: str, name: str) -> str:
+    lines = [
+        '[listen]\nhost = "127.0.0.1"\nport = 0',
+        f'[admin]\ntoken = "{TOKEN}"',
+        "[health]\ninterval_s = 0.2\ntimeout_s = 0.5",
+        f'[cluster]\nurl = "{nats_url}"\nreplica_id = "{name}"\nheartbeat_interval_s = 0.1\n'
+        "heartbeat_timeout_s = 0.5",
+    ]
+    lines += [f'[[workers]]\nid = "{wid}"\nurl = "{url}"' for wid, url in workers]
+    return "\n".join(lines) + "\n"
+
+
+async def test_a_replica_killed_mid_burst_stops_counting_within_the_heartbeat_timeout(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    slow: dict[str, Any] = {
+        "time_scale": 1.0,
+        "prefill_ms_per_token": 0.5,
+        "decode_ms_per_token": 50,
+    }
+    async with workers(2, **slow) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        path = tmp_path / "b.toml"
+        path.write_text(_toml(fleet, nats_server.url, "b"))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "serve", "--config", str(path),
+            "--log-level", "WARNING",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            async with asyncio.timeout(20):
+                line = (await proc.stdout.readline()).decode()
+            b_url = "http://" + line.split("http://", 1)[1].split()[0]
+            async with RouterService(replica_config(fleet, nats_server.url, "a")) as a:
+                burst = [
+                    asyncio.create_task(_long(session, b_url, i)) for i in range(6)
+                ]  # fmt: skip
+
+                async def b_busy() -> bool:
+                    return sum((await _running(session, a)).values()) == 6
+
+                await eventually(b_busy, what="a to count b's burst")
+                proc.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+
+                async def released() -> bool:
+                    return sum((await _running(session, a)).values()) == 0
+
+                await eventually(released, what="b's load to expire on a")
+                # the timeout is 0.5 s, swept every 0.1 s: well within 1.5 s on a busy box
+                assert time.monotonic() - killed < 1.5
+                await _serves(session, a)  # a keeps routing
+                for task in burst:
+                    task.cancel()
+                await asyncio.gather(*burst, return_exceptions=True)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
+async def _long(session: aiohttp.ClientSession, url: str, i: int) -> None:
+    body = {"text": f"request {i} " * 4, "sampling_params": {"max_new_tokens": 200}}
+    async with session.post(url + "/generate", json=body) as resp:
+        await resp.read()
+
+
+async def _running(session: aiohttp.ClientSession, router: RouterService) -> dict[str, int]:
+    _, listed = await admin(session, router, "GET", "/workers")
+    return {w["id"]: w["running"] for w in listed["workers"]}

@@ -1,0 +1,97 @@
+"""The fleet and the admin state live in JetStream KV: every replica makes every change."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+
+from router.cluster.server import NatsServer
+from router.service import RouterService
+from tests.router.cluster.conftest import admin, replica_config, workers
+from tests.router.conftest import Fleet, eventually
+
+
+async def _fleet(session: aiohttp.ClientSession, router: RouterService) -> dict[str, Any]:
+    status, listed = await admin(session, router, "GET", "/workers")
+    assert status == 200, listed
+    return {w["id"]: w for w in listed["workers"]}
+
+
+async def test_admin_changes_reach_every_replica_and_a_restart_reads_them_back(
+    nats_server: NatsServer,
+) -> None:
+    async with workers(3) as (w0, w1, w2), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url), ("w1", w1.url)]
+        async with (
+            RouterService(replica_config(config, nats_server.url, "a")) as a,
+            RouterService(replica_config(config, nats_server.url, "b")) as b,
+        ):
+            status, _ = await admin(session, a, "POST", "/workers/w1/drain", {"drain": True})
+            assert status == 200
+            status, _ = await admin(session, b, "DELETE", "/workers/w0")
+            assert status == 200
+            status, _ = await admin(session, a, "POST", "/workers", {"url": w2.url, "id": "w2"})
+            assert status == 201
+
+            async def agreed(router: RouterService) -> bool:
+                fleet = await _fleet(session, router)
+                return set(fleet) == {"w1", "w2"} and fleet["w1"]["draining"]
+
+            await eventually(lambda: agreed(a), what="a to apply b's removal")
+            await eventually(lambda: agreed(b), what="b to apply a's drain and add")
+        # a replica restarting with w0 in its config file reads the fleet back, w0 stays out
+        async with RouterService(replica_config(config, nats_server.url, "c")) as c:
+            assert await agreed(c), await _fleet(session, c)
+
+
+async def test_two_replicas_starting_at_once_against_an_empty_cluster_agree(
+    nats_server: NatsServer,
+) -> None:
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        a = RouterService(replica_config([("w0", w0.url)], nats_server.url, "a"))
+        b = RouterService(replica_config([("w1", w1.url)], nats_server.url, "b"))
+        async with contextlib.AsyncExitStack() as stack:
+            await asyncio.gather(
+                stack.enter_async_context(a), stack.enter_async_context(b)
+            )  # fmt: skip
+
+            async def both(router: RouterService) -> bool:
+                return set(await _fleet(session, router)) == {"w0", "w1"}
+
+            await eventually(lambda: both(a), what="a to hold b's worker too")
+            await eventually(lambda: both(b), what="b to hold a's worker too")
+
+
+async def test_an_eviction_on_one_replica_evicts_the_namespace_on_every_replica(
+    nats_server: NatsServer,
+) -> None:
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url), ("w1", w1.url)]
+        refs = {"w0": w0, "w1": w1}
+        async with (
+            RouterService(replica_config(config, nats_server.url, "a")) as a,
+            RouterService(replica_config(config, nats_server.url, "b")) as b,
+        ):
+            await Fleet(a, refs, session).warm()
+            on_b = Fleet(b, refs, session)
+            await on_b.warm()
+            body = {"text": "a tenant's long prompt " * 8, "cache_salt": "tenant-x"}
+            async with session.post(
+                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+            ) as resp:
+                assert resp.status == 200
+                worker = resp.headers["x-kvroute-worker"]
+            await eventually(lambda: on_b.holds(body, worker, 64), what="b to index the prompt")
+            status, _ = await admin(
+                session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-x"}
+            )
+            assert status == 200
+
+            async def evicted() -> bool:
+                plan = await on_b.route(body)
+                return all(c["matched_tokens"] == 0 for c in plan["candidates"])
+
+            await eventually(evicted, what="b to evict what a evicted")

@@ -1,0 +1,92 @@
+"""The outbox and the peers' bookkeeping, without a server: a fake clock, a real tracker."""
+
+from __future__ import annotations
+
+from indexer.namespace import Namespace
+from indexer.service import IndexerService
+from router.cluster.outbox import Outbox
+from router.cluster.peers import Peers
+from router.cluster.wire import (
+    Batch,
+    Begin,
+    End,
+    FirstByte,
+    Heartbeat,
+    OpenTicket,
+    Pending,
+    batch_decoder,
+    encoder,
+)
+from router.routing.load import LoadTracker
+
+NS = Namespace("m", None, "salt")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_list_the_open() -> None:
+    load = LoadTracker()
+    outbox = Outbox()
+    quiet = load.begin("w0", 10)
+    outbox.committed(NS, [1, 2, 3], quiet, marked=True)  # NATS away: nothing buffered
+    assert outbox.take() == []
+    outbox.sending = True
+    ticket = load.begin("w1", 5, 1)
+    outbox.committed(NS, (4, 5), ticket, marked=True)
+    outbox.first_byte(ticket)
+    outbox.first_byte(ticket)  # once only
+    outbox.finished(quiet)
+    outbox.heartbeat()
+    sent = outbox.take()
+    assert sent[:4] == [
+        Pending("w1", 1, NS, [4, 5]),
+        Begin(2, "w1", 1, 5),
+        FirstByte(2),
+        End(1),
+    ]
+    assert sent[4] == Heartbeat([OpenTicket(2, "w1", 1, 5, True)])
+    assert outbox.in_flight() == 1
+
+
+def test_the_outbox_is_bounded_but_always_takes_a_heartbeat() -> None:
+    load = LoadTracker()
+    outbox = Outbox(max_decisions=2)
+    outbox.sending = True
+    for _ in range(3):
+        outbox.committed(NS, [1], load.begin("w0", 1), marked=False)
+    assert outbox.dropped == 1
+    outbox.heartbeat()
+    assert isinstance(outbox.take()[-1], Heartbeat)
+
+
+async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones() -> None:
+    clock = Clock()
+    load = LoadTracker()
+    async with IndexerService() as indexer:
+        peers = Peers("me", indexer, load, timeout_s=1.0, clock=clock)
+        peers.apply(Batch("me", 0.0, [Begin(1, "w0", None, 10)]))  # our own: ignored
+        assert load.of("w0").running == 0
+        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 10), Begin(2, "w0", None, 7)]))
+        assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (2, 17)
+        # End(1) was lost, a Begin(3) too: the heartbeat lists what is really in flight
+        peers.apply(Batch("b", 0.0, [Heartbeat([OpenTicket(2, "w0", None, 7, True),
+                                                OpenTicket(3, "w1", 0, 4, False)])]))  # fmt: skip
+        assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (1, 0)
+        assert (load.of("w1", 0).running, load.of("w1", 0).queued_prefill_tokens) == (1, 4)
+        clock.now += 0.5
+        assert peers.sweep() == []
+        clock.now += 0.6
+        assert peers.sweep() == ["b"]
+        assert load.running() == {"w0": 0, "w1": 0}
+        assert peers.live() == []
+
+
+def test_batches_round_trip_with_the_namespace_whole() -> None:
+    batch = Batch("a", 1.5, [Pending("w0", None, NS, [1, 2]), End(3)])
+    assert batch_decoder.decode(encoder.encode(batch)) == batch

@@ -1,0 +1,67 @@
+"""`kvroute up --replicas N`, `kvroute serve --processes N`: N processes, one port, one router."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from tests.router.commands.test_router_up_cli import _read_until
+
+
+async def _kvroute(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+
+
+async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> None:
+    proc = await _kvroute(
+        "up", "--workers", "1", "--replicas", "2", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        said = await asyncio.wait_for(_read_until(proc.stdout, "nats-server", lines), 60)
+        assert "nats://127.0.0.1:" in said and "from " in said  # where it came from
+        line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+        url = line.split("listening on ")[1].split()[0]
+        replicas: set[str] = set()
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(40):  # a new connection each time: the kernel spreads them
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                    s.get(url + "/health") as resp,
+                ):
+                    health = await resp.json()
+                    assert resp.status == 200 and health["cluster"]["status"] == "ok", health
+                    # each has heard the other (their first heartbeats may cross)
+                    if health["cluster"]["replicas"] == 2:
+                        replicas.add(health["cluster"]["replica"])
+                if len(replicas) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            async with session.post(url + "/generate", json=body) as resp:
+                assert resp.status == 200
+        assert len(replicas) == 2, "every connection went to the same replica"
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_serve_processes_without_a_cluster_exits_2_saying_why(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text('[listen]\nport = 0\n[admin]\ntoken = "t"\n')
+    proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"[cluster]" in out
