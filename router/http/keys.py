@@ -12,6 +12,7 @@ from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
+from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FINGERPRINT",
     "INDEXER",
     "METRICS",
+    "PAIRS",
     "PLANNER",
     "PROXY",
     "SESSION",
@@ -35,3 +37,4 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 PLANNER = web.AppKey("planner", Planner)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)
+PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning
