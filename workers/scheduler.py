@@ -193,6 +193,7 @@ class RankScheduler:
             self.cache.unlock(job.held)
             job.held = None
             self._held.discard(job)
+            self._wake.set()  # a waiting request may fit now
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.cache.page_size)
@@ -236,8 +237,9 @@ class RankScheduler:
             elif self._running:
                 await self._decode()
             else:
-                # Nothing fits although the pool is free of other requests: cannot happen
-                # (submit rejects what can never fit); wait for a change rather than spin.
+                # Nothing fits although no request runs: the pool is held by finished
+                # prefills whose decode has not fetched their pages yet (submit rejects what
+                # can never fit); wait for a change (release_hold wakes us) rather than spin.
                 self._wake.clear()
                 await self._wake.wait()
 

@@ -84,7 +84,15 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml", "multi-model.toml", "dp.toml"]
+    "name",
+    [
+        "local.toml",
+        "sglang-fleet.toml",
+        "vllm-fleet.toml",
+        "multi-model.toml",
+        "dp.toml",
+        "pd.toml",
+    ],
 )
 def test_shipped_configs_load(name: str) -> None:
     load_config(CONFIGS / name)

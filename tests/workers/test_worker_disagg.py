@@ -163,3 +163,33 @@ async def test_pd_workers_refuse_requests_without_pd_fields(
         dead = sglang_pair(prefill, 5) | {"bootstrap_port": 9}
         status, answer = await post(session, decode.url + "/generate", dead)
     assert status == 502 and answer["error"]["type"] == "kv_transfer_failed"
+
+
+async def test_a_held_prefill_released_lets_the_request_it_blocked_run() -> None:
+    # room for one held prompt only: the second waits until the first one's pages are read
+    # (the bug: releasing a hold did not wake the scheduler, so it waited for a new request)
+    async with ReferenceWorker(config("prefill", capacity_tokens=7 * PAGE)) as prefill:
+        rank = prefill.ranks[0]
+        base = f"http://127.0.0.1:{prefill.disagg.bootstrap_port}/kv/"
+        other = [t + 100 for t in PROMPT]
+
+        async def until(check: Any, what: str) -> None:
+            deadline = time.monotonic() + 5
+            while not check():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.01)
+
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(
+                post(session, prefill.url + "/generate", sglang_pair(prefill, 1))
+            )
+            await until(lambda: rank.holding == 1, "the first prefill to hold its pages")
+            blocked = sglang_pair(prefill, 2) | {"input_ids": other}
+            second = asyncio.create_task(post(session, prefill.url + "/generate", blocked))
+            await until(lambda: rank.load == (0, 1), "the second request to wait for room")
+            async with session.get(base + "room-1") as resp:  # the first one's decode reads
+                assert resp.status == 200
+            await until(lambda: rank.holding == 1 and rank.load == (0, 0), "the second to run")
+            async with session.get(base + "room-2") as resp:
+                assert resp.status == 200
+            assert (await first)[0] == (await second)[0] == 200
