@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from bench.pd_fleet import await_pd_streams, pd_config, pd_names, sglang_pd_args
 from bench.routing_results import EXTERNAL_BASELINE, PolicyRun, RequestRecord
 from bench.sglang_router import launch as launch_sglang_router
 from bench.workloads import BenchRequest, Workload
@@ -90,6 +91,16 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a host tier per rank (0: none) and what loading a token back from it costs
     host_capacity_tokens: int = 0
     host_load_ms_per_token: float = 0.1
+    # a prefill/decode fleet instead of `workers` (both > 0, `bench.pd_fleet`), and what moving
+    # a token's KV from a prefill to a decode costs there
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    transfer_ms_per_token: float = 0.002
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether this is a prefill/decode fleet."""
+        return self.prefill_workers > 0 and self.decode_workers > 0
 
 
 class PolicyWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -375,8 +386,8 @@ async def _probe_overhead(
 
 
 @contextlib.asynccontextmanager
-async def _fleet(spec: FleetSpec) -> AsyncIterator[list[str]]:
-    """A fresh fleet of in-process reference workers; yields their base URLs."""
+async def _fleet(spec: FleetSpec) -> AsyncIterator[dict[str, ReferenceWorker]]:
+    """A fresh fleet of in-process reference workers; yields them by name."""
     config = ReferenceWorkerConfig(
         page_size=spec.page_size,
         capacity_tokens=spec.capacity_tokens,
@@ -387,12 +398,18 @@ async def _fleet(spec: FleetSpec) -> AsyncIterator[list[str]]:
         dp_size=spec.dp_size,
         host_capacity_tokens=spec.host_capacity_tokens,
         host_load_ms_per_token=spec.host_load_ms_per_token,
+        transfer_ms_per_token=spec.transfer_ms_per_token,
+    )
+    roles = (
+        pd_names(spec.prefill_workers, spec.decode_workers)
+        if spec.disaggregated
+        else [(f"w{i}", "both") for i in range(spec.workers)]
     )
     async with contextlib.AsyncExitStack() as stack:
-        workers = [
-            await stack.enter_async_context(ReferenceWorker(config)) for _ in range(spec.workers)
-        ]
-        yield [w.url for w in workers]
+        yield {
+            name: await stack.enter_async_context(ReferenceWorker(pd_config(config, role)))
+            for name, role in roles
+        }
 
 
 async def _await_streams(
@@ -426,7 +443,11 @@ async def _await_streams(
 
 @contextlib.asynccontextmanager
 async def _router(
-    policy: str, urls: dict[str, str], spec: FleetSpec, seed: int, weights: PolicyWeights
+    policy: str,
+    fleet: dict[str, ReferenceWorker],
+    spec: FleetSpec,
+    seed: int,
+    weights: PolicyWeights,
 ) -> AsyncIterator[str]:
     """A router with `policy` in front of the workers; yields its URL once its streams are live."""
     config = RouterConfig(
@@ -437,11 +458,15 @@ async def _router(
             seed=seed,
             **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
         ),
-        workers=tuple(RoutedWorker(url=url, id=name) for name, url in urls.items()),
+        workers=tuple(RoutedWorker(url=w.url, id=name) for name, w in fleet.items()),
     )
     async with RouterService(config) as service:
         try:
-            await _await_streams(service, urls, spec.page_size, seed)
+            if spec.disaggregated:  # roles and bootstrap ports discovered from /server_info
+                await await_pd_streams(service, fleet, spec.page_size, seed)
+            else:
+                urls = {name: w.url for name, w in fleet.items()}
+                await _await_streams(service, urls, spec.page_size, seed)
         except TimeoutError as exc:
             raise HarnessError("the router's KV-event streams did not become live") from exc
         yield service.url
@@ -468,9 +493,12 @@ async def run_policy(
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=None)
         ) as session,
-        _fleet(spec) as workers,
+        _fleet(spec) as fleet,
     ):
-        names = {f"w{i}": url for i, url in enumerate(workers)}
+        names = {name: w.url for name, w in fleet.items()}
+        workers = list(names.values())
+        if policy == ORACLE and spec.disaggregated:
+            raise HarnessError("the oracle routes to single workers: no prefill/decode oracle")
         if policy == ORACLE:
             oracle = _Oracle(list(names.values()), spec.page_size, seed)
             records = await _drive(session, workload, oracle, timeout_s, on_done)
@@ -480,7 +508,10 @@ async def run_policy(
         elif policy == SGLANG_CACHE_AWARE:
             if sglang_router_python is None:
                 raise HarnessError(f"{policy} needs the python that has sglang-router")
-            async with launch_sglang_router(sglang_router_python, workers) as router_url:
+            pd = sglang_pd_args(fleet) if spec.disaggregated else None
+            async with launch_sglang_router(
+                sglang_router_python, workers, pd_args=pd
+            ) as router_url:
                 chooser = _ViaRouter(router_url, salt_field="extra_key")
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)
@@ -489,7 +520,7 @@ async def run_policy(
                 policy_name, weights = "kv", PolicyWeights()
             else:
                 policy_name = policy
-            async with _router(policy_name, names, spec, seed, weights) as router_url:
+            async with _router(policy_name, fleet, spec, seed, weights) as router_url:
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)

@@ -36,6 +36,7 @@ from rich.progress import (
 from bench import sglang_router
 from bench.harness import (
     KV_DEFAULT,
+    ORACLE,
     POLICIES,
     SGLANG_CACHE_AWARE,
     FleetSpec,
@@ -65,8 +66,9 @@ __all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suit
 WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 # fleet shapes: `flat` (one cache per worker, every workload and pressure); `dp` (half the
 # workers with 2 DP ranks each, one cache per rank) and `tiered` (a host tier of 2x the GPU
-# cache behind every worker) run the first workload at the highest pressure
-TOPOLOGIES = ("flat", "dp", "tiered")
+# cache behind every worker) run the first workload at the highest pressure; so does `pd` (a
+# prefill/decode fleet: 2 prefill and 2 decode workers, the pressure counting the prefill caches)
+TOPOLOGIES = ("flat", "dp", "tiered", "pd")
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
 DEFAULT_OUT = Path("docs/benchmarks")
 ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE, *REPLICATED)
@@ -137,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--topologies",
         default=None,
         help=f"comma list of {', '.join(TOPOLOGIES)} (default: quick flat, full all): dp runs "
-        "workers with 2 DP ranks, tiered adds a host tier; both on the first workload at the "
-        "highest pressure",
+        "workers with 2 DP ranks, tiered adds a host tier, pd runs 2 prefill + 2 decode "
+        "workers as pairs; each on the first workload at the highest pressure",
     )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     parser.add_argument("--workers", type=int, default=None, help="reference workers per fleet")
@@ -413,11 +415,21 @@ def _replica_notes(sections: list[WorkloadSection]) -> list[str]:
     return notes
 
 
-TOPOLOGY_LABELS = {"flat": "", "dp": " [dp 2 ranks]", "tiered": " [GPU + host tier]"}
+TOPOLOGY_LABELS = {
+    "flat": "",
+    "dp": " [dp 2 ranks]",
+    "tiered": " [GPU + host tier]",
+    "pd": " [prefill/decode 2P+2D]",
+}
 TOPOLOGY_NOTES = {
     "flat": "",
     "dp": "; fleet: half the workers, each with 2 data-parallel ranks (one cache and one "
     "KV-event stream per rank), the KV pressure counting every rank's cache",
+    "pd": "; fleet: 2 prefill and 2 decode workers served as pairs (SGLang's bootstrap-room "
+    "protocol: the router picks the prefill worker by its policy and the decode worker by "
+    "load, or by its policy's turns), the decode side paying the KV transfer; the KV pressure "
+    "counts the prefill caches, where prefix reuse happens; the hit rate is the prefill side's "
+    "(`cached_tokens` as the decode relays it); no oracle (it routes single workers)",
     "tiered": "; fleet: every worker has a host tier of twice its GPU cache, where evicted pages "
     "move (medium CPU_PINNED) and are loaded back on a hit at the host load cost; the KV "
     "pressure counts the GPU caches only",
@@ -428,6 +440,9 @@ def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
     """The fleet a topology runs on (its capacity is set per section from the pressure)."""
     if topology == "dp":
         return msgspec.structs.replace(fleet, workers=max(1, fleet.workers // 2), dp_size=2)
+    if topology == "pd":
+        # `workers` counts the caches that reuse prefixes (the prefill side's) for the pressure
+        return msgspec.structs.replace(fleet, workers=2, prefill_workers=2, decode_workers=2)
     return fleet
 
 
@@ -478,7 +493,8 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
             )
             runs: list[PolicyRun] = []
-            for policy in settings.policies:
+            policies = [p for p in settings.policies if topology != "pd" or p != ORACLE]
+            for policy in policies:
                 task = progress.add_task(
                     f"{label} p={pressure:.2f} {policy:<12}",
                     total=len(workload.requests),

@@ -131,15 +131,19 @@ async def launch(
     policy: str = "cache_aware",
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 60.0,
+    pd_args: Sequence[str] | None = None,
 ) -> AsyncIterator[str]:
     """sglang-router with `policy` in front of `workers`; yields its URL once all are registered.
 
+    With `pd_args` (`--pd-disaggregation --prefill URL PORT ... --decode URL ...`) it runs in
+    its prefill/decode mode over those workers, `policy` choosing the prefill side.
     Raises SglangRouterError when it cannot start (not importable, exits, or never ready).
     """
     port = _free_port()
+    fleet = ["--worker-urls", *workers] if pd_args is None else [*pd_args]
     argv = [
         python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *workers, "--policy", policy, "--log-level", "warn", *extra_args,
+        *fleet, "--policy", policy, "--log-level", "warn", *extra_args,
     ]  # fmt: skip
     # on registration it probes each worker with an HTTP/2 preface, which an aiohttp worker in
     # this process logs as a bad request: expected, so hushed until the router is ready

@@ -9,7 +9,11 @@ Nothing else in kvroute compares engine names. A spec says:
 - which chat-request conventions its OpenAI layer follows (`chat`: the router's prompt package
   holds the conventions themselves, keyed by this name);
 - how a request asks for one data-parallel rank (SGLang: `routed_dp_rank` in the `/generate`
-  body, `X-Data-Parallel-Rank` on its OpenAI routes; vLLM: `X-data-parallel-rank`).
+  body, `X-Data-Parallel-Rank` on its OpenAI routes; vLLM: `X-data-parallel-rank`);
+- how a prefill/decode pair serves one request (`PdPairing`) and where a worker advertises its
+  role and bootstrap port (SGLang's server args `disaggregation_mode`, "null" | "prefill" |
+  "decode", and `disaggregation_bootstrap_port`, default 8998, dumped into `/server_info`;
+  vLLM advertises neither: its kv_role lives in `--kv-transfer-config`, so it is configured).
 
 Facts from the engines' released code: SGLang 0.5.23 (`managers/io_struct.py`,
 `entrypoints/openai/serving_base.py`, `disaggregation/kv_events.py`), vLLM 0.33. Adding an
@@ -31,9 +35,12 @@ __all__ = [
     "ENGINES",
     "SGLANG",
     "VLLM",
+    "VLLM_PREFILL_KV_TRANSFER_PARAMS",
     "EngineName",
     "EngineSpec",
     "NamespaceRule",
+    "PdPairing",
+    "PdRole",
     "engine_spec",
 ]
 
@@ -49,8 +56,54 @@ class NamespaceRule(enum.Enum):
     ROOT_EXTRA_KEYS = "root_extra_keys"
 
 
+PdRole = Literal["both", "prefill", "decode"]
+
+
+class PdPairing(enum.Enum):
+    """How a prefill worker and a decode worker serve one request together."""
+
+    # SGLang: the request goes to both at once with the prefill's `bootstrap_host`,
+    # `bootstrap_port` and a fresh random `bootstrap_room` (0 .. 2**63 - 1, as its router
+    # draws it); the decode's answer is the client's (`managers/io_struct.py` GenerateReqInput,
+    # `entrypoints/openai/protocol.py` PDRoutingFields, sglang-router's PD mode)
+    BOOTSTRAP_ROOM = "bootstrap_room"
+    # vLLM's NIXL proxy protocol: the request goes to the prefill first with `max_tokens` 1,
+    # `stream` false and `kv_transfer_params` asking for a remote decode; the
+    # `kv_transfer_params` of its answer go with the original request to the decode
+    # (`distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`)
+    KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+
+# what vLLM's disaggregated-serving proxy sends its prefill worker (vLLM 0.33)
+VLLM_PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+SGLANG_BOOTSTRAP_PORT = 8998  # --disaggregation-bootstrap-port's default
+
+
 def _no_server_info(_: Mapping[str, Any]) -> dict[str, Any]:
     return {}
+
+
+def _no_role(_: Mapping[str, Any]) -> tuple[PdRole | None, int | None]:
+    return None, None
+
+
+_SGLANG_MODES: dict[str, PdRole] = {"null": "both", "prefill": "prefill", "decode": "decode"}
+
+
+def _sglang_role(info: Mapping[str, Any]) -> tuple[PdRole | None, int | None]:
+    """(role, bootstrap port) from SGLang's server args; None where the answer says nothing."""
+    mode = info.get("disaggregation_mode")
+    role = _SGLANG_MODES.get(mode) if isinstance(mode, str) else None
+    port = info.get("disaggregation_bootstrap_port")
+    valid = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+    return role, port if valid else None
 
 
 def _sglang_advertised(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,6 +145,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # field of the native /generate route where the engine has one
     dp_rank_header: str
     dp_rank_generate_field: str | None
+    # prefill/decode: how a pair is formed, and the (role, bootstrap port) a server_info
+    # answer advertises (None each where it says nothing)
+    pd_pairing: PdPairing
+    advertised_role: Callable[[Mapping[str, Any]], tuple[PdRole | None, int | None]]
+    default_bootstrap_port: int | None
 
     @property
     def salt_in_root_extra_keys(self) -> bool:
@@ -107,6 +165,9 @@ SGLANG = EngineSpec(
     advertised_events=_sglang_advertised,
     dp_rank_header="X-Data-Parallel-Rank",
     dp_rank_generate_field="routed_dp_rank",  # `data_parallel_rank` is its deprecated alias
+    pd_pairing=PdPairing.BOOTSTRAP_ROOM,
+    advertised_role=_sglang_role,
+    default_bootstrap_port=SGLANG_BOOTSTRAP_PORT,
 )
 
 VLLM = EngineSpec(
@@ -117,6 +178,9 @@ VLLM = EngineSpec(
     advertised_events=_no_server_info,
     dp_rank_header="X-data-parallel-rank",
     dp_rank_generate_field=None,
+    pd_pairing=PdPairing.KV_TRANSFER_PARAMS,
+    advertised_role=_no_role,
+    default_bootstrap_port=None,  # the prefill's answer says where its KV is
 )
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (SGLANG, VLLM)}

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from indexer.engines import EngineName
+from indexer.engines import EngineName, PdRole
 from router.errors import ConfigError
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "IndexerSection",
     "LimitsConfig",
     "ListenConfig",
+    "PdConfig",
     "PolicyConfig",
     "PolicyName",
     "RouterConfig",
@@ -87,6 +88,18 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     approx_balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5
     approx_chunk_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     approx_max_chunks: Annotated[int, msgspec.Meta(ge=1)] = 1_000_000
+
+
+class PdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Prefill/decode pairs: how the decode worker is chosen (`router.routing.pd`).
+
+    The prefill worker is chosen by `[policy]` over the model's prefill workers. The decode
+    worker by load: `decode_weight` per running request plus `decode_kv_weight` per token of
+    KV its running requests hold (a decode's memory fills with their prompts), against
+    `hit_weight` per prompt token it already holds where decode workers publish KV events.
+    """
+
+    decode_kv_weight: NonNegativeFloat = 0.02
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -198,6 +211,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # indexed under its first name (`model`, else models[0]): one engine, one cache
     models: tuple[str, ...] = ()
     kv_events: bool = True  # false: a plain backend, routed without cache affinity
+    # prefill/decode disaggregation: what it does in a pair ("both": whole requests). Unset:
+    # as its /server_info advertises (SGLang's disaggregation_mode), else "both"
+    role: PdRole | None = None
+    # a prefill's KV bootstrap port (SGLang's --disaggregation-bootstrap-port, told to the
+    # decode side); unset: advertised, else the engine's default (SGLang 8998)
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -212,6 +231,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"workers.url {self.url!r} names no host")
         if any(not name.strip() for name in self.models):
             raise ValueError("workers.models: a model name must not be empty")
+        if self.bootstrap_port is not None and self.role not in ("prefill", None):
+            raise ValueError("workers.bootstrap_port is a prefill worker's (role = 'prefill')")
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -273,6 +294,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     breaker: BreakerConfig = BreakerConfig()
     limits: LimitsConfig = LimitsConfig()
     indexer: IndexerSection = IndexerSection()
+    pd: PdConfig = PdConfig()
     # header whose value overrides the body's cache_salt (set by a trusted gateway); "" = none
     salt_header: str = ""
     workers: tuple[WorkerConfig, ...] = ()

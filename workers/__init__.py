@@ -5,6 +5,8 @@
 - `io_struct`: request normalization (cache_salt/extra_key checks, batches, OpenAI bodies);
 - `scheduler`: one DP rank's waiting queue, running batch and latency model;
 - `publisher`: the ZMQ PUB stream and ROUTER replay service of one DP rank;
+- `disagg`: prefill/decode roles: the KV handoff, a prefill's bootstrap server, a decode's fetch
+  (SGLang's bootstrap room and vLLM's kv_transfer_params);
 - `server`: the SGLang/OpenAI-compatible HTTP API (aiohttp);
 - `listener`: the aiohttp server under it, answering malformed requests in JSON, quietly;
 - `worker`: `ReferenceWorker`, one worker as an in-process async service;

@@ -120,6 +120,20 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         default=defaults.context_length,
         help="longest prompt + output accepted",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--transfer-ms-per-token",
+        type=float,
+        default=defaults.transfer_ms_per_token,
+        help="cost of moving one prompt token's KV from a prefill worker to a decode worker",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=defaults.kv_transfer_timeout_s,
+        help="seconds either side of a KV handoff waits for the other (a prefill then frees "
+        "the pages, a decode answers 504)",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name the worker reports")
 
 
@@ -143,6 +157,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the events port + 100, or ephemeral when that is ephemeral)",
     )
     parser.add_argument("--topic", default="", help="topic frame of every published message")
+    parser.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="prefill/decode disaggregation role (SGLang's --disaggregation-mode; both = null)",
+    )
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=0,
+        help="a prefill worker's KV bootstrap port (SGLang's --disaggregation-bootstrap-port; "
+        "0 = ephemeral)",
+    )
     add_worker_options(parser)
 
 
@@ -163,6 +190,8 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
         "max_running_requests": args.max_running_requests,
         "max_queued_requests": args.max_queued_requests,
         "context_length": args.context_length,
+        "transfer_ms_per_token": args.transfer_ms_per_token,
+        "kv_transfer_timeout_s": args.kv_transfer_timeout,
     }
     fields.update(overrides)
     return msgspec.convert(fields, WorkerConfig)
@@ -195,6 +224,10 @@ async def _serve(config: WorkerConfig) -> None:
     async with ReferenceWorker(config) as worker:
         print(f"reference worker {config.model} at {worker.url}", flush=True)
         print(describe_kv_events(worker.kv_events), flush=True)
+        if worker.disagg.bootstrap_port is not None:
+            print(f"  {config.role}: KV bootstrap port {worker.disagg.bootstrap_port}", flush=True)
+        elif config.role != "both":
+            print(f"  {config.role}: fetches KV from its prefill workers", flush=True)
         print("Ctrl-C to stop", flush=True)
         await wait_for_shutdown()
     print("stopped", flush=True)
@@ -219,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
             events_port=events_port,
             replay_port=replay_port,
             topic=args.topic,
+            role=args.role,
+            bootstrap_port=args.bootstrap_port,
         )
         asyncio.run(_serve(config))
     except (msgspec.ValidationError, ValueError, WorkerError, OSError) as exc:

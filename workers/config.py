@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from indexer.protocol.encode import WireLayout
 
-__all__ = ["DEFAULT_MODEL", "WorkerConfig"]
+__all__ = ["DEFAULT_MODEL", "WorkerConfig", "WorkerRole"]
+
+# SGLang's --disaggregation-mode, with "both" for its "null": one worker runs the whole request
+WorkerRole = Literal["both", "prefill", "decode"]
 
 DEFAULT_MODEL = "kvroute/reference-byte-lm"
 
@@ -56,10 +59,19 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_queued_requests: _Positive = 4096
     # Longest prompt + output accepted (SGLang's context length).
     context_length: _Positive = 32_768
+    # Prefill/decode disaggregation (`workers.disagg`): a prefill worker computes the prompt,
+    # holds its pages and serves them on its bootstrap port (SGLang's
+    # --disaggregation-bootstrap-port; 0 = ephemeral); a decode worker fetches them, paying
+    # transfer_ms_per_token per page token moved, then decodes. Either side gives up on its
+    # partner after kv_transfer_timeout_s (the prefill frees the pages, the decode answers 504).
+    role: WorkerRole = "both"
+    bootstrap_port: _Port = 0
+    transfer_ms_per_token: _NonNegative = 0.002
+    kv_transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
         # msgspec checks Meta constraints only when decoding; direct construction needs these.
-        for name in ("port", "events_port", "replay_port"):
+        for name in ("port", "events_port", "replay_port", "bootstrap_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a port number (0 = ephemeral)")
         for name in (
@@ -79,6 +91,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "prefill_ms_per_token",
             "host_load_ms_per_token",
             "decode_ms_per_token",
+            "transfer_ms_per_token",
             "time_scale",
         ):
             if getattr(self, name) < 0:
@@ -89,6 +102,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("events_port + dp_size runs past port 65535")
         if self.dp_size > 1 and self.replay_port and self.replay_port + self.dp_size > 65536:
             raise ValueError("replay_port + dp_size runs past port 65535")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError("role must be 'both', 'prefill' or 'decode'")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.event_format not in ("array", "map"):
             raise ValueError("event_format must be 'array' or 'map'")
 

@@ -3,12 +3,21 @@
 WorkerError
 ├── RequestError       a request the HTTP API rejects (400): the message names the bad field
 ├── CacheBusyError     a full flush refused while requests hold cache pages (400, as SGLang)
-└── PortRangeError     no free run of consecutive ports for the DP ranks' event streams
+├── PortRangeError     no free run of consecutive ports for the DP ranks' event streams
+└── KvTransferError    a PD request's KV could not be handed over (502)
+    └── KvTransferTimeoutError  the other side never came within kv_transfer_timeout_s (504)
 """
 
 from __future__ import annotations
 
-__all__ = ["CacheBusyError", "PortRangeError", "RequestError", "WorkerError"]
+__all__ = [
+    "CacheBusyError",
+    "KvTransferError",
+    "KvTransferTimeoutError",
+    "PortRangeError",
+    "RequestError",
+    "WorkerError",
+]
 
 
 class WorkerError(Exception):
@@ -25,3 +34,11 @@ class CacheBusyError(WorkerError):
 
 class PortRangeError(WorkerError):
     """Consecutive ports for `dp_size` event streams could not be bound."""
+
+
+class KvTransferError(WorkerError):
+    """A prefill/decode handoff failed: the prefill's bootstrap server is gone, or refused it."""
+
+
+class KvTransferTimeoutError(KvTransferError):
+    """The other side of a handoff did not come within `kv_transfer_timeout_s`."""

@@ -10,12 +10,19 @@ A request may name the data-parallel rank that serves it, as SGLang 0.5.23 reads
 `openai/protocol.py`), on every route; on the OpenAI routes the `X-Data-Parallel-Rank` header
 overrides the body (`serving_base.extract_routed_dp_rank_from_header`: `int()` of the value, a
 400 when it is not an integer). The range is checked when the request is queued.
+
+A prefill/decode request says where its KV goes or comes from in either engine's spelling
+(`KvHandoff`): SGLang's `bootstrap_host`/`bootstrap_port`/`bootstrap_room` (a room per batch
+item: a list, or one int that item i offsets by i, as `GenerateReqInput` normalizes it), or
+vLLM's NIXL `kv_transfer_params` (`do_remote_decode` on the prefill side; `do_remote_prefill`
+with `remote_host`/`remote_port`/`remote_request_id` on the decode side).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,7 +36,9 @@ __all__ = [
     "DP_RANK_HEADER",
     "ApiRequest",
     "Generation",
+    "KvHandoff",
     "dp_rank_from_header",
+    "kv_handoffs",
     "normalize_key",
     "normalize_keys",
     "parse_chat",
@@ -47,6 +56,18 @@ DP_RANK_HEADER = "X-Data-Parallel-Rank"
 _DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 
 
+class KvHandoff(msgspec.Struct, frozen=True):
+    """Where one request's KV is handed over: its name on the prefill's bootstrap server and,
+    on the decode side, that server's address."""
+
+    key: str  # "room-<bootstrap_room>" (SGLang) or "req-<remote_request_id>" (vLLM)
+    spelling: Literal["sglang", "vllm"]
+    host: str | None = None  # the prefill's bootstrap server, as the decode side is told it
+    port: int | None = None
+    # vLLM: the prefill side answers `kv_transfer_params` (True), the decode side reads them
+    remote_decode: bool = False
+
+
 class Generation(msgspec.Struct, frozen=True):
     """One prompt to run: its tokens, its cache namespace, how many tokens to produce."""
 
@@ -55,6 +76,13 @@ class Generation(msgspec.Struct, frozen=True):
     max_new_tokens: int
     dp_rank: int | None = None
     rid: str | None = None
+    handoff: KvHandoff | None = None
+    # set by `workers.disagg`: a prefill's pages stay locked after it (until the decode side
+    # has them); a decode's prompt KV arrived by transfer (its prefill step computes nothing),
+    # and the cache hit the prefill side had is what it reports
+    hold_kv: bool = False
+    kv_transferred: bool = False
+    remote_cached_tokens: int | None = None
 
 
 class ApiRequest(msgspec.Struct, frozen=True):
@@ -65,6 +93,7 @@ class ApiRequest(msgspec.Struct, frozen=True):
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    return_logprob: bool = False
 
 
 def normalize_key(value: object, field: str) -> str | None:
@@ -149,6 +178,74 @@ def dp_rank_from_header(value: str | None, body_rank: int | None) -> int | None:
         ) from None
 
 
+def _per_item(value: object, field: str, count: int, kind: type) -> list[Any]:
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count:
+        raise RequestError(f"{field} has {len(values)} values for a batch of {count}")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+            raise RequestError(f"{field} must be a {kind.__name__} (or one per batch item)")
+    return values
+
+
+def _sglang_handoffs(body: Mapping[str, Any], count: int) -> list[KvHandoff | None] | None:
+    room = body.get("bootstrap_room")
+    if room is None:
+        return None
+    if isinstance(room, int) and not isinstance(room, bool):
+        rooms: list[Any] = [room + i for i in range(count)]  # GenerateReqInput's offsets
+    else:
+        rooms = _per_item(room, "bootstrap_room", count, int)
+    hosts = _per_item(body.get("bootstrap_host"), "bootstrap_host", count, str)
+    ports = _per_item(body.get("bootstrap_port"), "bootstrap_port", count, int)
+    out: list[KvHandoff | None] = []
+    for r, host, port in zip(rooms, hosts, ports, strict=True):
+        if r is None:
+            out.append(None)
+            continue
+        if r < 0:
+            raise RequestError("bootstrap_room must be a non-negative integer")
+        if port is not None and not 0 < port < 65536:
+            raise RequestError("bootstrap_port must be a port number")
+        out.append(KvHandoff(key=f"room-{r}", spelling="sglang", host=host, port=port))
+    return out
+
+
+def _vllm_handoff(body: Mapping[str, Any]) -> KvHandoff | None:
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise RequestError("kv_transfer_params must be an object")
+    if params.get("do_remote_decode") is True:
+        # the prefill side names the handoff; the answer's kv_transfer_params carry the name
+        return KvHandoff(key=f"req-{uuid.uuid4().hex}", spelling="vllm", remote_decode=True)
+    if params.get("do_remote_prefill") is True:
+        rid, host, port = (
+            params.get(k) for k in ("remote_request_id", "remote_host", "remote_port")
+        )
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("kv_transfer_params.remote_request_id must be a string")
+        if not isinstance(host, str) or not host:
+            raise RequestError("kv_transfer_params.remote_host must be a string")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise RequestError("kv_transfer_params.remote_port must be a port number")
+        return KvHandoff(key=f"req-{rid}", spelling="vllm", host=host, port=port)
+    return None
+
+
+def kv_handoffs(body: Mapping[str, Any], count: int) -> list[KvHandoff | None]:
+    """Each item's handoff, in SGLang's spelling or vLLM's (None: not a PD request)."""
+    sglang = _sglang_handoffs(body, count)
+    if sglang is not None:
+        return sglang
+    if count == 1:
+        return [_vllm_handoff(body)]
+    if body.get("kv_transfer_params") is not None:
+        raise RequestError("kv_transfer_params takes one prompt")
+    return [None] * count
+
+
 def _stream_usage(body: Mapping[str, Any]) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -201,6 +298,7 @@ def parse_generate(raw: object) -> ApiRequest:
     if len(rids) != n or not all(r is None or isinstance(r, str) for r in rids):
         raise RequestError("rid must be a string (or one string per batch item)")
     dp_rank = _dp_rank(body)
+    handoffs = kv_handoffs(body, n)
     items = [
         Generation(
             input_ids=prompts[i],
@@ -208,10 +306,13 @@ def parse_generate(raw: object) -> ApiRequest:
             max_new_tokens=budgets[i],
             dp_rank=dp_rank,
             rid=rids[i],
+            handoff=handoffs[i],
         )
         for i in range(n)
     ]
-    return ApiRequest(items=items, batch=batch, stream=stream)
+    return ApiRequest(
+        items=items, batch=batch, stream=stream, return_logprob=_bool(body, "return_logprob")
+    )
 
 
 def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
@@ -243,6 +344,7 @@ def _openai_common(
         max_new_tokens=budget,
         dp_rank=dp_rank_from_header(dp_rank_header, _dp_rank(body)),
         rid=rid,
+        handoff=kv_handoffs(body, 1)[0],
     )
     return ApiRequest(
         items=[item],

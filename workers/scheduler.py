@@ -12,6 +12,12 @@ It follows SGLang's scheduler where routing can see it:
 - a finished request inserts prompt + output (as `cache_finished_req` does) and unlocks.
 Every step's KV events go out as one batch. All durations are multiplied by `time_scale`.
 
+Prefill/decode (`workers.disagg`): a prefill job (`hold_kv`) keeps its prompt's pages locked
+after it finishes, until `release_hold` (the decode side has them, or gave up); a decode job
+whose KV came by transfer (`kv_transferred`) costs nothing in its prefill step (the transfer
+was paid before it was queued) but still caches its prompt, so a decode worker's events show
+what it holds.
+
 Output is deterministic: a fixed text, entered at an offset that depends on the prompt.
 """
 
@@ -63,6 +69,7 @@ class Job:
         self.cached_tokens = 0
         self.loaded_tokens = 0  # of cached_tokens, those loaded back from the host tier
         self.node: RadixNode | None = None
+        self.held: RadixNode | None = None  # a finished prefill's pages, locked for a decode
         self.reserved_pages = 0
         self.cancelled = False
         self.finished = False
@@ -76,6 +83,12 @@ class Job:
     def namespace(self) -> Namespace:
         """The cache namespace of this request."""
         return self.generation.namespace
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """The cache hit it reports: a transferred decode's is the prefill side's."""
+        remote = self.generation.remote_cached_tokens
+        return self.cached_tokens if remote is None else remote
 
     def emit_next(self) -> None:
         """Produce the next planned token (called by the scheduler)."""
@@ -119,12 +132,18 @@ class RankScheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
         self._wake = asyncio.Event()
+        self._held: set[Job] = set()  # finished prefills whose pages wait for a decode
         self.completed = 0
 
     @property
     def idle(self) -> bool:
         """No request waiting or running."""
         return not self._waiting and not self._running
+
+    @property
+    def holding(self) -> int:
+        """Finished prefills whose pages wait for their decode."""
+        return len(self._held)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -157,7 +176,7 @@ class RankScheduler:
 
     def flush(self) -> None:
         """Flush the whole cache (refused while requests run, as SGLang does)."""
-        if not self.idle:
+        if not self.idle or self._held:
             raise CacheBusyError("cache not flushed: requests are running or waiting")
         self.cache.flush()
         self._publish()
@@ -167,6 +186,14 @@ class RankScheduler:
         removed = self.cache.flush_namespace(cache_salt)
         self._publish()
         return removed
+
+    def release_hold(self, job: Job) -> None:
+        """The decode side has a prefill's pages (or gave up): they may be evicted again."""
+        if job.held is not None:
+            self.cache.unlock(job.held)
+            job.held = None
+            self._held.discard(job)
+            self._wake.set()  # a waiting request may fit now
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.cache.page_size)
@@ -210,8 +237,9 @@ class RankScheduler:
             elif self._running:
                 await self._decode()
             else:
-                # Nothing fits although the pool is free of other requests: cannot happen
-                # (submit rejects what can never fit); wait for a change rather than spin.
+                # Nothing fits although no request runs: the pool is held by finished
+                # prefills whose decode has not fetched their pages yet (submit rejects what
+                # can never fit); wait for a change (release_hold wakes us) rather than spin.
                 self._wake.clear()
                 await self._wake.wait()
 
@@ -247,7 +275,9 @@ class RankScheduler:
         return admitted
 
     async def _prefill(self, jobs: list[Job]) -> None:
-        uncached = sum(len(job.prompt) - job.cached_tokens for job in jobs)
+        uncached = sum(
+            len(job.prompt) - job.cached_tokens for job in jobs if not job.generation.kv_transferred
+        )
         loaded = sum(job.loaded_tokens for job in jobs)
         await self._sleep_ms(
             self.config.prefill_ms_per_token * uncached
@@ -275,6 +305,10 @@ class RankScheduler:
                 # SGLang caches prompt + output except the last token (its KV is never made).
                 self._cache_tokens(job, job.prompt + job.output[:-1])
                 assert job.node is not None
+                if job.generation.hold_kv and not job.cancelled:
+                    self.cache.lock(job.node)  # until the decode side has the pages
+                    job.held = job.node
+                    self._held.add(job)
                 self.cache.unlock(job.node)
                 self.cache.release(job.reserved_pages)
                 job.node, job.reserved_pages = None, 0

@@ -10,6 +10,13 @@ deprecated `data_parallel_rank`) in any body, the `X-Data-Parallel-Rank` header 
 routes; without one, the ranks take requests in turn.
 kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
 can compare the router's index with the truth.
+Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is handed over
+(SGLang) or at once with `kv_transfer_params` (vLLM), one final chunk when asked to stream; a
+decode worker fetches its KV before queueing and reports the prefill side's `cached_tokens`.
+`/server_info` advertises `disaggregation_mode` and `disaggregation_bootstrap_port` as SGLang's
+does. With `return_logprob`, `/generate` reports (made-up, deterministic) `input_token_logprobs`
+as SGLang's `[logprob, token_id, None]` triples: a prefill reports the prompt's, a decode none,
+so SGLang's router merging the two gets the whole list a single worker reports.
 
 Errors are JSON `{"error": {"type", "message"}}`: 400 for bad input (checked before anything is
 queued), 503 when the waiting queue is full. Salts are never echoed or logged.
@@ -29,7 +36,13 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.protocol.tokens import ByteTokenizer
-from workers.errors import CacheBusyError, RequestError, WorkerError
+from workers.errors import (
+    CacheBusyError,
+    KvTransferError,
+    KvTransferTimeoutError,
+    RequestError,
+    WorkerError,
+)
 from workers.io_struct import (
     DP_RANK_HEADER,
     ApiRequest,
@@ -68,6 +81,10 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return _error(400, "cache_busy", str(exc))
     except QueueFullError as exc:
         return _error(503, "overloaded", str(exc))
+    except KvTransferTimeoutError as exc:
+        return _error(504, "kv_transfer_timeout", str(exc))
+    except KvTransferError as exc:
+        return _error(502, "kv_transfer_failed", str(exc))
     except WorkerError as exc:
         return _error(500, "worker_error", str(exc))
     except RequestPayloadError as exc:
@@ -149,7 +166,15 @@ def _finish_reason(job: Job) -> str:
     return "abort" if job.cancelled else "length"
 
 
-def _meta_info(job: Job, rid: str) -> dict[str, Any]:
+def _input_logprobs(job: Job) -> list[list[Any]]:
+    """The prompt's logprob triples (made up: the worker has no model); the first token has
+    none, as in SGLang. A decode whose KV came by transfer computed none of them."""
+    if job.generation.kv_transferred:
+        return []
+    return [[None if i == 0 else -((t % 7) + 1) / 8.0, t, None] for i, t in enumerate(job.prompt)]
+
+
+def _meta_info(job: Job, rid: str, logprobs: bool = False) -> dict[str, Any]:
     end = job.finished_at or time.monotonic()
     finish: dict[str, Any] | None = None
     if job.finished:
@@ -161,37 +186,65 @@ def _meta_info(job: Job, rid: str) -> dict[str, Any]:
         "finish_reason": finish,
         "prompt_tokens": len(job.prompt),
         "completion_tokens": len(job.output),
-        "cached_tokens": job.cached_tokens,
+        "cached_tokens": job.reported_cached_tokens,
         "e2e_latency": end - job.created_at,
         "dp_rank": job.rank,
-    }
+    } | ({"input_token_logprobs": _input_logprobs(job)} if logprobs else {})
 
 
-def _generate_result(job: Job, rid: str) -> dict[str, Any]:
+def _generate_result(job: Job, rid: str, logprobs: bool = False) -> dict[str, Any]:
     return {
         "text": _TOKENIZER.decode(job.output),
         "output_ids": list(job.output),
-        "meta_info": _meta_info(job, rid),
+        "meta_info": _meta_info(job, rid, logprobs),
     }
+
+
+async def _prefilled(worker: ReferenceWorker, api: ApiRequest, jobs: list[Job]) -> Any:
+    """A prefill's jobs run and handed over; returns vLLM's `kv_transfer_params` (or None).
+
+    Whatever stops it on the way (the client gone, the decode never coming) frees the pages.
+    """
+    try:
+        await _run(worker, jobs)
+        return await worker.disagg.handed_over(api, jobs)
+    except BaseException:
+        worker.disagg.abandon(api, jobs)
+        raise
+
+
+async def _answer_once(request: web.Request, api: ApiRequest, payload: Any) -> web.StreamResponse:
+    """A prefill's one answer: JSON, or one SSE chunk when it was asked to stream."""
+    if not api.stream:
+        return web.json_response(payload)
+    response = await _open_sse(request)
+    await response.write(_sse(payload))
+    await response.write(_DONE)
+    return response
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang's native endpoint."""
-    api = parse_generate(await _json(request))
     worker = _worker(request)
+    api = await worker.disagg.prepare(parse_generate(await _json(request)))
     jobs = _submit_all(worker, api)
     rids = [item.rid or uuid.uuid4().hex for item in api.items]
+    lp = api.return_logprob
+    if worker.disagg.role == "prefill":
+        await _prefilled(worker, api, jobs)
+        results = [_generate_result(job, rid, lp) for job, rid in zip(jobs, rids, strict=True)]
+        return await _answer_once(request, api, results if api.batch else results[0])
     if not api.stream:
         await _run(worker, jobs)
-        results = [_generate_result(job, rid) for job, rid in zip(jobs, rids, strict=True)]
+        results = [_generate_result(job, rid, lp) for job, rid in zip(jobs, rids, strict=True)]
         return web.json_response(results if api.batch else results[0])
     (job,), (rid,) = jobs, rids
     try:
         response = await _open_sse(request)
         async for _ in job.tokens():
-            await response.write(_sse(_generate_result(job, rid)))
+            await response.write(_sse(_generate_result(job, rid, lp)))
         if not job.output:
-            await response.write(_sse(_generate_result(job, rid)))
+            await response.write(_sse(_generate_result(job, rid, lp)))
         await response.write(_DONE)
     except (asyncio.CancelledError, ConnectionResetError):
         worker.cancel(job)
@@ -204,12 +257,13 @@ def _usage(job: Job) -> dict[str, Any]:
         "prompt_tokens": len(job.prompt),
         "completion_tokens": len(job.output),
         "total_tokens": len(job.prompt) + len(job.output),
-        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": job.reported_cached_tokens},
     }
 
 
 async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.StreamResponse:
     worker = _worker(request)
+    api = await worker.disagg.prepare(api)
     (job,) = _submit_all(worker, api)
     model = api.model or worker.config.model
     prefix = "chatcmpl" if chat else "cmpl"
@@ -219,8 +273,11 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
         "created": int(time.time()),
         "model": model,
     }
-    if not api.stream:
-        await _run(worker, [job])
+    prefill = worker.disagg.role == "prefill"
+    params = await _prefilled(worker, api, [job]) if prefill else None
+    if not api.stream or prefill:
+        if not prefill:
+            await _run(worker, [job])
         text = _TOKENIZER.decode(job.output)
         reason = _finish_reason(job)
         choice: dict[str, Any]
@@ -229,8 +286,11 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body = head | {"object": "chat.completion" if chat else "text_completion"}
-        return web.json_response(body | {"choices": [choice], "usage": _usage(job)})
+        body: dict[str, Any] = head | {"object": "chat.completion" if chat else "text_completion"}
+        body |= {"choices": [choice], "usage": _usage(job)}
+        if params is not None:
+            body["kv_transfer_params"] = params  # vLLM: where the decode side pulls the KV
+        return await _answer_once(request, api, body)
 
     def chunk(delta: str | None, reason: str | None, *, role: bool = False) -> bytes:
         piece: dict[str, Any]
@@ -327,6 +387,9 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             "context_length": cfg.context_length,
             "tokenizer": "byte",
             "kv_events": msgspec.to_builtins(worker.kv_events),
+            # SGLang's server args: "null" is its name for a worker that does both
+            "disaggregation_mode": {"both": "null"}.get(cfg.role, cfg.role),
+            "disaggregation_bootstrap_port": worker.disagg.bootstrap_port or 8998,
             "internal_states": [
                 {"dp_rank": r, "running": run, "waiting": wait}
                 for r, (run, wait) in enumerate(loads)

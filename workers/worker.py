@@ -23,6 +23,7 @@ from aiohttp import web
 
 from workers.cache import Namespace, PagedRadixCache
 from workers.config import WorkerConfig
+from workers.disagg import Disaggregation
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import Generation
 from workers.listener import WorkerRunner
@@ -62,6 +63,8 @@ class ReferenceWorker:
         self._next_rank = itertools.count()
         self._url: str | None = None
         self._kv_events: KvEventsInfo | None = None
+        # prefill/decode: the bootstrap server (prefill) or the KV fetches (decode)
+        self.disagg = Disaggregation(self.config, self._held_tokens, self._release_hold)
 
     @property
     def url(self) -> str:
@@ -134,6 +137,7 @@ class ReferenceWorker:
         )
         for sched in self.ranks:
             self._tasks.append(asyncio.create_task(sched.run(), name=f"scheduler-{sched.rank}"))
+        await self.disagg.start()
         self._runner = WorkerRunner(
             build_app(self), access_log=None, handle_signals=False, handler_cancellation=True
         )
@@ -147,6 +151,7 @@ class ReferenceWorker:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.disagg.aclose()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -183,7 +188,7 @@ class ReferenceWorker:
 
     def flush_all(self) -> None:
         """Flush every rank's whole cache; refused unless every rank is idle (as SGLang)."""
-        if not all(sched.idle for sched in self.ranks):
+        if not all(sched.idle and not sched.holding for sched in self.ranks):
             raise CacheBusyError("cache not flushed: requests are running or waiting")
         for sched in self.ranks:
             sched.flush()
@@ -195,3 +200,14 @@ class ReferenceWorker:
     def match(self, namespace: Namespace, tokens: list[int]) -> list[int]:
         """Cached prefix length of `tokens` on each rank, with no side effect."""
         return [sched.cache.peek(namespace, tokens) for sched in self.ranks]
+
+    def _held_tokens(self, generation: Generation) -> int:
+        """Tokens of a decode's prompt its rank caches already (they need no transfer); 0 when
+        the rank is not known yet (several ranks, none named)."""
+        rank = generation.dp_rank if generation.dp_rank is not None else 0
+        if (len(self.ranks) > 1 and generation.dp_rank is None) or not 0 <= rank < len(self.ranks):
+            return 0
+        return self.ranks[rank].cache.peek(generation.namespace, generation.input_ids[:-1])
+
+    def _release_hold(self, job: Job) -> None:
+        self.ranks[job.rank].release_hold(job)

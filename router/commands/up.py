@@ -4,12 +4,16 @@ It starts N reference workers (`workers.fleet.Fleet`), then the router in front 
 configured by `configs/local.toml` (`--config`): the router by its usual tables, the workers by
 its `[fleet]` table (any worker option below, by its long name with `_` for `-`; an option given
 on the command line wins). It prints how to reach everything; Ctrl-C stops it all.
+
+With `--prefill N --decode M` the fleet is prefill/decode disaggregated: N prefill workers and
+M decode workers (instead of `--workers`), which the router serves as pairs (`router.http.pd`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute up`."""
     parser.add_argument("--workers", type=int, default=2, help="reference workers to start")
     parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers)",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=0, help="decode workers of a prefill/decode fleet"
+    )
+    parser.add_argument(
         "--worker-port-base",
         type=int,
         default=31000,
@@ -63,10 +76,15 @@ def describe_fleet(fleet: Fleet) -> str:
     ranks = fleet.config.dp_size
     # with several ranks the router routes to a (worker, rank) and tells the worker which
     each = f", {ranks} data-parallel ranks each" if ranks > 1 else ""
-    lines = [f"{len(fleet.workers)} reference workers ({fleet.config.model}{each}):"]
+    role = "" if fleet.config.role == "both" else f"{fleet.config.role} "
+    lines = [f"{len(fleet.workers)} {role}reference workers ({fleet.config.model}{each}):"]
     for worker in fleet.workers:
         lines.append(f"{worker.id}: {worker.url}")
         lines.append(describe_kv_events(worker.kv_events))
+        if worker.worker.disagg.bootstrap_port is not None:
+            lines.append(f"  KV bootstrap port {worker.worker.disagg.bootstrap_port}")
+    if fleet.config.role != "both":
+        return "\n".join(lines)
     first = fleet.workers[0].url
     lines += [
         "",
@@ -80,15 +98,21 @@ def describe_fleet(fleet: Fleet) -> str:
     return "\n".join(lines)
 
 
-async def _serve(fleet: Fleet, router: RouterConfig | None = None, replicas: int = 1) -> None:
-    async with fleet:
-        print(describe_fleet(fleet), flush=True)
+async def _serve(
+    fleets: list[Fleet], router: RouterConfig | None = None, replicas: int = 1
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        for fleet in fleets:
+            await stack.enter_async_context(fleet)
+            print(describe_fleet(fleet), flush=True)
         if router is None:
             await wait_for_shutdown()
-        elif replicas > 1:
-            await _serve_replicas(router, _routed(fleet), replicas)
         else:
-            await serve_fleet(router, _routed(fleet), wait_for_shutdown)
+            routed = [w for fleet in fleets for w in _routed(fleet)]
+            if replicas > 1:
+                await _serve_replicas(router, routed, replicas)
+            else:
+                await serve_fleet(router, routed, wait_for_shutdown)
     print("stopped", flush=True)
 
 
@@ -179,8 +203,37 @@ def _routed(fleet: Fleet) -> list[RoutedWorker]:
             topic=w.topic,
             block_size=w.block_size,
             dp_size=w.dp_size,
+            role=fleet.config.role,
+            bootstrap_port=w.worker.disagg.bootstrap_port,
         )
         for w in fleet.workers
+    ]
+
+
+def _fleets(args: argparse.Namespace) -> list[Fleet]:
+    """One fleet of `--workers`, or a prefill fleet and a decode fleet."""
+    config = config_from_args(args)
+    bases = {"events_port_base": args.events_port_base, "replay_port_base": args.replay_port_base}
+    if not args.prefill and not args.decode:
+        return [Fleet(args.workers, config, http_port_base=args.worker_port_base, **bases)]
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("a prefill/decode fleet needs --prefill and --decode of at least 1")
+    if args.events_port_base or args.replay_port_base:
+        raise ValueError("a prefill/decode fleet takes ephemeral event ports")
+    http = args.worker_port_base
+    return [
+        Fleet(
+            args.prefill,
+            msgspec.structs.replace(config, role="prefill"),
+            http_port_base=http,
+            id_prefix="prefill-",
+        ),
+        Fleet(
+            args.decode,
+            msgspec.structs.replace(config, role="decode"),
+            http_port_base=http + args.prefill if http else 0,
+            id_prefix="decode-",
+        ),
     ]
 
 
@@ -198,14 +251,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     try:
-        fleet = Fleet(
-            args.workers,
-            config_from_args(args),
-            http_port_base=args.worker_port_base,
-            events_port_base=args.events_port_base,
-            replay_port_base=args.replay_port_base,
-        )
-        asyncio.run(_serve(fleet, router, args.replicas))
+        asyncio.run(_serve(_fleets(args), router, args.replicas))
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2

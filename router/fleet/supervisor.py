@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from indexer.engines import SGLANG, EngineSpec, engine_spec
+from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
@@ -128,23 +128,47 @@ class Supervisor:
         )
         return ()
 
+    async def _role(
+        self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
+    ) -> tuple[PdRole, int | None]:
+        """The worker's prefill/decode role and bootstrap port: its config's, else what it
+        advertises (read best-effort: a server without settings does whole requests)."""
+        config = entry.config
+        role: PdRole | None = config.role
+        port = config.bootstrap_port
+        if role is None or (role == "prefill" and port is None):
+            if info is None and spec.server_info_paths:
+                try:
+                    info = await self.server_info(entry.url, spec)
+                except RequestError as exc:
+                    log.info("worker %s: no role advertised (%s): it does both", entry.id, exc)
+            advertised, advertised_port = spec.advertised_role(info) if info else (None, None)
+            role = role or advertised or "both"
+            port = port or advertised_port
+        if role == "prefill" and port is None:
+            port = spec.default_bootstrap_port
+        return role, port
+
     async def register(self, entry: WorkerEntry) -> None:
-        """Discover (if needed) the worker's models and KV-event streams, and subscribe."""
+        """Discover (if needed) the worker's models, role and KV-event streams, and subscribe."""
         spec = engine_spec(entry.config.engine)
         info = await self.server_info(entry.url, spec) if needs_discovery(entry.config) else None
+        role, bootstrap_port = await self._role(entry, spec, info)
         models = await self.served_models(entry, spec, info)
         streams = streams_for(entry.config, info, model=models[0] if models else "")
         if entry.id not in self._pool_ids():
             return  # removed while discovering
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
+        self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models)
         entry.streams = [s.endpoint for s in streams]
         entry.discovered = True
         log.info(
-            "worker %s: serves %s, %d KV-event stream(s) registered",
+            "worker %s: serves %s as %s, %d KV-event stream(s) registered",
             entry.id,
             ", ".join(models) or "no named model",
+            role,
             len(streams),
         )
 

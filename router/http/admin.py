@@ -28,6 +28,7 @@ from router.http.keys import (
     CONFIG,
     FINGERPRINT,
     INDEXER,
+    PAIRS,
     PLANNER,
     SESSION,
     SUPERVISOR,
@@ -102,6 +103,7 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
         kv_events=entry.config.kv_events,
         discovered=entry.discovered,
         streams=entry.streams,
+        role=entry.role,
         queued_prefill_tokens=load.queued_prefill_tokens,
         running=load.running,
     )
@@ -240,6 +242,30 @@ async def route_dry_run(request: web.Request) -> web.Response:
     planner = request.config_dict[PLANNER]
     choice = planner.pool.resolve(parsed.model)  # UnknownModelError as the proxy would
     ns = planner.namespace(parsed)
+    pairs = request.config_dict.get(PAIRS)
+    if pairs is not None and pairs.applies(ns.model):
+        # a pair: the prefill side (where the prefix is reused) leads, both are explained
+        pd = pairs.plan(parsed, ns)
+        sides = {
+            side: {"worker": p.worker, "dp_rank": p.dp_rank, "candidates": p.candidates}
+            for side, p in (("prefill", pd.prefill), ("decode", pd.decode))
+        }
+        return _reply(
+            {
+                "mode": "prefill_decode",
+                "worker": pd.prefill.worker,
+                "decode_worker": pd.decode.worker,
+                "model": choice.model,
+                "lora": ns.lora,
+                "dp_rank": pd.prefill.dp_rank,
+                "namespace": pd.prefill.namespace,
+                "prompt_tokens": pd.prefill.prompt_tokens,
+                "endpoint": parsed.endpoint.value,
+                "unindexed": pd.prefill.unindexed,
+                "candidates": pd.prefill.candidates,
+                **sides,
+            }
+        )
     plan = planner.plan(parsed, ns)
     return _reply(
         {

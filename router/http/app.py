@@ -31,6 +31,7 @@ from router.http.keys import (
     FINGERPRINT,
     INDEXER,
     METRICS,
+    PAIRS,
     PLANNER,
     PROXY,
     SESSION,
@@ -38,11 +39,13 @@ from router.http.keys import (
     TOKENIZER,
 )
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
+from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
+from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 from router.routing.policy import build_policy
 from router.routing.pool import WorkerPool
@@ -204,7 +207,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[INDEXER] = indexer
         app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
-        app[PROXY] = Proxy(config, planner, session, app[TOKENIZER], app[METRICS])
+        app[PROXY] = proxy = Proxy(config, planner, session, app[TOKENIZER], app[METRICS])
+        # prefill/decode pairs: models whose workers include both roles (router.http.pd)
+        app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
+        proxy.pairs = PairDispatcher(config, pairs, proxy, session, app[METRICS])
         for worker in config.workers:
             pool.add(worker)
         await asyncio.gather(*(supervisor.try_register(entry) for entry in pool))

@@ -14,6 +14,7 @@ from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
+from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 
 if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
@@ -25,6 +26,7 @@ __all__ = [
     "FINGERPRINT",
     "INDEXER",
     "METRICS",
+    "PAIRS",
     "PLANNER",
     "PROXY",
     "SESSION",
@@ -43,3 +45,4 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)
 # only when the config has a [cluster]: this replica's link to the others
 CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")
+PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning

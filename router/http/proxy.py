@@ -14,6 +14,11 @@ a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by
 response headers are only sent once the worker produced its first chunk, so a worker that dies
 before answering is retried too. A client that disconnects cancels the handler (aiohttp's
 handler cancellation), which closes the upstream connection, which makes the worker abort.
+
+A model served by prefill/decode pairs is handed to the pair dispatcher (`router.http.pd`,
+`PairDispatch`) once its namespace is known; it forwards the decode side's answer through
+`forward` with `AnswerHooks` (headers naming both workers, a wait for the prefill side before
+anything is committed to the client, and the prefill's logprobs merged into the answer).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.intake import read_request
@@ -37,7 +44,16 @@ from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket
 from router.routing.planner import Candidate, Planner
 
-__all__ = ["DP_RANK_HEADER", "MATCHED_HEADER", "PENDING_HEADER", "WORKER_HEADER", "Proxy"]
+__all__ = [
+    "DP_RANK_HEADER",
+    "MATCHED_HEADER",
+    "PENDING_HEADER",
+    "WORKER_HEADER",
+    "AnswerHooks",
+    "AttemptFailed",
+    "PairDispatch",
+    "Proxy",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +82,55 @@ _DROP = frozenset(
 )
 
 
-class _Retryable(Exception):
+class AttemptFailed(Exception):
     """An attempt that failed before any byte reached the client."""
 
     def __init__(self, message: str, *, hard: bool) -> None:
         super().__init__(message)
         self.hard = hard
+
+
+class AnswerHooks:
+    """What a caller adds to one forwarded answer (the pair dispatcher); by default nothing."""
+
+    def __init__(self) -> None:
+        self.request_headers: dict[str, str] = {}  # set on the upstream request
+        self.headers: dict[str, str] = {}  # set on the answer (after the proxy's own)
+
+    async def before_commit(self) -> None:
+        """Awaited once the worker answered, before anything reaches the client; raising
+        makes the attempt fail (AttemptFailed: retried)."""
+
+    def body(self, payload: bytes) -> bytes:
+        """A whole (non-streamed) answer, as the client gets it."""
+        return payload
+
+    def chunk(self, data: bytes) -> bytes:
+        """One streamed chunk, as the client gets it."""
+        return data
+
+    def end(self) -> bytes:
+        """What the stream ends with, after the last chunk."""
+        return b""
+
+
+class PairDispatch(Protocol):
+    """Serves the models whose workers form prefill/decode pairs (`router.http.pd`)."""
+
+    def applies(self, cache_model: str) -> bool:
+        """Whether requests of `cache_model` go to pairs."""
+        ...
+
+    async def handle(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        ns: Namespace,
+        started: float,
+    ) -> web.StreamResponse:
+        """Route and forward one request to a pair."""
+        ...
 
 
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -104,6 +163,7 @@ class Proxy:
             {config.salt_header.lower()} if config.salt_header else set()
         )
         self._request_drop = _DROP | request_only
+        self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
@@ -112,6 +172,8 @@ class Proxy:
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
+        if self.pairs is not None and self.pairs.applies(ns.model):
+            return await self.pairs.handle(request, endpoint, parsed, ns, started)
         plan = planner.plan(parsed, ns)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
@@ -135,7 +197,7 @@ class Proxy:
             # the last worker left (its other ranks are no retry: a failure is the worker's)
             last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
             ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
-            body, rank_header = self._tell_rank(endpoint, parsed, candidate)
+            body, rank_header = self.tell_rank(endpoint, parsed, candidate)
             try:
                 response = await self._forward(
                     request,
@@ -147,7 +209,7 @@ class Proxy:
                     rank_header=rank_header,
                     last_try=last_try,
                 )
-            except _Retryable as exc:
+            except AttemptFailed as exc:
                 planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
@@ -167,21 +229,53 @@ class Proxy:
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
-    def _tell_rank(
-        self, endpoint: Endpoint, parsed: ParsedRequest, candidate: Candidate
+    def tell_rank(
+        self,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        candidate: Candidate,
+        body: bytes | None = None,
     ) -> tuple[bytes, str | None]:
-        """The body to forward and the rank header to set (if any), so that the engine serves
-        the request on the candidate's rank."""
+        """The body to forward (`body`, default the client's) and the rank header to set (if
+        any), so that the engine serves the request on the candidate's rank."""
+        body = parsed.body if body is None else body
         rank = candidate.dp_rank
         if rank is None:
-            return parsed.body, None
+            return body, None
         spec = self._planner.engine(candidate.worker)
         field = spec.dp_rank_generate_field
         if endpoint is Endpoint.GENERATE and field is not None:
             if parsed.dp_rank is not None:  # the client's body names it already
-                return parsed.body, None
-            return with_body_field(parsed.body, field, rank), None
-        return parsed.body, spec.dp_rank_header
+                return body, None
+            return with_body_field(body, field, rank), None
+        return body, spec.dp_rank_header
+
+    async def forward(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: bytes,
+        candidate: Candidate,
+        ticket: Ticket,
+        deadline: float,
+        *,
+        rank_header: str | None,
+        last_try: bool,
+        hooks: AnswerHooks,
+    ) -> web.StreamResponse:
+        """Forward `body` to `candidate` and pass its answer through, with `hooks` (the pair
+        dispatcher's decode hop); AttemptFailed while a retry is still legal."""
+        return await self._forward(
+            request,
+            endpoint,
+            body,
+            candidate,
+            ticket,
+            deadline,
+            rank_header=rank_header,
+            last_try=last_try,
+            hooks=hooks,
+        )
 
     async def _forward(
         self,
@@ -194,6 +288,7 @@ class Proxy:
         *,
         rank_header: str | None,
         last_try: bool,
+        hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -204,34 +299,36 @@ class Proxy:
         if rank_header is not None:
             # replaces a client's own (any case): for a client-named rank it says the same
             headers[rank_header] = str(candidate.dp_rank)
+        if hooks is not None:
+            headers.update(hooks.request_headers)
         try:
             async with self._session.post(
                 candidate.url + endpoint.value, data=body, headers=headers, timeout=timeout
             ) as upstream:
                 try:
                     return await self._answer(
-                        request, upstream, candidate, ticket, last_try=last_try
+                        request, upstream, candidate, ticket, last_try=last_try, hooks=hooks
                     )
                 except asyncio.CancelledError:
                     # the client disconnected: drop the upstream connection, do not reuse it
                     upstream.close()
                     raise
-        except _Retryable:
+        except AttemptFailed:
             raise
         except aiohttp.ConnectionTimeoutError as exc:
             # could not even connect in connect_s: the next worker may well answer
-            raise _Retryable(f"connect timeout: {exc}", hard=True) from exc
+            raise AttemptFailed(f"connect timeout: {exc}", hard=True) from exc
         except TimeoutError as exc:
             self._planner.record_failure(candidate.worker, hard=False)
             raise UpstreamTimeoutError(
                 f"worker {candidate.worker} did not answer within the request timeout"
             ) from exc
         except aiohttp.ClientConnectorError as exc:
-            raise _Retryable(f"cannot connect: {exc.os_error or exc}", hard=True) from exc
+            raise AttemptFailed(f"cannot connect: {exc.os_error or exc}", hard=True) from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-            raise _Retryable(f"connection dropped: {exc}", hard=True) from exc
+            raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
         except aiohttp.ClientError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}", hard=False) from exc
+            raise AttemptFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
 
     async def _answer(
         self,
@@ -241,11 +338,12 @@ class Proxy:
         ticket: Ticket,
         *,
         last_try: bool,
+        hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
-        """Pass the worker's answer through; raises _Retryable while a retry is still legal."""
+        """Pass the worker's answer through; raises AttemptFailed while a retry is still legal."""
         if upstream.status >= 500:
             if not last_try:
-                raise _Retryable(f"HTTP {upstream.status}", hard=False)
+                raise AttemptFailed(f"HTTP {upstream.status}", hard=False)
             # passed through, but still a failure
             self._planner.record_failure(candidate.worker, hard=False)
         out = _copy_headers(upstream.headers, _DROP)
@@ -254,19 +352,26 @@ class Proxy:
         out[PENDING_HEADER] = str(candidate.pending_tokens)
         if candidate.dp_rank is not None:
             out[DP_RANK_HEADER] = str(candidate.dp_rank)
+        if hooks is not None:
+            out.update(hooks.headers)
         streaming = "text/event-stream" in upstream.headers.get("Content-Type", "") or (
             "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         )
         if not streaming:
             payload = await upstream.read()
             self._planner.first_byte(ticket)
+            if hooks is not None:
+                await hooks.before_commit()
+                payload = hooks.body(payload)
             if upstream.status < 500:
                 self._planner.record_success(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
         # wait for the first chunk before committing headers: until then, a retry is legal
         first = await upstream.content.readany()
         self._planner.first_byte(ticket)
-        return await self._stream(request, upstream, out, first, candidate.worker)
+        if hooks is not None:
+            await hooks.before_commit()
+        return await self._stream(request, upstream, out, first, candidate.worker, hooks)
 
     async def _stream(
         self,
@@ -275,13 +380,14 @@ class Proxy:
         headers: CIMultiDict[str],
         first: bytes,
         worker: str,
+        hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         chunk = first
         try:
             await response.prepare(request)
             while chunk:
-                await response.write(chunk)
+                await response.write(chunk if hooks is None else hooks.chunk(chunk))
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
@@ -294,6 +400,8 @@ class Proxy:
                     if request.transport is not None:
                         request.transport.close()
                     return response
+            if hooks is not None and (tail := hooks.end()):
+                await response.write(tail)
             await response.write_eof()
         except ConnectionResetError:
             # the client went away (aiohttp raises ClientConnectionResetError, a ClientError

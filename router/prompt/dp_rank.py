@@ -21,16 +21,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from indexer.engines import SGLANG
 from router.errors import RequestError
 
-__all__ = ["DP_RANK_FIELDS", "DP_RANK_HEADER", "requested_rank", "with_body_field"]
+__all__ = [
+    "DP_RANK_FIELDS",
+    "DP_RANK_HEADER",
+    "requested_rank",
+    "with_body_field",
+    "with_body_members",
+]
 
 DP_RANK_HEADER = SGLANG.dp_rank_header  # vLLM's spelling differs only in case
 # the body fields in SGLang's precedence order: the new name wins over its deprecated alias
 DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 
 _JSON_SPACE = frozenset(b" \t\r\n")
+_encoder = msgspec.json.Encoder()
 
 
 def _body_rank(body: Mapping[str, Any]) -> int | None:
@@ -71,6 +80,17 @@ def with_body_field(raw: bytes, field: str, value: int) -> bytes:
     Re-encoding the body would change what the client sent (number spellings, escapes,
     whitespace, duplicate keys); a splice before the closing brace changes none of it.
     """
+    return with_body_members(raw, {field: value})
+
+
+def with_body_members(raw: bytes, members: Mapping[str, object]) -> bytes:
+    """`raw` (a JSON object) with `members` added after its last member, JSON-encoded.
+
+    A name the body already has is then there twice: the engines' JSON parsers (and ours)
+    keep the last, so the added value wins, as an update of the decoded body would.
+    """
+    if not members:
+        return raw
     end = len(raw)
     while end and raw[end - 1] in _JSON_SPACE:
         end -= 1
@@ -80,7 +100,9 @@ def with_body_field(raw: bytes, field: str, value: int) -> bytes:
     before = close
     while before and raw[before - 1] in _JSON_SPACE:
         before -= 1
-    member = b'"%s":%d' % (field.encode(), value)
+    member = b",".join(
+        _encoder.encode(name) + b":" + _encoder.encode(v) for name, v in members.items()
+    )
     if raw[before - 1] != ord("{"):  # a member precedes: separate it
         member = b"," + member
     return raw[:close] + member + raw[close:]

@@ -4,6 +4,10 @@ A request counts as queued prefill (its uncached prompt tokens) from dispatch un
 response byte arrives, and as one running request until its response ends. Tokens from the
 index are predictions, so this is an estimate; it is consistent, which is what routing needs.
 
+A decode worker of a prefill/decode pair also counts the KV its running requests hold
+(`kv_tokens`: their prompts, moved in from the prefill side), which fills its memory as long
+as they decode.
+
 A worker with several data-parallel ranks runs one scheduler per rank, so its load is kept per
 rank: the rank the router told the engine to use. A request sent without a rank (a worker with
 one rank, or whose ranks are not known) counts under the rank `None`. Pure bookkeeping: no I/O.
@@ -17,22 +21,26 @@ __all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
 class WorkerLoad:
     """In-flight counters of one worker (or one dp rank of it)."""
 
-    __slots__ = ("queued_prefill_tokens", "running")
+    __slots__ = ("kv_tokens", "queued_prefill_tokens", "running")
 
     def __init__(self) -> None:
         self.queued_prefill_tokens = 0
         self.running = 0
+        self.kv_tokens = 0
 
 
 class Ticket:
     """One dispatched request; hand it back to the tracker as it progresses."""
 
-    __slots__ = ("done", "dp_rank", "prefill_tokens", "prefilled", "worker")
+    __slots__ = ("done", "dp_rank", "kv_tokens", "prefill_tokens", "prefilled", "worker")
 
-    def __init__(self, worker: str, prefill_tokens: int, dp_rank: int | None = None) -> None:
+    def __init__(
+        self, worker: str, prefill_tokens: int, dp_rank: int | None = None, kv_tokens: int = 0
+    ) -> None:
         self.worker = worker
         self.dp_rank = dp_rank
         self.prefill_tokens = prefill_tokens
+        self.kv_tokens = kv_tokens
         self.prefilled = False
         self.done = False
 
@@ -59,14 +67,19 @@ class LoadTracker:
         for load in self._loads.get(worker, {}).values():
             out.queued_prefill_tokens += load.queued_prefill_tokens
             out.running += load.running
+            out.kv_tokens += load.kv_tokens
         return out
 
-    def begin(self, worker: str, prefill_tokens: int, dp_rank: int | None = None) -> Ticket:
-        """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens."""
+    def begin(
+        self, worker: str, prefill_tokens: int, dp_rank: int | None = None, kv_tokens: int = 0
+    ) -> Ticket:
+        """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens (and,
+        to a decode worker, this much KV it will hold while it runs)."""
         load = self.of(worker, dp_rank)
         load.queued_prefill_tokens += prefill_tokens
         load.running += 1
-        return Ticket(worker, prefill_tokens, dp_rank)
+        load.kv_tokens += kv_tokens
+        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens)
 
     def _load(self, ticket: Ticket) -> WorkerLoad | None:
         ranks = self._loads.get(ticket.worker)
@@ -90,6 +103,7 @@ class LoadTracker:
         load = self._load(ticket)
         if load is not None:
             load.running -= 1
+            load.kv_tokens -= ticket.kv_tokens
 
     def running(self) -> dict[str, int]:
         """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`)."""

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from indexer.engines import SGLANG, EngineSpec, engine_spec
+from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import (
     UNTRUSTED,
     IndexerService,
@@ -119,13 +119,28 @@ class Planner:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
         return request_namespace(parsed, self.pool.resolve(parsed.model))
 
-    def plan(self, parsed: ParsedRequest, namespace: Namespace | None = None) -> Plan:
-        """Rank every worker of `parsed`'s model (every rank of one with several); changes no
-        state."""
+    def plan(
+        self,
+        parsed: ParsedRequest,
+        namespace: Namespace | None = None,
+        *,
+        role: PdRole = "both",
+        policy: Policy | None = None,
+    ) -> Plan:
+        """Rank every worker of `parsed`'s model (every rank of one with several) that has
+        `role` (prefill/decode pairs plan each side: `router.routing.pd`), by `policy` (default:
+        the configured one); changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
-        return self._plan(ns, parsed.tokens, parsed.dp_rank)
+        return self._plan(ns, parsed.tokens, parsed.dp_rank, role, policy or self.policy)
 
-    def _plan(self, ns: Namespace, tokens: Sequence[int], pinned: int | None = None) -> Plan:
+    def _plan(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        pinned: int | None = None,
+        role: PdRole = "both",
+        policy: Policy | None = None,
+    ) -> Plan:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
@@ -134,9 +149,11 @@ class Planner:
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         views: list[Candidate] = []
         for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool
+            if entry.role != role:
+                continue
             match = matches.get(entry.id, _NO_MATCH)
             views.extend(self._candidates(entry, match, now, pinned))
-        candidates = self.policy.rank(tokens, views)
+        candidates = (policy or self.policy).rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
             prompt_tokens=len(tokens),
@@ -192,6 +209,7 @@ class Planner:
             ),
             queued_prefill_tokens=load.queued_prefill_tokens,
             running=load.running,
+            kv_tokens=load.kv_tokens,
         )
 
     def engine(self, worker: str) -> EngineSpec:

@@ -76,6 +76,7 @@ class Candidate(msgspec.Struct, gc=False):
     hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)
     queued_prefill_tokens: int = 0
     running: int = 0
+    kv_tokens: int = 0  # KV its running requests hold (counted on decode workers of PD pairs)
     load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
     score: float = 0.0  # set by `rank`: higher is better
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
+from indexer.engines import PdRole
 from router.config import BreakerConfig, WorkerConfig
 from router.errors import ConflictError, NotFoundError, UnknownModelError
 from router.routing.breaker import BreakerState, CircuitBreaker
@@ -55,6 +56,7 @@ class WorkerSummary(msgspec.Struct):
     kv_events: bool
     discovered: bool
     streams: list[str]
+    role: PdRole  # prefill/decode disaggregation: "both" serves whole requests
     queued_prefill_tokens: int
     running: int
 
@@ -76,6 +78,9 @@ class WorkerEntry:
         # (None until then, () when it advertises none)
         self.models: tuple[str, ...] | None = config.served_models or None
         self.discovered = not config.kv_events and self.models is not None
+        # its part in prefill/decode pairs: the config's, else read when it registers
+        self.role: PdRole = config.role or "both"
+        self.bootstrap_port: int | None = config.bootstrap_port
 
     @property
     def cache_model(self) -> str:
@@ -190,6 +195,16 @@ class WorkerPool:
         if base not in self._by_model:
             raise UnknownModelError(model, self.served())
         return ModelChoice(base, self._cache_model[base], adapter)
+
+    def set_role(self, entry: WorkerEntry, role: PdRole, bootstrap_port: int | None) -> None:
+        """Record the prefill/decode role `entry` advertised; ignored once it left the pool."""
+        if self._workers.get(entry.id) is entry:
+            entry.role, entry.bootstrap_port = role, bootstrap_port
+
+    def disaggregated(self, cache_model: str) -> bool:
+        """Whether `cache_model` is served by prefill/decode pairs (it has workers of each)."""
+        roles = {entry.role for entry in self.serving(cache_model)}
+        return "prefill" in roles and "decode" in roles
 
     def serving(self, cache_model: str) -> tuple[WorkerEntry, ...]:
         """The workers a request resolved to `cache_model` (`resolve`) may go to."""

@@ -62,3 +62,19 @@ def test_the_dp_and_tiered_topologies_run_on_their_fleets(tmp_path: Path) -> Non
     for section in sections.values():
         for s in section["summaries"]:
             assert s["completed"] == s["requests"] == 6 and s["failed"] == 0
+
+
+def test_the_pd_topology_runs_pairs_of_prefill_and_decode_workers(tmp_path: Path) -> None:
+    argv = [
+        "bench", "routing", "--quick", "--seed", "3", "--requests", "6", "--rate", "40",
+        "--time-scale", "0.02", "--workloads", "multi_tenant",
+        "--policies", "kv,round_robin,oracle", "--topologies", "pd", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "routing.json").read_text())
+    (section,) = data["sections"]
+    assert section["workload"] == "multi_tenant [prefill/decode 2P+2D]"
+    summaries = {s["policy"]: s for s in section["summaries"]}
+    assert set(summaries) == {"kv", "round_robin"}  # no oracle for pairs
+    for s in summaries.values():
+        assert s["completed"] == s["requests"] == 6 and s["failed"] == 0

@@ -6,7 +6,16 @@ from typing import get_args
 
 import pytest
 
-from indexer.engines import ENGINES, SGLANG, VLLM, EngineName, NamespaceRule, engine_spec
+from indexer.engines import (
+    ENGINES,
+    SGLANG,
+    VLLM,
+    VLLM_PREFILL_KV_TRANSFER_PARAMS,
+    EngineName,
+    NamespaceRule,
+    PdPairing,
+    engine_spec,
+)
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
@@ -50,3 +59,19 @@ def test_discovery_and_dp_rank_rules_follow_the_engines_code() -> None:
         "x-data-parallel-rank",
     )
     assert VLLM.dp_rank_header == "X-data-parallel-rank" and VLLM.dp_rank_generate_field is None
+
+
+def test_prefill_decode_rules_follow_each_engine() -> None:
+    # SGLang 0.5.23 dumps its server args into /server_info: "null" is a worker doing both
+    assert SGLANG.pd_pairing is PdPairing.BOOTSTRAP_ROOM
+    assert SGLANG.advertised_role(
+        {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 9001}
+    ) == ("prefill", 9001)
+    assert SGLANG.advertised_role({"disaggregation_mode": "null"}) == ("both", None)
+    assert SGLANG.advertised_role({"disaggregation_mode": "decode"})[0] == "decode"
+    assert SGLANG.advertised_role({"disaggregation_bootstrap_port": True}) == (None, None)
+    assert SGLANG.default_bootstrap_port == 8998
+    # vLLM's kv_role is not advertised; its proxy protocol goes through kv_transfer_params
+    assert VLLM.pd_pairing is PdPairing.KV_TRANSFER_PARAMS
+    assert VLLM.advertised_role({"disaggregation_mode": "prefill"}) == (None, None)
+    assert VLLM_PREFILL_KV_TRANSFER_PARAMS["do_remote_decode"] is True

@@ -84,7 +84,15 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["local.toml", "sglang-fleet.toml", "vllm-fleet.toml", "multi-model.toml", "dp.toml"]
+    "name",
+    [
+        "local.toml",
+        "sglang-fleet.toml",
+        "vllm-fleet.toml",
+        "multi-model.toml",
+        "dp.toml",
+        "pd.toml",
+    ],
 )
 def test_shipped_configs_load(name: str) -> None:
     load_config(CONFIGS / name)
@@ -108,3 +116,14 @@ def test_every_limit_and_timeout_is_documented() -> None:
         for field in msgspec.structs.fields(struct):
             key = f"`{table}.{field.name}`"
             assert key in section and key in reference, key
+
+
+def test_a_bootstrap_port_is_a_prefill_workers_and_roles_are_checked() -> None:
+    from router.config import WorkerConfig
+
+    assert WorkerConfig(url="http://h:1", role="prefill", bootstrap_port=8998).bootstrap_port
+    assert WorkerConfig(url="http://h:1", bootstrap_port=8998).role is None  # discovered
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        WorkerConfig(url="http://h:1", role="decode", bootstrap_port=8998)
+    with pytest.raises(ConfigError, match="role"):
+        parse_config({"workers": [{"url": "http://h:1", "role": "prefil"}]})

@@ -175,3 +175,36 @@ async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_up_with_prefill_and_decode_starts_a_pd_fleet_served_as_pairs() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--prefill", "2", "--decode", "2",
+        "--router-port", "0", "--worker-port-base", "0", "--time-scale", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
+        url = line.split("kvroute router:")[1].split()[0]
+        printed = "".join(lines)
+        assert "2 prefill reference workers" in printed and "2 decode reference workers" in printed
+        assert printed.count("KV bootstrap port") == 2
+        body = {"text": "a prompt for a pair of workers", "sampling_params": {"max_new_tokens": 4}}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/generate", json=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-kvroute-prefill-worker"].startswith("prefill-")
+            assert resp.headers["x-kvroute-worker"].startswith("decode-")
+            assert (await resp.json())["meta_info"]["completion_tokens"] == 4
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

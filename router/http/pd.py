@@ -1,0 +1,479 @@
+"""Prefill/decode pairs on the wire: one request served by a prefill worker and a decode worker.
+
+The pair is chosen by `router.routing.pd` (the prefill side by the configured policy over the
+model's prefill workers, the decode side by load), and formed the way the prefill worker's
+engine forms it (`indexer.engines.PdPairing`):
+- SGLang (`BOOTSTRAP_ROOM`): the request goes to both at once, each with `bootstrap_host` (the
+  prefill's host), `bootstrap_port` (its bootstrap port) and the same fresh random
+  `bootstrap_room`, spliced into the body as the client sent it (a room per item of a batched
+  `/generate`); the decode is also told `disagg_prefill_dp_rank` when the prefill side was
+  told a rank. The client gets the decode's answer, streamed through; with `return_logprob`
+  the prefill's `meta_info.input_token_logprobs` are put before the decode's, as SGLang's
+  router merges them.
+- vLLM (`KV_TRANSFER_PARAMS`, its NIXL proxy protocol): the request goes to the prefill first
+  with `max_tokens` (and `max_completion_tokens`) 1, `stream` false, no `stream_options` and
+  `kv_transfer_params` asking for a remote decode; the `kv_transfer_params` of its answer go
+  with the original request to the decode, both under one `X-Request-Id`.
+
+Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
+the worker that failed (a prefill that dies mid-transfer fails the pair: its decode's transfer
+is cut, or the prefill's connection drops, whichever the router hears first; a decode that
+failed is blamed on its prefill when the prefill failed too, within `_BLAME_GRACE_S`). A decode
+whose KV never comes answers its engine's own timeout error (the reference worker: 504), which
+is retried like any 5xx and otherwise passed through; the request deadline bounds it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
+from indexer.service import Namespace
+from router.config import RouterConfig
+from router.errors import NoWorkerError, RequestError, UpstreamError
+from router.http.metrics import RouterMetrics
+from router.http.proxy import MATCHED_HEADER, PENDING_HEADER, AnswerHooks, AttemptFailed, Proxy
+from router.prompt.dp_rank import with_body_members
+from router.prompt.request import Endpoint, ParsedRequest
+from router.routing.load import Ticket
+from router.routing.pd import PairPlanner
+from router.routing.policy import Candidate
+
+__all__ = ["DECODE_HEADER", "PREFILL_HEADER", "PairDispatcher", "PrefillFailed"]
+
+log = logging.getLogger(__name__)
+
+PREFILL_HEADER = "x-kvroute-prefill-worker"
+PREFILL_RANK_HEADER = "x-kvroute-prefill-dp-rank"
+DECODE_HEADER = "x-kvroute-decode-worker"
+_ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
+# how long a failed decode waits to learn whether its prefill died (then the prefill is blamed)
+_BLAME_GRACE_S = 1.0
+_json = msgspec.json.Encoder()
+
+
+class PrefillFailed(Exception):
+    """The prefill side of a pair failed before the client got a byte (the pair is retried)."""
+
+    def __init__(self, message: str, *, hard: bool) -> None:
+        super().__init__(message)
+        self.hard = hard
+
+
+class _PrefillRefused(Exception):
+    """The prefill side refused the request (a 4xx): the client's answer, no retry."""
+
+    def __init__(self, status: int, payload: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.payload = payload
+
+
+def _input_logprobs(answer: Any) -> list[Any] | None:
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    found = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    return found if isinstance(found, list) else None
+
+
+def _first_answer(payload: bytes) -> Any:
+    """A prefill's answer: its JSON, or the first `data:` event of a stream."""
+    text = payload.strip()
+    if text.startswith(b"data:"):
+        text = text[5:].split(b"\n", 1)[0].strip()
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+
+
+class _PairHooks(AnswerHooks):
+    """The decode side's answer: both workers named; the prefill's fate checked before anything
+    is committed; with `return_logprob`, the prefill's input logprobs merged in."""
+
+    def __init__(
+        self, prefill: Candidate, prefill_task: asyncio.Task[bytes] | None, merge: bool
+    ) -> None:
+        super().__init__()
+        self.headers = {
+            PREFILL_HEADER: prefill.worker,
+            # the prediction that matters is the prefill side's: that is where reuse happens
+            MATCHED_HEADER: str(prefill.matched_tokens),
+            PENDING_HEADER: str(prefill.pending_tokens),
+        }
+        if prefill.dp_rank is not None:
+            self.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)
+        self._task = prefill_task
+        self._merge = merge
+        self._prefix: list[Any] = []  # per batch item: the prefill's input logprobs
+        self._buffer = b""
+        self.committed = False
+
+    async def before_commit(self) -> None:
+        task = self._task
+        if task is not None and (self._merge or task.done()):
+            answer = _first_answer(await task)  # a failed prefill fails the attempt here
+            items = answer if isinstance(answer, list) else [answer]
+            self._prefix = [_input_logprobs(item) or [] for item in items]
+        self.committed = True
+
+    def _merged(self, answer: Any) -> Any:
+        items = answer if isinstance(answer, list) else [answer]
+        for item, prefix in zip(items, self._prefix, strict=False):
+            own = _input_logprobs(item)
+            if own is not None and prefix:
+                item["meta_info"]["input_token_logprobs"] = prefix + own
+        return answer
+
+    def body(self, payload: bytes) -> bytes:
+        if not self._merge:
+            return payload
+        try:
+            return _json.encode(self._merged(msgspec.json.decode(payload)))
+        except msgspec.DecodeError:
+            return payload
+
+    def chunk(self, data: bytes) -> bytes:
+        if not self._merge:
+            return data
+        self._buffer += data
+        out: list[bytes] = []
+        while (end := self._buffer.find(b"\n\n")) >= 0:
+            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            out.append(self._event(event))
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        data = event.strip()
+        if not data.startswith(b"data:") or data[5:].strip() == b"[DONE]":
+            return event
+        try:
+            answer = msgspec.json.decode(data[5:].strip())
+        except msgspec.DecodeError:
+            return event
+        return b"data: " + _json.encode(self._merged(answer)) + b"\n\n"
+
+    def end(self) -> bytes:
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+
+class PairDispatcher:
+    """Routes and forwards the requests of models served by prefill/decode pairs."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        pairs: PairPlanner,
+        proxy: Proxy,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._config = config
+        self._pairs = pairs
+        self._proxy = proxy
+        self._session = session
+        self._metrics = metrics
+        self._rooms = random.SystemRandom()
+
+    def applies(self, cache_model: str) -> bool:
+        """Whether `cache_model` is served by pairs."""
+        return self._pairs.applies(cache_model)
+
+    async def handle(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        ns: Namespace,
+        started: float,
+    ) -> web.StreamResponse:
+        """Route one request to a pair, retrying on another pair while no byte was sent."""
+        pairs, planner = self._pairs, self._pairs.planner
+        deadline = time.monotonic() + self._config.timeouts.request_s
+        failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        failures: list[str] = []
+        attempts = 1 + self._config.limits.max_retries
+        for attempt in range(attempts):
+            plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
+            prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
+            decodes = [c for c in plan.decode.ranked() if c.worker not in failed["decode"]]
+            if not prefills or not decodes:
+                if attempt:
+                    break
+                side = "prefill" if not prefills else "decode"
+                total = len(
+                    plan.prefill.candidates if side == "prefill" else plan.decode.candidates
+                )
+                raise NoWorkerError(f"no routable {side} worker among {total}")
+            prefill, decode = prefills[0], decodes[0]
+            # the last pair left: its 5xx is the client's answer. Counted over every worker of
+            # each side, not only the routable ones: a drained or recovering worker may take
+            # the retry by then, and a 5xx passed through too soon could not be taken back
+            others_p = {c.worker for c in plan.prefill.candidates} - failed["prefill"]
+            others_d = {c.worker for c in plan.decode.candidates} - failed["decode"]
+            last_try = attempt == attempts - 1 or (
+                others_p == {prefill.worker} and others_d == {decode.worker}
+            )
+            first = attempt == 0
+            p_ticket = pairs.commit_prefill(ns, parsed.tokens, prefill, first_try=first)
+            d_ticket = pairs.commit_decode(ns, parsed.tokens, decode, first_try=first)
+            try:
+                if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
+                    response = await self._prefill_first(
+                        request, endpoint, parsed, prefill, decode, d_ticket, deadline, last_try
+                    )
+                else:
+                    response = await self._both_at_once(
+                        request, endpoint, parsed, prefill, decode, d_ticket, deadline, last_try
+                    )
+            except PrefillFailed as exc:
+                blamed, hard, reason = prefill, exc.hard, str(exc)
+            except AttemptFailed as exc:
+                blamed, hard, reason = decode, exc.hard, str(exc)
+            except _PrefillRefused as exc:
+                return web.Response(
+                    status=exc.status, body=exc.payload, content_type="application/json"
+                )
+            else:
+                planner.record_success(prefill.worker)
+                self._metrics.record(
+                    endpoint.value,
+                    prefill.worker,  # a pair's request counts where its prefix was matched
+                    response.status,
+                    len(parsed.tokens),
+                    prefill.matched_tokens,
+                    time.perf_counter() - started,
+                    ns.model,
+                )
+                return response
+            finally:
+                planner.finish(p_ticket)
+                planner.finish(d_ticket)
+            side = "prefill" if blamed is prefill else "decode"
+            failed[side].add(blamed.worker)
+            planner.record_failure(blamed.worker, hard=hard)
+            log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
+            self._metrics.retries.labels(blamed.worker).inc()
+            failures.append(f"{side} {blamed.worker}: {reason}")
+        raise UpstreamError("every pair tried failed: " + "; ".join(failures))
+
+    # ----------------------------------------------------------------- SGLang
+
+    def _bootstrap_fields(
+        self, endpoint: Endpoint, parsed: ParsedRequest, prefill: Candidate
+    ) -> dict[str, Any]:
+        """SGLang's bootstrap fields for one request: a room per item of a batch."""
+        entry = self._pairs.planner.pool.find(prefill.worker)
+        port = entry.bootstrap_port if entry is not None else None
+        if port is None:
+            raise PrefillFailed("no bootstrap port known for it", hard=False)
+        host = urlsplit(prefill.url).hostname or "127.0.0.1"
+        count = _batch_size(parsed.body) if endpoint is Endpoint.GENERATE else None
+        if count is None:
+            return {
+                "bootstrap_host": host,
+                "bootstrap_port": port,
+                "bootstrap_room": self._rooms.randrange(_ROOMS),
+            }
+        return {
+            "bootstrap_host": [host] * count,
+            "bootstrap_port": [port] * count,
+            "bootstrap_room": [self._rooms.randrange(_ROOMS) for _ in range(count)],
+        }
+
+    async def _both_at_once(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        prefill: Candidate,
+        decode: Candidate,
+        ticket: Ticket,
+        deadline: float,
+        last_try: bool,
+    ) -> web.StreamResponse:
+        proxy = self._proxy
+        fields = self._bootstrap_fields(endpoint, parsed, prefill)
+        base = with_body_members(parsed.body, fields)
+        p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, base)
+        told = {} if prefill.dp_rank is None else {"disagg_prefill_dp_rank": prefill.dp_rank}
+        d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, with_body_members(base, told))
+        prefill_task = asyncio.create_task(
+            self._prefill(request, endpoint, p_body, prefill, p_rank, deadline)
+        )
+        merge = b'"return_logprob"' in parsed.body and _wants_logprobs(parsed.body)
+        hooks = _PairHooks(prefill, prefill_task, merge)
+        decode_task = asyncio.create_task(
+            proxy.forward(
+                request,
+                endpoint,
+                d_body,
+                decode,
+                ticket,
+                deadline,
+                rank_header=d_rank,
+                last_try=last_try,
+                hooks=hooks,
+            )
+        )
+        try:
+            done, _ = await asyncio.wait(
+                {prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if decode_task not in done and not hooks.committed:
+                failure = prefill_task.exception()
+                if failure is not None:
+                    # the prefill failed (or refused) while its decode waits for KV that will
+                    # never come: stop the decode and try another pair
+                    decode_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await decode_task
+                    raise failure
+            try:
+                return await decode_task
+            except AttemptFailed as exc:
+                # a decode failing before its first byte is often its prefill dying mid-transfer
+                if not prefill_task.done():
+                    await asyncio.wait({prefill_task}, timeout=_BLAME_GRACE_S)
+                if prefill_task.done() and not prefill_task.cancelled():
+                    failure = prefill_task.exception()
+                    if isinstance(failure, PrefillFailed | _PrefillRefused):
+                        raise failure from exc
+                raise
+        finally:
+            for task in (decode_task, prefill_task):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(decode_task, prefill_task, return_exceptions=True)
+
+    # ----------------------------------------------------------------- vLLM
+
+    async def _prefill_first(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        prefill: Candidate,
+        decode: Candidate,
+        ticket: Ticket,
+        deadline: float,
+        last_try: bool,
+    ) -> web.StreamResponse:
+        if endpoint is Endpoint.GENERATE:
+            raise RequestError("vLLM prefill/decode pairs serve the OpenAI routes, not /generate")
+        proxy = self._proxy
+        body = msgspec.json.decode(parsed.body)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        body.pop("stream_options", None)
+        body.update(stream=False, max_tokens=1, kv_transfer_params=VLLM_PREFILL_KV_TRANSFER_PARAMS)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        request_id = uuid.uuid4().hex
+        p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, _json.encode(body))
+        payload = await self._prefill(
+            request, endpoint, p_body, prefill, p_rank, deadline, request_id=request_id
+        )
+        answer = _first_answer(payload)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise PrefillFailed("its answer carries no kv_transfer_params", hard=False)
+        d_body = with_body_members(parsed.body, {"kv_transfer_params": params})
+        d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, d_body)
+        hooks = _PairHooks(prefill, None, merge=False)
+        hooks.request_headers["X-Request-Id"] = request_id
+        return await proxy.forward(
+            request,
+            endpoint,
+            d_body,
+            decode,
+            ticket,
+            deadline,
+            rank_header=d_rank,
+            last_try=last_try,
+            hooks=hooks,
+        )
+
+    # ----------------------------------------------------------------- the prefill hop
+
+    async def _prefill(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: bytes,
+        prefill: Candidate,
+        rank_header: str | None,
+        deadline: float,
+        *,
+        request_id: str | None = None,
+    ) -> bytes:
+        """The prefill side's whole answer; PrefillFailed (retry) or _PrefillRefused (4xx)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PrefillFailed("the request deadline passed", hard=False)
+        timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
+        headers = {"Content-Type": "application/json"}
+        auth = request.headers.get("Authorization")
+        if auth is not None:
+            headers["Authorization"] = auth
+        if rank_header is not None:
+            headers[rank_header] = str(prefill.dp_rank)
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        try:
+            async with self._session.post(
+                prefill.url + endpoint.value, data=body, headers=headers, timeout=timeout
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except TimeoutError as exc:
+            raise PrefillFailed("no answer within the request deadline", hard=False) from exc
+        except (
+            aiohttp.ClientConnectorError,
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientPayloadError,
+        ) as exc:
+            raise PrefillFailed(f"connection lost: {exc}", hard=True) from exc
+        except aiohttp.ClientError as exc:
+            raise PrefillFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
+        if status >= 500:
+            raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False)
+        if status >= 400:
+            raise _PrefillRefused(status, payload)
+        return payload
+
+
+def _batch_size(raw: bytes) -> int | None:
+    """Items of a batched `/generate` (None: one prompt), as SGLang's router counts them."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    text = body.get("text")
+    if text is not None:
+        return len(text) if isinstance(text, list) else None
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+def _wants_logprobs(raw: bytes) -> bool:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(body, dict) and body.get("return_logprob") is True

@@ -1,0 +1,340 @@
+"""Prefill/decode pairs end to end: reference workers with roles behind a real router.
+
+Two prefill and two decode workers, their roles and bootstrap ports discovered from
+`/server_info` as SGLang advertises them; SGLang-style pairs (both at once, a bootstrap room)
+and vLLM-style pairs (prefill first, its kv_transfer_params to the decode); a repeated prompt's
+prefill landing where the index says its prefix is cached, with the prefill side's reported
+hit equal to the prediction; streams through the pair; a prefill process killed with SIGKILL
+mid-transfer; and a decode whose KV never comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from router.config import PdConfig, WorkerConfig
+from router.service import RouterService
+from tests.router.conftest import AUTH, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+PAGE = 16
+PROMPT = [(i * 7) % 250 + 3 for i in range(6 * PAGE + 1)]  # 6 pages and a last token
+
+
+def reference(role: str, **kw: Any) -> ReferenceConfig:
+    fields: dict[str, Any] = {
+        "page_size": PAGE,
+        "time_scale": 0.0,
+        "role": role,
+        "kv_transfer_timeout_s": 5.0,
+    }
+    fields.update(kw)
+    return ReferenceConfig(**fields)
+
+
+async def poke(
+    session: aiohttp.ClientSession, prefill: ReferenceWorker, decode: ReferenceWorker, n: int
+) -> None:
+    """A tiny SGLang pair sent straight to (prefill, decode): each publishes a page."""
+    body = {
+        "input_ids": [9, n % 250 + 3] * PAGE,
+        "cache_salt": "warm-up",
+        "sampling_params": {"max_new_tokens": 1},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.disagg.bootstrap_port,
+        "bootstrap_room": 10_000 + n,
+    }
+    answers = await asyncio.gather(
+        session.post(prefill.url + "/generate", json=body),
+        session.post(decode.url + "/generate", json=body),
+    )
+    for resp in answers:
+        assert resp.status == 200, await resp.text()
+        resp.release()
+
+
+async def warm(
+    session: aiohttp.ClientSession,
+    router: RouterService,
+    prefills: list[ReferenceWorker],
+    decodes: list[ReferenceWorker],
+) -> None:
+    """Until every worker's KV-event stream has reached the router's index."""
+    counter = iter(range(1_000_000))
+    pairs = list(zip(prefills, decodes * len(prefills), strict=False))
+    pairs += [(prefills[0], d) for d in decodes]
+
+    async def live() -> bool:
+        for p, d in pairs:
+            await poke(session, p, d, next(counter))
+        streams = router.planner.indexer.streams()
+        return len(streams) == len(prefills) + len(decodes) and all(
+            s.last_seq is not None for s in streams
+        )
+
+    await eventually(live, what="every stream to reach the index")
+
+
+class PdFleet:
+    def __init__(
+        self,
+        router: RouterService,
+        session: aiohttp.ClientSession,
+        workers: dict[str, ReferenceWorker],
+    ) -> None:
+        self.router, self.session, self.workers = router, session, workers
+
+    async def route(self, body: object) -> Any:
+        async with self.session.post(
+            self.router.url + "/admin/route", json=body, headers=AUTH
+        ) as resp:
+            assert resp.status == 200
+            return await resp.json()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[PdFleet]:
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        workers = {"p0": p0, "p1": p1, "d0": d0, "d1": d1}
+        # only urls: roles, bootstrap ports and event endpoints come from /server_info
+        config = router_config([(name, w.url) for name, w in workers.items()])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0, p1], [d0, d1])
+            yield PdFleet(router, session, workers)
+
+
+async def test_discovery_reads_roles_and_bootstrap_ports_from_server_info(fleet: PdFleet) -> None:
+    pool = fleet.router.planner.pool
+    roles = {e.id: e.role for e in pool}
+    assert roles == {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+    assert pool.get("p0").bootstrap_port == fleet.workers["p0"].disagg.bootstrap_port
+    assert pool.disaggregated(pool.resolve("").cache_model)
+
+
+async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFleet) -> None:
+    body = {
+        "input_ids": PROMPT,
+        "cache_salt": "tenant-a",
+        "sampling_params": {"max_new_tokens": 4},
+    }
+    url = fleet.router.url + "/generate"
+    async with fleet.session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        first_prefill = resp.headers["x-kvroute-prefill-worker"]
+        first = await resp.json()
+    assert resp.headers["x-kvroute-worker"] in ("d0", "d1")  # the decode side answered
+
+    async def indexed() -> bool:
+        plan = await fleet.route(body)
+        return bool(plan["prefill"]["candidates"][0]["matched_tokens"] >= 5 * PAGE)
+
+    await eventually(indexed, what="the first prefill's pages to be indexed")
+    plan = await fleet.route(body)
+    # the dry run explains both sides: prefill workers by the kv policy, decode workers by load
+    assert plan["mode"] == "prefill_decode" and plan["worker"] == first_prefill
+    assert {c["worker"] for c in plan["prefill"]["candidates"]} == {"p0", "p1"}
+    assert {c["worker"] for c in plan["decode"]["candidates"]} == {"d0", "d1"}
+    predicted = plan["prefill"]["candidates"][0]["matched_tokens"]
+    async with fleet.session.post(url, json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-kvroute-prefill-worker"] == first_prefill
+        assert int(resp.headers["x-kvroute-matched-tokens"]) == predicted
+        again = await resp.json()
+    # the prefill side's own reported hit (relayed by the decode) is the prediction
+    assert again["meta_info"]["cached_tokens"] == predicted == 6 * PAGE
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["text"] == first["text"]
+
+
+async def test_streams_pass_through_the_pair_with_the_prefill_logprobs_merged(
+    fleet: PdFleet,
+) -> None:
+    url = fleet.router.url
+    chat = {
+        "messages": [{"role": "user", "content": "stream me a few tokens through a pair"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with fleet.session.post(url + "/v1/chat/completions", json=chat) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+    assert len(text) == 8 and raw.rstrip().endswith("data: [DONE]")
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    generate = {
+        "input_ids": PROMPT,
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 3},
+    }
+    async with fleet.session.post(url + "/generate", json=generate) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert len(chunks) == 3
+    # the decode computed no prompt logprob: every chunk carries the prefill's, as SGLang merges
+    for chunk in chunks:
+        logprobs = chunk["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in logprobs] == PROMPT
+
+
+async def test_vllm_style_pairs_go_prefill_first_and_decode_with_its_kv_transfer_params() -> None:
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        workers = [
+            WorkerConfig(
+                url=w.url,
+                id=name,
+                engine="vllm",  # vLLM advertises nothing: the role and streams are configured
+                role=role,  # type: ignore[arg-type]
+                events=w.kv_events.endpoint,
+                replay=w.kv_events.replay_endpoint,
+                block_size=PAGE,
+                model=w.config.model,
+            )
+            for name, w, role in (("p0", p0, "prefill"), ("d0", d0, "decode"))
+        ]
+        config = msgspec.structs.replace(router_config([]), workers=tuple(workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            body = {
+                "model": p0.config.model,
+                "prompt": PROMPT,
+                "max_tokens": 5,
+                "cache_salt": "tenant-v",
+            }
+            url = router.url + "/v1/completions"
+            async with session.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                first = await resp.json()
+            assert first["usage"]["completion_tokens"] == 5  # the decode's, not the prefill's 1
+
+            async def indexed() -> bool:
+                async with session.post(
+                    router.url + "/admin/route", json=body, headers=AUTH
+                ) as resp:
+                    plan = await resp.json()
+                return bool(plan["prefill"]["candidates"][0]["matched_tokens"] == 6 * PAGE)
+
+            await eventually(indexed, what="the vLLM prefill's pages to be indexed")
+            async with session.post(url, json=body | {"stream": True}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvroute-matched-tokens"] == str(6 * PAGE)
+                raw = (await resp.read()).decode()
+            chunks = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            assert text == first["choices"][0]["text"]
+            # what the decode read from the prefill's bootstrap server: the prefill's hit
+            async with session.post(url, json=body) as resp:
+                again = await resp.json()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * PAGE
+            assert sum(s.holding for s in p0.ranks) == 0  # every hold was read and released
+
+
+async def test_a_decode_whose_kv_never_comes_is_a_clean_timeout_error() -> None:
+    # the prefill takes 10 s to compute (time scale 1); its decode gives up after 0.5 s
+    slow = reference("prefill", time_scale=1.0, prefill_ms_per_token=100.0)
+    async with (
+        ReferenceWorker(slow) as p0,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+            async with session.post(router.url + "/generate", json=body) as resp:
+                answer = await resp.json()
+                status = resp.status
+            elapsed = time.monotonic() - started
+    assert status == 504, answer
+    assert answer["error"]["type"] == "kv_transfer_timeout"
+    assert elapsed < 5.0  # the decode's timeout plus the blame grace, far from the 10 s prefill
+
+
+# a prefill worker in its own process, through the CLI; its KV takes 30 ms per token to move,
+# so a transfer of the prompt lasts about 3 s: long enough to kill it mid-transfer
+_PREFILL_ARGS = [
+    "worker", "--role", "prefill", "--port", "0", "--events", "tcp://127.0.0.1:0",
+    "--page-size", str(PAGE), "--time-scale", "1", "--prefill-ms-per-token", "0",
+    "--decode-ms-per-token", "0", "--transfer-ms-per-token", "30",
+]  # fmt: skip
+
+
+@pytest.fixture
+async def doomed() -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", *_PREFILL_ARGS,
+        stdout=asyncio.subprocess.PIPE, cwd=os.getcwd(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        url = line.rsplit(" at ", 1)[-1].strip()
+        assert url.startswith("http://"), line
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def test_a_prefill_killed_mid_transfer_fails_the_pair_and_another_pair_answers(
+    doomed: tuple[asyncio.subprocess.Process, str],
+) -> None:
+    proc, doomed_url = doomed
+    async with (
+        ReferenceWorker(reference("prefill")) as survivor,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config(
+            [("doomed", doomed_url), ("survivor", survivor.url), ("d0", d0.url)],
+            pd=PdConfig(),
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def admin(path: str, body: object = None) -> None:
+                async with session.post(
+                    router.url + "/admin" + path, json=body, headers=AUTH
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            # steer the pair to the doomed prefill, then let the survivor take the retry
+            await admin("/workers/survivor/drain")
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+            request = asyncio.create_task(session.post(router.url + "/generate", json=body))
+
+            async def transferring() -> bool:
+                return d0.disagg.fetching == 1
+
+            await eventually(transferring, what="the decode to be fetching from the doomed one")
+            await admin("/workers/survivor/drain", {"drain": False})
+            proc.send_signal(signal.SIGKILL)
+            async with await asyncio.wait_for(request, 30) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-prefill-worker"] == "survivor"
+                answer = await resp.json()
+            assert answer["meta_info"]["completion_tokens"] == 4
+            entry = router.planner.pool.get("doomed")
+            assert not entry.routable(router.planner.clock())  # its circuit opened at once
