@@ -8,6 +8,8 @@ Port 0 picks a free port; `url` reports the bound one. The benchmarks start one 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from indexer.service import IndexerService
@@ -18,15 +20,20 @@ from router.http.keys import INDEXER, PLANNER, SUPERVISOR
 from router.http.listener import RouterRunner
 from router.routing.planner import Planner
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
 __all__ = ["RouterService"]
 
 
 class RouterService:
     """Runs the router application on its configured listen address until exited."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(
+        self, config: RouterConfig, *, tracer_provider: TracerProvider | None = None
+    ) -> None:
         self.config = config
-        self.app = create_app(config)
+        self.app = create_app(config, tracer_provider=tracer_provider)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 

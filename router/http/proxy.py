@@ -29,8 +29,10 @@ from multidict import CIMultiDict
 
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
+from router.http.decisions import DecisionStats
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
+from router.http.observe import Observation, Observer, observation
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
@@ -93,8 +95,11 @@ class Proxy:
         session: aiohttp.ClientSession,
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
+        observer: Observer | None = None,
     ) -> None:
         self._config = config
+        # decision metrics, the recent decisions, traces (`router.http.observe`)
+        self.observer = observer or Observer(DecisionStats(), lambda worker: None)
         self._planner = planner
         self._session = session
         self._tokenizer = tokenizer
@@ -107,12 +112,27 @@ class Proxy:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
-        started = time.perf_counter()
-        parsed = await read_request(request, endpoint, self._config, self._tokenizer)
+        obs = self.observer.begin(request, endpoint)
+        try:
+            response = await self._route(request, endpoint, obs)
+        except BaseException as exc:
+            obs.close(exc)
+            raise
+        obs.close(None)
+        return response
+
+    async def _route(
+        self, request: web.Request, endpoint: Endpoint, obs: Observation
+    ) -> web.StreamResponse:
+        started = obs.started
+        with obs.phase("parse"):
+            parsed = await read_request(request, endpoint, self._config, self._tokenizer)
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
-        plan = planner.plan(parsed, ns)
+        with obs.phase("route"):
+            plan = planner.plan(parsed, ns)
+            obs.planned(plan, ns.model)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
@@ -135,6 +155,7 @@ class Proxy:
             # the last worker left (its other ranks are no retry: a failure is the worker's)
             last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
             ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
+            obs.attempt(plan, candidate, attempt)
             body, rank_header = self._tell_rank(endpoint, parsed, candidate)
             try:
                 response = await self._forward(
@@ -151,6 +172,7 @@ class Proxy:
                 planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
+                obs.failed(str(exc))
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
             finally:
@@ -164,6 +186,7 @@ class Proxy:
                 time.perf_counter() - started,
                 ns.model,
             )
+            obs.finish(response.status)
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
@@ -204,6 +227,9 @@ class Proxy:
         if rank_header is not None:
             # replaces a client's own (any case): for a client-named rank it says the same
             headers[rank_header] = str(candidate.dp_rank)
+        obs = observation(request)
+        if obs is not None:
+            obs.outgoing(headers)  # x-request-id, traceparent
         try:
             async with self._session.post(
                 candidate.url + endpoint.value, data=body, headers=headers, timeout=timeout
@@ -254,18 +280,26 @@ class Proxy:
         out[PENDING_HEADER] = str(candidate.pending_tokens)
         if candidate.dp_rank is not None:
             out[DP_RANK_HEADER] = str(candidate.dp_rank)
+        obs = observation(request)
+        if obs is not None:
+            obs.response_headers(out)
         streaming = "text/event-stream" in upstream.headers.get("Content-Type", "") or (
             "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         )
         if not streaming:
             payload = await upstream.read()
             self._planner.first_byte(ticket)
+            if obs is not None:
+                obs.first_byte()
+                obs.body(payload)
             if upstream.status < 500:
                 self._planner.record_success(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
         # wait for the first chunk before committing headers: until then, a retry is legal
         first = await upstream.content.readany()
         self._planner.first_byte(ticket)
+        if obs is not None:
+            obs.first_byte()
         return await self._stream(request, upstream, out, first, candidate.worker)
 
     async def _stream(
@@ -278,10 +312,13 @@ class Proxy:
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         chunk = first
+        obs = observation(request)
         try:
             await response.prepare(request)
             while chunk:
                 await response.write(chunk)
+                if obs is not None:
+                    obs.chunk(chunk)  # its usage is read once the stream ends
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
