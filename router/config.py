@@ -195,8 +195,10 @@ class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 class QueryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The KV query API for other gateways (`POST /v1/kv/query`), with a token of its own."""
 
+    # served when it has a token, or the router listens on loopback only (else off, with a
+    # warning: the index says which prompts are cached where, not for anyone to ask)
     enabled: bool = True
-    token: str = ""  # or $KVROUTE_QUERY_TOKEN; without either, it only binds on loopback
+    token: str = ""  # or $KVROUTE_QUERY_TOKEN
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -30,10 +30,15 @@ class RouterService:
     """Runs the router application on its configured listen address until exited."""
 
     def __init__(
-        self, config: RouterConfig, *, tracer_provider: TracerProvider | None = None
+        self,
+        config: RouterConfig,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        proxy: bool = True,
     ) -> None:
         self.config = config
-        self.app = create_app(config, tracer_provider=tracer_provider)
+        # proxy=False: the index and its APIs only (`kvroute indexer`)
+        self.app = create_app(config, tracer_provider=tracer_provider, proxy=proxy)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 

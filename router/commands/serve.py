@@ -24,6 +24,7 @@ from router.errors import ConfigError
 __all__ = [
     "add_arguments",
     "apply_overrides",
+    "configure_logging",
     "curl_example",
     "run",
     "serve_fleet",
@@ -57,8 +58,13 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
     return msgspec.structs.replace(config, listen=listen, policy=policy)
 
 
-async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) -> None:
-    """Run the router until SIGINT or SIGTERM, then shut down cleanly."""
+async def serve_until_stopped(
+    config: RouterConfig, *, announce: bool = True, proxy: bool = True
+) -> None:
+    """Run the router until SIGINT or SIGTERM, then shut down cleanly.
+
+    `proxy=False` runs the index and its APIs without the generation endpoints
+    (`kvroute indexer`)."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.service import RouterService
 
@@ -67,11 +73,12 @@ async def serve_until_stopped(config: RouterConfig, *, announce: bool = True) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with RouterService(config) as router:
+    async with RouterService(config, proxy=proxy) as router:
         _freeze_startup_heap()
         if announce:
+            what = "router" if proxy else "indexer (no proxy; POST /v1/kv/query)"
             print(
-                f"kvroute router listening on {router.url} (policy {config.policy.name}, "
+                f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"
             )
             sys.stdout.flush()
@@ -133,11 +140,20 @@ async def serve_fleet(
         await until()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the config and serve until interrupted."""
+def configure_logging(level: str) -> None:
+    """Log lines with the request each one was written for (`x-request-id`, "-" outside)."""
+    from router.http.observe import install_log_request_id
+
+    install_log_request_id()
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
+
+
+def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
+    """Load the config and serve until interrupted."""
+    configure_logging(args.log_level)
     from router.http.memory import TRACEMALLOC_ENV, start_tracing
 
     if start_tracing():  # before the router allocates anything (see /admin/debug/memory)
@@ -146,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         config = apply_overrides(load_config(args.config), args)
-        asyncio.run(serve_until_stopped(config))
+        asyncio.run(serve_until_stopped(config, proxy=proxy))
     except ConfigError as exc:
-        print(f"kvroute serve: {exc}", file=sys.stderr)
+        print(f"kvroute {'serve' if proxy else 'indexer'}: {exc}", file=sys.stderr)
         return 2
     return 0

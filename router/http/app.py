@@ -216,11 +216,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(
-    config: RouterConfig, *, tracer_provider: TracerProvider | None = None
+    config: RouterConfig,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    proxy: bool = True,
 ) -> web.Application:
     """The router application for `config` (resources open when the app starts).
 
     `tracer_provider`: trace with this OpenTelemetry provider (tests), whatever the config says.
+    `proxy=False`: the index and its APIs without the generation endpoints (`kvroute indexer`).
     """
     token = config.admin_token()
     if config.admin.enabled and not token and not is_loopback(config.listen.host):
@@ -236,7 +240,7 @@ def create_app(
     app[TOKENIZER] = build_tokenizer(config.tokenizer)
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
     operations.install(app, config, tracer_provider)  # decision metrics, tracing
-    for endpoint in Endpoint:
+    for endpoint in Endpoint if proxy else ():
         app.router.add_post(endpoint.value, _proxy_handler(endpoint))
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

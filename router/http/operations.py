@@ -1,13 +1,16 @@
 """What an operator gets beside the proxy, attached to the router's app in one place.
 
 `install` (when the app is built): the decision statistics and their Prometheus families,
-tracing (when on), and its shutdown as a cleanup context of its own. `start` (when the app's
-resources open): the fleet families over the live indexer and load tracker, and the
+tracing (when on) and its shutdown as a cleanup context of its own, and the KV query API
+(served when it has a token of its own or the router listens on loopback only). `start` (when
+the app's resources open): the fleet families over the live indexer and load tracker, and the
 `Observer` the proxy reports each request to.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -18,6 +21,7 @@ from router.config import RouterConfig
 from router.http.decisions import DecisionCollector, DecisionStats
 from router.http.fleet_metrics import FleetCollector
 from router.http.keys import DECISIONS, METRICS, OBSERVER, TOKENIZER, TRACING
+from router.http.kv_query import KV_QUERY_PATH, add_kv_query_route
 from router.http.observe import Observer
 from router.http.tracing import TracedTokenizer, build_tracing
 from router.prompt.tokenizer import PromptTokenizer
@@ -27,6 +31,15 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 __all__ = ["install", "proxy_tokenizer", "start"]
+
+log = logging.getLogger(__name__)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def install(
@@ -45,6 +58,20 @@ def install(
             tracing.shutdown()  # flushes what the exporter still holds
 
         app.cleanup_ctx.append(shutdown)
+    _install_kv_query(app, config)
+
+
+def _install_kv_query(app: web.Application, config: RouterConfig) -> None:
+    if not config.query.enabled:
+        return
+    if not config.query_token() and not _loopback(config.listen.host):
+        log.warning(
+            "%s is off: it needs query.token (or KVROUTE_QUERY_TOKEN) on %s",
+            KV_QUERY_PATH,
+            config.listen.host,
+        )
+        return
+    add_kv_query_route(app)
 
 
 def proxy_tokenizer(app: web.Application) -> PromptTokenizer:
