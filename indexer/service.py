@@ -136,6 +136,11 @@ class IndexerService:
         """Whether `worker` is subscribed (O(1): the router asks on every request)."""
         return worker in self._workers
 
+    def block_size(self, worker: str) -> int | None:
+        """Tokens per block of `worker`'s first stream, once configured or learned (O(1))."""
+        subs = self._workers.get(worker)
+        return subs[0].sink.block_size() if subs else None
+
     def worker_count(self) -> int:
         """How many workers are subscribed."""
         return len(self._workers)

@@ -79,6 +79,7 @@ class StreamStats(msgspec.Struct):
     verifications: int = 0
     # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba): not kept
     skipped_group_blocks: int = 0
+    dp_rank: int = 0  # the worker's data-parallel rank this stream is (a metric label)
 
 
 class RankMatch(msgspec.Struct):

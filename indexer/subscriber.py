@@ -656,4 +656,5 @@ class StreamSubscriber:
             lost_batches=self.lost_batches,
             verifications=self.verifications,
             skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
+            dp_rank=self.config.dp_rank,
         )

@@ -21,6 +21,7 @@ from router.errors import ConfigError
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
+    "QUERY_TOKEN_ENV",
     "AdminConfig",
     "BreakerConfig",
     "ClusterConfig",
@@ -31,15 +32,18 @@ __all__ = [
     "PdConfig",
     "PolicyConfig",
     "PolicyName",
+    "QueryConfig",
     "RouterConfig",
     "TimeoutsConfig",
     "TokenizerConfig",
+    "TracingConfig",
     "WorkerConfig",
     "load_config",
     "parse_config",
 ]
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
+QUERY_TOKEN_ENV = "KVROUTE_QUERY_TOKEN"
 
 PolicyName = Literal["kv", "round_robin", "random", "least_load", "approx_tree"]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -191,6 +195,26 @@ class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     probe_interval_s: NonNegativeFloat = 2.0
 
 
+class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """OpenTelemetry tracing (`router.http.tracing`); the OTEL_* variables fill what is empty."""
+
+    enabled: bool = False  # also on when OTEL_TRACES_EXPORTER names an exporter
+    exporter: Literal["", "otlp", "console", "memory", "none"] = ""  # "": $OTEL_TRACES_EXPORTER
+    service_name: str = ""  # "": $OTEL_SERVICE_NAME, else "kvroute"
+    # share of new traces recorded (a request continuing a client's trace follows its flag);
+    # $OTEL_TRACES_SAMPLER wins when set
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+
+
+class QueryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The KV query API for other gateways (`POST /v1/kv/query`), with a token of its own."""
+
+    # served when it has a token, or the router listens on loopback only (else off, with a
+    # warning: the index says which prompts are cached where, not for anyone to ask)
+    enabled: bool = True
+    token: str = ""  # or $KVROUTE_QUERY_TOKEN
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One worker; everything but `url` can be discovered from its `/server_info`."""
 
@@ -295,6 +319,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     limits: LimitsConfig = LimitsConfig()
     indexer: IndexerSection = IndexerSection()
     pd: PdConfig = PdConfig()
+    tracing: TracingConfig = TracingConfig()
+    query: QueryConfig = QueryConfig()
     # header whose value overrides the body's cache_salt (set by a trusted gateway); "" = none
     salt_header: str = ""
     workers: tuple[WorkerConfig, ...] = ()
@@ -312,6 +338,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def admin_token(self) -> str:
         """The admin bearer token: the config's, else $KVROUTE_ADMIN_TOKEN, else ''."""
         return self.admin.token or os.environ.get(ADMIN_TOKEN_ENV, "")
+
+    def query_token(self) -> str:
+        """The KV query API's bearer token: the config's, else $KVROUTE_QUERY_TOKEN, else ''."""
+        return self.query.token or os.environ.get(QUERY_TOKEN_ENV, "")
 
 
 def parse_config(data: dict[str, Any], *, source: str = "config") -> RouterConfig:

@@ -21,6 +21,8 @@ from router.http.listener import RouterRunner
 from router.routing.planner import Planner
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
     from router.cluster.service import ClusterService
 
 __all__ = ["RouterService"]
@@ -29,11 +31,19 @@ __all__ = ["RouterService"]
 class RouterService:
     """Runs the router application on its configured listen address until exited."""
 
-    def __init__(self, config: RouterConfig, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        reuse_port: bool = False,
+        tracer_provider: TracerProvider | None = None,
+        proxy: bool = True,
+    ) -> None:
         self.config = config
         # SO_REUSEPORT: several replica processes share one port (kvroute serve --processes)
         self._reuse_port = reuse_port
-        self.app = create_app(config)
+        # proxy=False: the index and its APIs only (`kvroute indexer`)
+        self.app = create_app(config, tracer_provider=tracer_provider, proxy=proxy)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 

@@ -28,6 +28,10 @@ class _Verb(Protocol):
 VERBS: dict[str, tuple[str, str]] = {
     "up": ("router.commands.up", "run an embedded fleet of reference workers and the router"),
     "serve": ("router.commands.serve", "run the router in front of an existing fleet (--config)"),
+    "indexer": (
+        "router.commands.indexer",
+        "run the KV index and its query API without the proxy (--config)",
+    ),
     "worker": ("workers.command", "run one reference worker"),
     "record": ("router.commands.record", "record KV-event streams to a file"),
     "replay": ("router.commands.replay", "replay a recorded file into an index or a PUB socket"),

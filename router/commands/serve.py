@@ -26,6 +26,7 @@ from router.errors import ConfigError
 __all__ = [
     "add_arguments",
     "apply_overrides",
+    "configure_logging",
     "curl_example",
     "read_config",
     "run",
@@ -78,8 +79,12 @@ async def serve_until_stopped(
     announce: bool = True,
     reuse_port: bool = False,
     exit_with_parent: bool = False,
+    proxy: bool = True,
 ) -> None:
-    """Run the router until SIGINT or SIGTERM, then shut down cleanly."""
+    """Run the router until SIGINT or SIGTERM, then shut down cleanly.
+
+    `proxy=False` runs the index and its APIs without the generation endpoints
+    (`kvroute indexer`)."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.service import RouterService
 
@@ -89,11 +94,12 @@ async def serve_until_stopped(
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
-    async with RouterService(config, reuse_port=reuse_port) as router:
+    async with RouterService(config, reuse_port=reuse_port, proxy=proxy) as router:
         _freeze_startup_heap()
         if announce:
+            what = "router" if proxy else "indexer (no proxy; POST /v1/kv/query)"
             print(
-                f"kvroute router listening on {router.url} (policy {config.policy.name}, "
+                f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"
             )
             sys.stdout.flush()
@@ -206,11 +212,20 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
         runner.run(main)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the config and serve until interrupted."""
+def configure_logging(level: str) -> None:
+    """Log lines with the request each one was written for (`x-request-id`, "-" outside)."""
+    from router.http.observe import install_log_request_id
+
+    install_log_request_id()
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
+
+
+def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
+    """Load the config and serve until interrupted."""
+    configure_logging(args.log_level)
     from router.http.memory import TRACEMALLOC_ENV, start_tracing
 
     if start_tracing():  # before the router allocates anything (see /admin/debug/memory)
@@ -219,14 +234,15 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         config = apply_overrides(read_config(args.config), args)
-        if args.processes > 1:
+        processes = getattr(args, "processes", 1)
+        if processes > 1:
             from router.commands.replicas import serve_processes
 
             run_loop(
                 serve_processes(
                     args.config,
                     config,
-                    args.processes,
+                    processes,
                     log_level=args.log_level,
                     until=_signalled,
                 )
@@ -234,10 +250,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             run_loop(
                 serve_until_stopped(
-                    config, reuse_port=args.reuse_port, exit_with_parent=args.exit_with_parent
+                    config,
+                    reuse_port=getattr(args, "reuse_port", False),
+                    exit_with_parent=getattr(args, "exit_with_parent", False),
+                    proxy=proxy,
                 )
             )
     except ConfigError as exc:
-        print(f"kvroute serve: {exc}", file=sys.stderr)
+        print(f"kvroute {'serve' if proxy else 'indexer'}: {exc}", file=sys.stderr)
         return 2
     return 0

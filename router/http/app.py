@@ -13,6 +13,7 @@ import contextlib
 import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
@@ -24,6 +25,7 @@ from indexer.service import IndexerConfig, IndexerService
 from router.config import RouterConfig
 from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
+from router.http import operations
 from router.http.admin import create_admin_app
 from router.http.keys import (
     CLUSTER,
@@ -49,6 +51,9 @@ from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 from router.routing.policy import build_policy
 from router.routing.pool import WorkerPool
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["create_app", "is_loopback"]
 
@@ -207,7 +212,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[INDEXER] = indexer
         app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
-        app[PROXY] = proxy = Proxy(config, planner, session, app[TOKENIZER], app[METRICS])
+        observer = operations.start(app, indexer, load)
+        tokenizer = operations.proxy_tokenizer(app)
+        app[PROXY] = proxy = Proxy(config, planner, session, tokenizer, app[METRICS], observer)
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = PairDispatcher(config, pairs, proxy, session, app[METRICS])
@@ -234,8 +241,17 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                 await health_task
 
 
-def create_app(config: RouterConfig) -> web.Application:
-    """The router application for `config` (resources open when the app starts)."""
+def create_app(
+    config: RouterConfig,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    proxy: bool = True,
+) -> web.Application:
+    """The router application for `config` (resources open when the app starts).
+
+    `tracer_provider`: trace with this OpenTelemetry provider (tests), whatever the config says.
+    `proxy=False`: the index and its APIs without the generation endpoints (`kvroute indexer`).
+    """
     token = config.admin_token()
     if config.admin.enabled and not token and not is_loopback(config.listen.host):
         raise ConfigError(
@@ -249,7 +265,8 @@ def create_app(config: RouterConfig) -> web.Application:
     app[METRICS] = RouterMetrics()
     app[TOKENIZER] = build_tokenizer(config.tokenizer)
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
-    for endpoint in Endpoint:
+    operations.install(app, config, tracer_provider)  # decision metrics, tracing
+    for endpoint in Endpoint if proxy else ():
         app.router.add_post(endpoint.value, _proxy_handler(endpoint))
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

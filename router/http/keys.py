@@ -10,8 +10,11 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.fleet.supervisor import Supervisor
+from router.http.decisions import DecisionStats
 from router.http.metrics import RouterMetrics
+from router.http.observe import Observer
 from router.http.proxy import Proxy
+from router.http.tracing import Tracing
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
 from router.routing.pd import PairPlanner
@@ -23,15 +26,18 @@ if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
 __all__ = [
     "CLUSTER",
     "CONFIG",
+    "DECISIONS",
     "FINGERPRINT",
     "INDEXER",
     "METRICS",
+    "OBSERVER",
     "PAIRS",
     "PLANNER",
     "PROXY",
     "SESSION",
     "SUPERVISOR",
     "TOKENIZER",
+    "TRACING",
 ]
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -46,3 +52,7 @@ PROXY = web.AppKey("proxy", Proxy)
 # only when the config has a [cluster]: this replica's link to the others
 CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")
 PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning
+# operations (`router.http.operations`): decision stats, the observer, tracing when on
+DECISIONS = web.AppKey("decisions", DecisionStats)
+OBSERVER = web.AppKey("observer", Observer)
+TRACING = web.AppKey("tracing", Tracing)

@@ -36,8 +36,10 @@ from multidict import CIMultiDict
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
+from router.http.decisions import DecisionStats
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
+from router.http.observe import Observation, Observer, observation
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
@@ -152,8 +154,11 @@ class Proxy:
         session: aiohttp.ClientSession,
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
+        observer: Observer | None = None,
     ) -> None:
         self._config = config
+        # decision metrics, the recent decisions, traces (`router.http.observe`)
+        self.observer = observer or Observer(DecisionStats(), lambda worker: None)
         self._planner = planner
         self._session = session
         self._tokenizer = tokenizer
@@ -167,14 +172,29 @@ class Proxy:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
-        started = time.perf_counter()
-        parsed = await read_request(request, endpoint, self._config, self._tokenizer)
+        obs = self.observer.begin(request, endpoint)
+        try:
+            response = await self._route(request, endpoint, obs)
+        except BaseException as exc:
+            obs.close(exc)
+            raise
+        obs.close(None)
+        return response
+
+    async def _route(
+        self, request: web.Request, endpoint: Endpoint, obs: Observation
+    ) -> web.StreamResponse:
+        started = obs.started
+        with obs.phase("parse"):
+            parsed = await read_request(request, endpoint, self._config, self._tokenizer)
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self.pairs is not None and self.pairs.applies(ns.model):
             return await self.pairs.handle(request, endpoint, parsed, ns, started)
-        plan = planner.plan(parsed, ns)
+        with obs.phase("route"):
+            plan = planner.plan(parsed, ns)
+            obs.planned(plan, ns.model)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
@@ -197,6 +217,7 @@ class Proxy:
             # the last worker left (its other ranks are no retry: a failure is the worker's)
             last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
             ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
+            obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
             try:
                 response = await self._forward(
@@ -213,6 +234,7 @@ class Proxy:
                 planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
+                obs.failed(str(exc))
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
             finally:
@@ -226,6 +248,7 @@ class Proxy:
                 time.perf_counter() - started,
                 ns.model,
             )
+            obs.finish(response.status)
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
@@ -301,6 +324,9 @@ class Proxy:
             headers[rank_header] = str(candidate.dp_rank)
         if hooks is not None:
             headers.update(hooks.request_headers)
+        obs = observation(request)
+        if obs is not None:
+            obs.outgoing(headers)  # x-request-id, traceparent
         try:
             async with self._session.post(
                 candidate.url + endpoint.value, data=body, headers=headers, timeout=timeout
@@ -354,6 +380,9 @@ class Proxy:
             out[DP_RANK_HEADER] = str(candidate.dp_rank)
         if hooks is not None:
             out.update(hooks.headers)
+        obs = observation(request)
+        if obs is not None:
+            obs.response_headers(out)
         streaming = "text/event-stream" in upstream.headers.get("Content-Type", "") or (
             "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         )
@@ -363,6 +392,9 @@ class Proxy:
             if hooks is not None:
                 await hooks.before_commit()
                 payload = hooks.body(payload)
+            if obs is not None:
+                obs.first_byte()
+                obs.body(payload)
             if upstream.status < 500:
                 self._planner.record_success(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
@@ -371,6 +403,8 @@ class Proxy:
         self._planner.first_byte(ticket)
         if hooks is not None:
             await hooks.before_commit()
+        if obs is not None:
+            obs.first_byte()
         return await self._stream(request, upstream, out, first, candidate.worker, hooks)
 
     async def _stream(
@@ -384,10 +418,14 @@ class Proxy:
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         chunk = first
+        obs = observation(request)
         try:
             await response.prepare(request)
             while chunk:
-                await response.write(chunk if hooks is None else hooks.chunk(chunk))
+                data = chunk if hooks is None else hooks.chunk(chunk)
+                await response.write(data)
+                if obs is not None:
+                    obs.chunk(data)  # its usage is read once the stream ends
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:

@@ -124,6 +124,16 @@ class LoadTracker:
             if rank is not None
         }
 
+    def by_target(self) -> dict[tuple[str, int | None], WorkerLoad]:
+        """The counters of every (worker, dp rank) seen (rank None: sent without a rank).
+
+        The live objects: read them, do not keep them (`kvroute_load_*` when scraped)."""
+        return {
+            (worker, rank): load
+            for worker, ranks in self._loads.items()
+            for rank, load in ranks.items()
+        }
+
     def forget(self, worker: str) -> None:
         """Drop a removed worker's counters (its open tickets then change nothing)."""
         self._loads.pop(worker, None)

@@ -1,0 +1,427 @@
+"""What routing decided and how it turned out: per-decision metrics, prediction accuracy, the
+recent decisions with their explanation, and a rolling window for the dashboard.
+
+Every proxied request is one decision: the blocks in its query, the fleet's best match, the
+chosen (worker, rank)'s match (the triple SGLang's router reports), and, once the worker
+answered, the tokens the worker says it served from cache against the tokens the index
+predicted. That makes prediction accuracy a live number: `exact` when the worker reused exactly
+what the index said, `over` when it reused less (a false hit: the index believed in blocks the
+worker no longer had), `under` when it reused more (its events had not reached the index yet).
+
+The hot path only adds to plain Python numbers (a dict lookup and a few `+=`); the Prometheus
+families are built from them when `/metrics` is scraped (`DecisionCollector`), so a request
+pays no lock and no label validation. Labels are workers, ranks, models and fixed words only;
+namespaces appear as keyed fingerprints in the recent-decision log (admin API), never as labels.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.routing.policy import Candidate
+
+__all__ = [
+    "BLOCK_BUCKETS",
+    "TTFT_BUCKETS",
+    "Decision",
+    "DecisionCollector",
+    "DecisionStats",
+    "Histogram",
+]
+
+BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+WINDOW_BUCKET_S = 10  # the dashboard's rolling window: 30 buckets of 10 s (5 minutes)
+WINDOW_BUCKETS = 30
+RECENT_DECISIONS = 50
+
+# per (worker, dp rank, model) counters, in this order
+_ROUTED, _USAGE, _USAGE_PROMPT, _USAGE_PREDICTED, _CACHED, _EXACT, _OVER, _UNDER, _MISSING = range(
+    9
+)
+# per window bucket: requests, usage reports, their prompt, predicted and cached tokens, exact
+_W_FIELDS = 6
+
+
+class Histogram:
+    """A cumulative-bucket histogram of plain numbers, exported when scraped."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Prometheus' cumulative (le, count) pairs."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
+
+
+class Decision:
+    """One routed request, as `/admin/decisions` and the dashboard show it."""
+
+    __slots__ = (
+        "at",
+        "attempt",
+        "block_size",
+        "cached_tokens",
+        "candidates",
+        "chosen",
+        "duration_s",
+        "endpoint",
+        "model",
+        "namespace",
+        "prompt_tokens",
+        "request_id",
+        "status",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        endpoint: str,
+        model: str,
+        namespace: str,
+        prompt_tokens: int,
+        candidates: Sequence[Candidate],
+        chosen: Candidate,
+        attempt: int,
+        block_size: int | None,
+    ) -> None:
+        self.at = time.time()
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.model = model
+        self.namespace = namespace  # a keyed fingerprint, never the salt
+        self.prompt_tokens = prompt_tokens
+        self.candidates = candidates
+        self.chosen = chosen
+        self.attempt = attempt
+        self.block_size = block_size
+        self.status: int | None = None
+        self.ttft_s: float | None = None
+        self.duration_s: float | None = None
+        self.cached_tokens: int | None = None
+
+    def best(self) -> Candidate:
+        """The candidate holding the longest prefix (the chosen one on a tie)."""
+        best = self.chosen
+        for c in self.candidates:
+            if c.matched_tokens + c.pending_tokens > best.matched_tokens + best.pending_tokens:
+                best = c
+        return best
+
+    def reason(self) -> str:
+        """`prefix` (the longest match won), `load` (a longer match lost on load) or `none`."""
+        best = self.best()
+        if best.matched_tokens + best.pending_tokens == 0:
+            return "none"
+        return "prefix" if best is self.chosen else "load"
+
+    def explain(self) -> str:
+        """One sentence on why the chosen worker got the request."""
+        chosen, best = self.chosen, self.best()
+        where = _target(chosen)
+        held = chosen.matched_tokens + chosen.pending_tokens
+        retry = f" (retry {self.attempt})" if self.attempt else ""
+        reason = self.reason()
+        if reason == "none":
+            return f"no worker holds a prefix: {where} had the least load ({chosen.load:g}){retry}"
+        if reason == "prefix":
+            pending = f", {chosen.pending_tokens} pending" if chosen.pending_tokens else ""
+            return (
+                f"{where} holds the longest prefix: {chosen.matched_tokens} of "
+                f"{self.prompt_tokens} tokens{pending}, load {chosen.load:g}{retry}"
+            )
+        return (
+            f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
+            f"carries load {best.load:g} (score {best.score:g}); {where} holds {held}, load "
+            f"{chosen.load:g} (score {chosen.score:g}){retry}"
+        )
+
+    def to_builtins(self) -> dict[str, object]:
+        """The JSON row of this decision."""
+        best = self.best()
+        return {
+            "at": self.at,
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "namespace": self.namespace,
+            "prompt_tokens": self.prompt_tokens,
+            "block_size": self.block_size,
+            "worker": self.chosen.worker,
+            "dp_rank": self.chosen.dp_rank,
+            "matched_tokens": self.chosen.matched_tokens,
+            "pending_tokens": self.chosen.pending_tokens,
+            "best_worker": best.worker,
+            "best_matched_tokens": best.matched_tokens + best.pending_tokens,
+            "cached_tokens": self.cached_tokens,
+            "status": self.status,
+            "ttft_s": self.ttft_s,
+            "duration_s": self.duration_s,
+            "attempt": self.attempt,
+            "reason": self.reason(),
+            "explanation": self.explain(),
+            "candidates": [
+                {
+                    "worker": c.worker,
+                    "dp_rank": c.dp_rank,
+                    "healthy": c.healthy,
+                    "matched_tokens": c.matched_tokens,
+                    "pending_tokens": c.pending_tokens,
+                    "load": c.load,
+                    "score": c.score,
+                }
+                for c in self.candidates[:8]
+            ],
+        }
+
+
+def _target(c: Candidate) -> str:
+    return c.worker if c.dp_rank is None else f"{c.worker}#dp{c.dp_rank}"
+
+
+class DecisionStats:
+    """Counters of every decision and outcome, the recent decisions, the rolling window."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._targets: dict[tuple[str, str, str], list[int]] = {}
+        self._reasons: dict[tuple[str, str], int] = {}
+        self._query: dict[str, Histogram] = {}
+        self._best: dict[str, Histogram] = {}
+        self._chosen: dict[str, Histogram] = {}
+        self._ttft: dict[tuple[str, str], Histogram] = {}
+        self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
+        self._window = [[0] * _W_FIELDS for _ in range(WINDOW_BUCKETS)]
+        self._window_slot = [-1] * WINDOW_BUCKETS  # which 10 s period each bucket holds
+
+    def decided(self, decision: Decision) -> None:
+        """A first attempt was routed: the blocks of the query, the best and the chosen match."""
+        model = decision.model
+        reason = decision.reason()
+        key = (model, reason)
+        self._reasons[key] = self._reasons.get(key, 0) + 1
+        block = decision.block_size
+        if not block:
+            return  # no stream says how long a block is: nothing to count in blocks
+        best = decision.best()
+        _hist(self._query, model).observe(decision.prompt_tokens // block)
+        _hist(self._best, model).observe((best.matched_tokens + best.pending_tokens) // block)
+        chosen = decision.chosen
+        _hist(self._chosen, model).observe((chosen.matched_tokens + chosen.pending_tokens) // block)
+
+    def first_byte(self, endpoint: str, model: str, seconds: float) -> None:
+        """Time to the worker's first byte, measured at the router."""
+        key = (endpoint, model)
+        hist = self._ttft.get(key)
+        if hist is None:
+            hist = self._ttft[key] = Histogram(TTFT_BUCKETS)
+        hist.observe(seconds)
+
+    def finished(self, decision: Decision) -> None:
+        """The request ended: count its outcome against the prediction; keep it as recent."""
+        chosen = decision.chosen
+        key = (chosen.worker, "" if chosen.dp_rank is None else str(chosen.dp_rank), decision.model)
+        row = self._targets.get(key)
+        if row is None:
+            row = self._targets[key] = [0] * 9
+        row[_ROUTED] += 1
+        window = self._bucket()
+        window[0] += 1
+        cached = decision.cached_tokens
+        if cached is not None:
+            predicted = chosen.matched_tokens
+            row[_USAGE] += 1
+            row[_USAGE_PROMPT] += decision.prompt_tokens
+            row[_USAGE_PREDICTED] += predicted
+            row[_CACHED] += cached
+            outcome = _EXACT if cached == predicted else _OVER if cached < predicted else _UNDER
+            row[outcome] += 1
+            window[1] += 1
+            window[2] += decision.prompt_tokens
+            window[3] += predicted
+            window[4] += cached
+            window[5] += outcome == _EXACT
+        elif decision.status == 200:
+            row[_MISSING] += 1
+        self.recent.append(decision)
+
+    def _bucket(self) -> list[int]:
+        period = int(self._clock()) // WINDOW_BUCKET_S
+        slot = period % WINDOW_BUCKETS
+        if self._window_slot[slot] != period:
+            self._window_slot[slot] = period
+            self._window[slot] = [0] * _W_FIELDS
+        return self._window[slot]
+
+    def window(self) -> list[dict[str, float]]:
+        """The last 5 minutes, oldest first, one row per 10 s: requests, accuracy, hit rates."""
+        now = int(self._clock()) // WINDOW_BUCKET_S
+        rows = []
+        for period in range(now - WINDOW_BUCKETS + 1, now + 1):
+            slot = period % WINDOW_BUCKETS
+            v = self._window[slot] if self._window_slot[slot] == period else [0] * _W_FIELDS
+            requests, usage, prompt, predicted, cached, exact = v
+            rows.append(
+                {
+                    "start": float(period * WINDOW_BUCKET_S),
+                    "requests": requests,
+                    "usage_reports": usage,
+                    "accuracy": exact / usage if usage else -1.0,
+                    "hit_rate": cached / prompt if prompt else -1.0,
+                    "predicted_hit_rate": predicted / prompt if prompt else -1.0,
+                }
+            )
+        return rows
+
+    def forget(self, worker: str) -> None:
+        """Drop a removed worker's series."""
+        self._targets = {k: v for k, v in self._targets.items() if k[0] != worker}
+
+
+def _hist(table: dict[str, Histogram], model: str) -> Histogram:
+    hist = table.get(model)
+    if hist is None:
+        hist = table[model] = Histogram(BLOCK_BUCKETS)
+    return hist
+
+
+_TARGET_COUNTERS = (
+    (
+        "kvroute_routed_requests",
+        "Requests sent, by the (worker, dp rank) chosen and model",
+        _ROUTED,
+    ),
+    (
+        "kvroute_usage_reports",
+        "Answers whose usage reported cached_tokens (the requests prediction accuracy is over)",
+        _USAGE,
+    ),
+    (
+        "kvroute_usage_prompt_tokens",
+        "Prompt tokens (the router's count) of the answers that reported cached_tokens",
+        _USAGE_PROMPT,
+    ),
+    (
+        "kvroute_usage_predicted_tokens",
+        "Cached tokens the index predicted (x-kvroute-matched-tokens) for those answers",
+        _USAGE_PREDICTED,
+    ),
+    (
+        "kvroute_usage_cached_tokens",
+        "Cached tokens the worker reported in its usage (the truth to hold predictions against)",
+        _CACHED,
+    ),
+    (
+        "kvroute_usage_missing",
+        "Successful answers without cached_tokens (the client asked for no usage, or the "
+        "engine does not report it)",
+        _MISSING,
+    ),
+)
+
+
+class DecisionCollector(Collector):
+    """Builds the decision and prediction families from `DecisionStats` when scraped."""
+
+    def __init__(self, stats: DecisionStats) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        """The families' names and types, without samples."""
+        yield from self._families(empty=True)
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family with its current samples."""
+        yield from self._families(empty=False)
+
+    def _families(self, *, empty: bool) -> Iterator[Metric]:
+        stats = self._stats
+        labels = ["worker", "dp_rank", "model"]
+        targets = {} if empty else dict(stats._targets)
+        for name, text, slot in _TARGET_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=labels)
+            for key, row in sorted(targets.items()):
+                family.add_metric(list(key), row[slot])
+            yield family
+        outcomes = CounterMetricFamily(
+            "kvroute_prediction_outcomes",
+            "Answers by how the worker's cached_tokens compared with the prediction: exact, "
+            "over (it reused less than predicted: a false hit) or under (it reused more)",
+            labels=[*labels, "outcome"],
+        )
+        for key, row in sorted(targets.items()):
+            for word, slot in (("exact", _EXACT), ("over", _OVER), ("under", _UNDER)):
+                outcomes.add_metric([*key, word], row[slot])
+        yield outcomes
+        reasons = CounterMetricFamily(
+            "kvroute_route_decisions",
+            "Routing decisions by why the chosen worker won: prefix (it held the longest "
+            "match), load (a longer match elsewhere lost on load), none (no worker held any)",
+            labels=["model", "reason"],
+        )
+        for (model, reason), n in sorted(({} if empty else stats._reasons).items()):
+            reasons.add_metric([model, reason], n)
+        yield reasons
+        for name, text, table in (
+            (
+                "kvroute_route_query_blocks",
+                "Full blocks in each routed prompt (at the chosen worker's block size)",
+                stats._query,
+            ),
+            (
+                "kvroute_route_best_match_blocks",
+                "The fleet's longest held prefix of each routed prompt, in blocks (events and "
+                "pending marks)",
+                stats._best,
+            ),
+            (
+                "kvroute_route_chosen_match_blocks",
+                "The chosen (worker, rank)'s held prefix of each routed prompt, in blocks",
+                stats._chosen,
+            ),
+        ):
+            rows: dict[tuple[str, ...], Histogram] = (
+                {} if empty else {(model,): hist for model, hist in table.items()}
+            )
+            yield _histogram_family(name, text, ["model"], rows)
+        ttft: dict[tuple[str, ...], Histogram] = (
+            {} if empty else {k: v for k, v in stats._ttft.items()}
+        )
+        yield _histogram_family(
+            "kvroute_time_to_first_token_seconds",
+            "Time from the request's arrival to the worker's first byte, at the router",
+            ["endpoint", "model"],
+            ttft,
+        )
+
+
+def _histogram_family(
+    name: str, text: str, labels: list[str], rows: Mapping[tuple[str, ...], Histogram]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, text, labels=labels)
+    for key, hist in sorted(rows.items()):
+        family.add_metric(list(key), hist.buckets(), hist.total)
+    return family

@@ -1,0 +1,135 @@
+"""`POST /v1/kv/query`: kvroute's KV index as a service for other gateways.
+
+An Envoy / Gateway API endpoint picker, or another router, sends a prompt (token ids, text, or
+chat messages) with its namespace (model, LoRA adapter, cache_salt) and gets, per
+(worker, dp rank) of that model, the leading tokens held and in which storage tier, the stream's
+state, and the router's own view of load and score. The same planner as the proxy's answers
+(`Planner.plan`, read-only), so the numbers are those the router would route by; nothing is
+marked pending and nothing is routed.
+
+Version 1 (the path's `v1`, the answer's `"version": 1`): fields are only ever added. The API
+has its own bearer token (`[query] token` or `$KVROUTE_QUERY_TOKEN`), so a gateway can ask the
+index without the admin API's power. docs/operations.md has the request and answer with examples.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.errors import AuthError, RequestError
+from router.http.keys import CONFIG, PLANNER, TOKENIZER
+from router.prompt.request import Endpoint, ParsedRequest, check_salt_size
+from router.routing.policy import Candidate
+
+__all__ = ["KV_QUERY_PATH", "VERSION", "KvQuery", "add_kv_query_route"]
+
+KV_QUERY_PATH = "/v1/kv/query"
+VERSION = 1
+_json = msgspec.json.Encoder()
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
+class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The request body: exactly one of token_ids, text, messages."""
+
+    model: str = ""  # any name the fleet serves ("" in a one-model fleet); "base:adapter" too
+    lora: str | None = None  # the LoRA adapter, as SGLang's lora_path names it
+    cache_salt: str | None = None  # "" or null: the unsalted namespace
+    token_ids: list[TokenId] | None = None  # the prompt as the engine tokenizes it (exact)
+    text: str | None = None  # a completion prompt, tokenized by the router's tokenizer
+    messages: list[dict[str, Any]] | None = None  # a chat, through the router's chat template
+
+
+def _candidate_row(c: Candidate) -> dict[str, Any]:
+    return {
+        "worker": c.worker,
+        "url": c.url,
+        "dp_rank": c.dp_rank,
+        "matched_tokens": c.matched_tokens,
+        "matched_blocks": c.matched_blocks,
+        "pending_tokens": c.pending_tokens,
+        "tiers": c.by_medium,
+        "stream_state": c.stream_state,
+        "routable": c.healthy,
+        "status": c.status,
+        "queued_prefill_tokens": c.queued_prefill_tokens,
+        "running": c.running,
+        "score": c.score,
+    }
+
+
+def _tokens(query: KvQuery, request: web.Request) -> list[int]:
+    given = [name for name in ("token_ids", "text", "messages") if getattr(query, name) is not None]
+    if len(given) != 1:
+        raise RequestError(
+            "give exactly one of token_ids, text or messages"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if query.token_ids is not None:
+        return query.token_ids
+    tokenizer = request.app[TOKENIZER]
+    if query.text is not None:
+        return tokenizer.text(query.text)
+    assert query.messages is not None
+    try:
+        return tokenizer.chat(query.messages)
+    except Exception as exc:  # a template's own complaint about the messages: the client's
+        raise RequestError(f"messages cannot be rendered: {exc}") from exc
+
+
+def _check_token(request: web.Request, token: str) -> None:
+    if not token:
+        return  # allowed on a loopback listener only (`add_kv_query_route`)
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise AuthError("KV query API: missing or wrong bearer token (the query token)")
+
+
+async def kv_query(request: web.Request) -> web.Response:
+    """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
+    config: RouterConfig = request.app[CONFIG]
+    _check_token(request, config.query_token())
+    try:
+        query = msgspec.json.decode(await request.read() or b"{}", type=KvQuery)
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    tokens = _tokens(query, request)
+    salt = query.cache_salt or None
+    if salt is not None:
+        check_salt_size(salt, "cache_salt", config.limits)
+    parsed = ParsedRequest(
+        endpoint=Endpoint.GENERATE,
+        body=b"",
+        salt=salt,
+        model=query.model,
+        lora=query.lora or None,
+        tokens=tokens,
+        stream=False,
+    )
+    planner = request.app[PLANNER]
+    ns = planner.namespace(parsed)  # UnknownModelError (404) as the proxy would
+    plan = planner.plan(parsed, ns)
+    best = plan.candidates[0] if plan.candidates and plan.candidates[0].healthy else None
+    answer = {
+        "version": VERSION,
+        "model": ns.model,
+        "lora": ns.lora,
+        "namespace": plan.namespace,  # keyed fingerprint, as in the admin API
+        "prompt_tokens": plan.prompt_tokens,
+        "unindexed": plan.unindexed,
+        "best": None if best is None else {"worker": best.worker, "dp_rank": best.dp_rank},
+        "workers": [_candidate_row(c) for c in plan.candidates],
+    }
+    return web.Response(body=_json.encode(answer), content_type="application/json")
+
+
+def add_kv_query_route(app: web.Application) -> None:
+    """Serve POST /v1/kv/query on `app` (the error middleware makes errors JSON)."""
+    app.router.add_post(KV_QUERY_PATH, kv_query)

@@ -1,0 +1,339 @@
+"""One proxied request as operators see it: its id, timings, decision, outcome and trace.
+
+The proxy opens an `Observation` per request (`Observer.begin`) and tells it what happens: the
+phases (parse, route), each upstream attempt, the first byte, the answer (whose usage says how
+many tokens the worker served from cache), the end. The observation feeds `DecisionStats`
+(metrics, the recent decisions, the dashboard's window) and, when tracing is on, the request's
+spans. It is stored on the request (`observation(request)`), so the proxy's inner steps reach it
+without new parameters.
+
+`x-request-id`: the client's is passed through to the worker untouched (and echoed back); a
+request without one gets one, so every log line can name it: the id sits in a context variable
+of the handler's task that `install_log_request_id` puts on every log record (`kvroute serve`
+logs it), and each request ends with a DEBUG line naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.http.decisions import Decision, DecisionStats
+from router.http.tracing import PARSE_CONTEXT, Tracing
+from router.http.usage import StreamTail, cached_tokens
+from router.prompt.request import Endpoint
+from router.routing.planner import Plan
+from router.routing.policy import Candidate
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+__all__ = [
+    "OBSERVATION",
+    "REQUEST_ID_HEADER",
+    "Observation",
+    "Observer",
+    "install_log_request_id",
+    "observation",
+]
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_MAX_ID_CHARS = 128  # a longer client id is forwarded as sent, but logged and traced cut short
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvroute_request_id", default="-")
+_NO_PHASE = contextlib.nullcontext()
+
+
+class Observer:
+    """Opens the observations of one router; owns nothing that needs closing."""
+
+    def __init__(
+        self,
+        stats: DecisionStats,
+        block_size: Callable[[str], int | None],
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.stats = stats
+        self.tracing = tracing
+        self._block_size = block_size
+
+    def begin(self, request: web.Request, endpoint: Endpoint) -> Observation:
+        """Start observing `request` (stored on it: `observation(request)`)."""
+        obs = Observation(self, request, endpoint)
+        request[OBSERVATION] = obs
+        return obs
+
+
+class Observation:
+    """What one request did, told by the proxy as it happens."""
+
+    __slots__ = (
+        "_decision",
+        "_observer",
+        "_parse_token",
+        "_phase_span",
+        "_request_ctx",
+        "_request_span",
+        "_tail",
+        "_upstream_span",
+        "endpoint",
+        "model",
+        "request_id",
+        "started",
+    )
+
+    def __init__(self, observer: Observer, request: web.Request, endpoint: Endpoint) -> None:
+        self._observer = observer
+        self.started = time.perf_counter()
+        self.endpoint = endpoint.value
+        self.model = ""
+        given = request.headers.get(REQUEST_ID_HEADER)
+        self.request_id = given[:_MAX_ID_CHARS] if given else uuid.uuid4().hex
+        REQUEST_ID.set(self.request_id)  # the handler's own task: no reset needed
+        self._decision: Decision | None = None
+        self._tail: StreamTail | None = None
+        self._request_span: Span | None = None
+        self._request_ctx: Any = None
+        self._phase_span: Span | None = None
+        self._upstream_span: Span | None = None
+        self._parse_token: contextvars.Token[Any] | None = None
+        tracing = observer.tracing
+        if tracing is not None:
+            from opentelemetry import trace
+
+            parent = tracing.propagator.extract(request.headers)
+            span = tracing.tracer.start_span(
+                f"{request.method} {endpoint.value}",
+                context=parent,
+                kind=trace.SpanKind.SERVER,
+                attributes={
+                    "http.request.method": request.method,
+                    "url.path": request.path,
+                    "kvroute.endpoint": endpoint.value,
+                    "kvroute.request_id": self.request_id,
+                },
+            )
+            if span.is_recording():  # sampled out: no child spans either (they would cost)
+                self._request_span = span
+                self._request_ctx = trace.set_span_in_context(span)
+
+    # ---------------------------------------------------------------- phases
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """A child span around one step (`parse`, `route`); nothing without tracing."""
+        if self._request_span is None:
+            return _NO_PHASE
+        return self._span_phase(name)
+
+    @contextlib.contextmanager
+    def _span_phase(self, name: str) -> Iterator[object]:
+        from opentelemetry import trace
+
+        tracing = self._observer.tracing
+        assert tracing is not None
+        span = tracing.tracer.start_span(name, context=self._request_ctx)
+        self._phase_span = span
+        token = PARSE_CONTEXT.set(trace.set_span_in_context(span)) if name == "parse" else None
+        try:
+            yield span
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            if token is not None:
+                PARSE_CONTEXT.reset(token)
+            self._phase_span = None
+            span.end()
+
+    def planned(self, plan: Plan, model: str) -> None:
+        """The decision's facts, on the `route` span."""
+        self.model = model
+        span = self._phase_span
+        if span is None:
+            return
+        first = plan.candidates[0] if plan.candidates else None
+        span.set_attribute("kvroute.candidates", len(plan.candidates))
+        span.set_attribute("kvroute.prompt_tokens", plan.prompt_tokens)
+        span.set_attribute("kvroute.namespace", plan.namespace)  # a fingerprint, never the salt
+        if first is not None:
+            _target_attributes(span, first)
+
+    # ---------------------------------------------------------------- attempts
+
+    def attempt(self, plan: Plan, candidate: Candidate, attempt: int) -> None:
+        """The request goes to `candidate` (attempt 0 is the decision; later ones retries)."""
+        decision = Decision(
+            self.request_id,
+            self.endpoint,
+            self.model,
+            plan.namespace,
+            plan.prompt_tokens,
+            plan.candidates,
+            candidate,
+            attempt,
+            self._observer._block_size(candidate.worker),
+        )
+        if attempt == 0:
+            self._observer.stats.decided(decision)
+        self._decision = decision
+        if self._request_span is None:
+            return
+        from opentelemetry import trace
+
+        tracing = self._observer.tracing
+        assert tracing is not None
+        self._end_upstream(None)
+        span = tracing.tracer.start_span(
+            "upstream", context=self._request_ctx, kind=trace.SpanKind.CLIENT
+        )
+        _target_attributes(span, candidate)
+        span.set_attribute("server.address", candidate.url)
+        span.set_attribute("kvroute.attempt", attempt)
+        self._upstream_span = span
+
+    def outgoing(self, headers: CIMultiDict[str]) -> None:
+        """Headers for the worker: the request id, and the upstream span as `traceparent`."""
+        if REQUEST_ID_HEADER not in headers:
+            headers[REQUEST_ID_HEADER] = self.request_id
+        span = self._upstream_span
+        if span is not None:
+            from opentelemetry import trace
+
+            tracing = self._observer.tracing
+            assert tracing is not None
+            carrier: dict[str, str] = {}
+            tracing.propagator.inject(carrier, context=trace.set_span_in_context(span))
+            for name, value in carrier.items():
+                headers[name] = value  # replaces the client's: the worker's parent is ours
+
+    def failed(self, reason: str) -> None:
+        """The attempt failed before any byte reached the client (a retry may follow)."""
+        self._end_upstream(reason)
+
+    def first_byte(self) -> None:
+        """The worker's first byte arrived: time to first token, at the router."""
+        seconds = time.perf_counter() - self.started
+        decision = self._decision
+        if decision is not None and decision.ttft_s is None:
+            decision.ttft_s = seconds
+            self._observer.stats.first_byte(self.endpoint, self.model, seconds)
+
+    def response_headers(self, headers: CIMultiDict[str]) -> None:
+        """Headers for the client: the request id."""
+        headers[REQUEST_ID_HEADER] = self.request_id
+
+    def body(self, payload: bytes) -> None:
+        """A whole (non-streamed) answer: its usage."""
+        if self._decision is not None:
+            self._decision.cached_tokens = cached_tokens(payload)
+
+    def chunk(self, chunk: bytes) -> None:
+        """One chunk of a streamed answer (the last few are read for usage at the end)."""
+        tail = self._tail
+        if tail is None:
+            tail = self._tail = StreamTail()
+        tail.feed(chunk)
+
+    def finish(self, status: int) -> None:
+        """The answer went out with `status`: count the outcome, close the spans."""
+        decision = self._decision
+        if decision is None:
+            return
+        if self._tail is not None:
+            decision.cached_tokens = self._tail.cached_tokens()
+        decision.status = status
+        decision.duration_s = time.perf_counter() - self.started
+        self._observer.stats.finished(decision)
+        if log.isEnabledFor(logging.DEBUG):
+            chosen = decision.chosen
+            log.debug(
+                "request %s: %s %s -> %s rank %s, status %d, matched %d, cached %s, %.1f ms",
+                self.request_id,
+                self.endpoint,
+                self.model or "-",
+                chosen.worker,
+                chosen.dp_rank,
+                status,
+                chosen.matched_tokens,
+                decision.cached_tokens,
+                decision.duration_s * 1e3,
+            )
+        span = self._upstream_span
+        if span is not None:
+            span.set_attribute("http.response.status_code", status)
+            if decision.cached_tokens is not None:
+                span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
+            if decision.ttft_s is not None:
+                span.set_attribute("kvroute.ttft_s", decision.ttft_s)
+            self._end_upstream(None if status < 500 else f"HTTP {status}")
+        if self._request_span is not None:
+            self._request_span.set_attribute("http.response.status_code", status)
+
+    def close(self, error: BaseException | None) -> None:
+        """The handler is done (answered, raised or cancelled): end the request span."""
+        span = self._request_span
+        if span is None:
+            return
+        self._request_span = None
+        self._end_upstream(type(error).__name__ if error is not None else None)
+        if self.model:
+            span.set_attribute("kvroute.model", self.model)
+        if error is not None:
+            from opentelemetry import trace
+
+            span.set_attribute("error.type", type(error).__name__)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+        span.end()
+
+    def _end_upstream(self, error: str | None) -> None:
+        span = self._upstream_span
+        if span is None:
+            return
+        self._upstream_span = None
+        if error is not None:
+            from opentelemetry import trace
+
+            span.set_attribute("error.type", error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
+
+
+def _target_attributes(span: Span, candidate: Candidate) -> None:
+    span.set_attribute("kvroute.worker", candidate.worker)
+    if candidate.dp_rank is not None:
+        span.set_attribute("kvroute.dp_rank", candidate.dp_rank)
+    span.set_attribute("kvroute.matched_tokens", candidate.matched_tokens)
+    span.set_attribute("kvroute.pending_tokens", candidate.pending_tokens)
+    span.set_attribute("kvroute.score", candidate.score)
+
+
+# where the proxy's inner steps find the request's observation
+OBSERVATION = web.RequestKey("kvroute_observation", Observation)
+
+
+def observation(request: web.Request) -> Observation | None:
+    """The request's observation, if the proxy opened one."""
+    return request.get(OBSERVATION)
+
+
+def install_log_request_id() -> None:
+    """Give every log record a `request_id` attribute: the request its task is handling ("-"
+    outside a request), for a log format to print with `%(request_id)s`."""
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        record.request_id = REQUEST_ID.get()
+        return record
+
+    logging.setLogRecordFactory(factory)

@@ -1,0 +1,89 @@
+"""What an operator gets beside the proxy, attached to the router's app in one place.
+
+`install` (when the app is built): the decision statistics and their Prometheus families,
+tracing (when on) and its shutdown as a cleanup context of its own, and the KV query API
+(served when it has a token of its own or the router listens on loopback only). `start` (when
+the app's resources open): the fleet families over the live indexer and load tracker, and the
+`Observer` the proxy reports each request to.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from indexer.service import IndexerService
+from router.config import RouterConfig
+from router.http.decisions import DecisionCollector, DecisionStats
+from router.http.fleet_metrics import FleetCollector
+from router.http.keys import DECISIONS, METRICS, OBSERVER, TOKENIZER, TRACING
+from router.http.kv_query import KV_QUERY_PATH, add_kv_query_route
+from router.http.observe import Observer
+from router.http.tracing import TracedTokenizer, build_tracing
+from router.prompt.tokenizer import PromptTokenizer
+from router.routing.load import LoadTracker
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
+__all__ = ["install", "proxy_tokenizer", "start"]
+
+log = logging.getLogger(__name__)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def install(
+    app: web.Application, config: RouterConfig, tracer_provider: TracerProvider | None = None
+) -> None:
+    """Decision stats and tracing on `app` (before it starts); ConfigError for bad tracing."""
+    stats = DecisionStats()
+    app[DECISIONS] = stats
+    app[METRICS].registry.register(DecisionCollector(stats))
+    tracing = build_tracing(config.tracing, tracer_provider)
+    if tracing is not None:
+        app[TRACING] = tracing
+
+        async def shutdown(app: web.Application) -> AsyncIterator[None]:
+            yield
+            tracing.shutdown()  # flushes what the exporter still holds
+
+        app.cleanup_ctx.append(shutdown)
+    _install_kv_query(app, config)
+
+
+def _install_kv_query(app: web.Application, config: RouterConfig) -> None:
+    if not config.query.enabled:
+        return
+    if not config.query_token() and not _loopback(config.listen.host):
+        log.warning(
+            "%s is off: it needs query.token (or KVROUTE_QUERY_TOKEN) on %s",
+            KV_QUERY_PATH,
+            config.listen.host,
+        )
+        return
+    add_kv_query_route(app)
+
+
+def proxy_tokenizer(app: web.Application) -> PromptTokenizer:
+    """The proxy's tokenizer: traced (`tokenize` spans) when tracing is on."""
+    tracing = app.get(TRACING)
+    tokenizer = app[TOKENIZER]
+    return tokenizer if tracing is None else TracedTokenizer(tokenizer, tracing.tracer)
+
+
+def start(app: web.Application, indexer: IndexerService, load: LoadTracker) -> Observer:
+    """The fleet families and the observer, once the indexer and load tracker exist."""
+    app[METRICS].registry.register(FleetCollector(indexer, load))
+    observer = Observer(app[DECISIONS], indexer.block_size, app.get(TRACING))
+    app[OBSERVER] = observer
+    return observer

@@ -1,0 +1,190 @@
+"""OpenTelemetry tracing of proxied requests (optional: `pip install 'kvroute[otel]'`).
+
+Off by default. On when `[tracing] enabled = true`, or when `OTEL_TRACES_EXPORTER` names an
+exporter; `OTEL_SDK_DISABLED=true` turns it off whatever the file says. What the file leaves
+empty comes from the standard variables: the exporter (`OTEL_TRACES_EXPORTER`: otlp, console),
+the service name (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), the sampler
+(`OTEL_TRACES_SAMPLER` / `_ARG`, else the file's `sample_ratio` under a parent-based sampler),
+the OTLP endpoint (`OTEL_EXPORTER_OTLP_*`, read by the exporter itself) and the propagators
+(`OTEL_PROPAGATORS`, W3C `traceparent` by default).
+
+One span per request (SERVER, continuing the client's `traceparent`), children `parse` (with
+`tokenize` inside it: tokenizing is part of reading the request), `route` and one `upstream`
+(CLIENT) per attempt, whose context goes to the worker as its `traceparent`. The attribute
+names are listed in docs/operations.md. Spans are started with an explicit parent and never
+made "current", so nothing leaks between the requests sharing the event loop.
+
+Nothing here is imported unless tracing is on: `opentelemetry` stays optional.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from router.config import TracingConfig
+from router.errors import ConfigError
+from router.prompt.tokenizer import PromptTokenizer
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Tracer, TracerProvider
+
+    from router.prompt.conventions import ChatOptions
+
+__all__ = ["TracedTokenizer", "Tracing", "build_tracing", "tracing_wanted"]
+
+log = logging.getLogger(__name__)
+
+# the span of the request being parsed, for the tokenizer (called deep inside the parser) to
+# hang its span under; set by the `parse` phase in the handler's own task
+PARSE_CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "kvroute_parse_context", default=None
+)
+# the in-memory exporter keeps the newest this many spans (it is for tests and benchmarks)
+_MEMORY_SPANS = 10_000
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() == "true"
+
+
+def _env_exporter() -> str:
+    return os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+
+
+def tracing_wanted(config: TracingConfig) -> bool:
+    """Whether the config file and the OTEL_* variables turn tracing on."""
+    if _env_true("OTEL_SDK_DISABLED"):
+        return False
+    if config.enabled:
+        return True
+    exporter = _env_exporter()
+    return bool(exporter) and exporter != "none"
+
+
+class Tracing:
+    """The tracer, the propagator, and the provider when kvroute made it (shut down on exit)."""
+
+    def __init__(
+        self,
+        provider: TracerProvider,
+        *,
+        owned: bool,
+        memory: InMemorySpanExporter | None = None,
+    ) -> None:
+        from opentelemetry.propagate import get_global_textmap
+
+        self.provider = provider
+        self.tracer: Tracer = provider.get_tracer("kvroute")
+        self.propagator: TextMapPropagator = get_global_textmap()
+        self.memory = memory  # the in-memory exporter, when that is the one configured
+        self._owned = owned
+
+    def shutdown(self) -> None:
+        """Flush and stop the provider kvroute made (one handed in belongs to its owner)."""
+        if self._owned:
+            shutdown = getattr(self.provider, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def build_tracing(config: TracingConfig, provider: TracerProvider | None = None) -> Tracing | None:
+    """The tracing of `config`, None when off. A `provider` (tests: the SDK's in-memory
+    exporter) is used as given, whatever the config says."""
+    if provider is not None:
+        return Tracing(provider, owned=False)
+    if not tracing_wanted(config):
+        return None
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+        from opentelemetry.sdk.trace import sampling
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SimpleSpanProcessor,
+            SpanExporter,
+        )
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    except ImportError as exc:
+        raise ConfigError(
+            "tracing is on but OpenTelemetry is not installed: pip install 'kvroute[otel]' "
+            f"({exc.name} missing)"
+        ) from None
+    exporter_name = config.exporter or _env_exporter() or "otlp"
+    attributes: dict[str, Any] = {}
+    if config.service_name:
+        attributes["service.name"] = config.service_name
+    elif not os.environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = "kvroute"
+    resource = Resource.create(attributes)  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES too
+    sampler = None  # the SDK reads OTEL_TRACES_SAMPLER
+    if not os.environ.get("OTEL_TRACES_SAMPLER"):
+        sampler = sampling.ParentBased(sampling.TraceIdRatioBased(config.sample_ratio))
+    provider_sdk = SdkProvider(resource=resource, sampler=sampler)
+    memory = None
+    exporter: SpanExporter
+    if exporter_name == "memory":
+        # the newest spans only: a benchmark's long run stays bounded
+        memory = exporter = InMemorySpanExporter(max_spans=_MEMORY_SPANS)
+        # synchronous: the in-memory export is a list append, a thread would only add switches
+        provider_sdk.add_span_processor(SimpleSpanProcessor(exporter))
+    elif exporter_name == "console":
+        provider_sdk.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif exporter_name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise ConfigError(
+                "tracing.exporter = 'otlp' needs pip install opentelemetry-exporter-otlp-proto-http"
+            ) from None
+        provider_sdk.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    elif exporter_name != "none":
+        raise ConfigError(
+            f"tracing.exporter (or OTEL_TRACES_EXPORTER) = {exporter_name!r}: "
+            "use otlp, console, memory or none"
+        )
+    log.info("tracing on: exporter %s", exporter_name)
+    return Tracing(provider_sdk, owned=True, memory=memory)
+
+
+class TracedTokenizer(PromptTokenizer):
+    """A tokenizer whose calls are `tokenize` spans under the request being parsed."""
+
+    def __init__(self, inner: PromptTokenizer, tracer: Tracer) -> None:
+        super().__init__(inner._encoder, inner.name, inner.template)
+        self._inner = inner
+        self._tracer = tracer
+
+    def text(self, text: str) -> list[int]:
+        """`PromptTokenizer.text`, traced."""
+        parent = PARSE_CONTEXT.get()
+        if parent is None:
+            return self._inner.text(text)
+        span = self._tracer.start_span("tokenize", context=parent)
+        try:
+            tokens = self._inner.text(text)
+            span.set_attribute("kvroute.prompt_tokens", len(tokens))
+            return tokens
+        finally:
+            span.end()
+
+    def chat(self, messages: Sequence[object], options: ChatOptions | None = None) -> list[int]:
+        """`PromptTokenizer.chat`, traced."""
+        parent = PARSE_CONTEXT.get()
+        if parent is None:
+            return self._inner.chat(messages, options)
+        span = self._tracer.start_span("tokenize", context=parent)
+        try:
+            tokens = self._inner.chat(messages, options)
+            span.set_attribute("kvroute.prompt_tokens", len(tokens))
+            span.set_attribute("kvroute.chat", True)
+            return tokens
+        finally:
+            span.end()

@@ -1,0 +1,84 @@
+"""Decision statistics: outcomes against the prediction, reasons, the window, explanations."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.http.decisions import Decision, DecisionCollector, DecisionStats
+from router.routing.policy import Candidate
+
+
+def _candidate(
+    worker: str, matched: int, *, load: float = 0.0, rank: int | None = None
+) -> Candidate:
+    return Candidate(
+        worker=worker,
+        url="http://127.0.0.1:1",
+        healthy=True,
+        status="ready",
+        dp_rank=rank,
+        matched_tokens=matched,
+        matched_blocks=matched // 16,
+        load=load,
+        score=4 * matched - load,
+    )
+
+
+def _samples(stats: DecisionStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(DecisionCollector(stats))
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_outcomes_reasons_and_blocks() -> None:
+    now = [1000.0]
+    stats = DecisionStats(clock=lambda: now[0])
+    a, b = _candidate("a", 64), _candidate("b", 0, rank=1)
+    cases = [([a, b], a, 64), ([a, b], a, 32), ([b, a], b, 16), ([_candidate("a", 0), b], b, None)]
+    for candidates, chosen, cached in cases:
+        d = Decision("id", "/v1/completions", "m", "ns", 100, candidates, chosen, 0, 16)
+        stats.decided(d)
+        d.status, d.cached_tokens = 200, cached
+        stats.finished(d)
+    s = _samples(stats)
+    a_key = (("dp_rank", ""), ("model", "m"), ("worker", "a"))
+    b_key = (("dp_rank", "1"), ("model", "m"), ("worker", "b"))
+    assert s[("kvroute_usage_reports_total", a_key)] == 2
+    assert s[("kvroute_usage_predicted_tokens_total", a_key)] == 128
+    assert s[("kvroute_usage_cached_tokens_total", a_key)] == 96
+    assert (
+        s[("kvroute_prediction_outcomes_total", (*a_key[:2], ("outcome", "exact"), a_key[2]))] == 1
+    )
+    assert (
+        s[("kvroute_prediction_outcomes_total", (*a_key[:2], ("outcome", "over"), a_key[2]))] == 1
+    )
+    assert (
+        s[("kvroute_prediction_outcomes_total", (*b_key[:2], ("outcome", "under"), b_key[2]))] == 1
+    )
+    assert s[("kvroute_usage_missing_total", b_key)] == 1
+    reasons = {k[1][1][1]: v for k, v in s.items() if k[0] == "kvroute_route_decisions_total"}
+    assert reasons == {"prefix": 2, "load": 1, "none": 1}
+    assert s[("kvroute_route_query_blocks_count", (("model", "m"),))] == 4
+    assert s[("kvroute_route_best_match_blocks_sum", (("model", "m"),))] == 12  # 4 + 4 + 4 + 0
+    window = stats.window()
+    assert len(window) == 30 and window[-1]["requests"] == 4
+    assert window[-1]["accuracy"] == 1 / 3 and window[-1]["hit_rate"] == 112 / 300
+    now[0] += 400  # five minutes later the window is empty again
+    assert all(row["requests"] == 0 for row in stats.window())
+
+
+def test_explanations_say_why() -> None:
+    a, b = _candidate("a", 64, load=500), _candidate("b", 0, load=10)
+    d = Decision("id", "/generate", "m", "ns", 100, [b, a], b, 0, 16)
+    assert d.reason() == "load"
+    assert d.explain().startswith("a holds 64 tokens but carries load 500")
+    d = Decision("id", "/generate", "m", "ns", 100, [a, b], a, 1, 16)
+    assert d.reason() == "prefix" and "longest prefix: 64 of 100" in d.explain()
+    assert d.explain().endswith("(retry 1)")
+    row = d.to_builtins()
+    assert row["best_worker"] == "a" and len(row["candidates"]) == 2  # type: ignore[arg-type]

@@ -1,0 +1,121 @@
+"""POST /v1/kv/query for other gateways, in the router and in `kvroute indexer` (no proxy)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.commands.cli import build_parser
+from router.config import QueryConfig
+from router.service import RouterService
+from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+QUERY_TOKEN = "gateway-token"
+QAUTH = {"Authorization": f"Bearer {QUERY_TOKEN}"}
+TEXT = "An endpoint picker asks kvroute which worker holds this prompt already. " * 5
+
+
+@pytest.fixture
+async def query_fleet() -> AsyncIterator[Fleet]:
+    """Two reference workers and a kv router whose query API has its own token."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        config = router_config(
+            [("w0", w0.url), ("w1", w1.url)], query=QueryConfig(token=QUERY_TOKEN)
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            yield fleet
+
+
+async def _query(fleet: Fleet, body: object, headers: Any = QAUTH) -> tuple[int, Any]:
+    async with fleet.session.post(fleet.url + "/v1/kv/query", json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+def _by_worker(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["worker"]: row for row in answer["workers"]}
+
+
+async def test_query_answers_what_the_router_routes_by(query_fleet: Fleet) -> None:
+    fleet = query_fleet
+    body = {"model": "m", "prompt": TEXT, "max_tokens": 2, "cache_salt": "tenant-a"}
+    status, headers, _ = await fleet.post("/v1/completions", body)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    query = {"model": "m", "text": TEXT, "cache_salt": "tenant-a"}
+
+    async def indexed() -> bool:
+        status, answer = await _query(fleet, query)
+        assert status == 200, answer
+        return bool(_by_worker(answer)[holder]["matched_tokens"] >= 300)
+
+    await eventually(indexed, what="the prompt indexed")
+    _, answer = await _query(fleet, query)
+    assert answer["version"] == 1 and answer["best"] == {"worker": holder, "dp_rank": None}
+    assert answer["model"] == "kvroute/reference-byte-lm" and answer["prompt_tokens"] > 300
+    row = _by_worker(answer)[holder]
+    assert row["tiers"] == {"GPU": row["matched_blocks"]} and row["stream_state"] == "synced"
+    assert row["routable"] is True and row["matched_tokens"] == 16 * row["matched_blocks"]
+    # the same prompt as token ids, and the router's next request agrees with the answer
+    ids = (await fleet.route({"model": "m", "prompt": TEXT}))["prompt_tokens"]
+    assert ids == answer["prompt_tokens"]
+    status, headers, again = await fleet.post("/v1/completions", body)
+    assert int(headers["x-kvroute-matched-tokens"]) == row["matched_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == row["matched_tokens"]
+    # another tenant's namespace holds nothing of it
+    _, other = await _query(fleet, {**query, "cache_salt": "tenant-b"})
+    assert all(r["matched_tokens"] == 0 and r["pending_tokens"] == 0 for r in other["workers"])
+    assert other["namespace"] != answer["namespace"]
+
+
+async def test_query_token_and_bad_input(query_fleet: Fleet) -> None:
+    fleet = query_fleet
+    ok = {"token_ids": [1, 2, 3]}
+    for headers in ({}, AUTH, {"Authorization": "Bearer nope"}):
+        status, error = await _query(fleet, ok, headers)
+        assert status == 401 and error["error"]["type"] == "AuthError"
+    status, answer = await _query(fleet, ok)
+    assert status == 200 and answer["prompt_tokens"] == 3
+    cases = [
+        ({"text": "a", "token_ids": [1]}, 400, "exactly one of token_ids, text or messages"),
+        ({}, 400, "exactly one"),
+        ({"token_ids": [1], "salt": "x"}, 400, "unknown field `salt`"),
+        ({"token_ids": [-1]}, 400, "token_ids[0]"),
+        ({"token_ids": [1], "cache_salt": "s" * 300}, 400, "max_salt_bytes"),
+        ({"token_ids": [1], "lora": 7}, 400, "Expected `str | null`"),
+    ]
+    for body, code, message in cases:
+        status, error = await _query(fleet, body)
+        assert status == code, (body, error)
+        assert message in error["error"]["message"], error
+    status, chat = await _query(fleet, {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and chat["prompt_tokens"] > 2
+
+
+async def test_indexer_mode_serves_the_index_without_the_proxy() -> None:
+    parser, verb = build_parser(["indexer", "--config", "x.toml"])
+    assert verb is not None and parser.parse_args(["indexer", "--config", "x.toml"]).config
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker:
+        config = router_config([("w0", worker.url)])
+        async with RouterService(config, proxy=False) as indexer, aiohttp.ClientSession() as s:
+            async with s.post(indexer.url + "/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 404  # no proxy here
+            ids = list(range(5, 80))
+            async with s.post(worker.url + "/generate", json={"input_ids": ids}) as resp:
+                assert resp.status == 200  # straight to the worker: the gateway routed it
+
+            async def held() -> bool:
+                async with s.post(indexer.url + "/v1/kv/query", json={"token_ids": ids}) as r:
+                    answer = await r.json()
+                return bool(answer["workers"][0]["matched_tokens"] == 64)
+
+            await eventually(held, what="the worker's events in the standalone index")
+            async with s.get(indexer.url + "/metrics") as resp:
+                assert "kvroute_stream_state" in await resp.text()

@@ -1,0 +1,153 @@
+"""The operator's metrics after real traffic through a real router and reference workers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.router.conftest import Fleet, eventually
+
+PROMPT = "The quarterly report of the ACME support desk, section one. " * 6  # ~360 tokens
+
+
+def _chat(salt: str, *, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 4,
+        "cache_salt": salt,
+    }
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+async def scrape(fleet: Fleet) -> Samples:
+    """Every sample of /metrics by name."""
+    async with fleet.session.get(fleet.url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name` over the samples whose labels include `labels`."""
+    return sum(
+        v for got, v in samples.get(name, []) if all(got.get(k) == x for k, x in labels.items())
+    )
+
+
+async def _stream_cached(fleet: Fleet, body: dict[str, Any]) -> tuple[dict[str, str], int]:
+    """Headers and the final usage chunk's cached_tokens of a streamed chat."""
+    async with fleet.session.post(fleet.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        lines = [line async for line in resp.content]
+        headers = dict(resp.headers)
+    events = [json.loads(x[5:]) for x in lines if x.startswith(b"data: {")]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    return headers, int(usage[-1]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_prediction_against_the_workers_usage(fleet: Fleet) -> None:
+    first = _chat("tenant-a")
+    status, headers, answer = await fleet.post("/v1/chat/completions", first)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(first, holder, 300), what="the prefix indexed")
+    # the same prompt again (whole body), then streamed (its final usage chunk), then /generate
+    status, headers, answer = await fleet.post("/v1/chat/completions", first)
+    predicted = int(headers["x-kvroute-matched-tokens"])
+    cached = int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert predicted == cached >= 300
+    s_headers, s_cached = await _stream_cached(fleet, _chat("tenant-a", stream=True))
+    assert int(s_headers["x-kvroute-matched-tokens"]) == s_cached == cached
+    ids = list(range(3, 200))
+    status, _, gen = await fleet.post("/generate", {"input_ids": ids, "cache_salt": "tenant-g"})
+    assert status == 200 and gen["meta_info"]["cached_tokens"] == 0
+
+    samples = await scrape(fleet)
+    model = "kvroute/reference-byte-lm"
+    assert total(samples, "kvroute_usage_reports_total") == 4
+    assert total(samples, "kvroute_usage_cached_tokens_total", worker=holder) == 2 * cached
+    assert total(samples, "kvroute_usage_predicted_tokens_total", worker=holder) == 2 * cached
+    exact = total(samples, "kvroute_prediction_outcomes_total", outcome="exact")
+    assert exact == 4  # both misses were predicted as misses, both hits exactly
+    assert total(samples, "kvroute_routed_requests_total", model=model) == 4
+    # the decision triple, in blocks of 16 tokens
+    assert total(samples, "kvroute_route_query_blocks_count", model=model) == 4
+    assert total(samples, "kvroute_route_chosen_match_blocks_sum", model=model) >= 2 * 300 // 16
+    assert total(samples, "kvroute_route_decisions_total", reason="prefix") == 2
+    assert total(samples, "kvroute_route_decisions_total", reason="none") == 2
+    # latency at the router, per model
+    ttft = total(samples, "kvroute_time_to_first_token_seconds_count", model=model)
+    assert ttft == 4
+    assert total(samples, "kvroute_request_duration_seconds_count", model=model) == 4
+
+    # streams and load per (worker, rank)
+    for worker in ("w0", "w1"):
+        assert total(samples, "kvroute_stream_state", worker=worker, state="synced") == 1
+        assert total(samples, "kvroute_stream_state", worker=worker, dp_rank="0") == 1
+        assert total(samples, "kvroute_stream_gaps_total", worker=worker) == 0
+        assert total(samples, "kvroute_stream_batches_total", worker=worker) >= 1
+        assert total(samples, "kvroute_load_running_requests", worker=worker) == 0
+    assert total(samples, "kvroute_stream_index_entries", worker=holder) >= 300 // 16
+    assert samples["kvroute_stream_lag_seconds"]
+
+    # namespaces only as a size distribution: no salt and no fingerprint is a label value
+    fingerprints: set[str] = set()
+
+    async def namespaces_settled() -> bool:
+        nonlocal samples, fingerprints
+        _, namespaces = await fleet.admin("GET", "/namespaces")
+        fingerprints = {row["id"] for row in namespaces["namespaces"]}
+        samples = await scrape(fleet)  # the /generate's events may still be on their way
+        return total(samples, "kvroute_namespaces") == len(fingerprints) >= 3
+
+    await eventually(namespaces_settled, what="every namespace indexed")
+    assert total(samples, "kvroute_namespace_size_tokens_count") == len(fingerprints)
+    secrets = fingerprints | {"tenant-a", "tenant-g", "warm-up"}
+    for rows in samples.values():
+        for labels, _ in rows:
+            assert not secrets & set(labels.values()), labels
+
+
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+
+
+def exported_names(text: str) -> set[str]:
+    """Every sample name /metrics can show, from its families (samples or not yet)."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        suffixes = {
+            "counter": ("_total", "_created"),
+            "histogram": ("_bucket", "_sum", "_count", "_created"),
+        }.get(family.type, ("",))
+        names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+async def test_grafana_dashboard_and_docs_use_exactly_the_exported_names(fleet: Fleet) -> None:
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("tenant-a"))
+    assert status == 200
+    async with fleet.session.get(fleet.url + "/metrics") as resp:
+        exported = exported_names(await resp.text())
+    dashboard = json.loads((DOCS / "grafana" / "kvroute.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"kvroute_[a-z_]+", e)}
+    assert used and used <= exported, sorted(used - exported)
+    # and every family the router exports is described in docs/operations.md
+    described = set(re.findall(r"`(kvroute_[a-z_]+)", (DOCS / "operations.md").read_text()))
+    families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count", "_created"))}
+    families = {n.removesuffix("_total") for n in families}
+    assert families <= described | {f + "_total" for f in described}, sorted(families - described)
