@@ -193,21 +193,19 @@ async def serve_fleet(
 
 
 def run_loop(main: Coroutine[object, object, None]) -> None:
-    """Run `main` on uvloop when it is installed (and $KVROUTE_EVENT_LOOP is not "asyncio").
+    """Run `main` on asyncio's loop, or on uvloop when $KVROUTE_EVENT_LOOP is "uvloop".
 
-    Measured on the proxy hot path (`kvroute bench proxy`, the "kvroute on asyncio's loop"
-    row of docs/benchmarks/replicas/proxy.md): the same router served 1.06x the requests/s on
-    uvloop there at no latency cost, so it is the default where it installs (not on
-    Windows); asyncio's own loop stays the fallback.
+    uvloop is opt-in, not the default: it served 1.06x the requests/s on the proxy hot path
+    (`kvroute bench proxy`, docs/benchmarks/replicas/proxy.md), but under a low descriptor
+    limit its accept loop does not let the listener refuse a flood of idle connections with a
+    503 the way asyncio's does (tests/router/commands/test_router_serve_cli.py), and a router
+    that stops answering is worse than one 6% slower.
     """
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if os.environ.get("KVROUTE_EVENT_LOOP", "") != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            factory = uvloop.new_event_loop
+    if os.environ.get("KVROUTE_EVENT_LOOP", "asyncio") == "uvloop":
+        import uvloop  # an error naming the missing module is the right answer here
+
+        factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
 
