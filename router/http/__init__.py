@@ -6,6 +6,7 @@ upstream hop: streaming, retries) -> `intake` (body and salt header within the l
 `router.prompt`) -> `router.routing` for the decision.
 
 - `admin`: the `/admin` API (workers, namespaces, streams, route dry run, index dump/load);
+- `dashboard/`: the live page at `/dashboard` (admin token), its login and the state it polls;
 - `metrics`: the Prometheus metrics of one router;
 - `keys`: the typed application keys naming the app's shared objects.
 

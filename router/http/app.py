@@ -27,6 +27,7 @@ from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http import operations
 from router.http.admin import create_admin_app
+from router.http.dashboard.routes import add_dashboard_routes
 from router.http.keys import (
     CLUSTER,
     CONFIG,
@@ -275,5 +276,6 @@ def create_app(
         if not token:
             log.warning("admin API without a token (loopback only)")
         app.add_subapp("/admin", create_admin_app(token))
+        add_dashboard_routes(app, token)  # behind the admin token too (router.http.dashboard)
     app.cleanup_ctx.append(_resources)
     return app

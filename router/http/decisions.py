@@ -292,6 +292,11 @@ class DecisionStats:
                     "accuracy": exact / usage if usage else -1.0,
                     "hit_rate": cached / prompt if prompt else -1.0,
                     "predicted_hit_rate": predicted / prompt if prompt else -1.0,
+                    # the counts behind the ratios, so coarser periods can be summed exactly
+                    "exact": exact,
+                    "prompt_tokens": prompt,
+                    "predicted_tokens": predicted,
+                    "cached_tokens": cached,
                 }
             )
         return rows

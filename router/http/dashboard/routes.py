@@ -1,0 +1,153 @@
+"""The `/dashboard` routes: the page, its login, its state, its two static files.
+
+`GET /dashboard` is the page for a browser holding a session cookie (or sending the admin token
+as a bearer header, which also starts a session), and a login form (401) for anyone else. The
+form posts the token to `POST /dashboard/login`, in the body, so it never sits in a URL, a
+history entry or an access log; a right token answers with the session cookie
+(`router.http.dashboard.session`) and a redirect to the page. The page polls
+`GET /dashboard/state` (cookie or bearer; 401 JSON without) and renders it; the static files are
+code with no data in them, served to anyone, so the login form has its stylesheet.
+
+Every page is sent with a Content-Security-Policy allowing this origin only: the page works
+with no network beyond the router, and a value that slipped into the markup could not load or
+run anything.
+
+With no admin token configured (a loopback-only router, as the admin API allows) there is no
+login: the page and its state are open, like `/admin`.
+"""
+
+from __future__ import annotations
+
+import html
+from importlib import resources
+
+from aiohttp import web
+
+from router.errors import AuthError
+from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
+from router.http.dashboard.state import encode, snapshot
+
+__all__ = ["PAGE_PATH", "add_dashboard_routes"]
+
+PAGE_PATH = "/dashboard"
+_STATIC = resources.files("router.http.dashboard") / "static"
+_ASSETS = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
+_ERROR_MARK = "<!--error-->"
+_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _read(name: str) -> str:
+    return (_STATIC / name).read_text(encoding="utf-8")
+
+
+class _Dashboard:
+    """The handlers, over the files read once and the session of one admin token."""
+
+    def __init__(self, token: str) -> None:
+        self._session = DashboardSession(token) if token else None
+        self._page = _read("index.html").encode()
+        self._login = _read("login.html")
+        self._assets = {name: (_read(name).encode(), kind) for name, kind in _ASSETS.items()}
+
+    def _by_header(self, request: web.Request) -> bool:
+        session = self._session
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return session is not None and scheme == "Bearer" and session.token_matches(given)
+
+    def _authorized(self, request: web.Request) -> bool:
+        session = self._session
+        if session is None:
+            return True
+        return session.valid(request.cookies.get(COOKIE)) or self._by_header(request)
+
+    def _start_session(self, request: web.Request, response: web.Response) -> None:
+        assert self._session is not None
+        response.set_cookie(
+            COOKIE,
+            self._session.issue(),
+            max_age=SESSION_S,
+            path=PAGE_PATH,
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,  # behind TLS it never travels in clear
+        )
+
+    def _login_form(self, error: str = "") -> web.Response:
+        body = self._login.replace(_ERROR_MARK, html.escape(error))
+        return web.Response(
+            text=body, status=401, content_type="text/html", charset="utf-8", headers=_HEADERS
+        )
+
+    async def page(self, request: web.Request) -> web.Response:
+        """GET /dashboard: the page, or the login form without a session."""
+        if not self._authorized(request):
+            return self._login_form()
+        response = web.Response(
+            body=self._page, content_type="text/html", charset="utf-8", headers=_HEADERS
+        )
+        session = self._session
+        if session is not None and not session.valid(request.cookies.get(COOKIE)):
+            self._start_session(request, response)  # came with the bearer header
+        return response
+
+    async def login(self, request: web.Request) -> web.Response:
+        """POST /dashboard/login (form field `token`): a session and back to the page."""
+        form = await request.post()
+        given = form.get("token")
+        response = web.Response(status=303, headers={"Location": PAGE_PATH, **_HEADERS})
+        if self._session is None:
+            return response  # nothing to log in to
+        if not isinstance(given, str) or not self._session.token_matches(given):
+            return self._login_form("That is not the admin token.")
+        self._start_session(request, response)
+        return response
+
+    async def logout(self, request: web.Request) -> web.Response:
+        """POST /dashboard/logout: forget the session cookie."""
+        response = web.Response(status=303, headers={"Location": PAGE_PATH, **_HEADERS})
+        response.del_cookie(COOKIE, path=PAGE_PATH)
+        return response
+
+    async def state(self, request: web.Request) -> web.Response:
+        """GET /dashboard/state: the JSON the page renders (`DashboardState`)."""
+        if not self._authorized(request):
+            raise AuthError("dashboard: log in at /dashboard, or send the admin bearer token")
+        return web.Response(
+            body=encode(snapshot(request.app)),
+            content_type="application/json",
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def asset(self, request: web.Request) -> web.Response:
+        """GET /dashboard/static/{name}: the page's script and stylesheet."""
+        found = self._assets.get(request.match_info["name"])
+        if found is None:
+            raise web.HTTPNotFound()
+        body, kind = found
+        return web.Response(
+            body=body,
+            content_type=kind,
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"},
+        )
+
+
+def add_dashboard_routes(app: web.Application, token: str) -> None:
+    """Serve the dashboard on the router's app, behind `token` (the admin token; '' = open)."""
+    dashboard = _Dashboard(token)
+    app.router.add_get(PAGE_PATH, dashboard.page)
+    app.router.add_post(PAGE_PATH + "/login", dashboard.login)
+    app.router.add_post(PAGE_PATH + "/logout", dashboard.logout)
+    app.router.add_get(PAGE_PATH + "/state", dashboard.state)
+    app.router.add_get(PAGE_PATH + "/static/{name}", dashboard.asset)
