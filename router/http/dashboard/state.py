@@ -13,18 +13,28 @@ Salts never reach this document: namespaces and decisions carry keyed fingerprin
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import msgspec
 from aiohttp import web
 
 from router.http.decisions import WINDOW_BUCKET_S, Decision
 from router.http.keys import CLUSTER, CONFIG, DECISIONS, FINGERPRINT, INDEXER, PLANNER
+from router.routing.load import WorkerLoad
 
 __all__ = [
     "MAX_DECISIONS",
     "MAX_NAMESPACES",
     "DashboardState",
+    "DecisionRow",
+    "NamespaceRow",
+    "PeriodRow",
+    "Prediction",
+    "RankRow",
+    "StreamRow",
+    "WorkerRow",
     "encode",
+    "rank_rows",
     "snapshot",
 ]
 
@@ -199,6 +209,44 @@ def _decision(d: Decision) -> DecisionRow:
     )
 
 
+def rank_rows(
+    workers: list[str],
+    streams: list[StreamRow],
+    loads: Mapping[tuple[str, int | None], WorkerLoad],
+) -> list[RankRow]:
+    """One row per (worker, dp rank): each rank its streams name, with the load counted there.
+
+    A request sent without a rank counts under rank None (`LoadTracker`). On a worker with one
+    stream that is the one scheduler there is, so it is shown on that rank; on a worker with
+    several it stays a row of its own ("the engine picked"), and a worker without streams has
+    just that row.
+    """
+    rows = []
+    for worker in workers:
+        states = {s.dp_rank: s.state for s in streams if s.worker == worker}
+        counted = {rank: load for (w, rank), load in loads.items() if w == worker}
+        unranked = counted.pop(None, None)
+        shown: list[int | None] = [*sorted(set(states) | {r for r in counted if r is not None})]
+        if len(shown) != 1 and (unranked is not None or not shown):
+            shown.insert(0, None)  # its own row: no single rank it stands for
+        for rank in shown:
+            parts = [counted.get(rank) if rank is not None else unranked]
+            if len(shown) == 1 and rank is not None:
+                parts.append(unranked)
+            loads_here = [p for p in parts if p is not None]
+            rows.append(
+                RankRow(
+                    worker=worker,
+                    dp_rank=rank,
+                    running=sum(p.running for p in loads_here),
+                    queued_prefill_tokens=sum(p.queued_prefill_tokens for p in loads_here),
+                    kv_tokens=sum(p.kv_tokens for p in loads_here),
+                    stream_state=states.get(rank) if rank is not None else None,
+                )
+            )
+    return rows
+
+
 def snapshot(app: web.Application) -> DashboardState:
     """The dashboard's document, read from `app`'s live objects (on the loop: no await)."""
     planner = app[PLANNER]
@@ -241,24 +289,7 @@ def snapshot(app: web.Application) -> DashboardState:
         for s in stream_stats
     ]
     streams.sort(key=lambda s: (s.worker, s.dp_rank))
-    state_of: dict[tuple[str, int | None], str] = {(s.worker, s.dp_rank): s.state for s in streams}
-    loads = planner.load.by_target()
-    known = {e.id for e in planner.pool}
-    # every rank a stream names (idle ones too), and every rank load was counted under
-    targets = set(state_of) | {t for t in loads if t[0] in known}
-    ranks = []
-    for worker, rank in sorted(targets, key=lambda t: (t[0], -1 if t[1] is None else t[1])):
-        counted = loads.get((worker, rank))
-        ranks.append(
-            RankRow(
-                worker=worker,
-                dp_rank=rank,
-                running=counted.running if counted else 0,
-                queued_prefill_tokens=counted.queued_prefill_tokens if counted else 0,
-                kv_tokens=counted.kv_tokens if counted else 0,
-                stream_state=state_of.get((worker, rank)),
-            )
-        )
+    ranks = rank_rows([e.id for e in planner.pool], streams, planner.load.by_target())
     stats = indexer.namespaces()
     stats.sort(key=lambda s: -s.tokens)
     namespaces = [

@@ -12,7 +12,8 @@ import msgspec
 from multidict import CIMultiDictProxy
 
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
-from router.http.dashboard.state import DashboardState
+from router.http.dashboard.state import DashboardState, StreamRow, rank_rows
+from router.routing.load import LoadTracker
 from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
 from tests.router.ops.test_metrics_live import PROMPT
 
@@ -179,3 +180,39 @@ def test_session_cookies_expire_and_are_tied_to_the_token() -> None:
     now[0] += SESSION_S
     assert not session.valid(cookie)
     assert session.token_matches("secret") and not session.token_matches("secret\udcff")
+
+
+def _stream(worker: str, rank: int, state: str = "synced") -> StreamRow:
+    return StreamRow(
+        stream=f"{worker}#dp{rank}",
+        worker=worker,
+        dp_rank=rank,
+        state=state,
+        lag_s=0.1,
+        last_seq=1,
+        entries=1,
+        block_size=16,
+        gaps=0,
+        replays=0,
+        restarts=0,
+        decode_errors=0,
+    )
+
+
+def test_ranks_fold_unranked_load_only_where_one_rank_is_all_there_is() -> None:
+    load = LoadTracker()
+    load.begin("one", 100)  # one rank: the router sends no rank, the engine has only rank 0
+    load.begin("two", 50, dp_rank=1)
+    load.begin("two", 7)  # ranks of its own not known yet: the engine picked
+    load.begin("plain", 9)  # no KV events, no streams
+    streams = [_stream("one", 0), _stream("two", 0), _stream("two", 1, "degraded")]
+    rows = rank_rows(["one", "two", "plain", "idle"], streams, load.by_target())
+    got = [(r.worker, r.dp_rank, r.running, r.queued_prefill_tokens, r.stream_state) for r in rows]
+    assert got == [
+        ("one", 0, 1, 100, "synced"),
+        ("two", None, 1, 7, None),
+        ("two", 0, 0, 0, "synced"),
+        ("two", 1, 1, 50, "degraded"),
+        ("plain", None, 1, 9, None),
+        ("idle", None, 0, 0, None),
+    ]

@@ -59,6 +59,18 @@
       grid.setAttribute(name, attr);
     grid.setAttribute("class", "grid");
     parts.push(grid);
+    for (const [text, x, y, anchor] of [
+      ["100%", 2, 8, "start"], ["0%", 2, height - 3, "start"],
+      ["5 min ago", 18, height - 3, "start"], ["now", width - 2, height - 3, "end"],
+    ]) {
+      const label = document.createElementNS(SVG, "text");
+      label.setAttribute("x", x);
+      label.setAttribute("y", y);
+      label.setAttribute("text-anchor", anchor);
+      label.setAttribute("class", "axis");
+      label.textContent = text;
+      parts.push(label);
+    }
     for (const [field, cls] of [["predicted_hit_rate", "predicted"], ["hit_rate", "hit"], ["accuracy", "accuracy"]]) {
       // one polyline per run of buckets with data: an idle bucket is a gap, not a zero
       let run = [];
