@@ -12,6 +12,7 @@ Salts never reach this document: namespaces and decisions carry keyed fingerprin
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Mapping
 
@@ -291,7 +292,7 @@ def snapshot(app: web.Application) -> DashboardState:
     streams.sort(key=lambda s: (s.worker, s.dp_rank))
     ranks = rank_rows([e.id for e in planner.pool], streams, planner.load.by_target())
     stats = indexer.namespaces()
-    stats.sort(key=lambda s: -s.tokens)
+    largest = heapq.nlargest(MAX_NAMESPACES, stats, key=lambda s: s.tokens)
     namespaces = [
         NamespaceRow(
             id=fingerprint(s.namespace),
@@ -302,7 +303,7 @@ def snapshot(app: web.Application) -> DashboardState:
             tokens=s.tokens,
             holders=dict(sorted(s.holders.items())),
         )
-        for s in stats[:MAX_NAMESPACES]
+        for s in largest
     ]
     decisions = app[DECISIONS]
     recent = list(decisions.recent)[-MAX_DECISIONS:]

@@ -18,7 +18,7 @@
   const int = (x) => dash(x, (v) => Number(v).toLocaleString("en-US"));
   const secs = (x) => dash(x, (v) => (v < 1 ? (1000 * v).toFixed(0) + " ms" : v.toFixed(1) + " s"));
   const clock = (t) => new Date(1000 * t).toLocaleTimeString("en-GB");
-  const minute = (t) => clock(t).slice(0, 5);
+  const periodName = (i) => (i === 0 ? "last minute" : i + "–" + (i + 1) + " min ago");
   const target = (worker, rank) => (rank === null ? worker : worker + "#dp" + rank);
 
   function td(value, cls) {
@@ -115,8 +115,10 @@
     $("card-hit").textContent = pct(total.hit_rate) + " (" + pct(total.predicted_hit_rate) + ")";
 
     sparkline(s.prediction.buckets);
-    fill("minutes", s.prediction.minutes.slice().reverse(), (m) => [
-      [minute(m.start)], [int(m.requests)], [int(m.usage_reports)],
+    // newest first; periods end now (10 s buckets), not on the clock's minutes
+    const periods = s.prediction.minutes.slice().reverse();
+    fill("minutes", periods, (m) => [
+      [periodName(periods.indexOf(m))], [int(m.requests)], [int(m.usage_reports)],
       [pct(m.accuracy)], [pct(m.hit_rate)], [pct(m.predicted_hit_rate)],
     ], (m) => String(m.start));
 
