@@ -11,10 +11,12 @@ import aiohttp
 import msgspec
 from multidict import CIMultiDictProxy
 
+from router.config import AdminConfig
+from router.http.app import create_app
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import DashboardState, StreamRow, rank_rows
 from router.routing.load import LoadTracker
-from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
+from tests.router.conftest import AUTH, TOKEN, Fleet, eventually, router_config
 from tests.router.ops.test_metrics_live import PROMPT
 
 STATIC = resources.files("router.http.dashboard") / "static"
@@ -216,3 +218,12 @@ def test_ranks_fold_unranked_load_only_where_one_rank_is_all_there_is() -> None:
         ("plain", None, 1, 9, None),
         ("idle", None, 0, 0, None),
     ]
+
+
+def test_no_dashboard_without_the_admin_api() -> None:
+    def paths(**admin: Any) -> set[str]:
+        app = create_app(router_config([], admin=AdminConfig(token=TOKEN, **admin)))
+        return {r.canonical for r in app.router.resources()}
+
+    assert {"/dashboard", "/dashboard/state", "/dashboard/login"} <= paths()
+    assert not any(p.startswith("/dashboard") for p in paths(enabled=False))
