@@ -67,6 +67,18 @@ def tables(dom: str) -> dict[str, list[list[str]]]:
     return parser.rows
 
 
+async def log_in(browser: Browser) -> None:
+    """Type the token into the login form, submit, and wait for the page's first render."""
+    # as an operator would: the token travels in the POST body only
+    await browser.evaluate(
+        f"document.getElementById('token').value = {json.dumps(TOKEN)};"
+        "document.getElementById('login').submit(); true"
+    )
+    await browser.until(
+        "document.body && Number(document.body.dataset.renders) >= 1", what="the first render"
+    )
+
+
 async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
     assert CHROMIUM is not None
     for salt in ("tenant-a", "tenant-b"):
@@ -79,14 +91,7 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
         await browser.navigate(fleet.url + "/dashboard")
         await browser.until("!!document.getElementById('login')", what="the login form")
         assert not await browser.evaluate("!!document.getElementById('workers')")
-        # the operator types the token and submits: it travels in the POST body only
-        await browser.evaluate(
-            f"document.getElementById('token').value = {json.dumps(TOKEN)};"
-            "document.getElementById('login').submit(); true"
-        )
-        await browser.until(
-            "document.body && Number(document.body.dataset.renders) >= 1", what="the first render"
-        )
+        await log_in(browser)
         assert await browser.evaluate("location.pathname") == "/dashboard"
         assert await browser.evaluate("document.cookie") == ""  # HttpOnly: no script reads it
         (cookie,) = await browser.cookies()
@@ -131,6 +136,11 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
         # nothing but the router was asked for anything: no CDN, no font, no beacon
         assert browser.requests and all(u.startswith(fleet.url) for u in browser.requests)
         assert not any(TOKEN in u for u in browser.requests)
+
+        # the session ends under the open page: its next poll is refused and it shows the form
+        await browser.command("Network.clearBrowserCookies")
+        await browser.until("!!document.getElementById('login')", what="the page to go to login")
+        await log_in(browser)
 
         # logging out ends the session: the form again, and the state is refused
         await browser.evaluate("document.querySelector('header form').submit(); true")
