@@ -171,7 +171,7 @@ async def serve_fleet(
     """Run the router of `config` in front of `workers` (added to its own) until `until()`.
 
     `kvroute up` calls this once its reference workers are up; it prints the router URL, a
-    curl example and where the admin API is.
+    curl example, where the admin API is and the dashboard.
     """
     from router.service import RouterService
 
@@ -187,6 +187,7 @@ async def serve_fleet(
         auth = ' -H "Authorization: Bearer $TOKEN"' if config.admin_token() else ""
         if config.admin.enabled:
             print(f"admin:  curl -s{auth} {router.url}/admin/workers")
+            print(f"dashboard: {router.url}/dashboard (in a browser)")
         print("Ctrl-C stops the router and every worker.")
         sys.stdout.flush()
         await until()

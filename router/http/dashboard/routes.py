@@ -130,7 +130,10 @@ class _Dashboard:
             raise AuthError("dashboard: log in at /dashboard, or send the admin bearer token")
         now = time.monotonic()
         if now - self._built_at > _FRESH_S:
-            self._body, self._built_at = encode(snapshot(request.app)), now
+            self._body, self._built_at = (
+                encode(snapshot(request.app, login=self._session is not None)),
+                now,
+            )
         return web.Response(
             body=self._body,
             content_type="application/json",

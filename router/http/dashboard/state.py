@@ -145,6 +145,7 @@ class DashboardState(msgspec.Struct, kw_only=True):
     """`GET /dashboard/state`: everything the dashboard page renders."""
 
     generated_at: float
+    login: bool  # whether the page is behind the admin token (else there is no session to end)
     policy: str
     cluster: dict[str, object] | None  # what /health says of the replicas, with a [cluster]
     workers: list[WorkerRow]
@@ -248,7 +249,7 @@ def rank_rows(
     return rows
 
 
-def snapshot(app: web.Application) -> DashboardState:
+def snapshot(app: web.Application, *, login: bool) -> DashboardState:
     """The dashboard's document, read from `app`'s live objects (on the loop: no await)."""
     planner = app[PLANNER]
     indexer = app[INDEXER]
@@ -310,6 +311,7 @@ def snapshot(app: web.Application) -> DashboardState:
     cluster = app.get(CLUSTER)
     return DashboardState(
         generated_at=time.time(),
+        login=login,
         policy=str(app[CONFIG].policy.name),
         cluster=cluster.describe() if cluster is not None else None,
         workers=workers,

@@ -135,6 +135,7 @@ async def test_state_shows_the_fleet_after_traffic(fleet: Fleet) -> None:
     status, _, body = await get(fleet, "/dashboard/state", AUTH)
     assert status == 200
     state = msgspec.json.decode(body, type=DashboardState)
+    assert state.login and state.policy == "kv" and state.cluster is None
     assert [w.id for w in state.workers] == ["w0", "w1"]
     assert all(w.status == "ready" and w.healthy for w in state.workers)
     assert {(s.stream, s.state) for s in state.streams} == {

@@ -143,7 +143,8 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
         await log_in(browser)
 
         # logging out ends the session: the form again, and the state is refused
-        await browser.evaluate("document.querySelector('header form').submit(); true")
+        assert not await browser.evaluate("document.getElementById('logout').hidden")
+        await browser.evaluate("document.getElementById('logout').submit(); true")
         await browser.until("!!document.getElementById('login')", what="the login form again")
 
         async def refused() -> bool:

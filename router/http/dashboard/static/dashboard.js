@@ -104,6 +104,7 @@
     const synced = s.streams.filter((x) => x.state === "synced").length;
     const total = s.prediction.total;
     $("policy").textContent = s.policy;
+    $("logout").hidden = !s.login;
     $("cluster").textContent = s.cluster
       ? "replica " + s.cluster.replica + " of " + s.cluster.replicas + " (" + s.cluster.status + ")"
       : "";
