@@ -81,8 +81,12 @@ async def log_in(browser: Browser) -> None:
 
 async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
     assert CHROMIUM is not None
-    for salt in ("tenant-a", "tenant-b"):
-        status, _, _ = await fleet.post("/v1/chat/completions", chat(salt))
+    # a client's request id is shown as text, never as markup
+    markup = '<img src="/dashboard/x" id="injected">'
+    for salt, request_id in (("tenant-a", markup), ("tenant-b", "plain-1")):
+        status, _, _ = await fleet.post(
+            "/v1/chat/completions", chat(salt), headers={"x-request-id": request_id}
+        )
         assert status == 200
     _, listed = await fleet.admin("GET", "/namespaces")
     fingerprints = {row["id"] for row in listed["namespaces"]}
@@ -113,7 +117,9 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
         updated = await browser.evaluate("document.getElementById('updated').textContent")
         assert updated != "never"
 
+        assert not await browser.evaluate("!!document.getElementById('injected')")
         rows = tables(dom)
+        assert [r[1] for r in rows["decisions"]] == ["live-7", "plain-1", markup]
         workers = {r[0]: r for r in rows["workers"]}
         assert set(workers) == {"w0", "w1"} and all(r[1] == "ready" for r in workers.values())
         streams = {r[0]: r[1] for r in rows["streams"]}
