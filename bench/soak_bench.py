@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--capacity-tokens", type=int, default=32768)
+    parser.add_argument(
+        "--buffer-steps",
+        type=int,
+        default=None,
+        help="the workers' replay buffer in batches (default: the worker's own)",
+    )
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-restart", action="store_true", help="skip the worker restart")
@@ -273,6 +279,8 @@ async def _fleet(
         argv = [*py, "worker", "--port", str(http), "--events", f"tcp://127.0.0.1:{events}"]
         argv += ["--replay", f"tcp://127.0.0.1:{replay}", "--time-scale", "0"]
         argv += ["--capacity-tokens", str(settings.capacity_tokens), "--page-size", "16"]
+        if settings.buffer_steps is not None:
+            argv += ["--buffer-steps", str(settings.buffer_steps)]
         workers.append(_Process(f"worker-{i}", argv))
         lines += [
             "[[workers]]",
@@ -374,6 +382,8 @@ def _command(settings: argparse.Namespace) -> str:
     if settings.rate:
         parts.append(f"--rate {settings.rate:g}")
     parts += [f"--workers {settings.workers}", f"--capacity-tokens {settings.capacity_tokens}"]
+    if settings.buffer_steps is not None:
+        parts.append(f"--buffer-steps {settings.buffer_steps}")
     if settings.no_restart:
         parts.append("--no-restart")
     if settings.no_trace:

@@ -246,9 +246,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if not job.output:
             await response.write(_sse(_generate_result(job, rid, lp)))
         await response.write(_DONE)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         worker.cancel(job)
         raise
+    except ConnectionResetError:
+        # the client went away mid-stream (aiohttp's ClientConnectionResetError): its job is
+        # cancelled and there is nobody left to answer; raised on, aiohttp would log a whole
+        # traceback per disconnect (4,037 of them in a 30-minute `kvroute bench soak`)
+        worker.cancel(job)
+        log.debug("client went away mid-stream on %s", request.path)
     return response
 
 
@@ -313,9 +319,15 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
         if api.include_usage:
             await response.write(_sse(head | {"choices": [], "usage": _usage(job)}))
         await response.write(_DONE)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         worker.cancel(job)
         raise
+    except ConnectionResetError:
+        # the client went away mid-stream (aiohttp's ClientConnectionResetError): its job is
+        # cancelled and there is nobody left to answer; raised on, aiohttp would log a whole
+        # traceback per disconnect (4,037 of them in a 30-minute `kvroute bench soak`)
+        worker.cancel(job)
+        log.debug("client went away mid-stream on %s", request.path)
     return response
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -245,16 +246,30 @@ async def test_pool_pressure_evicts_and_never_overflows(http: aiohttp.ClientSess
             assert (await resp.json())["cached_tokens"] == 20
 
 
-async def test_a_client_that_goes_away_frees_its_pages(http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/generate",
+            {"text": "a long answer nobody reads", "sampling_params": {"max_new_tokens": 5000}},
+        ),
+        ("/v1/completions", {"prompt": "a long answer nobody reads", "max_tokens": 5000}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "nobody reads"}], "max_tokens": 5000},
+        ),
+    ],
+)
+async def test_a_client_that_goes_away_frees_its_pages(
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    body: dict[str, object],
+) -> None:
     config = WorkerConfig(page_size=PAGE, decode_ms_per_token=2)
     async with ReferenceWorker(config) as worker:
         sched = worker.ranks[0]
-        body = {
-            "text": "a long answer nobody reads",
-            "stream": True,
-            "sampling_params": {"max_new_tokens": 5000},
-        }
-        async with http.post(f"{worker.url}/generate", json=body) as resp:
+        async with http.post(f"{worker.url}{path}", json=body | {"stream": True}) as resp:
             await resp.content.readline()  # the first chunk arrived: the request is running
             assert sched.load == (1, 0)
         # The server notices on its next write; the full answer would take 10 s, so only an
@@ -268,6 +283,10 @@ async def test_a_client_that_goes_away_frees_its_pages(http: aiohttp.ClientSessi
         assert (stats.reserved_pages, stats.protected_pages) == (0, 0)
         # what it cached (prompt + output so far) shows it stopped long before 5000 tokens
         assert stats.tree_pages * PAGE < 1000
+    # a disconnect is routine, not an error (under load a write can meet the closed socket
+    # before the cancellation does: the soak logged a traceback per such disconnect)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
 
 
 async def test_the_waiting_queue_is_bounded() -> None:
