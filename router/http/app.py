@@ -276,4 +276,11 @@ def create_app(
             log.warning("admin API without a token (loopback only)")
         app.add_subapp("/admin", create_admin_app(token))
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(_tokenizer_threads)
     return app
+
+
+async def _tokenizer_threads(app: web.Application) -> AsyncIterator[None]:
+    """Stop the tokenizer's offload threads (`router.prompt.offload`) when the app stops."""
+    yield
+    app[TOKENIZER].close()
