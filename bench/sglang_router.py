@@ -214,7 +214,11 @@ async def launch(
     fleet = ["--worker-urls", *workers] if pd_args is None else [*pd_args]
     argv = [
         python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        *fleet, "--policy", policy, "--log-level", "warn", *extra_args,
+        *fleet, "--policy", policy, "--log-level", "warn",
+        # its Prometheus exporter binds 0.0.0.0:29000 unless told: two routers at once (or
+        # two runs on one host) would collide, and nothing here should leave loopback
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+        *extra_args,
     ]  # fmt: skip
     # on registration it probes each worker with an HTTP/2 preface, which an aiohttp worker in
     # this process logs as a bad request: expected, so hushed until the router is ready
