@@ -12,7 +12,9 @@ shared table is not stored: it is rebuilt from the streams, which also re-derive
 Pending entries are not stored (they live for seconds).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
-snapshot raises `SnapshotError` and never leaves a half-loaded index behind.
+snapshot raises `SnapshotError` and never leaves a half-loaded index behind. Each stream's
+entries are linked into the shared table in whole-array passes (`_link_in_bulk`), the
+per-entry loop kept beside it as the reference the tests compare it with.
 """
 
 from __future__ import annotations
@@ -208,9 +210,11 @@ def _link_in_bulk(index: PrefixIndex, st: IndexedStream, s: _StreamSnapshot) -> 
     """Link a stream's entries into the shared table and the counts, in whole-array passes.
 
     The compiled map's bulk calls (`insert_new`, `get_many`, `or_many`) and C-level builtins
-    (`Counter`, `compress`, `map`) do the per-entry work: 1 M entries link in about 0.2 s where
-    the entry-by-entry loop took about 1 s. Checks are the loop's: every namespace id known,
-    one namespace per key, repeated keys of the stream counted in `dup_keys`.
+    (`Counter`, `compress`, `map`) do the per-entry work, so no Python bytecode runs per entry:
+    `load_index` of the 1 M-entry snapshot of `kvroute bench cluster` took 0.52-0.56 s of CPU
+    against 0.70-0.73 s entry by entry, most of what is left being the map inserts and the
+    msgpack decode. Checks are the loop's: every namespace id known, one namespace per key,
+    repeated keys of the stream counted in `dup_keys`.
     """
     registry = index._registry
     table = index._table
