@@ -196,7 +196,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with (
-        aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+        # no cookie jar: the session is shared by every client, and a jar would send one
+        # client's Set-Cookie from a worker on everybody's later requests to that worker
+        aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        ) as session,
         IndexerService(indexer_config) as indexer,
     ):
         policy = build_policy(config.policy)
