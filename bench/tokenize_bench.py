@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="per round and mode")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--min-bytes", type=int, default=8192, help="offload threshold tried")
-    parser.add_argument("--threads", type=int, default=2, help="offload threads tried")
+    parser.add_argument("--threads", default="1,2", help="offload thread counts tried (csv)")
     parser.add_argument("--output", default="docs/benchmarks/tokenize.md")
 
 
@@ -195,21 +195,21 @@ async def _run(args: argparse.Namespace) -> str:
         prompts = _prompts(8, args.prompt_words)
         encode_rows = _encode_rows(path, prompts[0])
         body_bytes = len(msgspec.json.encode({"model": "m", "prompt": prompts[0]}))
-        modes = {
-            "on the loop (offload_min_bytes = 0)": 0,
-            f"on {args.threads} thread(s) (offload_min_bytes = {args.min_bytes})": args.min_bytes,
-        }
+        modes: dict[str, tuple[int, int]] = {"on the loop (offload_min_bytes = 0)": (0, 1)}
+        for threads in (int(n) for n in str(args.threads).split(",")):
+            name = f"on {threads} thread(s) (offload_min_bytes = {args.min_bytes})"
+            modes[name] = (args.min_bytes, threads)
         results = {name: _Mixed() for name in modes}
         long_only = {name: _Mixed() for name in modes}
         alone = argparse.Namespace(**{**vars(args), "short_clients": 0})
         async with _process("python3", "-m", "bench.proxy_bench", "backend") as backend:
             configs = {}
-            for name, min_bytes in modes.items():
-                config = Path(tmp) / f"router-{min_bytes}.toml"
+            for name, (min_bytes, threads) in modes.items():
+                config = Path(tmp) / f"router-{min_bytes}-{threads}.toml"
                 config.write_text(
                     '[listen]\nhost = "127.0.0.1"\nport = 0\n[admin]\nenabled = false\n'
                     f'[tokenizer]\nkind = "hf"\npath = "{path}"\nchat_template = "kvroute"\n'
-                    f"offload_min_bytes = {min_bytes}\noffload_threads = {args.threads}\n"
+                    f"offload_min_bytes = {min_bytes}\noffload_threads = {threads}\n"
                     f'[[workers]]\nid = "backend"\nurl = "{backend}"\nkv_events = false\n'
                 )
                 configs[name] = config
