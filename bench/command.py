@@ -27,6 +27,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "decode": ("bench.decode_bench", "KV-event payload decode throughput"),
     "soak": ("bench.soak_bench", "router and worker memory under long mixed traffic"),
     "cluster": ("bench.cluster_bench", "router replicas on NATS: propagation, warm start"),
+    "tokenize": ("bench.tokenize_bench", "long-prompt tokenizing on the loop or on a thread"),
 }
 
 

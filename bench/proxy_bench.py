@@ -35,7 +35,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from bench.sglang_router import DEFAULT_PYTHON, launch
+from bench.sglang_router import DEFAULT_PYTHON, launch, provision, version
 from router.cluster.server import NatsServer
 
 __all__ = ["add_arguments", "run"]
@@ -62,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sglang-router-python",
         default=DEFAULT_PYTHON,
-        help="python that can import sglang_router (skipped when it cannot)",
+        help="python that can import sglang_router (else the bench makes its own venv with "
+        "it; skipped when that fails too)",
+    )
+    parser.add_argument(
+        "--skip-sglang-router", action="store_true", help="do not measure sglang-router"
     )
     parser.add_argument(
         "--processes",
@@ -377,12 +381,16 @@ async def _run(args: argparse.Namespace) -> str:
                 targets["bare aiohttp forwarder"] = await stack.enter_async_context(
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
                 )
-                try:
-                    targets["sglang-router"] = await stack.enter_async_context(
-                        launch(args.sglang_router_python, [backend], policy="round_robin")
-                    )
-                except (RuntimeError, OSError) as exc:
-                    notes.append(f"sglang-router not measured: {exc}")
+                sglang_python, where = args.sglang_router_found
+                if sglang_python is None:
+                    notes.append(f"sglang-router not measured: {where}")
+                else:
+                    try:
+                        targets["sglang-router"] = await stack.enter_async_context(
+                            launch(sglang_python, [backend], policy="round_robin")
+                        )
+                    except (RuntimeError, OSError) as exc:
+                        notes.append(f"sglang-router not measured: {exc}")
                 section = await _measure(
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
@@ -413,9 +421,9 @@ async def _run(args: argparse.Namespace) -> str:
                         )
                 if "sglang-router" in section.rates:
                     notes.append(
-                        "sglang-router: SGLang's Rust router from PyPI, run by "
-                        f"`{args.sglang_router_python} -m sglang_router.launch_router` with "
-                        "`--policy round_robin` in front of the same backend"
+                        f"sglang-router: SGLang's Rust router from PyPI ({version(sglang_python)}"
+                        f"), run by {where} as `-m sglang_router.launch_router "
+                        "--policy round_robin` in front of the same backend"
                     )
                     ratio = section.rates["kvroute"] / section.rates["sglang-router"]
                     notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
@@ -473,6 +481,12 @@ def _report(
         "Target: p50 added latency <= 1 ms.",
         "",
     ]
+    if args.processes > 1:
+        lines += [
+            f"Targets of issue 14 (router replicas): `kvroute --processes {args.processes}` "
+            "serves >= 1.0x the requests/s of sglang-router, with p50 added latency <= 0.5 ms.",
+            "",
+        ]
     for section in sections:
         lines += [
             f"## {section.title}",
@@ -509,6 +523,11 @@ def _report(
 
 def run(args: argparse.Namespace) -> int:
     """Run the proxy benchmark and write its report."""
+    args.sglang_router_found = (
+        (None, "--skip-sglang-router")
+        if args.skip_sglang_router
+        else provision(args.sglang_router_python)
+    )
     report = asyncio.run(_run(args))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,11 @@
 `kvroute bench proxy` puts it in front of a trivial backend (its proxy cost), `kvroute bench
 routing` in front of a reference fleet with its `cache_aware` policy (an external routing
 baseline). It lives in whatever Python environment has it installed, named by
-`--sglang-router-python` (env `KVROUTE_SGLANG_ROUTER_PYTHON`); kvroute never imports it.
+`--sglang-router-python` (env `KVROUTE_SGLANG_ROUTER_PYTHON`); kvroute never imports it. When
+that python cannot import it, `provision` makes the benchmarks' own virtual environment
+(`~/.cache/kvroute-bench/sglang-router`: `python3 -m venv`, then pip installs the pinned
+`sglang-router==0.3.2`, with `--find-links $KVROUTE_SGLANG_ROUTER_WHEELS` when that names a
+directory of wheels) and uses it; the reports say which python ran it, or why none could.
 
 Facts about it that the benchmarks depend on (checked against sglang-router 0.3.2):
 - on `/generate` it parses the body into its own typed request and re-serializes it, so fields
@@ -25,14 +29,27 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-__all__ = ["DEFAULT_PYTHON", "SglangRouterError", "importable", "launch", "version"]
+__all__ = [
+    "DEFAULT_PYTHON",
+    "PINNED",
+    "SglangRouterError",
+    "importable",
+    "launch",
+    "provision",
+    "version",
+]
 
 DEFAULT_PYTHON = os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", sys.executable)
+PINNED = "sglang-router==0.3.2"  # the version the facts above were checked against
+_VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute-bench"
+_INSTALL_TIMEOUT_S = 600.0
 # port 9 (discard) on loopback: nothing listens, so any off-host request fails immediately
 _DEAD_PROXY = "http://127.0.0.1:9"
 
@@ -54,6 +71,60 @@ def importable(python: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _run(argv: Sequence[str], timeout_s: float) -> str | None:
+    """None when `argv` succeeded, else the last lines it printed (or why it did not run)."""
+    try:
+        done = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if done.returncode == 0:
+        return None
+    said = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    return " | ".join(said[-3:])[-600:] or f"exit status {done.returncode}"
+
+
+def provision(asked: str, venv: Path | None = None) -> tuple[str | None, str]:
+    """A python that imports sglang_router, and a sentence for the report saying where it came
+    from: `asked` when it can, else the benchmarks' venv, created (with the `PINNED` version)
+    when it is missing. (None, why) when neither works, e.g. offline without a wheel.
+    """
+    if importable(asked):
+        return asked, f"`{asked}` (asked for)"
+    venv = venv or _VENV / "sglang-router"
+    python = _venv_python(venv)
+    if python.exists() and importable(str(python)):
+        return str(python), f"`{python}` (the benchmarks' venv; `{asked}` cannot import it)"
+    started = time.monotonic()
+    failed = None
+    if not python.exists():
+        failed = _run([sys.executable, "-m", "venv", str(venv)], 120.0)
+    if failed is None:
+        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", PINNED]
+        wheels = os.environ.get("KVROUTE_SGLANG_ROUTER_WHEELS", "")
+        if wheels and Path(wheels).is_dir():
+            pip += ["--find-links", wheels]
+        failed = _run(pip, _INSTALL_TIMEOUT_S)
+    if failed is not None or not importable(str(python)):
+        why = failed or "installed, but it still cannot import sglang_router"
+        return None, (
+            f"`{asked}` cannot import sglang_router and making the venv `{venv}` with "
+            f"{PINNED} failed ({why}); pass a python that has it with --sglang-router-python "
+            "(or KVROUTE_SGLANG_ROUTER_PYTHON), or a directory holding its wheel with "
+            "KVROUTE_SGLANG_ROUTER_WHEELS"
+        )
+    took = time.monotonic() - started
+    return str(python), (
+        f"`{python}` (the benchmarks' venv, made for this run in {took:.0f} s with {PINNED}; "
+        f"`{asked}` cannot import it)"
+    )
 
 
 def version(python: str) -> str:
@@ -143,7 +214,11 @@ async def launch(
     fleet = ["--worker-urls", *workers] if pd_args is None else [*pd_args]
     argv = [
         python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        *fleet, "--policy", policy, "--log-level", "warn", *extra_args,
+        *fleet, "--policy", policy, "--log-level", "warn",
+        # its Prometheus exporter binds 0.0.0.0:29000 unless told: two routers at once (or
+        # two runs on one host) would collide, and nothing here should leave loopback
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+        *extra_args,
     ]  # fmt: skip
     # on registration it probes each worker with an HTTP/2 preface, which an aiohttp worker in
     # this process logs as a bad request: expected, so hushed until the router is ready

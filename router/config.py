@@ -106,6 +106,9 @@ class PdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     decode_kv_weight: NonNegativeFloat = 0.02
 
 
+DEFAULT_OFFLOAD_MIN_BYTES = 8192  # tokenizer.offload_min_bytes when unset (kind = "hf")
+
+
 class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How the router turns text into token ids (must match the workers' tokenizer)."""
 
@@ -123,10 +126,29 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # (SGLang joins text parts with a space for string templates, vLLM with a newline) and how
     # `tools`, `tool_choice`, `chat_template_kwargs` and `reasoning_effort` reach the template
     chat_engine: EngineName = "sglang"
+    # kind = "hf" only: request bodies of at least this many bytes are parsed and tokenized on
+    # one of `offload_threads` threads, off the event loop (router.prompt.offload); 0: never;
+    # unset: 8192 (about 2,000 tokens) with kind = "hf". Measured by `kvroute bench tokenize`,
+    # see docs/router.md "Tokenizing off the loop"
+    offload_min_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    offload_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
 
     def __post_init__(self) -> None:
         if self.kind == "hf" and not self.path:
             raise ValueError("tokenizer.path is required when tokenizer.kind = 'hf'")
+        if self.kind == "byte" and self.offload_min_bytes:  # 0 and unset are fine
+            raise ValueError(
+                "tokenizer.offload_min_bytes needs tokenizer.kind = 'hf' (the byte tokenizer "
+                "is Python and holds the GIL: a thread would only add a hop)"
+            )
+
+    def offload_bytes(self) -> int:
+        """The body size from which requests are parsed on a thread; 0: never."""
+        if self.kind != "hf":
+            return 0
+        return (
+            DEFAULT_OFFLOAD_MIN_BYTES if self.offload_min_bytes is None else self.offload_min_bytes
+        )
 
 
 class AdminConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

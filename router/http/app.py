@@ -197,7 +197,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with (
-        aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+        # no cookie jar: the session is shared by every client, and a jar would send one
+        # client's Set-Cookie from a worker on everybody's later requests to that worker
+        aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        ) as session,
         IndexerService(indexer_config) as indexer,
     ):
         policy = build_policy(config.policy)
@@ -278,4 +282,11 @@ def create_app(
         app.add_subapp("/admin", create_admin_app(token))
         add_dashboard_routes(app, token)  # behind the admin token too (router.http.dashboard)
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(_tokenizer_threads)
     return app
+
+
+async def _tokenizer_threads(app: web.Application) -> AsyncIterator[None]:
+    """Stop the tokenizer's offload threads (`router.prompt.offload`) when the app stops."""
+    yield
+    app[TOKENIZER].close()

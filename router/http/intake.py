@@ -8,6 +8,9 @@ UTF-8 and fit `limits.max_salt_bytes`; its value is a secret, so errors name the
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
+
 from aiohttp import web
 
 from router.config import RouterConfig
@@ -57,7 +60,8 @@ async def read_request(
     raw = await request.read()
     if endpoint is None:
         endpoint = detect_endpoint(parse_body(raw, config.limits))
-    return parse_request(
+    parse = partial(
+        parse_request,
         endpoint,
         raw,
         tokenizer,
@@ -65,3 +69,8 @@ async def read_request(
         header_dp_rank=request.headers.get(DP_RANK_HEADER),
         limits=config.limits,
     )
+    offload = tokenizer.offload
+    if offload is not None and offload.wants(len(raw)):
+        # a long prompt: its encode (GIL released) leaves the loop free for other requests
+        return await asyncio.wrap_future(offload.submit(parse))
+    return parse()

@@ -158,7 +158,7 @@ class TracedTokenizer(PromptTokenizer):
     """A tokenizer whose calls are `tokenize` spans under the request being parsed."""
 
     def __init__(self, inner: PromptTokenizer, tracer: Tracer) -> None:
-        super().__init__(inner._encoder, inner.name, inner.template)
+        super().__init__(inner._encoder, inner.name, inner.template, inner.offload)
         self._inner = inner
         self._tracer = tracer
 

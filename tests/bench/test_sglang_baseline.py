@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,24 @@ def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def test_provision_reuses_the_bench_venv_and_says_why_it_cannot_make_one(tmp_path: Path) -> None:
+    missing = "/nonexistent/bin/python"
+    # a venv whose python imports a stand-in sglang_router: found, no pip run
+    (tmp_path / "lib" / "sglang_router").mkdir(parents=True)
+    (tmp_path / "lib" / "sglang_router" / "__init__.py").write_text("")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "lib"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    found, where = sglang_router.provision(missing, venv=venv)
+    assert found == str(python) and "venv" in where and missing in where
+    # a venv that cannot be made (its parent is a file): None and the reason, nothing raised
+    (tmp_path / "file").write_text("")
+    found, why = sglang_router.provision(missing, venv=tmp_path / "file" / "venv")
+    assert found is None and "failed" in why and "--sglang-router-python" in why
 
 
 def test_a_python_without_sglang_router_skips_the_baseline_with_a_note() -> None:

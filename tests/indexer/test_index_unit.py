@@ -172,6 +172,32 @@ def test_truncated_and_inconsistent_snapshots_raise() -> None:
         load_index(msgspec.msgpack.encode(doc))
 
 
+def test_forged_entries_raise_whole_stream_checks() -> None:
+    """The bulk load's checks: a hash twice in a stream, one key in two namespaces (across
+    streams and within one), an unknown namespace id among known ones."""
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8]), stored([3], TOKENS[:4], cache_salt="s")))
+    index.apply("b", batch(stored([5, 6], TOKENS[:8])))
+    doc = msgspec.msgpack.decode(dump_index(index))
+    a, b = doc["streams"]
+    assert load_index(msgspec.msgpack.encode(doc)).entries("a") == 3
+    salted = next(ns_id for ns_id in a[8] if ns_id != b[8][0])  # map order differs per process
+    forged = []
+    for stream, field, value in (
+        (a, 6, [1, 1, 3]),  # an engine hash twice
+        (b, 8, [salted] * 2),  # b's keys in a's salted namespace
+        (a, 7, [a[7][0], a[7][0], a[7][0]]),  # one key in both of a's namespaces
+        (a, 8, [a[8][0], 99, a[8][2]]),  # an id nobody placed
+    ):
+        saved = stream[field]
+        stream[field] = value
+        forged.append(msgspec.msgpack.encode(doc))
+        stream[field] = saved
+    for data in forged:
+        with pytest.raises(SnapshotError):
+            load_index(data)
+
+
 def test_an_entry_of_another_namespace_never_matches_even_on_a_key_collision() -> None:
     index = make()
     other = Namespace("m", None, "other")

@@ -26,6 +26,7 @@ class Upstream:
         self.name = name
         self.mode = "ok"
         self.bodies: list[dict[str, Any]] = []
+        self.cookies: list[str | None] = []  # the Cookie header of each completion request
         self.release = asyncio.Event()
         self.health_open = asyncio.Event()  # cleared: /health hangs until set again
         self.health_open.set()
@@ -38,6 +39,7 @@ class Upstream:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.cookies.append(request.headers.get("Cookie"))
         if self.mode == "fail":
             return web.json_response({"error": "boom"}, status=500)
         if self.mode == "drop":
@@ -74,7 +76,10 @@ class Upstream:
                 self.disconnected.set()
                 raise
             return resp
-        return web.json_response({"worker": self.name, "echo": body})
+        answer = web.json_response({"worker": self.name, "echo": body})
+        if self.mode == "cookie":
+            answer.set_cookie("session", f"for-request-{len(self.bodies)}")
+        return answer
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
@@ -191,6 +196,21 @@ async def test_a_5xx_is_retried_on_the_next_worker(
         async with session.get(router.url + "/admin/workers", headers=AUTH) as resp:
             rows = {w["id"]: w for w in (await resp.json())["workers"]}
         assert rows["a"]["status"] == "circuit_open" and rows["b"]["status"] == "ready"
+
+
+async def test_a_cookie_a_worker_sets_is_never_sent_on_another_request(
+    session: aiohttp.ClientSession,
+) -> None:
+    """The upstream session keeps no cookies: a worker's Set-Cookie reaches that client only,
+    never a later request (of any client) through the router's shared session."""
+    async with Upstream("a") as a:
+        a.mode = "cookie"
+        by_name = a.url.replace("127.0.0.1", "localhost")  # a cookie jar ignores IP hosts
+        async with RouterService(_plain([("a", by_name)])) as router:
+            for _ in range(2):
+                async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 200 and "session=" in r.headers["Set-Cookie"]
+        assert a.cookies == [None, None]
 
 
 async def test_a_refused_connection_is_retried_and_opens_the_circuit(
