@@ -77,6 +77,12 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         default=defaults.buffer_steps,
         help="batches kept per stream for replay",
     )
+    events.add_argument(
+        "--buffer-bytes",
+        type=int,
+        default=defaults.buffer_bytes,
+        help="payload bytes kept per stream for replay, at most (default 32 MiB)",
+    )
     latency = parser.add_argument_group("latency model")
     latency.add_argument(
         "--prefill-ms-per-token",
@@ -184,6 +190,7 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
         "dp_size": args.dp_size,
         "event_format": args.event_format,
         "buffer_steps": args.buffer_steps,
+        "buffer_bytes": args.buffer_bytes,
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "decode_ms_per_token": args.decode_ms_per_token,
         "time_scale": args.time_scale,

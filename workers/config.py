@@ -41,6 +41,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     event_format: WireLayout = "array"
     # Batches kept for replay per stream (SGLang's default buffer_steps).
     buffer_steps: _Positive = 10_000
+    # ...and their payload bytes at most (workers.replay_ring: SGLang bounds only the count)
+    buffer_bytes: _Positive = 32 << 20
     dp_size: _Positive = 1
     # The paged KV pool of each DP rank.
     page_size: _Positive = 16
@@ -76,6 +78,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"{name} must be a port number (0 = ephemeral)")
         for name in (
             "buffer_steps",
+            "buffer_bytes",
             "dp_size",
             "page_size",
             "capacity_tokens",

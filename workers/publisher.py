@@ -2,9 +2,10 @@
 
 Live: every batch goes out on a PUB socket as `[topic, seq, payload]`, seq counting from 0 when
 the publisher starts. PUB drops messages for slow subscribers, so the last `buffer_steps`
-batches are also kept for replay: a DEALER sends `[b"", start_seq]` to the ROUTER socket and
-gets every buffered batch with seq >= start_seq in the newer layout `[b"", topic, seq,
-payload]`, then the end marker `[b"", b"", END_SEQ, b""]` (SGLang >= 0.5.22).
+batches (at most `buffer_bytes` of them: `workers.replay_ring`) are also kept for replay: a
+DEALER sends `[b"", start_seq]` to the ROUTER socket and gets every buffered batch with
+seq >= start_seq in the newer layout `[b"", topic, seq, payload]`, then the end marker
+`[b"", b"", END_SEQ, b""]` (SGLang >= 0.5.22).
 
 A plain ROUTER drops what a slow requester cannot take (the end marker included: it then waits
 for nothing), so the replay socket is `ROUTER_MANDATORY`: a full pipe makes the send wait, a
@@ -18,7 +19,6 @@ when the base is ephemeral.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -38,6 +38,7 @@ from indexer.protocol.frames import (
     parse_replay_request,
 )
 from workers.errors import PortRangeError
+from workers.replay_ring import ReplayRing
 
 __all__ = ["EventPublisher", "bind_port_run"]
 
@@ -45,6 +46,8 @@ _log = logging.getLogger(__name__)
 
 # SGLang's publisher default: a deep send queue, so bursts are not dropped locally.
 _SNDHWM = 100_000
+# the replay buffer's byte bound (see workers.replay_ring): 32 MiB holds 2,000-10,000 batches
+DEFAULT_BUFFER_BYTES = 32 << 20
 _REPLAY_STALL_S = 5.0
 _PORT_ATTEMPTS = 64
 
@@ -95,6 +98,7 @@ class EventPublisher:
         layout: WireLayout,
         buffer_steps: int,
         dp_rank: int,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         clock: Callable[[], float] = time.time,
         replay_stall_s: float = _REPLAY_STALL_S,
     ) -> None:
@@ -104,7 +108,7 @@ class EventPublisher:
         self._layout: WireLayout = layout
         self._dp_rank = dp_rank
         self._clock = clock
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._buffer = ReplayRing(max_batches=buffer_steps, max_bytes=buffer_bytes)
         self._next_seq = 0
         self._task: asyncio.Task[None] | None = None
         self._replay_stall_s = replay_stall_s
@@ -135,6 +139,7 @@ class EventPublisher:
                 await self._task
         self._pub.close(linger=0)
         self._replay.close(linger=0)
+        self._buffer.close()
 
     def publish(self, events: list[Event]) -> int | None:
         """Publish one batch (nothing if `events` is empty); returns its seq."""
@@ -144,7 +149,7 @@ class EventPublisher:
         payload = encode_batch(batch, self._layout)
         seq = self._next_seq
         self._next_seq += 1
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         sent = self._pub.send_multipart(build_live(self._topic, seq, payload), flags=zmq.NOBLOCK)
         # NOBLOCK sends complete inside the call; read the outcome so no error goes unretrieved.
         if isinstance(sent, asyncio.Future) and sent.done() and sent.exception() is not None:
@@ -176,8 +181,7 @@ class EventPublisher:
         # A snapshot: batches published while replies go out are live, not replayed.
         replies = [
             build_replay_reply(self._topic, seq, payload)
-            for seq, payload in list(self._buffer)
-            if seq >= start
+            for seq, payload in self._buffer.since(start)
         ]
         replies.append(build_replay_end(with_topic=True))
         for reply in replies:

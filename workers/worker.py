@@ -111,6 +111,7 @@ class ReferenceWorker:
                 topic=cfg.topic,
                 layout=cfg.event_format,
                 buffer_steps=cfg.buffer_steps,
+                buffer_bytes=cfg.buffer_bytes,
                 dp_rank=rank,
             )
             await self._stack.enter_async_context(publisher)
