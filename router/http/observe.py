@@ -78,6 +78,7 @@ class Observation:
 
     __slots__ = (
         "_decision",
+        "_echo_id",
         "_observer",
         "_parse_token",
         "_phase_span",
@@ -98,6 +99,8 @@ class Observation:
         self.model = ""
         given = request.headers.get(REQUEST_ID_HEADER)
         self.request_id = given[:_MAX_ID_CHARS] if given else uuid.uuid4().hex
+        # the client gets back the id it sent, as the worker got it (logs and traces cut it)
+        self._echo_id = given or self.request_id
         REQUEST_ID.set(self.request_id)  # the handler's own task: no reset needed
         self._decision: Decision | None = None
         self._tail: StreamTail | None = None
@@ -230,7 +233,7 @@ class Observation:
 
     def response_headers(self, headers: CIMultiDict[str]) -> None:
         """Headers for the client: the request id."""
-        headers[REQUEST_ID_HEADER] = self.request_id
+        headers[REQUEST_ID_HEADER] = self._echo_id
 
     def body(self, payload: bytes) -> None:
         """A whole (non-streamed) answer: its usage."""
@@ -277,7 +280,16 @@ class Observation:
                 span.set_attribute("kvroute.ttft_s", decision.ttft_s)
             self._end_upstream(None if status < 500 else f"HTTP {status}")
         if self._request_span is not None:
+            # the request span names where the request went too: a trace backend's search
+            # by worker finds the request, not only its upstream child
+            _target_attributes(self._request_span, decision.chosen)
             self._request_span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                from opentelemetry import trace
+
+                self._request_span.set_status(
+                    trace.Status(trace.StatusCode.ERROR, f"HTTP {status}")
+                )
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
