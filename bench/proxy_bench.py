@@ -9,6 +9,12 @@ generator. Measured, per target, on the same tiny non-streaming `/v1/completions
   p50/p99, and the router's added latency = proxied - direct percentile;
 - requests/s at concurrency 32 over a fixed request count (bounded in time too).
 
+The operations layer (`router.http.observe`: decision statistics, request ids, traces) is
+measured as three more rows of the same router: `[observe] enabled = false` (the baseline
+without it), the default, and tracing on with the SDK's in-memory exporter (`[tracing] exporter
+= "memory"`, a benchmark-and-test exporter that keeps the newest spans in memory), so the cost
+of exporting over a network is not in the number. `--ops-only` measures just those rows.
+
 It also re-checks the upstream-client choice of DESIGN.md section 5 (a bare forwarder on
 aiohttp's server with aiohttp's client versus the same forwarder with httpx), and repeats the
 direct-versus-router measurement in front of a reference worker that publishes KV events, so
@@ -73,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-clients", action="store_true", help="skip aiohttp vs httpx")
     parser.add_argument(
         "--skip-reference", action="store_true", help="skip the reference-worker scenario"
+    )
+    parser.add_argument(
+        "--ops-only",
+        action="store_true",
+        help="only direct and kvroute with the operations layer off, on, and tracing on",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved throughput rounds per target"
     )
     parser.add_argument("--output", default="docs/benchmarks/proxy.md")
 
@@ -299,7 +313,7 @@ async def _measure(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
         )
-    section.rates, errors = await _interleaved_throughput(args, targets)
+    section.rates, errors = await _interleaved_throughput(args, targets, args.rounds)
     for name, rate in section.rates.items():
         ratio = "-" if name == "direct" else f"{rate / section.rates['direct']:.2f}"
         section.tput_rows.append(f"| {name} | {rate:,.0f} | {errors[name]} | {ratio} |")
@@ -328,6 +342,26 @@ async def _interleaved_throughput(
     return rates, errors
 
 
+# the same router with the operations layer off (the baseline) and with tracing on
+_OPS_TARGETS = {
+    "kvroute, observe off": "[observe]\nenabled = false\n",
+    "kvroute, tracing on (in-memory exporter)": '[tracing]\nenabled = true\nexporter = "memory"\n',
+}
+
+
+def _ops_notes(rates: dict[str, float]) -> list[str]:
+    """The operations layer's cost: each ops row against the router without it."""
+    base = rates.get("kvroute, observe off")
+    if not base:
+        return []
+    return [
+        f"{name} / kvroute, observe off throughput ratio: {rates[name] / base:.3f} "
+        f"(cost {100 * (1 - rates[name] / base):+.1f}%; target: cost <= 5%)"
+        for name in ("kvroute", "kvroute, tracing on (in-memory exporter)")
+        if name in rates
+    ]
+
+
 def _router_cmd(config: Path) -> tuple[str, ...]:
     return (
         sys.executable,
@@ -339,6 +373,80 @@ def _router_cmd(config: Path) -> tuple[str, ...]:
         "--log-level",
         "WARNING",
     )
+
+
+async def _other_targets(
+    args: argparse.Namespace,
+    stack: contextlib.AsyncExitStack,
+    tmp: str,
+    config: Path,
+    base_text: str,
+    backend: str,
+    targets: dict[str, str],
+    notes: list[str],
+) -> None:
+    """The comparisons beside the operations rows: uvloop, replicas, a bare forwarder,
+    SGLang's router (each when it can run here)."""
+    py = sys.executable
+    if importlib.util.find_spec("uvloop") is not None:
+        # the same router on uvloop (opt-in): what it would buy
+        targets["kvroute on uvloop"] = await stack.enter_async_context(
+            _process("env", "KVROUTE_EVENT_LOOP=uvloop", *_router_cmd(config))
+        )
+    if args.processes > 1:
+        # N replicas on one port, one router through a nats-server of their own
+        nats = await stack.enter_async_context(NatsServer())
+        replicated = Path(tmp) / "replicas.toml"
+        replicated.write_text(
+            base_text + f'[cluster]\nurl = "{nats.url}"\nsnapshot_interval_s = 0\n'
+        )
+        targets[f"kvroute --processes {args.processes}"] = await stack.enter_async_context(
+            _process(*_router_cmd(replicated), "--processes", str(args.processes))
+        )
+    targets["bare aiohttp forwarder"] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
+    )
+    try:
+        targets["sglang-router"] = await stack.enter_async_context(
+            launch(args.sglang_router_python, [backend], policy="round_robin")
+        )
+    except (RuntimeError, OSError) as exc:
+        notes.append(f"sglang-router not measured: {exc}")
+
+
+def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
+    """The ratios of `_other_targets`' rows."""
+    notes = [
+        f"kvroute / bare aiohttp forwarder throughput ratio: "
+        f"{rates['kvroute'] / rates['bare aiohttp forwarder']:.2f} (the cost of routing itself)"
+    ]
+    if "kvroute on uvloop" in rates:
+        notes.append(
+            f"kvroute on uvloop (KVROUTE_EVENT_LOOP=uvloop) / on asyncio's loop "
+            f"(the default) throughput ratio: {rates['kvroute on uvloop'] / rates['kvroute']:.2f}"
+        )
+    many = f"kvroute --processes {args.processes}"
+    if many in rates:
+        notes.append(
+            f"{many} / kvroute (one process) throughput ratio: "
+            f"{rates[many] / rates['kvroute']:.2f} (replicas share "
+            "decisions on NATS; the load generator and the backend share the same "
+            f"{os.cpu_count()} CPUs)"
+        )
+        if "sglang-router" in rates:
+            notes.append(
+                f"{many} / sglang-router throughput ratio: "
+                f"{rates[many] / rates['sglang-router']:.2f}"
+            )
+    if "sglang-router" in rates:
+        notes.append(
+            "sglang-router: SGLang's Rust router from PyPI, run by "
+            f"`{args.sglang_router_python} -m sglang_router.launch_router` with "
+            "`--policy round_robin` in front of the same backend"
+        )
+        ratio = rates["kvroute"] / rates["sglang-router"]
+        notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
+    return notes
 
 
 async def _run(args: argparse.Namespace) -> str:
@@ -354,72 +462,29 @@ async def _run(args: argparse.Namespace) -> str:
                 f'[[workers]]\nid = "backend"\nurl = "{backend}"\nkv_events = false\n'
             )
             async with contextlib.AsyncExitStack() as stack:
-                router = await stack.enter_async_context(_process(*_router_cmd(config)))
-                targets = {"direct": backend, "kvroute": router}
-                if importlib.util.find_spec("uvloop") is not None:
-                    # the same router on uvloop (opt-in): what it would buy
-                    targets["kvroute on uvloop"] = await stack.enter_async_context(
-                        _process("env", "KVROUTE_EVENT_LOOP=uvloop", *_router_cmd(config))
+
+                async def start_router(name: str, extra: str = "") -> None:
+                    routed = Path(tmp) / f"router-{len(targets)}.toml"
+                    routed.write_text(config.read_text() + extra)
+                    targets[name] = await stack.enter_async_context(_process(*_router_cmd(routed)))
+
+                targets = {"direct": backend}
+                await start_router("kvroute, observe off", _OPS_TARGETS["kvroute, observe off"])
+                await start_router("kvroute")
+                tracing_on = "kvroute, tracing on (in-memory exporter)"
+                await start_router(tracing_on, _OPS_TARGETS[tracing_on])
+                if not args.ops_only:
+                    await _other_targets(
+                        args, stack, tmp, config, config.read_text(), backend, targets, notes
                     )
-                if args.processes > 1:
-                    # N replicas on one port, one router through a nats-server of their own
-                    nats = await stack.enter_async_context(NatsServer())
-                    replicated = Path(tmp) / "replicas.toml"
-                    replicated.write_text(
-                        config.read_text() + f'[cluster]\nurl = "{nats.url}"\n'
-                        "snapshot_interval_s = 0\n"
-                    )
-                    targets[
-                        f"kvroute --processes {args.processes}"
-                    ] = await stack.enter_async_context(
-                        _process(*_router_cmd(replicated), "--processes", str(args.processes))
-                    )
-                targets["bare aiohttp forwarder"] = await stack.enter_async_context(
-                    _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
-                )
-                try:
-                    targets["sglang-router"] = await stack.enter_async_context(
-                        launch(args.sglang_router_python, [backend], policy="round_robin")
-                    )
-                except (RuntimeError, OSError) as exc:
-                    notes.append(f"sglang-router not measured: {exc}")
                 section = await _measure(
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
                 sections.append(section)
-                bare = section.rates["bare aiohttp forwarder"]
-                notes.append(
-                    f"kvroute / bare aiohttp forwarder throughput ratio: "
-                    f"{section.rates['kvroute'] / bare:.2f} (the cost of routing itself)"
-                )
-                if "kvroute on uvloop" in section.rates:
-                    uv = section.rates["kvroute on uvloop"]
-                    notes.append(
-                        f"kvroute on uvloop (KVROUTE_EVENT_LOOP=uvloop) / on asyncio's loop "
-                        f"(the default) throughput ratio: {uv / section.rates['kvroute']:.2f}"
-                    )
-                many = f"kvroute --processes {args.processes}"
-                if many in section.rates:
-                    notes.append(
-                        f"{many} / kvroute (one process) throughput ratio: "
-                        f"{section.rates[many] / section.rates['kvroute']:.2f} (replicas share "
-                        "decisions on NATS; the load generator and the backend share the same "
-                        f"{os.cpu_count()} CPUs)"
-                    )
-                    if "sglang-router" in section.rates:
-                        notes.append(
-                            f"{many} / sglang-router throughput ratio: "
-                            f"{section.rates[many] / section.rates['sglang-router']:.2f}"
-                        )
-                if "sglang-router" in section.rates:
-                    notes.append(
-                        "sglang-router: SGLang's Rust router from PyPI, run by "
-                        f"`{args.sglang_router_python} -m sglang_router.launch_router` with "
-                        "`--policy round_robin` in front of the same backend"
-                    )
-                    ratio = section.rates["kvroute"] / section.rates["sglang-router"]
-                    notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
-            if not args.skip_clients:
+                notes += _ops_notes(section.rates)
+                if not args.ops_only:
+                    notes += _other_notes(args, section.rates)
+            if not args.skip_clients and not args.ops_only:
                 async with (
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp") as a,
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "httpx") as h,
@@ -433,7 +498,7 @@ async def _run(args: argparse.Namespace) -> str:
                     client_rows.append(
                         f"| forwarder + {client} client | {rates[client]:,.0f} | {errors[client]} |"
                     )
-        if not args.skip_reference:
+        if not args.skip_reference and not args.ops_only:
             async with _process(py, "-m", "bench.proxy_bench", "reference") as worker:
                 config = Path(tmp) / "reference.toml"
                 config.write_text(

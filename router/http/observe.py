@@ -41,6 +41,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "Observation",
     "Observer",
+    "Unobserved",
     "install_log_request_id",
     "observation",
 ]
@@ -61,13 +62,18 @@ class Observer:
         stats: DecisionStats,
         block_size: Callable[[str], int | None],
         tracing: Tracing | None = None,
+        *,
+        enabled: bool = True,
     ) -> None:
         self.stats = stats
         self.tracing = tracing
+        self.enabled = enabled  # `[observe] enabled`: false, every request is `Unobserved`
         self._block_size = block_size
 
     def begin(self, request: web.Request, endpoint: Endpoint) -> Observation:
         """Start observing `request` (stored on it: `observation(request)`)."""
+        if not self.enabled:
+            return Unobserved()  # not stored: the proxy's inner steps skip it altogether
         obs = Observation(self, request, endpoint)
         request[OBSERVATION] = obs
         return obs
@@ -318,6 +324,51 @@ class Observation:
             span.set_attribute("error.type", error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
+
+
+class Unobserved(Observation):
+    """An observation that records nothing (`[observe] enabled = false`): no request id, no
+    decision statistics, no spans. It exists so the proxy's path has no branch of its own, and
+    so a benchmark can measure what observing costs against it."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:  # none of the state of an Observation is needed
+        self.started = time.perf_counter()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """No span."""
+        return _NO_PHASE
+
+    def planned(self, plan: Plan, model: str) -> None:
+        """Nothing kept."""
+
+    def attempt(self, plan: Plan, candidate: Candidate, attempt: int) -> None:
+        """Nothing kept."""
+
+    def outgoing(self, headers: CIMultiDict[str]) -> None:
+        """Nothing added."""
+
+    def failed(self, reason: str) -> None:
+        """Nothing kept."""
+
+    def first_byte(self) -> None:
+        """Nothing kept."""
+
+    def response_headers(self, headers: CIMultiDict[str]) -> None:
+        """Nothing added."""
+
+    def body(self, payload: bytes) -> None:
+        """Nothing read."""
+
+    def chunk(self, chunk: bytes) -> None:
+        """Nothing read."""
+
+    def finish(self, status: int) -> None:
+        """Nothing counted."""
+
+    def close(self, error: BaseException | None) -> None:
+        """No span to end."""
 
 
 def _target_attributes(span: Span, candidate: Candidate) -> None:

@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from router.config import PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
-from router.http.keys import TRACING
+from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
+from router.http.keys import DECISIONS, TRACING
 from router.http.observe import install_log_request_id
 from router.service import RouterService
 from tests.router.conftest import eventually, router_config
@@ -383,3 +383,18 @@ async def test_otel_variables_turn_tracing_on_and_off(
         assert memory is not None
         await _post(router.url, CHAT)
         assert memory.get_finished_spans() == ()
+
+
+async def test_observe_off_records_nothing_and_traces_nothing(
+    backend: Backend, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    # the benchmarks' baseline: the proxy without the operations layer
+    config = _config((_worker("b0", backend),), observe=ObserveConfig(enabled=False))
+    async with RouterService(config, tracer_provider=provider) as router:
+        assert router.app.get(TRACING) is None  # tracing is part of the layer
+        resp = await _post(router.url, CHAT)
+        assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b0"
+        assert not router.app[DECISIONS].recent
+    assert "x-request-id" not in resp.headers
+    assert "x-request-id" not in backend.seen[-1] and "traceparent" not in backend.seen[-1]
+    assert exporter.get_finished_spans() == ()
