@@ -5,7 +5,8 @@ others without a restart (the listen address, the indexer, the tokenizer, the ad
 tracing, the cluster...). Each key is one or the other by this module's table: a key not listed
 as live needs a restart, so a setting added to the config later is reported, never silently
 ignored. The config a reload runs on is the new file with every restart-only key kept at its
-running value, so what the router runs is always what `GET`-able state says.
+running value: the router never claims a setting it does not apply, and the next reload reports
+the same keys again until a restart.
 
 Workers are diffed by id: added, removed, or changed (same id, other settings: replaced).
 """

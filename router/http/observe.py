@@ -131,9 +131,11 @@ class Observation:
                     "kvroute.request_id": self.request_id,
                 },
             )
-            if span.is_recording():  # sampled out: no child spans either (they would cost)
+            # sampled out: no child spans either (they would cost), but the decision still goes
+            # to the worker (`outgoing`), so it does not record what this trace dropped
+            self._request_ctx = trace.set_span_in_context(span)
+            if span.is_recording():
                 self._request_span = span
-                self._request_ctx = trace.set_span_in_context(span)
 
     # ---------------------------------------------------------------- phases
 
@@ -213,16 +215,21 @@ class Observation:
         """Headers for the worker: the request id, and the upstream span as `traceparent`."""
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = self.request_id
+        tracing = self._observer.tracing
+        if tracing is None:
+            return
         span = self._upstream_span
         if span is not None:
             from opentelemetry import trace
 
-            tracing = self._observer.tracing
-            assert tracing is not None
-            carrier: dict[str, str] = {}
-            tracing.propagator.inject(carrier, context=trace.set_span_in_context(span))
-            for name, value in carrier.items():
-                headers[name] = value  # replaces the client's: the worker's parent is ours
+            context = trace.set_span_in_context(span)
+        else:
+            # not sampled (or no attempt span, a pair's decode hop): the request's own context
+            context = self._request_ctx
+        carrier: dict[str, str] = {}
+        tracing.propagator.inject(carrier, context=context)
+        for name, value in carrier.items():
+            headers[name] = value  # replaces the client's: the worker's parent is ours
 
     def failed(self, reason: str) -> None:
         """The attempt failed before any byte reached the client (a retry may follow)."""

@@ -245,13 +245,15 @@ async def test_a_client_trace_is_continued_and_its_sampling_followed(
     assert found is not None and found.group(1) == client_trace
     assert found.group(2) != client_span  # the router's upstream span, not the client's
 
-    # a trace the client did not sample: no spans, its traceparent reaches the worker as sent
+    # a trace the client did not sample: no spans, and the worker is told "not sampled"
     exporter.clear()
     unsampled = f"00-{client_trace}-{client_span}-00"
     resp = await _post(traced.url, CHAT, {"traceparent": unsampled})
     assert resp.status == 200
     assert exporter.get_finished_spans() == ()
-    assert backend.seen[-1]["traceparent"] == unsampled
+    found = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+    assert found is not None and found.group(1) == client_trace
+    assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
 
 
 async def test_a_retry_is_a_failed_upstream_span_then_another(
@@ -377,7 +379,7 @@ async def test_otel_variables_turn_tracing_on_and_off(
         await _post(router.url, CHAT)
     assert "traceparent" not in backend.seen[-1]
 
-    # a sampler from the environment: none of the new traces recorded
+    # a sampler from the environment: none of the new traces recorded, and the worker is told
     monkeypatch.delenv("OTEL_SDK_DISABLED")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     async with RouterService(config) as router:
@@ -385,6 +387,7 @@ async def test_otel_variables_turn_tracing_on_and_off(
         assert memory is not None
         await _post(router.url, CHAT)
         assert memory.get_finished_spans() == ()
+    assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
 
 
 async def test_observe_off_records_nothing_and_traces_nothing(
