@@ -183,6 +183,27 @@ def _role_main(argv: Sequence[str]) -> None:
 # ---------------------------------------------------------------- process management
 
 
+# helper process of each URL, for its CPU time (`_cpu_s`)
+_PIDS: dict[str, int] = {}
+
+
+def _cpu_s(url: str) -> float | None:
+    """CPU seconds (user + system) the process serving `url` has used; None if unknown.
+
+    On a shared machine throughput moves with everyone else's load; the CPU a process spends
+    per request moves far less, so the operations rows are compared on it too.
+    """
+    pid = _PIDS.get(url)
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after the command name: state is field 3, utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
     """Start a helper process and yield the URL it prints; stop it on exit."""
@@ -203,6 +224,7 @@ async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
                 if marker in line:
                     url = "http://" + line.split("http://", 1)[1].split()[0]
         drain = asyncio.create_task(proc.stdout.read())
+        _PIDS[url.rstrip("/")] = proc.pid
         yield url.rstrip("/")
         drain.cancel()
     finally:
@@ -297,6 +319,8 @@ class _Section(msgspec.Struct):
     lat_rows: list[str]
     tput_rows: list[str]
     rates: dict[str, float]
+    # CPU microseconds per request of the process serving each target (where it is known)
+    cpu_us: dict[str, float] = {}
 
 
 async def _measure(
@@ -314,33 +338,45 @@ async def _measure(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
         )
-    section.rates, errors = await _interleaved_throughput(args, targets, args.rounds)
+    section.rates, errors, section.cpu_us = await _interleaved_throughput(
+        args, targets, args.rounds
+    )
     for name, rate in section.rates.items():
         ratio = "-" if name == "direct" else f"{rate / section.rates['direct']:.2f}"
-        section.tput_rows.append(f"| {name} | {rate:,.0f} | {errors[name]} | {ratio} |")
+        cpu = section.cpu_us.get(name)
+        per = "-" if cpu is None else f"{cpu:.0f}"
+        section.tput_rows.append(f"| {name} | {rate:,.0f} | {errors[name]} | {ratio} | {per} |")
     return section
 
 
 async def _interleaved_throughput(
     args: argparse.Namespace, targets: dict[str, str], rounds: int = 3
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike)."""
+) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
+    errors; and CPU microseconds per request of each target's own process, where known (a
+    replica fleet's parent does no serving: not counted)."""
     per_round = max(1, args.throughput_requests // rounds)
     for url in targets.values():  # warm-up: every connection of both hops opened once
         await _throughput(url, args.concurrency * 10, args.concurrency, args.deadline_s)
     elapsed = dict.fromkeys(targets, 0.0)
     done = dict.fromkeys(targets, 0)
     errors = dict.fromkeys(targets, 0)
+    cpu: dict[str, float] = {}
     for _ in range(rounds):
         for name, url in targets.items():
+            before = None if "--processes" in name else _cpu_s(url)
             count, seconds, failed = await _run_load(
                 url, per_round, args.concurrency, args.deadline_s
             )
+            after = _cpu_s(url)
+            if before is not None and after is not None:
+                cpu[name] = cpu.get(name, 0.0) + after - before
             elapsed[name] += seconds
             done[name] += count
             errors[name] += failed
     rates = {name: done[name] / elapsed[name] if elapsed[name] else 0.0 for name in targets}
-    return rates, errors
+    cpu_us = {name: seconds / done[name] * 1e6 for name, seconds in cpu.items() if done[name]}
+    return rates, errors, cpu_us
 
 
 # the same router with the operations layer off (the baseline) and with tracing on
@@ -354,17 +390,30 @@ _OPS_TARGETS = {
 }
 
 
-def _ops_notes(rates: dict[str, float]) -> list[str]:
-    """The operations layer's cost: each ops row against the router without it."""
-    base = rates.get("kvroute, observe off")
+def _ops_notes(section: _Section) -> list[str]:
+    """The operations layer's cost: each ops row against the router without it, in throughput
+    and in the router process's own CPU per request."""
+    baseline = "kvroute, observe off"
+    rates, cpu = section.rates, section.cpu_us
+    base = rates.get(baseline)
     if not base:
         return []
-    return [
-        f"{name} / kvroute, observe off throughput ratio: {rates[name] / base:.3f} "
-        f"(cost {100 * (1 - rates[name] / base):+.1f}%; target: cost <= 5%)"
-        for name in ("kvroute", _TRACED, _SAMPLED)
-        if name in rates
-    ]
+    notes = []
+    for name in ("kvroute", _TRACED, _SAMPLED):
+        if name not in rates:
+            continue
+        note = (
+            f"{name} / {baseline}: throughput ratio {rates[name] / base:.3f} "
+            f"(cost {100 * (1 - rates[name] / base):+.1f}%)"
+        )
+        if name in cpu and cpu.get(baseline):
+            added = cpu[name] - cpu[baseline]
+            note += (
+                f", router CPU per request {cpu[name]:.0f} us vs {cpu[baseline]:.0f} us "
+                f"({added:+.0f} us, {100 * added / cpu[baseline]:+.1f}%)"
+            )
+        notes.append(note + "; target: cost <= 5%")
+    return notes
 
 
 def _router_cmd(config: Path) -> tuple[str, ...]:
@@ -486,7 +535,7 @@ async def _run(args: argparse.Namespace) -> str:
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
                 sections.append(section)
-                notes += _ops_notes(section.rates)
+                notes += _ops_notes(section)
                 if not args.ops_only:
                     notes += _other_notes(args, section.rates)
             if not args.skip_clients and not args.ops_only:
@@ -496,7 +545,7 @@ async def _run(args: argparse.Namespace) -> str:
                 ):
                     small = argparse.Namespace(**{**vars(args), "deadline_s": 20.0})
                     small.throughput_requests = args.throughput_requests // 2
-                    rates, errors = await _interleaved_throughput(
+                    rates, errors, _ = await _interleaved_throughput(
                         small, {"direct": backend, "aiohttp": a, "httpx": h}
                     )
                 for client in ("aiohttp", "httpx"):
@@ -556,8 +605,8 @@ def _report(
             f"Throughput, concurrency {args.concurrency}, "
             f"up to {args.throughput_requests} requests per target:",
             "",
-            "| target | req/s | errors | ratio to direct |",
-            "|---|---|---|---|",
+            "| target | req/s | errors | ratio to direct | its CPU us/request |",
+            "|---|---|---|---|---|",
             *section.tput_rows,
             "",
         ]

@@ -90,8 +90,13 @@ class Reloader:
         """
         task = asyncio.get_running_loop().create_task(self._reload(), name="kvroute-reload")
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        task.add_done_callback(self._finished)
         return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[ConfigDiff]) -> None:
+        self._running.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a refusal nobody awaited any more is logged already
 
     async def _reload(self) -> ConfigDiff:
         source = self.source
