@@ -35,7 +35,7 @@ from router.routing.planner import Plan
 from router.routing.policy import Candidate
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import Span, Status
 
 __all__ = [
     "OBSERVATION",
@@ -91,7 +91,6 @@ class Observation:
         "_decision",
         "_echo_id",
         "_observer",
-        "_parse_token",
         "_phase_span",
         "_request_ctx",
         "_request_span",
@@ -121,26 +120,23 @@ class Observation:
         self._request_ctx: Any = None
         self._phase_span: Span | None = None
         self._upstream_span: Span | None = None
-        self._parse_token: contextvars.Token[Any] | None = None
         tracing = observer.tracing
         if tracing is not None:
-            from opentelemetry import trace
-
             parent = tracing.propagator.extract(request.headers)
             span = tracing.tracer.start_span(
-                f"{request.method} {endpoint.value}",
+                f"{request.method} {self.endpoint}",
                 context=parent,
-                kind=trace.SpanKind.SERVER,
+                kind=tracing.server_kind,
                 attributes={
                     "http.request.method": request.method,
                     "url.path": request.path,
-                    "kvroute.endpoint": endpoint.value,
+                    "kvroute.endpoint": self.endpoint,
                     "kvroute.request_id": self.request_id,
                 },
             )
             # sampled out: no child spans either (they would cost), but the decision still goes
             # to the worker (`outgoing`), so it does not record what this trace dropped
-            self._request_ctx = trace.set_span_in_context(span)
+            self._request_ctx = tracing.in_context(span)
             if span.is_recording():
                 self._request_span = span
 
@@ -154,18 +150,16 @@ class Observation:
 
     @contextlib.contextmanager
     def _span_phase(self, name: str) -> Iterator[object]:
-        from opentelemetry import trace
-
         tracing = self._observer.tracing
         assert tracing is not None
         span = tracing.tracer.start_span(name, context=self._request_ctx)
         self._phase_span = span
-        token = PARSE_CONTEXT.set(trace.set_span_in_context(span)) if name == "parse" else None
+        token = PARSE_CONTEXT.set(tracing.in_context(span)) if name == "parse" else None
         try:
             yield span
         except Exception as exc:
             span.record_exception(exc)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            span.set_status(tracing.error(type(exc).__name__))
             raise
         finally:
             if token is not None:
@@ -206,8 +200,6 @@ class Observation:
         self._decision = decision
         if self._request_span is None:
             return
-        from opentelemetry import trace
-
         tracing = self._observer.tracing
         assert tracing is not None
         self._end_upstream(None)
@@ -215,7 +207,7 @@ class Observation:
         attributes["server.address"] = candidate.url
         attributes["kvroute.attempt"] = attempt
         self._upstream_span = tracing.tracer.start_span(
-            "upstream", context=self._request_ctx, kind=trace.SpanKind.CLIENT, attributes=attributes
+            "upstream", context=self._request_ctx, kind=tracing.client_kind, attributes=attributes
         )
 
     def outgoing(self, headers: CIMultiDict[str]) -> None:
@@ -226,13 +218,8 @@ class Observation:
         if tracing is None:
             return
         span = self._upstream_span
-        if span is not None:
-            from opentelemetry import trace
-
-            context = trace.set_span_in_context(span)
-        else:
-            # not sampled (or no attempt span, a pair's decode hop): the request's own context
-            context = self._request_ctx
+        # not sampled (or no attempt span, a pair's decode hop): the request's own context
+        context = tracing.in_context(span) if span is not None else self._request_ctx
         carrier: dict[str, str] = {}
         tracing.propagator.inject(carrier, context=context)
         for name, value in carrier.items():
@@ -304,11 +291,7 @@ class Observation:
             self._request_span.set_attribute("kvroute.worker", decision.chosen.worker)
             self._request_span.set_attribute("http.response.status_code", status)
             if status >= 500:
-                from opentelemetry import trace
-
-                self._request_span.set_status(
-                    trace.Status(trace.StatusCode.ERROR, f"HTTP {status}")
-                )
+                self._request_span.set_status(self._failure(f"HTTP {status}"))
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
@@ -320,11 +303,14 @@ class Observation:
         if self.model:
             span.set_attribute("kvroute.model", self.model)
         if error is not None:
-            from opentelemetry import trace
-
             span.set_attribute("error.type", type(error).__name__)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+            span.set_status(self._failure(type(error).__name__))
         span.end()
+
+    def _failure(self, description: str) -> Status:
+        tracing = self._observer.tracing
+        assert tracing is not None  # spans exist only with tracing
+        return tracing.error(description)
 
     def _end_upstream(self, error: str | None) -> None:
         span = self._upstream_span
@@ -332,10 +318,8 @@ class Observation:
             return
         self._upstream_span = None
         if error is not None:
-            from opentelemetry import trace
-
             span.set_attribute("error.type", error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            span.set_status(self._failure(error))
         span.end()
 
 
