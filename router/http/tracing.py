@@ -144,7 +144,11 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     exporter: SpanExporter
     if exporter_name == "memory":
         # the newest spans only: a benchmark's long run stays bounded
-        memory = exporter = InMemorySpanExporter(max_spans=_MEMORY_SPANS)
+        try:
+            memory = exporter = InMemorySpanExporter(max_spans=_MEMORY_SPANS)
+        except TypeError:  # an SDK older than max_spans (2026): every span is kept
+            log.warning("this OpenTelemetry SDK keeps every span in memory: for tests only")
+            memory = exporter = InMemorySpanExporter()
         # synchronous: the in-memory export is a list append, a thread would only add switches
         provider_sdk.add_span_processor(SimpleSpanProcessor(exporter))
     elif exporter_name == "console":
