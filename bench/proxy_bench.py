@@ -9,6 +9,13 @@ generator. Measured, per target, on the same tiny non-streaming `/v1/completions
   p50/p99, and the router's added latency = proxied - direct percentile;
 - requests/s at concurrency 32 over a fixed request count (bounded in time too).
 
+The operations layer (`router.http.observe`: decision statistics, request ids, traces) is
+measured as more rows of the same router: `[observe] enabled = false` (the baseline without
+it), the default, and tracing on with the SDK's in-memory exporter (`[tracing] exporter =
+"memory"`, a benchmark-and-test exporter that keeps the newest spans in memory, so the cost of
+exporting over a network is not in the number), every request traced and 10% of them.
+`--ops-only` measures just those rows.
+
 It also re-checks the upstream-client choice of DESIGN.md section 5 (a bare forwarder on
 aiohttp's server with aiohttp's client versus the same forwarder with httpx), and repeats the
 direct-versus-router measurement in front of a reference worker that publishes KV events, so
@@ -77,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-clients", action="store_true", help="skip aiohttp vs httpx")
     parser.add_argument(
         "--skip-reference", action="store_true", help="skip the reference-worker scenario"
+    )
+    parser.add_argument(
+        "--ops-only",
+        action="store_true",
+        help="only direct and kvroute with the operations layer off, on, and tracing on",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved throughput rounds per target"
     )
     parser.add_argument("--output", default="docs/benchmarks/proxy.md")
 
@@ -172,6 +187,27 @@ def _role_main(argv: Sequence[str]) -> None:
 # ---------------------------------------------------------------- process management
 
 
+# helper process of each URL, for its CPU time (`_cpu_s`)
+_PIDS: dict[str, int] = {}
+
+
+def _cpu_s(url: str) -> float | None:
+    """CPU seconds (user + system) the process serving `url` has used; None if unknown.
+
+    On a shared machine throughput moves with everyone else's load; the CPU a process spends
+    per request moves far less, so the operations rows are compared on it too.
+    """
+    pid = _PIDS.get(url)
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after the command name: state is field 3, utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
     """Start a helper process and yield the URL it prints; stop it on exit."""
@@ -192,6 +228,7 @@ async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
                 if marker in line:
                     url = "http://" + line.split("http://", 1)[1].split()[0]
         drain = asyncio.create_task(proc.stdout.read())
+        _PIDS[url.rstrip("/")] = proc.pid
         yield url.rstrip("/")
         drain.cancel()
     finally:
@@ -286,6 +323,8 @@ class _Section(msgspec.Struct):
     lat_rows: list[str]
     tput_rows: list[str]
     rates: dict[str, float]
+    # CPU microseconds per request of the process serving each target (where it is known)
+    cpu_us: dict[str, float] = {}
 
 
 async def _measure(
@@ -303,33 +342,82 @@ async def _measure(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
         )
-    section.rates, errors = await _interleaved_throughput(args, targets)
+    section.rates, errors, section.cpu_us = await _interleaved_throughput(
+        args, targets, args.rounds
+    )
     for name, rate in section.rates.items():
         ratio = "-" if name == "direct" else f"{rate / section.rates['direct']:.2f}"
-        section.tput_rows.append(f"| {name} | {rate:,.0f} | {errors[name]} | {ratio} |")
+        cpu = section.cpu_us.get(name)
+        per = "-" if cpu is None else f"{cpu:.0f}"
+        section.tput_rows.append(f"| {name} | {rate:,.0f} | {errors[name]} | {ratio} | {per} |")
     return section
 
 
 async def _interleaved_throughput(
     args: argparse.Namespace, targets: dict[str, str], rounds: int = 3
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike)."""
+) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
+    errors; and CPU microseconds per request of each target's own process, where known (a
+    replica fleet's parent does no serving: not counted)."""
     per_round = max(1, args.throughput_requests // rounds)
     for url in targets.values():  # warm-up: every connection of both hops opened once
         await _throughput(url, args.concurrency * 10, args.concurrency, args.deadline_s)
     elapsed = dict.fromkeys(targets, 0.0)
     done = dict.fromkeys(targets, 0)
     errors = dict.fromkeys(targets, 0)
+    cpu: dict[str, float] = {}
     for _ in range(rounds):
         for name, url in targets.items():
+            before = None if "--processes" in name else _cpu_s(url)
             count, seconds, failed = await _run_load(
                 url, per_round, args.concurrency, args.deadline_s
             )
+            after = _cpu_s(url)
+            if before is not None and after is not None:
+                cpu[name] = cpu.get(name, 0.0) + after - before
             elapsed[name] += seconds
             done[name] += count
             errors[name] += failed
     rates = {name: done[name] / elapsed[name] if elapsed[name] else 0.0 for name in targets}
-    return rates, errors
+    cpu_us = {name: seconds / done[name] * 1e6 for name, seconds in cpu.items() if done[name]}
+    return rates, errors, cpu_us
+
+
+# the same router with the operations layer off (the baseline) and with tracing on
+_TRACING = '[tracing]\nenabled = true\nexporter = "memory"\n'
+_TRACED = "kvroute, tracing on (in-memory exporter)"
+_SAMPLED = "kvroute, tracing on, 10% sampled (in-memory exporter)"
+_OPS_TARGETS = {
+    "kvroute, observe off": "[observe]\nenabled = false\n",
+    _TRACED: _TRACING,
+    _SAMPLED: _TRACING + "sample_ratio = 0.1\n",
+}
+
+
+def _ops_notes(section: _Section) -> list[str]:
+    """The operations layer's cost: each ops row against the router without it, in throughput
+    and in the router process's own CPU per request."""
+    baseline = "kvroute, observe off"
+    rates, cpu = section.rates, section.cpu_us
+    base = rates.get(baseline)
+    if not base:
+        return []
+    notes = []
+    for name in ("kvroute", _TRACED, _SAMPLED):
+        if name not in rates:
+            continue
+        note = (
+            f"{name} / {baseline}: throughput ratio {rates[name] / base:.3f} "
+            f"(cost {100 * (1 - rates[name] / base):+.1f}%)"
+        )
+        if name in cpu and cpu.get(baseline):
+            added = cpu[name] - cpu[baseline]
+            note += (
+                f", router CPU per request {cpu[name]:.0f} us vs {cpu[baseline]:.0f} us "
+                f"({added:+.0f} us, {100 * added / cpu[baseline]:+.1f}%)"
+            )
+        notes.append(note + "; target: cost <= 5%")
+    return notes
 
 
 def _router_cmd(config: Path) -> tuple[str, ...]:
@@ -345,6 +433,85 @@ def _router_cmd(config: Path) -> tuple[str, ...]:
     )
 
 
+async def _other_targets(
+    args: argparse.Namespace,
+    stack: contextlib.AsyncExitStack,
+    tmp: str,
+    config: Path,
+    base_text: str,
+    backend: str,
+    targets: dict[str, str],
+    notes: list[str],
+) -> None:
+    """The comparisons beside the operations rows: uvloop, replicas, a bare forwarder,
+    SGLang's router (each when it can run here)."""
+    py = sys.executable
+    if importlib.util.find_spec("uvloop") is not None:
+        # the same router on uvloop (opt-in): what it would buy
+        targets["kvroute on uvloop"] = await stack.enter_async_context(
+            _process("env", "KVROUTE_EVENT_LOOP=uvloop", *_router_cmd(config))
+        )
+    if args.processes > 1:
+        # N replicas on one port, one router through a nats-server of their own
+        nats = await stack.enter_async_context(NatsServer())
+        replicated = Path(tmp) / "replicas.toml"
+        replicated.write_text(
+            base_text + f'[cluster]\nurl = "{nats.url}"\nsnapshot_interval_s = 0\n'
+        )
+        targets[f"kvroute --processes {args.processes}"] = await stack.enter_async_context(
+            _process(*_router_cmd(replicated), "--processes", str(args.processes))
+        )
+    targets["bare aiohttp forwarder"] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
+    )
+    sglang_python, where = args.sglang_router_found
+    if sglang_python is None:
+        notes.append(f"sglang-router not measured: {where}")
+        return
+    try:
+        targets["sglang-router"] = await stack.enter_async_context(
+            launch(sglang_python, [backend], policy="round_robin")
+        )
+    except (RuntimeError, OSError) as exc:
+        notes.append(f"sglang-router not measured: {exc}")
+
+
+def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
+    """The ratios of `_other_targets`' rows."""
+    notes = [
+        f"kvroute / bare aiohttp forwarder throughput ratio: "
+        f"{rates['kvroute'] / rates['bare aiohttp forwarder']:.2f} (the cost of routing itself)"
+    ]
+    if "kvroute on uvloop" in rates:
+        notes.append(
+            f"kvroute on uvloop (KVROUTE_EVENT_LOOP=uvloop) / on asyncio's loop "
+            f"(the default) throughput ratio: {rates['kvroute on uvloop'] / rates['kvroute']:.2f}"
+        )
+    many = f"kvroute --processes {args.processes}"
+    if many in rates:
+        notes.append(
+            f"{many} / kvroute (one process) throughput ratio: "
+            f"{rates[many] / rates['kvroute']:.2f} (replicas share "
+            "decisions on NATS; the load generator and the backend share the same "
+            f"{os.cpu_count()} CPUs)"
+        )
+        if "sglang-router" in rates:
+            notes.append(
+                f"{many} / sglang-router throughput ratio: "
+                f"{rates[many] / rates['sglang-router']:.2f}"
+            )
+    if "sglang-router" in rates:
+        sglang_python, where = args.sglang_router_found
+        notes.append(
+            f"sglang-router: SGLang's Rust router from PyPI ({version(sglang_python)}), run by "
+            f"{where} as `-m sglang_router.launch_router --policy round_robin` in front of the "
+            "same backend"
+        )
+        ratio = rates["kvroute"] / rates["sglang-router"]
+        notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
+    return notes
+
+
 async def _run(args: argparse.Namespace) -> str:
     py = sys.executable
     notes: list[str] = []
@@ -358,90 +525,43 @@ async def _run(args: argparse.Namespace) -> str:
                 f'[[workers]]\nid = "backend"\nurl = "{backend}"\nkv_events = false\n'
             )
             async with contextlib.AsyncExitStack() as stack:
-                router = await stack.enter_async_context(_process(*_router_cmd(config)))
-                targets = {"direct": backend, "kvroute": router}
-                if importlib.util.find_spec("uvloop") is not None:
-                    # the same router on uvloop (opt-in): what it would buy
-                    targets["kvroute on uvloop"] = await stack.enter_async_context(
-                        _process("env", "KVROUTE_EVENT_LOOP=uvloop", *_router_cmd(config))
+
+                async def start_router(name: str, extra: str = "") -> None:
+                    routed = Path(tmp) / f"router-{len(targets)}.toml"
+                    routed.write_text(config.read_text() + extra)
+                    targets[name] = await stack.enter_async_context(_process(*_router_cmd(routed)))
+
+                targets = {"direct": backend}
+                await start_router("kvroute, observe off", _OPS_TARGETS["kvroute, observe off"])
+                await start_router("kvroute")
+                await start_router(_TRACED, _OPS_TARGETS[_TRACED])
+                await start_router(_SAMPLED, _OPS_TARGETS[_SAMPLED])
+                if not args.ops_only:
+                    await _other_targets(
+                        args, stack, tmp, config, config.read_text(), backend, targets, notes
                     )
-                if args.processes > 1:
-                    # N replicas on one port, one router through a nats-server of their own
-                    nats = await stack.enter_async_context(NatsServer())
-                    replicated = Path(tmp) / "replicas.toml"
-                    replicated.write_text(
-                        config.read_text() + f'[cluster]\nurl = "{nats.url}"\n'
-                        "snapshot_interval_s = 0\n"
-                    )
-                    targets[
-                        f"kvroute --processes {args.processes}"
-                    ] = await stack.enter_async_context(
-                        _process(*_router_cmd(replicated), "--processes", str(args.processes))
-                    )
-                targets["bare aiohttp forwarder"] = await stack.enter_async_context(
-                    _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
-                )
-                sglang_python, where = args.sglang_router_found
-                if sglang_python is None:
-                    notes.append(f"sglang-router not measured: {where}")
-                else:
-                    try:
-                        targets["sglang-router"] = await stack.enter_async_context(
-                            launch(sglang_python, [backend], policy="round_robin")
-                        )
-                    except (RuntimeError, OSError) as exc:
-                        notes.append(f"sglang-router not measured: {exc}")
                 section = await _measure(
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
                 sections.append(section)
-                bare = section.rates["bare aiohttp forwarder"]
-                notes.append(
-                    f"kvroute / bare aiohttp forwarder throughput ratio: "
-                    f"{section.rates['kvroute'] / bare:.2f} (the cost of routing itself)"
-                )
-                if "kvroute on uvloop" in section.rates:
-                    uv = section.rates["kvroute on uvloop"]
-                    notes.append(
-                        f"kvroute on uvloop (KVROUTE_EVENT_LOOP=uvloop) / on asyncio's loop "
-                        f"(the default) throughput ratio: {uv / section.rates['kvroute']:.2f}"
-                    )
-                many = f"kvroute --processes {args.processes}"
-                if many in section.rates:
-                    notes.append(
-                        f"{many} / kvroute (one process) throughput ratio: "
-                        f"{section.rates[many] / section.rates['kvroute']:.2f} (replicas share "
-                        "decisions on NATS; the load generator and the backend share the same "
-                        f"{os.cpu_count()} CPUs)"
-                    )
-                    if "sglang-router" in section.rates:
-                        notes.append(
-                            f"{many} / sglang-router throughput ratio: "
-                            f"{section.rates[many] / section.rates['sglang-router']:.2f}"
-                        )
-                if "sglang-router" in section.rates:
-                    notes.append(
-                        f"sglang-router: SGLang's Rust router from PyPI ({version(sglang_python)}"
-                        f"), run by {where} as `-m sglang_router.launch_router "
-                        "--policy round_robin` in front of the same backend"
-                    )
-                    ratio = section.rates["kvroute"] / section.rates["sglang-router"]
-                    notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
-            if not args.skip_clients:
+                notes += _ops_notes(section)
+                if not args.ops_only:
+                    notes += _other_notes(args, section.rates)
+            if not args.skip_clients and not args.ops_only:
                 async with (
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp") as a,
                     _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "httpx") as h,
                 ):
                     small = argparse.Namespace(**{**vars(args), "deadline_s": 20.0})
                     small.throughput_requests = args.throughput_requests // 2
-                    rates, errors = await _interleaved_throughput(
+                    rates, errors, _ = await _interleaved_throughput(
                         small, {"direct": backend, "aiohttp": a, "httpx": h}
                     )
                 for client in ("aiohttp", "httpx"):
                     client_rows.append(
                         f"| forwarder + {client} client | {rates[client]:,.0f} | {errors[client]} |"
                     )
-        if not args.skip_reference:
+        if not args.skip_reference and not args.ops_only:
             async with _process(py, "-m", "bench.proxy_bench", "reference") as worker:
                 config = Path(tmp) / "reference.toml"
                 config.write_text(
@@ -500,8 +620,8 @@ def _report(
             f"Throughput, concurrency {args.concurrency}, "
             f"up to {args.throughput_requests} requests per target:",
             "",
-            "| target | req/s | errors | ratio to direct |",
-            "|---|---|---|---|",
+            "| target | req/s | errors | ratio to direct | its CPU us/request |",
+            "|---|---|---|---|---|",
             *section.tput_rows,
             "",
         ]

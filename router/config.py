@@ -9,6 +9,7 @@ a default, so `RouterConfig(workers=(WorkerConfig(url=...),))` is a complete con
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,6 +30,8 @@ __all__ = [
     "IndexerSection",
     "LimitsConfig",
     "ListenConfig",
+    "LiveConfig",
+    "ObserveConfig",
     "PdConfig",
     "PolicyConfig",
     "PolicyName",
@@ -228,6 +231,15 @@ class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
+class ObserveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The per-request operations layer (`router.http.observe`): decision metrics, the recent
+    decisions, `x-request-id` and traces."""
+
+    # false: none of it (the benchmarks' baseline for what it costs); the request counters and
+    # latency histograms of /metrics stay
+    enabled: bool = True
+
+
 class QueryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The KV query API for other gateways (`POST /v1/kv/query`), with a token of its own."""
 
@@ -343,6 +355,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     pd: PdConfig = PdConfig()
     tracing: TracingConfig = TracingConfig()
     query: QueryConfig = QueryConfig()
+    observe: ObserveConfig = ObserveConfig()
     # header whose value overrides the body's cache_salt (set by a trusted gateway); "" = none
     salt_header: str = ""
     workers: tuple[WorkerConfig, ...] = ()
@@ -366,12 +379,34 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return self.query.token or os.environ.get(QUERY_TOKEN_ENV, "")
 
 
+class LiveConfig:
+    """The config the router runs on now: a reload (`router.http.reload`) replaces it whole,
+    so a reader takes `current` once per request and sees one consistent config."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.current = config
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`")
+
+
+def _error_key(message: str) -> str | None:
+    """The dotted key a msgspec validation message points at (`policy.hit_weight`)."""
+    at = _AT.search(message)
+    path = at.group(1) if at else ""
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+    return path or None
+
+
 def parse_config(data: dict[str, Any], *, source: str = "config") -> RouterConfig:
-    """Validate a decoded TOML document into a RouterConfig."""
+    """Validate a decoded TOML document into a RouterConfig (ConfigError names the key)."""
     try:
         return msgspec.convert(data, RouterConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+        raise ConfigError(f"{source}: {exc}", key=_error_key(str(exc))) from exc
 
 
 def load_config(path: str | Path) -> RouterConfig:

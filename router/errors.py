@@ -2,6 +2,7 @@
 
 RouterError                    500 unless a subclass says otherwise
 ├── ConfigError                a config file or struct that cannot be used (never an HTTP answer)
+│   └── ReloadError            400: POST /admin/reload of a file that cannot be used (kept running)
 ├── RequestError               400: a request body or header the router cannot route
 │   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
 │   ├── RequestTimeoutError    408: headers or body not received within their timeout
@@ -28,6 +29,7 @@ __all__ = [
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
+    "ReloadError",
     "RequestError",
     "RequestTimeoutError",
     "RouterError",
@@ -49,7 +51,24 @@ class RouterError(Exception):
 
 
 class ConfigError(RouterError):
-    """A config that cannot be used; the message names the offending key."""
+    """A config that cannot be used; the message names the offending key.
+
+    `key`: that key, dotted (`policy.hit_weight`), when the validation knows it.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ReloadError(ConfigError):
+    """A config reload refused (an invalid file): the running config is kept."""
+
+    status = 400
+
+    def details(self) -> dict[str, object]:
+        """The offending key, and that nothing changed."""
+        return {"key": self.key, "kept": "running config"}
 
 
 class RequestError(RouterError):

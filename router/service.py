@@ -4,6 +4,7 @@
         print(router.url)
 
 Port 0 picks a free port; `url` reports the bound one. The benchmarks start one per policy.
+Given the `ConfigSource` it was read from, `reload()` applies the file again (`router.http.reload`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from aiohttp import web
 
 from indexer.service import IndexerService
 from router.config import RouterConfig
+from router.config_diff import ConfigDiff
 from router.fleet.supervisor import Supervisor
 from router.http.app import create_app
-from router.http.keys import CLUSTER, INDEXER, PLANNER, SUPERVISOR
-from router.http.listener import RouterRunner
+from router.http.keys import CLUSTER, CONFIG, INDEXER, PLANNER, RELOADER, SUPERVISOR
+from router.http.listener import GuardedServer, RouterRunner
+from router.http.reload import ConfigSource
 from router.routing.planner import Planner
 
 if TYPE_CHECKING:
@@ -38,12 +41,15 @@ class RouterService:
         reuse_port: bool = False,
         tracer_provider: TracerProvider | None = None,
         proxy: bool = True,
+        config_source: ConfigSource | None = None,
     ) -> None:
         self.config = config
         # SO_REUSEPORT: several replica processes share one port (kvroute serve --processes)
         self._reuse_port = reuse_port
         # proxy=False: the index and its APIs only (`kvroute indexer`)
-        self.app = create_app(config, tracer_provider=tracer_provider, proxy=proxy)
+        self.app = create_app(
+            config, tracer_provider=tracer_provider, proxy=proxy, config_source=config_source
+        )
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 
@@ -68,6 +74,8 @@ class RouterService:
             if not started:
                 await runner.cleanup()
         self._runner = runner
+        if isinstance(runner.server, GuardedServer):
+            self.app[RELOADER].listener = runner.server  # a reload's limits for new connections
         address = runner.addresses[0]
         self._port = int(address[1])
         return self
@@ -76,6 +84,15 @@ class RouterService:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def reload(self) -> ConfigDiff:
+        """Read the config file again and apply it (ReloadError: invalid, nothing changed)."""
+        return await self.app[RELOADER].reload()
+
+    @property
+    def running_config(self) -> RouterConfig:
+        """The config the router runs on now (`config` as started, then as reloaded)."""
+        return self.app[CONFIG].current
 
     @property
     def url(self) -> str:

@@ -20,6 +20,7 @@ OURS = ("indexer", "workers", "router", "bench")
 ROUTER_LAYERS = (
     "router.errors",
     "router.config",
+    "router.config_diff",  # what a reload changes (pure)
     "router.prompt",  # request body -> tokens: parsing, tokenizer, chat templates, conventions
     "router.routing",  # the decision: planner, policies, load, pool, breakers
     "router.fleet",  # membership, discovery, health

@@ -114,6 +114,17 @@ async def serve_processes(
         "--exit-with-parent",
     ]  # fmt: skip
     children = [_Child(i, cmd) for i in range(processes)]
+
+    def hangup() -> None:
+        # every replica reloads the file itself (its worker changes meet in the shared fleet)
+        for child in children:
+            if child.proc is not None and child.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGHUP)
+
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}
@@ -144,6 +155,8 @@ async def serve_processes(
                     child.url = ""
                     await child.start()
     finally:
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(signal.SIGHUP)
         await asyncio.gather(*(child.stop() for child in children))
         if holder is not None:
             holder.close()

@@ -1,7 +1,8 @@
 """`kvroute serve --config FILE`: the router in front of an existing fleet.
 
 The router itself (aiohttp, the indexer's ZMQ subscribers) is imported when it starts, so the
-verb's arguments load light (`kvroute serve --help`, and `kvroute up` reusing them).
+verb's arguments load light (`kvroute serve --help`, and `kvroute up` reusing them). SIGHUP
+reloads the config file (`router.http.reload`) and logs one line saying what changed.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
 from router.config import PolicyName, RouterConfig, WorkerConfig, load_config, parse_config
 from router.errors import ConfigError
+
+if TYPE_CHECKING:
+    from router.http.reload import ConfigSource
+    from router.service import RouterService
 
 __all__ = [
     "add_arguments",
@@ -80,8 +85,10 @@ async def serve_until_stopped(
     reuse_port: bool = False,
     exit_with_parent: bool = False,
     proxy: bool = True,
+    config_source: ConfigSource | None = None,
 ) -> None:
-    """Run the router until SIGINT or SIGTERM, then shut down cleanly.
+    """Run the router until SIGINT or SIGTERM, then shut down cleanly; SIGHUP reloads
+    `config_source` (the file `config` came from).
 
     `proxy=False` runs the index and its APIs without the generation endpoints
     (`kvroute indexer`)."""
@@ -94,7 +101,18 @@ async def serve_until_stopped(
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
-    async with RouterService(config, reuse_port=reuse_port, proxy=proxy) as router:
+    async with RouterService(
+        config, reuse_port=reuse_port, proxy=proxy, config_source=config_source
+    ) as router:
+        reloads: set[asyncio.Task[None]] = set()
+
+        def hangup() -> None:
+            task = loop.create_task(_reload(router), name="kvroute-sighup")
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, hangup)
         _freeze_startup_heap()
         if announce:
             what = "router" if proxy else "indexer (no proxy; POST /v1/kv/query)"
@@ -104,8 +122,16 @@ async def serve_until_stopped(
             )
             sys.stdout.flush()
         await stop.wait()
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(signal.SIGHUP)
     if orphaned is not None:
         orphaned.cancel()
+
+
+async def _reload(router: RouterService) -> None:
+    """A SIGHUP: reload (the reloader logs the one line: what changed, or the bad key)."""
+    with contextlib.suppress(ConfigError):
+        await router.reload()
 
 
 async def _orphaned(stop: asyncio.Event) -> None:
@@ -233,6 +259,10 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
         )
     try:
         config = apply_overrides(read_config(args.config), args)
+        from router.http.reload import ConfigSource
+
+        # a reload reads the file again with the same overrides (a --port stays the port)
+        source = ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
         processes = getattr(args, "processes", 1)
         if processes > 1:
             from router.commands.replicas import serve_processes
@@ -253,6 +283,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
                     reuse_port=getattr(args, "reuse_port", False),
                     exit_with_parent=getattr(args, "exit_with_parent", False),
                     proxy=proxy,
+                    config_source=source,
                 )
             )
     except ConfigError as exc:

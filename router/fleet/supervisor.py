@@ -72,6 +72,10 @@ class Supervisor:
         self._metrics = metrics
         self._clock = clock
 
+    def reconfigure(self, health: HealthConfig) -> None:
+        """Health checks by `health` from the next round on (a reload)."""
+        self._health = health
+
     async def server_info(self, url: str, spec: EngineSpec = SGLANG) -> dict[str, Any]:
         """A worker's settings from the first of its engine's server-info paths that answers."""
         timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)

@@ -1,4 +1,4 @@
-"""The admin API under /admin: workers, namespaces, streams, route dry run, index dump.
+"""The admin API under /admin: workers, namespaces, streams, route dry run, index dump, reload.
 
 A sub-application with its own bearer-token middleware. Salts never leave the router: namespaces
 are shown and addressed by keyed fingerprint (`router.routing.namespace`), and an eviction by
@@ -30,6 +30,7 @@ from router.http.keys import (
     INDEXER,
     PAIRS,
     PLANNER,
+    RELOADER,
     SESSION,
     SUPERVISOR,
     TOKENIZER,
@@ -183,7 +184,7 @@ async def evict_namespace(request: web.Request) -> web.Response:
     if (body.cache_salt is None) == (body.namespace is None):
         raise RequestError("give exactly one of cache_salt or namespace")
     if body.cache_salt is not None:
-        check_salt_size(body.cache_salt, "cache_salt", request.config_dict[CONFIG].limits)
+        check_salt_size(body.cache_salt, "cache_salt", request.config_dict[CONFIG].current.limits)
     indexer = request.config_dict[INDEXER]
     fingerprint = request.config_dict[FINGERPRINT]
     known = [s.namespace for s in indexer.namespaces()]
@@ -237,7 +238,7 @@ async def route_dry_run(request: web.Request) -> web.Response:
         except ValueError:
             raise RequestError(f"endpoint must be one of {[e.value for e in Endpoint]}") from None
     # the proxy's own intake: a dry run accepts exactly what the proxy accepts
-    config = request.config_dict[CONFIG]
+    config = request.config_dict[CONFIG].current
     parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
     planner = request.config_dict[PLANNER]
     choice = planner.pool.resolve(parsed.model)  # UnknownModelError as the proxy would
@@ -295,6 +296,15 @@ async def load_index(request: web.Request) -> web.Response:
     return _reply({"loaded": True})
 
 
+async def reload_config(request: web.Request) -> web.Response:
+    """POST /admin/reload: read the config file again and apply it (`router.http.reload`);
+    400 naming the key of an invalid file, the running config kept."""
+    reloader = request.config_dict[RELOADER]
+    diff = await reloader.reload()
+    source = reloader.source
+    return _reply({"reloaded": source.path if source else None, **msgspec.to_builtins(diff)})
+
+
 def create_admin_app(token: str) -> web.Application:
     """The /admin sub-application; no token means no auth (allowed on loopback only)."""
     app = web.Application(middlewares=[_token_middleware(token)] if token else [])
@@ -308,5 +318,6 @@ def create_admin_app(token: str) -> web.Application:
     app.router.add_post("/route", route_dry_run)
     app.router.add_get("/index/dump", dump_index)
     app.router.add_post("/index/load", load_index)
+    app.router.add_post("/reload", reload_config)
     add_memory_routes(app)
     return app

@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
-from router.config import RouterConfig
+from router.config import LiveConfig, RouterConfig
 from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http import operations
@@ -31,12 +31,14 @@ from router.http.dashboard.routes import add_dashboard_routes
 from router.http.keys import (
     CLUSTER,
     CONFIG,
+    CONFIG_SOURCE,
     FINGERPRINT,
     INDEXER,
     METRICS,
     PAIRS,
     PLANNER,
     PROXY,
+    RELOADER,
     SESSION,
     SUPERVISOR,
     TOKENIZER,
@@ -44,6 +46,7 @@ from router.http.keys import (
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
+from router.http.reload import ConfigSource, Reloader
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
@@ -187,7 +190,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     """Open the session and indexer, register workers, run health checks; close on exit."""
-    config = app[CONFIG]
+    live = app[CONFIG]
+    config = live.current
     section = config.indexer
     indexer_config = IndexerConfig(
         pending_ttl_s=section.pending_ttl_s,
@@ -222,7 +226,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[PROXY] = proxy = Proxy(config, planner, session, tokenizer, app[METRICS], observer)
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
-        proxy.pairs = PairDispatcher(config, pairs, proxy, session, app[METRICS])
+        proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])
+        # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
+        app[RELOADER] = reloader = Reloader(
+            live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher
+        )
         for worker in config.workers:
             pool.add(worker)
         await asyncio.gather(*(supervisor.try_register(entry) for entry in pool))
@@ -238,6 +246,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                         ClusterService(config.cluster, planner, supervisor, config.workers)
                     )
                     app[CLUSTER] = cluster
+                    reloader.cluster = cluster  # reloaded workers are shared as admin's are
                     app[METRICS].export_cluster(cluster.gauges)
                 yield
         finally:
@@ -251,11 +260,13 @@ def create_app(
     *,
     tracer_provider: TracerProvider | None = None,
     proxy: bool = True,
+    config_source: ConfigSource | None = None,
 ) -> web.Application:
     """The router application for `config` (resources open when the app starts).
 
     `tracer_provider`: trace with this OpenTelemetry provider (tests), whatever the config says.
     `proxy=False`: the index and its APIs without the generation endpoints (`kvroute indexer`).
+    `config_source`: the file `config` was read from, read again on a reload.
     """
     token = config.admin_token()
     if config.admin.enabled and not token and not is_loopback(config.listen.host):
@@ -266,7 +277,9 @@ def create_app(
     app = web.Application(
         middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes
     )
-    app[CONFIG] = config
+    app[CONFIG] = LiveConfig(config)
+    if config_source is not None:
+        app[CONFIG_SOURCE] = config_source
     app[METRICS] = RouterMetrics()
     app[TOKENIZER] = build_tokenizer(config.tokenizer)
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)

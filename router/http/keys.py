@@ -8,12 +8,13 @@ import aiohttp
 from aiohttp import web
 
 from indexer.service import IndexerService
-from router.config import RouterConfig
+from router.config import LiveConfig
 from router.fleet.supervisor import Supervisor
 from router.http.decisions import DecisionStats
 from router.http.metrics import RouterMetrics
 from router.http.observe import Observer
 from router.http.proxy import Proxy
+from router.http.reload import ConfigSource, Reloader
 from router.http.tracing import Tracing
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
 __all__ = [
     "CLUSTER",
     "CONFIG",
+    "CONFIG_SOURCE",
     "DECISIONS",
     "FINGERPRINT",
     "INDEXER",
@@ -34,13 +36,18 @@ __all__ = [
     "PAIRS",
     "PLANNER",
     "PROXY",
+    "RELOADER",
     "SESSION",
     "SUPERVISOR",
     "TOKENIZER",
     "TRACING",
 ]
 
-CONFIG = web.AppKey("config", RouterConfig)
+# the running config: read `.current` once per request (a reload replaces it whole)
+CONFIG = web.AppKey("config", LiveConfig)
+# only when the router knows its config file (`kvroute serve`): what a reload reads again
+CONFIG_SOURCE = web.AppKey("config_source", ConfigSource)
+RELOADER = web.AppKey("reloader", Reloader)  # SIGHUP and POST /admin/reload
 METRICS = web.AppKey("metrics", RouterMetrics)
 TOKENIZER = web.AppKey("tokenizer", PromptTokenizer)
 FINGERPRINT = web.AppKey("fingerprint", Fingerprinter)

@@ -92,7 +92,7 @@ def _check_token(request: web.Request, token: str) -> None:
 
 async def kv_query(request: web.Request) -> web.Response:
     """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
-    config: RouterConfig = request.app[CONFIG]
+    config: RouterConfig = request.app[CONFIG].current
     _check_token(request, config.query_token())
     try:
         query = msgspec.json.decode(await request.read() or b"{}", type=KvQuery)

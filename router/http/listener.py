@@ -340,6 +340,14 @@ class GuardedServer(web.Server):
         self._app_handler = self.request_handler
         self.request_handler = self._before_routing
 
+    def reconfigure(self, limits: LimitsConfig) -> None:
+        """`limits` for the connections accepted from now on (a reload); each open one keeps
+        the deadlines it started with."""
+        if limits.refusal_log_interval_s != self.limits.refusal_log_interval_s:
+            self.refusals = RefusalLog(log, limits.refusal_log_interval_s)
+        self.limits = limits
+        self.cap = connection_cap(limits)
+
     @classmethod
     def adopt(cls, server: web.Server, limits: LimitsConfig) -> GuardedServer:
         """A guarded server with the same handler, request factory and protocol options."""

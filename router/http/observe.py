@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +35,14 @@ from router.routing.planner import Plan
 from router.routing.policy import Candidate
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import Span, Status
 
 __all__ = [
     "OBSERVATION",
     "REQUEST_ID_HEADER",
     "Observation",
     "Observer",
+    "Unobserved",
     "install_log_request_id",
     "observation",
 ]
@@ -51,6 +53,10 @@ REQUEST_ID_HEADER = "x-request-id"
 _MAX_ID_CHARS = 128  # a longer client id is forwarded as sent, but logged and traced cut short
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvroute_request_id", default="-")
 _NO_PHASE = contextlib.nullcontext()
+# a made id: this process's random half, then a counter (32 hex digits, as a UUID's). Unique
+# across replicas and restarts without uuid4's cost (the largest part of observing a request)
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count()
 
 
 class Observer:
@@ -61,13 +67,18 @@ class Observer:
         stats: DecisionStats,
         block_size: Callable[[str], int | None],
         tracing: Tracing | None = None,
+        *,
+        enabled: bool = True,
     ) -> None:
         self.stats = stats
         self.tracing = tracing
+        self.enabled = enabled  # `[observe] enabled`: false, every request is `Unobserved`
         self._block_size = block_size
 
     def begin(self, request: web.Request, endpoint: Endpoint) -> Observation:
         """Start observing `request` (stored on it: `observation(request)`)."""
+        if not self.enabled:
+            return Unobserved()  # not stored: the proxy's inner steps skip it altogether
         obs = Observation(self, request, endpoint)
         request[OBSERVATION] = obs
         return obs
@@ -78,8 +89,8 @@ class Observation:
 
     __slots__ = (
         "_decision",
+        "_echo_id",
         "_observer",
-        "_parse_token",
         "_phase_span",
         "_request_ctx",
         "_request_span",
@@ -97,7 +108,11 @@ class Observation:
         self.endpoint = endpoint.value
         self.model = ""
         given = request.headers.get(REQUEST_ID_HEADER)
-        self.request_id = given[:_MAX_ID_CHARS] if given else uuid.uuid4().hex
+        self.request_id = (
+            given[:_MAX_ID_CHARS] if given else f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+        )
+        # the client gets back the id it sent, as the worker got it (logs and traces cut it)
+        self._echo_id = given or self.request_id
         REQUEST_ID.set(self.request_id)  # the handler's own task: no reset needed
         self._decision: Decision | None = None
         self._tail: StreamTail | None = None
@@ -105,26 +120,25 @@ class Observation:
         self._request_ctx: Any = None
         self._phase_span: Span | None = None
         self._upstream_span: Span | None = None
-        self._parse_token: contextvars.Token[Any] | None = None
         tracing = observer.tracing
         if tracing is not None:
-            from opentelemetry import trace
-
             parent = tracing.propagator.extract(request.headers)
             span = tracing.tracer.start_span(
-                f"{request.method} {endpoint.value}",
+                f"{request.method} {self.endpoint}",
                 context=parent,
-                kind=trace.SpanKind.SERVER,
+                kind=tracing.server_kind,
                 attributes={
                     "http.request.method": request.method,
                     "url.path": request.path,
-                    "kvroute.endpoint": endpoint.value,
+                    "kvroute.endpoint": self.endpoint,
                     "kvroute.request_id": self.request_id,
                 },
             )
-            if span.is_recording():  # sampled out: no child spans either (they would cost)
+            # sampled out: no child spans either (they would cost), but the decision still goes
+            # to the worker (`outgoing`), so it does not record what this trace dropped
+            self._request_ctx = tracing.in_context(span)
+            if span.is_recording():
                 self._request_span = span
-                self._request_ctx = trace.set_span_in_context(span)
 
     # ---------------------------------------------------------------- phases
 
@@ -136,18 +150,16 @@ class Observation:
 
     @contextlib.contextmanager
     def _span_phase(self, name: str) -> Iterator[object]:
-        from opentelemetry import trace
-
         tracing = self._observer.tracing
         assert tracing is not None
         span = tracing.tracer.start_span(name, context=self._request_ctx)
         self._phase_span = span
-        token = PARSE_CONTEXT.set(trace.set_span_in_context(span)) if name == "parse" else None
+        token = PARSE_CONTEXT.set(tracing.in_context(span)) if name == "parse" else None
         try:
             yield span
         except Exception as exc:
             span.record_exception(exc)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+            span.set_status(tracing.error(type(exc).__name__))
             raise
         finally:
             if token is not None:
@@ -162,11 +174,11 @@ class Observation:
         if span is None:
             return
         first = plan.candidates[0] if plan.candidates else None
-        span.set_attribute("kvroute.candidates", len(plan.candidates))
-        span.set_attribute("kvroute.prompt_tokens", plan.prompt_tokens)
-        span.set_attribute("kvroute.namespace", plan.namespace)  # a fingerprint, never the salt
-        if first is not None:
-            _target_attributes(span, first)
+        attributes = _target_attributes(first) if first is not None else {}
+        attributes["kvroute.candidates"] = len(plan.candidates)
+        attributes["kvroute.prompt_tokens"] = plan.prompt_tokens
+        attributes["kvroute.namespace"] = plan.namespace  # a fingerprint, never the salt
+        span.set_attributes(attributes)
 
     # ---------------------------------------------------------------- attempts
 
@@ -188,33 +200,30 @@ class Observation:
         self._decision = decision
         if self._request_span is None:
             return
-        from opentelemetry import trace
-
         tracing = self._observer.tracing
         assert tracing is not None
         self._end_upstream(None)
-        span = tracing.tracer.start_span(
-            "upstream", context=self._request_ctx, kind=trace.SpanKind.CLIENT
+        attributes = _target_attributes(candidate)
+        attributes["server.address"] = candidate.url
+        attributes["kvroute.attempt"] = attempt
+        self._upstream_span = tracing.tracer.start_span(
+            "upstream", context=self._request_ctx, kind=tracing.client_kind, attributes=attributes
         )
-        _target_attributes(span, candidate)
-        span.set_attribute("server.address", candidate.url)
-        span.set_attribute("kvroute.attempt", attempt)
-        self._upstream_span = span
 
     def outgoing(self, headers: CIMultiDict[str]) -> None:
         """Headers for the worker: the request id, and the upstream span as `traceparent`."""
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = self.request_id
+        tracing = self._observer.tracing
+        if tracing is None:
+            return
         span = self._upstream_span
-        if span is not None:
-            from opentelemetry import trace
-
-            tracing = self._observer.tracing
-            assert tracing is not None
-            carrier: dict[str, str] = {}
-            tracing.propagator.inject(carrier, context=trace.set_span_in_context(span))
-            for name, value in carrier.items():
-                headers[name] = value  # replaces the client's: the worker's parent is ours
+        # not sampled (or no attempt span, a pair's decode hop): the request's own context
+        context = tracing.in_context(span) if span is not None else self._request_ctx
+        carrier: dict[str, str] = {}
+        tracing.propagator.inject(carrier, context=context)
+        for name, value in carrier.items():
+            headers[name] = value  # replaces the client's: the worker's parent is ours
 
     def failed(self, reason: str) -> None:
         """The attempt failed before any byte reached the client (a retry may follow)."""
@@ -230,7 +239,7 @@ class Observation:
 
     def response_headers(self, headers: CIMultiDict[str]) -> None:
         """Headers for the client: the request id."""
-        headers[REQUEST_ID_HEADER] = self.request_id
+        headers[REQUEST_ID_HEADER] = self._echo_id
 
     def body(self, payload: bytes) -> None:
         """A whole (non-streamed) answer: its usage."""
@@ -277,7 +286,12 @@ class Observation:
                 span.set_attribute("kvroute.ttft_s", decision.ttft_s)
             self._end_upstream(None if status < 500 else f"HTTP {status}")
         if self._request_span is not None:
+            # the request span names its worker too (a search by worker finds the request);
+            # the rest of the decision is on its children: each attribute costs a few us
+            self._request_span.set_attribute("kvroute.worker", decision.chosen.worker)
             self._request_span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                self._request_span.set_status(self._failure(f"HTTP {status}"))
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
@@ -289,11 +303,14 @@ class Observation:
         if self.model:
             span.set_attribute("kvroute.model", self.model)
         if error is not None:
-            from opentelemetry import trace
-
             span.set_attribute("error.type", type(error).__name__)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+            span.set_status(self._failure(type(error).__name__))
         span.end()
+
+    def _failure(self, description: str) -> Status:
+        tracing = self._observer.tracing
+        assert tracing is not None  # spans exist only with tracing
+        return tracing.error(description)
 
     def _end_upstream(self, error: str | None) -> None:
         span = self._upstream_span
@@ -301,20 +318,67 @@ class Observation:
             return
         self._upstream_span = None
         if error is not None:
-            from opentelemetry import trace
-
             span.set_attribute("error.type", error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            span.set_status(self._failure(error))
         span.end()
 
 
-def _target_attributes(span: Span, candidate: Candidate) -> None:
-    span.set_attribute("kvroute.worker", candidate.worker)
+class Unobserved(Observation):
+    """An observation that records nothing (`[observe] enabled = false`): no request id, no
+    decision statistics, no spans. It exists so the proxy's path has no branch of its own, and
+    so a benchmark can measure what observing costs against it."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:  # none of the state of an Observation is needed
+        self.started = time.perf_counter()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """No span."""
+        return _NO_PHASE
+
+    def planned(self, plan: Plan, model: str) -> None:
+        """Nothing kept."""
+
+    def attempt(self, plan: Plan, candidate: Candidate, attempt: int) -> None:
+        """Nothing kept."""
+
+    def outgoing(self, headers: CIMultiDict[str]) -> None:
+        """Nothing added."""
+
+    def failed(self, reason: str) -> None:
+        """Nothing kept."""
+
+    def first_byte(self) -> None:
+        """Nothing kept."""
+
+    def response_headers(self, headers: CIMultiDict[str]) -> None:
+        """Nothing added."""
+
+    def body(self, payload: bytes) -> None:
+        """Nothing read."""
+
+    def chunk(self, chunk: bytes) -> None:
+        """Nothing read."""
+
+    def finish(self, status: int) -> None:
+        """Nothing counted."""
+
+    def close(self, error: BaseException | None) -> None:
+        """No span to end."""
+
+
+def _target_attributes(candidate: Candidate) -> dict[str, str | int | float]:
+    """Where a request goes and why, as span attributes (set in one call: cheaper)."""
+    attributes: dict[str, str | int | float] = {
+        "kvroute.worker": candidate.worker,
+        "kvroute.matched_tokens": candidate.matched_tokens,
+        "kvroute.pending_tokens": candidate.pending_tokens,
+        "kvroute.score": candidate.score,
+    }
     if candidate.dp_rank is not None:
-        span.set_attribute("kvroute.dp_rank", candidate.dp_rank)
-    span.set_attribute("kvroute.matched_tokens", candidate.matched_tokens)
-    span.set_attribute("kvroute.pending_tokens", candidate.pending_tokens)
-    span.set_attribute("kvroute.score", candidate.score)
+        attributes["kvroute.dp_rank"] = candidate.dp_rank
+    return attributes
 
 
 # where the proxy's inner steps find the request's observation

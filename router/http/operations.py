@@ -20,10 +20,10 @@ from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.http.decisions import DecisionCollector, DecisionStats
 from router.http.fleet_metrics import FleetCollector
-from router.http.keys import DECISIONS, METRICS, OBSERVER, TOKENIZER, TRACING
+from router.http.keys import CONFIG, DECISIONS, METRICS, OBSERVER, TOKENIZER, TRACING
 from router.http.kv_query import KV_QUERY_PATH, add_kv_query_route
 from router.http.observe import Observer
-from router.http.tracing import TracedTokenizer, build_tracing
+from router.http.tracing import TracedTokenizer, build_tracing, tracing_wanted
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import LoadTracker
 
@@ -49,6 +49,11 @@ def install(
     stats = DecisionStats()
     app[DECISIONS] = stats
     app[METRICS].registry.register(DecisionCollector(stats))
+    if not config.observe.enabled:
+        if tracer_provider is not None or tracing_wanted(config.tracing):
+            log.warning("tracing is off: it is part of the [observe] layer, which is disabled")
+        _install_kv_query(app, config)
+        return
     tracing = build_tracing(config.tracing, tracer_provider)
     if tracing is not None:
         app[TRACING] = tracing
@@ -84,6 +89,7 @@ def proxy_tokenizer(app: web.Application) -> PromptTokenizer:
 def start(app: web.Application, indexer: IndexerService, load: LoadTracker) -> Observer:
     """The fleet families and the observer, once the indexer and load tracker exist."""
     app[METRICS].registry.register(FleetCollector(indexer, load))
-    observer = Observer(app[DECISIONS], indexer.block_size, app.get(TRACING))
+    enabled = app[CONFIG].current.observe.enabled
+    observer = Observer(app[DECISIONS], indexer.block_size, app.get(TRACING), enabled=enabled)
     app[OBSERVER] = observer
     return observer

@@ -186,6 +186,10 @@ class PairDispatcher:
         self._metrics = metrics
         self._rooms = random.SystemRandom()
 
+    def reconfigure(self, config: RouterConfig) -> None:
+        """Limits and timeouts of `config` for the requests that start from now on."""
+        self._config = config
+
     def applies(self, cache_model: str) -> bool:
         """Whether `cache_model` is served by pairs."""
         return self._pairs.applies(cache_model)

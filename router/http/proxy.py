@@ -156,19 +156,24 @@ class Proxy:
         metrics: RouterMetrics,
         observer: Observer | None = None,
     ) -> None:
-        self._config = config
         # decision metrics, the recent decisions, traces (`router.http.observe`)
         self.observer = observer or Observer(DecisionStats(), lambda worker: None)
         self._planner = planner
         self._session = session
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self.reconfigure(config)
+        self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
+
+    def reconfigure(self, config: RouterConfig) -> None:
+        """Limits, timeouts and the salt header of `config` for the requests that start from
+        now on (a reload); a request in flight keeps its deadline and its retries."""
+        self._config = config
         # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding)
         request_only = {"content-encoding"} | (
             {config.salt_header.lower()} if config.salt_header else set()
         )
         self._request_drop = _DROP | request_only
-        self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""
@@ -185,8 +190,9 @@ class Proxy:
         self, request: web.Request, endpoint: Endpoint, obs: Observation
     ) -> web.StreamResponse:
         started = obs.started
+        config = self._config  # one config per request, whatever a reload does meanwhile
         with obs.phase("parse"):
-            parsed = await read_request(request, endpoint, self._config, self._tokenizer)
+            parsed = await read_request(request, endpoint, config, self._tokenizer)
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
@@ -201,10 +207,10 @@ class Proxy:
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
-        deadline = time.monotonic() + self._config.timeouts.request_s
+        deadline = time.monotonic() + config.timeouts.request_s
         failures: list[str] = []
         tried: set[str] = set()
-        attempts = 1 + self._config.limits.max_retries
+        attempts = 1 + config.limits.max_retries
         for attempt in range(attempts):
             if attempt:
                 # re-rank: health, drains and loads may have changed since the last attempt

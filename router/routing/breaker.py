@@ -32,6 +32,11 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at: float | None = None
 
+    def reconfigure(self, failure_threshold: int, cooldown_s: float) -> None:
+        """New bounds (a reload); the failures counted so far and an open circuit stay."""
+        self._threshold = failure_threshold
+        self._cooldown_s = cooldown_s
+
     def state(self, now: float) -> BreakerState:
         """The state at time `now` (monotonic seconds)."""
         if self._opened_at is None:

@@ -39,6 +39,11 @@ class DecodePolicy(KvPolicy):
         super().__init__(config)
         self._kv_weight = pd.decode_kv_weight
 
+    def reconfigure_pd(self, config: PolicyConfig, pd: PdConfig) -> None:
+        """New weights from the next decision on (a reload)."""
+        self.reconfigure(config)
+        self._kv_weight = pd.decode_kv_weight
+
     def load(self, view: Candidate) -> float:
         """Running requests, the KV they hold, and the transfers queued to it."""
         return (
@@ -69,6 +74,13 @@ class PairPlanner:
     def __init__(self, planner: Planner, policy: PolicyConfig, pd: PdConfig) -> None:
         self.planner = planner
         self.decode_policy = decode_policy(policy, pd)
+
+    def reconfigure(self, policy: PolicyConfig, pd: PdConfig) -> None:
+        """The decode side's new weights (a reload); the prefill side is the planner's."""
+        if isinstance(self.decode_policy, DecodePolicy):
+            self.decode_policy.reconfigure_pd(policy, pd)
+        else:
+            self.decode_policy.reconfigure(policy)
 
     def applies(self, cache_model: str) -> bool:
         """Whether requests of `cache_model` are served by pairs."""

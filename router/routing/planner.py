@@ -115,6 +115,11 @@ class Planner:
         # told of every commit and its progress (router replicas share them); None: alone
         self.decisions: DecisionSink | None = None
 
+    def reconfigure(self, config: PolicyConfig) -> None:
+        """Plan with `config`'s weights from the next request on (a reload)."""
+        self._config = config
+        self.policy.reconfigure(config)
+
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
         return request_namespace(parsed, self.pool.resolve(parsed.model))

@@ -136,6 +136,12 @@ class Policy:
         self._config = config
         self._decisions = 0
 
+    def reconfigure(self, config: PolicyConfig) -> None:
+        """Score by `config`'s weights from the next decision on (a reload); the policy's
+        memory (turns, tree, decisions so far) is kept. Its name and the approx tree's sizes
+        are fixed at start (`router.config_diff`)."""
+        self._config = config
+
     def load(self, view: Candidate) -> float:
         """The in-flight work on a worker, in prefill-token equivalents."""
         return view.queued_prefill_tokens + self._config.decode_weight * view.running

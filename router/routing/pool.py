@@ -145,6 +145,12 @@ class WorkerPool:
         self._cache_model: dict[str, str] = {}  # served name -> `ModelChoice.cache_model`
         self._single: ModelChoice | None = ModelChoice("", "", None)
 
+    def reconfigure(self, breaker: BreakerConfig) -> None:
+        """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
+        self._breaker = breaker
+        for entry in self._workers.values():
+            entry.breaker.reconfigure(breaker.failure_threshold, breaker.cooldown_s)
+
     def add(self, config: WorkerConfig) -> WorkerEntry:
         """Add a worker; its id must be new."""
         entry = WorkerEntry(config, self._breaker)

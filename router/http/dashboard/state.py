@@ -312,7 +312,7 @@ def snapshot(app: web.Application, *, login: bool) -> DashboardState:
     return DashboardState(
         generated_at=time.time(),
         login=login,
-        policy=str(app[CONFIG].policy.name),
+        policy=str(app[CONFIG].current.policy.name),
         cluster=cluster.describe() if cluster is not None else None,
         workers=workers,
         ranks=ranks,

@@ -1,0 +1,156 @@
+"""Reload without a restart: SIGHUP and `POST /admin/reload` re-read the router's config file.
+
+The file is read and validated first; an invalid one changes nothing (`ReloadError` names the
+key). Then `router.config_diff` says what differs, and `Reloader.apply` is the one path that
+changes a running router:
+
+1. settings, all at once and without awaiting, so no request sees half of a reload: the
+   running config (`LiveConfig`, what the proxy, the admin API and the KV query API read per
+   request), the policy's weights (planner and decode side), the proxy's limits and timeouts,
+   health checks, breakers, and the listener's limits for the connections accepted from now on;
+2. then the workers, the way the admin API changes them (`Supervisor.add` / `remove`), and with
+   a `[cluster]` written to the shared fleet the same way, so every replica agrees. A removed
+   worker takes no new request; those it is serving finish. A worker whose settings changed is
+   removed and added again. Workers added or removed through the admin API since are left as
+   they are: the diff is the old file against the new one.
+
+Keys that need a restart are kept at their running value and listed in the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from router.config import LiveConfig, RouterConfig, WorkerConfig
+from router.config_diff import ConfigDiff, diff_configs
+from router.errors import ConfigError, NotFoundError, ReloadError
+from router.fleet.supervisor import Supervisor
+from router.http.listener import GuardedServer
+from router.http.pd import PairDispatcher
+from router.http.proxy import Proxy
+from router.routing.pd import PairPlanner
+from router.routing.planner import Planner
+
+if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
+    from router.cluster.service import ClusterService
+
+__all__ = ["ConfigSource", "Reloader"]
+
+log = logging.getLogger(__name__)
+
+
+class ConfigSource:
+    """Where the running config came from: a file, read again by `load` with the same
+    command-line overrides applied (`kvroute serve --port` stays what it was)."""
+
+    def __init__(self, path: str, load: Callable[[], RouterConfig]) -> None:
+        self.path = path
+        self._load = load
+
+    def load(self) -> RouterConfig:
+        """The file's config now (ConfigError naming the key when it is invalid)."""
+        return self._load()
+
+
+class Reloader:
+    """Applies a new config to the running router's parts."""
+
+    def __init__(
+        self,
+        live: LiveConfig,
+        source: ConfigSource | None,
+        planner: Planner,
+        supervisor: Supervisor,
+        proxy: Proxy,
+        pairs: PairPlanner,
+        dispatcher: PairDispatcher | None,
+    ) -> None:
+        self._live = live
+        self.source = source
+        self._planner = planner
+        self._supervisor = supervisor
+        self._proxy = proxy
+        self._pairs = pairs
+        self._dispatcher = dispatcher
+        # set once they exist: the listener when the server starts, the cluster link after it
+        self.listener: GuardedServer | None = None
+        self.cluster: ClusterService | None = None
+        self._lock = asyncio.Lock()  # one reload at a time (a SIGHUP during a POST)
+        self._running: set[asyncio.Task[ConfigDiff]] = set()
+
+    async def reload(self) -> ConfigDiff:
+        """Read the file again and apply it; ReloadError (nothing changed) when it is invalid.
+
+        The reload runs to its end even if the caller is cancelled (an admin client that
+        hangs up): a fleet half changed would match neither file.
+        """
+        task = asyncio.get_running_loop().create_task(self._reload(), name="kvroute-reload")
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[ConfigDiff]) -> None:
+        self._running.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a refusal nobody awaited any more is logged already
+
+    async def _reload(self) -> ConfigDiff:
+        source = self.source
+        if source is None:
+            raise ReloadError("this router was started without a config file: nothing to reload")
+        async with self._lock:
+            try:
+                new = source.load()
+            except ConfigError as exc:
+                log.warning("config reload refused, the running config is kept: %s", exc)
+                raise ReloadError(f"{exc} (the running config is kept)", key=exc.key) from exc
+            config, diff = diff_configs(self._live.current, new)
+            await self.apply(config, diff)
+        log.info("config reloaded from %s: %s", source.path, diff.summary())
+        return diff
+
+    async def apply(self, config: RouterConfig, diff: ConfigDiff) -> None:
+        """Run on `config` (restart-only keys already at their running values), changing the
+        workers `diff` names."""
+        # 1. settings: no await until all of them are in place
+        self._live.current = config
+        self._planner.reconfigure(config.policy)
+        self._pairs.reconfigure(config.policy, config.pd)
+        self._proxy.reconfigure(config)
+        if self._dispatcher is not None:
+            self._dispatcher.reconfigure(config)
+        self._supervisor.reconfigure(config.health)
+        self._planner.pool.reconfigure(config.breaker)
+        if self.listener is not None:
+            self.listener.reconfigure(config.limits)
+        # 2. the fleet
+        by_id = {w.worker_id: w for w in config.workers}
+        for worker_id in diff.workers_removed:
+            await self._remove(worker_id, publish=True)
+        for worker_id in diff.workers_changed:
+            # the new record replaces the old one on every replica: no removal to publish
+            await self._remove(worker_id, publish=False)
+        added = [*diff.workers_added, *diff.workers_changed]
+        # at once: a worker that is not up yet waits for its discovery timeout
+        await asyncio.gather(*(self._add(by_id[worker_id]) for worker_id in added))
+
+    async def _remove(self, worker_id: str, *, publish: bool) -> None:
+        with contextlib.suppress(NotFoundError):  # an admin removed it already
+            await self._supervisor.remove(worker_id)
+        if publish and self.cluster is not None:
+            await self.cluster.worker_changed(worker_id, None, removed=True)
+
+    async def _add(self, config: WorkerConfig) -> None:
+        existing = self._planner.pool.find(config.worker_id)
+        if existing is not None:
+            if existing.config == config:
+                return  # an admin added it already, as the file says
+            await self._supervisor.remove(config.worker_id)
+        # as at startup: a worker not up yet is retried on every health round
+        entry = await self._supervisor.add(config, must_register=False)
+        if self.cluster is not None:
+            await self.cluster.worker_changed(entry.id, entry.config, draining=entry.draining)

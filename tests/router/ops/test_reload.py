@@ -1,0 +1,301 @@
+"""Reload without a restart, through real sockets: a router, reference workers, a config file.
+
+`POST /admin/reload` (and SIGHUP in `kvroute serve`, in a real process) re-read the file:
+workers added and removed, a policy weight, a limit; a stream in flight across the reload ends
+intact; an invalid file is a 400 naming the key and the running config keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.config import load_config
+from router.http.reload import ConfigSource
+from router.service import RouterService
+from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+PROMPT = "The quarterly report of the ACME support desk, section one. " * 4
+
+
+def _toml(workers: dict[str, str], *, hit_weight: float = 4.0, salt_bytes: int = 256) -> str:
+    """A router config: loopback, free port, admin token, quick health rounds, `workers`."""
+    lines = [
+        "[listen]",
+        'host = "127.0.0.1"',
+        "port = 0",
+        "[admin]",
+        f'token = "{TOKEN}"',
+        "[health]",
+        "interval_s = 0.2",
+        "timeout_s = 0.5",
+        "[policy]",
+        f"hit_weight = {hit_weight}",
+        "[limits]",
+        f"max_salt_bytes = {salt_bytes}",
+    ]
+    for wid, url in workers.items():
+        lines += ["[[workers]]", f'id = "{wid}"', f'url = "{url}"']
+    return "\n".join(lines) + "\n"
+
+
+class Reloadable(Fleet):
+    """A fleet whose router was read from `path` (rewrite it, then `reload`)."""
+
+    path: Path
+    spare: ReferenceWorker
+
+    async def reload(self) -> tuple[int, Any]:
+        return await self.admin("POST", "/reload")
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Reloadable]:
+    """w0 and w1 in the file, w2 running but not in it; decode is slow enough (20 ms a token)
+    for a stream to be in flight across a reload."""
+    cfg = ReferenceConfig(
+        time_scale=1.0, page_size=16, prefill_ms_per_token=0.0, decode_ms_per_token=20.0
+    )
+    async with (
+        ReferenceWorker(cfg) as w0,
+        ReferenceWorker(cfg) as w1,
+        ReferenceWorker(cfg) as w2,
+    ):
+        path = tmp_path / "router.toml"
+        path.write_text(_toml({"w0": w0.url, "w1": w1.url}))
+        source = ConfigSource(str(path), lambda: load_config(path))
+        async with (
+            RouterService(source.load(), config_source=source) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            fleet = Reloadable(router, {"w0": w0, "w1": w1}, session)
+            fleet.path = path
+            fleet.spare = w2
+            await fleet.warm()
+            yield fleet
+
+
+def _chat(salt: str, *, max_tokens: int = 1, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "cache_salt": salt,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def _held_hit(fleet: Fleet, body: dict[str, Any], hit_weight: float) -> float:
+    """The best prefix hit any candidate offers, each candidate's score checked against
+    `hit_weight` (kv: score = hit_weight * hit - load)."""
+    plan = await fleet.route(body)
+    for c in plan["candidates"]:
+        assert c["score"] == pytest.approx(hit_weight * c["hit_tokens"] - c["load"]), c
+    return max(float(c["hit_tokens"]) for c in plan["candidates"])
+
+
+async def test_reload_adds_a_worker_changes_a_weight_and_a_limit_while_a_stream_flows(
+    fleet: Reloadable,
+) -> None:
+    long_salt = _chat("tenant-" + "s" * 40)  # 47 bytes: fine now, over the limit after
+    status, _, _ = await fleet.post("/v1/chat/completions", long_salt)
+    assert status == 200
+    warm = _chat("tenant-w")
+    status, headers, _ = await fleet.post("/v1/chat/completions", warm)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(warm, holder, 160), what="the prefix indexed")
+    assert await _held_hit(fleet, warm, 4.0) >= 160
+
+    # a stream in flight: 40 tokens at 20 ms each, its first chunk read before the reload
+    stream_body = _chat("tenant-stream", max_tokens=40, stream=True)
+    async with fleet.session.post(fleet.url + "/v1/chat/completions", json=stream_body) as resp:
+        assert resp.status == 200
+        streamed_by = resp.headers["x-kvroute-worker"]
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        # the file now: the worker serving the stream removed, w2 added, a weight, a limit
+        kept = "w1" if streamed_by == "w0" else "w0"
+        fleet.path.write_text(
+            _toml(
+                {kept: fleet.workers[kept].url, "w2": fleet.spare.url},
+                hit_weight=2.0,
+                salt_bytes=32,
+            )
+        )
+        status, answer = await fleet.reload()
+        assert status == 200, answer
+        assert answer["workers_added"] == ["w2"]
+        assert answer["workers_removed"] == [streamed_by]
+        assert answer["changed"] == ["policy.hit_weight", "limits.max_salt_bytes"]
+        assert answer["needs_restart"] == []
+        # the rest of the stream, from a worker no longer in the pool, arrives intact
+        rest = [line async for line in resp.content]
+    events = [first, *rest]
+    data = [line[6:].strip() for line in events if line.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]]
+    assert finish[-1] == "length" and len(text) > 0
+    async with fleet.session.post(
+        fleet.workers[streamed_by].url + "/v1/chat/completions", json=stream_body
+    ) as direct:
+        direct_data = [line async for line in direct.content if line.startswith(b"data: ")]
+    direct_text = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in (json.loads(d[6:]) for d in direct_data[:-1])
+        if c["choices"]
+    )
+    assert text == direct_text  # the same deterministic answer, every token of it
+
+    _, listed = await fleet.admin("GET", "/workers")
+    assert sorted(w["id"] for w in listed["workers"]) == sorted([kept, "w2"])
+    # the new limit: the same 47-byte salt is now a 400 naming the limit
+    status, _, error = await fleet.post("/v1/chat/completions", long_salt)
+    assert status == 400 and "max_salt_bytes" in error["error"]["message"]
+    # the new weight: a held prefix scores 2.0 a token (held again if its holder left)
+    status, headers, _ = await fleet.post("/v1/chat/completions", warm)
+    assert status == 200
+    now_held = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(warm, now_held, 160), what="the prefix indexed")
+    assert await _held_hit(fleet, warm, 2.0) >= 160
+
+    # the new worker takes traffic: fresh prompts until one lands on it
+    prompts = itertools.count()
+
+    async def w2_served() -> bool:
+        body = {"model": "m", "prompt": f"fresh {next(prompts)}", "max_tokens": 1}
+        status, headers, _ = await fleet.post("/v1/completions", body)
+        assert status == 200
+        return headers["x-kvroute-worker"] == "w2"
+
+    await eventually(w2_served, what="a request routed to the added worker")
+
+
+async def test_an_invalid_file_is_a_400_naming_the_key_and_the_old_config_serves(
+    fleet: Reloadable,
+) -> None:
+    before = fleet.router.running_config
+    fleet.path.write_text(
+        _toml({"w0": fleet.workers["w0"].url}, salt_bytes=8).replace(
+            "hit_weight = 4.0", 'hit_weight = "heavy"'
+        )
+    )
+    status, answer = await fleet.reload()
+    assert status == 400, answer
+    assert answer["error"]["type"] == "ReloadError"
+    assert answer["error"]["key"] == "policy.hit_weight"
+    assert "policy.hit_weight" in answer["error"]["message"]
+    assert fleet.router.running_config is before
+    _, listed = await fleet.admin("GET", "/workers")
+    assert sorted(w["id"] for w in listed["workers"]) == ["w0", "w1"]  # w1 not removed
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("x" * 40))  # old limit
+    assert status == 200
+
+    fleet.path.write_text(_toml({"w0": fleet.workers["w0"].url}) + "[policy]\nnmae = 'kv'\n")
+    status, answer = await fleet.reload()
+    assert status == 400  # TOML: a table given twice
+    assert answer["error"]["kept"] == "running config"
+
+    fleet.path.write_text(
+        _toml({"w0": fleet.workers["w0"].url}).replace("[policy]", "[policy]\nnmae = 'kv'")
+    )
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["key"] == "policy.nmae"
+
+
+async def test_keys_that_need_a_restart_are_reported_and_kept(fleet: Reloadable) -> None:
+    port = int(fleet.url.rsplit(":", 1)[1])
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    text = text.replace("port = 0", "port = 1").replace("[policy]", '[policy]\nname = "random"')
+    fleet.path.write_text(text + "[timeouts]\nrequest_s = 7.0\n")
+    status, answer = await fleet.reload()
+    assert status == 200, answer
+    assert answer["needs_restart"] == ["listen.port", "policy.name"]
+    assert answer["changed"] == ["timeouts.request_s"]
+    running = fleet.router.running_config
+    assert running.listen.port == 0 and running.policy.name == "kv"
+    assert running.timeouts.request_s == 7.0
+    assert int(fleet.url.rsplit(":", 1)[1]) == port
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+    # said again on the next reload: the file still differs from what runs
+    status, answer = await fleet.reload()
+    assert answer["needs_restart"] == ["listen.port", "policy.name"] and not answer["changed"]
+
+
+async def test_reload_needs_a_config_file_and_the_admin_token() -> None:
+    from tests.router.conftest import router_config
+
+    async with RouterService(router_config([])) as router, aiohttp.ClientSession() as s:
+        async with s.post(router.url + "/admin/reload") as resp:
+            assert resp.status == 401
+        async with s.post(router.url + "/admin/reload", headers=AUTH) as resp:
+            assert resp.status == 400
+            assert "without a config file" in (await resp.json())["error"]["message"]
+
+
+async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        path = tmp_path / "router.toml"
+        path.write_text(_toml({"w0": w0.url}))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "router.commands.cli", "serve", "--config", str(path)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            url = line.split("listening on ")[1].split()[0]
+            async with aiohttp.ClientSession(headers=AUTH) as session:
+
+                async def workers() -> list[str]:
+                    async with session.get(url + "/admin/workers") as resp:
+                        return sorted(w["id"] for w in (await resp.json())["workers"])
+
+                assert await workers() == ["w0"]
+                path.write_text(_toml({"w0": w0.url, "w1": w1.url}, salt_bytes=64))
+                proc.send_signal(signal.SIGHUP)
+                reloaded = await _log_line(proc.stderr, "config reloaded")
+                assert "workers added: w1" in reloaded and "limits.max_salt_bytes" in reloaded
+                assert await workers() == ["w0", "w1"]
+
+                path.write_text("[policy]\nhit_weight = -1\n")
+                proc.send_signal(signal.SIGHUP)
+                refused = await _log_line(proc.stderr, "reload refused")
+                assert "policy.hit_weight" in refused
+                assert await workers() == ["w0", "w1"]  # nothing removed
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def _log_line(stream: asyncio.StreamReader, marker: str) -> str:
+    """The next line of the router's log that contains `marker`."""
+    async with asyncio.timeout(30):
+        while True:
+            line = (await stream.readline()).decode(errors="replace")
+            if not line:
+                raise AssertionError(f"the router's log ended before {marker!r}")
+            if marker in line:
+                return line

@@ -1,0 +1,405 @@
+"""Traces of proxied requests (`router.http.tracing`, `router.http.observe`), on real sockets.
+
+A router with the OpenTelemetry SDK's in-memory exporter in front of backends on 127.0.0.1
+that record the headers they receive: the span tree, its attributes, the `traceparent` the
+worker gets, `x-request-id` through to the worker, back to the client and onto log lines;
+tracing off by default, and on from the config file or the OTEL_* variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
+from router.http.keys import DECISIONS, TRACING
+from router.http.observe import install_log_request_id
+from router.service import RouterService
+from tests.router.conftest import eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+SALT = "tenant-secret-salt-7f3a"
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Summarize the quarterly report. " * 8}],
+    "max_tokens": 2,
+    "cache_salt": SALT,
+}
+_ANSWER = msgspec.json.encode(
+    {
+        "id": "c",
+        "object": "chat.completion",
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+    }
+)
+# version, trace id, parent span id, flags (sampled, and the SDK's "random trace id" bit)
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+OTEL_VARS = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
+
+
+class Backend:
+    """An aiohttp server on 127.0.0.1 answering chat requests, keeping the headers it got."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.seen: list[dict[str, str]] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.seen.append({k.lower(): v for k, v in request.headers.items()})
+        if self.status != 200:
+            return web.Response(status=self.status, text="overloaded")
+        return web.Response(body=_ANSWER, content_type="application/json")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def __aenter__(self) -> Backend:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def _config(workers: tuple[WorkerConfig, ...], **overrides: Any) -> RouterConfig:
+    """A loopback router (admin token, quick health rounds) in front of `workers`."""
+    return msgspec.structs.replace(router_config([]), workers=workers, **overrides)
+
+
+def _worker(wid: str, backend: Backend) -> WorkerConfig:
+    # a plain backend: configured model, no KV events, nothing to discover
+    return WorkerConfig(id=wid, url=backend.url, model="m", kv_events=False)
+
+
+@pytest.fixture(autouse=True)
+def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests set the OTEL_* variables they mean; none leaks in from the shell."""
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> Iterator[TracerProvider]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider
+    provider.shutdown()
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[Backend]:
+    async with Backend() as b:
+        yield b
+
+
+@pytest.fixture
+async def traced(provider: TracerProvider, backend: Backend) -> AsyncIterator[RouterService]:
+    config = _config((_worker("b0", backend),))
+    async with RouterService(config, tracer_provider=provider) as router:
+        yield router
+
+
+@pytest.fixture
+def log_request_ids() -> Iterator[None]:
+    """Log records carry `request_id` (as `kvroute serve` sets up), undone afterwards."""
+    factory = logging.getLogRecordFactory()
+    install_log_request_id()
+    yield
+    logging.setLogRecordFactory(factory)
+
+
+async def _post(url: str, body: object, headers: dict[str, str] | None = None) -> Any:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as resp,
+    ):
+        await resp.read()
+        return resp
+
+
+def _by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    named: dict[str, ReadableSpan] = {}
+    for span in spans:
+        assert span.name not in named, f"two {span.name!r} spans"
+        named[span.name] = span
+    return named
+
+
+def _count(span: ReadableSpan, key: str) -> int:
+    value = (span.attributes or {})[key]
+    assert isinstance(value, int), (span.name, key, value)
+    return value
+
+
+def _parent_id(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def _no_salt(spans: tuple[ReadableSpan, ...]) -> None:
+    for span in spans:
+        for key, value in (span.attributes or {}).items():
+            assert SALT not in str(value), f"{span.name}.{key} carries the salt"
+        assert SALT not in span.name
+
+
+async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
+    traced: RouterService, backend: Backend, exporter: InMemorySpanExporter
+) -> None:
+    resp = await _post(traced.url, CHAT, {"x-request-id": "client-req-1"})
+    assert resp.status == 200
+    spans = exporter.get_finished_spans()
+    named = _by_name(spans)
+    assert set(named) == {"POST /v1/chat/completions", "parse", "tokenize", "route", "upstream"}
+    root = named["POST /v1/chat/completions"]
+    assert root.parent is None and root.kind is SpanKind.SERVER
+    assert root.context is not None
+    trace_id, root_id = root.context.trace_id, root.context.span_id
+    assert all(s.context is not None and s.context.trace_id == trace_id for s in spans)
+    assert _parent_id(named["parse"]) == root_id
+    parse = named["parse"].context
+    assert parse is not None and _parent_id(named["tokenize"]) == parse.span_id
+    assert _parent_id(named["route"]) == root_id
+    assert _parent_id(named["upstream"]) == root_id
+    assert named["upstream"].kind is SpanKind.CLIENT
+
+    # where it went and why: on route (the decision) and upstream (the attempt); the request
+    # span names the worker
+    assert (root.attributes or {})["kvroute.worker"] == "b0"
+    matched = int(resp.headers["x-kvroute-matched-tokens"])
+    pending = int(resp.headers["x-kvroute-pending-tokens"])
+    for name in ("route", "upstream"):
+        attrs = named[name].attributes or {}
+        assert attrs["kvroute.worker"] == "b0", name
+        assert attrs["kvroute.matched_tokens"] == matched, name
+        assert attrs["kvroute.pending_tokens"] == pending, name
+        assert "kvroute.dp_rank" not in attrs  # one rank: the engine picks
+    assert _count(named["tokenize"], "kvroute.prompt_tokens") > 0
+    assert _count(named["route"], "kvroute.prompt_tokens") > 0
+    assert (named["upstream"].attributes or {})["http.response.status_code"] == 200
+    assert (root.attributes or {})["kvroute.request_id"] == "client-req-1"
+    assert (root.attributes or {})["kvroute.model"] == "m"
+    _no_salt(spans)
+
+    # the worker's parent is the upstream span, in the request's trace
+    (seen,) = backend.seen
+    found = TRACEPARENT.match(seen["traceparent"])
+    assert found is not None
+    upstream = named["upstream"].context
+    assert upstream is not None
+    assert int(found.group(1), 16) == trace_id
+    assert int(found.group(2), 16) == upstream.span_id
+    # x-request-id: the client's, to the worker and back
+    assert seen["x-request-id"] == "client-req-1"
+    assert resp.headers["x-request-id"] == "client-req-1"
+
+
+async def test_a_client_trace_is_continued_and_its_sampling_followed(
+    traced: RouterService, backend: Backend, exporter: InMemorySpanExporter
+) -> None:
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    sampled = f"00-{client_trace}-{client_span}-01"
+    resp = await _post(traced.url, CHAT, {"traceparent": sampled})
+    assert resp.status == 200
+    root = _by_name(exporter.get_finished_spans())["POST /v1/chat/completions"]
+    assert root.context is not None and root.parent is not None
+    assert root.context.trace_id == int(client_trace, 16)
+    assert root.parent.span_id == int(client_span, 16) and root.parent.is_remote
+    found = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+    assert found is not None and found.group(1) == client_trace
+    assert found.group(2) != client_span  # the router's upstream span, not the client's
+
+    # a trace the client did not sample: no spans, and the worker is told "not sampled"
+    exporter.clear()
+    unsampled = f"00-{client_trace}-{client_span}-00"
+    resp = await _post(traced.url, CHAT, {"traceparent": unsampled})
+    assert resp.status == 200
+    assert exporter.get_finished_spans() == ()
+    found = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+    assert found is not None and found.group(1) == client_trace
+    assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
+
+
+async def test_a_retry_is_a_failed_upstream_span_then_another(
+    provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
+) -> None:
+    async with Backend(status=503) as failing:
+        # round robin: the first request goes to the first worker, the failing one
+        config = _config(
+            (_worker("bad", failing), _worker("b0", backend)),
+            policy=PolicyConfig(name="round_robin"),
+        )
+        async with RouterService(config, tracer_provider=provider) as router:
+            resp = await _post(router.url, CHAT)
+    assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b0"
+    spans = exporter.get_finished_spans()
+    upstream = sorted(
+        (s for s in spans if s.name == "upstream"),
+        key=lambda s: _count(s, "kvroute.attempt"),
+    )
+    assert [(s.attributes or {})["kvroute.worker"] for s in upstream] == ["bad", "b0"]
+    assert upstream[0].status.status_code is StatusCode.ERROR
+    assert upstream[1].status.status_code is not StatusCode.ERROR
+    # each worker was told its own attempt's span, in the one trace
+    ids = [TRACEPARENT.match(b.seen[-1]["traceparent"]) for b in (failing, backend)]
+    assert all(m is not None for m in ids)
+    contexts = [s.context for s in upstream]
+    assert [int(m.group(2), 16) for m in ids if m] == [c.span_id for c in contexts if c]
+
+
+async def test_dp_rank_and_matched_tokens_from_a_reference_worker(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    async with ReferenceWorker(cfg) as worker:
+        config = router_config([("w0", worker.url)])
+        async with RouterService(config, tracer_provider=provider) as router:
+            body = {"input_ids": list(range(3, 200)), "cache_salt": SALT, "stream": False}
+
+            async def matched() -> bool:
+                exporter.clear()
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(router.url + "/generate", json=body) as resp,
+                ):
+                    assert resp.status == 200
+                    return int(resp.headers["x-kvroute-matched-tokens"]) >= 160
+
+            await eventually(matched, what="the prompt's prefix indexed on one rank")
+    named = _by_name(exporter.get_finished_spans())
+    assert "tokenize" not in named  # token ids need no tokenizer
+    attrs = named["upstream"].attributes or {}
+    assert attrs["kvroute.dp_rank"] in (0, 1)
+    assert _count(named["upstream"], "kvroute.matched_tokens") >= 160
+    _no_salt(exporter.get_finished_spans())
+
+
+async def test_request_ids_are_made_when_missing_and_put_on_log_lines(
+    traced: RouterService,
+    backend: Backend,
+    log_request_ids: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="router.http.observe")
+    resp = await _post(traced.url, CHAT)
+    made = resp.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made)
+    assert backend.seen[-1]["x-request-id"] == made
+    resp = await _post(traced.url, CHAT, {"x-request-id": "abc-123"})
+    assert resp.headers["x-request-id"] == "abc-123"
+    lines = [r for r in caplog.records if r.name == "router.http.observe"]
+    ids = [getattr(r, "request_id", None) for r in lines]
+    assert ids == [made, "abc-123"]
+    assert "abc-123" in lines[-1].getMessage() and "b0" in lines[-1].getMessage()
+    assert all(SALT not in r.getMessage() for r in caplog.records)
+
+
+async def test_tracing_is_off_by_default(backend: Backend) -> None:
+    config = _config((_worker("b0", backend),))
+    assert config.tracing == TracingConfig()
+    async with RouterService(config) as router:
+        assert router.app.get(TRACING) is None
+        resp = await _post(router.url, CHAT)
+        assert resp.status == 200
+        client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        await _post(router.url, CHAT, {"traceparent": client})
+    first, second = backend.seen
+    assert "traceparent" not in first  # nothing added
+    assert second["traceparent"] == client  # a client's passes through untouched
+    assert first["x-request-id"] == resp.headers["x-request-id"]  # ids work without tracing
+
+
+async def test_the_config_file_turns_tracing_on(backend: Backend) -> None:
+    tracing = TracingConfig(enabled=True, exporter="memory", service_name="edge-router")
+    config = _config((_worker("b0", backend),), tracing=tracing)
+    async with RouterService(config) as router:
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        await _post(router.url, CHAT)
+        spans = memory.get_finished_spans()
+    assert {s.name for s in spans} >= {"POST /v1/chat/completions", "upstream"}
+    assert spans[0].resource.attributes["service.name"] == "edge-router"
+    assert "traceparent" in backend.seen[-1]
+
+
+async def test_otel_variables_turn_tracing_on_and_off(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config((_worker("b0", backend),))
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "memory")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+    async with RouterService(config) as router:
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        await _post(router.url, CHAT)
+        spans = memory.get_finished_spans()
+    assert spans and spans[0].resource.attributes["service.name"] == "from-env"
+
+    # OTEL_SDK_DISABLED wins over the file and the exporter variable
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    on = _config((_worker("b0", backend),), tracing=TracingConfig(enabled=True))
+    async with RouterService(on) as router:
+        assert router.app.get(TRACING) is None
+        await _post(router.url, CHAT)
+    assert "traceparent" not in backend.seen[-1]
+
+    # a sampler from the environment: none of the new traces recorded, and the worker is told
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    async with RouterService(config) as router:
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        await _post(router.url, CHAT)
+        assert memory.get_finished_spans() == ()
+    assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
+
+
+async def test_observe_off_records_nothing_and_traces_nothing(
+    backend: Backend, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    # the benchmarks' baseline: the proxy without the operations layer
+    config = _config((_worker("b0", backend),), observe=ObserveConfig(enabled=False))
+    async with RouterService(config, tracer_provider=provider) as router:
+        assert router.app.get(TRACING) is None  # tracing is part of the layer
+        resp = await _post(router.url, CHAT)
+        assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b0"
+        assert not router.app[DECISIONS].recent
+    assert "x-request-id" not in resp.headers
+    assert "x-request-id" not in backend.seen[-1] and "traceparent" not in backend.seen[-1]
+    assert exporter.get_finished_spans() == ()
