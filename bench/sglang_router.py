@@ -21,18 +21,32 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-__all__ = ["DEFAULT_PYTHON", "SglangRouterError", "importable", "launch", "version"]
+__all__ = [
+    "DEFAULT_PYTHON",
+    "PINNED",
+    "VENV",
+    "SglangRouterError",
+    "importable",
+    "install",
+    "launch",
+    "version",
+]
 
 DEFAULT_PYTHON = os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", sys.executable)
+# where `kvroute bench routing` installs it for a full run when no python at hand has it
+VENV = Path.home() / ".cache" / "kvroute-bench" / "sglang-router"
+PINNED = "sglang-router==0.3.2"  # the version the facts above were checked against
 # port 9 (discard) on loopback: nothing listens, so any off-host request fails immediately
 _DEAD_PROXY = "http://127.0.0.1:9"
 
@@ -54,6 +68,31 @@ def importable(python: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
+
+
+def install(venv: Path = VENV, timeout_s: float = 900.0) -> tuple[str | None, str]:
+    """A python that has sglang-router: `venv`'s, made with `python -m venv` and `pip install`
+    of the pinned version when it is missing. Returns (python, "") or (None, why not)."""
+    python = str(venv / "bin" / "python")
+    if importable(python):
+        return python, ""
+    steps = (
+        [sys.executable, "-m", "venv", str(venv)],
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", PINNED],
+    )
+    for argv in steps:
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout_s, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"`{shlex.join(argv)}` failed: {type(exc).__name__}: {exc}"[:300]
+        if done.returncode != 0:
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-2:])
+            return None, f"`{shlex.join(argv)}` exited with {done.returncode}: {tail}"[:300]
+    if not importable(python):
+        return None, f"{PINNED} installed into {venv}, but its python cannot import it"
+    return python, ""
 
 
 def version(python: str) -> str:
