@@ -49,6 +49,7 @@ from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
 from router.config import WorkerConfig as RoutedWorker
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceWorkerConfig
+from workers.server import WORKER_HEADER as SERVED_BY_HEADER
 from workers.worker import ReferenceWorker
 
 __all__ = [
@@ -202,6 +203,7 @@ async def send_generate(
                 record.error = f"HTTP {resp.status}: {text}"
                 return record
             record.worker = resp.headers.get(WORKER_HEADER, target.worker)
+            record.served_by = resp.headers.get(SERVED_BY_HEADER, "")
             matched = resp.headers.get(MATCHED_HEADER)
             if matched is not None and matched.isdigit():
                 record.predicted_tokens = int(matched)

@@ -11,9 +11,11 @@ violations, never as hits:
 
 - over a workload (`workload_violations`): per request, the longest page-aligned prefix of its
   prompt (less the last token, which is never reused) that the same salt's requests sent before
-  its first byte (prompts and their cached outputs) could explain, on any worker; the worker's
-  `cached_tokens` beyond it are a violation. On any worker makes it a lower bound: a hit that
-  the same salt explains on another worker goes uncounted;
+  its first byte (prompts and their cached outputs) to the same worker could explain; the
+  worker's `cached_tokens` beyond it are a violation. The worker is the one that says it served
+  the request (`X-Reference-Worker`, passed on by every router); its DP ranks and tiers count
+  as one cache, and where the worker is unknown (prefill/decode fleets) any worker explains: a
+  lower bound, never a false alarm;
 - per endpoint (`probe_isolation`): pairs of requests, each with a salt of its own, the second
   sending the first's prompt after the first has finished; any cached token of either is a
   violation (no request of its salt came before it). It covers `/generate`,
@@ -74,14 +76,26 @@ class _Prefixes:
 
 
 def workload_violations(
-    requests: Sequence[BenchRequest], records: Sequence[RequestRecord], page_size: int
+    requests: Sequence[BenchRequest],
+    records: Sequence[RequestRecord],
+    page_size: int,
+    *,
+    by_worker: bool = True,
 ) -> None:
     """Set each completed record's `violation_tokens`: cached tokens that no request of its own
-    salt sent before its first byte could explain."""
+    salt sent before its first byte could explain.
+
+    `by_worker`: only requests the same worker served explain (each record's `served_by`, the
+    worker's own word); requests of unknown worker explain everywhere. Off for prefill/decode
+    fleets, whose answers name the decode worker while the prefill worker's cache is reused.
+    """
     sends = sorted((r.sent_s, r.index) for r in records)
+    by_index = {r.index: r for r in records}
+    scopes = {r.served_by for r in records if r.served_by} if by_worker else set()
     done = [r for r in records if r.ok]
     firsts = sorted(done, key=lambda r: r.sent_s + (r.ttft_s or r.e2e_s or 0.0))
-    seen = _Prefixes(page_size)
+    fleet = _Prefixes(page_size)
+    per_worker = {scope: _Prefixes(page_size) for scope in scopes}
     pending = iter(sends)
     upcoming = next(pending, None)
     for record in firsts:
@@ -90,9 +104,14 @@ def workload_violations(
             req = requests[upcoming[1]]
             # what the worker caches of it: the prompt, then prompt + output but the last token
             out = deterministic_output(req.input_ids, req.max_new_tokens)
-            seen.add(req.cache_salt, [*req.input_ids, *out[:-1]])
+            cached = [*req.input_ids, *out[:-1]]
+            fleet.add(req.cache_salt, cached)
+            scope = by_index[upcoming[1]].served_by
+            for name in (scope,) if scope in per_worker else per_worker:
+                per_worker[name].add(req.cache_salt, cached)
             upcoming = next(pending, None)
         req = requests[record.index]
+        seen = per_worker.get(record.served_by, fleet)
         # the record's own request is among the senders: it must not explain itself
         legit = seen.explained(req.cache_salt, req.input_ids, others=1)
         record.violation_tokens = max(0, record.cached_tokens - legit)

@@ -570,7 +570,9 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                         note=f"did not run: {type(exc).__name__}: {exc}",
                     )
                 progress.stop_task(task)
-                workload_violations(workload.requests, run.records, page)
+                workload_violations(
+                    workload.requests, run.records, page, by_worker=not spec.disaggregated
+                )
                 runs.append(run)
             pooled = caches * (capacity + spec.host_capacity_tokens)
             bound = pooled_hit_rate(workload.requests, page_size=page, capacity_tokens=pooled)

@@ -70,6 +70,8 @@ class RequestRecord(msgspec.Struct):
     route_s: float | None = None
     # of cached_tokens, those only another salt's prompt could have produced (`bench.isolation`)
     violation_tokens: int = 0
+    # the worker whose cache served it, as the worker itself says (`X-Reference-Worker`)
+    served_by: str = ""
 
 
 class EndpointIsolation(msgspec.Struct):

@@ -70,6 +70,23 @@ def test_cached_tokens_beyond_the_salts_own_history_are_violations() -> None:
     assert s.hit_rate == pytest.approx(16 / 72)  # violations are not hits
 
 
+def test_only_what_the_same_worker_was_sent_explains_a_hit() -> None:
+    shared = list(range(10, 26))
+    requests = [_req([*shared, 1, 2], "a"), _req([*shared, 3, 4], "b"), _req([*shared, 5], "a")]
+    records = [
+        _record(0, 0.0, 0.1, 0, 18),
+        _record(1, 1.0, 0.1, 0, 18),
+        _record(2, 2.0, 0.1, 16, 17),  # a sent the prefix, but to the other worker
+    ]
+    for r, worker in zip(records, ["9001", "9002", "9002"], strict=True):
+        r.served_by = worker
+    workload_violations(requests, records, page_size=4)
+    assert [r.violation_tokens for r in records] == [0, 0, 16]
+    # where the answers do not say which cache served them, any worker explains
+    workload_violations(requests, records, page_size=4, by_worker=False)
+    assert [r.violation_tokens for r in records] == [0, 0, 0]
+
+
 def test_a_request_sent_after_the_first_byte_explains_nothing() -> None:
     prompt = list(range(3, 3 + 17))
     requests = [_req(prompt, "a"), _req(prompt, "a")]
