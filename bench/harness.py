@@ -516,8 +516,10 @@ async def run_policy(
             if sglang_router_python is None:
                 raise HarnessError(f"{policy} needs the python that has sglang-router")
             pd = sglang_pd_args(fleet) if spec.disaggregated else None
+            # one cache per DP rank: its dp-aware mode routes to ranks, as kvroute does
+            dp = ["--dp-aware"] if spec.dp_size > 1 else []
             async with launch_sglang_router(
-                sglang_router_python, workers, pd_args=pd
+                sglang_router_python, workers, extra_args=dp, pd_args=pd
             ) as router_url:
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)

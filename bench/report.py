@@ -219,10 +219,11 @@ def _isolation_table(report: BenchReport) -> list[str]:
         "",
         "Cached tokens a worker could only have served from another salt's prompt, counted as "
         "isolation violations and left out of every hit rate. Workload: every section's "
-        "`/generate` requests, each held against what its own salt sent to the same worker before "
-        "its first byte (any worker for prefill/decode fleets; a lower bound). Probe: after each section's workload, pairs of "
-        "requests with a salt each, the second sending the first's prompt; any cached token is "
-        "a violation (`bench/isolation.py`). `-`: not probed (the oracle is no router; "
+        "`/generate` requests, each held against what its own salt sent to the same worker "
+        "before its first byte (any worker for prefill/decode fleets; a lower bound). Probe: "
+        "after each section's workload, pairs of requests with a salt each, the second sending "
+        "the first's prompt; any cached token is a violation (`bench/isolation.py`). `-`: not "
+        "probed (the oracle is no router; "
         "replicas are probed through their own tests).",
         "",
         "| router | workload `/generate` | probe "

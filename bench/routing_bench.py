@@ -390,7 +390,12 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "`% of pooled bound`: the policy's hit rate over the hit rate of one LRU cache of the "
         "fleet's whole capacity on the same trace (`bench/pooled_bound.py`); partitioning the "
         "capacity across workers can only lose against it, so the distance to 100% is what "
-        "routing could still win (the oracle's share says how much of it a router can reach)."
+        "routing could still win (the oracle's share says how much of it a router can reach). "
+        "A share a few points above 100% is LRU's own doing, not a better router: LRU is not "
+        "the optimal eviction, and the live fleet touches its caches in another order (at "
+        "admission and completion, not arrival). `sglang_cache_aware` can also exceed it "
+        "through what the isolation count cannot see: with the salt dropped, tenants that "
+        "share a system prompt share one copy of it on its workers, which leaves room for more."
     )
     if settings.sglang_router_python is None and settings.sglang_router_python_asked:
         why = (
@@ -410,7 +415,8 @@ def _notes(settings: SuiteSettings) -> list[str]:
         )
     elif settings.sglang_router_python is not None:
         installed = (
-            f" (installed by this run into `{sglang_router.VENV}`)"
+            "; the bench's own venv, which a full run creates with `pip install "
+            f"{sglang_router.PINNED}` when no python at hand has sglang-router"
             if settings.sglang_router_installed
             else ""
         )

@@ -10,6 +10,9 @@ Facts about it that the benchmarks depend on (checked against sglang-router 0.3.
   it does not know are dropped: `cache_salt` is one of them, `extra_key` is kept;
 - it routes `input_ids` by the text of the ids joined with spaces (its approximate radix tree
   works on characters), and it receives no KV events;
+- with `--dp-aware` it asks each worker's `/get_server_info` for `dp_size`, lists one worker
+  per rank (`URL@rank`) with a tree of its own, and names the rank in the request, as kvroute
+  does; the routing benchmark runs it so on fleets with DP ranks;
 - on start it looks up a tokenizer for the workers' model path on the Hugging Face hub. The
   child gets proxy variables that point at a closed loopback port (loopback itself exempt), so
   that lookup fails at once and nothing leaves 127.0.0.1.
@@ -75,7 +78,7 @@ def install(venv: Path = VENV, timeout_s: float = 900.0) -> tuple[str | None, st
     of the pinned version when it is missing. Returns (python, "") or (None, why not)."""
     python = str(venv / "bin" / "python")
     if importable(python):
-        return python, ""
+        return python, ""  # an earlier run installed it
     steps = (
         [sys.executable, "-m", "venv", str(venv)],
         [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", PINNED],
@@ -125,13 +128,19 @@ def _free_port() -> int:
     return port
 
 
+def _base_url(url: str) -> str:
+    """A listed worker URL without the `@rank` its `--dp-aware` mode appends per DP rank."""
+    base, sep, rank = url.rpartition("@")
+    return base.rstrip("/") if sep and rank.isdigit() else url.rstrip("/")
+
+
 def _registered(data: Any) -> set[str]:
     """Worker URLs the router lists as healthy (`/workers`, or the older `/list_workers`)."""
     if not isinstance(data, dict):
         return set()
     if isinstance(data.get("workers"), list):
         return {
-            str(w.get("url", "")).rstrip("/")
+            _base_url(str(w.get("url", "")))
             for w in data["workers"]
             if isinstance(w, dict) and w.get("is_healthy", True)
         }

@@ -37,12 +37,12 @@ def test_a_python_without_sglang_router_skips_the_baseline_with_a_note() -> None
         _args("--sglang-router-python", missing, "--policies", f"kv,{SGLANG_CACHE_AWARE}")
     )
     assert named.policies == ("kv",)
-    (note,) = [n for n in _notes(settings) if SGLANG_CACHE_AWARE in n]
-    assert "skipped" in note and missing in note
+    (note,) = [n for n in _notes(settings) if SGLANG_CACHE_AWARE in n and "skipped" in n]
+    assert missing in note and "read against `approx_tree`" in note
     unchosen = settings_from_args(
         _args("--sglang-router-python", missing, "--policies", "kv,oracle")
     )
-    assert not [n for n in _notes(unchosen) if SGLANG_CACHE_AWARE in n]
+    assert not [n for n in _notes(unchosen) if SGLANG_CACHE_AWARE in n and "skipped" in n]
     assert "--sglang-router-python" not in _command(unchosen, Path("out"))
 
 
@@ -82,3 +82,16 @@ async def test_sglang_cache_aware_drops_the_salt_and_is_counted_as_violating() -
     assert probes["/v1/completions"].violating == 0 and probes["/v1/completions"].requests
     assert not any(p.errors for p in run.isolation), [p.error for p in run.isolation]
     assert probes["/generate"].violating > 0 and probes["/v1/chat/completions"].violating > 0
+
+
+def test_dp_aware_listings_count_as_their_worker() -> None:
+    # --dp-aware lists one entry per rank, `URL@rank`
+    listed = {"workers": [{"url": "http://h:1@0"}, {"url": "http://h:1@1"}, {"url": "http://g:2/"}]}
+    assert sglang_router._registered(listed) == {"http://h:1", "http://g:2"}
+
+
+def test_an_install_that_cannot_happen_says_why(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    python, why = sglang_router.install(blocked / "venv", timeout_s=60)
+    assert python is None and "venv" in why
