@@ -419,13 +419,22 @@ def closing_note(report: BenchReport) -> list[str]:
                     if oracle is not None and other is not None and other.hit_rate > 0
                     else None
                 )
+                pooled = section.pooled_hit_rate
+                limit = (
+                    f" The pooled bound (one cache of the fleet's whole capacity) is "
+                    f"{_pct(pooled)}: {base} reaches {_pct(other.hit_rate / pooled)} of it, so "
+                    f"no router can reach {t.threshold:g}x {base} here."
+                    if pooled and other is not None and pooled < t.threshold * other.hit_rate
+                    else ""
+                )
+                chance = " by chance" if base == "round_robin" else ""
                 if bound is not None and bound < t.threshold * 1.05:
                     share = kv.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate else None
                     notes.append(
                         f"{head} The oracle itself reaches only {bound:.2f}x {base}: with this "
                         "workload at this pressure, no placement keeps much more reuse than "
-                        f"{base} gets by chance, and kv reaches {_pct(share)} of the oracle's "
-                        "hit rate. Closing it: a workload with more reuse per prefix (or "
+                        f"{base} gets{chance}, and kv reaches {_pct(share)} of the oracle's "
+                        f"hit rate.{limit} Closing it: a workload with more reuse per prefix (or "
                         "more workers, a finer partition) so the best placement is worth more "
                         f"than {t.threshold:g}x; the hit-rate-vs-pressure plot shows how the "
                         "ratio moves."
@@ -434,8 +443,9 @@ def closing_note(report: BenchReport) -> list[str]:
                     notes.append(
                         f"{head} The oracle shows a placement worth {_fmt(bound, 2)}x exists, "
                         "so kv leaves hits on the table: it spills away from the prefix holder "
-                        "when the holder looks busy. Closing it: weigh affinity higher in `kv` "
-                        "(`hit_weight`), or make its load estimate count the prefill a hit saves."
+                        f"when the holder looks busy.{limit} Closing it: weigh affinity higher in "
+                        "`kv` (`hit_weight`), or make its load estimate count the prefill a hit "
+                        "saves."
                     )
     return notes
 

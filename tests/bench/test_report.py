@@ -188,6 +188,13 @@ def test_closing_note_tells_an_oracle_bound_from_a_policy_gap() -> None:
         {},
     )
     assert "The oracle itself reaches only 1.16x approx_tree" in text
+    assert "pooled bound" not in text.split("## Closing note")[1]
+    bounded.pooled_hit_rate = 0.8  # approx_tree is at 87.5% of it: 1.2x is out of reach
+    text = render_markdown(
+        BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[bounded]),
+        {},
+    )
+    assert "is 80.0%: approx_tree reaches 87.5% of it, so no router can reach 1.2x" in text
     gap = _section(2.5, kv_cached=45)  # kv 1.12x approx_tree; oracle 2.02x
     text = render_markdown(
         BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[gap]),
