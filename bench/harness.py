@@ -11,10 +11,13 @@ the time to the first streamed chunk with content and the hit rate comes from th
 `meta_info.cached_tokens`.
 
 `sglang_cache_aware` is SGLang's own Rust router (`sglang-router`, `bench.sglang_router`) with
-its `cache_aware` policy in front of the fleet: no KV events, only its approximate tree. It drops
-`cache_salt` from `/generate` (its typed request has no such field) but forwards `extra_key`,
-which namespaces the cache the same way, so on that run the harness sends each salt as
-`extra_key`: the workers keep tenants apart as they do for every other policy.
+its `cache_aware` policy in front of the fleet: no KV events, only its approximate tree. It is
+sent exactly what kvroute is sent, `cache_salt` included; that it drops the salt on `/generate`
+(its typed request has no such field) is measured, not hidden: the cached tokens only another
+salt could have produced are isolation violations (`bench.isolation`), not hits.
+
+After the workload, every router run is probed for isolation on each endpoint
+(`bench.isolation.probe_isolation`).
 
 Routing overhead: for `oracle` it is the `/debug/match` fan-out of each request. For router
 policies it is measured after the workload, on the idle fleet, as paired probes: the same tiny
@@ -36,8 +39,9 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from bench.isolation import probe_isolation
 from bench.pd_fleet import await_pd_streams, pd_config, pd_names, sglang_pd_args
-from bench.routing_results import EXTERNAL_BASELINE, PolicyRun, RequestRecord
+from bench.routing_results import EXTERNAL_BASELINE, EndpointIsolation, PolicyRun, RequestRecord
 from bench.sglang_router import launch as launch_sglang_router
 from bench.workloads import BenchRequest, Workload
 from indexer.stats import StreamState
@@ -45,6 +49,7 @@ from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
 from router.config import WorkerConfig as RoutedWorker
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceWorkerConfig
+from workers.server import WORKER_HEADER as SERVED_BY_HEADER
 from workers.worker import ReferenceWorker
 
 __all__ = [
@@ -117,7 +122,7 @@ class Target(msgspec.Struct, frozen=True):
     worker: str = ""
     route_s: float | None = None
     ticket: int = 0  # the chooser's own handle, for release()
-    # the body field that carries the request's salt (sglang-router forwards only `extra_key`)
+    # the body field that carries the request's salt
     salt_field: str = "cache_salt"
     # the DP rank to ask the worker for (the oracle picks one), None: the worker's choice
     dp_rank: int | None = None
@@ -198,6 +203,7 @@ async def send_generate(
                 record.error = f"HTTP {resp.status}: {text}"
                 return record
             record.worker = resp.headers.get(WORKER_HEADER, target.worker)
+            record.served_by = resp.headers.get(SERVED_BY_HEADER, "")
             matched = resp.headers.get(MATCHED_HEADER)
             if matched is not None and matched.isdigit():
                 record.predicted_tokens = int(matched)
@@ -489,6 +495,7 @@ async def run_policy(
     started = time.perf_counter()
     weights = weights or PolicyWeights()
     overhead: list[float] = []
+    isolation: list[EndpointIsolation] = []
     async with (
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=None)
@@ -509,12 +516,15 @@ async def run_policy(
             if sglang_router_python is None:
                 raise HarnessError(f"{policy} needs the python that has sglang-router")
             pd = sglang_pd_args(fleet) if spec.disaggregated else None
+            # one cache per DP rank: its dp-aware mode routes to ranks, as kvroute does
+            dp = ["--dp-aware"] if spec.dp_size > 1 else []
             async with launch_sglang_router(
-                sglang_router_python, workers, pd_args=pd
+                sglang_router_python, workers, extra_args=dp, pd_args=pd
             ) as router_url:
-                chooser = _ViaRouter(router_url, salt_field="extra_key")
+                chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)
+                isolation = await probe_isolation(session, router_url, seed)
         else:
             if policy == KV_DEFAULT:
                 policy_name, weights = "kv", PolicyWeights()
@@ -524,9 +534,11 @@ async def run_policy(
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)
+                isolation = await probe_isolation(session, router_url, seed)
     return PolicyRun(
         policy=policy,
         records=records,
         wall_s=time.perf_counter() - started,
         route_overhead_s=overhead,
+        isolation=isolation,
     )

@@ -9,7 +9,9 @@ PNG plots) goes to `docs/benchmarks/` unless `--out` says otherwise.
 run the committed report comes from. `--requests N` caps every workload (the CI smoke test
 uses it to run a tiny version). `sglang_cache_aware` (SGLang's Rust router, an external
 baseline) joins the default policies when `--sglang-router-python` can import `sglang_router`;
-otherwise it is skipped and the report says so.
+a full run that has none installs it into a venv of its own (`bench.sglang_router.install`);
+otherwise it is skipped and the report says so. Every section also gets the pooled bound
+(`bench.pooled_bound`) and every run its isolation violations (`bench.isolation`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from bench.harness import (
     PolicyWeights,
     run_policy,
 )
+from bench.isolation import workload_violations
+from bench.pooled_bound import pooled_hit_rate
 from bench.replica_fleet import REPLICATED, run_replicated
 from bench.report import write_report
 from bench.routing_results import BenchReport, PolicyRun, WorkloadSection
@@ -96,6 +100,9 @@ class SuiteSettings(msgspec.Struct, frozen=True):
     sglang_router_python: str | None = None
     # what the user named, echoed in the command and the notes ("": the policy was not chosen)
     sglang_router_python_asked: str = ""
+    # why a full run could not install sglang-router ("": it did not need to, or it did)
+    sglang_router_install_failure: str = ""
+    sglang_router_installed: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +222,15 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
     wanted = args.policies is None or SGLANG_CACHE_AWARE in args.policies.split(",")
     asked_python = str(args.sglang_router_python) if wanted else ""
     sglang = wanted and sglang_router.importable(asked_python)
+    failure = ""
+    installed = False
+    if wanted and not sglang and not quick and asked_python == sglang_router.DEFAULT_PYTHON:
+        # the full run's headline comparison is against the real router: bring it in
+        python, where = sglang_router.provision(asked_python)
+        if python is None:
+            failure = where
+        else:
+            asked_python, sglang, installed = python, True, True
     fleet = FleetSpec(
         workers=args.workers or (2 if quick else 4),
         page_size=args.page_size,
@@ -242,6 +258,8 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         request_timeout_s=args.request_timeout,
         sglang_router_python=asked_python if sglang else None,
         sglang_router_python_asked=asked_python,
+        sglang_router_install_failure=failure,
+        sglang_router_installed=installed,
     )
 
 
@@ -363,30 +381,67 @@ def _notes(settings: SuiteSettings) -> list[str]:
             "beside `kv` (which uses the weights named under Fleet) so the effect of the "
             "override is measured in the same run; targets are read from `kv`."
         )
+    notes.append(
+        "Isolation: every request carries its tenant's `cache_salt` to every router, kvroute's "
+        "and SGLang's alike. A worker-reported cached token that only another salt's prompt "
+        "could have produced is an isolation violation: it is counted in the Isolation table "
+        "and the `isolation violations` column, and left out of the hit rate (`reported` in "
+        "the JSON keeps the workers' own count)."
+    )
+    notes.append(
+        "`% of pooled bound`: the policy's hit rate over the hit rate of one LRU cache of the "
+        "fleet's whole capacity on the same trace (`bench/pooled_bound.py`); partitioning the "
+        "capacity across workers can only lose against it, so the distance to 100% is what "
+        "routing could still win (the oracle's share says how much of it a router can reach). "
+        "A share a few points above 100% is LRU's own doing, not a better router: LRU is not "
+        "the optimal eviction, and the live fleet touches its caches in another order (at "
+        "admission and completion, not arrival). `sglang_cache_aware` can also exceed it "
+        "through what the isolation count cannot see: with the salt dropped, tenants that "
+        "share a system prompt share one copy of it on its workers, which leaves room for more."
+    )
     if settings.sglang_router_python is None and settings.sglang_router_python_asked:
+        why = (
+            f" The full run tried to install it (`python3 -m venv {sglang_router.VENV}`, "
+            f"`pip install {sglang_router.PINNED}`) and could not: "
+            f"{settings.sglang_router_install_failure}."
+            if settings.sglang_router_install_failure
+            else ""
+        )
         notes.append(
             f"`{SGLANG_CACHE_AWARE}` (SGLang's Rust router, `sglang-router` on PyPI) was "
-            f"skipped: `{settings.sglang_router_python_asked}` cannot import `sglang_router`. "
-            "Install it into some environment and pass that python with "
-            "`--sglang-router-python` (or `KVROUTE_SGLANG_ROUTER_PYTHON`) to add the baseline."
+            f"skipped: `{settings.sglang_router_python_asked}` cannot import `sglang_router`."
+            + why
+            + " Install it into some environment and pass that python with "
+            "`--sglang-router-python` (or `KVROUTE_SGLANG_ROUTER_PYTHON`) to add the baseline; "
+            "the targets are then read against `approx_tree`."
         )
     elif settings.sglang_router_python is not None:
+        installed = (
+            "; the bench's own venv, which a full run creates with `pip install "
+            f"{sglang_router.PINNED}` when no python at hand has sglang-router"
+            if settings.sglang_router_installed
+            else ""
+        )
         notes.append(
             f"`{SGLANG_CACHE_AWARE}` is SGLang's own Rust router (`sglang-router` "
             f"{sglang_router.version(settings.sglang_router_python)}, run by "
             f"`{settings.sglang_router_python} -m sglang_router.launch_router --policy "
-            "cache_aware` with its defaults) in front of a fresh fleet. It gets no KV events: "
-            "it routes on its own approximate radix tree of the text of each request's "
-            "`input_ids` (ids joined by spaces) with its load-balance thresholds. It drops "
-            "`cache_salt` from `/generate` (its typed request has no such field; `extra_key` "
-            "is forwarded), so on this run the harness sends each tenant's salt as `extra_key`, "
-            "which namespaces the workers' cache the same way: tenants stay apart on the "
-            "workers, as for every other policy, while its routing ignores the salt (a "
-            "salt-blind tree sees the shared system prompts of different tenants as one "
-            "prefix). Sent as `cache_salt`, the salt would never reach the workers and its hit "
-            "rate would count cross-tenant hits that salting forbids. Routing overhead: paired "
-            "probes as for kvroute, the direct half to the workers in turn (it does not say "
-            "which worker it chose)."
+            f"cache_aware` with its defaults{installed}) in front of a fresh fleet; the "
+            "targets are read against it. It gets no KV events: it routes on its own "
+            "approximate radix tree of the text of each request's `input_ids` (ids joined by "
+            "spaces) with its load-balance thresholds. It drops `cache_salt` from `/generate` "
+            "and `/v1/chat/completions` (kept on `/v1/completions`), so its workers see every "
+            "tenant in one unsalted namespace and serve one tenant's pages to another: those "
+            "tokens are isolation violations, not hits. Routing overhead: paired probes as "
+            "for kvroute, the direct half to the workers in turn (it does not say which "
+            "worker it chose)."
+        )
+        notes.append(
+            "`approx_tree` mirrors sglang-router's `cache_aware` (0.3.2 defaults: balance on "
+            "requests in flight, abs 64 and rel 1.5; cache threshold 0.3 on the matched share of "
+            "the prompt; the smallest tree for new prefixes; size-bounded LRU eviction of the "
+            "tree every 60 s) inside kvroute, over token ids instead of characters and with the "
+            "salt forwarded; the fidelity table holds it against the real one."
         )
     return notes
 
@@ -523,7 +578,12 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                         note=f"did not run: {type(exc).__name__}: {exc}",
                     )
                 progress.stop_task(task)
+                workload_violations(
+                    workload.requests, run.records, page, by_worker=not spec.disaggregated
+                )
                 runs.append(run)
+            pooled = caches * (capacity + spec.host_capacity_tokens)
+            bound = pooled_hit_rate(workload.requests, page_size=page, capacity_tokens=pooled)
             sections.append(
                 WorkloadSection(
                     workload=label,
@@ -539,6 +599,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                     runs=runs,
                     dp_size=spec.dp_size,
                     host_capacity_tokens=spec.host_capacity_tokens,
+                    pooled_hit_rate=bound,
                 )
             )
     fleet = msgspec.structs.asdict(settings.fleet)

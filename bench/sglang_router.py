@@ -14,6 +14,9 @@ Facts about it that the benchmarks depend on (checked against sglang-router 0.3.
   it does not know are dropped: `cache_salt` is one of them, `extra_key` is kept;
 - it routes `input_ids` by the text of the ids joined with spaces (its approximate radix tree
   works on characters), and it receives no KV events;
+- with `--dp-aware` it asks each worker's `/get_server_info` for `dp_size`, lists one worker
+  per rank (`URL@rank`) with a tree of its own, and names the rank in the request, as kvroute
+  does; the routing benchmark runs it so on fleets with DP ranks;
 - on start it looks up a tokenizer for the workers' model path on the Hugging Face hub. The
   child gets proxy variables that point at a closed loopback port (loopback itself exempt), so
   that lookup fails at once and nothing leaves 127.0.0.1.
@@ -39,6 +42,7 @@ import aiohttp
 __all__ = [
     "DEFAULT_PYTHON",
     "PINNED",
+    "VENV",
     "SglangRouterError",
     "importable",
     "launch",
@@ -50,6 +54,8 @@ DEFAULT_PYTHON = os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", sys.executable)
 PINNED = "sglang-router==0.3.2"  # the version the facts above were checked against
 _VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute-bench"
 _INSTALL_TIMEOUT_S = 600.0
+# where the benchmarks install it when no python at hand has it
+VENV = _VENV / "sglang-router"
 # port 9 (discard) on loopback: nothing listens, so any off-host request fails immediately
 _DEAD_PROXY = "http://127.0.0.1:9"
 
@@ -98,7 +104,7 @@ def provision(asked: str, venv: Path | None = None) -> tuple[str | None, str]:
     """
     if importable(asked):
         return asked, f"`{asked}` (asked for)"
-    venv = venv or _VENV / "sglang-router"
+    venv = venv or VENV
     python = _venv_python(venv)
     if python.exists() and importable(str(python)):
         return str(python), f"`{python}` (the benchmarks' venv; `{asked}` cannot import it)"
@@ -157,13 +163,19 @@ def _free_port() -> int:
     return port
 
 
+def _base_url(url: str) -> str:
+    """A listed worker URL without the `@rank` its `--dp-aware` mode appends per DP rank."""
+    base, sep, rank = url.rpartition("@")
+    return base.rstrip("/") if sep and rank.isdigit() else url.rstrip("/")
+
+
 def _registered(data: Any) -> set[str]:
     """Worker URLs the router lists as healthy (`/workers`, or the older `/list_workers`)."""
     if not isinstance(data, dict):
         return set()
     if isinstance(data.get("workers"), list):
         return {
-            str(w.get("url", "")).rstrip("/")
+            _base_url(str(w.get("url", "")))
             for w in data["workers"]
             if isinstance(w, dict) and w.get("is_healthy", True)
         }

@@ -87,14 +87,17 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "EXTERNAL": 0.1,
         }
     )
-    # approx_tree (SGLang router's cache-aware policy): follow the longest past-routing match
-    # when it covers at least `approx_cache_threshold` of the prompt, unless the fleet is out of
-    # balance (max load - min load > abs and max > rel * min), then go to the least loaded
-    approx_cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
-    approx_balance_abs: NonNegativeFloat = 32.0
+    # approx_tree mirrors sglang-router 0.3.2's cache_aware policy, with its defaults: out of
+    # balance (max - min requests in flight > approx_balance_abs and max > approx_balance_rel x
+    # min), the least loaded worker; else the longest past-routing match when it covers more
+    # than approx_cache_threshold of the prompt; else the worker with the smallest tree. Every
+    # approx_eviction_interval_s (0: never) each worker's part of the tree is cut to
+    # approx_max_tree_size tokens (SGLang: characters), least recently used leaves first.
+    approx_cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    approx_balance_abs: Annotated[int, msgspec.Meta(ge=0)] = 64
     approx_balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5
-    approx_chunk_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    approx_max_chunks: Annotated[int, msgspec.Meta(ge=1)] = 1_000_000
+    approx_eviction_interval_s: NonNegativeFloat = 60.0
+    approx_max_tree_size: Annotated[int, msgspec.Meta(ge=1)] = 2**26
 
 
 class PdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

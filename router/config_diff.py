@@ -23,7 +23,7 @@ __all__ = ["ConfigDiff", "diff_configs"]
 
 # section -> its fields a running router takes live (None: every field)
 _LIVE: dict[str, frozenset[str] | None] = {
-    # the tree of approx_tree is sized at start (approx_chunk_tokens, approx_max_chunks), and
+    # the tree of approx_tree is sized at start (approx_max_tree_size, its eviction interval), and
     # another policy name is another policy with its own memory
     "policy": frozenset(
         {

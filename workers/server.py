@@ -9,7 +9,9 @@ A request names its DP rank as SGLang's do (`workers.io_struct`): `routed_dp_ran
 deprecated `data_parallel_rank`) in any body, the `X-Data-Parallel-Rank` header on the OpenAI
 routes; without one, the ranks take requests in turn.
 kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
-can compare the router's index with the truth.
+can compare the router's index with the truth, and every answer names the worker in
+`X-Reference-Worker` (its HTTP port), so a benchmark knows which cache served a request even
+through a router that does not say (routers pass upstream headers on).
 Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is handed over
 (SGLang) or at once with `kv_transfer_params` (vLLM), one final chunk when asked to stream; a
 decode worker fetches its KV before queueing and reports the prefill side's `cached_tokens`.
@@ -56,7 +58,7 @@ from workers.scheduler import Job, QueueFullError
 if TYPE_CHECKING:
     from workers.worker import ReferenceWorker
 
-__all__ = ["WORKER_KEY", "build_app"]
+__all__ = ["WORKER_HEADER", "WORKER_KEY", "build_app"]
 
 log = logging.getLogger(__name__)
 
@@ -449,10 +451,20 @@ async def debug_match(request: web.Request) -> web.StreamResponse:
     )
 
 
+WORKER_HEADER = "X-Reference-Worker"
+
+
+async def _name_the_worker(request: web.Request, response: web.StreamResponse) -> None:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        response.headers[WORKER_HEADER] = str(sockname[1])
+
+
 def build_app(worker: ReferenceWorker) -> web.Application:
     """The aiohttp application of one worker."""
     app = web.Application(middlewares=[_errors], client_max_size=_MAX_BODY_BYTES)
     app[WORKER_KEY] = worker
+    app.on_response_prepare.append(_name_the_worker)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -20,7 +20,8 @@ which orders workers exactly like the prefill work they would do for this reques
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -238,21 +239,36 @@ class RoundRobinPolicy(Policy):
 
 
 class ApproxTreePolicy(Policy):
-    """SGLang router's cache-aware policy: a prefix tree of past decisions, no events.
+    """sglang-router's `cache_aware` policy (0.3.2), as a baseline: no events, only its tree.
+
+    - load is the requests in flight on a worker (SGLang's `load()`), not prefill tokens;
+    - the fleet is out of balance when max - min load > `approx_balance_abs` and max >
+      `approx_balance_rel` x min (healthy workers): then the least loaded worker wins;
+    - otherwise the tree's longest match anywhere (`ApproxTree.prefix_match`) decides when it
+      covers more than `approx_cache_threshold` of the prompt: the one worker it names;
+    - otherwise the worker with the smallest tree takes the new prefix;
+    - the chosen worker's part of the tree grows by the whole prompt, balanced or not, and every
+      `approx_eviction_interval_s` each worker's part is cut to `approx_max_tree_size` tokens.
 
     Its tree is kept per target, each dp rank apart, as SGLang's router does in its dp-aware
-    mode: a rank is a cache of its own.
+    mode: a rank is a cache of its own. The salt plays no part, as in SGLang's tree.
     """
 
     name = "approx_tree"
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config)
-        self._tree = ApproxTree(config.approx_chunk_tokens, config.approx_max_chunks)
+        self._tree = ApproxTree()
+        self._clock = clock
+        self._evicted_at = clock()
 
     def matched(self, tokens: Sequence[int]) -> dict[str, int]:
         """Tokens of the prompt previously routed to each worker."""
-        return self._tree.match(tokens)
+        return self._tree.matches(tokens)
+
+    def load(self, view: Candidate) -> float:
+        """Requests in flight on the worker: SGLang's thresholds count requests."""
+        return float(view.running)
 
     def _imbalanced(self, loads: list[float]) -> bool:
         if not loads:
@@ -265,25 +281,31 @@ class ApproxTreePolicy(Policy):
         loads = [self.load(v) for v in views]
         if self._imbalanced([load for load, v in zip(loads, views, strict=True) if v.healthy]):
             return [-load for load in loads]
-        # `rank` put the tree's match into hit_tokens
-        best = max((v.hit_tokens for v in views if v.healthy), default=0.0)
-        if tokens and best / len(tokens) > self._config.approx_cache_threshold:
-            # longest past match first; the rest by load
-            return [v.hit_tokens * 1e6 - load for v, load in zip(views, loads, strict=True)]
-        # a new prefix goes to the worker with the smallest tree, as SGLang's router does
+        matched, holder = self._tree.prefix_match(tokens)
+        if tokens and matched / len(tokens) > self._config.approx_cache_threshold:
+            return [1.0 if v.target == holder else 0.0 for v in views]
+        # a new prefix goes to the worker with the smallest tree
         return [-float(self._tree.size(v.target)) for v in views]
 
     def rank(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[Candidate]:
         """As the base rank, reporting the tree's match as the hit (it knows no events)."""
-        matched = self._tree.match(tokens)
+        matched = self._tree.matches(tokens)
         for v in views:
             v.hit_tokens = float(matched.get(v.target, 0))
         return super().rank(tokens, views)
 
     def record(self, tokens: Sequence[int], target: str) -> None:
-        """Insert the prompt into the chosen target's part of the tree."""
+        """Insert the prompt into the chosen target's part of the tree; evict on schedule."""
         super().record(tokens, target)
+        _, holder = self._tree.prefix_match(tokens)
+        if holder is not None:
+            self._tree.touch(tokens, holder)
         self._tree.insert(tokens, target)
+        interval = self._config.approx_eviction_interval_s
+        now = self._clock()
+        if interval > 0 and now - self._evicted_at >= interval:
+            self._evicted_at = now
+            self._tree.evict_by_size(self._config.approx_max_tree_size)
 
     def forget(self, worker: str) -> None:
         """Drop the worker's parts of the tree (itself and each of its ranks)."""

@@ -15,6 +15,7 @@ import pytest
 
 from bench import sglang_router
 from bench.harness import POLICIES, SGLANG_CACHE_AWARE, FleetSpec, run_policy
+from bench.isolation import workload_violations
 from bench.routing_bench import _command, _notes, add_arguments, settings_from_args
 from bench.workloads import BenchRequest, Workload
 
@@ -55,12 +56,12 @@ def test_a_python_without_sglang_router_skips_the_baseline_with_a_note() -> None
         _args("--sglang-router-python", missing, "--policies", f"kv,{SGLANG_CACHE_AWARE}")
     )
     assert named.policies == ("kv",)
-    (note,) = [n for n in _notes(settings) if SGLANG_CACHE_AWARE in n]
-    assert "skipped" in note and missing in note
+    (note,) = [n for n in _notes(settings) if SGLANG_CACHE_AWARE in n and "skipped" in n]
+    assert missing in note and "read against `approx_tree`" in note
     unchosen = settings_from_args(
         _args("--sglang-router-python", missing, "--policies", "kv,oracle")
     )
-    assert not [n for n in _notes(unchosen) if SGLANG_CACHE_AWARE in n]
+    assert not [n for n in _notes(unchosen) if SGLANG_CACHE_AWARE in n and "skipped" in n]
     assert "--sglang-router-python" not in _command(unchosen, Path("out"))
 
 
@@ -71,11 +72,11 @@ def test_the_baseline_joins_beside_approx_tree_and_is_echoed_in_the_command() ->
     assert order.index(SGLANG_CACHE_AWARE) == order.index("approx_tree") + 1
     assert set(order) == {*POLICIES, SGLANG_CACHE_AWARE}
     assert f"--sglang-router-python {_PYTHON}" in _command(settings, Path("out"))
-    assert any("cache_salt" in n and "extra_key" in n for n in _notes(settings))
+    assert any("cache_salt" in n and "isolation violations" in n for n in _notes(settings))
 
 
 @pytest.mark.skipif(not _HAVE, reason="KVROUTE_SGLANG_ROUTER_PYTHON cannot import sglang_router")
-async def test_sglang_cache_aware_routes_a_salted_workload_and_workers_keep_tenants_apart() -> None:
+async def test_sglang_cache_aware_drops_the_salt_and_is_counted_as_violating() -> None:
     shared = list(range(3, 3 + 64))  # 4 pages, the same text for both tenants
     requests = [
         BenchRequest(arrival_s=0.0, input_ids=[*shared, 200], max_new_tokens=2, cache_salt="a"),
@@ -89,7 +90,27 @@ async def test_sglang_cache_aware_routes_a_salted_workload_and_workers_keep_tena
     run = await run_policy(SGLANG_CACHE_AWARE, workload, spec, seed=1, sglang_router_python=_PYTHON)
     assert [r.ok for r in run.records] == [True, True, True], [r.error for r in run.records]
     cached = [r.cached_tokens for r in run.records]
-    # the router is salt-blind and sends all three to one worker (same text, the tree matches);
-    # the salt, carried as extra_key, still keeps tenant b off tenant a's pages there
-    assert cached == [0, 64, 0]
+    # the router is salt-blind and sends all three to one worker (same text, the tree matches),
+    # and drops the salt on /generate: tenant b gets tenant a's pages
+    assert cached == [0, 64, 64]
+    workload_violations(workload.requests, run.records, spec.page_size)
+    assert [r.violation_tokens for r in run.records] == [0, 0, 64]
     assert run.route_overhead_s
+    # it keeps the salt on /v1/completions only
+    probes = {p.endpoint: p for p in run.isolation}
+    assert probes["/v1/completions"].violating == 0 and probes["/v1/completions"].requests
+    assert not any(p.errors for p in run.isolation), [p.error for p in run.isolation]
+    assert probes["/generate"].violating > 0 and probes["/v1/chat/completions"].violating > 0
+
+
+def test_dp_aware_listings_count_as_their_worker() -> None:
+    # --dp-aware lists one entry per rank, `URL@rank`
+    listed = {"workers": [{"url": "http://h:1@0"}, {"url": "http://h:1@1"}, {"url": "http://g:2/"}]}
+    assert sglang_router._registered(listed) == {"http://h:1", "http://g:2"}
+
+
+def test_an_install_that_cannot_happen_says_why(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    python, why = sglang_router.provision("/nonexistent/python", blocked / "venv")
+    assert python is None and "venv" in why

@@ -40,7 +40,7 @@ def test_live_keys_change_and_restart_keys_keep_their_running_value() -> None:
     old = RouterConfig()
     new = RouterConfig(
         listen=ListenConfig(port=9000),
-        policy=PolicyConfig(name="round_robin", hit_weight=1.0, approx_chunk_tokens=8),
+        policy=PolicyConfig(name="round_robin", hit_weight=1.0, approx_max_tree_size=8),
         limits=LimitsConfig(max_retries=0, max_body_bytes=4096, idle_timeout_s=5.0),
         indexer=IndexerSection(pending_ttl_s=9.0),
         tracing=TracingConfig(enabled=True),
@@ -52,7 +52,7 @@ def test_live_keys_change_and_restart_keys_keep_their_running_value() -> None:
     assert diff.needs_restart == [
         "listen.port",
         "policy.name",
-        "policy.approx_chunk_tokens",
+        "policy.approx_max_tree_size",
         "limits.max_body_bytes",
         "limits.idle_timeout_s",
         "indexer.pending_ttl_s",

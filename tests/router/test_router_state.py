@@ -46,24 +46,86 @@ def test_load_tracks_prefill_until_first_byte_and_running_until_end() -> None:
     assert loads.of("b").running == 0
 
 
-def test_approx_tree_matches_whole_chunks_of_the_routed_prefix() -> None:
-    tree = ApproxTree(chunk_tokens=4)
+def _recount(tree: ApproxTree, tokens_by_worker: dict[str, list[list[int]]]) -> None:
+    """Each worker's size is the distinct prefix tokens of what it still holds."""
+    for worker in tree.workers():
+        held = {
+            tuple(p[:n]) for p in tokens_by_worker.get(worker, []) for n in range(1, len(p) + 1)
+        }
+        alive = {t for t in held if tree.matches(list(t)).get(worker, 0) == len(t)}
+        assert tree.size(worker) == len(alive)
+
+
+def test_approx_tree_matches_into_nodes_and_names_a_holder_of_the_deepest() -> None:
+    tree = ApproxTree()
     tree.insert(list(range(10)), "a")
-    tree.insert([*list(range(8)), 50, 51, 52, 53], "b")
-    assert tree.match(list(range(10))) == {"a": 10, "b": 8}
-    assert tree.match([*list(range(8)), 50, 51, 52, 53, 54]) == {"a": 8, "b": 12}
-    assert tree.match([7, 7, 7, 7]) == {}
-    assert tree.size("a") == 3 and tree.size("b") == 3
+    tree.insert([*range(8), 50, 51, 52, 53], "b")
+    # a partial match into a node counts (SGLang counts matched characters, not nodes)
+    assert tree.matches(list(range(10))) == {"a": 10, "b": 8}
+    assert tree.matches([*range(8), 50, 51, 99]) == {"a": 8, "b": 10}
+    assert tree.prefix_match([*range(8), 50, 51, 99]) == (10, "b")
+    assert tree.prefix_match(list(range(5)))[0] == 5
+    assert tree.prefix_match(list(range(5)))[1] in {"a", "b"}
+    assert tree.prefix_match([7, 7, 7]) == (0, None)
+    # sizes are tokens held: a 8 + 2, b 8 + 4 (the split shares the first 8)
+    assert tree.size("a") == 10 and tree.size("b") == 12
+    assert len(tree) == 4  # root, the shared 8, two tails
 
 
-def test_approx_tree_is_bounded_and_forgets_workers() -> None:
-    tree = ApproxTree(chunk_tokens=2, max_chunks=5)
-    for i in range(20):
-        tree.insert([i, i, i, i], "a")
-    assert len(tree) == 5
-    assert tree.size("a") == 5
+def test_approx_tree_names_the_same_holder_every_time() -> None:
+    tree = ApproxTree()
+    for w in ("a", "b", "c"):
+        tree.insert([1, 2, 3, 4], w)
+    names = {tree.prefix_match([1, 2, 3, 4, 5])[1] for _ in range(5)}
+    assert len(names) == 1
+
+
+def test_approx_tree_evicts_the_oversized_workers_lru_leaves_only() -> None:
+    tree = ApproxTree()
+    a_prompts = [[i, 100 + i, 200 + i, 300 + i] for i in range(6)]
+    for p in a_prompts:
+        tree.insert(p, "a")
+    tree.insert([90, 91], "b")
+    tree.touch(a_prompts[0], "a")  # the oldest becomes the most recent
+    tree.evict_by_size(8)  # a holds 24 tokens: its 4 least recently used prompts go
+    assert tree.size("a") == 8 and tree.size("b") == 2
+    kept = [p for p in a_prompts if tree.matches(p).get("a") == 4]
+    assert kept == [a_prompts[0], a_prompts[5]]
+    assert tree.matches([90, 91]) == {"b": 2}
+    _recount(tree, {"a": a_prompts, "b": [[90, 91]]})
+
+
+def test_approx_tree_eviction_takes_leaves_before_their_parents() -> None:
+    tree = ApproxTree()
+    tree.insert([1, 2, 3, 4], "a")
+    tree.insert([1, 2, 9, 9, 9, 9], "a")
+    tree.evict_by_size(6)  # 2 + 2 + 4 = 8 tokens: the older leaf [3, 4] goes
+    assert tree.matches([1, 2, 9, 9, 9, 9]) == {"a": 6} and tree.size("a") == 6
+    tree.evict_by_size(2)  # then the other leaf, and [1, 2] is a leaf it keeps
+    assert tree.matches([1, 2, 9]) == {"a": 2} and tree.size("a") == 2
+
+
+def test_approx_tree_sizes_stay_exact_under_random_inserts_and_evictions() -> None:
+    import random
+
+    seed = 20261201
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    tree = ApproxTree()
+    sent: dict[str, list[list[int]]] = {}
+    for step in range(300):
+        worker = rng.choice("abc")
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        tree.insert(prompt, worker)
+        sent.setdefault(worker, []).append(prompt)
+        if step % 50 == 49:
+            tree.evict_by_size(rng.randrange(5, 30))
+            _recount(tree, sent)
+            assert all(tree.size(w) <= 30 for w in tree.workers())
     tree.remove_worker("a")
-    assert len(tree) == 0 and tree.size("a") == 0
+    assert "a" not in tree.workers()
+    assert all("a" not in tree.matches(p) for p in sent["a"])
+    _recount(tree, sent)
 
 
 def test_in_flight_metrics_follow_the_load_tracker() -> None:

@@ -128,7 +128,7 @@ def test_random_is_seeded_and_spreads() -> None:
 
 
 def test_approx_tree_follows_past_decisions_and_balances() -> None:
-    policy = ApproxTreePolicy(PolicyConfig(name="approx_tree", approx_chunk_tokens=4))
+    policy = ApproxTreePolicy(PolicyConfig(name="approx_tree"))
     prompt = list(range(40))
     views = _views(("a", 0, 0, 0), ("b", 0, 0, 0))
     first = policy.rank(prompt, views)[0].worker
@@ -140,14 +140,44 @@ def test_approx_tree_follows_past_decisions_and_balances() -> None:
     # a new prefix goes to the worker with the smaller tree
     other = policy.rank(list(range(100, 140)), views)[0].worker
     assert other != first
-    # a heavily imbalanced fleet overrides affinity
-    loaded = [
-        Candidate(first, "", True, "ready", queued_prefill_tokens=1000, running=10),
+    # thousands of queued prefill tokens are no imbalance: SGLang counts requests
+    busy = [
+        Candidate(first, "", True, "ready", queued_prefill_tokens=5000, running=10),
         Candidate(other, "", True, "ready"),
+    ]
+    assert policy.rank(prompt, busy)[0].worker == first
+    # more than 64 requests apart (and 1.5x) is
+    loaded = [
+        Candidate(first, "", True, "ready", running=70),
+        Candidate(other, "", True, "ready", running=5),
     ]
     assert policy.rank(prompt, loaded)[0].worker == other
     policy.forget(first)
     assert policy.rank(prompt, views)[0].hit_tokens == 0
+
+
+def test_approx_tree_needs_more_than_the_cache_threshold_of_the_prompt() -> None:
+    policy = ApproxTreePolicy(PolicyConfig(name="approx_tree", approx_cache_threshold=0.3))
+    views = _views(("a", 0, 0, 0), ("b", 0, 0, 0))
+    policy.record(list(range(30)), "a")  # a's tree is now the larger one
+    # 30 of 100 tokens (not more than 0.3): the smallest tree, b
+    assert policy.rank([*range(30), *range(500, 570)], views)[0].worker == "b"
+    # 30 of 99: a
+    assert policy.rank([*range(30), *range(500, 569)], views)[0].worker == "a"
+
+
+def test_approx_tree_evicts_on_its_interval() -> None:
+    now = [0.0]
+    config = PolicyConfig(
+        name="approx_tree", approx_eviction_interval_s=60.0, approx_max_tree_size=16
+    )
+    policy = ApproxTreePolicy(config, clock=lambda: now[0])
+    for i in range(4):
+        policy.record([i] * 10, "a")
+    assert policy.matched([0] * 10) == {"a": 10}
+    now[0] = 61.0
+    policy.record([9] * 10, "a")  # past the interval: a is cut to 16 tokens, oldest first
+    assert policy.matched([0] * 10) == {} and policy.matched([9] * 10) == {"a": 10}
 
 
 def test_effective_hit_weights_tiers_and_ignores_stale_streams() -> None:
