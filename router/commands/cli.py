@@ -90,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb is None or verb is None:
         parser.print_help()
         return 2
+    from router.commands.allocator import pin_mmap_threshold
+
+    pin_mmap_threshold()  # before the verb allocates: see the module for the growth it stops
     try:
         return verb.run(args)
     except KeyboardInterrupt:
