@@ -84,6 +84,17 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "EXTERNAL": 0.1,
         }
     )
+    # admission-time prediction (router.routing.admission): discount a worker's match by what
+    # it must evict before it admits the request (its max_total_num_tokens against what it
+    # holds and what the requests queued ahead of this one must allocate, least recently used
+    # first). Off: the raw match counts, as when a worker's capacity is unknown
+    admission: bool = True
+    # tokens each in-flight request is assumed to allocate beyond its uncached prompt (its
+    # output, the rounding of its last page) when forecasting evictions
+    admission_reserve_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
+    # whether the forecast also discounts the hit a worker is scored by (else it only changes
+    # the reported prediction: x-kvroute-matched-tokens, /admin/route, the queued-load estimate)
+    admission_scoring: bool = False
     # approx_tree (SGLang router's cache-aware policy): follow the longest past-routing match
     # when it covers at least `approx_cache_threshold` of the prompt, unless the fleet is out of
     # balance (max load - min load > abs and max > rel * min), then go to the least loaded

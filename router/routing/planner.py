@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import msgspec
 
@@ -36,6 +37,7 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
+from router.routing.admission import AdmissionForecast, RecencyBook, forecast, unforecast
 from router.routing.decisions import DecisionSink
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
@@ -114,6 +116,8 @@ class Planner:
         self.clock = time.monotonic
         # told of every commit and its progress (router replicas share them); None: alone
         self.decisions: DecisionSink | None = None
+        # per stream id: the order the router last sent requests over its blocks
+        self.recency: dict[str, RecencyBook] = {}
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
@@ -152,7 +156,7 @@ class Planner:
             if entry.role != role:
                 continue
             match = matches.get(entry.id, _NO_MATCH)
-            views.extend(self._candidates(entry, match, now, pinned))
+            views.extend(self._candidates(entry, match, now, pinned, ns, tokens, limit))
         candidates = (policy or self.policy).rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
@@ -162,21 +166,66 @@ class Planner:
         )
 
     def _candidates(
-        self, entry: WorkerEntry, match: WorkerMatch, now: float, pinned: int | None
+        self,
+        entry: WorkerEntry,
+        match: WorkerMatch,
+        now: float,
+        pinned: int | None,
+        ns: Namespace,
+        tokens: Sequence[int],
+        limit: int,
     ) -> list[Candidate]:
         """One candidate per rank of a worker with several, else one for the worker."""
         status = entry.status(now)
         ranks = match.ranks
         if len(ranks) > 1:
-            return [
+            out = [
                 self._candidate(entry, status, rank.dp_rank, rank, str(rank.state))
                 for rank in ranks
                 if pinned is None or rank.dp_rank == pinned
             ]
-        if pinned is not None and ranks and ranks[0].dp_rank != pinned:
+        elif pinned is not None and ranks and ranks[0].dp_rank != pinned:
             return []  # its one rank is another: the engine would refuse the request
-        state = str(match.state) if match.worker else None
-        return [self._candidate(entry, status, None, match, state)]
+        else:
+            state = str(match.state) if match.worker else None
+            out = [self._candidate(entry, status, None, match, state)]
+        if self._config.admission:
+            for candidate in out:
+                self._forecast(entry, candidate, ns, tokens, limit)
+        return out
+
+    def _forecast(
+        self,
+        entry: WorkerEntry,
+        candidate: Candidate,
+        ns: Namespace,
+        tokens: Sequence[int],
+        limit: int,
+    ) -> None:
+        """Discount the candidate's match by what it will evict before admitting the request
+        (`router.routing.admission`); its weighted hit shrinks in proportion."""
+        raw = candidate.matched_tokens + candidate.pending_tokens
+        streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
+        if len(streams) != 1:
+            why = "no KV-event stream" if not streams else "several ranks, the engine picks"
+            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
+            return
+        stream = streams[0]
+        load = self.load.of(entry.id, candidate.dp_rank)
+        found: AdmissionForecast = forecast(
+            raw_tokens=raw,
+            capacity_tokens=entry.capacity_tokens,
+            held_tokens=self.indexer.held_tokens(stream),
+            queued_tokens=load.queued_prefill_tokens,
+            in_flight=load.running,
+            reserve_tokens=self._config.admission_reserve_tokens,
+            block_size=self.indexer.index.block_size(stream),
+            keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
+            book=self.recency.get(stream),
+        )
+        candidate.admission = found
+        if found.kept_tokens < raw and self._config.admission_scoring:
+            candidate.hit_tokens *= found.kept_tokens / raw
 
     def _candidate(
         self,
@@ -229,11 +278,33 @@ class Planner:
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
-        hit = candidate.matched_tokens + candidate.pending_tokens
+        if self._config.admission:
+            self._touch(ns, tokens, candidate)
+        hit = candidate.predicted_tokens
         ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
         if self.decisions is not None:
             self.decisions.committed(ns, tokens, ticket, marked=marked)
         return ticket
+
+    def _touch(self, ns: Namespace, tokens: Sequence[int], candidate: Candidate) -> None:
+        """The prompt's blocks on the chosen stream(s) become the most recently used, as the
+        worker will make them when it admits and caches the request."""
+        entry = self.pool.find(candidate.worker)
+        capacity = entry.capacity_tokens if entry is not None else None
+        if capacity is None:
+            return  # nothing is forecast without a capacity: keep no book
+        for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
+            keys = self.indexer.block_keys(stream, ns, tokens)
+            if not keys:
+                continue
+            book = self.recency.get(stream)
+            if book is None:
+                book = self.recency[stream] = RecencyBook()
+            book.touch(keys)
+            # the blocks the stream can hold, and this prompt's (on their way, not held yet)
+            keep = max(capacity // (self.indexer.index.block_size(stream) or 1), len(keys))
+            if len(book) > 2 * keep:
+                book.prune(partial(self.indexer.holds, stream), keep)
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""

@@ -26,6 +26,7 @@ import msgspec
 
 from indexer.index import DEFAULT_MEDIUM
 from router.config import PolicyConfig
+from router.routing.admission import AdmissionForecast
 from router.routing.approx_tree import ApproxTree
 
 __all__ = [
@@ -79,6 +80,24 @@ class Candidate(msgspec.Struct, gc=False):
     kv_tokens: int = 0  # KV its running requests hold (counted on decode workers of PD pairs)
     load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
     score: float = 0.0  # set by `rank`: higher is better
+    # what of matched + pending the worker is predicted to still hold when it admits the
+    # request, and why (`router.routing.admission`); None: not forecast (admission off)
+    admission: AdmissionForecast | None = None
+
+    @property
+    def predicted_tokens(self) -> int:
+        """The prefix the worker is expected to reuse at admission (matched + pending, less
+        what it will have evicted by then)."""
+        raw = self.matched_tokens + self.pending_tokens
+        return raw if self.admission is None else min(raw, self.admission.kept_tokens)
+
+    @property
+    def predicted_split(self) -> tuple[int, int]:
+        """`predicted_tokens` as (from events, from pending marks): eviction takes the deepest
+        blocks first, and pending blocks lie below the matched ones."""
+        kept = self.predicted_tokens
+        matched = min(self.matched_tokens, kept)
+        return matched, kept - matched
 
     @property
     def target(self) -> str:

@@ -1,0 +1,201 @@
+"""What a worker will still hold when it admits a request: the match, discounted for eviction.
+
+The index says what a worker holds *now*. A request routed there waits in the worker's queue
+behind the requests already sent to it, and each of those allocates KV for the prompt tokens
+it does not find cached; once the pool is full, every allocation evicts the least recently
+used unlocked pages. Under KV pressure the matched prefix may be gone by the time the request
+is admitted (the routing benchmark measured 82-94% index accuracy at pressure 4 without this).
+
+The model, per (worker, dp rank) stream, with everything the router already knows:
+
+    evict = max(0, held + queued + in_flight * reserve - capacity)
+
+- `capacity`: the rank's KV pool in tokens (SGLang's `max_total_num_tokens` in /server_info);
+  unknown capacity forecasts nothing (the raw match stands, and `/admin/route` says so);
+- `held`: tokens the stream holds per its KV events;
+- `queued`: uncached prompt tokens of the requests sent there that have not started answering
+  (the router's own load: `router.routing.load`), which the worker must still allocate;
+- `reserve`: tokens each in-flight request is assumed to allocate beyond its prompt (output,
+  the rounding of its last page): `[policy] admission_reserve_tokens`.
+
+Those `evict` tokens come from the least recently used end. The recency order is the router's
+own (`RecencyBook`): every decision touches the blocks of its prompt on the chosen stream, root
+first, as the worker touches a request's whole path when it admits and caches it (a radix cache
+evicts leaves first, so along one path the root is always the most recent). Blocks the worker
+holds that no decision touched (stored before this router started, or by another router) are
+taken as the oldest. A matched block survives when at least `ceil(evict / block_size)` blocks
+are older than it; the prediction is the leading blocks that survive.
+
+Pure and synchronous: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+from sortedcontainers import SortedList
+
+__all__ = ["AdmissionForecast", "RecencyBook", "forecast", "unforecast"]
+
+
+class AdmissionForecast(msgspec.Struct, gc=False):
+    """The prediction for one candidate, with the numbers behind it (shown by /admin/route)."""
+
+    raw_tokens: int  # matched + pending tokens per the index, now
+    kept_tokens: int  # of those, the ones predicted to be held when the request is admitted
+    capacity_tokens: int | None  # the rank's KV pool (None: unknown, no forecast)
+    held_tokens: int = 0  # what its KV events say it holds now
+    queued_tokens: int = 0  # what requests ahead of this one must still allocate
+    evict_tokens: int = 0  # what it must evict before admitting this request
+    why: str = ""
+
+
+class RecencyBook:
+    """One stream's blocks in the order the router last sent requests over them.
+
+    Every decision gives all the blocks of its prompt one new stamp: the worker touches a
+    request's whole path at once, and evicts a leaf node whole, so blocks touched together
+    go together. Keys the stream no longer holds are dropped by `prune` (the caller checks
+    them against the index), which keeps the book within a small multiple of the stream's
+    capacity.
+    """
+
+    __slots__ = ("_next", "_order", "_stamps")
+
+    def __init__(self) -> None:
+        self._stamps: dict[int, int] = {}  # block key -> its latest stamp
+        self._order: SortedList = SortedList()  # one stamp per key (repeated per decision)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._stamps)
+
+    def touch(self, keys: Sequence[int]) -> None:
+        """A request over `keys` goes to the stream: they become the newest, together."""
+        stamp = self._next
+        self._next += 1
+        stamps = self._stamps
+        order = self._order
+        for key in keys:
+            old = stamps.get(key)
+            if old is not None:
+                order.remove(old)
+            stamps[key] = stamp
+        order.update([stamp] * len(keys))
+
+    def stamp(self, key: int) -> int | None:
+        """The key's latest stamp, None when no decision touched it."""
+        return self._stamps.get(key)
+
+    def not_older(self, stamp: int) -> int:
+        """How many keys of the book were touched at `stamp` or later."""
+        return len(self._order) - int(self._order.bisect_left(stamp))
+
+    def prune(self, holds: Callable[[list[int]], list[bool]], keep: int) -> int:
+        """Drop keys the stream no longer holds (`holds` answers per key) among all but the
+        newest `keep` (those may be on their way: their stores have not arrived), then the
+        oldest beyond `2 * keep`; returns how many were dropped."""
+        old = len(self._order) - keep
+        if old <= 0:
+            return 0
+        cut = self._order[old - 1]
+        keys = [k for k, s in self._stamps.items() if s <= cut]
+        dropped = [k for k, held in zip(keys, holds(keys), strict=True) if not held]
+        extra = len(self._stamps) - len(dropped) - 2 * keep
+        if extra > 0:
+            alive = set(dropped)
+            rest = sorted((s, k) for k, s in self._stamps.items() if k not in alive)
+            dropped.extend(k for _, k in rest[:extra])
+        for key in dropped:
+            self._order.remove(self._stamps.pop(key))
+        return len(dropped)
+
+
+def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) -> AdmissionForecast:
+    """No discount: the raw match is the prediction, for the reason given."""
+    return AdmissionForecast(
+        raw_tokens=raw_tokens, kept_tokens=raw_tokens, capacity_tokens=capacity_tokens, why=why
+    )
+
+
+def forecast(
+    *,
+    raw_tokens: int,
+    capacity_tokens: int | None,
+    held_tokens: int,
+    queued_tokens: int,
+    in_flight: int,
+    reserve_tokens: int,
+    block_size: int | None,
+    keys: Callable[[], Sequence[int]],
+    book: RecencyBook | None,
+) -> AdmissionForecast:
+    """The part of a `raw_tokens` match (matched + pending, whole blocks) still held at admission.
+
+    `keys` gives the matched blocks' keys, root first (called only when something must be
+    evicted); `book` is the stream's recency (None: nothing touched yet, all blocks oldest).
+    """
+    if capacity_tokens is None:
+        return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
+    queued = queued_tokens + in_flight * reserve_tokens
+    evict = max(0, held_tokens + queued - capacity_tokens)
+    out = AdmissionForecast(
+        raw_tokens=raw_tokens,
+        kept_tokens=raw_tokens,
+        capacity_tokens=capacity_tokens,
+        held_tokens=held_tokens,
+        queued_tokens=queued,
+        evict_tokens=evict,
+    )
+    if not raw_tokens or not block_size:
+        out.why = "nothing matched"
+        return out
+    if not evict:
+        out.why = (
+            f"fits: held {held_tokens} + queued {queued} <= capacity {capacity_tokens}, "
+            "nothing is evicted before admission"
+        )
+        return out
+    blocks = list(keys())[: raw_tokens // block_size]
+    doomed = -(-evict // block_size)  # blocks evicted, least recently used first
+    held_blocks = held_tokens // block_size
+    # the blocks of the queued requests are in the book (their decisions touched them) but
+    # not held yet: they are the demand, not blocks that could be evicted in its place
+    unstored = queued_tokens // block_size
+
+    def survives(j: int) -> bool:
+        # a block untouched by any decision is as recent as the nearest touched one above it
+        # (a path is touched together); with none above, it is among the untouched, the
+        # oldest. A block survives when the blocks older than its whole group cover the demand
+        stamp = None
+        if book is not None:
+            for k in range(j, -1, -1):
+                stamp = book.stamp(blocks[k])
+                if stamp is not None:
+                    break
+        if stamp is None or book is None:
+            return False  # nothing is older than the untouched blocks
+        return held_blocks - max(0, book.not_older(stamp) - unstored) >= doomed
+
+    # survival only gets rarer deeper down a path (the root is the most recent): bisect
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if survives(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    kept = min(raw_tokens, lo * block_size)
+    out.kept_tokens = kept
+    lost = raw_tokens - kept
+    out.why = (
+        f"held {held_tokens} + queued {queued} > capacity {capacity_tokens}: {evict} tokens "
+        f"evicted least recently used first before admission; "
+        + (
+            f"{lost} of the {raw_tokens} matched tokens are among them"
+            if lost
+            else "the matched blocks are more recent than those"
+        )
+    )
+    return out
