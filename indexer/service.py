@@ -185,11 +185,11 @@ class IndexerService:
         ]
 
     def held_tokens(self, stream: str) -> int:
-        """Tokens `stream` holds per its events (its blocks times its block size; 0: unknown)."""
+        """Tokens `stream` holds on the GPU per its events (blocks times block size; 0: unknown)."""
         index = self.index
         if not index.has_stream(stream):
             return 0
-        return index.entries(stream) * (index.block_size(stream) or 0)
+        return index.default_medium_entries(stream) * (index.block_size(stream) or 0)
 
     def block_keys(
         self,

@@ -356,6 +356,16 @@ class PrefixIndex:
             return []
         return self._chain(self._registry.seed(ns_id, size), tokens, size, 0, count)
 
+    def default_medium_entries(self, stream: str) -> int:
+        """Blocks the stream holds in the default tier (the GPU): what its KV pool holds.
+
+        Blocks held only in other tiers (offloaded to the host) are in the `media` side table,
+        so this costs a pass over the offloaded blocks only."""
+        st = self._streams[stream]
+        default = self.default_medium
+        elsewhere = sum(1 for copies in st.media.values() if not copies.get(default))
+        return st.entries() - elsewhere
+
     def holds(self, stream: str, keys: Sequence[int]) -> list[bool]:
         """For each key, whether `stream` holds it per its events (pending marks do not count)."""
         st = self._streams.get(stream)

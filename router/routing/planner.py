@@ -27,6 +27,7 @@ from functools import partial
 import msgspec
 
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
+from indexer.index import DEFAULT_MEDIUM
 from indexer.service import (
     UNTRUSTED,
     IndexerService,
@@ -208,6 +209,11 @@ class Planner:
         streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
         if len(streams) != 1:
             why = "no KV-event stream" if not streams else "several ranks, the engine picks"
+            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
+            return
+        if any(medium != DEFAULT_MEDIUM for medium in candidate.by_medium):
+            # offloaded blocks come back from the host tier, whose eviction is its own
+            why = "the match reaches an offload tier: raw match used"
             candidate.admission = unforecast(raw, why, entry.capacity_tokens)
             return
         stream = streams[0]
