@@ -18,13 +18,16 @@ The model, per (worker, dp rank) stream, with everything the router already know
 - `reserve`: tokens each in-flight request is assumed to allocate beyond its prompt (output,
   the rounding of its last page): `[policy] admission_reserve_tokens`.
 
-Those `evict` tokens come from the least recently used end. The recency order is the router's
-own (`RecencyBook`): every decision touches the blocks of its prompt on the chosen stream, root
-first, as the worker touches a request's whole path when it admits and caches it (a radix cache
-evicts leaves first, so along one path the root is always the most recent). Blocks the worker
-holds that no decision touched (stored before this router started, or by another router) are
-taken as the oldest. A matched block survives when at least `ceil(evict / block_size)` blocks
-are older than it; the prediction is the leading blocks that survive.
+When `evict` is positive, which blocks go is decided by LRU stack distance: a block is still
+cached at admission when fewer blocks than the pool holds (less the in-flight requests'
+private reserve) will have been used since it was last used; by then every request ahead of
+this one has used its prompt's blocks. The recency order is the router's own
+(`RecencyBook`): every decision touches the blocks of its prompt on the chosen stream, all
+with one stamp, as the worker touches a request's whole path at once and evicts a leaf node
+whole. A block no decision touched is as recent as the nearest touched block above it in the
+prompt (a path is touched together); with none above it (stored before this router started,
+or routed by another router) it is taken as the oldest. The prediction is the leading
+matched blocks that survive (along a path, survival only gets rarer with depth).
 
 Pure and synchronous: no I/O.
 """
@@ -158,16 +161,16 @@ def forecast(
         )
         return out
     blocks = list(keys())[: raw_tokens // block_size]
-    doomed = -(-evict // block_size)  # blocks evicted, least recently used first
-    held_blocks = held_tokens // block_size
-    # the blocks of the queued requests are in the book (their decisions touched them) but
-    # not held yet: they are the demand, not blocks that could be evicted in its place
-    unstored = queued_tokens // block_size
+    pool_blocks = capacity_tokens // block_size
+    # the pages in-flight requests hold privately (beyond their prompts, which the book has)
+    private = -(-(in_flight * reserve_tokens) // block_size)
 
     def survives(j: int) -> bool:
-        # a block untouched by any decision is as recent as the nearest touched one above it
-        # (a path is touched together); with none above, it is among the untouched, the
-        # oldest. A block survives when the blocks older than its whole group cover the demand
+        # LRU stack distance: a block is still cached when fewer blocks than the pool holds
+        # were used since it (by the time this request is admitted, every request ahead has
+        # used its blocks). Blocks touched by one decision share a stamp (the worker evicts a
+        # leaf node whole); a block no decision touched is as recent as the nearest touched
+        # one above it (a path is touched together), and with none above it is the oldest
         stamp = None
         if book is not None:
             for k in range(j, -1, -1):
@@ -175,8 +178,8 @@ def forecast(
                 if stamp is not None:
                     break
         if stamp is None or book is None:
-            return False  # nothing is older than the untouched blocks
-        return held_blocks - max(0, book.not_older(stamp) - unstored) >= doomed
+            return False
+        return book.not_older(stamp) + private <= pool_blocks
 
     # survival only gets rarer deeper down a path (the root is the most recent): bisect
     lo, hi = 0, len(blocks)
@@ -191,11 +194,12 @@ def forecast(
     lost = raw_tokens - kept
     out.why = (
         f"held {held_tokens} + queued {queued} > capacity {capacity_tokens}: {evict} tokens "
-        f"evicted least recently used first before admission; "
+        "are evicted least recently used first before admission; "
         + (
-            f"{lost} of the {raw_tokens} matched tokens are among them"
+            f"{lost} of the {raw_tokens} matched tokens are among them (more than "
+            f"{pool_blocks} blocks will have been used since)"
             if lost
-            else "the matched blocks are more recent than those"
+            else "the matched blocks were used more recently than those"
         )
     )
     return out
