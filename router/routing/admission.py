@@ -34,7 +34,7 @@ Pure and synchronous: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import msgspec
 from sortedcontainers import SortedList
@@ -74,8 +74,9 @@ class RecencyBook:
     def __len__(self) -> int:
         return len(self._stamps)
 
-    def touch(self, keys: Sequence[int]) -> None:
-        """A request over `keys` goes to the stream: they become the newest, together."""
+    def touch(self, keys: Sequence[int]) -> int:
+        """A request over `keys` goes to the stream: they become the newest, together;
+        returns their stamp."""
         stamp = self._next
         self._next += 1
         stamps = self._stamps
@@ -86,6 +87,7 @@ class RecencyBook:
                 order.remove(old)
             stamps[key] = stamp
         order.update([stamp] * len(keys))
+        return stamp
 
     def stamp(self, key: int) -> int | None:
         """The key's latest stamp, None when no decision touched it."""
@@ -125,6 +127,7 @@ def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) ->
 def forecast(
     *,
     raw_tokens: int,
+    matched_tokens: int,
     capacity_tokens: int | None,
     held_tokens: int,
     queued_tokens: int,
@@ -133,11 +136,15 @@ def forecast(
     block_size: int | None,
     keys: Callable[[], Sequence[int]],
     book: RecencyBook | None,
+    waiting: Container[int] = (),
 ) -> AdmissionForecast:
-    """The part of a `raw_tokens` match (matched + pending, whole blocks) still held at admission.
+    """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
+    the rest from pending marks) still held when the request is admitted.
 
-    `keys` gives the matched blocks' keys, root first (called only when something must be
-    evicted); `book` is the stream's recency (None: nothing touched yet, all blocks oldest).
+    `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
+    stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the stamps
+    of the decisions whose requests have not started answering: a pending block whose latest
+    decision has answered, yet is not in the events, was evicted or never stored.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -154,32 +161,44 @@ def forecast(
     if not raw_tokens or not block_size:
         out.why = "nothing matched"
         return out
-    if not evict:
-        out.why = (
-            f"fits: held {held_tokens} + queued {queued} <= capacity {capacity_tokens}, "
-            "nothing is evicted before admission"
-        )
+    fits = (
+        f"held {held_tokens} + queued {queued} <= capacity {capacity_tokens}: nothing is "
+        "evicted before admission"
+    )
+    matched_blocks = matched_tokens // block_size
+    if not evict and raw_tokens <= matched_tokens:
+        out.why = fits
         return out
     blocks = list(keys())[: raw_tokens // block_size]
     pool_blocks = capacity_tokens // block_size
     # the pages in-flight requests hold privately (beyond their prompts, which the book has)
     private = -(-(in_flight * reserve_tokens) // block_size)
 
-    def survives(j: int) -> bool:
-        # LRU stack distance: a block is still cached when fewer blocks than the pool holds
-        # were used since it (by the time this request is admitted, every request ahead has
-        # used its blocks). Blocks touched by one decision share a stamp (the worker evicts a
-        # leaf node whole); a block no decision touched is as recent as the nearest touched
-        # one above it (a path is touched together), and with none above it is the oldest
-        stamp = None
+    def stamp_of(j: int) -> int | None:
+        # a block no decision touched is as recent as the nearest touched one above it (a
+        # path is touched together); with none above it, it is the oldest (None)
         if book is not None:
             for k in range(j, -1, -1):
                 stamp = book.stamp(blocks[k])
                 if stamp is not None:
-                    break
-        if stamp is None or book is None:
-            return False
-        return book.not_older(stamp) + private <= pool_blocks
+                    return stamp
+        return None
+
+    def survives(j: int) -> bool:
+        stamp = stamp_of(j)
+        if j >= matched_blocks and (stamp is None or stamp not in waiting):
+            return False  # a pending block nobody is on the way to store any more
+        if not evict:
+            return True
+        # LRU stack distance: a block is still cached when fewer blocks than the pool holds
+        # were used since it (by the time this request is admitted, every request ahead has
+        # used its blocks); blocks touched by one decision share a stamp (a leaf node is
+        # evicted whole)
+        return (
+            stamp is not None
+            and book is not None
+            and (book.not_older(stamp) + private <= pool_blocks)
+        )
 
     # survival only gets rarer deeper down a path (the root is the most recent): bisect
     lo, hi = 0, len(blocks)
@@ -189,15 +208,25 @@ def forecast(
             lo = mid + 1
         else:
             hi = mid
+    stale = lo >= matched_blocks and lo < len(blocks)
     kept = min(raw_tokens, lo * block_size)
     out.kept_tokens = kept
     lost = raw_tokens - kept
+    if not evict:
+        out.why = fits + (
+            f"; {lost} pending tokens are not on their way any more (the requests that marked "
+            "them have answered)"
+            if lost
+            else ""
+        )
+        return out
     out.why = (
         f"held {held_tokens} + queued {queued} > capacity {capacity_tokens}: {evict} tokens "
         "are evicted least recently used first before admission; "
         + (
-            f"{lost} of the {raw_tokens} matched tokens are among them (more than "
-            f"{pool_blocks} blocks will have been used since)"
+            f"{lost} of the {raw_tokens} matched tokens are lost (more than {pool_blocks} "
+            "blocks will have been used since they were"
+            + (", or the requests that marked them pending have answered)" if stale else ")")
             if lost
             else "the matched blocks were used more recently than those"
         )

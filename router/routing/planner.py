@@ -117,8 +117,10 @@ class Planner:
         self.clock = time.monotonic
         # told of every commit and its progress (router replicas share them); None: alone
         self.decisions: DecisionSink | None = None
-        # per stream id: the order the router last sent requests over its blocks
+        # per stream id: the order the router last sent requests over its blocks, and the
+        # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
+        self.waiting: dict[str, set[int]] = {}
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
@@ -220,6 +222,7 @@ class Planner:
         load = self.load.of(entry.id, candidate.dp_rank)
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
+            matched_tokens=candidate.matched_tokens,
             capacity_tokens=entry.capacity_tokens,
             held_tokens=self.indexer.held_tokens(stream),
             queued_tokens=load.queued_prefill_tokens,
@@ -228,6 +231,7 @@ class Planner:
             block_size=self.indexer.index.block_size(stream),
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
             book=self.recency.get(stream),
+            waiting=self.waiting.get(stream, ()),
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
@@ -284,21 +288,25 @@ class Planner:
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
-        if self._config.admission:
-            self._touch(ns, tokens, candidate)
+        marks = self._touch(ns, tokens, candidate) if self._config.admission else []
         hit = candidate.predicted_tokens
         ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
+        ticket.marks = marks
         if self.decisions is not None:
             self.decisions.committed(ns, tokens, ticket, marked=marked)
         return ticket
 
-    def _touch(self, ns: Namespace, tokens: Sequence[int], candidate: Candidate) -> None:
+    def _touch(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate
+    ) -> list[tuple[str, int]]:
         """The prompt's blocks on the chosen stream(s) become the most recently used, as the
-        worker will make them when it admits and caches the request."""
+        worker will make them when it admits and caches the request; returns the decision's
+        (stream, stamp) marks, waiting until the request answers."""
         entry = self.pool.find(candidate.worker)
         capacity = entry.capacity_tokens if entry is not None else None
+        marks: list[tuple[str, int]] = []
         if capacity is None:
-            return  # nothing is forecast without a capacity: keep no book
+            return marks  # nothing is forecast without a capacity: keep no book
         for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
             keys = self.indexer.block_keys(stream, ns, tokens)
             if not keys:
@@ -306,21 +314,34 @@ class Planner:
             book = self.recency.get(stream)
             if book is None:
                 book = self.recency[stream] = RecencyBook()
-            book.touch(keys)
+            stamp = book.touch(keys)
+            self.waiting.setdefault(stream, set()).add(stamp)
+            marks.append((stream, stamp))
             # the blocks the stream can hold, and this prompt's (on their way, not held yet)
             keep = max(capacity // (self.indexer.index.block_size(stream) or 1), len(keys))
             if len(book) > 2 * keep:
                 book.prune(partial(self.indexer.holds, stream), keep)
+        return marks
+
+    def _answered(self, ticket: Ticket) -> None:
+        """The request's prompt is no longer on its way: its stores have been made."""
+        for stream, stamp in ticket.marks:
+            waiting = self.waiting.get(stream)
+            if waiting is not None:
+                waiting.discard(stamp)
+        ticket.marks = []
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""
         self.load.first_byte(ticket)
+        self._answered(ticket)
         if self.decisions is not None:
             self.decisions.first_byte(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         """The request ended (answered, failed or cancelled): it no longer counts as running."""
         self.load.end(ticket)
+        self._answered(ticket)
         if self.decisions is not None:
             self.decisions.finished(ticket)
 
