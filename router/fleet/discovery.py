@@ -27,6 +27,7 @@ from router.errors import RequestError
 
 __all__ = [
     "capacity_from_server_info",
+    "max_running_from_server_info",
     "models_from_model_list",
     "models_from_server_info",
     "needs_discovery",
@@ -114,6 +115,11 @@ def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     SGLang reports one scheduler's pool; every data-parallel rank has a pool of that size.
     """
     return _int(info.get("max_total_num_tokens")) if info is not None else None
+
+
+def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
+    """How many requests one rank runs at once (`max_running_requests`), None if absent."""
+    return _int(info.get("max_running_requests")) if info is not None else None
 
 
 def streams_for(

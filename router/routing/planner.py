@@ -226,7 +226,8 @@ class Planner:
             capacity_tokens=entry.capacity_tokens,
             held_tokens=self.indexer.held_tokens(stream),
             queued_tokens=load.queued_prefill_tokens,
-            in_flight=load.running,
+            # only the requests a rank runs at once hold private pages; the rest wait
+            in_flight=min(load.running, entry.max_running_requests or load.running),
             reserve_tokens=self._config.admission_reserve_tokens,
             block_size=self.indexer.index.block_size(stream),
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
