@@ -201,6 +201,10 @@ class IndexerService:
         """The index's keys of the full blocks of `tokens` on `stream` (`PrefixIndex`)."""
         return self.index.block_keys(stream, namespace, tokens, limit)
 
+    def holder_counts(self, keys: Sequence[int]) -> list[int]:
+        """For each key, how many streams (worker ranks) hold it per their events."""
+        return self.index.holder_counts(keys)
+
     def holds(self, stream: str, keys: Sequence[int]) -> list[bool]:
         """For each key, whether `stream` holds it per its events."""
         return self.index.holds(stream, keys)

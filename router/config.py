@@ -95,6 +95,15 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # whether the forecast also discounts the hit a worker is scored by (else it only changes
     # the reported prediction: x-kvroute-matched-tokens, /admin/route, the queued-load estimate)
     admission_scoring: bool = False
+    # eviction-aware placement (router.routing.eviction_cost): score -= eviction_weight * the
+    # tokens of reused blocks, held by no other worker, that the request's own allocation
+    # would evict there (0: off)
+    eviction_weight: NonNegativeFloat = 0.0
+    # learn decode_weight (the running requests' cost in prefill tokens) from observed time to
+    # first token (router.routing.balance), the configured value as the prior, worth this many
+    # samples; bounded to [decode_weight / 4, decode_weight * 4]
+    balance_learning: bool = False
+    balance_prior_samples: NonNegativeFloat = 20.0
     # approx_tree (SGLang router's cache-aware policy): follow the longest past-routing match
     # when it covers at least `approx_cache_threshold` of the prompt, unless the fleet is out of
     # balance (max load - min load > abs and max > rel * min), then go to the least loaded

@@ -356,6 +356,11 @@ class PrefixIndex:
             return []
         return self._chain(self._registry.seed(ns_id, size), tokens, size, 0, count)
 
+    def holder_counts(self, keys: Sequence[int]) -> list[int]:
+        """For each key, how many streams hold it per their events."""
+        shift = CODE_BITS
+        return [(v >> shift).bit_count() for v in self._table.get_many(list(keys), 0)]
+
     def default_medium_entries(self, stream: str) -> int:
         """Blocks the stream holds in the default tier (the GPU): what its KV pool holds.
 

@@ -64,11 +64,15 @@ class RecencyBook:
     capacity.
     """
 
-    __slots__ = ("_next", "_order", "_stamps")
+    __slots__ = ("_groups", "_hits", "_next", "_order", "_stamps")
 
     def __init__(self) -> None:
         self._stamps: dict[int, int] = {}  # block key -> its latest stamp
         self._order: SortedList = SortedList()  # one stamp per key (repeated per decision)
+        # stamp -> the keys it is the latest of; stamps only grow, so this dict's order is
+        # stamp order (oldest first)
+        self._groups: dict[int, set[int]] = {}
+        self._hits: dict[int, int] = {}  # block key -> decisions that used it while held here
         self._next = 0
 
     def __len__(self) -> int:
@@ -81,13 +85,34 @@ class RecencyBook:
         self._next += 1
         stamps = self._stamps
         order = self._order
+        groups = self._groups
+        hits = self._hits
         for key in keys:
             old = stamps.get(key)
             if old is not None:
                 order.remove(old)
+                group = groups[old]
+                group.discard(key)
+                if not group:
+                    del groups[old]
             stamps[key] = stamp
+            hits[key] = hits.get(key, 0) + 1
         order.update([stamp] * len(keys))
+        groups[stamp] = set(keys)
         return stamp
+
+    def hits(self, key: int) -> int:
+        """How many decisions used the block on this stream since the book has known it."""
+        return self._hits.get(key, 0)
+
+    def oldest(self, n: int) -> list[int]:
+        """The keys of the oldest groups, oldest first, until at least `n` (or all)."""
+        out: list[int] = []
+        for group in self._groups.values():
+            if len(out) >= n:
+                break
+            out.extend(group)
+        return out
 
     def stamp(self, key: int) -> int | None:
         """The key's latest stamp, None when no decision touched it."""
@@ -113,7 +138,13 @@ class RecencyBook:
             rest = sorted((s, k) for k, s in self._stamps.items() if k not in alive)
             dropped.extend(k for _, k in rest[:extra])
         for key in dropped:
-            self._order.remove(self._stamps.pop(key))
+            stamp = self._stamps.pop(key)
+            self._order.remove(stamp)
+            self._hits.pop(key, None)
+            group = self._groups[stamp]
+            group.discard(key)
+            if not group:
+                del self._groups[stamp]
         return len(dropped)
 
 

@@ -39,7 +39,9 @@ from indexer.service import (
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
 from router.routing.admission import AdmissionForecast, RecencyBook, forecast, unforecast
+from router.routing.balance import BalanceEstimate, BalanceModel
 from router.routing.decisions import DecisionSink
+from router.routing.eviction_cost import eviction_cost
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
@@ -57,6 +59,9 @@ class Plan(msgspec.Struct, frozen=True):
     # why no KV event can vouch for this request's prefix on any worker (then only pending
     # marks of earlier decisions count), e.g. "extra_key"; None when events can
     unindexed: str | None = None
+    # the learned hit/load balance the scores used (`router.routing.balance`), None: the
+    # configured decode_weight (balance_learning off)
+    balance: BalanceEstimate | None = None
 
     @property
     def worker(self) -> str | None:
@@ -121,6 +126,7 @@ class Planner:
         # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
         self.waiting: dict[str, set[int]] = {}
+        self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
 
     def namespace(self, parsed: ParsedRequest) -> Namespace:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
@@ -160,12 +166,18 @@ class Planner:
                 continue
             match = matches.get(entry.id, _NO_MATCH)
             views.extend(self._candidates(entry, match, now, pinned, ns, tokens, limit))
-        candidates = (policy or self.policy).rank(tokens, views)
+        chooser = policy or self.policy
+        balance = None
+        if self._config.balance_learning:
+            balance = self.balance.estimate()
+            chooser.decode_weight = balance.decode_weight
+        candidates = chooser.rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
             prompt_tokens=len(tokens),
             candidates=candidates,
             unindexed=unindexed_reason(ns),
+            balance=balance,
         )
 
     def _candidates(
@@ -237,6 +249,15 @@ class Planner:
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
             candidate.hit_tokens *= found.kept_tokens / raw
+        if self._config.eviction_weight > 0:
+            reserve = self._config.admission_reserve_tokens
+            candidate.eviction = eviction_cost(
+                admission=found,
+                new_tokens=max(0, len(tokens) - found.kept_tokens) + reserve,
+                block_size=self.indexer.index.block_size(stream),
+                book=self.recency.get(stream),
+                holder_counts=self.indexer.holder_counts,
+            )
 
     def _candidate(
         self,
@@ -291,8 +312,13 @@ class Planner:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
         marks = self._touch(ns, tokens, candidate) if self._config.admission else []
         hit = candidate.predicted_tokens
+        before = self.load.of(candidate.worker, candidate.dp_rank)
+        ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
         ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
         ticket.marks = marks
+        ticket.sent_at = self.clock()
+        ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
+        ticket.ahead_running = ahead_running
         if self.decisions is not None:
             self.decisions.committed(ns, tokens, ticket, marked=marked)
         return ticket
@@ -334,6 +360,9 @@ class Planner:
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""
+        if not ticket.prefilled and not ticket.done and ticket.sent_at is not None:
+            ttft_ms = (self.clock() - ticket.sent_at) * 1000.0
+            self.balance.observe(ttft_ms, ticket.ahead_tokens, ticket.ahead_running)
         self.load.first_byte(ticket)
         self._answered(ticket)
         if self.decisions is not None:

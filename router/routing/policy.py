@@ -28,6 +28,7 @@ from indexer.index import DEFAULT_MEDIUM
 from router.config import PolicyConfig
 from router.routing.admission import AdmissionForecast
 from router.routing.approx_tree import ApproxTree
+from router.routing.eviction_cost import EvictionCost
 
 __all__ = [
     "ApproxTreePolicy",
@@ -83,6 +84,9 @@ class Candidate(msgspec.Struct, gc=False):
     # what of matched + pending the worker is predicted to still hold when it admits the
     # request, and why (`router.routing.admission`); None: not forecast (admission off)
     admission: AdmissionForecast | None = None
+    # the hot blocks its own allocation would evict there (`router.routing.eviction_cost`),
+    # charged by `[policy] eviction_weight`; None: not computed (weight 0 or admission off)
+    eviction: EvictionCost | None = None
 
     @property
     def predicted_tokens(self) -> int:
@@ -154,10 +158,13 @@ class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self._config = config
         self._decisions = 0
+        # prefill tokens one running request is worth: the config's, or the planner's learned
+        # value (`router.routing.balance`)
+        self.decode_weight = config.decode_weight
 
     def load(self, view: Candidate) -> float:
         """The in-flight work on a worker, in prefill-token equivalents."""
-        return view.queued_prefill_tokens + self._config.decode_weight * view.running
+        return view.queued_prefill_tokens + self.decode_weight * view.running
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         raise NotImplementedError
@@ -198,7 +205,13 @@ class KvPolicy(Policy):
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         weight = self._config.hit_weight
-        return [weight * v.hit_tokens - self.load(v) for v in views]
+        evict = self._config.eviction_weight
+        return [
+            weight * v.hit_tokens
+            - self.load(v)
+            - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
+            for v in views
+        ]
 
 
 class LeastLoadPolicy(Policy):
