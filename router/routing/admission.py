@@ -217,8 +217,13 @@ def forecast(
 
     def survives(j: int) -> bool:
         stamp = stamp_of(j)
-        if j >= matched_blocks and (stamp is None or stamp not in waiting):
-            return False  # a pending block nobody is on the way to store any more
+        if j >= matched_blocks and book is not None:
+            own = book.stamp(blocks[j])
+            # a pending block whose latest decision here has answered, yet is not in the
+            # events, was evicted or never stored (a block only another router marked has
+            # no stamp here: its mark stands)
+            if own is not None and own not in waiting:
+                return False
         if not evict:
             return True
         # LRU stack distance: a block is still cached when fewer blocks than the pool holds
