@@ -217,8 +217,10 @@ class Planner:
         tokens: Sequence[int],
         limit: int,
     ) -> None:
-        """Discount the candidate's match by what it will evict before admitting the request
-        (`router.routing.admission`); its weighted hit shrinks in proportion."""
+        """Forecast what of the candidate's match it still holds when it admits the request
+        (`router.routing.admission`): the prediction it reports, and with
+        `admission_scoring` the hit it is scored by (shrunk in proportion); with an
+        `eviction_weight`, what its own allocation would evict (`router.routing.eviction_cost`)."""
         raw = candidate.matched_tokens + candidate.pending_tokens
         streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
         if len(streams) != 1:

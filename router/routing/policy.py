@@ -11,11 +11,14 @@ reproducible and a dry run sees the tie-break the next real request would.
 
 Scores are "higher is better". For `kv`:
 
-    score = hit_weight * hit_tokens - load
+    score = hit_weight * hit_tokens - load - eviction_weight * evicted_hot_tokens
     load  = queued_prefill_tokens + decode_weight * running
 
 which orders workers exactly like the prefill work they would do for this request
 (prompt - hit) plus the work already queued on them, with the prompt length cancelling out.
+`evicted_hot_tokens` (`Candidate.eviction`, `router.routing.eviction_cost`) is what placing
+the request there would push out of the fleet's cache (0 unless `eviction_weight` is set);
+`decode_weight` is the config's, or the planner's learned one (`router.routing.balance`).
 """
 
 from __future__ import annotations
