@@ -167,7 +167,7 @@ def forecast(
     block_size: int | None,
     keys: Callable[[], Sequence[int]],
     book: RecencyBook | None,
-    waiting: Container[int] = (),
+    waiting: Container[int] | None = (),
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
@@ -175,7 +175,8 @@ def forecast(
     `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
     stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the stamps
     of the decisions whose requests have not started answering: a pending block whose latest
-    decision has answered, yet is not in the events, was evicted or never stored.
+    decision has answered, yet is not in the events, was evicted or never stored. None: no
+    event can show the request's blocks (its namespace is unindexed), so pending marks stand.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -217,7 +218,7 @@ def forecast(
 
     def survives(j: int) -> bool:
         stamp = stamp_of(j)
-        if j >= matched_blocks and book is not None:
+        if j >= matched_blocks and book is not None and waiting is not None:
             own = book.stamp(blocks[j])
             # a pending block whose latest decision here has answered, yet is not in the
             # events, was evicted or never stored (a block only another router marked has

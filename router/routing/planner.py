@@ -246,7 +246,8 @@ class Planner:
             block_size=self.indexer.index.block_size(stream),
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
             book=self.recency.get(stream),
-            waiting=self.waiting.get(stream, ()),
+            # a namespace no event can show (extra_key): its pending marks are all there is
+            waiting=self.waiting.get(stream, ()) if unindexed_reason(ns) is None else None,
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
