@@ -176,6 +176,39 @@ class IndexerService:
             if dp_rank is None or sub.config.dp_rank == dp_rank:
                 self.index.add_pending(sub.stream_id, namespace, tokens)
 
+    def stream_ids(self, worker: str, dp_rank: int | None = None) -> list[str]:
+        """The index's stream ids of `worker`: the rank's one, or every rank's for None."""
+        return [
+            sub.stream_id
+            for sub in self._workers.get(worker, [])
+            if dp_rank is None or sub.config.dp_rank == dp_rank
+        ]
+
+    def held_tokens(self, stream: str) -> int:
+        """Tokens `stream` holds on the GPU per its events (blocks times block size; 0: unknown)."""
+        index = self.index
+        if not index.has_stream(stream):
+            return 0
+        return index.default_medium_entries(stream) * (index.block_size(stream) or 0)
+
+    def block_keys(
+        self,
+        stream: str,
+        namespace: Namespace,
+        tokens: Sequence[Hashable],
+        limit: int | None = None,
+    ) -> list[int]:
+        """The index's keys of the full blocks of `tokens` on `stream` (`PrefixIndex`)."""
+        return self.index.block_keys(stream, namespace, tokens, limit)
+
+    def holder_counts(self, keys: Sequence[int]) -> list[int]:
+        """For each key, how many streams (worker ranks) hold it per their events."""
+        return self.index.holder_counts(keys)
+
+    def holds(self, stream: str, keys: Sequence[int]) -> list[bool]:
+        """For each key, whether `stream` holds it per its events."""
+        return self.index.holds(stream, keys)
+
     def streams(self) -> list[StreamStats]:
         """State and counters of every stream."""
         return [sub.stats() for subs in self._workers.values() for sub in subs]

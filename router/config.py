@@ -87,6 +87,26 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "EXTERNAL": 0.1,
         }
     )
+    # admission-time prediction (router.routing.admission): discount a worker's match by what
+    # it must evict before it admits the request (its max_total_num_tokens against what it
+    # holds and what the requests queued ahead of this one must allocate, least recently used
+    # first). Off: the raw match counts, as when a worker's capacity is unknown
+    admission: bool = True
+    # tokens each in-flight request is assumed to allocate beyond its uncached prompt (its
+    # output, the rounding of its last page) when forecasting evictions
+    admission_reserve_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
+    # whether the forecast also discounts the hit a worker is scored by (else it only changes
+    # the reported prediction: x-kvroute-matched-tokens, /admin/route, the queued-load estimate)
+    admission_scoring: bool = False
+    # eviction-aware placement (router.routing.eviction_cost): score -= eviction_weight * the
+    # tokens of reused blocks, held by no other worker, that the request's own allocation
+    # would evict there (0: off)
+    eviction_weight: NonNegativeFloat = 0.0
+    # learn decode_weight (the running requests' cost in prefill tokens) from observed time to
+    # first token (router.routing.balance), the configured value as the prior, worth this many
+    # samples; bounded to [decode_weight / 4, decode_weight * 4]
+    balance_learning: bool = False
+    balance_prior_samples: NonNegativeFloat = 20.0
     # approx_tree mirrors sglang-router 0.3.2's cache_aware policy, with its defaults: out of
     # balance (max - min requests in flight > approx_balance_abs and max > approx_balance_rel x
     # min), the least loaded worker; else the longest past-routing match when it covers more

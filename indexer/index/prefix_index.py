@@ -333,6 +333,51 @@ class PrefixIndex:
             collect(out, real, extra, tiers, by_slot, self.default_medium)
         return out
 
+    def block_keys(
+        self,
+        stream: str,
+        namespace: Namespace,
+        tokens: Sequence[Hashable],
+        limit: int | None = None,
+    ) -> list[int]:
+        """The router's keys of the full blocks of `tokens` (the first `limit`) on `stream`.
+
+        The same keys the stream's entries and pending marks have, root first, so a caller can
+        keep its own per-key bookkeeping (the router's recency of a worker's blocks). Empty
+        while the stream's block size or the namespace is unknown (nothing can be held then).
+        """
+        st = self._streams.get(stream)
+        ns_id = self._registry.find(namespace)
+        if st is None or st.block_size is None or ns_id is None:
+            return []
+        size = st.block_size
+        count = (len(tokens) if limit is None else min(limit, len(tokens))) // size
+        if not count:
+            return []
+        return self._chain(self._registry.seed(ns_id, size), tokens, size, 0, count)
+
+    def holder_counts(self, keys: Sequence[int]) -> list[int]:
+        """For each key, how many streams hold it per their events."""
+        shift = CODE_BITS
+        return [(v >> shift).bit_count() for v in self._table.get_many(list(keys), 0)]
+
+    def default_medium_entries(self, stream: str) -> int:
+        """Blocks the stream holds in the default tier (the GPU): what its KV pool holds.
+
+        Blocks held only in other tiers (offloaded to the host) are in the `media` side table,
+        so this costs a pass over the offloaded blocks only."""
+        st = self._streams[stream]
+        default = self.default_medium
+        elsewhere = sum(1 for copies in st.media.values() if not copies.get(default))
+        return st.entries() - elsewhere
+
+    def holds(self, stream: str, keys: Sequence[int]) -> list[bool]:
+        """For each key, whether `stream` holds it per its events (pending marks do not count)."""
+        st = self._streams.get(stream)
+        if st is None or not keys:
+            return [False] * len(keys)
+        return list(map(bool, map(st.sbit.__and__, self._table.get_many(list(keys), 0))))
+
     def query(
         self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
     ) -> dict[str, StreamMatch]:

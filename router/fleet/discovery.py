@@ -26,6 +26,8 @@ from router.config import WorkerConfig
 from router.errors import RequestError
 
 __all__ = [
+    "capacity_from_server_info",
+    "max_running_from_server_info",
     "models_from_model_list",
     "models_from_server_info",
     "needs_discovery",
@@ -105,6 +107,19 @@ def models_from_model_list(answer: object) -> tuple[str, ...] | None:
         and card.get("parent") is None
     ]
     return tuple(dict.fromkeys(names))
+
+
+def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
+    """The KV pool of one rank in tokens (SGLang's `max_total_num_tokens`), None if absent.
+
+    SGLang reports one scheduler's pool; every data-parallel rank has a pool of that size.
+    """
+    return _int(info.get("max_total_num_tokens")) if info is not None else None
+
+
+def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
+    """How many requests one rank runs at once (`max_running_requests`), None if absent."""
+    return _int(info.get("max_running_requests")) if info is not None else None
 
 
 def streams_for(

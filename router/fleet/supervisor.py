@@ -24,6 +24,8 @@ from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.discovery import (
+    capacity_from_server_info,
+    max_running_from_server_info,
     models_from_model_list,
     models_from_server_info,
     needs_discovery,
@@ -167,6 +169,8 @@ class Supervisor:
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models)
         entry.streams = [s.endpoint for s in streams]
+        entry.capacity_tokens = capacity_from_server_info(info)
+        entry.max_running_requests = max_running_from_server_info(info)
         entry.discovered = True
         log.info(
             "worker %s: serves %s as %s, %d KV-event stream(s) registered",

@@ -279,6 +279,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
             "prompt_tokens": plan.prompt_tokens,
             "endpoint": parsed.endpoint.value,
             "unindexed": plan.unindexed,
+            # the learned hit/load balance, when `policy.balance_learning` is on
+            "balance": plan.balance,
             "candidates": plan.candidates,
         }
     )

@@ -252,7 +252,7 @@ class DecisionStats:
         window[0] += 1
         cached = decision.cached_tokens
         if cached is not None:
-            predicted = chosen.matched_tokens
+            predicted = chosen.predicted_split[0]  # as x-kvroute-matched-tokens says
             row[_USAGE] += 1
             row[_USAGE_PROMPT] += decision.prompt_tokens
             row[_USAGE_PREDICTED] += predicted

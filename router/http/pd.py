@@ -43,7 +43,15 @@ from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError
 from router.http.metrics import RouterMetrics
-from router.http.proxy import MATCHED_HEADER, PENDING_HEADER, AnswerHooks, AttemptFailed, Proxy
+from router.http.proxy import (
+    MATCHED_HEADER,
+    PENDING_HEADER,
+    RAW_MATCHED_HEADER,
+    RAW_PENDING_HEADER,
+    AnswerHooks,
+    AttemptFailed,
+    Proxy,
+)
 from router.prompt.dp_rank import with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.load import Ticket
@@ -108,8 +116,10 @@ class _PairHooks(AnswerHooks):
         self.headers = {
             PREFILL_HEADER: prefill.worker,
             # the prediction that matters is the prefill side's: that is where reuse happens
-            MATCHED_HEADER: str(prefill.matched_tokens),
-            PENDING_HEADER: str(prefill.pending_tokens),
+            MATCHED_HEADER: str(prefill.predicted_split[0]),
+            PENDING_HEADER: str(prefill.predicted_split[1]),
+            RAW_MATCHED_HEADER: str(prefill.matched_tokens),
+            RAW_PENDING_HEADER: str(prefill.pending_tokens),
         }
         if prefill.dp_rank is not None:
             self.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)

@@ -50,6 +50,8 @@ __all__ = [
     "DP_RANK_HEADER",
     "MATCHED_HEADER",
     "PENDING_HEADER",
+    "RAW_MATCHED_HEADER",
+    "RAW_PENDING_HEADER",
     "WORKER_HEADER",
     "AnswerHooks",
     "AttemptFailed",
@@ -62,6 +64,9 @@ log = logging.getLogger(__name__)
 WORKER_HEADER = "x-kvroute-worker"
 MATCHED_HEADER = "x-kvroute-matched-tokens"
 PENDING_HEADER = "x-kvroute-pending-tokens"
+# the index's match before the admission-time discount (`router.routing.admission`)
+RAW_MATCHED_HEADER = "x-kvroute-raw-matched-tokens"
+RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
 DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
 
 # hop-by-hop and framing headers are the proxy's own business on each side
@@ -380,8 +385,12 @@ class Proxy:
             self._planner.record_failure(candidate.worker, hard=False)
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
-        out[MATCHED_HEADER] = str(candidate.matched_tokens)
-        out[PENDING_HEADER] = str(candidate.pending_tokens)
+        # what the worker is predicted to reuse at admission; the index's raw answer beside it
+        matched, pending = candidate.predicted_split
+        out[MATCHED_HEADER] = str(matched)
+        out[PENDING_HEADER] = str(pending)
+        out[RAW_MATCHED_HEADER] = str(candidate.matched_tokens)
+        out[RAW_PENDING_HEADER] = str(candidate.pending_tokens)
         if candidate.dp_rank is not None:
             out[DP_RANK_HEADER] = str(candidate.dp_rank)
         if hooks is not None:

@@ -32,7 +32,18 @@ class WorkerLoad:
 class Ticket:
     """One dispatched request; hand it back to the tracker as it progresses."""
 
-    __slots__ = ("done", "dp_rank", "kv_tokens", "prefill_tokens", "prefilled", "worker")
+    __slots__ = (
+        "ahead_running",
+        "ahead_tokens",
+        "done",
+        "dp_rank",
+        "kv_tokens",
+        "marks",
+        "prefill_tokens",
+        "prefilled",
+        "sent_at",
+        "worker",
+    )
 
     def __init__(
         self, worker: str, prefill_tokens: int, dp_rank: int | None = None, kv_tokens: int = 0
@@ -43,6 +54,14 @@ class Ticket:
         self.kv_tokens = kv_tokens
         self.prefilled = False
         self.done = False
+        # (stream, recency stamp) of the decision on each stream it was sent to, while its
+        # prompt is on its way (`router.routing.admission`); set by the planner
+        self.marks: list[tuple[str, int]] = []
+        # when it was sent, and the prefill tokens (its own included) and running requests
+        # on its rank then: one sample of the hit/load balance (`router.routing.balance`)
+        self.sent_at: float | None = None
+        self.ahead_tokens = 0
+        self.ahead_running = 0
 
 
 class LoadTracker:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import msgspec
 
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
+from indexer.index import DEFAULT_MEDIUM
 from indexer.service import (
     UNTRUSTED,
     IndexerService,
@@ -36,7 +38,10 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
+from router.routing.admission import AdmissionForecast, RecencyBook, forecast, unforecast
+from router.routing.balance import BalanceEstimate, BalanceModel
 from router.routing.decisions import DecisionSink
+from router.routing.eviction_cost import eviction_cost
 from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
@@ -54,6 +59,9 @@ class Plan(msgspec.Struct, frozen=True):
     # why no KV event can vouch for this request's prefix on any worker (then only pending
     # marks of earlier decisions count), e.g. "extra_key"; None when events can
     unindexed: str | None = None
+    # the learned hit/load balance the scores used (`router.routing.balance`), None: the
+    # configured decode_weight (balance_learning off)
+    balance: BalanceEstimate | None = None
 
     @property
     def worker(self) -> str | None:
@@ -114,6 +122,11 @@ class Planner:
         self.clock = time.monotonic
         # told of every commit and its progress (router replicas share them); None: alone
         self.decisions: DecisionSink | None = None
+        # per stream id: the order the router last sent requests over its blocks, and the
+        # stamps of its decisions whose requests have not started answering
+        self.recency: dict[str, RecencyBook] = {}
+        self.waiting: dict[str, set[int]] = {}
+        self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
 
     def reconfigure(self, config: PolicyConfig) -> None:
         """Plan with `config`'s weights from the next request on (a reload)."""
@@ -157,31 +170,102 @@ class Planner:
             if entry.role != role:
                 continue
             match = matches.get(entry.id, _NO_MATCH)
-            views.extend(self._candidates(entry, match, now, pinned))
-        candidates = (policy or self.policy).rank(tokens, views)
+            views.extend(self._candidates(entry, match, now, pinned, ns, tokens, limit))
+        chooser = policy or self.policy
+        balance = None
+        if self._config.balance_learning:
+            balance = self.balance.estimate()
+            chooser.decode_weight = balance.decode_weight
+        candidates = chooser.rank(tokens, views)
         return Plan(
             namespace=self.fingerprint(ns),
             prompt_tokens=len(tokens),
             candidates=candidates,
             unindexed=unindexed_reason(ns),
+            balance=balance,
         )
 
     def _candidates(
-        self, entry: WorkerEntry, match: WorkerMatch, now: float, pinned: int | None
+        self,
+        entry: WorkerEntry,
+        match: WorkerMatch,
+        now: float,
+        pinned: int | None,
+        ns: Namespace,
+        tokens: Sequence[int],
+        limit: int,
     ) -> list[Candidate]:
         """One candidate per rank of a worker with several, else one for the worker."""
         status = entry.status(now)
         ranks = match.ranks
         if len(ranks) > 1:
-            return [
+            out = [
                 self._candidate(entry, status, rank.dp_rank, rank, str(rank.state))
                 for rank in ranks
                 if pinned is None or rank.dp_rank == pinned
             ]
-        if pinned is not None and ranks and ranks[0].dp_rank != pinned:
+        elif pinned is not None and ranks and ranks[0].dp_rank != pinned:
             return []  # its one rank is another: the engine would refuse the request
-        state = str(match.state) if match.worker else None
-        return [self._candidate(entry, status, None, match, state)]
+        else:
+            state = str(match.state) if match.worker else None
+            out = [self._candidate(entry, status, None, match, state)]
+        if self._config.admission:
+            for candidate in out:
+                self._forecast(entry, candidate, ns, tokens, limit)
+        return out
+
+    def _forecast(
+        self,
+        entry: WorkerEntry,
+        candidate: Candidate,
+        ns: Namespace,
+        tokens: Sequence[int],
+        limit: int,
+    ) -> None:
+        """Forecast what of the candidate's match it still holds when it admits the request
+        (`router.routing.admission`): the prediction it reports, and with
+        `admission_scoring` the hit it is scored by (shrunk in proportion); with an
+        `eviction_weight`, what its own allocation would evict (`router.routing.eviction_cost`)."""
+        raw = candidate.matched_tokens + candidate.pending_tokens
+        streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
+        if len(streams) != 1:
+            why = "no KV-event stream" if not streams else "several ranks, the engine picks"
+            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
+            return
+        if any(medium != DEFAULT_MEDIUM for medium in candidate.by_medium):
+            # offloaded blocks come back from the host tier, whose eviction is its own
+            why = "the match reaches an offload tier: raw match used"
+            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
+            return
+        stream = streams[0]
+        load = self.load.of(entry.id, candidate.dp_rank)
+        found: AdmissionForecast = forecast(
+            raw_tokens=raw,
+            matched_tokens=candidate.matched_tokens,
+            capacity_tokens=entry.capacity_tokens,
+            held_tokens=self.indexer.held_tokens(stream),
+            queued_tokens=load.queued_prefill_tokens,
+            # only the requests a rank runs at once hold private pages; the rest wait
+            in_flight=min(load.running, entry.max_running_requests or load.running),
+            reserve_tokens=self._config.admission_reserve_tokens,
+            block_size=self.indexer.index.block_size(stream),
+            keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
+            book=self.recency.get(stream),
+            # a namespace no event can show (extra_key): its pending marks are all there is
+            waiting=self.waiting.get(stream, ()) if unindexed_reason(ns) is None else None,
+        )
+        candidate.admission = found
+        if found.kept_tokens < raw and self._config.admission_scoring:
+            candidate.hit_tokens *= found.kept_tokens / raw
+        if self._config.eviction_weight > 0:
+            reserve = self._config.admission_reserve_tokens
+            candidate.eviction = eviction_cost(
+                admission=found,
+                new_tokens=max(0, len(tokens) - found.kept_tokens) + reserve,
+                block_size=self.indexer.index.block_size(stream),
+                book=self.recency.get(stream),
+                holder_counts=self.indexer.holder_counts,
+            )
 
     def _candidate(
         self,
@@ -234,21 +318,68 @@ class Planner:
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
-        hit = candidate.matched_tokens + candidate.pending_tokens
+        marks = self._touch(ns, tokens, candidate) if self._config.admission else []
+        hit = candidate.predicted_tokens
+        before = self.load.of(candidate.worker, candidate.dp_rank)
+        ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
         ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
+        ticket.marks = marks
+        ticket.sent_at = self.clock()
+        ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
+        ticket.ahead_running = ahead_running
         if self.decisions is not None:
             self.decisions.committed(ns, tokens, ticket, marked=marked)
         return ticket
 
+    def _touch(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate
+    ) -> list[tuple[str, int]]:
+        """The prompt's blocks on the chosen stream(s) become the most recently used, as the
+        worker will make them when it admits and caches the request; returns the decision's
+        (stream, stamp) marks, waiting until the request answers."""
+        entry = self.pool.find(candidate.worker)
+        capacity = entry.capacity_tokens if entry is not None else None
+        marks: list[tuple[str, int]] = []
+        if capacity is None:
+            return marks  # nothing is forecast without a capacity: keep no book
+        for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
+            keys = self.indexer.block_keys(stream, ns, tokens)
+            if not keys:
+                continue
+            book = self.recency.get(stream)
+            if book is None:
+                book = self.recency[stream] = RecencyBook()
+            stamp = book.touch(keys)
+            self.waiting.setdefault(stream, set()).add(stamp)
+            marks.append((stream, stamp))
+            # the blocks the stream can hold, and this prompt's (on their way, not held yet)
+            keep = max(capacity // (self.indexer.index.block_size(stream) or 1), len(keys))
+            if len(book) > 2 * keep:
+                book.prune(partial(self.indexer.holds, stream), keep)
+        return marks
+
+    def _answered(self, ticket: Ticket) -> None:
+        """The request's prompt is no longer on its way: its stores have been made."""
+        for stream, stamp in ticket.marks:
+            waiting = self.waiting.get(stream)
+            if waiting is not None:
+                waiting.discard(stamp)
+        ticket.marks = []
+
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill."""
+        if not ticket.prefilled and not ticket.done and ticket.sent_at is not None:
+            ttft_ms = (self.clock() - ticket.sent_at) * 1000.0
+            self.balance.observe(ttft_ms, ticket.ahead_tokens, ticket.ahead_running)
         self.load.first_byte(ticket)
+        self._answered(ticket)
         if self.decisions is not None:
             self.decisions.first_byte(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         """The request ended (answered, failed or cancelled): it no longer counts as running."""
         self.load.end(ticket)
+        self._answered(ticket)
         if self.decisions is not None:
             self.decisions.finished(ticket)
 

@@ -11,11 +11,14 @@ reproducible and a dry run sees the tie-break the next real request would.
 
 Scores are "higher is better". For `kv`:
 
-    score = hit_weight * hit_tokens - load
+    score = hit_weight * hit_tokens - load - eviction_weight * evicted_hot_tokens
     load  = queued_prefill_tokens + decode_weight * running
 
 which orders workers exactly like the prefill work they would do for this request
 (prompt - hit) plus the work already queued on them, with the prompt length cancelling out.
+`evicted_hot_tokens` (`Candidate.eviction`, `router.routing.eviction_cost`) is what placing
+the request there would push out of the fleet's cache (0 unless `eviction_weight` is set);
+`decode_weight` is the config's, or the planner's learned one (`router.routing.balance`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import msgspec
 
 from indexer.index import DEFAULT_MEDIUM
 from router.config import PolicyConfig
+from router.routing.admission import AdmissionForecast
 from router.routing.approx_tree import ApproxTree
+from router.routing.eviction_cost import EvictionCost
 
 __all__ = [
     "ApproxTreePolicy",
@@ -80,6 +85,27 @@ class Candidate(msgspec.Struct, gc=False):
     kv_tokens: int = 0  # KV its running requests hold (counted on decode workers of PD pairs)
     load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
     score: float = 0.0  # set by `rank`: higher is better
+    # what of matched + pending the worker is predicted to still hold when it admits the
+    # request, and why (`router.routing.admission`); None: not forecast (admission off)
+    admission: AdmissionForecast | None = None
+    # the hot blocks its own allocation would evict there (`router.routing.eviction_cost`),
+    # charged by `[policy] eviction_weight`; None: not computed (weight 0 or admission off)
+    eviction: EvictionCost | None = None
+
+    @property
+    def predicted_tokens(self) -> int:
+        """The prefix the worker is expected to reuse at admission (matched + pending, less
+        what it will have evicted by then)."""
+        raw = self.matched_tokens + self.pending_tokens
+        return raw if self.admission is None else min(raw, self.admission.kept_tokens)
+
+    @property
+    def predicted_split(self) -> tuple[int, int]:
+        """`predicted_tokens` as (from events, from pending marks): eviction takes the deepest
+        blocks first, and pending blocks lie below the matched ones."""
+        kept = self.predicted_tokens
+        matched = min(self.matched_tokens, kept)
+        return matched, kept - matched
 
     @property
     def target(self) -> str:
@@ -136,6 +162,9 @@ class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self._config = config
         self._decisions = 0
+        # prefill tokens one running request is worth: the config's, or the planner's learned
+        # value (`router.routing.balance`)
+        self.decode_weight = config.decode_weight
 
     def reconfigure(self, config: PolicyConfig) -> None:
         """Score by `config`'s weights from the next decision on (a reload); the policy's
@@ -145,7 +174,7 @@ class Policy:
 
     def load(self, view: Candidate) -> float:
         """The in-flight work on a worker, in prefill-token equivalents."""
-        return view.queued_prefill_tokens + self._config.decode_weight * view.running
+        return view.queued_prefill_tokens + self.decode_weight * view.running
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         raise NotImplementedError
@@ -186,7 +215,13 @@ class KvPolicy(Policy):
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         weight = self._config.hit_weight
-        return [weight * v.hit_tokens - self.load(v) for v in views]
+        evict = self._config.eviction_weight
+        return [
+            weight * v.hit_tokens
+            - self.load(v)
+            - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
+            for v in views
+        ]
 
 
 class LeastLoadPolicy(Policy):

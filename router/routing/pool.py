@@ -81,6 +81,11 @@ class WorkerEntry:
         # its part in prefill/decode pairs: the config's, else read when it registers
         self.role: PdRole = config.role or "both"
         self.bootstrap_port: int | None = config.bootstrap_port
+        # the KV pool of each of its ranks in tokens, as its /server_info advertised it when it
+        # registered (`max_total_num_tokens`); None: unknown, no admission-time forecast
+        self.capacity_tokens: int | None = None
+        # how many requests each rank runs at once (`max_running_requests`), None: unknown
+        self.max_running_requests: int | None = None
 
     @property
     def cache_model(self) -> str:

@@ -127,3 +127,13 @@ def test_a_bootstrap_port_is_a_prefill_workers_and_roles_are_checked() -> None:
         WorkerConfig(url="http://h:1", role="decode", bootstrap_port=8998)
     with pytest.raises(ConfigError, match="role"):
         parse_config({"workers": [{"url": "http://h:1", "role": "prefil"}]})
+
+
+def test_every_policy_key_is_documented() -> None:
+    from router.config import PolicyConfig
+
+    doc = (CONFIGS.parent / "docs" / "router.md").read_text(encoding="utf-8")
+    reference = doc.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    for field in msgspec.structs.fields(PolicyConfig):
+        name = "approx_*" if field.name.startswith("approx_") else field.name
+        assert f"`policy.{name}`" in reference, field.name

@@ -116,3 +116,37 @@ async def test_request_model_selects_the_pool_and_its_namespace(indexer: Indexer
     planner.pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="qwen"))
     assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")
     assert [c.worker for c in planner.plan(_request("x", model="qwen")).candidates] == ["w9"]
+
+
+async def test_unknown_capacity_keeps_the_raw_match_and_the_plan_says_so(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv")
+    first = _request("S" * 200 + "first question", salt="t")
+    ns = planner.namespace(first)
+    chosen = planner.plan(first, ns).ranked()[0]
+    planner.commit(ns, first.tokens, chosen, first_try=True)
+    best = planner.plan(_request("S" * 200 + "second question", salt="t")).candidates[0]
+    assert best.admission is not None and "capacity unknown" in best.admission.why
+    assert best.predicted_tokens == best.pending_tokens == 192
+
+
+async def test_a_pending_mark_whose_request_answered_without_storing_predicts_nothing(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv")
+    for entry in planner.pool:
+        entry.capacity_tokens = 4096
+    first = _request("S" * 200 + "first question", salt="t")
+    ns = planner.namespace(first)
+    chosen = planner.plan(first, ns).ranked()[0]
+    ticket = planner.commit(ns, first.tokens, chosen, first_try=True)
+    sibling = _request("S" * 200 + "second question", salt="t")
+    # on its way: the sibling is predicted to reuse the marked prefix
+    best = planner.plan(sibling).candidates[0]
+    assert best.worker == chosen.worker and best.predicted_tokens == 192
+    # it answered, and no event ever showed the prefix stored: the mark predicts nothing
+    planner.finish(ticket)
+    best = next(c for c in planner.plan(sibling).candidates if c.worker == chosen.worker)
+    assert best.pending_tokens == 192 and best.predicted_tokens == 0
+    assert best.admission is not None and "not on their way" in best.admission.why

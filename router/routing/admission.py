@@ -1,0 +1,271 @@
+"""What a worker will still hold when it admits a request: the match, discounted for eviction.
+
+The index says what a worker holds *now*. A request routed there waits in the worker's queue
+behind the requests already sent to it, and each of those allocates KV for the prompt tokens
+it does not find cached; once the pool is full, every allocation evicts the least recently
+used unlocked pages. Under KV pressure the matched prefix may be gone by the time the request
+is admitted (the routing benchmark measured 82-94% index accuracy at pressure 4 without this).
+
+The model, per (worker, dp rank) stream, with everything the router already knows:
+
+    evict = max(0, held + queued + in_flight * reserve - capacity)
+
+- `capacity`: the rank's KV pool in tokens (SGLang's `max_total_num_tokens` in /server_info);
+  unknown capacity forecasts nothing (the raw match stands, and `/admin/route` says so);
+- `held`: tokens the stream holds per its KV events;
+- `queued`: uncached prompt tokens of the requests sent there that have not started answering
+  (the router's own load: `router.routing.load`), which the worker must still allocate;
+- `reserve`: tokens each in-flight request is assumed to allocate beyond its prompt (output,
+  the rounding of its last page): `[policy] admission_reserve_tokens`.
+
+When `evict` is positive, which blocks go is decided by LRU stack distance: a block is still
+cached at admission when fewer blocks than the pool holds (less the in-flight requests'
+private reserve) will have been used since it was last used; by then every request ahead of
+this one has used its prompt's blocks. The recency order is the router's own
+(`RecencyBook`): every decision touches the blocks of its prompt on the chosen stream, all
+with one stamp, as the worker touches a request's whole path at once and evicts a leaf node
+whole. A block no decision touched is as recent as the nearest touched block above it in the
+prompt (a path is touched together); with none above it (stored before this router started,
+or routed by another router) it is taken as the oldest. The prediction is the leading
+matched blocks that survive (along a path, survival only gets rarer with depth).
+
+Pure and synchronous: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Sequence
+
+import msgspec
+from sortedcontainers import SortedList
+
+__all__ = ["AdmissionForecast", "RecencyBook", "forecast", "unforecast"]
+
+
+class AdmissionForecast(msgspec.Struct, gc=False):
+    """The prediction for one candidate, with the numbers behind it (shown by /admin/route)."""
+
+    raw_tokens: int  # matched + pending tokens per the index, now
+    kept_tokens: int  # of those, the ones predicted to be held when the request is admitted
+    capacity_tokens: int | None  # the rank's KV pool (None: unknown, no forecast)
+    held_tokens: int = 0  # what its KV events say it holds now
+    queued_tokens: int = 0  # what requests ahead of this one must still allocate
+    evict_tokens: int = 0  # what it must evict before admitting this request
+    why: str = ""
+
+
+class RecencyBook:
+    """One stream's blocks in the order the router last sent requests over them.
+
+    Every decision gives all the blocks of its prompt one new stamp: the worker touches a
+    request's whole path at once, and evicts a leaf node whole, so blocks touched together
+    go together. Keys the stream no longer holds are dropped by `prune` (the caller checks
+    them against the index), which keeps the book within a small multiple of the stream's
+    capacity.
+    """
+
+    __slots__ = ("_groups", "_hits", "_next", "_order", "_stamps")
+
+    def __init__(self) -> None:
+        self._stamps: dict[int, int] = {}  # block key -> its latest stamp
+        self._order: SortedList = SortedList()  # one stamp per key (repeated per decision)
+        # stamp -> the keys it is the latest of; stamps only grow, so this dict's order is
+        # stamp order (oldest first)
+        self._groups: dict[int, set[int]] = {}
+        self._hits: dict[int, int] = {}  # block key -> decisions that used it while held here
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._stamps)
+
+    def touch(self, keys: Sequence[int]) -> int:
+        """A request over `keys` goes to the stream: they become the newest, together;
+        returns their stamp."""
+        stamp = self._next
+        self._next += 1
+        stamps = self._stamps
+        order = self._order
+        groups = self._groups
+        hits = self._hits
+        for key in keys:
+            old = stamps.get(key)
+            if old is not None:
+                order.remove(old)
+                group = groups[old]
+                group.discard(key)
+                if not group:
+                    del groups[old]
+            stamps[key] = stamp
+            hits[key] = hits.get(key, 0) + 1
+        order.update([stamp] * len(keys))
+        groups[stamp] = set(keys)
+        return stamp
+
+    def hits(self, key: int) -> int:
+        """How many decisions used the block on this stream since the book has known it."""
+        return self._hits.get(key, 0)
+
+    def oldest(self, n: int) -> list[int]:
+        """The keys of the oldest groups, oldest first, until at least `n` (or all)."""
+        out: list[int] = []
+        for group in self._groups.values():
+            if len(out) >= n:
+                break
+            out.extend(group)
+        return out
+
+    def stamp(self, key: int) -> int | None:
+        """The key's latest stamp, None when no decision touched it."""
+        return self._stamps.get(key)
+
+    def not_older(self, stamp: int) -> int:
+        """How many keys of the book were touched at `stamp` or later."""
+        return len(self._order) - int(self._order.bisect_left(stamp))
+
+    def prune(self, holds: Callable[[list[int]], list[bool]], keep: int) -> int:
+        """Drop keys the stream no longer holds (`holds` answers per key) among all but the
+        newest `keep` (those may be on their way: their stores have not arrived), then the
+        oldest beyond `2 * keep`; returns how many were dropped."""
+        old = len(self._order) - keep
+        if old <= 0:
+            return 0
+        cut = self._order[old - 1]
+        keys = [k for k, s in self._stamps.items() if s <= cut]
+        dropped = [k for k, held in zip(keys, holds(keys), strict=True) if not held]
+        extra = len(self._stamps) - len(dropped) - 2 * keep
+        if extra > 0:
+            alive = set(dropped)
+            rest = sorted((s, k) for k, s in self._stamps.items() if k not in alive)
+            dropped.extend(k for _, k in rest[:extra])
+        for key in dropped:
+            stamp = self._stamps.pop(key)
+            self._order.remove(stamp)
+            self._hits.pop(key, None)
+            group = self._groups[stamp]
+            group.discard(key)
+            if not group:
+                del self._groups[stamp]
+        return len(dropped)
+
+
+def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) -> AdmissionForecast:
+    """No discount: the raw match is the prediction, for the reason given."""
+    return AdmissionForecast(
+        raw_tokens=raw_tokens, kept_tokens=raw_tokens, capacity_tokens=capacity_tokens, why=why
+    )
+
+
+def forecast(
+    *,
+    raw_tokens: int,
+    matched_tokens: int,
+    capacity_tokens: int | None,
+    held_tokens: int,
+    queued_tokens: int,
+    in_flight: int,
+    reserve_tokens: int,
+    block_size: int | None,
+    keys: Callable[[], Sequence[int]],
+    book: RecencyBook | None,
+    waiting: Container[int] | None = (),
+) -> AdmissionForecast:
+    """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
+    the rest from pending marks) still held when the request is admitted.
+
+    `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
+    stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the stamps
+    of the decisions whose requests have not started answering: a pending block whose latest
+    decision has answered, yet is not in the events, was evicted or never stored. None: no
+    event can show the request's blocks (its namespace is unindexed), so pending marks stand.
+    """
+    if capacity_tokens is None:
+        return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
+    queued = queued_tokens + in_flight * reserve_tokens
+    evict = max(0, held_tokens + queued - capacity_tokens)
+    out = AdmissionForecast(
+        raw_tokens=raw_tokens,
+        kept_tokens=raw_tokens,
+        capacity_tokens=capacity_tokens,
+        held_tokens=held_tokens,
+        queued_tokens=queued,
+        evict_tokens=evict,
+    )
+    if not raw_tokens or not block_size:
+        out.why = "nothing matched"
+        return out
+    fits = (
+        f"held {held_tokens} + queued {queued} <= capacity {capacity_tokens}: nothing is "
+        "evicted before admission"
+    )
+    matched_blocks = matched_tokens // block_size
+    if not evict and raw_tokens <= matched_tokens:
+        out.why = fits
+        return out
+    blocks = list(keys())[: raw_tokens // block_size]
+    pool_blocks = capacity_tokens // block_size
+    # the pages in-flight requests hold privately (beyond their prompts, which the book has)
+    private = -(-(in_flight * reserve_tokens) // block_size)
+
+    def stamp_of(j: int) -> int | None:
+        # a block no decision touched is as recent as the nearest touched one above it (a
+        # path is touched together); with none above it, it is the oldest (None)
+        if book is not None:
+            for k in range(j, -1, -1):
+                stamp = book.stamp(blocks[k])
+                if stamp is not None:
+                    return stamp
+        return None
+
+    def survives(j: int) -> bool:
+        stamp = stamp_of(j)
+        if j >= matched_blocks and book is not None and waiting is not None:
+            own = book.stamp(blocks[j])
+            # a pending block whose latest decision here has answered, yet is not in the
+            # events, was evicted or never stored (a block only another router marked has
+            # no stamp here: its mark stands)
+            if own is not None and own not in waiting:
+                return False
+        if not evict:
+            return True
+        # LRU stack distance: a block is still cached when fewer blocks than the pool holds
+        # were used since it (by the time this request is admitted, every request ahead has
+        # used its blocks); blocks touched by one decision share a stamp (a leaf node is
+        # evicted whole)
+        return (
+            stamp is not None
+            and book is not None
+            and (book.not_older(stamp) + private <= pool_blocks)
+        )
+
+    # survival only gets rarer deeper down a path (the root is the most recent): bisect
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if survives(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    stale = lo >= matched_blocks and lo < len(blocks)
+    kept = min(raw_tokens, lo * block_size)
+    out.kept_tokens = kept
+    lost = raw_tokens - kept
+    if not evict:
+        out.why = fits + (
+            f"; {lost} pending tokens are not on their way any more (the requests that marked "
+            "them have answered)"
+            if lost
+            else ""
+        )
+        return out
+    out.why = (
+        f"held {held_tokens} + queued {queued} > capacity {capacity_tokens}: {evict} tokens "
+        "are evicted least recently used first before admission; "
+        + (
+            f"{lost} of the {raw_tokens} matched tokens are lost (more than {pool_blocks} "
+            "blocks will have been used since they were"
+            + (", or the requests that marked them pending have answered)" if stale else ")")
+            if lost
+            else "the matched blocks were used more recently than those"
+        )
+    )
+    return out

@@ -1,0 +1,88 @@
+"""The hit/load balance of the `kv` score, learned from the time to first token it observes.
+
+The `kv` score counts load in prefill tokens: `queued_prefill_tokens + decode_weight *
+running`, where `decode_weight` says how many prefill tokens one running request costs. The
+config's value is a guess about the engine's speeds; the router can measure it. Each answered
+request gives one sample of
+
+    ttft_ms ~ prefill_ms_per_token * tokens + running_ms * running
+
+(`tokens`: the prefill queued on its rank when it was sent, its own uncached part included;
+`running`: the requests in flight there), fitted by ridge regression with exponential
+forgetting, pulled toward the prior `decode_weight` (`[policy] balance_prior_samples`
+samples' worth), so `decode_weight = running_ms / prefill_ms_per_token` follows the fleet,
+bounded to [prior / 4, prior * 4]. `[policy] balance_learning` turns it on; `/admin/route`
+shows the fit.
+
+Pure and synchronous: no I/O.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["BalanceEstimate", "BalanceModel"]
+
+_FORGET = 0.995  # weight of the past per sample: about the last 200 requests count
+
+
+class BalanceEstimate(msgspec.Struct, frozen=True, gc=False):
+    """The fit as the planner uses it (shown by /admin/route)."""
+
+    decode_weight: float  # what the score uses
+    prior_decode_weight: float
+    prefill_ms_per_token: float | None  # None until a sample arrived
+    running_ms: float | None
+    samples: float  # the forgetting-weighted number of samples
+
+
+class BalanceModel:
+    """Online ridge fit of TTFT against queued prefill tokens and running requests."""
+
+    __slots__ = ("_n", "_prior", "_prior_n", "_sxx", "_sxy")
+
+    def __init__(self, prior_decode_weight: float, prior_samples: float = 20.0) -> None:
+        self._prior = prior_decode_weight
+        self._prior_n = prior_samples
+        self._n = 0.0
+        # sums of x x^T and x y for x = (tokens, running), y = ttft_ms
+        self._sxx = [0.0, 0.0, 0.0]  # tt, tr, rr
+        self._sxy = [0.0, 0.0]
+
+    def observe(self, ttft_ms: float, tokens: int, running: int) -> None:
+        """One answered request: its TTFT and what was ahead of it when it was sent."""
+        if ttft_ms < 0 or (tokens <= 0 and running <= 0):
+            return
+        f = _FORGET
+        sxx, sxy = self._sxx, self._sxy
+        sxx[0] = sxx[0] * f + tokens * tokens
+        sxx[1] = sxx[1] * f + tokens * running
+        sxx[2] = sxx[2] * f + running * running
+        sxy[0] = sxy[0] * f + tokens * ttft_ms
+        sxy[1] = sxy[1] * f + running * ttft_ms
+        self._n = self._n * f + 1.0
+
+    def estimate(self) -> BalanceEstimate:
+        """The current fit; the prior alone until samples arrive."""
+        prior = self._prior
+        tt, tr, rr = self._sxx
+        if self._n <= 0 or tt <= 0:
+            return BalanceEstimate(prior, prior, None, None, self._n)
+        # the prior's prefill cost: the one-parameter fit with the prior decode weight
+        p0 = (self._sxy[0] + prior * self._sxy[1]) / (tt + 2 * prior * tr + prior * prior * rr)
+        q0 = prior * p0
+        # ridge toward (p0, q0), `prior_n` mean samples' worth on each coordinate
+        lam_t = self._prior_n * tt / self._n
+        lam_r = self._prior_n * max(rr, 1e-9) / self._n
+        a, b, d = tt + lam_t, tr, rr + lam_r
+        y0 = self._sxy[0] + lam_t * p0
+        y1 = self._sxy[1] + lam_r * q0
+        det = a * d - b * b
+        if det <= 0:
+            return BalanceEstimate(prior, prior, p0, q0, self._n)
+        p = (d * y0 - b * y1) / det
+        q = (a * y1 - b * y0) / det
+        if p <= 0:
+            return BalanceEstimate(prior, prior, p, q, self._n)
+        weight = min(max(q / p, prior / 4), prior * 4) if prior > 0 else 0.0
+        return BalanceEstimate(weight, prior, p, q, self._n)
