@@ -60,7 +60,7 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     await eventually(lambda: fleet.holds(a, "w0", 8 * PAGE), what="prompt A indexed")
 
     # a long request runs (max_running_requests = 1), and B and C queue behind it
-    long_one = asyncio.create_task(fleet.post("/generate", prompt(1, pages=2, out=20)))
+    long_one = asyncio.create_task(fleet.post("/generate", prompt(1, pages=2, out=60)))
     await eventually(lambda: _queued(w0, running=1, waiting=0), what="the long request to run")
     queued = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (2, 3)]
     await eventually(lambda: _queued(w0, running=1, waiting=2), what="B and C to queue")
@@ -83,7 +83,9 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
         status, _, _ = await task
         assert status == 200
 
-    # with nothing queued, A (cached again by its last request) is predicted in full
+    # with nothing queued, A (cached again by its last request) is predicted in full, once its
+    # events are in (on a loaded machine they may trail the answer)
+    await eventually(lambda: fleet.holds(a, "w0", 8 * PAGE), what="prompt A indexed again")
     status, headers, answer = await fleet.post("/generate", a)
     assert status == 200
     predicted = int(headers["x-kvroute-matched-tokens"])
