@@ -439,6 +439,14 @@ def closing_note(report: BenchReport) -> list[str]:
                         f"than {t.threshold:g}x; the hit-rate-vs-pressure plot shows how the "
                         "ratio moves."
                     )
+                elif bound is None:
+                    notes.append(
+                        f"{head} No oracle ran on this topology, so how much better a placement "
+                        f"could do is not measured here.{limit} What would close it: weigh "
+                        "affinity higher in `kv` (`hit_weight`), or make its load estimate count "
+                        "the prefill a hit saves; an oracle for this topology would say whether "
+                        "either can."
+                    )
                 else:
                     notes.append(
                         f"{head} The oracle shows a placement worth {_fmt(bound, 2)}x exists, "

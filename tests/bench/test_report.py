@@ -201,6 +201,13 @@ def test_closing_note_tells_an_oracle_bound_from_a_policy_gap() -> None:
         {},
     )
     assert "The oracle shows a placement worth 2.02x exists" in text
+    gap.runs = [r for r in gap.runs if r.policy != "oracle"]  # e.g. the pd topology
+    text = render_markdown(
+        BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[gap]),
+        {},
+    )
+    closing = text.split("## Closing note")[1]
+    assert "No oracle ran on this topology" in closing and "-x" not in closing
 
 
 def test_the_external_baseline_is_the_headline_where_it_ran() -> None:
