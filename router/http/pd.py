@@ -43,6 +43,7 @@ from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError
 from router.http.metrics import RouterMetrics
+from router.http.observe import observation
 from router.http.proxy import (
     MATCHED_HEADER,
     PENDING_HEADER,
@@ -218,8 +219,12 @@ class PairDispatcher:
         failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         failures: list[str] = []
         attempts = 1 + self._config.limits.max_retries
+        obs = observation(request)  # the decision is the prefill side's: its prefix is reused
         for attempt in range(attempts):
-            plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
+            with obs.phase("route") if obs is not None else contextlib.nullcontext():
+                plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
+            if obs is not None and attempt == 0:
+                obs.planned(plan.prefill, ns.model)
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
             decodes = [c for c in plan.decode.ranked() if c.worker not in failed["decode"]]
             if not prefills or not decodes:
@@ -242,6 +247,8 @@ class PairDispatcher:
             first = attempt == 0
             p_ticket = pairs.commit_prefill(ns, parsed.tokens, prefill, first_try=first)
             d_ticket = pairs.commit_decode(ns, parsed.tokens, decode, first_try=first)
+            if obs is not None:
+                obs.attempt(plan.prefill, prefill, attempt)
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
                     response = await self._prefill_first(
@@ -270,10 +277,14 @@ class PairDispatcher:
                     time.perf_counter() - started,
                     ns.model,
                 )
+                if obs is not None:
+                    obs.finish(response.status)
                 return response
             finally:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
+            if obs is not None:
+                obs.failed(reason)
             side = "prefill" if blamed is prefill else "decode"
             failed[side].add(blamed.worker)
             planner.record_failure(blamed.worker, hard=hard)

@@ -161,6 +161,13 @@ async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFl
     assert again["meta_info"]["cached_tokens"] == predicted == 6 * PAGE
     assert first["meta_info"]["cached_tokens"] == 0
     assert again["text"] == first["text"]
+    # the decision metrics see a pair as its prefill side: chosen, predicted and reported
+    from router.http.keys import DECISIONS
+
+    recent = list(fleet.router.app[DECISIONS].recent)
+    assert [d.chosen.worker for d in recent[-2:]] == [first_prefill, first_prefill]
+    assert [d.cached_tokens for d in recent[-2:]] == [0, predicted]
+    assert recent[-1].chosen.matched_tokens == predicted and recent[-1].status == 200
 
 
 async def test_streams_pass_through_the_pair_with_the_prefill_logprobs_merged(
