@@ -231,7 +231,7 @@ class Proxy:
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
             try:
-                response = await self._forward(
+                response = await self.forward(
                     request,
                     endpoint,
                     body,
@@ -295,35 +295,10 @@ class Proxy:
         *,
         rank_header: str | None,
         last_try: bool,
-        hooks: AnswerHooks,
-    ) -> web.StreamResponse:
-        """Forward `body` to `candidate` and pass its answer through, with `hooks` (the pair
-        dispatcher's decode hop); AttemptFailed while a retry is still legal."""
-        return await self._forward(
-            request,
-            endpoint,
-            body,
-            candidate,
-            ticket,
-            deadline,
-            rank_header=rank_header,
-            last_try=last_try,
-            hooks=hooks,
-        )
-
-    async def _forward(
-        self,
-        request: web.Request,
-        endpoint: Endpoint,
-        body: bytes,
-        candidate: Candidate,
-        ticket: Ticket,
-        deadline: float,
-        *,
-        rank_header: str | None,
-        last_try: bool,
         hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
+        """Forward `body` to `candidate` and pass its answer through (with `hooks`: the pair
+        dispatcher's decode hop); AttemptFailed while a retry is still legal."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
@@ -458,7 +433,7 @@ class Proxy:
             await response.write_eof()
         except ConnectionResetError:
             # the client went away (aiohttp raises ClientConnectionResetError, a ClientError
-            # too: left to `_forward` it would count against the worker and retry a request
+            # too: left to `forward` it would count against the worker and retry a request
             # whose bytes were sent); closing the upstream connection makes the worker abort
             upstream.close()
             return response
