@@ -47,6 +47,7 @@ from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
+from router.http.upstream_client import UpstreamClient
 from router.prompt.request import Endpoint
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
@@ -206,6 +207,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session,
+        UpstreamClient() as upstream,
         IndexerService(indexer_config) as indexer,
     ):
         policy = build_policy(config.policy)
@@ -223,7 +225,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[SUPERVISOR] = supervisor
         observer = operations.start(app, indexer, load)
         tokenizer = operations.proxy_tokenizer(app)
-        app[PROXY] = proxy = Proxy(config, planner, session, tokenizer, app[METRICS], observer)
+        app[PROXY] = proxy = Proxy(config, planner, upstream, tokenizer, app[METRICS], observer)
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])

@@ -1,8 +1,8 @@
 """The upstream hop: forward a request to the chosen worker and pass its answer through.
 
-aiohttp's client is the upstream client: on this kind of machine a forwarder built on it served
-thousands of tiny requests per second where the same forwarder on httpx collapsed below a
-hundred (docs/benchmarks/proxy.md has this project's own measurement).
+The hop runs on the router's own HTTP/1.1 client (`router.http.upstream_client`): aiohttp's
+client, which every other outgoing request uses, cost a third more CPU per forwarded request
+(docs/benchmarks/proxy.md measures both forwarders side by side).
 
 When the chosen candidate is one data-parallel rank of its worker, the engine is told which:
 SGLang's `/generate` takes `routed_dp_rank` in the body (spliced in, every other byte as the
@@ -29,7 +29,6 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -40,6 +39,16 @@ from router.http.decisions import DecisionStats
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
+from router.http.upstream_client import (
+    Origin,
+    UnsafeHeaderError,
+    UpstreamClient,
+    UpstreamClientError,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDroppedError,
+    UpstreamResponse,
+)
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
@@ -156,7 +165,7 @@ class Proxy:
         self,
         config: RouterConfig,
         planner: Planner,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
         observer: Observer | None = None,
@@ -164,7 +173,8 @@ class Proxy:
         # decision metrics, the recent decisions, traces (`router.http.observe`)
         self.observer = observer or Observer(DecisionStats(), lambda worker: None)
         self._planner = planner
-        self._session = session
+        self._client = client
+        self._origins: dict[str, tuple[Origin, str]] = {}  # worker URL -> (origin, base path)
         self._tokenizer = tokenizer
         self._metrics = metrics
         self.reconfigure(config)
@@ -302,7 +312,6 @@ class Proxy:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
-        timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
         headers = _copy_headers(request.headers, self._request_drop)
         headers["Content-Type"] = "application/json"
         if rank_header is not None:
@@ -313,9 +322,16 @@ class Proxy:
         obs = observation(request)
         if obs is not None:
             obs.outgoing(headers)  # x-request-id, traceparent
+        origin, base = self._origin(candidate.url)
+        loop_deadline = asyncio.get_running_loop().time() + remaining
         try:
-            async with self._session.post(
-                candidate.url + endpoint.value, data=body, headers=headers, timeout=timeout
+            async with self._client.post(
+                origin,
+                base + endpoint.value,
+                headers.items(),
+                body,
+                deadline=loop_deadline,
+                connect_timeout_s=self._config.timeouts.connect_s,
             ) as upstream:
                 try:
                     return await self._answer(
@@ -327,25 +343,33 @@ class Proxy:
                     raise
         except AttemptFailed:
             raise
-        except aiohttp.ConnectionTimeoutError as exc:
+        except UnsafeHeaderError as exc:
+            raise RequestError(str(exc)) from exc
+        except UpstreamConnectTimeout as exc:
             # could not even connect in connect_s: the next worker may well answer
             raise AttemptFailed(f"connect timeout: {exc}", hard=True) from exc
+        except UpstreamConnectError as exc:
+            raise AttemptFailed(str(exc), hard=True) from exc
+        except UpstreamDroppedError as exc:
+            raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
         except TimeoutError as exc:
             self._planner.record_failure(candidate.worker, hard=False)
             raise UpstreamTimeoutError(
                 f"worker {candidate.worker} did not answer within the request timeout"
             ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise AttemptFailed(f"cannot connect: {exc.os_error or exc}", hard=True) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-            raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
-        except aiohttp.ClientError as exc:
-            raise AttemptFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
+
+    def _origin(self, url: str) -> tuple[Origin, str]:
+        found = self._origins.get(url)
+        if found is None:
+            if len(self._origins) > 4096:  # workers come and go: never an unbounded memo
+                self._origins.clear()
+            found = self._origins[url] = Origin.split(url)
+        return found
 
     async def _answer(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         candidate: Candidate,
         ticket: Ticket,
         *,
@@ -389,7 +413,7 @@ class Proxy:
                 self._planner.record_success(candidate.worker)
             return web.Response(status=upstream.status, body=payload, headers=out)
         # wait for the first chunk before committing headers: until then, a retry is legal
-        first = await upstream.content.readany()
+        first = await upstream.readany()
         self._planner.first_byte(ticket)
         if hooks is not None:
             await hooks.before_commit()
@@ -400,7 +424,7 @@ class Proxy:
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: CIMultiDict[str],
         first: bytes,
         worker: str,
@@ -417,8 +441,8 @@ class Proxy:
                 if obs is not None:
                     obs.chunk(data)  # its usage is read once the stream ends
                 try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    chunk = await upstream.readany()
+                except (UpstreamClientError, TimeoutError) as exc:
                     # the worker failed mid-stream: bytes already reached the client, so no
                     # retry; cut the connection so the client sees a truncated stream, not a
                     # clean end. The request deadline passing is no sign of a dead worker.
@@ -432,9 +456,9 @@ class Proxy:
                 await response.write(tail)
             await response.write_eof()
         except ConnectionResetError:
-            # the client went away (aiohttp raises ClientConnectionResetError, a ClientError
-            # too: left to `forward` it would count against the worker and retry a request
-            # whose bytes were sent); closing the upstream connection makes the worker abort
+            # the client went away (left to `forward`, it would count against the worker and
+            # retry a request whose bytes were sent); closing the upstream connection makes
+            # the worker abort
             upstream.close()
             return response
         self._planner.record_success(worker)

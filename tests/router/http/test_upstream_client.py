@@ -1,0 +1,354 @@
+"""The upstream hop's client against real sockets: scripted HTTP servers on 127.0.0.1 that
+answer the way workers do, and the ways they fail."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from router.http.upstream_client import (
+    Origin,
+    UnsafeHeaderError,
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDroppedError,
+)
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class ScriptedServer:
+    """A raw TCP server that runs `script` on every connection and counts them."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.closed = 0  # connections whose peer (the client) closed them
+        self.requests: list[bytes] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.origin = Origin("127.0.0.1", port, False, f"127.0.0.1:{port}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.script(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request (head and Content-Length body); b"" when the client closed."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            self.closed += 1
+            return b""
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+
+def _answer(body: bytes, *extra: bytes) -> bytes:
+    head = [b"HTTP/1.1 200 OK", b"Content-Type: application/json", *extra]
+    head.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def _post(
+    client: UpstreamClient,
+    origin: Origin,
+    body: bytes = b"{}",
+    *,
+    timeout_s: float = 5.0,
+    headers: list[tuple[str, str]] | None = None,
+) -> tuple[int, bytes]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with client.post(
+        origin, "/generate", headers or [], body, deadline=deadline, connect_timeout_s=2
+    ) as response:
+        return response.status, await response.read()
+
+
+@contextlib.asynccontextmanager
+async def _client(keepalive_s: float = 4.0) -> AsyncIterator[UpstreamClient]:
+    async with UpstreamClient(keepalive_s=keepalive_s) as client:
+        yield client
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_what_it_was_given() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b'{"ok": true}'))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        for i in range(5):
+            status, body = await _post(
+                client, server.origin, b'{"n": %d}' % i, headers=[("x-request-id", "r1")]
+            )
+            assert (status, body) == (200, b'{"ok": true}')
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /generate HTTP/1.1\r\n")
+    assert f"Host: {server.origin.netloc}".encode() in first
+    assert b"Content-Length: 8\r\n" in first and b"x-request-id: r1\r\n" in first
+    assert first.endswith(b'\r\n\r\n{"n": 0}')
+
+
+async def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
+    second = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
+        )
+        await writer.drain()
+        await second.wait()  # the client must see chunk 1 before chunk 2 exists
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+        await server.read_request(reader)
+
+    async with ScriptedServer(script) as server, _client() as client:
+        deadline = asyncio.get_running_loop().time() + 5
+        async with client.post(
+            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+        ) as response:
+            assert response.headers["Transfer-Encoding"] == "chunked"
+            assert await response.readany() == b"data: 1"
+            second.set()
+            assert await response.readany() == b"data: 2"
+            assert await response.readany() == b""
+        # read to its end: the connection is back in the pool
+        assert sum(len(idle) for idle in client._idle.values()) == 1
+
+
+async def test_an_answer_that_ends_with_the_connection_is_read_whole() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        assert await _post(client, server.origin) == (200, b"until the end")
+        assert await _post(client, server.origin) == (200, b"until the end")
+        assert server.connections == 2  # `Connection: close` is never reused
+
+
+async def test_a_connection_closed_mid_body_is_a_dropped_error() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b")
+        await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(UpstreamDroppedError, match="before its answer ended"):
+            await _post(client, server.origin)
+        assert not client._idle.get(server.origin)
+
+
+async def test_an_answer_that_is_not_http_is_a_dropped_error() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(UpstreamDroppedError, match="not an HTTP answer"):
+            await _post(client, server.origin)
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+        async with _client() as client:
+            with pytest.raises(UpstreamConnectError, match="cannot connect") as caught:
+                await _post(client, Origin("127.0.0.1", port, False, f"127.0.0.1:{port}"))
+            assert not isinstance(caught.value, UpstreamConnectTimeout)
+
+
+async def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
+    # a full accept queue: Linux drops the SYN, so the connect hangs as to an unreachable host
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = []
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        await asyncio.sleep(0.1)
+        try:
+            async with _client() as client:
+                deadline = asyncio.get_running_loop().time() + 10
+                origin = Origin("127.0.0.1", port, False, f"127.0.0.1:{port}")
+                with pytest.raises(UpstreamConnectTimeout, match=r"within 0\.3 s"):
+                    async with client.post(
+                        origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=0.3
+                    ):
+                        pass
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+async def test_the_deadline_bounds_a_slow_answer_and_drops_its_connection() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+        await server.read_request(reader)  # b"": the client closed the connection
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(TimeoutError):
+            await _post(client, server.origin, timeout_s=0.3)
+        for _ in range(100):
+            if server.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert server.closed == 1
+
+
+async def test_an_abandoned_answer_closes_its_connection() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        for _ in range(2):
+            deadline = asyncio.get_running_loop().time() + 5
+            async with client.post(
+                server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+            ) as response:
+                assert await response.readany() == b"abc"
+            # left before its end: never reused, the worker sees the close (and aborts)
+        for _ in range(100):
+            if server.closed == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert (server.connections, server.closed) == (2, 2)
+
+
+async def test_a_large_answer_is_read_whole_through_flow_control() -> None:
+    payload = bytes(range(256)) * 8192  # 2 MiB, eight times the buffer's high-water mark
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(_answer(payload))
+        await writer.drain()
+        await server.read_request(reader)
+
+    async with ScriptedServer(script) as server, _client() as client:
+        deadline = asyncio.get_running_loop().time() + 10
+        got = bytearray()
+        async with client.post(
+            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+        ) as response:
+            while chunk := await response.readany():
+                got += chunk
+                await asyncio.sleep(0)  # a slow reader: the socket is paused meanwhile
+        assert bytes(got) == payload
+
+
+async def test_idle_connections_close_after_the_keep_alive() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b"{}"))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client(keepalive_s=0.2) as client:
+        await _post(client, server.origin)
+        for _ in range(100):
+            if server.closed:
+                break
+            await asyncio.sleep(0.02)
+        assert server.closed == 1  # the sweeper closed it, not a new request
+        await _post(client, server.origin)
+        assert server.connections == 2
+
+
+async def test_a_worker_that_talks_while_idle_is_not_reused() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b"{}"))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 200 OK\r\n")  # nobody asked
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        assert await _post(client, server.origin) == (200, b"{}")
+        await asyncio.sleep(0.2)
+        assert await _post(client, server.origin) == (200, b"{}")
+        assert server.connections == 2
+
+
+async def test_a_header_with_a_line_break_is_refused_before_sending() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(UnsafeHeaderError):
+            await _post(client, server.origin, headers=[("x-a", "1\r\nx-injected: 2")])
+        await asyncio.sleep(0.05)
+        assert server.connections == 0
+
+
+def test_origins_of_worker_urls() -> None:
+    assert Origin.split("http://127.0.0.1:30000") == (
+        Origin("127.0.0.1", 30000, False, "127.0.0.1:30000"),
+        "",
+    )
+    assert Origin.split("https://user:pw@gpu-7.internal/sglang/") == (
+        Origin("gpu-7.internal", 443, True, "gpu-7.internal"),
+        "/sglang",
+    )
+    assert Origin.split("http://[::1]:8000") == (Origin("::1", 8000, False, "[::1]:8000"), "")
+    with pytest.raises(ValueError, match="not an http"):
+        Origin.split("unix:///tmp/worker.sock")
+
+
+def test_the_client_runs_on_uvloop_too() -> None:
+    # KVROUTE_EVENT_LOOP=uvloop is supported: its transports are not asyncio's classes
+    uvloop = pytest.importorskip("uvloop")
+
+    async def exchange() -> tuple[int, list[bytes]]:
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await server.read_request(reader):
+                writer.write(_answer(b'{"ok": true}'))
+                await writer.drain()
+
+        async with ScriptedServer(script) as server, _client() as client:
+            bodies = [(await _post(client, server.origin))[1] for _ in range(3)]
+        return server.connections, bodies
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(exchange()) == (1, [b'{"ok": true}'] * 3)
