@@ -5,8 +5,9 @@ router in front of it (`kvroute serve`), optionally SGLang's Rust router (`sglan
 its Python package is importable by the given interpreter), and this process as the load
 generator. Measured, per target, on the same tiny non-streaming `/v1/completions` request:
 
-- latency at concurrency 1 (direct and proxied requests interleaved, so drift hits both alike):
-  p50/p99, and the router's added latency = proxied - direct percentile;
+- latency at concurrency 1 (one pass per target, its requests alternating with direct ones, so
+  drift hits both alike): p50/p99, and the router's added latency = proxied - direct
+  percentile of the same pass;
 - requests/s at concurrency 32 over a fixed request count (bounded in time too).
 
 The operations layer (`router.http.observe`: decision statistics, request ids, traces) is
@@ -272,19 +273,33 @@ async def _one(session: aiohttp.ClientSession, url: str) -> float:
 
 async def _latencies(
     session: aiohttp.ClientSession, urls: dict[str, str], n: int, deadline_s: float
-) -> dict[str, list[float]]:
-    """Sequential samples, targets interleaved request by request."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Sequential samples: one pass per target, alternating with direct request by request.
+
+    Returns (samples per target, direct pooled over the passes included; the direct samples of
+    each target's own pass). Pairs rather than one round over every target: with ten processes
+    taking turns, each router would serve one request in ten and meet every one of them with
+    caches the others had just used, which no router in front of a fleet sees; alternating
+    with direct keeps drift hitting both sides of each comparison alike.
+    """
     samples: dict[str, list[float]] = {name: [] for name in urls}
+    paired: dict[str, list[float]] = {}
+    direct = urls["direct"]
     for url in urls.values():  # warm-up: connections, caches, JIT-free but allocator-warm
         for _ in range(50):
             await _one(session, url + "/v1/completions")
-    stop = time.monotonic() + deadline_s
-    for _ in range(n):
-        for name, url in urls.items():
+    for name, url in urls.items():
+        if name == "direct":
+            continue
+        mine = paired[name] = []
+        stop = time.monotonic() + deadline_s
+        for _ in range(n):
+            mine.append(await _one(session, direct + "/v1/completions"))
             samples[name].append(await _one(session, url + "/v1/completions"))
-        if time.monotonic() > stop:
-            break
-    return samples
+            if time.monotonic() > stop:
+                break
+        samples["direct"] += mine
+    return samples, paired
 
 
 async def _run_load(
@@ -347,12 +362,14 @@ async def _measure(
 ) -> _Section:
     """Latency (interleaved, concurrency 1) then throughput of every target."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-        lat = await _latencies(session, targets, samples, args.deadline_s)
+        lat, paired = await _latencies(session, targets, samples, args.deadline_s)
     section = _Section(title, [], [], {})
-    d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
     for name, values in lat.items():
         p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
-        added = "-" if name == "direct" else f"{(p50 - d50) * 1e3:.3f} / {(p99 - d99) * 1e3:.3f}"
+        added = "-"
+        if name != "direct":  # against the direct samples taken alongside it
+            d50, d99 = _pct(paired[name], 0.5), _pct(paired[name], 0.99)
+            added = f"{(p50 - d50) * 1e3:.3f} / {(p99 - d99) * 1e3:.3f}"
         section.lat_rows.append(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
@@ -609,8 +626,10 @@ def _report(
         "provisional: rerun on a quiet machine before quoting them). A tiny non-streaming "
         '`/v1/completions` request (prompt "hi", 1 output token) on 127.0.0.1; the router runs '
         "its default `kv` policy and its full request path (parse, tokenize, rank, load "
-        "tracking, metrics). Added latency = proxied percentile - direct percentile, with "
-        "direct and proxied requests interleaved so drift hits both alike.",
+        "tracking, metrics). Latency is measured one target at a time, its requests "
+        "alternating with direct ones so drift hits both alike; added latency = proxied "
+        "percentile - the percentile of the direct requests of the same pass (the direct row "
+        "pools every pass).",
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, load average "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end of the run; "

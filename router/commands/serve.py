@@ -222,11 +222,11 @@ async def serve_fleet(
 def run_loop(main: Coroutine[object, object, None]) -> None:
     """Run `main` on asyncio's loop, or on uvloop when $KVROUTE_EVENT_LOOP is "uvloop".
 
-    uvloop is opt-in, not the default: it served 1.06x the requests/s on the proxy hot path
-    (`kvroute bench proxy`, docs/benchmarks/replicas/proxy.md), but under a low descriptor
-    limit its accept loop does not let the listener refuse a flood of idle connections with a
-    503 the way asyncio's does (tests/router/commands/test_router_serve_cli.py), and a router
-    that stops answering is worse than one 6% slower.
+    uvloop is opt-in, not the default: it served 1.31x the requests/s on the proxy hot path
+    (`kvroute bench proxy`, docs/benchmarks/proxy.md), but under a low descriptor limit its
+    accept loop does not let the listener refuse a flood of idle connections with a 503 the
+    way asyncio's does (tests/router/commands/test_router_serve_cli.py), and a router that
+    stops answering is worse than a slower one.
     """
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if os.environ.get("KVROUTE_EVENT_LOOP", "asyncio") == "uvloop":
