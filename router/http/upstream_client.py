@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
@@ -91,8 +91,14 @@ class UnsafeHeaderError(UpstreamClientError):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker; the parser's callbacks fill the current answer."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        origin: Origin,
+        on_lost: Callable[[_Connection], None],
+    ) -> None:
         self.origin = origin
+        self._on_lost = on_lost  # the pool forgets a connection once it is gone
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self._loop = loop
@@ -113,6 +119,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self._until_close = False
         self._keep_alive = False
+        self._interim = False  # a 1xx answer is being parsed: the real one follows
 
     # ------------------------------------------------------------ transport
 
@@ -146,6 +153,7 @@ class _Connection(asyncio.Protocol):
                     f"the worker closed the connection before its answer ended{reason}"
                 )
         self._wake()
+        self._on_lost(self)
 
     def pause_writing(self) -> None:
         """Large bodies wait in the transport's buffer; nothing to do."""
@@ -159,14 +167,19 @@ class _Connection(asyncio.Protocol):
         self.headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            # 100 Continue, 103 Early Hints: not the answer (101 is refused by the parser)
+            self._interim = True
+            self.headers = CIMultiDict()
+            return
+        self.status = status
         self.headers_done = True
         headers = self.headers
         self._until_close = (
             "Content-Length" not in headers
             and "chunked" not in headers.get("Transfer-Encoding", "").lower()
             and self.status not in (204, 304)
-            and not 100 <= self.status < 200
         )
         self._wake()
 
@@ -179,6 +192,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         # asked here: once the callback returns, the parser has reset for the next answer
         self._keep_alive = self._parser.should_keep_alive()
         self.complete = True
@@ -279,7 +295,10 @@ class UpstreamResponse:
         self.headers = conn.headers
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body (b"" once the answer was released: its connection may serve another
+        request by then)."""
+        if self._done:
+            return b""
         conn = self._conn
         while not conn.complete:
             await conn.wait()
@@ -289,6 +308,8 @@ class UpstreamResponse:
 
     async def readany(self) -> bytes:
         """The body bytes that arrived since the last call, waiting for some; b"" at the end."""
+        if self._done:
+            return b""
         conn = self._conn
         while not conn.body:
             if conn.complete:
@@ -408,7 +429,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(connect_timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: _Connection(loop, origin),
+                    lambda: _Connection(loop, origin, self._open.discard),
                     origin.host,
                     origin.port,
                     ssl=self._tls() if origin.tls else None,

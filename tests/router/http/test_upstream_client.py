@@ -255,6 +255,7 @@ async def test_an_abandoned_answer_closes_its_connection() -> None:
                 break
             await asyncio.sleep(0.01)
         assert (server.connections, server.closed) == (2, 2)
+        assert not client._open  # the pool forgets closed connections: nothing accumulates
 
 
 async def test_a_large_answer_is_read_whole_through_flow_control() -> None:
@@ -352,3 +353,64 @@ def test_the_client_runs_on_uvloop_too() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(exchange()) == (1, [b'{"ok": true}'] * 3)
+
+
+async def test_an_interim_answer_is_skipped_for_the_real_one() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
+            writer.write(_answer(b'{"real": 1}'))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        deadline = asyncio.get_running_loop().time() + 5
+        async with client.post(
+            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+        ) as response:
+            assert response.status == 200
+            assert "Link" not in response.headers
+            assert await response.read() == b'{"real": 1}'
+        assert await _post(client, server.origin) == (200, b'{"real": 1}')
+        assert server.connections == 1
+
+
+async def test_a_released_answer_reads_nothing_of_the_next_request() -> None:
+    second_may_answer = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        while await server.read_request(reader):
+            n += 1
+            if n == 2:
+                await second_may_answer.wait()
+            writer.write(_answer(b'{"n": %d}' % n))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        deadline = asyncio.get_running_loop().time() + 5
+        async with client.post(
+            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+        ) as first:
+            assert await first.read() == b'{"n": 1}'
+        second = asyncio.create_task(_post(client, server.origin))
+        await asyncio.sleep(0.05)  # the second request is on the first one's connection now
+        # the first answer gives nothing more, at once, and takes nothing of the second's
+        assert await asyncio.wait_for(first.readany(), 1) == b""
+        assert await asyncio.wait_for(first.read(), 1) == b""
+        second_may_answer.set()
+        assert await second == (200, b'{"n": 2}')
+        assert server.connections == 1
+
+
+async def test_failed_requests_leave_no_connection_behind() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ncut")
+        await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        for _ in range(5):
+            with pytest.raises(UpstreamDroppedError):
+                await _post(client, server.origin)
+        await asyncio.sleep(0.05)
+        assert not client._open and not any(client._idle.values())
