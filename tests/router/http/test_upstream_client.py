@@ -17,6 +17,7 @@ from router.http.upstream_client import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDroppedError,
+    UpstreamResponse,
 )
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -31,6 +32,21 @@ class ScriptedServer:
         self.closed = 0  # connections whose peer (the client) closed them
         self.requests: list[bytes] = []
         self._server: asyncio.Server | None = None
+
+    @classmethod
+    def once(cls, raw: bytes, *, linger: bool = False) -> ScriptedServer:
+        """A server that answers one request with `raw`, then closes (with `linger`: waits for
+        the client to close first, and counts it)."""
+
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(raw)
+            await writer.drain()
+            if linger:
+                await server.read_request(reader)
+
+        server = cls(script)
+        return server
 
     async def __aenter__(self) -> ScriptedServer:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -90,6 +106,14 @@ async def _post(
         return response.status, await response.read()
 
 
+def _exchange(
+    client: UpstreamClient, origin: Origin
+) -> contextlib.AbstractAsyncContextManager[UpstreamResponse]:
+    """A POST of `{}` with 5 s to answer, its answer read by the test."""
+    deadline = asyncio.get_running_loop().time() + 5
+    return client.post(origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2)
+
+
 @contextlib.asynccontextmanager
 async def _client(keepalive_s: float = 4.0) -> AsyncIterator[UpstreamClient]:
     async with UpstreamClient(keepalive_s=keepalive_s) as client:
@@ -132,10 +156,7 @@ async def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
         await server.read_request(reader)
 
     async with ScriptedServer(script) as server, _client() as client:
-        deadline = asyncio.get_running_loop().time() + 5
-        async with client.post(
-            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
-        ) as response:
+        async with _exchange(client, server.origin) as response:
             assert response.headers["Transfer-Encoding"] == "chunked"
             assert await response.readany() == b"data: 1"
             second.set()
@@ -146,37 +167,30 @@ async def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
 
 
 async def test_an_answer_that_ends_with_the_connection_is_read_whole() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
-        await writer.drain()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with (
+        ScriptedServer.once(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end") as server,
+        _client() as client,
+    ):
         assert await _post(client, server.origin) == (200, b"until the end")
         assert await _post(client, server.origin) == (200, b"until the end")
         assert server.connections == 2  # `Connection: close` is never reused
 
 
 async def test_a_connection_closed_mid_body_is_a_dropped_error() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b")
-        await writer.drain()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with (
+        ScriptedServer.once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b") as server,
+        _client() as client,
+    ):
         with pytest.raises(UpstreamDroppedError, match="before its answer ended"):
             await _post(client, server.origin)
         assert not client._idle.get(server.origin)
 
 
 async def test_an_answer_that_is_not_http_is_a_dropped_error() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with (
+        ScriptedServer.once(b"SSH-2.0-OpenSSH_9.2\r\n\r\n", linger=True) as server,
+        _client() as client,
+    ):
         with pytest.raises(UpstreamDroppedError, match="not an HTTP answer"):
             await _post(client, server.origin)
 
@@ -220,13 +234,12 @@ async def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
 
 
 async def test_the_deadline_bounds_a_slow_answer_and_drops_its_connection() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
-        await writer.drain()
-        await server.read_request(reader)  # b"": the client closed the connection
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with (
+        ScriptedServer.once(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", linger=True
+        ) as server,
+        _client() as client,
+    ):
         with pytest.raises(TimeoutError):
             await _post(client, server.origin, timeout_s=0.3)
         for _ in range(100):
@@ -244,10 +257,7 @@ async def test_an_abandoned_answer_closes_its_connection() -> None:
 
     async with ScriptedServer(script) as server, _client() as client:
         for _ in range(2):
-            deadline = asyncio.get_running_loop().time() + 5
-            async with client.post(
-                server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
-            ) as response:
+            async with _exchange(client, server.origin) as response:
                 assert await response.readany() == b"abc"
             # left before its end: never reused, the worker sees the close (and aborts)
         for _ in range(100):
@@ -261,13 +271,7 @@ async def test_an_abandoned_answer_closes_its_connection() -> None:
 async def test_a_large_answer_is_read_whole_through_flow_control() -> None:
     payload = bytes(range(256)) * 8192  # 2 MiB, eight times the buffer's high-water mark
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(_answer(payload))
-        await writer.drain()
-        await server.read_request(reader)
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with ScriptedServer.once(_answer(payload), linger=True) as server, _client() as client:
         deadline = asyncio.get_running_loop().time() + 10
         got = bytearray()
         async with client.post(
@@ -363,10 +367,7 @@ async def test_an_interim_answer_is_skipped_for_the_real_one() -> None:
             await writer.drain()
 
     async with ScriptedServer(script) as server, _client() as client:
-        deadline = asyncio.get_running_loop().time() + 5
-        async with client.post(
-            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
-        ) as response:
+        async with _exchange(client, server.origin) as response:
             assert response.status == 200
             assert "Link" not in response.headers
             assert await response.read() == b'{"real": 1}'
@@ -387,10 +388,7 @@ async def test_a_released_answer_reads_nothing_of_the_next_request() -> None:
             await writer.drain()
 
     async with ScriptedServer(script) as server, _client() as client:
-        deadline = asyncio.get_running_loop().time() + 5
-        async with client.post(
-            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
-        ) as first:
+        async with _exchange(client, server.origin) as first:
             assert await first.read() == b'{"n": 1}'
         second = asyncio.create_task(_post(client, server.origin))
         await asyncio.sleep(0.05)  # the second request is on the first one's connection now
@@ -403,12 +401,10 @@ async def test_a_released_answer_reads_nothing_of_the_next_request() -> None:
 
 
 async def test_failed_requests_leave_no_connection_behind() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ncut")
-        await writer.drain()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with (
+        ScriptedServer.once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ncut") as server,
+        _client() as client,
+    ):
         for _ in range(5):
             with pytest.raises(UpstreamDroppedError):
                 await _post(client, server.origin)
