@@ -222,11 +222,10 @@ async def serve_fleet(
 def run_loop(main: Coroutine[object, object, None]) -> None:
     """Run `main` on asyncio's loop, or on uvloop when $KVROUTE_EVENT_LOOP is "uvloop".
 
-    uvloop is opt-in, not the default: it served 1.31x the requests/s on the proxy hot path
-    (`kvroute bench proxy`, docs/benchmarks/proxy.md), but under a low descriptor limit its
-    accept loop does not let the listener refuse a flood of idle connections with a 503 the
-    way asyncio's does (tests/router/commands/test_router_serve_cli.py), and a router that
-    stops answering is worse than a slower one.
+    uvloop is opt-in, not the default: it served 1.12-1.31x the requests/s on the proxy hot
+    path (`kvroute bench proxy`, docs/benchmarks/proxy.md) and passes the serve tests, the
+    idle flood under a low descriptor limit included (tests/router/commands/
+    test_router_serve_cli.py), but the KV-event subscriber has not been soaked on it.
     """
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if os.environ.get("KVROUTE_EVENT_LOOP", "asyncio") == "uvloop":

@@ -26,7 +26,7 @@ import resource
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import hdrs, http_exceptions, web
@@ -187,9 +187,10 @@ class GuardedHandler(web.RequestHandler):
                 server.open_connections,
             )
             message = f"the router is at its connection limit ({server.cap}); retry shortly"
-            assert isinstance(transport, asyncio.WriteTransport)
-            transport.write(_raw_answer(TooManyConnectionsError, message))
-            transport.close()
+            # a TCP transport: uvloop's is no asyncio.WriteTransport subclass but writes alike
+            writer = cast(asyncio.WriteTransport, transport)
+            writer.write(_raw_answer(TooManyConnectionsError, message))
+            writer.close()
             return
         self._started = True
         server.open_connections += 1

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import signal
 import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.raw_http import wait_eof
 
@@ -67,9 +69,12 @@ async def _idle_connection(port: int) -> bytes:
         writer.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 async def test_serve_under_a_low_descriptor_limit_refuses_idle_floods_and_stays_reachable(
-    tmp_path: Path,
+    tmp_path: Path, loop: str
 ) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
     # the report: under `ulimit -n 256`, 300 idle connections made the router unreachable and
     # logged 15,827 "Too many open files" lines
     config = tmp_path / "router.toml"
@@ -82,6 +87,7 @@ async def test_serve_under_a_low_descriptor_limit_refuses_idle_floods_and_stays_
         command + shlex.quote(str(config)),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "KVROUTE_EVENT_LOOP": loop},
     )
     assert proc.stdout is not None and proc.stderr is not None
     try:
