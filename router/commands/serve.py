@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from router.service import RouterService
 
 __all__ = [
+    "EVENT_LOOP_ENV",
     "add_arguments",
     "apply_overrides",
     "configure_logging",
@@ -219,19 +220,35 @@ async def serve_fleet(
         await until()
 
 
+EVENT_LOOP_ENV = "KVROUTE_EVENT_LOOP"
+
+
 def run_loop(main: Coroutine[object, object, None]) -> None:
-    """Run `main` on asyncio's loop, or on uvloop when $KVROUTE_EVENT_LOOP is "uvloop".
+    """Run `main` on uvloop when it is installed (the default), or on asyncio's own loop when
+    $KVROUTE_EVENT_LOOP is "asyncio" (or uvloop is missing: Windows, a trimmed install).
 
-    uvloop is opt-in, not the default: it served 1.12-1.31x the requests/s on the proxy hot
-    path (`kvroute bench proxy`, docs/benchmarks/proxy.md) and passes the serve tests, the
-    idle flood under a low descriptor limit included (tests/router/commands/
-    test_router_serve_cli.py), but the KV-event subscriber has not been soaked on it.
+    uvloop served 1.12-1.31x the requests/s of asyncio's loop on the proxy hot path
+    (`kvroute bench proxy`, docs/benchmarks/proxy.md), and passes the serve tests (the idle
+    flood under a low descriptor limit included, tests/router/commands/
+    test_router_serve_cli.py) and a soak with a worker restart (docs/benchmarks/soak_uvloop/).
+    ConfigError for another value of the variable.
     """
+    wanted = os.environ.get(EVENT_LOOP_ENV, "").strip().lower()
+    if wanted not in ("", "uvloop", "asyncio"):
+        raise ConfigError(f"{EVENT_LOOP_ENV}={wanted!r}: use uvloop or asyncio")
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if os.environ.get("KVROUTE_EVENT_LOOP", "asyncio") == "uvloop":
-        import uvloop  # an error naming the missing module is the right answer here
-
-        factory = uvloop.new_event_loop
+    name = "asyncio"
+    if wanted != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if wanted == "uvloop":  # asked for by name: say what is missing
+                raise ConfigError(
+                    f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed (pip install uvloop)"
+                ) from None
+        else:
+            factory, name = uvloop.new_event_loop, "uvloop"
+    logging.getLogger(__name__).info("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
 

@@ -44,11 +44,55 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
             async with session.get(url + "/admin/workers") as resp:
                 assert resp.status == 401
         proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        assert b"event loop: uvloop" in err  # the default where uvloop is installed
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_the_event_loop_is_chosen_by_name_or_refused(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text("[listen]\nport = 0\n")
+    env = {**os.environ, "KVROUTE_EVENT_LOOP": "asyncio"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.commands.cli",
+        "serve",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    try:
+        assert b"listening on" in await asyncio.wait_for(proc.stdout.readline(), 30)
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0 and b"event loop: asyncio" in err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    env["KVROUTE_EVENT_LOOP"] = "tokio"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.commands.cli",
+        "serve",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"KVROUTE_EVENT_LOOP='tokio': use uvloop or asyncio" in err
 
 
 async def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
