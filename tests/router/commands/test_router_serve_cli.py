@@ -16,7 +16,9 @@ import pytest
 from tests.raw_http import wait_eof
 
 
-async def _run(*args: str) -> asyncio.subprocess.Process:
+async def _run(*args: str, loop: str | None = None) -> asyncio.subprocess.Process:
+    """`kvroute serve ARGS`, with $KVROUTE_EVENT_LOOP set to `loop` when given."""
+    env = None if loop is None else {**os.environ, "KVROUTE_EVENT_LOOP": loop}
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -25,6 +27,7 @@ async def _run(*args: str) -> asyncio.subprocess.Process:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
 
 
@@ -56,18 +59,7 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
 async def test_the_event_loop_is_chosen_by_name_or_refused(tmp_path: Path) -> None:
     config = tmp_path / "router.toml"
     config.write_text("[listen]\nport = 0\n")
-    env = {**os.environ, "KVROUTE_EVENT_LOOP": "asyncio"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.commands.cli",
-        "serve",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    proc = await _run("--config", str(config), loop="asyncio")
     assert proc.stdout is not None
     try:
         assert b"listening on" in await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -78,18 +70,7 @@ async def test_the_event_loop_is_chosen_by_name_or_refused(tmp_path: Path) -> No
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    env["KVROUTE_EVENT_LOOP"] = "tokio"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.commands.cli",
-        "serve",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    proc = await _run("--config", str(config), loop="tokio")
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"KVROUTE_EVENT_LOOP='tokio': use uvloop or asyncio" in err
