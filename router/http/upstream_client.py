@@ -336,13 +336,21 @@ class UpstreamResponse:
 class UpstreamClient:
     """Keep-alive connections to the workers, and one POST at a time on each."""
 
-    def __init__(self, *, keepalive_s: float = 4.0, max_idle_per_origin: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        keepalive_s: float = 4.0,
+        max_idle_per_origin: int = 256,
+        tls_context: ssl.SSLContext | None = None,
+    ) -> None:
+        """`tls_context` verifies https workers (default: the system's trust store and
+        hostname checks, as aiohttp's client)."""
         self._keepalive_s = keepalive_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[Origin, list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._sweeper: asyncio.Task[None] | None = None
-        self._tls_context: ssl.SSLContext | None = None
+        self._tls_context = tls_context
 
     def _tls(self) -> ssl.SSLContext:
         # the system's trust store and hostname checks, made once (it reads the CA files)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -26,8 +27,9 @@ Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 class ScriptedServer:
     """A raw TCP server that runs `script` on every connection and counts them."""
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, tls: ssl.SSLContext | None = None) -> None:
         self.script = script
+        self._tls = tls
         self.connections = 0
         self.closed = 0  # connections whose peer (the client) closed them
         self.requests: list[bytes] = []
@@ -49,7 +51,7 @@ class ScriptedServer:
         return server
 
     async def __aenter__(self) -> ScriptedServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._tls)
         port = self._server.sockets[0].getsockname()[1]
         self.origin = Origin("127.0.0.1", port, False, f"127.0.0.1:{port}")
         return self
@@ -410,3 +412,30 @@ async def test_failed_requests_leave_no_connection_behind() -> None:
                 await _post(client, server.origin)
         await asyncio.sleep(0.05)
         assert not client._open and not any(client._idle.values())
+
+
+async def test_an_https_worker_is_verified_and_served() -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_tls)
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b'{"tls": true}'))
+            await writer.drain()
+
+    server = ScriptedServer(script, tls=server_tls)
+    async with server:
+        origin = server.origin._replace(tls=True)
+        trusting = ssl.create_default_context()
+        ca.configure_trust(trusting)
+        async with UpstreamClient(tls_context=trusting) as client:
+            assert await _post(client, origin) == (200, b'{"tls": true}')
+            assert await _post(client, origin) == (200, b'{"tls": true}')
+        assert server.connections == 1
+        # the system's trust store does not know this CA: no connection, and nothing sent
+        async with _client() as default:
+            with pytest.raises(UpstreamConnectError, match="cannot connect"):
+                await _post(default, origin)
+        assert len(server.requests) == 2
