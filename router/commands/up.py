@@ -12,7 +12,6 @@ M decode workers (instead of `--workers`), which the router serves as pairs (`ro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from router.commands.serve import apply_overrides, serve_fleet
+from router.commands.serve import apply_overrides, run_loop, serve_fleet
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
@@ -251,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(_fleets(args), router, args.replicas))
+        run_loop(_serve(_fleets(args), router, args.replicas))  # uvloop, as `serve`
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
