@@ -184,8 +184,9 @@ class Proxy:
         """Limits, timeouts and the salt header of `config` for the requests that start from
         now on (a reload); a request in flight keeps its deadline and its retries."""
         self._config = config
-        # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding)
-        request_only = {"content-encoding"} | (
+        # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding);
+        # an `Expect: 100-continue` was the router's to answer, and the body goes with the headers
+        request_only = {"content-encoding", "expect"} | (
             {config.salt_header.lower()} if config.salt_header else set()
         )
         self._request_drop = _DROP | request_only

@@ -27,6 +27,7 @@ class Upstream:
         self.mode = "ok"
         self.bodies: list[dict[str, Any]] = []
         self.cookies: list[str | None] = []  # the Cookie header of each completion request
+        self.expects: list[str | None] = []  # the Expect header of each completion request
         self.release = asyncio.Event()
         self.health_open = asyncio.Event()  # cleared: /health hangs until set again
         self.health_open.set()
@@ -40,6 +41,7 @@ class Upstream:
         body = await request.json()
         self.bodies.append(body)
         self.cookies.append(request.headers.get("Cookie"))
+        self.expects.append(request.headers.get("Expect"))
         if self.mode == "fail":
             return web.json_response({"error": "boom"}, status=500)
         if self.mode == "drop":
@@ -211,6 +213,19 @@ async def test_a_cookie_a_worker_sets_is_never_sent_on_another_request(
                 async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as r:
                     assert r.status == 200 and "session=" in r.headers["Set-Cookie"]
         assert a.cookies == [None, None]
+
+
+async def test_a_client_expect_100_continue_is_answered_by_the_router_not_forwarded(
+    session: aiohttp.ClientSession,
+) -> None:
+    async with Upstream("a") as a, RouterService(_plain([("a", a.url)])) as router:
+        async with session.post(
+            router.url + "/v1/completions",
+            json={"prompt": "x"},
+            headers={"Expect": "100-continue"},
+        ) as r:
+            assert r.status == 200
+        assert a.expects == [None]  # the worker got the body with the headers, and no Expect
 
 
 async def test_a_refused_connection_is_retried_and_opens_the_circuit(
