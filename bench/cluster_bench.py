@@ -25,10 +25,10 @@ import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import aiohttp
 
+from bench.command import write_markdown
 from bench.index_workload import _stored, doc_tokens
 from indexer.namespace import Namespace
 from indexer.protocol import EventBatch
@@ -200,8 +200,5 @@ async def _run(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the cluster benchmark and write its report."""
     report = asyncio.run(_run(args))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report, encoding="utf-8")
-    print(report)
+    write_markdown(report, args.output)
     return 0

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 from typing import Protocol
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "write_markdown"]
 
 
 class _Suite(Protocol):
@@ -58,3 +59,11 @@ def run(args: argparse.Namespace) -> int:
     suite = _load(args._suite_module)
     assert suite is not None
     return suite.run(args)
+
+
+def write_markdown(report: str, output: Path | str) -> None:
+    """Write a suite's markdown report to `output` (its folder made if missing) and print it."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report, encoding="utf-8")
+    print(report)

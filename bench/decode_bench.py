@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.command import write_markdown
 from indexer.protocol import EventBatch, Removed, Stored, WireLayout, decode_batch, encode_batch
 
 __all__ = ["add_arguments", "run"]
@@ -140,9 +141,6 @@ def run(args: argparse.Namespace) -> int:
     layouts: list[WireLayout] = ["array", "map"]
     results = [_measure(batch, layout, args.seconds) for layout in layouts]
     report = _markdown(results, args)
-    output: Path = args.output
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(report, encoding="utf-8")
-    print(report, end="")
-    print(f"written to {output}")
+    write_markdown(report, args.output)
+    print(f"written to {args.output}")
     return 0

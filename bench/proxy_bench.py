@@ -44,6 +44,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from bench.command import write_markdown
 from bench.sglang_router import DEFAULT_PYTHON, launch, provision, version
 from router.cluster.server import NatsServer
 from router.http.upstream_client import Origin, UpstreamClient
@@ -690,10 +691,7 @@ def run(args: argparse.Namespace) -> int:
         else provision(args.sglang_router_python)
     )
     report = asyncio.run(_run(args))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report, encoding="utf-8")
-    print(report)
+    write_markdown(report, args.output)
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
+from bench.command import write_markdown
 from bench.proxy_bench import _pct, _process, _router_cmd
 
 __all__ = ["add_arguments", "run"]
@@ -275,8 +276,5 @@ async def _run(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the tokenize benchmark and write its report."""
     report = asyncio.run(_run(args))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report, encoding="utf-8")
-    print(report)
+    write_markdown(report, args.output)
     return 0

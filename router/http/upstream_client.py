@@ -238,6 +238,10 @@ class _Connection(asyncio.Protocol):
     def failed(self) -> BaseException | None:
         return self._error
 
+    def usable(self, expired_before: float) -> bool:
+        """Whether an idle connection is still open and idle since `expired_before` at most."""
+        return self.transport is not None and self.idle_since > expired_before
+
     def reusable(self) -> bool:
         """Whether the answer ended cleanly on a connection the worker keeps open."""
         return (
@@ -426,7 +430,7 @@ class UpstreamClient:
             expired_before = loop.time() - self._keepalive_s
             while idle:
                 conn = idle.pop()
-                if conn.transport is not None and conn.idle_since > expired_before:
+                if conn.usable(expired_before):
                     return conn
                 conn.close()
                 self._open.discard(conn)
@@ -478,11 +482,11 @@ class UpstreamClient:
             await asyncio.sleep(self._keepalive_s / 2)
             expired_before = loop.time() - self._keepalive_s
             for origin, idle in list(self._idle.items()):
-                keep = [
-                    c for c in idle if c.transport is not None and c.idle_since > expired_before
-                ]
+                keep = []
                 for conn in idle:
-                    if conn not in keep:
+                    if conn.usable(expired_before):
+                        keep.append(conn)
+                    else:
                         conn.close()
                         self._open.discard(conn)
                 if keep:
