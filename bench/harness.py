@@ -462,6 +462,8 @@ async def _router(
         policy=PolicyConfig(
             name=policy,  # type: ignore[arg-type]
             seed=seed,
+            # the fleet's decode step, as an operator sets it for theirs
+            admission_batch_window_ms=spec.decode_ms_per_token * spec.time_scale,
             **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
         ),
         workers=tuple(RoutedWorker(url=w.url, id=name) for name, w in fleet.items()),

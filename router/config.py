@@ -98,6 +98,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # whether the forecast also discounts the hit a worker is scored by (else it only changes
     # the reported prediction: x-kvroute-matched-tokens, /admin/route, the queued-load estimate)
     admission_scoring: bool = False
+    # a request sent to a rank where nothing waits to be answered, but requests decode, is
+    # admitted when the current decode step ends: about this long (the router cannot see
+    # steps). Until then a request sent after it would run in its batch and not find the
+    # blocks it brings. Longer fails safe: fewer such hits predicted
+    admission_batch_window_ms: NonNegativeFloat = 20.0
     # eviction-aware placement (router.routing.eviction_cost): score -= eviction_weight * the
     # tokens of reused blocks, held by no other worker, that the request's own allocation
     # would evict there (0: off)

@@ -31,6 +31,8 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -111,9 +113,14 @@ class _PairHooks(AnswerHooks):
     is committed; with `return_logprob`, the prefill's input logprobs merged in."""
 
     def __init__(
-        self, prefill: Candidate, prefill_task: asyncio.Task[bytes] | None, merge: bool
+        self,
+        prefill: Candidate,
+        prefill_task: asyncio.Task[bytes] | None,
+        merge: bool,
+        prefilled: Callable[[], None],
     ) -> None:
         super().__init__()
+        self._prefilled = prefilled  # the decode answers: the prefill side's part is over
         self.headers = {
             PREFILL_HEADER: prefill.worker,
             # the prediction that matters is the prefill side's: that is where reuse happens
@@ -131,6 +138,7 @@ class _PairHooks(AnswerHooks):
         self.committed = False
 
     async def before_commit(self) -> None:
+        self._prefilled()
         task = self._task
         if task is not None and (self._merge or task.done()):
             answer = _first_answer(await task)  # a failed prefill fails the attempt here
@@ -252,12 +260,14 @@ class PairDispatcher:
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
                     response = await self._prefill_first(
-                        request, endpoint, parsed, prefill, decode, d_ticket, deadline, last_try
-                    )
+                        request, endpoint, parsed, prefill, decode, (p_ticket, d_ticket),
+                        deadline, last_try,
+                    )  # fmt: skip
                 else:
                     response = await self._both_at_once(
-                        request, endpoint, parsed, prefill, decode, d_ticket, deadline, last_try
-                    )
+                        request, endpoint, parsed, prefill, decode, (p_ticket, d_ticket),
+                        deadline, last_try,
+                    )  # fmt: skip
             except PrefillFailed as exc:
                 blamed, hard, reason = prefill, exc.hard, str(exc)
             except AttemptFailed as exc:
@@ -324,21 +334,22 @@ class PairDispatcher:
         parsed: ParsedRequest,
         prefill: Candidate,
         decode: Candidate,
-        ticket: Ticket,
+        tickets: tuple[Ticket, Ticket],
         deadline: float,
         last_try: bool,
     ) -> web.StreamResponse:
         proxy = self._proxy
+        p_ticket, ticket = tickets
         fields = self._bootstrap_fields(endpoint, parsed, prefill)
         base = with_body_members(parsed.body, fields)
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, base)
         told = {} if prefill.dp_rank is None else {"disagg_prefill_dp_rank": prefill.dp_rank}
         d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, with_body_members(base, told))
         prefill_task = asyncio.create_task(
-            self._prefill(request, endpoint, p_body, prefill, p_rank, deadline)
+            self._prefill(request, endpoint, p_body, prefill, p_rank, deadline, p_ticket)
         )
         merge = b'"return_logprob"' in parsed.body and _wants_logprobs(parsed.body)
-        hooks = _PairHooks(prefill, prefill_task, merge)
+        hooks = _PairHooks(prefill, prefill_task, merge, partial(self._prefilled, p_ticket))
         decode_task = asyncio.create_task(
             proxy.forward(
                 request,
@@ -391,10 +402,11 @@ class PairDispatcher:
         parsed: ParsedRequest,
         prefill: Candidate,
         decode: Candidate,
-        ticket: Ticket,
+        tickets: tuple[Ticket, Ticket],
         deadline: float,
         last_try: bool,
     ) -> web.StreamResponse:
+        p_ticket, ticket = tickets
         if endpoint is Endpoint.GENERATE:
             raise RequestError("vLLM prefill/decode pairs serve the OpenAI routes, not /generate")
         proxy = self._proxy
@@ -408,7 +420,7 @@ class PairDispatcher:
         request_id = uuid.uuid4().hex
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, _json.encode(body))
         payload = await self._prefill(
-            request, endpoint, p_body, prefill, p_rank, deadline, request_id=request_id
+            request, endpoint, p_body, prefill, p_rank, deadline, p_ticket, request_id=request_id
         )
         answer = _first_answer(payload)
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -416,7 +428,7 @@ class PairDispatcher:
             raise PrefillFailed("its answer carries no kv_transfer_params", hard=False)
         d_body = with_body_members(parsed.body, {"kv_transfer_params": params})
         d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, d_body)
-        hooks = _PairHooks(prefill, None, merge=False)
+        hooks = _PairHooks(prefill, None, False, partial(self._prefilled, p_ticket))
         hooks.request_headers["X-Request-Id"] = request_id
         return await proxy.forward(
             request,
@@ -440,10 +452,14 @@ class PairDispatcher:
         prefill: Candidate,
         rank_header: str | None,
         deadline: float,
+        ticket: Ticket,
         *,
         request_id: str | None = None,
     ) -> bytes:
-        """The prefill side's whole answer; PrefillFailed (retry) or _PrefillRefused (4xx)."""
+        """The prefill side's whole answer; PrefillFailed (retry) or _PrefillRefused (4xx).
+
+        Its answer is the end of its part (`_prefilled`).
+        """
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise PrefillFailed("the request deadline passed", hard=False)
@@ -476,7 +492,14 @@ class PairDispatcher:
             raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False)
         if status >= 400:
             raise _PrefillRefused(status, payload)
+        self._prefilled(ticket)
         return payload
+
+    def _prefilled(self, ticket: Ticket) -> None:
+        """The prefill side's part is over (it answered, or its decode did): `ticket` stops
+        counting as queued prefill and as running there (once)."""
+        self._pairs.planner.first_byte(ticket)
+        self._pairs.planner.finish(ticket)
 
 
 def _batch_size(raw: bytes) -> int | None:

@@ -29,17 +29,32 @@ prompt (a path is touched together); with none above it (stored before this rout
 or routed by another router) it is taken as the oldest. The prediction is the leading
 matched blocks that survive (along a path, survival only gets rarer with depth).
 
+A block brought by a request still on its way (pending, or held now but lost before that
+request's own admission, which then computes it again) is there for this request only if
+the worker admits that request in an earlier batch: a worker matches every request of a
+batch against the cache as it was before the batch, and stores their prompts only when the
+batch's prefill ends (`WaitingDecisions` infers which requests it has admitted).
+
 Pure and synchronous: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 from sortedcontainers import SortedList
 
-__all__ = ["AdmissionForecast", "RecencyBook", "forecast", "unforecast"]
+__all__ = ["AdmissionForecast", "RecencyBook", "WaitingDecisions", "forecast", "unforecast"]
+
+
+# how soon an idle worker takes a request in: what reaches it meanwhile joins the batch
+_NEXT_TURN_S = 0.001
+
+# why a block is gone at admission (`forecast`)
+_EVICTED = "evicted"
+_ANSWERED = "answered"
+_BATCHED = "batched"
 
 
 class AdmissionForecast(msgspec.Struct, gc=False):
@@ -148,6 +163,77 @@ class RecencyBook:
         return len(dropped)
 
 
+class WaitingDecisions:
+    """One stream's decisions whose requests have not started answering, and whether the
+    worker has admitted each (so a request routed now runs in a later batch than it).
+
+    The router cannot see admissions; it sees first bytes. A worker admits what waits at the
+    end of each step, and a prefill step ends with the first token of each of its requests.
+    So a request sent while others on the stream had not answered (a prefill running or
+    queued ahead) is admitted at the first answer after it was sent. One sent with nothing
+    unanswered ahead is admitted on the worker's next turn when nothing runs there, and
+    within one decode step (`window_s`, which the router cannot see either) when requests
+    are decoding; one sent before then goes in the same batch.
+    """
+
+    __slots__ = ("_answers", "_decisions", "window_s")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._answers = 0  # first bytes seen on the stream
+        # stamp -> (answers seen when it was sent, -1: none was due; admitted from this time
+        # on at the latest; the leading blocks of its prompt it was predicted to reuse; those
+        # the events showed held then)
+        self._decisions: dict[int, tuple[int, float, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._decisions)
+
+    def __contains__(self, stamp: object) -> bool:
+        return stamp in self._decisions
+
+    def sent(
+        self, stamp: int, *, kept_blocks: int, held_blocks: int, running: int, now: float
+    ) -> None:
+        """The decision of `stamp` went out, predicted to reuse `kept_blocks` of the
+        `held_blocks` its events showed; `running`: requests in flight there before it."""
+        decisions = self._decisions
+        if not decisions:
+            # the worker takes it on its next turn (idle), or at the end of the decode step
+            by = now + (self.window_s if running else _NEXT_TURN_S)
+            decisions[stamp] = (-1, by, kept_blocks, held_blocks)
+            return
+        answers, by, _, _ = decisions[next(reversed(decisions))]
+        if answers < 0 and now < by:
+            # the last one ahead is not admitted yet, but will be at a time known: this one
+            # arrived before then and goes in the same batch
+            decisions[stamp] = (-1, by, kept_blocks, held_blocks)
+        else:  # the ones ahead are in a prefill (or wait for one): admitted at its answer
+            decisions[stamp] = (self._answers, float("inf"), kept_blocks, held_blocks)
+
+    def answered(self, stamp: int, *, first_byte: bool) -> None:
+        """The request of `stamp` answered (`first_byte`) or ended without an answer."""
+        self._decisions.pop(stamp, None)
+        if first_byte:
+            self._answers += 1
+
+    def admitted(self, stamp: int, now: float) -> bool:
+        """Whether the worker has (probably) admitted the waiting request of `stamp`."""
+        answers, by, _, _ = self._decisions[stamp]
+        return self._answers > answers if answers >= 0 else now >= by
+
+    def behind(self, stamp: int) -> int:
+        """How many waiting decisions were sent after the one of `stamp`."""
+        return sum(1 for other in self._decisions if other > stamp)
+
+    def brings(self, stamp: int, block: int, held: bool) -> bool:
+        """Whether the waiting request of `stamp` computes block `block` of its prompt (it
+        was not predicted to reuse it), yet to store it: a block `held` now was held when it
+        was sent already (one stored since, it stored: its prefill is over)."""
+        _, _, kept, held_then = self._decisions[stamp]
+        return block >= kept and (not held or block < held_then)
+
+
 def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) -> AdmissionForecast:
     """No discount: the raw match is the prediction, for the reason given."""
     return AdmissionForecast(
@@ -167,16 +253,21 @@ def forecast(
     block_size: int | None,
     keys: Callable[[], Sequence[int]],
     book: RecencyBook | None,
-    waiting: Container[int] | None = (),
+    waiting: WaitingDecisions | None,
+    now: float = 0.0,
+    batch_room: int | None = None,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
 
     `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
-    stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the stamps
-    of the decisions whose requests have not started answering: a pending block whose latest
-    decision has answered, yet is not in the events, was evicted or never stored. None: no
-    event can show the request's blocks (its namespace is unindexed), so pending marks stand.
+    stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the
+    decisions whose requests have not started answering (at `now`): a pending block whose
+    latest decision has answered, yet is not in the events, was evicted or never stored; a
+    block that a waiting request brings is reused only if the worker admitted that request
+    already, or if the next batch there (`batch_room` requests at most; None: unknown) cannot
+    take both (else both run in one batch). None: no event can show the request's blocks (its
+    namespace is unindexed), so pending marks stand.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -198,7 +289,7 @@ def forecast(
         "evicted before admission"
     )
     matched_blocks = matched_tokens // block_size
-    if not evict and raw_tokens <= matched_tokens:
+    if not evict and raw_tokens <= matched_tokens and not waiting:
         out.why = fits
         return out
     blocks = list(keys())[: raw_tokens // block_size]
@@ -216,56 +307,75 @@ def forecast(
                     return stamp
         return None
 
-    def survives(j: int) -> bool:
+    def lost(j: int) -> str:
+        """Why block `j` is gone when the request is admitted ("": it is not)."""
         stamp = stamp_of(j)
-        if j >= matched_blocks and book is not None and waiting is not None:
+        if book is not None and waiting is not None:
             own = book.stamp(blocks[j])
-            # a pending block whose latest decision here has answered, yet is not in the
-            # events, was evicted or never stored (a block only another router marked has
-            # no stamp here: its mark stands)
-            if own is not None and own not in waiting:
-                return False
+            if own is not None and own in waiting:
+                # the request of the block's latest decision computes it (it was not to find
+                # it) and has not been admitted: this request joins its batch, finds nothing
+                if (
+                    waiting.brings(own, j, held=j < matched_blocks)
+                    and not waiting.admitted(own, now)
+                    and (batch_room is None or waiting.behind(own) + 2 <= batch_room)
+                ):
+                    return _BATCHED
+            elif own is not None and j >= matched_blocks:
+                # a pending block whose latest decision here has answered, yet is not in the
+                # events, was evicted or never stored (a block only another router marked has
+                # no stamp here: its mark stands)
+                return _ANSWERED
         if not evict:
-            return True
+            return ""
         # LRU stack distance: a block is still cached when fewer blocks than the pool holds
         # were used since it (by the time this request is admitted, every request ahead has
         # used its blocks); blocks touched by one decision share a stamp (a leaf node is
         # evicted whole)
-        return (
+        survives = (
             stamp is not None
             and book is not None
             and (book.not_older(stamp) + private <= pool_blocks)
         )
+        return "" if survives else _EVICTED
 
     # survival only gets rarer deeper down a path (the root is the most recent): bisect
     lo, hi = 0, len(blocks)
     while lo < hi:
         mid = (lo + hi) // 2
-        if survives(mid):
+        if not lost(mid):
             lo = mid + 1
         else:
             hi = mid
-    stale = lo >= matched_blocks and lo < len(blocks)
+    cause = lost(lo) if lo < len(blocks) else ""
     kept = min(raw_tokens, lo * block_size)
     out.kept_tokens = kept
-    lost = raw_tokens - kept
+    lost_tokens = raw_tokens - kept
+    batched = (
+        f"; {lost_tokens} matched tokens come with a request the worker has not admitted "
+        "yet, and a batch finds nothing its own requests bring"
+        if cause == _BATCHED
+        else ""
+    )
     if not evict:
         out.why = fits + (
-            f"; {lost} pending tokens are not on their way any more (the requests that marked "
-            "them have answered)"
-            if lost
-            else ""
+            f"; {lost_tokens} pending tokens are not on their way any more (the requests that "
+            "marked them have answered)"
+            if cause == _ANSWERED
+            else batched
         )
         return out
     out.why = (
         f"held {held_tokens} + queued {queued} > capacity {capacity_tokens}: {evict} tokens "
         "are evicted least recently used first before admission; "
         + (
-            f"{lost} of the {raw_tokens} matched tokens are lost (more than {pool_blocks} "
-            "blocks will have been used since they were"
-            + (", or the requests that marked them pending have answered)" if stale else ")")
-            if lost
-            else "the matched blocks were used more recently than those"
+            f"{lost_tokens} of the {raw_tokens} matched tokens are lost (more than {pool_blocks} "
+            "blocks will have been used since they were)"
+            if cause == _EVICTED
+            else f"{lost_tokens} of the {raw_tokens} matched tokens are lost (the requests "
+            "that marked them pending have answered)"
+            if cause == _ANSWERED
+            else "the matched blocks were used more recently than those" + batched
         )
     )
     return out

@@ -38,7 +38,13 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.request import ParsedRequest
-from router.routing.admission import AdmissionForecast, RecencyBook, forecast, unforecast
+from router.routing.admission import (
+    AdmissionForecast,
+    RecencyBook,
+    WaitingDecisions,
+    forecast,
+    unforecast,
+)
 from router.routing.balance import BalanceEstimate, BalanceModel
 from router.routing.decisions import DecisionSink
 from router.routing.eviction_cost import eviction_cost
@@ -125,7 +131,7 @@ class Planner:
         # per stream id: the order the router last sent requests over its blocks, and the
         # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
-        self.waiting: dict[str, set[int]] = {}
+        self.waiting: dict[str, WaitingDecisions] = {}
         self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
 
     def reconfigure(self, config: PolicyConfig) -> None:
@@ -239,6 +245,7 @@ class Planner:
             return
         stream = streams[0]
         load = self.load.of(entry.id, candidate.dp_rank)
+        waiting = self._waiting(stream)
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
             matched_tokens=candidate.matched_tokens,
@@ -252,7 +259,15 @@ class Planner:
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
             book=self.recency.get(stream),
             # a namespace no event can show (extra_key): its pending marks are all there is
-            waiting=self.waiting.get(stream, ()) if unindexed_reason(ns) is None else None,
+            waiting=waiting if unindexed_reason(ns) is None else None,
+            # the next batch there: what the running cap leaves beside the requests decoding
+            # (in flight and answered)
+            batch_room=(
+                None
+                if entry.max_running_requests is None
+                else entry.max_running_requests - max(0, load.running - len(waiting))
+            ),
+            now=self.clock(),
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
@@ -350,7 +365,14 @@ class Planner:
             if book is None:
                 book = self.recency[stream] = RecencyBook()
             stamp = book.touch(keys)
-            self.waiting.setdefault(stream, set()).add(stamp)
+            block = self.indexer.index.block_size(stream) or 1
+            self._waiting(stream).sent(
+                stamp,
+                kept_blocks=candidate.predicted_tokens // block,
+                held_blocks=candidate.matched_blocks,
+                running=candidate.running,
+                now=self.clock(),
+            )
             marks.append((stream, stamp))
             # the blocks the stream can hold, and this prompt's (on their way, not held yet)
             keep = max(capacity // (self.indexer.index.block_size(stream) or 1), len(keys))
@@ -358,28 +380,42 @@ class Planner:
                 book.prune(partial(self.indexer.holds, stream), keep)
         return marks
 
-    def _answered(self, ticket: Ticket) -> None:
-        """The request's prompt is no longer on its way: its stores have been made."""
+    def _waiting(self, stream: str) -> WaitingDecisions:
+        waiting = self.waiting.get(stream)
+        if waiting is None:
+            window = self._config.admission_batch_window_ms / 1000.0
+            waiting = self.waiting[stream] = WaitingDecisions(window)
+        return waiting
+
+    def _answered(self, ticket: Ticket, *, first_byte: bool) -> None:
+        """The request's prompt is no longer on its way: its stores have been made (or, when
+        it ended unanswered, never will be)."""
         for stream, stamp in ticket.marks:
             waiting = self.waiting.get(stream)
             if waiting is not None:
-                waiting.discard(stamp)
+                waiting.answered(stamp, first_byte=first_byte)
         ticket.marks = []
 
     def first_byte(self, ticket: Ticket) -> None:
-        """The worker answered: the request's prompt no longer counts as queued prefill."""
-        if not ticket.prefilled and not ticket.done and ticket.sent_at is not None:
+        """The worker answered: the request's prompt no longer counts as queued prefill
+        (once: a pair's prefill side may be told by its own answer and by its decode's)."""
+        if ticket.prefilled or ticket.done:
+            return
+        if ticket.sent_at is not None:
             ttft_ms = (self.clock() - ticket.sent_at) * 1000.0
             self.balance.observe(ttft_ms, ticket.ahead_tokens, ticket.ahead_running)
         self.load.first_byte(ticket)
-        self._answered(ticket)
+        self._answered(ticket, first_byte=True)
         if self.decisions is not None:
             self.decisions.first_byte(ticket)
 
     def finish(self, ticket: Ticket) -> None:
-        """The request ended (answered, failed or cancelled): it no longer counts as running."""
+        """The request ended (answered, failed or cancelled): it no longer counts as running
+        (once: a pair's prefill side ends with its own answer, and again with the pair)."""
+        if ticket.done:
+            return
         self.load.end(ticket)
-        self._answered(ticket)
+        self._answered(ticket, first_byte=False)
         if self.decisions is not None:
             self.decisions.finished(ticket)
 

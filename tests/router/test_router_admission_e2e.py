@@ -94,3 +94,68 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
 
 async def _queued(w0: ReferenceWorker, *, running: int, waiting: int) -> bool:
     return w0.ranks[0].load == (running, waiting)
+
+
+def sibling(shared: int, question: int) -> dict[str, Any]:
+    """A prompt of 8 pages of prefix `shared` (as `prompt`) and a page of its own question."""
+    ids = prompt(shared)["input_ids"][: 8 * PAGE]
+    ids += [(question * 53 + k) % 200 + 3 for k in range(PAGE + 1)]
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+
+
+async def test_a_sibling_in_the_same_batch_is_predicted_no_reuse_and_one_after_is() -> None:
+    cfg = ReferenceConfig(
+        page_size=PAGE,
+        capacity_tokens=64 * PAGE,  # no KV pressure: only batching decides
+        max_running_requests=8,
+        prefill_ms_per_token=4.0,  # a 9-page prompt takes about 0.6 s to prefill
+        decode_ms_per_token=1.0,
+        time_scale=1.0,
+    )
+    async with ReferenceWorker(cfg) as w0:
+        config = router_config([("w0", w0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            await _same_batch_case(fleet, w0)
+            await _later_batch_case(fleet, w0)
+
+
+async def _same_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
+    # a prefill runs; the first sibling queues behind it and marks the shared prefix pending
+    blocker = asyncio.create_task(fleet.post("/generate", prompt(40)))
+    await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
+    first = asyncio.create_task(fleet.post("/generate", sibling(10, 1)))
+    await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to queue")
+
+    # the second sibling will be admitted with the first, when the blocker's prefill ends:
+    # the prefix they share is not in the cache for either
+    status, headers, answer = await fleet.post("/generate", sibling(10, 2))
+    assert status == 200
+    assert int(headers["x-kvroute-raw-pending-tokens"]) == 8 * PAGE  # the index's mark
+    predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
+    assert predicted == answer["meta_info"]["cached_tokens"] == 0
+    for task in (blocker, first):
+        status, _, reply = await task
+        assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
+
+
+async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
+    blocker = asyncio.create_task(fleet.post("/generate", prompt(41)))
+    await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
+    first = asyncio.create_task(fleet.post("/generate", sibling(11, 1)))
+    await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to queue")
+    status, _, _ = await blocker
+    assert status == 200
+    # the blocker answered: the worker took the first sibling in and prefills it now, so
+    # the second one comes in a later batch and finds the prefix the first one stores
+    plan = await fleet.route(sibling(11, 2))
+    (only,) = plan["candidates"]
+    assert only["pending_tokens"] == 8 * PAGE
+    assert only["admission"]["kept_tokens"] == 8 * PAGE, only["admission"]["why"]
+    status, headers, answer = await fleet.post("/generate", sibling(11, 2))
+    assert status == 200
+    predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
+    assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
+    status, _, _ = await first
+    assert status == 200

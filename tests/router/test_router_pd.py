@@ -345,3 +345,30 @@ async def test_a_prefill_killed_mid_transfer_fails_the_pair_and_another_pair_ans
             assert answer["meta_info"]["completion_tokens"] == 4
             entry = router.planner.pool.get("doomed")
             assert not entry.routable(router.planner.clock())  # its circuit opened at once
+
+
+async def test_the_prefill_side_stops_counting_as_load_once_it_has_answered() -> None:
+    slow = {"time_scale": 1.0, "decode_ms_per_token": 50.0}  # 20 tokens: about a second
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode", **slow)) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            load = router.planner.load
+            body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 20}}
+            async with session.post(router.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readany()  # the decode side streams
+                # the prefill worker's part is over: it runs nothing for this request any more
+                p, d = load.of("p0"), load.of("d0")
+                assert (p.running, p.queued_prefill_tokens) == (0, 0)
+                assert d.running == 1 and d.kv_tokens == len(PROMPT)
+                await resp.read()
+
+            async def ended() -> bool:
+                return (load.of("d0").running, load.of("d0").kv_tokens) == (0, 0)
+
+            await eventually(ended, what="the decode side to end")
+            assert load.of("p0").running == 0

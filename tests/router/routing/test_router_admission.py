@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.routing.admission import RecencyBook, forecast
+from router.routing.admission import RecencyBook, WaitingDecisions, forecast
 
 BS = 4  # tokens per block
 
@@ -29,6 +29,7 @@ def _run(
         block_size=BS,
         keys=lambda: keys,
         book=book,
+        waiting=WaitingDecisions(0.0),
     ).kept_tokens
 
 
@@ -44,6 +45,7 @@ def test_unknown_capacity_keeps_the_raw_match_and_says_so() -> None:
         block_size=BS,
         keys=lambda: [1, 2],
         book=None,
+        waiting=WaitingDecisions(0.0),
     )
     assert found.kept_tokens == 8 and "capacity unknown" in found.why
 
@@ -60,6 +62,7 @@ def test_nothing_is_evicted_while_held_plus_queued_fits() -> None:
         block_size=BS,
         keys=lambda: [1, 2],
         book=None,
+        waiting=WaitingDecisions(0.0),
     )
     assert (found.kept_tokens, found.evict_tokens) == (8, 0)
     assert "nothing is evicted" in found.why
@@ -108,25 +111,156 @@ def test_prune_drops_what_the_stream_no_longer_holds_but_keeps_the_newest() -> N
     assert book.not_older(book.stamp(3) or 0) == 4  # 3, 4, 5, 6
 
 
+def _pending(
+    book: RecencyBook, waiting: WaitingDecisions, *, now: float = 0.0, room: int | None = None
+) -> int:
+    """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
+    return forecast(
+        raw_tokens=12,
+        matched_tokens=4,
+        capacity_tokens=100,
+        held_tokens=4,
+        queued_tokens=8,
+        in_flight=1,
+        reserve_tokens=0,
+        block_size=BS,
+        keys=lambda: [1, 2, 3],
+        book=book,
+        waiting=waiting,
+        now=now,
+        batch_room=room,
+    ).kept_tokens
+
+
 def test_pending_blocks_count_only_while_their_request_is_on_its_way() -> None:
     book = RecencyBook()
     stamp = book.touch([1, 2, 3])  # the request that marked 2 and 3 pending
-
-    def kept(waiting: set[int]) -> int:
-        return forecast(
-            raw_tokens=12,
-            matched_tokens=4,  # block 1 from events, 2 and 3 pending
-            capacity_tokens=100,
-            held_tokens=4,
-            queued_tokens=8,
-            in_flight=1,
-            reserve_tokens=0,
-            block_size=BS,
-            keys=lambda: [1, 2, 3],
-            book=book,
-            waiting=waiting,
-        ).kept_tokens
-
-    assert kept({stamp}) == 12
+    waiting = WaitingDecisions(0.0)
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=0, now=0.0)
+    assert _pending(book, waiting, now=0.0005) == 4  # an idle worker's next turn: same batch
+    assert _pending(book, waiting, now=0.002) == 12  # taken in on that turn
     # it answered and its stores never showed up: evicted (or never made)
-    assert kept(set()) == 4
+    waiting.answered(stamp, first_byte=True)
+    assert _pending(book, waiting) == 4
+
+
+def test_blocks_a_request_not_yet_admitted_brings_are_not_found_by_its_batch() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])  # a request in prefill there, not answered
+    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])  # queued behind it: it brings blocks 2 and 3
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    # both wait for the end of that prefill: this request would be admitted with it
+    assert _pending(book, waiting, now=5.0) == 4
+    # the prefill ended (its first byte): the worker admitted the queued one, which now
+    # stores blocks 2 and 3 before a request routed now is admitted
+    waiting.answered(ahead, first_byte=True)
+    assert _pending(book, waiting, now=5.0) == 12
+
+
+def test_an_unanswered_end_is_no_step_and_a_decode_step_takes_the_window() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.02)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    waiting.answered(ahead, first_byte=False)  # failed or cancelled: no prefill ended
+    assert _pending(book, waiting, now=5.0) == 4
+    # nothing unanswered ahead but requests decoding: admitted at the end of the step
+    other = WaitingDecisions(0.02)
+    later = book.touch([1, 2, 3])
+    other.sent(later, kept_blocks=1, held_blocks=1, running=2, now=1.0)
+    assert _pending(book, other, now=1.01) == 4
+    assert _pending(book, other, now=1.03) == 12
+
+
+def test_held_blocks_a_waiting_request_must_compute_again_are_lost_with_it() -> None:
+    # blocks 1-3 are held, but the request that touched them last was predicted to find
+    # only block 1 (the rest evicted before it is admitted): it computes 2 and 3 again
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(stamp, kept_blocks=1, held_blocks=3, running=1, now=0.01)
+    found = forecast(
+        raw_tokens=12,
+        matched_tokens=12,
+        capacity_tokens=100,
+        held_tokens=12,
+        queued_tokens=12,
+        in_flight=2,
+        reserve_tokens=0,
+        block_size=BS,
+        keys=lambda: [1, 2, 3],
+        book=book,
+        waiting=waiting,
+    )
+    assert found.kept_tokens == 4
+    assert "not admitted" in found.why
+    waiting.answered(ahead, first_byte=True)
+    assert _pending(book, waiting) == 12
+
+
+def test_requests_sent_before_a_known_admission_join_that_batch() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.02)
+    first = book.touch([9])  # nothing ahead, requests decoding: admitted at t=1.02
+    waiting.sent(first, kept_blocks=0, held_blocks=1, running=3, now=1.0)
+    stamp = book.touch([1, 2, 3])  # arrives before that step ends: the same batch
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=4, now=1.01)
+    assert _pending(book, waiting, now=1.015) == 4
+    assert _pending(book, waiting, now=1.021) == 12
+    # one sent after that admission waits for the prefill it started
+    late = book.touch([1, 2, 3, 4])
+    waiting.sent(late, kept_blocks=3, held_blocks=1, running=5, now=1.03)
+    assert not waiting.admitted(late, 1.5)
+    waiting.answered(first, first_byte=True)
+    assert waiting.admitted(late, 1.5)
+
+
+def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    # room for both in the next batch: this request would be admitted with the one ahead
+    assert _pending(book, waiting, room=2) == 4
+    # room for one only (the rest of the running cap is decoding): it comes in a later batch
+    assert _pending(book, waiting, room=1) == 12
+    # a third waiting between them: two more than the one ahead need three places
+    between = book.touch([7])
+    waiting.sent(between, kept_blocks=0, held_blocks=1, running=2, now=0.02)
+    assert waiting.behind(stamp) == 1
+    assert _pending(book, waiting, room=2) == 12
+    assert _pending(book, waiting, room=3) == 4
+
+
+def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill() -> None:
+    # a prefill side answers only once its decode has the KV; its stores show first
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=0, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])  # held: block 1; it brings 2 and 3
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    assert _pending(book, waiting, now=5.0) == 4  # pending, not admitted: its batch
+    stored = forecast(
+        raw_tokens=12,
+        matched_tokens=12,  # its blocks arrived in the events: its prefill is over
+        capacity_tokens=100,
+        held_tokens=12,
+        queued_tokens=0,
+        in_flight=2,
+        reserve_tokens=0,
+        block_size=BS,
+        keys=lambda: [1, 2, 3],
+        book=book,
+        waiting=waiting,
+        now=5.0,
+    )
+    assert stored.kept_tokens == 12

@@ -135,6 +135,8 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     indexer: IndexerService,
 ) -> None:
     planner = await _planner(indexer, "kv")
+    clock = [100.0]
+    planner.clock = lambda: clock[0]
     for entry in planner.pool:
         entry.capacity_tokens = 4096
     first = _request("S" * 200 + "first question", salt="t")
@@ -142,7 +144,13 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     chosen = planner.plan(first, ns).ranked()[0]
     ticket = planner.commit(ns, first.tokens, chosen, first_try=True)
     sibling = _request("S" * 200 + "second question", salt="t")
-    # on its way: the sibling is predicted to reuse the marked prefix
+    # sent on the idle worker's same turn, the sibling would be admitted in the first's batch
+    best = planner.plan(sibling).candidates[0]
+    assert best.worker == chosen.worker and best.pending_tokens == 192
+    assert best.predicted_tokens == 0
+    assert best.admission is not None and "not admitted" in best.admission.why
+    # on its way, taken in by the worker: the sibling is predicted to reuse the marked prefix
+    clock[0] += 0.01
     best = planner.plan(sibling).candidates[0]
     assert best.worker == chosen.worker and best.predicted_tokens == 192
     # it answered, and no event ever showed the prefix stored: the mark predicts nothing
