@@ -316,6 +316,14 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
                 if section.pooled_hit_rate is not None
                 else []
             ),
+            *(
+                [
+                    f"- TTFT floor (the pooled bound's hits, no queue: each request's own "
+                    f"uncached prefill alone), p90: {_fmt(section.ttft_floor_p90_ms)} ms"
+                ]
+                if section.ttft_floor_p90_ms is not None
+                else []
+            ),
             "",
             *_section_table(section),
             "",
@@ -395,16 +403,26 @@ def closing_note(report: BenchReport) -> list[str]:
                 other = rows.get(base)
                 done = [r for r in runs["kv"].records if r.ok]
                 cold = sum(1 for r in done if r.cached_tokens == 0) / max(1, len(done))
+                floor = section.ttft_floor_p90_ms
+                theirs = other.ttft_p90_ms if other else None
+                limit = (
+                    f" The TTFT floor (the pooled bound's hits with no queue at all) has a p90 of "
+                    f"{_fmt(floor)} ms: {base} is at {theirs / floor:.2f}x it, so "
+                    f"{t.threshold:g}x {base} ({theirs * t.threshold:.1f} ms) is below what any "
+                    "router can reach here."
+                    if floor and theirs is not None and theirs * t.threshold < floor
+                    else ""
+                )
                 notes.append(
                     f"{where}: {t.target} missed (kv p90 {_fmt(kv.ttft_p90_ms)} ms vs {base} "
-                    f"{_fmt(other.ttft_p90_ms if other else None)} ms; hit rates "
+                    f"{_fmt(theirs)} ms; hit rates "
                     f"{_pct(kv.hit_rate)} vs {_pct(other.hit_rate if other else None)}). "
                     f"{_pct(cold)} of kv's requests found nothing cached (first requests of a "
                     "prefix, or prefixes evicted before their next use): when that share is "
                     "above 10%, the p90 is a full prefill under any policy, and the gap comes "
-                    "only from the baseline's extra queueing. Closing it: more reuse per prefix "
-                    "(fewer cold requests than 10%) or a higher offered load (`--load`), where "
-                    "the baseline's extra prefill work turns into queueing."
+                    f"only from the baseline's extra queueing.{limit} Closing it: more reuse per "
+                    "prefix (fewer cold requests than 10%) or a higher offered load (`--load`), "
+                    "where the baseline's extra prefill work turns into queueing."
                 )
             else:
                 other = rows.get(base)

@@ -46,7 +46,7 @@ from bench.harness import (
     run_policy,
 )
 from bench.isolation import workload_violations
-from bench.pooled_bound import pooled_hit_rate
+from bench.pooled_bound import pooled_replay, replay_hit_rate, ttft_floor_p90_ms
 from bench.replica_fleet import REPLICATED, run_replicated
 from bench.report import write_report
 from bench.routing_results import BenchReport, PolicyRun, WorkloadSection
@@ -583,7 +583,9 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 )
                 runs.append(run)
             pooled = caches * (capacity + spec.host_capacity_tokens)
-            bound = pooled_hit_rate(workload.requests, page_size=page, capacity_tokens=pooled)
+            replay = pooled_replay(workload.requests, page_size=page, capacity_tokens=pooled)
+            bound = replay_hit_rate(replay)
+            ttft_floor = ttft_floor_p90_ms(replay, spec.prefill_ms_per_token * spec.time_scale)
             sections.append(
                 WorkloadSection(
                     workload=label,
@@ -600,6 +602,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                     dp_size=spec.dp_size,
                     host_capacity_tokens=spec.host_capacity_tokens,
                     pooled_hit_rate=bound,
+                    ttft_floor_p90_ms=ttft_floor,
                 )
             )
     fleet = msgspec.structs.asdict(settings.fleet)

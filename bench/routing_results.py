@@ -117,6 +117,9 @@ class WorkloadSection(msgspec.Struct):
     # the physical limit: one LRU cache of the whole fleet's capacity on the same trace
     # (`bench.pooled_bound`); None when not computed
     pooled_hit_rate: float | None = None
+    # TTFT p90 with the pooled cache's hits and no queue: each request's own uncached
+    # prefill (`bench.pooled_bound.ttft_floor_p90_ms`); None when not computed
+    ttft_floor_p90_ms: float | None = None
 
 
 class BenchReport(msgspec.Struct):

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from bench.isolation import ENDPOINTS, probe_isolation, workload_violations
-from bench.pooled_bound import pooled_hit_rate
+from bench.pooled_bound import pooled_hit_rate, pooled_replay, ttft_floor_p90_ms
 from bench.routing_results import PolicyRun, RequestRecord, summarize
 from bench.workloads import BenchRequest
 from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
@@ -41,6 +41,21 @@ def test_the_pooled_bound_on_a_trace_counted_by_hand() -> None:
     assert pooled_hit_rate(trace, page_size=2, capacity_tokens=4) == pytest.approx(8 / 28)
     # with room for everything only the first of each prefix misses
     assert pooled_hit_rate(trace, page_size=2, capacity_tokens=64) == pytest.approx(12 / 28)
+
+
+def test_the_ttft_floor_is_each_requests_own_uncached_prefill_at_the_90th_percentile() -> None:
+    # page 2, room for everything: each request computes what the pooled cache lacks
+    trace = [
+        BenchRequest(arrival_s=float(i), input_ids=ids, max_new_tokens=1)
+        for i, ids in enumerate(
+            [[1, 2, 3, 4, 9], [1, 2, 3, 4, 7], [5, 6, 1], [1, 2, 3, 4, 8], [1, 2, 9]]
+        )
+    ]
+    replay = pooled_replay(trace, page_size=2, capacity_tokens=64)
+    assert replay == [(0, 5), (4, 5), (0, 3), (4, 5), (2, 3)]
+    # uncached 5, 1, 3, 1, 1 tokens at 2 ms: sorted 2 2 2 6 10 ms; p90 interpolates 6 .. 10
+    assert ttft_floor_p90_ms(replay, 2.0) == pytest.approx(6 + 0.6 * 4)
+    assert ttft_floor_p90_ms([], 2.0) == 0.0
 
 
 def _record(i: int, sent: float, ttft: float, cached: int, prompt: int) -> RequestRecord:

@@ -42,9 +42,12 @@ async def test_admin_changes_reach_every_replica_and_a_restart_reads_them_back(
 
             await eventually(lambda: agreed(a), what="a to apply b's removal")
             await eventually(lambda: agreed(b), what="b to apply a's drain and add")
-        # a replica restarting with w0 in its config file reads the fleet back, w0 stays out
+        # a replica restarting with w0 in its config file reads the fleet back, w0 stays out:
+        # before it says it is ready, unless its start-up outlasted `startup_timeout_s` (a
+        # loaded machine), when it starts degraded and reads it back on the resync. Its own
+        # file alone (w0 in, no w2) never agrees, so either way the read-back is what passes
         async with RouterService(replica_config(config, nats_server.url, "c")) as c:
-            assert await agreed(c), await _fleet(session, c)
+            await eventually(lambda: agreed(c), what="c to read the shared fleet back")
 
 
 async def test_two_replicas_starting_at_once_against_an_empty_cluster_agree(
