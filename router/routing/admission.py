@@ -163,17 +163,29 @@ class RecencyBook:
         return len(dropped)
 
 
+class _Sent(msgspec.Struct, gc=False):
+    """What `WaitingDecisions` keeps of one decision until its request answers."""
+
+    answers: int  # first bytes seen on the stream when it was sent; -1: none was due
+    by: float  # admitted from this time on at the latest (inf: at an answer or event batch)
+    seq: int | None  # the stream's last event batch applied when it was sent
+    kept: int  # the leading blocks of its prompt it was predicted to reuse
+    held: int  # those its events showed held then
+
+
 class WaitingDecisions:
     """One stream's decisions whose requests have not started answering, and whether the
     worker has admitted each (so a request routed now runs in a later batch than it).
 
-    The router cannot see admissions; it sees first bytes. A worker admits what waits at the
-    end of each step, and a prefill step ends with the first token of each of its requests.
-    So a request sent while others on the stream had not answered (a prefill running or
-    queued ahead) is admitted at the first answer after it was sent. One sent with nothing
-    unanswered ahead is admitted on the worker's next turn when nothing runs there, and
-    within one decode step (`window_s`, which the router cannot see either) when requests
-    are decoding; one sent before then goes in the same batch.
+    The router cannot see admissions. It sees first bytes and event batches: a worker admits
+    what waits at the end of each step, a prefill step ends with the first token of each of
+    its requests, and a step that stored or evicted pages publishes a batch. So a request sent
+    while others on the stream had not answered (a prefill running or queued ahead) is
+    admitted at the first answer, or event batch, after it was sent (a prefill/decode pair's
+    prefill side answers only once the decode has its KV; its stores show sooner). One sent
+    with nothing unanswered ahead is admitted on the worker's next turn when nothing runs
+    there, and within one decode step (`window_s`, which the router cannot see either) when
+    requests are decoding; one sent before then goes in the same batch.
     """
 
     __slots__ = ("_answers", "_decisions", "window_s")
@@ -181,10 +193,7 @@ class WaitingDecisions:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._answers = 0  # first bytes seen on the stream
-        # stamp -> (answers seen when it was sent, -1: none was due; admitted from this time
-        # on at the latest; the leading blocks of its prompt it was predicted to reuse; those
-        # the events showed held then)
-        self._decisions: dict[int, tuple[int, float, int, int]] = {}
+        self._decisions: dict[int, _Sent] = {}  # by stamp, oldest first
 
     def __len__(self) -> int:
         return len(self._decisions)
@@ -193,23 +202,31 @@ class WaitingDecisions:
         return stamp in self._decisions
 
     def sent(
-        self, stamp: int, *, kept_blocks: int, held_blocks: int, running: int, now: float
+        self,
+        stamp: int,
+        *,
+        kept_blocks: int,
+        held_blocks: int,
+        running: int,
+        now: float,
+        seq: int | None = None,
     ) -> None:
         """The decision of `stamp` went out, predicted to reuse `kept_blocks` of the
-        `held_blocks` its events showed; `running`: requests in flight there before it."""
+        `held_blocks` its events showed; `running`: requests in flight there before it;
+        `seq`: the stream's last event batch applied (None: none yet)."""
         decisions = self._decisions
         if not decisions:
             # the worker takes it on its next turn (idle), or at the end of the decode step
             by = now + (self.window_s if running else _NEXT_TURN_S)
-            decisions[stamp] = (-1, by, kept_blocks, held_blocks)
+            decisions[stamp] = _Sent(-1, by, seq, kept_blocks, held_blocks)
             return
-        answers, by, _, _ = decisions[next(reversed(decisions))]
-        if answers < 0 and now < by:
+        last = decisions[next(reversed(decisions))]
+        if last.answers < 0 and now < last.by:
             # the last one ahead is not admitted yet, but will be at a time known: this one
             # arrived before then and goes in the same batch
-            decisions[stamp] = (-1, by, kept_blocks, held_blocks)
-        else:  # the ones ahead are in a prefill (or wait for one): admitted at its answer
-            decisions[stamp] = (self._answers, float("inf"), kept_blocks, held_blocks)
+            decisions[stamp] = _Sent(-1, last.by, seq, kept_blocks, held_blocks)
+        else:  # the ones ahead are in a prefill (or wait for one): admitted when it ends
+            decisions[stamp] = _Sent(self._answers, float("inf"), seq, kept_blocks, held_blocks)
 
     def answered(self, stamp: int, *, first_byte: bool) -> None:
         """The request of `stamp` answered (`first_byte`) or ended without an answer."""
@@ -217,10 +234,14 @@ class WaitingDecisions:
         if first_byte:
             self._answers += 1
 
-    def admitted(self, stamp: int, now: float) -> bool:
-        """Whether the worker has (probably) admitted the waiting request of `stamp`."""
-        answers, by, _, _ = self._decisions[stamp]
-        return self._answers > answers if answers >= 0 else now >= by
+    def admitted(self, stamp: int, now: float, seq: int | None = None) -> bool:
+        """Whether the worker has (probably) admitted the waiting request of `stamp`, at
+        `now`, with `seq` the stream's last event batch applied."""
+        sent = self._decisions[stamp]
+        if now >= sent.by or (sent.answers >= 0 and self._answers > sent.answers):
+            return True
+        # a batch published since: a step ended after it was sent
+        return seq is not None and (sent.seq is None or seq > sent.seq)
 
     def behind(self, stamp: int) -> int:
         """How many waiting decisions were sent after the one of `stamp`."""
@@ -230,8 +251,8 @@ class WaitingDecisions:
         """Whether the waiting request of `stamp` computes block `block` of its prompt (it
         was not predicted to reuse it), yet to store it: a block `held` now was held when it
         was sent already (one stored since, it stored: its prefill is over)."""
-        _, _, kept, held_then = self._decisions[stamp]
-        return block >= kept and (not held or block < held_then)
+        sent = self._decisions[stamp]
+        return block >= sent.kept and (not held or block < sent.held)
 
 
 def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) -> AdmissionForecast:
@@ -255,6 +276,7 @@ def forecast(
     book: RecencyBook | None,
     waiting: WaitingDecisions | None,
     now: float = 0.0,
+    seq: int | None = None,
     batch_room: int | None = None,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
@@ -262,7 +284,8 @@ def forecast(
 
     `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
     stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the
-    decisions whose requests have not started answering (at `now`): a pending block whose
+    decisions whose requests have not started answering (at `now`, the stream's last event
+    batch applied being `seq`): a pending block whose
     latest decision has answered, yet is not in the events, was evicted or never stored; a
     block that a waiting request brings is reused only if the worker admitted that request
     already, or if the next batch there (`batch_room` requests at most; None: unknown) cannot
@@ -317,7 +340,7 @@ def forecast(
                 # it) and has not been admitted: this request joins its batch, finds nothing
                 if (
                     waiting.brings(own, j, held=j < matched_blocks)
-                    and not waiting.admitted(own, now)
+                    and not waiting.admitted(own, now, seq)
                     and (batch_room is None or waiting.behind(own) + 2 <= batch_room)
                 ):
                     return _BATCHED

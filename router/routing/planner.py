@@ -268,6 +268,7 @@ class Planner:
                 else entry.max_running_requests - max(0, load.running - len(waiting))
             ),
             now=self.clock(),
+            seq=self._last_seq(stream),
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
@@ -372,6 +373,7 @@ class Planner:
                 held_blocks=candidate.matched_blocks,
                 running=candidate.running,
                 now=self.clock(),
+                seq=self._last_seq(stream),
             )
             marks.append((stream, stamp))
             # the blocks the stream can hold, and this prompt's (on their way, not held yet)
@@ -379,6 +381,11 @@ class Planner:
             if len(book) > 2 * keep:
                 book.prune(partial(self.indexer.holds, stream), keep)
         return marks
+
+    def _last_seq(self, stream: str) -> int | None:
+        """The stream's last event batch applied (None: none, or no such stream yet)."""
+        index = self.indexer.index
+        return index.last_seq(stream) if index.has_stream(stream) else None
 
     def _waiting(self, stream: str) -> WaitingDecisions:
         waiting = self.waiting.get(stream)

@@ -264,3 +264,22 @@ def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill
         now=5.0,
     )
     assert stored.kept_tokens == 12
+
+
+def test_an_event_batch_after_it_was_sent_says_the_worker_took_it_in() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])  # a prefill side that answers only once its decode has the KV
+    waiting.sent(ahead, kept_blocks=0, held_blocks=0, running=0, now=0.0, seq=7)
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01, seq=7)
+    assert not waiting.admitted(stamp, 5.0, seq=7)  # no batch since: still waiting
+    assert waiting.admitted(stamp, 5.0, seq=8)  # a step ended since it was sent
+    assert not waiting.admitted(stamp, 5.0, seq=None)
+    # a stream with no batch when it was sent: its first batch is such a step
+    fresh = WaitingDecisions(0.0)
+    first = book.touch([5])
+    fresh.sent(first, kept_blocks=0, held_blocks=0, running=0, now=0.0)
+    late = book.touch([6])
+    fresh.sent(late, kept_blocks=0, held_blocks=0, running=1, now=0.01)
+    assert fresh.admitted(late, 0.02, seq=0)
