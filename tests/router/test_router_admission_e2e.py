@@ -9,6 +9,8 @@ worker will hold at admission, and that equals the worker-reported `cached_token
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -36,14 +38,21 @@ async def test_the_prediction_at_admission_equals_what_the_worker_reuses() -> No
         decode_ms_per_token=40.0,
         time_scale=1.0,
     )
+    async with _one_worker(cfg) as (fleet, w0):
+        w0.flush_all()  # the warm-up pokes went around the router: start empty
+        await eventually(lambda: _empty(fleet), what="the flush to reach the index")
+        await _admission_case(fleet, w0)
+
+
+@contextlib.asynccontextmanager
+async def _one_worker(cfg: ReferenceConfig) -> AsyncIterator[tuple[Fleet, ReferenceWorker]]:
+    """One reference worker behind a real router, its stream live."""
     async with ReferenceWorker(cfg) as w0:
         config = router_config([("w0", w0.url)])
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             fleet = Fleet(router, {"w0": w0}, session)
             await fleet.warm()
-            w0.flush_all()  # the warm-up pokes went around the router: start empty
-            await eventually(lambda: _empty(fleet), what="the flush to reach the index")
-            await _admission_case(fleet, w0)
+            yield fleet, w0
 
 
 async def _empty(fleet: Fleet) -> bool:
@@ -112,13 +121,9 @@ async def test_a_sibling_in_the_same_batch_is_predicted_no_reuse_and_one_after_i
         decode_ms_per_token=1.0,
         time_scale=1.0,
     )
-    async with ReferenceWorker(cfg) as w0:
-        config = router_config([("w0", w0.url)])
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            await _same_batch_case(fleet, w0)
-            await _later_batch_case(fleet, w0)
+    async with _one_worker(cfg) as (fleet, w0):
+        await _same_batch_case(fleet, w0)
+        await _later_batch_case(fleet, w0)
 
 
 async def _same_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:

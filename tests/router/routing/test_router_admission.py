@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.routing.admission import RecencyBook, WaitingDecisions, forecast
+from router.routing.admission import AdmissionForecast, RecencyBook, WaitingDecisions, forecast
 
 BS = 4  # tokens per block
 
@@ -111,17 +111,24 @@ def test_prune_drops_what_the_stream_no_longer_holds_but_keeps_the_newest() -> N
     assert book.not_older(book.stamp(3) or 0) == 4  # 3, 4, 5, 6
 
 
-def _pending(
-    book: RecencyBook, waiting: WaitingDecisions, *, now: float = 0.0, room: int | None = None
-) -> int:
-    """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
+def _over_blocks_1_to_3(
+    book: RecencyBook,
+    waiting: WaitingDecisions,
+    *,
+    held: int,
+    queued: int,
+    now: float,
+    room: int | None = None,
+) -> AdmissionForecast:
+    """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
+    pending), on a 100-token pool with nothing to evict."""
     return forecast(
         raw_tokens=12,
-        matched_tokens=4,
+        matched_tokens=held,
         capacity_tokens=100,
-        held_tokens=4,
-        queued_tokens=8,
-        in_flight=1,
+        held_tokens=held,
+        queued_tokens=queued,
+        in_flight=2,
         reserve_tokens=0,
         block_size=BS,
         keys=lambda: [1, 2, 3],
@@ -129,7 +136,33 @@ def _pending(
         waiting=waiting,
         now=now,
         batch_room=room,
-    ).kept_tokens
+    )
+
+
+def _pending(
+    book: RecencyBook, waiting: WaitingDecisions, *, now: float = 0.0, room: int | None = None
+) -> int:
+    """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
+    return _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=now, room=room).kept_tokens
+
+
+def _behind_a_prefill(
+    window_s: float = 0.0, held_blocks: int = 1
+) -> tuple[RecencyBook, WaitingDecisions, int, int]:
+    """A request in prefill (`ahead`, not answered) and one queued behind it over blocks 1-3,
+    predicted to find block 1 and so bringing 2 and 3 (`stamp`)."""
+    book = RecencyBook()
+    waiting = WaitingDecisions(window_s)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=0, running=0, now=0.0)
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(stamp, kept_blocks=1, held_blocks=held_blocks, running=1, now=0.01)
+    return book, waiting, ahead, stamp
+
+
+def _held(book: RecencyBook, waiting: WaitingDecisions, queued: int) -> AdmissionForecast:
+    """Blocks 1, 2, 3 all held per the events (12 tokens matched)."""
+    return _over_blocks_1_to_3(book, waiting, held=12, queued=queued, now=5.0)
 
 
 def test_pending_blocks_count_only_while_their_request_is_on_its_way() -> None:
@@ -145,12 +178,7 @@ def test_pending_blocks_count_only_while_their_request_is_on_its_way() -> None:
 
 
 def test_blocks_a_request_not_yet_admitted_brings_are_not_found_by_its_batch() -> None:
-    book = RecencyBook()
-    waiting = WaitingDecisions(0.0)
-    ahead = book.touch([9])  # a request in prefill there, not answered
-    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
-    stamp = book.touch([1, 2, 3])  # queued behind it: it brings blocks 2 and 3
-    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    book, waiting, ahead, _ = _behind_a_prefill()
     # both wait for the end of that prefill: this request would be admitted with it
     assert _pending(book, waiting, now=5.0) == 4
     # the prefill ended (its first byte): the worker admitted the queued one, which now
@@ -160,12 +188,7 @@ def test_blocks_a_request_not_yet_admitted_brings_are_not_found_by_its_batch() -
 
 
 def test_an_unanswered_end_is_no_step_and_a_decode_step_takes_the_window() -> None:
-    book = RecencyBook()
-    waiting = WaitingDecisions(0.02)
-    ahead = book.touch([9])
-    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
-    stamp = book.touch([1, 2, 3])
-    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    book, waiting, ahead, _ = _behind_a_prefill(window_s=0.02)
     waiting.answered(ahead, first_byte=False)  # failed or cancelled: no prefill ended
     assert _pending(book, waiting, now=5.0) == 4
     # nothing unanswered ahead but requests decoding: admitted at the end of the step
@@ -179,27 +202,9 @@ def test_an_unanswered_end_is_no_step_and_a_decode_step_takes_the_window() -> No
 def test_held_blocks_a_waiting_request_must_compute_again_are_lost_with_it() -> None:
     # blocks 1-3 are held, but the request that touched them last was predicted to find
     # only block 1 (the rest evicted before it is admitted): it computes 2 and 3 again
-    book = RecencyBook()
-    waiting = WaitingDecisions(0.0)
-    ahead = book.touch([9])
-    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
-    stamp = book.touch([1, 2, 3])
-    waiting.sent(stamp, kept_blocks=1, held_blocks=3, running=1, now=0.01)
-    found = forecast(
-        raw_tokens=12,
-        matched_tokens=12,
-        capacity_tokens=100,
-        held_tokens=12,
-        queued_tokens=12,
-        in_flight=2,
-        reserve_tokens=0,
-        block_size=BS,
-        keys=lambda: [1, 2, 3],
-        book=book,
-        waiting=waiting,
-    )
-    assert found.kept_tokens == 4
-    assert "not admitted" in found.why
+    book, waiting, ahead, _ = _behind_a_prefill(held_blocks=3)
+    found = _held(book, waiting, queued=12)
+    assert found.kept_tokens == 4 and "not admitted" in found.why
     waiting.answered(ahead, first_byte=True)
     assert _pending(book, waiting) == 12
 
@@ -222,12 +227,7 @@ def test_requests_sent_before_a_known_admission_join_that_batch() -> None:
 
 
 def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks() -> None:
-    book = RecencyBook()
-    waiting = WaitingDecisions(0.0)
-    ahead = book.touch([9])
-    waiting.sent(ahead, kept_blocks=0, held_blocks=1, running=0, now=0.0)
-    stamp = book.touch([1, 2, 3])
-    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    book, waiting, _, stamp = _behind_a_prefill()
     # room for both in the next batch: this request would be admitted with the one ahead
     assert _pending(book, waiting, room=2) == 4
     # room for one only (the rest of the running cap is decoding): it comes in a later batch
@@ -242,28 +242,10 @@ def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks(
 
 def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill() -> None:
     # a prefill side answers only once its decode has the KV; its stores show first
-    book = RecencyBook()
-    waiting = WaitingDecisions(0.0)
-    ahead = book.touch([9])
-    waiting.sent(ahead, kept_blocks=0, held_blocks=0, running=0, now=0.0)
-    stamp = book.touch([1, 2, 3])  # held: block 1; it brings 2 and 3
-    waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=1, now=0.01)
+    book, waiting, _, _ = _behind_a_prefill()  # held: block 1; it brings 2 and 3
     assert _pending(book, waiting, now=5.0) == 4  # pending, not admitted: its batch
-    stored = forecast(
-        raw_tokens=12,
-        matched_tokens=12,  # its blocks arrived in the events: its prefill is over
-        capacity_tokens=100,
-        held_tokens=12,
-        queued_tokens=0,
-        in_flight=2,
-        reserve_tokens=0,
-        block_size=BS,
-        keys=lambda: [1, 2, 3],
-        book=book,
-        waiting=waiting,
-        now=5.0,
-    )
-    assert stored.kept_tokens == 12
+    # its blocks arrived in the events: its prefill is over
+    assert _held(book, waiting, queued=0).kept_tokens == 12
 
 
 def test_an_event_batch_after_it_was_sent_says_the_worker_took_it_in() -> None:
