@@ -43,6 +43,7 @@ from router.routing.admission import (
     RecencyBook,
     WaitingDecisions,
     forecast,
+    recency_stride,
     unforecast,
 )
 from router.routing.balance import BalanceEstimate, BalanceModel
@@ -246,6 +247,9 @@ class Planner:
         stream = streams[0]
         load = self.load.of(entry.id, candidate.dp_rank)
         waiting = self._waiting(stream)
+        block_size = self.indexer.index.block_size(stream)
+        stride = recency_stride(block_size or 1)
+        stretch = None if block_size is None else block_size * stride
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
             matched_tokens=candidate.matched_tokens,
@@ -255,7 +259,7 @@ class Planner:
             # only the requests a rank runs at once hold private pages; the rest wait
             in_flight=min(load.running, entry.max_running_requests or load.running),
             reserve_tokens=self._config.admission_reserve_tokens,
-            block_size=self.indexer.index.block_size(stream),
+            block_size=block_size,
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
             book=self.recency.get(stream),
             # a namespace no event can show (extra_key): its pending marks are all there is
@@ -269,6 +273,7 @@ class Planner:
             ),
             now=self.clock(),
             seq=self._last_seq(stream),
+            stride=stride,
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
@@ -278,7 +283,8 @@ class Planner:
             candidate.eviction = eviction_cost(
                 admission=found,
                 new_tokens=max(0, len(tokens) - found.kept_tokens) + reserve,
-                block_size=self.indexer.index.block_size(stream),
+                # the book keeps a block per stretch: each stands for the stretch it starts
+                block_size=stretch,
                 book=self.recency.get(stream),
                 holder_counts=self.indexer.holder_counts,
             )
@@ -365,8 +371,10 @@ class Planner:
             book = self.recency.get(stream)
             if book is None:
                 book = self.recency[stream] = RecencyBook()
-            stamp = book.touch(keys)
             block = self.indexer.index.block_size(stream) or 1
+            stride = recency_stride(block)
+            kept = keys[::stride]  # a block per stretch: what the forecast reads
+            stamp = book.touch(kept)
             self._waiting(stream).sent(
                 stamp,
                 kept_blocks=candidate.predicted_tokens // block,
@@ -377,7 +385,7 @@ class Planner:
             )
             marks.append((stream, stamp))
             # the blocks the stream can hold, and this prompt's (on their way, not held yet)
-            keep = max(capacity // (self.indexer.index.block_size(stream) or 1), len(keys))
+            keep = max(capacity // (block * stride), len(kept))
             if len(book) > 2 * keep:
                 book.prune(partial(self.indexer.holds, stream), keep)
         return marks

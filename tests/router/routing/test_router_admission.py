@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from router.routing.admission import AdmissionForecast, RecencyBook, WaitingDecisions, forecast
+from router.routing.admission import (
+    AdmissionForecast,
+    RecencyBook,
+    WaitingDecisions,
+    forecast,
+    recency_stride,
+)
 
 BS = 4  # tokens per block
 
@@ -265,3 +271,34 @@ def test_an_event_batch_after_it_was_sent_says_the_worker_took_it_in() -> None:
     late = book.touch([6])
     fresh.sent(late, kept_blocks=0, held_blocks=0, running=1, now=0.01)
     assert fresh.admitted(late, 0.02, seq=0)
+
+
+def test_the_book_keeps_a_block_per_stretch_and_each_stands_for_its_stretch() -> None:
+    assert [recency_stride(b) for b in (1, 4, 16, 64)] == [16, 4, 1, 1]
+    # blocks of 1 token, a stretch of 4 kept per decision: 0, 4, 8 of a 12-block path
+    book = RecencyBook()
+    old = list(range(100, 112))
+    book.touch(old[::4])
+    for n in range(3):  # three newer paths of 12 blocks: 9 book entries, 36 blocks
+        book.touch(list(range(200 + 12 * n, 212 + 12 * n))[::4])
+
+    def kept(pool: int) -> int:
+        return forecast(
+            raw_tokens=12,
+            matched_tokens=12,
+            capacity_tokens=pool,
+            held_tokens=pool,
+            queued_tokens=4,
+            in_flight=0,
+            reserve_tokens=0,
+            block_size=1,
+            keys=lambda: old,
+            book=book,
+            waiting=WaitingDecisions(0.0),
+            stride=4,
+        ).kept_tokens
+
+    # 12 entries newer or as new as the old path's stand for 48 blocks: a 48-block pool keeps
+    # it, a 47-block one (held full, 4 tokens queued) does not
+    assert kept(48) == 12
+    assert kept(47) == 0
