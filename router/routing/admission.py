@@ -40,10 +40,10 @@ Pure and synchronous: no I/O.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import msgspec
-from sortedcontainers import SortedList
 
 __all__ = [
     "AdmissionForecast",
@@ -59,6 +59,9 @@ __all__ = [
 # (SGLang's default is one token) would otherwise cost the router one book entry per token
 # of every prompt it routes (an 8k-token prompt: 8,192 entries, about 20 ms to touch)
 RECENCY_SAMPLE_TOKENS = 16
+
+# up to this many earlier groups a touch takes keys from, it shrinks each by set difference
+_FEW_GROUPS = 8
 
 # how soon an idle worker takes a request in: what reaches it meanwhile joins the batch
 _NEXT_TURN_S = 0.001
@@ -89,18 +92,25 @@ class RecencyBook:
     go together. Keys the stream no longer holds are dropped by `prune` (the caller checks
     them against the index), which keeps the book within a small multiple of the stream's
     capacity.
+
+    A touch is on the request path, so it works per group, not per key where it can: a
+    prompt's keys come from a few earlier decisions, whose groups shrink by set difference,
+    and the count of keys per stamp sits in a Fenwick tree, so `not_older` is a prefix sum.
     """
 
-    __slots__ = ("_groups", "_hits", "_next", "_order", "_stamps")
+    __slots__ = ("_base", "_groups", "_hits", "_next", "_stamps", "_tree")
 
     def __init__(self) -> None:
         self._stamps: dict[int, int] = {}  # block key -> its latest stamp
-        self._order: SortedList = SortedList()  # one stamp per key (repeated per decision)
         # stamp -> the keys it is the latest of; stamps only grow, so this dict's order is
         # stamp order (oldest first)
         self._groups: dict[int, set[int]] = {}
-        self._hits: dict[int, int] = {}  # block key -> decisions that used it while held here
+        self._hits: Counter[int] = Counter()  # block key -> decisions that used it here
         self._next = 0
+        # keys per stamp, as a Fenwick tree over stamps from `_base` (1-based; grown and
+        # rebased on the oldest live stamp when a stamp outgrows it)
+        self._base = 0
+        self._tree = [0] * 1025
 
     def __len__(self) -> int:
         return len(self._stamps)
@@ -110,22 +120,34 @@ class RecencyBook:
         returns their stamp."""
         stamp = self._next
         self._next += 1
+        if stamp - self._base + 1 >= len(self._tree):
+            self._rebuild(stamp)
         stamps = self._stamps
-        order = self._order
         groups = self._groups
-        hits = self._hits
-        for key in keys:
-            old = stamps.get(key)
-            if old is not None:
-                order.remove(old)
+        olds = [s for s in map(stamps.get, keys) if s is not None]
+        distinct = set(olds)
+        if len(distinct) <= _FEW_GROUPS:  # the usual prompt: a prefix or two routed before
+            for old in distinct:
                 group = groups[old]
-                group.discard(key)
+                before = len(group)
+                group.difference_update(keys)
+                self._add(old, len(group) - before)
                 if not group:
                     del groups[old]
-            stamps[key] = stamp
-            hits[key] = hits.get(key, 0) + 1
-        order.update([stamp] * len(keys))
-        groups[stamp] = set(keys)
+        else:  # keys from many groups: one discard per key beats a pass over all per group
+            moved: Counter[int] = Counter(olds)
+            for key in keys:
+                was = stamps.get(key)
+                if was is not None:
+                    groups[was].discard(key)
+            for gone, n in moved.items():
+                self._add(gone, -n)
+                if not groups[gone]:
+                    del groups[gone]
+        stamps.update(dict.fromkeys(keys, stamp))
+        self._hits.update(keys)
+        group = groups[stamp] = set(keys)
+        self._add(stamp, len(group))
         return stamp
 
     def hits(self, key: int) -> int:
@@ -147,16 +169,26 @@ class RecencyBook:
 
     def not_older(self, stamp: int) -> int:
         """How many keys of the book were touched at `stamp` or later."""
-        return len(self._order) - int(self._order.bisect_left(stamp))
+        i = min(stamp - self._base, len(self._tree) - 1)
+        older = 0
+        tree = self._tree
+        while i > 0:
+            older += tree[i]
+            i -= i & -i
+        return len(self._stamps) - older
 
     def prune(self, holds: Callable[[list[int]], list[bool]], keep: int) -> int:
         """Drop keys the stream no longer holds (`holds` answers per key) among all but the
         newest `keep` (those may be on their way: their stores have not arrived), then the
         oldest beyond `2 * keep`; returns how many were dropped."""
-        old = len(self._order) - keep
+        old = len(self._stamps) - keep
         if old <= 0:
             return 0
-        cut = self._order[old - 1]
+        cut, seen = -1, 0  # the newest stamp among the `old` oldest keys
+        for stamp, group in self._groups.items():
+            if seen >= old:
+                break
+            cut, seen = stamp, seen + len(group)
         keys = [k for k, s in self._stamps.items() if s <= cut]
         dropped = [k for k, held in zip(keys, holds(keys), strict=True) if not held]
         extra = len(self._stamps) - len(dropped) - 2 * keep
@@ -166,13 +198,36 @@ class RecencyBook:
             dropped.extend(k for _, k in rest[:extra])
         for key in dropped:
             stamp = self._stamps.pop(key)
-            self._order.remove(stamp)
+            self._add(stamp, -1)
             self._hits.pop(key, None)
             group = self._groups[stamp]
             group.discard(key)
             if not group:
                 del self._groups[stamp]
         return len(dropped)
+
+    def _add(self, stamp: int, delta: int) -> None:
+        tree = self._tree
+        i = stamp - self._base + 1
+        while i < len(tree):
+            tree[i] += delta
+            i += i & -i
+
+    def _rebuild(self, stamp: int) -> None:
+        """Room for `stamp`: the tree restarts at the oldest live stamp, twice as wide as it
+        must be (each rebuild is paid for by the touches since the last)."""
+        base = next(iter(self._groups), stamp)
+        size = 1024
+        while size < 2 * (stamp - base + 1):
+            size *= 2
+        tree = [0] * (size + 1)
+        for s, group in self._groups.items():
+            tree[s - base + 1] += len(group)
+        for i in range(1, size + 1):  # the linear Fenwick construction
+            j = i + (i & -i)
+            if j <= size:
+                tree[j] += tree[i]
+        self._base, self._tree = base, tree
 
 
 class _Sent(msgspec.Struct, gc=False):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from router.routing.admission import (
     AdmissionForecast,
     RecencyBook,
@@ -302,3 +304,26 @@ def test_the_book_keeps_a_block_per_stretch_and_each_stands_for_its_stretch() ->
     # it, a 47-block one (held full, 4 tokens queued) does not
     assert kept(48) == 12
     assert kept(47) == 0
+
+
+def test_the_book_agrees_with_a_plain_model_over_many_touches_prunes_and_rebuilds() -> None:
+    # the model: each key's latest stamp; not_older counts them (the book must agree)
+    rng = random.Random(7)
+    book = RecencyBook()
+    model: dict[int, int] = {}
+    for step in range(3000):  # past several rebuilds of the tree (1,024 stamps wide)
+        keys = rng.sample(range(400), rng.randrange(1, 40))
+        stamp = book.touch(keys)
+        model.update(dict.fromkeys(keys, stamp))
+        if step % 97 == 0:
+            held = set(rng.sample(range(400), 200))
+
+            def holds(ks: list[int], held: set[int] = held) -> list[bool]:
+                return [k in held for k in ks]
+
+            book.prune(holds, keep=60)
+            model = {k: s for k, s in model.items() if book.stamp(k) is not None}
+            assert len(model) == len(book)
+        for probe in (0, stamp - 50, stamp - 5, stamp, stamp + 1):
+            assert book.not_older(probe) == sum(1 for s in model.values() if s >= probe)
+        assert all(book.stamp(k) == s for k, s in model.items())
