@@ -67,6 +67,7 @@ from indexer.protocol import EventBatch, Removed, Stored, decode_batch
 from indexer.service import IndexerService
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
+from router.routing.admission import RecencyBook, recency_stride
 
 __all__ = ["add_arguments", "run"]
 
@@ -312,6 +313,13 @@ def _stages(
         index.add_pending(streams[i % len(streams)], ns, tokens)
         stages.setdefault("pending", []).append((time.perf_counter_ns() - t0) / 1000)
     index.pending.clear()
+    book = RecencyBook()  # the admission forecast's recency book, as routing feeds it
+    stride = recency_stride(PAGE)
+    for ns, tokens in prompts * 2:
+        touched = keys(ns, tokens)[::stride]
+        t0 = time.perf_counter_ns()
+        book.touch(touched)
+        stages.setdefault("recency", []).append((time.perf_counter_ns() - t0) / 1000)
     med = {name: _percentiles(v)[0] for name, v in stages.items()}
     for ns, tokens in prompts[:5]:  # the baseline answers the same question
         found = index.match(ns, tokens).blocks
@@ -324,6 +332,7 @@ def _stages(
         med["service"],
         med["naive"],
         med["pending"],
+        med["recency"],
     )
 
 

@@ -52,6 +52,7 @@ class StageResult(msgspec.Struct):
     service_us: float  # IndexerService.query (per-worker states and WorkerMatch objects)
     naive_us: float  # `NaiveIndex.match` on the same entries: a block-by-block set walk
     pending_us: float  # PrefixIndex.add_pending: what routing a prompt adds (marks its blocks)
+    recency_us: float  # RecencyBook.touch: the admission forecast's record of the decision
 
 
 class BackendResult(msgspec.Struct):
@@ -174,6 +175,8 @@ def render(
         f"{stages.naive_us:,.0f} |",
         f"| after routing: `add_pending` (marks the prompt's blocks the chosen stream lacks) | "
         f"{stages.pending_us:,.0f} |",
+        f"| after routing: `RecencyBook.touch` (the admission forecast's recency, 512 blocks) | "
+        f"{stages.recency_us:,.0f} |",
         "",
         "## Memory",
         "",
