@@ -103,6 +103,11 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer_ms_per_token: float = 0.002
 
     @property
+    def decode_step_ms(self) -> float:
+        """One decode step of its workers, in real time (what a router's batch window is)."""
+        return self.decode_ms_per_token * self.time_scale
+
+    @property
     def disaggregated(self) -> bool:
         """Whether this is a prefill/decode fleet."""
         return self.prefill_workers > 0 and self.decode_workers > 0
@@ -463,7 +468,7 @@ async def _router(
             name=policy,  # type: ignore[arg-type]
             seed=seed,
             # the fleet's decode step, as an operator sets it for theirs
-            admission_batch_window_ms=spec.decode_ms_per_token * spec.time_scale,
+            admission_batch_window_ms=spec.decode_step_ms,
             **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
         ),
         workers=tuple(RoutedWorker(url=w.url, id=name) for name, w in fleet.items()),

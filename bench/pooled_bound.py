@@ -24,7 +24,7 @@ from bench.workloads import BenchRequest
 from workers.cache import Namespace, PagedRadixCache
 from workers.scheduler import deterministic_output
 
-__all__ = ["pooled_hit_rate", "pooled_replay", "replay_hit_rate", "ttft_floor_p90_ms"]
+__all__ = ["pooled_replay", "replay_hit_rate", "ttft_floor_p90_ms"]
 
 
 def pooled_replay(
@@ -43,15 +43,6 @@ def pooled_replay(
         cache.insert(namespace, [*ids, *output[:-1]])
         cache.take_events()
     return out
-
-
-def pooled_hit_rate(
-    requests: Sequence[BenchRequest], *, page_size: int, capacity_tokens: int
-) -> float:
-    """Hit rate (cached / prompt tokens) of one LRU cache of `capacity_tokens` on `requests`."""
-    return replay_hit_rate(
-        pooled_replay(requests, page_size=page_size, capacity_tokens=capacity_tokens)
-    )
 
 
 def replay_hit_rate(replay: Sequence[tuple[int, int]]) -> float:

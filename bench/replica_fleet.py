@@ -79,7 +79,7 @@ async def _replicas(
                 policy=PolicyConfig(
                     name="kv",
                     seed=seed + i,
-                    admission_batch_window_ms=spec.decode_ms_per_token * spec.time_scale,
+                    admission_batch_window_ms=spec.decode_step_ms,
                     **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
                 ),
                 workers=tuple(RoutedWorker(url=url, id=name) for name, url in urls.items()),

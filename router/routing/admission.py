@@ -255,12 +255,13 @@ class WaitingDecisions:
     requests are decoding; one sent before then goes in the same batch.
     """
 
-    __slots__ = ("_answers", "_decisions", "window_s")
+    __slots__ = ("_answers", "_decisions", "_recomputing", "window_s")
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._answers = 0  # first bytes seen on the stream
         self._decisions: dict[int, _Sent] = {}  # by stamp, oldest first
+        self._recomputing = 0  # of those, the ones predicted to lose blocks held when sent
 
     def __len__(self) -> int:
         return len(self._decisions)
@@ -282,6 +283,8 @@ class WaitingDecisions:
         `held_blocks` its events showed; `running`: requests in flight there before it;
         `seq`: the stream's last event batch applied (None: none yet)."""
         decisions = self._decisions
+        if kept_blocks < held_blocks:
+            self._recomputing += 1
         if not decisions:
             # the worker takes it on its next turn (idle), or at the end of the decode step
             by = now + (self.window_s if running else _NEXT_TURN_S)
@@ -297,7 +300,9 @@ class WaitingDecisions:
 
     def answered(self, stamp: int, *, first_byte: bool) -> None:
         """The request of `stamp` answered (`first_byte`) or ended without an answer."""
-        self._decisions.pop(stamp, None)
+        sent = self._decisions.pop(stamp, None)
+        if sent is not None and sent.kept < sent.held:
+            self._recomputing -= 1
         if first_byte:
             self._answers += 1
 
@@ -309,6 +314,12 @@ class WaitingDecisions:
             return True
         # a batch published since: a step ended after it was sent
         return seq is not None and (sent.seq is None or seq > sent.seq)
+
+    def recomputes_held(self) -> bool:
+        """Whether a waiting request will compute again blocks the events show held (it was
+        predicted to lose them before its admission): only such a request can take a held
+        block from a request routed now."""
+        return self._recomputing > 0
 
     def behind(self, stamp: int) -> int:
         """How many waiting decisions were sent after the one of `stamp`."""
@@ -386,7 +397,13 @@ def forecast(
         "evicted before admission"
     )
     matched_blocks = matched_tokens // block_size
-    if not evict and raw_tokens <= matched_tokens and not waiting:
+    if (
+        not evict
+        and raw_tokens <= matched_tokens
+        and (waiting is None or not waiting.recomputes_held())
+    ):
+        # all held, nothing evicted, and no request ahead to compute a held block again: the
+        # prompt's keys are not needed (the common case, kept off the request path)
         out.why = fits
         return out
     blocks = list(keys())[: raw_tokens // block_size]
@@ -407,7 +424,6 @@ def forecast(
 
     def lost(j: int) -> str:
         """Why block `j` is gone when the request is admitted ("": it is not)."""
-        stamp = stamp_of(j)
         if book is not None and waiting is not None:
             own = book.stamp(blocks[j - j % stride])
             if own is not None and own in waiting:
@@ -430,6 +446,7 @@ def forecast(
         # were used since it (by the time this request is admitted, every request ahead has
         # used its blocks); blocks touched by one decision share a stamp (a leaf node is
         # evicted whole)
+        stamp = stamp_of(j)
         survives = (
             stamp is not None
             and book is not None

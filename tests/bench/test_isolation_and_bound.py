@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from bench.isolation import ENDPOINTS, probe_isolation, workload_violations
-from bench.pooled_bound import pooled_hit_rate, pooled_replay, ttft_floor_p90_ms
+from bench.pooled_bound import pooled_replay, replay_hit_rate, ttft_floor_p90_ms
 from bench.routing_results import PolicyRun, RequestRecord, summarize
 from bench.workloads import BenchRequest
 from router.config import AdminConfig, ListenConfig, PolicyConfig, RouterConfig
@@ -38,9 +38,13 @@ def test_the_pooled_bound_on_a_trace_counted_by_hand() -> None:
     for i, r in enumerate(trace):
         trace[i] = BenchRequest(arrival_s=float(i), input_ids=r.input_ids, max_new_tokens=1,
                                 cache_salt=r.cache_salt)  # fmt: skip
-    assert pooled_hit_rate(trace, page_size=2, capacity_tokens=4) == pytest.approx(8 / 28)
+    assert replay_hit_rate(pooled_replay(trace, page_size=2, capacity_tokens=4)) == pytest.approx(
+        8 / 28
+    )
     # with room for everything only the first of each prefix misses
-    assert pooled_hit_rate(trace, page_size=2, capacity_tokens=64) == pytest.approx(12 / 28)
+    assert replay_hit_rate(pooled_replay(trace, page_size=2, capacity_tokens=64)) == pytest.approx(
+        12 / 28
+    )
 
 
 def test_the_ttft_floor_is_each_requests_own_uncached_prefill_at_the_90th_percentile() -> None:

@@ -327,3 +327,40 @@ def test_the_book_agrees_with_a_plain_model_over_many_touches_prunes_and_rebuild
         for probe in (0, stamp - 50, stamp - 5, stamp, stamp + 1):
             assert book.not_older(probe) == sum(1 for s in model.values() if s >= probe)
         assert all(book.stamp(k) == s for k, s in model.items())
+
+
+def test_a_held_match_skips_the_keys_unless_a_request_ahead_computes_held_blocks_again() -> None:
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.0)
+    ahead = book.touch([9])  # in flight there, predicted to reuse all it held
+    waiting.sent(ahead, kept_blocks=1, held_blocks=1, running=0, now=0.0)
+    asked: list[int] = []
+
+    def keys() -> list[int]:
+        asked.append(1)
+        return [1, 2, 3]
+
+    def run() -> AdmissionForecast:
+        return forecast(
+            raw_tokens=12,
+            matched_tokens=12,
+            capacity_tokens=100,
+            held_tokens=12,
+            queued_tokens=0,
+            in_flight=1,
+            reserve_tokens=0,
+            block_size=BS,
+            keys=keys,
+            book=book,
+            waiting=waiting,
+            now=5.0,
+        )
+
+    assert run().kept_tokens == 12 and not asked  # nothing can take a held block from it
+    # one sent after it was predicted to lose held blocks (it computes them again)
+    again = book.touch([1, 2, 3])
+    waiting.sent(again, kept_blocks=1, held_blocks=3, running=1, now=5.0)
+    assert waiting.recomputes_held()
+    assert run().kept_tokens == 4 and asked
+    waiting.answered(again, first_byte=False)
+    assert not waiting.recomputes_held()
