@@ -274,6 +274,9 @@ class Planner:
             now=self.clock(),
             seq=self._last_seq(stream),
             stride=stride,
+            # a prefill side keeps each prompt's pages until its decode has them: in a
+            # backlog it admits as they come free, a few at a time
+            trickles=entry.role == "prefill",
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:

@@ -248,6 +248,46 @@ def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks(
     assert _pending(book, waiting, room=3) == 4
 
 
+def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_ahead() -> None:
+    book, waiting, _, stamp = _behind_a_prefill()
+    for n in range(3):  # three more waiting behind the one that brings blocks 2 and 3
+        other = book.touch([20 + n])
+        waiting.sent(other, kept_blocks=0, held_blocks=1, running=2 + n, now=0.02)
+    assert waiting.behind(stamp) == 3 and len(waiting) == 5
+    # a batch of 8 takes all five and this one: the same batch, on any worker
+    assert _pending(book, waiting, room=8) == 4
+    # a batch of 5 takes it with the three between (3 + 2 <= 5): the same batch there too
+    assert _pending(book, waiting, room=5) == 4
+
+    # a prefill side trickles a backlog longer than a batch in: three back, a later batch
+    def trickled(room: int, now: float = 5.0, seq: int | None = None) -> int:
+        return forecast(
+            raw_tokens=12,
+            matched_tokens=4,
+            capacity_tokens=100,
+            held_tokens=4,
+            queued_tokens=8,
+            in_flight=2,
+            reserve_tokens=0,
+            block_size=BS,
+            keys=lambda: [1, 2, 3],
+            book=book,
+            waiting=waiting,
+            now=now,
+            seq=seq,
+            batch_room=room,
+            trickles=True,
+        ).kept_tokens
+
+    assert trickled(room=5) == 12
+    assert trickled(room=8) == 4  # no backlog beyond one batch: as any worker
+    # right behind it, a trickling backlog still shares its batch, event batch or not
+    last = book.touch([1, 2, 3, 4])
+    waiting.sent(last, kept_blocks=1, held_blocks=1, running=6, now=0.03, seq=7)
+    assert waiting.joins_batch(last, now=5.0, seq=8, batch_room=5, trickles=True)
+    assert not waiting.joins_batch(last, now=5.0, seq=8, batch_room=5, trickles=False)
+
+
 def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill() -> None:
     # a prefill side answers only once its decode has the KV; its stores show first
     book, waiting, _, _ = _behind_a_prefill()  # held: block 1; it brings 2 and 3
