@@ -92,8 +92,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # holds and what the requests queued ahead of this one must allocate, least recently used
     # first). Off: the raw match counts, as when a worker's capacity is unknown
     admission: bool = True
-    # tokens each in-flight request is assumed to allocate beyond its uncached prompt (its
-    # output, the rounding of its last page) when forecasting evictions
+    # output tokens an in-flight request that names no output limit is assumed to generate
+    # when forecasting evictions (requests that name one count their own:
+    # `router.prompt.output_limit`)
     admission_reserve_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
     # whether the forecast also discounts the hit a worker is scored by (else it only changes
     # the reported prediction: x-kvroute-matched-tokens, /admin/route, the queued-load estimate)

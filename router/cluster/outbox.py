@@ -55,7 +55,11 @@ class Outbox:
         if marked:
             ids = tokens if isinstance(tokens, list) else list(tokens)
             self._put(Pending(ticket.worker, ticket.dp_rank, ns, ids))
-        self._put(Begin(number, ticket.worker, ticket.dp_rank, ticket.prefill_tokens))
+        self._put(
+            Begin(
+                number, ticket.worker, ticket.dp_rank, ticket.prefill_tokens, ticket.output_tokens
+            )
+        )
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered a request."""

@@ -86,7 +86,9 @@ class Peers:
                 old = peer.tickets.pop(d.ticket, None)
                 if old is not None:
                     load.end(old)
-                peer.tickets[d.ticket] = load.begin(d.worker, d.prefill_tokens, d.dp_rank)
+                peer.tickets[d.ticket] = load.begin(
+                    d.worker, d.prefill_tokens, d.dp_rank, output_tokens=d.output_tokens
+                )
             elif isinstance(d, FirstByte):
                 ticket = peer.tickets.get(d.ticket)
                 if ticket is not None:

@@ -50,6 +50,8 @@ class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
     worker: str
     dp_rank: int | None
     prefill_tokens: int
+    # the output it may generate (None: not known; a sender from before this field sends none)
+    output_tokens: int | None = None
 
 
 class FirstByte(msgspec.Struct, tag="first_byte", array_like=True, frozen=True):

@@ -254,7 +254,9 @@ class PairDispatcher:
             )
             first = attempt == 0
             p_ticket = pairs.commit_prefill(ns, parsed.tokens, prefill, first_try=first)
-            d_ticket = pairs.commit_decode(ns, parsed.tokens, decode, first_try=first)
+            d_ticket = pairs.commit_decode(
+                ns, parsed.tokens, decode, first_try=first, output_tokens=parsed.output_tokens
+            )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
             try:

@@ -238,7 +238,13 @@ class Proxy:
             tried.add(candidate.worker)
             # the last worker left (its other ranks are no retry: a failure is the worker's)
             last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
-            ticket = planner.commit(ns, parsed.tokens, candidate, first_try=attempt == 0)
+            ticket = planner.commit(
+                ns,
+                parsed.tokens,
+                candidate,
+                first_try=attempt == 0,
+                output_tokens=parsed.output_tokens,
+            )
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
             try:

@@ -26,6 +26,11 @@ from router.errors import RequestError
 from router.prompt.conventions import chat_options, check_chat_fields
 from router.prompt.dp_rank import requested_rank
 from router.prompt.nesting import nests_deeper
+from router.prompt.output_limit import (
+    chat_output_limit,
+    completion_output_limit,
+    generate_output_limit,
+)
 from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = [
@@ -61,6 +66,9 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     extra_key: str | None = None
     # the data-parallel rank the client named (body field or header), honoured by routing
     dp_rank: int | None = None
+    # the output tokens it may generate, as the engine budgets them (None: not known), for
+    # the pages its run takes beside the cached prefixes (`router.prompt.output_limit`)
+    output_tokens: int | None = None
 
 
 _decoder = msgspec.json.Decoder()
@@ -219,10 +227,13 @@ def parse_request(
     batched = False
     if endpoint is Endpoint.GENERATE:
         tokens, batched = _generate_tokens(body, tokenizer)
+        output_tokens = generate_output_limit(body)
     elif endpoint is Endpoint.COMPLETIONS:
         tokens = _completion_tokens(body, tokenizer)
+        output_tokens = completion_output_limit(body)
     else:
         tokens = _chat_tokens(body, tokenizer)
+        output_tokens = chat_output_limit(body)
     salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
     if header_salt is not None:
@@ -245,4 +256,5 @@ def parse_request(
         extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),
         # SGLang's /generate reads no rank header
         dp_rank=requested_rank(body, None if endpoint is Endpoint.GENERATE else header_dp_rank),
+        output_tokens=output_tokens,
     )

@@ -439,8 +439,10 @@ def forecast(
         return out
     blocks = list(keys())[: raw_tokens // block_size]
     pool_blocks = capacity_tokens // block_size
-    # the pages in-flight requests hold privately (beyond their prompts, which the book has)
-    private = -(-(in_flight * reserve_tokens) // block_size)
+    # the pages in-flight requests hold privately (beyond their prompts' whole blocks, which
+    # the book has): each its output and its prompt's last, partial page (half a page on
+    # average), in whole pages
+    private = in_flight * -(-(reserve_tokens + (block_size - 1) // 2) // block_size)
 
     def stamp_of(j: int) -> int | None:
         # a block no decision touched is as recent as the nearest touched one above it (a

@@ -21,12 +21,23 @@ __all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
 class WorkerLoad:
     """In-flight counters of one worker (or one dp rank of it)."""
 
-    __slots__ = ("kv_tokens", "queued_prefill_tokens", "running")
+    __slots__ = ("kv_tokens", "output_tokens", "queued_prefill_tokens", "running", "sized")
 
     def __init__(self) -> None:
         self.queued_prefill_tokens = 0
         self.running = 0
         self.kv_tokens = 0
+        # the output limits of the requests in flight that named one (`sized` of them)
+        self.output_tokens = 0
+        self.sized = 0
+
+    def output_per_request(self, default: int) -> float:
+        """The output tokens an in-flight request may generate, on average (`default` for
+        each that named none; `default` when none is in flight)."""
+        if not self.running:
+            return float(default)
+        unsized = max(0, self.running - self.sized)
+        return (self.output_tokens + unsized * default) / self.running
 
 
 class Ticket:
@@ -39,6 +50,7 @@ class Ticket:
         "dp_rank",
         "kv_tokens",
         "marks",
+        "output_tokens",
         "prefill_tokens",
         "prefilled",
         "sent_at",
@@ -46,12 +58,18 @@ class Ticket:
     )
 
     def __init__(
-        self, worker: str, prefill_tokens: int, dp_rank: int | None = None, kv_tokens: int = 0
+        self,
+        worker: str,
+        prefill_tokens: int,
+        dp_rank: int | None = None,
+        kv_tokens: int = 0,
+        output_tokens: int | None = None,
     ) -> None:
         self.worker = worker
         self.dp_rank = dp_rank
         self.prefill_tokens = prefill_tokens
         self.kv_tokens = kv_tokens
+        self.output_tokens = output_tokens
         self.prefilled = False
         self.done = False
         # (stream, recency stamp) of the decision on each stream it was sent to, while its
@@ -87,18 +105,29 @@ class LoadTracker:
             out.queued_prefill_tokens += load.queued_prefill_tokens
             out.running += load.running
             out.kv_tokens += load.kv_tokens
+            out.output_tokens += load.output_tokens
+            out.sized += load.sized
         return out
 
     def begin(
-        self, worker: str, prefill_tokens: int, dp_rank: int | None = None, kv_tokens: int = 0
+        self,
+        worker: str,
+        prefill_tokens: int,
+        dp_rank: int | None = None,
+        kv_tokens: int = 0,
+        output_tokens: int | None = None,
     ) -> Ticket:
         """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens (and,
-        to a decode worker, this much KV it will hold while it runs)."""
+        to a decode worker, this much KV it will hold while it runs; `output_tokens`: the
+        output it may generate, None: not known)."""
         load = self.of(worker, dp_rank)
         load.queued_prefill_tokens += prefill_tokens
         load.running += 1
         load.kv_tokens += kv_tokens
-        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens)
+        if output_tokens is not None:
+            load.output_tokens += output_tokens
+            load.sized += 1
+        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens, output_tokens)
 
     def _load(self, ticket: Ticket) -> WorkerLoad | None:
         ranks = self._loads.get(ticket.worker)
@@ -123,6 +152,9 @@ class LoadTracker:
         if load is not None:
             load.running -= 1
             load.kv_tokens -= ticket.kv_tokens
+            if ticket.output_tokens is not None:
+                load.output_tokens -= ticket.output_tokens
+                load.sized -= 1
 
     def running(self) -> dict[str, int]:
         """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`)."""

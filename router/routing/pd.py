@@ -97,15 +97,23 @@ class PairPlanner:
     def commit_prefill(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
     ) -> Ticket:
-        """The prefill side is committed like any request: pending marks, policy, load."""
-        return self.planner.commit(ns, tokens, candidate, first_try=first_try)
+        """The prefill side is committed like any request: pending marks, policy, load. It
+        makes the first token only (SGLang's prefill side sets `max_new_tokens` to 1)."""
+        return self.planner.commit(ns, tokens, candidate, first_try=first_try, output_tokens=1)
 
     def commit_decode(
-        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        candidate: Candidate,
+        *,
+        first_try: bool,
+        output_tokens: int | None = None,
     ) -> Ticket:
         """The decode side: its policy learns the choice, the prompt it will hold is marked
         pending there (it caches what it is sent), and its load counts the transfer to come
-        (the tokens it does not hold) and the KV it keeps until the request ends."""
+        (the tokens it does not hold), the KV it keeps until the request ends and the output
+        it may generate (`output_tokens`, None: not known)."""
         if first_try:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
@@ -117,6 +125,7 @@ class PairPlanner:
             max(0, len(tokens) - held),
             candidate.dp_rank,
             kv_tokens=len(tokens),
+            output_tokens=output_tokens,
         )
 
     def forget(self, worker: str) -> None:

@@ -246,6 +246,8 @@ class Planner:
             return
         stream = streams[0]
         load = self.load.of(entry.id, candidate.dp_rank)
+        # the output its running requests may add (their own limits where they named one)
+        reserve = round(load.output_per_request(self._config.admission_reserve_tokens))
         waiting = self._waiting(stream)
         block_size = self.indexer.index.block_size(stream)
         stride = recency_stride(block_size or 1)
@@ -258,7 +260,7 @@ class Planner:
             queued_tokens=load.queued_prefill_tokens,
             # only the requests a rank runs at once hold private pages; the rest wait
             in_flight=min(load.running, entry.max_running_requests or load.running),
-            reserve_tokens=self._config.admission_reserve_tokens,
+            reserve_tokens=reserve,
             block_size=block_size,
             keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
             book=self.recency.get(stream),
@@ -332,12 +334,19 @@ class Planner:
         return engine_spec(entry.config.engine) if entry is not None else SGLANG
 
     def commit(
-        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        candidate: Candidate,
+        *,
+        first_try: bool,
+        output_tokens: int | None = None,
     ) -> Ticket:
         """Record that the request goes to `candidate`; returns its load ticket.
 
         Pending marks and load go to the candidate's rank only (with no rank, the engine picks:
-        the marks go on every stream of the worker)."""
+        the marks go on every stream of the worker). `output_tokens`: the output the request
+        may generate there (None: not known)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
@@ -347,7 +356,12 @@ class Planner:
         hit = candidate.predicted_tokens
         before = self.load.of(candidate.worker, candidate.dp_rank)
         ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
-        ticket = self.load.begin(candidate.worker, max(0, len(tokens) - hit), candidate.dp_rank)
+        ticket = self.load.begin(
+            candidate.worker,
+            max(0, len(tokens) - hit),
+            candidate.dp_rank,
+            output_tokens=output_tokens,
+        )
         ticket.marks = marks
         ticket.sent_at = self.clock()
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.outbox import Outbox
@@ -90,3 +92,25 @@ async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones()
 def test_batches_round_trip_with_the_namespace_whole() -> None:
     batch = Batch("a", 1.5, [Pending("w0", None, NS, [1, 2]), End(3)])
     assert batch_decoder.decode(encoder.encode(batch)) == batch
+
+
+async def test_a_begin_carries_the_output_limit_and_one_without_it_still_decodes() -> None:
+    load = LoadTracker()
+    outbox = Outbox()
+    outbox.sending = True
+    outbox.committed(NS, [1], load.begin("w0", 3, output_tokens=64), marked=False)
+    (sent,) = outbox.take()
+    assert sent == Begin(1, "w0", None, 3, 64)
+    wire = encoder.encode(Batch("a", 0.0, [sent]))
+    assert batch_decoder.decode(wire).decisions == [Begin(1, "w0", None, 3, 64)]
+    # a replica from before the field sends four slots: the limit is unknown there
+    old = msgspec.msgpack.encode(["a", 0.0, [["begin", 1, "w0", None, 3]]])
+    (begin,) = batch_decoder.decode(old).decisions
+    assert begin == Begin(1, "w0", None, 3) and begin.output_tokens is None
+    # the other replicas count it in their load as the sender does
+    theirs = LoadTracker()
+    async with IndexerService() as indexer:
+        peers = Peers("me", indexer, theirs, timeout_s=1.0, clock=Clock())
+        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3, 64), Begin(2, "w0", None, 3)]))
+    mine = theirs.of("w0")
+    assert (mine.running, mine.output_tokens, mine.sized) == (2, 64, 1)

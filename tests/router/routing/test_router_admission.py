@@ -96,6 +96,35 @@ def test_the_least_recently_used_prefix_is_lost_and_a_recent_one_kept() -> None:
     assert kept(a) == 12
 
 
+def test_a_running_request_holds_its_output_and_its_prompts_partial_last_page() -> None:
+    # a 6-block pool: B (3 blocks) touched after A (3 blocks), both held, nothing queued
+    book = RecencyBook()
+    book.touch([1, 2, 3])
+    book.touch([4, 5, 6])
+
+    def kept(in_flight: int, reserve: int) -> int:
+        return _run(
+            raw=12,
+            capacity=24,
+            held=24,
+            queued=1,
+            in_flight=in_flight,
+            reserve=reserve,
+            keys=[4, 5, 6],
+            book=book,
+        )
+
+    assert kept(0, 0) == 12  # nothing running: 3 blocks used since B's, within the pool
+    # one running request: its prompt's partial last page and 4 output tokens take two pages
+    # beside its prompt's blocks (3 + 2 <= 6): B survives
+    assert kept(1, 4) == 12
+    # two of them: 3 + 4 > 6, B is evicted before admission
+    assert kept(2, 4) == 0
+    # with no output at all a running request still holds its partial page: 3 + 2 <= 6
+    assert kept(2, 0) == 12
+    assert kept(4, 0) == 0
+
+
 def test_blocks_no_decision_touched_are_the_oldest() -> None:
     book = RecencyBook()
     book.touch([4, 5])

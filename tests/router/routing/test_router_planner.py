@@ -158,3 +158,33 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     best = next(c for c in planner.plan(sibling).candidates if c.worker == chosen.worker)
     assert best.pending_tokens == 192 and best.predicted_tokens == 0
     assert best.admission is not None and "not on their way" in best.admission.why
+
+
+async def test_the_output_a_running_request_names_counts_against_the_pool(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv")
+    for entry in planner.pool:
+        entry.capacity_tokens = 4096
+    first = _request("x" * 64)
+    ns = planner.namespace(first)
+    chosen = planner.plan(first, ns).ranked()[0]
+    ticket = planner.commit(ns, first.tokens, chosen, first_try=True, output_tokens=300)
+    load = planner.load.of(chosen.worker)
+    assert (load.output_tokens, load.sized) == (300, 1)
+
+    def queued() -> int:
+        plan = planner.plan(_request("x" * 64), ns)
+        again = next(c for c in plan.candidates if c.worker == chosen.worker)
+        assert again.admission is not None
+        return again.admission.queued_tokens
+
+    # its uncached prompt, and the 300 tokens its output may take beside it
+    assert queued() == 64 + 300
+    # one that names no limit counts as `admission_reserve_tokens` (16): 316 on average
+    other = planner.commit(ns, first.tokens, chosen, first_try=False)
+    assert load.output_per_request(16) == 158.0
+    assert queued() == load.queued_prefill_tokens + 2 * 158
+    planner.finish(ticket)
+    planner.finish(other)
+    assert (load.output_tokens, load.sized, load.running) == (0, 0, 0)
