@@ -106,9 +106,9 @@ async def run_replicated(
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=None)
         ) as session,
-        _fleet(spec) as workers,
+        _fleet(spec) as fleet,
     ):
-        names = {f"w{i}": url for i, url in enumerate(workers)}
+        names = {name: worker.url for name, worker in fleet.items()}
         async with _replicas(names, spec, seed, weights, REPLICATED[policy]) as urls:
             chooser = _RandomReplica(urls, seed)
             records = await _drive(session, workload, chooser, timeout_s, on_done)

@@ -45,7 +45,14 @@ class Outbox:
         self._numbers = itertools.count(1)
 
     def committed(
-        self, ns: Namespace, tokens: Sequence[int], ticket: Ticket, *, marked: bool
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        ticket: Ticket,
+        *,
+        marked: bool,
+        kept_tokens: int = 0,
+        held_tokens: int = 0,
     ) -> None:
         """A request was routed (see `router.routing.decisions.DecisionSink`)."""
         number = next(self._numbers)
@@ -54,7 +61,9 @@ class Outbox:
             return
         if marked:
             ids = tokens if isinstance(tokens, list) else list(tokens)
-            self._put(Pending(ticket.worker, ticket.dp_rank, ns, ids))
+            self._put(
+                Pending(ticket.worker, ticket.dp_rank, ns, ids, number, kept_tokens, held_tokens)
+            )
         self._put(
             Begin(
                 number, ticket.worker, ticket.dp_rank, ticket.prefill_tokens, ticket.output_tokens

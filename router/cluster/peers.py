@@ -2,10 +2,12 @@
 
 A peer's pending marks go into the indexer (the same cache key on the same (worker, rank)) and
 its requests into the load tracker, as tickets this module holds per peer, so the planner's
-view of load and pending prefixes is the fleet's. A peer whose heartbeats stop for
-`timeout_s` is gone: its tickets end, its load stops counting. Every heartbeat lists the
-peer's requests in flight, and the tickets held for it are made to match (a `Begin` or `End`
-lost in a NATS outage heals within one heartbeat).
+view of load and pending prefixes is the fleet's. With a planner (`AdmissionBook`), a peer's
+decision also goes into the admission forecast's book (the recency of its prompt's blocks and
+a decision waiting for its answer), as the peer's own planner took it in. A peer whose
+heartbeats stop for `timeout_s` is gone: its tickets end, its load stops counting. Every
+heartbeat lists the peer's requests in flight, and the tickets held for it are made to match
+(a `Begin` or `End` lost in a NATS outage heals within one heartbeat).
 
 Everything here runs on the one event loop without awaiting, like every index mutation.
 """
@@ -15,25 +17,49 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending
 from router.routing.load import LoadTracker, Ticket
 
-__all__ = ["Peers"]
+__all__ = ["AdmissionBook", "Peers"]
 
 log = logging.getLogger(__name__)
 
 _DELAY_SAMPLES = 4096
+# marks of pending decisions whose `Begin` has not come (it follows in the same batch, so
+# more than this many means Begins were lost: the oldest are dropped)
+_MAX_UNBEGUN = 1024
+
+
+class AdmissionBook(Protocol):
+    """Where a peer's decisions join the admission forecast (`router.routing.planner`)."""
+
+    def remote_committed(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None,
+        *,
+        kept_tokens: int,
+        held_tokens: int,
+    ) -> list[tuple[str, int]]: ...
+
+    def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None: ...
 
 
 class _Peer:
-    __slots__ = ("last_seen", "tickets")
+    __slots__ = ("last_seen", "marks", "tickets")
 
     def __init__(self, now: float) -> None:
         self.last_seen = now
         self.tickets: dict[int, Ticket] = {}
+        # the forecast's marks of a request whose Pending came, by its number, until its Begin
+        self.marks: dict[int, list[tuple[str, int]]] = {}
 
 
 class Peers:
@@ -46,10 +72,12 @@ class Peers:
         load: LoadTracker,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        book: AdmissionBook | None = None,
     ) -> None:
         self.me = me
         self._indexer = indexer
         self._load = load
+        self._book = book
         self._timeout_s = timeout_s
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
@@ -82,38 +110,72 @@ class Peers:
             if isinstance(d, Pending):
                 if self._indexer.has_worker(d.worker):
                     self._indexer.add_pending(d.namespace, d.tokens, d.worker, d.dp_rank)
+                    self._take_in(peer, d)
             elif isinstance(d, Begin):
                 old = peer.tickets.pop(d.ticket, None)
                 if old is not None:
-                    load.end(old)
-                peer.tickets[d.ticket] = load.begin(
+                    self._end(old)
+                begun = peer.tickets[d.ticket] = load.begin(
                     d.worker, d.prefill_tokens, d.dp_rank, output_tokens=d.output_tokens
                 )
+                begun.marks = peer.marks.pop(d.ticket, [])
             elif isinstance(d, FirstByte):
                 ticket = peer.tickets.get(d.ticket)
                 if ticket is not None:
                     load.first_byte(ticket)
+                    self._release(ticket, first_byte=True)
             elif isinstance(d, End):
                 ticket = peer.tickets.pop(d.ticket, None)
                 if ticket is not None:
-                    load.end(ticket)
+                    self._end(ticket)
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
         self.applied += len(batch.decisions)
+
+    def _take_in(self, peer: _Peer, pending: Pending) -> None:
+        """A peer's decision joins the admission forecast; its marks wait for its Begin."""
+        if self._book is None or not pending.ticket:
+            return
+        marks = self._book.remote_committed(
+            pending.namespace,
+            pending.tokens,
+            pending.worker,
+            pending.dp_rank,
+            kept_tokens=pending.kept_tokens,
+            held_tokens=pending.held_tokens,
+        )
+        if not marks:
+            return
+        if len(peer.marks) >= _MAX_UNBEGUN:
+            oldest = next(iter(peer.marks))
+            self._book.release_marks(peer.marks.pop(oldest), first_byte=False)
+        peer.marks[pending.ticket] = marks
+
+    def _release(self, ticket: Ticket, *, first_byte: bool) -> None:
+        """A ticket held for a peer answered or ended: its marks leave the forecast."""
+        if self._book is not None and ticket.marks:
+            self._book.release_marks(ticket.marks, first_byte=first_byte)
+        ticket.marks = []
+
+    def _end(self, ticket: Ticket) -> None:
+        """A ticket held for a peer ends: its load, and its marks in the forecast."""
+        self._load.end(ticket)
+        self._release(ticket, first_byte=False)
 
     def _reconcile(self, peer: _Peer, beat: Heartbeat) -> None:
         """Make the tickets held for `peer` exactly the requests its heartbeat lists."""
         listed = {t.ticket: t for t in beat.open}
         for number in [n for n in peer.tickets if n not in listed]:
-            self._load.end(peer.tickets.pop(number))
+            self._end(peer.tickets.pop(number))
         for number, t in listed.items():
             ticket = peer.tickets.get(number)
             if ticket is None:
                 ticket = peer.tickets[number] = self._load.begin(
                     t.worker, t.prefill_tokens, t.dp_rank
                 )
-            if t.prefilled:
+            if t.prefilled and not ticket.prefilled:
                 self._load.first_byte(ticket)
+                self._release(ticket, first_byte=True)
 
     def sweep(self) -> list[str]:
         """Drop the peers not heard from within the timeout; returns their ids."""
@@ -126,7 +188,10 @@ class Peers:
     def _drop(self, name: str, *, quiet: bool = False) -> None:
         peer = self._peers.pop(name)
         for ticket in peer.tickets.values():
-            self._load.end(ticket)
+            self._end(ticket)
+        if self._book is not None:
+            for marks in peer.marks.values():
+                self._book.release_marks(marks, first_byte=False)
         if quiet:
             return
         log.warning(

@@ -88,7 +88,13 @@ class ClusterService:
         self._indexer = planner.indexer
         self._seed_workers = tuple(seed_workers)
         self.outbox = Outbox()
-        self.peers = Peers(self.replica, planner.indexer, planner.load, config.heartbeat_timeout_s)
+        self.peers = Peers(
+            self.replica,
+            planner.indexer,
+            planner.load,
+            config.heartbeat_timeout_s,
+            book=planner,
+        )
         self.fleet = FleetState(self.replica, supervisor, planner.pool, planner.indexer)
         prefix = config.subject_prefix
         self.subject = f"{prefix}.replica.{self.replica}"

@@ -41,6 +41,12 @@ class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
     dp_rank: int | None
     namespace: Namespace
     tokens: list[int]
+    # the request's number (its `Begin`'s; 0: not sent, by a sender from before this field),
+    # and what the sender predicted it reuses and saw held there: the admission forecast's
+    # book of recency and waiting decisions takes it in as the sender's did
+    ticket: int = 0
+    kept_tokens: int = 0
+    held_tokens: int = 0
 
 
 class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):

@@ -20,10 +20,18 @@ class DecisionSink(Protocol):
     """Told of every committed decision and of how its request progresses."""
 
     def committed(
-        self, ns: Namespace, tokens: Sequence[int], ticket: Ticket, *, marked: bool
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        ticket: Ticket,
+        *,
+        marked: bool,
+        kept_tokens: int = 0,
+        held_tokens: int = 0,
     ) -> None:
         """A request went to `ticket`'s (worker, rank); `marked`: its prefix was marked pending
-        there (the worker, rank and uncached tokens are the ticket's)."""
+        there (the worker, rank and uncached tokens are the ticket's); `kept_tokens`: what it
+        was predicted to reuse there, `held_tokens`: what the events showed held."""
         ...
 
     def first_byte(self, ticket: Ticket) -> None:

@@ -352,7 +352,15 @@ class Planner:
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
-        marks = self._touch(ns, tokens, candidate) if self._config.admission else []
+        marks = self._touch(
+            ns,
+            tokens,
+            candidate.worker,
+            candidate.dp_rank,
+            kept_tokens=candidate.predicted_tokens,
+            held_tokens=candidate.matched_tokens,
+            running=candidate.running,
+        )
         hit = candidate.predicted_tokens
         before = self.load.of(candidate.worker, candidate.dp_rank)
         ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
@@ -367,21 +375,70 @@ class Planner:
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
         if self.decisions is not None:
-            self.decisions.committed(ns, tokens, ticket, marked=marked)
+            self.decisions.committed(
+                ns,
+                tokens,
+                ticket,
+                marked=marked,
+                kept_tokens=candidate.predicted_tokens,
+                held_tokens=candidate.matched_tokens,
+            )
         return ticket
 
+    def remote_committed(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None,
+        *,
+        kept_tokens: int,
+        held_tokens: int,
+    ) -> list[tuple[str, int]]:
+        """Another replica sent a request to (worker, rank), predicted to reuse `kept_tokens`
+        of the `held_tokens` it saw held: the admission forecast's book takes it in as that
+        replica's did (recency, and a decision waiting for its answer); returns its marks, for
+        the ticket held for it (`release_marks` once it answers or ends)."""
+        return self._touch(
+            ns,
+            tokens,
+            worker,
+            dp_rank,
+            kept_tokens=kept_tokens,
+            held_tokens=held_tokens,
+            running=self.load.of(worker, dp_rank).running,
+        )
+
+    def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None:
+        """The request of these (stream, stamp) marks answered (`first_byte`) or ended: its
+        prompt is no longer on its way (another replica's, through `router.cluster`)."""
+        for stream, stamp in marks:
+            waiting = self.waiting.get(stream)
+            if waiting is not None:
+                waiting.answered(stamp, first_byte=first_byte)
+
     def _touch(
-        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None,
+        *,
+        kept_tokens: int,
+        held_tokens: int,
+        running: int,
     ) -> list[tuple[str, int]]:
         """The prompt's blocks on the chosen stream(s) become the most recently used, as the
         worker will make them when it admits and caches the request; returns the decision's
-        (stream, stamp) marks, waiting until the request answers."""
-        entry = self.pool.find(candidate.worker)
-        capacity = entry.capacity_tokens if entry is not None else None
+        (stream, stamp) marks, waiting until the request answers (none with `admission` off)."""
         marks: list[tuple[str, int]] = []
+        if not self._config.admission:
+            return marks
+        entry = self.pool.find(worker)
+        capacity = entry.capacity_tokens if entry is not None else None
         if capacity is None:
             return marks  # nothing is forecast without a capacity: keep no book
-        for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
+        for stream in self.indexer.stream_ids(worker, dp_rank):
             keys = self.indexer.block_keys(stream, ns, tokens)
             if not keys:
                 continue
@@ -394,9 +451,9 @@ class Planner:
             stamp = book.touch(kept)
             self._waiting(stream).sent(
                 stamp,
-                kept_blocks=candidate.predicted_tokens // block,
-                held_blocks=candidate.matched_blocks,
-                running=candidate.running,
+                kept_blocks=kept_tokens // block,
+                held_blocks=held_tokens // block,
+                running=running,
                 now=self.clock(),
                 seq=self._last_seq(stream),
             )
@@ -422,10 +479,7 @@ class Planner:
     def _answered(self, ticket: Ticket, *, first_byte: bool) -> None:
         """The request's prompt is no longer on its way: its stores have been made (or, when
         it ended unanswered, never will be)."""
-        for stream, stamp in ticket.marks:
-            waiting = self.waiting.get(stream)
-            if waiting is not None:
-                waiting.answered(stamp, first_byte=first_byte)
+        self.release_marks(ticket.marks, first_byte=first_byte)
         ticket.marks = []
 
     def first_byte(self, ticket: Ticket) -> None:

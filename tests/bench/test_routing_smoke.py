@@ -78,3 +78,18 @@ def test_the_pd_topology_runs_pairs_of_prefill_and_decode_workers(tmp_path: Path
     assert set(summaries) == {"kv", "round_robin"}  # no oracle for pairs
     for s in summaries.values():
         assert s["completed"] == s["requests"] == 6 and s["failed"] == 0
+
+
+def test_the_replica_policies_route_through_three_replicas_on_nats(tmp_path: Path) -> None:
+    argv = [
+        "bench", "routing", "--quick", "--seed", "3", "--requests", "6", "--rate", "40",
+        "--time-scale", "0.02", "--workloads", "multi_tenant",
+        "--policies", "kv,kv_replicas3,kv_replicas3_alone", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "routing.json").read_text())
+    (section,) = data["sections"]
+    summaries = {s["policy"]: s for s in section["summaries"]}
+    assert set(summaries) == {"kv", "kv_replicas3", "kv_replicas3_alone"}
+    for policy, s in summaries.items():
+        assert s["completed"] == s["requests"] == 6 and s["failed"] == 0, (policy, s)

@@ -47,7 +47,7 @@ def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_list_the
     outbox.heartbeat()
     sent = outbox.take()
     assert sent[:4] == [
-        Pending("w1", 1, NS, [4, 5]),
+        Pending("w1", 1, NS, [4, 5], 2),
         Begin(2, "w1", 1, 5),
         FirstByte(2),
         End(1),

@@ -1,0 +1,89 @@
+"""A peer's decisions join the admission forecast as the sender's own planner took them in."""
+
+from __future__ import annotations
+
+import json
+import socket
+from contextlib import AsyncExitStack
+
+from indexer.service import IndexerService, StreamConfig
+from router.cluster.outbox import Outbox
+from router.cluster.peers import Peers
+from router.cluster.wire import Batch
+from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
+from router.prompt.request import Endpoint, parse_request
+from router.prompt.tokenizer import build_tokenizer
+from router.routing.load import LoadTracker
+from router.routing.namespace import Fingerprinter
+from router.routing.planner import Planner
+from router.routing.policy import build_policy
+from router.routing.pool import WorkerPool
+
+TOK = build_tokenizer(TokenizerConfig())
+
+
+def _endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _replica(stack: AsyncExitStack, endpoints: list[str], clock: list[float]) -> Planner:
+    """A kv planner over two workers with a 4,096-token pool each (silent streams)."""
+    indexer = await stack.enter_async_context(IndexerService())
+    config = PolicyConfig(name="kv")
+    pool = WorkerPool(BreakerConfig())
+    for i, endpoint in enumerate(endpoints):
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}"))
+        await indexer.add_worker(f"w{i}", [StreamConfig(endpoint=endpoint, block_size=16)])
+    for entry in pool:
+        entry.capacity_tokens = 4096
+    planner = Planner(
+        config, build_policy(config), pool, indexer, LoadTracker(), Fingerprinter("k")
+    )
+    planner.clock = lambda: clock[0]
+    return planner
+
+
+def _request(question: str):  # type: ignore[no-untyped-def]
+    body = {"prompt": "S" * 200 + question, "model": "m", "cache_salt": "t"}
+    return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
+
+
+async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_sender() -> None:
+    clock = [100.0]
+    endpoints = [_endpoint(), _endpoint()]
+    async with AsyncExitStack() as stack:
+        sender = await _replica(stack, endpoints, clock)
+        receiver = await _replica(stack, endpoints, clock)
+        outbox = Outbox()
+        outbox.sending = True
+        sender.decisions = outbox
+        peers = Peers(
+            "b", receiver.indexer, receiver.load, 5.0, clock=lambda: clock[0], book=receiver
+        )
+
+        first = _request("first question")
+        ns = sender.namespace(first)
+        chosen = sender.plan(first, ns).ranked()[0]
+        ticket = sender.commit(ns, first.tokens, chosen, first_try=True)
+        peers.apply(Batch("a", 0.0, outbox.take()))
+
+        def sibling(planner: Planner) -> tuple[int, int, str]:
+            plan = planner.plan(_request("second question"), receiver.namespace(first))
+            best = next(c for c in plan.candidates if c.worker == chosen.worker)
+            assert best.admission is not None
+            return best.pending_tokens, best.predicted_tokens, best.admission.why
+
+        # sent on the idle worker's same turn: both replicas put the sibling in its batch
+        for planner in (sender, receiver):
+            pending, predicted, why = sibling(planner)
+            assert (pending, predicted) == (192, 0) and "not admitted" in why
+        # it answered, and no event ever showed the prefix stored: neither predicts it
+        sender.first_byte(ticket)
+        sender.finish(ticket)
+        peers.apply(Batch("a", 0.0, outbox.take()))
+        for planner in (sender, receiver):
+            pending, predicted, why = sibling(planner)
+            assert (pending, predicted) == (192, 0) and "not on their way" in why
+        assert receiver.load.of(chosen.worker).running == 0
