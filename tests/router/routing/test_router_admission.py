@@ -97,7 +97,7 @@ def test_the_least_recently_used_prefix_is_lost_and_a_recent_one_kept() -> None:
 
 
 def test_a_running_request_holds_its_output_and_its_prompts_partial_last_page() -> None:
-    # a 6-block pool: B (3 blocks) touched after A (3 blocks), both held, nothing queued
+    # a 6-block pool, full: B (3 blocks) touched after A (3 blocks); one token queued
     book = RecencyBook()
     book.touch([1, 2, 3])
     book.touch([4, 5, 6])
@@ -156,6 +156,7 @@ def _over_blocks_1_to_3(
     queued: int,
     now: float,
     room: int | None = None,
+    trickles: bool = False,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
     pending), on a 100-token pool with nothing to evict."""
@@ -173,14 +174,23 @@ def _over_blocks_1_to_3(
         waiting=waiting,
         now=now,
         batch_room=room,
+        trickles=trickles,
     )
 
 
 def _pending(
-    book: RecencyBook, waiting: WaitingDecisions, *, now: float = 0.0, room: int | None = None
+    book: RecencyBook,
+    waiting: WaitingDecisions,
+    *,
+    now: float = 0.0,
+    room: int | None = None,
+    trickles: bool = False,
 ) -> int:
     """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
-    return _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=now, room=room).kept_tokens
+    found = _over_blocks_1_to_3(
+        book, waiting, held=4, queued=8, now=now, room=room, trickles=trickles
+    )
+    return found.kept_tokens
 
 
 def _behind_a_prefill(
@@ -287,29 +297,10 @@ def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_
     assert _pending(book, waiting, room=8) == 4
     # a batch of 5 takes it with the three between (3 + 2 <= 5): the same batch there too
     assert _pending(book, waiting, room=5) == 4
-
     # a prefill side trickles a backlog longer than a batch in: three back, a later batch
-    def trickled(room: int, now: float = 5.0, seq: int | None = None) -> int:
-        return forecast(
-            raw_tokens=12,
-            matched_tokens=4,
-            capacity_tokens=100,
-            held_tokens=4,
-            queued_tokens=8,
-            in_flight=2,
-            reserve_tokens=0,
-            block_size=BS,
-            keys=lambda: [1, 2, 3],
-            book=book,
-            waiting=waiting,
-            now=now,
-            seq=seq,
-            batch_room=room,
-            trickles=True,
-        ).kept_tokens
-
-    assert trickled(room=5) == 12
-    assert trickled(room=8) == 4  # no backlog beyond one batch: as any worker
+    assert _pending(book, waiting, now=5.0, room=5, trickles=True) == 12
+    # no backlog beyond one batch: as any worker
+    assert _pending(book, waiting, now=5.0, room=8, trickles=True) == 4
     # right behind it, a trickling backlog still shares its batch, event batch or not
     last = book.touch([1, 2, 3, 4])
     waiting.sent(last, kept_blocks=1, held_blocks=1, running=6, now=0.03, seq=7)
