@@ -74,6 +74,7 @@ SGLANG_CACHE_AWARE = EXTERNAL_BASELINE
 WORKER_HEADER = "x-kvroute-worker"
 MATCHED_HEADER = "x-kvroute-matched-tokens"
 PENDING_HEADER = "x-kvroute-pending-tokens"
+FORECAST_HEADER = "x-kvroute-forecast-lost"
 _PROBES = 12
 
 
@@ -215,6 +216,7 @@ async def send_generate(
             pending = resp.headers.get(PENDING_HEADER)
             if pending is not None and pending.isdigit():
                 record.pending_tokens = int(pending)
+            record.forecast_lost = resp.headers.get(FORECAST_HEADER, "")
             meta: dict[str, Any] = {}
             async for raw in resp.content:
                 line = raw.strip()

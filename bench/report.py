@@ -341,17 +341,66 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def _mispredictions(run: PolicyRun) -> tuple[int, int, int]:
-    """(over-predicted tokens, under-predicted tokens, agreeing tokens) of a router run."""
+# the disagreeing tokens by side and by what the router's forecast said
+# (`RequestRecord.forecast_lost`), as the closing note words them
+_OVER_CAUSES = {
+    "": "kept by the forecast but gone at admission",
+    "evicted": "partly dropped as evicted, but less than was gone",
+    "batched": "partly dropped for a sibling's batch, but less than was gone",
+    "answered": "partly dropped as never stored, but less than was gone",
+}
+_UNDER_CAUSES = {
+    "": "not in the index when routed (stored after routing)",
+    "evicted": "dropped as evicted before admission, yet still held",
+    "batched": "dropped as coming with a sibling in the same batch, yet that sibling came first",
+    "answered": "dropped as never stored by a request that answered, yet found",
+}
+_CAUSE_FIXES = {
+    ("over", ""): "the LRU forecast keeps blocks the worker evicts first (output pages, "
+    "requests ahead it cannot see)",
+    ("under", ""): "the index learns of the blocks after routing (a conversation's previous "
+    "answer, stores still on their way)",
+    ("under", "evicted"): "the LRU forecast is too pessimistic (prefixes many requests share "
+    "outlive their own recency)",
+    ("under", "batched"): "the batch rule puts siblings in one batch that the worker admitted "
+    "apart (a deep backlog admitted a few at a time)",
+}
+
+
+def _mispredictions(run: PolicyRun) -> tuple[int, int, int, dict[tuple[str, str], int]]:
+    """(over-predicted tokens, under-predicted tokens, agreeing tokens, the disagreeing tokens
+    by side and forecast cause) of a router run."""
     over = under = agree = 0
+    causes: dict[tuple[str, str], int] = {}
     for r in run.records:
         if not r.ok or r.predicted_tokens is None:
             continue
         p = r.predicted_tokens + (r.pending_tokens or 0)
-        over += max(0, p - r.cached_tokens)
-        under += max(0, r.cached_tokens - p)
+        more, less = max(0, p - r.cached_tokens), max(0, r.cached_tokens - p)
+        over += more
+        under += less
         agree += min(p, r.cached_tokens)
-    return over, under, agree
+        if more or less:
+            key = ("over" if more else "under", r.forecast_lost)
+            causes[key] = causes.get(key, 0) + more + less
+    return over, under, agree, causes
+
+
+def _by_cause(causes: dict[tuple[str, str], int], side: str) -> str:
+    words = _OVER_CAUSES if side == "over" else _UNDER_CAUSES
+    parts = [
+        f"{n} {words.get(cause, cause)}"
+        for (s, cause), n in sorted(causes.items(), key=lambda kv: -kv[1])
+        if s == side
+    ]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _accuracy_fix(causes: dict[tuple[str, str], int]) -> str:
+    if not causes:
+        return "nothing disagreed"
+    (side, cause), _ = max(causes.items(), key=lambda kv: kv[1])
+    return _CAUSE_FIXES.get((side, cause), f"the {side}-prediction marked {cause or 'kept'}")
 
 
 def closing_note(report: BenchReport) -> list[str]:
@@ -376,17 +425,16 @@ def closing_note(report: BenchReport) -> list[str]:
                     "find the endpoint in the isolation table and fix the path that lost the salt."
                 )
             elif "index accuracy" in t.target:
-                over, under, agree = _mispredictions(runs["kv"])
+                over, under, agree, causes = _mispredictions(runs["kv"])
                 notes.append(
                     f"{where}: {t.target} missed ({_pct(t.value)}). Of the disagreeing tokens, "
-                    f"{over} were predicted but not cached at admission (evicted between routing "
-                    f"and admission, or pending entries that had not materialized) and {under} "
-                    f"were cached but not predicted (the worker cached them after routing, while "
-                    f"the request waited in its queue; events-only agreement "
-                    f"{_pct(kv.index_events_accuracy)}); {agree} agreed. Closing it: route "
-                    "with the worker's queue in view (predict what the cache will hold at "
-                    "admission), or lower the offered load so requests are admitted soon after "
-                    "routing."
+                    f"{over} were predicted but not cached at admission"
+                    f"{_by_cause(causes, 'over')} and {under} were cached but not predicted"
+                    f"{_by_cause(causes, 'under')}; {agree} agreed (events-only agreement "
+                    f"{_pct(kv.index_events_accuracy)}). The largest share: "
+                    f"{_accuracy_fix(causes)}. Closing it: make the admission forecast "
+                    "(`router.routing.admission`) right for that case, or lower the offered "
+                    "load so requests are admitted soon after routing."
                 )
             elif "oracle" in t.target:
                 oracle = rows.get("oracle")

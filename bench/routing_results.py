@@ -72,6 +72,9 @@ class RequestRecord(msgspec.Struct):
     violation_tokens: int = 0
     # the worker whose cache served it, as the worker itself says (`X-Reference-Worker`)
     served_by: str = ""
+    # why the router's admission forecast dropped part of the match ("": it dropped nothing;
+    # `x-kvroute-forecast-lost`)
+    forecast_lost: str = ""
 
 
 class EndpointIsolation(msgspec.Struct):

@@ -47,6 +47,7 @@ from router.errors import NoWorkerError, RequestError, UpstreamError
 from router.http.metrics import RouterMetrics
 from router.http.observe import observation
 from router.http.proxy import (
+    FORECAST_HEADER,
     MATCHED_HEADER,
     PENDING_HEADER,
     RAW_MATCHED_HEADER,
@@ -129,6 +130,8 @@ class _PairHooks(AnswerHooks):
             RAW_MATCHED_HEADER: str(prefill.matched_tokens),
             RAW_PENDING_HEADER: str(prefill.pending_tokens),
         }
+        if prefill.admission is not None and prefill.admission.cause:
+            self.headers[FORECAST_HEADER] = prefill.admission.cause
         if prefill.dp_rank is not None:
             self.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)
         self._task = prefill_task

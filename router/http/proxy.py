@@ -57,6 +57,7 @@ from router.routing.planner import Candidate, Planner
 
 __all__ = [
     "DP_RANK_HEADER",
+    "FORECAST_HEADER",
     "MATCHED_HEADER",
     "PENDING_HEADER",
     "RAW_MATCHED_HEADER",
@@ -76,6 +77,8 @@ PENDING_HEADER = "x-kvroute-pending-tokens"
 # the index's match before the admission-time discount (`router.routing.admission`)
 RAW_MATCHED_HEADER = "x-kvroute-raw-matched-tokens"
 RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
+# when the forecast kept less than the raw match: why the rest is lost (`AdmissionForecast.cause`)
+FORECAST_HEADER = "x-kvroute-forecast-lost"
 DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
 
 # hop-by-hop and framing headers are the proxy's own business on each side
@@ -397,6 +400,8 @@ class Proxy:
         out[PENDING_HEADER] = str(pending)
         out[RAW_MATCHED_HEADER] = str(candidate.matched_tokens)
         out[RAW_PENDING_HEADER] = str(candidate.pending_tokens)
+        if candidate.admission is not None and candidate.admission.cause:
+            out[FORECAST_HEADER] = candidate.admission.cause
         if candidate.dp_rank is not None:
             out[DP_RANK_HEADER] = str(candidate.dp_rank)
         if hooks is not None:

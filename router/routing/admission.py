@@ -82,6 +82,10 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     queued_tokens: int = 0  # what requests ahead of this one must still allocate
     evict_tokens: int = 0  # what it must evict before admitting this request
     why: str = ""
+    # why the tokens not kept are lost ("": none are): "evicted" (least recently used before
+    # admission), "batched" (they come with a request the worker admits in the same batch),
+    # "answered" (pending marks whose request answered without storing them)
+    cause: str = ""
 
 
 class RecencyBook:
@@ -496,6 +500,7 @@ def forecast(
     cause = lost(lo) if lo < len(blocks) else ""
     kept = min(raw_tokens, lo * block_size)
     out.kept_tokens = kept
+    out.cause = cause if kept < raw_tokens else ""
     lost_tokens = raw_tokens - kept
     batched = (
         f"; {lost_tokens} matched tokens come with a request the worker has not admitted "

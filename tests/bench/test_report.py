@@ -232,3 +232,25 @@ def test_the_external_baseline_is_the_headline_where_it_ran() -> None:
     assert f"kv hit rate >= 1.2x {EXTERNAL_BASELINE}" in targets and len(targets) == 5
     assert "| multi_tenant | 2.50 | 40.0% | 40.0% | 1.00x | 40.0% | 40.0% | 1.00x | met |" in text
     assert f"kv against `{EXTERNAL_BASELINE}`" not in report(_section(2.5))
+
+
+def test_an_accuracy_miss_is_broken_down_by_what_the_forecast_said() -> None:
+    section = _section(2.5)
+    kv = section.runs[0]
+    ok = [r for r in kv.records if r.ok]
+    # four requests disagree: two kept by the forecast but gone (over by 30 each), one
+    # dropped as batched yet found (under by 80), one the index had not seen (under by 10)
+    for r in ok[:2]:
+        r.predicted_tokens, r.cached_tokens = 80, 50
+    ok[2].predicted_tokens, ok[2].cached_tokens, ok[2].forecast_lost = 0, 80, "batched"
+    ok[3].predicted_tokens, ok[3].cached_tokens = 70, 80
+    report = BenchReport(
+        command="c", seed=1, mode="full", started_at="now", fleet={}, sections=[section]
+    )
+    text = render_markdown(report, {})
+    (note,) = [line for line in text.splitlines() if "kv index accuracy >= 98% missed" in line]
+    assert "60 were predicted but not cached at admission (60 kept by the forecast" in note
+    assert "90 were cached but not predicted (80 dropped as coming with a sibling" in note
+    assert "10 not in the index when routed" in note
+    # the largest share names what to fix
+    assert "The largest share: the batch rule puts siblings in one batch" in note

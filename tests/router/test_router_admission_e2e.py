@@ -88,6 +88,7 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert int(headers["x-kvroute-raw-matched-tokens"]) == 8 * PAGE
     predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
     assert predicted == answer["meta_info"]["cached_tokens"] == 0
+    assert headers["x-kvroute-forecast-lost"] == "evicted"  # why the raw match is not predicted
     for task in [long_one, *queued]:
         status, _, _ = await task
         assert status == 200
@@ -140,6 +141,7 @@ async def _same_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert int(headers["x-kvroute-raw-pending-tokens"]) == 8 * PAGE  # the index's mark
     predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
     assert predicted == answer["meta_info"]["cached_tokens"] == 0
+    assert headers["x-kvroute-forecast-lost"] == "batched"
     for task in (blocker, first):
         status, _, reply = await task
         assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
@@ -162,5 +164,6 @@ async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert status == 200
     predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
     assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
+    assert "x-kvroute-forecast-lost" not in headers  # nothing dropped
     status, _, _ = await first
     assert status == 200
