@@ -364,6 +364,12 @@ _CAUSE_FIXES = {
     "outlive their own recency)",
     ("under", "batched"): "the batch rule puts siblings in one batch that the worker admitted "
     "apart (a deep backlog admitted a few at a time)",
+    ("over", "evicted"): "the LRU forecast drops too little (more was evicted before admission "
+    "than the requests it sees ahead allocate)",
+    ("over", "batched"): "the batch rule drops too little (a sibling's batch took more than "
+    "the blocks it brings)",
+    ("over", "answered"): "pending marks outlive what their answered request stored",
+    ("under", "answered"): "pending marks are dropped as never stored, yet the worker had them",
 }
 
 
