@@ -38,7 +38,7 @@ _MAX_UNBEGUN = 1024
 class AdmissionBook(Protocol):
     """Where a peer's decisions join the admission forecast (`router.routing.planner`)."""
 
-    def remote_committed(
+    def book_decision(
         self,
         ns: Namespace,
         tokens: Sequence[int],
@@ -136,7 +136,7 @@ class Peers:
         """A peer's decision joins the admission forecast; its marks wait for its Begin."""
         if self._book is None or not pending.ticket:
             return
-        marks = self._book.remote_committed(
+        marks = self._book.book_decision(
             pending.namespace,
             pending.tokens,
             pending.worker,

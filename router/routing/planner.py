@@ -352,14 +352,13 @@ class Planner:
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
-        marks = self._touch(
+        marks = self.book_decision(
             ns,
             tokens,
             candidate.worker,
             candidate.dp_rank,
             kept_tokens=candidate.predicted_tokens,
             held_tokens=candidate.matched_tokens,
-            running=candidate.running,
         )
         hit = candidate.predicted_tokens
         before = self.load.of(candidate.worker, candidate.dp_rank)
@@ -385,30 +384,6 @@ class Planner:
             )
         return ticket
 
-    def remote_committed(
-        self,
-        ns: Namespace,
-        tokens: Sequence[int],
-        worker: str,
-        dp_rank: int | None,
-        *,
-        kept_tokens: int,
-        held_tokens: int,
-    ) -> list[tuple[str, int]]:
-        """Another replica sent a request to (worker, rank), predicted to reuse `kept_tokens`
-        of the `held_tokens` it saw held: the admission forecast's book takes it in as that
-        replica's did (recency, and a decision waiting for its answer); returns its marks, for
-        the ticket held for it (`release_marks` once it answers or ends)."""
-        return self._touch(
-            ns,
-            tokens,
-            worker,
-            dp_rank,
-            kept_tokens=kept_tokens,
-            held_tokens=held_tokens,
-            running=self.load.of(worker, dp_rank).running,
-        )
-
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None:
         """The request of these (stream, stamp) marks answered (`first_byte`) or ended: its
         prompt is no longer on its way (another replica's, through `router.cluster`)."""
@@ -417,7 +392,7 @@ class Planner:
             if waiting is not None:
                 waiting.answered(stamp, first_byte=first_byte)
 
-    def _touch(
+    def book_decision(
         self,
         ns: Namespace,
         tokens: Sequence[int],
@@ -426,11 +401,14 @@ class Planner:
         *,
         kept_tokens: int,
         held_tokens: int,
-        running: int,
     ) -> list[tuple[str, int]]:
-        """The prompt's blocks on the chosen stream(s) become the most recently used, as the
-        worker will make them when it admits and caches the request; returns the decision's
-        (stream, stamp) marks, waiting until the request answers (none with `admission` off)."""
+        """A request goes to (worker, rank), predicted to reuse `kept_tokens` of the
+        `held_tokens` the events showed held: its prompt's blocks on the chosen stream(s)
+        become the most recently used, as the worker will make them when it admits and caches
+        the request, and the decision waits for its answer. Called before the request's load
+        begins, for this router's decisions and for another replica's (`router.cluster`);
+        returns the (stream, stamp) marks for its ticket, to release once it answers or ends
+        (none with `admission` off)."""
         marks: list[tuple[str, int]] = []
         if not self._config.admission:
             return marks
@@ -453,7 +431,8 @@ class Planner:
                 stamp,
                 kept_blocks=kept_tokens // block,
                 held_blocks=held_tokens // block,
-                running=running,
+                # the requests in flight there before this one (its load begins after)
+                running=self.load.of(worker, dp_rank).running,
                 now=self.clock(),
                 seq=self._last_seq(stream),
             )
