@@ -175,6 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the router's [policy] decode_weight for kv (default: the router's own default)",
     )
+    parser.add_argument(
+        "--kv-eviction-weight",
+        type=float,
+        default=None,
+        help="the router's [policy] eviction_weight for kv (default: the router's own default)",
+    )
 
 
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -193,7 +199,9 @@ def _policies(args: argparse.Namespace, sglang: bool) -> tuple[str, ...]:
     policies = list(POLICIES)
     if sglang:  # beside the kvroute policy that mimics it
         policies.insert(policies.index("approx_tree") + 1, SGLANG_CACHE_AWARE)
-    if args.kv_hit_weight is not None or args.kv_decode_weight is not None:
+    if any(
+        w is not None for w in (args.kv_hit_weight, args.kv_decode_weight, args.kv_eviction_weight)
+    ):
         # show what the override buys: the router's defaults run right after the tuned kv
         policies.insert(1, KV_DEFAULT)
     return tuple(policies)
@@ -216,6 +224,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
     for flag, value in (
         ("--kv-hit-weight", args.kv_hit_weight),
         ("--kv-decode-weight", args.kv_decode_weight),
+        ("--kv-eviction-weight", args.kv_eviction_weight),
     ):
         if value is not None and value < 0:
             raise SystemExit(f"{flag} must be >= 0")
@@ -254,7 +263,11 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         topologies=_csv(
             args.topologies or ("flat" if quick else ",".join(TOPOLOGIES)), TOPOLOGIES, "topologies"
         ),
-        weights=PolicyWeights(hit_weight=args.kv_hit_weight, decode_weight=args.kv_decode_weight),
+        weights=PolicyWeights(
+            hit_weight=args.kv_hit_weight,
+            decode_weight=args.kv_decode_weight,
+            eviction_weight=args.kv_eviction_weight,
+        ),
         request_timeout_s=args.request_timeout,
         sglang_router_python=asked_python if sglang else None,
         sglang_router_python_asked=asked_python,
@@ -290,6 +303,8 @@ def _command(settings: SuiteSettings, out: Path) -> str:
         argv += ["--kv-hit-weight", f"{settings.weights.hit_weight:g}"]
     if settings.weights.decode_weight is not None:
         argv += ["--kv-decode-weight", f"{settings.weights.decode_weight:g}"]
+    if settings.weights.eviction_weight is not None:
+        argv += ["--kv-eviction-weight", f"{settings.weights.eviction_weight:g}"]
     if settings.sglang_router_python_asked not in ("", sys.executable):
         argv += ["--sglang-router-python", settings.sglang_router_python_asked]
     argv += ["--out", str(out)]
@@ -612,11 +627,14 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
     defaults = PolicyConfig()
     hit = settings.weights.hit_weight
     decode = settings.weights.decode_weight
+    evict = settings.weights.eviction_weight
     fleet["kv_policy_weights"] = (
         f"hit_weight={defaults.hit_weight if hit is None else hit:g}"
         + (" (router default)" if hit is None else " (set by --kv-hit-weight)")
         + f", decode_weight={defaults.decode_weight if decode is None else decode:g}"
         + (" (router default)" if decode is None else " (set by --kv-decode-weight)")
+        + f", eviction_weight={defaults.eviction_weight if evict is None else evict:g}"
+        + (" (router default)" if evict is None else " (set by --kv-eviction-weight)")
     )
     fleet["offered_load"] = (
         f"fixed rate {settings.rate_rps:g} req/s"

@@ -327,6 +327,7 @@ class WaitingDecisions:
         seq: int | None,
         batch_room: int | None,
         trickles: bool = False,
+        pool_room: int | None = None,
     ) -> bool:
         """Whether a request routed now is admitted in the same batch as the waiting one of
         `stamp` (so it finds nothing that one brings): not if that one is admitted already,
@@ -336,11 +337,20 @@ class WaitingDecisions:
         requests at a time as pages come free, wherever the one of `stamp` stands in it: there
         only the request right behind it is taken to share its batch (measured at KV pressure
         4: 2-7 requests a batch; the one right behind shared it about half the time, one
-        further back about a quarter of the time)."""
+        further back about a quarter of the time).
+
+        A worker whose KV pool cannot hold the waiting requests at once (`pool_room`: the
+        requests it holds beside those decoding; None: unknown) admits its backlog as running
+        requests finish and free their pages, one or two at a time: a request is then taken
+        to be admitted after the one of `stamp`, never in its batch (measured on flat workers
+        at KV pressure 4, seed 3: 8,272 tokens the batch rule had dropped, yet found, are
+        predicted right now, against 1,280 more tokens predicted but not found)."""
         if trickles and batch_room is not None and len(self._decisions) + 1 > batch_room:
             # a step there admits only what the pages freed allow: an answer or event batch
             # since it was sent does not say it was among those taken in
             return self.behind(stamp) == 0
+        if pool_room is not None and len(self._decisions) + 1 > pool_room:
+            return False
         if self.admitted(stamp, now, seq):
             return False
         if batch_room is None:
@@ -396,6 +406,7 @@ def forecast(
     batch_room: int | None = None,
     stride: int = 1,
     trickles: bool = False,
+    pool_room: int | None = None,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
@@ -403,14 +414,15 @@ def forecast(
     `keys` gives the matched blocks' keys, root first (called only when needed); `book` is the
     stream's recency (None: nothing touched yet, all blocks oldest); `waiting` holds the
     decisions whose requests have not started answering (at `now`, the stream's last event
-    batch applied being `seq`): a pending block whose
-    latest decision has answered, yet is not in the events, was evicted or never stored; a
-    block that a waiting request brings is reused only if the worker admitted that request
-    already, or if the next batch there (`batch_room` requests at most; None: unknown) cannot
-    take both (else both run in one batch; on a worker that `trickles`, see
-    `WaitingDecisions.joins_batch`). None: no event can show the request's blocks (its
-    namespace is unindexed), so pending marks stand. The book holds every `stride`-th block
-    of a path (`recency_stride`), each standing for the `stride` blocks it starts.
+    batch applied being `seq`), None when no event can show the request's blocks (its
+    namespace is unindexed), so pending marks stand. A pending block whose latest decision
+    has answered, yet is not in the events, was evicted or never stored. A block that a
+    waiting request brings is reused only if the worker admitted that request already, or if
+    the next batch there (`batch_room` requests at most; None: unknown) cannot take both
+    (else both run in one batch; on a worker that `trickles`, or whose pool holds `pool_room`
+    requests beside those decoding, see `WaitingDecisions.joins_batch`). The book holds every
+    `stride`-th block of a path (`recency_stride`), each standing for the `stride` blocks it
+    starts.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -467,7 +479,12 @@ def forecast(
                 # the request of the block's latest decision computes it (it was not to find
                 # it) and has not been admitted: this request joins its batch, finds nothing
                 if waiting.brings(own, j, held=j < matched_blocks) and waiting.joins_batch(
-                    own, now=now, seq=seq, batch_room=batch_room, trickles=trickles
+                    own,
+                    now=now,
+                    seq=seq,
+                    batch_room=batch_room,
+                    trickles=trickles,
+                    pool_room=pool_room,
                 ):
                     return _BATCHED
             elif own is not None and j >= matched_blocks:

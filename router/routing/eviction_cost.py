@@ -7,7 +7,8 @@ its prefill again. A fleet should hold the union of its hot prefixes, not severa
 one, so the `kv` score charges each candidate for those blocks:
 
     victims = the blocks evicted by this request's own allocation, after the ones the
-              requests ahead of it evict (`router.routing.admission`), oldest first
+              requests ahead of it evict (`router.routing.admission`), oldest first, never
+              the prefix it reuses there (the worker locks that before it allocates)
     cost    = block_size * (victims used by two or more decisions here, held nowhere else)
 
 and `score -= eviction_weight * cost` (`[policy] eviction_weight`; 0 turns it off). Hotness
@@ -19,7 +20,7 @@ Pure and synchronous: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import msgspec
 
@@ -44,8 +45,11 @@ def eviction_cost(
     block_size: int | None,
     book: RecencyBook | None,
     holder_counts: Callable[[Sequence[int]], list[int]],
+    reused: Callable[[], Collection[int]] = frozenset,
 ) -> EvictionCost:
-    """The hot blocks a request bringing `new_tokens` uncached tokens evicts on a stream."""
+    """The hot blocks a request bringing `new_tokens` uncached tokens evicts on a stream;
+    `reused` gives the book's keys of the prefix it is predicted to reuse there (called only
+    when it evicts): those are locked at its admission, so the next oldest go instead."""
     capacity = admission.capacity_tokens
     if capacity is None or not block_size:
         return EvictionCost(0, 0, 0, "capacity unknown: no eviction charge")
@@ -62,7 +66,11 @@ def eviction_cost(
     untracked = max(0, admission.held_tokens // block_size - len(book))
     start = max(0, skip - untracked)
     count = max(0, mine - max(0, untracked - skip))
-    victims = book.oldest(start + count)[start : start + count]
+    own = reused()
+    # a multi-turn conversation's earlier turn is often the oldest thing on its holder: taking
+    # it for a victim would charge the holder for the very prefix the request comes to reuse
+    oldest = book.oldest(start + count + len(own))
+    victims = [key for key in oldest if key not in own][start : start + count]
     hot = [key for key in victims if book.hits(key) >= 2]
     sole = sum(1 for n in holder_counts(hot) if n <= 1) if hot else 0
     return EvictionCost(

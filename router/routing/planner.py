@@ -156,7 +156,15 @@ class Planner:
         `role` (prefill/decode pairs plan each side: `router.routing.pd`), by `policy` (default:
         the configured one); changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
-        return self._plan(ns, parsed.tokens, parsed.dp_rank, role, policy or self.policy)
+        output = parsed.output_tokens
+        return self._plan(
+            ns,
+            parsed.tokens,
+            parsed.dp_rank,
+            role,
+            policy or self.policy,
+            output_tokens=self._config.admission_reserve_tokens if output is None else output,
+        )
 
     def _plan(
         self,
@@ -165,6 +173,8 @@ class Planner:
         pinned: int | None = None,
         role: PdRole = "both",
         policy: Policy | None = None,
+        *,
+        output_tokens: int,
     ) -> Plan:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
@@ -177,7 +187,9 @@ class Planner:
             if entry.role != role:
                 continue
             match = matches.get(entry.id, _NO_MATCH)
-            views.extend(self._candidates(entry, match, now, pinned, ns, tokens, limit))
+            views.extend(
+                self._candidates(entry, match, now, pinned, ns, tokens, limit, output_tokens)
+            )
         chooser = policy or self.policy
         balance = None
         if self._config.balance_learning:
@@ -201,6 +213,7 @@ class Planner:
         ns: Namespace,
         tokens: Sequence[int],
         limit: int,
+        output_tokens: int,
     ) -> list[Candidate]:
         """One candidate per rank of a worker with several, else one for the worker."""
         status = entry.status(now)
@@ -218,7 +231,7 @@ class Planner:
             out = [self._candidate(entry, status, None, match, state)]
         if self._config.admission:
             for candidate in out:
-                self._forecast(entry, candidate, ns, tokens, limit)
+                self._forecast(entry, candidate, ns, tokens, limit, output_tokens)
         return out
 
     def _forecast(
@@ -228,11 +241,13 @@ class Planner:
         ns: Namespace,
         tokens: Sequence[int],
         limit: int,
+        output_tokens: int,
     ) -> None:
         """Forecast what of the candidate's match it still holds when it admits the request
         (`router.routing.admission`): the prediction it reports, and with
         `admission_scoring` the hit it is scored by (shrunk in proportion); with an
-        `eviction_weight`, what its own allocation would evict (`router.routing.eviction_cost`)."""
+        `eviction_weight`, what its own allocation (the uncached prompt and `output_tokens`)
+        would evict (`router.routing.eviction_cost`)."""
         raw = candidate.matched_tokens + candidate.pending_tokens
         streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
         if len(streams) != 1:
@@ -279,19 +294,35 @@ class Planner:
             # a prefill side keeps each prompt's pages until its decode has them: in a
             # backlog it admits as they come free, a few at a time
             trickles=entry.role == "prefill",
+            # how many requests like this one the pool holds beside those decoding: a
+            # backlog beyond it is admitted as running requests free their pages
+            pool_room=(
+                None
+                if entry.capacity_tokens is None or entry.role != "both"
+                else entry.capacity_tokens // max(1, len(tokens) + output_tokens)
+                - max(0, load.running - len(waiting))
+            ),
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
             candidate.hit_tokens *= found.kept_tokens / raw
-        if self._config.eviction_weight > 0:
-            reserve = self._config.admission_reserve_tokens
+        if self._config.eviction_weight > 0 and block_size:
+            kept_blocks = found.kept_tokens // block_size
+
+            def reused() -> set[int]:
+                keys = self.indexer.block_keys(stream, ns, tokens, limit)
+                return set(keys[:kept_blocks:stride])  # a block per stretch, as the book
+
+            # its own allocation: the uncached prompt and the output it may generate there
+            output = 1 if entry.role == "prefill" else output_tokens
             candidate.eviction = eviction_cost(
                 admission=found,
-                new_tokens=max(0, len(tokens) - found.kept_tokens) + reserve,
+                new_tokens=max(0, len(tokens) - found.kept_tokens) + output,
                 # the book keeps a block per stretch: each stands for the stretch it starts
                 block_size=stretch,
                 book=self.recency.get(stream),
                 holder_counts=self.indexer.holder_counts,
+                reused=reused,
             )
 
     def _candidate(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -12,12 +13,19 @@ from bench.harness import (
     KV_DEFAULT,
     POLICIES,
     FleetSpec,
+    PolicyWeights,
     Target,
     _Oracle,
     _shared_pages,
     send_generate,
 )
-from bench.routing_bench import add_arguments, build_workloads, rate_for_load, settings_from_args
+from bench.routing_bench import (
+    _command,
+    add_arguments,
+    build_workloads,
+    rate_for_load,
+    settings_from_args,
+)
 from bench.workloads import BenchRequest
 from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker
@@ -61,6 +69,17 @@ def test_bad_command_lines_are_refused() -> None:
     fixed = settings_from_args(_settings("--quick", "--rate", "5", "--workloads", "mooncake"))
     (workload,) = build_workloads(fixed)
     assert workload.params["rate_rps"] == 5.0
+
+
+def test_a_kv_weight_override_runs_beside_the_defaults_and_is_echoed() -> None:
+    settings = settings_from_args(_settings("--quick", "--kv-eviction-weight", "1"))
+    assert settings.weights == PolicyWeights(eviction_weight=1.0)
+    assert settings.policies[:2] == ("kv", KV_DEFAULT)
+    assert "--kv-eviction-weight 1" in _command(settings, Path("out"))
+    plain = settings_from_args(_settings("--quick"))
+    assert KV_DEFAULT not in plain.policies and "eviction" not in _command(plain, Path("out"))
+    with pytest.raises(SystemExit, match="--kv-eviction-weight must be >= 0"):
+        settings_from_args(_settings("--kv-eviction-weight", "-1"))
 
 
 async def test_oracle_follows_the_cache_and_its_own_in_flight_requests() -> None:

@@ -183,6 +183,14 @@ async def test_a_client_named_rank_is_honoured_with_that_ranks_match() -> None:
         assert answer["meta_info"]["dp_rank"] == 1
         assert int(headers["x-kvroute-matched-tokens"]) == answer["meta_info"]["cached_tokens"] > 0
         # the OpenAI routes: the header (any case) names the rank
+
+        async def both_ranks_indexed() -> bool:
+            # rank 0 computed the prefix just now: its stores trail the answer
+            plan = await fleet.route(text)
+            held = {c["dp_rank"]: int(c["matched_tokens"]) for c in plan["candidates"]}
+            return held.get(0, 0) >= 128 and held.get(1, 0) >= 128
+
+        await eventually(both_ranks_indexed, what="both ranks' prefixes indexed")
         prompt = {"model": "m", "prompt": text["text"], "max_tokens": 1}
         for rank in (1, 0):
             status, headers, answer = await fleet.post(

@@ -308,6 +308,38 @@ def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_
     assert not waiting.joins_batch(last, now=5.0, seq=8, batch_room=5, trickles=False)
 
 
+def test_a_backlog_the_pool_cannot_hold_at_once_is_admitted_one_request_after_another() -> None:
+    book, waiting, _, stamp = _behind_a_prefill()
+    for n in range(2):  # two more waiting behind the one that brings blocks 2 and 3
+        other = book.touch([20 + n])
+        waiting.sent(other, kept_blocks=0, held_blocks=1, running=2 + n, now=0.02)
+    assert len(waiting) == 4
+    # the running cap has room for all: the same batch as the one that brings the blocks
+    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8)
+    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=5)
+    # but the pool holds three such requests beside those decoding: the worker takes the
+    # backlog in as pages come free, so a request routed now comes in after it
+    assert not waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=3)
+    found = forecast(
+        raw_tokens=12,
+        matched_tokens=4,
+        capacity_tokens=100,
+        held_tokens=4,
+        queued_tokens=8,
+        in_flight=2,
+        reserve_tokens=0,
+        block_size=BS,
+        keys=lambda: [1, 2, 3],
+        book=book,
+        waiting=waiting,
+        now=0.03,
+        batch_room=8,
+        pool_room=3,
+    )
+    assert found.kept_tokens == 12 and found.cause == ""
+    assert _pending(book, waiting, now=0.03, room=8) == 4  # no pool room known: batched
+
+
 def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill() -> None:
     # a prefill side answers only once its decode has the KV; its stores show first
     book, waiting, _, _ = _behind_a_prefill()  # held: block 1; it brings 2 and 3

@@ -62,6 +62,33 @@ def test_it_charges_the_reused_blocks_no_other_worker_holds() -> None:
     assert (cost.evicted_tokens, cost.hot_tokens) == (8, 0)
 
 
+def test_the_prefix_it_comes_to_reuse_is_never_its_own_victim() -> None:
+    book = RecencyBook()
+    book.touch([1, 2])  # a conversation's earlier turn: the oldest here, used twice
+    book.touch([1, 2])
+    book.touch([3, 4])  # another tenant's prefix, used twice
+    book.touch([3, 4])
+    book.touch([5, 6])
+
+    def charge(reused: frozenset[int]) -> tuple[int, int, int]:
+        cost = eviction_cost(
+            admission=_admission(held=24, queued=0),
+            new_tokens=8,
+            block_size=BS,
+            book=book,
+            holder_counts=lambda keys: [1] * len(keys),
+            reused=lambda: reused,
+        )
+        return cost.evicted_tokens, cost.hot_tokens, cost.sole_hot_tokens
+
+    assert charge(frozenset()) == (8, 8, 8)  # a stranger's request evicts blocks 1 and 2
+    # the next turn of that conversation locks 1 and 2 at admission: 3 and 4 go instead
+    assert charge(frozenset({1, 2})) == (8, 8, 8)
+    book.touch([3, 4, 7])  # now 5, 6 (cold) are next after the conversation's blocks
+    assert charge(frozenset({1, 2})) == (8, 0, 0)
+    assert charge(frozenset()) == (8, 8, 8)
+
+
 def test_unknown_capacity_charges_nothing() -> None:
     cost = eviction_cost(
         admission=_admission(held=24, queued=24, capacity=None),
