@@ -66,6 +66,13 @@ _FEW_GROUPS = 8
 # how soon an idle worker takes a request in: what reaches it meanwhile joins the batch
 _NEXT_TURN_S = 0.001
 
+# a backlog at least this many requests longer than what a worker's pool holds at once is
+# admitted one request after another as pages come free (`WaitingDecisions.joins_batch`);
+# measured at KV pressure 4, flat and dp sections, seeds 1-5: where the rule changed the
+# prediction it was right 24 times and wrong 8 at this depth or more, but right 29 and wrong
+# 26 below it, a coin toss where the router keeps predicting no hit
+_DEEP_BACKLOG = 4
+
 # why a block is gone at admission (`forecast`)
 _EVICTED = "evicted"
 _ANSWERED = "answered"
@@ -81,6 +88,9 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     held_tokens: int = 0  # what its KV events say it holds now
     queued_tokens: int = 0  # what requests ahead of this one must still allocate
     evict_tokens: int = 0  # what it must evict before admitting this request
+    # requests like this one its pool holds beside those decoding (None: not known, or a
+    # prefill side): a longer backlog is admitted one request after another
+    pool_room: int | None = None
     why: str = ""
     # why the tokens not kept are lost ("": none are): "evicted" (least recently used before
     # admission), "batched" (they come with a request the worker admits in the same batch),
@@ -339,17 +349,16 @@ class WaitingDecisions:
         4: 2-7 requests a batch; the one right behind shared it about half the time, one
         further back about a quarter of the time).
 
-        A worker whose KV pool cannot hold the waiting requests at once (`pool_room`: the
-        requests it holds beside those decoding; None: unknown) admits its backlog as running
-        requests finish and free their pages, one or two at a time: a request is then taken
-        to be admitted after the one of `stamp`, never in its batch (measured on flat workers
-        at KV pressure 4, seed 3: 8,272 tokens the batch rule had dropped, yet found, are
-        predicted right now, against 1,280 more tokens predicted but not found)."""
+        A worker whose KV pool holds far fewer requests than wait there (`pool_room`: the
+        requests like this one it holds beside those decoding; None: unknown) admits that
+        backlog as running requests finish and free their pages, one or two at a time: when
+        the backlog is `_DEEP_BACKLOG` or more requests longer than that, a request is taken
+        to be admitted after the one of `stamp`, never in its batch."""
         if trickles and batch_room is not None and len(self._decisions) + 1 > batch_room:
             # a step there admits only what the pages freed allow: an answer or event batch
             # since it was sent does not say it was among those taken in
             return self.behind(stamp) == 0
-        if pool_room is not None and len(self._decisions) + 1 > pool_room:
+        if pool_room is not None and len(self._decisions) + 1 >= pool_room + _DEEP_BACKLOG:
             return False
         if self.admitted(stamp, now, seq):
             return False
@@ -435,6 +444,7 @@ def forecast(
         held_tokens=held_tokens,
         queued_tokens=queued,
         evict_tokens=evict,
+        pool_room=pool_room,
     )
     if not raw_tokens or not block_size:
         out.why = "nothing matched"

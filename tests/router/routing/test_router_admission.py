@@ -308,7 +308,7 @@ def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_
     assert not waiting.joins_batch(last, now=5.0, seq=8, batch_room=5, trickles=False)
 
 
-def test_a_backlog_the_pool_cannot_hold_at_once_is_admitted_one_request_after_another() -> None:
+def test_a_backlog_far_beyond_what_the_pool_holds_is_admitted_one_request_after_another() -> None:
     book, waiting, _, stamp = _behind_a_prefill()
     for n in range(2):  # two more waiting behind the one that brings blocks 2 and 3
         other = book.touch([20 + n])
@@ -317,9 +317,13 @@ def test_a_backlog_the_pool_cannot_hold_at_once_is_admitted_one_request_after_an
     # the running cap has room for all: the same batch as the one that brings the blocks
     assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8)
     assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=5)
-    # but the pool holds three such requests beside those decoding: the worker takes the
-    # backlog in as pages come free, so a request routed now comes in after it
-    assert not waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=3)
+    # the pool holds three such requests beside those decoding, and five wait with the one
+    # routed now: a backlog that short may still go in together (measured: a coin toss), so
+    # the router keeps predicting no hit
+    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=3)
+    # the pool holds one such request: the worker takes the backlog in as pages come free,
+    # so a request routed now comes in after the one that brings the blocks
+    assert not waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=1)
     found = forecast(
         raw_tokens=12,
         matched_tokens=4,
@@ -334,9 +338,9 @@ def test_a_backlog_the_pool_cannot_hold_at_once_is_admitted_one_request_after_an
         waiting=waiting,
         now=0.03,
         batch_room=8,
-        pool_room=3,
+        pool_room=1,
     )
-    assert found.kept_tokens == 12 and found.cause == ""
+    assert found.kept_tokens == 12 and found.cause == "" and found.pool_room == 1
     assert _pending(book, waiting, now=0.03, room=8) == 4  # no pool room known: batched
 
 
