@@ -157,6 +157,7 @@ def _over_blocks_1_to_3(
     now: float,
     room: int | None = None,
     trickles: bool = False,
+    pool_room: int | None = None,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
     pending), on a 100-token pool with nothing to evict."""
@@ -175,6 +176,7 @@ def _over_blocks_1_to_3(
         now=now,
         batch_room=room,
         trickles=trickles,
+        pool_room=pool_room,
     )
 
 
@@ -324,22 +326,7 @@ def test_a_backlog_far_beyond_what_the_pool_holds_is_admitted_one_request_after_
     # the pool holds one such request: the worker takes the backlog in as pages come free,
     # so a request routed now comes in after the one that brings the blocks
     assert not waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=1)
-    found = forecast(
-        raw_tokens=12,
-        matched_tokens=4,
-        capacity_tokens=100,
-        held_tokens=4,
-        queued_tokens=8,
-        in_flight=2,
-        reserve_tokens=0,
-        block_size=BS,
-        keys=lambda: [1, 2, 3],
-        book=book,
-        waiting=waiting,
-        now=0.03,
-        batch_room=8,
-        pool_room=1,
-    )
+    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=0.03, room=8, pool_room=1)
     assert found.kept_tokens == 12 and found.cause == "" and found.pool_room == 1
     assert _pending(book, waiting, now=0.03, room=8) == 4  # no pool room known: batched
 

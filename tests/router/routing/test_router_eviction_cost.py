@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from router.routing.admission import AdmissionForecast, RecencyBook
 from router.routing.balance import BalanceModel
 from router.routing.eviction_cost import eviction_cost
@@ -17,6 +19,27 @@ def _admission(held: int, queued: int, capacity: int | None = 24) -> AdmissionFo
         held_tokens=held,
         queued_tokens=queued,
     )
+
+
+def _charge(
+    book: RecencyBook,
+    *,
+    held: int,
+    queued: int,
+    new_tokens: int,
+    holders: Callable[[Sequence[int]], list[int]] = lambda keys: [1] * len(keys),
+    reused: frozenset[int] = frozenset(),
+) -> tuple[int, int, int]:
+    """(evicted, hot, sole hot) tokens of a request bringing `new_tokens` to a 24-token pool."""
+    cost = eviction_cost(
+        admission=_admission(held=held, queued=queued),
+        new_tokens=new_tokens,
+        block_size=BS,
+        book=book,
+        holder_counts=holders,
+        reused=lambda: reused,
+    )
+    return cost.evicted_tokens, cost.hot_tokens, cost.sole_hot_tokens
 
 
 def test_a_request_that_fits_evicts_nothing() -> None:
@@ -40,26 +63,13 @@ def test_it_charges_the_reused_blocks_no_other_worker_holds() -> None:
     # 24-token pool full (6 blocks held): 8 new tokens evict the 2 oldest blocks (1, 2)
     others = {1: 1, 2: 2}  # block 2 is held by another worker too
 
-    def charge(new_tokens: int) -> tuple[int, int, int]:
-        cost = eviction_cost(
-            admission=_admission(held=24, queued=0),
-            new_tokens=new_tokens,
-            block_size=BS,
-            book=book,
-            holder_counts=lambda keys: [others.get(k, 1) for k in keys],
-        )
-        return cost.evicted_tokens, cost.hot_tokens, cost.sole_hot_tokens
+    def holders(keys: Sequence[int]) -> list[int]:
+        return [others.get(k, 1) for k in keys]
 
-    assert charge(8) == (8, 8, 4)  # 1 and 2 are hot; only 1 is held nowhere else
+    # 1 and 2 are hot; only 1 is held nowhere else
+    assert _charge(book, held=24, queued=0, new_tokens=8, holders=holders) == (8, 8, 4)
     # after the requests ahead evict blocks 1 and 2, this one evicts the cold 3 and 4
-    cost = eviction_cost(
-        admission=_admission(held=24, queued=8),
-        new_tokens=8,
-        block_size=BS,
-        book=book,
-        holder_counts=lambda keys: [1] * len(keys),
-    )
-    assert (cost.evicted_tokens, cost.hot_tokens) == (8, 0)
+    assert _charge(book, held=24, queued=8, new_tokens=8) == (8, 0, 0)
 
 
 def test_the_prefix_it_comes_to_reuse_is_never_its_own_victim() -> None:
@@ -71,15 +81,7 @@ def test_the_prefix_it_comes_to_reuse_is_never_its_own_victim() -> None:
     book.touch([5, 6])
 
     def charge(reused: frozenset[int]) -> tuple[int, int, int]:
-        cost = eviction_cost(
-            admission=_admission(held=24, queued=0),
-            new_tokens=8,
-            block_size=BS,
-            book=book,
-            holder_counts=lambda keys: [1] * len(keys),
-            reused=lambda: reused,
-        )
-        return cost.evicted_tokens, cost.hot_tokens, cost.sole_hot_tokens
+        return _charge(book, held=24, queued=0, new_tokens=8, reused=reused)
 
     assert charge(frozenset()) == (8, 8, 8)  # a stranger's request evicts blocks 1 and 2
     # the next turn of that conversation locks 1 and 2 at admission: 3 and 4 go instead
