@@ -89,7 +89,7 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     queued_tokens: int = 0  # what requests ahead of this one must still allocate
     evict_tokens: int = 0  # what it must evict before admitting this request
     # requests like this one its pool holds beside those decoding (None: not known, or a
-    # prefill side): a longer backlog is admitted one request after another
+    # side of a prefill/decode pair): a much longer backlog goes in one request at a time
     pool_room: int | None = None
     why: str = ""
     # why the tokens not kept are lost ("": none are): "evicted" (least recently used before
