@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "CLIP_OUTPUT_TOKENS",
+    "PREFILL_OUTPUT_TOKENS",
     "chat_output_limit",
     "completion_output_limit",
     "generate_output_limit",
@@ -32,6 +33,9 @@ __all__ = [
 
 # SGLang's CLIP_MAX_NEW_TOKENS: the scheduler budgets no more than this per request
 CLIP_OUTPUT_TOKENS = 4096
+# what a prefill/decode pair's prefill side generates: the first token (SGLang's prefill server
+# sets `max_new_tokens` to 1)
+PREFILL_OUTPUT_TOKENS = 1
 _GENERATE_DEFAULT = 128
 _COMPLETION_DEFAULT = 16
 

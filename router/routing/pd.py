@@ -22,6 +22,7 @@ import msgspec
 
 from indexer.service import Namespace
 from router.config import PdConfig, PolicyConfig
+from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
 from router.prompt.request import ParsedRequest
 from router.routing.load import Ticket
 from router.routing.planner import Plan, Planner
@@ -99,7 +100,9 @@ class PairPlanner:
     ) -> Ticket:
         """The prefill side is committed like any request: pending marks, policy, load. It
         makes the first token only (SGLang's prefill side sets `max_new_tokens` to 1)."""
-        return self.planner.commit(ns, tokens, candidate, first_try=first_try, output_tokens=1)
+        return self.planner.commit(
+            ns, tokens, candidate, first_try=first_try, output_tokens=PREFILL_OUTPUT_TOKENS
+        )
 
     def commit_decode(
         self,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import partial
+from functools import cache, partial
 
 import msgspec
 
@@ -37,6 +37,7 @@ from indexer.service import (
     WorkerMatch,
 )
 from router.config import PolicyConfig
+from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
 from router.prompt.request import ParsedRequest
 from router.routing.admission import (
     AdmissionForecast,
@@ -157,13 +158,12 @@ class Planner:
         the configured one); changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
         output = parsed.output_tokens
+        if role == "prefill":
+            output = PREFILL_OUTPUT_TOKENS
+        elif output is None:
+            output = self._config.admission_reserve_tokens
         return self._plan(
-            ns,
-            parsed.tokens,
-            parsed.dp_rank,
-            role,
-            policy or self.policy,
-            output_tokens=self._config.admission_reserve_tokens if output is None else output,
+            ns, parsed.tokens, parsed.dp_rank, role, policy or self.policy, output_tokens=output
         )
 
     def _plan(
@@ -267,6 +267,11 @@ class Planner:
         block_size = self.indexer.index.block_size(stream)
         stride = recency_stride(block_size or 1)
         stretch = None if block_size is None else block_size * stride
+
+        @cache  # the forecast and the eviction charge may both need them: made once
+        def keys() -> list[int]:
+            return self.indexer.block_keys(stream, ns, tokens, limit)
+
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
             matched_tokens=candidate.matched_tokens,
@@ -277,7 +282,7 @@ class Planner:
             in_flight=min(load.running, entry.max_running_requests or load.running),
             reserve_tokens=reserve,
             block_size=block_size,
-            keys=lambda: self.indexer.block_keys(stream, ns, tokens, limit),
+            keys=keys,
             book=self.recency.get(stream),
             # a namespace no event can show (extra_key): its pending marks are all there is
             waiting=waiting if unindexed_reason(ns) is None else None,
@@ -310,14 +315,12 @@ class Planner:
             kept_blocks = found.kept_tokens // block_size
 
             def reused() -> set[int]:
-                keys = self.indexer.block_keys(stream, ns, tokens, limit)
-                return set(keys[:kept_blocks:stride])  # a block per stretch, as the book
+                return set(keys()[:kept_blocks:stride])  # a block per stretch, as the book
 
             # its own allocation: the uncached prompt and the output it may generate there
-            output = 1 if entry.role == "prefill" else output_tokens
             candidate.eviction = eviction_cost(
                 admission=found,
-                new_tokens=max(0, len(tokens) - found.kept_tokens) + output,
+                new_tokens=max(0, len(tokens) - found.kept_tokens) + output_tokens,
                 # the book keeps a block per stretch: each stands for the stretch it starts
                 block_size=stretch,
                 book=self.recency.get(stream),
