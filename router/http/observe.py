@@ -95,6 +95,7 @@ class Observation:
         "_request_ctx",
         "_request_span",
         "_tail",
+        "_traceparent",
         "_upstream_span",
         "endpoint",
         "model",
@@ -120,8 +121,12 @@ class Observation:
         self._request_ctx: Any = None
         self._phase_span: Span | None = None
         self._upstream_span: Span | None = None
+        # a new trace the sample ratio dropped: the worker's header, and no span at all
+        self._traceparent: str | None = None
         tracing = observer.tracing
         if tracing is not None:
+            self._traceparent = tracing.dropped_root(request.headers)
+        if tracing is not None and self._traceparent is None:
             parent = tracing.propagator.extract(request.headers)
             span = tracing.tracer.start_span(
                 f"{request.method} {self.endpoint}",
@@ -214,6 +219,9 @@ class Observation:
         """Headers for the worker: the request id, and the upstream span as `traceparent`."""
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = self.request_id
+        if self._traceparent is not None:
+            headers["traceparent"] = self._traceparent  # the client sent no trace context
+            return
         tracing = self._observer.tracing
         if tracing is None:
             return

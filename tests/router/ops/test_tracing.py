@@ -3,7 +3,8 @@
 A router with the OpenTelemetry SDK's in-memory exporter in front of backends on 127.0.0.1
 that record the headers they receive: the span tree, its attributes, the `traceparent` the
 worker gets, `x-request-id` through to the worker, back to the client and onto log lines;
-tracing off by default, and on from the config file or the OTEL_* variables.
+tracing off by default, and on from the config file or the OTEL_* variables; new traces the
+sample ratio drops decided without the SDK, and every other decision left to it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from opentelemetry.context import Context
+from opentelemetry.propagate import get_global_textmap, set_global_textmap
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -25,6 +29,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS, TRACING
 from router.http.observe import install_log_request_id
+from router.http.tracing import Tracing, build_tracing, w3c_propagation
 from router.service import RouterService
 from tests.router.conftest import eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -403,3 +408,80 @@ async def test_observe_off_records_nothing_and_traces_nothing(
     assert "x-request-id" not in resp.headers
     assert "x-request-id" not in backend.seen[-1] and "traceparent" not in backend.seen[-1]
     assert exporter.get_finished_spans() == ()
+
+
+async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
+    backend: Backend,
+) -> None:
+    tracing = TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0)
+    config = _config((_worker("b0", backend),), tracing=tracing)
+    async with RouterService(config) as router:
+        assert router.app[TRACING].decides_roots
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        for _ in range(3):
+            assert (await _post(router.url, CHAT)).status == 200
+        assert memory.get_finished_spans() == ()
+        sent = [seen["traceparent"] for seen in backend.seen]
+        found = [TRACEPARENT.match(header) for header in sent]
+        assert all(f is not None for f in found), sent
+        assert len({f.group(1) for f in found if f is not None}) == 3  # a trace each
+        assert all(not int(header[-2:], 16) & 1 for header in sent)  # not sampled
+
+        # a client's sampled trace is the SDK's business: recorded, and continued
+        client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        client = f"00-{client_trace}-00f067aa0ba902b7-01"
+        assert (await _post(router.url, CHAT, {"traceparent": client})).status == 200
+        spans = memory.get_finished_spans()
+        assert {s.name for s in spans} >= {"POST /v1/chat/completions", "upstream"}
+        continued = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+        assert continued is not None and continued.group(1) == client_trace
+
+
+def _kept(tracing: Tracing, draws: int) -> int:
+    return sum(1 for _ in range(draws) if tracing.dropped_root({}) is None)
+
+
+def test_the_ratio_keeps_its_share_of_new_traces(provider: TracerProvider) -> None:
+    assert _kept(Tracing(provider, owned=False, root_ratio=0.0), 2000) == 0
+    assert _kept(Tracing(provider, owned=False, root_ratio=1.0), 2000) == 2000
+    # 4,000 draws at 25%: 1,000 expected, 27 the standard deviation
+    assert 800 <= _kept(Tracing(provider, owned=False, root_ratio=0.25), 4000) <= 1200
+    # a request with a trace context of its own always goes the SDK's way
+    dropping = Tracing(provider, owned=False, root_ratio=0.0)
+    assert dropping.dropped_root({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-00"}) is None
+    assert dropping.dropped_root({"baggage": "tenant=a"}) is None
+    # a provider handed in keeps its own sampler for everything
+    assert not Tracing(provider, owned=False).decides_roots
+
+
+class _B3Like(TextMapPropagator):
+    """A propagator whose headers kvroute cannot write (B3's, say)."""
+
+    def extract(self, carrier: Any, context: Any = None, getter: Any = None) -> Any:
+        return context if context is not None else Context()
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+        carrier["x-b3-traceid"] = "0" * 32
+
+    @property
+    def fields(self) -> set[str]:
+        return {"x-b3-traceid"}
+
+
+def test_other_propagators_leave_every_decision_to_the_sdk() -> None:
+    assert w3c_propagation({"traceparent", "tracestate", "baggage"})
+    assert w3c_propagation({"traceparent", "tracestate"})
+    assert not w3c_propagation({"baggage"})
+    assert not w3c_propagation({"traceparent", "tracestate", "x-b3-traceid"})
+    before = get_global_textmap()
+    set_global_textmap(_B3Like())
+    try:
+        tracing = build_tracing(TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0))
+        assert tracing is not None and not tracing.decides_roots
+        assert tracing.dropped_root({}) is None
+        span = tracing.tracer.start_span("root")  # the SDK's ratio sampler drops it
+        assert not span.is_recording()
+        tracing.shutdown()
+    finally:
+        set_global_textmap(before)
