@@ -17,6 +17,11 @@ it), the default, and tracing on with the SDK's in-memory exporter (`[tracing] e
 exporting over a network is not in the number), every request traced, 10% and 1% of them.
 `--ops-only` measures just those rows.
 
+Three bare forwarders say how much of the gap to sglang-router is the server side: kvroute's
+(aiohttp's Application) with kvroute's upstream client and nothing else, the same on aiohttp's
+low-level server, and the floor, the thinnest forwarder Python can be (`bench.forwarder_floor`:
+an asyncio Protocol with httptools), all on kvroute's loop.
+
 It also re-checks the upstream-client choice (a bare forwarder on aiohttp's server with
 kvroute's own upstream client, `router.http.upstream_client`, versus the same forwarder with
 aiohttp's client and with httpx, each with its CPU per request), and repeats the
@@ -47,6 +52,7 @@ from aiohttp import web
 from bench.command import write_markdown
 from bench.sglang_router import DEFAULT_PYTHON, launch, provision, version
 from router.cluster.server import NatsServer
+from router.commands.serve import run_loop
 from router.http.upstream_client import Origin, UpstreamClient
 
 __all__ = ["add_arguments", "run"]
@@ -193,9 +199,52 @@ async def _reference_role() -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
+async def _floor_role(upstream: str) -> None:
+    from bench.forwarder_floor import serve_floor
+
+    async with serve_floor(upstream) as url:
+        print(f"listening on {url}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
+async def _low_level_role(upstream: str) -> None:
+    """The bare forwarder on aiohttp's low-level server: no Application, router, middlewares."""
+    origin, base = Origin.split(upstream)
+    async with UpstreamClient() as own:
+
+        async def forward(request: web.BaseRequest) -> web.Response:
+            deadline = asyncio.get_running_loop().time() + 30
+            body = await request.read()
+            headers = [("Content-Type", "application/json")]
+            async with own.post(
+                origin, base + request.path, headers, body, deadline=deadline, connect_timeout_s=5
+            ) as resp:
+                return web.Response(body=await resp.read(), status=resp.status)
+
+        server = web.Server(forward, access_log=None)
+        listening = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+        port = listening.sockets[0].getsockname()[1]
+        print(f"listening on http://127.0.0.1:{port}", flush=True)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        finally:
+            listening.close()
+            await server.shutdown(1.0)
+
+
 def _role_main(argv: Sequence[str]) -> None:
     if argv[0] == "reference":
         asyncio.run(_reference_role())
+        return
+    # the server-side comparison runs on kvroute's own loop (uvloop where installed)
+    if argv[0] == "floor":
+        run_loop(_floor_role(argv[1]))
+        return
+    if argv[0] == "forwarder-lowlevel":
+        run_loop(_low_level_role(argv[1]))
+        return
+    if argv[0] == "forwarder-app":
+        run_loop(_serve_role(_forwarder_app(argv[1], "upstream")))
         return
     app = _backend_app() if argv[0] == "backend" else _forwarder_app(argv[1], argv[2])
     asyncio.run(_serve_role(app))
@@ -423,6 +472,11 @@ _ASYNCIO = "kvroute on asyncio's loop (KVROUTE_EVENT_LOOP=asyncio)"
 _SAMPLED = "kvroute, tracing on, 10% sampled (in-memory exporter)"
 # the sample a production fleet at thousands of requests/s would trace
 _SAMPLED_1 = "kvroute, tracing on, 1% sampled (in-memory exporter)"
+# bare forwarders with kvroute's upstream client, on kvroute's loop: its server side alone, the
+# same on aiohttp's low-level server, and the floor (`bench.forwarder_floor`)
+_APP_FORWARDER = "bare forwarder: aiohttp app + kvroute's upstream client"
+_LOW_FORWARDER = "bare forwarder: aiohttp low-level server + kvroute's upstream client"
+_FLOOR = "floor: asyncio Protocol + httptools + kvroute's upstream client"
 _OPS_TARGETS = {
     "kvroute, observe off": "[observe]\nenabled = false\n",
     _TRACED: _TRACING,
@@ -501,6 +555,17 @@ async def _other_targets(
     targets["bare aiohttp forwarder"] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
     )
+    # kvroute's server side without kvroute, a leaner one, and the thinnest Python can be
+    for name, role in ((_APP_FORWARDER, "forwarder-app"), (_LOW_FORWARDER, "forwarder-lowlevel")):
+        targets[name] = await stack.enter_async_context(
+            _process(py, "-m", "bench.proxy_bench", role, backend)
+        )
+    if importlib.util.find_spec("httptools") is not None:
+        targets[_FLOOR] = await stack.enter_async_context(
+            _process(py, "-m", "bench.proxy_bench", "floor", backend)
+        )
+    else:
+        notes.append("the floor forwarder not measured: httptools is not installed (.[bench])")
     sglang_python, where = args.sglang_router_found
     if sglang_python is None:
         notes.append(f"sglang-router not measured: {where}")
@@ -521,6 +586,24 @@ def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]
         f"{same_loop} / bare aiohttp forwarder (asyncio's loop) throughput ratio: "
         f"{rates[same_loop] / rates['bare aiohttp forwarder']:.2f} (the cost of routing itself)"
     ]
+    if _APP_FORWARDER in rates:
+        notes.append(
+            f"kvroute / {_APP_FORWARDER} throughput ratio: "
+            f"{rates['kvroute'] / rates[_APP_FORWARDER]:.2f} (routing and the operations layer, "
+            "on the same server side and loop)"
+        )
+        for leaner in (_LOW_FORWARDER, _FLOOR):
+            if leaner in rates:
+                notes.append(
+                    f"{leaner} / {_APP_FORWARDER} throughput ratio: "
+                    f"{rates[leaner] / rates[_APP_FORWARDER]:.2f} (what a leaner server side buys)"
+                )
+    if _FLOOR in rates and "sglang-router" in rates:
+        notes.append(
+            f"{_FLOOR} / sglang-router throughput ratio: "
+            f"{rates[_FLOOR] / rates['sglang-router']:.2f} (the thinnest one-process Python "
+            "forwarder on this loop, no routing at all, against SGLang's router on this machine)"
+        )
     if _ASYNCIO in rates:
         notes.append(
             f"kvroute (on uvloop, the default) / {_ASYNCIO} throughput ratio: "

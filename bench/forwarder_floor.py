@@ -1,0 +1,106 @@
+"""The floor of a Python HTTP proxy on this machine: how fast the thinnest forwarder can be.
+
+`kvroute bench proxy` holds kvroute's throughput against SGLang's Rust router. This forwarder
+says how much of the gap any router written in Python would have: an `asyncio.Protocol` that
+parses requests with httptools (the C parser uvicorn uses) and forwards each body with
+kvroute's own upstream client (`router.http.upstream_client`), on uvloop. No routing, no
+headers passed on, no streaming, no limits, no error pages: a request whose forward fails gets
+a bare 502. It is a measuring stick, not a server; nothing in kvroute uses it.
+
+Requests on one connection are answered in the order they came (pipelining), each forwarded
+as soon as it is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import cast
+
+import httptools
+
+from router.http.upstream_client import Origin, UpstreamClient
+
+__all__ = ["FloorForwarder", "serve_floor"]
+
+_JSON = [("Content-Type", "application/json")]
+_DEADLINE_S = 30.0
+_CONNECT_TIMEOUT_S = 5.0
+
+
+class FloorForwarder(asyncio.Protocol):
+    """One client connection: parse, forward, answer in order."""
+
+    def __init__(self, client: UpstreamClient, origin: Origin, base: str) -> None:
+        self._client = client
+        self._origin = origin
+        self._base = base
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = bytearray()
+        self._body = bytearray()
+        self._transport: asyncio.Transport | None = None
+        # the answer written last (or on its way): the next one waits for it
+        self._previous: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a TCP transport (uvloop's is not an asyncio.Transport subclass, but has its methods)
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._transport is not None:
+                self._transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+    # httptools' callbacks
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        path, body = self._url.decode(), bytes(self._body)
+        self._url.clear()
+        self._body.clear()
+        self._previous = asyncio.ensure_future(self._answer(path, body, self._previous))
+
+    async def _answer(self, path: str, body: bytes, previous: asyncio.Future[None] | None) -> None:
+        loop = asyncio.get_running_loop()
+        status, data = 502, b""
+        with contextlib.suppress(Exception):
+            async with self._client.post(
+                self._origin,
+                self._base + path,
+                _JSON,
+                body,
+                deadline=loop.time() + _DEADLINE_S,
+                connect_timeout_s=_CONNECT_TIMEOUT_S,
+            ) as resp:
+                status, data = resp.status, await resp.read()
+        if previous is not None:
+            await previous
+        if self._transport is not None:
+            head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            self._transport.write(head % (status, len(data)) + data)
+
+
+@contextlib.asynccontextmanager
+async def serve_floor(upstream: str, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve the floor forwarder in front of `upstream` on an ephemeral port; yields its URL."""
+    origin, base = Origin.split(upstream)
+    async with UpstreamClient() as client:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: FloorForwarder(client, origin, base), host, 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.close()
+            await server.wait_closed()

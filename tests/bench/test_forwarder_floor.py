@@ -1,0 +1,69 @@
+"""The proxy benchmark's floor forwarder (`bench.forwarder_floor`) forwards for real: bodies
+and statuses through, several requests on one connection, pipelined ones in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bench.forwarder_floor import serve_floor
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[str]:
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        status = 201 if request.path == "/created" else 200
+        # a slow answer for the first of a pipelined pair: the second must still come second
+        if body == b"slow":
+            await asyncio.sleep(0.2)
+        return web.Response(body=request.path.encode() + b":" + body, status=status)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", echo)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+async def test_bodies_and_statuses_come_through_on_one_connection(backend: str) -> None:
+    async with (
+        serve_floor(backend) as url,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
+    ):
+        answers = []
+        for path, body in (("/v1/completions", b"a"), ("/created", b"bb"), ("/x", b"")):
+            async with session.post(url + path, data=body) as resp:
+                answers.append((resp.status, await resp.read()))
+    assert answers == [(200, b"/v1/completions:a"), (201, b"/created:bb"), (200, b"/x:")]
+
+
+async def test_pipelined_requests_are_answered_in_order(backend: str) -> None:
+    async with serve_floor(backend) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        request = "POST /{} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{}"
+        writer.write((request.format("one", 4, "slow") + request.format("two", 4, "fast")).encode())
+        await writer.drain()
+        got = b""
+        async with asyncio.timeout(5):
+            while got.count(b"HTTP/1.1") < 2 or not got.endswith(b"/two:fast"):
+                got += await reader.read(4096)
+        writer.close()
+        await writer.wait_closed()
+    assert got.index(b"/one:slow") < got.index(b"/two:fast")
+
+
+async def test_a_worker_that_is_gone_is_a_502(unused_tcp_port: int) -> None:
+    async with (
+        serve_floor(f"http://127.0.0.1:{unused_tcp_port}") as url,
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", data=b"{}") as resp,
+    ):
+        assert resp.status == 502
