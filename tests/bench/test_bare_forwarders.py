@@ -1,9 +1,12 @@
-"""The proxy benchmark's floor forwarder (`bench.forwarder_floor`) forwards for real: bodies
-and statuses through, several requests on one connection, pipelined ones in order."""
+"""The proxy benchmark's bare forwarders forward for real, to a backend on 127.0.0.1: the floor
+(`bench.forwarder_floor`) in process (bodies and statuses through, several requests on one
+connection, pipelined ones in order, a 502 for a worker that is gone), and each forwarder role
+started as the benchmark starts it, a process on kvroute's loop."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -12,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench.forwarder_floor import serve_floor
+from bench.proxy_bench import _process
 
 
 @pytest.fixture
@@ -67,3 +71,15 @@ async def test_a_worker_that_is_gone_is_a_502(unused_tcp_port: int) -> None:
         session.post(url + "/v1/completions", data=b"{}") as resp,
     ):
         assert resp.status == 502
+
+
+@pytest.mark.parametrize("role", ["forwarder-app", "forwarder-lowlevel", "floor"])
+async def test_each_forwarder_role_forwards(backend: str, role: str) -> None:
+    async with (
+        _process(sys.executable, "-m", "bench.proxy_bench", role, backend) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        for n in range(3):  # one kept-alive connection, several requests
+            async with session.post(url + "/v1/completions", data=f"{n}".encode()) as resp:
+                assert resp.status == 200
+                assert await resp.read() == f"/v1/completions:{n}".encode()
