@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -130,6 +131,19 @@ def _backend_app() -> web.Application:
     return app
 
 
+async def _forward_upstream(
+    own: UpstreamClient, origin: Origin, base: str, request: web.BaseRequest
+) -> web.Response:
+    """One request forwarded with kvroute's upstream client: the bare forwarders' whole job."""
+    deadline = asyncio.get_running_loop().time() + 30
+    headers = [("Content-Type", "application/json")]
+    body = await request.read()
+    async with own.post(
+        origin, base + request.path, headers, body, deadline=deadline, connect_timeout_s=5
+    ) as resp:
+        return web.Response(body=await resp.read(), status=resp.status)
+
+
 def _forwarder_app(upstream: str, client: str) -> web.Application:
     app = web.Application()
 
@@ -147,14 +161,7 @@ def _forwarder_app(upstream: str, client: str) -> web.Application:
     origin, base = Origin.split(upstream)
 
     async def forward_upstream(request: web.Request) -> web.Response:
-        own: UpstreamClient = request.app["upstream"]
-        deadline = asyncio.get_running_loop().time() + 30
-        headers = [("Content-Type", "application/json")]
-        body = await request.read()
-        async with own.post(
-            origin, base + request.path, headers, body, deadline=deadline, connect_timeout_s=5
-        ) as resp:
-            return web.Response(body=await resp.read(), status=resp.status)
+        return await _forward_upstream(request.app["upstream"], origin, base, request)
 
     async def clients(app: web.Application) -> AsyncIterator[None]:
         import httpx
@@ -211,17 +218,7 @@ async def _low_level_role(upstream: str) -> None:
     """The bare forwarder on aiohttp's low-level server: no Application, router, middlewares."""
     origin, base = Origin.split(upstream)
     async with UpstreamClient() as own:
-
-        async def forward(request: web.BaseRequest) -> web.Response:
-            deadline = asyncio.get_running_loop().time() + 30
-            body = await request.read()
-            headers = [("Content-Type", "application/json")]
-            async with own.post(
-                origin, base + request.path, headers, body, deadline=deadline, connect_timeout_s=5
-            ) as resp:
-                return web.Response(body=await resp.read(), status=resp.status)
-
-        server = web.Server(forward, access_log=None)
+        server = web.Server(partial(_forward_upstream, own, origin, base), access_log=None)
         listening = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
         port = listening.sockets[0].getsockname()[1]
         print(f"listening on http://127.0.0.1:{port}", flush=True)

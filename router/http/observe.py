@@ -126,7 +126,7 @@ class Observation:
         tracing = observer.tracing
         if tracing is not None:
             self._traceparent = tracing.dropped_root(request.headers)
-        if tracing is not None and self._traceparent is None:
+        if tracing is not None and self._traceparent is None:  # the SDK's way
             parent = tracing.propagator.extract(request.headers)
             span = tracing.tracer.start_span(
                 f"{request.method} {self.endpoint}",

@@ -111,12 +111,10 @@ class Tracing:
         self._status = trace.Status
         self._error = trace.StatusCode.ERROR
         self._fields = tuple(sorted(self.propagator.fields))
-        # new traces are decided here (`dropped_root`) when kvroute made the sampler for this
-        # ratio (recording every root it is given) and can write the propagators' headers;
-        # None: the SDK decides every span
-        self._root_bound: int | None = None
-        if root_ratio is not None and w3c_propagation(self._fields):
-            self._root_bound = round(root_ratio * (_LOW_64 + 1))
+        # new traces are decided here (`dropped_root`) at `root_ratio`, given only when
+        # kvroute made the sampler to record every root it is handed and the propagators are
+        # W3C's (`build_tracing`); None: the SDK decides every span
+        self._root_bound = None if root_ratio is None else round(root_ratio * (_LOW_64 + 1))
 
     @property
     def decides_roots(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import cache, partial
+from functools import partial
 
 import msgspec
 
@@ -268,9 +268,16 @@ class Planner:
         stride = recency_stride(block_size or 1)
         stretch = None if block_size is None else block_size * stride
 
-        @cache  # the forecast and the eviction charge may both need them: made once
+        # the forecast and the eviction charge may both need the prompt's block keys: made
+        # once, and only when asked (a plain memo: functools.cache costs a microsecond to
+        # make, per candidate of every request)
+        made: list[int] | None = None
+
         def keys() -> list[int]:
-            return self.indexer.block_keys(stream, ns, tokens, limit)
+            nonlocal made
+            if made is None:
+                made = self.indexer.block_keys(stream, ns, tokens, limit)
+            return made
 
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
