@@ -35,8 +35,10 @@
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define PREFETCH_W(p) __builtin_prefetch((p), 1, 3)
 #else
 #define PREFETCH(p) ((void)(p))
+#define PREFETCH_W(p) ((void)(p))
 #endif
 
 typedef struct {
@@ -1109,6 +1111,27 @@ error:
  * zip tuples and the per-key method calls of doing the same through map(). Each works on a
  * tuple copy of its arguments, so nothing a finalizer does to the caller's lists matters. */
 
+/* Prefetch, for writing, the home slots of the array keys among items[0:n] (at most BATCH): a
+ * store loop over a long key list then overlaps its cache misses as batch_load does for reads.
+ * Only a hint: a store that grows the array in between just misses the cache as before. */
+static void
+prefetch_stores(const IntMapObject *m, PyObject *const *items, Py_ssize_t n)
+{
+    if (m->cap == 0) {
+        return;
+    }
+    const size_t mask = (size_t)m->cap - 1;
+    for (Py_ssize_t j = 0; j < n && j < BATCH; j++) {
+        if (PyLong_CheckExact(items[j])) {
+            int ovf = 0;
+            long long v = PyLong_AsLongLongAndOverflow(items[j], &ovf);
+            if (ovf == 0) {
+                PREFETCH_W(&m->slots[(size_t)mix((uint64_t)v) & mask]);
+            }
+        }
+    }
+}
+
 static PyObject *
 intmap_assign(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1120,8 +1143,14 @@ intmap_assign(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (keys == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
-        if (set_item(m, PyTuple_GET_ITEM(keys, i), args[1]) < 0) {
+    PyObject *const *items = &PyTuple_GET_ITEM(keys, 0);
+    const Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    prefetch_stores(m, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i % BATCH == 0 && i + BATCH < n) {
+            prefetch_stores(m, items + i + BATCH, n - i - BATCH);
+        }
+        if (set_item(m, items[i], args[1]) < 0) {
             Py_DECREF(keys);
             return NULL; /* keys before i stay assigned, as with update */
         }
@@ -1174,29 +1203,80 @@ intmap_or_many(IntMapObject *m, PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(args[1])->tp_name);
         return NULL;
     }
-    PyObject *keys = PySequence_Tuple(args[0]);
-    if (keys == NULL) {
+    int64_t unused;
+    PyObject *mask;
+    if (value_of(m, args[1], &unused, &mask) < 0) { /* an exact int: ORs below run no user code */
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
-        PyObject *key = PyTuple_GET_ITEM(keys, i);
-        PyObject *old = NULL;
-        int rc = lookup(m, key, &old);
-        if (rc < 0) {
-            Py_DECREF(keys);
-            return NULL; /* keys before i stay updated, as with a loop of assignments */
-        }
-        PyObject *merged = rc == 1 ? PyNumber_Or(old, args[1]) : Py_NewRef(args[1]);
-        Py_XDECREF(old);
-        if (merged == NULL || set_item(m, key, merged) < 0) {
-            Py_XDECREF(merged);
-            Py_DECREF(keys);
-            return NULL;
-        }
-        Py_DECREF(merged);
+    PyObject *keys = PySequence_Tuple(args[0]);
+    if (keys == NULL) {
+        Py_DECREF(mask);
+        return NULL;
     }
+    PyObject *const *items = &PyTuple_GET_ITEM(keys, 0);
+    const Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    /* Keys marked together share one value object (assign stores one for all), so the last
+     * old value and its merge are kept: a run of such keys costs one OR and no allocation. Both
+     * are strong references, so a freed old value's address cannot be mistaken for it. */
+    PyObject *memo_old = NULL, *memo_merged = NULL, *result = NULL;
+    prefetch_stores(m, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i % BATCH == 0 && i + BATCH < n) {
+            prefetch_stores(m, items + i + BATCH, n - i - BATCH);
+        }
+        int64_t k;
+        PyObject *okey;
+        int kind = key_of(items[i], &k, &okey);
+        if (kind == KEY_ERROR) {
+            goto done; /* keys before i stay updated, as with a loop of assignments */
+        }
+        if (kind == KEY_OVERFLOW) {
+            Py_DECREF(okey);
+            PyObject *old = NULL;
+            int rc = lookup(m, items[i], &old);
+            PyObject *merged = rc == 1 ? PyNumber_Or(old, mask) : rc == 0 ? Py_NewRef(mask) : NULL;
+            Py_XDECREF(old);
+            rc = merged == NULL ? -1 : set_item(m, items[i], merged);
+            Py_XDECREF(merged);
+            if (rc < 0) {
+                goto done;
+            }
+            continue;
+        }
+        /* one probe: the slot is found (or made) and updated in place. Nothing between the
+         * probe and the store allocates a GC-tracked object (exact ints only), so no finalizer
+         * can move the array under the pointer. */
+        int found;
+        Slot *s = slot_for_insert(m, k, &found);
+        if (s == NULL) {
+            goto done;
+        }
+        if (!found) {
+            s->tag = ~(uint64_t)k;
+            s->v.o = Py_NewRef(mask);
+            m->used++;
+            continue;
+        }
+        PyObject *old = s->v.o;
+        if (old != memo_old) {
+            PyObject *merged = PyNumber_Or(old, mask);
+            if (merged == NULL) {
+                goto done;
+            }
+            Py_XSETREF(memo_merged, merged);
+            Py_INCREF(old);
+            Py_XSETREF(memo_old, old);
+        }
+        s->v.o = Py_NewRef(memo_merged);
+        Py_DECREF(old); /* memo_old still holds it */
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(memo_old);
+    Py_XDECREF(memo_merged);
     Py_DECREF(keys);
-    Py_RETURN_NONE;
+    Py_DECREF(mask);
+    return result;
 }
 
 /* Pop keys[0:n] again (they were absent before this call inserted them). */

@@ -155,9 +155,14 @@ def _lora(value: object) -> str | None:
 
 
 def _ids(value: object, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int for t in value):
+    """Token ids as a list of ints (bools and floats are not), checked in one C-level pass:
+    a Python loop over an 8k-token prompt cost more than routing it."""
+    if not isinstance(value, list):
         raise RequestError(f"{field} must be a list of integers")
-    return value
+    try:
+        return msgspec.convert(value, list[int])
+    except msgspec.ValidationError as exc:  # names the item: "got `bool` - at `$[3]`"
+        raise RequestError(f"{field} must be a list of integers ({exc})") from None
 
 
 def _first(value: list[Any], field: str) -> object:

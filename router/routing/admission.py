@@ -42,8 +42,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import compress
+from operator import not_
 
 import msgspec
+
+from indexer.backend import DEFAULT
+from indexer.int_map import PyIntMap
 
 __all__ = [
     "AdmissionForecast",
@@ -59,6 +64,9 @@ __all__ = [
 # (SGLang's default is one token) would otherwise cost the router one book entry per token
 # of every prompt it routes (an 8k-token prompt: 8,192 entries, about 20 ms to touch)
 RECENCY_SAMPLE_TOKENS = 16
+
+# the stamp `RecencyBook` reads for a key no decision touched (stamps count up from 0)
+_UNSTAMPED = -1
 
 # up to this many earlier groups a touch takes keys from, it shrinks each by set difference
 _FEW_GROUPS = 8
@@ -107,19 +115,22 @@ class RecencyBook:
     them against the index), which keeps the book within a small multiple of the stream's
     capacity.
 
-    A touch is on the request path, so it works per group, not per key where it can: a
+    A touch is on the request path of every replica, for every request of the fleet (an
+    8k-token prompt is 512 blocks at page 16), so it works in bulk, not per key where it can:
+    the stamps live in the indexer's int map (read and written in one C-level pass each), a
     prompt's keys come from a few earlier decisions, whose groups shrink by set difference,
     and the count of keys per stamp sits in a Fenwick tree, so `not_older` is a prefix sum.
     """
 
-    __slots__ = ("_base", "_groups", "_hits", "_next", "_stamps", "_tree")
+    __slots__ = ("_base", "_groups", "_next", "_stamps", "_tree")
 
-    def __init__(self) -> None:
-        self._stamps: dict[int, int] = {}  # block key -> its latest stamp
+    def __init__(self, int_map: type[PyIntMap] = DEFAULT.int_map) -> None:
+        # block key -> its latest stamp << 1, | 1 once more than one decision used it here
+        # (the eviction charge's hotness; a bit of the same value costs the touch nothing)
+        self._stamps = int_map(True)
         # stamp -> the keys it is the latest of; stamps only grow, so this dict's order is
         # stamp order (oldest first)
         self._groups: dict[int, set[int]] = {}
-        self._hits: Counter[int] = Counter()  # block key -> decisions that used it here
         self._next = 0
         # keys per stamp, as a Fenwick tree over stamps from `_base` (1-based; grown and
         # rebased on the oldest live stamp when a stamp outgrows it)
@@ -136,37 +147,51 @@ class RecencyBook:
         self._next += 1
         if stamp - self._base + 1 >= len(self._tree):
             self._rebuild(stamp)
-        stamps = self._stamps
+        group = set(keys)
+        if len(group) != len(keys):  # a key twice would be counted twice below
+            keys = list(dict.fromkeys(keys))
         groups = self._groups
-        olds = [s for s in map(stamps.get, keys) if s is not None]
-        distinct = set(olds)
-        if len(distinct) <= _FEW_GROUPS:  # the usual prompt: a prefix or two routed before
-            for old in distinct:
-                group = groups[old]
-                before = len(group)
-                group.difference_update(keys)
-                self._add(old, len(group) - before)
-                if not group:
+        olds = self._stamps.get_many(keys, _UNSTAMPED)
+        codes = set(olds)
+        fresh = _UNSTAMPED in codes
+        codes.discard(_UNSTAMPED)
+        if len(codes) <= _FEW_GROUPS:  # the usual prompt: a prefix or two routed before
+            moved: dict[int, int] = {}
+            for code in codes:
+                moved[code >> 1] = moved.get(code >> 1, 0) + olds.count(code)
+            for old, n in moved.items():
+                was = groups[old]
+                if n == len(was):  # the whole group moves (a prompt sent again)
                     del groups[old]
+                else:
+                    was.difference_update(keys)
+                self._add(old, -n)
         else:  # keys from many groups: one discard per key beats a pass over all per group
-            moved: Counter[int] = Counter(olds)
-            for key in keys:
-                was = stamps.get(key)
-                if was is not None:
-                    groups[was].discard(key)
-            for gone, n in moved.items():
-                self._add(gone, -n)
-                if not groups[gone]:
-                    del groups[gone]
-        stamps.update(dict.fromkeys(keys, stamp))
-        self._hits.update(keys)
-        group = groups[stamp] = set(keys)
+            counts = Counter(code >> 1 for code in olds if code != _UNSTAMPED)
+            for key, code in zip(keys, olds, strict=True):
+                if code != _UNSTAMPED:
+                    groups[code >> 1].discard(key)
+            for old, n in counts.items():
+                self._add(old, -n)
+                if not groups[old]:
+                    del groups[old]
+        again = stamp << 1 | 1
+        if not fresh:
+            self._stamps.assign(keys, again)
+        elif not codes:
+            self._stamps.assign(keys, stamp << 1)
+        else:
+            seen = list(map(_UNSTAMPED.__ne__, olds))
+            self._stamps.assign(list(compress(keys, seen)), again)
+            self._stamps.assign(list(compress(keys, map(not_, seen))), stamp << 1)
+        groups[stamp] = group
         self._add(stamp, len(group))
         return stamp
 
-    def hits(self, key: int) -> int:
-        """How many decisions used the block on this stream since the book has known it."""
-        return self._hits.get(key, 0)
+    def reused(self, key: int) -> bool:
+        """Whether more than one decision used the block on this stream since the book has
+        known it."""
+        return bool(self._stamps.get(key, 0) & 1)
 
     def oldest(self, n: int) -> list[int]:
         """The keys of the oldest groups, oldest first, until at least `n` (or all)."""
@@ -179,7 +204,8 @@ class RecencyBook:
 
     def stamp(self, key: int) -> int | None:
         """The key's latest stamp, None when no decision touched it."""
-        return self._stamps.get(key)
+        code = self._stamps.get(key)
+        return None if code is None else code >> 1
 
     def not_older(self, stamp: int) -> int:
         """How many keys of the book were touched at `stamp` or later."""
@@ -198,22 +224,24 @@ class RecencyBook:
         old = len(self._stamps) - keep
         if old <= 0:
             return 0
-        cut, seen = -1, 0  # the newest stamp among the `old` oldest keys
-        for stamp, group in self._groups.items():
-            if seen >= old:
+        keys: list[int] = []  # the oldest groups' keys, until they number at least `old`
+        for group in self._groups.values():  # oldest first
+            if len(keys) >= old:
                 break
-            cut, seen = stamp, seen + len(group)
-        keys = [k for k, s in self._stamps.items() if s <= cut]
-        dropped = [k for k, held in zip(keys, holds(keys), strict=True) if not held]
+            keys.extend(group)
+        dropped = list(compress(keys, map(not_, holds(keys))))
         extra = len(self._stamps) - len(dropped) - 2 * keep
-        if extra > 0:
-            alive = set(dropped)
-            rest = sorted((s, k) for k, s in self._stamps.items() if k not in alive)
-            dropped.extend(k for _, k in rest[:extra])
+        if extra > 0:  # then the oldest of the rest
+            gone = set(dropped)
+            for group in self._groups.values():
+                if extra <= 0:
+                    break
+                rest = [k for k in group if k not in gone][:extra]
+                dropped.extend(rest)
+                extra -= len(rest)
         for key in dropped:
-            stamp = self._stamps.pop(key)
+            stamp = self._stamps.pop(key) >> 1
             self._add(stamp, -1)
-            self._hits.pop(key, None)
             group = self._groups[stamp]
             group.discard(key)
             if not group:

@@ -13,7 +13,7 @@ one, so the `kv` score charges each candidate for those blocks:
 
 and `score -= eviction_weight * cost` (`[policy] eviction_weight`; 0 turns it off). Hotness
 is what the router can see: how many of its own decisions used the block on that stream
-(`RecencyBook.hits`); sole holding is what the index says (every stream's events).
+(`RecencyBook.reused`); sole holding is what the index says (every stream's events).
 
 Pure and synchronous: no I/O.
 """
@@ -71,7 +71,7 @@ def eviction_cost(
     # it for a victim would charge the holder for the very prefix the request comes to reuse
     oldest = book.oldest(start + count + len(own))
     victims = [key for key in oldest if key not in own][start : start + count]
-    hot = [key for key in victims if book.hits(key) >= 2]
+    hot = [key for key in victims if book.reused(key)]
     sole = sum(1 for n in holder_counts(hot) if n <= 1) if hot else 0
     return EvictionCost(
         evicted,

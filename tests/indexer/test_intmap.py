@@ -691,6 +691,28 @@ def test_or_many_against_dict(factory: MapFactory) -> None:
         assert dict(m.items()) == model
 
 
+def test_or_many_over_long_runs_of_shared_values_against_dict(factory: MapFactory) -> None:
+    # a routed prompt's marks: hundreds of keys, runs of them sharing one value object (assign
+    # stores one for all), new keys that grow the array mid-call, a key twice in one call
+    m = factory(False)
+    model: dict[Any, int] = {}
+    rng = random.Random(67)
+    for step in range(60):
+        base = rng.randrange(0, 4000)
+        run = list(range(base, base + rng.randrange(1, 700)))
+        value = (1 << rng.randrange(40, 90)) | step
+        m.assign(run, value)
+        model.update(dict.fromkeys(run, value))
+        keys = run[rng.randrange(len(run)) :] + [rng.randrange(-50, 5000) for _ in range(300)]
+        keys += keys[:3]
+        mask = 1 << rng.randrange(30, 100)
+        m.or_many(keys, mask)
+        for k in keys:
+            model[k] = model.get(k, 0) | mask
+        assert len(m) == len(model)
+        assert dict(m.items()) == model
+
+
 def test_or_many_refuses_packed_maps_and_bad_masks(native: type[Any]) -> None:
     with pytest.raises(TypeError):
         native(True).or_many([1], 1)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
+import pytest
+
+from indexer.backend import PURE
 from router.routing.admission import (
     AdmissionForecast,
     RecencyBook,
@@ -11,6 +15,7 @@ from router.routing.admission import (
     forecast,
     recency_stride,
 )
+from tests.indexer.backends import native_or_skip
 
 BS = 4  # tokens per block
 
@@ -389,15 +394,25 @@ def test_the_book_keeps_a_block_per_stretch_and_each_stands_for_its_stretch() ->
     assert kept(47) == 0
 
 
-def test_the_book_agrees_with_a_plain_model_over_many_touches_prunes_and_rebuilds() -> None:
-    # the model: each key's latest stamp; not_older counts them (the book must agree)
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_the_book_agrees_with_a_plain_model_over_many_touches_prunes_and_rebuilds(
+    kind: str,
+) -> None:
+    # the model: each key's latest stamp and how many touches used it since the book last
+    # learnt it; not_older counts the stamps, reused is two uses or more (the book must agree)
     rng = random.Random(7)
-    book = RecencyBook()
+    book = RecencyBook((native_or_skip() if kind == "native" else PURE).int_map)
     model: dict[int, int] = {}
+    uses: Counter[int] = Counter()
     for step in range(3000):  # past several rebuilds of the tree (1,024 stamps wide)
-        keys = rng.sample(range(400), rng.randrange(1, 40))
+        keys = rng.sample(range(400), rng.choice([1, 2, 12, 39, 120]))
+        if step % 13 == 0:
+            keys += keys[: rng.randrange(1, 3)]  # a key twice in one touch counts once
+        if step % 29 == 0 and model:
+            keys = [k for k, s in model.items() if s == max(model.values())]  # a whole group
         stamp = book.touch(keys)
         model.update(dict.fromkeys(keys, stamp))
+        uses.update(set(keys))
         if step % 97 == 0:
             held = set(rng.sample(range(400), 200))
 
@@ -406,10 +421,12 @@ def test_the_book_agrees_with_a_plain_model_over_many_touches_prunes_and_rebuild
 
             book.prune(holds, keep=60)
             model = {k: s for k, s in model.items() if book.stamp(k) is not None}
+            uses = Counter({k: n for k, n in uses.items() if k in model})
             assert len(model) == len(book)
         for probe in (0, stamp - 50, stamp - 5, stamp, stamp + 1):
             assert book.not_older(probe) == sum(1 for s in model.values() if s >= probe)
         assert all(book.stamp(k) == s for k, s in model.items())
+        assert all(book.reused(k) == (uses[k] >= 2) for k in range(400))
 
 
 def test_a_held_match_skips_the_keys_unless_a_request_ahead_computes_held_blocks_again() -> None:
