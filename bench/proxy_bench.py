@@ -36,8 +36,10 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -71,6 +73,36 @@ _ANSWER = msgspec.json.encode(
 _INFO = msgspec.json.encode({"model_path": "m", "served_model_name": "m", "is_generation": True})
 
 
+class _Request(msgspec.Struct, frozen=True):
+    """What the load generator sends: one path, its bodies taken in turn."""
+
+    path: str
+    bodies: tuple[bytes, ...]
+
+
+_TINY = _Request("/v1/completions", (_BODY,))
+_TURN = itertools.count()
+
+
+def long_prompts(tokens: int, documents: int = 12, seed: int = 5) -> _Request:
+    """SGLang `/generate` requests of `tokens` token ids each, one output token: `documents`
+    prompts behind one shared system prompt (1,024 tokens, at most half the prompt), over two
+    tenants (`cache_salt`). Together they fit the reference worker's default pool, so what is
+    measured is the router's per-request work, not the worker's evictions."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(32_000) for _ in range(min(1024, tokens // 2))]
+    bodies = []
+    for i in range(documents):
+        ids = shared + [rng.randrange(32_000) for _ in range(tokens - len(shared))]
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1},
+            "cache_salt": f"tenant-{i % 2}",
+        }
+        bodies.append(msgspec.json.encode(body))
+    return _Request("/generate", tuple(bodies))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute bench proxy`."""
     parser.add_argument("--latency-requests", type=int, default=2000, help="samples per target")
@@ -95,6 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-clients", action="store_true", help="skip aiohttp vs httpx")
     parser.add_argument(
         "--skip-reference", action="store_true", help="skip the reference-worker scenario"
+    )
+    parser.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=8192,
+        help="also measure the reference worker with SGLang /generate prompts of this many "
+        "token ids (the index walk, pending marks and recency book over every block); 0 skips",
     )
     parser.add_argument(
         "--ops-only",
@@ -309,9 +348,12 @@ async def _process(*cmd: str, marker: str = "http://") -> AsyncIterator[str]:
 # ---------------------------------------------------------------- load generation
 
 
-async def _one(session: aiohttp.ClientSession, url: str) -> float:
+async def _one(session: aiohttp.ClientSession, url: str, request: _Request = _TINY) -> float:
+    body = request.bodies[next(_TURN) % len(request.bodies)]
     started = time.perf_counter()
-    async with session.post(url, data=_BODY, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(
+        url + request.path, data=body, headers={"Content-Type": "application/json"}
+    ) as r:
         await r.read()
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}")
@@ -319,7 +361,11 @@ async def _one(session: aiohttp.ClientSession, url: str) -> float:
 
 
 async def _latencies(
-    session: aiohttp.ClientSession, urls: dict[str, str], n: int, deadline_s: float
+    session: aiohttp.ClientSession,
+    urls: dict[str, str],
+    n: int,
+    deadline_s: float,
+    request: _Request = _TINY,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Sequential samples: one pass per target, alternating with direct request by request.
 
@@ -334,15 +380,15 @@ async def _latencies(
     direct = urls["direct"]
     for url in urls.values():  # warm-up: connections, caches, JIT-free but allocator-warm
         for _ in range(50):
-            await _one(session, url + "/v1/completions")
+            await _one(session, url, request)
     for name, url in urls.items():
         if name == "direct":
             continue
         mine = paired[name] = []
         stop = time.monotonic() + deadline_s
         for _ in range(n):
-            mine.append(await _one(session, direct + "/v1/completions"))
-            samples[name].append(await _one(session, url + "/v1/completions"))
+            mine.append(await _one(session, direct, request))
+            samples[name].append(await _one(session, url, request))
             if time.monotonic() > stop:
                 break
         samples["direct"] += mine
@@ -350,7 +396,7 @@ async def _latencies(
 
 
 async def _run_load(
-    url: str, total: int, concurrency: int, deadline_s: float
+    url: str, total: int, concurrency: int, deadline_s: float, request: _Request = _TINY
 ) -> tuple[int, float, int]:
     """(requests done, seconds, errors) with `concurrency` clients sharing `total` requests."""
     left = total
@@ -365,7 +411,7 @@ async def _run_load(
             while left > 0 and time.monotonic() < stop:
                 left -= 1
                 try:
-                    await _one(session, url + "/v1/completions")
+                    await _one(session, url, request)
                     done += 1
                 except (aiohttp.ClientError, RuntimeError):
                     errors += 1
@@ -378,10 +424,10 @@ async def _run_load(
 
 
 async def _throughput(
-    url: str, total: int, concurrency: int, deadline_s: float
+    url: str, total: int, concurrency: int, deadline_s: float, request: _Request = _TINY
 ) -> tuple[float, int]:
     """(requests/s, errors) of one bounded load run."""
-    done, elapsed, errors = await _run_load(url, total, concurrency, deadline_s)
+    done, elapsed, errors = await _run_load(url, total, concurrency, deadline_s, request)
     return done / elapsed, errors
 
 
@@ -402,15 +448,23 @@ class _Section(msgspec.Struct):
     rates: dict[str, float]
     # CPU microseconds per request of the process serving each target (where it is known)
     cpu_us: dict[str, float] = {}
+    concurrency: int = 0  # of the throughput runs
+    requests: int = 0  # per target, at most
 
 
 async def _measure(
-    args: argparse.Namespace, title: str, targets: dict[str, str], samples: int
+    args: argparse.Namespace,
+    title: str,
+    targets: dict[str, str],
+    samples: int,
+    request: _Request = _TINY,
 ) -> _Section:
     """Latency (interleaved, concurrency 1) then throughput of every target."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-        lat, paired = await _latencies(session, targets, samples, args.deadline_s)
-    section = _Section(title, [], [], {})
+        lat, paired = await _latencies(session, targets, samples, args.deadline_s, request)
+    section = _Section(
+        title, [], [], {}, concurrency=args.concurrency, requests=args.throughput_requests
+    )
     for name, values in lat.items():
         p50, p99 = _pct(values, 0.5), _pct(values, 0.99)
         added = "-"
@@ -422,7 +476,7 @@ async def _measure(
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
         )
     section.rates, errors, section.cpu_us = await _interleaved_throughput(
-        args, targets, args.rounds
+        args, targets, args.rounds, request
     )
     for name, rate in section.rates.items():
         ratio = "-" if name == "direct" else f"{rate / section.rates['direct']:.2f}"
@@ -433,14 +487,17 @@ async def _measure(
 
 
 async def _interleaved_throughput(
-    args: argparse.Namespace, targets: dict[str, str], rounds: int = 3
+    args: argparse.Namespace,
+    targets: dict[str, str],
+    rounds: int = 3,
+    request: _Request = _TINY,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
     errors; and CPU microseconds per request of each target's own process, where known (a
     replica fleet's parent does no serving: not counted)."""
     per_round = max(1, args.throughput_requests // rounds)
     for url in targets.values():  # warm-up: every connection of both hops opened once
-        await _throughput(url, args.concurrency * 10, args.concurrency, args.deadline_s)
+        await _throughput(url, args.concurrency * 10, args.concurrency, args.deadline_s, request)
     elapsed = dict.fromkeys(targets, 0.0)
     done = dict.fromkeys(targets, 0)
     errors = dict.fromkeys(targets, 0)
@@ -449,7 +506,7 @@ async def _interleaved_throughput(
         for name, url in targets.items():
             before = None if "--processes" in name else _cpu_s(url)
             count, seconds, failed = await _run_load(
-                url, per_round, args.concurrency, args.deadline_s
+                url, per_round, args.concurrency, args.deadline_s, request
             )
             after = _cpu_s(url)
             if before is not None and after is not None:
@@ -700,7 +757,31 @@ async def _run(args: argparse.Namespace) -> str:
                             max(100, args.latency_requests // 2),
                         )
                     )
+                    if args.long_prompt_tokens > 0:
+                        sections.append(await _long_prompt_section(args, worker, router))
     return _report(args, sections, client_rows, notes)
+
+
+async def _long_prompt_section(args: argparse.Namespace, worker: str, router: str) -> _Section:
+    """The reference worker again, with long prompts: what the router's per-request work over
+    every block of a prompt costs (the parse of its token ids, the index walk, the admission
+    forecast, the pending marks and the recency book), in CPU per request."""
+    tokens = args.long_prompt_tokens
+    small = argparse.Namespace(
+        **{
+            **vars(args),
+            "throughput_requests": max(60, args.throughput_requests // 10),
+            "concurrency": min(args.concurrency, 8),
+        }
+    )
+    return await _measure(
+        small,
+        f"Reference worker, {tokens:,}-token prompts (SGLang `/generate` with `input_ids`, "
+        "2 tenants, one shared 1,024-token system prompt)",
+        {"direct": worker, "kvroute": router},
+        max(50, args.latency_requests // 10),
+        long_prompts(tokens),
+    )
 
 
 def _report(
@@ -742,8 +823,8 @@ def _report(
             "|---|---|---|---|---|---|",
             *section.lat_rows,
             "",
-            f"Throughput, concurrency {args.concurrency}, "
-            f"up to {args.throughput_requests} requests per target:",
+            f"Throughput, concurrency {section.concurrency}, "
+            f"up to {section.requests} requests per target:",
             "",
             "| target | req/s | errors | ratio to direct | its CPU us/request |",
             "|---|---|---|---|---|",

@@ -1,0 +1,41 @@
+"""`kvroute bench proxy`'s long-prompt scenario: real SGLang `/generate` bodies through a real
+router to a real reference worker."""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+
+from bench.proxy_bench import _measure, long_prompts
+from router.service import RouterService
+from tests.router.conftest import router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+
+def test_the_prompts_share_a_system_prompt_and_split_over_two_tenants() -> None:
+    request = long_prompts(256, documents=4)
+    assert request.path == "/generate"
+    bodies = [msgspec.json.decode(b) for b in request.bodies]
+    ids = [b["input_ids"] for b in bodies]
+    assert [len(i) for i in ids] == [256] * 4
+    assert all(i[:128] == ids[0][:128] for i in ids)  # the shared system prompt
+    assert len({tuple(i[128:]) for i in ids}) == 4  # each its own document
+    assert [b["cache_salt"] for b in bodies] == ["tenant-0", "tenant-1"] * 2
+    assert all(b["sampling_params"] == {"max_new_tokens": 1} for b in bodies)
+
+
+async def test_the_section_measures_direct_and_the_router_without_errors() -> None:
+    args = argparse.Namespace(deadline_s=20.0, throughput_requests=40, concurrency=4, rounds=2)
+    async with (
+        ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker,
+        RouterService(router_config([("w0", worker.url)])) as router,
+    ):
+        targets = {"direct": worker.url, "kvroute": router.url}
+        section = await _measure(args, "long", targets, 5, long_prompts(512, documents=3))
+    assert set(section.rates) == {"direct", "kvroute"}
+    assert all(rate > 0 for rate in section.rates.values())
+    rows = {row.split(" | ")[0].lstrip("| "): row.split(" | ") for row in section.tput_rows}
+    assert rows["direct"][2] == "0" and rows["kvroute"][2] == "0"  # no errors
+    assert section.concurrency == 4 and section.requests == 40
