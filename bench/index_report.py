@@ -53,6 +53,8 @@ class StageResult(msgspec.Struct):
     naive_us: float  # `NaiveIndex.match` on the same entries: a block-by-block set walk
     pending_us: float  # PrefixIndex.add_pending: what routing a prompt adds (marks its blocks)
     recency_us: float  # RecencyBook.touch: the admission forecast's record of the decision
+    # add_pending in a live router's steady state: every mark made retires an expired one
+    steady_pending_us: float = 0.0
 
 
 class BackendResult(msgspec.Struct):
@@ -175,6 +177,8 @@ def render(
         f"{stages.naive_us:,.0f} |",
         f"| after routing: `add_pending` (marks the prompt's blocks the chosen stream lacks) | "
         f"{stages.pending_us:,.0f} |",
+        "| after routing, steady state: `add_pending` while the marks of 2 s ago expire "
+        f"(100 prompts/s over 8 streams, 2 s TTL) | {stages.steady_pending_us:,.0f} |",
         f"| after routing: `RecencyBook.touch` (the admission forecast's recency, 512 blocks) | "
         f"{stages.recency_us:,.0f} |",
         "",

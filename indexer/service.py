@@ -166,15 +166,20 @@ class IndexerService:
         tokens: Sequence[int],
         worker: str,
         dp_rank: int | None = None,
+        *,
+        keys_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s.
 
         With `dp_rank`, only that rank's stream is marked: the request was sent there, and its
         other ranks are other caches. None (the engine picks the rank): every stream of it.
+        `keys_of(stream)` may give the prompt's block keys there (`block_keys`), when the
+        caller has made them already; empty: the index makes them.
         """
         for sub in self._workers.get(worker, []):
             if dp_rank is None or sub.config.dp_rank == dp_rank:
-                self.index.add_pending(sub.stream_id, namespace, tokens)
+                keys = keys_of(sub.stream_id) if keys_of is not None else None
+                self.index.add_pending(sub.stream_id, namespace, tokens, keys or None)
 
     def stream_ids(self, worker: str, dp_rank: int | None = None) -> list[str]:
         """The index's stream ids of `worker`: the rank's one, or every rank's for None."""

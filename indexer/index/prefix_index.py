@@ -285,14 +285,25 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- queries
 
-    def add_pending(self, stream: str, namespace: Namespace, tokens: Sequence[int]) -> int:
-        """Mark a routed request's full blocks as pending on `stream`; returns blocks marked."""
+    def add_pending(
+        self,
+        stream: str,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        keys: Sequence[int] | None = None,
+    ) -> int:
+        """Mark a routed request's full blocks as pending on `stream`; returns blocks marked.
+
+        `keys`: the blocks' keys on `stream` as `block_keys` gives them, when the caller has
+        them (the router made them for its forecast); None: made here."""
         st = self._streams.get(stream)
         if st is None or st.block_size is None:
             return 0
         self.pending.expire()
         ns_id = self._intern(namespace)
-        keys = self._chain(self._registry.seed(ns_id, st.block_size), tokens, st.block_size, 0, -1)
+        if keys is None:
+            seed = self._registry.seed(ns_id, st.block_size)
+            keys = self._chain(seed, tokens, st.block_size, 0, -1)
         # keys the stream already holds need no pending mark (C-level passes, no per-key step;
         # a prompt nobody holds, the common case for a new prefix, skips even those)
         table = self._table

@@ -51,6 +51,8 @@ class AdmissionBook(Protocol):
 
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None: ...
 
+    def keys_of(self, ns: Namespace, tokens: Sequence[int]) -> Callable[[str], list[int]]: ...
+
 
 class _Peer:
     __slots__ = ("last_seen", "marks", "tickets")
@@ -109,7 +111,13 @@ class Peers:
         for d in batch.decisions:
             if isinstance(d, Pending):
                 if self._indexer.has_worker(d.worker):
-                    self._indexer.add_pending(d.namespace, d.tokens, d.worker, d.dp_rank)
+                    # the book's touch asks for the same block keys: made once for both
+                    keys_of = (
+                        None if self._book is None else self._book.keys_of(d.namespace, d.tokens)
+                    )
+                    self._indexer.add_pending(
+                        d.namespace, d.tokens, d.worker, d.dp_rank, keys_of=keys_of
+                    )
                     self._take_in(peer, d)
             elif isinstance(d, Begin):
                 old = peer.tickets.pop(d.ticket, None)

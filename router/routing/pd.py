@@ -121,7 +121,9 @@ class PairPlanner:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
         if self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker):
-            planner.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
+            planner.indexer.add_pending(
+                ns, tokens, candidate.worker, candidate.dp_rank, keys_of=planner.keys_of(ns, tokens)
+            )
         held = candidate.matched_tokens + candidate.pending_tokens
         return planner.load.begin(
             candidate.worker,

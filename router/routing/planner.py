@@ -21,7 +21,7 @@ retries stay per worker: a failure is the worker's, so a retry goes to another w
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import msgspec
@@ -54,6 +54,7 @@ from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
 from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
+from router.routing.prompt_keys import PromptKeys
 
 __all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
 
@@ -135,6 +136,9 @@ class Planner:
         self.recency: dict[str, RecencyBook] = {}
         self.waiting: dict[str, WaitingDecisions] = {}
         self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
+        # the prompt being routed: its block keys, made once for every candidate's forecast,
+        # its pending marks and its recency
+        self.keys = PromptKeys(indexer)
 
     def reconfigure(self, config: PolicyConfig) -> None:
         """Plan with `config`'s weights from the next request on (a reload)."""
@@ -276,7 +280,7 @@ class Planner:
         def keys() -> list[int]:
             nonlocal made
             if made is None:
-                made = self.indexer.block_keys(stream, ns, tokens, limit)
+                made = self.keys.of(stream, ns, tokens, limit)
             return made
 
         found: AdmissionForecast = forecast(
@@ -392,7 +396,9 @@ class Planner:
             self.policy.record(tokens, candidate.target)
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
-            self.indexer.add_pending(ns, tokens, candidate.worker, candidate.dp_rank)
+            self.indexer.add_pending(
+                ns, tokens, candidate.worker, candidate.dp_rank, keys_of=self.keys_of(ns, tokens)
+            )
         marks = self.book_decision(
             ns,
             tokens,
@@ -424,6 +430,10 @@ class Planner:
                 held_tokens=candidate.matched_tokens,
             )
         return ticket
+
+    def keys_of(self, ns: Namespace, tokens: Sequence[int]) -> Callable[[str], list[int]]:
+        """The prompt's keys per stream, for the index's pending marks (`PromptKeys`)."""
+        return lambda stream: self.keys.of(stream, ns, tokens)
 
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None:
         """The request of these (stream, stamp) marks answered (`first_byte`) or ended: its
@@ -458,7 +468,7 @@ class Planner:
         if capacity is None:
             return marks  # nothing is forecast without a capacity: keep no book
         for stream in self.indexer.stream_ids(worker, dp_rank):
-            keys = self.indexer.block_keys(stream, ns, tokens)
+            keys = self.keys.of(stream, ns, tokens)
             if not keys:
                 continue
             book = self.recency.get(stream)

@@ -19,6 +19,8 @@ def test_index_bench_smoke(tmp_path: Path) -> None:
     text = out.read_text()
     assert "block ops/s" in text and "p99 us" in text and "bytes/entry" in text
     assert "`evict_namespace` of one tenant" in text and "`load_index`" in text
+    steady = next(line for line in text.splitlines() if "after routing, steady state" in line)
+    assert float(steady.rsplit("|", 2)[1].replace(",", "")) > 0  # measured, not left at 0
     # the compiled backend is measured against the python one in the same run
     assert ("vs python backend" in text) == (DEFAULT.name == "native")
 
