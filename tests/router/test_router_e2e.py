@@ -84,8 +84,17 @@ async def test_dry_run_numbers_match_the_workers_cached_tokens(fleet: Fleet) -> 
     await eventually(lambda: fleet.holds(warm, holder, 400), what="prefix indexed")
 
     probe = {**warm, "prompt": text + "Then it sleeps."}
-    plan = await fleet.route(probe)
-    again = await fleet.route(probe)
+    runs: list[dict[str, Any]] = []
+
+    async def two_dry_runs_with_no_event_between() -> bool:
+        # a late event (a warm-up poke's store, say) changes what a worker holds between two
+        # dry runs; only a pair with the index unchanged around it says what a dry run does
+        before = await _last_seqs(fleet)
+        runs[:] = [await fleet.route(probe), await fleet.route(probe)]
+        return await _last_seqs(fleet) == before
+
+    await eventually(two_dry_runs_with_no_event_between, what="two dry runs with no event")
+    plan, again = runs
     assert plan == again  # a dry run changes nothing (no pending entries, no load, no policy)
     assert plan["worker"] == holder
     assert plan["prompt_tokens"] == len((text + "Then it sleeps.").encode())
@@ -203,3 +212,8 @@ async def test_a_stale_stream_attracts_no_cache_affinity() -> None:
             # the explanation says why (its state)
             assert held["matched_tokens"] == 0 and held["stream_state"] == "stale"
             assert held["score"] == 0.0
+
+
+async def _last_seqs(fleet: Fleet) -> dict[str, int | None]:
+    _, streams = await fleet.admin("GET", "/streams")
+    return {s["stream"]: s["last_seq"] for s in streams["streams"]}
