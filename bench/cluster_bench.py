@@ -1,6 +1,6 @@
 """`kvroute bench cluster`: what sharing costs between router replicas on NATS (loopback).
 
-Two measurements, each against a real nats-server (JetStream) started for the run:
+Three measurements, each against a real nats-server (JetStream) started for the run:
 
 - decision propagation: replica a commits paced routing decisions (a pending mark of a
   1,024-token prompt and a load begin each, as the planner reports them); replica b records,
@@ -11,7 +11,14 @@ Two measurements, each against a real nats-server (JetStream) started for the ru
   plus `--entries` synthetic index entries on other streams; a publishes its snapshot; then a new
   replica c starts. Reported: snapshot size and publish time, c's start until ready (fleet read,
   snapshot fetched and loaded, the worker's stream proven by its replay), and whether c's very
-  first request for the prompt was predicted as the hit it is (`x-kvroute-matched-tokens`).
+  first request for the prompt was predicted as the hit it is (`x-kvroute-matched-tokens`);
+- a peer's decision, received: every replica applies every other replica's decisions as its
+  own (the prompt's pending marks and recency on the chosen worker, the load), so the fleet's
+  request rate sets a cost on each replica. Replica b, in front of a real reference worker,
+  decodes and applies batches as a peer publishes them (one routed request each: its pending
+  mark, begin, first byte and end), for prompts of `--peer-prompt-tokens` token ids, sent as
+  block keys (what a replica sends) and as token ids (what one before the keys sent); reported
+  in b's process CPU time per request, decoding alone and with the applying.
 
 The report goes to `docs/benchmarks/cluster.md`. Every loop is bounded by a count and a deadline.
 """
@@ -30,10 +37,20 @@ import aiohttp
 
 from bench.command import write_markdown
 from bench.index_workload import _stored, doc_tokens
-from indexer.namespace import Namespace
+from indexer.namespace import Namespace, namespace_seed
 from indexer.protocol import EventBatch
 from indexer.service import stream_id
 from router.cluster.server import NatsServer
+from router.cluster.wire import (
+    Batch,
+    Begin,
+    Decision,
+    End,
+    FirstByte,
+    Pending,
+    batch_decoder,
+    encoder,
+)
 from router.config import AdminConfig, ClusterConfig, ListenConfig, RouterConfig, WorkerConfig
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceConfig
@@ -49,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decisions", type=int, default=4000, help="decisions a publishes")
     parser.add_argument("--rate", type=float, default=2000.0, help="decisions per second")
     parser.add_argument("--entries", type=int, default=1_000_000, help="snapshot index entries")
+    parser.add_argument(
+        "--peer-prompt-tokens",
+        default="1024,8192",
+        help="comma-separated prompt lengths for the cost of applying a peer's decision",
+    )
     parser.add_argument("--output", default="docs/benchmarks/cluster.md")
 
 
@@ -155,11 +177,76 @@ async def _warm_start(args: argparse.Namespace, nats: str) -> list[str]:
     ]
 
 
+async def _peer_cost(args: argparse.Namespace, nats: str) -> list[str]:
+    """Replica b's CPU per peer request it applies: rows per prompt length."""
+    lengths = [int(n) for n in str(args.peer_prompt_tokens).split(",") if n.strip()]
+    cfg = ReferenceConfig(time_scale=0.0, page_size=_PAGE)
+    rows = []
+    async with ReferenceWorker(cfg) as worker:
+        fleet = (WorkerConfig(url=worker.url, id="w0"),)
+        async with RouterService(_replica("b", nats, fleet)) as b:
+            assert b.cluster is not None
+            planner = b.planner
+            deadline = time.monotonic() + 30.0
+            # the stream's page size and the worker's pool, as the book needs them
+            while not (
+                (streams := planner.indexer.stream_ids("w0"))
+                and planner.indexer.index.block_size(streams[0])
+                and (entry := planner.pool.find("w0")) is not None
+                and entry.capacity_tokens
+            ):
+                if time.monotonic() > deadline:
+                    return ["The worker's stream never became known: not measured."]
+                await asyncio.sleep(0.05)
+            peers = b.cluster.peers
+            rng = random.Random(3)
+            ns = Namespace("m", None, "tenant")
+            number = 0
+            chain = planner.indexer.index.backend.chain
+            seed = namespace_seed(ns, _PAGE)
+            for length in lengths:
+                # 16 prompts, each 8 times: a burst of siblings over a few prefixes
+                docs = [[rng.randrange(32_000) for _ in range(length)] for _ in range(16)]
+                for sent in ("block keys", "token ids"):
+                    raw = []
+                    for doc in docs * 8:
+                        number += 1
+                        if sent == "block keys":  # what a replica sends
+                            keys = chain(seed, doc, _PAGE, 0, -1)
+                            pending = Pending("w0", None, ns, [], number, 0, 0, _PAGE, keys)
+                        else:  # what a replica from before the keys sent
+                            pending = Pending("w0", None, ns, doc, number, 0, 0)
+                        decisions: list[Decision] = [
+                            pending,
+                            Begin(number, "w0", None, length, 1),
+                            FirstByte(number),
+                            End(number),
+                        ]
+                        raw.append(encoder.encode(Batch("a", time.time(), decisions)))
+                    started = time.process_time()
+                    for message in raw:
+                        batch_decoder.decode(message)
+                    decode_us = (time.process_time() - started) / len(raw) * 1e6
+                    started = time.process_time()
+                    for message in raw:
+                        peers.apply(batch_decoder.decode(message))
+                    total_us = (time.process_time() - started) / len(raw) * 1e6
+                    share = total_us * 1000 / 1e6 * 100  # % of a core at 1,000 requests/s
+                    size = sum(map(len, raw)) / len(raw) / 1e3
+                    rows.append(
+                        f"| {length:,} | {sent} | {size:.1f} KB | {len(raw)} | {decode_us:.0f} | "
+                        f"{total_us:.0f} | {share:.0f}% |"
+                    )
+    return rows
+
+
 async def _run(args: argparse.Namespace) -> str:
     async with NatsServer() as nats:
         propagation = await _propagation(args, nats.url)
     async with NatsServer() as nats:
         warm = await _warm_start(args, nats.url)
+    async with NatsServer() as nats:
+        peer_cost = await _peer_cost(args, nats.url)
     load = os.getloadavg()
     return "\n".join(
         [
@@ -192,6 +279,22 @@ async def _run(args: argparse.Namespace) -> str:
             "matched tokens |",
             "|---|---|---|---|---|---|---|---|",
             *warm,
+            "",
+            "## A peer's decision, received",
+            "",
+            "Every replica applies every other replica's decisions (the prompt's pending marks "
+            "and recency on the chosen worker, the load), so each replica pays this for every "
+            "request the rest of the fleet routes. Replica b's process CPU time per routed "
+            "request of a peer (one batch: its pending mark, begin, first byte and end; the "
+            "prompt as its block keys, as a replica sends it, or as its token ids, as one "
+            "from before the keys did), "
+            "decoding the NATS message alone and decoding with applying; the last column is "
+            "what 1,000 such requests/s of the rest of the fleet cost b, in share of one core.",
+            "",
+            "| prompt tokens | the prompt sent as | message | requests | decode us | "
+            "decode + apply us | at 1,000 req/s |",
+            "|---|---|---|---|---|---|---|",
+            *peer_cost,
             "",
         ]
     )

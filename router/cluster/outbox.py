@@ -53,6 +53,8 @@ class Outbox:
         marked: bool,
         kept_tokens: int = 0,
         held_tokens: int = 0,
+        block_size: int = 0,
+        keys: Sequence[int] = (),
     ) -> None:
         """A request was routed (see `router.routing.decisions.DecisionSink`)."""
         number = next(self._numbers)
@@ -60,9 +62,24 @@ class Outbox:
         if not self.sending:
             return
         if marked:
-            ids = tokens if isinstance(tokens, list) else list(tokens)
+            if keys and block_size:  # the keys stand for the tokens (`Pending.keys`)
+                ids: list[int] = []
+                sent = list(keys)
+            else:
+                ids = tokens if isinstance(tokens, list) else list(tokens)
+                sent, block_size = [], 0
             self._put(
-                Pending(ticket.worker, ticket.dp_rank, ns, ids, number, kept_tokens, held_tokens)
+                Pending(
+                    ticket.worker,
+                    ticket.dp_rank,
+                    ns,
+                    ids,
+                    number,
+                    kept_tokens,
+                    held_tokens,
+                    block_size,
+                    sent,
+                )
             )
         self._put(
             Begin(

@@ -47,6 +47,7 @@ class AdmissionBook(Protocol):
         *,
         kept_tokens: int,
         held_tokens: int,
+        keys_of: Callable[[str], list[int]] | None = None,
     ) -> list[tuple[str, int]]: ...
 
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None: ...
@@ -111,14 +112,11 @@ class Peers:
         for d in batch.decisions:
             if isinstance(d, Pending):
                 if self._indexer.has_worker(d.worker):
-                    # the book's touch asks for the same block keys: made once for both
-                    keys_of = (
-                        None if self._book is None else self._book.keys_of(d.namespace, d.tokens)
-                    )
+                    keys_of = self._keys_of(d)
                     self._indexer.add_pending(
                         d.namespace, d.tokens, d.worker, d.dp_rank, keys_of=keys_of
                     )
-                    self._take_in(peer, d)
+                    self._take_in(peer, d, keys_of)
             elif isinstance(d, Begin):
                 old = peer.tickets.pop(d.ticket, None)
                 if old is not None:
@@ -140,7 +138,23 @@ class Peers:
                 self._reconcile(peer, d)
         self.applied += len(batch.decisions)
 
-    def _take_in(self, peer: _Peer, pending: Pending) -> None:
+    def _keys_of(self, pending: Pending) -> Callable[[str], list[int]] | None:
+        """The decision's block keys per stream: the ones it carries, on streams with its page
+        size (none elsewhere: nothing is marked there); else the book's, made once from its
+        tokens for the pending marks and the touch alike."""
+        if pending.keys:
+            index = self._indexer.index
+
+            def carried(stream: str) -> list[int]:
+                same = index.has_stream(stream) and index.block_size(stream) == pending.block_size
+                return pending.keys if same else []
+
+            return carried
+        return None if self._book is None else self._book.keys_of(pending.namespace, pending.tokens)
+
+    def _take_in(
+        self, peer: _Peer, pending: Pending, keys_of: Callable[[str], list[int]] | None
+    ) -> None:
         """A peer's decision joins the admission forecast; its marks wait for its Begin."""
         if self._book is None or not pending.ticket:
             return
@@ -151,6 +165,7 @@ class Peers:
             pending.dp_rank,
             kept_tokens=pending.kept_tokens,
             held_tokens=pending.held_tokens,
+            keys_of=keys_of,
         )
         if not marks:
             return

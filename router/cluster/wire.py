@@ -47,6 +47,14 @@ class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
     ticket: int = 0
     kept_tokens: int = 0
     held_tokens: int = 0
+    # the prompt's block keys on the chosen stream(s), for pages of `block_size` tokens, sent
+    # instead of its tokens (then empty): the sender made them routing it, and a receiver
+    # marks and touches the blocks without decoding thousands of token ids (an 8k-token
+    # prompt: 512 keys for 8,192 ids) and hashing them again. A receiver whose stream has
+    # other pages cannot use them and marks nothing there (no hit is predicted from it). An
+    # older sender sends tokens only; an older receiver ignores these and marks nothing.
+    block_size: int = 0
+    keys: list[int] = []
 
 
 class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):

@@ -28,10 +28,13 @@ class DecisionSink(Protocol):
         marked: bool,
         kept_tokens: int = 0,
         held_tokens: int = 0,
+        block_size: int = 0,
+        keys: Sequence[int] = (),
     ) -> None:
         """A request went to `ticket`'s (worker, rank); `marked`: its prefix was marked pending
         there (the worker, rank and uncached tokens are the ticket's); `kept_tokens`: what it
-        was predicted to reuse there, `held_tokens`: what the events showed held."""
+        was predicted to reuse there, `held_tokens`: what the events showed held; `keys`: the
+        prompt's block keys there, for pages of `block_size` tokens (empty: not known)."""
         ...
 
     def first_byte(self, ticket: Ticket) -> None:

@@ -421,6 +421,7 @@ class Planner:
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
         if self.decisions is not None:
+            block_size, keys = self._shared_keys(ns, tokens, candidate) if marked else (0, [])
             self.decisions.committed(
                 ns,
                 tokens,
@@ -428,8 +429,24 @@ class Planner:
                 marked=marked,
                 kept_tokens=candidate.predicted_tokens,
                 held_tokens=candidate.matched_tokens,
+                block_size=block_size,
+                keys=keys,
             )
         return ticket
+
+    def _shared_keys(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate
+    ) -> tuple[int, list[int]]:
+        """(block size, the prompt's block keys) on the candidate's stream(s), made already
+        for its marks, for the other replicas to mark and touch the blocks by (`Pending.keys`);
+        (0, []) when its streams do not share one page size or the keys are not known."""
+        index = self.indexer.index
+        streams = self.indexer.stream_ids(candidate.worker, candidate.dp_rank)
+        sizes = {index.block_size(s) if index.has_stream(s) else None for s in streams}
+        if len(sizes) != 1 or not (size := sizes.pop()):
+            return 0, []
+        keys = self.keys.of(streams[0], ns, tokens)
+        return (size, keys) if keys else (0, [])
 
     def keys_of(self, ns: Namespace, tokens: Sequence[int]) -> Callable[[str], list[int]]:
         """The prompt's keys per stream, for the index's pending marks (`PromptKeys`)."""
@@ -452,6 +469,7 @@ class Planner:
         *,
         kept_tokens: int,
         held_tokens: int,
+        keys_of: Callable[[str], list[int]] | None = None,
     ) -> list[tuple[str, int]]:
         """A request goes to (worker, rank), predicted to reuse `kept_tokens` of the
         `held_tokens` the events showed held: its prompt's blocks on the chosen stream(s)
@@ -459,7 +477,9 @@ class Planner:
         the request, and the decision waits for its answer. Called before the request's load
         begins, for this router's decisions and for another replica's (`router.cluster`);
         returns the (stream, stamp) marks for its ticket, to release once it answers or ends
-        (none with `admission` off)."""
+        (none with `admission` off). `keys_of(stream)`: the prompt's block keys there when
+        the caller has them instead of the tokens (a peer's decision); else made from
+        `tokens`."""
         marks: list[tuple[str, int]] = []
         if not self._config.admission:
             return marks
@@ -468,7 +488,7 @@ class Planner:
         if capacity is None:
             return marks  # nothing is forecast without a capacity: keep no book
         for stream in self.indexer.stream_ids(worker, dp_rank):
-            keys = self.keys.of(stream, ns, tokens)
+            keys = keys_of(stream) if keys_of is not None else self.keys.of(stream, ns, tokens)
             if not keys:
                 continue
             book = self.recency.get(stream)

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack
 from indexer.service import IndexerService, StreamConfig
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
-from router.cluster.wire import Batch
+from router.cluster.wire import Batch, Pending
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
@@ -28,14 +28,16 @@ def _endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def _replica(stack: AsyncExitStack, endpoints: list[str], clock: list[float]) -> Planner:
+async def _replica(
+    stack: AsyncExitStack, endpoints: list[str], clock: list[float], block_size: int = 16
+) -> Planner:
     """A kv planner over two workers with a 4,096-token pool each (silent streams)."""
     indexer = await stack.enter_async_context(IndexerService())
     config = PolicyConfig(name="kv")
     pool = WorkerPool(BreakerConfig())
     for i, endpoint in enumerate(endpoints):
         pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}"))
-        await indexer.add_worker(f"w{i}", [StreamConfig(endpoint=endpoint, block_size=16)])
+        await indexer.add_worker(f"w{i}", [StreamConfig(endpoint=endpoint, block_size=block_size)])
     for entry in pool:
         entry.capacity_tokens = 4096
     planner = Planner(
@@ -87,3 +89,48 @@ async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_
             pending, predicted, why = sibling(planner)
             assert (pending, predicted) == (192, 0) and "not on their way" in why
         assert receiver.load.of(chosen.worker).running == 0
+
+
+def _marks(
+    planner: Planner, keys: list[int]
+) -> tuple[dict[int | bytes, int], dict[str, list[int | None]]]:
+    """What a planner holds of a routed prompt: pending bits, and its keys' stamps per book."""
+    books = {stream: [book.stamp(k) for k in keys] for stream, book in planner.recency.items()}
+    return dict(planner.indexer.index.pending.bits.items()), books
+
+
+async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_would() -> None:
+    clock = [100.0]
+    endpoints = [_endpoint(), _endpoint()]
+    async with AsyncExitStack() as stack:
+        sender = await _replica(stack, endpoints, clock)
+        by_keys = await _replica(stack, endpoints, clock)
+        by_tokens = await _replica(stack, endpoints, clock)
+        other_pages = await _replica(stack, endpoints, clock, block_size=8)
+        outbox = Outbox()
+        outbox.sending = True
+        sender.decisions = outbox
+        first = _request("first question")
+        ns = sender.namespace(first)
+        chosen = sender.plan(first, ns).ranked()[0]
+        sender.commit(ns, first.tokens, chosen, first_try=True)
+        sent = outbox.take()
+        pending = sent[0]
+        assert isinstance(pending, Pending)
+        stream = sender.indexer.stream_ids(chosen.worker)[0]
+        want = sender.indexer.block_keys(stream, ns, first.tokens)
+        # 512 token ids would be 8 times as many numbers to decode and hash again
+        assert (pending.tokens, pending.block_size, pending.keys) == ([], 16, want)
+        assert len(want) == len(first.tokens) // 16 > 0
+        # a sender from before the keys sends the tokens: both must leave the same marks
+        old = Pending(pending.worker, pending.dp_rank, ns, list(first.tokens), pending.ticket,
+                      pending.kept_tokens, pending.held_tokens)  # fmt: skip
+        for planner, decision in ((by_keys, pending), (by_tokens, old), (other_pages, pending)):
+            peers = Peers("b", planner.indexer, planner.load, 5.0, clock=lambda: clock[0],
+                          book=planner)  # fmt: skip
+            peers.apply(Batch("a", 0.0, [decision, *sent[1:]]))
+        bits, books = _marks(by_keys, want)
+        assert (bits, books) == _marks(by_tokens, want) == _marks(sender, want)
+        assert bits and books == {stream: [0] * len(want)}  # marked, and touched by decision 0
+        # keys for 16-token pages say nothing of 8-token ones: nothing marked, nothing touched
+        assert _marks(other_pages, want) == ({}, {})
