@@ -47,6 +47,19 @@ async def _replica(
     return planner
 
 
+def _publishing(planner: Planner) -> Outbox:
+    """The outbox `planner` tells its decisions to, sending (as with NATS up)."""
+    outbox = Outbox()
+    outbox.sending = True
+    planner.decisions = outbox
+    return outbox
+
+
+def _applying(planner: Planner, clock: list[float]) -> Peers:
+    """Replica b's view of its peers: their decisions join `planner`'s book and load."""
+    return Peers("b", planner.indexer, planner.load, 5.0, clock=lambda: clock[0], book=planner)
+
+
 def _request(question: str):  # type: ignore[no-untyped-def]
     body = {"prompt": "S" * 200 + question, "model": "m", "cache_salt": "t"}
     return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
@@ -57,13 +70,9 @@ async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_
     endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
         sender = await _replica(stack, endpoints, clock)
+        outbox = _publishing(sender)
         receiver = await _replica(stack, endpoints, clock)
-        outbox = Outbox()
-        outbox.sending = True
-        sender.decisions = outbox
-        peers = Peers(
-            "b", receiver.indexer, receiver.load, 5.0, clock=lambda: clock[0], book=receiver
-        )
+        peers = _applying(receiver, clock)
 
         first = _request("first question")
         ns = sender.namespace(first)
@@ -104,12 +113,10 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
     endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
         sender = await _replica(stack, endpoints, clock)
+        outbox = _publishing(sender)
         by_keys = await _replica(stack, endpoints, clock)
         by_tokens = await _replica(stack, endpoints, clock)
         other_pages = await _replica(stack, endpoints, clock, block_size=8)
-        outbox = Outbox()
-        outbox.sending = True
-        sender.decisions = outbox
         first = _request("first question")
         ns = sender.namespace(first)
         chosen = sender.plan(first, ns).ranked()[0]
@@ -126,9 +133,7 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         old = Pending(pending.worker, pending.dp_rank, ns, list(first.tokens), pending.ticket,
                       pending.kept_tokens, pending.held_tokens)  # fmt: skip
         for planner, decision in ((by_keys, pending), (by_tokens, old), (other_pages, pending)):
-            peers = Peers("b", planner.indexer, planner.load, 5.0, clock=lambda: clock[0],
-                          book=planner)  # fmt: skip
-            peers.apply(Batch("a", 0.0, [decision, *sent[1:]]))
+            _applying(planner, clock).apply(Batch("a", 0.0, [decision, *sent[1:]]))
         bits, books = _marks(by_keys, want)
         assert (bits, books) == _marks(by_tokens, want) == _marks(sender, want)
         assert bits and books == {stream: [0] * len(want)}  # marked, and touched by decision 0
