@@ -29,6 +29,9 @@ __all__ = ["AdmissionBook", "Peers"]
 
 log = logging.getLogger(__name__)
 
+# (stream, page size, page size) pairs warned of, at most: a warning per pair, not per decision
+_WARNED_LIMIT = 256
+
 _DELAY_SAMPLES = 4096
 # marks of pending decisions whose `Begin` has not come (it follows in the same batch, so
 # more than this many means Begins were lost: the oldest are dropped)
@@ -85,6 +88,10 @@ class Peers:
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
         self.applied = 0  # decisions applied
+        # (decision, stream) pairs whose block keys were for pages other than this replica's
+        # stream's (not marked there), and the (stream, theirs, ours) sizes already warned of
+        self.unmatched_pages = 0
+        self._warned: set[tuple[str, int, int]] = set()
         # publish-to-apply delays in seconds (same host: both ends read one clock)
         self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
@@ -144,6 +151,10 @@ class Peers:
         tokens for the pending marks and the touch alike."""
         if pending.keys:
             index = self._indexer.index
+            for stream in self._indexer.stream_ids(pending.worker, pending.dp_rank):
+                ours = index.block_size(stream) if index.has_stream(stream) else None
+                if ours is not None and ours != pending.block_size:  # unknown: nothing held
+                    self._unmatched(stream, pending.block_size, ours)
 
             def carried(stream: str) -> list[int]:
                 same = index.has_stream(stream) and index.block_size(stream) == pending.block_size
@@ -151,6 +162,23 @@ class Peers:
 
             return carried
         return None if self._book is None else self._book.keys_of(pending.namespace, pending.tokens)
+
+    def _unmatched(self, stream: str, theirs: int, ours: int) -> None:
+        """A peer's keys are for `theirs`-token pages where this replica's `stream` has `ours`:
+        its decisions are not marked here, so sharing is lost on that stream. Counted, and
+        said once per pair of sizes (replicas should agree on a worker's page size)."""
+        self.unmatched_pages += 1
+        if (stream, theirs, ours) in self._warned or len(self._warned) >= _WARNED_LIMIT:
+            return
+        self._warned.add((stream, theirs, ours))
+        log.warning(
+            "another replica's decisions for %s come with block keys for %d-token pages, but "
+            "this replica's stream there has %d-token pages: their pending marks and recency "
+            "are not applied here (do the replicas see the same page size for this worker?)",
+            stream,
+            theirs,
+            ours,
+        )
 
     def _take_in(
         self, peer: _Peer, pending: Pending, keys_of: Callable[[str], list[int]] | None

@@ -202,6 +202,7 @@ class ClusterService:
             "replicas": float(1 + len(self.peers.live())),
             "decisions_published": float(self.published),
             "decisions_applied": float(self.peers.applied),
+            "decisions_unmatched_pages": float(self.peers.unmatched_pages),
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
         }

@@ -111,6 +111,9 @@ class _Cluster(Collector):
         "replicas": "Replicas of this router heard from (this one included)",
         "decisions_published": "Routing decisions this replica published",
         "decisions_applied": "Routing decisions of other replicas applied here",
+        "decisions_unmatched_pages": "Routing decisions of other replicas not marked on a "
+        "stream here (one per stream): their block keys are for another page size than the "
+        "stream's",
         "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
         "unsent_admin_writes": "Admin changes kept here until NATS takes them",
     }

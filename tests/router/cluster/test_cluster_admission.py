@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from contextlib import AsyncExitStack
+
+import pytest
 
 from indexer.service import IndexerService, StreamConfig
 from router.cluster.outbox import Outbox
@@ -108,7 +111,9 @@ def _marks(
     return dict(planner.indexer.index.pending.bits.items()), books
 
 
-async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_would() -> None:
+async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_would(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = [100.0]
     endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
@@ -132,10 +137,19 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         # a sender from before the keys sends the tokens: both must leave the same marks
         old = Pending(pending.worker, pending.dp_rank, ns, list(first.tokens), pending.ticket,
                       pending.kept_tokens, pending.held_tokens)  # fmt: skip
-        for planner, decision in ((by_keys, pending), (by_tokens, old), (other_pages, pending)):
+        for planner, decision in ((by_keys, pending), (by_tokens, old)):
             _applying(planner, clock).apply(Batch("a", 0.0, [decision, *sent[1:]]))
         bits, books = _marks(by_keys, want)
         assert (bits, books) == _marks(by_tokens, want) == _marks(sender, want)
         assert bits and books == {stream: [0] * len(want)}  # marked, and touched by decision 0
-        # keys for 16-token pages say nothing of 8-token ones: nothing marked, nothing touched
+        # keys for 16-token pages say nothing of 8-token ones: nothing marked, nothing touched,
+        # and the lost sharing is counted and said once, not silently or per decision
+        mismatched = _applying(other_pages, clock)
+        with caplog.at_level(logging.WARNING, logger="router.cluster.peers"):
+            for _ in range(3):
+                mismatched.apply(Batch("a", 0.0, [pending]))
         assert _marks(other_pages, want) == ({}, {})
+        assert mismatched.unmatched_pages == 3  # 3 decisions on the one stream
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert f"{stream} come with block keys for 16-token pages" in warning
+        assert "8-token pages" in warning
