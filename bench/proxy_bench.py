@@ -531,6 +531,8 @@ _SAMPLED_1 = "kvroute, tracing on, 1% sampled (in-memory exporter)"
 _APP_FORWARDER = "bare forwarder: aiohttp app + kvroute's upstream client"
 _LOW_FORWARDER = "bare forwarder: aiohttp low-level server + kvroute's upstream client"
 _FLOOR = "floor: asyncio Protocol + httptools + kvroute's upstream client"
+# SGLang's router in the mode that walks every prompt (its approximate tree), for long prompts
+_SGLANG_CACHE_AWARE = "sglang-router (cache_aware)"
 _OPS_TARGETS = {
     "kvroute, observe off": "[observe]\nenabled = false\n",
     _TRACED: _TRACING,
@@ -758,14 +760,41 @@ async def _run(args: argparse.Namespace) -> str:
                         )
                     )
                     if args.long_prompt_tokens > 0:
-                        sections.append(await _long_prompt_section(args, worker, router))
+                        sections.append(await _long_prompt_section(args, worker, router, notes))
     return _report(args, sections, client_rows, notes)
 
 
-async def _long_prompt_section(args: argparse.Namespace, worker: str, router: str) -> _Section:
+async def _long_prompt_section(
+    args: argparse.Namespace, worker: str, router: str, notes: list[str]
+) -> _Section:
     """The reference worker again, with long prompts: what the router's per-request work over
     every block of a prompt costs (the parse of its token ids, the index walk, the admission
-    forecast, the pending marks and the recency book), in CPU per request."""
+    forecast, the pending marks and the recency book), in CPU per request; beside it
+    sglang-router in its cache-aware mode, whose tree walks the prompt too (where it runs)."""
+    targets = {"direct": worker, "kvroute": router}
+    async with contextlib.AsyncExitStack() as stack:
+        sglang_python, where = args.sglang_router_found
+        if sglang_python is None:
+            notes.append(f"sglang-router not measured on long prompts: {where}")
+        else:
+            try:
+                targets[_SGLANG_CACHE_AWARE] = await stack.enter_async_context(
+                    launch(sglang_python, [worker], policy="cache_aware")
+                )
+            except (RuntimeError, OSError) as exc:
+                notes.append(f"sglang-router not measured on long prompts: {exc}")
+        section = await _long_prompts_measured(args, targets)
+    rates = section.rates
+    if rates.get(_SGLANG_CACHE_AWARE):
+        notes.append(
+            f"{args.long_prompt_tokens:,}-token prompts: kvroute / {_SGLANG_CACHE_AWARE} "
+            f"throughput ratio: {rates['kvroute'] / rates[_SGLANG_CACHE_AWARE]:.2f}"
+        )
+    return section
+
+
+async def _long_prompts_measured(args: argparse.Namespace, targets: dict[str, str]) -> _Section:
+    """`targets` under long prompts, with fewer requests and clients than tiny ones get."""
     tokens = args.long_prompt_tokens
     small = argparse.Namespace(
         **{
@@ -778,7 +807,7 @@ async def _long_prompt_section(args: argparse.Namespace, worker: str, router: st
         small,
         f"Reference worker, {tokens:,}-token prompts (SGLang `/generate` with `input_ids`, "
         "2 tenants, one shared 1,024-token system prompt)",
-        {"direct": worker, "kvroute": router},
+        targets,
         max(50, args.latency_requests // 10),
         long_prompts(tokens),
     )

@@ -7,7 +7,7 @@ import argparse
 
 import msgspec
 
-from bench.proxy_bench import _measure, long_prompts
+from bench.proxy_bench import _long_prompt_section, long_prompts
 from router.service import RouterService
 from tests.router.conftest import router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -27,15 +27,25 @@ def test_the_prompts_share_a_system_prompt_and_split_over_two_tenants() -> None:
 
 
 async def test_the_section_measures_direct_and_the_router_without_errors() -> None:
-    args = argparse.Namespace(deadline_s=20.0, throughput_requests=40, concurrency=4, rounds=2)
+    args = argparse.Namespace(
+        deadline_s=20.0,
+        throughput_requests=400,
+        concurrency=4,
+        rounds=2,
+        latency_requests=50,
+        long_prompt_tokens=512,
+        sglang_router_found=(None, "--skip-sglang-router"),
+    )
+    notes: list[str] = []
     async with (
         ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker,
         RouterService(router_config([("w0", worker.url)])) as router,
     ):
-        targets = {"direct": worker.url, "kvroute": router.url}
-        section = await _measure(args, "long", targets, 5, long_prompts(512, documents=3))
+        section = await _long_prompt_section(args, worker.url, router.url, notes)
     assert set(section.rates) == {"direct", "kvroute"}
     assert all(rate > 0 for rate in section.rates.values())
     rows = {row.split(" | ")[0].lstrip("| "): row.split(" | ") for row in section.tput_rows}
     assert rows["direct"][2] == "0" and rows["kvroute"][2] == "0"  # no errors
-    assert section.concurrency == 4 and section.requests == 40
+    assert section.concurrency == 4 and section.requests == 60  # a tenth, at least 60
+    assert "512-token prompts" in section.title
+    assert notes == ["sglang-router not measured on long prompts: --skip-sglang-router"]
