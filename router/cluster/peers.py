@@ -151,16 +151,14 @@ class Peers:
         tokens for the pending marks and the touch alike."""
         if pending.keys:
             index = self._indexer.index
+            usable: set[str] = set()  # the streams with the keys' page size
             for stream in self._indexer.stream_ids(pending.worker, pending.dp_rank):
                 ours = index.block_size(stream) if index.has_stream(stream) else None
-                if ours is not None and ours != pending.block_size:  # unknown: nothing held
+                if ours == pending.block_size:
+                    usable.add(stream)
+                elif ours is not None:  # unknown: nothing is held there to mark anyway
                     self._unmatched(stream, pending.block_size, ours)
-
-            def carried(stream: str) -> list[int]:
-                same = index.has_stream(stream) and index.block_size(stream) == pending.block_size
-                return pending.keys if same else []
-
-            return carried
+            return lambda stream: pending.keys if stream in usable else []
         return None if self._book is None else self._book.keys_of(pending.namespace, pending.tokens)
 
     def _unmatched(self, stream: str, theirs: int, ours: int) -> None:
