@@ -9,6 +9,13 @@ a bare 502. It is a measuring stick, not a server; nothing in kvroute uses it.
 
 Requests on one connection are answered in the order they came (pipelining), each forwarded
 as soon as it is parsed.
+
+`serve_parser_lane` is the same forwarder on aiohttp's own connection protocol and C parser
+(`web.RequestHandler`, `feed_data`), answering from the parsed message: no `web.Request`, no
+`web.Response`, no handler task of aiohttp's. Set beside the floor and the bare aiohttp
+forwarders, it says how much of aiohttp's server-side cost is its parser and how much its
+request and response objects, which decides whether a leaner server side for kvroute can keep
+aiohttp's parser and limits.
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import cast
+from typing import Any, cast
 
 import httptools
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 
 from router.http.upstream_client import Origin, UpstreamClient
 
-__all__ = ["FloorForwarder", "serve_floor"]
+__all__ = ["FloorForwarder", "ParserLaneForwarder", "serve_floor", "serve_parser_lane"]
 
 _JSON = [("Content-Type", "application/json")]
 _DEADLINE_S = 30.0
@@ -72,23 +82,76 @@ class FloorForwarder(asyncio.Protocol):
         self._previous = asyncio.ensure_future(self._answer(path, body, self._previous))
 
     async def _answer(self, path: str, body: bytes, previous: asyncio.Future[None] | None) -> None:
-        loop = asyncio.get_running_loop()
-        status, data = 502, b""
-        with contextlib.suppress(Exception):
-            async with self._client.post(
-                self._origin,
-                self._base + path,
-                _JSON,
-                body,
-                deadline=loop.time() + _DEADLINE_S,
-                connect_timeout_s=_CONNECT_TIMEOUT_S,
-            ) as resp:
-                status, data = resp.status, await resp.read()
+        answer = await _forward(self._client, self._origin, self._base + path, body)
         if previous is not None:
             await previous
         if self._transport is not None:
-            head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            self._transport.write(head % (status, len(data)) + data)
+            self._transport.write(answer)
+
+
+async def _forward(client: UpstreamClient, origin: Origin, path: str, body: bytes) -> bytes:
+    """The whole HTTP/1.1 answer to one forwarded request (a bare 502 if the forward failed)."""
+    loop = asyncio.get_running_loop()
+    status, data = 502, b""
+    with contextlib.suppress(Exception):
+        async with client.post(
+            origin,
+            path,
+            _JSON,
+            body,
+            deadline=loop.time() + _DEADLINE_S,
+            connect_timeout_s=_CONNECT_TIMEOUT_S,
+        ) as resp:
+            status, data = resp.status, await resp.read()
+    head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    return head % (status, len(data)) + data
+
+
+class ParserLaneForwarder(web.RequestHandler):
+    """aiohttp's per-connection protocol whose parsed messages skip aiohttp's request path."""
+
+    def __init__(self, manager: _LaneServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._lane = manager
+        self._previous: asyncio.Future[None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._force_close or self._close or self._parser is None:
+            return
+        try:
+            messages, _, _ = self._parser.feed_data(data)
+        except HttpProcessingError:
+            if self.transport is not None:
+                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            self.force_close()
+            return
+        for message, payload in messages:
+            self._parser.message_consumed()
+            path = getattr(message, "path", "/")
+            self._previous = asyncio.ensure_future(self._answer(path, payload, self._previous))
+
+    async def _answer(
+        self, path: str, payload: StreamReader, previous: asyncio.Future[None] | None
+    ) -> None:
+        lane = self._lane
+        body = await payload.read()  # all of it (the parser may still be feeding the rest)
+        answer = await _forward(lane.client, lane.origin, lane.base + path, body)
+        if previous is not None:
+            await previous
+        if self.transport is not None:
+            self.transport.write(answer)
+
+
+class _LaneServer(web.Server):
+    def __init__(self, client: UpstreamClient, origin: Origin, base: str) -> None:
+        super().__init__(self._unused, access_log=None)
+        self.client, self.origin, self.base = client, origin, base
+
+    async def _unused(self, request: web.BaseRequest) -> web.StreamResponse:
+        raise AssertionError("the parser lane answers every request itself")
+
+    def __call__(self) -> ParserLaneForwarder:
+        return ParserLaneForwarder(self, loop=self._loop, **self._kwargs)
 
 
 @contextlib.asynccontextmanager
@@ -103,4 +166,21 @@ async def serve_floor(upstream: str, host: str = "127.0.0.1") -> AsyncIterator[s
             yield f"http://{host}:{port}"
         finally:
             server.close()
+            await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def serve_parser_lane(upstream: str, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve the parser-lane forwarder in front of `upstream` on an ephemeral port; its URL."""
+    origin, base = Origin.split(upstream)
+    async with UpstreamClient() as client:
+        loop = asyncio.get_running_loop()
+        lane = _LaneServer(client, origin, base)
+        server = await loop.create_server(lane, host, 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.close()
+            await lane.shutdown(1.0)
             await server.wait_closed()

@@ -253,6 +253,14 @@ async def _floor_role(upstream: str) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
+async def _parser_lane_role(upstream: str) -> None:
+    from bench.forwarder_floor import serve_parser_lane
+
+    async with serve_parser_lane(upstream) as url:
+        print(f"listening on {url}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
 async def _low_level_role(upstream: str) -> None:
     """The bare forwarder on aiohttp's low-level server: no Application, router, middlewares."""
     origin, base = Origin.split(upstream)
@@ -275,6 +283,9 @@ def _role_main(argv: Sequence[str]) -> None:
     # the server-side comparison runs on kvroute's own loop (uvloop where installed)
     if argv[0] == "floor":
         run_loop(_floor_role(argv[1]))
+        return
+    if argv[0] == "parser-lane":
+        run_loop(_parser_lane_role(argv[1]))
         return
     if argv[0] == "forwarder-lowlevel":
         run_loop(_low_level_role(argv[1]))
@@ -531,6 +542,10 @@ _SAMPLED_1 = "kvroute, tracing on, 1% sampled (in-memory exporter)"
 _APP_FORWARDER = "bare forwarder: aiohttp app + kvroute's upstream client"
 _LOW_FORWARDER = "bare forwarder: aiohttp low-level server + kvroute's upstream client"
 _FLOOR = "floor: asyncio Protocol + httptools + kvroute's upstream client"
+_PARSER_LANE = (
+    "bare forwarder: aiohttp's protocol and parser, no request or response objects, "
+    "+ kvroute's upstream client"
+)
 # SGLang's router in the mode that walks every prompt (its approximate tree), for long prompts
 _SGLANG_CACHE_AWARE = "sglang-router (cache_aware)"
 _OPS_TARGETS = {
@@ -616,6 +631,9 @@ async def _other_targets(
         targets[name] = await stack.enter_async_context(
             _process(py, "-m", "bench.proxy_bench", role, backend)
         )
+    targets[_PARSER_LANE] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "parser-lane", backend)
+    )
     if importlib.util.find_spec("httptools") is not None:
         targets[_FLOOR] = await stack.enter_async_context(
             _process(py, "-m", "bench.proxy_bench", "floor", backend)
@@ -648,12 +666,18 @@ def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]
             f"{rates['kvroute'] / rates[_APP_FORWARDER]:.2f} (routing and the operations layer, "
             "on the same server side and loop)"
         )
-        for leaner in (_LOW_FORWARDER, _FLOOR):
+        for leaner in (_LOW_FORWARDER, _PARSER_LANE, _FLOOR):
             if leaner in rates:
                 notes.append(
                     f"{leaner} / {_APP_FORWARDER} throughput ratio: "
                     f"{rates[leaner] / rates[_APP_FORWARDER]:.2f} (what a leaner server side buys)"
                 )
+    if _PARSER_LANE in rates and _FLOOR in rates:
+        notes.append(
+            f"{_PARSER_LANE} / {_FLOOR} throughput ratio: "
+            f"{rates[_PARSER_LANE] / rates[_FLOOR]:.2f} (aiohttp's parser and connection "
+            "protocol against httptools': what keeping aiohttp's parser and its limits costs)"
+        )
     if _FLOOR in rates and "sglang-router" in rates:
         notes.append(
             f"{_FLOOR} / sglang-router throughput ratio: "

@@ -1,21 +1,27 @@
 """The proxy benchmark's bare forwarders forward for real, to a backend on 127.0.0.1: the floor
-(`bench.forwarder_floor`) in process (bodies and statuses through, several requests on one
-connection, pipelined ones in order, a 502 for a worker that is gone), and each forwarder role
+and the parser lane (`bench.forwarder_floor`) in process (bodies and statuses through, several
+requests on one connection, pipelined ones in order, a body that comes after its headers, a 502
+for a worker that is gone, a 400 for bytes that are no HTTP), and each forwarder role
 started as the benchmark starts it, a process on kvroute's loop."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench.forwarder_floor import serve_floor
+from bench.forwarder_floor import serve_floor, serve_parser_lane
 from bench.proxy_bench import _process
+
+# the floor (httptools) and the parser lane (aiohttp's parser, no request objects) alike
+_SERVE = pytest.mark.parametrize("serve", [serve_floor, serve_parser_lane], ids=["floor", "lane"])
+_Serve = Callable[[str], AbstractAsyncContextManager[str]]
 
 
 @pytest.fixture
@@ -36,9 +42,12 @@ async def backend() -> AsyncIterator[str]:
     await server.close()
 
 
-async def test_bodies_and_statuses_come_through_on_one_connection(backend: str) -> None:
+@_SERVE
+async def test_bodies_and_statuses_come_through_on_one_connection(
+    backend: str, serve: _Serve
+) -> None:
     async with (
-        serve_floor(backend) as url,
+        serve(backend) as url,
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
     ):
         answers = []
@@ -48,8 +57,9 @@ async def test_bodies_and_statuses_come_through_on_one_connection(backend: str) 
     assert answers == [(200, b"/v1/completions:a"), (201, b"/created:bb"), (200, b"/x:")]
 
 
-async def test_pipelined_requests_are_answered_in_order(backend: str) -> None:
-    async with serve_floor(backend) as url:
+@_SERVE
+async def test_pipelined_requests_are_answered_in_order(backend: str, serve: _Serve) -> None:
+    async with serve(backend) as url:
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         request = "POST /{} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{}"
@@ -64,16 +74,54 @@ async def test_pipelined_requests_are_answered_in_order(backend: str) -> None:
     assert got.index(b"/one:slow") < got.index(b"/two:fast")
 
 
-async def test_a_worker_that_is_gone_is_a_502(unused_tcp_port: int) -> None:
+async def _exchange(url: str, *parts: bytes) -> bytes:
+    """Send `parts` on one raw connection, a pause between them; what came back until closed
+    or the first whole answer."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for n, part in enumerate(parts):
+        if n:
+            await asyncio.sleep(0.1)
+        writer.write(part)
+        await writer.drain()
+    got = b""
+    async with asyncio.timeout(5):
+        while not (got.startswith(b"HTTP/1.1 400") or b":" in got.partition(b"\r\n\r\n")[2]):
+            data = await reader.read(4096)
+            if not data:
+                break
+            got += data
+    writer.close()
+    return got
+
+
+@_SERVE
+async def test_a_body_after_its_headers_is_waited_for(backend: str, serve: _Serve) -> None:
+    async with serve(backend) as url:
+        got = await _exchange(
+            url, b"POST /late HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab", b"cd"
+        )
+    assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"/late:abcd")
+
+
+@_SERVE
+async def test_bytes_that_are_no_http_get_a_400(backend: str, serve: _Serve) -> None:
+    async with serve(backend) as url:
+        got = await _exchange(url, b"\x00\x01 not http\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400")
+
+
+@_SERVE
+async def test_a_worker_that_is_gone_is_a_502(unused_tcp_port: int, serve: _Serve) -> None:
     async with (
-        serve_floor(f"http://127.0.0.1:{unused_tcp_port}") as url,
+        serve(f"http://127.0.0.1:{unused_tcp_port}") as url,
         aiohttp.ClientSession() as session,
         session.post(url + "/v1/completions", data=b"{}") as resp,
     ):
         assert resp.status == 502
 
 
-@pytest.mark.parametrize("role", ["forwarder-app", "forwarder-lowlevel", "floor"])
+@pytest.mark.parametrize("role", ["forwarder-app", "forwarder-lowlevel", "parser-lane", "floor"])
 async def test_each_forwarder_role_forwards(backend: str, role: str) -> None:
     async with (
         _process(sys.executable, "-m", "bench.proxy_bench", role, backend) as url,
