@@ -245,18 +245,12 @@ async def _reference_role() -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def _floor_role(upstream: str) -> None:
-    from bench.forwarder_floor import serve_floor
+async def _lean_role(kind: str, upstream: str) -> None:
+    """The floor or the parser lane (`bench.forwarder_floor`) in front of `upstream`."""
+    from bench.forwarder_floor import serve_floor, serve_parser_lane
 
-    async with serve_floor(upstream) as url:
-        print(f"listening on {url}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-
-async def _parser_lane_role(upstream: str) -> None:
-    from bench.forwarder_floor import serve_parser_lane
-
-    async with serve_parser_lane(upstream) as url:
+    serve = serve_floor if kind == "floor" else serve_parser_lane
+    async with serve(upstream) as url:
         print(f"listening on {url}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -281,11 +275,8 @@ def _role_main(argv: Sequence[str]) -> None:
         asyncio.run(_reference_role())
         return
     # the server-side comparison runs on kvroute's own loop (uvloop where installed)
-    if argv[0] == "floor":
-        run_loop(_floor_role(argv[1]))
-        return
-    if argv[0] == "parser-lane":
-        run_loop(_parser_lane_role(argv[1]))
+    if argv[0] in ("floor", "parser-lane"):
+        run_loop(_lean_role(argv[0], argv[1]))
         return
     if argv[0] == "forwarder-lowlevel":
         run_loop(_low_level_role(argv[1]))
