@@ -7,7 +7,12 @@ affinity):
 - `kv_replicas3`: the replicas share a real nats-server (started for the run): each applies
   the others' pending marks and load (`router.cluster`);
 - `kv_replicas3_alone`: the same three replicas without a `[cluster]`: each knows only its own
-  decisions, so a burst of siblings spread over them loses its pending marks at each hop.
+  decisions, so a burst of siblings spread over them loses its pending marks at each hop;
+- `kv_replicas3_one`: the control. Three sharing replicas as in `kv_replicas3`, but every
+  request goes to the first one: the fleet sees one router's decisions, and the benchmark's
+  process still carries three routers (their bookkeeping shares the event loop with the
+  reference workers and the load driver). What it loses against `kv` is the cost of running
+  three routers in the benchmark, not of spreading requests over them.
 
 Compared with `kv` (one replica) in the same run, on the same workload and fleet.
 """
@@ -38,11 +43,13 @@ from router.config import AdminConfig, ClusterConfig, ListenConfig, PolicyConfig
 from router.config import WorkerConfig as RoutedWorker
 from router.service import RouterService
 
-__all__ = ["REPLICATED", "run_replicated"]
+__all__ = ["REPLICATED", "UNSPREAD", "run_replicated"]
 
 REPLICAS = 3
 # pseudo-policy -> whether its replicas share a cluster
-REPLICATED = {"kv_replicas3": True, "kv_replicas3_alone": False}
+REPLICATED = {"kv_replicas3": True, "kv_replicas3_alone": False, "kv_replicas3_one": True}
+# the control: every request to the first replica (no spreading)
+UNSPREAD = frozenset({"kv_replicas3_one"})
 
 
 class _RandomReplica:
@@ -100,7 +107,8 @@ async def run_replicated(
     timeout_s: float,
     weights: PolicyWeights,
 ) -> PolicyRun:
-    """Run `workload` through three replicas (sharing or not, by `policy`) on a fresh fleet."""
+    """Run `workload` through three replicas (sharing or not, spread over or not, by
+    `policy`) on a fresh fleet."""
     started = time.perf_counter()
     async with (
         aiohttp.ClientSession(
@@ -110,7 +118,7 @@ async def run_replicated(
     ):
         names = {name: worker.url for name, worker in fleet.items()}
         async with _replicas(names, spec, seed, weights, REPLICATED[policy]) as urls:
-            chooser = _RandomReplica(urls, seed)
+            chooser = _RandomReplica(urls[:1] if policy in UNSPREAD else urls, seed)
             records = await _drive(session, workload, chooser, timeout_s, on_done)
             overhead = await _probe_overhead(session, urls[0], names, seed)
     return PolicyRun(

@@ -47,9 +47,10 @@ from bench.harness import (
 )
 from bench.isolation import workload_violations
 from bench.pooled_bound import pooled_replay, replay_hit_rate, ttft_floor_p90_ms
-from bench.replica_fleet import REPLICATED, run_replicated
+from bench.replica_fleet import REPLICATED, UNSPREAD, run_replicated
 from bench.report import write_report
 from bench.routing_results import BenchReport, PolicyRun, WorkloadSection
+from bench.seed_summary import render_seed_summary
 from bench.workloads import (
     MooncakeParams,
     MultiTenantParams,
@@ -109,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute bench routing`."""
     parser.add_argument("--quick", action="store_true", help="about a minute on 2 cores")
     parser.add_argument("--seed", type=int, default=1, help="workload and policy seed")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma list of seeds (overrides --seed): the whole run once per seed, each report "
+        "in OUT/seed-N, and OUT/routing_seeds.md with every policy's hit rate over kv's taken "
+        "seed by seed (median and range)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report directory")
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"
@@ -473,6 +481,7 @@ def _replica_notes(sections: list[WorkloadSection]) -> list[str]:
             continue
         parts = [
             f"`{name}` {runs[name].hit_rate / one.hit_rate:.3f}x"
+            + (" (the control: every request to one of them)" if name in UNSPREAD else "")
             for name in REPLICATED
             if name in runs
         ]
@@ -654,11 +663,46 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
     )
 
 
+def seeds_from_args(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The seeds of `--seeds` (None: one run, `--seed`); SystemExit names a bad list."""
+    if args.seeds is None:
+        return None
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+    except ValueError as exc:
+        raise SystemExit(f"--seeds: a comma list of integers ({exc})") from exc
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: {args.seeds} names a seed twice")
+    return seeds
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the suite and write the report; 1 when a policy could not run at all."""
+    """Run the suite (once, or once per seed) and write the reports; 1 when a policy could
+    not run at all."""
+    seeds = seeds_from_args(args)
     settings = settings_from_args(args)
     console = Console(stderr=True)
     out: Path = args.out
+    if seeds is None:
+        report = _run_one(args, settings, out, console)
+        return 1 if any(not r.records for s in report.sections for r in s.runs) else 0
+    reports = [
+        _run_one(args, msgspec.structs.replace(settings, seed=seed), out / f"seed-{seed}", console)
+        for seed in seeds
+    ]
+    command = _command(settings, out).replace(
+        f"--seed {settings.seed}", f"--seeds {','.join(map(str, seeds))}", 1
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    summary = out / "routing_seeds.md"
+    summary.write_text(render_seed_summary(reports, command), encoding="utf-8")
+    console.print(f"across seeds: {summary}")
+    return 1 if any(not r.records for rep in reports for s in rep.sections for r in s.runs) else 0
+
+
+def _run_one(
+    args: argparse.Namespace, settings: SuiteSettings, out: Path, console: Console
+) -> BenchReport:
     command = _command(settings, out)
     console.print(f"[dim]{command}[/]")
     report = asyncio.run(run_suite(settings, console, command))
@@ -674,4 +718,4 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         # requests may fail under load (the report counts them); a policy that never ran may not
         console.print(f"[yellow]incomplete runs: {', '.join(failed)}[/]")
-    return 1 if any(not r.records for s in report.sections for r in s.runs) else 0
+    return report

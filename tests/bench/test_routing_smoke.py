@@ -93,3 +93,27 @@ def test_the_replica_policies_route_through_three_replicas_on_nats(tmp_path: Pat
     assert set(summaries) == {"kv", "kv_replicas3", "kv_replicas3_alone"}
     for policy, s in summaries.items():
         assert s["completed"] == s["requests"] == 6 and s["failed"] == 0, (policy, s)
+
+
+def test_a_run_per_seed_and_the_ratios_across_them(tmp_path: Path) -> None:
+    argv = [
+        "bench", "routing", "--quick", "--seeds", "3,4", "--requests", "6", "--rate", "40",
+        "--time-scale", "0.02", "--workloads", "multi_tenant",
+        "--policies", "kv,kv_replicas3_one", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    for seed in (3, 4):
+        data = json.loads((tmp_path / f"seed-{seed}" / "routing.json").read_text())
+        assert data["seed"] == seed
+        (section,) = data["sections"]
+        summaries = {s["policy"]: s for s in section["summaries"]}
+        assert set(summaries) == {"kv", "kv_replicas3_one"}
+        for s in summaries.values():
+            assert s["completed"] == s["requests"] == 6 and s["failed"] == 0
+    text = (tmp_path / "routing_seeds.md").read_text()
+    assert "--seeds 3,4" in text
+    assert "| kv | seed 3 | seed 4 | median |" in text
+    # a seed whose kv served nothing from cache (six requests can) gives no ratio: at least one
+    row = next(line for line in text.splitlines() if line.startswith("| kv_replicas3_one |"))
+    assert "(seed 3)" in row or "(seed 4)" in row
+    assert row.endswith("| (control: three replicas, no spreading) |")

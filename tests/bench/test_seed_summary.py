@@ -1,0 +1,94 @@
+"""`kvroute bench routing --seeds`: ratios taken within each seed's run, the median across seeds."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.routing_bench import seeds_from_args
+from bench.routing_results import BenchReport, PolicyRun, RequestRecord, WorkloadSection
+from bench.seed_summary import render_seed_summary, seed_ratios
+
+
+def _run(policy: str, cached: int, predicted: int | None = None) -> PolicyRun:
+    records = [
+        RequestRecord(
+            index=i,
+            sent_s=i * 0.1,
+            ok=True,
+            prompt_tokens=100,
+            cached_tokens=cached,
+            predicted_tokens=predicted,
+            e2e_s=0.05,
+        )
+        for i in range(4)
+    ]
+    return PolicyRun(policy=policy, records=records, wall_s=1.0)
+
+
+def _report(seed: int, kv: int, replicas: int, alone: int | None = None) -> BenchReport:
+    runs = [_run("kv", kv, predicted=kv), _run("kv_replicas3", replicas)]
+    if alone is not None:
+        runs.append(_run("kv_replicas3_alone", alone))
+    section = WorkloadSection(
+        workload="multi_tenant",
+        description="test",
+        seed=seed,
+        params={},
+        requests=4,
+        rate_rps=10.0,
+        working_set_tokens=1000,
+        capacity_tokens=400,
+        workers=2,
+        pressure=2.5,
+        runs=runs,
+    )
+    return BenchReport(
+        command="kvroute bench routing", seed=seed, mode="full", started_at="", fleet={},
+        sections=[section],
+    )  # fmt: skip
+
+
+def test_each_ratio_is_taken_within_its_seed_and_the_median_is_the_figure() -> None:
+    # seed 2's trace reuses less for every policy: a pooled ratio would mix traces
+    reports = [_report(1, 60, 57), _report(2, 40, 40), _report(3, 50, 49)]
+    [entry] = seed_ratios(reports)[("multi_tenant", 2.5)]
+    assert entry.policy == "kv_replicas3"
+    assert entry.seeds == [1, 2, 3]
+    assert entry.ratios == pytest.approx([0.95, 1.0, 0.98])
+    assert entry.median == pytest.approx(0.98)
+
+
+def test_the_report_gives_every_seed_the_median_and_the_verdict() -> None:
+    reports = [_report(1, 60, 57, 54), _report(2, 40, 40, 38), _report(3, 50, 49, 45)]
+    text = render_seed_summary(reports, "kvroute bench routing --seeds 1,2,3")
+    assert "kvroute bench routing --seeds 1,2,3" in text
+    assert "## multi_tenant at KV pressure 2.50" in text
+    assert "| hit rate | 60.0% | 40.0% | 50.0% | 50.0% |" in text
+    assert "| index accuracy | 100.0% | 100.0% | 100.0% | 100.0% |" in text
+    replicas = next(line for line in text.splitlines() if line.startswith("| kv_replicas3 |"))
+    assert "0.950 (seed 1), 1.000 (seed 2), 0.980 (seed 3)" in replicas
+    assert replicas.endswith("| 0.980x | 0.950-1.000 | met |")
+    alone = next(line for line in text.splitlines() if line.startswith("| kv_replicas3_alone |"))
+    assert alone.endswith("| 0.900x | 0.900-0.950 | **missed** |")  # 0.9, 0.95, 0.9
+
+
+def test_a_seed_whose_kv_served_nothing_from_cache_gives_no_ratio() -> None:
+    reports = [_report(1, 0, 10), _report(2, 50, 50)]
+    [entry] = seed_ratios(reports)[("multi_tenant", 2.5)]
+    assert entry.seeds == [2]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [("1,x", "comma list of integers"), ("3,3", "names a seed twice")],
+)
+def test_bad_seed_lists_are_refused_by_name(text: str, error: str) -> None:
+    with pytest.raises(SystemExit, match=error):
+        seeds_from_args(argparse.Namespace(seeds=text))
+
+
+def test_no_seed_list_is_one_run() -> None:
+    assert seeds_from_args(argparse.Namespace(seeds=None)) is None
+    assert seeds_from_args(argparse.Namespace(seeds="4,1")) == (4, 1)
