@@ -39,10 +39,12 @@ from router.http.keys import (
     PLANNER,
     PROXY,
     RELOADER,
+    SERVES_PROXY,
     SESSION,
     SUPERVISOR,
     TOKENIZER,
 )
+from router.http.listener import DIRECT_ROUTES
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
@@ -78,6 +80,19 @@ def _error(
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Turn every error into the JSON error shape with the right status."""
+    return await answer_errors(
+        request, handler, request.config_dict.get(METRICS), lambda: _route_label(request)
+    )
+
+
+async def answer_errors(
+    request: web.Request,
+    handler: _Handler,
+    metrics: RouterMetrics | None,
+    route: Callable[[], str],
+) -> web.StreamResponse:
+    """`handler`'s answer, or the JSON error of what it raised, counted in `metrics` under
+    `route()` (the route's template, never the raw path)."""
     details: dict[str, object] | None = None
     unknown_model = False
     try:
@@ -105,11 +120,10 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         # a bug: say so in the log (tracebacks carry no request bodies, so no salts), answer JSON
         log.exception("unexpected error handling %s %s", request.method, request.path)
         status, kind, message = 500, "InternalError", "internal router error (see the router log)"
-    metrics = request.config_dict.get(METRICS)
     if metrics is not None:
         # never the client's model string: one value stands for every model nobody serves
         model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
-        metrics.rejected.labels(_route_label(request), kind, model).inc()
+        metrics.rejected.labels(route(), kind, model).inc()
     return _error(status, kind, message, details)
 
 
@@ -137,6 +151,25 @@ def _proxy_handler(endpoint: Endpoint) -> _Handler:
         return await request.app[PROXY].handle(request, endpoint)
 
     return handle
+
+
+def _direct_routes(proxy: Proxy, metrics: RouterMetrics) -> dict[str, _Handler]:
+    """The generation endpoints as the listener serves them without the app's router and
+    middleware chain (`GuardedServer.direct`): what they do for these routes, the error
+    answers and their count, is done here, at about 5 us less per request."""
+    routes: dict[str, _Handler] = {}
+    for endpoint in Endpoint:
+
+        async def handle(request: web.Request, endpoint: Endpoint = endpoint) -> web.StreamResponse:
+            return await answer_errors(
+                request,
+                lambda request: proxy.handle(request, endpoint),
+                metrics,
+                lambda: endpoint.value,  # the route's template is the path itself
+            )
+
+        routes[endpoint.value] = handle
+    return routes
 
 
 async def health(request: web.Request) -> web.Response:
@@ -229,6 +262,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])
+        if app.get(SERVES_PROXY, False):
+            app[DIRECT_ROUTES] = _direct_routes(proxy, app[METRICS])
         # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
         app[RELOADER] = reloader = Reloader(
             live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher
@@ -288,6 +323,7 @@ def create_app(
     operations.install(app, config, tracer_provider)  # decision metrics, tracing
     for endpoint in Endpoint if proxy else ():
         app.router.add_post(endpoint.value, _proxy_handler(endpoint))
+    app[SERVES_PROXY] = proxy
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)

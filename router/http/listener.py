@@ -24,7 +24,7 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -45,6 +45,7 @@ from router.errors import (
 )
 
 __all__ = [
+    "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
@@ -56,6 +57,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# the app's POST handlers by exact path that the listener calls past the app's router and
+# middlewares (`GuardedServer.direct`): the app sets it once its resources are open
+DIRECT_ROUTES: web.AppKey[dict[str, _Handler]] = web.AppKey("direct_routes")
 
 # aiohttp's own defaults, spelled out so docs/router.md can state them
 MAX_LINE_BYTES = 8190  # request line, and any one header line
@@ -340,6 +346,10 @@ class GuardedServer(web.Server):
         self.request_factory = self._make_guarded_request
         self._app_handler = self.request_handler
         self.request_handler = self._before_routing
+        # POST handlers by exact path served past the app's router and middlewares (the
+        # generation endpoints, `RouterRunner` fills it once the app has started); a request
+        # with an `Expect` goes the app's way, which answers 100-continue
+        self.direct: dict[str, _Handler] = {}
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """`limits` for the connections accepted from now on (a reload); each open one keeps
@@ -387,6 +397,11 @@ class GuardedServer(web.Server):
                 PayloadTooLargeError,
                 f"request body of {declared} bytes is over limits.max_body_bytes ({limit} bytes)",
             )
+        if expect is None and request.method == hdrs.METH_POST:
+            direct = self.direct.get(request.path)
+            if direct is not None:
+                # the app's request factory made it: a web.Request, not yet routed
+                return await direct(cast(web.Request, request))
         return await self._app_handler(request)
 
     def __call__(self) -> GuardedHandler:
@@ -409,4 +424,7 @@ class RouterRunner(web.AppRunner):
         self._limits = limits
 
     async def _make_server(self) -> web.Server:
-        return GuardedServer.adopt(await super()._make_server(), self._limits)
+        server = GuardedServer.adopt(await super()._make_server(), self._limits)
+        # the app has started (its resources are open): its direct routes exist now
+        server.direct = self.app.get(DIRECT_ROUTES, {})
+        return server

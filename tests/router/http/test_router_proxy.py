@@ -14,6 +14,8 @@ import pytest
 from aiohttp import web
 
 from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
+from router.http.listener import DIRECT_ROUTES
+from router.prompt.request import Endpoint
 from router.routing.breaker import BreakerState
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
@@ -454,3 +456,30 @@ async def test_a_worker_removed_mid_health_check_leaves_no_metric_series(
         async with session.get(router.url + "/metrics") as resp:
             metrics = await resp.text()
     assert 'worker="b"' in metrics and 'worker="a"' not in metrics
+
+
+async def test_the_generation_endpoints_are_served_past_the_apps_router_alike(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        # the listener calls the proxy by path, without the app's router and middlewares
+        routes = router.app[DIRECT_ROUTES]
+        assert set(routes) == {endpoint.value for endpoint in Endpoint}
+        url = router.url + "/v1/completions"
+        async with session.post(url + "?client=x", json={"prompt": "x"}) as resp:
+            assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "a"
+        async with session.get(url) as resp:  # not a POST: the app answers, as it did
+            assert resp.status == 405
+            assert (await resp.json())["error"]["type"] == "HTTPMethodNotAllowed"
+        async with session.post(url, json={"prompt": 3}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["type"] == "RequestError"
+    assert len(a.bodies) == 1
+
+
+async def test_without_the_proxy_there_is_no_direct_route(session: aiohttp.ClientSession) -> None:
+    async with RouterService(_plain([]), proxy=False) as router:
+        assert DIRECT_ROUTES not in router.app
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 404
