@@ -58,7 +58,7 @@ from router.cluster.server import NatsServer
 from router.commands.serve import run_loop
 from router.http.upstream_client import Origin, UpstreamClient
 
-__all__ = ["PairedCost", "add_arguments", "ops_cost_table", "paired_cost", "run"]
+__all__ = ["PairedCost", "RoundResult", "add_arguments", "ops_cost_table", "paired_cost", "run"]
 
 _BODY = msgspec.json.encode({"model": "m", "prompt": "hi", "max_tokens": 1})
 _ANSWER = msgspec.json.encode(
@@ -495,7 +495,7 @@ async def _measure(
     return section
 
 
-class _Round(msgspec.Struct, frozen=True):
+class RoundResult(msgspec.Struct, frozen=True):
     """One target's share of one interleaved round."""
 
     rate: float  # requests/s
@@ -508,11 +508,11 @@ async def _interleaved_throughput(
     rounds: int = 3,
     request: _Request = _TINY,
     per_round: int | None = None,
-) -> tuple[dict[str, float], dict[str, int], dict[str, float], dict[str, list[_Round]]]:
+) -> tuple[dict[str, float], dict[str, int], dict[str, float], dict[str, list[RoundResult]]]:
     """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
     errors; CPU microseconds per request of each target's own process, where known (a
     replica fleet's parent does no serving: not counted); and each round's own numbers, so
-    targets can be compared round by round (`_paired`)."""
+    targets can be compared round by round (`paired_cost`)."""
     if per_round is None:
         per_round = max(1, args.throughput_requests // rounds)
     for url in targets.values():  # warm-up: every connection of both hops opened once
@@ -521,7 +521,7 @@ async def _interleaved_throughput(
     done = dict.fromkeys(targets, 0)
     errors = dict.fromkeys(targets, 0)
     cpu: dict[str, float] = {}
-    by_round: dict[str, list[_Round]] = {name: [] for name in targets}
+    by_round: dict[str, list[RoundResult]] = {name: [] for name in targets}
     for _ in range(rounds):
         for name, url in targets.items():
             before = None if "--processes" in name else _cpu_s(url)
@@ -537,7 +537,7 @@ async def _interleaved_throughput(
             done[name] += count
             errors[name] += failed
             by_round[name].append(
-                _Round(
+                RoundResult(
                     count / seconds if seconds else 0.0,
                     used / count * 1e6 if used is not None and count else None,
                 )
@@ -597,7 +597,7 @@ class PairedCost(msgspec.Struct, frozen=True):
         return 1.0 - self.ratio
 
 
-def paired_cost(mine: Sequence[_Round], baseline: Sequence[_Round]) -> PairedCost | None:
+def paired_cost(mine: Sequence[RoundResult], baseline: Sequence[RoundResult]) -> PairedCost | None:
     """How `mine` compares with `baseline` measured in the same interleaved rounds.
 
     A shared machine's drift moves both routers of one round alike, and one round's hiccup
@@ -620,7 +620,7 @@ def paired_cost(mine: Sequence[_Round], baseline: Sequence[_Round]) -> PairedCos
     )
 
 
-def ops_cost_table(by_round: dict[str, list[_Round]], per_round: int) -> list[str]:
+def ops_cost_table(by_round: dict[str, list[RoundResult]], per_round: int) -> list[str]:
     """The operations layer's cost section: each ops router against the one without it."""
     base = by_round.get(_OPS_BASELINE)
     if not base:

@@ -155,8 +155,8 @@ def _proxy_handler(endpoint: Endpoint) -> _Handler:
 
 def _direct_routes(proxy: Proxy, metrics: RouterMetrics) -> dict[str, _Handler]:
     """The generation endpoints as the listener serves them without the app's router and
-    middleware chain (`GuardedServer.direct`): what they do for these routes, the error
-    answers and their count, is done here, at about 5 us less per request."""
+    middleware chain (`GuardedServer.direct`; 29 fewer Python calls per request): what the
+    chain does for these routes, the error answers and their count, is done here."""
     routes: dict[str, _Handler] = {}
     for endpoint in Endpoint:
 
