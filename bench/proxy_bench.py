@@ -729,12 +729,10 @@ async def _other_targets(
     targets[_PARSER_LANE] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "parser-lane", backend)
     )
-    if importlib.util.find_spec("httptools") is not None:
-        targets[_FLOOR] = await stack.enter_async_context(
-            _process(py, "-m", "bench.proxy_bench", "floor", backend)
-        )
-    else:
-        notes.append("the floor forwarder not measured: httptools is not installed (.[bench])")
+    # httptools is a main dependency (the upstream client's parser): the floor always runs
+    targets[_FLOOR] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "floor", backend)
+    )
     sglang_python, where = args.sglang_router_found
     if sglang_python is None:
         notes.append(f"sglang-router not measured: {where}")
