@@ -45,6 +45,7 @@ __all__ = [
     "VENV",
     "SglangRouterError",
     "importable",
+    "installed",
     "launch",
     "provision",
     "version",
@@ -81,6 +82,15 @@ def importable(python: str) -> bool:
 
 def _venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def installed(asked: str = "") -> str | None:
+    """A python at hand that imports sglang_router, installing nothing: `asked` (default
+    $KVROUTE_SGLANG_ROUTER_PYTHON), else the benchmarks' venv once `provision` made it."""
+    for python in (asked or os.environ.get("KVROUTE_SGLANG_ROUTER_PYTHON", ""), _venv_python(VENV)):
+        if python and importable(str(python)):
+            return str(python)
+    return None
 
 
 def _run(argv: Sequence[str], timeout_s: float) -> str | None:
