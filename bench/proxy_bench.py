@@ -834,7 +834,6 @@ async def _run(args: argparse.Namespace) -> str:
                 await start_router(_TRACED, _OPS_TARGETS[_TRACED])
                 await start_router(_SAMPLED, _OPS_TARGETS[_SAMPLED])
                 await start_router(_SAMPLED_1, _OPS_TARGETS[_SAMPLED_1])
-                ops_targets = dict(targets)
                 if args.ops_rounds > 0:
                     # the ops pass only: a second baseline, so the report shows its own noise
                     await start_router(_OPS_CONTROL, _OPS_TARGETS[_OPS_BASELINE])
@@ -848,7 +847,8 @@ async def _run(args: argparse.Namespace) -> str:
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
                 sections.append(section)
-                ops_lines = await _ops_cost(args, ops_targets) if args.ops_rounds > 0 else []
+                if args.ops_rounds > 0:
+                    ops_lines = await _ops_cost(args, ops_targets)
                 if not args.ops_only:
                     notes += _other_notes(args, section.rates)
             if not args.skip_clients and not args.ops_only:

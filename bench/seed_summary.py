@@ -35,12 +35,11 @@ _REFERENCE = "kv"
 class SeedRatio:
     """One policy against `kv` on one section, seed by seed."""
 
-    __slots__ = ("hit_rates", "policy", "ratios", "seeds")
+    __slots__ = ("policy", "ratios", "seeds")
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self.seeds: list[int] = []
-        self.hit_rates: list[float] = []
         self.ratios: list[float] = []  # its hit rate / kv's, in the same seed's run
 
     @property
@@ -49,7 +48,11 @@ class SeedRatio:
         return statistics.median(self.ratios)
 
 
-def _rows(report: BenchReport) -> dict[tuple[str, float], dict[str, PolicySummary]]:
+_Rows = dict[tuple[str, float], dict[str, PolicySummary]]
+
+
+def _rows(report: BenchReport) -> _Rows:
+    """Each section's policy summaries (summarizing reads every record: done once a report)."""
     return {
         (section.workload, section.pressure): {
             run.policy: summarize(run) for run in section.runs if run.records
@@ -61,9 +64,13 @@ def _rows(report: BenchReport) -> dict[tuple[str, float], dict[str, PolicySummar
 def seed_ratios(reports: Sequence[BenchReport]) -> dict[tuple[str, float], list[SeedRatio]]:
     """Per section (workload, KV pressure): each policy's hit rate over kv's, per seed; only
     seeds whose run has kv with a hit rate count."""
+    return _ratios([(report.seed, _rows(report)) for report in reports])
+
+
+def _ratios(summaries: Sequence[tuple[int, _Rows]]) -> dict[tuple[str, float], list[SeedRatio]]:
     out: dict[tuple[str, float], dict[str, SeedRatio]] = {}
-    for report in reports:
-        for key, rows in _rows(report).items():
+    for seed, summary in summaries:
+        for key, rows in summary.items():
             reference = rows.get(_REFERENCE)
             if reference is None or not reference.hit_rate:
                 continue
@@ -72,8 +79,7 @@ def seed_ratios(reports: Sequence[BenchReport]) -> dict[tuple[str, float], list[
                 if policy == _REFERENCE:
                     continue
                 entry = section.setdefault(policy, SeedRatio(policy))
-                entry.seeds.append(report.seed)
-                entry.hit_rates.append(row.hit_rate)
+                entry.seeds.append(seed)
                 entry.ratios.append(row.hit_rate / reference.hit_rate)
     return {key: list(policies.values()) for key, policies in out.items()}
 
@@ -107,12 +113,13 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
         "```",
         "",
     ]
-    by_section = {key: rows for report in reports for key, rows in _rows(report).items()}
-    ratios = seed_ratios(reports)
-    for key in by_section:
+    summaries = [(report.seed, _rows(report)) for report in reports]
+    ratios = _ratios(summaries)
+    sections = dict.fromkeys(key for _, summary in summaries for key in summary)
+    for key in sections:
         workload, pressure = key
         lines += [f"## {workload} at KV pressure {pressure:.2f}", ""]
-        kv_rows = [(r.seed, _rows(r).get(key, {}).get(_REFERENCE)) for r in reports]
+        kv_rows = [(seed, summary.get(key, {}).get(_REFERENCE)) for seed, summary in summaries]
         kv_known = [(seed, row) for seed, row in kv_rows if row is not None]
         if kv_known:
             accuracies = [

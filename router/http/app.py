@@ -39,7 +39,6 @@ from router.http.keys import (
     PLANNER,
     PROXY,
     RELOADER,
-    SERVES_PROXY,
     SESSION,
     SUPERVISOR,
     TOKENIZER,
@@ -153,20 +152,25 @@ def _proxy_handler(endpoint: Endpoint) -> _Handler:
     return handle
 
 
-def _direct_routes(proxy: Proxy, metrics: RouterMetrics) -> dict[str, _Handler]:
+def _direct_routes(app: web.Application) -> dict[str, _Handler]:
     """The generation endpoints as the listener serves them without the app's router and
     middleware chain (`GuardedServer.direct`; 29 fewer Python calls per request): what the
-    chain does for these routes, the error answers and their count, is done here."""
+    chain does for these routes, the error answers and their count, is done here. The proxy
+    is the app's (it exists once the app's resources are open)."""
+    metrics = app[METRICS]
     routes: dict[str, _Handler] = {}
     for endpoint in Endpoint:
 
-        async def handle(request: web.Request, endpoint: Endpoint = endpoint) -> web.StreamResponse:
-            return await answer_errors(
-                request,
-                lambda request: proxy.handle(request, endpoint),
-                metrics,
-                lambda: endpoint.value,  # the route's template is the path itself
-            )
+        async def serve(request: web.Request, endpoint: Endpoint = endpoint) -> web.StreamResponse:
+            return await app[PROXY].handle(request, endpoint)
+
+        def label(path: str = endpoint.value) -> str:
+            return path  # the route's template is the path itself
+
+        async def handle(
+            request: web.Request, serve: _Handler = serve, label: Callable[[], str] = label
+        ) -> web.StreamResponse:
+            return await answer_errors(request, serve, metrics, label)
 
         routes[endpoint.value] = handle
     return routes
@@ -262,8 +266,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])
-        if app.get(SERVES_PROXY, False):
-            app[DIRECT_ROUTES] = _direct_routes(proxy, app[METRICS])
         # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
         app[RELOADER] = reloader = Reloader(
             live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher
@@ -323,7 +325,8 @@ def create_app(
     operations.install(app, config, tracer_provider)  # decision metrics, tracing
     for endpoint in Endpoint if proxy else ():
         app.router.add_post(endpoint.value, _proxy_handler(endpoint))
-    app[SERVES_PROXY] = proxy
+    if proxy:
+        app[DIRECT_ROUTES] = _direct_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)

@@ -37,7 +37,6 @@ __all__ = [
     "PLANNER",
     "PROXY",
     "RELOADER",
-    "SERVES_PROXY",
     "SESSION",
     "SUPERVISOR",
     "TOKENIZER",
@@ -57,7 +56,6 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 PLANNER = web.AppKey("planner", Planner)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)
-SERVES_PROXY = web.AppKey("serves_proxy", bool)  # the generation endpoints are routes
 # only when the config has a [cluster]: this replica's link to the others
 CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")
 PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning

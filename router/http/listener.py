@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
-# middlewares (`GuardedServer.direct`): the app sets it once its resources are open
+# middlewares (`GuardedServer.direct`), set when the app is made
 DIRECT_ROUTES: web.AppKey[dict[str, _Handler]] = web.AppKey("direct_routes")
 
 # aiohttp's own defaults, spelled out so docs/router.md can state them
@@ -347,7 +347,7 @@ class GuardedServer(web.Server):
         self._app_handler = self.request_handler
         self.request_handler = self._before_routing
         # POST handlers by exact path served past the app's router and middlewares (the
-        # generation endpoints, `RouterRunner` fills it once the app has started); a request
+        # generation endpoints, `RouterRunner` fills it from the app); a request
         # with an `Expect` goes the app's way, which answers 100-continue
         self.direct: dict[str, _Handler] = {}
 
@@ -425,6 +425,6 @@ class RouterRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = GuardedServer.adopt(await super()._make_server(), self._limits)
-        # the app has started (its resources are open): its direct routes exist now
+        # the app's direct routes (they reach its proxy once its resources are open)
         server.direct = self.app.get(DIRECT_ROUTES, {})
         return server
