@@ -298,12 +298,48 @@ def _role_main(argv: Sequence[str]) -> None:
 # ---------------------------------------------------------------- process management
 
 
-# helper process of each URL, for its CPU time (`_cpu_s`)
+# helper process of each URL, for its CPU time (`_cpu_s`); and processes that serve a URL
+# without being its process's descendants (a replica fleet's nats-server), counted with it
 _PIDS: dict[str, int] = {}
+_ALSO: dict[str, list[int]] = {}
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after the command name: state is field 3, utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (its children, theirs, ...)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
 
 
 def _cpu_s(url: str) -> float | None:
-    """CPU seconds (user + system) the process serving `url` has used; None if unknown.
+    """CPU seconds (user + system) the processes serving `url` have used; None if unknown.
+
+    The process started for `url` with all its descendants (`kvroute serve --processes N`'s
+    replicas are its children), and the processes `_ALSO` names for it. A descendant that
+    exits in between takes its time with it: the helpers here live for the whole run.
 
     On a shared machine throughput moves with everyone else's load; the CPU a process spends
     per request moves far less, so the operations rows are compared on it too.
@@ -311,12 +347,12 @@ def _cpu_s(url: str) -> float | None:
     pid = _PIDS.get(url)
     if pid is None:
         return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    own = _process_cpu_s(pid)
+    if own is None:
         return None
-    # after the command name: state is field 3, utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(
+        _process_cpu_s(other) or 0.0 for other in [*_descendants(pid), *_ALSO.get(url, [])]
+    )
 
 
 @contextlib.asynccontextmanager
@@ -510,8 +546,8 @@ async def _interleaved_throughput(
     per_round: int | None = None,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, float], dict[str, list[RoundResult]]]:
     """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
-    errors; CPU microseconds per request of each target's own process, where known (a
-    replica fleet's parent does no serving: not counted); and each round's own numbers, so
+    errors; CPU microseconds per request of each target's processes, where known (`_cpu_s`);
+    and each round's own numbers, so
     targets can be compared round by round (`paired_cost`)."""
     if per_round is None:
         per_round = max(1, args.throughput_requests // rounds)
@@ -524,7 +560,7 @@ async def _interleaved_throughput(
     by_round: dict[str, list[RoundResult]] = {name: [] for name in targets}
     for _ in range(rounds):
         for name, url in targets.items():
-            before = None if "--processes" in name else _cpu_s(url)
+            before = _cpu_s(url)
             count, seconds, failed = await _run_load(
                 url, per_round, args.concurrency, args.deadline_s, request
             )
@@ -715,9 +751,12 @@ async def _other_targets(
         replicated.write_text(
             base_text + f'[cluster]\nurl = "{nats.url}"\nsnapshot_interval_s = 0\n'
         )
-        targets[f"kvroute --processes {args.processes}"] = await stack.enter_async_context(
+        replicas = await stack.enter_async_context(
             _process(*_router_cmd(replicated), "--processes", str(args.processes))
         )
+        if nats.pid is not None:  # the replicas' decisions go through it: its CPU is theirs
+            _ALSO[replicas] = [nats.pid]
+        targets[f"kvroute --processes {args.processes}"] = replicas
     targets["bare aiohttp forwarder"] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
     )
@@ -739,14 +778,18 @@ async def _other_targets(
         return
     try:
         targets["sglang-router"] = await stack.enter_async_context(
-            launch(sglang_python, [backend], policy="round_robin")
+            launch(sglang_python, [backend], policy="round_robin", pids=_PIDS)
         )
     except (RuntimeError, OSError) as exc:
         notes.append(f"sglang-router not measured: {exc}")
 
 
-def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
-    """The ratios of `_other_targets`' rows."""
+def _other_notes(
+    args: argparse.Namespace, rates: dict[str, float], cpu_us: dict[str, float] | None = None
+) -> list[str]:
+    """The ratios of `_other_targets`' rows (of throughput, and of CPU per request where
+    `cpu_us` has both)."""
+    cpu_us = cpu_us or {}
     # the forwarder runs on asyncio's loop: held against the router on the same loop
     same_loop = _ASYNCIO if _ASYNCIO in rates else "kvroute"
     notes = [
@@ -795,6 +838,13 @@ def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]
                 f"{many} / sglang-router throughput ratio: "
                 f"{rates[many] / rates['sglang-router']:.2f}"
             )
+        if many in cpu_us:
+            alone = cpu_us.get("kvroute")
+            notes.append(
+                f"{many}: its CPU per request counts its parent, its {args.processes} replicas "
+                f"and their nats-server: {cpu_us[many]:.0f} us"
+                + ("" if alone is None else f", against {alone:.0f} us for one process alone")
+            )
     if "sglang-router" in rates:
         sglang_python, where = args.sglang_router_found
         notes.append(
@@ -804,6 +854,14 @@ def _other_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]
         )
         ratio = rates["kvroute"] / rates["sglang-router"]
         notes.append(f"kvroute / sglang-router throughput ratio: {ratio:.2f}")
+        if "sglang-router" in cpu_us and "kvroute" in cpu_us:
+            mine, theirs = cpu_us["kvroute"], cpu_us["sglang-router"]
+            notes.append(
+                f"CPU per request: kvroute {mine:.0f} us, sglang-router {theirs:.0f} us "
+                f"({mine / theirs:.1f}x);"
+                " on a machine whose cores the load generator and the backend share, the "
+                "router that spends less leaves them more"
+            )
     return notes
 
 
@@ -850,7 +908,7 @@ async def _run(args: argparse.Namespace) -> str:
                 if args.ops_rounds > 0:
                     ops_lines = await _ops_cost(args, ops_targets)
                 if not args.ops_only:
-                    notes += _other_notes(args, section.rates)
+                    notes += _other_notes(args, section.rates, section.cpu_us)
             if not args.skip_clients and not args.ops_only:
                 names = {"upstream": "kvroute's upstream", "aiohttp": "aiohttp's", "httpx": "httpx"}
                 async with contextlib.AsyncExitStack() as forwarders:

@@ -225,8 +225,11 @@ async def launch(
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 60.0,
     pd_args: Sequence[str] | None = None,
+    pids: dict[str, int] | None = None,
 ) -> AsyncIterator[str]:
     """sglang-router with `policy` in front of `workers`; yields its URL once all are registered.
+
+    With `pids`, its process id is put there under its URL while it runs (for its CPU time).
 
     With `pd_args` (`--pd-disaggregation --prefill URL PORT ... --decode URL ...`) it runs in
     its prefill/decode mode over those workers, `policy` choosing the prefill side.
@@ -264,6 +267,8 @@ async def launch(
                 raise SglangRouterError(f"{exc}: {_tail(log)}") from exc
             finally:
                 server_log.setLevel(level)
+            if pids is not None:
+                pids[url] = proc.pid
             yield url
         finally:
             with contextlib.suppress(ProcessLookupError):

@@ -72,6 +72,11 @@ class NatsServer:
         """The client URL."""
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (the benchmarks read its CPU time)."""
+        return None if self._proc is None else self._proc.pid
+
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start the server and wait until it accepts clients."""
         if self._proc is not None:
