@@ -547,8 +547,7 @@ async def _interleaved_throughput(
 ) -> tuple[dict[str, float], dict[str, int], dict[str, float], dict[str, list[RoundResult]]]:
     """Requests/s per target: warm-up, then `rounds` interleaved rounds (drift hits all alike);
     errors; CPU microseconds per request of each target's processes, where known (`_cpu_s`);
-    and each round's own numbers, so
-    targets can be compared round by round (`paired_cost`)."""
+    and each round's own numbers, so targets can be compared round by round (`paired_cost`)."""
     if per_round is None:
         per_round = max(1, args.throughput_requests // rounds)
     for url in targets.values():  # warm-up: every connection of both hops opened once

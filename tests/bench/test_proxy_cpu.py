@@ -67,19 +67,27 @@ def test_a_targets_cpu_counts_the_children_of_its_process(
 def test_a_process_named_beside_a_target_is_counted_with_it(
     parent: tuple[subprocess.Popen[str], int],
 ) -> None:
-    proc, child = parent
-    # the burner's parent stands for the target; the burner, named beside it, for nats-server
-    _PIDS["http://tree"] = child
-    _burned(child, 0.3)
-    alone = _cpu_s("http://tree")
-    _ALSO["http://tree"] = [proc.pid]
-    assert alone is not None
-    both = _cpu_s("http://tree")
-    assert both is not None and both >= alone
-    # a pid that is gone counts nothing and breaks nothing
-    _ALSO["http://tree"] = [proc.pid, 2**22 + 12345]
-    assert (_cpu_s("http://tree") or 0.0) >= alone
-    assert _cpu_s("http://nobody") is None
+    _, burner = parent
+    # an idle process, not the burner's parent, stands for the target; the burner, named
+    # beside it, for its nats-server
+    idle = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    assert idle.stdin is not None
+    try:
+        _PIDS["http://tree"] = idle.pid
+        _burned(burner, 0.3)
+        alone = _cpu_s("http://tree")
+        assert alone is not None and alone < 0.3
+        _ALSO["http://tree"] = [burner]
+        assert (_cpu_s("http://tree") or 0.0) >= 0.3
+        # a pid that is gone counts nothing and breaks nothing
+        _ALSO["http://tree"] = [burner, 2**22 + 12345]
+        assert (_cpu_s("http://tree") or 0.0) >= 0.3
+        assert _cpu_s("http://nobody") is None
+    finally:
+        idle.stdin.close()
+        idle.wait(10)
 
 
 def _args() -> argparse.Namespace:
