@@ -28,6 +28,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.http.decisions import Decision, DecisionStats
+from router.http.spans import SpanMaker, TraceSpan
 from router.http.tracing import PARSE_CONTEXT, Tracing
 from router.http.usage import StreamTail, cached_tokens
 from router.prompt.request import Endpoint
@@ -35,7 +36,7 @@ from router.routing.planner import Plan
 from router.routing.policy import Candidate
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, Status
+    from opentelemetry.trace import Status
 
 __all__ = [
     "OBSERVATION",
@@ -94,6 +95,7 @@ class Observation:
         "_phase_span",
         "_request_ctx",
         "_request_span",
+        "_spans",
         "_tail",
         "_traceparent",
         "_upstream_span",
@@ -117,33 +119,45 @@ class Observation:
         REQUEST_ID.set(self.request_id)  # the handler's own task: no reset needed
         self._decision: Decision | None = None
         self._tail: StreamTail | None = None
-        self._request_span: Span | None = None
+        self._request_span: TraceSpan | None = None
         self._request_ctx: Any = None
-        self._phase_span: Span | None = None
-        self._upstream_span: Span | None = None
+        self._phase_span: TraceSpan | None = None
+        self._upstream_span: TraceSpan | None = None
+        # who makes this request's spans: the SDK, or kvroute's recorder for a new trace it
+        # keeps (`router.http.spans`); None without tracing or for a dropped new trace
+        self._spans: SpanMaker | None = None
         # a new trace the sample ratio dropped: the worker's header, and no span at all
         self._traceparent: str | None = None
         tracing = observer.tracing
         if tracing is not None:
-            self._traceparent = tracing.dropped_root(request.headers)
-        if tracing is not None and self._traceparent is None:  # the SDK's way
+            self._start_trace(tracing, request)
+
+    def _start_trace(self, tracing: Tracing, request: web.Request) -> None:
+        name = f"{request.method} {self.endpoint}"
+        attributes = {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "kvroute.endpoint": self.endpoint,
+            "kvroute.request_id": self.request_id,
+        }
+        trace_id = tracing.new_trace(request.headers)
+        span: TraceSpan
+        if trace_id is not None and not tracing.kept(trace_id):
+            self._traceparent = tracing.dropped_traceparent(trace_id)
+            return
+        recorder = tracing.recorder
+        if trace_id is not None and recorder is not None:
+            span = recorder.root(trace_id, name, tracing.server_kind, attributes)
+            self._spans = recorder
+        else:  # the SDK's way: the client's context, the SDK's sampler
             parent = tracing.propagator.extract(request.headers)
-            span = tracing.tracer.start_span(
-                f"{request.method} {self.endpoint}",
-                context=parent,
-                kind=tracing.server_kind,
-                attributes={
-                    "http.request.method": request.method,
-                    "url.path": request.path,
-                    "kvroute.endpoint": self.endpoint,
-                    "kvroute.request_id": self.request_id,
-                },
-            )
-            # sampled out: no child spans either (they would cost), but the decision still goes
-            # to the worker (`outgoing`), so it does not record what this trace dropped
-            self._request_ctx = tracing.in_context(span)
-            if span.is_recording():
-                self._request_span = span
+            span = tracing.spans.start(name, parent, tracing.server_kind, attributes)
+            self._spans = tracing.spans
+        # sampled out: no child spans either (they would cost), but the decision still goes
+        # to the worker (`outgoing`), so it does not record what this trace dropped
+        self._request_ctx = self._spans.context_of(span)
+        if span.is_recording():
+            self._request_span = span
 
     # ---------------------------------------------------------------- phases
 
@@ -155,11 +169,11 @@ class Observation:
 
     @contextlib.contextmanager
     def _span_phase(self, name: str) -> Iterator[object]:
-        tracing = self._observer.tracing
-        assert tracing is not None
-        span = tracing.tracer.start_span(name, context=self._request_ctx)
+        tracing, spans = self._observer.tracing, self._spans
+        assert tracing is not None and spans is not None  # a request span was made
+        span = spans.start(name, self._request_ctx)
         self._phase_span = span
-        token = PARSE_CONTEXT.set(tracing.in_context(span)) if name == "parse" else None
+        token = PARSE_CONTEXT.set((spans, spans.context_of(span))) if name == "parse" else None
         try:
             yield span
         except Exception as exc:
@@ -205,14 +219,14 @@ class Observation:
         self._decision = decision
         if self._request_span is None:
             return
-        tracing = self._observer.tracing
-        assert tracing is not None
+        tracing, spans = self._observer.tracing, self._spans
+        assert tracing is not None and spans is not None  # a request span was made
         self._end_upstream(None)
         attributes = _target_attributes(candidate)
         attributes["server.address"] = candidate.url
         attributes["kvroute.attempt"] = attempt
-        self._upstream_span = tracing.tracer.start_span(
-            "upstream", context=self._request_ctx, kind=tracing.client_kind, attributes=attributes
+        self._upstream_span = spans.start(
+            "upstream", self._request_ctx, tracing.client_kind, attributes
         )
 
     def outgoing(self, headers: CIMultiDict[str]) -> None:
@@ -222,14 +236,14 @@ class Observation:
         if self._traceparent is not None:
             headers["traceparent"] = self._traceparent  # the client sent no trace context
             return
-        tracing = self._observer.tracing
-        if tracing is None:
+        spans = self._spans
+        if spans is None:
             return
         span = self._upstream_span
         # not sampled (or no attempt span, a pair's decode hop): the request's own context
-        context = tracing.in_context(span) if span is not None else self._request_ctx
+        context = spans.context_of(span) if span is not None else self._request_ctx
         carrier: dict[str, str] = {}
-        tracing.propagator.inject(carrier, context=context)
+        spans.inject(carrier, context)
         for name, value in carrier.items():
             headers[name] = value  # replaces the client's: the worker's parent is ours
 

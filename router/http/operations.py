@@ -83,7 +83,7 @@ def proxy_tokenizer(app: web.Application) -> PromptTokenizer:
     """The proxy's tokenizer: traced (`tokenize` spans) when tracing is on."""
     tracing = app.get(TRACING)
     tokenizer = app[TOKENIZER]
-    return tokenizer if tracing is None else TracedTokenizer(tokenizer, tracing.tracer)
+    return tokenizer if tracing is None else TracedTokenizer(tokenizer)
 
 
 def start(app: web.Application, indexer: IndexerService, load: LoadTracker) -> Observer:

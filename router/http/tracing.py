@@ -11,10 +11,14 @@ the OTLP endpoint (`OTEL_EXPORTER_OTLP_*`, read by the exporter itself) and the 
 A new trace that the sample ratio drops costs no OpenTelemetry object: when kvroute made the
 sampler (no `OTEL_TRACES_SAMPLER`) and the propagators are W3C's (the default), kvroute draws
 the trace id and decides on it as the SDK's `TraceIdRatioBased` does (its low 64 bits below
-ratio x 2^64), and sends the worker a `traceparent` with the sampled flag off; only the traces
-it keeps reach the SDK, whose sampler then records every root and follows a parent's flag. A
-request that carries a trace context always goes the SDK's way. (The SDK's span machinery
-costs a dropped request about 80 Python calls: at a 1% ratio that was most of tracing's cost.)
+ratio x 2^64), and sends the worker a `traceparent` with the sampled flag off. The traces it
+keeps are recorded by kvroute too (`router.http.spans.SpanRecorder`): plain objects that become
+the SDK's `ReadableSpan` when they end, handed to the processors kvroute made, so the exporters
+see what the SDK's own spans would give them. The SDK's sampler (`ParentBased(ALWAYS_ON)`: a new
+trace reaching it is one kvroute kept) and spans serve every request that carries a trace
+context, and every request when the sampler, the propagators or the provider are not
+kvroute's. (The SDK's span machinery costs a dropped request about 80 Python calls, and a kept
+one about 27 us a span.)
 
 One span per request (SERVER, continuing the client's `traceparent`), children `parse` (with
 `tokenize` inside it: tokenizing is part of reading the request), `route` and one `upstream`
@@ -36,13 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 from router.config import TracingConfig
 from router.errors import ConfigError
+from router.http.spans import SdkSpans, SpanMaker, SpanRecorder
 from router.prompt.tokenizer import PromptTokenizer
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.trace import Span, Status, Tracer, TracerProvider
+    from opentelemetry.trace import Status, Tracer, TracerProvider
 
     from router.prompt.conventions import ChatOptions
 
@@ -50,9 +56,10 @@ __all__ = ["TracedTokenizer", "Tracing", "build_tracing", "tracing_wanted", "w3c
 
 log = logging.getLogger(__name__)
 
-# the span of the request being parsed, for the tokenizer (called deep inside the parser) to
-# hang its span under; set by the `parse` phase in the handler's own task
-PARSE_CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+# the span maker and the `parse` span's handle of the request being parsed, for the tokenizer
+# (called deep inside the parser) to hang its span under; set by the `parse` phase in the
+# handler's own task
+PARSE_CONTEXT: contextvars.ContextVar[tuple[SpanMaker, Any] | None] = contextvars.ContextVar(
     "kvroute_parse_context", default=None
 )
 # the in-memory exporter keeps the newest this many spans (it is for tests and benchmarks)
@@ -94,6 +101,7 @@ class Tracing:
         owned: bool,
         memory: InMemorySpanExporter | None = None,
         root_ratio: float | None = None,
+        recorder: SpanRecorder | None = None,
     ) -> None:
         from opentelemetry import trace
         from opentelemetry.propagate import get_global_textmap
@@ -105,13 +113,17 @@ class Tracing:
         self._owned = owned
         # what a request's spans need of the API, looked up once: `from opentelemetry import
         # trace` in the request path costs microseconds per call (a namespace package)
-        self.in_context: Callable[[Span], Context] = trace.set_span_in_context
         self.server_kind = trace.SpanKind.SERVER
         self.client_kind = trace.SpanKind.CLIENT
+        self.spans = SdkSpans(
+            self.tracer, self.propagator, trace.set_span_in_context, trace.SpanKind.INTERNAL
+        )
+        # the kept new traces' spans, when kvroute made the provider and its processors
+        self.recorder = recorder
         self._status = trace.Status
         self._error = trace.StatusCode.ERROR
         self._fields = tuple(sorted(self.propagator.fields))
-        # new traces are decided here (`dropped_root`) at `root_ratio`, given only when
+        # new traces are decided here (`new_trace`, `kept`) at `root_ratio`, given only when
         # kvroute made the sampler to record every root it is handed and the propagators are
         # W3C's (`build_tracing`); None: the SDK decides every span
         self._root_bound = None if root_ratio is None else round(root_ratio * (_LOW_64 + 1))
@@ -121,20 +133,27 @@ class Tracing:
         """Whether kvroute makes the sampling decision of new traces itself."""
         return self._root_bound is not None
 
-    def dropped_root(self, headers: Mapping[str, str]) -> str | None:
-        """The `traceparent` to send the worker for a request that starts a new trace which
-        the sample ratio drops: a random trace and span id, not sampled. None when the SDK
-        decides instead: the request carries a trace context, the trace is kept, or kvroute
-        does not make the decision (`decides_roots`)."""
-        bound = self._root_bound
-        if bound is None:
+    def new_trace(self, headers: Mapping[str, str]) -> int | None:
+        """The id (nonzero) of the new trace a request with these `headers` starts, when
+        kvroute decides on it (`kept`); None when the SDK decides instead: the request carries
+        a trace context, or kvroute does not make the decision (`decides_roots`)."""
+        if self._root_bound is None:
             return None
         for field in self._fields:
             if field in headers:
                 return None
-        trace_id = getrandbits(128)
-        if not trace_id or trace_id & _LOW_64 < bound:
-            return None  # kept (or the one invalid id): the SDK makes the span and its ids
+        return getrandbits(128) or 1
+
+    def kept(self, trace_id: int) -> bool:
+        """Whether the sample ratio keeps the new trace `trace_id`: as the SDK's
+        `TraceIdRatioBased`, its low 64 bits below ratio x 2^64."""
+        bound = self._root_bound
+        return bound is not None and trace_id & _LOW_64 < bound
+
+    @staticmethod
+    def dropped_traceparent(trace_id: int) -> str:
+        """The `traceparent` to send the worker for the dropped new trace `trace_id`: a random
+        span id, not sampled (so the worker does not record what this trace dropped)."""
         return f"00-{trace_id:032x}-{getrandbits(64) or 1:016x}-{_DROPPED_FLAGS}"
 
     def error(self, description: str) -> Status:
@@ -165,7 +184,6 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
             BatchSpanProcessor,
             ConsoleSpanExporter,
             SimpleSpanProcessor,
-            SpanExporter,
         )
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     except ImportError as exc:
@@ -192,6 +210,11 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     provider_sdk = SdkProvider(resource=resource, sampler=sampler)
     memory = None
     exporter: SpanExporter
+    processors: list[SpanProcessor] = []
+    # where the recorder's spans go: each processor's `on_end`, or for the in-memory exporter
+    # its `export`: the SDK's simple processor around it would add two context switches a span
+    # (to keep an exporter's own calls out of traces, which a list append does not make)
+    deliveries: list[Callable[[ReadableSpan], object]] = []
     if exporter_name == "memory":
         # the newest spans only: a benchmark's long run stays bounded
         try:
@@ -200,9 +223,10 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
             log.warning("this OpenTelemetry SDK keeps every span in memory: for tests only")
             memory = exporter = InMemorySpanExporter()
         # synchronous: the in-memory export is a list append, a thread would only add switches
-        provider_sdk.add_span_processor(SimpleSpanProcessor(exporter))
+        processors.append(SimpleSpanProcessor(exporter))
+        deliveries.append(_exports_to(exporter))
     elif exporter_name == "console":
-        provider_sdk.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
     elif exporter_name == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -210,14 +234,30 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
             raise ConfigError(
                 "tracing.exporter = 'otlp' needs pip install opentelemetry-exporter-otlp-proto-http"
             ) from None
-        provider_sdk.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        processors.append(BatchSpanProcessor(OTLPSpanExporter()))
     elif exporter_name != "none":
         raise ConfigError(
             f"tracing.exporter (or OTEL_TRACES_EXPORTER) = {exporter_name!r}: "
             "use otlp, console, memory or none"
         )
+    for processor in processors:
+        provider_sdk.add_span_processor(processor)
+        if not isinstance(processor, SimpleSpanProcessor):
+            deliveries.append(processor.on_end)
+    # the new traces kvroute keeps are recorded without the SDK's spans, to the same exporters
+    # (`router.http.spans`)
+    recorder = SpanRecorder(resource, deliveries) if root_ratio is not None else None
     log.info("tracing on: exporter %s", exporter_name)
-    return Tracing(provider_sdk, owned=True, memory=memory, root_ratio=root_ratio)
+    return Tracing(
+        provider_sdk, owned=True, memory=memory, root_ratio=root_ratio, recorder=recorder
+    )
+
+
+def _exports_to(exporter: SpanExporter) -> Callable[[ReadableSpan], object]:
+    def export(span: ReadableSpan) -> object:
+        return exporter.export((span,))
+
+    return export
 
 
 def w3c_propagation(fields: Iterable[str]) -> bool:
@@ -230,17 +270,17 @@ def w3c_propagation(fields: Iterable[str]) -> bool:
 class TracedTokenizer(PromptTokenizer):
     """A tokenizer whose calls are `tokenize` spans under the request being parsed."""
 
-    def __init__(self, inner: PromptTokenizer, tracer: Tracer) -> None:
+    def __init__(self, inner: PromptTokenizer) -> None:
         super().__init__(inner._encoder, inner.name, inner.template, inner.offload)
         self._inner = inner
-        self._tracer = tracer
 
     def text(self, text: str) -> list[int]:
         """`PromptTokenizer.text`, traced."""
-        parent = PARSE_CONTEXT.get()
-        if parent is None:
+        parsing = PARSE_CONTEXT.get()
+        if parsing is None:
             return self._inner.text(text)
-        span = self._tracer.start_span("tokenize", context=parent)
+        spans, parent = parsing
+        span = spans.start("tokenize", parent)
         try:
             tokens = self._inner.text(text)
             span.set_attribute("kvroute.prompt_tokens", len(tokens))
@@ -250,10 +290,11 @@ class TracedTokenizer(PromptTokenizer):
 
     def chat(self, messages: Sequence[object], options: ChatOptions | None = None) -> list[int]:
         """`PromptTokenizer.chat`, traced."""
-        parent = PARSE_CONTEXT.get()
-        if parent is None:
+        parsing = PARSE_CONTEXT.get()
+        if parsing is None:
             return self._inner.chat(messages, options)
-        span = self._tracer.start_span("tokenize", context=parent)
+        spans, parent = parsing
+        span = spans.start("tokenize", parent)
         try:
             tokens = self._inner.chat(messages, options)
             span.set_attribute("kvroute.prompt_tokens", len(tokens))

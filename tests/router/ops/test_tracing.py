@@ -9,19 +9,23 @@ sample ratio drops decided without the SDK, and every other decision left to it.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.propagate import get_global_textmap, set_global_textmap
 from opentelemetry.propagators.textmap import TextMapPropagator
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider, export
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -51,6 +55,7 @@ _ANSWER = msgspec.json.encode(
         "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
     }
 )
+CLIENT_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736  # a client's trace id
 # version, trace id, parent span id, flags (sampled, and the SDK's "random trace id" bit)
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 OTEL_VARS = (
@@ -134,11 +139,55 @@ async def backend() -> AsyncIterator[Backend]:
         yield b
 
 
+class Traced(NamedTuple):
+    router: RouterService
+    exporter: InMemorySpanExporter  # where the router's spans end up
+    way: str
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def spans(self) -> tuple[ReadableSpan, ...]:
+        """The finished spans, checked to be made the way under test."""
+        spans = self.exporter.get_finished_spans()
+        for span in spans:
+            # the SDK's spans hand their bounded attributes on; kvroute's recorder a plain
+            # dict (the public `attributes` is a read-only view of either)
+            made_by_sdk = isinstance(span._attributes, BoundedAttributes)
+            client_trace = span.context is not None and span.context.trace_id == CLIENT_TRACE
+            assert made_by_sdk is (self.way == "sdk" or client_trace), (self.way, span.name)
+        return spans
+
+
+@contextlib.asynccontextmanager
+async def _traced_router(
+    way: str, config: RouterConfig, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> AsyncIterator[Traced]:
+    """A router tracing with a provider handed in (`sdk`: the SDK makes every span), or with
+    the one kvroute makes from the config (`recorder`: new traces are recorded by kvroute)."""
+    if way == "sdk":
+        async with RouterService(config, tracer_provider=provider) as router:
+            yield Traced(router, exporter, way)
+        return
+    tracing = TracingConfig(enabled=True, exporter="memory")
+    async with RouterService(msgspec.structs.replace(config, tracing=tracing)) as router:
+        made = router.app[TRACING]
+        assert made.recorder is not None and made.memory is not None
+        yield Traced(router, made.memory, way)
+
+
+@pytest.fixture(params=["sdk", "recorder"])
+def way(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def traced(provider: TracerProvider, backend: Backend) -> AsyncIterator[RouterService]:
-    config = _config((_worker("b0", backend),))
-    async with RouterService(config, tracer_provider=provider) as router:
-        yield router
+async def traced(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
+) -> AsyncIterator[Traced]:
+    async with _traced_router(way, _config((_worker("b0", backend),)), provider, exporter) as t:
+        yield t
 
 
 @pytest.fixture
@@ -185,11 +234,11 @@ def _no_salt(spans: tuple[ReadableSpan, ...]) -> None:
 
 
 async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
-    traced: RouterService, backend: Backend, exporter: InMemorySpanExporter
+    traced: Traced, backend: Backend
 ) -> None:
     resp = await _post(traced.url, CHAT, {"x-request-id": "client-req-1"})
     assert resp.status == 200
-    spans = exporter.get_finished_spans()
+    spans = traced.spans()
     named = _by_name(spans)
     assert set(named) == {"POST /v1/chat/completions", "parse", "tokenize", "route", "upstream"}
     root = named["POST /v1/chat/completions"]
@@ -220,6 +269,13 @@ async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
     assert (named["upstream"].attributes or {})["http.response.status_code"] == 200
     assert (root.attributes or {})["kvroute.request_id"] == "client-req-1"
     assert (root.attributes or {})["kvroute.model"] == "m"
+    assert all(s.status.status_code is StatusCode.UNSET for s in spans)
+    assert all(s.resource.attributes["service.name"] for s in spans)
+    assert {s.instrumentation_scope.name for s in spans if s.instrumentation_scope} == {"kvroute"}
+    for span in spans:  # each ends after it starts, inside its parent
+        assert span.start_time is not None and span.end_time is not None
+        assert span.start_time <= span.end_time
+        assert root.start_time <= span.start_time and span.end_time <= root.end_time  # type: ignore[operator]
     _no_salt(spans)
 
     # the worker's parent is the upstream span, in the request's trace
@@ -236,13 +292,13 @@ async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
 
 
 async def test_a_client_trace_is_continued_and_its_sampling_followed(
-    traced: RouterService, backend: Backend, exporter: InMemorySpanExporter
+    traced: Traced, backend: Backend
 ) -> None:
-    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    client_trace, client_span = f"{CLIENT_TRACE:032x}", "00f067aa0ba902b7"
     sampled = f"00-{client_trace}-{client_span}-01"
     resp = await _post(traced.url, CHAT, {"traceparent": sampled})
     assert resp.status == 200
-    root = _by_name(exporter.get_finished_spans())["POST /v1/chat/completions"]
+    root = _by_name(traced.spans())["POST /v1/chat/completions"]
     assert root.context is not None and root.parent is not None
     assert root.context.trace_id == int(client_trace, 16)
     assert root.parent.span_id == int(client_span, 16) and root.parent.is_remote
@@ -251,18 +307,38 @@ async def test_a_client_trace_is_continued_and_its_sampling_followed(
     assert found.group(2) != client_span  # the router's upstream span, not the client's
 
     # a trace the client did not sample: no spans, and the worker is told "not sampled"
-    exporter.clear()
+    traced.exporter.clear()
     unsampled = f"00-{client_trace}-{client_span}-00"
     resp = await _post(traced.url, CHAT, {"traceparent": unsampled})
     assert resp.status == 200
-    assert exporter.get_finished_spans() == ()
+    assert traced.spans() == ()
     found = TRACEPARENT.match(backend.seen[-1]["traceparent"])
     assert found is not None and found.group(1) == client_trace
     assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
 
 
+async def test_a_bad_request_is_an_error_with_its_exception_on_the_parse_span(
+    traced: Traced, backend: Backend
+) -> None:
+    resp = await _post(traced.url, {"model": "m", "messages": "not a list"})
+    assert resp.status == 400
+    named = _by_name(traced.spans())
+    assert set(named) == {"POST /v1/chat/completions", "parse"}  # no route, no upstream
+    parse, root = named["parse"], named["POST /v1/chat/completions"]
+    assert parse.status.status_code is StatusCode.ERROR
+    (event,) = parse.events
+    attrs = event.attributes or {}
+    assert event.name == "exception"
+    assert str(attrs["exception.type"]).endswith("RequestError")
+    assert "messages" in str(attrs["exception.message"])
+    assert "Traceback" in str(attrs["exception.stacktrace"])
+    assert root.status.status_code is StatusCode.ERROR
+    assert (root.attributes or {})["error.type"] == "RequestError"
+    assert not backend.seen  # it never left the router
+
+
 async def test_a_retry_is_a_failed_upstream_span_then_another(
-    provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
 ) -> None:
     async with Backend(status=503) as failing:
         # round robin: the first request goes to the first worker, the failing one
@@ -270,16 +346,18 @@ async def test_a_retry_is_a_failed_upstream_span_then_another(
             (_worker("bad", failing), _worker("b0", backend)),
             policy=PolicyConfig(name="round_robin"),
         )
-        async with RouterService(config, tracer_provider=provider) as router:
-            resp = await _post(router.url, CHAT)
+        async with _traced_router(way, config, provider, exporter) as traced:
+            resp = await _post(traced.url, CHAT)
+            spans = traced.spans()
     assert resp.status == 200 and resp.headers["x-kvroute-worker"] == "b0"
-    spans = exporter.get_finished_spans()
     upstream = sorted(
         (s for s in spans if s.name == "upstream"),
         key=lambda s: _count(s, "kvroute.attempt"),
     )
     assert [(s.attributes or {})["kvroute.worker"] for s in upstream] == ["bad", "b0"]
     assert upstream[0].status.status_code is StatusCode.ERROR
+    assert upstream[0].status.description == "HTTP 503"
+    assert (upstream[0].attributes or {})["error.type"] == "HTTP 503"
     assert upstream[1].status.status_code is not StatusCode.ERROR
     # each worker was told its own attempt's span, in the one trace
     ids = [TRACEPARENT.match(b.seen[-1]["traceparent"]) for b in (failing, backend)]
@@ -316,7 +394,7 @@ async def test_dp_rank_and_matched_tokens_from_a_reference_worker(
 
 
 async def test_request_ids_are_made_when_missing_and_put_on_log_lines(
-    traced: RouterService,
+    traced: Traced,
     backend: Backend,
     log_request_ids: None,
     caplog: pytest.LogCaptureFixture,
@@ -361,6 +439,44 @@ async def test_the_config_file_turns_tracing_on(backend: Backend) -> None:
     assert {s.name for s in spans} >= {"POST /v1/chat/completions", "upstream"}
     assert spans[0].resource.attributes["service.name"] == "edge-router"
     assert "traceparent" in backend.seen[-1]
+
+
+async def test_recorded_spans_reach_a_batch_exporter_whole(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the console exporter behind the SDK's batch processor (its thread, its JSON encoding):
+    # the recorder's spans go through the same processor the SDK's would. The exporter writes
+    # to the stdout of when its module was imported (a default argument), so the test has it
+    # write to a buffer instead
+    written = io.StringIO()
+
+    class Console(export.ConsoleSpanExporter):
+        def __init__(self) -> None:
+            super().__init__(out=written)
+
+    monkeypatch.setattr(export, "ConsoleSpanExporter", Console)
+    tracing = TracingConfig(enabled=True, exporter="console")
+    config = _config((_worker("b0", backend),), tracing=tracing)
+    async with RouterService(config) as router:
+        assert router.app[TRACING].recorder is not None
+        assert (await _post(router.url, CHAT)).status == 200
+    out = written.getvalue()  # the router's exit flushed the batch
+    decoder, spans, at = json.JSONDecoder(), [], 0
+    while out[at:].strip():
+        span, at = decoder.raw_decode(out, at + len(out[at:]) - len(out[at:].lstrip()))
+        spans.append(span)
+    by_name = {span["name"]: span for span in spans}
+    assert set(by_name) == {"POST /v1/chat/completions", "parse", "tokenize", "route", "upstream"}
+    root = by_name["POST /v1/chat/completions"]
+    assert root["parent_id"] is None and root["kind"] == "SpanKind.SERVER"
+    assert root["resource"]["attributes"]["service.name"] == "kvroute"
+    assert root["attributes"]["kvroute.worker"] == "b0"
+    assert by_name["upstream"]["parent_id"] == root["context"]["span_id"]
+    assert by_name["tokenize"]["parent_id"] == by_name["parse"]["context"]["span_id"]
+    found = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+    assert found is not None
+    assert {span["context"]["trace_id"] for span in spans} == {"0x" + found.group(1)}
+    assert by_name["upstream"]["context"]["span_id"] == "0x" + found.group(2)
 
 
 async def test_otel_variables_turn_tracing_on_and_off(
@@ -439,7 +555,12 @@ async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
 
 
 def _kept(tracing: Tracing, draws: int) -> int:
-    return sum(1 for _ in range(draws) if tracing.dropped_root({}) is None)
+    kept = 0
+    for _ in range(draws):
+        trace_id = tracing.new_trace({})
+        assert trace_id is not None and trace_id != 0
+        kept += tracing.kept(trace_id)
+    return kept
 
 
 def test_the_ratio_keeps_its_share_of_new_traces(provider: TracerProvider) -> None:
@@ -449,8 +570,8 @@ def test_the_ratio_keeps_its_share_of_new_traces(provider: TracerProvider) -> No
     assert 800 <= _kept(Tracing(provider, owned=False, root_ratio=0.25), 4000) <= 1200
     # a request with a trace context of its own always goes the SDK's way
     dropping = Tracing(provider, owned=False, root_ratio=0.0)
-    assert dropping.dropped_root({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-00"}) is None
-    assert dropping.dropped_root({"baggage": "tenant=a"}) is None
+    assert dropping.new_trace({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-00"}) is None
+    assert dropping.new_trace({"baggage": "tenant=a"}) is None
     # a provider handed in keeps its own sampler for everything
     assert not Tracing(provider, owned=False).decides_roots
 
@@ -479,7 +600,7 @@ def test_other_propagators_leave_every_decision_to_the_sdk() -> None:
     try:
         tracing = build_tracing(TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0))
         assert tracing is not None and not tracing.decides_roots
-        assert tracing.dropped_root({}) is None
+        assert tracing.new_trace({}) is None
         span = tracing.tracer.start_span("root")  # the SDK's ratio sampler drops it
         assert not span.is_recording()
         tracing.shutdown()
