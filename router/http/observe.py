@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -165,26 +165,27 @@ class Observation:
         """A child span around one step (`parse`, `route`); nothing without tracing."""
         if self._request_span is None:
             return _NO_PHASE
-        return self._span_phase(name)
-
-    @contextlib.contextmanager
-    def _span_phase(self, name: str) -> Iterator[object]:
-        tracing, spans = self._observer.tracing, self._spans
-        assert tracing is not None and spans is not None  # a request span was made
-        span = spans.start(name, self._request_ctx)
-        self._phase_span = span
+        spans = self._spans
+        assert spans is not None  # a request span was made
+        span = self._phase_span = spans.start(name, self._request_ctx)
         token = PARSE_CONTEXT.set((spans, spans.context_of(span))) if name == "parse" else None
-        try:
-            yield span
-        except Exception as exc:
-            span.record_exception(exc)
-            span.set_status(tracing.error(type(exc).__name__))
-            raise
-        finally:
-            if token is not None:
-                PARSE_CONTEXT.reset(token)
-            self._phase_span = None
-            span.end()
+        return _PhaseSpan(self, span, token)
+
+    def _phase_ended(
+        self,
+        span: TraceSpan,
+        token: contextvars.Token[tuple[SpanMaker, Any] | None] | None,
+        error: BaseException | None,
+    ) -> None:
+        if isinstance(error, Exception):  # not a cancellation
+            tracing = self._observer.tracing
+            assert tracing is not None
+            span.record_exception(error)
+            span.set_status(tracing.error(type(error).__name__))
+        if token is not None:
+            PARSE_CONTEXT.reset(token)
+        self._phase_span = None
+        span.end()
 
     def planned(self, plan: Plan, model: str) -> None:
         """The decision's facts, on the `route` span."""
@@ -343,6 +344,29 @@ class Observation:
             span.set_attribute("error.type", error)
             span.set_status(self._failure(error))
         span.end()
+
+
+class _PhaseSpan:
+    """A phase's span for the length of a `with` (a class: a generator-based context manager
+    costs four more calls a phase)."""
+
+    __slots__ = ("_observation", "_span", "_token")
+
+    def __init__(
+        self,
+        observation: Observation,
+        span: TraceSpan,
+        token: contextvars.Token[tuple[SpanMaker, Any] | None] | None,
+    ) -> None:
+        self._observation = observation
+        self._span = span
+        self._token = token
+
+    def __enter__(self) -> TraceSpan:
+        return self._span
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        self._observation._phase_ended(self._span, self._token, error)
 
 
 class Unobserved(Observation):

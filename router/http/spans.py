@@ -100,13 +100,14 @@ class SdkSpans:
 
 
 class SpanRecorder:
-    """Records the spans of the new traces kvroute keeps, and hands each, as the SDK's
-    `ReadableSpan`, to every one of `deliver` when it ends: the `on_end` of the span processors
-    kvroute added to its provider, or an exporter's `export` where kvroute would otherwise add
-    the SDK's `SimpleSpanProcessor` for it (`build_tracing`)."""
+    """Records the spans of the new traces kvroute keeps, and hands them, as the SDK's
+    `ReadableSpan`s, to every one of `deliver`: the spans of a request together when its root
+    span ends (a child ending later goes alone). The deliveries are the `on_end` of the span
+    processors kvroute added to its provider, or an exporter's `export` where kvroute would
+    otherwise add the SDK's `SimpleSpanProcessor` for it (`build_tracing`)."""
 
     def __init__(
-        self, resource: Resource, deliver: Sequence[Callable[[ReadableSpan], object]]
+        self, resource: Resource, deliver: Sequence[Callable[[Sequence[ReadableSpan]], object]]
     ) -> None:
         from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -128,7 +129,7 @@ class SpanRecorder:
         self, trace_id: int, name: str, kind: SpanKind, attributes: Mapping[str, Any]
     ) -> RecordedSpan:
         """The first span of the new trace `trace_id` (nonzero)."""
-        return RecordedSpan(self, name, trace_id, None, kind, dict(attributes))
+        return RecordedSpan(self, name, trace_id, None, None, kind, dict(attributes))
 
     def start(
         self,
@@ -143,7 +144,8 @@ class SpanRecorder:
             self,
             name,
             parent.trace_id,
-            parent.span_context(),
+            parent.context,
+            parent.root or parent,
             kind or self._internal,
             dict(attributes) if attributes else {},
         )
@@ -160,7 +162,7 @@ class SpanRecorder:
     def _ended(self, span: RecordedSpan, end_time: int) -> None:
         readable = self._readable(
             span.name,
-            context=span.span_context(),
+            context=span.context,
             parent=span.parent,
             resource=self._resource,
             attributes=span.attributes,
@@ -171,22 +173,32 @@ class SpanRecorder:
             end_time=end_time,
             instrumentation_scope=self._scope,
         )
+        root = span.root
+        if root is not None and not root._ended:
+            root.held.append(readable)  # goes with its request's root span
+            return
+        finished = [readable]
+        if root is None:
+            finished.extend(span.held)
+            span.held.clear()
         for deliver in self._deliver:
-            deliver(readable)
+            deliver(finished)
 
 
 class RecordedSpan:
     """One span of a kept new trace, as plain fields until it ends."""
 
     __slots__ = (
-        "_context",
         "_ended",
         "_recorder",
         "attributes",
+        "context",
         "events",
+        "held",
         "kind",
         "name",
         "parent",
+        "root",
         "span_id",
         "start_time",
         "status",
@@ -199,31 +211,25 @@ class RecordedSpan:
         name: str,
         trace_id: int,
         parent: SpanContext | None,
+        root: RecordedSpan | None,
         kind: SpanKind,
         attributes: dict[str, Any],
     ) -> None:
         self._recorder = recorder
         self.name = name
         self.trace_id = trace_id
-        self.span_id = getrandbits(64) or 1  # zero is the invalid span id
+        self.span_id = span_id = getrandbits(64) or 1  # zero is the invalid span id
+        # its ids, sampled: its children's parent and its export's context
+        self.context = recorder._context(trace_id, span_id, False, recorder._sampled)
         self.parent = parent
+        self.root = root  # the trace's first span; None: this one is
+        self.held: list[ReadableSpan] = []  # the root's: its ended children, until it ends
         self.kind = kind
         self.attributes = attributes
         self.events: list[Event] = []
         self.status: Status | None = None
         self.start_time = time.time_ns()
-        self._context: SpanContext | None = None
         self._ended = False
-
-    def span_context(self) -> SpanContext:
-        """This span's ids, sampled (made once: children and the export share it)."""
-        context = self._context
-        if context is None:
-            recorder = self._recorder
-            context = self._context = recorder._context(
-                self.trace_id, self.span_id, False, recorder._sampled
-            )
-        return context
 
     def set_attribute(self, key: str, value: Any) -> None:
         """Set one attribute."""
@@ -258,7 +264,7 @@ class RecordedSpan:
         return not self._ended
 
     def end(self) -> None:
-        """End it and hand it to the processors (once: a second end is ignored)."""
+        """End it and hand it on (once: a second end is ignored)."""
         if self._ended:
             return
         self._ended = True

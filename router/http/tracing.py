@@ -214,7 +214,7 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     # where the recorder's spans go: each processor's `on_end`, or for the in-memory exporter
     # its `export`: the SDK's simple processor around it would add two context switches a span
     # (to keep an exporter's own calls out of traces, which a list append does not make)
-    deliveries: list[Callable[[ReadableSpan], object]] = []
+    deliveries: list[Callable[[Sequence[ReadableSpan]], object]] = []
     if exporter_name == "memory":
         # the newest spans only: a benchmark's long run stays bounded
         try:
@@ -224,7 +224,7 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
             memory = exporter = InMemorySpanExporter()
         # synchronous: the in-memory export is a list append, a thread would only add switches
         processors.append(SimpleSpanProcessor(exporter))
-        deliveries.append(_exports_to(exporter))
+        deliveries.append(exporter.export)
     elif exporter_name == "console":
         processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
     elif exporter_name == "otlp":
@@ -243,7 +243,7 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     for processor in processors:
         provider_sdk.add_span_processor(processor)
         if not isinstance(processor, SimpleSpanProcessor):
-            deliveries.append(processor.on_end)
+            deliveries.append(_ends_each(processor))
     # the new traces kvroute keeps are recorded without the SDK's spans, to the same exporters
     # (`router.http.spans`)
     recorder = SpanRecorder(resource, deliveries) if root_ratio is not None else None
@@ -253,11 +253,12 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     )
 
 
-def _exports_to(exporter: SpanExporter) -> Callable[[ReadableSpan], object]:
-    def export(span: ReadableSpan) -> object:
-        return exporter.export((span,))
+def _ends_each(processor: SpanProcessor) -> Callable[[Sequence[ReadableSpan]], object]:
+    def end_each(spans: Sequence[ReadableSpan]) -> None:
+        for span in spans:
+            processor.on_end(span)
 
-    return export
+    return end_each
 
 
 def w3c_propagation(fields: Iterable[str]) -> bool:
