@@ -203,8 +203,9 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     if not os.environ.get("OTEL_TRACES_SAMPLER"):
         sampler = sampling.ParentBased(sampling.TraceIdRatioBased(config.sample_ratio))
         if w3c_propagation(get_global_textmap().fields):
-            # kvroute drops new traces itself (`Tracing.dropped_root`): what reaches the SDK
-            # without a parent is a trace to record
+            # kvroute decides on new traces itself (`Tracing.new_trace`, `kept`) and records
+            # the kept ones (`SpanRecorder`): a root reaching the SDK without a parent is one
+            # to record
             root_ratio = config.sample_ratio
             sampler = sampling.ParentBased(sampling.ALWAYS_ON)
     provider_sdk = SdkProvider(resource=resource, sampler=sampler)
