@@ -126,7 +126,8 @@ class Observation:
         # who makes this request's spans: the SDK, or kvroute's recorder for a new trace it
         # keeps (`router.http.spans`); None without tracing or for a dropped new trace
         self._spans: SpanMaker | None = None
-        # a new trace the sample ratio dropped: the worker's header, and no span at all
+        # a trace kvroute does not record (the ratio or the client said so): the worker's
+        # header, and no span at all
         self._traceparent: str | None = None
         tracing = observer.tracing
         if tracing is not None:
@@ -140,14 +141,20 @@ class Observation:
             "kvroute.endpoint": self.endpoint,
             "kvroute.request_id": self.request_id,
         }
-        trace_id = tracing.new_trace(request.headers)
+        decision = tracing.decide(request.headers)
         span: TraceSpan
-        if trace_id is not None and not tracing.kept(trace_id):
-            self._traceparent = tracing.dropped_traceparent(trace_id)
+        if decision is not None and not decision.kept:
+            self._traceparent = tracing.unsampled_traceparent(decision)
             return
         recorder = tracing.recorder
-        if trace_id is not None and recorder is not None:
-            span = recorder.root(trace_id, name, tracing.server_kind, attributes)
+        if decision is not None and recorder is not None:
+            span = recorder.root(
+                decision.trace_id,
+                decision.parent_span_id,
+                name,
+                tracing.server_kind,
+                attributes,
+            )
             self._spans = recorder
         else:  # the SDK's way: the client's context, the SDK's sampler
             parent = tracing.propagator.extract(request.headers)
@@ -235,7 +242,7 @@ class Observation:
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = self.request_id
         if self._traceparent is not None:
-            headers["traceparent"] = self._traceparent  # the client sent no trace context
+            headers["traceparent"] = self._traceparent  # replaces the client's
             return
         spans = self._spans
         if spans is None:
@@ -302,17 +309,19 @@ class Observation:
             )
         span = self._upstream_span
         if span is not None:
-            span.set_attribute("http.response.status_code", status)
+            answered: dict[str, int | float] = {"http.response.status_code": status}
             if decision.cached_tokens is not None:
-                span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
+                answered["kvroute.cached_tokens"] = decision.cached_tokens
             if decision.ttft_s is not None:
-                span.set_attribute("kvroute.ttft_s", decision.ttft_s)
+                answered["kvroute.ttft_s"] = decision.ttft_s
+            span.set_attributes(answered)
             self._end_upstream(None if status < 500 else f"HTTP {status}")
         if self._request_span is not None:
             # the request span names its worker too (a search by worker finds the request);
             # the rest of the decision is on its children: each attribute costs a few us
-            self._request_span.set_attribute("kvroute.worker", decision.chosen.worker)
-            self._request_span.set_attribute("http.response.status_code", status)
+            self._request_span.set_attributes(
+                {"kvroute.worker": decision.chosen.worker, "http.response.status_code": status}
+            )
             if status >= 500:
                 self._request_span.set_status(self._failure(f"HTTP {status}"))
 

@@ -1,13 +1,13 @@
 """The two ways a request's spans are made: by the OpenTelemetry SDK, or recorded by kvroute.
 
-A request that carries a trace context, or a router given its own `TracerProvider`, gets the
-SDK's spans (`SdkSpans`): the SDK's sampler, limits and processors decide everything. A new trace
-that kvroute decided to keep (`Tracing.decides_roots`: kvroute made the provider, its sampler
-records every root and follows the parent's flag, the propagators are W3C's) is recorded by
-`SpanRecorder` instead: the SDK would sample every one of its spans in (the parent is sampled),
-and its span machinery costs about 27 us a span (a lock, a bounded attribute dict, two context
-copies), against about 4 us for a plain object that becomes the SDK's own `ReadableSpan` when it
-ends and goes to the same processors (so the same exporters, the same export format).
+When kvroute made the provider, its sampler and its processors, and the propagators are W3C's
+(`Tracing.decides_roots`), kvroute decides on each request's trace itself (`Tracing.decide`), and
+the traces it keeps are recorded by `SpanRecorder`: the SDK would sample every one of their
+spans in (the parent is sampled), and its span machinery costs about 27 us a span (a lock, a
+bounded attribute dict, two context copies), against about 4 us for a plain object that becomes
+the SDK's own `ReadableSpan` when it ends and goes to the same exporters (the same export
+format). Otherwise (a sampler or propagators of the OTEL_* variables, a `TracerProvider` handed
+in) every request gets the SDK's spans (`SdkSpans`): its sampler, limits and processors decide.
 
 A span's handle as a parent (`context_of`) is an OpenTelemetry `Context` on the SDK's way and the
 `RecordedSpan` itself on the recorder's; the proxy only passes it back to the same maker.
@@ -126,10 +126,19 @@ class SpanRecorder:
         self._ok = StatusCode.OK
 
     def root(
-        self, trace_id: int, name: str, kind: SpanKind, attributes: Mapping[str, Any]
+        self,
+        trace_id: int,
+        parent_span_id: int,
+        name: str,
+        kind: SpanKind,
+        attributes: Mapping[str, Any],
     ) -> RecordedSpan:
-        """The first span of the new trace `trace_id` (nonzero)."""
-        return RecordedSpan(self, name, trace_id, None, None, kind, dict(attributes))
+        """The first span this process records of the trace `trace_id` (nonzero), under the
+        client's span `parent_span_id` (0: a new trace)."""
+        parent = (
+            self._context(trace_id, parent_span_id, True, self._sampled) if parent_span_id else None
+        )
+        return RecordedSpan(self, name, trace_id, parent, None, kind, dict(attributes))
 
     def start(
         self,
@@ -159,7 +168,8 @@ class SpanRecorder:
         assert isinstance(parent, RecordedSpan)
         carrier["traceparent"] = f"00-{parent.trace_id:032x}-{parent.span_id:016x}-01"
 
-    def _ended(self, span: RecordedSpan, end_time: int) -> None:
+    def ended(self, span: RecordedSpan, end_time: int) -> None:
+        """`span` ended at `end_time`: hand it on (with its request's, for a root)."""
         readable = self._readable(
             span.name,
             context=span.context,
@@ -268,4 +278,4 @@ class RecordedSpan:
         if self._ended:
             return
         self._ended = True
-        self._recorder._ended(self, time.time_ns())
+        self._recorder.ended(self, time.time_ns())

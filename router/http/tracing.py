@@ -8,17 +8,16 @@ the service name (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), the sampler
 the OTLP endpoint (`OTEL_EXPORTER_OTLP_*`, read by the exporter itself) and the propagators
 (`OTEL_PROPAGATORS`, W3C `traceparent` by default).
 
-A new trace that the sample ratio drops costs no OpenTelemetry object: when kvroute made the
-sampler (no `OTEL_TRACES_SAMPLER`) and the propagators are W3C's (the default), kvroute draws
-the trace id and decides on it as the SDK's `TraceIdRatioBased` does (its low 64 bits below
-ratio x 2^64), and sends the worker a `traceparent` with the sampled flag off. The traces it
-keeps are recorded by kvroute too (`router.http.spans.SpanRecorder`): plain objects that become
-the SDK's `ReadableSpan` when they end, handed to the processors kvroute made, so the exporters
-see what the SDK's own spans would give them. The SDK's sampler (`ParentBased(ALWAYS_ON)`: a new
-trace reaching it is one kvroute kept) and spans serve every request that carries a trace
-context, and every request when the sampler, the propagators or the provider are not
-kvroute's. (The SDK's span machinery costs a dropped request about 80 Python calls, and a kept
-one about 27 us a span.)
+A trace kvroute does not record costs no OpenTelemetry object: when kvroute made the sampler (no
+`OTEL_TRACES_SAMPLER`) and the propagators are W3C's (the default), kvroute decides as the SDK's
+`ParentBased(TraceIdRatioBased)` would (`Tracing.decide`): a valid client `traceparent` is
+followed, and a new trace's random id is kept when its low 64 bits fall below ratio x 2^64.
+A trace not kept sends the worker a `traceparent` with the sampled flag off. A kept one is
+recorded by kvroute too (`router.http.spans.SpanRecorder`): plain objects that become the SDK's
+`ReadableSpan` when they end, handed to the exporters kvroute made, which see what the SDK's
+own spans would give them. The SDK's sampler and spans serve every request when the sampler,
+the propagators or the provider are not kvroute's. (The SDK's span machinery costs a dropped
+request about 80 Python calls, and a kept one about 27 us a span.)
 
 One span per request (SERVER, continuing the client's `traceparent`), children `parse` (with
 `tokenize` inside it: tokenizing is part of reading the request), `route` and one `upstream`
@@ -34,9 +33,10 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from random import getrandbits
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from router.config import TracingConfig
 from router.errors import ConfigError
@@ -71,6 +71,11 @@ _LOW_64 = (1 << 64) - 1
 # the trace flags of a dropped root: not sampled, the trace id random (W3C trace context
 # level 2; the SDK sets the same bit)
 _DROPPED_FLAGS = "02"
+# a W3C traceparent: version, trace id, parent span id, flags, and what a later version may add
+_TRACEPARENT = re.compile(
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
+)
+_TRACEPARENT_MAX = 512  # longer headers are ignored (as the SDK does)
 
 
 def _env_true(name: str) -> bool:
@@ -122,8 +127,7 @@ class Tracing:
         self.recorder = recorder
         self._status = trace.Status
         self._error = trace.StatusCode.ERROR
-        self._fields = tuple(sorted(self.propagator.fields))
-        # new traces are decided here (`new_trace`, `kept`) at `root_ratio`, given only when
+        # traces are decided here (`decide`), new ones at `root_ratio`, given only when
         # kvroute made the sampler to record every root it is handed and the propagators are
         # W3C's (`build_tracing`); None: the SDK decides every span
         self._root_bound = None if root_ratio is None else round(root_ratio * (_LOW_64 + 1))
@@ -133,28 +137,27 @@ class Tracing:
         """Whether kvroute makes the sampling decision of new traces itself."""
         return self._root_bound is not None
 
-    def new_trace(self, headers: Mapping[str, str]) -> int | None:
-        """The id (nonzero) of the new trace a request with these `headers` starts, when
-        kvroute decides on it (`kept`); None when the SDK decides instead: the request carries
-        a trace context, or kvroute does not make the decision (`decides_roots`)."""
-        if self._root_bound is None:
-            return None
-        for field in self._fields:
-            if field in headers:
-                return None
-        return getrandbits(128) or 1
-
-    def kept(self, trace_id: int) -> bool:
-        """Whether the sample ratio keeps the new trace `trace_id`: as the SDK's
-        `TraceIdRatioBased`, its low 64 bits below ratio x 2^64."""
+    def decide(self, headers: Mapping[str, str]) -> TraceDecision | None:
+        """kvroute's sampling decision for a request with these `headers`, or None when the
+        SDK decides (`decides_roots` is false). A valid W3C `traceparent` is continued and its
+        sampled flag followed (what the SDK's `ParentBased` sampler does); without one (absent
+        or malformed: W3C says start afresh) the request starts a new trace, kept at the
+        ratio. The client's `tracestate` and `baggage` reach the worker untouched either way
+        (the proxy forwards them)."""
         bound = self._root_bound
-        return bound is not None and trace_id & _LOW_64 < bound
+        if bound is None:
+            return None
+        parent = parse_traceparent(headers.get("traceparent"))
+        if parent is not None:
+            return parent
+        trace_id = getrandbits(128) or 1
+        return TraceDecision(trace_id, 0, trace_id & _LOW_64 < bound, _DROPPED_FLAGS)
 
     @staticmethod
-    def dropped_traceparent(trace_id: int) -> str:
-        """The `traceparent` to send the worker for the dropped new trace `trace_id`: a random
-        span id, not sampled (so the worker does not record what this trace dropped)."""
-        return f"00-{trace_id:032x}-{getrandbits(64) or 1:016x}-{_DROPPED_FLAGS}"
+    def unsampled_traceparent(decision: TraceDecision) -> str:
+        """The `traceparent` to send the worker for a trace not recorded: its trace id, a new
+        span id, the flags (not sampled), so the worker does not record what this dropped."""
+        return f"00-{decision.trace_id:032x}-{getrandbits(64) or 1:016x}-{decision.flags}"
 
     def error(self, description: str) -> Status:
         """An ERROR status saying `description`."""
@@ -203,9 +206,8 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     if not os.environ.get("OTEL_TRACES_SAMPLER"):
         sampler = sampling.ParentBased(sampling.TraceIdRatioBased(config.sample_ratio))
         if w3c_propagation(get_global_textmap().fields):
-            # kvroute decides on new traces itself (`Tracing.new_trace`, `kept`) and records
-            # the kept ones (`SpanRecorder`): a root reaching the SDK without a parent is one
-            # to record
+            # kvroute decides on every trace itself (`Tracing.decide`) and records the kept
+            # ones (`SpanRecorder`): a root reaching the SDK without a parent is one to record
             root_ratio = config.sample_ratio
             sampler = sampling.ParentBased(sampling.ALWAYS_ON)
     provider_sdk = SdkProvider(resource=resource, sampler=sampler)
@@ -260,6 +262,33 @@ def _ends_each(processor: SpanProcessor) -> Callable[[Sequence[ReadableSpan]], o
             processor.on_end(span)
 
     return end_each
+
+
+class TraceDecision(NamedTuple):
+    """A request's trace as kvroute decided it (`Tracing.decide`)."""
+
+    trace_id: int
+    parent_span_id: int  # the client's span; 0: a new trace
+    kept: bool  # recorded
+    flags: str  # the trace flags to send when not kept (two hex digits)
+
+
+def parse_traceparent(header: str | None) -> TraceDecision | None:
+    """The trace a W3C `traceparent` header names (kept: its sampled flag), None when there is
+    none or it is invalid, by the rules of the SDK's `TraceContextTextMapPropagator`."""
+    if not header or len(header) > _TRACEPARENT_MAX:
+        return None
+    found = _TRACEPARENT.match(header)
+    if found is None:
+        return None
+    version, trace_hex, span_hex, flags, rest = found.groups()
+    if version == "ff" or (version == "00" and rest):
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if not trace_id or not span_id:
+        return None
+    sampled = bool(int(flags, 16) & 1)
+    return TraceDecision(trace_id, span_id, sampled, flags)
 
 
 def w3c_propagation(fields: Iterable[str]) -> bool:

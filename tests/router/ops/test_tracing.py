@@ -33,7 +33,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS, TRACING
 from router.http.observe import install_log_request_id
-from router.http.tracing import Tracing, build_tracing, w3c_propagation
+from router.http.tracing import (
+    TraceDecision,
+    Tracing,
+    build_tracing,
+    parse_traceparent,
+    w3c_propagation,
+)
 from router.service import RouterService
 from tests.router.conftest import eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -155,8 +161,7 @@ class Traced(NamedTuple):
             # the SDK's spans hand their bounded attributes on; kvroute's recorder a plain
             # dict (the public `attributes` is a read-only view of either)
             made_by_sdk = isinstance(span._attributes, BoundedAttributes)
-            client_trace = span.context is not None and span.context.trace_id == CLIENT_TRACE
-            assert made_by_sdk is (self.way == "sdk" or client_trace), (self.way, span.name)
+            assert made_by_sdk is (self.way == "sdk"), (self.way, span.name)
         return spans
 
 
@@ -296,8 +301,12 @@ async def test_a_client_trace_is_continued_and_its_sampling_followed(
 ) -> None:
     client_trace, client_span = f"{CLIENT_TRACE:032x}", "00f067aa0ba902b7"
     sampled = f"00-{client_trace}-{client_span}-01"
-    resp = await _post(traced.url, CHAT, {"traceparent": sampled})
+    context = {"traceparent": sampled, "tracestate": "vendor=abc", "baggage": "tenant=a"}
+    resp = await _post(traced.url, CHAT, context)
     assert resp.status == 200
+    # the client's state and baggage reach the worker as they were
+    assert backend.seen[-1]["tracestate"] == "vendor=abc"
+    assert backend.seen[-1]["baggage"] == "tenant=a"
     root = _by_name(traced.spans())["POST /v1/chat/completions"]
     assert root.context is not None and root.parent is not None
     assert root.context.trace_id == int(client_trace, 16)
@@ -544,7 +553,7 @@ async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
         assert len({f.group(1) for f in found if f is not None}) == 3  # a trace each
         assert all(not int(header[-2:], 16) & 1 for header in sent)  # not sampled
 
-        # a client's sampled trace is the SDK's business: recorded, and continued
+        # a client's sampled trace is recorded whatever the ratio, and continued
         client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
         client = f"00-{client_trace}-00f067aa0ba902b7-01"
         assert (await _post(router.url, CHAT, {"traceparent": client})).status == 200
@@ -553,13 +562,22 @@ async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
         continued = TRACEPARENT.match(backend.seen[-1]["traceparent"])
         assert continued is not None and continued.group(1) == client_trace
 
+        # baggage alone, or a malformed traceparent, starts a new trace: the ratio drops it
+        memory.clear()
+        for headers in ({"baggage": "tenant=a"}, {"traceparent": "00-bogus-01"}):
+            assert (await _post(router.url, CHAT, headers)).status == 200
+            fresh = TRACEPARENT.match(backend.seen[-1]["traceparent"])
+            assert fresh is not None and fresh.group(1) != client_trace
+            assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1
+        assert memory.get_finished_spans() == ()
+
 
 def _kept(tracing: Tracing, draws: int) -> int:
     kept = 0
     for _ in range(draws):
-        trace_id = tracing.new_trace({})
-        assert trace_id is not None and trace_id != 0
-        kept += tracing.kept(trace_id)
+        decision = tracing.decide({})
+        assert decision is not None and decision.trace_id != 0 and decision.parent_span_id == 0
+        kept += decision.kept
     return kept
 
 
@@ -568,10 +586,29 @@ def test_the_ratio_keeps_its_share_of_new_traces(provider: TracerProvider) -> No
     assert _kept(Tracing(provider, owned=False, root_ratio=1.0), 2000) == 2000
     # 4,000 draws at 25%: 1,000 expected, 27 the standard deviation
     assert 800 <= _kept(Tracing(provider, owned=False, root_ratio=0.25), 4000) <= 1200
-    # a request with a trace context of its own always goes the SDK's way
+    # a valid client trace is continued and its flag followed, whatever the ratio
     dropping = Tracing(provider, owned=False, root_ratio=0.0)
-    assert dropping.new_trace({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-00"}) is None
-    assert dropping.new_trace({"baggage": "tenant=a"}) is None
+    for flags, kept in (("01", True), ("00", False), ("03", True)):
+        header = "00-" + "1" * 32 + "-" + "2" * 16 + "-" + flags
+        assert dropping.decide({"traceparent": header}) == TraceDecision(
+            int("1" * 32, 16), int("2" * 16, 16), kept, flags
+        )
+    # baggage alone, or a malformed traceparent, is a new trace: the ratio decides (drops it)
+    for headers in (
+        {"baggage": "tenant=a"},
+        {"traceparent": "00-" + "0" * 32 + "-" + "2" * 16 + "-01"},  # the invalid trace id
+        {"traceparent": "00-" + "1" * 32 + "-" + "0" * 16 + "-01"},  # the invalid span id
+        {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01-extra"},  # more, in v00
+        {"traceparent": "ff-" + "1" * 32 + "-" + "2" * 16 + "-01"},  # the invalid version
+        {"traceparent": "00-" + "A" * 32 + "-" + "2" * 16 + "-01"},  # upper case
+        {"traceparent": "garbage"},
+    ):
+        decision = dropping.decide(headers)
+        assert decision is not None and decision.parent_span_id == 0, headers
+        assert not decision.kept and decision.flags == "02", headers
+    # a later version may add fields; surrounding blanks are allowed (as the SDK reads it)
+    later = parse_traceparent(" 01-" + "1" * 32 + "-" + "2" * 16 + "-01-more")
+    assert later is not None and later.kept
     # a provider handed in keeps its own sampler for everything
     assert not Tracing(provider, owned=False).decides_roots
 
@@ -600,7 +637,7 @@ def test_other_propagators_leave_every_decision_to_the_sdk() -> None:
     try:
         tracing = build_tracing(TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0))
         assert tracing is not None and not tracing.decides_roots
-        assert tracing.new_trace({}) is None
+        assert tracing.decide({}) is None
         span = tracing.tracer.start_span("root")  # the SDK's ratio sampler drops it
         assert not span.is_recording()
         tracing.shutdown()
