@@ -134,6 +134,10 @@ class Observation:
             self._start_trace(tracing, request)
 
     def _start_trace(self, tracing: Tracing, request: web.Request) -> None:
+        decision = tracing.decide(request.headers)
+        if decision is not None and not decision.kept:  # decided before anything is made
+            self._traceparent = tracing.unsampled_traceparent(decision)
+            return
         name = f"{request.method} {self.endpoint}"
         attributes = {
             "http.request.method": request.method,
@@ -141,11 +145,7 @@ class Observation:
             "kvroute.endpoint": self.endpoint,
             "kvroute.request_id": self.request_id,
         }
-        decision = tracing.decide(request.headers)
         span: TraceSpan
-        if decision is not None and not decision.kept:
-            self._traceparent = tracing.unsampled_traceparent(decision)
-            return
         recorder = tracing.recorder
         if decision is not None and recorder is not None:
             span = recorder.root(

@@ -234,8 +234,8 @@ class PairDispatcher:
         for attempt in range(attempts):
             with obs.phase("route") if obs is not None else contextlib.nullcontext():
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
-            if obs is not None and attempt == 0:
-                obs.planned(plan.prefill, ns.model)
+                if obs is not None and attempt == 0:
+                    obs.planned(plan.prefill, ns.model)  # on the `route` span
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
             decodes = [c for c in plan.decode.ranked() if c.worker not in failed["decode"]]
             if not prefills or not decodes:

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 import msgspec
@@ -400,6 +400,38 @@ async def test_dp_rank_and_matched_tokens_from_a_reference_worker(
     assert attrs["kvroute.dp_rank"] in (0, 1)
     assert _count(named["upstream"], "kvroute.matched_tokens") >= 160
     _no_salt(exporter.get_finished_spans())
+
+
+async def test_a_prefill_decode_pair_is_traced_with_the_prefill_side_decision(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    def role(name: Literal["prefill", "decode"]) -> ReferenceConfig:
+        return ReferenceConfig(time_scale=0.0, page_size=16, role=name, kv_transfer_timeout_s=5.0)
+
+    async with ReferenceWorker(role("prefill")) as p0, ReferenceWorker(role("decode")) as d0:
+        config = router_config([("p0", p0.url), ("d0", d0.url)])  # roles from /server_info
+        async with _traced_router(way, config, provider, exporter) as traced:
+            body = {"input_ids": list(range(3, 100)), "cache_salt": SALT, "stream": False}
+
+            async def answered() -> bool:
+                traced.exporter.clear()
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(traced.url + "/generate", json=body) as resp,
+                ):
+                    await resp.read()
+                    return resp.status == 200 and resp.headers["x-kvroute-prefill-worker"] == "p0"
+
+            await eventually(answered, what="the pair discovered and answering")
+            named = _by_name(traced.spans())
+    assert set(named) == {"POST /generate", "parse", "route", "upstream"}
+    root = named["POST /generate"].context
+    assert root is not None
+    assert _parent_id(named["route"]) == root.span_id == _parent_id(named["upstream"])
+    for name in ("route", "upstream"):  # the decision is the prefill side's
+        assert (named[name].attributes or {})["kvroute.worker"] == "p0", name
+    assert (named["upstream"].attributes or {})["http.response.status_code"] == 200
+    _no_salt(tuple(named.values()))
 
 
 async def test_request_ids_are_made_when_missing_and_put_on_log_lines(
