@@ -123,7 +123,7 @@ class Tracing:
         self.spans = SdkSpans(
             self.tracer, self.propagator, trace.set_span_in_context, trace.SpanKind.INTERNAL
         )
-        # the kept new traces' spans, when kvroute made the provider and its processors
+        # the kept traces' spans, when kvroute made the provider and its processors
         self.recorder = recorder
         self._status = trace.Status
         self._error = trace.StatusCode.ERROR
@@ -247,7 +247,7 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
         provider_sdk.add_span_processor(processor)
         if not isinstance(processor, SimpleSpanProcessor):
             deliveries.append(_ends_each(processor))
-    # the new traces kvroute keeps are recorded without the SDK's spans, to the same exporters
+    # the traces kvroute keeps are recorded without the SDK's spans, to the same exporters
     # (`router.http.spans`)
     recorder = SpanRecorder(resource, deliveries) if root_ratio is not None else None
     log.info("tracing on: exporter %s", exporter_name)
