@@ -123,8 +123,8 @@ class Observation:
         self._request_ctx: Any = None
         self._phase_span: TraceSpan | None = None
         self._upstream_span: TraceSpan | None = None
-        # who makes this request's spans: the SDK, or kvroute's recorder for a new trace it
-        # keeps (`router.http.spans`); None without tracing or for a dropped new trace
+        # who makes this request's spans: the SDK, or kvroute's recorder for a trace it keeps
+        # (`router.http.spans`); None without tracing or for a trace not recorded
         self._spans: SpanMaker | None = None
         # a trace kvroute does not record (the ratio or the client said so): the worker's
         # header, and no span at all

@@ -1,7 +1,7 @@
 """The two ways a request's spans are made: by the OpenTelemetry SDK, or recorded by kvroute.
 
 When kvroute made the provider, its sampler and its processors, and the propagators are W3C's
-(`Tracing.decides_roots`), kvroute decides on each request's trace itself (`Tracing.decide`), and
+(`Tracing.decides_sampling`), kvroute decides on each request's trace itself (`Tracing.decide`), and
 the traces it keeps are recorded by `SpanRecorder`: the SDK would sample every one of their
 spans in (the parent is sampled), and its span machinery costs about 27 us a span (a lock, a
 bounded attribute dict, two context copies), against about 4 us for a plain object that becomes
@@ -100,7 +100,7 @@ class SdkSpans:
 
 
 class SpanRecorder:
-    """Records the spans of the new traces kvroute keeps, and hands them, as the SDK's
+    """Records the spans of the traces kvroute keeps, and hands them, as the SDK's
     `ReadableSpan`s, to every one of `deliver`: the spans of a request together when its root
     span ends (a child ending later goes alone). The deliveries are the `on_end` of the span
     processors kvroute added to its provider, or an exporter's `export` where kvroute would
@@ -164,7 +164,8 @@ class SpanRecorder:
         return span
 
     def inject(self, carrier: MutableMapping[str, str], parent: Any) -> None:
-        """The W3C `traceparent` naming `parent` (a new trace has no state nor baggage)."""
+        """The W3C `traceparent` naming `parent`; a client's `tracestate` and `baggage` reach
+        the worker as it sent them (the proxy forwards its headers)."""
         assert isinstance(parent, RecordedSpan)
         carrier["traceparent"] = f"00-{parent.trace_id:032x}-{parent.span_id:016x}-01"
 
@@ -196,7 +197,7 @@ class SpanRecorder:
 
 
 class RecordedSpan:
-    """One span of a kept new trace, as plain fields until it ends."""
+    """One span of a kept trace, as plain fields until it ends."""
 
     __slots__ = (
         "_ended",

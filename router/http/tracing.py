@@ -133,13 +133,13 @@ class Tracing:
         self._root_bound = None if root_ratio is None else round(root_ratio * (_LOW_64 + 1))
 
     @property
-    def decides_roots(self) -> bool:
-        """Whether kvroute makes the sampling decision of new traces itself."""
+    def decides_sampling(self) -> bool:
+        """Whether kvroute makes every request's sampling decision itself (`decide`)."""
         return self._root_bound is not None
 
     def decide(self, headers: Mapping[str, str]) -> TraceDecision | None:
         """kvroute's sampling decision for a request with these `headers`, or None when the
-        SDK decides (`decides_roots` is false). A valid W3C `traceparent` is continued and its
+        SDK decides (`decides_sampling` is false). A valid W3C `traceparent` is continued and its
         sampled flag followed (what the SDK's `ParentBased` sampler does); without one (absent
         or malformed: W3C says start afresh) the request starts a new trace, kept at the
         ratio. The client's `tracestate` and `baggage` reach the worker untouched either way

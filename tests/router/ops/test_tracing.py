@@ -573,7 +573,7 @@ async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
     tracing = TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0)
     config = _config((_worker("b0", backend),), tracing=tracing)
     async with RouterService(config) as router:
-        assert router.app[TRACING].decides_roots
+        assert router.app[TRACING].decides_sampling
         memory = router.app[TRACING].memory
         assert memory is not None
         for _ in range(3):
@@ -642,7 +642,7 @@ def test_the_ratio_keeps_its_share_of_new_traces(provider: TracerProvider) -> No
     later = parse_traceparent(" 01-" + "1" * 32 + "-" + "2" * 16 + "-01-more")
     assert later is not None and later.kept
     # a provider handed in keeps its own sampler for everything
-    assert not Tracing(provider, owned=False).decides_roots
+    assert not Tracing(provider, owned=False).decides_sampling
 
 
 class _B3Like(TextMapPropagator):
@@ -668,7 +668,7 @@ def test_other_propagators_leave_every_decision_to_the_sdk() -> None:
     set_global_textmap(_B3Like())
     try:
         tracing = build_tracing(TracingConfig(enabled=True, exporter="memory", sample_ratio=0.0))
-        assert tracing is not None and not tracing.decides_roots
+        assert tracing is not None and not tracing.decides_sampling
         assert tracing.decide({}) is None
         span = tracing.tracer.start_span("root")  # the SDK's ratio sampler drops it
         assert not span.is_recording()
