@@ -60,10 +60,12 @@ async def _publish_into_service(
     restart_at: int = 0,
     settle_to: dict[str, Any] | None = None,
     recorded: dict[str, dict[str, int]] | None = None,
+    published: list[Any] | None = None,
 ) -> tuple[IndexerService, bytes, list[Any]]:
     """Republish `path`; a live IndexerService (and optionally the recorder) consume it.
 
-    The recorder's own per-stream subscriber counters land in `recorded`.
+    The recorder's own per-stream subscriber counters land in `recorded`, what the republisher
+    sent (its fault counts) in `published`.
     """
     recorded = {} if recorded is None else recorded
     sources = _sources(path)
@@ -97,7 +99,9 @@ async def _publish_into_service(
             writer.reached = asyncio.Event()
             recorder = asyncio.create_task(record(writer, live_sources, stop=stop))
         assert await rep.wait_subscribed(10.0, subscribers=2 if recorder else 1)
-        await rep.run(records)
+        sent = await rep.run(records)
+        if published is not None:
+            published.extend(sent)
         for s in sources:
             stream_last = _last_seqs([r for r in records if r.stream == s.stream], restart_at)
             assert await service.wait_applied(s.worker, stream_last[s.stream], timeout_s=20.0)
@@ -137,13 +141,21 @@ async def test_faults_converge_when_the_replay_buffer_covers_the_gaps(recording:
     seed = random.randrange(1 << 30)
     print("seed", seed)
     faults = FaultPlan(drop=0.05, dup=0.05, seed=seed)
+    published: list[Any] = []
     _, live_dump, stats = await _publish_into_service(
-        recording, RepublishConfig(speed=None, faults=faults)
+        recording, RepublishConfig(speed=None, faults=faults), published=published
     )
     _, expected = replay_into_index(recording)
     assert canonical(live_dump) == canonical(dump_index(expected))
-    assert sum(s.gaps for s in stats) > 0
-    assert sum(s.replays for s in stats) > 0
+    by_stream = {p.stream: p for p in published}
+    assert sum(p.dropped for p in published) > 0 or sum(p.duplicated for p in published) > 0
+    for s in stats:
+        if by_stream[s.stream].dropped > 1:
+            # a drop other than a stream's last batch (which is sent again at the end) is
+            # repaired through the replay socket: mid-stream as a gap; one of the stream's first
+            # batches by the replay that joins it, which can cover the later drops too and is
+            # not counted as a gap (seed 438795423 drops both streams' seq 0)
+            assert s.replays > 0, s
 
 
 async def test_lost_gaps_are_reported_as_clears(recording: Path) -> None:
