@@ -270,6 +270,29 @@ async def test_an_abandoned_answer_closes_its_connection() -> None:
         assert not client._open  # the pool forgets closed connections: nothing accumulates
 
 
+async def test_a_failure_in_the_callers_block_closes_its_connection() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b'{"ok": true}'))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(ZeroDivisionError):
+            async with _exchange(client, server.origin) as response:
+                assert response.status == 200
+                raise ZeroDivisionError  # before its body was taken: e.g. the client left
+        assert not any(client._idle.values())  # not pooled: closed (its unread body with it)
+        for _ in range(100):  # the pool forgets it once the loop reports the close
+            if not client._open:
+                break
+            await asyncio.sleep(0.01)
+        assert not client._open
+        # an answer read to its end goes back to the pool: the next request reuses it
+        assert await _post(client, server.origin) == (200, b'{"ok": true}')
+        assert await _post(client, server.origin) == (200, b'{"ok": true}')
+    assert server.connections == 2
+
+
 async def test_a_large_answer_is_read_whole_through_flow_control() -> None:
     payload = bytes(range(256)) * 8192  # 2 MiB, eight times the buffer's high-water mark
 
