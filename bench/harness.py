@@ -54,6 +54,7 @@ from workers.worker import ReferenceWorker
 
 __all__ = [
     "KV_DEFAULT",
+    "KV_HOLD",
     "ORACLE",
     "POLICIES",
     "SGLANG_CACHE_AWARE",
@@ -69,6 +70,9 @@ ORACLE = "oracle"
 POLICIES: tuple[str, ...] = ("kv", "approx_tree", "least_load", "round_robin", "random", ORACLE)
 # the router's kv policy with its own default weights, beside a `kv` run with overridden ones
 KV_DEFAULT = "kv_default"
+# the router's kv policy holding each request until its worker has KV room (`policy.
+# hold_until_room`), beside the default `kv`
+KV_HOLD = "kv_hold"
 # SGLang's Rust router, an external baseline: runs only when its python package is installed
 SGLANG_CACHE_AWARE = EXTERNAL_BASELINE
 WORKER_HEADER = "x-kvroute-worker"
@@ -462,6 +466,8 @@ async def _router(
     spec: FleetSpec,
     seed: int,
     weights: PolicyWeights,
+    *,
+    hold_until_room: bool = False,
 ) -> AsyncIterator[str]:
     """A router with `policy` in front of the workers; yields its URL once its streams are live."""
     config = RouterConfig(
@@ -470,6 +476,7 @@ async def _router(
         policy=PolicyConfig(
             name=policy,  # type: ignore[arg-type]
             seed=seed,
+            hold_until_room=hold_until_room,
             # the fleet's decode step, as an operator sets it for theirs
             admission_batch_window_ms=spec.decode_step_ms,
             **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
@@ -539,8 +546,10 @@ async def run_policy(
             if policy == KV_DEFAULT:
                 policy_name, weights = "kv", PolicyWeights()
             else:
-                policy_name = policy
-            async with _router(policy_name, fleet, spec, seed, weights) as router_url:
+                policy_name = "kv" if policy == KV_HOLD else policy
+            async with _router(
+                policy_name, fleet, spec, seed, weights, hold_until_room=policy == KV_HOLD
+            ) as router_url:
                 chooser = _ViaRouter(router_url)
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)

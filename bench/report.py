@@ -536,6 +536,7 @@ def closing_note(report: BenchReport) -> list[str]:
 _STYLES: dict[str, dict[str, object]] = {
     "kv": {"color": "tab:blue", "linewidth": 2.4, "zorder": 5},
     "kv_default": {"color": "tab:cyan", "linewidth": 1.6, "zorder": 4},
+    "kv_hold": {"color": "tab:olive", "linewidth": 1.6, "zorder": 4},
     "approx_tree": {"color": "tab:orange", "linewidth": 1.4},
     "sglang_cache_aware": {"color": "tab:green", "linewidth": 1.8, "zorder": 3},
     "least_load": {"color": "tab:red", "linewidth": 1.2},

@@ -38,6 +38,7 @@ from rich.progress import (
 from bench import sglang_router
 from bench.harness import (
     KV_DEFAULT,
+    KV_HOLD,
     ORACLE,
     POLICIES,
     SGLANG_CACHE_AWARE,
@@ -76,7 +77,7 @@ WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 TOPOLOGIES = ("flat", "dp", "tiered", "pd")
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_sample.jsonl"
 DEFAULT_OUT = Path("docs/benchmarks")
-ALL_POLICIES = (*POLICIES, KV_DEFAULT, SGLANG_CACHE_AWARE, *REPLICATED)
+ALL_POLICIES = (*POLICIES, KV_DEFAULT, KV_HOLD, SGLANG_CACHE_AWARE, *REPLICATED)
 
 
 class SuiteSettings(msgspec.Struct, frozen=True):
@@ -124,8 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help=f"comma list of {', '.join(ALL_POLICIES)} (default: all; {KV_DEFAULT}, the "
-        "router's kv with its default weights, joins when --kv-*-weight overrides them; "
+        help=f"comma list of {', '.join(ALL_POLICIES)} (default: all but {KV_HOLD} and the "
+        f"replica runs; {KV_DEFAULT}, the router's kv with its default weights, joins when "
+        f"--kv-*-weight overrides them; {KV_HOLD} is kv with policy.hold_until_room; "
         f"{SGLANG_CACHE_AWARE} runs only when --sglang-router-python can import sglang_router)",
     )
     parser.add_argument(
@@ -398,6 +400,12 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "Everything (workers, router, load generator) shares one event loop on a shared 2-core "
         "machine: absolute latencies include that contention; compare policies within a run.",
     ]
+    if KV_HOLD in settings.policies:
+        notes.append(
+            f"`{KV_HOLD}` is the router's `kv` policy with `policy.hold_until_room`: a request "
+            "waits in the router while the (worker, rank) it would go to has no KV room to "
+            "admit it (docs/router.md, Holding requests until a worker has room)."
+        )
     if KV_DEFAULT in settings.policies:
         notes.append(
             f"`{KV_DEFAULT}` is the router's `kv` policy with the router's default weights, run "

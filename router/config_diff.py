@@ -34,6 +34,7 @@ _LIVE: dict[str, frozenset[str] | None] = {
             "approx_cache_threshold",
             "approx_balance_abs",
             "approx_balance_rel",
+            "hold_until_room",  # read per request by the proxy
         }
     ),
     "timeouts": None,
@@ -45,6 +46,7 @@ _LIVE: dict[str, frozenset[str] | None] = {
     "limits": frozenset(
         {
             "max_retries",
+            "max_held_requests",
             "max_json_depth",
             "max_salt_bytes",
             "max_connections",

@@ -263,6 +263,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         observer = operations.start(app, indexer, load)
         tokenizer = operations.proxy_tokenizer(app)
         app[PROXY] = proxy = Proxy(config, planner, upstream, tokenizer, app[METRICS], observer)
+        app[METRICS].holding.set_function(proxy.held)
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])

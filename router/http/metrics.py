@@ -155,6 +155,17 @@ class RouterMetrics:
             ["endpoint", "error", "model"],
             registry=r,
         )
+        self.held = Counter(
+            "kvroute_held_requests",
+            "Requests held in the router until the worker chosen for them had KV room "
+            "(policy.hold_until_room)",
+            registry=r,
+        )
+        self.holding = Gauge(
+            "kvroute_holding_requests",
+            "Requests held in the router now, waiting for a worker with KV room",
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_retries",
             "Upstream attempts that failed before any byte reached the client",

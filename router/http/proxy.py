@@ -24,6 +24,7 @@ anything is committed to the client, and the prefill's logprobs merged into the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -53,7 +54,7 @@ from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket
-from router.routing.planner import Candidate, Planner
+from router.routing.planner import Candidate, Plan, Planner
 
 __all__ = [
     "DP_RANK_HEADER",
@@ -80,6 +81,9 @@ RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
 # when the forecast kept less than the raw match: why the rest is lost (`AdmissionForecast.cause`)
 FORECAST_HEADER = "x-kvroute-forecast-lost"
 DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
+# how often a held request is planned again when nothing here answers or ends (a peer
+# replica's requests, a worker coming back): its wait is bounded by that, not by traffic
+_HOLD_POLL_S = 0.05
 
 # hop-by-hop and framing headers are the proxy's own business on each side
 _DROP = frozenset(
@@ -152,6 +156,13 @@ class PairDispatch(Protocol):
         ...
 
 
+def _waits(plan: Plan) -> bool:
+    """Whether the plan's first choice cannot admit the request now (`policy.hold_until_room`:
+    the planner asked it, `Candidate.room`)."""
+    first = plan.candidates[0] if plan.candidates else None
+    return first is not None and first.healthy and first.room is False
+
+
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
@@ -182,6 +193,10 @@ class Proxy:
         self._metrics = metrics
         self.reconfigure(config)
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
+        # requests held for a worker with room, and what wakes them (`_hold_for_room`)
+        self._held = 0
+        self._progress: asyncio.Future[None] | None = None
+        planner.on_progress = self._progressed
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits, timeouts and the salt header of `config` for the requests that start from
@@ -217,8 +232,11 @@ class Proxy:
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self.pairs is not None and self.pairs.applies(ns.model):
             return await self.pairs.handle(request, endpoint, parsed, ns, started)
+        deadline = time.monotonic() + config.timeouts.request_s
         with obs.phase("route"):
             plan = planner.plan(parsed, ns)
+            if config.policy.hold_until_room:
+                plan = await self._hold_for_room(parsed, ns, plan, deadline)
             obs.planned(plan, ns.model)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
@@ -226,7 +244,6 @@ class Proxy:
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
-        deadline = time.monotonic() + config.timeouts.request_s
         failures: list[str] = []
         tried: set[str] = set()
         attempts = 1 + config.limits.max_retries
@@ -282,6 +299,49 @@ class Proxy:
             obs.finish(response.status)
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
+
+    async def _hold_for_room(
+        self, parsed: ParsedRequest, ns: Namespace, plan: Plan, deadline: float
+    ) -> Plan:
+        """The plan to send the request by, once the best (worker, rank) for it has KV room to
+        admit it (`policy.hold_until_room`): until then the request waits here, and is planned
+        again whenever a request answers or ends (or every `_HOLD_POLL_S`: a peer replica's
+        requests and health changes say nothing here). Past the request's deadline, or with
+        `limits.max_held_requests` waiting already, it goes as planned: the worker queues it.
+        """
+        if not _waits(plan) or self._held >= self._config.limits.max_held_requests:
+            return plan
+        self._held += 1
+        self._metrics.held.inc()
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return plan
+                await self._progress_or(min(remaining, _HOLD_POLL_S))
+                plan = self._planner.plan(parsed, ns)
+                if not _waits(plan):
+                    return plan
+        finally:
+            self._held -= 1
+
+    async def _progress_or(self, timeout_s: float) -> None:
+        """Until a request answers or ends here (`Planner.on_progress`), or `timeout_s`."""
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(progress)  # shared by every held request
+
+    def _progressed(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None and not progress.done():
+            progress.set_result(None)
+
+    def held(self) -> int:
+        """Requests waiting for a worker with room (`policy.hold_until_room`)."""
+        return self._held
 
     def tell_rank(
         self,

@@ -131,6 +131,9 @@ class Planner:
         self.clock = time.monotonic
         # told of every commit and its progress (router replicas share them); None: alone
         self.decisions: DecisionSink | None = None
+        # called when a request answers or ends here (room may have come free): the proxy's
+        # held requests look again (`policy.hold_until_room`)
+        self.on_progress: Callable[[], None] | None = None
         # per stream id: the order the router last sent requests over its blocks, and the
         # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
@@ -200,6 +203,9 @@ class Planner:
             balance = self.balance.estimate()
             chooser.decode_weight = balance.decode_weight
         candidates = chooser.rank(tokens, views)
+        if self._config.hold_until_room and candidates and candidates[0].healthy:
+            first = candidates[0]  # only the first choice is held for (`Proxy._hold_for_room`)
+            first.room = self.has_room(first, len(tokens), output_tokens)
         return Plan(
             namespace=self.fingerprint(ns),
             prompt_tokens=len(tokens),
@@ -544,6 +550,8 @@ class Planner:
         self._answered(ticket, first_byte=True)
         if self.decisions is not None:
             self.decisions.first_byte(ticket)
+        if self.on_progress is not None:
+            self.on_progress()
 
     def finish(self, ticket: Ticket) -> None:
         """The request ended (answered, failed or cancelled): it no longer counts as running
@@ -554,6 +562,26 @@ class Planner:
         self._answered(ticket, first_byte=False)
         if self.decisions is not None:
             self.decisions.finished(ticket)
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def has_room(self, candidate: Candidate, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether the candidate's rank can admit a request of `prompt_tokens` that may generate
+        `output_tokens` beside the requests in flight there (`policy.hold_until_room`): what
+        they and it allocate beyond the cache they reuse (uncached prompt, output; the
+        default reserve for a request that named no output) fits the rank's KV pool. A rank
+        with nothing in flight, or whose capacity is unknown, always has room (else a request
+        larger than the pool, or a fleet without `max_total_num_tokens`, would wait forever).
+        """
+        entry = self.pool.find(candidate.worker)
+        capacity = entry.capacity_tokens if entry is not None else None
+        load = self.load.of(candidate.worker, candidate.dp_rank)
+        if capacity is None or load.running == 0:
+            return True
+        unsized = max(0, load.running - load.sized)
+        allocated = load.allocated_tokens + unsized * self._config.admission_reserve_tokens
+        need = max(0, prompt_tokens - candidate.predicted_tokens) + output_tokens
+        return allocated + need <= capacity
 
     def record_failure(self, worker: str, *, hard: bool) -> None:
         """A request to `worker` failed; a `hard` failure (the process looks gone) opens its

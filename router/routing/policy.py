@@ -91,6 +91,10 @@ class Candidate(msgspec.Struct, gc=False):
     # the hot blocks its own allocation would evict there (`router.routing.eviction_cost`),
     # charged by `[policy] eviction_weight`; None: not computed (weight 0 or admission off)
     eviction: EvictionCost | None = None
+    # whether its rank can admit the request beside those in flight there (`Planner.has_room`,
+    # asked with `[policy] hold_until_room`: the request waits while the first choice cannot);
+    # None: not asked
+    room: bool | None = None
 
     @property
     def predicted_tokens(self) -> int:

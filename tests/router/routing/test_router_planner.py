@@ -188,3 +188,72 @@ async def test_the_output_a_running_request_names_counts_against_the_pool(
     planner.finish(ticket)
     planner.finish(other)
     assert (load.output_tokens, load.sized, load.running) == (0, 0, 0)
+
+
+async def test_a_rank_has_room_while_what_its_requests_allocate_fits_its_pool(
+    indexer: IndexerService,
+) -> None:
+    """`policy.hold_until_room`'s test: uncached prompts and outputs of the requests in flight,
+    and the new one's, against the rank's capacity; an idle rank or an unknown capacity always
+    has room."""
+    planner = await _planner(indexer, "kv")
+    req = _request("x" * 400)  # 400 tokens (byte tokenizer), nothing cached anywhere
+    ns = planner.namespace(req)
+    chosen = planner.plan(req, ns).ranked()[0]
+    entry = planner.pool.find(chosen.worker)
+    assert entry is not None
+    prompt = len(req.tokens)
+    assert planner.has_room(chosen, prompt, 100)  # capacity unknown: never held
+    entry.capacity_tokens = 1000
+    assert planner.has_room(chosen, 5000, 100)  # idle: larger than the pool, it still goes
+    first = planner.commit(ns, req.tokens, chosen, first_try=True, output_tokens=100)
+    load = planner.load.of(chosen.worker)
+    assert load.allocated_tokens == prompt + 100
+    # 500 allocated + 500 more fits 1000; one token more does not
+    assert planner.has_room(chosen, prompt, 100)
+    assert not planner.has_room(chosen, prompt, 101)
+    # the answer's first byte does not free the pages: they stay until the request ends
+    planner.first_byte(first)
+    assert load.allocated_tokens == prompt + 100 and not planner.has_room(chosen, prompt, 101)
+    # a request that named no output counts the configured reserve
+    second = planner.commit(ns, req.tokens, chosen, first_try=True)
+    reserve = PolicyConfig().admission_reserve_tokens
+    assert load.allocated_tokens == 2 * prompt + 100
+    assert planner.has_room(chosen, 0, 1000 - 2 * prompt - 100 - reserve)
+    assert not planner.has_room(chosen, 0, 1000 - 2 * prompt - 100 - reserve + 1)
+    planner.finish(first)
+    planner.finish(second)
+    assert load.allocated_tokens == 0 and planner.has_room(chosen, 5000, 100)
+
+
+async def test_answers_and_ends_tell_the_held_requests(indexer: IndexerService) -> None:
+    planner = await _planner(indexer, "kv")
+    told: list[str] = []
+    planner.on_progress = lambda: told.append("progress")
+    req = _request("hello")
+    ns = planner.namespace(req)
+    ticket = planner.commit(ns, req.tokens, planner.plan(req, ns).ranked()[0], first_try=True)
+    planner.first_byte(ticket)
+    planner.finish(ticket)
+    planner.finish(ticket)  # a second end changes nothing, and says nothing
+    assert told == ["progress", "progress"]
+
+
+async def test_with_holding_on_a_plan_says_whether_its_first_choice_has_room(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv", models=("",))  # one worker: always the first choice
+    req = _request("x" * 400)
+    ns = planner.namespace(req)
+    assert planner.plan(req, ns).candidates[0].room is None  # not asked: holding is off
+    planner.reconfigure(PolicyConfig(hold_until_room=True))
+    first = planner.plan(req, ns).candidates[0]
+    assert first.room is True  # idle
+    entry = planner.pool.find(first.worker)
+    assert entry is not None
+    entry.capacity_tokens = 600
+    planner.commit(ns, req.tokens, first, first_try=True, output_tokens=100)
+    # 500 in flight there: another 400 and the default output reserve do not fit in 600
+    assert planner.plan(req, ns).candidates[0].room is False
+    entry.capacity_tokens = 1000
+    assert planner.plan(req, ns).candidates[0].room is True
