@@ -108,8 +108,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # admit it: the uncached prompts and outputs of the requests in flight there, and its own,
     # would not fit the rank's max_total_num_tokens. It is routed once that rank frees room
     # or another one becomes the better choice, on what the index says then (the worker
-    # would have queued it anyway; the router decides later, and knows better). Not for
-    # prefill/decode pairs; a rank whose capacity is unknown never holds
+    # would have queued it anyway; the router decides later, and knows better). A prefill/
+    # decode pair is held for its prefill side; a rank whose capacity is unknown never holds
     hold_until_room: bool = False
     # eviction-aware placement (router.routing.eviction_cost): score -= eviction_weight * the
     # tokens of reused blocks, held by no other worker, that the request's own allocation
@@ -232,7 +232,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a cache_salt (body, salt header or admin input) longer than this is a 400
     max_salt_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256
     # requests held at once for a worker with room (`policy.hold_until_room`); beyond this a
-    # request is routed at once (the worker queues it)
+    # request is routed at once (the worker queues it). A held request's deadline is its
+    # timeouts.request_s, as anywhere
     max_held_requests: Annotated[int, msgspec.Meta(ge=0)] = 1024
     # open client connections; one more gets a 503 (lowered to what RLIMIT_NOFILE can hold)
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024

@@ -8,6 +8,7 @@ upstream hop: streaming, retries) -> `intake` (body and salt header within the l
 - `admin`: the `/admin` API (workers, namespaces, streams, route dry run, index dump/load);
 - `dashboard/`: the live page at `/dashboard` (admin token), its login and the state it polls;
 - `metrics`: the Prometheus metrics of one router;
+- `holding`: the requests `policy.hold_until_room` holds, queued by the rank each waits for;
 - `keys`: the typed application keys naming the app's shared objects.
 
 Nothing is imported here, so `kvroute --help` stays light.

@@ -59,7 +59,8 @@ from router.http.proxy import (
 from router.prompt.dp_rank import with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.load import Ticket
-from router.routing.pd import PairPlanner
+from router.routing.pd import PairPlanner, PdPlan
+from router.routing.planner import Plan
 from router.routing.policy import Candidate
 
 __all__ = ["DECODE_HEADER", "PREFILL_HEADER", "PairDispatcher", "PrefillFailed"]
@@ -234,6 +235,11 @@ class PairDispatcher:
         for attempt in range(attempts):
             with obs.phase("route") if obs is not None else contextlib.nullcontext():
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
+                if attempt == 0 and self._config.policy.hold_until_room:
+                    # the prefill side is where the prefix is reused: held until it has room
+                    plan = await self._proxy.hold_for_room(
+                        plan, lambda: pairs.plan(parsed, ns), _prefill_side, deadline
+                    )
                 if obs is not None and attempt == 0:
                     obs.planned(plan.prefill, ns.model)  # on the `route` span
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
@@ -530,3 +536,8 @@ def _wants_logprobs(raw: bytes) -> bool:
     except msgspec.DecodeError:
         return False
     return isinstance(body, dict) and body.get("return_logprob") is True
+
+
+def _prefill_side(plan: PdPlan) -> Plan:
+    """A pair is held for its prefill side, where its prefix is reused."""
+    return plan.prefill

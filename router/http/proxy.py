@@ -27,8 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -37,6 +37,7 @@ from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.decisions import DecisionStats
+from router.http.holding import HeldRequests
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
@@ -81,6 +82,7 @@ RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
 # when the forecast kept less than the raw match: why the rest is lost (`AdmissionForecast.cause`)
 FORECAST_HEADER = "x-kvroute-forecast-lost"
 DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
+P = TypeVar("P")  # a plan: one side's (`Plan`) or a pair's (`router.routing.pd.PdPlan`)
 # how often a held request is planned again when nothing here answers or ends (a peer
 # replica's requests, a worker coming back): its wait is bounded by that, not by traffic
 _HOLD_POLL_S = 0.05
@@ -156,11 +158,15 @@ class PairDispatch(Protocol):
         ...
 
 
-def _waits(plan: Plan) -> bool:
-    """Whether the plan's first choice cannot admit the request now (`policy.hold_until_room`:
-    the planner asked it, `Candidate.room`)."""
+def _same_plan(plan: Plan) -> Plan:
+    return plan
+
+
+def _first_waiting(plan: Plan) -> Candidate | None:
+    """The plan's first choice when it cannot admit the request now (`policy.hold_until_room`:
+    the planner asked it, `Candidate.room`), else None."""
     first = plan.candidates[0] if plan.candidates else None
-    return first is not None and first.healthy and first.room is False
+    return first if first is not None and first.healthy and first.room is False else None
 
 
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -193,9 +199,8 @@ class Proxy:
         self._metrics = metrics
         self.reconfigure(config)
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
-        # requests held for a worker with room, and what wakes them (`_hold_for_room`)
-        self._held = 0
-        self._progress: asyncio.Future[None] | None = None
+        # requests held for a worker with room (`hold_for_room`), woken as requests progress
+        self._holding = HeldRequests(_HOLD_POLL_S)
         planner.on_progress = self._progressed
 
     def reconfigure(self, config: RouterConfig) -> None:
@@ -236,7 +241,9 @@ class Proxy:
         with obs.phase("route"):
             plan = planner.plan(parsed, ns)
             if config.policy.hold_until_room:
-                plan = await self._hold_for_room(parsed, ns, plan, deadline)
+                plan = await self.hold_for_room(
+                    plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
+                )
             obs.planned(plan, ns.model)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
@@ -300,48 +307,45 @@ class Proxy:
             return response
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
-    async def _hold_for_room(
-        self, parsed: ParsedRequest, ns: Namespace, plan: Plan, deadline: float
-    ) -> Plan:
-        """The plan to send the request by, once the best (worker, rank) for it has KV room to
-        admit it (`policy.hold_until_room`): until then the request waits here, and is planned
-        again whenever a request answers or ends (or every `_HOLD_POLL_S`: a peer replica's
-        requests and health changes say nothing here). Past the request's deadline, or with
-        `limits.max_held_requests` waiting already, it goes as planned: the worker queues it.
-        """
-        if not _waits(plan) or self._held >= self._config.limits.max_held_requests:
+    async def hold_for_room(
+        self, plan: P, replan: Callable[[], P], side: Callable[[P], Plan], deadline: float
+    ) -> P:
+        """The plan to send a request by, once the best (worker, rank) for it has KV room to
+        admit it (`policy.hold_until_room`; `side` gives the plan whose first choice decides:
+        the plan itself, or a pair's prefill side; `replan` plans the request again). Until
+        then the request waits here in its rank's queue (`router.http.holding`), planned again
+        when it may go. With `limits.max_held_requests` waiting already it goes as planned (the
+        worker queues it); at the request's deadline the plan is returned as it stands, and the
+        forward answers 504 as for a request that waited in the worker's queue."""
+        first = _first_waiting(side(plan))
+        holding = self._holding
+        if first is None or holding.count >= self._config.limits.max_held_requests:
             return plan
-        self._held += 1
+        held = holding.enter((first.worker, first.dp_rank))
         self._metrics.held.inc()
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return plan
-                await self._progress_or(min(remaining, _HOLD_POLL_S))
-                plan = self._planner.plan(parsed, ns)
-                if not _waits(plan):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(holding.wait_s(held, remaining)):
+                        await held.woken.wait()
+                held.woken.clear()
+                plan = replan()
+                first = _first_waiting(side(plan))
+                if first is None:
                     return plan
+                holding.move(held, (first.worker, first.dp_rank))
         finally:
-            self._held -= 1
-
-    async def _progress_or(self, timeout_s: float) -> None:
-        """Until a request answers or ends here (`Planner.on_progress`), or `timeout_s`."""
-        progress = self._progress
-        if progress is None:
-            progress = self._progress = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await asyncio.shield(progress)  # shared by every held request
-
-    def _progressed(self) -> None:
-        progress, self._progress = self._progress, None
-        if progress is not None and not progress.done():
-            progress.set_result(None)
+            holding.leave(held)
 
     def held(self) -> int:
         """Requests waiting for a worker with room (`policy.hold_until_room`)."""
-        return self._held
+        return self._holding.count
+
+    def _progressed(self, ticket: Ticket) -> None:
+        self._holding.progressed((ticket.worker, ticket.dp_rank))
 
     def tell_rank(
         self,

@@ -133,7 +133,7 @@ class Planner:
         self.decisions: DecisionSink | None = None
         # called when a request answers or ends here (room may have come free): the proxy's
         # held requests look again (`policy.hold_until_room`)
-        self.on_progress: Callable[[], None] | None = None
+        self.on_progress: Callable[[Ticket], None] | None = None
         # per stream id: the order the router last sent requests over its blocks, and the
         # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
@@ -204,7 +204,7 @@ class Planner:
             chooser.decode_weight = balance.decode_weight
         candidates = chooser.rank(tokens, views)
         if self._config.hold_until_room and candidates and candidates[0].healthy:
-            first = candidates[0]  # only the first choice is held for (`Proxy._hold_for_room`)
+            first = candidates[0]  # only the first choice is held for (`Proxy.hold_for_room`)
             first.room = self.has_room(first, len(tokens), output_tokens)
         return Plan(
             namespace=self.fingerprint(ns),
@@ -551,7 +551,7 @@ class Planner:
         if self.decisions is not None:
             self.decisions.first_byte(ticket)
         if self.on_progress is not None:
-            self.on_progress()
+            self.on_progress(ticket)
 
     def finish(self, ticket: Ticket) -> None:
         """The request ended (answered, failed or cancelled): it no longer counts as running
@@ -563,7 +563,7 @@ class Planner:
         if self.decisions is not None:
             self.decisions.finished(ticket)
         if self.on_progress is not None:
-            self.on_progress()
+            self.on_progress(ticket)
 
     def has_room(self, candidate: Candidate, prompt_tokens: int, output_tokens: int) -> bool:
         """Whether the candidate's rank can admit a request of `prompt_tokens` that may generate

@@ -100,3 +100,38 @@ async def test_a_request_without_room_waits_in_the_router_not_in_the_worker(
 
 async def _metric_is(fleet: Fleet, name: str, value: float) -> bool:
     return await _metric(fleet, name) == value
+
+
+async def test_a_pair_is_held_until_its_prefill_side_has_room() -> None:
+    """Prefill/decode: the prefill side (where the prefix is reused) is held for, as one
+    worker is; two slow prefills fill its pool, the third pair waits in the router."""
+    from tests.router.test_router_pd import reference, warm
+
+    slow = {"capacity_tokens": 24 * PAGE, "time_scale": 1.0, "prefill_ms_per_token": 3.0}
+    async with (
+        ReferenceWorker(reference("prefill", **slow)) as p0,
+        ReferenceWorker(reference("decode", capacity_tokens=64 * PAGE)) as d0,
+    ):
+        config = router_config(
+            [("p0", p0.url), ("d0", d0.url)], policy=PolicyConfig(hold_until_room=True)
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            fleet = Fleet(router, {"p0": p0, "d0": d0}, session)
+            bodies = [{**prompt(i), "sampling_params": {"max_new_tokens": 2}} for i in (4, 5, 6)]
+            # 8 pages and a token each (a prefill makes one token): two fit 24 pages, three not
+            first = [asyncio.create_task(fleet.post("/generate", b)) for b in bodies[:2]]
+            await eventually(lambda: _at_prefill(p0, 2), what="two prefills at the worker")
+            third = asyncio.create_task(fleet.post("/generate", bodies[2]))
+            await eventually(
+                lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+            )
+            assert sum(p0.ranks[0].load) == 2  # the third is not at the prefill worker
+            for task in [*first, third]:
+                status, headers, _ = await task
+                assert status == 200 and headers["x-kvroute-prefill-worker"] == "p0"
+            assert await _metric(fleet, "kvroute_held_requests_total") == 1.0
+
+
+async def _at_prefill(p0: ReferenceWorker, requests: int) -> bool:
+    return sum(p0.ranks[0].load) == requests  # running (prefilling) or waiting for a step

@@ -229,14 +229,14 @@ async def test_a_rank_has_room_while_what_its_requests_allocate_fits_its_pool(
 async def test_answers_and_ends_tell_the_held_requests(indexer: IndexerService) -> None:
     planner = await _planner(indexer, "kv")
     told: list[str] = []
-    planner.on_progress = lambda: told.append("progress")
+    planner.on_progress = lambda ticket: told.append(ticket.worker)
     req = _request("hello")
     ns = planner.namespace(req)
     ticket = planner.commit(ns, req.tokens, planner.plan(req, ns).ranked()[0], first_try=True)
     planner.first_byte(ticket)
     planner.finish(ticket)
     planner.finish(ticket)  # a second end changes nothing, and says nothing
-    assert told == ["progress", "progress"]
+    assert told == [ticket.worker, ticket.worker]  # the held requests of its rank look again
 
 
 async def test_with_holding_on_a_plan_says_whether_its_first_choice_has_room(

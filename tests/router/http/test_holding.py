@@ -1,0 +1,44 @@
+"""The held requests' queues (`router.http.holding`): who looks again, and when."""
+
+from __future__ import annotations
+
+from router.http.holding import HeldRequests
+
+A = ("w0", None)
+B = ("w1", 0)
+
+
+def test_progress_on_a_rank_wakes_the_head_of_its_queue_only() -> None:
+    held = HeldRequests(poll_s=0.05)
+    first, second = held.enter(A), held.enter(A)
+    other = held.enter(B)
+    held.progressed(A)
+    assert first.woken.is_set() and not second.woken.is_set() and not other.woken.is_set()
+    held.progressed(("w9", None))  # nobody waits there: nothing happens
+    assert held.count == 3
+
+
+def test_only_the_head_of_a_queue_polls_and_leaving_hands_the_turn_on() -> None:
+    held = HeldRequests(poll_s=0.05)
+    first, second = held.enter(A), held.enter(A)
+    assert held.wait_s(first, 10.0) == 0.05  # the head looks again every poll
+    assert held.wait_s(second, 10.0) == 10.0  # the rest wait their turn (or their deadline)
+    assert held.wait_s(first, 0.01) == 0.01  # never past its own deadline
+    held.leave(first)  # it went: the next may fit in the room it found
+    assert second.woken.is_set() and held.count == 1
+    assert held.wait_s(second, 10.0) == 0.05
+    held.leave(second)
+    assert held.count == 0 and held.wait_s(second, 1.0) == 1.0
+
+
+def test_a_request_whose_first_choice_changes_queues_for_the_new_one() -> None:
+    held = HeldRequests(poll_s=0.05)
+    first, second = held.enter(A), held.enter(A)
+    held.move(first, B)  # its first choice is another rank now
+    assert first.target == B
+    held.progressed(A)
+    assert second.woken.is_set() and not first.woken.is_set()
+    held.progressed(B)
+    assert first.woken.is_set()
+    held.move(second, A)  # the same rank: no change of place
+    assert held.wait_s(second, 1.0) == 0.05 and held.count == 2
