@@ -294,7 +294,6 @@ class Exchange:
 
     __slots__ = (
         "_client",
-        "_conn",
         "_connect_timeout_s",
         "_deadline",
         "_origin",

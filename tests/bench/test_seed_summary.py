@@ -105,3 +105,13 @@ def test_the_accuracy_verdict_is_on_the_median_over_seeds() -> None:
     text = render_seed_summary(reports, "kvroute bench routing --seeds 1,2,3")
     assert "| index accuracy | 75.0% | 50.0% | 62.5% | 62.5% |" in text
     assert "on the median over seeds: 62.5%, **missed**." in text
+
+
+def test_the_replica_target_is_stated_only_where_replicas_ran() -> None:
+    with_replicas = render_seed_summary([_report(1, 60, 57)], "kvroute bench routing")
+    assert "Target (issue 14)" in with_replicas
+    report = _report(1, 60, 57)
+    report.sections[0].runs[1] = _run("kv_hold", 66)  # another kv variant, no replicas
+    alone = render_seed_summary([report], "kvroute bench routing")
+    assert "Target (issue 14)" not in alone
+    assert "| kv_hold | 1.100 (seed 1) | 1.100x | 1.100-1.100 | - |" in alone
