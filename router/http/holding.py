@@ -69,8 +69,9 @@ class HeldRequests:
         """How long `held` waits before it looks again unwoken: the head of a queue polls,
         the others wait their turn (up to `remaining_s`, their deadline)."""
         queue = self._queues.get(held.target)
-        head = bool(queue) and queue[0] is held  # type: ignore[index]
-        return min(remaining_s, self.poll_s) if head else remaining_s
+        if queue and queue[0] is held:
+            return min(remaining_s, self.poll_s)
+        return remaining_s
 
     def _remove(self, held: HeldRequest) -> None:
         queue = self._queues.get(held.target)

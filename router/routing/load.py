@@ -8,9 +8,10 @@ A decode worker of a prefill/decode pair also counts the KV its running requests
 (`kv_tokens`: their prompts, moved in from the prefill side), which fills its memory as long
 as they decode.
 
-`allocated_tokens` is the KV the requests in flight allocate beyond the cache they reuse (the
-uncached prompt and the output each named) from dispatch to their end: what `policy.
-hold_until_room` holds a request against (`Planner.has_room`).
+`uncached_tokens` counts the uncached prompt tokens of the requests in flight from dispatch to
+their end (`queued_prefill_tokens` drops them at the first byte, but their pages stay): with
+their output, `allocated_tokens` is the KV they allocate beyond the cache they reuse, what
+`policy.hold_until_room` holds a request against (`Planner.has_room`).
 
 A worker with several data-parallel ranks runs one scheduler per rank, so its load is kept per
 rank: the rank the router told the engine to use. A request sent without a rank (a worker with
@@ -26,23 +27,29 @@ class WorkerLoad:
     """In-flight counters of one worker (or one dp rank of it)."""
 
     __slots__ = (
-        "allocated_tokens",
         "kv_tokens",
         "output_tokens",
         "queued_prefill_tokens",
         "running",
         "sized",
+        "uncached_tokens",
     )
 
     def __init__(self) -> None:
         self.queued_prefill_tokens = 0
         self.running = 0
         self.kv_tokens = 0
-        # uncached prompt and named output of the requests in flight, until they end
-        self.allocated_tokens = 0
+        # the uncached prompts of the requests in flight, until they end
+        self.uncached_tokens = 0
         # the output limits of the requests in flight that named one (`sized` of them)
         self.output_tokens = 0
         self.sized = 0
+
+    def allocated_tokens(self, default: int) -> int:
+        """The KV the requests in flight allocate beyond the cache they reuse: their uncached
+        prompts and outputs (`default` for each that named none)."""
+        unsized = max(0, self.running - self.sized)
+        return self.uncached_tokens + self.output_tokens + unsized * default
 
     def output_per_request(self, default: int) -> float:
         """The output tokens an in-flight request may generate, on average (`default` for
@@ -116,7 +123,7 @@ class LoadTracker:
         out = WorkerLoad()
         for load in self._loads.get(worker, {}).values():
             out.queued_prefill_tokens += load.queued_prefill_tokens
-            out.allocated_tokens += load.allocated_tokens
+            out.uncached_tokens += load.uncached_tokens
             out.running += load.running
             out.kv_tokens += load.kv_tokens
             out.output_tokens += load.output_tokens
@@ -136,7 +143,7 @@ class LoadTracker:
         output it may generate, None: not known)."""
         load = self.of(worker, dp_rank)
         load.queued_prefill_tokens += prefill_tokens
-        load.allocated_tokens += prefill_tokens + (output_tokens or 0)
+        load.uncached_tokens += prefill_tokens
         load.running += 1
         load.kv_tokens += kv_tokens
         if output_tokens is not None:
@@ -166,7 +173,7 @@ class LoadTracker:
         load = self._load(ticket)
         if load is not None:
             load.running -= 1
-            load.allocated_tokens -= ticket.prefill_tokens + (ticket.output_tokens or 0)
+            load.uncached_tokens -= ticket.prefill_tokens
             load.kv_tokens -= ticket.kv_tokens
             if ticket.output_tokens is not None:
                 load.output_tokens -= ticket.output_tokens

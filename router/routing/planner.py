@@ -203,8 +203,15 @@ class Planner:
             balance = self.balance.estimate()
             chooser.decode_weight = balance.decode_weight
         candidates = chooser.rank(tokens, views)
-        if self._config.hold_until_room and candidates and candidates[0].healthy:
-            first = candidates[0]  # only the first choice is held for (`Proxy.hold_for_room`)
+        if (
+            self._config.hold_until_room
+            and role != "decode"
+            and candidates
+            and candidates[0].healthy
+        ):
+            # only the first choice is held for (`Proxy.hold_for_room`), and a pair only for
+            # its prefill side
+            first = candidates[0]
             first.room = self.has_room(first, len(tokens), output_tokens)
         return Plan(
             namespace=self.fingerprint(ns),
@@ -578,8 +585,7 @@ class Planner:
         load = self.load.of(candidate.worker, candidate.dp_rank)
         if capacity is None or load.running == 0:
             return True
-        unsized = max(0, load.running - load.sized)
-        allocated = load.allocated_tokens + unsized * self._config.admission_reserve_tokens
+        allocated = load.allocated_tokens(self._config.admission_reserve_tokens)
         need = max(0, prompt_tokens - candidate.predicted_tokens) + output_tokens
         return allocated + need <= capacity
 

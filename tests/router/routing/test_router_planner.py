@@ -208,22 +208,23 @@ async def test_a_rank_has_room_while_what_its_requests_allocate_fits_its_pool(
     assert planner.has_room(chosen, 5000, 100)  # idle: larger than the pool, it still goes
     first = planner.commit(ns, req.tokens, chosen, first_try=True, output_tokens=100)
     load = planner.load.of(chosen.worker)
-    assert load.allocated_tokens == prompt + 100
+    assert load.allocated_tokens(0) == prompt + 100
     # 500 allocated + 500 more fits 1000; one token more does not
     assert planner.has_room(chosen, prompt, 100)
     assert not planner.has_room(chosen, prompt, 101)
     # the answer's first byte does not free the pages: they stay until the request ends
     planner.first_byte(first)
-    assert load.allocated_tokens == prompt + 100 and not planner.has_room(chosen, prompt, 101)
+    assert load.allocated_tokens(0) == prompt + 100 and not planner.has_room(chosen, prompt, 101)
     # a request that named no output counts the configured reserve
     second = planner.commit(ns, req.tokens, chosen, first_try=True)
     reserve = PolicyConfig().admission_reserve_tokens
-    assert load.allocated_tokens == 2 * prompt + 100
+    assert load.allocated_tokens(0) == 2 * prompt + 100
+    assert load.allocated_tokens(reserve) == 2 * prompt + 100 + reserve
     assert planner.has_room(chosen, 0, 1000 - 2 * prompt - 100 - reserve)
     assert not planner.has_room(chosen, 0, 1000 - 2 * prompt - 100 - reserve + 1)
     planner.finish(first)
     planner.finish(second)
-    assert load.allocated_tokens == 0 and planner.has_room(chosen, 5000, 100)
+    assert load.allocated_tokens(reserve) == 0 and planner.has_room(chosen, 5000, 100)
 
 
 async def test_answers_and_ends_tell_the_held_requests(indexer: IndexerService) -> None:
