@@ -207,11 +207,11 @@ class DecisionStats:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._targets: dict[tuple[str, str, str], list[int]] = {}
+        # counters per (worker, dp rank or None, model)
+        self._targets: dict[tuple[str, int | None, str], list[int]] = {}
         self._reasons: dict[tuple[str, str], int] = {}
-        self._query: dict[str, Histogram] = {}
-        self._best: dict[str, Histogram] = {}
-        self._chosen: dict[str, Histogram] = {}
+        # per model: the blocks of the query, of the best match and of the chosen one
+        self._blocks: dict[str, tuple[Histogram, Histogram, Histogram]] = {}
         self._ttft: dict[tuple[str, str], Histogram] = {}
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
         self._window = [[0] * _W_FIELDS for _ in range(WINDOW_BUCKETS)]
@@ -219,18 +219,31 @@ class DecisionStats:
 
     def decided(self, decision: Decision) -> None:
         """A first attempt was routed: the blocks of the query, the best and the chosen match."""
+        # what `Decision.reason` and `best` say, in one pass (this runs on every request)
+        chosen = decision.chosen
+        held = best = chosen.matched_tokens + chosen.pending_tokens
+        for c in decision.candidates:
+            other = c.matched_tokens + c.pending_tokens
+            if other > best:
+                best = other
+        reason = "none" if best == 0 else "prefix" if best == held else "load"
         model = decision.model
-        reason = decision.reason()
         key = (model, reason)
         self._reasons[key] = self._reasons.get(key, 0) + 1
         block = decision.block_size
         if not block:
             return  # no stream says how long a block is: nothing to count in blocks
-        best = decision.best()
-        _hist(self._query, model).observe(decision.prompt_tokens // block)
-        _hist(self._best, model).observe((best.matched_tokens + best.pending_tokens) // block)
-        chosen = decision.chosen
-        _hist(self._chosen, model).observe((chosen.matched_tokens + chosen.pending_tokens) // block)
+        blocks = self._blocks.get(model)
+        if blocks is None:
+            blocks = self._blocks[model] = (
+                Histogram(BLOCK_BUCKETS),
+                Histogram(BLOCK_BUCKETS),
+                Histogram(BLOCK_BUCKETS),
+            )
+        query, best_match, chosen_match = blocks
+        query.observe(decision.prompt_tokens // block)
+        best_match.observe(best // block)
+        chosen_match.observe(held // block)
 
     def first_byte(self, endpoint: str, model: str, seconds: float) -> None:
         """Time to the worker's first byte, measured at the router."""
@@ -243,7 +256,7 @@ class DecisionStats:
     def finished(self, decision: Decision) -> None:
         """The request ended: count its outcome against the prediction; keep it as recent."""
         chosen = decision.chosen
-        key = (chosen.worker, "" if chosen.dp_rank is None else str(chosen.dp_rank), decision.model)
+        key = (chosen.worker, chosen.dp_rank, decision.model)
         row = self._targets.get(key)
         if row is None:
             row = self._targets[key] = [0] * 9
@@ -252,7 +265,8 @@ class DecisionStats:
         window[0] += 1
         cached = decision.cached_tokens
         if cached is not None:
-            predicted = chosen.predicted_split[0]  # as x-kvroute-matched-tokens says
+            # as x-kvroute-matched-tokens says (`Candidate.predicted_split`'s first part)
+            predicted = min(chosen.matched_tokens, chosen.predicted_tokens)
             row[_USAGE] += 1
             row[_USAGE_PROMPT] += decision.prompt_tokens
             row[_USAGE_PREDICTED] += predicted
@@ -304,13 +318,6 @@ class DecisionStats:
     def forget(self, worker: str) -> None:
         """Drop a removed worker's series."""
         self._targets = {k: v for k, v in self._targets.items() if k[0] != worker}
-
-
-def _hist(table: dict[str, Histogram], model: str) -> Histogram:
-    hist = table.get(model)
-    if hist is None:
-        hist = table[model] = Histogram(BLOCK_BUCKETS)
-    return hist
 
 
 _TARGET_COUNTERS = (
@@ -365,7 +372,10 @@ class DecisionCollector(Collector):
     def _families(self, *, empty: bool) -> Iterator[Metric]:
         stats = self._stats
         labels = ["worker", "dp_rank", "model"]
-        targets = {} if empty else dict(stats._targets)
+        targets = {
+            (worker, "" if rank is None else str(rank), model): row
+            for (worker, rank, model), row in ({} if empty else stats._targets).items()
+        }
         for name, text, slot in _TARGET_COUNTERS:
             family = CounterMetricFamily(name, text, labels=labels)
             for key, row in sorted(targets.items()):
@@ -390,26 +400,25 @@ class DecisionCollector(Collector):
         for (model, reason), n in sorted(({} if empty else stats._reasons).items()):
             reasons.add_metric([model, reason], n)
         yield reasons
-        for name, text, table in (
+        for which, (name, text) in enumerate(
             (
-                "kvroute_route_query_blocks",
-                "Full blocks in each routed prompt (at the chosen worker's block size)",
-                stats._query,
-            ),
-            (
-                "kvroute_route_best_match_blocks",
-                "The fleet's longest held prefix of each routed prompt, in blocks (events and "
-                "pending marks)",
-                stats._best,
-            ),
-            (
-                "kvroute_route_chosen_match_blocks",
-                "The chosen (worker, rank)'s held prefix of each routed prompt, in blocks",
-                stats._chosen,
-            ),
+                (
+                    "kvroute_route_query_blocks",
+                    "Full blocks in each routed prompt (at the chosen worker's block size)",
+                ),
+                (
+                    "kvroute_route_best_match_blocks",
+                    "The fleet's longest held prefix of each routed prompt, in blocks (events "
+                    "and pending marks)",
+                ),
+                (
+                    "kvroute_route_chosen_match_blocks",
+                    "The chosen (worker, rank)'s held prefix of each routed prompt, in blocks",
+                ),
+            )
         ):
             rows: dict[tuple[str, ...], Histogram] = (
-                {} if empty else {(model,): hist for model, hist in table.items()}
+                {} if empty else {(model,): hists[which] for model, hists in stats._blocks.items()}
             )
             yield _histogram_family(name, text, ["model"], rows)
         ttft: dict[tuple[str, ...], Histogram] = (

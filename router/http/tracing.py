@@ -13,9 +13,9 @@ A trace kvroute does not record costs no OpenTelemetry object: when kvroute made
 `ParentBased(TraceIdRatioBased)` would (`Tracing.decide`): a valid client `traceparent` is
 followed, and a new trace's random id is kept when its low 64 bits fall below ratio x 2^64.
 A trace not kept sends the worker a `traceparent` with the sampled flag off. A kept one is
-recorded by kvroute too (`router.http.spans.SpanRecorder`): plain objects that become the SDK's
-`ReadableSpan` when they end, handed to the exporters kvroute made, which see what the SDK's
-own spans would give them. The SDK's sampler and spans serve every request when the sampler,
+recorded by kvroute too (`router.http.span_recorder.SpanRecorder`): the SDK's own `ReadableSpan`
+objects, filled as the request goes and handed to the exporters kvroute made when it ends.
+The SDK's sampler and spans serve every request when the sampler,
 the propagators or the provider are not kvroute's. (The SDK's span machinery costs a dropped
 request about 80 Python calls, and a kept one about 27 us a span.)
 
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from router.config import TracingConfig
 from router.errors import ConfigError
-from router.http.spans import SdkSpans, SpanMaker, SpanRecorder
+from router.http.spans import SdkSpans, SpanMaker
 from router.prompt.tokenizer import PromptTokenizer
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import Status, Tracer, TracerProvider
 
+    from router.http.span_recorder import SpanRecorder
     from router.prompt.conventions import ChatOptions
 
 __all__ = ["TracedTokenizer", "Tracing", "build_tracing", "tracing_wanted", "w3c_propagation"]
@@ -189,6 +190,8 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
             SimpleSpanProcessor,
         )
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from router.http.span_recorder import SpanRecorder
     except ImportError as exc:
         raise ConfigError(
             "tracing is on but OpenTelemetry is not installed: pip install 'kvroute[otel]' "
