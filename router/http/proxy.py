@@ -169,6 +169,11 @@ def _first_waiting(plan: Plan) -> Candidate | None:
     return first if first is not None and first.healthy and first.room is False else None
 
 
+def _uncached(plan: Plan, candidate: Candidate) -> int:
+    """The prompt tokens `candidate` is not predicted to hold for `plan`'s request."""
+    return max(0, plan.prompt_tokens - candidate.predicted_tokens)
+
+
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
@@ -323,8 +328,14 @@ class Proxy:
             return plan
         held = holding.enter((first.worker, first.dp_rank))
         self._metrics.held.inc()
+        # while held, its uncached prompt counts as queued on the rank it waits for (the
+        # score of every other request sees it there); not while it is planned again itself
+        load = self._planner.load
+        waiting: tuple[str, int | None, int] | None = None
         try:
             while True:
+                waiting = (first.worker, first.dp_rank, _uncached(side(plan), first))
+                load.hold(*waiting)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return plan
@@ -332,12 +343,17 @@ class Proxy:
                     async with asyncio.timeout(holding.wait_s(held, remaining)):
                         await held.woken.wait()
                 held.woken.clear()
+                load.release(*waiting)
+                waiting = None
                 plan = replan()
-                first = _first_waiting(side(plan))
-                if first is None:
+                found = _first_waiting(side(plan))
+                if found is None:
                     return plan
+                first = found
                 holding.move(held, (first.worker, first.dp_rank))
         finally:
+            if waiting is not None:
+                load.release(*waiting)
             holding.leave(held)
 
     def held(self) -> int:

@@ -13,6 +13,11 @@ their end (`queued_prefill_tokens` drops them at the first byte, but their pages
 their output, `allocated_tokens` is the KV they allocate beyond the cache they reuse, what
 `policy.hold_until_room` holds a request against (`Planner.has_room`).
 
+`held_tokens` counts the uncached prompts of the requests `policy.hold_until_room` holds in the
+router for the rank (they have not been sent): the `kv` score counts them as queued there, as it
+would if they waited in the worker's queue. Without that, every request arriving behind a held
+one would see the rank as idle, pick it too, and be held as well.
+
 A worker with several data-parallel ranks runs one scheduler per rank, so its load is kept per
 rank: the rank the router told the engine to use. A request sent without a rank (a worker with
 one rank, or whose ranks are not known) counts under the rank `None`. Pure bookkeeping: no I/O.
@@ -27,6 +32,7 @@ class WorkerLoad:
     """In-flight counters of one worker (or one dp rank of it)."""
 
     __slots__ = (
+        "held_tokens",
         "kv_tokens",
         "output_tokens",
         "queued_prefill_tokens",
@@ -44,6 +50,8 @@ class WorkerLoad:
         # the output limits of the requests in flight that named one (`sized` of them)
         self.output_tokens = 0
         self.sized = 0
+        # the uncached prompts of the requests held in the router for this rank (not sent)
+        self.held_tokens = 0
 
     def allocated_tokens(self, default: int) -> int:
         """The KV the requests in flight allocate beyond the cache they reuse: their uncached
@@ -128,6 +136,7 @@ class LoadTracker:
             out.kv_tokens += load.kv_tokens
             out.output_tokens += load.output_tokens
             out.sized += load.sized
+            out.held_tokens += load.held_tokens
         return out
 
     def begin(
@@ -150,6 +159,17 @@ class LoadTracker:
             load.output_tokens += output_tokens
             load.sized += 1
         return Ticket(worker, prefill_tokens, dp_rank, kv_tokens, output_tokens)
+
+    def hold(self, worker: str, dp_rank: int | None, prefill_tokens: int) -> None:
+        """A request with this many uncached tokens waits in the router for this rank."""
+        self.of(worker, dp_rank).held_tokens += prefill_tokens
+
+    def release(self, worker: str, dp_rank: int | None, prefill_tokens: int) -> None:
+        """A held request stopped waiting for this rank (sent, moved or given up)."""
+        ranks = self._loads.get(worker)
+        load = ranks.get(dp_rank) if ranks is not None else None
+        if load is not None:  # a worker removed meanwhile has no counters left
+            load.held_tokens = max(0, load.held_tokens - prefill_tokens)
 
     def _load(self, ticket: Ticket) -> WorkerLoad | None:
         ranks = self._loads.get(ticket.worker)

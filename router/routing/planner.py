@@ -381,7 +381,8 @@ class Planner:
                 stale=match.state in UNTRUSTED,
                 weights=self._config.medium_weights,
             ),
-            queued_prefill_tokens=load.queued_prefill_tokens,
+            # requests held in the router for the rank wait as if queued there
+            queued_prefill_tokens=load.queued_prefill_tokens + load.held_tokens,
             running=load.running,
             kv_tokens=load.kv_tokens,
         )

@@ -135,3 +135,29 @@ async def test_a_pair_is_held_until_its_prefill_side_has_room() -> None:
 
 async def _at_prefill(p0: ReferenceWorker, requests: int) -> bool:
     return sum(p0.ranks[0].load) == requests  # running (prefilling) or waiting for a step
+
+
+async def test_a_held_request_counts_as_queued_on_the_rank_it_waits_for() -> None:
+    """The score of every other request sees a held request where it waits, as it would see
+    it in the worker's queue: without that, each new request would find the rank idle, pick it
+    and be held behind. Each prompt is 129 tokens the worker does not hold."""
+    async with _fleet(True, 1024) as (fleet, w0):
+        first = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (1, 2)]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        # the two sent ones count their prompts until their (non-streamed) answers
+        assert await _queued(fleet) == 2 * 129
+        third = asyncio.create_task(fleet.post("/generate", prompt(3)))
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+        )
+        assert await _queued(fleet) == 3 * 129
+        for task in [*first, third]:
+            status, _, _ = await task
+            assert status == 200
+        assert await _queued(fleet) == 0  # nothing held or in flight is left counted
+
+
+async def _queued(fleet: Fleet) -> int:
+    plan = await fleet.route(prompt(99))
+    (only,) = plan["candidates"]
+    return int(only["queued_prefill_tokens"])

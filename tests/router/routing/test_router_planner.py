@@ -258,3 +258,32 @@ async def test_with_holding_on_a_plan_says_whether_its_first_choice_has_room(
     assert planner.plan(req, ns).candidates[0].room is False
     entry.capacity_tokens = 1000
     assert planner.plan(req, ns).candidates[0].room is True
+
+
+async def test_a_held_request_weighs_on_its_rank_like_a_queued_one(
+    indexer: IndexerService,
+) -> None:
+    """A request `policy.hold_until_room` holds for a rank counts as queued prefill there
+    until released: the other requests' scores see it, as if it waited in the worker's
+    queue, and turn to the other worker."""
+    planner = await _planner(indexer, "kv")
+    req = _request("x" * 400)
+    ns = planner.namespace(req)
+    before = planner.plan(req, ns).ranked()
+    first, second = before[0], before[1]
+    planner.load.hold(first.worker, first.dp_rank, 400)
+    planner.load.hold(first.worker, first.dp_rank, 100)
+    after = planner.plan(req, ns)
+    held = next(c for c in after.candidates if c.worker == first.worker)
+    assert held.queued_prefill_tokens == 500
+    assert planner.load.total(first.worker).held_tokens == 500
+    assert after.ranked()[0].worker == second.worker  # the idle one wins now
+    # it is not in flight: it allocates nothing yet, and nothing runs
+    load = planner.load.of(first.worker, first.dp_rank)
+    assert (load.running, load.allocated_tokens(0)) == (0, 0)
+    planner.load.release(first.worker, first.dp_rank, 400)
+    planner.load.release(first.worker, first.dp_rank, 400)  # more than is held: floors at 0
+    planner.load.release("gone", None, 10)  # a worker removed meanwhile: nothing to release
+    assert load.held_tokens == 0
+    again = next(c for c in planner.plan(req, ns).candidates if c.worker == first.worker)
+    assert again.queued_prefill_tokens == 0
