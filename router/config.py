@@ -111,6 +111,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # would have queued it anyway; the router decides later, and knows better). A prefill/
     # decode pair is held for its prefill side; a rank whose capacity is unknown never holds
     hold_until_room: bool = False
+    # the share of each in-flight request's output limit `hold_until_room` counts as allocated
+    # (the new request's own counts whole). 1: the whole limit, as the reference worker
+    # reserves it. SGLang reserves `new_token_ratio` of what a running request may still
+    # generate (0.7 at start, decaying to about 0.1 while nothing is retracted), so with
+    # long output limits a lower share keeps the router from counting a worker full that
+    # SGLang still fills; 0 counts only the prompts
+    hold_output_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     # eviction-aware placement (router.routing.eviction_cost): score -= eviction_weight * the
     # tokens of reused blocks, held by no other worker, that the request's own allocation
     # would evict there (0: off)

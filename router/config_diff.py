@@ -35,6 +35,7 @@ _LIVE: dict[str, frozenset[str] | None] = {
             "approx_balance_abs",
             "approx_balance_rel",
             "hold_until_room",  # read per request by the proxy
+            "hold_output_ratio",
         }
     ),
     "timeouts": None,

@@ -53,11 +53,13 @@ class WorkerLoad:
         # the uncached prompts of the requests held in the router for this rank (not sent)
         self.held_tokens = 0
 
-    def allocated_tokens(self, default: int) -> int:
+    def allocated_tokens(self, default: int, output_ratio: float = 1.0) -> int:
         """The KV the requests in flight allocate beyond the cache they reuse: their uncached
-        prompts and outputs (`default` for each that named none)."""
+        prompts and outputs (`default` for each that named none), the outputs counted at
+        `output_ratio` of their limits (an engine that reserves only a share of them)."""
         unsized = max(0, self.running - self.sized)
-        return self.uncached_tokens + self.output_tokens + unsized * default
+        outputs = self.output_tokens + unsized * default
+        return self.uncached_tokens + round(outputs * output_ratio)
 
     def output_per_request(self, default: int) -> float:
         """The output tokens an in-flight request may generate, on average (`default` for

@@ -577,16 +577,19 @@ class Planner:
         """Whether the candidate's rank can admit a request of `prompt_tokens` that may generate
         `output_tokens` beside the requests in flight there (`policy.hold_until_room`): what
         they and it allocate beyond the cache they reuse (uncached prompt, output; the
-        default reserve for a request that named no output) fits the rank's KV pool. A rank
-        with nothing in flight, or whose capacity is unknown, always has room (else a request
-        larger than the pool, or a fleet without `max_total_num_tokens`, would wait forever).
+        default reserve for a request that named no output; the in-flight ones' outputs at
+        `policy.hold_output_ratio` of it, as an engine that reserves a share) fits the rank's
+        KV pool. A rank with nothing in flight, or whose capacity is unknown, always has room
+        (else a request larger than the pool, or a fleet without `max_total_num_tokens`,
+        would wait forever).
         """
         entry = self.pool.find(candidate.worker)
         capacity = entry.capacity_tokens if entry is not None else None
         load = self.load.of(candidate.worker, candidate.dp_rank)
         if capacity is None or load.running == 0:
             return True
-        allocated = load.allocated_tokens(self._config.admission_reserve_tokens)
+        config = self._config
+        allocated = load.allocated_tokens(config.admission_reserve_tokens, config.hold_output_ratio)
         need = max(0, prompt_tokens - candidate.predicted_tokens) + output_tokens
         return allocated + need <= capacity
 

@@ -287,3 +287,30 @@ async def test_a_held_request_weighs_on_its_rank_like_a_queued_one(
     assert load.held_tokens == 0
     again = next(c for c in planner.plan(req, ns).candidates if c.worker == first.worker)
     assert again.queued_prefill_tokens == 0
+
+
+async def test_hold_output_ratio_counts_a_share_of_the_outputs_in_flight(
+    indexer: IndexerService,
+) -> None:
+    """An engine that reserves a share of a running request's output (SGLang's
+    new_token_ratio): the in-flight outputs count at `hold_output_ratio`, the new request's
+    own in full."""
+    planner = await _planner(indexer, "kv")
+    req = _request("x" * 400)
+    ns = planner.namespace(req)
+    chosen = planner.plan(req, ns).ranked()[0]
+    entry = planner.pool.find(chosen.worker)
+    assert entry is not None
+    entry.capacity_tokens = 1500
+    prompt = len(req.tokens)
+    planner.commit(ns, req.tokens, chosen, first_try=True, output_tokens=1000)
+    # in flight: 400 + 1000 of output; another 400 + 100 does not fit 1500
+    assert not planner.has_room(chosen, prompt, 100)
+    planner.reconfigure(PolicyConfig(hold_output_ratio=0.1))
+    load = planner.load.of(chosen.worker)
+    assert load.allocated_tokens(16, 0.1) == prompt + 100
+    # 400 + 100 in flight, 400 + 600 new: exactly 1500 fits; the new output counts whole
+    assert planner.has_room(chosen, prompt, 600)
+    assert not planner.has_room(chosen, prompt, 601)
+    planner.reconfigure(PolicyConfig(hold_output_ratio=0.0))
+    assert load.allocated_tokens(16, 0.0) == prompt
