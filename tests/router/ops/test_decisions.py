@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.http.decisions import Decision, DecisionCollector, DecisionStats
+from router.http.decisions import FLUSH_EVERY, Decision, DecisionCollector, DecisionStats
 from router.routing.policy import Candidate
 
 
@@ -82,3 +82,51 @@ def test_explanations_say_why() -> None:
     assert d.explain().endswith("(retry 1)")
     row = d.to_builtins()
     assert row["best_worker"] == "a" and len(row["candidates"]) == 2  # type: ignore[arg-type]
+
+
+def test_counted_in_batches_yet_every_reader_sees_every_request() -> None:
+    now = [1000.0]
+    stats = DecisionStats(clock=lambda: now[0])
+    a = _candidate("a", 32)
+    key = (("dp_rank", ""), ("model", "m"), ("worker", "a"))
+
+    def one(cached: int) -> Decision:
+        d = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
+        stats.decided(d)
+        stats.first_byte("/v1/completions", "m", 0.01)
+        d.status, d.cached_tokens = 200, cached
+        stats.finished(d)
+        return d
+
+    first = one(32)
+    # told, not counted yet: the scrape, `recent` and the window count it before they read
+    assert _samples(stats)[("kvroute_routed_requests_total", key)] == 1
+    assert list(stats.recent) == [first]
+    assert stats.window()[-1]["requests"] == 1
+    # a batch's worth is counted without a reader, and no more than that waits
+    for _ in range(FLUSH_EVERY):
+        one(0)
+        assert len(stats._pending) < FLUSH_EVERY
+    routed = stats._targets[("a", None, "m")][0]
+    assert 1 < routed <= 1 + FLUSH_EVERY
+    assert _samples(stats)[("kvroute_routed_requests_total", key)] == 1 + FLUSH_EVERY
+    ttft = (
+        "kvroute_time_to_first_token_seconds_count",
+        (("endpoint", "/v1/completions"), ("model", "m")),
+    )
+    assert _samples(stats)[ttft] == 1 + FLUSH_EVERY
+
+
+def test_a_request_counted_after_the_window_moved_on_spares_the_newer_period() -> None:
+    now = [1000.0]
+    stats = DecisionStats(clock=lambda: now[0])
+    a = _candidate("a", 0)
+    old = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
+    stats.finished(old)  # told at t=1000, counted only when read below
+    # 300 s later (the window's length) the same slot holds a newer period
+    now[0] += 300
+    new = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
+    stats._count_finished(new, now[0])  # counted at once, ahead of the older one
+    rows = stats.window()
+    assert rows[-1]["requests"] == 1  # the older request did not reset the newer period
+    assert sum(row["requests"] for row in rows) == 1
