@@ -20,7 +20,6 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -199,28 +198,33 @@ class Decision:
         }
 
 
+def _no_block_size(worker: str) -> int | None:
+    return None
+
+
 def _target(c: Candidate) -> str:
     return c.worker if c.dp_rank is None else f"{c.worker}#dp{c.dp_rank}"
 
 
-# what a request tells the statistics, kept as it happens and counted in batches
-_DECIDED, _FIRST_BYTE, _FINISHED = range(3)
-# requests' worth of facts counted together: a few microseconds a request where they are
-# counted one by one between the parser's and the worker client's code (measured: the
-# statistics cost about 3% of a tiny request's router CPU counted one by one)
+# requests counted together: a few microseconds a request where their facts are counted one
+# by one between the parser's and the worker client's code (measured: the statistics cost
+# about 3% of a tiny request's router CPU counted one by one)
 FLUSH_EVERY = 64
 
 
 class DecisionStats:
     """Counters of every decision and outcome, the recent decisions, the rolling window.
 
-    What the proxy tells it (`decided`, `first_byte`, `finished`) is kept in arrival order and
-    counted FLUSH_EVERY entries at a time, and before anything reads it (`flush`: the scrape,
-    the dashboard, `recent`, `window`), so every reader sees every request told so far."""
+    A request's decision is told once, when its observation is done with it (`told`: answered,
+    failed, or given up for a retry), kept in arrival order and counted FLUSH_EVERY requests at
+    a time, and before anything reads the statistics (`flush`: the scrape, the dashboard,
+    `recent`, `window`), so every reader sees every request told so far."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._pending: list[tuple[int, Any, float]] = []
+        # a worker's block size (the indexer's, set by the observer), read when counted
+        self.block_size: Callable[[str], int | None] = _no_block_size
+        self._pending: list[tuple[Decision, float]] = []
         # counters per (worker, dp rank or None, model)
         self._targets: dict[tuple[str, int | None, str], list[int]] = {}
         self._reasons: dict[tuple[str, str], int] = {}
@@ -231,24 +235,13 @@ class DecisionStats:
         self._window = [[0] * _W_FIELDS for _ in range(WINDOW_BUCKETS)]
         self._window_slot = [-1] * WINDOW_BUCKETS  # which 10 s period each bucket holds
 
-    def decided(self, decision: Decision) -> None:
-        """A first attempt was routed: the blocks of the query, the best and the chosen match."""
+    def told(self, decision: Decision) -> None:
+        """What a request did, once its observation is done with it: counted as a first
+        attempt's decision (`attempt` 0: the blocks of the query, the best and the chosen
+        match), its time to first byte (`ttft_s`), and its outcome against the prediction and
+        as a recent decision (`status`: it was answered)."""
         pending = self._pending
-        pending.append((_DECIDED, decision, 0.0))
-        if len(pending) >= FLUSH_EVERY:
-            self.flush()
-
-    def first_byte(self, endpoint: str, model: str, seconds: float) -> None:
-        """Time to the worker's first byte, measured at the router."""
-        pending = self._pending
-        pending.append((_FIRST_BYTE, (endpoint, model), seconds))
-        if len(pending) >= FLUSH_EVERY:
-            self.flush()
-
-    def finished(self, decision: Decision) -> None:
-        """The request ended: count its outcome against the prediction; keep it as recent."""
-        pending = self._pending
-        pending.append((_FINISHED, decision, self._clock()))
+        pending.append((decision, self._clock()))
         if len(pending) >= FLUSH_EVERY:
             self.flush()
 
@@ -258,13 +251,16 @@ class DecisionStats:
         if not pending:
             return
         self._pending = []
-        for kind, fact, value in pending:
-            if kind == _FINISHED:
-                self._count_finished(fact, value)
-            elif kind == _DECIDED:
-                self._count_decided(fact)
-            else:
-                self._count_first_byte(fact, value)
+        block_size = self.block_size
+        for decision, at in pending:
+            if decision.block_size is None:
+                decision.block_size = block_size(decision.chosen.worker)
+            if decision.attempt == 0:
+                self._count_decided(decision)
+            if decision.ttft_s is not None:
+                self._count_first_byte((decision.endpoint, decision.model), decision.ttft_s)
+            if decision.status is not None:
+                self._count_finished(decision, at)
 
     @property
     def recent(self) -> deque[Decision]:

@@ -75,7 +75,8 @@ class Observer:
         self.stats = stats
         self.tracing = tracing
         self.enabled = enabled  # `[observe] enabled`: false, every request is `Unobserved`
-        self._block_size = block_size
+        # the statistics read a decision's block size when they count it, off the request path
+        stats.block_size = block_size
 
     def begin(self, request: web.Request, endpoint: Endpoint) -> Observation:
         """Start observing `request` (found again by `observation(request)`)."""
@@ -224,10 +225,10 @@ class Observation:
             plan.candidates,
             candidate,
             attempt,
-            self._observer._block_size(candidate.worker),
+            None,  # the statistics fill it in when they count it
         )
-        if attempt == 0:
-            self._observer.stats.decided(decision)
+        if self._decision is not None:  # the attempt before, retried: counted as it stands
+            self._observer.stats.told(self._decision)
         self._decision = decision
         if self._request_span is None:
             return
@@ -265,11 +266,9 @@ class Observation:
 
     def first_byte(self) -> None:
         """The worker's first byte arrived: time to first token, at the router."""
-        seconds = time.perf_counter() - self.started
         decision = self._decision
         if decision is not None and decision.ttft_s is None:
-            decision.ttft_s = seconds
-            self._observer.stats.first_byte(self.endpoint, self.model, seconds)
+            decision.ttft_s = time.perf_counter() - self.started
 
     def response_headers(self, headers: CIMultiDict[str]) -> None:
         """Headers for the client: the request id."""
@@ -296,7 +295,8 @@ class Observation:
             decision.cached_tokens = self._tail.cached_tokens()
         decision.status = status
         decision.duration_s = time.perf_counter() - self.started
-        self._observer.stats.finished(decision)
+        self._decision = None
+        self._observer.stats.told(decision)
         if log.isEnabledFor(logging.DEBUG):
             chosen = decision.chosen
             log.debug(
@@ -331,6 +331,10 @@ class Observation:
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
+        decision = self._decision
+        if decision is not None:  # not answered (failed or cancelled): counted as it stands
+            self._decision = None
+            self._observer.stats.told(decision)
         span = self._request_span
         if span is None:
             return

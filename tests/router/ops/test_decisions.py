@@ -42,9 +42,8 @@ def test_outcomes_reasons_and_blocks() -> None:
     cases = [([a, b], a, 64), ([a, b], a, 32), ([b, a], b, 16), ([_candidate("a", 0), b], b, None)]
     for candidates, chosen, cached in cases:
         d = Decision("id", "/v1/completions", "m", "ns", 100, candidates, chosen, 0, 16)
-        stats.decided(d)
         d.status, d.cached_tokens = 200, cached
-        stats.finished(d)
+        stats.told(d)
     s = _samples(stats)
     a_key = (("dp_rank", ""), ("model", "m"), ("worker", "a"))
     b_key = (("dp_rank", "1"), ("model", "m"), ("worker", "b"))
@@ -92,10 +91,8 @@ def test_counted_in_batches_yet_every_reader_sees_every_request() -> None:
 
     def one(cached: int) -> Decision:
         d = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
-        stats.decided(d)
-        stats.first_byte("/v1/completions", "m", 0.01)
-        d.status, d.cached_tokens = 200, cached
-        stats.finished(d)
+        d.ttft_s, d.status, d.cached_tokens = 0.01, 200, cached
+        stats.told(d)
         return d
 
     first = one(32)
@@ -122,7 +119,8 @@ def test_a_request_counted_after_the_window_moved_on_spares_the_newer_period() -
     stats = DecisionStats(clock=lambda: now[0])
     a = _candidate("a", 0)
     old = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
-    stats.finished(old)  # told at t=1000, counted only when read below
+    old.status = 200
+    stats.told(old)  # told at t=1000, counted only when read below
     # 300 s later (the window's length) the same slot holds a newer period
     now[0] += 300
     new = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
@@ -130,3 +128,34 @@ def test_a_request_counted_after_the_window_moved_on_spares_the_newer_period() -
     rows = stats.window()
     assert rows[-1]["requests"] == 1  # the older request did not reset the newer period
     assert sum(row["requests"] for row in rows) == 1
+
+
+def test_what_a_request_got_to_is_what_is_counted() -> None:
+    """A retried attempt counts its decision only; one that failed after its decision, its
+    decision and no outcome; the block size is read from the source when counted."""
+    stats = DecisionStats(clock=lambda: 1000.0)
+    sizes = {"a": 16}
+    stats.block_size = lambda worker: sizes.get(worker)
+    a, b = _candidate("a", 64), _candidate("b", 0)
+    retried = Decision("r1", "/v1/completions", "m", "ns", 100, [a, b], a, 0, None)
+    stats.told(retried)  # its worker failed before answering
+    second = Decision("r1", "/v1/completions", "m", "ns", 100, [b, a], b, 1, None)
+    second.ttft_s, second.status = 0.02, 200
+    stats.told(second)
+    abandoned = Decision("r2", "/v1/completions", "m", "ns", 100, [a, b], a, 0, None)
+    stats.told(abandoned)  # the client went away
+    s = _samples(stats)
+    assert s[("kvroute_route_decisions_total", (("model", "m"), ("reason", "prefix")))] == 2
+    assert ("kvroute_route_decisions_total", (("model", "m"), ("reason", "load"))) not in s
+    queries = ("kvroute_route_query_blocks_count", (("model", "m"),))
+    assert s[queries] == 2  # the first attempts, at worker a's 16 tokens a block
+    assert retried.block_size == 16 and second.block_size is None
+    ttft = (
+        "kvroute_time_to_first_token_seconds_count",
+        (("endpoint", "/v1/completions"), ("model", "m")),
+    )
+    assert s[ttft] == 1
+    routed = ("kvroute_routed_requests_total", (("dp_rank", ""), ("model", "m"), ("worker", "b")))
+    assert s[routed] == 1
+    assert not any(k[0] == "kvroute_routed_requests_total" and ("worker", "a") in k[1] for k in s)
+    assert list(stats.recent) == [second]
