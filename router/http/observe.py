@@ -139,9 +139,9 @@ class Observation:
             self._start_trace(tracing, request)
 
     def _start_trace(self, tracing: Tracing, request: web.Request) -> None:
-        decision = tracing.decide(request.headers)
-        if decision is not None and not decision.kept:  # decided before anything is made
-            self._traceparent = tracing.unsampled_traceparent(decision)
+        decision = tracing.start(request.headers)
+        if isinstance(decision, str):  # not recorded: decided before anything is made
+            self._traceparent = decision
             return
         name = f"{request.method} {self.endpoint}"
         attributes = {

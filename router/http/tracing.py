@@ -10,14 +10,15 @@ the OTLP endpoint (`OTEL_EXPORTER_OTLP_*`, read by the exporter itself) and the 
 
 A trace kvroute does not record costs no OpenTelemetry object: when kvroute made the sampler (no
 `OTEL_TRACES_SAMPLER`) and the propagators are W3C's (the default), kvroute decides as the SDK's
-`ParentBased(TraceIdRatioBased)` would (`Tracing.decide`): a valid client `traceparent` is
-followed, and a new trace's random id is kept when its low 64 bits fall below ratio x 2^64.
-A trace not kept sends the worker a `traceparent` with the sampled flag off. A kept one is
-recorded by kvroute too (`router.http.span_recorder.SpanRecorder`): the SDK's own `ReadableSpan`
-objects, filled as the request goes and handed to the exporters kvroute made when it ends.
-The SDK's sampler and spans serve every request when the sampler,
-the propagators or the provider are not kvroute's. (The SDK's span machinery costs a dropped
-request about 80 Python calls, and a kept one about 27 us a span.)
+`ParentBased(TraceIdRatioBased)` would (`Tracing.decide`; `Tracing.start` on the request path, which
+writes a dropped new trace's header straight from one random draw): a valid client `traceparent` is
+followed, and a new trace's random id is kept when its low 64 bits fall below ratio x 2^64. A trace
+not kept sends the worker a `traceparent` with the sampled flag off. A kept one is recorded by
+kvroute too (`router.http.span_recorder.SpanRecorder`): the SDK's own `ReadableSpan` objects, filled
+as the request goes and handed to the exporters kvroute made when it ends. The SDK's sampler and
+spans serve every request when the sampler, the propagators or the provider are not kvroute's. (The
+SDK's span machinery costs a dropped request about 80 Python calls, and a kept one about 27 us a
+span.)
 
 One span per request (SERVER, continuing the client's `traceparent`), children `parse` (with
 `tokenize` inside it: tokenizing is part of reading the request), `route` and one `upstream`
@@ -153,6 +154,29 @@ class Tracing:
             return parent
         trace_id = getrandbits(128) or 1
         return TraceDecision(trace_id, 0, trace_id & _LOW_64 < bound, _DROPPED_FLAGS)
+
+    def start(self, headers: Mapping[str, str]) -> TraceDecision | str | None:
+        """`decide`, as a request starts: a trace to record (the `TraceDecision`), the
+        `traceparent` to send the worker for one not recorded (a str), or None when the SDK
+        decides. A request without a `traceparent` (most, where clients do not trace) is
+        decided from one random draw, the header of a dropped one written straight from it:
+        on the router's path a dropped trace costs a draw and a format, nothing more."""
+        bound = self._root_bound
+        if bound is None:
+            return None
+        if "traceparent" in headers:
+            decision = self.decide(headers)
+            assert decision is not None  # kvroute decides (bound)
+            return decision if decision.kept else self.unsampled_traceparent(decision)
+        drawn = getrandbits(192)  # the trace id (128 bits), then the worker's parent span id
+        trace_id = drawn >> 64
+        if trace_id & _LOW_64 >= bound and trace_id and drawn & _LOW_64:
+            ids = drawn.to_bytes(24, "big").hex()  # a third faster than format(drawn, "048x")
+            return "00-" + ids[:32] + "-" + ids[32:] + "-" + _DROPPED_FLAGS
+        # kept, or a zero id drawn (once in 2^64): as `decide` does
+        trace_id = trace_id or 1
+        decision = TraceDecision(trace_id, 0, trace_id & _LOW_64 < bound, _DROPPED_FLAGS)
+        return decision if decision.kept else self.unsampled_traceparent(decision)
 
     @staticmethod
     def unsampled_traceparent(decision: TraceDecision) -> str:

@@ -675,3 +675,31 @@ def test_other_propagators_leave_every_decision_to_the_sdk() -> None:
         tracing.shutdown()
     finally:
         set_global_textmap(before)
+
+
+def test_a_request_s_trace_is_started_as_decide_says(provider: TracerProvider) -> None:
+    """`Tracing.start`, the request path's way: a dropped new trace is only the header the
+    worker gets; a kept one a decision to record; the ratio's share holds."""
+    dropping = Tracing(provider, owned=False, root_ratio=0.0)
+    headers = {dropping.start({}) for _ in range(50)}
+    assert len(headers) == 50  # a trace id and a parent span id of its own each
+    for header in headers:
+        assert isinstance(header, str)
+        found = TRACEPARENT.match(header)
+        assert found is not None and header.startswith("00-") and header.endswith("-02")
+        assert int(found.group(1), 16) and int(found.group(2), 16)
+    keeping = Tracing(provider, owned=False, root_ratio=1.0)
+    kept = keeping.start({})
+    assert isinstance(kept, TraceDecision) and kept.kept and kept.parent_span_id == 0
+    quarter = Tracing(provider, owned=False, root_ratio=0.25)
+    share = sum(isinstance(quarter.start({}), TraceDecision) for _ in range(4000))
+    assert 800 <= share <= 1200  # 1,000 expected, 27 the standard deviation
+    # a client's trace: continued, its flag followed
+    client = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
+    unsampled = dropping.start({"traceparent": client})
+    assert isinstance(unsampled, str) and unsampled.startswith("00-" + "1" * 32 + "-")
+    assert unsampled.endswith("-00") and "2" * 16 not in unsampled  # a new parent span id
+    sampled = dropping.start({"traceparent": client[:-2] + "01"})
+    assert isinstance(sampled, TraceDecision) and sampled.kept
+    # the SDK decides with a provider handed in
+    assert Tracing(provider, owned=False).start({}) is None
