@@ -134,9 +134,7 @@ class Decision:
     def reason(self) -> str:
         """`prefix` (the longest match won), `load` (a longer match lost on load) or `none`."""
         best = self.best()
-        if best.matched_tokens + best.pending_tokens == 0:
-            return "none"
-        return "prefix" if best is self.chosen else "load"
+        return _reason(best.matched_tokens + best.pending_tokens, best is self.chosen)
 
     def explain(self) -> str:
         """One sentence on why the chosen worker got the request."""
@@ -196,6 +194,12 @@ class Decision:
                 for c in self.candidates[:8]
             ],
         }
+
+
+def _reason(best_held: int, chosen_is_best: bool) -> str:
+    if best_held == 0:
+        return "none"
+    return "prefix" if chosen_is_best else "load"
 
 
 def _no_block_size(worker: str) -> int | None:
@@ -269,14 +273,10 @@ class DecisionStats:
         return self._recent
 
     def _count_decided(self, decision: Decision) -> None:
-        # what `Decision.reason` and `best` say, in one pass
-        chosen = decision.chosen
-        held = best = chosen.matched_tokens + chosen.pending_tokens
-        for c in decision.candidates:
-            other = c.matched_tokens + c.pending_tokens
-            if other > best:
-                best = other
-        reason = "none" if best == 0 else "prefix" if best == held else "load"
+        chosen, top = decision.chosen, decision.best()
+        held = chosen.matched_tokens + chosen.pending_tokens
+        best = top.matched_tokens + top.pending_tokens
+        reason = _reason(best, top is chosen)
         model = decision.model
         key = (model, reason)
         self._reasons[key] = self._reasons.get(key, 0) + 1

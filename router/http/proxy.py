@@ -169,11 +169,6 @@ def _first_waiting(plan: Plan) -> Candidate | None:
     return first if first is not None and first.healthy and first.room is False else None
 
 
-def _uncached(plan: Plan, candidate: Candidate) -> int:
-    """The prompt tokens `candidate` is not predicted to hold for `plan`'s request."""
-    return max(0, plan.prompt_tokens - candidate.predicted_tokens)
-
-
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
@@ -334,7 +329,11 @@ class Proxy:
         waiting: tuple[str, int | None, int] | None = None
         try:
             while True:
-                waiting = (first.worker, first.dp_rank, _uncached(side(plan), first))
+                waiting = (
+                    first.worker,
+                    first.dp_rank,
+                    first.uncached_tokens(side(plan).prompt_tokens),
+                )
                 load.hold(*waiting)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -361,7 +360,9 @@ class Proxy:
         return self._holding.count
 
     def _progressed(self, ticket: Ticket) -> None:
-        self._holding.progressed((ticket.worker, ticket.dp_rank))
+        holding = self._holding
+        if holding.count:  # every request's answer and end pass here: nothing held, nothing to do
+            holding.progressed((ticket.worker, ticket.dp_rank))
 
     def tell_rank(
         self,

@@ -421,12 +421,11 @@ class Planner:
             kept_tokens=candidate.predicted_tokens,
             held_tokens=candidate.matched_tokens,
         )
-        hit = candidate.predicted_tokens
         before = self.load.of(candidate.worker, candidate.dp_rank)
         ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
         ticket = self.load.begin(
             candidate.worker,
-            max(0, len(tokens) - hit),
+            candidate.uncached_tokens(len(tokens)),
             candidate.dp_rank,
             output_tokens=output_tokens,
         )
@@ -590,7 +589,7 @@ class Planner:
             return True
         config = self._config
         allocated = load.allocated_tokens(config.admission_reserve_tokens, config.hold_output_ratio)
-        need = max(0, prompt_tokens - candidate.predicted_tokens) + output_tokens
+        need = candidate.uncached_tokens(prompt_tokens) + output_tokens
         return allocated + need <= capacity
 
     def record_failure(self, worker: str, *, hard: bool) -> None:

@@ -103,6 +103,10 @@ class Candidate(msgspec.Struct, gc=False):
         raw = self.matched_tokens + self.pending_tokens
         return raw if self.admission is None else min(raw, self.admission.kept_tokens)
 
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        """The tokens of a `prompt_tokens` prompt the worker is expected to compute (not reuse)."""
+        return max(0, prompt_tokens - self.predicted_tokens)
+
     @property
     def predicted_split(self) -> tuple[int, int]:
         """`predicted_tokens` as (from events, from pending marks): eviction takes the deepest

@@ -50,6 +50,18 @@ class ScriptedServer:
         server = cls(script)
         return server
 
+    @classmethod
+    def answering(cls, body: bytes) -> ScriptedServer:
+        """A server that answers every request of each connection with `body` (keep-alive)."""
+
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await server.read_request(reader):
+                writer.write(_answer(body))
+                await writer.drain()
+
+        server = cls(script)
+        return server
+
     async def __aenter__(self) -> ScriptedServer:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._tls)
         port = self._server.sockets[0].getsockname()[1]
@@ -123,12 +135,7 @@ async def _client(keepalive_s: float = 4.0) -> AsyncIterator[UpstreamClient]:
 
 
 async def test_keep_alive_reuses_one_connection_and_sends_what_it_was_given() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await server.read_request(reader):
-            writer.write(_answer(b'{"ok": true}'))
-            await writer.drain()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with ScriptedServer.answering(b'{"ok": true}') as server, _client() as client:
         for i in range(5):
             status, body = await _post(
                 client, server.origin, b'{"n": %d}' % i, headers=[("x-request-id", "r1")]
@@ -271,12 +278,7 @@ async def test_an_abandoned_answer_closes_its_connection() -> None:
 
 
 async def test_a_failure_in_the_callers_block_closes_its_connection() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await server.read_request(reader):
-            writer.write(_answer(b'{"ok": true}'))
-            await writer.drain()
-
-    async with ScriptedServer(script) as server, _client() as client:
+    async with ScriptedServer.answering(b'{"ok": true}') as server, _client() as client:
         with pytest.raises(ZeroDivisionError):
             async with _exchange(client, server.origin) as response:
                 assert response.status == 200
@@ -371,12 +373,7 @@ def test_the_client_runs_on_uvloop_too() -> None:
     uvloop = pytest.importorskip("uvloop")
 
     async def exchange() -> tuple[int, list[bytes]]:
-        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while await server.read_request(reader):
-                writer.write(_answer(b'{"ok": true}'))
-                await writer.drain()
-
-        async with ScriptedServer(script) as server, _client() as client:
+        async with ScriptedServer.answering(b'{"ok": true}') as server, _client() as client:
             bodies = [(await _post(client, server.origin))[1] for _ in range(3)]
         return server.connections, bodies
 
