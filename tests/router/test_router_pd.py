@@ -152,6 +152,10 @@ async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFl
     assert {c["worker"] for c in plan["prefill"]["candidates"]} == {"p0", "p1"}
     assert {c["worker"] for c in plan["decode"]["candidates"]} == {"d0", "d1"}
     predicted = plan["prefill"]["candidates"][0]["matched_tokens"]
+    from router.http.keys import DECISIONS
+
+    stats = fleet.router.app[DECISIONS]
+    counted = len(stats.recent)
     async with fleet.session.post(url, json=body) as resp:
         assert resp.status == 200
         assert resp.headers["x-kvroute-prefill-worker"] == first_prefill
@@ -161,10 +165,14 @@ async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFl
     assert again["meta_info"]["cached_tokens"] == predicted == 6 * PAGE
     assert first["meta_info"]["cached_tokens"] == 0
     assert again["text"] == first["text"]
-    # the decision metrics see a pair as its prefill side: chosen, predicted and reported
-    from router.http.keys import DECISIONS
+    # the decision metrics see a pair as its prefill side: chosen, predicted and reported.
+    # The client has its answer before the router counts it (the bookkeeping follows the write)
 
-    recent = list(fleet.router.app[DECISIONS].recent)
+    async def answer_counted() -> bool:
+        return len(stats.recent) > counted
+
+    await eventually(answer_counted, what="the second answer to be counted")
+    recent = list(stats.recent)
     assert [d.chosen.worker for d in recent[-2:]] == [first_prefill, first_prefill]
     assert [d.cached_tokens for d in recent[-2:]] == [0, predicted]
     assert recent[-1].chosen.matched_tokens == predicted and recent[-1].status == 200
