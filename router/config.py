@@ -368,6 +368,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # how often the oldest live replica publishes the index snapshot new replicas start from;
     # 0: never (new replicas then start cold and catch up from the workers' replay)
     snapshot_interval_s: NonNegativeFloat = 60.0
+    # the shortest time between two of this replica's decision messages: a decision made
+    # sooner after the last message waits that long for the ones after it, and they go as one
+    # (each message is a socket write here and at every receiver, the cost that dominates a
+    # replica's share of the cluster under load); an idle replica's next decision goes at once.
+    # It adds at most this much to the propagation delay; 0 sends every loop turn's decisions
+    publish_interval_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.0005
     # this replica's name among the others; "": host-pid-random, new at every start
     replica_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""
 

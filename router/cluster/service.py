@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import os
 import re
 import secrets
@@ -410,9 +411,16 @@ class ClusterService:
         self.peers.apply(batch)
 
     async def _publisher(self) -> None:
-        """Send the outbox as batches, one per loop turn."""
+        """Send the outbox as batches: at once after a quiet spell, else no sooner than
+        `publish_interval_s` after the last one, with everything decided meanwhile."""
+        loop = asyncio.get_running_loop()
+        last = -math.inf
         while True:
             await self.outbox.wakeup.wait()
+            wait = last + self.config.publish_interval_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            last = loop.time()
             decisions = self.outbox.take()
             nc = self._nc
             if not decisions or nc is None or not nc.is_connected:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import time
 from typing import Any
 
 import aiohttp
+import nats
+from nats.aio.msg import Msg
 
 from router.cluster.server import NatsServer
+from router.cluster.wire import Batch, End, Pending, batch_decoder
 from router.service import RouterService
-from tests.router.cluster.conftest import admin, replica_config, workers
+from tests.router.cluster.conftest import admin, cluster, replica_config, workers
 from tests.router.conftest import eventually
 
 # slow prefill: a request stays in flight long enough to be seen from the other replica
@@ -72,3 +77,76 @@ async def _route(session: aiohttp.ClientSession, router: RouterService, prompt: 
     status, plan = await admin(session, router, "POST", "/route?endpoint=/generate", _body(prompt))
     assert status == 200, plan
     return plan
+
+
+async def test_decisions_made_close_together_go_as_one_message_and_a_quiet_replica_sends_at_once(
+    nats_server: NatsServer,
+) -> None:
+    interval = 0.3
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        config = replica_config(
+            fleet,
+            nats_server.url,
+            "a",
+            # heartbeats (messages too) seldom enough that the replica has quiet spells
+            cluster=cluster(
+                nats_server.url,
+                replica_id="a",
+                publish_interval_s=interval,
+                heartbeat_interval_s=2.0,
+                heartbeat_timeout_s=6.0,
+            ),
+        )
+        listener = await nats.connect(nats_server.url)
+        arrived: list[tuple[float, Batch]] = []
+
+        async def got(msg: Msg) -> None:
+            arrived.append((time.monotonic(), batch_decoder.decode(msg.data)))
+
+        try:
+            await listener.subscribe("kvroute.replica.a", cb=got)
+            async with RouterService(config) as a:
+                await asyncio.sleep(interval * 1.5)  # quiet: the next decision goes at once
+                sent = time.monotonic()
+                await _post(session, a, "one request after a quiet spell")
+
+                async def pending_arrived() -> bool:
+                    return any(_has(b, Pending) for _, b in arrived)
+
+                await eventually(pending_arrived, what="the quiet replica's pending mark")
+                first = next(at for at, b in arrived if _has(b, Pending))
+                assert first - sent < interval / 2, "a quiet replica's decision waited"
+
+                await asyncio.sleep(interval * 1.5)
+                arrived.clear()
+                for wave in range(8):  # 24 requests over about two intervals
+                    await asyncio.gather(
+                        *(
+                            _post(session, a, f"request {wave}.{i}, its own prompt")
+                            for i in range(3)
+                        )
+                    )
+                    await asyncio.sleep(interval / 4)
+
+                async def all_ended() -> bool:
+                    return sum(_count(b, End) for _, b in arrived) == 24
+
+                await eventually(all_ended, what="the 24 requests' ends")
+        finally:
+            await listener.close()
+    # every request tells its mark, begin, first byte and end: a message per loop turn would be
+    # dozens; no two leave closer together than the interval
+    decisions = sum(len(b.decisions) for _, b in arrived)
+    assert decisions >= 4 * 24 and len(arrived) < decisions / 4
+    stamps = [b.sent_at for _, b in arrived]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    assert gaps and min(gaps) >= interval * 0.95, gaps
+
+
+def _has(batch: Batch, kind: type) -> bool:
+    return any(isinstance(d, kind) for d in batch.decisions)
+
+
+def _count(batch: Batch, kind: type) -> int:
+    return sum(1 for d in batch.decisions if isinstance(d, kind))
