@@ -1,9 +1,14 @@
 """This replica's decisions on their way to the others: the planner's `DecisionSink`.
 
 Called on the request path, so each call only appends to a bounded buffer and wakes the
-publisher (`ClusterService` sends the buffer as one `Batch` per loop turn). While NATS is away
-nothing is buffered: decisions that old would only mislead, and the next heartbeat, which lists
-every request still in flight, repairs the other replicas' view of this one's load.
+publisher (`ClusterService` sends the buffer as one `Batch`). A routing decision (a pending mark
+and its begin) and a heartbeat wake it; a request's first byte and end only wait in the buffer
+for the next message, or for `LAZY_S` at most: they only lower the load the others see, a few
+milliseconds late, and one socket write per message is what the cluster costs under load.
+
+While NATS is away nothing is buffered: decisions that old would only mislead, and the next
+heartbeat, which lists every request still in flight, repairs the other replicas' view of this
+one's load.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from indexer.namespace import Namespace
 from router.cluster.wire import Begin, Decision, End, FirstByte, Heartbeat, OpenTicket, Pending
 from router.routing.load import Ticket
 
-__all__ = ["Outbox"]
+__all__ = ["LAZY_S", "Outbox"]
+
+# the longest a first byte or an end waits for a routing decision to go with
+LAZY_S = 0.005
 
 
 class _Open:
@@ -43,6 +51,8 @@ class Outbox:
         # keyed by id(): a ticket lives (the proxy holds it) at least until it is finished
         self._open: dict[int, _Open] = {}
         self._numbers = itertools.count(1)
+        # wakes the publisher for the first byte or end nothing urgent came to take along
+        self._lazy: asyncio.TimerHandle | None = None
 
     def committed(
         self,
@@ -94,7 +104,7 @@ class Outbox:
             return
         entry.answered = True
         if self.sending:
-            self._put(FirstByte(entry.number))
+            self._put(FirstByte(entry.number), urgent=False)
 
     def finished(self, ticket: Ticket) -> None:
         """A request ended."""
@@ -103,7 +113,7 @@ class Outbox:
             return
         del self._open[id(ticket)]
         if self.sending:
-            self._put(End(entry.number))
+            self._put(End(entry.number), urgent=False)
 
     def heartbeat(self) -> None:
         """Queue a heartbeat listing every request in flight."""
@@ -120,19 +130,34 @@ class Outbox:
         """Requests this replica has in flight."""
         return len(self._open)
 
+    @property
+    def buffered(self) -> int:
+        """Decisions waiting to be sent."""
+        return len(self._buffer)
+
     def take(self) -> list[Decision]:
         """Everything buffered, in order; the buffer starts empty again."""
         out, self._buffer = self._buffer, []
         self.wakeup.clear()
+        if self._lazy is not None:
+            self._lazy.cancel()
+            self._lazy = None
         return out
 
     def clear(self) -> None:
         """Forget what was buffered (NATS went away)."""
-        self._buffer = []
+        self.take()
 
-    def _put(self, decision: Decision, *, force: bool = False) -> None:
+    def _put(self, decision: Decision, *, force: bool = False, urgent: bool = True) -> None:
         if len(self._buffer) >= self.max_decisions and not force:
             self.dropped += 1
             return
         self._buffer.append(decision)
+        if urgent:
+            self.wakeup.set()
+        elif self._lazy is None:
+            self._lazy = asyncio.get_running_loop().call_later(LAZY_S, self._lazy_due)
+
+    def _lazy_due(self) -> None:
+        self._lazy = None
         self.wakeup.set()

@@ -412,7 +412,8 @@ class ClusterService:
 
     async def _publisher(self) -> None:
         """Send the outbox as batches: at once after a quiet spell, else no sooner than
-        `publish_interval_s` after the last one, with everything decided meanwhile."""
+        `publish_interval_s` after the last one, with everything decided meanwhile; a first
+        byte or an end alone waits up to `outbox.LAZY_S` for a routing decision to go with."""
         loop = asyncio.get_running_loop()
         last = -math.inf
         while True:

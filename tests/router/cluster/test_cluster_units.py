@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import msgspec
 
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
-from router.cluster.outbox import Outbox
+from router.cluster.outbox import LAZY_S, Outbox
 from router.cluster.peers import Peers
 from router.cluster.wire import (
     Batch,
@@ -32,7 +35,9 @@ class Clock:
         return self.now
 
 
-def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_list_the_open() -> None:
+async def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_list_the_open() -> (
+    None
+):
     load = LoadTracker()
     outbox = Outbox()
     quiet = load.begin("w0", 10)
@@ -56,7 +61,33 @@ def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_list_the
     assert outbox.in_flight() == 1
 
 
-def test_the_outbox_is_bounded_but_always_takes_a_heartbeat() -> None:
+async def test_a_routing_decision_wakes_the_publisher_an_end_waits_for_company_or_a_while() -> None:
+    load = LoadTracker()
+    outbox = Outbox()
+    outbox.sending = True
+    ticket = load.begin("w0", 5)
+    outbox.committed(NS, [1, 2], ticket, marked=True)
+    assert outbox.wakeup.is_set()  # a pending mark and its begin go at once
+    outbox.take()
+    outbox.first_byte(ticket)
+    outbox.finished(ticket)
+    assert not outbox.wakeup.is_set() and outbox.buffered == 2
+    # a routing decision meanwhile takes them along, and the lazy wake is called off
+    other = load.begin("w1", 3)
+    outbox.committed(NS, [3], other, marked=False)
+    assert outbox.wakeup.is_set()
+    assert [type(d) for d in outbox.take()] == [FirstByte, End, Begin]
+    await asyncio.sleep(LAZY_S * 2)
+    assert not outbox.wakeup.is_set()
+    # alone, they go within LAZY_S
+    outbox.finished(other)
+    started = time.monotonic()
+    await asyncio.wait_for(outbox.wakeup.wait(), timeout=1.0)
+    assert time.monotonic() - started >= LAZY_S * 0.5
+    assert outbox.take() == [End(2)]
+
+
+async def test_the_outbox_is_bounded_but_always_takes_a_heartbeat() -> None:
     load = LoadTracker()
     outbox = Outbox(max_decisions=2)
     outbox.sending = True
