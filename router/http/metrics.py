@@ -9,14 +9,22 @@ fleet does not serve, and "" when the router answered before reading a model at 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 __all__ = ["REQUEST_MODEL", "UNKNOWN_MODEL", "RouterMetrics"]
 
@@ -42,6 +50,10 @@ _LATENCY_BUCKETS = (
     30,
     60,
 )
+
+
+# the buckets' `le` labels as the exposition writes them ("1.0", "+Inf")
+_BOUND_LABELS = (*(repr(float(b)) for b in _LATENCY_BUCKETS), "+Inf")
 
 
 class _InFlight(Collector):
@@ -133,22 +145,123 @@ class _Cluster(Collector):
             yield family
 
 
+class _Proxied(Collector):
+    """The per-request series: `kvroute_requests`, `kvroute_prompt_tokens`,
+    `kvroute_matched_tokens` and `kvroute_request_duration_seconds`, counted in plain numbers
+    and made into metrics when scraped.
+
+    prometheus-client's own counters and histograms take a lock on every update, and a proxied
+    request made four: 3.5% of the router's CPU per request (paired runs), for series whose
+    exposition is the same.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, str, str, str], int] = {}  # endpoint, worker, code, model
+        self._tokens: dict[tuple[str, str], list[int]] = {}  # (worker, model): prompt, matched
+        # (endpoint, model): the count per bucket (the last: over every bound), then the sum
+        self._latency: dict[tuple[str, str], list[float]] = {}
+        self._created: dict[tuple[str, ...], float] = {}  # each series' first count
+
+    def record(
+        self,
+        endpoint: str,
+        worker: str,
+        code: str,
+        model: str,
+        prompt: int,
+        matched: int,
+        seconds: float,
+    ) -> None:
+        """Count one request."""
+        key = (endpoint, worker, code, model)
+        requests = self._requests
+        if key not in requests:
+            requests[key] = 0
+            self._created[key] = time.time()
+        requests[key] += 1
+        tokens = self._tokens.get((worker, model))
+        if tokens is None:
+            tokens = self._tokens[worker, model] = [0, 0]
+            self._created[worker, model] = time.time()
+        tokens[0] += prompt
+        tokens[1] += matched
+        latency = self._latency.get((endpoint, model))
+        if latency is None:
+            latency = self._latency[endpoint, model] = [0.0] * (len(_LATENCY_BUCKETS) + 2)
+            self._created[endpoint, "", model] = time.time()
+        # a bucket counts the values up to and including its bound
+        latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        latency[-1] += seconds
+
+    def describe(self) -> Iterator[Metric]:
+        """The metrics' names and types, without samples."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every series counted so far."""
+        requests, prompt, matched, latency = self._families()
+        created = self._created
+        for key, count in self._requests.items():
+            requests.add_metric(list(key), count, created[key])
+        for (worker, model), (p, m) in self._tokens.items():
+            prompt.add_metric([worker, model], p, created[worker, model])
+            matched.add_metric([worker, model], m, created[worker, model])
+        for (endpoint, model), counts in self._latency.items():
+            cumulative = 0.0
+            buckets: list[tuple[str, float]] = []
+            for bound, in_bucket in zip(_BOUND_LABELS, counts, strict=False):
+                cumulative += in_bucket
+                buckets.append((bound, cumulative))
+            labels = {"endpoint": endpoint, "model": model}
+            latency.add_metric([endpoint, model], buckets, counts[-1])
+            latency.samples.append(
+                Sample(latency.name + "_created", labels, created[endpoint, "", model])
+            )
+        yield requests
+        yield prompt
+        yield matched
+        yield latency
+
+    @staticmethod
+    def _families() -> tuple[
+        CounterMetricFamily, CounterMetricFamily, CounterMetricFamily, HistogramMetricFamily
+    ]:
+        return (
+            CounterMetricFamily(
+                "kvroute_requests",
+                "Proxied requests by endpoint, worker, status code and model",
+                labels=["endpoint", "worker", "code", "model"],
+            ),
+            CounterMetricFamily(
+                "kvroute_prompt_tokens",
+                "Prompt tokens routed, by worker and model",
+                labels=["worker", "model"],
+            ),
+            CounterMetricFamily(
+                "kvroute_matched_tokens",
+                "Prompt tokens the index predicted cached on the chosen worker, by worker and "
+                "model",
+                labels=["worker", "model"],
+            ),
+            HistogramMetricFamily(
+                "kvroute_request_duration_seconds",
+                "Time from request to last byte, by endpoint and model",
+                labels=["endpoint", "model"],
+            ),
+        )
+
+
 class RouterMetrics:
     """Every metric the router exports."""
 
     def __init__(self) -> None:
-        # label children cached: `labels()` validates and locks on every call (hot path)
-        self._children: dict[
-            tuple[str, str, int, str], tuple[Counter, Counter, Counter, Histogram]
-        ] = {}
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "kvroute_requests",
-            "Proxied requests by endpoint, worker, status code and model",
-            ["endpoint", "worker", "code", "model"],
-            registry=r,
-        )
+        # the series every proxied request counts in (`record`)
+        self._proxied = _Proxied()
+        r.register(self._proxied)
+        # status codes as label values, made once (a code is one of a few dozen)
+        self._codes: dict[int, str] = {}
         self.rejected = Counter(
             "kvroute_rejected_requests",
             "Requests answered by the router itself (4xx/5xx), by the model they resolved to",
@@ -170,25 +283,6 @@ class RouterMetrics:
             "kvroute_retries",
             "Upstream attempts that failed before any byte reached the client",
             ["worker"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "kvroute_request_duration_seconds",
-            "Time from request to last byte, by endpoint and model",
-            ["endpoint", "model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "kvroute_prompt_tokens",
-            "Prompt tokens routed, by worker and model",
-            ["worker", "model"],
-            registry=r,
-        )
-        self.matched_tokens = Counter(
-            "kvroute_matched_tokens",
-            "Prompt tokens the index predicted cached on the chosen worker, by worker and model",
-            ["worker", "model"],
             registry=r,
         )
         self.unindexed = Counter(
@@ -222,20 +316,10 @@ class RouterMetrics:
         model: str = "",
     ) -> None:
         """Count one proxied request of `model` (a served model's name, never client input)."""
-        key = (endpoint, worker, code, model)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (
-                self.requests.labels(endpoint, worker, str(code), model),
-                self.prompt_tokens.labels(worker, model),
-                self.matched_tokens.labels(worker, model),
-                self.latency.labels(endpoint, model),
-            )
-        requests, prompt_tokens, matched_tokens, latency = children
-        requests.inc()
-        prompt_tokens.inc(prompt)
-        matched_tokens.inc(matched)
-        latency.observe(seconds)
+        label = self._codes.get(code)
+        if label is None:
+            label = self._codes[code] = str(code)
+        self._proxied.record(endpoint, worker, label, model, prompt, matched, seconds)
 
     def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:
         """Export `running()` (requests in flight per worker) as the in-flight gauge."""
@@ -259,6 +343,5 @@ class RouterMetrics:
 
     def forget(self, worker: str) -> None:
         """Drop a removed worker's series (its in-flight count leaves with the load tracker)."""
-        self._children = {k: v for k, v in self._children.items() if k[1] != worker}
         with contextlib.suppress(KeyError):
             self.healthy.remove(worker)
