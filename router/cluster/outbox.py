@@ -130,11 +130,6 @@ class Outbox:
         """Requests this replica has in flight."""
         return len(self._open)
 
-    @property
-    def buffered(self) -> int:
-        """Decisions waiting to be sent."""
-        return len(self._buffer)
-
     def take(self) -> list[Decision]:
         """Everything buffered, in order; the buffer starts empty again."""
         out, self._buffer = self._buffer, []

@@ -156,11 +156,11 @@ class _Proxied(Collector):
     """
 
     def __init__(self) -> None:
-        self._requests: dict[tuple[str, str, str, str], int] = {}  # endpoint, worker, code, model
-        self._tokens: dict[tuple[str, str], list[int]] = {}  # (worker, model): prompt, matched
-        # (endpoint, model): the count per bucket (the last: over every bound), then the sum
+        # each series' numbers, then the time it was first counted (its `_created` sample)
+        self._requests: dict[tuple[str, str, str, str], list[float]] = {}  # count
+        self._tokens: dict[tuple[str, str], list[float]] = {}  # by worker, model: prompt, matched
+        # by endpoint, model: the count per bucket (the last: over every bound), the sum, the time
         self._latency: dict[tuple[str, str], list[float]] = {}
-        self._created: dict[tuple[str, ...], float] = {}  # each series' first count
 
     def record(
         self,
@@ -173,25 +173,22 @@ class _Proxied(Collector):
         seconds: float,
     ) -> None:
         """Count one request."""
-        key = (endpoint, worker, code, model)
-        requests = self._requests
-        if key not in requests:
-            requests[key] = 0
-            self._created[key] = time.time()
-        requests[key] += 1
+        requests = self._requests.get((endpoint, worker, code, model))
+        if requests is None:
+            requests = self._requests[endpoint, worker, code, model] = [0, time.time()]
+        requests[0] += 1
         tokens = self._tokens.get((worker, model))
         if tokens is None:
-            tokens = self._tokens[worker, model] = [0, 0]
-            self._created[worker, model] = time.time()
+            tokens = self._tokens[worker, model] = [0, 0, time.time()]
         tokens[0] += prompt
         tokens[1] += matched
         latency = self._latency.get((endpoint, model))
         if latency is None:
-            latency = self._latency[endpoint, model] = [0.0] * (len(_LATENCY_BUCKETS) + 2)
-            self._created[endpoint, "", model] = time.time()
+            latency = self._latency[endpoint, model] = [0.0] * (len(_BOUND_LABELS) + 1)
+            latency.append(time.time())
         # a bucket counts the values up to and including its bound
         latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
-        latency[-1] += seconds
+        latency[-2] += seconds
 
     def describe(self) -> Iterator[Metric]:
         """The metrics' names and types, without samples."""
@@ -200,23 +197,21 @@ class _Proxied(Collector):
     def collect(self) -> Iterator[Metric]:
         """Every series counted so far."""
         requests, prompt, matched, latency = self._families()
-        created = self._created
-        for key, count in self._requests.items():
-            requests.add_metric(list(key), count, created[key])
-        for (worker, model), (p, m) in self._tokens.items():
-            prompt.add_metric([worker, model], p, created[worker, model])
-            matched.add_metric([worker, model], m, created[worker, model])
+        for key, (count, created) in self._requests.items():
+            requests.add_metric(list(key), count, created)
+        for (worker, model), (p, m, created) in self._tokens.items():
+            prompt.add_metric([worker, model], p, created)
+            matched.add_metric([worker, model], m, created)
         for (endpoint, model), counts in self._latency.items():
+            *in_buckets, total, created = counts
             cumulative = 0.0
             buckets: list[tuple[str, float]] = []
-            for bound, in_bucket in zip(_BOUND_LABELS, counts, strict=False):
+            for bound, in_bucket in zip(_BOUND_LABELS, in_buckets, strict=True):
                 cumulative += in_bucket
                 buckets.append((bound, cumulative))
+            latency.add_metric([endpoint, model], buckets, total)
             labels = {"endpoint": endpoint, "model": model}
-            latency.add_metric([endpoint, model], buckets, counts[-1])
-            latency.samples.append(
-                Sample(latency.name + "_created", labels, created[endpoint, "", model])
-            )
+            latency.samples.append(Sample(latency.name + "_created", labels, created))
         yield requests
         yield prompt
         yield matched
@@ -260,8 +255,6 @@ class RouterMetrics:
         # the series every proxied request counts in (`record`)
         self._proxied = _Proxied()
         r.register(self._proxied)
-        # status codes as label values, made once (a code is one of a few dozen)
-        self._codes: dict[int, str] = {}
         self.rejected = Counter(
             "kvroute_rejected_requests",
             "Requests answered by the router itself (4xx/5xx), by the model they resolved to",
@@ -316,10 +309,7 @@ class RouterMetrics:
         model: str = "",
     ) -> None:
         """Count one proxied request of `model` (a served model's name, never client input)."""
-        label = self._codes.get(code)
-        if label is None:
-            label = self._codes[code] = str(code)
-        self._proxied.record(endpoint, worker, label, model, prompt, matched, seconds)
+        self._proxied.record(endpoint, worker, str(code), model, prompt, matched, seconds)
 
     def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:
         """Export `running()` (requests in flight per worker) as the in-flight gauge."""
