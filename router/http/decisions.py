@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -368,10 +368,11 @@ class DecisionStats:
             )
         return rows
 
-    def forget(self, worker: str) -> None:
-        """Drop a removed worker's series."""
+    def forget(self, workers: Collection[str]) -> None:
+        """Drop the series of removed `workers` (`RouterMetrics.forget`)."""
         self.flush()
-        self._targets = {k: v for k, v in self._targets.items() if k[0] != worker}
+        if any(k[0] in workers for k in self._targets):
+            self._targets = {k: v for k, v in self._targets.items() if k[0] not in workers}
 
 
 _TARGET_COUNTERS = (

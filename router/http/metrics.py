@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import ClassVar
 
 from aiohttp import web
@@ -54,6 +54,10 @@ _LATENCY_BUCKETS = (
 
 # the buckets' `le` labels as the exposition writes them ("1.0", "+Inf")
 _BOUND_LABELS = (*(repr(float(b)) for b in _LATENCY_BUCKETS), "+Inf")
+# how long after a worker's removal its answers may still arrive (requests it was serving then,
+# streams included) and are dropped from its series when scraped; a worker added back under
+# the same id before that counts again at once
+LATE_ANSWERS_S = 3600.0
 
 
 class _InFlight(Collector):
@@ -190,6 +194,13 @@ class _Proxied(Collector):
         latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
         latency[-2] += seconds
 
+    def forget(self, workers: Collection[str]) -> None:
+        """Drop the series (requests, prompt and matched tokens) of `workers`."""
+        if any(k[1] in workers for k in self._requests):
+            self._requests = {k: v for k, v in self._requests.items() if k[1] not in workers}
+        if any(k[0] in workers for k in self._tokens):
+            self._tokens = {k: v for k, v in self._tokens.items() if k[0] not in workers}
+
     def describe(self) -> Iterator[Metric]:
         """The metrics' names and types, without samples."""
         yield from self._families()
@@ -249,7 +260,7 @@ class _Proxied(Collector):
 class RouterMetrics:
     """Every metric the router exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         # the series every proxied request counts in (`record`)
@@ -297,6 +308,11 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        # what else keeps per-worker series (the decision statistics), told of removals too
+        self._forgetters: list[Callable[[Collection[str]], None]] = []
+        # removed workers whose late answers are dropped when scraped, until this monotonic time
+        self._removed: dict[str, float] = {}
+        self._clock = clock
 
     def record(
         self,
@@ -325,13 +341,39 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The text exposition format."""
+        if self._removed:
+            self._drop_late_answers()
         return generate_latest(self.registry)
 
     def set_routable(self, worker: str, routable: bool) -> None:
         """Export whether `worker` takes new requests (`kvroute_worker_routable`)."""
+        if self._removed:
+            self._removed.pop(worker, None)  # added back: its series count again
         self.healthy.labels(worker).set(1 if routable else 0)
 
+    def forget_with(self, forget: Callable[[Collection[str]], None]) -> None:
+        """Call `forget(workers)` as well to drop removed workers' series."""
+        self._forgetters.append(forget)
+
     def forget(self, worker: str) -> None:
-        """Drop a removed worker's series (its in-flight count leaves with the load tracker)."""
-        with contextlib.suppress(KeyError):
-            self.healthy.remove(worker)
+        """Drop a removed worker's series: routable, retries, requests, tokens, and those of
+        every `forget_with` (its in-flight count leaves with the load tracker). A fleet whose
+        workers come and go (autoscaling, discovery) would otherwise grow a series per worker
+        it ever had. Answers of requests the worker was serving when removed still count
+        until the next scrape drops them again (`LATE_ANSWERS_S`)."""
+        self._removed[worker] = self._clock() + LATE_ANSWERS_S
+        self._drop({worker})
+
+    def _drop(self, workers: Collection[str]) -> None:
+        for gauge in (self.healthy, self.retries):
+            for worker in workers:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(worker)
+        self._proxied.forget(workers)
+        for forget in self._forgetters:
+            forget(workers)
+
+    def _drop_late_answers(self) -> None:
+        self._drop(self._removed.keys())
+        now = self._clock()
+        self._removed = {w: until for w, until in self._removed.items() if until > now}

@@ -49,6 +49,7 @@ def install(
     stats = DecisionStats()
     app[DECISIONS] = stats
     app[METRICS].registry.register(DecisionCollector(stats))
+    app[METRICS].forget_with(stats.forget)  # a removed worker's decision series go too
     if not config.observe.enabled:
         if tracer_provider is not None or tracing_wanted(config.tracing):
             log.warning("tracing is off: it is part of the [observe] layer, which is disabled")

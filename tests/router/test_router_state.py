@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from router.http import metrics as metrics_module
 from router.http.metrics import RouterMetrics
 from router.routing.approx_tree import ApproxTree
 from router.routing.breaker import BreakerState, CircuitBreaker
@@ -142,16 +143,43 @@ def test_in_flight_metrics_follow_the_load_tracker() -> None:
 
 
 def test_metrics_forget_a_removed_workers_series() -> None:
-    metrics = RouterMetrics()
-    metrics.healthy.labels("gone").set(1)
-    metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
-    assert 'kvroute_worker_routable{worker="gone"} 1.0' in metrics.render().decode()
+    clock = [100.0]
+    metrics = RouterMetrics(clock=lambda: clock[0])  # the late-answer window, without waiting
+    forgotten: list[set[str]] = []
+    metrics.forget_with(lambda workers: forgotten.append(set(workers)))
+    for worker in ("gone", "kept"):
+        metrics.healthy.labels(worker).set(1)
+        metrics.retries.labels(worker).inc()
+        metrics.record("/generate", worker, 200, prompt=10, matched=4, seconds=0.01)
+    text = metrics.render().decode()
+    assert 'kvroute_worker_routable{worker="gone"} 1.0' in text
+    assert 'kvroute_prompt_tokens_total{model="",worker="gone"} 10.0' in text
     metrics.forget("gone")
-    assert 'kvroute_worker_routable{worker="gone"}' not in metrics.render().decode()
+    assert forgotten == [{"gone"}]
+    text = metrics.render().decode()
+    # every series naming it is gone (a fleet that churns workers would grow them forever);
+    # the latency histogram has no worker label and keeps counting
+    assert 'worker="gone"' not in text
+    for name in ("kvroute_worker_routable", "kvroute_retries_total", "kvroute_requests_total"):
+        assert f"{name}{{" in text and 'worker="kept"' in text
+    assert 'kvroute_request_duration_seconds_count{endpoint="/generate",model=""} 2.0' in text
+    # a request it was serving when removed answers late: dropped again when scraped
     metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
-    assert 'kvroute_requests_total{code="200",endpoint="/generate",model="",worker="gone"} 2.0' in (
-        metrics.render().decode()
+    metrics.retries.labels("gone").inc()
+    assert 'worker="gone"' not in metrics.render().decode()
+    # added back under the same id: it counts again, from zero
+    metrics.set_routable("gone", True)
+    metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
+    text = metrics.render().decode()
+    assert (
+        'kvroute_requests_total{code="200",endpoint="/generate",model="",worker="gone"} 1.0' in text
     )
+    # removed again: after the window a late answer is kept (nothing remembers it forever)
+    metrics.forget("gone")
+    clock[0] += metrics_module.LATE_ANSWERS_S + 1
+    assert 'worker="gone"' not in metrics.render().decode()
+    metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
+    assert 'worker="gone"' in metrics.render().decode()
 
 
 def test_load_is_kept_per_dp_rank_and_summed_per_worker() -> None:

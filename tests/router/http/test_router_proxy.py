@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
+from router.http.keys import DECISIONS
 from router.http.listener import DIRECT_ROUTES
 from router.prompt.request import Endpoint
 from router.routing.breaker import BreakerState
@@ -456,6 +457,48 @@ async def test_a_worker_removed_mid_health_check_leaves_no_metric_series(
         async with session.get(router.url + "/metrics") as resp:
             metrics = await resp.text()
     assert 'worker="b"' in metrics and 'worker="a"' not in metrics
+
+
+async def test_a_removed_workers_series_go_with_it_late_answers_too(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    async with RouterService(_plain([("a", a.url)])) as router:
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 200
+
+        async def counted() -> bool:  # a whole answer is counted just after it is written
+            async with session.get(router.url + "/metrics") as resp:
+                text = await resp.text()
+            return (
+                'kvroute_routed_requests_total{dp_rank="",model="m",worker="a"} 1.0' in text
+                and 'endpoint="/v1/completions",model="m",worker="a"} 1.0' in text
+            )
+
+        await eventually(counted, what="the first answer counted")
+        a.mode = "sse"  # a stream the worker holds open while it is removed
+        stream = await session.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        )
+        assert stream.status == 200
+        assert (await stream.content.readline()).startswith(b"data:")
+        async with session.delete(router.url + "/admin/workers/a", headers=AUTH) as resp:
+            assert resp.status == 200
+        async with session.get(router.url + "/metrics") as resp:
+            assert 'worker="a"' not in await resp.text()
+        a.release.set()
+        assert (await stream.read()).rstrip().endswith(b"data: [DONE]")
+        stream.release()
+
+        async def late_answer_counted() -> bool:  # the stream's end is counted after its write
+            return bool(router.app[DECISIONS].recent) and len(router.app[DECISIONS].recent) == 2
+
+        await eventually(late_answer_counted, what="the late answer counted")
+        async with session.get(router.url + "/metrics") as resp:
+            after = await resp.text()
+    # every series naming the removed worker is gone, the late stream's too
+    assert 'worker="a"' not in after
+    assert "kvroute_request_duration_seconds_count" in after  # not a worker series: it stays
 
 
 async def test_the_generation_endpoints_are_served_past_the_apps_router_alike(
