@@ -49,7 +49,7 @@ class SpanMaker(Protocol):
         name: str,
         parent: Any,
         kind: SpanKind | None = None,
-        attributes: Mapping[str, Any] | None = None,
+        attributes: dict[str, Any] | None = None,
     ) -> TraceSpan: ...
 
     def context_of(self, span: TraceSpan) -> Any: ...
@@ -77,7 +77,7 @@ class SdkSpans:
         name: str,
         parent: Any,
         kind: SpanKind | None = None,
-        attributes: Mapping[str, Any] | None = None,
+        attributes: dict[str, Any] | None = None,
     ) -> TraceSpan:
         """A span under `parent` (a `Context`; the client's extracted one for the root)."""
         return self._tracer.start_span(
