@@ -159,6 +159,7 @@ class Observation:
                 name,
                 tracing.server_kind,
                 attributes,
+                decision.flags,
             )
             self._spans = recorder
         else:  # the SDK's way: the client's context, the SDK's sampler

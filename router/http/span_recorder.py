@@ -32,18 +32,23 @@ from router.http.spans import TraceSpan
 
 __all__ = ["RecordedSpan", "SpanRecorder"]
 
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_SAMPLED = TraceFlags(0x01)
+# sampled, and the W3C level 2 "random trace id" bit: the SDK sets it on a trace whose id its
+# generator drew at random, and on every span under a parent that has it (literal: an SDK older
+# than the bit has no name for it)
+_RANDOM = 0x02
+_SAMPLED_RANDOM = TraceFlags(_SAMPLED | _RANDOM)
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
 _NO_EVENTS: tuple[Event, ...] = ()
 _NEW = tuple.__new__
 
 
-def _span_context(trace_id: int, span_id: int, remote: bool) -> SpanContext:
-    """A sampled `SpanContext` of nonzero ids that fit (the recorder's own, or a client's
-    `traceparent` parsed by its rules), made as `SpanContext.__new__` makes it, without its
-    defaults and range checks: a third of what making a span cost."""
-    return _NEW(SpanContext, (trace_id, span_id, remote, _SAMPLED, DEFAULT_TRACE_STATE, True))
+def _span_context(trace_id: int, span_id: int, remote: bool, flags: TraceFlags) -> SpanContext:
+    """A `SpanContext` of nonzero ids that fit (the recorder's own, or a client's `traceparent`
+    parsed by its rules), made as `SpanContext.__new__` makes it, without its defaults and
+    range checks: a third of what making a span cost."""
+    return _NEW(SpanContext, (trace_id, span_id, remote, flags, DEFAULT_TRACE_STATE, True))
 
 
 class SpanRecorder:
@@ -67,12 +72,21 @@ class SpanRecorder:
         name: str,
         kind: SpanKind,
         attributes: dict[str, Any],
+        flags: str,
     ) -> RecordedSpan:
         """The first span this process records of the trace `trace_id` (nonzero, as the
         client's span `parent_span_id`: `parse_traceparent` refuses zeros), under that span
-        (0: a new trace). `attributes` becomes the span's own."""
-        parent = _span_context(trace_id, parent_span_id, True) if parent_span_id else None
-        span = RecordedSpan(self, name, trace_id, parent, None, kind, attributes)
+        (0: a new trace, whose `flags` say its id is random). `flags`: the client's trace
+        flags (two hex digits), as `TraceDecision.flags` has them. `attributes` becomes the
+        span's own. Its spans are sampled, and random where the SDK's would be."""
+        given = int(flags, 16)
+        parent = (
+            _span_context(trace_id, parent_span_id, True, TraceFlags(given))
+            if parent_span_id
+            else None
+        )
+        own = _SAMPLED_RANDOM if given & _RANDOM else _SAMPLED
+        span = RecordedSpan(self, name, trace_id, parent, None, kind, attributes, own)
         span.held = []
         return span
 
@@ -93,6 +107,7 @@ class SpanRecorder:
             parent.root or parent,
             kind or _INTERNAL,
             attributes if attributes is not None else {},
+            parent.flags,
         )
 
     def context_of(self, span: TraceSpan) -> Any:
@@ -104,7 +119,8 @@ class SpanRecorder:
         the worker as it sent them (the proxy forwards its headers)."""
         assert isinstance(parent, RecordedSpan)
         ids = (parent.trace_id << 64 | parent.span_id).to_bytes(24, "big").hex()
-        carrier["traceparent"] = "00-" + ids[:32] + "-" + ids[32:] + "-01"
+        flags = "-03" if parent.flags & _RANDOM else "-01"
+        carrier["traceparent"] = "00-" + ids[:32] + "-" + ids[32:] + flags
 
 
 class RecordedSpan(ReadableSpan):
@@ -131,6 +147,7 @@ class RecordedSpan(ReadableSpan):
         root: RecordedSpan | None,
         kind: SpanKind,
         attributes: dict[str, Any],
+        flags: TraceFlags,
     ) -> None:
         # the SDK's `ReadableSpan.__init__` is not called: it takes a dozen keywords to fill
         # the same fields, and the fields are the contract its properties read
@@ -140,7 +157,8 @@ class RecordedSpan(ReadableSpan):
         self.root = root  # the trace's first span; None: this one is
         self._name = name
         # its ids, sampled: its children's parent and its export's context
-        self._context = _span_context(trace_id, span_id, False)
+        self.flags = flags  # its context's trace flags, its children's too
+        self._context = _span_context(trace_id, span_id, False, flags)
         self._parent = parent
         self._kind = kind
         self._attributes = self.values = attributes  # `values`: the same dict, typed mutable

@@ -181,8 +181,10 @@ class Tracing:
     @staticmethod
     def unsampled_traceparent(decision: TraceDecision) -> str:
         """The `traceparent` to send the worker for a trace not recorded: its trace id, a new
-        span id, the flags (not sampled), so the worker does not record what this dropped."""
-        return f"00-{decision.trace_id:032x}-{getrandbits(64) or 1:016x}-{decision.flags}"
+        span id, the flags (not sampled), so the worker does not record what this dropped.
+        Of the client's flags only the random-trace-id bit is kept, as the SDK keeps it."""
+        flags = "02" if int(decision.flags, 16) & 0x02 else "00"
+        return f"00-{decision.trace_id:032x}-{getrandbits(64) or 1:016x}-{flags}"
 
     def error(self, description: str) -> Status:
         """An ERROR status saying `description`."""
@@ -297,7 +299,9 @@ class TraceDecision(NamedTuple):
     trace_id: int
     parent_span_id: int  # the client's span; 0: a new trace
     kept: bool  # recorded
-    flags: str  # the trace flags to send when not kept (two hex digits)
+    # the client's trace flags (two hex digits; a new trace's: "02", its id random): the kept
+    # trace's spans and the header of a dropped one carry their random-trace-id bit
+    flags: str
 
 
 def parse_traceparent(header: str | None) -> TraceDecision | None:

@@ -53,7 +53,7 @@ def _sdk_copy(span: ReadableSpan) -> ReadableSpan:
 def test_a_request_s_recorded_spans_read_as_the_sdk_s() -> None:
     delivered: list[Sequence[ReadableSpan]] = []
     recorder = SpanRecorder(Resource.create({"service.name": "t"}), [delivered.append])
-    root = recorder.root(0xABC, 0x123, "POST /x", SpanKind.SERVER, {"a": 1})
+    root = recorder.root(0xABC, 0x123, "POST /x", SpanKind.SERVER, {"a": 1}, "01")
     child = recorder.start("parse", root, attributes={"b": "two"})
     grandchild = recorder.start("tokenize", child)
     grandchild.set_attribute("kvroute.prompt_tokens", 3)
@@ -84,9 +84,33 @@ def test_a_request_s_recorded_spans_read_as_the_sdk_s() -> None:
 def test_a_child_ending_after_its_root_goes_alone() -> None:
     delivered: list[Sequence[ReadableSpan]] = []
     recorder = SpanRecorder(Resource.create({}), [delivered.append])
-    root = recorder.root(7, 0, "r", SpanKind.SERVER, {})
+    root = recorder.root(7, 0, "r", SpanKind.SERVER, {}, "02")
     late = recorder.start("upstream", root, SpanKind.CLIENT)
     root.end()
     late.end()
     assert [[span.name for span in batch] for batch in delivered] == [["r"], ["upstream"]]
     assert delivered[0][0].parent is None  # a new trace
+
+
+def test_the_trace_flags_are_the_sdk_s() -> None:
+    # sampled always (a recorded trace is a kept one); the W3C "random trace id" bit (0x02)
+    # where the SDK sets it: on a new trace (its id drawn at random) and under a client span
+    # whose flags have it. The worker's traceparent carries the same flags
+    recorder = SpanRecorder(Resource.create({}), [])
+    for client, parent_id, expected, header in (
+        ("01", 0x5, 0x01, "-01"),
+        ("03", 0x5, 0x03, "-03"),
+        ("0b", 0x5, 0x03, "-03"),  # bits W3C has not defined are the client's alone
+        ("02", 0, 0x03, "-03"),  # a new trace (`Tracing.decide` says "02")
+    ):
+        root = recorder.root(0xABC, parent_id, "r", SpanKind.SERVER, {}, client)
+        child = recorder.start("route", root)
+        assert isinstance(child, RecordedSpan)
+        for span in (root, child):
+            assert span.context is not None and span.context.trace_flags == expected, client
+        if parent_id:
+            assert root.parent is not None and root.parent.trace_flags == int(client, 16)
+        carrier: dict[str, str] = {}
+        recorder.inject(carrier, child)
+        assert carrier["traceparent"].endswith(header), client
+        assert carrier["traceparent"] == f"00-{0xABC:032x}-{child.span_id:016x}{header}"

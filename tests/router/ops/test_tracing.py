@@ -28,7 +28,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider, export
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags
 
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS, TRACING
@@ -257,6 +257,14 @@ async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
     assert _parent_id(named["route"]) == root_id
     assert _parent_id(named["upstream"]) == root_id
     assert named["upstream"].kind is SpanKind.CLIENT
+    for span in spans:  # each context as the API's own constructor makes it (the recorder's
+        # skips its checks): equal as tuples, and through every property; sampled, and its id
+        # random (a new trace), both ways
+        c = span.context
+        assert c is not None
+        made = SpanContext(c.trace_id, c.span_id, False, TraceFlags(0x03))
+        assert c == made and c.is_valid and c.trace_flags.sampled and not c.is_remote
+        assert c.trace_state == made.trace_state and 0 < c.span_id < 2**64
 
     # where it went and why: on route (the decision) and upstream (the attempt); the request
     # span names the worker
@@ -291,6 +299,7 @@ async def test_one_request_is_a_span_tree_and_the_worker_continues_it(
     assert upstream is not None
     assert int(found.group(1), 16) == trace_id
     assert int(found.group(2), 16) == upstream.span_id
+    assert seen["traceparent"].endswith("-03")  # sampled, the trace id random
     # x-request-id: the client's, to the worker and back
     assert seen["x-request-id"] == "client-req-1"
     assert resp.headers["x-request-id"] == "client-req-1"
@@ -583,7 +592,16 @@ async def test_a_new_trace_the_ratio_drops_makes_no_span_yet_tells_the_worker(
         found = [TRACEPARENT.match(header) for header in sent]
         assert all(f is not None for f in found), sent
         assert len({f.group(1) for f in found if f is not None}) == 3  # a trace each
-        assert all(not int(header[-2:], 16) & 1 for header in sent)  # not sampled
+        assert all(header.endswith("-02") for header in sent)  # not sampled, the id random
+
+        # a client's unsampled trace is continued unrecorded, with the one flag the SDK keeps
+        for flags, sent_on in (("00", "-00"), ("02", "-02"), ("0e", "-02")):
+            header = f"00-{'7' * 32}-00f067aa0ba902b7-{flags}"
+            assert (await _post(router.url, CHAT, {"traceparent": header})).status == 200
+            forwarded = backend.seen[-1]["traceparent"]
+            assert forwarded.startswith(f"00-{'7' * 32}-") and forwarded.endswith(sent_on), flags
+            assert "00f067aa0ba902b7" not in forwarded  # a span id of its own
+        assert memory.get_finished_spans() == ()
 
         # a client's sampled trace is recorded whatever the ratio, and continued
         client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
