@@ -721,3 +721,54 @@ def test_a_request_s_trace_is_started_as_decide_says(provider: TracerProvider) -
     assert isinstance(sampled, TraceDecision) and sampled.kept
     # the SDK decides with a provider handed in
     assert Tracing(provider, owned=False).start({}) is None
+
+
+def _comparable(span: ReadableSpan) -> dict[str, Any]:
+    """A span's JSON export without what differs between two runs of one request: ids,
+    times, the resource (the SDK's provider here is the test's own) and the time to first
+    byte."""
+    exported = json.loads(span.to_json())
+    for key in ("parent_id", "start_time", "end_time", "resource"):
+        exported.pop(key)
+    exported["context"].pop("trace_id")
+    exported["context"].pop("span_id")
+    # what the JSON leaves out of the contexts
+    assert span.context is not None
+    exported["context"]["trace_flags"] = int(span.context.trace_flags)
+    exported["context"]["is_remote"] = span.context.is_remote
+    parent = span.parent
+    exported["parent"] = None if parent is None else (int(parent.trace_flags), parent.is_remote)
+    exported["attributes"].pop("kvroute.ttft_s", None)
+    for event in exported["events"]:
+        event.pop("timestamp")
+        event["attributes"].pop("exception.stacktrace", None)
+    return dict(exported)
+
+
+@pytest.mark.parametrize(
+    "headers, body",
+    [
+        ({"x-request-id": "same"}, CHAT),
+        ({"x-request-id": "same", "traceparent": f"00-{'5' * 32}-{'6' * 16}-01"}, CHAT),
+        ({"x-request-id": "same", "traceparent": f"00-{'5' * 32}-{'6' * 16}-03"}, CHAT),
+        ({"x-request-id": "same"}, {**CHAT, "stream": True}),
+        ({"x-request-id": "same"}, {"messages": "not a list"}),
+    ],
+    ids=["new trace", "client trace", "client trace, random id", "stream", "bad request"],
+)
+async def test_recorded_spans_export_as_the_sdk_s_own(
+    headers: dict[str, str],
+    body: object,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    backend: Backend,
+) -> None:
+    # the same request, traced by the SDK and by kvroute's recorder: every exported field but
+    # the ids and times is the same (names, kinds, attributes, status, events, flags, scope)
+    exports: dict[str, dict[str, dict[str, Any]]] = {}
+    for way in ("sdk", "recorder"):
+        config = _config((_worker("b0", backend),))
+        async with _traced_router(way, config, provider, exporter) as traced:
+            await _post(traced.url, body, headers)
+            exports[way] = {s.name: _comparable(s) for s in traced.spans()}
+    assert exports["sdk"] and exports["sdk"] == exports["recorder"]
