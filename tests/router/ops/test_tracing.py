@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal, NamedTuple
 
 import aiohttp
+import hypothesis
 import msgspec
 import pytest
 from aiohttp import web
+from hypothesis import strategies as st
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.propagate import get_global_textmap, set_global_textmap
@@ -28,7 +30,8 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider, export
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS, TRACING
@@ -772,3 +775,64 @@ async def test_recorded_spans_export_as_the_sdk_s_own(
             await _post(traced.url, body, headers)
             exports[way] = {s.name: _comparable(s) for s in traced.spans()}
     assert exports["sdk"] and exports["sdk"] == exports["recorder"]
+
+
+_HEX = "0123456789abcdef"
+
+
+def _field(size: int) -> st.SearchStrategy[str]:
+    """A nonzero field of `size` hex digits (a text of hex digits would mostly be all zeros:
+    hypothesis favours the simplest strings)."""
+    return st.integers(1, 16**size - 1).map(lambda n: f"{n:0{size}x}")
+
+
+def _bad_field(size: int) -> st.SearchStrategy[str]:
+    """A field W3C refuses, or that is fine in some places only: all zeros, upper case, a
+    wrong length, a stray character."""
+    return st.one_of(
+        st.just("0" * size),
+        st.text(_HEX + "ABCDEF", min_size=size, max_size=size),
+        st.text(_HEX + "-xX ", min_size=size - 1, max_size=size + 1),
+    )
+
+
+_BLANK = st.sampled_from(["", " ", "\t"])
+_WELL_FORMED = st.builds(
+    lambda lead, trace, span, flags, trail: f"{lead}00-{trace}-{span}-{flags}{trail}",
+    _BLANK,
+    _field(32),
+    _field(16),
+    st.one_of(_field(2), st.just("00")),
+    _BLANK,
+)
+_ODD = st.builds(
+    lambda lead, version, trace, span, flags, rest, trail: (
+        f"{lead}{version}-{trace}-{span}-{flags}{rest}{trail}"
+    ),
+    _BLANK,
+    st.one_of(st.just("00"), st.just("ff"), _field(2), _bad_field(2)),
+    st.one_of(_field(32), _bad_field(32)),
+    st.one_of(_field(16), _bad_field(16)),
+    st.one_of(_field(2), _bad_field(2)),
+    st.sampled_from(["", "-", "-extra", "-00-more"]),
+    _BLANK,
+)
+# one_of picks its branches alike: well-formed headers about half the time
+_TRACEPARENTS = st.one_of(_WELL_FORMED, _ODD, st.text(max_size=80))
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(header=_TRACEPARENTS)
+def test_traceparent_is_read_as_the_sdk_s_propagator_reads_it(header: str) -> None:
+    # kvroute reads a client's traceparent itself on the request path (`parse_traceparent`):
+    # whatever the header, it must continue exactly the traces the SDK's W3C propagator
+    # would, with the same ids and flags, and start afresh where the SDK would
+    extracted = TraceContextTextMapPropagator().extract({"traceparent": header})
+    sdk = get_current_span(extracted).get_span_context()
+    ours = parse_traceparent(header)
+    if not sdk.is_valid:
+        assert ours is None, header
+        return
+    assert ours is not None, header
+    assert (ours.trace_id, ours.parent_span_id) == (sdk.trace_id, sdk.span_id), header
+    assert int(ours.flags, 16) == sdk.trace_flags and ours.kept is sdk.trace_flags.sampled
