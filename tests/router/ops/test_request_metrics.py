@@ -1,13 +1,19 @@
-"""The per-request series are counted in plain numbers: the exposition must be what
-prometheus-client's own counters and histogram write for the same requests."""
+"""The per-request series and the decision statistics' histograms are counted in plain
+numbers: the exposition must be what prometheus-client's own counters and histograms write for
+the same requests."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
+from router.http.decisions import BLOCK_BUCKETS, TTFT_BUCKETS, _histogram_family
+from router.http.decisions import Histogram as DecisionHistogram
 from router.http.metrics import _LATENCY_BUCKETS, RouterMetrics
 
 _REQUESTS = [
@@ -85,3 +91,30 @@ def test_the_request_series_read_as_prometheus_clients_own_would() -> None:
     text = _ours(_REQUESTS).render().decode()
     for name in ("kvroute_requests_created", "kvroute_request_duration_seconds_created"):
         assert name in text
+
+
+class _OneFamily(Collector):
+    def __init__(self, family: Metric) -> None:
+        self._family = family
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._family
+
+
+def test_decision_histograms_expose_as_prometheus_client_s() -> None:
+    # the decision statistics' histograms (blocks, time to first byte) are plain numbers too:
+    # on every bound, between bounds, below the first and beyond the last, their exposition
+    # is prometheus-client's own
+    rng = random.Random(11)
+    for bounds in (BLOCK_BUCKETS, TTFT_BUCKETS):
+        values = [*bounds, *(b * 1.5 for b in bounds), -1.0, bounds[-1] * 10]
+        values += [rng.uniform(0, bounds[-1] * 1.2) for _ in range(300)]
+        ours = DecisionHistogram(bounds)
+        registry = CollectorRegistry()
+        theirs = Histogram("h", "", ["model"], buckets=bounds, registry=registry)
+        for value in values:
+            ours.observe(value)
+            theirs.labels("m").observe(value)
+        mine = CollectorRegistry()
+        mine.register(_OneFamily(_histogram_family("h", "", ["model"], {("m",): ours})))
+        assert _samples(generate_latest(mine)) == _samples(generate_latest(registry)), bounds
