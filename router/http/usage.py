@@ -9,7 +9,9 @@ the index's prediction (`x-kvroute-matched-tokens`) it makes prediction accuracy
 The router reads it without decoding the answer: the key is found from the end (`rfind`) and
 its integer read in place. A JSON key cannot hide inside a string value (a quote in a string is
 escaped, so `"cached_tokens"` followed by `"` never occurs there), so the last key is the
-answer's own. A stream is scanned only at its end, over its last few chunks (kept by reference,
+answer's own; one whose value is no count (null, a fraction, a negative, a number too long) is
+passed over for the one before it, as a JSON decoder would find (a property test holds the two
+together). A stream is scanned only at its end, over its last few chunks (kept by reference,
 nothing copied per chunk, 8 KiB at least): the usage event is the last data event before
 `[DONE]`.
 """
@@ -22,7 +24,9 @@ from collections import deque
 __all__ = ["StreamTail", "cached_tokens"]
 
 _KEY = b'"cached_tokens"'
-_VALUE = re.compile(rb"\s*:\s*(\d{1,12})")
+# a count: an integer of at most 12 digits, not the start of a longer one, a fraction or an
+# exponent (read as a number, `0.5` or `1e3` would give a count the engine never said)
+_VALUE = re.compile(rb"\s*:\s*(\d{1,12})(?![\d.eE])")
 # the usage event and `data: [DONE]` after it fit in this many bytes, however they were read
 _TAIL_BYTES = 8192
 
@@ -42,7 +46,8 @@ def _last_value(text: bytes) -> int | None:
         found = _VALUE.match(text, at + len(_KEY))
         if found is not None:
             return int(found.group(1))
-        # `"cached_tokens": null` (an engine that does not count): look further back
+        # `"cached_tokens": null` (an engine that does not count), or no count at all: look
+        # further back
         at = text.rfind(_KEY, 0, at)
     return None
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import hypothesis
+from hypothesis import strategies as st
+
 from router.http.usage import StreamTail, cached_tokens
 
 
@@ -54,3 +57,52 @@ def test_stream_of_generate_events_ends_with_the_last_count() -> None:
     tail = StreamTail()
     tail.feed(stream)
     assert tail.cached_tokens() == 32
+
+
+def _last_count(node: object) -> int | None:
+    """The reference: the last `cached_tokens` key in document order whose value is a count
+    (an int of at most 12 digits; not a bool, a float, null or anything else)."""
+    found: int | None = None
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "cached_tokens" and type(value) is int and 0 <= value < 10**12:
+                found = value
+            inner = _last_count(value)  # written after its key
+            if inner is not None:
+                found = inner
+    elif isinstance(node, list):
+        for item in node:
+            inner = _last_count(item)
+            if inner is not None:
+                found = inner
+    return found
+
+
+_TRICKY_TEXT = st.sampled_from(
+    ['"cached_tokens": 7', "cached_tokens", '{"cached_tokens": 8}', "\\", "é ✓", ""]
+)
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**14), 10**14),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+    _TRICKY_TEXT,
+)
+_KEYS = st.sampled_from(["cached_tokens", "prompt_tokens", "usage", "meta_info", "text", "x"])
+_DOCUMENTS = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_KEYS, inner, max_size=5)),
+    max_leaves=15,
+)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(document=st.dictionaries(_KEYS, _DOCUMENTS, max_size=6), spaced=st.booleans())
+def test_the_count_read_in_place_is_the_one_a_json_decoder_finds(
+    document: dict[str, object], spaced: bool
+) -> None:
+    # read without decoding, the answer must say what decoding it says: the last count, and
+    # none where the last keys hold a float, a negative, a huge number or no number at all
+    body = json.dumps(document, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    assert cached_tokens(body) == _last_count(document), body
