@@ -16,7 +16,6 @@ namespaces appear as keyed fingerprints in the recent-decision log (admin API), 
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -24,6 +23,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.http.metrics import Histogram
 from router.routing.policy import Candidate
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "Decision",
     "DecisionCollector",
     "DecisionStats",
-    "Histogram",
 ]
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -47,33 +46,6 @@ _ROUTED, _USAGE, _USAGE_PROMPT, _USAGE_PREDICTED, _CACHED, _EXACT, _OVER, _UNDER
 )
 # per window bucket: requests, usage reports, their prompt, predicted and cached tokens, exact
 _W_FIELDS = 6
-
-
-class Histogram:
-    """A cumulative-bucket histogram of plain numbers, exported when scraped."""
-
-    __slots__ = ("bounds", "count", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.count = 0
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        """Count one observation."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Prometheus' cumulative (le, count) pairs."""
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += n
-            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-        return out
 
 
 class Decision:

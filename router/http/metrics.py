@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 from aiohttp import web
@@ -26,7 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-__all__ = ["REQUEST_MODEL", "UNKNOWN_MODEL", "RouterMetrics"]
+__all__ = ["REQUEST_MODEL", "UNKNOWN_MODEL", "Histogram", "RouterMetrics"]
 
 UNKNOWN_MODEL = "(unknown)"  # one label value for every model nobody serves
 # the model label of a request once it is known, for the error middleware's rejection count
@@ -52,12 +52,38 @@ _LATENCY_BUCKETS = (
 )
 
 
-# the buckets' `le` labels as the exposition writes them ("1.0", "+Inf")
-_BOUND_LABELS = (*(repr(float(b)) for b in _LATENCY_BUCKETS), "+Inf")
 # how long after a worker's removal its answers may still arrive (requests it was serving then,
 # streams included) and are dropped from its series when scraped; a worker added back under
 # the same id before that counts again at once
 LATE_ANSWERS_S = 3600.0
+
+
+class Histogram:
+    """A cumulative-bucket histogram of plain numbers, exported when scraped (the request
+    latency here, the decision statistics' block counts and times to first byte)."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation (a bucket counts the values up to and including its bound)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Prometheus' cumulative (le, count) pairs."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
 
 
 class _InFlight(Collector):
@@ -163,8 +189,8 @@ class _Proxied(Collector):
         # each series' numbers, then the time it was first counted (its `_created` sample)
         self._requests: dict[tuple[str, str, str, str], list[float]] = {}  # count
         self._tokens: dict[tuple[str, str], list[float]] = {}  # by worker, model: prompt, matched
-        # by endpoint, model: the count per bucket (the last: over every bound), the sum, the time
-        self._latency: dict[tuple[str, str], list[float]] = {}
+        # by endpoint and model
+        self._latency: dict[tuple[str, str], tuple[Histogram, float]] = {}
 
     def record(
         self,
@@ -188,11 +214,8 @@ class _Proxied(Collector):
         tokens[1] += matched
         latency = self._latency.get((endpoint, model))
         if latency is None:
-            latency = self._latency[endpoint, model] = [0.0] * (len(_BOUND_LABELS) + 1)
-            latency.append(time.time())
-        # a bucket counts the values up to and including its bound
-        latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
-        latency[-2] += seconds
+            latency = self._latency[endpoint, model] = (Histogram(_LATENCY_BUCKETS), time.time())
+        latency[0].observe(seconds)
 
     def forget(self, workers: Collection[str]) -> None:
         """Drop the series (requests, prompt and matched tokens) of `workers`."""
@@ -213,14 +236,8 @@ class _Proxied(Collector):
         for (worker, model), (p, m, created) in self._tokens.items():
             prompt.add_metric([worker, model], p, created)
             matched.add_metric([worker, model], m, created)
-        for (endpoint, model), counts in self._latency.items():
-            *in_buckets, total, created = counts
-            cumulative = 0.0
-            buckets: list[tuple[str, float]] = []
-            for bound, in_bucket in zip(_BOUND_LABELS, in_buckets, strict=True):
-                cumulative += in_bucket
-                buckets.append((bound, cumulative))
-            latency.add_metric([endpoint, model], buckets, total)
+        for (endpoint, model), (hist, created) in self._latency.items():
+            latency.add_metric([endpoint, model], hist.buckets(), hist.total)
             labels = {"endpoint": endpoint, "model": model}
             latency.samples.append(Sample(latency.name + "_created", labels, created))
         yield requests

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.http.decisions import BLOCK_BUCKETS, TTFT_BUCKETS, _histogram_family
-from router.http.decisions import Histogram as DecisionHistogram
 from router.http.metrics import _LATENCY_BUCKETS, RouterMetrics
+from router.http.metrics import Histogram as DecisionHistogram
 
 _REQUESTS = [
     # endpoint, worker, code, prompt, matched, seconds, model
