@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import ClassVar
@@ -75,6 +76,17 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.count += 1
         self.total += value
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """`observe` each of `values`, in order (their buckets found in one C-level pass)."""
+        counts = self.counts
+        for i in map(bisect.bisect_left, itertools.repeat(self.bounds), values):
+            counts[i] += 1
+        self.count += len(values)
+        total = self.total
+        for value in values:  # one by one, as `observe` adds them: the same float sum
+            total += value
+        self.total = total
 
     def buckets(self) -> list[tuple[str, float]]:
         """Prometheus' cumulative (le, count) pairs."""

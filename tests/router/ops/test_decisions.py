@@ -120,11 +120,14 @@ def test_a_request_counted_after_the_window_moved_on_spares_the_newer_period() -
     a = _candidate("a", 0)
     old = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
     old.status = 200
-    stats.told(old)  # told at t=1000, counted only when read below
-    # 300 s later (the window's length) the same slot holds a newer period
+    # 300 s later (the window's length) the same slot holds a newer period, counted first
     now[0] += 300
     new = Decision("id", "/v1/completions", "m", "ns", 100, [a], a, 0, 16)
-    stats._count_finished(new, now[0])  # counted at once, ahead of the older one
+    new.status = 200
+    stats.told(new)
+    stats.flush()
+    # then one told at t=1000 (a clock stepped back) is counted after it, in the next batch
+    stats._pending.append((old, 1000.0))
     rows = stats.window()
     assert rows[-1]["requests"] == 1  # the older request did not reset the newer period
     assert sum(row["requests"] for row in rows) == 1

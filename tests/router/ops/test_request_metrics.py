@@ -104,17 +104,23 @@ class _OneFamily(Collector):
 def test_decision_histograms_expose_as_prometheus_client_s() -> None:
     # the decision statistics' histograms (blocks, time to first byte) are plain numbers too:
     # on every bound, between bounds, below the first and beyond the last, their exposition
-    # is prometheus-client's own
+    # is prometheus-client's own, whether counted one by one or a batch at a time (as the
+    # statistics count them)
     rng = random.Random(11)
     for bounds in (BLOCK_BUCKETS, TTFT_BUCKETS):
         values = [*bounds, *(b * 1.5 for b in bounds), -1.0, bounds[-1] * 10]
         values += [rng.uniform(0, bounds[-1] * 1.2) for _ in range(300)]
-        ours = DecisionHistogram(bounds)
+        rng.shuffle(values)
+        ours, batched = DecisionHistogram(bounds), DecisionHistogram(bounds)
         registry = CollectorRegistry()
         theirs = Histogram("h", "", ["model"], buckets=bounds, registry=registry)
         for value in values:
             ours.observe(value)
             theirs.labels("m").observe(value)
-        mine = CollectorRegistry()
-        mine.register(_OneFamily(_histogram_family("h", "", ["model"], {("m",): ours})))
-        assert _samples(generate_latest(mine)) == _samples(generate_latest(registry)), bounds
+        for start in range(0, len(values), 64):
+            batched.observe_many(values[start : start + 64])
+        expected = _samples(generate_latest(registry))
+        for hist in (ours, batched):
+            mine = CollectorRegistry()
+            mine.register(_OneFamily(_histogram_family("h", "", ["model"], {("m",): hist})))
+            assert _samples(generate_latest(mine)) == expected, bounds
