@@ -275,13 +275,8 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
             continue
         evaluated = True
         for t in evaluate_targets(section):
-            value = _pct(t.value) if "accuracy" in t.target else f"{_fmt(t.value, 2)}x"
-            if "oracle" in t.target and t.value is not None:
-                value = f"{_pct(t.value)} of oracle"
-            if "isolation" in t.target:
-                value = "-" if t.value is None else f"{t.value:.0f} tokens"
             out.append(
-                f"| {t.workload} | {section.pressure:.2f} | {t.target} | {value} "
+                f"| {t.workload} | {section.pressure:.2f} | {t.target} | {t.shown()} "
                 f"| {_verdict(t.met)} |"
             )
     if not evaluated:

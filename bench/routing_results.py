@@ -174,6 +174,26 @@ class TargetResult(msgspec.Struct):
     threshold: float
     met: bool | None  # None: cannot be evaluated (missing policy or failed run)
     detail: str
+    at_most: bool = False  # met at or below the threshold (else at or above it)
+
+    def holds(self, value: float | None) -> bool | None:
+        """Whether `value` meets this target (None: no value)."""
+        if value is None:
+            return None
+        return value <= self.threshold if self.at_most else value >= self.threshold
+
+    def shown(self, value: float | None = None) -> str:
+        """This target's value (or another value of it, such as a median) as reports print it."""
+        value = self.value if value is None else value
+        if value is None:
+            return "-"
+        if "isolation" in self.target:
+            return f"{value:.0f} tokens"
+        if "accuracy" in self.target:
+            return f"{value * 100:.1f}%"
+        if "oracle" in self.target:
+            return f"{value * 100:.1f}% of oracle"
+        return "inf" if math.isinf(value) else f"{value:.2f}x"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -263,17 +283,19 @@ def _ratio_target(
             value = x / y
         elif x is not None and y == 0:
             value = math.inf if x > 0 else None
-    met = None if value is None else (value <= threshold if at_most else value >= threshold)
     relation = "<=" if at_most else ">="
-    return TargetResult(
+    result = TargetResult(
         workload=section.workload,
         pressure=section.pressure,
         target=name,
         value=value,
         threshold=threshold,
-        met=met,
+        met=None,
         detail=f"{mine}.{field} / {other}.{field} {relation} {threshold:g}",
+        at_most=at_most,
     )
+    result.met = result.holds(value)
+    return result
 
 
 def headline_baseline(section: WorkloadSection) -> str:
@@ -331,6 +353,7 @@ def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
             threshold=0.0,
             met=None if violations is None else violations == 0,
             detail="cross-salt cached tokens over the workload and every endpoint's probe",
+            at_most=True,
         )
     )
     return out

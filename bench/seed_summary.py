@@ -4,7 +4,9 @@ A single run's ratio between two policies moves by several percent from one seed
 (measured: three `kv` replicas over one, on `multi_tenant` at KV pressure 2.5, 0.953x-1.016x over
 seeds 1-5), as much as the 2% a replica target allows. Each seed is its own trace, and every
 policy of a seed's run routes that same trace, so the ratio is taken within each seed and the
-median over seeds is what the report states, with the range beside it.
+median over seeds is what the report states, with the range beside it. Issue 16's targets (kv
+against SGLang's router and the oracle, index accuracy, isolation) are evaluated per seed as one
+run's report does, then judged on their median; a count that must be zero, in every seed.
 
 Pure: it reads finished `BenchReport`s and returns markdown.
 """
@@ -15,7 +17,14 @@ import statistics
 from collections.abc import Sequence
 
 from bench.replica_fleet import REPLICATED, UNSPREAD
-from bench.routing_results import TARGET_PRESSURE, BenchReport, PolicySummary, summarize
+from bench.routing_results import (
+    TARGET_PRESSURE,
+    BenchReport,
+    PolicySummary,
+    TargetResult,
+    evaluate_targets,
+    summarize,
+)
 
 __all__ = [
     "ACCURACY_TARGET",
@@ -23,6 +32,8 @@ __all__ = [
     "SeedRatio",
     "render_seed_summary",
     "seed_ratios",
+    "seed_targets",
+    "target_verdict",
 ]
 
 # issue 14: three replicas, requests spread at random, within 2% of one replica's hit rate
@@ -92,6 +103,60 @@ def _verdict(entry: SeedRatio) -> str:
     return "met" if entry.median >= 1.0 - REPLICA_TOLERANCE else "**missed**"
 
 
+def seed_targets(
+    reports: Sequence[BenchReport],
+) -> dict[tuple[str, float], dict[str, list[tuple[int, TargetResult]]]]:
+    """Per section at KV pressure >= TARGET_PRESSURE: each target of issue 16 (as one run's
+    report evaluates it), seed by seed."""
+    out: dict[tuple[str, float], dict[str, list[tuple[int, TargetResult]]]] = {}
+    for report in reports:
+        for section in report.sections:
+            if section.pressure < TARGET_PRESSURE:
+                continue
+            targets = out.setdefault((section.workload, section.pressure), {})
+            for result in evaluate_targets(section):
+                targets.setdefault(result.target, []).append((report.seed, result))
+    return out
+
+
+def target_verdict(results: Sequence[TargetResult]) -> tuple[float | None, bool | None]:
+    """The median of a target's per-seed values and whether it meets the target. A count that
+    must be zero (isolation violations) must be zero in every seed: a median would hide one."""
+    values = [r.value for r in results if r.value is not None]
+    if not values:
+        return None, None
+    median = statistics.median(values)
+    first = results[0]
+    if first.at_most and first.threshold == 0:
+        return median, all(first.holds(v) for v in values)
+    return median, first.holds(median)
+
+
+def _targets_table(targets: dict[str, list[tuple[int, TargetResult]]]) -> list[str]:
+    seeds = sorted({seed for rows in targets.values() for seed, _ in rows})
+    lines = [
+        "Targets of issue 16, each as one run's report evaluates it, then on the median over "
+        "seeds (a count that must be zero, in every seed):",
+        "",
+        "| target | " + " | ".join(f"seed {seed}" for seed in seeds) + " | median | met in "
+        "| verdict |",
+        "|---|" + "---|" * (len(seeds) + 3),
+    ]
+    for name, rows in targets.items():
+        results = [r for _, r in rows]
+        if all(r.value is None for r in results):
+            continue  # a policy it needs did not run
+        by_seed = dict(rows)
+        cells = [by_seed[s].shown() if s in by_seed else "-" for s in seeds]
+        median, met = target_verdict(results)
+        verdict = {True: "met", False: "**missed**", None: "n/a"}[met]
+        counted = [r for r in results if r.met is not None]
+        met_in = f"{sum(bool(r.met) for r in counted)} of {len(counted)}"
+        shown = results[0].shown(median) if median is not None else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {shown} | {met_in} | {verdict} |")
+    return [*lines, ""]
+
+
 def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
     """The across-seeds report: kv's hit rate and index accuracy per seed, then every other
     policy's per-seed ratio to kv with its median and range."""
@@ -123,6 +188,7 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
         "",
     ]
     sections = dict.fromkeys(key for _, summary in summaries for key in summary)
+    targets = seed_targets(reports)
     for key in sections:
         workload, pressure = key
         lines += [f"## {workload} at KV pressure {pressure:.2f}", ""]
@@ -154,6 +220,8 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
                     f"seeds: {median:.1%}, {verdict}.",
                     "",
                 ]
+        if key in targets:
+            lines += _targets_table(targets[key])
         entries = ratios.get(key, [])
         if entries:
             lines += [
