@@ -23,6 +23,7 @@ from bench.routing_results import (
     headline_baseline,
     isolation_violations,
     summarize,
+    verdict,
 )
 
 __all__ = ["closing_note", "render_markdown", "write_report"]
@@ -38,10 +39,6 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
-
-
-def _verdict(met: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "n/a"}[met]
 
 
 def _section_table(section: WorkloadSection) -> list[str]:
@@ -122,7 +119,7 @@ def _fidelity_table(report: BenchReport) -> list[str]:
         rows.append(
             f"| {section.workload} | {section.pressure:.2f} | {_pct(mine.reported_hit_rate)} "
             f"| {_pct(real.reported_hit_rate)} | {_fmt(ratio, 2)}x | {_pct(mine.hit_rate)} "
-            f"| {_pct(real.hit_rate)} | {_fmt(legit, 2)}x | {_verdict(within)} |"
+            f"| {_pct(real.hit_rate)} | {_fmt(legit, 2)}x | {verdict(within)} |"
         )
     if not rows:
         return []
@@ -277,7 +274,7 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
         for t in evaluate_targets(section):
             out.append(
                 f"| {t.workload} | {section.pressure:.2f} | {t.target} | {t.shown()} "
-                f"| {_verdict(t.met)} |"
+                f"| {verdict(t.met)} |"
             )
     if not evaluated:
         out.append(f"| - | - | no section ran at KV pressure >= {TARGET_PRESSURE:g} | - | n/a |")

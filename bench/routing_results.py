@@ -44,6 +44,7 @@ __all__ = [
     "isolation_violations",
     "percentile",
     "summarize",
+    "verdict",
 ]
 
 TARGET_PRESSURE = 2.0
@@ -194,6 +195,11 @@ class TargetResult(msgspec.Struct):
         if "oracle" in self.target:
             return f"{value * 100:.1f}% of oracle"
         return "inf" if math.isinf(value) else f"{value:.2f}x"
+
+
+def verdict(met: bool | None) -> str:
+    """A target's verdict as the reports print it (None: it could not be evaluated)."""
+    return {True: "met", False: "**missed**", None: "n/a"}[met]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -24,6 +24,7 @@ from bench.routing_results import (
     TargetResult,
     evaluate_targets,
     summarize,
+    verdict,
 )
 
 __all__ = [
@@ -149,11 +150,11 @@ def _targets_table(targets: dict[str, list[tuple[int, TargetResult]]]) -> list[s
         by_seed = dict(rows)
         cells = [by_seed[s].shown() if s in by_seed else "-" for s in seeds]
         median, met = target_verdict(results)
-        verdict = {True: "met", False: "**missed**", None: "n/a"}[met]
         counted = [r for r in results if r.met is not None]
         met_in = f"{sum(bool(r.met) for r in counted)} of {len(counted)}"
         shown = results[0].shown(median) if median is not None else "-"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {shown} | {met_in} | {verdict} |")
+        row = " | ".join([name, *cells, shown, met_in, verdict(met)])
+        lines.append(f"| {row} |")
     return [*lines, ""]
 
 
@@ -214,10 +215,9 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
             ]
             if accuracies and pressure >= TARGET_PRESSURE:
                 median = statistics.median(accuracies)
-                verdict = "met" if median >= ACCURACY_TARGET else "**missed**"
                 lines += [
                     f"kv index accuracy >= {ACCURACY_TARGET:.0%} (issue 16), on the median over "
-                    f"seeds: {median:.1%}, {verdict}.",
+                    f"seeds: {median:.1%}, {verdict(median >= ACCURACY_TARGET)}.",
                     "",
                 ]
         if key in targets:

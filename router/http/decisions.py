@@ -261,9 +261,10 @@ class DecisionStats:
                     values[2].append((chosen.matched_tokens + chosen.pending_tokens) // block)
             ttft = decision.ttft_s
             if ttft is not None:
-                times = ttfts.get((decision.endpoint, model))
+                series = (decision.endpoint, model)
+                times = ttfts.get(series)
                 if times is None:
-                    times = ttfts[decision.endpoint, model] = []
+                    times = ttfts[series] = []
                 times.append(ttft)
             if decision.status is None:
                 continue
@@ -273,8 +274,9 @@ class DecisionStats:
             if row is None:
                 row = targets[target] = [0] * 9
             row[_ROUTED] += 1
-            if int(at) // WINDOW_BUCKET_S != period:  # a batch mostly shares one period
-                period = int(at) // WINDOW_BUCKET_S
+            at_period = int(at) // WINDOW_BUCKET_S
+            if at_period != period:  # a batch mostly shares one period
+                period = at_period
                 window = self._bucket(period)
             window[0] += 1
             cached = decision.cached_tokens

@@ -28,16 +28,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
-from router.http.spans import TraceSpan
+from router.http.spans import RANDOM_TRACE_ID, TraceSpan
 
 __all__ = ["RecordedSpan", "SpanRecorder"]
 
 _SAMPLED = TraceFlags(0x01)
-# sampled, and the W3C level 2 "random trace id" bit: the SDK sets it on a trace whose id its
-# generator drew at random, and on every span under a parent that has it (literal: an SDK older
-# than the bit has no name for it)
-_RANDOM = 0x02
-_SAMPLED_RANDOM = TraceFlags(_SAMPLED | _RANDOM)
+_SAMPLED_RANDOM = TraceFlags(_SAMPLED | RANDOM_TRACE_ID)
 _INTERNAL = SpanKind.INTERNAL
 _UNSET = Status(StatusCode.UNSET)
 _NO_EVENTS: tuple[Event, ...] = ()
@@ -85,7 +81,7 @@ class SpanRecorder:
             if parent_span_id
             else None
         )
-        own = _SAMPLED_RANDOM if given & _RANDOM else _SAMPLED
+        own = _SAMPLED_RANDOM if given & RANDOM_TRACE_ID else _SAMPLED
         span = RecordedSpan(self, name, trace_id, parent, None, kind, attributes, own)
         span.held = []
         return span
@@ -119,7 +115,7 @@ class SpanRecorder:
         the worker as it sent them (the proxy forwards its headers)."""
         assert isinstance(parent, RecordedSpan)
         ids = (parent.trace_id << 64 | parent.span_id).to_bytes(24, "big").hex()
-        flags = "-03" if parent.flags & _RANDOM else "-01"
+        flags = "-03" if parent.flags & RANDOM_TRACE_ID else "-01"
         carrier["traceparent"] = "00-" + ids[:32] + "-" + ids[32:] + flags
 
 

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.trace import Span, SpanKind, Status, Tracer
 
-__all__ = ["SdkSpans", "SpanMaker", "TraceSpan"]
+__all__ = ["RANDOM_TRACE_ID", "SdkSpans", "SpanMaker", "TraceSpan"]
+
+# the W3C trace context level 2 "random trace id" flag: the SDK sets it on a trace whose id its
+# generator drew at random, and on every span under a parent that has it (a literal: an SDK
+# older than the bit has no name for it)
+RANDOM_TRACE_ID = 0x02
 
 
 class TraceSpan(Protocol):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from router.config import TracingConfig
 from router.errors import ConfigError
-from router.http.spans import SdkSpans, SpanMaker
+from router.http.spans import RANDOM_TRACE_ID, SdkSpans, SpanMaker
 from router.prompt.tokenizer import PromptTokenizer
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class Tracing:
         """The `traceparent` to send the worker for a trace not recorded: its trace id, a new
         span id, the flags (not sampled), so the worker does not record what this dropped.
         Of the client's flags only the random-trace-id bit is kept, as the SDK keeps it."""
-        flags = "02" if int(decision.flags, 16) & 0x02 else "00"
+        flags = "02" if int(decision.flags, 16) & RANDOM_TRACE_ID else "00"
         return f"00-{decision.trace_id:032x}-{getrandbits(64) or 1:016x}-{flags}"
 
     def error(self, description: str) -> Status:
