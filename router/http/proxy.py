@@ -51,6 +51,7 @@ from router.http.upstream_client import (
     UpstreamDroppedError,
     UpstreamResponse,
 )
+from router.http.whole_answer import SentResponse, send_whole
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
@@ -501,12 +502,12 @@ class Proxy:
                 payload = hooks.body(payload)
             if obs is not None:
                 obs.first_byte()
-            response = web.Response(status=upstream.status, body=payload, headers=out)
             # the client has its answer before the router's bookkeeping (this request's own
             # below, and its end's in the caller): at low concurrency that is latency saved
-            with contextlib.suppress(ConnectionResetError):  # gone: the worker still answered
-                await response.prepare(request)
-                await response.write_eof()
+            try:
+                response = await send_whole(request, upstream.status, out, payload)
+            except ConnectionResetError:  # gone: the worker still answered
+                response = SentResponse(upstream.status, out, False, 0)
             if hooks is None:
                 self._planner.first_byte(ticket)
             if obs is not None:
