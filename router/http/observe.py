@@ -30,7 +30,7 @@ from multidict import CIMultiDict
 
 from router.http.decisions import Decision, DecisionStats
 from router.http.spans import SpanMaker, TraceSpan
-from router.http.tracing import PARSE_CONTEXT, Tracing
+from router.http.tracing import PARSE_CONTEXT, TraceDecision, Tracing
 from router.http.usage import StreamTail, cached_tokens
 from router.prompt.request import Endpoint
 from router.routing.planner import Plan
@@ -39,6 +39,7 @@ from router.routing.policy import Candidate
 __all__ = [
     "OBSERVATION",
     "REQUEST_ID_HEADER",
+    "DroppedTrace",
     "Observation",
     "Observer",
     "TracedObservation",
@@ -83,11 +84,19 @@ class Observer:
             # the task of a keep-alive connection serves its requests one after another
             OBSERVATION.set(None)
             return Unobserved()
-        obs = (
-            Observation(self, request, endpoint)
-            if self.tracing is None
-            else TracedObservation(self, request, endpoint, self.tracing)
-        )
+        tracing = self.tracing
+        obs: Observation
+        if tracing is None:
+            obs = Observation(self, request, endpoint)
+        else:
+            decision = tracing.start(request.headers)
+            if isinstance(decision, str):
+                # a trace not recorded (the ratio or the client said so): decided before
+                # anything is made, so the request is observed as without tracing, and its
+                # worker gets the header saying the trace was dropped
+                obs = DroppedTrace(self, request, endpoint, decision)
+            else:
+                obs = TracedObservation(self, request, endpoint, tracing, decision)
         OBSERVATION.set(obs)  # the handler's own task: no reset needed
         return obs
 
@@ -208,23 +217,46 @@ class Observation:
             self._observer.stats.told(decision)
 
 
+class DroppedTrace(Observation):
+    """An observation in a router with tracing, of a request whose trace is not recorded (the
+    sample ratio or the client's flags said so): an `Observation` whose worker gets the
+    `traceparent` of the dropped trace, so the worker does not record it either."""
+
+    __slots__ = ("_traceparent",)
+
+    def __init__(
+        self, observer: Observer, request: web.Request, endpoint: Endpoint, traceparent: str
+    ) -> None:
+        super().__init__(observer, request, endpoint)
+        self._traceparent = traceparent
+
+    def outgoing(self, headers: CIMultiDict[str]) -> None:
+        """Headers for the worker: the request id, and the dropped trace's `traceparent`."""
+        super().outgoing(headers)
+        headers["traceparent"] = self._traceparent  # replaces the client's
+
+
 class TracedObservation(Observation):
-    """An observation in a router with tracing: the request's spans, or for a trace kvroute
-    does not record, only the header its worker gets. Each step does what an `Observation`
-    does, then its span's part."""
+    """An observation in a router with tracing of a request whose trace is recorded (by
+    kvroute's recorder, or by the SDK where it decides): the request's spans. Each step does
+    what an `Observation` does, then its span's part."""
 
     __slots__ = (
         "_phase_span",
         "_request_ctx",
         "_request_span",
         "_spans",
-        "_traceparent",
         "_tracing",
         "_upstream_span",
     )
 
     def __init__(
-        self, observer: Observer, request: web.Request, endpoint: Endpoint, tracing: Tracing
+        self,
+        observer: Observer,
+        request: web.Request,
+        endpoint: Endpoint,
+        tracing: Tracing,
+        decision: TraceDecision | None,
     ) -> None:
         super().__init__(observer, request, endpoint)
         self._tracing = tracing
@@ -233,18 +265,13 @@ class TracedObservation(Observation):
         self._phase_span: TraceSpan | None = None
         self._upstream_span: TraceSpan | None = None
         # who makes this request's spans: the SDK, or kvroute's recorder for a trace it keeps
-        # (`router.http.spans`); None for a trace not recorded
+        # (`router.http.spans`)
         self._spans: SpanMaker | None = None
-        # a trace kvroute does not record (the ratio or the client said so): the worker's
-        # header, and no span at all
-        self._traceparent: str | None = None
-        self._start_trace(tracing, request)
+        self._start_trace(tracing, request, decision)
 
-    def _start_trace(self, tracing: Tracing, request: web.Request) -> None:
-        decision = tracing.start(request.headers)
-        if isinstance(decision, str):  # not recorded: decided before anything is made
-            self._traceparent = decision
-            return
+    def _start_trace(
+        self, tracing: Tracing, request: web.Request, decision: TraceDecision | None
+    ) -> None:
         name = f"{request.method} {self.endpoint}"
         attributes = {
             "http.request.method": request.method,
@@ -329,9 +356,6 @@ class TracedObservation(Observation):
     def outgoing(self, headers: CIMultiDict[str]) -> None:
         """Headers for the worker: the request id, and the upstream span as `traceparent`."""
         super().outgoing(headers)
-        if self._traceparent is not None:
-            headers["traceparent"] = self._traceparent  # replaces the client's
-            return
         spans = self._spans
         if spans is None:
             return
