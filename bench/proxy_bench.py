@@ -70,6 +70,21 @@ _ANSWER = msgspec.json.encode(
         "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
     }
 )
+# a streamed answer: this many SSE chunks, each its own write (one token each, as an engine's
+# decode steps send them), the last with the usage
+STREAM_CHUNKS = 16
+_STREAM_BODY = msgspec.json.encode(
+    {"model": "m", "prompt": "hi", "max_tokens": STREAM_CHUNKS, "stream": True}
+)
+_STREAM_CHUNK = (
+    b'data: {"id":"cmpl-0","object":"text_completion","model":"m",'
+    b'"choices":[{"index":0,"text":"!","finish_reason":null}]}\n\n'
+)
+_STREAM_TAIL = (
+    b'data: {"id":"cmpl-0","object":"text_completion","model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":2,"completion_tokens":%d,"total_tokens":%d}}\n\ndata: [DONE]\n\n'
+    % (STREAM_CHUNKS, STREAM_CHUNKS + 2)
+)
 _INFO = msgspec.json.encode({"model_path": "m", "served_model_name": "m", "is_generation": True})
 
 
@@ -81,6 +96,7 @@ class _Request(msgspec.Struct, frozen=True):
 
 
 _TINY = _Request("/v1/completions", (_BODY,))
+_STREAMED = _Request("/v1/completions", (_STREAM_BODY,))
 _TURN = itertools.count()
 
 
@@ -157,9 +173,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _backend_app() -> web.Application:
-    async def answer(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=_ANSWER, content_type="application/json")
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if b'"stream":true' not in body:
+            return web.Response(body=_ANSWER, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(STREAM_CHUNKS):
+            await response.write(_STREAM_CHUNK)
+            await asyncio.sleep(0)  # a loop turn between chunks: each is its own segment
+        await response.write(_STREAM_TAIL)
+        await response.write_eof()
+        return response
 
     async def info(request: web.Request) -> web.Response:
         return web.Response(body=_INFO, content_type="application/json")
@@ -936,6 +961,10 @@ async def _run(args: argparse.Namespace) -> str:
                     args, "Trivial backend (no KV events)", targets, args.latency_requests
                 )
                 sections.append(section)
+                if not args.ops_only:
+                    streamed = await _streamed_section(args, targets)
+                    sections.append(streamed)
+                    notes += _streamed_notes(args, streamed.rates)
                 if args.ops_rounds > 0:
                     ops_lines = await _ops_cost(args, ops_targets)
                 if not args.ops_only:
@@ -976,6 +1005,42 @@ async def _run(args: argparse.Namespace) -> str:
                     if args.long_prompt_tokens > 0:
                         sections.append(await _long_prompt_section(args, worker, router, notes))
     return _report(args, sections, client_rows, notes, ops_lines)
+
+
+# the streamed section's routers: kvroute (one process and replicas) beside SGLang's router
+_STREAMED_TARGETS = ("direct", "kvroute", "sglang-router")
+
+
+async def _streamed_section(args: argparse.Namespace, targets: dict[str, str]) -> _Section:
+    """The trivial backend again, answering in SSE chunks: the per-chunk path (the proxy's
+    reads and writes of each chunk, the stream's usage read at the end)."""
+    many = f"kvroute --processes {args.processes}"
+    chosen = {
+        name: url for name, url in targets.items() if name in _STREAMED_TARGETS or name == many
+    }
+    small = argparse.Namespace(
+        **{**vars(args), "throughput_requests": max(100, args.throughput_requests // 3)}
+    )
+    return await _measure(
+        small,
+        f"Trivial backend, streamed answers (`stream: true`: {STREAM_CHUNKS} SSE chunks a "
+        "request, each its own write, then the usage and `[DONE]`)",
+        chosen,
+        max(50, args.latency_requests // 10),
+        _STREAMED,
+    )
+
+
+def _streamed_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
+    theirs = rates.get("sglang-router")
+    if not theirs:
+        return []
+    many = f"kvroute --processes {args.processes}"
+    return [
+        f"streamed answers: {name} / sglang-router throughput ratio: {rates[name] / theirs:.2f}"
+        for name in ("kvroute", many)
+        if rates.get(name)
+    ]
 
 
 async def _long_prompt_section(

@@ -37,6 +37,7 @@ from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.decisions import DecisionStats
+from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
 from router.http.holding import HeldRequests
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
@@ -51,7 +52,6 @@ from router.http.upstream_client import (
     UpstreamDroppedError,
     UpstreamResponse,
 )
-from router.http.whole_answer import SentResponse, send_whole
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
@@ -533,7 +533,7 @@ class Proxy:
         worker: str,
         hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = ChunkedResponse(status=upstream.status, headers=headers)
         chunk = first
         obs = observation(request)
         try:
