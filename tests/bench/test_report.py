@@ -254,3 +254,26 @@ def test_an_accuracy_miss_is_broken_down_by_what_the_forecast_said() -> None:
     assert "10 not in the index when routed" in note
     # the largest share names what to fix
     assert "The largest share: the batch rule puts siblings in one batch" in note
+
+
+def test_a_ttft_miss_is_explained_by_how_many_requests_were_cold() -> None:
+    def closing(kv_cached: int, cold: int) -> str:
+        section = _section(2.5, kv_cached=kv_cached)
+        section.runs.append(_run(EXTERNAL_BASELINE, kv_cached, 0.01))  # kv's TTFT: 1.0x
+        for record in section.runs[0].records[:cold]:
+            record.cached_tokens = 0
+        report = BenchReport(
+            command="c", seed=1, mode="full", started_at="", fleet={}, sections=[section]
+        )
+        return render_markdown(report, {}).split("## Closing note")[1]
+
+    # 1 of kv's 10 answered requests found nothing cached: its p90 is a wait, not a prefill
+    warm = closing(80, cold=1)
+    assert "kv TTFT p90 <= 0.5x" in warm and "10.0% of kv's requests found nothing" in warm
+    assert "the p90 is not a cold prefill" in warm and "(`--seeds`" in warm
+    assert "the p90 is a full prefill" not in warm
+    # 3 of 10: a cold prefill under any policy
+    cold = closing(80, cold=3)
+    assert "30.0% of kv's requests found nothing" in cold
+    assert "the p90 is a full prefill under any policy" in cold
+    assert "the p90 is not a cold prefill" not in cold
