@@ -480,10 +480,11 @@ def closing_note(report: BenchReport) -> list[str]:
                     )
                 else:
                     notes.append(
-                        f"{head}: with 10% or fewer cold, the p90 is not a cold prefill but a "
-                        "request's wait in its worker's queue, which near equal hit rates "
-                        "leaves to the timing of bursts: one run's TTFT ratio moves widely "
-                        f"from one seed to the next.{limit} Closing it: judge it over seeds "
+                        f"{head}: with 10% or fewer cold, the p90 is set less by cold "
+                        "prefills than by the uncached parts of warm prompts and by waits in "
+                        "the workers' queues, which near equal hit rates leave to the timing "
+                        "of bursts: one run's TTFT ratio moves widely from one seed to the "
+                        f"next.{limit} Closing it: judge it over seeds "
                         "(`--seeds`, which tables it per seed and on the median), and at a "
                         "higher offered load (`--load`), where the baseline's queues grow."
                     )
