@@ -17,6 +17,7 @@ goes through aiohttp as before, which also refuses what would be a header inject
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from email.utils import formatdate
@@ -94,11 +95,13 @@ def _head(
     return "\r\n".join(lines).encode()
 
 
-def _open_transport(request: web.BaseRequest) -> web.BaseRequest:
+def _open_transport(request: web.BaseRequest) -> asyncio.Transport:
+    """The client's connection; ConnectionResetError once it is closed or closing (as
+    aiohttp's writer raises)."""
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client closed the connection")
-    return request
+    return transport
 
 
 class SentResponse(web.StreamResponse):
@@ -124,8 +127,7 @@ async def send_whole(
         await response.prepare(request)
         await response.write_eof()
         return response
-    transport = _open_transport(request).transport
-    assert transport is not None  # checked open
+    transport = _open_transport(request)
     if len(body) < _JOIN_BELOW:
         transport.write(head + body)
     else:
@@ -154,8 +156,7 @@ class ChunkedResponse(web.StreamResponse):
         head = _head(request, self.status, self.headers, "Transfer-Encoding: chunked")
         if head is None:
             return await super().prepare(request)
-        transport = _open_transport(request).transport
-        assert transport is not None  # checked open
+        transport = _open_transport(request)
         self._direct = True
         self._request = request
         self._keep_alive = request.keep_alive
@@ -173,8 +174,7 @@ class ChunkedResponse(web.StreamResponse):
             raise RuntimeError("Cannot call write() after write_eof()")
         if not data:
             return
-        transport = _open_transport(request).transport
-        assert transport is not None  # checked open
+        transport = _open_transport(request)
         size = len(data)
         if size < _JOIN_BELOW:
             chunk = data if isinstance(data, bytes) else bytes(data)
@@ -197,9 +197,7 @@ class ChunkedResponse(web.StreamResponse):
             return
         if data:
             await self.write(data)
-        transport = _open_transport(request).transport
-        assert transport is not None  # checked open
+        transport = _open_transport(request)
         transport.write(_LAST_CHUNK)
         self._eof_sent = True
-        self._request = None
         await request.writer.drain()
