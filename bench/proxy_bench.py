@@ -782,6 +782,11 @@ def _router_cmd(config: Path) -> tuple[str, ...]:
     )
 
 
+def _replicas(args: argparse.Namespace) -> str:
+    """The name of the `kvroute serve --processes N` target."""
+    return f"kvroute --processes {args.processes}"
+
+
 async def _other_targets(
     args: argparse.Namespace,
     stack: contextlib.AsyncExitStack,
@@ -812,7 +817,7 @@ async def _other_targets(
         )
         if nats.pid is not None:  # the replicas' decisions go through it: its CPU is theirs
             _ALSO[replicas] = [nats.pid]
-        targets[f"kvroute --processes {args.processes}"] = replicas
+        targets[_replicas(args)] = replicas
     targets["bare aiohttp forwarder"] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
     )
@@ -881,7 +886,7 @@ def _other_notes(
             f"kvroute (on uvloop, the default) / {_ASYNCIO} throughput ratio: "
             f"{rates['kvroute'] / rates[_ASYNCIO]:.2f}"
         )
-    many = f"kvroute --processes {args.processes}"
+    many = _replicas(args)
     if many in rates:
         notes.append(
             f"{many} / kvroute (one process) throughput ratio: "
@@ -1014,7 +1019,7 @@ _STREAMED_TARGETS = ("direct", "kvroute", "sglang-router")
 async def _streamed_section(args: argparse.Namespace, targets: dict[str, str]) -> _Section:
     """The trivial backend again, answering in SSE chunks: the per-chunk path (the proxy's
     reads and writes of each chunk, the stream's usage read at the end)."""
-    many = f"kvroute --processes {args.processes}"
+    many = _replicas(args)
     chosen = {
         name: url for name, url in targets.items() if name in _STREAMED_TARGETS or name == many
     }
@@ -1035,7 +1040,7 @@ def _streamed_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[s
     theirs = rates.get("sglang-router")
     if not theirs:
         return []
-    many = f"kvroute --processes {args.processes}"
+    many = _replicas(args)
     return [
         f"streamed answers: {name} / sglang-router throughput ratio: {rates[name] / theirs:.2f}"
         for name in ("kvroute", many)

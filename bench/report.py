@@ -472,15 +472,15 @@ def closing_note(report: BenchReport) -> list[str]:
                 )
                 if cold > _COLD_P90:
                     notes.append(
-                        f"{head}: with more than 10% of them cold, the p90 is a full prefill "
-                        "under any policy, and the gap comes only from the baseline's extra "
-                        f"queueing.{limit} Closing it: more reuse per prefix (fewer cold "
-                        "requests than 10%) or a higher offered load (`--load`), where the "
-                        "baseline's extra prefill work turns into queueing."
+                        f"{head}: with more than {_COLD_P90:.0%} of them cold, the p90 is a "
+                        "full prefill under any policy, and the gap comes only from the "
+                        f"baseline's extra queueing.{limit} Closing it: more reuse per prefix "
+                        f"(fewer cold requests than {_COLD_P90:.0%}) or a higher offered load "
+                        "(`--load`), where the baseline's extra prefill work turns into queueing."
                     )
                 else:
                     notes.append(
-                        f"{head}: with 10% or fewer cold, the p90 is set less by cold "
+                        f"{head}: with {_COLD_P90:.0%} or fewer cold, the p90 is set less by cold "
                         "prefills than by the uncached parts of warm prompts and by waits in "
                         "the workers' queues, which near equal hit rates leave to the timing "
                         "of bursts: one run's TTFT ratio moves widely from one seed to the "

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -21,6 +20,7 @@ from multidict import CIMultiDict
 from router.http.direct_answer import ChunkedResponse, send_whole
 from tests.raw_http import exchange, parse_responses, request_bytes
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DATE = re.compile(r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$")
 
 
@@ -44,10 +44,11 @@ async def _whole(request: web.Request) -> web.StreamResponse:
 
 
 @contextlib.asynccontextmanager
-async def _server() -> AsyncIterator[int]:
+async def _serve(routes: dict[str, Handler]) -> AsyncIterator[int]:
+    """An aiohttp server on 127.0.0.1 answering POSTs to `routes`; yields its port."""
     app = web.Application(client_max_size=16 * 1024 * 1024)
-    app.router.add_post("/aiohttp", _aiohttp)
-    app.router.add_post("/whole", _whole)
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -56,6 +57,42 @@ async def _server() -> AsyncIterator[int]:
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
+
+
+def _server() -> contextlib.AbstractAsyncContextManager[int]:
+    return _serve({"/aiohttp": _aiohttp, "/whole": _whole})
+
+
+async def _both_ways(
+    port: int,
+    paths: tuple[bytes, bytes],
+    query: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    close: bool,
+) -> list[bytes]:
+    """What the server sent for the same request to each of `paths`, each on its own
+    connection; without `close`, a second request that closes follows, so the exchange ends."""
+    raw = []
+    for path in paths:
+        sent = request_bytes(b"POST", path + query, headers, body, close=close)
+        if not close:
+            sent += request_bytes(b"POST", b"/aiohttp", [], b"", close=True)
+        raw.append(await exchange(port, sent))
+    return raw
+
+
+async def _read_slowly(port: int, path: bytes, events: list[str]) -> bytes:
+    """Ask for `path`, wait before reading (noted in `events`), then read it all."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request_bytes(b"POST", path))
+        await writer.drain()
+        await asyncio.sleep(0.3)  # without backpressure the handler would be done by now
+        events.append("reading")
+        return await asyncio.wait_for(reader.read(-1), 30)
+    finally:
+        writer.close()
 
 
 CASES = [
@@ -74,14 +111,9 @@ CASES = [
 async def test_an_answer_is_what_aiohttp_would_send(
     query: bytes, headers: list[tuple[bytes, bytes]], body: bytes, close: bool
 ) -> None:
-    answers = []
     async with _server() as port:
-        for path in (b"/aiohttp", b"/whole"):
-            sent = request_bytes(b"POST", path + query, headers, body, close=close)
-            if not close:  # then a second request that closes, so the exchange ends
-                sent += request_bytes(b"POST", b"/aiohttp", [], b"", close=True)
-            answers.append(parse_responses(await exchange(port, sent))[:1])
-    theirs, mine = answers
+        raw = await _both_ways(port, (b"/aiohttp", b"/whole"), query, headers, body, close)
+    theirs, mine = (parse_responses(data)[:1] for data in raw)
     assert len(theirs) == len(mine) == 1
     (t,), (m,) = theirs, mine
     assert _DATE.match(m.headers["date"]), m.headers["date"]
@@ -133,24 +165,8 @@ async def test_a_large_answer_waits_for_a_slow_reader_and_reaches_it_whole() -> 
         events.append("sent")  # only once the client read enough for the rest to fit
         return response
 
-    app = web.Application()
-    app.router.add_post("/big", big)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        try:
-            writer.write(request_bytes(b"POST", b"/big"))
-            await writer.drain()
-            await asyncio.sleep(0.3)  # without backpressure the handler would be done by now
-            events.append("reading")
-            data = await asyncio.wait_for(reader.read(-1), 30)
-        finally:
-            writer.close()
-    finally:
-        await runner.cleanup()
+    async with _serve({"/big": big}) as port:
+        data = await _read_slowly(port, b"/big", events)
     assert events == ["reading", "sent"]
     (answer,) = parse_responses(data)
     assert answer.status == 200
@@ -187,21 +203,8 @@ async def _direct_stream(request: web.Request) -> web.StreamResponse:
     return await _stream_with(ChunkedResponse(status=status, headers=_headers(request)), request)
 
 
-@contextlib.asynccontextmanager
-async def _stream_server(*extra: tuple[str, Any]) -> AsyncIterator[int]:
-    app = web.Application()
-    app.router.add_post("/aiohttp", _aiohttp_stream)
-    app.router.add_post("/direct", _direct_stream)
-    for path, handler in extra:
-        app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+def _stream_server(*extra: tuple[str, Handler]) -> contextlib.AbstractAsyncContextManager[int]:
+    return _serve({"/aiohttp": _aiohttp_stream, "/direct": _direct_stream, **dict(extra)})
 
 
 STREAM_CASES = [
@@ -217,13 +220,8 @@ STREAM_CASES = [
 async def test_a_streamed_answer_is_what_aiohttp_would_send(
     query: bytes, headers: list[tuple[bytes, bytes]], body: bytes, close: bool
 ) -> None:
-    raw = []
     async with _stream_server() as port:
-        for path in (b"/aiohttp", b"/direct"):
-            sent = request_bytes(b"POST", path + query, headers, body, close=close)
-            if not close:  # then a second request that closes, so the exchange ends
-                sent += request_bytes(b"POST", b"/aiohttp", [], b"", close=True)
-            raw.append(await exchange(port, sent))
+        raw = await _both_ways(port, (b"/aiohttp", b"/direct"), query, headers, body, close)
     (t, *_), (m, *_) = (parse_responses(data) for data in raw)
     assert _DATE.match(m.headers["date"]), m.headers["date"]
     del t.headers["date"], m.headers["date"]
@@ -325,16 +323,8 @@ async def test_a_large_streamed_chunk_waits_for_a_slow_reader_and_arrives_whole(
         await response.write_eof()
         return response
 
-    async with _stream_server(("/big", big)) as port:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            writer.write(request_bytes(b"POST", b"/big"))
-            await writer.drain()
-            await asyncio.sleep(0.3)  # without backpressure the handler would be done by now
-            events.append("reading")
-            data = await asyncio.wait_for(reader.read(-1), 30)
-        finally:
-            writer.close()
+    async with _serve({"/big": big}) as port:
+        data = await _read_slowly(port, b"/big", events)
     assert events == ["reading", "sent"]
     (answer,) = parse_responses(data)
     assert answer.body == chunk * 4
