@@ -1,8 +1,12 @@
 """The router's own view of in-flight work per (worker, dp rank) (it never asks the workers).
 
 A request counts as queued prefill (its uncached prompt tokens) from dispatch until the first
-response byte arrives, and as one running request until its response ends. Tokens from the
-index are predictions, so this is an estimate; it is consistent, which is what routing needs.
+response byte arrives, and as one running request until its response ends. A prefill side of
+a prefill/decode pair answers only once its decode has fetched the KV: there the request stops
+counting as queued prefill as soon as the KV events show its prompt stored (`computed`, told
+by `router.routing.prefill_watch`), since what is left is the handoff, which computes
+nothing. Tokens from the index are predictions, so this is an estimate; it is consistent,
+which is what routing needs.
 
 A decode worker of a prefill/decode pair also counts the KV its running requests hold
 (`kv_tokens`: their prompts, moved in from the prefill side), which fills its memory as long
@@ -83,6 +87,7 @@ class Ticket:
         "output_tokens",
         "prefill_tokens",
         "prefilled",
+        "queued",
         "sent_at",
         "worker",
     )
@@ -102,6 +107,9 @@ class Ticket:
         self.output_tokens = output_tokens
         self.prefilled = False
         self.done = False
+        # whether its prompt still counts as queued prefill (until its first byte, or until
+        # the events show a prefill side has computed it)
+        self.queued = True
         # (stream, recency stamp) of the decision on each stream it was sent to, while its
         # prompt is on its way (`router.routing.admission`); set by the planner
         self.marks: list[tuple[str, int]] = []
@@ -182,6 +190,14 @@ class LoadTracker:
         if ticket.prefilled or ticket.done:
             return
         ticket.prefilled = True
+        self.computed(ticket)
+
+    def computed(self, ticket: Ticket) -> None:
+        """The request's prompt is computed (the worker's events show it stored), though the
+        worker has not answered yet: it no longer counts as queued prefill (idempotent)."""
+        if not ticket.queued or ticket.done:
+            return
+        ticket.queued = False
         load = self._load(ticket)
         if load is not None:
             load.queued_prefill_tokens -= ticket.prefill_tokens

@@ -54,6 +54,7 @@ from router.routing.load import LoadTracker, Ticket
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
 from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
+from router.routing.prefill_watch import PrefillWatch
 from router.routing.prompt_keys import PromptKeys
 
 __all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
@@ -138,6 +139,8 @@ class Planner:
         # stamps of its decisions whose requests have not started answering
         self.recency: dict[str, RecencyBook] = {}
         self.waiting: dict[str, WaitingDecisions] = {}
+        # requests on prefill sides until their events show the prompt computed
+        self.prefills = PrefillWatch()
         self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
         # the prompt being routed: its block keys, made once for every candidate's forecast,
         # its pending marks and its recency
@@ -184,6 +187,8 @@ class Planner:
         output_tokens: int,
     ) -> Plan:
         now = self.clock()
+        for computed in self.prefills.sweep(self.indexer.holds):
+            self.load.computed(computed)
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
         # (`limit` says so without copying an 8k-token list).
@@ -433,6 +438,9 @@ class Planner:
         ticket.sent_at = self.clock()
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
+        entry = self.pool.find(candidate.worker)
+        if entry is not None and entry.role == "prefill" and ticket.prefill_tokens:
+            self._watch_prefill(ns, tokens, candidate, ticket)
         if self.decisions is not None:
             block_size, keys = self._shared_keys(ns, tokens, candidate) if marked else (0, [])
             self.decisions.committed(
@@ -446,6 +454,20 @@ class Planner:
                 keys=keys,
             )
         return ticket
+
+    def _watch_prefill(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket
+    ) -> None:
+        """Watch a prefill side's request until its events show its prompt computed
+        (`router.routing.prefill_watch`): by the last full block before the prompt's last
+        token (the one block of the prompt certain to be computed, hence stored, for it), on
+        each stream it went to that does not hold that block already."""
+        if not self.indexer.has_worker(candidate.worker):
+            return
+        for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
+            keys = self.keys.of(stream, ns, tokens, max(len(tokens) - 1, 0))
+            if keys and not self.indexer.holds(stream, keys[-1:])[0]:
+                self.prefills.watch(stream, ticket, keys[-1])
 
     def _shared_keys(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate

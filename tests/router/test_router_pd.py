@@ -23,7 +23,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import PdConfig, WorkerConfig
+from router.config import PdConfig, TokenizerConfig, WorkerConfig
+from router.prompt.request import Endpoint, parse_request
+from router.prompt.tokenizer import build_tokenizer
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -31,6 +33,7 @@ from workers.worker import ReferenceWorker
 
 PAGE = 16
 PROMPT = [(i * 7) % 250 + 3 for i in range(6 * PAGE + 1)]  # 6 pages and a last token
+TOKENIZER = build_tokenizer(TokenizerConfig())
 
 
 def reference(role: str, **kw: Any) -> ReferenceConfig:
@@ -380,3 +383,52 @@ async def test_the_prefill_side_stops_counting_as_load_once_it_has_answered() ->
 
             await eventually(ended, what="the decode side to end")
             assert load.of("p0").running == 0
+
+
+async def test_the_prefill_side_stops_counting_as_queued_once_its_events_show_the_prompt() -> None:
+    """SGLang's prefill side answers only once its decode has fetched the KV: from its stores
+    on, the request is a handoff there, no longer queued prefill
+    (`router.routing.prefill_watch`)."""
+    # a prefill of about 0.2 s, then a handoff of about 2 s
+    slow = {"time_scale": 1.0, "prefill_ms_per_token": 2.0, "transfer_ms_per_token": 20.0}
+    async with (
+        ReferenceWorker(reference("prefill", **slow)) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            load = router.planner.load
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=body))
+
+            async def queued() -> bool:
+                return load.of("p0").queued_prefill_tokens > 0
+
+            await eventually(queued, what="the request to be dispatched")
+            # its prompt counts as queued at dispatch: the prefill has not stored it
+            assert load.of("p0").running == 1
+            assert load.of("p0").queued_prefill_tokens == len(PROMPT)
+            # watched on the prefill side only (a decode computes no prompt)
+            assert len(router.planner.prefills) == 1
+
+            async def computed() -> bool:
+                parsed = parse_request(Endpoint.GENERATE, json.dumps(body).encode(), TOKENIZER)
+                plan = router.planner.plan(parsed, role="prefill")
+                assert plan.candidates  # a plan sweeps the watch first
+                return load.of("p0").queued_prefill_tokens == 0
+
+            await eventually(computed, what="the prefill's stores to reach the index")
+            # the pair is still in flight: the decode is fetching the prefill's KV
+            assert not sent.done()
+            assert load.of("p0").running == 1
+            resp = await sent
+            assert resp.status == 200, await resp.text()
+            resp.release()
+
+            async def answered() -> bool:
+                return load.of("p0").running == 0
+
+            await eventually(answered, what="the pair to end")
+            # counted down once: the answer does not take the prompt off again
+            assert load.of("p0").queued_prefill_tokens == 0

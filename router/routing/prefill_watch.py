@@ -1,0 +1,61 @@
+"""When a prefill side has computed a request's prompt, told by its KV events, not its answer.
+
+A prefill worker of a prefill/decode pair answers only once its decode has fetched the KV
+(SGLang's bootstrap room): the prefill itself ended earlier, and what is left is a handoff that
+computes nothing. Counting the prompt as queued prefill until that answer counts it twice in
+the admission forecast (its pages are held, per the events, and queued) and makes the worker
+look busier than it is to the `kv` score, the longer the decodes take to fetch.
+
+The worker's events say when the prefill is over: its prompt's blocks are stored. A request
+is watched by the last full block of its prompt on each stream it went to, when that block was
+not held at dispatch (else its store proves nothing about this request); once a stream holds
+it, the request is computed (`LoadTracker.computed`). An answer or an end first drops the
+watch. Two requests with one prompt share that block: the second is then taken as computed
+too, which it nearly is, its whole prompt being cached.
+
+Pure bookkeeping: the planner sweeps it before every plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from router.routing.load import Ticket
+
+__all__ = ["PrefillWatch"]
+
+
+class PrefillWatch:
+    """The requests on prefill sides whose prompts are not known to be stored yet."""
+
+    __slots__ = ("_streams",)
+
+    def __init__(self) -> None:
+        # stream -> id(ticket) -> (the ticket, the key of its prompt's last full block there)
+        self._streams: dict[str, dict[int, tuple[Ticket, int]]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(watched) for watched in self._streams.values())
+
+    def watch(self, stream: str, ticket: Ticket, last_key: int) -> None:
+        """`ticket`'s prompt goes to `stream`, which does not hold its last full block yet."""
+        self._streams.setdefault(stream, {})[id(ticket)] = (ticket, last_key)
+
+    def sweep(self, holds: Callable[[str, Sequence[int]], list[bool]]) -> list[Ticket]:
+        """The watched requests whose last block a stream now holds (`holds(stream, keys)`),
+        each once; the ones that answered, ended or were found computed on another stream
+        meanwhile are dropped unreported."""
+        computed: dict[int, Ticket] = {}
+        for stream, watched in list(self._streams.items()):
+            for key in [k for k, (t, _) in watched.items() if not t.queued or t.done]:
+                del watched[key]
+            if watched:
+                entries = list(watched.items())
+                stored = holds(stream, [last for _, (_, last) in entries])
+                for (key, (ticket, _)), held in zip(entries, stored, strict=True):
+                    if held:
+                        del watched[key]
+                        computed[key] = ticket
+            if not watched:
+                del self._streams[stream]
+        return list(computed.values())
