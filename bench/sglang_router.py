@@ -245,11 +245,13 @@ async def launch(
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
         *extra_args,
     ]  # fmt: skip
-    # on registration it probes each worker with an HTTP/2 preface, which an aiohttp worker in
-    # this process logs as a bad request: expected, so hushed until the router is ready
-    server_log = logging.getLogger("aiohttp.server")
-    level = server_log.level
-    server_log.setLevel(logging.CRITICAL)
+    # on registration it probes each worker with an HTTP/2 preface, which a worker in this
+    # process logs as a bad request (aiohttp's server, or the reference worker's listener):
+    # expected, so hushed until the router is ready
+    server_logs = [logging.getLogger(name) for name in ("aiohttp.server", "workers.listener")]
+    levels = [server_log.level for server_log in server_logs]
+    for server_log in server_logs:
+        server_log.setLevel(logging.CRITICAL)
     with tempfile.TemporaryFile() as log:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=_child_env()
@@ -266,7 +268,8 @@ async def launch(
             except SglangRouterError as exc:
                 raise SglangRouterError(f"{exc}: {_tail(log)}") from exc
             finally:
-                server_log.setLevel(level)
+                for server_log, level in zip(server_logs, levels, strict=True):
+                    server_log.setLevel(level)
             if pids is not None:
                 pids[url] = proc.pid
             yield url

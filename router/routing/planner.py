@@ -459,9 +459,8 @@ class Planner:
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket
     ) -> None:
         """Watch a prefill side's request until its events show its prompt computed
-        (`router.routing.prefill_watch`): by the last full block before the prompt's last
-        token (the one block of the prompt certain to be computed, hence stored, for it), on
-        each stream it went to that does not hold that block already."""
+        (`router.routing.prefill_watch`): by the last full block short of the prompt's last
+        token, on each stream it went to that does not hold that block already."""
         if not self.indexer.has_worker(candidate.worker):
             return
         for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):

@@ -7,11 +7,12 @@ the admission forecast (its pages are held, per the events, and queued) and make
 look busier than it is to the `kv` score, the longer the decodes take to fetch.
 
 The worker's events say when the prefill is over: its prompt's blocks are stored. A request
-is watched by the last full block of its prompt on each stream it went to, when that block was
-not held at dispatch (else its store proves nothing about this request); once a stream holds
-it, the request is computed (`LoadTracker.computed`). An answer or an end first drops the
-watch. Two requests with one prompt share that block: the second is then taken as computed
-too, which it nearly is, its whole prompt being cached.
+is watched by the last full block of its prompt short of its last token (the blocks the index
+is asked about) on each stream it went to, when that block was not held at dispatch (else its
+store proves nothing about this request); once a stream holds it, the request is computed
+(`LoadTracker.computed`). An answer or an end first drops the watch. Two requests with one
+prompt share that block: the second is then taken as computed too, which it nearly is, its
+whole prompt being cached.
 
 Pure bookkeeping: the planner sweeps it before every plan.
 """

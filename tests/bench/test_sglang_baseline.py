@@ -83,7 +83,9 @@ def test_the_baseline_joins_beside_approx_tree_and_is_echoed_in_the_command() ->
     not _HAVE,
     reason="no python at hand imports sglang_router (KVROUTE_SGLANG_ROUTER_PYTHON, the bench venv)",
 )
-async def test_sglang_cache_aware_drops_the_salt_and_is_counted_as_violating() -> None:
+async def test_sglang_cache_aware_drops_the_salt_and_is_counted_as_violating(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     shared = list(range(3, 3 + 64))  # 4 pages, the same text for both tenants
     requests = [
         BenchRequest(arrival_s=0.0, input_ids=[*shared, 200], max_new_tokens=2, cache_salt="a"),
@@ -108,6 +110,10 @@ async def test_sglang_cache_aware_drops_the_salt_and_is_counted_as_violating() -
     assert probes["/v1/completions"].violating == 0 and probes["/v1/completions"].requests
     assert not any(p.errors for p in run.isolation), [p.error for p in run.isolation]
     assert probes["/generate"].violating > 0 and probes["/v1/chat/completions"].violating > 0
+    # its HTTP/2 probe of each worker at registration is expected, not a bad request to report;
+    # and nothing it sent afterwards was refused by a worker
+    refused = [r.getMessage() for r in caplog.records if r.name == "workers.listener"]
+    assert not refused, refused
 
 
 def test_dp_aware_listings_count_as_their_worker() -> None:
