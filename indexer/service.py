@@ -72,6 +72,9 @@ class IndexerService:
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._matches = WorkerMatches(clock)
+        # told the stream id after each event batch applied (the router's load bookkeeping:
+        # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
+        self.applied_listeners: list[Callable[[str], None]] = []
 
     async def __aenter__(self) -> IndexerService:
         await self._subs.__aenter__()
@@ -261,6 +264,8 @@ class IndexerService:
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)
+        for listener in self.applied_listeners:
+            listener(stream)
         if not self._waiters:
             return
         still = []

@@ -141,6 +141,7 @@ class Planner:
         self.waiting: dict[str, WaitingDecisions] = {}
         # requests on prefill sides until their events show the prompt computed
         self.prefills = PrefillWatch()
+        indexer.applied_listeners.append(self._events_applied)
         self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
         # the prompt being routed: its block keys, made once for every candidate's forecast,
         # its pending marks and its recency
@@ -187,8 +188,6 @@ class Planner:
         output_tokens: int,
     ) -> Plan:
         now = self.clock()
-        for computed in self.prefills.sweep(self.indexer.holds):
-            self.load.computed(computed)
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
         # (`limit` says so without copying an 8k-token list).
@@ -467,6 +466,12 @@ class Planner:
             keys = self.keys.of(stream, ns, tokens, max(len(tokens) - 1, 0))
             if keys and not self.indexer.holds(stream, keys[-1:])[0]:
                 self.prefills.watch(stream, ticket, keys[-1])
+
+    def _events_applied(self, stream: str) -> None:
+        """An event batch was applied on `stream`: the requests whose prompts it stored there
+        no longer count as queued prefill."""
+        for computed in self.prefills.sweep(stream, self.indexer.holds):
+            self.load.computed(computed)
 
     def _shared_keys(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate

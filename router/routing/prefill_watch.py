@@ -14,7 +14,7 @@ store proves nothing about this request); once a stream holds it, the request is
 prompt share that block: the second is then taken as computed too, which it nearly is, its
 whole prompt being cached.
 
-Pure bookkeeping: the planner sweeps it before every plan.
+Pure bookkeeping: the planner sweeps a stream's watch after each event batch applied there.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from collections.abc import Callable, Sequence
 from router.routing.load import Ticket
 
 __all__ = ["PrefillWatch"]
+
+# watched requests on one stream beyond which `watch` drops the settled ones itself
+_PRUNE_AT = 64
 
 
 class PrefillWatch:
@@ -40,23 +43,35 @@ class PrefillWatch:
 
     def watch(self, stream: str, ticket: Ticket, last_key: int) -> None:
         """`ticket`'s prompt goes to `stream`, which does not hold its last full block yet."""
-        self._streams.setdefault(stream, {})[id(ticket)] = (ticket, last_key)
+        watched = self._streams.setdefault(stream, {})
+        if len(watched) >= _PRUNE_AT:
+            # a stream that applies no batch is never swept: what answered or ended there
+            # goes now, so the watch stays within the requests in flight on it
+            _drop_settled(watched)
+        watched[id(ticket)] = (ticket, last_key)
 
-    def sweep(self, holds: Callable[[str, Sequence[int]], list[bool]]) -> list[Ticket]:
-        """The watched requests whose last block a stream now holds (`holds(stream, keys)`),
-        each once; the ones that answered, ended or were found computed on another stream
-        meanwhile are dropped unreported."""
-        computed: dict[int, Ticket] = {}
-        for stream, watched in list(self._streams.items()):
-            for key in [k for k, (t, _) in watched.items() if not t.queued or t.done]:
-                del watched[key]
-            if watched:
-                entries = list(watched.items())
-                stored = holds(stream, [last for _, (_, last) in entries])
-                for (key, (ticket, _)), held in zip(entries, stored, strict=True):
-                    if held:
-                        del watched[key]
-                        computed[key] = ticket
-            if not watched:
-                del self._streams[stream]
-        return list(computed.values())
+    def sweep(self, stream: str, holds: Callable[[str, Sequence[int]], list[bool]]) -> list[Ticket]:
+        """The requests watched on `stream` whose last block it now holds (`holds(stream,
+        keys)`), each once; the ones that answered, ended or were found computed on another
+        stream meanwhile are dropped unreported."""
+        watched = self._streams.get(stream)
+        if watched is None:
+            return []
+        _drop_settled(watched)
+        computed: list[Ticket] = []
+        if watched:
+            entries = list(watched.items())
+            stored = holds(stream, [last for _, (_, last) in entries])
+            for (key, (ticket, _)), held in zip(entries, stored, strict=True):
+                if held:
+                    del watched[key]
+                    computed.append(ticket)
+        if not watched:
+            del self._streams[stream]
+        return computed
+
+
+def _drop_settled(watched: dict[int, tuple[Ticket, int]]) -> None:
+    """Drop the requests that answered, ended, or were found computed on another stream."""
+    for key in [k for k, (t, _) in watched.items() if not t.queued or t.done]:
+        del watched[key]

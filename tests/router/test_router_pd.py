@@ -23,9 +23,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import PdConfig, TokenizerConfig, WorkerConfig
-from router.prompt.request import Endpoint, parse_request
-from router.prompt.tokenizer import build_tokenizer
+from router.config import PdConfig, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -33,7 +31,6 @@ from workers.worker import ReferenceWorker
 
 PAGE = 16
 PROMPT = [(i * 7) % 250 + 3 for i in range(6 * PAGE + 1)]  # 6 pages and a last token
-TOKENIZER = build_tokenizer(TokenizerConfig())
 
 
 def reference(role: str, **kw: Any) -> ReferenceConfig:
@@ -413,9 +410,6 @@ async def test_the_prefill_side_stops_counting_as_queued_once_its_events_show_th
             assert len(router.planner.prefills) == 1
 
             async def computed() -> bool:
-                parsed = parse_request(Endpoint.GENERATE, json.dumps(body).encode(), TOKENIZER)
-                plan = router.planner.plan(parsed, role="prefill")
-                assert plan.candidates  # a plan sweeps the watch first
                 return load.of("p0").queued_prefill_tokens == 0
 
             await eventually(computed, what="the prefill's stores to reach the index")

@@ -45,20 +45,21 @@ def test_computed_takes_the_prompt_off_the_queue_once_and_keeps_it_running() -> 
     assert load.of("p0").queued_prefill_tokens == 0
 
 
-def test_a_watched_request_is_computed_when_a_stream_holds_its_last_block() -> None:
+def test_a_watched_request_is_computed_when_its_stream_holds_its_last_block() -> None:
     load = LoadTracker()
     watch = PrefillWatch()
     held = Held()
     first, second = load.begin("p0", 64), load.begin("p0", 64)
     watch.watch("s0", first, 11)
     watch.watch("s0", second, 22)
-    assert watch.sweep(held) == [] and len(watch) == 2
+    assert watch.sweep("s0", held) == [] and len(watch) == 2
     held.keys["s0"] = {11}
-    assert watch.sweep(held) == [first]
+    assert watch.sweep("s1", held) == []  # another stream's batch says nothing of these
+    assert watch.sweep("s0", held) == [first]
     assert len(watch) == 1
     # reported once: the next sweep asks only about the one still watched
     held.asked.clear()
-    assert watch.sweep(held) == []
+    assert watch.sweep("s0", held) == []
     assert held.asked == [("s0", [22])]
 
 
@@ -68,11 +69,11 @@ def test_answered_and_ended_requests_leave_the_watch_unreported() -> None:
     held = Held()
     answered, ended = load.begin("p0", 64), load.begin("p0", 64)
     watch.watch("s0", answered, 11)
-    watch.watch("s1", ended, 22)
+    watch.watch("s0", ended, 22)
     load.first_byte(answered)
     load.end(ended)
-    held.keys = {"s0": {11}, "s1": {22}}
-    assert watch.sweep(held) == []
+    held.keys = {"s0": {11, 22}}
+    assert watch.sweep("s0", held) == []
     assert len(watch) == 0 and held.asked == []  # nothing left to ask about
 
 
@@ -84,15 +85,24 @@ def test_a_request_on_several_streams_is_reported_once() -> None:
     watch.watch("rank0", ticket, 11)
     watch.watch("rank1", ticket, 11)
     held.keys = {"rank0": {11}, "rank1": {11}}
-    assert watch.sweep(held) == [ticket]
+    assert watch.sweep("rank0", held) == [ticket]
+    load.computed(ticket)  # as the planner does with what a sweep reports
+    assert watch.sweep("rank1", held) == []
     assert len(watch) == 0
-    # once one stream has it, the other's watch goes without another report
-    again = load.begin("p0", 64)
-    watch.watch("rank0", again, 33)
-    watch.watch("rank1", again, 33)
-    held.keys = {"rank0": {33}}
-    assert watch.sweep(held) == [again]
-    load.computed(again)
-    held.keys = {"rank1": {33}}
-    assert watch.sweep(held) == []
-    assert len(watch) == 0
+
+
+def test_a_stream_that_applies_no_batch_keeps_only_its_requests_in_flight() -> None:
+    load = LoadTracker()
+    watch = PrefillWatch()
+    for i in range(1000):
+        ticket = load.begin("p0", 64)
+        watch.watch("silent", ticket, i)
+        load.end(ticket)
+    assert len(watch) <= 64
+    open_ = [load.begin("p0", 64) for _ in range(100)]
+    for i, ticket in enumerate(open_):
+        watch.watch("silent", ticket, 5000 + i)
+    assert len(watch) >= 100  # the ones in flight are never dropped unswept
+    held = Held()
+    held.keys = {"silent": {5000 + i for i in range(100)}}
+    assert watch.sweep("silent", held) == open_
