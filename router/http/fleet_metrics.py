@@ -101,7 +101,8 @@ class FleetCollector(Collector):
         )
         queued = GaugeMetricFamily(
             "kvroute_load_queued_prefill_tokens",
-            "Uncached prompt tokens sent but not yet answered, per (worker, dp rank)",
+            "Uncached prompt tokens sent but not yet answered (on a pair's prefill worker: not yet "
+            "stored), per (worker, dp rank)",
             labels=["worker", "dp_rank"],
         )
         targets = {} if empty else self._load.by_target()
