@@ -194,8 +194,9 @@ class LoadTracker:
 
     def computed(self, ticket: Ticket) -> None:
         """The request's prompt is computed (the worker's events show it stored), though the
-        worker has not answered yet: it no longer counts as queued prefill (idempotent)."""
-        if not ticket.queued or ticket.done:
+        worker has not answered yet: it no longer counts as queued prefill (idempotent; an
+        answered or ended request no longer counts already)."""
+        if not ticket.queued:
             return
         ticket.queued = False
         load = self._load(ticket)

@@ -459,9 +459,8 @@ class Planner:
     ) -> None:
         """Watch a prefill side's request until its events show its prompt computed
         (`router.routing.prefill_watch`): by the last full block short of the prompt's last
-        token, on each stream it went to that does not hold that block already."""
-        if not self.indexer.has_worker(candidate.worker):
-            return
+        token, on each stream it went to that does not hold that block already (none for a
+        worker without KV events)."""
         for stream in self.indexer.stream_ids(candidate.worker, candidate.dp_rank):
             keys = self.keys.of(stream, ns, tokens, max(len(tokens) - 1, 0))
             if keys and not self.indexer.holds(stream, keys[-1:])[0]:

@@ -73,5 +73,5 @@ class PrefillWatch:
 
 def _drop_settled(watched: dict[int, tuple[Ticket, int]]) -> None:
     """Drop the requests that answered, ended, or were found computed on another stream."""
-    for key in [k for k, (t, _) in watched.items() if not t.queued or t.done]:
+    for key in [k for k, (t, _) in watched.items() if not t.queued]:  # an end unqueues too
         del watched[key]

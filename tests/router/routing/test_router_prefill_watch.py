@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, Ticket
 from router.routing.prefill_watch import PrefillWatch
 
 
@@ -45,13 +45,18 @@ def test_computed_takes_the_prompt_off_the_queue_once_and_keeps_it_running() -> 
     assert load.of("p0").queued_prefill_tokens == 0
 
 
-def test_a_watched_request_is_computed_when_its_stream_holds_its_last_block() -> None:
+def _two_watched() -> tuple[LoadTracker, PrefillWatch, Held, Ticket, Ticket]:
+    """Two requests on stream s0, watched by last blocks 11 and 22; nothing held yet."""
     load = LoadTracker()
     watch = PrefillWatch()
-    held = Held()
     first, second = load.begin("p0", 64), load.begin("p0", 64)
     watch.watch("s0", first, 11)
     watch.watch("s0", second, 22)
+    return load, watch, Held(), first, second
+
+
+def test_a_watched_request_is_computed_when_its_stream_holds_its_last_block() -> None:
+    _, watch, held, first, _ = _two_watched()
     assert watch.sweep("s0", held) == [] and len(watch) == 2
     held.keys["s0"] = {11}
     assert watch.sweep("s1", held) == []  # another stream's batch says nothing of these
@@ -64,12 +69,7 @@ def test_a_watched_request_is_computed_when_its_stream_holds_its_last_block() ->
 
 
 def test_answered_and_ended_requests_leave_the_watch_unreported() -> None:
-    load = LoadTracker()
-    watch = PrefillWatch()
-    held = Held()
-    answered, ended = load.begin("p0", 64), load.begin("p0", 64)
-    watch.watch("s0", answered, 11)
-    watch.watch("s0", ended, 22)
+    load, watch, held, answered, ended = _two_watched()
     load.first_byte(answered)
     load.end(ended)
     held.keys = {"s0": {11, 22}}
