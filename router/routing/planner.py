@@ -100,6 +100,10 @@ def unindexed_reason(ns: Namespace) -> str | None:
     return "extra_key" if ns.extra_key is not None else None
 
 
+# the recency book keeps a backlog's prompts up to this many pools' worth of blocks: a block
+# below that many is lost however the rest is counted, and it bounds the book per stream
+_BACKLOG_POOLS = 8
+
 _NO_MATCH = WorkerMatch(
     worker="",
     matched_blocks=0,
@@ -546,10 +550,15 @@ class Planner:
                 seq=self._last_seq(stream),
             )
             marks.append((stream, stamp))
-            # the blocks the stream can hold, and this prompt's (on their way, not held yet)
-            keep = max(capacity // (block * stride), len(kept))
-            if len(book) > 2 * keep:
-                book.prune(partial(self.indexer.holds, stream), keep)
+            # the blocks the stream can hold, this prompt's (on their way, not held yet), and
+            # the backlog's: every decision since the oldest still waiting is used before one
+            # routed now is admitted, held or not, and a block that many keys down the stack
+            # is lost; its prompts keep their recency for the requests that will reuse them
+            # once stored (up to `_BACKLOG_POOLS` pools: the book's bound)
+            pool = capacity // (block * stride)
+            oldest = self._waiting(stream).oldest()
+            backlog = 0 if oldest is None else min(book.not_older(oldest), _BACKLOG_POOLS * pool)
+            book.trim(partial(self.indexer.holds, stream), max(pool, len(kept), backlog))
         return marks
 
     def _last_seq(self, stream: str) -> int | None:
