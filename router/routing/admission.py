@@ -111,9 +111,9 @@ class RecencyBook:
 
     Every decision gives all the blocks of its prompt one new stamp: the worker touches a
     request's whole path at once, and evicts a leaf node whole, so blocks touched together
-    go together. Keys the stream no longer holds are dropped by `trim` (the caller checks
+    go together. Keys the stream no longer holds are dropped by `prune` (the caller checks
     them against the index), which keeps the book within a small multiple of the stream's
-    capacity and of the backlog waiting there.
+    capacity.
 
     A touch is on the request path of every replica, for every request of the fleet (an
     8k-token prompt is 512 blocks at page 16), so it works in bulk, not per key where it can:
@@ -122,7 +122,7 @@ class RecencyBook:
     and the count of keys per stamp sits in a Fenwick tree, so `not_older` is a prefix sum.
     """
 
-    __slots__ = ("_base", "_groups", "_next", "_stamps", "_tree", "_trimmed")
+    __slots__ = ("_base", "_groups", "_next", "_stamps", "_tree")
 
     def __init__(self, int_map: type[PyIntMap] = DEFAULT.int_map) -> None:
         # block key -> its latest stamp << 1, | 1 once more than one decision used it here
@@ -136,7 +136,6 @@ class RecencyBook:
         # rebased on the oldest live stamp when a stamp outgrows it)
         self._base = 0
         self._tree = [0] * 1025
-        self._trimmed = 0  # the book's size after the last `trim` that pruned
 
     def __len__(self) -> int:
         return len(self._stamps)
@@ -248,22 +247,6 @@ class RecencyBook:
             if not group:
                 del self._groups[stamp]
         return len(dropped)
-
-    def trim(self, holds: Callable[[list[int]], list[bool]], keep: int) -> int:
-        """`prune` once the book has grown by a quarter of `keep` past both `keep` and its size
-        after the last prune; returns how many keys were dropped.
-
-        A key neither held nor on its way (its request answered and nothing stored it, or the
-        worker evicted it since) is no block of the pool, yet it counts in `not_older` for
-        every older block: the sooner it goes, the truer the stack distance. A prune asks
-        `holds` about every key beyond the newest `keep`, held ones included, so waiting for a
-        quarter of `keep` of new keys between two prunes keeps that to a few lookups per key
-        touched, however many old keys the stream still holds."""
-        if len(self._stamps) <= max(keep, self._trimmed) + (keep >> 2):
-            return 0
-        dropped = self.prune(holds, keep)
-        self._trimmed = len(self._stamps)
-        return dropped
 
     def _add(self, stamp: int, delta: int) -> None:
         tree = self._tree

@@ -558,7 +558,9 @@ class Planner:
             pool = capacity // (block * stride)
             oldest = self._waiting(stream).oldest()
             backlog = 0 if oldest is None else min(book.not_older(oldest), _BACKLOG_POOLS * pool)
-            book.trim(partial(self.indexer.holds, stream), max(pool, len(kept), backlog))
+            keep = max(pool, len(kept), backlog)
+            if len(book) > 2 * keep:
+                book.prune(partial(self.indexer.holds, stream), keep)
         return marks
 
     def _last_seq(self, stream: str) -> int | None:

@@ -153,29 +153,6 @@ def test_prune_drops_what_the_stream_no_longer_holds_but_keeps_the_newest() -> N
     assert book.not_older(book.stamp(3) or 0) == 4  # 3, 4, 5, 6
 
 
-def test_trim_prunes_a_quarter_of_keep_apart_however_much_the_stream_still_holds() -> None:
-    book = RecencyBook()
-    asked: list[int] = []
-
-    def holds(keys: list[int]) -> list[bool]:
-        asked.append(len(keys))
-        return [True] * len(keys)  # a stream that holds every block: prunes drop none of them
-
-    for key in range(200):
-        book.touch([key])
-        book.trim(holds, keep=16)
-        assert len(book) <= 2 * 16 + 4  # the oldest beyond twice `keep` go, held or not
-    # each prune asks about every key beyond the newest 16, but four new keys lie between two
-    # prunes: a few lookups per key touched, not a pass over the old keys at every touch
-    assert len(asked) <= 200 // 4
-    assert sum(asked) <= 200 * 5
-    # what is neither held nor newest goes at the next prune
-    for key in range(200, 204):
-        book.touch([key])
-    assert book.trim(lambda keys: [k % 2 == 0 for k in keys], keep=16) > 0
-    assert all(book.stamp(k) is None for k in range(181, 188, 2))
-
-
 def _over_blocks_1_to_3(
     book: RecencyBook,
     waiting: WaitingDecisions,

@@ -316,15 +316,14 @@ async def test_hold_output_ratio_counts_a_share_of_the_outputs_in_flight(
     assert load.allocated_tokens(16, 0.0) == prompt
 
 
-async def test_the_book_keeps_a_backlogs_prompts_and_drops_what_answered_and_is_gone(
+async def test_the_book_keeps_a_backlogs_prompts_however_deep(
     indexer: IndexerService,
 ) -> None:
     """The forecast's LRU stack distance counts the blocks used since a block's last use,
     and a backlog's prompts are used before a request routed now is admitted, held or not:
-    the recency book keeps the keys of the decisions still waiting, up to eight pools. Keys
-    neither held nor on their way (their requests answered, nothing stored them) would put
-    every older block further down the stack than it is: they go once the book outgrows what
-    it keeps by a quarter."""
+    the recency book keeps the keys of the decisions still waiting, up to eight pools, where
+    it kept only the newest pool's worth of keys not held. Once they have answered without
+    anything storing them, their keys go."""
     planner = await _planner(indexer, "kv")
     for entry in planner.pool:
         entry.capacity_tokens = 16 * 16  # a pool of 16 blocks
@@ -342,25 +341,22 @@ async def test_the_book_keeps_a_backlogs_prompts_and_drops_what_answered_and_is_
         assert len(stamped) == 1  # a prompt's keys go together here
         return stamped.pop()
 
-    backlog = [send(i) for i in range(20)]  # 160 blocks waiting: ten pools
+    backlog = [send(i) for i in range(32)]  # 256 blocks waiting: sixteen pools
     book = planner.recency[stream]
     assert all(len(keys) == 8 for _, keys in backlog)
     # nothing is held (no events), yet every waiting prompt's blocks stay in the book
-    assert len(book) == 160 and all(kept(keys) for _, keys in backlog)
-    assert book.not_older(book.stamp(backlog[0][1][0]) or 0) == 160
-    # one more: the backlog beyond eight pools goes, oldest first
-    backlog.append(send(20))
+    assert len(book) == 256 and all(kept(keys) for _, keys in backlog)
+    assert book.not_older(book.stamp(backlog[0][1][0]) or 0) == 256
+    # one more, and the book prunes: the backlog beyond eight pools goes, oldest first
+    backlog.append(send(32))
     assert len(book) == 128
-    assert [kept(keys) for _, keys in backlog] == [False] * 5 + [True] * 16
+    assert [kept(keys) for _, keys in backlog] == [False] * 17 + [True] * 16
     # they answer without any event storing their blocks: the next decision keeps its own
     # prompt and the pool's worth of the newest, and drops the rest
     for ticket, _ in backlog:
         planner.first_byte(ticket)
         planner.finish(ticket)
-    _, next_one = send(21)
+    _, last = send(33)
     assert len(book) == 16
-    assert [kept(keys) for _, keys in backlog] == [False] * 20 + [True]
-    # 8 blocks more are past the quarter: the answered prompt goes, not the waiting one
-    _, last = send(22)
-    assert len(book) == 16
-    assert not kept(backlog[20][1]) and kept(next_one) and kept(last)
+    assert [kept(keys) for _, keys in backlog] == [False] * 32 + [True]
+    assert kept(last)
