@@ -554,7 +554,7 @@ class Planner:
             # the backlog's: every decision since the oldest still waiting is used before one
             # routed now is admitted, held or not, and a block that many keys down the stack
             # is lost; its prompts keep their recency for the requests that will reuse them
-            # once stored (up to `_BACKLOG_POOLS` pools: the book's bound)
+            # once stored (up to `_BACKLOG_POOLS` pools, which bounds the book)
             pool = capacity // (block * stride)
             oldest = self._waiting(stream).oldest()
             backlog = 0 if oldest is None else min(book.not_older(oldest), _BACKLOG_POOLS * pool)

@@ -44,6 +44,10 @@ def find_chromium() -> str | None:
     return None
 
 
+# how long the browser may take to answer its first command (it is starting)
+_START_TIMEOUT_S = 60.0
+
+
 class BrowserError(Exception):
     """The browser answered a command with an error, or did not answer in time."""
 
@@ -61,6 +65,7 @@ class Browser:
         self._next_id = 0
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pump: asyncio.Task[None] | None = None
+        self._pipe: asyncio.ReadTransport | None = None
         self._session = ""
         self.requests: list[str] = []  # every URL the page asked for, in order
 
@@ -110,18 +115,29 @@ class Browser:
         self._write_fd = to_chrome_w
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=64 << 20)  # a screenshot is one big message
-        await loop.connect_read_pipe(
+        self._pipe, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_chrome_r, "rb", 0)
         )
         self._reader = reader
         self._pump = asyncio.create_task(self._read_loop())
-        target = await self.command("Target.createTarget", url="about:blank")
-        attached = await self.command(
-            "Target.attachToTarget", targetId=target["targetId"], flatten=True
-        )
-        self._session = attached["sessionId"]
-        for domain in ("Page", "Runtime", "Network"):
-            await self.command(f"{domain}.enable")
+        try:
+            # the first answer waits for the browser to start: on a loaded 2-core machine that
+            # took over 15 s once, where it usually takes 1-3 s
+            target = await self.command(
+                "Target.createTarget", timeout_s=_START_TIMEOUT_S, url="about:blank"
+            )
+            attached = await self.command(
+                "Target.attachToTarget", targetId=target["targetId"], flatten=True
+            )
+            self._session = attached["sessionId"]
+            for domain in ("Page", "Runtime", "Network"):
+                await self.command(f"{domain}.enable")
+        except BaseException as error:
+            # `async with` calls __aexit__ only after __aenter__ returns: without this, a
+            # browser that fails to start outlives the test and its pipe is collected (and
+            # warned about) during another one
+            await self.__aexit__(type(error), error, error.__traceback__)
+            raise
         return self
 
     async def __aexit__(
@@ -143,8 +159,11 @@ class Browser:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
+        if self._pipe is not None:
+            self._pipe.close()
         if self._write_fd >= 0:
             os.close(self._write_fd)
+            self._write_fd = -1
 
     async def _read_loop(self) -> None:
         assert self._reader is not None
@@ -183,7 +202,9 @@ class Browser:
         try:
             answer = await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
-            raise BrowserError(f"{method}: no answer in {timeout_s} s") from None
+            raise BrowserError(
+                f"{method}: no answer in {timeout_s} s; the browser's log ends: {self._log_tail()}"
+            ) from None
         if "error" in answer:
             raise BrowserError(f"{method}: {answer['error']}")
         result: dict[str, Any] = answer.get("result", {})
