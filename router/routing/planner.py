@@ -540,7 +540,8 @@ class Planner:
             stride = recency_stride(block)
             kept = keys[::stride]  # a block per stretch: what the forecast reads
             stamp = book.touch(kept)
-            self._waiting(stream).sent(
+            waiting = self._waiting(stream)
+            waiting.sent(
                 stamp,
                 kept_blocks=kept_tokens // block,
                 held_blocks=held_tokens // block,
@@ -550,15 +551,19 @@ class Planner:
                 seq=self._last_seq(stream),
             )
             marks.append((stream, stamp))
-            # the blocks the stream can hold, this prompt's (on their way, not held yet), and
-            # the backlog's: every decision since the oldest still waiting is used before one
-            # routed now is admitted, held or not, and a block that many keys down the stack
-            # is lost; its prompts keep their recency for the requests that will reuse them
-            # once stored (up to `_BACKLOG_POOLS` pools, which bounds the book)
+            # the blocks the stream can hold, and this prompt's (on their way, not held yet)
             pool = capacity // (block * stride)
-            oldest = self._waiting(stream).oldest()
-            backlog = 0 if oldest is None else min(book.not_older(oldest), _BACKLOG_POOLS * pool)
-            keep = max(pool, len(kept), backlog)
+            keep = max(pool, len(kept))
+            if len(book) <= 2 * keep:
+                continue
+            # and the backlog's: every decision since the oldest still waiting is used before
+            # one routed now is admitted, held or not, and a block that many keys down the
+            # stack is lost; its prompts keep their recency for the requests that will reuse
+            # them once stored (up to `_BACKLOG_POOLS` pools, which bounds the book). Read
+            # only when the book might be pruned: it can only keep more
+            oldest = waiting.oldest()
+            if oldest is not None:
+                keep = max(keep, min(book.not_older(oldest), _BACKLOG_POOLS * pool))
             if len(book) > 2 * keep:
                 book.prune(partial(self.indexer.holds, stream), keep)
         return marks
