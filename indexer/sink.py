@@ -35,8 +35,14 @@ class Applied(NamedTuple):
 class StreamSink(Protocol):
     """The receiving end of one stream's accepted batches (see the module docstring)."""
 
-    def apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> Applied | None:
-        """Take batch `seq`; None when the payload does not decode (it is the fence anyway)."""
+    def apply(
+        self, topic: bytes, seq: int, payload: bytes, *, replayed: bool, run_start: bool = False
+    ) -> Applied | None:
+        """Take batch `seq`; None when the payload does not decode (it is the fence anyway).
+
+        `run_start`: the first batch of a replay run the subscriber counts (a recording keeps
+        it, so an offline replay counts the same runs).
+        """
 
     def clear(self) -> int:
         """Forget the stream's state (restart, lost gap, lost batch); returns entries dropped."""
@@ -73,7 +79,9 @@ class IndexSink:
         self.stream_id = stream_id
         self._decode = decode
 
-    def apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> Applied | None:
+    def apply(
+        self, topic: bytes, seq: int, payload: bytes, *, replayed: bool, run_start: bool = False
+    ) -> Applied | None:
         """Decode and apply; an undecodable payload still becomes the stream's fence."""
         try:
             batch = self._decode(payload)

@@ -138,6 +138,9 @@ class StreamSubscriber:
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
         self._replayer: ReplayClient | None = None  # the replay socket, made on first use
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
+        # a counted replay run (a repair, a probe) has begun and applied nothing yet: its first
+        # batch tells the sink so (a recording keeps the mark; see `Record.run_start`)
+        self._run_open = False
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
@@ -373,7 +376,11 @@ class StreamSubscriber:
             self.replays += 1
             # from the last applied seq, not `start`: its batch proves the epoch (fence)
             last = self.tracker.last
-            result = await self._replay(start if last is None else last)
+            self._run_open = True
+            try:
+                result = await self._replay(start if last is None else last)
+            finally:
+                self._run_open = False
             answered, newest = result.answered, result.newest
         decision = self.tracker.on_live(seq)
         if (
@@ -411,9 +418,13 @@ class StreamSubscriber:
         # Ask from the last applied seq, not the one after it: its batch must come back
         # unchanged (the fence), and an answer without it means the seqs went back (a restart
         # whose startup batch we missed while reconnecting; see _check_restart).
-        result = await self._replay(0 if before is None else before)
-        if result.answered and before is not None and result.newest is None:
-            await self._check_restart(before)
+        self._run_open = True
+        try:
+            result = await self._replay(0 if before is None else before)
+            if result.answered and before is not None and result.newest is None:
+                await self._check_restart(before)
+        finally:
+            self._run_open = False
         if self._unverified and result.continuity is not _Continuity.NONE:
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
@@ -514,7 +525,9 @@ class StreamSubscriber:
     def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> bool:
         """Hand one batch to the sink; False when the payload does not decode."""
         self.health.last_event_at = self._clock()
-        applied = self.sink.apply(topic, seq, payload, replayed=replayed)
+        run_start = replayed and self._run_open
+        self._run_open = self._run_open and not replayed
+        applied = self.sink.apply(topic, seq, payload, replayed=replayed, run_start=run_start)
         if applied is None:
             self._malformed(f"undecodable payload at seq {seq}")
             return False  # not applied: waiters hear of it once refetched or given up

@@ -41,7 +41,7 @@ class RecordingSink:
     def __init__(
         self,
         stream_id: str,
-        write: Callable[[str, bytes, int, bytes, bool], None],
+        write: Callable[[str, bytes, int, bytes, bool, bool], None],
         block_size: int | None,
     ) -> None:
         self.stream_id = stream_id
@@ -49,9 +49,11 @@ class RecordingSink:
         self._fence: BatchFence | None = None
         self._block_size = block_size
 
-    def apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> Applied | None:
+    def apply(
+        self, topic: bytes, seq: int, payload: bytes, *, replayed: bool, run_start: bool = False
+    ) -> Applied | None:
         """Record the message; None when its payload does not decode (it is recorded too)."""
-        self._write(self.stream_id, topic, seq, payload, replayed)
+        self._write(self.stream_id, topic, seq, payload, replayed, run_start)
         self._fence = BatchFence.of(seq, payload)
         try:
             batch = decode_batch(payload)
@@ -183,11 +185,13 @@ class Capture:
         except RecordingError as error:
             self.fail(error)
 
-    def _write(self, stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool) -> None:
+    def _write(
+        self, stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool, run_start: bool
+    ) -> None:
         if self.stop.is_set():
             return  # stopping: the file ends at the record that reached the limit
         try:
-            self.writer.write(stream, topic, seq, payload, replayed=replayed)
+            self.writer.write(stream, topic, seq, payload, replayed=replayed, run_start=run_start)
         except RecordingError as error:  # disk full, file gone: stop, keep what was written
             self.fail(error)
             return

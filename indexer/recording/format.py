@@ -51,7 +51,9 @@ __all__ = [
     "Source",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# version 1 had no `Record.run_start`: its replay runs that follow each other read as one
+_READABLE_VERSIONS = (1, 2)
 MAGIC = b"\x89KVREC\r\n"
 _SYNC = b"KVR\xfe"
 # sync, kind, flags, reserved, length, count, first_record, time, crc
@@ -95,8 +97,15 @@ class RecordingHeader(msgspec.Struct, frozen=True, kw_only=True):
     tool: str = "kvroute"
 
 
-class Record(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """One accepted message exactly as it arrived; `replayed` marks gap-repair replies."""
+class Record(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
+    """One accepted message exactly as it arrived; `replayed` marks gap-repair replies.
+
+    `run_start` marks the first record of a replay run that the subscriber counted (a gap
+    repair, or an idle probe that found batches): two runs can follow each other with no live
+    record between them (the live copies were duplicates of what the first run brought), and
+    only this flag tells them apart. Trailing defaults are not written, so a record without the
+    flag is laid out as in version 1.
+    """
 
     recv_time: float
     stream: str
@@ -104,6 +113,7 @@ class Record(msgspec.Struct, frozen=True, array_like=True, gc=False):
     seq: int
     payload: bytes
     replayed: bool = False
+    run_start: bool = False
 
 
 class Positioned(msgspec.Struct, frozen=True, gc=False):
@@ -230,10 +240,11 @@ class RecordingReader:
             header = _header_decoder.decode(frame.body)
         except msgspec.DecodeError as exc:
             raise RecordingError(f"{self.path}: header does not decode: {exc}") from exc
-        if header.format_version != FORMAT_VERSION:
+        if header.format_version not in _READABLE_VERSIONS:
+            readable = " and ".join(str(v) for v in _READABLE_VERSIONS)
             raise RecordingError(
                 f"{self.path}: format version {header.format_version} is not supported "
-                f"(this kvroute reads version {FORMAT_VERSION})"
+                f"(this kvroute reads versions {readable})"
             )
         return header, frame.end
 
@@ -359,9 +370,12 @@ class RecordingWriter:
         chunk_records: int,
         chunk_interval_s: float,
         buffer_bytes: int,
+        version: int = FORMAT_VERSION,
     ) -> None:
         self.path = path
         self._fd = fd
+        # a version-1 file appended to stays version 1: its records carry no run starts
+        self._run_starts = version >= 2
         self._next = next_record
         self._last_time = last_time
         self._known = set(known)
@@ -441,6 +455,7 @@ class RecordingWriter:
                     last_time = max(last_time, frame.time)
                 valid_end = frame.end
             known = dict(reader.sources)
+            version = reader.header.format_version
         try:
             fd = os.open(path, os.O_WRONLY)
         except OSError as exc:
@@ -457,6 +472,7 @@ class RecordingWriter:
             chunk_records=chunk_records,
             chunk_interval_s=chunk_interval_s,
             buffer_bytes=buffer_bytes,
+            version=version,
         )
         writer.add_sources(sources)
         return writer
@@ -482,12 +498,21 @@ class RecordingWriter:
         payload: bytes,
         *,
         replayed: bool = False,
+        run_start: bool = False,
         recv_time: float | None = None,
     ) -> int:
         """Record one message; returns its record number. Receive times are kept monotonic."""
         now = time.time() if recv_time is None else recv_time
         self._last_time = max(self._last_time, now)
-        record = Record(self._last_time, stream, bytes(topic), seq, bytes(payload), replayed)
+        record = Record(
+            self._last_time,
+            stream,
+            bytes(topic),
+            seq,
+            bytes(payload),
+            replayed,
+            run_start and replayed and self._run_starts,
+        )
         number = self._next
         if not self._compress:
             body = _encoder.encode(record)

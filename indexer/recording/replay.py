@@ -317,7 +317,9 @@ def _sequence(
     if record.replayed:
         if refetch is not None:
             stats.refetches += 1  # the subscriber's refetch of one batch: not a gap
-        elif not state.in_replay:
+        elif not state.in_replay or record.run_start:
+            # a run that follows another with no live record between them is marked (files
+            # of version 2); in a version-1 file the two read as one
             stats.replays += 1
             stats.gaps += 0 if joining else 1
         state.in_replay = True

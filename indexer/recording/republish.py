@@ -353,7 +353,10 @@ class Republisher:
 
     async def _finish(self, p: _Publisher) -> None:
         if p.held is not None:
+            # held back at the stream's last message: nothing came after it, so it goes out
+            # in order and was not reordered after all
             await p.send(p.held)
+            p.info.reordered -= 1
             p.held = None
             p.tail_lost = None
         if p.tail_lost is not None:

@@ -337,7 +337,7 @@ def _print_events(reader: RecordingReader, out: TextIO, *, show_salts: bool) -> 
     for positioned in reader.records():
         r = positioned.record
         when = datetime.datetime.fromtimestamp(r.recv_time, datetime.UTC).strftime("%H:%M:%S.%f")
-        flag = " replayed" if r.replayed else ""
+        flag = (" replayed, run start" if r.run_start else " replayed") if r.replayed else ""
         out.write(
             f"#{positioned.number} {when} {r.stream} seq {r.seq} topic {r.topic!r}{flag} "
             f"({len(r.payload)} bytes)\n"

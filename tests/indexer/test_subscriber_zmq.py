@@ -423,9 +423,44 @@ async def test_a_batch_the_probe_found_is_a_gap_live_and_offline(
     summary, _ = replay_into_index(path)
     (offline,) = summary.streams
     assert (offline.gaps, offline.restarts, offline.lost_gaps, offline.last_seq) == (1, 0, 0, lost)
-    # a join can take two runs live (probe, then what the SUB missed while connecting) that the
-    # file shows as one
-    assert 1 <= offline.replays <= live.replays
+    # a join can take two runs live (probe, then what the SUB missed while connecting): the
+    # file marks where each began
+    assert offline.replays == live.replays
+
+
+async def test_two_repair_runs_with_no_live_record_between_count_twice_offline(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    batches = workload(seed=19, batches=4)
+    path = tmp_path / "runs.kvrec"
+    async with ScriptedPublisher(ctx) as pub:
+        source = Source(
+            stream=STREAM,
+            worker=WORKER,
+            topic="kv",
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+        )
+        writer = RecordingWriter.create(path, [source])
+        async with Capture(writer, [source], settings=CONFIG) as running:
+            await join(running, pub)
+            (sub,) = running._subs.all()
+            before = running.streams()[0]
+            # each live batch reveals the dropped one before it; the repair's replay brings the
+            # live one too, so its live copy is a duplicate and nothing live is recorded
+            for i in (0, 2):
+                await pub.publish(batches[i], drop=True)
+                seq = await pub.publish(batches[i + 1])
+                await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
+            live = running.streams()[0]
+    with RecordingReader(path) as reader:
+        tail = [(p.record.replayed, p.record.run_start) for p in reader.records()][-4:]
+    assert tail == [(True, True), (True, False), (True, True), (True, False)]
+    assert (live.gaps - before.gaps, live.replays - before.replays) == (2, 2)
+    summary, _ = replay_into_index(path)
+    (offline,) = summary.streams
+    assert (offline.gaps, offline.replays) == (live.gaps, live.replays)
+    assert (offline.lost_gaps, offline.last_seq) == (0, seq)
 
 
 async def test_without_the_probe_a_dropped_last_batch_stays_unknown(

@@ -96,7 +96,7 @@ def test_inspect_hides_salts_unless_asked(
         writer.write("w#dp0", b"kv", 1, b"\x93not msgpack")
     assert main(["record", "inspect", str(path), "--events"]) == 0
     out = capsys.readouterr().out
-    assert "format version 1" in out and "w#dp0" in out
+    assert "format version 2" in out and "w#dp0" in out
     assert "BlockStored 1 pages x 2" in out and "MALFORMED" in out
     assert "s3cr3t" not in out and "salt:" in out
     assert "decode errors 1" in out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,10 @@ from indexer.recording.format import (
     RecordingWriter,
     Source,
 )
+
+# written by the version-1 writer (kvroute before 2026-12-04): five records of stream w0#dp0,
+# seqs 0-4, payload bytes([0x90 + seq]) * 3, seqs 2 and 3 replayed
+VERSION_1 = Path(__file__).resolve().parent.parent / "fixtures" / "recordings" / "version1.kvrec"
 
 SOURCES = [
     Source(stream="w0/0", endpoint="tcp://127.0.0.1:5557", topic="kv", block_size=16),
@@ -49,7 +55,7 @@ def test_round_trip_keeps_exact_bytes_and_metadata(tmp_path: Path, compress: boo
     _write(path, payloads, compress=compress)
     records, reader = _read_all(path)
     assert reader.damage is None
-    assert reader.header.format_version == 1
+    assert reader.header.format_version == 2
     assert list(reader.sources.values()) == SOURCES
     assert [r.payload for r in records] == payloads
     assert [r.seq for r in records] == [i // 2 for i in range(len(payloads))]
@@ -162,6 +168,60 @@ def test_append_cuts_a_torn_tail_and_continues_numbering(tmp_path: Path) -> None
     assert [p.number for p in got] == [0, 1, 2, 3]
     # time stays monotonic across sessions even when the new clock reads earlier
     assert got[3].record.recv_time == got[2].record.recv_time
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_run_starts_are_kept_on_replayed_records_only(tmp_path: Path, compress: bool) -> None:
+    path = tmp_path / "r.kvrec"
+    # (replayed, run_start) as written; a live record cannot start a replay run
+    rows = [(False, False), (True, True), (True, False), (True, True), (False, True)]
+    with RecordingWriter.create(path, SOURCES, compress=compress) as writer:
+        for seq, (replayed, run_start) in enumerate(rows):
+            writer.write("w0/0", b"kv", seq, b"p", replayed=replayed, run_start=run_start)
+    records, reader = _read_all(path)
+    assert reader.damage is None
+    assert [(r.replayed, r.run_start) for r in records] == [
+        (False, False),
+        (True, True),
+        (True, False),
+        (True, True),
+        (False, False),
+    ]
+
+
+def test_a_version_1_file_is_read_and_appended_to_as_version_1(tmp_path: Path) -> None:
+    path = tmp_path / "v1.kvrec"
+    shutil.copyfile(VERSION_1, path)
+    records, reader = _read_all(path)
+    assert reader.damage is None and reader.header.format_version == 1
+    assert [(r.seq, r.replayed, r.run_start) for r in records] == [
+        (seq, seq in (2, 3), False) for seq in range(5)
+    ]
+    assert [r.payload for r in records] == [bytes([0x90 + seq]) * 3 for seq in range(5)]
+    with RecordingWriter.append(path) as writer:
+        # a version-1 reader could not read the mark: the file stays what it was
+        writer.write("w0#dp0", b"kv", 5, b"p", replayed=True, run_start=True)
+    records, reader = _read_all(path)
+    assert reader.damage is None and reader.header.format_version == 1
+    assert (records[-1].seq, records[-1].replayed, records[-1].run_start) == (5, True, False)
+
+
+def test_an_unknown_version_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "v9.kvrec"
+    data = VERSION_1.read_bytes()
+    # the header's msgpack `format_version: 1` becomes 9, its frame CRC recomputed
+    start = len(MAGIC)
+    header = bytearray(data[start : start + 36])
+    length = int.from_bytes(header[8:12], "little")
+    body = bytearray(data[start + 36 : start + 36 + length])
+    at = body.index(b"format_version") + len(b"format_version")
+    assert body[at] == 1
+    body[at] = 9
+    crc = zlib.crc32(bytes(header[4:32]) + bytes(body))
+    header[32:36] = crc.to_bytes(4, "little")
+    path.write_bytes(MAGIC + bytes(header) + bytes(body) + data[start + 36 + length :])
+    with pytest.raises(RecordingError, match="format version 9 is not supported"):
+        RecordingReader(path)
 
 
 @pytest.mark.parametrize("compress", [False, True])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from indexer.fingerprint import salt_fingerprint
 from indexer.index import PrefixIndex
@@ -70,6 +71,22 @@ def test_a_replayed_run_is_one_repaired_gap(tmp_path: Path) -> None:
     (s,) = summary.streams
     assert (s.gaps, s.replays, s.lost_gaps, s.replayed_records, s.restarts) == (1, 1, 0, 2, 0)
     assert s.entries == 6 == len(index)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["version-2", "unmarked"])
+def test_replay_runs_back_to_back_count_as_the_runs_marked(tmp_path: Path, marked: bool) -> None:
+    # seqs 0-1 live, then two repairs whose live copies were duplicates: 2-3 and 4-5 replayed
+    path = tmp_path / "r.kvrec"
+    with RecordingWriter.create(path, [Source(stream="s", block_size=4)]) as writer:
+        for seq in range(6):
+            payload = _store(seq, parent=1000 + seq - 1 if seq else None)
+            starts = marked and seq in (2, 4)
+            writer.write("s", b"", seq, payload, replayed=seq >= 2, run_start=starts)
+    summary, _ = replay_into_index(path)
+    (s,) = summary.streams
+    runs = 2 if marked else 1  # without the marks (a version-1 file) the runs read as one
+    assert (s.gaps, s.replays, s.lost_gaps, s.replayed_records) == (runs, runs, 0, 4)
+    assert s.entries == 6
 
 
 def test_a_jump_nobody_filled_clears_the_stream(tmp_path: Path) -> None:

@@ -179,15 +179,25 @@ async def test_restart_clears_and_rebuilds_from_the_new_seqs(recording: Path) ->
 
 
 async def test_reorder_converges_while_the_buffer_holds_the_whole_stream(recording: Path) -> None:
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    faults = FaultPlan(reorder=0.05, seed=seed)
     _, expected = replay_into_index(recording)
     want = canonical(dump_index(expected))
-    _, live_dump, stats = await _publish_into_service(
-        recording, RepublishConfig(speed=None, faults=faults), settle_to=want
-    )
-    assert canonical(live_dump) == want
+    # a seed can plan no reorder at all (seed 992601122 draws none in the 120 messages): such a
+    # run proves nothing, so another seed is drawn
+    for _ in range(5):
+        seed = random.randrange(1 << 30)
+        print("seed", seed)
+        faults = FaultPlan(reorder=0.05, seed=seed)
+        published: list[Any] = []
+        _, live_dump, stats = await _publish_into_service(
+            recording,
+            RepublishConfig(speed=None, faults=faults),
+            settle_to=want,
+            published=published,
+        )
+        assert canonical(live_dump) == want
+        if sum(p.reordered for p in published) > 0:
+            break
+    assert sum(p.reordered for p in published) > 0
     # the subscriber reads a late seq as an engine restart and rebuilds from the replay buffer
     assert sum(s.restarts for s in stats) > 0
 
