@@ -194,10 +194,13 @@ class ReplaySummary(msgspec.Struct, kw_only=True):
 class _StreamState:
     """Per-stream replay state: the live subscriber's tracker plus where a repair run is."""
 
-    __slots__ = ("in_replay", "joined", "refetch", "tracker")
+    __slots__ = ("in_replay", "joined", "marked", "refetch", "tracker")
 
-    def __init__(self) -> None:
+    def __init__(self, marked: bool) -> None:
         self.tracker = SequenceTracker()
+        # the file marks where each counted replay run begins (`Record.run_start`, version 2):
+        # a run is counted there and only there; a version-1 file's runs are guessed
+        self.marked = marked
         self.in_replay = False
         self.joined = False  # the first record is a join: never a gap (as live)
         # a live batch that did not decode: the subscriber fetched it again through the
@@ -236,13 +239,14 @@ def replay_into_index(
     states: dict[str, _StreamState] = {}
     ops = 0
     with RecordingReader(path) as reader:
+        marked = reader.header.format_version >= 2
         started = time.perf_counter()
         for positioned in select_records(reader, flt):
             record = positioned.record
             stats = streams.get(record.stream)
             if stats is None:
                 stats = streams[record.stream] = StreamReplay(stream=record.stream)
-                states[record.stream] = _StreamState()
+                states[record.stream] = _StreamState(marked)
                 _add_stream(target, reader.sources.get(record.stream), record.stream)
             if summary.first_time is None:
                 summary.first_time = record.recv_time
@@ -317,9 +321,11 @@ def _sequence(
     if record.replayed:
         if refetch is not None:
             stats.refetches += 1  # the subscriber's refetch of one batch: not a gap
-        elif not state.in_replay or record.run_start:
-            # a run that follows another with no live record between them is marked (files
-            # of version 2); in a version-1 file the two read as one
+        elif record.run_start if state.marked else not state.in_replay:
+            # marked: a run that follows another with no live record between counts again,
+            # and what the subscriber replayed without counting a run (the check of a
+            # reconnected stream) does not count; a version-1 file counts every run of
+            # replayed records once (two back to back read as one)
             stats.replays += 1
             stats.gaps += 0 if joining else 1
         state.in_replay = True

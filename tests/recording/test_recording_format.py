@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from indexer.protocol import Stored, decode_batch
 from indexer.recording.format import (
     MAGIC,
     Record,
@@ -19,8 +20,8 @@ from indexer.recording.format import (
     Source,
 )
 
-# written by the version-1 writer (kvroute before 2026-12-04): five records of stream w0#dp0,
-# seqs 0-4, payload bytes([0x90 + seq]) * 3, seqs 2 and 3 replayed
+# written by the version-1 writer (kvroute before 2026-12-04): six records of stream w0#dp0,
+# seqs 0-5, one stored page each, seqs 2-5 replayed
 VERSION_1 = Path(__file__).resolve().parent.parent / "fixtures" / "recordings" / "version1.kvrec"
 
 SOURCES = [
@@ -195,15 +196,18 @@ def test_a_version_1_file_is_read_and_appended_to_as_version_1(tmp_path: Path) -
     records, reader = _read_all(path)
     assert reader.damage is None and reader.header.format_version == 1
     assert [(r.seq, r.replayed, r.run_start) for r in records] == [
-        (seq, seq in (2, 3), False) for seq in range(5)
+        (seq, seq >= 2, False) for seq in range(6)
     ]
-    assert [r.payload for r in records] == [bytes([0x90 + seq]) * 3 for seq in range(5)]
+    stored = [decode_batch(r.payload).events[0] for r in records]
+    assert [e.block_hashes for e in stored if isinstance(e, Stored)] == [
+        [1000 + seq] for seq in range(6)
+    ]
     with RecordingWriter.append(path) as writer:
         # a version-1 reader could not read the mark: the file stays what it was
-        writer.write("w0#dp0", b"kv", 5, b"p", replayed=True, run_start=True)
+        writer.write("w0#dp0", b"kv", 6, b"p", replayed=True, run_start=True)
     records, reader = _read_all(path)
     assert reader.damage is None and reader.header.format_version == 1
-    assert (records[-1].seq, records[-1].replayed, records[-1].run_start) == (5, True, False)
+    assert (records[-1].seq, records[-1].replayed, records[-1].run_start) == (6, True, False)
 
 
 def test_an_unknown_version_is_refused_by_name(tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ from indexer.recording.format import RecordingWriter, Source
 from indexer.recording.replay import RecordFilter, replay_into_index
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
+# written by the version-1 writer: stream w0#dp0 (page 4), one stored page per seq 0-5, chained,
+# seqs 2-5 replayed
+VERSION_1 = Path(__file__).resolve().parent.parent / "fixtures" / "recordings" / "version1.kvrec"
 
 
 def _store(seq: int, *, salt: str | None = None, parent: int | None = None) -> bytes:
@@ -31,10 +34,17 @@ def _store(seq: int, *, salt: str | None = None, parent: int | None = None) -> b
 
 
 def _write(path: Path, rows: list[tuple[str, int, bytes, bool]]) -> None:
+    """Rows as the subscriber writes them: the first of each stream's runs of replayed records
+    marked as the start of a counted run."""
     sources = [Source(stream=s, block_size=4) for s in sorted({r[0] for r in rows})]
+    in_run: dict[str, bool] = {}
     with RecordingWriter.create(path, sources) as writer:
         for i, (stream, seq, payload, replayed) in enumerate(rows):
-            writer.write(stream, b"", seq, payload, replayed=replayed, recv_time=100.0 + i)
+            starts = replayed and not in_run.get(stream, False)
+            in_run[stream] = replayed
+            writer.write(
+                stream, b"", seq, payload, replayed=replayed, run_start=starts, recv_time=100.0 + i
+            )
 
 
 def test_scenario_fixture_replays_to_the_directly_built_index(tmp_path: Path) -> None:
@@ -73,20 +83,31 @@ def test_a_replayed_run_is_one_repaired_gap(tmp_path: Path) -> None:
     assert s.entries == 6 == len(index)
 
 
-@pytest.mark.parametrize("marked", [True, False], ids=["version-2", "unmarked"])
-def test_replay_runs_back_to_back_count_as_the_runs_marked(tmp_path: Path, marked: bool) -> None:
-    # seqs 0-1 live, then two repairs whose live copies were duplicates: 2-3 and 4-5 replayed
+@pytest.mark.parametrize("marks", [(2, 4), ()], ids=["two-runs", "no-counted-run"])
+def test_replay_runs_count_where_the_subscriber_marked_them(
+    tmp_path: Path, marks: tuple[int, ...]
+) -> None:
+    # seqs 0-1 live, then 2-5 replayed: two repairs whose live copies were duplicates (marked
+    # where each began), or replays the subscriber counted as no run (a reconnected stream's
+    # check against the replay socket)
     path = tmp_path / "r.kvrec"
     with RecordingWriter.create(path, [Source(stream="s", block_size=4)]) as writer:
         for seq in range(6):
             payload = _store(seq, parent=1000 + seq - 1 if seq else None)
-            starts = marked and seq in (2, 4)
-            writer.write("s", b"", seq, payload, replayed=seq >= 2, run_start=starts)
+            writer.write("s", b"", seq, payload, replayed=seq >= 2, run_start=seq in marks)
     summary, _ = replay_into_index(path)
     (s,) = summary.streams
-    runs = 2 if marked else 1  # without the marks (a version-1 file) the runs read as one
+    runs = len(marks)
     assert (s.gaps, s.replays, s.lost_gaps, s.replayed_records) == (runs, runs, 0, 4)
     assert s.entries == 6
+
+
+def test_a_version_1_file_counts_each_run_of_replayed_records_once() -> None:
+    # the same records in a version-1 file (no marks): seqs 2-5 read as one run
+    summary, _ = replay_into_index(VERSION_1)
+    (s,) = summary.streams
+    assert (s.gaps, s.replays, s.lost_gaps, s.replayed_records) == (1, 1, 0, 4)
+    assert s.entries == 6 and s.decode_errors == 0
 
 
 def test_a_jump_nobody_filled_clears_the_stream(tmp_path: Path) -> None:
