@@ -463,6 +463,50 @@ async def test_two_repair_runs_with_no_live_record_between_count_twice_offline(
     assert (offline.lost_gaps, offline.last_seq) == (0, seq)
 
 
+async def test_what_a_verification_replays_is_no_run_live_or_offline(
+    ctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    batches = workload(seed=20, batches=3)
+    path = tmp_path / "verify.kvrec"
+    async with ScriptedPublisher(ctx) as pub:
+        source = Source(
+            stream=STREAM,
+            worker=WORKER,
+            topic="kv",
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+        )
+        writer = RecordingWriter.create(path, [source])
+        async with Capture(writer, [source], settings=CONFIG) as running:
+            await join(running, pub)
+            (sub,) = running._subs.all()
+            # a live batch after the join's replay, so the replay below cannot extend its run
+            seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+            await wait_until(lambda: sub.tracker.last == seq)
+            before = running.streams()[0]
+            for batch in batches[:-1]:
+                await pub.publish(batch, drop=True)  # buffered only
+            # a health check came back: the stream is checked against the replay socket
+            # before the next live batch, and that replay brings what the SUB missed
+            sub.suspect_restart("its health check came back")
+            seq = await pub.publish(batches[-1])
+            await wait_until(lambda: sub.tracker.last == seq)
+            live = running.streams()[0]
+    assert live.verifications == before.verifications + 1
+    assert (live.gaps, live.replays) == (before.gaps, before.replays)
+    with RecordingReader(path) as reader:
+        tail = [(p.record.replayed, p.record.run_start) for p in reader.records()][-4:]
+    assert tail == [(False, False)] + [(True, False)] * 3
+    summary, _ = replay_into_index(path)
+    (offline,) = summary.streams
+    assert (offline.gaps, offline.replays, offline.restarts) == (
+        live.gaps,
+        live.replays,
+        live.restarts,
+    )
+    assert offline.last_seq == seq
+
+
 async def test_without_the_probe_a_dropped_last_batch_stays_unknown(
     ctx: zmq.asyncio.Context,
 ) -> None:
