@@ -94,9 +94,14 @@ def test_inspect_hides_salts_unless_asked(
     with RecordingWriter.create(path, [Source(stream="w#dp0", block_size=2)]) as writer:
         writer.write("w#dp0", b"kv", 0, encode_batch(EventBatch(ts=1.0, events=[event])))
         writer.write("w#dp0", b"kv", 1, b"\x93not msgpack")
+        empty = encode_batch(EventBatch(ts=2.0, events=[]))
+        writer.write("w#dp0", b"kv", 2, empty, replayed=True, run_start=True)
+        writer.write("w#dp0", b"kv", 3, empty, replayed=True)
     assert main(["record", "inspect", str(path), "--events"]) == 0
     out = capsys.readouterr().out
     assert "format version 2" in out and "w#dp0" in out
+    assert "seq 2 topic b'kv' replayed, run start (" in out
+    assert "seq 3 topic b'kv' replayed (" in out
     assert "BlockStored 1 pages x 2" in out and "MALFORMED" in out
     assert "s3cr3t" not in out and "salt:" in out
     assert "decode errors 1" in out
