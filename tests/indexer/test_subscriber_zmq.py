@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -238,6 +239,28 @@ async def join(running: Capture, pub: ScriptedPublisher) -> None:
     raise AssertionError("capture never received anything")
 
 
+@contextlib.asynccontextmanager
+async def capturing(
+    pub: ScriptedPublisher, path: Path, settings: IndexerConfig
+) -> AsyncIterator[Capture]:
+    """A capture of the publisher's stream into a new recording at `path`."""
+    source = Source(
+        stream=STREAM,
+        worker=WORKER,
+        topic="kv",
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+    )
+    async with Capture(RecordingWriter.create(path, [source]), [source], settings=settings) as c:
+        yield c
+
+
+def replay_marks(path: Path) -> list[tuple[bool, bool]]:
+    """(replayed, run_start) of every record of the recording at `path`."""
+    with RecordingReader(path) as reader:
+        return [(p.record.replayed, p.record.run_start) for p in reader.records()]
+
+
 async def test_a_capture_records_every_message_in_order(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
@@ -399,24 +422,15 @@ async def test_a_batch_the_probe_found_is_a_gap_live_and_offline(
     # long enough that a probe never overtakes a live copy in flight during the settled run
     config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.3)
     path = tmp_path / "probe.kvrec"
-    async with ScriptedPublisher(ctx) as pub:
-        source = Source(
-            stream=STREAM,
-            worker=WORKER,
-            topic="kv",
-            endpoint=pub.endpoint,
-            replay_endpoint=pub.replay_endpoint,
-        )
-        writer = RecordingWriter.create(path, [source])
-        async with Capture(writer, [source], settings=config) as running:
-            await join(running, pub)
-            (sub,) = running._subs.all()
-            for batch in batches[:-1]:
-                seq = await pub.publish(batch)
-                await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
-            lost = await pub.publish(batches[-1], drop=True)  # PUB dropped it; nothing follows
-            await wait_until(lambda: sub.tracker.last == lost)
-            live = running.streams()[0]
+    async with ScriptedPublisher(ctx) as pub, capturing(pub, path, config) as running:
+        await join(running, pub)
+        (sub,) = running._subs.all()
+        for batch in batches[:-1]:
+            seq = await pub.publish(batch)
+            await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
+        lost = await pub.publish(batches[-1], drop=True)  # PUB dropped it; nothing follows
+        await wait_until(lambda: sub.tracker.last == lost)
+        live = running.streams()[0]
     # the lost batch was a gap (whatever the join did, joining is never one), repaired by the
     # probe's replay run; the recording replayed offline reads the same gaps from its records
     assert live.gaps == 1 and live.clears == 0
@@ -433,28 +447,18 @@ async def test_two_repair_runs_with_no_live_record_between_count_twice_offline(
 ) -> None:
     batches = workload(seed=19, batches=4)
     path = tmp_path / "runs.kvrec"
-    async with ScriptedPublisher(ctx) as pub:
-        source = Source(
-            stream=STREAM,
-            worker=WORKER,
-            topic="kv",
-            endpoint=pub.endpoint,
-            replay_endpoint=pub.replay_endpoint,
-        )
-        writer = RecordingWriter.create(path, [source])
-        async with Capture(writer, [source], settings=CONFIG) as running:
-            await join(running, pub)
-            (sub,) = running._subs.all()
-            before = running.streams()[0]
-            # each live batch reveals the dropped one before it; the repair's replay brings the
-            # live one too, so its live copy is a duplicate and nothing live is recorded
-            for i in (0, 2):
-                await pub.publish(batches[i], drop=True)
-                seq = await pub.publish(batches[i + 1])
-                await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
-            live = running.streams()[0]
-    with RecordingReader(path) as reader:
-        tail = [(p.record.replayed, p.record.run_start) for p in reader.records()][-4:]
+    async with ScriptedPublisher(ctx) as pub, capturing(pub, path, CONFIG) as running:
+        await join(running, pub)
+        (sub,) = running._subs.all()
+        before = running.streams()[0]
+        # each live batch reveals the dropped one before it; the repair's replay brings the
+        # live one too, so its live copy is a duplicate and nothing live is recorded
+        for i in (0, 2):
+            await pub.publish(batches[i], drop=True)
+            seq = await pub.publish(batches[i + 1])
+            await wait_until(lambda: sub.tracker.last == seq)  # noqa: B023
+        live = running.streams()[0]
+    tail = replay_marks(path)[-4:]
     assert tail == [(True, True), (True, False), (True, True), (True, False)]
     assert (live.gaps - before.gaps, live.replays - before.replays) == (2, 2)
     summary, _ = replay_into_index(path)
@@ -468,34 +472,24 @@ async def test_what_a_verification_replays_is_no_run_live_or_offline(
 ) -> None:
     batches = workload(seed=20, batches=3)
     path = tmp_path / "verify.kvrec"
-    async with ScriptedPublisher(ctx) as pub:
-        source = Source(
-            stream=STREAM,
-            worker=WORKER,
-            topic="kv",
-            endpoint=pub.endpoint,
-            replay_endpoint=pub.replay_endpoint,
-        )
-        writer = RecordingWriter.create(path, [source])
-        async with Capture(writer, [source], settings=CONFIG) as running:
-            await join(running, pub)
-            (sub,) = running._subs.all()
-            # a live batch after the join's replay, so the replay below cannot extend its run
-            seq = await pub.publish(EventBatch(ts=0.0, events=[]))
-            await wait_until(lambda: sub.tracker.last == seq)
-            before = running.streams()[0]
-            for batch in batches[:-1]:
-                await pub.publish(batch, drop=True)  # buffered only
-            # a health check came back: the stream is checked against the replay socket
-            # before the next live batch, and that replay brings what the SUB missed
-            sub.suspect_restart("its health check came back")
-            seq = await pub.publish(batches[-1])
-            await wait_until(lambda: sub.tracker.last == seq)
-            live = running.streams()[0]
+    async with ScriptedPublisher(ctx) as pub, capturing(pub, path, CONFIG) as running:
+        await join(running, pub)
+        (sub,) = running._subs.all()
+        # a live batch after the join's replay, so the replay below cannot extend its run
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+        await wait_until(lambda: sub.tracker.last == seq)
+        before = running.streams()[0]
+        for batch in batches[:-1]:
+            await pub.publish(batch, drop=True)  # buffered only
+        # a health check came back: the stream is checked against the replay socket
+        # before the next live batch, and that replay brings what the SUB missed
+        sub.suspect_restart("its health check came back")
+        seq = await pub.publish(batches[-1])
+        await wait_until(lambda: sub.tracker.last == seq)
+        live = running.streams()[0]
     assert live.verifications == before.verifications + 1
     assert (live.gaps, live.replays) == (before.gaps, before.replays)
-    with RecordingReader(path) as reader:
-        tail = [(p.record.replayed, p.record.run_start) for p in reader.records()][-4:]
+    tail = replay_marks(path)[-4:]
     assert tail == [(False, False)] + [(True, False)] * 3
     summary, _ = replay_into_index(path)
     (offline,) = summary.streams
