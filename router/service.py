@@ -16,6 +16,7 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.config import RouterConfig
 from router.config_diff import ConfigDiff
+from router.errors import ConfigError
 from router.fleet.supervisor import Supervisor
 from router.http.app import create_app
 from router.http.keys import CLUSTER, CONFIG, INDEXER, PLANNER, RELOADER, SUPERVISOR
@@ -68,7 +69,17 @@ class RouterService:
                 self.config.listen.port,
                 reuse_port=self._reuse_port or None,
             )
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                # a port taken or an address this host lacks: the config's to fix, said in one
+                # line (`kvroute serve` prints a ConfigError and exits 2, no traceback)
+                listen = self.config.listen
+                raise ConfigError(
+                    f"cannot listen on {listen.host}:{listen.port} ({exc.strerror or exc}): "
+                    "choose another [listen] host or port (--port), or stop what holds it",
+                    key="listen.port",
+                ) from exc
             started = True
         finally:
             if not started:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from router.cluster.server import NatsServer
 from tests.raw_http import wait_eof
 
 
@@ -83,6 +85,29 @@ async def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"nmae" in err
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
+    tmp_path: Path, processes: str
+) -> None:
+    # a real listener holds the port (without SO_REUSEPORT, so replicas cannot share it either)
+    holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = holder.sockets[0].getsockname()[1]
+    config = tmp_path / "router.toml"
+    text = f"[listen]\nhost = '127.0.0.1'\nport = {port}\n"
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(holder.wait_closed)
+        stack.callback(holder.close)
+        if processes != "1":  # replica processes agree through a real nats-server
+            nats = await stack.enter_async_context(NatsServer())
+            text += f"[cluster]\nurl = '{nats.url}'\n"
+        config.write_text(text)
+        proc = await _run("--config", str(config), "--processes", processes)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}".encode() in err
+    assert b"Traceback" not in err
 
 
 async def _idle_connection(port: int) -> bytes:
