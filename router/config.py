@@ -466,9 +466,17 @@ def load_config(path: str | Path) -> RouterConfig:
     """Read and validate a TOML config file."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        # TOML is UTF-8 by definition; a file saved as UTF-16 or Latin-1 must not escape as a
+        # traceback (serve) or a 500 (a reload), so it is refused like any invalid file
+        bad = exc.object[exc.start]
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{bad:02x} at offset {exc.start}); "
+            "TOML files must be UTF-8"
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     return parse_config(data, source=str(path))

@@ -49,6 +49,10 @@ class RouterError(Exception):
         """Fields the JSON error carries beside `type` and `message` (none by default)."""
         return {}
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the error's answer carries (none by default)."""
+        return {}
+
 
 class ConfigError(RouterError):
     """A config that cannot be used; the message names the offending key.
@@ -103,6 +107,10 @@ class AuthError(RouterError):
     """An admin call without a valid bearer token."""
 
     status = 401
+
+    def headers(self) -> dict[str, str]:
+        """The scheme a 401 asks for (RFC 7235 requires the header on every 401)."""
+        return {"WWW-Authenticate": 'Bearer realm="kvroute"'}
 
 
 class NotFoundError(RouterError):

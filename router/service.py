@@ -77,7 +77,8 @@ class RouterService:
                 listen = self.config.listen
                 raise ConfigError(
                     f"cannot listen on {listen.host}:{listen.port} ({exc.strerror or exc}): "
-                    "choose another [listen] host or port (--port), or stop what holds it",
+                    "choose another [listen] host or port (serve --port, up --router-port), "
+                    "or stop what holds it",
                     key="listen.port",
                 ) from exc
             started = True

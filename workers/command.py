@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -21,6 +22,7 @@ from workers.worker import KvEventsInfo, ReferenceWorker
 __all__ = [
     "add_arguments",
     "add_worker_options",
+    "at_least",
     "config_from_args",
     "describe_kv_events",
     "run",
@@ -36,46 +38,69 @@ def _tcp_endpoint(value: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`, refused in argparse's usage error (which
+    names the flag) rather than by the config's validation, which names only the field.
+
+    `kvroute up` takes it from here for its counts too."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
 def add_worker_options(parser: argparse.ArgumentParser) -> None:
     """The cache, event and latency knobs every reference worker takes."""
     defaults = WorkerConfig()
     cache = parser.add_argument_group("KV cache")
     cache.add_argument(
-        "--page-size", type=int, default=defaults.page_size, help="tokens per KV page (block_size)"
+        "--page-size",
+        type=int,
+        default=defaults.page_size,
+        help="tokens per KV page (block_size; default %(default)s)",
     )
     cache.add_argument(
         "--capacity-tokens",
         type=int,
         default=defaults.capacity_tokens,
-        help="KV pool size per DP rank, in tokens (rounded down to whole pages)",
+        help="KV pool size per DP rank, in tokens, rounded down to whole pages "
+        "(default %(default)s)",
     )
     cache.add_argument(
         "--host-capacity-tokens",
         type=int,
         default=defaults.host_capacity_tokens,
         help="host-memory KV tier per DP rank, in tokens: evicted GPU pages move there and "
-        "are loaded back on a hit (0 = none)",
+        "are loaded back on a hit (0 = none; default %(default)s)",
     )
     cache.add_argument(
         "--dp-size",
         "--dp",
-        type=int,
+        type=at_least(1),
         default=defaults.dp_size,
         help="data-parallel ranks per worker: one cache, scheduler and event stream each "
-        "(rank r publishes on the events port + r); a request names its rank as on SGLang",
+        "(rank r publishes on the events port + r); a request names its rank as on SGLang "
+        "(default %(default)s)",
     )
     events = parser.add_argument_group("KV events")
     events.add_argument(
         "--event-format",
         choices=["array", "map"],
         default=defaults.event_format,
-        help="wire layout: SGLang <= 0.5.19 arrays (default) or >= 0.5.20 maps",
+        help="wire layout: SGLang <= 0.5.19 arrays or >= 0.5.20 maps (default %(default)s)",
     )
     events.add_argument(
         "--buffer-steps",
         type=int,
         default=defaults.buffer_steps,
-        help="batches kept per stream for replay",
+        help="batches kept per stream for replay (default %(default)s)",
     )
     events.add_argument(
         "--buffer-bytes",
@@ -88,71 +113,79 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         "--prefill-ms-per-token",
         type=float,
         default=defaults.prefill_ms_per_token,
-        help="prefill cost per uncached prompt token",
+        help="prefill cost per uncached prompt token (default %(default)s)",
     )
     latency.add_argument(
         "--host-load-ms-per-token",
         type=float,
         default=defaults.host_load_ms_per_token,
-        help="cost of loading a host-tier token back onto the GPU",
+        help="cost of loading a host-tier token back onto the GPU (default %(default)s)",
     )
     latency.add_argument(
         "--decode-ms-per-token",
         type=float,
         default=defaults.decode_ms_per_token,
-        help="cost of one decode step (one token for every running request)",
+        help="cost of one decode step, one token for every running request (default %(default)s)",
     )
     latency.add_argument(
         "--time-scale",
         type=float,
         default=defaults.time_scale,
-        help="multiplies every simulated duration (0 = as fast as possible)",
+        help="multiplies every simulated duration (0 = as fast as possible; default %(default)s)",
     )
     latency.add_argument(
         "--max-running-requests",
         type=int,
         default=defaults.max_running_requests,
-        help="running batch size per DP rank; more requests wait in a queue",
+        help="running batch size per DP rank; more requests wait in a queue (default %(default)s)",
     )
     latency.add_argument(
         "--max-queued-requests",
         type=int,
         default=defaults.max_queued_requests,
-        help="waiting queue bound per DP rank (beyond it: HTTP 503)",
+        help="waiting queue bound per DP rank, beyond it HTTP 503 (default %(default)s)",
     )
     latency.add_argument(
         "--context-length",
         type=int,
         default=defaults.context_length,
-        help="longest prompt + output accepted",
+        help="longest prompt + output accepted (default %(default)s)",
     )
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
         "--transfer-ms-per-token",
         type=float,
         default=defaults.transfer_ms_per_token,
-        help="cost of moving one prompt token's KV from a prefill worker to a decode worker",
+        help="cost of moving one prompt token's KV from a prefill worker to a decode worker "
+        "(default %(default)s)",
     )
     pd.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=defaults.kv_transfer_timeout_s,
-        help="seconds either side of a KV handoff waits for the other (a prefill then frees "
-        "the pages, a decode answers 504)",
+        help="seconds either side of a KV handoff waits for the other; a prefill then frees "
+        "the pages, a decode answers 504 (default %(default)s)",
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name the worker reports")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model name the worker reports (default %(default)s)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute worker`."""
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    parser.add_argument("--port", type=int, default=30000, help="HTTP port (0 = ephemeral)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="HTTP listen address (default %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=30000, help="HTTP port (0 = ephemeral; default %(default)s)"
+    )
     parser.add_argument(
         "--events",
         type=_tcp_endpoint,
-        default=("127.0.0.1", 5557),
+        default="tcp://127.0.0.1:5557",  # a string default goes through `type` as well
         metavar="tcp://HOST:PORT",
-        help="PUB endpoint of DP rank 0; rank r binds PORT + r (port 0 = ephemeral)",
+        help="PUB endpoint of DP rank 0; rank r binds PORT + r (port 0 = ephemeral; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--replay",
@@ -160,21 +193,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="tcp://HOST:PORT",
         help="ROUTER replay endpoint of DP rank 0, on the --events host; rank r binds PORT + r "
-        "(default: the events port + 100, or ephemeral when that is ephemeral)",
+        "(default the events port + 100, or ephemeral when that is ephemeral)",
     )
-    parser.add_argument("--topic", default="", help="topic frame of every published message")
+    parser.add_argument(
+        "--topic", default="", help="topic frame of every published message (default empty)"
+    )
     parser.add_argument(
         "--role",
         choices=["both", "prefill", "decode"],
         default="both",
-        help="prefill/decode disaggregation role (SGLang's --disaggregation-mode; both = null)",
+        help="prefill/decode disaggregation role (SGLang's --disaggregation-mode; both = null; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--bootstrap-port",
         type=int,
         default=0,
         help="a prefill worker's KV bootstrap port (SGLang's --disaggregation-bootstrap-port; "
-        "0 = ephemeral)",
+        "0 = ephemeral, the default)",
     )
     add_worker_options(parser)
 

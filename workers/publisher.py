@@ -58,6 +58,7 @@ def bind_port_run(
     """Bind `count` sockets of `kind` on host:base+r; base 0 picks a free run. Returns the base."""
     for _ in range(_PORT_ATTEMPTS if base == 0 else 1):
         sockets: list[zmq.asyncio.Socket] = []
+        rank = 0  # the rank being bound: a failure names its port
         try:
             first = ctx.socket(kind)
             first.linger = 0
@@ -76,10 +77,22 @@ def bind_port_run(
             for sock in sockets:
                 sock.close(linger=0)
             if base != 0:
-                raise PortRangeError(f"cannot bind tcp://{host}:{base}+{count}: {exc}") from exc
+                raise PortRangeError(_bind_failure(host, base, rank, count, exc)) from exc
             continue
         return sockets, port
     raise PortRangeError(f"no run of {count} free consecutive ports on {host}")
+
+
+def _bind_failure(host: str, base: int, rank: int, count: int, exc: zmq.ZMQError) -> str:
+    """Name the port that failed as a port, and a run as the ranks' (not as `base+count`,
+    which read as one port past `base`)."""
+    where = f"tcp://{host}:{base + rank}"
+    if count == 1:
+        return f"cannot bind {where}: {exc}"
+    return (
+        f"cannot bind {where} (DP rank {rank}; the {count} ranks take consecutive ports "
+        f"from {base}): {exc}"
+    )
 
 
 class EventPublisher:

@@ -25,6 +25,7 @@ one file format, each side written against the other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
@@ -388,6 +389,9 @@ class RecordingWriter:
         self._buffer_bytes = buffer_bytes
         self.bytes_written = os.lseek(fd, 0, os.SEEK_END)
         self.records_written = 0
+        # `append`: the damaged tail it cut before writing, and how many bytes it was
+        self.cut: Damage | None = None
+        self.cut_bytes = 0
 
     @classmethod
     def create(
@@ -435,12 +439,21 @@ class RecordingWriter:
         chunk_interval_s: float = 1.0,
         buffer_bytes: int = 0,
     ) -> Self:
-        """Continue an existing recording: a damaged tail is cut off first, new sources added."""
+        """Continue an existing recording, new sources added. A damaged tail (the last frame
+        cut short by a crash or a failed write, or unreadable) is cut off first (`cut` says
+        where and why); damage with readable frames after it is refused (RecordingError):
+        frames appended after it would be unreachable to every reader, and cutting it would
+        throw away what follows it."""
         path = Path(path)
-        with RecordingReader(path) as reader:
+        try:
+            opened = RecordingReader(path)
+        except OSError as exc:  # missing, a directory, unreadable
+            raise RecordingError(f"{path}: cannot append: {exc.strerror or exc}") from exc
+        with opened as reader:
             next_record = 0
             last_time = 0.0
             valid_end = reader._data_start
+            damage: Damage | None = None
             for frame in reader._frames(reader._data_start):
                 if frame.kind == _KIND_SOURCES:
                     reader._add_sources(frame)
@@ -448,20 +461,24 @@ class RecordingWriter:
                     if frame.kind == _KIND_CHUNK:
                         try:
                             chunk_end = _decode_records(frame)[-1].recv_time
-                        except _FrameError:
-                            break  # readers stop at this chunk, so it is cut like a torn tail
+                        except _FrameError as exc:
+                            damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
+                            break
                         last_time = max(last_time, chunk_end)
                     next_record = frame.first_record + frame.count
                     last_time = max(last_time, frame.time)
                 valid_end = frame.end
+            damage = damage or reader.damage
+            if damage is not None:
+                _refuse_to_cut(path, reader._file, damage)
             known = dict(reader.sources)
             version = reader.header.format_version
         try:
             fd = os.open(path, os.O_WRONLY)
         except OSError as exc:
             raise RecordingError(f"{path}: cannot append: {exc.strerror}") from exc
-        # Frames written after damage would be unreachable, so the damage goes first.
-        os.ftruncate(fd, valid_end)
+        cut_bytes = os.fstat(fd).st_size - valid_end
+        os.ftruncate(fd, valid_end)  # the damaged tail, if any
         writer = cls(
             path,
             fd,
@@ -474,6 +491,8 @@ class RecordingWriter:
             buffer_bytes=buffer_bytes,
             version=version,
         )
+        if damage is not None and cut_bytes > 0:
+            writer.cut, writer.cut_bytes = damage, cut_bytes
         writer.add_sources(sources)
         return writer
 
@@ -595,10 +614,51 @@ class RecordingWriter:
         self.close()
 
 
+def _refuse_to_cut(path: Path, f: BinaryIO, damage: Damage) -> None:
+    """RecordingError when a whole frame follows `damage` somewhere in the file: cutting
+    the damage off would throw that away too. Otherwise the damage is the file's tail (a
+    frame cut short by a crash or a failed write, or a last frame that does not read) and
+    may go."""
+    size = os.fstat(f.fileno()).st_size
+    if _next_whole_frame(f, damage.offset + 1, size) is None:
+        return
+    raise RecordingError(
+        f"{path}: damaged at byte {damage.offset:,} ({damage.reason}), with readable frames "
+        f"after it: appending would cut the {size - damage.offset:,} bytes from there on; "
+        "record to a new file instead (readers read everything before the damage)"
+    )
+
+
+def _next_whole_frame(f: BinaryIO, start: int, size: int) -> int | None:
+    """The offset of the first frame at or after `start` whose checksum holds, if any."""
+    step = 1 << 20
+    offset = start
+    while offset < size:
+        f.seek(offset)
+        block = f.read(step + len(_SYNC) - 1)
+        at = block.find(_SYNC)
+        while at >= 0:
+            f.seek(offset + at)
+            with contextlib.suppress(_FrameError):
+                if _read_frame(f, offset + at) is not None:
+                    return offset + at
+            at = block.find(_SYNC, at + 1)
+        offset += step
+    return None
+
+
 def _write_all(fd: int, data: bytes) -> None:
+    """Write `data` whole, or leave the file as it was: a write that fails part way (a full
+    disk, a file size limit) is cut back, so the file still ends on a whole frame."""
     view = memoryview(data)
+    start = -1
     try:
+        start = os.lseek(fd, 0, os.SEEK_CUR)
         while view:
             view = view[os.write(fd, view) :]
     except OSError as exc:
+        if start >= 0 and len(view) < len(data):
+            with contextlib.suppress(OSError):  # best effort: readers stop at a torn tail
+                os.ftruncate(fd, start)
+                os.lseek(fd, start, os.SEEK_SET)
         raise RecordingError(f"write failed: {exc.strerror}") from exc

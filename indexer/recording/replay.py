@@ -14,6 +14,7 @@ the index benchmark and the tests have a stream to replay without a capture at h
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -92,7 +93,9 @@ def parse_window(reader: RecordingReader, start: str | None, end: str | None) ->
             try:
                 offset = float(text.lstrip("+").rstrip("s"))
             except ValueError:
-                raise ValueError(f"--{name} {text!r}: not a number of seconds") from None
+                offset = math.nan
+            if not math.isfinite(offset):  # nan would select everything, silently
+                raise ValueError(f"--{name} {text!r}: not a number of seconds")
             if first is None:
                 first = _first_time(reader)
             bounds[f"{name}_time"] = first + offset
@@ -106,6 +109,10 @@ def parse_window(reader: RecordingReader, start: str | None, end: str | None) ->
         if when.tzinfo is None:
             when = when.replace(tzinfo=datetime.UTC)
         bounds[f"{name}_time"] = when.timestamp()
+    for kind in ("time", "seq"):
+        low, high = bounds.get(f"from_{kind}"), bounds.get(f"to_{kind}")
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"--from {start!r} is after --to {end!r}: the window is empty")
     return msgspec.convert(bounds, RecordFilter)
 
 

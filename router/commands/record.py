@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import signal
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
@@ -34,6 +35,9 @@ from indexer.recording.replay import replay_into_index
 from indexer.subscriptions import stream_id
 from router.commands.replay import print_summary
 from router.errors import RouterError
+
+if TYPE_CHECKING:
+    from router.config import WorkerConfig
 
 __all__ = ["add_arguments", "record", "run"]
 
@@ -85,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
     except IndexerError as exc:
         print(f"kvroute record: {exc}", file=sys.stderr)
         return 2
+    if writer.cut is not None:
+        cut = writer.cut
+        print(
+            f"kvroute record: cut {writer.cut_bytes:,} bytes of a damaged tail at byte "
+            f"{cut.offset:,} ({cut.reason}) before appending",
+            file=sys.stderr,
+        )
     progress = sys.stdout.isatty()
 
     def ready() -> None:
@@ -118,6 +129,13 @@ def _sources(args: argparse.Namespace) -> list[Source]:
         # zmq would refuse it only inside the subscriber, which retries forever
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT")
+        if endpoint is not None and endpoint.startswith("tcp://"):
+            _, _, port = endpoint.rpartition(":")
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{flag} {endpoint!r}: the port must be 1-65535")
+    for flag, limit in (("--duration", args.duration), ("--max-bytes", args.max_bytes)):
+        if limit is not None and not limit > 0:
+            raise ValueError(f"{flag} {limit}: must be > 0")
     if args.block_size is not None and args.block_size <= 0:
         # StreamConfig's bound is only checked when decoding, not when built here
         raise ValueError(f"--block-size {args.block_size}: must be > 0")
@@ -138,16 +156,25 @@ def _sources(args: argparse.Namespace) -> list[Source]:
 
 
 def _config_sources(path: Path) -> list[Source]:
-    """Every KV-event stream of a router config (asking `/server_info` for what it omits)."""
+    """Every KV-event stream of a router config (asking the worker for what it omits).
+
+    Each stream is recorded under the model the router would index it under (the config's,
+    else what the worker advertises, read the way the router's supervisor reads it), so a
+    replay of the file names the same namespaces as the router does."""
     from router.config import load_config
     from router.fleet.discovery import needs_discovery, streams_for
 
     config = load_config(path)
     sources: list[Source] = []
     for worker in config.workers:
+        if not worker.kv_events:
+            continue
         spec = engine_spec(worker.engine)
-        info = _server_info(worker.url, spec.server_info_paths) if needs_discovery(worker) else None
-        for s in streams_for(worker, info):
+        info = None
+        if needs_discovery(worker):
+            info = _server_info(worker.worker_id, worker.url, spec.server_info_paths)
+        model = _served_model(worker, spec.server_info_paths, info)
+        for s in streams_for(worker, info, model=model):
             sources.append(_source(worker.worker_id, s))
     if not sources:
         raise ValueError(f"{path}: no worker publishes KV events")
@@ -168,19 +195,58 @@ def _source(worker: str, s: StreamConfig) -> Source:
     )
 
 
-def _server_info(url: str, paths: Sequence[str]) -> dict[str, Any] | None:
-    """The first of the engine's server-info `paths` that answers (a one-shot CLI read)."""
+def _get_json(url: str) -> tuple[object, str]:
+    """(the decoded body of a 200, "") or (None, why not) for a one-shot CLI read."""
     import httpx
 
+    try:
+        response = httpx.get(url, timeout=5.0)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if response.status_code != 200:
+        return None, f"HTTP {response.status_code}"
+    try:
+        return msgspec.json.decode(response.content), ""
+    except msgspec.DecodeError:
+        return None, "not JSON"
+
+
+def _server_info(worker: str, url: str, paths: Sequence[str]) -> dict[str, Any]:
+    """The first of the engine's server-info `paths` that answers with a JSON object;
+    ValueError naming the worker, its URL and why when none does."""
+    why = "the engine has no server-info path"
     for path in paths:
-        try:
-            response = httpx.get(url.rstrip("/") + path, timeout=5.0)
-        except httpx.HTTPError:
-            continue
-        if response.status_code == 200:
-            body = response.json()
-            return body if isinstance(body, dict) else None
-    return None
+        body, reason = _get_json(url.rstrip("/") + path)
+        if isinstance(body, dict):
+            return body
+        why = f"{path}: {reason or 'not a JSON object'}"
+    raise ValueError(f"worker {worker}: cannot read the server info of {url} ({why})")
+
+
+def _served_model(
+    worker: WorkerConfig, info_paths: Sequence[str], info: dict[str, Any] | None
+) -> str:
+    """The model the router indexes `worker`'s cache under, found in the supervisor's order
+    (`Supervisor.served_models`): the config's, SGLang's `served_model_name` in a server info
+    already read, the first base model of `/v1/models`, the server info's; "" when the worker
+    answers but names none, ValueError when it cannot be asked."""
+    from router.fleet.discovery import models_from_model_list, models_from_server_info
+
+    if worker.served_models:
+        return worker.served_models[0]
+    if info is not None and (named := models_from_server_info(info)):
+        return named[0]
+    url = worker.url.rstrip("/")
+    body, reason = _get_json(url + "/v1/models")
+    if listed := models_from_model_list(body):
+        return listed[0]
+    if info is None and info_paths:
+        with contextlib.suppress(ValueError):
+            if named := models_from_server_info(_server_info(worker.worker_id, url, info_paths)):
+                return named[0]
+    if reason and not reason.startswith("HTTP") and reason != "not JSON":
+        raise ValueError(f"worker {worker.worker_id}: cannot read the models of {url} ({reason})")
+    return ""
 
 
 async def record(
@@ -288,11 +354,18 @@ def _print_done(path: Path, writer: RecordingWriter, stats: CaptureStats, out: T
 
 
 def _inspect(args: argparse.Namespace, out: TextIO) -> int:
+    if args.events and args.json:
+        # one stdout cannot hold both and stay parseable JSON
+        print("kvroute record inspect: --events and --json do not go together", file=sys.stderr)
+        return 2
     try:
         with RecordingReader(args.file) as reader:
             header = reader.header
             if args.events:
                 _print_events(reader, out, show_salts=args.show_salts)
+            else:
+                # streams an append added are declared along the file, not in its header
+                collections.deque(reader, maxlen=0)
             sources = dict(reader.sources)
         summary, _ = replay_into_index(args.file)
     except (OSError, IndexerError) as exc:
@@ -302,10 +375,9 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
         doc = {"header": header, "sources": list(sources.values()), "summary": summary}
         out.write(msgspec.json.encode(doc).decode() + "\n")
         return 1 if summary.damage is not None else 0
-    created = datetime.datetime.fromtimestamp(header.created_unix_s, datetime.UTC)
     out.write(
         f"kvroute recording, format version {header.format_version}, created "
-        f"{created.isoformat(timespec='seconds')} by {header.tool}\n"
+        f"{_utc(header.created_unix_s, '%Y-%m-%dT%H:%M:%S+00:00')} by {header.tool}\n"
     )
     out.write("sources:\n")
     for s in sources.values():
@@ -316,6 +388,15 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
         )
     print_summary(summary, out)
     return 1 if summary.damage is not None else 0
+
+
+def _utc(unix_s: float, form: str) -> str:
+    """`unix_s` in UTC as `form`; the number itself when no date has it (a hand-made file's
+    NaN or 1e20 is shown, not a crash)."""
+    try:
+        return datetime.datetime.fromtimestamp(unix_s, datetime.UTC).strftime(form)
+    except (OverflowError, ValueError, OSError):
+        return repr(unix_s)
 
 
 def _salt(salt: str | None, show: bool) -> str:
@@ -336,7 +417,7 @@ def _event_salt(event: Stored, show: bool) -> str:
 def _print_events(reader: RecordingReader, out: TextIO, *, show_salts: bool) -> None:
     for positioned in reader.records():
         r = positioned.record
-        when = datetime.datetime.fromtimestamp(r.recv_time, datetime.UTC).strftime("%H:%M:%S.%f")
+        when = _utc(r.recv_time, "%H:%M:%S.%f")
         flag = (" replayed, run start" if r.run_start else " replayed") if r.replayed else ""
         out.write(
             f"#{positioned.number} {when} {r.stream} seq {r.seq} topic {r.topic!r}{flag} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute replay`."""
     parser.add_argument("file", type=Path, help="a recording made by `kvroute record`")
     parser.add_argument(
-        "--into", choices=["index"], default="index", help="replay into an in-memory index"
+        "--into", choices=["index"], help="replay into an in-memory index (the default)"
     )
     parser.add_argument("--dump", type=Path, help="write the final index snapshot here")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -80,12 +81,35 @@ def run(args: argparse.Namespace) -> int:
     try:
         with RecordingReader(args.file) as reader:
             flt = parse_window(reader, args.start, args.end)
+            if args.stream:
+                # a misspelt stream would replay nothing and say nothing: name what there is
+                # (a pass over the file: streams an append added are declared along it)
+                collections.deque(reader, maxlen=0)
+                unknown = sorted(set(args.stream) - set(reader.sources))
+                if unknown:
+                    raise ValueError(
+                        f"--stream {', '.join(unknown)}: not in {args.file} (its streams: "
+                        f"{', '.join(sorted(reader.sources)) or 'none'})"
+                    )
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
     if args.stream:
         flt = msgspec.structs.replace(flt, streams=frozenset(args.stream))
     if args.publish:
+        # what only an index replay makes: refused, not silently left out
+        index_only = [
+            flag
+            for flag, given in (("--dump", args.dump), ("--json", args.json), ("--into", args.into))
+            if given
+        ]
+        if index_only:
+            print(
+                f"kvroute replay: {', '.join(index_only)} and --publish do not go together "
+                "(a republish builds no index)",
+                file=sys.stderr,
+            )
+            return 2
         return _publish(args, flt)
     if args.faults:
         print("kvroute replay: --faults needs --publish", file=sys.stderr)
@@ -147,13 +171,21 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
 def _parse_speed(text: str) -> float | None:
     if text == "max":
         return None
-    speed = float(text)
-    if speed <= 0:
-        raise ValueError("--speed must be > 0 or 'max'")
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = float("nan")
+    if not speed > 0 or speed == float("inf"):
+        raise ValueError(f"--speed {text!r}: a number > 0, or 'max'")
     return speed
 
 
 def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
+    if args.replay_buffer < 1:
+        print(
+            f"kvroute replay: --replay-buffer {args.replay_buffer}: must be >= 1", file=sys.stderr
+        )
+        return 2
     try:
         config = RepublishConfig(
             endpoint=args.publish,
@@ -174,16 +206,16 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
         return 2
 
 
-def _records(path: Path, flt: RecordFilter) -> Iterator[Record]:
+def _records(path: Path, flt: RecordFilter, damaged: list[str]) -> Iterator[Record]:
+    """The selected records; a damage the reader stopped at is said and added to `damaged`."""
     with RecordingReader(path) as reader:
         for positioned in select_records(reader, flt):
             yield positioned.record
         if reader.damage is not None:
             d = reader.damage
-            print(
-                f"recording damaged at byte {d.offset} (record {d.record}): {d.reason}",
-                file=sys.stderr,
-            )
+            said = f"recording damaged at byte {d.offset} (record {d.record}): {d.reason}"
+            damaged.append(said)
+            print(said + "; everything before it was published", file=sys.stderr)
 
 
 async def _republish(
@@ -194,10 +226,11 @@ async def _republish(
             print(f"stream {s.stream}: PUB {s.endpoint}  replay {s.replay_endpoint}", flush=True)
         if args.wait > 0 and not await rep.wait_subscribed(args.wait):
             print("no subscriber on every stream yet; publishing anyway", flush=True)
-        streams = await rep.run(_records(args.file, flt))
+        damaged: list[str] = []
+        streams = await rep.run(_records(args.file, flt, damaged))
         await asyncio.sleep(max(0.0, args.linger))  # late replay requests still get answers
     _print_published(streams, sys.stdout)
-    return 0
+    return 1 if damaged else 0  # as an index replay of a damaged file: not all of it went
 
 
 def _print_published(streams: list[PublishedStream], out: TextIO) -> None:

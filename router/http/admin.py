@@ -10,7 +10,6 @@ every replica makes it too (`router.cluster.fleet_state`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,6 +21,7 @@ from aiohttp.typedefs import Middleware
 from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, RequestError
+from router.http.bearer import bearer_matches
 from router.http.intake import read_request
 from router.http.keys import (
     CLUSTER,
@@ -74,13 +74,9 @@ def _decode(raw: bytes, kind: type[_T]) -> _T:
 
 
 def _token_middleware(token: str) -> Middleware:
-    expected = f"Bearer {token}".encode()
-
     @web.middleware
     async def check(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        # a header that is not UTF-8 reaches us as lone surrogates: just another wrong token
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
-        if not hmac.compare_digest(given, expected):
+        if not bearer_matches(request.headers.get("Authorization", ""), token):
             raise AuthError("admin API: missing or wrong bearer token")
         return await handler(request)
 

@@ -70,10 +70,14 @@ _json = msgspec.json.Encoder()
 
 
 def _error(
-    status: int, kind: str, message: str, details: dict[str, object] | None = None
+    status: int,
+    kind: str,
+    message: str,
+    details: dict[str, object] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     body = _json.encode({"error": {"type": kind, "message": message, **(details or {})}})
-    return web.Response(body=body, status=status, content_type="application/json")
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -93,12 +97,13 @@ async def answer_errors(
     """`handler`'s answer, or the JSON error of what it raised, counted in `metrics` under
     `route()` (the route's template, never the raw path)."""
     details: dict[str, object] | None = None
+    headers: dict[str, str] | None = None
     unknown_model = False
     try:
         return await handler(request)
     except RouterError as exc:
         status, kind, message = exc.status, type(exc).__name__, str(exc)
-        details = exc.details()
+        details, headers = exc.details(), exc.headers()
         unknown_model = isinstance(exc, UnknownModelError)
     except IndexerError as exc:
         status, kind, message = 400, type(exc).__name__, str(exc)
@@ -123,7 +128,7 @@ async def answer_errors(
         # never the client's model string: one value stands for every model nobody serves
         model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
-    return _error(status, kind, message, details)
+    return _error(status, kind, message, details, headers)
 
 
 def _route_label(request: web.Request) -> str:

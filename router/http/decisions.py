@@ -49,7 +49,7 @@ _W_FIELDS = 6
 
 
 class Decision:
-    """One routed request, as `/admin/decisions` and the dashboard show it."""
+    """One routed request, as the metrics count it and the dashboard shows it."""
 
     __slots__ = (
         "at",

@@ -14,7 +14,6 @@ index without the admin API's power. docs/operations.md has the request and answ
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any
 
 import msgspec
@@ -22,6 +21,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import AuthError, RequestError
+from router.http.bearer import bearer_matches
 from router.http.keys import CONFIG, PLANNER, TOKENIZER
 from router.prompt.request import Endpoint, ParsedRequest, check_salt_size
 from router.routing.policy import Candidate
@@ -85,8 +85,7 @@ def _tokens(query: KvQuery, request: web.Request) -> list[int]:
 def _check_token(request: web.Request, token: str) -> None:
     if not token:
         return  # allowed on a loopback listener only (`add_kv_query_route`)
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
-    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+    if not bearer_matches(request.headers.get("Authorization", ""), token):
         raise AuthError("KV query API: missing or wrong bearer token (the query token)")
 
 
@@ -105,7 +104,9 @@ async def kv_query(request: web.Request) -> web.Response:
     if salt is not None:
         check_salt_size(salt, "cache_salt", config.limits)
     parsed = ParsedRequest(
-        endpoint=Endpoint.GENERATE,
+        # as an OpenAI request: a `base:adapter` model names the adapter, as on the proxy
+        # (`/generate` takes no model, so its namespace would drop the adapter)
+        endpoint=Endpoint.COMPLETIONS,
         body=b"",
         salt=salt,
         model=query.model,

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from indexer.service import IndexerService
 from indexer.snapshot import dump_index, load_index
 from router.commands.cli import main
 from router.commands.record import record
+from workers.config import WorkerConfig
+from workers.worker import ReferenceWorker
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SMALL = SyntheticWorkload(streams=2, tenants=3, conversations=12, capacity_pages=64, seed=3)
@@ -77,8 +80,7 @@ def test_replay_windows_and_streams(recording: Path, capsys: pytest.CaptureFixtu
 def test_replay_of_a_damaged_file_says_where_it_stopped(
     recording: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = recording.read_bytes()
-    recording.write_bytes(data[: len(data) * 2 // 3])
+    _tear(recording)
     assert main(["replay", str(recording)]) == 1
     out = capsys.readouterr().out
     assert "STOPPED at byte" in out and "truncated" in out
@@ -107,6 +109,80 @@ def test_inspect_hides_salts_unless_asked(
     assert "decode errors 1" in out
     assert main(["record", "inspect", str(path), "--events", "--show-salts"]) == 0
     assert "'s3cr3t'" in capsys.readouterr().out
+
+
+def test_inspect_lists_streams_an_append_added(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    late = Source(stream="late#dp0", endpoint="tcp://127.0.0.1:7001", block_size=16)
+    with RecordingWriter.append(recording, [late]) as writer:
+        writer.write("late#dp0", b"kv", 0, encode_batch(EventBatch(ts=1.0, events=[])))
+    assert main(["record", "inspect", str(recording)]) == 0
+    assert "  late#dp0: sglang tcp://127.0.0.1:7001" in capsys.readouterr().out
+    assert main(["record", "inspect", str(recording), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "late#dp0" in [s["stream"] for s in doc["sources"]]
+    # text and JSON on one stdout would be neither
+    assert main(["record", "inspect", str(recording), "--json", "--events"]) == 2
+    assert "--events and --json" in capsys.readouterr().err
+
+
+def test_replay_refuses_what_would_do_nothing(
+    recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = str(recording)
+    publish = ["--publish", "tcp://127.0.0.1:1", "--wait", "0", "--linger", "0"]
+    cases = [
+        (["--dump", str(tmp_path / "x.snap"), *publish], "--dump and --publish"),
+        (["--json", "--into", "index", *publish], "--json, --into and --publish"),
+        (["--stream", "nope#dp0"], "--stream nope#dp0: not in"),
+        (["--from", "nan"], "--from 'nan': not a number"),
+        (["--from", "+3", "--to", "+1"], "the window is empty"),
+        (["--from", "seq:9", "--to", "seq:2"], "the window is empty"),
+        (["--speed", "abc", *publish], "--speed 'abc'"),
+        (["--replay-buffer", "0", *publish], "--replay-buffer 0"),
+    ]
+    for args, said in cases:
+        assert main(["replay", file, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err, (args, err)
+        assert "sim-0#dp0" in err or "--stream" not in said  # the streams there are, named
+    assert not (tmp_path / "x.snap").exists()
+
+
+def _tear(path: Path) -> None:
+    """Cut the file a third from its end, mid-frame (as a crash would)."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+
+
+async def test_replay_publish_of_a_damaged_file_exits_1(recording: Path) -> None:
+    _tear(recording)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
+    proc = await _cli("replay", str(recording), *publish, "--wait", "0", "--linger", "0")
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, err
+    assert b"recording damaged at byte" in err and b"sent" in out
+
+
+def test_record_refuses_limits_and_ports_that_cannot_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--out", str(tmp_path / "r.kvrec")]
+    cases = [
+        (["--endpoint", "tcp://127.0.0.1:99999"], "the port must be 1-65535"),
+        (["--endpoint", "tcp://127.0.0.1:5557", "--replay", "tcp://h:x"], "--replay 'tcp://h:x'"),
+        (["--endpoint", "tcp://127.0.0.1:5557", "--duration", "-1"], "--duration -1.0"),
+        (["--endpoint", "tcp://127.0.0.1:5557", "--max-bytes", "0"], "--max-bytes 0"),
+        (["--endpoint", "tcp://127.0.0.1:5557", "--append"], "cannot append"),
+    ]
+    for args, said in cases:
+        assert main(["record", *args, *out]) == 2, args
+        assert said in capsys.readouterr().err, args
+    assert not (tmp_path / "r.kvrec").exists()
 
 
 def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) -> None:
@@ -256,6 +332,7 @@ id = "b"
 events = "tcp://127.0.0.1:6557"
 block_size = 32
 engine = "vllm"
+model = "v"
 """
     )
     sources = _config_sources(config)
@@ -266,6 +343,44 @@ engine = "vllm"
     ]
     assert (sources[0].model, sources[0].topic, sources[0].block_size) == ("m", "kv", 16)
     assert (sources[2].engine, sources[2].block_size) == ("vllm", 32)
+
+
+async def test_record_config_asks_the_worker_for_its_streams_and_model(tmp_path: Path) -> None:
+    from router.commands.record import _config_sources
+
+    worker = ReferenceWorker(WorkerConfig(model="served/by-it", dp_size=2, time_scale=0.0))
+    config = tmp_path / "router.toml"
+    async with worker:
+        config.write_text(f'[[workers]]\nid = "w"\nurl = "{worker.url}"\n')
+        # a blocking read, as the CLI does it: off this loop, which serves the worker
+        sources = await asyncio.to_thread(_config_sources, config)
+    kv = worker.kv_events
+    assert [(s.stream, s.endpoint, s.replay_endpoint) for s in sources] == [
+        ("w#dp0", kv.endpoints[0], kv.replay_endpoints[0]),
+        ("w#dp1", kv.endpoints[1], kv.replay_endpoints[1]),
+    ]
+    # the namespace the router indexes it under: without it a replay names other namespaces
+    assert {s.model for s in sources} == {"served/by-it"}
+    assert {s.block_size for s in sources} == {kv.block_size}
+
+
+def test_record_config_names_a_worker_it_cannot_ask(tmp_path: Path) -> None:
+    from router.commands.record import _config_sources
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    config = tmp_path / "router.toml"
+    config.write_text(f'[[workers]]\nid = "gone"\nurl = "{url}"\n')
+    with pytest.raises(ValueError, match=f"worker gone: cannot read the server info of {url}"):
+        _config_sources(config)
+    # its streams configured, but not its model: still asked, and the refusal says why
+    config.write_text(
+        f'[[workers]]\nid = "gone"\nurl = "{url}"\nevents = "tcp://127.0.0.1:5557"\n'
+        "block_size = 16\n"
+    )
+    with pytest.raises(ValueError, match=r"worker gone: cannot read the models of .*Connect"):
+        _config_sources(config)
 
 
 def test_replay_reports_unwritable_dump_and_taken_port(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -169,6 +171,78 @@ def test_append_cuts_a_torn_tail_and_continues_numbering(tmp_path: Path) -> None
     assert [p.number for p in got] == [0, 1, 2, 3]
     # time stays monotonic across sessions even when the new clock reads earlier
     assert got[3].record.recv_time == got[2].record.recv_time
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_append_refuses_damage_with_readable_frames_after_it(
+    tmp_path: Path, compress: bool
+) -> None:
+    path = tmp_path / "a.kvrec"
+    _write(path, [f"record {i}".encode() * 20 for i in range(30)], compress=compress)
+    with RecordingReader(path) as reader:
+        frames = list(reader._frames(reader._data_start))
+    victim = frames[len(frames) // 2]
+    data = bytearray(path.read_bytes())
+    data[victim.offset + 40] ^= 0xFF  # a flipped bit in the middle of the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecordingError, match=f"damaged at byte {victim.offset:,} .*readable"):
+        RecordingWriter.append(path)
+    assert path.read_bytes() == bytes(data)  # nothing cut, nothing written
+
+
+def test_append_cuts_a_damaged_last_frame_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "a.kvrec"
+    _write(path, [b"one", b"two", b"three"], compress=False)
+    with RecordingReader(path) as reader:
+        last = list(reader._frames(reader._data_start))[-1]
+    data = bytearray(path.read_bytes())
+    data[last.offset + 40] ^= 0xFF  # the last record does not read, and nothing follows it
+    path.write_bytes(bytes(data))
+    with RecordingWriter.append(path) as writer:
+        assert writer.cut is not None and writer.cut.offset == last.offset
+        assert writer.cut_bytes == len(data) - last.offset
+        assert writer.records == 2
+    with RecordingWriter.append(path) as writer:  # a clean file: nothing cut
+        assert (writer.cut, writer.cut_bytes) == (None, 0)
+
+
+def test_append_to_a_missing_file_or_a_directory_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(RecordingError, match=r"missing\.kvrec: cannot append"):
+        RecordingWriter.append(tmp_path / "missing.kvrec")
+    with pytest.raises(RecordingError, match="cannot append"):
+        RecordingWriter.append(tmp_path)
+
+
+_FILL_TO_THE_LIMIT = """
+import resource, signal, sys
+from indexer.recording.format import RecordingError, RecordingWriter, Source
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))
+writer = RecordingWriter.create(sys.argv[1], [Source(stream="w0/0")])
+try:
+    for seq in range(1000):
+        writer.write("w0/0", b"kv", seq, bytes(range(256)) * 2)
+except RecordingError as exc:
+    print(writer.records, writer.bytes_written, exc)
+"""
+
+
+def test_a_write_that_fails_part_way_leaves_whole_frames(tmp_path: Path) -> None:
+    # a real file size limit: the kernel writes part of the frame, then refuses the rest
+    path = tmp_path / "limited.kvrec"
+    done = subprocess.run(
+        [sys.executable, "-c", _FILL_TO_THE_LIMIT, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent.parent,
+    )
+    records, written, error = done.stdout.split(maxsplit=2)
+    assert "write failed" in error and int(records) > 0
+    assert path.stat().st_size == int(written) < 1500
+    got, reader = _read_all(path)
+    assert reader.damage is None
+    assert len(got) == int(records)
 
 
 @pytest.mark.parametrize("compress", [False, True])

@@ -83,6 +83,15 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
         load_config(bad)
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"[listen]\nport = 0\n# caf\xe9\n")  # Latin-1, as an editor may save it
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert str(bad) in message and "not UTF-8" in message and "offset 23" in message
+
+
 @pytest.mark.parametrize(
     "name",
     [

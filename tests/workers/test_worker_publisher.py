@@ -178,6 +178,26 @@ def test_dp_ranks_get_consecutive_ports(ctx: zmq.asyncio.Context) -> None:
             s.close()
 
 
+def test_a_port_clash_names_the_port_and_not_a_sum(ctx: zmq.asyncio.Context) -> None:
+    sockets, base = bind_port_run(ctx, zmq.PUB, "127.0.0.1", 0, 2)
+    try:
+        # one port: just that port (it read `tcp://127.0.0.1:P+1`, as if P + 1 were taken)
+        with pytest.raises(PortRangeError) as one:
+            bind_port_run(ctx, zmq.PUB, "127.0.0.1", base + 1, 1)
+        assert str(one.value).startswith(f"cannot bind tcp://127.0.0.1:{base + 1}: "), one.value
+        assert "+" not in str(one.value)
+        # a run: the port that failed, and which rank of how many from where
+        with pytest.raises(PortRangeError) as run:
+            bind_port_run(ctx, zmq.PUB, "127.0.0.1", base, 3)
+        assert str(run.value).startswith(
+            f"cannot bind tcp://127.0.0.1:{base} (DP rank 0; the 3 ranks take consecutive "
+            f"ports from {base}): "
+        ), run.value
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _small_buffered_router(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, str]:
     """A replay ROUTER with a tiny kernel send buffer, so a slow reader fills its pipe fast."""
     router = ctx.socket(zmq.ROUTER)

@@ -25,6 +25,7 @@ from importlib import resources
 from aiohttp import web
 
 from router.errors import AuthError
+from router.http.bearer import bearer_token
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import encode, snapshot
 
@@ -67,8 +68,8 @@ class _Dashboard:
 
     def _by_header(self, request: web.Request) -> bool:
         session = self._session
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return session is not None and scheme == "Bearer" and session.token_matches(given)
+        given = bearer_token(request.headers.get("Authorization", ""))
+        return session is not None and given is not None and session.token_matches(given)
 
     def _authorized(self, request: web.Request) -> bool:
         session = self._session

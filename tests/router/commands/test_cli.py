@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 # what a help screen must not pay for: the HTTP stack, the benchmarks, ZMQ, template engines
 HEAVY = ("aiohttp", "bench", "zmq", "jinja2", "transformers", "workers", "prometheus_client")
@@ -51,3 +53,65 @@ def test_serve_help_defines_its_arguments_without_the_router() -> None:
 def test_a_verb_still_gets_its_arguments() -> None:
     out, _ = _imported("record", "--help")
     assert "--endpoint" in out and "inspect" in out
+
+
+def test_worker_and_up_help_show_the_defaults() -> None:
+    # docs/workers.md sends readers to these screens for the defaults
+    worker, _ = _imported("worker", "--help")
+    assert "(block_size; default 16)" in worker and "default 30000" in worker
+    assert "default tcp://127.0.0.1:5557" in worker
+    up, _ = _imported("up", "--help")
+    assert "(block_size; default 16)" in up and "(default 2)" in up
+    serve, _ = _imported("serve", "--help")
+    assert "(default INFO)" in serve and "(default 1)" in serve
+
+
+def _kvroute(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.commands.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+@pytest.mark.parametrize("verb", ["serve", "indexer"])
+def test_log_level_is_a_choice_in_any_case(tmp_path: Path, verb: str) -> None:
+    missing = str(tmp_path / "nope.toml")
+    refused = _kvroute(verb, "--config", missing, "--log-level", "bogus")
+    assert refused.returncode == 2
+    assert "argument --log-level: invalid choice" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    # lower case is accepted: the run gets as far as reading the (missing) config
+    accepted = _kvroute(verb, "--config", missing, "--log-level", "debug")
+    assert accepted.returncode == 2
+    assert accepted.stderr.startswith(f"kvroute {verb}: {missing}"), accepted.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("serve", "--processes", "0"), "--processes"),
+        (("serve", "--processes", "-1"), "--processes"),
+        (("up", "--replicas", "0"), "--replicas"),
+        (("up", "--workers", "0"), "--workers"),
+        (("up", "--dp", "0"), "--dp-size/--dp"),
+        (("up", "--prefill", "-1", "--decode", "1"), "--prefill"),
+        (("up", "--prefill", "1", "--decode", "-1"), "--decode"),
+        (("worker", "--dp-size", "-2"), "--dp-size/--dp"),
+    ],
+)
+def test_counts_below_their_minimum_are_usage_errors_naming_the_flag(
+    tmp_path: Path, argv: tuple[str, ...], flag: str
+) -> None:
+    # a missing config (and ephemeral ports) stop the verb early should argparse let one pass
+    extra = {
+        "serve": ("--config", str(tmp_path / "nope.toml")),
+        "up": ("--config", str(tmp_path / "nope.toml"), "--worker-port-base", "0"),
+        "worker": ("--port", "0", "--events", "tcp://127.0.0.1:0"),
+    }[argv[0]]
+    done = _kvroute(*argv, *extra)
+    assert done.returncode == 2
+    assert f"argument {flag}: must be at least" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

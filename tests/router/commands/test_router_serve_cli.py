@@ -87,6 +87,24 @@ async def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert b"nmae" in err
 
 
+@pytest.mark.parametrize("verb", ["serve", "indexer"])
+async def test_a_config_that_is_not_utf8_exits_2_in_one_line_naming_it(
+    tmp_path: Path, verb: str
+) -> None:
+    config = tmp_path / "router.toml"
+    config.write_bytes(b"\xff\xfe[listen]\n")
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "router.commands.cli", verb, "--config", str(config)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvroute {verb}: {config}: not UTF-8"), lines
+
+
 @pytest.mark.parametrize("processes", ["1", "2"])
 async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
     tmp_path: Path, processes: str

@@ -33,10 +33,24 @@ async def test_admin_refuses_without_the_token(fleet: Fleet, method: str, path: 
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-admin-token"}):
         async with fleet.session.request(method, fleet.url + path, headers=headers) as resp:
             assert resp.status == 401
+            # RFC 7235: a 401 names the scheme it wants
+            assert resp.headers["WWW-Authenticate"] == 'Bearer realm="kvroute"'
             assert (await resp.json())["error"]["type"] == "AuthError"
     # nothing changed: both workers still there
     status, workers = await fleet.admin("GET", "/workers")
     assert status == 200 and [w["id"] for w in workers["workers"]] == ["w0", "w1"]
+
+
+async def test_the_bearer_scheme_is_case_insensitive(fleet: Fleet) -> None:
+    token = AUTH["Authorization"].split()[1]
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        headers = {"Authorization": f"{scheme} {token}"}
+        async with fleet.session.get(fleet.url + "/admin/workers", headers=headers) as resp:
+            assert resp.status == 200, scheme
+    for wrong in (f"Basic {token}", f"Bearer {token}x", f"Bearer{token}"):
+        headers = {"Authorization": wrong}
+        async with fleet.session.get(fleet.url + "/admin/workers", headers=headers) as resp:
+            assert resp.status == 401, wrong
 
 
 def test_admin_without_a_token_only_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:

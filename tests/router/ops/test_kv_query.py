@@ -119,3 +119,15 @@ async def test_indexer_mode_serves_the_index_without_the_proxy() -> None:
             await eventually(held, what="the worker's events in the standalone index")
             async with s.get(indexer.url + "/metrics") as resp:
                 assert "kvroute_stream_state" in await resp.text()
+
+
+async def test_a_base_adapter_model_queries_the_adapters_namespace(query_fleet: Fleet) -> None:
+    fleet = query_fleet
+    model = "kvroute/reference-byte-lm"
+    _, base = await _query(fleet, {"model": model, "text": TEXT})
+    _, named = await _query(fleet, {"model": f"{model}:ad", "text": TEXT})
+    _, given = await _query(fleet, {"model": model, "lora": "ad", "text": TEXT})
+    routed = await fleet.route({"model": f"{model}:ad", "prompt": TEXT})
+    # the adapter's namespace, as the proxy routes it: never the base model's pages
+    assert named["lora"] == given["lora"] == routed["lora"] == "ad"
+    assert named["namespace"] == given["namespace"] == routed["namespace"] != base["namespace"]

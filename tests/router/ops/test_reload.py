@@ -218,6 +218,22 @@ async def test_an_invalid_file_is_a_400_naming_the_key_and_the_old_config_serves
     assert status == 400 and answer["error"]["key"] == "policy.nmae"
 
 
+async def test_a_file_that_is_not_utf8_is_a_400_naming_it_and_the_old_config_serves(
+    fleet: Reloadable,
+) -> None:
+    before = fleet.router.running_config
+    fleet.path.write_bytes(b"\xff\xfe" + _toml({"w0": fleet.workers["w0"].url}).encode())
+    status, answer = await fleet.reload()
+    assert status == 400, answer
+    assert answer["error"]["type"] == "ReloadError"
+    assert answer["error"]["kept"] == "running config"
+    message = answer["error"]["message"]
+    assert str(fleet.path) in message and "not UTF-8" in message and "offset 0" in message
+    assert fleet.router.running_config is before
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+
+
 async def test_keys_that_need_a_restart_are_reported_and_kept(fleet: Reloadable) -> None:
     port = int(fleet.url.rsplit(":", 1)[1])
     text = _toml({n: w.url for n, w in fleet.workers.items()})
@@ -282,6 +298,12 @@ async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
                 refused = await _log_line(proc.stderr, "reload refused")
                 assert "policy.hit_weight" in refused
                 assert await workers() == ["w0", "w1"]  # nothing removed
+
+                path.write_bytes(b"\xff\xfe[listen]\n")  # UTF-16, say
+                proc.send_signal(signal.SIGHUP)
+                refused = await _log_line(proc.stderr, "reload refused")
+                assert str(path) in refused and "not UTF-8" in refused
+                assert await workers() == ["w0", "w1"]
             proc.send_signal(signal.SIGINT)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
         finally:

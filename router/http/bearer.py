@@ -1,0 +1,27 @@
+"""The bearer-token check of the admin API, the KV query API and the dashboard.
+
+RFC 6750 over RFC 7235: the scheme is case-insensitive (`bearer t` is `Bearer t`), the token is
+compared in constant time, and a header that is not UTF-8 (it reaches aiohttp as lone
+surrogates) is just another wrong token. A refusal names the scheme it wants in
+`WWW-Authenticate` (`AuthError.headers`).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+__all__ = ["bearer_matches", "bearer_token"]
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header; None for another scheme."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """True when the header carries exactly `token` (compared in constant time)."""
+    given = bearer_token(authorization)
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
