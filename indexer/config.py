@@ -8,7 +8,25 @@ import msgspec
 
 from indexer.engines import EngineName
 
-__all__ = ["IndexerConfig", "StreamConfig"]
+__all__ = ["IndexerConfig", "StreamConfig", "endpoint_problem"]
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a ZMQ endpoint a subscriber would connect to, None when it is one:
+    `tcp://HOST:PORT` (a port 1-65535; `*` as the host, as engines advertise what they bound,
+    is read as the worker's own host) or `ipc://PATH`. Checked where it is configured, since
+    zmq refuses a bad one only inside the subscriber, which retries it forever."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc"):
+        return "expected tcp://HOST:PORT or ipc://PATH"
+    if scheme == "ipc":
+        return None if rest else "ipc:// names no path"
+    host, _, port = rest.rpartition(":")
+    if not host:
+        return "expected tcp://HOST:PORT"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"the port must be 1-65535, got {port!r}"
+    return None
 
 
 class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

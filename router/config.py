@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from indexer.config import endpoint_problem
 from indexer.engines import EngineName, PdRole
 from router.errors import ConfigError
 
@@ -336,6 +337,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"workers.url {self.url!r} names no host")
         if any(not name.strip() for name in self.models):
             raise ValueError("workers.models: a model name must not be empty")
+        for key, given in (("events", self.events), ("replay", self.replay)):
+            for endpoint in [given] if isinstance(given, str) else given or ():
+                if problem := endpoint_problem(endpoint):
+                    raise ValueError(f"workers.{key} {endpoint!r}: {problem}")
         if self.bootstrap_port is not None and self.role not in ("prefill", None):
             raise ValueError("workers.bootstrap_port is a prefill worker's (role = 'prefill')")
 
@@ -348,6 +353,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def worker_id(self) -> str:
         """The id the router and the admin API use for this worker."""
         return self.id or self.url.rstrip("/")
+
+    @property
+    def server(self) -> tuple[str, str, int | None, str]:
+        """The server `url` names, spelled one way (`HTTP://A:80/` is `http://a`): two
+        entries of one server would make it two routing candidates, each with half its load."""
+        parts = urlsplit(self.url)
+        port = parts.port
+        if port == {"http": 80, "https": 443}.get(parts.scheme.lower()):
+            port = None
+        return (parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/"))
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -422,6 +437,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"workers: duplicate id {dupes[0]!r}")
+        seen: dict[tuple[str, str, int | None, str], str] = {}
+        for worker in self.workers:
+            other = seen.setdefault(worker.server, worker.worker_id)
+            if other != worker.worker_id:
+                raise ValueError(
+                    f"workers {other!r} and {worker.worker_id!r} are one server ({worker.url}): "
+                    "list it once (several dp ranks: dp_size)"
+                )
 
     def admin_token(self) -> str:
         """The admin bearer token: the config's, else $KVROUTE_ADMIN_TOKEN, else ''."""

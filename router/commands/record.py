@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
-from indexer.config import StreamConfig
+from indexer.config import StreamConfig, endpoint_problem
 from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
@@ -126,13 +126,8 @@ def _sources(args: argparse.Namespace) -> list[Source]:
     if (args.config is None) == (args.endpoint is None):
         raise ValueError("give exactly one of --config FILE or --endpoint tcp://...")
     for flag, endpoint in (("--endpoint", args.endpoint), ("--replay", args.replay)):
-        # zmq would refuse it only inside the subscriber, which retries forever
-        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT")
-        if endpoint is not None and endpoint.startswith("tcp://"):
-            _, _, port = endpoint.rpartition(":")
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{flag} {endpoint!r}: the port must be 1-65535")
+        if endpoint is not None and (problem := endpoint_problem(endpoint)):
+            raise ValueError(f"{flag} {endpoint!r}: {problem}")
     for flag, limit in (("--duration", args.duration), ("--max-bytes", args.max_bytes)):
         if limit is not None and not limit > 0:
             raise ValueError(f"{flag} {limit}: must be > 0")

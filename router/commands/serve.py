@@ -214,7 +214,18 @@ async def serve_fleet(
     from router.service import RouterService
 
     config = msgspec.structs.replace(config, workers=(*config.workers, *workers))
+    loop = asyncio.get_running_loop()
     async with RouterService(config) as router:
+        # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads
+        # on it, but this fleet has no file of its own to read again (as POST /admin/reload
+        # answers here), so it is said and ignored
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(
+                signal.SIGHUP,
+                logging.getLogger(__name__).warning,
+                "SIGHUP ignored: kvroute up has no config file to reload (restart it to change "
+                "the fleet, or change workers through the admin API)",
+            )
         _freeze_startup_heap()
         print(
             f"\nkvroute router: {router.url}  (policy {config.policy.name}, "

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from indexer.config import endpoint_problem
 from indexer.engines import engine_spec
 from indexer.service import StreamConfig
 from router.config import WorkerConfig
@@ -158,6 +159,11 @@ def streams_for(
     replays = _per_rank(
         replay if isinstance(replay, str | list) else None, replay_base, dp_size, host
     )
+    for key, endpoints in (("events", live), ("replay", replays)):
+        # what the worker advertised (a config's were checked when it was read)
+        for endpoint in endpoints:
+            if endpoint is not None and (problem := endpoint_problem(endpoint)):
+                raise RequestError(f"worker {worker.worker_id}: {key} {endpoint!r}: {problem}")
     return [
         StreamConfig(
             endpoint=endpoint,

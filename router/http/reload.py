@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from router.config import LiveConfig, RouterConfig, WorkerConfig
@@ -52,7 +53,16 @@ class ConfigSource:
         self._load = load
 
     def load(self) -> RouterConfig:
-        """The file's config now (ConfigError naming the key when it is invalid)."""
+        """The file's config now (ConfigError naming the key when it is invalid).
+
+        An empty file is refused: at startup it is a router with defaults, but read again it
+        is more likely a file caught mid-save, and applying it would drop every worker."""
+        with contextlib.suppress(OSError):  # unreadable: the loader says so by name
+            if not Path(self.path).read_bytes().strip():
+                raise ConfigError(
+                    f"{self.path} is empty (caught while being written?): applied, it would "
+                    "drop every worker"
+                )
         return self._load()
 
 

@@ -87,6 +87,8 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     try:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
+        if not raw.strip():  # msgspec calls it "truncated", which sends one looking for a cut
+            raise RequestError("request body is empty: send a JSON object") from None
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise too_deep from None

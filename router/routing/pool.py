@@ -161,6 +161,9 @@ class WorkerPool:
         entry = WorkerEntry(config, self._breaker)
         if entry.id in self._workers:
             raise ConflictError(f"worker {entry.id!r} already exists")
+        for other in self._workers.values():
+            if other.config.server == config.server:
+                raise ConflictError(f"{config.url} is worker {other.id!r} already")
         self._workers[entry.id] = entry
         self._reindex()
         return entry

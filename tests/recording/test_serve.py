@@ -32,7 +32,9 @@ async def test_publish_into_a_running_router(tmp_path: Path) -> None:
     async with Republisher(sources, config) as rep:
         workers = tuple(
             WorkerConfig(
-                url="http://127.0.0.1:9",  # no HTTP backend is needed to index events
+                # no HTTP backend is needed to index events (nothing listens on port 9; a
+                # host of its own each: one server listed twice would be refused)
+                url=f"http://127.0.0.{2 + i}:9",
                 id=s.worker,
                 events=pub.endpoint,
                 replay=pub.replay_endpoint,
@@ -40,7 +42,7 @@ async def test_publish_into_a_running_router(tmp_path: Path) -> None:
                 topic=s.topic,
                 model=s.model,
             )
-            for s, pub in zip(sources, rep.streams, strict=True)
+            for i, (s, pub) in enumerate(zip(sources, rep.streams, strict=True))
         )
         router_config = RouterConfig(listen=ListenConfig(port=0), workers=workers)
         async with RouterService(router_config) as router, aiohttp.ClientSession() as http:

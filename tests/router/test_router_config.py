@@ -49,6 +49,33 @@ def test_cross_field_checks() -> None:
     for url in ("http://[::1", "http://a:port", "http://"):  # unparseable: refused up front
         with pytest.raises(ConfigError, match=r"workers\.url"):
             parse_config({"workers": [{"url": url}]})
+    # one server under two ids would be two candidates, each with half its load
+    for same in ("http://a:1/", "http://A:1", "http://a:1"):
+        with pytest.raises(ConfigError, match="'x' and 'y' are one server"):
+            parse_config({"workers": [{"url": "http://a:1", "id": "x"}, {"url": same, "id": "y"}]})
+    with pytest.raises(ConfigError, match="one server"):
+        parse_config(
+            {"workers": [{"url": "http://a", "id": "x"}, {"url": "http://a:80", "id": "y"}]}
+        )
+    parse_config({"workers": [{"url": "http://a:1", "id": "x"}, {"url": "http://a:2", "id": "y"}]})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("events", "garbage", "expected tcp://HOST:PORT"),
+        ("events", "tcp://a:70000", "the port must be 1-65535"),
+        ("events", ["tcp://a:5557", "udp://a:5558"], "expected tcp://HOST:PORT"),
+        ("replay", "tcp://:5600", "expected tcp://HOST:PORT"),
+        ("replay", "ipc://", "names no path"),
+    ],
+)
+def test_event_endpoints_are_checked_when_read(key: str, value: object, said: str) -> None:
+    # zmq would refuse them only inside the subscriber, which retries forever
+    with pytest.raises(ConfigError, match=f"workers.{key} .*{said}"):
+        parse_config({"workers": [{"url": "http://a:1", key: value}]})
+    for good in ("tcp://*:5557", "tcp://10.0.0.1:1", "ipc:///run/kv.sock"):
+        parse_config({"workers": [{"url": "http://a:1", key: good}]})
 
 
 def test_a_worker_may_name_several_models() -> None:

@@ -69,6 +69,11 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
             workers = (await resp.json())["workers"]
         assert [w["id"] for w in workers] == ["worker-0", "worker-1"]
         assert all(w["status"] == "ready" and w["streams"] for w in workers)
+        # SIGHUP (a terminal closed, a reload out of habit) is said and survived
+        proc.send_signal(signal.SIGHUP)
+        await asyncio.wait_for(_read_until(proc.stdout, "SIGHUP ignored", lines), 10)
+        async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+            assert resp.status == 200
         proc.send_signal(signal.SIGINT)
         rest, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0

@@ -91,6 +91,10 @@ async def test_workers_are_added_by_discovery_drained_and_removed(fleet: Fleet) 
     assert status == 409 and dup["error"]["type"] == "ConflictError"
     status, bad = await fleet.admin("POST", "/workers", {"url": w1_url, "evnets": "x"})
     assert status == 400 and "evnets" in bad["error"]["message"]
+    status, bad = await fleet.admin("POST", "/workers", {"url": w1_url, "events": "garbage"})
+    assert status == 400 and "workers.events 'garbage'" in bad["error"]["message"]
+    status, twice = await fleet.admin("POST", "/workers", {"url": w1_url + "/", "id": "alias"})
+    assert status == 409 and "is worker 'again' already" in twice["error"]["message"], twice
     status, unreachable = await fleet.admin("POST", "/workers", {"url": "http://127.0.0.1:9"})
     assert status == 400 and "server_info" in unreachable["error"]["message"]
     explicit = {"url": "http://[::1", "events": "tcp://127.0.0.1:9", "block_size": 16}

@@ -234,6 +234,21 @@ async def test_a_file_that_is_not_utf8_is_a_400_naming_it_and_the_old_config_ser
     assert status == 200
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+async def test_an_empty_file_is_refused_and_the_workers_stay(
+    fleet: Reloadable, content: bytes
+) -> None:
+    # a file caught mid-save: applied, it would remove every worker
+    before = fleet.router.running_config
+    fleet.path.write_bytes(content)
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["type"] == "ReloadError", answer
+    assert "is empty" in answer["error"]["message"]
+    assert fleet.router.running_config is before and before.workers
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+
+
 async def test_keys_that_need_a_restart_are_reported_and_kept(fleet: Reloadable) -> None:
     port = int(fleet.url.rsplit(":", 1)[1])
     text = _toml({n: w.url for n, w in fleet.workers.items()})

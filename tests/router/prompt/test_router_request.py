@@ -90,9 +90,19 @@ def test_bad_fields_are_400s_naming_the_field(endpoint: Endpoint, body: object, 
     assert info.value.status == 400
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'"s"', b"\xff\xfe"])
-def test_non_object_bodies_are_rejected(raw: bytes) -> None:
-    with pytest.raises(RequestError):
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        (b"", "request body is empty"),
+        (b" \r\n", "request body is empty"),
+        (b"{", "not valid JSON"),
+        (b"[1]", "must be a JSON object"),
+        (b'"s"', "must be a JSON object"),
+        (b"\xff\xfe", "not valid JSON"),
+    ],
+)
+def test_non_object_bodies_are_rejected(raw: bytes, said: str) -> None:
+    with pytest.raises(RequestError, match=said):
         parse_body(raw)
 
 
