@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -237,7 +238,25 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
         "kv_transfer_timeout_s": args.kv_transfer_timeout,
     }
     fields.update(overrides)
-    return msgspec.convert(fields, WorkerConfig)
+    try:
+        return msgspec.convert(fields, WorkerConfig)
+    except msgspec.ValidationError as exc:
+        # msgspec names the field (`$.page_size`); the user typed an option
+        found = re.search(r"at `\$\.(\w+)`", str(exc))
+        if found is None:
+            raise
+        field = found.group(1)
+        flag = _FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        raise ValueError(f"{field} ({flag}): {str(exc).split(' - at ')[0]}") from None
+
+
+# fields whose option is not their name with dashes
+_FLAG_OF_FIELD = {
+    "kv_transfer_timeout_s": "--kv-transfer-timeout",
+    "events_host": "--events",
+    "events_port": "--events",
+    "replay_port": "--replay",
+}
 
 
 def describe_kv_events(kv: KvEventsInfo) -> str:

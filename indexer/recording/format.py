@@ -411,7 +411,10 @@ class RecordingWriter:
         try:
             fd = os.open(path, flags, 0o644)
         except OSError as exc:
-            raise RecordingError(f"{path}: cannot create: {exc.strerror}") from exc
+            why = "it is a directory" if path.is_dir() else exc.strerror
+            if isinstance(exc, FileExistsError) and not path.is_dir():
+                why = "it exists (append to it, or choose another name)"
+            raise RecordingError(f"{path}: cannot create: {why}") from exc
         source_list = list(sources)
         header = RecordingHeader(created_unix_s=time.time(), sources=source_list)
         head = MAGIC + _pack_frame(_KIND_HEADER, _encoder.encode(header), at=header.created_unix_s)

@@ -59,9 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=int, help="stop once the file holds this many bytes")
     sub = parser.add_subparsers(dest="record_action", metavar="ACTION")
     inspect = sub.add_parser("inspect", help="summarize a recording", description=_INSPECT_HELP)
-    inspect.add_argument("file", type=Path)
+    inspect.add_argument("file", type=Path, help="a recording made by `kvroute record`")
     inspect.add_argument("--events", action="store_true", help="print every decoded event")
-    inspect.add_argument("--show-salts", action="store_true", help="print cache_salt values")
+    inspect.add_argument(
+        "--show-salts",
+        action="store_true",
+        help="print cache_salt values in --events (else their fingerprints)",
+    )
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 

@@ -91,11 +91,13 @@ async def serve_processes(
     log_level: str,
     until: Callable[[], Awaitable[None]],
     announce: Callable[[str], None] = print,
+    verb: str = "serve",
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
     `config` is that file's config with the command line's overrides (host, port, policy),
-    which are passed on to every child.
+    which are passed on to every child. `verb`: what each child runs, `serve` (the proxy) or
+    `indexer` (the index and its query API only).
     """
     if config.cluster is None:
         raise ConfigError(
@@ -104,7 +106,7 @@ async def serve_processes(
         )
     holder, port = _reserve(config.listen.host, config.listen.port)
     cmd = [
-        sys.executable, "-m", "router.commands.cli", "serve",
+        sys.executable, "-m", "router.commands.cli", verb,
         "--config", config_path,
         "--host", config.listen.host,
         "--port", str(port),
@@ -129,7 +131,8 @@ async def serve_processes(
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}
         announce(
-            f"kvroute: {processes} router replica processes listening on {', '.join(sorted(urls))}"
+            f"kvroute: {processes} {'router' if verb == 'serve' else 'indexer'} replica processes "
+            f"listening on {', '.join(sorted(urls))}"
             f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.servers)}"
         )
         sys.stdout.flush()

@@ -319,6 +319,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
                     processes,
                     log_level=args.log_level,
                     until=_signalled,
+                    verb="serve" if proxy else "indexer",  # children without the proxy too
                 )
             )
         else:

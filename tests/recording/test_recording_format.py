@@ -336,10 +336,12 @@ def test_not_a_recording_is_refused(tmp_path: Path) -> None:
 def test_create_refuses_to_replace_a_file(tmp_path: Path) -> None:
     path = tmp_path / "r.kvrec"
     RecordingWriter.create(path).close()
-    with pytest.raises(RecordingError, match="cannot create"):
+    with pytest.raises(RecordingError, match="cannot create: it exists"):
         RecordingWriter.create(path)
     RecordingWriter.create(path, overwrite=True).close()
     assert os.path.getsize(path) > len(MAGIC)
+    with pytest.raises(RecordingError, match="cannot create: it is a directory"):
+        RecordingWriter.create(tmp_path)
 
 
 def test_append_cuts_a_chunk_whose_body_does_not_decode(tmp_path: Path) -> None:

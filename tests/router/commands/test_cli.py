@@ -115,3 +115,18 @@ def test_counts_below_their_minimum_are_usage_errors_naming_the_flag(
     assert done.returncode == 2
     assert f"argument {flag}: must be at least" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--page-size", "0"), "page_size (--page-size): Expected `int` >= 1"),
+        (("--time-scale", "-1"), "time_scale (--time-scale): Expected `float` >= 0.0"),
+        (("--kv-transfer-timeout", "0"), "(--kv-transfer-timeout): Expected"),
+    ],
+)
+def test_a_worker_value_out_of_range_names_its_option(argv: tuple[str, ...], said: str) -> None:
+    done = _kvroute("worker", *argv, "--port", "0", "--events", "tcp://127.0.0.1:0")
+    assert done.returncode == 2
+    assert said in done.stderr, done.stderr
+    assert "$." not in done.stderr  # msgspec's path to the field, which no user typed

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
+from router.cluster.server import NatsServer
 from tests.router.commands.test_router_up_cli import _read_until
 
 
@@ -65,3 +66,34 @@ async def test_serve_processes_without_a_cluster_exits_2_saying_why(tmp_path: Pa
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"[cluster]" in out
+
+
+async def test_indexer_processes_serve_the_query_api_and_no_proxy(tmp_path: Path) -> None:
+    config = tmp_path / "indexer.toml"
+    async with NatsServer() as nats:
+        config.write_text(f"[listen]\nport = 0\n[cluster]\nurl = '{nats.url}'\n")
+        proc = await _kvroute("indexer", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        try:
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            assert "2 indexer replica processes" in line
+            url = line.split("listening on ")[1].split()[0]
+            body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+            for _ in range(10):  # new connections: the kernel spreads them over both
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                    s.post(url + "/v1/completions", json=body) as resp,
+                ):
+                    assert resp.status == 404  # no generation endpoint in either child
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                    s.post(url + "/v1/kv/query", json={"token_ids": [1, 2]}) as resp,
+                ):
+                    assert resp.status == 200, await resp.text()
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
