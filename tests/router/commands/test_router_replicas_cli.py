@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import aiohttp
 
 from router.cluster.server import NatsServer
 from tests.router.commands.test_router_up_cli import _read_until
+from tests.subprocesses import ends_on_sigint
 
 
 async def _kvroute(*args: str) -> asyncio.subprocess.Process:
@@ -27,7 +27,7 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
     )  # fmt: skip
     assert proc.stdout is not None
     lines: list[str] = []
-    try:
+    async with ends_on_sigint(proc):
         said = await asyncio.wait_for(_read_until(proc.stdout, "nats-server", lines), 60)
         assert "nats://127.0.0.1:" in said and "from " in said  # where it came from
         line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
@@ -51,12 +51,6 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
             async with session.post(url + "/generate", json=body) as resp:
                 assert resp.status == 200
         assert len(replicas) == 2, "every connection went to the same replica"
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_serve_processes_without_a_cluster_exits_2_saying_why(tmp_path: Path) -> None:
@@ -75,7 +69,7 @@ async def test_indexer_processes_serve_the_query_api_and_no_proxy(tmp_path: Path
         proc = await _kvroute("indexer", "--config", str(config), "--processes", "2")
         assert proc.stdout is not None
         lines: list[str] = []
-        try:
+        async with ends_on_sigint(proc):
             line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
             assert "2 indexer replica processes" in line
             url = line.split("listening on ")[1].split()[0]
@@ -91,9 +85,3 @@ async def test_indexer_processes_serve_the_query_api_and_no_proxy(tmp_path: Path
                     s.post(url + "/v1/kv/query", json={"token_ids": [1, 2]}) as resp,
                 ):
                     assert resp.status == 200, await resp.text()
-            proc.send_signal(signal.SIGINT)
-            assert await asyncio.wait_for(proc.wait(), 30) == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()

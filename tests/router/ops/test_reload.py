@@ -23,6 +23,7 @@ from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
+from tests.subprocesses import ends_on_sigint
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -292,7 +293,7 @@ async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
             stderr=asyncio.subprocess.PIPE,
         )
         assert proc.stdout is not None and proc.stderr is not None
-        try:
+        async with ends_on_sigint(proc):
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
             url = line.split("listening on ")[1].split()[0]
             async with aiohttp.ClientSession(headers=AUTH) as session:
@@ -319,12 +320,6 @@ async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
                 refused = await _log_line(proc.stderr, "reload refused")
                 assert str(path) in refused and "not UTF-8" in refused
                 assert await workers() == ["w0", "w1"]
-            proc.send_signal(signal.SIGINT)
-            assert await asyncio.wait_for(proc.wait(), 30) == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
 
 
 async def _log_line(stream: asyncio.StreamReader, marker: str) -> str:
