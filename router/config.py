@@ -284,7 +284,7 @@ class ObserveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     decisions, `x-request-id` and traces."""
 
     # false: none of it (the benchmarks' baseline for what it costs); the request counters and
-    # latency histograms of /metrics stay
+    # the duration histogram of /metrics stay (time to first token is the statistics')
     enabled: bool = True
 
 

@@ -45,6 +45,7 @@ from router.http.keys import (
 )
 from router.http.listener import DIRECT_ROUTES
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
+from router.http.observe import REQUEST_ID_HEADER
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
@@ -128,6 +129,9 @@ async def answer_errors(
         # never the client's model string: one value stands for every model nobody serves
         model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
+    given_id = request.headers.get(REQUEST_ID_HEADER)
+    if given_id:  # echoed as on a proxied answer, so the client can match the refusal
+        headers = {**(headers or {}), REQUEST_ID_HEADER: given_id}
     return _error(status, kind, message, details, headers)
 
 

@@ -266,14 +266,15 @@ class DecisionStats:
                 if times is None:
                     times = ttfts[series] = []
                 times.append(ttft)
-            if decision.status is None:
-                continue
-            # the outcome: per (worker, rank, model), in the window, and as a recent decision
+            # every attempt was sent to its (worker, rank, model), a retried one too
             target = (chosen.worker, chosen.dp_rank, model)
             row = targets.get(target)
             if row is None:
                 row = targets[target] = [0] * 9
             row[_ROUTED] += 1
+            if decision.status is None:
+                continue  # retried: no answer of its own to count
+            # the outcome: per (worker, rank, model), in the window, and as a recent decision
             at_period = int(at) // WINDOW_BUCKET_S
             if at_period != period:  # a batch mostly shares one period
                 period = at_period

@@ -158,8 +158,9 @@ class Observation:
         if REQUEST_ID_HEADER not in headers:
             headers[REQUEST_ID_HEADER] = self.request_id
 
-    def failed(self, reason: str) -> None:
-        """The attempt failed before any byte reached the client (a retry may follow)."""
+    def failed(self, reason: str, status: int | None = None) -> None:
+        """The attempt failed before any byte reached the client (a retry may follow);
+        `status`: the worker's HTTP status, when it answered one."""
 
     def first_byte(self) -> None:
         """The worker's first byte arrived: time to first token, at the router."""
@@ -367,8 +368,11 @@ class TracedObservation(Observation):
         for name, value in carrier.items():
             headers[name] = value  # replaces the client's: the worker's parent is ours
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, status: int | None = None) -> None:
         """The attempt failed before any byte reached the client: its span ends with it."""
+        span = self._upstream_span
+        if span is not None and status is not None:
+            span.set_attribute("http.response.status_code", status)
         self._end_upstream(reason)
 
     def finish(self, status: int) -> None:
@@ -467,7 +471,7 @@ class Unobserved(Observation):
     def outgoing(self, headers: CIMultiDict[str]) -> None:
         """Nothing added."""
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, status: int | None = None) -> None:
         """Nothing kept."""
 
     def first_byte(self) -> None:

@@ -111,9 +111,10 @@ _DROP = frozenset(
 class AttemptFailed(Exception):
     """An attempt that failed before any byte reached the client."""
 
-    def __init__(self, message: str, *, hard: bool) -> None:
+    def __init__(self, message: str, *, hard: bool, status: int | None = None) -> None:
         super().__init__(message)
         self.hard = hard
+        self.status = status  # the worker's HTTP status, when it answered one
 
 
 class AnswerHooks:
@@ -290,7 +291,7 @@ class Proxy:
                 planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
-                obs.failed(str(exc))
+                obs.failed(str(exc), exc.status)
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
             finally:
@@ -471,7 +472,7 @@ class Proxy:
         """Pass the worker's answer through; raises AttemptFailed while a retry is still legal."""
         if upstream.status >= 500:
             if not last_try:
-                raise AttemptFailed(f"HTTP {upstream.status}", hard=False)
+                raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
             # passed through, but still a failure
             self._planner.record_failure(candidate.worker, hard=False)
         out = _copy_headers(upstream.headers, _DROP)

@@ -84,6 +84,13 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() == "true"
 
 
+def _env_names_service() -> bool:
+    """Whether `$OTEL_RESOURCE_ATTRIBUTES` (key=value pairs, comma-separated) names a
+    `service.name`, which the SDK then reads itself."""
+    pairs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    return any(pair.partition("=")[0].strip() == "service.name" for pair in pairs)
+
+
 def _env_exporter() -> str:
     return os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
 
@@ -227,8 +234,8 @@ def build_tracing(config: TracingConfig, provider: TracerProvider | None = None)
     attributes: dict[str, Any] = {}
     if config.service_name:
         attributes["service.name"] = config.service_name
-    elif not os.environ.get("OTEL_SERVICE_NAME"):
-        attributes["service.name"] = "kvroute"
+    elif not os.environ.get("OTEL_SERVICE_NAME") and not _env_names_service():
+        attributes["service.name"] = "kvroute"  # given here, it would override the variables
     resource = Resource.create(attributes)  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES too
     sampler = None  # the SDK reads OTEL_TRACES_SAMPLER
     root_ratio = None

@@ -134,8 +134,9 @@ def test_a_request_counted_after_the_window_moved_on_spares_the_newer_period() -
 
 
 def test_what_a_request_got_to_is_what_is_counted() -> None:
-    """A retried attempt counts its decision only; one that failed after its decision, its
-    decision and no outcome; the block size is read from the source when counted."""
+    """A retried attempt counts its decision and its send; one that failed after its
+    decision, its decision, its send and no outcome; the block size is read from the source
+    when counted."""
     stats = DecisionStats(clock=lambda: 1000.0)
     sizes = {"a": 16}
     stats.block_size = lambda worker: sizes.get(worker)
@@ -158,7 +159,11 @@ def test_what_a_request_got_to_is_what_is_counted() -> None:
         (("endpoint", "/v1/completions"), ("model", "m")),
     )
     assert s[ttft] == 1
-    routed = ("kvroute_routed_requests_total", (("dp_rank", ""), ("model", "m"), ("worker", "b")))
-    assert s[routed] == 1
-    assert not any(k[0] == "kvroute_routed_requests_total" and ("worker", "a") in k[1] for k in s)
+    # sent: every attempt, to the worker it went to (as its `upstream` span says)
+    for worker, sent in (("a", 2), ("b", 1)):
+        routed = (
+            "kvroute_routed_requests_total",
+            (("dp_rank", ""), ("model", "m"), ("worker", worker)),
+        )
+        assert s[routed] == sent, worker
     assert list(stats.recent) == [second]

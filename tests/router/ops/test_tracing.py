@@ -341,8 +341,9 @@ async def test_a_client_trace_is_continued_and_its_sampling_followed(
 async def test_a_bad_request_is_an_error_with_its_exception_on_the_parse_span(
     traced: Traced, backend: Backend
 ) -> None:
-    resp = await _post(traced.url, {"model": "m", "messages": "not a list"})
+    resp = await _post(traced.url, {"model": "m", "messages": "not a list"}, {"x-request-id": "b1"})
     assert resp.status == 400
+    assert resp.headers["x-request-id"] == "b1"  # a refusal echoes it as an answer does
     named = _by_name(traced.spans())
     assert set(named) == {"POST /v1/chat/completions", "parse"}  # no route, no upstream
     parse, root = named["parse"], named["POST /v1/chat/completions"]
@@ -379,6 +380,8 @@ async def test_a_retry_is_a_failed_upstream_span_then_another(
     assert upstream[0].status.status_code is StatusCode.ERROR
     assert upstream[0].status.description == "HTTP 503"
     assert (upstream[0].attributes or {})["error.type"] == "HTTP 503"
+    assert _count(upstream[0], "http.response.status_code") == 503  # what the worker said
+    assert _count(upstream[1], "http.response.status_code") == 200
     assert upstream[1].status.status_code is not StatusCode.ERROR
     # each worker was told its own attempt's span, in the one trace
     ids = [TRACEPARENT.match(b.seen[-1]["traceparent"]) for b in (failing, backend)]
@@ -544,6 +547,17 @@ async def test_otel_variables_turn_tracing_on_and_off(
         await _post(router.url, CHAT)
         spans = memory.get_finished_spans()
     assert spans and spans[0].resource.attributes["service.name"] == "from-env"
+
+    # the other variable the SDK reads a service name from
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=edge, service.name=from-attributes")
+    async with RouterService(config) as router:
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        await _post(router.url, CHAT)
+        spans = memory.get_finished_spans()
+    attributes = spans[0].resource.attributes
+    assert (attributes["service.name"], attributes["team"]) == ("from-attributes", "edge")
 
     # OTEL_SDK_DISABLED wins over the file and the exporter variable
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
