@@ -14,7 +14,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import aiohttp
@@ -535,27 +535,29 @@ async def test_recorded_spans_reach_a_batch_exporter_whole(
     assert by_name["upstream"]["context"]["span_id"] == "0x" + found.group(2)
 
 
+async def _memory_spans_of_one_request(config: RouterConfig) -> Sequence[ReadableSpan]:
+    """What a router of `config` with the in-memory exporter the environment asks for
+    (OTEL_TRACES_EXPORTER=memory) recorded of one chat request."""
+    async with RouterService(config) as router:
+        memory = router.app[TRACING].memory
+        assert memory is not None
+        await _post(router.url, CHAT)
+        return memory.get_finished_spans()
+
+
 async def test_otel_variables_turn_tracing_on_and_off(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config((_worker("b0", backend),))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "memory")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
-    async with RouterService(config) as router:
-        memory = router.app[TRACING].memory
-        assert memory is not None
-        await _post(router.url, CHAT)
-        spans = memory.get_finished_spans()
+    spans = await _memory_spans_of_one_request(config)
     assert spans and spans[0].resource.attributes["service.name"] == "from-env"
 
     # the other variable the SDK reads a service name from
     monkeypatch.delenv("OTEL_SERVICE_NAME")
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=edge, service.name=from-attributes")
-    async with RouterService(config) as router:
-        memory = router.app[TRACING].memory
-        assert memory is not None
-        await _post(router.url, CHAT)
-        spans = memory.get_finished_spans()
+    spans = await _memory_spans_of_one_request(config)
     attributes = spans[0].resource.attributes
     assert (attributes["service.name"], attributes["team"]) == ("from-attributes", "edge")
 
@@ -570,11 +572,7 @@ async def test_otel_variables_turn_tracing_on_and_off(
     # a sampler from the environment: none of the new traces recorded, and the worker is told
     monkeypatch.delenv("OTEL_SDK_DISABLED")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
-    async with RouterService(config) as router:
-        memory = router.app[TRACING].memory
-        assert memory is not None
-        await _post(router.url, CHAT)
-        assert memory.get_finished_spans() == ()
+    assert await _memory_spans_of_one_request(config) == ()
     assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
 
 
