@@ -93,6 +93,17 @@ def run(args: argparse.Namespace) -> int:
     except IndexerError as exc:
         print(f"kvroute record: {exc}", file=sys.stderr)
         return 2
+    if args.max_bytes is not None and writer.bytes_written >= args.max_bytes:
+        # the limit is checked as records are written: it would stop after the first one
+        writer.close()
+        if not args.append:
+            args.out.unlink()
+        print(
+            f"kvroute record: --max-bytes {args.max_bytes}: {args.out} holds "
+            f"{writer.bytes_written:,} bytes before any record",
+            file=sys.stderr,
+        )
+        return 2
     if writer.cut is not None:
         cut = writer.cut
         print(

@@ -179,6 +179,7 @@ def test_record_refuses_limits_and_ports_that_cannot_be(
         (["--endpoint", "tcp://127.0.0.1:5557", "--max-bytes", "0"], "--max-bytes 0"),
         (["--endpoint", "tcp://127.0.0.1:5557", "--append"], "cannot append"),
     ]
+    cases.append((["--endpoint", "tcp://127.0.0.1:5557", "--max-bytes", "10"], "before any record"))
     for args, said in cases:
         assert main(["record", *args, *out]) == 2, args
         assert said in capsys.readouterr().err, args
