@@ -401,6 +401,18 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         urls = [self.url] if isinstance(self.url, str) else self.url
         if not urls or any(not u.startswith(("nats://", "tls://")) for u in urls):
             raise ValueError(f"cluster.url must be nats:// or tls:// URL(s), got {self.url!r}")
+        for url in urls:
+            # the NATS client refuses these only inside the cluster's connect task, where the
+            # failure surfaced as a cancelled startup with no word of the URL
+            if "," in url:
+                raise ValueError(f"cluster.url {url!r}: several servers go in a list, not a string")
+            try:
+                parts = urlsplit(url)
+                parts.port  # noqa: B018 - parsing the port is the check
+            except ValueError as exc:
+                raise ValueError(f"cluster.url {url!r}: {exc}") from None
+            if not parts.hostname:
+                raise ValueError(f"cluster.url {url!r} names no host")
 
     @property
     def servers(self) -> list[str]:

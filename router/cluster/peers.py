@@ -92,6 +92,7 @@ class Peers:
         # stream's (not marked there), and the (stream, theirs, ours) sizes already warned of
         self.unmatched_pages = 0
         self._warned: set[tuple[str, int, int]] = set()
+        self._twin_said = False  # another replica with our id was reported
         # publish-to-apply delays in seconds (same host: both ends read one clock)
         self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
@@ -107,6 +108,16 @@ class Peers:
     def apply(self, batch: Batch) -> None:
         """Apply one batch of a peer's decisions (our own are ignored)."""
         if batch.replica == self.me:
+            # NATS echoes nothing back to its sender here (no_echo): this is another
+            # replica under the same replica_id, whose decisions this one cannot tell apart
+            if not self._twin_said:
+                self._twin_said = True
+                log.warning(
+                    "another replica uses this replica_id (%s): its decisions and admin "
+                    "changes are taken for this one's own and ignored; give each replica its "
+                    "own cluster.replica_id, or leave it empty",
+                    self.me,
+                )
             return
         self.delays.append(time.time() - batch.sent_at)
         peer = self._peers.get(batch.replica)

@@ -57,8 +57,11 @@ def free_port() -> int:
 class NatsServer:
     """`async with NatsServer() as nats: nats.url`; `stop()` and `start()` in between."""
 
-    def __init__(self, port: int = 0, store_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, port: int = 0, store_dir: str | Path | None = None, *, jetstream: bool = True
+    ) -> None:
         self.binary, self.found_in = find_nats_server()
+        self.jetstream = jetstream  # False: a server kvroute cannot share state through
         self.port = port or free_port()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -86,8 +89,7 @@ class NatsServer:
             self.binary,
             "-a", "127.0.0.1",
             "-p", str(self.port),
-            "-js",
-            "-sd", str(self.store_dir / "jetstream"),
+            *(("-js", "-sd", str(self.store_dir / "jetstream")) if self.jetstream else ()),
             "-l", str(log),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,

@@ -28,9 +28,11 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 # what a NATS call may fail with: the client's errors, a deadline, a socket
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 _UNPROVEN = (StreamState.SYNCING, StreamState.UNVERIFIED)
+
+
+def _server_info(nc: NATS) -> dict[str, Any]:
+    """The INFO the connected server sent (nats-py keeps it, with no public accessor)."""
+    info = getattr(nc, "_server_info", None)
+    return info if isinstance(info, dict) else {}
 
 
 class ClusterStatus(enum.StrEnum):
@@ -84,6 +92,8 @@ class ClusterService:
     ) -> None:
         self.config = config
         self.replica = config.replica_id or replica_name()
+        self._wants_tls = any(url.startswith("tls://") for url in config.servers)
+        self._sync_error = ""  # the last sync failure logged: each new one is logged once
         self.status = ClusterStatus.WARMING
         self._planner = planner
         self._indexer = planner.indexer
@@ -211,7 +221,17 @@ class ClusterService:
     # ------------------------------------------------------------------ connection
 
     async def _connect(self) -> None:
-        """Connect (retrying until NATS answers), then sync; reconnects are the client's."""
+        """Connect (retrying until NATS answers), then sync; reconnects are the client's.
+
+        A connect the client gives up on at once (an option it refuses) leaves this replica
+        degraded for good, said in one line: raised, it would take the task group and the
+        router's startup down with it, as a bare cancellation."""
+        try:
+            await self._connect_once()
+        except nats.errors.Error as exc:
+            self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
+
+    async def _connect_once(self) -> None:
         nc = NATS()
         interval = self.config.heartbeat_interval_s
         await nc.connect(
@@ -228,6 +248,15 @@ class ClusterService:
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
+        if self._wants_tls and not _server_info(nc).get("tls_required"):
+            # the client turns TLS on only when the server asks for it: a tls:// URL answered
+            # by a plain-text server would carry every decision and admin change in clear
+            await nc.close()
+            self._degrade(
+                "tls:// asked for TLS, but the NATS server did not offer it: not talking to it "
+                "in plain text (use nats:// to allow that)"
+            )
+            return
         self._nc = nc
         self._js = nc.jetstream(timeout=5.0)
         await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
@@ -262,7 +291,13 @@ class ClusterService:
             except _NATS_ERRORS as exc:
                 if not self.connected:
                     return  # the reconnect starts another sync
-                log.warning("cluster sync failed (%s: %s), retrying", type(exc).__name__, exc)
+                said = f"{type(exc).__name__}: {exc}"
+                if said != self._sync_error:  # once per kind of failure, not every retry
+                    self._sync_error = said
+                    hint = ""
+                    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                        hint = "; is JetStream enabled on the server (nats-server -js)?"
+                    log.warning("cluster sync failed (%s)%s; retrying", said, hint)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -285,6 +320,7 @@ class ClusterService:
             await self._streams_proven()
         self.outbox.sending = True
         self.outbox.heartbeat()
+        self._sync_error = ""
         self._become_ok()
 
     async def _warm_start(self, js: JetStreamContext) -> float | None:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
 
+from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.config import RouterConfig
 from router.errors import ConfigError
 
@@ -43,15 +46,19 @@ def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
 class _Child:
     """One replica process and the URL it reported."""
 
-    def __init__(self, index: int, cmd: list[str]) -> None:
+    def __init__(self, index: int, cmd: list[str], env: dict[str, str]) -> None:
         self.index = index
         self.cmd = cmd
+        self.env = env
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            *self.cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
+            *self.cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            env=self.env,
         )
         assert self.proc.stdout is not None
         async with asyncio.timeout(_START_TIMEOUT_S):
@@ -102,8 +109,21 @@ async def serve_processes(
     if config.cluster is None:
         raise ConfigError(
             "several replica processes need a [cluster] section (the NATS they agree through; "
-            "kvroute up --replicas N starts one)"
+            "kvroute up --replicas N starts one)",
+            key="cluster",
         )
+    if config.cluster.replica_id:
+        # every child reads the one file: under one id, each would drop the others'
+        # decisions and admin changes as its own
+        raise ConfigError(
+            f"cluster.replica_id {config.cluster.replica_id!r} names one process: with "
+            "several, leave it out (each replica draws its own)",
+            key="cluster.replica_id",
+        )
+    env = dict(os.environ)
+    if not config.admin.fingerprint_key and not env.get(FINGERPRINT_KEY_ENV):
+        # one key for all: a namespace id one replica lists is the id another evicts by
+        env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
     holder, port = _reserve(config.listen.host, config.listen.port)
     cmd = [
         sys.executable, "-m", "router.commands.cli", verb,
@@ -115,7 +135,7 @@ async def serve_processes(
         "--reuse-port",
         "--exit-with-parent",
     ]  # fmt: skip
-    children = [_Child(i, cmd) for i in range(processes)]
+    children = [_Child(i, cmd, env) for i in range(processes)]
 
     def hangup() -> None:
         # every replica reloads the file itself (its worker changes meet in the shared fleet)

@@ -173,3 +173,22 @@ def test_every_policy_key_is_documented() -> None:
     for field in msgspec.structs.fields(PolicyConfig):
         name = "approx_*" if field.name.startswith("approx_") else field.name
         assert f"`policy.{name}`" in reference, field.name
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://127.0.0.1:4222", "must be nats:// or tls://"),
+        ("nats://127.0.0.1:99999", "Port out of range"),
+        ("nats://127.0.0.1:abc", "Port could not be cast"),
+        ("nats://", "names no host"),
+        ("nats://a:4222, nats://b:4222", "several servers go in a list"),
+    ],
+)
+def test_a_cluster_url_the_nats_client_would_refuse_is_refused_when_read(
+    url: str, said: str
+) -> None:
+    # refused inside the cluster's connect task, it took the router's startup down unexplained
+    with pytest.raises(ConfigError, match=f"cluster.url .*{said}"):
+        parse_config({"cluster": {"url": url}})
+    parse_config({"cluster": {"url": ["nats://a:4222", "tls://[::1]:4222", "nats://b"]}})

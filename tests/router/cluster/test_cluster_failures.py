@@ -179,3 +179,33 @@ async def _long(session: aiohttp.ClientSession, url: str, i: int) -> None:
 async def _running(session: aiohttp.ClientSession, router: RouterService) -> dict[str, int]:
     _, listed = await admin(session, router, "GET", "/workers")
     return {w["id"]: w["running"] for w in listed["workers"]}
+
+
+async def test_a_tls_url_never_talks_plain_text(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    async with NatsServer() as nats, workers(1) as (w0,), aiohttp.ClientSession() as session:
+        # the same server, asked for TLS it does not offer: refused, not spoken to in clear
+        url = nats.url.replace("nats://", "tls://")
+        config = replica_config(
+            [("w0", w0.url)], url, "a", cluster=cluster(url, startup_timeout_s=0.5)
+        )
+        async with RouterService(config) as a:
+            await asyncio.sleep(0.5)
+            assert await _status(session, a) == "degraded"
+            await _serves(session, a)
+    assert _lines(caplog, "cluster degraded") == 1
+
+
+async def test_a_server_without_jetstream_is_said_once_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    async with NatsServer(jetstream=False) as nats, workers(1) as (w0,):
+        config = replica_config(
+            [("w0", w0.url)], nats.url, "a", cluster=cluster(nats.url, startup_timeout_s=0.3)
+        )
+        async with RouterService(config):
+            await asyncio.sleep(1.5)  # several retries of the sync
+    failed = [r.getMessage() for r in caplog.records if "cluster sync failed" in r.getMessage()]
+    assert len(failed) == 1, failed  # not one per retry
+    assert "nats-server -js" in failed[0]

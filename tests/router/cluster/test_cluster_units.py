@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
@@ -98,13 +99,18 @@ async def test_the_outbox_is_bounded_but_always_takes_a_heartbeat() -> None:
     assert isinstance(outbox.take()[-1], Heartbeat)
 
 
-async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones() -> None:
+async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = Clock()
     load = LoadTracker()
     async with IndexerService() as indexer:
         peers = Peers("me", indexer, load, timeout_s=1.0, clock=clock)
-        peers.apply(Batch("me", 0.0, [Begin(1, "w0", None, 10)]))  # our own: ignored
+        for ticket in (1, 2):  # our id from NATS, which echoes nothing: a twin, ignored
+            peers.apply(Batch("me", 0.0, [Begin(ticket, "w0", None, 10)]))
         assert load.of("w0").running == 0
+        twins = [r for r in caplog.records if "another replica uses this replica_id" in r.message]
+        assert len(twins) == 1  # said once, not per batch
         peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 10), Begin(2, "w0", None, 7)]))
         assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (2, 17)
         # End(1) was lost, a Begin(3) too: the heartbeat lists what is really in flight

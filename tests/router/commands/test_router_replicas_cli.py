@@ -62,7 +62,7 @@ async def test_serve_processes_without_a_cluster_exits_2_saying_why(tmp_path: Pa
     assert b"[cluster]" in out
 
 
-async def test_indexer_processes_serve_the_query_api_and_no_proxy(tmp_path: Path) -> None:
+async def test_indexer_processes_serve_the_query_api_as_one_and_no_proxy(tmp_path: Path) -> None:
     config = tmp_path / "indexer.toml"
     async with NatsServer() as nats:
         config.write_text(f"[listen]\nport = 0\n[cluster]\nurl = '{nats.url}'\n")
@@ -74,14 +74,31 @@ async def test_indexer_processes_serve_the_query_api_and_no_proxy(tmp_path: Path
             assert "2 indexer replica processes" in line
             url = line.split("listening on ")[1].split()[0]
             body = {"model": "m", "prompt": "hi", "max_tokens": 1}
-            for _ in range(10):  # new connections: the kernel spreads them over both
+            query = {"token_ids": [1, 2], "cache_salt": "tenant-a"}
+            replicas: set[str] = set()
+            namespaces: set[str] = set()
+            for _ in range(20):  # new connections: the kernel spreads them over both
                 async with (
                     aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
-                    s.post(url + "/v1/completions", json=body) as resp,
                 ):
-                    assert resp.status == 404  # no generation endpoint in either child
-                async with (
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
-                    s.post(url + "/v1/kv/query", json={"token_ids": [1, 2]}) as resp,
-                ):
-                    assert resp.status == 200, await resp.text()
+                    async with s.post(url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 404  # no generation endpoint in either child
+                    async with s.post(url + "/v1/kv/query", json=query) as resp:
+                        assert resp.status == 200, await resp.text()
+                        namespaces.add((await resp.json())["namespace"])
+                    async with s.get(url + "/health") as resp:
+                        replicas.add((await resp.json())["cluster"]["replica"])
+            assert len(replicas) == 2, "every connection went to the same child"
+            # one fingerprint key for both: an id one lists is the id the other evicts by
+            assert len(namespaces) == 1, namespaces
+
+
+async def test_a_replica_id_cannot_name_several_processes(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text(
+        "[listen]\nport = 0\n[cluster]\nurl = 'nats://127.0.0.1:4222'\nreplica_id = 'edge-1'\n"
+    )
+    proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"cluster.replica_id 'edge-1' names one process" in out
