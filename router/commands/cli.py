@@ -87,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     parser, verb = build_parser(words)
     args = parser.parse_args(words)
+    # what was typed, for a verb that must tell a typed option from its default (`kvroute up`'s
+    # [fleet] table fills only the options not given)
+    args.command_line = tuple(words)
     if args.verb is None or verb is None:
         parser.print_help()
         return 2

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -191,18 +192,32 @@ def _config_path(name: str) -> Path:
 
 
 def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -> None:
-    """Fill worker options from `[fleet]` wherever the command line left the default."""
+    """Fill worker options from `[fleet]` wherever the command line did not give them (an
+    option typed with its default value wins too)."""
     if not fleet:
         return
-    probe = argparse.ArgumentParser()
+    probe = argparse.ArgumentParser(add_help=False)
     add_arguments(probe)
     defaults = vars(probe.parse_args([]))
+    given = _given_options(probe, getattr(args, "command_line", None))
     router_only = {"config", "router_port", "policy", "no_router", "replicas"}
     for key, value in fleet.items():
         if key not in defaults or key in router_only:
             raise ConfigError(f"[fleet]: unknown key {key!r}")
-        if getattr(args, key) == defaults[key]:
+        typed = key in given if given is not None else getattr(args, key) != defaults[key]
+        if not typed:
             setattr(args, key, value)
+
+
+def _given_options(probe: argparse.ArgumentParser, words: Sequence[str] | None) -> set[str] | None:
+    """The options `words` (the whole command line, `up` and all) set, found by parsing them
+    again with no defaults; None when the command line is not known (`run` called directly)."""
+    if words is None or "up" not in words:
+        return None
+    for action in probe._actions:  # no defaults: what is left is what was typed
+        action.default = argparse.SUPPRESS
+    parsed, _ = probe.parse_known_args(list(words)[list(words).index("up") + 1 :])
+    return set(vars(parsed))
 
 
 def _routed(fleet: Fleet) -> list[RoutedWorker]:

@@ -130,3 +130,16 @@ def test_a_worker_value_out_of_range_names_its_option(argv: tuple[str, ...], sai
     assert done.returncode == 2
     assert said in done.stderr, done.stderr
     assert "$." not in done.stderr  # msgspec's path to the field, which no user typed
+
+
+def test_an_option_typed_wins_over_the_fleet_table_even_at_its_default() -> None:
+    from router.commands.cli import build_parser
+    from router.commands.up import _apply_fleet_table
+
+    words = ["up", "--workers", "2", "--page-size", "16", "--time-scale=0"]
+    parser, _ = build_parser(words)
+    args = parser.parse_args(words)
+    args.command_line = tuple(words)
+    _apply_fleet_table(args, {"workers": 4, "page_size": 64, "dp_size": 2, "time_scale": 1.0})
+    # typed (16 is --page-size's default, 2 is --workers'): kept; not typed: the table's
+    assert (args.workers, args.page_size, args.time_scale, args.dp_size) == (2, 16, 0.0, 2)
