@@ -73,6 +73,8 @@ def _per_rank(
     if spec is None:
         return [None] * dp_size
     if isinstance(spec, list):
+        if not all(isinstance(e, str) for e in spec):  # what a worker advertised, unchecked
+            raise RequestError(f"expected endpoint strings (one per dp rank), got {spec!r}")
         if len(spec) != dp_size:
             raise RequestError(f"expected {dp_size} endpoints (one per dp rank), got {len(spec)}")
         return [_localize(e, host) for e in spec]

@@ -92,7 +92,23 @@ def _head(
     if not request.keep_alive and "connection" not in headers:
         lines.append("Connection: close")
     lines.append("\r\n")
-    return "\r\n".join(lines).encode()
+    # a worker's header value that is not UTF-8 was decoded with surrogateescape
+    # (`router.http.upstream_client`): it goes out as the very bytes the worker sent
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+
+
+def _encodable(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """`headers` as aiohttp can write them (it encodes strictly as UTF-8): a value holding a
+    worker's bytes that are not UTF-8 gets U+FFFD in their place. `headers` itself when none
+    does (the usual case, checked at the cost of one encode)."""
+    try:
+        "".join(headers.values()).encode()
+    except UnicodeEncodeError:
+        return CIMultiDict(
+            (k, v.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+            for k, v in headers.items()
+        )
+    return headers
 
 
 def _open_transport(request: web.BaseRequest) -> asyncio.Transport:
@@ -123,7 +139,7 @@ async def send_whole(
     Raises ConnectionResetError when the client is gone (as aiohttp's writer does)."""
     head = _head(request, status, headers, f"Content-Length: {len(body)}")
     if head is None:
-        response = web.Response(status=status, body=body, headers=headers)
+        response = web.Response(status=status, body=body, headers=_encodable(headers))
         await response.prepare(request)
         await response.write_eof()
         return response
@@ -155,6 +171,10 @@ class ChunkedResponse(web.StreamResponse):
             return self._payload_writer
         head = _head(request, self.status, self.headers, "Transfer-Encoding: chunked")
         if head is None:
+            encodable = _encodable(self.headers)
+            if encodable is not self.headers:
+                self.headers.clear()
+                self.headers.extend(encodable)
             return await super().prepare(request)
         transport = _open_transport(request)
         self._direct = True

@@ -565,5 +565,6 @@ class Proxy:
             # the worker abort
             upstream.close()
             return response
-        self._planner.record_success(worker)
+        if upstream.status < 500:  # a streamed 5xx was counted as a failure in `_answer`
+            self._planner.record_success(worker)
         return response

@@ -46,6 +46,13 @@ __all__ = [
 
 # bytes of answer buffered before the socket stops being read (a slow client slows the worker)
 _HIGH_WATER = 256 * 1024
+# what one answer's head may hold: a worker whose headers never end would fill the router's
+# memory (a client's head is held to 128 lines of 8190 bytes by the listener)
+_MAX_HEADERS = 256
+_MAX_HEADER_BYTES = 256 * 1024
+# a whole (not streamed) answer is held in memory to read its usage: beyond this it is refused
+# as broken (an LLM answer with every token's logprobs is a few megabytes)
+MAX_WHOLE_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 class Origin(NamedTuple):
@@ -89,6 +96,10 @@ class UnsafeHeaderError(UpstreamClientError):
     """A header name or value holds a line break (it would smuggle a header of its own)."""
 
 
+class _Stop(Exception):
+    """Raised in a parser callback to stop the parse (the connection says why)."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker; the parser's callbacks fill the current answer."""
 
@@ -121,6 +132,8 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
         self._keep_alive = False
         self._interim = False  # a 1xx answer is being parsed: the real one follows
+        self._head_bytes = 0
+        self._refusal = ""  # why a parser callback stopped the parse (said in the error)
 
     # ------------------------------------------------------------ transport
 
@@ -138,7 +151,14 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamDroppedError("the worker switched protocols"))
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamDroppedError(f"not an HTTP answer: {exc}"))
+            if self.complete:
+                # bytes after the answer's end (a second answer nobody asked for): the answer
+                # stands, the connection is not trusted again
+                self._keep_alive = False
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            self._fail(UpstreamDroppedError(self._refusal or f"not an HTTP answer: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         transport, self.transport = self.transport, None
@@ -164,7 +184,19 @@ class _Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------ parser callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self._refusal = "the worker sent a second answer after the first"
+            raise _Stop  # the parser stops here: nothing of it mixes into the first answer
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > _MAX_HEADER_BYTES or len(self.headers) >= _MAX_HEADERS:
+            self._refusal = (
+                f"the worker's answer head exceeds {_MAX_HEADERS} headers or "
+                f"{_MAX_HEADER_BYTES // 1024} KiB"
+            )
+            raise _Stop
         self.headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
 
     def on_headers_complete(self) -> None:
@@ -355,11 +387,25 @@ class UpstreamResponse:
         if self._done:
             return b""
         conn = self._conn
+        # taken as it arrives: past the high-water mark the socket is paused until the body
+        # is taken, so waiting for the end with it all buffered would wait forever
+        parts: list[bytes] = []
+        size = 0
         while not conn.complete:
+            if conn.body:
+                part = conn.take()
+                parts.append(part)
+                size += len(part)
+                if size > MAX_WHOLE_ANSWER_BYTES:
+                    self.close()
+                    raise UpstreamDroppedError(
+                        f"the worker's answer exceeds {MAX_WHOLE_ANSWER_BYTES >> 20} MiB"
+                    )
             await conn.wait()
-        data = conn.take() if conn.body else b""
+        if conn.body:
+            parts.append(conn.take())
         self.release()
-        return data
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def readany(self) -> bytes:
         """The body bytes that arrived since the last call, waiting for some; b"" at the end."""

@@ -88,3 +88,22 @@ def test_workers_without_events() -> None:
         streams_for(WorkerConfig(url="http://a:1"), {"model_path": "m"})
     with pytest.raises(RequestError, match="one per dp rank"):
         streams_for(WorkerConfig(url="http://a:1", events=["tcp://a:1"], dp_size=2), None)
+
+
+@pytest.mark.parametrize(
+    ("advertised", "said"),
+    [
+        ({"endpoint": [1], "block_size": 16}, "expected endpoint strings"),
+        ({"endpoint": "tcp://h:5557", "replay_endpoint": [None]}, "expected endpoint strings"),
+        ({"endpoint": "tcp://h:99999", "block_size": 16}, "the port must be 1-65535"),
+        ({"endpoint": "udp://h:5557", "block_size": 16}, "expected tcp://HOST:PORT"),
+    ],
+)
+def test_what_a_worker_advertises_wrong_is_a_request_error(
+    advertised: dict[str, object], said: str
+) -> None:
+    # a RequestError is retried on the health rounds and a 400 on POST /admin/workers; anything
+    # else took the router's startup down, or logged a traceback every round
+    worker = WorkerConfig(url="http://10.0.0.1:30000")
+    with pytest.raises(RequestError, match=said):
+        streams_for(worker, {"served_model_name": "m", "kv_events": advertised})

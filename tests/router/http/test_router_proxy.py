@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +15,13 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from router.config import HealthConfig, LimitsConfig, PolicyConfig, TimeoutsConfig
+from router.config import (
+    BreakerConfig,
+    HealthConfig,
+    LimitsConfig,
+    PolicyConfig,
+    TimeoutsConfig,
+)
 from router.http.keys import DECISIONS
 from router.http.listener import DIRECT_ROUTES
 from router.prompt.request import Endpoint
@@ -47,6 +55,12 @@ class Upstream:
         self.expects.append(request.headers.get("Expect"))
         if self.mode == "fail":
             return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "sse-fail":  # a streamed 5xx (SGLang streams its errors as SSE too)
+            resp = web.StreamResponse(status=500, headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"error": "boom"}\n\n')
+            await resp.write_eof()
+            return resp
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.close()  # the worker process "dies" mid-request
@@ -526,3 +540,84 @@ async def test_without_the_proxy_there_is_no_direct_route(session: aiohttp.Clien
         assert DIRECT_ROUTES not in router.app
         async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 404
+
+
+async def test_streamed_5xx_answers_open_the_circuit_as_whole_ones_do(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    a, _ = pair
+    a.mode = "sse-fail"
+    config = _plain(
+        [("a", a.url)],
+        breaker=BreakerConfig(failure_threshold=3, cooldown_s=30.0),
+        health=HealthConfig(interval_s=60.0, timeout_s=0.5),
+    )
+    async with RouterService(config) as router:
+        body = {"prompt": "x", "stream": True}
+        for _ in range(3):  # one worker: each is its last try, passed through
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 500
+                await resp.read()
+        entry = router.planner.pool.get("a")
+        assert entry.breaker.state(router.planner.clock()) is BreakerState.OPEN
+        async with session.post(router.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 503
+
+
+async def _raw_worker(head: bytes, body: bytes) -> asyncio.Server:
+    """A worker written byte by byte: any GET is a model list, any POST gets `head` + `body`
+    (what aiohttp would not send: a header that is not UTF-8)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while request := await reader.readuntil(b"\r\n\r\n"):
+                length = 0
+                for line in request.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                if request.startswith(b"GET"):
+                    models = b'{"object": "list", "data": [{"id": "m"}]}'
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(models), models)
+                    )
+                else:
+                    writer.write(head + body)
+                await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize(("stream", "version"), [(False, b"1.1"), (True, b"1.1"), (False, b"1.0")])
+async def test_a_worker_header_that_is_not_utf8_passes_as_its_bytes(
+    session: aiohttp.ClientSession, stream: bool, version: bytes
+) -> None:
+    if stream:
+        body = b'10\r\ndata: {"n": 1}\n\n\r\n0\r\n\r\n'
+        framing = b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+    else:
+        body = b'{"ok": 1}'
+        framing = b"Content-Type: application/json\r\nContent-Length: 9"
+    head = b"HTTP/1.1 200 OK\r\nX-Name: caf\xe9 \xff\r\n" + framing + b"\r\n\r\n"
+    server = await _raw_worker(head, body)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with RouterService(_plain([("raw", url)])) as router:
+            reader, writer = await asyncio.open_connection(*router.url[7:].split(":"))
+            request = json.dumps({"prompt": "x", "stream": stream}).encode()
+            writer.write(
+                b"POST /v1/completions HTTP/%s\r\nHost: r\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (version, len(request), request)
+            )
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+    finally:
+        server.close()
+    # not a 500: the worker's bytes, as it sent them; where aiohttp writes the head (an
+    # HTTP/1.0 client), U+FFFD in place of each byte that is not UTF-8
+    assert answer.startswith(b"HTTP/" + version + b" 200"), answer[:200]
+    sent = b"caf\xe9 \xff" if version == b"1.1" else "caf\ufffd \ufffd".encode()
+    assert b"\r\nX-Name: " + sent + b"\r\n" in answer

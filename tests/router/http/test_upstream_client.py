@@ -459,3 +459,44 @@ async def test_an_https_worker_is_verified_and_served() -> None:
             with pytest.raises(UpstreamConnectError, match="cannot connect"):
                 await _post(default, origin)
         assert len(server.requests) == 2
+
+
+async def test_a_large_whole_answer_is_read_whole() -> None:
+    # read() takes the body as it comes: past the high-water mark the socket pauses until it
+    # is taken, so waiting for the end first would wait until the deadline
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    async with ScriptedServer.once(_answer(payload), linger=True) as server, _client() as client:
+        assert await _post(client, server.origin, timeout_s=5) == (200, payload)
+
+
+async def test_an_answer_head_that_never_ends_is_refused() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(100_000):  # 400 MB of headers, unless the client hangs up
+            writer.write(b"X-Filler-%d: %s\r\n" % (i, b"x" * 4000))
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        with pytest.raises(UpstreamDroppedError, match="answer head exceeds"):
+            await _post(client, server.origin)
+    assert server.closed or server.connections == 1
+
+
+async def test_a_second_answer_in_the_same_read_is_not_mixed_into_the_first() -> None:
+    second = b"HTTP/1.1 404 Not Found\r\nX-Second: yes\r\nContent-Length: 5\r\n\r\nEXTRA"
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await server.read_request(reader):
+            writer.write(_answer(b'{"ok": 1}') + second)  # one write: one read
+            await writer.drain()
+
+    async with ScriptedServer(script) as server, _client() as client:
+        deadline = asyncio.get_running_loop().time() + 5
+        async with client.post(
+            server.origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=2
+        ) as response:
+            assert (response.status, await response.read()) == (200, b'{"ok": 1}')
+            assert "X-Second" not in response.headers
+        assert await _post(client, server.origin) == (200, b'{"ok": 1}')
+        assert server.connections == 2  # the one that talked out of turn was not reused
