@@ -174,9 +174,14 @@ def _first_waiting(plan: Plan) -> Candidate | None:
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
+    # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1): this hop's only
+    named = out.getall("Connection", ())
     for name in drop:
         if name in out:
             del out[name]
+    for value in named:
+        for name in value.split(","):
+            out.popall(name.strip(), None)
     return out
 
 

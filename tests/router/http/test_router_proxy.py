@@ -621,3 +621,24 @@ async def test_a_worker_header_that_is_not_utf8_passes_as_its_bytes(
     assert answer.startswith(b"HTTP/" + version + b" 200"), answer[:200]
     sent = b"caf\xe9 \xff" if version == b"1.1" else "caf\ufffd \ufffd".encode()
     assert b"\r\nX-Name: " + sent + b"\r\n" in answer
+
+
+async def test_headers_the_worker_names_in_connection_stay_on_its_hop(
+    session: aiohttp.ClientSession,
+) -> None:
+    head = (
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Private\r\nX-Private: secret\r\n"
+        b"X-Public: ok\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n"
+    )
+    server = await _raw_worker(head, b'{"ok": 1}')
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with (
+            RouterService(_plain([("raw", url)])) as router,
+            session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
+        ):
+            assert resp.status == 200 and await resp.json() == {"ok": 1}
+            assert resp.headers["X-Public"] == "ok"
+            assert "X-Private" not in resp.headers  # RFC 9110 7.6.1: hop-by-hop
+    finally:
+        server.close()
