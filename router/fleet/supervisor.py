@@ -158,10 +158,19 @@ class Supervisor:
     async def register(self, entry: WorkerEntry) -> None:
         """Discover (if needed) the worker's models, role and KV-event streams, and subscribe."""
         spec = engine_spec(entry.config.engine)
-        info = await self.server_info(entry.url, spec) if needs_discovery(entry.config) else None
+        discovering = needs_discovery(entry.config)
+        info: dict[str, Any] | None
+        if discovering:
+            info = await self.server_info(entry.url, spec)
+        else:
+            info = await self._settings(entry, spec)
         role, bootstrap_port = await self._role(entry, spec, info)
         models = await self.served_models(entry, spec, info)
-        streams = streams_for(entry.config, info, model=models[0] if models else "")
+        # a config that spells its streams out is taken as it is: the settings read anyway
+        # only complete what no config says (capacity, concurrency, role)
+        streams = streams_for(
+            entry.config, info if discovering else None, model=models[0] if models else ""
+        )
         if entry.id not in self._pool_ids():
             return  # removed while discovering
         if streams:  # a worker without events is routed by load alone
@@ -179,6 +188,23 @@ class Supervisor:
             role,
             len(streams),
         )
+
+    async def _settings(self, entry: WorkerEntry, spec: EngineSpec) -> dict[str, Any] | None:
+        """The worker's server info when its streams need none: its KV capacity
+        (`max_total_num_tokens`) and concurrency are in no config, and without them the
+        admission forecast and `hold_until_room` are off for it. None when it cannot be read
+        (said once, at INFO: an engine without the path is routed all the same)."""
+        if not spec.server_info_paths:
+            return None
+        try:
+            return await self.server_info(entry.url, spec)
+        except RequestError as exc:
+            log.info(
+                "worker %s: %s: its KV capacity is unknown (no admission forecast, no holding)",
+                entry.id,
+                exc,
+            )
+            return None
 
     async def _recheck_models(self, entry: WorkerEntry) -> None:
         """Read a returning worker's models again; register it anew when they changed."""

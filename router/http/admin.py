@@ -264,6 +264,9 @@ async def route_dry_run(request: web.Request) -> web.Response:
             }
         )
     plan = planner.plan(parsed, ns)
+    if not plan.candidates and parsed.dp_rank is not None:
+        # as the proxy answers it: a dry run says what the request would get
+        raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
     return _reply(
         {
             "worker": plan.worker,

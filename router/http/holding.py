@@ -49,9 +49,13 @@ class HeldRequests:
         """`held` waits for another rank now (its first choice changed): to that queue's end."""
         if target == held.target:
             return
+        before = held.target
         self._remove(held)
         held.target = target
         self._queues.setdefault(target, deque()).append(held)
+        # the request behind it heads the old queue now, and only a head polls: woken here,
+        # or it sleeps to its deadline should nothing on that rank ever end again
+        self.progressed(before)
 
     def leave(self, held: HeldRequest) -> None:
         """`held` goes (room found, or its deadline): the next in its queue looks next."""

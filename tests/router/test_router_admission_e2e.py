@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 
+from router.config import WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -167,3 +169,24 @@ async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert "x-kvroute-forecast-lost" not in headers  # nothing dropped
     status, _, _ = await first
     assert status == 200
+
+
+async def test_a_worker_whose_streams_are_spelled_out_still_tells_its_capacity() -> None:
+    # `kvroute up`, and configs that name every stream: no discovery needed for the streams,
+    # but the KV pool is in no config; without it there is no forecast and no holding
+    cfg = ReferenceConfig(page_size=PAGE, capacity_tokens=24 * PAGE, time_scale=0.0)
+    async with ReferenceWorker(cfg) as w0:
+        kv = w0.kv_events
+        spelled = WorkerConfig(
+            url=w0.url,
+            id="w0",
+            events=kv.endpoints[0],
+            replay=kv.replay_endpoints[0],
+            block_size=PAGE,
+        )
+        config = msgspec.structs.replace(router_config([]), workers=(spelled,))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            (only,) = (await fleet.route(prompt(1)))["candidates"]
+    assert only["admission"]["capacity_tokens"] == 24 * PAGE

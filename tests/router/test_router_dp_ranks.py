@@ -201,6 +201,9 @@ async def test_a_client_named_rank_is_honoured_with_that_ranks_match() -> None:
         # a rank no worker has is the client's mistake, named
         status, _, answer = await fleet.post("/generate", {**text, "routed_dp_rank": 2})
         assert status == 400 and "dp rank 2" in answer["error"]["message"]
+        # and the dry run says what the request would get
+        status, dry = await fleet.admin("POST", "/route", {**text, "routed_dp_rank": 2})
+        assert status == 400 and dry["error"]["message"] == answer["error"]["message"]
         status, _, answer = await fleet.post(
             "/v1/completions", prompt, headers={"X-Data-Parallel-Rank": "first"}
         )

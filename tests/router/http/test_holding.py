@@ -42,3 +42,13 @@ def test_a_request_whose_first_choice_changes_queues_for_the_new_one() -> None:
     assert first.woken.is_set()
     held.move(second, A)  # the same rank: no change of place
     assert held.wait_s(second, 1.0) == 0.05 and held.count == 2
+
+
+def test_a_head_that_moves_away_hands_the_turn_on_at_once() -> None:
+    # the one behind it heads the old queue now: woken, or nothing on an idle rank would ever
+    # wake it (it waits its turn, up to its deadline, and only a head polls)
+    held = HeldRequests(poll_s=0.05)
+    first, second, third = held.enter(A), held.enter(A), held.enter(A)
+    held.move(first, B)
+    assert second.woken.is_set() and not third.woken.is_set()
+    assert held.wait_s(second, 10.0) == 0.05
