@@ -52,7 +52,7 @@ _MAX_HEADERS = 256
 _MAX_HEADER_BYTES = 256 * 1024
 # a whole (not streamed) answer is held in memory to read its usage: beyond this it is refused
 # as broken (an LLM answer with every token's logprobs is a few megabytes)
-MAX_WHOLE_ANSWER_BYTES = 256 * 1024 * 1024
+_MAX_WHOLE_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 class Origin(NamedTuple):
@@ -396,10 +396,10 @@ class UpstreamResponse:
                 part = conn.take()
                 parts.append(part)
                 size += len(part)
-                if size > MAX_WHOLE_ANSWER_BYTES:
+                if size > _MAX_WHOLE_ANSWER_BYTES:
                     self.close()
                     raise UpstreamDroppedError(
-                        f"the worker's answer exceeds {MAX_WHOLE_ANSWER_BYTES >> 20} MiB"
+                        f"the worker's answer exceeds {_MAX_WHOLE_ANSWER_BYTES >> 20} MiB"
                     )
             await conn.wait()
         if conn.body:
