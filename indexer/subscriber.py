@@ -149,6 +149,10 @@ class StreamSubscriber:
         # a restart candidate is pending: entries predict nothing until a replay proves them
         self._unverified = self.tracker.last is not None
         self._why_unverified = "state from a snapshot"
+        # a quiet stream whose probe went unanswered: batches the PUB dropped at its tail would
+        # go unnoticed, so its entries predict nothing until a probe answers or the next live
+        # batch follows on (fail closed; the entries are kept)
+        self._tail_unproven = False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         self._phase = StreamState.SYNCING
@@ -305,11 +309,29 @@ class StreamSubscriber:
     def _trust(self) -> None:
         if self._unverified:
             self._unverified = False
-            self.health.state = self._phase
+            self._show_state()
 
     def _set_phase(self, phase: StreamState) -> None:
         self._phase = phase
-        self.health.state = StreamState.UNVERIFIED if self._unverified else phase
+        self._show_state()
+
+    def _show_state(self) -> None:
+        unproven = self._unverified or (self._tail_unproven and self._phase is StreamState.SYNCED)
+        self.health.state = StreamState.UNVERIFIED if unproven else self._phase
+
+    def _tail_proven(self, proven: bool) -> None:
+        """Whether the stream's tail is known whole (see `_tail_unproven`)."""
+        if self._tail_unproven == (not proven):
+            return
+        self._tail_unproven = not proven
+        if not proven:
+            self._warn(
+                "tail",
+                "the replay socket does not answer a quiet stream's probe: batches dropped at "
+                "its end would go unseen, so its entries predict nothing until it answers or "
+                "the next batch follows on",
+            )
+        self._show_state()
 
     # ------------------------------------------------------------- messages
 
@@ -334,6 +356,7 @@ class StreamSubscriber:
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             await self._apply_live(msg.topic, msg.seq, msg.payload)
+            self._tail_proven(True)  # it follows on: nothing was dropped before it
             self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.GAP:
             assert decision.replay_from is not None
@@ -443,8 +466,10 @@ class StreamSubscriber:
             # a replay socket that does not answer must not stall the live stream every
             # interval: back off (capped), and say so once in a while
             self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
+            self._tail_proven(False)
             return
         self._probe_wait_ms = base_ms
+        self._tail_proven(True)
         self.health.last_heard_at = self._clock()
         if self._phase is StreamState.SYNCING:
             self._set_phase(StreamState.SYNCED)

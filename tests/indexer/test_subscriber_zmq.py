@@ -572,3 +572,25 @@ async def test_an_idle_worker_that_did_not_restart_is_left_alone(ctx: zmq.asynci
         stats = svc.streams()[0]
         assert (stats.restarts, stats.clears, stats.last_seq) == (0, 0, last)
         assert view(svc.index, STREAM)  # still holding everything
+
+
+async def test_a_quiet_stream_whose_probe_goes_unanswered_predicts_nothing(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # batches the PUB dropped at the stream's end would go unseen: until a probe answers or
+    # the next batch follows on, the entries predict nothing (they are kept)
+    batches = workload(seed=5, batches=4)
+    config = IndexerConfig(replay_timeout_s=0.1, probe_interval_s=0.05, stale_after_s=60.0)
+    async with (
+        ScriptedPublisher(ctx, answer_replays=False) as pub,
+        IndexerService(config) as svc,
+    ):
+        await connect(svc, pub)
+        await publish_all(pub, batches, settle=svc)
+        entries = svc.streams()[0].entries
+        await wait_until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+        assert svc.query(Namespace(), [1, 2, 3])[WORKER].state is StreamState.UNVERIFIED
+        assert svc.streams()[0].entries == entries > 0  # kept, only not trusted
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))  # follows on: nothing was lost
+        assert await svc.wait_applied(WORKER, seq)
+        assert svc.streams()[0].state is StreamState.SYNCED
