@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from indexer.config import StreamConfig
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
@@ -49,6 +50,30 @@ class WorkerGauges(Protocol):
     def set_routable(self, worker: str, routable: bool) -> None: ...
 
     def forget(self, worker: str) -> None: ...
+
+
+def _check_replay_sockets(
+    config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]
+) -> None:
+    """RequestError when the configured replay sockets are not the ones the worker advertises
+    while its event sockets are: a replay socket of another worker would rebuild this
+    worker's streams from that worker's cache (false hits). Where the event sockets differ
+    too (ports mapped on the way) nothing is concluded."""
+    bare = msgspec.structs.replace(config, events=None, replay=None)
+    try:
+        advertised = streams_for(bare, info)
+    except RequestError:
+        return  # it advertises nothing usable: nothing to compare with
+    if [s.endpoint for s in advertised] != [s.endpoint for s in streams]:
+        return
+    told = [s.replay_endpoint for s in advertised]
+    given = [s.replay_endpoint for s in streams]
+    if all(t is not None for t in told) and told != given:
+        raise RequestError(
+            f"worker {config.worker_id}: replay {given} is not the replay socket it advertises "
+            f"({told}) for these event sockets: another worker's would rebuild its streams "
+            "from that worker's cache; fix `replay` in its config (not subscribed until then)"
+        )
 
 
 class Supervisor:
@@ -171,6 +196,8 @@ class Supervisor:
         streams = streams_for(
             entry.config, info if discovering else None, model=models[0] if models else ""
         )
+        if not discovering and info is not None:
+            _check_replay_sockets(entry.config, info, streams)
         if entry.id not in self._pool_ids():
             return  # removed while discovering
         if streams:  # a worker without events is routed by load alone

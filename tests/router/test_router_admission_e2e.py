@@ -190,3 +190,28 @@ async def test_a_worker_whose_streams_are_spelled_out_still_tells_its_capacity()
             await fleet.warm()
             (only,) = (await fleet.route(prompt(1)))["candidates"]
     assert only["admission"]["capacity_tokens"] == 24 * PAGE
+
+
+async def test_a_replay_socket_of_another_worker_is_refused_not_trusted() -> None:
+    # its event sockets are the ones it advertises, its replay socket is not: a typo that
+    # would rebuild this worker's streams from the other worker's cache (false hits)
+    cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        wrong = WorkerConfig(
+            url=w1.url,
+            id="w1",
+            events=w1.kv_events.endpoints[0],
+            replay=w0.kv_events.replay_endpoints[0],  # w0's
+            block_size=PAGE,
+        )
+        config = msgspec.structs.replace(router_config([("w0", w0.url)]), workers=())
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            status, refused = await fleet.admin("POST", "/workers", msgspec.to_builtins(wrong))
+            assert status == 400, refused
+            message = refused["error"]["message"]
+            assert "is not the replay socket it advertises" in message
+            assert w1.kv_events.replay_endpoints[0] in message  # the right one, named
+            right = msgspec.structs.replace(wrong, replay=w1.kv_events.replay_endpoints[0])
+            status, added = await fleet.admin("POST", "/workers", msgspec.to_builtins(right))
+            assert status == 201, added
