@@ -153,6 +153,10 @@ class StreamSubscriber:
         # go unnoticed, so its entries predict nothing until a probe answers or the next live
         # batch follows on (fail closed; the entries are kept)
         self._tail_unproven = False
+        # the replay socket answered with a buffer that ends below seqs the live stream has
+        # proven real: it is not this publisher's (another worker's, by a config typo). What
+        # it gave is cleared and it is never asked again: gaps clear, as without one
+        self._replay_foreign = False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         self._phase = StreamState.SYNCING
@@ -226,6 +230,7 @@ class StreamSubscriber:
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
+                    probing = probing and not self._replay_foreign
                     timeout_ms = self._probe_wait_ms if probing else None
                     if not await self._idle(poller, timeout_ms) and probing:
                         await self._probe()
@@ -289,7 +294,7 @@ class StreamSubscriber:
         if last is None:
             self._trust()  # nothing applied: nothing to prove
             return
-        if self.config.replay_endpoint is None:
+        if not self._has_replay:
             self._restart(f"{why} and without a replay socket nothing proves it did not restart")
             self._trust()
             return
@@ -305,6 +310,11 @@ class StreamSubscriber:
                     await self._replay(0)
         self._trust()
         self._notify_last()
+
+    @property
+    def _has_replay(self) -> bool:
+        """A replay socket to ask (configured, and not found to be another publisher's)."""
+        return self.config.replay_endpoint is not None and not self._replay_foreign
 
     def _trust(self) -> None:
         if self._unverified:
@@ -368,7 +378,7 @@ class StreamSubscriber:
         """Apply a live batch; one that does not decode is fetched again (module docstring)."""
         if self._apply(topic, seq, payload, replayed=False):
             return
-        if self.config.replay_endpoint is None:
+        if not self._has_replay:
             self._lose(seq, "no replay socket to fetch it again")
         else:
             self.refetches += 1
@@ -395,7 +405,7 @@ class StreamSubscriber:
             self.gaps += 1
             self._set_phase(StreamState.DEGRADED)
         answered, newest = False, None
-        if self.config.replay_endpoint is not None:
+        if self._has_replay:
             self.replays += 1
             # from the last applied seq, not `start`: its batch proves the epoch (fence)
             last = self.tracker.last
@@ -421,6 +431,26 @@ class StreamSubscriber:
             self._set_phase(StreamState.SYNCED)
             self._notify_last()
             return
+        if (
+            answered
+            and newest is not None
+            and self._suspect is not None
+            and seq == self._suspect + 1
+            and newest < self._suspect
+        ):
+            # the seq before this one was real after all, yet the replay socket's buffer ends
+            # below it: a publisher buffers what it just sent, so that socket is not this
+            # publisher's, and what it gave describes another worker's cache
+            self._replay_foreign = True
+            log.error(
+                "stream %s: the replay socket %s does not buffer this stream's seqs (it ends at "
+                "%d, the live stream is at %d): it is another publisher's (check `replay` in "
+                "the config); what it gave is cleared and it is not asked again",
+                self.stream_id,
+                self.config.replay_endpoint,
+                newest,
+                seq,
+            )
         self._suspect = None
         if decision.verdict is SeqVerdict.GAP:
             # the replay did not reach this message (none configured, timed out, or too short)
@@ -435,6 +465,8 @@ class StreamSubscriber:
 
     async def _probe(self) -> None:
         """Ask the replay socket for anything newer than what we applied (see probe_interval_s)."""
+        if self._replay_foreign:
+            return
         before = self.tracker.last
         joining = not self._joined
         self.probes += 1

@@ -594,3 +594,30 @@ async def test_a_quiet_stream_whose_probe_goes_unanswered_predicts_nothing(
         seq = await pub.publish(EventBatch(ts=0.0, events=[]))  # follows on: nothing was lost
         assert await svc.wait_applied(WORKER, seq)
         assert svc.streams()[0].state is StreamState.SYNCED
+
+
+async def test_another_publishers_replay_socket_is_found_out_and_its_entries_cleared(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # `replay` pointing at another worker's socket (a config typo): what it gives describes
+    # that worker's cache, a false hit on this one for every prompt it holds
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+    async with (
+        ScriptedPublisher(ctx) as other,
+        ScriptedPublisher(ctx) as own,
+        IndexerService(config) as svc,
+    ):
+        await publish_all(other, workload(seed=3, batches=3))  # buffered there
+        for _ in range(50):  # this publisher is further along than the other one's buffer
+            await own.publish(EventBatch(ts=0.0, events=[]))
+        await connect(svc, own, replay_endpoint=other.replay_endpoint)
+        assert view(svc.index, STREAM) == {}  # nothing of the other worker's cache is left
+        asked = len(other.replay_requests)
+        batches = workload(seed=4, batches=3)
+        last = await publish_all(own, batches, settle=svc)
+        # several probe intervals of a quiet stream: the other socket is not asked again, so
+        # its buffer does not come back (as a "restart" whose seqs went back)
+        await asyncio.sleep(0.3)
+        assert view(svc.index, STREAM) == view(reference(batches), STREAM) != {}
+        assert len(other.replay_requests) == asked
+        assert svc.streams()[0].last_seq == last
