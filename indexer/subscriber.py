@@ -366,7 +366,8 @@ class StreamSubscriber:
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             await self._apply_live(msg.topic, msg.seq, msg.payload)
-            self._tail_proven(True)  # it follows on: nothing was dropped before it
+            if self._tail_unproven:  # it follows on: nothing was dropped before it
+                self._tail_proven(True)
             self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.GAP:
             assert decision.replay_from is not None

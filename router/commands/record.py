@@ -168,26 +168,39 @@ def _sources(args: argparse.Namespace) -> list[Source]:
 def _config_sources(path: Path) -> list[Source]:
     """Every KV-event stream of a router config (asking the worker for what it omits).
 
-    Each stream is recorded under the model the router would index it under (the config's,
-    else what the worker advertises, read the way the router's supervisor reads it), so a
-    replay of the file names the same namespaces as the router does."""
+    Each stream is recorded under the model the router would index it under, read the way
+    the router's supervisor reads it (`router.fleet.worker_settings`), so a replay of the file
+    names the same namespaces as the router does."""
     from router.config import load_config
-    from router.fleet.discovery import needs_discovery, streams_for
 
     config = load_config(path)
-    sources: list[Source] = []
-    for worker in config.workers:
-        if not worker.kv_events:
-            continue
-        spec = engine_spec(worker.engine)
-        info = None
-        if needs_discovery(worker):
-            info = _server_info(worker.worker_id, worker.url, spec.server_info_paths)
-        model = _served_model(worker, spec.server_info_paths, info)
-        for s in streams_for(worker, info, model=model):
-            sources.append(_source(worker.worker_id, s))
+    sources = asyncio.run(_discover(config.workers))
     if not sources:
         raise ValueError(f"{path}: no worker publishes KV events")
+    return sources
+
+
+async def _discover(workers: Sequence[WorkerConfig]) -> list[Source]:
+    import aiohttp
+
+    from router.fleet.discovery import needs_discovery, streams_for
+    from router.fleet.worker_settings import read_served_models, read_server_info
+
+    sources: list[Source] = []
+    async with aiohttp.ClientSession() as session:
+        for worker in workers:
+            if not worker.kv_events:
+                continue
+            spec = engine_spec(worker.engine)
+            try:
+                info = None
+                if needs_discovery(worker):
+                    info = await read_server_info(session, worker.url, spec, timeout_s=5.0)
+                models = await read_served_models(session, worker, spec, info, timeout_s=5.0)
+            except RouterError as exc:  # the worker, not the config: named with its id
+                raise ValueError(f"worker {worker.worker_id}: {exc}") from None
+            for s in streams_for(worker, info, model=models[0] if models else ""):
+                sources.append(_source(worker.worker_id, s))
     return sources
 
 
@@ -203,60 +216,6 @@ def _source(worker: str, s: StreamConfig) -> Source:
         model=s.model,
         worker=worker,
     )
-
-
-def _get_json(url: str) -> tuple[object, str]:
-    """(the decoded body of a 200, "") or (None, why not) for a one-shot CLI read."""
-    import httpx
-
-    try:
-        response = httpx.get(url, timeout=5.0)
-    except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    if response.status_code != 200:
-        return None, f"HTTP {response.status_code}"
-    try:
-        return msgspec.json.decode(response.content), ""
-    except msgspec.DecodeError:
-        return None, "not JSON"
-
-
-def _server_info(worker: str, url: str, paths: Sequence[str]) -> dict[str, Any]:
-    """The first of the engine's server-info `paths` that answers with a JSON object;
-    ValueError naming the worker, its URL and why when none does."""
-    why = "the engine has no server-info path"
-    for path in paths:
-        body, reason = _get_json(url.rstrip("/") + path)
-        if isinstance(body, dict):
-            return body
-        why = f"{path}: {reason or 'not a JSON object'}"
-    raise ValueError(f"worker {worker}: cannot read the server info of {url} ({why})")
-
-
-def _served_model(
-    worker: WorkerConfig, info_paths: Sequence[str], info: dict[str, Any] | None
-) -> str:
-    """The model the router indexes `worker`'s cache under, found in the supervisor's order
-    (`Supervisor.served_models`): the config's, SGLang's `served_model_name` in a server info
-    already read, the first base model of `/v1/models`, the server info's; "" when the worker
-    answers but names none, ValueError when it cannot be asked."""
-    from router.fleet.discovery import models_from_model_list, models_from_server_info
-
-    if worker.served_models:
-        return worker.served_models[0]
-    if info is not None and (named := models_from_server_info(info)):
-        return named[0]
-    url = worker.url.rstrip("/")
-    body, reason = _get_json(url + "/v1/models")
-    if listed := models_from_model_list(body):
-        return listed[0]
-    if info is None and info_paths:
-        with contextlib.suppress(ValueError):
-            if named := models_from_server_info(_server_info(worker.worker_id, url, info_paths)):
-                return named[0]
-    if reason and not reason.startswith("HTTP") and reason != "not JSON":
-        raise ValueError(f"worker {worker.worker_id}: cannot read the models of {url} ({reason})")
-    return ""
 
 
 async def record(

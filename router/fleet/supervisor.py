@@ -27,11 +27,10 @@ from router.errors import RequestError
 from router.fleet.discovery import (
     capacity_from_server_info,
     max_running_from_server_info,
-    models_from_model_list,
-    models_from_server_info,
     needs_discovery,
     streams_for,
 )
+from router.fleet.worker_settings import read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
@@ -105,59 +104,17 @@ class Supervisor:
 
     async def server_info(self, url: str, spec: EngineSpec = SGLANG) -> dict[str, Any]:
         """A worker's settings from the first of its engine's server-info paths that answers."""
-        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)
-        last = "no answer" if spec.server_info_paths else f"{spec.name} advertises no settings"
-        for path in spec.server_info_paths:
-            try:
-                async with self._session.get(url.rstrip("/") + path, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        info = msgspec.json.decode(await resp.read())
-                        if isinstance(info, dict):
-                            return info
-                    last = f"{path}: HTTP {resp.status}"
-            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-                last = f"{path}: {type(exc).__name__}: {exc}"
-        raise RequestError(f"cannot read server_info of {url}: {last}")
+        return await read_server_info(
+            self._session, url, spec, timeout_s=self._health.timeout_s * 5
+        )
 
     async def served_models(
         self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
     ) -> tuple[str, ...]:
-        """The models `entry` serves: its config's, else the ones it advertises.
-
-        SGLang's `served_model_name` when its `/server_info` was read anyway, else the
-        worker's `/v1/models`, else (an engine with a settings path) its `/server_info`.
-        RequestError when the worker cannot be asked (it is retried on the health rounds);
-        () when it answers but advertises none.
-        """
-        if entry.config.served_models:
-            return entry.config.served_models
-        if info is not None and (named := models_from_server_info(info)) is not None:
-            return named
-        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s * 5)
-        unreachable = ""
-        try:
-            async with self._session.get(entry.url + "/v1/models", timeout=timeout) as resp:
-                if resp.status == 200:
-                    listed = models_from_model_list(msgspec.json.decode(await resp.read()))
-                    if listed is not None:
-                        return listed
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            unreachable = f"/v1/models: {type(exc).__name__}: {exc}"
-        except msgspec.DecodeError:
-            pass  # answered, but with no model list
-        if info is None and spec.server_info_paths:
-            try:
-                named = models_from_server_info(await self.server_info(entry.url, spec))
-            except RequestError:
-                named = None
-            if named is not None:
-                return named
-        if unreachable:
-            raise RequestError(f"cannot read the models of {entry.url}: {unreachable}")
-        log.warning(
-            "worker %s advertises no model: it is routed only in a one-model fleet", entry.id
+        """The models `entry` serves (`read_served_models`)."""
+        return await read_served_models(
+            self._session, entry.config, spec, info, timeout_s=self._health.timeout_s * 5
         )
-        return ()
 
     async def _role(
         self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None

@@ -373,7 +373,7 @@ def test_record_config_names_a_worker_it_cannot_ask(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
     config = tmp_path / "router.toml"
     config.write_text(f'[[workers]]\nid = "gone"\nurl = "{url}"\n')
-    with pytest.raises(ValueError, match=f"worker gone: cannot read the server info of {url}"):
+    with pytest.raises(ValueError, match=f"worker gone: cannot read server_info of {url}"):
         _config_sources(config)
     # its streams configured, but not its model: still asked, and the refusal says why
     config.write_text(
