@@ -46,7 +46,7 @@ class WorkerGauges(Protocol):
     A protocol rather than the class: the fleet sits below the HTTP layer that owns metrics.
     """
 
-    def set_routable(self, worker: str, routable: bool) -> None: ...
+    def added(self, worker: str) -> None: ...
 
     def forget(self, worker: str) -> None: ...
 
@@ -220,7 +220,7 @@ class Supervisor:
     async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
         """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
         entry = self._pool.add(config)
-        self._metrics.set_routable(entry.id, True)
+        self._metrics.added(entry.id)
         settled = False
         try:
             await self.register(entry)
@@ -275,8 +275,6 @@ class Supervisor:
                 log.warning("worker %s: %s", entry.id, exc)
         elif came_back:
             await self._recheck_models(entry)
-        if self._pool.find(entry.id) is entry:  # not removed while registering
-            self._metrics.set_routable(entry.id, entry.routable(self._clock()))
         return healthy
 
     async def check_all(self) -> None:

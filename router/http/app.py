@@ -62,6 +62,8 @@ from router.routing.pool import WorkerPool
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
+    from router.routing.pool import WorkerEntry
+
 __all__ = ["create_app", "is_loopback"]
 
 log = logging.getLogger(__name__)
@@ -186,24 +188,50 @@ def _direct_routes(app: web.Application) -> dict[str, _Handler]:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 while at least one worker takes traffic, else 503; with a [cluster],
-    where this replica stands with the others ("ok", or "degraded": on local state)."""
+    """GET /health: 200 while the routable workers can answer a request (one serves whole
+    requests, or a prefill and a decode worker of one model make a pair), else 503; with a
+    [cluster], where this replica stands with the others ("ok", or "degraded": local state)."""
+    return _health(request, _serves)
+
+
+async def index_health(request: web.Request) -> web.Response:
+    """GET /health of `kvroute indexer`: 200 while any worker is routable (its index answers
+    for prefill and decode workers alike), else 503."""
+    return _health(request, bool)
+
+
+def _health(request: web.Request, serves_with: Callable[[list[WorkerEntry]], bool]) -> web.Response:
     planner = request.app[PLANNER]
     now = planner.clock()
     workers = list(planner.pool)
-    ready = sum(1 for w in workers if w.routable(now))
+    routable = [w for w in workers if w.routable(now)]
+    serves = serves_with(routable)
     body: dict[str, object] = {
-        "status": "ok" if ready else "no_worker",
+        # no_pair: workers are routable, but not a prefill and a decode worker of one model
+        "status": "ok" if serves else "no_pair" if routable else "no_worker",
         "workers": len(workers),
-        "routable": ready,
+        "routable": len(routable),
     }
     cluster = request.app.get(CLUSTER)
     if cluster is not None:
         # degraded still serves (on this replica's own state): the status code says "routable"
         body["cluster"] = cluster.describe()
     return web.Response(
-        body=_json.encode(body), status=200 if ready else 503, content_type="application/json"
+        body=_json.encode(body), status=200 if serves else 503, content_type="application/json"
     )
+
+
+def _serves(routable: list[WorkerEntry]) -> bool:
+    """Whether the routable workers can answer a request: one serves whole requests, or a
+    prefill worker and a decode worker share a model (prefill/decode pairs need both: with
+    every prefill worker drained, the decode workers alone answer nothing)."""
+    decoding: set[str] = set()
+    prefilling: set[str] = set()
+    for entry in routable:
+        if entry.role == "both":
+            return True
+        (decoding if entry.role == "decode" else prefilling).update(entry.models or ("",))
+    return bool(decoding & prefilling)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -262,6 +290,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[METRICS].export_in_flight(load.running)
         app[METRICS].export_rank_in_flight(load.running_by_rank)
         planner = Planner(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
+        app[METRICS].export_routable(
+            lambda: {entry.id: entry.routable(planner.clock()) for entry in pool}
+        )
         supervisor = Supervisor(
             pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock
         )
@@ -337,7 +368,7 @@ def create_app(
         app.router.add_post(endpoint.value, _proxy_handler(endpoint))
     if proxy:
         app[DIRECT_ROUTES] = _direct_routes(app)
-    app.router.add_get("/health", health)
+    app.router.add_get("/health", health if proxy else index_health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     if config.admin.enabled:

@@ -127,6 +127,30 @@ class _InFlight(Collector):
         yield family
 
 
+class _Routable(Collector):
+    """`kvroute_worker_routable`, read from the worker pool when scraped: a breaker that opened
+    or a drain shows at once, not at the next health round."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, bool]] = dict
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "kvroute_worker_routable", "1 when the worker takes new requests", labels=["worker"]
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric's name and type, without samples."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        """Whether each worker of the pool takes new requests now."""
+        family = self._family()
+        for worker, routable in sorted(self.source().items()):
+            family.add_metric([worker], 1 if routable else 0)
+        yield family
+
+
 class _RankInFlight(Collector):
     """`kvroute_dp_rank_in_flight_requests`: the same count per dp rank, read when scraped.
 
@@ -331,12 +355,8 @@ class RouterMetrics:
         r.register(self._rank_in_flight)
         self._cluster = _Cluster()
         r.register(self._cluster)
-        self.healthy = Gauge(
-            "kvroute_worker_routable",
-            "1 when the worker takes new requests",
-            ["worker"],
-            registry=r,
-        )
+        self._routable = _Routable()
+        r.register(self._routable)
         # what else keeps per-worker series (the decision statistics), told of removals too
         self._forgetters: list[Callable[[Collection[str]], None]] = []
         # removed workers whose late answers are dropped when scraped, until this monotonic time
@@ -374,19 +394,24 @@ class RouterMetrics:
             self._drop_late_answers()
         return generate_latest(self.registry)
 
-    def set_routable(self, worker: str, routable: bool) -> None:
-        """Export whether `worker` takes new requests (`kvroute_worker_routable`)."""
+    def export_routable(self, routable: Callable[[], Mapping[str, bool]]) -> None:
+        """Export `routable()` (whether each worker takes new requests now) as
+        `kvroute_worker_routable`."""
+        self._routable.source = routable
+
+    def added(self, worker: str) -> None:
+        """`worker` joined the pool: a late answer under its id counts again (`forget`)."""
         if self._removed:
-            self._removed.pop(worker, None)  # added back: its series count again
-        self.healthy.labels(worker).set(1 if routable else 0)
+            self._removed.pop(worker, None)
 
     def forget_with(self, forget: Callable[[Collection[str]], None]) -> None:
         """Call `forget(workers)` as well to drop removed workers' series."""
         self._forgetters.append(forget)
 
     def forget(self, worker: str) -> None:
-        """Drop a removed worker's series: routable, retries, requests, tokens, and those of
-        every `forget_with` (its in-flight count leaves with the load tracker). A fleet whose
+        """Drop a removed worker's series: retries, requests, tokens, and those of every
+        `forget_with` (its in-flight count leaves with the load tracker, its routable gauge
+        with the pool). A fleet whose
         workers come and go (autoscaling, discovery) would otherwise grow a series per worker
         it ever had. Answers of requests the worker was serving when removed still count
         until the next scrape drops them again (`LATE_ANSWERS_S`)."""
@@ -394,10 +419,9 @@ class RouterMetrics:
         self._drop({worker})
 
     def _drop(self, workers: Collection[str]) -> None:
-        for gauge in (self.healthy, self.retries):
-            for worker in workers:
-                with contextlib.suppress(KeyError):
-                    gauge.remove(worker)
+        for worker in workers:
+            with contextlib.suppress(KeyError):
+                self.retries.remove(worker)
         self._proxied.forget(workers)
         for forget in self._forgetters:
             forget(workers)

@@ -128,6 +128,32 @@ async def test_discovery_reads_roles_and_bootstrap_ports_from_server_info(fleet:
     assert pool.disaggregated(pool.resolve("").cache_model)
 
 
+async def test_health_needs_a_prefill_and_a_decode_worker_to_answer(fleet: PdFleet) -> None:
+    """Decode workers alone answer nothing: with every prefill worker drained the router is
+    not healthy, though workers are routable."""
+
+    async def drain(worker: str, drain: bool) -> None:
+        async with fleet.session.post(
+            f"{fleet.router.url}/admin/workers/{worker}/drain", json={"drain": drain}, headers=AUTH
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+
+    async def health() -> tuple[int, Any]:
+        async with fleet.session.get(fleet.router.url + "/health") as resp:
+            return resp.status, await resp.json()
+
+    assert await health() == (200, {"status": "ok", "workers": 4, "routable": 4})
+    await drain("p0", True)
+    await drain("p1", True)
+    assert await health() == (503, {"status": "no_pair", "workers": 4, "routable": 2})
+    await drain("p1", False)
+    await drain("d0", True)
+    await drain("d1", True)
+    assert await health() == (503, {"status": "no_pair", "workers": 4, "routable": 1})
+    await drain("d1", False)
+    assert await health() == (200, {"status": "ok", "workers": 4, "routable": 2})
+
+
 async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFleet) -> None:
     body = {
         "input_ids": PROMPT,

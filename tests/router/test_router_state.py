@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from router.config import BreakerConfig, WorkerConfig
 from router.http import metrics as metrics_module
 from router.http.metrics import RouterMetrics
 from router.routing.approx_tree import ApproxTree
 from router.routing.breaker import BreakerState, CircuitBreaker
 from router.routing.load import LoadTracker
+from router.routing.pool import WorkerPool
 
 
 def test_breaker_opens_after_threshold_and_half_opens_after_cooldown() -> None:
@@ -129,6 +131,27 @@ def test_approx_tree_sizes_stay_exact_under_random_inserts_and_evictions() -> No
     _recount(tree, sent)
 
 
+def test_the_routable_gauge_is_the_pool_when_scraped() -> None:
+    """A breaker that opens or a drain shows at the next scrape, not the next health round."""
+    breaker = BreakerConfig(failure_threshold=1, cooldown_s=60)
+    pool = WorkerPool(breaker)
+    for name in ("a", "b"):
+        pool.add(WorkerConfig(id=name, url=f"http://127.0.0.1:1/{name}"))
+    clock = [0.0]
+    metrics = RouterMetrics()
+    metrics.export_routable(lambda: {e.id: e.routable(clock[0]) for e in pool})
+    text = metrics.render().decode()
+    assert 'kvroute_worker_routable{worker="a"} 1.0' in text
+    assert 'kvroute_worker_routable{worker="b"} 1.0' in text
+    pool.get("a").breaker.failure(clock[0])
+    pool.get("b").draining = True
+    text = metrics.render().decode()
+    assert 'kvroute_worker_routable{worker="a"} 0.0' in text
+    assert 'kvroute_worker_routable{worker="b"} 0.0' in text
+    clock[0] = 61.0  # the breaker's cooldown over: it lets a probe through
+    assert 'kvroute_worker_routable{worker="a"} 1.0' in metrics.render().decode()
+
+
 def test_in_flight_metrics_follow_the_load_tracker() -> None:
     loads = LoadTracker()
     metrics = RouterMetrics()
@@ -147,14 +170,16 @@ def test_metrics_forget_a_removed_workers_series() -> None:
     metrics = RouterMetrics(clock=lambda: clock[0])  # the late-answer window, without waiting
     forgotten: list[set[str]] = []
     metrics.forget_with(lambda workers: forgotten.append(set(workers)))
+    pool = {"gone": True, "kept": True}
+    metrics.export_routable(lambda: pool)
     for worker in ("gone", "kept"):
-        metrics.healthy.labels(worker).set(1)
         metrics.retries.labels(worker).inc()
         metrics.record("/generate", worker, 200, prompt=10, matched=4, seconds=0.01)
     text = metrics.render().decode()
     assert 'kvroute_worker_routable{worker="gone"} 1.0' in text
     assert 'kvroute_prompt_tokens_total{model="",worker="gone"} 10.0' in text
     metrics.forget("gone")
+    del pool["gone"]  # the pool forgets it too
     assert forgotten == [{"gone"}]
     text = metrics.render().decode()
     # every series naming it is gone (a fleet that churns workers would grow them forever);
@@ -168,7 +193,7 @@ def test_metrics_forget_a_removed_workers_series() -> None:
     metrics.retries.labels("gone").inc()
     assert 'worker="gone"' not in metrics.render().decode()
     # added back under the same id: it counts again, from zero
-    metrics.set_routable("gone", True)
+    metrics.added("gone")
     metrics.record("/generate", "gone", 200, prompt=10, matched=4, seconds=0.01)
     text = metrics.render().decode()
     assert (
