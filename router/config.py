@@ -266,6 +266,13 @@ class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # a quiet stream asks its replay socket for anything newer (and proves its epoch) this
     # often; 0 disables the probe
     probe_interval_s: NonNegativeFloat = 2.0
+    # each SUB socket's queue in messages (0: unbounded); what overflows it is dropped by ZMQ
+    # and shows as a gap, repaired from the replay socket
+    rcv_hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000
+    # at most one log line per stream and kind of problem this often (0: every one)
+    log_interval_s: NonNegativeFloat = 10.0
+    # a subscriber that failed is restarted after a backoff that doubles up to this
+    restart_backoff_max_s: PositiveFloat = 5.0
 
 
 class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -273,6 +273,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         stale_after_s=section.stale_after_s,
         replay_timeout_s=section.replay_timeout_s,
         probe_interval_s=section.probe_interval_s,
+        rcv_hwm=section.rcv_hwm,
+        log_interval_s=section.log_interval_s,
+        restart_backoff_max_s=section.restart_backoff_max_s,
     )
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with (

@@ -43,7 +43,7 @@ from aiohttp import web
 from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
-from router.errors import NoWorkerError, RequestError, UpstreamError
+from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.metrics import RouterMetrics
 from router.http.observe import observation
 from router.http.proxy import (
@@ -79,9 +79,10 @@ _json = msgspec.json.Encoder()
 class PrefillFailed(Exception):
     """The prefill side of a pair failed before the client got a byte (the pair is retried)."""
 
-    def __init__(self, message: str, *, hard: bool) -> None:
+    def __init__(self, message: str, *, hard: bool, status: int | None = None) -> None:
         super().__init__(message)
         self.hard = hard
+        self.status = status  # the worker's HTTP status, or 504 for the deadline passing
 
 
 class _PrefillRefused(Exception):
@@ -230,6 +231,7 @@ class PairDispatcher:
         deadline = time.monotonic() + self._config.timeouts.request_s
         failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         failures: list[str] = []
+        last_status: int | None = None
         attempts = 1 + self._config.limits.max_retries
         obs = observation(request)  # the decision is the prefill side's: its prefix is reused
         for attempt in range(attempts):
@@ -280,13 +282,30 @@ class PairDispatcher:
                         deadline, last_try,
                     )  # fmt: skip
             except PrefillFailed as exc:
-                blamed, hard, reason = prefill, exc.hard, str(exc)
+                blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
             except AttemptFailed as exc:
-                blamed, hard, reason = decode, exc.hard, str(exc)
+                blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
             except _PrefillRefused as exc:
-                return web.Response(
+                # the client's answer, counted and named as a proxied one is
+                self._metrics.record(
+                    endpoint.value,
+                    prefill.worker,
+                    exc.status,
+                    len(parsed.tokens),
+                    prefill.matched_tokens,
+                    time.perf_counter() - started,
+                    ns.model,
+                )
+                refusal = web.Response(
                     status=exc.status, body=exc.payload, content_type="application/json"
                 )
+                refusal.headers[PREFILL_HEADER] = prefill.worker
+                if prefill.dp_rank is not None:
+                    refusal.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)
+                if obs is not None:
+                    obs.response_headers(refusal.headers)
+                    obs.finish(exc.status)
+                return refusal
             else:
                 planner.record_success(prefill.worker)
                 self._metrics.record(
@@ -305,14 +324,20 @@ class PairDispatcher:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
             if obs is not None:
-                obs.failed(reason)
+                obs.failed(reason, status)
+            last_status = status
             side = "prefill" if blamed is prefill else "decode"
             failed[side].add(blamed.worker)
             planner.record_failure(blamed.worker, hard=hard)
             log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
             self._metrics.retries.labels(blamed.worker).inc()
             failures.append(f"{side} {blamed.worker}: {reason}")
-        raise UpstreamError("every pair tried failed: " + "; ".join(failures))
+        message = "every pair tried failed: " + "; ".join(failures)
+        if last_status == 504:
+            # the last failure was a timeout (a worker's own 504, or the deadline): a client
+            # told 502 would take a slow fleet for a broken one
+            raise UpstreamTimeoutError(message)
+        raise UpstreamError(message)
 
     # ----------------------------------------------------------------- SGLang
 
@@ -473,7 +498,7 @@ class PairDispatcher:
         """
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PrefillFailed("the request deadline passed", hard=False)
+            raise PrefillFailed("the request deadline passed", hard=False, status=504)
         timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
         headers = {"Content-Type": "application/json"}
         auth = request.headers.get("Authorization")
@@ -490,7 +515,9 @@ class PairDispatcher:
                 payload = await resp.read()
                 status = resp.status
         except TimeoutError as exc:
-            raise PrefillFailed("no answer within the request deadline", hard=False) from exc
+            raise PrefillFailed(
+                "no answer within the request deadline", hard=False, status=504
+            ) from exc
         except (
             aiohttp.ClientConnectorError,
             aiohttp.ServerDisconnectedError,
@@ -500,7 +527,7 @@ class PairDispatcher:
         except aiohttp.ClientError as exc:
             raise PrefillFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
         if status >= 500:
-            raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False)
+            raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False, status=status)
         if status >= 400:
             raise _PrefillRefused(status, payload)
         self._prefilled(ticket)

@@ -19,6 +19,8 @@ from router.config import (
 )
 from router.errors import ConfigError
 from router.routing.pool import WorkerPool
+from router.service import RouterService
+from tests.router.conftest import router_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -196,3 +198,25 @@ def test_a_cluster_url_the_nats_client_would_refuse_is_refused_when_read(
     with pytest.raises(ConfigError, match=f"cluster.url .*{said}"):
         parse_config({"cluster": {"url": url}})
     parse_config({"cluster": {"url": ["nats://a:4222", "tls://[::1]:4222", "nats://b"]}})
+
+
+async def test_the_indexer_section_reaches_the_indexer() -> None:
+    """Every `[indexer]` key is the indexer's setting: a SUB queue sized for a large fleet's
+    bursts must really be the socket's."""
+    doc = {
+        "indexer": {
+            "pending_ttl_s": 3.5,
+            "stale_after_s": 12.0,
+            "replay_timeout_s": 0.25,
+            "probe_interval_s": 0,
+            "rcv_hwm": 7,
+            "log_interval_s": 0,
+            "restart_backoff_max_s": 1.5,
+        }
+    }
+    section = parse_config(doc).indexer
+    async with RouterService(router_config([], indexer=section)) as router:
+        settings = router.planner.indexer.config
+    assert {key: getattr(settings, key) for key in doc["indexer"]} == doc["indexer"]
+    with pytest.raises(ConfigError, match="rcv_hwm"):
+        parse_config({"indexer": {"rcv_hwm": -1}})

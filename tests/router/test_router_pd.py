@@ -154,6 +154,31 @@ async def test_health_needs_a_prefill_and_a_decode_worker_to_answer(fleet: PdFle
     assert await health() == (200, {"status": "ok", "workers": 4, "routable": 2})
 
 
+async def test_a_prefill_refusal_is_the_answer_named_and_counted(fleet: PdFleet) -> None:
+    """A 4xx of the prefill side goes to the client as it is (no retry), named as a pair's
+    answer is and counted with its status."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 4},
+        "return_logprob": "yes",
+    }
+    headers = {"x-request-id": "refused-1"}
+    async with fleet.session.post(
+        fleet.router.url + "/generate", json=body, headers=headers
+    ) as resp:
+        assert resp.status == 400, await resp.text()
+        assert "return_logprob" in (await resp.json())["error"]["message"]
+        assert resp.headers["x-kvroute-prefill-worker"] in {"p0", "p1"}
+        assert resp.headers["x-request-id"] == "refused-1"
+        worker = resp.headers["x-kvroute-prefill-worker"]
+    async with fleet.session.get(fleet.router.url + "/metrics") as resp:
+        text = await resp.text()
+    assert (
+        f'code="400",endpoint="/generate",model="kvroute/reference-byte-lm",worker="{worker}"}} 1.0'
+        in text
+    )
+
+
 async def test_a_repeated_prompt_prefills_where_its_prefix_is_cached(fleet: PdFleet) -> None:
     body = {
         "input_ids": PROMPT,
@@ -312,6 +337,28 @@ async def test_a_decode_whose_kv_never_comes_is_a_clean_timeout_error() -> None:
     assert status == 504, answer
     assert answer["error"]["type"] == "kv_transfer_timeout"
     assert elapsed < 5.0  # the decode's timeout plus the blame grace, far from the 10 s prefill
+
+
+async def test_a_decode_timeout_is_a_timeout_when_the_other_decode_is_drained() -> None:
+    """The decode's 504 is not the last try while another decode worker exists (drained now,
+    it could be back for the retry); when no pair is left to retry on, the client is told of a
+    timeout (504), not of a broken worker (502)."""
+    slow = reference("prefill", time_scale=1.0, prefill_ms_per_token=100.0)
+    async with (
+        ReferenceWorker(slow) as p0,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url), ("d1", d1.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            async with session.post(router.url + "/admin/workers/d1/drain", headers=AUTH) as resp:
+                assert resp.status == 200, await resp.text()
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+            async with session.post(router.url + "/generate", json=body) as resp:
+                answer = await resp.json()
+                status = resp.status
+    assert status == 504, answer
+    assert "decode d0: HTTP 504" in answer["error"]["message"]
 
 
 # a prefill worker in its own process, through the CLI; its KV takes 30 ms per token to move,
