@@ -153,7 +153,8 @@ class Supervisor:
         streams = streams_for(
             entry.config, info if discovering else None, model=models[0] if models else ""
         )
-        if not discovering and info is not None:
+        if info is not None and entry.config.replay is not None:
+            # discovering or not: a configured replay socket beside advertised ones is checked
             _check_replay_sockets(entry.config, info, streams)
         if entry.id not in self._pool_ids():
             return  # removed while discovering

@@ -83,6 +83,7 @@ class Ticket:
         "done",
         "dp_rank",
         "kv_tokens",
+        "load",
         "marks",
         "output_tokens",
         "prefill_tokens",
@@ -99,7 +100,11 @@ class Ticket:
         dp_rank: int | None = None,
         kv_tokens: int = 0,
         output_tokens: int | None = None,
+        load: WorkerLoad | None = None,
     ) -> None:
+        # the counters it was counted in: a worker removed and added again under the same id
+        # has new ones, which its requests from before must not decrement
+        self.load = load
         self.worker = worker
         self.dp_rank = dp_rank
         self.prefill_tokens = prefill_tokens
@@ -168,7 +173,7 @@ class LoadTracker:
         if output_tokens is not None:
             load.output_tokens += output_tokens
             load.sized += 1
-        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens, output_tokens)
+        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens, output_tokens, load)
 
     def hold(self, worker: str, dp_rank: int | None, prefill_tokens: int) -> None:
         """A request with this many uncached tokens waits in the router for this rank."""
@@ -181,9 +186,10 @@ class LoadTracker:
         if load is not None:  # a worker removed meanwhile has no counters left
             load.held_tokens = max(0, load.held_tokens - prefill_tokens)
 
-    def _load(self, ticket: Ticket) -> WorkerLoad | None:
-        ranks = self._loads.get(ticket.worker)
-        return ranks.get(ticket.dp_rank) if ranks is not None else None
+    @staticmethod
+    def _load(ticket: Ticket) -> WorkerLoad | None:
+        # a removed worker's counters are no one's any more (`forget`): changing them is moot
+        return ticket.load
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered: the prompt is prefilled (idempotent)."""
@@ -248,5 +254,6 @@ class LoadTracker:
         }
 
     def forget(self, worker: str) -> None:
-        """Drop a removed worker's counters (its open tickets then change nothing)."""
+        """Drop a removed worker's counters (its open tickets then change only theirs, never
+        the counters of a worker added again under its id)."""
         self._loads.pop(worker, None)

@@ -179,6 +179,8 @@ class Policy:
         memory (turns, tree, decisions so far) is kept. Its name and the approx tree's sizes
         are fixed at start (`router.config_diff`)."""
         self._config = config
+        # the learned value (`policy.balance_learning`) replaces it again at the next plan
+        self.decode_weight = config.decode_weight
 
     def load(self, view: Candidate) -> float:
         """The in-flight work on a worker, in prefill-token equivalents."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 
 from router.config import WorkerConfig
 from router.service import RouterService
@@ -192,9 +193,13 @@ async def test_a_worker_whose_streams_are_spelled_out_still_tells_its_capacity()
     assert only["admission"]["capacity_tokens"] == 24 * PAGE
 
 
-async def test_a_replay_socket_of_another_worker_is_refused_not_trusted() -> None:
+@pytest.mark.parametrize("block_size", [PAGE, None], ids=["spelled-out", "discovered"])
+async def test_a_replay_socket_of_another_worker_is_refused_not_trusted(
+    block_size: int | None,
+) -> None:
     # its event sockets are the ones it advertises, its replay socket is not: a typo that
-    # would rebuild this worker's streams from the other worker's cache (false hits)
+    # would rebuild this worker's streams from the other worker's cache (false hits). Without
+    # a block size the rest is discovered, with the configured sockets kept: checked alike
     cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0)
     async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
         wrong = WorkerConfig(
@@ -202,7 +207,7 @@ async def test_a_replay_socket_of_another_worker_is_refused_not_trusted() -> Non
             id="w1",
             events=w1.kv_events.endpoints[0],
             replay=w0.kv_events.replay_endpoints[0],  # w0's
-            block_size=PAGE,
+            block_size=block_size,
         )
         config = msgspec.structs.replace(router_config([("w0", w0.url)]), workers=())
         async with RouterService(config) as router, aiohttp.ClientSession() as session:

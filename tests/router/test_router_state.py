@@ -49,6 +49,25 @@ def test_load_tracks_prefill_until_first_byte_and_running_until_end() -> None:
     assert loads.of("b").running == 0
 
 
+def test_a_worker_added_again_is_not_decremented_by_its_earlier_requests() -> None:
+    """Removed with a request in flight and added back under the same id (an admin DELETE
+    and POST, a reload that changed its settings): the old request ending must not drive the
+    new counters negative, which would make it the least loaded worker for good."""
+    loads = LoadTracker()
+    old = loads.begin("w", 100, dp_rank=0, kv_tokens=7, output_tokens=20)
+    loads.forget("w")
+    assert loads.of("w", 0).running == 0  # planned again: fresh counters
+    new = loads.begin("w", 30, dp_rank=0, output_tokens=5)
+    loads.first_byte(old)
+    loads.end(old)
+    fresh = loads.of("w", 0)
+    assert (fresh.running, fresh.queued_prefill_tokens, fresh.uncached_tokens) == (1, 30, 30)
+    assert (fresh.kv_tokens, fresh.output_tokens, fresh.sized) == (0, 5, 1)
+    loads.end(new)
+    assert (fresh.running, fresh.queued_prefill_tokens, fresh.uncached_tokens) == (0, 0, 0)
+    assert loads.running() == {"w": 0}
+
+
 def _recount(tree: ApproxTree, tokens_by_worker: dict[str, list[list[int]]]) -> None:
     """Each worker's size is the distinct prefix tokens of what it still holds."""
     for worker in tree.workers():

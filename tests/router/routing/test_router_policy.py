@@ -249,3 +249,12 @@ def test_round_robin_gives_every_dp_rank_its_turn() -> None:
     assert len(set(picks[:4])) == 4  # one full round before any target repeats
     policy.forget("a")
     assert all(not t.startswith("a") for t in policy._last)
+
+
+@pytest.mark.parametrize("name", ["kv", "least_load"])
+def test_a_reload_changes_the_decode_weight_of_the_next_decision(name: PolicyName) -> None:
+    policy = build_policy(PolicyConfig(name=name, decode_weight=32.0))
+    (view,) = _views(("a", 0.0, 10, 3))
+    assert policy.load(view) == 10 + 32 * 3
+    policy.reconfigure(PolicyConfig(name=name, decode_weight=1.0))
+    assert policy.load(view) == 10 + 1 * 3
