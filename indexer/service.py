@@ -23,10 +23,14 @@ import asyncio
 import time
 from collections.abc import Callable, Hashable, Sequence
 
+import msgspec
+
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
+from indexer.index.walk import PrefixMatch
 from indexer.namespace import Namespace
+from indexer.shadowed import ShadowedPrefixes
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import (
@@ -55,6 +59,11 @@ __all__ = [
 ]
 
 
+# the leading tokens kept of a prompt shadowed on a stream whose block size is not known yet:
+# more than any engine's page
+_UNSIZED_HEAD = 4096
+
+
 class IndexerService:
     """Owns the index and one subscriber task per stream; see the module docstring."""
 
@@ -72,6 +81,11 @@ class IndexerService:
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._matches = WorkerMatches(clock)
+        # prefixes sent with an extra_key, which their events show as plain (`indexer.shadowed`)
+        self._shadowed = ShadowedPrefixes()
+        # the same, sent to streams whose block size was not known yet: (stream, plain
+        # namespace, the prompt's leading tokens, kept until), made keys once it is
+        self._unsized_shadows: list[tuple[str, Namespace, list[Hashable], float]] = []
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -161,7 +175,69 @@ class IndexerService:
         are cached (`indexer.worker_matches`).
         """
         found = self.index.match(namespace, tokens, limit)
+        if self._shadowed and namespace.extra_key is None and found.blocks:
+            self._hide_shadowed(found, namespace, tokens)
         return self._matches.answer(self._health, found, self.index.default_medium)
+
+    def _hide_shadowed(
+        self, found: PrefixMatch, namespace: Namespace, tokens: Sequence[Hashable]
+    ) -> None:
+        """Streams where the prompt's first block is shadowed hold nothing for it: their
+        entries may be another `extra_key`'s copy (`indexer.shadowed`)."""
+        for stream in list(found.blocks):
+            shadows = self._shadowed.shadows(stream)
+            if shadows and self.index.first_block_key(stream, namespace, tokens) in shadows:
+                del found.blocks[stream]
+                found.pending_blocks.pop(stream, None)
+                found.by_medium.pop(stream, None)
+
+    def shadow(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[Hashable],
+        worker: str,
+        dp_rank: int | None,
+        keep_s: float,
+    ) -> None:
+        """A request with an `extra_key` (in `namespace`) was sent to `worker` (rank
+        `dp_rank`; None: every rank): the pages it stores will be shown by events as plain
+        ones, so plain queries stop trusting its prefix there for at least `keep_s`, and
+        for as long as the stream holds it after that (`indexer.shadowed`)."""
+        if namespace.extra_key is None:
+            return
+        plain = msgspec.structs.replace(namespace, extra_key=None)
+        until = self._clock() + keep_s
+        index = self.index
+        for stream in self.stream_ids(worker, dp_rank):
+            key = index.first_block_key(stream, plain, tokens)
+            if key is not None:
+                self._shadowed.mark(stream, key, until)
+            elif index.has_stream(stream) and index.block_size(stream) is None:
+                # its first events will say the size: the key is made then (`_on_applied`)
+                head = list(tokens[:_UNSIZED_HEAD])
+                if len(self._unsized_shadows) >= _UNSIZED_HEAD:
+                    # a stream that published nothing since: nothing was stored for those
+                    now = self._clock()
+                    self._unsized_shadows = [i for i in self._unsized_shadows if i[3] >= now]
+                self._unsized_shadows.append((stream, plain, head, until))
+        if self._shadowed.due():
+            self._shadowed.sweep(self._clock(), index.holds)
+
+    def _size_shadows(self, stream: str) -> None:
+        """Make the keys of the shadows sent to `stream` before its block size was known."""
+        index = self.index
+        if index.block_size(stream) is None:
+            return
+        waiting = []
+        for item in self._unsized_shadows:
+            if item[0] != stream:
+                waiting.append(item)
+                continue
+            _, plain, head, until = item
+            key = index.first_block_key(stream, plain, head)
+            if key is not None:
+                self._shadowed.mark(stream, key, until)
+        self._unsized_shadows = waiting
 
     def add_pending(
         self,
@@ -264,6 +340,8 @@ class IndexerService:
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)
+        if self._unsized_shadows:
+            self._size_shadows(stream)
         for listener in self.applied_listeners:
             listener(stream)
         if not self._waiters:

@@ -47,7 +47,7 @@ from indexer.index.stream_table import ApplyOutcome, IndexedStream, StreamCounte
 from indexer.index.values import CODE_BITS, NS_MASK
 from indexer.index.walk import PrefixMatch, StreamMatch, collect, walk_prefix
 from indexer.index.writer import BatchWriter
-from indexer.namespace import Namespace
+from indexer.namespace import Namespace, namespace_seed
 from indexer.protocol.events import EventBatch
 
 __all__ = ["DEFAULT_MEDIUM", "PrefixIndex"]
@@ -366,6 +366,22 @@ class PrefixIndex:
         if not count:
             return []
         return self._chain(self._registry.seed(ns_id, size), tokens, size, 0, count)
+
+    def first_block_key(
+        self, stream: str, namespace: Namespace, tokens: Sequence[Hashable]
+    ) -> int | None:
+        """The key of the first full block of `tokens` on `stream` in `namespace`, whether or
+        not the index has met the namespace (None: the block size is unknown, or no full
+        block)."""
+        st = self._streams.get(stream)
+        if st is None or st.block_size is None or len(tokens) < st.block_size:
+            return None
+        size = st.block_size
+        ns_id = self._registry.find(namespace)
+        seed = (
+            namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
+        )
+        return self._chain(seed, tokens, size, 0, 1)[0]
 
     def holder_counts(self, keys: Sequence[int]) -> list[int]:
         """For each key, how many streams hold it per their events."""

@@ -72,7 +72,9 @@ class Outbox:
         if not self.sending:
             return
         if marked:
-            if keys and block_size:  # the keys stand for the tokens (`Pending.keys`)
+            # the keys stand for the tokens (`Pending.keys`), but for an extra_key's: the
+            # receivers shadow its plain twin, whose keys only the tokens give (`shadow`)
+            if keys and block_size and ns.extra_key is None:
                 ids: list[int] = []
                 sent = list(keys)
             else:

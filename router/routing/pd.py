@@ -25,7 +25,7 @@ from router.config import PdConfig, PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
 from router.prompt.request import ParsedRequest
 from router.routing.load import Ticket
-from router.routing.planner import Plan, Planner
+from router.routing.planner import SHADOW_KEEP_S, Plan, Planner
 from router.routing.policy import Candidate, KvPolicy, Policy, build_policy
 
 __all__ = ["DecodePolicy", "PairPlanner", "PdPlan", "decode_policy"]
@@ -120,6 +120,10 @@ class PairPlanner:
         if first_try:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
+        if ns.extra_key is not None and planner.indexer.has_worker(candidate.worker):
+            planner.indexer.shadow(
+                ns, tokens, candidate.worker, candidate.dp_rank, SHADOW_KEEP_S
+            )  # the decode side caches the prompt too (`Planner.commit`)
         if self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker):
             planner.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=planner.keys_of(ns, tokens)

@@ -57,7 +57,12 @@ from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 from router.routing.prefill_watch import PrefillWatch
 from router.routing.prompt_keys import PromptKeys
 
-__all__ = ["Candidate", "Plan", "Planner", "unindexed_reason"]
+__all__ = ["SHADOW_KEEP_S", "Candidate", "Plan", "Planner", "unindexed_reason"]
+
+# how long at least a prompt sent with an extra_key shadows its plain twin on that stream: longer
+# than any request waits and runs, so its pages are stored and their events in by then (after
+# that, for as long as the stream still holds the prefix: `indexer.shadowed`)
+SHADOW_KEEP_S = 3600.0
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -416,6 +421,10 @@ class Planner:
         may generate there (None: not known)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
+        if ns.extra_key is not None and self.indexer.has_worker(candidate.worker):
+            # what it stores there, its events show as plain pages: plain queries must not
+            # take them for their own (`indexer.shadowed`)
+            self.indexer.shadow(ns, tokens, candidate.worker, candidate.dp_rank, SHADOW_KEEP_S)
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(

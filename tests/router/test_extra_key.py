@@ -88,3 +88,45 @@ def test_only_the_callers_own_extra_key_turns_event_hits_off(
     namespace: Namespace, reason: str | None
 ) -> None:
     assert unindexed_reason(namespace) == reason
+
+
+async def test_pages_stored_for_an_extra_key_are_not_a_plain_requests_hit(fleet: Fleet) -> None:
+    """The events of a page stored for an `extra_key` look like a plain page of its salt: a
+    plain request of that salt must not be predicted to reuse it (the worker keeps the two
+    apart). Measured before the fix: predicted 320, cached 0."""
+    prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+    keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
+    status, headers, _ = await fleet.post("/generate", keyed)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    indexer = fleet.router.planner.indexer
+    (stream,) = indexer.stream_ids(holder)
+    model = fleet.router.planner.pool.get(holder).cache_model
+    plain_ns = Namespace(model, None, "tenant-a")
+
+    async def stored() -> bool:
+        keys = indexer.block_keys(stream, plain_ns, prompt)
+        return bool(keys) and all(indexer.index.holds(stream, keys))
+
+    # its events came in, and the index holds its pages as plain ones of the salt
+    await eventually(stored, what="the extra_key request's pages in the index")
+
+    plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+    plan = await fleet.route(plain)
+    assert plan["unindexed"] is None
+    assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan["candidates"]
+    status, headers, answer = await fleet.post("/generate", plain)
+    assert status == 200
+    assert int(headers["x-kvroute-matched-tokens"]) == 0 == answer["meta_info"]["cached_tokens"]
+
+    # another salt's plain request is not shadowed by it; the same salt's stays fail closed
+    # on that worker even once a plain copy is there too (the events cannot tell them apart)
+    other = {"input_ids": prompt, "cache_salt": "tenant-b"}
+    await fleet.post("/generate", other)
+    await fleet.post("/generate", other)
+    plan = await fleet.route(other)
+    assert max(c["matched_tokens"] for c in plan["candidates"]) > 0
+    await fleet.post("/generate", {**plain, "rid": "again"})
+    plan = await fleet.route(plain)
+    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+    assert held[holder] == 0

@@ -150,3 +150,34 @@ def _has(batch: Batch, kind: type) -> bool:
 
 def _count(batch: Batch, kind: type) -> int:
     return sum(1 for d in batch.decisions if isinstance(d, kind))
+
+
+async def test_an_extra_key_request_on_one_replica_shadows_its_plain_twin_on_the_others(
+    nats_server: NatsServer,
+) -> None:
+    """Pages stored for an `extra_key` come as plain pages on the events every replica reads:
+    the replica that did not route it must not predict them to a plain request either."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        async with (
+            RouterService(replica_config(fleet, nats_server.url, "a")) as a,
+            RouterService(replica_config(fleet, nats_server.url, "b")) as b,
+        ):
+            prompt = "a prompt a tenant sends under its own extra_key, pages long " * 4
+            keyed = {**_body(prompt), "extra_key": "view-1"}
+            async with session.post(a.url + "/generate", json=keyed) as resp:
+                assert resp.status == 200, await resp.text()
+                holder = resp.headers["x-kvroute-worker"]
+            indexer = b.planner.indexer
+            (stream,) = indexer.stream_ids(holder)
+
+            def stored_on_b() -> bool:
+                entries = indexer.index.entries(stream)
+                return entries > 0
+
+            async def seen() -> bool:
+                return stored_on_b() and len(indexer._shadowed) > 0
+
+            await eventually(seen, what="b to index the pages and shadow them")
+            plan = await _route(session, b, prompt)
+            assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
