@@ -83,6 +83,9 @@ class Generation(msgspec.Struct, frozen=True):
     hold_kv: bool = False
     kv_transferred: bool = False
     remote_cached_tokens: int | None = None
+    # the most prompt tokens it may take from the cache when it asks for prompt logprobs
+    # (SGLang's `logprob_start_len` cap); None: all but the last
+    reuse_limit: int | None = None
 
 
 class ApiRequest(msgspec.Struct, frozen=True):
@@ -299,6 +302,8 @@ def parse_generate(raw: object) -> ApiRequest:
         raise RequestError("rid must be a string (or one string per batch item)")
     dp_rank = _dp_rank(body)
     handoffs = kv_handoffs(body, n)
+    logprobs = _bool(body, "return_logprob")
+    starts = _logprob_starts(body.get("logprob_start_len"), n) if logprobs else [None] * n
     items = [
         Generation(
             input_ids=prompts[i],
@@ -307,12 +312,28 @@ def parse_generate(raw: object) -> ApiRequest:
             dp_rank=dp_rank,
             rid=rids[i],
             handoff=handoffs[i],
+            reuse_limit=starts[i],
         )
         for i in range(n)
     ]
-    return ApiRequest(
-        items=items, batch=batch, stream=stream, return_logprob=_bool(body, "return_logprob")
-    )
+    return ApiRequest(items=items, batch=batch, stream=stream, return_logprob=logprobs)
+
+
+def _logprob_starts(value: object, count: int) -> list[int | None]:
+    """Per item, where its prompt logprobs start (None: -1 or unset, the output's only), as
+    SGLang reads `logprob_start_len`: a scalar for every item, or one per item."""
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count:
+        raise RequestError(f"logprob_start_len has {len(values)} values for a batch of {count}")
+    starts: list[int | None] = []
+    for start in values:
+        if start is None:
+            starts.append(None)
+        elif isinstance(start, bool) or not isinstance(start, int) or start < -1:
+            raise RequestError("logprob_start_len must be an integer >= -1")
+        else:
+            starts.append(None if start == -1 else start)
+    return starts
 
 
 def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
@@ -323,7 +344,11 @@ def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
 
 
 def _openai_common(
-    body: Mapping[str, Any], ids: list[int], budget: int, dp_rank_header: str | None
+    body: Mapping[str, Any],
+    ids: list[int],
+    budget: int,
+    dp_rank_header: str | None,
+    reuse_limit: int | None = None,
 ) -> ApiRequest:
     n = body.get("n", 1)
     if n not in (1, None):
@@ -345,6 +370,7 @@ def _openai_common(
         dp_rank=dp_rank_from_header(dp_rank_header, _dp_rank(body)),
         rid=rid,
         handoff=kv_handoffs(body, 1)[0],
+        reuse_limit=reuse_limit,
     )
     return ApiRequest(
         items=[item],
@@ -367,7 +393,10 @@ def parse_completion(raw: object, *, dp_rank_header: str | None = None) -> ApiRe
         ids = _token_ids(prompt, "prompt")
     else:
         raise RequestError("prompt must be a string or a list of token ids")
-    return _openai_common(body, ids, _openai_budget(body, "max_tokens"), dp_rank_header)
+    # SGLang scores the whole prompt of an echo with logprobs: nothing of it is reused
+    reuse_limit = 0 if body.get("echo") and body.get("logprobs") else None
+    budget = _openai_budget(body, "max_tokens")
+    return _openai_common(body, ids, budget, dp_rank_header, reuse_limit)
 
 
 def parse_chat(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:

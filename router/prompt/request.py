@@ -31,6 +31,7 @@ from router.prompt.output_limit import (
     completion_output_limit,
     generate_output_limit,
 )
+from router.prompt.reuse_limit import completion_reuse_limit, generate_reuse_limit
 from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = [
@@ -69,6 +70,9 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the output tokens it may generate, as the engine budgets them (None: not known), for
     # the pages its run takes beside the cached prefixes (`router.prompt.output_limit`)
     output_tokens: int | None = None
+    # the most prompt tokens the engine may reuse when prompt logprobs cap it (None: no cap
+    # but the last token's; `router.prompt.reuse_limit`)
+    reuse_limit: int | None = None
 
 
 _decoder = msgspec.json.Decoder()
@@ -232,12 +236,15 @@ def parse_request(
     `header_dp_rank` (the `X-Data-Parallel-Rank` header) the body's rank on the OpenAI routes."""
     body = parse_body(raw, limits)
     batched = False
+    reusable = None
     if endpoint is Endpoint.GENERATE:
         tokens, batched = _generate_tokens(body, tokenizer)
         output_tokens = generate_output_limit(body)
+        reusable = generate_reuse_limit(body)
     elif endpoint is Endpoint.COMPLETIONS:
         tokens = _completion_tokens(body, tokenizer)
         output_tokens = completion_output_limit(body)
+        reusable = completion_reuse_limit(body)
     else:
         tokens = _chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
@@ -264,4 +271,5 @@ def parse_request(
         # SGLang's /generate reads no rank header
         dp_rank=requested_rank(body, None if endpoint is Endpoint.GENERATE else header_dp_rank),
         output_tokens=output_tokens,
+        reuse_limit=reusable,
     )

@@ -183,7 +183,13 @@ class Planner:
         elif output is None:
             output = self._config.admission_reserve_tokens
         return self._plan(
-            ns, parsed.tokens, parsed.dp_rank, role, policy or self.policy, output_tokens=output
+            ns,
+            parsed.tokens,
+            parsed.dp_rank,
+            role,
+            policy or self.policy,
+            output_tokens=output,
+            reuse_limit=parsed.reuse_limit,
         )
 
     def _plan(
@@ -195,12 +201,16 @@ class Planner:
         policy: Policy | None = None,
         *,
         output_tokens: int,
+        reuse_limit: int | None = None,
     ) -> Plan:
         now = self.clock()
         # Engines never reuse the cache for a prompt's last token (its logits must be computed),
         # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
-        # (`limit` says so without copying an 8k-token list).
+        # (`limit` says so without copying an 8k-token list); nor from the first prompt token
+        # whose logprob the request asks for (`router.prompt.reuse_limit`)
         limit = max(len(tokens) - 1, 0)
+        if reuse_limit is not None:
+            limit = min(limit, reuse_limit)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         views: list[Candidate] = []
         for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool

@@ -73,8 +73,9 @@ class Fleet:
         ) as resp:
             return resp.status, await resp.json(content_type=None)
 
-    async def route(self, body: object) -> dict[str, Any]:
-        status, plan = await self.admin("POST", "/route", body)
+    async def route(self, body: object, endpoint: str | None = None) -> dict[str, Any]:
+        path = "/route" if endpoint is None else f"/route?endpoint={endpoint}"
+        status, plan = await self.admin("POST", path, body)
         assert status == 200, plan
         return plan  # type: ignore[no-any-return]
 

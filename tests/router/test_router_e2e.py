@@ -217,3 +217,38 @@ async def test_a_stale_stream_attracts_no_cache_affinity() -> None:
 async def _last_seqs(fleet: Fleet) -> dict[str, int | None]:
     _, streams = await fleet.admin("GET", "/streams")
     return {s["stream"]: s["last_seq"] for s in streams["streams"]}
+
+
+async def test_prompt_logprobs_cap_what_is_predicted_as_the_engine_caps_its_reuse(
+    fleet: Fleet,
+) -> None:
+    """SGLang reuses nothing from the first prompt token whose logprob a request asks for:
+    the prediction stops there too (it predicted the whole held prefix: 320 against 0)."""
+    prompt = [(i * 13) % 200 + 7 for i in range(20 * 16 + 1)]
+    status, headers, _ = await fleet.post("/generate", {"input_ids": prompt})
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    await eventually(
+        lambda: fleet.holds({"input_ids": prompt}, holder, 320), what="the prompt indexed"
+    )
+    cases = [
+        ("/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0}, 0),
+        ("/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 40}, 32),
+        ("/generate", {"input_ids": prompt, "return_logprob": True}, 320),  # the output's only
+        ("/generate", {"input_ids": prompt, "logprob_start_len": 0}, 320),  # no logprobs asked
+        ("/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1}, 0),
+        ("/v1/completions", {"prompt": prompt, "logprobs": 1}, 320),
+    ]
+    for path, body, expected in cases:
+        plan = await fleet.route(body, endpoint=path)
+        held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+        assert held[holder] == expected, (path, body.keys(), held)
+        status, headers, answer = await fleet.post(path, body)
+        assert status == 200, answer
+        cached = (
+            answer["meta_info"]["cached_tokens"]
+            if path == "/generate"
+            else answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        )
+        predicted = int(headers["x-kvroute-matched-tokens"])
+        assert predicted == cached, (path, body.keys(), predicted, cached)
