@@ -2,23 +2,27 @@
 
 The publisher answers a request "from seq N" with every batch it still buffers from N on,
 then an end marker (layouts in `indexer.protocol.frames`). `ReplayClient` sends the request
-and yields the replies that carry our topic, in order, until the end marker; an answer that
-stops short for `timeout_s` raises TimeoutError after the socket is reset, so that late
-replies of one request are never read as the answer to the next. Replies that do not parse
-are reported to `on_malformed` and skipped. What the replies mean is the subscriber's business
-(`indexer.subscriber`).
+and yields the replies, in order, until the end marker; an answer that stops short for
+`timeout_s` raises TimeoutError. A publisher's buffer is its own batches under its topic, with
+seqs that follow each other: an answer with frames that do not parse (reported to
+`on_malformed` too), a batch of another topic, a seq that does not follow the one before, or
+more replies or time than any buffer takes (`MAX_REPLIES`, `deadline_s`) is not this stream's
+buffer, and raises ReplayError: it proves nothing, as an answer that never came. Whenever an
+answer is left before its end marker the socket is reset, so that late replies of one
+request are never read as the answer to the next. What the replies mean is the subscriber's
+business (`indexer.subscriber`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import zmq
 import zmq.asyncio
 
-from indexer.errors import ProtocolError
+from indexer.errors import ProtocolError, ReplayError
 from indexer.protocol.frames import (
     ReplayData,
     ReplayEnd,
@@ -27,7 +31,10 @@ from indexer.protocol.frames import (
     topic_matches,
 )
 
-__all__ = ["ReplayClient"]
+__all__ = ["MAX_REPLIES", "ReplayClient"]
+
+# more replies than any engine buffers (SGLang and vLLM keep 10,000 batches by default)
+MAX_REPLIES = 1 << 20
 
 
 class ReplayClient:
@@ -42,50 +49,79 @@ class ReplayClient:
         timeout_s: float,
         yield_every: int,
         on_malformed: Callable[[str], None],
+        deadline_s: float | None = None,
     ) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
         self._topic = topic
         self._timeout_s = timeout_s
+        # a whole answer: generous (a full buffer of large batches, applied as they come), but
+        # bounded, so a socket that drips replies forever cannot hold a repair open
+        self._deadline_s = deadline_s if deadline_s is not None else max(60.0, 30 * timeout_s)
         self._yield_every = yield_every
         self._on_malformed = on_malformed
         self._dealer: zmq.asyncio.Socket | None = None
 
-    async def replies(self, start: int) -> AsyncIterator[ReplayData]:
+    async def replies(self, start: int) -> AsyncGenerator[ReplayData, None]:
         """Every buffered batch from `start` of our topic, in the publisher's order.
 
-        TimeoutError when the publisher stops answering before its end marker.
+        TimeoutError when the publisher stops answering before its end marker; ReplayError
+        when the answer cannot be this stream's buffer (module docstring).
         """
         dealer = self._socket()
+        ended = False
         try:
             await dealer.send_multipart(build_replay_request(start))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._deadline_s
             received = 0
+            previous: int | None = None
             while True:
-                async with asyncio.timeout(self._timeout_s):
-                    frames = await dealer.recv_multipart()
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise ReplayError(f"the answer did not end within {self._deadline_s:g}s")
+                try:
+                    async with asyncio.timeout(min(self._timeout_s, left)):
+                        frames = await dealer.recv_multipart()
+                except TimeoutError:
+                    if self._timeout_s < left:
+                        raise
+                    raise ReplayError(
+                        f"the answer did not end within {self._deadline_s:g}s"
+                    ) from None
                 received += 1
+                if received > MAX_REPLIES:
+                    raise ReplayError(f"the answer runs past {MAX_REPLIES} replies")
                 if received % self._yield_every == 0:
                     await asyncio.sleep(0)  # a long replay must not starve the other streams
                 try:
                     reply = parse_replay_reply(frames)
                 except ProtocolError as exc:
                     self._on_malformed(f"bad replay frames: {exc}")
-                    continue
+                    raise ReplayError(f"bad replay frames: {exc}") from exc
                 if isinstance(reply, ReplayEnd):
+                    ended = True
                     return
-                if reply.topic is None or topic_matches(reply.topic, self._topic):
-                    yield reply
-        except TimeoutError:
-            self.close()  # late replies of this request must not answer the next one
-            raise
+                if reply.topic is not None and not topic_matches(reply.topic, self._topic):
+                    raise ReplayError(
+                        f"it answers with batches of another topic ({reply.topic[:64]!r})"
+                    )
+                if previous is not None and reply.seq != previous + 1:
+                    raise ReplayError(f"seq {reply.seq} follows seq {previous} in the answer")
+                previous = reply.seq
+                yield reply
+        finally:
+            if not ended:
+                self.close()  # late replies of this request must not answer the next one
 
     async def newest(self) -> int | None:
         """The newest seq the publisher buffers (asking from 0); None: nothing, or no answer."""
         newest: int | None = None
         try:
-            async for reply in self.replies(0):
-                newest = reply.seq if newest is None else max(newest, reply.seq)
-        except TimeoutError:
+            async with contextlib.aclosing(self.replies(0)) as replies:
+                async for reply in replies:
+                    newest = reply.seq if newest is None else max(newest, reply.seq)
+        except (TimeoutError, ReplayError):
             return None
         return newest
 

@@ -45,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple, cast
 
@@ -55,14 +57,15 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import IndexerConfig, StreamConfig
-from indexer.errors import ProtocolError
+from indexer.errors import ProtocolError, ReplayError
 from indexer.health import StreamHealth
 from indexer.protocol.frames import (
+    ReplayData,
     parse_live,
     topic_matches,
 )
 from indexer.replay_client import ReplayClient
-from indexer.sequence import SequenceTracker, SeqVerdict
+from indexer.sequence import SeqDecision, SequenceTracker, SeqVerdict
 from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats
 
@@ -72,6 +75,16 @@ log = logging.getLogger(__name__)
 
 # what the SUB's monitor reports: a connection made (handshake done) or lost
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# the furthest a replay answer may start beyond the newest seq the live stream has shown: a
+# publisher does not publish a million batches between two of our messages (a corrupt seq, or
+# a foreign socket, would otherwise carry the stream past every real seq to come)
+_MAX_AHEAD = 1 << 20
+# replayed batches remembered by seq, to check the live copies that arrive after them
+_REPLAYED_KEPT = 4096
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 class _Continuity(enum.Enum):
@@ -147,7 +160,7 @@ class StreamSubscriber:
         self._joined = False
         self.tracker = SequenceTracker(sink.last_seq())
         # a restart candidate is pending: entries predict nothing until a replay proves them
-        self._unverified = self.tracker.last is not None
+        self._unverified = self.tracker.last is not None or bool(sink.entries())
         self._why_unverified = "state from a snapshot"
         # a quiet stream whose probe went unanswered: batches the PUB dropped at its tail would
         # go unnoticed, so its entries predict nothing until a probe answers or the next live
@@ -157,6 +170,12 @@ class StreamSubscriber:
         # proven real: it is not this publisher's (another worker's, by a config typo). What
         # it gave is cleared and it is never asked again: gaps clear, as without one
         self._replay_foreign = False
+        # the digests of the batches replays applied, by seq (the newest `_REPLAYED_KEPT`): a
+        # live copy that arrives after its replayed one must be the same batch, or the replay
+        # socket is not this publisher's (or the publisher restarted): see `_live_disagrees`
+        self._replayed: OrderedDict[int, bytes] = OrderedDict()
+        # bumped by `rebind`: a check that awaited across it judged the sink it replaced
+        self._rebinds = 0
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         self._phase = StreamState.SYNCING
@@ -291,8 +310,12 @@ class StreamSubscriber:
         self.verifications += 1
         last = self.tracker.last
         why = self._why_unverified
+        rebinds = self._rebinds
         if last is None:
-            self._trust()  # nothing applied: nothing to prove
+            if self.sink.entries():
+                # entries no seq stands for (a snapshot without one): nothing can prove them
+                self._clear(f"{why}, with entries but no seq to prove them by")
+            self._trust()
             return
         if not self._has_replay:
             self._restart(f"{why} and without a replay socket nothing proves it did not restart")
@@ -303,11 +326,15 @@ class StreamSubscriber:
         if result.continuity is _Continuity.NONE:
             if result.answered and result.newest is None:
                 await self._check_restart(last)  # the publisher's seqs may have gone back
+            if self._rebinds != rebinds:
+                return  # another sink's state now: its own check follows
             if self.restarts == restarts:
                 # no answer, or nothing at or after our seq and no older verdict: unproven
                 self._restart(f"{why} and the replay did not prove the publisher unchanged")
                 if result.answered:
                     await self._replay(0)
+        if self._rebinds != rebinds:
+            return  # a snapshot loaded meanwhile: what was proven was the sink it replaced
         self._trust()
         self._notify_last()
 
@@ -359,7 +386,7 @@ class StreamSubscriber:
             await self._verify()
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
-        decision = self.tracker.on_live(msg.seq)
+        decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
             self.restarts += 1
             self._clear(f"seq went back to {msg.seq}: publisher restarted")
@@ -374,6 +401,55 @@ class StreamSubscriber:
             await self._repair(
                 decision.replay_from, msg.topic, msg.seq, msg.payload, prev_live, joining=joining
             )
+
+    async def _checked(self, decision: SeqDecision, seq: int, payload: bytes) -> SeqDecision:
+        """`decision` on live batch `seq`, unless it is a duplicate of a replayed batch that
+        is not the same batch (`_live_disagrees`)."""
+        if decision.verdict is SeqVerdict.DUPLICATE and self._replayed:
+            replayed = self._replayed.get(seq)
+            if replayed is not None and replayed != _digest(payload):
+                return await self._live_disagrees(seq, payload)
+        return decision
+
+    async def _live_disagrees(self, seq: int, payload: bytes) -> SeqDecision:
+        """The live batch `seq` is not the batch a replay applied at that seq: the replay
+        socket is another publisher's (a `replay` pointing at another worker), or this
+        publisher restarted since. Its replay socket is asked for `seq` again: the live batch
+        there is a restart (rebuilt from its buffer); another batch there is a foreign
+        socket, whose batches are cleared and which is never asked again. Returns the verdict
+        on the live batch now."""
+        again = await self._replayed_copy(seq)
+        if again is not None and again == _digest(payload):
+            self._restart(f"live batch {seq} is not the one replayed before: it restarted")
+            await self._replay(0)
+            self._notify_last()
+        else:
+            self._replay_foreign = True
+            log.error(
+                "stream %s: live batch %d is not the batch the replay socket %s gives at that "
+                "seq: it is another publisher's (check `replay` in the config); what it gave is "
+                "cleared and it is not asked again",
+                self.stream_id,
+                seq,
+                self.config.replay_endpoint,
+            )
+            self._clear("the replay socket is another publisher's")
+            self.tracker.reset()
+            self.tracker.restart_at(seq)
+        return self.tracker.on_live(seq)
+
+    async def _replayed_copy(self, seq: int) -> bytes | None:
+        """The digest of the replay socket's batch at `seq` now (None: it has none there, or
+        gave no usable answer)."""
+        found: bytes | None = None
+        try:
+            async with contextlib.aclosing(self._replay_client().replies(seq)) as replies:
+                async for reply in replies:
+                    if reply.seq == seq:
+                        found = _digest(reply.payload)
+        except (TimeoutError, ReplayError):
+            return None
+        return found
 
     async def _apply_live(self, topic: bytes, seq: int, payload: bytes) -> None:
         """Apply a live batch; one that does not decode is fetched again (module docstring)."""
@@ -416,7 +492,7 @@ class StreamSubscriber:
             finally:
                 self._run_open = False
             answered, newest = result.answered, result.newest
-        decision = self.tracker.on_live(seq)
+        decision = await self._checked(self.tracker.on_live(seq), seq, payload)
         if (
             decision.verdict is SeqVerdict.GAP
             and answered
@@ -470,6 +546,7 @@ class StreamSubscriber:
             return
         before = self.tracker.last
         joining = not self._joined
+        rebinds = self._rebinds
         self.probes += 1
         # Ask from the last applied seq, not the one after it: its batch must come back
         # unchanged (the fence), and an answer without it means the seqs went back (a restart
@@ -481,6 +558,8 @@ class StreamSubscriber:
                 await self._check_restart(before)
         finally:
             self._run_open = False
+        if self._rebinds != rebinds:
+            return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
         if self._unverified and result.continuity is not _Continuity.NONE:
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
@@ -532,44 +611,76 @@ class StreamSubscriber:
         last = self.tracker.last
         continuing = last is not None and start == last
         continuity = _Continuity.NONE
+        rebinds = self._rebinds
+        live = self.tracker.live
         try:
-            async for reply in self._replay_client().replies(start):
-                newest = reply.seq if newest is None else max(newest, reply.seq)
-                if continuing and continuity is _Continuity.NONE:
-                    continuity = self._check_fence(start, reply.seq, reply.payload)
-                    if continuity is _Continuity.PROVEN:
-                        continue  # the fence batch itself is applied already
-                    if continuity is _Continuity.UNPROVEN:
-                        # the buffer starts after our last batch: whether or not it follows
-                        # it, nothing proves that it does, so our state is unknown
-                        self._clear(
-                            f"replay starts at {reply.seq}, after our last batch {start}: "
-                            "nothing proves the publisher unchanged"
+            async with contextlib.aclosing(self._replay_client().replies(start)) as replies:
+                async for reply in replies:
+                    if newest is None and reply.seq > max(start, live or 0) + _MAX_AHEAD:
+                        raise ReplayError(
+                            f"its answer starts at seq {reply.seq}, far beyond the live "
+                            f"stream's {live}"
                         )
-                        self.tracker.restart_at(reply.seq)
-                if continuity is _Continuity.BROKEN:
-                    continue  # read to the end marker: the answer belongs to this request
-                decision = self.tracker.on_replay(reply.seq)
-                if decision.verdict is SeqVerdict.GAP:
-                    # the buffer no longer holds what we miss: the worker's state is unknown
-                    # (nothing to clear when we have nothing yet: joining mid-way, restarted)
-                    if self.tracker.last is not None:
-                        self._clear(f"replay starts at {reply.seq}, needed {decision.replay_from}")
-                    self.tracker.restart_at(reply.seq)
-                    decision = self.tracker.on_replay(reply.seq)
-                if decision.verdict is SeqVerdict.APPLY and not self._apply(
-                    reply.topic or b"", reply.seq, reply.payload, replayed=True
-                ):
-                    self._lose(reply.seq, "its replayed copy does not decode either")
+                    if self._rebinds != rebinds:
+                        raise ReplayError("a snapshot was loaded while it answered")
+                    continuity = self._take_reply(reply, start, continuing, continuity)
+                    newest = reply.seq if newest is None else max(newest, reply.seq)
         except TimeoutError:
             timeout_s = self.settings.replay_timeout_s
             self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")
+            return _ReplayResult(False, None, continuity)
+        except ReplayError as exc:
+            self._warn("replay-unusable", f"replay from {start} proves nothing: {exc}")
+            if newest is not None:
+                # batches applied from an answer found out to be no buffer of this stream
+                self._clear(f"a replay answer applied in part was not this stream's: {exc}")
             return _ReplayResult(False, None, continuity)
         if continuity is _Continuity.BROKEN:
             self._restart(f"the publisher's batch {start} is not the one applied: it restarted")
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
         return _ReplayResult(True, newest, continuity)
+
+    def _take_reply(
+        self, reply: ReplayData, start: int, continuing: bool, continuity: _Continuity
+    ) -> _Continuity:
+        """Apply one reply of a replay asked from `start` (`_replay`); returns the continuity
+        known after it."""
+        if continuing and continuity is _Continuity.NONE:
+            continuity = self._check_fence(start, reply.seq, reply.payload)
+            if continuity is _Continuity.PROVEN:
+                return continuity  # the fence batch itself is applied already
+            if continuity is _Continuity.UNPROVEN:
+                # the buffer starts after our last batch: whether or not it follows it,
+                # nothing proves that it does, so our state is unknown
+                self._clear(
+                    f"replay starts at {reply.seq}, after our last batch {start}: "
+                    "nothing proves the publisher unchanged"
+                )
+                self.tracker.restart_at(reply.seq)
+        if continuity is _Continuity.BROKEN:
+            return continuity  # read to the end marker: the answer belongs to this request
+        decision = self.tracker.on_replay(reply.seq)
+        if decision.verdict is SeqVerdict.GAP:
+            # the buffer no longer holds what we miss: the worker's state is unknown
+            # (nothing to clear when we have nothing yet: joining mid-way, restarted)
+            if self.tracker.last is not None:
+                self._clear(f"replay starts at {reply.seq}, needed {decision.replay_from}")
+            self.tracker.restart_at(reply.seq)
+            decision = self.tracker.on_replay(reply.seq)
+        if decision.verdict is SeqVerdict.APPLY:
+            if self._apply(reply.topic or b"", reply.seq, reply.payload, replayed=True):
+                self._remember(reply.seq, reply.payload)
+            else:
+                self._lose(reply.seq, "its replayed copy does not decode either")
+        return continuity
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        """Keep the digest of a replayed batch, to check its live copy against (`_on_live`)."""
+        replayed = self._replayed
+        replayed[seq] = _digest(payload)
+        if len(replayed) > _REPLAYED_KEPT:
+            replayed.popitem(last=False)
 
     def _check_fence(self, start: int, seq: int, payload: bytes) -> _Continuity:
         """The verdict on the first batch a continuing replay returned (asked from `start`)."""
@@ -627,6 +738,7 @@ class StreamSubscriber:
             self._on_applied(self.stream_id, seq)
 
     def _clear(self, reason: str) -> None:
+        self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
         dropped = self.sink.clear()
         self._clears += 1
         self._warn("clear", f"cleared {dropped} entries: {reason}")
@@ -681,10 +793,12 @@ class StreamSubscriber:
     def rebind(self, sink: StreamSink) -> None:
         """Switch to another sink (a loaded snapshot's index), continuing from its seq."""
         self.sink = sink
+        self._rebinds += 1
+        self._replayed.clear()
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)
-        if last_seq is not None:
+        if last_seq is not None or sink.entries():
             # the snapshot's state is unproven until the publisher's fence matches it
             self.suspect_restart("state loaded from a snapshot")
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import random
 from collections import deque
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -48,6 +49,11 @@ class ScriptedPublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.next_seq = 0
         self.replay_requests: list[int] = []
+        # answers a replay request from `start` with these frames instead (an end marker
+        # included, or not); None from it: the usual answer
+        self.answer_with: Callable[[int], list[list[bytes]] | None] | None = None
+        self.answer_delay_s = 0.0  # before each answer: a busy (or remote) replay socket
+        self.end_delay_s = 0.0  # between an answer's batches and its end marker
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.router = ctx.socket(zmq.ROUTER)
@@ -119,11 +125,20 @@ class ScriptedPublisher:
             self.replay_requests.append(start)
             if not self.answer_replays:
                 continue
+            if self.answer_delay_s:
+                await asyncio.sleep(self.answer_delay_s)
+            scripted = self.answer_with(start) if self.answer_with is not None else None
+            if scripted is not None:
+                for reply in scripted:
+                    await self.router.send_multipart([identity, *reply])
+                continue
             topic = self.topic if self.reply_with_topic else None
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     reply = build_replay_reply(topic, seq, payload)
                     await self.router.send_multipart([identity, *reply])
+            if self.end_delay_s:
+                await asyncio.sleep(self.end_delay_s)
             end = build_replay_end(with_topic=self.reply_with_topic)
             await self.router.send_multipart([identity, *end])
 

@@ -9,6 +9,7 @@ batches from its first one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,6 +19,7 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
 from indexer.service import IndexerService
+from indexer.snapshot import dump_index, load_index
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import (
@@ -235,3 +237,50 @@ async def test_a_late_joiner_catching_up_from_zero_is_no_restart(ctx: zmq.asynci
         stats = svc.streams()[0]
         assert stats.restarts == 0 and stats.clears == 0
         assert view(svc.index, STREAM) == view(reference(batches), STREAM)
+
+
+async def test_a_probe_answered_across_a_snapshot_load_does_not_prove_the_snapshot(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A probe in flight when a snapshot is loaded was asked for the state the load replaced:
+    its answer proves that state, not the snapshot's. Before, it made the loaded stream
+    trusted, the dead process's entries predicting hits until the next probe."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        old = await follow_old_epoch(svc, pub)
+        snapshot = svc.dump()
+        pub.restart()
+        new = new_epoch(len(old) - 1)
+        for batch in new:
+            await pub.publish(batch)
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(new) - 1)
+        await wait_until(lambda: synced(svc))
+        # a slow replay socket: the next probe's batches come at once (its fence proven on
+        # the state the load will replace), its end marker only later
+        pub.end_delay_s = 0.3
+        asked = len(pub.replay_requests)
+        await wait_until(lambda: len(pub.replay_requests) > asked)
+        await asyncio.sleep(0.05)
+        svc.load(snapshot)  # while that probe waits for the end of its answer
+        dead = view(reference(old), STREAM)
+        loaded = asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - loaded < 1.5:
+            holds_dead = view(svc.index, STREAM) == dead
+            assert not (holds_dead and svc.streams()[0].state is not StreamState.UNVERIFIED)
+            await asyncio.sleep(0.005)
+        await wait_until(lambda: synced(svc))
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+async def test_a_snapshot_stream_with_entries_but_no_seq_is_not_trusted(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        await follow_old_epoch(svc, pub)
+        index = load_index(svc.dump())
+        index.set_last_seq(STREAM, None)  # a snapshot that names no seq for its entries
+        svc.load(dump_index(index))
+        assert len(svc.index) > 0
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        # nothing can prove entries no seq stands for: they go, and the stream goes on
+        await wait_until(lambda: svc.streams()[0].state is not StreamState.UNVERIFIED)
+        assert len(svc.index) == 0

@@ -1,0 +1,177 @@
+"""Replay answers that cannot be the stream's buffer prove nothing, and a foreign one is found out.
+
+A scripted publisher on real ZMQ sockets answers the repair of a dropped batch with frames that
+do not parse, another topic's batches, seqs that do not follow each other, or a batch far beyond
+anything the live stream showed: each is an answer that never came (the gap clears the stream,
+the live batch applies, later ones too), never a false hit from the batch the repair missed.
+A `replay` endpoint that is another worker's is found out when the live copies of the batches
+it gave differ from them. And `ReplayClient` bounds a whole answer, however slowly it drips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig
+from indexer.errors import ReplayError
+from indexer.namespace import Namespace
+from indexer.protocol.encode import encode_batch
+from indexer.protocol.events import Event, EventBatch, Removed, Stored, TokenId
+from indexer.protocol.frames import (
+    build_replay_end,
+    build_replay_reply,
+    pack_seq,
+    parse_replay_request,
+)
+from indexer.replay_client import ReplayClient
+from indexer.service import IndexerService
+from tests.indexer.scripted import ScriptedPublisher, workload
+from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, wait_until
+
+PROBING = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
+NS = Namespace("", None, None)
+A: list[TokenId] = [1, 2, 3, 4, 9]  # one 4-token page and a last token
+C: list[TokenId] = [5, 6, 7, 8, 9]
+D: list[TokenId] = [11, 12, 13, 14, 9]
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def stored(tokens: list[TokenId], block_hash: int) -> EventBatch:
+    events: list[Event] = [
+        Stored(block_hashes=[block_hash], parent=None, token_ids=tokens[:4], block_size=4)
+    ]
+    return EventBatch(0.0, events)
+
+
+def matched(svc: IndexerService, tokens: list[TokenId]) -> int:
+    return svc.query(NS, tokens)[WORKER].matched_tokens
+
+
+def _garbage(start: int) -> list[list[bytes]]:
+    return [[b"", b"kv", b"not-a-seq"], build_replay_end()]
+
+
+def _other_topic(start: int) -> list[list[bytes]]:
+    payload = encode_batch(stored(D, 40), "array")
+    return [build_replay_reply(b"other", start, payload), build_replay_end()]
+
+
+def _out_of_order(start: int) -> list[list[bytes]]:
+    payload = encode_batch(stored(D, 40), "array")
+    replies = [build_replay_reply(b"kv", s, payload) for s in (start + 1, start)]
+    return [*replies, build_replay_end()]
+
+
+def _far_ahead(start: int) -> list[list[bytes]]:
+    payload = encode_batch(stored(D, 40), "array")
+    return [build_replay_reply(b"kv", 1 << 63, payload), build_replay_end()]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [_garbage, _other_topic, _out_of_order, _far_ahead],
+    ids=["garbage", "other-topic", "out-of-order", "far-ahead"],
+)
+async def test_an_answer_that_is_not_the_streams_buffer_proves_nothing(
+    ctx: zmq.asyncio.Context, answer: object
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 10)))
+        assert matched(svc, A) == 4
+        pub.answer_with = answer  # type: ignore[assignment]
+        # A is evicted in a batch the PUB drops; the next live batch shows the gap
+        await pub.publish(EventBatch(0.0, [Removed(block_hashes=[10])]), drop=True)
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(C, 20)))
+        assert matched(svc, A) == 0  # not kept on an answer that proved nothing
+        assert matched(svc, C) == 4  # the live batch applied, not skipped as a bad seq
+        assert matched(svc, D) == 0  # nothing of the answer was taken
+        pub.answer_with = None
+        # the stream goes on from the live seqs: later batches are not dropped as duplicates
+        last = await pub.publish(stored(D, 30))
+        assert await svc.wait_applied(WORKER, last)
+        assert matched(svc, D) == 4
+        assert svc.streams()[0].last_seq == last
+
+
+@pytest.mark.parametrize("config", [CONFIG, PROBING], ids=["on-a-gap", "when-joining"])
+async def test_a_replay_socket_of_another_worker_is_found_out_by_the_live_copies(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, config: IndexerConfig
+) -> None:
+    """On a gap, or at once: joining, the catch-up probe takes the other worker's whole
+    buffer, and this worker's first live batches look like duplicates of it."""
+    async with (
+        ScriptedPublisher(ctx) as own,
+        ScriptedPublisher(ctx) as other,
+        IndexerService(config) as svc,
+    ):
+        for batch in workload(seed=3, batches=40):  # the other worker's history, buffered
+            await other.publish(batch, drop=True)
+        # a config typo: this worker's replay is the other worker's socket
+        await connect(svc, own, block_size=4, replay_endpoint=other.replay_endpoint)
+        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        # a dropped batch: its repair asks the other worker's socket, whose batch at our
+        # last seq differs (a "restart"), and which then gives its whole buffer
+        await own.publish(stored(A, 10), drop=True)
+        last = await own.publish(stored(C, 20))
+
+        await wait_until(lambda: svc._workers[WORKER][0]._replay_foreign)
+        assert await svc.wait_applied(WORKER, last)
+        assert "another publisher's" in caplog.text
+        # nothing of the other worker's cache is left; this worker's live batches apply
+        assert svc.index.entries(STREAM) == 1 and matched(svc, C) == 4
+        later = await own.publish(stored(D, 30))
+        assert await svc.wait_applied(WORKER, later)
+        assert matched(svc, D) == 4 and svc.index.entries(STREAM) == 2
+
+
+async def test_an_answer_that_never_ends_is_given_up_at_its_deadline(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def drip() -> None:  # one good reply every 50 ms, consecutive, never an end marker
+        identity, *body = await router.recv_multipart()
+        seq = parse_replay_request(body)
+        while True:
+            await router.send_multipart([identity, b"", b"kv", pack_seq(seq), b"x"])
+            seq += 1
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(drip())
+    client = ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{port}",
+        b"kv",
+        timeout_s=1.0,
+        yield_every=64,
+        on_malformed=lambda _: None,
+        deadline_s=0.5,
+    )
+    got = 0
+    try:
+        with pytest.raises(ReplayError, match="did not end within"):
+            async with contextlib.aclosing(client.replies(7)) as replies:
+                async for _ in replies:
+                    got += 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        client.close()
+        router.close(linger=0)
+    assert 3 <= got <= 12
