@@ -260,6 +260,21 @@ class IndexerService:
                 keys = keys_of(sub.stream_id) if keys_of is not None else None
                 self.index.add_pending(sub.stream_id, namespace, tokens, keys or None)
 
+    def sharing(self, worker: str, endpoint: str, topic: str) -> str | None:
+        """Another worker subscribed to `endpoint` with a topic that overlaps `topic` (either a
+        prefix of the other: a SUB matches by prefix, so one of them would take the other's
+        batches as its own), or None."""
+        for other, subs in self._workers.items():
+            if other == worker:
+                continue
+            for sub in subs:
+                theirs = sub.config.topic
+                if sub.config.endpoint == endpoint and (
+                    theirs.startswith(topic) or topic.startswith(theirs)
+                ):
+                    return other
+        return None
+
     def stream_ids(self, worker: str, dp_rank: int | None = None) -> list[str]:
         """The index's stream ids of `worker`: the rank's one, or every rank's for None."""
         return [

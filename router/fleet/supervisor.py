@@ -75,6 +75,21 @@ def _check_replay_sockets(
         )
 
 
+def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
+    """RequestError when the configured topic is not a prefix of the one the worker says it
+    publishes under: its SUB (which matches by prefix) would receive nothing, and the stream
+    would look healthy while no hit is ever predicted for the worker."""
+    if config.topic is None:
+        return
+    advertised = engine_spec(config.engine).advertised_events(info).get("topic")
+    if isinstance(advertised, str) and not advertised.startswith(config.topic):
+        raise RequestError(
+            f"worker {config.worker_id}: topic {config.topic!r} is not the topic it publishes "
+            f"under ({advertised!r}), so nothing it publishes would arrive; fix `topic` in its "
+            "config, or leave it out to take the advertised one (not subscribed until then)"
+        )
+
+
 class Supervisor:
     """Owns the pool's membership and health; the health loop is its one background task."""
 
@@ -153,11 +168,23 @@ class Supervisor:
         streams = streams_for(
             entry.config, info if discovering else None, model=models[0] if models else ""
         )
+        if info is not None:
+            _check_topic(entry.config, info)
         if info is not None and entry.config.replay is not None:
             # discovering or not: a configured replay socket beside advertised ones is checked
             _check_replay_sockets(entry.config, info, streams)
         if entry.id not in self._pool_ids():
             return  # removed while discovering
+        for stream in streams:
+            other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
+            if other is not None:
+                # one publisher is one engine's cache: two workers on it would each be
+                # predicted the other's pages (false hits)
+                raise RequestError(
+                    f"worker {entry.id}: events {stream.endpoint} (topic {stream.topic!r}) "
+                    f"are worker {other}'s stream already; fix `events` in its config (not "
+                    "subscribed until then)"
+                )
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)

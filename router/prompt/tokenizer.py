@@ -10,6 +10,8 @@ Chat requests are rendered into text first, with one of two templates:
   itself;
 - kvroute's built-in template (`indexer.protocol.tokens.render_chat`), what the reference workers
   render with, encoded after a BOS token.
+Completion and /generate text is encoded with the tokenizer's special tokens (a model's BOS)
+with a Hugging Face tokenizer, as SGLang and vLLM encode it, and without with the byte one.
 `tokenizer.chat_template` picks one (see `router.config.TokenizerConfig`).
 
 With a Hugging Face tokenizer, long prompts may be parsed on a thread
@@ -59,11 +61,17 @@ class PromptTokenizer:
         name: str,
         template: ModelChatTemplate | None = None,
         offload: TokenizeOffload | None = None,
+        *,
+        text_special_tokens: bool = False,
     ) -> None:
         self._encoder = encoder
         self.name = name
         self.template = template
         self.offload = offload
+        # whether a text prompt gets the tokenizer's special tokens (a model's BOS): SGLang
+        # and vLLM call a Hugging Face tokenizer with its default, add_special_tokens=True;
+        # the reference workers' byte tokenizer adds none to text
+        self._text_special = text_special_tokens
 
     def close(self) -> None:
         """Stop the offload threads, if any."""
@@ -71,8 +79,10 @@ class PromptTokenizer:
             self.offload.close()
 
     def text(self, text: str) -> list[int]:
-        """Ids of a completion or /generate prompt (no BOS, as the workers do)."""
-        return self._encoder.encode(text)
+        """Ids of a completion or /generate prompt, as the workers tokenize it: with a Hugging
+        Face tokenizer's special tokens (SGLang's `_tokenize_texts`, 0.5.23: the tokenizer's
+        default), none with the byte tokenizer (the reference workers')."""
+        return self._encoder.encode(text, add_bos=self._text_special)
 
     def chat(self, messages: Sequence[object], options: ChatOptions | None = None) -> list[int]:
         """Ids of a chat prompt as the engine computes them (raises ChatTemplateError).
@@ -126,7 +136,9 @@ def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
     offload = None
     if config.offload_bytes():
         offload = TokenizeOffload(config.offload_bytes(), config.offload_threads)
-    return PromptTokenizer(_HfEncoder(hf), f"hf:{config.path}", template, offload)
+    return PromptTokenizer(
+        _HfEncoder(hf), f"hf:{config.path}", template, offload, text_special_tokens=True
+    )
 
 
 def load_chat_template(config: TokenizerConfig) -> ModelChatTemplate | None:

@@ -60,6 +60,20 @@ def new_epoch(old_last: int) -> list[EventBatch]:
     return workload(seed=2, batches=old_last + 3)
 
 
+async def dump_then_restart(
+    svc: IndexerService, pub: ScriptedPublisher, *, drop: bool
+) -> tuple[list[EventBatch], bytes, list[EventBatch]]:
+    """Follow an old process, dump the index, then restart the publisher and publish a new
+    epoch (its live copies dropped with `drop`): (old batches, the dump, new batches)."""
+    old = await follow_old_epoch(svc, pub)
+    snapshot = svc.dump()
+    pub.restart()
+    new = new_epoch(len(old) - 1)
+    for batch in new:
+        await pub.publish(batch, drop=drop)
+    return old, snapshot, new
+
+
 def synced(svc: IndexerService) -> bool:
     return svc.streams()[0].state is StreamState.SYNCED
 
@@ -167,12 +181,7 @@ async def test_without_a_replay_socket_a_suspected_restart_clears(
 
 async def test_a_snapshot_of_a_dead_process_is_not_trusted(ctx: zmq.asyncio.Context) -> None:
     async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
-        old = await follow_old_epoch(svc, pub)
-        snapshot = svc.dump()
-        pub.restart()
-        new = new_epoch(len(old) - 1)
-        for batch in new:
-            await pub.publish(batch, drop=True)
+        _, snapshot, new = await dump_then_restart(svc, pub, drop=True)
         # the snapshot's seq exists in the new process too; only its batch digest differs
         svc.load(snapshot)
         await wait_until(lambda: synced(svc) and svc.streams()[0].restarts == 1)
@@ -246,12 +255,7 @@ async def test_a_probe_answered_across_a_snapshot_load_does_not_prove_the_snapsh
     its answer proves that state, not the snapshot's. Before, it made the loaded stream
     trusted, the dead process's entries predicting hits until the next probe."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
-        old = await follow_old_epoch(svc, pub)
-        snapshot = svc.dump()
-        pub.restart()
-        new = new_epoch(len(old) - 1)
-        for batch in new:
-            await pub.publish(batch)
+        old, snapshot, new = await dump_then_restart(svc, pub, drop=False)
         await wait_until(lambda: svc._workers[WORKER][0].tracker.last == len(new) - 1)
         await wait_until(lambda: synced(svc))
         # a slow replay socket: the next probe's batches come at once (its fence proven on

@@ -220,3 +220,50 @@ async def test_a_replay_socket_of_another_worker_is_refused_not_trusted(
             right = msgspec.structs.replace(wrong, replay=w1.kv_events.replay_endpoints[0])
             status, added = await fleet.admin("POST", "/workers", msgspec.to_builtins(right))
             assert status == 201, added
+
+
+async def test_two_workers_on_one_event_stream_are_refused() -> None:
+    """A copy-pasted `events` puts a second worker on the first one's publisher: each would be
+    predicted the other's pages (measured: predicted 80, cached 0)."""
+    cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        config = router_config([("w0", w0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            pasted = WorkerConfig(
+                url=w1.url,
+                id="w1",
+                events=w0.kv_events.endpoints[0],  # w0's
+                replay=w0.kv_events.replay_endpoints[0],
+                topic=w0.kv_events.topic,
+                block_size=PAGE,
+            )
+            status, refused = await fleet.admin("POST", "/workers", msgspec.to_builtins(pasted))
+            assert status == 400, refused
+            assert "are worker w0's stream already" in refused["error"]["message"]
+            own = msgspec.structs.replace(
+                pasted,
+                events=w1.kv_events.endpoints[0],
+                replay=w1.kv_events.replay_endpoints[0],
+                topic=w1.kv_events.topic,
+            )
+            status, added = await fleet.admin("POST", "/workers", msgspec.to_builtins(own))
+            assert status == 201, added
+
+
+async def test_a_topic_the_worker_does_not_publish_under_is_refused() -> None:
+    """A SUB matches by prefix: a configured topic that does not start the advertised one
+    receives nothing, and the stream would look healthy with no hit ever predicted."""
+    cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0, topic="kv@worker-0")
+    async with ReferenceWorker(cfg) as w0:
+        config = msgspec.structs.replace(router_config([]), workers=())
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {}, session)
+            wrong = WorkerConfig(url=w0.url, id="w0", topic="kv-events")
+            status, refused = await fleet.admin("POST", "/workers", msgspec.to_builtins(wrong))
+            assert status == 400, refused
+            assert "is not the topic it publishes under" in refused["error"]["message"]
+            prefix = msgspec.structs.replace(wrong, topic="kv@")  # a prefix of it: receives it
+            status, added = await fleet.admin("POST", "/workers", msgspec.to_builtins(prefix))
+            assert status == 201, added

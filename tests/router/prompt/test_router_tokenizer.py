@@ -12,6 +12,8 @@ from router.config import TokenizerConfig
 from router.errors import ConfigError
 from router.prompt.tokenizer import build_tokenizer
 
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "chat-templates"
+
 
 def test_byte_tokenizer_matches_the_workers() -> None:
     tok = build_tokenizer(TokenizerConfig())
@@ -32,8 +34,34 @@ def test_hf_tokenizer_file_is_used_when_the_extra_is_installed(tmp_path: Path) -
     path = tmp_path / "tokenizer.json"
     hf.save(str(path))
     tok = build_tokenizer(TokenizerConfig(kind="hf", path=str(path)))
-    assert tok.text("hello world nope") == [2, 3, 0]
+    # text as SGLang and vLLM encode it: the tokenizer's special tokens included (its BOS)
+    assert tok.text("hello world nope") == [1, 2, 3, 0]
     assert tok.chat([{"role": "user", "content": "hello"}])[0] == 1  # BOS from the template
+
+
+@pytest.mark.parametrize(
+    ("model", "bos"),
+    [
+        ("llama-3-8b-instruct", "<|begin_of_text|>"),
+        ("mistral-nemo-instruct-2407", "<s>"),
+        ("qwen3-0.6b", None),
+    ],
+)
+def test_a_text_prompt_starts_as_the_engine_starts_it(model: str, bos: str | None) -> None:
+    """SGLang (`TokenizerManager._tokenize_texts`, 0.5.23) calls the model's tokenizer with its
+    default, add_special_tokens=True: Llama's and Mistral's text prompts start with their BOS,
+    Qwen's with none. Without it a text prompt's blocks never matched what the worker cached."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = FIXTURES / model / "tokenizer.json"
+    own = tokenizers.Tokenizer.from_file(str(path))
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=str(path)))
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    ids = tok.text(text)
+    bare = own.encode(text, add_special_tokens=False).ids
+    if bos is None:
+        assert ids == bare
+    else:
+        assert ids == [own.token_to_id(bos), *bare]
 
 
 def test_hf_tokenizer_errors_are_config_errors(tmp_path: Path) -> None:
