@@ -70,6 +70,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     bootstrap_port: _Port = 0
     transfer_ms_per_token: _NonNegative = 0.002
     kv_transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # `POST /flush_cache {"cache_salt": ...}` empties that salt's pages only (advertised as
+    # `flush_cache_by_salt` in /server_info); false: it empties the whole cache, as SGLang's
+    # (0.5.23: its /flush_cache takes no salt), and says nothing
+    flush_by_salt: bool = True
 
     def __post_init__(self) -> None:
         # msgspec checks Meta constraints only when decoding; direct construction needs these.

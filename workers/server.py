@@ -404,6 +404,9 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             # SGLang's server args: "null" is its name for a worker that does both
             "disaggregation_mode": {"both": "null"}.get(cfg.role, cfg.role),
             "disaggregation_bootstrap_port": worker.disagg.bootstrap_port or 8998,
+            # not SGLang's: its /flush_cache takes no salt and empties the whole cache; this
+            # worker flushes one salt's pages, and says so for the router's evictions
+            "flush_cache_by_salt": cfg.flush_by_salt,
             "internal_states": [
                 {"dp_rank": r, "running": run, "waiting": wait}
                 for r, (run, wait) in enumerate(loads)
@@ -418,8 +421,8 @@ async def flush_cache(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     worker = _worker(request)
-    if "cache_salt" not in body:
-        worker.flush_all()
+    if "cache_salt" not in body or not worker.config.flush_by_salt:
+        worker.flush_all()  # SGLang's takes no salt: whatever the body says, all of it
         return web.json_response({"message": "Cache flushed.", "pages_removed": 0})
     # A body that names a namespace never empties the others: "" (or null) is the unsalted one.
     salt = normalize_key(body["cache_salt"], "cache_salt")

@@ -28,6 +28,7 @@ from router.errors import RequestError
 
 __all__ = [
     "capacity_from_server_info",
+    "flushes_by_salt",
     "max_running_from_server_info",
     "models_from_model_list",
     "models_from_server_info",
@@ -118,6 +119,13 @@ def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     SGLang reports one scheduler's pool; every data-parallel rank has a pool of that size.
     """
     return _int(info.get("max_total_num_tokens")) if info is not None else None
+
+
+def flushes_by_salt(info: Mapping[str, Any] | None) -> bool:
+    """Whether the worker's `/flush_cache {"cache_salt": ...}` empties that salt's pages only
+    (`flush_cache_by_salt`: the reference workers). SGLang's (0.5.23) takes no salt: it empties
+    the whole cache."""
+    return info is not None and info.get("flush_cache_by_salt") is True
 
 
 def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:

@@ -26,6 +26,7 @@ from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.discovery import (
     capacity_from_server_info,
+    flushes_by_salt,
     max_running_from_server_info,
     needs_discovery,
     streams_for,
@@ -191,6 +192,7 @@ class Supervisor:
         self._pool.set_models(entry, models)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
+        entry.flushes_by_salt = flushes_by_salt(info)
         entry.max_running_requests = max_running_from_server_info(info)
         entry.discovered = True
         log.info(

@@ -163,6 +163,12 @@ async def list_namespaces(request: web.Request) -> web.Response:
     return _reply({"namespaces": rows})
 
 
+_NO_SALT_FLUSH = (
+    "skipped: its /flush_cache cannot flush one salt (it would empty the whole cache); its "
+    "pages of this namespace go as it evicts them"
+)
+
+
 async def _flush(session: aiohttp.ClientSession, url: str, salt: str) -> str:
     try:
         async with session.post(
@@ -203,9 +209,15 @@ async def evict_namespace(request: web.Request) -> web.Response:
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker
         session = request.config_dict[SESSION]
-        entries = list(request.config_dict[PLANNER].pool)
+        pool = list(request.config_dict[PLANNER].pool)
+        entries = [e for e in pool if e.flushes_by_salt]
         results = await asyncio.gather(*(_flush(session, e.url, salt) for e in entries))
         flushed = {e.id: result for e, result in zip(entries, results, strict=True)}
+        for e in pool:
+            if not e.flushes_by_salt:
+                # SGLang's /flush_cache (0.5.23) takes no salt: it would empty every tenant's
+                # pages there, not this one's
+                flushed[e.id] = _NO_SALT_FLUSH
     return _reply(
         {
             "namespaces": sorted(fingerprint(ns) for ns in targets),

@@ -119,9 +119,31 @@ class Reloader:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise ReloadError(f"{exc} (the running config is kept)", key=exc.key) from exc
             config, diff = diff_configs(self._live.current, new)
+            try:
+                self._check_servers(config, diff)
+            except ReloadError as exc:
+                log.warning("config reload refused, the running config is kept: %s", exc)
+                raise
             await self.apply(config, diff)
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
+
+    def _check_servers(self, config: RouterConfig, diff: ConfigDiff) -> None:
+        """ReloadError when a worker the file adds is a server the pool keeps under another id
+        (one added through the admin API): checked before anything is applied, so a refused
+        reload changes nothing."""
+        coming = {*diff.workers_added, *diff.workers_changed}
+        leaving = {*diff.workers_removed, *coming}
+        kept = {e.config.server: e.id for e in self._planner.pool if e.id not in leaving}
+        for worker in config.workers:
+            other = kept.get(worker.server)
+            if worker.worker_id in coming and other is not None:
+                raise ReloadError(
+                    f"worker {worker.worker_id!r}: {worker.url} is worker {other!r} already "
+                    "(added through the admin API?): remove one of them (the running config "
+                    "is kept)",
+                    key="workers",
+                )
 
     async def apply(self, config: RouterConfig, diff: ConfigDiff) -> None:
         """Run on `config` (restart-only keys already at their running values), changing the
@@ -139,6 +161,13 @@ class Reloader:
             self.listener.reconfigure(config.limits)
         # 2. the fleet
         by_id = {w.worker_id: w for w in config.workers}
+        pool = self._planner.pool
+        # an operator's drain outlives a change of the worker's settings
+        drained = {
+            worker_id
+            for worker_id in diff.workers_changed
+            if (entry := pool.find(worker_id)) is not None and entry.draining
+        }
         for worker_id in diff.workers_removed:
             await self._remove(worker_id, publish=True)
         for worker_id in diff.workers_changed:
@@ -146,7 +175,9 @@ class Reloader:
             await self._remove(worker_id, publish=False)
         added = [*diff.workers_added, *diff.workers_changed]
         # at once: a worker that is not up yet waits for its discovery timeout
-        await asyncio.gather(*(self._add(by_id[worker_id]) for worker_id in added))
+        await asyncio.gather(
+            *(self._add(by_id[worker_id], draining=worker_id in drained) for worker_id in added)
+        )
 
     async def _remove(self, worker_id: str, *, publish: bool) -> None:
         with contextlib.suppress(NotFoundError):  # an admin removed it already
@@ -154,7 +185,7 @@ class Reloader:
         if publish and self.cluster is not None:
             await self.cluster.worker_changed(worker_id, None, removed=True)
 
-    async def _add(self, config: WorkerConfig) -> None:
+    async def _add(self, config: WorkerConfig, *, draining: bool = False) -> None:
         existing = self._planner.pool.find(config.worker_id)
         if existing is not None:
             if existing.config == config:
@@ -162,5 +193,6 @@ class Reloader:
             await self._supervisor.remove(config.worker_id)
         # as at startup: a worker not up yet is retried on every health round
         entry = await self._supervisor.add(config, must_register=False)
+        entry.draining = entry.draining or draining
         if self.cluster is not None:
             await self.cluster.worker_changed(entry.id, entry.config, draining=entry.draining)

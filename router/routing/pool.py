@@ -86,6 +86,8 @@ class WorkerEntry:
         self.capacity_tokens: int | None = None
         # how many requests each rank runs at once (`max_running_requests`), None: unknown
         self.max_running_requests: int | None = None
+        # whether its /flush_cache can empty one salt's pages (its /server_info says so)
+        self.flushes_by_salt = False
 
     @property
     def cache_model(self) -> str:

@@ -252,3 +252,38 @@ async def test_prompt_logprobs_cap_what_is_predicted_as_the_engine_caps_its_reus
         )
         predicted = int(headers["x-kvroute-matched-tokens"])
         assert predicted == cached, (path, body.keys(), predicted, cached)
+
+
+async def test_an_eviction_does_not_flush_a_worker_that_cannot_flush_one_salt() -> None:
+    """SGLang's /flush_cache takes no salt: calling it to evict one tenant would empty every
+    tenant's pages there. Such a worker (its /server_info does not say `flush_cache_by_salt`)
+    is skipped, and says so; a worker that flushes by salt is flushed."""
+    by_salt = ReferenceConfig(time_scale=0.0, page_size=16)
+    whole = ReferenceConfig(time_scale=0.0, page_size=16, flush_by_salt=False)
+    async with ReferenceWorker(by_salt) as w0, ReferenceWorker(whole) as w1:
+        config = router_config([("w0", w0.url), ("w1", w1.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            prompt = [(i * 5) % 200 + 9 for i in range(8 * 16 + 1)]
+            for salt in ("evict-me", "keep-me"):
+                for worker in (w0, w1):  # straight to each worker: both hold both tenants
+                    async with session.post(
+                        worker.url + "/generate", json={"input_ids": prompt, "cache_salt": salt}
+                    ) as resp:
+                        assert resp.status == 200, await resp.text()
+            status, result = await fleet.admin(
+                "POST", "/namespaces/evict", {"cache_salt": "evict-me", "flush_workers": True}
+            )
+            assert status == 200, result
+            assert result["flushed"]["w0"] == "ok"
+            assert result["flushed"]["w1"].startswith("skipped: ")
+
+            async def cached(worker: ReferenceWorker, salt: str) -> int:
+                body = {"input_ids": prompt, "cache_salt": salt}
+                async with session.post(worker.url + "/debug/match", json=body) as resp:
+                    return int((await resp.json())["cached_tokens"])
+
+            assert await cached(w0, "evict-me") == 0 and await cached(w0, "keep-me") == 128
+            # the other tenant's pages are still on the worker that was not called
+            assert await cached(w1, "keep-me") == 128

@@ -270,6 +270,40 @@ async def test_keys_that_need_a_restart_are_reported_and_kept(fleet: Reloadable)
     assert answer["needs_restart"] == ["listen.port", "policy.name"] and not answer["changed"]
 
 
+async def test_a_file_adding_a_server_an_admin_added_changes_nothing(fleet: Reloadable) -> None:
+    """Checked before anything applies: before, the limit changed, the worker was not added,
+    and the next reload of the same file said nothing changed."""
+    spare = fleet.spare.url
+    status, _ = await fleet.admin("POST", "/workers", {"id": "extra", "url": spare})
+    assert status == 201
+    before = fleet.router.running_config
+    workers = {n: w.url for n, w in fleet.workers.items()} | {"w2": spare}
+    fleet.path.write_text(_toml(workers, salt_bytes=4))
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["type"] == "ReloadError", answer
+    assert answer["error"]["key"] == "workers" and "'extra'" in answer["error"]["message"]
+    assert fleet.router.running_config is before
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("tenant-long-salt"))
+    assert status == 200  # the limit of the refused file is not in force
+    # once the admin's worker is gone the same file applies whole
+    status, _ = await fleet.admin("DELETE", "/workers/extra")
+    assert status == 200
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_added"] == ["w2"], answer
+
+
+async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:
+    status, _ = await fleet.admin("POST", "/workers/w1/drain")
+    assert status == 200
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    fleet.path.write_text(text + 'model = "m"\n')  # the last worker (w1) gains a model name
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_changed"] == ["w1"], answer
+    assert fleet.router.planner.pool.get("w1").draining
+    _, listed = await fleet.admin("GET", "/workers")
+    assert {w["id"]: w["draining"] for w in listed["workers"]}["w1"] is True
+
+
 async def test_reload_needs_a_config_file_and_the_admin_token() -> None:
     from tests.router.conftest import router_config
 
