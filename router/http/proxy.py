@@ -278,6 +278,7 @@ class Proxy:
                 candidate,
                 first_try=attempt == 0,
                 output_tokens=parsed.output_tokens,
+                whole_answer=not parsed.stream,
             )
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
@@ -552,11 +553,15 @@ class Proxy:
                 try:
                     chunk = await upstream.readany()
                 except (UpstreamClientError, TimeoutError) as exc:
-                    # the worker failed mid-stream: bytes already reached the client, so no
-                    # retry; cut the connection so the client sees a truncated stream, not a
-                    # clean end. The request deadline passing is no sign of a dead worker.
-                    self._planner.record_failure(worker, hard=not isinstance(exc, TimeoutError))
-                    log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
+                    # bytes already reached the client, so no retry; cut the connection so
+                    # the client sees a truncated stream, not a clean end. The request deadline
+                    # passing while the worker streams is no failure of it (it was answering:
+                    # counted, a long generation would reopen a recovering worker's circuit)
+                    if not isinstance(exc, TimeoutError):
+                        self._planner.record_failure(worker, hard=True)
+                        log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
+                    else:
+                        log.info("a stream from worker %s was cut at the request deadline", worker)
                     upstream.close()
                     if request.transport is not None:
                         request.transport.close()
@@ -567,9 +572,16 @@ class Proxy:
         except ConnectionResetError:
             # the client went away (left to `forward`, it would count against the worker and
             # retry a request whose bytes were sent); closing the upstream connection makes
-            # the worker abort
+            # the worker abort. The worker was streaming: it works (a recovering worker's
+            # circuit closes on it, as on a whole answer)
             upstream.close()
+            self._planner.record_success(worker)
             return response
+        except asyncio.CancelledError:
+            # the client went away and aiohttp cancelled the handler: the same (`forward`
+            # closes the upstream connection)
+            self._planner.record_success(worker)
+            raise
         if upstream.status < 500:  # a streamed 5xx was counted as a failure in `_answer`
             self._planner.record_success(worker)
         return response

@@ -6,12 +6,14 @@ affinity, dry runs whose numbers match the workers' cached_tokens, eviction (ind
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
 import openai
 
-from router.config import IndexerSection
+from router.config import BreakerConfig, IndexerSection, TimeoutsConfig
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -287,3 +289,70 @@ async def test_an_eviction_does_not_flush_a_worker_that_cannot_flush_one_salt() 
             assert await cached(w0, "evict-me") == 0 and await cached(w0, "keep-me") == 128
             # the other tenant's pages are still on the worker that was not called
             assert await cached(w1, "keep-me") == 128
+
+
+async def test_a_whole_answer_stops_counting_as_queued_prefill_once_its_prompt_is_stored() -> None:
+    """A request answered whole has its first byte only when it has decoded too: counted as
+    queued prefill until then, it weighed as dozens of running requests for its whole decode.
+    Its prompt's stores end that (as a prefill side's do)."""
+    slow = ReferenceConfig(
+        time_scale=1.0, page_size=16, prefill_ms_per_token=0.5, decode_ms_per_token=50.0
+    )
+    async with ReferenceWorker(slow) as w0:
+        config = router_config([("w0", w0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            load = router.planner.load
+            prompt = [(i * 3) % 200 + 11 for i in range(20 * 16 + 1)]
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40}}  # ~2 s
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=body))
+
+            async def stored() -> bool:
+                return load.of("w0").running == 1 and load.of("w0").queued_prefill_tokens == 0
+
+            await eventually(stored, what="its prompt to stop counting as queued prefill")
+            assert not sent.done()  # still decoding: no byte of its answer yet
+            resp = await sent
+            assert resp.status == 200, await resp.text()
+            resp.release()
+
+
+async def test_a_stream_cut_at_the_deadline_or_left_by_its_client_is_no_worker_failure() -> None:
+    """A worker streaming when the request deadline passes, or when its client leaves, was
+    answering: before, the cut counted as a failure and, one failure being the threshold here
+    (as it is for a recovering worker's half-open circuit), made the worker unroutable."""
+    slow = ReferenceConfig(time_scale=1.0, page_size=16, decode_ms_per_token=50.0)
+    async with ReferenceWorker(slow) as w0:
+        config = router_config(
+            [("w0", w0.url)],
+            timeouts=TimeoutsConfig(request_s=0.5),
+            breaker=BreakerConfig(failure_threshold=1, cooldown_s=60.0),
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            entry = router.planner.pool.get("w0")
+            body = {
+                "input_ids": list(range(40, 80)),
+                "sampling_params": {"max_new_tokens": 100},  # ~5 s: cut at 0.5 s
+                "stream": True,
+            }
+            async with session.post(router.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    await resp.read()  # truncated at the deadline
+            assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
+            # a half-open circuit (as after a cooldown) is closed by a stream its client left
+            entry.breaker.failure(router.planner.clock(), hard=True)
+            entry.breaker.reconfigure(1, 0.0)  # the cooldown over at once: half-open
+            async with session.post(router.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readany()
+            await eventually(
+                lambda: _closed(entry), what="the circuit to close on the stream its client left"
+            )
+
+
+async def _closed(entry: Any) -> bool:
+    return bool(entry.breaker.failures == 0)
