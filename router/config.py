@@ -233,6 +233,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Bounds on what one request may cost the router."""
 
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    # an index snapshot loaded through POST /admin/index/load (admin token): about 19 bytes
+    # an entry, so 16 MiB would refuse the router's own dump of a million-entry index
+    max_snapshot_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024 * 1024
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
     # a body nesting deeper is a 400; kept far below Python's recursion limit (~1000) so nothing
     # that walks a body recursively (msgspec, Jinja's tojson, the engines' parsers) can fail

@@ -20,7 +20,7 @@ from aiohttp.typedefs import Middleware
 
 from indexer.service import Namespace
 from router.config import WorkerConfig
-from router.errors import AuthError, NotFoundError, RequestError
+from router.errors import AuthError, NotFoundError, PayloadTooLargeError, RequestError
 from router.http.bearer import bearer_matches
 from router.http.intake import read_request
 from router.http.keys import (
@@ -35,6 +35,7 @@ from router.http.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
+from router.http.listener import SNAPSHOT_PATH
 from router.http.memory import add_memory_routes
 from router.prompt.request import Endpoint, check_salt_size
 from router.routing.pool import WorkerEntry, WorkerSummary
@@ -304,8 +305,20 @@ async def dump_index(request: web.Request) -> web.Response:
 
 
 async def load_index(request: web.Request) -> web.Response:
-    """POST /admin/index/load: replace the index with a snapshot from /admin/index/dump."""
-    request.config_dict[INDEXER].load(await request.read())
+    """POST /admin/index/load: replace the index with a snapshot from /admin/index/dump.
+
+    Its body is bounded by `limits.max_snapshot_bytes`, not by the clients' `max_body_bytes`
+    (aiohttp's `client_max_size`, which `request.read` applies): a dump of a large index is
+    larger than any request."""
+    limit = request.config_dict[CONFIG].current.limits.max_snapshot_bytes
+    data = bytearray()
+    async for chunk in request.content.iter_any():
+        data += chunk
+        if len(data) > limit:
+            raise PayloadTooLargeError(
+                f"the snapshot is over limits.max_snapshot_bytes ({limit} bytes)"
+            )
+    request.config_dict[INDEXER].load(bytes(data))
     return _reply({"loaded": True})
 
 
@@ -330,7 +343,7 @@ def create_admin_app(token: str) -> web.Application:
     app.router.add_get("/streams", list_streams)
     app.router.add_post("/route", route_dry_run)
     app.router.add_get("/index/dump", dump_index)
-    app.router.add_post("/index/load", load_index)
+    app.router.add_post(SNAPSHOT_PATH.removeprefix("/admin"), load_index)
     app.router.add_post("/reload", reload_config)
     add_memory_routes(app)
     return app

@@ -49,6 +49,7 @@ __all__ = [
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
+    "SNAPSHOT_PATH",
     "GuardedHandler",
     "GuardedServer",
     "RefusalLog",
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# the one route whose body is bounded by limits.max_snapshot_bytes, not max_body_bytes
+SNAPSHOT_PATH = "/admin/index/load"
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
@@ -391,11 +395,13 @@ class GuardedServer(web.Server):
                 ExpectationFailedError, "the Expect header can only be 100-continue"
             )
         declared = request.content_length
-        limit = self.limits.max_body_bytes
+        limit, key = self.limits.max_body_bytes, "max_body_bytes"
+        if request.path == SNAPSHOT_PATH:
+            limit, key = self.limits.max_snapshot_bytes, "max_snapshot_bytes"
         if declared is not None and declared > limit:
             return _json_answer(
                 PayloadTooLargeError,
-                f"request body of {declared} bytes is over limits.max_body_bytes ({limit} bytes)",
+                f"request body of {declared} bytes is over limits.{key} ({limit} bytes)",
             )
         if expect is None and request.method == hdrs.METH_POST:
             direct = self.direct.get(request.path)

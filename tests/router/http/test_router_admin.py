@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
 import pytest
 
-from router.config import AdminConfig, ListenConfig, RouterConfig
+from indexer.index import PrefixIndex
+from indexer.protocol.events import Event, EventBatch, Stored
+from indexer.snapshot import dump_index
+from router.config import AdminConfig, LimitsConfig, ListenConfig, RouterConfig
 from router.errors import ConfigError
 from router.http.app import create_app
 from router.service import RouterService
@@ -180,3 +184,52 @@ async def test_an_add_abandoned_during_discovery_leaves_no_worker_behind(fleet: 
             return [w["id"] for w in listed["workers"]] == ["w0", "w1"]
 
         await eventually(gone, what="the abandoned worker to be rolled back")
+
+
+def _snapshot(entries: int) -> bytes:
+    """A snapshot of an index with `entries` one-block entries on one stream."""
+    index = PrefixIndex()
+    index.add_stream("w0#dp0", block_size=4)
+    stored: list[Event] = [
+        Stored(block_hashes=[i + 1], parent=None, token_ids=[i, i, i, i], block_size=4)
+        for i in range(entries)
+    ]
+    index.apply("w0#dp0", EventBatch(0.0, stored), 0)
+    return dump_index(index)
+
+
+async def test_a_snapshot_is_bounded_by_its_own_limit_not_the_request_body_limit() -> None:
+    """A dump of a large index is larger than any request: max_body_bytes refused a router's
+    own dump of a million entries (19 MB against 16 MiB)."""
+    snapshot = _snapshot(2000)
+    small = LimitsConfig(max_body_bytes=1024)
+    assert len(snapshot) > 10 * small.max_body_bytes
+    async with (
+        RouterService(router_config([], limits=small)) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        url = router.url + "/admin/index/load"
+        async with session.post(url, data=snapshot, headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+        assert len(router.planner.indexer.index) == 2000
+
+        async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: read up to the limit
+            for at in range(0, len(snapshot), 4096):
+                yield snapshot[at : at + 4096]
+
+        async with session.post(url, data=chunked(), headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+    tight = LimitsConfig(max_body_bytes=1024, max_snapshot_bytes=4096)
+    async with (
+        RouterService(router_config([], limits=tight)) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        url = router.url + "/admin/index/load"
+        for data in (snapshot, chunked()):
+            async with session.post(url, data=data, headers=AUTH) as resp:
+                assert resp.status == 413
+                assert "limits.max_snapshot_bytes" in (await resp.json())["error"]["message"]
+        assert len(router.planner.indexer.index) == 0
+        # any other route keeps the clients' limit
+        async with session.post(router.url + "/v1/completions", data=snapshot) as resp:
+            assert resp.status == 413
