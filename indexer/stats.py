@@ -80,6 +80,8 @@ class StreamStats(msgspec.Struct):
     # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba): not kept
     skipped_group_blocks: int = 0
     dp_rank: int = 0  # the worker's data-parallel rank this stream is (a metric label)
+    # removals of blocks the stream does not hold (in the tier they name): changed nothing
+    unknown_removes: int = 0
 
 
 class RankMatch(msgspec.Struct):

@@ -335,8 +335,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
+        if not self.url.lower().startswith(("http://", "https://")):
             raise ValueError(f"workers.url must start with http:// or https://, got {self.url!r}")
+        scheme, rest = self.url.split("://", 1)
+        if scheme != scheme.lower():  # schemes are case-insensitive (RFC 3986): one spelling
+            msgspec.structs.force_setattr(self, "url", f"{scheme.lower()}://{rest}")
         # checked here so a bad url is a 400 on POST /admin/workers, not a 500 from discovery
         try:
             parts = urlsplit(self.url)

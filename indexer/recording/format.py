@@ -409,7 +409,8 @@ class RecordingWriter:
         path = Path(path)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
         try:
-            fd = os.open(path, flags, 0o644)
+            # owner only: the events carry the tenants' salts in clear (secrets)
+            fd = os.open(path, flags, 0o600)
         except OSError as exc:
             why = "it is a directory" if path.is_dir() else exc.strerror
             if isinstance(exc, FileExistsError) and not path.is_dir():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         summary, index = replay_into_index(args.file, flt=flt)
         if args.dump:
             # the same snapshot `/admin` and `IndexerService.dump` produce: loadable by a router
-            args.dump.write_bytes(dump_index(index))
+            # owner only, as a recording: a snapshot holds the salts in clear
+            fd = os.open(args.dump, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as dump:
+                dump.write(dump_index(index))
     except (OSError, IndexerError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2

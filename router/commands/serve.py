@@ -256,20 +256,24 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
     ConfigError for another value of the variable.
     """
     wanted = os.environ.get(EVENT_LOOP_ENV, "").strip().lower()
-    if wanted not in ("", "uvloop", "asyncio"):
-        raise ConfigError(f"{EVENT_LOOP_ENV}={wanted!r}: use uvloop or asyncio")
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     name = "asyncio"
-    if wanted != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if wanted == "uvloop":  # asked for by name: say what is missing
-                raise ConfigError(
-                    f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed (pip install uvloop)"
-                ) from None
-        else:
-            factory, name = uvloop.new_event_loop, "uvloop"
+    try:
+        if wanted not in ("", "uvloop", "asyncio"):
+            raise ConfigError(f"{EVENT_LOOP_ENV}={wanted!r}: use uvloop or asyncio")
+        if wanted != "asyncio":
+            try:
+                import uvloop
+            except ImportError:
+                if wanted == "uvloop":  # asked for by name: say what is missing
+                    raise ConfigError(
+                        f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed (pip install uvloop)"
+                    ) from None
+            else:
+                factory, name = uvloop.new_event_loop, "uvloop"
+    except ConfigError:
+        main.close()  # never run: no "coroutine was never awaited" warning beside the error
+        raise
     logging.getLogger(__name__).info("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)

@@ -269,11 +269,12 @@ def run(args: argparse.Namespace) -> int:
     """Start the fleet and the router; keep them up until Ctrl-C or SIGTERM."""
     router: RouterConfig | None = None
     try:
+        # the [fleet] table shapes the workers with or without the router
+        config = load_config(_config_path(args.config))
+        _apply_fleet_table(args, config.fleet)
         if not args.no_router:
-            router = load_config(_config_path(args.config))
-            _apply_fleet_table(args, router.fleet)
             router = apply_overrides(
-                router, argparse.Namespace(port=args.router_port, policy=args.policy)
+                config, argparse.Namespace(port=args.router_port, policy=args.policy)
             )
     except ConfigError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)

@@ -113,6 +113,8 @@ class Supervisor:
         self._load = load
         self._metrics = metrics
         self._clock = clock
+        # per worker, the last reason it could not be registered that was logged (`_refused`)
+        self._said: dict[str, str] = {}
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
@@ -242,7 +244,20 @@ class Supervisor:
         try:
             await self.register(entry)
         except RequestError as exc:
-            log.warning("worker %s: %s (retrying on each health round)", entry.id, exc)
+            self._refused(entry, exc)
+
+    def _refused(self, entry: WorkerEntry, exc: RequestError) -> None:
+        """Say why `entry` cannot be registered: once, and again only when the reason changes
+        (the health rounds retry every `health.interval_s`: the same line every round would
+        bury the log)."""
+        said = str(exc)
+        if self._said.get(entry.id) == said:
+            log.debug("worker %s: %s (still)", entry.id, said)
+            return
+        if len(self._said) >= 4096:
+            self._said.clear()  # bounded: workers come and go; a line said again costs nothing
+        self._said[entry.id] = said
+        log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
 
     def _pool_ids(self) -> set[str]:
         return {w.id for w in self._pool}
@@ -258,7 +273,7 @@ class Supervisor:
         except RequestError as exc:
             if must_register:
                 raise
-            log.warning("worker %s: %s (retrying on each health round)", entry.id, exc)
+            self._refused(entry, exc)
             settled = True
         finally:
             # refused, or cancelled mid-discovery (the admin client left): leave no half-added
@@ -302,7 +317,9 @@ class Supervisor:
             try:
                 await self.register(entry)
             except RequestError as exc:
-                log.warning("worker %s: %s", entry.id, exc)
+                self._refused(entry, exc)
+            else:
+                self._said.pop(entry.id, None)
         elif came_back:
             await self._recheck_models(entry)
         return healthy

@@ -119,9 +119,13 @@ class Decision:
             return f"no worker holds a prefix: {where} had the least load ({chosen.load:g}){retry}"
         if reason == "prefix":
             pending = f", {chosen.pending_tokens} pending" if chosen.pending_tokens else ""
+            # what the headers predict: the forecast's, when it expects less to be kept
+            kept = chosen.predicted_tokens
+            cause = chosen.admission.cause if chosen.admission is not None else ""
+            forecast = f"; {kept} forecast at admission: {cause}" if kept < held else ""
             return (
                 f"{where} holds the longest prefix: {chosen.matched_tokens} of "
-                f"{self.prompt_tokens} tokens{pending}, load {chosen.load:g}{retry}"
+                f"{self.prompt_tokens} tokens{pending}{forecast}, load {chosen.load:g}{retry}"
             )
         return (
             f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "

@@ -243,6 +243,10 @@ def parse_request(
         reusable = generate_reuse_limit(body)
     elif endpoint is Endpoint.COMPLETIONS:
         tokens = _completion_tokens(body, tokenizer)
+        # a list of prompts (strings or token-id lists) is a batch: SGLang takes its salts
+        # and extra_keys one per prompt too (`CompletionRequest`, 0.5.23)
+        prompt = body.get("prompt")
+        batched = isinstance(prompt, list) and isinstance(prompt[0], str | list)
         output_tokens = completion_output_limit(body)
         reusable = completion_reuse_limit(body)
     else:

@@ -14,7 +14,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
-from indexer.protocol.events import EventBatch, Stored
+from indexer.protocol.events import Event, EventBatch, Removed, Stored
 from indexer.protocol.frames import pack_seq
 from indexer.recording.capture import Capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
@@ -621,3 +621,15 @@ async def test_another_publishers_replay_socket_is_found_out_and_its_entries_cle
         assert view(svc.index, STREAM) == view(reference(batches), STREAM) != {}
         assert len(other.replay_requests) == asked
         assert svc.streams()[0].last_seq == last
+
+
+async def test_removals_of_blocks_the_stream_does_not_hold_are_counted(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        stored = Stored(block_hashes=[7], parent=None, token_ids=[1, 2, 3, 4], block_size=4)
+        events: list[Event] = [stored, Removed(block_hashes=[8, 9]), Removed(block_hashes=[7])]
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))
+        stats = svc.streams()[0]
+        assert (stats.unknown_removes, stats.blocks_removed, stats.entries) == (2, 1, 0)

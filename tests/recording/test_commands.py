@@ -52,6 +52,7 @@ def test_replay_json_and_dump(
 ) -> None:
     dump = tmp_path / "index.msgpack"
     assert main(["replay", str(recording), "--json", "--dump", str(dump)]) == 0
+    assert dump.stat().st_mode & 0o777 == 0o600  # it holds the salts in clear
     summary = json.loads(capsys.readouterr().out)
     _, index = replay_into_index(recording)
     assert summary["index_entries"] == len(index) == len(load_index(dump.read_bytes())) > 0

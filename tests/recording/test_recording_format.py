@@ -359,3 +359,15 @@ def test_append_cuts_a_chunk_whose_body_does_not_decode(tmp_path: Path) -> None:
         got = [p.record.payload for p in reader]
         assert reader.damage is None
     assert got == [b"one", b"two", b"three"]
+
+
+def test_a_recording_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """Its events carry the tenants' salts in clear: whatever the umask lets through."""
+    path = tmp_path / "secret.kvrec"
+    old = os.umask(0o022)
+    try:
+        with RecordingWriter.create(path, SOURCES):
+            pass
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o600

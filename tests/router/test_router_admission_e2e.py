@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -267,3 +268,19 @@ async def test_a_topic_the_worker_does_not_publish_under_is_refused() -> None:
             prefix = msgspec.structs.replace(wrong, topic="kv@")  # a prefix of it: receives it
             status, added = await fleet.admin("POST", "/workers", msgspec.to_builtins(prefix))
             assert status == 201, added
+
+
+async def test_a_worker_refused_every_health_round_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0, topic="kv@worker-0")
+    async with ReferenceWorker(cfg) as w0:
+        wrong = WorkerConfig(url=w0.url, id="w0", topic="kv-events")
+        config = msgspec.structs.replace(router_config([]), workers=(wrong,))
+        caplog.set_level(logging.DEBUG, logger="router.fleet.supervisor")
+        async with RouterService(config):
+            # health rounds every 0.2 s: several retries, each refused the same way
+            await asyncio.sleep(1.2)
+    said = [r for r in caplog.records if "is not the topic it publishes under" in r.message]
+    assert len(said) >= 4
+    assert [r.levelno for r in said].count(logging.WARNING) == 1

@@ -53,7 +53,9 @@ def test_cross_field_checks() -> None:
         with pytest.raises(ConfigError, match=r"workers\.url"):
             parse_config({"workers": [{"url": url}]})
     # one server under two ids would be two candidates, each with half its load
-    for same in ("http://a:1/", "http://A:1", "http://a:1"):
+    # a scheme is case-insensitive: taken, spelled one way
+    assert parse_config({"workers": [{"url": "HTTPS://A:1/x"}]}).workers[0].url == "https://A:1/x"
+    for same in ("http://a:1/", "http://A:1", "http://a:1", "HTTP://a:1"):
         with pytest.raises(ConfigError, match="'x' and 'y' are one server"):
             parse_config({"workers": [{"url": "http://a:1", "id": "x"}, {"url": same, "id": "y"}]})
     with pytest.raises(ConfigError, match="one server"):

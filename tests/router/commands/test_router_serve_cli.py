@@ -76,6 +76,7 @@ async def test_the_event_loop_is_chosen_by_name_or_refused(tmp_path: Path) -> No
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"KVROUTE_EVENT_LOOP='tokio': use uvloop or asyncio" in err
+    assert b"never awaited" not in err  # the refusal alone, no warning beside it
 
 
 async def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:

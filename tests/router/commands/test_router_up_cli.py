@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.raw_http import json_error, parse_responses, wait_eof
 
@@ -84,21 +85,25 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
             await proc.wait()
 
 
-async def test_an_unknown_fleet_key_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("alone", [[], ["--no-router"]], ids=["with-router", "workers-alone"])
+async def test_an_unknown_fleet_key_is_refused(tmp_path: Path, alone: list[str]) -> None:
+    """The [fleet] table shapes the workers with or without the router (--no-router read no
+    config at all: its [fleet] was ignored, a missing file too)."""
     config = tmp_path / "local.toml"
     config.write_text("[fleet]\nworkers = 1\npage_sise = 8\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.commands.cli",
-        "up",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 2 and b"page_sise" in err
+    for path, said in ((config, b"page_sise"), (tmp_path / "missing.toml", b"missing.toml")):
+        up = ["up", *alone, "--config", str(path)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", *up,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 2 and said in err
 
 
 async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Path) -> None:

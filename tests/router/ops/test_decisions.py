@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.http.decisions import FLUSH_EVERY, Decision, DecisionCollector, DecisionStats
+from router.routing.admission import AdmissionForecast
 from router.routing.policy import Candidate
 
 
@@ -81,6 +82,13 @@ def test_explanations_say_why() -> None:
     assert d.explain().endswith("(retry 1)")
     row = d.to_builtins()
     assert row["best_worker"] == "a" and len(row["candidates"]) == 2  # type: ignore[arg-type]
+    assert "forecast" not in d.explain()
+    # what the headers predict is said too when the forecast keeps less than the index holds
+    a.pending_tokens = 32
+    a.admission = AdmissionForecast(raw_tokens=96, kept_tokens=64, capacity_tokens=None)
+    a.admission.cause = "answered"
+    d = Decision("id", "/generate", "m", "ns", 100, [a, b], a, 0, 16)
+    assert "64 of 100 tokens, 32 pending; 64 forecast at admission: answered" in d.explain()
 
 
 def test_counted_in_batches_yet_every_reader_sees_every_request() -> None:

@@ -53,6 +53,23 @@ def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
     assert _parse(Endpoint.GENERATE, {"text": "x", "cache_salt": ""}).salt is None
     batched = _parse(Endpoint.GENERATE, {"text": ["a", "b"], "cache_salt": ["s1", "s2"]})
     assert batched.salt == "s1"
+    # a completion's list of prompts is a batch as well (SGLang's CompletionRequest)
+    prompts: list[object] = [["a", "b"], [[1, 2], [3, 4]]]
+    for prompt in prompts:
+        listed = _parse(
+            Endpoint.COMPLETIONS,
+            {"prompt": prompt, "cache_salt": ["s1", "s2"], "extra_key": ["k1", "k2"]},
+        )
+        assert (listed.salt, listed.extra_key) == ("s1", "k1")
+    # one prompt takes one salt; a chat request is one conversation
+    singles: list[tuple[Endpoint, dict[str, object]]] = [
+        (Endpoint.COMPLETIONS, {"prompt": "a", "cache_salt": ["s1"]}),
+        (Endpoint.COMPLETIONS, {"prompt": [1, 2], "cache_salt": ["s1"]}),
+        (Endpoint.CHAT, {"messages": [{"role": "user", "content": "a"}], "cache_salt": ["s1"]}),
+    ]
+    for endpoint, body in singles:
+        with pytest.raises(RequestError, match="cache_salt must be a string"):
+            _parse(endpoint, body)
 
 
 def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
