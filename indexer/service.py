@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 
+# how long a loaded snapshot's streams wait for their workers to be subscribed (`load`)
+ORPHAN_GRACE_S = 600.0
 # the leading tokens kept of a prompt shadowed on a stream whose block size is not known yet:
 # more than any engine's page
 _UNSIZED_HEAD = 4096
@@ -89,6 +91,7 @@ class IndexerService:
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
+        self._loaded_at: float | None = None  # when a snapshot was last loaded (`load`)
 
     async def __aenter__(self) -> IndexerService:
         await self._subs.__aenter__()
@@ -314,6 +317,7 @@ class IndexerService:
 
     def namespaces(self) -> list[NamespaceStats]:
         """Every namespace with blocks: sizes and blocks per holding worker."""
+        self._drop_orphans()
         owner = {sub.stream_id: w for w, subs in self._workers.items() for sub in subs}
         out = []
         for size in self.index.namespaces():
@@ -333,10 +337,28 @@ class IndexerService:
 
     def dump(self) -> bytes:
         """A versioned msgpack snapshot of the whole index."""
+        self._drop_orphans()
         return dump_index(self.index)
 
+    def _drop_orphans(self) -> None:
+        """Drop the streams a loaded snapshot brought that no worker took up within
+        `ORPHAN_GRACE_S` of the load: nothing updates or proves them, yet they would be counted
+        in the namespaces and written into every later dump."""
+        loaded_at = self._loaded_at
+        if loaded_at is None or self._clock() - loaded_at < ORPHAN_GRACE_S:
+            return
+        self._loaded_at = None
+        ours = {sub.stream_id for subs in self._workers.values() for sub in subs}
+        for stream in self.index.streams():
+            if stream not in ours:
+                self.index.drop_stream(stream)
+
     def load(self, data: bytes) -> None:
-        """Replace the index with a snapshot; raises SnapshotError and keeps the old one."""
+        """Replace the index with a snapshot; raises SnapshotError and keeps the old one.
+
+        The snapshot's streams of workers not subscribed yet are kept for them (a warm start
+        loads before the fleet is known), for `ORPHAN_GRACE_S`. A subscribed stream keeps this
+        process's counters (metrics never go back), not the snapshot's."""
         index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
         for subs in self._workers.values():
             for sub in subs:
@@ -344,11 +366,14 @@ class IndexerService:
                 index.add_stream(
                     sub.stream_id, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
                 )
+                if self.index.has_stream(sub.stream_id):
+                    index.set_counters(sub.stream_id, self.index.counters(sub.stream_id))
                 # continue from the snapshot's seq (once its fence is proven): live messages
                 # then apply, or show a gap that the replay fills; streams the snapshot does
                 # not know rebuild from 0
                 sub.rebind(IndexSink(index, sub.stream_id))
         self.index = index
+        self._loaded_at = self._clock()
         self._matches.invalidate()
 
     # -------------------------------------------------------------- waiting

@@ -69,6 +69,9 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
     workers_changed: list[str] = []  # same id, other settings: removed and added again
     changed: list[str] = []  # dotted keys now running with the file's value
     needs_restart: list[str] = []  # dotted keys that differ in the file, kept at the old value
+    # workers added or changed that could not be registered yet (down, or refused), with why:
+    # in the pool, routed by load alone, retried on every health round
+    not_registered: dict[str, str] = {}
 
     @property
     def empty(self) -> bool:
@@ -95,6 +98,9 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if keys:
                 parts.append(f"{label}: {', '.join(keys)}")
+        if self.not_registered:
+            waiting = ", ".join(f"{k} ({why})" for k, why in self.not_registered.items())
+            parts.append(f"not registered yet: {waiting}")
         return "; ".join(parts)
 
 

@@ -38,6 +38,8 @@ from collections.abc import Callable, Hashable, Sequence
 from itertools import compress
 from operator import not_
 
+import msgspec
+
 from indexer.backend import DEFAULT, Backend
 from indexer.engines import EngineName, EngineSpec, engine_spec
 from indexer.fence import BatchFence
@@ -173,6 +175,11 @@ class PrefixIndex:
     def counters(self, stream: str) -> StreamCounters:
         """The stream's cumulative counters (a live object: read, do not keep)."""
         return self._streams[stream].counters
+
+    def set_counters(self, stream: str, counters: StreamCounters) -> None:
+        """Continue the stream's counters from `counters` (a copy is kept): a snapshot loaded
+        into a running process keeps that process's counts, which metrics export."""
+        self._streams[stream].counters = msgspec.structs.replace(counters)
 
     def last_seq(self, stream: str) -> int | None:
         """Seq of the last batch applied to this stream (None when unknown)."""

@@ -246,6 +246,10 @@ class Supervisor:
         except RequestError as exc:
             self._refused(entry, exc)
 
+    def refusal(self, worker: str) -> str | None:
+        """Why `worker` could not be registered, as last logged (None: nothing logged)."""
+        return self._said.get(worker)
+
     def _refused(self, entry: WorkerEntry, exc: RequestError) -> None:
         """Say why `entry` cannot be registered: once, and again only when the reason changes
         (the health rounds retry every `health.interval_s`: the same line every round would

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from router.config import LiveConfig, RouterConfig, WorkerConfig
 from router.config_diff import ConfigDiff, diff_configs
 from router.errors import ConfigError, NotFoundError, ReloadError
@@ -111,7 +113,10 @@ class Reloader:
     async def _reload(self) -> ConfigDiff:
         source = self.source
         if source is None:
-            raise ReloadError("this router was started without a config file: nothing to reload")
+            raise ReloadError(
+                "this router has no config file to read again (started without one, or by "
+                "`kvroute up`, which reads its config once): restart it to change its config"
+            )
         async with self._lock:
             try:
                 new = source.load()
@@ -125,8 +130,22 @@ class Reloader:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise
             await self.apply(config, diff)
+            waiting = self._unregistered([*diff.workers_added, *diff.workers_changed])
+            if waiting:
+                diff = msgspec.structs.replace(diff, not_registered=waiting)
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
+
+    def _unregistered(self, worker_ids: list[str]) -> dict[str, str]:
+        """The workers of `worker_ids` in the pool that could not be registered, with why."""
+        waiting: dict[str, str] = {}
+        for worker_id in worker_ids:
+            entry = self._planner.pool.find(worker_id)
+            if entry is not None and not entry.discovered:
+                waiting[worker_id] = self._supervisor.refusal(worker_id) or (
+                    "not answering yet; retried on every health round"
+                )
+        return waiting
 
     def _check_servers(self, config: RouterConfig, diff: ConfigDiff) -> None:
         """ReloadError when a worker the file adds is a server the pool keeps under another id

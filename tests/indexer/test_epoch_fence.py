@@ -10,6 +10,7 @@ batches from its first one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,7 +19,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored
-from indexer.service import IndexerService
+from indexer.service import ORPHAN_GRACE_S, IndexerService
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, workload
@@ -288,3 +289,31 @@ async def test_a_snapshot_stream_with_entries_but_no_seq_is_not_trusted(
         # nothing can prove entries no seq stands for: they go, and the stream goes on
         await wait_until(lambda: svc.streams()[0].state is not StreamState.UNVERIFIED)
         assert len(svc.index) == 0
+
+
+async def test_a_snapshot_keeps_this_process_counters_and_its_orphans_go_in_time(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A loaded stream's counters are this process's (metrics never go back); the snapshot's
+    streams no worker takes up are dropped after the grace (they were dumped again forever)."""
+    offset = [0.0]
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        IndexerService(LIVE_ONLY, clock=lambda: time.monotonic() + offset[0]) as svc,
+    ):
+        await follow_old_epoch(svc, pub)
+        svc.index.counters(STREAM).clears = 7  # this process's history so far
+        index = load_index(svc.dump())
+        index.add_stream("ghost#dp0", block_size=4)
+        ghost = [Stored(block_hashes=[1], parent=None, token_ids=[9, 9, 9, 9], block_size=4)]
+        index.apply("ghost#dp0", EventBatch(0.0, list(ghost)), 0)
+        index.counters(STREAM).clears = 0  # the snapshot's own count
+        svc.load(dump_index(index))
+        assert svc.streams()[0].clears >= 7
+        assert "ghost#dp0" in svc.index.streams()  # kept for a worker that may come
+        svc.namespaces()
+        assert "ghost#dp0" in svc.index.streams()  # within the grace
+        offset[0] += ORPHAN_GRACE_S + 1
+        svc.namespaces()
+        assert svc.index.streams() == [STREAM]
+        assert "ghost#dp0" not in load_index(svc.dump()).streams()

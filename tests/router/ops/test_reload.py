@@ -292,6 +292,21 @@ async def test_a_file_adding_a_server_an_admin_added_changes_nothing(fleet: Relo
     assert status == 200 and answer["workers_added"] == ["w2"], answer
 
 
+async def test_the_answer_names_the_workers_that_could_not_be_registered(
+    fleet: Reloadable,
+) -> None:
+    """Added, but down (or refused): in the pool, routed by load alone, retried every health
+    round. Before, only the log said so; the answer looked like a clean add."""
+    workers = {n: w.url for n, w in fleet.workers.items()} | {"w9": "http://127.0.0.1:9"}
+    fleet.path.write_text(_toml(workers))
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_added"] == ["w9"], answer
+    assert list(answer["not_registered"]) == ["w9"] and answer["not_registered"]["w9"]
+    fleet.path.write_text(_toml(workers | {"w2": fleet.spare.url}))
+    status, answer = await fleet.reload()
+    assert answer["workers_added"] == ["w2"] and answer["not_registered"] == {}, answer
+
+
 async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:
     status, _ = await fleet.admin("POST", "/workers/w1/drain")
     assert status == 200
@@ -312,7 +327,7 @@ async def test_reload_needs_a_config_file_and_the_admin_token() -> None:
             assert resp.status == 401
         async with s.post(router.url + "/admin/reload", headers=AUTH) as resp:
             assert resp.status == 400
-            assert "without a config file" in (await resp.json())["error"]["message"]
+            assert "no config file to read again" in (await resp.json())["error"]["message"]
 
 
 async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
