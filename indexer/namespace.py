@@ -43,6 +43,7 @@ __all__ = [
     "partial_key",
     "py_chain",
     "request_keys",
+    "vllm_plain_blocks",
     "vllm_salt",
 ]
 
@@ -85,16 +86,50 @@ def namespace_seed(namespace: Namespace, block_size: int) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+def _beyond_lora(keys: list[object], lora_name: str | None) -> list[object]:
+    return keys[1:] if lora_name is not None and keys and keys[0] == lora_name else keys
+
+
 def vllm_salt(extra_keys: list[list[object] | None] | None, lora_name: str | None) -> str | None:
-    """vLLM's cache_salt: the last string of the first block's extra keys, after the LoRA name."""
+    """vLLM's cache_salt: the one string of the first block's extra keys after the LoRA name
+    (`vllm_plain_blocks` has checked that nothing else is there)."""
     if not extra_keys:
         return None
     first = extra_keys[0]
     if not isinstance(first, list) or not first:
         return None
-    items = first[1:] if lora_name is not None and first[0] == lora_name else first
+    items = _beyond_lora(first, lora_name)
     last = items[-1] if items else None
     return last if isinstance(last, str) and last else None
+
+
+def vllm_plain_blocks(
+    extra_keys: list[list[object] | None], lora_name: str | None, *, root: bool
+) -> int:
+    """How many leading blocks of a vLLM `BlockStored` are keyed by their tokens, LoRA and salt
+    alone: what the index can key them by.
+
+    vLLM (0.33, `generate_block_hash_extra_keys`, published untagged by `to_event_extra_keys`)
+    hashes a block with its extra keys: the LoRA name, `(mm_identifier, offset)` pairs of the
+    multimodal inputs it overlaps, the `cache_salt` (a request's first block only: `root`, the
+    event's first block with no parent) and a digest (bytes) of prompt embeddings. A block with
+    multimodal pairs or a digest is reused only by a request with the same images or
+    embeddings, which its tokens do not show (a placeholder's ids are the same for every
+    image): such blocks, and every block after them, are not indexed (fail closed). So is a
+    first block with anything but one salt string beside the LoRA name (a layout not
+    understood)."""
+    for i, keys in enumerate(extra_keys):
+        if keys is None:
+            continue
+        if not isinstance(keys, list):
+            return i
+        items = _beyond_lora(keys, lora_name)
+        if not items:
+            continue
+        if root and i == 0 and len(items) == 1 and isinstance(items[0], str):
+            continue  # the salt
+        return i
+    return len(extra_keys)
 
 
 def block_tuples(tokens: Sequence[Hashable], block_size: int) -> Iterator[tuple[Hashable, ...]]:

@@ -82,6 +82,8 @@ class StreamStats(msgspec.Struct):
     dp_rank: int = 0  # the worker's data-parallel rank this stream is (a metric label)
     # removals of blocks the stream does not hold (in the tier they name): changed nothing
     unknown_removes: int = 0
+    # blocks keyed by images or prompt embeddings their tokens do not show (vLLM): not kept
+    unindexable_blocks: int = 0
 
 
 class RankMatch(msgspec.Struct):

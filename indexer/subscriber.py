@@ -843,4 +843,5 @@ class StreamSubscriber:
             skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
             dp_rank=self.config.dp_rank,
             unknown_removes=counters.unknown_removes if counters else 0,
+            unindexable_blocks=counters.unindexable_blocks if counters else 0,
         )

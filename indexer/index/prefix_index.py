@@ -285,6 +285,7 @@ class PrefixIndex:
         c.block_size_mismatches += outcome.block_size_mismatches
         c.skipped_events += outcome.skipped
         c.skipped_group_blocks += outcome.skipped_group_blocks
+        c.unindexable_blocks += outcome.unindexable_blocks
         if seq is not None:
             st.last_seq = seq
             st.fence = None if payload is None else BatchFence.of(seq, payload)

@@ -32,6 +32,9 @@ class StreamCounters(msgspec.Struct):
     clears: int = 0
     # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba), not kept
     skipped_group_blocks: int = 0
+    # blocks keyed by more than their tokens, LoRA and salt (vLLM's multimodal inputs, prompt
+    # embeddings: `indexer.namespace.vllm_plain_blocks`), and those after them: not kept
+    unindexable_blocks: int = 0
 
 
 class ApplyOutcome(msgspec.Struct, gc=False):
@@ -44,6 +47,7 @@ class ApplyOutcome(msgspec.Struct, gc=False):
     block_size_mismatches: int = 0
     skipped: int = 0
     skipped_group_blocks: int = 0
+    unindexable_blocks: int = 0
 
 
 class IndexedStream:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
+import msgspec
+
 from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
-from indexer.namespace import Namespace, vllm_salt
+from indexer.namespace import Namespace, vllm_plain_blocks, vllm_salt
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
 
 if TYPE_CHECKING:
@@ -172,6 +174,21 @@ class BatchWriter:
         if n == 0 or page <= 0:
             outcome.skipped += 1
             return
+        if ev.extra_keys is not None:
+            usable = vllm_plain_blocks(ev.extra_keys, ev.lora_name, root=ev.parent is None)
+            if usable < min(n, len(ev.extra_keys)):
+                # keyed by images or embeddings its tokens do not show: only the blocks
+                # before the first such one are the prefix a plain request can reuse
+                outcome.unindexable_blocks += n - usable
+                if not usable:
+                    return
+                ev = msgspec.structs.replace(
+                    ev,
+                    block_hashes=hashes[:usable],
+                    token_ids=tokens[: usable * page],
+                    extra_keys=ev.extra_keys[:usable],
+                )
+                hashes, n, tokens = ev.block_hashes, usable, ev.token_ids
         if st.block_size is None:
             self._index._set_block_size(st, page)
         block_size = st.block_size

@@ -31,7 +31,11 @@ from router.prompt.output_limit import (
     completion_output_limit,
     generate_output_limit,
 )
-from router.prompt.reuse_limit import completion_reuse_limit, generate_reuse_limit
+from router.prompt.reuse_limit import (
+    chat_reuse_limit,
+    completion_reuse_limit,
+    generate_reuse_limit,
+)
 from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = [
@@ -248,10 +252,11 @@ def parse_request(
         prompt = body.get("prompt")
         batched = isinstance(prompt, list) and isinstance(prompt[0], str | list)
         output_tokens = completion_output_limit(body)
-        reusable = completion_reuse_limit(body)
+        reusable = completion_reuse_limit(body, len(tokens))
     else:
         tokens = _chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
+        reusable = chat_reuse_limit(body, len(tokens))
     salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
     if header_salt is not None:

@@ -1,19 +1,27 @@
-"""How much of a prompt the engine may take from its cache, when prompt logprobs cap it.
+"""How much of a prompt the engine may take from its cache, when the request caps it.
 
-An engine reuses at most the prompt's tokens but the last (whose logits it must compute). When
-a request asks for the logprobs of prompt tokens, SGLang (0.5.23, `Req._compute_max_prefix_len`)
-also reuses nothing from the first token it must score on: a cached prefix has no logits to
-give. Predicting the whole held prefix for such a request would be a hit the worker does not
-give. As SGLang reads the body:
+An engine reuses at most the prompt's tokens but the last (whose logits it must compute). Some
+requests reuse less, or nothing, and predicting the whole held prefix for them would be a hit
+the worker does not give. The request is parsed before its worker (and so its engine) is
+chosen, so the rules of both engines apply (fail closed: where one of them reuses less, less
+is predicted):
 
-- `/generate`: `return_logprob` true with `logprob_start_len` >= 0 caps the reuse at
-  `logprob_start_len` (a batch's first item's values when they are lists); -1 or none
-  (the default) scores the output only, and nothing is capped;
-- `/v1/completions`: `echo` with `logprobs` scores the whole prompt (`logprob_start_len` 0):
-  nothing is reused (vLLM's prompt logprobs skip its prefix cache too);
-- `/v1/chat/completions`: output logprobs only; nothing is capped.
+- prompt logprobs. SGLang (0.5.23, `Req._compute_max_prefix_len`) reuses nothing from the first
+  prompt token it must score: `/generate` with `return_logprob` true and `logprob_start_len`
+  >= 0 is capped there (a batch's first item's values when they are lists; -1, the default,
+  scores the output only), `/v1/completions` with `echo` and `logprobs` at 0. vLLM (0.33,
+  `SamplingParams.skip_reading_prefix_cache`) reuses nothing once `prompt_logprobs` is set: by
+  the field itself, by `echo` with `logprobs` (0 included) on completions, by `echo` on chat
+  (which asks for `top_logprobs`, 0 by default);
+- `truncate_prompt_tokens` (vLLM) shorter than the prompt: the engine computes a cut prompt,
+  from the side its tokenizer says (the router cannot know which): nothing is predicted;
+- `add_special_tokens` against the endpoint's default (vLLM: true for text, false for chat):
+  the engine's tokens differ from the router's from the first one: nothing is predicted;
+- media parts in chat messages: the engine expands them into tokens the router does not make
+  (a placeholder per image, in front of the message's text for a template that wants a
+  string), so the router's tokens are not the engine's past the first one: nothing is predicted.
 
-Values of the wrong type are left to the engine to refuse (no cap). A pure function of the
+Values of the wrong type are left to the engine to refuse (no cap). Pure functions of the
 decoded body.
 """
 
@@ -22,7 +30,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["completion_reuse_limit", "generate_reuse_limit"]
+__all__ = ["chat_reuse_limit", "completion_reuse_limit", "generate_reuse_limit"]
+
+_TEXT_PART_TYPES = ("text", "input_text")
 
 
 def _first(value: object) -> object:
@@ -40,6 +50,42 @@ def generate_reuse_limit(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def completion_reuse_limit(body: Mapping[str, Any]) -> int | None:
-    """The same for a `/v1/completions` body: 0 when it echoes the prompt with logprobs."""
-    return 0 if body.get("echo") and body.get("logprobs") else None
+def completion_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
+    """The same for a `/v1/completions` body of a `prompt_tokens`-token prompt."""
+    logprobs = body.get("logprobs")
+    if body.get("echo") and logprobs is not None and logprobs is not False:
+        return 0
+    if _caps_openai(body, prompt_tokens, special_tokens=True):
+        return 0
+    return None
+
+
+def chat_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
+    """The same for a `/v1/chat/completions` body of a `prompt_tokens`-token prompt."""
+    if body.get("echo") is True or _caps_openai(body, prompt_tokens, special_tokens=False):
+        return 0
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(_has_media(m) for m in messages):
+        return 0
+    return None
+
+
+def _caps_openai(body: Mapping[str, Any], prompt_tokens: int, *, special_tokens: bool) -> bool:
+    """vLLM's OpenAI fields that make the engine reuse nothing the router could predict."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    cut = body.get("truncate_prompt_tokens")
+    if type(cut) is int and 0 <= cut < prompt_tokens:
+        return True
+    given = body.get("add_special_tokens")
+    return isinstance(given, bool) and given is not special_tokens
+
+
+def _has_media(message: object) -> bool:
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return False
+    return any(
+        isinstance(part, Mapping) and part.get("type", "text") not in _TEXT_PART_TYPES
+        for part in content
+    )

@@ -151,6 +151,7 @@ class WorkerPool:
         self._by_model: dict[str, tuple[WorkerEntry, ...]] = {}
         self._cache_model: dict[str, str] = {}  # served name -> `ModelChoice.cache_model`
         self._single: ModelChoice | None = ModelChoice("", "", None)
+        self._names_adapters = False
 
     def reconfigure(self, breaker: BreakerConfig) -> None:
         """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
@@ -207,6 +208,10 @@ class WorkerPool:
         if self._single is not None:
             # one pool takes every name (SGLang ignores it), and keeps the alias it was asked
             served = base if base in self._by_model else self._single.model
+            if self._names_adapters and model not in self._by_model:
+                # vLLM serves a name that is not its model's only as a LoRA adapter's (the
+                # events' `lora_name`), whose pages are never the base model's
+                adapter = model
             return ModelChoice(served, self._single.cache_model, adapter)
         if base not in self._by_model:
             raise UnknownModelError(model, self.served())
@@ -235,6 +240,10 @@ class WorkerPool:
                 by_model.setdefault(name, []).append(entry)
         self._everyone = tuple(self._workers.values())
         self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
+        # vLLM workers only: a request naming another model names a LoRA adapter (`resolve`)
+        self._names_adapters = bool(self._everyone) and all(
+            e.config.engine == "vllm" for e in self._everyone
+        )
         # A name's requests are matched against the cache of its workers' first name when that
         # name has exactly the same workers (aliases listed alike); otherwise under the name
         # itself, which keeps `serving(cache_model)` equal to the workers of the name.

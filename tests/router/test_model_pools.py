@@ -18,7 +18,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import HealthConfig, PolicyConfig, PolicyName, WorkerConfig
+from indexer.engines import EngineName
+from router.config import BreakerConfig, HealthConfig, PolicyConfig, PolicyName, WorkerConfig
+from router.routing.pool import WorkerPool
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -235,3 +237,15 @@ async def test_model_labels_name_served_models_only() -> None:
         async with fleet.session.get(fleet.url + "/metrics") as resp:
             text = await resp.text()
     assert set(_LABEL.findall(text)) == {"m"}
+
+
+def test_a_vllm_fleet_reads_a_name_it_does_not_serve_as_a_lora_adapter() -> None:
+    """vLLM takes a request for another name only as a LoRA adapter's (its events name the
+    adapter as `lora_name`): read as the base model, the base's pages were predicted."""
+    cases: list[tuple[EngineName, str | None]] = [("vllm", "sql-lora"), ("sglang", None)]
+    for engine, lora in cases:
+        pool = WorkerPool(BreakerConfig())
+        pool.add(WorkerConfig(url="http://127.0.0.1:1", id="w", engine=engine, model="base"))
+        choice = pool.resolve("sql-lora")
+        assert (choice.model, choice.cache_model, choice.adapter) == ("base", "base", lora)
+        assert pool.resolve("base").adapter is None
