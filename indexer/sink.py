@@ -30,6 +30,7 @@ class Applied(NamedTuple):
 
     events: int
     block_size_mismatches: int = 0  # pages that do not fit the stream's block size: not kept
+    dp_rank: int | None = None  # the rank the batch says it is from (None: it says none)
 
 
 class StreamSink(Protocol):
@@ -90,7 +91,7 @@ class IndexSink:
             self.index.set_last_seq(self.stream_id, seq, payload)
             return None
         outcome = self.index.apply(self.stream_id, batch, seq, payload)
-        return Applied(len(batch.events), outcome.block_size_mismatches)
+        return Applied(len(batch.events), outcome.block_size_mismatches, batch.dp_rank)
 
     def clear(self) -> int:
         """Drop the stream's entries."""

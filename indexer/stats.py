@@ -84,6 +84,8 @@ class StreamStats(msgspec.Struct):
     unknown_removes: int = 0
     # blocks keyed by images or prompt embeddings their tokens do not show (vLLM): not kept
     unindexable_blocks: int = 0
+    # batches that said another dp rank than the stream's (its ports mapped wrong): warned of
+    rank_mismatches: int = 0
 
 
 class RankMatch(msgspec.Struct):

@@ -198,6 +198,7 @@ class StreamSubscriber:
         self.refetches = 0
         self.lost_batches = 0
         self.verifications = 0
+        self.rank_mismatches = 0  # batches that said another dp rank than the stream's
         self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
@@ -713,6 +714,17 @@ class StreamSubscriber:
                 f"for this worker will miss. Check the worker's page size and the configured "
                 f"block_size.",
             )
+        if applied.dp_rank is not None and applied.dp_rank != self.config.dp_rank:
+            # engines number a rank's publisher port from the base by its rank: a batch of
+            # another rank here means the ports are mapped wrong, and its prefixes are indexed
+            # on a rank the router then sends requests to in vain
+            self.rank_mismatches += 1
+            self._warn(
+                "dp-rank",
+                f"DP RANK MISMATCH: batch {seq} says dp rank {applied.dp_rank}, this stream is "
+                f"rank {self.config.dp_rank} (its events port is the rank-0 port + the rank): "
+                "check the worker's events endpoints and dp_size",
+            )
         if not replayed:
             self._notify(seq)
         return True
@@ -844,4 +856,5 @@ class StreamSubscriber:
             dp_rank=self.config.dp_rank,
             unknown_removes=counters.unknown_removes if counters else 0,
             unindexable_blocks=counters.unindexable_blocks if counters else 0,
+            rank_mismatches=self.rank_mismatches,
         )

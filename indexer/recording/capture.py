@@ -64,7 +64,7 @@ class RecordingSink:
                 (ev.block_size for ev in batch.events if type(ev) is Stored and ev.block_size > 0),
                 None,
             )
-        return Applied(len(batch.events))
+        return Applied(len(batch.events), dp_rank=batch.dp_rank)
 
     def clear(self) -> int:
         """Nothing to drop: the file shows the decision, replay reproduces it."""

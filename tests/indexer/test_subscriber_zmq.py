@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -633,3 +634,16 @@ async def test_removals_of_blocks_the_stream_does_not_hold_are_counted(
         assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))
         stats = svc.streams()[0]
         assert (stats.unknown_removes, stats.blocks_removed, stats.entries) == (2, 1, 0)
+
+
+async def test_a_batch_of_another_dp_rank_is_counted_and_said(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)  # rank 0
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        for rank in (0, None, 1):
+            seq = await pub.publish(EventBatch(0.0, [], rank))
+            assert await svc.wait_applied(WORKER, seq)
+        assert svc.streams()[0].rank_mismatches == 1
+        assert "DP RANK MISMATCH: batch" in caplog.text and "says dp rank 1" in caplog.text
