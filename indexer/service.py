@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import msgspec
 
@@ -61,9 +63,10 @@ __all__ = [
 
 # how long a loaded snapshot's streams wait for their workers to be subscribed (`load`)
 ORPHAN_GRACE_S = 600.0
-# the leading tokens kept of a prompt shadowed on a stream whose block size is not known yet:
-# more than any engine's page
-_UNSIZED_HEAD = 4096
+# the leading tokens kept of a prompt shadowed on a stream whose block size is not known yet
+# (more than any engine's page: a longer page blankets the stream), and how many such prompts
+_UNSIZED_HEAD = 256
+_UNSIZED_LIMIT = 4096
 
 
 class IndexerService:
@@ -87,7 +90,9 @@ class IndexerService:
         self._shadowed = ShadowedPrefixes()
         # the same, sent to streams whose block size was not known yet: (stream, plain
         # namespace, the prompt's leading tokens, kept until), made keys once it is
-        self._unsized_shadows: list[tuple[str, Namespace, list[Hashable], float]] = []
+        self._unsized_shadows: list[tuple[str, Namespace, Sequence[Hashable], float]] = []
+        # streams whose plain entries are all hidden: shadows that could not be kept there
+        self._blanket: set[str] = set()
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -178,7 +183,7 @@ class IndexerService:
         are cached (`indexer.worker_matches`).
         """
         found = self.index.match(namespace, tokens, limit)
-        if self._shadowed and namespace.extra_key is None and found.blocks:
+        if (self._shadowed or self._blanket) and namespace.extra_key is None and found.blocks:
             self._hide_shadowed(found, namespace, tokens)
         return self._matches.answer(self._health, found, self.index.default_medium)
 
@@ -189,7 +194,9 @@ class IndexerService:
         entries may be another `extra_key`'s copy (`indexer.shadowed`)."""
         for stream in list(found.blocks):
             shadows = self._shadowed.shadows(stream)
-            if shadows and self.index.first_block_key(stream, namespace, tokens) in shadows:
+            if stream in self._blanket or (
+                shadows and self.index.first_block_key(stream, namespace, tokens) in shadows
+            ):
                 del found.blocks[stream]
                 found.pending_blocks.pop(stream, None)
                 found.by_medium.pop(stream, None)
@@ -217,14 +224,33 @@ class IndexerService:
                 self._shadowed.mark(stream, key, until)
             elif index.has_stream(stream) and index.block_size(stream) is None:
                 # its first events will say the size: the key is made then (`_on_applied`)
-                head = list(tokens[:_UNSIZED_HEAD])
-                if len(self._unsized_shadows) >= _UNSIZED_HEAD:
-                    # a stream that published nothing since: nothing was stored for those
-                    now = self._clock()
-                    self._unsized_shadows = [i for i in self._unsized_shadows if i[3] >= now]
-                self._unsized_shadows.append((stream, plain, head, until))
+                self._shadow_unsized(stream, plain, tokens, until)
         if self._shadowed.due():
             self._shadowed.sweep(self._clock(), index.holds)
+
+    def _shadow_unsized(
+        self, stream: str, plain: Namespace, tokens: Sequence[Hashable], until: float
+    ) -> None:
+        """Keep a prompt's head until `stream`'s block size is known (`_size_shadows`), within
+        bounds: beyond `_UNSIZED_LIMIT` of them, the stream's plain entries are all hidden
+        (`_blanket`: fail closed) rather than memory growing with every request."""
+        if stream in self._blanket:
+            return
+        waiting = self._unsized_shadows
+        if len(waiting) >= _UNSIZED_LIMIT:
+            # a stream that published nothing since: nothing was stored for those
+            now = self._clock()
+            waiting = self._unsized_shadows = [i for i in waiting if i[3] >= now]
+        try:
+            head: Sequence[Hashable] | None = array(
+                "q", cast(Sequence[int], tokens[:_UNSIZED_HEAD])
+            )  # 8 bytes a token
+        except (TypeError, OverflowError):
+            head = None  # not plain token ids: nothing to key them by later
+        if head is None or len(waiting) >= _UNSIZED_LIMIT:
+            self._blanket.add(stream)
+            return
+        waiting.append((stream, plain, head, until))
 
     def _size_shadows(self, stream: str) -> None:
         """Make the keys of the shadows sent to `stream` before its block size was known."""
@@ -240,6 +266,9 @@ class IndexerService:
             key = index.first_block_key(stream, plain, head)
             if key is not None:
                 self._shadowed.mark(stream, key, until)
+            elif len(head) >= _UNSIZED_HEAD:
+                # a page longer than the head kept: no key to shadow it by (fail closed)
+                self._blanket.add(stream)
         self._unsized_shadows = waiting
 
     def add_pending(

@@ -170,6 +170,9 @@ class StreamSubscriber:
         # proven real: it is not this publisher's (another worker's, by a config typo). What
         # it gave is cleared and it is never asked again: gaps clear, as without one
         self._replay_foreign = False
+        # a restart was found by the replay socket and no live batch has followed on since:
+        # live batches beyond the new process's buffer are the dead one's (`_repair`)
+        self._after_restart = False
         # the digests of the batches replays applied, by seq (the newest `_REPLAYED_KEPT`): a
         # live copy that arrives after its replayed one must be the same batch, or the replay
         # socket is not this publisher's (or the publisher restarted): see `_live_disagrees`
@@ -393,6 +396,7 @@ class StreamSubscriber:
             self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
+            self._after_restart = False  # a live batch follows on: the new process's own
             await self._apply_live(msg.topic, msg.seq, msg.payload)
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
@@ -409,6 +413,10 @@ class StreamSubscriber:
         if decision.verdict is SeqVerdict.DUPLICATE and self._replayed:
             replayed = self._replayed.get(seq)
             if replayed is not None and replayed != _digest(payload):
+                if self._after_restart:
+                    # a batch of the process before the restart, still queued on our socket
+                    self._warn("stale", f"live seq {seq} is the dead process's: skipped")
+                    return decision
                 return await self._live_disagrees(seq, payload)
         return decision
 
@@ -498,14 +506,23 @@ class StreamSubscriber:
             decision.verdict is SeqVerdict.GAP
             and answered
             and (newest is None or seq > newest + 1)
-            and (self._suspect is None or seq != self._suspect + 1)
+            and (self._suspect is None or seq != self._suspect + 1 or self._after_restart)
         ):
             # the publisher just listed everything it has and this seq is not among it: a
             # corrupt seq frame, skipped. (If the next seq follows it, it was real after all:
-            # a publisher that buffers nothing; then we clear below instead.)
+            # a publisher that buffers nothing; then we clear below instead.) Right after a
+            # restart it is a batch of the process before it, still queued on our socket
+            # (the new process's next batch is the one after its buffer): skipped, every one
             self._suspect = seq
             self.tracker.live = prev_live  # live order continues from before the bogus seq
-            self._malformed(f"live seq {seq} is beyond everything the publisher buffers")
+            if self._after_restart:
+                self._warn(
+                    "stale",
+                    f"live seq {seq} is not in the restarted publisher's buffer: a batch of "
+                    "the process before it, skipped",
+                )
+            else:
+                self._malformed(f"live seq {seq} is beyond everything the publisher buffers")
             self._set_phase(StreamState.SYNCED)
             self._notify_last()
             return
@@ -515,6 +532,7 @@ class StreamSubscriber:
             and self._suspect is not None
             and seq == self._suspect + 1
             and newest < self._suspect
+            and not self._after_restart
         ):
             # the seq before this one was real after all, yet the replay socket's buffer ends
             # below it: a publisher buffers what it just sent, so that socket is not this
@@ -537,6 +555,7 @@ class StreamSubscriber:
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
+            self._after_restart = False  # a live batch follows on: the new process's own
             await self._apply_live(topic, seq, payload)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
@@ -617,7 +636,9 @@ class StreamSubscriber:
         try:
             async with contextlib.aclosing(self._replay_client().replies(start)) as replies:
                 async for reply in replies:
-                    if newest is None and reply.seq > max(start, live or 0) + _MAX_AHEAD:
+                    # (joining, no live seq is known: any start is believable)
+                    far = live is not None and reply.seq > max(start, live) + _MAX_AHEAD
+                    if newest is None and far:
                         raise ReplayError(
                             f"its answer starts at seq {reply.seq}, far beyond the live "
                             f"stream's {live}"
@@ -732,6 +753,9 @@ class StreamSubscriber:
     def _restart(self, reason: str) -> None:
         """The publisher restarted (or may have): drop the stream's state, rebuild from 0."""
         self.restarts += 1
+        # until a live batch follows on what the new process buffers, live batches of the one
+        # before it may still arrive (queued on our socket before it died): never its seqs
+        self._after_restart = True
         self._clear(reason)
         self.tracker.reset()
         self.sink.forget_seq()

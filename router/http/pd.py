@@ -264,9 +264,16 @@ class PairDispatcher:
                 others_p == {prefill.worker} and others_d == {decode.worker}
             )
             first = attempt == 0
-            p_ticket = pairs.commit_prefill(ns, parsed.tokens, prefill, first_try=first)
+            p_ticket = pairs.commit_prefill(
+                ns, parsed.tokens, prefill, first_try=first, keyed=parsed.keyed
+            )
             d_ticket = pairs.commit_decode(
-                ns, parsed.tokens, decode, first_try=first, output_tokens=parsed.output_tokens
+                ns,
+                parsed.tokens,
+                decode,
+                first_try=first,
+                output_tokens=parsed.output_tokens,
+                keyed=parsed.keyed,
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)

@@ -279,6 +279,7 @@ class Proxy:
                 first_try=attempt == 0,
                 output_tokens=parsed.output_tokens,
                 whole_answer=not parsed.stream,
+                keyed=parsed.keyed,
             )
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)

@@ -40,6 +40,7 @@ from router.prompt.tokenizer import PromptTokenizer
 
 __all__ = [
     "Endpoint",
+    "KeyedItem",
     "ParsedRequest",
     "check_salt_size",
     "detect_endpoint",
@@ -77,6 +78,18 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the most prompt tokens the engine may reuse when prompt logprobs cap it (None: no cap
     # but the last token's; `router.prompt.reuse_limit`)
     reuse_limit: int | None = None
+    # the batch's other items that carry an extra_key: what each stores is shown by events as
+    # plain pages of its salt, so each shadows its own prompt (`indexer.shadowed`)
+    keyed: tuple[KeyedItem, ...] = ()
+
+
+class KeyedItem(msgspec.Struct, frozen=True):
+    """One item of a batch (not the first) sent with an extra_key: never log its salt."""
+
+    tokens: list[int]
+    salt: str | None
+    lora: str | None
+    extra_key: str
 
 
 _decoder = msgspec.json.Decoder()
@@ -268,6 +281,9 @@ def parse_request(
         forwarded = _encoder.encode(body)
     model = body.get("model")
     stream = body.get("stream")
+    keyed: tuple[KeyedItem, ...] = ()
+    if batched:
+        keyed = _keyed_items(body, endpoint, tokenizer, limits, header_salt)
     return ParsedRequest(
         endpoint=endpoint,
         body=forwarded,
@@ -281,4 +297,50 @@ def parse_request(
         dp_rank=requested_rank(body, None if endpoint is Endpoint.GENERATE else header_dp_rank),
         output_tokens=output_tokens,
         reuse_limit=reusable,
+        keyed=keyed,
     )
+
+
+def _item(value: object, i: int) -> object:
+    """Item `i`'s value of a field given once for the batch or once per item."""
+    if isinstance(value, list):
+        return value[i] if i < len(value) else None
+    return value
+
+
+def _keyed_items(
+    body: Mapping[str, Any],
+    endpoint: Endpoint,
+    tokenizer: PromptTokenizer,
+    limits: LimitsConfig,
+    header_salt: str | None,
+) -> tuple[KeyedItem, ...]:
+    """The items after the first of a batch that carry an extra_key, with their tokens (made
+    only for those: a batch without extra_keys costs nothing more)."""
+    extra = body.get("extra_key")
+    if extra is None:
+        return ()
+    prompts = body.get("input_ids") if endpoint is Endpoint.GENERATE else body.get("prompt")
+    if endpoint is Endpoint.GENERATE and prompts is None:
+        prompts = body.get("text")
+    if not isinstance(prompts, list):
+        return ()
+    out: list[KeyedItem] = []
+    for i in range(1, len(prompts)):
+        key = _item(extra, i)
+        if not isinstance(key, str) or not key:
+            continue
+        check_salt_size(key, f"extra_key[{i}]", limits)
+        prompt = prompts[i]
+        tokens = tokenizer.text(prompt) if isinstance(prompt, str) else _ids(prompt, f"[{i}]")
+        salt = _item(body.get("cache_salt"), i) if header_salt is None else header_salt
+        lora = _item(body.get("lora_path"), i)
+        out.append(
+            KeyedItem(
+                tokens,
+                salt if isinstance(salt, str) and salt else None,
+                lora if isinstance(lora, str) and lora else None,
+                key,
+            )
+        )
+    return tuple(out)

@@ -23,9 +23,9 @@ import msgspec
 from indexer.service import Namespace
 from router.config import PdConfig, PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
-from router.prompt.request import ParsedRequest
+from router.prompt.request import KeyedItem, ParsedRequest
 from router.routing.load import Ticket
-from router.routing.planner import SHADOW_KEEP_S, Plan, Planner
+from router.routing.planner import Plan, Planner
 from router.routing.policy import Candidate, KvPolicy, Policy, build_policy
 
 __all__ = ["DecodePolicy", "PairPlanner", "PdPlan", "decode_policy"]
@@ -96,12 +96,23 @@ class PairPlanner:
         )
 
     def commit_prefill(
-        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, *, first_try: bool
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        candidate: Candidate,
+        *,
+        first_try: bool,
+        keyed: Sequence[KeyedItem] = (),
     ) -> Ticket:
         """The prefill side is committed like any request: pending marks, policy, load. It
         makes the first token only (SGLang's prefill side sets `max_new_tokens` to 1)."""
         return self.planner.commit(
-            ns, tokens, candidate, first_try=first_try, output_tokens=PREFILL_OUTPUT_TOKENS
+            ns,
+            tokens,
+            candidate,
+            first_try=first_try,
+            output_tokens=PREFILL_OUTPUT_TOKENS,
+            keyed=keyed,
         )
 
     def commit_decode(
@@ -112,6 +123,7 @@ class PairPlanner:
         *,
         first_try: bool,
         output_tokens: int | None = None,
+        keyed: Sequence[KeyedItem] = (),
     ) -> Ticket:
         """The decode side: its policy learns the choice, the prompt it will hold is marked
         pending there (it caches what it is sent), and its load counts the transfer to come
@@ -120,10 +132,7 @@ class PairPlanner:
         if first_try:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
-        if ns.extra_key is not None and planner.indexer.has_worker(candidate.worker):
-            planner.indexer.shadow(
-                ns, tokens, candidate.worker, candidate.dp_rank, SHADOW_KEEP_S
-            )  # the decode side caches the prompt too (`Planner.commit`)
+        planner.shadow(ns, tokens, candidate, keyed)  # the decode side caches the prompt too
         if self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker):
             planner.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=planner.keys_of(ns, tokens)

@@ -38,7 +38,7 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
-from router.prompt.request import ParsedRequest
+from router.prompt.request import KeyedItem, ParsedRequest
 from router.routing.admission import (
     AdmissionForecast,
     RecencyBook,
@@ -424,6 +424,7 @@ class Planner:
         first_try: bool,
         output_tokens: int | None = None,
         whole_answer: bool = False,
+        keyed: Sequence[KeyedItem] = (),
     ) -> Ticket:
         """Record that the request goes to `candidate`; returns its load ticket.
 
@@ -434,10 +435,7 @@ class Planner:
         as queued prefill when the events show it stored, as a prefill side's does."""
         if first_try:
             self.policy.record(tokens, candidate.target)
-        if ns.extra_key is not None and self.indexer.has_worker(candidate.worker):
-            # what it stores there, its events show as plain pages: plain queries must not
-            # take them for their own (`indexer.shadowed`)
-            self.indexer.shadow(ns, tokens, candidate.worker, candidate.dp_rank, SHADOW_KEEP_S)
+        self.shadow(ns, tokens, candidate, keyed)
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
         if marked:
             self.indexer.add_pending(
@@ -483,6 +481,25 @@ class Planner:
                 keys=keys,
             )
         return ticket
+
+    def shadow(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        candidate: Candidate,
+        keyed: Sequence[KeyedItem] = (),
+    ) -> None:
+        """What a request with an extra_key stores on `candidate` (each item of a batch that
+        has one), its events show as plain pages of its salt: plain queries must not take
+        them for their own (`indexer.shadowed`)."""
+        if not self.indexer.has_worker(candidate.worker):
+            return
+        worker, rank = candidate.worker, candidate.dp_rank
+        if ns.extra_key is not None:
+            self.indexer.shadow(ns, tokens, worker, rank, SHADOW_KEEP_S)
+        for item in keyed:
+            item_ns = Namespace(ns.model, item.lora or ns.lora, item.salt, item.extra_key)
+            self.indexer.shadow(item_ns, item.tokens, worker, rank, SHADOW_KEEP_S)
 
     def _watch_prefill(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket

@@ -10,6 +10,7 @@ batches from its first one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -18,7 +19,9 @@ import zmq.asyncio
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
+from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import EventBatch, Stored
+from indexer.protocol.frames import build_live
 from indexer.service import ORPHAN_GRACE_S, IndexerService
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import StreamState
@@ -317,3 +320,36 @@ async def test_a_snapshot_keeps_this_process_counters_and_its_orphans_go_in_time
         svc.namespaces()
         assert svc.index.streams() == [STREAM]
         assert "ghost#dp0" not in load_index(svc.dump()).streams()
+
+
+async def test_batches_of_the_dead_process_still_queued_after_a_restart_are_not_taken(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router behind its socket while a worker restarts reads the dead process's last batches
+    after the new process's buffer proved the restart. Before, the first was skipped as a bad
+    seq, the second made the (healthy) replay socket "another publisher's", and the rest were
+    applied: the dead process's cache predicted."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        later = workload(seed=5, batches=4)  # what the old process sent before it died
+        pub.restart()
+        new = workload(seed=6, batches=2)
+        await pub.publish(new[0], drop=True)  # the new process's startup batch, buffered
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == 0)
+        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        for seq, batch in enumerate(later, start=last + 1):  # now read off the socket
+            await pub.send_raw(build_live(b"kv", seq, encode_batch(batch, "array")))
+        sub = svc._workers[WORKER][0]
+        await wait_until(lambda: sub.tracker.live == last + len(later) or sub.replays >= 4)
+        await asyncio.sleep(0.2)  # each is answered by a replay: let the last one settle
+        # none of them was taken: the index is the new process's, its replay socket trusted
+        assert view(svc.index, STREAM) == view(reference(new[:1]), STREAM)
+        assert not sub._replay_foreign
+        # the new process goes on: its next batch follows on what it buffers
+        assert await svc.wait_applied(WORKER, await pub.publish(new[1]))
+        await wait_until(lambda: svc._workers[WORKER][0].tracker.last == 1)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        assert not svc._workers[WORKER][0]._replay_foreign
+        assert "another publisher's" not in caplog.text

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from indexer.config import IndexerConfig
+from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ReplayError
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
@@ -30,7 +30,7 @@ from indexer.protocol.frames import (
     parse_replay_request,
 )
 from indexer.replay_client import ReplayClient
-from indexer.service import IndexerService
+from indexer.service import _UNSIZED_LIMIT, IndexerService
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, wait_until
 
@@ -175,3 +175,37 @@ async def test_an_answer_that_never_ends_is_given_up_at_its_deadline(
         client.close()
         router.close(linger=0)
     assert 3 <= got <= 12
+
+
+async def test_a_worker_far_along_is_joined_from_its_buffer(ctx: zmq.asyncio.Context) -> None:
+    """Joining, no live seq is known: an answer starting at seq 3,000,000 (a worker up for
+    days) is the buffer, not a seq far past the live stream's (it stayed syncing, cold)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        pub.next_seq = 3_000_000
+        for batch in workload(seed=7, batches=5):
+            await pub.publish(batch, drop=True)  # published before the router came
+        await svc.add_worker(WORKER, [StreamConfig(endpoint=pub.endpoint,
+                                                   replay_endpoint=pub.replay_endpoint,
+                                                   topic="kv")])  # fmt: skip
+        await wait_until(lambda: svc.streams()[0].last_seq == 3_000_004)
+        assert svc.index.entries(STREAM) > 0
+
+
+async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounded(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Kept until the stream's block size is known, up to a bound: past it, the stream's
+    plain entries are all hidden instead (1,000 such prompts held 155 MiB before)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        assert svc.index.block_size(STREAM) is None
+        keyed = Namespace("", None, "t", "view")
+        prompt: list[TokenId] = list(range(5000, 5000 + 4096))
+        for _ in range(_UNSIZED_LIMIT + 10):
+            svc.shadow(keyed, prompt, WORKER, None, keep_s=60.0)
+        assert len(svc._unsized_shadows) == _UNSIZED_LIMIT
+        assert all(len(head) <= 256 for _, _, head, _ in svc._unsized_shadows)
+        # the stream now predicts nothing plain, even for prompts none of them began
+        events: list[Event] = [Stored(block_hashes=[1], parent=None, token_ids=D[:4], block_size=4)]
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))
+        assert svc.index.entries(STREAM) == 1 and matched(svc, D) == 0

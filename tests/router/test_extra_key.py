@@ -130,3 +130,32 @@ async def test_pages_stored_for_an_extra_key_are_not_a_plain_requests_hit(fleet:
     plan = await fleet.route(plain)
     held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
     assert held[holder] == 0
+
+
+@pytest.mark.parametrize("extra_key", [[None, "k1"], "k1"], ids=["per-item", "for-all"])
+async def test_every_item_of_a_batch_with_an_extra_key_shadows_its_prompt(
+    fleet: Fleet, extra_key: object
+) -> None:
+    """A batch's items each store their prompt under their own extra_key: the events show each
+    as a plain page of its salt. Only the first item's was shadowed: a plain request for the
+    second was predicted 304 tokens the worker had cached for the extra_key (cached 0)."""
+    a = [(i * 7) % 200 + 5 for i in range(20 * 16 + 1)]
+    b = [(i * 13) % 200 + 5 for i in range(20 * 16 + 1)]
+    batch = {"input_ids": [a, b], "cache_salt": "tenant-a", "extra_key": extra_key}
+    status, headers, _ = await fleet.post("/generate", batch)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    indexer = fleet.router.planner.indexer
+    (stream,) = indexer.stream_ids(holder)
+    model = fleet.router.planner.pool.get(holder).cache_model
+    plain_ns = Namespace(model, None, "tenant-a")
+
+    async def stored() -> bool:
+        keys = indexer.block_keys(stream, plain_ns, b)
+        return bool(keys) and all(indexer.index.holds(stream, keys))
+
+    await eventually(stored, what="the second item's pages in the index")
+    plain = {"input_ids": b, "cache_salt": "tenant-a"}
+    plan = await fleet.route(plain)
+    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+    assert held[holder] == 0
