@@ -222,6 +222,44 @@ class Supervisor:
             )
             return None
 
+    async def _recheck_settings(self, entry: WorkerEntry) -> bool:
+        """Read a returning worker's server info again: it may be a new process with other
+        settings on the same ports. Its KV capacity and concurrency are taken; another set of
+        streams (dp ranks, ports) or page size registers it anew. Returns whether it did.
+        Before, the first process's settings stayed: requests named ranks it no longer had
+        (400s), and the forecast counted a pool it no longer had (false hits)."""
+        spec = engine_spec(entry.config.engine)
+        if not spec.server_info_paths:
+            return False
+        try:
+            info = await self.server_info(entry.url, spec)
+        except RequestError:
+            return False  # not readable: what was known stays (the next return tries again)
+        if self._pool.find(entry.id) is not entry:
+            return False
+        entry.capacity_tokens = capacity_from_server_info(info)
+        entry.max_running_requests = max_running_from_server_info(info)
+        if not needs_discovery(entry.config):
+            return False  # its streams are its config's
+        try:
+            streams = streams_for(entry.config, info, model=entry.cache_model)
+        except RequestError:
+            return False
+        sizes = {s.block_size for s in streams}
+        known = {self._indexer.block_size(entry.id)}
+        if [s.endpoint for s in streams] == entry.streams and sizes <= known | {None}:
+            return False
+        log.warning(
+            "worker %s came back with other settings (%d KV-event stream(s)): registered anew",
+            entry.id,
+            len(streams),
+        )
+        try:
+            await self.register(entry)
+        except RequestError as exc:
+            self._refused(entry, exc)
+        return True
+
     async def _recheck_models(self, entry: WorkerEntry) -> None:
         """Read a returning worker's models again; register it anew when they changed."""
         if entry.config.served_models:
@@ -324,7 +362,7 @@ class Supervisor:
                 self._refused(entry, exc)
             else:
                 self._said.pop(entry.id, None)
-        elif came_back:
+        elif came_back and not await self._recheck_settings(entry):
             await self._recheck_models(entry)
         return healthy
 

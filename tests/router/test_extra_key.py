@@ -96,20 +96,8 @@ async def test_pages_stored_for_an_extra_key_are_not_a_plain_requests_hit(fleet:
     apart). Measured before the fix: predicted 320, cached 0."""
     prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
     keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
-    status, headers, _ = await fleet.post("/generate", keyed)
-    assert status == 200
-    holder = headers["x-kvroute-worker"]
-    indexer = fleet.router.planner.indexer
-    (stream,) = indexer.stream_ids(holder)
-    model = fleet.router.planner.pool.get(holder).cache_model
-    plain_ns = Namespace(model, None, "tenant-a")
-
-    async def stored() -> bool:
-        keys = indexer.block_keys(stream, plain_ns, prompt)
-        return bool(keys) and all(indexer.index.holds(stream, keys))
-
     # its events came in, and the index holds its pages as plain ones of the salt
-    await eventually(stored, what="the extra_key request's pages in the index")
+    holder = await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
 
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
     plan = await fleet.route(plain)
@@ -142,20 +130,29 @@ async def test_every_item_of_a_batch_with_an_extra_key_shadows_its_prompt(
     a = [(i * 7) % 200 + 5 for i in range(20 * 16 + 1)]
     b = [(i * 13) % 200 + 5 for i in range(20 * 16 + 1)]
     batch = {"input_ids": [a, b], "cache_salt": "tenant-a", "extra_key": extra_key}
-    status, headers, _ = await fleet.post("/generate", batch)
+    holder = await _sent_and_stored_as_plain(fleet, batch, b, "tenant-a")
+    plain = {"input_ids": b, "cache_salt": "tenant-a"}
+    plan = await fleet.route(plain)
+    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+    assert held[holder] == 0
+
+
+async def _sent_and_stored_as_plain(
+    fleet: Fleet, body: dict[str, Any], prompt: list[int], salt: str
+) -> str:
+    """Send `body` to /generate; once the index holds `prompt`'s pages as plain pages of
+    `salt` on the worker it went to (its events came in), that worker."""
+    status, headers, _ = await fleet.post("/generate", body)
     assert status == 200
     holder = headers["x-kvroute-worker"]
     indexer = fleet.router.planner.indexer
     (stream,) = indexer.stream_ids(holder)
     model = fleet.router.planner.pool.get(holder).cache_model
-    plain_ns = Namespace(model, None, "tenant-a")
+    plain_ns = Namespace(model, None, salt)
 
     async def stored() -> bool:
-        keys = indexer.block_keys(stream, plain_ns, b)
+        keys = indexer.block_keys(stream, plain_ns, prompt)
         return bool(keys) and all(indexer.index.holds(stream, keys))
 
-    await eventually(stored, what="the second item's pages in the index")
-    plain = {"input_ids": b, "cache_salt": "tenant-a"}
-    plan = await fleet.route(plain)
-    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
-    assert held[holder] == 0
+    await eventually(stored, what="the extra_key pages in the index as plain ones")
+    return str(holder)

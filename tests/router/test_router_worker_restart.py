@@ -25,10 +25,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from indexer.protocol.events import EventBatch
-from router.config import IndexerSection, WorkerConfig
+from router.config import HealthConfig, IndexerSection, WorkerConfig
 from router.service import RouterService
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.router.conftest import AUTH, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 PROBE_S = 0.1
 
@@ -239,3 +241,37 @@ async def test_a_health_check_coming_back_makes_the_router_prove_the_stream() ->
                 assert row().restarts == 0 and len(indexer.index) == held
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_a_worker_back_with_other_settings_is_registered_anew() -> None:
+    """A new process on the same ports may have other dp ranks and another KV pool: read again
+    when its health comes back. Before, the first process's stayed (requests named a rank it
+    no longer had: 400s; the forecast counted a pool it no longer had: false hits)."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2, capacity_tokens=64 * 16)
+    async with ReferenceWorker(first) as w0:
+        config = router_config([("w", w0.url)], health=HealthConfig(interval_s=0.1, timeout_s=0.5))
+        ports = {
+            "port": int(w0.url.rsplit(":", 1)[1]),
+            "events_port": int(w0.kv_events.endpoints[0].rsplit(":", 1)[1]),
+            "replay_port": int(w0.kv_events.replay_endpoints[0].rsplit(":", 1)[1]),
+        }
+        async with RouterService(config) as router:
+            entry = router.planner.pool.get("w")
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+            assert entry.capacity_tokens == 64 * 16
+            await w0.__aexit__(None, None, None)  # the process dies...
+
+            async def down() -> bool:
+                return not entry.healthy
+
+            await eventually(down, what="its health check to fail")
+            second = msgspec.structs.replace(
+                first, dp_size=1, capacity_tokens=32 * 16, **ports
+            )  # ...and another comes back on its ports
+            async with ReferenceWorker(second):
+                await eventually(lambda: _settled(router, 1), what="one rank registered anew")
+                assert router.planner.pool.get("w").capacity_tokens == 32 * 16
+
+
+async def _settled(router: RouterService, ranks: int) -> bool:
+    return len(router.planner.indexer.stream_ids("w")) == ranks
