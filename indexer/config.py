@@ -39,6 +39,11 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineName = "sglang"  # its wire rules: indexer.engines
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     model: str = ""
+    # whether the replay socket is known to be this stream's publisher's (the worker
+    # advertises both sockets as these): when not, what a replay brings while joining predicts
+    # nothing until a live batch agrees with it (a `replay` behind mapped ports, or of an
+    # engine that advertises nothing, may be another worker's)
+    replay_proven: bool = True
 
 
 class IndexerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

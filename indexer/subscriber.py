@@ -170,6 +170,10 @@ class StreamSubscriber:
         # proven real: it is not this publisher's (another worker's, by a config typo). What
         # it gave is cleared and it is never asked again: gaps clear, as without one
         self._replay_foreign = False
+        # what a replay brought while joining, from a replay socket not known to be this
+        # stream's publisher's (`StreamConfig.replay_proven`), predicts nothing until a live
+        # batch agrees with it (follows on, or is the same batch): `_confirm`
+        self._join_unconfirmed = False
         # a restart was found by the replay socket and no live batch has followed on since:
         # live batches beyond the new process's buffer are the dead one's (`_repair`)
         self._after_restart = False
@@ -356,8 +360,18 @@ class StreamSubscriber:
         self._phase = phase
         self._show_state()
 
+    def _confirm(self) -> None:
+        """A live batch agreed with what the replay socket gave: its state is the stream's."""
+        if self._join_unconfirmed:
+            self._join_unconfirmed = False
+            self._show_state()
+
     def _show_state(self) -> None:
-        unproven = self._unverified or (self._tail_unproven and self._phase is StreamState.SYNCED)
+        unproven = (
+            self._unverified
+            or self._join_unconfirmed
+            or (self._tail_unproven and self._phase is StreamState.SYNCED)
+        )
         self.health.state = StreamState.UNVERIFIED if unproven else self._phase
 
     def _tail_proven(self, proven: bool) -> None:
@@ -397,6 +411,7 @@ class StreamSubscriber:
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
+            self._confirm()
             await self._apply_live(msg.topic, msg.seq, msg.payload)
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
@@ -412,7 +427,9 @@ class StreamSubscriber:
         is not the same batch (`_live_disagrees`)."""
         if decision.verdict is SeqVerdict.DUPLICATE and self._replayed:
             replayed = self._replayed.get(seq)
-            if replayed is not None and replayed != _digest(payload):
+            if replayed is not None and replayed == _digest(payload):
+                self._confirm()  # the live copy of a batch the replay gave: the same
+            elif replayed is not None:
                 if self._after_restart:
                     # a batch of the process before the restart, still queued on our socket
                     self._warn("stale", f"live seq {seq} is the dead process's: skipped")
@@ -501,6 +518,8 @@ class StreamSubscriber:
             finally:
                 self._run_open = False
             answered, newest = result.answered, result.newest
+            if joining and newest is not None and not self.config.replay_proven:
+                self._join_unconfirmed = True  # until this live batch agrees (below)
         decision = await self._checked(self.tracker.on_live(seq), seq, payload)
         if (
             decision.verdict is SeqVerdict.GAP
@@ -556,6 +575,7 @@ class StreamSubscriber:
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
+            self._confirm()
             await self._apply_live(topic, seq, payload)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
@@ -583,6 +603,9 @@ class StreamSubscriber:
         if self._unverified and result.continuity is not _Continuity.NONE:
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
+        if joining and after != before and not self.config.replay_proven:
+            self._join_unconfirmed = True
+            self._show_state()
         if after != before and after is not None:
             # Batches the live path had not delivered (a dropped last batch, or ones published
             # before we subscribed): a gap repaired by a replay run, unless we were joining.
@@ -775,6 +798,9 @@ class StreamSubscriber:
 
     def _clear(self, reason: str) -> None:
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
+        if self._join_unconfirmed:
+            self._join_unconfirmed = False  # nothing unconfirmed is left
+            self._show_state()
         dropped = self.sink.clear()
         self._clears += 1
         self._warn("clear", f"cleared {dropped} entries: {reason}")

@@ -52,6 +52,26 @@ class WorkerGauges(Protocol):
     def forget(self, worker: str) -> None: ...
 
 
+def _replay_proven(
+    config: WorkerConfig, info: dict[str, Any] | None, streams: list[StreamConfig]
+) -> list[StreamConfig]:
+    """`streams` marked with whether their replay sockets are known to be their publishers'
+    (the worker advertises exactly these event and replay sockets); a configured pair that
+    cannot be compared (no server info, ports mapped on the way) is not."""
+    proven = False
+    if info is not None:
+        bare = msgspec.structs.replace(config, events=None, replay=None)
+        try:
+            advertised = streams_for(bare, info)
+        except RequestError:
+            advertised = []
+        pairs = [(s.endpoint, s.replay_endpoint) for s in streams]
+        proven = pairs == [(s.endpoint, s.replay_endpoint) for s in advertised]
+    if proven:
+        return streams
+    return [msgspec.structs.replace(s, replay_proven=False) for s in streams]
+
+
 def _check_replay_sockets(
     config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]
 ) -> None:
@@ -188,6 +208,7 @@ class Supervisor:
                     f"are worker {other}'s stream already; fix `events` in its config (not "
                     "subscribed until then)"
                 )
+        streams = _replay_proven(entry.config, info, streams)
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)

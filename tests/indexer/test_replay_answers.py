@@ -31,6 +31,7 @@ from indexer.protocol.frames import (
 )
 from indexer.replay_client import ReplayClient
 from indexer.service import _UNSIZED_LIMIT, IndexerService
+from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, wait_until
 
@@ -209,3 +210,32 @@ async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounde
         events: list[Event] = [Stored(block_hashes=[1], parent=None, token_ids=D[:4], block_size=4)]
         assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))
         assert svc.index.entries(STREAM) == 1 and matched(svc, D) == 0
+
+
+async def test_a_join_from_an_unproven_replay_socket_waits_for_a_live_batch(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Behind mapped ports (or with an engine that advertises nothing) nothing shows that the
+    replay socket is the stream's publisher's: the history it gives at join predicts nothing
+    until a live batch agrees with it. Before, another worker's buffer taken at join was
+    predicted until this worker's second live batch found the socket out."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        await pub.publish(stored(A, 10), drop=True)  # history, published before the router
+        cfg = StreamConfig(
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+            topic="kv",
+            block_size=4,
+            replay_proven=False,
+        )
+        await svc.add_worker(WORKER, [cfg])
+        await wait_until(lambda: svc.index.entries(STREAM) == 1)  # the join took it
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        assert matched(svc, A) == 0
+        # this worker's next batch follows on what the replay gave: it was its own
+        for _ in range(100):  # the SUB's connection may still be on its way
+            seq = await pub.publish(EventBatch(0.0, []))
+            if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+                break
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert matched(svc, A) == 4

@@ -284,3 +284,30 @@ async def test_a_worker_refused_every_health_round_is_said_once(
     said = [r for r in caplog.records if "is not the topic it publishes under" in r.message]
     assert len(said) >= 4
     assert [r.levelno for r in said].count(logging.WARNING) == 1
+
+
+async def test_a_replay_socket_the_worker_does_not_advertise_is_not_taken_as_proven() -> None:
+    """Sockets the worker advertises are its own; others (ports mapped on the way, another
+    spelling, or an engine that advertises nothing) cannot be told from another worker's."""
+    cfg = ReferenceConfig(page_size=PAGE, time_scale=0.0)
+    async with ReferenceWorker(cfg) as w0:
+        kv = w0.kv_events
+        mapped = WorkerConfig(
+            url=w0.url,
+            id="mapped",
+            events=kv.endpoints[0].replace("127.0.0.1", "localhost"),
+            replay=kv.replay_endpoints[0].replace("127.0.0.1", "localhost"),
+        )
+        config = msgspec.structs.replace(router_config([("own", w0.url)]), workers=())
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {}, session)
+            own = WorkerConfig(url=w0.url, id="own")
+            status, _ = await fleet.admin("POST", "/workers", msgspec.to_builtins(own))
+            assert status == 201
+            subs = router.planner.indexer._workers
+            assert [s.config.replay_proven for s in subs["own"]] == [True]
+            status, _ = await fleet.admin("DELETE", "/workers/own")
+            assert status == 200
+            status, _ = await fleet.admin("POST", "/workers", msgspec.to_builtins(mapped))
+            assert status == 201
+            assert [s.config.replay_proven for s in subs["mapped"]] == [False]
