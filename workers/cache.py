@@ -428,12 +428,15 @@ class PagedRadixCache:
             freed += self._evict_one()
         return freed
 
-    def flush(self) -> None:
-        """Drop the whole tree (`AllBlocksCleared`); refused while a request holds pages."""
+    def flush(self) -> int:
+        """Drop the whole tree (`AllBlocksCleared`); refused while a request holds pages.
+        Returns the pages it held (GPU and host)."""
         if self._protected_pages or self._reserved_pages:
             raise CacheBusyError("cache not flushed: requests are running")
+        held = self._tree_pages + self._host_pages
         self._reset()
         self._events.append(Cleared())
+        return held
 
     def flush_namespace(self, cache_salt: str | None) -> int:
         """Evict every unreferenced node whose salt is `cache_salt`; returns pages removed.

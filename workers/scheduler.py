@@ -174,12 +174,14 @@ class RankScheduler:
             self._waiting.remove(job)
             job.mark_finished()
 
-    def flush(self) -> None:
-        """Flush the whole cache (refused while requests run, as SGLang does)."""
+    def flush(self) -> int:
+        """Flush the whole cache (refused while requests run, as SGLang does); returns the
+        pages it held."""
         if not self.idle or self._held:
             raise CacheBusyError("cache not flushed: requests are running or waiting")
-        self.cache.flush()
+        removed = self.cache.flush()
         self._publish()
+        return removed
 
     def flush_namespace(self, cache_salt: str | None) -> int:
         """Evict one salt's unreferenced pages (None: the unsalted ones); returns pages removed."""

@@ -422,8 +422,8 @@ async def flush_cache(request: web.Request) -> web.StreamResponse:
         raise RequestError("the request body must be a JSON object")
     worker = _worker(request)
     if "cache_salt" not in body or not worker.config.flush_by_salt:
-        worker.flush_all()  # SGLang's takes no salt: whatever the body says, all of it
-        return web.json_response({"message": "Cache flushed.", "pages_removed": 0})
+        removed = worker.flush_all()  # SGLang's takes no salt: whatever the body says, all
+        return web.json_response({"message": "Cache flushed.", "pages_removed": removed})
     # A body that names a namespace never empties the others: "" (or null) is the unsalted one.
     salt = normalize_key(body["cache_salt"], "cache_salt")
     removed = worker.flush_namespace(salt)

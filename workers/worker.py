@@ -187,12 +187,12 @@ class ReferenceWorker:
         """Stop a request whose client went away."""
         self.ranks[job.rank].cancel(job)
 
-    def flush_all(self) -> None:
-        """Flush every rank's whole cache; refused unless every rank is idle (as SGLang)."""
+    def flush_all(self) -> int:
+        """Flush every rank's whole cache; refused unless every rank is idle (as SGLang).
+        Returns the pages they held."""
         if not all(sched.idle and not sched.holding for sched in self.ranks):
             raise CacheBusyError("cache not flushed: requests are running or waiting")
-        for sched in self.ranks:
-            sched.flush()
+        return sum(sched.flush() for sched in self.ranks)
 
     def flush_namespace(self, cache_salt: str | None) -> int:
         """Evict one salt's unreferenced pages on every rank (None: the unsalted ones)."""

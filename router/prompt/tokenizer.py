@@ -120,9 +120,8 @@ class _HfEncoder:
 
 def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
     """The configured tokenizer; a missing optional dependency is a ConfigError."""
-    template = load_chat_template(config)
     if config.kind == "byte":
-        return PromptTokenizer(ByteTokenizer(), "byte", template)
+        return PromptTokenizer(ByteTokenizer(), "byte", load_chat_template(config))
     try:
         import tokenizers
     except ImportError as exc:
@@ -133,6 +132,9 @@ def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
         hf = tokenizers.Tokenizer.from_file(config.path)
     except Exception as exc:
         raise ConfigError(f"tokenizer.path {config.path!r}: {exc}") from exc
+    # the template after the tokenizer: a missing tokenizer file is said first, alone (its
+    # folder's missing template would be warned of before it)
+    template = load_chat_template(config)
     offload = None
     if config.offload_bytes():
         offload = TokenizeOffload(config.offload_bytes(), config.offload_threads)

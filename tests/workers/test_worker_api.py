@@ -170,6 +170,12 @@ async def test_flush_one_salt_keeps_the_others(
     async with http.post(f"{worker.url}/flush_cache", json={"cache_salt": 3}) as resp:
         assert resp.status == 400
         assert "cache_salt" in (await resp.json())["error"]["message"]
+    # a whole flush says what it removed too (it said 0)
+    async with http.post(f"{worker.url}/flush_cache") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["pages_removed"] > 0
+    async with http.post(f"{worker.url}/flush_cache") as resp:
+        assert (await resp.json())["pages_removed"] == 0  # nothing left
 
 
 async def test_bad_bodies_are_400(worker: ReferenceWorker, http: aiohttp.ClientSession) -> None:

@@ -64,10 +64,14 @@ def test_a_text_prompt_starts_as_the_engine_starts_it(model: str, bos: str | Non
         assert ids == [own.token_to_id(bos), *bare]
 
 
-def test_hf_tokenizer_errors_are_config_errors(tmp_path: Path) -> None:
+def test_hf_tokenizer_errors_are_config_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = TokenizerConfig(kind="hf", path=str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError) as info:
         build_tokenizer(config)
+    # the missing file is what is said: no warning about its folder's chat template first
+    assert "chat template" not in caplog.text
     if importlib.util.find_spec("tokenizers") is None:
         assert "kvroute[hf]" in str(info.value)
     else:
