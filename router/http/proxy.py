@@ -278,7 +278,6 @@ class Proxy:
                 candidate,
                 first_try=attempt == 0,
                 output_tokens=parsed.output_tokens,
-                whole_answer=not parsed.stream,
                 keyed=parsed.keyed,
             )
             obs.attempt(plan, candidate, attempt)

@@ -423,16 +423,14 @@ class Planner:
         *,
         first_try: bool,
         output_tokens: int | None = None,
-        whole_answer: bool = False,
         keyed: Sequence[KeyedItem] = (),
     ) -> Ticket:
         """Record that the request goes to `candidate`; returns its load ticket.
 
         Pending marks and load go to the candidate's rank only (with no rank, the engine picks:
         the marks go on every stream of the worker). `output_tokens`: the output the request
-        may generate there (None: not known). `whole_answer`: it is answered whole, not
-        streamed, so its first byte comes when it has decoded too: its prompt stops counting
-        as queued prefill when the events show it stored, as a prefill side's does."""
+        may generate there (None: not known). `keyed`: a batch's other items with an
+        extra_key (`shadow`)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
         self.shadow(ns, tokens, candidate, keyed)
@@ -462,11 +460,7 @@ class Planner:
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
         entry = self.pool.find(candidate.worker)
-        if (
-            entry is not None
-            and (whole_answer or entry.role == "prefill")
-            and ticket.prefill_tokens
-        ):
+        if entry is not None and entry.role == "prefill" and ticket.prefill_tokens:
             self._watch_prefill(ns, tokens, candidate, ticket)
         if self.decisions is not None:
             block_size, keys = self._shared_keys(ns, tokens, candidate) if marked else (0, [])

@@ -6,7 +6,6 @@ affinity, dry runs whose numbers match the workers' cached_tokens, eviction (ind
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any
 
@@ -289,33 +288,6 @@ async def test_an_eviction_does_not_flush_a_worker_that_cannot_flush_one_salt() 
             assert await cached(w0, "evict-me") == 0 and await cached(w0, "keep-me") == 128
             # the other tenant's pages are still on the worker that was not called
             assert await cached(w1, "keep-me") == 128
-
-
-async def test_a_whole_answer_stops_counting_as_queued_prefill_once_its_prompt_is_stored() -> None:
-    """A request answered whole has its first byte only when it has decoded too: counted as
-    queued prefill until then, it weighed as dozens of running requests for its whole decode.
-    Its prompt's stores end that (as a prefill side's do)."""
-    slow = ReferenceConfig(
-        time_scale=1.0, page_size=16, prefill_ms_per_token=0.5, decode_ms_per_token=50.0
-    )
-    async with ReferenceWorker(slow) as w0:
-        config = router_config([("w0", w0.url)])
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            load = router.planner.load
-            prompt = [(i * 3) % 200 + 11 for i in range(20 * 16 + 1)]
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40}}  # ~2 s
-            sent = asyncio.create_task(session.post(router.url + "/generate", json=body))
-
-            async def stored() -> bool:
-                return load.of("w0").running == 1 and load.of("w0").queued_prefill_tokens == 0
-
-            await eventually(stored, what="its prompt to stop counting as queued prefill")
-            assert not sent.done()  # still decoding: no byte of its answer yet
-            resp = await sent
-            assert resp.status == 200, await resp.text()
-            resp.release()
 
 
 async def test_a_stream_cut_at_the_deadline_or_left_by_its_client_is_no_worker_failure() -> None:

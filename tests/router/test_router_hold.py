@@ -144,18 +144,13 @@ async def test_a_held_request_counts_as_queued_on_the_rank_it_waits_for() -> Non
     async with _fleet(True, 1024) as (fleet, w0):
         first = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (1, 2)]
         await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
-
-        async def stored() -> bool:
-            # the two sent ones count their prompts until the worker's events show them
-            # stored (their non-streamed answers come only once they have decoded)
-            return await _queued(fleet) == 0
-
-        await eventually(stored, what="the running requests' prompts stored")
+        # the two sent ones count their prompts until their (non-streamed) answers
+        assert await _queued(fleet) == 2 * 129
         third = asyncio.create_task(fleet.post("/generate", prompt(3)))
         await eventually(
             lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
         )
-        assert await _queued(fleet) == 129  # the held one, where it waits
+        assert await _queued(fleet) == 3 * 129
         for task in [*first, third]:
             status, _, _ = await task
             assert status == 200
