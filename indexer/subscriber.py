@@ -425,17 +425,24 @@ class StreamSubscriber:
     async def _checked(self, decision: SeqDecision, seq: int, payload: bytes) -> SeqDecision:
         """`decision` on live batch `seq`, unless it is a duplicate of a replayed batch that
         is not the same batch (`_live_disagrees`)."""
-        if decision.verdict is SeqVerdict.DUPLICATE and self._replayed:
-            replayed = self._replayed.get(seq)
-            if replayed is not None and replayed == _digest(payload):
+        if decision.verdict is not SeqVerdict.DUPLICATE:
+            return decision
+        replayed = self._replayed.get(seq) if self._replayed else None
+        if replayed is not None:
+            if replayed == _digest(payload):
                 self._confirm()  # the live copy of a batch the replay gave: the same
-            elif replayed is not None:
-                if self._after_restart:
-                    # a batch of the process before the restart, still queued on our socket
-                    self._warn("stale", f"live seq {seq} is the dead process's: skipped")
-                    return decision
-                return await self._live_disagrees(seq, payload)
-        return decision
+                return decision
+        else:
+            # the batch applied last, sent again: its fence says whether it is the same
+            fence = self.sink.fence() if seq == self.tracker.last else None
+            if fence is None or fence.seq != seq or fence.matches(seq, payload):
+                return decision
+        # another batch at a seq this stream applied
+        if self._after_restart:
+            # a batch of the process before the restart, still queued on our socket
+            self._warn("stale", f"live seq {seq} is the dead process's: skipped")
+            return decision
+        return await self._live_disagrees(seq, payload)
 
     async def _live_disagrees(self, seq: int, payload: bytes) -> SeqDecision:
         """The live batch `seq` is not the batch a replay applied at that seq: the replay

@@ -353,3 +353,22 @@ async def test_batches_of_the_dead_process_still_queued_after_a_restart_are_not_
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
         assert not svc._workers[WORKER][0]._replay_foreign
         assert "another publisher's" not in caplog.text
+
+
+async def test_a_new_process_whose_first_batch_we_see_is_our_last_seq_is_a_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The restarted process's earlier batches were all dropped: the first live batch the
+    router sees has exactly its last seq, a duplicate by number. Its bytes are not the batch
+    applied there, and the replay socket has them: a restart, rebuilt. Before, it was skipped
+    as a duplicate and the dead process's entries stayed."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        pub.restart()  # same sockets: only the batches tell
+        new = workload(seed=2, batches=last + 1)
+        for batch in new[:-1]:
+            await pub.publish(batch, drop=True)
+        assert await pub.publish(new[-1]) == last  # live, at our last seq
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
