@@ -27,6 +27,7 @@ from router.config import WorkerConfig
 from router.errors import RequestError
 
 __all__ = [
+    "adapters_from_model_list",
     "capacity_from_server_info",
     "flushes_by_salt",
     "max_running_from_server_info",
@@ -111,6 +112,22 @@ def models_from_model_list(answer: object) -> tuple[str, ...] | None:
         and card.get("parent") is None
     ]
     return tuple(dict.fromkeys(names))
+
+
+def adapters_from_model_list(answer: object) -> dict[str, str]:
+    """The LoRA adapters of an OpenAI `/v1/models` list: each card with a `parent`, by its id
+    (vLLM names an adapter by itself in a request's `model`)."""
+    data = answer.get("data") if isinstance(answer, Mapping) else None
+    if not isinstance(data, list):
+        return {}
+    return {
+        card["id"]: card["parent"]
+        for card in data
+        if isinstance(card, Mapping)
+        and isinstance(card.get("id"), str)
+        and isinstance(card.get("parent"), str)
+        and card["id"].strip()
+    }
 
 
 def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:

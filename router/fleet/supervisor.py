@@ -31,7 +31,7 @@ from router.fleet.discovery import (
     needs_discovery,
     streams_for,
 )
-from router.fleet.worker_settings import read_served_models, read_server_info
+from router.fleet.worker_settings import read_adapters, read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
@@ -212,7 +212,12 @@ class Supervisor:
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
-        self._pool.set_models(entry, models)
+        adapters = None
+        if spec.name == "vllm":  # it names an adapter by itself (SGLang: base:adapter)
+            adapters = await read_adapters(
+                self._session, entry.url, timeout_s=self._health.timeout_s * 5
+            )
+        self._pool.set_models(entry, models, adapters)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.flushes_by_salt = flushes_by_salt(info)

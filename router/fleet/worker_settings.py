@@ -16,9 +16,13 @@ import msgspec
 from indexer.engines import SGLANG, EngineSpec
 from router.config import WorkerConfig
 from router.errors import RequestError
-from router.fleet.discovery import models_from_model_list, models_from_server_info
+from router.fleet.discovery import (
+    adapters_from_model_list,
+    models_from_model_list,
+    models_from_server_info,
+)
 
-__all__ = ["read_served_models", "read_server_info"]
+__all__ = ["read_adapters", "read_served_models", "read_server_info"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,22 @@ async def read_server_info(
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
             last = f"{path}: {type(exc).__name__}: {exc}"
     raise RequestError(f"cannot read server_info of {url}: {last}")
+
+
+async def read_adapters(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float
+) -> dict[str, str]:
+    """The LoRA adapters a worker lists in its `/v1/models` (id -> its base model); {} when
+    it lists none or cannot be asked (best effort: a request naming one is then refused as an
+    unknown model in a fleet of several models, never routed as the base)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+            if resp.status != 200:
+                return {}
+            return adapters_from_model_list(msgspec.json.decode(await resp.read()))
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+        return {}
 
 
 async def read_served_models(

@@ -88,6 +88,9 @@ class WorkerEntry:
         self.max_running_requests: int | None = None
         # whether its /flush_cache can empty one salt's pages (its /server_info says so)
         self.flushes_by_salt = False
+        # the LoRA adapters it lists by name (vLLM's /v1/models cards with a parent): id ->
+        # the base model's name
+        self.adapters: dict[str, str] = {}
 
     @property
     def cache_model(self) -> str:
@@ -152,6 +155,7 @@ class WorkerPool:
         self._cache_model: dict[str, str] = {}  # served name -> `ModelChoice.cache_model`
         self._single: ModelChoice | None = ModelChoice("", "", None)
         self._names_adapters = False
+        self._adapters: dict[str, str] = {}  # adapter -> base model, as the workers list them
 
     def reconfigure(self, breaker: BreakerConfig) -> None:
         """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
@@ -180,10 +184,18 @@ class WorkerPool:
         self._reindex()
         return entry
 
-    def set_models(self, entry: WorkerEntry, models: tuple[str, ...]) -> None:
-        """Record the names `entry` serves (discovered); ignored once it left the pool."""
+    def set_models(
+        self,
+        entry: WorkerEntry,
+        models: tuple[str, ...],
+        adapters: dict[str, str] | None = None,
+    ) -> None:
+        """Record the names `entry` serves (discovered), and the LoRA adapters it lists by
+        name; ignored once it left the pool."""
         if self._workers.get(entry.id) is entry:
             entry.models = models
+            if adapters is not None:
+                entry.adapters = adapters
             self._reindex()
 
     def get(self, worker_id: str) -> WorkerEntry:
@@ -204,6 +216,11 @@ class WorkerPool:
     def resolve(self, model: str) -> ModelChoice:
         """The served model a request naming `model` goes to; UnknownModelError when the fleet
         serves several and none of them is `model` (or its base, in the `base:adapter` form)."""
+        parent = self._adapters.get(model)
+        if parent is not None and model not in self._by_model and parent in self._by_model:
+            # an adapter named by itself (vLLM): its base's pool, its pages its own namespace
+            cache = self._single.cache_model if self._single else self._cache_model[parent]
+            return ModelChoice(parent, cache, model)
         base, adapter = split_adapter(model, self._by_model)
         if self._single is not None:
             # one pool takes every name (SGLang ignores it), and keeps the alias it was asked
@@ -240,6 +257,9 @@ class WorkerPool:
                 by_model.setdefault(name, []).append(entry)
         self._everyone = tuple(self._workers.values())
         self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
+        self._adapters = {
+            name: parent for e in self._everyone for name, parent in e.adapters.items()
+        }
         # vLLM workers only: a request naming another model names a LoRA adapter (`resolve`)
         self._names_adapters = bool(self._everyone) and all(
             e.config.engine == "vllm" for e in self._everyone

@@ -20,6 +20,8 @@ import pytest
 
 from indexer.engines import EngineName
 from router.config import BreakerConfig, HealthConfig, PolicyConfig, PolicyName, WorkerConfig
+from router.errors import UnknownModelError
+from router.fleet.discovery import adapters_from_model_list
 from router.routing.pool import WorkerPool
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
@@ -249,3 +251,20 @@ def test_a_vllm_fleet_reads_a_name_it_does_not_serve_as_a_lora_adapter() -> None
         choice = pool.resolve("sql-lora")
         assert (choice.model, choice.cache_model, choice.adapter) == ("base", "base", lora)
         assert pool.resolve("base").adapter is None
+
+
+def test_a_vllm_adapter_its_base_lists_goes_to_that_base_in_a_fleet_of_several() -> None:
+    """vLLM's /v1/models lists an adapter as a card whose `parent` is its base: a request
+    naming it goes to that base's pool, in the adapter's namespace (it was refused as an
+    unknown model)."""
+    pool = WorkerPool(BreakerConfig())
+    a = pool.add(WorkerConfig(url="http://127.0.0.1:1", id="a", engine="vllm", model="base-a"))
+    pool.add(WorkerConfig(url="http://127.0.0.1:2", id="b", engine="vllm", model="base-b"))
+    pool.set_models(a, ("base-a",), {"sql-lora": "base-a"})
+    choice = pool.resolve("sql-lora")
+    assert (choice.model, choice.cache_model, choice.adapter) == ("base-a", "base-a", "sql-lora")
+    with pytest.raises(UnknownModelError):
+        pool.resolve("other-lora")  # listed by no worker: never read as a base
+    assert adapters_from_model_list(
+        {"data": [{"id": "base-a"}, {"id": "sql-lora", "parent": "base-a"}, {"id": 3}]}
+    ) == {"sql-lora": "base-a"}
