@@ -159,12 +159,17 @@ def _tear(path: Path) -> None:
 
 async def test_replay_publish_of_a_damaged_file_exits_1(recording: Path) -> None:
     _tear(recording)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
-    proc = await _cli("replay", str(recording), *publish, "--wait", "0", "--linger", "0")
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    for _ in range(5):
+        # a port free now may be taken by the time the child binds it (another test's
+        # connection): then it says so, and another is tried
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
+        proc = await _cli("replay", str(recording), *publish, "--wait", "0", "--linger", "0")
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        if b"Address already in use" not in err:
+            break
     assert proc.returncode == 1, err
     assert b"recording damaged at byte" in err and b"sent" in out
 

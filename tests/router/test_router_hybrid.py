@@ -58,6 +58,14 @@ async def test_only_the_full_attention_group_makes_a_predicted_prefix() -> None:
                         plan = await resp.json()
                     return int(plan["candidates"][0]["matched_tokens"])
 
+                # empty batches until one arrives live: vLLM advertises no sockets, so what
+                # the SUB missed and the join took from the replay waits for a live batch
+                async def live() -> bool:
+                    await pub.publish_payload(payload())
+                    (stream,) = router.indexer.streams()
+                    return stream.state == "synced" and stream.last_seq is not None
+
+                await eventually(live, what="the stream to be live")
                 await pub.publish_payload(
                     payload(
                         stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"),
