@@ -12,6 +12,7 @@ workers concurrently, each with its own timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -31,7 +32,7 @@ from router.fleet.discovery import (
     needs_discovery,
     streams_for,
 )
-from router.fleet.worker_settings import read_adapters, read_served_models, read_server_info
+from router.fleet.worker_settings import read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
@@ -52,48 +53,34 @@ class WorkerGauges(Protocol):
     def forget(self, worker: str) -> None: ...
 
 
-def _replay_proven(
+def _replay_proof(
     config: WorkerConfig, info: dict[str, Any] | None, streams: list[StreamConfig]
 ) -> list[StreamConfig]:
-    """`streams` marked with whether their replay sockets are known to be their publishers'
-    (the worker advertises exactly these event and replay sockets); a configured pair that
-    cannot be compared (no server info, ports mapped on the way) is not."""
-    proven = False
+    """`streams` marked with whether their replay sockets are known to be their publishers':
+    the worker advertises exactly these event and replay sockets. A configured pair that
+    cannot be compared (no server info, event sockets mapped on the way) is not.
+
+    RequestError when a configured replay socket is not the one the worker advertises while
+    its event sockets are: another worker's would rebuild this worker's streams from that
+    worker's cache (false hits)."""
+    advertised: list[StreamConfig] = []
     if info is not None:
         bare = msgspec.structs.replace(config, events=None, replay=None)
-        try:
+        with contextlib.suppress(RequestError):  # it advertises nothing usable
             advertised = streams_for(bare, info)
-        except RequestError:
-            advertised = []
-        pairs = [(s.endpoint, s.replay_endpoint) for s in streams]
-        proven = pairs == [(s.endpoint, s.replay_endpoint) for s in advertised]
-    if proven:
-        return streams
+    if advertised and [s.endpoint for s in advertised] == [s.endpoint for s in streams]:
+        told = [s.replay_endpoint for s in advertised]
+        given = [s.replay_endpoint for s in streams]
+        if told == given:
+            return streams
+        if config.replay is not None and all(t is not None for t in told):
+            raise RequestError(
+                f"worker {config.worker_id}: replay {given} is not the replay socket it "
+                f"advertises ({told}) for these event sockets: another worker's would rebuild "
+                "its streams from that worker's cache; fix `replay` in its config (not "
+                "subscribed until then)"
+            )
     return [msgspec.structs.replace(s, replay_proven=False) for s in streams]
-
-
-def _check_replay_sockets(
-    config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]
-) -> None:
-    """RequestError when the configured replay sockets are not the ones the worker advertises
-    while its event sockets are: a replay socket of another worker would rebuild this
-    worker's streams from that worker's cache (false hits). Where the event sockets differ
-    too (ports mapped on the way) nothing is concluded."""
-    bare = msgspec.structs.replace(config, events=None, replay=None)
-    try:
-        advertised = streams_for(bare, info)
-    except RequestError:
-        return  # it advertises nothing usable: nothing to compare with
-    if [s.endpoint for s in advertised] != [s.endpoint for s in streams]:
-        return
-    told = [s.replay_endpoint for s in advertised]
-    given = [s.replay_endpoint for s in streams]
-    if all(t is not None for t in told) and told != given:
-        raise RequestError(
-            f"worker {config.worker_id}: replay {given} is not the replay socket it advertises "
-            f"({told}) for these event sockets: another worker's would rebuild its streams "
-            "from that worker's cache; fix `replay` in its config (not subscribed until then)"
-        )
 
 
 def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
@@ -147,11 +134,20 @@ class Supervisor:
         )
 
     async def served_models(
-        self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
+        self,
+        entry: WorkerEntry,
+        spec: EngineSpec,
+        info: dict[str, Any] | None,
+        adapters: dict[str, str] | None = None,
     ) -> tuple[str, ...]:
-        """The models `entry` serves (`read_served_models`)."""
+        """The models `entry` serves (`read_served_models`; `adapters` filled as it says)."""
         return await read_served_models(
-            self._session, entry.config, spec, info, timeout_s=self._health.timeout_s * 5
+            self._session,
+            entry.config,
+            spec,
+            info,
+            timeout_s=self._health.timeout_s * 5,
+            adapters=adapters,
         )
 
     async def _role(
@@ -185,7 +181,9 @@ class Supervisor:
         else:
             info = await self._settings(entry, spec)
         role, bootstrap_port = await self._role(entry, spec, info)
-        models = await self.served_models(entry, spec, info)
+        # vLLM names a LoRA adapter by itself (SGLang: base:adapter): the ones it lists
+        adapters: dict[str, str] | None = {} if spec.name == "vllm" else None
+        models = await self.served_models(entry, spec, info, adapters)
         # a config that spells its streams out is taken as it is: the settings read anyway
         # only complete what no config says (capacity, concurrency, role)
         streams = streams_for(
@@ -193,9 +191,8 @@ class Supervisor:
         )
         if info is not None:
             _check_topic(entry.config, info)
-        if info is not None and entry.config.replay is not None:
-            # discovering or not: a configured replay socket beside advertised ones is checked
-            _check_replay_sockets(entry.config, info, streams)
+        # discovering or not: configured replay sockets beside advertised ones are checked
+        streams = _replay_proof(entry.config, info, streams)
         if entry.id not in self._pool_ids():
             return  # removed while discovering
         for stream in streams:
@@ -208,15 +205,9 @@ class Supervisor:
                     f"are worker {other}'s stream already; fix `events` in its config (not "
                     "subscribed until then)"
                 )
-        streams = _replay_proven(entry.config, info, streams)
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
-        adapters = None
-        if spec.name == "vllm":  # it names an adapter by itself (SGLang: base:adapter)
-            adapters = await read_adapters(
-                self._session, entry.url, timeout_s=self._health.timeout_s * 5
-            )
         self._pool.set_models(entry, models, adapters)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)

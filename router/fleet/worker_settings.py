@@ -22,7 +22,7 @@ from router.fleet.discovery import (
     models_from_server_info,
 )
 
-__all__ = ["read_adapters", "read_served_models", "read_server_info"]
+__all__ = ["read_served_models", "read_server_info"]
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,21 @@ async def read_server_info(
     raise RequestError(f"cannot read server_info of {url}: {last}")
 
 
-async def read_adapters(
-    session: aiohttp.ClientSession, url: str, *, timeout_s: float
-) -> dict[str, str]:
-    """The LoRA adapters a worker lists in its `/v1/models` (id -> its base model); {} when
-    it lists none or cannot be asked (best effort: a request naming one is then refused as an
-    unknown model in a fleet of several models, never routed as the base)."""
+async def _model_list(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> tuple[object, str]:
+    """A worker's `/v1/models` answer, decoded (None: no answer it could give), and why it
+    could not be asked ("" when it could)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
             if resp.status != 200:
-                return {}
-            return adapters_from_model_list(msgspec.json.decode(await resp.read()))
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
-        return {}
+                return None, ""
+            return msgspec.json.decode(await resp.read()), ""
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return None, f"/v1/models: {type(exc).__name__}: {exc}"
+    except msgspec.DecodeError:
+        return None, ""  # answered, but with no model list
 
 
 async def read_served_models(
@@ -69,6 +70,7 @@ async def read_served_models(
     info: dict[str, Any] | None,
     *,
     timeout_s: float,
+    adapters: dict[str, str] | None = None,
 ) -> tuple[str, ...]:
     """The models the worker of `config` serves: its config's, else the ones it advertises.
 
@@ -76,24 +78,24 @@ async def read_served_models(
     worker's `/v1/models`, else (an engine with a settings path) its `/server_info`.
     RequestError when the worker cannot be asked (it is retried on the health rounds);
     () when it answers but advertises none.
+
+    `adapters`, when given, is filled with the LoRA adapters `/v1/models` lists by name (vLLM
+    names one by itself): from the same answer, or (the names came from elsewhere) from one
+    read for them, best effort.
     """
-    if config.served_models:
-        return config.served_models
-    if info is not None and (named := models_from_server_info(info)) is not None:
-        return named
     url = config.url.rstrip("/")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    unreachable = ""
-    try:
-        async with session.get(url + "/v1/models", timeout=timeout) as resp:
-            if resp.status == 200:
-                listed = models_from_model_list(msgspec.json.decode(await resp.read()))
-                if listed is not None:
-                    return listed
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        unreachable = f"/v1/models: {type(exc).__name__}: {exc}"
-    except msgspec.DecodeError:
-        pass  # answered, but with no model list
+    named: tuple[str, ...] | None = config.served_models or None
+    if named is None and info is not None:
+        named = models_from_server_info(info)
+    if named is not None and adapters is None:
+        return named
+    answer, unreachable = await _model_list(session, url, timeout_s)
+    if adapters is not None:
+        adapters.update(adapters_from_model_list(answer))
+    if named is not None:
+        return named
+    if (listed := models_from_model_list(answer)) is not None:
+        return listed
     if info is None and spec.server_info_paths:
         try:
             settings = await read_server_info(session, url, spec, timeout_s=timeout_s)

@@ -98,56 +98,30 @@ class Histogram:
         return out
 
 
-class _InFlight(Collector):
-    """`kvroute_in_flight_requests`, read from the load tracker when scraped.
+class _PerWorker(Collector):
+    """A per-worker gauge read from the router's own state when scraped: the in-flight counts
+    (`kvroute_in_flight_requests`: the load tracker's, which a gauge of its own would keep
+    twice, with two locked updates on every request) and whether each worker is routable
+    (`kvroute_worker_routable`: the pool's, so a breaker that opened or a drain shows at once,
+    not at the next health round)."""
 
-    The router already counts running requests per worker for routing; a gauge of its own
-    would be the same number kept twice, with two locked updates on every request.
-    """
-
-    def __init__(self) -> None:
-        self.source: Callable[[], Mapping[str, int]] = dict
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self.source: Callable[[], Mapping[str, float]] = dict
 
     def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "kvroute_in_flight_requests",
-            "Requests the router has in flight per worker",
-            labels=["worker"],
-        )
+        return GaugeMetricFamily(self._name, self._documentation, labels=["worker"])
 
     def describe(self) -> Iterator[Metric]:
         """The metric's name and type, without samples."""
         yield self._family()
 
     def collect(self) -> Iterator[Metric]:
-        """The current in-flight count of every worker."""
+        """Every worker's value now."""
         family = self._family()
-        for worker, running in sorted(self.source().items()):
-            family.add_metric([worker], running)
-        yield family
-
-
-class _Routable(Collector):
-    """`kvroute_worker_routable`, read from the worker pool when scraped: a breaker that opened
-    or a drain shows at once, not at the next health round."""
-
-    def __init__(self) -> None:
-        self.source: Callable[[], Mapping[str, bool]] = dict
-
-    def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "kvroute_worker_routable", "1 when the worker takes new requests", labels=["worker"]
-        )
-
-    def describe(self) -> Iterator[Metric]:
-        """The metric's name and type, without samples."""
-        yield self._family()
-
-    def collect(self) -> Iterator[Metric]:
-        """Whether each worker of the pool takes new requests now."""
-        family = self._family()
-        for worker, routable in sorted(self.source().items()):
-            family.add_metric([worker], 1 if routable else 0)
+        for worker, value in sorted(self.source().items()):
+            family.add_metric([worker], float(value))
         yield family
 
 
@@ -349,13 +323,17 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        self._in_flight = _InFlight()
+        self._in_flight = _PerWorker(
+            "kvroute_in_flight_requests", "Requests the router has in flight per worker"
+        )
         r.register(self._in_flight)
         self._rank_in_flight = _RankInFlight()
         r.register(self._rank_in_flight)
         self._cluster = _Cluster()
         r.register(self._cluster)
-        self._routable = _Routable()
+        self._routable = _PerWorker(
+            "kvroute_worker_routable", "1 when the worker takes new requests"
+        )
         r.register(self._routable)
         # what else keeps per-worker series (the decision statistics), told of removals too
         self._forgetters: list[Callable[[Collection[str]], None]] = []

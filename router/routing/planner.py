@@ -486,8 +486,8 @@ class Planner:
         """What a request with an extra_key stores on `candidate` (each item of a batch that
         has one), its events show as plain pages of its salt: plain queries must not take
         them for their own (`indexer.shadowed`)."""
-        if not self.indexer.has_worker(candidate.worker):
-            return
+        if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(candidate.worker):
+            return  # the common request: nothing to shadow, no lookup on its path
         worker, rank = candidate.worker, candidate.dp_rank
         if ns.extra_key is not None:
             self.indexer.shadow(ns, tokens, worker, rank, SHADOW_KEEP_S)
