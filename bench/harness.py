@@ -17,7 +17,8 @@ sent exactly what kvroute is sent, `cache_salt` included; that it drops the salt
 salt could have produced are isolation violations (`bench.isolation`), not hits.
 
 After the workload, every router run is probed for isolation on each endpoint
-(`bench.isolation.probe_isolation`).
+(`bench.isolation.probe_isolation`), then for affinity: whether, idle, it sends a prompt again
+to the worker that holds it (`bench.affinity.probe_affinity`).
 
 Routing overhead: for `oracle` it is the `/debug/match` fan-out of each request. For router
 policies it is measured after the workload, on the idle fleet, as paired probes: the same tiny
@@ -39,9 +40,16 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from bench.affinity import probe_affinity
 from bench.isolation import probe_isolation
 from bench.pd_fleet import await_pd_streams, pd_config, pd_names, sglang_pd_args
-from bench.routing_results import EXTERNAL_BASELINE, EndpointIsolation, PolicyRun, RequestRecord
+from bench.routing_results import (
+    EXTERNAL_BASELINE,
+    AffinityProbe,
+    EndpointIsolation,
+    PolicyRun,
+    RequestRecord,
+)
 from bench.sglang_router import launch as launch_sglang_router
 from bench.workloads import BenchRequest, Workload
 from indexer.stats import StreamState
@@ -513,6 +521,7 @@ async def run_policy(
     weights = weights or PolicyWeights()
     overhead: list[float] = []
     isolation: list[EndpointIsolation] = []
+    affinity: AffinityProbe | None = None
     async with (
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=None)
@@ -542,6 +551,7 @@ async def run_policy(
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)
                 isolation = await probe_isolation(session, router_url, seed)
+                affinity = await probe_affinity(session, router_url, seed)
         else:
             if policy == KV_DEFAULT:
                 policy_name, weights = "kv", PolicyWeights()
@@ -554,10 +564,12 @@ async def run_policy(
                 records = await _drive(session, workload, chooser, timeout_s, on_done)
                 overhead = await _probe_overhead(session, router_url, names, seed)
                 isolation = await probe_isolation(session, router_url, seed)
+                affinity = await probe_affinity(session, router_url, seed)
     return PolicyRun(
         policy=policy,
         records=records,
         wall_s=time.perf_counter() - started,
         route_overhead_s=overhead,
         isolation=isolation,
+        affinity=affinity,
     )

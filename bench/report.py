@@ -31,6 +31,8 @@ __all__ = ["closing_note", "render_markdown", "write_report"]
 
 # beyond this share of requests that find nothing cached, a TTFT p90 is a cold prefill
 _COLD_P90 = 0.10
+# below this share of the affinity probe's repeats kept, a router did not route by cache
+_AFFINE = 0.9
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -109,38 +111,69 @@ def _external_table(report: BenchReport) -> list[str]:
     ]
 
 
+def _affinity(run: PolicyRun | None) -> str:
+    """The affinity probe's repeats kept, as `kept/repeats` ("-": not probed)."""
+    probe = None if run is None else run.affinity
+    if probe is None or not (probe.repeats or probe.errors):
+        return "-"
+    errors = f" ({probe.errors} errors)" if probe.errors else ""
+    return f"{probe.kept}/{probe.repeats}{errors}"
+
+
 def _fidelity_table(report: BenchReport) -> list[str]:
     """approx_tree (kvroute's mirror of SGLang's cache_aware) against the real sglang-router."""
     rows: list[str] = []
+    unfaithful: list[str] = []
     for section in report.sections:
-        runs = {run.policy: summarize(run) for run in section.runs if run.records}
+        by_policy = {run.policy: run for run in section.runs if run.records}
+        runs = {policy: summarize(run) for policy, run in by_policy.items()}
         mine, real = runs.get("approx_tree"), runs.get(EXTERNAL_BASELINE)
         if mine is None or real is None:
             continue
         ratio = mine.reported_hit_rate / real.reported_hit_rate if real.reported_hit_rate else None
         legit = mine.hit_rate / real.hit_rate if real.hit_rate else None
         within = None if ratio is None else abs(ratio - 1.0) <= 0.10
+        probe = by_policy[EXTERNAL_BASELINE].affinity
+        if probe is not None and probe.share is not None and probe.share < _AFFINE:
+            unfaithful.append(
+                f"{section.workload} at KV pressure {section.pressure:.2f} "
+                f"({probe.kept} of {probe.repeats})"
+            )
         rows.append(
             f"| {section.workload} | {section.pressure:.2f} | {_pct(mine.reported_hit_rate)} "
             f"| {_pct(real.reported_hit_rate)} | {_fmt(ratio, 2)}x | {_pct(mine.hit_rate)} "
-            f"| {_pct(real.hit_rate)} | {_fmt(legit, 2)}x | {verdict(within)} |"
+            f"| {_pct(real.hit_rate)} | {_fmt(legit, 2)}x "
+            f"| {_affinity(by_policy['approx_tree'])} | {_affinity(by_policy[EXTERNAL_BASELINE])} "
+            f"| {verdict(within)} |"
         )
     if not rows:
         return []
-    return [
+    out = [
         "",
         f"### Fidelity of the baseline: `approx_tree` against `{EXTERNAL_BASELINE}`",
         "",
         "Same fleet, same workload, same requests. Reported: the workers' `cached_tokens` as "
         "they reported them (sglang-router drops the salt on `/generate`, so its workers share "
         "pages across tenants); isolated: less the isolation violations. Target: the reported "
-        "hit rates within 10%.",
+        "hit rates within 10%. Affinity: after the workload, on the idle fleet, fresh prompts "
+        "sent one at a time, then each again; the repeats that found their pages (a cache-aware "
+        "router with nothing in flight keeps every one; `bench/affinity.py`).",
         "",
         "| workload | KV pressure | approx_tree reported | sglang reported | ratio "
-        "| approx_tree isolated | sglang isolated | ratio | within 10% |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| approx_tree isolated | sglang isolated | ratio | approx_tree affinity "
+        "| sglang affinity | within 10% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
+    if unfaithful:
+        out += [
+            "",
+            f"Where `{EXTERNAL_BASELINE}` kept fewer than {_AFFINE:.0%} of the affinity "
+            f"probe's repeats ({'; '.join(unfaithful)}), the real router did not apply its "
+            "cache-aware policy even with nothing in flight: there the comparison measures "
+            "that mode of sglang-router, not how faithful `approx_tree` is.",
+        ]
+    return out
 
 
 def _bound_table(report: BenchReport) -> list[str]:
@@ -662,6 +695,7 @@ def write_report(report: BenchReport, out_dir: Path, stem: str = "routing") -> P
                 "pressure": s.pressure,
                 "requests": s.requests,
                 "summaries": [summarize(run) for run in s.runs],
+                "affinity": {r.policy: r.affinity for r in s.runs if r.affinity is not None},
                 "targets": evaluate_targets(s) if s.pressure >= TARGET_PRESSURE else [],
             }
             for s in report.sections

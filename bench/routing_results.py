@@ -32,6 +32,7 @@ import msgspec
 __all__ = [
     "EXTERNAL_BASELINE",
     "TARGET_PRESSURE",
+    "AffinityProbe",
     "BenchReport",
     "EndpointIsolation",
     "PolicyRun",
@@ -89,6 +90,20 @@ class EndpointIsolation(msgspec.Struct):
     error: str = ""
 
 
+class AffinityProbe(msgspec.Struct):
+    """Repeated prompts on the idle fleet through one router (`bench.affinity.probe_affinity`)."""
+
+    repeats: int = 0  # answered repeats of a prompt the router had routed before
+    kept: int = 0  # of them, those whose worker had its pages (cached tokens > 0)
+    errors: int = 0
+    error: str = ""
+
+    @property
+    def share(self) -> float | None:
+        """The share of repeats kept (None: none answered)."""
+        return self.kept / self.repeats if self.repeats else None
+
+
 class PolicyRun(msgspec.Struct):
     """One policy against one workload on a fresh fleet."""
 
@@ -100,6 +115,8 @@ class PolicyRun(msgspec.Struct):
     note: str = ""
     # the isolation probe per endpoint, after the workload (router policies only)
     isolation: list[EndpointIsolation] = []
+    # the affinity probe, after the isolation probe (router policies only)
+    affinity: AffinityProbe | None = None
 
 
 class WorkloadSection(msgspec.Struct):

@@ -127,7 +127,8 @@ async def serve_until_stopped(
             loop.add_signal_handler(signal.SIGHUP, hangup)
         _freeze_startup_heap()
         if announce:
-            what = "router" if proxy else "indexer (no proxy; POST /v1/kv/query)"
+            query = "POST /v1/kv/query" if config.query.enabled else "query API off"
+            what = "router" if proxy else f"indexer (no proxy; {query})"
             print(
                 f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"

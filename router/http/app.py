@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from router.errors import ConfigError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http import operations
 from router.http.admin import create_admin_app
+from router.http.bearer import is_loopback
 from router.http.dashboard.routes import add_dashboard_routes
 from router.http.keys import (
     CLUSTER,
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from router.routing.pool import WorkerEntry
 
-__all__ = ["create_app", "is_loopback"]
+__all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +144,6 @@ def _route_label(request: web.Request) -> str:
     """
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "-"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _proxy_handler(endpoint: Endpoint) -> _Handler:

@@ -1,4 +1,5 @@
-"""The bearer-token check of the admin API, the KV query API and the dashboard.
+"""The bearer-token check of the admin API, the KV query API and the dashboard, and where
+they may go without one (a listener only this machine reaches).
 
 RFC 6750 over RFC 7235: the scheme is case-insensitive (`bearer t` is `Bearer t`), the token is
 compared in constant time, and a header that is not UTF-8 (it reaches aiohttp as lone
@@ -9,8 +10,19 @@ surrogates) is just another wrong token. A refusal names the scheme it wants in
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
-__all__ = ["bearer_matches", "bearer_token"]
+__all__ = ["bearer_matches", "bearer_token", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bearer_token(authorization: str) -> str | None:

@@ -21,8 +21,9 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import AuthError, RequestError
-from router.http.bearer import bearer_matches
+from router.http.bearer import bearer_matches, is_loopback
 from router.http.keys import CONFIG, PLANNER, TOKENIZER
+from router.prompt.nesting import nests_deeper
 from router.prompt.request import Endpoint, ParsedRequest, check_salt_size
 from router.routing.policy import Candidate
 
@@ -82,9 +83,17 @@ def _tokens(query: KvQuery, request: web.Request) -> list[int]:
         raise RequestError(f"messages cannot be rendered: {exc}") from exc
 
 
-def _check_token(request: web.Request, token: str) -> None:
+def _check_token(request: web.Request, config: RouterConfig) -> None:
+    token = config.query_token()
     if not token:
-        return  # allowed on a loopback listener only (`add_kv_query_route`)
+        # read per request, as the token is: a reload that empties the token on a listener
+        # others can reach must not open the index to them
+        if is_loopback(config.listen.host):
+            return
+        raise AuthError(
+            "KV query API: refused without query.token (or KVROUTE_QUERY_TOKEN) on a "
+            "listener that is not loopback"
+        )
     if not bearer_matches(request.headers.get("Authorization", ""), token):
         raise AuthError("KV query API: missing or wrong bearer token (the query token)")
 
@@ -92,13 +101,22 @@ def _check_token(request: web.Request, token: str) -> None:
 async def kv_query(request: web.Request) -> web.Response:
     """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
     config: RouterConfig = request.app[CONFIG].current
-    _check_token(request, config.query_token())
+    _check_token(request, config)
+    raw = await request.read() or b"{}"
+    too_deep = RequestError(
+        "request body nests JSON deeper than limits.max_json_depth "
+        f"({config.limits.max_json_depth})"
+    )
     try:
-        query = msgspec.json.decode(await request.read() or b"{}", type=KvQuery)
+        query = msgspec.json.decode(raw, type=KvQuery)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise too_deep from None
+    if nests_deeper(raw, config.limits.max_json_depth):
+        raise too_deep
     tokens = _tokens(query, request)
     salt = query.cache_salt or None
     if salt is not None:

@@ -9,7 +9,6 @@ the app's resources open): the fleet families over the live indexer and load tra
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from aiohttp import web
 
 from indexer.service import IndexerService
 from router.config import RouterConfig
+from router.http.bearer import is_loopback
 from router.http.decisions import DecisionCollector, DecisionStats
 from router.http.fleet_metrics import FleetCollector
 from router.http.keys import CONFIG, DECISIONS, METRICS, OBSERVER, TOKENIZER, TRACING
@@ -33,13 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["install", "proxy_tokenizer", "start"]
 
 log = logging.getLogger(__name__)
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def install(
@@ -70,13 +63,13 @@ def install(
 def _install_kv_query(app: web.Application, config: RouterConfig) -> None:
     if not config.query.enabled:
         return
-    if not config.query_token() and not _loopback(config.listen.host):
+    if not config.query_token() and not is_loopback(config.listen.host):
+        # served all the same, refusing every request until a reload sets the token
         log.warning(
-            "%s is off: it needs query.token (or KVROUTE_QUERY_TOKEN) on %s",
+            "%s refuses every request: it needs query.token (or KVROUTE_QUERY_TOKEN) on %s",
             KV_QUERY_PATH,
             config.listen.host,
         )
-        return
     add_kv_query_route(app)
 
 

@@ -11,6 +11,7 @@ import pytest
 from bench.report import render_markdown, write_report
 from bench.routing_results import (
     EXTERNAL_BASELINE,
+    AffinityProbe,
     BenchReport,
     EndpointIsolation,
     PolicyRun,
@@ -132,6 +133,7 @@ def test_write_report_files(tmp_path: Path) -> None:
         sections=[_section(1.0), _section(2.5)],
         notes=["sglang-router not installed: external baseline skipped"],
     )
+    report.sections[1].runs[0].affinity = AffinityProbe(repeats=8, kept=7)
     md = write_report(report, tmp_path)
     text = md.read_text()
     assert "kvroute bench routing --quick --seed 1" in text
@@ -145,6 +147,11 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert [s["pressure"] for s in data["sections"]] == [1.0, 2.5]
     assert data["sections"][0]["targets"] == []
     assert len(data["sections"][1]["targets"]) == 5
+    # each router's affinity probe, where it ran
+    assert data["sections"][0]["affinity"] == {}
+    assert data["sections"][1]["affinity"] == {
+        "kv": {"repeats": 8, "kept": 7, "errors": 0, "error": ""}
+    }
     # the pooled bound's line and each policy's share of it
     assert "- pooled bound (one LRU cache of the fleet's whole capacity, same trace): 90.0%" in text
     assert "| multi_tenant | 2.50 | 90.0% | 90.0% | 88.9% | 44.4% | 22.2% |" in text
@@ -230,8 +237,39 @@ def test_the_external_baseline_is_the_headline_where_it_ran() -> None:
     # the targets are read against it, and approx_tree is held against it for fidelity
     targets = [t.target for t in evaluate_targets(high)]
     assert f"kv hit rate >= 1.2x {EXTERNAL_BASELINE}" in targets and len(targets) == 5
-    assert "| multi_tenant | 2.50 | 40.0% | 40.0% | 1.00x | 40.0% | 40.0% | 1.00x | met |" in text
+    assert (
+        "| multi_tenant | 2.50 | 40.0% | 40.0% | 1.00x | 40.0% | 40.0% | 1.00x | - | - | met |"
+        in (text)
+    )
     assert f"kv against `{EXTERNAL_BASELINE}`" not in report(_section(2.5))
+
+
+def test_a_peer_that_does_not_keep_repeats_is_named_beside_the_fidelity_it_voids() -> None:
+    def report(*sections: WorkloadSection) -> str:
+        return render_markdown(
+            BenchReport(
+                command="c", seed=1, mode="full", started_at="", fleet={}, sections=[*sections]
+            ),
+            {},
+        )
+
+    flat, pd = _section(2.5), _section(2.5)
+    pd.workload = "multi_tenant [prefill/decode 2P+2D]"
+    for section, kept in ((flat, 8), (pd, 5)):
+        peer = _run(EXTERNAL_BASELINE, 40, 0.04)
+        peer.affinity = AffinityProbe(repeats=8, kept=kept)
+        section.runs.append(peer)
+        mirror = next(r for r in section.runs if r.policy == "approx_tree")
+        mirror.affinity = AffinityProbe(repeats=8, kept=8, errors=1, error="HTTP 503")
+    text = report(flat, pd)
+    assert "| 1.00x | 8/8 (1 errors) | 8/8 | met |" in text
+    assert "| 1.00x | 8/8 (1 errors) | 5/8 | met |" in text
+    # only the section where the peer did not keep its repeats is named
+    (note,) = [line for line in text.splitlines() if "kept fewer than 90%" in line]
+    assert "multi_tenant [prefill/decode 2P+2D] at KV pressure 2.50 (5 of 8)" in note
+    assert note.count("KV pressure") == 1
+    # no probe: no note
+    assert "kept fewer than" not in report(_section(2.5))
 
 
 def test_an_accuracy_miss_is_broken_down_by_what_the_forecast_said() -> None:

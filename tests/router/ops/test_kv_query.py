@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.commands.cli import build_parser
-from router.config import QueryConfig
+from router.config import QueryConfig, load_config
+from router.http.app import create_app
+from router.http.keys import RELOADER
+from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -97,6 +102,61 @@ async def test_query_token_and_bad_input(query_fleet: Fleet) -> None:
         assert message in error["error"]["message"], error
     status, chat = await _query(fleet, {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and chat["prompt_tokens"] > 2
+    # nesting is bounded as on the proxy: a 400 naming the limit, never a 500 (at 2,000 levels
+    # msgspec's own recursion gave up first)
+    for depth in (200, 2000):
+        deep = b'{"messages": [{"role": "user", "content": "hi", "x": %s0%s}]}' % (
+            b"[" * depth,
+            b"]" * depth,
+        )
+        async with fleet.session.post(fleet.url + "/v1/kv/query", data=deep, headers=QAUTH) as r:
+            status, error = r.status, await r.json()
+        assert status == 400 and "max_json_depth (128)" in error["error"]["message"], error
+
+
+async def test_off_loopback_the_query_token_is_read_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVROUTE_QUERY_TOKEN", raising=False)
+    path = tmp_path / "router.toml"
+
+    def write(token: str) -> None:
+        # an address others reach; the app itself is served on 127.0.0.1 below
+        path.write_text(
+            f'[listen]\nhost = "0.0.0.0"\n[admin]\ntoken = "a"\n[query]\ntoken = "{token}"\n'
+        )
+
+    write("")
+    app = create_app(
+        load_config(path), config_source=ConfigSource(str(path), lambda: load_config(path))
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/kv/query"
+    body = {"token_ids": [1, 2, 3]}
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def status(headers: dict[str, str]) -> tuple[int, str]:
+                async with session.post(url, json=body, headers=headers) as resp:
+                    return resp.status, (await resp.json())["error"][
+                        "message"
+                    ] if resp.status != 200 else ""
+
+            code, message = await status({})
+            assert code == 401 and "not loopback" in message
+            write(QUERY_TOKEN)  # a reload that sets the token opens it
+            assert "query.token" in (await app[RELOADER].reload()).changed
+            assert await status(QAUTH) == (200, "")
+            assert (await status({}))[0] == 401
+            write("")  # and one that empties it closes it again
+            assert "query.token" in (await app[RELOADER].reload()).changed
+            code, message = await status({})
+            assert code == 401 and "not loopback" in message
+    finally:
+        await runner.cleanup()
 
 
 async def test_indexer_mode_serves_the_index_without_the_proxy() -> None:
