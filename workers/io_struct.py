@@ -407,6 +407,10 @@ def parse_chat(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
         text = render_chat(body.get("messages"))  # type: ignore[arg-type]
     except ChatTemplateError as exc:
         raise RequestError(str(exc)) from exc
-    ids = _TOKENIZER.encode(text, add_bos=True)
+    if body.get("input_ids") is not None:
+        # as SGLang: pre-rendered ids are the prompt, the template is skipped
+        ids = _token_ids(body["input_ids"], "input_ids")
+    else:
+        ids = _TOKENIZER.encode(text, add_bos=True)
     budget = _openai_budget(body, "max_completion_tokens", "max_tokens")
     return _openai_common(body, ids, budget, dp_rank_header)

@@ -234,6 +234,12 @@ def _chat_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
     else:
         # kvroute's own template renders the messages alone: only the fields' shape is checked
         check_chat_fields(body)
+    ids = body.get("input_ids")
+    if ids is not None and (tok.template is None or tok.template.convention.name == "sglang"):
+        # SGLang's chat takes pre-rendered ids as the prompt and skips the template (0.5.23,
+        # `OpenAIServingChat._process_messages`); the messages still give stop words, so they
+        # are checked above all the same
+        return _ids(ids, "input_ids")
     try:
         return tok.chat(messages, options)
     except ChatTemplateError as exc:

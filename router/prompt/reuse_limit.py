@@ -20,6 +20,12 @@ is predicted):
 - media parts in chat messages: the engine expands them into tokens the router does not make
   (a placeholder per image, in front of the message's text for a template that wants a
   string), so the router's tokens are not the engine's past the first one: nothing is predicted.
+  Likewise SGLang's `/generate` with `image_data`, `video_data` or `audio_data` (any item not
+  null, as `has_valid_data` reads them): the engine swaps each placeholder for pad ids drawn from
+  the media's hash, and the router cannot tell where the placeholders are;
+- SGLang's `session_params` (`/generate` and its OpenAI routes): the engine puts the session's
+  earlier prompt and output in front of the prompt (`SessionController`, 0.5.23), a prefix the
+  router never saw: nothing is predicted.
 
 Values of the wrong type are left to the engine to refuse (no cap). Pure functions of the
 decoded body.
@@ -33,6 +39,7 @@ from typing import Any
 __all__ = ["chat_reuse_limit", "completion_reuse_limit", "generate_reuse_limit"]
 
 _TEXT_PART_TYPES = ("text", "input_text")
+_MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 
 
 def _first(value: object) -> object:
@@ -44,10 +51,21 @@ def _first(value: object) -> object:
 def generate_reuse_limit(body: Mapping[str, Any]) -> int | None:
     """The most prompt tokens the engine may reuse for a `/generate` body (None: no cap but
     the last token's)."""
+    if body.get("session_params") is not None or any(
+        _holds_media(body.get(field)) for field in _MEDIA_FIELDS
+    ):
+        return 0
     start = _first(body.get("logprob_start_len"))
     if _first(body.get("return_logprob")) is True and type(start) is int and start >= 0:
         return start
     return None
+
+
+def _holds_media(value: object) -> bool:
+    """Whether a `/generate` media field holds an item (lists nest per batch item)."""
+    if isinstance(value, list):
+        return any(_holds_media(item) for item in value)
+    return value is not None
 
 
 def completion_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
@@ -71,8 +89,9 @@ def chat_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
 
 
 def _caps_openai(body: Mapping[str, Any], prompt_tokens: int, *, special_tokens: bool) -> bool:
-    """vLLM's OpenAI fields that make the engine reuse nothing the router could predict."""
-    if body.get("prompt_logprobs") is not None:
+    """The OpenAI fields that make the engine reuse nothing the router could predict: vLLM's,
+    and SGLang's session."""
+    if body.get("prompt_logprobs") is not None or body.get("session_params") is not None:
         return True
     cut = body.get("truncate_prompt_tokens")
     if type(cut) is int and 0 <= cut < prompt_tokens:

@@ -17,9 +17,11 @@ def request_namespace(parsed: ParsedRequest, choice: ModelChoice) -> Namespace:
     The adapter is the one the `base:adapter` model names, else `lora_path`: SGLang's OpenAI
     routes give the model's adapter precedence (`_resolve_lora_path`); its `/generate` takes
     no `model`, so there only `lora_path` counts. The adapter is what SGLang publishes as the
-    events' `lora_name` (a request's `lora_path` names a loaded adapter).
+    events' `lora_name` (a request's `lora_path` names a loaded adapter). vLLM workers ignore
+    `lora_path` (an unknown field to them) and serve the base model, so a pool of them leaves
+    it out.
     """
-    lora = parsed.lora
+    lora = parsed.lora if choice.reads_lora_path else None
     if choice.adapter is not None and parsed.endpoint is not Endpoint.GENERATE:
         lora = choice.adapter
     return Namespace(

@@ -4,7 +4,8 @@ A fleet serves models; a model is served by workers (DESIGN.md section 9). A wor
 names its config gives, else those it advertised when it registered (`router.fleet`); the pool
 keeps, per served name, the workers of that name, so a request is only ever planned among the
 workers of its model (`serving`). A fleet whose workers all serve the same names is one pool:
-it takes any `model` string, as SGLang does (it ignores the field; clients send "default").
+it takes any `model` string, as SGLang does (it ignores the field; clients send "default"),
+but a name some worker served and none serves now: that model is gone, not another's alias.
 
 Plain state, mutated only from the event loop (health checker, proxy, admin API), never across
 an await in the middle of an update, so it needs no lock.
@@ -141,6 +142,9 @@ class ModelChoice(msgspec.Struct, frozen=True):
     # the name its workers' caches are indexed under, and the key of `WorkerPool.serving`
     cache_model: str
     adapter: str | None  # the LoRA adapter the string names (`base:adapter`), if any
+    # whether its workers read a request's `lora_path` (SGLang's field): vLLM ignores unknown
+    # fields and serves the base model, so there the field names no adapter's pages
+    reads_lora_path: bool = True
 
 
 class WorkerPool:
@@ -156,6 +160,13 @@ class WorkerPool:
         self._single: ModelChoice | None = ModelChoice("", "", None)
         self._names_adapters = False
         self._adapters: dict[str, str] = {}  # adapter -> base model, as the workers list them
+        # names some worker served and none serves now: a one-pool fleet's any-name rule must
+        # not hand their requests to the model left (a pool's last worker removed, or back
+        # serving another model)
+        self._ever: set[str] = set()
+        self._gone: frozenset[str] = frozenset()
+        # cache names whose every worker is vLLM (`ModelChoice.reads_lora_path`)
+        self._vllm_only: frozenset[str] = frozenset()
 
     def reconfigure(self, breaker: BreakerConfig) -> None:
         """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
@@ -220,8 +231,12 @@ class WorkerPool:
         if parent is not None and model not in self._by_model and parent in self._by_model:
             # an adapter named by itself (vLLM): its base's pool, its pages its own namespace
             cache = self._single.cache_model if self._single else self._cache_model[parent]
-            return ModelChoice(parent, cache, model)
+            return ModelChoice(parent, cache, model, cache not in self._vllm_only)
         base, adapter = split_adapter(model, self._by_model)
+        if self._gone and (
+            model in self._gone or split_adapter(model, self._gone)[0] in self._gone
+        ):
+            raise UnknownModelError(model, self.served())
         if self._single is not None:
             # one pool takes every name (SGLang ignores it), and keeps the alias it was asked
             served = base if base in self._by_model else self._single.model
@@ -229,10 +244,11 @@ class WorkerPool:
                 # vLLM serves a name that is not its model's only as a LoRA adapter's (the
                 # events' `lora_name`), whose pages are never the base model's
                 adapter = model
-            return ModelChoice(served, self._single.cache_model, adapter)
+            return ModelChoice(served, self._single.cache_model, adapter, not self._names_adapters)
         if base not in self._by_model:
             raise UnknownModelError(model, self.served())
-        return ModelChoice(base, self._cache_model[base], adapter)
+        cache = self._cache_model[base]
+        return ModelChoice(base, cache, adapter, cache not in self._vllm_only)
 
     def set_role(self, entry: WorkerEntry, role: PdRole, bootstrap_port: int | None) -> None:
         """Record the prefill/decode role `entry` advertised; ignored once it left the pool."""
@@ -257,6 +273,8 @@ class WorkerPool:
                 by_model.setdefault(name, []).append(entry)
         self._everyone = tuple(self._workers.values())
         self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
+        self._ever.update(by_model)
+        self._gone = frozenset(self._ever.difference(by_model))
         self._adapters = {
             name: parent for e in self._everyone for name, parent in e.adapters.items()
         }
@@ -272,6 +290,11 @@ class WorkerPool:
         for name, entries in by_model.items():
             first = entries[0].cache_model
             self._cache_model[name] = first if groups.get(first) == groups[name] else name
+        self._vllm_only = frozenset(
+            cache
+            for name, cache in self._cache_model.items()
+            if all(e.config.engine == "vllm" for e in by_model[name])
+        )
         # every named worker serving every name: one pool, which also takes unnamed workers
         if len(set(groups.values())) <= 1:
             first_name = next(iter(by_model), "")

@@ -38,6 +38,18 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 ]
 
 
+async def test_chat_input_ids_are_the_prompt_as_in_sglang(worker: ReferenceWorker) -> None:
+    ids = list(range(40, 40 + 3 * PAGE))
+    async with openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="unused") as client:
+        for cached in (0, 2 * PAGE):
+            done = await client.chat.completions.create(
+                model="ref-model", messages=MESSAGES, max_tokens=1, extra_body={"input_ids": ids}
+            )
+            assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+            assert done.usage.prompt_tokens_details is not None
+            assert done.usage.prompt_tokens_details.cached_tokens == cached
+
+
 async def test_openai_chat_with_and_without_streaming(worker: ReferenceWorker) -> None:
     async with openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="unused") as client:
         first = await client.chat.completions.create(

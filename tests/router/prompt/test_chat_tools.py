@@ -132,6 +132,32 @@ def test_malformed_chat_fields_are_400s_naming_the_field(
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_sglangs_chat_input_ids_are_the_prompt(engine: EngineName) -> None:
+    tokenizer = build_tokenizer(
+        TokenizerConfig(
+            chat_template=str(FIXTURES / "qwen3-0.6b" / "chat_template.jinja"), chat_engine=engine
+        )
+    )
+    own = build_tokenizer(TokenizerConfig())
+    messages = [{"role": "user", "content": "hi"}]
+    request = {"model": "m", "messages": messages, "input_ids": [1, 2, 3]}
+    rendered = parse_request(Endpoint.CHAT, json.dumps({"messages": messages}).encode(), tokenizer)
+    parsed = parse_request(Endpoint.CHAT, json.dumps(request).encode(), tokenizer)
+    # SGLang skips the template for them (its own template too); vLLM has no such field
+    assert parsed.tokens == ([1, 2, 3] if engine == "sglang" else rendered.tokens)
+    assert parse_request(Endpoint.CHAT, json.dumps(request).encode(), own).tokens == [1, 2, 3]
+    # still a request: the messages are checked, and so are the ids
+    bad_fields: list[tuple[dict[str, Any], str]] = [
+        ({"messages": "x"}, "messages must be a list"),
+        ({"input_ids": [1, "a"]}, "input_ids must be a list of integers"),
+    ]
+    for bad, needle in bad_fields:
+        with pytest.raises(RequestError) as info:
+            parse_request(Endpoint.CHAT, json.dumps({**request, **bad}).encode(), own)
+        assert needle in str(info.value)
+
+
 def test_kvroutes_own_template_ignores_tools_but_checks_their_shape() -> None:
     tokenizer = build_tokenizer(TokenizerConfig())
     messages = [{"role": "user", "content": "hi"}]

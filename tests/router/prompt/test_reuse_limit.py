@@ -11,7 +11,11 @@ from typing import Any
 
 import pytest
 
-from router.prompt.reuse_limit import chat_reuse_limit, completion_reuse_limit
+from router.prompt.reuse_limit import (
+    chat_reuse_limit,
+    completion_reuse_limit,
+    generate_reuse_limit,
+)
 
 TEXT = [{"role": "user", "content": "describe the report"}]
 IMAGE = [
@@ -39,6 +43,8 @@ IMAGE = [
         ({"prompt": "x", "truncate_prompt_tokens": -1}, None),
         ({"prompt": "x", "add_special_tokens": False}, 0),
         ({"prompt": "x", "add_special_tokens": True}, None),  # the default
+        ({"prompt": "x", "session_params": {"id": "s1"}}, 0),  # SGLang: history in front
+        ({"prompt": "x", "session_params": None}, None),
     ],
 )
 def test_completion_caps(body: dict[str, Any], limit: int | None) -> None:
@@ -56,7 +62,29 @@ def test_completion_caps(body: dict[str, Any], limit: int | None) -> None:
         ({"messages": TEXT, "add_special_tokens": True}, 0),  # chat's default is false
         ({"messages": TEXT, "add_special_tokens": False}, None),
         ({"messages": IMAGE}, 0),
+        ({"messages": TEXT, "session_params": {"id": "s1", "rid": "r0"}}, 0),
     ],
 )
 def test_chat_caps(body: dict[str, Any], limit: int | None) -> None:
     assert chat_reuse_limit(body, 100) == limit
+
+
+@pytest.mark.parametrize(
+    ("body", "limit"),
+    [
+        ({"text": "x"}, None),
+        ({"text": "x", "return_logprob": True, "logprob_start_len": 3}, 3),
+        ({"text": "x", "return_logprob": True}, None),  # -1 by default: the output only
+        # media: the engine's pad ids come from the media's hash, where the router cannot see
+        ({"text": "<image> x", "image_data": "a.png"}, 0),
+        ({"text": "x", "video_data": ["v.mp4"]}, 0),
+        ({"text": ["x", "y"], "audio_data": [None, ["a.wav"]]}, 0),  # the second item's
+        ({"text": "x", "image_data": None}, None),
+        ({"text": ["x", "y"], "image_data": [None, []]}, None),  # no item holds one
+        # SGLang puts the session's earlier prompt and output in front
+        ({"text": "x", "session_params": {"id": "s1"}}, 0),
+        ({"text": "x", "session_id": "s1"}, None),  # an identity only: the prompt as sent
+    ],
+)
+def test_generate_caps(body: dict[str, Any], limit: int | None) -> None:
+    assert generate_reuse_limit(body) == limit

@@ -110,9 +110,11 @@ async def test_request_model_selects_the_pool_and_its_namespace(indexer: Indexer
     assert salted == Namespace(model="llama", cache_salt="s")
     salted_plan = planner.plan(_request("x", salt="s", model="llama"))
     assert salted_plan.namespace != planner.plan(_request("x", model="llama")).namespace
-    # the fleet's models follow membership: one model left takes every name
+    # the fleet's models follow membership: one model left takes every name but the one gone
     planner.pool.remove("w1")
-    assert planner.namespace(_request("x", model="qwen")) == Namespace(model="llama")
+    assert planner.namespace(_request("x", model="default")) == Namespace(model="llama")
+    with pytest.raises(UnknownModelError):
+        planner.namespace(_request("x", model="qwen"))
     planner.pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="qwen"))
     assert planner.namespace(_request("x", model="qwen")) == Namespace(model="qwen")
     assert [c.worker for c in planner.plan(_request("x", model="qwen")).candidates] == ["w9"]

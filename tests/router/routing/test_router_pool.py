@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from indexer.engines import EngineName
 from router.config import BreakerConfig, WorkerConfig
 from router.errors import UnknownModelError
+from router.prompt.request import Endpoint, ParsedRequest
+from router.routing.namespace import request_namespace
 from router.routing.pool import ModelChoice, WorkerPool, split_adapter
 
 
@@ -86,13 +89,54 @@ def test_a_worker_of_unknown_model_takes_nothing_once_the_fleet_serves_several()
 def test_membership_and_discovery_reshape_the_pools() -> None:
     pool = _pool("a", "b")
     gone = pool.remove("w1")
-    assert _ids(pool, "b") == ["w0"]  # one model left: it takes every name again
+    # one model left: it takes every name again, but not the one whose last worker went (its
+    # requests would get model a's answers)
+    assert _ids(pool, "default") == ["w0"]
+    for model in ("b", "b:adapter"):
+        with pytest.raises(UnknownModelError) as refused:
+            pool.resolve(model)
+        assert refused.value.served == ("a",)
     pool.set_models(gone, ("c",))  # a late discovery of a removed worker changes nothing
     assert pool.served() == ("a",)
     pool.add(WorkerConfig(url="http://127.0.0.1:9", id="w9", model="b"))
     assert _ids(pool, "b") == ["w9"]
     with pytest.raises(UnknownModelError):
         pool.resolve("c")
+
+
+def test_a_worker_back_serving_another_model_does_not_answer_for_the_old_one() -> None:
+    pool = _pool("a", "b")
+    pool.set_models(pool.get("w0"), ("b",))  # restarted serving b: one pool of b
+    assert _ids(pool, "default") == ["w0", "w1"]
+    with pytest.raises(UnknownModelError):
+        pool.resolve("a")
+    pool.set_models(pool.get("w1"), ("a",))  # a served again: a fleet of two models
+    assert _ids(pool, "a") == ["w1"] and _ids(pool, "b") == ["w0"]
+
+
+def test_only_pools_of_sglang_workers_read_lora_path_as_an_adapter() -> None:
+    def pool(*engines: EngineName, models: tuple[str, ...] = ("m",)) -> WorkerPool:
+        built = WorkerPool(BreakerConfig())
+        for i, engine in enumerate(engines):
+            model = models[i % len(models)]
+            built.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", model=model, engine=engine))
+        return built
+
+    chat = ParsedRequest(endpoint=Endpoint.CHAT, body=b"", salt=None, model="m", lora="sql",
+                         tokens=[1, 2], stream=False)  # fmt: skip
+
+    def lora(built: WorkerPool, model: str = "m") -> str | None:
+        return request_namespace(chat, built.resolve(model)).lora
+
+    assert lora(pool("sglang", "sglang")) == "sql"
+    # vLLM ignores the field (not one of its own) and serves the base model: its pages
+    assert lora(pool("vllm", "vllm")) is None
+    # per model in a fleet of several: each pool by its own workers
+    several = pool("vllm", "sglang", models=("a", "b"))
+    assert lora(several, "a") is None and lora(several, "b") == "sql"
+    # an adapter named as the model stays the adapter on either engine, each by its spelling
+    assert request_namespace(chat, pool("vllm").resolve("sql-lora")).lora == "sql-lora"
+    assert request_namespace(chat, pool("sglang").resolve("m:ad")).lora == "ad"
 
 
 def test_aliases_share_the_cache_of_their_first_name() -> None:
