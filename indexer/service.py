@@ -47,6 +47,7 @@ from indexer.subscriptions import Subscriptions, stream_id
 from indexer.worker_matches import WorkerMatches
 
 __all__ = [
+    "SHADOW_HEAD_TOKENS",
     "UNTRUSTED",
     "IndexerConfig",
     "IndexerService",
@@ -67,6 +68,9 @@ ORPHAN_GRACE_S = 600.0
 # (more than any engine's page: a longer page blankets the stream), and how many such prompts
 _UNSIZED_HEAD = 256
 _UNSIZED_LIMIT = 4096
+# the prompt head a shadow needs at most: the first page of any stream it is keyed on (a
+# stream of longer pages takes no shadow from a head, as none of unknown size)
+SHADOW_HEAD_TOKENS = _UNSIZED_HEAD
 
 
 class IndexerService:

@@ -8,23 +8,43 @@ milliseconds late, and one socket write per message is what the cluster costs un
 
 While NATS is away nothing is buffered: decisions that old would only mislead, and the next
 heartbeat, which lists every request still in flight, repairs the other replicas' view of this
-one's load.
+one's load. Shadows are the exception (`shadowed`): they last an hour, and a replica that
+missed one would predict a plain request the pages an extra_key's request stored. So the
+shadows of the last `SHADOW_KEEP_S` are kept (the newest `MAX_SHADOWS`) and sent again when
+NATS is back and when a replica joins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from indexer.namespace import Namespace
-from router.cluster.wire import Begin, Decision, End, FirstByte, Heartbeat, OpenTicket, Pending
+from indexer.service import SHADOW_HEAD_TOKENS
+from router.cluster.wire import (
+    Begin,
+    Decision,
+    End,
+    FirstByte,
+    Heartbeat,
+    OpenTicket,
+    Pending,
+    Shadow,
+)
 from router.routing.load import Ticket
+from router.routing.planner import SHADOW_KEEP_S
 
-__all__ = ["LAZY_S", "Outbox"]
+__all__ = ["LAZY_S", "MAX_SHADOWS", "Outbox"]
 
 # the longest a first byte or an end waits for a routing decision to go with
 LAZY_S = 0.005
+# shadows kept to send again: beyond them the oldest go (a replica that joins then may
+# predict a plain request pages an extra_key's request stored, as before shadows were shared)
+MAX_SHADOWS = 8192
 
 
 class _Open:
@@ -41,11 +61,17 @@ class _Open:
 class Outbox:
     """Decisions not yet published, and the requests in flight (for heartbeats)."""
 
-    def __init__(self, max_decisions: int = 65_536) -> None:
+    def __init__(
+        self, max_decisions: int = 65_536, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_decisions = max_decisions
         self.wakeup = asyncio.Event()
-        # whether decisions are buffered at all (False while NATS is away)
-        self.sending = False
+        self._sending = False
+        self._clock = clock
+        # (worker, rank, namespace, head as 8-byte ids) -> when it lapses (`clock`), oldest
+        # first: 2 KiB a shadow at most
+        self._shadows: OrderedDict[tuple[str, int | None, Namespace, bytes], float]
+        self._shadows = OrderedDict()
         self.dropped = 0  # decisions lost to a full buffer
         self._buffer: list[Decision] = []
         # keyed by id(): a ticket lives (the proxy holds it) at least until it is finished
@@ -53,6 +79,48 @@ class Outbox:
         self._numbers = itertools.count(1)
         # wakes the publisher for the first byte or end nothing urgent came to take along
         self._lazy: asyncio.TimerHandle | None = None
+
+    @property
+    def sending(self) -> bool:
+        """Whether decisions are buffered at all (False while NATS is away)."""
+        return self._sending
+
+    @sending.setter
+    def sending(self, value: bool) -> None:
+        back = value and not self._sending
+        self._sending = value
+        if back:
+            self.resend_shadows()
+
+    def shadowed(
+        self, ns: Namespace, tokens: Sequence[int], worker: str, dp_rank: int | None
+    ) -> None:
+        """An extra_key's plain twin was shadowed on (worker, rank) (see `DecisionSink`)."""
+        head = list(tokens[:SHADOW_HEAD_TOKENS])
+        if self._sending:
+            self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S))
+        try:
+            key = (worker, dp_rank, ns, array("q", head).tobytes())
+        except OverflowError:
+            return  # ids beyond 64 bits, which no tokenizer makes: sent once, not kept
+        self._shadows[key] = self._clock() + SHADOW_KEEP_S
+        self._shadows.move_to_end(key)
+        while len(self._shadows) > MAX_SHADOWS:
+            self._shadows.popitem(last=False)
+
+    def resend_shadows(self) -> None:
+        """Queue every shadow still in force (NATS came back, or a replica joined)."""
+        if not self._sending:
+            return
+        now = self._clock()
+        for key, until in list(self._shadows.items()):
+            if until <= now:
+                del self._shadows[key]
+                continue
+            worker, dp_rank, ns, head = key
+            ids = array("q")
+            ids.frombytes(head)
+            self._put(Shadow(worker, dp_rank, ns, ids.tolist(), until - now), force=True)
 
     def committed(
         self,
@@ -95,7 +163,12 @@ class Outbox:
             )
         self._put(
             Begin(
-                number, ticket.worker, ticket.dp_rank, ticket.prefill_tokens, ticket.output_tokens
+                number,
+                ticket.worker,
+                ticket.dp_rank,
+                ticket.prefill_tokens,
+                ticket.output_tokens,
+                ticket.kv_tokens,
             )
         )
 
@@ -123,7 +196,7 @@ class Outbox:
             return
         open_ = [
             OpenTicket(e.number, e.ticket.worker, e.ticket.dp_rank, e.ticket.prefill_tokens,
-                       e.answered)
+                       e.answered, e.ticket.kv_tokens)
             for e in self._open.values()
         ]  # fmt: skip
         self._put(Heartbeat(open_), force=True)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
-from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending
+from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
 from router.routing.load import LoadTracker, Ticket
 from router.routing.planner import SHADOW_KEEP_S
 
@@ -94,6 +94,9 @@ class Peers:
         self.unmatched_pages = 0
         self._warned: set[tuple[str, int, int]] = set()
         self._twin_said = False  # another replica with our id was reported
+        # told the name of each replica heard from for the first time (or again after it was
+        # dropped as silent): what it missed that lasts, it is sent again (`Outbox.shadowed`)
+        self.joined: Callable[[str], None] | None = None
         # publish-to-apply delays in seconds (same host: both ends read one clock)
         self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
@@ -126,6 +129,8 @@ class Peers:
         if peer is None:
             peer = self._peers[batch.replica] = _Peer(now)
             log.info("replica %s joined", batch.replica)
+            if self.joined is not None:
+                self.joined(batch.replica)
         peer.last_seen = now
         load = self._load
         for d in batch.decisions:
@@ -145,9 +150,16 @@ class Peers:
                 if old is not None:
                     self._end(old)
                 begun = peer.tickets[d.ticket] = load.begin(
-                    d.worker, d.prefill_tokens, d.dp_rank, output_tokens=d.output_tokens
+                    d.worker,
+                    d.prefill_tokens,
+                    d.dp_rank,
+                    kv_tokens=d.kv_tokens,
+                    output_tokens=d.output_tokens,
                 )
                 begun.marks = peer.marks.pop(d.ticket, [])
+            elif isinstance(d, Shadow):
+                if self._indexer.has_worker(d.worker) and d.keep_s > 0:
+                    self._indexer.shadow(d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s)
             elif isinstance(d, FirstByte):
                 ticket = peer.tickets.get(d.ticket)
                 if ticket is not None:
@@ -236,7 +248,7 @@ class Peers:
             ticket = peer.tickets.get(number)
             if ticket is None:
                 ticket = peer.tickets[number] = self._load.begin(
-                    t.worker, t.prefill_tokens, t.dp_rank
+                    t.worker, t.prefill_tokens, t.dp_rank, kv_tokens=t.kv_tokens
                 )
             if t.prefilled and not ticket.prefilled:
                 self._load.first_byte(ticket)

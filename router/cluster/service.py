@@ -106,6 +106,7 @@ class ClusterService:
             config.heartbeat_timeout_s,
             book=planner,
         )
+        self.peers.joined = lambda _replica: self.outbox.resend_shadows()
         self.fleet = FleetState(self.replica, supervisor, planner.pool, planner.indexer)
         prefix = config.subject_prefix
         self.subject = f"{prefix}.replica.{self.replica}"

@@ -28,6 +28,7 @@ __all__ = [
     "Heartbeat",
     "OpenTicket",
     "Pending",
+    "Shadow",
     "WorkerRecord",
     "batch_decoder",
     "encoder",
@@ -66,6 +67,21 @@ class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
     prefill_tokens: int
     # the output it may generate (None: not known; a sender from before this field sends none)
     output_tokens: int | None = None
+    # the KV a decode side holds while the request runs (0: not a decode side)
+    kv_tokens: int = 0
+
+
+class Shadow(msgspec.Struct, tag="shadow", array_like=True, frozen=True):
+    """A request with an extra_key went to (worker, rank): its pages arrive as plain pages of
+    its salt, so plain requests must not be predicted them there (`indexer.shadowed`), for
+    `keep_s` more seconds at least. Sent whatever the sender's policy, and again to every
+    replica after NATS comes back (the shadow outlives the outage)."""
+
+    worker: str
+    dp_rank: int | None
+    namespace: Namespace
+    tokens: list[int]  # the prompt's head: the first page is all a shadow is keyed by
+    keep_s: float
 
 
 class FirstByte(msgspec.Struct, tag="first_byte", array_like=True, frozen=True):
@@ -88,6 +104,7 @@ class OpenTicket(msgspec.Struct, array_like=True, frozen=True):
     dp_rank: int | None
     prefill_tokens: int
     prefilled: bool
+    kv_tokens: int = 0  # as `Begin.kv_tokens`
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
@@ -100,7 +117,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     open: list[OpenTicket]
 
 
-Decision = Pending | Begin | FirstByte | End | Heartbeat
+# a replica drops a batch holding a decision type it does not know (a new type is not an
+# optional field): the replicas of one cluster run the same kvroute version
+Decision = Pending | Begin | Shadow | FirstByte | End | Heartbeat
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):

@@ -37,6 +37,13 @@ class DecisionSink(Protocol):
         prompt's block keys there, for pages of `block_size` tokens (empty: not known)."""
         ...
 
+    def shadowed(
+        self, ns: Namespace, tokens: Sequence[int], worker: str, dp_rank: int | None
+    ) -> None:
+        """A request with an extra_key (in `ns`) went to (worker, rank): its plain twin was
+        shadowed there (`Planner.shadow`)."""
+        ...
+
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered the request of `ticket`."""
         ...

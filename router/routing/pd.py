@@ -133,18 +133,22 @@ class PairPlanner:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
         planner.shadow(ns, tokens, candidate, keyed)  # the decode side caches the prompt too
-        if self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker):
+        marked = self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker)
+        if marked:
             planner.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=planner.keys_of(ns, tokens)
             )
         held = candidate.matched_tokens + candidate.pending_tokens
-        return planner.load.begin(
+        ticket = planner.load.begin(
             candidate.worker,
             max(0, len(tokens) - held),
             candidate.dp_rank,
             kv_tokens=len(tokens),
             output_tokens=output_tokens,
         )
+        # the other replicas count the decode side's load and marks as this one does
+        planner.share(ns, tokens, candidate, ticket, marked=marked)
+        return ticket
 
     def forget(self, worker: str) -> None:
         """A worker left the pool: the decode policy forgets it too."""

@@ -462,19 +462,28 @@ class Planner:
         entry = self.pool.find(candidate.worker)
         if entry is not None and entry.role == "prefill" and ticket.prefill_tokens:
             self._watch_prefill(ns, tokens, candidate, ticket)
-        if self.decisions is not None:
-            block_size, keys = self._shared_keys(ns, tokens, candidate) if marked else (0, [])
-            self.decisions.committed(
-                ns,
-                tokens,
-                ticket,
-                marked=marked,
-                kept_tokens=candidate.predicted_tokens,
-                held_tokens=candidate.matched_tokens,
-                block_size=block_size,
-                keys=keys,
-            )
+        self.share(ns, tokens, candidate, ticket, marked=marked)
         return ticket
+
+    def share(
+        self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket, *,
+        marked: bool,
+    ) -> None:  # fmt: skip
+        """Tell the other replicas (`decisions`) that the request of `ticket` went to
+        `candidate`, its prefix marked pending there or not."""
+        if self.decisions is None:
+            return
+        block_size, keys = self._shared_keys(ns, tokens, candidate) if marked else (0, [])
+        self.decisions.committed(
+            ns,
+            tokens,
+            ticket,
+            marked=marked,
+            kept_tokens=candidate.predicted_tokens,
+            held_tokens=candidate.matched_tokens,
+            block_size=block_size,
+            keys=keys,
+        )
 
     def shadow(
         self,
@@ -489,11 +498,14 @@ class Planner:
         if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(candidate.worker):
             return  # the common request: nothing to shadow, no lookup on its path
         worker, rank = candidate.worker, candidate.dp_rank
-        if ns.extra_key is not None:
-            self.indexer.shadow(ns, tokens, worker, rank, SHADOW_KEEP_S)
+        shadows = [(ns, tokens)] if ns.extra_key is not None else []
         for item in keyed:
             item_ns = Namespace(ns.model, item.lora or ns.lora, item.salt, item.extra_key)
-            self.indexer.shadow(item_ns, item.tokens, worker, rank, SHADOW_KEEP_S)
+            shadows.append((item_ns, item.tokens))
+        for shadow_ns, shadow_tokens in shadows:
+            self.indexer.shadow(shadow_ns, shadow_tokens, worker, rank, SHADOW_KEEP_S)
+            if self.decisions is not None:  # whatever the policy: every replica routes plain
+                self.decisions.shadowed(shadow_ns, shadow_tokens, worker, rank)
 
     def _watch_prefill(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket

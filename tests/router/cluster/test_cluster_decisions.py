@@ -14,9 +14,12 @@ from nats.aio.msg import Msg
 
 from router.cluster.server import NatsServer
 from router.cluster.wire import Batch, End, Pending, batch_decoder
+from router.config import PolicyConfig
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, replica_config, workers
 from tests.router.conftest import eventually
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 # slow prefill: a request stays in flight long enough to be seen from the other replica
 SLOW = {"time_scale": 1.0, "prefill_ms_per_token": 4.0}
@@ -181,3 +184,64 @@ async def test_an_extra_key_request_on_one_replica_shadows_its_plain_twin_on_the
             await eventually(seen, what="b to index the pages and shadow them")
             plan = await _route(session, b, prompt)
             assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
+
+
+async def test_a_shadow_reaches_replicas_that_join_later_whatever_the_senders_policy(
+    nats_server: NatsServer,
+) -> None:
+    """A sender that marks nothing pending (least_load) still shadows on the others, and a
+    replica that joins after the request was routed is told too: the shadow lasts an hour."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        blind = replica_config(fleet, nats_server.url, "a", policy=PolicyConfig(name="least_load"))
+        async with RouterService(blind) as a:
+            prompt = "a prompt a tenant sends under its own extra_key, pages long " * 4
+            keyed = {**_body(prompt), "extra_key": "view-1"}
+            async with session.post(a.url + "/generate", json=keyed) as resp:
+                assert resp.status == 200, await resp.text()
+                holder = resp.headers["x-kvroute-worker"]
+            async with RouterService(replica_config(fleet, nats_server.url, "b")) as b:
+                indexer = b.planner.indexer
+                (stream,) = indexer.stream_ids(holder)
+
+                async def seen() -> bool:
+                    return indexer.index.entries(stream) > 0 and len(indexer._shadowed) > 0
+
+                await eventually(seen, what="b to index the pages and take a's shadow")
+                plan = await _route(session, b, prompt)
+                assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
+
+
+async def test_a_pairs_decode_side_counts_on_every_replica(nats_server: NatsServer) -> None:
+    slow_decode: dict[str, Any] = {
+        "time_scale": 1.0,
+        "decode_ms_per_token": 100.0,
+        "kv_transfer_timeout_s": 5.0,
+    }
+    async with (
+        ReferenceWorker(ReferenceConfig(page_size=16, time_scale=0.0, role="prefill")) as p0,
+        ReferenceWorker(ReferenceConfig(page_size=16, role="decode", **slow_decode)) as d0,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = [("p0", p0.url), ("d0", d0.url)]
+        async with (
+            RouterService(replica_config(fleet, nats_server.url, "a")) as a,
+            RouterService(replica_config(fleet, nats_server.url, "b")) as b,
+        ):
+            body = {"text": "a long answer " * 8, "sampling_params": {"max_new_tokens": 20}}
+            sent = asyncio.create_task(session.post(a.url + "/generate", json=body))
+            try:
+
+                async def b_counts_it() -> bool:
+                    return (await _running(session, b)).get("d0") == 1
+
+                await eventually(b_counts_it, what="b to count a's request on the decode side")
+            finally:
+                resp = await sent
+                assert resp.status == 200, await resp.text()
+                resp.release()
+
+            async def b_ends_it() -> bool:
+                return (await _running(session, b)).get("d0") == 0
+
+            await eventually(b_ends_it, what="b to see it end")

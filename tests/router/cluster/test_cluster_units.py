@@ -20,10 +20,12 @@ from router.cluster.wire import (
     Heartbeat,
     OpenTicket,
     Pending,
+    Shadow,
     batch_decoder,
     encoder,
 )
 from router.routing.load import LoadTracker
+from router.routing.planner import SHADOW_KEEP_S
 
 NS = Namespace("m", None, "salt")
 
@@ -151,3 +153,32 @@ async def test_a_begin_carries_the_output_limit_and_one_without_it_still_decodes
         peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3, 64), Begin(2, "w0", None, 3)]))
     mine = theirs.of("w0")
     assert (mine.running, mine.output_tokens, mine.sized) == (2, 64, 1)
+
+
+async def test_shadows_outlive_an_outage_and_are_sent_again_until_they_lapse() -> None:
+    clock = Clock()
+    outbox = Outbox(clock=clock)
+    keyed = Namespace("m", None, "salt", "view-1")
+    long_prompt = list(range(1000))
+    outbox.shadowed(keyed, long_prompt, "w0", None)  # made while NATS was away: kept, unsent
+    assert outbox.take() == []
+    clock.now += SHADOW_KEEP_S - 10
+    outbox.shadowed(keyed, [7, 8, 9], "w1", 1)
+    outbox.sending = True  # back: both sent, each with what is left of its hour
+    sent = outbox.take()
+    assert [
+        (d.worker, d.dp_rank, d.tokens[:3], d.keep_s) for d in sent if isinstance(d, Shadow)
+    ] == [
+        ("w0", None, [0, 1, 2], 10.0),
+        ("w1", 1, [7, 8, 9], SHADOW_KEEP_S),
+    ]
+    assert isinstance(sent[0], Shadow)
+    assert len(sent[0].tokens) == 256  # the head, enough for any page it is keyed on
+    outbox.shadowed(keyed, [7, 8, 9], "w1", 1)  # while sending: at once, once
+    assert len(outbox.take()) == 1
+    clock.now += 11  # the first lapsed: a replica that joins now gets the second only
+    outbox.resend_shadows()
+    assert [d.worker for d in outbox.take() if isinstance(d, Shadow)] == ["w1"]
+    # what the wire carries comes back whole
+    again = batch_decoder.decode(encoder.encode(Batch("r", 0.0, sent)))
+    assert again.decisions == sent
