@@ -44,6 +44,7 @@ __all__ = [
     "WorkerConfig",
     "load_config",
     "parse_config",
+    "redact_url",
 ]
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
@@ -378,6 +379,20 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return (parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/"))
 
 
+def redact_url(url: str) -> str:
+    """`url` without its user-info (`nats://***@host:4222`): a NATS URL may carry a user and
+    password, or a token in the user's place, and logs, stdout and error answers are read by
+    more people than the config file is. Everything up to the last `@` goes, so a password
+    holding an unescaped `/` or `@` is hidden too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at = rest.rfind("@")
+    if at < 0:
+        return url
+    return f"{scheme}{sep}***@{rest[at + 1 :]}"
+
+
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Router replicas that agree through NATS (`router.cluster`); absent: one replica alone."""
 
@@ -413,24 +428,37 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             )
         urls = [self.url] if isinstance(self.url, str) else self.url
         if not urls or any(not u.startswith(("nats://", "tls://")) for u in urls):
-            raise ValueError(f"cluster.url must be nats:// or tls:// URL(s), got {self.url!r}")
+            raise ValueError(
+                f"cluster.url must be nats:// or tls:// URL(s), got {self.shown_servers!r}"
+            )
         for url in urls:
+            shown = redact_url(url)
             # the NATS client refuses these only inside the cluster's connect task, where the
             # failure surfaced as a cancelled startup with no word of the URL
             if "," in url:
-                raise ValueError(f"cluster.url {url!r}: several servers go in a list, not a string")
+                raise ValueError(
+                    f"cluster.url {shown!r}: several servers go in a list, not a string"
+                )
             try:
                 parts = urlsplit(url)
                 parts.port  # noqa: B018 - parsing the port is the check
             except ValueError as exc:
-                raise ValueError(f"cluster.url {url!r}: {exc}") from None
+                # urlsplit quotes what it took for the port: with user-info, that can be a
+                # piece of the password (one holding an unescaped "/")
+                said = str(exc) if "@" not in url else "its host or port does not parse"
+                raise ValueError(f"cluster.url {shown!r}: {said}") from None
             if not parts.hostname:
-                raise ValueError(f"cluster.url {url!r} names no host")
+                raise ValueError(f"cluster.url {shown!r} names no host")
 
     @property
     def servers(self) -> list[str]:
         """The NATS URLs as a list."""
         return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @property
+    def shown_servers(self) -> list[str]:
+        """The NATS URLs as logs and messages may show them: without user-info."""
+        return [redact_url(url) for url in self.servers]
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -28,7 +28,6 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
 
 import msgspec
 import nats.errors
@@ -60,10 +59,35 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 _UNPROVEN = (StreamState.SYNCING, StreamState.UNVERIFIED)
 
 
-def _server_info(nc: NATS) -> dict[str, Any]:
-    """The INFO the connected server sent (nats-py keeps it, with no public accessor)."""
-    info = getattr(nc, "_server_info", None)
-    return info if isinstance(info, dict) else {}
+class _TlsNotOffered(nats.errors.Error):
+    """A `tls://` server answered in plain text: CONNECT (and the credentials) not sent."""
+
+    def __str__(self) -> str:
+        return "the NATS server did not offer TLS"
+
+
+def _encrypted(nc: NATS) -> bool:
+    """Whether the client's socket speaks TLS now (nats-py has no public accessor for it)."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    if not isinstance(writer, asyncio.StreamWriter):
+        return False  # a transport this check does not know: taken as plain text
+    return writer.get_extra_info("ssl_object") is not None
+
+
+class _Client(NATS):
+    """The NATS client, that never sends CONNECT in plain text to a `tls://` server.
+
+    nats-py (2.16) upgrades to TLS only when the server's INFO says `tls_required`, whatever
+    the URL's scheme or a `tls=` context, then writes CONNECT, with the URL's user and password
+    or token, on whatever socket it has. CONNECT is built between the two, on the first connect
+    and on every reconnect: refusing there drops the socket before a byte of ours is on it,
+    and the client counts a failed attempt (`error_cb`) and tries again later."""
+
+    def _connect_command(self) -> bytes:
+        server = self._current_server
+        if server is not None and server.uri.scheme == "tls" and not _encrypted(self):
+            raise _TlsNotOffered
+        return super()._connect_command()
 
 
 class ClusterStatus(enum.StrEnum):
@@ -92,7 +116,7 @@ class ClusterService:
     ) -> None:
         self.config = config
         self.replica = config.replica_id or replica_name()
-        self._wants_tls = any(url.startswith("tls://") for url in config.servers)
+        self._tls_refusal_said = False  # since the last time NATS answered
         self._sync_error = ""  # the last sync failure logged: each new one is logged once
         self.status = ClusterStatus.WARMING
         self._planner = planner
@@ -144,7 +168,7 @@ class ClusterService:
                 await self._ready.wait()
         except TimeoutError:
             self._degrade(
-                f"NATS at {', '.join(self.config.servers)} (or the shared fleet, or the warm "
+                f"NATS at {', '.join(self.config.shown_servers)} (or the shared fleet, or the warm "
                 f"start) did not answer within {self.config.startup_timeout_s:g} s"
             )
         self._serving = True
@@ -191,6 +215,7 @@ class ClusterService:
         log.warning("cluster degraded: %s; serving on local state until NATS answers", reason)
 
     def _become_ok(self) -> None:
+        self._tls_refusal_said = False
         if self.status is ClusterStatus.DEGRADED:
             log.warning(
                 "cluster resynced: NATS answers again, %d other replica(s) heard so far",
@@ -233,7 +258,7 @@ class ClusterService:
             self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
 
     async def _connect_once(self) -> None:
-        nc = NATS()
+        nc = _Client()
         interval = self.config.heartbeat_interval_s
         await nc.connect(
             servers=self.config.servers,
@@ -249,15 +274,6 @@ class ClusterService:
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
-        if self._wants_tls and not _server_info(nc).get("tls_required"):
-            # the client turns TLS on only when the server asks for it: a tls:// URL answered
-            # by a plain-text server would carry every decision and admin change in clear
-            await nc.close()
-            self._degrade(
-                "tls:// asked for TLS, but the NATS server did not offer it: not talking to it "
-                "in plain text (use nats:// to allow that)"
-            )
-            return
         self._nc = nc
         self._js = nc.jetstream(timeout=5.0)
         await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
@@ -267,6 +283,16 @@ class ClusterService:
         # every failed attempt lands here: the state changes are what gets logged, once
         self.nats_errors += 1
         log.debug("nats: %s: %s", type(exc).__name__, exc)
+        if isinstance(exc, _TlsNotOffered) and not self._tls_refusal_said:
+            self._tls_refusal_said = True
+            reason = (
+                "a tls:// URL asked for TLS, but the NATS server did not offer it: not talking "
+                "to it in plain text, credentials unsent (use nats:// to allow plain text)"
+            )
+            if self.status is ClusterStatus.DEGRADED:
+                log.warning("cluster: %s; still trying", reason)  # an outage said it already
+            else:
+                self._degrade(reason)
 
     async def _on_disconnected(self) -> None:
         self.outbox.sending = False

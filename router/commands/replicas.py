@@ -5,7 +5,9 @@ One Python process runs one event loop on one core; N processes use N. Each chil
 connections over them), and they are one router through the config's `[cluster]`: they share
 decisions, fleet and admin state over NATS. This parent only starts them, says where they
 listen, restarts one that dies (the others keep serving meanwhile), and stops them all on
-SIGINT or SIGTERM.
+SIGINT or SIGTERM. A restart that fails (the config file broken since, a child that does not
+listen in time) is said and tried again later, the wait doubling from 1 s to 30 s: a child's
+trouble is never the others'.
 
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
@@ -29,7 +31,9 @@ from router.errors import ConfigError
 __all__ = ["serve_processes"]
 
 _START_TIMEOUT_S = 60.0
-_RESTART_DELAY_S = 1.0
+_RESTART_DELAY_S = 1.0  # the first wait before restarting a child that exited
+_RESTART_MAX_DELAY_S = 30.0  # the longest, after failed restarts or quick exits
+_STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop: wait 1 s again
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
@@ -52,8 +56,11 @@ class _Child:
         self.env = env
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
+        self.started_at = 0.0  # loop time of the last start
 
     async def start(self) -> None:
+        self.url = ""
+        self.started_at = asyncio.get_running_loop().time()
         self.proc = await asyncio.create_subprocess_exec(
             *self.cmd,
             stdin=asyncio.subprocess.DEVNULL,
@@ -85,9 +92,39 @@ class _Child:
             await proc.wait()
 
 
-async def _none(waited: Awaitable[None]) -> int | None:
-    await waited
-    return None
+def _say(text: str) -> None:
+    print(f"kvroute: {text}", file=sys.stderr, flush=True)
+
+
+async def _keep(child: _Child) -> None:
+    """Restart `child` each time it exits, until cancelled.
+
+    A restart that fails is said and tried again, each wait twice the last up to
+    `_RESTART_MAX_DELAY_S`; so is a child that exits again soon after a restart (a crash loop
+    costs a start every 30 s at most). Raising here would stop every child, the healthy ones
+    too: an operator mid-edit of the config file would take the whole router down."""
+    loop = asyncio.get_running_loop()
+    delay = _RESTART_DELAY_S
+    while True:
+        assert child.proc is not None
+        code = await child.proc.wait()
+        if loop.time() - child.started_at >= _STABLE_S:
+            delay = _RESTART_DELAY_S
+        _say(
+            f"replica {child.index} exited ({code}); the others serve; restarting it in {delay:g} s"
+        )
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _RESTART_MAX_DELAY_S)
+            try:
+                await child.start()
+                break
+            except (ConfigError, TimeoutError, OSError) as exc:
+                await child.stop()  # one that did not listen in time is still running
+                _say(
+                    f"replica {child.index} did not restart ({type(exc).__name__}: {exc}); the "
+                    f"others serve; trying again in {delay:g} s"
+                )
 
 
 async def serve_processes(
@@ -153,30 +190,14 @@ async def serve_processes(
         announce(
             f"kvroute: {processes} {'router' if verb == 'serve' else 'indexer'} replica processes "
             f"listening on {', '.join(sorted(urls))}"
-            f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.servers)}"
+            f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.shown_servers)}"
         )
         sys.stdout.flush()
-        stopping: asyncio.Future[int | None] = asyncio.ensure_future(_none(until()))
-        while not stopping.done():
-            waits: dict[asyncio.Future[int | None], _Child] = {
-                asyncio.ensure_future(c.proc.wait()): c for c in children if c.proc
-            }
-            done, _ = await asyncio.wait(
-                [stopping, *waits], return_when=asyncio.FIRST_COMPLETED
-            )  # fmt: skip
-            for fut, child in waits.items():
-                if fut not in done:
-                    fut.cancel()
-                elif not stopping.done():
-                    print(
-                        f"kvroute: replica {child.index} exited ({fut.result()}); the others "
-                        f"serve; restarting it in {_RESTART_DELAY_S:g} s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    await asyncio.sleep(_RESTART_DELAY_S)
-                    child.url = ""
-                    await child.start()
+        async with asyncio.TaskGroup() as group:
+            keepers = [group.create_task(_keep(child)) for child in children]
+            await until()
+            for keeper in keepers:
+                keeper.cancel()
     finally:
         with contextlib.suppress(NotImplementedError):
             loop.remove_signal_handler(signal.SIGHUP)

@@ -16,6 +16,7 @@ from router.config import (
     WorkerConfig,
     load_config,
     parse_config,
+    redact_url,
 )
 from router.errors import ConfigError
 from router.routing.pool import WorkerPool
@@ -200,6 +201,40 @@ def test_a_cluster_url_the_nats_client_would_refuse_is_refused_when_read(
     with pytest.raises(ConfigError, match=f"cluster.url .*{said}"):
         parse_config({"cluster": {"url": url}})
     parse_config({"cluster": {"url": ["nats://a:4222", "tls://[::1]:4222", "nats://b"]}})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://kvuser:s3cret-pass@127.0.0.1:4222",
+        "nats://kvuser:s3cret-pass@127.0.0.1:abc",
+        "nats://kvuser:s3cret/pass@127.0.0.1:4222",  # urlsplit would quote "s3cret" as a port
+        "nats://kvuser:s3cret-pass@",
+        "nats://kvuser:s3cret-pass@a:4222, nats://b:4222",
+    ],
+)
+def test_a_refused_cluster_url_is_named_without_its_password(url: str) -> None:
+    # the message reaches stderr and POST /admin/reload's answer
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"cluster": {"url": url}})
+    said = str(refused.value)
+    assert "***@" in said and "s3cret" not in said and "kvuser" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://kvuser:s3cret-pass@10.0.0.5:4222", "nats://***@10.0.0.5:4222"),
+        ("tls://a-token@10.0.0.5", "tls://***@10.0.0.5"),  # a token in the user's place
+        ("nats://u:s3cret/p@ss@10.0.0.5", "nats://***@10.0.0.5"),  # unescaped / and @
+        ("nats://10.0.0.5:4222", "nats://10.0.0.5:4222"),
+    ],
+)
+def test_a_nats_url_is_shown_without_user_info(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    if "/" not in url.removeprefix("nats://"):  # else refused, and named so (above)
+        cluster = parse_config({"cluster": {"url": [url]}}).cluster
+        assert cluster is not None and cluster.shown_servers == [shown]
 
 
 async def test_the_indexer_section_reaches_the_indexer() -> None:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import ipaddress
 import logging
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from router.cluster.server import NatsServer
+from router.cluster.server import NatsServer, find_nats_server, free_port
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, health, replica_config, workers
 from tests.router.conftest import TOKEN, eventually
@@ -194,6 +198,145 @@ async def test_a_tls_url_never_talks_plain_text(caplog: pytest.LogCaptureFixture
             assert await _status(session, a) == "degraded"
             await _serves(session, a)
     assert _lines(caplog, "cluster degraded") == 1
+
+
+_INFO = (
+    b'INFO {"server_id": "PLAIN", "version": "2.10.0", "proto": 1, "max_payload": 1048576, '
+    b'"headers": true, "auth_required": true}\r\n'
+)
+
+
+@contextlib.asynccontextmanager
+async def _plain_text_nats() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """(port, what each connection sent) of a server that speaks NATS's INFO in plain text and
+    offers no TLS: a fault a real nats-server (which then talks to a tls:// URL's client as to
+    any other) cannot be made to show, since it is the client that must refuse."""
+    received: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(b"")
+        at = len(received) - 1
+        writer.write(_INFO)
+        with contextlib.suppress(OSError):
+            while data := await reader.read(4096):
+                received[at] += data
+                if b"PING" in data:
+                    writer.write(b"PONG\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield int(server.sockets[0].getsockname()[1]), received
+    finally:
+        server.close()
+
+
+async def test_a_tls_url_sends_no_credentials_to_a_plain_text_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with _plain_text_nats() as (port, received), workers(1) as (w0,):
+        url = f"tls://kvuser:s3cret-pass@127.0.0.1:{port}"
+        config = replica_config(
+            [("w0", w0.url)], url, "a", cluster=cluster(url, startup_timeout_s=0.5)
+        )
+        async with RouterService(config):
+
+            async def tried() -> bool:
+                # a retry after the first attempt, or anything the client said
+                return len(received) >= 2 or any(received)
+
+            await eventually(tried, what="the replica to try the server")
+    assert not any(received), received  # not a byte: no CONNECT, so no user and no password
+    said = [r.getMessage() for r in caplog.records if "cluster" in r.getMessage()]
+    degraded = [m for m in said if "cluster degraded" in m]
+    assert len(degraded) == 1, said
+    assert "did not offer it" in degraded[0] and "credentials unsent" in degraded[0]
+    assert not any("lost the connection" in m for m in said), said
+    assert not any("s3cret-pass" in r.getMessage() for r in caplog.records)
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """(certificate, key) for 127.0.0.1, the certificate its own CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_a_tls_url_with_credentials_joins_a_tls_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the other side of the refusal above: a server that offers TLS gets the credentials,
+    # encrypted, and the replica is in the cluster
+    cert, key = _self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the client's default context trusts it
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        find_nats_server()[0], "-a", "127.0.0.1", "-p", str(port),
+        "-js", "-sd", str(tmp_path / "js"),
+        "--tls", "--tlscert", str(cert), "--tlskey", str(key),
+        "--user", "kvuser", "--pass", "s3cret-pass",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+            url = f"tls://kvuser:s3cret-pass@127.0.0.1:{port}"
+            config = replica_config([("w0", w0.url)], url, "a", cluster=cluster(url))
+            async with RouterService(config) as a:
+
+                async def ok() -> bool:
+                    return await _status(session, a) == "ok"
+
+                await eventually(ok, what="the replica to join over TLS")
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+async def test_a_nats_password_is_never_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = free_port()  # nothing listens: NATS down at start
+    async with workers(1) as (w0,):
+        url = f"nats://kvuser:s3cret-pass@127.0.0.1:{port}"
+        config = replica_config(
+            [("w0", w0.url)], url, "a", cluster=cluster(url, startup_timeout_s=0.3)
+        )
+        async with RouterService(config):
+            pass
+    degraded = [r.getMessage() for r in caplog.records if "cluster degraded" in r.getMessage()]
+    assert len(degraded) == 1 and f"nats://***@127.0.0.1:{port}" in degraded[0], degraded
+    logged = [r.getMessage() for r in caplog.records]
+    assert not any("s3cret-pass" in m or "kvuser" in m for m in logged), logged
 
 
 async def test_a_server_without_jetstream_is_said_once_and_named(

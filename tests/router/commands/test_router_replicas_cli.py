@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -102,3 +104,52 @@ async def test_a_replica_id_cannot_name_several_processes(tmp_path: Path) -> Non
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"cluster.replica_id 'edge-1' names one process" in out
+
+
+async def _replicas_answering(url: str, tries: int = 20) -> set[str]:
+    """The replica ids answering `/health` on `url` over `tries` new connections (the kernel
+    spreads them over the listening children); each must answer (503: a router without
+    workers is not ready to route, but it is there)."""
+    replicas: set[str] = set()
+    for _ in range(tries):
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.get(url + "/health") as resp,
+        ):
+            assert resp.status in (200, 503)
+            replicas.add((await resp.json())["cluster"]["replica"])
+    return replicas
+
+
+async def test_a_failed_restart_is_retried_while_the_other_child_serves(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    async with NatsServer() as nats:
+        # credentials in the URL (a server without auth takes them): never printed
+        url = nats.url.replace("nats://", "nats://kvuser:s3cret-pass@")
+        good = f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{url}'\n"
+        config.write_text(good)
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            assert f"through NATS at nats://***@127.0.0.1:{nats.port}" in line, line
+            router = line.split("listening on ")[1].split()[0]
+            before: set[str] = set()
+            while len(before) < 2:  # each child listening, known by its id (host-pid-random)
+                before |= await _replicas_answering(router)
+            killed, kept = sorted(before)
+            # an operator mid-edit: the file no longer parses when a child dies
+            config.write_text(good + "bogus_key = 1\n")
+            os.kill(int(killed.split("-")[-2]), signal.SIGKILL)
+            await asyncio.wait_for(_read_until(proc.stdout, "did not restart", lines), 30)
+            assert proc.returncode is None  # the parent is still there
+            assert await _replicas_answering(router) == {kept}  # and the other child serves
+            config.write_text(good)  # the edit done: the next restart works
+            after: set[str] = set()
+            async with asyncio.timeout(60):
+                while len(after) < 2:
+                    after = await _replicas_answering(router)
+            assert kept in after and killed not in after  # the restarted child is a new replica
+        out = "".join(lines) + (await proc.stdout.read()).decode(errors="replace")
+        assert "s3cret-pass" not in out and "kvuser" not in out
