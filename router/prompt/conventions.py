@@ -241,26 +241,38 @@ def _function_fields(tool: Mapping[str, Any], i: int) -> tuple[dict[str, Any], s
 
 
 def _sglang_tool(tool: Mapping[str, Any], i: int) -> dict[str, Any]:
-    """SGLang's `Tool.model_dump()`: field order, defaults and nulls included."""
+    """SGLang's `Tool.model_dump()` (0.5.23 `srt/entrypoints/openai/protocol.py`, `Tool` and
+    the `Function._serialize` wrap serializer).
+
+    The template renders the schema as the client wrote it, so the function keeps the client's
+    key order (its declared fields only; unknown keys are dropped) with the fields it left out
+    after them; `strict` and `defer_loading` appear only when set, while an absent
+    `description` or `parameters` is still there as null. The `Tool` wrapper has no such
+    serializer: `type`, `function`, `defer_loading` in that order, null included.
+    """
     function, name = _function_fields(tool, i)
     kind = tool.get("type", "function")
     if not isinstance(kind, str):
         raise RequestError(f"tools[{i}].type must be a string")
-    strict = function.get("strict", False)
-    if not isinstance(strict, bool):
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
         raise RequestError(f"tools[{i}].function.strict must be a boolean")
     defer = tool.get("defer_loading")
     function_defer = function.get("defer_loading")
     if function_defer is None:
         function_defer = defer  # the tool's flag propagates to its function
-    dumped: dict[str, Any] = {
+    declared: dict[str, Any] = {
         "description": function.get("description"),
         "name": name,
         "parameters": function.get("parameters"),
-        "strict": strict,
     }
+    if strict is not None:
+        declared["strict"] = strict
     if function_defer is not None:
-        dumped["defer_loading"] = function_defer
+        declared["defer_loading"] = function_defer
+    order = [key for key in function if key in declared]
+    order += [key for key in declared if key not in order]
+    dumped = {key: declared[key] for key in order}
     return {"type": kind, "function": dumped, "defer_loading": defer}
 
 

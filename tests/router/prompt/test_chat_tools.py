@@ -203,6 +203,32 @@ def test_tool_call_arguments_are_parsed_and_must_be_json() -> None:
     assert ModelChatTemplate(defined).render(empty) == "True"
 
 
+def test_sglang_dumps_a_tool_schema_in_the_clients_key_order_without_unset_flags() -> None:
+    # SGLang 0.5.23's Function serializer: the client's key order, then the missing fields
+    # (description and parameters as null); strict and defer_loading only when set; unknown
+    # keys dropped; the Tool wrapper keeps its own order and its null defer_loading
+    template = ModelChatTemplate("{% for t in tools %}{{ t | tojson }}\n{% endfor %}")
+    tools = [
+        WEATHER,
+        {"function": {"parameters": {"b": 1, "a": 2}, "name": "f", "strict": None}},
+        {
+            "type": "function",
+            "function": {"strict": True, "name": "g", "extra": 1},
+            "defer_loading": True,
+        },
+    ]
+    options = chat_options({"tools": tools}, SGLANG_CHAT)
+    assert template.render([{"role": "user", "content": "x"}], options=options) == (
+        '{"type": "function", "function": {"name": "get_weather", "description": "Weather for a '
+        'city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}, '
+        '"defer_loading": null}\n'
+        '{"type": "function", "function": {"parameters": {"b": 1, "a": 2}, "name": "f", '
+        '"description": null}, "defer_loading": null}\n'
+        '{"type": "function", "function": {"strict": true, "name": "g", "description": null, '
+        '"parameters": null, "defer_loading": true}, "defer_loading": true}\n'
+    )
+
+
 def test_sglang_retries_with_bare_function_schemas_when_the_first_render_fails() -> None:
     # a template that wants {name, ...} schemas, not OpenAI's {"type", "function"} wrapper
     source = (
