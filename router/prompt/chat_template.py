@@ -306,14 +306,20 @@ class ModelChatTemplate:
         prepared = self._prepare(messages, content_format)
         prefix = ""
         convention = self.convention
-        if options.continue_final_message and convention.continues_by_appending:
-            # the conversation is rendered without the final assistant message, whose text is
-            # then appended for the model to continue
-            last = prepared[-1]
-            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+        last = prepared[-1]
+        # SGLang 0.5.23 serving_chat.py `_handle_last_assistant_message`: only a final assistant
+        # message whose content is text (typed parts are left alone) is continued or re-roled
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            if options.continue_final_message and convention.continues_by_appending:
+                # the conversation is rendered without the final assistant message, whose text
+                # is then appended for the model to continue
                 prefix, prepared = last["content"], prepared[:-1]
                 if not prepared:
                     raise ChatTemplateError("messages must hold more than the continued message")
+            elif options.final_assistant_as_user:
+                # so the prompt always ends with a user turn; the message's other fields
+                # (tool_calls, name, reasoning) are not carried over
+                prepared[-1] = {"role": "user", "content": last["content"]}
         continued = None
         if options.continue_final_message and not convention.continues_by_appending:
             continued = _mark_final_message(prepared, source)

@@ -73,6 +73,9 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     # vLLM: transformers' continuation of the final message; SGLang: its own assistant prefix
     continue_final_message: bool = False
+    # SGLang, when not continuing: a final assistant message with text content is rendered as a
+    # user message (serving_chat.py `_handle_last_assistant_message`)
+    final_assistant_as_user: bool = False
 
 
 def _sglang_options(
@@ -113,11 +116,15 @@ def _sglang_options(
         rendered_tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     else:
         rendered_tools = tools
+    continue_final_message = _flag(request, "continue_final_message", False)
     return ChatOptions(
         tools=rendered_tools,
         documents=documents,
         variables=variables,
-        continue_final_message=_flag(request, "continue_final_message", False),
+        continue_final_message=continue_final_message,
+        # 0.5.23 `_apply_jinja_template` hands every chat completion to
+        # `_handle_last_assistant_message` (its `_format_add_generation_prompt` is unset there)
+        final_assistant_as_user=not continue_final_message,
     )
 
 

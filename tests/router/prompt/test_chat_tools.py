@@ -229,6 +229,36 @@ def test_sglang_dumps_a_tool_schema_in_the_clients_key_order_without_unset_flags
     )
 
 
+def test_sglang_renders_a_final_assistant_message_with_text_as_a_user_message() -> None:
+    # SGLang 0.5.23 `_handle_last_assistant_message`, when not continuing: the role becomes
+    # user and only the content is kept; typed-parts content is left as it was
+    source = "{% for m in messages %}<{{ m.role }}:{{ m.content }}|{{ m.name }}>{% endfor %}"
+    final = {"role": "assistant", "content": None, "name": "poet", "tool_calls": []}
+    messages = [{"role": "user", "content": "Write."}, final]
+    body = {"messages": messages}
+    sglang = ModelChatTemplate(source)
+    assert sglang.render(messages, options=chat_options(body, SGLANG_CHAT)) == (
+        "<user:Write.|><user:|>"
+    )
+    # transformers alone (no request options) and vLLM render the assistant turn as sent
+    assert sglang.render(messages) == "<user:Write.|><assistant:|poet>"
+    vllm = ModelChatTemplate(source, engine="vllm")
+    assert vllm.render(messages, options=chat_options(body, VLLM_CHAT)) == (
+        "<user:Write.|><assistant:|poet>"
+    )
+    parts = ModelChatTemplate(
+        "{% for m in messages %}<{{ m.role }}:"
+        "{% for p in m.content %}{{ p.text }}{% endfor %}>{% endfor %}"
+    )
+    typed = [
+        {"role": "user", "content": [{"type": "text", "text": "Write."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Roses"}]},
+    ]
+    assert parts.render(typed, options=chat_options({}, SGLANG_CHAT)) == (
+        "<user:Write.><assistant:Roses>"
+    )
+
+
 def test_sglang_retries_with_bare_function_schemas_when_the_first_render_fails() -> None:
     # a template that wants {name, ...} schemas, not OpenAI's {"type", "function"} wrapper
     source = (
