@@ -220,6 +220,30 @@ def test_list_content_is_flattened_the_way_each_engine_does() -> None:
     assert ModelChatTemplate(typed).render(plain) == "<user>s:hi"
 
 
+def test_sglang_lower_cases_the_roles_its_message_models_take_and_refuses_the_rest() -> None:
+    # SGLang 0.5.23 protocol.py: the generic message model lower-cases its roles; the user
+    # model takes "user" exactly, so "User" is refused
+    template = ModelChatTemplate("{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    messages = [
+        {"role": "System", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "ASSISTANT", "content": "a", "tool_calls": [_CALL]},
+        {"role": "Tool", "content": "t"},
+        {"role": "user", "content": "u"},
+    ]
+    assert template.render(messages) == "<system><user><assistant><tool><user>"
+    # the assistant's tool calls were recognized under the lower-cased role
+    calls = ModelChatTemplate("{{ messages[0].tool_calls[0].function.arguments.a }}")
+    assert calls.render([{"role": "Assistant", "content": "", "tool_calls": [_CALL]}]) == "1"
+    for role in ("User", "bogus"):
+        with pytest.raises(ChatTemplateError) as info:
+            template.render([{"role": role, "content": "x"}])
+        assert "messages[0].role" in str(info.value) and repr(role) in str(info.value)
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
 def test_vllm_keeps_only_the_message_fields_its_openai_layer_keeps() -> None:
     source = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
     messages = [{"role": "user", "content": "x", "name": "bob", "extra": 1}]
@@ -254,10 +278,12 @@ def test_auto_prefers_chat_template_jinja_beside_the_tokenizer_config(tmp_path: 
     )
     config = TokenizerConfig(kind="hf", path=str(tmp_path / "tokenizer.json"))
     template = load_chat_template(config)
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "config:<B>"
+    assert (
+        template is not None and template.render([{"role": "user", "content": ""}]) == "config:<B>"
+    )
     (tmp_path / "chat_template.jinja").write_text("file:{{ bos_token }}")
     template = load_chat_template(config)
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "file:<B>"
+    assert template is not None and template.render([{"role": "user", "content": ""}]) == "file:<B>"
 
 
 def test_auto_without_a_model_template_warns_and_falls_back(
@@ -289,7 +315,7 @@ def test_a_tokenizer_config_with_named_templates_uses_the_default(tmp_path: Path
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     path.write_text(json.dumps({"chat_template": named}))
     template = load_chat_template(TokenizerConfig(chat_template=str(path)))
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "D"
+    assert template is not None and template.render([{"role": "user", "content": ""}]) == "D"
 
 
 @pytest.mark.parametrize(
