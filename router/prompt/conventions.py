@@ -44,8 +44,11 @@ __all__ = [
     "check_chat_fields",
 ]
 
-# the reasoning_effort tiers both engines accept (SGLang also takes a float in [0, 0.99])
+# the reasoning_effort tiers vLLM accepts
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# SGLang 0.5.23's `ReasoningEffortTier` (protocol.py), DeepSeek's "ultra" included, top level or in
+# a `reasoning` object (`normalize_reasoning_inputs`); it also takes a float in [0, 0.99]
+_SGLANG_EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
 _SGLANG_MAX_EFFORT = 0.99
 # apply_chat_template parameters that are not template variables and change nothing when the
 # prompt is rendered as text; the two that would are refused when set
@@ -153,7 +156,8 @@ def _sglang_reasoning(request: Mapping[str, Any]) -> tuple[object, bool | None]:
 
 
 def _sglang_effort(value: object) -> str | float | None:
-    if value is None or (isinstance(value, str) and value in _EFFORT_TIERS):
+    """A tier passes as written (the template sees it as `reasoning_effort`), a number as float."""
+    if value is None or (isinstance(value, str) and value in _SGLANG_EFFORT_TIERS):
         return value
     number: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -165,7 +169,7 @@ def _sglang_effort(value: object) -> str | float | None:
             number = None
     if number is None or not math.isfinite(number) or not 0.0 <= number <= _SGLANG_MAX_EFFORT:
         raise RequestError(
-            f"reasoning_effort must be one of {', '.join(_EFFORT_TIERS)} "
+            f"reasoning_effort must be one of {', '.join(_SGLANG_EFFORT_TIERS)} "
             f"or a number in [0, {_SGLANG_MAX_EFFORT}]"
         )
     return number

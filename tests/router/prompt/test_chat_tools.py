@@ -312,6 +312,26 @@ def test_template_kwargs_reach_the_template_and_override_special_tokens() -> Non
     assert vllm.render(messages, options=chat_options(body, VLLM_CHAT)) == "<s>|||False|none"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"reasoning_effort": "ultra"},
+        {"reasoning": {"effort": "ultra"}},
+        {"reasoning_effort": "none", "reasoning": {"reasoning_effort": "ultra"}},
+    ],
+)
+def test_sglang_takes_every_reasoning_effort_tier_of_its_request_model(
+    body: dict[str, Any],
+) -> None:
+    # SGLang 0.5.23 ReasoningEffortTier has "ultra" (DeepSeek's) beside the OpenAI tiers; the
+    # tier reaches the template as written and turns both thinking switches on
+    template = ModelChatTemplate("{{ reasoning_effort }}|{{ thinking }}|{{ enable_thinking }}")
+    options = chat_options(body, SGLANG_CHAT)
+    assert template.render([{"role": "user", "content": "x"}], options=options) == (
+        "ultra|True|True"
+    )
+
+
 def test_vllm_kwargs_tools_replace_the_request_tools() -> None:
     template = ModelChatTemplate("{{ tools | tojson }}", engine="vllm")
     messages = [{"role": "user", "content": "x"}]
