@@ -94,6 +94,17 @@ def _json_arguments(arguments: str, field: str) -> object:
         raise ChatTemplateError(f"{field}.function.arguments must be valid JSON") from exc
 
 
+def _tool_text(role: str, content: object) -> object:
+    """A tool message's parts, all text, as one string joined with a space, as SGLang 0.5.23
+    hands them even to a template that wants typed parts (serving_chat.py
+    `normalize_tool_content`: most templates print a tool result as a string)."""
+    if role != "tool" or not isinstance(content, list):
+        return content
+    if not all(part.get("type") == "text" for part in content):
+        return content  # a media part: the template iterates over the parts
+    return " ".join(part["text"] for part in content)
+
+
 def _sglang_role(role: str, index: int) -> str:
     """The role as SGLang's message models validate it: "System" is "system", "User" a 400."""
     if role == "user":
@@ -122,7 +133,9 @@ def sglang_message(
     if content is None:
         fields["content"] = ""  # SGLang renders a null content as the empty string
     elif isinstance(content, list):
-        fields["content"] = _flattened(content, index, content_format, " ")
+        fields["content"] = _tool_text(
+            fields["role"], _flattened(content, index, content_format, " ")
+        )
     calls = _assistant_calls(fields)
     if calls is None:
         return fields

@@ -244,6 +244,21 @@ def test_sglang_lower_cases_the_roles_its_message_models_take_and_refuses_the_re
 _CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
 
 
+def test_sglang_joins_a_tool_messages_text_parts_with_a_space_for_a_typed_parts_template() -> None:
+    # SGLang 0.5.23 normalize_tool_content: tool results reach even a typed-parts template as
+    # one string when every part is text; a media part keeps the list
+    typed = ModelChatTemplate(_parts_template())
+    text = [{"type": "text", "text": "sunny"}, {"type": "input_text", "text": "22C"}]
+    messages = [{"role": "tool", "content": text}, {"role": "user", "content": text}]
+    assert typed.render(messages) == "<tool>s:sunny 22C<user>[text:sunny][text:22C]"
+    media = [{"role": "tool", "content": [*text, {"type": "image_url"}]}]
+    assert typed.render(media) == "<tool>[text:sunny][text:22C][image:]"
+    assert typed.render([{"role": "Tool", "content": []}]) == "<tool>s:"
+    assert ModelChatTemplate(_parts_template(), engine="vllm").render(messages[:1]) == (
+        "<tool>[text:sunny][text:22C]"
+    )
+
+
 def test_vllm_keeps_only_the_message_fields_its_openai_layer_keeps() -> None:
     source = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
     messages = [{"role": "user", "content": "x", "name": "bob", "extra": 1}]

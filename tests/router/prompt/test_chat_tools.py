@@ -233,7 +233,7 @@ def test_sglang_renders_a_final_assistant_message_with_text_as_a_user_message() 
     # SGLang 0.5.23 `_handle_last_assistant_message`, when not continuing: the role becomes
     # user and only the content is kept; typed-parts content is left as it was
     source = "{% for m in messages %}<{{ m.role }}:{{ m.content }}|{{ m.name }}>{% endfor %}"
-    final = {"role": "assistant", "content": None, "name": "poet", "tool_calls": []}
+    final: dict[str, Any] = {"role": "assistant", "content": None, "name": "poet", "tool_calls": []}
     messages = [{"role": "user", "content": "Write."}, final]
     body = {"messages": messages}
     sglang = ModelChatTemplate(source)
