@@ -19,6 +19,7 @@ from router.config import TokenizerConfig, parse_config
 from router.errors import ConfigError
 from router.prompt import chat_template as chat_template_module
 from router.prompt.chat_template import ModelChatTemplate, detect_content_format, special_tokens
+from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer, load_chat_template
 from tests.router.chat_routing import (
     FIXTURES,
@@ -266,6 +267,56 @@ def test_vllm_keeps_only_the_message_fields_its_openai_layer_keeps() -> None:
         '{"role": "user", "content": "x", "name": "bob"}'
     )
     assert '"extra": 1' in ModelChatTemplate(source).render(messages)
+
+
+def _merging_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE that merges "\\n\\n" and prepends <s>, saved with a ChatML template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    alphabet = sorted(byte_level.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["ĊĊ"] = len(vocab)
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    hf.pre_tokenizer = byte_level(add_prefix_space=False, use_regex=True)
+    hf.add_special_tokens([tokenizers.AddedToken("<s>", special=True, normalized=False)])
+    hf.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
+    )
+    hf.save(str(folder / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    config = {"bos_token": "<s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return hf
+
+
+def test_a_continued_message_is_encoded_apart_from_the_prompt(tmp_path: Path) -> None:
+    # SGLang 0.5.23 _append_assistant_prefix_to_prompt_ids: the prompt's ids, then the continued
+    # text's own ids (encoded with special tokens, BOS dropped): no BPE merge across the two
+    hf = _merging_tokenizer(tmp_path)
+    tokenizer = build_tokenizer(_config_at(tmp_path))
+    prefix = "\n\nOnce upon"
+    body = {
+        "continue_final_message": True,
+        "messages": [
+            {"role": "user", "content": "Tell a story."},
+            {"role": "assistant", "content": prefix},
+        ],
+    }
+    tokens = parse_request(Endpoint.CHAT, json.dumps(body).encode(), tokenizer).tokens
+    text = "<s><|user|>Tell a story.<|end|><|assistant|>\n"
+    expected = hf.encode(text, add_special_tokens=False).ids
+    expected += hf.encode(prefix, add_special_tokens=False).ids
+    assert tokens == expected
+    # the case is one where encoding the joined text merges differently
+    assert tokens != hf.encode(text + prefix, add_special_tokens=False).ids
+    assert hf.encode(prefix).ids[0] == hf.token_to_id("<s>")
+
+
+def _config_at(folder: Path) -> TokenizerConfig:
+    return TokenizerConfig(kind="hf", path=str(folder / "tokenizer.json"))
 
 
 # --- configuration ----------------------------------------------------------------------------
