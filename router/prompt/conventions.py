@@ -12,8 +12,8 @@ request parser and the chat template ask it instead of comparing engine names:
   `tool_choice` they accept;
 - how a message reaches the template (`prepare_message`, from `router.prompt.messages`):
   which fields are kept, how list content is flattened, assistant `tool_calls`;
-- how a final assistant message is continued, and whether a failed render is retried with bare
-  function schemas (SGLang).
+- how a final assistant message is continued (or, SGLang, turned into a user message), and
+  whether a failed render is retried with bare function schemas (SGLang).
 
 `chat_convention(engine)` finds an engine's convention through its spec
 (`indexer.engines.EngineSpec.chat`). Facts from the engines' released code: SGLang's
