@@ -48,6 +48,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
+import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from indexer.engines import EngineName
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_RENDERED_CHARS",
     "SPECIAL_TOKEN_NAMES",
     "ModelChatTemplate",
+    "RenderedChat",
     "detect_content_format",
     "special_tokens",
 ]
@@ -82,6 +84,18 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _MEDIA_WORDS = ("image", "audio", "video", "vision")
 # loop variables whose `.content` being iterated marks a typed-parts template
 _MESSAGE_NAMES = ("message", "msg", "m")
+
+
+class RenderedChat(msgspec.Struct, frozen=True):
+    """A rendered chat prompt: the template's text, and the text appended after it.
+
+    The two are tokenized apart: SGLang continues a final assistant message by encoding its text
+    on its own and appending the ids (serving_chat.py `_append_assistant_prefix_to_prompt_ids`),
+    so BPE never merges across the boundary.
+    """
+
+    text: str
+    continuation: str = ""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -298,6 +312,19 @@ class ModelChatTemplate:
         `options` are what the request adds (see `chat_options`); without them the messages are
         rendered alone, as `apply_chat_template(messages, add_generation_prompt=...)` does.
         """
+        prompt = self.render_prompt(
+            messages, add_generation_prompt=add_generation_prompt, options=options
+        )
+        return prompt.text + prompt.continuation
+
+    def render_prompt(
+        self,
+        messages: Sequence[object],
+        *,
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
+    ) -> RenderedChat:
+        """`render`, with the text an engine appends after the template kept apart."""
         if options is None:
             options = ChatOptions(add_generation_prompt=add_generation_prompt)
         template, source, content_format = self._template, self._source, self.content_format
@@ -306,14 +333,20 @@ class ModelChatTemplate:
         prepared = self._prepare(messages, content_format)
         prefix = ""
         convention = self.convention
-        if options.continue_final_message and convention.continues_by_appending:
-            # the conversation is rendered without the final assistant message, whose text is
-            # then appended for the model to continue
-            last = prepared[-1]
-            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+        last = prepared[-1]
+        # SGLang 0.5.23 serving_chat.py `_handle_last_assistant_message`: only a final assistant
+        # message whose content is text (typed parts are left alone) is continued or re-roled
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            if options.continue_final_message and convention.continues_by_appending:
+                # the conversation is rendered without the final assistant message, whose text
+                # is then appended for the model to continue
                 prefix, prepared = last["content"], prepared[:-1]
                 if not prepared:
                     raise ChatTemplateError("messages must hold more than the continued message")
+            elif options.final_assistant_as_user:
+                # so the prompt always ends with a user turn; the message's other fields
+                # (tool_calls, name, reasoning) are not carried over
+                prepared[-1] = {"role": "user", "content": last["content"]}
         continued = None
         if options.continue_final_message and not convention.continues_by_appending:
             continued = _mark_final_message(prepared, source)
@@ -326,7 +359,7 @@ class ModelChatTemplate:
             text = self._generate(template, prepared, options, _function_only(options.tools))
         if continued is not None:
             text = _cut_at_final_message(text, continued)
-        return text + prefix
+        return RenderedChat(text=text, continuation=prefix)
 
     def _generate(
         self,

@@ -12,8 +12,8 @@ request parser and the chat template ask it instead of comparing engine names:
   `tool_choice` they accept;
 - how a message reaches the template (`prepare_message`, from `router.prompt.messages`):
   which fields are kept, how list content is flattened, assistant `tool_calls`;
-- how a final assistant message is continued, and whether a failed render is retried with bare
-  function schemas (SGLang).
+- how a final assistant message is continued (or, SGLang, turned into a user message), and
+  whether a failed render is retried with bare function schemas (SGLang).
 
 `chat_convention(engine)` finds an engine's convention through its spec
 (`indexer.engines.EngineSpec.chat`). Facts from the engines' released code: SGLang's
@@ -44,8 +44,11 @@ __all__ = [
     "check_chat_fields",
 ]
 
-# the reasoning_effort tiers both engines accept (SGLang also takes a float in [0, 0.99])
+# the reasoning_effort tiers vLLM accepts
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# SGLang 0.5.23's `ReasoningEffortTier` (protocol.py), DeepSeek's "ultra" included, top level or in
+# a `reasoning` object (`normalize_reasoning_inputs`); it also takes a float in [0, 0.99]
+_SGLANG_EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
 _SGLANG_MAX_EFFORT = 0.99
 # apply_chat_template parameters that are not template variables and change nothing when the
 # prompt is rendered as text; the two that would are refused when set
@@ -73,6 +76,9 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     # vLLM: transformers' continuation of the final message; SGLang: its own assistant prefix
     continue_final_message: bool = False
+    # SGLang, when not continuing: a final assistant message with text content is rendered as a
+    # user message (serving_chat.py `_handle_last_assistant_message`)
+    final_assistant_as_user: bool = False
 
 
 def _sglang_options(
@@ -113,11 +119,15 @@ def _sglang_options(
         rendered_tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     else:
         rendered_tools = tools
+    continue_final_message = _flag(request, "continue_final_message", False)
     return ChatOptions(
         tools=rendered_tools,
         documents=documents,
         variables=variables,
-        continue_final_message=_flag(request, "continue_final_message", False),
+        continue_final_message=continue_final_message,
+        # 0.5.23 `_apply_jinja_template` hands every chat completion to
+        # `_handle_last_assistant_message` (its `_format_add_generation_prompt` is unset there)
+        final_assistant_as_user=not continue_final_message,
     )
 
 
@@ -146,7 +156,8 @@ def _sglang_reasoning(request: Mapping[str, Any]) -> tuple[object, bool | None]:
 
 
 def _sglang_effort(value: object) -> str | float | None:
-    if value is None or (isinstance(value, str) and value in _EFFORT_TIERS):
+    """A tier passes as written (the template sees it as `reasoning_effort`), a number as float."""
+    if value is None or (isinstance(value, str) and value in _SGLANG_EFFORT_TIERS):
         return value
     number: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -158,7 +169,7 @@ def _sglang_effort(value: object) -> str | float | None:
             number = None
     if number is None or not math.isfinite(number) or not 0.0 <= number <= _SGLANG_MAX_EFFORT:
         raise RequestError(
-            f"reasoning_effort must be one of {', '.join(_EFFORT_TIERS)} "
+            f"reasoning_effort must be one of {', '.join(_SGLANG_EFFORT_TIERS)} "
             f"or a number in [0, {_SGLANG_MAX_EFFORT}]"
         )
     return number
@@ -241,26 +252,38 @@ def _function_fields(tool: Mapping[str, Any], i: int) -> tuple[dict[str, Any], s
 
 
 def _sglang_tool(tool: Mapping[str, Any], i: int) -> dict[str, Any]:
-    """SGLang's `Tool.model_dump()`: field order, defaults and nulls included."""
+    """SGLang's `Tool.model_dump()` (0.5.23 `srt/entrypoints/openai/protocol.py`, `Tool` and
+    the `Function._serialize` wrap serializer).
+
+    The template renders the schema as the client wrote it, so the function keeps the client's
+    key order (its declared fields only; unknown keys are dropped) with the fields it left out
+    after them; `strict` and `defer_loading` appear only when set, while an absent
+    `description` or `parameters` is still there as null. The `Tool` wrapper has no such
+    serializer: `type`, `function`, `defer_loading` in that order, null included.
+    """
     function, name = _function_fields(tool, i)
     kind = tool.get("type", "function")
     if not isinstance(kind, str):
         raise RequestError(f"tools[{i}].type must be a string")
-    strict = function.get("strict", False)
-    if not isinstance(strict, bool):
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
         raise RequestError(f"tools[{i}].function.strict must be a boolean")
     defer = tool.get("defer_loading")
     function_defer = function.get("defer_loading")
     if function_defer is None:
         function_defer = defer  # the tool's flag propagates to its function
-    dumped: dict[str, Any] = {
+    declared: dict[str, Any] = {
         "description": function.get("description"),
         "name": name,
         "parameters": function.get("parameters"),
-        "strict": strict,
     }
+    if strict is not None:
+        declared["strict"] = strict
     if function_defer is not None:
-        dumped["defer_loading"] = function_defer
+        declared["defer_loading"] = function_defer
+    order = [key for key in function if key in declared]
+    order += [key for key in declared if key not in order]
+    dumped = {key: declared[key] for key in order}
     return {"type": kind, "function": dumped, "defer_loading": defer}
 
 

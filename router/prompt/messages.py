@@ -1,12 +1,14 @@
 """Chat messages as each engine's OpenAI layer hands them to the chat template.
 
 Before `transformers` normalizes them (`router.prompt.chat_template`), the engines prepare the
-request's messages differently: SGLang keeps every field as sent and dumps assistant tool calls
-through its `ToolCall` model; vLLM keeps role, content and a few fields, passes content as typed
-parts, and keeps tool calls as sent. Both parse tool-call arguments from JSON text and flatten
-list content for a template that wants a string (SGLang joining the text parts with a space,
-vLLM with a newline); which one a template wants is its `ContentFormat`, detected from its
-syntax tree. `router.prompt.conventions` binds each engine to its function here.
+request's messages differently: SGLang keeps every field as sent, lower-cases the roles its
+message models take (refusing others), dumps assistant tool calls through its `ToolCall` model
+and joins a tool message's text parts with a space; vLLM keeps role, content and a few fields,
+passes content as typed parts, and keeps tool calls as sent. Both parse tool-call arguments from
+JSON text and flatten list content for a template that wants a string (SGLang joining the text
+parts with a space, vLLM with a newline); which one a template wants is its `ContentFormat`,
+detected from its syntax tree. `router.prompt.conventions` binds each engine to its function
+here.
 
 Not mirrored: media parts, which the engine expands into model-specific tokens (they are kept
 as typed parts without their data, or dropped from flattened text).
@@ -27,6 +29,17 @@ ContentFormat = Literal["string", "openai"]
 
 # what vLLM's OpenAI layer keeps of a message besides role and content
 _VLLM_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning")
+# SGLang 0.5.23 protocol.py: `ChatCompletionMessageGenericParam._normalize_role` lower-cases a
+# role and takes these; `ChatCompletionMessageUserParam` takes "user" as written, nothing else
+_SGLANG_GENERIC_ROLES = (
+    "system",
+    "assistant",
+    "tool",
+    "function",
+    "developer",
+    "latest_reminder",
+    "root",
+)
 _TEXT_PART_TYPES = ("text", "input_text")
 _MEDIA_PART_TYPES = {
     "image_url": "image",
@@ -81,20 +94,48 @@ def _json_arguments(arguments: str, field: str) -> object:
         raise ChatTemplateError(f"{field}.function.arguments must be valid JSON") from exc
 
 
+def _tool_text(role: str, content: object) -> object:
+    """A tool message's parts, all text, as one string joined with a space, as SGLang 0.5.23
+    hands them even to a template that wants typed parts (serving_chat.py
+    `normalize_tool_content`: most templates print a tool result as a string)."""
+    if role != "tool" or not isinstance(content, list):
+        return content
+    if not all(part.get("type") == "text" for part in content):
+        return content  # a media part: the template iterates over the parts
+    return " ".join(part["text"] for part in content)
+
+
+def _sglang_role(role: str, index: int) -> str:
+    """The role as SGLang's message models validate it: "System" is "system", "User" a 400."""
+    if role == "user":
+        return role
+    lowered = role.lower()
+    if lowered not in _SGLANG_GENERIC_ROLES:
+        raise ChatTemplateError(
+            f"messages[{index}].role must be 'user' or one of "
+            f"{', '.join(_SGLANG_GENERIC_ROLES)} (any case), not {role!r}"
+        )
+    return lowered
+
+
 def sglang_message(
     message: Mapping[str, Any], role: str, index: int, content_format: ContentFormat
 ) -> dict[str, Any]:
-    """Every field as sent; assistant tool calls dumped through SGLang's `ToolCall` model.
+    """Every field as sent, the role normalized; assistant tool calls dumped through SGLang's
+    `ToolCall` model.
 
     That model has id, index, type and function, so unset fields are there as nulls, and it
     requires the arguments to be a JSON object.
     """
     fields = dict(message)
+    fields["role"] = _sglang_role(role, index)
     content = message.get("content")
     if content is None:
         fields["content"] = ""  # SGLang renders a null content as the empty string
     elif isinstance(content, list):
-        fields["content"] = _flattened(content, index, content_format, " ")
+        fields["content"] = _tool_text(
+            fields["role"], _flattened(content, index, content_format, " ")
+        )
     calls = _assistant_calls(fields)
     if calls is None:
         return fields

@@ -7,7 +7,7 @@ only when configured.
 Chat requests are rendered into text first, with one of two templates:
 - the model's own Jinja chat template (`router.prompt.chat_template`), what SGLang and vLLM
   render with; its text is encoded without added special tokens, since the template writes BOS
-  itself;
+  itself, and the text SGLang appends to continue a final assistant message is encoded apart;
 - kvroute's built-in template (`indexer.protocol.tokens.render_chat`), what the reference workers
   render with, encoded after a BOS token.
 Completion and /generate text is encoded with the tokenizer's special tokens (a model's BOS)
@@ -63,6 +63,7 @@ class PromptTokenizer:
         offload: TokenizeOffload | None = None,
         *,
         text_special_tokens: bool = False,
+        bos_id: int | None = None,
     ) -> None:
         self._encoder = encoder
         self.name = name
@@ -72,6 +73,8 @@ class PromptTokenizer:
         # and vLLM call a Hugging Face tokenizer with its default, add_special_tokens=True;
         # the reference workers' byte tokenizer adds none to text
         self._text_special = text_special_tokens
+        # the id of the model's BOS token (its config's `bos_token`), if it has one
+        self._bos_id = bos_id
 
     def close(self) -> None:
         """Stop the offload threads, if any."""
@@ -91,9 +94,21 @@ class PromptTokenizer:
         template, like the reference workers, renders the messages alone.
         """
         if self.template is not None:
-            text = self.template.render(messages, options=options)
-            return self._encoder.encode(text, add_bos=False)
+            prompt = self.template.render_prompt(messages, options=options)
+            ids = self._encoder.encode(prompt.text, add_bos=False)
+            if prompt.continuation:
+                ids += self._continuation(prompt.continuation)
+            return ids
         return self._encoder.encode(render_chat(messages), add_bos=True)
+
+    def _continuation(self, text: str) -> list[int]:
+        """A continued assistant message's ids, encoded on their own as SGLang 0.5.23 does
+        (serving_chat.py `_append_assistant_prefix_to_prompt_ids`): with the tokenizer's special
+        tokens like any text, a leading BOS dropped."""
+        ids = self._encoder.encode(text, add_bos=self._text_special)
+        if ids and self._bos_id is not None and ids[0] == self._bos_id:
+            ids = ids[1:]
+        return ids
 
 
 # from this many characters on, `encode_batch`: it releases the GIL (`encode` does not), so an
@@ -138,8 +153,14 @@ def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
     offload = None
     if config.offload_bytes():
         offload = TokenizeOffload(config.offload_bytes(), config.offload_threads)
+    bos = None if template is None else template.special.get("bos_token")
     return PromptTokenizer(
-        _HfEncoder(hf), f"hf:{config.path}", template, offload, text_special_tokens=True
+        _HfEncoder(hf),
+        f"hf:{config.path}",
+        template,
+        offload,
+        text_special_tokens=True,
+        bos_id=None if bos is None else hf.token_to_id(bos),
     )
 
 

@@ -19,6 +19,7 @@ from router.config import TokenizerConfig, parse_config
 from router.errors import ConfigError
 from router.prompt import chat_template as chat_template_module
 from router.prompt.chat_template import ModelChatTemplate, detect_content_format, special_tokens
+from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer, load_chat_template
 from tests.router.chat_routing import (
     FIXTURES,
@@ -220,6 +221,45 @@ def test_list_content_is_flattened_the_way_each_engine_does() -> None:
     assert ModelChatTemplate(typed).render(plain) == "<user>s:hi"
 
 
+def test_sglang_lower_cases_the_roles_its_message_models_take_and_refuses_the_rest() -> None:
+    # SGLang 0.5.23 protocol.py: the generic message model lower-cases its roles; the user
+    # model takes "user" exactly, so "User" is refused
+    template = ModelChatTemplate("{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    messages = [
+        {"role": "System", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "ASSISTANT", "content": "a", "tool_calls": [_CALL]},
+        {"role": "Tool", "content": "t"},
+        {"role": "user", "content": "u"},
+    ]
+    assert template.render(messages) == "<system><user><assistant><tool><user>"
+    # the assistant's tool calls were recognized under the lower-cased role
+    calls = ModelChatTemplate("{{ messages[0].tool_calls[0].function.arguments.a }}")
+    assert calls.render([{"role": "Assistant", "content": "", "tool_calls": [_CALL]}]) == "1"
+    for role in ("User", "bogus"):
+        with pytest.raises(ChatTemplateError) as info:
+            template.render([{"role": role, "content": "x"}])
+        assert "messages[0].role" in str(info.value) and repr(role) in str(info.value)
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def test_sglang_joins_a_tool_messages_text_parts_with_a_space_for_a_typed_parts_template() -> None:
+    # SGLang 0.5.23 normalize_tool_content: tool results reach even a typed-parts template as
+    # one string when every part is text; a media part keeps the list
+    typed = ModelChatTemplate(_parts_template())
+    text = [{"type": "text", "text": "sunny"}, {"type": "input_text", "text": "22C"}]
+    messages = [{"role": "tool", "content": text}, {"role": "user", "content": text}]
+    assert typed.render(messages) == "<tool>s:sunny 22C<user>[text:sunny][text:22C]"
+    media = [{"role": "tool", "content": [*text, {"type": "image_url"}]}]
+    assert typed.render(media) == "<tool>[text:sunny][text:22C][image:]"
+    assert typed.render([{"role": "Tool", "content": []}]) == "<tool>s:"
+    assert ModelChatTemplate(_parts_template(), engine="vllm").render(messages[:1]) == (
+        "<tool>[text:sunny][text:22C]"
+    )
+
+
 def test_vllm_keeps_only_the_message_fields_its_openai_layer_keeps() -> None:
     source = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
     messages = [{"role": "user", "content": "x", "name": "bob", "extra": 1}]
@@ -227,6 +267,56 @@ def test_vllm_keeps_only_the_message_fields_its_openai_layer_keeps() -> None:
         '{"role": "user", "content": "x", "name": "bob"}'
     )
     assert '"extra": 1' in ModelChatTemplate(source).render(messages)
+
+
+def _merging_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE that merges "\\n\\n" and prepends <s>, saved with a ChatML template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    alphabet = sorted(byte_level.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["ĊĊ"] = len(vocab)
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    hf.pre_tokenizer = byte_level(add_prefix_space=False, use_regex=True)
+    hf.add_special_tokens([tokenizers.AddedToken("<s>", special=True, normalized=False)])
+    hf.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
+    )
+    hf.save(str(folder / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    config = {"bos_token": "<s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return hf
+
+
+def test_a_continued_message_is_encoded_apart_from_the_prompt(tmp_path: Path) -> None:
+    # SGLang 0.5.23 _append_assistant_prefix_to_prompt_ids: the prompt's ids, then the continued
+    # text's own ids (encoded with special tokens, BOS dropped): no BPE merge across the two
+    hf = _merging_tokenizer(tmp_path)
+    tokenizer = build_tokenizer(_config_at(tmp_path))
+    prefix = "\n\nOnce upon"
+    body = {
+        "continue_final_message": True,
+        "messages": [
+            {"role": "user", "content": "Tell a story."},
+            {"role": "assistant", "content": prefix},
+        ],
+    }
+    tokens = parse_request(Endpoint.CHAT, json.dumps(body).encode(), tokenizer).tokens
+    text = "<s><|user|>Tell a story.<|end|><|assistant|>\n"
+    expected = hf.encode(text, add_special_tokens=False).ids
+    expected += hf.encode(prefix, add_special_tokens=False).ids
+    assert tokens == expected
+    # the case is one where encoding the joined text merges differently
+    assert tokens != hf.encode(text + prefix, add_special_tokens=False).ids
+    assert hf.encode(prefix).ids[0] == hf.token_to_id("<s>")
+
+
+def _config_at(folder: Path) -> TokenizerConfig:
+    return TokenizerConfig(kind="hf", path=str(folder / "tokenizer.json"))
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -254,10 +344,12 @@ def test_auto_prefers_chat_template_jinja_beside_the_tokenizer_config(tmp_path: 
     )
     config = TokenizerConfig(kind="hf", path=str(tmp_path / "tokenizer.json"))
     template = load_chat_template(config)
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "config:<B>"
+    assert (
+        template is not None and template.render([{"role": "user", "content": ""}]) == "config:<B>"
+    )
     (tmp_path / "chat_template.jinja").write_text("file:{{ bos_token }}")
     template = load_chat_template(config)
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "file:<B>"
+    assert template is not None and template.render([{"role": "user", "content": ""}]) == "file:<B>"
 
 
 def test_auto_without_a_model_template_warns_and_falls_back(
@@ -289,7 +381,7 @@ def test_a_tokenizer_config_with_named_templates_uses_the_default(tmp_path: Path
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     path.write_text(json.dumps({"chat_template": named}))
     template = load_chat_template(TokenizerConfig(chat_template=str(path)))
-    assert template is not None and template.render([{"role": "u", "content": ""}]) == "D"
+    assert template is not None and template.render([{"role": "user", "content": ""}]) == "D"
 
 
 @pytest.mark.parametrize(

@@ -229,6 +229,62 @@ def test_tool_call_arguments_are_parsed_and_must_be_json() -> None:
     assert ModelChatTemplate(defined).render(empty) == "True"
 
 
+def test_sglang_dumps_a_tool_schema_in_the_clients_key_order_without_unset_flags() -> None:
+    # SGLang 0.5.23's Function serializer: the client's key order, then the missing fields
+    # (description and parameters as null); strict and defer_loading only when set; unknown
+    # keys dropped; the Tool wrapper keeps its own order and its null defer_loading
+    template = ModelChatTemplate("{% for t in tools %}{{ t | tojson }}\n{% endfor %}")
+    tools = [
+        WEATHER,
+        {"function": {"parameters": {"b": 1, "a": 2}, "name": "f", "strict": None}},
+        {
+            "type": "function",
+            "function": {"strict": True, "name": "g", "extra": 1},
+            "defer_loading": True,
+        },
+    ]
+    options = chat_options({"tools": tools}, SGLANG_CHAT)
+    assert template.render([{"role": "user", "content": "x"}], options=options) == (
+        '{"type": "function", "function": {"name": "get_weather", "description": "Weather for a '
+        'city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}, '
+        '"defer_loading": null}\n'
+        '{"type": "function", "function": {"parameters": {"b": 1, "a": 2}, "name": "f", '
+        '"description": null}, "defer_loading": null}\n'
+        '{"type": "function", "function": {"strict": true, "name": "g", "description": null, '
+        '"parameters": null, "defer_loading": true}, "defer_loading": true}\n'
+    )
+
+
+def test_sglang_renders_a_final_assistant_message_with_text_as_a_user_message() -> None:
+    # SGLang 0.5.23 `_handle_last_assistant_message`, when not continuing: the role becomes
+    # user and only the content is kept; typed-parts content is left as it was
+    source = "{% for m in messages %}<{{ m.role }}:{{ m.content }}|{{ m.name }}>{% endfor %}"
+    final: dict[str, Any] = {"role": "assistant", "content": None, "name": "poet", "tool_calls": []}
+    messages = [{"role": "user", "content": "Write."}, final]
+    body = {"messages": messages}
+    sglang = ModelChatTemplate(source)
+    assert sglang.render(messages, options=chat_options(body, SGLANG_CHAT)) == (
+        "<user:Write.|><user:|>"
+    )
+    # transformers alone (no request options) and vLLM render the assistant turn as sent
+    assert sglang.render(messages) == "<user:Write.|><assistant:|poet>"
+    vllm = ModelChatTemplate(source, engine="vllm")
+    assert vllm.render(messages, options=chat_options(body, VLLM_CHAT)) == (
+        "<user:Write.|><assistant:|poet>"
+    )
+    parts = ModelChatTemplate(
+        "{% for m in messages %}<{{ m.role }}:"
+        "{% for p in m.content %}{{ p.text }}{% endfor %}>{% endfor %}"
+    )
+    typed = [
+        {"role": "user", "content": [{"type": "text", "text": "Write."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Roses"}]},
+    ]
+    assert parts.render(typed, options=chat_options({}, SGLANG_CHAT)) == (
+        "<user:Write.><assistant:Roses>"
+    )
+
+
 def test_sglang_retries_with_bare_function_schemas_when_the_first_render_fails() -> None:
     # a template that wants {name, ...} schemas, not OpenAI's {"type", "function"} wrapper
     source = (
@@ -280,6 +336,26 @@ def test_template_kwargs_reach_the_template_and_override_special_tokens() -> Non
     vllm = ModelChatTemplate(source, special={"bos_token": "<s>"}, engine="vllm")
     body = {"reasoning_effort": "none", "chat_template_kwargs": {"flag": "auto", "thinking": None}}
     assert vllm.render(messages, options=chat_options(body, VLLM_CHAT)) == "<s>|||False|none"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"reasoning_effort": "ultra"},
+        {"reasoning": {"effort": "ultra"}},
+        {"reasoning_effort": "none", "reasoning": {"reasoning_effort": "ultra"}},
+    ],
+)
+def test_sglang_takes_every_reasoning_effort_tier_of_its_request_model(
+    body: dict[str, Any],
+) -> None:
+    # SGLang 0.5.23 ReasoningEffortTier has "ultra" (DeepSeek's) beside the OpenAI tiers; the
+    # tier reaches the template as written and turns both thinking switches on
+    template = ModelChatTemplate("{{ reasoning_effort }}|{{ thinking }}|{{ enable_thinking }}")
+    options = chat_options(body, SGLANG_CHAT)
+    assert template.render([{"role": "user", "content": "x"}], options=options) == (
+        "ultra|True|True"
+    )
 
 
 def test_vllm_kwargs_tools_replace_the_request_tools() -> None:
