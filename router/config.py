@@ -341,6 +341,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         scheme, rest = self.url.split("://", 1)
         if scheme != scheme.lower():  # schemes are case-insensitive (RFC 3986): one spelling
             msgspec.structs.force_setattr(self, "url", f"{scheme.lower()}://{rest}")
+        if "@" in rest:  # a password may hold a "/", which would leave part of it as a path
+            # the router sends no credentials from a url, and the url would show (as the
+            # worker's id, in metric labels, in logs): refused before anything quotes it
+            raise ValueError(
+                f"workers.url {redact_url(self.url)!r} carries credentials (user:password@): "
+                "the router does not send them, and would show them as the worker's id, in "
+                "logs and metrics"
+            )
         # checked here so a bad url is a 400 on POST /admin/workers, not a 500 from discovery
         try:
             parts = urlsplit(self.url)
@@ -349,6 +357,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"workers.url {self.url!r}: {exc}") from None
         if not parts.hostname:
             raise ValueError(f"workers.url {self.url!r} names no host")
+
         if any(not name.strip() for name in self.models):
             raise ValueError("workers.models: a model name must not be empty")
         for key, given in (("events", self.events), ("replay", self.replay)):

@@ -40,17 +40,30 @@ __all__ = [
     "run_loop",
     "serve_fleet",
     "serve_until_stopped",
+    "tcp_port",
 ]
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port to listen on, 0 to 65535 (0: any free one). A value past
+    it is refused by name; handed on unchecked, the socket took it modulo 65536."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvroute serve`."""
     parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
     parser.add_argument("--host", help="override listen.host")
-    parser.add_argument("--port", type=int, help="override listen.port (0 = any free port)")
+    parser.add_argument("--port", type=tcp_port, help="override listen.port (0 = any free port)")
     parser.add_argument(
         "--policy",
         choices=get_args(PolicyName),

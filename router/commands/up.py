@@ -21,7 +21,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from router.commands.serve import apply_overrides, run_loop, serve_fleet
+from router.commands.serve import apply_overrides, run_loop, serve_fleet, tcp_port
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
@@ -164,7 +164,9 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CONFIG,
         help="router config whose [fleet] table configures the workers (default %(default)s)",
     )
-    router.add_argument("--router-port", type=int, help="override listen.port (0 = any free port)")
+    router.add_argument(
+        "--router-port", type=tcp_port, help="override listen.port (0 = any free port)"
+    )
     router.add_argument(
         "--policy",
         choices=get_args(PolicyName),
@@ -201,12 +203,35 @@ def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -
     defaults = vars(probe.parse_args([]))
     given = _given_options(probe, getattr(args, "command_line", None))
     router_only = {"config", "router_port", "policy", "no_router", "replicas"}
+    actions = {action.dest: action for action in probe._actions}
     for key, value in fleet.items():
         if key not in defaults or key in router_only:
             raise ConfigError(f"[fleet]: unknown key {key!r}")
         typed = key in given if given is not None else getattr(args, key) != defaults[key]
         if not typed:
-            setattr(args, key, value)
+            setattr(args, key, _as_option(actions[key], key, value))
+
+
+def _as_option(action: argparse.Action, key: str, value: object) -> object:
+    """A `[fleet]` value checked as its command-line option checks it (its type, its
+    choices), so `workers = "two"` is a ConfigError naming the key, not a traceback later."""
+    if action.nargs == 0:  # a flag: true or false
+        if not isinstance(value, bool):
+            raise ConfigError(f"[fleet] {key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool | list | dict):
+        raise ConfigError(f"[fleet] {key}: expected a single value, got {value!r}")
+    if callable(action.type):
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise ConfigError(f"[fleet] {key}: {exc or 'invalid value'} (got {value!r})") from None
+    elif not isinstance(value, str):
+        raise ConfigError(f"[fleet] {key}: expected a string, got {value!r}")
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ConfigError(f"[fleet] {key}: expected one of {choices}, got {value!r}")
+    return value
 
 
 def _given_options(probe: argparse.ArgumentParser, words: Sequence[str] | None) -> set[str] | None:

@@ -173,11 +173,16 @@ def streams_for(
         if worker.replay is not None
         else _endpoints(adv, "replay_endpoints", "replay_endpoint")
     )
-    dp_size = (
-        worker.dp_size
-        or _int(adv.get("dp_size"))
-        or (len(events) if isinstance(events, list) else 1)
-    )
+    advertised_dp = _int(adv.get("dp_size"))
+    if worker.dp_size and advertised_dp and worker.dp_size != advertised_dp:
+        # the ranks beyond the config's would go unsubscribed while the engine places requests
+        # on them, or requests would name ranks it lacks: no stream is trusted (fail closed)
+        raise RequestError(
+            f"worker {worker.worker_id}: the config says dp_size {worker.dp_size}, the worker "
+            f"advertises {advertised_dp}: fix the config, or leave dp_size out to take the "
+            "worker's"
+        )
+    dp_size = worker.dp_size or advertised_dp or (len(events) if isinstance(events, list) else 1)
     block_size = worker.block_size or _int(adv.get("block_size"))
     topic = worker.topic if worker.topic is not None else adv.get("topic")
     base = None if worker.events is not None else _int(adv.get("endpoint_port_base"))

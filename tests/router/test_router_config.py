@@ -53,6 +53,13 @@ def test_cross_field_checks() -> None:
     for url in ("http://[::1", "http://a:port", "http://"):  # unparseable: refused up front
         with pytest.raises(ConfigError, match=r"workers\.url"):
             parse_config({"workers": [{"url": url}]})
+    # credentials in a url: refused (the router sends none, the url would show as the id, in
+    # labels and logs), and the refusal does not echo them
+    for url in ("http://user:s3cr3t@a:1", "http://user@a:1", "http://:s3cr3t@a:1",
+                "http://u:s3/cr3t@a:1", "http://u:s3cr3t@[::1"):  # fmt: skip
+        with pytest.raises(ConfigError, match="carries credentials") as refused:
+            parse_config({"workers": [{"url": url}]})
+        assert "s3" not in str(refused.value) and "***@" in str(refused.value)
     # one server under two ids would be two candidates, each with half its load
     # a scheme is case-insensitive: taken, spelled one way
     assert parse_config({"workers": [{"url": "HTTPS://A:1/x"}]}).workers[0].url == "https://A:1/x"

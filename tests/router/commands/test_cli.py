@@ -143,3 +143,38 @@ def test_an_option_typed_wins_over_the_fleet_table_even_at_its_default() -> None
     _apply_fleet_table(args, {"workers": 4, "page_size": 64, "dp_size": 2, "time_scale": 1.0})
     # typed (16 is --page-size's default, 2 is --workers'): kept; not typed: the table's
     assert (args.workers, args.page_size, args.time_scale, args.dp_size) == (2, 16, 0.0, 2)
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ({"workers": "two"}, "[fleet] workers: expected an integer"),
+        ({"workers": 1.5}, "[fleet] workers: expected an integer"),
+        ({"workers": True}, "[fleet] workers: expected a single value"),
+        ({"workers": 0}, "[fleet] workers: must be at least 1"),
+        ({"worker_port_base": "x"}, "[fleet] worker_port_base"),
+    ],
+)
+def test_a_fleet_value_of_the_wrong_type_is_named_as_its_option_would_be(
+    table: dict[str, object], said: str
+) -> None:
+    from router.commands.cli import build_parser
+    from router.commands.up import _apply_fleet_table
+    from router.errors import ConfigError
+
+    parser, _ = build_parser(["up"])
+    args = parser.parse_args(["up"])
+    args.command_line = ("up",)
+    with pytest.raises(ConfigError) as refused:
+        _apply_fleet_table(args, table)
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "verb", [("serve", "--config", "x.toml", "--port"), ("up", "--router-port")]
+)
+def test_a_port_past_65535_is_refused_by_name(verb: tuple[str, ...]) -> None:
+    for port in ("65536", "99999", "-1", "http"):
+        done = _kvroute(*verb, port)
+        assert done.returncode == 2, done.stderr
+        assert "port" in done.stderr and "Traceback" not in done.stderr

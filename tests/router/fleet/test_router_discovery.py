@@ -107,3 +107,15 @@ def test_what_a_worker_advertises_wrong_is_a_request_error(
     worker = WorkerConfig(url="http://10.0.0.1:30000")
     with pytest.raises(RequestError, match=said):
         streams_for(worker, {"served_model_name": "m", "kv_events": advertised})
+
+
+def test_a_configured_dp_size_the_worker_contradicts_is_refused() -> None:
+    """Configured 1 against an advertised 2: rank 1 would go unsubscribed while the engine
+    places requests there, predicted from rank 0's pages (a false hit); refused instead."""
+    info = {"kv_events": {"endpoint": "tcp://127.0.0.1:41000", "dp_size": 2, "block_size": 16}}
+    with pytest.raises(RequestError, match="config says dp_size 1, the worker advertises 2"):
+        streams_for(WorkerConfig(url="http://127.0.0.1:1", dp_size=1), info)
+    # agreeing, or left to the worker: its ranks
+    for dp_size in (2, None):
+        streams = streams_for(WorkerConfig(url="http://127.0.0.1:1", dp_size=dp_size), info)
+        assert [s.dp_rank for s in streams] == [0, 1]
