@@ -264,6 +264,12 @@ class Proxy:
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
+            if not plan.candidates:
+                # a model of pairs that lost one side (removed): it takes no whole requests
+                roles = {e.role for e in planner.pool.serving(ns.model)}
+                if len(roles) == 1 and roles != {"both"}:
+                    side = "decode" if roles == {"prefill"} else "prefill"
+                    raise NoWorkerError(f"no routable {side} worker among 0")
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()

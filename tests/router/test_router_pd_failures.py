@@ -299,6 +299,26 @@ async def test_both_legs_carry_the_request_id_and_the_trace_context() -> None:
                     assert (parents[0] == CLIENT_TRACEPARENT) is not traced
 
 
+async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the roles to be discovered")
+            async with session.delete(router.url + "/admin/workers/d0", headers=AUTH) as resp:
+                assert resp.status == 200, await resp.text()
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 503
+                message = (await resp.json())["error"]["message"]
+            assert message == "no routable decode worker among 0"
+
+
 @pytest.fixture(autouse=True)
 def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tracing test sets what it means; no OTEL_* variable leaks in from the shell."""
