@@ -15,12 +15,19 @@ engine forms it (`indexer.engines.PdPairing`):
   `kv_transfer_params` asking for a remote decode; the `kv_transfer_params` of its answer go
   with the original request to the decode, both under one `X-Request-Id`.
 
+Both legs carry the request's `x-request-id` (the client's untouched, else the router's) and
+the same `traceparent`; vLLM's legs are paired by that id.
+
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
-the worker that failed (a prefill that dies mid-transfer fails the pair: its decode's transfer
-is cut, or the prefill's connection drops, whichever the router hears first; a decode that
-failed is blamed on its prefill when the prefill failed too, within `_BLAME_GRACE_S`). A decode
-whose KV never comes answers its engine's own timeout error (the reference worker: 504), which
-is retried like any 5xx and otherwise passed through; the request deadline bounds it all.
+the worker blamed (`_PairHooks.blamed`). A decode that times out (answers 504, SGLang's
+`kv_transfer_timeout`, or outlives the request deadline) while its prefill has not answered is
+the prefill's failure: SGLang's prefill answers once its KV is handed over, so the KV never
+came. A prefill that failed is blamed for its decode's failure (a prefill dying mid-transfer:
+its connection drops, or its decode's transfer is cut, whichever the router hears first; a
+decode's other failures wait `_BLAME_GRACE_S` to hear of it). Any other failure of the decode
+is its own. The engine's 5xx is the client's answer when the side it is blamed on has no other
+worker to retry on; the request deadline bounds it all. An answer is counted by the task that
+wrote it (`PairDispatcher._answered`), whatever the client does next.
 """
 
 from __future__ import annotations
@@ -39,13 +46,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 
 from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
 from router.http.metrics import RouterMetrics
-from router.http.observe import observation
+from router.http.observe import REQUEST_ID_HEADER, Observation, observation
 from router.http.proxy import (
     FORECAST_HEADER,
     MATCHED_HEADER,
@@ -60,7 +68,7 @@ from router.prompt.dp_rank import with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.load import Ticket
 from router.routing.pd import PairPlanner, PdPlan
-from router.routing.planner import Plan
+from router.routing.planner import Plan, Planner
 from router.routing.policy import Candidate
 
 __all__ = ["DECODE_HEADER", "PREFILL_HEADER", "PairDispatcher", "PrefillFailed"]
@@ -74,6 +82,7 @@ _ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
 # how long a failed decode waits to learn whether its prefill died (then the prefill is blamed)
 _BLAME_GRACE_S = 1.0
 _json = msgspec.json.Encoder()
+_TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as a client sent it
 
 
 class PrefillFailed(Exception):
@@ -112,18 +121,25 @@ def _first_answer(payload: bytes) -> Any:
 
 
 class _PairHooks(AnswerHooks):
-    """The decode side's answer: both workers named; the prefill's fate checked before anything
-    is committed; with `return_logprob`, the prefill's input logprobs merged in."""
+    """One attempt of a pair, as its decode side's answer sees it: both workers named; the
+    prefill's fate checked before anything is committed; with `return_logprob`, the prefill's
+    input logprobs merged in; a failure charged to the side to blame; the answer counted."""
 
     def __init__(
         self,
         prefill: Candidate,
-        prefill_task: asyncio.Task[bytes] | None,
-        merge: bool,
+        decode: Candidate,
+        planner: Planner,
+        left: dict[str, bool],
         prefilled: Callable[[], None],
+        answered: Callable[[_PairHooks, web.StreamResponse], None],
     ) -> None:
         super().__init__()
+        self.prefill, self.decode = prefill, decode
+        self._planner = planner
+        self._left = left  # per side: another worker of it is left to retry on
         self._prefilled = prefilled  # the decode answers: the prefill side's part is over
+        self.answered = answered  # the bookkeeping of an answer the client got
         self.headers = {
             PREFILL_HEADER: prefill.worker,
             # the prediction that matters is the prefill side's: that is where reuse happens
@@ -136,16 +152,54 @@ class _PairHooks(AnswerHooks):
             self.headers[FORECAST_HEADER] = prefill.admission.cause
         if prefill.dp_rank is not None:
             self.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)
-        self._task = prefill_task
-        self._merge = merge
+        self.task: asyncio.Task[bytes] | None = None  # SGLang: the prefill side, under way
+        self.merge = False
+        self.verdict: Candidate | None = None  # whom the decode's 5xx was blamed on
+        self.charged: Candidate | None = None  # the worker a passed-through failure went to
         self._prefix: list[Any] = []  # per batch item: the prefill's input logprobs
         self._buffer = b""
         self.committed = False
 
+    def blamed(self, kv_wait: bool) -> Candidate:
+        """The side a failure of the decode is charged to, as things stand now. `kv_wait`: the
+        decode timed out (answered 504, or the request deadline passed) waiting for something,
+        which in a pair is its KV. A prefill that failed too is blamed; so is one that has not
+        answered when its decode timed out: SGLang's prefill answers only once its KV was handed
+        over, so the KV did not come (SGLang's decode answers 504 `kv_transfer_timeout`). Any
+        other failure of the decode is its own: a broken decode, answering 500s at once, would
+        otherwise take every healthy prefill out in turn."""
+        task = self.task
+        if task is None:  # vLLM: the prefill answered before the decode was asked
+            return self.decode
+        if task.done():
+            failure = None if task.cancelled() else task.exception()
+            return (
+                self.prefill
+                if isinstance(failure, PrefillFailed | _PrefillRefused)
+                else self.decode
+            )
+        return self.prefill if kv_wait else self.decode
+
+    def passes_through(self, status: int, last_try: bool) -> bool:
+        # the engine's own error is the client's answer when no retry could avoid the worker
+        # to blame: a decode's timeout with no other prefill left, or its own failure with no
+        # other decode left (its body lost, the client would learn less)
+        blamed = self.verdict = self.blamed(status == 504)
+        final = last_try or not self._left["prefill" if blamed is self.prefill else "decode"]
+        if final:
+            self._planner.record_failure(blamed.worker, hard=False)
+            self.charged = blamed
+        return final
+
+    def timed_out(self) -> None:
+        blamed = self.blamed(True)
+        self._planner.record_failure(blamed.worker, hard=False)
+        self.charged = blamed
+
     async def before_commit(self) -> None:
         self._prefilled()
-        task = self._task
-        if task is not None and (self._merge or task.done()):
+        task = self.task
+        if task is not None and (self.merge or task.done()):
             answer = _first_answer(await task)  # a failed prefill fails the attempt here
             items = answer if isinstance(answer, list) else [answer]
             self._prefix = [_input_logprobs(item) or [] for item in items]
@@ -160,7 +214,7 @@ class _PairHooks(AnswerHooks):
         return answer
 
     def body(self, payload: bytes) -> bytes:
-        if not self._merge:
+        if not self.merge:
             return payload
         try:
             return _json.encode(self._merged(msgspec.json.decode(payload)))
@@ -168,7 +222,7 @@ class _PairHooks(AnswerHooks):
             return payload
 
     def chunk(self, data: bytes) -> bytes:
-        if not self._merge:
+        if not self.merge:
             return data
         self._buffer += data
         out: list[bytes] = []
@@ -235,6 +289,11 @@ class PairDispatcher:
         attempts = 1 + self._config.limits.max_retries
         obs = observation(request)  # the decision is the prefill side's: its prefix is reused
         for attempt in range(attempts):
+            if attempt and time.monotonic() >= deadline:
+                # no retry after the deadline: it would charge a worker never asked
+                last_status = 504
+                failures.append("the request deadline passed")
+                break
             with obs.phase("route") if obs is not None else contextlib.nullcontext():
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
                 if attempt == 0 and self._config.policy.hold_until_room:
@@ -255,14 +314,21 @@ class PairDispatcher:
                 )
                 raise NoWorkerError(f"no routable {side} worker among {total}")
             prefill, decode = prefills[0], decodes[0]
-            # the last pair left: its 5xx is the client's answer. Counted over every worker of
-            # each side, not only the routable ones: a drained or recovering worker may take
-            # the retry by then, and a 5xx passed through too soon could not be taken back
-            others_p = {c.worker for c in plan.prefill.candidates} - failed["prefill"]
-            others_d = {c.worker for c in plan.decode.candidates} - failed["decode"]
-            last_try = attempt == attempts - 1 or (
-                others_p == {prefill.worker} and others_d == {decode.worker}
-            )
+            # which side could be retried on another worker: a 5xx of the decode is the
+            # client's answer when the side it is blamed on has none left (`_PairHooks`).
+            # Counted over every worker of each side, not only the routable ones: a drained or
+            # recovering worker may take the retry by then, and a 5xx passed through too soon
+            # could not be taken back
+            left = {
+                side: bool(
+                    {c.worker for c in side_plan.candidates} - failed[side] - {chosen.worker}
+                )
+                for side, side_plan, chosen in (
+                    ("prefill", plan.prefill, prefill),
+                    ("decode", plan.decode, decode),
+                )
+            }
+            last_try = attempt == attempts - 1
             first = attempt == 0
             p_ticket = pairs.commit_prefill(
                 ns, parsed.tokens, prefill, first_try=first, keyed=parsed.keyed
@@ -277,17 +343,22 @@ class PairDispatcher:
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
+            hooks = _PairHooks(
+                prefill,
+                decode,
+                planner,
+                left,
+                partial(self._prefilled, p_ticket),
+                partial(self._answered, endpoint, parsed, ns, started, obs),
+            )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
-                    response = await self._prefill_first(
-                        request, endpoint, parsed, prefill, decode, (p_ticket, d_ticket),
-                        deadline, last_try,
-                    )  # fmt: skip
-                else:
-                    response = await self._both_at_once(
-                        request, endpoint, parsed, prefill, decode, (p_ticket, d_ticket),
-                        deadline, last_try,
-                    )  # fmt: skip
+                    return await self._prefill_first(
+                        request, endpoint, parsed, hooks, (p_ticket, d_ticket), deadline, last_try
+                    )
+                return await self._both_at_once(
+                    request, endpoint, parsed, hooks, (p_ticket, d_ticket), deadline, last_try
+                )
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
             except AttemptFailed as exc:
@@ -313,20 +384,6 @@ class PairDispatcher:
                     obs.response_headers(refusal.headers)
                     obs.finish(exc.status)
                 return refusal
-            else:
-                planner.record_success(prefill.worker)
-                self._metrics.record(
-                    endpoint.value,
-                    prefill.worker,  # a pair's request counts where its prefix was matched
-                    response.status,
-                    len(parsed.tokens),
-                    prefill.matched_tokens,
-                    time.perf_counter() - started,
-                    ns.model,
-                )
-                if obs is not None:
-                    obs.finish(response.status)
-                return response
             finally:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
@@ -345,6 +402,60 @@ class PairDispatcher:
             # told 502 would take a slow fleet for a broken one
             raise UpstreamTimeoutError(message)
         raise UpstreamError(message)
+
+    def _answered(
+        self,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        ns: Namespace,
+        started: float,
+        obs: Observation | None,
+        hooks: _PairHooks,
+        response: web.StreamResponse,
+    ) -> None:
+        """The bookkeeping of a pair's answer, done by the task that wrote it, right after (no
+        await between): the handler wakes only later, and a client closing its connection once
+        it has its answer cancels the handler before that (`handler_cancellation`)."""
+        prefill = hooks.prefill
+        if hooks.charged is not prefill:  # the decode got its KV
+            self._pairs.planner.record_success(prefill.worker)
+        self._metrics.record(
+            endpoint.value,
+            prefill.worker,  # a pair's request counts where its prefix was matched
+            response.status,
+            len(parsed.tokens),
+            prefill.matched_tokens,
+            time.perf_counter() - started,
+            ns.model,
+        )
+        if obs is not None:
+            obs.finish(response.status)
+
+    async def _decode(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: bytes,
+        hooks: _PairHooks,
+        ticket: Ticket,
+        deadline: float,
+        rank_header: str | None,
+        last_try: bool,
+    ) -> web.StreamResponse:
+        """The decode side's answer, passed through to the client and counted."""
+        response = await self._proxy.forward(
+            request,
+            endpoint,
+            body,
+            hooks.decode,
+            ticket,
+            deadline,
+            rank_header=rank_header,
+            last_try=last_try,
+            hooks=hooks,
+        )
+        hooks.answered(hooks, response)
+        return response
 
     # ----------------------------------------------------------------- SGLang
 
@@ -375,36 +486,25 @@ class PairDispatcher:
         request: web.Request,
         endpoint: Endpoint,
         parsed: ParsedRequest,
-        prefill: Candidate,
-        decode: Candidate,
+        hooks: _PairHooks,
         tickets: tuple[Ticket, Ticket],
         deadline: float,
         last_try: bool,
     ) -> web.StreamResponse:
         proxy = self._proxy
+        prefill, decode = hooks.prefill, hooks.decode
         p_ticket, ticket = tickets
         fields = self._bootstrap_fields(endpoint, parsed, prefill)
         base = with_body_members(parsed.body, fields)
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, base)
         told = {} if prefill.dp_rank is None else {"disagg_prefill_dp_rank": prefill.dp_rank}
         d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, with_body_members(base, told))
-        prefill_task = asyncio.create_task(
+        prefill_task = hooks.task = asyncio.create_task(
             self._prefill(request, endpoint, p_body, prefill, p_rank, deadline, p_ticket)
         )
-        merge = b'"return_logprob"' in parsed.body and _wants_logprobs(parsed.body)
-        hooks = _PairHooks(prefill, prefill_task, merge, partial(self._prefilled, p_ticket))
+        hooks.merge = b'"return_logprob"' in parsed.body and _wants_logprobs(parsed.body)
         decode_task = asyncio.create_task(
-            proxy.forward(
-                request,
-                endpoint,
-                d_body,
-                decode,
-                ticket,
-                deadline,
-                rank_header=d_rank,
-                last_try=last_try,
-                hooks=hooks,
-            )
+            self._decode(request, endpoint, d_body, hooks, ticket, deadline, d_rank, last_try)
         )
         try:
             done, _ = await asyncio.wait(
@@ -422,13 +522,30 @@ class PairDispatcher:
             try:
                 return await decode_task
             except AttemptFailed as exc:
-                # a decode failing before its first byte is often its prefill dying mid-transfer
-                if not prefill_task.done():
+                # a 5xx was judged as it came (`passes_through`); a lost connection, now
+                blamed = hooks.verdict or hooks.blamed(False)
+                if blamed is decode and not prefill_task.done():
+                    # a decode failing before its first byte is often its prefill dying
+                    # mid-transfer: a moment to hear of it
                     await asyncio.wait({prefill_task}, timeout=_BLAME_GRACE_S)
                 if prefill_task.done() and not prefill_task.cancelled():
                     failure = prefill_task.exception()
                     if isinstance(failure, PrefillFailed | _PrefillRefused):
                         raise failure from exc
+                if blamed is prefill:
+                    # retried on another prefill: this one took the request and sent no KV
+                    raise PrefillFailed(
+                        f"its decode {decode.worker} got no KV ({exc})",
+                        hard=False,
+                        status=exc.status,
+                    ) from exc
+                raise
+            except UpstreamTimeoutError as exc:
+                if hooks.charged is prefill:
+                    raise UpstreamTimeoutError(
+                        f"prefill {prefill.worker} sent decode {decode.worker} no KV within the "
+                        "request timeout"
+                    ) from exc
                 raise
         finally:
             for task in (decode_task, prefill_task):
@@ -443,13 +560,13 @@ class PairDispatcher:
         request: web.Request,
         endpoint: Endpoint,
         parsed: ParsedRequest,
-        prefill: Candidate,
-        decode: Candidate,
+        hooks: _PairHooks,
         tickets: tuple[Ticket, Ticket],
         deadline: float,
         last_try: bool,
     ) -> web.StreamResponse:
         p_ticket, ticket = tickets
+        prefill, decode = hooks.prefill, hooks.decode
         if endpoint is Endpoint.GENERATE:
             raise RequestError("vLLM prefill/decode pairs serve the OpenAI routes, not /generate")
         proxy = self._proxy
@@ -460,7 +577,12 @@ class PairDispatcher:
         body.update(stream=False, max_tokens=1, kv_transfer_params=VLLM_PREFILL_KV_TRANSFER_PARAMS)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
-        request_id = uuid.uuid4().hex
+        # vLLM pairs the two legs by their X-Request-Id: the request's own (the client's, else
+        # the router's), as the docs promise for any hop; made up only when nothing names it
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is None:
+            obs = observation(request)
+            request_id = obs.request_id if obs is not None else uuid.uuid4().hex
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, _json.encode(body))
         payload = await self._prefill(
             request, endpoint, p_body, prefill, p_rank, deadline, p_ticket, request_id=request_id
@@ -471,18 +593,9 @@ class PairDispatcher:
             raise PrefillFailed("its answer carries no kv_transfer_params", hard=False)
         d_body = with_body_members(parsed.body, {"kv_transfer_params": params})
         d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, d_body)
-        hooks = _PairHooks(prefill, None, False, partial(self._prefilled, p_ticket))
-        hooks.request_headers["X-Request-Id"] = request_id
-        return await proxy.forward(
-            request,
-            endpoint,
-            d_body,
-            decode,
-            ticket,
-            deadline,
-            rank_header=d_rank,
-            last_try=last_try,
-            hooks=hooks,
+        hooks.request_headers[REQUEST_ID_HEADER] = request_id
+        return await self._decode(
+            request, endpoint, d_body, hooks, ticket, deadline, d_rank, last_try
         )
 
     # ----------------------------------------------------------------- the prefill hop
@@ -504,17 +617,28 @@ class PairDispatcher:
         Its answer is the end of its part (`_prefilled`).
         """
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise PrefillFailed("the request deadline passed", hard=False, status=504)
+        if remaining <= 0:  # not the worker's failure: it was never asked
+            raise UpstreamTimeoutError("the request deadline passed before the prefill was asked")
         timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
-        headers = {"Content-Type": "application/json"}
+        headers: CIMultiDict[str] = CIMultiDict({"Content-Type": "application/json"})
         auth = request.headers.get("Authorization")
         if auth is not None:
             headers["Authorization"] = auth
         if rank_header is not None:
             headers[rank_header] = str(prefill.dp_rank)
+        # the request's id and trace context, as its decode hop gets them: the client's id
+        # untouched (else the router's); the client's trace context, replaced by the attempt's
+        # span when the router traces
+        for name in _TRACE_HEADERS:
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        if request_id is None:
+            request_id = request.headers.get(REQUEST_ID_HEADER)
         if request_id is not None:
-            headers["X-Request-Id"] = request_id
+            headers[REQUEST_ID_HEADER] = request_id
+        obs = observation(request)
+        if obs is not None:
+            obs.outgoing(headers)
         try:
             async with self._session.post(
                 prefill.url + endpoint.value, data=body, headers=headers, timeout=timeout

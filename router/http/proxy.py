@@ -128,6 +128,15 @@ class AnswerHooks:
         """Awaited once the worker answered, before anything reaches the client; raising
         makes the attempt fail (AttemptFailed: retried)."""
 
+    def passes_through(self, status: int, last_try: bool) -> bool:
+        """Whether the worker's 5xx `status` is the client's answer (else AttemptFailed). With
+        hooks, the caller charges the failure to whichever worker it blames (a pair's decode
+        may fail for its prefill), here and in `timed_out`."""
+        return last_try
+
+    def timed_out(self) -> None:
+        """The request deadline passed before the worker answered (UpstreamTimeoutError)."""
+
     def body(self, payload: bytes) -> bytes:
         """A whole (non-streamed) answer, as the client gets it."""
         return payload
@@ -255,6 +264,12 @@ class Proxy:
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
+            if not plan.candidates:
+                # a model of pairs that lost one side (removed): it takes no whole requests
+                roles = {e.role for e in planner.pool.serving(ns.model)}
+                if len(roles) == 1 and roles != {"both"}:
+                    side = "decode" if roles == {"prefill"} else "prefill"
+                    raise NoWorkerError(f"no routable {side} worker among 0")
             raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
@@ -452,7 +467,10 @@ class Proxy:
         except UpstreamDroppedError as exc:
             raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
         except TimeoutError as exc:
-            self._planner.record_failure(candidate.worker, hard=False)
+            if hooks is None:
+                self._planner.record_failure(candidate.worker, hard=False)
+            else:
+                hooks.timed_out()
             raise UpstreamTimeoutError(
                 f"worker {candidate.worker} did not answer within the request timeout"
             ) from exc
@@ -477,10 +495,12 @@ class Proxy:
     ) -> web.StreamResponse:
         """Pass the worker's answer through; raises AttemptFailed while a retry is still legal."""
         if upstream.status >= 500:
+            if hooks is not None:
+                last_try = hooks.passes_through(upstream.status, last_try)
             if not last_try:
                 raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
-            # passed through, but still a failure
-            self._planner.record_failure(candidate.worker, hard=False)
+            if hooks is None:  # passed through, but still a failure
+                self._planner.record_failure(candidate.worker, hard=False)
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         # what the worker is predicted to reuse at admission; the index's raw answer beside it

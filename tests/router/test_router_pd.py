@@ -320,45 +320,52 @@ async def test_vllm_style_pairs_go_prefill_first_and_decode_with_its_kv_transfer
 
 
 async def test_a_decode_whose_kv_never_comes_is_a_clean_timeout_error() -> None:
+    """The engine's own 504 is the answer when no other prefill could be tried, charged to the
+    prefill that sent no KV, not to the decode that waited for it."""
     # the prefill takes 10 s to compute (time scale 1); its decode gives up after 0.5 s
     slow = reference("prefill", time_scale=1.0, prefill_ms_per_token=100.0)
     async with (
         ReferenceWorker(slow) as p0,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d1,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url), ("d1", d1.url)])
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             started = time.monotonic()
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
             async with session.post(router.url + "/generate", json=body) as resp:
                 answer = await resp.json()
                 status = resp.status
+                decode = resp.headers["x-kvroute-worker"]
             elapsed = time.monotonic() - started
+            pool = router.planner.pool
+            # no retry on the other decode: it would wait for the same prefill
+            assert (pool.get("p0").breaker.failures, pool.get(decode).breaker.failures) == (1, 0)
     assert status == 504, answer
     assert answer["error"]["type"] == "kv_transfer_timeout"
-    assert elapsed < 5.0  # the decode's timeout plus the blame grace, far from the 10 s prefill
+    assert elapsed < 5.0  # the decode's timeout, far from the 10 s prefill
 
 
-async def test_a_decode_timeout_is_a_timeout_when_the_other_decode_is_drained() -> None:
-    """The decode's 504 is not the last try while another decode worker exists (drained now,
+async def test_a_decode_timeout_is_a_timeout_when_the_other_prefill_is_drained() -> None:
+    """The decode's 504 is not the last try while another prefill worker exists (drained now,
     it could be back for the retry); when no pair is left to retry on, the client is told of a
     timeout (504), not of a broken worker (502)."""
     slow = reference("prefill", time_scale=1.0, prefill_ms_per_token=100.0)
     async with (
         ReferenceWorker(slow) as p0,
+        ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
-        ReferenceWorker(reference("decode")) as d1,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url), ("d1", d1.url)])
+        config = router_config([("p0", p0.url), ("p1", p1.url), ("d0", d0.url)])
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            async with session.post(router.url + "/admin/workers/d1/drain", headers=AUTH) as resp:
+            async with session.post(router.url + "/admin/workers/p1/drain", headers=AUTH) as resp:
                 assert resp.status == 200, await resp.text()
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
             async with session.post(router.url + "/generate", json=body) as resp:
                 answer = await resp.json()
                 status = resp.status
     assert status == 504, answer
-    assert "decode d0: HTTP 504" in answer["error"]["message"]
+    assert "prefill p0: its decode d0 got no KV (HTTP 504)" in answer["error"]["message"]
 
 
 # a prefill worker in its own process, through the CLI; its KV takes 30 ms per token to move,

@@ -1,0 +1,326 @@
+"""Prefill/decode pairs when a side misbehaves, and what the workers and the metrics see.
+
+A prefill that takes a request and never answers nor hands its KV over cannot be made with the
+reference worker short of stopping its process, so `FakePdWorker` (a small aiohttp server on
+127.0.0.1, advertising its role as SGLang does) plays it, and records the headers each leg gets.
+Everything else is reference workers behind a real router: whom a decode's timeout is charged
+to, where the retry goes, the engine's error passed through when no retry is left, a pair's
+answer counted when the client closes its connection right after it, the request's id and
+trace context on both legs, and what a request is told when one side of the pairs is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from router.config import RouterConfig, TimeoutsConfig, TracingConfig, WorkerConfig
+from router.service import RouterService
+from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
+from workers.worker import ReferenceWorker
+
+MODEL = "kvroute/reference-byte-lm"  # the reference workers' model: one pool with the fakes
+BODY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+
+
+class FakePdWorker:
+    """One side of a pair on 127.0.0.1: it advertises `role` (and itself as the bootstrap
+    server) as SGLang does, keeps the headers of every generation request, and answers them at
+    at once (with `status`: an engine's error) or never, nor the decode fetching KV from it
+    (`hang`)."""
+
+    def __init__(
+        self, role: Literal["prefill", "decode"], *, hang: bool = False, status: int = 200
+    ) -> None:
+        self.role, self.hang, self.status = role, hang, status
+        self.seen: list[dict[str, str]] = []
+        self.arrived = asyncio.Event()  # a generation request came
+        self.url, self.port = "", 0
+        self._runner: web.AppRunner | None = None
+
+    async def _info(self, request: web.Request) -> web.Response:
+        info: dict[str, Any] = {
+            "served_model_name": MODEL,
+            "page_size": PAGE,
+            "dp_size": 1,
+            "disaggregation_mode": self.role,
+        }
+        if self.role == "prefill":
+            info["disaggregation_bootstrap_port"] = self.port
+        return web.json_response(info)
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append({k.lower(): v for k, v in request.headers.items()})
+        self.arrived.set()
+        if self.hang:
+            await asyncio.sleep(3600)  # cancelled when the router lets go, or at cleanup
+        if self.status != 200:
+            error = {"type": "engine_error", "message": f"engine says {self.status}"}
+            return web.json_response({"error": error}, status=self.status)
+        answer: dict[str, Any] = {"text": "ok", "meta_info": {"cached_tokens": 0}}
+        if request.path != "/generate":
+            answer = {"object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}
+            params = body.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_decode"):
+                answer["kv_transfer_params"] = {"remote_engine_id": "fake", "remote_block_ids": []}
+        return web.json_response(answer)
+
+    async def _kv(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)  # the KV never comes: the decode's own timeout answers
+        return web.Response(status=500)
+
+    async def __aenter__(self) -> FakePdWorker:
+        app = web.Application()
+        app.router.add_get("/server_info", self._info)
+        app.router.add_get("/get_server_info", self._info)
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/v1/models", self._models)
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._generate)
+        app.router.add_get("/kv/{key}", self._kv)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def _fake(
+    wid: str, fake: FakePdWorker, engine: Literal["sglang", "vllm"] = "sglang"
+) -> WorkerConfig:
+    return WorkerConfig(
+        url=fake.url,
+        id=wid,
+        engine=engine,
+        role=fake.role,
+        model=MODEL,
+        kv_events=False,
+        bootstrap_port=fake.port if fake.role == "prefill" and engine == "sglang" else None,
+    )
+
+
+def _config(**fields: Any) -> RouterConfig:
+    """A loopback router (admin token, quick health rounds) with `fields` set."""
+    return msgspec.structs.replace(router_config([]), **fields)
+
+
+def _failures(router: RouterService) -> dict[str, int]:
+    return {e.id: e.breaker.failures for e in router.planner.pool}
+
+
+async def _admin(
+    session: aiohttp.ClientSession, router: RouterService, path: str, body: object = None
+) -> None:
+    async with session.post(router.url + "/admin" + path, json=body, headers=AUTH) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_prefill_that_never_sends_its_kv_is_blamed_and_the_retry_takes_another() -> None:
+    """The decode's 504 (its KV never came) while its prefill has not answered is the prefill's
+    failure: the retry goes to the other prefill, and no decode is charged."""
+    async with (
+        FakePdWorker("prefill", hang=True) as hung,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d1,
+    ):
+        workers = router_config([("p1", p1.url), ("d0", d0.url), ("d1", d1.url)]).workers
+        config = _config(workers=(_fake("hung", hung), *workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            # the first pair is the hung prefill's: the other is drained until it has the request
+            await _admin(session, router, "/workers/p1/drain")
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(hung.arrived.wait(), 10)
+            await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+            assert _failures(router) == {"hung": 1, "p1": 0, "d0": 0, "d1": 0}
+
+
+async def test_the_deadline_of_a_pair_whose_prefill_never_answers_is_the_prefills() -> None:
+    """Both sides waiting past the request deadline: the prefill never sent the KV its decode
+    waits for, so the 504 is charged to the prefill, not to the decode."""
+    async with (
+        FakePdWorker("prefill", hang=True) as hung,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d0,
+    ):
+        config = _config(workers=(_fake("hung", hung), WorkerConfig(url=d0.url, id="d0")))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the decode's role to be discovered")
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 504, await resp.text()
+                message = (await resp.json())["error"]["message"]
+            assert "prefill hung sent decode d0 no KV" in message
+            assert _failures(router) == {"hung": 1, "d0": 0}
+
+
+@pytest.mark.parametrize(("engine", "status"), [("vllm", 504), ("sglang", 500)])
+async def test_a_lone_decodes_error_is_passed_through_with_the_engines_body(
+    engine: Literal["sglang", "vllm"], status: int
+) -> None:
+    """The only decode worker's own 5xx is the client's answer as the engine wrote it, though
+    another prefill worker is left: a retry would find the same decode."""
+    async with (
+        FakePdWorker("prefill") as p0,
+        FakePdWorker("prefill") as p1,
+        FakePdWorker("decode", status=status) as d0,
+    ):
+        workers = (_fake("p0", p0, engine), _fake("p1", p1, engine), _fake("d0", d0, engine))
+        async with (
+            RouterService(_config(workers=workers)) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": MODEL, "prompt": "one decode", "max_tokens": 4}
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == status, answer
+                assert resp.headers["x-kvroute-worker"] == "d0"
+            assert answer == {"error": {"type": "engine_error", "message": f"engine says {status}"}}
+            assert _failures(router) == {"p0": 0, "p1": 0, "d0": 1}
+
+
+def _ask_and_hang_up(port: int, body: bytes) -> int:
+    """One request on its own connection, `Connection: close`, from a thread of its own (as
+    curl would, not waiting for the router's event loop): closed the moment the answer is in."""
+    head = (
+        b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        headers, _, rest = data.partition(b"\r\n\r\n")
+        length = int(
+            next(
+                line.split(b":", 1)[1]
+                for line in headers.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+        )
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        return int(headers.split(b" ", 2)[1])
+
+
+async def test_a_pairs_answer_is_counted_when_the_client_closes_right_after_it() -> None:
+    """The bookkeeping of an answer (metrics, decisions, the prefill's success) does not
+    depend on the client staying after it: a close cancels the router's handler."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            port = int(router.url.rsplit(":", 1)[1])
+            sent = 6
+            for i in range(sent):
+                body = {"text": f"close {i}", "sampling_params": {"max_new_tokens": 2}}
+                status = await asyncio.to_thread(_ask_and_hang_up, port, msgspec.json.encode(body))
+                assert status == 200
+
+            async def counted() -> float:
+                async with session.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+                return sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("kvroute_requests_total{") and 'code="200"' in line
+                )
+
+            async def all_counted() -> bool:
+                return await counted() == sent
+
+            await eventually(all_counted, timeout_s=3.0, what="every answer to be counted")
+
+
+CLIENT_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_both_legs_carry_the_request_id_and_the_trace_context() -> None:
+    """Each leg of a pair gets the request's id (the client's untouched, else the router's,
+    echoed back) and the `traceparent` the other gets: the attempt's span when the router
+    traces, else the client's; vLLM's legs are paired by that id."""
+    async with (
+        FakePdWorker("prefill") as sp,
+        FakePdWorker("decode") as sd,
+        FakePdWorker("prefill") as vp,
+        FakePdWorker("decode") as vd,
+    ):
+        tracing = TracingConfig(enabled=True, exporter="memory")
+        sglang = (_fake("sp", sp), _fake("sd", sd))
+        vllm = (_fake("vp", vp, "vllm"), _fake("vd", vd, "vllm"))
+        body = {"model": MODEL, "prompt": "both legs", "max_tokens": 2}
+        for workers, traced in ((sglang, True), (vllm, True), (sglang, False), (vllm, False)):
+            config = _config(workers=workers, tracing=tracing if traced else TracingConfig())
+            prefill, decode = (sp, sd) if workers is sglang else (vp, vd)
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+                for sent in ({"x-request-id": "client-id-7"}, {}):
+                    sent = sent | {"traceparent": CLIENT_TRACEPARENT}
+                    url = router.url + "/v1/completions"
+                    async with session.post(url, json=body, headers=sent) as resp:
+                        assert resp.status == 200, await resp.text()
+                        echoed = resp.headers["x-request-id"]
+                    assert echoed == sent.get("x-request-id", echoed)
+                    legs = (prefill.seen[-1], decode.seen[-1])
+                    assert [leg.get("x-request-id") for leg in legs] == [echoed, echoed]
+                    parents = [leg.get("traceparent") for leg in legs]
+                    assert parents[0] == parents[1]
+                    # the trace continues: the client's trace id, the router's span if traced
+                    assert parents[0] is not None and parents[0][3:35] == CLIENT_TRACEPARENT[3:35]
+                    assert (parents[0] == CLIENT_TRACEPARENT) is not traced
+
+
+async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the roles to be discovered")
+            async with session.delete(router.url + "/admin/workers/d0", headers=AUTH) as resp:
+                assert resp.status == 200, await resp.text()
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 503
+                message = (await resp.json())["error"]["message"]
+            assert message == "no routable decode worker among 0"
+
+
+@pytest.fixture(autouse=True)
+def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracing test sets what it means; no OTEL_* variable leaks in from the shell."""
+    for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
