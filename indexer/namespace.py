@@ -36,6 +36,7 @@ import msgspec
 __all__ = [
     "HASH_PROBE",
     "Namespace",
+    "anonymous_lora",
     "block_tuples",
     "chain_block_keys",
     "chain_keys",
@@ -58,7 +59,7 @@ class Namespace(msgspec.Struct, frozen=True):
     """
 
     model: str = ""  # the worker's served model name as configured for its stream
-    lora: str | None = None  # lora_name (or str(lora_id) when only an id is on the wire)
+    lora: str | None = None  # lora_name (or `anonymous_lora` when only an id is on the wire)
     cache_salt: str | None = None  # "" is normalized to None
     extra_key: str | None = None  # "" is normalized to None; never on the wire (see above)
 
@@ -70,6 +71,15 @@ class Namespace(msgspec.Struct, frozen=True):
             msgspec.structs.force_setattr(self, "lora", None)
         if self.extra_key == "":
             msgspec.structs.force_setattr(self, "extra_key", None)
+
+
+def anonymous_lora(lora_id: int) -> str:
+    """The namespace's `lora` for pages an event names by adapter id alone (SGLang's layouts
+    up to 0.5.17 carry no `lora_name`). A request names an adapter by name, and the id is the
+    engine's own number for it, so no request may match these pages: the NUL in front is in no
+    adapter name an engine has loaded (an adapter literally named "7" was predicted adapter
+    7's pages before)."""
+    return f"\x00lora_id:{lora_id}"
 
 
 _seed_encoder = msgspec.msgpack.Encoder()

@@ -767,15 +767,18 @@ class StreamSubscriber:
             )
         if applied.dp_rank is not None and applied.dp_rank != self.config.dp_rank:
             # engines number a rank's publisher port from the base by its rank: a batch of
-            # another rank here means the ports are mapped wrong, and its prefixes are indexed
-            # on a rank the router then sends requests to in vain
+            # another rank here means the ports are mapped wrong, and its prefixes would be
+            # predicted on a rank the router then sends requests to in vain: the stream keeps
+            # nothing while it says another rank (fail closed)
             self.rank_mismatches += 1
             self._warn(
                 "dp-rank",
                 f"DP RANK MISMATCH: batch {seq} says dp rank {applied.dp_rank}, this stream is "
                 f"rank {self.config.dp_rank} (its events port is the rank-0 port + the rank): "
-                "check the worker's events endpoints and dp_size",
+                "its entries are dropped and nothing is predicted here; check the worker's "
+                "events endpoints and dp_size",
             )
+            self._clear(f"batch {seq} is dp rank {applied.dp_rank}'s, not this stream's")
         if not replayed:
             self._notify(seq)
         return True

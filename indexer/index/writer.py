@@ -26,7 +26,7 @@ import msgspec
 from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
-from indexer.namespace import Namespace, vllm_plain_blocks, vllm_salt
+from indexer.namespace import Namespace, anonymous_lora, vllm_plain_blocks, vllm_salt
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class BatchWriter:
     def _event_namespace(self, st: IndexedStream, ev: Stored, parent_key: int | None) -> int:
         lora = ev.lora_name if ev.lora_name else None
         if lora is None and ev.lora_id is not None and ev.lora_id != 0:
-            lora = str(ev.lora_id)
+            lora = anonymous_lora(ev.lora_id)
         salt = ev.cache_salt or None
         if salt is None and (st.engine.salt_in_root_extra_keys or ev.extra_keys is not None):
             if parent_key is not None:

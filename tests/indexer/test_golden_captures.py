@@ -55,7 +55,8 @@ class Reading:
 
     def _store(self, ev: dict[str, Any]) -> None:
         parent = _hash(ev["parent_block_hash"])
-        lora = ev["lora_name"] or (str(ev["lora_id"]) if ev["lora_id"] else None)
+        # an adapter named by id alone: a namespace no request names
+        lora = ev["lora_name"] or (f"\x00lora_id:{ev['lora_id']}" if ev["lora_id"] else None)
         if parent is not None:
             if parent not in self.held:
                 return

@@ -636,14 +636,24 @@ async def test_removals_of_blocks_the_stream_does_not_hold_are_counted(
         assert (stats.unknown_removes, stats.blocks_removed, stats.entries) == (2, 1, 0)
 
 
-async def test_a_batch_of_another_dp_rank_is_counted_and_said(
+async def test_a_batch_of_another_dp_rank_clears_the_stream_and_is_said(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
+    def stored(block: int, first: int) -> Stored:
+        return Stored(block_hashes=[block], parent=None, token_ids=list(range(first, first + 4)),
+                      block_size=4)  # fmt: skip
+
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)  # rank 0
         caplog.set_level(logging.WARNING, logger="indexer.subscriber")
-        for rank in (0, None, 1):
-            seq = await pub.publish(EventBatch(0.0, [], rank))
+        for rank, block in ((0, 1), (None, 2)):
+            seq = await pub.publish(EventBatch(0.0, [stored(block, 10 * block)], rank))
             assert await svc.wait_applied(WORKER, seq)
-        assert svc.streams()[0].rank_mismatches == 1
+        assert svc.streams()[0].entries == 2  # its own rank's, and a batch that names none
+        # rank 1's pages on rank 0's port: predicted here, the router would send requests to
+        # rank 0 for pages rank 1 holds. Nothing is kept, that batch's stores included
+        seq = await pub.publish(EventBatch(0.0, [stored(3, 30)], 1))
+        assert await svc.wait_applied(WORKER, seq)
+        stats = svc.streams()[0]
+        assert (stats.rank_mismatches, stats.entries) == (1, 0)
         assert "DP RANK MISMATCH: batch" in caplog.text and "says dp rank 1" in caplog.text
