@@ -34,7 +34,7 @@ from indexer.recording.capture import Capture, CaptureStats, capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
 from indexer.subscriptions import stream_id
-from router.commands.replay import print_summary
+from router.commands.replay import print_summary, stdout_closed
 from router.errors import RouterError
 
 if TYPE_CHECKING:
@@ -75,9 +75,12 @@ _INSPECT_HELP = "A recording's header, streams and what replaying it builds; --e
 
 def run(args: argparse.Namespace) -> int:
     """Record, or inspect a recording."""
-    if getattr(args, "record_action", None) == "inspect":
-        return _inspect(args, sys.stdout)
-    return _record(args)
+    try:
+        if getattr(args, "record_action", None) == "inspect":
+            return _inspect(args, sys.stdout)
+        return _record(args)
+    except BrokenPipeError:  # `| head`: its reader has all it wanted
+        return stdout_closed()
 
 
 def _record(args: argparse.Namespace) -> int:
@@ -349,6 +352,8 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
                 collections.deque(reader, maxlen=0)
             sources = dict(reader.sources)
         summary, _ = replay_into_index(args.file)
+    except BrokenPipeError:
+        raise  # stdout, not the file: `run` ends quietly
     except (OSError, IndexerError) as exc:
         print(f"kvroute record inspect: {exc}", file=sys.stderr)
         return 2
