@@ -7,9 +7,14 @@ it was accepted, replayed batches flagged, malformed payloads kept byte for byte
 decoded only to tell the subscriber whether they decode (a batch that does not is fetched
 again, as the router would), so the file holds what the live router would have applied.
 
-Each record reaches the OS as it arrives, so a stop by duration, size, Ctrl-C or a crash never
+Each record reaches the OS as it arrives, so a stop by duration, size, a signal or a crash never
 loses what was written. A write error (disk full, file gone) stops the capture and is
 reported, never raised into the subscriber.
+
+A capture appending to a file continues each stream from its last record there (its seq and
+fence, as a router continues from a snapshot): the subscriber proves the worker unchanged
+through the replay socket and records only what is new, instead of joining at seq 0 again and
+writing the worker's whole buffer a second time (which replays as a restart).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from indexer.fence import BatchFence
 from indexer.index import StreamCounters
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Stored
-from indexer.recording.format import RecordingError, RecordingWriter, Source
+from indexer.recording.format import Record, RecordingError, RecordingWriter, Source
 from indexer.sink import Applied
 from indexer.stats import StreamStats
 from indexer.subscriptions import Subscriptions
@@ -36,35 +41,62 @@ __all__ = ["Capture", "CaptureStats", "RecordingSink", "capture"]
 
 
 class RecordingSink:
-    """Writes one stream's accepted messages to a shared `RecordingWriter`."""
+    """Writes one stream's accepted messages to a shared `RecordingWriter`.
+
+    `write` says whether the message was written (False once the capture stops): `batches`
+    and `decode_errors` count what was, so the capture's summary says what the file
+    holds even though its subscriber goes on accepting until it is stopped. `resume` is the
+    stream's last record in the file being appended to: the subscriber continues from it.
+    """
 
     def __init__(
         self,
         stream_id: str,
-        write: Callable[[str, bytes, int, bytes, bool, bool], None],
+        write: Callable[[str, bytes, int, bytes, bool, bool], bool],
         block_size: int | None,
+        resume: Record | None = None,
     ) -> None:
         self.stream_id = stream_id
         self._write = write
-        self._fence: BatchFence | None = None
+        self._fence = None if resume is None else BatchFence.of(resume.seq, resume.payload)
         self._block_size = block_size
+        self.batches = 0
+        self.decode_errors = 0
 
     def apply(
         self, topic: bytes, seq: int, payload: bytes, *, replayed: bool, run_start: bool = False
     ) -> Applied | None:
         """Record the message; None when its payload does not decode (it is recorded too)."""
-        self._write(self.stream_id, topic, seq, payload, replayed, run_start)
+        written = self._write(self.stream_id, topic, seq, payload, replayed, run_start)
         self._fence = BatchFence.of(seq, payload)
         try:
             batch = decode_batch(payload)
         except Exception:  # ProtocolError; the bytes are in the file whatever they are
+            self._count(int(written), decoded=False)
             return None
+        self._count(int(written), decoded=True)
         if self._block_size is None:
             self._block_size = next(
                 (ev.block_size for ev in batch.events if type(ev) is Stored and ev.block_size > 0),
                 None,
             )
         return Applied(len(batch.events), dp_rank=batch.dp_rank)
+
+    def _count(self, written: int, *, decoded: bool) -> None:
+        """Count `written` records (-1: one written, then lost with its chunk)."""
+        if decoded:
+            self.batches += written
+        else:
+            self.decode_errors += written
+
+    def uncount(self, record: Record) -> None:
+        """`record` was counted, then lost with a compressed chunk whose write failed."""
+        try:
+            decode_batch(record.payload)
+        except Exception:  # ProtocolError
+            self._count(-1, decoded=False)
+            return
+        self._count(-1, decoded=True)
 
     def clear(self) -> int:
         """Nothing to drop: the file shows the decision, replay reproduces it."""
@@ -79,7 +111,7 @@ class RecordingSink:
         return self._fence
 
     def last_seq(self) -> int | None:
-        """A capture starts with nothing: it joins every stream."""
+        """The last message recorded (by an earlier session when appending); None: it joins."""
         return self._fence.seq if self._fence is not None else None
 
     def entries(self) -> int:
@@ -101,14 +133,16 @@ class CaptureStats(msgspec.Struct, kw_only=True):
     seconds: float = 0.0
     records: int = 0
     streams: dict[str, dict[str, int]] = {}
-    stopped_by: str = ""  # duration, max-bytes, ctrl-c, write-error, stop (the caller's)
+    stopped_by: str = ""  # duration, max-bytes, ctrl-c, sigterm, write-error, stop (the caller's)
     error: str = ""  # why writing failed, empty when it did not
 
 
 class Capture:
     """Subscriptions whose sinks write one recording (an async context manager).
 
-    `stop` is set when a limit is reached or writing fails; the caller waits on it.
+    `stop` is set when a limit is reached or writing fails; the caller waits on it. From then
+    on nothing more is written (the subscribers run until the context exits: the batches they
+    accept meanwhile are not in the file, nor counted as its batches in `stats`).
     """
 
     def __init__(
@@ -126,6 +160,17 @@ class Capture:
         self.stop = asyncio.Event()
         self._max_bytes = max_bytes
         self._subs = Subscriptions(settings or IndexerConfig(), clock=clock)
+        self._sinks: dict[str, RecordingSink] = {}
+        # a writer used before this capture: only what this one wrote (or lost) is its own
+        self._written_before = writer.records_written
+        self._lost_before = len(writer.lost_records)
+
+    def _sink(self, stream: str, config: StreamConfig) -> RecordingSink:
+        sink = RecordingSink(
+            stream, self._write, config.block_size, self.writer.last_records.get(stream)
+        )
+        self._sinks[stream] = sink
+        return sink
 
     async def __aenter__(self) -> Capture:
         await self._subs.__aenter__()
@@ -134,35 +179,40 @@ class Capture:
             by_worker.setdefault(s.worker or s.stream, []).append(_stream_config(s))
         try:
             for worker, configs in by_worker.items():
-                self._subs.start(
-                    worker,
-                    configs,
-                    lambda sid, cfg: RecordingSink(sid, self._write, cfg.block_size),
-                )
+                self._subs.start(worker, configs, self._sink)
         except BaseException:
             await self._subs.__aexit__(None, None, None)
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        streams: list[StreamStats] = []
         try:
-            self.stats.streams = {
-                st.stream: {
-                    "batches": st.batches,
-                    "gaps": st.gaps,
-                    "replays": st.replays,
-                    "restarts": st.restarts,
-                    "clears": st.clears,
-                    "decode_errors": st.decode_errors,
-                }
-                for st in self.streams()
-            }
+            streams = self.streams()
             await self._subs.__aexit__(*exc)
         finally:
             try:
                 self.writer.close()
             except RecordingError as error:
                 self.fail(error)
+            # what reached the file: records of a chunk whose write failed are not counted
+            self.stats.records = self.writer.records_written - self._written_before
+            for lost in self.writer.lost_records[self._lost_before :]:
+                if (sink := self._sinks.get(lost.stream)) is not None:
+                    sink.uncount(lost)
+            self.stats.streams = {
+                st.stream: {
+                    # the sink's: its subscriber also counts the batches refused after the stop
+                    "batches": sink.batches if sink is not None else st.batches,
+                    "gaps": st.gaps,
+                    "replays": st.replays,
+                    "restarts": st.restarts,
+                    "clears": st.clears,
+                    "decode_errors": sink.decode_errors if sink is not None else st.decode_errors,
+                }
+                for st in streams
+                for sink in [self._sinks.get(st.stream)]
+            }
 
     def streams(self) -> list[StreamStats]:
         """State and counters of every captured stream."""
@@ -187,17 +237,19 @@ class Capture:
 
     def _write(
         self, stream: str, topic: bytes, seq: int, payload: bytes, replayed: bool, run_start: bool
-    ) -> None:
+    ) -> bool:
+        """Write one message; False when it was not (stopping, or the write failed)."""
         if self.stop.is_set():
-            return  # stopping: the file ends at the record that reached the limit
+            return False  # stopping: the file ends at the record that reached the limit
         try:
             self.writer.write(stream, topic, seq, payload, replayed=replayed, run_start=run_start)
         except RecordingError as error:  # disk full, file gone: stop, keep what was written
             self.fail(error)
-            return
-        self.stats.records += 1
+            return False
+        self.stats.records = self.writer.records_written - self._written_before
         if self._max_bytes is not None and self.writer.bytes_written >= self._max_bytes:
             self.stop_by("max-bytes")
+        return True
 
 
 def _stream_config(source: Source) -> StreamConfig:

@@ -26,6 +26,8 @@ one file format, each side written against the other.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import struct
 import time
@@ -356,7 +358,13 @@ class RecordingWriter:
     Uncompressed records go to the OS with one `write` each (nothing buffered in the process)
     unless `buffer_bytes` asks for batching (bulk generation). With `compress`, records are
     gathered into zlib chunks of up to `chunk_records` or `chunk_interval_s`; an open chunk is
-    what a crash can lose, so `flush` regularly.
+    what a crash can lose, so `flush` regularly. A write that fails loses the records it
+    carried (the open chunk, the buffer) and they are not counted: `records` and
+    `records_written` always say what the file holds.
+
+    A writer holds an exclusive advisory lock (`flock`) on its file until `close`: a second
+    writer, in this process or another, is refused instead of interleaving its frames with
+    the first one's (which corrupts the file for every reader).
     """
 
     def __init__(
@@ -366,7 +374,7 @@ class RecordingWriter:
         *,
         next_record: int,
         last_time: float,
-        known: Iterable[str],
+        known: Iterable[Source],
         compress: bool,
         chunk_records: int,
         chunk_interval_s: float,
@@ -379,19 +387,25 @@ class RecordingWriter:
         self._run_starts = version >= 2
         self._next = next_record
         self._last_time = last_time
-        self._known = set(known)
+        self._known = {s.stream: s for s in known}
         self._compress = compress
         self._chunk_records = max(1, chunk_records)
         self._chunk_interval_s = chunk_interval_s
         self._chunk: list[Record] = []
         self._chunk_started = 0.0
         self._buffer = bytearray()
+        self._buffered_records = 0  # records in `_buffer`, lost with it if its write fails
         self._buffer_bytes = buffer_bytes
         self.bytes_written = os.lseek(fd, 0, os.SEEK_END)
         self.records_written = 0
         # `append`: the damaged tail it cut before writing, and how many bytes it was
         self.cut: Damage | None = None
         self.cut_bytes = 0
+        # `append`: each stream's last record in the file, so a capture continues from it
+        self.last_records: dict[str, Record] = {}
+        # the records of compressed chunks whose write failed (not counted in `records`): who
+        # counted them per stream (a capture's summary) counts them out
+        self.lost_records: list[Record] = []
 
     @classmethod
     def create(
@@ -407,7 +421,8 @@ class RecordingWriter:
     ) -> Self:
         """Start a new recording at `path` (refuses to replace a file unless `overwrite`)."""
         path = Path(path)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+        # no O_TRUNC: an overwrite truncates only once the lock is ours (not a live writer's file)
+        flags = os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_EXCL)
         try:
             # owner only: the events carry the tenants' salts in clear (secrets)
             fd = os.open(path, flags, 0o600)
@@ -416,16 +431,31 @@ class RecordingWriter:
             if isinstance(exc, FileExistsError) and not path.is_dir():
                 why = "it exists (append to it, or choose another name)"
             raise RecordingError(f"{path}: cannot create: {why}") from exc
-        source_list = list(sources)
-        header = RecordingHeader(created_unix_s=time.time(), sources=source_list)
-        head = MAGIC + _pack_frame(_KIND_HEADER, _encoder.encode(header), at=header.created_unix_s)
-        _write_all(fd, head)
+        try:
+            _lock(fd, path)
+            source_list = list(sources)
+            if (conflict := _conflicts({}, source_list)) is not None:
+                raise RecordingError(f"{path}: {conflict}")
+            if overwrite:
+                os.ftruncate(fd, 0)
+                os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
+            header = RecordingHeader(created_unix_s=time.time(), sources=source_list)
+            head = MAGIC + _pack_frame(
+                _KIND_HEADER, _encoder.encode(header), at=header.created_unix_s
+            )
+            _write_all(fd, head)
+        except BaseException:
+            os.close(fd)
+            if not overwrite:
+                with contextlib.suppress(OSError):
+                    path.unlink()  # ours, made above: no half-made file stays
+            raise
         return cls(
             path,
             fd,
             next_record=0,
             last_time=0.0,
-            known=(s.stream for s in source_list),
+            known=source_list,
             compress=compress,
             chunk_records=chunk_records,
             chunk_interval_s=chunk_interval_s,
@@ -447,57 +477,46 @@ class RecordingWriter:
         cut short by a crash or a failed write, or unreadable) is cut off first (`cut` says
         where and why); damage with readable frames after it is refused (RecordingError):
         frames appended after it would be unreachable to every reader, and cutting it would
-        throw away what follows it."""
+        throw away what follows it. So is a source whose stream the file already records from
+        another publisher (its events would continue another worker's stream), and a file
+        another writer has open. `last_records` says where each stream of the file ends."""
         path = Path(path)
         try:
-            opened = RecordingReader(path)
-        except OSError as exc:  # missing, a directory, unreadable
-            raise RecordingError(f"{path}: cannot append: {exc.strerror or exc}") from exc
-        with opened as reader:
-            next_record = 0
-            last_time = 0.0
-            valid_end = reader._data_start
-            damage: Damage | None = None
-            for frame in reader._frames(reader._data_start):
-                if frame.kind == _KIND_SOURCES:
-                    reader._add_sources(frame)
-                elif frame.count:
-                    if frame.kind == _KIND_CHUNK:
-                        try:
-                            chunk_end = _decode_records(frame)[-1].recv_time
-                        except _FrameError as exc:
-                            damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
-                            break
-                        last_time = max(last_time, chunk_end)
-                    next_record = frame.first_record + frame.count
-                    last_time = max(last_time, frame.time)
-                valid_end = frame.end
-            damage = damage or reader.damage
-            if damage is not None:
-                _refuse_to_cut(path, reader._file, damage)
-            known = dict(reader.sources)
-            version = reader.header.format_version
-        try:
             fd = os.open(path, os.O_WRONLY)
-        except OSError as exc:
-            raise RecordingError(f"{path}: cannot append: {exc.strerror}") from exc
-        cut_bytes = os.fstat(fd).st_size - valid_end
-        os.ftruncate(fd, valid_end)  # the damaged tail, if any
+        except OSError as exc:  # missing, a directory, not writable
+            raise RecordingError(f"{path}: cannot append: {exc.strerror or exc}") from exc
+        try:
+            # locked before it is read: a live writer's frames would be cut as a "damaged tail"
+            _lock(fd, path)
+            scan = _scan_for_append(path)
+            sources = list(sources)
+            if (conflict := _conflicts(scan.known, sources)) is not None:
+                raise RecordingError(f"{path}: cannot append: {conflict}")
+            cut_bytes = os.fstat(fd).st_size - scan.valid_end
+            os.ftruncate(fd, scan.valid_end)  # the damaged tail, if any
+        except BaseException:
+            os.close(fd)
+            raise
         writer = cls(
             path,
             fd,
-            next_record=next_record,
-            last_time=last_time,
-            known=known,
+            next_record=scan.next_record,
+            last_time=scan.last_time,
+            known=scan.known.values(),
             compress=compress,
             chunk_records=chunk_records,
             chunk_interval_s=chunk_interval_s,
             buffer_bytes=buffer_bytes,
-            version=version,
+            version=scan.version,
         )
-        if damage is not None and cut_bytes > 0:
-            writer.cut, writer.cut_bytes = damage, cut_bytes
-        writer.add_sources(sources)
+        if scan.damage is not None and cut_bytes > 0:
+            writer.cut, writer.cut_bytes = scan.damage, cut_bytes
+        writer.last_records = scan.last_records
+        try:
+            writer.add_sources(sources)
+        except BaseException:
+            writer.close()
+            raise
         return writer
 
     @property
@@ -506,12 +525,18 @@ class RecordingWriter:
         return self._next
 
     def add_sources(self, sources: Iterable[Source]) -> None:
-        """Declare streams not yet in the file (an `S` frame; known streams are skipped)."""
+        """Declare streams not yet in the file (an `S` frame; known streams are skipped).
+
+        RecordingError, and nothing written, when one of them is a stream the file records
+        from another publisher (`_conflicts`)."""
+        sources = list(sources)
+        if (conflict := _conflicts(self._known, sources)) is not None:
+            raise RecordingError(f"{self.path}: {conflict}")
         new = [s for s in sources if s.stream not in self._known]
         if not new:
             return
-        self._known.update(s.stream for s in new)
         self._emit(_pack_frame(_KIND_SOURCES, _encoder.encode(new), at=self._last_time))
+        self._known.update((s.stream, s) for s in new)
 
     def write(
         self,
@@ -539,9 +564,10 @@ class RecordingWriter:
         number = self._next
         if not self._compress:
             body = _encoder.encode(record)
-            self._emit(_pack_frame(_KIND_RECORD, body, count=1, first=number, at=record.recv_time))
+            frame = _pack_frame(_KIND_RECORD, body, count=1, first=number, at=record.recv_time)
             self._next += 1
             self.records_written += 1
+            self._emit(frame, records=1)
             return number
         self._next += 1
         self.records_written += 1
@@ -552,7 +578,12 @@ class RecordingWriter:
             len(self._chunk) >= self._chunk_records
             or time.monotonic() - self._chunk_started >= self._chunk_interval_s
         ):
-            self._close_chunk()
+            try:
+                self._close_chunk()
+            except RecordingError:
+                # this one's write raises: no caller counted it, none is to count it out
+                self.lost_records.pop()
+                raise
         return number
 
     def _close_chunk(self) -> None:
@@ -569,25 +600,50 @@ class RecordingWriter:
             first=first,
             at=chunk[0].recv_time,
         )
-        self._emit(frame)
+        try:
+            self._emit(frame, records=len(chunk))
+        except RecordingError:
+            self.lost_records.extend(chunk)
+            raise
 
-    def _emit(self, frame: bytes) -> None:
+    def _emit(self, frame: bytes, *, records: int = 0) -> None:
+        """Write `frame` (holding `records` records, already counted; uncounted if it fails)."""
         if len(frame) - _FRAME.size > _MAX_FRAME:
             # readers treat longer frames as damage; refuse rather than write an unreadable tail
+            self._lost(records)
             raise RecordingError(f"a frame of {len(frame)} bytes exceeds the format's limit")
         if self._buffer_bytes <= 0:
-            _write_all(self._fd, frame)
+            try:
+                _write_all(self._fd, frame)
+            except RecordingError:
+                self._lost(records)
+                raise
             self.bytes_written += len(frame)
             return
         self._buffer += frame
+        self._buffered_records += records
         if len(self._buffer) >= self._buffer_bytes:
             self._drain()
 
     def _drain(self) -> None:
-        if self._buffer:
-            _write_all(self._fd, bytes(self._buffer))
-            self.bytes_written += len(self._buffer)
-            self._buffer.clear()
+        if not self._buffer:
+            return
+        data, records = bytes(self._buffer), self._buffered_records
+        # gone whatever happens: written, or lost with the failed write (never written twice
+        # under record numbers a later write reuses)
+        self._buffer.clear()
+        self._buffered_records = 0
+        try:
+            _write_all(self._fd, data)
+        except RecordingError:
+            self._lost(records)
+            raise
+        self.bytes_written += len(data)
+
+    def _lost(self, records: int) -> None:
+        """`records` counted records (the last ones numbered) did not reach the file."""
+        self._next -= records
+        self.records_written -= records
 
     def flush(self) -> None:
         """Hand everything written so far to the OS (closes an open compressed chunk)."""
@@ -616,6 +672,93 @@ class RecordingWriter:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _lock(fd: int, path: Path) -> None:
+    """Take the writer's exclusive lock on `fd`, or RecordingError when another writer holds
+    it. A filesystem without locks (some network mounts) writes unlocked, as before locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RecordingError(
+            f"{path}: another writer has it open (a recorder still running?): two writers "
+            "would interleave their frames and corrupt it; stop that one, or record to "
+            "another file"
+        ) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise RecordingError(f"{path}: cannot lock: {exc.strerror}") from exc
+
+
+def _conflicts(known: dict[str, Source], sources: Iterable[Source]) -> str | None:
+    """Why `sources` cannot be recorded into a file declaring `known` (None: they can).
+
+    A stream id stands for one publisher: events of another endpoint (another worker, left
+    at the default `--worker`) under it would read as that stream's restarts and gaps, and
+    the other worker's blocks would be indexed as this one's. An unknown block size (None)
+    on either side is no difference: it is learned from the events."""
+    seen = dict(known)
+    for source in sources:
+        before = seen.setdefault(source.stream, source)
+        differ = [
+            (name, getattr(before, name), getattr(source, name))
+            for name in before.__struct_fields__
+            if getattr(before, name) != getattr(source, name)
+            and not (name == "block_size" and None in (before.block_size, source.block_size))
+        ]
+        if differ:
+            return (
+                f"stream {source.stream} is recorded from another source: the file has "
+                + ", ".join(f"{name} {was!r}" for name, was, _ in differ)
+                + "; this session has "
+                + ", ".join(f"{name} {now!r}" for name, _, now in differ)
+                + " (give this worker its own id, --worker, or record to another file)"
+            )
+    return None
+
+
+class _AppendScan(msgspec.Struct, kw_only=True):
+    """What `append` needs to know of a file before continuing it."""
+
+    version: int
+    known: dict[str, Source]
+    next_record: int = 0
+    last_time: float = 0.0
+    valid_end: int = 0
+    damage: Damage | None = None
+    last_records: dict[str, Record] = {}
+
+
+def _scan_for_append(path: Path) -> _AppendScan:
+    """Read the whole of `path`: its streams, record count, last time, each stream's last
+    record, and where its valid frames end (RecordingError on damage it must not cut)."""
+    try:
+        opened = RecordingReader(path)
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot append: {exc.strerror or exc}") from exc
+    with opened as reader:
+        scan = _AppendScan(
+            version=reader.header.format_version, known={}, valid_end=reader._data_start
+        )
+        for frame in reader._frames(reader._data_start):
+            if frame.kind == _KIND_SOURCES:
+                reader._add_sources(frame)
+            elif frame.count:
+                try:
+                    records = _decode_records(frame)
+                except _FrameError as exc:
+                    scan.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
+                    break
+                for record in records:
+                    scan.last_records[record.stream] = record
+                scan.last_time = max(scan.last_time, frame.time, records[-1].recv_time)
+                scan.next_record = frame.first_record + frame.count
+            scan.valid_end = frame.end
+        scan.damage = scan.damage or reader.damage
+        if scan.damage is not None:
+            _refuse_to_cut(path, reader._file, scan.damage)
+        scan.known = dict(reader.sources)
+    return scan
 
 
 def _refuse_to_cut(path: Path, f: BinaryIO, damage: Damage) -> None:

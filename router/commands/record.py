@@ -4,7 +4,8 @@ Recording subscribes exactly like the router's indexer (same `StreamSubscriber`,
 repaired by replay and restarts detected the same way) and writes every message it accepts, in
 the order it is applied, through the subscriber's raw sink: replayed batches are flagged, and
 malformed payloads are kept byte for byte. Each record reaches the OS as it arrives, so Ctrl-C,
-`--duration`, `--max-bytes` or a crash never lose what was written.
+SIGTERM, `--duration`, `--max-bytes` or a crash never lose what was written (SIGTERM stops it as
+Ctrl-C does: an open compressed chunk is closed, the summary printed, the exit status 0).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from indexer.recording.capture import Capture, CaptureStats, capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
 from indexer.subscriptions import stream_id
-from router.commands.replay import print_summary
+from router.commands.replay import print_summary, stdout_closed
 from router.errors import RouterError
 
 if TYPE_CHECKING:
@@ -74,8 +75,15 @@ _INSPECT_HELP = "A recording's header, streams and what replaying it builds; --e
 
 def run(args: argparse.Namespace) -> int:
     """Record, or inspect a recording."""
-    if getattr(args, "record_action", None) == "inspect":
-        return _inspect(args, sys.stdout)
+    try:
+        if getattr(args, "record_action", None) == "inspect":
+            return _inspect(args, sys.stdout)
+        return _record(args)
+    except BrokenPipeError:  # `| head`: its reader has all it wanted
+        return stdout_closed()
+
+
+def _record(args: argparse.Namespace) -> int:
     if args.out is None:
         print("kvroute record: --out FILE is required", file=sys.stderr)
         return 2
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             if args.append
             else RecordingWriter.create(args.out, sources, compress=args.compress)
         )
-    except IndexerError as exc:
+    except IndexerError as exc:  # exists, locked by another writer, another stream's source
         print(f"kvroute record: {exc}", file=sys.stderr)
         return 2
     if args.max_bytes is not None and writer.bytes_written >= args.max_bytes:
@@ -228,13 +236,16 @@ async def record(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> CaptureStats:
-    """Capture `sources` (`indexer.recording.capture`) until a limit, `stop` or Ctrl-C."""
+    """Capture `sources` (`indexer.recording.capture`) until a limit, `stop`, Ctrl-C or
+    SIGTERM (what a service manager or `kill` sends: the same clean stop as Ctrl-C, so an open
+    compressed chunk reaches the file)."""
     loop = asyncio.get_running_loop()
     live: list[_Progress] = []
 
     def ready(running: Capture) -> None:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGINT, running.stop_by, "ctrl-c")
+        for sig, reason in _STOP_SIGNALS.items():
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, running.stop_by, reason)
         if progress:
             live.append(_Progress(running))
         if on_ready is not None:
@@ -255,10 +266,14 @@ async def record(
             on_tick=tick,
         )
     finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.remove_signal_handler(signal.SIGINT)
+        for sig in _STOP_SIGNALS:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
         for shown in live:
             shown.close()
+
+
+_STOP_SIGNALS = {signal.SIGINT: "ctrl-c", signal.SIGTERM: "sigterm"}
 
 
 class _Progress:
@@ -337,6 +352,8 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
                 collections.deque(reader, maxlen=0)
             sources = dict(reader.sources)
         summary, _ = replay_into_index(args.file)
+    except BrokenPipeError:
+        raise  # stdout, not the file: `run` ends quietly
     except (OSError, IndexerError) as exc:
         print(f"kvroute record inspect: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +34,7 @@ from indexer.recording.replay import (
 from indexer.recording.republish import PublishedStream, RepublishConfig, Republisher, parse_faults
 from indexer.snapshot import dump_index
 
-__all__ = ["add_arguments", "parse_window", "print_summary", "run"]
+__all__ = ["add_arguments", "parse_window", "print_summary", "run", "stdout_closed"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def stdout_closed() -> int:
+    """The exit status once stdout's reader has gone (`| head`): quiet, as a Unix tool that
+    SIGPIPE ends (128 + SIGPIPE), instead of a traceback or an error message."""
+    # the interpreter flushes stdout once more on exit, which would fail again: send it nowhere
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def run(args: argparse.Namespace) -> int:
     """Replay into an index (default) or republish."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         with RecordingReader(args.file) as reader:
             flt = parse_window(reader, args.start, args.end)
@@ -115,15 +134,29 @@ def run(args: argparse.Namespace) -> int:
     if args.faults:
         print("kvroute replay: --faults needs --publish", file=sys.stderr)
         return 2
+    dump = None
+    if args.dump:
+        # made before the replay, so a refusal comes at once; never over an existing file, as
+        # `record --out` (a mistyped --dump must not destroy a recording, least of all the one
+        # replayed); owner only, as a recording: a snapshot holds the salts in clear
+        try:
+            dump = os.fdopen(os.open(args.dump, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+        except OSError as exc:
+            why = "it exists (remove it, or choose another name)"
+            why = why if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
+            print(f"kvroute replay: --dump {args.dump}: cannot create: {why}", file=sys.stderr)
+            return 2
     try:
         summary, index = replay_into_index(args.file, flt=flt)
-        if args.dump:
-            # the same snapshot `/admin` and `IndexerService.dump` produce: loadable by a router
-            # owner only, as a recording: a snapshot holds the salts in clear
-            fd = os.open(args.dump, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as dump:
+        if dump is not None:
+            with dump:
+                # the same snapshot `/admin` and `IndexerService.dump` make: loadable by a router
                 dump.write(dump_index(index))
     except (OSError, IndexerError) as exc:
+        if dump is not None:
+            with contextlib.suppress(OSError):
+                dump.close()
+            args.dump.unlink(missing_ok=True)  # made above: no empty or half-written snapshot
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
     if args.json:

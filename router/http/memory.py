@@ -2,7 +2,8 @@
 
 Resident memory is always reported (Linux `/proc/self/statm`). Allocation sites need Python's
 `tracemalloc`, which costs time on every allocation, so it is off unless the environment asks
-for it: `KVROUTE_TRACEMALLOC=N` starts tracing at startup with N frames per allocation. Then
+for it: `KVROUTE_TRACEMALLOC=N` starts tracing at startup with N frames per allocation (0 or
+unset: off; not an integer: a warning, and off). Then
 `POST /admin/debug/memory/baseline` takes a snapshot and `GET /admin/debug/memory` names the
 allocation sites that grew the most since it (`?top=K`, default 15), which is how a leak is
 found: run traffic, take a baseline once warm, keep running, look at what keeps growing.
@@ -12,6 +13,7 @@ Site names are source locations (file:line), never data: no salt can appear in a
 
 from __future__ import annotations
 
+import logging
 import os
 import tracemalloc
 from pathlib import Path
@@ -22,6 +24,8 @@ from aiohttp import web
 __all__ = ["TRACEMALLOC_ENV", "add_memory_routes", "rss_bytes", "start_tracing"]
 
 TRACEMALLOC_ENV = "KVROUTE_TRACEMALLOC"
+
+log = logging.getLogger(__name__)
 
 _BASELINE: web.AppKey[list[tracemalloc.Snapshot]] = web.AppKey("memory_baseline", list)
 _json = msgspec.json.Encoder()
@@ -39,15 +43,26 @@ class GrowthSite(msgspec.Struct, frozen=True):
 
 
 def start_tracing() -> bool:
-    """Start tracemalloc when `KVROUTE_TRACEMALLOC` asks (frames per allocation); True if on."""
-    raw = os.environ.get(TRACEMALLOC_ENV, "")
+    """Start tracemalloc when `KVROUTE_TRACEMALLOC` asks (frames per allocation); True if on.
+
+    Unset, empty or 0 (or below) is off, as a switch reads; a value that is not an integer is
+    a mistake, said in a warning, and off (tracing slows every allocation: never by guess)."""
+    raw = os.environ.get(TRACEMALLOC_ENV, "").strip()
     if not raw or tracemalloc.is_tracing():
         return tracemalloc.is_tracing()
     try:
-        frames = max(1, int(raw))
-    except ValueError:
-        frames = 1
-    tracemalloc.start(frames)
+        frames = int(raw)
+        if frames <= 0:
+            return False
+        tracemalloc.start(frames)
+    except ValueError:  # not an integer, or more frames than tracemalloc keeps (65535)
+        log.warning(
+            "%s=%r is not a number of frames (an integer from 1 to 65535, 0 for off): "
+            "tracemalloc stays off",
+            TRACEMALLOC_ENV,
+            raw,
+        )
+        return False
     return True
 
 

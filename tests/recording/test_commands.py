@@ -427,3 +427,49 @@ async def test_record_stops_cleanly_when_the_disk_is_full(recording: Path, tmp_p
         stats = await asyncio.wait_for(recorder, 20.0)
     assert stats.stopped_by == "write-error" and "write failed" in stats.error
     assert stats.records == 0
+
+
+def test_replay_dump_never_replaces_a_file(
+    recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept = recording.read_bytes()
+    # its own input, mistyped for a new name: the recording must survive
+    assert main(["replay", str(recording), "--dump", str(recording)]) == 2
+    assert "it exists" in capsys.readouterr().err
+    assert recording.read_bytes() == kept
+    # an older snapshot, readable by all: neither overwritten nor left to hold the salts
+    older = tmp_path / "older.msgpack"
+    older.write_bytes(b"older")
+    older.chmod(0o644)
+    assert main(["replay", str(recording), "--dump", str(older)]) == 2
+    assert f"--dump {older}: cannot create: it exists" in capsys.readouterr().err
+    assert older.read_bytes() == b"older"
+    # a dump that fails leaves no empty file behind
+    assert main(["replay", str(tmp_path / "missing.kvrec"), "--dump", str(tmp_path / "d")]) == 2
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["replay"], ["record", "inspect", "--events"], ["record", "inspect", "--json"]],
+    ids=["replay", "inspect-events", "inspect-json"],
+)
+def test_a_closed_stdout_ends_quietly(recording: Path, verb: list[str]) -> None:
+    """`kvroute replay F | head -1`: no traceback, no error; the status of a tool SIGPIPE ends."""
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write fails (EPIPE)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "router.commands.cli", *verb, str(recording)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == b""
+    assert done.returncode == 128 + signal.SIGPIPE

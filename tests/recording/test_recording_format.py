@@ -10,6 +10,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from indexer.protocol import Stored, decode_batch
@@ -371,3 +372,96 @@ def test_a_recording_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_file_has_one_writer_at_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "locked.kvrec"
+    first = RecordingWriter.create(path, SOURCES)
+    first.write("w0/0", b"kv", 0, b"first's")
+    refused = "another writer has it open"
+    with pytest.raises(RecordingError, match=refused):
+        RecordingWriter.append(path, SOURCES)
+    with pytest.raises(RecordingError, match=refused):
+        RecordingWriter.create(path, SOURCES, overwrite=True)  # not truncated under it
+    # another process, as a second `kvroute record --append` is
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from indexer.recording.format import RecordingWriter as W\n"
+            "W.append(sys.argv[1])",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent.parent,
+    )
+    assert other.returncode != 0 and refused in other.stderr
+    first.write("w0/0", b"kv", 1, b"first's again")
+    first.close()
+    with RecordingWriter.append(path, SOURCES) as second:  # free once closed
+        second.write("w0/0", b"kv", 2, b"second's")
+    records, reader = _read_all(path)
+    assert reader.damage is None
+    assert [r.payload for r in records] == [b"first's", b"first's again", b"second's"]
+
+
+def test_a_recorded_stream_id_stays_one_publisher(tmp_path: Path) -> None:
+    path = tmp_path / "one.kvrec"
+    _write(path, [b"a", b"b"], compress=False)
+    before = path.read_bytes()
+    elsewhere = msgspec.structs.replace(SOURCES[0], endpoint="tcp://127.0.0.1:6000", topic="")
+    with pytest.raises(RecordingError, match="stream w0/0 is recorded from another source") as e:
+        RecordingWriter.append(path, [elsewhere])
+    said = str(e.value)
+    assert "endpoint 'tcp://127.0.0.1:5557', topic 'kv'" in said
+    assert "endpoint 'tcp://127.0.0.1:6000', topic ''" in said
+    assert path.read_bytes() == before  # refused before anything was cut or written
+    # a block size one side does not know is no other publisher: it is learned from events
+    unsized = msgspec.structs.replace(SOURCES[0], block_size=None)
+    with (
+        RecordingWriter.append(path, [unsized, *SOURCES]) as writer,
+        pytest.raises(RecordingError, match="stream w1/0"),
+    ):
+        writer.add_sources([msgspec.structs.replace(SOURCES[1], engine="sglang")])
+    _, reader = _read_all(path)
+    assert list(reader.sources.values()) == SOURCES
+
+
+def test_an_append_knows_where_each_stream_ends(tmp_path: Path) -> None:
+    path = tmp_path / "ends.kvrec"
+    _write(path, _payloads(random.Random(2), 9), compress=True)
+    with RecordingWriter.append(path) as writer:
+        last = writer.last_records
+    records, _ = _read_all(path)
+    assert last == {"w0/0": records[8], "w1/0": records[7]}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("buffer_bytes", [0, 1 << 20])
+def test_records_a_failed_write_lost_are_not_counted(tmp_path: Path, buffer_bytes: int) -> None:
+    path = tmp_path / "lost.kvrec"
+    writer = RecordingWriter.create(
+        path, SOURCES, compress=True, chunk_records=3, buffer_bytes=buffer_bytes
+    )
+    for seq in range(3):
+        writer.write("w0/0", b"kv", seq, b"kept")
+    writer.flush()
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, writer._fd)  # every later write fails with ENOSPC, as on a full disk
+    os.close(full)
+    writer.write("w0/0", b"kv", 3, b"lost")
+    writer.write("w1/0", b"kv", 0, b"lost")
+    with pytest.raises(RecordingError, match="write failed"):
+        if buffer_bytes:
+            writer.write("w0/0", b"kv", 4, b"lost")  # the chunk closes into the buffer
+            writer.flush()
+        else:
+            writer.write("w0/0", b"kv", 4, b"lost")  # the chunk closes, and is refused
+    assert (writer.records, writer.records_written) == (3, 3)
+    if not buffer_bytes:
+        # the records counted before the one whose write raised
+        assert [(r.stream, r.seq) for r in writer.lost_records] == [("w0/0", 3), ("w1/0", 0)]
+    writer.close()  # nothing left to write: the lost records are gone, not retried
+    records, reader = _read_all(path)
+    assert reader.damage is None and [r.payload for r in records] == [b"kept"] * 3
