@@ -109,14 +109,30 @@ def _sglang_role(info: Mapping[str, Any]) -> tuple[PdRole | None, int | None]:
 def _sglang_advertised(info: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's `/server_info` kv-events settings, normalized to one dict.
 
-    Two shapes: a `kv_events` block ({endpoint, replay_endpoint, topic, block_size, dp_size,
-    endpoint_port_base, replay_port_base}, as the reference workers and SGLang builds that
-    advertise one send it), and stock SGLang's `kv_events_config` (a JSON string of the
-    publisher's settings) with `page_size` and `dp_size` beside it.
+    Two shapes: a `kv_events` block, and SGLang's `kv_events_config` (a JSON string of the
+    publisher's settings, SGLang's defaults filling what it leaves out) with `page_size` and
+    `dp_size` beside it. The block is SGLang 0.5.23's descriptor ({publisher, endpoint_host,
+    endpoint_port_base, replay_endpoint_port_base, topic, block_size, dp_size}; null when it
+    publishes nothing) or the reference workers' ({endpoint, replay_endpoint, topic,
+    block_size, dp_size, endpoint_port_base, replay_port_base}).
     """
     block = info.get("kv_events")
     if isinstance(block, Mapping):
-        return dict(block)
+        advertised = dict(block)
+        # SGLang 0.5.23's own descriptor (`describe_kv_events_publisher`) names a host and
+        # port bases, rank r on base + r, the host possibly a wildcard the subscriber swaps for
+        # the worker's: spelled here as the rank-0 endpoints the rest reads
+        host = advertised.get("endpoint_host")
+        if "endpoint" not in advertised and isinstance(host, str) and host:
+            for base, endpoint, named in (
+                ("endpoint_port_base", "endpoint", "endpoint_port_base"),
+                ("replay_endpoint_port_base", "replay_endpoint", "replay_port_base"),
+            ):
+                port = advertised.get(base)
+                if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+                    advertised.setdefault(endpoint, f"tcp://{host}:{port}")
+                    advertised.setdefault(named, port)
+        return advertised
     raw = info.get("kv_events_config")
     if isinstance(raw, str) and raw:
         try:
@@ -124,6 +140,12 @@ def _sglang_advertised(info: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError:
             raw = None
     advertised = dict(raw) if isinstance(raw, Mapping) else {}
+    if isinstance(raw, Mapping):
+        # SGLang's own defaults (`KVEventsConfig`, 0.5.23) for what the JSON leaves out: no
+        # publisher is the null one (nothing is published), a zmq one binds tcp://*:5557
+        advertised.setdefault("publisher", "null")
+        if advertised["publisher"] == "zmq":
+            advertised.setdefault("endpoint", "tcp://*:5557")
     if "block_size" not in advertised and isinstance(info.get("page_size"), int):
         advertised["block_size"] = info["page_size"]
     if "dp_size" not in advertised and isinstance(info.get("dp_size"), int):

@@ -164,6 +164,12 @@ def streams_for(
     events = (
         worker.events if worker.events is not None else _endpoints(adv, "endpoints", "endpoint")
     )
+    if worker.events is None and adv.get("publisher") not in (None, "zmq"):
+        raise RequestError(
+            f"worker {worker.worker_id}: its kv_events_config publisher is "
+            f"{adv.get('publisher')!r}: it publishes no KV events (routed by load alone; start "
+            "it with a zmq publisher, or set kv_events = false)"
+        )
     if not isinstance(events, str | list):
         raise RequestError(
             f"worker {worker.worker_id}: no KV-event endpoint configured or advertised"

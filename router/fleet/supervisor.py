@@ -186,25 +186,19 @@ class Supervisor:
         models = await self.served_models(entry, spec, info, adapters)
         # a config that spells its streams out is taken as it is: the settings read anyway
         # only complete what no config says (capacity, concurrency, role)
-        streams = streams_for(
-            entry.config, info if discovering else None, model=models[0] if models else ""
-        )
-        if info is not None:
-            _check_topic(entry.config, info)
-        # discovering or not: configured replay sockets beside advertised ones are checked
-        streams = _replay_proof(entry.config, info, streams)
+        try:
+            streams = self._trusted_streams(entry, info if discovering else None, info, models)
+        except RequestError:
+            if entry.id in self._pool_ids():
+                # routed by load alone until its streams can be trusted, but as the model and
+                # the role it serves: a prefill worker taken for a whole-request one would be
+                # sent whole requests, and a worker of no known model takes none in a fleet of
+                # several
+                self._pool.set_role(entry, role, bootstrap_port)
+                self._pool.set_models(entry, models, adapters)
+            raise
         if entry.id not in self._pool_ids():
             return  # removed while discovering
-        for stream in streams:
-            other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
-            if other is not None:
-                # one publisher is one engine's cache: two workers on it would each be
-                # predicted the other's pages (false hits)
-                raise RequestError(
-                    f"worker {entry.id}: events {stream.endpoint} (topic {stream.topic!r}) "
-                    f"are worker {other}'s stream already; fix `events` in its config (not "
-                    "subscribed until then)"
-                )
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
@@ -221,6 +215,33 @@ class Supervisor:
             role,
             len(streams),
         )
+
+    def _trusted_streams(
+        self,
+        entry: WorkerEntry,
+        discovered: dict[str, Any] | None,
+        info: dict[str, Any] | None,
+        models: tuple[str, ...],
+    ) -> list[StreamConfig]:
+        """The worker's streams (its config's, completed from `discovered`), checked against
+        what it says (`info`) and against the streams of the other workers; RequestError
+        when one cannot be trusted."""
+        streams = streams_for(entry.config, discovered, model=models[0] if models else "")
+        if info is not None:
+            _check_topic(entry.config, info)
+        # discovering or not: configured replay sockets beside advertised ones are checked
+        streams = _replay_proof(entry.config, info, streams)
+        for stream in streams:
+            other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
+            if other is not None:
+                # one publisher is one engine's cache: two workers on it would each be
+                # predicted the other's pages (false hits)
+                raise RequestError(
+                    f"worker {entry.id}: events {stream.endpoint} (topic {stream.topic!r}) "
+                    f"are worker {other}'s stream already; fix `events` in its config (not "
+                    "subscribed until then)"
+                )
+        return streams
 
     async def _settings(self, entry: WorkerEntry, spec: EngineSpec) -> dict[str, Any] | None:
         """The worker's server info when its streams need none: its KV capacity
@@ -309,7 +330,7 @@ class Supervisor:
         """Say why `entry` cannot be registered: once, and again only when the reason changes
         (the health rounds retry every `health.interval_s`: the same line every round would
         bury the log)."""
-        said = str(exc)
+        said = str(exc).removeprefix(f"worker {entry.id}: ")  # the line names it already
         if self._said.get(entry.id) == said:
             log.debug("worker %s: %s (still)", entry.id, said)
             return

@@ -45,12 +45,35 @@ def test_the_specs_say_where_the_namespace_lives() -> None:
 
 
 def test_discovery_and_dp_rank_rules_follow_the_engines_code() -> None:
-    info = {"kv_events_config": '{"endpoint": "tcp://*:5557"}', "page_size": 16, "dp_size": 2}
+    # sglang/srt/disaggregation/kv_events.py KVEventsConfig (0.5.23): unnamed, the publisher
+    # is the null one (nothing published)
+    config = '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'
+    info: dict[str, object] = {"kv_events_config": config, "page_size": 16, "dp_size": 2}
     assert SGLANG.advertised_events(info) == {
+        "publisher": "zmq",
         "endpoint": "tcp://*:5557",
         "block_size": 16,
         "dp_size": 2,
     }
+    info["kv_events_config"] = '{"endpoint": "tcp://*:5557"}'
+    assert SGLANG.advertised_events(info)["publisher"] == "null"
+    # sglang/srt/runtime_context.py describe_kv_events_publisher (0.5.23): the descriptor
+    # /server_info carries as `kv_events`, preferred to the config it was made from
+    info["kv_events"] = {
+        "publisher": "zmq",
+        "endpoint_host": "*",
+        "endpoint_port_base": 5557,
+        "topic": "",
+        "block_size": 32,
+        "dp_size": 2,
+        "replay_endpoint_port_base": 6557,
+    }
+    advertised = SGLANG.advertised_events(info)
+    assert (advertised["endpoint"], advertised["replay_endpoint"]) == (
+        "tcp://*:5557",
+        "tcp://*:6557",
+    )
+    assert advertised["block_size"] == 32
     assert SGLANG.server_info_paths == ("/server_info", "/get_server_info")
     assert VLLM.server_info_paths == () and VLLM.advertised_events(info) == {}
     # sglang/srt/managers/io_struct.py and entrypoints/openai/serving_base.py (0.5.23)

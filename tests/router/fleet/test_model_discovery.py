@@ -184,3 +184,51 @@ async def test_a_worker_that_comes_back_serving_another_model_is_rediscovered() 
                 assert [s["endpoint"] for s in w0] == [first.kv_events.endpoint]
         finally:
             await first.__aexit__(None, None, None)
+
+
+class StockSglang(OpenAIBackend):
+    """An SGLang-like server whose `/server_info` has stock `kv_events_config` only."""
+
+    def __init__(self, model: str, kv_events_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.config = kv_events_config
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        info = {"served_model_name": self.model, "kv_events_config": msgspec.json.encode(
+            self.config).decode(), "page_size": 16}  # fmt: skip
+        return web.json_response(info)
+
+    async def __aenter__(self) -> StockSglang:
+        app = web.Application()
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+
+async def test_a_worker_whose_streams_cannot_be_had_still_serves_its_model_by_load() -> None:
+    """SGLang's default publisher is the null one: no events, but the worker serves its model
+    (it had been left with no model, so a fleet of several sent it nothing)."""
+    reference = ReferenceConfig(model="model-a", time_scale=0.0)
+    async with (
+        ReferenceWorker(reference) as worker,
+        StockSglang("model-b", {"endpoint": "tcp://*:5557"}) as silent,
+        _router(WorkerConfig(url=worker.url, id="a"), WorkerConfig(url=silent.url, id="b"))
+        as fleet,
+    ):  # fmt: skip
+        _, workers = await fleet.admin("GET", "/workers")
+        assert _models_of(workers) == {"a": ["model-a"], "b": ["model-b"]}
+        status, headers, _ = await fleet.post(
+            "/v1/completions", {"model": "model-b", "prompt": "x", "max_tokens": 1}
+        )
+        assert status == 200 and headers["x-kvroute-worker"] == "b"
+        assert headers["x-kvroute-matched-tokens"] == "0"
+        (entry,) = [w for w in workers["workers"] if w["id"] == "b"]
+        assert entry["streams"] == [] and not entry["discovered"]
+        said = fleet.router.supervisor.refusal("b")
+        assert said is not None and "publisher is 'null'" in said and "worker b" not in said

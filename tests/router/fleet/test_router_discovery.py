@@ -119,3 +119,47 @@ def test_a_configured_dp_size_the_worker_contradicts_is_refused() -> None:
     for dp_size in (2, None):
         streams = streams_for(WorkerConfig(url="http://127.0.0.1:1", dp_size=dp_size), info)
         assert [s.dp_rank for s in streams] == [0, 1]
+
+
+def test_stock_sglang_defaults_fill_what_kv_events_config_leaves_out() -> None:
+    """SGLang's `KVEventsConfig` (0.5.23): the publisher is "null" unless named, and a zmq
+    publisher binds tcp://*:5557 unless told."""
+    zmq_only = {"kv_events_config": json.dumps({"publisher": "zmq"}), "page_size": 16}
+    (stream,) = streams_for(WorkerConfig(url="http://gpu-3:30000"), zmq_only)
+    assert stream.endpoint == "tcp://gpu-3:5557" and stream.block_size == 16
+    for config in ({"endpoint": "tcp://*:6000"}, {"publisher": "null"}, {}):
+        info = {"kv_events_config": json.dumps(config)}
+        with pytest.raises(RequestError, match="publishes no KV events"):
+            streams_for(WorkerConfig(url="http://gpu-3:30000"), info)
+    # a config that names its events is taken as it is
+    configured = WorkerConfig(url="http://gpu-3:30000", events="tcp://gpu-3:7000")
+    assert streams_for(configured, {"kv_events_config": "{}"})[0].endpoint == "tcp://gpu-3:7000"
+
+
+def test_sglang_0523s_own_descriptor_is_discovered() -> None:
+    """What SGLang 0.5.23 puts in /server_info as `kv_events` (runtime_context.py,
+    describe_kv_events_publisher): a host, port bases per rank, the events' block size."""
+    info = {
+        "kv_events": {
+            "publisher": "zmq",
+            "endpoint_host": "*",
+            "endpoint_port_base": 5557,
+            "topic": "kv",
+            "block_size": 64,  # page_size x dcp_size
+            "dp_size": 2,
+            "replay_endpoint_port_base": 6557,
+        },
+        "kv_events_config": json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557"}),
+        "page_size": 32,
+        "dp_size": 2,
+    }
+    streams = streams_for(WorkerConfig(url="http://gpu-9:30000"), info)
+    assert [(s.endpoint, s.replay_endpoint, s.dp_rank) for s in streams] == [
+        ("tcp://gpu-9:5557", "tcp://gpu-9:6557", 0),
+        ("tcp://gpu-9:5558", "tcp://gpu-9:6558", 1),
+    ]
+    assert {(s.block_size, s.topic) for s in streams} == {(64, "kv")}
+    # a worker that publishes nothing says null there
+    silent = {**info, "kv_events": None, "kv_events_config": json.dumps({"publisher": "null"})}
+    with pytest.raises(RequestError, match="publishes no KV events"):
+        streams_for(WorkerConfig(url="http://gpu-9:30000"), silent)
