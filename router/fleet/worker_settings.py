@@ -106,6 +106,12 @@ async def read_served_models(
     if unreachable:
         raise RequestError(f"cannot read the models of {url}: {unreachable}")
     log.warning(
-        "worker %s advertises no model: it is routed only in a one-model fleet", config.worker_id
+        "worker %s advertises no model: it is routed only in a one-model fleet%s",
+        config.worker_id,
+        # a fleet of vLLM workers reads a name no worker serves as an adapter's (`resolve`)
+        ", where each request's model is read as a LoRA adapter's and predicts no hit; give "
+        "it `model` in its config (an OpenAI server behind --api-key does not list models)"
+        if adapters is not None
+        else "",
     )
     return ()

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from aiohttp import web
@@ -106,6 +106,15 @@ _DROP = frozenset(
         "server",
     )
 )
+
+
+def _none_routable(candidates: Sequence[Candidate]) -> str:
+    """Why a plan has no worker to send to, counted as an operator counts: workers, and their
+    ranks where they have several (each rank is a candidate)."""
+    workers = len({c.worker for c in candidates})
+    if workers == len(candidates):
+        return f"no routable worker among {workers}"
+    return f"no routable worker among {workers} ({len(candidates)} ranks)"
 
 
 class AttemptFailed(Exception):
@@ -270,7 +279,7 @@ class Proxy:
                 if len(roles) == 1 and roles != {"both"}:
                     side = "decode" if roles == {"prefill"} else "prefill"
                     raise NoWorkerError(f"no routable {side} worker among 0")
-            raise NoWorkerError(f"no routable worker among {len(plan.candidates)}")
+            raise NoWorkerError(_none_routable(plan.candidates))
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
         failures: list[str] = []
