@@ -8,7 +8,7 @@ import msgspec
 
 from indexer.engines import EngineName
 
-__all__ = ["IndexerConfig", "StreamConfig", "endpoint_problem"]
+__all__ = ["IndexerConfig", "StreamConfig", "endpoint_problem", "shown_endpoint"]
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -19,6 +19,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     scheme, sep, rest = endpoint.partition("://")
     if not sep or scheme not in ("tcp", "ipc"):
         return "expected tcp://HOST:PORT or ipc://PATH"
+    if scheme == "tcp" and "@" in rest:
+        return "carries credentials (user:password@), which ZMQ never sends"
     if scheme == "ipc":
         return None if rest else "ipc:// names no path"
     host, _, port = rest.rpartition(":")
@@ -27,6 +29,13 @@ def endpoint_problem(endpoint: str) -> str | None:
     if not port.isdigit() or not 0 < int(port) < 65536:
         return f"the port must be 1-65535, got {port!r}"
     return None
+
+
+def shown_endpoint(endpoint: str) -> str:
+    """`endpoint` as an error message may show it: any user-info before an `@` hidden."""
+    scheme, sep, rest = endpoint.partition("://")
+    at = rest.rfind("@")
+    return endpoint if not sep or at < 0 else f"{scheme}://***@{rest[at + 1 :]}"
 
 
 class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

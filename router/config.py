@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from indexer.config import endpoint_problem
+from indexer.config import endpoint_problem, shown_endpoint
 from indexer.engines import EngineName, PdRole
 from router.errors import ConfigError
 
@@ -341,7 +341,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         scheme, rest = self.url.split("://", 1)
         if scheme != scheme.lower():  # schemes are case-insensitive (RFC 3986): one spelling
             msgspec.structs.force_setattr(self, "url", f"{scheme.lower()}://{rest}")
-        if "@" in rest:  # a password may hold a "/", which would leave part of it as a path
+        authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+        if "@" in authority or ("@" in rest and not _port_parses(self.url)):
+            # a password may hold a "/", which leaves part of it as a path and the rest as a
+            # port that does not parse: that is credentials too (an "@" in a path is not)
             # the router sends no credentials from a url, and the url would show (as the
             # worker's id, in metric labels, in logs): refused before anything quotes it
             raise ValueError(
@@ -363,7 +366,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for key, given in (("events", self.events), ("replay", self.replay)):
             for endpoint in [given] if isinstance(given, str) else given or ():
                 if problem := endpoint_problem(endpoint):
-                    raise ValueError(f"workers.{key} {endpoint!r}: {problem}")
+                    raise ValueError(f"workers.{key} {shown_endpoint(endpoint)!r}: {problem}")
         if self.bootstrap_port is not None and self.role not in ("prefill", None):
             raise ValueError("workers.bootstrap_port is a prefill worker's (role = 'prefill')")
 
@@ -386,6 +389,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if port == {"http": 80, "https": 443}.get(parts.scheme.lower()):
             port = None
         return (parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/"))
+
+
+def _port_parses(url: str) -> bool:
+    try:
+        urlsplit(url).port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        return False
+    return True
 
 
 def redact_url(url: str) -> str:

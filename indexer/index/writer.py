@@ -318,7 +318,16 @@ class BatchWriter:
             old = blocks.get(h)
             if old is not None:
                 if old == key:
-                    # stored again: a duplicate, or the block copied to another tier (offload)
+                    if self._holds_in(st, h, medium):
+                        # stored again in a tier that holds it: a second block of the same
+                        # content (vLLM keeps such twins, each removed on its own), or the
+                        # same block reported again (vLLM's kv_cache_report_mode "full" sends
+                        # every reused block again, and still one removal per block). The
+                        # two look alike, so it counts once: a removal may drop a block a twin
+                        # still holds (a missed hit), never keep one that is gone (a false
+                        # hit: the re-reports had kept evicted blocks predicted for good)
+                        continue
+                    # the block copied to another tier (offload)
                     count = st.refs.get(h, 1)
                     st.refs[h] = count + 1
                     self._add_residency(st, h, key, medium, count)
@@ -345,6 +354,11 @@ class BatchWriter:
             if tiered:
                 st.media[h] = {medium: 1}
                 self._retier(st, key, self._default_medium, medium)
+
+    def _holds_in(self, st: IndexedStream, h: BlockHash, medium: str) -> bool:
+        """Whether held block `h` has a copy in `medium` already."""
+        held = st.media.get(h)
+        return medium == self._default_medium if held is None else medium in held
 
     def _add_residency(
         self, st: IndexedStream, h: BlockHash, key: int, medium: str, count_before: int
@@ -436,12 +450,14 @@ class BatchWriter:
         tokens = ev.token_ids
         for i, h in enumerate(ev.block_hashes):
             prev = self._partial(prev, tokens[i * page : (i + 1) * page])
-            if h in st.partial or h in st.blocks:
-                count = st.refs.get(h, 1)
-                st.refs[h] = count + 1
-                key = st.blocks.get(h)
-                if key is not None:  # a full page's hash: its copies per tier count it too
-                    self._add_residency(st, h, key, ev.medium or self._default_medium, count)
+            if h in st.partial:
+                continue  # stored again: counted once, as a full block is (`_store_slow`)
+            if h in st.blocks:
+                medium = ev.medium or self._default_medium
+                if not self._holds_in(st, h, medium):  # a full page's copy in another tier
+                    count = st.refs.get(h, 1)
+                    st.refs[h] = count + 1
+                    self._add_residency(st, h, st.blocks[h], medium, count)
                 continue
             st.partial[h] = (prev, ns_id)
         outcome.stored += len(ev.block_hashes)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
-from indexer.config import StreamConfig, endpoint_problem
+from indexer.config import StreamConfig, endpoint_problem, shown_endpoint
 from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
@@ -150,7 +150,7 @@ def _sources(args: argparse.Namespace) -> list[Source]:
         raise ValueError("give exactly one of --config FILE or --endpoint tcp://...")
     for flag, endpoint in (("--endpoint", args.endpoint), ("--replay", args.replay)):
         if endpoint is not None and (problem := endpoint_problem(endpoint)):
-            raise ValueError(f"{flag} {endpoint!r}: {problem}")
+            raise ValueError(f"{flag} {shown_endpoint(endpoint)!r}: {problem}")
     for flag, limit in (("--duration", args.duration), ("--max-bytes", args.max_bytes)):
         if limit is not None and not limit > 0:
             raise ValueError(f"{flag} {limit}: must be > 0")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from indexer.config import endpoint_problem
+from indexer.config import endpoint_problem, shown_endpoint
 from indexer.engines import engine_spec
 from indexer.service import StreamConfig
 from router.config import WorkerConfig
@@ -201,7 +201,9 @@ def streams_for(
         # what the worker advertised (a config's were checked when it was read)
         for endpoint in endpoints:
             if endpoint is not None and (problem := endpoint_problem(endpoint)):
-                raise RequestError(f"worker {worker.worker_id}: {key} {endpoint!r}: {problem}")
+                raise RequestError(
+                    f"worker {worker.worker_id}: {key} {shown_endpoint(endpoint)!r}: {problem}"
+                )
     return [
         StreamConfig(
             endpoint=endpoint,

@@ -83,6 +83,23 @@ def _replay_proof(
     return [msgspec.structs.replace(s, replay_proven=False) for s in streams]
 
 
+def _check_ranks(config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]) -> None:
+    """RequestError when the streams a config spells out cover other dp ranks than the worker
+    says it runs: a rank left out is one the engine places requests on while the router
+    predicts them from another rank's pages (the check on discovered streams is
+    `streams_for`'s)."""
+    advertised = engine_spec(config.engine).advertised_events(info).get("dp_size")
+    if not isinstance(advertised, int) or isinstance(advertised, bool) or advertised < 1:
+        return
+    ranks = len({s.dp_rank for s in streams})
+    if streams and ranks != advertised:
+        raise RequestError(
+            f"worker {config.worker_id}: its config gives events for {ranks} dp rank(s), the "
+            f"worker advertises dp_size {advertised}: give dp_size = {advertised} (or one "
+            "endpoint per rank)"
+        )
+
+
 def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
     """RequestError when the configured topic is not a prefix of the one the worker says it
     publishes under: its SUB (which matches by prefix) would receive nothing, and the stream
@@ -229,6 +246,7 @@ class Supervisor:
         streams = streams_for(entry.config, discovered, model=models[0] if models else "")
         if info is not None:
             _check_topic(entry.config, info)
+            _check_ranks(entry.config, info, streams)
         # discovering or not: configured replay sockets beside advertised ones are checked
         streams = _replay_proof(entry.config, info, streams)
         for stream in streams:

@@ -134,6 +134,10 @@ async def kv_query(request: web.Request) -> web.Response:
     )
     planner = request.app[PLANNER]
     ns = planner.namespace(parsed)  # UnknownModelError (404) as the proxy would
+    if query.lora and ns.lora is None:
+        # the gateway states the adapter: on vLLM workers, which read no `lora_path` from a
+        # body, the proxy leaves the field out, but an adapter's pages are its own all the same
+        ns = msgspec.structs.replace(ns, lora=query.lora)
     plan = planner.plan(parsed, ns)
     best = plan.candidates[0] if plan.candidates and plan.candidates[0].healthy else None
     answer = {

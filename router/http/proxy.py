@@ -108,6 +108,21 @@ _DROP = frozenset(
 )
 
 
+# SGLang's header overrides of what the router decides (`entrypoints/request_headers.py`,
+# 0.5.23, applied when the engine runs with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1): a
+# client's would move a request to another rank or pair than the one the router booked its
+# load and pending marks on; a client names a rank the documented ways instead
+_ROUTING_OVERRIDES = frozenset(
+    {
+        "x-override-routed-dp-rank",
+        "x-override-disagg-prefill-dp-rank",
+        "x-override-bootstrap-host",
+        "x-override-bootstrap-port",
+        "x-override-bootstrap-room",
+    }
+)
+
+
 def _none_routable(candidates: Sequence[Candidate]) -> str:
     """Why a plan has no worker to send to, counted as an operator counts: workers, and their
     ranks where they have several (each rank is a candidate)."""
@@ -237,7 +252,7 @@ class Proxy:
         request_only = {"content-encoding", "expect"} | (
             {config.salt_header.lower()} if config.salt_header else set()
         )
-        self._request_drop = _DROP | request_only
+        self._request_drop = _DROP | _ROUTING_OVERRIDES | request_only
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""

@@ -233,8 +233,10 @@ class WorkerPool:
             cache = self._single.cache_model if self._single else self._cache_model[parent]
             return ModelChoice(parent, cache, model, cache not in self._vllm_only)
         base, adapter = split_adapter(model, self._by_model)
-        if self._gone and (
-            model in self._gone or split_adapter(model, self._gone)[0] in self._gone
+        if (
+            self._gone
+            and base not in self._by_model  # a served name (one may hold a colon) is served
+            and (model in self._gone or split_adapter(model, self._gone)[0] in self._gone)
         ):
             raise UnknownModelError(model, self.served())
         if self._single is not None:

@@ -53,11 +53,9 @@ class Model:
         hashes = []
         for prefix in prefixes:
             h = engine_hash(name, ns, prefix, part)
-            entry = st.held.get(h)
-            if entry is None:
-                st.held[h] = [ns, prefix, 1, part]
-            else:
-                entry[2] = int(entry[2]) + 1  # type: ignore[call-overload]
+            # stored again: counted once (a twin block and a re-report look alike; a removal
+            # then drops it, which can miss a hit but never predict a gone block)
+            st.held.setdefault(h, [ns, prefix, 1, part])
             hashes.append(h)
         return hashes
 

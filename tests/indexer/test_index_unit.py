@@ -9,6 +9,7 @@ import sys
 import msgspec
 import pytest
 
+from indexer.engines import EngineName
 from indexer.errors import SnapshotError
 from indexer.index import PrefixIndex
 from indexer.index.registry import NamespaceRegistry
@@ -38,10 +39,10 @@ def batch(*events: object) -> EventBatch:
     return EventBatch(0.0, list(events))  # type: ignore[arg-type]
 
 
-def make(block_size: int | None = 4) -> PrefixIndex:
+def make(block_size: int | None = 4, engine: EngineName = "sglang") -> PrefixIndex:
     index = PrefixIndex()
-    index.add_stream("a", model="m", block_size=block_size)
-    index.add_stream("b", model="m", block_size=block_size)
+    index.add_stream("a", model="m", block_size=block_size, engine=engine)
+    index.add_stream("b", model="m", block_size=block_size, engine=engine)
     return index
 
 
@@ -58,12 +59,15 @@ def test_parents_refcounts_and_unknown_parents() -> None:
     assert out.stored == 3 and index.query(NS, TOKENS)["a"].blocks == 3
     out = index.apply("a", batch(stored([9], TOKENS[12:], parent=777)))
     assert out.unknown_parents == 1 and index.counters("a").unknown_parents == 1
-    index.apply("a", batch(stored([1, 2], TOKENS[:8])))  # duplicate store: refcount 2
-    index.apply("a", batch(Removed(block_hashes=[1, 2])))
-    assert index.query(NS, TOKENS)["a"].blocks == 3
+    # stored again (a twin block, or vLLM re-reporting a reused one): counted once, so the
+    # next removal drops it (re-reports had kept evicted blocks predicted for good)
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])))
+    assert index.query(NS, TOKENS)["a"].blocks == 3 and index.entries("a") == 3
     index.apply("a", batch(Removed(block_hashes=[2])))
     assert index.query(NS, TOKENS)["a"].blocks == 1
     assert index.entries("a") == 2
+    index.apply("a", batch(Removed(block_hashes=[2])))  # its twin's removal: nothing left
+    assert index.counters("a").unknown_removes == 1 and index.entries("a") == 2
 
 
 def test_cleared_drops_exactly_that_stream() -> None:
@@ -135,14 +139,14 @@ def test_snapshot_round_trip() -> None:
     index = make()
     index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="s"), stored([3], TOKENS[:4])), 7)
     index.apply("b", batch(stored([b"x" * 32], TOKENS[:4], medium="CPU")), 3)
-    index.apply("b", batch(stored([b"x" * 32], TOKENS[:4], medium="CPU")), 4)
+    index.apply("b", batch(stored([b"x" * 32], TOKENS[:4], medium="GPU")), 4)  # a second tier
     loaded = load_index(dump_index(index))
     for ns in (NS, Namespace("m", None, "s")):
         assert loaded.query(ns, TOKENS) == index.query(ns, TOKENS)
     assert loaded.namespaces() == index.namespaces()
     assert (loaded.last_seq("a"), loaded.last_seq("b")) == (7, 4)
-    loaded.apply("b", batch(Removed(block_hashes=[b"x" * 32])))
-    assert loaded.entries("b") == 1  # the reference count survived
+    loaded.apply("b", batch(Removed(block_hashes=[b"x" * 32], medium="CPU")))
+    assert loaded.entries("b") == 1  # the copy per tier survived
 
 
 @pytest.mark.parametrize(
@@ -336,3 +340,14 @@ def test_copies_per_tier_survive_a_snapshot() -> None:
     loaded = load_index(dump_index(index))
     loaded.apply("a", batch(Removed(block_hashes=[1, 2], medium="GPU")))
     assert loaded.query(NS, TOKENS)["a"].by_medium == {"CPU": 2}
+
+
+def test_a_vllm_full_report_of_reused_blocks_does_not_outlive_their_removal() -> None:
+    # vllm/v1/core/block_pool.py emit_cached_block_events (0.33): with kv_cache_report_mode
+    # "full" every hit stores its reused blocks again (parent None); eviction removes each once
+    index = make(engine="vllm")
+    index.apply("a", batch(stored([b"h1", b"h2"], TOKENS[:8])))
+    for _ in range(3):  # three hits on the prefix
+        index.apply("a", batch(stored([b"h1", b"h2"], TOKENS[:8])))
+    index.apply("a", batch(Removed(block_hashes=[b"h1"]), Removed(block_hashes=[b"h2"])))
+    assert index.query(NS, TOKENS)["a"].blocks == 0 and index.entries("a") == 0

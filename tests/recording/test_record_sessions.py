@@ -259,5 +259,8 @@ async def test_a_failed_compressed_write_is_not_counted_as_recorded(
     assert proc.returncode == 1, stderr
     assert b"write failed" in stderr and b"stopped by write-error" in stdout
     held = len(_records(out))  # whole: the refused chunk left nothing behind
-    assert 0 < held <= 256  # the first chunk (or a smaller one a flush closed first)
+    # the first chunk, or a smaller one a flush closed first, or none at all when the
+    # recorder's own chunks came out larger than the sized run's (a loaded machine flushes
+    # later): whatever it is, the summary counts what the file holds, never the refused ones
+    assert held <= 256
     assert _summary_counts(stdout) == (held, held, held)

@@ -60,6 +60,15 @@ def test_cross_field_checks() -> None:
         with pytest.raises(ConfigError, match="carries credentials") as refused:
             parse_config({"workers": [{"url": url}]})
         assert "s3" not in str(refused.value) and "***@" in str(refused.value)
+    # an "@" in the path is no credentials
+    at = parse_config({"workers": [{"url": "http://127.0.0.1:32622/sglang@v2"}]})
+    assert at.workers[0].url == "http://127.0.0.1:32622/sglang@v2"
+    # nor may the event sockets carry any (ZMQ sends none), and the refusal hides them
+    for key in ("events", "replay"):
+        worker = {"url": "http://a:1", "events": "tcp://a:5557", key: "tcp://bob:S3cr3t@a:5557"}
+        with pytest.raises(ConfigError, match="carries credentials") as refused:
+            parse_config({"workers": [worker]})
+        assert "S3cr3t" not in str(refused.value) and "tcp://***@a:5557" in str(refused.value)
     # one server under two ids would be two candidates, each with half its load
     # a scheme is case-insensitive: taken, spelled one way
     assert parse_config({"workers": [{"url": "HTTPS://A:1/x"}]}).workers[0].url == "https://A:1/x"

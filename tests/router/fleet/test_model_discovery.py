@@ -232,3 +232,32 @@ async def test_a_worker_whose_streams_cannot_be_had_still_serves_its_model_by_lo
         assert entry["streams"] == [] and not entry["discovered"]
         said = fleet.router.supervisor.refusal("b")
         assert said is not None and "publisher is 'null'" in said and "worker b" not in said
+
+
+async def test_configured_events_for_fewer_ranks_than_the_worker_runs_are_refused() -> None:
+    """Events spelled out in the config, for one rank of a worker that advertises two: rank 1
+    would go unsubscribed while the engine places requests there, predicted from rank 0's
+    pages (half the repeats were false hits); refused, with dp_size given or left out."""
+    async with ReferenceWorker(ReferenceConfig(dp_size=2, time_scale=0.0)) as worker:
+        events = worker.kv_events
+        for dp_size in (1, None):
+            spelled = WorkerConfig(
+                url=worker.url, id="w", events=events.endpoint, replay=events.replay_endpoint,
+                block_size=events.block_size, dp_size=dp_size,
+            )  # fmt: skip
+            async with _router(spelled) as fleet:
+                _, workers = await fleet.admin("GET", "/workers")
+                assert workers["workers"][0]["streams"] == []
+                said = fleet.router.supervisor.refusal("w")
+                assert said is not None and "advertises dp_size 2" in said, said
+        # all its ranks spelled out: taken
+        whole = WorkerConfig(
+            url=worker.url,
+            id="w",
+            events=events.endpoints,
+            replay=events.replay_endpoints,
+            block_size=events.block_size,
+        )
+        async with _router(whole) as fleet:
+            _, workers = await fleet.admin("GET", "/workers")
+            assert len(workers["workers"][0]["streams"]) == 2

@@ -39,6 +39,7 @@ class Upstream:
         self.bodies: list[dict[str, Any]] = []
         self.cookies: list[str | None] = []  # the Cookie header of each completion request
         self.expects: list[str | None] = []  # the Expect header of each completion request
+        self.headers: list[dict[str, str]] = []  # every header of each completion request
         self.release = asyncio.Event()
         self.health_open = asyncio.Event()  # cleared: /health hangs until set again
         self.health_open.set()
@@ -53,6 +54,7 @@ class Upstream:
         self.bodies.append(body)
         self.cookies.append(request.headers.get("Cookie"))
         self.expects.append(request.headers.get("Expect"))
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.mode == "fail":
             return web.json_response({"error": "boom"}, status=500)
         if self.mode == "sse-fail":  # a streamed 5xx (SGLang streams its errors as SSE too)
@@ -334,6 +336,33 @@ async def test_a_trusted_header_sets_the_salt_the_worker_sees(
         async with session.post(router.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
     assert [b["cache_salt"] for b in a.bodies] == ["from-gateway", "from-body"]
+
+
+async def test_sglangs_routing_overrides_of_a_client_never_reach_the_worker(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    """With SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES the engine takes these over the body: a
+    client's would move the request off the rank (or pair) the router booked it on."""
+    a, _ = pair
+    overrides = {
+        "x-override-routed-dp-rank": "1",
+        "x-override-disagg-prefill-dp-rank": "1",
+        "x-override-bootstrap-host": "10.0.0.9",
+        "x-override-bootstrap-port": "9000",
+        "x-override-bootstrap-room": "7",
+    }
+    async with (
+        RouterService(_plain([("a", a.url)])) as router,
+        session.post(
+            router.url + "/v1/completions",
+            json={"prompt": "x"},
+            headers={**overrides, "x-override-priority": "3"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+    (seen,) = a.headers
+    assert not set(overrides) & set(seen)
+    assert seen["x-override-priority"] == "3"  # not the router's to decide: passed on
 
 
 async def test_a_compressed_request_body_reaches_the_worker_decoded(

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from router.commands.cli import build_parser
-from router.config import QueryConfig, load_config
+from router.config import QueryConfig, WorkerConfig, load_config
 from router.http.app import create_app
 from router.http.keys import RELOADER
 from router.http.reload import ConfigSource
@@ -191,3 +192,22 @@ async def test_a_base_adapter_model_queries_the_adapters_namespace(query_fleet: 
     # the adapter's namespace, as the proxy routes it: never the base model's pages
     assert named["lora"] == given["lora"] == routed["lora"] == "ad"
     assert named["namespace"] == given["namespace"] == routed["namespace"] != base["namespace"]
+
+
+async def test_a_stated_adapter_is_queried_on_vllm_workers_too() -> None:
+    """vLLM reads no `lora_path` from a body (the proxy leaves it out there), but a gateway
+    asking about adapter A asks about A's pages, not the base model's."""
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker:
+        vllm = WorkerConfig(url=worker.url, id="w0", engine="vllm", kv_events=False, model="m")
+        config = msgspec.structs.replace(router_config([]), workers=(vllm,))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def ask(body: dict[str, Any]) -> Any:
+                async with session.post(router.url + "/v1/kv/query", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            base = await ask({"model": "m", "token_ids": [1, 2, 3]})
+            adapter = await ask({"model": "m", "lora": "A", "token_ids": [1, 2, 3]})
+            assert (base["lora"], adapter["lora"]) == (None, "A")
+            assert adapter["namespace"] != base["namespace"]

@@ -114,6 +114,16 @@ def test_a_worker_back_serving_another_model_does_not_answer_for_the_old_one() -
     assert _ids(pool, "a") == ["w1"] and _ids(pool, "b") == ["w0"]
 
 
+def test_a_served_name_with_a_colon_outlives_a_gone_model_named_like_its_prefix() -> None:
+    pool = _pool("qwen", "qwen:7b", "other")
+    pool.remove("w0")  # qwen's last worker
+    assert pool.resolve("qwen:7b") == ModelChoice("qwen:7b", "qwen:7b", None)
+    assert _ids(pool, "qwen:7b:sql") == ["w1"] and pool.resolve("qwen:7b:sql").adapter == "sql"
+    for gone in ("qwen", "qwen:sql"):
+        with pytest.raises(UnknownModelError):
+            pool.resolve(gone)
+
+
 def test_only_pools_of_sglang_workers_read_lora_path_as_an_adapter() -> None:
     def pool(*engines: EngineName, models: tuple[str, ...] = ("m",)) -> WorkerPool:
         built = WorkerPool(BreakerConfig())
