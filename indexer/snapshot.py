@@ -1,13 +1,14 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 3): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
+Layout (version 4): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
 scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
 silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
 block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
 and namespace ids, plus the rare side tables (reference counts, media, partial pages) and the
 digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
 with streams that must be rebuilt before they are trusted). Version 3 keeps each block's copies
-per storage tier (`indexer.index.media`); older versions name one medium per block. The
+per storage tier (`indexer.index.media`); older versions name one medium per block. Version 4
+adds each stream's skipped KV-cache groups and lookahead. The
 shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
 Pending entries are not stored (they live for seconds).
 
@@ -39,9 +40,10 @@ from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
-SNAPSHOT_VERSION = 3
-# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block
-_READABLE_VERSIONS = (1, 2, 3)
+SNAPSHOT_VERSION = 4
+# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block;
+# versions 1-3 keep no skipped groups or lookahead (learned again from the next events)
+_READABLE_VERSIONS = (1, 2, 3, 4)
 _FORMAT = "kvroute-index"
 
 
@@ -63,6 +65,11 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     # version 2: the digest of the batch at last_seq, so a warm start can prove that the
     # publisher it reconnects to is still the process the snapshot followed (indexer.fence)
     fence: bytes | None = None
+    # version 4: the KV-cache groups whose removals are not a prefix's (hybrid models: without
+    # them, a sliding-window group's removal after a load took full-attention blocks away),
+    # and the engine's lookahead (`PrefixIndex._trim_lookahead`)
+    skipped_groups: list[int] = []
+    lookahead: int = 0
 
 
 class _Snapshot(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,6 +112,8 @@ def dump_index(index: PrefixIndex) -> bytes:
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
                 counters=st.counters,
                 fence=None if st.fence is None else st.fence.digest(),
+                skipped_groups=sorted(st.skipped_groups),
+                lookahead=st.lookahead,
             )
         )
     namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
@@ -177,6 +186,12 @@ def _rebuild(
                 raise ValueError(f"stream {s.stream!r}: a fence without a seq")
             st.fence = BatchFence(s.last_seq, digest=s.fence)
         st.counters = s.counters
+        if s.lookahead < 0 or any(g < 0 for g in s.skipped_groups):
+            raise ValueError(f"stream {s.stream!r}: a negative group or lookahead")
+        st.skipped_groups = set(s.skipped_groups)
+        st.lookahead = s.lookahead
+        if s.lookahead:
+            index._lookahead_streams[s.stream] = st
         if not st.blocks.insert_new(s.hashes, s.keys):  # all or nothing
             raise ValueError(f"stream {s.stream!r}: an engine hash appears twice")
         _link(index, st, s)

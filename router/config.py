@@ -8,6 +8,7 @@ a default, so `RouterConfig(workers=(WorkerConfig(url=...),))` is a complete con
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -19,6 +20,7 @@ import msgspec
 
 from indexer.config import endpoint_problem, shown_endpoint
 from indexer.engines import EngineName, PdRole
+from indexer.index.media import MEDIUM_ORDER
 from router.errors import ConfigError
 
 __all__ = [
@@ -140,6 +142,20 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     approx_balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5
     approx_eviction_interval_s: NonNegativeFloat = 60.0
     approx_max_tree_size: Annotated[int, msgspec.Meta(ge=1)] = 2**26
+
+    def __post_init__(self) -> None:
+        for tier, weight in self.medium_weights.items():
+            if tier not in MEDIUM_ORDER:
+                # a misspelled tier would earn nothing, silently
+                raise ValueError(
+                    f"policy.medium_weights: unknown tier {tier!r} (the engines' tiers: "
+                    f"{', '.join(MEDIUM_ORDER)})"
+                )
+            if not math.isfinite(weight):
+                raise ValueError(f"policy.medium_weights.{tier} must be a finite number")
+        for name in ("hit_weight", "decode_weight", "eviction_weight"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"policy.{name} must be a finite number")
 
 
 class PdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

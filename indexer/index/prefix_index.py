@@ -43,6 +43,7 @@ import msgspec
 from indexer.backend import DEFAULT, Backend
 from indexer.engines import EngineName, EngineSpec, engine_spec
 from indexer.fence import BatchFence
+from indexer.index.media import MEDIUM_ORDER
 from indexer.index.pending import PendingTable
 from indexer.index.registry import NamespaceRegistry, NamespaceSize
 from indexer.index.stream_table import ApplyOutcome, IndexedStream, StreamCounters
@@ -55,6 +56,11 @@ from indexer.protocol.events import EventBatch
 __all__ = ["DEFAULT_MEDIUM", "PrefixIndex"]
 
 DEFAULT_MEDIUM = "GPU"
+
+
+def _medium_rank(medium: str) -> int:
+    """A tier's place from the best (`MEDIUM_ORDER`); a tier not listed comes last."""
+    return MEDIUM_ORDER.index(medium) if medium in MEDIUM_ORDER else len(MEDIUM_ORDER)
 
 
 class PrefixIndex:
@@ -77,6 +83,8 @@ class PrefixIndex:
         self._tiers: dict[str, dict[int, int]] = {}  # medium -> key -> stream bits (unshifted)
         self._streams: dict[str, IndexedStream] = {}
         self._by_slot: dict[int, str] = {}
+        # streams whose engine hashes blocks with the tokens after them (`_trim_lookahead`)
+        self._lookahead_streams: dict[str, IndexedStream] = {}
         self._free_slots: list[int] = []
         self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
         self._registry = NamespaceRegistry()
@@ -139,6 +147,7 @@ class PrefixIndex:
             else:
                 self._by_block_size.pop(st.block_size, None)
         del self._streams[stream]
+        self._lookahead_streams.pop(stream, None)
         del self._by_slot[st.slot]
         self._free_slots.append(st.slot)
         return dropped
@@ -278,6 +287,8 @@ class PrefixIndex:
             self.add_stream(stream)
             st = self._streams[stream]
         outcome = self._writer.apply(stream, st, batch)
+        if st.lookahead and stream not in self._lookahead_streams:
+            self._lookahead_streams[stream] = st
         c = st.counters
         c.blocks_stored += outcome.stored
         c.blocks_removed += outcome.removed
@@ -350,7 +361,49 @@ class PrefixIndex:
                 limit,
             )
             collect(out, real, extra, tiers, by_slot, self.default_medium)
+        if self._lookahead_streams:
+            self._trim_lookahead(out)
         return out
+
+    def _trim_lookahead(self, out: PrefixMatch) -> None:
+        """Take the last blocks off a match on streams whose engine hashes each block with the
+        tokens after it (vLLM's lookahead hashing, beside a speculative drafter): the blocks'
+        tokens matching does not say the following tokens do, so the engine may not reuse the
+        last block(s) a query matched (a prompt that diverges right after a block boundary
+        was predicted that block). Fail closed: ceil(lookahead / block size) blocks fewer."""
+        for stream, st in self._lookahead_streams.items():
+            total = out.blocks.get(stream, 0) + out.pending_blocks.get(stream, 0)
+            if not total or not st.block_size:
+                continue
+            cut = -(-st.lookahead // st.block_size)
+            pending = out.pending_blocks.get(stream, 0)
+            from_pending = min(cut, pending)
+            if from_pending:
+                if pending == from_pending:
+                    del out.pending_blocks[stream]
+                else:
+                    out.pending_blocks[stream] = pending - from_pending
+            from_real = min(cut - from_pending, out.blocks.get(stream, 0))
+            if not from_real:
+                continue
+            left = out.blocks[stream] - from_real
+            if left:
+                out.blocks[stream] = left
+            else:
+                del out.blocks[stream]
+            tiered = out.by_medium.get(stream)
+            if tiered is not None:
+                # the trimmed blocks' tiers are not known: the best tier goes first (a tier
+                # that earns less is never overstated)
+                drop = from_real
+                for medium in sorted(tiered, key=_medium_rank):
+                    take = min(drop, tiered[medium])
+                    tiered[medium] -= take
+                    drop -= take
+                    if not tiered[medium]:
+                        del tiered[medium]
+                if not left or set(tiered) <= {self.default_medium}:
+                    out.by_medium.pop(stream, None)  # all in the default tier: not listed
 
     def block_keys(
         self,

@@ -62,6 +62,7 @@ class IndexedStream:
         "engine",
         "fence",
         "last_seq",
+        "lookahead",
         "media",
         "model",
         "ns_cache",
@@ -105,6 +106,9 @@ class IndexedStream:
         self.singles: dict[int, int] = {}  # ns id -> table value (sbit | ns code), shared
         # group_idx of KV-cache groups whose kind makes no reusable prefix (hybrid models)
         self.skipped_groups: set[int] = set()
+        # the most tokens after a block its engine's hash covers (vLLM's lookahead hashing), as
+        # its events showed; 0: none
+        self.lookahead = 0
 
     def entries(self) -> int:
         """Blocks the stream holds now (partial pages included)."""

@@ -68,6 +68,8 @@ class BatchWriter:
                 if ev.kv_cache_spec_kind is not None and not self._reusable(st, ev):
                     outcome.skipped_group_blocks += len(ev.block_hashes)
                     continue
+                if ev.lookahead > st.lookahead:
+                    st.lookahead = ev.lookahead  # `PrefixIndex.match` trims by it
                 store(st, ev, outcome)
             elif type(ev) is Removed:
                 if ev.group_idx is not None and ev.group_idx in st.skipped_groups:

@@ -52,6 +52,9 @@ class Stored(msgspec.Struct, frozen=True, gc=False):
     # vLLM >= 0.33: the kind of the KV-cache group the blocks belong to ("full_attention",
     # "sliding_window", "mamba", ...; `vllm.v1.kv_cache_interface.KVCacheSpecKind`)
     kv_cache_spec_kind: str | None = None
+    # vLLM >= 0.33 with lookahead hashing (on by default beside an EAGLE-style drafter): how
+    # many tokens after each block its hash covers (the most of `lookahead_token_ids`), 0: none
+    lookahead: int = 0
 
 
 class Removed(msgspec.Struct, frozen=True, gc=False):

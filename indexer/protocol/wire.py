@@ -76,6 +76,7 @@ def _stored(
     session_id: str | None,
     group_idx: int | None,
     kv_cache_spec_kind: str | None = None,
+    lookahead_token_ids: list[list[int]] | None = None,
 ) -> Stored:
     # The one rule msgspec cannot check: the tokens must fill exactly the announced pages.
     if len(token_ids) != len(block_hashes) * block_size:
@@ -98,6 +99,7 @@ def _stored(
         session_id,
         group_idx,
         kv_cache_spec_kind,
+        max(map(len, lookahead_token_ids), default=0) if lookahead_token_ids else 0,
     )
 
 
@@ -125,6 +127,11 @@ class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     group_idx: _GroupIdx | None = None
     kv_cache_spec_kind: _SpecKind | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # vLLM 0.33's further slots (`vllm/distributed/kv_events.py`, in this order)
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""
@@ -144,9 +151,10 @@ class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
             self.medium,
             cache_salt,
             self.extra_keys,
-            None,
+            self.session_id,
             self.group_idx,
             self.kv_cache_spec_kind,
+            self.lookahead_token_ids,
         )
 
 
@@ -197,6 +205,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     extra_keys: _ExtraKeys | None = None
     group_idx: _GroupIdx | None = None
     kv_cache_spec_kind: _SpecKind | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""
@@ -213,6 +222,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
             self.session_id,
             self.group_idx,
             self.kv_cache_spec_kind,
+            self.lookahead_token_ids,
         )
 
 

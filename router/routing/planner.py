@@ -27,7 +27,6 @@ from functools import partial
 import msgspec
 
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
-from indexer.index import DEFAULT_MEDIUM
 from indexer.service import (
     UNTRUSTED,
     IndexerService,
@@ -294,11 +293,12 @@ class Planner:
             why = "no KV-event stream" if not streams else "several ranks, the engine picks"
             candidate.admission = unforecast(raw, why, entry.capacity_tokens)
             return
-        if any(medium != DEFAULT_MEDIUM for medium in candidate.by_medium):
-            # offloaded blocks come back from the host tier, whose eviction is its own
-            why = "the match reaches an offload tier: raw match used"
-            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
-            return
+        # A match that reaches an offload tier is forecast the same way, as if that tier kept
+        # nothing the GPU pool does not: its size is not advertised, and the GPU evictions
+        # the forecast counts are what fill it (written back there) and so what evicts from
+        # it. Offloaded blocks are the older ones, first to go. Before, the raw match was
+        # used, and a host-tier prefix evicted meanwhile was predicted whole (992 tokens
+        # predicted, 0 cached).
         stream = streams[0]
         load = self.load.of(entry.id, candidate.dp_rank)
         # the output its running requests may add (their own limits where they named one)

@@ -107,3 +107,20 @@ def test_mla_and_single_group_events_are_indexed_as_before() -> None:
     older = fresh()
     apply(older, stored([41, 42], None, TOKENS[:8], 0, None))  # no kind: one group (vLLM < 0.33)
     assert held(older) == 2
+
+
+def test_a_loaded_snapshot_keeps_which_groups_make_no_prefix() -> None:
+    """The skipped groups (and a lookahead) travel in the snapshot: after a load (a warm start,
+    /admin/index/load) a sliding-window group's removal had taken full-attention blocks away,
+    and the replicas' indexes parted."""
+    from indexer.snapshot import dump_index, load_index
+
+    index = fresh()
+    apply(
+        index,
+        stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"),
+        stored([11, 12, 13, 14], None, TOKENS, 1, "sliding_window"),
+    )
+    loaded = load_index(dump_index(index))
+    apply(loaded, removed([13, 14], 1))
+    assert held(loaded) == held(index) == 4

@@ -273,3 +273,15 @@ async def test_the_indexer_section_reaches_the_indexer() -> None:
     assert {key: getattr(settings, key) for key in doc["indexer"]} == doc["indexer"]
     with pytest.raises(ConfigError, match="rcv_hwm"):
         parse_config({"indexer": {"rcv_hwm": -1}})
+
+
+def test_medium_weights_name_known_tiers_with_finite_weights() -> None:
+    for weights, said in (
+        ({"GPUU": 3.0}, "unknown tier 'GPUU'"),  # a misspelled tier earned nothing, silently
+        ({"GPU": float("inf")}, "medium_weights.GPU must be a finite number"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            parse_config({"policy": {"medium_weights": weights}})
+    with pytest.raises(ConfigError, match="hit_weight must be a finite"):
+        parse_config({"policy": {"hit_weight": float("inf")}})
+    assert parse_config({"policy": {"medium_weights": {"GPU": 1.0, "DISK": 0.0}}})
