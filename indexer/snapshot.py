@@ -1,13 +1,15 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 3): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
+Layout (version 4): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
 scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
 silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
 block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
 and namespace ids, plus the rare side tables (reference counts, media, partial pages) and the
 digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
 with streams that must be rebuilt before they are trusted). Version 3 keeps each block's copies
-per storage tier (`indexer.index.media`); older versions name one medium per block. The
+per storage tier (`indexer.index.media`); older versions name one medium per block. Version 4
+says whether a stream's pages are SGLang EAGLE (prev, next) pairs, which says how a request is
+keyed there (older snapshots leave it to the stream's next stored page). The
 shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
 Pending entries are not stored (they live for seconds).
 
@@ -39,9 +41,10 @@ from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
-SNAPSHOT_VERSION = 3
-# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block
-_READABLE_VERSIONS = (1, 2, 3)
+SNAPSHOT_VERSION = 4
+# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block;
+# versions 1-3 do not say whether a stream's pages are bigrams
+_READABLE_VERSIONS = (1, 2, 3, 4)
 _FORMAT = "kvroute-index"
 
 
@@ -63,6 +66,8 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     # version 2: the digest of the batch at last_seq, so a warm start can prove that the
     # publisher it reconnects to is still the process the snapshot followed (indexer.fence)
     fence: bytes | None = None
+    # version 4: whether its pages are SGLang EAGLE (prev, next) pairs (None: not known yet)
+    bigram: bool | None = None
 
 
 class _Snapshot(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,6 +110,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
                 counters=st.counters,
                 fence=None if st.fence is None else st.fence.digest(),
+                bigram=st.bigram,
             )
         )
     namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
@@ -171,6 +177,8 @@ def _rebuild(
         index._by_slot[s.slot] = s.stream
         if s.block_size is not None:
             index._set_block_size(st, s.block_size)
+        if s.bigram is not None:
+            index._set_bigram(st, s.bigram)
         st.last_seq = s.last_seq
         if s.fence is not None:
             if s.last_seq is None:
