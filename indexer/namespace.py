@@ -12,6 +12,9 @@ Key scheme (stable across processes and runs, documented because snapshots persi
     key_0 = seed
     key_i = hash((key_{i-1}, tuple(block_i_tokens)))
 
+On a stream of SGLang EAGLE bigram pages the block tokens are (prev, next) pairs, from its
+events and from a request (`Bigrams`) alike.
+
 CPython's `hash` of ints and of tuples of ints is NOT salted by PYTHONHASHSEED (only str and
 bytes are): ints hash to themselves modulo 2**61 - 1 and tuples use the xxHash-derived mix
 unchanged since CPython 3.8, so keys are identical in every 64-bit CPython >= 3.8 process. It is
@@ -30,14 +33,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from itertools import islice, pairwise
+from typing import overload
 
 import msgspec
 
 __all__ = [
     "HASH_PROBE",
+    "Bigrams",
     "Namespace",
     "anonymous_lora",
     "block_tuples",
+    "blocks_within",
     "chain_block_keys",
     "chain_keys",
     "namespace_seed",
@@ -202,9 +209,70 @@ def py_chain(
     )
 
 
-def request_keys(namespace: Namespace, tokens: Sequence[Hashable], block_size: int) -> list[int]:
-    """Keys of a request's full blocks in `namespace`: what the index is queried with."""
-    return chain_keys(namespace_seed(namespace, block_size), tokens, block_size)
+class Bigrams(Sequence[tuple[Hashable, Hashable]]):
+    """A request's tokens as SGLang keys them with EAGLE on: its `(prev, next)` pairs.
+
+    With EAGLE speculative decoding SGLang's radix cache (0.5.23 `RadixKey.is_bigram`) keys
+    position i by the pair `(t_i, t_{i+1})`, so n tokens are n - 1 positions and a page of
+    `page_size` positions ends with a pair that reaches the next page's first token; its
+    events publish exactly those pairs as a page's `token_ids`. A request is matched against
+    such pages by this view of the first `limit` tokens (the router's limit leaves out the
+    prompt's last token, as SGLang's own `max_prefix_len` does before making the pairs), so a
+    page matches only when the request has every token its pairs name.
+
+    Lazy: a slice makes only the pairs it covers (the key chain takes a chunk of blocks at a
+    time, and a walk usually stops at its first chunk).
+    """
+
+    __slots__ = ("_len", "_tokens")
+
+    def __init__(self, tokens: Sequence[Hashable], limit: int | None = None) -> None:
+        n = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        self._tokens = tokens
+        self._len = max(n - 1, 0)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[tuple[Hashable, Hashable]]:
+        t = self._tokens
+        return pairwise(islice(t, 0, self._len + 1))
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Hashable, Hashable]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[Hashable, Hashable]]: ...
+    def __getitem__(
+        self, index: int | slice
+    ) -> tuple[Hashable, Hashable] | list[tuple[Hashable, Hashable]]:
+        t = self._tokens
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1:
+                raise ValueError("Bigrams slice step must be 1")
+            if stop <= start:
+                return []
+            return list(pairwise(t[start : stop + 1]))
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError(f"bigram index out of range: {index}")
+        return (t[i], t[i + 1])
+
+
+def blocks_within(tokens: int, block_size: int, bigram: bool) -> int:
+    """How many full blocks `tokens` tokens make: n tokens are n - 1 positions on bigram pages."""
+    positions = max(tokens - 1, 0) if bigram else tokens
+    return positions // block_size
+
+
+def request_keys(
+    namespace: Namespace, tokens: Sequence[Hashable], block_size: int, *, bigram: bool = False
+) -> list[int]:
+    """Keys of a request's full blocks in `namespace`: what the index is queried with.
+
+    `bigram`: for a stream whose pages are SGLang EAGLE `(prev, next)` pairs (`Bigrams`)."""
+    keyed: Sequence[Hashable] = Bigrams(tokens) if bigram else tokens
+    return chain_keys(namespace_seed(namespace, block_size), keyed, block_size)
 
 
 def partial_key(prev: int, tokens: Sequence[Hashable]) -> int:

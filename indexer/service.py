@@ -199,7 +199,10 @@ class IndexerService:
         for stream in list(found.blocks):
             shadows = self._shadowed.shadows(stream)
             if stream in self._blanket or (
-                shadows and self.index.first_block_key(stream, namespace, tokens) in shadows
+                shadows
+                and any(
+                    k in shadows for k in self.index.first_block_keys(stream, namespace, tokens)
+                )
             ):
                 del found.blocks[stream]
                 found.pending_blocks.pop(stream, None)
@@ -223,10 +226,10 @@ class IndexerService:
         until = self._clock() + keep_s
         index = self.index
         for stream in self.stream_ids(worker, dp_rank):
-            key = index.first_block_key(stream, plain, tokens)
-            if key is not None:
+            keys = index.first_block_keys(stream, plain, tokens)
+            for key in keys:
                 self._shadowed.mark(stream, key, until)
-            elif index.has_stream(stream) and index.block_size(stream) is None:
+            if not keys and index.has_stream(stream) and index.block_size(stream) is None:
                 # its first events will say the size: the key is made then (`_on_applied`)
                 self._shadow_unsized(stream, plain, tokens, until)
         if self._shadowed.due():
@@ -267,10 +270,11 @@ class IndexerService:
                 waiting.append(item)
                 continue
             _, plain, head, until = item
-            key = index.first_block_key(stream, plain, head)
-            if key is not None:
+            keys = index.first_block_keys(stream, plain, head)
+            for key in keys:
                 self._shadowed.mark(stream, key, until)
-            elif len(head) >= _UNSIZED_HEAD:
+            kinds = 2 if index.bigram(stream) is None else 1  # tokens, pairs (or the known one)
+            if len(keys) < kinds and len(head) >= _UNSIZED_HEAD:
                 # a page longer than the head kept: no key to shadow it by (fail closed)
                 self._blanket.add(stream)
         self._unsized_shadows = waiting

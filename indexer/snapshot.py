@@ -8,7 +8,9 @@ and namespace ids, plus the rare side tables (reference counts, media, partial p
 digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
 with streams that must be rebuilt before they are trusted). Version 3 keeps each block's copies
 per storage tier (`indexer.index.media`); older versions name one medium per block. Version 4
-adds each stream's skipped KV-cache groups and lookahead. The
+adds each stream's skipped KV-cache groups, its lookahead, and whether its pages are SGLang
+EAGLE (prev, next) pairs, which says how a request is keyed there (older snapshots leave these
+to the stream's next events). The
 shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
 Pending entries are not stored (they live for seconds).
 
@@ -42,7 +44,8 @@ __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
 SNAPSHOT_VERSION = 4
 # version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block;
-# versions 1-3 keep no skipped groups or lookahead (learned again from the next events)
+# versions 1-3 keep no skipped groups, lookahead or bigram flag (learned again from the next
+# events)
 _READABLE_VERSIONS = (1, 2, 3, 4)
 _FORMAT = "kvroute-index"
 
@@ -65,9 +68,11 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     # version 2: the digest of the batch at last_seq, so a warm start can prove that the
     # publisher it reconnects to is still the process the snapshot followed (indexer.fence)
     fence: bytes | None = None
-    # version 4: the KV-cache groups whose removals are not a prefix's (hybrid models: without
-    # them, a sliding-window group's removal after a load took full-attention blocks away),
-    # and the engine's lookahead (`PrefixIndex._trim_lookahead`)
+    # version 4: whether its pages are SGLang EAGLE (prev, next) pairs (None: not known yet),
+    # the KV-cache groups whose removals are not a prefix's (hybrid models: without them, a
+    # sliding-window group's removal after a load took full-attention blocks away), and the
+    # engine's lookahead (`PrefixIndex._trim_lookahead`)
+    bigram: bool | None = None
     skipped_groups: list[int] = []
     lookahead: int = 0
 
@@ -112,6 +117,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
                 counters=st.counters,
                 fence=None if st.fence is None else st.fence.digest(),
+                bigram=st.bigram,
                 skipped_groups=sorted(st.skipped_groups),
                 lookahead=st.lookahead,
             )
@@ -180,6 +186,8 @@ def _rebuild(
         index._by_slot[s.slot] = s.stream
         if s.block_size is not None:
             index._set_block_size(st, s.block_size)
+        if s.bigram is not None:
+            index._set_bigram(st, s.bigram)
         st.last_seq = s.last_seq
         if s.fence is not None:
             if s.last_seq is None:

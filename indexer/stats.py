@@ -86,6 +86,9 @@ class StreamStats(msgspec.Struct):
     unindexable_blocks: int = 0
     # batches that said another dp rank than the stream's (its ports mapped wrong): warned of
     rank_mismatches: int = 0
+    # events of SGLang EAGLE (prev, next) pairs on a stream of int pages, or the reverse, while
+    # it held entries: not kept (a request is keyed one way per stream)
+    token_kind_mismatches: int = 0
 
 
 class RankMatch(msgspec.Struct):

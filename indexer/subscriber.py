@@ -917,4 +917,5 @@ class StreamSubscriber:
             unknown_removes=counters.unknown_removes if counters else 0,
             unindexable_blocks=counters.unindexable_blocks if counters else 0,
             rank_mismatches=self.rank_mismatches,
+            token_kind_mismatches=counters.token_kind_mismatches if counters else 0,
         )

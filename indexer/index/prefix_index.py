@@ -25,6 +25,10 @@ Applying: the steady SGLang store (a child of a known block, a namespace already
 hashes and keys) is a few C-level map passes per event (`_store`); everything else goes
 through `_store_general`, block by block where it must. Removes pop both maps in bulk.
 
+Streams whose pages are SGLang EAGLE (prev, next) pairs (learned from their events, like the
+block size) are matched by the request's pairs (`indexer.namespace.Bigrams`): a query walks
+each (block size, bigram) group of streams once.
+
 Namespaces: SGLang names the salt per event (`cache_salt`); vLLM puts it in `extra_keys[0]` of
 the first block of a request (`["salt"]`, or `[lora_name, salt]`) and children inherit their
 parent's namespace. A block whose parent is unknown is not indexed (fail closed) and counted.
@@ -50,7 +54,7 @@ from indexer.index.stream_table import ApplyOutcome, IndexedStream, StreamCounte
 from indexer.index.values import CODE_BITS, NS_MASK
 from indexer.index.walk import PrefixMatch, StreamMatch, collect, walk_prefix
 from indexer.index.writer import BatchWriter
-from indexer.namespace import Namespace, namespace_seed
+from indexer.namespace import Bigrams, Namespace, blocks_within, namespace_seed
 from indexer.protocol.events import EventBatch
 
 __all__ = ["DEFAULT_MEDIUM", "PrefixIndex"]
@@ -86,7 +90,9 @@ class PrefixIndex:
         # streams whose engine hashes blocks with the tokens after them (`_trim_lookahead`)
         self._lookahead_streams: dict[str, IndexedStream] = {}
         self._free_slots: list[int] = []
-        self._by_block_size: dict[int, int] = {}  # block size -> stream bits (unshifted)
+        # (block size, bigram pages) -> stream bits (unshifted): a query walks each such group
+        # once, with the request's tokens or its (prev, next) pairs (`indexer.namespace.Bigrams`)
+        self._by_shape: dict[tuple[int, bool], int] = {}
         self._registry = NamespaceRegistry()
         # namespace ids are swept for reuse once this many are in use (then at twice the
         # number left), so the registry stays within ~2x the live namespaces
@@ -130,8 +136,29 @@ class PrefixIndex:
 
     def _set_block_size(self, st: IndexedStream, block_size: int) -> None:
         st.block_size = block_size
-        bit = 1 << st.slot
-        self._by_block_size[block_size] = self._by_block_size.get(block_size, 0) | bit
+        self._join_shape(st)
+
+    def _set_bigram(self, st: IndexedStream, bigram: bool) -> None:
+        """The stream's pages are (`True`) or are not SGLang EAGLE (prev, next) pairs."""
+        if st.block_size is not None:
+            self._leave_shape(st)
+        st.bigram = bigram
+        if st.block_size is not None:
+            self._join_shape(st)
+
+    def _join_shape(self, st: IndexedStream) -> None:
+        assert st.block_size is not None
+        shape = (st.block_size, bool(st.bigram))
+        self._by_shape[shape] = self._by_shape.get(shape, 0) | 1 << st.slot
+
+    def _leave_shape(self, st: IndexedStream) -> None:
+        assert st.block_size is not None
+        shape = (st.block_size, bool(st.bigram))
+        rest = self._by_shape.get(shape, 0) & ~(1 << st.slot)
+        if rest:
+            self._by_shape[shape] = rest
+        else:
+            self._by_shape.pop(shape, None)
 
     def drop_stream(self, stream: str) -> int:
         """Forget a stream and all its entries; returns how many entries were dropped."""
@@ -141,11 +168,7 @@ class PrefixIndex:
         dropped = self.clear_stream(stream, count=False)
         self.pending.discard_slot(st.slot)
         if st.block_size is not None:
-            rest = self._by_block_size.get(st.block_size, 0) & ~(1 << st.slot)
-            if rest:
-                self._by_block_size[st.block_size] = rest
-            else:
-                self._by_block_size.pop(st.block_size, None)
+            self._leave_shape(st)
         del self._streams[stream]
         self._lookahead_streams.pop(stream, None)
         del self._by_slot[st.slot]
@@ -176,6 +199,19 @@ class PrefixIndex:
     def block_size(self, stream: str) -> int | None:
         """The stream's block size (configured or learned), None while unknown."""
         return self._streams[stream].block_size
+
+    def bigram(self, stream: str) -> bool | None:
+        """Whether the stream's pages are SGLang EAGLE (prev, next) pairs, so a request is
+        keyed there by its pairs (`indexer.namespace.Bigrams`); None while no page was seen."""
+        return self._streams[stream].bigram
+
+    def key_shape(self, stream: str) -> tuple[int, bool] | None:
+        """(block size, bigram pages) of the stream: streams of one shape share a prompt's
+        block keys (`block_keys`); None while the block size is unknown."""
+        st = self._streams.get(stream)
+        if st is None or st.block_size is None:
+            return None
+        return st.block_size, bool(st.bigram)
 
     def entries(self, stream: str) -> int:
         """Blocks the stream holds now (partial pages included)."""
@@ -297,6 +333,7 @@ class PrefixIndex:
         c.skipped_events += outcome.skipped
         c.skipped_group_blocks += outcome.skipped_group_blocks
         c.unindexable_blocks += outcome.unindexable_blocks
+        c.token_kind_mismatches += outcome.token_kind_mismatches
         if seq is not None:
             st.last_seq = seq
             st.fence = None if payload is None else BatchFence.of(seq, payload)
@@ -322,7 +359,8 @@ class PrefixIndex:
         ns_id = self._intern(namespace)
         if keys is None:
             seed = self._registry.seed(ns_id, st.block_size)
-            keys = self._chain(seed, tokens, st.block_size, 0, -1)
+            keyed: Sequence[Hashable] = Bigrams(tokens) if st.bigram else tokens
+            keys = self._chain(seed, keyed, st.block_size, 0, -1)
         # keys the stream already holds need no pending mark (C-level passes, no per-key step;
         # a prompt nobody holds, the common case for a new prefix, skips even those)
         table = self._table
@@ -347,7 +385,14 @@ class PrefixIndex:
         if ns_id is None:
             return out
         by_slot = self._by_slot
-        for block_size, bits in self._by_block_size.items():
+        pairs = None
+        for (block_size, bigram), bits in self._by_shape.items():
+            keyed, upto = tokens, limit
+            if bigram:
+                # what SGLang keys the request by on EAGLE pages: its pairs, made once (lazily)
+                if pairs is None:
+                    pairs = Bigrams(tokens, limit)
+                keyed, upto = pairs, None
             real, extra, tiers = walk_prefix(
                 self._chain,
                 self._table,
@@ -356,9 +401,9 @@ class PrefixIndex:
                 self._registry.seed(ns_id, block_size),
                 self._registry.codes[ns_id],
                 bits,
-                tokens,
+                keyed,
                 block_size,
-                limit,
+                upto,
             )
             collect(out, real, extra, tiers, by_slot, self.default_medium)
         if self._lookahead_streams:
@@ -417,32 +462,45 @@ class PrefixIndex:
         The same keys the stream's entries and pending marks have, root first, so a caller can
         keep its own per-key bookkeeping (the router's recency of a worker's blocks). Empty
         while the stream's block size or the namespace is unknown (nothing can be held then).
+        On a stream of bigram pages they are the keys of the request's pairs (`Bigrams`):
+        n tokens make `blocks_within(n, size, True)` blocks. Streams of one `key_shape` have
+        the same keys.
         """
         st = self._streams.get(stream)
         ns_id = self._registry.find(namespace)
         if st is None or st.block_size is None or ns_id is None:
             return []
         size = st.block_size
-        count = (len(tokens) if limit is None else min(limit, len(tokens))) // size
+        n = len(tokens) if limit is None else min(limit, len(tokens))
+        count = blocks_within(n, size, bool(st.bigram))
         if not count:
             return []
-        return self._chain(self._registry.seed(ns_id, size), tokens, size, 0, count)
+        keyed: Sequence[Hashable] = Bigrams(tokens, n) if st.bigram else tokens
+        return self._chain(self._registry.seed(ns_id, size), keyed, size, 0, count)
 
-    def first_block_key(
+    def first_block_keys(
         self, stream: str, namespace: Namespace, tokens: Sequence[Hashable]
-    ) -> int | None:
-        """The key of the first full block of `tokens` on `stream` in `namespace`, whether or
-        not the index has met the namespace (None: the block size is unknown, or no full
-        block)."""
+    ) -> list[int]:
+        """The keys the first full block of `tokens` may have on `stream` in `namespace`,
+        whether or not the index has met the namespace: its one key once the stream's pages
+        showed their kind, else the key of the tokens and of their pairs (`Bigrams`), as
+        either may be what its pages turn out to be (none: the block size is unknown, or no
+        full block)."""
         st = self._streams.get(stream)
-        if st is None or st.block_size is None or len(tokens) < st.block_size:
-            return None
+        if st is None or st.block_size is None:
+            return []
         size = st.block_size
         ns_id = self._registry.find(namespace)
         seed = (
             namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
         )
-        return self._chain(seed, tokens, size, 0, 1)[0]
+        kinds = (False, True) if st.bigram is None else (st.bigram,)
+        keys = []
+        for bigram in kinds:
+            if blocks_within(len(tokens), size, bigram):
+                keyed: Sequence[Hashable] = Bigrams(tokens, size + 1) if bigram else tokens
+                keys.append(self._chain(seed, keyed, size, 0, 1)[0])
+        return keys
 
     def holder_counts(self, keys: Sequence[int]) -> list[int]:
         """For each key, how many streams hold it per their events."""

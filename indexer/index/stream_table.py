@@ -35,6 +35,9 @@ class StreamCounters(msgspec.Struct):
     # blocks keyed by more than their tokens, LoRA and salt (vLLM's multimodal inputs, prompt
     # embeddings: `indexer.namespace.vllm_plain_blocks`), and those after them: not kept
     unindexable_blocks: int = 0
+    # events whose pages are of the other kind than the stream's (SGLang EAGLE (prev, next)
+    # pairs on a stream of int tokens, or the reverse) while it holds entries: not kept
+    token_kind_mismatches: int = 0
 
 
 class ApplyOutcome(msgspec.Struct, gc=False):
@@ -48,12 +51,14 @@ class ApplyOutcome(msgspec.Struct, gc=False):
     skipped: int = 0
     skipped_group_blocks: int = 0
     unindexable_blocks: int = 0
+    token_kind_mismatches: int = 0
 
 
 class IndexedStream:
     """Everything the index knows about one (worker, dp rank) stream."""
 
     __slots__ = (
+        "bigram",
         "bit",
         "block_size",
         "blocks",
@@ -89,6 +94,9 @@ class IndexedStream:
         self.model = model
         self.engine = engine  # whose wire rules its events follow (indexer.engines)
         self.block_size = block_size
+        # whether its pages are SGLang EAGLE (prev, next) pairs (`indexer.namespace.Bigrams`):
+        # learned from its first stored page like the block size (None: no page seen yet)
+        self.bigram: bool | None = None
         self.last_seq: int | None = None
         # what proves the publisher's batch `last_seq` is still the one applied (indexer.fence)
         self.fence: BatchFence | None = None

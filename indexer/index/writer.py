@@ -104,6 +104,20 @@ class BatchWriter:
             cache[(lora, salt)] = ns_id
         return ns_id
 
+    def _token_kind(self, st: IndexedStream, bigram: bool) -> bool:
+        """Whether a page of `bigram` pairs (SGLang EAGLE's (prev, next) keys) or of plain
+        tokens may be kept on `st`: the stream takes the kind of its first page (it says how
+        requests are keyed there, `PrefixIndex.match`), and again whenever it holds nothing
+        (a restarted worker may have EAGLE turned on or off). The other kind beside held
+        entries is refused (counted): a request is keyed one way per stream, and the pages
+        of the other kind could never match it."""
+        if st.bigram is bigram:
+            return True
+        if st.bigram is None or not st.entries():
+            self._index._set_bigram(st, bigram)
+            return True
+        return False
+
     @staticmethod
     def _reusable(st: IndexedStream, ev: Stored) -> bool:
         """Whether the event's KV-cache group makes a reusable prefix (hybrid models).
@@ -137,6 +151,7 @@ class BatchWriter:
             or not n
             or ev.block_size != block_size
             or len(tokens) != n * block_size
+            or (type(tokens[0]) is tuple) is not st.bigram
             or st.engine.salt_in_root_extra_keys
             or ev.extra_keys is not None
             or ev.lora_id is not None
@@ -191,6 +206,9 @@ class BatchWriter:
                     extra_keys=ev.extra_keys[:usable],
                 )
                 hashes, n, tokens = ev.block_hashes, usable, ev.token_ids
+        if tokens and not self._token_kind(st, type(tokens[0]) is tuple):
+            outcome.token_kind_mismatches += 1
+            return
         if st.block_size is None:
             self._index._set_block_size(st, page)
         block_size = st.block_size

@@ -95,9 +95,17 @@ class Reading:
             if not partial:
                 expected_sizes[ns] = expected_sizes.get(ns, 0) + 1
             for other in namespaces:
-                got = index.query(other, list(prefix))[stream].blocks
+                got = index.query(other, _request(prefix))[stream].blocks
                 assert got == self.depth(other, prefix), (other, prefix)
         assert {s.namespace: s.blocks for s in index.namespaces()} == expected_sizes
+
+
+def _request(prefix: tuple[Any, ...]) -> list[Any]:
+    """The tokens of a request whose key is `prefix`: on SGLang EAGLE bigram pages, the raw
+    tokens whose (prev, next) pairs the pages are (n tokens make n - 1 pairs)."""
+    if prefix and isinstance(prefix[0], tuple):
+        return [pair[0] for pair in prefix] + [prefix[-1][1]]
+    return list(prefix)
 
 
 def _engine(doc: dict[str, Any]) -> str:

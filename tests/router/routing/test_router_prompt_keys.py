@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from indexer.namespace import Namespace
+from indexer.protocol.events import EventBatch, Stored, TokenId
 from indexer.service import IndexerService
 from router.routing.prompt_keys import PromptKeys
 
@@ -85,3 +88,28 @@ def test_marks_from_given_keys_equal_marks_made_by_the_index() -> None:
     keys = given.block_keys("a", NS, TOKENS)
     assert given.index.add_pending("a", NS, TOKENS, keys) == made.index.add_pending("a", NS, TOKENS)
     assert dict(given.index.pending.bits.items()) == dict(made.index.pending.bits.items())
+
+
+def test_a_bigram_stream_gets_the_keys_of_the_prompts_pairs_beside_an_int_one() -> None:
+    """A stream whose pages are SGLang EAGLE (prev, next) pairs keys a prompt by its pairs: its
+    keys are not those of an int stream of the same block size, and are the ones it holds."""
+    indexer = IndexerService()
+    index = indexer.index
+    for stream in ("plain", "eagle"):
+        index.add_stream(stream, model="m", block_size=16)
+    plain_tokens: list[TokenId] = [*TOKENS[:32]]
+    index.apply("plain", EventBatch(0.0, [Stored([1, 2], None, plain_tokens, 16)]))
+    pairs: list[TokenId] = [*pairwise(TOKENS[:33])]
+    index.apply("eagle", EventBatch(0.0, [Stored([1, 2], None, pairs, 16)]))
+    ns = Namespace("m")
+    keys = PromptKeys(indexer)
+    plain, eagle = keys.of("plain", ns, TOKENS), keys.of("eagle", ns, TOKENS)
+    assert plain == indexer.block_keys("plain", ns, TOKENS) and len(plain) == 4
+    assert eagle == indexer.block_keys("eagle", ns, TOKENS) and len(eagle) == 4  # 68 pairs
+    assert not set(plain) & set(eagle)
+    assert index.holds("eagle", eagle[:2]) == [True, True]
+    for limit in (0, 16, 17, 32, 33, 34, 68):  # 33 tokens make the 32 pairs of two pages
+        for stream in ("plain", "eagle"):
+            want = index.block_keys(stream, ns, TOKENS, limit)
+            assert keys.of(stream, ns, TOKENS, limit) == want, (stream, limit)
+    assert len(keys.of("eagle", ns, TOKENS, 33)) == 2 and len(keys.of("eagle", ns, TOKENS, 32)) == 1
