@@ -259,9 +259,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=512)] = 128
     # a cache_salt (body, salt header or admin input) longer than this is a 400
     max_salt_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # requests held at once for a worker with room (`policy.hold_until_room`); beyond this a
-    # request is routed at once (the worker queues it). A held request's deadline is its
-    # timeouts.request_s, as anywhere
+    # requests held at once for a worker with room (`policy.hold_until_room`); beyond this the
+    # oldest held one is routed at once (the worker queues it) and the new one held in its
+    # place (0: none is held). A held request's deadline is its timeouts.request_s, as anywhere
     max_held_requests: Annotated[int, msgspec.Meta(ge=0)] = 1024
     # open client connections; one more gets a 503 (lowered to what RLIMIT_NOFILE can hold)
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024

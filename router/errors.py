@@ -13,6 +13,7 @@ RouterError                    500 unless a subclass says otherwise
 │   └── UnknownModelError      404: a request naming a model no worker of the fleet serves
 ├── ConflictError              409: adding a worker id that already exists
 ├── NoWorkerError              503: no healthy worker can take the request
+├── HoldTimeoutError           504: the deadline passed while held in the router (never sent)
 ├── TooManyConnectionsError    503: the listener is at limits.max_connections
 └── UpstreamError              502: every worker tried failed before answering
     └── UpstreamTimeoutError   504: the per-request deadline passed
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "ExpectationFailedError",
+    "HoldTimeoutError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
@@ -149,6 +151,13 @@ class NoWorkerError(RouterError):
     """No worker is healthy, undrained and closed-circuit right now."""
 
     status = 503
+
+
+class HoldTimeoutError(RouterError):
+    """A request `policy.hold_until_room` held until its deadline: no worker was sent it (an
+    `UpstreamTimeoutError` would blame one), and nothing of it was committed."""
+
+    status = 504
 
 
 class TooManyConnectionsError(RouterError):

@@ -35,10 +35,16 @@ from multidict import CIMultiDict
 
 from indexer.service import Namespace
 from router.config import RouterConfig
-from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
+from router.errors import (
+    HoldTimeoutError,
+    NoWorkerError,
+    RequestError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
 from router.http.decisions import DecisionStats
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
-from router.http.holding import HeldRequests
+from router.http.holding import HeldRequest, HeldRequests
 from router.http.intake import read_request
 from router.http.metrics import REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
@@ -197,13 +203,6 @@ def _same_plan(plan: Plan) -> Plan:
     return plan
 
 
-def _first_waiting(plan: Plan) -> Candidate | None:
-    """The plan's first choice when it cannot admit the request now (`policy.hold_until_room`:
-    the planner asked it, `Candidate.room`), else None."""
-    first = plan.candidates[0] if plan.candidates else None
-    return first if first is not None and first.healthy and first.room is False else None
-
-
 def _copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
@@ -358,15 +357,19 @@ class Proxy:
         self, plan: P, replan: Callable[[], P], side: Callable[[P], Plan], deadline: float
     ) -> P:
         """The plan to send a request by, once the best (worker, rank) for it has KV room to
-        admit it (`policy.hold_until_room`; `side` gives the plan whose first choice decides:
-        the plan itself, or a pair's prefill side; `replan` plans the request again). Until
-        then the request waits here in its rank's queue (`router.http.holding`), planned again
-        when it may go. With `limits.max_held_requests` waiting already it goes as planned (the
-        worker queues it); at the request's deadline the plan is returned as it stands, and the
-        forward answers 504 as for a request that waited in the worker's queue."""
-        first = _first_waiting(side(plan))
+        admit it and no request held before it waits for that rank (`policy.hold_until_room`;
+        `side` gives the plan whose first choice decides: the plan itself, or a pair's prefill
+        side; `replan` plans the request again). Until then the request waits here in its
+        rank's queue (`router.http.holding`), planned again when it may go. With
+        `limits.max_held_requests` waiting already, the oldest of them goes as planned (the
+        worker queues it) and this one waits in its place; with none allowed it goes at once.
+        At the request's deadline: HoldTimeoutError, nothing committed (no worker was sent it).
+        """
         holding = self._holding
-        if first is None or holding.count >= self._config.limits.max_held_requests:
+        first = self._must_wait(side(plan), None)
+        if first is None:
+            return plan
+        if holding.count >= self._config.limits.max_held_requests and not holding.release_oldest():
             return plan
         held = holding.enter((first.worker, first.dp_rank))
         self._metrics.held.inc()
@@ -383,16 +386,24 @@ class Proxy:
                 )
                 load.hold(*waiting)
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return plan
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(holding.wait_s(held, remaining)):
-                        await held.woken.wait()
-                held.woken.clear()
+                if remaining > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(holding.wait_s(held, remaining)):
+                            await held.woken.wait()
+                    held.woken.clear()
                 load.release(*waiting)
                 waiting = None
+                if time.monotonic() >= deadline:
+                    # nothing was sent and nothing is committed: no pending marks, load or
+                    # decision for a worker that never saw the request
+                    raise HoldTimeoutError(
+                        "request deadline passed while it was held for a worker with room "
+                        "(policy.hold_until_room); it was never sent to a worker"
+                    )
                 plan = replan()
-                found = _first_waiting(side(plan))
+                if held.released:  # over the cap, the oldest goes as planned
+                    return plan
+                found = self._must_wait(side(plan), held)
                 if found is None:
                     return plan
                 first = found
@@ -401,6 +412,19 @@ class Proxy:
             if waiting is not None:
                 load.release(*waiting)
             holding.leave(held)
+
+    def _must_wait(self, plan: Plan, held: HeldRequest | None) -> Candidate | None:
+        """The plan's first choice when the request waits for it (`policy.hold_until_room`,
+        the planner asked it: `Candidate.room`): when it cannot admit the request now, or a
+        request held before this one (`held`; None: one not held yet) waits for it. Else None.
+        First come, first served, as an engine's queue admits: else a newer request that fits
+        takes the room an older one waits for, as often as it comes free."""
+        first = plan.candidates[0] if plan.candidates else None
+        if first is None or not first.healthy or first.room is None:
+            return None
+        if first.room is False or self._holding.ahead((first.worker, first.dp_rank), held):
+            return first
+        return None
 
     def held(self) -> int:
         """Requests waiting for a worker with room (`policy.hold_until_room`)."""

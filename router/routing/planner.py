@@ -119,6 +119,20 @@ _NO_MATCH = WorkerMatch(
 )
 
 
+def _gpu_reused_tokens(candidate: Candidate) -> int:
+    """The prefix the candidate is predicted to reuse from its GPU pages, without allocating:
+    the predicted reuse less its blocks on another tier (`by_medium`: a block held on the GPU
+    and the host counts as the GPU's), which the worker loads back into new GPU pages. Counted
+    as if every such block were in the predicted part, so a host-tier match never makes room."""
+    offloaded_blocks = sum(
+        blocks for medium, blocks in candidate.by_medium.items() if medium != DEFAULT_MEDIUM
+    )
+    if not offloaded_blocks or not candidate.matched_blocks:
+        return candidate.predicted_tokens
+    block_size = candidate.matched_tokens // candidate.matched_blocks
+    return max(0, candidate.predicted_tokens - offloaded_blocks * block_size)
+
+
 class Planner:
     """Plans and commits routing decisions for a pool of workers."""
 
@@ -670,7 +684,8 @@ class Planner:
         `policy.hold_output_ratio` of it, as an engine that reserves a share) fits the rank's
         KV pool. A rank with nothing in flight, or whose capacity is unknown, always has room
         (else a request larger than the pool, or a fleet without `max_total_num_tokens`,
-        would wait forever).
+        would wait forever). A match held on a host tier is loaded back into GPU pages before
+        the request runs: it allocates as an uncached prompt does (`_gpu_reused_tokens`).
         """
         entry = self.pool.find(candidate.worker)
         capacity = entry.capacity_tokens if entry is not None else None
@@ -679,7 +694,7 @@ class Planner:
             return True
         config = self._config
         allocated = load.allocated_tokens(config.admission_reserve_tokens, config.hold_output_ratio)
-        need = candidate.uncached_tokens(prompt_tokens) + output_tokens
+        need = max(0, prompt_tokens - _gpu_reused_tokens(candidate)) + output_tokens
         return allocated + need <= capacity
 
     def record_failure(self, worker: str, *, hard: bool) -> None:

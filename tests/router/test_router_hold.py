@@ -4,20 +4,24 @@ Two requests fill most of the worker's KV pool while they decode; a third does n
 them. Without holding, the router sends it and it waits in the worker's queue; with holding, it
 waits in the router (the worker's queue stays empty) and goes when one of the two ends.
 `limits.max_held_requests = 0` turns holding off in practice: the control that the situation
-really arises, and the cap, are the same test.
+really arises, and the cap, are the same test. Held requests go first come, first served (over
+the cap too), and one held to its deadline is answered without anything committed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
-from router.config import LimitsConfig, PolicyConfig
+from router.config import LimitsConfig, PolicyConfig, RouterConfig, TimeoutsConfig
+from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -41,14 +45,25 @@ def prompt(i: int) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _fleet(hold: bool, max_held: int) -> AsyncIterator[tuple[Fleet, ReferenceWorker]]:
+async def _fleet(
+    hold: bool, max_held: int, *, request_s: float = 300.0, source: list[RouterConfig] | None = None
+) -> AsyncIterator[tuple[Fleet, ReferenceWorker]]:
+    """One reference worker behind a router; `source`, when given, gets the config, and a
+    reload reads its last element (`RouterService.reload`)."""
     async with ReferenceWorker(CFG) as w0:
         config = router_config(
             [("w0", w0.url)],
             policy=PolicyConfig(hold_until_room=hold),
             limits=LimitsConfig(max_held_requests=max_held),
+            timeouts=TimeoutsConfig(request_s=request_s),
         )
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+        configs = source if source is not None else []
+        configs.append(config)
+        reads = ConfigSource("test", lambda: configs[-1])
+        async with (
+            RouterService(config, config_source=reads) as router,
+            aiohttp.ClientSession() as session,
+        ):
             fleet = Fleet(router, {"w0": w0}, session)
             await fleet.warm()
             await eventually(lambda: _capacity_known(fleet), what="the worker's capacity")
@@ -96,6 +111,13 @@ async def test_a_request_without_room_waits_in_the_router_not_in_the_worker(
             assert status == 200 and len(answer["output_ids"]) == 20
         assert await _metric(fleet, "kvroute_held_requests_total") == (1.0 if holds else 0.0)
         assert await _metric(fleet, "kvroute_holding_requests") == 0.0
+
+
+async def _total(fleet: Fleet, name: str) -> float:
+    """The sum of a family's samples, whatever their labels."""
+    async with fleet.session.get(fleet.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def _metric_is(fleet: Fleet, name: str, value: float) -> bool:
@@ -161,3 +183,95 @@ async def _queued(fleet: Fleet) -> int:
     plan = await fleet.route(prompt(99))
     (only,) = plan["candidates"]
     return int(only["queued_prefill_tokens"])
+
+
+async def test_a_newer_request_that_fits_waits_behind_an_older_held_one() -> None:
+    """First come, first served, as the worker's own queue admits: a small request that would
+    fit beside the running ones does not take the room the held request before it waits for
+    (it did, and a stream of them kept the older one waiting to its deadline)."""
+    async with _fleet(True, 1024) as (fleet, w0):
+        first = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (1, 2)]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        older = asyncio.create_task(fleet.post("/generate", prompt(3)))
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+        )
+        # 40 tokens and 20 of output: room beside the two running (the 129-token one has none)
+        small = {"input_ids": [7] * 40, "sampling_params": {"max_new_tokens": 20}}
+        assert (await fleet.route(small))["candidates"][0]["room"] is True
+        newer = asyncio.create_task(fleet.post("/generate", small))
+
+        async def placed() -> bool:
+            held = await _metric(fleet, "kvroute_holding_requests")
+            return held == 2.0 or w0.ranks[0].load != (2, 0)
+
+        await eventually(placed, what="the small request held or sent")
+        assert await _metric(fleet, "kvroute_holding_requests") == 2.0
+        assert w0.ranks[0].load == (2, 0)  # it waits behind the older one, in the router
+        for task in [*first, older, newer]:
+            status, _, _ = await task
+            assert status == 200
+
+
+async def test_held_requests_over_the_cap_are_served_in_order_not_starved() -> None:
+    """Steady load over `limits.max_held_requests`: a request over the cap lets the oldest held
+    one go (the worker queues it) and waits in its place. Requests over the cap used to go
+    straight to the worker, which counted them as in flight: the held request saw no room for
+    as long as they came, and got 504 at its deadline while newer ones were served."""
+    async with _fleet(True, 1, request_s=4.0) as (fleet, w0):
+        served: list[tuple[float, float, int]] = []  # (sent, answered, status), the clients'
+        stop = asyncio.Event()
+        numbers = iter(range(10, 200))
+
+        async def client() -> None:
+            while not stop.is_set():
+                sent = time.monotonic()
+                status, _, _ = await fleet.post("/generate", prompt(next(numbers)))
+                served.append((sent, time.monotonic(), status))
+
+        # two clients in a loop fill the worker; the request held next is the one watched;
+        # two more clients in a loop come over the cap behind it, for as long as it waits
+        clients = [asyncio.create_task(client()) for _ in range(2)]
+        await eventually(lambda: _load_is(w0, 2, 0), what="the worker full")
+        held_at = time.monotonic()
+        watched = asyncio.create_task(fleet.post("/generate", prompt(5)))
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+        )
+        clients += [asyncio.create_task(client()) for _ in range(2)]
+        status, _, answer = await watched
+        answered = time.monotonic()
+        stop.set()
+        await asyncio.gather(*clients)
+        assert status == 200, answer
+        assert all(s == 200 for _, _, s in served)
+        # first come, first served: no request sent after it was answered well before it
+        overtook = [end - answered for sent, end, _ in served if sent > held_at and end < answered]
+        assert min(overtook, default=0.0) > -0.1, overtook
+
+
+async def test_a_request_held_to_its_deadline_is_answered_with_nothing_committed() -> None:
+    """It was never sent: no worker is blamed, no pending marks or decision are left for the
+    next request to follow, and no routed request is counted (the plan it waited on used to be
+    committed before the deadline was checked)."""
+    source: list[RouterConfig] = []
+    async with _fleet(True, 1024, source=source) as (fleet, w0):
+        long = [{**prompt(i), "sampling_params": {"max_new_tokens": 60}} for i in (1, 2)]
+        first = [asyncio.create_task(fleet.post("/generate", body)) for body in long]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        routed = await _total(fleet, "kvroute_routed_requests_total")
+        # a short deadline for the requests from now on (the two running keep theirs)
+        source.append(msgspec.structs.replace(source[-1], timeouts=TimeoutsConfig(request_s=0.5)))
+        await fleet.router.reload()
+        status, _, answer = await fleet.post("/generate", prompt(3))
+        assert status == 504
+        assert answer["error"]["type"] == "HoldTimeoutError"
+        assert "never sent" in answer["error"]["message"]
+        assert w0.ranks[0].load == (2, 0)  # the worker never had it
+        (only,) = (await fleet.route(prompt(3)))["candidates"]
+        assert only["pending_tokens"] == 0 and only["matched_tokens"] == 0
+        assert await _total(fleet, "kvroute_routed_requests_total") == routed
+        for task in first:
+            status, _, _ = await task
+            assert status == 200
+        assert await _metric(fleet, "kvroute_holding_requests") == 0.0

@@ -52,3 +52,39 @@ def test_a_head_that_moves_away_hands_the_turn_on_at_once() -> None:
     held.move(first, B)
     assert second.woken.is_set() and not third.woken.is_set()
     assert held.wait_s(second, 10.0) == 0.05
+
+
+def test_a_request_waits_behind_those_held_before_it_for_the_same_rank() -> None:
+    held = HeldRequests(poll_s=0.05)
+    assert not held.ahead(A)  # nobody waits there: a new request may go if it fits
+    first = held.enter(A)
+    assert held.ahead(A)  # a new request does not overtake it, room or not
+    assert not held.ahead(B)
+    second = held.enter(A)
+    assert not held.ahead(A, first) and held.ahead(A, second)
+
+
+def test_a_request_moved_to_another_rank_keeps_its_age_there() -> None:
+    # held before the ones already waiting there: it goes first there too
+    held = HeldRequests(poll_s=0.05)
+    old = held.enter(A)
+    young = held.enter(B)
+    held.move(old, B)
+    assert not held.ahead(B, old) and held.ahead(B, young)
+    assert held.wait_s(old, 10.0) == 0.05 and held.wait_s(young, 10.0) == 10.0
+
+
+def test_over_the_cap_the_oldest_held_goes_first() -> None:
+    held = HeldRequests(poll_s=0.05)
+    assert not held.release_oldest()  # none held: nothing to let go
+    first, second = held.enter(B), held.enter(A)
+    third = held.enter(B)
+    assert held.release_oldest()
+    assert first.released and first.woken.is_set() and held.count == 2
+    # the one behind it heads the queue now, and polls
+    assert third.woken.is_set() and held.wait_s(third, 10.0) == 0.05
+    held.leave(first)  # already out of the queues and the count
+    assert held.count == 2
+    assert held.release_oldest() and second.released and not third.released
+    held.leave(third)
+    assert held.count == 0 and not held.release_oldest()

@@ -6,6 +6,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from indexer.service import IndexerService, Namespace, StreamConfig
@@ -227,6 +228,38 @@ async def test_a_rank_has_room_while_what_its_requests_allocate_fits_its_pool(
     planner.finish(first)
     planner.finish(second)
     assert load.allocated_tokens(reserve) == 0 and planner.has_room(chosen, 5000, 100)
+
+
+async def test_a_match_on_a_host_tier_needs_gpu_room_as_an_uncached_prompt_does(
+    indexer: IndexerService,
+) -> None:
+    """Blocks the index shows on a host tier (e.g. SGLang's CPU_PINNED) are loaded back into
+    new GPU pages before the request runs: `has_room` counts them with the uncached prompt
+    (it counted them as reused, and said room for a request the worker then queued)."""
+    planner = await _planner(indexer, "kv")
+    req = _request("x" * 400)
+    ns = planner.namespace(req)
+    chosen = planner.plan(req, ns).ranked()[0]
+    entry = planner.pool.find(chosen.worker)
+    assert entry is not None
+    entry.capacity_tokens = 1000
+    planner.commit(ns, req.tokens, chosen, first_try=True, output_tokens=100)  # 500 allocated
+    prompt = len(req.tokens)
+    # 24 blocks matched (no forecast: the raw match is the prediction)
+    on_gpu = msgspec.structs.replace(
+        chosen, matched_tokens=384, matched_blocks=24, by_medium={"GPU": 24}, admission=None
+    )
+    # 16 tokens to compute and 101 of output fit beside the 500
+    assert on_gpu.uncached_tokens(prompt) == 16 and planner.has_room(on_gpu, prompt, 101)
+    on_host = msgspec.structs.replace(on_gpu, by_medium={"CPU_PINNED": 24})
+    assert on_host.uncached_tokens(prompt) == 16  # reused, not computed: scored as a hit
+    # but 400 GPU pages to allocate: with 100 of output exactly the 1000, with 101 over it
+    assert planner.has_room(on_host, prompt, 100)
+    assert not planner.has_room(on_host, prompt, 101)
+    # half on each: the GPU half is reused in place, the host half allocates
+    split = msgspec.structs.replace(on_gpu, by_medium={"GPU": 12, "CPU_PINNED": 12})
+    assert planner.has_room(split, prompt, 1000 - 500 - (prompt - 192))
+    assert not planner.has_room(split, prompt, 1000 - 500 - (prompt - 192) + 1)
 
 
 async def test_answers_and_ends_tell_the_held_requests(indexer: IndexerService) -> None:
