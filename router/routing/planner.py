@@ -27,6 +27,7 @@ from functools import partial
 import msgspec
 
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
+from indexer.index import DEFAULT_MEDIUM
 from indexer.service import (
     UNTRUSTED,
     IndexerService,
