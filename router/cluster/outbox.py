@@ -10,8 +10,9 @@ While NATS is away nothing is buffered: decisions that old would only mislead, a
 heartbeat, which lists every request still in flight, repairs the other replicas' view of this
 one's load. Shadows are the exception (`shadowed`): they last an hour, and a replica that
 missed one would predict a plain request the pages an extra_key's request stored. So the
-shadows of the last `SHADOW_KEEP_S` are kept (the newest `MAX_SHADOWS`) and sent again when
-NATS is back and when a replica joins.
+shadows of the last `SHADOW_KEEP_S`, this replica's and those the others sent (`remember`), are
+kept (the newest `MAX_SHADOWS`) and sent again when NATS is back and when a replica joins or
+comes back: the one that made a shadow may be the one coming back, with nothing of it left.
 """
 
 from __future__ import annotations
@@ -107,6 +108,21 @@ class Outbox:
         self._shadows.move_to_end(key)
         while len(self._shadows) > MAX_SHADOWS:
             self._shadows.popitem(last=False)
+
+    def remember(self, shadow: Shadow) -> None:
+        """Keep a shadow another replica sent, to send again when a replica (re)joins: its
+        sender may be the one coming back."""
+        try:
+            head = array("q", shadow.tokens[:SHADOW_HEAD_TOKENS]).tobytes()
+        except OverflowError:
+            return
+        key = (shadow.worker, shadow.dp_rank, shadow.namespace, head)
+        until = self._clock() + shadow.keep_s
+        if self._shadows.get(key, 0.0) < until:
+            self._shadows[key] = until
+            self._shadows.move_to_end(key)
+            while len(self._shadows) > MAX_SHADOWS:
+                self._shadows.popitem(last=False)
 
     def resend_shadows(self) -> None:
         """Queue every shadow still in force (NATS came back, or a replica joined)."""

@@ -60,10 +60,11 @@ class AdmissionBook(Protocol):
 
 
 class _Peer:
-    __slots__ = ("last_seen", "marks", "tickets")
+    __slots__ = ("instance", "last_seen", "marks", "tickets")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, instance: str = "") -> None:
         self.last_seen = now
+        self.instance = instance  # its process's token (`Batch.instance`)
         self.tickets: dict[int, Ticket] = {}
         # the forecast's marks of a request whose Pending came, by its number, until its Begin
         self.marks: dict[int, list[tuple[str, int]]] = {}
@@ -97,6 +98,8 @@ class Peers:
         # told the name of each replica heard from for the first time (or again after it was
         # dropped as silent): what it missed that lasts, it is sent again (`Outbox.shadowed`)
         self.joined: Callable[[str], None] | None = None
+        # told every shadow a peer sent (`Outbox.remember`)
+        self.shadow_seen: Callable[[Shadow], None] | None = None
         # publish-to-apply delays in seconds (same host: both ends read one clock)
         self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
@@ -127,10 +130,20 @@ class Peers:
         peer = self._peers.get(batch.replica)
         now = self._clock()
         if peer is None:
-            peer = self._peers[batch.replica] = _Peer(now)
+            peer = self._peers[batch.replica] = _Peer(now, batch.instance)
             log.info("replica %s joined", batch.replica)
             if self.joined is not None:
                 self.joined(batch.replica)
+        elif batch.instance and batch.instance != peer.instance:
+            # back under the same id before its silence dropped it: the process before it is
+            # gone (its requests end with the heartbeat that lists none), and what lasts, it
+            # is told again
+            fresh = not peer.instance
+            peer.instance = batch.instance
+            if not fresh:
+                log.info("replica %s restarted", batch.replica)
+                if self.joined is not None:
+                    self.joined(batch.replica)
         peer.last_seen = now
         load = self._load
         for d in batch.decisions:
@@ -160,6 +173,8 @@ class Peers:
             elif isinstance(d, Shadow):
                 if self._indexer.has_worker(d.worker) and d.keep_s > 0:
                     self._indexer.shadow(d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s)
+                if self.shadow_seen is not None and d.keep_s > 0:
+                    self.shadow_seen(d)
             elif isinstance(d, FirstByte):
                 ticket = peer.tickets.get(d.ticket)
                 if ticket is not None:

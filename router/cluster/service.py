@@ -131,6 +131,10 @@ class ClusterService:
             book=planner,
         )
         self.peers.joined = lambda _replica: self.outbox.resend_shadows()
+        # the shadows other replicas sent are sent again too: the replica that made them may
+        # be the one coming back, with nothing of its own left
+        self.peers.shadow_seen = self.outbox.remember
+        self._instance = secrets.token_hex(8)
         self.fleet = FleetState(self.replica, supervisor, planner.pool, planner.indexer)
         prefix = config.subject_prefix
         self.subject = f"{prefix}.replica.{self.replica}"
@@ -496,7 +500,7 @@ class ClusterService:
                 self.outbox.dropped += len(decisions)
 
     async def _publish(self, nc: NATS, decisions: list[Decision]) -> None:
-        data = encoder.encode(Batch(self.replica, time.time(), decisions))
+        data = encoder.encode(Batch(self.replica, time.time(), decisions, self._instance))
         if len(data) > nc.max_payload and len(decisions) > 1:
             half = len(decisions) // 2  # in order: the first half is sent first
             await self._publish(nc, decisions[:half])

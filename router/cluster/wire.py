@@ -128,6 +128,9 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
     replica: str
     sent_at: float  # time.time() when published: the propagation delay, on one host
     decisions: list[Decision]
+    # the sending process's own random token: a replica back under the same id (restarted
+    # within the heartbeat timeout) is told apart from the one before it ("": an older sender)
+    instance: str = ""
 
 
 class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

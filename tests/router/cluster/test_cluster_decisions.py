@@ -245,3 +245,41 @@ async def test_a_pairs_decode_side_counts_on_every_replica(nats_server: NatsServ
                 return (await _running(session, b)).get("d0") == 0
 
             await eventually(b_ends_it, what="b to see it end")
+
+
+async def test_a_replica_back_under_its_id_is_told_the_shadows_it_made_before(
+    nats_server: NatsServer,
+) -> None:
+    """The replica that routed an extra_key request restarts (same id, within the heartbeat
+    timeout): its own shadows went with its process, so the others send it theirs, its own
+    among them. It had predicted the plain prompt 688 tokens the worker did not hold."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        slow = {"cluster": cluster(nats_server.url, replica_id="a", heartbeat_timeout_s=30.0)}
+        a_config = replica_config(fleet, nats_server.url, "a", **slow)
+        b_config = replica_config(
+            fleet, nats_server.url, "b",
+            cluster=cluster(nats_server.url, replica_id="b", heartbeat_timeout_s=30.0),
+        )  # fmt: skip
+        prompt = "a prompt a tenant sends under its own extra_key, pages long " * 4
+        async with RouterService(b_config) as b:
+            async with RouterService(a_config) as a:
+                keyed = {**_body(prompt), "extra_key": "view-1"}
+                async with session.post(a.url + "/generate", json=keyed) as resp:
+                    assert resp.status == 200, await resp.text()
+                    holder = resp.headers["x-kvroute-worker"]
+
+                async def b_shadows() -> bool:
+                    return len(b.planner.indexer._shadowed) > 0
+
+                await eventually(b_shadows, what="b to take a's shadow")
+            async with RouterService(a_config) as again:
+                indexer = again.planner.indexer
+                (stream,) = indexer.stream_ids(holder)
+
+                async def told() -> bool:
+                    return indexer.index.entries(stream) > 0 and len(indexer._shadowed) > 0
+
+                await eventually(told, what="the new a to index the pages and be told the shadow")
+                plan = await _route(session, again, prompt)
+                assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
