@@ -36,7 +36,7 @@ from sortedcontainers import SortedList
 
 from indexer.protocol.events import Cleared, Event, Removed, Stored
 from workers.errors import CacheBusyError
-from workers.hashing import Digest, digest_to_hash, page_digests, salt_seed
+from workers.hashing import Digest, digest_to_hash, namespace_seed, page_digests
 
 __all__ = [
     "HOST_MEDIUM",
@@ -57,6 +57,9 @@ class Namespace(msgspec.Struct, frozen=True, gc=False):
 
     extra_key: str | None = None
     cache_salt: str | None = None
+    # the LoRA adapter (`lora_path`, or the OpenAI routes' `model: "base:adapter"`): its pages
+    # are its own, published with its `lora_name` as SGLang does
+    lora: str | None = None
 
 
 _ROOT_NAMESPACE = Namespace()
@@ -144,7 +147,7 @@ def event_digests(node: RadixNode, page_size: int) -> tuple[list[Digest], int]:
     if current is not None and current.parent is not None and current.digests:
         prior = current.digests[-1]
     else:
-        prior = salt_seed(node.namespace.cache_salt)
+        prior = namespace_seed(node.namespace.cache_salt, node.namespace.lora)
     hashed = 0
     for missing_node in reversed(missing):
         digests = page_digests(missing_node.key, page_size, prior)
@@ -604,6 +607,7 @@ class PagedRadixCache:
                 block_size=self.page_size,
                 medium=tier,
                 cache_salt=node.namespace.cache_salt,
+                lora_name=node.namespace.lora,
             )
         )
 

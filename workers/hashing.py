@@ -28,6 +28,7 @@ __all__ = [
     "digest_to_hash",
     "dynamo_hash",
     "dynamo_namespace_seed",
+    "namespace_seed",
     "page_digests",
     "salt_seed",
 ]
@@ -46,6 +47,16 @@ def salt_seed(cache_salt: str | None) -> Digest | None:
     if cache_salt is None:
         return None
     return hashlib.sha256(SALT_PREFIX + cache_salt.encode("utf-8")).digest()
+
+
+def namespace_seed(cache_salt: str | None, lora: str | None) -> Digest | None:
+    """The prior of a namespace's first page: the salt's (`salt_seed`), and for a LoRA adapter
+    one of its own over it, so an adapter's pages are never another's hashes (SGLang
+    namespaces an adapter's hashes as well)."""
+    seed = salt_seed(cache_salt)
+    if lora is None:
+        return seed
+    return hashlib.sha256(b"lora\x00" + lora.encode("utf-8") + b"\x00" + (seed or b"")).digest()
 
 
 def _page_bytes(tokens: Sequence[int]) -> bytes:

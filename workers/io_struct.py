@@ -289,9 +289,11 @@ def parse_generate(raw: object) -> ApiRequest:
         budgets.append(_count(value, "sampling_params.max_new_tokens", DEFAULT_GENERATE_TOKENS))
     if batch:
         salts = normalize_keys(body.get("cache_salt"), "cache_salt", n)
+        loras = normalize_keys(body.get("lora_path"), "lora_path", n)
         extras = normalize_keys(body.get("extra_key"), "extra_key", n)
     else:  # a single prompt takes a single value: a list is a type error, as in the seed
         salts = [normalize_key(body.get("cache_salt"), "cache_salt")]
+        loras = [normalize_key(body.get("lora_path"), "lora_path")]
         extras = [normalize_key(body.get("extra_key"), "extra_key")]
     stream = _bool(body, "stream")
     if stream and batch:
@@ -307,7 +309,7 @@ def parse_generate(raw: object) -> ApiRequest:
     items = [
         Generation(
             input_ids=prompts[i],
-            namespace=Namespace(extra_key=extras[i], cache_salt=salts[i]),
+            namespace=Namespace(extra_key=extras[i], cache_salt=salts[i], lora=loras[i]),
             max_new_tokens=budgets[i],
             dp_rank=dp_rank,
             rid=rids[i],
@@ -356,9 +358,13 @@ def _openai_common(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string")
+    # SGLang's OpenAI routes: the model's `base:adapter` wins over `lora_path`
+    # (`_parse_model_parameter`, `_resolve_lora_path`; one served name without a colon here)
+    adapter = model.split(":", 1)[1].strip() if model is not None and ":" in model else ""
     namespace = Namespace(
         extra_key=normalize_key(body.get("extra_key"), "extra_key"),
         cache_salt=normalize_key(body.get("cache_salt"), "cache_salt"),
+        lora=adapter or normalize_key(body.get("lora_path"), "lora_path"),
     )
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):

@@ -12,11 +12,14 @@ it), so the Structs below re-declare SGLang's wire structs field for field:
 
 The batch is `[ts (float64), events, dp_rank]`. Fields SGLang's layout has no slot for
 (`lora_name`/`session_id` in the array layout, vLLM's `extra_keys`/`group_idx` in both) are not
-written: a reference worker that needs them must use the layout that carries them.
+written: a reference worker that needs them must use the layout that carries them. An adapter's
+name becomes a number in the array layout's `lora_id` (which kvroute files under a namespace no
+request names: such pages are never predicted, as with SGLang's own ids).
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -92,6 +95,14 @@ class _Batch(msgspec.Struct, array_like=True, gc=False):
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+def _adapter_id(event: Stored) -> int | None:
+    """The array layout's `lora_id`: it has no slot for a name, so an adapter is its number
+    there, as SGLang up to 0.5.17 sent its own (a stable one per name here, never 0)."""
+    if event.lora_id is not None or not event.lora_name:
+        return event.lora_id
+    return zlib.crc32(event.lora_name.encode("utf-8")) or 1
+
+
 def _array_event(event: Event) -> msgspec.Struct:
     if isinstance(event, Stored):
         if event.cache_salt:
@@ -100,7 +111,7 @@ def _array_event(event: Event) -> msgspec.Struct:
                 event.parent,
                 event.token_ids,
                 event.block_size,
-                event.lora_id,
+                _adapter_id(event),
                 event.medium,
                 metadata=_StoredMetadata(event.cache_salt),
             )
@@ -109,7 +120,7 @@ def _array_event(event: Event) -> msgspec.Struct:
             event.parent,
             event.token_ids,
             event.block_size,
-            event.lora_id,
+            _adapter_id(event),
             event.medium,
         )
     if isinstance(event, Removed):

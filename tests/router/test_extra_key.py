@@ -9,13 +9,18 @@ siblings to the worker that just took it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import aiohttp
 import pytest
 
 from indexer.namespace import Namespace, namespace_seed, request_keys
 from router.routing.planner import unindexed_reason
-from tests.router.conftest import Fleet, eventually
+from router.service import RouterService
+from tests.router.conftest import Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -51,6 +56,39 @@ async def test_an_extra_key_request_is_never_predicted_from_events(fleet: Fleet)
     async with fleet.session.get(fleet.url + "/metrics") as resp:
         text = await resp.text()
     assert 'kvroute_unindexed_requests_total{reason="extra_key"} 4.0' in text
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+async def test_an_adapters_pages_are_predicted_to_it_alone(layout: str) -> None:
+    """The reference worker keeps an adapter's pages apart and names the adapter on its events
+    as SGLang does (0.5.23's map layout by name, the array layout by a number, which no request
+    names): the router predicts them to the adapter alone, never to the base model, also after
+    an extra_key request of the adapter (it had predicted a plain request 656 tokens the worker
+    did not hold, the adapter's pages filed as the base model's)."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16, event_format=layout)  # type: ignore[arg-type]
+    async with (
+        ReferenceWorker(cfg) as w0,
+        RouterService(router_config([("w0", w0.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": w0}, session)
+        await fleet.warm()
+        prompt = "An adapter's own system prompt, long enough for several pages. " * 6
+        adapter = {"prompt": prompt, "max_tokens": 1, "lora_path": "sql", "cache_salt": "t"}
+        await fleet.post("/v1/completions", adapter)
+        if layout == "map":
+            await eventually(lambda: fleet.holds(adapter, "w0", 256), what="the adapter's pages")
+        _, headers, answer = await fleet.post("/v1/completions", adapter)
+        predicted = int(headers["x-kvroute-matched-tokens"])
+        assert predicted == (cached(answer) if layout == "map" else 0)
+        assert cached(answer) >= 256
+        # an extra_key request of the adapter: its pages come as the adapter's plain ones
+        await fleet.post("/v1/completions", {**adapter, "extra_key": "view"})
+        plain = {k: v for k, v in adapter.items() if k != "lora_path"}
+        await asyncio.sleep(0.2)  # any events still on their way
+        status, headers, answer = await fleet.post("/v1/completions", plain)
+        assert status == 200
+        assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached(answer)
 
 
 async def test_a_bad_extra_key_is_a_400_naming_it(fleet: Fleet) -> None:

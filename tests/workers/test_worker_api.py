@@ -367,3 +367,33 @@ async def test_a_crashed_scheduler_fails_requests_instead_of_hanging(
             assert resp.status == 500  # refused at once: nobody would run it
     assert "crashed" in caplog.text and salt not in caplog.text
     assert worker.ranks[0].idle
+
+
+async def test_an_adapters_pages_are_its_own(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """`lora_path` (and the OpenAI routes' `base:adapter`) put a request's pages in the
+    adapter's namespace, as SGLang's radix cache does: the base model reuses none of them."""
+    ids = list(range(40, 40 + 6 * PAGE))
+
+    async def generate(**extra: object) -> int:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, **extra}
+        async with http.post(worker.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return int((await resp.json())["meta_info"]["cached_tokens"])
+
+    assert await generate(lora_path="sql") == 0
+    assert await generate(lora_path="sql") == 5 * PAGE
+    assert await generate() == 0  # the base model: none of the adapter's pages
+    assert await generate(lora_path="chat") == 0
+    prompt = "an adapter named in the model, as SGLang's OpenAI routes read it " * 2
+    async with openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="unused") as client:
+        for model, cached in (
+            ("ref-model:sql", False),
+            ("ref-model:sql", True),
+            ("ref-model", False),
+        ):
+            done = await client.completions.create(model=model, prompt=prompt, max_tokens=1)
+            assert done.usage is not None and done.usage.prompt_tokens_details is not None
+            hit = (done.usage.prompt_tokens_details.cached_tokens or 0) > 0
+            assert hit is cached, model
