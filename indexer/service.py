@@ -323,12 +323,14 @@ class IndexerService:
             if dp_rank is None or sub.config.dp_rank == dp_rank
         ]
 
-    def held_tokens(self, stream: str) -> int:
-        """Tokens `stream` holds on the GPU per its events (blocks times block size; 0: unknown)."""
+    def held_tokens(self, stream: str, *, every_tier: bool = False) -> int:
+        """Tokens `stream` holds on the GPU per its events (blocks times block size; 0:
+        unknown); with `every_tier`, in any tier (offloaded blocks too)."""
         index = self.index
         if not index.has_stream(stream):
             return 0
-        return index.default_medium_entries(stream) * (index.block_size(stream) or 0)
+        blocks = index.entries(stream) if every_tier else index.default_medium_entries(stream)
+        return blocks * (index.block_size(stream) or 0)
 
     def block_keys(
         self,

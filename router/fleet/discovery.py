@@ -30,6 +30,7 @@ __all__ = [
     "adapters_from_model_list",
     "capacity_from_server_info",
     "flushes_by_salt",
+    "host_capacity_from_server_info",
     "max_running_from_server_info",
     "models_from_model_list",
     "models_from_server_info",
@@ -136,6 +137,18 @@ def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     SGLang reports one scheduler's pool; every data-parallel rank has a pool of that size.
     """
     return _int(info.get("max_total_num_tokens")) if info is not None else None
+
+
+def host_capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
+    """The host tier of one rank in tokens (SGLang's HiCache: `enable_hierarchical_cache`, its
+    pool `hicache_ratio` times the device pool, as `mem_cache/kv_cache_builder.py` sizes it in
+    0.5.23), None when there is none or it is not said."""
+    if info is None or info.get("enable_hierarchical_cache") is not True:
+        return None
+    ratio, device = info.get("hicache_ratio"), capacity_from_server_info(info)
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or device is None:
+        return None
+    return int(ratio * device) if ratio > 0 else None
 
 
 def flushes_by_salt(info: Mapping[str, Any] | None) -> bool:

@@ -28,6 +28,7 @@ from router.errors import RequestError
 from router.fleet.discovery import (
     capacity_from_server_info,
     flushes_by_salt,
+    host_capacity_from_server_info,
     max_running_from_server_info,
     needs_discovery,
     streams_for,
@@ -222,6 +223,7 @@ class Supervisor:
         self._pool.set_models(entry, models, adapters)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
+        entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.flushes_by_salt = flushes_by_salt(info)
         entry.max_running_requests = max_running_from_server_info(info)
         entry.discovered = True
@@ -294,6 +296,7 @@ class Supervisor:
         if self._pool.find(entry.id) is not entry:
             return False
         entry.capacity_tokens = capacity_from_server_info(info)
+        entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
         if not needs_discovery(entry.config):
             return False  # its streams are its config's

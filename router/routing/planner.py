@@ -308,13 +308,19 @@ class Planner:
             why = "no KV-event stream" if not streams else "several ranks, the engine picks"
             candidate.admission = unforecast(raw, why, entry.capacity_tokens)
             return
-        # A match that reaches an offload tier is forecast the same way, as if that tier kept
-        # nothing the GPU pool does not: its size is not advertised, and the GPU evictions
-        # the forecast counts are what fill it (written back there) and so what evicts from
-        # it. Offloaded blocks are the older ones, first to go. Before, the raw match was
-        # used, and a host-tier prefix evicted meanwhile was predicted whole (992 tokens
-        # predicted, 0 cached).
+        # A match that reaches an offload tier is forecast the same way, in a pool the size of
+        # the host tier where the worker advertises one (SGLang's HiCache keeps a copy of
+        # what the GPU holds there, so the host pool is what the two keep), and of the GPU
+        # pool where it does not (as if that tier kept nothing more: the GPU evictions the
+        # forecast counts are what fill it, and so what evicts from it). Offloaded blocks are
+        # the older ones, first to go. Before, the raw match was used, and a host-tier prefix
+        # evicted meanwhile was predicted whole (992 tokens predicted, 0 cached).
         stream = streams[0]
+        capacity, held = entry.capacity_tokens, self.indexer.held_tokens(stream)
+        host = entry.host_capacity_tokens
+        offloaded = any(medium != DEFAULT_MEDIUM for medium in candidate.by_medium)
+        if offloaded and host is not None and capacity is not None and host > capacity:
+            capacity, held = host, self.indexer.held_tokens(stream, every_tier=True)
         load = self.load.of(entry.id, candidate.dp_rank)
         # the output its running requests may add (their own limits where they named one)
         reserve = round(load.output_per_request(self._config.admission_reserve_tokens))
@@ -337,8 +343,8 @@ class Planner:
         found: AdmissionForecast = forecast(
             raw_tokens=raw,
             matched_tokens=candidate.matched_tokens,
-            capacity_tokens=entry.capacity_tokens,
-            held_tokens=self.indexer.held_tokens(stream),
+            capacity_tokens=capacity,
+            held_tokens=held,
             queued_tokens=load.queued_prefill_tokens,
             # only the requests a rank runs at once hold private pages; the rest wait
             in_flight=min(load.running, entry.max_running_requests or load.running),

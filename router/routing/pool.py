@@ -85,6 +85,8 @@ class WorkerEntry:
         # the KV pool of each of its ranks in tokens, as its /server_info advertised it when it
         # registered (`max_total_num_tokens`); None: unknown, no admission-time forecast
         self.capacity_tokens: int | None = None
+        # its host tier per rank in tokens (SGLang HiCache), None: none or not advertised
+        self.host_capacity_tokens: int | None = None
         # how many requests each rank runs at once (`max_running_requests`), None: unknown
         self.max_running_requests: int | None = None
         # whether its /flush_cache can empty one salt's pages (its /server_info says so)

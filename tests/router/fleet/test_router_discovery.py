@@ -163,3 +163,19 @@ def test_sglang_0523s_own_descriptor_is_discovered() -> None:
     silent = {**info, "kv_events": None, "kv_events_config": json.dumps({"publisher": "null"})}
     with pytest.raises(RequestError, match="publishes no KV events"):
         streams_for(WorkerConfig(url="http://gpu-9:30000"), silent)
+
+
+def test_a_host_tier_is_read_as_sglangs_hicache_sizes_it() -> None:
+    from router.fleet.discovery import host_capacity_from_server_info
+
+    info = {"enable_hierarchical_cache": True, "hicache_ratio": 2.0, "max_total_num_tokens": 1000}
+    assert host_capacity_from_server_info(info) == 2000
+    for off in (
+        {**info, "enable_hierarchical_cache": False},
+        {**info, "hicache_ratio": None},
+        {**info, "hicache_ratio": True},
+        {**info, "hicache_ratio": 0},
+        {k: v for k, v in info.items() if k != "max_total_num_tokens"},
+        None,
+    ):
+        assert host_capacity_from_server_info(off) is None
