@@ -39,6 +39,23 @@ _STREAM_COUNTERS = (
     ("decode_errors", "kvroute_stream_decode_errors", "Batches or events that failed to decode"),
     ("lost_batches", "kvroute_stream_lost_batches", "Batches undecodable even from the replay"),
     ("batches", "kvroute_stream_batches", "Event batches applied"),
+    # what the index cannot use, which no other counter shows: each is KV routing lost for that
+    # stream, silently otherwise
+    (
+        "unindexable_blocks",
+        "kvroute_stream_unindexable_blocks",
+        "Blocks keyed by what their tokens do not show (vLLM images, embeddings): not kept",
+    ),
+    (
+        "rank_mismatches",
+        "kvroute_stream_rank_mismatches",
+        "Batches naming another dp rank than the stream's (the stream is cleared)",
+    ),
+    (
+        "token_kind_mismatches",
+        "kvroute_stream_token_kind_mismatches",
+        "Pages of the other token kind (EAGLE pairs or ints) than the stream holds: not kept",
+    ),
 )
 
 

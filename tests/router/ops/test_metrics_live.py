@@ -99,6 +99,11 @@ async def test_prediction_against_the_workers_usage(fleet: Fleet) -> None:
         assert total(samples, "kvroute_stream_state", worker=worker, state="synced") == 1
         assert total(samples, "kvroute_stream_state", worker=worker, dp_rank="0") == 1
         assert total(samples, "kvroute_stream_gaps_total", worker=worker) == 0
+        # what the index cannot use, one series per stream from the start (0 on a sound one)
+        for lost in ("unindexable_blocks", "rank_mismatches", "token_kind_mismatches"):
+            series = [v for got, v in samples[f"kvroute_stream_{lost}_total"]
+                      if got.get("worker") == worker]  # fmt: skip
+            assert series == [0.0], (lost, series)
         assert total(samples, "kvroute_stream_batches_total", worker=worker) >= 1
         assert total(samples, "kvroute_load_running_requests", worker=worker) == 0
     assert total(samples, "kvroute_stream_index_entries", worker=holder) >= 300 // 16
