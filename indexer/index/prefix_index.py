@@ -205,6 +205,11 @@ class PrefixIndex:
         keyed there by its pairs (`indexer.namespace.Bigrams`); None while no page was seen."""
         return self._streams[stream].bigram
 
+    def lookahead(self, stream: str) -> int:
+        """How many tokens after a block the stream's engine hashes with it (vLLM's lookahead
+        hashing), as its events showed; a match there is cut by as many blocks (0: none)."""
+        return self._streams[stream].lookahead
+
     def key_shape(self, stream: str) -> tuple[int, bool] | None:
         """(block size, bigram pages) of the stream: streams of one shape share a prompt's
         block keys (`block_keys`); None while the block size is unknown."""

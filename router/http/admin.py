@@ -231,9 +231,15 @@ async def evict_namespace(request: web.Request) -> web.Response:
 async def list_streams(request: web.Request) -> web.Response:
     """GET /admin/streams: one row per (worker, dp rank) KV-event stream."""
     rows = []
-    for stats in request.config_dict[INDEXER].streams():
+    indexer = request.config_dict[INDEXER]
+    index = indexer.index
+    for stats in indexer.streams():
         row = msgspec.to_builtins(stats)
         row["lag_s"] = stats.last_event_age_s
+        # how a request is keyed there, and cut: what explains a match the counters do not
+        known = index.has_stream(stats.stream)
+        row["bigram"] = index.bigram(stats.stream) if known else None
+        row["lookahead"] = index.lookahead(stats.stream) if known else 0
         rows.append(row)
     return _reply({"streams": rows})
 

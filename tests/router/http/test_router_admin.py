@@ -158,6 +158,9 @@ async def test_streams_report_state_and_counters(fleet: Fleet) -> None:
     for row in rows.values():
         assert row["state"] in ("synced", "syncing", "degraded")
         assert {"last_seq", "gaps", "replays", "restarts", "decode_errors", "lag_s"} <= set(row)
+        # how a request is keyed and cut there: int pages (once one came), no lookahead
+        assert row["bigram"] in (False, None) and row["lookahead"] == 0
+        assert row["token_kind_mismatches"] == row["rank_mismatches"] == 0
 
 
 async def test_an_add_abandoned_during_discovery_leaves_no_worker_behind(fleet: Fleet) -> None:
