@@ -17,12 +17,12 @@ prefill/decode mode sent about half of such repeats to the other prefill worker,
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any
 
 import aiohttp
 
+from bench.probe_request import post_probe
 from bench.routing_results import AffinityProbe
 
 __all__ = ["probe_affinity"]
@@ -57,20 +57,12 @@ async def probe_affinity(
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "cache_salt": f"affinity-probe-{seed}-{n}",
             }
-            try:
-                async with (
-                    asyncio.timeout(timeout_s),
-                    session.post(url + "/generate", json=body) as resp,
-                ):
-                    if resp.status != 200:
-                        result.errors += 1
-                        result.error = f"HTTP {resp.status}: {(await resp.text())[:120]}"
-                        continue
-                    cached = _cached(await resp.json(content_type=None))
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            answer, error = await post_probe(session, url + "/generate", body, timeout_s)
+            if error:
                 result.errors += 1
-                result.error = f"{type(exc).__name__}: {exc}"[:160]
+                result.error = error
                 continue
+            cached = _cached(answer)
             if cached is None:
                 result.errors += 1
                 result.error = "no meta_info.cached_tokens in the answer"

@@ -32,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.probe_request import post_probe
 from bench.routing_results import EndpointIsolation, RequestRecord
 from bench.workloads import BenchRequest
 from workers.scheduler import deterministic_output
@@ -186,22 +187,13 @@ async def probe_isolation(
             text = " ".join(words)[:prompt_chars]
             for side in "AB":
                 salt = f"isolation-probe-{seed}-{endpoint}-{pair}-{side}"
-                try:
-                    async with (
-                        asyncio.timeout(timeout_s),
-                        session.post(
-                            url + endpoint, json=_body(endpoint, text, salt, model)
-                        ) as resp,
-                    ):
-                        if resp.status != 200:
-                            result.errors += 1
-                            result.error = f"HTTP {resp.status}: {(await resp.text())[:120]}"
-                            continue
-                        cached = _cached(await resp.json(content_type=None))
-                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                body = _body(endpoint, text, salt, model)
+                answer, error = await post_probe(session, url + endpoint, body, timeout_s)
+                if error:
                     result.errors += 1
-                    result.error = f"{type(exc).__name__}: {exc}"[:160]
+                    result.error = error
                     continue
+                cached = _cached(answer)
                 result.requests += 1
                 if cached > 0:
                     result.violating += 1

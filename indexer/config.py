@@ -32,10 +32,15 @@ def endpoint_problem(endpoint: str) -> str | None:
 
 
 def shown_endpoint(endpoint: str) -> str:
-    """`endpoint` as an error message may show it: any user-info before an `@` hidden."""
+    """`endpoint` (or any URL) as a message may show it: everything before its last `@` after
+    the scheme hidden (`tcp://***@host:5557`), a password holding a `/` or an `@` too."""
     scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        scheme, rest = "", endpoint
     at = rest.rfind("@")
-    return endpoint if not sep or at < 0 else f"{scheme}://***@{rest[at + 1 :]}"
+    if at < 0:
+        return endpoint
+    return f"{scheme}{sep}***@{rest[at + 1 :]}"
 
 
 class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -419,14 +419,8 @@ def redact_url(url: str) -> str:
     """`url` without its user-info (`nats://***@host:4222`): a NATS URL may carry a user and
     password, or a token in the user's place, and logs, stdout and error answers are read by
     more people than the config file is. Everything up to the last `@` goes, so a password
-    holding an unescaped `/` or `@` is hidden too."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    at = rest.rfind("@")
-    if at < 0:
-        return url
-    return f"{scheme}{sep}***@{rest[at + 1 :]}"
+    holding an unescaped `/` or `@` is hidden too (`indexer.config.shown_endpoint`)."""
+    return shown_endpoint(url)
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

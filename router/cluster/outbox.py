@@ -156,9 +156,9 @@ class Outbox:
         if not self.sending:
             return
         if marked:
-            # the keys stand for the tokens (`Pending.keys`), but for an extra_key's: the
-            # receivers shadow its plain twin, whose keys only the tokens give (`shadow`)
-            if keys and block_size and ns.extra_key is None:
+            # the keys stand for the tokens (`Pending.keys`); an extra_key's plain twin goes
+            # as a `Shadow` of its own (`shadowed`)
+            if keys and block_size:
                 ids: list[int] = []
                 sent = list(keys)
             else:

@@ -24,7 +24,6 @@ from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
 from router.routing.load import LoadTracker, Ticket
-from router.routing.planner import SHADOW_KEEP_S
 
 __all__ = ["AdmissionBook", "Peers"]
 
@@ -149,10 +148,6 @@ class Peers:
         for d in batch.decisions:
             if isinstance(d, Pending):
                 if self._indexer.has_worker(d.worker):
-                    if d.namespace.extra_key is not None and d.tokens:
-                        self._indexer.shadow(
-                            d.namespace, d.tokens, d.worker, d.dp_rank, SHADOW_KEEP_S
-                        )  # as the sender did (`Planner.commit`)
                     keys_of = self._keys_of(d)
                     self._indexer.add_pending(
                         d.namespace, d.tokens, d.worker, d.dp_rank, keys_of=keys_of

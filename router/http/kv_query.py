@@ -23,8 +23,7 @@ from router.config import RouterConfig
 from router.errors import AuthError, RequestError
 from router.http.bearer import bearer_matches, is_loopback
 from router.http.keys import CONFIG, PLANNER, TOKENIZER
-from router.prompt.nesting import nests_deeper
-from router.prompt.request import Endpoint, ParsedRequest, check_salt_size
+from router.prompt.request import Endpoint, ParsedRequest, check_salt_size, parse_body
 from router.routing.policy import Candidate
 
 __all__ = ["KV_QUERY_PATH", "VERSION", "KvQuery", "add_kv_query_route"]
@@ -102,21 +101,13 @@ async def kv_query(request: web.Request) -> web.Response:
     """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
     config: RouterConfig = request.app[CONFIG].current
     _check_token(request, config)
-    raw = await request.read() or b"{}"
-    too_deep = RequestError(
-        "request body nests JSON deeper than limits.max_json_depth "
-        f"({config.limits.max_json_depth})"
-    )
+    # decoded and bounded as the proxy's bodies are (`parse_body`: nesting within
+    # limits.max_json_depth), then read as the query it must be
+    body = parse_body(await request.read() or b"{}", config.limits)
     try:
-        query = msgspec.json.decode(raw, type=KvQuery)
+        query = msgspec.convert(body, KvQuery)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise too_deep from None
-    if nests_deeper(raw, config.limits.max_json_depth):
-        raise too_deep
     tokens = _tokens(query, request)
     salt = query.cache_salt or None
     if salt is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import msgspec
@@ -65,11 +65,14 @@ class OpenAIBackend:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
-    async def __aenter__(self) -> OpenAIBackend:
-        app = web.Application()
+    def _routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        self._routes(app)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -199,16 +202,10 @@ class StockSglang(OpenAIBackend):
             self.config).decode(), "page_size": 16}  # fmt: skip
         return web.json_response(info)
 
-    async def __aenter__(self) -> StockSglang:
-        app = web.Application()
+    def _routes(self, app: web.Application) -> None:
         app.router.add_get("/server_info", self._server_info)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
 
 
 async def test_a_worker_whose_streams_cannot_be_had_still_serves_its_model_by_load() -> None:
