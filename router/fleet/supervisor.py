@@ -117,7 +117,8 @@ def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
 
 
 class Supervisor:
-    """Owns the pool's membership and health; the health loop is its one background task."""
+    """Owns the pool's membership and health: the health loop, and the discoveries of workers
+    that take longer than a health round waits (`registering`), are its background tasks."""
 
     def __init__(
         self,
@@ -140,6 +141,10 @@ class Supervisor:
         self._clock = clock
         # per worker, the last reason it could not be registered that was logged (`_refused`)
         self._said: dict[str, str] = {}
+        # per worker entry, its discovery under way: one at a time, and never awaited longer
+        # than a health round waits (a hung worker's discovery takes its whole timeout, 10 s
+        # with the fallback path: the rounds, and the startup, would wait for it)
+        self._registering: dict[int, asyncio.Task[None]] = {}
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
@@ -207,7 +212,7 @@ class Supervisor:
         try:
             streams = self._trusted_streams(entry, info if discovering else None, info, models)
         except RequestError:
-            if entry.id in self._pool_ids():
+            if self._pool.find(entry.id) is entry:
                 # routed by load alone until its streams can be trusted, but as the model and
                 # the role it serves: a prefill worker taken for a whole-request one would be
                 # sent whole requests, and a worker of no known model takes none in a fleet of
@@ -215,8 +220,8 @@ class Supervisor:
                 self._pool.set_role(entry, role, bootstrap_port)
                 self._pool.set_models(entry, models, adapters)
             raise
-        if entry.id not in self._pool_ids():
-            return  # removed while discovering
+        if self._pool.find(entry.id) is not entry:
+            return  # removed while discovering (maybe replaced by another of its id)
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
@@ -342,6 +347,53 @@ class Supervisor:
             await self.register(entry)
         except RequestError as exc:
             self._refused(entry, exc)
+        else:
+            self._said.pop(entry.id, None)
+
+    def registering(self, entry: WorkerEntry) -> asyncio.Task[None]:
+        """`entry`'s discovery (`try_register`) as a task of its own: the one under way, or a
+        new one. Awaiting it bounded (`asyncio.wait`) leaves it running."""
+        key = id(entry)
+        task = self._registering.get(key)
+        if task is None:
+            task = asyncio.create_task(
+                self.try_register(entry), name=f"kvroute-discover-{entry.id}"
+            )
+            self._registering[key] = task
+
+            def done(task: asyncio.Task[None]) -> None:
+                self._registering.pop(key, None)
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    # a defect, not a refusal (those are RequestError, logged by try_register)
+                    log.error("worker %s: discovery failed", entry.id, exc_info=exc)
+
+            task.add_done_callback(done)
+        return task
+
+    async def register_all(self, wait_s: float) -> None:
+        """Discover every worker of the pool, waiting at most `wait_s`: the ones not done by
+        then go on in the background (routed to once registered), and are named in the log."""
+        entries = [e for e in self._pool if not e.discovered]
+        if not entries:
+            return
+        tasks = {self.registering(e) for e in entries}
+        _, pending = await asyncio.wait(tasks, timeout=wait_s)
+        if pending:
+            late = sorted(e.id for e in entries if not e.discovered)
+            log.warning(
+                "still discovering %d worker(s) after %.1f s (%s): serving without them "
+                "until they answer",
+                len(late),
+                wait_s,
+                ", ".join(late[:8]) + (", ..." if len(late) > 8 else ""),
+            )
+
+    async def close(self) -> None:
+        """Cancel the discoveries under way (the router is stopping)."""
+        tasks = list(self._registering.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def refusal(self, worker: str) -> str | None:
         """Why `worker` could not be registered, as last logged (None: nothing logged)."""
@@ -359,9 +411,6 @@ class Supervisor:
             self._said.clear()  # bounded: workers come and go; a line said again costs nothing
         self._said[entry.id] = said
         log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
-
-    def _pool_ids(self) -> set[str]:
-        return {w.id for w in self._pool}
 
     async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
         """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
@@ -415,12 +464,9 @@ class Supervisor:
                 came_back = True
         entry.healthy = healthy
         if healthy and not entry.discovered:
-            try:
-                await self.register(entry)
-            except RequestError as exc:
-                self._refused(entry, exc)
-            else:
-                self._said.pop(entry.id, None)
+            # bounded: a worker that answers its health check but hangs in discovery must not
+            # hold the round (every other worker's health) for its discovery's timeout
+            await asyncio.wait({self.registering(entry)}, timeout=self._health.timeout_s)
         elif came_back and not await self._recheck_settings(entry):
             await self._recheck_models(entry)
         return healthy

@@ -306,10 +306,14 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         )
         for worker in config.workers:
             pool.add(worker)
-        await asyncio.gather(*(supervisor.try_register(entry) for entry in pool))
-        await supervisor.check_all()  # dead workers are out of rotation before the first request
-        health_task = asyncio.create_task(supervisor.run(), name="kvroute-health")
+        health_task: asyncio.Task[None] | None = None
         try:
+            # the workers that answer are registered before the first request (so it can hit);
+            # a hung one goes on being discovered in the background instead of holding the
+            # listening socket (and Ctrl-C) for its discovery's whole timeout
+            await supervisor.register_all(wait_s=2 * config.health.timeout_s)
+            await supervisor.check_all()  # dead workers are out of rotation before the first
+            health_task = asyncio.create_task(supervisor.run(), name="kvroute-health")
             async with contextlib.AsyncExitStack() as stack:
                 if config.cluster is not None:
                     # nats is imported by a replica among others only
@@ -323,9 +327,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                     app[METRICS].export_cluster(cluster.gauges)
                 yield
         finally:
-            health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health_task
+            if health_task is not None:
+                health_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await health_task
+            await supervisor.close()
 
 
 def create_app(
