@@ -212,6 +212,10 @@ def _generate_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> tuple[lis
 
 def _completion_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
     prompt = body.get("prompt")
+    if (prompt is None or prompt == "") and body.get("prompt_embeds"):
+        # vLLM's prompt embeddings (`--enable-prompt-embeds`, 0.33 `CompletionRequest`) stand in
+        # for the prompt: no token ids to key, so nothing is predicted (`completion_reuse_limit`)
+        return []
     if isinstance(prompt, str):
         return tok.text(prompt)
     if isinstance(prompt, list):

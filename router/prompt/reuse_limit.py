@@ -93,6 +93,10 @@ def _caps_openai(body: Mapping[str, Any], prompt_tokens: int, *, special_tokens:
     and SGLang's session."""
     if body.get("prompt_logprobs") is not None or body.get("session_params") is not None:
         return True
+    if body.get("prompt_embeds"):
+        # vLLM keys embedded prompts by their tensors (0.33 `kv_cache_utils`), never by the
+        # token ids the router would compute from a text prompt given beside them
+        return True
     cut = body.get("truncate_prompt_tokens")
     if type(cut) is int and 0 <= cut < prompt_tokens:
         return True

@@ -45,6 +45,8 @@ IMAGE = [
         ({"prompt": "x", "add_special_tokens": True}, None),  # the default
         ({"prompt": "x", "session_params": {"id": "s1"}}, 0),  # SGLang: history in front
         ({"prompt": "x", "session_params": None}, None),
+        ({"prompt": "x", "prompt_embeds": "AAAAAA=="}, 0),  # vLLM keys the tensors
+        ({"prompt": "x", "prompt_embeds": []}, None),  # none given
     ],
 )
 def test_completion_caps(body: dict[str, Any], limit: int | None) -> None:

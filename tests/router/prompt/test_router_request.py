@@ -36,6 +36,20 @@ def test_completion_and_generate_text_have_no_bos() -> None:
     assert _parse(Endpoint.GENERATE, {"input_ids": [[7, 8], [9]]}).tokens == [7, 8]
 
 
+def test_vllm_prompt_embeds_stand_in_for_the_prompt_and_predict_nothing() -> None:
+    # vLLM 0.33 serves `prompt_embeds` without a `prompt` (`--enable-prompt-embeds`)
+    for body in (
+        {"prompt_embeds": "AAAAAA=="},
+        {"prompt_embeds": ["AAAAAA==", "AAAAAA=="], "prompt": ""},
+    ):
+        parsed = _parse(Endpoint.COMPLETIONS, body)
+        assert parsed.tokens == [] and parsed.reuse_limit == 0
+    with_text = _parse(Endpoint.COMPLETIONS, {"prompt": "abc", "prompt_embeds": "AAAAAA=="})
+    assert with_text.reuse_limit == 0
+    with pytest.raises(RequestError, match="prompt must be"):
+        _parse(Endpoint.COMPLETIONS, {"prompt_embeds": []})  # neither, as vLLM refuses
+
+
 def test_body_is_forwarded_untouched_without_a_trusted_header() -> None:
     raw = b'{"prompt": "x",   "cache_salt": "s"}'
     assert parse_request(Endpoint.COMPLETIONS, raw, TOK).body is raw
