@@ -72,9 +72,14 @@ class FleetState:
         record = WorkerRecord(id=entry_id, config=config, by=self._replica, **flags)
         return _json.encode(record)
 
-    def record_eviction(self, namespace: Namespace) -> tuple[str, bytes]:
-        """(key, JSON) of an eviction record made now."""
-        record = EvictionRecord(namespace=namespace, at=time.time(), by=self._replica)
+    def record_eviction(
+        self, namespace: Namespace | None = None, *, cache_salt: str | None = None
+    ) -> tuple[str, bytes]:
+        """(key, JSON) of an eviction record made now: of `namespace`, or of every namespace of
+        `cache_salt` ("" for the unsalted ones)."""
+        record = EvictionRecord(
+            namespace=namespace, cache_salt=cache_salt, at=time.time(), by=self._replica
+        )
         return f"e.{uuid.uuid4().hex}", _json.encode(record)
 
     async def seed(self, fleet: KeyValue, workers: Sequence[WorkerConfig]) -> None:
@@ -142,9 +147,19 @@ class FleetState:
             return
         if newer_than is not None and record.at < newer_than:
             return
-        if record.by != self._replica:
+        if record.by == self._replica:
+            return
+        if record.cache_salt is not None:
+            salt = record.cache_salt or None
+            for stats in self._indexer.namespaces():
+                if stats.namespace.cache_salt == salt:
+                    self._indexer.evict_namespace(stats.namespace)
+        elif record.namespace is not None:
             self._indexer.evict_namespace(record.namespace)
-            self.evictions_applied += 1
+        else:
+            log.warning("ignoring an eviction record that names no namespace and no salt")
+            return
+        self.evictions_applied += 1
 
     def mark_evictions_seen(self, keys: Sequence[str]) -> None:
         """Records that need no applying (this replica's index never held what they evicted)."""

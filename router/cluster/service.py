@@ -467,6 +467,13 @@ class ClusterService:
             self.fleet.mark_evictions_seen([key])
             await self._write(self._evictions_bucket, key, value)
 
+    async def salt_evicted(self, cache_salt: str) -> None:
+        """An operator evicted a salt's namespaces here ("": the unsalted ones): every replica
+        evicts the ones its own index holds, whatever this one's held."""
+        key, value = self.fleet.record_eviction(cache_salt=cache_salt)
+        self.fleet.mark_evictions_seen([key])
+        await self._write(self._evictions_bucket, key, value)
+
     # ------------------------------------------------------------------ decisions
 
     async def _on_message(self, msg: Msg) -> None:

@@ -148,9 +148,14 @@ class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 
 class EvictionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A namespace an operator evicted from the index (JetStream KV, kept for a day)."""
+    """A namespace, or every namespace of one salt, an operator evicted from the index
+    (JetStream KV, kept for a day)."""
 
-    namespace: Namespace
+    namespace: Namespace | None = None
+    # an eviction by `cache_salt` ("": the unsalted namespaces): every namespace of that salt in
+    # the receiver's own index. The evicting replica's index may not hold them (its streams lag
+    # behind, or it never saw that tenant), and the others' must be evicted all the same
+    cache_salt: str | None = None
     at: float  # time.time(): a warm start applies the evictions newer than its snapshot
     by: str = ""
 

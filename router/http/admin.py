@@ -204,8 +204,12 @@ async def evict_namespace(request: web.Request) -> web.Response:
             "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"
         )
     dropped = sum(indexer.evict_namespace(ns) for ns in targets)
-    if targets and (cluster := request.config_dict.get(CLUSTER)) is not None:
-        await cluster.namespaces_evicted(targets)
+    if (cluster := request.config_dict.get(CLUSTER)) is not None:
+        if body.cache_salt is not None:
+            # by salt even when this index holds none of it: another replica's may
+            await cluster.salt_evicted(body.cache_salt)
+        elif targets:
+            await cluster.namespaces_evicted(targets)
     flushed: dict[str, str] = {}
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker

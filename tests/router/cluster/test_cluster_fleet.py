@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 
 from router.cluster.server import NatsServer
+from router.http.keys import INDEXER
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, replica_config, workers
 from tests.router.conftest import Fleet, eventually
@@ -98,3 +99,44 @@ async def test_an_eviction_on_one_replica_evicts_the_namespace_on_every_replica(
                 return all(c["matched_tokens"] == 0 for c in plan["candidates"])
 
             await eventually(evicted, what="b to evict what a evicted")
+
+
+async def test_an_eviction_by_salt_reaches_replicas_whose_index_holds_what_this_one_lacks(
+    nats_server: NatsServer,
+) -> None:
+    # an operator evicts a tenant on replica a while a's index does not hold its pages (its
+    # stream lags behind b's, or a never saw the tenant): b's must be evicted all the same
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url), ("w1", w1.url)]
+        refs = {"w0": w0, "w1": w1}
+        async with (
+            RouterService(replica_config(config, nats_server.url, "a")) as a,
+            RouterService(replica_config(config, nats_server.url, "b")) as b,
+        ):
+            on_a, on_b = Fleet(a, refs, session), Fleet(b, refs, session)
+            await on_a.warm()
+            await on_b.warm()
+            body = {"text": "another tenant's long prompt " * 8, "cache_salt": "tenant-y"}
+            async with session.post(
+                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+            ) as resp:
+                assert resp.status == 200
+                worker = resp.headers["x-kvroute-worker"]
+            await eventually(lambda: on_a.holds(body, worker, 64), what="a to index the prompt")
+            await eventually(lambda: on_b.holds(body, worker, 64), what="b to index the prompt")
+            # a's own index drops the tenant (alone: straight on its indexer, no admin call)
+            indexer = a.app[INDEXER]
+            for stats in indexer.namespaces():
+                if stats.namespace.cache_salt == "tenant-y":
+                    indexer.evict_namespace(stats.namespace)
+            assert not await on_a.holds(body, worker, 16)
+            status, answer = await admin(
+                session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-y"}
+            )
+            assert status == 200 and answer["entries_dropped"] == 0
+
+            async def evicted() -> bool:
+                plan = await on_b.route(body)
+                return all(c["matched_tokens"] == 0 for c in plan["candidates"])
+
+            await eventually(evicted, what="b to evict the salt a evicted")
