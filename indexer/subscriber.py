@@ -404,10 +404,22 @@ class StreamSubscriber:
             await self._verify()
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
+        replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
             self.restarts += 1
-            self._clear(f"seq went back to {msg.seq}: publisher restarted")
+            if prev_live is None and replayed[1] is not None:
+                # below what a replay gave before any live batch: a new process, or a replay
+                # answer that was not the publisher's buffer (a corrupt seq far ahead, which
+                # would otherwise class every later live batch a duplicate): rebuilt, and the
+                # replay asked again is now held to the live seq (`_MAX_AHEAD`)
+                self._clear(
+                    f"live seq {msg.seq} is below the batches {replayed[0]}..{replayed[1]} a "
+                    "replay gave before it: the publisher restarted, or that answer was not "
+                    "its buffer"
+                )
+            else:
+                self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
