@@ -504,6 +504,8 @@ class StreamSubscriber:
             self._lose(seq, "no replay socket to fetch it again")
         else:
             self.refetches += 1
+            # a batch is missing until its copy comes (the caller sets the phase after it)
+            self._set_phase(StreamState.DEGRADED)
             self.tracker.restart_at(seq)  # the replay's copy of `seq` is the next to apply
             await self._replay(seq)
             if self.tracker.last is None or self.tracker.last < seq:
@@ -525,6 +527,9 @@ class StreamSubscriber:
         """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
         if not joining:
             self.gaps += 1
+        if not joining or self.tracker.last is not None:
+            # what it holds may be gone on the worker (a missing batch may have removed it):
+            # it predicts nothing until the repair ends (`UNTRUSTED`)
             self._set_phase(StreamState.DEGRADED)
         answered, newest = False, None
         if self._has_replay:
