@@ -220,10 +220,14 @@ async def test_a_join_answer_far_ahead_does_not_deafen_the_stream(
         # the worker (a fresh process: seqs from 0) flushes, then stores C
         await pub.publish(EventBatch(0.0, [Cleared()]))
         seq = -1
+
+        def caught_up() -> bool:
+            return svc.streams()[0].last_seq == seq
+
         for _ in range(100):  # the SUB's connection may still be on its way
             seq = await pub.publish(stored(C, 20))
             with contextlib.suppress(TimeoutError):
-                await wait_until(lambda: svc.streams()[0].last_seq == seq, timeout_s=0.1)
+                await wait_until(caught_up, timeout_s=0.1)
                 break
         stats = svc.streams()[0]
         assert stats.last_seq == seq, stats
