@@ -12,11 +12,14 @@ live seq `live` (live seqs only grow on a healthy PUB; replays may run ahead of 
 - seq > last + 1  -> GAP from last + 1 (ask the replay socket for the missing range);
 - seq <= last and seq >= live -> DUPLICATE (a replay already applied it: live messages queued
   during the replay arrive afterwards);
-- seq <= last with no live seq seen yet, but within what a replay applied -> DUPLICATE (the
-  catch-up replay at subscription time ran ahead of the first live message);
-- seq < live, or seq <= last with no live seq seen since a snapshot load -> RESTART: the
-  caller clears the stream; the tracker forgets both, so observing the same seq again gives
-  APPLY (seq 0) or GAP from 0.
+- seq <= last with no live seq seen yet, but within the run of seqs a replay just applied ->
+  DUPLICATE (the catch-up replay at subscription time ran ahead of the first live message);
+- seq < live, or seq <= last with no live seq seen yet and not within that run (below it;
+  or since a snapshot load, no run at all) -> RESTART: the caller clears the stream; the
+  tracker forgets both, so observing the same seq again gives APPLY (seq 0) or GAP from 0.
+  A publisher counts from 0 per process, so a first live seq below the replayed run is
+  either a new process or a replay answer that was not its buffer (a corrupt seq far ahead
+  would otherwise make every later live seq a duplicate, for good): both clear the stream.
 
 Verdicts for a REPLAYED message (`on_replay`), which fills a gap:
 - seq <= last     -> DUPLICATE (already applied: replay overlaps what we have);
@@ -61,12 +64,14 @@ _RESTART = SeqDecision(SeqVerdict.RESTART)
 class SequenceTracker:
     """Tracks the last applied seq of one stream and classifies the next message."""
 
-    __slots__ = ("last", "live", "replayed_to")
+    __slots__ = ("last", "live", "replayed_from", "replayed_to")
 
     def __init__(self, last: int | None = None) -> None:
         self.last = last
         self.live: int | None = None
-        self.replayed_to: int | None = None  # newest seq a replay applied
+        # the run of consecutive seqs replays applied last (None: none since the last restart)
+        self.replayed_from: int | None = None
+        self.replayed_to: int | None = None
 
     def on_live(self, seq: int) -> SeqDecision:
         """Classify a live message; advances on APPLY, forgets on RESTART."""
@@ -84,7 +89,12 @@ class SequenceTracker:
             return SeqDecision(SeqVerdict.GAP, last + 1)
         if prev_live is not None and seq >= prev_live:
             return _DUPLICATE
-        if prev_live is None and self.replayed_to is not None and seq <= self.replayed_to:
+        if (
+            prev_live is None
+            and self.replayed_from is not None
+            and self.replayed_to is not None
+            and self.replayed_from <= seq <= self.replayed_to
+        ):
             return _DUPLICATE
         self.reset()
         return _RESTART
@@ -96,6 +106,8 @@ class SequenceTracker:
             return _DUPLICATE
         if seq == expected:
             self.last = seq
+            if self.replayed_to is None or seq != self.replayed_to + 1:
+                self.replayed_from = seq  # a new run
             self.replayed_to = seq
             return _APPLY
         return SeqDecision(SeqVerdict.GAP, expected)
@@ -103,9 +115,10 @@ class SequenceTracker:
     def restart_at(self, seq: int) -> None:
         """After a clear: treat `seq` as the next message to apply (live order is kept)."""
         self.last = seq - 1 if seq > 0 else None
+        self.replayed_from = self.replayed_to = None  # what was replayed before is gone
 
     def reset(self) -> None:
         """Forget everything (the stream was cleared and will be rebuilt from seq 0)."""
         self.last = None
         self.live = None
-        self.replayed_to = None
+        self.replayed_from = self.replayed_to = None

@@ -24,25 +24,29 @@ class StreamState(enum.StrEnum):
 
     SYNCING = "syncing"  # connected, first message or initial catch-up replay not done yet
     SYNCED = "synced"  # every message up to last_seq applied in order
-    DEGRADED = "degraded"  # a gap was seen and is being repaired
+    # batches are known missing (a gap, or one that did not decode) and are being fetched again
+    DEGRADED = "degraded"
     # the publisher may have restarted (the event connection dropped, or the worker's health
     # check came back from down) and the replay has not proven it is the same process yet
     UNVERIFIED = "unverified"
     STALE = "stale"  # no message for stale_after_s (idle or dead worker)
 
 
-# best first: a worker's state is the best among its streams
+# best first: a worker's state is the best among its streams (a trusted one before every
+# UNTRUSTED one, so a worker is untrusted only when all its streams are)
 STATE_RANK = {
     StreamState.SYNCED: 0,
-    StreamState.DEGRADED: 1,
-    StreamState.SYNCING: 2,
+    StreamState.SYNCING: 1,
+    StreamState.DEGRADED: 2,
     StreamState.UNVERIFIED: 3,
     StreamState.STALE: 4,
 }
 
 # States in which a stream's entries predict nothing: kvroute cannot know that the worker
-# still holds them, so they earn no affinity (fail closed).
-UNTRUSTED = frozenset({StreamState.UNVERIFIED, StreamState.STALE})
+# still holds them, so they earn no affinity (fail closed). DEGRADED too: a batch the stream
+# misses may have removed blocks it holds (the prefix the worker evicted was predicted for as
+# long as the repair took, up to `replay_timeout_s`); the repair's end gives them back at once.
+UNTRUSTED = frozenset({StreamState.DEGRADED, StreamState.UNVERIFIED, StreamState.STALE})
 
 
 class StreamStats(msgspec.Struct):

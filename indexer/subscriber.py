@@ -404,10 +404,22 @@ class StreamSubscriber:
             await self._verify()
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
+        replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
             self.restarts += 1
-            self._clear(f"seq went back to {msg.seq}: publisher restarted")
+            if prev_live is None and replayed[1] is not None:
+                # below what a replay gave before any live batch: a new process, or a replay
+                # answer that was not the publisher's buffer (a corrupt seq far ahead, which
+                # would otherwise class every later live batch a duplicate): rebuilt, and the
+                # replay asked again is now held to the live seq (`_MAX_AHEAD`)
+                self._clear(
+                    f"live seq {msg.seq} is below the batches {replayed[0]}..{replayed[1]} a "
+                    "replay gave before it: the publisher restarted, or that answer was not "
+                    "its buffer"
+                )
+            else:
+                self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
@@ -492,6 +504,8 @@ class StreamSubscriber:
             self._lose(seq, "no replay socket to fetch it again")
         else:
             self.refetches += 1
+            # a batch is missing until its copy comes (the caller sets the phase after it)
+            self._set_phase(StreamState.DEGRADED)
             self.tracker.restart_at(seq)  # the replay's copy of `seq` is the next to apply
             await self._replay(seq)
             if self.tracker.last is None or self.tracker.last < seq:
@@ -513,6 +527,9 @@ class StreamSubscriber:
         """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
         if not joining:
             self.gaps += 1
+        if not joining or self.tracker.last is not None:
+            # what it holds may be gone on the worker (a missing batch may have removed it):
+            # it predicts nothing until the repair ends (`UNTRUSTED`)
             self._set_phase(StreamState.DEGRADED)
         answered, newest = False, None
         if self._has_replay:

@@ -12,9 +12,10 @@ touches only the workers whose streams matched something; a matched stream's ans
 per (stream, matched depth) when no pending entry or tier is involved (a shared system prompt
 matches the same depth on many queries).
 
-Streams in an UNTRUSTED state (UNVERIFIED: a restart candidate not yet disproven; STALE) add
-nothing to their worker's answer, whatever they hold: kvroute cannot know the worker still has
-those pages (fail closed). Their rank is still listed, holding nothing, with its state.
+Streams in an UNTRUSTED state (DEGRADED: batches known missing, being fetched again;
+UNVERIFIED: a restart candidate not yet disproven; STALE) add nothing to their worker's
+answer, whatever they hold: kvroute cannot know the worker still has those pages (fail
+closed). Their rank is still listed, holding nothing, with its state.
 
 The cache is checked on every query and rebuilt when anything it depends on moved:
 - a stream's `state` attribute (SYNCING / SYNCED / DEGRADED / UNVERIFIED), compared in one

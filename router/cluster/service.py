@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 
 # what a NATS call may fail with: the client's errors, a deadline, a socket
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
-_UNPROVEN = (StreamState.SYNCING, StreamState.UNVERIFIED)
+# streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
+_UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
 
 class _TlsNotOffered(nats.errors.Error):

@@ -1,8 +1,9 @@
 """Prometheus families of the fleet's state, read when `/metrics` is scraped.
 
-Per (worker, dp rank): the KV-event stream's state, gaps, replays, restarts, clears, decode
-errors, lost batches, event lag and index entries (the indexer's `StreamStats`), and the
-router's in-flight load on that rank (`LoadTracker`). Per index: how many namespaces it holds
+Per (worker, dp rank): the KV-event stream's state, event lag, index entries and every
+counter of the indexer's `StreamStats` (what `/admin/streams` shows: repairs, and what the
+index skipped, so an alert can watch each), and the router's in-flight load on that rank
+(`LoadTracker`). Per index: how many namespaces it holds
 and their sizes as a histogram. Nothing here is kept twice: every number is the one the
 indexer and the load tracker already hold for routing and for `/admin/streams`.
 
@@ -39,8 +40,49 @@ _STREAM_COUNTERS = (
     ("decode_errors", "kvroute_stream_decode_errors", "Batches or events that failed to decode"),
     ("lost_batches", "kvroute_stream_lost_batches", "Batches undecodable even from the replay"),
     ("batches", "kvroute_stream_batches", "Event batches applied"),
+    ("events", "kvroute_stream_events", "Events in the batches applied"),
+    ("blocks_stored", "kvroute_stream_blocks_stored", "Blocks stored by the events applied"),
+    ("blocks_removed", "kvroute_stream_blocks_removed", "Blocks removed by the events applied"),
+    ("probes", "kvroute_stream_probes", "Catch-up replay requests made while the stream was quiet"),
+    (
+        "refetches",
+        "kvroute_stream_refetches",
+        "Batches that did not decode and were fetched again through the replay socket",
+    ),
+    (
+        "verifications",
+        "kvroute_stream_verifications",
+        "Restart candidates (reconnects, health transitions, snapshot loads) checked against "
+        "the publisher's epoch fence",
+    ),
     # what the index cannot use, which no other counter shows: each is KV routing lost for that
     # stream, silently otherwise
+    (
+        "block_size_mismatches",
+        "kvroute_stream_block_size_mismatches",
+        "Events whose pages do not fit the stream's block size: not indexed (KV routing for "
+        "the worker misses; check its page size against the configured block_size)",
+    ),
+    (
+        "skipped_events",
+        "kvroute_stream_skipped_events",
+        "Events not indexed (malformed, or of a kind the index does not use)",
+    ),
+    (
+        "unknown_parents",
+        "kvroute_stream_unknown_parents",
+        "Stored events whose parent block the stream does not hold: not indexed",
+    ),
+    (
+        "unknown_removes",
+        "kvroute_stream_unknown_removes",
+        "Removals of blocks the stream does not hold (in the tier they name): changed nothing",
+    ),
+    (
+        "skipped_group_blocks",
+        "kvroute_stream_skipped_group_blocks",
+        "Blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba): not kept",
+    ),
     (
         "unindexable_blocks",
         "kvroute_stream_unindexable_blocks",

@@ -22,7 +22,7 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ReplayError
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
-from indexer.protocol.events import Event, EventBatch, Removed, Stored, TokenId
+from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored, TokenId
 from indexer.protocol.frames import (
     build_replay_end,
     build_replay_reply,
@@ -190,6 +190,54 @@ async def test_a_worker_far_along_is_joined_from_its_buffer(ctx: zmq.asyncio.Con
                                                    topic="kv")])  # fmt: skip
         await wait_until(lambda: svc.streams()[0].last_seq == 3_000_004)
         assert svc.index.entries(STREAM) > 0
+
+
+@pytest.mark.parametrize("proven", [True, False], ids=["proven", "unproven"])
+async def test_a_join_answer_far_ahead_does_not_deafen_the_stream(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, proven: bool
+) -> None:
+    """Joining, no live seq is known to hold the catch-up answer to (a worker up for days is
+    far along): its one batch at seq 2**40 was taken, and every live batch after it (a
+    publisher counts from 0) was a "duplicate", for good and silently: the stream went on
+    predicting that batch after the worker flushed (proven) or stayed unverified. The first
+    live seq below what the replay gave now clears the stream (counted, said) and rebuilds it
+    from the live seqs."""
+    bogus = encode_batch(stored(A, 10), "array")
+    answers = iter([[build_replay_reply(b"kv", 1 << 40, bogus), build_replay_end()]])
+    config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=30.0)  # the join probe only
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        pub.answer_with = lambda start: next(answers, None)
+        cfg = StreamConfig(
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+            topic="kv",
+            block_size=4,
+            replay_proven=proven,
+        )
+        await svc.add_worker(WORKER, [cfg])
+        await wait_until(lambda: svc.streams()[0].last_seq == 1 << 40)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        # the worker (a fresh process: seqs from 0) flushes, then stores C
+        await pub.publish(EventBatch(0.0, [Cleared()]))
+        seq = -1
+
+        def caught_up() -> bool:
+            return svc.streams()[0].last_seq == seq
+
+        for _ in range(100):  # the SUB's connection may still be on its way
+            seq = await pub.publish(stored(C, 20))
+            with contextlib.suppress(TimeoutError):
+                await wait_until(caught_up, timeout_s=0.1)
+                break
+        stats = svc.streams()[0]
+        assert stats.last_seq == seq, stats
+        assert matched(svc, A) == 0  # the bogus batch is gone
+        assert matched(svc, C) == 4 and stats.state is StreamState.SYNCED
+        assert stats.restarts == 1 and "below the batches" in caplog.text
+        # and the stream goes on: later live batches apply
+        later = await pub.publish(stored(D, 30))
+        await wait_until(lambda: svc.streams()[0].last_seq == later)
+        assert matched(svc, D) == 4
 
 
 async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounded(

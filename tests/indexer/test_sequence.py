@@ -51,3 +51,17 @@ def test_after_a_snapshot_load_an_old_seq_is_a_restart() -> None:
     assert t.on_live(4) == RESTART
     t = SequenceTracker(10)
     assert t.on_live(11) == APPLY
+
+
+def test_a_first_live_seq_below_the_replayed_run_is_a_restart() -> None:
+    # joining: the catch-up replay gave 5..8; a first live seq inside it is a duplicate
+    t = SequenceTracker()
+    t.restart_at(5)
+    assert [t.on_replay(s) for s in (5, 6, 7, 8)] == [APPLY] * 4
+    assert t.on_live(6) == DUP
+    # below it (a publisher counts from 0: a new process, or the answer was not its buffer)
+    t = SequenceTracker()
+    t.restart_at(1 << 40)
+    assert t.on_replay(1 << 40) == APPLY
+    assert t.on_live(0) == RESTART and t.last is None
+    assert t.on_live(0) == APPLY and t.on_live(1) == APPLY

@@ -15,7 +15,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
-from indexer.protocol.events import Event, EventBatch, Removed, Stored
+from indexer.protocol.events import Event, EventBatch, Removed, Stored, TokenId
 from indexer.protocol.frames import pack_seq
 from indexer.recording.capture import Capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
@@ -180,6 +180,53 @@ async def test_replay_timeout_clears_and_continues(ctx: zmq.asyncio.Context) -> 
         stats = svc.streams()[0]
         assert stats.clears == 1 and stats.gaps == 1 and stats.last_seq == last
         assert stats.replays <= len(pub.replay_requests) <= stats.replays + stats.probes
+
+
+@pytest.mark.parametrize("missing", ["gap", "undecodable"])
+async def test_a_stream_being_repaired_predicts_nothing_until_it_is(
+    ctx: zmq.asyncio.Context, missing: str
+) -> None:
+    """A batch known missing (dropped: the next seq shows the gap; or its live copy does not
+    decode) may have removed blocks the stream holds: while the replay socket is asked for it
+    the stream is degraded and predicts nothing. Before, the prefix the worker had evicted
+    was predicted for as long as the repair took (up to `replay_timeout_s`). The repair's end
+    gives back what the stream holds at once."""
+    ns = Namespace()
+    a: list[TokenId] = [1, 2, 3, 4, 0]
+    b: list[TokenId] = [5, 6, 7, 8, 0]
+    c: list[TokenId] = [9, 10, 11, 12, 0]
+
+    def stored(tokens: list[TokenId], block_hash: int) -> Stored:
+        return Stored(block_hashes=[block_hash], parent=None, token_ids=tokens[:4], block_size=4)
+
+    def matched(tokens: list[TokenId]) -> int:
+        return svc.query(ns, tokens)[WORKER].matched_tokens
+
+    config = IndexerConfig(replay_timeout_s=5.0, probe_interval_s=0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        await connect(svc, pub, block_size=4)
+        seq = await pub.publish(EventBatch(0.0, [stored(a, 10), stored(b, 11)]))
+        assert await svc.wait_applied(WORKER, seq)
+        assert (matched(a), matched(b)) == (4, 4)
+        pub.answer_delay_s = 0.3  # a replay socket that takes its time
+        evict = EventBatch(0.0, [Removed(block_hashes=[10])])
+        if missing == "gap":
+            await pub.publish(evict, drop=True)
+            last = await pub.publish(EventBatch(0.0, [stored(c, 12)]))
+        else:
+            last = await pub.publish(evict, corrupt_live=True)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.DEGRADED)
+        # nothing, b (still held) included: which blocks the missing batch removed is unknown
+        assert (matched(a), matched(b), matched(c)) == (0, 0, 0)
+        assert svc.query(ns, a)[WORKER].state is StreamState.DEGRADED
+        assert await svc.wait_applied(WORKER, last)
+        assert svc.streams()[0].state is StreamState.SYNCED
+        assert (matched(a), matched(b)) == (0, 4)  # given back as the repair ended
+        assert matched(c) == (4 if missing == "gap" else 0)
+        stats = svc.streams()[0]
+        assert stats.clears == 0 and (stats.gaps, stats.refetches) == (
+            (1, 0) if missing == "gap" else (0, 1)
+        )
 
 
 async def test_garbage_frames_never_stop_the_stream(ctx: zmq.asyncio.Context) -> None:
