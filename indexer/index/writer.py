@@ -240,6 +240,11 @@ class BatchWriter:
             outcome.token_kind_mismatches += 1
             return
         if st.block_size is None:
+            if n == 1 and not st.engine.page_size_from_one_page:
+                # a lone page may be a partial entry (vLLM), smaller than the stream's pages:
+                # its size decides nothing, and without a size it cannot be indexed (counted)
+                outcome.skipped += 1
+                return
             self._index._set_block_size(st, page)
         block_size = st.block_size
         assert block_size is not None

@@ -98,6 +98,20 @@ def test_block_size_learned_partial_pages_and_mismatches() -> None:
     assert index.counters("a").block_size_mismatches == 2 and index.entries("a") == 2
 
 
+def test_a_vllm_partial_page_alone_does_not_set_the_page_size() -> None:
+    """vLLM 0.33 publishes a partial entry inside a block (fine-grained prefix hits) as a
+    one-page store of one hash block; learned from it, every later full block was a mismatch
+    and nothing more was indexed on the rank."""
+    index = make(block_size=None, engine="vllm")
+    out = index.apply("a", batch(stored([9], TOKENS[:2], block_size=2)))  # the partial entry
+    assert index.block_size("a") is None and out.skipped == 1 and index.entries("a") == 0
+    out = index.apply("a", batch(stored([1, 2], TOKENS[:8])))  # full pages: the size
+    assert index.block_size("a") == 4 and out.stored == 2 and out.block_size_mismatches == 0
+    index.apply("a", batch(stored([3], TOKENS[8:12], parent=2)))  # one full page, now known
+    index.apply("a", batch(stored([8], TOKENS[12:14], parent=3, block_size=2)))  # partial
+    assert index.query(NS, TOKENS)["a"].blocks == 3 and index.entries("a") == 4
+
+
 def test_media_are_reported_per_tier() -> None:
     index = make()
     index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
