@@ -10,6 +10,9 @@ Nothing else in kvroute compares engine names. A spec says:
   holds the conventions themselves, keyed by this name);
 - how a request asks for one data-parallel rank (SGLang: `routed_dp_rank` in the `/generate`
   body, `X-Data-Parallel-Rank` on its OpenAI routes; vLLM: `X-data-parallel-rank`);
+- whether a lone one-page `BlockStored` may teach an unconfigured stream its page size
+  (SGLang publishes one event per page; vLLM 0.33 publishes a partial entry, one hash block
+  of a block, as a one-page event: a vLLM stream learns from a store of two or more pages);
 - how a prefill/decode pair serves one request (`PdPairing`) and where a worker advertises its
   role and bootstrap port (SGLang's server args `disaggregation_mode`, "null" | "prefill" |
   "decode", and `disaggregation_bootstrap_port`, default 8998, dumped into `/server_info`;
@@ -172,6 +175,13 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     pd_pairing: PdPairing
     advertised_role: Callable[[Mapping[str, Any]], tuple[PdRole | None, int | None]]
     default_bootstrap_port: int | None
+    # whether a one-page store shows the page size of a stream whose size is not configured:
+    # SGLang's recorder sends one event per page, so it must; vLLM sends each request's new
+    # full blocks in one event, and with fine-grained prefix hits (Mamba "align" hybrids) a
+    # partial entry inside a block as a one-page event with block_size = one hash block
+    # (0.33 `BlockPool.cache_partial_block`): learned from it, every later full block was a
+    # mismatch and nothing more was indexed on the rank
+    page_size_from_one_page: bool
 
     @property
     def salt_in_root_extra_keys(self) -> bool:
@@ -190,6 +200,7 @@ SGLANG = EngineSpec(
     pd_pairing=PdPairing.BOOTSTRAP_ROOM,
     advertised_role=_sglang_role,
     default_bootstrap_port=SGLANG_BOOTSTRAP_PORT,
+    page_size_from_one_page=True,
 )
 
 VLLM = EngineSpec(
@@ -203,6 +214,7 @@ VLLM = EngineSpec(
     pd_pairing=PdPairing.KV_TRANSFER_PARAMS,
     advertised_role=_no_role,
     default_bootstrap_port=None,  # the prefill's answer says where its KV is
+    page_size_from_one_page=False,
 )
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (SGLANG, VLLM)}

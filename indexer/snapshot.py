@@ -1,18 +1,22 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 4): a map with `format` ("kvroute-index"), `version`, `hash_probe` (the key
-scheme's probe value: a runtime whose `hash` mixes differently refuses the snapshot instead of
-silently mismatching), `namespaces` ([id, namespace] pairs) and `streams`, each with its
-block size, engine, model, last applied seq and parallel arrays of engine hashes, block keys
-and namespace ids, plus the rare side tables (reference counts, media, partial pages) and the
-digest of the batch at the last seq (its epoch fence; version 1 snapshots have none and load
-with streams that must be rebuilt before they are trusted). Version 3 keeps each block's copies
-per storage tier (`indexer.index.media`); older versions name one medium per block. Version 4
-adds each stream's skipped KV-cache groups, its lookahead, and whether its pages are SGLang
-EAGLE (prev, next) pairs, which says how a request is keyed there (older snapshots leave these
-to the stream's next events). The
-shared table is not stored: it is rebuilt from the streams, which also re-derives every size.
-Pending entries are not stored (they live for seconds).
+Layout (version 5): a map with `format` ("kvroute-index"), `version`, `digest` and `body`. The
+body is the msgpack of the index: `hash_probe` (the key scheme's probe value: a runtime whose
+`hash` mixes differently refuses the snapshot instead of silently mismatching), `namespaces`
+([id, namespace] pairs) and `streams`, each with its block size, engine, model, last applied
+seq and parallel arrays of engine hashes, block keys and namespace ids, the rare side tables
+(reference counts, media with the copies per storage tier, partial pages), the digest of the
+batch at the last seq (its epoch fence, `indexer.fence`), its skipped KV-cache groups, its
+lookahead and whether its pages are SGLang EAGLE (prev, next) pairs. `digest` is BLAKE2b-256
+of the body's bytes, checked before anything in the body is decoded: a snapshot damaged on disk
+or on the way (one flipped bit in an engine hash made an entry that the worker's removal never
+named again: a false hit for good) is refused, never half-trusted. It detects damage, not
+forgery: whoever may load a snapshot may write any index (the admin API is the guard).
+
+Versions 1-4 had no digest and are refused: a router upgraded past them starts cold (it
+rebuilds each stream from its worker's replay and events), which costs hits for a while and
+never a false one. The shared table is not stored: it is rebuilt from the streams, which also
+re-derives every size. Pending entries are not stored (they live for seconds).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
 snapshot raises `SnapshotError` and never leaves a half-loaded index behind. Each stream's
@@ -22,6 +26,8 @@ per-entry loop kept beside it as the reference the tests compare it with.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import operator
 import time
 from collections import Counter
@@ -42,12 +48,11 @@ from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
-SNAPSHOT_VERSION = 4
-# version 1 has no fences (its streams prove nothing); versions 1-2 name one medium per block;
-# versions 1-3 keep no skipped groups, lookahead or bigram flag (learned again from the next
-# events)
-_READABLE_VERSIONS = (1, 2, 3, 4)
+SNAPSHOT_VERSION = 5
+# versions 1-4 carry no digest: a damaged one could not be told from a sound one (start cold)
+_READABLE_VERSIONS = (5,)
 _FORMAT = "kvroute-index"
+_DIGEST_BYTES = 32
 
 
 class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -61,38 +66,86 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     keys: list[int]
     ns_ids: list[int]
     refs: list[tuple[BlockHash, int]]
-    # version 3: copies per tier (`{medium: count}`); versions 1-2: one medium name
-    media: list[tuple[BlockHash, dict[str, int] | str]]
+    media: list[tuple[BlockHash, dict[str, int]]]  # copies per tier
     partial: list[tuple[BlockHash, int, int]]
     counters: StreamCounters
-    # version 2: the digest of the batch at last_seq, so a warm start can prove that the
-    # publisher it reconnects to is still the process the snapshot followed (indexer.fence)
-    fence: bytes | None = None
-    # version 4: whether its pages are SGLang EAGLE (prev, next) pairs (None: not known yet),
-    # the KV-cache groups whose removals are not a prefix's (hybrid models: without them, a
+    # the digest of the batch at last_seq, so a warm start can prove that the publisher it
+    # reconnects to is still the process the snapshot followed (indexer.fence)
+    fence: bytes | None
+    # whether its pages are SGLang EAGLE (prev, next) pairs (None: not known yet), the
+    # KV-cache groups whose removals are not a prefix's (hybrid models: without them, a
     # sliding-window group's removal after a load took full-attention blocks away), and the
     # engine's lookahead (`PrefixIndex._trim_lookahead`)
-    bigram: bool | None = None
-    skipped_groups: list[int] = []
-    lookahead: int = 0
+    bigram: bool | None
+    skipped_groups: list[int]
+    lookahead: int
 
 
-class _Snapshot(msgspec.Struct, forbid_unknown_fields=True):
-    format: str
-    version: int
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
     hash_probe: int
     namespaces: list[tuple[int, Namespace]]
     streams: list[_StreamSnapshot]
 
 
+class _Sealed(msgspec.Struct, forbid_unknown_fields=True):
+    format: str
+    version: int
+    digest: bytes
+    body: memoryview  # a view into the snapshot: the body is hashed and decoded in place
+
+
 class _Header(msgspec.Struct):
+    """What every version shares, so that a version this build does not read is named."""
+
     format: str = ""
     version: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Snapshot)
+_body_decoder = msgspec.msgpack.Decoder(_Body)
+_sealed_decoder = msgspec.msgpack.Decoder(_Sealed)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def _digest(body: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest()
+
+
+def _seal(body: bytes) -> bytes:
+    """A snapshot of `body` (the msgpack of a `_Body`): the envelope `load_index` checks."""
+    return _encoder.encode(
+        _Sealed(
+            format=_FORMAT,
+            version=SNAPSHOT_VERSION,
+            digest=_digest(body),
+            body=memoryview(body),
+        )
+    )
+
+
+def _unseal(data: bytes) -> memoryview:
+    """The body of snapshot `data` once its digest is checked; SnapshotError otherwise."""
+    try:
+        header = _header_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"not an index snapshot: {exc}") from exc
+    if header.format != _FORMAT or header.version not in _READABLE_VERSIONS:
+        older = header.format == _FORMAT and 0 < header.version < SNAPSHOT_VERSION
+        raise SnapshotError(
+            f"unsupported snapshot {header.format!r} version {header.version} "
+            f"(this build reads {_FORMAT!r} version {' and '.join(map(str, _READABLE_VERSIONS))}"
+            + ("; older versions have no digest: start cold" if older else "")
+            + ")"
+        )
+    try:
+        sealed = _sealed_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"damaged snapshot: {exc}") from exc
+    if sealed.format != _FORMAT or sealed.version != header.version:
+        raise SnapshotError("damaged snapshot: its header reads two ways")
+    if not hmac.compare_digest(sealed.digest, _digest(sealed.body)):
+        raise SnapshotError("damaged snapshot: its body does not match its digest")
+    return sealed.body
 
 
 def dump_index(index: PrefixIndex) -> bytes:
@@ -123,15 +176,8 @@ def dump_index(index: PrefixIndex) -> bytes:
             )
         )
     namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
-    return _encoder.encode(
-        _Snapshot(
-            format=_FORMAT,
-            version=SNAPSHOT_VERSION,
-            hash_probe=HASH_PROBE,
-            namespaces=namespaces,
-            streams=streams,
-        )
-    )
+    body = _encoder.encode(_Body(hash_probe=HASH_PROBE, namespaces=namespaces, streams=streams))
+    return _seal(body)
 
 
 def load_index(
@@ -142,19 +188,11 @@ def load_index(
     backend: Backend = DEFAULT,
 ) -> PrefixIndex:
     """Rebuild an index from `dump_index` output; raises SnapshotError on anything wrong."""
+    body = _unseal(data)
     try:
-        header = _header_decoder.decode(data)
+        snap = _body_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise SnapshotError(f"not an index snapshot: {exc}") from exc
-    if header.format != _FORMAT or header.version not in _READABLE_VERSIONS:
-        raise SnapshotError(
-            f"unsupported snapshot {header.format!r} version {header.version} "
-            f"(this build reads {_FORMAT!r} versions {', '.join(map(str, _READABLE_VERSIONS))})"
-        )
-    try:
-        snap = _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise SnapshotError(f"damaged snapshot: {exc}") from exc
+        raise SnapshotError(f"damaged snapshot body: {exc}") from exc
     if snap.hash_probe != HASH_PROBE:
         raise SnapshotError("snapshot was made with another block-key hash; start cold")
     try:
@@ -164,7 +202,7 @@ def load_index(
 
 
 def _rebuild(
-    snap: _Snapshot, clock: Callable[[], float], pending_ttl_s: float, backend: Backend
+    snap: _Body, clock: Callable[[], float], pending_ttl_s: float, backend: Backend
 ) -> PrefixIndex:
     index = PrefixIndex(clock=clock, pending_ttl_s=pending_ttl_s, backend=backend)
     registry = index._registry
@@ -214,7 +252,7 @@ def _rebuild(
             st.partial[h] = (key, ns_id)
         for h, media in s.media:
             key = st.blocks[h]
-            held = {media: st.refs.get(h, 1)} if isinstance(media, str) else dict(media)
+            held = dict(media)
             if not held or any(n <= 0 for n in held.values()):
                 raise ValueError(f"stream {s.stream!r}: bad media entry")
             if sum(held.values()) != st.refs.get(h, 1):

@@ -27,21 +27,22 @@ from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
 from indexer.namespace import Namespace, anonymous_lora, vllm_plain_blocks, vllm_salt
-from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from indexer.protocol.events import (
+    REUSABLE_SPEC_KINDS,
+    BlockHash,
+    Cleared,
+    EventBatch,
+    Removed,
+    Stored,
+    Unreadable,
+)
 
 if TYPE_CHECKING:
     from indexer.index.prefix_index import PrefixIndex
 
-__all__ = ["BatchWriter"]
+__all__ = ["REUSABLE_SPEC_KINDS", "BatchWriter"]
 
 _INTERN_LIMIT = 1 << 16  # distinct table values shared as one int object each
-
-# vLLM's KV-cache group kinds whose blocks form a prefix a later request reuses
-# (`vllm.v1.kv_cache_interface.KVCacheSpecKind`, 0.33): full attention in its three forms.
-# Every other kind (sliding_window, sliding_window_mla, chunked_local_attention, mamba,
-# encoder_only_attention, cross_attention, unknown) is not indexed. Events without the field
-# (SGLang, older vLLM) describe a single-group model and are indexed as before.
-REUSABLE_SPEC_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
 class BatchWriter:
@@ -79,6 +80,8 @@ class BatchWriter:
             elif type(ev) is Cleared:
                 self._index.clear_stream(stream)
                 outcome.cleared = True
+            elif type(ev) is Unreadable:
+                self.forget(st, ev, outcome)
             else:
                 outcome.skipped += 1
         return outcome
@@ -132,6 +135,33 @@ class BatchWriter:
         if ev.group_idx is not None:
             st.skipped_groups.add(ev.group_idx)  # its removals are skipped from now on
         return False
+
+    def forget(self, st: IndexedStream, ev: Unreadable, outcome: ApplyOutcome) -> None:
+        """An event that did not decode: index nothing of it and drop the blocks it names.
+
+        Dropping them is the most a store or a removal could take away: a removal drops them,
+        and a store may replace what a hash names (`_store_slow`), so the mapping kept would
+        predict a page the worker no longer has. Whatever the event really did, the stream
+        is left holding a part of what the worker holds (a missed hit, never a false one),
+        and a later store chained on one of these hashes is an unknown parent (not indexed).
+        Counted as a skipped event; a group whose blocks are not indexed is skipped as such.
+        """
+        kind = ev.kv_cache_spec_kind
+        if (kind is not None and kind not in REUSABLE_SPEC_KINDS) or (
+            ev.group_idx is not None and ev.group_idx in st.skipped_groups
+        ):
+            if kind is not None and ev.group_idx is not None:
+                st.skipped_groups.add(ev.group_idx)
+            outcome.skipped_group_blocks += len(ev.block_hashes)
+            return
+        outcome.skipped += 1
+        blocks = st.blocks
+        for h in ev.block_hashes:
+            if st.partial.pop(h, None) is not None:
+                st.refs.pop(h, None)
+            key = blocks.get(h)
+            if key is not None:
+                self._drop_hash(st, h, key)
 
     def store(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> None:
         """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
@@ -210,6 +240,11 @@ class BatchWriter:
             outcome.token_kind_mismatches += 1
             return
         if st.block_size is None:
+            if n == 1 and not st.engine.page_size_from_one_page:
+                # a lone page may be a partial entry (vLLM), smaller than the stream's pages:
+                # its size decides nothing, and without a size it cannot be indexed (counted)
+                outcome.skipped += 1
+                return
             self._index._set_block_size(st, page)
         block_size = st.block_size
         assert block_size is not None

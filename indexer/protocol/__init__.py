@@ -1,6 +1,6 @@
 """The KV-event wire protocol: what workers put on ZMQ and what kvroute reads back.
 
-- `events`: the normalized model (`EventBatch`, `Stored`, `Removed`, `Cleared`);
+- `events`: the normalized model (`EventBatch`, `Stored`, `Removed`, `Cleared`, `Unreadable`);
 - `decode`: any SGLang/vLLM payload into that model;
 - `encode`: SGLang's array and map layouts, for the reference workers;
 - `frames`: live and replay frame layouts;
@@ -22,6 +22,7 @@ from indexer.protocol.events import (
     Removed,
     Stored,
     TokenId,
+    Unreadable,
 )
 from indexer.protocol.frames import (
     END_SEQ,
@@ -55,6 +56,7 @@ __all__ = [
     "ReplayEnd",
     "Stored",
     "TokenId",
+    "Unreadable",
     "WireLayout",
     "build_live",
     "build_replay_end",

@@ -6,6 +6,16 @@ the per-element work (hashes, tokens, limits) in C. Only when both fail (a batch
 layouts, carries an unknown event tag, or is malformed) do we fall back to decoding event by
 event, which skips and counts unknown tags and names the event that is malformed.
 
+Event by event, an event of a known kind that does not decode costs its batch only when
+dropping it could leave a stale page predicted. The rule: an undecodable event is replaced by
+the most it could have taken away. A `BlockStored` or `BlockRemoved` whose tag and hashes
+still read becomes an `Unreadable` that makes the index forget those blocks (a removal drops
+them; a store may replace what a hash names) or, for a KV-cache group whose blocks are not
+indexed, skip them (an `AllBlocksCleared` is only its tag: it always decodes). An event whose
+tag or hashes do not read could be a removal of anything: the whole batch fails (the
+subscriber refetches it, or clears the stream). So the other events of a batch survive a bad
+one, and the stream never holds a block the worker may have let go.
+
 Every failure surfaces as `ProtocolError`: msgspec errors, RecursionError from hostile
 nesting, and anything else a parser could raise are translated here, in one place.
 """
@@ -17,14 +27,16 @@ import math
 import msgspec
 
 from indexer.errors import ProtocolError
-from indexer.protocol.events import Event, EventBatch
+from indexer.protocol.events import Event, EventBatch, Unreadable
 from indexer.protocol.wire import (
     KNOWN_TAGS,
     ArrayBatch,
     ArrayEvent,
+    ArrayHashes,
     ArrayTag,
     MapBatch,
     MapEvent,
+    MapHashes,
     MapTag,
     RawBatch,
 )
@@ -39,6 +51,8 @@ _ARRAY_EVENT: msgspec.msgpack.Decoder[ArrayEvent] = msgspec.msgpack.Decoder(Arra
 _MAP_EVENT: msgspec.msgpack.Decoder[MapEvent] = msgspec.msgpack.Decoder(MapEvent)
 _ARRAY_TAG = msgspec.msgpack.Decoder(ArrayTag)
 _MAP_TAG = msgspec.msgpack.Decoder(MapTag)
+_ARRAY_HASHES = msgspec.msgpack.Decoder(ArrayHashes)
+_MAP_HASHES = msgspec.msgpack.Decoder(MapHashes)
 
 # First byte of a msgpack value: fixarray, array16, array32 / fixmap, map16, map32.
 _ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
@@ -118,8 +132,59 @@ def _decode_event(index: int, item: msgspec.Raw) -> Event | None:
                 if _MAP_TAG.decode(item).type not in KNOWN_TAGS:
                     return None
                 raise
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(f"event {index}: {exc}") from exc
-    except ProtocolError as exc:
-        raise ProtocolError(f"event {index}: {exc}") from exc
+    except (msgspec.ValidationError, ProtocolError) as exc:
+        reason = f"event {index}: {exc}"
+        standin = _in_place_of(item, head, reason)
+        if standin is None:
+            raise ProtocolError(reason) from exc
+        return standin
     raise ProtocolError(f"event {index} is neither an array nor a map")
+
+
+def _in_place_of(item: msgspec.Raw, head: int, reason: str) -> Event | None:
+    """What stands in for a known event that does not decode (the module docstring's rule);
+    None when nothing safe can: its batch must fail."""
+    found: ArrayHashes | MapHashes
+    try:
+        if head in _ARRAY_HEADS:
+            found = _ARRAY_HASHES.decode(item)
+            tag = found.tag
+            # a BlockRemoved array is [tag, hashes, medium, group_idx]
+            group = found.slot3 if tag == "BlockRemoved" else found.group_idx
+        else:
+            found = _MAP_HASHES.decode(item)
+            tag = found.type
+            group = found.group_idx
+    except msgspec.ValidationError:
+        return None
+    if tag not in ("BlockStored", "BlockRemoved"):  # AllBlocksCleared is a tag: it decodes
+        return None
+    kind = _lenient_str(found.kv_cache_spec_kind) if tag == "BlockStored" else None
+    group_idx = _lenient_int(group)
+    return Unreadable(
+        tag,
+        list(found.block_hashes),
+        group_idx if group_idx is not None and group_idx >= 0 else None,
+        kind,
+        reason,
+    )
+
+
+_INT = msgspec.msgpack.Decoder(int | None)
+_STR = msgspec.msgpack.Decoder(str | None)
+
+
+def _lenient_int(raw: msgspec.Raw) -> int | None:
+    """`raw` as an int, or None (absent, or not an int: then it says nothing)."""
+    try:
+        return _INT.decode(raw) if raw else None
+    except msgspec.ValidationError:
+        return None
+
+
+def _lenient_str(raw: msgspec.Raw) -> str | None:
+    """`raw` as a str, or None (absent, or not a str: then it says nothing)."""
+    try:
+        return _STR.decode(raw) if raw else None
+    except msgspec.ValidationError:
+        return None

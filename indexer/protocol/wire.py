@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from indexer.errors import ProtocolError
-from indexer.protocol.events import Cleared, Event, Removed, Stored
+from indexer.protocol.events import REUSABLE_SPEC_KINDS, Cleared, Event, Removed, Stored
 
 __all__ = [
     "KNOWN_TAGS",
@@ -34,9 +34,11 @@ __all__ = [
     "MAX_TOKENS_PER_EVENT",
     "ArrayBatch",
     "ArrayEvent",
+    "ArrayHashes",
     "ArrayTag",
     "MapBatch",
     "MapEvent",
+    "MapHashes",
     "MapTag",
     "RawBatch",
 ]
@@ -79,7 +81,12 @@ def _stored(
     lookahead_token_ids: list[list[int]] | None = None,
 ) -> Stored:
     # The one rule msgspec cannot check: the tokens must fill exactly the announced pages.
-    if len(token_ids) != len(block_hashes) * block_size:
+    # Not for a group whose blocks are not indexed (sliding window, Mamba): vLLM 0.33 leaves
+    # its null and masked blocks out of block_hashes but publishes token_ids for the whole
+    # range, and the index skips the event without reading its tokens.
+    if (kv_cache_spec_kind is None or kv_cache_spec_kind in REUSABLE_SPEC_KINDS) and len(
+        token_ids
+    ) != len(block_hashes) * block_size:
         raise ProtocolError(
             f"BlockStored has {len(token_ids)} token_ids for {len(block_hashes)} hashes of "
             f"block_size {block_size}"
@@ -187,6 +194,23 @@ class ArrayTag(msgspec.Struct, array_like=True, gc=False):
     tag: str
 
 
+class ArrayHashes(msgspec.Struct, array_like=True, gc=False):
+    """What an array `BlockStored` or `BlockRemoved` that does not decode may still show: its
+    tag, hashes and KV-cache group (`events.Unreadable`); the other slots are not read."""
+
+    tag: str
+    block_hashes: _Hashes
+    slot2: msgspec.Raw = msgspec.Raw()  # BlockStored: parent; BlockRemoved: medium
+    slot3: msgspec.Raw = msgspec.Raw()  # BlockStored: token_ids; BlockRemoved: group_idx
+    block_size: msgspec.Raw = msgspec.Raw()
+    lora_id: msgspec.Raw = msgspec.Raw()
+    medium: msgspec.Raw = msgspec.Raw()
+    slot7: msgspec.Raw = msgspec.Raw()
+    extra_keys: msgspec.Raw = msgspec.Raw()
+    group_idx: msgspec.Raw = msgspec.Raw()
+    kv_cache_spec_kind: msgspec.Raw = msgspec.Raw()
+
+
 # --- map layouts --------------------------------------------------------------------------
 
 
@@ -253,6 +277,15 @@ class MapTag(msgspec.Struct, gc=False):
     """Just the `type` key of a map event."""
 
     type: str
+
+
+class MapHashes(msgspec.Struct, gc=False):
+    """What a map `BlockStored` or `BlockRemoved` that does not decode may still show."""
+
+    type: str
+    block_hashes: _Hashes
+    group_idx: msgspec.Raw = msgspec.Raw()
+    kv_cache_spec_kind: msgspec.Raw = msgspec.Raw()
 
 
 # --- batches ------------------------------------------------------------------------------

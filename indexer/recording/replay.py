@@ -27,7 +27,7 @@ from indexer.errors import ProtocolError
 from indexer.fingerprint import Fingerprinter, salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol.decode import decode_batch
-from indexer.protocol.events import Cleared, EventBatch, Removed, Stored
+from indexer.protocol.events import Cleared, EventBatch, Removed, Stored, Unreadable
 from indexer.recording.format import (
     Damage,
     Positioned,
@@ -229,6 +229,8 @@ def _count_batch(stats: StreamReplay, batch: EventBatch) -> int:
             ops += len(event.block_hashes)
         elif isinstance(event, Cleared):
             stats.clears += 1
+        elif isinstance(event, Unreadable):
+            stats.skipped_events += 1
     return ops
 
 

@@ -5,8 +5,8 @@ The oldest live replica puts its `IndexerService.dump()` under one name every
 replay sockets bring each stream from the snapshot's seq to now. Objects are written with
 nats-py's object store (the standard layout, readable with `nats object get`), but read here
 with a batched pull consumer: nats-py's own `get` (an ordered push consumer) read a 30 MB
-snapshot in about a second on loopback, the pull consumer in under 0.1 s. The digest is
-checked all the same.
+snapshot in about a second on loopback, the pull consumer in under 0.1 s. The object's digest is
+checked all the same, and the snapshot's own (`indexer.snapshot`) when it is loaded.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
-from indexer.protocol.events import Cleared, Removed, Stored
+from indexer.protocol.events import Cleared, Removed, Stored, Unreadable
 from indexer.recording.capture import Capture, CaptureStats, capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
@@ -426,6 +426,11 @@ def _print_events(reader: RecordingReader, out: TextIO, *, show_salts: bool) -> 
                 out.write(f"    BlockRemoved {len(event.block_hashes)} pages {event.medium}\n")
             elif isinstance(event, Cleared):
                 out.write("    AllBlocksCleared\n")
+            elif isinstance(event, Unreadable):
+                out.write(
+                    f"    {event.kind} {len(event.block_hashes)} pages UNREADABLE "
+                    f"(forgotten): {event.reason}\n"
+                )
         if batch.skipped:
             out.write(f"    ({batch.skipped} events of unknown kinds skipped)\n")
     if reader.damage is not None:

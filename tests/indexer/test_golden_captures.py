@@ -42,6 +42,9 @@ class Reading:
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self.held: dict[Any, tuple[Namespace, tuple[Any, ...], bool]] = {}
+        # a vLLM stream learns its page size from a store of two or more pages (a lone page
+        # may be a partial entry); until then a one-page store is not held
+        self.sized = engine != "vllm"
 
     def apply(self, ev: dict[str, Any]) -> None:
         kind = ev["type"]
@@ -54,6 +57,10 @@ class Reading:
             self._store(ev)
 
     def _store(self, ev: dict[str, Any]) -> None:
+        if not self.sized:
+            if len(ev["block_hashes"]) < 2:
+                return
+            self.sized = True
         parent = _hash(ev["parent_block_hash"])
         # an adapter named by id alone: a namespace no request names
         lora = ev["lora_name"] or (f"\x00lora_id:{ev['lora_id']}" if ev["lora_id"] else None)

@@ -124,3 +124,51 @@ def test_a_loaded_snapshot_keeps_which_groups_make_no_prefix() -> None:
     loaded = load_index(dump_index(index))
     apply(loaded, removed([13, 14], 1))
     assert held(loaded) == held(index) == 4
+
+
+def test_a_group_with_null_blocks_left_out_of_its_hashes_costs_its_batch_nothing() -> None:
+    """vLLM 0.33 leaves a sliding-window (or Mamba) group's null and masked blocks out of
+    block_hashes, not out of token_ids: that event was undecodable and took the whole batch
+    with it (the full-attention store, a removal), and the subscriber cleared the stream."""
+    index = fresh()
+    swa = stored([24], None, TOKENS, 1, "sliding_window")  # 3 null blocks left out
+    apply(index, stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"), swa)
+    assert held(index) == 4
+    apply(index, removed([14], 0), swa)
+    assert held(index) == 3  # the removal in its batch applied
+    counters = index.counters("v")
+    assert counters.skipped_group_blocks == 2 and counters.skipped_events == 0
+
+
+def test_a_store_that_does_not_decode_is_forgotten_and_its_batch_applies() -> None:
+    """Its batch's other events apply; the blocks it names are dropped (a store may replace
+    what a hash names: the old mapping kept could predict a page the worker let go), and a
+    later store chained on it is an unknown parent, never indexed on a guess."""
+    index = fresh()
+    apply(index, stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"))
+    assert held(index) == 4
+    bad = {**stored([13, 14], 12, TOKENS[8:16], 0, "full_attention"), "block_size": "4"}
+    apply(index, bad, removed([12], 0))
+    assert held(index) == 1  # 13 and 14 forgotten, 12 removed by the event beside it
+    counters = index.counters("v")
+    assert counters.skipped_events == 1 and counters.blocks_removed == 1
+    apply(index, stored([15], 14, list(range(17, 21)), 0, "full_attention"))
+    assert index.counters("v").unknown_parents == 1
+
+
+def test_a_removal_that_does_not_decode_is_still_a_removal() -> None:
+    index = fresh()
+    apply(index, stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"))
+    apply(index, {**removed([13, 14], 0), "medium": 5})
+    assert held(index) == 2
+
+
+def test_an_unreadable_store_of_a_group_not_indexed_is_skipped_as_that_group() -> None:
+    index = fresh()
+    apply(index, stored([11, 12, 13, 14], None, TOKENS, 0, "full_attention"))
+    bad_swa = {**stored([13, 14], 12, TOKENS[8:16], 1, "sliding_window"), "block_size": 0}
+    apply(index, bad_swa)
+    assert held(index) == 4  # its hashes are the full-attention group's too: kept
+    assert index.counters("v").skipped_group_blocks == 2
+    apply(index, removed([13, 14], 1))  # and its group's removals are skipped from now on
+    assert held(index) == 4

@@ -22,7 +22,7 @@ from indexer.namespace import (
     request_keys,
 )
 from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
-from indexer.snapshot import dump_index, load_index
+from indexer.snapshot import _seal, _unseal, dump_index, load_index
 
 NS = Namespace("m")
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -98,6 +98,20 @@ def test_block_size_learned_partial_pages_and_mismatches() -> None:
     assert index.counters("a").block_size_mismatches == 2 and index.entries("a") == 2
 
 
+def test_a_vllm_partial_page_alone_does_not_set_the_page_size() -> None:
+    """vLLM 0.33 publishes a partial entry inside a block (fine-grained prefix hits) as a
+    one-page store of one hash block; learned from it, every later full block was a mismatch
+    and nothing more was indexed on the rank."""
+    index = make(block_size=None, engine="vllm")
+    out = index.apply("a", batch(stored([9], TOKENS[:2], block_size=2)))  # the partial entry
+    assert index.block_size("a") is None and out.skipped == 1 and index.entries("a") == 0
+    out = index.apply("a", batch(stored([1, 2], TOKENS[:8])))  # full pages: the size
+    assert index.block_size("a") == 4 and out.stored == 2 and out.block_size_mismatches == 0
+    index.apply("a", batch(stored([3], TOKENS[8:12], parent=2)))  # one full page, now known
+    index.apply("a", batch(stored([8], TOKENS[12:14], parent=3, block_size=2)))  # partial
+    assert index.query(NS, TOKENS)["a"].blocks == 3 and index.entries("a") == 4
+
+
 def test_media_are_reported_per_tier() -> None:
     index = make()
     index.apply("a", batch(stored([1, 2], TOKENS[:8], medium="GPU")))
@@ -170,10 +184,43 @@ def test_truncated_and_inconsistent_snapshots_raise() -> None:
     for cut in (len(data) // 2, len(data) - 1):
         with pytest.raises(SnapshotError):
             load_index(data[:cut])
-    doc = msgspec.msgpack.decode(data)
+    doc = msgspec.msgpack.decode(_unseal(data))
     doc["streams"][0][8] = [99, 99]  # namespace ids that do not exist
     with pytest.raises(SnapshotError):
-        load_index(msgspec.msgpack.encode(doc))
+        load_index(_seal(msgspec.msgpack.encode(doc)))  # past the digest: the body's checks
+
+
+def test_every_single_bit_flip_of_a_snapshot_is_refused() -> None:
+    """One flipped bit in an engine hash made an entry the worker's removal never named again
+    (a false hit for good): the digest over the body refuses any damage before decoding."""
+    index = make()
+    index.apply("a", batch(stored([11, 12], TOKENS[:8], cache_salt="s")), 1)
+    index.apply("a", batch(stored([13, 14], TOKENS[8:16], parent=12)), 2)
+    data = dump_index(index)
+    assert load_index(data).entries("a") == 4
+    accepted = []
+    for i in range(len(data)):
+        for bit in range(8):
+            damaged = bytearray(data)
+            damaged[i] ^= 1 << bit
+            try:
+                load_index(bytes(damaged))
+            except SnapshotError:
+                continue
+            accepted.append((i, bit))
+    assert accepted == []
+
+
+def test_a_snapshot_of_an_older_version_is_refused_and_says_start_cold() -> None:
+    """Versions 1-4 carry no digest, so damage in them cannot be seen: they are refused (a
+    cold start after an upgrade: hits lost for a while, never a false one)."""
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])), 1)
+    body = msgspec.msgpack.decode(_unseal(dump_index(index)))
+    for version in (1, 4):
+        old = msgspec.msgpack.encode({"format": "kvroute-index", "version": version, **body})
+        with pytest.raises(SnapshotError, match="no digest: start cold"):
+            load_index(old)
 
 
 def test_forged_entries_raise_whole_stream_checks() -> None:
@@ -182,9 +229,9 @@ def test_forged_entries_raise_whole_stream_checks() -> None:
     index = make()
     index.apply("a", batch(stored([1, 2], TOKENS[:8]), stored([3], TOKENS[:4], cache_salt="s")))
     index.apply("b", batch(stored([5, 6], TOKENS[:8])))
-    doc = msgspec.msgpack.decode(dump_index(index))
+    doc = msgspec.msgpack.decode(_unseal(dump_index(index)))
     a, b = doc["streams"]
-    assert load_index(msgspec.msgpack.encode(doc)).entries("a") == 3
+    assert load_index(_seal(msgspec.msgpack.encode(doc))).entries("a") == 3
     salted = next(ns_id for ns_id in a[8] if ns_id != b[8][0])  # map order differs per process
     forged = []
     for stream, field, value in (
@@ -195,7 +242,7 @@ def test_forged_entries_raise_whole_stream_checks() -> None:
     ):
         saved = stream[field]
         stream[field] = value
-        forged.append(msgspec.msgpack.encode(doc))
+        forged.append(_seal(msgspec.msgpack.encode(doc)))
         stream[field] = saved
     for data in forged:
         with pytest.raises(SnapshotError):

@@ -1,4 +1,5 @@
-"""Each class of bad input the protocol issue names: one ProtocolError, or skip-and-count."""
+"""Each class of bad input the protocol issue names: one ProtocolError, skip-and-count, or a
+known event that does not decode standing in its batch as `Unreadable` (its blocks forgotten)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import msgspec
 import pytest
 
 from indexer.errors import ProtocolError
-from indexer.protocol import Cleared, Removed, Stored, decode_batch
+from indexer.protocol import Cleared, Removed, Stored, Unreadable, decode_batch
 from indexer.protocol.wire import MAX_HASH_BYTES, MAX_HASHES_PER_EVENT
 
 TS = 1767225600.25
@@ -56,6 +57,13 @@ def _rejects(payload: bytes) -> str:
     reason = str(info.value)
     assert reason
     return reason
+
+
+def _stands_in(payload: bytes) -> Unreadable:
+    """The one `Unreadable` a batch decodes to, its other events kept."""
+    unread = [e for e in decode_batch(payload).events if isinstance(e, Unreadable)]
+    assert len(unread) == 1 and unread[0].reason
+    return unread[0]
 
 
 # --- the shapes that must be accepted -------------------------------------------------------
@@ -122,9 +130,64 @@ def test_batch_of_only_unknown_tags_is_empty_not_an_error() -> None:
     assert batch.skipped == 2
 
 
-def test_known_tag_with_bad_body_is_an_error_not_a_skip() -> None:
-    reason = _rejects(_batch(["Future"], _arr_stored(block_size="4")))
-    assert "event 1" in reason
+def test_known_tag_with_bad_body_is_forgotten_not_skipped() -> None:
+    batch = decode_batch(_batch(["Future"], _arr_stored(block_size="4"), ["BlockRemoved", [9]]))
+    assert batch.skipped == 1
+    unread, removed = batch.events
+    assert isinstance(unread, Unreadable) and isinstance(removed, Removed)
+    assert (unread.kind, unread.block_hashes) == ("BlockStored", [-5, 7])
+    assert "event 1" in unread.reason
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ["BlockRemoved", [7, 8], 5],
+        ["BlockRemoved", [7, 8], "GPU", "group"],
+        {"type": "BlockRemoved", "block_hashes": [7, 8], "medium": ["GPU"]},
+    ],
+)
+def test_a_removal_that_does_not_decode_still_names_its_blocks(event: Any) -> None:
+    unread = _stands_in(_batch(_arr_stored(), event))
+    assert (unread.kind, unread.block_hashes) == ("BlockRemoved", [7, 8])
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ["BlockRemoved", ["x"], "GPU"],
+        ["BlockRemoved", 7],
+        {"type": "BlockRemoved", "block_hashes": [1.5]},
+        {"type": "BlockRemoved"},
+        _arr_stored(block_hashes=[b"\x00" * (MAX_HASH_BYTES + 1)]),
+    ],
+)
+def test_an_event_whose_hashes_do_not_read_fails_its_whole_batch(event: Any) -> None:
+    """It could be a removal of anything: keeping the rest would keep blocks it took away."""
+    assert "event 1" in _rejects(_batch(_arr_stored(), event))
+
+
+def test_the_group_and_kind_of_an_unreadable_store_are_read_when_they_can_be() -> None:
+    swa = _arr_stored(
+        block_size="x", lora_name=None, extra_keys=None, group_idx=1, kind="sliding_window"
+    )
+    unread = _stands_in(_batch(swa))
+    assert (unread.group_idx, unread.kv_cache_spec_kind) == (1, "sliding_window")
+    bad = _map_stored(block_size=0, group_idx="one", kv_cache_spec_kind=7)
+    unread = _stands_in(_batch(bad))
+    assert (unread.group_idx, unread.kv_cache_spec_kind) == (None, None)  # nothing said
+
+
+def test_a_group_that_is_not_indexed_may_leave_blocks_out_of_its_hashes() -> None:
+    """vLLM 0.33 leaves a sliding-window or Mamba group's null and masked blocks out of
+    block_hashes while token_ids span the whole range: the count rule is not theirs."""
+    swa = _map_stored(
+        block_hashes=[7], token_ids=[1, 2, 3, 4, 5, 6, 7, 8], kv_cache_spec_kind="mamba"
+    )
+    (event,) = decode_batch(_batch(swa)).events
+    assert isinstance(event, Stored) and event.kv_cache_spec_kind == "mamba"
+    full = {**swa, "kv_cache_spec_kind": "full_attention"}
+    assert "token_ids" in _stands_in(_batch(full)).reason
 
 
 # --- wrong types ------------------------------------------------------------------------------
@@ -137,16 +200,7 @@ def test_known_tag_with_bad_body_is_an_error_not_a_skip() -> None:
         _arr_stored(block_hashes=[1.5]),
         _arr_stored(block_hashes=[True, False]),
         _arr_stored(block_hashes=7),
-        _arr_stored(parent="x"),
-        _arr_stored(token_ids=["a", "b", "c", "d"]),
-        _arr_stored(token_ids=[[1, 2, 3], [1, 2, 3], 3, 4]),
-        _arr_stored(block_size="2"),
-        _arr_stored(lora_id="x"),
-        _arr_stored(medium=5),
         _map_stored(block_hashes=None),
-        _map_stored(cache_salt=5),
-        _map_stored(session_id=[1]),
-        _map_stored(extra_keys="x"),
         {"block_hashes": [1]},
         {"type": 5},
         [5, [1]],
@@ -160,19 +214,37 @@ def test_wrong_types_are_rejected(event: Any) -> None:
     _rejects(_batch(event))
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        _arr_stored(parent="x"),
+        _arr_stored(token_ids=["a", "b", "c", "d"]),
+        _arr_stored(token_ids=[[1, 2, 3], [1, 2, 3], 3, 4]),
+        _arr_stored(block_size="2"),
+        _arr_stored(lora_id="x"),
+        _arr_stored(medium=5),
+        _map_stored(cache_salt=5),
+        _map_stored(session_id=[1]),
+        _map_stored(extra_keys="x"),
+    ],
+)
+def test_wrong_types_beside_readable_hashes_stand_in_as_unreadable(event: Any) -> None:
+    assert _stands_in(_batch(event)).block_hashes == [-5, 7]
+
+
 # --- block sizes and counts -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("block_size", [0, -4, 2**20])
 def test_bad_block_sizes(block_size: int) -> None:
-    _rejects(_batch(_arr_stored(block_size=block_size)))
-    _rejects(_batch(_map_stored(block_size=block_size)))
+    _stands_in(_batch(_arr_stored(block_size=block_size)))
+    _stands_in(_batch(_map_stored(block_size=block_size)))
 
 
 @pytest.mark.parametrize("tokens", [[1, 2, 3], [1, 2, 3, 4, 5], []])
 def test_token_hash_count_mismatch(tokens: list[int]) -> None:
-    assert "token_ids" in _rejects(_batch(_arr_stored(token_ids=tokens)))
-    assert "token_ids" in _rejects(_batch(_map_stored(token_ids=tokens)))
+    assert "token_ids" in _stands_in(_batch(_arr_stored(token_ids=tokens))).reason
+    assert "token_ids" in _stands_in(_batch(_map_stored(token_ids=tokens))).reason
 
 
 # --- hashes ------------------------------------------------------------------------------------
@@ -182,7 +254,7 @@ def test_oversized_and_empty_byte_hashes() -> None:
     decode_batch(_batch(_arr_stored(block_hashes=[b"\x00" * MAX_HASH_BYTES, b"\x01"])))
     _rejects(_batch(_arr_stored(block_hashes=[b"\x00" * (MAX_HASH_BYTES + 1), 1])))
     _rejects(_batch(_arr_stored(block_hashes=[b"", 1])))
-    _rejects(_batch(_arr_stored(parent=b"\x00" * (MAX_HASH_BYTES + 1))))
+    _stands_in(_batch(_arr_stored(parent=b"\x00" * (MAX_HASH_BYTES + 1))))  # hashes read
 
 
 # --- huge lists ------------------------------------------------------------------------------
@@ -257,5 +329,7 @@ def test_deep_nesting_is_a_protocol_error() -> None:
 
 
 def test_reasons_name_the_offending_event() -> None:
-    assert "event 1" in _rejects(_batch(_arr_stored(), _arr_stored(token_ids=[1])))
-    assert "event 2" in _rejects(_batch(_map_stored(), _map_stored(), _map_stored(block_size=0)))
+    assert "event 1" in _stands_in(_batch(_arr_stored(), _arr_stored(token_ids=[1]))).reason
+    bad = _batch(_map_stored(), _map_stored(), _map_stored(block_size=0))
+    assert "event 2" in _stands_in(bad).reason
+    assert "event 1" in _rejects(_batch(_map_stored(), _map_stored(block_hashes=[None])))

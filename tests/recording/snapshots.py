@@ -8,11 +8,12 @@ from typing import Any
 import msgspec
 
 from indexer.recording.format import RecordingWriter
+from indexer.snapshot import _unseal
 
 
 def canonical(dump: bytes) -> dict[str, Any]:
     """An index snapshot without what legitimately differs (slots, id order, counters)."""
-    snap = msgspec.msgpack.decode(dump)
+    snap = msgspec.msgpack.decode(_unseal(dump))
     names = {
         i: tuple(ns) if isinstance(ns, list) else tuple(ns.values()) for i, ns in snap["namespaces"]
     }

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
+import pytest
 
 from router.cluster.server import NatsServer
+from router.cluster.snapshots import publish_snapshot
 from router.service import RouterService
 from tests.router.cluster.conftest import replica_config, workers
 from tests.router.conftest import Fleet, eventually
@@ -38,3 +42,30 @@ async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
                     assert resp.status == 200
                     assert resp.headers["x-kvroute-worker"] == worker
                     assert int(resp.headers["x-kvroute-matched-tokens"]) >= 64
+
+
+async def test_a_damaged_snapshot_in_jetstream_is_refused_and_the_replica_starts_cold(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The object store's digest covers what was stored, not what was dumped: a snapshot
+    damaged before it was put passes it. Its own digest refuses it (a flipped bit had loaded
+    as sound entries the workers' removals never named: false hits for good)."""
+    async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url)]
+        body = {"text": "a conversation about to be damaged " * 6, "cache_salt": "tenant-d"}
+        async with RouterService(replica_config(config, nats_server.url, "a")) as a:
+            on_a = Fleet(a, {"w0": w0}, session)
+            await on_a.warm()
+            async with session.post(
+                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+            ) as resp:
+                assert resp.status == 200
+            await eventually(lambda: on_a.holds(body, "w0", 64), what="a to index the prompt")
+            assert a.cluster is not None and a.cluster._js is not None
+            dump = bytearray(a.indexer.dump())
+            dump[-1] ^= 1  # the last stream's last field: one bit
+            await publish_snapshot(a.cluster._js, a.cluster._index_bucket, bytes(dump), 0.0)
+            with caplog.at_level(logging.WARNING, logger="router.cluster"):
+                async with RouterService(replica_config(config, nats_server.url, "c")) as c:
+                    assert c.cluster is not None and c.cluster.snapshot_at is None
+            assert "does not match its digest" in caplog.text
