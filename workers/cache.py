@@ -641,16 +641,17 @@ class PagedRadixCache:
             if tail.medium == event.medium:
                 tail.block_hashes.extend(event.block_hashes)
                 return
-        elif isinstance(tail, Stored) and isinstance(event, Stored):
-            if (
-                tail.block_hashes
-                and event.parent == tail.block_hashes[-1]
-                and (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name)
-                == (event.medium, event.block_size, event.cache_salt, event.lora_name)
-            ):
-                tail.block_hashes.extend(event.block_hashes)
-                tail.token_ids.extend(event.token_ids)
-                return
+        elif (
+            isinstance(tail, Stored)
+            and isinstance(event, Stored)
+            and tail.block_hashes
+            and event.parent == tail.block_hashes[-1]
+            and (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name)
+            == (event.medium, event.block_size, event.cache_salt, event.lora_name)
+        ):
+            tail.block_hashes.extend(event.block_hashes)
+            tail.token_ids.extend(event.token_ids)
+            return
         self._events.append(event)
 
     def cached_pages(self) -> set[tuple[Namespace, tuple[int, ...]]]:

@@ -244,7 +244,11 @@ def test_1100_page_path_in_the_cache() -> None:
     assert cache.flush_namespace("tenant-1") == 1100
     # Cleared, then the 1100 chained stores and the 1100 removals merged as SGLang merges them
     cleared, stored, removed = cache.take_events()
-    assert isinstance(stored, Stored) and len(stored.block_hashes) == 1100
+    assert (
+        isinstance(cleared, Cleared)
+        and isinstance(stored, Stored)
+        and len(stored.block_hashes) == 1100
+    )
     assert isinstance(removed, Removed) and len(removed.block_hashes) == 1100
 
 
