@@ -517,9 +517,10 @@ TOPOLOGY_NOTES = {
     "load, or by its policy's turns), the decode side paying the KV transfer; the KV pressure "
     "counts the prefill caches, where prefix reuse happens; the hit rate is the prefill side's "
     "(`cached_tokens` as the decode relays it); no oracle (it routes single workers)",
-    "tiered": "; fleet: every worker has a host tier of twice its GPU cache, where evicted pages "
-    "move (medium CPU_PINNED) and are loaded back on a hit at the host load cost; the KV "
-    "pressure counts the GPU caches only",
+    "tiered": "; fleet: every worker has a host tier of twice its GPU cache, which keeps a copy "
+    "of every page the GPU caches (SGLang HiCache's write-through, medium CPU_PINNED) and keeps it "
+    "once the GPU evicts the page, loaded back on a hit at the host load cost; the KV pressure "
+    "counts the GPU caches only",
 }
 
 
@@ -614,7 +615,8 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                     workload.requests, run.records, page, by_worker=not spec.disaggregated
                 )
                 runs.append(run)
-            pooled = caches * (capacity + spec.host_capacity_tokens)
+            # the host tier keeps a copy of what the GPU holds: the larger pool is what both keep
+            pooled = caches * max(capacity, spec.host_capacity_tokens)
             replay = pooled_replay(workload.requests, page_size=page, capacity_tokens=pooled)
             bound = replay_hit_rate(replay)
             ttft_floor = ttft_floor_p90_ms(replay, spec.prefill_ms_per_token * spec.time_scale)

@@ -323,6 +323,11 @@ class IndexerService:
             if dp_rank is None or sub.config.dp_rank == dp_rank
         ]
 
+    def dp_size(self, worker: str) -> int:
+        """How many DP ranks `worker` publishes from (its highest rank + 1; 0: none known)."""
+        subs = self._workers.get(worker)
+        return 1 + max(sub.config.dp_rank for sub in subs) if subs else 0
+
     def held_tokens(self, stream: str, *, every_tier: bool = False) -> int:
         """Tokens `stream` holds on the GPU per its events (blocks times block size; 0:
         unknown); with `every_tier`, in any tier (offloaded blocks too)."""

@@ -11,19 +11,26 @@ in either field never share a node. Reference counts (`lock`/`unlock`, propagate
 protect the nodes of running requests; unreferenced leaves are evicted least recently used
 first through a sorted index (O(log n) per eviction).
 
-Every mutation records the KV events SGLang would publish, in order: one coalesced `Stored`
-per new node (its pages' hashes, the parent node's last hash), one `Removed` per evicted node
-with exactly the hashes it stored, `Cleared` on flush. A node split emits nothing: the page
-hashes are sliced between the two halves. `take_events()` hands them to the publisher.
+Every mutation records the KV events SGLang would publish, in order: a `Stored` per new node
+(its pages' hashes, the parent node's last hash), a `Removed` per evicted node with exactly the
+hashes it stored, `Cleared` on flush. A node split emits nothing: the page hashes are sliced
+between the two halves. Events are merged as SGLang 0.5.23's `KVCacheEventRecorder.enqueue`
+merges them until they are taken: a `Removed` right after a `Removed` of the same medium joins
+it, and a `Stored` whose parent is the last hash of the `Stored` right before it (same medium,
+page size, salt and adapter) extends it. `take_events()` hands them to the publisher (one
+scheduler step's batch).
 
-Optional host tier (`host_capacity_tokens`, as SGLang's HiCache keeps a host pool): an evicted
-GPU leaf moves to host memory instead of being dropped (`Stored` with medium CPU_PINNED, then
-`Removed` with medium GPU), host leaves are evicted LRU when the host pool is full (`Removed`
-CPU_PINNED), and a request whose prefix reaches host nodes loads them back onto the GPU
-(`load_back`: `Stored` GPU, then `Removed` CPU_PINNED), at a cost the scheduler charges. A
-node is in exactly one tier; GPU nodes always form a prefix-closed subtree (a host node's
-descendants are all on the host), since eviction takes leaves first and loading back takes
-the whole path.
+Optional host tier (`host_capacity_tokens`), as SGLang 0.5.23's HiCache keeps it under its
+default write-through policy (`mem_cache/unified_cache/unified_tree_core.py`): a new GPU node
+is backed up to the host pool at once (`Stored` CPU_PINNED, the node staying on the GPU; SGLang
+publishes it when the copy is acknowledged, a step or so later), evicting host-only leaves LRU
+for room (`Removed` CPU_PINNED), or not backed up when the host pool is full of copies the GPU
+still holds. A GPU leaf evicted with a host copy keeps only that copy (`Removed` GPU alone);
+one without is dropped, with the host-only nodes below it. A request whose prefix reaches
+host-only nodes loads them back onto the GPU (`load_back`: `Stored` GPU, the host copy kept),
+at a cost the scheduler charges. So a node is on the GPU, on the host, or on both; GPU nodes
+always form a prefix-closed subtree, since eviction takes GPU leaves first and loading back
+takes the whole path.
 """
 
 from __future__ import annotations
@@ -78,8 +85,9 @@ class RadixNode:
         "lru_entry",
         "namespace",
         "node_id",
+        "on_gpu",
+        "on_host",
         "parent",
-        "tier",
     )
 
     def __init__(
@@ -101,7 +109,8 @@ class RadixNode:
         self.digests: list[Digest] | None = None
         self.lru_entry: tuple[int, int] | None = None  # in the GPU eviction order
         self.host_entry: tuple[int, int] | None = None  # in the host eviction order
-        self.tier = MEDIUM  # GPU, or HOST_MEDIUM once offloaded
+        self.on_gpu = True  # its pages are in the GPU pool
+        self.on_host = False  # a copy of them is in the host pool (a write-through backup)
 
 
 class Match(msgspec.Struct, frozen=True):
@@ -290,7 +299,7 @@ class PagedRadixCache:
         at = 0
         while at < len(aligned):
             child = node.children.get(self._child_key(namespace, aligned, at))
-            if child is None or child.tier != MEDIUM:
+            if child is None or not child.on_gpu:
                 break
             matched = self._matched_in_node(child, aligned, at)
             at += matched
@@ -314,7 +323,7 @@ class PagedRadixCache:
             matched = self._matched_in_node(child, aligned, at)
             at += matched
             reached = child if matched == len(child.key) else self._split(child, matched, now)
-            if reached.tier == MEDIUM:
+            if reached.on_gpu:
                 gpu_node, gpu_at = reached, at
             node = reached
             if reached is not child:
@@ -329,7 +338,7 @@ class PagedRadixCache:
         """Protect `node` and its ancestors from eviction (one reference per running request)."""
         current: RadixNode | None = node
         while current is not None and current is not self._root:
-            if current.lock_ref == 0 and current.tier == MEDIUM:
+            if current.lock_ref == 0 and current.on_gpu:
                 self._protected_pages += len(current.key) // self.page_size
             current.lock_ref += 1
             self._refresh(current)
@@ -342,7 +351,7 @@ class PagedRadixCache:
             if current.lock_ref <= 0:
                 raise ValueError("unlock without a matching lock")
             current.lock_ref -= 1
-            if current.lock_ref == 0 and current.tier == MEDIUM:
+            if current.lock_ref == 0 and current.on_gpu:
                 self._protected_pages -= len(current.key) // self.page_size
             self._refresh(current)
             current = current.parent
@@ -356,7 +365,8 @@ class PagedRadixCache:
 
         New pages come first from the caller's reservation (`reserved_pages`), then from the
         free pool, evicting LRU leaves if needed; if the pool cannot hold them all, only the
-        prefix that fits is cached. Records one coalesced `Stored` for the new node.
+        prefix that fits is cached. Records a `Stored` for the new node, and with a host tier
+        backs it up there (`Stored` CPU_PINNED) when the host pool has room.
         """
         aligned = self._aligned(tokens)
         found = self.match(namespace, aligned)
@@ -392,18 +402,19 @@ class PagedRadixCache:
         self._refresh(node)
         self._refresh(child)
         self._record_stored(child)
+        self._back_up(child)
         return Match(node=child, length=at + len(key)), used + from_reserve
 
     def load_back(self, host_node: RadixNode, *, reserved_pages: int = 0) -> int:
-        """Move the host nodes on the path to `host_node` onto the GPU, top-down.
+        """Load the host-only nodes on the path to `host_node` back onto the GPU, top-down.
 
         Pages come from the caller's reservation first, then from the free pool (evicting
-        GPU leaves, which go to the host). Stops where the GPU pool cannot take a node; returns
-        the reserved pages used. Each moved node records `Stored` GPU, then `Removed` host.
+        GPU leaves). Stops where the GPU pool cannot take a node; returns the reserved pages
+        used. Each loaded node records `Stored` GPU and keeps its host copy, as HiCache does.
         """
         path: list[RadixNode] = []
         current: RadixNode | None = host_node
-        while current is not None and current.tier != MEDIUM:
+        while current is not None and not current.on_gpu:
             path.append(current)
             current = current.parent
         used = 0
@@ -419,7 +430,7 @@ class PagedRadixCache:
                     break  # the GPU is full of protected pages: the rest stays on the host
                 self._reserved_pages -= from_reserve
                 used += from_reserve
-                self._move(node, MEDIUM)
+                self._load(node)
         finally:
             self.unlock(host_node)
         return used
@@ -433,7 +444,7 @@ class PagedRadixCache:
 
     def flush(self) -> int:
         """Drop the whole tree (`AllBlocksCleared`); refused while a request holds pages.
-        Returns the pages it held (GPU and host)."""
+        Returns the pages it held (in both pools: a page with a host copy counts twice)."""
         if self._protected_pages or self._reserved_pages:
             raise CacheBusyError("cache not flushed: requests are running")
         held = self._tree_pages + self._host_pages
@@ -445,7 +456,7 @@ class PagedRadixCache:
         """Evict every unreferenced node whose salt is `cache_salt`; returns pages removed.
 
         Nodes a running request protects stay (with their ancestors); each removed node gets
-        its own `Removed`, deepest first, as if it had been evicted.
+        a `Removed` per tier it is in, deepest first, as if it had been evicted.
         """
         removed = 0
         roots = [c for c in self._root.children.values() if c.namespace.cache_salt == cache_salt]
@@ -471,7 +482,8 @@ class PagedRadixCache:
         """Keep each LRU index equal to its tier's evictable leaves.
 
         A GPU node is a GPU leaf when none of its children is on the GPU (its host children
-        stay where they are when it goes); a host node is evictable when it has no children.
+        stay where they are when it goes); a host-only node is evictable when it has no
+        children (a node on both tiers never leaves the host first: write-through).
         """
         if node.lru_entry is not None:
             self._lru.remove(node.lru_entry)
@@ -481,8 +493,8 @@ class PagedRadixCache:
             node.host_entry = None
         if node is self._root or node.lock_ref:
             return
-        if node.tier == MEDIUM:
-            if not any(child.tier == MEDIUM for child in node.children.values()):
+        if node.on_gpu:
+            if not any(child.on_gpu for child in node.children.values()):
                 node.lru_entry = (node.last_access, node.node_id)
                 self._lru.add(node.lru_entry)
         elif not node.children:
@@ -495,7 +507,7 @@ class PagedRadixCache:
         assert parent is not None and 0 < at < len(node.key)
         upper = RadixNode(next(self._ids), parent, node.key[:at], node.namespace, now)
         upper.lock_ref = node.lock_ref
-        upper.tier = node.tier  # both halves stay where the pages are
+        upper.on_gpu, upper.on_host = node.on_gpu, node.on_host  # both halves stay put
         if node.digests is not None:
             pages = at // self.page_size
             upper.digests, node.digests = node.digests[:pages], node.digests[pages:]
@@ -512,45 +524,53 @@ class PagedRadixCache:
             self._evict_one()
 
     def _evict_one(self) -> int:
-        """Free the GPU pages of the LRU GPU leaf: offloaded to the host tier, or dropped."""
+        """Free the GPU pages of the LRU GPU leaf: one backed up keeps its host copy (HiCache's
+        demote: `Removed` GPU alone); one not backed up is dropped, with the host-only nodes
+        below it (they need their parent)."""
         _, node_id = self._lru[0]
         node = self._nodes[node_id]
+        if node.on_host:
+            self._demote(node)
+            return len(node.key)
+        if node.children:
+            self._drop_subtree(node)
+            return len(node.key)
+        return self._remove_leaf(node)
+
+    def _back_up(self, node: RadixNode) -> None:
+        """Copy a new GPU node to the host pool (write-through), evicting host-only leaves LRU
+        for room; left GPU-only when the host pool is full of copies the GPU still holds (as
+        HiCache's backup gives up when its host eviction cannot make room)."""
+        if not self.host_total_pages:
+            return
         pages = len(node.key) // self.page_size
-        if pages > self.host_total_pages:
-            if node.children:  # host children need their parent: they go with it
-                self._drop_subtree(node)
-                return len(node.key)
-            return self._remove_leaf(node)
         while self._host_pages + pages > self.host_total_pages and self._host_lru:
             _, host_id = self._host_lru[0]
             self._remove_leaf(self._nodes[host_id])
         if self._host_pages + pages > self.host_total_pages:
-            # every host page is protected by running requests: drop this one instead
-            if node.children:
-                self._drop_subtree(node)
-                return len(node.key)
-            return self._remove_leaf(node)
-        self._move(node, HOST_MEDIUM)
-        return len(node.key)
+            return
+        node.on_host = True
+        self._host_pages += pages
+        self._record_stored(node, HOST_MEDIUM)
 
-    def _move(self, node: RadixNode, tier: str) -> None:
-        """Move a node between tiers: `Stored` in the new one first, then `Removed` from the
-        old one, as an engine reports an offload or a reload."""
+    def _demote(self, node: RadixNode) -> None:
+        """Release a backed-up node's GPU pages; it stays in the tree on the host alone."""
+        assert node.on_host and node.lock_ref == 0
+        node.on_gpu = False
+        self._tree_pages -= len(node.key) // self.page_size
+        self._record_removed(node, MEDIUM)
+        self._refresh(node)
+        if node.parent is not None:
+            self._refresh(node.parent)
+
+    def _load(self, node: RadixNode) -> None:
+        """Bring a host-only node back onto the GPU; its host copy stays."""
         pages = len(node.key) // self.page_size
-        old = node.tier
-        self._record_stored(node, tier)
-        node.tier = tier
-        if tier == MEDIUM:
-            self._host_pages -= pages
-            self._tree_pages += pages
-            if node.lock_ref:
-                self._protected_pages += pages
-        else:
-            self._tree_pages -= pages
-            self._host_pages += pages
-            if node.lock_ref:
-                self._protected_pages -= pages
-        self._record_removed(node, old)
+        node.on_gpu = True
+        self._tree_pages += pages
+        if node.lock_ref:
+            self._protected_pages += pages
+        self._record_stored(node, MEDIUM)
         self._refresh(node)
         if node.parent is not None:
             self._refresh(node.parent)
@@ -577,18 +597,20 @@ class PagedRadixCache:
             self._host_lru.remove(node.host_entry)
             node.host_entry = None
         del self._nodes[node.node_id]
-        if node.tier == MEDIUM:
-            self._tree_pages -= len(node.key) // self.page_size
-        else:
-            self._host_pages -= len(node.key) // self.page_size
+        pages = len(node.key) // self.page_size
         self._refresh(parent)
-        self._record_removed(node, node.tier)
+        if node.on_gpu:
+            self._tree_pages -= pages
+            self._record_removed(node, MEDIUM)
+        if node.on_host:
+            self._host_pages -= pages
+            self._record_removed(node, HOST_MEDIUM)
         return len(node.key)
 
     def _record_removed(self, node: RadixNode, tier: str) -> None:
         digests, hashed = event_digests(node, self.page_size)
         self._hashed_pages += hashed
-        self._events.append(Removed(block_hashes=[digest_to_hash(d) for d in digests], medium=tier))
+        self._enqueue(Removed(block_hashes=[digest_to_hash(d) for d in digests], medium=tier))
 
     def _record_stored(self, node: RadixNode, tier: str = MEDIUM) -> None:
         digests, hashed = event_digests(node, self.page_size)
@@ -599,7 +621,7 @@ class PagedRadixCache:
             parent_digests, hashed = event_digests(parent, self.page_size)
             self._hashed_pages += hashed
             parent_hash = digest_to_hash(parent_digests[-1])
-        self._events.append(
+        self._enqueue(
             Stored(
                 block_hashes=[digest_to_hash(d) for d in digests],
                 parent=parent_hash,
@@ -610,6 +632,27 @@ class PagedRadixCache:
                 lora_name=node.namespace.lora,
             )
         )
+
+    def _enqueue(self, event: Removed | Stored) -> None:
+        """Record `event`, merged into the one before it where SGLang's recorder merges them
+        (so a batch carries as many events as SGLang's would)."""
+        tail = self._events[-1] if self._events else None
+        if isinstance(tail, Removed) and isinstance(event, Removed):
+            if tail.medium == event.medium:
+                tail.block_hashes.extend(event.block_hashes)
+                return
+        elif (
+            isinstance(tail, Stored)
+            and isinstance(event, Stored)
+            and tail.block_hashes
+            and event.parent == tail.block_hashes[-1]
+            and (tail.medium, tail.block_size, tail.cache_salt, tail.lora_name)
+            == (event.medium, event.block_size, event.cache_salt, event.lora_name)
+        ):
+            tail.block_hashes.extend(event.block_hashes)
+            tail.token_ids.extend(event.token_ids)
+            return
+        self._events.append(event)
 
     def cached_pages(self) -> set[tuple[Namespace, tuple[int, ...]]]:
         """Every cached page as (namespace, token prefix up to and including it); for tests."""

@@ -78,8 +78,9 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         "--host-capacity-tokens",
         type=int,
         default=defaults.host_capacity_tokens,
-        help="host-memory KV tier per DP rank, in tokens: evicted GPU pages move there and "
-        "are loaded back on a hit (0 = none; default %(default)s)",
+        help="host-memory KV tier per DP rank, in tokens: a write-through copy of the GPU "
+        "pages, kept when the GPU evicts them and loaded back on a hit (0 = none; default "
+        "%(default)s)",
     )
     cache.add_argument(
         "--dp-size",

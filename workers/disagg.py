@@ -40,10 +40,21 @@ from workers.errors import KvTransferError, KvTransferTimeoutError, RequestError
 from workers.io_struct import ApiRequest, Generation
 from workers.scheduler import Job, QueueFullError
 
-__all__ = ["Disaggregation", "Handoff", "HandoffTable", "RemoteKv"]
+__all__ = ["Disaggregation", "Handoff", "HandoffTable", "RemoteKv", "room_rank"]
 
 # handoffs open at once on one prefill worker (each a locked prompt, or a decode waiting)
 _CAPACITY = 4096
+
+
+def room_rank(config: WorkerConfig, item: Generation) -> int | None:
+    """The DP rank a prefill worker with several ranks runs a request on when it names none:
+    its bootstrap room's, `room % dp_size` (SGLang 0.5.23 resolves `load_balance_method` auto
+    to `follow_bootstrap_room` on a prefill worker, `arg_groups/serving_hook.py`, and its decode
+    side finds the prefill's rank the same way); None on any other worker or request."""
+    handoff = item.handoff
+    if config.role != "prefill" or config.dp_size < 2 or handoff is None or handoff.room is None:
+        return None
+    return handoff.room % config.dp_size
 
 
 class RemoteKv(msgspec.Struct, frozen=True):
@@ -170,6 +181,8 @@ class Disaggregation:
             )
         if self.role == "prefill":
             for item in items:
+                self._check_room(item)
+            for item in items:
                 assert item.handoff is not None
                 self.handoffs.open(item.handoff.key)  # a decode may already be waiting
             held = [msgspec.structs.replace(i, max_new_tokens=1, hold_kv=True) for i in items]
@@ -180,6 +193,21 @@ class Disaggregation:
             for i, kv in zip(items, fetched, strict=True)
         ]
         return msgspec.structs.replace(api, items=moved)
+
+    def _check_room(self, item: Generation) -> None:
+        """Refuse a prefill named a rank other than its room's with no `disagg_prefill_dp_rank`,
+        as SGLang 0.5.23's KV sender fails it (`common/conn.py`): its decode side, not told the
+        rank, looks for the KV on the room's rank."""
+        implied = room_rank(self.config, item)
+        rank = item.dp_rank
+        if implied is None or rank is None or not 0 <= rank < self.config.dp_size:
+            return  # a rank out of range is the submit's 400
+        assert item.handoff is not None
+        if item.handoff.prefill_dp_rank is None and rank != implied:
+            raise KvTransferError(
+                f"follow_bootstrap_room conflict: dispatched to dp_rank {rank} but "
+                f"bootstrap_room {item.handoff.room} implies dp_rank {implied}"
+            )
 
     async def _fetch(self, item: Generation) -> RemoteKv:
         """Read one request's KV from its prefill's bootstrap server (decode side)."""

@@ -66,6 +66,10 @@ class KvHandoff(msgspec.Struct, frozen=True):
     port: int | None = None
     # vLLM: the prefill side answers `kv_transfer_params` (True), the decode side reads them
     remote_decode: bool = False
+    # SGLang: the room (a prefill with several DP ranks runs it on rank room % dp_size), and
+    # the prefill's rank when the request says it (`disagg_prefill_dp_rank`)
+    room: int | None = None
+    prefill_dp_rank: int | None = None
 
 
 class Generation(msgspec.Struct, frozen=True):
@@ -201,6 +205,9 @@ def _sglang_handoffs(body: Mapping[str, Any], count: int) -> list[KvHandoff | No
         rooms = _per_item(room, "bootstrap_room", count, int)
     hosts = _per_item(body.get("bootstrap_host"), "bootstrap_host", count, str)
     ports = _per_item(body.get("bootstrap_port"), "bootstrap_port", count, int)
+    told = body.get("disagg_prefill_dp_rank")
+    if told is not None and (isinstance(told, bool) or not isinstance(told, int) or told < 0):
+        raise RequestError("disagg_prefill_dp_rank must be a non-negative integer")
     out: list[KvHandoff | None] = []
     for r, host, port in zip(rooms, hosts, ports, strict=True):
         if r is None:
@@ -210,7 +217,16 @@ def _sglang_handoffs(body: Mapping[str, Any], count: int) -> list[KvHandoff | No
             raise RequestError("bootstrap_room must be a non-negative integer")
         if port is not None and not 0 < port < 65536:
             raise RequestError("bootstrap_port must be a port number")
-        out.append(KvHandoff(key=f"room-{r}", spelling="sglang", host=host, port=port))
+        out.append(
+            KvHandoff(
+                key=f"room-{r}",
+                spelling="sglang",
+                host=host,
+                port=port,
+                room=r,
+                prefill_dp_rank=told,
+            )
+        )
     return out
 
 

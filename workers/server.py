@@ -397,13 +397,10 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             "page_size": cfg.page_size,
             "dp_size": cfg.dp_size,
             "max_total_num_tokens": cfg.total_pages * cfg.page_size,
-            # SGLang's HiCache settings, for the host tier. SGLang's host pool (the ratio times
-            # the device pool) keeps a copy of what the GPU holds, so it is what the two keep;
-            # this worker's host tier takes only what the GPU evicts, so what the two keep is
-            # both pools: the ratio says that, and a router reading it as SGLang's is right
+            # SGLang's HiCache settings, for the host tier: its pool is the ratio times the
+            # device pool, and keeps a copy of what the GPU holds (write-through), as here
             "enable_hierarchical_cache": cfg.host_capacity_tokens > 0,
-            "hicache_ratio": (cfg.host_capacity_tokens + cfg.total_pages * cfg.page_size)
-            / (cfg.total_pages * cfg.page_size),
+            "hicache_ratio": cfg.host_capacity_tokens / (cfg.total_pages * cfg.page_size),
             "hicache_size": 0,
             "max_running_requests": cfg.max_running_requests,
             "context_length": cfg.context_length,

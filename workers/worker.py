@@ -23,7 +23,7 @@ from aiohttp import web
 
 from workers.cache import Namespace, PagedRadixCache
 from workers.config import WorkerConfig
-from workers.disagg import Disaggregation
+from workers.disagg import Disaggregation, room_rank
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import Generation
 from workers.listener import WorkerRunner
@@ -174,9 +174,12 @@ class ReferenceWorker:
                 raise WorkerError(f"{task.get_name()} stopped")
 
     def submit(self, generation: Generation) -> Job:
-        """Queue one request on its DP rank (the one asked for, else round robin)."""
+        """Queue one request on its DP rank: the one asked for, else on a prefill worker the
+        bootstrap room's (`room_rank`), else round robin."""
         self.check_alive()  # a dead scheduler would never run it
         rank = generation.dp_rank
+        if rank is None:
+            rank = room_rank(self.config, generation)
         if rank is None:
             rank = next(self._next_rank) % len(self.ranks)
         elif not 0 <= rank < len(self.ranks):  # SGLang's tokenizer manager, word for word

@@ -7,9 +7,11 @@ engine forms it (`indexer.engines.PdPairing`):
   prefill's host), `bootstrap_port` (its bootstrap port) and the same fresh random
   `bootstrap_room`, spliced into the body as the client sent it (a room per item of a batched
   `/generate`); the decode is also told `disagg_prefill_dp_rank` when the prefill side was
-  told a rank. The client gets the decode's answer, streamed through; with `return_logprob`
-  the prefill's `meta_info.input_token_logprobs` are put before the decode's, as SGLang's
-  router merges them.
+  told a rank. A prefill worker with several DP ranks runs a request on rank
+  `room % dp_size` (SGLang 0.5.23's `follow_bootstrap_room`), and fails its KV handoff when
+  told another rank, so the room is drawn among those that name the rank the router chose.
+  The client gets the decode's answer, streamed through; with `return_logprob` the prefill's
+  `meta_info.input_token_logprobs` are put before the decode's, as SGLang's router merges them.
 - vLLM (`KV_TRANSFER_PARAMS`, its NIXL proxy protocol): the request goes to the prefill first
   with `max_tokens` (and `max_completion_tokens`) 1, `stream` false, no `stream_options` and
   `kv_transfer_params` asking for a remote decode; the `kv_transfer_params` of its answer go
@@ -469,17 +471,30 @@ class PairDispatcher:
             raise PrefillFailed("no bootstrap port known for it", hard=False)
         host = urlsplit(prefill.url).hostname or "127.0.0.1"
         count = _batch_size(parsed.body) if endpoint is Endpoint.GENERATE else None
+        ranks = self._pairs.planner.indexer.dp_size(prefill.worker)
         if count is None:
             return {
                 "bootstrap_host": host,
                 "bootstrap_port": port,
-                "bootstrap_room": self._rooms.randrange(_ROOMS),
+                "bootstrap_room": self._room(prefill.dp_rank, ranks),
             }
         return {
             "bootstrap_host": [host] * count,
             "bootstrap_port": [port] * count,
-            "bootstrap_room": [self._rooms.randrange(_ROOMS) for _ in range(count)],
+            "bootstrap_room": [self._room(prefill.dp_rank, ranks) for _ in range(count)],
         }
+
+    def _room(self, rank: int | None, ranks: int) -> int:
+        """A random room in [0, 2^63) that names `rank` of a prefill worker with `ranks` ranks.
+
+        SGLang 0.5.23's prefill (`load_balance_method` auto: `follow_bootstrap_room`) runs a
+        request on rank `room % dp_size`, and its KV sender fails a request told another rank
+        without `disagg_prefill_dp_rank` ("follow_bootstrap_room conflict"). A fully random
+        room named the rank the router scored in only 1 of `ranks` requests: the rest failed
+        their handoff on SGLang."""
+        if rank is None or ranks < 2 or rank >= ranks:
+            return self._rooms.randrange(_ROOMS)
+        return self._rooms.randrange(_ROOMS // ranks) * ranks + rank
 
     async def _both_at_once(
         self,

@@ -506,3 +506,50 @@ async def test_the_prefill_side_stops_counting_as_queued_once_its_events_show_th
             await eventually(answered, what="the pair to end")
             # counted down once: the answer does not take the prompt off again
             assert load.of("p0").queued_prefill_tokens == 0
+
+
+async def test_a_prefill_with_two_ranks_gets_a_room_that_names_the_rank_it_was_scored_on() -> None:
+    """SGLang 0.5.23's prefill runs a request on rank `bootstrap_room % dp_size` and fails the
+    KV handoff of one told another rank (no `disagg_prefill_dp_rank`): the reference workers do
+    the same. The router drew its rooms at random, so about half the pairs failed (502) and the
+    others were scored on the rank they ran on by chance; now the room names the chosen rank,
+    every pair is served there, and each repeat's reported hit is the prediction."""
+    async with (
+        ReferenceWorker(reference("prefill", dp_size=2)) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            counter = iter(range(1_000_000))
+
+            async def live() -> bool:
+                await poke(session, p0, d0, next(counter))
+                streams = router.planner.indexer.streams()
+                return len(streams) == 3 and all(s.last_seq is not None for s in streams)
+
+            await eventually(live, what="both prefill ranks' streams to reach the index")
+            url = router.url + "/generate"
+            for i in range(8):
+                body = {
+                    "input_ids": [i + 3, *PROMPT],
+                    "cache_salt": "rooms",
+                    "sampling_params": {"max_new_tokens": 2},
+                }
+                for attempt in range(2):
+                    async with session.post(url, json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                        rank = int(resp.headers["x-kvroute-prefill-dp-rank"])
+                        matched = int(resp.headers["x-kvroute-matched-tokens"])
+                        answer = await resp.json()
+                    assert answer["meta_info"]["cached_tokens"] == matched
+                    if attempt == 0:
+                        first_rank = rank
+
+                        async def indexed(body: dict[str, Any] = body) -> bool:
+                            plan = await PdFleet(router, session, {}).route(body)
+                            best = plan["prefill"]["candidates"][0]
+                            return bool(best["matched_tokens"] == 6 * PAGE)
+
+                        await eventually(indexed, what="the prompt indexed on its rank")
+                    else:
+                        assert (rank, matched) == (first_rank, 6 * PAGE)

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from indexer.protocol.events import Cleared, Event, Removed, Stored
+from indexer.index import PrefixIndex
+from indexer.namespace import Namespace as IndexNamespace
+from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored
 from workers.cache import Namespace, PagedRadixCache, RadixNode, event_digests
 from workers.errors import CacheBusyError
 from workers.hashing import digest_to_hash, page_digests, salt_seed
@@ -163,12 +165,48 @@ def test_salted_hashes_survive_a_node_split() -> None:
     assert isinstance(child, Stored)
     assert child.parent == whole.block_hashes[-1]
     cache.evict(4)  # the new leaf
+    (leaf,) = cache.take_events()
     cache.evict(4)  # the tail of the split node: exactly its two hashes
-    events = cache.take_events()
-    assert [e.block_hashes for e in events if isinstance(e, Removed)] == [
-        child.block_hashes,
-        whole.block_hashes[1:],
-    ]
+    (tail,) = cache.take_events()
+    assert isinstance(leaf, Removed) and isinstance(tail, Removed)
+    assert (leaf.block_hashes, tail.block_hashes) == (child.block_hashes, whole.block_hashes[1:])
+
+
+def test_events_are_merged_as_sglang_merges_them() -> None:
+    """SGLang's `KVCacheEventRecorder.enqueue`: a `Removed` after a `Removed` of the same
+    medium joins it, a `Stored` whose parent is the last hash of the `Stored` before it extends
+    it. Before, one step evicting two leaves published two `Removed`, and a node stored with
+    its child two chained `Stored`."""
+    cache = PagedRadixCache(page_size=2, capacity_tokens=8)
+    cache.insert(T1, [1, 2, 3, 4])
+    cache.insert(T1, [5, 6, 7, 8])
+    cache.take_events()
+    assert cache.reserve(4)  # evicts both leaves in one step
+    (removed,) = cache.take_events()
+    assert isinstance(removed, Removed) and len(removed.block_hashes) == 4
+    cache.release(4)
+    cache.insert(T1, [1, 2])
+    cache.insert(T1, [1, 2, 3, 4])  # its child, in the same step
+    (stored,) = cache.take_events()
+    assert isinstance(stored, Stored) and stored.parent is None
+    assert len(stored.block_hashes) == 2 and stored.token_ids == [1, 2, 3, 4]
+    # a store that does not continue the one before stays its own event, as do other kinds
+    roomy = PagedRadixCache(page_size=2, capacity_tokens=32)
+    roomy.take_events()
+    roomy.insert(T1, [1, 2])
+    roomy.insert(T1, [9, 9])  # a sibling, not a child
+    roomy.insert(T2, [1, 2, 3, 4])  # another salt: a chain of its own
+    roomy.evict(2)
+    events = roomy.take_events()
+    assert [type(e).__name__ for e in events] == ["Stored", "Stored", "Stored", "Removed"]
+    # an index fed the merged events holds what the cache holds
+    index = PrefixIndex()
+    index.add_stream("w", block_size=2)
+    fresh = PagedRadixCache(page_size=2, capacity_tokens=8)
+    fresh.insert(T1, [1, 2])
+    fresh.insert(T1, [1, 2, 3, 4, 5, 6])
+    index.apply("w", EventBatch(ts=0.0, events=fresh.take_events()))
+    assert index.query(IndexNamespace("", None, T1.cache_salt), [1, 2, 3, 4, 5, 6])["w"].blocks == 3
 
 
 def test_event_hashes_are_memoized() -> None:
@@ -204,7 +242,14 @@ def test_1100_page_path_in_the_cache() -> None:
         cache.insert(T1, tokens[:end])
     assert cache.stats().nodes == 1100
     assert cache.flush_namespace("tenant-1") == 1100
-    assert len(cache.take_events()) == 1 + 1100 + 1100
+    # Cleared, then the 1100 chained stores and the 1100 removals merged as SGLang merges them
+    cleared, stored, removed = cache.take_events()
+    assert (
+        isinstance(cleared, Cleared)
+        and isinstance(stored, Stored)
+        and len(stored.block_hashes) == 1100
+    )
+    assert isinstance(removed, Removed) and len(removed.block_hashes) == 1100
 
 
 def test_locked_prefix_is_never_evicted() -> None:

@@ -1,8 +1,10 @@
-"""The host tier of the radix cache: offload, host eviction, load back, and what the events say.
+"""The host tier of the radix cache: write-through backup, demotion, host eviction, load back,
+and what the events say (SGLang 0.5.23's HiCache, `unified_tree_core.py`).
 
 Seeded random operations on a small cache with a host pool; after every step the pools add up,
 GPU nodes stay prefix-closed, and a real `PrefixIndex` fed only the published events reports
-every cached path in exactly the tiers the cache holds its pages in.
+every cached path at the best tier the cache holds its pages in, and holds as many pages on
+the GPU and in all as the cache does (what the router's tier forecast reads).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace as IndexNamespace
-from indexer.protocol.events import EventBatch, Removed, Stored
+from indexer.protocol.events import Event, EventBatch, Removed, Stored
 from workers.cache import HOST_MEDIUM, MEDIUM, Match, Namespace, PagedRadixCache, RadixNode
 
 PAGE = 2
@@ -32,22 +34,26 @@ def _path(node: RadixNode) -> list[RadixNode]:
 
 def _check(cache: PagedRadixCache, index: PrefixIndex) -> None:
     nodes = list(cache._nodes.values())
-    gpu = sum(len(n.key) // PAGE for n in nodes if n.tier == MEDIUM)
-    host = sum(len(n.key) // PAGE for n in nodes if n.tier == HOST_MEDIUM)
+    gpu = sum(len(n.key) // PAGE for n in nodes if n.on_gpu)
+    host = sum(len(n.key) // PAGE for n in nodes if n.on_host)
     stats = cache.stats()
     assert (stats.tree_pages, stats.host_pages) == (gpu, host)
     assert host <= stats.host_total_pages and gpu + stats.reserved_pages <= stats.total_pages
+    # the router's pools: GPU pages, and pages in any tier (`IndexService.held_tokens`)
+    assert index.default_medium_entries("w") == gpu
+    assert index.entries("w") == sum(len(n.key) // PAGE for n in nodes)
     for node in nodes:
-        # GPU nodes are prefix-closed: a host node's descendants are all on the host
-        assert node.parent is not None
-        if node.tier == MEDIUM:
-            assert node.parent.tier == MEDIUM
-        # the index, fed the events alone, holds the path in the tiers the cache does
+        assert node.parent is not None and (node.on_gpu or node.on_host)
+        # GPU nodes are prefix-closed: a host-only node's descendants are all host-only
+        if node.on_gpu and node.parent.parent is not None:
+            assert node.parent.on_gpu
+        # the index, fed the events alone, holds the path at the best tier the cache does
         path = _path(node)
         tokens = [t for n in path for t in n.key]
         want: dict[str, int] = {}
         for n in path:
-            want[n.tier] = want.get(n.tier, 0) + len(n.key) // PAGE
+            tier = MEDIUM if n.on_gpu else HOST_MEDIUM
+            want[tier] = want.get(tier, 0) + len(n.key) // PAGE
         salt = node.namespace.cache_salt
         got = index.query(IndexNamespace("", None, salt), tokens)["w"]
         assert got.blocks == len(tokens) // PAGE
@@ -96,33 +102,72 @@ def test_the_host_tier_and_its_events_agree_under_random_operations(seed: int) -
     assert moved > 0, f"seed {seed}: nothing was ever offloaded"
 
 
-def test_an_evicted_page_moves_to_the_host_and_comes_back_on_a_hit() -> None:
-    cache = PagedRadixCache(page_size=PAGE, capacity_tokens=4 * PAGE, host_capacity_tokens=4 * PAGE)
+def _kinds(events: list[Event]) -> list[tuple[str, str | None, int]]:
+    return [
+        (type(e).__name__, e.medium, len(e.block_hashes))
+        for e in events
+        if isinstance(e, Stored | Removed)
+    ]
+
+
+def test_the_host_tier_publishes_what_hicache_publishes() -> None:
+    """Write-through: `Stored` CPU_PINNED while the node stays on the GPU; evicted from the GPU,
+    `Removed` GPU alone (the host copy stays); loaded back, `Stored` GPU alone (the host copy is
+    kept). Before, a node was in one tier: offload published `Stored` CPU_PINNED then `Removed`
+    GPU at eviction, and a load-back `Removed` the host copy."""
+    cache = PagedRadixCache(page_size=PAGE, capacity_tokens=2 * PAGE, host_capacity_tokens=4 * PAGE)
     ns = Namespace(cache_salt="t")
-    cache.insert(ns, [1, 2, 3, 4])
     cache.take_events()
-    cache.insert(ns, [9, 9, 8, 8, 7, 7])  # needs 3 pages of 4 while [1..4] holds 2
-    events = cache.take_events()
-    offload = [e for e in events if isinstance(e, Stored) and e.medium == HOST_MEDIUM]
-    dropped = [e for e in events if isinstance(e, Removed) and e.medium == MEDIUM]
-    assert offload and dropped and offload[0].block_hashes == dropped[0].block_hashes
+    cache.insert(ns, [1, 2, 3, 4])
+    assert _kinds(cache.take_events()) == [("Stored", MEDIUM, 2), ("Stored", HOST_MEDIUM, 2)]
+    assert cache.stats().host_pages == 2 and cache.stats().tree_pages == 2
+    cache.insert(ns, [5, 6, 7, 8])  # [1..4] leaves the GPU for it
+    assert _kinds(cache.take_events()) == [
+        ("Removed", MEDIUM, 2),
+        ("Stored", MEDIUM, 2),
+        ("Stored", HOST_MEDIUM, 2),
+    ]
     found = cache.match(ns, [1, 2, 3, 4])
     assert (found.length, found.host_length) == (0, 4) and found.host_node is not None
     assert cache.peek(ns, [1, 2, 3, 4]) == 4 and cache.peek_gpu(ns, [1, 2, 3, 4]) == 0
+    cache.lock(found.host_node)
     cache.load_back(found.host_node)
-    back = cache.take_events()
-    tail = [(type(e).__name__, e.medium) for e in back if isinstance(e, Stored | Removed)]
-    assert tail[-2:] == [("Stored", MEDIUM), ("Removed", HOST_MEDIUM)]
+    cache.unlock(found.host_node)
+    # [5..8] leaves the GPU (its host copy stays), [1..4] comes back, its host copy kept
+    assert _kinds(cache.take_events()) == [("Removed", MEDIUM, 2), ("Stored", MEDIUM, 2)]
     assert cache.peek_gpu(ns, [1, 2, 3, 4]) == 4
+    assert cache.stats().host_pages == 4 and cache.stats().tree_pages == 2
 
 
-def test_a_full_host_pool_evicts_its_oldest_leaf() -> None:
-    cache = PagedRadixCache(page_size=PAGE, capacity_tokens=2 * PAGE, host_capacity_tokens=2 * PAGE)
+def test_a_full_host_pool_evicts_its_oldest_host_only_leaf() -> None:
+    cache = PagedRadixCache(page_size=PAGE, capacity_tokens=2 * PAGE, host_capacity_tokens=4 * PAGE)
     ns = Namespace()
+    cache.take_events()
     for stem in ([1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]):
         cache.insert(ns, stem)
+    # [3..]'s backup needs room: [1..], on the host alone, goes (`Removed` CPU_PINNED); [2..]
+    # stays on the host, [3..] on both tiers
     events = cache.take_events()
     host_drops = [e for e in events if isinstance(e, Removed) and e.medium == HOST_MEDIUM]
-    assert len(host_drops) == 1  # [1..] went to the host, then made room for [2..]
+    assert len(host_drops) == 1 and len(host_drops[0].block_hashes) == 2
     assert cache.peek(ns, [1, 1, 1, 1]) == 0 and cache.peek(ns, [2, 2, 2, 2]) == 4
-    assert cache.stats().host_pages == 2
+    assert cache.peek_gpu(ns, [3, 3, 3, 3]) == 4 and cache.stats().host_pages == 4
+
+
+def test_a_node_the_full_host_pool_cannot_back_up_is_dropped_from_the_gpu() -> None:
+    """A host pool full of copies the GPU still holds backs up nothing more; such a node is
+    dropped when the GPU evicts it (`Removed` GPU, nothing left), as HiCache does."""
+    cache = PagedRadixCache(page_size=PAGE, capacity_tokens=4 * PAGE, host_capacity_tokens=2 * PAGE)
+    ns = Namespace()
+    cache.take_events()
+    cache.insert(ns, [1, 1, 1, 1])  # backed up: the host pool is full
+    cache.insert(ns, [2, 2, 2, 2])  # not backed up
+    assert _kinds(cache.take_events()) == [
+        ("Stored", MEDIUM, 2),
+        ("Stored", HOST_MEDIUM, 2),
+        ("Stored", MEDIUM, 2),
+    ]
+    cache.match(ns, [1, 1, 1, 1])  # [2..] is the older now
+    cache.evict(4)
+    assert _kinds(cache.take_events()) == [("Removed", MEDIUM, 2)]
+    assert cache.peek(ns, [2, 2, 2, 2]) == 0 and cache.peek_gpu(ns, [1, 1, 1, 1]) == 4

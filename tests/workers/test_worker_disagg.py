@@ -193,3 +193,37 @@ async def test_a_held_prefill_released_lets_the_request_it_blocked_run() -> None
             async with session.get(base + "room-2") as resp:
                 assert resp.status == 200
             assert (await first)[0] == (await second)[0] == 200
+
+
+async def test_a_prefill_with_several_ranks_runs_a_request_on_its_rooms_rank() -> None:
+    """SGLang 0.5.23's prefill resolves `load_balance_method` auto to follow_bootstrap_room:
+    rank = room % dp_size, which is also where its decode side looks for the KV. Before, the
+    worker took the ranks in turn, so rooms 0, 2, 4 ran on ranks 0, 1, 0. A rank named other
+    than the room's, with no `disagg_prefill_dp_rank`, fails as SGLang's KV sender fails it."""
+    async with (
+        ReferenceWorker(config("prefill", dp_size=2)) as prefill,
+        ReferenceWorker(config("decode")) as decode,
+        aiohttp.ClientSession() as session,
+    ):
+        for room, rank in ((0, 0), (2, 0), (4, 0), (7, 1), (9, 1)):
+            body = sglang_pair(prefill, room)
+            (ps, p_answer), (ds, _) = await asyncio.gather(
+                post(session, prefill.url + "/generate", body),
+                post(session, decode.url + "/generate", body),
+            )
+            assert (ps, ds) == (200, 200), p_answer
+            assert p_answer["meta_info"]["dp_rank"] == rank, room
+        # told the room's rank, or told the decode side the rank too: served there
+        for extra in ({"routed_dp_rank": 1}, {"routed_dp_rank": 0, "disagg_prefill_dp_rank": 0}):
+            told = {k: v for k, v in extra.items() if k != "routed_dp_rank"}
+            (ps, p_answer), (ds, _) = await asyncio.gather(
+                post(session, prefill.url + "/generate", sglang_pair(prefill, 11, **extra)),
+                post(session, decode.url + "/generate", sglang_pair(prefill, 11, **told)),
+            )
+            assert (ps, ds) == (200, 200), p_answer
+            assert p_answer["meta_info"]["dp_rank"] == extra["routed_dp_rank"]
+        status, answer = await post(
+            session, prefill.url + "/generate", sglang_pair(prefill, 11, routed_dp_rank=0)
+        )
+        assert status == 502 and "follow_bootstrap_room conflict" in answer["error"]["message"]
+    assert len(prefill.disagg.handoffs) == 0
