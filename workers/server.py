@@ -2,7 +2,8 @@
 
 SGLang: `POST /generate` (text or input_ids, batched or not, SSE with `stream`), `GET /health`,
 `GET /get_model_info`, `GET /server_info` and `/get_server_info` (with the `kv_events` block),
-`POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace, "" the unsalted one).
+`GET`/`POST /flush_cache` (all, or a POST's `{"cache_salt": ...}` for one namespace, "" the
+unsalted one).
 OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_options
 .include_usage`), `GET /v1/models`; usage carries `prompt_tokens_details.cached_tokens`.
 A request names its DP rank as SGLang's do (`workers.io_struct`): `routed_dp_rank` (or the
@@ -424,8 +425,11 @@ async def server_info(request: web.Request) -> web.StreamResponse:
 
 
 async def flush_cache(request: web.Request) -> web.StreamResponse:
-    """Flush everything (only when idle, as SGLang), or one salt's pages with `cache_salt`."""
-    body = await _json(request, optional=True)
+    """Flush everything (only when idle, as SGLang), or one salt's pages with `cache_salt`.
+
+    SGLang takes GET as well as POST (0.5.23 `http_server.flush_cache`) and reads no body; a
+    GET here reads none either, so it always flushes everything."""
+    body = {} if request.method == "GET" else await _json(request, optional=True)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     worker = _worker(request)
@@ -485,5 +489,6 @@ def build_app(worker: ReferenceWorker) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache, allow_head=False)  # a HEAD flushes nothing
     app.router.add_post("/debug/match", debug_match)
     return app

@@ -190,6 +190,24 @@ async def test_flush_one_salt_keeps_the_others(
         assert (await resp.json())["pages_removed"] == 0  # nothing left
 
 
+async def test_a_get_flushes_everything_as_sglangs(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 routes GET /flush_cache as POST (it answered 405 here); a GET reads no
+    body there, so whatever it carries it flushes every namespace."""
+    for salt in ("a", "b"):
+        body = {"text": "flushed by a GET", "cache_salt": salt}
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            assert resp.status == 200
+    async with http.get(f"{worker.url}/flush_cache", json={"cache_salt": "a"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["pages_removed"] > 0
+    for salt in ("a", "b"):
+        probe = {"text": "flushed by a GET", "cache_salt": salt}
+        async with http.post(f"{worker.url}/debug/match", json=probe) as resp:
+            assert (await resp.json())["cached_tokens"] == 0
+
+
 async def test_bad_bodies_are_400(worker: ReferenceWorker, http: aiohttp.ClientSession) -> None:
     cases = [
         ("/generate", b"{not json"),
