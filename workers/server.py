@@ -18,7 +18,8 @@ Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is
 decode worker fetches its KV before queueing and reports the prefill side's `cached_tokens`.
 `/server_info` advertises `disaggregation_mode` and `disaggregation_bootstrap_port` as SGLang's
 does. With `return_logprob`, `/generate` reports (made-up, deterministic) `input_token_logprobs`
-as SGLang's `[logprob, token_id, None]` triples: a prefill reports the prompt's, a decode none,
+as SGLang's `[logprob, token_id, None]` triples, from `logprob_start_len` on (none when it is
+unset): a prefill reports the prompt's, a decode none,
 so SGLang's router merging the two gets the whole list a single worker reports.
 
 Errors are JSON `{"error": {"type", "message"}}`: 400 for bad input (checked before anything is
@@ -170,11 +171,18 @@ def _finish_reason(job: Job) -> str:
 
 
 def _input_logprobs(job: Job) -> list[list[Any]]:
-    """The prompt's logprob triples (made up: the worker has no model); the first token has
-    none, as in SGLang. A decode whose KV came by transfer computed none of them."""
-    if job.generation.kv_transferred:
+    """The prompt's logprob triples (made up: the worker has no model) from its
+    `logprob_start_len` on, none without one, as SGLang 0.5.23 reports them
+    (`SchedulerLogprobResultProcessor`: the tokens from the start, the first without a value).
+    A decode whose KV came by transfer computed none of them."""
+    start = job.generation.logprob_start_len
+    if job.generation.kv_transferred or start is None:
         return []
-    return [[None if i == 0 else -((t % 7) + 1) / 8.0, t, None] for i, t in enumerate(job.prompt)]
+    return [
+        [None if i == start else -((t % 7) + 1) / 8.0, t, None]
+        for i, t in enumerate(job.prompt)
+        if i >= start
+    ]
 
 
 def _meta_info(job: Job, rid: str, logprobs: bool = False) -> dict[str, Any]:

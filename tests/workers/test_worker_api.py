@@ -415,3 +415,40 @@ async def test_an_adapters_pages_are_its_own(
             assert done.usage is not None and done.usage.prompt_tokens_details is not None
             hit = (done.usage.prompt_tokens_details.cached_tokens or 0) > 0
             assert hit is cached, model
+
+
+async def test_prompt_logprobs_start_at_logprob_start_len_as_sglangs(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 reports `input_token_logprobs` for the prompt from `logprob_start_len` on
+    (the first without a value), none when it is unset (-1 scores the output only), and aborts
+    a start beyond the prompt with a 400; they started at token 0 whatever it said, and a start
+    past the prompt was served."""
+    prompt = list(range(20, 33))  # 13 tokens
+
+    async def logprobs(**fields: object) -> tuple[int, object]:
+        body = {"input_ids": prompt, "return_logprob": True, **fields}
+        body["sampling_params"] = {"max_new_tokens": 1}
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                return resp.status, answer["error"]["message"]
+            return resp.status, answer["meta_info"]["input_token_logprobs"]
+
+    status, scored = await logprobs(logprob_start_len=5)
+    assert status == 200 and isinstance(scored, list)
+    assert [t for _, t, _ in scored] == prompt[5:]
+    assert scored[0][0] is None and all(isinstance(v, float) for v, _, _ in scored[1:])
+    status, whole = await logprobs(logprob_start_len=0)
+    assert status == 200 and isinstance(whole, list)
+    assert [t for _, t, _ in whole] == prompt and whole[0][0] is None
+    assert whole[6:] == scored[1:]  # the same values where both score
+    assert await logprobs() == (200, [])  # unset: the output's only
+    assert await logprobs(logprob_start_len=-1) == (200, [])
+    assert await logprobs(logprob_start_len=13) == (200, [])  # the whole prompt is allowed
+    status, message = await logprobs(logprob_start_len=50)
+    assert status == 400 and "logprob_start_len=50 is higher than" in str(message)
+    # without return_logprob SGLang ignores it: served
+    body = {"input_ids": prompt, "logprob_start_len": 50, "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{worker.url}/generate", json=body) as resp:
+        assert resp.status == 200
