@@ -90,6 +90,14 @@ class Generation(msgspec.Struct, frozen=True):
     # `return_logprob`); None: none of them (SGLang's -1, the default, scores the output only)
     logprob_start_len: int | None = None
 
+    @property
+    def reusable_tokens(self) -> int:
+        """The most prompt tokens it may take from the cache: all but the last (its logits
+        give the first output token), fewer when prompt logprobs are asked for
+        (SGLang's `Req._compute_max_prefix_len`)."""
+        reusable = len(self.input_ids) - 1
+        return reusable if self.reuse_limit is None else min(reusable, self.reuse_limit)
+
 
 class ApiRequest(msgspec.Struct, frozen=True):
     """A parsed HTTP request: its items (one unless batched) and how to answer."""

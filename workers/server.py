@@ -9,8 +9,9 @@ OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_option
 A request names its DP rank as SGLang's do (`workers.io_struct`): `routed_dp_rank` (or the
 deprecated `data_parallel_rank`) in any body, the `X-Data-Parallel-Rank` header on the OpenAI
 routes; without one, the ranks take requests in turn.
-kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
-can compare the router's index with the truth, and every answer names the worker in
+kvroute: `POST /debug/match` (per DP rank, what the request would report as cached and what the
+cache holds of its prompt, no side effect) so benchmarks can compare the router's index with
+the truth, and every answer names the worker in
 `X-Reference-Worker` (its HTTP port), so a benchmark knows which cache served a request even
 through a router that does not say (routers pass upstream headers on).
 Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is handed over
@@ -451,7 +452,10 @@ async def flush_cache(request: web.Request) -> web.StreamResponse:
 
 
 async def debug_match(request: web.Request) -> web.StreamResponse:
-    """Cached prefix length of a prompt in a namespace, per DP rank; changes nothing."""
+    """What the request would report as `cached_tokens` on each DP rank if it came now (its
+    prompt but the last token, page aligned, capped by `logprob_start_len` with
+    `return_logprob`: `cached_tokens`, `ranks`), and the cached prefix of the whole prompt
+    (`held_tokens`, `held_ranks`); changes nothing."""
     body = await _json(request)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -464,11 +468,15 @@ async def debug_match(request: web.Request) -> web.StreamResponse:
     if api.batch:
         raise RequestError("debug/match takes one prompt")
     item = api.items[0]
-    per_rank = _worker(request).match(item.namespace, item.input_ids)
+    worker = _worker(request)
+    reused = worker.would_reuse(item)
+    held = worker.match(item.namespace, item.input_ids)
     return web.json_response(
         {
-            "cached_tokens": max(per_rank),
-            "ranks": per_rank,
+            "cached_tokens": max(reused),
+            "ranks": reused,
+            "held_tokens": max(held),
+            "held_ranks": held,
             "prompt_tokens": len(item.input_ids),
         }
     )

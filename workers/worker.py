@@ -202,6 +202,11 @@ class ReferenceWorker:
         """Cached prefix length of `tokens` on each rank, with no side effect."""
         return [sched.cache.peek(namespace, tokens) for sched in self.ranks]
 
+    def would_reuse(self, generation: Generation) -> list[int]:
+        """The `cached_tokens` the request would report on each rank if admitted now (its
+        reusable part of the prompt, matched), with no side effect."""
+        return self.match(generation.namespace, generation.input_ids[: generation.reusable_tokens])
+
     def _held_tokens(self, generation: Generation) -> int:
         """Tokens of a decode's prompt its rank caches already (they need no transfer); 0 when
         the rank is not known yet (several ranks, none named)."""

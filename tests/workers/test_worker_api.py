@@ -279,7 +279,7 @@ async def test_pool_pressure_evicts_and_never_overflows(http: aiohttp.ClientSess
         async with http.post(f"{worker.url}/debug/match", json={"input_ids": [10] * 20}) as resp:
             assert (await resp.json())["cached_tokens"] == 0  # evicted long ago
         async with http.post(f"{worker.url}/debug/match", json={"tokens": [21] * 20}) as resp:
-            assert (await resp.json())["cached_tokens"] == 20
+            assert (await resp.json())["held_tokens"] == 20
 
 
 @pytest.mark.parametrize(
@@ -452,3 +452,25 @@ async def test_prompt_logprobs_start_at_logprob_start_len_as_sglangs(
     body = {"input_ids": prompt, "logprob_start_len": 50, "sampling_params": {"max_new_tokens": 1}}
     async with http.post(f"{worker.url}/generate", json=body) as resp:
         assert resp.status == 200
+
+
+async def test_debug_match_says_what_the_request_would_report_as_cached(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """/debug/match's `cached_tokens` is the hit the same request then reports: its prompt but
+    the last token, page aligned, capped by `logprob_start_len` (it said 16 of a cached
+    page-aligned 16-token prompt, of which a request reuses 12, and 16 with a start of 0); the
+    whole prompt's cached prefix is `held_tokens`."""
+    prompt = list(range(10, 10 + 4 * PAGE))  # page aligned
+    first = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{worker.url}/generate", json=first) as resp:
+        assert resp.status == 200
+    for fields in ({}, {"return_logprob": True, "logprob_start_len": 0}, {"return_logprob": True, "logprob_start_len": 2 * PAGE + 1}):
+        body = {**first, **fields}
+        async with http.post(f"{worker.url}/debug/match", json=body) as resp:
+            match = await resp.json()
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            reported = (await resp.json())["meta_info"]["cached_tokens"]
+        assert match["cached_tokens"] == match["ranks"][0] == reported, fields
+        assert match["held_tokens"] == match["held_ranks"][0] == 4 * PAGE
+    assert reported == 2 * PAGE
