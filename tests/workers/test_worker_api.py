@@ -156,10 +156,22 @@ async def test_info_endpoints(worker: ReferenceWorker, http: aiohttp.ClientSessi
         async with http.get(f"{worker.url}{path}") as resp:
             info = await resp.json()
         kv = info["kv_events"]
-        assert kv["publisher"] == "zmq"
-        assert kv["endpoint"] == worker.kv_events.endpoint
-        assert kv["endpoint_port_base"] == int(kv["endpoint"].rsplit(":", 1)[1])
-        assert kv["replay_port_base"] == int(kv["replay_endpoint"].rsplit(":", 1)[1])
+        # SGLang 0.5.23's block (`describe_kv_events_publisher`), its keys in its order: it
+        # was the reference workers' own (endpoint, replay_endpoint, replay_port_base,
+        # event_format, endpoints, replay_endpoints), so no router met SGLang's shape here
+        assert list(kv) == [
+            "publisher",
+            "endpoint_host",
+            "endpoint_port_base",
+            "topic",
+            "block_size",
+            "dp_size",
+            "replay_endpoint_port_base",
+        ]
+        assert (kv["publisher"], kv["endpoint_host"]) == ("zmq", "127.0.0.1")
+        assert worker.kv_events.endpoint == f"tcp://127.0.0.1:{kv['endpoint_port_base']}"
+        replay = f"tcp://127.0.0.1:{kv['replay_endpoint_port_base']}"
+        assert worker.kv_events.replay_endpoint == replay
         assert (kv["block_size"], kv["dp_size"], kv["topic"]) == (PAGE, 1, "")
 
 
@@ -465,7 +477,11 @@ async def test_debug_match_says_what_the_request_would_report_as_cached(
     first = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
     async with http.post(f"{worker.url}/generate", json=first) as resp:
         assert resp.status == 200
-    for fields in ({}, {"return_logprob": True, "logprob_start_len": 0}, {"return_logprob": True, "logprob_start_len": 2 * PAGE + 1}):
+    for fields in (
+        {},
+        {"return_logprob": True, "logprob_start_len": 0},
+        {"return_logprob": True, "logprob_start_len": 2 * PAGE + 1},
+    ):
         body = {**first, **fields}
         async with http.post(f"{worker.url}/debug/match", json=body) as resp:
             match = await resp.json()
