@@ -97,7 +97,7 @@ async def test_an_adapters_hit_is_predicted_with_the_default_event_format(fleet:
     it (with the array layout as the default it predicted 0 while the worker reused 36 of 40
     tokens: `kvroute up` and the benchmarks never predicted a LoRA hit)."""
     assert ReferenceConfig().event_format == "map"
-    body = {"input_ids": list(range(70, 134)), "lora_path": "ad"}
+    body: dict[str, Any] = {"input_ids": list(range(70, 134)), "lora_path": "ad"}
     body["sampling_params"] = {"max_new_tokens": 1}
     _, headers, _ = await fleet.post("/generate", body)
     holder = headers["x-kvroute-worker"]
