@@ -314,8 +314,10 @@ def _shared_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
 class _Oracle:
     """Routes to the worker that truly holds, or is about to hold, the longest prefix.
 
-    "Holds" is each worker's own answer to `/debug/match` (its radix cache right now, in the
-    request's namespace); "about to hold" is the oracle's own requests still in flight there,
+    "Holds" is each worker's own answer to `/debug/match`: the `cached_tokens` the request
+    would report there now (its radix cache in the request's namespace, matched against the
+    prompt but its last token, whole pages), the same measure as `_shared_pages` gives the
+    in-flight ones; "about to hold" is the oracle's own requests still in flight there,
     whose prompts the worker caches once prefilled. Without the second part, siblings that
     arrive while the first one prefills would scatter across the fleet. Ties go to the worker
     with the fewest in flight, then at random.

@@ -389,7 +389,8 @@ def build_workloads(settings: SuiteSettings) -> list[Workload]:
 def _notes(settings: SuiteSettings) -> list[str]:
     notes = [
         "`oracle` is the harness routing by itself: it asks every worker's `/debug/match` for "
-        "its cached prefix in the request's namespace, adds what its own in-flight requests "
+        "the hit the request would get there (its cached prefix in the request's namespace, "
+        "the prompt's last token left out), adds what its own in-flight requests "
         "there are about to cache, and takes the longest (ties: fewest in flight). It ignores "
         "load, so it bounds affinity, not latency.",
         "Open-loop arrivals: every request leaves at its scheduled time whatever happened to "

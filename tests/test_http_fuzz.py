@@ -71,6 +71,7 @@ WORKER_ROUTES = [
     (b"POST", b"/v1/completions"),
     (b"POST", b"/v1/chat/completions"),
     (b"POST", b"/flush_cache"),
+    (b"GET", b"/flush_cache"),
     (b"POST", b"/debug/match"),
     (b"GET", b"/health"),
     (b"GET", b"/v1/models"),

@@ -94,9 +94,12 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     events = parser.add_argument_group("KV events")
     events.add_argument(
         "--event-format",
-        choices=["array", "map"],
+        choices=["map", "array"],
         default=defaults.event_format,
-        help="wire layout: SGLang <= 0.5.19 arrays or >= 0.5.20 maps (default %(default)s)",
+        help="wire layout of the KV events: map, the tagged maps SGLang >= 0.5.20 publishes "
+        "(0.5.23 among them; an adapter's pages carry its lora_name), or array, the 7/8-slot "
+        "arrays of SGLang <= 0.5.19 (an adapter's pages carry a made-up lora_id, so a router "
+        "predicts no LoRA hit; default %(default)s)",
     )
     events.add_argument(
         "--buffer-steps",

@@ -38,7 +38,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     events_port: _Port = 0
     replay_port: _Port = 0
     topic: str = ""
-    event_format: WireLayout = "array"
+    # SGLang 0.5.23's layout (tagged maps, an adapter by its `lora_name`); "array" is what
+    # SGLang <= 0.5.19 publishes, where an adapter is only a number no request names
+    event_format: WireLayout = "map"
     # Batches kept for replay per stream (SGLang's default buffer_steps).
     buffer_steps: _Positive = 10_000
     # ...and their payload bytes at most (workers.replay_ring: SGLang bounds only the count)

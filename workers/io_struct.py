@@ -90,6 +90,17 @@ class Generation(msgspec.Struct, frozen=True):
     # the most prompt tokens it may take from the cache when it asks for prompt logprobs
     # (SGLang's `logprob_start_len` cap); None: all but the last
     reuse_limit: int | None = None
+    # the first prompt token it reports a logprob for (`/generate`'s `logprob_start_len` with
+    # `return_logprob`); None: none of them (SGLang's -1, the default, scores the output only)
+    logprob_start_len: int | None = None
+
+    @property
+    def reusable_tokens(self) -> int:
+        """The most prompt tokens it may take from the cache: all but the last (its logits
+        give the first output token), fewer when prompt logprobs are asked for
+        (SGLang's `Req._compute_max_prefix_len`)."""
+        reusable = len(self.input_ids) - 1
+        return reusable if self.reuse_limit is None else min(reusable, self.reuse_limit)
 
 
 class ApiRequest(msgspec.Struct, frozen=True):
@@ -321,7 +332,15 @@ def parse_generate(raw: object) -> ApiRequest:
     dp_rank = _dp_rank(body)
     handoffs = kv_handoffs(body, n)
     logprobs = _bool(body, "return_logprob")
+    # SGLang ignores logprob_start_len without return_logprob (`Scheduler.handle_generate_request`)
     starts = _logprob_starts(body.get("logprob_start_len"), n) if logprobs else [None] * n
+    for start, prompt in zip(starts, prompts, strict=True):
+        if start is not None and start > len(prompt):
+            # SGLang aborts it with a 400 (0.5.23 `Scheduler.handle_generate_request`)
+            raise RequestError(
+                f"logprob_start_len={start} is higher than the number of input tokens "
+                f"{len(prompt)}. Please use a smaller logprob_start_len."
+            )
     items = [
         Generation(
             input_ids=prompts[i],
@@ -331,6 +350,7 @@ def parse_generate(raw: object) -> ApiRequest:
             rid=rids[i],
             handoff=handoffs[i],
             reuse_limit=starts[i],
+            logprob_start_len=starts[i],
         )
         for i in range(n)
     ]

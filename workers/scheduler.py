@@ -249,11 +249,7 @@ class RankScheduler:
         admitted: list[Job] = []
         while self._waiting and len(self._running) < self.config.max_running_requests:
             job = self._waiting[0]
-            # The last prompt token is always computed (it yields the first output token), and
-            # the prompt tokens whose logprobs it asks for (SGLang's `logprob_start_len`).
-            reusable = len(job.prompt) - 1
-            if job.generation.reuse_limit is not None:
-                reusable = min(reusable, job.generation.reuse_limit)
+            reusable = job.generation.reusable_tokens
             found = self.cache.match(job.namespace, job.prompt[:reusable])
             # the deepest node of the prefix, on the GPU or (a host-tier hit) on the host
             held = found.host_node or found.node

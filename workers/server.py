@@ -2,14 +2,16 @@
 
 SGLang: `POST /generate` (text or input_ids, batched or not, SSE with `stream`), `GET /health`,
 `GET /get_model_info`, `GET /server_info` and `/get_server_info` (with the `kv_events` block),
-`POST /flush_cache` (all, or `{"cache_salt": ...}` for one namespace, "" the unsalted one).
+`GET`/`POST /flush_cache` (all, or a POST's `{"cache_salt": ...}` for one namespace, "" the
+unsalted one).
 OpenAI: `POST /v1/completions`, `POST /v1/chat/completions` (SSE, `stream_options
 .include_usage`), `GET /v1/models`; usage carries `prompt_tokens_details.cached_tokens`.
 A request names its DP rank as SGLang's do (`workers.io_struct`): `routed_dp_rank` (or the
 deprecated `data_parallel_rank`) in any body, the `X-Data-Parallel-Rank` header on the OpenAI
 routes; without one, the ranks take requests in turn.
-kvroute: `POST /debug/match` (cached prefix length per DP rank, no side effect) so benchmarks
-can compare the router's index with the truth, and every answer names the worker in
+kvroute: `POST /debug/match` (per DP rank, what the request would report as cached and what the
+cache holds of its prompt, no side effect) so benchmarks can compare the router's index with
+the truth, and every answer names the worker in
 `X-Reference-Worker` (its HTTP port), so a benchmark knows which cache served a request even
 through a router that does not say (routers pass upstream headers on).
 Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is handed over
@@ -17,7 +19,8 @@ Prefill/decode roles (`workers.disagg`): a prefill worker answers once its KV is
 decode worker fetches its KV before queueing and reports the prefill side's `cached_tokens`.
 `/server_info` advertises `disaggregation_mode` and `disaggregation_bootstrap_port` as SGLang's
 does. With `return_logprob`, `/generate` reports (made-up, deterministic) `input_token_logprobs`
-as SGLang's `[logprob, token_id, None]` triples: a prefill reports the prompt's, a decode none,
+as SGLang's `[logprob, token_id, None]` triples, from `logprob_start_len` on (none when it is
+unset): a prefill reports the prompt's, a decode none,
 so SGLang's router merging the two gets the whole list a single worker reports.
 
 Errors are JSON `{"error": {"type", "message"}}`: 400 for bad input (checked before anything is
@@ -169,11 +172,18 @@ def _finish_reason(job: Job) -> str:
 
 
 def _input_logprobs(job: Job) -> list[list[Any]]:
-    """The prompt's logprob triples (made up: the worker has no model); the first token has
-    none, as in SGLang. A decode whose KV came by transfer computed none of them."""
-    if job.generation.kv_transferred:
+    """The prompt's logprob triples (made up: the worker has no model) from its
+    `logprob_start_len` on, none without one, as SGLang 0.5.23 reports them
+    (`SchedulerLogprobResultProcessor`: the tokens from the start, the first without a value).
+    A decode whose KV came by transfer computed none of them."""
+    start = job.generation.logprob_start_len
+    if job.generation.kv_transferred or start is None:
         return []
-    return [[None if i == 0 else -((t % 7) + 1) / 8.0, t, None] for i, t in enumerate(job.prompt)]
+    return [
+        [None if i == start else -((t % 7) + 1) / 8.0, t, None]
+        for i, t in enumerate(job.prompt)
+        if i >= start
+    ]
 
 
 def _meta_info(job: Job, rid: str, logprobs: bool = False) -> dict[str, Any]:
@@ -421,8 +431,11 @@ async def server_info(request: web.Request) -> web.StreamResponse:
 
 
 async def flush_cache(request: web.Request) -> web.StreamResponse:
-    """Flush everything (only when idle, as SGLang), or one salt's pages with `cache_salt`."""
-    body = await _json(request, optional=True)
+    """Flush everything (only when idle, as SGLang), or one salt's pages with `cache_salt`.
+
+    SGLang takes GET as well as POST (0.5.23 `http_server.flush_cache`) and reads no body; a
+    GET here reads none either, so it always flushes everything."""
+    body = {} if request.method == "GET" else await _json(request, optional=True)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     worker = _worker(request)
@@ -436,7 +449,10 @@ async def flush_cache(request: web.Request) -> web.StreamResponse:
 
 
 async def debug_match(request: web.Request) -> web.StreamResponse:
-    """Cached prefix length of a prompt in a namespace, per DP rank; changes nothing."""
+    """What the request would report as `cached_tokens` on each DP rank if it came now (its
+    prompt but the last token, page aligned, capped by `logprob_start_len` with
+    `return_logprob`: `cached_tokens`, `ranks`), and the cached prefix of the whole prompt
+    (`held_tokens`, `held_ranks`); changes nothing."""
     body = await _json(request)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -449,11 +465,15 @@ async def debug_match(request: web.Request) -> web.StreamResponse:
     if api.batch:
         raise RequestError("debug/match takes one prompt")
     item = api.items[0]
-    per_rank = _worker(request).match(item.namespace, item.input_ids)
+    worker = _worker(request)
+    reused = worker.would_reuse(item)
+    held = worker.match(item.namespace, item.input_ids)
     return web.json_response(
         {
-            "cached_tokens": max(per_rank),
-            "ranks": per_rank,
+            "cached_tokens": max(reused),
+            "ranks": reused,
+            "held_tokens": max(held),
+            "held_ranks": held,
             "prompt_tokens": len(item.input_ids),
         }
     )
@@ -482,5 +502,6 @@ def build_app(worker: ReferenceWorker) -> web.Application:
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache, allow_head=False)  # a HEAD flushes nothing
     app.router.add_post("/debug/match", debug_match)
     return app

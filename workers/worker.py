@@ -2,7 +2,8 @@
 
     async with ReferenceWorker(WorkerConfig(time_scale=0)) as worker:
         worker.url              # http://127.0.0.1:PORT
-        worker.kv_events        # KvEventsInfo: endpoints per DP rank, topic, block_size, ...
+        worker.kv_events        # KvEventsInfo: SGLang's kv_events block (host, port bases,
+                                #   topic, block_size, dp_size); .endpoints per DP rank
 
 It owns a ZMQ context, one cache + scheduler + publisher per DP rank (rank r publishes on
 events_port + r and replays on replay_port + r), and the aiohttp server of the HTTP API. Leaving
@@ -35,19 +36,60 @@ __all__ = ["KvEventsInfo", "ReferenceWorker"]
 
 
 class KvEventsInfo(msgspec.Struct, frozen=True):
-    """Where a worker's KV events are, as its /server_info `kv_events` block advertises it."""
+    """Where a worker's KV events are: its /server_info `kv_events` block, field for field
+    what SGLang 0.5.23 advertises (`runtime_context.describe_kv_events_publisher`): the bind
+    host (maybe a wildcard, which a subscriber replaces with the worker's host) and port bases,
+    DP rank r on base + r. No load publisher, so no `load_endpoint_port_base`/`load_topic`.
+    """
 
     publisher: str
-    endpoint: str
+    endpoint_host: str
     endpoint_port_base: int
-    replay_endpoint: str
-    replay_port_base: int
     topic: str
     block_size: int
     dp_size: int
-    event_format: str
-    endpoints: list[str]
-    replay_endpoints: list[str]
+    replay_endpoint_port_base: int
+
+    @property
+    def endpoints(self) -> list[str]:
+        """PUB endpoint of each DP rank, to connect to from this host."""
+        return [f"tcp://{self._local_host}:{self.endpoint_port_base + r}" for r in self._ranks]
+
+    @property
+    def replay_endpoints(self) -> list[str]:
+        """ROUTER replay endpoint of each DP rank, to connect to from this host."""
+        base = self.replay_endpoint_port_base
+        return [f"tcp://{self._local_host}:{base + r}" for r in self._ranks]
+
+    @property
+    def endpoint(self) -> str:
+        """DP rank 0's PUB endpoint."""
+        return self.endpoints[0]
+
+    @property
+    def replay_endpoint(self) -> str:
+        """DP rank 0's replay endpoint."""
+        return self.replay_endpoints[0]
+
+    @property
+    def _ranks(self) -> range:
+        return range(self.dp_size)
+
+    @property
+    def _local_host(self) -> str:
+        # a wildcard bind is reached on the loopback, as the worker's own host
+        if self.endpoint_host in _WILDCARD_HOSTS:
+            return "[::1]" if ":" in self.endpoint_host else "127.0.0.1"
+        return self.endpoint_host
+
+
+# ZMQ's bind-anywhere spellings (SGLang brackets IPv6 hosts in what it advertises)
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "[::]"})
+
+
+def _advertised_host(host: str) -> str:
+    """The bind host as SGLang advertises it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class ReferenceWorker:
@@ -121,20 +163,14 @@ class ReferenceWorker:
                 host_capacity_tokens=cfg.host_capacity_tokens,
             )
             self.ranks.append(RankScheduler(cfg, rank, cache, publisher))
-        endpoints = [f"tcp://{host}:{pub_base + r}" for r in range(cfg.dp_size)]
-        replay_endpoints = [f"tcp://{host}:{replay_base + r}" for r in range(cfg.dp_size)]
         self._kv_events = KvEventsInfo(
             publisher="zmq",
-            endpoint=endpoints[0],
+            endpoint_host=_advertised_host(host),
             endpoint_port_base=pub_base,
-            replay_endpoint=replay_endpoints[0],
-            replay_port_base=replay_base,
             topic=cfg.topic,
             block_size=cfg.page_size,
             dp_size=cfg.dp_size,
-            event_format=cfg.event_format,
-            endpoints=endpoints,
-            replay_endpoints=replay_endpoints,
+            replay_endpoint_port_base=replay_base,
         )
         for sched in self.ranks:
             self._tasks.append(asyncio.create_task(sched.run(), name=f"scheduler-{sched.rank}"))
@@ -204,6 +240,11 @@ class ReferenceWorker:
     def match(self, namespace: Namespace, tokens: list[int]) -> list[int]:
         """Cached prefix length of `tokens` on each rank, with no side effect."""
         return [sched.cache.peek(namespace, tokens) for sched in self.ranks]
+
+    def would_reuse(self, generation: Generation) -> list[int]:
+        """The `cached_tokens` the request would report on each rank if admitted now (its
+        reusable part of the prompt, matched), with no side effect."""
+        return self.match(generation.namespace, generation.input_ids[: generation.reusable_tokens])
 
     def _held_tokens(self, generation: Generation) -> int:
         """Tokens of a decode's prompt its rank caches already (they need no transfer); 0 when

@@ -246,21 +246,11 @@ def _given_options(probe: argparse.ArgumentParser, words: Sequence[str] | None) 
 
 
 def _routed(fleet: Fleet) -> list[RoutedWorker]:
-    """The router's view of the started workers: explicit endpoints, no discovery needed."""
-    return [
-        RoutedWorker(
-            url=w.url,
-            id=w.id,
-            events=w.events_endpoints,
-            replay=w.replay_endpoints,
-            topic=w.topic,
-            block_size=w.block_size,
-            dp_size=w.dp_size,
-            role=fleet.config.role,
-            bootstrap_port=w.worker.disagg.bootstrap_port,
-        )
-        for w in fleet.workers
-    ]
+    """The router's view of the started workers: their URLs only. Everything else (event and
+    replay endpoints per DP rank, topic, block size, role, bootstrap port) the router reads
+    from each worker's /server_info as it reads a real SGLang worker's, so `up` runs the
+    discovery a production fleet does."""
+    return [RoutedWorker(url=w.url, id=w.id) for w in fleet.workers]
 
 
 def _fleets(args: argparse.Namespace) -> list[Fleet]:

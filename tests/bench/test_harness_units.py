@@ -111,6 +111,31 @@ async def test_oracle_follows_the_cache_and_its_own_in_flight_requests() -> None
         assert record.ok and record.cached_tokens == 80
 
 
+async def test_oracle_ranks_by_the_hit_a_request_gets_not_the_whole_prompts_match() -> None:
+    """A worker that holds all of a page-aligned prompt gives it no more than one that holds
+    all but its last page (the last token is always computed): the two tie and the idler one
+    wins. The oracle ranked on /debug/match's whole-prompt match and sent it to the busier."""
+    config = WorkerConfig(page_size=16, capacity_tokens=4096, time_scale=0.0)
+    prompt = BenchRequest(arrival_s=0, input_ids=list(range(3, 67)), max_new_tokens=1)
+    near = msgspec.structs.replace(prompt, input_ids=[*range(3, 51), *range(150, 166)])
+    other = BenchRequest(arrival_s=0, input_ids=list(range(100, 140)), max_new_tokens=1)
+    async with (
+        ReferenceWorker(config) as a,
+        ReferenceWorker(config) as b,
+        aiohttp.ClientSession() as session,
+    ):
+        for url, request in ((b.url, prompt), (b.url, other), (a.url, near)):
+            assert (await send_generate(session, Target(url=url), request, 0, 0.0, 10.0)).ok
+        oracle = _Oracle([a.url, b.url], page_size=16, seed=1)
+        busy = await oracle.choose(session, other)  # b's own: one in flight there
+        assert busy.url == b.url
+        # b holds 64 tokens of it, a 48: a request reuses 48 on either
+        chosen = await oracle.choose(session, prompt)
+        assert chosen.url == a.url
+        record = await send_generate(session, chosen, prompt, 1, 0.0, 10.0)
+        assert record.ok and record.cached_tokens == 48
+
+
 async def test_a_dead_worker_is_a_failed_record_not_a_crash() -> None:
     async with ReferenceWorker(WorkerConfig(time_scale=0.0)) as worker:
         url = worker.url

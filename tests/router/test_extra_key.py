@@ -91,6 +91,22 @@ async def test_an_adapters_pages_are_predicted_to_it_alone(layout: str) -> None:
         assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached(answer)
 
 
+async def test_an_adapters_hit_is_predicted_with_the_default_event_format(fleet: Fleet) -> None:
+    """A worker of the default config publishes SGLang 0.5.23's layout (the adapter by its
+    `lora_name`, `lora_id` None), so the router predicts an adapter's hit as the worker reuses
+    it (with the array layout as the default it predicted 0 while the worker reused 36 of 40
+    tokens: `kvroute up` and the benchmarks never predicted a LoRA hit)."""
+    assert ReferenceConfig().event_format == "map"
+    body: dict[str, Any] = {"input_ids": list(range(70, 134)), "lora_path": "ad"}
+    body["sampling_params"] = {"max_new_tokens": 1}
+    _, headers, _ = await fleet.post("/generate", body)
+    holder = headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(body, holder, 48), 3.0, "the adapter's pages indexed")
+    status, headers, answer = await fleet.post("/generate", body)
+    assert status == 200
+    assert int(headers["x-kvroute-matched-tokens"]) == answer["meta_info"]["cached_tokens"] == 48
+
+
 async def test_a_bad_extra_key_is_a_400_naming_it(fleet: Fleet) -> None:
     status, _, answer = await fleet.post("/v1/completions", {"prompt": "x", "extra_key": 7})
     assert status == 400 and "extra_key" in answer["error"]["message"]

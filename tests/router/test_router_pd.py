@@ -251,6 +251,7 @@ async def test_streams_pass_through_the_pair_with_the_prefill_logprobs_merged(
         "input_ids": PROMPT,
         "stream": True,
         "return_logprob": True,
+        "logprob_start_len": 0,
         "sampling_params": {"max_new_tokens": 3},
     }
     async with fleet.session.post(url + "/generate", json=generate) as resp:

@@ -156,10 +156,22 @@ async def test_info_endpoints(worker: ReferenceWorker, http: aiohttp.ClientSessi
         async with http.get(f"{worker.url}{path}") as resp:
             info = await resp.json()
         kv = info["kv_events"]
-        assert kv["publisher"] == "zmq"
-        assert kv["endpoint"] == worker.kv_events.endpoint
-        assert kv["endpoint_port_base"] == int(kv["endpoint"].rsplit(":", 1)[1])
-        assert kv["replay_port_base"] == int(kv["replay_endpoint"].rsplit(":", 1)[1])
+        # SGLang 0.5.23's block (`describe_kv_events_publisher`), its keys in its order: it
+        # was the reference workers' own (endpoint, replay_endpoint, replay_port_base,
+        # event_format, endpoints, replay_endpoints), so no router met SGLang's shape here
+        assert list(kv) == [
+            "publisher",
+            "endpoint_host",
+            "endpoint_port_base",
+            "topic",
+            "block_size",
+            "dp_size",
+            "replay_endpoint_port_base",
+        ]
+        assert (kv["publisher"], kv["endpoint_host"]) == ("zmq", "127.0.0.1")
+        assert worker.kv_events.endpoint == f"tcp://127.0.0.1:{kv['endpoint_port_base']}"
+        replay = f"tcp://127.0.0.1:{kv['replay_endpoint_port_base']}"
+        assert worker.kv_events.replay_endpoint == replay
         assert (kv["block_size"], kv["dp_size"], kv["topic"]) == (PAGE, 1, "")
 
 
@@ -188,6 +200,24 @@ async def test_flush_one_salt_keeps_the_others(
         assert (await resp.json())["pages_removed"] > 0
     async with http.post(f"{worker.url}/flush_cache") as resp:
         assert (await resp.json())["pages_removed"] == 0  # nothing left
+
+
+async def test_a_get_flushes_everything_as_sglangs(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 routes GET /flush_cache as POST (it answered 405 here); a GET reads no
+    body there, so whatever it carries it flushes every namespace."""
+    for salt in ("a", "b"):
+        body = {"text": "flushed by a GET", "cache_salt": salt}
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            assert resp.status == 200
+    async with http.get(f"{worker.url}/flush_cache", json={"cache_salt": "a"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["pages_removed"] > 0
+    for salt in ("a", "b"):
+        probe = {"text": "flushed by a GET", "cache_salt": salt}
+        async with http.post(f"{worker.url}/debug/match", json=probe) as resp:
+            assert (await resp.json())["cached_tokens"] == 0
 
 
 async def test_bad_bodies_are_400(worker: ReferenceWorker, http: aiohttp.ClientSession) -> None:
@@ -261,7 +291,7 @@ async def test_pool_pressure_evicts_and_never_overflows(http: aiohttp.ClientSess
         async with http.post(f"{worker.url}/debug/match", json={"input_ids": [10] * 20}) as resp:
             assert (await resp.json())["cached_tokens"] == 0  # evicted long ago
         async with http.post(f"{worker.url}/debug/match", json={"tokens": [21] * 20}) as resp:
-            assert (await resp.json())["cached_tokens"] == 20
+            assert (await resp.json())["held_tokens"] == 20
 
 
 @pytest.mark.parametrize(
@@ -397,3 +427,66 @@ async def test_an_adapters_pages_are_its_own(
             assert done.usage is not None and done.usage.prompt_tokens_details is not None
             hit = (done.usage.prompt_tokens_details.cached_tokens or 0) > 0
             assert hit is cached, model
+
+
+async def test_prompt_logprobs_start_at_logprob_start_len_as_sglangs(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 reports `input_token_logprobs` for the prompt from `logprob_start_len` on
+    (the first without a value), none when it is unset (-1 scores the output only), and aborts
+    a start beyond the prompt with a 400; they started at token 0 whatever it said, and a start
+    past the prompt was served."""
+    prompt = list(range(20, 33))  # 13 tokens
+
+    async def logprobs(**fields: object) -> tuple[int, object]:
+        body = {"input_ids": prompt, "return_logprob": True, **fields}
+        body["sampling_params"] = {"max_new_tokens": 1}
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                return resp.status, answer["error"]["message"]
+            return resp.status, answer["meta_info"]["input_token_logprobs"]
+
+    status, scored = await logprobs(logprob_start_len=5)
+    assert status == 200 and isinstance(scored, list)
+    assert [t for _, t, _ in scored] == prompt[5:]
+    assert scored[0][0] is None and all(isinstance(v, float) for v, _, _ in scored[1:])
+    status, whole = await logprobs(logprob_start_len=0)
+    assert status == 200 and isinstance(whole, list)
+    assert [t for _, t, _ in whole] == prompt and whole[0][0] is None
+    assert whole[6:] == scored[1:]  # the same values where both score
+    assert await logprobs() == (200, [])  # unset: the output's only
+    assert await logprobs(logprob_start_len=-1) == (200, [])
+    assert await logprobs(logprob_start_len=13) == (200, [])  # the whole prompt is allowed
+    status, message = await logprobs(logprob_start_len=50)
+    assert status == 400 and "logprob_start_len=50 is higher than" in str(message)
+    # without return_logprob SGLang ignores it: served
+    body = {"input_ids": prompt, "logprob_start_len": 50, "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{worker.url}/generate", json=body) as resp:
+        assert resp.status == 200
+
+
+async def test_debug_match_says_what_the_request_would_report_as_cached(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """/debug/match's `cached_tokens` is the hit the same request then reports: its prompt but
+    the last token, page aligned, capped by `logprob_start_len` (it said 16 of a cached
+    page-aligned 16-token prompt, of which a request reuses 12, and 16 with a start of 0); the
+    whole prompt's cached prefix is `held_tokens`."""
+    prompt = list(range(10, 10 + 4 * PAGE))  # page aligned
+    first = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{worker.url}/generate", json=first) as resp:
+        assert resp.status == 200
+    for fields in (
+        {},
+        {"return_logprob": True, "logprob_start_len": 0},
+        {"return_logprob": True, "logprob_start_len": 2 * PAGE + 1},
+    ):
+        body = {**first, **fields}
+        async with http.post(f"{worker.url}/debug/match", json=body) as resp:
+            match = await resp.json()
+        async with http.post(f"{worker.url}/generate", json=body) as resp:
+            reported = (await resp.json())["meta_info"]["cached_tokens"]
+        assert match["cached_tokens"] == match["ranks"][0] == reported, fields
+        assert match["held_tokens"] == match["held_ranks"][0] == 4 * PAGE
+    assert reported == 2 * PAGE

@@ -80,7 +80,8 @@ async def test_an_sglang_pair_answers_as_one_worker_would_and_reports_the_prefil
     async with aiohttp.ClientSession() as session:
         _, alone = await post(session, both.url + "/generate", sglang_pair(prefill, 0))
         for room, hit in ((1, 0), (2, 4 * PAGE)):  # the second time, the prefill has the pages
-            body = sglang_pair(prefill, room, return_logprob=True)
+            # prompt logprobs from the fourth page on: the reuse stops there too (at 4 pages)
+            body = sglang_pair(prefill, room, return_logprob=True, logprob_start_len=4 * PAGE)
             (ps, p_answer), (ds, d_answer) = await asyncio.gather(
                 post(session, prefill.url + "/generate", body),
                 post(session, decode.url + "/generate", body),
@@ -93,7 +94,7 @@ async def test_an_sglang_pair_answers_as_one_worker_would_and_reports_the_prefil
                 p_answer["meta_info"]["input_token_logprobs"]
                 + d_answer["meta_info"]["input_token_logprobs"]
             )
-            assert len(merged) == len(PROMPT) and merged[0][0] is None
+            assert [t for _, t, _ in merged] == PROMPT[4 * PAGE :] and merged[0][0] is None
     # handed over: nothing held, no handoff left open
     assert len(prefill.disagg.handoffs) == 0
     assert all(sched.holding == 0 for sched in prefill.ranks)

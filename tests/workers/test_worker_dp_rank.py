@@ -135,5 +135,7 @@ async def test_server_info_advertises_the_dp_size(
     async with http.get(worker.url + "/server_info") as resp:
         info = await resp.json()
     assert info["dp_size"] == 2 and info["kv_events"]["dp_size"] == 2
-    assert len(info["kv_events"]["endpoints"]) == 2
+    assert worker.kv_events.endpoints == [
+        f"tcp://127.0.0.1:{info['kv_events']['endpoint_port_base'] + r}" for r in (0, 1)
+    ]
     assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1]

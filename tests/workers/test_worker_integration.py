@@ -141,7 +141,7 @@ async def test_events_cached_tokens_and_replay(
             f"{worker.url}/debug/match", json={"text": prompt, "cache_salt": "tenant-a"}
         ) as resp:
             match = await resp.json()
-        assert match["cached_tokens"] == len(prompt) // PAGE * PAGE
+        assert match["held_tokens"] == len(prompt) // PAGE * PAGE
 
         # replay everything from seq 0: the startup AllBlocksCleared first, then all batches
         dealer = ctx.socket(zmq.DEALER)
