@@ -152,8 +152,15 @@ def dump_index(index: PrefixIndex) -> bytes:
     """Serialize `index` (without pending entries)."""
     table = index._table
     streams = []
+    # the namespaces the snapshot refers to, and no other: the registry keeps ids nothing
+    # refers to any more until its next sweep (an evicted tenant, a salt only a pending mark
+    # or a refused request named), and a snapshot would carry their salts on for good
+    referenced: set[int] = set()
     for name, st in index._streams.items():
         keys = list(st.blocks.values())
+        ns_ids = [table[k] & NS_MASK for k in keys]
+        referenced.update(ns_ids)
+        referenced.update(ns for _, ns in st.partial.values())
         streams.append(
             _StreamSnapshot(
                 stream=name,
@@ -164,7 +171,7 @@ def dump_index(index: PrefixIndex) -> bytes:
                 last_seq=st.last_seq,
                 hashes=list(st.blocks),
                 keys=keys,
-                ns_ids=[table[k] & NS_MASK for k in keys],
+                ns_ids=ns_ids,
                 refs=list(st.refs.items()),
                 media=[(h, dict(held)) for h, held in st.media.items()],
                 partial=[(h, k, ns) for h, (k, ns) in st.partial.items()],
@@ -175,7 +182,8 @@ def dump_index(index: PrefixIndex) -> bytes:
                 lookahead=st.lookahead,
             )
         )
-    namespaces = [(i, ns) for i, ns in enumerate(index._registry.names) if ns is not None]
+    names = index._registry.names
+    namespaces = [(i, ns) for i in sorted(referenced) if (ns := names[i]) is not None]
     body = _encoder.encode(_Body(hash_probe=HASH_PROBE, namespaces=namespaces, streams=streams))
     return _seal(body)
 

@@ -163,6 +163,20 @@ def test_snapshot_round_trip() -> None:
     assert loaded.entries("b") == 1  # the copy per tier survived
 
 
+def test_a_snapshot_carries_no_namespace_it_holds_nothing_of() -> None:
+    """An evicted tenant's salt, or one only a pending mark named, stayed in every snapshot
+    (the registry sweeps unused ids only when it grows): a salt kept in the clear for good."""
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="gone"), stored([3], TOKENS[:4])))
+    assert index.add_pending("a", Namespace("m", None, "only-pending"), TOKENS) > 0
+    assert index.evict_namespace(Namespace("m", None, "gone")) == 2
+    data = dump_index(index)
+    assert b"gone" not in data and b"only-pending" not in data
+    loaded = load_index(data)
+    assert loaded.query(NS, TOKENS)["a"].blocks == 1
+    assert loaded.namespaces() == index.namespaces()
+
+
 @pytest.mark.parametrize(
     "data",
     [
