@@ -145,6 +145,8 @@ class Supervisor:
         # than a health round waits (a hung worker's discovery takes its whole timeout, 10 s
         # with the fallback path: the rounds, and the startup, would wait for it)
         self._registering: dict[int, asyncio.Task[None]] = {}
+        # the entries an `add` is registering (by id()): not checked by the rounds meanwhile
+        self._adding: set[int] = set()
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
@@ -412,25 +414,43 @@ class Supervisor:
         self._said[entry.id] = said
         log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
 
-    async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
-        """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
+    async def add(
+        self, config: WorkerConfig, *, must_register: bool, draining: bool = False
+    ) -> WorkerEntry:
+        """Add a worker, routed to once it is registered and its health check passed (one that
+        could not be registered: once a health round finds it up); with `must_register`,
+        failing discovery undoes the add and raises. `draining`: added drained (a drained
+        worker whose settings a reload changed).
+
+        Before, a worker took requests from the moment it was in the pool: one that never
+        answers held them until their timeout while it was being discovered (and then refused
+        by the admin API), one whose port was closed failed them until the next health round.
+        """
         entry = self._pool.add(config)
+        # before any await: no request may see it routable
+        entry.checked = entry.healthy = False
+        entry.draining = draining
         self._metrics.added(entry.id)
-        settled = False
+        self._adding.add(id(entry))  # the health rounds leave it to this add
+        registered = settled = False
         try:
-            await self.register(entry)
-            settled = True
-        except RequestError as exc:
-            if must_register:
-                raise
-            self._refused(entry, exc)
+            try:
+                await self.register(entry)
+                registered = True
+            except RequestError as exc:
+                if must_register:
+                    raise
+                self._refused(entry, exc)  # unchecked: the health rounds decide (`check`)
             settled = True
         finally:
+            self._adding.discard(id(entry))
             # refused, or cancelled mid-discovery (the admin client left): leave no half-added
             # worker behind, unless someone already removed or replaced it
             if not settled and self._pool.find(entry.id) is entry:
                 self._pool.remove(entry.id)
                 self._metrics.forget(entry.id)
+        if registered:
+            await self.check(entry)  # routable from here if it answers
         return entry
 
     async def remove(self, worker_id: str) -> WorkerEntry:
@@ -454,8 +474,15 @@ class Supervisor:
             healthy = False
         if self._pool.find(entry.id) is not entry:
             return healthy  # removed while probed: recording it would revive its metric series
+        if id(entry) in self._adding:
+            return healthy  # being added: its add checks it once registered (`add`)
         came_back = False
-        if healthy != entry.healthy:
+        if not entry.checked:
+            # its first check (added at run time): nothing came back, it only arrived
+            entry.checked = True
+            if not healthy:
+                log.warning("worker %s is unhealthy", entry.id)
+        elif healthy != entry.healthy:
             log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
             if healthy and entry.discovered:
                 # down -> up may be a new process whose first batches we missed: its index
