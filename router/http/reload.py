@@ -132,9 +132,11 @@ class Reloader:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise
             await self.apply(config, diff)
-            waiting = self._unregistered([*diff.workers_added, *diff.workers_changed])
-            if waiting:
-                diff = msgspec.structs.replace(diff, not_registered=waiting)
+            arrived = [*diff.workers_added, *diff.workers_changed]
+            waiting = self._unregistered(arrived)
+            doubts = {w: why for w in arrived if (why := self._supervisor.doubt(w)) is not None}
+            if waiting or doubts:
+                diff = msgspec.structs.replace(diff, not_registered=waiting, warnings=doubts)
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
 

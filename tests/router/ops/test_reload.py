@@ -406,6 +406,28 @@ async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
     assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
 
 
+async def test_the_answer_warns_of_event_sockets_the_worker_does_not_advertise(
+    fleet: Reloadable,
+) -> None:
+    """w0 given another worker's sockets (a typo, or the sockets of a worker removed in the
+    same edit): registered (the ports may be mapped on the way), but its streams predict no
+    hit until proven. Before, the stream stayed `unverified` and nothing said why."""
+    spare = fleet.spare.kv_events
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    w0_line = f'url = "{fleet.workers["w0"].url}"\n'
+    wrong = f'events = "{spare.endpoint}"\nreplay = "{spare.replay_endpoint}"\n'
+    fleet.path.write_text(text.replace(w0_line, w0_line + wrong))
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_changed"] == ["w0"], answer
+    assert answer["not_registered"] == {}
+    assert list(answer["warnings"]) == ["w0"], answer
+    warning = answer["warnings"]["w0"]
+    assert "advertises event sockets" in warning and spare.endpoint in warning
+    fleet.path.write_text(text)  # fixed: nothing to warn of
+    status, answer = await fleet.reload()
+    assert answer["workers_changed"] == ["w0"] and answer["warnings"] == {}, answer
+
+
 async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:
     status, _ = await fleet.admin("POST", "/workers/w1/drain")
     assert status == 200
