@@ -516,17 +516,25 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     fleet: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        ids = [w.worker_id for w in self.workers]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"workers: duplicate id {dupes[0]!r}")
-        seen: dict[tuple[str, str, int | None, str], str] = {}
-        for worker in self.workers:
-            other = seen.setdefault(worker.server, worker.worker_id)
-            if other != worker.worker_id:
+        # the key is spelled as msgspec spells a nested one (`_error_key` reads it back), so a
+        # refused reload names it; the id may be the URL (no `id` given): then `url` is the key
+        ids: dict[str, int] = {}
+        for i, worker in enumerate(self.workers):
+            first = ids.setdefault(worker.worker_id, i)
+            if first != i:
+                field = "id" if worker.id else "url"
+                raise ValueError(
+                    f"workers: duplicate id {worker.worker_id!r} (workers[{first}] has it "
+                    f"already) - at `$.workers[{i}].{field}`"
+                )
+        seen: dict[tuple[str, str, int | None, str], int] = {}
+        for i, worker in enumerate(self.workers):
+            first = seen.setdefault(worker.server, i)
+            if first != i:
+                other = self.workers[first].worker_id
                 raise ValueError(
                     f"workers {other!r} and {worker.worker_id!r} are one server ({worker.url}): "
-                    "list it once (several dp ranks: dp_size)"
+                    f"list it once (several dp ranks: dp_size) - at `$.workers[{i}].url`"
                 )
 
     def admin_token(self) -> str:

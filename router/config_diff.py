@@ -72,6 +72,9 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
     # workers added or changed that could not be registered yet (down, or refused), with why:
     # in the pool, routed by load alone, retried on every health round
     not_registered: dict[str, str] = {}
+    # workers added or changed that were registered, with what in their config to check (event
+    # sockets other than the ones they advertise): their streams may predict nothing
+    warnings: dict[str, str] = {}
 
     @property
     def empty(self) -> bool:
@@ -101,6 +104,8 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
         if self.not_registered:
             waiting = ", ".join(f"{k} ({why})" for k, why in self.not_registered.items())
             parts.append(f"not registered yet: {waiting}")
+        if self.warnings:
+            parts.append("check: " + ", ".join(f"{k} ({why})" for k, why in self.warnings.items()))
         return "; ".join(parts)
 
 

@@ -13,6 +13,8 @@ RouterError                    500 unless a subclass says otherwise
 │   └── UnknownModelError      404: a request naming a model no worker of the fleet serves
 ├── ConflictError              409: adding a worker id that already exists
 ├── NoWorkerError              503: no healthy worker can take the request
+│   └── ModelUnavailableError  503: a model no worker is known to serve while some workers'
+│                              models are not known yet (it may be theirs)
 ├── HoldTimeoutError           504: the deadline passed while held in the router (never sent)
 ├── TooManyConnectionsError    503: the listener is at limits.max_connections
 └── UpstreamError              502: every worker tried failed before answering
@@ -28,6 +30,7 @@ __all__ = [
     "ConflictError",
     "ExpectationFailedError",
     "HoldTimeoutError",
+    "ModelUnavailableError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
@@ -151,6 +154,28 @@ class NoWorkerError(RouterError):
     """No worker is healthy, undrained and closed-circuit right now."""
 
     status = 503
+
+
+class ModelUnavailableError(NoWorkerError):
+    """A request whose `model` no worker is known to serve, while the models of some workers
+    are not known yet (not registered: down, or still being discovered).
+
+    The model may be theirs: a 404 says it is not served, and OpenAI clients do not retry one.
+    It becomes an `UnknownModelError` once every worker's models are known.
+    """
+
+    def __init__(self, model: str, served: tuple[str, ...], unknown: int) -> None:
+        named = f"model {model[:64]!r}" if model else "no model"
+        super().__init__(
+            f"the request names {named}, which no worker is known to serve now; the models of "
+            f"{unknown} worker(s) are not known yet (down, or being discovered): retry later"
+        )
+        self.model = model
+        self.served = served
+
+    def details(self) -> dict[str, object]:
+        """OpenAI's `param`, and the models a request may name now."""
+        return {"param": "model", "code": "model_not_available", "models": list(self.served)}
 
 
 class HoldTimeoutError(RouterError):

@@ -117,7 +117,11 @@ class FleetState:
             if entry is not None:
                 await self._remove(record.id)
             log.info("worker %s added by replica %s", record.id, record.by)
-            entry = await self._supervisor.add(record.config, must_register=False)
+            # routed to once registered and health-checked here too (`Supervisor.add`), and
+            # never before its drain applies
+            entry = await self._supervisor.add(
+                record.config, must_register=False, draining=record.draining
+            )
         if entry.draining != record.draining:
             log.info(
                 "worker %s %s by replica %s",

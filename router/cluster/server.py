@@ -58,10 +58,16 @@ class NatsServer:
     """`async with NatsServer() as nats: nats.url`; `stop()` and `start()` in between."""
 
     def __init__(
-        self, port: int = 0, store_dir: str | Path | None = None, *, jetstream: bool = True
+        self,
+        port: int = 0,
+        store_dir: str | Path | None = None,
+        *,
+        jetstream: bool = True,
+        login: tuple[str, str] | None = None,
     ) -> None:
         self.binary, self.found_in = find_nats_server()
         self.jetstream = jetstream  # False: a server kvroute cannot share state through
+        self.login = login  # (user, password) every client must give; None: anyone connects
         self.port = port or free_port()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -90,6 +96,7 @@ class NatsServer:
             "-a", "127.0.0.1",
             "-p", str(self.port),
             *(("-js", "-sd", str(self.store_dir / "jetstream")) if self.jetstream else ()),
+            *(("--user", self.login[0], "--pass", self.login[1]) if self.login else ()),
             "-l", str(log),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,

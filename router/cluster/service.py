@@ -67,6 +67,11 @@ class _TlsNotOffered(nats.errors.Error):
         return "the NATS server did not offer TLS"
 
 
+# how nats-server words a refused login in its -ERR (nats-py raises a bare `Error` with it
+# while connecting, `AuthorizationError` after): a bad user, password, token or credentials
+_AUTH_REFUSED = re.compile(r"authori[sz]ation|authentication", re.IGNORECASE)
+
+
 def _encrypted(nc: NATS) -> bool:
     """Whether the client's socket speaks TLS now (nats-py has no public accessor for it)."""
     writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
@@ -117,7 +122,8 @@ class ClusterService:
     ) -> None:
         self.config = config
         self.replica = config.replica_id or replica_name()
-        self._tls_refusal_said = False  # since the last time NATS answered
+        # the refusals (TLS not offered, credentials refused) logged since NATS last answered
+        self._refusals_said: set[str] = set()
         self._sync_error = ""  # the last sync failure logged: each new one is logged once
         self.status = ClusterStatus.WARMING
         self._planner = planner
@@ -220,7 +226,7 @@ class ClusterService:
         log.warning("cluster degraded: %s; serving on local state until NATS answers", reason)
 
     def _become_ok(self) -> None:
-        self._tls_refusal_said = False
+        self._refusals_said.clear()
         if self.status is ClusterStatus.DEGRADED:
             log.warning(
                 "cluster resynced: NATS answers again, %d other replica(s) heard so far",
@@ -288,16 +294,37 @@ class ClusterService:
         # every failed attempt lands here: the state changes are what gets logged, once
         self.nats_errors += 1
         log.debug("nats: %s: %s", type(exc).__name__, exc)
-        if isinstance(exc, _TlsNotOffered) and not self._tls_refusal_said:
-            self._tls_refusal_said = True
-            reason = (
+        refusal = self._refusal(exc)
+        if refusal is None or refusal[0] in self._refusals_said:
+            return
+        kind, reason = refusal
+        self._refusals_said.add(kind)
+        if self.status is ClusterStatus.DEGRADED:
+            log.warning("cluster: %s; still trying", reason)  # an outage said it already
+        else:
+            self._degrade(reason)
+
+    def _refusal(self, exc: Exception) -> tuple[str, str] | None:
+        """(kind, what to tell the operator) of a failed attempt that no waiting will mend;
+        None for the others (a server down or restarting: the startup timeout says that).
+        Before, a refused login read as "did not answer within 5 s" (only DEBUG lines named
+        the Authorization Violation)."""
+        if isinstance(exc, _TlsNotOffered):
+            return "tls", (
                 "a tls:// URL asked for TLS, but the NATS server did not offer it: not talking "
                 "to it in plain text, credentials unsent (use nats:// to allow plain text)"
             )
-            if self.status is ClusterStatus.DEGRADED:
-                log.warning("cluster: %s; still trying", reason)  # an outage said it already
-            else:
-                self._degrade(reason)
+        auth = isinstance(exc, nats.errors.AuthorizationError) or (
+            isinstance(exc, nats.errors.Error) and _AUTH_REFUSED.search(str(exc)) is not None
+        )
+        if auth:
+            # the server's words are its own (no credentials in them); the URLs are redacted
+            said = str(exc).removeprefix("nats: ").strip("'")
+            return "auth", (
+                f"NATS at {', '.join(self.config.shown_servers)} refused this replica's "
+                f"credentials ({said}): check the user and password or token in [cluster] url"
+            )
+        return None
 
     async def _on_disconnected(self) -> None:
         self.outbox.sending = False

@@ -56,10 +56,12 @@ class WorkerGauges(Protocol):
 
 def _replay_proof(
     config: WorkerConfig, info: dict[str, Any] | None, streams: list[StreamConfig]
-) -> list[StreamConfig]:
+) -> tuple[list[StreamConfig], str | None]:
     """`streams` marked with whether their replay sockets are known to be their publishers':
     the worker advertises exactly these event and replay sockets. A configured pair that
-    cannot be compared (no server info, event sockets mapped on the way) is not.
+    cannot be compared (no server info, event sockets mapped on the way) is not. With them,
+    what to tell the operator when the worker advertises other event sockets than its config
+    gives (None: nothing): mapped ports, or another worker's sockets by a typo.
 
     RequestError when a configured replay socket is not the one the worker advertises while
     its event sockets are: another worker's would rebuild this worker's streams from that
@@ -69,11 +71,14 @@ def _replay_proof(
         bare = msgspec.structs.replace(config, events=None, replay=None)
         with contextlib.suppress(RequestError):  # it advertises nothing usable
             advertised = streams_for(bare, info)
-    if advertised and [s.endpoint for s in advertised] == [s.endpoint for s in streams]:
+    note = None
+    told_events = [s.endpoint for s in advertised]
+    given_events = [s.endpoint for s in streams]
+    if advertised and told_events == given_events:
         told = [s.replay_endpoint for s in advertised]
         given = [s.replay_endpoint for s in streams]
         if told == given:
-            return streams
+            return streams, None
         if config.replay is not None and all(t is not None for t in told):
             raise RequestError(
                 f"worker {config.worker_id}: replay {given} is not the replay socket it "
@@ -81,7 +86,16 @@ def _replay_proof(
                 "its streams from that worker's cache; fix `replay` in its config (not "
                 "subscribed until then)"
             )
-    return [msgspec.structs.replace(s, replay_proven=False) for s in streams]
+    elif advertised:
+        # not refused (ports may be mapped on the way), but said: before, the stream stayed
+        # `unverified` and nothing said why
+        note = (
+            f"it advertises event sockets {told_events}, its config gives {given_events}: "
+            "what its streams' replay brings predicts no hit until a live batch agrees with "
+            "it; unless the ports are mapped on the way, fix `events` (and `replay`) in its "
+            "config (another worker's sockets would predict that worker's cache)"
+        )
+    return [msgspec.structs.replace(s, replay_proven=False) for s in streams], note
 
 
 def _check_ranks(config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]) -> None:
@@ -141,10 +155,14 @@ class Supervisor:
         self._clock = clock
         # per worker, the last reason it could not be registered that was logged (`_refused`)
         self._said: dict[str, str] = {}
+        # per worker, what its registration found suspect but registered anyway (`_doubt`)
+        self._doubts: dict[str, str] = {}
         # per worker entry, its discovery under way: one at a time, and never awaited longer
         # than a health round waits (a hung worker's discovery takes its whole timeout, 10 s
         # with the fallback path: the rounds, and the startup, would wait for it)
         self._registering: dict[int, asyncio.Task[None]] = {}
+        # the entries an `add` is registering (by id()): not checked by the rounds meanwhile
+        self._adding: set[int] = set()
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
@@ -255,7 +273,11 @@ class Supervisor:
             _check_topic(entry.config, info)
             _check_ranks(entry.config, info, streams)
         # discovering or not: configured replay sockets beside advertised ones are checked
-        streams = _replay_proof(entry.config, info, streams)
+        streams, note = _replay_proof(entry.config, info, streams)
+        if note is None:
+            self._doubts.pop(entry.id, None)
+        else:
+            self._doubt(entry.id, note)
         for stream in streams:
             other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
             if other is not None:
@@ -395,6 +417,20 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def doubt(self, worker: str) -> str | None:
+        """What `worker`'s registration found suspect in its config, as logged (None: nothing):
+        registered all the same (`_replay_proof`)."""
+        return self._doubts.get(worker)
+
+    def _doubt(self, worker: str, note: str) -> None:
+        """Say it once per worker and note (re-registrations would repeat it)."""
+        if self._doubts.get(worker) == note:
+            return
+        if len(self._doubts) >= 4096:
+            self._doubts.clear()  # bounded as `_said` is
+        self._doubts[worker] = note
+        log.warning("worker %s: %s", worker, note)
+
     def refusal(self, worker: str) -> str | None:
         """Why `worker` could not be registered, as last logged (None: nothing logged)."""
         return self._said.get(worker)
@@ -412,30 +448,49 @@ class Supervisor:
         self._said[entry.id] = said
         log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
 
-    async def add(self, config: WorkerConfig, *, must_register: bool) -> WorkerEntry:
-        """Add a worker; with `must_register`, failing discovery undoes the add and raises."""
+    async def add(
+        self, config: WorkerConfig, *, must_register: bool, draining: bool = False
+    ) -> WorkerEntry:
+        """Add a worker, routed to once it is registered and its health check passed (one that
+        could not be registered: once a health round finds it up); with `must_register`,
+        failing discovery undoes the add and raises. `draining`: added drained (a drained
+        worker whose settings a reload changed).
+
+        Before, a worker took requests from the moment it was in the pool: one that never
+        answers held them until their timeout while it was being discovered (and then refused
+        by the admin API), one whose port was closed failed them until the next health round.
+        """
         entry = self._pool.add(config)
+        # before any await: no request may see it routable
+        entry.checked = entry.healthy = False
+        entry.draining = draining
         self._metrics.added(entry.id)
-        settled = False
+        self._adding.add(id(entry))  # the health rounds leave it to this add
+        registered = settled = False
         try:
-            await self.register(entry)
-            settled = True
-        except RequestError as exc:
-            if must_register:
-                raise
-            self._refused(entry, exc)
+            try:
+                await self.register(entry)
+                registered = True
+            except RequestError as exc:
+                if must_register:
+                    raise
+                self._refused(entry, exc)  # unchecked: the health rounds decide (`check`)
             settled = True
         finally:
+            self._adding.discard(id(entry))
             # refused, or cancelled mid-discovery (the admin client left): leave no half-added
             # worker behind, unless someone already removed or replaced it
             if not settled and self._pool.find(entry.id) is entry:
                 self._pool.remove(entry.id)
                 self._metrics.forget(entry.id)
+        if registered:
+            await self.check(entry)  # routable from here if it answers
         return entry
 
     async def remove(self, worker_id: str) -> WorkerEntry:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
+        self._doubts.pop(worker_id, None)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
@@ -454,8 +509,15 @@ class Supervisor:
             healthy = False
         if self._pool.find(entry.id) is not entry:
             return healthy  # removed while probed: recording it would revive its metric series
+        if id(entry) in self._adding:
+            return healthy  # being added: its add checks it once registered (`add`)
         came_back = False
-        if healthy != entry.healthy:
+        if not entry.checked:
+            # its first check (added at run time): nothing came back, it only arrived
+            entry.checked = True
+            if not healthy:
+                log.warning("worker %s is unhealthy", entry.id)
+        elif healthy != entry.healthy:
             log.warning("worker %s is now %s", entry.id, "healthy" if healthy else "unhealthy")
             if healthy and entry.discovered:
                 # down -> up may be a new process whose first batches we missed: its index

@@ -27,6 +27,14 @@ __all__ = ["read_served_models", "read_server_info"]
 log = logging.getLogger(__name__)
 
 
+def _failure(path: str, exc: Exception, timeout_s: float) -> str:
+    """Why asking `path` failed. A timeout says so and after how long: its exception's text is
+    empty, and "TimeoutError: " alone did not say the worker was slow rather than broken."""
+    if isinstance(exc, TimeoutError):
+        return f"{path}: no answer within {timeout_s:g} s (timed out)"
+    return f"{path}: {type(exc).__name__}: {exc}"
+
+
 async def read_server_info(
     session: aiohttp.ClientSession, url: str, spec: EngineSpec = SGLANG, *, timeout_s: float
 ) -> dict[str, Any]:
@@ -42,7 +50,7 @@ async def read_server_info(
                         return info
                 last = f"{path}: HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-            last = f"{path}: {type(exc).__name__}: {exc}"
+            last = _failure(path, exc, timeout_s)
     raise RequestError(f"cannot read server_info of {url}: {last}")
 
 
@@ -58,7 +66,7 @@ async def _model_list(
                 return None, ""
             return msgspec.json.decode(await resp.read()), ""
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return None, f"/v1/models: {type(exc).__name__}: {exc}"
+        return None, _failure("/v1/models", exc, timeout_s)
     except msgspec.DecodeError:
         return None, ""  # answered, but with no model list
 

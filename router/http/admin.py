@@ -194,7 +194,12 @@ async def evict_namespace(request: web.Request) -> web.Response:
     if body.namespace is not None:
         targets = [ns for ns in known if fingerprint(ns) == body.namespace]
         if not targets:
-            raise NotFoundError(f"no namespace {body.namespace!r} in the index")
+            # not echoed: a salt given in the wrong field would be sent back, and logged by
+            # whatever records the answer
+            raise NotFoundError(
+                "no namespace with that id in the index (ids are the fingerprints GET "
+                "/admin/namespaces lists; to evict by salt, give cache_salt)"
+            )
         salt = targets[0].cache_salt
     else:
         salt = body.cache_salt or None

@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
 from router.config import LiveConfig, RouterConfig
-from router.errors import ConfigError, RouterError, UnknownModelError
+from router.errors import ConfigError, ModelUnavailableError, RouterError, UnknownModelError
 from router.fleet.supervisor import Supervisor
 from router.http import operations
 from router.http.admin import create_admin_app
@@ -107,7 +107,7 @@ async def answer_errors(
     except RouterError as exc:
         status, kind, message = exc.status, type(exc).__name__, str(exc)
         details, headers = exc.details(), exc.headers()
-        unknown_model = isinstance(exc, UnknownModelError)
+        unknown_model = isinstance(exc, UnknownModelError | ModelUnavailableError)
     except IndexerError as exc:
         status, kind, message = 400, type(exc).__name__, str(exc)
     except web.HTTPException as exc:

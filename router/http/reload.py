@@ -9,10 +9,12 @@ changes a running router:
    request), the policy's weights (planner and decode side), the proxy's limits and timeouts,
    health checks, breakers, and the listener's limits for the connections accepted from now on;
 2. then the workers, the way the admin API changes them (`Supervisor.add` / `remove`), and with
-   a `[cluster]` written to the shared fleet the same way, so every replica agrees. A removed
-   worker takes no new request; those it is serving finish. A worker whose settings changed is
-   removed and added again. Workers added or removed through the admin API since are left as
-   they are: the diff is the old file against the new one.
+   a `[cluster]` written to the shared fleet the same way, so every replica agrees. The new
+   ones are added first, and taken traffic only once registered and health-checked; then the
+   old ones are removed (a fleet swapped whole keeps serving). A removed worker takes no new
+   request; those it is serving finish. A worker whose settings changed is removed and added
+   again. Workers added or removed through the admin API since are left as they are: the diff
+   is the old file against the new one.
 
 Keys that need a restart are kept at their running value and listed in the answer.
 """
@@ -130,9 +132,11 @@ class Reloader:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise
             await self.apply(config, diff)
-            waiting = self._unregistered([*diff.workers_added, *diff.workers_changed])
-            if waiting:
-                diff = msgspec.structs.replace(diff, not_registered=waiting)
+            arrived = [*diff.workers_added, *diff.workers_changed]
+            waiting = self._unregistered(arrived)
+            doubts = {w: why for w in arrived if (why := self._supervisor.doubt(w)) is not None}
+            if waiting or doubts:
+                diff = msgspec.structs.replace(diff, not_registered=waiting, warnings=doubts)
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
 
@@ -187,16 +191,31 @@ class Reloader:
             for worker_id in diff.workers_changed
             if (entry := pool.find(worker_id)) is not None and entry.draining
         }
-        for worker_id in diff.workers_removed:
+        # New workers first, checked (registered, health passed) before the old ones go: a
+        # fleet swapped whole in one reload keeps a routable worker of its model throughout.
+        # Before, the old ones went first, and the requests of the gap got 404 (the model was
+        # served by nobody) until the new ones were discovered.
+        # Only a leaving worker on a server an arriving one takes goes first (one server is one
+        # worker in the pool), and a changed one is removed and added again under its id.
+        added = [*diff.workers_added, *diff.workers_changed]
+        claimed = {by_id[worker_id].server for worker_id in added}
+        first = [
+            worker_id
+            for worker_id in diff.workers_removed
+            if (entry := pool.find(worker_id)) is not None and entry.config.server in claimed
+        ]
+        for worker_id in first:
             await self._remove(worker_id, publish=True)
         for worker_id in diff.workers_changed:
             # the new record replaces the old one on every replica: no removal to publish
             await self._remove(worker_id, publish=False)
-        added = [*diff.workers_added, *diff.workers_changed]
         # at once: a worker that is not up yet waits for its discovery timeout
         await asyncio.gather(
             *(self._add(by_id[worker_id], draining=worker_id in drained) for worker_id in added)
         )
+        for worker_id in diff.workers_removed:
+            if worker_id not in first:
+                await self._remove(worker_id, publish=True)
 
     async def _remove(self, worker_id: str, *, publish: bool) -> None:
         with contextlib.suppress(NotFoundError):  # an admin removed it already
@@ -211,7 +230,6 @@ class Reloader:
                 return  # an admin added it already, as the file says
             await self._supervisor.remove(config.worker_id)
         # as at startup: a worker not up yet is retried on every health round
-        entry = await self._supervisor.add(config, must_register=False)
-        entry.draining = entry.draining or draining
+        entry = await self._supervisor.add(config, must_register=False, draining=draining)
         if self.cluster is not None:
             await self.cluster.worker_changed(entry.id, entry.config, draining=entry.draining)

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
+from typing import NoReturn
 
 import msgspec
 
 from indexer.engines import PdRole
 from router.config import BreakerConfig, WorkerConfig
-from router.errors import ConflictError, NotFoundError, UnknownModelError
+from router.errors import (
+    ConflictError,
+    ModelUnavailableError,
+    NotFoundError,
+    UnknownModelError,
+)
 from router.routing.breaker import BreakerState, CircuitBreaker
 
 __all__ = [
@@ -37,6 +43,9 @@ class WorkerStatus(enum.StrEnum):
     """Why a worker does or does not take traffic."""
 
     READY = "ready"
+    # added at run time (admin API, reload, another replica) and not yet registered and
+    # health-checked: sent nothing until then (`Supervisor.add`)
+    CHECKING = "checking"
     UNHEALTHY = "unhealthy"  # last health check failed
     CIRCUIT_OPEN = "circuit_open"
     DRAINING = "draining"
@@ -69,8 +78,13 @@ class WorkerEntry:
         self.config = config
         self.id = config.worker_id
         self.url = config.url.rstrip("/")
-        # optimistic until the first health check says otherwise: a fresh router serves at once
+        # optimistic until the first health check says otherwise: the startup registers and
+        # checks its workers before it listens (`router.http.app`)
         self.healthy = True
+        # False while a worker added at run time waits for its registration and its first
+        # health check (`Supervisor.add`): a worker nobody checked may never answer, and the
+        # requests sent meanwhile would hang until their timeout
+        self.checked = True
         self.draining = False
         self.breaker = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s)
         # set once the worker's streams are registered with the indexer
@@ -104,6 +118,8 @@ class WorkerEntry:
         """The worker's routing status at `now`."""
         if self.draining:
             return WorkerStatus.DRAINING
+        if not self.checked:
+            return WorkerStatus.CHECKING
         if not self.healthy:
             return WorkerStatus.UNHEALTHY
         if not self.breaker.allows(now):
@@ -169,6 +185,9 @@ class WorkerPool:
         self._gone: frozenset[str] = frozenset()
         # cache names whose every worker is vLLM (`ModelChoice.reads_lora_path`)
         self._vllm_only: frozenset[str] = frozenset()
+        # workers whose models are not known yet (not registered): a name nobody is known to
+        # serve may be theirs (`_refuse`)
+        self._unknown = 0
 
     def reconfigure(self, breaker: BreakerConfig) -> None:
         """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
@@ -228,7 +247,8 @@ class WorkerPool:
 
     def resolve(self, model: str) -> ModelChoice:
         """The served model a request naming `model` goes to; UnknownModelError when the fleet
-        serves several and none of them is `model` (or its base, in the `base:adapter` form)."""
+        serves several and none of them is `model` (or its base, in the `base:adapter` form),
+        or `model` is gone (`_refuse`)."""
         parent = self._adapters.get(model)
         if parent is not None and model not in self._by_model and parent in self._by_model:
             # an adapter named by itself (vLLM): its base's pool, its pages its own namespace
@@ -240,7 +260,7 @@ class WorkerPool:
             and base not in self._by_model  # a served name (one may hold a colon) is served
             and (model in self._gone or split_adapter(model, self._gone)[0] in self._gone)
         ):
-            raise UnknownModelError(model, self.served())
+            self._refuse(model)
         if self._single is not None:
             # one pool takes every name (SGLang ignores it), and keeps the alias it was asked
             served = base if base in self._by_model else self._single.model
@@ -250,9 +270,18 @@ class WorkerPool:
                 adapter = model
             return ModelChoice(served, self._single.cache_model, adapter, not self._names_adapters)
         if base not in self._by_model:
-            raise UnknownModelError(model, self.served())
+            self._refuse(model)
         cache = self._cache_model[base]
         return ModelChoice(base, cache, adapter, cache not in self._vllm_only)
+
+    def _refuse(self, model: str) -> NoReturn:
+        """A 404 only when the fleet is known not to serve `model` (every worker's models are
+        known); while some are not, a 503: it may be theirs. Before, a fleet swapped in one
+        reload, or whose only worker was down, answered 404 (an OpenAI client does not retry
+        one) for a model it was about to serve again."""
+        if self._unknown:
+            raise ModelUnavailableError(model, self.served(), self._unknown)
+        raise UnknownModelError(model, self.served())
 
     def set_role(self, entry: WorkerEntry, role: PdRole, bootstrap_port: int | None) -> None:
         """Record the prefill/decode role `entry` advertised; ignored once it left the pool."""
@@ -276,6 +305,7 @@ class WorkerPool:
             for name in entry.models or ():
                 by_model.setdefault(name, []).append(entry)
         self._everyone = tuple(self._workers.values())
+        self._unknown = sum(entry.models is None for entry in self._everyone)
         self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
         self._ever.update(by_model)
         self._gone = frozenset(self._ever.difference(by_model))

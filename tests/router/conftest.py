@@ -8,10 +8,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.config import AdminConfig, HealthConfig, ListenConfig, RouterConfig, WorkerConfig
 from router.prompt import chat_template as chat_template_module
@@ -114,6 +115,43 @@ class Fleet:
         plan = await self.route(body)
         held = [int(c["matched_tokens"]) for c in plan["candidates"] if c["worker"] == worker]
         return max(held, default=0) >= tokens
+
+
+class HungDiscovery:
+    """Healthy, and never answers `/server_info`, `/get_server_info` or `/v1/models`."""
+
+    def __init__(self) -> None:
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.info_asked = 0
+        self.health_asked = 0
+        self._release = asyncio.Event()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_asked += 1
+        return web.Response(text="")
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        self.info_asked += 1
+        await self._release.wait()  # until the test ends: the router gives up first
+        return web.json_response({})
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/server_info", self._hang)
+        app.router.add_get("/get_server_info", self._hang)
+        app.router.add_get("/v1/models", self._hang)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
 
 @pytest.fixture

@@ -83,6 +83,23 @@ def test_cross_field_checks() -> None:
 
 
 @pytest.mark.parametrize(
+    ("workers", "key"),
+    [
+        ([{"url": "http://a:1", "id": "x"}, {"url": "http://a:2", "id": "x"}], "workers[1].id"),
+        ([{"url": "http://a:1"}, {"url": "http://a:1/"}], "workers[1].url"),  # id: the url
+        ([{"url": "http://a:1", "id": "x"}, {"url": "http://a:1", "id": "y"}], "workers[1].url"),
+    ],
+)
+def test_a_worker_listed_twice_is_refused_naming_the_key(
+    workers: list[dict[str, str]], key: str
+) -> None:
+    """A refused reload names the key (`ReloadError.key`); before, these two gave None."""
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"workers": workers})
+    assert refused.value.key == key, refused.value
+
+
+@pytest.mark.parametrize(
     ("key", "value", "said"),
     [
         ("events", "garbage", "expected tcp://HOST:PORT"),

@@ -161,6 +161,10 @@ async def test_evict_by_fingerprint_and_unknown_fingerprint(fleet: Fleet) -> Non
     assert status == 200 and result["entries_dropped"] > 0 and result["flushed"] == {}
     status, result = await fleet.admin("POST", "/namespaces/evict", {"namespace": fingerprint})
     assert status == 404 and result["error"]["type"] == "NotFoundError"
+    # a salt typed into the wrong field is not sent back (before: "no namespace 'fp-secret'")
+    status, result = await fleet.admin("POST", "/namespaces/evict", {"namespace": "fp-secret"})
+    assert status == 404 and "fp-secret" not in str(result), result
+    assert "cache_salt" in result["error"]["message"]  # the field it belongs in
     status, result = await fleet.admin("POST", "/namespaces/evict", {"flush_workers": True})
     assert status == 400
 

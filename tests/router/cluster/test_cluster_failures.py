@@ -256,6 +256,34 @@ async def test_a_tls_url_sends_no_credentials_to_a_plain_text_server(
     assert not any("s3cret-pass" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_refused_login_is_said_as_such_not_as_a_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong password: one WARNING naming the refusal. Before, the only WARNING said NATS
+    "did not answer within 5 s"; the Authorization Violation was at DEBUG, once a second."""
+    caplog.set_level(logging.DEBUG)
+    async with (
+        NatsServer(login=("kvuser", "right-pass")) as nats,
+        workers(1) as (w0,),
+    ):
+        url = nats.url.replace("nats://", "nats://kvuser:wrong-pass@")
+        config = replica_config(
+            [("w0", w0.url)], url, "a", cluster=cluster(url, startup_timeout_s=1.0)
+        )
+        async with RouterService(config):
+
+            async def refused_twice() -> bool:  # said once, however often it is tried
+                return _lines(caplog, "Authorization Violation") >= 3
+
+            await eventually(refused_twice, what="the replica to be refused again")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    degraded = [m for m in said if "cluster" in m]
+    assert len(degraded) == 1, said
+    assert "refused this replica's credentials (Authorization Violation)" in degraded[0]
+    assert "nats://***@127.0.0.1" in degraded[0] and "did not answer" not in degraded[0]
+    assert not any("wrong-pass" in r.getMessage() for r in caplog.records)
+
+
 def _self_signed(directory: Path) -> tuple[Path, Path]:
     """(certificate, key) for 127.0.0.1, the certificate its own CA."""
     from cryptography import x509

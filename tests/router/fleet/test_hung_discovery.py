@@ -8,53 +8,19 @@ Real servers on 127.0.0.1: a reference worker and a small aiohttp server that ha
 
 from __future__ import annotations
 
-import asyncio
-from typing import Self
-
 import aiohttp
 import msgspec
-from aiohttp import web
+import pytest
 
+from indexer.engines import engine_spec
 from router.config import HealthConfig, WorkerConfig
+from router.errors import RequestError
+from router.fleet.worker_settings import read_served_models, read_server_info
 from router.http.keys import SUPERVISOR
 from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import Fleet, HungDiscovery, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
-
-
-class HungDiscovery:
-    """Healthy, and never answers `/server_info` or `/get_server_info`."""
-
-    def __init__(self) -> None:
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-        self.info_asked = 0
-        self._release = asyncio.Event()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def _hang(self, request: web.Request) -> web.Response:
-        self.info_asked += 1
-        await self._release.wait()  # until the test ends: the router gives up first
-        return web.json_response({})
-
-    async def __aenter__(self) -> Self:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/server_info", self._hang)
-        app.router.add_get("/get_server_info", self._hang)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
 
 
 async def test_a_hung_discovery_neither_holds_the_startup_nor_the_health_rounds() -> None:
@@ -87,3 +53,17 @@ async def test_a_hung_discovery_neither_holds_the_startup_nor_the_health_rounds(
 
             await eventually(good_is_down, timeout_s=1.5, what="the good worker's death seen")
             assert supervisor.refusal("hung") is None  # its discovery still hangs
+
+
+async def test_a_discovery_that_times_out_says_so_and_after_how_long() -> None:
+    """Before, the reason read "/get_server_info: TimeoutError: " (a timeout's text is empty):
+    nothing said the worker was slow rather than broken, nor how long it was given."""
+    async with HungDiscovery() as hung, aiohttp.ClientSession() as session:
+        with pytest.raises(RequestError) as refused:
+            await read_server_info(session, hung.url, timeout_s=0.2)
+        assert hung.info_asked == 2  # both SGLang paths
+        message = str(refused.value)
+        assert message.endswith("/get_server_info: no answer within 0.2 s (timed out)"), message
+        worker = WorkerConfig(url=hung.url, id="hung", kv_events=False)
+        with pytest.raises(RequestError, match=r"/v1/models: no answer within 0\.2 s"):
+            await read_served_models(session, worker, engine_spec("vllm"), None, timeout_s=0.2)

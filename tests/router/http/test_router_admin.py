@@ -16,7 +16,9 @@ from router.config import AdminConfig, LimitsConfig, ListenConfig, RouterConfig
 from router.errors import ConfigError
 from router.http.app import create_app
 from router.service import RouterService
-from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from tests.router.conftest import AUTH, Fleet, HungDiscovery, eventually, router_config
+
+_QUICK = aiohttp.ClientTimeout(total=5)  # a request sent to the hung worker would hang
 
 ADMIN_CALLS = [
     ("GET", "/admin/workers"),
@@ -187,6 +189,34 @@ async def test_an_add_abandoned_during_discovery_leaves_no_worker_behind(fleet: 
             return [w["id"] for w in listed["workers"]] == ["w0", "w1"]
 
         await eventually(gone, what="the abandoned worker to be rolled back")
+
+
+async def test_a_worker_being_added_takes_no_request_until_it_is_checked(fleet: Fleet) -> None:
+    """Before, it was in the pool, `ready`, from the start of its discovery: a worker that
+    answers its health check but never its /server_info was sent requests (which hung until
+    their timeout) for the whole discovery, then refused by the same admin call."""
+    async with HungDiscovery() as hung:
+        add = asyncio.create_task(fleet.admin("POST", "/workers", {"url": hung.url, "id": "h"}))
+
+        async def probed() -> bool:
+            # being discovered, and a health round has answered 200 for it meanwhile
+            return hung.info_asked >= 1 and hung.health_asked >= 1
+
+        await eventually(probed, what="the added worker discovered and health-probed")
+        _, listed = await fleet.admin("GET", "/workers")
+        row = next(w for w in listed["workers"] if w["id"] == "h")
+        assert (row["status"], row["healthy"]) == ("checking", False), row
+        plan = await fleet.route({"prompt": "p", "max_tokens": 1})
+        assert {c["worker"]: c["healthy"] for c in plan["candidates"]}["h"] is False
+        for i in range(6):
+            body = {"prompt": f"fresh {i}", "max_tokens": 1}
+            status, headers, _ = await fleet.post("/v1/completions", body, timeout=_QUICK)
+            assert status == 200 and headers["x-kvroute-worker"] in ("w0", "w1")
+        async with fleet.session.get(fleet.url + "/metrics") as resp:
+            assert 'kvroute_worker_routable{worker="h"} 0.0' in await resp.text()
+        add.cancel()  # no need to wait out its discovery's timeouts
+        with pytest.raises(asyncio.CancelledError):
+            await add
 
 
 def _snapshot(entries: int) -> bytes:

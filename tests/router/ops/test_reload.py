@@ -18,12 +18,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
 from tests.subprocesses import ends_on_sigint
+from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -295,16 +297,135 @@ async def test_a_file_adding_a_server_an_admin_added_changes_nothing(fleet: Relo
 async def test_the_answer_names_the_workers_that_could_not_be_registered(
     fleet: Reloadable,
 ) -> None:
-    """Added, but down (or refused): in the pool, routed by load alone, retried every health
-    round. Before, only the log said so; the answer looked like a clean add."""
+    """Added, but down (or refused): in the pool, retried every health round, and routed to
+    (by load alone, if its streams cannot be had) only once a round finds it up. Before, only
+    the log said so, the answer looked like a clean add, and it was `ready` until the next
+    round: its requests failed (502 with no retries left)."""
     workers = {n: w.url for n, w in fleet.workers.items()} | {"w9": "http://127.0.0.1:9"}
     fleet.path.write_text(_toml(workers))
     status, answer = await fleet.reload()
     assert status == 200 and answer["workers_added"] == ["w9"], answer
     assert list(answer["not_registered"]) == ["w9"] and answer["not_registered"]["w9"]
+    _, listed = await fleet.admin("GET", "/workers")
+    row = next(w for w in listed["workers"] if w["id"] == "w9")
+    assert row["status"] in ("checking", "unhealthy") and not row["healthy"], row
     fleet.path.write_text(_toml(workers | {"w2": fleet.spare.url}))
     status, answer = await fleet.reload()
     assert answer["workers_added"] == ["w2"] and answer["not_registered"] == {}, answer
+
+
+class _Gate:
+    """A worker's HTTP API passed through, its `/server_info` held until `open` is set: a
+    worker whose discovery takes a while, as a loaded or distant one's does."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.open = asyncio.Event()
+        self.info_asked = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _pass(self, request: web.Request) -> web.Response:
+        if request.path in ("/server_info", "/get_server_info"):
+            self.info_asked += 1
+            await self.open.wait()
+        assert self._session is not None
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=await request.read()
+        ) as resp:
+            body = await resp.read()
+            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+
+    async def __aenter__(self) -> _Gate:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._pass)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.open.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+
+async def test_a_fleet_swapped_whole_in_one_reload_serves_throughout(fleet: Reloadable) -> None:
+    """The new worker is added, and checked, before the old ones go. Before, the old ones
+    went first: until the new one was discovered its model was served by nobody, and requests
+    naming it got 404 model_not_found (which OpenAI clients do not retry)."""
+    named = {**_chat("t"), "model": DEFAULT_MODEL}
+    async with _Gate(fleet.spare.url) as gate:
+        fleet.path.write_text(_toml({"w2": gate.url}))
+        reload = asyncio.create_task(fleet.reload())
+
+        async def discovering() -> bool:
+            return gate.info_asked >= 1
+
+        await eventually(discovering, what="the new worker's discovery")
+        for _ in range(4):  # while it is discovered: the old workers serve
+            status, headers, answer = await fleet.post("/v1/chat/completions", named)
+            assert status == 200, answer
+            assert headers["x-kvroute-worker"] in ("w0", "w1")
+        _, listed = await fleet.admin("GET", "/workers")
+        assert {w["id"]: w["status"] for w in listed["workers"]} == {
+            "w0": "ready",
+            "w1": "ready",
+            "w2": "checking",
+        }
+        gate.open.set()
+        status, answer = await reload
+        assert status == 200, answer
+        assert (answer["workers_added"], answer["workers_removed"]) == (["w2"], ["w0", "w1"])
+        status, headers, answer = await fleet.post("/v1/chat/completions", named)
+        assert status == 200 and headers["x-kvroute-worker"] == "w2", answer
+
+
+async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
+    fleet: Reloadable,
+) -> None:
+    """The only worker down (its models unknown): the model may be its, so a 503 to retry.
+    Before, a 404 model_not_found with an empty list of models (the model was "gone"), and a
+    request naming no model was sent to the dead worker (502)."""
+    fleet.path.write_text(_toml({"w9": "http://127.0.0.1:9"}))
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_removed"] == ["w0", "w1"], answer
+    named = {**_chat("t"), "model": DEFAULT_MODEL}
+    status, _, answer = await fleet.post("/v1/chat/completions", named)
+    assert status == 503, answer
+    error = answer["error"]
+    assert error["type"] == "ModelUnavailableError" and error["code"] == "model_not_available"
+    assert "not known yet" in error["message"] and error["models"] == []
+    unnamed = {"prompt": "hi", "max_tokens": 1}
+    status, _, answer = await fleet.post("/v1/completions", unnamed)
+    assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
+
+
+async def test_the_answer_warns_of_event_sockets_the_worker_does_not_advertise(
+    fleet: Reloadable,
+) -> None:
+    """w0 given another worker's sockets (a typo, or the sockets of a worker removed in the
+    same edit): registered (the ports may be mapped on the way), but its streams predict no
+    hit until proven. Before, the stream stayed `unverified` and nothing said why."""
+    spare = fleet.spare.kv_events
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    w0_line = f'url = "{fleet.workers["w0"].url}"\n'
+    wrong = f'events = "{spare.endpoint}"\nreplay = "{spare.replay_endpoint}"\n'
+    fleet.path.write_text(text.replace(w0_line, w0_line + wrong))
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_changed"] == ["w0"], answer
+    assert answer["not_registered"] == {}
+    assert list(answer["warnings"]) == ["w0"], answer
+    warning = answer["warnings"]["w0"]
+    assert "advertises event sockets" in warning and spare.endpoint in warning
+    fleet.path.write_text(text)  # fixed: nothing to warn of
+    status, answer = await fleet.reload()
+    assert answer["workers_changed"] == ["w0"] and answer["warnings"] == {}, answer
 
 
 async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from indexer.engines import EngineName
 from router.config import BreakerConfig, WorkerConfig
-from router.errors import UnknownModelError
+from router.errors import ModelUnavailableError, UnknownModelError
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.namespace import request_namespace
 from router.routing.pool import ModelChoice, WorkerPool, split_adapter
@@ -84,6 +84,29 @@ def test_a_worker_of_unknown_model_takes_nothing_once_the_fleet_serves_several()
     pool.set_models(pool.get("w2"), ("b",))  # discovered
     assert _ids(pool, "b") == ["w1", "w2"]
     assert pool.get("w2").cache_model == "b"
+
+
+def test_a_model_is_unknown_only_once_every_workers_models_are_known() -> None:
+    """While a worker's models are unknown (not registered: down, being discovered) a name no
+    known worker serves may be its: a 503 to retry, not a 404 (OpenAI clients do not retry
+    one). Before, a 404, also for a model whose workers were all being replaced."""
+    pool = _pool("a", "b", "")
+    with pytest.raises(ModelUnavailableError) as unsure:
+        pool.resolve("c")
+    assert unsure.value.status == 503 and unsure.value.served == ("a", "b")
+    pool.set_models(pool.get("w2"), ("b",))  # discovered: every worker's models known
+    with pytest.raises(UnknownModelError) as refused:
+        pool.resolve("c")
+    assert refused.value.status == 404
+    # a one-model fleet whose workers are all replaced: the newcomer's models are unknown
+    swapped = _pool("m")
+    swapped.add(WorkerConfig(url="http://127.0.0.1:9", id="w9"))
+    swapped.remove("w0")
+    for model in ("m", "m:adapter"):
+        with pytest.raises(ModelUnavailableError):
+            swapped.resolve(model)
+    swapped.set_models(swapped.get("w9"), ("m",))
+    assert _ids(swapped, "m") == ["w9"]
 
 
 def test_membership_and_discovery_reshape_the_pools() -> None:
