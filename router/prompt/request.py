@@ -280,6 +280,8 @@ def parse_request(
         tokens = _chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
         reusable = chat_reuse_limit(body, len(tokens))
+    if endpoint is Endpoint.GENERATE and batched:
+        _check_batch_lists(body, header_salt)
     salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
     if header_salt is not None:
@@ -309,6 +311,24 @@ def parse_request(
         reuse_limit=reusable,
         keyed=keyed,
     )
+
+
+def _check_batch_lists(body: Mapping[str, Any], header_salt: str | None) -> None:
+    """A batched `/generate` gives `cache_salt` and `extra_key` once, or one per prompt:
+    SGLang (0.5.23, `GenerateReqInput._normalize_cache_salt`) refuses a list of another
+    length, which the router would route by its first item all the same."""
+    prompts = body.get("input_ids")
+    if prompts is None:
+        prompts = body.get("text")
+    if not isinstance(prompts, list):
+        return
+    for field in ("extra_key",) if header_salt is not None else ("cache_salt", "extra_key"):
+        value = body.get(field)
+        if isinstance(value, list) and len(value) != len(prompts):
+            raise RequestError(
+                f"{field} has {len(value)} items for a batch of {len(prompts)} prompts: give "
+                "one per prompt, or one string for all"
+            )
 
 
 def _item(value: object, i: int) -> object:
