@@ -578,10 +578,11 @@ class Planner:
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None:
         """The request of these (stream, stamp) marks answered (`first_byte`) or ended: its
         prompt is no longer on its way (another replica's, through `router.cluster`)."""
+        now = self.clock()
         for stream, stamp in marks:
             waiting = self.waiting.get(stream)
             if waiting is not None:
-                waiting.answered(stamp, first_byte=first_byte)
+                waiting.answered(stamp, first_byte=first_byte, now=now, seq=self._last_seq(stream))
 
     def book_decision(
         self,
