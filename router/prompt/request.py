@@ -15,6 +15,7 @@ names (`router.prompt.dp_rank`) is read here too: the router then routes to that
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,6 +111,11 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     except msgspec.DecodeError as exc:
         if not raw.strip():  # msgspec calls it "truncated", which sends one looking for a cut
             raise RequestError("request body is empty: send a JSON object") from None
+        if _lone_surrogate(raw, exc):
+            raise RequestError(
+                "request body is not valid JSON: a \\u escape is a lone UTF-16 surrogate "
+                "(\\ud800-\\udfff without its pair), which is no character"
+            ) from None
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise too_deep from None
@@ -118,6 +124,20 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     if nests_deeper(raw, limits.max_json_depth):
         raise too_deep
     return body
+
+
+def _lone_surrogate(raw: bytes, exc: msgspec.DecodeError) -> bool:
+    """Whether msgspec's "truncated" is a whole body with a lone high surrogate escape
+    ("\\ud800" before a quote: msgspec reads on for its pair and calls the body cut short).
+    Python's json takes lone surrogates: a body it reads whole was not truncated. Only on
+    this error's path, never for a good body."""
+    if "truncated" not in str(exc) or b"\\u" not in raw:
+        return False
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
@@ -282,9 +302,10 @@ def parse_request(
         reusable = chat_reuse_limit(body, len(tokens))
     if endpoint is Endpoint.GENERATE and batched:
         _check_batch_lists(body, header_salt)
-    salt = _salt(body.get("cache_salt"), limits, batched=batched)
     forwarded = raw
-    if header_salt is not None:
+    if header_salt is None:
+        salt = _salt(body.get("cache_salt"), limits, batched=batched)
+    else:  # the body's own, whatever it is, is replaced: not the client's to get right
         salt = header_salt or None
         if salt is None:
             body.pop("cache_salt", None)
