@@ -32,7 +32,7 @@ from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
 from indexer.namespace import Namespace
-from indexer.shadowed import ShadowedPrefixes
+from indexer.shadowed import ShadowedPrefixes, ShadowMark
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import (
@@ -53,7 +53,9 @@ __all__ = [
     "IndexerService",
     "Namespace",
     "NamespaceStats",
+    "PendingMark",
     "RankMatch",
+    "ShadowMark",
     "StreamConfig",
     "StreamState",
     "StreamStats",
@@ -71,6 +73,9 @@ _UNSIZED_LIMIT = 4096
 # the prompt head a shadow needs at most: the first page of any stream it is keyed on (a
 # stream of longer pages takes no shadow from a head, as none of unknown size)
 SHADOW_HEAD_TOKENS = _UNSIZED_HEAD
+
+# a pending mark made (`add_pending`): (stream, the index's generation of it)
+PendingMark = tuple[str, int]
 
 
 class IndexerService:
@@ -215,25 +220,36 @@ class IndexerService:
         worker: str,
         dp_rank: int | None,
         keep_s: float,
-    ) -> None:
+    ) -> list[ShadowMark]:
         """A request with an `extra_key` (in `namespace`) was sent to `worker` (rank
         `dp_rank`; None: every rank): the pages it stores will be shown by events as plain
         ones, so plain queries stop trusting its prefix there for at least `keep_s`, and
-        for as long as the stream holds it after that (`indexer.shadowed`)."""
+        for as long as the stream holds it after that (`indexer.shadowed`). Returns the
+        shadows made, for `unshadow` should the request store nothing."""
+        made: list[ShadowMark] = []
         if namespace.extra_key is None:
-            return
+            return made
         plain = msgspec.structs.replace(namespace, extra_key=None)
         until = self._clock() + keep_s
         index = self.index
         for stream in self.stream_ids(worker, dp_rank):
             keys = index.first_block_keys(stream, plain, tokens)
             for key in keys:
-                self._shadowed.mark(stream, key, until)
+                made.append(self._shadowed.mark(stream, key, until))
             if not keys and index.has_stream(stream) and index.block_size(stream) is None:
-                # its first events will say the size: the key is made then (`_on_applied`)
+                # its first events will say the size: the key is made then (`_on_applied`);
+                # such a shadow is never withdrawn (fail closed)
                 self._shadow_unsized(stream, plain, tokens, until)
         if self._shadowed.due():
             self._shadowed.sweep(self._clock(), index.holds)
+        return made
+
+    def unshadow(self, marks: Sequence[ShadowMark]) -> None:
+        """The request of these shadows (`shadow`'s) stored nothing (the worker refused it, or
+        it never reached the worker): they are taken back, unless a later shadow of the same
+        prefix there extended them."""
+        for mark in marks:
+            self._shadowed.withdraw(mark)
 
     def _shadow_unsized(
         self, stream: str, plain: Namespace, tokens: Sequence[Hashable], until: float
@@ -287,18 +303,29 @@ class IndexerService:
         dp_rank: int | None = None,
         *,
         keys_of: Callable[[str], Sequence[int]] | None = None,
-    ) -> None:
-        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s.
+    ) -> list[PendingMark]:
+        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s;
+        returns the marks made, for `withdraw_pending` should the request fail.
 
         With `dp_rank`, only that rank's stream is marked: the request was sent there, and its
         other ranks are other caches. None (the engine picks the rank): every stream of it.
         `keys_of(stream)` may give the prompt's block keys there (`block_keys`), when the
         caller has made them already; empty: the index makes them.
         """
+        made: list[PendingMark] = []
+        index = self.index
         for sub in self._workers.get(worker, []):
             if dp_rank is None or sub.config.dp_rank == dp_rank:
                 keys = keys_of(sub.stream_id) if keys_of is not None else None
-                self.index.add_pending(sub.stream_id, namespace, tokens, keys or None)
+                if index.add_pending(sub.stream_id, namespace, tokens, keys or None):
+                    made.append((sub.stream_id, index.pending.generation))
+        return made
+
+    def withdraw_pending(self, marks: Sequence[PendingMark]) -> None:
+        """The request of these marks (`add_pending`'s) failed: the worker stores nothing for
+        it, so its prefix is no longer on its way there (a sibling's marks stand)."""
+        for stream, generation in marks:
+            self.index.withdraw_pending(stream, generation)
 
     def sharing(self, worker: str, endpoint: str, topic: str) -> str | None:
         """Another worker subscribed to `endpoint` with a topic that overlaps `topic` (either a

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["ShadowedPrefixes"]
+__all__ = ["ShadowMark", "ShadowedPrefixes"]
+
+# one shadow made (`ShadowedPrefixes.mark`): (stream, key, the time it was kept until before,
+# None: not shadowed, and the time it is kept until now)
+ShadowMark = tuple[str, int, float | None, float]
 
 # shadows kept before the next sweep for ones no longer needed (doubles with what is kept)
 _FIRST_SWEEP = 4096
@@ -45,13 +49,30 @@ class ShadowedPrefixes:
     def __bool__(self) -> bool:
         return self._count > 0
 
-    def mark(self, stream: str, key: int, until: float) -> None:
-        """Shadow `key` on `stream` until at least `until`."""
+    def mark(self, stream: str, key: int, until: float) -> ShadowMark:
+        """Shadow `key` on `stream` until at least `until`; returns what `withdraw` needs."""
         keys = self._by_stream.setdefault(stream, {})
-        if key not in keys:
+        before = keys.get(key)
+        if before is None:
             self._count += 1
-        if keys.get(key, until) <= until:
+        if before is None or before <= until:
             keys[key] = until
+        return (stream, key, before, keys[key])
+
+    def withdraw(self, mark: ShadowMark) -> None:
+        """The request of `mark` stored nothing: the key is kept until what it was before
+        (not shadowed, if it was not), unless a later shadow changed it since."""
+        stream, key, before, until = mark
+        keys = self._by_stream.get(stream)
+        if keys is None or keys.get(key) != until or before == until:
+            return
+        if before is not None:
+            keys[key] = before
+            return
+        del keys[key]
+        self._count -= 1
+        if not keys:
+            del self._by_stream[stream]
 
     def shadows(self, stream: str) -> dict[int, float] | None:
         """The shadowed keys of `stream` (None: none); read, never change."""

@@ -11,9 +11,14 @@ Layout, built for bulk work (every routed request marks its whole prefix, ~512 k
   fill`, the same shape as the index's table values (the index fills in the namespace code), so
   the query ORs and ANDs both in the same C-level pass;
 - per slot, a packed map key -> generation of the latest `add` that marked it there;
-- a FIFO of marks `(deadline, slot, generation, ns id, keys)`, one per `add`. The TTL is
-  constant, so deadlines are ordered; expiring a mark drops its keys that no later mark
+- a FIFO of marks `(deadline, slot, generation, ns id, keys, earlier)`, one per `add`. The
+  TTL is constant, so deadlines are ordered; expiring a mark drops its keys that no later mark
   refreshed (their generation is still the mark's), in C-level passes.
+
+A mark is withdrawn (`withdraw`) when its request failed (the worker refused it, or it never
+reached the worker): nothing is on its way. Its keys go back to the mark before it that made
+them pending there (`earlier`: the generations they had, kept only when some had one), as
+long as that one stands; else they are dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from indexer.int_map import PyIntMap
 
 __all__ = ["PendingTable"]
 
-_Mark = tuple[float, int, int, int, list[int]]  # deadline, slot, generation, ns id, keys
+# deadline, slot, generation, ns id, keys, the keys' generations before it (None: all 0)
+_Mark = tuple[float, int, int, int, list[int], list[int] | None]
 
 
 class PendingTable:
@@ -41,6 +47,7 @@ class PendingTable:
         "_gens",
         "_int_map",
         "_shift",
+        "_withdrawn",
         "bits",
         "max_entries",
         "ttl_s",
@@ -66,6 +73,12 @@ class PendingTable:
         self._gens: dict[int, PyIntMap] = {}  # slot -> key -> generation of its latest mark
         self._fifo: deque[_Mark] = deque()
         self._generation = 0
+        self._withdrawn: set[int] = set()  # generations withdrawn before their expiry
+
+    @property
+    def generation(self) -> int:
+        """The latest mark's generation: what `withdraw` takes back (0: none made yet)."""
+        return self._generation
 
     def __len__(self) -> int:
         return sum(map(len, self._gens.values()))
@@ -88,6 +101,9 @@ class PendingTable:
         gens = self._gens.get(slot)
         if gens is None:
             gens = self._gens[slot] = self._int_map(True)
+        earlier: list[int] | None = None
+        if not gens.isdisjoint(marked):  # a sibling's mark: kept for a withdrawal
+            earlier = gens.get_many(marked, 0)
         gens.assign(marked, self._generation)
         bit = (1 << (slot + self._shift)) | (self._fill if fill is None else fill)
         bits = self.bits
@@ -96,8 +112,48 @@ class PendingTable:
         else:
             bits.or_many(marked, bit)
         deadline = self._clock() + self.ttl_s
-        self._fifo.append((deadline, slot, self._generation, ns_id, marked))
+        self._fifo.append((deadline, slot, self._generation, ns_id, marked, earlier))
         return len(marked)
+
+    def withdraw(self, slot: int, generation: int) -> int:
+        """The request of mark `generation` on `slot` stores nothing there after all: drop
+        its keys that no later mark refreshed, or give them back to the standing mark before
+        it; returns how many were dropped (0: the mark expired or is not there)."""
+        self.expire()
+        fifo = self._fifo
+        # a failure comes soon after its mark: look from the newest
+        for i in range(len(fifo) - 1, -1, -1):
+            mark = fifo[i]
+            if mark[2] == generation and mark[1] == slot:
+                break
+            if mark[2] < generation:
+                return 0
+        else:
+            return 0
+        del fifo[i]
+        gens = self._gens.get(slot)
+        if gens is None:
+            return 0
+        _, _, _, _, keys, earlier = mark
+        current = gens.get_many(keys, 0)
+        mine = list(map(generation.__eq__, current))
+        oldest = fifo[0][2] if fifo else generation
+        withdrawn = self._withdrawn
+        if withdrawn:
+            self._withdrawn = withdrawn = {g for g in withdrawn if g >= oldest}
+        withdrawn.add(generation)
+        back: list[tuple[int, int]] = []
+        if earlier is not None:
+            back = [
+                (key, old)
+                for key, old, own in zip(keys, earlier, mine, strict=True)
+                if own and old >= oldest and old not in withdrawn
+            ]
+            gens.update(back)
+        restored = {key for key, _ in back}
+        dropped = [key for key, own in zip(keys, mine, strict=True) if own and key not in restored]
+        self._drop(slot, dropped)
+        return len(dropped)
 
     def expire(self) -> None:
         """Drop every entry whose deadline has passed."""
@@ -110,7 +166,7 @@ class PendingTable:
 
     def _retire(self, mark: _Mark) -> None:
         """Drop the keys of `mark` that no later mark refreshed."""
-        _, slot, generation, _, keys = mark
+        _, slot, generation, _, keys, _ = mark
         gens = self._gens.get(slot)
         if gens is not None:
             current = gens.get_many(keys, 0)

@@ -375,6 +375,13 @@ class PrefixIndex:
             fresh = list(compress(keys, map(not_, held)))
         return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id])
 
+    def withdraw_pending(self, stream: str, generation: int) -> int:
+        """Take back the pending mark `generation` (`PendingTable.generation` right after the
+        `add_pending` that made it) on `stream`: its request stores nothing there after all;
+        returns how many keys were dropped."""
+        st = self._streams.get(stream)
+        return 0 if st is None else self.pending.withdraw(st.slot, generation)
+
     def match(
         self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
     ) -> PrefixMatch:

@@ -94,12 +94,19 @@ class Outbox:
             self.resend_shadows()
 
     def shadowed(
-        self, ns: Namespace, tokens: Sequence[int], worker: str, dp_rank: int | None
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None,
+        ticket: Ticket | None = None,
     ) -> None:
         """An extra_key's plain twin was shadowed on (worker, rank) (see `DecisionSink`)."""
         head = list(tokens[:SHADOW_HEAD_TOKENS])
         if self._sending:
-            self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S))
+            entry = None if ticket is None else self._open.get(id(ticket))
+            number = entry.number if entry is not None and entry.ticket is ticket else 0
+            self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S, number))
         try:
             key = (worker, dp_rank, ns, array("q", head).tobytes())
         except OverflowError:
@@ -204,7 +211,7 @@ class Outbox:
             return
         del self._open[id(ticket)]
         if self.sending:
-            self._put(End(entry.number), urgent=False)
+            self._put(End(entry.number, int(ticket.withdraw)), urgent=False)
 
     def heartbeat(self) -> None:
         """Queue a heartbeat listing every request in flight."""

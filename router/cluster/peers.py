@@ -23,7 +23,7 @@ from typing import Protocol
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
-from router.routing.load import LoadTracker, Ticket
+from router.routing.load import LoadTracker, Ticket, Withdraw
 
 __all__ = ["AdmissionBook", "Peers"]
 
@@ -59,7 +59,7 @@ class AdmissionBook(Protocol):
 
 
 class _Peer:
-    __slots__ = ("instance", "last_seen", "marks", "tickets")
+    __slots__ = ("instance", "last_seen", "marks", "pending", "tickets")
 
     def __init__(self, now: float, instance: str = "") -> None:
         self.last_seen = now
@@ -67,6 +67,9 @@ class _Peer:
         self.tickets: dict[int, Ticket] = {}
         # the forecast's marks of a request whose Pending came, by its number, until its Begin
         self.marks: dict[int, list[tuple[str, int]]] = {}
+        # the index's pending marks of a request whose Pending came, until its Begin: its End
+        # may withdraw them (`End.withdraw`)
+        self.pending: dict[int, list[tuple[str, int]]] = {}
 
 
 class Peers:
@@ -149,9 +152,13 @@ class Peers:
             if isinstance(d, Pending):
                 if self._indexer.has_worker(d.worker):
                     keys_of = self._keys_of(d)
-                    self._indexer.add_pending(
+                    made = self._indexer.add_pending(
                         d.namespace, d.tokens, d.worker, d.dp_rank, keys_of=keys_of
                     )
+                    if made and d.ticket:
+                        if len(peer.pending) >= _MAX_UNBEGUN:  # Begins were lost
+                            del peer.pending[next(iter(peer.pending))]
+                        peer.pending[d.ticket] = made
                     self._take_in(peer, d, keys_of)
             elif isinstance(d, Begin):
                 old = peer.tickets.pop(d.ticket, None)
@@ -165,9 +172,15 @@ class Peers:
                     output_tokens=d.output_tokens,
                 )
                 begun.marks = peer.marks.pop(d.ticket, [])
+                begun.pending = peer.pending.pop(d.ticket, [])
             elif isinstance(d, Shadow):
                 if self._indexer.has_worker(d.worker) and d.keep_s > 0:
-                    self._indexer.shadow(d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s)
+                    shadows = self._indexer.shadow(
+                        d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s
+                    )
+                    owner = peer.tickets.get(d.ticket) if d.ticket else None
+                    if owner is not None:
+                        owner.shadows.extend(shadows)
                 if self.shadow_seen is not None and d.keep_s > 0:
                     self.shadow_seen(d)
             elif isinstance(d, FirstByte):
@@ -179,6 +192,8 @@ class Peers:
                 ticket = peer.tickets.pop(d.ticket, None)
                 if ticket is not None:
                     self._end(ticket)
+                    if d.withdraw:
+                        self._withdraw(ticket, d.withdraw)
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
         self.applied += len(batch.decisions)
@@ -243,6 +258,16 @@ class Peers:
         if self._book is not None and ticket.marks:
             self._book.release_marks(ticket.marks, first_byte=first_byte)
         ticket.marks = []
+
+    def _withdraw(self, ticket: Ticket, what: int) -> None:
+        """A peer's request failed: what its End says goes, as on its own replica
+        (`Planner.withdraw`)."""
+        if ticket.pending:
+            self._indexer.withdraw_pending(ticket.pending)
+            ticket.pending = []
+        if what >= Withdraw.ALL and ticket.shadows:
+            self._indexer.unshadow(ticket.shadows)
+            ticket.shadows = []
 
     def _end(self, ticket: Ticket) -> None:
         """A ticket held for a peer ends: its load, and its marks in the forecast."""

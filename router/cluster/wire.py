@@ -82,6 +82,9 @@ class Shadow(msgspec.Struct, tag="shadow", array_like=True, frozen=True):
     namespace: Namespace
     tokens: list[int]  # the prompt's head: the first page is all a shadow is keyed by
     keep_s: float
+    # the request's number (its `Begin`'s, which comes first; 0: none, a shadow sent again or
+    # a gateway's): its `End` may withdraw the shadow (`End.withdraw`)
+    ticket: int = 0
 
 
 class FirstByte(msgspec.Struct, tag="first_byte", array_like=True, frozen=True):
@@ -94,6 +97,10 @@ class End(msgspec.Struct, tag="end", array_like=True, frozen=True):
     """Request `ticket` ended: it no longer counts as running."""
 
     ticket: int
+    # what it takes back (`router.routing.load.Withdraw`): 1 its pending marks (it failed), 2
+    # those and its shadows (the worker stored nothing); 0: nothing (an older sender sends
+    # none, and an older receiver ignores it: it keeps the marks until their TTL)
+    withdraw: int = 0
 
 
 class OpenTicket(msgspec.Struct, array_like=True, frozen=True):

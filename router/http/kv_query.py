@@ -7,6 +7,13 @@ state, and the router's own view of load and score. The same planner as the prox
 (`Planner.plan`, read-only), so the numbers are those the router would route by; nothing is
 marked pending and nothing is routed.
 
+`POST /v1/kv/routed` is the one thing a gateway tells the index: it sent a request with an
+SGLang `extra_key` to a worker. Such a request's pages reach the index as plain pages of its
+salt (the engine publishes no extra_key), so, as for the requests the router routes itself
+(`Planner.commit`), plain requests of the same prompt stop being predicted them there (a
+shadow, shared with the other replicas). A gateway's other requests need no word: their pages
+show in the events.
+
 Version 1 (the path's `v1`, the answer's `"version": 1`): fields are only ever added. The API
 has its own bearer token (`[query] token` or `$KVROUTE_QUERY_TOKEN`), so a gateway can ask the
 index without the admin API's power. docs/operations.md has the request and answer with examples.
@@ -14,11 +21,12 @@ index without the admin API's power. docs/operations.md has the request and answ
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
+from indexer.namespace import Namespace
 from router.config import RouterConfig
 from router.errors import AuthError, RequestError
 from router.http.bearer import bearer_matches, is_loopback
@@ -26,12 +34,21 @@ from router.http.keys import CONFIG, PLANNER, TOKENIZER
 from router.prompt.request import Endpoint, ParsedRequest, check_salt_size, parse_body
 from router.routing.policy import Candidate
 
-__all__ = ["KV_QUERY_PATH", "VERSION", "KvQuery", "add_kv_query_route"]
+__all__ = [
+    "KV_QUERY_PATH",
+    "KV_ROUTED_PATH",
+    "VERSION",
+    "KvQuery",
+    "KvRouted",
+    "add_kv_query_route",
+]
 
 KV_QUERY_PATH = "/v1/kv/query"
+KV_ROUTED_PATH = "/v1/kv/routed"
 VERSION = 1
 _json = msgspec.json.Encoder()
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+Q = TypeVar("Q", bound="KvQuery")
 
 
 class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -40,9 +57,19 @@ class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = ""  # any name the fleet serves ("" in a one-model fleet); "base:adapter" too
     lora: str | None = None  # the LoRA adapter, as SGLang's lora_path names it
     cache_salt: str | None = None  # "" or null: the unsalted namespace
+    # SGLang's extra_key ("" or null: none): no KV event shows it, so nothing is predicted
+    # from events (`unindexed`), only this router's pending marks of that key
+    extra_key: str | None = None
     token_ids: list[TokenId] | None = None  # the prompt as the engine tokenizes it (exact)
     text: str | None = None  # a completion prompt, tokenized by the router's tokenizer
     messages: list[dict[str, Any]] | None = None  # a chat, through the router's chat template
+
+
+class KvRouted(KvQuery, forbid_unknown_fields=True, kw_only=True):
+    """`/v1/kv/routed`: the request a gateway sent, and where (a query's fields, and these)."""
+
+    worker: str  # the worker's id, as the query's answer names it
+    dp_rank: int | None = None  # the rank it was told to use (null: the engine picks)
 
 
 def _candidate_row(c: Candidate) -> dict[str, Any]:
@@ -97,21 +124,28 @@ def _check_token(request: web.Request, config: RouterConfig) -> None:
         raise AuthError("KV query API: missing or wrong bearer token (the query token)")
 
 
-async def kv_query(request: web.Request) -> web.Response:
-    """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
+async def _read(request: web.Request, kind: type[Q]) -> Q:
+    """The body, checked against the query token, decoded and bounded as the proxy's bodies
+    are (`parse_body`: nesting within limits.max_json_depth), then read as `kind`."""
     config: RouterConfig = request.app[CONFIG].current
     _check_token(request, config)
-    # decoded and bounded as the proxy's bodies are (`parse_body`: nesting within
-    # limits.max_json_depth), then read as the query it must be
     body = parse_body(await request.read() or b"{}", config.limits)
     try:
-        query = msgspec.convert(body, KvQuery)
+        return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
+
+
+def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namespace]:
+    """The query as a request to plan, and its namespace as the proxy would cache it."""
+    limits = request.app[CONFIG].current.limits
     tokens = _tokens(query, request)
     salt = query.cache_salt or None
     if salt is not None:
-        check_salt_size(salt, "cache_salt", config.limits)
+        check_salt_size(salt, "cache_salt", limits)
+    extra_key = query.extra_key or None
+    if extra_key is not None:
+        check_salt_size(extra_key, "extra_key", limits)
     parsed = ParsedRequest(
         # as an OpenAI request: a `base:adapter` model names the adapter, as on the proxy
         # (`/generate` takes no model, so its namespace would drop the adapter)
@@ -122,13 +156,20 @@ async def kv_query(request: web.Request) -> web.Response:
         lora=query.lora or None,
         tokens=tokens,
         stream=False,
+        extra_key=extra_key,
     )
-    planner = request.app[PLANNER]
-    ns = planner.namespace(parsed)  # UnknownModelError (404) as the proxy would
+    ns = request.app[PLANNER].namespace(parsed)  # UnknownModelError (404) as the proxy would
     if query.lora and ns.lora is None:
         # the gateway states the adapter: on vLLM workers, which read no `lora_path` from a
         # body, the proxy leaves the field out, but an adapter's pages are its own all the same
         ns = msgspec.structs.replace(ns, lora=query.lora)
+    return parsed, ns
+
+
+async def kv_query(request: web.Request) -> web.Response:
+    """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
+    parsed, ns = _parsed(request, await _read(request, KvQuery))
+    planner = request.app[PLANNER]
     plan = planner.plan(parsed, ns)
     best = plan.candidates[0] if plan.candidates and plan.candidates[0].healthy else None
     answer = {
@@ -144,6 +185,34 @@ async def kv_query(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(answer), content_type="application/json")
 
 
+async def kv_routed(request: web.Request) -> web.Response:
+    """POST /v1/kv/routed: a gateway sent this request to (worker, rank) itself."""
+    routed = await _read(request, KvRouted)
+    parsed, ns = _parsed(request, routed)
+    planner = request.app[PLANNER]
+    worker, rank = routed.worker, routed.dp_rank
+    if not any(e.id == worker for e in planner.pool.serving(ns.model)):
+        raise RequestError(f"no worker {worker!r} serves the model {ns.model!r}")
+    streams = planner.indexer.stream_ids(worker)
+    if rank is not None and streams and not planner.indexer.stream_ids(worker, rank):
+        raise RequestError(f"worker {worker!r} has no dp rank {rank}")
+    # the shadow the router makes for an extra_key request it routes itself (`Planner.commit`),
+    # shared with the other replicas alike; nothing for a plain request
+    planner.shadow(ns, parsed.tokens, worker, rank)
+    answer = {
+        "version": VERSION,
+        "namespace": planner.fingerprint(ns),
+        "worker": worker,
+        "dp_rank": rank,
+        # whether plain requests of this prompt are no longer predicted its pages there
+        # (false: a plain request, whose pages its events show, or a worker without events)
+        "shadowed": ns.extra_key is not None and bool(streams),
+    }
+    return web.Response(body=_json.encode(answer), content_type="application/json")
+
+
 def add_kv_query_route(app: web.Application) -> None:
-    """Serve POST /v1/kv/query on `app` (the error middleware makes errors JSON)."""
+    """Serve POST /v1/kv/query and /v1/kv/routed on `app` (the error middleware makes errors
+    JSON)."""
     app.router.add_post(KV_QUERY_PATH, kv_query)
+    app.router.add_post(KV_ROUTED_PATH, kv_routed)

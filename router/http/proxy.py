@@ -61,7 +61,7 @@ from router.http.upstream_client import (
 from router.prompt.dp_rank import with_body_field
 from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
-from router.routing.load import Ticket
+from router.routing.load import Ticket, Withdraw
 from router.routing.planner import Candidate, Plan, Planner
 
 __all__ = [
@@ -506,15 +506,21 @@ class Proxy:
         except AttemptFailed:
             raise
         except UnsafeHeaderError as exc:
+            ticket.withdraw = Withdraw.ALL  # never sent
             raise RequestError(str(exc)) from exc
         except UpstreamConnectTimeout as exc:
             # could not even connect in connect_s: the next worker may well answer
+            ticket.withdraw = Withdraw.ALL
             raise AttemptFailed(f"connect timeout: {exc}", hard=True) from exc
         except UpstreamConnectError as exc:
+            ticket.withdraw = Withdraw.ALL
             raise AttemptFailed(str(exc), hard=True) from exc
         except UpstreamDroppedError as exc:
+            # it may have computed (and stored) the prompt before the connection dropped
+            ticket.withdraw = Withdraw.PENDING
             raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
         except TimeoutError as exc:
+            ticket.withdraw = Withdraw.PENDING
             if hooks is None:
                 self._planner.record_failure(candidate.worker, hard=False)
             else:
@@ -542,6 +548,11 @@ class Proxy:
         hooks: AnswerHooks | None = None,
     ) -> web.StreamResponse:
         """Pass the worker's answer through; raises AttemptFailed while a retry is still legal."""
+        if not 200 <= upstream.status < 300:
+            # its end takes back what routing marked (`Planner.withdraw`): a worker that
+            # refused the request (4xx: SGLang validates before scheduling) stored nothing
+            status = upstream.status
+            ticket.withdraw = Withdraw.ALL if 400 <= status < 500 else Withdraw.PENDING
         if upstream.status >= 500:
             if hooks is not None:
                 last_try = hooks.passes_through(upstream.status, last_try)

@@ -15,6 +15,7 @@ names (`router.prompt.dp_rank`) is read here too: the router then routes to that
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,6 +111,11 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     except msgspec.DecodeError as exc:
         if not raw.strip():  # msgspec calls it "truncated", which sends one looking for a cut
             raise RequestError("request body is empty: send a JSON object") from None
+        if _lone_surrogate(raw, exc):
+            raise RequestError(
+                "request body is not valid JSON: a \\u escape is a lone UTF-16 surrogate "
+                "(\\ud800-\\udfff without its pair), which is no character"
+            ) from None
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise too_deep from None
@@ -118,6 +124,20 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     if nests_deeper(raw, limits.max_json_depth):
         raise too_deep
     return body
+
+
+def _lone_surrogate(raw: bytes, exc: msgspec.DecodeError) -> bool:
+    """Whether msgspec's "truncated" is a whole body with a lone high surrogate escape
+    ("\\ud800" before a quote: msgspec reads on for its pair and calls the body cut short).
+    Python's json takes lone surrogates: a body it reads whole was not truncated. Only on
+    this error's path, never for a good body."""
+    if "truncated" not in str(exc) or b"\\u" not in raw:
+        return False
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def detect_endpoint(body: Mapping[str, Any]) -> Endpoint:
@@ -280,9 +300,12 @@ def parse_request(
         tokens = _chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
         reusable = chat_reuse_limit(body, len(tokens))
-    salt = _salt(body.get("cache_salt"), limits, batched=batched)
+    if endpoint is Endpoint.GENERATE and batched:
+        _check_batch_lists(body, header_salt)
     forwarded = raw
-    if header_salt is not None:
+    if header_salt is None:
+        salt = _salt(body.get("cache_salt"), limits, batched=batched)
+    else:  # the body's own, whatever it is, is replaced: not the client's to get right
         salt = header_salt or None
         if salt is None:
             body.pop("cache_salt", None)
@@ -309,6 +332,24 @@ def parse_request(
         reuse_limit=reusable,
         keyed=keyed,
     )
+
+
+def _check_batch_lists(body: Mapping[str, Any], header_salt: str | None) -> None:
+    """A batched `/generate` gives `cache_salt` and `extra_key` once, or one per prompt:
+    SGLang (0.5.23, `GenerateReqInput._normalize_cache_salt`) refuses a list of another
+    length, which the router would route by its first item all the same."""
+    prompts = body.get("input_ids")
+    if prompts is None:
+        prompts = body.get("text")
+    if not isinstance(prompts, list):
+        return
+    for field in ("extra_key",) if header_salt is not None else ("cache_salt", "extra_key"):
+        value = body.get(field)
+        if isinstance(value, list) and len(value) != len(prompts):
+            raise RequestError(
+                f"{field} has {len(value)} items for a batch of {len(prompts)} prompts: give "
+                "one per prompt, or one string for all"
+            )
 
 
 def _item(value: object, i: int) -> object:

@@ -25,7 +25,11 @@ is predicted):
   the media's hash, and the router cannot tell where the placeholders are;
 - SGLang's `session_params` (`/generate` and its OpenAI routes): the engine puts the session's
   earlier prompt and output in front of the prompt (`SessionController`, 0.5.23), a prefix the
-  router never saw: nothing is predicted.
+  router never saw: nothing is predicted;
+- SGLang's `positional_embed_overrides` (`/generate`, any item not null): the engine matches
+  no prefix for such a request, nor caches it (0.5.23, `Req.init_next_round_input` and
+  `skip_radix_cache_insert`: the same ids with other vectors are other KV): nothing is
+  predicted.
 
 Values of the wrong type are left to the engine to refuse (no cap). Pure functions of the
 decoded body.
@@ -40,6 +44,8 @@ __all__ = ["chat_reuse_limit", "completion_reuse_limit", "generate_reuse_limit"]
 
 _TEXT_PART_TYPES = ("text", "input_text")
 _MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
+# /generate fields whose any item not null makes the engine reuse nothing (`_holds_media`)
+_NO_PREFIX_FIELDS = (*_MEDIA_FIELDS, "positional_embed_overrides")
 
 
 def _first(value: object) -> object:
@@ -52,7 +58,7 @@ def generate_reuse_limit(body: Mapping[str, Any]) -> int | None:
     """The most prompt tokens the engine may reuse for a `/generate` body (None: no cap but
     the last token's)."""
     if body.get("session_params") is not None or any(
-        _holds_media(body.get(field)) for field in _MEDIA_FIELDS
+        _holds_media(body.get(field)) for field in _NO_PREFIX_FIELDS
     ):
         return 0
     start = _first(body.get("logprob_start_len"))
@@ -62,7 +68,8 @@ def generate_reuse_limit(body: Mapping[str, Any]) -> int | None:
 
 
 def _holds_media(value: object) -> bool:
-    """Whether a `/generate` media field holds an item (lists nest per batch item)."""
+    """Whether a `/generate` media field (or another of `_NO_PREFIX_FIELDS`) holds an item
+    (lists nest per batch item)."""
     if isinstance(value, list):
         return any(_holds_media(item) for item in value)
     return value is not None

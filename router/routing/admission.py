@@ -81,6 +81,13 @@ _NEXT_TURN_S = 0.001
 # 26 below it, a coin toss where the router keeps predicting no hit
 _DEEP_BACKLOG = 4
 
+# how long after its request answered a pending block still counts as on its way, and only
+# until the stream has published an event batch since that answer: its stores were published
+# before the answer left the worker, but may reach the router after it (event lag). Before,
+# a prompt repeated as soon as its first copy answered was predicted no hit about a third of
+# the time on a loaded router (`forecast`, `WaitingDecisions.settled`)
+EVENT_GRACE_S = 0.25
+
 # why a block is gone at admission (`forecast`)
 _EVICTED = "evicted"
 _ANSWERED = "answered"
@@ -102,7 +109,8 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     why: str = ""
     # why the tokens not kept are lost ("": none are): "evicted" (least recently used before
     # admission), "batched" (they come with a request the worker admits in the same batch),
-    # "answered" (pending marks whose request answered without storing them)
+    # "answered" (pending marks whose request answered without storing them: the events,
+    # which would show the stores by then, do not; `WaitingDecisions.settled`)
     cause: str = ""
 
 
@@ -297,13 +305,17 @@ class WaitingDecisions:
     requests are decoding; one sent before then goes in the same batch.
     """
 
-    __slots__ = ("_answers", "_decisions", "_recomputing", "window_s")
+    __slots__ = ("_answers", "_decisions", "_done", "_recomputing", "grace_s", "window_s")
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, grace_s: float = EVENT_GRACE_S) -> None:
         self.window_s = window_s
+        self.grace_s = grace_s
         self._answers = 0  # first bytes seen on the stream
         self._decisions: dict[int, _Sent] = {}  # by stamp, oldest first
         self._recomputing = 0  # of those, the ones predicted to lose blocks held when sent
+        # the decisions answered (or ended) within `grace_s`: stamp -> (when, the stream's
+        # last event batch applied then), oldest first (`settled`)
+        self._done: dict[int, tuple[float, int | None]] = {}
 
     def __len__(self) -> int:
         return len(self._decisions)
@@ -340,13 +352,39 @@ class WaitingDecisions:
         else:  # the ones ahead are in a prefill (or wait for one): admitted when it ends
             decisions[stamp] = _Sent(self._answers, float("inf"), seq, kept_blocks, held_blocks)
 
-    def answered(self, stamp: int, *, first_byte: bool) -> None:
-        """The request of `stamp` answered (`first_byte`) or ended without an answer."""
+    def answered(
+        self, stamp: int, *, first_byte: bool, now: float = 0.0, seq: int | None = None
+    ) -> None:
+        """The request of `stamp` answered (`first_byte`) or ended without an answer, at
+        `now`, the stream's last event batch applied being `seq`."""
         sent = self._decisions.pop(stamp, None)
         if sent is not None and sent.kept < sent.held:
             self._recomputing -= 1
         if first_byte:
             self._answers += 1
+        if sent is None:
+            return  # its end after its answer: the answer started the grace
+        done = self._done
+        while done:  # those past their grace need no entry: `settled` says so without one
+            oldest = next(iter(done))
+            if done[oldest][0] > now - self.grace_s:
+                break
+            del done[oldest]
+        done[stamp] = (now, seq)
+
+    def settled(self, stamp: int, now: float, seq: int | None) -> bool:
+        """Whether the answered request of `stamp` would be shown by the events by now, at
+        `now` with `seq` the stream's last event batch applied, had it stored its prompt:
+        once `grace_s` has passed since its answer and the stream has published a batch
+        since. Until then its stores may be on their way (event lag), and the blocks it
+        marked pending count."""
+        done = self._done.get(stamp)
+        if done is None:
+            return True  # answered longer ago than the grace (or never seen here)
+        at, then = done
+        if now - at < self.grace_s:
+            return False
+        return seq is not None and (then is None or seq > then)
 
     def admitted(self, stamp: int, now: float, seq: int | None = None) -> bool:
         """Whether the worker has (probably) admitted the waiting request of `stamp`, at
@@ -529,10 +567,11 @@ def forecast(
                     pool_room=pool_room,
                 ):
                     return _BATCHED
-            elif own is not None and j >= matched_blocks:
+            elif own is not None and j >= matched_blocks and waiting.settled(own, now, seq):
                 # a pending block whose latest decision here has answered, yet is not in the
-                # events, was evicted or never stored (a block only another router marked has
-                # no stamp here: its mark stands)
+                # events though they would show it by now, was evicted or never stored (a
+                # block only another router marked has no stamp here: its mark stands); one
+                # answered within the grace may be in events still on their way
                 return _ANSWERED
         if not evict:
             return ""
@@ -570,7 +609,8 @@ def forecast(
     if not evict:
         out.why = fits + (
             f"; {lost_tokens} pending tokens are not on their way any more (the requests that "
-            "marked them have answered)"
+            f"marked them answered over {EVENT_GRACE_S:g} s ago, and the events published "
+            "since do not show them stored)"
             if cause == _ANSWERED
             else batched
         )
@@ -583,7 +623,8 @@ def forecast(
             "blocks will have been used since they were)"
             if cause == _EVICTED
             else f"{lost_tokens} of the {raw_tokens} matched tokens are lost (the requests "
-            "that marked them pending have answered)"
+            f"that marked them pending answered over {EVENT_GRACE_S:g} s ago, and the events "
+            "published since do not show them stored)"
             if cause == _ANSWERED
             else "the matched blocks were used more recently than those" + batched
         )

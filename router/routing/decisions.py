@@ -38,10 +38,16 @@ class DecisionSink(Protocol):
         ...
 
     def shadowed(
-        self, ns: Namespace, tokens: Sequence[int], worker: str, dp_rank: int | None
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        worker: str,
+        dp_rank: int | None,
+        ticket: Ticket | None = None,
     ) -> None:
         """A request with an extra_key (in `ns`) went to (worker, rank): its plain twin was
-        shadowed there (`Planner.shadow`)."""
+        shadowed there (`Planner.shadow`); `ticket`: the request's, committed already (None:
+        a gateway's request, `/v1/kv/routed`), whose end may withdraw the shadow."""
         ...
 
     def first_byte(self, ticket: Ticket) -> None:
@@ -49,5 +55,5 @@ class DecisionSink(Protocol):
         ...
 
     def finished(self, ticket: Ticket) -> None:
-        """The request of `ticket` ended."""
+        """The request of `ticket` ended (`ticket.withdraw`: what it takes back)."""
         ...

@@ -29,7 +29,18 @@ one rank, or whose ranks are not known) counts under the rank `None`. Pure bookk
 
 from __future__ import annotations
 
-__all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
+import enum
+
+__all__ = ["LoadTracker", "Ticket", "Withdraw", "WorkerLoad"]
+
+
+class Withdraw(enum.IntEnum):
+    """What a request's end takes back of what routing it marked (`Ticket.withdraw`)."""
+
+    NOTHING = 0  # it was answered (2xx): its prompt is stored, or its events will say why not
+    PENDING = 1  # it failed (5xx, dropped, timed out): its pending marks; a store it may have
+    # made before failing is shown by its events
+    ALL = 2  # the worker refused it (4xx) or never got it: its pending marks and its shadows
 
 
 class WorkerLoad:
@@ -86,10 +97,13 @@ class Ticket:
         "load",
         "marks",
         "output_tokens",
+        "pending",
         "prefill_tokens",
         "prefilled",
         "queued",
         "sent_at",
+        "shadows",
+        "withdraw",
         "worker",
     )
 
@@ -118,6 +132,11 @@ class Ticket:
         # (stream, recency stamp) of the decision on each stream it was sent to, while its
         # prompt is on its way (`router.routing.admission`); set by the planner
         self.marks: list[tuple[str, int]] = []
+        # the index's pending marks and shadows made for it (`indexer.service`), and what of
+        # them its end takes back (the proxy says, from the worker's answer)
+        self.pending: list[tuple[str, int]] = []
+        self.shadows: list[tuple[str, int, float | None, float]] = []
+        self.withdraw = Withdraw.NOTHING
         # when it was sent, and the prefill tokens (its own included) and running requests
         # on its rank then: one sample of the hit/load balance (`router.routing.balance`)
         self.sent_at: float | None = None

@@ -132,10 +132,10 @@ class PairPlanner:
         if first_try:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
-        planner.shadow(ns, tokens, candidate, keyed)  # the decode side caches the prompt too
         marked = self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker)
+        pending: list[tuple[str, int]] = []
         if marked:
-            planner.indexer.add_pending(
+            pending = planner.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=planner.keys_of(ns, tokens)
             )
         held = candidate.matched_tokens + candidate.pending_tokens
@@ -147,7 +147,12 @@ class PairPlanner:
             output_tokens=output_tokens,
         )
         # the other replicas count the decode side's load and marks as this one does
+        ticket.pending = pending
         planner.share(ns, tokens, candidate, ticket, marked=marked)
+        # the decode side caches the prompt too
+        ticket.shadows = planner.shadow(
+            ns, tokens, candidate.worker, candidate.dp_rank, keyed, ticket
+        )
         return ticket
 
     def forget(self, worker: str) -> None:

@@ -33,6 +33,7 @@ from indexer.service import (
     IndexerService,
     Namespace,
     RankMatch,
+    ShadowMark,
     StreamState,
     WorkerMatch,
 )
@@ -50,7 +51,7 @@ from router.routing.admission import (
 from router.routing.balance import BalanceEstimate, BalanceModel
 from router.routing.decisions import DecisionSink
 from router.routing.eviction_cost import eviction_cost
-from router.routing.load import LoadTracker, Ticket
+from router.routing.load import LoadTracker, Ticket, Withdraw
 from router.routing.namespace import Fingerprinter, request_namespace
 from router.routing.policy import Candidate, Policy, effective_hit
 from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
@@ -454,10 +455,10 @@ class Planner:
         extra_key (`shadow`)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
-        self.shadow(ns, tokens, candidate, keyed)
         marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
+        pending: list[tuple[str, int]] = []
         if marked:
-            self.indexer.add_pending(
+            pending = self.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=self.keys_of(ns, tokens)
             )
         marks = self.book_decision(
@@ -477,6 +478,7 @@ class Planner:
             output_tokens=output_tokens,
         )
         ticket.marks = marks
+        ticket.pending = pending
         ticket.sent_at = self.clock()
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
@@ -484,6 +486,8 @@ class Planner:
         if entry is not None and entry.role == "prefill" and ticket.prefill_tokens:
             self._watch_prefill(ns, tokens, candidate, ticket)
         self.share(ns, tokens, candidate, ticket, marked=marked)
+        # after `share`: the other replicas know the request by then, and tie its shadows to it
+        ticket.shadows = self.shadow(ns, tokens, candidate.worker, candidate.dp_rank, keyed, ticket)
         return ticket
 
     def share(
@@ -510,23 +514,30 @@ class Planner:
         self,
         ns: Namespace,
         tokens: Sequence[int],
-        candidate: Candidate,
+        worker: str,
+        dp_rank: int | None,
         keyed: Sequence[KeyedItem] = (),
-    ) -> None:
-        """What a request with an extra_key stores on `candidate` (each item of a batch that
-        has one), its events show as plain pages of its salt: plain queries must not take
-        them for their own (`indexer.shadowed`)."""
-        if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(candidate.worker):
-            return  # the common request: nothing to shadow, no lookup on its path
-        worker, rank = candidate.worker, candidate.dp_rank
+        ticket: Ticket | None = None,
+    ) -> list[ShadowMark]:
+        """What a request with an extra_key stores on (worker, rank) (each item of a batch
+        that has one), its events show as plain pages of its salt: plain queries must not
+        take them for their own (`indexer.shadowed`). Returns the shadows made here, which
+        its `ticket` (None: a request routed by a gateway, `router.http.kv_query`) takes
+        back, here and on the other replicas, if it stores nothing (`Withdraw.ALL`)."""
+        if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(worker):
+            return []  # the common request: nothing to shadow, no lookup on its path
         shadows = [(ns, tokens)] if ns.extra_key is not None else []
         for item in keyed:
             item_ns = Namespace(ns.model, item.lora or ns.lora, item.salt, item.extra_key)
             shadows.append((item_ns, item.tokens))
+        made: list[ShadowMark] = []
         for shadow_ns, shadow_tokens in shadows:
-            self.indexer.shadow(shadow_ns, shadow_tokens, worker, rank, SHADOW_KEEP_S)
+            made.extend(
+                self.indexer.shadow(shadow_ns, shadow_tokens, worker, dp_rank, SHADOW_KEEP_S)
+            )
             if self.decisions is not None:  # whatever the policy: every replica routes plain
-                self.decisions.shadowed(shadow_ns, shadow_tokens, worker, rank)
+                self.decisions.shadowed(shadow_ns, shadow_tokens, worker, dp_rank, ticket)
+        return made
 
     def _watch_prefill(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket
@@ -567,10 +578,11 @@ class Planner:
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None:
         """The request of these (stream, stamp) marks answered (`first_byte`) or ended: its
         prompt is no longer on its way (another replica's, through `router.cluster`)."""
+        now = self.clock()
         for stream, stamp in marks:
             waiting = self.waiting.get(stream)
             if waiting is not None:
-                waiting.answered(stamp, first_byte=first_byte)
+                waiting.answered(stamp, first_byte=first_byte, now=now, seq=self._last_seq(stream))
 
     def book_decision(
         self,
@@ -678,10 +690,25 @@ class Planner:
             return
         self.load.end(ticket)
         self._answered(ticket, first_byte=False)
+        self.withdraw(ticket)
         if self.decisions is not None:
             self.decisions.finished(ticket)
         if self.on_progress is not None:
             self.on_progress(ticket)
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Take back what routing marked for a request that failed (`ticket.withdraw`), on
+        this replica (a peer's, `router.cluster.peers`, the same way): its pending marks, and
+        when the worker stored nothing its shadows. Without that, a request the worker
+        refused steered its siblings to a worker that held nothing for them."""
+        if ticket.withdraw is Withdraw.NOTHING:
+            return
+        if ticket.pending:
+            self.indexer.withdraw_pending(ticket.pending)
+            ticket.pending = []
+        if ticket.withdraw is Withdraw.ALL and ticket.shadows:
+            self.indexer.unshadow(ticket.shadows)
+            ticket.shadows = []
 
     def has_room(self, candidate: Candidate, prompt_tokens: int, output_tokens: int) -> bool:
         """Whether the candidate's rank can admit a request of `prompt_tokens` that may generate

@@ -89,3 +89,33 @@ def test_against_a_per_entry_model(backend: Backend) -> None:
             want[key] = want.get(key, 0) | 1 << slot
         assert {k: v >> SHIFT for k, v in table.bits.items()} == want
         assert len(table) == len(model)
+
+
+def test_a_withdrawn_mark_gives_its_keys_back_to_the_standing_mark_before_it(
+    backend: Backend,
+) -> None:
+    """A request that failed takes back its marks; a sibling's marks of the same keys stand
+    (before, nothing could be taken back: a refused request's marks steered for the TTL)."""
+    now = [0.0]
+    table = PendingTable(lambda: now[0], 2.0, shift=SHIFT, int_map=backend.int_map)
+    table.add([1, 2], slot=0, ns_id=1)  # a sibling on its way over blocks 1 and 2
+    sibling = table.generation
+    table.add([1, 2, 3], slot=0, ns_id=1)
+    failed = table.generation
+    table.add([9], slot=1, ns_id=1)  # another stream's mark, untouched
+    assert table.withdraw(0, failed) == 1  # block 3: only the failed request marked it
+    assert (marks(table, 1), marks(table, 2), marks(table, 3), marks(table, 9)) == (1, 1, 0, 2)
+    assert table.withdraw(0, failed) == 0  # once
+    # the sibling's mark still expires on time, taking 1 and 2 with it
+    now[0] = 2.5
+    table.expire()
+    assert not table.bits and len(table) == 0
+    assert table.withdraw(0, sibling) == 0  # expired: nothing to take back
+    # a mark whose keys came from a mark withdrawn meanwhile drops them all
+    table.add([4, 5], slot=0, ns_id=1)
+    first = table.generation
+    table.add([4, 5], slot=0, ns_id=1)
+    second = table.generation
+    assert table.withdraw(0, first) == 0  # refreshed by `second`: kept
+    assert table.withdraw(0, second) == 2  # and `first`, withdrawn, gets nothing back
+    assert not table.bits and len(table) == 0

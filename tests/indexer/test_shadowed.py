@@ -88,3 +88,17 @@ async def test_a_shadow_is_on_the_rank_the_request_went_to(ctx: zmq.asyncio.Cont
         assert svc.query(plain, PROMPT)[WORKER].matched_tokens == 16
         svc.shadow(Namespace("", None, None, "view"), PROMPT, WORKER, 0, keep_s=60.0)
         assert svc.query(plain, PROMPT)[WORKER].matched_tokens == 0
+
+
+def test_a_withdrawn_shadow_goes_back_to_what_it_was() -> None:
+    """A request with an extra_key that stored nothing takes its shadow back, unless a later
+    shadow of the same key extended it."""
+    shadows = ShadowedPrefixes()
+    first = shadows.mark("s", 7, until=10.0)
+    second = shadows.mark("s", 7, until=20.0)
+    shadows.withdraw(first)  # extended by `second` since: kept
+    assert shadows.shadows("s") == {7: 20.0}
+    shadows.withdraw(second)  # back to `first`'s
+    assert shadows.shadows("s") == {7: 10.0}
+    shadows.withdraw(first)
+    assert shadows.shadows("s") is None and len(shadows) == 0

@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
+from indexer.protocol.events import EventBatch
 from indexer.service import IndexerService, StreamConfig
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
@@ -16,7 +17,8 @@ from router.cluster.wire import Batch, Pending
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
-from router.routing.load import LoadTracker
+from router.routing.admission import EVENT_GRACE_S
+from router.routing.load import LoadTracker, Withdraw
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
 from router.routing.policy import build_policy
@@ -93,10 +95,15 @@ async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_
         for planner in (sender, receiver):
             pending, predicted, why = sibling(planner)
             assert (pending, predicted) == (192, 0) and "not admitted" in why
-        # it answered, and no event ever showed the prefix stored: neither predicts it
+        # it answered, and no event ever showed the prefix stored (the streams published
+        # since, and the grace for events on their way passed): neither predicts it
         sender.first_byte(ticket)
         sender.finish(ticket)
         peers.apply(Batch("a", 0.0, outbox.take()))
+        clock[0] += EVENT_GRACE_S
+        for planner in (sender, receiver):
+            for stream in planner.indexer.stream_ids(chosen.worker):
+                planner.indexer.index.apply(stream, EventBatch(ts=0.0, events=[]), seq=1)
         for planner in (sender, receiver):
             pending, predicted, why = sibling(planner)
             assert (pending, predicted) == (192, 0) and "not on their way" in why
@@ -153,3 +160,45 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         (warning,) = [r.getMessage() for r in caplog.records]
         assert f"{stream} come with block keys for 16-token pages" in warning
         assert "8-token pages" in warning
+
+
+@pytest.mark.parametrize("withdraw", [Withdraw.PENDING, Withdraw.ALL])
+async def test_a_failed_requests_marks_are_withdrawn_on_every_replica(withdraw: Withdraw) -> None:
+    """A request the worker refused (or that never reached it) stores nothing: its end takes
+    its pending marks back on the sender and on the replicas it told (its `End` says so), and
+    its shadows too when the worker stored nothing for sure (before, a refused request's marks
+    steered the siblings of every replica to a worker that held nothing for them)."""
+    clock = [100.0]
+    endpoints = [_endpoint(), _endpoint()]
+    async with AsyncExitStack() as stack:
+        sender = await _replica(stack, endpoints, clock)
+        outbox = _publishing(sender)
+        receiver = await _replica(stack, endpoints, clock)
+        peers = _applying(receiver, clock)
+        body = {"prompt": "S" * 200 + "q", "model": "m", "cache_salt": "t", "extra_key": "k"}
+        keyed = parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
+        first = _request("first question")
+        tickets = []
+        for request in (first, keyed):
+            ns = sender.namespace(request)
+            chosen = sender.plan(request, ns).ranked()[0]
+            tickets.append(sender.commit(ns, request.tokens, chosen, first_try=True))
+        peers.apply(Batch("a", 0.0, outbox.take()))
+
+        def pending(planner: Planner) -> int:
+            plan = planner.plan(_request("second question"), planner.namespace(first))
+            return max(c.pending_tokens for c in plan.candidates)
+
+        def shadows(planner: Planner) -> int:
+            return len(planner.indexer._shadowed)
+
+        assert [pending(p) for p in (sender, receiver)] == [192, 192]
+        made = shadows(sender)
+        assert made > 0 and shadows(receiver) == made
+        for ticket in tickets:
+            ticket.withdraw = withdraw
+            sender.finish(ticket)
+        peers.apply(Batch("a", 0.0, outbox.take()))
+        assert [pending(p) for p in (sender, receiver)] == [0, 0]
+        kept = 0 if withdraw is Withdraw.ALL else made  # a 5xx may have stored: fail closed
+        assert [shadows(p) for p in (sender, receiver)] == [kept, kept]

@@ -211,3 +211,63 @@ async def test_a_stated_adapter_is_queried_on_vllm_workers_too() -> None:
             adapter = await ask({"model": "m", "lora": "A", "token_ids": [1, 2, 3]})
             assert (base["lora"], adapter["lora"]) == (None, "A")
             assert adapter["namespace"] != base["namespace"]
+
+
+async def test_a_gateways_extra_key_request_is_told_and_plain_ones_are_not_predicted_it(
+    query_fleet: Fleet,
+) -> None:
+    """A gateway sends an extra_key request to a worker itself: SGLang publishes its pages
+    under the plain hashes, so the index would predict them to a plain request of the same
+    prompt (it answered 336, the worker cached 0). Asked about the extra_key request, the
+    query says `unindexed` and predicts nothing; told through /v1/kv/routed, it shadows the
+    plain twin there, as for the requests the router routes itself."""
+    fleet = query_fleet
+    w0 = fleet.workers["w0"]
+    ids = list(("Gateway extra_key probe, a system prompt long enough for pages. " * 5).encode())
+    sent = {"input_ids": ids, "cache_salt": "gw", "extra_key": "conv-1"}
+    async with fleet.session.post(
+        w0.url + "/generate", json={**sent, "sampling_params": {"max_new_tokens": 1}}
+    ) as resp:
+        assert resp.status == 200
+    plain = {"model": "", "cache_salt": "gw", "token_ids": ids}
+
+    async def indexed() -> bool:  # the events show the pages as plain ones
+        _, answer = await _query(fleet, plain)
+        return bool(_by_worker(answer)["w0"]["matched_tokens"] >= 256)
+
+    await eventually(indexed, what="the extra_key pages in the events")
+    status, keyed = await _query(fleet, {**plain, "extra_key": "conv-1"})
+    assert status == 200 and keyed["unindexed"] == "extra_key", keyed
+    assert all(r["matched_tokens"] == 0 for r in keyed["workers"])
+    assert keyed["namespace"] != (await _query(fleet, plain))[1]["namespace"]
+
+    routed = {**plain, "extra_key": "conv-1", "worker": "w0"}
+    async with fleet.session.post(fleet.url + "/v1/kv/routed", json=routed) as resp:
+        assert resp.status == 401  # the query token, as for the query
+    async with fleet.session.post(fleet.url + "/v1/kv/routed", json=routed, headers=QAUTH) as resp:
+        assert resp.status == 200, await resp.text()
+        told = await resp.json()
+    assert told["version"] == 1 and told["shadowed"] is True and told["worker"] == "w0"
+    _, answer = await _query(fleet, plain)
+    assert _by_worker(answer)["w0"]["matched_tokens"] == 0
+    # what the worker says: its plain copy of the prompt holds nothing
+    async with fleet.session.post(
+        w0.url + "/debug/match", json={"input_ids": ids, "cache_salt": "gw"}
+    ) as resp:
+        assert (await resp.json())["cached_tokens"] == 0
+
+    # a plain request needs no word (its pages are in the events); mistakes are 400s
+    async with fleet.session.post(
+        fleet.url + "/v1/kv/routed", json={**plain, "worker": "w0"}, headers=QAUTH
+    ) as resp:
+        assert resp.status == 200 and (await resp.json())["shadowed"] is False
+    for body, message in (
+        ({**routed, "worker": "nope"}, "no worker 'nope'"),
+        ({**routed, "dp_rank": 3}, "no dp rank 3"),
+        ({**plain, "extra_key": "k"}, "Object missing required field `worker`"),
+    ):
+        async with fleet.session.post(
+            fleet.url + "/v1/kv/routed", json=body, headers=QAUTH
+        ) as resp:
+            error = await resp.json()
+            assert resp.status == 400 and message in error["error"]["message"], error

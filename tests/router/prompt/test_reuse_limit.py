@@ -86,6 +86,10 @@ def test_chat_caps(body: dict[str, Any], limit: int | None) -> None:
         # SGLang puts the session's earlier prompt and output in front
         ({"text": "x", "session_params": {"id": "s1"}}, 0),
         ({"text": "x", "session_id": "s1"}, None),  # an identity only: the prompt as sent
+        # SGLang matches no prefix for embedding overrides (nor caches the request)
+        ({"text": "x", "positional_embed_overrides": {"positions": [0], "embeds": [[0.1]]}}, 0),
+        ({"text": ["x", "y"], "positional_embed_overrides": [None, {"positions": [0]}]}, 0),
+        ({"text": "x", "positional_embed_overrides": None}, None),
     ],
 )
 def test_generate_caps(body: dict[str, Any], limit: int | None) -> None:

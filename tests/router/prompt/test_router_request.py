@@ -61,6 +61,17 @@ def test_trusted_header_overrides_and_rewrites_the_salt() -> None:
     assert json.loads(parsed.body)["cache_salt"] == "hdr"
     cleared = _parse(Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": "body"}, header="")
     assert cleared.salt is None and "cache_salt" not in json.loads(cleared.body)
+    # the body's own is replaced whatever it is: not the client's to get right (was a 400,
+    # "cache_salt must be a string"), also a batch's list of another length
+    for body_salt in (5, ["a"], {"x": 1}):
+        parsed = _parse(
+            Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": body_salt}, header="hdr"
+        )
+        assert parsed.salt == "hdr" and json.loads(parsed.body)["cache_salt"] == "hdr"
+    batch = {"input_ids": [[1, 2], [3, 4]], "cache_salt": ["a"]}
+    assert _parse(Endpoint.GENERATE, batch, header="hdr").salt == "hdr"
+    with pytest.raises(RequestError, match="cache_salt has 1 items for a batch of 2"):
+        _parse(Endpoint.GENERATE, batch)
 
 
 def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
@@ -130,6 +141,10 @@ def test_bad_fields_are_400s_naming_the_field(endpoint: Endpoint, body: object, 
         (b"[1]", "must be a JSON object"),
         (b'"s"', "must be a JSON object"),
         (b"\xff\xfe", "not valid JSON"),
+        # a whole body with a lone surrogate escape: msgspec calls it truncated
+        (b'{"cache_salt": "x\\ud800"}', "not valid JSON: a \\\\u escape is a lone UTF-16"),
+        (b'{"cache_salt": "x\\udfff"}', "invalid utf-16 surrogate pair"),
+        (b'{"cache_salt": "x\\ud800', "Input data was truncated"),  # cut: still said so
     ],
 )
 def test_non_object_bodies_are_rejected(raw: bytes, said: str) -> None:

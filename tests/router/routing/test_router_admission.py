@@ -163,6 +163,7 @@ def _over_blocks_1_to_3(
     room: int | None = None,
     trickles: bool = False,
     pool_room: int | None = None,
+    seq: int | None = None,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
     pending), on a 100-token pool with nothing to evict."""
@@ -179,6 +180,7 @@ def _over_blocks_1_to_3(
         book=book,
         waiting=waiting,
         now=now,
+        seq=seq,
         batch_room=room,
         trickles=trickles,
         pool_room=pool_room,
@@ -192,10 +194,11 @@ def _pending(
     now: float = 0.0,
     room: int | None = None,
     trickles: bool = False,
+    seq: int | None = None,
 ) -> int:
     """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
     found = _over_blocks_1_to_3(
-        book, waiting, held=4, queued=8, now=now, room=room, trickles=trickles
+        book, waiting, held=4, queued=8, now=now, room=room, trickles=trickles, seq=seq
     )
     return found.kept_tokens
 
@@ -226,9 +229,14 @@ def test_pending_blocks_count_only_while_their_request_is_on_its_way() -> None:
     waiting.sent(stamp, kept_blocks=1, held_blocks=1, running=0, now=0.0)
     assert _pending(book, waiting, now=0.0005) == 4  # an idle worker's next turn: same batch
     assert _pending(book, waiting, now=0.002) == 12  # taken in on that turn
-    # it answered and its stores never showed up: evicted (or never made)
-    waiting.answered(stamp, first_byte=True)
-    assert _pending(book, waiting) == 4
+    # it answered (the stream's last batch was 7 then); its stores may still be on their
+    # way: the events show them once the stream has published since, and within the grace
+    waiting.answered(stamp, first_byte=True, now=0.003, seq=7)
+    assert _pending(book, waiting, now=0.004, seq=7) == 12  # the repeat sent right away
+    assert _pending(book, waiting, now=0.004, seq=8) == 12  # a batch since, within the grace
+    assert _pending(book, waiting, now=5.0, seq=7) == 12  # nothing published since
+    # a batch since and the grace over: its stores never showed up (evicted, or never made)
+    assert _pending(book, waiting, now=5.0, seq=8) == 4
 
 
 def test_blocks_a_request_not_yet_admitted_brings_are_not_found_by_its_batch() -> None:

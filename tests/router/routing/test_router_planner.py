@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
+from indexer.protocol.events import EventBatch
 from indexer.service import IndexerService, Namespace, StreamConfig
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
 from router.errors import UnknownModelError
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
+from router.routing.admission import EVENT_GRACE_S
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
@@ -156,8 +158,15 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     clock[0] += 0.01
     best = planner.plan(sibling).candidates[0]
     assert best.worker == chosen.worker and best.predicted_tokens == 192
-    # it answered, and no event ever showed the prefix stored: the mark predicts nothing
+    # it answered: its stores may still be on their way (event lag), and count meanwhile
     planner.finish(ticket)
+    best = next(c for c in planner.plan(sibling).candidates if c.worker == chosen.worker)
+    assert best.pending_tokens == 192 and best.predicted_tokens == 192
+    # the stream published since and the grace passed, and no event ever showed the prefix
+    # stored: the mark predicts nothing
+    stream = indexer.stream_ids(chosen.worker)[0]
+    indexer.index.apply(stream, EventBatch(ts=0.0, events=[]), seq=1)
+    clock[0] += EVENT_GRACE_S
     best = next(c for c in planner.plan(sibling).candidates if c.worker == chosen.worker)
     assert best.pending_tokens == 192 and best.predicted_tokens == 0
     assert best.admission is not None and "not on their way" in best.admission.why

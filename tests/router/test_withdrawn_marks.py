@@ -1,0 +1,85 @@
+"""A request the worker refuses stores nothing: what routing marked for it is taken back.
+
+Before, its pending marks steered its siblings to that worker for `pending_ttl_s` (predicted
+272 tokens, cached 0), and an extra_key request's shadow hid the worker's real plain pages
+for an hour. A batch whose salt list does not fit it is refused by the router itself, as
+SGLang refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from router.service import RouterService
+from tests.router.conftest import Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+IDS = list(("A prompt whose request the worker refuses, long enough for pages. " * 5).encode())
+REFUSED = {"max_new_tokens": -5}  # the worker's 400: nothing scheduled, nothing stored
+
+
+async def _pending(fleet: Fleet, body: dict[str, Any]) -> dict[str, int]:
+    plan = await fleet.route(body, endpoint="/generate")
+    return {c["worker"]: int(c["pending_tokens"]) for c in plan["candidates"]}
+
+
+async def test_a_refused_requests_pending_marks_are_withdrawn(fleet: Fleet) -> None:
+    body = {"input_ids": IDS, "cache_salt": "t", "sampling_params": REFUSED}
+    status, headers, _ = await fleet.post("/generate", body)
+    assert status == 400 and headers["x-kvroute-worker"] in fleet.workers
+    plain = {"input_ids": IDS, "cache_salt": "t"}
+    assert await _pending(fleet, plain) == {"w0": 0, "w1": 0}
+    # a request the worker took is predicted to its siblings as before (marked, then stored)
+    ok = {**body, "sampling_params": {"max_new_tokens": 1}}
+    status, headers, _ = await fleet.post("/generate", ok)
+    assert status == 200
+    plan = await fleet.route(plain, endpoint="/generate")
+    best = next(c for c in plan["candidates"] if c["worker"] == headers["x-kvroute-worker"])
+    assert best["matched_tokens"] + best["pending_tokens"] >= 256
+
+
+async def test_a_refused_extra_key_request_does_not_hide_the_plain_pages() -> None:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with (
+        ReferenceWorker(cfg) as w0,
+        RouterService(router_config([("w0", w0.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": w0}, session)
+        await fleet.warm()
+        plain = {"input_ids": IDS, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
+        assert (await fleet.post("/generate", plain))[0] == 200
+        await eventually(lambda: fleet.holds(plain, "w0", 256), what="the prompt indexed")
+        keyed = {**plain, "extra_key": "conv-1", "sampling_params": REFUSED}
+        assert (await fleet.post("/generate", keyed))[0] == 400
+        assert await fleet.holds(plain, "w0", 256)  # was 0: shadowed for an hour
+        status, headers, answer = await fleet.post("/generate", plain)
+        assert status == 200
+        assert int(headers["x-kvroute-matched-tokens"]) == answer["meta_info"]["cached_tokens"]
+        assert answer["meta_info"]["cached_tokens"] >= 256
+        # one the worker took shadows the plain twin as before: its pages are the key's
+        keyed["sampling_params"] = {"max_new_tokens": 1}
+        assert (await fleet.post("/generate", keyed))[0] == 200
+        assert not await fleet.holds(plain, "w0", 16)
+
+
+async def test_a_batch_whose_salt_list_does_not_fit_is_refused_by_the_router(
+    fleet: Fleet,
+) -> None:
+    for field in ("cache_salt", "extra_key"):
+        body = {"input_ids": [IDS, IDS], field: ["a"], "sampling_params": {"max_new_tokens": 1}}
+        status, headers, error = await fleet.post("/generate", body)
+        assert status == 400 and "x-kvroute-worker" not in headers  # never sent
+        assert f"{field} has 1 items for a batch of 2 prompts" in error["error"]["message"]
+        assert await _pending(fleet, {"input_ids": IDS, field: "a"}) == {"w0": 0, "w1": 0}
+    # one per prompt, or one for all, as before
+    for salts in (["a", "b"], "a"):
+        body = {
+            "input_ids": [IDS, IDS],
+            "cache_salt": salts,
+            "sampling_params": {"max_new_tokens": 1},
+        }
+        assert (await fleet.post("/generate", body))[0] == 200
