@@ -27,6 +27,7 @@ from router.http.listener import DIRECT_ROUTES
 from router.prompt.request import Endpoint
 from router.routing.breaker import BreakerState
 from router.service import RouterService
+from tests.raw_http import exchange, parse_responses, request_bytes
 from tests.router.conftest import AUTH, eventually, router_config
 
 
@@ -671,3 +672,29 @@ async def test_headers_the_worker_names_in_connection_stay_on_its_hop(
             assert "X-Private" not in resp.headers  # RFC 9110 7.6.1: hop-by-hop
     finally:
         server.close()
+
+
+async def test_a_workers_trailer_fields_never_become_response_headers() -> None:
+    """llhttp reports a chunked answer's trailer fields as headers: arriving in the same read as
+    the head, they were copied into the client's head (a second Content-Type, a Set-Cookie)."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    body = b"6\r\ndata:\n\r\n0\r\nContent-Type: text/html\r\nSet-Cookie: session=evil\r\n\r\n"
+    server = await _raw_worker(head, body)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with RouterService(_plain([("raw", url)])) as router:
+            port = int(router.url.rsplit(":", 1)[1])
+            request = json.dumps({"prompt": "x", "stream": True}).encode()
+            answer = await exchange(port, request_bytes(b"POST", b"/v1/completions", [], request))
+    finally:
+        server.close()
+    (response,) = parse_responses(answer)
+    assert response.status == 200 and response.body == b"data:\n"
+    head_lines = answer.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
+    assert [line for line in head_lines if line.startswith(b"content-type:")] == [
+        b"content-type: text/event-stream"
+    ]
+    assert not [line for line in head_lines if line.startswith(b"set-cookie:")]
