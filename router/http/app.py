@@ -113,8 +113,23 @@ async def answer_errors(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = "PayloadTooLargeError" if exc.status == 413 else type(exc).__name__
+        kind = type(exc).__name__
         status, message = exc.status, exc.text or exc.reason
+        if exc.status == 413:
+            # aiohttp's `request.read` past `client_max_size` (a chunked or compressed body
+            # growing over it): its text names neither the setting nor what to change
+            kind = "PayloadTooLargeError"
+            message = (
+                f"the request body is over limits.max_body_bytes ({request.client_max_size} "
+                "bytes, counted after Content-Encoding is decoded)"
+            )
+        # what the status requires beside the body (a 405's Allow, RFC 9110 15.5.6); the body
+        # is the JSON error's own
+        headers = {
+            name: value
+            for name, value in exc.headers.items()
+            if name.lower() not in ("content-type", "content-length")
+        } or None
     except RequestPayloadError as exc:
         # a body the parser could not decode (broken chunking, a bad gzip stream): the
         # client's fault. The parser's message may quote body bytes, so only its kind is told

@@ -486,6 +486,7 @@ class Proxy:
             obs.outgoing(headers)  # x-request-id, traceparent
         origin, base = self._origin(candidate.url)
         loop_deadline = asyncio.get_running_loop().time() + remaining
+        headed = False  # the worker's head arrived: a timeout is then its body's
         try:
             async with self._client.post(
                 origin,
@@ -495,6 +496,7 @@ class Proxy:
                 deadline=loop_deadline,
                 connect_timeout_s=self._config.timeouts.connect_s,
             ) as upstream:
+                headed = True
                 try:
                     return await self._answer(
                         request, upstream, candidate, ticket, last_try=last_try, hooks=hooks
@@ -519,8 +521,14 @@ class Proxy:
                 self._planner.record_failure(candidate.worker, hard=False)
             else:
                 hooks.timed_out()
+            if headed:
+                raise UpstreamTimeoutError(
+                    f"worker {candidate.worker} sent the head of its answer but not its body "
+                    "within the request timeout (timeouts.request_s)"
+                ) from exc
             raise UpstreamTimeoutError(
-                f"worker {candidate.worker} did not answer within the request timeout"
+                f"worker {candidate.worker} did not answer within the request timeout "
+                "(timeouts.request_s)"
             ) from exc
 
     def _origin(self, url: str) -> tuple[Origin, str]:

@@ -70,6 +70,15 @@ class Upstream:
             await asyncio.sleep(1)
         if self.mode == "slow":
             await asyncio.sleep(5)
+        if self.mode == "slow-body":  # the head at once, then the body stalls
+            resp = web.StreamResponse(
+                headers={"Content-Type": "application/json", "Content-Length": "20"}
+            )
+            await resp.prepare(request)
+            await resp.write(b'{"a": "')
+            await asyncio.sleep(5)
+            await resp.write(b'0123456789"}')
+            return resp
         if self.mode == "sse":
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -300,7 +309,29 @@ async def test_the_request_timeout_is_a_504(
         session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
     ):
         assert resp.status == 504
-        assert (await resp.json())["error"]["type"] == "UpstreamTimeoutError"
+        error = (await resp.json())["error"]
+        assert error["type"] == "UpstreamTimeoutError"
+        assert "did not answer within the request timeout (timeouts.request_s)" in error["message"]
+
+
+async def test_a_body_that_stalls_after_the_head_is_a_504_saying_so(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    """The worker answered: "did not answer" sent the operator looking at the wrong thing."""
+    a, _ = pair
+    a.mode = "slow-body"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=0.5))
+    async with (
+        RouterService(config) as router,
+        session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
+    ):
+        assert resp.status == 504
+        error = (await resp.json())["error"]
+    assert error["type"] == "UpstreamTimeoutError"
+    assert error["message"] == (
+        "worker a sent the head of its answer but not its body within the request timeout "
+        "(timeouts.request_s)"
+    )
 
 
 async def test_bad_requests_are_json_4xx_naming_the_problem(
@@ -678,8 +709,7 @@ async def test_a_workers_trailer_fields_never_become_response_headers() -> None:
     """llhttp reports a chunked answer's trailer fields as headers: arriving in the same read as
     the head, they were copied into the client's head (a second Content-Type, a Set-Cookie)."""
     head = (
-        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     body = b"6\r\ndata:\n\r\n0\r\nContent-Type: text/html\r\nSet-Cookie: session=evil\r\n\r\n"
     server = await _raw_worker(head, body)
