@@ -45,7 +45,7 @@ from router.http.keys import (
 )
 from router.http.listener import DIRECT_ROUTES
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER
+from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
@@ -147,7 +147,9 @@ async def answer_errors(
         model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
     given_id = request.headers.get(REQUEST_ID_HEADER)
-    if given_id:  # echoed as on a proxied answer, so the client can match the refusal
+    if given_id and well_formed_request_id(given_id):
+        # echoed as on a proxied answer, so the client can match the refusal (a malformed
+        # one is not: the router never repeats what it would not log)
         headers = {**(headers or {}), REQUEST_ID_HEADER: given_id}
     return _error(status, kind, message, details, headers)
 
