@@ -27,8 +27,16 @@ from router.http.listener import DIRECT_ROUTES
 from router.prompt.request import Endpoint
 from router.routing.breaker import BreakerState
 from router.service import RouterService
-from tests.raw_http import exchange, parse_responses, request_bytes
+from tests.raw_http import (
+    exchange,
+    parse_responses,
+    read_to_close,
+    request_bytes,
+    stalled_client,
+)
 from tests.router.conftest import AUTH, eventually, router_config
+
+BIG_ANSWER = b'{"text": "' + b"y" * (16 << 20) + b'"}'
 
 
 class Upstream:
@@ -107,6 +115,19 @@ class Upstream:
                 self.disconnected.set()
                 raise
             return resp
+        if self.mode == "sse-big":  # 20 MB of events, as fast as the router takes them
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for _ in range(2000):
+                    await resp.write(b"data: " + b"y" * 10_000 + b"\n\n")
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            await resp.write_eof()
+            return resp
+        if self.mode == "big":  # a whole answer far beyond what loopback buffers hold
+            return web.Response(body=BIG_ANSWER, content_type="application/json")
         answer = web.json_response({"worker": self.name, "echo": body})
         if self.mode == "cookie":
             answer.set_cookie("session", f"for-request-{len(self.bodies)}")
@@ -490,6 +511,32 @@ async def test_a_stream_cut_by_the_request_deadline_does_not_open_the_circuit(
                 await resp.content.read()  # cut, not cleanly ended, when the deadline passes
         await asyncio.wait_for(a.disconnected.wait(), 5)
         # a long answer is no sign of a dead worker: no failure, the circuit stays closed
+        entry = router.planner.pool.get("a")
+        assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_stops_reading_is_cut_at_the_request_deadline(
+    pair: tuple[Upstream, Upstream], stream: bool
+) -> None:
+    """The wait for a client to take its answer had no deadline: one that stopped reading
+    kept its request running (its worker's connection, its load) for as long as it liked."""
+    a, _ = pair
+    a.mode = "sse-big" if stream else "big"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=1.0))
+    async with RouterService(config) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "x", "stream": stream}).encode()
+        request = request_bytes(b"POST", b"/v1/completions", [], body)
+        async with stalled_client(port, request) as client:
+            await eventually(lambda: _running(router, "a", 1), what="the request under way")
+            # the client reads nothing: at the deadline its request ends all the same
+            await eventually(lambda: _running(router, "a", 0), 8, what="the request cut")
+            received = await read_to_close(client, 5)  # and its connection is closed
+        assert 0 < len(received) < len(BIG_ANSWER)
+        if stream:  # the worker was told: its connection closed
+            await asyncio.wait_for(a.disconnected.wait(), 5)
+        # a client that stops reading is no failure of the worker
         entry = router.planner.pool.get("a")
         assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
 
