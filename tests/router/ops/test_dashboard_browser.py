@@ -130,8 +130,8 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
 
         assert not await browser.evaluate("!!document.getElementById('injected')")
         rows = tables(dom)
-        shown = [r[1] for r in rows["decisions"]]
-        assert shown[:2] == ["live-7", "plain-1"] and re.fullmatch("[0-9a-f]{32}", shown[2])
+        ids = [r[1] for r in rows["decisions"]]
+        assert ids[:2] == ["live-7", "plain-1"] and re.fullmatch("[0-9a-f]{32}", ids[2])
         workers = {r[0]: r for r in rows["workers"]}
         assert set(workers) == {"w0", "w1"} and all(r[1] == "ready" for r in workers.values())
         streams = {r[0]: r[1] for r in rows["streams"]}
