@@ -7,6 +7,7 @@ RouterError                    500 unless a subclass says otherwise
 │   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
 │   ├── RequestTimeoutError    408: headers or body not received within their timeout
 │   ├── PayloadTooLargeError   413: a body over the configured limit
+│   ├── UnsupportedEncodingError 415: a body in a Content-Encoding the router cannot decode
 │   └── ExpectationFailedError 417: an `Expect` header other than 100-continue
 ├── AuthError                  401: admin call without the right bearer token
 ├── NotFoundError              404: an unknown worker or namespace on the admin API
@@ -40,6 +41,7 @@ __all__ = [
     "RouterError",
     "TooManyConnectionsError",
     "UnknownModelError",
+    "UnsupportedEncodingError",
     "UpstreamError",
     "UpstreamTimeoutError",
 ]
@@ -100,6 +102,13 @@ class PayloadTooLargeError(RequestError):
     """A request body larger than `limits.max_body_bytes`."""
 
     status = 413
+
+
+class UnsupportedEncodingError(RequestError):
+    """A request body in a `Content-Encoding` the router does not decode (it could read
+    neither its JSON nor its prompt, and forwarding it re-labelled would corrupt it)."""
+
+    status = 415
 
 
 class ExpectationFailedError(RequestError):

@@ -9,9 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-__all__ = ["RawResponse", "exchange", "json_error", "parse_responses", "request_bytes", "wait_eof"]
+__all__ = [
+    "RawResponse",
+    "exchange",
+    "json_error",
+    "parse_responses",
+    "read_to_close",
+    "request_bytes",
+    "stalled_client",
+    "wait_eof",
+]
 
 
 class RawResponse(NamedTuple):
@@ -71,6 +82,37 @@ async def wait_eof(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
             return await _read_all(reader)
     except TimeoutError:
         raise AssertionError(f"the server kept the connection open for {timeout_s} s") from None
+
+
+@contextlib.asynccontextmanager
+async def stalled_client(port: int, data: bytes) -> AsyncIterator[socket.socket]:
+    """A client that sends `data`, then reads nothing: a 4 KiB receive buffer (set before it
+    connects, so the window it offers stays small), which fills at once."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, data)
+        yield sock
+    finally:
+        sock.close()
+
+
+async def read_to_close(sock: socket.socket, timeout_s: float) -> bytes:
+    """What `sock` receives until the server closes (or resets) it, failing if it is still open
+    after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await loop.sock_recv(sock, 1 << 20):
+                    chunks.append(chunk)
+    except TimeoutError:
+        raise AssertionError(f"the server kept the connection open for {timeout_s} s") from None
+    return b"".join(chunks)
 
 
 def _chunked(data: bytes) -> tuple[bytes, bytes]:

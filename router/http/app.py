@@ -45,7 +45,7 @@ from router.http.keys import (
 )
 from router.http.listener import DIRECT_ROUTES
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER
+from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
@@ -113,8 +113,23 @@ async def answer_errors(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = "PayloadTooLargeError" if exc.status == 413 else type(exc).__name__
+        kind = type(exc).__name__
         status, message = exc.status, exc.text or exc.reason
+        if exc.status == 413:
+            # aiohttp's `request.read` past `client_max_size` (a chunked or compressed body
+            # growing over it): its text names neither the setting nor what to change
+            kind = "PayloadTooLargeError"
+            message = (
+                f"the request body is over limits.max_body_bytes ({request.client_max_size} "
+                "bytes, counted after Content-Encoding is decoded)"
+            )
+        # what the status requires beside the body (a 405's Allow, RFC 9110 15.5.6); the body
+        # is the JSON error's own
+        headers = {
+            name: value
+            for name, value in exc.headers.items()
+            if name.lower() not in ("content-type", "content-length")
+        } or None
     except RequestPayloadError as exc:
         # a body the parser could not decode (broken chunking, a bad gzip stream): the
         # client's fault. The parser's message may quote body bytes, so only its kind is told
@@ -132,7 +147,9 @@ async def answer_errors(
         model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
     given_id = request.headers.get(REQUEST_ID_HEADER)
-    if given_id:  # echoed as on a proxied answer, so the client can match the refusal
+    if given_id and well_formed_request_id(given_id):
+        # echoed as on a proxied answer, so the client can match the refusal (a malformed
+        # one is not: the router never repeats what it would not log)
         headers = {**(headers or {}), REQUEST_ID_HEADER: given_id}
     return _error(status, kind, message, details, headers)
 

@@ -10,7 +10,10 @@ one write with its chunked framing; aiohttp gets back a response it sees as sent
 
 The answers are those aiohttp would send (the same Date, Server, Content-Type default,
 Transfer-Encoding and Connection rules; tests/router/http/test_direct_answer.py compares them
-over real sockets), and a large answer still waits for a slow client. What this does not cover
+over real sockets), and a large answer still waits for a slow client, until the request's
+deadline when one is given: a client that stops reading is then cut (`ClientStalledError`),
+else it would hold the request, its worker's connection and its place in the worker's load
+for as long as it likes. What this does not cover
 (an HTTP/1.0 client, a status whose body must be empty, a header with a control character)
 goes through aiohttp as before, which also refuses what would be a header injection.
 """
@@ -18,8 +21,10 @@ goes through aiohttp as before, which also refuses what would be a header inject
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
+from collections.abc import Awaitable
 from email.utils import formatdate
 from http import HTTPStatus
 
@@ -28,7 +33,9 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from multidict import CIMultiDict
 
-__all__ = ["ChunkedResponse", "SentResponse", "send_whole"]
+__all__ = ["ChunkedResponse", "ClientStalledError", "SentResponse", "send_whole"]
+
+log = logging.getLogger(__name__)
 
 # what aiohttp refuses in a header name or value (its writer's rule): control characters but TAB
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -120,6 +127,29 @@ def _open_transport(request: web.BaseRequest) -> asyncio.Transport:
     return transport
 
 
+class ClientStalledError(ConnectionResetError):
+    """The client did not read its answer by the request's deadline: its connection was
+    aborted (`close` would wait for the unread bytes to go, which never happens). A
+    ConnectionResetError, as for a client gone: the writer's callers treat it as one."""
+
+
+async def _bounded(request: web.BaseRequest, deadline: float | None, step: Awaitable[None]) -> None:
+    """`step` (a write that waits for the client to read), cut at `deadline` (event-loop time;
+    None: unbounded): then the connection is aborted and ClientStalledError raised."""
+    if deadline is None:
+        await step
+        return
+    try:
+        async with asyncio.timeout_at(deadline):
+            await step
+    except TimeoutError:
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        log.info("an answer was cut at the request deadline: the client stopped reading it")
+        raise ClientStalledError("the client did not read its answer by the deadline") from None
+
+
 class SentResponse(web.StreamResponse):
     """A response already written to the client: aiohttp's `prepare` and `write_eof` on it are
     no-ops (it is `eof_sent`), and aiohttp reads its status, keep-alive and length as usual."""
@@ -132,16 +162,22 @@ class SentResponse(web.StreamResponse):
 
 
 async def send_whole(
-    request: web.BaseRequest, status: int, headers: CIMultiDict[str], body: bytes
+    request: web.BaseRequest,
+    status: int,
+    headers: CIMultiDict[str],
+    body: bytes,
+    *,
+    deadline: float | None = None,
 ) -> web.StreamResponse:
     """Answer `request` with `status`, `headers` and `body`; the response it was sent as.
 
-    Raises ConnectionResetError when the client is gone (as aiohttp's writer does)."""
+    Raises ConnectionResetError when the client is gone (as aiohttp's writer does), and
+    ClientStalledError when it has not taken the body by `deadline` (event-loop time)."""
     head = _head(request, status, headers, f"Content-Length: {len(body)}")
     if head is None:
         response = web.Response(status=status, body=body, headers=_encodable(headers))
         await response.prepare(request)
-        await response.write_eof()
+        await _bounded(request, deadline, response.write_eof())
         return response
     transport = _open_transport(request)
     if len(body) < _JOIN_BELOW:
@@ -150,7 +186,8 @@ async def send_whole(
         transport.write(head)
         transport.write(body)
     # a large answer to a slow client: wait for room, as aiohttp's writer does
-    await request.writer.drain()
+    if request.protocol.writing_paused:
+        await _bounded(request, deadline, request.writer.drain())
     return SentResponse(status, headers, request.keep_alive, len(body))
 
 
@@ -158,10 +195,23 @@ class ChunkedResponse(web.StreamResponse):
     """A streamed answer (chunked transfer coding) whose head and chunks go straight to the
     client's connection, each in one write; a `web.StreamResponse` to its user and to aiohttp
     (which finds it prepared, and ended once `write_eof` was called). Where aiohttp must make
-    the head (see the module's doc), every call is aiohttp's own."""
+    the head (see the module's doc), every call is aiohttp's own.
+
+    `deadline` (event-loop time): a write still waiting for the client to read then is cut
+    (ClientStalledError); None waits as long as the client takes."""
 
     _direct = False  # the head went out here: the chunks follow it
     _request: web.BaseRequest | None = None
+
+    def __init__(
+        self,
+        *,
+        status: int = 200,
+        headers: CIMultiDict[str] | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self._deadline = deadline
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         """Send the head (once; aiohttp's own call after the handler finds it sent)."""
@@ -188,7 +238,10 @@ class ChunkedResponse(web.StreamResponse):
         """Send `data` as one chunk (nothing for empty data: an empty chunk ends a body)."""
         request = self._request
         if not self._direct or request is None:
-            await super().write(data)
+            if self._req is None:  # not prepared: aiohttp's own error
+                await super().write(data)
+            else:
+                await _bounded(self._req, self._deadline, super().write(data))
             return
         if self._eof_sent:
             raise RuntimeError("Cannot call write() after write_eof()")
@@ -205,13 +258,16 @@ class ChunkedResponse(web.StreamResponse):
             transport.write(b"\r\n")
         self._body_length += size
         if request.protocol.writing_paused:  # a slow client: wait for room
-            await request.writer.drain()
+            await _bounded(request, self._deadline, request.writer.drain())
 
     async def write_eof(self, data: bytes = b"") -> None:
         """Send `data` as a last chunk, then the end of the body (once)."""
         request = self._request
         if not self._direct or request is None:
-            await super().write_eof(data)
+            if self._req is None or self._eof_sent:  # aiohttp's own answer to these
+                await super().write_eof(data)
+            else:
+                await _bounded(self._req, self._deadline, super().write_eof(data))
             return
         if self._eof_sent:
             return
@@ -220,4 +276,5 @@ class ChunkedResponse(web.StreamResponse):
         transport = _open_transport(request)
         transport.write(_LAST_CHUNK)
         self._eof_sent = True
-        await request.writer.drain()
+        if request.protocol.writing_paused:
+            await _bounded(request, self._deadline, request.writer.drain())

@@ -10,7 +10,8 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
-  `100 Continue`, so the client never sends it) and an `Expect` other than 100-continue a 417;
+  `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
+  not decode a 415 and an `Expect` other than 100-continue a 417;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -31,6 +32,7 @@ from typing import Any, cast
 import msgspec
 from aiohttp import hdrs, http_exceptions, web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
@@ -42,6 +44,7 @@ from router.errors import (
     RequestTimeoutError,
     RouterError,
     TooManyConnectionsError,
+    UnsupportedEncodingError,
 )
 
 __all__ = [
@@ -78,6 +81,12 @@ _LINGER_S = 2.0
 _RESERVED_FDS = 64
 _json = msgspec.json.Encoder()
 
+# the request Content-Encodings aiohttp's parser decodes (its own list, brotli and zstandard when
+# their packages are there); any other one it leaves as it is, and the body would be read as
+# if it were not encoded at all
+_DECODED = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
+_ACCEPTED_CODINGS = frozenset(("", "identity", *_DECODED))
+
 # what a malformed request did wrong, by aiohttp's exception class (most specific first)
 _MALFORMED: tuple[tuple[type[Exception], str], ...] = (
     (http_exceptions.LineTooLong, f"a request line or header is over {MAX_LINE_BYTES} bytes"),
@@ -92,6 +101,17 @@ _MALFORMED: tuple[tuple[type[Exception], str], ...] = (
         f"or more than {MAX_HEADERS} headers)",
     ),
 )
+
+
+def _malformed(exc: BaseException | None) -> str:
+    """What a request aiohttp's parser refused did wrong, in words that never quote its bytes."""
+    if isinstance(exc, http_exceptions.BadHttpMessage) and exc.message.startswith("Missing 'Host'"):
+        # aiohttp's own words for this one refusal ("Missing 'Host' header in request."), under
+        # the class of every malformed head: told apart by them, the client learns what to add
+        return "an HTTP/1.1 request must have a Host header (RFC 9112 3.2)"
+    return next(
+        (text for kind, text in _MALFORMED if isinstance(exc, kind)), "malformed HTTP request"
+    )
 
 
 class RefusalLog:
@@ -135,10 +155,15 @@ def _raw_answer(error: type[RouterError], message: str) -> bytes:
     return head.encode() + body
 
 
-def _json_answer(error: type[RouterError], message: str) -> web.Response:
+def _json_answer(
+    error: type[RouterError], message: str, headers: dict[str, str] | None = None
+) -> web.Response:
     """The JSON error answer, closing the connection (its body will not be read)."""
     resp = web.Response(
-        status=error.status, body=_error_body(error, message), content_type="application/json"
+        status=error.status,
+        body=_error_body(error, message),
+        content_type="application/json",
+        headers=headers,
     )
     resp.force_close()
     return resp
@@ -312,10 +337,7 @@ class GuardedHandler(web.RequestHandler):
             reason = "internal router error (see the router log)"
             body = _json.encode({"error": {"type": "InternalError", "message": reason}})
         else:
-            reason = next(
-                (text for kind, text in _MALFORMED if isinstance(exc, kind)),
-                "malformed HTTP request",
-            )
+            reason = _malformed(exc)
             self._guarded_by.refusals.note(
                 "bad HTTP request from %s: %s",
                 request.remote,
@@ -328,6 +350,12 @@ class GuardedHandler(web.RequestHandler):
         resp = web.Response(status=status, body=body, content_type="application/json")
         resp.force_close()
         return resp
+
+
+def _decodable(codings: list[str]) -> bool:
+    """Whether aiohttp decodes a body sent with these `Content-Encoding` values: a single one
+    it knows (two codings, or two header lines, are left as they are by its parser)."""
+    return len(codings) == 1 and codings[0].strip().lower() in _ACCEPTED_CODINGS
 
 
 class GuardedServer(web.Server):
@@ -402,6 +430,16 @@ class GuardedServer(web.Server):
             return _json_answer(
                 PayloadTooLargeError,
                 f"request body of {declared} bytes is over limits.{key} ({limit} bytes)",
+            )
+        codings = request.headers.getall(hdrs.CONTENT_ENCODING, ())
+        if codings and request.body_exists and not _decodable(codings):
+            # RFC 9110 15.5.16: a 415 says which codings would have been taken
+            accepted = ", ".join(_DECODED)
+            return _json_answer(
+                UnsupportedEncodingError,
+                f"the request body's Content-Encoding is not one the router decodes: send it "
+                f"in one of {accepted}, or not encoded",
+                {"Accept-Encoding": accepted},
             )
         if expect is None and request.method == hdrs.METH_POST:
             direct = self.direct.get(request.path)

@@ -8,10 +8,12 @@ spans. The proxy's inner steps reach it without new parameters (`observation(req
 in a context variable of the handler's task, a lookup in C where the request's own mapping would
 be three Python calls, on every hop of every request.
 
-`x-request-id`: the client's is passed through to the worker untouched (and echoed back); a
-request without one gets one, so every log line can name it: `install_log_request_id` puts the
-id of the observation in the handler's task on every log record (`kvroute serve` logs it), and
-each request ends with a DEBUG line naming it.
+`x-request-id`: a client's well-formed id (`well_formed_request_id`) is passed through to the
+worker untouched (and echoed back); a request without one, or with one that is not, gets one of
+the router's in its place, so every log line can name it: `install_log_request_id` puts the id
+of the observation in the handler's task on every log record (`kvroute serve` logs it), and
+each request ends with a DEBUG line naming it. Only a well-formed id is written into log lines:
+a client's spaces and brackets would forge a line's level, logger and message of their own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextvars
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,18 +49,28 @@ __all__ = [
     "Unobserved",
     "install_log_request_id",
     "observation",
+    "well_formed_request_id",
 ]
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-_MAX_ID_CHARS = 128  # a longer client id is forwarded as sent, but logged and traced cut short
+# what a client's id may be to be passed on and logged as sent: UUIDs, hex, base64 and ULIDs,
+# AWS's `Root=1-...;Parent=...` ids. No space, bracket, quote or control character: in a log
+# line (`[%(request_id)s]: message`) those would start a forged level, logger and message
+_WELL_FORMED_ID = re.compile(r"[A-Za-z0-9._~:/+=@,;-]{1,128}")
 _NO_PHASE = contextlib.nullcontext()
 # a made id: this process's random half, then a counter (32 hex digits, as a UUID's). Unique
 # across replicas and restarts without uuid4's cost (the largest part of observing a request).
 # Counted from 2**128 + (random << 64) so that `hex(n)[3:]` is the id, zero-padded: a third
 # of the cost of formatting the two halves with a width (0.26 against 0.64 us)
 _ID_COUNTER = itertools.count((1 << 128) | (int.from_bytes(os.urandom(8), "big") << 64))
+
+
+def well_formed_request_id(value: str) -> bool:
+    """Whether a client's `x-request-id` is used as sent: 1-128 characters, each a letter, a
+    digit or one of `._~:/+=@,;-`."""
+    return _WELL_FORMED_ID.fullmatch(value) is not None
 
 
 class Observer:
@@ -107,7 +120,6 @@ class Observation:
 
     __slots__ = (
         "_decision",
-        "_echo_id",
         "_observer",
         "_tail",
         "endpoint",
@@ -122,9 +134,13 @@ class Observation:
         self.endpoint = endpoint._value_  # what `.value` returns, without enum's descriptor
         self.model = ""
         given = request.headers.get(REQUEST_ID_HEADER)
-        self.request_id = given[:_MAX_ID_CHARS] if given else hex(next(_ID_COUNTER))[3:]
-        # the client gets back the id it sent, as the worker got it (logs and traces cut it)
-        self._echo_id = given or self.request_id
+        # a client's id that is not well formed is replaced everywhere (the worker's logs take
+        # it too): the client gets back the id its request was logged under
+        self.request_id = (
+            given
+            if given is not None and _WELL_FORMED_ID.fullmatch(given) is not None
+            else hex(next(_ID_COUNTER))[3:]
+        )
         self._decision: Decision | None = None
         self._tail: StreamTail | None = None
 
@@ -154,9 +170,8 @@ class Observation:
         self._decision = decision
 
     def outgoing(self, headers: CIMultiDict[str]) -> None:
-        """Headers for the worker: the request id."""
-        if REQUEST_ID_HEADER not in headers:
-            headers[REQUEST_ID_HEADER] = self.request_id
+        """Headers for the worker: the request id (in place of a client's malformed one)."""
+        headers[REQUEST_ID_HEADER] = self.request_id
 
     def failed(self, reason: str, status: int | None = None) -> None:
         """The attempt failed before any byte reached the client (a retry may follow);
@@ -170,7 +185,7 @@ class Observation:
 
     def response_headers(self, headers: CIMultiDict[str]) -> None:
         """Headers for the client: the request id."""
-        headers[REQUEST_ID_HEADER] = self._echo_id
+        headers[REQUEST_ID_HEADER] = self.request_id
 
     def body(self, payload: bytes) -> None:
         """A whole (non-streamed) answer: its usage."""

@@ -17,8 +17,8 @@ engine forms it (`indexer.engines.PdPairing`):
   `kv_transfer_params` asking for a remote decode; the `kv_transfer_params` of its answer go
   with the original request to the decode, both under one `X-Request-Id`.
 
-Both legs carry the request's `x-request-id` (the client's untouched, else the router's) and
-the same `traceparent`; vLLM's legs are paired by that id.
+Both legs carry the request's `x-request-id` (the client's well-formed one untouched, else the
+router's) and the same `traceparent`; vLLM's legs are paired by that id.
 
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
 the worker blamed (`_PairHooks.blamed`). A decode that times out (answers 504, SGLang's
@@ -592,12 +592,15 @@ class PairDispatcher:
         body.update(stream=False, max_tokens=1, kv_transfer_params=VLLM_PREFILL_KV_TRANSFER_PARAMS)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
-        # vLLM pairs the two legs by their X-Request-Id: the request's own (the client's, else
-        # the router's), as the docs promise for any hop; made up only when nothing names it
-        request_id = request.headers.get(REQUEST_ID_HEADER)
-        if request_id is None:
-            obs = observation(request)
-            request_id = obs.request_id if obs is not None else uuid.uuid4().hex
+        # vLLM pairs the two legs by their X-Request-Id: the request's own (the client's
+        # well-formed one, else the router's), as the docs promise for any hop; with nothing
+        # observed the client's as it is, made up only when nothing names it
+        obs = observation(request)
+        request_id = (
+            obs.request_id
+            if obs is not None
+            else request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        )
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, _json.encode(body))
         payload = await self._prefill(
             request, endpoint, p_body, prefill, p_rank, deadline, p_ticket, request_id=request_id
@@ -642,8 +645,8 @@ class PairDispatcher:
         if rank_header is not None:
             headers[rank_header] = str(prefill.dp_rank)
         # the request's id and trace context, as its decode hop gets them: the client's id
-        # untouched (else the router's); the client's trace context, replaced by the attempt's
-        # span when the router traces
+        # untouched when well formed (else the router's); the client's trace context, replaced
+        # by the attempt's span when the router traces
         for name in _TRACE_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]

@@ -486,6 +486,7 @@ class Proxy:
             obs.outgoing(headers)  # x-request-id, traceparent
         origin, base = self._origin(candidate.url)
         loop_deadline = asyncio.get_running_loop().time() + remaining
+        headed = False  # the worker's head arrived: a timeout is then its body's
         try:
             async with self._client.post(
                 origin,
@@ -495,9 +496,16 @@ class Proxy:
                 deadline=loop_deadline,
                 connect_timeout_s=self._config.timeouts.connect_s,
             ) as upstream:
+                headed = True
                 try:
                     return await self._answer(
-                        request, upstream, candidate, ticket, last_try=last_try, hooks=hooks
+                        request,
+                        upstream,
+                        candidate,
+                        ticket,
+                        last_try=last_try,
+                        hooks=hooks,
+                        deadline=loop_deadline,
                     )
                 except asyncio.CancelledError:
                     # the client disconnected: drop the upstream connection, do not reuse it
@@ -525,8 +533,14 @@ class Proxy:
                 self._planner.record_failure(candidate.worker, hard=False)
             else:
                 hooks.timed_out()
+            if headed:
+                raise UpstreamTimeoutError(
+                    f"worker {candidate.worker} sent the head of its answer but not its body "
+                    "within the request timeout (timeouts.request_s)"
+                ) from exc
             raise UpstreamTimeoutError(
-                f"worker {candidate.worker} did not answer within the request timeout"
+                f"worker {candidate.worker} did not answer within the request timeout "
+                "(timeouts.request_s)"
             ) from exc
 
     def _origin(self, url: str) -> tuple[Origin, str]:
@@ -546,8 +560,11 @@ class Proxy:
         *,
         last_try: bool,
         hooks: AnswerHooks | None = None,
+        deadline: float | None = None,
     ) -> web.StreamResponse:
-        """Pass the worker's answer through; raises AttemptFailed while a retry is still legal."""
+        """Pass the worker's answer through; raises AttemptFailed while a retry is still legal.
+        `deadline` (event-loop time) bounds the client's reading too: a client that stops
+        reading holds the request, its worker connection and its load no longer than that."""
         if not 200 <= upstream.status < 300:
             # its end takes back what routing marked (`Planner.withdraw`): a worker that
             # refused the request (4xx: SGLang validates before scheduling) stored nothing
@@ -591,8 +608,10 @@ class Proxy:
             # the client has its answer before the router's bookkeeping (this request's own
             # below, and its end's in the caller): at low concurrency that is latency saved
             try:
-                response = await send_whole(request, upstream.status, out, payload)
-            except ConnectionResetError:  # gone: the worker still answered
+                response = await send_whole(
+                    request, upstream.status, out, payload, deadline=deadline
+                )
+            except ConnectionResetError:  # gone, or cut at the deadline: the worker answered
                 response = SentResponse(upstream.status, out, False, 0)
             if hooks is None:
                 self._planner.first_byte(ticket)
@@ -608,7 +627,7 @@ class Proxy:
             await hooks.before_commit()
         if obs is not None:
             obs.first_byte()
-        return await self._stream(request, upstream, out, first, candidate.worker, hooks)
+        return await self._stream(request, upstream, out, first, candidate.worker, hooks, deadline)
 
     async def _stream(
         self,
@@ -618,8 +637,9 @@ class Proxy:
         first: bytes,
         worker: str,
         hooks: AnswerHooks | None = None,
+        deadline: float | None = None,
     ) -> web.StreamResponse:
-        response = ChunkedResponse(status=upstream.status, headers=headers)
+        response = ChunkedResponse(status=upstream.status, headers=headers, deadline=deadline)
         chunk = first
         obs = observation(request)
         try:
@@ -649,8 +669,9 @@ class Proxy:
                 await response.write(tail)
             await response.write_eof()
         except ConnectionResetError:
-            # the client went away (left to `forward`, it would count against the worker and
-            # retry a request whose bytes were sent); closing the upstream connection makes
+            # the client went away, or stopped reading until the deadline and was cut
+            # (`ClientStalledError`; left to `forward`, either would count against the worker
+            # and retry a request whose bytes were sent); closing the upstream connection makes
             # the worker abort. The worker was streaming: it works (a recovering worker's
             # circuit closes on it, as on a whole answer)
             upstream.close()

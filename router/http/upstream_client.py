@@ -190,6 +190,12 @@ class _Connection(asyncio.Protocol):
             raise _Stop  # the parser stops here: nothing of it mixes into the first answer
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.headers_done:
+            # a trailer field of a chunked answer (llhttp reports it as a header): the head
+            # was passed on already, or is being copied right now when the trailer came in the
+            # same read, and a trailer is not allowed to act as a header (RFC 9110 6.5.1; a
+            # worker's `Content-Type` or `Set-Cookie` would end up in the client's head)
+            return
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > _MAX_HEADER_BYTES or len(self.headers) >= _MAX_HEADERS:
             self._refusal = (

@@ -17,8 +17,14 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.http.direct_answer import ChunkedResponse, send_whole
-from tests.raw_http import exchange, parse_responses, request_bytes
+from router.http.direct_answer import ChunkedResponse, ClientStalledError, send_whole
+from tests.raw_http import (
+    exchange,
+    parse_responses,
+    read_to_close,
+    request_bytes,
+    stalled_client,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _DATE = re.compile(r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$")
@@ -328,3 +334,43 @@ async def test_a_large_streamed_chunk_waits_for_a_slow_reader_and_arrives_whole(
     assert events == ["reading", "sent"]
     (answer,) = parse_responses(data)
     assert answer.body == chunk * 4
+
+
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"])  # written here, and by aiohttp
+@pytest.mark.parametrize("path", [b"/whole", b"/stream"])
+async def test_a_client_that_stops_reading_is_cut_at_the_deadline(
+    path: bytes, version: bytes
+) -> None:
+    body = bytes(range(256)) * (64 * 1024)  # 16 MiB: far more than loopback buffers hold
+    seen: list[str] = []
+    cut = asyncio.Event()
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        deadline = asyncio.get_running_loop().time() + 0.5
+        try:
+            return await send_whole(request, 200, CIMultiDict(), body, deadline=deadline)
+        except ClientStalledError:
+            seen.append("cut")
+            cut.set()
+            raise
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        deadline = asyncio.get_running_loop().time() + 0.5
+        response = ChunkedResponse(deadline=deadline)
+        await response.prepare(request)
+        try:
+            for _ in range(16):
+                await response.write(body[: 1 << 20])
+            await response.write_eof()
+        except ClientStalledError:
+            seen.append("cut")
+            cut.set()
+        return response
+
+    async with _serve({"/whole": whole, "/stream": stream}) as port:
+        request = request_bytes(b"POST", path).replace(b"HTTP/1.1", b"HTTP/" + version)
+        async with stalled_client(port, request) as client:
+            await asyncio.wait_for(cut.wait(), 10)
+            received = await read_to_close(client, 5)  # aborted: nothing more to come
+    assert seen == ["cut"]
+    assert 0 < len(received) < len(body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -293,3 +294,68 @@ async def test_expectations_are_refused_in_json_and_a_too_large_body_before_100_
         answer = await exchange(_port(router), raw.replace(b"Content-Length: 0", declared))
     (response,) = parse_responses(answer)
     assert response.status == 413 and json_error(response)["type"] == "PayloadTooLargeError"
+
+
+# ------------------------------------------------------------- refusals that name the problem
+
+
+async def test_a_chunked_or_compressed_body_over_the_limit_is_a_413_naming_the_limit() -> None:
+    """aiohttp refuses these while reading them, in words of its own that named neither the
+    setting nor the unit ("Maximum request body size 1024 exceeded.")."""
+    body = b'{"prompt": "' + b"x" * 4000 + b'"}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    async with _router(max_body_bytes=1024) as router:
+        for headers, sent in (
+            ([(b"Transfer-Encoding", b"chunked")], chunked),
+            ([(b"Content-Encoding", b"gzip")], gzip.compress(body)),  # 50 bytes, 4 KB decoded
+        ):
+            raw = request_bytes(b"POST", b"/generate", headers, sent)
+            if headers[0][0] == b"Transfer-Encoding":
+                raw = raw.replace(b"Content-Length: %d\r\n" % len(sent), b"")
+            (response,) = parse_responses(await exchange(_port(router), raw))
+            assert response.status == 413, response
+            error = json_error(response)
+            assert error["type"] == "PayloadTooLargeError"
+            assert "limits.max_body_bytes (1024 bytes" in error["message"], error
+            assert "Maximum request body size" not in error["message"]
+
+
+async def test_a_body_in_an_encoding_the_router_cannot_decode_is_a_415() -> None:
+    """An unknown Content-Encoding was read as if the body were not encoded, and forwarded
+    without the header: a worker got bytes labelled as something else."""
+    async with _router() as router:
+        for codings in ([b"x-foo"], [b"gzip, gzip"], [b"gzip", b"gzip"]):
+            headers = [(b"Content-Encoding", coding) for coding in codings]
+            raw = request_bytes(b"POST", b"/generate", headers, b'{"text": "x"}')
+            (response,) = parse_responses(await exchange(_port(router), raw))
+            assert response.status == 415, (codings, response)
+            assert json_error(response)["type"] == "UnsupportedEncodingError"
+            assert "gzip" in response.headers["accept-encoding"]
+        # not every Content-Encoding is refused: one the router decodes, or none at all
+        raw = request_bytes(b"GET", b"/metrics", [(b"Content-Encoding", b"x-foo")])
+        (response,) = parse_responses(await exchange(_port(router), raw))
+        assert response.status == 200  # no body, nothing to decode
+        raw = request_bytes(b"POST", b"/generate", [(b"Content-Encoding", b"identity")], b"{")
+        (response,) = parse_responses(await exchange(_port(router), raw))
+        assert response.status == 400  # read (a bad body), not refused for its coding
+
+
+async def test_a_request_without_host_is_a_400_that_says_so() -> None:
+    async with _router() as router:
+        raw = b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n"
+        (response,) = parse_responses(await exchange(_port(router), raw))
+    assert response.status == 400
+    error = json_error(response)
+    assert error["type"] == "BadHttpRequestError" and "Host header" in error["message"], error
+
+
+async def test_a_405_names_the_methods_allowed() -> None:
+    """RFC 9110 15.5.6: a 405 must carry Allow (the JSON error answer dropped aiohttp's)."""
+    async with _router() as router:
+        for path in (b"/v1/completions", b"/health"):
+            raw = request_bytes(b"DELETE" if path == b"/health" else b"GET", path)
+            (response,) = parse_responses(await exchange(_port(router), raw))
+            assert response.status == 405, response
+            assert json_error(response)["type"] == "HTTPMethodNotAllowed"
+            allowed = {m.strip() for m in response.headers["allow"].split(",")}
+            assert allowed == ({"POST"} if path == b"/v1/completions" else {"GET", "HEAD"})

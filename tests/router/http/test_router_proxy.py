@@ -27,7 +27,16 @@ from router.http.listener import DIRECT_ROUTES
 from router.prompt.request import Endpoint
 from router.routing.breaker import BreakerState
 from router.service import RouterService
+from tests.raw_http import (
+    exchange,
+    parse_responses,
+    read_to_close,
+    request_bytes,
+    stalled_client,
+)
 from tests.router.conftest import AUTH, eventually, router_config
+
+BIG_ANSWER = b'{"text": "' + b"y" * (16 << 20) + b'"}'
 
 
 class Upstream:
@@ -69,6 +78,15 @@ class Upstream:
             await asyncio.sleep(1)
         if self.mode == "slow":
             await asyncio.sleep(5)
+        if self.mode == "slow-body":  # the head at once, then the body stalls
+            resp = web.StreamResponse(
+                headers={"Content-Type": "application/json", "Content-Length": "20"}
+            )
+            await resp.prepare(request)
+            await resp.write(b'{"a": "')
+            await asyncio.sleep(5)
+            await resp.write(b'0123456789"}')
+            return resp
         if self.mode == "sse":
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -97,6 +115,19 @@ class Upstream:
                 self.disconnected.set()
                 raise
             return resp
+        if self.mode == "sse-big":  # 20 MB of events, as fast as the router takes them
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            try:
+                for _ in range(2000):
+                    await resp.write(b"data: " + b"y" * 10_000 + b"\n\n")
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            await resp.write_eof()
+            return resp
+        if self.mode == "big":  # a whole answer far beyond what loopback buffers hold
+            return web.Response(body=BIG_ANSWER, content_type="application/json")
         answer = web.json_response({"worker": self.name, "echo": body})
         if self.mode == "cookie":
             answer.set_cookie("session", f"for-request-{len(self.bodies)}")
@@ -299,7 +330,29 @@ async def test_the_request_timeout_is_a_504(
         session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
     ):
         assert resp.status == 504
-        assert (await resp.json())["error"]["type"] == "UpstreamTimeoutError"
+        error = (await resp.json())["error"]
+        assert error["type"] == "UpstreamTimeoutError"
+        assert "did not answer within the request timeout (timeouts.request_s)" in error["message"]
+
+
+async def test_a_body_that_stalls_after_the_head_is_a_504_saying_so(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    """The worker answered: "did not answer" sent the operator looking at the wrong thing."""
+    a, _ = pair
+    a.mode = "slow-body"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=0.5))
+    async with (
+        RouterService(config) as router,
+        session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp,
+    ):
+        assert resp.status == 504
+        error = (await resp.json())["error"]
+    assert error["type"] == "UpstreamTimeoutError"
+    assert error["message"] == (
+        "worker a sent the head of its answer but not its body within the request timeout "
+        "(timeouts.request_s)"
+    )
 
 
 async def test_bad_requests_are_json_4xx_naming_the_problem(
@@ -458,6 +511,32 @@ async def test_a_stream_cut_by_the_request_deadline_does_not_open_the_circuit(
                 await resp.content.read()  # cut, not cleanly ended, when the deadline passes
         await asyncio.wait_for(a.disconnected.wait(), 5)
         # a long answer is no sign of a dead worker: no failure, the circuit stays closed
+        entry = router.planner.pool.get("a")
+        assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_stops_reading_is_cut_at_the_request_deadline(
+    pair: tuple[Upstream, Upstream], stream: bool
+) -> None:
+    """The wait for a client to take its answer had no deadline: one that stopped reading
+    kept its request running (its worker's connection, its load) for as long as it liked."""
+    a, _ = pair
+    a.mode = "sse-big" if stream else "big"
+    config = _plain([("a", a.url)], timeouts=TimeoutsConfig(request_s=1.0))
+    async with RouterService(config) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "x", "stream": stream}).encode()
+        request = request_bytes(b"POST", b"/v1/completions", [], body)
+        async with stalled_client(port, request) as client:
+            await eventually(lambda: _running(router, "a", 1), what="the request under way")
+            # the client reads nothing: at the deadline its request ends all the same
+            await eventually(lambda: _running(router, "a", 0), 8, what="the request cut")
+            received = await read_to_close(client, 5)  # and its connection is closed
+        assert 0 < len(received) < len(BIG_ANSWER)
+        if stream:  # the worker was told: its connection closed
+            await asyncio.wait_for(a.disconnected.wait(), 5)
+        # a client that stops reading is no failure of the worker
         entry = router.planner.pool.get("a")
         assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
 
@@ -671,3 +750,28 @@ async def test_headers_the_worker_names_in_connection_stay_on_its_hop(
             assert "X-Private" not in resp.headers  # RFC 9110 7.6.1: hop-by-hop
     finally:
         server.close()
+
+
+async def test_a_workers_trailer_fields_never_become_response_headers() -> None:
+    """llhttp reports a chunked answer's trailer fields as headers: arriving in the same read as
+    the head, they were copied into the client's head (a second Content-Type, a Set-Cookie)."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    body = b"6\r\ndata:\n\r\n0\r\nContent-Type: text/html\r\nSet-Cookie: session=evil\r\n\r\n"
+    server = await _raw_worker(head, body)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with RouterService(_plain([("raw", url)])) as router:
+            port = int(router.url.rsplit(":", 1)[1])
+            request = json.dumps({"prompt": "x", "stream": True}).encode()
+            answer = await exchange(port, request_bytes(b"POST", b"/v1/completions", [], request))
+    finally:
+        server.close()
+    (response,) = parse_responses(answer)
+    assert response.status == 200 and response.body == b"data:\n"
+    head_lines = answer.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
+    assert [line for line in head_lines if line.startswith(b"content-type:")] == [
+        b"content-type: text/event-stream"
+    ]
+    assert not [line for line in head_lines if line.startswith(b"set-cookie:")]

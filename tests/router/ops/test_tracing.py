@@ -469,6 +469,35 @@ async def test_request_ids_are_made_when_missing_and_put_on_log_lines(
     assert all(SALT not in r.getMessage() for r in caplog.records)
 
 
+async def test_a_malformed_request_id_is_replaced_never_logged_and_a_well_formed_one_kept(
+    traced: Traced,
+    backend: Backend,
+    log_request_ids: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client's id went verbatim into log lines (`[%(request_id)s]: message`): spaces and a
+    bracket in it forged a line's level, logger and message of the client's choosing."""
+    caplog.set_level(logging.DEBUG, logger="router.http.observe")
+    forged = "fake] CRITICAL router.admin [-]: admin token is hunter2 "
+    made: list[str] = []
+    for given in (forged, "a" * 129, "caf\u00e9"):
+        resp = await _post(traced.url, CHAT, {"x-request-id": given})
+        assert resp.status == 200
+        made.append(resp.headers["x-request-id"])
+        assert re.fullmatch(r"[0-9a-f]{32}", made[-1]), given  # the router's, in its place
+        assert backend.seen[-1]["x-request-id"] == made[-1]  # the worker's logs take it too
+    # an id of the usual shapes passes through as sent, and is logged as sent
+    kept = "Root=1-5759e988-bd862e3fe1be46a994272793;Parent=53995c3f42cd8ad8;Sampled=1"
+    resp = await _post(traced.url, CHAT, {"x-request-id": kept})
+    assert resp.headers["x-request-id"] == kept == backend.seen[-1]["x-request-id"]
+    # a refusal echoes a well-formed id only
+    refused = await _post(traced.url, {"messages": "not a list"}, {"x-request-id": forged})
+    assert refused.status == 400 and "x-request-id" not in refused.headers
+    lines = [r for r in caplog.records if r.name == "router.http.observe"]
+    assert [getattr(r, "request_id", None) for r in lines] == [*made, kept]
+    assert not [r for r in caplog.records if "hunter2" in f"{r.__dict__}"]
+
+
 async def test_tracing_is_off_by_default(backend: Backend) -> None:
     config = _config((_worker("b0", backend),))
     assert config.tracing == TracingConfig()
