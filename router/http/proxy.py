@@ -15,7 +15,7 @@ response headers are only sent once the worker produced its first chunk, so a wo
 before answering is retried too. Whose fault a failed attempt was (the worker's, for its circuit
 breaker, or the request's) is decided once the request has ended (`Proxy._charge`). A client
 that disconnects cancels the handler (aiohttp's handler cancellation), which closes the
-upstream connection, which makes the worker abort.
+upstream connection, which makes the worker abort; the request counts as 499 in the metrics.
 
 A model served by prefill/decode pairs is handed to the pair dispatcher (`router.http.pd`,
 `PairDispatch`) once its namespace is known; it forwards the decode side's answer through
@@ -48,7 +48,7 @@ from router.http.decisions import DecisionStats
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
 from router.http.holding import HeldRequest, HeldRequests
 from router.http.intake import read_request
-from router.http.metrics import REQUEST_MODEL, RouterMetrics
+from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
 from router.http.upstream_client import (
     Origin,
@@ -276,21 +276,29 @@ class Proxy:
     ) -> web.StreamResponse:
         started = obs.started
         config = self._config  # one config per request, whatever a reload does meanwhile
-        with obs.phase("parse"):
-            parsed = await read_request(request, endpoint, config, self._tokenizer)
+        try:
+            with obs.phase("parse"):
+                parsed = await read_request(request, endpoint, config, self._tokenizer)
+        except asyncio.CancelledError:
+            self._abandoned(request, endpoint)
+            raise
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self.pairs is not None and self.pairs.applies(ns.model):
             return await self.pairs.handle(request, endpoint, parsed, ns, started)
         deadline = time.monotonic() + config.timeouts.request_s
-        with obs.phase("route"):
-            plan = planner.plan(parsed, ns)
-            if config.policy.hold_until_room:
-                plan = await self.hold_for_room(
-                    plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
-                )
-            obs.planned(plan, ns.model)
+        try:
+            with obs.phase("route"):
+                plan = planner.plan(parsed, ns)
+                if config.policy.hold_until_room:
+                    plan = await self.hold_for_room(
+                        plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
+                    )
+                obs.planned(plan, ns.model)
+        except asyncio.CancelledError:  # left while held for a worker with room
+            self._abandoned(request, endpoint)
+            raise
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
@@ -350,7 +358,21 @@ class Proxy:
                 obs.failed(str(exc), exc.status)
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
-            except BaseException:  # the request ends here (its deadline passed, the client left)
+            except asyncio.CancelledError:
+                # the client left before its answer was complete: counted where every proxied
+                # request is, by the worker serving it, as 499 (nginx's name)
+                self._metrics.record(
+                    endpoint.value,
+                    candidate.worker,
+                    CLIENT_CLOSED,
+                    len(parsed.tokens),
+                    candidate.matched_tokens,
+                    time.perf_counter() - started,
+                    ns.model,
+                )
+                self._charge(sent_failures, False, plan, tried)
+                raise
+            except Exception:  # the request ends here (its deadline passed, ...)
                 self._charge(sent_failures, False, plan, tried)
                 raise
             finally:
@@ -371,6 +393,11 @@ class Proxy:
             return response
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
+
+    def _abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
+        """Count a request its client left before any worker was sent it (read, or held)."""
+        model = request.get(REQUEST_MODEL, "")
+        self._metrics.rejected.labels(endpoint.value, CLIENT_CLOSED_ERROR, model).inc()
 
     def _charge(
         self, sent_failures: list[tuple[str, bool]], answered: bool, plan: Plan, tried: set[str]

@@ -1,21 +1,26 @@
-"""Whose failure is it: circuit breakers against a request that fails on every worker. Real
-sockets: a scripted worker that misbehaves per request (header `x-bad-mode`, as the QA backend
-does)."""
+"""Whose failure is it: circuit breakers against a request that fails on every worker, and the
+requests a client abandoned, in the request series. Real sockets: a scripted worker that
+misbehaves per request (header `x-bad-mode`, as the QA backend does), raw client connections
+closed mid-answer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
 from router.routing.breaker import BreakerState
 from router.service import RouterService
-from tests.router.conftest import router_config
+from tests.raw_http import request_bytes
+from tests.router.conftest import eventually, router_config
 
 _COMPLETIONS = "/v1/completions"
 
@@ -187,3 +192,64 @@ async def test_without_retries_a_failing_worker_still_leaves_rotation(
                 break
         assert len(a.modes) == 3
         assert _state(router, "a") is BreakerState.OPEN
+
+
+async def _metrics(session: aiohttp.ClientSession, router: RouterService) -> dict[str, float]:
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+async def _abandon(
+    router: RouterService, body: dict[str, object], mode: str, *, wait_for: bytes
+) -> None:
+    """Send one request on a raw connection and close it once `wait_for` came back (b"": once
+    the worker has it, `seen` below)."""
+    host, port = "127.0.0.1", int(router.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        request_bytes(
+            b"POST",
+            _COMPLETIONS.encode(),
+            [(b"Content-Type", b"application/json"), (b"x-bad-mode", mode.encode())],
+            json.dumps(body).encode(),
+        )
+    )
+    await writer.drain()
+    if wait_for:
+        await asyncio.wait_for(reader.readuntil(wait_for), 5)
+    else:
+        await asyncio.sleep(0.3)  # the worker holds it unanswered
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def test_requests_their_clients_abandoned_count_as_499(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """A client that gives up (the fleet is slow) is counted where every proxied request is,
+    by the worker serving it and code 499, the time until it left in the latency: a whole
+    answer it waited for, and a stream that had delivered chunks already."""
+    a, _ = two
+    async with RouterService(_config([a])) as router:
+        before = await _metrics(session, router)
+        await _abandon(router, {"prompt": "x"}, "slow", wait_for=b"")
+        await _abandon(router, {"prompt": "x", "stream": True}, "stream", wait_for=b"data: ")
+        key = "kvroute_requests_total{code=499,endpoint=/v1/completions,model=m,worker=a}"
+        latency = "kvroute_request_duration_seconds_count{endpoint=/v1/completions,model=m}"
+
+        async def counted() -> bool:
+            return (await _metrics(session, router)).get(key) == 2.0
+
+        await eventually(counted, what="the two abandoned requests to be counted")
+        after = await _metrics(session, router)
+        assert after[latency] - before.get(latency, 0.0) == 2.0
+        assert a.modes == ["slow", "stream"]
