@@ -27,9 +27,23 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-__all__ = ["REQUEST_MODEL", "UNKNOWN_MODEL", "Histogram", "RouterMetrics"]
+__all__ = [
+    "CLIENT_CLOSED",
+    "CLIENT_CLOSED_ERROR",
+    "REQUEST_MODEL",
+    "UNKNOWN_MODEL",
+    "Histogram",
+    "RouterMetrics",
+]
 
 UNKNOWN_MODEL = "(unknown)"  # one label value for every model nobody serves
+# a request its client abandoned before its answer was complete: the `code` it counts under in
+# `kvroute_requests` (nginx's "client closed request", which operators read in access logs),
+# and the `error` in `kvroute_rejected_requests` when no worker had been sent it yet. Left
+# uncounted, the requests clients gave up on (a slow fleet's) would vanish from the latency
+# histogram, which would hide exactly the bad cases
+CLIENT_CLOSED = 499
+CLIENT_CLOSED_ERROR = "ClientClosedRequest"
 # the model label of a request once it is known, for the error middleware's rejection count
 REQUEST_MODEL = web.RequestKey("kvroute_model", str)
 

@@ -12,8 +12,10 @@ client that named a rank itself is routed to that rank and its request forwarded
 A request may be retried on the next-best worker as long as no byte has reached the client: on
 a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by chunk, and the
 response headers are only sent once the worker produced its first chunk, so a worker that dies
-before answering is retried too. A client that disconnects cancels the handler (aiohttp's
-handler cancellation), which closes the upstream connection, which makes the worker abort.
+before answering is retried too. Whose fault a failed attempt was (the worker's, for its circuit
+breaker, or the request's) is decided once the request has ended (`Proxy._charge`). A client
+that disconnects cancels the handler (aiohttp's handler cancellation), which closes the
+upstream connection, which makes the worker abort; the request counts as 499 in the metrics.
 
 A model served by prefill/decode pairs is handed to the pair dispatcher (`router.http.pd`,
 `PairDispatch`) once its namespace is known; it forwards the decode side's answer through
@@ -46,7 +48,7 @@ from router.http.decisions import DecisionStats
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
 from router.http.holding import HeldRequest, HeldRequests
 from router.http.intake import read_request
-from router.http.metrics import REQUEST_MODEL, RouterMetrics
+from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
 from router.http.upstream_client import (
     Origin,
@@ -141,10 +143,15 @@ def _none_routable(candidates: Sequence[Candidate]) -> str:
 class AttemptFailed(Exception):
     """An attempt that failed before any byte reached the client."""
 
-    def __init__(self, message: str, *, hard: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, hard: bool, status: int | None = None, sent: bool = True
+    ) -> None:
         super().__init__(message)
         self.hard = hard
         self.status = status  # the worker's HTTP status, when it answered one
+        # whether the worker got the request: a failure after it may be the request's own
+        # (`Proxy._charge`); one before it (no connection) is the worker's
+        self.sent = sent
 
 
 class AnswerHooks:
@@ -269,21 +276,29 @@ class Proxy:
     ) -> web.StreamResponse:
         started = obs.started
         config = self._config  # one config per request, whatever a reload does meanwhile
-        with obs.phase("parse"):
-            parsed = await read_request(request, endpoint, config, self._tokenizer)
+        try:
+            with obs.phase("parse"):
+                parsed = await read_request(request, endpoint, config, self._tokenizer)
+        except asyncio.CancelledError:
+            self._abandoned(request, endpoint)
+            raise
         planner = self._planner
         ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self.pairs is not None and self.pairs.applies(ns.model):
             return await self.pairs.handle(request, endpoint, parsed, ns, started)
         deadline = time.monotonic() + config.timeouts.request_s
-        with obs.phase("route"):
-            plan = planner.plan(parsed, ns)
-            if config.policy.hold_until_room:
-                plan = await self.hold_for_room(
-                    plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
-                )
-            obs.planned(plan, ns.model)
+        try:
+            with obs.phase("route"):
+                plan = planner.plan(parsed, ns)
+                if config.policy.hold_until_room:
+                    plan = await self.hold_for_room(
+                        plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
+                    )
+                obs.planned(plan, ns.model)
+        except asyncio.CancelledError:  # left while held for a worker with room
+            self._abandoned(request, endpoint)
+            raise
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
@@ -298,6 +313,8 @@ class Proxy:
             self._metrics.unindexed.labels(plan.unindexed).inc()
         failures: list[str] = []
         tried: set[str] = set()
+        # failures after the worker got the request, charged once its end says whose they were
+        sent_failures: list[tuple[str, bool]] = []
         attempts = 1 + config.limits.max_retries
         for attempt in range(attempts):
             if attempt:
@@ -332,14 +349,37 @@ class Proxy:
                     last_try=last_try,
                 )
             except AttemptFailed as exc:
-                planner.record_failure(candidate.worker, hard=exc.hard)
+                if exc.sent:
+                    sent_failures.append((candidate.worker, exc.hard))
+                else:
+                    planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
                 obs.failed(str(exc), exc.status)
                 failures.append(f"{candidate.worker}: {exc}")
                 continue
+            except asyncio.CancelledError:
+                # the client left before its answer was complete: counted where every proxied
+                # request is, by the worker serving it, as 499 (nginx's name)
+                self._metrics.record(
+                    endpoint.value,
+                    candidate.worker,
+                    CLIENT_CLOSED,
+                    len(parsed.tokens),
+                    candidate.matched_tokens,
+                    time.perf_counter() - started,
+                    ns.model,
+                )
+                self._charge(sent_failures, False, plan, tried)
+                raise
+            except Exception:  # the request ends here (its deadline passed, ...)
+                self._charge(sent_failures, False, plan, tried)
+                raise
             finally:
                 planner.finish(ticket)
+            if response.status >= 500:  # passed through on the last try: a failure too
+                sent_failures.append((candidate.worker, False))
+            self._charge(sent_failures, response.status < 500, plan, tried)
             self._metrics.record(
                 endpoint.value,
                 candidate.worker,
@@ -351,7 +391,48 @@ class Proxy:
             )
             obs.finish(response.status)
             return response
+        self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
+
+    def _abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
+        """Count a request its client left before any worker was sent it (read, or held)."""
+        model = request.get(REQUEST_MODEL, "")
+        self._metrics.rejected.labels(endpoint.value, CLIENT_CLOSED_ERROR, model).inc()
+
+    def _charge(
+        self, sent_failures: list[tuple[str, bool]], answered: bool, plan: Plan, tried: set[str]
+    ) -> None:
+        """Charge the circuit breakers with one request's failures after its workers got it
+        (`sent_failures`: worker, hard), once the request ended: `answered` (a worker answered
+        it below 500); `plan` its last plan and `tried` the workers it was sent to (whether a
+        routable worker it was never sent to remains).
+
+        A 5xx, a dropped connection or an answer that is not HTTP may be the request's fault
+        as much as the worker's: an engine that crashes on one prompt crashes on it on every
+        worker, and the retry carries it to each. Charged at once, one such request (a dropped
+        connection is a hard failure) would open every circuit of the model and the fleet
+        would answer 503 for `breaker.cooldown_s`. So:
+        - another worker answered it: the failures were the workers', each charged (a dropped
+          connection opens the circuit at once, a 5xx counts toward the threshold);
+        - it failed on every routable worker it could go to: the request's; nobody is charged
+          (one request never takes the last workers out of rotation);
+        - else (the retries ran out with routable workers untried, `max_retries = 0`): nobody
+          can tell, so its first worker is charged one ordinary failure, never a hard one. A
+          worker that fails every request still reaches the threshold over consecutive ones
+          (with too few retries to reach a healthy worker, nothing else would take it out); a
+          burst of such requests can at worst leave `max_retries + 1` workers in rotation.
+        A worker that is really gone refuses the connection: that is charged at once, the
+        request never reached it (`AttemptFailed.sent`). So is a worker that did not answer
+        within the request deadline (`forward`: one ordinary failure, and no retry).
+        """
+        if not sent_failures:
+            return
+        planner = self._planner
+        if answered:
+            for worker, hard in sent_failures:
+                planner.record_failure(worker, hard=hard)
+        elif any(c.worker not in tried for c in plan.ranked()):
+            planner.record_failure(sent_failures[0][0], hard=False)
 
     async def hold_for_room(
         self, plan: P, replan: Callable[[], P], side: Callable[[P], Plan], deadline: float
@@ -519,10 +600,10 @@ class Proxy:
         except UpstreamConnectTimeout as exc:
             # could not even connect in connect_s: the next worker may well answer
             ticket.withdraw = Withdraw.ALL
-            raise AttemptFailed(f"connect timeout: {exc}", hard=True) from exc
+            raise AttemptFailed(f"connect timeout: {exc}", hard=True, sent=False) from exc
         except UpstreamConnectError as exc:
             ticket.withdraw = Withdraw.ALL
-            raise AttemptFailed(str(exc), hard=True) from exc
+            raise AttemptFailed(str(exc), hard=True, sent=False) from exc
         except UpstreamDroppedError as exc:
             # it may have computed (and stored) the prompt before the connection dropped
             ticket.withdraw = Withdraw.PENDING
@@ -575,8 +656,8 @@ class Proxy:
                 last_try = hooks.passes_through(upstream.status, last_try)
             if not last_try:
                 raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
-            if hooks is None:  # passed through, but still a failure
-                self._planner.record_failure(candidate.worker, hard=False)
+            # passed through, but still a failure: `_route` charges it (`_charge`), the pair
+            # dispatcher in `passes_through`
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         # what the worker is predicted to reuse at admission; the index's raw answer beside it
@@ -682,6 +763,6 @@ class Proxy:
             # closes the upstream connection)
             self._planner.record_success(worker)
             raise
-        if upstream.status < 500:  # a streamed 5xx was counted as a failure in `_answer`
+        if upstream.status < 500:  # a streamed 5xx is a failure (`_route` charges it)
             self._planner.record_success(worker)
         return response

@@ -275,3 +275,30 @@ async def test_a_request_held_to_its_deadline_is_answered_with_nothing_committed
             status, _, _ = await task
             assert status == 200
         assert await _metric(fleet, "kvroute_holding_requests") == 0.0
+
+
+async def test_a_held_request_its_client_abandoned_is_counted() -> None:
+    """A client that gives up while its request is held (the fleet is full) never reached a
+    worker: it is counted with the requests the router ended itself, as ClientClosedRequest
+    (499), not lost from the metrics."""
+    async with _fleet(True, 1024) as (fleet, w0):
+        first = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (1, 2)]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        third = asyncio.create_task(fleet.post("/generate", prompt(3)))
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+        )
+        third.cancel()  # the client closes its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await third
+        name = 'kvroute_rejected_requests_total{endpoint="/generate",error="ClientClosedRequest"'
+
+        async def counted() -> bool:
+            return await _total(fleet, name) == 1.0
+
+        await eventually(counted, what="the abandoned one counted")
+        assert await _metric(fleet, "kvroute_holding_requests") == 0.0
+        for task in first:
+            status, _, _ = await task
+            assert status == 200
+        assert w0.ranks[0].load == (0, 0)

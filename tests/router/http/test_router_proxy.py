@@ -311,7 +311,12 @@ async def test_every_worker_failing_is_a_502_and_none_routable_a_503(
             error = (await resp.json())["error"]
             assert error["type"] == "UpstreamError"
             assert "a:" in error["message"] and "b:" in error["message"]
-        # dropped connections are hard failures: both circuits are open now
+        # dropped on every worker: the request's failure, no circuit opened
+        # (tests/router/http/test_router_blame.py); gone workers refuse, and that opens both
+        await a.stop()
+        await b.stop()
+        async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 502
         async with session.post(router.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 503
             assert (await resp.json())["error"]["type"] == "NoWorkerError"
@@ -653,23 +658,30 @@ async def test_without_the_proxy_there_is_no_direct_route(session: aiohttp.Clien
 async def test_streamed_5xx_answers_open_the_circuit_as_whole_ones_do(
     pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
 ) -> None:
-    a, _ = pair
+    a, b = pair
     a.mode = "sse-fail"
+    # no retries: each is its last try, passed through (and b routable: a failure of a
+    # request that reached one worker of several counts, `Proxy._charge`)
     config = _plain(
-        [("a", a.url)],
+        [("a", a.url), ("b", b.url)],
         breaker=BreakerConfig(failure_threshold=3, cooldown_s=30.0),
         health=HealthConfig(interval_s=60.0, timeout_s=0.5),
+        limits=LimitsConfig(max_retries=0),
     )
     async with RouterService(config) as router:
         body = {"prompt": "x", "stream": True}
-        for _ in range(3):  # one worker: each is its last try, passed through
+        for _ in range(60):  # ties are broken at random: until a was tried 3 times
             async with session.post(router.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 500
+                assert resp.status == (500 if resp.headers["x-kvroute-worker"] == "a" else 200)
                 await resp.read()
+            if len(a.bodies) == 3:
+                break
         entry = router.planner.pool.get("a")
         assert entry.breaker.state(router.planner.clock()) is BreakerState.OPEN
-        async with session.post(router.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 503
+        for _ in range(3):
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.headers["x-kvroute-worker"] == "b"
+                await resp.read()
 
 
 async def _raw_worker(head: bytes, body: bytes) -> asyncio.Server:

@@ -1,0 +1,255 @@
+"""Whose failure is it: circuit breakers against a request that fails on every worker, and the
+requests a client abandoned, in the request series. Real sockets: a scripted worker that
+misbehaves per request (header `x-bad-mode`, as the QA backend does), raw client connections
+closed mid-answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
+from router.routing.breaker import BreakerState
+from router.service import RouterService
+from tests.raw_http import request_bytes
+from tests.router.conftest import eventually, router_config
+
+_COMPLETIONS = "/v1/completions"
+
+
+class BadWorker:
+    """A worker whose answer to each completion request is named by its `x-bad-mode` header:
+    ok, 500 (a JSON error), drop (the connection closed unanswered: the engine crashed),
+    garbage (bytes that are not HTTP), slow (no answer for 30 s), stream (an endless SSE).
+    `mode@name` applies to the worker `name` only; the others answer it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.modes: list[str] = []  # the mode of each completion request, in order
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        mode, _, only = request.headers.get("x-bad-mode", "ok").partition("@")
+        if only and only != self.name:
+            mode = "ok"
+        self.modes.append(mode)
+        transport = request.transport
+        assert transport is not None
+        if mode == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if mode == "drop":
+            transport.close()
+            await asyncio.sleep(30)
+        if mode == "garbage":
+            transport.write(b"NOT HTTP AT ALL\r\n\r\n")
+            transport.close()
+            await asyncio.sleep(30)
+        if mode == "slow":
+            await asyncio.sleep(30)
+        if mode == "stream":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for n in range(3000):  # bounded: 30 s at most, the client leaves first
+                await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
+                await asyncio.sleep(0.01)
+            return resp
+        return web.json_response({"worker": self.name, "choices": [{"text": "hi"}]})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def __aenter__(self) -> BadWorker:
+        app = web.Application()
+        app.router.add_post(_COMPLETIONS, self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _config(workers: list[BadWorker], **overrides: object) -> RouterConfig:
+    # health rounds far apart: only requests move the breakers
+    fields: dict[str, object] = {"health": HealthConfig(interval_s=60.0, timeout_s=0.5)}
+    fields.update(overrides)
+    config = router_config([(w.name, w.url) for w in workers], **fields)
+    plain = tuple(msgspec.structs.replace(w, kv_events=False) for w in config.workers)
+    return msgspec.structs.replace(config, workers=plain)
+
+
+@pytest.fixture
+async def two() -> AsyncIterator[tuple[BadWorker, BadWorker]]:
+    async with BadWorker("a") as a, BadWorker("b") as b:
+        yield a, b
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def _post(session: aiohttp.ClientSession, router: RouterService, mode: str) -> int:
+    async with session.post(
+        router.url + _COMPLETIONS, json={"prompt": "x"}, headers={"x-bad-mode": mode}
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+def _state(router: RouterService, worker: str) -> BreakerState:
+    return router.planner.pool.get(worker).breaker.state(router.planner.clock())
+
+
+@pytest.mark.parametrize(("mode", "count"), [("drop", 1), ("garbage", 1), ("500", 3)])
+async def test_a_request_that_fails_on_every_worker_opens_no_circuit(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession, mode: str, count: int
+) -> None:
+    """An engine that crashes on one prompt crashes on it on every worker the retry carries it
+    to: that is the request's failure, and the fleet goes on serving everyone else."""
+    a, b = two
+    async with RouterService(_config([a, b])) as router:
+        for _ in range(count):
+            assert await _post(session, router, mode) in (500, 502)
+        assert a.modes == b.modes == [mode] * count  # each was retried on the other
+        assert _state(router, "a") is _state(router, "b") is BreakerState.CLOSED
+        assert [await _post(session, router, "ok") for _ in range(4)] == [200] * 4
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_a_worker_that_drops_a_request_another_answers_leaves_rotation_at_once(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """The other side: when a retry proves the request sound, the dropped connection was the
+    worker's (its process died), and that one request opens its circuit, as before."""
+    a, b = two
+    async with RouterService(_config([a, b], policy=PolicyConfig(name="round_robin"))) as router:
+        for _ in range(2):  # round robin: one of the two goes to a first
+            assert await _post(session, router, "drop@a") == 200
+            if a.modes:
+                break
+        assert a.modes == ["drop"]
+        assert _state(router, "a") is BreakerState.OPEN
+        assert _state(router, "b") is BreakerState.CLOSED
+
+
+async def test_a_worker_failing_what_another_answers_leaves_rotation_at_the_threshold(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    a, b = two
+    config = _config([a, b], breaker=BreakerConfig(failure_threshold=3, cooldown_s=30.0))
+    async with RouterService(config) as router:
+        for _ in range(60):  # ties are broken at random: until a was tried 3 times
+            assert await _post(session, router, "500@a") == 200
+            if len(a.modes) == 3:
+                break
+        assert a.modes == ["500"] * 3
+        assert _state(router, "a") is BreakerState.OPEN
+
+
+@pytest.mark.parametrize(("mode", "status"), [("drop@a", 502), ("500@a", 500)])
+async def test_without_retries_a_failing_worker_still_leaves_rotation(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession, mode: str, status: int
+) -> None:
+    """With `max_retries = 0` nothing tells the request's fault from the worker's: each such
+    request charges its worker one ordinary failure (never a hard one), so a worker that fails
+    every request still reaches the threshold; a 5xx passed through counts as one."""
+    a, b = two
+    config = _config(
+        [a, b],
+        limits=LimitsConfig(max_retries=0),
+        breaker=BreakerConfig(failure_threshold=3, cooldown_s=30.0),
+    )
+    async with RouterService(config) as router:
+        for _ in range(60):  # ties are broken at random: until a was sent 3
+            tried = len(a.modes)
+            got = await _post(session, router, mode)
+            assert got == (status if len(a.modes) > tried else 200)
+            if len(a.modes) == 1:
+                assert _state(router, "a") is BreakerState.CLOSED  # one is no proof
+            if len(a.modes) == 3:
+                break
+        assert len(a.modes) == 3
+        assert _state(router, "a") is BreakerState.OPEN
+
+
+async def _metrics(session: aiohttp.ClientSession, router: RouterService) -> dict[str, float]:
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+async def _abandon(
+    router: RouterService, body: dict[str, object], mode: str, *, wait_for: bytes
+) -> None:
+    """Send one request on a raw connection and close it once `wait_for` came back (b"": once
+    the worker has it, `seen` below)."""
+    host, port = "127.0.0.1", int(router.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        request_bytes(
+            b"POST",
+            _COMPLETIONS.encode(),
+            [(b"Content-Type", b"application/json"), (b"x-bad-mode", mode.encode())],
+            json.dumps(body).encode(),
+        )
+    )
+    await writer.drain()
+    if wait_for:
+        await asyncio.wait_for(reader.readuntil(wait_for), 5)
+    else:
+        await asyncio.sleep(0.3)  # the worker holds it unanswered
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def test_requests_their_clients_abandoned_count_as_499(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """A client that gives up (the fleet is slow) is counted where every proxied request is,
+    by the worker serving it and code 499, the time until it left in the latency: a whole
+    answer it waited for, and a stream that had delivered chunks already."""
+    a, _ = two
+    async with RouterService(_config([a])) as router:
+        before = await _metrics(session, router)
+        await _abandon(router, {"prompt": "x"}, "slow", wait_for=b"")
+        await _abandon(router, {"prompt": "x", "stream": True}, "stream", wait_for=b"data: ")
+        key = "kvroute_requests_total{code=499,endpoint=/v1/completions,model=m,worker=a}"
+        latency = "kvroute_request_duration_seconds_count{endpoint=/v1/completions,model=m}"
+
+        async def counted() -> bool:
+            return (await _metrics(session, router)).get(key) == 2.0
+
+        await eventually(counted, what="the two abandoned requests to be counted")
+        after = await _metrics(session, router)
+        assert after[latency] - before.get(latency, 0.0) == 2.0
+        assert a.modes == ["slow", "stream"]
