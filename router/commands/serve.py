@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     # ...and stop when that parent is gone, even if it was killed with no chance to say so
     parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    # ...which it is process i of: `process` label on its series, metrics on its own port
+    parser.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--metrics-port", type=tcp_port, help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -97,6 +100,8 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
         listen = msgspec.structs.replace(listen, host=args.host)
     if getattr(args, "port", None) is not None:
         listen = msgspec.structs.replace(listen, port=args.port)
+    if getattr(args, "metrics_port", None) is not None:
+        listen = msgspec.structs.replace(listen, metrics_port=args.metrics_port)
     policy = config.policy
     if getattr(args, "policy", None):
         policy = msgspec.structs.replace(policy, name=args.policy)
@@ -111,12 +116,13 @@ async def serve_until_stopped(
     exit_with_parent: bool = False,
     proxy: bool = True,
     config_source: ConfigSource | None = None,
+    process: int | None = None,
 ) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly; SIGHUP reloads
     `config_source` (the file `config` came from).
 
     `proxy=False` runs the index and its APIs without the generation endpoints
-    (`kvroute indexer`)."""
+    (`kvroute indexer`). `process`: which replica process of `--processes` this is."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.service import RouterService
 
@@ -127,7 +133,11 @@ async def serve_until_stopped(
             loop.add_signal_handler(sig, stop.set)
     orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
     async with RouterService(
-        config, reuse_port=reuse_port, proxy=proxy, config_source=config_source
+        config,
+        reuse_port=reuse_port,
+        proxy=proxy,
+        config_source=config_source,
+        process=process,
     ) as router:
         reloads: set[asyncio.Task[None]] = set()
 
@@ -146,6 +156,8 @@ async def serve_until_stopped(
                 f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"
             )
+            if router.metrics_url:
+                print(f"kvroute metrics on {router.metrics_url}")
             sys.stdout.flush()
         await stop.wait()
         with contextlib.suppress(NotImplementedError):
@@ -348,6 +360,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
                     exit_with_parent=getattr(args, "exit_with_parent", False),
                     proxy=proxy,
                     config_source=source,
+                    process=getattr(args, "process_index", None),
                 )
             )
     except ConfigError as exc:
