@@ -151,7 +151,13 @@ async def answer_errors(
         # echoed as on a proxied answer, so the client can match the refusal (a malformed
         # one is not: the router never repeats what it would not log)
         headers = {**(headers or {}), REQUEST_ID_HEADER: given_id}
-    return _error(status, kind, message, details, headers)
+    answer = _error(status, kind, message, details, headers)
+    if status == 413:
+        # a body refused part-read (chunked or compressed, past the limit): as a declared one
+        # (`router.http.listener`), the rest is drained for the client to read the answer,
+        # then the connection is closed, not kept for whoever sent that much
+        answer.force_close()
+    return answer
 
 
 def _route_label(request: web.Request) -> str:
