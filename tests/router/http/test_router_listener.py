@@ -326,9 +326,8 @@ async def test_a_chunked_body_over_the_limit_is_drained_then_the_connection_clos
     body = b'{"prompt": "' + b"x" * 2000 + b'", "max_tokens": 1}'
     chunks = b"".join(b"%x\r\n%s\r\n" % (500, body[i : i + 500]) for i in range(0, 2000, 500))
     chunked = chunks + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 2000, body[2000:])
-    head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )  # keep-alive: only the router may close it
+    # keep-alive (no Connection: close): only the router may close it
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     async with _router(max_body_bytes=1024) as router, _connect(router) as (reader, writer):
         writer.write(head + chunked)
         answer = await wait_eof(reader, 5)  # drained (2 s at most), then closed
