@@ -316,6 +316,26 @@ def configure_logging(level: str) -> None:
     )
 
 
+def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
+    """Say that `[fleet]` starts nothing here (once: not again by each --processes child).
+
+    configs/local.toml is `kvroute up`'s: served as it is, it gave a router of no workers whose
+    every request was a 503, and nothing said why."""
+    workers = len(config.workers)
+    log = logging.getLogger(__name__)
+    log.warning(
+        "%s has a [fleet] table: only `kvroute up --config %s` starts those workers; "
+        "`kvroute %s` routes to the config's [[workers]] (%d%s)",
+        path,
+        path,
+        verb,
+        workers,
+        ": every request is a 503 until workers are added through the admin API"
+        if not workers
+        else "",
+    )
+
+
 def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
     """Load the config and serve until interrupted."""
     configure_logging(args.log_level)
@@ -335,6 +355,8 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
         return 2
     try:
         config = apply_overrides(read_config(args.config), args)
+        if config.fleet is not None and not getattr(args, "reuse_port", False):
+            _warn_fleet_table(args.config, config, "serve" if proxy else "indexer")
         from router.http.reload import ConfigSource
 
         # a reload reads the file again with the same overrides (a --port stays the port)
