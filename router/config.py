@@ -63,6 +63,16 @@ class ListenConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     host: str = "127.0.0.1"
     port: Port = 8000
+    # a second port on `host` serving GET /metrics only (None: none). Under `kvroute serve
+    # --processes N` process i serves it on metrics_port + i: each is a scrape target of its
+    # own, where the shared port's /metrics answers from whichever process took the connection
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(
+                f"listen.metrics_port {self.metrics_port} is listen.port: give it a port of its own"
+            )
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -18,7 +18,7 @@ from router.config import RouterConfig
 from router.config_diff import ConfigDiff
 from router.errors import ConfigError
 from router.fleet.supervisor import Supervisor
-from router.http.app import create_app
+from router.http.app import create_app, create_metrics_app
 from router.http.keys import CLUSTER, CONFIG, INDEXER, PLANNER, RELOADER, SUPERVISOR
 from router.http.listener import GuardedServer, RouterRunner
 from router.http.reload import ConfigSource
@@ -43,15 +43,21 @@ class RouterService:
         tracer_provider: TracerProvider | None = None,
         proxy: bool = True,
         config_source: ConfigSource | None = None,
+        process: int | None = None,
     ) -> None:
         self.config = config
         # SO_REUSEPORT: several replica processes share one port (kvroute serve --processes)
         self._reuse_port = reuse_port
         # proxy=False: the index and its APIs only (`kvroute indexer`)
         self.app = create_app(
-            config, tracer_provider=tracer_provider, proxy=proxy, config_source=config_source
+            config,
+            tracer_provider=tracer_provider,
+            proxy=proxy,
+            config_source=config_source,
+            process=process,
         )
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._port: int | None = None
 
     async def __aenter__(self) -> RouterService:
@@ -86,13 +92,39 @@ class RouterService:
             if not started:
                 await runner.cleanup()
         self._runner = runner
+        if self.config.listen.metrics_port is not None:
+            try:
+                self._metrics_runner = await self._serve_metrics(self.config.listen.metrics_port)
+            except BaseException:
+                await self.__aexit__()
+                raise
         if isinstance(runner.server, GuardedServer):
             self.app[RELOADER].listener = runner.server  # a reload's limits for new connections
         address = runner.addresses[0]
         self._port = int(address[1])
         return self
 
+    async def _serve_metrics(self, port: int) -> web.AppRunner:
+        """GET /metrics alone on `port`: a scrape target that is this process, whichever
+        process of `--processes` the shared port would have handed the scrape to."""
+        runner = web.AppRunner(create_metrics_app(self.app), access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.config.listen.host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(
+                f"cannot serve metrics on {self.config.listen.host}:{port} "
+                f"({exc.strerror or exc}): choose another listen.metrics_port, or stop what "
+                "holds it",
+                key="listen.metrics_port",
+            ) from exc
+        return runner
+
     async def __aexit__(self, *exc: object) -> None:
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -117,6 +149,14 @@ class RouterService:
         elif ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self._port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Where `listen.metrics_port` serves /metrics ("" without one)."""
+        port = self.config.listen.metrics_port
+        if port is None:
+            return ""
+        return f"{self.url.rsplit(':', 1)[0]}:{port}/metrics"
 
     @property
     def planner(self) -> Planner:

@@ -4,6 +4,7 @@ WorkerError
 ├── RequestError       a request the HTTP API rejects (400): the message names the bad field
 ├── CacheBusyError     a full flush refused while requests hold cache pages (400, as SGLang)
 ├── PortRangeError     no free run of consecutive ports for the DP ranks' event streams
+├── PortTakenError     a fleet worker's HTTP port is another process's
 └── KvTransferError    a PD request's KV could not be handed over (502)
     └── KvTransferTimeoutError  the other side never came within kv_transfer_timeout_s (504)
 """
@@ -15,6 +16,7 @@ __all__ = [
     "KvTransferError",
     "KvTransferTimeoutError",
     "PortRangeError",
+    "PortTakenError",
     "RequestError",
     "WorkerError",
 ]
@@ -34,6 +36,10 @@ class CacheBusyError(WorkerError):
 
 class PortRangeError(WorkerError):
     """Consecutive ports for `dp_size` event streams could not be bound."""
+
+
+class PortTakenError(WorkerError):
+    """A fleet worker's HTTP port (its base + its index) is held by another process."""
 
 
 class KvTransferError(WorkerError):

@@ -18,11 +18,13 @@ to `kv@<id>` (`topic_template`, `{id}` substituted). Leaving the context stops e
 from __future__ import annotations
 
 import contextlib
+import errno
 from types import TracebackType
 
 import msgspec
 
 from workers.config import WorkerConfig
+from workers.errors import PortTakenError
 from workers.worker import KvEventsInfo, ReferenceWorker
 
 __all__ = ["Fleet", "FleetWorker"]
@@ -102,9 +104,16 @@ class Fleet:
     async def __aenter__(self) -> Fleet:
         try:
             for index in range(self.count):
-                worker = await self._stack.enter_async_context(
-                    ReferenceWorker(self.worker_config(index))
-                )
+                config = self.worker_config(index)
+                try:
+                    worker = await self._stack.enter_async_context(ReferenceWorker(config))
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or not config.port:
+                        raise
+                    # said by worker and port: the bind's own words name neither
+                    raise PortTakenError(
+                        f"{self._id_prefix}{index}'s HTTP port {config.port} is taken"
+                    ) from exc
                 self.workers.append(
                     FleetWorker(
                         id=f"{self._id_prefix}{index}",

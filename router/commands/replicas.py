@@ -11,6 +11,12 @@ trouble is never the others'.
 
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
+
+Metrics are per process (each counts the requests it served). Child i labels every series
+`process="i"` (its index, kept across its restarts, so a restart reads as a counter reset of
+its own series), and with `listen.metrics_port` P serves /metrics alone on P + i: one scrape
+target per process. The shared port's /metrics answers from whichever child took the
+connection, so a scrape of it sees one process's series at a time.
 """
 
 from __future__ import annotations
@@ -45,6 +51,22 @@ def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, 0))
     return sock, int(sock.getsockname()[1])
+
+
+def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
+    """The metrics port of each child (`listen.metrics_port` + its index), checked."""
+    base = config.listen.metrics_port
+    if base is None:
+        return [None] * processes
+    ports = list(range(base, base + processes))
+    if ports[-1] > 65535 or config.listen.port in ports:
+        raise ConfigError(
+            f"listen.metrics_port {base}: {processes} processes serve metrics on ports "
+            f"{base}-{base + processes - 1}, which must be below 65536 and must not hold "
+            f"listen.port {config.listen.port}",
+            key="listen.metrics_port",
+        )
+    return list(ports)
 
 
 class _Child:
@@ -161,6 +183,7 @@ async def serve_processes(
     if not config.admin.fingerprint_key and not env.get(FINGERPRINT_KEY_ENV):
         # one key for all: a namespace id one replica lists is the id another evicts by
         env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
+    metrics_ports = _metrics_ports(config, processes)
     holder, port = _reserve(config.listen.host, config.listen.port)
     cmd = [
         sys.executable, "-m", "router.commands.cli", verb,
@@ -172,7 +195,19 @@ async def serve_processes(
         "--reuse-port",
         "--exit-with-parent",
     ]  # fmt: skip
-    children = [_Child(i, cmd, env) for i in range(processes)]
+    children = [
+        _Child(
+            i,
+            [
+                *cmd,
+                "--process-index",
+                str(i),
+                *(["--metrics-port", str(metrics_ports[i])] if metrics_ports[i] else []),
+            ],
+            env,
+        )
+        for i in range(processes)
+    ]
 
     def hangup() -> None:
         # every replica reloads the file itself (its worker changes meet in the shared fleet)
@@ -192,6 +227,18 @@ async def serve_processes(
             f"listening on {', '.join(sorted(urls))}"
             f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.shown_servers)}"
         )
+        if metrics_ports[0] is not None:
+            host = next(iter(urls)).rsplit(":", 1)[0]
+            announce(
+                f"kvroute: metrics of each process (label process=0..{processes - 1}) on "
+                + ", ".join(f"{host}:{p}/metrics" for p in metrics_ports)
+            )
+        else:
+            announce(
+                "kvroute: /metrics answers from one process per connection (its series "
+                f"labelled process=0..{processes - 1}): set listen.metrics_port for a scrape "
+                "target per process"
+            )
         sys.stdout.flush()
         async with asyncio.TaskGroup() as group:
             keepers = [group.create_task(_keep(child)) for child in children]

@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     # ...and stop when that parent is gone, even if it was killed with no chance to say so
     parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    # ...which it is process i of: `process` label on its series, metrics on its own port
+    parser.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--metrics-port", type=tcp_port, help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -97,6 +100,8 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
         listen = msgspec.structs.replace(listen, host=args.host)
     if getattr(args, "port", None) is not None:
         listen = msgspec.structs.replace(listen, port=args.port)
+    if getattr(args, "metrics_port", None) is not None:
+        listen = msgspec.structs.replace(listen, metrics_port=args.metrics_port)
     policy = config.policy
     if getattr(args, "policy", None):
         policy = msgspec.structs.replace(policy, name=args.policy)
@@ -111,12 +116,13 @@ async def serve_until_stopped(
     exit_with_parent: bool = False,
     proxy: bool = True,
     config_source: ConfigSource | None = None,
+    process: int | None = None,
 ) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly; SIGHUP reloads
     `config_source` (the file `config` came from).
 
     `proxy=False` runs the index and its APIs without the generation endpoints
-    (`kvroute indexer`)."""
+    (`kvroute indexer`). `process`: which replica process of `--processes` this is."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.service import RouterService
 
@@ -127,7 +133,11 @@ async def serve_until_stopped(
             loop.add_signal_handler(sig, stop.set)
     orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
     async with RouterService(
-        config, reuse_port=reuse_port, proxy=proxy, config_source=config_source
+        config,
+        reuse_port=reuse_port,
+        proxy=proxy,
+        config_source=config_source,
+        process=process,
     ) as router:
         reloads: set[asyncio.Task[None]] = set()
 
@@ -146,6 +156,8 @@ async def serve_until_stopped(
                 f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"
             )
+            if router.metrics_url:
+                print(f"kvroute metrics on {router.metrics_url}")
             sys.stdout.flush()
         await stop.wait()
         with contextlib.suppress(NotImplementedError):
@@ -304,6 +316,26 @@ def configure_logging(level: str) -> None:
     )
 
 
+def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
+    """Say that `[fleet]` starts nothing here (once: not again by each --processes child).
+
+    configs/local.toml is `kvroute up`'s: served as it is, it gave a router of no workers whose
+    every request was a 503, and nothing said why."""
+    workers = len(config.workers)
+    log = logging.getLogger(__name__)
+    log.warning(
+        "%s has a [fleet] table: only `kvroute up --config %s` starts those workers; "
+        "`kvroute %s` routes to the config's [[workers]] (%d%s)",
+        path,
+        path,
+        verb,
+        workers,
+        ": every request is a 503 until workers are added through the admin API"
+        if not workers
+        else "",
+    )
+
+
 def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
     """Load the config and serve until interrupted."""
     configure_logging(args.log_level)
@@ -323,6 +355,8 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
         return 2
     try:
         config = apply_overrides(read_config(args.config), args)
+        if config.fleet is not None and not getattr(args, "reuse_port", False):
+            _warn_fleet_table(args.config, config, "serve" if proxy else "indexer")
         from router.http.reload import ConfigSource
 
         # a reload reads the file again with the same overrides (a --port stays the port)
@@ -348,6 +382,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
                     exit_with_parent=getattr(args, "exit_with_parent", False),
                     proxy=proxy,
                     config_source=source,
+                    process=getattr(args, "process_index", None),
                 )
             )
     except ConfigError as exc:

@@ -32,7 +32,7 @@ from workers.command import (
     describe_kv_events,
     wait_for_shutdown,
 )
-from workers.errors import WorkerError
+from workers.errors import PortTakenError, WorkerError
 from workers.fleet import Fleet
 
 __all__ = ["add_arguments", "describe_fleet", "run"]
@@ -296,6 +296,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         run_loop(_serve(_fleets(args), router, args.replicas))  # uvloop, as `serve`
+    except PortTakenError as exc:
+        print(
+            f"kvroute up: {exc}: choose another --worker-port-base (worker i listens on base + "
+            "i; 0 picks free ports), or stop what holds it",
+            file=sys.stderr,
+        )
+        return 2
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2

@@ -281,6 +281,7 @@ class Supervisor:
         for stream in streams:
             other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
             if other is not None:
+                entry.same_stream_as = other  # not routed: one engine, one candidate
                 # one publisher is one engine's cache: two workers on it would each be
                 # predicted the other's pages (false hits)
                 raise RequestError(
@@ -288,6 +289,7 @@ class Supervisor:
                     f"are worker {other}'s stream already; fix `events` in its config (not "
                     "subscribed until then)"
                 )
+        entry.same_stream_as = None
         return streams
 
     async def _settings(self, entry: WorkerEntry, spec: EngineSpec) -> dict[str, Any] | None:

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from router.routing.pool import WorkerEntry
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "create_metrics_app"]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,13 @@ async def answer_errors(
         # echoed as on a proxied answer, so the client can match the refusal (a malformed
         # one is not: the router never repeats what it would not log)
         headers = {**(headers or {}), REQUEST_ID_HEADER: given_id}
-    return _error(status, kind, message, details, headers)
+    answer = _error(status, kind, message, details, headers)
+    if status == 413:
+        # a body refused part-read (chunked or compressed, past the limit): as a declared one
+        # (`router.http.listener`), the rest is drained for the client to read the answer,
+        # then the connection is closed, not kept for whoever sent that much
+        answer.force_close()
+    return answer
 
 
 def _route_label(request: web.Request) -> str:
@@ -357,12 +363,15 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     proxy: bool = True,
     config_source: ConfigSource | None = None,
+    process: int | None = None,
 ) -> web.Application:
     """The router application for `config` (resources open when the app starts).
 
     `tracer_provider`: trace with this OpenTelemetry provider (tests), whatever the config says.
     `proxy=False`: the index and its APIs without the generation endpoints (`kvroute indexer`).
     `config_source`: the file `config` was read from, read again on a reload.
+    `process`: which replica process of `kvroute serve --processes` this is, the `process`
+    label on every series of /metrics (each process counts its own).
     """
     token = config.admin_token()
     if config.admin.enabled and not token and not is_loopback(config.listen.host):
@@ -376,7 +385,7 @@ def create_app(
     app[CONFIG] = LiveConfig(config)
     if config_source is not None:
         app[CONFIG_SOURCE] = config_source
-    app[METRICS] = RouterMetrics()
+    app[METRICS] = RouterMetrics(labels=None if process is None else {"process": str(process)})
     app[TOKENIZER] = build_tokenizer(config.tokenizer)
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
     operations.install(app, config, tracer_provider)  # decision metrics, tracing
@@ -394,6 +403,14 @@ def create_app(
         add_dashboard_routes(app, token)  # behind the admin token too (router.http.dashboard)
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_tokenizer_threads)
+    return app
+
+
+def create_metrics_app(router: web.Application) -> web.Application:
+    """GET /metrics of `router` alone (`listen.metrics_port`): no proxy, no admin API."""
+    app = web.Application()
+    app[METRICS] = router[METRICS]
+    app.router.add_get("/metrics", metrics)
     return app
 
 

@@ -191,12 +191,47 @@ class _Cluster(Collector):
         """Nothing until a cluster exports: a lone router has no such series."""
         return iter(())
 
+    # the running totals among them: counters (`_total`), so rate() reads them as counts
+    _COUNTERS: ClassVar[frozenset[str]] = frozenset(
+        (
+            "decisions_published",
+            "decisions_applied",
+            "decisions_unmatched_pages",
+            "decisions_dropped",
+        )
+    )
+
     def collect(self) -> Iterator[Metric]:
-        """One gauge per value the cluster reports."""
+        """One series per value the cluster reports: a counter for a running total, a gauge
+        for a state."""
         for name, value in self.source().items():
-            family = GaugeMetricFamily(f"kvroute_cluster_{name}", self._HELP.get(name, name))
+            family: CounterMetricFamily | GaugeMetricFamily
+            text = self._HELP.get(name, name)
+            if name in self._COUNTERS:
+                family = CounterMetricFamily(f"kvroute_cluster_{name}", text)
+            else:
+                family = GaugeMetricFamily(f"kvroute_cluster_{name}", text)
             family.add_metric([], value)
             yield family
+
+
+class _Labelled:
+    """A registry's metrics with constant labels added to every sample (`process` under
+    `kvroute serve --processes`): each process's series are its own, never one series whose
+    value jumps between the processes' totals."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self._registry = registry
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        """The registry's metrics, every sample with the labels."""
+        for metric in self._registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [
+                s._replace(labels={**s.labels, **self._labels}) for s in metric.samples
+            ]
+            yield labelled
 
 
 class _Proxied(Collector):
@@ -301,9 +336,15 @@ class _Proxied(Collector):
 class RouterMetrics:
     """Every metric the router exports."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        """`labels`: constant labels on every series (a replica process's `process`)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self._exported: CollectorRegistry | _Labelled = _Labelled(r, labels) if labels else r
         # the series every proxied request counts in (`record`)
         self._proxied = _Proxied()
         r.register(self._proxied)
@@ -384,7 +425,7 @@ class RouterMetrics:
         """The text exposition format."""
         if self._removed:
             self._drop_late_answers()
-        return generate_latest(self.registry)
+        return generate_latest(self._exported)
 
     def export_routable(self, routable: Callable[[], Mapping[str, bool]]) -> None:
         """Export `routable()` (whether each worker takes new requests now) as

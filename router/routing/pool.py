@@ -46,6 +46,10 @@ class WorkerStatus(enum.StrEnum):
     # added at run time (admin API, reload, another replica) and not yet registered and
     # health-checked: sent nothing until then (`Supervisor.add`)
     CHECKING = "checking"
+    # its KV events are another worker's stream (refused when it registered): the same server
+    # under another URL (`localhost` for `127.0.0.1`), or a copy-pasted `events`. Routed, it
+    # would be a second candidate for one engine, with half its load each
+    DUPLICATE = "duplicate"
     UNHEALTHY = "unhealthy"  # last health check failed
     CIRCUIT_OPEN = "circuit_open"
     DRAINING = "draining"
@@ -89,6 +93,9 @@ class WorkerEntry:
         self.breaker = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s)
         # set once the worker's streams are registered with the indexer
         self.streams: list[str] = []
+        # the worker whose KV-event stream this one's is, while that refuses its registration
+        # (`WorkerStatus.DUPLICATE`: not routed)
+        self.same_stream_as: str | None = None
         # the names it serves, its cache's first: the config's, else set when it registers
         # (None until then, () when it advertises none)
         self.models: tuple[str, ...] | None = config.served_models or None
@@ -120,6 +127,8 @@ class WorkerEntry:
             return WorkerStatus.DRAINING
         if not self.checked:
             return WorkerStatus.CHECKING
+        if self.same_stream_as is not None:
+            return WorkerStatus.DUPLICATE
         if not self.healthy:
             return WorkerStatus.UNHEALTHY
         if not self.breaker.allows(now):

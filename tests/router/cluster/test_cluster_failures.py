@@ -69,7 +69,7 @@ async def test_nats_down_at_start_serves_degraded_then_resyncs(
                 await eventually(ok, what="the replica to resync once NATS is up")
                 exported = await _metrics(session, a)
                 assert "kvroute_cluster_degraded 0.0" in exported
-                assert "kvroute_cluster_decisions_unmatched_pages 0.0" in exported  # agreed
+                assert "kvroute_cluster_decisions_unmatched_pages_total 0.0" in exported  # agreed
                 assert _lines(caplog, "cluster resynced") == 1
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.cluster.server import NatsServer
 from tests.router.commands.test_router_up_cli import _read_until
 from tests.subprocesses import ends_on_sigint
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 
 async def _kvroute(*args: str) -> asyncio.subprocess.Process:
@@ -153,3 +157,77 @@ async def test_a_failed_restart_is_retried_while_the_other_child_serves(tmp_path
             assert kept in after and killed not in after  # the restarted child is a new replica
         out = "".join(lines) + (await proc.stdout.read()).decode(errors="replace")
         assert "s3cret-pass" not in out and "kvuser" not in out
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (two processes' metrics ports)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port >= 65535:
+                continue
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two consecutive free ports")
+
+
+async def _requests_total(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """kvroute_requests_total summed per `process` label; every sample must carry one."""
+    async with session.get(url) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert "process" in sample.labels, sample
+            if sample.name == "kvroute_requests_total":
+                process = sample.labels["process"]
+                totals[process] = totals.get(process, 0.0) + sample.value
+    return totals
+
+
+async def test_each_process_has_its_own_metrics_series_and_port(tmp_path: Path) -> None:
+    """Behind one SO_REUSEPORT port each scrape lands on some process: unlabelled, one
+    series jumped between the processes' own totals (12, 8, 12...), each drop a counter
+    reset to Prometheus. Each process's series are labelled, and served on a port of its own."""
+    base = _free_port_pair()
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        config.write_text(
+            f"[listen]\nport = 0\nmetrics_port = {base}\n[cluster]\nurl = '{nats.url}'\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+        )
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc), aiohttp.ClientSession() as session:
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            said = await asyncio.wait_for(_read_until(proc.stdout, "metrics of each", lines), 5)
+            assert f":{base}/metrics" in said and f":{base + 1}/metrics" in said, said
+            body = {"model": "m", "prompt": "count me", "max_tokens": 1}
+            for _ in range(20):  # new connections: the kernel spreads them over both
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                    s.post(router + "/v1/completions", json=body) as resp,
+                ):
+                    assert resp.status == 200, await resp.text()
+            ports = [f"http://127.0.0.1:{port}/metrics" for port in (base, base + 1)]
+            first = [await _requests_total(session, url) for url in ports]
+            # each port is one process, under its own label, the same on every scrape
+            assert set(first[0]) <= {"0"} and set(first[1]) <= {"1"}, first
+            assert sum(v for t in first for v in t.values()) == 20, first
+            for _ in range(3):
+                assert [await _requests_total(session, url) for url in ports] == first
+            # the shared port answers from one process or the other, labelled as such
+            for _ in range(6):
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                ):
+                    shared = await _requests_total(s, router + "/metrics")
+                    assert len(shared) <= 1 and all(shared[p] == first[int(p)][p] for p in shared)

@@ -58,6 +58,28 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
             await proc.wait()
 
 
+async def test_a_fleet_table_is_said_to_start_nothing_here(tmp_path: Path) -> None:
+    """`kvroute serve --config configs/local.toml` ignored its [fleet] without a word: a router
+    of no workers, every request a 503."""
+    config = tmp_path / "local.toml"
+    config.write_text("[listen]\nport = 0\n[fleet]\nworkers = 2\n")
+    proc = await _run("--config", str(config))
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert "listening on" in line
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    warnings = [x for x in err.decode().splitlines() if "WARNING" in x and "[fleet]" in x]
+    assert len(warnings) == 1, err.decode()
+    assert f"kvroute up --config {config}" in warnings[0] and "[[workers]] (0:" in warnings[0]
+
+
 async def test_the_event_loop_is_chosen_by_name_or_refused(tmp_path: Path) -> None:
     config = tmp_path / "router.toml"
     config.write_text("[listen]\nport = 0\n")

@@ -6,6 +6,7 @@ import asyncio
 import json
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -104,6 +105,30 @@ async def test_an_unknown_fleet_key_is_refused(tmp_path: Path, alone: list[str])
                 proc.kill()
                 await proc.wait()
         assert proc.returncode == 2 and said in err
+
+
+async def test_a_taken_worker_port_names_the_option_that_moves_it() -> None:
+    """The default base (31000) may be taken on a shared host: the bare bind error named no
+    option, where a taken router port names --router-port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "up", "--workers", "1",
+            "--worker-port-base", str(port), "--router-port", "0", "--time-scale", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    said = err.decode()
+    assert proc.returncode == 2, said
+    assert f"worker-0's HTTP port {port} is taken" in said and "--worker-port-base" in said
+    assert "Traceback" not in said
 
 
 async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Path) -> None:

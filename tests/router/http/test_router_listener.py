@@ -320,6 +320,22 @@ async def test_a_chunked_or_compressed_body_over_the_limit_is_a_413_naming_the_l
             assert "Maximum request body size" not in error["message"]
 
 
+async def test_a_chunked_body_over_the_limit_is_drained_then_the_connection_closed() -> None:
+    """As a declared one is (docs/router.md, "draining a refused body"): the 413 said nothing
+    of closing, and the connection stayed open for the next request once its body was read."""
+    body = b'{"prompt": "' + b"x" * 2000 + b'", "max_tokens": 1}'
+    chunks = b"".join(b"%x\r\n%s\r\n" % (500, body[i : i + 500]) for i in range(0, 2000, 500))
+    chunked = chunks + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 2000, body[2000:])
+    # keep-alive (no Connection: close): only the router may close it
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with _router(max_body_bytes=1024) as router, _connect(router) as (reader, writer):
+        writer.write(head + chunked)
+        answer = await wait_eof(reader, 5)  # drained (2 s at most), then closed
+    (response,) = parse_responses(answer)
+    assert response.status == 413 and json_error(response)["type"] == "PayloadTooLargeError"
+    assert response.headers.get("connection", "").lower() == "close", response.headers
+
+
 async def test_a_body_in_an_encoding_the_router_cannot_decode_is_a_415() -> None:
     """An unknown Content-Encoding was read as if the body were not encoded, and forwarded
     without the header: a worker got bytes labelled as something else."""
