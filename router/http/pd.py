@@ -333,7 +333,12 @@ class PairDispatcher:
             last_try = attempt == attempts - 1
             first = attempt == 0
             p_ticket = pairs.commit_prefill(
-                ns, parsed.tokens, prefill, first_try=first, keyed=parsed.keyed
+                ns,
+                parsed.tokens,
+                prefill,
+                first_try=first,
+                keyed=parsed.keyed,
+                stores_prompt=parsed.reuse_limit != 0,  # as the proxy's `commit`
             )
             d_ticket = pairs.commit_decode(
                 ns,

@@ -103,6 +103,7 @@ class PairPlanner:
         *,
         first_try: bool,
         keyed: Sequence[KeyedItem] = (),
+        stores_prompt: bool = True,
     ) -> Ticket:
         """The prefill side is committed like any request: pending marks, policy, load. It
         makes the first token only (SGLang's prefill side sets `max_new_tokens` to 1)."""
@@ -113,6 +114,7 @@ class PairPlanner:
             first_try=first_try,
             output_tokens=PREFILL_OUTPUT_TOKENS,
             keyed=keyed,
+            stores_prompt=stores_prompt,
         )
 
     def commit_decode(

@@ -446,16 +446,23 @@ class Planner:
         first_try: bool,
         output_tokens: int | None = None,
         keyed: Sequence[KeyedItem] = (),
+        stores_prompt: bool = True,
     ) -> Ticket:
         """Record that the request goes to `candidate`; returns its load ticket.
 
         Pending marks and load go to the candidate's rank only (with no rank, the engine picks:
         the marks go on every stream of the worker). `output_tokens`: the output the request
         may generate there (None: not known). `keyed`: a batch's other items with an
-        extra_key (`shadow`)."""
+        extra_key (`shadow`). `stores_prompt` False: the engine may store the prompt under
+        other keys than these tokens' (a request that can reuse nothing the router can
+        predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending."""
         if first_try:
             self.policy.record(tokens, candidate.target)
-        marked = self.policy.marks_pending and self.indexer.has_worker(candidate.worker)
+        marked = (
+            stores_prompt
+            and self.policy.marks_pending
+            and self.indexer.has_worker(candidate.worker)
+        )
         pending: list[tuple[str, int]] = []
         if marked:
             pending = self.indexer.add_pending(

@@ -8,6 +8,7 @@ SGLang refuses it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -83,3 +84,35 @@ async def test_a_batch_whose_salt_list_does_not_fit_is_refused_by_the_router(
             "sampling_params": {"max_new_tokens": 1},
         }
         assert (await fleet.post("/generate", body))[0] == 200
+
+
+async def test_a_request_that_can_reuse_nothing_marks_nothing_pending() -> None:
+    """A request whose prompt the engine may store under other keys than the router's tokens
+    (media, a cut prompt, embeddings; `reuse_limit` 0) marked its tokens pending all the same:
+    while it ran, a sibling was predicted a prefix the worker was not making (vLLM's
+    `truncate_prompt_tokens` keeps the prompt's end: 272 tokens predicted, none there)."""
+    # a prefill of about 1.6 s: its pages are stored (and their events sent) only after it
+    cfg = ReferenceConfig(page_size=16, prefill_ms_per_token=5.0)
+    async with ReferenceWorker(cfg) as w0, aiohttp.ClientSession() as session:
+        config = router_config([("w0", w0.url)])
+        async with RouterService(config) as router:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            plain = {"input_ids": IDS, "cache_salt": "t"}
+            # return_logprob from the first token: nothing the router predicts is reused
+            capped = {
+                **plain,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1},
+            }
+            running = asyncio.create_task(fleet.post("/generate", capped))
+
+            async def admitted() -> bool:
+                _, workers = await fleet.admin("GET", "/workers")
+                return bool(workers["workers"][0]["running"] == 1)
+
+            await eventually(admitted, what="the capped request to run")
+            assert await _pending(fleet, plain) == {"w0": 0}
+            status, _, _ = await running
+            assert status == 200
