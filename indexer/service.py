@@ -90,7 +90,9 @@ class IndexerService:
         self.config = config or IndexerConfig()
         self._clock = clock
         self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
-        self._subs = Subscriptions(self.config, on_applied=self._on_applied, clock=clock)
+        self._subs = Subscriptions(
+            self.config, on_applied=self._on_applied, on_restart=self._on_restart, clock=clock
+        )
         self._workers = self._subs.by_worker  # worker -> its subscribers (the one dict)
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
@@ -106,6 +108,9 @@ class IndexerService:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
         self._loaded_at: float | None = None  # when a snapshot was last loaded (`load`)
+        # told the worker whose stream saw its publisher restart (the router re-reads the
+        # worker's settings: `router.fleet.supervisor`); synchronous, so each must be quick
+        self.restart_listeners: list[Callable[[str], None]] = []
 
     async def __aenter__(self) -> IndexerService:
         await self._subs.__aenter__()
@@ -448,6 +453,10 @@ class IndexerService:
         self._matches.invalidate()
 
     # -------------------------------------------------------------- waiting
+
+    def _on_restart(self, worker: str) -> None:
+        for listener in self.restart_listeners:
+            listener(worker)
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)

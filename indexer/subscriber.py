@@ -137,6 +137,7 @@ class StreamSubscriber:
         settings: IndexerConfig | None = None,
         *,
         on_applied: Callable[[str, int], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -146,6 +147,7 @@ class StreamSubscriber:
         self.settings = settings or IndexerConfig()
         self._ctx = ctx
         self._on_applied = on_applied
+        self._on_restart = on_restart  # told the worker when its publisher restarted
         self._clock = clock
         self._topic = config.topic.encode()
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
@@ -407,7 +409,7 @@ class StreamSubscriber:
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
-            self.restarts += 1
+            self._restarted()
             if prev_live is None and replayed[1] is not None:
                 # below what a replay gave before any live batch: a new process, or a replay
                 # answer that was not the publisher's buffer (a corrupt seq far ahead, which
@@ -802,13 +804,21 @@ class StreamSubscriber:
 
     def _restart(self, reason: str) -> None:
         """The publisher restarted (or may have): drop the stream's state, rebuild from 0."""
-        self.restarts += 1
+        self._restarted()
         # until a live batch follows on what the new process buffers, live batches of the one
         # before it may still arrive (queued on our socket before it died): never its seqs
         self._after_restart = True
         self._clear(reason)
         self.tracker.reset()
         self.sink.forget_seq()
+
+    def _restarted(self) -> None:
+        """Count a restart and say so (`on_restart`): a new process on the same ports may run
+        other settings (dp ranks, page size) than the one its worker was registered with, and
+        no health probe need have seen it down (a quick restart, a pod behind a stable URL)."""
+        self.restarts += 1
+        if self._on_restart is not None:
+            self._on_restart(self.worker)
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""

@@ -33,10 +33,12 @@ class Subscriptions:
         settings: IndexerConfig,
         *,
         on_applied: Callable[[str, int], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self._on_applied = on_applied
+        self._on_restart = on_restart
         self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
         self.by_worker: dict[str, list[StreamSubscriber]] = {}
@@ -86,6 +88,7 @@ class Subscriptions:
                     self._ctx,
                     self.settings,
                     on_applied=self._on_applied,
+                    on_restart=self._on_restart,
                     clock=self._clock,
                 )
             )

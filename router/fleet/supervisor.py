@@ -5,8 +5,11 @@ serves from its config, its `/server_info` or its `/v1/models`; once known they 
 with the indexer and the pool. Workers from the config whose server is not up yet are retried
 on every health round, so the router may start before its fleet. A worker whose health comes
 back (maybe a new process, maybe serving another model) has its models read again, and is
-registered anew if they changed. Health rounds run every `health.interval_s` and probe all
-workers concurrently, each with its own timeout.
+registered anew if they changed; so is a worker whose KV-event stream shows its publisher
+restarted (`IndexerService.restart_listeners`), or whose engine refused a rank the router told
+it (`reread`): a process restarted between two probes, or replaced behind a stable URL, never
+looks down to the health check, yet may run other dp ranks. Health rounds run every
+`health.interval_s` and probe all workers concurrently, each with its own timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ from router.routing.pool import WorkerEntry, WorkerPool
 __all__ = ["Supervisor", "WorkerGauges"]
 
 log = logging.getLogger(__name__)
+
+# a restarted worker's settings are read again this many times, `health.timeout_s` apart, while
+# its server does not answer yet (its events may be up before its HTTP server); then on each
+# health round until read
+_REREAD_TRIES = 10
 
 
 class WorkerGauges(Protocol):
@@ -163,6 +171,11 @@ class Supervisor:
         self._registering: dict[int, asyncio.Task[None]] = {}
         # the entries an `add` is registering (by id()): not checked by the rounds meanwhile
         self._adding: set[int] = set()
+        # per worker entry, the re-read of its settings under way (`rereading`)
+        self._rereading: dict[int, asyncio.Task[bool]] = {}
+        # workers that restarted and whose settings could not be read since (`_reread`)
+        self._stale: set[str] = set()
+        indexer.restart_listeners.append(self._stream_restarted)
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
@@ -309,19 +322,20 @@ class Supervisor:
             )
             return None
 
-    async def _recheck_settings(self, entry: WorkerEntry) -> bool:
+    async def _recheck_settings(self, entry: WorkerEntry) -> bool | None:
         """Read a returning worker's server info again: it may be a new process with other
         settings on the same ports. Its KV capacity and concurrency are taken; another set of
-        streams (dp ranks, ports) or page size registers it anew. Returns whether it did.
-        Before, the first process's settings stayed: requests named ranks it no longer had
-        (400s), and the forecast counted a pool it no longer had (false hits)."""
+        streams (dp ranks, ports) or page size registers it anew. Returns whether it did (None:
+        its settings could not be read). Before, the first process's settings stayed:
+        requests named ranks it no longer had (400s), and the forecast counted a pool it no
+        longer had (false hits)."""
         spec = engine_spec(entry.config.engine)
         if not spec.server_info_paths:
             return False
         try:
             info = await self.server_info(entry.url, spec)
         except RequestError:
-            return False  # not readable: what was known stays (the next return tries again)
+            return None  # not readable: what was known stays (`_reread` tries again)
         if self._pool.find(entry.id) is not entry:
             return False
         entry.capacity_tokens = capacity_from_server_info(info)
@@ -348,22 +362,82 @@ class Supervisor:
             self._refused(entry, exc)
         return True
 
-    async def _recheck_models(self, entry: WorkerEntry) -> None:
-        """Read a returning worker's models again; register it anew when they changed."""
+    async def _recheck_models(self, entry: WorkerEntry) -> bool:
+        """Read a returning worker's models again; register it anew when they changed
+        (returns whether it did)."""
         if entry.config.served_models:
-            return  # configured: nothing to rediscover
+            return False  # configured: nothing to rediscover
         spec = engine_spec(entry.config.engine)
         try:
             models = await self.served_models(entry, spec, None)
         except RequestError as exc:
             log.warning("worker %s: %s", entry.id, exc)
-            return
+            return False
         if models != entry.models and self._pool.find(entry.id) is entry:
             log.warning("worker %s now serves %s", entry.id, ", ".join(models) or "no model")
             try:
                 await self.register(entry)  # its cache is another model's: new streams
             except RequestError as exc:
                 log.warning("worker %s: %s", entry.id, exc)
+            return True
+        return False
+
+    def _stream_restarted(self, worker: str) -> None:
+        """A stream of `worker` saw its publisher restart (`IndexerService.restart_listeners`):
+        its settings are read again. Before, only a health probe that saw it down and up did
+        that: a worker restarted between two probes with other dp ranks kept its old ranks for
+        good (requests named a rank it no longer had: 400s; or its new ranks were predicted
+        from rank 0's events: false hits)."""
+        entry = self._pool.find(worker)
+        if entry is None or not entry.discovered or id(entry) in self._adding:
+            return  # its registration, under way or to come, reads them
+        self._stale.add(worker)
+        self.rereading(entry)
+
+    def rereading(self, entry: WorkerEntry) -> asyncio.Task[bool]:
+        """The re-read of `entry`'s settings (`_reread`) under way, or a new one; its result:
+        whether it was registered anew. Awaiting it bounded (`asyncio.wait`) leaves it running."""
+        key = id(entry)
+        task = self._rereading.get(key)
+        if task is None:
+            task = asyncio.create_task(self._reread(entry), name=f"kvroute-reread-{entry.id}")
+            self._rereading[key] = task
+
+            def done(task: asyncio.Task[bool]) -> None:
+                self._rereading.pop(key, None)
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    log.error(
+                        "worker %s: reading its settings again failed", entry.id, exc_info=exc
+                    )
+
+            task.add_done_callback(done)
+        return task
+
+    async def reread(self, worker: str, wait_s: float) -> bool:
+        """Read `worker`'s settings again now, waiting at most `wait_s`: whether it was
+        registered anew (its ranks changed). The proxy asks when the engine refused a rank the
+        router told it (`routed_dp_rank ... out of range`): the router's ranks are stale."""
+        entry = self._pool.find(worker)
+        if entry is None or not entry.discovered:
+            return False
+        task = self.rereading(entry)
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        return bool(done) and not task.cancelled() and task.exception() is None and task.result()
+
+    async def _reread(self, entry: WorkerEntry) -> bool:
+        """`entry`'s settings, then its models, read again (`_recheck_settings`); a server that
+        does not answer yet is asked again `health.timeout_s` apart, then on each health round
+        (`_stale`). Returns whether it was registered anew."""
+        for attempt in range(_REREAD_TRIES):
+            if attempt:
+                await asyncio.sleep(self._health.timeout_s)
+            if self._pool.find(entry.id) is not entry:
+                return False
+            changed = await self._recheck_settings(entry)
+            if changed is not None:
+                self._stale.discard(entry.id)
+                return changed or await self._recheck_models(entry)
+        return False
 
     async def try_register(self, entry: WorkerEntry) -> None:
         """Register a configured worker now if it answers; else the health rounds retry."""
@@ -414,7 +488,7 @@ class Supervisor:
 
     async def close(self) -> None:
         """Cancel the discoveries under way (the router is stopping)."""
-        tasks = list(self._registering.values())
+        tasks = [*self._registering.values(), *self._rereading.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -493,6 +567,7 @@ class Supervisor:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
         self._doubts.pop(worker_id, None)
+        self._stale.discard(worker_id)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
@@ -531,8 +606,9 @@ class Supervisor:
             # bounded: a worker that answers its health check but hangs in discovery must not
             # hold the round (every other worker's health) for its discovery's timeout
             await asyncio.wait({self.registering(entry)}, timeout=self._health.timeout_s)
-        elif came_back and not await self._recheck_settings(entry):
-            await self._recheck_models(entry)
+        elif healthy and (came_back or entry.id in self._stale):
+            # bounded as a discovery is: a re-read left unfinished goes on in the background
+            await asyncio.wait({self.rereading(entry)}, timeout=self._health.timeout_s)
         return healthy
 
     async def check_all(self) -> None:

@@ -271,6 +271,9 @@ async def route_dry_run(request: web.Request) -> web.Response:
     if pairs is not None and pairs.applies(ns.model):
         # a pair: the prefill side (where the prefix is reused) leads, both are explained
         pd = pairs.plan(parsed, ns)
+        side = pairs.unserved_rank(parsed, ns, pd)
+        if side is not None:  # as the pair dispatcher answers it
+            raise RequestError(f"no {side} worker has the dp rank {parsed.dp_rank} asked for")
         sides = {
             side: {"worker": p.worker, "dp_rank": p.dp_rank, "candidates": p.candidates}
             for side, p in (("prefill", pd.prefill), ("decode", pd.decode))

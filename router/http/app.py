@@ -323,6 +323,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])
+        dispatcher.reread = supervisor.reread  # a prefill refusing a rank it was told
         # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
         app[RELOADER] = reloader = Reloader(
             live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher

@@ -6,8 +6,10 @@ engine forms it (`indexer.engines.PdPairing`):
 - SGLang (`BOOTSTRAP_ROOM`): the request goes to both at once, each with `bootstrap_host` (the
   prefill's host), `bootstrap_port` (its bootstrap port) and the same fresh random
   `bootstrap_room`, spliced into the body as the client sent it (a room per item of a batched
-  `/generate`); the decode is also told `disagg_prefill_dp_rank` when the prefill side was
-  told a rank. A prefill worker with several DP ranks runs a request on rank
+  `/generate`); both are also told `disagg_prefill_dp_rank` when the prefill side runs on a
+  named rank (the router's, or the client's where the router does not know the prefill's
+  ranks): SGLang 0.5.23's prefill then skips its room check, and its decode looks for the KV
+  on that rank. A prefill worker with several DP ranks runs a request on rank
   `room % dp_size` (SGLang 0.5.23's `follow_bootstrap_room`), and fails its KV handoff when
   told another rank, so the room is drawn among those that name the rank the router chose.
   The client gets the decode's answer, streamed through; with `return_logprob` the prefill's
@@ -19,6 +21,11 @@ engine forms it (`indexer.engines.PdPairing`):
 
 Both legs carry the request's `x-request-id` (the client's well-formed one untouched, else the
 router's) and the same `traceparent`; vLLM's legs are paired by that id.
+
+A rank the client named that no worker of one side has is a 400, as on the whole-request path.
+A prefill that refuses a rank the router told it ("routed_dp_rank=... out of range": it
+restarted with fewer ranks) has its settings read again (`Supervisor.reread`) and the pair is
+retried, on its new ranks, without blaming it.
 
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
 the worker blamed (`_PairHooks.blamed`). A decode that times out (answers 504, SGLang's
@@ -40,7 +47,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -66,7 +73,7 @@ from router.http.proxy import (
     AttemptFailed,
     Proxy,
 )
-from router.prompt.dp_rank import with_body_members
+from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.load import Ticket
 from router.routing.pd import PairPlanner, PdPlan
@@ -85,6 +92,9 @@ _ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
 _BLAME_GRACE_S = 1.0
 _json = msgspec.json.Encoder()
 _TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as a client sent it
+# SGLang 0.5.23's tokenizer manager refusing a rank it does not have: "routed_dp_rank=2 out of
+# range [0, 1)"
+_RANK_OUT_OF_RANGE = b"out of range"
 
 
 class PrefillFailed(Exception):
@@ -265,6 +275,9 @@ class PairDispatcher:
         self._session = session
         self._metrics = metrics
         self._rooms = random.SystemRandom()
+        # reads a worker's settings again, waiting at most the given seconds: whether it was
+        # registered anew (`Supervisor.reread`; set by the app)
+        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -310,6 +323,11 @@ class PairDispatcher:
             if not prefills or not decodes:
                 if attempt:
                     break
+                unserved = pairs.unserved_rank(parsed, ns, plan)
+                if unserved is not None:
+                    raise RequestError(
+                        f"no {unserved} worker has the dp rank {parsed.dp_rank} asked for"
+                    )
                 side = "prefill" if not prefills else "decode"
                 total = len(
                     plan.prefill.candidates if side == "prefill" else plan.decode.candidates
@@ -371,6 +389,17 @@ class PairDispatcher:
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
             except _PrefillRefused as exc:
+                if (
+                    exc.status == 400
+                    and _RANK_OUT_OF_RANGE in exc.payload
+                    and prefill.dp_rank is not None
+                    and parsed.dp_rank is None
+                    and await self._ranks_changed(prefill.worker, deadline)
+                ):
+                    # a rank the router told it, which it no longer has (restarted with fewer
+                    # ranks): retried on the ranks it has now, the worker not blamed
+                    log.warning("prefill worker %s has other dp ranks now: retried", prefill.worker)
+                    continue
                 # the client's answer, counted and named as a proxied one is
                 self._metrics.record(
                     endpoint.value,
@@ -409,6 +438,13 @@ class PairDispatcher:
             # told 502 would take a slow fleet for a broken one
             raise UpstreamTimeoutError(message)
         raise UpstreamError(message)
+
+    async def _ranks_changed(self, worker: str, deadline: float) -> bool:
+        """Whether `worker`'s settings, read again now, registered it anew (other dp ranks)."""
+        if self.reread is None:
+            return False
+        wait_s = min(deadline - time.monotonic(), 5 * self._config.health.timeout_s)
+        return wait_s > 0 and await self.reread(worker, wait_s)
 
     def _answered(
         self,
@@ -515,10 +551,16 @@ class PairDispatcher:
         prefill, decode = hooks.prefill, hooks.decode
         p_ticket, ticket = tickets
         fields = self._bootstrap_fields(endpoint, parsed, prefill)
-        base = with_body_members(parsed.body, fields)
+        # the rank the prefill runs on, told to both legs: the router's, else the client's,
+        # forwarded as it wrote it (the router does not know the prefill's ranks). With it the
+        # prefill skips its room check and the decode looks there (SGLang 0.5.23,
+        # `common/conn.py`, `decode.py`); before, a client's rank with a random room failed
+        # the handoff ("follow_bootstrap_room conflict") on all but 1 in dp_size requests
+        rank = prefill.dp_rank if prefill.dp_rank is not None else parsed.dp_rank
+        told = {} if rank is None else {"disagg_prefill_dp_rank": rank}
+        base = with_body_members(parsed.body, {**fields, **told})
         p_body, p_rank = proxy.tell_rank(endpoint, parsed, prefill, base)
-        told = {} if prefill.dp_rank is None else {"disagg_prefill_dp_rank": prefill.dp_rank}
-        d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, with_body_members(base, told))
+        d_body, d_rank = proxy.tell_rank(endpoint, parsed, decode, base)
         prefill_task = hooks.task = asyncio.create_task(
             self._prefill(request, endpoint, p_body, prefill, p_rank, deadline, p_ticket)
         )
@@ -649,6 +691,10 @@ class PairDispatcher:
             headers["Authorization"] = auth
         if rank_header is not None:
             headers[rank_header] = str(prefill.dp_rank)
+        elif (named := request.headers.get(DP_RANK_HEADER)) is not None:
+            # the client's rank, forwarded as it wrote it (the decode hop copies it too);
+            # before, a prefill whose ranks the router does not know never got it
+            headers[DP_RANK_HEADER] = named
         # the request's id and trace context, as its decode hop gets them: the client's id
         # untouched when well formed (else the router's); the client's trace context, replaced
         # by the attempt's span when the router traces

@@ -95,6 +95,18 @@ class PairPlanner:
             decode=planner.plan(parsed, ns, role="decode", policy=self.decode_policy),
         )
 
+    def unserved_rank(self, parsed: ParsedRequest, ns: Namespace, plan: PdPlan) -> str | None:
+        """The side ("prefill" or "decode") none of whose workers has the rank the client
+        named, though the model has workers of that side (None: both sides offer some): the
+        client's error (a 400), as on the whole-request path, not a fleet without workers."""
+        if parsed.dp_rank is None:
+            return None
+        roles = {entry.role for entry in self.planner.pool.serving(ns.model)}
+        for side, side_plan in (("prefill", plan.prefill), ("decode", plan.decode)):
+            if not side_plan.candidates and side in roles:
+                return side
+        return None
+
     def commit_prefill(
         self,
         ns: Namespace,

@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import PdConfig, WorkerConfig
+from router.config import HealthConfig, PdConfig, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -554,3 +554,123 @@ async def test_a_prefill_with_two_ranks_gets_a_room_that_names_the_rank_it_was_s
                         await eventually(indexed, what="the prompt indexed on its rank")
                     else:
                         assert (rank, matched) == (first_rank, 6 * PAGE)
+
+
+@pytest.fixture
+async def blind_prefill() -> AsyncIterator[tuple[RouterService, aiohttp.ClientSession, list[int]]]:
+    """A prefill with two ranks whose events the router does not read (its ranks unknown) and
+    a decode with two; yields the router, a session and the rank of every prefill submitted."""
+    async with (
+        ReferenceWorker(reference("prefill", dp_size=2)) as p0,
+        ReferenceWorker(reference("decode", dp_size=2)) as d0,
+    ):
+        ranks: list[int] = []
+        submit = p0.submit
+
+        def seen(generation: Any) -> Any:  # what rank the prefill ran it on, not a fake
+            job = submit(generation)
+            ranks.append(job.rank)
+            return job
+
+        p0.submit = seen  # type: ignore[method-assign]
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = msgspec.structs.replace(
+            config,
+            workers=(
+                WorkerConfig(id="p0", url=p0.url, kv_events=False),
+                WorkerConfig(id="d0", url=d0.url),
+            ),
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            yield router, session, ranks
+
+
+async def test_a_client_rank_on_a_prefill_of_unknown_ranks_is_handed_off_there(
+    blind_prefill: tuple[RouterService, aiohttp.ClientSession, list[int]],
+) -> None:
+    """A client naming a rank (sgl-model-gateway's dp-aware mode) where the router does not
+    know the prefill's ranks: its rank went to the prefill with a fully random room, which
+    SGLang 0.5.23 fails ("follow_bootstrap_room conflict") for all but 1 in dp_size requests,
+    and each failure was charged to the prefill until its breaker opened for every client.
+    Now both legs are told `disagg_prefill_dp_rank`: every request is served on that rank."""
+    router, session, ranks = blind_prefill
+    for i in range(8):
+        body = {"text": f"rank one please {i}", "routed_dp_rank": 1}
+        async with session.post(router.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    assert ranks == [1] * 8
+    assert router.planner.pool.get("p0").routable(router.planner.clock())
+
+
+async def test_a_client_rank_header_reaches_a_prefill_of_unknown_ranks(
+    blind_prefill: tuple[RouterService, aiohttp.ClientSession, list[int]],
+) -> None:
+    """The client's X-Data-Parallel-Rank is forwarded as it wrote it on both legs; the prefill
+    leg's headers were built afresh, so a prefill whose ranks the router does not know never
+    got it (the engine placed the request itself)."""
+    router, session, ranks = blind_prefill
+    for i in range(6):
+        body = {"prompt": f"rank one by header {i}", "max_tokens": 1}
+        async with session.post(
+            router.url + "/v1/completions", json=body, headers={"x-data-parallel-rank": "1"}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+    assert ranks == [1] * 6
+
+
+async def test_a_rank_no_worker_of_a_side_has_is_a_400(fleet: PdFleet) -> None:
+    """A client's rank that no worker of one side has is the client's error, as on the
+    whole-request path, in the answer and in the dry run; it was a 503 "no routable prefill
+    worker among 0" (misleading: the model has two), and the dry run said 200."""
+    body = {"text": "x", "routed_dp_rank": 5}
+    async with fleet.session.post(fleet.router.url + "/generate", json=body) as resp:
+        assert resp.status == 400, await resp.text()
+        assert "no prefill worker has the dp rank 5" in await resp.text()
+    async with fleet.session.post(
+        fleet.router.url + "/admin/route", json=body, headers=AUTH
+    ) as resp:
+        assert resp.status == 400, await resp.text()
+
+
+async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retried() -> None:
+    """A prefill restarted with fewer ranks (here on other event ports, so its streams cannot
+    tell) refuses a rank the router still tells it ("routed_dp_rank=1 out of range [0, 1)").
+    That 400 was the client's answer, for as long as the router kept the old ranks; now the
+    worker's settings are read again and the pair retried on the ranks it has, unblamed."""
+    async with ReferenceWorker(reference("decode")) as d0:
+        first = reference("prefill", dp_size=2)
+        p0 = ReferenceWorker(first)
+        await p0.__aenter__()
+        try:
+            config = router_config(
+                [("p0", p0.url), ("d0", d0.url)],
+                health=HealthConfig(interval_s=60, timeout_s=0.5),  # no probe sees it go
+            )
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+                await eventually(
+                    lambda: _has_streams(router, "p0", 2), what="the prefill's two ranks"
+                )
+                port = int(p0.url.rsplit(":", 1)[1])
+                bootstrap = p0.disagg.bootstrap_port
+                await p0.__aexit__(None, None, None)
+                p0 = ReferenceWorker(
+                    msgspec.structs.replace(first, dp_size=1, port=port, bootstrap_port=bootstrap)
+                )
+                await p0.__aenter__()
+
+                async def send(i: int) -> tuple[int, str]:
+                    body = {"text": f"after the restart {i}"}
+                    async with session.post(router.url + "/generate", json=body) as resp:
+                        return resp.status, await resp.text()
+
+                # at once: spread by load over the ranks the router believes in, rank 1 too
+                for status, text in await asyncio.gather(*(send(i) for i in range(6))):
+                    assert status == 200, text
+                assert await _has_streams(router, "p0", 1)
+                assert router.planner.pool.get("p0").routable(router.planner.clock())
+        finally:
+            await p0.__aexit__(None, None, None)
+
+
+async def _has_streams(router: RouterService, worker: str, n: int) -> bool:
+    return len(router.planner.indexer.stream_ids(worker)) == n

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -40,9 +41,10 @@ from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker
 
 async def main():
-    http, events, replay = map(int, sys.argv[1:4])
+    http, events, replay, dp_size = map(int, (sys.argv[1:] + ["1"])[:4])
     cfg = WorkerConfig(
-        time_scale=0.0, page_size=16, port=http, events_port=events, replay_port=replay
+        time_scale=0.0, page_size=16, port=http, events_port=events, replay_port=replay,
+        dp_size=dp_size,
     )
     async with ReferenceWorker(cfg) as worker:
         print(worker.url, flush=True)
@@ -67,8 +69,9 @@ def free_ports(n: int) -> list[int]:
 class WorkerProcess:
     """A reference worker in its own process on fixed ports, so it can come back on them."""
 
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], dp_size: int = 1) -> None:
         self.ports = ports
+        self.dp_size = dp_size
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
 
@@ -77,7 +80,7 @@ class WorkerProcess:
             sys.executable,
             "-c",
             _WORKER,
-            *map(str, self.ports),
+            *map(str, [*self.ports, self.dp_size]),
             stdout=asyncio.subprocess.PIPE,
             cwd=os.getcwd(),
         )
@@ -275,3 +278,37 @@ async def test_a_worker_back_with_other_settings_is_registered_anew() -> None:
 
 async def _settled(router: RouterService, ranks: int) -> bool:
     return len(router.planner.indexer.stream_ids("w")) == ranks
+
+
+async def test_a_worker_restarted_between_probes_is_registered_anew() -> None:
+    """A process restarted on the same ports with other dp ranks between two health probes (or
+    a pod replaced behind a stable URL) never looks down to the health check; its event stream
+    shows the restart, and that is when its settings are read again. Before, only a probe that
+    saw it down did: a shrunk worker was sent ranks it no longer had (400s) for good, a grown
+    one was predicted from rank 0's events only (false hits)."""
+    proc = WorkerProcess([free_ports(1)[0], 0, 0], dp_size=2)  # it binds its runs of ports
+    try:
+        await proc.start()
+        # no probe in the test's time: only the stream can tell
+        config = router_config([("w", proc.url)], health=HealthConfig(interval_s=60, timeout_s=1))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+            async with session.get(proc.url + "/server_info") as resp:
+                events = (await resp.json())["kv_events"]
+            proc.ports[1:] = [events["endpoint_port_base"], events["replay_endpoint_port_base"]]
+            for step, ranks in enumerate((1, 2)):  # shrunk, then grown (on the ports it had)
+                for i in range(2):  # batches on rank 0: its restart is provable
+                    body = {"text": f"before restart {step} ({i})", "routed_dp_rank": 0}
+                    async with session.post(router.url + "/generate", json=body) as resp:
+                        assert resp.status == 200
+                await proc.stop()
+                proc.dp_size = ranks
+                await proc.start()
+                await eventually(partial(_settled, router, ranks), what=f"{ranks} rank(s)")
+                assert router.planner.pool.get("w").healthy
+                for i in range(4):  # every rank the router names is one the worker has
+                    body = {"text": f"after restart {step} ({i})"}
+                    async with session.post(router.url + "/generate", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+    finally:
+        await proc.stop()
