@@ -17,8 +17,8 @@ never matches the blocks the engine published. So this module mirrors, without i
 - the message normalization of `transformers` >= 5 (keys whose value is null are dropped, a
   message's reasoning is also offered as `reasoning_content` and `thinking`), after the engine's
   OpenAI layer prepared the messages (`router.prompt.messages`) for the content the template
-  wants: a string or a list of typed parts ("content format", detected from the template's
-  syntax tree as both engines do);
+  wants: a string or a list of typed parts ("content format", detected by each engine's own
+  rule, `router.prompt.content_format`), and for vLLM its handling of the developer role;
 - what each engine's OpenAI layer passes besides the messages (`ChatOptions`, derived by the
   engine's `ChatConvention` in `router.prompt.conventions`): the request's `tools` as its
   pydantic models dump them, `chat_template_kwargs`, `reasoning_effort`, `documents`, the
@@ -54,6 +54,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from indexer.engines import EngineName
 from indexer.protocol.tokens import ChatTemplateError, checked_messages
 from router.errors import ConfigError
+from router.prompt.content_format import CONTENT_FORMAT_RULES
 from router.prompt.conventions import ChatOptions, chat_convention
 from router.prompt.messages import ContentFormat
 
@@ -80,10 +81,6 @@ SPECIAL_TOKEN_NAMES = (
 MAX_RENDERED_CHARS = 64 * 1024 * 1024
 # message fields holding the model's reasoning; transformers offers the first under all names
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# SGLang treats a template mentioning any of these as one that wants typed content parts
-_MEDIA_WORDS = ("image", "audio", "video", "vision")
-# loop variables whose `.content` being iterated marks a typed-parts template
-_MESSAGE_NAMES = ("message", "msg", "m")
 
 
 class RenderedChat(msgspec.Struct, frozen=True):
@@ -193,39 +190,13 @@ def special_tokens(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def _reads_content(node: jinja2.nodes.Node) -> bool:
-    """Whether `node` is `message['content']` / `msg.content`, possibly filtered or sliced."""
-    if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test):
-        return node.node is not None and _reads_content(node.node)
-    if isinstance(node, jinja2.nodes.Getitem):
-        if isinstance(node.arg, jinja2.nodes.Slice):
-            return _reads_content(node.node)
-        return (
-            isinstance(node.arg, jinja2.nodes.Const)
-            and node.arg.value == "content"
-            and _is_message(node.node)
-        )
-    if isinstance(node, jinja2.nodes.Getattr):
-        return node.attr == "content" and _is_message(node.node)
-    return False
-
-
-def _is_message(node: jinja2.nodes.Node) -> bool:
-    return isinstance(node, jinja2.nodes.Name) and node.name in _MESSAGE_NAMES
-
-
-def detect_content_format(source: str) -> ContentFormat:
-    """ "openai" when the template loops over a message's content parts, else "string"."""
-    if any(word in source for word in _MEDIA_WORDS):
-        return "openai"
+def detect_content_format(source: str, engine: EngineName = "sglang") -> ContentFormat:
+    """ "openai" when `engine` would hand the template typed content parts, else "string"."""
     try:
-        tree = _environment().parse(source)
+        tree: jinja2.nodes.Template | None = _environment().parse(source)
     except jinja2.TemplateError:
-        return "string"
-    for loop in tree.find_all(jinja2.nodes.For):
-        if _reads_content(loop.iter):
-            return "openai"
-    return "string"
+        tree = None  # both engines default to "string"
+    return CONTENT_FORMAT_RULES[chat_convention(engine).name](source, tree)
 
 
 def _function_only(tools: list[Any]) -> list[Any]:
@@ -251,12 +222,13 @@ class ModelChatTemplate:
         self.special = dict(special or {})
         self._template = self._compile(source)
         self._source = source
-        self.content_format = detect_content_format(source)
+        self.content_format = detect_content_format(source, engine)
         # a config's `tool_use` named template: transformers picks it when tools are passed
         self._tool_template: tuple[jinja2.Template, str, ContentFormat] | None = None
         if tool_source is not None:
             compiled = self._compile(tool_source)
-            self._tool_template = (compiled, tool_source, detect_content_format(tool_source))
+            tool_format = detect_content_format(tool_source, engine)
+            self._tool_template = (compiled, tool_source, tool_format)
 
     def _compile(self, source: str) -> jinja2.Template:
         try:
@@ -330,7 +302,7 @@ class ModelChatTemplate:
         template, source, content_format = self._template, self._source, self.content_format
         if options.tools is not None and self._tool_template is not None:
             template, source, content_format = self._tool_template
-        prepared = self._prepare(messages, content_format)
+        prepared = self._prepare(messages, content_format, source)
         prefix = ""
         convention = self.convention
         last = prepared[-1]
@@ -404,14 +376,16 @@ class ModelChatTemplate:
         return "".join(chunks)
 
     def _prepare(
-        self, messages: Sequence[object], content_format: ContentFormat
+        self, messages: Sequence[object], content_format: ContentFormat, source: str
     ) -> list[dict[str, Any]]:
-        """The messages as the engine hands them to the template."""
-        prepared: list[dict[str, Any]] = []
-        for i, (message, role) in enumerate(checked_messages(messages)):
-            fields = self.convention.prepare_message(message, role, i, content_format)
-            prepared.append(_transformers_message(fields))
-        return prepared
+        """The messages as the engine hands them to the template (`source`)."""
+        convention = self.convention
+        prepared = [
+            convention.prepare_message(message, role, i, content_format)
+            for i, (message, role) in enumerate(checked_messages(messages))
+        ]
+        prepared = convention.prepare_conversation(prepared, source)
+        return [_transformers_message(fields) for fields in prepared]
 
 
 # transformers' marker for continue_final_message: appended to the final message, cut after render

@@ -11,14 +11,18 @@ request parser and the chat template ask it instead of comparing engine names:
 - how its request models dump `tools` (`dump_tool`: what `tools | tojson` prints) and which
   `tool_choice` they accept;
 - how a message reaches the template (`prepare_message`, from `router.prompt.messages`):
-  which fields are kept, how list content is flattened, assistant `tool_calls`;
+  which fields are kept, how list content is flattened, assistant `tool_calls`; and what the
+  engine does to the whole conversation for a given template (`prepare_conversation`: vLLM's
+  developer-to-system conversion);
+- which pre-tokenized prompt a chat request may carry instead of being rendered
+  (`prompt_ids`: SGLang's `input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`);
 - how a final assistant message is continued (or, SGLang, turned into a user message), and
   whether a failed render is retried with bare function schemas (SGLang).
 
 `chat_convention(engine)` finds an engine's convention through its spec
 (`indexer.engines.EngineSpec.chat`). Facts from the engines' released code: SGLang's
 `ChatCompletionRequest` validators and `serving_chat`, vLLM's `build_chat_params`,
-`preprocess_chat` and `resolve_chat_template_kwargs`. Pure: no I/O.
+`preprocess_chat`, `_reused_prompt_token_ids` and `resolve_chat_template_kwargs`. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ import msgspec
 
 from indexer.engines import ENGINES, EngineName, engine_spec
 from router.errors import RequestError
-from router.prompt.messages import ContentFormat, sglang_message, vllm_message
+from router.prompt.messages import (
+    ContentFormat,
+    sglang_message,
+    vllm_conversation,
+    vllm_has_media,
+    vllm_message,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -317,6 +327,33 @@ def _vllm_tool(tool: Mapping[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
+def _sglang_prompt_ids(request: Mapping[str, Any]) -> tuple[object, str] | None:
+    """SGLang 0.5.23 `OpenAIServingChat._process_messages`: `input_ids` is the prompt."""
+    ids = request.get("input_ids")
+    return None if ids is None else (ids, "input_ids")
+
+
+def _vllm_prompt_ids(request: Mapping[str, Any]) -> tuple[object, str] | None:
+    """vLLM 0.33 `_reused_prompt_token_ids` (online_renderer.py): a disaggregated decode
+    stage's `kv_transfer_params.prompt_token_ids` is the prompt, unless `echo` is set or the
+    messages hold non-text content; then the messages are rendered."""
+    params = request.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return None
+    ids = params.get("prompt_token_ids")
+    if ids is None or request.get("echo") or vllm_has_media(request.get("messages")):
+        return None
+    field = "kv_transfer_params.prompt_token_ids"
+    # `type(x) is int`: a bool is no token id
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise RequestError(f"{field} must be a non-empty list of non-negative integers")
+    return ids, field
+
+
+def _as_rendered(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    return messages
+
+
 class ChatConvention(msgspec.Struct, frozen=True, kw_only=True):
     """One engine's OpenAI-layer rules for turning a chat request into template inputs."""
 
@@ -334,6 +371,11 @@ class ChatConvention(msgspec.Struct, frozen=True, kw_only=True):
     # one checked message (with its role) as the template sees it, before transformers'
     # own normalization
     prepare_message: Callable[[Mapping[str, Any], str, int, ContentFormat], dict[str, Any]]
+    # the prepared conversation as the engine hands it to the template whose source is given
+    prepare_conversation: Callable[[list[dict[str, Any]], str], list[dict[str, Any]]]
+    # the ids a chat request carries that the engine takes as its prompt instead of rendering
+    # the messages, with the field's name (None: the messages are rendered)
+    prompt_ids: Callable[[Mapping[str, Any]], tuple[object, str] | None]
     # continue_final_message: True renders without the final assistant message and appends its
     # text (SGLang); False is transformers' continuation of the final message (vLLM)
     continues_by_appending: bool
@@ -379,6 +421,8 @@ SGLANG_CHAT = ChatConvention(
     dump_tool=_sglang_tool,
     tool_choice_name_optional=True,  # SGLang's ToolChoiceFuncName allows a null name
     prepare_message=sglang_message,
+    prepare_conversation=_as_rendered,
+    prompt_ids=_sglang_prompt_ids,
     continues_by_appending=True,
     retries_bare_function_tools=True,
 )
@@ -390,6 +434,8 @@ VLLM_CHAT = ChatConvention(
     dump_tool=_vllm_tool,
     tool_choice_name_optional=False,
     prepare_message=vllm_message,
+    prepare_conversation=vllm_conversation,
+    prompt_ids=_vllm_prompt_ids,
     continues_by_appending=False,
     retries_bare_function_tools=False,
 )

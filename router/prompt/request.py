@@ -2,7 +2,10 @@
 
 A chat request is also read for what the engine passes to the chat template besides the messages
 (tools, tool_choice, chat_template_kwargs, reasoning_effort, documents, ...), the way the
-configured `tokenizer.chat_engine` reads them: its convention in `router.prompt.conventions`.
+configured `tokenizer.chat_engine` reads them: its convention in `router.prompt.conventions`,
+which also says which pre-tokenized prompt the engine takes instead of the messages (SGLang's
+`input_ids`, vLLM's `kv_transfer_params.prompt_token_ids`). Completions carry no such field for
+either engine (vLLM 0.33 reuses forwarded ids on chat requests only).
 
 The body is forwarded to the worker byte for byte unless a trusted salt header overrides the
 salt, in which case the body's `cache_salt` is rewritten so the worker caches the request in the
@@ -24,7 +27,7 @@ import msgspec
 from indexer.protocol.tokens import ChatTemplateError
 from router.config import LimitsConfig
 from router.errors import RequestError
-from router.prompt.conventions import chat_options, check_chat_fields
+from router.prompt.conventions import SGLANG_CHAT, chat_options, check_chat_fields
 from router.prompt.dp_rank import requested_rank
 from router.prompt.nesting import nests_deeper
 from router.prompt.output_limit import (
@@ -258,12 +261,14 @@ def _chat_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
     else:
         # kvroute's own template renders the messages alone: only the fields' shape is checked
         check_chat_fields(body)
-    ids = body.get("input_ids")
-    if ids is not None and (tok.template is None or tok.template.convention.name == "sglang"):
-        # SGLang's chat takes pre-rendered ids as the prompt and skips the template (0.5.23,
-        # `OpenAIServingChat._process_messages`); the messages still give stop words, so they
-        # are checked above all the same
-        return _ids(ids, "input_ids")
+    # the engine may take ids the request carries as the prompt and skip the template (SGLang's
+    # `input_ids`; vLLM's decode-side `kv_transfer_params.prompt_token_ids`); the fields are
+    # checked above all the same, as the engine checks them. kvroute's own template, like the
+    # reference workers, takes `input_ids`.
+    convention = SGLANG_CHAT if tok.template is None else tok.template.convention
+    carried = convention.prompt_ids(body)
+    if carried is not None:
+        return _ids(*carried)
     try:
         return tok.chat(messages, options)
     except ChatTemplateError as exc:

@@ -42,7 +42,11 @@ from typing import Any
 
 __all__ = ["chat_reuse_limit", "completion_reuse_limit", "generate_reuse_limit"]
 
-_TEXT_PART_TYPES = ("text", "input_text")
+# parts that carry no media: vLLM 0.33 reads these as text (chat_message.py `TEXT_PART_TYPES`,
+# with `thinking`), as the router does in vLLM mode, and SGLang's message models take no
+# `output_text` or `refusal` part. Newer SGLang models take `thinking` and `tool_reference`
+# parts, which the router's SGLang mode does not render: those still cap (fail closed).
+_TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 _MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 # /generate fields whose any item not null makes the engine reuse nothing (`_holds_media`)
 _NO_PREFIX_FIELDS = (*_MEDIA_FIELDS, "positional_embed_overrides")

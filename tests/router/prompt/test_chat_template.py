@@ -255,8 +255,9 @@ def test_sglang_joins_a_tool_messages_text_parts_with_a_space_for_a_typed_parts_
     media = [{"role": "tool", "content": [*text, {"type": "image_url"}]}]
     assert typed.render(media) == "<tool>[text:sunny][text:22C][image:]"
     assert typed.render([{"role": "Tool", "content": []}]) == "<tool>s:"
+    # vLLM 0.33 chat_message.py:661-686 joins them too, with a newline
     assert ModelChatTemplate(_parts_template(), engine="vllm").render(messages[:1]) == (
-        "<tool>[text:sunny][text:22C]"
+        "<tool>s:sunny\n22C"
     )
 
 
