@@ -37,7 +37,7 @@ from router.http.keys import (
 )
 from router.http.listener import SNAPSHOT_PATH
 from router.http.memory import add_memory_routes
-from router.prompt.request import Endpoint, check_salt_size
+from router.prompt.request import Endpoint, check_salt_size, json_error
 from router.routing.pool import WorkerEntry, WorkerSummary
 
 __all__ = ["create_admin_app"]
@@ -71,7 +71,8 @@ def _decode(raw: bytes, kind: type[_T]) -> _T:
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
     except msgspec.DecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        # an empty admin body is `{}` above: what is left is the body's own fault
+        raise RequestError(json_error(raw, exc)) from None
 
 
 def _token_middleware(token: str) -> Middleware:

@@ -112,14 +112,7 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     try:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
-        if not raw.strip():  # msgspec calls it "truncated", which sends one looking for a cut
-            raise RequestError("request body is empty: send a JSON object") from None
-        if _lone_surrogate(raw, exc):
-            raise RequestError(
-                "request body is not valid JSON: a \\u escape is a lone UTF-16 surrogate "
-                "(\\ud800-\\udfff without its pair), which is no character"
-            ) from None
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        raise RequestError(json_error(raw, exc)) from None
     except RecursionError:
         raise too_deep from None
     if not isinstance(body, dict):
@@ -127,6 +120,19 @@ def parse_body(raw: bytes, limits: LimitsConfig = _LIMITS) -> dict[str, Any]:
     if nests_deeper(raw, limits.max_json_depth):
         raise too_deep
     return body
+
+
+def json_error(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """What is wrong with a body msgspec could not decode as JSON, said so a client finds it
+    (msgspec calls an empty body, and a whole one with a lone surrogate, "truncated")."""
+    if not raw.strip():
+        return "request body is empty: send a JSON object"
+    if _lone_surrogate(raw, exc):
+        return (
+            "request body is not valid JSON: a \\u escape is a lone UTF-16 surrogate "
+            "(\\ud800-\\udfff without its pair), which is no character"
+        )
+    return f"request body is not valid JSON: {exc}"
 
 
 def _lone_surrogate(raw: bytes, exc: msgspec.DecodeError) -> bool:

@@ -266,3 +266,24 @@ async def test_a_snapshot_is_bounded_by_its_own_limit_not_the_request_body_limit
         # any other route keeps the clients' limit
         async with session.post(router.url + "/v1/completions", data=snapshot) as resp:
             assert resp.status == 413
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/namespaces/evict", b'{"cache_salt": "a\\ud800"}'),
+        ("/workers", b'{"url": "http://127.0.0.1:1/\\udbff"}'),
+    ],
+)
+async def test_an_admin_body_with_a_lone_surrogate_is_refused_as_such(
+    fleet: Fleet, path: str, body: bytes
+) -> None:
+    """msgspec calls a whole body with a lone surrogate escape "truncated": the proxy's routes
+    said what it is, the admin API repeated msgspec's word."""
+    async with fleet.session.post(
+        fleet.url + "/admin" + path, data=body, headers={**AUTH, "Content-Type": "application/json"}
+    ) as resp:
+        answer = await resp.json()
+    assert resp.status == 400
+    assert "lone UTF-16 surrogate" in answer["error"]["message"]
+    assert "a\\ud800" not in answer["error"]["message"]  # nothing of the body repeated
