@@ -157,6 +157,10 @@ class ClusterService:
         self._sync_task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._serving = False  # startup is over: the replica takes requests
+        # when this process's index began (cold: the workers' replay fills it): an eviction
+        # record older than that never applies here, as of the snapshot a warm start loads
+        self._started_at = time.time()
+        self._synced = False  # a sync read the eviction records once since the start
         self._closing = False
         self._last_snapshot = time.monotonic()
         self.published = 0  # decisions published
@@ -253,6 +257,7 @@ class ClusterService:
             "decisions_unmatched_pages": float(self.peers.unmatched_pages),
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
+            "evictions_applied": float(self.fleet.evictions_applied),
         }
 
     # ------------------------------------------------------------------ connection
@@ -345,7 +350,8 @@ class ClusterService:
         delay = 0.1
         while True:
             try:
-                await self._sync_once(first=first and not self._serving)
+                # a warm start only before serving: a snapshot would replace a live index
+                await self._sync_once(warm=first and not self._serving)
                 return
             except _NATS_ERRORS as exc:
                 if not self.connected:
@@ -360,9 +366,10 @@ class ClusterService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _sync_once(self, *, first: bool) -> None:
+    async def _sync_once(self, *, warm: bool) -> None:
         js = self._js
         assert js is not None
+        first = not self._synced
         self._kv[self._fleet_bucket] = await js.create_key_value(
             bucket=self._fleet_bucket, history=1
         )
@@ -371,11 +378,17 @@ class ClusterService:
         )
         await self.fleet.flush(self._kv)  # what an operator changed here while NATS was away
         await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers)
+        # the records already there: on this process's first read, those older than its index
+        # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
+        # Before, the first read after a start while NATS was away applied every record of
+        # the day, dropping pages stored since from this replica's index alone, for good
         newer_than: float | None = None
         if first:
-            newer_than = await self._warm_start(js)
-        await self._watch(first=first, newer_than=newer_than)
-        if first and self.snapshot_at is not None:
+            loaded = await self._warm_start(js) if warm else None
+            newer_than = self._started_at if loaded is None else loaded
+        await self._watch(newer_than=newer_than)
+        self._synced = True
+        if warm and self.snapshot_at is not None:
             await self._streams_proven()
         self.outbox.sending = True
         self.outbox.heartbeat()
@@ -420,8 +433,9 @@ class ClusterService:
 
     # ------------------------------------------------------------------ fleet and evictions
 
-    async def _watch(self, *, first: bool, newer_than: float | None) -> None:
-        """(Re)start the KV watchers; returns once both have applied what the buckets hold."""
+    async def _watch(self, *, newer_than: float | None) -> None:
+        """(Re)start the KV watchers; returns once both have applied what the buckets hold
+        (of the eviction records there, only those after `newer_than`; None: all not seen)."""
         for task in self._watchers:
             task.cancel()
         fleet_read = asyncio.Event()
@@ -431,10 +445,7 @@ class ClusterService:
             await self.fleet.apply_worker(value)
 
         async def on_eviction(key: str, value: bytes, initial: bool) -> None:
-            if initial and first and newer_than is None:
-                self.fleet.mark_evictions_seen([key])  # a cold index never held them
-            else:
-                self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
+            self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
 
         self._watchers = [
             self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),

@@ -20,7 +20,7 @@ import pytest
 from router.cluster.server import NatsServer, find_nats_server, free_port
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, health, replica_config, workers
-from tests.router.conftest import TOKEN, eventually
+from tests.router.conftest import TOKEN, Fleet, eventually
 
 _BODY = {"text": "hello replicas", "sampling_params": {"max_new_tokens": 1}}
 
@@ -108,6 +108,65 @@ async def test_nats_down_mid_traffic_serves_on_local_state_and_resyncs(
                     return any(w["id"] == "w1" and w["draining"] for w in listed["workers"])
 
                 await eventually(resynced, what="both to resync and b to apply a's drain")
+    finally:
+        await nats.stop()
+
+
+async def _generate(session: aiohttp.ClientSession, router: RouterService, body: Any) -> None:
+    async with session.post(
+        router.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def test_a_replica_started_while_nats_was_away_applies_only_the_evictions_made_since(
+    tmp_path: Path,
+) -> None:
+    # Before, its first read of the evictions bucket, once NATS was back, applied every record
+    # of the day: a tenant evicted yesterday lost today's pages from this replica's index only
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+            fleet, refs = [("w0", w0.url)], {"w0": w0}
+            kept = {"text": "stored after its tenant was evicted " * 4, "cache_salt": "tenant-s"}
+            gone = {"text": "evicted while a replica was away " * 4, "cache_salt": "tenant-t"}
+            async with RouterService(replica_config(fleet, nats.url, "b")) as b:
+                await Fleet(b, refs, session).warm()
+                status, _ = await admin(
+                    session, b, "POST", "/namespaces/evict", {"cache_salt": "tenant-s"}
+                )
+                assert status == 200
+                for body in (kept, gone):
+                    await _generate(session, b, body)
+                await nats.stop()
+                late = cluster(nats.url, replica_id="a", startup_timeout_s=0.3)
+                async with RouterService(replica_config(fleet, nats.url, "a", cluster=late)) as a:
+                    assert await _status(session, a) == "degraded"
+                    on_a = Fleet(a, refs, session)
+
+                    async def rebuilt() -> bool:
+                        return await on_a.holds(kept, "w0", 64) and await on_a.holds(gone, "w0", 64)
+
+                    await eventually(rebuilt, what="a's index to be rebuilt from the replay")
+                    # made after a started: b keeps it until NATS returns, and a applies it
+                    status, _ = await admin(
+                        session, b, "POST", "/namespaces/evict", {"cache_salt": "tenant-t"}
+                    )
+                    assert status == 200
+                    await nats.start()
+
+                    async def resynced() -> bool:
+                        if {await _status(session, a), await _status(session, b)} != {"ok"}:
+                            return False
+                        return not await on_a.holds(gone, "w0", 16)
+
+                    await eventually(resynced, what="a to resync and apply b's late eviction")
+                    assert await on_a.holds(kept, "w0", 64)  # the older eviction did not apply
+                    assert "kvroute_cluster_evictions_applied_total 1.0" in await _metrics(
+                        session, a
+                    )
     finally:
         await nats.stop()
 
