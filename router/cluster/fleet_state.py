@@ -12,7 +12,9 @@ Two buckets under the subject prefix:
 
 `/admin` on any replica writes here after changing its own state; every replica (itself too)
 applies what it reads to its pool, so applying is idempotent. A write made while NATS is away is
-kept (the latest per key) and written when it returns, before the buckets are read again.
+kept (the latest per key) and written when it returns, before the buckets are read again: in
+this process's memory only, so it is lost if the replica stops first (its admin answer said
+`"cluster": "pending"`, and stopping says what was lost).
 """
 
 from __future__ import annotations
@@ -98,6 +100,27 @@ class FleetState:
             await buckets[bucket].put(key, value)
             if self.unsent.get((bucket, key)) is value:
                 del self.unsent[(bucket, key)]
+
+    def describe_unsent(self) -> list[str]:
+        """The writes NATS did not take yet, as an operator would make them again ("w4
+        drained"; an eviction without its namespace or salt)."""
+        said: list[str] = []
+        for (_, key), value in self.unsent.items():
+            if not key.startswith("w."):
+                said.append("a namespace eviction")
+                continue
+            try:
+                record = _worker_decoder.decode(value)
+            except msgspec.DecodeError:
+                said.append("a worker change")
+                continue
+            if record.removed or record.config is None:
+                said.append(f"{record.id} removed")
+            elif record.draining:
+                said.append(f"{record.id} drained")
+            else:
+                said.append(f"{record.id} added or undrained")
+        return said
 
     # ----------------------------------------------------------------- applying
 

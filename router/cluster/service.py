@@ -50,7 +50,7 @@ from router.config import ClusterConfig, WorkerConfig
 from router.fleet.supervisor import Supervisor
 from router.routing.planner import Planner
 
-__all__ = ["ClusterService", "ClusterStatus", "replica_name"]
+__all__ = ["ClusterService", "ClusterStatus", "Sharing", "replica_name"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,15 @@ class ClusterStatus(enum.StrEnum):
     WARMING = "warming"  # starting: fleet, snapshot and streams not read yet
     OK = "ok"  # connected, in step with the others
     DEGRADED = "degraded"  # NATS away: serving on local state
+
+
+class Sharing(enum.StrEnum):
+    """Where an admin change made here stands with the other replicas (its answer's `cluster`)."""
+
+    SHARED = "shared"  # written to NATS: every replica makes it, a restart reads it back
+    # applied here only, kept in this process until NATS answers: the others do not know it
+    # yet, and it is lost if this replica stops before then (said in one WARNING line)
+    PENDING = "pending"
 
 
 def replica_name() -> str:
@@ -193,6 +202,14 @@ class ClusterService:
         self._closing = True
         self._planner.decisions = None
         self.outbox.sending = False
+        if self.fleet.unsent:
+            # kept in memory only (a file would be replayed over what the others changed since):
+            # the operator is told what to make again
+            log.warning(
+                "cluster: stopping with admin change(s) NATS never took, lost: %s; make them "
+                "again once NATS answers",
+                ", ".join(self.fleet.describe_unsent()),
+            )
         for task in [*self._tasks, *self._watchers, self._sync_task]:
             if task is not None:
                 task.cancel()
@@ -478,40 +495,45 @@ class ClusterService:
             with contextlib.suppress(*_NATS_ERRORS):
                 await watcher.stop()  # type: ignore[no-untyped-call]
 
-    async def _write(self, bucket: str, key: str, value: bytes) -> None:
+    async def _write(self, bucket: str, key: str, value: bytes) -> Sharing:
         """Write one record now, or keep it for when NATS answers again."""
         kv = self._kv.get(bucket)
         if kv is None or not self.connected or self.status is not ClusterStatus.OK:
             self.fleet.unsent[(bucket, key)] = value
-            return
+            return Sharing.PENDING
         try:
             async with asyncio.timeout(2.0):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
             log.warning("cluster: %s not written yet (%s): kept for the resync", key, exc)
             self.fleet.unsent[(bucket, key)] = value
+            return Sharing.PENDING
+        return Sharing.SHARED
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,
         draining: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> Sharing:  # fmt: skip
         """An operator added, drained or removed a worker here: tell every replica."""
         value = self.fleet.record_worker(worker_id, config, removed=removed, draining=draining)
-        await self._write(self._fleet_bucket, worker_key(worker_id), value)
+        return await self._write(self._fleet_bucket, worker_key(worker_id), value)
 
-    async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> None:
+    async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> Sharing:
         """An operator evicted namespaces here: every replica evicts them too."""
+        sharing = Sharing.SHARED
         for ns in namespaces:
             key, value = self.fleet.record_eviction(ns)
             self.fleet.mark_evictions_seen([key])
-            await self._write(self._evictions_bucket, key, value)
+            if await self._write(self._evictions_bucket, key, value) is Sharing.PENDING:
+                sharing = Sharing.PENDING
+        return sharing
 
-    async def salt_evicted(self, cache_salt: str) -> None:
+    async def salt_evicted(self, cache_salt: str) -> Sharing:
         """An operator evicted a salt's namespaces here ("": the unsalted ones): every replica
         evicts the ones its own index holds, whatever this one's held."""
         key, value = self.fleet.record_eviction(cache_salt=cache_salt)
         self.fleet.mark_evictions_seen([key])
-        await self._write(self._evictions_bucket, key, value)
+        return await self._write(self._evictions_bucket, key, value)
 
     # ------------------------------------------------------------------ decisions
 

@@ -171,6 +171,46 @@ async def test_a_replica_started_while_nats_was_away_applies_only_the_evictions_
         await nats.stop()
 
 
+async def test_an_admin_change_nats_did_not_take_is_answered_pending_and_said_lost_at_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a drain made while NATS was away answered 200 like any other and was lost, with
+    # no word, if this replica stopped before NATS returned: the others never drained
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with RouterService(replica_config(fleet, nats.url, "a")) as a:
+                status, answer = await admin(session, a, "POST", "/workers/w0/drain")
+                assert (status, answer["draining"], answer["cluster"]) == (200, True, "shared")
+                status, answer = await admin(
+                    session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-z"}
+                )
+                assert (status, answer["cluster"]) == (200, "shared")
+                await nats.stop()
+
+                async def degraded() -> bool:
+                    return await _status(session, a) == "degraded"
+
+                await eventually(degraded, what="a to notice NATS is gone")
+                status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+                assert (status, answer["draining"], answer["cluster"]) == (200, True, "pending")
+                status, answer = await admin(
+                    session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-z"}
+                )
+                assert (status, answer["cluster"]) == (200, "pending")
+                status, answer = await admin(session, a, "DELETE", "/workers/w0")
+                assert answer == {"removed": "w0", "cluster": "pending"}
+            lost = [r.getMessage() for r in caplog.records if "never took" in r.getMessage()]
+            assert len(lost) == 1, lost
+            assert "w1 drained" in lost[0] and "w0 removed" in lost[0]
+            assert "a namespace eviction" in lost[0] and "tenant-z" not in lost[0]
+    finally:
+        await nats.stop()
+
+
 def _toml(workers: list[tuple[str, str]], nats_url: str, name: str) -> str:
     lines = [
         '[listen]\nhost = "127.0.0.1"\nport = 0',
