@@ -283,6 +283,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
     if pairs is not None and pairs.applies(ns.model):
         # a pair: the prefill side (where the prefix is reused) leads, both are explained
         pd = pairs.plan(parsed, ns)
+        for side in (pd.prefill, pd.decode):
+            planner.explain_hidden(side.candidates, parsed, ns)
         sides = {
             side: {"worker": p.worker, "dp_rank": p.dp_rank, "candidates": p.candidates}
             for side, p in (("prefill", pd.prefill), ("decode", pd.decode))
@@ -304,6 +306,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
             }
         )
     plan = planner.plan(parsed, ns)
+    # a shadow's hidden entries named, so they do not read as a cold cache
+    planner.explain_hidden(plan.candidates, parsed, ns)
     if not plan.candidates and parsed.dp_rank is not None:
         # as the proxy answers it: a dry run says what the request would get
         raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
