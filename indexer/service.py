@@ -387,6 +387,19 @@ class IndexerService:
         """For each key, whether `stream` holds it per its events."""
         return self.index.holds(stream, keys)
 
+    def shadow_hidden(
+        self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
+    ) -> set[str]:
+        """The streams whose entries for `tokens` (a plain prompt) `query` hides because an
+        `extra_key` request's shadow covers them there (`indexer.shadowed`): they hold some of
+        it, yet are answered as holding nothing. For explaining a decision (`/admin/route`),
+        not for routing: it matches the prompt again. Whatever `query` hides by, this says."""
+        found = self.index.match(namespace, tokens, limit)
+        held = set(found.blocks)
+        if (self._shadowed or self._blanket) and namespace.extra_key is None and held:
+            self._hide_shadowed(found, namespace, tokens)
+        return held - set(found.blocks)
+
     def streams(self) -> list[StreamStats]:
         """State and counters of every stream."""
         return [sub.stats() for subs in self._workers.values() for sub in subs]

@@ -7,11 +7,14 @@ Two buckets under the subject prefix:
   cluster agree (the union of their configs), and an admin removal, kept as a record, is not
   undone by a replica restarting with the worker in its file.
 - `<prefix>_evictions`: namespaces evicted by an operator (random keys: the key shows nothing
-  of the namespace), kept a day; a warm start applies those newer than its snapshot.
+  of the namespace), kept a day; a starting replica applies those newer than its index (its
+  snapshot's, or, cold, its own start: `ClusterService._sync_once`).
 
 `/admin` on any replica writes here after changing its own state; every replica (itself too)
 applies what it reads to its pool, so applying is idempotent. A write made while NATS is away is
-kept (the latest per key) and written when it returns, before the buckets are read again.
+kept (the latest per key) and written when it returns, before the buckets are read again: in
+this process's memory only, so it is lost if the replica stops first (its admin answer said
+`"cluster": "pending"`, and stopping says what was lost).
 """
 
 from __future__ import annotations
@@ -98,6 +101,27 @@ class FleetState:
             if self.unsent.get((bucket, key)) is value:
                 del self.unsent[(bucket, key)]
 
+    def describe_unsent(self) -> list[str]:
+        """The writes NATS did not take yet, as an operator would make them again ("w4
+        drained"; an eviction without its namespace or salt)."""
+        said: list[str] = []
+        for (_, key), value in self.unsent.items():
+            if not key.startswith("w."):
+                said.append("a namespace eviction")
+                continue
+            try:
+                record = _worker_decoder.decode(value)
+            except msgspec.DecodeError:
+                said.append("a worker change")
+                continue
+            if record.removed or record.config is None:
+                said.append(f"{record.id} removed")
+            elif record.draining:
+                said.append(f"{record.id} drained")
+            else:
+                said.append(f"{record.id} added or undrained")
+        return said
+
     # ----------------------------------------------------------------- applying
 
     async def apply_worker(self, value: bytes) -> None:
@@ -153,18 +177,26 @@ class FleetState:
             return
         if record.by == self._replica:
             return
+        dropped = 0
         if record.cache_salt is not None:
             salt = record.cache_salt or None
             for stats in self._indexer.namespaces():
                 if stats.namespace.cache_salt == salt:
-                    self._indexer.evict_namespace(stats.namespace)
+                    dropped += self._indexer.evict_namespace(stats.namespace)
         elif record.namespace is not None:
-            self._indexer.evict_namespace(record.namespace)
+            dropped = self._indexer.evict_namespace(record.namespace)
         else:
             log.warning("ignoring an eviction record that names no namespace and no salt")
             return
         self.evictions_applied += 1
+        # said, without the salt or the namespace: what dropped entries here, when and whose
+        log.info(
+            "applied an eviction replica %s made %.0f s ago: %d index entries dropped",
+            record.by,
+            time.time() - record.at,
+            dropped,
+        )
 
     def mark_evictions_seen(self, keys: Sequence[str]) -> None:
-        """Records that need no applying (this replica's index never held what they evicted)."""
+        """Records that need no applying here (this replica made them: its index has them)."""
         self._seen_evictions.update(keys)

@@ -50,7 +50,7 @@ from router.config import ClusterConfig, WorkerConfig
 from router.fleet.supervisor import Supervisor
 from router.routing.planner import Planner
 
-__all__ = ["ClusterService", "ClusterStatus", "replica_name"]
+__all__ = ["ClusterService", "ClusterStatus", "Sharing", "replica_name"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,15 @@ class ClusterStatus(enum.StrEnum):
     WARMING = "warming"  # starting: fleet, snapshot and streams not read yet
     OK = "ok"  # connected, in step with the others
     DEGRADED = "degraded"  # NATS away: serving on local state
+
+
+class Sharing(enum.StrEnum):
+    """Where an admin change made here stands with the other replicas (its answer's `cluster`)."""
+
+    SHARED = "shared"  # written to NATS: every replica makes it, a restart reads it back
+    # applied here only, kept in this process until NATS answers: the others do not know it
+    # yet, and it is lost if this replica stops before then (said in one WARNING line)
+    PENDING = "pending"
 
 
 def replica_name() -> str:
@@ -157,6 +166,10 @@ class ClusterService:
         self._sync_task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._serving = False  # startup is over: the replica takes requests
+        # when this process's index began (cold: the workers' replay fills it): an eviction
+        # record older than that never applies here, as of the snapshot a warm start loads
+        self._started_at = time.time()
+        self._synced = False  # a sync read the eviction records once since the start
         self._closing = False
         self._last_snapshot = time.monotonic()
         self.published = 0  # decisions published
@@ -189,6 +202,14 @@ class ClusterService:
         self._closing = True
         self._planner.decisions = None
         self.outbox.sending = False
+        if self.fleet.unsent:
+            # kept in memory only (a file would be replayed over what the others changed since):
+            # the operator is told what to make again
+            log.warning(
+                "cluster: stopping with admin change(s) NATS never took, lost: %s; make them "
+                "again once NATS answers",
+                ", ".join(self.fleet.describe_unsent()),
+            )
         for task in [*self._tasks, *self._watchers, self._sync_task]:
             if task is not None:
                 task.cancel()
@@ -253,6 +274,7 @@ class ClusterService:
             "decisions_unmatched_pages": float(self.peers.unmatched_pages),
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
+            "evictions_applied": float(self.fleet.evictions_applied),
         }
 
     # ------------------------------------------------------------------ connection
@@ -345,7 +367,8 @@ class ClusterService:
         delay = 0.1
         while True:
             try:
-                await self._sync_once(first=first and not self._serving)
+                # a warm start only before serving: a snapshot would replace a live index
+                await self._sync_once(warm=first and not self._serving)
                 return
             except _NATS_ERRORS as exc:
                 if not self.connected:
@@ -360,9 +383,10 @@ class ClusterService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _sync_once(self, *, first: bool) -> None:
+    async def _sync_once(self, *, warm: bool) -> None:
         js = self._js
         assert js is not None
+        first = not self._synced
         self._kv[self._fleet_bucket] = await js.create_key_value(
             bucket=self._fleet_bucket, history=1
         )
@@ -371,11 +395,17 @@ class ClusterService:
         )
         await self.fleet.flush(self._kv)  # what an operator changed here while NATS was away
         await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers)
+        # the records already there: on this process's first read, those older than its index
+        # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
+        # Before, the first read after a start while NATS was away applied every record of
+        # the day, dropping pages stored since from this replica's index alone, for good
         newer_than: float | None = None
         if first:
-            newer_than = await self._warm_start(js)
-        await self._watch(first=first, newer_than=newer_than)
-        if first and self.snapshot_at is not None:
+            loaded = await self._warm_start(js) if warm else None
+            newer_than = self._started_at if loaded is None else loaded
+        await self._watch(newer_than=newer_than)
+        self._synced = True
+        if warm and self.snapshot_at is not None:
             await self._streams_proven()
         self.outbox.sending = True
         self.outbox.heartbeat()
@@ -420,8 +450,9 @@ class ClusterService:
 
     # ------------------------------------------------------------------ fleet and evictions
 
-    async def _watch(self, *, first: bool, newer_than: float | None) -> None:
-        """(Re)start the KV watchers; returns once both have applied what the buckets hold."""
+    async def _watch(self, *, newer_than: float | None) -> None:
+        """(Re)start the KV watchers; returns once both have applied what the buckets hold
+        (of the eviction records there, only those after `newer_than`; None: all not seen)."""
         for task in self._watchers:
             task.cancel()
         fleet_read = asyncio.Event()
@@ -431,10 +462,7 @@ class ClusterService:
             await self.fleet.apply_worker(value)
 
         async def on_eviction(key: str, value: bytes, initial: bool) -> None:
-            if initial and first and newer_than is None:
-                self.fleet.mark_evictions_seen([key])  # a cold index never held them
-            else:
-                self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
+            self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
 
         self._watchers = [
             self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),
@@ -467,40 +495,45 @@ class ClusterService:
             with contextlib.suppress(*_NATS_ERRORS):
                 await watcher.stop()  # type: ignore[no-untyped-call]
 
-    async def _write(self, bucket: str, key: str, value: bytes) -> None:
+    async def _write(self, bucket: str, key: str, value: bytes) -> Sharing:
         """Write one record now, or keep it for when NATS answers again."""
         kv = self._kv.get(bucket)
         if kv is None or not self.connected or self.status is not ClusterStatus.OK:
             self.fleet.unsent[(bucket, key)] = value
-            return
+            return Sharing.PENDING
         try:
             async with asyncio.timeout(2.0):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
             log.warning("cluster: %s not written yet (%s): kept for the resync", key, exc)
             self.fleet.unsent[(bucket, key)] = value
+            return Sharing.PENDING
+        return Sharing.SHARED
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,
         draining: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> Sharing:  # fmt: skip
         """An operator added, drained or removed a worker here: tell every replica."""
         value = self.fleet.record_worker(worker_id, config, removed=removed, draining=draining)
-        await self._write(self._fleet_bucket, worker_key(worker_id), value)
+        return await self._write(self._fleet_bucket, worker_key(worker_id), value)
 
-    async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> None:
+    async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> Sharing:
         """An operator evicted namespaces here: every replica evicts them too."""
+        sharing = Sharing.SHARED
         for ns in namespaces:
             key, value = self.fleet.record_eviction(ns)
             self.fleet.mark_evictions_seen([key])
-            await self._write(self._evictions_bucket, key, value)
+            if await self._write(self._evictions_bucket, key, value) is Sharing.PENDING:
+                sharing = Sharing.PENDING
+        return sharing
 
-    async def salt_evicted(self, cache_salt: str) -> None:
+    async def salt_evicted(self, cache_salt: str) -> Sharing:
         """An operator evicted a salt's namespaces here ("": the unsalted ones): every replica
         evicts the ones its own index holds, whatever this one's held."""
         key, value = self.fleet.record_eviction(cache_salt=cache_salt)
         self.fleet.mark_evictions_seen([key])
-        await self._write(self._evictions_bucket, key, value)
+        return await self._write(self._evictions_bucket, key, value)
 
     # ------------------------------------------------------------------ decisions
 

@@ -4,7 +4,9 @@ A sub-application with its own bearer-token middleware. Salts never leave the ro
 are shown and addressed by keyed fingerprint (`router.routing.namespace`), and an eviction by
 `cache_salt` answers with fingerprints only. With a `[cluster]`, a change to the fleet (add,
 remove, drain) or an eviction is made here, then written to the state the replicas share, so
-every replica makes it too (`router.cluster.fleet_state`).
+every replica makes it too (`router.cluster.fleet_state`); its answer's `cluster` says whether
+it was (`"shared"`) or is kept here until NATS answers (`"pending"`: the other replicas do not
+make it yet, and it is lost if this replica stops first).
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def _token_middleware(token: str) -> Middleware:
     return check
 
 
+def _with_sharing(payload: object, sharing: str | None) -> object:
+    """`payload`, with `"cluster": sharing` where a replica shared (or kept) the change."""
+    if sharing is None:
+        return payload
+    return {**msgspec.to_builtins(payload), "cluster": sharing}
+
+
 def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
     planner = request.config_dict[PLANNER]
     now = planner.clock()
@@ -118,17 +127,19 @@ async def add_worker(request: web.Request) -> web.Response:
     """POST /admin/workers: {url, ...}; omitted event settings come from /server_info."""
     config = _decode(await request.read(), WorkerConfig)
     entry = await request.config_dict[SUPERVISOR].add(config, must_register=True)
+    sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
-        await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
-    return _reply(_summary(request, entry), status=201)
+        sharing = await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
+    return _reply(_with_sharing(_summary(request, entry), sharing), status=201)
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     """DELETE /admin/workers/{id}."""
     entry = await request.config_dict[SUPERVISOR].remove(request.match_info["id"])
+    sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
-        await cluster.worker_changed(entry.id, None, removed=True)
-    return _reply({"removed": entry.id})
+        sharing = await cluster.worker_changed(entry.id, None, removed=True)
+    return _reply(_with_sharing({"removed": entry.id}, sharing))
 
 
 async def drain_worker(request: web.Request) -> web.Response:
@@ -136,9 +147,10 @@ async def drain_worker(request: web.Request) -> web.Response:
     body = _decode(await request.read(), DrainRequest)
     entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
     entry.draining = body.drain
+    sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
-        await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
-    return _reply(_summary(request, entry))
+        sharing = await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
+    return _reply(_with_sharing(_summary(request, entry), sharing))
 
 
 def _namespace_row(
@@ -210,12 +222,13 @@ async def evict_namespace(request: web.Request) -> web.Response:
             "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"
         )
     dropped = sum(indexer.evict_namespace(ns) for ns in targets)
+    sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
         if body.cache_salt is not None:
             # by salt even when this index holds none of it: another replica's may
-            await cluster.salt_evicted(body.cache_salt)
+            sharing = await cluster.salt_evicted(body.cache_salt)
         elif targets:
-            await cluster.namespaces_evicted(targets)
+            sharing = await cluster.namespaces_evicted(targets)
     flushed: dict[str, str] = {}
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker
@@ -229,13 +242,12 @@ async def evict_namespace(request: web.Request) -> web.Response:
                 # SGLang's /flush_cache (0.5.23) takes no salt: it would empty every tenant's
                 # pages there, not this one's
                 flushed[e.id] = _NO_SALT_FLUSH
-    return _reply(
-        {
-            "namespaces": sorted(fingerprint(ns) for ns in targets),
-            "entries_dropped": dropped,
-            "flushed": flushed,
-        }
-    )
+    answer = {
+        "namespaces": sorted(fingerprint(ns) for ns in targets),
+        "entries_dropped": dropped,
+        "flushed": flushed,
+    }
+    return _reply(_with_sharing(answer, sharing))
 
 
 async def list_streams(request: web.Request) -> web.Response:
@@ -275,6 +287,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
         side = pairs.unserved_rank(parsed, ns, pd)
         if side is not None:  # as the pair dispatcher answers it
             raise RequestError(f"no {side} worker has the dp rank {parsed.dp_rank} asked for")
+        for leg in (pd.prefill, pd.decode):
+            planner.explain_hidden(leg.candidates, parsed, ns)
         sides = {
             side: {"worker": p.worker, "dp_rank": p.dp_rank, "candidates": p.candidates}
             for side, p in (("prefill", pd.prefill), ("decode", pd.decode))
@@ -296,6 +310,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
             }
         )
     plan = planner.plan(parsed, ns)
+    # a shadow's hidden entries named, so they do not read as a cold cache
+    planner.explain_hidden(plan.candidates, parsed, ns)
     if not plan.candidates and parsed.dp_rank is not None:
         # as the proxy answers it: a dry run says what the request would get
         raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")

@@ -182,6 +182,7 @@ class _Cluster(Collector):
         "stream's",
         "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
         "unsent_admin_writes": "Admin changes kept here until NATS takes them",
+        "evictions_applied": "Namespace evictions of other replicas applied to the index here",
     }
 
     def __init__(self) -> None:
@@ -198,6 +199,7 @@ class _Cluster(Collector):
             "decisions_applied",
             "decisions_unmatched_pages",
             "decisions_dropped",
+            "evictions_applied",
         )
     )
 

@@ -121,6 +121,26 @@ _NO_MATCH = WorkerMatch(
 )
 
 
+def _match_limit(tokens: Sequence[int], reuse_limit: int | None) -> int:
+    """The leading tokens of the prompt a worker can reuse at most."""
+    # Engines never reuse the cache for a prompt's last token (its logits must be computed),
+    # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
+    # (`limit` says so without copying an 8k-token list); nor from the first prompt token
+    # whose logprob the request asks for (`router.prompt.reuse_limit`)
+    limit = max(len(tokens) - 1, 0)
+    return limit if reuse_limit is None else min(limit, reuse_limit)
+
+
+# what a candidate's `hidden` and its forecast's `why` say of entries an extra_key's shadow
+# hides: never the extra_key itself
+_SHADOWED = "extra_key shadow"
+_SHADOWED_WHY = (
+    "nothing matched: its entries for this prompt are hidden by an extra_key shadow (a "
+    "request with an extra_key sent here may have stored them, and the events cannot tell "
+    "its pages from plain ones)"
+)
+
+
 def _gpu_reused_tokens(candidate: Candidate) -> int:
     """The prefix the candidate is predicted to reuse from its GPU pages, without allocating:
     the predicted reuse less its blocks on another tier (`by_medium`: a block held on the GPU
@@ -219,13 +239,7 @@ class Planner:
         reuse_limit: int | None = None,
     ) -> Plan:
         now = self.clock()
-        # Engines never reuse the cache for a prompt's last token (its logits must be computed),
-        # so the hit a worker can give is the held prefix of tokens[:-1], rounded to its blocks
-        # (`limit` says so without copying an 8k-token list); nor from the first prompt token
-        # whose logprob the request asks for (`router.prompt.reuse_limit`)
-        limit = max(len(tokens) - 1, 0)
-        if reuse_limit is not None:
-            limit = min(limit, reuse_limit)
+        limit = _match_limit(tokens, reuse_limit)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         views: list[Candidate] = []
         for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool
@@ -258,6 +272,30 @@ class Planner:
             unindexed=unindexed_reason(ns),
             balance=balance,
         )
+
+    def explain_hidden(
+        self, candidates: Sequence[Candidate], parsed: ParsedRequest, ns: Namespace
+    ) -> None:
+        """Say on each of the candidates (a dry run's: this matches the prompt again)
+        whose index entries for the prompt are hidden by an extra_key shadow: it predicts
+        nothing there, as a cold cache would, and `hidden` (and the forecast's `why`) tells
+        the two apart."""
+        if unindexed_reason(ns) is not None or not self.indexer.worker_count():
+            return
+        limit = _match_limit(parsed.tokens, parsed.reuse_limit)
+        hidden = self.indexer.shadow_hidden(ns, parsed.tokens, limit)
+        if not hidden:
+            return
+        for candidate in candidates:
+            streams = self.indexer.stream_ids(candidate.worker, candidate.dp_rank)
+            # a worker offered whole (its ranks' best match; the engine picks the rank): said
+            # where one of its ranks is hidden
+            if not any(stream in hidden for stream in streams):
+                continue
+            candidate.hidden = _SHADOWED
+            admission = candidate.admission
+            if admission is not None and not admission.raw_tokens:
+                admission.why = _SHADOWED_WHY
 
     def _candidates(
         self,

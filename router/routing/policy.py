@@ -95,6 +95,10 @@ class Candidate(msgspec.Struct, gc=False):
     # asked with `[policy] hold_until_room`: the request waits while the first choice cannot);
     # None: not asked
     room: bool | None = None
+    # why the index's entries for this prompt there are not counted though it holds some,
+    # told by the `/admin/route` dry run only (`Planner.explain_hidden`; None on the request
+    # path): "extra_key shadow" (`indexer.shadowed`), so a shadow does not read as a cold cache
+    hidden: str | None = None
 
     @property
     def predicted_tokens(self) -> int:

@@ -20,7 +20,7 @@ import pytest
 from router.cluster.server import NatsServer, find_nats_server, free_port
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, health, replica_config, workers
-from tests.router.conftest import TOKEN, eventually
+from tests.router.conftest import TOKEN, Fleet, eventually
 
 _BODY = {"text": "hello replicas", "sampling_params": {"max_new_tokens": 1}}
 
@@ -108,6 +108,105 @@ async def test_nats_down_mid_traffic_serves_on_local_state_and_resyncs(
                     return any(w["id"] == "w1" and w["draining"] for w in listed["workers"])
 
                 await eventually(resynced, what="both to resync and b to apply a's drain")
+    finally:
+        await nats.stop()
+
+
+async def _generate(session: aiohttp.ClientSession, router: RouterService, body: Any) -> None:
+    async with session.post(
+        router.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def test_a_replica_started_while_nats_was_away_applies_only_the_evictions_made_since(
+    tmp_path: Path,
+) -> None:
+    # Before, its first read of the evictions bucket, once NATS was back, applied every record
+    # of the day: a tenant evicted yesterday lost today's pages from this replica's index only
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+            fleet, refs = [("w0", w0.url)], {"w0": w0}
+            kept = {"text": "stored after its tenant was evicted " * 4, "cache_salt": "tenant-s"}
+            gone = {"text": "evicted while a replica was away " * 4, "cache_salt": "tenant-t"}
+            async with RouterService(replica_config(fleet, nats.url, "b")) as b:
+                await Fleet(b, refs, session).warm()
+                status, _ = await admin(
+                    session, b, "POST", "/namespaces/evict", {"cache_salt": "tenant-s"}
+                )
+                assert status == 200
+                for body in (kept, gone):
+                    await _generate(session, b, body)
+                await nats.stop()
+                late = cluster(nats.url, replica_id="a", startup_timeout_s=0.3)
+                async with RouterService(replica_config(fleet, nats.url, "a", cluster=late)) as a:
+                    assert await _status(session, a) == "degraded"
+                    on_a = Fleet(a, refs, session)
+
+                    async def rebuilt() -> bool:
+                        return await on_a.holds(kept, "w0", 64) and await on_a.holds(gone, "w0", 64)
+
+                    await eventually(rebuilt, what="a's index to be rebuilt from the replay")
+                    # made after a started: b keeps it until NATS returns, and a applies it
+                    status, _ = await admin(
+                        session, b, "POST", "/namespaces/evict", {"cache_salt": "tenant-t"}
+                    )
+                    assert status == 200
+                    await nats.start()
+
+                    async def resynced() -> bool:
+                        if {await _status(session, a), await _status(session, b)} != {"ok"}:
+                            return False
+                        return not await on_a.holds(gone, "w0", 16)
+
+                    await eventually(resynced, what="a to resync and apply b's late eviction")
+                    assert await on_a.holds(kept, "w0", 64)  # the older eviction did not apply
+                    assert "kvroute_cluster_evictions_applied_total 1.0" in await _metrics(
+                        session, a
+                    )
+    finally:
+        await nats.stop()
+
+
+async def test_an_admin_change_nats_did_not_take_is_answered_pending_and_said_lost_at_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a drain made while NATS was away answered 200 like any other and was lost, with
+    # no word, if this replica stopped before NATS returned: the others never drained
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with RouterService(replica_config(fleet, nats.url, "a")) as a:
+                status, answer = await admin(session, a, "POST", "/workers/w0/drain")
+                assert (status, answer["draining"], answer["cluster"]) == (200, True, "shared")
+                status, answer = await admin(
+                    session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-z"}
+                )
+                assert (status, answer["cluster"]) == (200, "shared")
+                await nats.stop()
+
+                async def degraded() -> bool:
+                    return await _status(session, a) == "degraded"
+
+                await eventually(degraded, what="a to notice NATS is gone")
+                status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+                assert (status, answer["draining"], answer["cluster"]) == (200, True, "pending")
+                status, answer = await admin(
+                    session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-z"}
+                )
+                assert (status, answer["cluster"]) == (200, "pending")
+                status, answer = await admin(session, a, "DELETE", "/workers/w0")
+                assert answer == {"removed": "w0", "cluster": "pending"}
+            lost = [r.getMessage() for r in caplog.records if "never took" in r.getMessage()]
+            assert len(lost) == 1, lost
+            assert "w1 drained" in lost[0] and "w0 removed" in lost[0]
+            assert "a namespace eviction" in lost[0] and "tenant-z" not in lost[0]
     finally:
         await nats.stop()
 

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from indexer.index import PrefixIndex
+from indexer.namespace import Namespace
 from indexer.protocol.events import Event, EventBatch, Stored
 from indexer.snapshot import dump_index
 from router.config import AdminConfig, LimitsConfig, ListenConfig, RouterConfig
@@ -287,3 +288,36 @@ async def test_an_admin_body_with_a_lone_surrogate_is_refused_as_such(
     assert resp.status == 400
     assert "lone UTF-16 surrogate" in answer["error"]["message"]
     assert "a\\ud800" not in answer["error"]["message"]  # nothing of the body repeated
+
+
+async def test_a_dry_run_names_an_extra_key_shadow_rather_than_nothing_matched(
+    fleet: Fleet,
+) -> None:
+    """A plain prompt whose pages an extra_key request stored is predicted nothing on that
+    worker (fail closed): the dry run said only "nothing matched", as of a cold cache, so an
+    operator could not tell the shadow from a miss. It now names the shadow, never the key."""
+    prompt = [(i * 13) % 200 + 5 for i in range(20 * 16 + 1)]
+    keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "secret-view"}
+    status, headers, _ = await fleet.post("/generate", keyed)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+
+    async def hidden() -> bool:
+        plan = await fleet.route(plain)
+        return any(c["hidden"] for c in plan["candidates"])
+
+    await eventually(hidden, what="the extra_key pages indexed as plain ones, and hidden")
+    async with fleet.session.post(fleet.url + "/admin/route", json=plain, headers=AUTH) as resp:
+        text = await resp.text()
+    assert "secret-view" not in text
+    by_worker = {c["worker"]: c for c in msgspec.json.decode(text)["candidates"]}
+    shadowed, other = by_worker.pop(holder), next(iter(by_worker.values()))
+    assert shadowed["matched_tokens"] == 0 and shadowed["hidden"] == "extra_key shadow"
+    assert "hidden by an extra_key shadow" in shadowed["admission"]["why"]
+    assert other["hidden"] is None and other["admission"]["why"] == "nothing matched"
+    # the indexer's word on it, which the planner asks: the stream the query hides
+    indexer = fleet.router.planner.indexer
+    plain_ns = Namespace(fleet.router.planner.pool.get(holder).cache_model, None, "tenant-a")
+    assert indexer.shadow_hidden(plain_ns, prompt) == set(indexer.stream_ids(holder))
+    assert indexer.query(plain_ns, prompt)[holder].matched_tokens == 0

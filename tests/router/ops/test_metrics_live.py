@@ -180,9 +180,10 @@ async def test_a_replicas_cluster_series_are_described_and_counters_are_counters
         text = await resp.text()
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     cluster = {name: kind for name, kind in types.items() if name.startswith("kvroute_cluster_")}
-    assert len(cluster) == 7, cluster
+    assert len(cluster) == 8, cluster
     for total in ("published", "applied", "unmatched_pages", "dropped"):
         assert cluster.pop(f"kvroute_cluster_decisions_{total}") == "counter"
+    assert cluster.pop("kvroute_cluster_evictions_applied") == "counter"
     assert set(cluster.values()) == {"gauge"}, cluster  # states: degraded, replicas, unsent
     exported = exported_names(text)
     families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count", "_created"))}
