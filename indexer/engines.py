@@ -182,6 +182,12 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # (0.33 `BlockPool.cache_partial_block`): learned from it, every later full block was a
     # mismatch and nothing more was indexed on the rank
     page_size_from_one_page: bool
+    # whether a store of a block the stream holds (same hash, same tier) is another copy that
+    # gets its own removal: SGLang publishes a store per new radix node only, and a request
+    # with an `extra_key` stores its own node of a page the plain tree holds (same hash:
+    # `extra_key` is not hashed); vLLM re-reports reused blocks (kv_cache_report_mode
+    # "full") with no removal of their own, so there a store again counts once
+    stored_again_is_copy: bool
 
     @property
     def salt_in_root_extra_keys(self) -> bool:
@@ -201,6 +207,7 @@ SGLANG = EngineSpec(
     advertised_role=_sglang_role,
     default_bootstrap_port=SGLANG_BOOTSTRAP_PORT,
     page_size_from_one_page=True,
+    stored_again_is_copy=True,
 )
 
 VLLM = EngineSpec(
@@ -215,6 +222,7 @@ VLLM = EngineSpec(
     advertised_role=_no_role,
     default_bootstrap_port=None,  # the prefill's answer says where its KV is
     page_size_from_one_page=False,
+    stored_again_is_copy=False,
 )
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (SGLANG, VLLM)}

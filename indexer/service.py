@@ -32,7 +32,7 @@ from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
 from indexer.namespace import Namespace
-from indexer.shadowed import ShadowedPrefixes, ShadowMark
+from indexer.shadowed import ShadowedPrefixes, ShadowMark, trusted_blocks
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import (
@@ -70,9 +70,14 @@ ORPHAN_GRACE_S = 600.0
 # (more than any engine's page: a longer page blankets the stream), and how many such prompts
 _UNSIZED_HEAD = 256
 _UNSIZED_LIMIT = 4096
-# the prompt head a shadow needs at most: the first page of any stream it is keyed on (a
-# stream of longer pages takes no shadow from a head, as none of unknown size)
+# the prompt head another replica's shadow carries (`router.cluster`): its blocks are
+# shadowed, and the last is its tail (what follows may be the extra_key's: fail closed)
 SHADOW_HEAD_TOKENS = _UNSIZED_HEAD
+# the most blocks of one prompt shadowed on a stream (the last is its tail), and how many
+# shadows are kept before new prompts shadow their first block only (memory: a few dozen
+# bytes a shadow; a tail that early hides more, never shows a copy that is not plain)
+_SHADOW_BLOCKS = 2048
+_SHADOW_LIMIT = 4_000_000
 
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
@@ -100,8 +105,12 @@ class IndexerService:
         # prefixes sent with an extra_key, which their events show as plain (`indexer.shadowed`)
         self._shadowed = ShadowedPrefixes()
         # the same, sent to streams whose block size was not known yet: (stream, plain
-        # namespace, the prompt's leading tokens, kept until), made keys once it is
-        self._unsized_shadows: list[tuple[str, Namespace, Sequence[Hashable], float]] = []
+        # namespace, the prompt's leading tokens, its extra_key, kept until), made keys once
+        # it is
+        self._unsized_shadows: list[tuple[str, Namespace, Sequence[Hashable], str, float]] = []
+        # the seeds (parents of first blocks) that are tails of prompts with no full block,
+        # and their namespace: such a tail is kept while its stream holds a page of it
+        self._seeds: dict[int, Namespace] = {}
         # streams whose plain entries are all hidden: shadows that could not be kept there
         self._blanket: set[str] = set()
         # told the stream id after each event batch applied (the router's load bookkeeping:
@@ -204,18 +213,33 @@ class IndexerService:
     def _hide_shadowed(
         self, found: PrefixMatch, namespace: Namespace, tokens: Sequence[Hashable]
     ) -> None:
-        """Streams where the prompt's first block is shadowed hold nothing for it: their
-        entries may be another `extra_key`'s copy (`indexer.shadowed`)."""
-        for stream in list(found.blocks):
+        """Cut each stream's match to the blocks the plain tree surely holds there: an entry
+        may be an `extra_key`'s copy (`indexer.shadowed`). The common stream (no shadow on its
+        first block or its seed) costs one block key and two lookups."""
+        index = self.index
+        for stream, held in list(found.blocks.items()):
             shadows = self._shadowed.shadows(stream)
-            if stream in self._blanket or (
-                shadows
-                and any(
-                    k in shadows for k in self.index.first_block_keys(stream, namespace, tokens)
-                )
-            ):
+            trusted = 0
+            if stream not in self._blanket:
+                if not shadows:
+                    continue
+                made = index.chain_keys(stream, namespace, tokens, 1)
+                if made is None or not made[1]:
+                    continue
+                seed, (first,) = made
+                if seed not in shadows and (not first or first[0] not in shadows):
+                    continue  # no extra_key copy can be on this prompt's chain there
+                made = index.chain_keys(stream, namespace, tokens, held)
+                assert made is not None
+                keys = made[1][0][:held]
+                trusted = trusted_blocks(shadows, seed, keys, index.extra_copies(stream))
+                if trusted == held:
+                    continue
+            found.pending_blocks.pop(stream, None)
+            if trusted:
+                index.cut(found, stream, trusted)
+            else:
                 del found.blocks[stream]
-                found.pending_blocks.pop(stream, None)
                 found.by_medium.pop(stream, None)
 
     def shadow(
@@ -228,26 +252,71 @@ class IndexerService:
     ) -> list[ShadowMark]:
         """A request with an `extra_key` (in `namespace`) was sent to `worker` (rank
         `dp_rank`; None: every rank): the pages it stores will be shown by events as plain
-        ones, so plain queries stop trusting its prefix there for at least `keep_s`, and
-        for as long as the stream holds it after that (`indexer.shadowed`). Returns the
-        shadows made, for `unshadow` should the request store nothing."""
+        ones, so plain queries stop trusting its blocks there that may be its copies, for at
+        least `keep_s`, and for as long as the stream holds them after that
+        (`indexer.shadowed`). `tokens` may be the prompt's head only (another replica's
+        shadow): what follows it counts as the extra_key's. Returns the shadows made, for
+        `unshadow` should the request store nothing."""
         made: list[ShadowMark] = []
-        if namespace.extra_key is None:
+        extra_key = namespace.extra_key
+        if extra_key is None:
             return made
         plain = msgspec.structs.replace(namespace, extra_key=None)
         until = self._clock() + keep_s
         index = self.index
+        blocks = 1 if len(self._shadowed) >= _SHADOW_LIMIT else _SHADOW_BLOCKS
         for stream in self.stream_ids(worker, dp_rank):
-            keys = index.first_block_keys(stream, plain, tokens)
-            for key in keys:
-                made.append(self._shadowed.mark(stream, key, until))
-            if not keys and index.has_stream(stream) and index.block_size(stream) is None:
-                # its first events will say the size: the key is made then (`_on_applied`);
-                # such a shadow is never withdrawn (fail closed)
-                self._shadow_unsized(stream, plain, tokens, until)
+            chains = index.chain_keys(stream, plain, tokens, blocks)
+            if chains is None:
+                if index.has_stream(stream):
+                    # its first events will say the size: the keys are made then
+                    # (`_on_applied`); such a shadow is never withdrawn (fail closed)
+                    self._shadow_unsized(stream, plain, tokens, extra_key, until)
+                continue
+            made.extend(self._mark(stream, plain, chains, extra_key, until))
         if self._shadowed.due():
-            self._shadowed.sweep(self._clock(), index.holds)
+            self._shadowed.sweep(self._clock(), self._holds_shadowed)
+            self._seeds = {s: ns for s, ns in self._seeds.items() if self._has_seed(s)}
         return made
+
+    def _mark(
+        self,
+        stream: str,
+        plain: Namespace,
+        chains: tuple[int, list[list[int]]],
+        extra_key: str,
+        until: float,
+    ) -> list[ShadowMark]:
+        """Shadow a prompt's chains of block keys on `stream` (its seed the tail of a prompt
+        with no full block)."""
+        seed, keys = chains
+        marks = [
+            self._shadowed.mark(stream, chain, chain[-1], extra_key, until)
+            for chain in keys
+            if chain
+        ]
+        if not all(keys):
+            self._seeds[seed] = plain
+            marks.append(self._shadowed.mark(stream, (), seed, extra_key, until))
+        return marks
+
+    def _has_seed(self, seed: int) -> bool:
+        return any(
+            shadows is not None and seed in shadows
+            for shadows in map(self._shadowed.shadows, self.index.streams())
+        )
+
+    def _holds_shadowed(self, stream: str, keys: Sequence[int]) -> list[bool]:
+        """For the sweep: whether `stream` still holds each shadowed key (a seed: a page of
+        its namespace), so a copy stored for an extra_key may still be there."""
+        held = self.index.holds(stream, keys)
+        seeds = self._seeds
+        if seeds:
+            for i, key in enumerate(keys):
+                ns = seeds.get(key)
+                if ns is not None:
+                    held[i] = self.index.holds_namespace(stream, ns)
+        return held
 
     def unshadow(self, marks: Sequence[ShadowMark]) -> None:
         """The request of these shadows (`shadow`'s) stored nothing (the worker refused it, or
@@ -257,18 +326,24 @@ class IndexerService:
             self._shadowed.withdraw(mark)
 
     def _shadow_unsized(
-        self, stream: str, plain: Namespace, tokens: Sequence[Hashable], until: float
+        self,
+        stream: str,
+        plain: Namespace,
+        tokens: Sequence[Hashable],
+        extra_key: str,
+        until: float,
     ) -> None:
         """Keep a prompt's head until `stream`'s block size is known (`_size_shadows`), within
         bounds: beyond `_UNSIZED_LIMIT` of them, the stream's plain entries are all hidden
-        (`_blanket`: fail closed) rather than memory growing with every request."""
+        (`_blanket`: fail closed) rather than memory growing with every request. The head's
+        last block is its tail: what follows counts as the extra_key's."""
         if stream in self._blanket:
             return
         waiting = self._unsized_shadows
         if len(waiting) >= _UNSIZED_LIMIT:
             # a stream that published nothing since: nothing was stored for those
             now = self._clock()
-            waiting = self._unsized_shadows = [i for i in waiting if i[3] >= now]
+            waiting = self._unsized_shadows = [i for i in waiting if i[4] >= now]
         try:
             head: Sequence[Hashable] | None = array(
                 "q", cast(Sequence[int], tokens[:_UNSIZED_HEAD])
@@ -278,7 +353,7 @@ class IndexerService:
         if head is None or len(waiting) >= _UNSIZED_LIMIT:
             self._blanket.add(stream)
             return
-        waiting.append((stream, plain, head, until))
+        waiting.append((stream, plain, head, extra_key, until))
 
     def _size_shadows(self, stream: str) -> None:
         """Make the keys of the shadows sent to `stream` before its block size was known."""
@@ -290,14 +365,10 @@ class IndexerService:
             if item[0] != stream:
                 waiting.append(item)
                 continue
-            _, plain, head, until = item
-            keys = index.first_block_keys(stream, plain, head)
-            for key in keys:
-                self._shadowed.mark(stream, key, until)
-            kinds = 2 if index.bigram(stream) is None else 1  # tokens, pairs (or the known one)
-            if len(keys) < kinds and len(head) >= _UNSIZED_HEAD:
-                # a page longer than the head kept: no key to shadow it by (fail closed)
-                self._blanket.add(stream)
+            _, plain, head, extra_key, until = item
+            chains = index.chain_keys(stream, plain, head, _SHADOW_BLOCKS)
+            if chains is not None:
+                self._mark(stream, plain, chains, extra_key, until)
         self._unsized_shadows = waiting
 
     def add_pending(

@@ -2,44 +2,68 @@
 
 SGLang keys its radix cache by (`extra_key`, `cache_salt`), but its KV events (the default
 format) carry only the salt (and a LoRA adapter's name): a page stored for a request with an
-`extra_key` reaches the index as a page of the plain namespace (model, lora, salt), the same
-event a request without one would give. A request without an `extra_key` that matches it there
+`extra_key` reaches the index as a page of the plain namespace (model, lora, salt), with the
+hash a plain request's copy of it has. A request without an `extra_key` that matches it there
 is predicted a hit the worker will not give: its radix tree keeps the two apart.
 
-No event tells the two copies apart, so the index fails closed where they can meet: when a
-request with an `extra_key` is sent to a stream, the key of its prompt's first block in the
-plain namespace is "shadowed" there, and a plain query that matches that block on that stream
-is answered as holding nothing there. One key is enough: block keys chain, so a plain prompt
-that shares any block with that prompt shares its first one. A plain prefix that both kinds of
-request use (a tenant's system prompt) then predicts no hit on the streams that were sent
-`extra_key` requests with it: missed hits, never false ones.
+No event tells the copies apart, but they can be counted. Each `extra_key` has a subtree of its
+own, so a stream holds at most one copy of a page per `extra_key`, plus the plain one; and each
+copy is a radix node of its own, stored and removed by events of its own
+(`EngineSpec.stored_again_is_copy`: the index keeps a page held until its last copy goes, and
+`PrefixIndex.extra_copies` says at least how many more than one it holds). So when a request
+with an `extra_key` is sent to a stream, every block key of its prompt (the plain namespace's
+keys) is **shadowed** there, naming that `extra_key`; the last one shadowed is its **tail**:
+the pages after it (the prompt's last partial page and its output, which the worker stores too,
+or the blocks past a cap) are not shadowed, so they may be its copies on any chain through the
+tail (the seed, the parent of every first block, is the tail of a prompt with no full block).
 
-A shadow is kept at least `keep_s` after the last such request, long enough for its pages to
-have been stored and their events to have arrived, and after that for as long as the stream's
-entries still hold the key (a copy stored for the `extra_key` may still be there).
+A plain query that matched m blocks of a stream trusts the deepest block it can, i:
+- nothing may have stored an `extra_key` copy of block i there (no `extra_key` shadows it, and
+  no tail lies on the chain before it): every copy is plain; or
+- the stream holds more copies of it than the `extra_key`s that may each hold one (those
+  shadowing it, and those whose tail lies on the chain before it): one of them is plain.
+A plain copy of block i means the plain tree holds blocks 1..i (a radix node's ancestors are
+nodes too), so the prediction is i blocks (0: none trusted). Keys are distinct `extra_key`
+values, so a tenant's requests under one `extra_key` count once whatever they share. Counting
+errs one way only: a removal may have taken the plain copy, so the index's count of copies
+drops (the copies stored again count no more once one of them is removed), and shadows are
+only ever added until they lapse: fewer copies or more `extra_key`s than there are is a missed
+hit, never a false one.
+
+A shadow is kept at least `keep_s` after the last request that made it, long enough for its
+pages to have been stored and their events to have arrived, and after that for as long as the
+stream still holds the key (its copy may still be there; a tail on the seed: as long as the
+stream holds a page of that namespace). Memory: a few dozen bytes a shadowed block (entries are
+shared by the blocks one request shadowed), kept in check by sweeps of what lapsed.
 
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["ShadowMark", "ShadowedPrefixes"]
+__all__ = ["Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
 
-# one shadow made (`ShadowedPrefixes.mark`): (stream, key, the time it was kept until before,
-# None: not shadowed, and the time it is kept until now)
-ShadowMark = tuple[str, int, float | None, float]
+_NONE: frozenset[str] = frozenset()
+
+# one key's shadow: (kept until, the extra_keys whose prompt has the key, those whose tail it
+# is); one such tuple is shared by the keys one request shadowed alike
+Shadow = tuple[float, frozenset[str], frozenset[str]]
+
+# the shadows one request made on one stream (`ShadowedPrefixes.mark`): (stream, keys, each
+# key's shadow before, None: not shadowed, and after)
+ShadowMark = tuple[str, tuple[int, ...], tuple[Shadow | None, ...], tuple[Shadow, ...]]
 
 # shadows kept before the next sweep for ones no longer needed (doubles with what is kept)
 _FIRST_SWEEP = 4096
 
 
 class ShadowedPrefixes:
-    """Per stream: first-block keys (plain namespace) of prompts sent with an `extra_key`."""
+    """Per stream: block keys (plain namespace) of prompts sent with an `extra_key`."""
 
     def __init__(self) -> None:
-        self._by_stream: dict[str, dict[int, float]] = {}  # stream -> key -> kept until
+        self._by_stream: dict[str, dict[int, Shadow]] = {}  # stream -> key -> its shadow
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -49,32 +73,55 @@ class ShadowedPrefixes:
     def __bool__(self) -> bool:
         return self._count > 0
 
-    def mark(self, stream: str, key: int, until: float) -> ShadowMark:
-        """Shadow `key` on `stream` until at least `until`; returns what `withdraw` needs."""
-        keys = self._by_stream.setdefault(stream, {})
-        before = keys.get(key)
-        if before is None:
-            self._count += 1
-        if before is None or before <= until:
-            keys[key] = until
-        return (stream, key, before, keys[key])
+    def mark(
+        self, stream: str, keys: Sequence[int], tail: int, extra_key: str, until: float
+    ) -> ShadowMark:
+        """A prompt sent with `extra_key` shadows `keys` (its block keys, a chain) on `stream`
+        until at least `until`, and `tail` (the last of them, or the seed when there are none)
+        is its tail; returns what `withdraw` needs."""
+        shadows = self._by_stream.setdefault(stream, {})
+        made: dict[int, Shadow] = {}  # id(before) -> after: one tuple for alike keys
+        befores: list[Shadow | None] = []
+        afters: list[Shadow] = []
+        marked = list(keys)
+        if not marked or marked[-1] != tail:
+            marked.append(tail)
+        last = len(marked) - 1
+        for i, key in enumerate(marked):
+            before = shadows.get(key)
+            is_tail = i == last
+            after = None if is_tail else made.get(id(before))
+            if after is None:
+                after = _merged(before, extra_key, until, has_key=bool(keys), is_tail=is_tail)
+                if not is_tail:
+                    made[id(before)] = after
+            if after is not before:
+                if before is None:
+                    self._count += 1
+                shadows[key] = after
+            befores.append(before)
+            afters.append(after)
+        return (stream, tuple(marked), tuple(befores), tuple(afters))
 
     def withdraw(self, mark: ShadowMark) -> None:
-        """The request of `mark` stored nothing: the key is kept until what it was before
-        (not shadowed, if it was not), unless a later shadow changed it since."""
-        stream, key, before, until = mark
-        keys = self._by_stream.get(stream)
-        if keys is None or keys.get(key) != until or before == until:
+        """The request of `mark` stored nothing: each key goes back to what it was before (not
+        shadowed, if it was not), unless a later shadow changed it since."""
+        stream, keys, befores, afters = mark
+        shadows = self._by_stream.get(stream)
+        if shadows is None:
             return
-        if before is not None:
-            keys[key] = before
-            return
-        del keys[key]
-        self._count -= 1
-        if not keys:
+        for key, before, after in zip(keys, befores, afters, strict=True):
+            if before is after or shadows.get(key) is not after:
+                continue
+            if before is not None:
+                shadows[key] = before
+                continue
+            del shadows[key]
+            self._count -= 1
+        if not shadows:
             del self._by_stream[stream]
 
-    def shadows(self, stream: str) -> dict[int, float] | None:
+    def shadows(self, stream: str) -> dict[int, Shadow] | None:
         """The shadowed keys of `stream` (None: none); read, never change."""
         return self._by_stream.get(stream)
 
@@ -87,14 +134,68 @@ class ShadowedPrefixes:
         (`holds(stream, keys)`, per key); returns how many were dropped."""
         dropped = 0
         for stream in list(self._by_stream):
-            keys = self._by_stream[stream]
-            old = [key for key, until in keys.items() if until < now]
+            shadows = self._by_stream[stream]
+            old = [key for key, shadow in shadows.items() if shadow[0] < now]
             for key, held in zip(old, holds(stream, old), strict=True):
                 if not held:
-                    del keys[key]
+                    del shadows[key]
                     dropped += 1
-            if not keys:
+            if not shadows:
                 del self._by_stream[stream]
         self._count -= dropped
         self._next_sweep = max(_FIRST_SWEEP, 2 * self._count)
         return dropped
+
+
+def _merged(
+    before: Shadow | None, extra_key: str, until: float, *, has_key: bool, is_tail: bool
+) -> Shadow:
+    """`before` with `extra_key` shadowing the key (`has_key`; a seed holds tails only) and,
+    with `is_tail`, its tail there; `before` itself when that changes nothing."""
+    if before is None:
+        one = frozenset((extra_key,))
+        return (until, one if has_key else _NONE, one if is_tail else _NONE)
+    kept, named, tails = before
+    if has_key and extra_key not in named:
+        named = named | {extra_key}
+    if is_tail and extra_key not in tails:
+        tails = tails | {extra_key}
+    if until <= kept and named is before[1] and tails is before[2]:
+        return before
+    return (max(kept, until), named, tails)
+
+
+def trusted_blocks(
+    shadows: dict[int, Shadow], seed: int, keys: Sequence[int], again: Mapping[int, int]
+) -> int:
+    """How many of the leading blocks `keys` (a plain query's match on a stream, its chain from
+    `seed`) the plain tree surely holds there (see the module docstring). The stream holds
+    every one of them, at least 1 + `again[key]` copies (`PrefixIndex.extra_copies`).
+
+    Between two shadowed blocks the bound is the tails before them, so the chain is walked as
+    runs: one pass to find its shadowed blocks, then back from the deepest run."""
+    root = shadows.get(seed)
+    tails = root[2] if root is not None else _NONE
+    n = len(keys)
+    # (start, end, bound): blocks start..end-1 may each be held by `bound` extra_keys
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in [i for i, key in enumerate(keys) if key in shadows]:
+        if i > start:
+            runs.append((start, i, len(tails)))
+        _, named, ends = shadows[keys[i]]
+        runs.append((i, i + 1, len(named | tails) if tails else len(named)))
+        if ends:
+            tails = tails | ends
+        start = i + 1
+    if start < n:
+        runs.append((start, n, len(tails)))
+    for start, end, bound in reversed(runs):
+        if not bound:
+            return end
+        if not again:
+            continue  # one copy of each: none surely plain
+        for i in range(end - 1, start - 1, -1):
+            if again.get(keys[i], 0) >= bound:
+                return i + 1
+    return 0

@@ -38,7 +38,7 @@ Namespace ids, codes, seeds and per-namespace sizes live in `indexer.index.regis
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from itertools import compress
 from operator import not_
 
@@ -441,26 +441,28 @@ class PrefixIndex:
                 else:
                     out.pending_blocks[stream] = pending - from_pending
             from_real = min(cut - from_pending, out.blocks.get(stream, 0))
-            if not from_real:
-                continue
-            left = out.blocks[stream] - from_real
-            if left:
-                out.blocks[stream] = left
-            else:
-                del out.blocks[stream]
-            tiered = out.by_medium.get(stream)
-            if tiered is not None:
-                # the trimmed blocks' tiers are not known: the best tier goes first (a tier
-                # that earns less is never overstated)
-                drop = from_real
-                for medium in sorted(tiered, key=_medium_rank):
-                    take = min(drop, tiered[medium])
-                    tiered[medium] -= take
-                    drop -= take
-                    if not tiered[medium]:
-                        del tiered[medium]
-                if not left or set(tiered) <= {self.default_medium}:
-                    out.by_medium.pop(stream, None)  # all in the default tier: not listed
+            if from_real:
+                self.cut(out, stream, out.blocks[stream] - from_real)
+
+    def cut(self, out: PrefixMatch, stream: str, blocks: int) -> None:
+        """Cut `stream`'s real blocks in `out` to its first `blocks` (fewer than it has)."""
+        drop = out.blocks[stream] - blocks
+        if blocks:
+            out.blocks[stream] = blocks
+        else:
+            del out.blocks[stream]
+        tiered = out.by_medium.get(stream)
+        if tiered is not None:
+            # the cut blocks' tiers are not known: the best tier goes first (a tier that earns
+            # less is never overstated)
+            for medium in sorted(tiered, key=_medium_rank):
+                take = min(drop, tiered[medium])
+                tiered[medium] -= take
+                drop -= take
+                if not tiered[medium]:
+                    del tiered[medium]
+            if not blocks or set(tiered) <= {self.default_medium}:
+                out.by_medium.pop(stream, None)  # all in the default tier: not listed
 
     def block_keys(
         self,
@@ -513,6 +515,54 @@ class PrefixIndex:
                 keyed: Sequence[Hashable] = Bigrams(tokens, size + 1) if bigram else tokens
                 keys.append(self._chain(seed, keyed, size, 0, 1)[0])
         return keys
+
+    def chain_keys(
+        self, stream: str, namespace: Namespace, tokens: Sequence[Hashable], blocks: int
+    ) -> tuple[int, list[list[int]]] | None:
+        """The parent of the first block of `tokens` in `namespace` on `stream` (its seed),
+        and the keys of up to `blocks` full blocks of them, whether or not the index has met
+        the namespace: one chain once the stream's pages showed their kind, else the chains of
+        the tokens and of their pairs (`Bigrams`), as either may be what its pages turn out to
+        be (a chain may be empty: no full block). None: the block size is unknown."""
+        st = self._streams.get(stream)
+        if st is None or st.block_size is None:
+            return None
+        size = st.block_size
+        ns_id = self._registry.find(namespace)
+        seed = (
+            namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
+        )
+        kinds = (False, True) if st.bigram is None else (st.bigram,)
+        chains = []
+        for bigram in kinds:
+            count = min(blocks, blocks_within(len(tokens), size, bigram))
+            keyed: Sequence[Hashable] = Bigrams(tokens, count * size + 1) if bigram else tokens
+            chains.append(self._chain(seed, keyed, size, 0, count) if count else [])
+        return seed, chains
+
+    def holds_namespace(self, stream: str, namespace: Namespace) -> bool:
+        """Whether `stream` holds any block of `namespace` per its events."""
+        st = self._streams.get(stream)
+        ns_id = self._registry.find(namespace)
+        return st is not None and ns_id is not None and st.ns_counts.get(ns_id, 0) > 0
+
+    def extra_copies(self, stream: str) -> Mapping[int, int]:
+        """Per key `stream` holds more than once: at least how many copies more (read, never
+        change). Only where its engine stores a page again as another copy
+        (`EngineSpec.stored_again_is_copy`): those stored in the default tier since the key's
+        last removal, which took a copy no one can tell (they count no more then)."""
+        st = self._streams.get(stream)
+        return st.again if st is not None else {}
+
+    def copies(self, stream: str, keys: Sequence[int]) -> list[int]:
+        """For each key, at least how many copies of it `stream` holds (0: none; see
+        `extra_copies`)."""
+        st = self._streams.get(stream)
+        if st is None or not keys:
+            return [0] * len(keys)
+        held = map(st.sbit.__and__, self._table.get_many(list(keys), 0))
+        again = st.again
+        return [1 + again.get(key, 0) if h else 0 for key, h in zip(keys, held, strict=True)]
 
     def holder_counts(self, keys: Sequence[int]) -> list[int]:
         """For each key, how many streams hold it per their events."""

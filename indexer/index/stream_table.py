@@ -58,6 +58,7 @@ class IndexedStream:
     """Everything the index knows about one (worker, dp rank) stream."""
 
     __slots__ = (
+        "again",
         "bigram",
         "bit",
         "block_size",
@@ -105,6 +106,9 @@ class IndexedStream:
         self.blocks = int_map(True)
         self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1
         self.dup_keys: dict[int, int] = {}  # key -> extra engine hashes of this stream on it
+        # key -> copies stored again in the default tier since its last removal (SGLang: each
+        # a radix node of its own), only when > 0 (`PrefixIndex.copies`)
+        self.again: dict[int, int] = {}
         # engine hash -> copies per tier (indexer.index.media), only when not all in the default
         self.media: dict[BlockHash, dict[str, int]] = {}
         self.partial: dict[BlockHash, tuple[int, int]] = {}  # engine hash -> (key, ns id)
@@ -126,6 +130,7 @@ class IndexedStream:
         """Drop every entry and side table of the stream (the caller unlinked the keys)."""
         self.blocks.clear()
         self.refs.clear()
+        self.again.clear()
         self.media.clear()
         self.partial.clear()
         self.ns_counts.clear()
@@ -142,6 +147,8 @@ class IndexedStream:
                 self.media.pop(h, None)
             for k in [k for k in self.dup_keys if k in doomed]:
                 del self.dup_keys[k]
+            for k in [k for k in self.again if k in doomed]:
+                del self.again[k]
             self.ns_counts.pop(ns_id, None)
         lost = [h for h, (_, pns) in self.partial.items() if pns == ns_id]
         for h in lost:

@@ -374,15 +374,21 @@ class BatchWriter:
             if old is not None:
                 if old == key:
                     if self._holds_in(st, h, medium):
-                        # stored again in a tier that holds it: a second block of the same
-                        # content (vLLM keeps such twins, each removed on its own), or the
-                        # same block reported again (vLLM's kv_cache_report_mode "full" sends
-                        # every reused block again, and still one removal per block). The
-                        # two look alike, so it counts once: a removal may drop a block a twin
-                        # still holds (a missed hit), never keep one that is gone (a false
-                        # hit: the re-reports had kept evicted blocks predicted for good)
-                        continue
-                    # the block copied to another tier (offload)
+                        if not st.engine.stored_again_is_copy:
+                            # vLLM: a second block of the same content (twins, each removed
+                            # on its own), or the same block reported again
+                            # (kv_cache_report_mode "full" sends every reused block again,
+                            # and still one removal per block). The two look alike, so it
+                            # counts once: a removal may drop a block a twin still holds (a
+                            # missed hit), never keep one that is gone (a false hit: the
+                            # re-reports had kept evicted blocks predicted for good)
+                            continue
+                        # SGLang: another radix node of the same page (an `extra_key`'s
+                        # copy of a plain page, or the reverse), removed on its own: held
+                        # until the last copy goes, and counted for `copies`
+                        if medium == self._default_medium:
+                            st.again[key] = st.again.get(key, 0) + 1
+                    # the block copied to another tier (offload), or a copy more
                     count = st.refs.get(h, 1)
                     st.refs[h] = count + 1
                     self._add_residency(st, h, key, medium, count)
@@ -518,7 +524,13 @@ class BatchWriter:
         outcome.stored += len(ev.block_hashes)
 
     def remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
-        if st.refs or st.media or st.dup_keys or (ev.medium not in (None, self._default_medium)):
+        if (
+            st.refs
+            or st.media
+            or st.dup_keys
+            or st.again
+            or (ev.medium not in (None, self._default_medium))
+        ):
             self._remove_slow(st, ev, outcome)
             return
         hashes = ev.block_hashes
@@ -561,7 +573,14 @@ class BatchWriter:
         refs = st.refs
         medium = ev.medium
         default = self._default_medium
+        again = st.again
         for h in ev.block_hashes:
+            if again:
+                # a copy went, and which one is not known: the copies counted since the last
+                # removal of the key count no more (`PrefixIndex.copies`: a lower bound)
+                gone = blocks.get(h)
+                if gone is not None:
+                    again.pop(gone, None)
             held = st.media.get(h) if st.media else None
             if held is not None:
                 if self._drop_residency(st, h, held, medium):
@@ -595,6 +614,8 @@ class BatchWriter:
     def _drop_hash(self, st: IndexedStream, h: BlockHash, key: int) -> None:
         del st.blocks[h]
         st.refs.pop(h, None)
+        if st.again:
+            st.again.pop(key, None)
         self.unlink(st, h, key)
 
     def unlink(self, st: IndexedStream, h: BlockHash, key: int) -> None:

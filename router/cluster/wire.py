@@ -80,7 +80,9 @@ class Shadow(msgspec.Struct, tag="shadow", array_like=True, frozen=True):
     worker: str
     dp_rank: int | None
     namespace: Namespace
-    tokens: list[int]  # the prompt's head: the first page is all a shadow is keyed by
+    # the prompt's head: its blocks are shadowed, the last one its tail (what follows may be
+    # the extra_key's: `indexer.shadowed`)
+    tokens: list[int]
     keep_s: float
     # the request's number (its `Begin`'s, which comes first; 0: none, a shadow sent again or
     # a gateway's): its `End` may withdraw the shadow (`End.withdraw`)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import enum
 
+from indexer.shadowed import ShadowMark
+
 __all__ = ["LoadTracker", "Ticket", "Withdraw", "WorkerLoad"]
 
 
@@ -135,7 +137,7 @@ class Ticket:
         # the index's pending marks and shadows made for it (`indexer.service`), and what of
         # them its end takes back (the proxy says, from the worker's answer)
         self.pending: list[tuple[str, int]] = []
-        self.shadows: list[tuple[str, int, float | None, float]] = []
+        self.shadows: list[ShadowMark] = []
         self.withdraw = Withdraw.NOTHING
         # when it was sent, and the prefill tokens (its own included) and running requests
         # on its rank then: one sample of the hit/load balance (`router.routing.balance`)

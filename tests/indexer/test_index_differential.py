@@ -53,9 +53,15 @@ class Model:
         hashes = []
         for prefix in prefixes:
             h = engine_hash(name, ns, prefix, part)
-            # stored again: counted once (a twin block and a re-report look alike; a removal
-            # then drops it, which can miss a hit but never predict a gone block)
-            st.held.setdefault(h, [ns, prefix, 1, part])
+            entry = st.held.get(h)
+            if entry is None:
+                st.held[h] = [ns, prefix, 1, part]
+            elif st.engine == "sglang" and not part:
+                # SGLang stores a page again only as another radix node (an extra_key's
+                # copy), removed on its own: held until its last copy goes
+                entry[2] = int(entry[2]) + 1  # type: ignore[call-overload]
+            # vLLM, or a partial page: counted once (a twin block and a re-report look alike;
+            # a removal then drops it, which can miss a hit but never predict a gone block)
             hashes.append(h)
         return hashes
 

@@ -253,7 +253,7 @@ async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounde
         for _ in range(_UNSIZED_LIMIT + 10):
             svc.shadow(keyed, prompt, WORKER, None, keep_s=60.0)
         assert len(svc._unsized_shadows) == _UNSIZED_LIMIT
-        assert all(len(head) <= 256 for _, _, head, _ in svc._unsized_shadows)
+        assert all(len(head) <= 256 for _, _, head, _, _ in svc._unsized_shadows)
         # the stream now predicts nothing plain, even for prompts none of them began
         events: list[Event] = [Stored(block_hashes=[1], parent=None, token_ids=D[:4], block_size=4)]
         assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))

@@ -13,9 +13,9 @@ import pytest
 import zmq.asyncio
 
 from indexer.namespace import Namespace
-from indexer.protocol.events import Event, EventBatch, Stored, TokenId
+from indexer.protocol.events import BlockHash, Event, EventBatch, Removed, Stored, TokenId
 from indexer.service import IndexerService
-from indexer.shadowed import ShadowedPrefixes
+from indexer.shadowed import ShadowedPrefixes, trusted_blocks
 from tests.indexer.scripted import ScriptedPublisher
 from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect
 
@@ -32,11 +32,14 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 def test_a_shadow_outlives_its_time_while_the_stream_holds_its_key() -> None:
     shadows = ShadowedPrefixes()
-    shadows.mark("s", 7, until=10.0)
-    shadows.mark("s", 7, until=5.0)  # an earlier time never shortens it
-    shadows.mark("s", 8, until=10.0)
-    shadows.mark("t", 7, until=10.0)
-    assert len(shadows) == 3 and shadows.shadows("s") == {7: 10.0, 8: 10.0}
+    shadows.mark("s", [7], 7, "k", until=10.0)
+    shadows.mark("s", [7], 7, "k", until=5.0)  # an earlier time never shortens it
+    shadows.mark("s", [8], 8, "k", until=10.0)
+    shadows.mark("t", [7], 7, "k", until=10.0)
+    assert len(shadows) == 3 and {k: v[0] for k, v in shadows.shadows("s").items()} == {  # type: ignore[union-attr]
+        7: 10.0,
+        8: 10.0,
+    }
     held = {("s", 7)}
 
     def holds(stream: str, keys: object) -> list[bool]:
@@ -44,10 +47,45 @@ def test_a_shadow_outlives_its_time_while_the_stream_holds_its_key() -> None:
 
     assert shadows.sweep(9.0, holds) == 0  # in their time: kept, held or not
     assert shadows.sweep(11.0, holds) == 2  # past it: only the held one stays
-    assert shadows.shadows("s") == {7: 10.0} and shadows.shadows("t") is None
+    assert list(shadows.shadows("s") or ()) == [7] and shadows.shadows("t") is None
     held.clear()
     assert shadows.sweep(11.0, holds) == 1
     assert not shadows and shadows.shadows("s") is None
+
+
+def test_a_plain_block_is_trusted_only_beyond_the_extra_keys_that_may_hold_it() -> None:
+    """Blocks 1..4 of a plain chain from seed 0; an extra_key prompt shared blocks 1 and 2."""
+    shadows = ShadowedPrefixes()
+    shadows.mark("s", [1, 2, 9], 9, "a", until=10.0)  # diverges after block 2: tail 9
+    table = shadows.shadows("s")
+    assert table is not None
+    held = {1: 1, 2: 1, 3: 1, 4: 1}
+    again: dict[int, int] = {}
+
+    def copies(keys: object, stream: str = "s") -> dict[int, int]:
+        again.clear()
+        again.update({k: n - 1 for k, n in held.items() if n > 1})
+        return again
+
+    chain = [1, 2, 3, 4]
+    # block 4 is on no extra_key's chain: every copy of it is plain, so are its ancestors
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 4
+    # its tail on the chain: blocks 3, 4 may be its copies (output), 1, 2 its prompt's
+    shadows.mark("s", [1, 2], 2, "b", until=10.0)
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 0
+    held[2] = 2  # two copies of block 2, but two extra_keys may hold one each
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 0
+    held[2] = 3  # a third: the plain one
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 2
+    held[4] = 2  # beyond b's tail only b may hold one: two copies, one plain
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 4
+    # the same extra_key again counts once; a prompt with no full block tails the seed
+    shadows.mark("s", [1, 2], 2, "b", until=20.0)
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 4
+    shadows.mark("s", [], 0, "c", until=20.0)
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 0  # c may hold a copy of any block
+    held[2] = 4
+    assert trusted_blocks(table, 0, chain, copies(chain)) == 2
 
 
 async def test_a_prompt_shadowed_before_the_block_size_is_known(
@@ -94,11 +132,94 @@ def test_a_withdrawn_shadow_goes_back_to_what_it_was() -> None:
     """A request with an extra_key that stored nothing takes its shadow back, unless a later
     shadow of the same key extended it."""
     shadows = ShadowedPrefixes()
-    first = shadows.mark("s", 7, until=10.0)
-    second = shadows.mark("s", 7, until=20.0)
+    first = shadows.mark("s", [7], 7, "k", until=10.0)
+    second = shadows.mark("s", [7], 7, "k", until=20.0)
     shadows.withdraw(first)  # extended by `second` since: kept
-    assert shadows.shadows("s") == {7: 20.0}
+    assert shadows.shadows("s") == {7: (20.0, frozenset("k"), frozenset("k"))}
     shadows.withdraw(second)  # back to `first`'s
-    assert shadows.shadows("s") == {7: 10.0}
+    assert shadows.shadows("s") == {7: (10.0, frozenset("k"), frozenset("k"))}
     shadows.withdraw(first)
     assert shadows.shadows("s") is None and len(shadows) == 0
+
+
+P: list[TokenId] = list(range(3000, 3000 + 65))  # four 16-token pages and a last token
+TENANT = Namespace("", None, "t")
+VIEW = Namespace("", None, "t", "view")
+
+
+def _stored(hashes: list[int], tokens: list[TokenId], parent: int | None = None) -> Stored:
+    return Stored(
+        block_hashes=list[BlockHash](hashes),
+        parent=parent,
+        token_ids=tokens,
+        block_size=16,
+        cache_salt="t",
+    )
+
+
+async def _apply(svc: IndexerService, pub: ScriptedPublisher, *events: Event) -> None:
+    assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, list(events))))
+
+
+def _matched(svc: IndexerService, tokens: list[TokenId]) -> int:
+    return svc.query(TENANT, tokens)[WORKER].matched_tokens
+
+
+async def test_an_extra_key_prompt_sharing_only_the_first_page_hides_only_that_page(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """QA: one extra_key request whose prompt shares only the first page (a chat template's
+    header) with a tenant's plain prompts hid all of them on that rank for an hour (predicted
+    0, the worker reused 624)."""
+    other: list[TokenId] = P[:16] + list(range(4000, 4000 + 33))
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=16)
+        await _apply(svc, pub, _stored([1, 2, 3, 4], P[:64]))
+        assert _matched(svc, P) == 64
+        svc.shadow(VIEW, other, WORKER, None, keep_s=60.0)
+        # its own subtree: a copy of the first page (the same hash: extra_key is not hashed)
+        await _apply(svc, pub, _stored([1, 12, 13], other[:48]))
+        assert _matched(svc, P) == 64
+        # the plain tree holds the first page (two copies, one extra_key): not the others
+        assert _matched(svc, other) == 16
+
+
+async def test_a_plain_copy_evicted_beside_an_extra_key_copy_predicts_nothing(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Two copies of each page (the extra_key's and the plain one), then removals: which copy
+    went is not known, so a page is trusted only while more copies than extra_keys remain."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=16)
+        svc.shadow(VIEW, P, WORKER, None, keep_s=60.0)
+        svc.shadow(VIEW, P, WORKER, None, keep_s=60.0)  # the same extra_key: one copy at most
+        await _apply(svc, pub, _stored([1, 2, 3, 4], P[:64]))  # the extra_key's
+        assert _matched(svc, P) == 0
+        await _apply(svc, pub, _stored([1, 2, 3, 4], P[:64]))  # the plain tree's
+        assert _matched(svc, P) == 64
+        await _apply(svc, pub, Removed(block_hashes=[4]))  # one of the two copies of page 4
+        assert svc.index.entries(STREAM) == 4 and _matched(svc, P) == 48
+        # the rest of that tree: the other one's copies stay, and may be the extra_key's
+        await _apply(svc, pub, Removed(block_hashes=[3, 2, 1]))
+        assert svc.index.entries(STREAM) == 4 and _matched(svc, P) == 0
+        # the plain tree stores them again: two copies each once more
+        await _apply(svc, pub, _stored([1, 2], P[:32]))
+        assert _matched(svc, P) == 32
+        await _apply(svc, pub, Removed(block_hashes=[4, 3, 2, 1]))
+        assert _matched(svc, P) == 0
+
+
+async def test_the_pages_after_an_extra_key_prompt_stay_hidden(ctx: zmq.asyncio.Context) -> None:
+    """The worker stores an extra_key request's output too, pages no shadow names: a plain
+    prompt that runs on through them (the conversation's next turn, sent plain) is trusted
+    only up to what the plain tree surely holds."""
+    prompt = P[:33]  # two pages and a token: the third page is the token and the output
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=16)
+        svc.shadow(VIEW, prompt, WORKER, None, keep_s=60.0)
+        await _apply(svc, pub, _stored([1, 2, 3], P[:48]))  # prompt and output, as its own
+        assert _matched(svc, P) == 0
+        await _apply(svc, pub, _stored([1, 2], P[:32]))  # a plain request of the prompt
+        assert _matched(svc, P) == 32  # not 48: page 3 may be the extra_key's alone
+        await _apply(svc, pub, _stored([3], P[32:48], parent=2))  # the plain tree's too
+        assert _matched(svc, P) == 48

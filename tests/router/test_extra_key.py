@@ -151,7 +151,7 @@ async def test_pages_stored_for_an_extra_key_are_not_a_plain_requests_hit(fleet:
     prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
     keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
     # its events came in, and the index holds its pages as plain ones of the salt
-    holder = await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+    await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
 
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
     plan = await fleet.route(plain)
@@ -161,17 +161,52 @@ async def test_pages_stored_for_an_extra_key_are_not_a_plain_requests_hit(fleet:
     assert status == 200
     assert int(headers["x-kvroute-matched-tokens"]) == 0 == answer["meta_info"]["cached_tokens"]
 
-    # another salt's plain request is not shadowed by it; the same salt's stays fail closed
-    # on that worker even once a plain copy is there too (the events cannot tell them apart)
+    # another salt's plain request is not shadowed by it; the same salt's is predicted no
+    # more than the worker reuses, a plain copy there or not
     other = {"input_ids": prompt, "cache_salt": "tenant-b"}
     await fleet.post("/generate", other)
     await fleet.post("/generate", other)
     plan = await fleet.route(other)
     assert max(c["matched_tokens"] for c in plan["candidates"]) > 0
-    await fleet.post("/generate", {**plain, "rid": "again"})
-    plan = await fleet.route(plain)
-    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
-    assert held[holder] == 0
+    for rid in ("again", "third"):
+        status, headers, answer = await fleet.post("/generate", {**plain, "rid": rid})
+        predicted = int(headers["x-kvroute-matched-tokens"])
+        assert status == 200 and predicted <= answer["meta_info"]["cached_tokens"]
+        await asyncio.sleep(0.2)  # its events
+
+
+async def test_an_extra_key_request_hides_only_what_it_may_have_stored() -> None:
+    """QA (shadow_test.sh): a plain prompt hit 624 tokens; one extra_key request whose prompt
+    shared only its first page (a chat template's header) went to the same rank, and the plain
+    prompt was then predicted 0 there for an hour while the worker still reused 624. Now the
+    extra_key's shadow covers its own blocks: the plain prompt keeps its hit."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with (
+        ReferenceWorker(cfg) as w0,
+        RouterService(router_config([("w0", w0.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": w0}, session)
+        await fleet.warm()
+        prompt = [(i * 11) % 200 + 5 for i in range(39 * 16 + 1)]
+        plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+        await fleet.post("/generate", plain)
+        await eventually(lambda: fleet.holds(plain, "w0", 624), what="the plain prompt indexed")
+        keyed_prompt = prompt[:16] + [(i * 7) % 200 + 5 for i in range(10 * 16 + 1)]
+        keyed = {"input_ids": keyed_prompt, "cache_salt": "tenant-a", "extra_key": "ek9"}
+        await _sent_and_stored_as_plain(fleet, keyed, keyed_prompt, "tenant-a")
+        status, headers, answer = await fleet.post("/generate", {**plain, "rid": "after"})
+        assert status == 200
+        assert int(headers["x-kvroute-matched-tokens"]) == 624 == cached_tokens(answer)
+        # the extra_key's own prompt, sent plain: only the page the plain tree holds too
+        status, headers, answer = await fleet.post(
+            "/generate", {"input_ids": keyed_prompt, "cache_salt": "tenant-a"}
+        )
+        assert int(headers["x-kvroute-matched-tokens"]) == 16 == cached_tokens(answer)
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return int(answer["meta_info"]["cached_tokens"])
 
 
 @pytest.mark.parametrize("extra_key", [[None, "k1"], "k1"], ids=["per-item", "for-all"])
