@@ -142,7 +142,9 @@ class FleetState:
                 await self._remove(record.id)
             log.info("worker %s added by replica %s", record.id, record.by)
             # routed to once registered and health-checked here too (`Supervisor.add`), and
-            # never before its drain applies
+            # never before its drain applies; waited for a few health timeouts at most: a
+            # worker whose HTTP hangs goes on being discovered in the background, and holds
+            # neither this replica's reading of the fleet nor the records after it
             entry = await self._supervisor.add(
                 record.config, must_register=False, draining=record.draining
             )

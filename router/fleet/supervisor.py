@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import aiohttp
@@ -41,7 +41,7 @@ from router.routing.load import LoadTracker
 from router.routing.policy import Policy
 from router.routing.pool import WorkerEntry, WorkerPool
 
-__all__ = ["Supervisor", "WorkerGauges"]
+__all__ = ["ADD_WAIT_TIMEOUTS", "Supervisor", "WorkerGauges"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 # its server does not answer yet (its events may be up before its HTTP server); then on each
 # health round until read
 _REREAD_TRIES = 10
+
+# how many `health.timeout_s` an add (admin API, reload, another replica) waits for the worker's
+# registration and first health check before it answers, as the startup waits (`register_all`):
+# a worker that hangs would otherwise hold the answer for its discovery's whole timeout (five
+# health timeouts per path, one path after another: 40 s at the defaults)
+ADD_WAIT_TIMEOUTS = 2
 
 
 class WorkerGauges(Protocol):
@@ -165,12 +171,16 @@ class Supervisor:
         self._said: dict[str, str] = {}
         # per worker, what its registration found suspect but registered anyway (`_doubt`)
         self._doubts: dict[str, str] = {}
-        # per worker entry, its discovery under way: one at a time, and never awaited longer
-        # than a health round waits (a hung worker's discovery takes its whole timeout, 10 s
-        # with the fallback path: the rounds, and the startup, would wait for it)
-        self._registering: dict[int, asyncio.Task[None]] = {}
+        # per worker entry, its discovery under way (an added one's: with its first health
+        # check, `_join`): one at a time, and never awaited longer than a health round, the
+        # startup or an add waits (a hung worker's discovery takes its whole timeout, 10 s a
+        # step with the fallback path: they would wait for it); its result is its refusal
+        self._registering: dict[int, asyncio.Task[RequestError | None]] = {}
         # the entries an `add` is registering (by id()): not checked by the rounds meanwhile
         self._adding: set[int] = set()
+        # of those, the ones whose add still waits to answer with a refusal (`must_register`):
+        # their refusal is the add's to undo, not the rounds' to retry
+        self._answering: set[int] = set()
         # per worker entry, the re-read of its settings under way (`rereading`)
         self._rereading: dict[int, asyncio.Task[bool]] = {}
         # workers that restarted and whose settings could not be read since (`_reread`)
@@ -193,8 +203,11 @@ class Supervisor:
         spec: EngineSpec,
         info: dict[str, Any] | None,
         adapters: dict[str, str] | None = None,
+        *,
+        info_read: bool = False,
     ) -> tuple[str, ...]:
-        """The models `entry` serves (`read_served_models`; `adapters` filled as it says)."""
+        """The models `entry` serves (`read_served_models`; `adapters` and `info_read` as it
+        says)."""
         return await read_served_models(
             self._session,
             entry.config,
@@ -202,22 +215,24 @@ class Supervisor:
             info,
             timeout_s=self._health.timeout_s * 5,
             adapters=adapters,
+            info_read=info_read,
         )
 
-    async def _role(
-        self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
+    @staticmethod
+    def _role(
+        entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any] | None
     ) -> tuple[PdRole, int | None]:
-        """The worker's prefill/decode role and bootstrap port: its config's, else what it
-        advertises (read best-effort: a server without settings does whole requests)."""
+        """The worker's prefill/decode role and bootstrap port: its config's, else what its
+        server info (`info`, None: not read) advertises; a server without settings does whole
+        requests.
+
+        Not read again here when `info` is None: `register` read it already, and a second try
+        on a server that did not answer doubled a hung worker's registration (two more paths
+        of five health timeouts each)."""
         config = entry.config
         role: PdRole | None = config.role
         port = config.bootstrap_port
         if role is None or (role == "prefill" and port is None):
-            if info is None and spec.server_info_paths:
-                try:
-                    info = await self.server_info(entry.url, spec)
-                except RequestError as exc:
-                    log.info("worker %s: no role advertised (%s): it does both", entry.id, exc)
             advertised, advertised_port = spec.advertised_role(info) if info else (None, None)
             role = role or advertised or "both"
             port = port or advertised_port
@@ -234,10 +249,11 @@ class Supervisor:
             info = await self.server_info(entry.url, spec)
         else:
             info = await self._settings(entry, spec)
-        role, bootstrap_port = await self._role(entry, spec, info)
+        role, bootstrap_port = self._role(entry, spec, info)
         # vLLM names a LoRA adapter by itself (SGLang: base:adapter): the ones it lists
         adapters: dict[str, str] | None = {} if spec.name == "vllm" else None
-        models = await self.served_models(entry, spec, info, adapters)
+        # the server info was read above, once (None: it did not answer, or there is none)
+        models = await self.served_models(entry, spec, info, adapters, info_read=True)
         # a config that spells its streams out is taken as it is: the settings read anyway
         # only complete what no config says (capacity, concurrency, role)
         try:
@@ -316,7 +332,8 @@ class Supervisor:
             return await self.server_info(entry.url, spec)
         except RequestError as exc:
             log.info(
-                "worker %s: %s: its KV capacity is unknown (no admission forecast, no holding)",
+                "worker %s: %s: its KV capacity is unknown (no admission forecast, no holding), "
+                "and its role, unless configured, taken as both",
                 entry.id,
                 exc,
             )
@@ -439,33 +456,67 @@ class Supervisor:
                 return changed or await self._recheck_models(entry)
         return False
 
-    async def try_register(self, entry: WorkerEntry) -> None:
-        """Register a configured worker now if it answers; else the health rounds retry."""
+    async def try_register(self, entry: WorkerEntry) -> RequestError | None:
+        """Register a worker now if it answers; else the health rounds retry. Returns its
+        refusal (None: registered), logged unless an add answers with it (`_answering`)."""
         try:
             await self.register(entry)
         except RequestError as exc:
-            self._refused(entry, exc)
-        else:
-            self._said.pop(entry.id, None)
+            if id(entry) not in self._answering:
+                self._refused(entry, exc)
+            return exc
+        self._said.pop(entry.id, None)
+        return None
 
-    def registering(self, entry: WorkerEntry) -> asyncio.Task[None]:
-        """`entry`'s discovery (`try_register`) as a task of its own: the one under way, or a
-        new one. Awaiting it bounded (`asyncio.wait`) leaves it running."""
-        key = id(entry)
-        task = self._registering.get(key)
+    def registering(self, entry: WorkerEntry) -> asyncio.Task[RequestError | None]:
+        """`entry`'s discovery (`try_register`; an added worker's `_join`) as a task of its
+        own: the one under way, or a new one. Awaiting it bounded (`asyncio.wait`) leaves it
+        running."""
+        task = self._registering.get(id(entry))
         if task is None:
-            task = asyncio.create_task(
-                self.try_register(entry), name=f"kvroute-discover-{entry.id}"
+            task = self._own(entry, self.try_register(entry))
+        return task
+
+    def discovering(self, worker: str) -> bool:
+        """Whether `worker`'s discovery (an added one's: or its first health check) is under
+        way in the background."""
+        entry = self._pool.find(worker)
+        task = None if entry is None else self._registering.get(id(entry))
+        return task is not None and not task.done()
+
+    def not_registered(self, worker: str) -> str | None:
+        """Why `worker`, in the pool, is not registered yet (None: it is, or it is not in the
+        pool): its discovery is under way, or was refused (why), or it does not answer."""
+        entry = self._pool.find(worker)
+        if entry is None:
+            return None
+        if self.discovering(worker) and not entry.checked:
+            wait_s = ADD_WAIT_TIMEOUTS * self._health.timeout_s
+            return (
+                f"still being discovered: its server info, models and first health check did "
+                f"not all answer within {wait_s:g} s; it takes no request until they have "
+                "(status `checking`), and its discovery goes on in the background"
             )
-            self._registering[key] = task
+        if entry.discovered:
+            return None
+        return self.refusal(worker) or "not answering yet; retried on every health round"
 
-            def done(task: asyncio.Task[None]) -> None:
-                self._registering.pop(key, None)
-                if not task.cancelled() and (exc := task.exception()) is not None:
-                    # a defect, not a refusal (those are RequestError, logged by try_register)
-                    log.error("worker %s: discovery failed", entry.id, exc_info=exc)
+    def _own(
+        self, entry: WorkerEntry, work: Coroutine[Any, Any, RequestError | None]
+    ) -> asyncio.Task[RequestError | None]:
+        """`work` on `entry` as its discovery task (`_registering`): cancelled at `close`."""
+        key = id(entry)
+        task = asyncio.create_task(work, name=f"kvroute-discover-{entry.id}")
+        self._registering[key] = task
 
-            task.add_done_callback(done)
+        def done(task: asyncio.Task[RequestError | None]) -> None:
+            if self._registering.get(key) is task:
+                del self._registering[key]
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                # a defect, not a refusal (those are returned, and logged by try_register)
+                log.error("worker %s: discovery failed", entry.id, exc_info=exc)
+
+        task.add_done_callback(done)
         return task
 
     async def register_all(self, wait_s: float) -> None:
@@ -529,44 +580,85 @@ class Supervisor:
     ) -> WorkerEntry:
         """Add a worker, routed to once it is registered and its health check passed (one that
         could not be registered: once a health round finds it up); with `must_register`,
-        failing discovery undoes the add and raises. `draining`: added drained (a drained
-        worker whose settings a reload changed).
+        a discovery refused before the add answers undoes the add and raises. `draining`:
+        added drained (a drained worker whose settings a reload changed).
 
-        Before, a worker took requests from the moment it was in the pool: one that never
-        answers held them until their timeout while it was being discovered (and then refused
-        by the admin API), one whose port was closed failed them until the next health round.
+        Waits at most `ADD_WAIT_TIMEOUTS` health timeouts: a worker whose registration and
+        first check take longer stays `checking` (`discovering`, `not_registered`) while they
+        go on in the background (`_join`), as the startup's do, and a refusal after that is
+        retried by the health rounds. Before, the add waited for its discovery's end: a worker
+        whose HTTP hangs held the admin API's answer and a reload (and the reloads after it)
+        for 40 s.
+
+        Before that, a worker took requests from the moment it was in the pool: one that
+        never answers held them until their timeout while it was being discovered (and then
+        refused by the admin API), one whose port was closed failed them until the next health
+        round.
         """
         entry = self._pool.add(config)
         # before any await: no request may see it routable
         entry.checked = entry.healthy = False
         entry.draining = draining
         self._metrics.added(entry.id)
-        self._adding.add(id(entry))  # the health rounds leave it to this add
-        registered = settled = False
+        key = id(entry)
+        self._adding.add(key)  # the health rounds leave it to this add
+        if must_register:
+            self._answering.add(key)
+        task = self._own(entry, self._join(entry))
+        settled = False
         try:
-            try:
-                await self.register(entry)
-                registered = True
-            except RequestError as exc:
-                if must_register:
-                    raise
-                self._refused(entry, exc)  # unchecked: the health rounds decide (`check`)
+            done, _ = await asyncio.wait({task}, timeout=ADD_WAIT_TIMEOUTS * self._health.timeout_s)
             settled = True
         finally:
-            self._adding.discard(id(entry))
-            # refused, or cancelled mid-discovery (the admin client left): leave no half-added
-            # worker behind, unless someone already removed or replaced it
-            if not settled and self._pool.find(entry.id) is entry:
-                self._pool.remove(entry.id)
-                self._metrics.forget(entry.id)
-        if registered:
-            await self.check(entry)  # routable from here if it answers
+            # before any await: a refusal from here on is the join's to log, the rounds' to retry
+            self._answering.discard(key)
+            if not settled and key in self._adding:
+                # cancelled while it is being registered (the admin client left): leave no
+                # half-added worker (one registered already goes on to its health check)
+                self._adding.discard(key)
+                task.cancel()
+                self._undo(entry)
+        try:
+            refused = task.result() if done and not task.cancelled() else None
+        except Exception:
+            self._undo(entry)  # a defect, not a refusal: no worker half added
+            raise
+        if refused is not None and must_register:
+            self._adding.discard(key)
+            self._undo(entry)
+            raise refused
         return entry
+
+    async def _join(self, entry: WorkerEntry) -> RequestError | None:
+        """An added worker's registration, then its first health check (routable from there if
+        it answers): the part of `add` that goes on in the background once the add answered.
+        Returns its refusal (None: registered)."""
+        key = id(entry)
+        refused: RequestError | None = None
+        try:
+            refused = await self.try_register(entry)
+        finally:
+            # a refusal its add answers with stays the add's (it undoes it); else the rounds
+            # check it from now on (refused: they decide, `check`)
+            if refused is None or key not in self._answering:
+                self._adding.discard(key)
+        if refused is None:
+            await self.check(entry)
+        return refused
+
+    def _undo(self, entry: WorkerEntry) -> None:
+        """Take an add back (refused, or its client left), unless someone already removed or
+        replaced the worker."""
+        if self._pool.find(entry.id) is entry:
+            self._pool.remove(entry.id)
+            self._metrics.forget(entry.id)
 
     async def remove(self, worker_id: str) -> WorkerEntry:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
         self._doubts.pop(worker_id, None)
+        # a worker added again under its id (a reload that changed it) has its own reasons
+        self._said.pop(worker_id, None)
         self._stale.discard(worker_id)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)

@@ -79,6 +79,7 @@ async def read_served_models(
     *,
     timeout_s: float,
     adapters: dict[str, str] | None = None,
+    info_read: bool = False,
 ) -> tuple[str, ...]:
     """The models the worker of `config` serves: its config's, else the ones it advertises.
 
@@ -90,6 +91,9 @@ async def read_served_models(
     `adapters`, when given, is filled with the LoRA adapters `/v1/models` lists by name (vLLM
     names one by itself): from the same answer, or (the names came from elsewhere) from one
     read for them, best effort.
+
+    `info_read`: the caller tried the server info already (`info` None: it did not answer), so
+    it is not asked again (a registration; a hung worker's would wait out its paths twice).
     """
     url = config.url.rstrip("/")
     named: tuple[str, ...] | None = config.served_models or None
@@ -104,7 +108,7 @@ async def read_served_models(
         return named
     if (listed := models_from_model_list(answer)) is not None:
         return listed
-    if info is None and spec.server_info_paths:
+    if info is None and not info_read and spec.server_info_paths:
         try:
             settings = await read_server_info(session, url, spec, timeout_s=timeout_s)
         except RequestError:

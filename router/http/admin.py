@@ -124,13 +124,23 @@ async def list_workers(request: web.Request) -> web.Response:
 
 
 async def add_worker(request: web.Request) -> web.Response:
-    """POST /admin/workers: {url, ...}; omitted event settings come from /server_info."""
+    """POST /admin/workers: {url, ...}; omitted event settings come from /server_info.
+
+    201 once registered and health-checked; 400 when its discovery is refused (connection
+    refused, settings that cannot be trusted) before the answer; 202 when it is still being
+    discovered after a few health timeouts (`Supervisor.add`): in the pool, `checking`, with
+    `not_registered` saying why, its discovery going on in the background."""
     config = _decode(await request.read(), WorkerConfig)
-    entry = await request.config_dict[SUPERVISOR].add(config, must_register=True)
+    supervisor = request.config_dict[SUPERVISOR]
+    entry = await supervisor.add(config, must_register=True)
     sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
         sharing = await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
-    return _reply(_with_sharing(_summary(request, entry), sharing), status=201)
+    summary = _with_sharing(_summary(request, entry), sharing)
+    if supervisor.discovering(entry.id):
+        why = supervisor.not_registered(entry.id) or "its first health check is under way"
+        return _reply({**msgspec.to_builtins(summary), "not_registered": why}, status=202)
+    return _reply(summary, status=201)
 
 
 async def delete_worker(request: web.Request) -> web.Response:

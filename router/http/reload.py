@@ -14,7 +14,9 @@ changes a running router:
    old ones are removed (a fleet swapped whole keeps serving). A removed worker takes no new
    request; those it is serving finish. A worker whose settings changed is removed and added
    again. Workers added or removed through the admin API since are left as they are: the diff
-   is the old file against the new one.
+   is the old file against the new one. A new worker is waited for as an admin add waits
+   (`ADD_WAIT_TIMEOUTS` health timeouts, all at once): one whose HTTP hangs goes on being
+   discovered in the background, `checking` meanwhile, and the answer says so.
 
 Keys that need a restart are kept at their running value and listed in the answer.
 """
@@ -141,14 +143,13 @@ class Reloader:
         return diff
 
     def _unregistered(self, worker_ids: list[str]) -> dict[str, str]:
-        """The workers of `worker_ids` in the pool that could not be registered, with why."""
+        """The workers of `worker_ids` in the pool not registered yet, with why: still being
+        discovered in the background, refused, or not answering."""
         waiting: dict[str, str] = {}
         for worker_id in worker_ids:
-            entry = self._planner.pool.find(worker_id)
-            if entry is not None and not entry.discovered:
-                waiting[worker_id] = self._supervisor.refusal(worker_id) or (
-                    "not answering yet; retried on every health round"
-                )
+            why = self._supervisor.not_registered(worker_id)
+            if why is not None:
+                waiting[worker_id] = why
         return waiting
 
     def _check_servers(self, config: RouterConfig, diff: ConfigDiff) -> None:
@@ -209,7 +210,8 @@ class Reloader:
         for worker_id in diff.workers_changed:
             # the new record replaces the old one on every replica: no removal to publish
             await self._remove(worker_id, publish=False)
-        # at once: a worker that is not up yet waits for its discovery timeout
+        # at once, each bounded (`Supervisor.add`): a worker whose HTTP hangs is left to its
+        # background discovery, and the old workers go all the same
         await asyncio.gather(
             *(self._add(by_id[worker_id], draining=worker_id in drained) for worker_id in added)
         )

@@ -124,6 +124,7 @@ class HungDiscovery:
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.info_asked = 0
+        self.asked: dict[str, int] = {}  # per path: how often each was asked
         self.health_asked = 0
         self._release = asyncio.Event()
 
@@ -133,6 +134,7 @@ class HungDiscovery:
 
     async def _hang(self, request: web.Request) -> web.Response:
         self.info_asked += 1
+        self.asked[request.path] = self.asked.get(request.path, 0) + 1
         await self._release.wait()  # until the test ends: the router gives up first
         return web.json_response({})
 

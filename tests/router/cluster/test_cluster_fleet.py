@@ -12,7 +12,7 @@ from router.cluster.server import NatsServer
 from router.http.keys import INDEXER
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, replica_config, workers
-from tests.router.conftest import Fleet, eventually
+from tests.router.conftest import Fleet, HungDiscovery, eventually
 
 
 async def _fleet(session: aiohttp.ClientSession, router: RouterService) -> dict[str, Any]:
@@ -140,3 +140,36 @@ async def test_an_eviction_by_salt_reaches_replicas_whose_index_holds_what_this_
                 return all(c["matched_tokens"] == 0 for c in plan["candidates"])
 
             await eventually(evicted, what="b to evict the salt a evicted")
+
+
+async def test_a_worker_whose_http_hangs_holds_no_replica_reading_the_fleet(
+    nats_server: NatsServer,
+) -> None:
+    """A replica applies another's add as an admin add is made (`Supervisor.add`), so bounded
+    the same way: the worker `checking` there too, discovered in the background, and the
+    records after it (a drain) applied at once. Before, each replica waited for the hung
+    worker's whole discovery (5 s here, 40 s at the defaults) before reading the next record."""
+    async with (
+        workers(1) as (w0,),
+        HungDiscovery() as hung,
+        aiohttp.ClientSession() as session,
+    ):
+        config = [("w0", w0.url)]
+        async with (
+            RouterService(replica_config(config, nats_server.url, "a")) as a,
+            RouterService(replica_config(config, nats_server.url, "b")) as b,
+        ):
+            status, added = await admin(
+                session, a, "POST", "/workers", {"url": hung.url, "id": "h"}
+            )
+            assert status == 202 and added["status"] == "checking", added
+            status, _ = await admin(session, a, "POST", "/workers/w0/drain", {"drain": True})
+            assert status == 200
+
+            async def drained_beside_h() -> bool:
+                fleet = await _fleet(session, b)
+                return "h" in fleet and fleet["w0"]["draining"]
+
+            # the add's bound is 1 s (two health timeouts); h's discovery takes 5 s
+            await eventually(drained_beside_h, timeout_s=2.5, what="b to apply the drain after h")
+            assert (await _fleet(session, b))["h"]["status"] == "checking"

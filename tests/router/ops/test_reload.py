@@ -12,6 +12,7 @@ import itertools
 import json
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from aiohttp import web
 from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
-from tests.router.conftest import AUTH, TOKEN, Fleet, eventually
+from tests.router.conftest import AUTH, TOKEN, Fleet, HungDiscovery, eventually
 from tests.subprocesses import ends_on_sigint
 from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
@@ -537,3 +538,29 @@ async def _log_line(stream: asyncio.StreamReader, marker: str) -> str:
                 raise AssertionError(f"the router's log ended before {marker!r}")
             if marker in line:
                 return line
+
+
+async def test_a_worker_whose_http_hangs_holds_no_reload(fleet: Reloadable) -> None:
+    """Added by the file, it accepts and never answers its settings: the reload answers once
+    it waited `ADD_WAIT_TIMEOUTS` health timeouts (1 s here), naming it as still being
+    discovered, and the next reload is not held either. Before, a reload waited for the whole
+    discovery (39 s at the default timeouts with its events spelled out), and a second one
+    sent meanwhile waited for the first."""
+    async with HungDiscovery() as hung:
+        workers = {n: w.url for n, w in fleet.workers.items()} | {"h": hung.url}
+        fleet.path.write_text(_toml(workers))
+        started = time.monotonic()
+        first = asyncio.create_task(fleet.reload())
+        await asyncio.sleep(0.3)
+        fleet.path.write_text(_toml(workers, hit_weight=5.0))
+        status, second = await fleet.reload()
+        took = time.monotonic() - started
+        assert status == 200 and second["changed"] == ["policy.hit_weight"], second
+        status, answer = await first
+        assert status == 200 and answer["workers_added"] == ["h"], answer
+        assert list(answer["not_registered"]) == ["h"], answer
+        assert "still being discovered" in answer["not_registered"]["h"], answer
+        assert took < 3.0, took  # both reloads: 1 s bound, and the answers' own time
+        _, listed = await fleet.admin("GET", "/workers")
+        assert {w["id"]: w["status"] for w in listed["workers"]}["h"] == "checking"
+        assert hung.asked.get("/server_info") == 1  # its one discovery goes on
