@@ -316,7 +316,11 @@ class StreamSubscriber:
             self._wake.set_result(None)
 
     async def _verify(self) -> None:
-        """Prove that the publisher is the process our state follows, or rebuild the stream."""
+        """Prove that the publisher is the process our state follows, or rebuild the stream.
+
+        A proof whose replays all answered to their end proves the stream's tail too: it is
+        trusted whole, and probed at the base interval again.
+        """
         self.verifications += 1
         last = self.tracker.last
         why = self._why_unverified
@@ -333,19 +337,23 @@ class StreamSubscriber:
             return
         restarts = self.restarts
         result = await self._replay(last)
+        answered = result.answered  # (a restart found by the fence: its rebuild's answer)
         if result.continuity is _Continuity.NONE:
             if result.answered and result.newest is None:
-                await self._check_restart(last)  # the publisher's seqs may have gone back
+                # the publisher's seqs may have gone back
+                rebuilt = await self._check_restart(last)
+                answered = answered if rebuilt is None else rebuilt
             if self._rebinds != rebinds:
                 return  # another sink's state now: its own check follows
             if self.restarts == restarts:
                 # no answer, or nothing at or after our seq and no older verdict: unproven
                 self._restart(f"{why} and the replay did not prove the publisher unchanged")
-                if result.answered:
-                    await self._replay(0)
+                answered = result.answered and (await self._replay(0)).answered
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: what was proven was the sink it replaced
         self._trust()
+        if answered:
+            self._heard_whole()
         self._notify_last()
 
     @property
@@ -389,6 +397,15 @@ class StreamSubscriber:
                 "the next batch follows on",
             )
         self._show_state()
+
+    def _heard_whole(self) -> None:
+        """The replay socket answered to its end from where the stream stands (a probe, a
+        proof): nothing is missing at its tail, and the socket is asked at the base interval."""
+        self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
+        self._tail_proven(True)
+        self.health.last_heard_at = self._clock()
+        if self._phase is StreamState.SYNCING:
+            self._set_phase(StreamState.SYNCED)
 
     # ------------------------------------------------------------- messages
 
@@ -620,8 +637,10 @@ class StreamSubscriber:
         self._run_open = True
         try:
             result = await self._replay(0 if before is None else before)
+            answered = result.answered  # (a restart found by the fence: its rebuild's answer)
             if result.answered and before is not None and result.newest is None:
-                await self._check_restart(before)
+                rebuilt = await self._check_restart(before)
+                answered = answered if rebuilt is None else rebuilt
         finally:
             self._run_open = False
         if self._rebinds != rebinds:
@@ -642,21 +661,18 @@ class StreamSubscriber:
             if not joining:
                 self.gaps += 1
             self._notify(after)
-        base_ms = int(self.settings.probe_interval_s * 1000)
-        if not result.answered:
+        if not answered:
             # a replay socket that does not answer must not stall the live stream every
             # interval: back off (capped), and say so once in a while
+            base_ms = int(self.settings.probe_interval_s * 1000)
             self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
             self._tail_proven(False)
             return
-        self._probe_wait_ms = base_ms
-        self._tail_proven(True)
-        self.health.last_heard_at = self._clock()
-        if self._phase is StreamState.SYNCING:
-            self._set_phase(StreamState.SYNCED)
+        self._heard_whole()
 
-    async def _check_restart(self, last: int) -> None:
-        """Clear and rebuild the stream when the publisher's newest buffered seq is below ours.
+    async def _check_restart(self, last: int) -> bool | None:
+        """Clear and rebuild the stream when the publisher's newest buffered seq is below ours;
+        whether the rebuild's answer came to its end (None: no restart found).
 
         Without this, a worker that restarted while our SUB was reconnecting (its startup
         AllBlocksCleared lost like any early message) and then stayed idle would keep its old
@@ -664,9 +680,9 @@ class StreamSubscriber:
         """
         newest = await self._replay_client().newest()
         if newest is None or newest >= last:
-            return  # the publisher buffers nothing, or a race with new batches: no verdict
+            return None  # the publisher buffers nothing, or a race with new batches: no verdict
         self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
-        await self._replay(0)
+        return (await self._replay(0)).answered
 
     async def _replay(self, start: int) -> _ReplayResult:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.

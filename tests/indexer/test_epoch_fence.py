@@ -372,3 +372,34 @@ async def test_a_new_process_whose_first_batch_we_see_is_our_last_seq_is_a_resta
         assert await pub.publish(new[-1]) == last  # live, at our last seq
         await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-process", "restarted"])
+async def test_a_proof_answered_to_its_end_trusts_the_tail_and_resets_the_probe(
+    ctx: zmq.asyncio.Context, restarted: bool
+) -> None:
+    """While a worker was down its replay socket did not answer the probes (the tail
+    unproven, the probe backed off). The proof when it is back gets the whole answer: that
+    proves the tail too, so the stream is synced at once. Before, it stayed `unverified`
+    (predicting nothing) until the backed-off probe: up to 60 s for a real restart."""
+    config = IndexerConfig(replay_timeout_s=0.1, probe_interval_s=0.05, stale_after_s=60.0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        old = await follow_old_epoch(svc, pub)
+        sub = svc._workers[WORKER][0]
+        pub.answer_replays = False  # down: the probes time out and back off
+        await wait_until(lambda: sub._probe_wait_ms >= 1600)
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        # the loop now waits >= 1.6 s for its next probe: what follows is the proof's doing
+        pub.answer_replays = True
+        new = workload(seed=2, batches=3)
+        if restarted:  # a new process with fewer batches than the old one had
+            pub.restart()
+            for batch in new:
+                await pub.publish(batch, drop=True)
+        svc.suspect_restart(WORKER, "its health check came back")
+        await wait_until(lambda: synced(svc), timeout_s=0.6)
+        assert sub._probe_wait_ms == 50
+        stats = svc.streams()[0]
+        assert (stats.verifications, stats.restarts) == (1, int(restarted))
+        want = reference(new) if restarted else reference(old)
+        assert view(svc.index, STREAM) == view(want, STREAM) != {}
