@@ -22,7 +22,9 @@ __all__ = [
 class StreamState(enum.StrEnum):
     """Health of one stream's picture in the index."""
 
-    SYNCING = "syncing"  # connected, first message or initial catch-up replay not done yet
+    # connected, first message or initial catch-up replay not done yet (also: a restart's
+    # rebuild whose replay timed out, asked again soon)
+    SYNCING = "syncing"
     SYNCED = "synced"  # every message up to last_seq applied in order
     # batches are known missing (a gap, or one that did not decode) and are being fetched again
     DEGRADED = "degraded"

@@ -22,7 +22,10 @@ batch is a restart (clear, replay from 0); an answer without it proves nothing a
 treated the same (fail closed). Restart candidates make the stream UNVERIFIED (its entries
 predict no hit) until such a replay proves it: the event connection dropping (a socket
 monitor on the SUB sees it at once), the worker's health check coming back from down
-(`suspect_restart`), and a snapshot loaded at startup.
+(`suspect_restart`), and a snapshot loaded at startup. A proof whose replays all answered to
+their end proves the stream's tail too (SYNCED at once); one whose replay timed out (a busy
+machine) clears what it could not prove, trusts nothing it brought in part, and asks again
+soon, with a short bounded back-off, until an answer ends (SYNCING while nothing is held).
 
 Malformed frames are counted and skipped; problems are logged at most once per
 `log_interval_s` per stream and kind. The task never blocks the loop: sockets are
@@ -81,6 +84,12 @@ _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _MAX_AHEAD = 1 << 20
 # replayed batches remembered by seq, to check the live copies that arrive after them
 _REPLAYED_KEPT = 4096
+# a restart's rebuild whose replay did not answer to its end is asked again after this wait,
+# doubling up to the cap (or the probe interval, when shorter): the stream holds nothing of the
+# new process, or an unproven part, so asking often stalls nothing worth protecting, while the
+# probe's back-off (to 60 s) would leave a quiet worker's new cache unpredicted for that long
+_RETRY_FIRST_MS = 100
+_RETRY_MAX_MS = 2_000
 
 
 def _digest(payload: bytes) -> bytes:
@@ -168,6 +177,9 @@ class StreamSubscriber:
         # go unnoticed, so its entries predict nothing until a probe answers or the next live
         # batch follows on (fail closed; the entries are kept)
         self._tail_unproven = False
+        # the wait before asking a replay socket again for a restart's rebuild that did not
+        # answer to its end (None: no rebuild pending); cleared once the tail is proven
+        self._retry_ms: int | None = None
         # the replay socket answered with a buffer that ends below seqs the live stream has
         # proven real: it is not this publisher's (another worker's, by a config typo). What
         # it gave is cleared and it is never asked again: gaps clear, as without one
@@ -260,8 +272,13 @@ class StreamSubscriber:
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
                     probing = probing and not self._replay_foreign
+                    # a pending rebuild is asked for again sooner than a probe, and even when
+                    # probing is off: nothing else reads a quiet new process's buffer
+                    retrying = self._retry_ms is not None and self._has_replay
                     timeout_ms = self._probe_wait_ms if probing else None
-                    if not await self._idle(poller, timeout_ms) and probing:
+                    if retrying:
+                        timeout_ms = self._retry_ms
+                    if not await self._idle(poller, timeout_ms) and (probing or retrying):
                         await self._probe()
                     continue
                 frames = await sub.recv_multipart()
@@ -316,7 +333,14 @@ class StreamSubscriber:
             self._wake.set_result(None)
 
     async def _verify(self) -> None:
-        """Prove that the publisher is the process our state follows, or rebuild the stream."""
+        """Prove that the publisher is the process our state follows, or rebuild the stream.
+
+        A proof whose replays all answered to their end proves the stream's tail too: it is
+        trusted whole, and probed at the base interval again. One that did not (a replay timed
+        out) leaves the stream cleared, rebuilt in part, or proven without its newest batches:
+        what it holds predicts nothing and the replay socket is asked again soon
+        (`_retry_soon`), never trusted on the strength of an answer that did not come.
+        """
         self.verifications += 1
         last = self.tracker.last
         why = self._why_unverified
@@ -333,19 +357,26 @@ class StreamSubscriber:
             return
         restarts = self.restarts
         result = await self._replay(last)
+        answered = result.answered  # (a restart found by the fence: its rebuild's answer)
         if result.continuity is _Continuity.NONE:
             if result.answered and result.newest is None:
-                await self._check_restart(last)  # the publisher's seqs may have gone back
+                # the publisher's seqs may have gone back
+                rebuilt = await self._check_restart(last)
+                answered = answered if rebuilt is None else rebuilt
             if self._rebinds != rebinds:
                 return  # another sink's state now: its own check follows
             if self.restarts == restarts:
                 # no answer, or nothing at or after our seq and no older verdict: unproven
                 self._restart(f"{why} and the replay did not prove the publisher unchanged")
-                if result.answered:
-                    await self._replay(0)
+                # a socket that just timed out is asked again after a wait, not at once
+                answered = result.answered and (await self._replay(0)).answered
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: what was proven was the sink it replaced
         self._trust()
+        if answered:
+            self._heard_whole()
+        else:
+            self._retry_soon()
         self._notify_last()
 
     @property
@@ -369,26 +400,52 @@ class StreamSubscriber:
             self._show_state()
 
     def _show_state(self) -> None:
-        unproven = (
-            self._unverified
-            or self._join_unconfirmed
-            or (self._tail_unproven and self._phase is StreamState.SYNCED)
+        # a tail not known whole taints what the stream holds: also a part of a buffer that a
+        # catch-up or a rebuild (SYNCING) applied before its answer stopped
+        holds = self._phase is StreamState.SYNCED or (
+            self._phase is StreamState.SYNCING and self.tracker.last is not None
         )
+        unproven = self._unverified or self._join_unconfirmed or (self._tail_unproven and holds)
         self.health.state = StreamState.UNVERIFIED if unproven else self._phase
 
     def _tail_proven(self, proven: bool) -> None:
         """Whether the stream's tail is known whole (see `_tail_unproven`)."""
+        if proven:
+            self._retry_ms = None  # no rebuild is pending once nothing is missing
         if self._tail_unproven == (not proven):
             return
         self._tail_unproven = not proven
         if not proven:
             self._warn(
                 "tail",
-                "the replay socket does not answer a quiet stream's probe: batches dropped at "
-                "its end would go unseen, so its entries predict nothing until it answers or "
-                "the next batch follows on",
+                "the replay socket did not answer to its end: batches dropped at the stream's "
+                "end would go unseen, so its entries predict nothing until it answers or the "
+                "next batch follows on",
             )
         self._show_state()
+
+    def _heard_whole(self) -> None:
+        """The replay socket answered to its end from where the stream stands (a probe, a
+        proof): nothing is missing at its tail, and the socket is asked at the base interval."""
+        self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
+        self._tail_proven(True)
+        self.health.last_heard_at = self._clock()
+        if self._phase is StreamState.SYNCING:
+            self._set_phase(StreamState.SYNCED)
+
+    def _retry_soon(self) -> None:
+        """A restart's proof or rebuild got no whole answer: what the stream holds (nothing of
+        the publisher's, or a part) predicts nothing, and the replay socket is asked again
+        after `_retry_ms` (doubling, capped), not at the probe's back-off."""
+        base_ms = int(self.settings.probe_interval_s * 1000)
+        cap_ms = min(base_ms, _RETRY_MAX_MS) if base_ms > 0 else _RETRY_MAX_MS
+        if self._retry_ms is None:
+            self._retry_ms = min(_RETRY_FIRST_MS, cap_ms)
+        else:
+            self._retry_ms = min(self._retry_ms * 2, cap_ms)
+        if self.tracker.last is None:
+            self._set_phase(StreamState.SYNCING)  # nothing of the publisher's is held yet
+        self._tail_proven(False)
 
     # ------------------------------------------------------------- messages
 
@@ -617,11 +674,14 @@ class StreamSubscriber:
         # Ask from the last applied seq, not the one after it: its batch must come back
         # unchanged (the fence), and an answer without it means the seqs went back (a restart
         # whose startup batch we missed while reconnecting; see _check_restart).
+        restarts = self.restarts
         self._run_open = True
         try:
             result = await self._replay(0 if before is None else before)
+            answered = result.answered  # (a restart found by the fence: its rebuild's answer)
             if result.answered and before is not None and result.newest is None:
-                await self._check_restart(before)
+                rebuilt = await self._check_restart(before)
+                answered = answered if rebuilt is None else rebuilt
         finally:
             self._run_open = False
         if self._rebinds != rebinds:
@@ -642,21 +702,21 @@ class StreamSubscriber:
             if not joining:
                 self.gaps += 1
             self._notify(after)
-        base_ms = int(self.settings.probe_interval_s * 1000)
-        if not result.answered:
+        if not answered:
+            if self._retry_ms is not None or self.restarts != restarts:
+                self._retry_soon()  # a restart's rebuild is still to be read
+                return
             # a replay socket that does not answer must not stall the live stream every
             # interval: back off (capped), and say so once in a while
+            base_ms = int(self.settings.probe_interval_s * 1000)
             self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
             self._tail_proven(False)
             return
-        self._probe_wait_ms = base_ms
-        self._tail_proven(True)
-        self.health.last_heard_at = self._clock()
-        if self._phase is StreamState.SYNCING:
-            self._set_phase(StreamState.SYNCED)
+        self._heard_whole()
 
-    async def _check_restart(self, last: int) -> None:
-        """Clear and rebuild the stream when the publisher's newest buffered seq is below ours.
+    async def _check_restart(self, last: int) -> bool | None:
+        """Clear and rebuild the stream when the publisher's newest buffered seq is below ours;
+        whether the rebuild's answer came to its end (None: no restart found).
 
         Without this, a worker that restarted while our SUB was reconnecting (its startup
         AllBlocksCleared lost like any early message) and then stayed idle would keep its old
@@ -664,9 +724,9 @@ class StreamSubscriber:
         """
         newest = await self._replay_client().newest()
         if newest is None or newest >= last:
-            return  # the publisher buffers nothing, or a race with new batches: no verdict
+            return None  # the publisher buffers nothing, or a race with new batches: no verdict
         self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
-        await self._replay(0)
+        return (await self._replay(0)).answered
 
     async def _replay(self, start: int) -> _ReplayResult:
         """Ask for every buffered batch from `start` and apply the ones we lack, in order.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq.asyncio
@@ -21,7 +21,7 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import EventBatch, Stored
-from indexer.protocol.frames import build_live
+from indexer.protocol.frames import build_live, build_replay_reply
 from indexer.service import ORPHAN_GRACE_S, IndexerService
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import StreamState
@@ -372,3 +372,120 @@ async def test_a_new_process_whose_first_batch_we_see_is_our_last_seq_is_a_resta
         assert await pub.publish(new[-1]) == last  # live, at our last seq
         await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+def states_until(
+    svc: IndexerService, done: Callable[[], bool], seen: list[tuple[StreamState, int | None]]
+) -> Callable[[], bool]:
+    """A `wait_until` predicate that also records every (state, last_seq) it polled."""
+
+    def poll() -> bool:
+        stats = svc.streams()[0]
+        seen.append((stats.state, stats.last_seq))
+        return done()
+
+    return poll
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-process", "restarted"])
+async def test_a_proof_answered_to_its_end_trusts_the_tail_and_resets_the_probe(
+    ctx: zmq.asyncio.Context, restarted: bool
+) -> None:
+    """While a worker was down its replay socket did not answer the probes (the tail
+    unproven, the probe backed off). The proof when it is back gets the whole answer: that
+    proves the tail too, so the stream is synced at once. Before, it stayed `unverified`
+    (predicting nothing) until the backed-off probe: up to 60 s for a real restart."""
+    config = IndexerConfig(replay_timeout_s=0.1, probe_interval_s=0.05, stale_after_s=60.0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config) as svc:
+        old = await follow_old_epoch(svc, pub)
+        sub = svc._workers[WORKER][0]
+        pub.answer_replays = False  # down: the probes time out and back off
+        await wait_until(lambda: sub._probe_wait_ms >= 1600)
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        # the loop now waits >= 1.6 s for its next probe: what follows is the proof's doing
+        pub.answer_replays = True
+        new = workload(seed=2, batches=3)
+        if restarted:  # a new process with fewer batches than the old one had
+            pub.restart()
+            for batch in new:
+                await pub.publish(batch, drop=True)
+        svc.suspect_restart(WORKER, "its health check came back")
+        await wait_until(lambda: synced(svc), timeout_s=0.6)
+        assert sub._probe_wait_ms == 50
+        stats = svc.streams()[0]
+        assert (stats.verifications, stats.restarts) == (1, int(restarted))
+        want = reference(new) if restarted else reference(old)
+        assert view(svc.index, STREAM) == view(want, STREAM) != {}
+
+
+async def test_a_proof_that_timed_out_is_followed_by_a_rebuild_from_zero(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The proof's replay timed out on a busy machine: the stream is cleared (nothing proved
+    the publisher unchanged), and the new process's buffer is read soon after, probe or not.
+    Before, the cleared stream read `synced` with nothing in it, and an idle worker's new
+    cache was never fetched (with the probe on: not before the backed-off probe)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        pub.restart()
+        new = new_epoch(last)
+        for batch in new:
+            await pub.publish(batch, drop=True)  # an idle new process: nothing live follows
+        withheld: list[int] = []
+
+        def first_unanswered(start: int) -> list[list[bytes]] | None:
+            if withheld:
+                return None
+            withheld.append(start)
+            return []  # no reply, no end marker: the replay times out
+
+        pub.answer_with = first_unanswered
+        svc.suspect_restart(WORKER, "its health check came back")
+        seen: list[tuple[StreamState, int | None]] = []
+        rebuilt = states_until(
+            svc, lambda: synced(svc) and svc.streams()[0].last_seq == last + 2, seen
+        )
+        await wait_until(rebuilt, timeout_s=3.0)
+        assert withheld == [last]
+        # cleared and not yet rebuilt, it never read `synced`
+        assert (StreamState.SYNCED, None) not in seen
+        assert (StreamState.SYNCING, None) in seen
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        stats = svc.streams()[0]
+        assert (stats.verifications, stats.restarts) == (1, 1)
+
+
+async def test_a_proof_whose_answer_stopped_short_trusts_nothing_until_it_ends(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The proof's answer brought the fence (the same process) and then stopped before its
+    end: the batches after the one it brought, missed while the connection was down, may
+    have removed blocks. Nothing is trusted until an answer ends; it is asked again soon.
+    Before, the stream read `synced` without them, for good on a quiet worker."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        missed = workload(seed=9, batches=3)
+        for batch in missed:
+            await pub.publish(batch, drop=True)
+        cut: list[int] = []
+
+        def stop_short(start: int) -> list[list[bytes]] | None:
+            if cut:
+                return None
+            cut.append(start)
+            held = [(seq, payload) for seq, payload in pub.buffer if start <= seq <= start + 1]
+            return [build_replay_reply(pub.topic, seq, payload) for seq, payload in held]
+
+        pub.answer_with = stop_short
+        svc.suspect_restart(WORKER, "its health check came back")
+        seen: list[tuple[StreamState, int | None]] = []
+        whole = states_until(svc, lambda: svc.streams()[0].last_seq == last + 3, seen)
+        await wait_until(whole, timeout_s=3.0)
+        await wait_until(lambda: synced(svc))
+        assert cut == [last]
+        assert (StreamState.UNVERIFIED, last + 1) in seen  # the fence and one batch: untrusted
+        assert all(state is not StreamState.SYNCED for state, seq in seen if seq != last + 3)
+        assert view(svc.index, STREAM) == view(reference(old + missed), STREAM)
+        assert svc.streams()[0].restarts == 0
