@@ -395,6 +395,10 @@ class PairDispatcher:
                     and prefill.dp_rank is not None
                     and parsed.dp_rank is None
                     and await self._ranks_changed(prefill.worker, deadline)
+                    # the retry takes an attempt: on the last one the worker's 400 is the
+                    # client's answer (the loop would end with no failure to tell: an empty
+                    # 502); the next requests go to the ranks read again
+                    and not last_try
                 ):
                     # a rank the router told it, which it no longer has (restarted with fewer
                     # ranks): retried on the ranks it has now, the worker not blamed
