@@ -75,7 +75,7 @@ from router.http.proxy import (
 )
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
-from router.routing.load import Ticket
+from router.routing.load import Ticket, Withdraw
 from router.routing.pd import PairPlanner, PdPlan
 from router.routing.planner import Plan, Planner
 from router.routing.policy import Candidate
@@ -100,10 +100,13 @@ _RANK_OUT_OF_RANGE = b"out of range"
 class PrefillFailed(Exception):
     """The prefill side of a pair failed before the client got a byte (the pair is retried)."""
 
-    def __init__(self, message: str, *, hard: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, hard: bool, status: int | None = None, sent: bool = True
+    ) -> None:
         super().__init__(message)
         self.hard = hard
         self.status = status  # the worker's HTTP status, or 504 for the deadline passing
+        self.sent = sent  # whether the worker got the request (`AttemptFailed.sent`)
 
 
 class _PrefillRefused(Exception):
@@ -365,6 +368,7 @@ class PairDispatcher:
                 first_try=first,
                 output_tokens=parsed.output_tokens,
                 keyed=parsed.keyed,
+                stores_prompt=parsed.reuse_limit != 0,
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
@@ -386,9 +390,15 @@ class PairDispatcher:
                 )
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
+                # the decode got no KV: it stored nothing of the prompt but what its events
+                # show (vLLM's was never sent the request)
+                _withdraw(p_ticket, Withdraw.PENDING)
+                _withdraw(d_ticket, Withdraw.ALL if hooks.task is None else Withdraw.PENDING)
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
+                _withdraw(p_ticket, Withdraw.PENDING)  # cut off, unless it answered already
             except _PrefillRefused as exc:
+                _withdraw(d_ticket, Withdraw.ALL)  # no KV ever came: nothing stored there
                 if (
                     exc.status == 400
                     and _RANK_OUT_OF_RANGE in exc.payload
@@ -424,6 +434,10 @@ class PairDispatcher:
                     obs.response_headers(refusal.headers)
                     obs.finish(exc.status)
                 return refusal
+            except Exception:  # the request ends here (its deadline passed, ...)
+                _withdraw(p_ticket, Withdraw.PENDING)
+                _withdraw(d_ticket, Withdraw.PENDING)
+                raise
             finally:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
@@ -718,21 +732,28 @@ class PairDispatcher:
             ) as resp:
                 payload = await resp.read()
                 status = resp.status
+        # a failure takes back what routing marked there at the pair's end (`Planner.withdraw`),
+        # as the proxy's: all of it when the worker never got the request or refused it (4xx:
+        # nothing scheduled), its pending marks when it may have stored the prompt first
         except TimeoutError as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(
                 "no answer within the request deadline", hard=False, status=504
             ) from exc
-        except (
-            aiohttp.ClientConnectorError,
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientPayloadError,
-        ) as exc:
+        except aiohttp.ClientConnectorError as exc:
+            ticket.withdraw = Withdraw.ALL
+            raise PrefillFailed(f"connection lost: {exc}", hard=True, sent=False) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"connection lost: {exc}", hard=True) from exc
         except aiohttp.ClientError as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
         if status >= 500:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False, status=status)
         if status >= 400:
+            ticket.withdraw = Withdraw.ALL
             raise _PrefillRefused(status, payload)
         self._prefilled(ticket)
         return payload
@@ -742,6 +763,12 @@ class PairDispatcher:
         counting as queued prefill and as running there (once)."""
         self._pairs.planner.first_byte(ticket)
         self._pairs.planner.finish(ticket)
+
+
+def _withdraw(ticket: Ticket, least: Withdraw) -> None:
+    """A failed attempt takes back at least `least` of what routing marked for `ticket`, at
+    its end (`Planner.finish`); a side that already answered is ended and keeps its marks."""
+    ticket.withdraw = max(ticket.withdraw, least)
 
 
 def _batch_size(raw: bytes) -> int | None:
