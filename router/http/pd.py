@@ -61,7 +61,7 @@ from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
-from router.http.metrics import RouterMetrics
+from router.http.metrics import CLIENT_CLOSED, RouterMetrics
 from router.http.observe import REQUEST_ID_HEADER, Observation, observation
 from router.http.proxy import (
     FORECAST_HEADER,
@@ -72,6 +72,7 @@ from router.http.proxy import (
     AnswerHooks,
     AttemptFailed,
     Proxy,
+    answer_code,
 )
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
@@ -174,6 +175,7 @@ class _PairHooks(AnswerHooks):
         self._prefix: list[Any] = []  # per batch item: the prefill's input logprobs
         self._buffer = b""
         self.committed = False
+        self.counted = False  # its answer is in the metrics (`PairDispatcher._answered`)
 
     def blamed(self, kv_wait: bool) -> Candidate:
         """The side a failure of the decode is charged to, as things stand now. `kv_wait`: the
@@ -316,9 +318,13 @@ class PairDispatcher:
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
                 if attempt == 0 and self._config.policy.hold_until_room:
                     # the prefill side is where the prefix is reused: held until it has room
-                    plan = await self._proxy.hold_for_room(
-                        plan, lambda: pairs.plan(parsed, ns), _prefill_side, deadline
-                    )
+                    try:
+                        plan = await self._proxy.hold_for_room(
+                            plan, lambda: pairs.plan(parsed, ns), _prefill_side, deadline
+                        )
+                    except asyncio.CancelledError:  # left while held: counted as the proxy's
+                        self._proxy.abandoned(request, endpoint)
+                        raise
                 if obs is not None and attempt == 0:
                     obs.planned(plan.prefill, ns.model)  # on the `route` span
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
@@ -378,7 +384,7 @@ class PairDispatcher:
                 planner,
                 left,
                 partial(self._prefilled, p_ticket),
-                partial(self._answered, endpoint, parsed, ns, started, obs),
+                partial(self._answered, request, endpoint, parsed, ns, started, obs),
             )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
@@ -388,6 +394,20 @@ class PairDispatcher:
                 return await self._both_at_once(
                     request, endpoint, parsed, hooks, (p_ticket, d_ticket), deadline, last_try
                 )
+            except asyncio.CancelledError:
+                # the client left before its answer was complete: 499, by the worker its
+                # request counts at, as the proxy counts it (an answer it had is counted)
+                if not hooks.counted:
+                    self._metrics.record(
+                        endpoint.value,
+                        prefill.worker,
+                        CLIENT_CLOSED,
+                        len(parsed.tokens),
+                        prefill.matched_tokens,
+                        time.perf_counter() - started,
+                        ns.model,
+                    )
+                raise
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
                 # the decode got no KV: it stored nothing of the prompt but what its events
@@ -466,6 +486,7 @@ class PairDispatcher:
 
     def _answered(
         self,
+        request: web.Request,
         endpoint: Endpoint,
         parsed: ParsedRequest,
         ns: Namespace,
@@ -480,10 +501,11 @@ class PairDispatcher:
         prefill = hooks.prefill
         if hooks.charged is not prefill:  # the decode got its KV
             self._pairs.planner.record_success(prefill.worker)
+        hooks.counted = True
         self._metrics.record(
             endpoint.value,
             prefill.worker,  # a pair's request counts where its prefix was matched
-            response.status,
+            answer_code(request, response.status),
             len(parsed.tokens),
             prefill.matched_tokens,
             time.perf_counter() - started,

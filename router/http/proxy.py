@@ -297,7 +297,7 @@ class Proxy:
             with obs.phase("parse"):
                 parsed = await read_request(request, endpoint, config, self._tokenizer)
         except asyncio.CancelledError:
-            self._abandoned(request, endpoint)
+            self.abandoned(request, endpoint)
             raise
         planner = self._planner
         ns = planner.namespace(parsed)
@@ -314,7 +314,7 @@ class Proxy:
                     )
                 obs.planned(plan, ns.model)
         except asyncio.CancelledError:  # left while held for a worker with room
-            self._abandoned(request, endpoint)
+            self.abandoned(request, endpoint)
             raise
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
@@ -418,7 +418,7 @@ class Proxy:
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
-    def _abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
+    def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""
         model = request.get(REQUEST_MODEL, "")
         self._metrics.rejected.labels(endpoint.value, CLIENT_CLOSED_ERROR, model).inc()

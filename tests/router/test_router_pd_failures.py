@@ -412,3 +412,39 @@ async def test_a_pair_request_that_can_reuse_nothing_marks_nothing_on_its_decode
 
 async def _marked(session: aiohttp.ClientSession, router: RouterService) -> bool:
     return (await _pending(session, router))["d0"] > 0
+
+
+async def test_a_pair_request_its_client_abandoned_counts_as_499() -> None:
+    """A client leaving while its pair works (here the prefill never answers) is counted as the
+    proxy counts it: 499, by the prefill worker; it appeared in no request series."""
+    async with (
+        FakePdWorker("prefill", hang=True) as hung,
+        FakePdWorker("decode", hang=True) as d0,
+    ):
+        config = _config(workers=(_fake("hung", hung), _fake("d0", d0)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            port = int(router.url.rsplit(":", 1)[1])
+            body = msgspec.json.encode(BODY)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            await writer.drain()
+            await asyncio.wait_for(hung.arrived.wait(), 10)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+            async def counted() -> bool:
+                async with session.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+                return any(
+                    line.startswith("kvroute_requests_total{")
+                    and 'code="499"' in line
+                    and 'worker="hung"' in line
+                    for line in text.splitlines()
+                )
+
+            await eventually(counted, timeout_s=3.0, what="the abandoned pair request")
