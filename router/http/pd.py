@@ -61,7 +61,7 @@ from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
-from router.http.metrics import RouterMetrics
+from router.http.metrics import CLIENT_CLOSED, RouterMetrics
 from router.http.observe import REQUEST_ID_HEADER, Observation, observation
 from router.http.proxy import (
     FORECAST_HEADER,
@@ -72,10 +72,11 @@ from router.http.proxy import (
     AnswerHooks,
     AttemptFailed,
     Proxy,
+    answer_code,
 )
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
-from router.routing.load import Ticket
+from router.routing.load import Ticket, Withdraw
 from router.routing.pd import PairPlanner, PdPlan
 from router.routing.planner import Plan, Planner
 from router.routing.policy import Candidate
@@ -100,10 +101,13 @@ _RANK_OUT_OF_RANGE = b"out of range"
 class PrefillFailed(Exception):
     """The prefill side of a pair failed before the client got a byte (the pair is retried)."""
 
-    def __init__(self, message: str, *, hard: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, hard: bool, status: int | None = None, sent: bool = True
+    ) -> None:
         super().__init__(message)
         self.hard = hard
         self.status = status  # the worker's HTTP status, or 504 for the deadline passing
+        self.sent = sent  # whether the worker got the request (`AttemptFailed.sent`)
 
 
 class _PrefillRefused(Exception):
@@ -171,6 +175,7 @@ class _PairHooks(AnswerHooks):
         self._prefix: list[Any] = []  # per batch item: the prefill's input logprobs
         self._buffer = b""
         self.committed = False
+        self.counted = False  # its answer is in the metrics (`PairDispatcher._answered`)
 
     def blamed(self, kv_wait: bool) -> Candidate:
         """The side a failure of the decode is charged to, as things stand now. `kv_wait`: the
@@ -313,9 +318,13 @@ class PairDispatcher:
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
                 if attempt == 0 and self._config.policy.hold_until_room:
                     # the prefill side is where the prefix is reused: held until it has room
-                    plan = await self._proxy.hold_for_room(
-                        plan, lambda: pairs.plan(parsed, ns), _prefill_side, deadline
-                    )
+                    try:
+                        plan = await self._proxy.hold_for_room(
+                            plan, lambda: pairs.plan(parsed, ns), _prefill_side, deadline
+                        )
+                    except asyncio.CancelledError:  # left while held: counted as the proxy's
+                        self._proxy.abandoned(request, endpoint)
+                        raise
                 if obs is not None and attempt == 0:
                     obs.planned(plan.prefill, ns.model)  # on the `route` span
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
@@ -365,6 +374,7 @@ class PairDispatcher:
                 first_try=first,
                 output_tokens=parsed.output_tokens,
                 keyed=parsed.keyed,
+                stores_prompt=parsed.reuse_limit != 0,
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
@@ -374,7 +384,7 @@ class PairDispatcher:
                 planner,
                 left,
                 partial(self._prefilled, p_ticket),
-                partial(self._answered, endpoint, parsed, ns, started, obs),
+                partial(self._answered, request, endpoint, parsed, ns, started, obs),
             )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
@@ -384,17 +394,41 @@ class PairDispatcher:
                 return await self._both_at_once(
                     request, endpoint, parsed, hooks, (p_ticket, d_ticket), deadline, last_try
                 )
+            except asyncio.CancelledError:
+                # the client left before its answer was complete: 499, by the worker its
+                # request counts at, as the proxy counts it (an answer it had is counted)
+                if not hooks.counted:
+                    self._metrics.record(
+                        endpoint.value,
+                        prefill.worker,
+                        CLIENT_CLOSED,
+                        len(parsed.tokens),
+                        prefill.matched_tokens,
+                        time.perf_counter() - started,
+                        ns.model,
+                    )
+                raise
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
+                # the decode got no KV: it stored nothing of the prompt but what its events
+                # show (vLLM's was never sent the request)
+                _withdraw(p_ticket, Withdraw.PENDING)
+                _withdraw(d_ticket, Withdraw.ALL if hooks.task is None else Withdraw.PENDING)
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
+                _withdraw(p_ticket, Withdraw.PENDING)  # cut off, unless it answered already
             except _PrefillRefused as exc:
+                _withdraw(d_ticket, Withdraw.ALL)  # no KV ever came: nothing stored there
                 if (
                     exc.status == 400
                     and _RANK_OUT_OF_RANGE in exc.payload
                     and prefill.dp_rank is not None
                     and parsed.dp_rank is None
                     and await self._ranks_changed(prefill.worker, deadline)
+                    # the retry takes an attempt: on the last one the worker's 400 is the
+                    # client's answer (the loop would end with no failure to tell: an empty
+                    # 502); the next requests go to the ranks read again
+                    and not last_try
                 ):
                     # a rank the router told it, which it no longer has (restarted with fewer
                     # ranks): retried on the ranks it has now, the worker not blamed
@@ -420,6 +454,10 @@ class PairDispatcher:
                     obs.response_headers(refusal.headers)
                     obs.finish(exc.status)
                 return refusal
+            except Exception:  # the request ends here (its deadline passed, ...)
+                _withdraw(p_ticket, Withdraw.PENDING)
+                _withdraw(d_ticket, Withdraw.PENDING)
+                raise
             finally:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
@@ -448,6 +486,7 @@ class PairDispatcher:
 
     def _answered(
         self,
+        request: web.Request,
         endpoint: Endpoint,
         parsed: ParsedRequest,
         ns: Namespace,
@@ -462,10 +501,11 @@ class PairDispatcher:
         prefill = hooks.prefill
         if hooks.charged is not prefill:  # the decode got its KV
             self._pairs.planner.record_success(prefill.worker)
+        hooks.counted = True
         self._metrics.record(
             endpoint.value,
             prefill.worker,  # a pair's request counts where its prefix was matched
-            response.status,
+            answer_code(request, response.status),
             len(parsed.tokens),
             prefill.matched_tokens,
             time.perf_counter() - started,
@@ -714,21 +754,28 @@ class PairDispatcher:
             ) as resp:
                 payload = await resp.read()
                 status = resp.status
+        # a failure takes back what routing marked there at the pair's end (`Planner.withdraw`),
+        # as the proxy's: all of it when the worker never got the request or refused it (4xx:
+        # nothing scheduled), its pending marks when it may have stored the prompt first
         except TimeoutError as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(
                 "no answer within the request deadline", hard=False, status=504
             ) from exc
-        except (
-            aiohttp.ClientConnectorError,
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientPayloadError,
-        ) as exc:
+        except aiohttp.ClientConnectorError as exc:
+            ticket.withdraw = Withdraw.ALL
+            raise PrefillFailed(f"connection lost: {exc}", hard=True, sent=False) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"connection lost: {exc}", hard=True) from exc
         except aiohttp.ClientError as exc:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
         if status >= 500:
+            ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False, status=status)
         if status >= 400:
+            ticket.withdraw = Withdraw.ALL
             raise _PrefillRefused(status, payload)
         self._prefilled(ticket)
         return payload
@@ -738,6 +785,12 @@ class PairDispatcher:
         counting as queued prefill and as running there (once)."""
         self._pairs.planner.first_byte(ticket)
         self._pairs.planner.finish(ticket)
+
+
+def _withdraw(ticket: Ticket, least: Withdraw) -> None:
+    """A failed attempt takes back at least `least` of what routing marked for `ticket`, at
+    its end (`Planner.finish`); a side that already answered is ended and keeps its marks."""
+    ticket.withdraw = max(ticket.withdraw, least)
 
 
 def _batch_size(raw: bytes) -> int | None:

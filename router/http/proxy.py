@@ -78,6 +78,7 @@ __all__ = [
     "AttemptFailed",
     "PairDispatch",
     "Proxy",
+    "answer_code",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,22 @@ _ROUTING_OVERRIDES = frozenset(
         "x-override-bootstrap-room",
     }
 )
+
+
+# set on a request whose client left while its answer was written (`answer_code`)
+_CLIENT_LEFT = web.RequestKey("kvroute_client_left", bool)
+
+
+def _client_left(request: web.Request) -> None:
+    request[_CLIENT_LEFT] = True
+
+
+def answer_code(request: web.Request, status: int) -> int:
+    """The code a forwarded answer counts as in the metrics: the worker's `status`, or 499
+    (CLIENT_CLOSED) when the client left before it had all of it. A client leaving shows as
+    the handler's cancellation or, when the router was writing to it then (or cut a client
+    that stopped reading: `ClientStalledError`), as ConnectionResetError; both are 499."""
+    return CLIENT_CLOSED if request.get(_CLIENT_LEFT, False) else status
 
 
 def _none_routable(candidates: Sequence[Candidate]) -> str:
@@ -280,7 +297,7 @@ class Proxy:
             with obs.phase("parse"):
                 parsed = await read_request(request, endpoint, config, self._tokenizer)
         except asyncio.CancelledError:
-            self._abandoned(request, endpoint)
+            self.abandoned(request, endpoint)
             raise
         planner = self._planner
         ns = planner.namespace(parsed)
@@ -297,7 +314,7 @@ class Proxy:
                     )
                 obs.planned(plan, ns.model)
         except asyncio.CancelledError:  # left while held for a worker with room
-            self._abandoned(request, endpoint)
+            self.abandoned(request, endpoint)
             raise
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
@@ -375,7 +392,9 @@ class Proxy:
                     time.perf_counter() - started,
                     ns.model,
                 )
-                self._charge(sent_failures, False, plan, tried)
+                # nobody is charged: the request did not run out of workers, its client left
+                # (an earlier attempt's 5xx would charge a worker for a request a retry may
+                # well have answered)
                 raise
             except Exception:  # the request ends here (its deadline passed, ...)
                 self._charge(sent_failures, False, plan, tried)
@@ -388,7 +407,7 @@ class Proxy:
             self._metrics.record(
                 endpoint.value,
                 candidate.worker,
-                response.status,
+                answer_code(request, response.status),
                 len(parsed.tokens),
                 candidate.matched_tokens,
                 time.perf_counter() - started,
@@ -399,7 +418,7 @@ class Proxy:
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
-    def _abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
+    def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""
         model = request.get(REQUEST_MODEL, "")
         self._metrics.rejected.labels(endpoint.value, CLIENT_CLOSED_ERROR, model).inc()
@@ -699,6 +718,7 @@ class Proxy:
                 )
             except ConnectionResetError:  # gone, or cut at the deadline: the worker answered
                 response = SentResponse(upstream.status, out, False, 0)
+                _client_left(request)
             if hooks is None:
                 self._planner.first_byte(ticket)
             if obs is not None:
@@ -762,6 +782,7 @@ class Proxy:
             # circuit closes on it, as on a whole answer)
             upstream.close()
             self._planner.record_success(worker)
+            _client_left(request)
             return response
         except asyncio.CancelledError:
             # the client went away and aiohttp cancelled the handler: the same (`forward`

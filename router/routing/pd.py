@@ -138,15 +138,21 @@ class PairPlanner:
         first_try: bool,
         output_tokens: int | None = None,
         keyed: Sequence[KeyedItem] = (),
+        stores_prompt: bool = True,
     ) -> Ticket:
         """The decode side: its policy learns the choice, the prompt it will hold is marked
-        pending there (it caches what it is sent), and its load counts the transfer to come
-        (the tokens it does not hold), the KV it keeps until the request ends and the output
-        it may generate (`output_tokens`, None: not known)."""
+        pending there (it caches what it is sent; not with `stores_prompt` False, as
+        `Planner.commit`), and its load counts the transfer to come (the tokens it does not
+        hold), the KV it keeps until the request ends and the output it may generate
+        (`output_tokens`, None: not known)."""
         if first_try:
             self.decode_policy.record(tokens, candidate.target)
         planner = self.planner
-        marked = self.decode_policy.marks_pending and planner.indexer.has_worker(candidate.worker)
+        marked = (
+            stores_prompt
+            and self.decode_policy.marks_pending
+            and planner.indexer.has_worker(candidate.worker)
+        )
         pending: list[tuple[str, int]] = []
         if marked:
             pending = planner.indexer.add_pending(

@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import HealthConfig, PdConfig, WorkerConfig
+from router.config import HealthConfig, LimitsConfig, PdConfig, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -632,11 +632,15 @@ async def test_a_rank_no_worker_of_a_side_has_is_a_400(fleet: PdFleet) -> None:
         assert resp.status == 400, await resp.text()
 
 
-async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retried() -> None:
+@pytest.mark.parametrize("max_retries", [2, 0])
+async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retried(
+    max_retries: int,
+) -> None:
     """A prefill restarted with fewer ranks (here on other event ports, so its streams cannot
     tell) refuses a rank the router still tells it ("routed_dp_rank=1 out of range [0, 1)").
     That 400 was the client's answer, for as long as the router kept the old ranks; now the
-    worker's settings are read again and the pair retried on the ranks it has, unblamed."""
+    worker's settings are read again and the pair retried on the ranks it has, unblamed. With
+    no retry left (`max_retries = 0`) the worker's 400 is the answer: it was an empty 502."""
     async with ReferenceWorker(reference("decode")) as d0:
         first = reference("prefill", dp_size=2)
         p0 = ReferenceWorker(first)
@@ -645,6 +649,7 @@ async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retr
             config = router_config(
                 [("p0", p0.url), ("d0", d0.url)],
                 health=HealthConfig(interval_s=60, timeout_s=0.5),  # no probe sees it go
+                limits=LimitsConfig(max_retries=max_retries),
             )
             async with RouterService(config) as router, aiohttp.ClientSession() as session:
                 await eventually(
@@ -664,8 +669,13 @@ async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retr
                         return resp.status, await resp.text()
 
                 # at once: spread by load over the ranks the router believes in, rank 1 too
-                for status, text in await asyncio.gather(*(send(i) for i in range(6))):
-                    assert status == 200, text
+                answers = await asyncio.gather(*(send(i) for i in range(6)))
+                if max_retries:
+                    assert all(status == 200 for status, _ in answers), answers
+                else:
+                    refused = [text for status, text in answers if status != 200]
+                    assert refused, answers  # rank 1 was told to some
+                    assert all("out of range" in text for text in refused), answers
                 assert await _has_streams(router, "p0", 1)
                 assert router.planner.pool.get("p0").routable(router.planner.clock())
         finally:

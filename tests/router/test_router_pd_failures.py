@@ -12,6 +12,7 @@ trace context on both legs, and what a request is told when one side of the pair
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from typing import Any, Literal
 
@@ -324,3 +325,126 @@ def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tracing test sets what it means; no OTEL_* variable leaks in from the shell."""
     for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER"):
         monkeypatch.delenv(name, raising=False)
+
+
+PLAIN = {"input_ids": PROMPT}
+
+
+async def _pending(session: aiohttp.ClientSession, router: RouterService) -> dict[str, int]:
+    """What /admin/route predicts a plain request of PROMPT pending on each worker of a pair."""
+    async with session.post(router.url + "/admin/route", json=PLAIN, headers=AUTH) as resp:
+        assert resp.status == 200, await resp.text()
+        plan = await resp.json()
+    return {
+        c["worker"]: int(c["pending_tokens"])
+        for side in ("prefill", "decode")
+        for c in plan[side]["candidates"]
+    }
+
+
+async def _paired(router: RouterService) -> None:
+    async def paired() -> bool:
+        return router.planner.pool.disaggregated(MODEL)
+
+    await eventually(paired, what="the roles to be discovered")
+
+
+async def test_a_prefill_refusing_a_request_takes_back_the_marks_of_both_sides() -> None:
+    """A prefill's 4xx is the client's answer: neither side stores the prompt, so neither is
+    predicted to hold it (its marks stayed for `pending_ttl_s`)."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        FakePdWorker("decode", hang=True) as hung,
+    ):
+        config = _config(workers=(WorkerConfig(url=p0.url, id="p0"), _fake("hung", hung)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            refused = {**PLAIN, "sampling_params": {"max_new_tokens": -5}}
+            async with session.post(router.url + "/generate", json=refused) as resp:
+                assert resp.status == 400, await resp.text()
+            assert (await _pending(session, router))["p0"] == 0
+
+
+@pytest.mark.parametrize("status", [400, 500])
+async def test_a_failed_prefill_takes_back_its_decodes_marks(status: int) -> None:
+    """The decode of a prefill that refused (4xx) or failed (5xx) got no KV: it is not
+    predicted to hold the prompt."""
+    async with (
+        FakePdWorker("prefill", status=status) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = _config(workers=(_fake("p0", p0), WorkerConfig(url=d0.url, id="d0")))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            async with session.post(router.url + "/generate", json=PLAIN) as resp:
+                assert resp.status == (400 if status == 400 else 502), await resp.text()
+            assert (await _pending(session, router))["d0"] == 0
+
+
+async def test_a_pair_request_that_can_reuse_nothing_marks_nothing_on_its_decode() -> None:
+    """`reuse_limit` 0 (here logprobs from the first token) marks nothing pending on the decode
+    side either, while the request runs."""
+    async with (
+        FakePdWorker("prefill", hang=True) as hung,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d0,
+    ):
+        config = _config(workers=(_fake("hung", hung), WorkerConfig(url=d0.url, id="d0")))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            capped = {**PLAIN, "return_logprob": True, "logprob_start_len": 0}
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=capped))
+            try:
+                await asyncio.wait_for(hung.arrived.wait(), 10)
+                assert (await _pending(session, router))["d0"] == 0
+                # the same request with nothing that stops reuse is marked there
+                second = asyncio.create_task(session.post(router.url + "/generate", json=PLAIN))
+                try:
+                    await eventually(
+                        lambda: _marked(session, router), what="the plain request's marks"
+                    )
+                finally:
+                    second.cancel()
+            finally:
+                sent.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sent
+
+
+async def _marked(session: aiohttp.ClientSession, router: RouterService) -> bool:
+    return (await _pending(session, router))["d0"] > 0
+
+
+async def test_a_pair_request_its_client_abandoned_counts_as_499() -> None:
+    """A client leaving while its pair works (here the prefill never answers) is counted as the
+    proxy counts it: 499, by the prefill worker; it appeared in no request series."""
+    async with (
+        FakePdWorker("prefill", hang=True) as hung,
+        FakePdWorker("decode", hang=True) as d0,
+    ):
+        config = _config(workers=(_fake("hung", hung), _fake("d0", d0)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            port = int(router.url.rsplit(":", 1)[1])
+            body = msgspec.json.encode(BODY)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            await writer.drain()
+            await asyncio.wait_for(hung.arrived.wait(), 10)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+            async def counted() -> bool:
+                async with session.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+                return any(
+                    line.startswith("kvroute_requests_total{")
+                    and 'code="499"' in line
+                    and 'worker="hung"' in line
+                    for line in text.splitlines()
+                )
+
+            await eventually(counted, timeout_s=3.0, what="the abandoned pair request")

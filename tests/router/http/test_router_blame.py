@@ -29,7 +29,8 @@ class BadWorker:
     """A worker whose answer to each completion request is named by its `x-bad-mode` header:
     ok, 500 (a JSON error), drop (the connection closed unanswered: the engine crashed),
     garbage (bytes that are not HTTP), slow (no answer for 30 s), stream (an endless SSE).
-    `mode@name` applies to the worker `name` only; the others answer it."""
+    `mode@name` applies to the worker `name` only; the others answer it (several: comma
+    separated)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -39,9 +40,11 @@ class BadWorker:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
-        mode, _, only = request.headers.get("x-bad-mode", "ok").partition("@")
-        if only and only != self.name:
-            mode = "ok"
+        mode = "ok"
+        for named in request.headers.get("x-bad-mode", "ok").split(","):
+            named_mode, _, only = named.partition("@")
+            if not only or only == self.name:
+                mode = named_mode
         self.modes.append(mode)
         transport = request.transport
         assert transport is not None
@@ -253,3 +256,23 @@ async def test_requests_their_clients_abandoned_count_as_499(
         after = await _metrics(session, router)
         assert after[latency] - before.get(latency, 0.0) == 2.0
         assert a.modes == ["slow", "stream"]
+
+
+async def test_a_client_leaving_during_a_retry_charges_no_worker(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A request whose first worker answered 500 and whose client left during the retry did
+    not run out of workers: its first worker was charged a failure all the same."""
+    async with (
+        BadWorker("a") as a,
+        BadWorker("b") as b,
+        BadWorker("c") as c,
+        RouterService(_config([a, b, c])) as router,
+    ):
+        for _ in range(30):  # ties are broken at random: until a is tried first
+            await _abandon(router, {"prompt": "x"}, "500@a,slow@b,slow@c", wait_for=b"")
+            if a.modes:
+                break
+        assert a.modes == ["500"]
+        await asyncio.sleep(0.2)  # its end, after the client left
+        assert router.planner.pool.get("a").breaker.failures == 0

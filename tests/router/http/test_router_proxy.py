@@ -544,6 +544,14 @@ async def test_a_client_that_stops_reading_is_cut_at_the_request_deadline(
         # a client that stops reading is no failure of the worker
         entry = router.planner.pool.get("a")
         assert entry.breaker.failures == 0 and entry.routable(router.planner.clock())
+        # and it left before it had its answer: 499, as a client that disconnects (it was
+        # counted as the worker's 200)
+        async with aiohttp.ClientSession() as session, session.get(router.url + "/metrics") as r:
+            metrics = await r.text()
+        counted = [
+            line for line in metrics.splitlines() if line.startswith("kvroute_requests_total{")
+        ]
+        assert len(counted) == 1 and 'code="499"' in counted[0], counted
 
 
 async def test_rejections_are_labelled_by_route_not_by_raw_path(
