@@ -504,7 +504,8 @@ class Planner:
         may generate there (None: not known). `keyed`: a batch's other items with an
         extra_key (`shadow`). `stores_prompt` False: the engine may store the prompt under
         other keys than these tokens' (a request that can reuse nothing the router can
-        predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending."""
+        predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending, nor made
+        recently used (the worker touches no blocks of these keys for it)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
         marked = (
@@ -517,14 +518,16 @@ class Planner:
             pending = self.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=self.keys_of(ns, tokens)
             )
-        marks = self.book_decision(
-            ns,
-            tokens,
-            candidate.worker,
-            candidate.dp_rank,
-            kept_tokens=candidate.predicted_tokens,
-            held_tokens=candidate.matched_tokens,
-        )
+        marks: list[tuple[str, int]] = []
+        if stores_prompt:
+            marks = self.book_decision(
+                ns,
+                tokens,
+                candidate.worker,
+                candidate.dp_rank,
+                kept_tokens=candidate.predicted_tokens,
+                held_tokens=candidate.matched_tokens,
+            )
         before = self.load.of(candidate.worker, candidate.dp_rank)
         ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
         ticket = self.load.begin(
