@@ -460,16 +460,24 @@ class IndexerService:
 
     def shadow_hidden(
         self, namespace: Namespace, tokens: Sequence[Hashable], limit: int | None = None
-    ) -> set[str]:
-        """The streams whose entries for `tokens` (a plain prompt) `query` hides because an
-        `extra_key` request's shadow covers them there (`indexer.shadowed`): they hold some of
-        it, yet are answered as holding nothing. For explaining a decision (`/admin/route`),
-        not for routing: it matches the prompt again. Whatever `query` hides by, this says."""
+    ) -> dict[str, int]:
+        """The streams whose entries for `tokens` (a plain prompt) `query` cuts or hides
+        because an `extra_key` request's shadow covers them there (`indexer.shadowed`), each
+        with how many tokens of the prompt (held or pending) its answer leaves out. For
+        explaining a decision (`/admin/route`), not for routing: it matches the prompt again.
+        Whatever `query` hides by, this says."""
+        if not (self._shadowed or self._blanket) or namespace.extra_key is not None:
+            return {}
         found = self.index.match(namespace, tokens, limit)
-        held = set(found.blocks)
-        if (self._shadowed or self._blanket) and namespace.extra_key is None and held:
+        before = {s: n + found.pending_blocks.get(s, 0) for s, n in found.blocks.items()}
+        if before:
             self._hide_shadowed(found, namespace, tokens)
-        return held - set(found.blocks)
+        hidden: dict[str, int] = {}
+        for stream, blocks in before.items():
+            left = found.blocks.get(stream, 0) + found.pending_blocks.get(stream, 0)
+            if left < blocks:
+                hidden[stream] = (blocks - left) * (self.index.block_size(stream) or 0)
+        return hidden
 
     def streams(self) -> list[StreamStats]:
         """State and counters of every stream."""

@@ -95,10 +95,9 @@ class ShadowedPrefixes:
                 after = _merged(before, extra_key, until, has_key=bool(keys), is_tail=is_tail)
                 if not is_tail:
                     made[id(before)] = after
-            if after is not before:
-                if before is None:
-                    self._count += 1
-                shadows[key] = after
+            if before is None:
+                self._count += 1
+            shadows[key] = after
             befores.append(before)
             afters.append(after)
         return (stream, tuple(marked), tuple(befores), tuple(afters))
@@ -111,7 +110,7 @@ class ShadowedPrefixes:
         if shadows is None:
             return
         for key, before, after in zip(keys, befores, afters, strict=True):
-            if before is after or shadows.get(key) is not after:
+            if shadows.get(key) is not after:
                 continue
             if before is not None:
                 shadows[key] = before
@@ -151,7 +150,9 @@ def _merged(
     before: Shadow | None, extra_key: str, until: float, *, has_key: bool, is_tail: bool
 ) -> Shadow:
     """`before` with `extra_key` shadowing the key (`has_key`; a seed holds tails only) and,
-    with `is_tail`, its tail there; `before` itself when that changes nothing."""
+    with `is_tail`, its tail there. Always a tuple of its own, even when that changes nothing:
+    `withdraw` takes a key back only while it still holds the mark's own tuple, so a later
+    request's mark, however alike, keeps its shadow when an earlier one is withdrawn."""
     if before is None:
         one = frozenset((extra_key,))
         return (until, one if has_key else _NONE, one if is_tail else _NONE)
@@ -160,8 +161,6 @@ def _merged(
         named = named | {extra_key}
     if is_tail and extra_key not in tails:
         tails = tails | {extra_key}
-    if until <= kept and named is before[1] and tails is before[2]:
-        return before
     return (max(kept, until), named, tails)
 
 

@@ -16,7 +16,10 @@ forgery: whoever may load a snapshot may write any index (the admin API is the g
 Versions 1-4 had no digest and are refused: a router upgraded past them starts cold (it
 rebuilds each stream from its worker's replay and events), which costs hits for a while and
 never a false one. The shared table is not stored: it is rebuilt from the streams, which also
-re-derives every size. Pending entries are not stored (they live for seconds).
+re-derives every size. Pending entries are not stored (they live for seconds), nor are the
+copies each key was stored again (`PrefixIndex.extra_copies`): after a load every held page
+counts as one copy, so a block an `extra_key` shadow covers (`indexer.shadowed`) is trusted only
+once its copies are stored again (fails closed: a missed hit, never a false one).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
 snapshot raises `SnapshotError` and never leaves a half-loaded index behind. Each stream's

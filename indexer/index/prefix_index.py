@@ -492,30 +492,6 @@ class PrefixIndex:
         keyed: Sequence[Hashable] = Bigrams(tokens, n) if st.bigram else tokens
         return self._chain(self._registry.seed(ns_id, size), keyed, size, 0, count)
 
-    def first_block_keys(
-        self, stream: str, namespace: Namespace, tokens: Sequence[Hashable]
-    ) -> list[int]:
-        """The keys the first full block of `tokens` may have on `stream` in `namespace`,
-        whether or not the index has met the namespace: its one key once the stream's pages
-        showed their kind, else the key of the tokens and of their pairs (`Bigrams`), as
-        either may be what its pages turn out to be (none: the block size is unknown, or no
-        full block)."""
-        st = self._streams.get(stream)
-        if st is None or st.block_size is None:
-            return []
-        size = st.block_size
-        ns_id = self._registry.find(namespace)
-        seed = (
-            namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
-        )
-        kinds = (False, True) if st.bigram is None else (st.bigram,)
-        keys = []
-        for bigram in kinds:
-            if blocks_within(len(tokens), size, bigram):
-                keyed: Sequence[Hashable] = Bigrams(tokens, size + 1) if bigram else tokens
-                keys.append(self._chain(seed, keyed, size, 0, 1)[0])
-        return keys
-
     def chain_keys(
         self, stream: str, namespace: Namespace, tokens: Sequence[Hashable], blocks: int
     ) -> tuple[int, list[list[int]]] | None:

@@ -12,7 +12,9 @@ one's load. Shadows are the exception (`shadowed`): they last an hour, and a rep
 missed one would predict a plain request the pages an extra_key's request stored. So the
 shadows of the last `SHADOW_KEEP_S`, this replica's and those the others sent (`remember`), are
 kept (the newest `MAX_SHADOWS`) and sent again when NATS is back and when a replica joins or
-comes back: the one that made a shadow may be the one coming back, with nothing of it left.
+comes back: the one that made a shadow may be the one coming back, with nothing of it left. A
+request of this replica that stored nothing (`Withdraw.ALL`) takes its shadows back from what is
+kept too, unless a later shadow of the same head renewed them since.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from router.cluster.wire import (
     Pending,
     Shadow,
 )
-from router.routing.load import Ticket
+from router.routing.load import Ticket, Withdraw
 from router.routing.planner import SHADOW_KEEP_S
 
 __all__ = ["LAZY_S", "MAX_SHADOWS", "Outbox"]
@@ -48,15 +50,24 @@ LAZY_S = 0.005
 MAX_SHADOWS = 8192
 
 
+# a kept shadow's key: (worker, rank, namespace, head as 8-byte ids)
+_Key = tuple[str, int | None, Namespace, bytes]
+# a kept shadow: (when it lapses, `clock`; which keeping it is, so a withdrawal takes back only
+# its own)
+_Kept = tuple[float, int]
+
+
 class _Open:
     """A request in flight, under the number the other replicas know it by."""
 
-    __slots__ = ("answered", "number", "ticket")
+    __slots__ = ("answered", "number", "shadows", "ticket")
 
     def __init__(self, number: int, ticket: Ticket) -> None:
         self.number = number
         self.ticket = ticket
         self.answered = False
+        # the shadows it kept: (key, what was kept before, None: nothing, what it kept)
+        self.shadows: list[tuple[_Key, _Kept | None, _Kept]] = []
 
 
 class Outbox:
@@ -69,10 +80,9 @@ class Outbox:
         self.wakeup = asyncio.Event()
         self._sending = False
         self._clock = clock
-        # (worker, rank, namespace, head as 8-byte ids) -> when it lapses (`clock`), oldest
-        # first: 2 KiB a shadow at most
-        self._shadows: OrderedDict[tuple[str, int | None, Namespace, bytes], float]
-        self._shadows = OrderedDict()
+        # oldest first: 2 KiB a shadow at most
+        self._shadows: OrderedDict[_Key, _Kept] = OrderedDict()
+        self._keepings = itertools.count(1)
         self.dropped = 0  # decisions lost to a full buffer
         self._buffer: list[Decision] = []
         # keyed by id(): a ticket lives (the proxy holds it) at least until it is finished
@@ -103,18 +113,20 @@ class Outbox:
     ) -> None:
         """An extra_key's plain twin was shadowed on (worker, rank) (see `DecisionSink`)."""
         head = list(tokens[:SHADOW_HEAD_TOKENS])
+        entry = None if ticket is None else self._open.get(id(ticket))
+        if entry is not None and entry.ticket is not ticket:
+            entry = None
         if self._sending:
-            entry = None if ticket is None else self._open.get(id(ticket))
-            number = entry.number if entry is not None and entry.ticket is ticket else 0
+            number = entry.number if entry is not None else 0
             self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S, number))
         try:
             key = (worker, dp_rank, ns, array("q", head).tobytes())
         except OverflowError:
             return  # ids beyond 64 bits, which no tokenizer makes: sent once, not kept
-        self._shadows[key] = self._clock() + SHADOW_KEEP_S
-        self._shadows.move_to_end(key)
-        while len(self._shadows) > MAX_SHADOWS:
-            self._shadows.popitem(last=False)
+        kept = (self._clock() + SHADOW_KEEP_S, next(self._keepings))
+        if entry is not None:
+            entry.shadows.append((key, self._shadows.get(key), kept))
+        self._keep(key, kept)
 
     def remember(self, shadow: Shadow) -> None:
         """Keep a shadow another replica sent, to send again when a replica (re)joins: its
@@ -125,18 +137,22 @@ class Outbox:
             return
         key = (shadow.worker, shadow.dp_rank, shadow.namespace, head)
         until = self._clock() + shadow.keep_s
-        if self._shadows.get(key, 0.0) < until:
-            self._shadows[key] = until
-            self._shadows.move_to_end(key)
-            while len(self._shadows) > MAX_SHADOWS:
-                self._shadows.popitem(last=False)
+        kept = self._shadows.get(key)
+        if kept is None or kept[0] < until:
+            self._keep(key, (until, next(self._keepings)))
+
+    def _keep(self, key: _Key, kept: _Kept) -> None:
+        self._shadows[key] = kept
+        self._shadows.move_to_end(key)
+        while len(self._shadows) > MAX_SHADOWS:
+            self._shadows.popitem(last=False)
 
     def resend_shadows(self) -> None:
         """Queue every shadow still in force (NATS came back, or a replica joined)."""
         if not self._sending:
             return
         now = self._clock()
-        for key, until in list(self._shadows.items()):
+        for key, (until, _) in list(self._shadows.items()):
             if until <= now:
                 del self._shadows[key]
                 continue
@@ -210,6 +226,15 @@ class Outbox:
         if entry is None or entry.ticket is not ticket:
             return
         del self._open[id(ticket)]
+        if ticket.withdraw is Withdraw.ALL:
+            # it stored nothing: not sent again, unless another request's shadow renewed it
+            for key, before, kept in reversed(entry.shadows):
+                if self._shadows.get(key) is not kept:
+                    continue
+                if before is None:
+                    del self._shadows[key]
+                else:
+                    self._shadows[key] = before
         if self.sending:
             self._put(End(entry.number, int(ticket.withdraw)), urgent=False)
 

@@ -139,6 +139,11 @@ _SHADOWED_WHY = (
     "request with an extra_key sent here may have stored them, and the events cannot tell "
     "its pages from plain ones)"
 )
+_SHADOWED_CUT = (
+    "{} more tokens of this prompt that its entries hold are hidden by an extra_key shadow "
+    "(a request with an extra_key sent here may have stored them, and the events cannot tell "
+    "its pages from plain ones); "
+)
 
 
 def _gpu_reused_tokens(candidate: Candidate) -> int:
@@ -277,9 +282,9 @@ class Planner:
         self, candidates: Sequence[Candidate], parsed: ParsedRequest, ns: Namespace
     ) -> None:
         """Say on each of the candidates (a dry run's: this matches the prompt again)
-        whose index entries for the prompt are hidden by an extra_key shadow: it predicts
-        nothing there, as a cold cache would, and `hidden` (and the forecast's `why`) tells
-        the two apart."""
+        whose index entries for the prompt are hidden or cut by an extra_key shadow: it
+        predicts nothing there, or less than its entries hold, as a cold cache (or a shorter
+        match) would, and `hidden` (and the forecast's `why`) tells them apart."""
         if unindexed_reason(ns) is not None or not self.indexer.worker_count():
             return
         limit = _match_limit(parsed.tokens, parsed.reuse_limit)
@@ -290,12 +295,18 @@ class Planner:
             streams = self.indexer.stream_ids(candidate.worker, candidate.dp_rank)
             # a worker offered whole (its ranks' best match; the engine picks the rank): said
             # where one of its ranks is hidden
-            if not any(stream in hidden for stream in streams):
+            cut = max((hidden[s] for s in streams if s in hidden), default=None)
+            if cut is None:
                 continue
             candidate.hidden = _SHADOWED
             admission = candidate.admission
-            if admission is not None and not admission.raw_tokens:
+            if admission is None:
+                continue
+            if not admission.raw_tokens:
                 admission.why = _SHADOWED_WHY
+            else:
+                # a match cut to what the plain tree surely holds: the rest is not evicted
+                admission.why = _SHADOWED_CUT.format(cut) + admission.why
 
     def _candidates(
         self,
@@ -493,7 +504,8 @@ class Planner:
         may generate there (None: not known). `keyed`: a batch's other items with an
         extra_key (`shadow`). `stores_prompt` False: the engine may store the prompt under
         other keys than these tokens' (a request that can reuse nothing the router can
-        predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending."""
+        predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending, nor made
+        recently used (the worker touches no blocks of these keys for it)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
         marked = (
@@ -506,14 +518,16 @@ class Planner:
             pending = self.indexer.add_pending(
                 ns, tokens, candidate.worker, candidate.dp_rank, keys_of=self.keys_of(ns, tokens)
             )
-        marks = self.book_decision(
-            ns,
-            tokens,
-            candidate.worker,
-            candidate.dp_rank,
-            kept_tokens=candidate.predicted_tokens,
-            held_tokens=candidate.matched_tokens,
-        )
+        marks: list[tuple[str, int]] = []
+        if stores_prompt:
+            marks = self.book_decision(
+                ns,
+                tokens,
+                candidate.worker,
+                candidate.dp_rank,
+                kept_tokens=candidate.predicted_tokens,
+                held_tokens=candidate.matched_tokens,
+            )
         before = self.load.of(candidate.worker, candidate.dp_rank)
         ahead_tokens, ahead_running = before.queued_prefill_tokens, before.running
         ticket = self.load.begin(

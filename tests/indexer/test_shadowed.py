@@ -142,6 +142,20 @@ def test_a_withdrawn_shadow_goes_back_to_what_it_was() -> None:
     assert shadows.shadows("s") is None and len(shadows) == 0
 
 
+def test_withdrawing_a_shadow_keeps_a_later_alike_one() -> None:
+    """Review: a second request's mark that changed nothing (the same extra_key, an earlier
+    time: a peer's resend with what is left of its keep_s) protected nothing, so withdrawing
+    the first request's mark dropped the key though the second may have stored its copy."""
+    shadows = ShadowedPrefixes()
+    first = shadows.mark("s", [7], 7, "k", until=20.0)
+    later = shadows.mark("s", [7], 7, "k", until=10.0)
+    shadows.withdraw(first)
+    assert shadows.shadows("s") == {7: (20.0, frozenset("k"), frozenset("k"))}
+    # then the later one: back to the first one's (withdrawn, so kept too long: fails closed)
+    shadows.withdraw(later)
+    assert shadows.shadows("s") == {7: (20.0, frozenset("k"), frozenset("k"))}
+
+
 P: list[TokenId] = list(range(3000, 3000 + 65))  # four 16-token pages and a last token
 TENANT = Namespace("", None, "t")
 VIEW = Namespace("", None, "t", "view")

@@ -205,6 +205,44 @@ async def test_an_extra_key_request_hides_only_what_it_may_have_stored() -> None
         assert int(headers["x-kvroute-matched-tokens"]) == 16 == cached_tokens(answer)
 
 
+async def test_a_dry_run_names_the_shadow_that_cuts_a_match() -> None:
+    """Review: the shadow usually cuts a plain match to what the plain tree surely holds rather
+    than hiding it whole, and /admin/route named only a shadow that hid everything: a cut
+    candidate showed fewer tokens with no reason (as if they were evicted)."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with (
+        ReferenceWorker(cfg) as w0,
+        RouterService(router_config([("w0", w0.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": w0}, session)
+        await fleet.warm()
+        prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+        plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+        await fleet.post("/generate", plain)
+        await eventually(lambda: fleet.holds(plain, "w0", 320), what="the plain prompt indexed")
+        # the extra_key's prompt is the first 10 pages: its tail is page 10, and what the
+        # worker stores after it (its output) may be on the plain chain: cut to 160
+        keyed = {"input_ids": prompt[: 10 * 16 + 5], "cache_salt": "tenant-a", "extra_key": "k"}
+        status, _, _ = await fleet.post("/generate", keyed)
+        assert status == 200
+
+        async def cut() -> bool:
+            plan = await fleet.route(plain)
+            return bool(plan["candidates"][0]["matched_tokens"] == 160)
+
+        await eventually(cut, what="the extra_key's copies stored: the plain match cut")
+        (candidate,) = (await fleet.route(plain))["candidates"]
+        assert candidate["hidden"] == "extra_key shadow"
+        why = candidate["admission"]["why"]
+        assert why.startswith("160 more tokens of this prompt that its entries hold are hidden")
+        indexer = router.planner.indexer
+        plain_ns = Namespace(router.planner.pool.get("w0").cache_model, None, "tenant-a")
+        assert indexer.shadow_hidden(plain_ns, prompt, 320) == {
+            s: 160 for s in indexer.stream_ids("w0")
+        }
+
+
 def cached_tokens(answer: dict[str, Any]) -> int:
     return int(answer["meta_info"]["cached_tokens"])
 

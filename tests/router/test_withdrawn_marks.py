@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from indexer.namespace import Namespace
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -104,6 +105,10 @@ async def test_a_request_that_can_reuse_nothing_marks_nothing_pending() -> None:
             fleet = Fleet(router, {"w0": w0}, session)
             await fleet.warm()
             plain = {"input_ids": IDS, "cache_salt": "t"}
+            # the salt's pages known to the index, so its prompts have keys there
+            other = {"input_ids": [7] * 40, "cache_salt": "t"}
+            assert (await fleet.post("/generate", other))[0] == 200
+            await eventually(lambda: fleet.holds(other, "w0", 32), what="a page of the salt")
             # return_logprob from the first token: nothing the router predicts is reused
             capped = {
                 **plain,
@@ -119,5 +124,13 @@ async def test_a_request_that_can_reuse_nothing_marks_nothing_pending() -> None:
 
             await eventually(admitted, what="the capped request to run")
             assert await _pending(fleet, plain) == {"w0": 0}
+            # nor did it make its tokens the most recently used there (review: the forecast
+            # took blocks it never touched to survive eviction)
+            planner = router.planner
+            (stream,) = planner.indexer.stream_ids("w0")
+            keys = planner.keys.of(
+                stream, Namespace(planner.pool.get("w0").cache_model, None, "t"), IDS
+            )
+            assert keys and all(planner.recency[stream].stamp(k) is None for k in keys)
             status, _, _ = await running
             assert status == 200

@@ -24,7 +24,7 @@ from router.cluster.wire import (
     batch_decoder,
     encoder,
 )
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, Ticket, Withdraw
 from router.routing.planner import SHADOW_KEEP_S
 
 NS = Namespace("m", None, "salt")
@@ -182,3 +182,35 @@ async def test_shadows_outlive_an_outage_and_are_sent_again_until_they_lapse() -
     # what the wire carries comes back whole
     again = batch_decoder.decode(encoder.encode(Batch("r", 0.0, sent)))
     assert again.decisions == sent
+
+
+async def test_a_withdrawn_shadow_is_not_sent_again() -> None:
+    """Review: a request the worker refused took its shadow back on every replica, yet the
+    outbox kept it and sent it again (for up to an hour) when NATS came back or a replica
+    joined. A shadow another request renewed since stays."""
+    clock = Clock()
+    load = LoadTracker()
+    outbox = Outbox(clock=clock)
+    outbox.sending = True
+    keyed = Namespace("m", None, "salt", "view-1")
+
+    def shadowed(tokens: list[int]) -> Ticket:
+        ticket = load.begin("w0", 10)
+        outbox.committed(keyed, tokens, ticket, marked=False)
+        outbox.shadowed(keyed, tokens, "w0", None, ticket)
+        return ticket
+
+    def resent() -> list[list[int]]:
+        outbox.take()
+        outbox.resend_shadows()
+        return [d.tokens for d in outbox.take() if isinstance(d, Shadow)]
+
+    refused = shadowed([1, 2, 3])
+    first, second = shadowed([4, 5, 6]), shadowed([4, 5, 6])
+    for ticket in (refused, first):
+        ticket.withdraw = Withdraw.ALL
+        outbox.finished(ticket)
+    assert resent() == [[4, 5, 6]]  # the refused one's gone; the second renewed the other
+    second.withdraw = Withdraw.ALL
+    outbox.finished(second)
+    assert resent() == [[4, 5, 6]]  # back to the first's (withdrawn: kept, fails closed)

@@ -319,5 +319,5 @@ async def test_a_dry_run_names_an_extra_key_shadow_rather_than_nothing_matched(
     # the indexer's word on it, which the planner asks: the stream the query hides
     indexer = fleet.router.planner.indexer
     plain_ns = Namespace(fleet.router.planner.pool.get(holder).cache_model, None, "tenant-a")
-    assert indexer.shadow_hidden(plain_ns, prompt) == set(indexer.stream_ids(holder))
+    assert set(indexer.shadow_hidden(plain_ns, prompt)) == set(indexer.stream_ids(holder))
     assert indexer.query(plain_ns, prompt)[holder].matched_tokens == 0
