@@ -11,7 +11,8 @@ changes a running router:
 2. then the workers, the way the admin API changes them (`Supervisor.add` / `remove`), and with
    a `[cluster]` written to the shared fleet the same way, so every replica agrees. The new
    ones are added first, and taken traffic only once registered and health-checked; then the
-   old ones are removed (a fleet swapped whole keeps serving). A removed worker takes no new
+   old ones are removed (a fleet swapped whole keeps serving, as long as the new ones register
+   within the add's wait; else its model answers 503 until one does). A removed worker takes no new
    request; those it is serving finish. A worker whose settings changed is removed and added
    again. Workers added or removed through the admin API since are left as they are: the diff
    is the old file against the new one. A new worker is waited for as an admin add waits
@@ -193,7 +194,8 @@ class Reloader:
             if (entry := pool.find(worker_id)) is not None and entry.draining
         }
         # New workers first, checked (registered, health passed) before the old ones go: a
-        # fleet swapped whole in one reload keeps a routable worker of its model throughout.
+        # fleet swapped whole in one reload keeps a routable worker of its model throughout,
+        # unless the new ones are still being discovered when the add's wait ends (503s then).
         # Before, the old ones went first, and the requests of the gap got 404 (the model was
         # served by nobody) until the new ones were discovered.
         # Only a leaving worker on a server an arriving one takes goes first (one server is one
