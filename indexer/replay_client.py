@@ -7,7 +7,10 @@ and yields the replies, in order, until the end marker; an answer that stops sho
 seqs that follow each other: an answer with frames that do not parse (reported to
 `on_malformed` too), a batch of another topic, a seq that does not follow the one before, or
 more replies or time than any buffer takes (`MAX_REPLIES`, `deadline_s`) is not this stream's
-buffer, and raises ReplayError: it proves nothing, as an answer that never came. Whenever an
+buffer, and raises ReplayError: it proves nothing, as an answer that never came. Every request
+whose answer raises either is reported to `on_unanswered` (`newest` swallows both, and the
+subscriber's warnings are rate-limited: without it a replay socket that keeps timing out would
+go uncounted). Whenever an
 answer is left before its end marker the socket is reset, so that late replies of one
 request are never read as the answer to the next. What the replies mean is the subscriber's
 business (`indexer.subscriber`).
@@ -49,6 +52,7 @@ class ReplayClient:
         timeout_s: float,
         yield_every: int,
         on_malformed: Callable[[str], None],
+        on_unanswered: Callable[[], None] = lambda: None,
         deadline_s: float | None = None,
     ) -> None:
         self._ctx = ctx
@@ -60,6 +64,7 @@ class ReplayClient:
         self._deadline_s = deadline_s if deadline_s is not None else max(60.0, 30 * timeout_s)
         self._yield_every = yield_every
         self._on_malformed = on_malformed
+        self._on_unanswered = on_unanswered
         self._dealer: zmq.asyncio.Socket | None = None
 
     async def replies(self, start: int) -> AsyncGenerator[ReplayData, None]:
@@ -110,6 +115,10 @@ class ReplayClient:
                     raise ReplayError(f"seq {reply.seq} follows seq {previous} in the answer")
                 previous = reply.seq
                 yield reply
+        except (TimeoutError, ReplayError):
+            # raised here, never by the consumer (which leaving early closes us, not raises)
+            self._on_unanswered()
+            raise
         finally:
             if not ended:
                 self.close()  # late replies of this request must not answer the next one

@@ -81,6 +81,9 @@ class StreamStats(msgspec.Struct):
     refetches: int = 0
     # batches that could not be decoded even from the replay: the stream was cleared for them
     lost_batches: int = 0
+    # replay requests whose answer never came to its end marker: timed out, or not this
+    # stream's buffer (cut short at its deadline, frames that do not parse, ...)
+    unanswered_replays: int = 0
     # restart candidates (reconnects, health transitions) checked against the epoch fence
     verifications: int = 0
     # blocks of KV-cache groups that make no reusable prefix (sliding window, Mamba): not kept

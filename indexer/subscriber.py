@@ -218,6 +218,9 @@ class StreamSubscriber:
         self.probes = 0
         self.refetches = 0
         self.lost_batches = 0
+        # replay requests whose answer never came to its end (timed out, or proved nothing):
+        # counted apart from the rate-limited warnings, which show one a `log_interval_s`
+        self.unanswered_replays = 0
         self.verifications = 0
         self.rank_mismatches = 0  # batches that said another dp rank than the stream's
         self._clears = 0  # for sinks that keep no counters of their own
@@ -748,11 +751,13 @@ class StreamSubscriber:
                     # (joining, no live seq is known: any start is believable)
                     far = live is not None and reply.seq > max(start, live) + _MAX_AHEAD
                     if newest is None and far:
+                        self._unanswered()  # given up here: the client never learns it
                         raise ReplayError(
                             f"its answer starts at seq {reply.seq}, far beyond the live "
                             f"stream's {live}"
                         )
                     if self._rebinds != rebinds:
+                        self._unanswered()
                         raise ReplayError("a snapshot was loaded while it answered")
                     continuity = self._take_reply(reply, start, continuing, continuity)
                     newest = reply.seq if newest is None else max(newest, reply.seq)
@@ -925,8 +930,12 @@ class StreamSubscriber:
                 timeout_s=self.settings.replay_timeout_s,
                 yield_every=self.settings.yield_every,
                 on_malformed=self._malformed,
+                on_unanswered=self._unanswered,
             )
         return self._replayer
+
+    def _unanswered(self) -> None:
+        self.unanswered_replays += 1
 
     def _close_replay(self) -> None:
         if self._replayer is not None:
@@ -998,6 +1007,7 @@ class StreamSubscriber:
             probes=self.probes,
             refetches=self.refetches,
             lost_batches=self.lost_batches,
+            unanswered_replays=self.unanswered_replays,
             verifications=self.verifications,
             skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
             dp_rank=self.config.dp_rank,

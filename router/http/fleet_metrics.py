@@ -50,6 +50,12 @@ _STREAM_COUNTERS = (
         "Batches that did not decode and were fetched again through the replay socket",
     ),
     (
+        "unanswered_replays",
+        "kvroute_stream_unanswered_replays",
+        "Replay requests whose answer never came to its end (timed out, or not the stream's "
+        "buffer)",
+    ),
+    (
         "verifications",
         "kvroute_stream_verifications",
         "Restart candidates (reconnects, health transitions, snapshot loads) checked against "

@@ -287,3 +287,27 @@ async def test_a_join_from_an_unproven_replay_socket_waits_for_a_live_batch(
                 break
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert matched(svc, A) == 4
+
+
+async def test_newest_counts_the_answer_that_never_came(ctx: zmq.asyncio.Context) -> None:
+    """`newest` (the restart check) swallows its timeout: `on_unanswered` still hears it."""
+    router = ctx.socket(zmq.ROUTER)  # takes the request, never answers
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    unanswered: list[None] = []
+    client = ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{port}",
+        b"kv",
+        timeout_s=0.2,
+        yield_every=64,
+        on_malformed=lambda _: None,
+        on_unanswered=lambda: unanswered.append(None),
+    )
+    try:
+        assert await client.newest() is None
+        assert await client.newest() is None
+    finally:
+        client.close()
+        router.close(linger=0)
+    assert len(unanswered) == 2

@@ -182,6 +182,25 @@ async def test_replay_timeout_clears_and_continues(ctx: zmq.asyncio.Context) -> 
         assert stats.replays <= len(pub.replay_requests) <= stats.replays + stats.probes
 
 
+async def test_every_replay_timeout_is_counted_though_warnings_are_rate_limited(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two gaps whose repairs time out within `log_interval_s`: one WARNING line, yet both
+    requests (and any the join made) count in `unanswered_replays`. Before, nothing counted
+    them: the second timeout showed nowhere."""
+    batches = workload(seed=8, batches=8)
+    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    async with ScriptedPublisher(ctx, answer_replays=False) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        last = await publish_all(pub, batches, drop={2, 5})
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.gaps == 2
+        assert stats.unanswered_replays == len(pub.replay_requests) >= 2
+        warned = caplog.text.count("timed out after")
+        assert 1 <= warned < stats.unanswered_replays
+
+
 @pytest.mark.parametrize("missing", ["gap", "undecodable"])
 async def test_a_stream_being_repaired_predicts_nothing_until_it_is(
     ctx: zmq.asyncio.Context, missing: str
