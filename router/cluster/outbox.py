@@ -13,8 +13,9 @@ missed one would predict a plain request the pages an extra_key's request stored
 shadows of the last `SHADOW_KEEP_S`, this replica's and those the others sent (`remember`), are
 kept (the newest `MAX_SHADOWS`) and sent again when NATS is back and when a replica joins or
 comes back: the one that made a shadow may be the one coming back, with nothing of it left. A
-request of this replica that stored nothing (`Withdraw.ALL`) takes its shadows back from what is
-kept too, unless a later shadow of the same head renewed them since.
+request that stored nothing (`Withdraw.ALL`) takes its shadows back from what is kept too,
+unless a later shadow of the same head renewed them since: this replica's own at `finished`,
+another's through what `remember` returns (called by `Peers` when its `End` says so).
 """
 
 from __future__ import annotations
@@ -128,18 +129,22 @@ class Outbox:
             entry.shadows.append((key, self._shadows.get(key), kept))
         self._keep(key, kept)
 
-    def remember(self, shadow: Shadow) -> None:
+    def remember(self, shadow: Shadow) -> Callable[[], None] | None:
         """Keep a shadow another replica sent, to send again when a replica (re)joins: its
-        sender may be the one coming back."""
+        sender may be the one coming back. Returns what takes this keeping back (its request
+        withdrew the shadow), None when it kept nothing (one that lasts longer stands)."""
         try:
             head = array("q", shadow.tokens[:SHADOW_HEAD_TOKENS]).tobytes()
         except OverflowError:
-            return
+            return None
         key = (shadow.worker, shadow.dp_rank, shadow.namespace, head)
         until = self._clock() + shadow.keep_s
-        kept = self._shadows.get(key)
-        if kept is None or kept[0] < until:
-            self._keep(key, (until, next(self._keepings)))
+        before = self._shadows.get(key)
+        if before is not None and before[0] >= until:
+            return None
+        kept = (until, next(self._keepings))
+        self._keep(key, kept)
+        return lambda: self._take_back([(key, before, kept)])
 
     def _keep(self, key: _Key, kept: _Kept) -> None:
         self._shadows[key] = kept
@@ -227,16 +232,20 @@ class Outbox:
             return
         del self._open[id(ticket)]
         if ticket.withdraw is Withdraw.ALL:
-            # it stored nothing: not sent again, unless another request's shadow renewed it
-            for key, before, kept in reversed(entry.shadows):
-                if self._shadows.get(key) is not kept:
-                    continue
-                if before is None:
-                    del self._shadows[key]
-                else:
-                    self._shadows[key] = before
+            self._take_back(entry.shadows)
         if self.sending:
             self._put(End(entry.number, int(ticket.withdraw)), urgent=False)
+
+    def _take_back(self, keepings: list[tuple[_Key, _Kept | None, _Kept]]) -> None:
+        """A request stored nothing: its shadows are not sent again, each back to what was
+        kept before it, unless another request's shadow renewed it since."""
+        for key, before, kept in reversed(keepings):
+            if self._shadows.get(key) is not kept:
+                continue
+            if before is None:
+                del self._shadows[key]
+            else:
+                self._shadows[key] = before
 
     def heartbeat(self) -> None:
         """Queue a heartbeat listing every request in flight."""

@@ -7,7 +7,9 @@ decision also goes into the admission forecast's book (the recency of its prompt
 a decision waiting for its answer), as the peer's own planner took it in. A peer whose
 heartbeats stop for `timeout_s` is gone: its tickets end, its load stops counting. Every
 heartbeat lists the peer's requests in flight, and the tickets held for it are made to match
-(a `Begin` or `End` lost in a NATS outage heals within one heartbeat).
+(a `Begin` or `End` lost in a NATS outage heals within one heartbeat). A peer's shadows are
+kept to send again (`shadow_seen`, `Outbox.remember`); an `End` that withdraws its request's
+shadows takes back their keepings too, by the peer and its number for the request.
 
 Everything here runs on the one event loop without awaiting, like every index mutation.
 """
@@ -36,6 +38,9 @@ _DELAY_SAMPLES = 4096
 # marks of pending decisions whose `Begin` has not come (it follows in the same batch, so
 # more than this many means Begins were lost: the oldest are dropped)
 _MAX_UNBEGUN = 1024
+# requests of one peer whose kept shadows its End may take back (each record goes with its
+# End or the heartbeat that no longer lists it: more than this means both were lost)
+_MAX_KEEPING = 8192
 
 
 class AdmissionBook(Protocol):
@@ -59,7 +64,7 @@ class AdmissionBook(Protocol):
 
 
 class _Peer:
-    __slots__ = ("instance", "last_seen", "marks", "pending", "tickets")
+    __slots__ = ("instance", "kept", "last_seen", "marks", "pending", "tickets")
 
     def __init__(self, now: float, instance: str = "") -> None:
         self.last_seen = now
@@ -70,6 +75,9 @@ class _Peer:
         # the index's pending marks of a request whose Pending came, until its Begin: its End
         # may withdraw them (`End.withdraw`)
         self.pending: dict[int, list[tuple[str, int]]] = {}
+        # what takes back each keeping of a shadow it sent (`Outbox.remember`), by its number
+        # for the request: its End may withdraw them, and a withdrawn shadow must not come back
+        self.kept: dict[int, list[Callable[[], None]]] = {}
 
 
 class Peers:
@@ -100,8 +108,9 @@ class Peers:
         # told the name of each replica heard from for the first time (or again after it was
         # dropped as silent): what it missed that lasts, it is sent again (`Outbox.shadowed`)
         self.joined: Callable[[str], None] | None = None
-        # told every shadow a peer sent (`Outbox.remember`)
-        self.shadow_seen: Callable[[Shadow], None] | None = None
+        # told every shadow a peer sent (`Outbox.remember`); what it returns takes the
+        # keeping back, should the peer's End withdraw the shadow
+        self.shadow_seen: Callable[[Shadow], Callable[[], None] | None] | None = None
         # publish-to-apply delays in seconds (same host: both ends read one clock)
         self.delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
@@ -142,6 +151,9 @@ class Peers:
             # is told again
             fresh = not peer.instance
             peer.instance = batch.instance
+            # its numbers start again: an End of the new process is not one of the old's (the
+            # shadows the old one sent stay kept: fail closed)
+            peer.kept.clear()
             if not fresh:
                 log.info("replica %s restarted", batch.replica)
                 if self.joined is not None:
@@ -182,7 +194,11 @@ class Peers:
                     if owner is not None:
                         owner.shadows.extend(shadows)
                 if self.shadow_seen is not None and d.keep_s > 0:
-                    self.shadow_seen(d)
+                    take_back = self.shadow_seen(d)
+                    if take_back is not None and d.ticket:
+                        if d.ticket not in peer.kept and len(peer.kept) >= _MAX_KEEPING:
+                            del peer.kept[next(iter(peer.kept))]  # its End and beats were lost
+                        peer.kept.setdefault(d.ticket, []).append(take_back)
             elif isinstance(d, FirstByte):
                 ticket = peer.tickets.get(d.ticket)
                 if ticket is not None:
@@ -194,6 +210,11 @@ class Peers:
                     self._end(ticket)
                     if d.withdraw:
                         self._withdraw(ticket, d.withdraw)
+                take_backs = peer.kept.pop(d.ticket, [])
+                if d.withdraw >= Withdraw.ALL:
+                    # not sent again to a replica that joins: it would shadow them anew
+                    for take_back in reversed(take_backs):
+                        take_back()
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
         self.applied += len(batch.decisions)
@@ -279,6 +300,8 @@ class Peers:
         listed = {t.ticket: t for t in beat.open}
         for number in [n for n in peer.tickets if n not in listed]:
             self._end(peer.tickets.pop(number))
+        for number in [n for n in peer.kept if n not in listed]:
+            del peer.kept[number]  # ended, its End lost: its shadows stay (fail closed)
         for number, t in listed.items():
             ticket = peer.tickets.get(number)
             if ticket is None:

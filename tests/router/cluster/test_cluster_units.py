@@ -15,6 +15,7 @@ from router.cluster.peers import Peers
 from router.cluster.wire import (
     Batch,
     Begin,
+    Decision,
     End,
     FirstByte,
     Heartbeat,
@@ -214,3 +215,43 @@ async def test_a_withdrawn_shadow_is_not_sent_again() -> None:
     second.withdraw = Withdraw.ALL
     outbox.finished(second)
     assert resent() == [[4, 5, 6]]  # back to the first's (withdrawn: kept, fails closed)
+
+
+async def test_a_shadow_another_replica_withdrew_is_not_sent_again_here() -> None:
+    """A peer's request refused by the worker took its shadow back from this replica's index,
+    yet the copy kept to send again stayed, and a replica joining later was sent it (for up to
+    an hour): the withdrawn shadow came back. Its End now takes the keeping back too, by the
+    peer and its number for the request; one of another request, or of another peer, stays."""
+    clock = Clock()
+    outbox = Outbox(clock=clock)
+    outbox.sending = True
+    keyed = Namespace("m", None, "salt", "view-1")
+
+    def resent() -> list[tuple[str, list[int]]]:
+        outbox.take()
+        outbox.resend_shadows()
+        return [(d.worker, d.tokens) for d in outbox.take() if isinstance(d, Shadow)]
+
+    def shadow(tokens: list[int], number: int, worker: str = "w0") -> Shadow:
+        return Shadow(worker, None, keyed, tokens, SHADOW_KEEP_S, number)
+
+    async with IndexerService() as indexer:
+        peers = Peers("me", indexer, LoadTracker(), timeout_s=60.0, clock=clock)
+        peers.shadow_seen = outbox.remember  # as `ClusterService` wires them
+        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3), shadow([1, 2, 3], 1)]))
+        peers.apply(Batch("c", 0.0, [Begin(1, "w1", None, 3), shadow([1, 2, 3], 1, "w1")]))
+        peers.apply(Batch("b", 0.0, [Begin(2, "w0", None, 3), shadow([4, 5, 6], 2)]))
+        clock.now += 1  # a later shadow of the same head, by another request: it renews it
+        peers.apply(Batch("b", 0.0, [Begin(3, "w0", None, 3), shadow([4, 5, 6], 3)]))
+        assert len(resent()) == 3
+        # b's requests 1 and 2 are refused (withdraw everything), its request 3 simply ends
+        ends: list[Decision] = [End(1, int(Withdraw.ALL)), End(2, int(Withdraw.ALL)), End(3)]
+        peers.apply(Batch("b", 0.0, ends))
+        # 1's is gone; 2's was renewed by 3 (which stored): kept; c's number 1 is not b's
+        assert sorted(resent()) == [("w0", [4, 5, 6]), ("w1", [1, 2, 3])]
+        assert peers._peers["b"].kept == {}
+        # c's End was lost: its heartbeat lists nothing open, and the record goes, the shadow
+        # stays (fail closed)
+        peers.apply(Batch("c", 0.0, [Heartbeat([])]))
+        assert peers._peers["c"].kept == {}
+        assert ("w1", [1, 2, 3]) in resent()
