@@ -13,7 +13,7 @@ A request may be retried on the next-best worker as long as no byte has reached 
 a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by chunk, and the
 response headers are only sent once the worker produced its first chunk, so a worker that dies
 before answering is retried too. Whose fault a failed attempt was (the worker's, for its circuit
-breaker, or the request's) is decided once the request has ended (`Proxy._charge`). A client
+breaker, or the request's) is decided once the request has ended (`charge`). A client
 that disconnects cancels the handler (aiohttp's handler cancellation), which closes the
 upstream connection, which makes the worker abort; the request counts as 499 in the metrics.
 
@@ -79,6 +79,7 @@ __all__ = [
     "PairDispatch",
     "Proxy",
     "answer_code",
+    "charge",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,44 @@ def _none_routable(candidates: Sequence[Candidate]) -> str:
     return f"no routable worker among {workers} ({len(candidates)} ranks)"
 
 
+def charge(
+    planner: Planner,
+    sent_failures: Sequence[tuple[str, bool]],
+    answered: bool,
+    routable_untried: bool,
+) -> None:
+    """Charge the circuit breakers with one request's failures after its workers got it
+    (`sent_failures`: worker, hard), once the request ended: `answered` (a worker answered
+    it below 500); `routable_untried` whether a routable worker it was never sent to remains
+    (a pair: of the side the failures are of).
+
+    A 5xx, a dropped connection or an answer that is not HTTP may be the request's fault
+    as much as the worker's: an engine that crashes on one prompt crashes on it on every
+    worker, and the retry carries it to each. Charged at once, one such request (a dropped
+    connection is a hard failure) would open every circuit of the model and the fleet
+    would answer 503 for `breaker.cooldown_s`. So:
+    - another worker answered it: the failures were the workers', each charged (a dropped
+      connection opens the circuit at once, a 5xx counts toward the threshold);
+    - it failed on every routable worker it could go to: the request's; nobody is charged
+      (one request never takes the last workers out of rotation);
+    - else (the retries ran out with routable workers untried, `max_retries = 0`): nobody
+      can tell, so its first worker is charged one ordinary failure, never a hard one. A
+      worker that fails every request still reaches the threshold over consecutive ones
+      (with too few retries to reach a healthy worker, nothing else would take it out); a
+      burst of such requests can at worst leave `max_retries + 1` workers in rotation.
+    A worker that is really gone refuses the connection: that is charged at once, the
+    request never reached it (`AttemptFailed.sent`). So is a worker that did not answer
+    within the request deadline (`Proxy.forward`: one ordinary failure, and no retry).
+    """
+    if not sent_failures:
+        return
+    if answered:
+        for worker, hard in sent_failures:
+            planner.record_failure(worker, hard=hard)
+    elif routable_untried:
+        planner.record_failure(sent_failures[0][0], hard=False)
+
+
 class AttemptFailed(Exception):
     """An attempt that failed before any byte reached the client."""
 
@@ -167,7 +206,7 @@ class AttemptFailed(Exception):
         self.hard = hard
         self.status = status  # the worker's HTTP status, when it answered one
         # whether the worker got the request: a failure after it may be the request's own
-        # (`Proxy._charge`); one before it (no connection) is the worker's
+        # (`charge`); one before it (no connection) is the worker's
         self.sent = sent
 
 
@@ -185,7 +224,8 @@ class AnswerHooks:
     def passes_through(self, status: int, last_try: bool) -> bool:
         """Whether the worker's 5xx `status` is the client's answer (else AttemptFailed). With
         hooks, the caller charges the failure to whichever worker it blames (a pair's decode
-        may fail for its prefill), here and in `timed_out`."""
+        may fail for its prefill): once the request ended (`charge`), or at once in
+        `timed_out`."""
         return last_try
 
     def timed_out(self) -> None:
@@ -426,37 +466,9 @@ class Proxy:
     def _charge(
         self, sent_failures: list[tuple[str, bool]], answered: bool, plan: Plan, tried: set[str]
     ) -> None:
-        """Charge the circuit breakers with one request's failures after its workers got it
-        (`sent_failures`: worker, hard), once the request ended: `answered` (a worker answered
-        it below 500); `plan` its last plan and `tried` the workers it was sent to (whether a
-        routable worker it was never sent to remains).
-
-        A 5xx, a dropped connection or an answer that is not HTTP may be the request's fault
-        as much as the worker's: an engine that crashes on one prompt crashes on it on every
-        worker, and the retry carries it to each. Charged at once, one such request (a dropped
-        connection is a hard failure) would open every circuit of the model and the fleet
-        would answer 503 for `breaker.cooldown_s`. So:
-        - another worker answered it: the failures were the workers', each charged (a dropped
-          connection opens the circuit at once, a 5xx counts toward the threshold);
-        - it failed on every routable worker it could go to: the request's; nobody is charged
-          (one request never takes the last workers out of rotation);
-        - else (the retries ran out with routable workers untried, `max_retries = 0`): nobody
-          can tell, so its first worker is charged one ordinary failure, never a hard one. A
-          worker that fails every request still reaches the threshold over consecutive ones
-          (with too few retries to reach a healthy worker, nothing else would take it out); a
-          burst of such requests can at worst leave `max_retries + 1` workers in rotation.
-        A worker that is really gone refuses the connection: that is charged at once, the
-        request never reached it (`AttemptFailed.sent`). So is a worker that did not answer
-        within the request deadline (`forward`: one ordinary failure, and no retry).
-        """
-        if not sent_failures:
-            return
-        planner = self._planner
-        if answered:
-            for worker, hard in sent_failures:
-                planner.record_failure(worker, hard=hard)
-        elif any(c.worker not in tried for c in plan.ranked()):
-            planner.record_failure(sent_failures[0][0], hard=False)
+        """`charge`, for a request whose last plan was `plan` and that was sent to `tried`."""
+        routable_untried = any(c.worker not in tried for c in plan.ranked())
+        charge(self._planner, sent_failures, answered, routable_untried)
 
     async def hold_for_room(
         self, plan: P, replan: Callable[[], P], side: Callable[[P], Plan], deadline: float
@@ -680,8 +692,8 @@ class Proxy:
                 last_try = hooks.passes_through(upstream.status, last_try)
             if not last_try:
                 raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
-            # passed through, but still a failure: `_route` charges it (`_charge`), the pair
-            # dispatcher in `passes_through`
+            # passed through, but still a failure: charged once the request ended (`charge`:
+            # by `_route`, or the pair dispatcher's `_answered`)
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         # what the worker is predicted to reuse at admission; the index's raw answer beside it
