@@ -24,7 +24,7 @@ router's) and the same `traceparent`; vLLM's legs are paired by that id.
 
 A rank the client named that no worker of one side has is a 400, as on the whole-request path.
 A prefill that refuses a rank the router told it ("routed_dp_rank=... out of range": it
-restarted with fewer ranks) has its settings read again (`Supervisor.reread`) and the pair is
+restarted with fewer ranks) has its settings read again (`Proxy.ranks_changed`) and the pair is
 retried, on its new ranks, without blaming it.
 
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
@@ -49,7 +49,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -76,6 +76,7 @@ from router.http.proxy import (
     Proxy,
     answer_code,
     charge,
+    refuses_rank,
 )
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
@@ -96,9 +97,6 @@ _ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
 _BLAME_GRACE_S = 1.0
 _json = msgspec.json.Encoder()
 _TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as a client sent it
-# SGLang 0.5.23's tokenizer manager refusing a rank it does not have: "routed_dp_rank=2 out of
-# range [0, 1)"
-_RANK_OUT_OF_RANGE = b"out of range"
 
 
 class PrefillFailed(Exception):
@@ -319,9 +317,6 @@ class PairDispatcher:
         self._session = session
         self._metrics = metrics
         self._rooms = random.SystemRandom()
-        # reads a worker's settings again, waiting at most the given seconds: whether it was
-        # registered anew (`Supervisor.reread`; set by the app)
-        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -465,11 +460,10 @@ class PairDispatcher:
             except _PrefillRefused as exc:
                 _withdraw(d_ticket, Withdraw.ALL)  # no KV ever came: nothing stored there
                 if (
-                    exc.status == 400
-                    and _RANK_OUT_OF_RANGE in exc.payload
+                    refuses_rank(exc.status, exc.payload)
                     and prefill.dp_rank is not None
                     and parsed.dp_rank is None
-                    and await self._ranks_changed(prefill.worker, deadline)
+                    and await self._proxy.ranks_changed(prefill.worker, deadline)
                     # the retry takes an attempt: on the last one the worker's 400 is the
                     # client's answer (the loop would end with no failure to tell: an empty
                     # 502); the next requests go to the ranks read again
@@ -527,13 +521,6 @@ class PairDispatcher:
             # told 502 would take a slow fleet for a broken one
             raise UpstreamTimeoutError(message)
         raise UpstreamError(message)
-
-    async def _ranks_changed(self, worker: str, deadline: float) -> bool:
-        """Whether `worker`'s settings, read again now, registered it anew (other dp ranks)."""
-        if self.reread is None:
-            return False
-        wait_s = min(deadline - time.monotonic(), 5 * self._config.health.timeout_s)
-        return wait_s > 0 and await self.reread(worker, wait_s)
 
     def _answered(
         self,
