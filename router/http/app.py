@@ -323,7 +323,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # prefill/decode pairs: models whose workers include both roles (router.http.pd)
         app[PAIRS] = pairs = PairPlanner(planner, config.policy, config.pd)
         proxy.pairs = dispatcher = PairDispatcher(config, pairs, proxy, session, app[METRICS])
-        dispatcher.reread = supervisor.reread  # a prefill refusing a rank it was told
+        # a worker (or a pair's prefill) refusing a rank it was told: its settings read again
+        proxy.reread = supervisor.reread
         # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
         app[RELOADER] = reloader = Reloader(
             live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher

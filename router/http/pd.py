@@ -24,7 +24,7 @@ router's) and the same `traceparent`; vLLM's legs are paired by that id.
 
 A rank the client named that no worker of one side has is a 400, as on the whole-request path.
 A prefill that refuses a rank the router told it ("routed_dp_rank=... out of range": it
-restarted with fewer ranks) has its settings read again (`Supervisor.reread`) and the pair is
+restarted with fewer ranks) has its settings read again (`Proxy.ranks_changed`) and the pair is
 retried, on its new ranks, without blaming it.
 
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
@@ -35,8 +35,10 @@ came. A prefill that failed is blamed for its decode's failure (a prefill dying 
 its connection drops, or its decode's transfer is cut, whichever the router hears first; a
 decode's other failures wait `_BLAME_GRACE_S` to hear of it). Any other failure of the decode
 is its own. The engine's 5xx is the client's answer when the side it is blamed on has no other
-worker to retry on; the request deadline bounds it all. An answer is counted by the task that
-wrote it (`PairDispatcher._answered`), whatever the client does next.
+worker to retry on; the request deadline bounds it all. Failures are charged to the workers
+blamed as a whole request's are (`router.http.proxy.charge`), side by side, once the request
+ended (`_Charges`): a prompt every prefill fails opens no circuit. An answer is counted by the
+task that wrote it (`PairDispatcher._answered`), whatever the client does next.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -73,6 +75,8 @@ from router.http.proxy import (
     AttemptFailed,
     Proxy,
     answer_code,
+    charge,
+    refuses_rank,
 )
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
@@ -93,21 +97,53 @@ _ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
 _BLAME_GRACE_S = 1.0
 _json = msgspec.json.Encoder()
 _TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as a client sent it
-# SGLang 0.5.23's tokenizer manager refusing a rank it does not have: "routed_dp_rank=2 out of
-# range [0, 1)"
-_RANK_OUT_OF_RANGE = b"out of range"
 
 
 class PrefillFailed(Exception):
     """The prefill side of a pair failed before the client got a byte (the pair is retried)."""
 
     def __init__(
-        self, message: str, *, hard: bool, status: int | None = None, sent: bool = True
+        self,
+        message: str,
+        *,
+        hard: bool,
+        status: int | None = None,
+        sent: bool = True,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.hard = hard
         self.status = status  # the worker's HTTP status, or 504 for the deadline passing
         self.sent = sent  # whether the worker got the request (`AttemptFailed.sent`)
+        # no answer within the request deadline: charged at once, as the proxy charges it
+        self.timed_out = timed_out
+
+
+class _Charges:
+    """A pair request's failures after their worker got the request, per side, charged once
+    the request ended (`charge`, as a whole request's): an engine that fails one prompt fails
+    it on every prefill (or decode) the retry carries it to, and charged at once that one
+    prompt opened every circuit of the side."""
+
+    def __init__(self, planner: Planner) -> None:
+        self._planner = planner
+        self.sent: dict[str, list[tuple[str, bool]]] = {"prefill": [], "decode": []}
+        self.tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        self.plan: PdPlan | None = None  # the request's last plan
+        self._settled = False
+
+    def failed(self, side: str, worker: str, hard: bool) -> None:
+        self.sent[side].append((worker, hard))
+
+    def settle(self, answered: bool) -> None:
+        """The request ended: `answered` (a worker answered it below 500)."""
+        if self._settled or self.plan is None:
+            return
+        self._settled = True
+        for side, plan in (("prefill", self.plan.prefill), ("decode", self.plan.decode)):
+            tried = self.tried[side]
+            untried = any(c.worker not in tried for c in plan.ranked())
+            charge(self._planner, self.sent[side], answered, untried)
 
 
 class _PrefillRefused(Exception):
@@ -171,7 +207,9 @@ class _PairHooks(AnswerHooks):
         self.task: asyncio.Task[bytes] | None = None  # SGLang: the prefill side, under way
         self.merge = False
         self.verdict: Candidate | None = None  # whom the decode's 5xx was blamed on
-        self.charged: Candidate | None = None  # the worker a passed-through failure went to
+        # the worker blamed for a failure passed through (charged as the request ends), or for
+        # a timeout (charged at once)
+        self.charged: Candidate | None = None
         self._prefix: list[Any] = []  # per batch item: the prefill's input logprobs
         self._buffer = b""
         self.committed = False
@@ -203,8 +241,7 @@ class _PairHooks(AnswerHooks):
         # other decode left (its body lost, the client would learn less)
         blamed = self.verdict = self.blamed(status == 504)
         final = last_try or not self._left["prefill" if blamed is self.prefill else "decode"]
-        if final:
-            self._planner.record_failure(blamed.worker, hard=False)
+        if final:  # charged once the request ended (`PairDispatcher._answered`)
             self.charged = blamed
         return final
 
@@ -280,9 +317,6 @@ class PairDispatcher:
         self._session = session
         self._metrics = metrics
         self._rooms = random.SystemRandom()
-        # reads a worker's settings again, waiting at most the given seconds: whether it was
-        # registered anew (`Supervisor.reread`; set by the app)
-        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -305,6 +339,7 @@ class PairDispatcher:
         deadline = time.monotonic() + self._config.timeouts.request_s
         failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         failures: list[str] = []
+        charges = _Charges(planner)
         last_status: int | None = None
         attempts = 1 + self._config.limits.max_retries
         obs = observation(request)  # the decision is the prefill side's: its prefix is reused
@@ -327,6 +362,7 @@ class PairDispatcher:
                         raise
                 if obs is not None and attempt == 0:
                     obs.planned(plan.prefill, ns.model)  # on the `route` span
+            charges.plan = plan
             prefills = [c for c in plan.prefill.ranked() if c.worker not in failed["prefill"]]
             decodes = [c for c in plan.decode.ranked() if c.worker not in failed["decode"]]
             if not prefills or not decodes:
@@ -343,6 +379,8 @@ class PairDispatcher:
                 )
                 raise NoWorkerError(f"no routable {side} worker among {total}")
             prefill, decode = prefills[0], decodes[0]
+            charges.tried["prefill"].add(prefill.worker)
+            charges.tried["decode"].add(decode.worker)
             # which side could be retried on another worker: a 5xx of the decode is the
             # client's answer when the side it is blamed on has none left (`_PairHooks`).
             # Counted over every worker of each side, not only the routable ones: a drained or
@@ -384,7 +422,7 @@ class PairDispatcher:
                 planner,
                 left,
                 partial(self._prefilled, p_ticket),
-                partial(self._answered, request, endpoint, parsed, ns, started, obs),
+                partial(self._answered, request, endpoint, parsed, ns, started, obs, charges),
             )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
@@ -410,21 +448,22 @@ class PairDispatcher:
                 raise
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
+                at_once = not exc.sent or exc.timed_out
                 # the decode got no KV: it stored nothing of the prompt but what its events
                 # show (vLLM's was never sent the request)
                 _withdraw(p_ticket, Withdraw.PENDING)
                 _withdraw(d_ticket, Withdraw.ALL if hooks.task is None else Withdraw.PENDING)
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
+                at_once = not exc.sent
                 _withdraw(p_ticket, Withdraw.PENDING)  # cut off, unless it answered already
             except _PrefillRefused as exc:
                 _withdraw(d_ticket, Withdraw.ALL)  # no KV ever came: nothing stored there
                 if (
-                    exc.status == 400
-                    and _RANK_OUT_OF_RANGE in exc.payload
+                    refuses_rank(exc.status, exc.payload)
                     and prefill.dp_rank is not None
                     and parsed.dp_rank is None
-                    and await self._ranks_changed(prefill.worker, deadline)
+                    and await self._proxy.ranks_changed(prefill.worker, deadline)
                     # the retry takes an attempt: on the last one the worker's 400 is the
                     # client's answer (the loop would end with no failure to tell: an empty
                     # 502); the next requests go to the ranks read again
@@ -434,6 +473,7 @@ class PairDispatcher:
                     # ranks): retried on the ranks it has now, the worker not blamed
                     log.warning("prefill worker %s has other dp ranks now: retried", prefill.worker)
                     continue
+                charges.settle(True)  # a worker answered it (below 500): earlier failures theirs
                 # the client's answer, counted and named as a proxied one is
                 self._metrics.record(
                     endpoint.value,
@@ -457,6 +497,7 @@ class PairDispatcher:
             except Exception:  # the request ends here (its deadline passed, ...)
                 _withdraw(p_ticket, Withdraw.PENDING)
                 _withdraw(d_ticket, Withdraw.PENDING)
+                charges.settle(False)
                 raise
             finally:
                 planner.finish(p_ticket)
@@ -466,23 +507,20 @@ class PairDispatcher:
             last_status = status
             side = "prefill" if blamed is prefill else "decode"
             failed[side].add(blamed.worker)
-            planner.record_failure(blamed.worker, hard=hard)
+            if at_once:  # it never got the request, or did not answer within the deadline
+                planner.record_failure(blamed.worker, hard=hard)
+            else:  # the request's fault as much as the worker's, maybe: charged at its end
+                charges.failed(side, blamed.worker, hard)
             log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
             self._metrics.retries.labels(blamed.worker).inc()
             failures.append(f"{side} {blamed.worker}: {reason}")
+        charges.settle(False)
         message = "every pair tried failed: " + "; ".join(failures)
         if last_status == 504:
             # the last failure was a timeout (a worker's own 504, or the deadline): a client
             # told 502 would take a slow fleet for a broken one
             raise UpstreamTimeoutError(message)
         raise UpstreamError(message)
-
-    async def _ranks_changed(self, worker: str, deadline: float) -> bool:
-        """Whether `worker`'s settings, read again now, registered it anew (other dp ranks)."""
-        if self.reread is None:
-            return False
-        wait_s = min(deadline - time.monotonic(), 5 * self._config.health.timeout_s)
-        return wait_s > 0 and await self.reread(worker, wait_s)
 
     def _answered(
         self,
@@ -492,6 +530,7 @@ class PairDispatcher:
         ns: Namespace,
         started: float,
         obs: Observation | None,
+        charges: _Charges,
         hooks: _PairHooks,
         response: web.StreamResponse,
     ) -> None:
@@ -501,6 +540,10 @@ class PairDispatcher:
         prefill = hooks.prefill
         if hooks.charged is not prefill:  # the decode got its KV
             self._pairs.planner.record_success(prefill.worker)
+        blamed = hooks.charged
+        if response.status >= 500 and blamed is not None:  # a failure passed through
+            charges.failed("prefill" if blamed is prefill else "decode", blamed.worker, False)
+        charges.settle(response.status < 500)
         hooks.counted = True
         self._metrics.record(
             endpoint.value,
@@ -549,7 +592,7 @@ class PairDispatcher:
         entry = self._pairs.planner.pool.find(prefill.worker)
         port = entry.bootstrap_port if entry is not None else None
         if port is None:
-            raise PrefillFailed("no bootstrap port known for it", hard=False)
+            raise PrefillFailed("no bootstrap port known for it", hard=False, sent=False)
         host = urlsplit(prefill.url).hostname or "127.0.0.1"
         count = _batch_size(parsed.body) if endpoint is Endpoint.GENERATE else None
         ranks = self._pairs.planner.indexer.dp_size(prefill.worker)
@@ -760,7 +803,7 @@ class PairDispatcher:
         except TimeoutError as exc:
             ticket.withdraw = Withdraw.PENDING
             raise PrefillFailed(
-                "no answer within the request deadline", hard=False, status=504
+                "no answer within the request deadline", hard=False, status=504, timed_out=True
             ) from exc
         except aiohttp.ClientConnectorError as exc:
             ticket.withdraw = Withdraw.ALL

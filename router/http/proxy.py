@@ -7,13 +7,16 @@ client, which every other outgoing request uses, cost a third more CPU per forwa
 When the chosen candidate is one data-parallel rank of its worker, the engine is told which:
 SGLang's `/generate` takes `routed_dp_rank` in the body (spliced in, every other byte as the
 client sent it), its OpenAI routes and every vLLM route the rank header (`indexer.engines`). A
-client that named a rank itself is routed to that rank and its request forwarded as it is.
+client that named a rank itself is routed to that rank and its request forwarded as it is. A
+worker refusing a rank the router chose (`refuses_rank`: it restarted with fewer) has its
+settings read again (`Proxy.ranks_changed`) and, registered anew, the request is retried on its
+new ranks without blaming it.
 
 A request may be retried on the next-best worker as long as no byte has reached the client: on
 a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by chunk, and the
 response headers are only sent once the worker produced its first chunk, so a worker that dies
 before answering is retried too. Whose fault a failed attempt was (the worker's, for its circuit
-breaker, or the request's) is decided once the request has ended (`Proxy._charge`). A client
+breaker, or the request's) is decided once the request has ended (`charge`). A client
 that disconnects cancels the handler (aiohttp's handler cancellation), which closes the
 upstream connection, which makes the worker abort; the request counts as 499 in the metrics.
 
@@ -29,7 +32,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Protocol, TypeVar
 
 from aiohttp import web
@@ -79,6 +83,8 @@ __all__ = [
     "PairDispatch",
     "Proxy",
     "answer_code",
+    "charge",
+    "refuses_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +163,61 @@ def _none_routable(candidates: Sequence[Candidate]) -> str:
     return f"no routable worker among {workers} ({len(candidates)} ranks)"
 
 
+def charge(
+    planner: Planner,
+    sent_failures: Sequence[tuple[str, bool]],
+    answered: bool,
+    routable_untried: bool,
+) -> None:
+    """Charge the circuit breakers with one request's failures after its workers got it
+    (`sent_failures`: worker, hard), once the request ended: `answered` (a worker answered
+    it below 500); `routable_untried` whether a routable worker it was never sent to remains
+    (a pair: of the side the failures are of).
+
+    A 5xx, a dropped connection or an answer that is not HTTP may be the request's fault
+    as much as the worker's: an engine that crashes on one prompt crashes on it on every
+    worker, and the retry carries it to each. Charged at once, one such request (a dropped
+    connection is a hard failure) would open every circuit of the model and the fleet
+    would answer 503 for `breaker.cooldown_s`. So:
+    - another worker answered it: the failures were the workers', each charged (a dropped
+      connection opens the circuit at once, a 5xx counts toward the threshold);
+    - it failed on every routable worker it could go to: the request's; nobody is charged
+      (one request never takes the last workers out of rotation);
+    - else (the retries ran out with routable workers untried, `max_retries = 0`): nobody
+      can tell, so its first worker is charged one ordinary failure, never a hard one. A
+      worker that fails every request still reaches the threshold over consecutive ones
+      (with too few retries to reach a healthy worker, nothing else would take it out); a
+      burst of such requests can at worst leave `max_retries + 1` workers in rotation.
+    A worker that is really gone refuses the connection: that is charged at once, the
+    request never reached it (`AttemptFailed.sent`). So is a worker that did not answer
+    within the request deadline (`Proxy.forward`: one ordinary failure, and no retry).
+    """
+    if not sent_failures:
+        return
+    if answered:
+        for worker, hard in sent_failures:
+            planner.record_failure(worker, hard=hard)
+    elif routable_untried:
+        planner.record_failure(sent_failures[0][0], hard=False)
+
+
+# SGLang 0.5.23's tokenizer manager refusing a rank it does not have: "routed_dp_rank=2 out of
+# range [0, 1)"
+_RANK_OUT_OF_RANGE = b"out of range"
+
+
+def refuses_rank(status: int, payload: bytes) -> bool:
+    """Whether a worker's answer is an engine refusing the dp rank it was told, one it does not
+    have (it restarted with fewer ranks; the router's are stale until its settings are read
+    again: `Proxy.ranks_changed`)."""
+    return status == 400 and _RANK_OUT_OF_RANGE in payload
+
+
+class _RankMoved(Exception):
+    """The worker refused the rank the router chose, and has other ranks now: the request is
+    tried again, on them, the worker not blamed."""
+
+
 class AttemptFailed(Exception):
     """An attempt that failed before any byte reached the client."""
 
@@ -167,7 +228,7 @@ class AttemptFailed(Exception):
         self.hard = hard
         self.status = status  # the worker's HTTP status, when it answered one
         # whether the worker got the request: a failure after it may be the request's own
-        # (`Proxy._charge`); one before it (no connection) is the worker's
+        # (`charge`); one before it (no connection) is the worker's
         self.sent = sent
 
 
@@ -185,7 +246,8 @@ class AnswerHooks:
     def passes_through(self, status: int, last_try: bool) -> bool:
         """Whether the worker's 5xx `status` is the client's answer (else AttemptFailed). With
         hooks, the caller charges the failure to whichever worker it blames (a pair's decode
-        may fail for its prefill), here and in `timed_out`."""
+        may fail for its prefill): once the request ended (`charge`), or at once in
+        `timed_out`."""
         return last_try
 
     def timed_out(self) -> None:
@@ -262,6 +324,9 @@ class Proxy:
         self._metrics = metrics
         self.reconfigure(config)
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
+        # reads a worker's settings again, waiting at most the given seconds: whether it was
+        # registered anew (`Supervisor.reread`; set by the app)
+        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
         planner.on_progress = self._progressed
@@ -359,6 +424,11 @@ class Proxy:
             )
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
+            rank_moved = None
+            if candidate.dp_rank is not None and parsed.dp_rank is None:  # the router's rank
+                rank_moved = partial(
+                    self._rank_moved, candidate.worker, deadline, attempt < attempts - 1
+                )
             try:
                 response = await self.forward(
                     request,
@@ -369,7 +439,15 @@ class Proxy:
                     deadline,
                     rank_header=rank_header,
                     last_try=last_try,
+                    rank_moved=rank_moved,
                 )
+            except _RankMoved:
+                # a rank it no longer has (restarted with fewer): retried, on the ranks it has
+                # now, the worker not blamed
+                log.warning("worker %s has other dp ranks now: retried", candidate.worker)
+                tried.discard(candidate.worker)
+                obs.failed("the worker has other dp ranks now", 400)
+                continue
             except AttemptFailed as exc:
                 if exc.sent:
                     sent_failures.append((candidate.worker, exc.hard))
@@ -418,6 +496,21 @@ class Proxy:
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
+    async def _rank_moved(self, worker: str, deadline: float, retry: bool) -> bool:
+        """Whether a request `worker` refused for the rank the router told it is retried:
+        its settings, read again now, registered it anew (other ranks), and `retry` (the
+        request has an attempt left; on its last the refusal is the client's answer, and the
+        next requests go to the ranks read again)."""
+        return await self.ranks_changed(worker, deadline) and retry
+
+    async def ranks_changed(self, worker: str, deadline: float) -> bool:
+        """Whether `worker`'s settings, read again now (waiting no longer than the request
+        `deadline` allows), registered it anew (other dp ranks)."""
+        if self.reread is None:
+            return False
+        wait_s = min(deadline - time.monotonic(), 5 * self._config.health.timeout_s)
+        return wait_s > 0 and await self.reread(worker, wait_s)
+
     def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""
         model = request.get(REQUEST_MODEL, "")
@@ -426,37 +519,9 @@ class Proxy:
     def _charge(
         self, sent_failures: list[tuple[str, bool]], answered: bool, plan: Plan, tried: set[str]
     ) -> None:
-        """Charge the circuit breakers with one request's failures after its workers got it
-        (`sent_failures`: worker, hard), once the request ended: `answered` (a worker answered
-        it below 500); `plan` its last plan and `tried` the workers it was sent to (whether a
-        routable worker it was never sent to remains).
-
-        A 5xx, a dropped connection or an answer that is not HTTP may be the request's fault
-        as much as the worker's: an engine that crashes on one prompt crashes on it on every
-        worker, and the retry carries it to each. Charged at once, one such request (a dropped
-        connection is a hard failure) would open every circuit of the model and the fleet
-        would answer 503 for `breaker.cooldown_s`. So:
-        - another worker answered it: the failures were the workers', each charged (a dropped
-          connection opens the circuit at once, a 5xx counts toward the threshold);
-        - it failed on every routable worker it could go to: the request's; nobody is charged
-          (one request never takes the last workers out of rotation);
-        - else (the retries ran out with routable workers untried, `max_retries = 0`): nobody
-          can tell, so its first worker is charged one ordinary failure, never a hard one. A
-          worker that fails every request still reaches the threshold over consecutive ones
-          (with too few retries to reach a healthy worker, nothing else would take it out); a
-          burst of such requests can at worst leave `max_retries + 1` workers in rotation.
-        A worker that is really gone refuses the connection: that is charged at once, the
-        request never reached it (`AttemptFailed.sent`). So is a worker that did not answer
-        within the request deadline (`forward`: one ordinary failure, and no retry).
-        """
-        if not sent_failures:
-            return
-        planner = self._planner
-        if answered:
-            for worker, hard in sent_failures:
-                planner.record_failure(worker, hard=hard)
-        elif any(c.worker not in tried for c in plan.ranked()):
-            planner.record_failure(sent_failures[0][0], hard=False)
+        """`charge`, for a request whose last plan was `plan` and that was sent to `tried`."""
+        routable_untried = any(c.worker not in tried for c in plan.ranked())
+        charge(self._planner, sent_failures, answered, routable_untried)
 
     async def hold_for_room(
         self, plan: P, replan: Callable[[], P], side: Callable[[P], Plan], deadline: float
@@ -573,9 +638,12 @@ class Proxy:
         rank_header: str | None,
         last_try: bool,
         hooks: AnswerHooks | None = None,
+        rank_moved: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         """Forward `body` to `candidate` and pass its answer through (with `hooks`: the pair
-        dispatcher's decode hop); AttemptFailed while a retry is still legal."""
+        dispatcher's decode hop); AttemptFailed while a retry is still legal. `rank_moved`:
+        the router chose the candidate's rank; asked when the worker refuses it, whether the
+        request is tried again (_RankMoved)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
@@ -611,6 +679,7 @@ class Proxy:
                         last_try=last_try,
                         hooks=hooks,
                         deadline=loop_deadline,
+                        rank_moved=rank_moved,
                     )
                 except asyncio.CancelledError:
                     # the client disconnected: drop the upstream connection, do not reuse it
@@ -666,6 +735,7 @@ class Proxy:
         last_try: bool,
         hooks: AnswerHooks | None = None,
         deadline: float | None = None,
+        rank_moved: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         """Pass the worker's answer through; raises AttemptFailed while a retry is still legal.
         `deadline` (event-loop time) bounds the client's reading too: a client that stops
@@ -680,8 +750,13 @@ class Proxy:
                 last_try = hooks.passes_through(upstream.status, last_try)
             if not last_try:
                 raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
-            # passed through, but still a failure: `_route` charges it (`_charge`), the pair
-            # dispatcher in `passes_through`
+            # passed through, but still a failure: charged once the request ended (`charge`:
+            # by `_route`, or the pair dispatcher's `_answered`)
+        payload: bytes | None = None  # read already
+        if upstream.status == 400 and rank_moved is not None:
+            payload = await upstream.read()
+            if refuses_rank(upstream.status, payload) and await rank_moved():
+                raise _RankMoved(f"worker {candidate.worker} has other dp ranks now")
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         # what the worker is predicted to reuse at admission; the index's raw answer beside it
@@ -699,11 +774,13 @@ class Proxy:
         obs = observation(request)
         if obs is not None:
             obs.response_headers(out)
-        streaming = "text/event-stream" in upstream.headers.get("Content-Type", "") or (
-            "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+        streaming = payload is None and (
+            "text/event-stream" in upstream.headers.get("Content-Type", "")
+            or "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         )
         if not streaming:
-            payload = await upstream.read()
+            if payload is None:
+                payload = await upstream.read()
             if hooks is not None:
                 self._planner.first_byte(ticket)
                 await hooks.before_commit()

@@ -203,7 +203,72 @@ async def test_a_lone_decodes_error_is_passed_through_with_the_engines_body(
                 assert resp.status == status, answer
                 assert resp.headers["x-kvroute-worker"] == "d0"
             assert answer == {"error": {"type": "engine_error", "message": f"engine says {status}"}}
-            assert _failures(router) == {"p0": 0, "p1": 0, "d0": 1}
+            # the request failed on every decode it could go to: its own failure, as a whole
+            # request's (`charge`), nobody charged
+            assert _failures(router) == {"p0": 0, "p1": 0, "d0": 0}
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_a_prompt_every_prefill_fails_opens_no_prefill_circuit(
+    engine: Literal["sglang", "vllm"],
+) -> None:
+    """A prompt that crashes the engine crashes it on every prefill the retry carries it to:
+    the request's failure, as on the whole-request path. Each such request used to charge
+    every prefill it went to at once, and three of them opened every prefill circuit: the
+    model answered 503 to everyone for `breaker.cooldown_s`."""
+    async with (
+        FakePdWorker("prefill", status=500) as p0,
+        FakePdWorker("prefill", status=500) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        decode = WorkerConfig(url=d0.url, id="d0", engine=engine, role="decode", model=MODEL)
+        workers = (_fake("p0", p0, engine), _fake("p1", p1, engine), decode)
+        async with (
+            RouterService(_config(workers=workers)) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": MODEL, "prompt": "a prompt that crashes", "max_tokens": 4}
+            for _ in range(3):  # `breaker.failure_threshold`
+                async with session.post(router.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 502, await resp.text()
+            assert len(p0.seen) == len(p1.seen) == 3  # each was retried on the other
+            assert _failures(router) == {"p0": 0, "p1": 0, "d0": 0}
+            clock = router.planner.clock()
+            assert all(e.routable(clock) for e in router.planner.pool)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_a_prefill_failing_what_another_answers_leaves_rotation_at_the_threshold(
+    engine: Literal["sglang", "vllm"],
+) -> None:
+    """The other side: when another prefill answers the request, the failure was the first
+    prefill's, charged when the request ends; at the threshold it leaves rotation."""
+    async with (
+        FakePdWorker("prefill", status=500) as bad,
+        FakePdWorker("prefill") as fake_good,
+        FakePdWorker("decode") as fake_d0,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        others: tuple[WorkerConfig, ...]
+        if engine == "vllm":
+            others = (_fake("good", fake_good, engine), _fake("d0", fake_d0, engine))
+        else:  # SGLang's decode waits for the KV: a fake one would answer before its prefill
+            others = router_config([("good", p1.url), ("d0", d1.url)]).workers
+        workers = (_fake("bad", bad, engine), *others)
+        async with (
+            RouterService(_config(workers=workers)) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": MODEL, "prompt": "a sound prompt", "max_tokens": 4}
+            for _ in range(60):  # ties are broken at random: until the bad one was tried 3 times
+                async with session.post(router.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                if len(bad.seen) == 3:
+                    break
+            assert len(bad.seen) == 3
+            assert not router.planner.pool.get("bad").routable(router.planner.clock())
+            assert _failures(router)["good"] == 0
 
 
 def _ask_and_hang_up(port: int, body: bytes) -> int:

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from indexer.protocol.events import EventBatch
-from router.config import HealthConfig, IndexerSection, WorkerConfig
+from router.config import HealthConfig, IndexerSection, LimitsConfig, WorkerConfig
 from router.service import RouterService
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.router.conftest import AUTH, eventually, router_config
@@ -312,3 +312,50 @@ async def test_a_worker_restarted_between_probes_is_registered_anew() -> None:
                         assert resp.status == 200, await resp.text()
     finally:
         await proc.stop()
+
+
+@pytest.mark.parametrize("max_retries", [2, 0])
+async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retried(
+    max_retries: int,
+) -> None:
+    """A worker restarted with fewer ranks between two probes (here on other event ports, so
+    its streams cannot tell) refuses a rank the router chose ("routed_dp_rank=1 out of range
+    [0, 1)"): that 400 was the client's answer, for as long as the router kept the old ranks.
+    Now its settings are read again and the request retried on the ranks it has, the worker
+    not blamed; with no retry left (`max_retries = 0`) the 400 is the answer, and the next
+    requests go to the ranks read again."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w0 = ReferenceWorker(first)
+    await w0.__aenter__()
+    try:
+        config = router_config(
+            [("w", w0.url)],
+            health=HealthConfig(interval_s=60, timeout_s=0.5),  # no probe sees it go
+            limits=LimitsConfig(max_retries=max_retries),
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+            port = int(w0.url.rsplit(":", 1)[1])
+            await w0.__aexit__(None, None, None)
+            w0 = ReferenceWorker(msgspec.structs.replace(first, dp_size=1, port=port))
+            await w0.__aenter__()
+
+            async def send(i: int) -> tuple[int, str]:
+                body = {"text": f"after the restart {i}"}
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    return resp.status, await resp.text()
+
+            # at once: spread by load over the ranks the router believes in, rank 1 too
+            answers = await asyncio.gather(*(send(i) for i in range(6)))
+            if max_retries:
+                assert all(status == 200 for status, _ in answers), answers
+            else:
+                refused = [text for status, text in answers if status != 200]
+                assert refused, answers  # rank 1 was chosen for some
+                assert all("out of range" in text for text in refused), answers
+            assert await _settled(router, 1)
+            entry = router.planner.pool.get("w")
+            assert entry.routable(router.planner.clock())
+            assert entry.breaker.failures == 0
+    finally:
+        await w0.__aexit__(None, None, None)
