@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -201,16 +202,20 @@ def charge(
         planner.record_failure(sent_failures[0][0], hard=False)
 
 
-# SGLang 0.5.23's tokenizer manager refusing a rank it does not have: "routed_dp_rank=2 out of
-# range [0, 1)"
-_RANK_OUT_OF_RANGE = b"out of range"
+# an engine refusing a dp rank it does not have: SGLang 0.5.23's tokenizer manager
+# ("routed_dp_rank=2 out of range [0, 1)") and vLLM 0.33's input processor ("data_parallel_rank
+# 2 is out of range [0, 1)."). Only that refusal: any 400 saying "out of range" (a sampling
+# parameter) would have the worker's settings read again for every such request
+_RANK_OUT_OF_RANGE = re.compile(
+    rb"(?:routed_dp_rank=|data_parallel_rank )\d+ (?:is )?out of range \[0, "
+)
 
 
 def refuses_rank(status: int, payload: bytes) -> bool:
     """Whether a worker's answer is an engine refusing the dp rank it was told, one it does not
     have (it restarted with fewer ranks; the router's are stale until its settings are read
     again: `Proxy.ranks_changed`)."""
-    return status == 400 and _RANK_OUT_OF_RANGE in payload
+    return status == 400 and _RANK_OUT_OF_RANGE.search(payload) is not None
 
 
 class _RankMoved(Exception):

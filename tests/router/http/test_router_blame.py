@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
+from router.http.proxy import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
 from tests.raw_http import request_bytes
@@ -276,3 +277,17 @@ async def test_a_client_leaving_during_a_retry_charges_no_worker(
         assert a.modes == ["500"]
         await asyncio.sleep(0.2)  # its end, after the client left
         assert router.planner.pool.get("a").breaker.failures == 0
+
+
+def test_only_an_engines_rank_refusal_counts_as_one() -> None:
+    """Any 400 saying "out of range" (a sampling parameter's) had the worker's settings read
+    again for every such request: only the engines' refusal of a dp rank is one."""
+    sglang = b'{"error": {"message": "routed_dp_rank=2 out of range [0, 1)"}}'
+    vllm = b'{"error": {"message": "data_parallel_rank 3 is out of range [0, 2)."}}'
+    assert refuses_rank(400, sglang) and refuses_rank(400, vllm)
+    assert not refuses_rank(500, sglang)
+    for other in (
+        b'{"error": {"message": "temperature 3.0 out of range [0, 2]"}}',
+        b'{"error": {"message": "logprob_start_len out of range"}}',
+    ):
+        assert not refuses_rank(400, other)
