@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as real_datetime
 import json
 import time
@@ -117,6 +118,57 @@ class Fleet:
         return max(held, default=0) >= tokens
 
 
+async def serve_app(app: web.Application, **runner_options: Any) -> tuple[web.AppRunner, str]:
+    """`app` served on an ephemeral port of 127.0.0.1: its runner (`cleanup()` stops it) and
+    its base URL."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@contextlib.asynccontextmanager
+async def one_worker_fleet(cfg: ReferenceConfig | None = None) -> AsyncIterator[Fleet]:
+    """One reference worker, `w0` (no simulated latency, 16-token pages unless `cfg` says
+    otherwise), behind a kv router, its stream delivering to the index."""
+    cfg = cfg or ReferenceConfig(time_scale=0.0, page_size=16)
+    async with (
+        ReferenceWorker(cfg) as w0,
+        RouterService(router_config([("w0", w0.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": w0}, session)
+        await fleet.warm()
+        yield fleet
+
+
+async def burst_to_stale_ranks(
+    session: aiohttp.ClientSession, router: RouterService, n: int = 6
+) -> list[tuple[int, str]]:
+    """`n` /generate requests at once, after a worker restarted with fewer dp ranks than the
+    router believes in: spread by load over those ranks, the vanished one too. Their
+    (status, body)."""
+
+    async def send(i: int) -> tuple[int, str]:
+        body = {"text": f"after the restart {i}"}
+        async with session.post(router.url + "/generate", json=body) as resp:
+            return resp.status, await resp.text()
+
+    return list(await asyncio.gather(*(send(i) for i in range(n))))
+
+
+def check_rank_refusals(answers: list[tuple[int, str]], max_retries: int) -> None:
+    """With a retry left every request of `burst_to_stale_ranks` is served (the worker read
+    again, tried on its ranks); with none, the ones told the vanished rank get the engine's
+    refusal itself."""
+    if max_retries:
+        assert all(status == 200 for status, _ in answers), answers
+    else:
+        refused = [text for status, text in answers if status != 200]
+        assert refused, answers  # the vanished rank was told to some
+        assert all("out of range" in text for text in refused), answers
+
+
 class HungDiscovery:
     """Healthy, and never answers `/server_info`, `/get_server_info` or `/v1/models`."""
 
@@ -144,10 +196,7 @@ class HungDiscovery:
         app.router.add_get("/server_info", self._hang)
         app.router.add_get("/get_server_info", self._hang)
         app.router.add_get("/v1/models", self._hang)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import pytest
 
 from indexer.namespace import Namespace, namespace_seed, request_keys
 from router.routing.planner import unindexed_reason
-from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import Fleet, eventually, one_worker_fleet
 from workers.config import WorkerConfig as ReferenceConfig
-from workers.worker import ReferenceWorker
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -66,13 +63,7 @@ async def test_an_adapters_pages_are_predicted_to_it_alone(layout: str) -> None:
     an extra_key request of the adapter (it had predicted a plain request 656 tokens the worker
     did not hold, the adapter's pages filed as the base model's)."""
     cfg = ReferenceConfig(time_scale=0.0, page_size=16, event_format=layout)  # type: ignore[arg-type]
-    async with (
-        ReferenceWorker(cfg) as w0,
-        RouterService(router_config([("w0", w0.url)])) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        fleet = Fleet(router, {"w0": w0}, session)
-        await fleet.warm()
+    async with one_worker_fleet(cfg) as fleet:
         prompt = "An adapter's own system prompt, long enough for several pages. " * 6
         adapter = {"prompt": prompt, "max_tokens": 1, "lora_path": "sql", "cache_salt": "t"}
         await fleet.post("/v1/completions", adapter)
@@ -180,14 +171,7 @@ async def test_an_extra_key_request_hides_only_what_it_may_have_stored() -> None
     shared only its first page (a chat template's header) went to the same rank, and the plain
     prompt was then predicted 0 there for an hour while the worker still reused 624. Now the
     extra_key's shadow covers its own blocks: the plain prompt keeps its hit."""
-    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
-    async with (
-        ReferenceWorker(cfg) as w0,
-        RouterService(router_config([("w0", w0.url)])) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        fleet = Fleet(router, {"w0": w0}, session)
-        await fleet.warm()
+    async with one_worker_fleet() as fleet:
         prompt = [(i * 11) % 200 + 5 for i in range(39 * 16 + 1)]
         plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
         await fleet.post("/generate", plain)
@@ -209,14 +193,7 @@ async def test_a_dry_run_names_the_shadow_that_cuts_a_match() -> None:
     """Review: the shadow usually cuts a plain match to what the plain tree surely holds rather
     than hiding it whole, and /admin/route named only a shadow that hid everything: a cut
     candidate showed fewer tokens with no reason (as if they were evicted)."""
-    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
-    async with (
-        ReferenceWorker(cfg) as w0,
-        RouterService(router_config([("w0", w0.url)])) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        fleet = Fleet(router, {"w0": w0}, session)
-        await fleet.warm()
+    async with one_worker_fleet() as fleet:
         prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
         plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
         await fleet.post("/generate", plain)
@@ -236,8 +213,8 @@ async def test_a_dry_run_names_the_shadow_that_cuts_a_match() -> None:
         assert candidate["hidden"] == "extra_key shadow"
         why = candidate["admission"]["why"]
         assert why.startswith("160 more tokens of this prompt that its entries hold are hidden")
-        indexer = router.planner.indexer
-        plain_ns = Namespace(router.planner.pool.get("w0").cache_model, None, "tenant-a")
+        indexer = fleet.router.planner.indexer
+        plain_ns = Namespace(fleet.router.planner.pool.get("w0").cache_model, None, "tenant-a")
         assert indexer.shadow_hidden(plain_ns, prompt, 320) == {
             s: 160 for s in indexer.stream_ids("w0")
         }

@@ -29,7 +29,13 @@ from indexer.protocol.events import EventBatch
 from router.config import HealthConfig, IndexerSection, LimitsConfig, WorkerConfig
 from router.service import RouterService
 from tests.indexer.scripted import ScriptedPublisher, workload
-from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.conftest import (
+    AUTH,
+    burst_to_stale_ranks,
+    check_rank_refusals,
+    eventually,
+    router_config,
+)
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -340,19 +346,7 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
             w0 = ReferenceWorker(msgspec.structs.replace(first, dp_size=1, port=port))
             await w0.__aenter__()
 
-            async def send(i: int) -> tuple[int, str]:
-                body = {"text": f"after the restart {i}"}
-                async with session.post(router.url + "/generate", json=body) as resp:
-                    return resp.status, await resp.text()
-
-            # at once: spread by load over the ranks the router believes in, rank 1 too
-            answers = await asyncio.gather(*(send(i) for i in range(6)))
-            if max_retries:
-                assert all(status == 200 for status, _ in answers), answers
-            else:
-                refused = [text for status, text in answers if status != 200]
-                assert refused, answers  # rank 1 was chosen for some
-                assert all("out of range" in text for text in refused), answers
+            check_rank_refusals(await burst_to_stale_ranks(session, router), max_retries)
             assert await _settled(router, 1)
             entry = router.planner.pool.get("w")
             assert entry.routable(router.planner.clock())

@@ -11,13 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
-
 from indexer.namespace import Namespace
-from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import Fleet, eventually, one_worker_fleet
 from workers.config import WorkerConfig as ReferenceConfig
-from workers.worker import ReferenceWorker
 
 IDS = list(("A prompt whose request the worker refuses, long enough for pages. " * 5).encode())
 REFUSED = {"max_new_tokens": -5}  # the worker's 400: nothing scheduled, nothing stored
@@ -44,14 +40,7 @@ async def test_a_refused_requests_pending_marks_are_withdrawn(fleet: Fleet) -> N
 
 
 async def test_a_refused_extra_key_request_does_not_hide_the_plain_pages() -> None:
-    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
-    async with (
-        ReferenceWorker(cfg) as w0,
-        RouterService(router_config([("w0", w0.url)])) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        fleet = Fleet(router, {"w0": w0}, session)
-        await fleet.warm()
+    async with one_worker_fleet() as fleet:
         plain = {"input_ids": IDS, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
         assert (await fleet.post("/generate", plain))[0] == 200
         await eventually(lambda: fleet.holds(plain, "w0", 256), what="the prompt indexed")
@@ -67,7 +56,7 @@ async def test_a_refused_extra_key_request_does_not_hide_the_plain_pages() -> No
         # are in, and the plain hit stands)
         keyed["sampling_params"] = {"max_new_tokens": 1}
         assert (await fleet.post("/generate", keyed))[0] == 200
-        assert len(router.planner.indexer._shadowed) >= 16
+        assert len(fleet.router.planner.indexer._shadowed) >= 16
         await eventually(lambda: fleet.holds(plain, "w0", 256), what="two copies indexed")
         status, headers, answer = await fleet.post("/generate", plain)
         assert int(headers["x-kvroute-matched-tokens"]) == answer["meta_info"]["cached_tokens"]
@@ -99,38 +88,34 @@ async def test_a_request_that_can_reuse_nothing_marks_nothing_pending() -> None:
     `truncate_prompt_tokens` keeps the prompt's end: 272 tokens predicted, none there)."""
     # a prefill of about 1.6 s: its pages are stored (and their events sent) only after it
     cfg = ReferenceConfig(page_size=16, prefill_ms_per_token=5.0)
-    async with ReferenceWorker(cfg) as w0, aiohttp.ClientSession() as session:
-        config = router_config([("w0", w0.url)])
-        async with RouterService(config) as router:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            plain = {"input_ids": IDS, "cache_salt": "t"}
-            # the salt's pages known to the index, so its prompts have keys there
-            other = {"input_ids": [7] * 40, "cache_salt": "t"}
-            assert (await fleet.post("/generate", other))[0] == 200
-            await eventually(lambda: fleet.holds(other, "w0", 32), what="a page of the salt")
-            # return_logprob from the first token: nothing the router predicts is reused
-            capped = {
-                **plain,
-                "return_logprob": True,
-                "logprob_start_len": 0,
-                "sampling_params": {"max_new_tokens": 1},
-            }
-            running = asyncio.create_task(fleet.post("/generate", capped))
+    async with one_worker_fleet(cfg) as fleet:
+        plain = {"input_ids": IDS, "cache_salt": "t"}
+        # the salt's pages known to the index, so its prompts have keys there
+        other = {"input_ids": [7] * 40, "cache_salt": "t"}
+        assert (await fleet.post("/generate", other))[0] == 200
+        await eventually(lambda: fleet.holds(other, "w0", 32), what="a page of the salt")
+        # return_logprob from the first token: nothing the router predicts is reused
+        capped = {
+            **plain,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1},
+        }
+        running = asyncio.create_task(fleet.post("/generate", capped))
 
-            async def admitted() -> bool:
-                _, workers = await fleet.admin("GET", "/workers")
-                return bool(workers["workers"][0]["running"] == 1)
+        async def admitted() -> bool:
+            _, workers = await fleet.admin("GET", "/workers")
+            return bool(workers["workers"][0]["running"] == 1)
 
-            await eventually(admitted, what="the capped request to run")
-            assert await _pending(fleet, plain) == {"w0": 0}
-            # nor did it make its tokens the most recently used there (review: the forecast
-            # took blocks it never touched to survive eviction)
-            planner = router.planner
-            (stream,) = planner.indexer.stream_ids("w0")
-            keys = planner.keys.of(
-                stream, Namespace(planner.pool.get("w0").cache_model, None, "t"), IDS
-            )
-            assert keys and all(planner.recency[stream].stamp(k) is None for k in keys)
-            status, _, _ = await running
-            assert status == 200
+        await eventually(admitted, what="the capped request to run")
+        assert await _pending(fleet, plain) == {"w0": 0}
+        # nor did it make its tokens the most recently used there (review: the forecast
+        # took blocks it never touched to survive eviction)
+        planner = fleet.router.planner
+        (stream,) = planner.indexer.stream_ids("w0")
+        keys = planner.keys.of(
+            stream, Namespace(planner.pool.get("w0").cache_model, None, "t"), IDS
+        )
+        assert keys and all(planner.recency[stream].stamp(k) is None for k in keys)
+        status, _, _ = await running
+        assert status == 200

@@ -18,7 +18,7 @@ from aiohttp import web
 from router.config import WorkerConfig
 from router.fleet.discovery import models_from_model_list, models_from_server_info
 from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import Fleet, eventually, router_config, serve_app
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -73,10 +73,7 @@ class OpenAIBackend:
     async def __aenter__(self) -> Self:
         app = web.Application()
         self._routes(app)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ from router.http.proxy import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
 from tests.raw_http import request_bytes
-from tests.router.conftest import eventually, router_config
+from tests.router.conftest import eventually, router_config, serve_app
 
 _COMPLETIONS = "/v1/completions"
 
@@ -80,11 +80,9 @@ class BadWorker:
         app.router.add_post(_COMPLETIONS, self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(
+            app, handler_cancellation=True, shutdown_timeout=0.1
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:

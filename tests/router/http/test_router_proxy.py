@@ -34,7 +34,7 @@ from tests.raw_http import (
     request_bytes,
     stalled_client,
 )
-from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.conftest import AUTH, eventually, router_config, serve_app
 
 BIG_ANSWER = b'{"text": "' + b"y" * (16 << 20) + b'"}'
 
@@ -147,11 +147,7 @@ class Upstream:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app, handler_cancellation=True)
         return self
 
     async def stop(self) -> None:

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from router.config import RouterConfig, WorkerConfig
 from router.service import RouterService
-from tests.router.conftest import router_config
+from tests.router.conftest import router_config, serve_app
 
 DP_HEADERS = {"x-data-parallel-rank"}
 
@@ -54,10 +54,7 @@ class RecordingUpstream:
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

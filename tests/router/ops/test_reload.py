@@ -24,7 +24,7 @@ from aiohttp import web
 from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
-from tests.router.conftest import AUTH, TOKEN, Fleet, HungDiscovery, eventually
+from tests.router.conftest import AUTH, TOKEN, Fleet, HungDiscovery, eventually, serve_app
 from tests.subprocesses import ends_on_sigint
 from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
@@ -378,10 +378,7 @@ class _Gate:
         self._session = aiohttp.ClientSession()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._pass)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -44,7 +44,7 @@ from router.http.tracing import (
     w3c_propagation,
 )
 from router.service import RouterService
-from tests.router.conftest import eventually, router_config
+from tests.router.conftest import eventually, router_config, serve_app
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -100,11 +100,7 @@ class Backend:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app, access_log=None)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
