@@ -403,7 +403,7 @@ class PairDispatcher:
                 prefill,
                 first_try=first,
                 keyed=parsed.keyed,
-                stores_prompt=parsed.reuse_limit != 0,  # as the proxy's `commit`
+                stores_prompt=parsed.stores_its_tokens,
             )
             d_ticket = pairs.commit_decode(
                 ns,
@@ -412,7 +412,7 @@ class PairDispatcher:
                 first_try=first,
                 output_tokens=parsed.output_tokens,
                 keyed=parsed.keyed,
-                stores_prompt=parsed.reuse_limit != 0,
+                stores_prompt=parsed.stores_its_tokens,
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)

@@ -421,11 +421,7 @@ class Proxy:
                 first_try=attempt == 0,
                 output_tokens=parsed.output_tokens,
                 keyed=parsed.keyed,
-                # media, a cut prompt, embeddings, a session's history, another special-tokens
-                # setting: the worker's pages are not these tokens' (vLLM's `truncate_prompt_
-                # tokens` keeps the prompt's end), so marking them would predict a sibling a
-                # prefix that is not there
-                stores_prompt=parsed.reuse_limit != 0,
+                stores_prompt=parsed.stores_its_tokens,
             )
             obs.attempt(plan, candidate, attempt)
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)

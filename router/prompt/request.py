@@ -86,6 +86,14 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # plain pages of its salt, so each shadows its own prompt (`indexer.shadowed`)
     keyed: tuple[KeyedItem, ...] = ()
 
+    @property
+    def stores_its_tokens(self) -> bool:
+        """Whether the engine's pages of this request may be marked pending under its tokens:
+        not when it can reuse nothing the router predicts (media, a cut prompt, embeddings,
+        a session's history, another special-tokens setting: the worker's pages are not these
+        tokens'; vLLM's `truncate_prompt_tokens` keeps the prompt's end)."""
+        return self.reuse_limit != 0
+
 
 class KeyedItem(msgspec.Struct, frozen=True):
     """One item of a batch (not the first) sent with an extra_key: never log its salt."""
