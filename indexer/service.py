@@ -28,6 +28,7 @@ from typing import cast
 import msgspec
 
 from indexer.config import IndexerConfig, StreamConfig
+from indexer.fed_stream import FedStreams
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
@@ -43,6 +44,8 @@ from indexer.stats import (
     StreamStats,
     WorkerMatch,
 )
+from indexer.stream_tap import StreamHead, StreamTap, TappedSink
+from indexer.subscriber import StreamSubscriber
 from indexer.subscriptions import Subscriptions, stream_id
 from indexer.worker_matches import WorkerMatches
 
@@ -91,15 +94,31 @@ class IndexerService:
         config: IndexerConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tap: StreamTap | None = None,
+        fed: bool = False,
     ) -> None:
         self.config = config or IndexerConfig()
         self._clock = clock
         self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
-        self._subs = Subscriptions(
-            self.config, on_applied=self._on_applied, on_restart=self._on_restart, clock=clock
+        # `tap`: told everything the streams make the index do (`kvroute relay` republishes
+        # it); `fed`: no subscriptions, the streams are applied from a relay's records
+        self.tap = tap
+        self.fed = (
+            FedStreams(self.config, on_applied=self._on_applied, clock=clock) if fed else None
         )
-        self._workers = self._subs.by_worker  # worker -> its subscribers (the one dict)
+        self._subs = Subscriptions(
+            self.config,
+            on_applied=self._on_applied,
+            on_restart=self._on_restart,
+            on_state=None if tap is None else tap.state,
+            clock=clock,
+        )
+        self._streams: Subscriptions | FedStreams = self._subs if self.fed is None else self.fed
+        # worker -> its streams (the one dict). A `FedStream` answers everything this service
+        # asks of a subscriber; typed as subscribers for the tests that reach into them
+        self._workers = cast("dict[str, list[StreamSubscriber]]", self._streams.by_worker)
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
+        self._stream_health: dict[str, StreamHealth] = {}  # the same, by stream
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
         self._matches = WorkerMatches(clock)
         # prefixes sent with an extra_key, which their events show as plain (`indexer.shadowed`)
@@ -122,7 +141,7 @@ class IndexerService:
         self.restart_listeners: list[Callable[[str], None]] = []
 
     async def __aenter__(self) -> IndexerService:
-        await self._subs.__aenter__()
+        await self._streams.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -134,7 +153,7 @@ class IndexerService:
                 if not fut.done():
                     fut.set_result(False)
             self._waiters.clear()
-            await self._subs.__aexit__(*exc)
+            await self._streams.__aexit__(*exc)
 
     # -------------------------------------------------------------- workers
 
@@ -148,23 +167,26 @@ class IndexerService:
         if worker in self._workers:
             await self.remove_worker(worker)
 
-        def sink_for(sid: str, cfg: StreamConfig) -> IndexSink:
+        def sink_for(sid: str, cfg: StreamConfig) -> IndexSink | TappedSink:
             self.index.add_stream(
                 sid, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
             )
-            return IndexSink(self.index, sid)
+            return self._sink(self.index, sid)
 
-        subs = self._subs.start(worker, streams, sink_for)
+        subs = self._streams.start(worker, streams, sink_for)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
+        for sub in subs:
+            self._stream_health[sub.stream_id] = sub.health
         self._matches.invalidate()
 
     async def remove_worker(self, worker: str) -> None:
         """Stop a worker's subscriptions and drop its index entries."""
         self._health.pop(worker, None)
         self._matches.invalidate()
-        for sub in await self._subs.stop(worker):
+        for sub in await self._streams.stop(worker):
             self.index.drop_stream(sub.stream_id)
+            self._stream_health.pop(sub.stream_id, None)
 
     def suspect_restart(self, worker: str, why: str) -> None:
         """A sign the worker may have restarted (its health came back): prove its streams.
@@ -483,6 +505,29 @@ class IndexerService:
         """State and counters of every stream."""
         return [sub.stats() for subs in self._workers.values() for sub in subs]
 
+    def health_of(self, stream: str) -> StreamHealth | None:
+        """The state and times of one stream (None: not subscribed)."""
+        return self._stream_health.get(stream)
+
+    def stream_heads(self) -> list[StreamHead]:
+        """Where each subscribed stream stands (a relay's heartbeats: `indexer.stream_tap`)."""
+        now = self._clock()
+        heads = []
+        for subs in self._workers.values():
+            for sub in subs:
+                fence = sub.sink.fence()
+                heads.append(
+                    StreamHead(
+                        sub.stream_id,
+                        sub.health.current_state(now),
+                        now - sub.health.heard_at(),
+                        None if fence is None else fence.seq,
+                        b"" if fence is None else fence.digest(),
+                        sub.verifications + sub.restarts,
+                    )
+                )
+        return heads
+
     def namespaces(self) -> list[NamespaceStats]:
         """Every namespace with blocks: sizes and blocks per holding worker."""
         self._drop_orphans()
@@ -539,10 +584,17 @@ class IndexerService:
                 # continue from the snapshot's seq (once its fence is proven): live messages
                 # then apply, or show a gap that the replay fills; streams the snapshot does
                 # not know rebuild from 0
-                sub.rebind(IndexSink(index, sub.stream_id))
+                sub.rebind(self._sink(index, sub.stream_id))
         self.index = index
+        if self.tap is not None:
+            # what follows the relay held the index this one replaces: they start afresh
+            self.tap.new_epoch()
         self._loaded_at = self._clock()
         self._matches.invalidate()
+
+    def _sink(self, index: PrefixIndex, stream: str) -> IndexSink | TappedSink:
+        sink = IndexSink(index, stream)
+        return sink if self.tap is None else TappedSink(sink, self.tap)
 
     # -------------------------------------------------------------- waiting
 

@@ -147,6 +147,7 @@ class StreamSubscriber:
         *,
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        on_state: Callable[[str, StreamState], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -157,6 +158,8 @@ class StreamSubscriber:
         self._ctx = ctx
         self._on_applied = on_applied
         self._on_restart = on_restart  # told the worker when its publisher restarted
+        # told the stream and its new state whenever it changes (a relay republishes it)
+        self._on_state = on_state
         self._clock = clock
         self._topic = config.topic.encode()
         self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
@@ -331,7 +334,7 @@ class StreamSubscriber:
             self._warn("suspect", f"{why}: its entries predict nothing until a replay proves them")
         self._unverified = True
         self._why_unverified = why
-        self.health.state = StreamState.UNVERIFIED
+        self._enter(StreamState.UNVERIFIED)
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -409,7 +412,14 @@ class StreamSubscriber:
             self._phase is StreamState.SYNCING and self.tracker.last is not None
         )
         unproven = self._unverified or self._join_unconfirmed or (self._tail_unproven and holds)
-        self.health.state = StreamState.UNVERIFIED if unproven else self._phase
+        self._enter(StreamState.UNVERIFIED if unproven else self._phase)
+
+    def _enter(self, state: StreamState) -> None:
+        if state is self.health.state:
+            return
+        self.health.state = state
+        if self._on_state is not None:
+            self._on_state(self.stream_id, state)
 
     def _tail_proven(self, proven: bool) -> None:
         """Whether the stream's tail is known whole (see `_tail_unproven`)."""

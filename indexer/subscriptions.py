@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.sink import StreamSink
+from indexer.stats import StreamState
 from indexer.subscriber import StreamSubscriber
 
 __all__ = ["Subscriptions", "stream_id"]
@@ -34,11 +35,13 @@ class Subscriptions:
         *,
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        on_state: Callable[[str, StreamState], None] | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self._on_applied = on_applied
         self._on_restart = on_restart
+        self._on_state = on_state
         self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
         self.by_worker: dict[str, list[StreamSubscriber]] = {}
@@ -89,6 +92,7 @@ class Subscriptions:
                     self.settings,
                     on_applied=self._on_applied,
                     on_restart=self._on_restart,
+                    on_state=self._on_state,
                     clock=self._clock,
                 )
             )

@@ -459,6 +459,14 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     publish_interval_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.0005
     # this replica's name among the others; "": host-pid-random, new at every start
     replica_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""
+    # where a replica reads the workers' KV events: "zmq", from each worker's sockets (every
+    # replica subscribes to every worker); "relay", from the JetStream stream `kvroute relay`
+    # writes (one subscription per worker in all, repaired and proven by the relay)
+    events: Literal["zmq", "relay"] = "zmq"
+    # how long, and up to how many bytes, the relay's stream keeps records: a replica that
+    # falls further behind (or starts from an older snapshot) rebuilds the streams it missed
+    relay_max_age_s: PositiveFloat = 900.0
+    relay_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1 << 30
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

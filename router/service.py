@@ -19,7 +19,7 @@ from router.config_diff import ConfigDiff
 from router.errors import ConfigError
 from router.fleet.supervisor import Supervisor
 from router.http.app import create_app, create_metrics_app
-from router.http.keys import CLUSTER, CONFIG, INDEXER, PLANNER, RELOADER, SUPERVISOR
+from router.http.keys import CLUSTER, CONFIG, INDEXER, PLANNER, RELAY, RELOADER, SUPERVISOR
 from router.http.listener import GuardedServer, RouterRunner
 from router.http.reload import ConfigSource
 from router.routing.planner import Planner
@@ -27,6 +27,7 @@ from router.routing.planner import Planner
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
+    from router.cluster.relay_publisher import RelayPublisher
     from router.cluster.service import ClusterService
 
 __all__ = ["RouterService"]
@@ -44,6 +45,7 @@ class RouterService:
         proxy: bool = True,
         config_source: ConfigSource | None = None,
         process: int | None = None,
+        relay: bool = False,
     ) -> None:
         self.config = config
         # SO_REUSEPORT: several replica processes share one port (kvroute serve --processes)
@@ -55,6 +57,7 @@ class RouterService:
             proxy=proxy,
             config_source=config_source,
             process=process,
+            relay=relay,
         )
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -172,6 +175,11 @@ class RouterService:
     def indexer(self) -> IndexerService:
         """The running IndexerService."""
         return self.app[INDEXER]
+
+    @property
+    def relay(self) -> RelayPublisher | None:
+        """The relay's writer of the index's streams (`kvroute relay`; None otherwise)."""
+        return self.app.get(RELAY)
 
     @property
     def cluster(self) -> ClusterService | None:

@@ -44,6 +44,7 @@ from router.cluster.errors import ClusterError
 from router.cluster.fleet_state import EVICTION_TTL_S, FleetState, worker_key
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
+from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
 from router.cluster.wire import Batch, Decision, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
@@ -178,6 +179,8 @@ class ClusterService:
         # the warm start: the snapshot's wall time, how long fetching and loading it took
         self.snapshot_at: float | None = None
         self.fetch_s: float | None = None  # of which reading it from JetStream
+        # the relay's records applied here (`[cluster] events = "relay"`), once synced
+        self.follower: RelayFollower | None = None
         self.warm_start_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -214,6 +217,8 @@ class ClusterService:
             if task is not None:
                 task.cancel()
         try:
+            if self.follower is not None:
+                await self.follower.stop()
             await self._group.__aexit__(None, None, None)
         finally:
             nc, self._nc = self._nc, None
@@ -275,6 +280,7 @@ class ClusterService:
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
             "evictions_applied": float(self.fleet.evictions_applied),
+            **({} if self.follower is None else self.follower.gauges()),
         }
 
     # ------------------------------------------------------------------ connection
@@ -404,6 +410,8 @@ class ClusterService:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
         await self._watch(newer_than=newer_than)
+        if self.config.events == "relay" and self.follower is None:
+            await self._follow(js, since=newer_than if warm and self.snapshot_at else None)
         self._synced = True
         if warm and self.snapshot_at is not None:
             await self._streams_proven()
@@ -436,6 +444,19 @@ class ClusterService:
             self.warm_start_s,
         )
         return at
+
+    async def _follow(self, js: JetStreamContext, *, since: float | None) -> None:
+        """Start applying the relay's records (`router.cluster.relay_follower`); a cold start
+        waits (bounded) until what the relay's stream held is applied."""
+        follower = RelayFollower(self.config, self._indexer, clock=time.monotonic)
+        await follower.start(js, since=since)
+        self.follower = follower
+        if since is None:
+            try:
+                async with asyncio.timeout(self.config.startup_timeout_s / 2):
+                    await follower.caught_up.wait()
+            except TimeoutError:
+                log.warning("cluster: the relay's stream not read to its end yet; serving anyway")
 
     async def _streams_proven(self) -> None:
         """Wait (bounded by the caller's startup deadline) until the replay proved the streams

@@ -32,6 +32,10 @@ VERBS: dict[str, tuple[str, str]] = {
         "router.commands.indexer",
         "run the KV index and its query API without the proxy (--config)",
     ),
+    "relay": (
+        "router.commands.relay",
+        "write the workers' KV events to NATS JetStream for replicas to follow (--config)",
+    ),
     "worker": ("workers.command", "run one reference worker"),
     "record": ("router.commands.record", "record KV-event streams to a file"),
     "replay": ("router.commands.replay", "replay a recorded file into an index or a PUB socket"),

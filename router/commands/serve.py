@@ -117,6 +117,7 @@ async def serve_until_stopped(
     proxy: bool = True,
     config_source: ConfigSource | None = None,
     process: int | None = None,
+    relay: bool = False,
 ) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly; SIGHUP reloads
     `config_source` (the file `config` came from).
@@ -138,6 +139,7 @@ async def serve_until_stopped(
         proxy=proxy,
         config_source=config_source,
         process=process,
+        relay=relay,
     ) as router:
         reloads: set[asyncio.Task[None]] = set()
 
@@ -152,6 +154,11 @@ async def serve_until_stopped(
         if announce:
             query = "POST /v1/kv/query" if config.query.enabled else "query API off"
             what = "router" if proxy else f"indexer (no proxy; {query})"
+            if relay and config.cluster is not None:
+                servers = ", ".join(config.cluster.shown_servers)
+                what = (
+                    f"relay (KV events to {servers}, stream {config.cluster.subject_prefix}_events)"
+                )
             print(
                 f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
                 f"index core {INDEX_BACKEND.name})"
@@ -336,7 +343,7 @@ def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
     )
 
 
-def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
+def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:
     """Load the config and serve until interrupted."""
     configure_logging(args.log_level)
     from router.http.memory import TRACEMALLOC_ENV, start_tracing
@@ -383,9 +390,11 @@ def run(args: argparse.Namespace, *, proxy: bool = True) -> int:
                     proxy=proxy,
                     config_source=source,
                     process=getattr(args, "process_index", None),
+                    relay=relay,
                 )
             )
     except ConfigError as exc:
-        print(f"kvroute {'serve' if proxy else 'indexer'}: {exc}", file=sys.stderr)
+        verb = "relay" if relay else "serve" if proxy else "indexer"
+        print(f"kvroute {verb}: {exc}", file=sys.stderr)
         return 2
     return 0

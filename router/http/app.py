@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from router.http.keys import (
     PAIRS,
     PLANNER,
     PROXY,
+    RELAY,
     RELOADER,
     SESSION,
     SUPERVISOR,
@@ -229,6 +231,9 @@ def _health(request: web.Request, serves_with: Callable[[list[WorkerEntry]], boo
     if cluster is not None:
         # degraded still serves (on this replica's own state): the status code says "routable"
         body["cluster"] = cluster.describe()
+    relay = request.app.get(RELAY)
+    if relay is not None:
+        body["relay"] = relay.describe()
     return web.Response(
         body=_json.encode(body), status=200 if serves else 503, content_type="application/json"
     )
@@ -298,8 +303,19 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session,
         UpstreamClient() as upstream,
-        IndexerService(indexer_config) as indexer,
+        contextlib.AsyncExitStack() as relay_stack,
     ):
+        tap = app.get(RELAY)
+        if tap is not None:
+            await relay_stack.enter_async_context(tap)
+        # a replica following `kvroute relay` opens no socket to a worker (`indexer.fed_stream`)
+        fed = tap is None and config.cluster is not None and config.cluster.events == "relay"
+        indexer = await relay_stack.enter_async_context(
+            IndexerService(indexer_config, tap=tap, fed=fed)
+        )
+        if tap is not None:
+            tap.indexer = indexer
+            app[METRICS].export_cluster(tap.gauges)
         policy = build_policy(config.policy)
         pool = WorkerPool(config.breaker)
         load = LoadTracker()
@@ -340,7 +356,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             await supervisor.check_all()  # dead workers are out of rotation before the first
             health_task = asyncio.create_task(supervisor.run(), name="kvroute-health")
             async with contextlib.AsyncExitStack() as stack:
-                if config.cluster is not None:
+                if config.cluster is not None and tap is None:
                     # nats is imported by a replica among others only
                     from router.cluster.service import ClusterService
 
@@ -366,6 +382,7 @@ def create_app(
     proxy: bool = True,
     config_source: ConfigSource | None = None,
     process: int | None = None,
+    relay: bool = False,
 ) -> web.Application:
     """The router application for `config` (resources open when the app starts).
 
@@ -374,6 +391,8 @@ def create_app(
     `config_source`: the file `config` was read from, read again on a reload.
     `process`: which replica process of `kvroute serve --processes` this is, the `process`
     label on every series of /metrics (each process counts its own).
+    `relay`: `kvroute relay` (no proxy either): the index's streams are written to the
+    config's [cluster] NATS for the replicas that follow it (`router.cluster.relay_publisher`).
     """
     token = config.admin_token()
     if config.admin.enabled and not token and not is_loopback(config.listen.host):
@@ -385,6 +404,17 @@ def create_app(
         middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes
     )
     app[CONFIG] = LiveConfig(config)
+    if relay:
+        if config.cluster is None:
+            raise ConfigError(
+                "the relay writes to the NATS of the config's [cluster], which it lacks: add "
+                "[cluster] url = ... (the replicas' own)",
+                key="cluster",
+            )
+        from router.cluster.relay_publisher import RelayPublisher  # nats: the relay's only
+
+        app[RELAY] = RelayPublisher(config.cluster, name=f"kvroute-relay-{os.getpid()}")
+        proxy = False
     if config_source is not None:
         app[CONFIG_SOURCE] = config_source
     app[METRICS] = RouterMetrics(labels=None if process is None else {"process": str(process)})

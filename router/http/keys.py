@@ -22,6 +22,7 @@ from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 
 if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
+    from router.cluster.relay_publisher import RelayPublisher
     from router.cluster.service import ClusterService
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "PAIRS",
     "PLANNER",
     "PROXY",
+    "RELAY",
     "RELOADER",
     "SESSION",
     "SUPERVISOR",
@@ -58,6 +60,8 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PROXY = web.AppKey("proxy", Proxy)
 # only when the config has a [cluster]: this replica's link to the others
 CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")
+# `kvroute relay`: the tap writing the index's streams to JetStream (router.cluster.relay_publisher)
+RELAY: web.AppKey[RelayPublisher] = web.AppKey("relay")
 PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning
 # operations (`router.http.operations`): decision stats, the observer, tracing when on
 DECISIONS = web.AppKey("decisions", DecisionStats)

@@ -183,6 +183,13 @@ class _Cluster(Collector):
         "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
         "unsent_admin_writes": "Admin changes kept here until NATS takes them",
         "evictions_applied": "Namespace evictions of other replicas applied to the index here",
+        "relay_records_published": "kvroute relay: records of the index's streams written to NATS",
+        "relay_records_dropped": "kvroute relay: records never written (NATS away too long, or "
+        "the queue full): the replicas rebuild the streams that lost some",
+        "relay_records_waiting": "kvroute relay: records queued for NATS",
+        "relay_records_applied": "Records of the relay applied to this replica's streams",
+        "relay_records_skipped": "Records of the relay for streams this replica does not follow",
+        "relay_records_malformed": "Records of the relay that did not decode",
     }
 
     def __init__(self) -> None:
@@ -200,6 +207,11 @@ class _Cluster(Collector):
             "decisions_unmatched_pages",
             "decisions_dropped",
             "evictions_applied",
+            "relay_records_published",
+            "relay_records_dropped",
+            "relay_records_applied",
+            "relay_records_skipped",
+            "relay_records_malformed",
         )
     )
 

@@ -1,0 +1,376 @@
+"""Streams fed by a relay: the index of a replica that follows `kvroute relay`, not the workers.
+
+A `FedStream` stands where a `StreamSubscriber` would (the indexer service asks both the same
+things), but owns no socket: the relay's records (`indexer.relay_record`) are handed to it in
+order (`take`) and it applies them as the relay's index applied them. What it holds is the
+relay's state, or a part of it, never more:
+- records are numbered per relay process; a number skipped (the follower fell behind what the
+  relay stream keeps, or NATS lost some) or a new relay process drops the stream's entries and
+  it goes on from the record at hand, as a subscriber joining mid-stream would (removals it
+  missed cannot name entries it no longer holds);
+- the stream's state is the relay's (a stream the relay is repairing or proving predicts
+  nothing here either; one the relay has not heard from is STALE here too), and STALE when
+  neither a record nor a heartbeat came from the relay within `stale_after_s`;
+- a loaded snapshot's state is UNVERIFIED until the relay shows the batch the snapshot ended on
+  (its seq and digest, in a record or a heartbeat), which proves the snapshot is the relay's
+  past; anything else (a later batch first, a clear, another relay process) starts afresh;
+- a restart this replica suspects (the worker's health check came back from down) is
+  UNVERIFIED until the relay has checked the stream again since (its heartbeat counts its
+  checks), or a clear or a new relay process came; a relay that checks nothing within
+  `verify_window_s` leaves the stream cleared (fail closed).
+Pure and synchronous: the relay follower (`router.cluster.relay`) does the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.fence import BatchFence
+from indexer.health import StreamHealth
+from indexer.relay_record import RelayKind, RelayRecord
+from indexer.sink import StreamSink
+from indexer.stats import StreamState, StreamStats
+from indexer.subscriptions import stream_id
+
+__all__ = ["FedStream", "FedStreams"]
+
+log = logging.getLogger(__name__)
+
+
+class _Position:
+    """The engine seq the stream stands at (what a subscriber's tracker says as `last`)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: int | None) -> None:
+        self.last = last
+
+
+class FedStream:
+    """One (worker, dp rank) stream applied from a relay's records (module docstring)."""
+
+    def __init__(
+        self,
+        stream_id: str,
+        worker: str,
+        config: StreamConfig,
+        sink: StreamSink,
+        settings: IndexerConfig,
+        *,
+        clock: Callable[[], float],
+        on_applied: Callable[[str, int], None] | None = None,
+        verify_window_s: float = 10.0,
+    ) -> None:
+        self.stream_id = stream_id
+        self.worker = worker
+        self.config = config
+        self.sink = sink
+        self._clock = clock
+        self._on_applied = on_applied
+        self.verify_window_s = verify_window_s
+        self.health = StreamHealth(
+            stream_id,
+            started_at=clock(),
+            stale_after_s=settings.stale_after_s,
+            block_size=config.block_size,
+            dp_rank=config.dp_rank,
+        )
+        self.tracker = _Position(None)
+        self._epoch: int | None = None  # the relay process followed, and its last record
+        self._rseq = -1
+        self._relay_state = StreamState.SYNCING
+        self._proof: BatchFence | None = None  # a loaded snapshot's last batch, to be shown
+        self._suspected_at: float | None = None  # a restart suspected here, not yet checked
+        self._checks_then = 0
+        self._checks = 0  # the relay's count of checks, as its last heartbeat said
+        self.batches = 0
+        self.events = 0
+        self.gaps = 0  # records skipped (fell behind, or lost): the stream started afresh
+        self.restarts = 0  # relay processes changed under the stream: started afresh
+        self.verifications = 0  # snapshots and suspected restarts proven or refused
+        self.decode_errors = 0
+        self.rank_mismatches = 0
+
+    # ------------------------------------------------------------ records
+
+    def take(self, record: RelayRecord) -> None:
+        """Apply one record of this stream, in the order the relay wrote them."""
+        now = self._clock()
+        if record.kind is RelayKind.HEARTBEAT:
+            self._heartbeat(record, now)
+            return
+        if self._proof is not None:
+            if not self._prove_by_record(record):
+                return  # older than the snapshot, or the snapshot's own last batch
+        elif self._epoch is None:
+            self._epoch = record.epoch  # joined: from this record on
+        elif record.epoch != self._epoch:
+            self._afresh(record.epoch, "the relay restarted", restart=True)
+        elif record.rseq <= self._rseq:
+            return  # seen already (a redelivery)
+        elif record.rseq > self._rseq + 1:
+            self._afresh(record.epoch, f"{record.rseq - self._rseq - 1} relay record(s) missed")
+        self._rseq = record.rseq
+        self._apply(record, now)
+        self._relay_state = record.state
+        self._show()
+
+    def _apply(self, record: RelayRecord, now: float) -> None:
+        kind = record.kind
+        if kind is RelayKind.BATCH and record.seq is not None:
+            applied = self.sink.apply(b"", record.seq, record.payload, replayed=record.replayed)
+            self.tracker.last = record.seq
+            self.health.last_event_at = now
+            self.batches += 1
+            if applied is None:
+                self.decode_errors += 1
+            else:
+                self.events += applied.events
+                if applied.dp_rank is not None and applied.dp_rank != self.config.dp_rank:
+                    self.rank_mismatches += 1
+            if self.health.block_size is None:
+                self.health.block_size = self.sink.block_size()
+            if self._on_applied is not None:
+                self._on_applied(self.stream_id, record.seq)
+        elif kind is RelayKind.CLEAR:
+            self.sink.clear()
+            if self._suspected_at is not None:
+                self._suspected_at = None  # the relay cleared it: nothing left to prove
+        elif kind is RelayKind.FORGET_SEQ:
+            self.sink.forget_seq()
+            self.tracker.last = None
+
+    def _heartbeat(self, record: RelayRecord, now: float) -> None:
+        # the relay is alive; whether it hears the worker is its state (STALE when not, by
+        # the relay's own stale_after_s)
+        self.health.last_heard_at = now
+        if self._proof is not None:
+            proof = self._proof
+            if record.seq == proof.seq and record.digest == proof.digest():
+                self._proven(record, "its last batch is the relay's")
+            else:
+                self.verifications += 1
+                self._proof = None
+                self._restart_here("the relay's last batch is not the snapshot's")
+                self._epoch, self._rseq = record.epoch, record.rseq
+        elif self._epoch is None:
+            self._epoch, self._rseq = record.epoch, record.rseq  # joined, holding nothing
+        elif record.epoch != self._epoch:
+            self._afresh(record.epoch, "the relay restarted", restart=True)
+            self._rseq = record.rseq
+        elif record.rseq > self._rseq:
+            # the heartbeat follows every record it counts: those were lost
+            self._afresh(record.epoch, f"{record.rseq - self._rseq} relay record(s) missed")
+            self._rseq = record.rseq
+        self._checks = record.checks
+        if self._suspected_at is not None:
+            if record.checks > self._checks_then:
+                self._suspected_at = None
+                self.verifications += 1
+            elif now - self._suspected_at > self.verify_window_s:
+                self._suspected_at = None
+                self._restart_here(
+                    f"the relay did not check it within {self.verify_window_s:g} s of a "
+                    "restart suspected here"
+                )
+        self._relay_state = record.state
+        self._show()
+
+    def _prove_by_record(self, record: RelayRecord) -> bool:
+        """A numbered record while a loaded snapshot waits for its proof: whether to apply it."""
+        proof = self._proof
+        assert proof is not None
+        kind = record.kind
+        if kind is RelayKind.BATCH and record.seq is not None:
+            if proof.matches(record.seq, record.payload):
+                self._proven(record, "the relay showed its last batch")
+                self._rseq = record.rseq
+                self._relay_state = record.state
+                self._show()
+                return False  # the snapshot holds it already
+            if record.seq < proof.seq:
+                return False  # the relay's past before the snapshot: the snapshot holds it
+        elif kind is RelayKind.STATE:
+            self._relay_state = record.state
+            return False
+        # a later batch, a clear or a forgotten seq before the proof: not the snapshot's future
+        self.verifications += 1
+        self._proof = None
+        self._restart_here("the relay went past the snapshot's last batch unseen")
+        self._epoch = record.epoch
+        return True
+
+    def _proven(self, record: RelayRecord, how: str) -> None:
+        self.verifications += 1
+        self._proof = None
+        self._epoch, self._rseq = record.epoch, record.rseq
+        log.debug("stream %s: the loaded snapshot is proven (%s)", self.stream_id, how)
+
+    def _afresh(self, epoch: int, why: str, *, restart: bool = False) -> None:
+        """Drop what the stream holds and follow `epoch` from the record at hand."""
+        if restart:
+            self.restarts += 1
+        else:
+            self.gaps += 1
+        self._restart_here(why)
+        self._epoch = epoch
+
+    def _restart_here(self, why: str) -> None:
+        dropped = self.sink.clear()
+        self.sink.forget_seq()
+        self.tracker.last = None
+        if dropped:
+            log.warning(
+                "stream %s: %s; its %d entries dropped, rebuilt from the relay's next records",
+                self.stream_id,
+                why,
+                dropped,
+            )
+
+    # ------------------------------------------------------------ state
+
+    def _show(self) -> None:
+        unproven = self._proof is not None or self._suspected_at is not None
+        self.health.state = StreamState.UNVERIFIED if unproven else self._relay_state
+
+    def suspect_restart(self, why: str) -> None:
+        """A restart suspected here (the worker's health check came back from down)."""
+        if self.tracker.last is None and not self.sink.entries():
+            return  # nothing held, nothing to prove
+        if self._suspected_at is None:
+            self._suspected_at = self._clock()
+            self._checks_then = self._checks
+            log.warning(
+                "stream %s: %s: its entries predict nothing until the relay has checked it",
+                self.stream_id,
+                why,
+            )
+        self._show()
+
+    def rebind(self, sink: StreamSink) -> None:
+        """Switch to a loaded snapshot's sink: UNVERIFIED until the relay proves it."""
+        self.sink = sink
+        self.health.block_size = self.config.block_size or sink.block_size()
+        self.tracker.last = sink.last_seq()
+        fence = sink.fence()
+        if fence is not None:
+            self._proof = fence
+        elif sink.entries():
+            sink.clear()  # entries no seq stands for: nothing can prove them
+        self._show()
+
+    @property
+    def state(self) -> StreamState:
+        """The state last decided (`current_state` adds STALE)."""
+        return self.health.state
+
+    @property
+    def block_size(self) -> int | None:
+        """The stream's block size, None until configured or learned."""
+        return self.health.block_size
+
+    def current_state(self, now: float | None = None) -> StreamState:
+        """The state, STALE when the relay (or the worker, as the relay hears it) is silent."""
+        return self.health.current_state(self._clock() if now is None else now)
+
+    def stats(self) -> StreamStats:
+        """A snapshot of this stream's state and counters (`StreamSubscriber.stats`'s shape:
+        its socket fields are the worker's, as this replica discovered them)."""
+        now = self._clock()
+        last_event_at = self.health.last_event_at
+        counters = self.sink.counters()
+        return StreamStats(
+            stream=self.stream_id,
+            worker=self.worker,
+            endpoint=self.config.endpoint,
+            replay_endpoint=self.config.replay_endpoint,
+            topic=self.config.topic,
+            state=self.current_state(now),
+            last_seq=self.tracker.last,
+            block_size=self.sink.block_size(),
+            batches=self.batches,
+            events=self.events,
+            blocks_stored=counters.blocks_stored if counters else 0,
+            blocks_removed=counters.blocks_removed if counters else 0,
+            gaps=self.gaps,
+            replays=0,
+            restarts=self.restarts,
+            clears=counters.clears if counters else 0,
+            decode_errors=self.decode_errors,
+            unknown_parents=counters.unknown_parents if counters else 0,
+            block_size_mismatches=counters.block_size_mismatches if counters else 0,
+            skipped_events=counters.skipped_events if counters else 0,
+            last_event_age_s=None if last_event_at is None else now - last_event_at,
+            entries=self.sink.entries(),
+            verifications=self.verifications,
+            skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
+            dp_rank=self.config.dp_rank,
+            unknown_removes=counters.unknown_removes if counters else 0,
+            unindexable_blocks=counters.unindexable_blocks if counters else 0,
+            rank_mismatches=self.rank_mismatches,
+            token_kind_mismatches=counters.token_kind_mismatches if counters else 0,
+        )
+
+
+class FedStreams:
+    """The fed streams of a process, by worker: `indexer.subscriptions.Subscriptions`' place
+    when a relay feeds the index (`IndexerService(fed=True)`). No tasks, no sockets."""
+
+    def __init__(
+        self,
+        settings: IndexerConfig,
+        *,
+        on_applied: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self._on_applied = on_applied
+        self._clock = clock
+        self.by_worker: dict[str, list[FedStream]] = {}
+        self.by_stream: dict[str, FedStream] = {}
+
+    async def __aenter__(self) -> FedStreams:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.by_worker.clear()
+        self.by_stream.clear()
+
+    def start(
+        self,
+        worker: str,
+        streams: Sequence[StreamConfig],
+        sink_for: Callable[[str, StreamConfig], StreamSink],
+    ) -> list[FedStream]:
+        """Follow a worker's streams, each into `sink_for(stream id, config)`."""
+        if worker in self.by_worker:
+            raise ValueError(f"worker {worker!r} is followed already")
+        fed = []
+        for cfg in streams:
+            sid = stream_id(worker, cfg.dp_rank)
+            stream = FedStream(
+                sid,
+                worker,
+                cfg,
+                sink_for(sid, cfg),
+                self.settings,
+                clock=self._clock,
+                on_applied=self._on_applied,
+            )
+            fed.append(stream)
+            self.by_stream[sid] = stream
+        self.by_worker[worker] = fed
+        return fed
+
+    async def stop(self, worker: str) -> list[FedStream]:
+        """Stop following a worker's streams; returns them (none if unknown)."""
+        fed = self.by_worker.pop(worker, [])
+        for stream in fed:
+            self.by_stream.pop(stream.stream_id, None)
+        return fed
+
+    def all(self) -> list[FedStream]:
+        """Every fed stream, in worker order."""
+        return [s for fed in self.by_worker.values() for s in fed]

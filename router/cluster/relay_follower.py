@@ -1,0 +1,156 @@
+"""A replica's side of the relay: the relay's records, applied to this replica's fed streams.
+
+With `[cluster] events = "relay"` a replica opens no socket to any worker: its indexer's streams
+are `indexer.fed_stream.FedStream`s, and this follower reads the relay's JetStream stream
+(`router.cluster.relay_publisher`) with an ordered consumer (the client re-creates it where it
+left off after a reconnect) and hands each record to its stream. Where it starts:
+- after a warm start, shortly before the snapshot was taken (`SNAPSHOT_MARGIN_S`): each
+  stream skips what the snapshot holds until the relay shows the batch the snapshot ended on,
+  which proves it (`FedStream`);
+- on a cold start, at the start of what the stream keeps (`relay_max_age_s`): each stream joins
+  at its oldest record kept, as a subscriber joining mid-stream would.
+`caught_up` is set once the consumer has delivered everything the stream held when it began.
+
+Records of a stream this replica does not follow are dropped (counted, and said once per
+stream); records of a rank its worker was not known to have make the router read the worker's
+settings again (a worker restarted with more ranks), as a stream restart does with direct
+subscriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from indexer.relay_record import relay_decoder
+from indexer.service import IndexerService
+from router.cluster.relay_publisher import ensure_relay_stream, relay_stream_name
+from router.config import ClusterConfig
+
+__all__ = ["SNAPSHOT_MARGIN_S", "RelayFollower"]
+
+log = logging.getLogger(__name__)
+
+# a warm start reads the relay's records from this long before its snapshot was taken: the
+# batch the snapshot ended on is among them unless the stream was idle longer (a heartbeat then
+# shows it)
+SNAPSHOT_MARGIN_S = 5.0
+# how often a stream this replica does not follow may re-read its worker's settings
+_REREAD_EVERY_S = 10.0
+
+
+class RelayFollower:
+    """Applies the relay's records to an indexer's fed streams (module docstring)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        indexer: IndexerService,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        if indexer.fed is None:
+            raise ValueError("the relay follower needs an IndexerService(fed=True)")
+        self.config = config
+        self.indexer = indexer
+        self._streams = indexer.fed.by_stream
+        self._clock = clock
+        self.caught_up = asyncio.Event()
+        self.applied = 0
+        self.unknown = 0  # records of streams this replica does not follow
+        self.malformed = 0
+        self._unknown_said: set[str] = set()
+        self._reread_at: dict[str, float] = {}
+        self._sub: object | None = None
+
+    async def start(self, js: JetStreamContext, *, since: float | None) -> None:
+        """Subscribe: from shortly before `since` (a snapshot's wall time), or from the start
+        of what the stream keeps."""
+        await ensure_relay_stream(js, self.config)
+        stream = relay_stream_name(self.config)
+        if since is None:
+            consumer = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        else:
+            start = datetime.datetime.fromtimestamp(since - SNAPSHOT_MARGIN_S, datetime.UTC)
+            consumer = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start
+            )
+        info = await js.stream_info(stream)
+        if info.state.messages == 0:
+            self.caught_up.set()
+        self._sub = await js.subscribe(
+            f"{self.config.subject_prefix}.events.>",
+            stream=stream,
+            cb=self._on_message,
+            ordered_consumer=True,
+            config=consumer,
+            idle_heartbeat=max(0.5, self.config.heartbeat_timeout_s),
+        )
+        log.info(
+            "cluster: following the relay's stream %s (%s)",
+            stream,
+            "cold: what it keeps" if since is None else "from the snapshot",
+        )
+
+    def gauges(self) -> dict[str, float]:
+        """What `/metrics` exports of it (`kvroute_cluster_relay_records_*`)."""
+        return {
+            "relay_records_applied": float(self.applied),
+            "relay_records_skipped": float(self.unknown),
+            "relay_records_malformed": float(self.malformed),
+        }
+
+    async def stop(self) -> None:
+        """Unsubscribe (the connection's owner closes the connection)."""
+        sub, self._sub = self._sub, None
+        unsubscribe = getattr(sub, "unsubscribe", None)
+        if unsubscribe is not None:
+            try:
+                await unsubscribe()
+            except Exception as exc:
+                log.debug("relay follower: unsubscribe failed (%s)", exc)
+
+    async def _on_message(self, msg: Msg) -> None:
+        if not self.caught_up.is_set():
+            try:
+                if msg.metadata.num_pending == 0:
+                    self.caught_up.set()
+            except Exception:
+                pass
+        try:
+            record = relay_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            self.malformed += 1
+            return
+        stream = self._streams.get(record.stream)
+        if stream is None:
+            self._not_followed(record.stream)
+            return
+        stream.take(record)
+        self.applied += 1
+
+    def _not_followed(self, stream: str) -> None:
+        self.unknown += 1
+        worker = stream.rpartition("#dp")[0]
+        now = self._clock()
+        # a rank this replica does not know its worker to have: read its settings again
+        due = now - self._reread_at.get(worker, -_REREAD_EVERY_S) >= _REREAD_EVERY_S
+        if worker and self.indexer.has_worker(worker) and due:
+            self._reread_at[worker] = now
+            for listener in self.indexer.restart_listeners:
+                listener(worker)
+        if stream not in self._unknown_said:
+            self._unknown_said.add(stream)
+            log.info(
+                "cluster: the relay writes stream %s, which this replica does not follow "
+                "(a worker not in its fleet, or a rank not discovered yet): its records are "
+                "skipped",
+                stream,
+            )

@@ -1,0 +1,295 @@
+"""`kvroute relay`'s side: what its subscribers made its index do, written to JetStream.
+
+The relay is a router process without the proxy (`kvroute relay --config FILE`): the same
+discovery, health checks, subscribers and index as `kvroute serve`, whose index is tapped
+(`indexer.stream_tap`). Every batch applied, clear, forgotten seq and state change of each
+stream becomes a numbered `RelayRecord` on `<prefix>.events.<stream>`, kept by the JetStream
+stream `<prefix>_events` (created here, or by the first replica that follows it), and every
+`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Replicas with
+`[cluster] events = "relay"` apply them (`router.cluster.relay_follower`): one subscription per
+worker for the whole fleet instead of one per worker and replica.
+
+Records are queued here without waiting (the tap is called on the index's path) and written by
+one task with the client's core publish: the stream keeps what reaches the server. What does
+not (NATS away longer than the client buffers, or more than `QUEUE_LIMIT` records waiting) is
+dropped and counted; the followers see the numbers skipped and start those streams afresh, so a
+loss costs hits, never a false one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import deque
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from indexer.relay_record import RelayKind, RelayRecord, relay_encoder, relay_subject
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from router.config import ClusterConfig
+
+__all__ = ["QUEUE_LIMIT", "RelayPublisher", "ensure_relay_stream", "relay_stream_name"]
+
+log = logging.getLogger(__name__)
+
+# records waiting for NATS before the oldest are dropped (the followers start those streams
+# afresh); at ~200 bytes a record, about 40 MB
+QUEUE_LIMIT = 200_000
+_NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+
+
+def relay_stream_name(config: ClusterConfig) -> str:
+    """The JetStream stream of the relay's records."""
+    return f"{config.subject_prefix}_events"
+
+
+async def ensure_relay_stream(js: object, config: ClusterConfig) -> None:
+    """Create the relay's stream, or bring its limits to the config's (the relay and every
+    follower call this: whichever comes first makes it)."""
+    from nats.js import JetStreamContext
+
+    assert isinstance(js, JetStreamContext)
+    wanted = StreamConfig(
+        name=relay_stream_name(config),
+        subjects=[f"{config.subject_prefix}.events.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=config.relay_max_age_s,
+        max_bytes=config.relay_max_bytes,
+    )
+    try:
+        await js.add_stream(wanted)
+    except nats.js.errors.BadRequestError:
+        # there already, with other limits (another config's): this config's win
+        await js.update_stream(wanted)
+
+
+class RelayPublisher:
+    """The tap of a relay's index, and the task that writes what it is told (module docstring).
+
+    An async context manager: entering connects to NATS in the background (the subscribers and
+    the index run whether NATS answers or not), leaving stops its tasks and the connection."""
+
+    def __init__(self, config: ClusterConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        self.indexer: IndexerService | None = None  # whose streams' heartbeats to send
+        self.epoch = secrets.randbits(63)
+        self._rseq: dict[str, int] = {}
+        self._queue: deque[tuple[str, bytes]] = deque()
+        self._wake = asyncio.Event()
+        self._nc: NATS | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.published = 0
+        self.dropped = 0
+        self.connected_once = False
+        self._said: set[str] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------ the tap
+
+    def batch(self, stream: str, seq: int, payload: bytes, *, replayed: bool) -> None:
+        """A batch applied."""
+        self._numbered(RelayKind.BATCH, stream, seq=seq, payload=payload, replayed=replayed)
+
+    def cleared(self, stream: str) -> None:
+        """The stream's entries dropped."""
+        self._numbered(RelayKind.CLEAR, stream)
+
+    def seq_forgotten(self, stream: str) -> None:
+        """The stream will be rebuilt from 0."""
+        self._numbered(RelayKind.FORGET_SEQ, stream)
+
+    def state(self, stream: str, state: StreamState) -> None:
+        """The stream entered `state`."""
+        self._numbered(RelayKind.STATE, stream, state=state)
+
+    def new_epoch(self) -> None:
+        """The index was replaced: numbering starts again under a new epoch."""
+        self.epoch = secrets.randbits(63)
+        self._rseq.clear()
+
+    def _numbered(
+        self,
+        kind: RelayKind,
+        stream: str,
+        *,
+        state: StreamState | None = None,
+        seq: int | None = None,
+        payload: bytes = b"",
+        replayed: bool = False,
+    ) -> None:
+        rseq = self._rseq.get(stream, -1) + 1
+        self._rseq[stream] = rseq
+        if state is None:
+            state = self._state_of(stream)
+        record = RelayRecord(
+            kind, stream, self.epoch, rseq, state, seq=seq, payload=payload, replayed=replayed
+        )
+        self._put(stream, record)
+
+    def _state_of(self, stream: str) -> StreamState:
+        health = None if self.indexer is None else self.indexer.health_of(stream)
+        return StreamState.SYNCING if health is None else health.state
+
+    def _put(self, stream: str, record: RelayRecord) -> None:
+        if len(self._queue) >= QUEUE_LIMIT:
+            self._queue.popleft()  # its stream's followers see the number skipped
+            self.dropped += 1
+            self._say_once(
+                "overflow",
+                f"relay: more than {QUEUE_LIMIT} records wait for NATS; the oldest are dropped "
+                "(the replicas rebuild the streams that lost some)",
+            )
+        subject = relay_subject(self.config.subject_prefix, stream)
+        self._queue.append((subject, relay_encoder.encode(record)))
+        self._wake.set()
+
+    def heartbeat(self) -> None:
+        """One heartbeat for every stream of the index."""
+        indexer = self.indexer
+        if indexer is None:
+            return
+        for head in indexer.stream_heads():
+            record = RelayRecord(
+                RelayKind.HEARTBEAT,
+                head.stream,
+                self.epoch,
+                self._rseq.get(head.stream, -1),
+                head.state,
+                seq=head.seq,
+                digest=head.digest,
+                heard_age_s=head.heard_age_s,
+                checks=head.checks,
+            )
+            self._put(head.stream, record)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> RelayPublisher:
+        self._tasks = [
+            asyncio.create_task(self._connect(), name="kvroute-relay-connect"),
+            asyncio.create_task(self._heartbeats(), name="kvroute-relay-heartbeats"),
+        ]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        nc, self._nc = self._nc, None
+        if nc is not None:
+            with contextlib.suppress(*_NATS_ERRORS):
+                async with asyncio.timeout(2.0):
+                    await nc.close()  # flushes what the client still buffers
+
+    @property
+    def connected(self) -> bool:
+        """Whether NATS answers now."""
+        return self._nc is not None and self._nc.is_connected
+
+    def describe(self) -> dict[str, object]:
+        """What `/health` says of the relay."""
+        return {
+            "status": "ok" if self.connected else "degraded",
+            "stream": relay_stream_name(self.config),
+            "epoch": self.epoch,
+            "published": self.published,
+            "dropped": self.dropped,
+            "waiting": len(self._queue),
+        }
+
+    def gauges(self) -> dict[str, float]:
+        """What `/metrics` exports of it (`kvroute_cluster_degraded`, `..._relay_records_*`)."""
+        return {
+            "degraded": float(not self.connected),
+            "relay_records_published": float(self.published),
+            "relay_records_dropped": float(self.dropped),
+            "relay_records_waiting": float(len(self._queue)),
+        }
+
+    async def _connect(self) -> None:
+        nc = NATS()
+
+        async def on_error(exc: Exception) -> None:
+            log.debug("relay nats: %s: %s", type(exc).__name__, exc)
+
+        async def on_disconnected() -> None:
+            if self.connected_once and not self._closing:
+                self._say_once("down", "relay: NATS connection lost; records wait (bounded)")
+
+        async def on_reconnected() -> None:
+            self._said.discard("down")
+            log.warning("relay: NATS answers again")
+            self._wake.set()
+
+        delay = 0.2
+        while True:
+            try:
+                await nc.connect(
+                    servers=self.config.servers,
+                    name=self.name,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=min(1.0, self.config.heartbeat_interval_s),  # type: ignore[arg-type]
+                    connect_timeout=2,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                )
+                js = nc.jetstream(timeout=5.0)
+                await ensure_relay_stream(js, self.config)
+                break
+            except _NATS_ERRORS as exc:
+                self._say_once(
+                    "connect",
+                    f"relay: NATS at {', '.join(self.config.shown_servers)} does not answer "
+                    f"({type(exc).__name__}: {exc}); still trying, records wait (bounded)",
+                )
+                with contextlib.suppress(*_NATS_ERRORS):
+                    await nc.close()
+                nc = NATS()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self._nc = nc
+        self.connected_once = True
+        log.info(
+            "relay: writing the workers' KV events to JetStream stream %s (epoch %x)",
+            relay_stream_name(self.config),
+            self.epoch,
+        )
+        await self._drain(nc)
+
+    async def _drain(self, nc: NATS) -> None:
+        queue = self._queue
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while queue:
+                if not nc.is_connected:
+                    break  # reconnected_cb wakes us
+                subject, data = queue.popleft()
+                try:
+                    await nc.publish(subject, data)
+                    self.published += 1
+                except _NATS_ERRORS as exc:
+                    self.dropped += 1
+                    self._say_once("publish", f"relay: a record not written ({exc})")
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            self.heartbeat()
+
+    def _say_once(self, kind: str, message: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            log.warning(message)

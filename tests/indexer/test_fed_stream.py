@@ -1,0 +1,212 @@
+"""A stream fed by a relay's records holds the relay's state or a part of it, never more.
+
+Records are handed to the `FedStream` of an `IndexerService(fed=True)` as the relay follower
+hands them (pure: no NATS here; tests/router/cluster/test_relay.py runs the real relay). Each
+case is a way the follower could end up holding a page the worker no longer holds: records
+lost, a new relay process, a snapshot that is not the relay's past, a restart suspected here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.fence import payload_digest
+from indexer.namespace import Namespace
+from indexer.protocol.encode import encode_batch
+from indexer.protocol.events import Cleared, Event, EventBatch, Stored, TokenId
+from indexer.relay_record import RelayKind, RelayRecord
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+
+NS = Namespace("", None, None)
+A: list[TokenId] = [1, 2, 3, 4, 9]  # one 4-token page and a last token
+B: list[TokenId] = [5, 6, 7, 8, 9]
+STREAM = "w0#dp0"
+EPOCH = 7
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(tokens: list[TokenId], block_hash: int) -> bytes:
+    events: list[Event] = [
+        Stored(block_hashes=[block_hash], parent=None, token_ids=tokens[:4], block_size=4)
+    ]
+    return encode_batch(EventBatch(0.0, events), "array")
+
+
+CLEARED = encode_batch(EventBatch(0.0, [Cleared()]), "array")
+
+
+def batch(rseq: int, seq: int, payload: bytes, epoch: int = EPOCH) -> RelayRecord:
+    return RelayRecord(RelayKind.BATCH, STREAM, epoch, rseq, StreamState.SYNCED, seq, payload)
+
+
+def heartbeat(
+    rseq: int, seq: int | None, payload: bytes = b"", epoch: int = EPOCH, checks: int = 0
+) -> RelayRecord:
+    digest = payload_digest(payload) if payload else b""
+    return RelayRecord(
+        RelayKind.HEARTBEAT,
+        STREAM,
+        epoch,
+        rseq,
+        StreamState.SYNCED,
+        seq=seq,
+        digest=digest,
+        checks=checks,
+    )
+
+
+async def fed(clock: Clock | None = None) -> IndexerService:
+    svc = IndexerService(IndexerConfig(stale_after_s=5.0), fed=True, clock=clock or Clock())
+    await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:1", block_size=4)])
+    return svc
+
+
+def take(svc: IndexerService, *records: RelayRecord) -> None:
+    assert svc.fed is not None
+    for record in records:
+        svc.fed.by_stream[STREAM].take(record)
+
+
+def matched(svc: IndexerService, tokens: list[TokenId]) -> int:
+    return svc.query(NS, tokens)["w0"].matched_tokens
+
+
+def state(svc: IndexerService) -> StreamState:
+    return svc.streams()[0].state
+
+
+async def test_records_in_order_build_the_relays_state() -> None:
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), batch(1, 1, stored(B, 20)))
+    assert matched(svc, A) == 4 and matched(svc, B) == 4
+    assert state(svc) is StreamState.SYNCED
+
+
+async def test_a_missed_record_drops_the_stream_which_goes_on_from_the_next() -> None:
+    """Record 1 (here: the removal of A's page) never arrived: A must not stay predicted."""
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), batch(2, 2, stored(B, 20)))
+    assert matched(svc, A) == 0
+    assert matched(svc, B) == 4
+    assert svc.streams()[0].gaps == 1
+
+
+async def test_a_heartbeat_ahead_of_the_records_drops_the_stream() -> None:
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), heartbeat(3, 3))
+    assert matched(svc, A) == 0
+
+
+async def test_a_new_relay_process_drops_the_stream() -> None:
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), batch(0, 5, stored(B, 20), epoch=EPOCH + 1))
+    assert matched(svc, A) == 0 and matched(svc, B) == 4
+    assert svc.streams()[0].restarts == 1
+
+
+async def test_a_record_seen_again_is_not_applied_twice() -> None:
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), batch(1, 1, CLEARED), batch(0, 0, stored(A, 10)))
+    assert matched(svc, A) == 0
+
+
+async def _snapshotted(payload_a: bytes) -> IndexerService:
+    """A follower whose index was loaded from a snapshot that ended on batch 0 (A stored)."""
+    first = await fed()
+    take(first, batch(0, 0, payload_a))
+    snapshot = first.dump()
+    svc = await fed()
+    svc.load(snapshot)
+    return svc
+
+
+async def test_a_loaded_snapshot_predicts_nothing_until_the_relay_shows_its_last_batch() -> None:
+    payload_a = stored(A, 10)
+    svc = await _snapshotted(payload_a)
+    assert state(svc) is StreamState.UNVERIFIED
+    assert matched(svc, A) == 0  # held, not trusted
+    take(svc, batch(0, 0, payload_a))  # the relay's own batch 0: the snapshot is its past
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, A) == 4
+    take(svc, batch(1, 1, CLEARED))
+    assert matched(svc, A) == 0
+
+
+async def test_a_heartbeat_naming_the_snapshots_last_batch_proves_it() -> None:
+    payload_a = stored(A, 10)
+    svc = await _snapshotted(payload_a)
+    take(svc, heartbeat(0, 0, payload_a))
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, A) == 4
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(batch(0, 0, stored(B, 20)), id="another batch at its seq"),
+        pytest.param(batch(4, 4, stored(B, 20)), id="a later batch"),
+        pytest.param(heartbeat(4, 4, stored(B, 20)), id="a heartbeat past it"),
+        pytest.param(
+            RelayRecord(RelayKind.CLEAR, STREAM, EPOCH, 3, StreamState.SYNCING), id="a clear"
+        ),
+    ],
+)
+async def test_a_snapshot_the_relay_does_not_continue_is_dropped(first: RelayRecord) -> None:
+    svc = await _snapshotted(stored(A, 10))
+    take(svc, first)
+    assert state(svc) is not StreamState.UNVERIFIED
+    assert matched(svc, A) == 0
+    assert svc.streams()[0].entries <= 1  # A is gone (B's page may have been applied)
+
+
+async def test_a_restart_suspected_here_waits_for_the_relay_to_check_the_stream() -> None:
+    clock = Clock()
+    svc = await fed(clock)
+    take(svc, batch(0, 0, stored(A, 10)), heartbeat(0, 0, stored(A, 10), checks=2))
+    svc.suspect_restart("w0", "its health check came back from down")
+    assert state(svc) is StreamState.UNVERIFIED
+    take(svc, heartbeat(0, 0, stored(A, 10), checks=2))  # the relay has not checked since
+    assert state(svc) is StreamState.UNVERIFIED and matched(svc, A) == 0
+    take(svc, heartbeat(0, 0, stored(A, 10), checks=3))  # it proved the stream since
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
+
+
+async def test_a_restart_the_relay_never_checks_drops_the_stream() -> None:
+    clock = Clock()
+    svc = await fed(clock)
+    take(svc, batch(0, 0, stored(A, 10)))
+    svc.suspect_restart("w0", "its health check came back from down")
+    clock.now += 11.0  # past the verify window
+    take(svc, heartbeat(0, 0, stored(A, 10)))
+    assert matched(svc, A) == 0 and svc.streams()[0].entries == 0
+
+
+async def test_a_silent_relay_makes_the_stream_stale() -> None:
+    clock = Clock()
+    svc = await fed(clock)
+    take(svc, batch(0, 0, stored(A, 10)))
+    clock.now += 4.0
+    take(svc, heartbeat(0, 0, stored(A, 10)))
+    clock.now += 4.0
+    assert state(svc) is StreamState.SYNCED  # heard 4 s ago
+    clock.now += 2.0
+    assert state(svc) is StreamState.STALE
+    assert matched(svc, A) == 0
+
+
+async def test_a_stream_the_relay_no_longer_hears_is_stale_here_too() -> None:
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)))
+    stale = RelayRecord(RelayKind.HEARTBEAT, STREAM, EPOCH, 0, StreamState.STALE, seq=0)
+    take(svc, stale)
+    assert state(svc) is StreamState.STALE
+    assert matched(svc, A) == 0

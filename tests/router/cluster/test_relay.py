@@ -1,0 +1,249 @@
+"""`kvroute relay` and the replicas that follow it, on a real nats-server and real workers.
+
+The relay subscribes to the workers; the replicas (`[cluster] events = "relay"`) open no socket
+to any worker and hold what the relay's records say, never more: a relay that stops makes
+their streams stale, a relay that restarts (and may have missed removals) makes them start
+afresh, and a warm start is trusted only once the relay shows the batch its snapshot ended on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from router.cluster.server import NatsServer
+from router.config import IndexerSection, RouterConfig
+from router.errors import ConfigError
+from router.service import RouterService
+from tests.router.cluster.conftest import cluster, replica_config, workers
+from tests.router.conftest import Fleet, eventually, router_config
+from workers.worker import ReferenceWorker
+
+PROMPT = "a tenant's long system prompt that the relay carries to every replica " * 4
+
+
+def relay_config(worker: ReferenceWorker, nats_url: str, **overrides: Any) -> RouterConfig:
+    """The relay of one worker `w0`: its stream repaired and proven as a router's."""
+    return router_config(
+        [("w0", worker.url)], cluster=cluster(nats_url, **overrides.pop("cluster", {}))
+    )
+
+
+def follower_config(
+    worker: ReferenceWorker, nats_url: str, name: str, **overrides: Any
+) -> RouterConfig:
+    """A replica in front of `w0` that reads its KV events from the relay only."""
+    fields: dict[str, Any] = {"indexer": IndexerSection(pending_ttl_s=0.5, stale_after_s=1.5)}
+    fields.update(overrides)
+    config = replica_config([("w0", worker.url)], nats_url, name, **fields)
+    assert config.cluster is not None
+    return msgspec.structs.replace(
+        config, cluster=msgspec.structs.replace(config.cluster, events="relay")
+    )
+
+
+@contextlib.asynccontextmanager
+async def relay(worker: ReferenceWorker, nats_url: str) -> AsyncIterator[RouterService]:
+    async with RouterService(relay_config(worker, nats_url), relay=True) as service:
+        assert service.relay is not None
+        yield service
+
+
+async def generate(session: aiohttp.ClientSession, url: str, salt: str = "t") -> tuple[int, int]:
+    """(predicted, cached) tokens of one request of PROMPT through `url`."""
+    body = {"text": PROMPT, "cache_salt": salt, "sampling_params": {"max_new_tokens": 1}}
+    async with session.post(url + "/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        predicted = int(resp.headers.get("x-kvroute-matched-tokens", "0"))
+    return predicted, int(answer["meta_info"]["cached_tokens"])
+
+
+async def past_the_buffer(session: aiohttp.ClientSession, worker: ReferenceWorker) -> None:
+    """Three batches straight to `worker`: what it published before is gone from a replay
+    buffer of two."""
+    for other in range(3):
+        body = {"input_ids": [other + 7] * 32, "sampling_params": {"max_new_tokens": 1}}
+        async with session.post(worker.url + "/generate", json=body) as resp:
+            assert resp.status == 200
+
+
+async def predicted(fleet: Fleet, salt: str = "t") -> int:
+    plan = await fleet.route({"text": PROMPT, "cache_salt": salt})
+    return max((int(c["matched_tokens"]) for c in plan["candidates"]), default=0)
+
+
+async def test_a_follower_holds_what_the_relay_subscribed_to_and_opens_no_worker_socket(
+    nats_server: NatsServer,
+) -> None:
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url) as r,
+    ):
+        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
+            assert a.indexer.fed is not None  # no subscriber: streams fed by the relay
+            fleet = Fleet(a, {"w0": w0}, session)
+            await fleet.warm()
+            first = await generate(session, a.url)
+            assert first == (0, 0)
+            await eventually(
+                lambda: _holds(fleet, 64), what="the relay's records to reach the replica"
+            )
+            again = await generate(session, a.url)
+            # predicted what the worker then served from its cache, no more
+            assert again[0] >= 64
+            assert again[0] <= again[1]
+            streams = {s.stream: s for s in a.indexer.streams()}
+            assert streams["w0#dp0"].batches > 0
+            metrics = await (await session.get(a.url + "/metrics")).text()
+            assert "kvroute_cluster_relay_records_applied_total" in metrics
+        status, body = await _health(session, r)
+        assert status == 200 and body["relay"]["published"] > 0
+        relay_metrics = await (await session.get(r.url + "/metrics")).text()
+        assert "kvroute_cluster_relay_records_published_total" in relay_metrics
+        assert "kvroute_stream_state{" in relay_metrics or "kvroute_stream" in relay_metrics
+
+
+async def _holds(fleet: Fleet, tokens: int, salt: str = "t") -> bool:
+    return await predicted(fleet, salt) >= tokens
+
+
+async def _health(session: aiohttp.ClientSession, service: RouterService) -> tuple[int, Any]:
+    async with session.get(service.url + "/health") as resp:
+        return resp.status, await resp.json()
+
+
+async def test_when_the_relay_stops_the_followers_stream_goes_stale_and_predicts_nothing(
+    nats_server: NatsServer,
+) -> None:
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        RouterService(follower_config(w0, nats_server.url, "a")) as a,
+    ):
+        fleet = Fleet(a, {"w0": w0}, session)
+        async with relay(w0, nats_server.url):
+            await fleet.warm()
+            await generate(session, a.url)
+            await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+            # an idle worker: the relay's heartbeats alone keep the stream trusted, longer
+            # than the follower's stale_after_s (1.5 s)
+            await asyncio.sleep(2.0)
+            states = {s.stream: s.state for s in a.indexer.streams()}
+            assert states["w0#dp0"] == "synced"
+            assert await predicted(fleet) >= 64
+        # no relay: nothing tells this replica what the worker evicts any more
+
+        async def stale() -> bool:
+            states = {s.stream: s.state for s in a.indexer.streams()}
+            return states.get("w0#dp0") == "stale"
+
+        await eventually(stale, what="the stream to go stale without the relay")
+        assert await predicted(fleet) == 0
+
+
+async def test_a_relay_restart_that_missed_a_flush_leaves_no_false_hit(
+    nats_server: NatsServer,
+) -> None:
+    """Whatever happened while no relay ran is unknown to the followers: the new relay's
+    records (a new epoch) make them start the stream afresh, so the flush they never saw
+    cannot leave the old prefix predicted. The worker's replay buffer (two batches) no longer
+    holds the flush when the new relay joins, so no record of it ever comes."""
+    async with (
+        workers(1, buffer_steps=2) as (w0,),
+        aiohttp.ClientSession() as session,
+        RouterService(follower_config(w0, nats_server.url, "a")) as a,
+    ):
+        fleet = Fleet(a, {"w0": w0}, session)
+        async with relay(w0, nats_server.url):
+            await fleet.warm()
+            await generate(session, a.url)
+            await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+        async with session.post(w0.url + "/flush_cache") as resp:
+            assert resp.status == 200
+        await past_the_buffer(session, w0)
+        async with relay(w0, nats_server.url):
+
+            async def afresh() -> bool:
+                stats = {s.stream: s for s in a.indexer.streams()}["w0#dp0"]
+                return stats.restarts >= 1 and stats.state == "synced"
+
+            await eventually(afresh, what="the stream to follow the new relay")
+            assert await predicted(fleet) == 0
+            got = await generate(session, a.url)
+            assert got[0] <= got[1]
+
+
+async def test_a_warm_start_is_trusted_once_the_relay_shows_its_last_batch(
+    nats_server: NatsServer,
+) -> None:
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url),
+    ):
+        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
+            fleet_a = Fleet(a, {"w0": w0}, session)
+            await fleet_a.warm()
+            await generate(session, a.url)
+            await eventually(lambda: _holds(fleet_a, 64), what="the prompt to be indexed")
+            assert a.cluster is not None
+            assert await a.cluster.publish_snapshot() > 0
+        async with RouterService(follower_config(w0, nats_server.url, "c")) as c:
+            assert c.cluster is not None and c.cluster.snapshot_at is not None
+            # ready means proven: the first look at the prompt predicts the hit
+            fleet_c = Fleet(c, {"w0": w0}, session)
+            assert await predicted(fleet_c) >= 64
+            got = await generate(session, c.url)
+            assert 64 <= got[0] <= got[1]
+
+
+async def test_a_snapshot_the_worker_moved_past_unseen_is_not_trusted(
+    nats_server: NatsServer,
+) -> None:
+    """The worker flushed after the snapshot while the relay was away, and its replay buffer
+    (two batches) no longer holds the flush: the new relay's batches do not continue the
+    snapshot's, so the warm start predicts nothing of it."""
+    async with (
+        workers(1, buffer_steps=2) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url),
+    ):
+        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
+            fleet_a = Fleet(a, {"w0": w0}, session)
+            await fleet_a.warm()
+            await generate(session, a.url)
+            await eventually(lambda: _holds(fleet_a, 64), what="the prompt to be indexed")
+            assert a.cluster is not None
+            assert await a.cluster.publish_snapshot() > 0
+        async with session.post(w0.url + "/flush_cache") as resp:
+            assert resp.status == 200
+        await past_the_buffer(session, w0)
+        async with (
+            relay(w0, nats_server.url),
+            RouterService(follower_config(w0, nats_server.url, "c")) as c,
+        ):
+            assert c.cluster is not None and c.cluster.snapshot_at is not None
+            fleet_c = Fleet(c, {"w0": w0}, session)
+
+            async def settled() -> bool:
+                stats = {s.stream: s for s in c.indexer.streams()}["w0#dp0"]
+                return stats.state == "synced"
+
+            await eventually(settled, what="the stream to follow the relay")
+            assert await predicted(fleet_c) == 0
+            got = await generate(session, c.url)
+            assert got[0] <= got[1]
+
+
+async def test_the_relay_refuses_a_config_without_a_cluster() -> None:
+    async with workers(1) as (w0,):
+        with pytest.raises(ConfigError, match=r"\[cluster\]"):
+            RouterService(router_config([("w0", w0.url)]), relay=True)
