@@ -1,6 +1,6 @@
 """`kvroute bench cluster`: what sharing costs between router replicas on NATS (loopback).
 
-Three measurements, each against a real nats-server (JetStream) started for the run:
+Four measurements, each against a real nats-server (JetStream) started for the run:
 
 - decision propagation: replica a commits paced routing decisions (a pending mark of a
   1,024-token prompt and a load begin each, as the planner reports them); replica b records,
@@ -12,6 +12,9 @@ Three measurements, each against a real nats-server (JetStream) started for the 
   replica c starts. Reported: snapshot size and publish time, c's start until ready (fleet read,
   snapshot fetched and loaded, the worker's stream proven by its replay), and whether c's very
   first request for the prompt was predicted as the hit it is (`x-kvroute-matched-tokens`);
+- through the event relay: a reference worker's batches reach a replica subscribed to it and
+  one following `kvroute relay`; reported, per replica, the delay from the batch's publish to
+  its stream applying it;
 - a peer's decision, received: every replica applies every other replica's decisions as its
   own (the prompt's pending marks and recency on the chosen worker, the load), so the fleet's
   request rate sets a cost on each replica. Replica b, in front of a real reference worker,
@@ -32,13 +35,16 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import aiohttp
+import msgspec
 
 from bench.command import write_markdown
 from bench.index_workload import _stored, doc_tokens
 from indexer.namespace import Namespace, namespace_seed
 from indexer.protocol import EventBatch
+from indexer.protocol.decode import decode_batch
 from indexer.service import stream_id
 from router.cluster.server import NatsServer
 from router.cluster.wire import (
@@ -71,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1024,8192",
         help="comma-separated prompt lengths for the cost of applying a peer's decision",
     )
+    parser.add_argument(
+        "--relay-requests", type=int, default=400, help="worker batches through the relay"
+    )
+    parser.add_argument("--relay-rate", type=float, default=100.0, help="their rate per second")
     parser.add_argument("--output", default="docs/benchmarks/cluster.md")
 
 
@@ -177,6 +187,65 @@ async def _warm_start(args: argparse.Namespace, nats: str) -> list[str]:
     ]
 
 
+async def _relay(args: argparse.Namespace, nats: str) -> list[str]:
+    """Event delay to a replica subscribed to the worker and to one following the relay."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=_PAGE)
+    async with ReferenceWorker(cfg) as worker, aiohttp.ClientSession() as session:
+        fleet = (WorkerConfig(url=worker.url, id="w0"),)
+        follower = _replica("f", nats, fleet)
+        assert follower.cluster is not None
+        follower = msgspec.structs.replace(
+            follower, cluster=msgspec.structs.replace(follower.cluster, events="relay")
+        )
+        direct = msgspec.structs.replace(_replica("d", nats, fleet), cluster=None)
+        delays: dict[str, list[float]] = {"direct": [], "relay": []}
+        async with (
+            RouterService(_replica("relay", nats, fleet), relay=True),
+            RouterService(follower) as via_relay,
+            RouterService(direct) as via_zmq,
+        ):
+            for name, service in (("direct", via_zmq), ("relay", via_relay)):
+                service.indexer.applied_listeners.append(_delay_to(service, delays[name]))
+            rng = random.Random(7)
+            gap = 1.0 / args.relay_rate
+            start = time.perf_counter()
+            deadline = start + 60.0
+            for i in range(args.relay_requests):
+                ids = [rng.randrange(3, 259) for _ in range(4 * _PAGE)]
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+                async with session.post(worker.url + "/generate", json=body) as resp:
+                    await resp.read()
+                pause = start + (i + 1) * gap - time.perf_counter()
+                await asyncio.sleep(max(0.0, pause))
+                if time.perf_counter() > deadline:
+                    break
+            await asyncio.sleep(1.0)  # the last batches land
+    rows = []
+    for name, label in (("direct", "its own ZMQ subscription"), ("relay", "the relay's stream")):
+        got = [d * 1e3 for d in delays[name]]
+        if not got:
+            rows.append(f"| {label} | 0 | - | - | - |")
+            continue
+        rows.append(
+            f"| {label} | {len(got)} | {statistics.median(got):.3f} | {_pct(got, 0.99):.3f} | "
+            f"{max(got):.3f} |"
+        )
+    return rows
+
+
+def _delay_to(service: RouterService, into: list[float]) -> Callable[[str], None]:
+    """An applied listener: the delay from the worker's publish (the batch's own time, on
+    this host's clock) to its stream applying it in `service`."""
+
+    def applied(stream: str) -> None:
+        fence = service.indexer.index.fence(stream)
+        payload = None if fence is None else fence.payload
+        if payload is not None:
+            into.append(time.time() - decode_batch(payload).ts)
+
+    return applied
+
+
 async def _peer_cost(args: argparse.Namespace, nats: str) -> list[str]:
     """Replica b's CPU per peer request it applies: rows per prompt length."""
     lengths = [int(n) for n in str(args.peer_prompt_tokens).split(",") if n.strip()]
@@ -247,6 +316,8 @@ async def _run(args: argparse.Namespace) -> str:
         warm = await _warm_start(args, nats.url)
     async with NatsServer() as nats:
         peer_cost = await _peer_cost(args, nats.url)
+    async with NatsServer() as nats:
+        relay = await _relay(args, nats.url)
     load = os.getloadavg()
     return "\n".join(
         [
@@ -295,6 +366,20 @@ async def _run(args: argparse.Namespace) -> str:
             "decode + apply us | at 1,000 req/s |",
             "|---|---|---|---|---|---|---|",
             *peer_cost,
+            "",
+            "## Through the event relay",
+            "",
+            "A reference worker publishes one batch per request (`--relay-requests` prompts of "
+            f"{4 * _PAGE} tokens sent straight to it, `--relay-rate` a second); a replica "
+            "subscribed to it directly and a replica following `kvroute relay` "
+            '(`[cluster] events = "relay"`) both apply them. The delay is from the batch\'s '
+            "own time (the worker's clock at publish; one host) to the stream applying it; all "
+            "four processes' work shares this process's event loop, so the delays include "
+            "waiting for the others' turns.",
+            "",
+            "| replica reading | batches applied | p50 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|",
+            *relay,
             "",
         ]
     )

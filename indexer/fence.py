@@ -46,6 +46,11 @@ class BatchFence:
         """The fence of the batch `payload` just applied as `seq`."""
         return cls(seq, payload=payload)
 
+    @property
+    def payload(self) -> bytes | None:
+        """The batch's bytes (None: a fence loaded from a snapshot keeps the digest only)."""
+        return self._payload
+
     def digest(self) -> bytes:
         """The payload's digest (computed once, when first asked: snapshots only)."""
         if self._digest is None:

@@ -201,7 +201,7 @@ class RelayPublisher:
         return {
             "status": "ok" if self.connected else "degraded",
             "stream": relay_stream_name(self.config),
-            "epoch": self.epoch,
+            "epoch": f"{self.epoch:x}",
             "published": self.published,
             "dropped": self.dropped,
             "waiting": len(self._queue),
