@@ -171,6 +171,8 @@ class Supervisor:
         self._said: dict[str, str] = {}
         # per worker, what its registration found suspect but registered anyway (`_doubt`)
         self._doubts: dict[str, str] = {}
+        # the adapters workers of several base models list, as last said (`_say_ambiguous`)
+        self._ambiguous: dict[str, tuple[str, ...]] = {}
         # per worker entry, its discovery under way (an added one's: with its first health
         # check, `_join`): one at a time, and never awaited longer than a health round, the
         # startup or an add waits (a hung worker's discovery takes its whole timeout, 10 s a
@@ -266,6 +268,7 @@ class Supervisor:
                 # several
                 self._pool.set_role(entry, role, bootstrap_port)
                 self._pool.set_models(entry, models, adapters)
+                self._say_ambiguous(entry)
             raise
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
@@ -273,6 +276,7 @@ class Supervisor:
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models, adapters)
+        self._say_ambiguous(entry)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
@@ -558,6 +562,23 @@ class Supervisor:
         self._doubts[worker] = note
         log.warning("worker %s: %s", worker, note)
 
+    def _say_ambiguous(self, entry: WorkerEntry) -> None:
+        """Say which adapter names `entry`'s registration made ambiguous (workers of several
+        base models list them: their requests are refused, `WorkerPool.resolve`): once per
+        name and bases, here rather than on each refused request."""
+        now = self._pool.ambiguous_adapters()
+        for name, bases in now.items():
+            if self._ambiguous.get(name) != bases:
+                log.warning(
+                    "worker %s: LoRA adapter %r is listed by workers of several base models "
+                    "(%s): requests naming it alone are refused (400) until each base's "
+                    "adapter is served under its own name",
+                    entry.id,
+                    name,
+                    ", ".join(repr(base) for base in bases),
+                )
+        self._ambiguous = now
+
     def refusal(self, worker: str) -> str | None:
         """Why `worker` could not be registered, as last logged (None: nothing logged)."""
         return self._said.get(worker)
@@ -657,6 +678,8 @@ class Supervisor:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
         self._doubts.pop(worker_id, None)
+        # fewer workers list fewer bases: said again if a registration makes one ambiguous
+        self._ambiguous = self._pool.ambiguous_adapters()
         # a worker added again under its id (a reload that changed it) has its own reasons
         self._said.pop(worker_id, None)
         self._stale.discard(worker_id)
