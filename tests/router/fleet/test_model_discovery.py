@@ -301,3 +301,42 @@ async def test_an_adapter_listed_under_two_base_models_is_refused_not_guessed(
         assert (await fleet.admin("DELETE", "/workers/v2"))[0] == 200
         status, headers, _ = await fleet.post("/v1/completions", body)
         assert status == 200 and headers["x-kvroute-worker"] == "v1"
+
+
+async def test_a_configured_model_the_worker_does_not_advertise_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The config's model wins over the one a worker advertises (a router-side name is
+    allowed), but when none of its names is advertised the URL may point at another model's
+    worker: it was taken without a word ("serves model-a" only)."""
+    caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+    reference = ReferenceConfig(model="model-s", time_scale=0.0)
+    async with (
+        ReferenceWorker(reference) as worker,
+        OpenAIBackend("base-x", ()) as backend,
+        OpenAIBackend("base-x", ()) as named_alike,
+        _router() as fleet,
+    ):
+        added = [
+            {"id": "ws", "url": worker.url, "model": "model-a"},  # SGLang: served_model_name
+            {"id": "vx", "url": backend.url, "model": "base-y", "engine": "vllm",
+             "kv_events": False},  # vLLM: its /v1/models
+            {"id": "ok", "url": named_alike.url, "model": "base-x", "models": ["alias"],
+             "engine": "vllm", "kv_events": False},
+        ]  # fmt: skip
+        for body in added:
+            status, answer = await fleet.admin("POST", "/workers", body)
+            assert status == 201, answer
+        said = [r.getMessage() for r in caplog.records if "advertises" in r.getMessage()]
+        assert said == [
+            "worker ws: the config says it serves 'model-a', it advertises 'model-s': routed "
+            "as the config says; check its url",
+            "worker vx: the config says it serves 'base-y', it advertises 'base-x': routed "
+            "as the config says; check its url",
+        ]
+        _, workers = await fleet.admin("GET", "/workers")
+        assert _models_of(workers) == {
+            "ws": ["model-a"],
+            "vx": ["base-y"],
+            "ok": ["base-x", "alias"],
+        }
