@@ -309,3 +309,26 @@ def test_an_adapter_listed_under_aliases_of_one_pool_is_not_ambiguous() -> None:
     choice = pool.resolve("lora")
     assert (choice.model, choice.cache_model, choice.adapter) == ("a", "a", "lora")
     assert pool.ambiguous_adapters() == {}
+
+
+@pytest.mark.parametrize(
+    ("names", "matched_under"),
+    [
+        ({"a": ("X", "x"), "b": ("X", "x")}, {"X": "X", "x": "X"}),  # listed alike: both X's
+        ({"a": ("X", "x"), "b": ("x",)}, {"X": "X", "x": "x"}),  # x is b's first name
+        ({"a": ("X", "x"), "c": ("X",)}, {"X": "X", "x": "x"}),  # only some list x
+        ({"a": ("X", "x"), "b": ("x", "X")}, {"X": "X", "x": "X"}),  # b's pages are x's
+    ],
+    ids=["alike", "another-first-name", "some-list-it", "another-order"],
+)
+def test_an_alias_is_matched_under_the_first_name_only_when_listed_alike(
+    names: dict[str, tuple[str, ...]], matched_under: dict[str, str]
+) -> None:
+    """What docs/router.md ("Model pools") says of aliases: a request is matched under one name,
+    its workers' first name only when that name has exactly the alias's workers, so a worker
+    gets KV matching only when its own first name (its events' namespace) is that name."""
+    pool = WorkerPool(BreakerConfig())
+    pool.add(WorkerConfig(url="http://127.0.0.1:9", id="other", model="Y"))  # several models
+    for i, (wid, served) in enumerate(names.items()):
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=wid, models=served))
+    assert {name: pool.resolve(name).cache_model for name in matched_under} == matched_under
