@@ -4,6 +4,7 @@ RouterError                    500 unless a subclass says otherwise
 ├── ConfigError                a config file or struct that cannot be used (never an HTTP answer)
 │   └── ReloadError            400: POST /admin/reload of a file that cannot be used (kept running)
 ├── RequestError               400: a request body or header the router cannot route
+│   ├── AmbiguousModelError    400: a LoRA adapter name workers of several base models list
 │   ├── BadHttpRequestError    400: malformed HTTP (request line, header bytes, framing)
 │   ├── RequestTimeoutError    408: headers or body not received within their timeout
 │   ├── PayloadTooLargeError   413: a body over the configured limit
@@ -25,6 +26,7 @@ RouterError                    500 unless a subclass says otherwise
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousModelError",
     "AuthError",
     "BadHttpRequestError",
     "ConfigError",
@@ -86,6 +88,31 @@ class RequestError(RouterError):
     """A client request the router cannot route; the message names the field."""
 
     status = 400
+
+
+class AmbiguousModelError(RequestError):
+    """A request naming by itself a LoRA adapter that workers of several base models list
+    (vLLM's `/v1/models` cards, each with its `parent`).
+
+    Either base could be meant, and a vLLM worker takes an adapter only by its own name (no
+    `base:adapter`), so no request can say which: picking one sent a tenant to the other base
+    model whenever the workers changed. The answer names the bases.
+    """
+
+    def __init__(self, model: str, bases: tuple[str, ...]) -> None:
+        listed = ", ".join(repr(name) for name in bases)
+        super().__init__(
+            f"the request names model {model[:64]!r}, a LoRA adapter that workers of several "
+            f"base models list ({listed}): which one is meant cannot be told, as a vLLM worker "
+            "takes an adapter only by its own name; serve the adapter under a distinct name "
+            "for each base model"
+        )
+        self.model = model
+        self.bases = bases
+
+    def details(self) -> dict[str, object]:
+        """OpenAI's `param`, and the base models that list the adapter."""
+        return {"param": "model", "code": "model_ambiguous", "bases": list(self.bases)}
 
 
 class BadHttpRequestError(RequestError):

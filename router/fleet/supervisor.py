@@ -171,6 +171,11 @@ class Supervisor:
         self._said: dict[str, str] = {}
         # per worker, what its registration found suspect but registered anyway (`_doubt`)
         self._doubts: dict[str, str] = {}
+        # per worker, the configured and advertised models that contradict, as last said
+        # (`_check_named`)
+        self._misnamed: dict[str, str] = {}
+        # the adapters workers of several base models list, as last said (`_say_ambiguous`)
+        self._ambiguous: dict[str, tuple[str, ...]] = {}
         # per worker entry, its discovery under way (an added one's: with its first health
         # check, `_join`): one at a time, and never awaited longer than a health round, the
         # startup or an add waits (a hung worker's discovery takes its whole timeout, 10 s a
@@ -205,9 +210,10 @@ class Supervisor:
         adapters: dict[str, str] | None = None,
         *,
         info_read: bool = False,
+        advertised: list[str] | None = None,
     ) -> tuple[str, ...]:
-        """The models `entry` serves (`read_served_models`; `adapters` and `info_read` as it
-        says)."""
+        """The models `entry` serves (`read_served_models`; `adapters`, `info_read` and
+        `advertised` as it says)."""
         return await read_served_models(
             self._session,
             entry.config,
@@ -216,6 +222,7 @@ class Supervisor:
             timeout_s=self._health.timeout_s * 5,
             adapters=adapters,
             info_read=info_read,
+            advertised=advertised,
         )
 
     @staticmethod
@@ -253,7 +260,10 @@ class Supervisor:
         # vLLM names a LoRA adapter by itself (SGLang: base:adapter): the ones it lists
         adapters: dict[str, str] | None = {} if spec.name == "vllm" else None
         # the server info was read above, once (None: it did not answer, or there is none)
-        models = await self.served_models(entry, spec, info, adapters, info_read=True)
+        advertised: list[str] = []
+        models = await self.served_models(
+            entry, spec, info, adapters, info_read=True, advertised=advertised
+        )
         # a config that spells its streams out is taken as it is: the settings read anyway
         # only complete what no config says (capacity, concurrency, role)
         try:
@@ -266,6 +276,10 @@ class Supervisor:
                 # several
                 self._pool.set_role(entry, role, bootstrap_port)
                 self._pool.set_models(entry, models, adapters)
+                self._say_ambiguous(entry)
+                # a URL pointing at another worker is a likely cause of the refusal too (its
+                # streams: another worker's already)
+                self._check_named(entry, advertised)
             raise
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
@@ -273,6 +287,8 @@ class Supervisor:
             await self._indexer.add_worker(entry.id, streams)
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models, adapters)
+        self._say_ambiguous(entry)
+        self._check_named(entry, advertised)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
@@ -558,6 +574,43 @@ class Supervisor:
         self._doubts[worker] = note
         log.warning("worker %s: %s", worker, note)
 
+    def _check_named(self, entry: WorkerEntry, advertised: list[str]) -> None:
+        """Say when none of the models `entry`'s config names is one it advertises (once per
+        worker and names: re-registrations would repeat it). The config's names are used all
+        the same (a router-side name is allowed); what this catches is a URL pointing at
+        another model's worker, whose requests it would answer with that model."""
+        configured = entry.config.served_models
+        if not configured or not advertised or set(configured) & set(advertised):
+            self._misnamed.pop(entry.id, None)
+            return
+        note = (
+            f"the config says it serves {', '.join(map(repr, configured))}, it advertises "
+            f"{', '.join(map(repr, advertised))}: routed as the config says; check its url"
+        )
+        if self._misnamed.get(entry.id) == note:
+            return
+        if len(self._misnamed) >= 4096:
+            self._misnamed.clear()  # bounded as `_said` is
+        self._misnamed[entry.id] = note
+        log.warning("worker %s: %s", entry.id, note)
+
+    def _say_ambiguous(self, entry: WorkerEntry) -> None:
+        """Say which adapter names `entry`'s registration made ambiguous (workers of several
+        base models list them: their requests are refused, `WorkerPool.resolve`): once per
+        name and bases, here rather than on each refused request."""
+        now = self._pool.ambiguous_adapters()
+        for name, bases in now.items():
+            if self._ambiguous.get(name) != bases:
+                log.warning(
+                    "worker %s: LoRA adapter %r is listed by workers of several base models "
+                    "(%s): requests naming it alone are refused (400) until each base's "
+                    "adapter is served under its own name",
+                    entry.id,
+                    name,
+                    ", ".join(repr(base) for base in bases),
+                )
+        self._ambiguous = now
+
     def refusal(self, worker: str) -> str | None:
         """Why `worker` could not be registered, as last logged (None: nothing logged)."""
         return self._said.get(worker)
@@ -657,6 +710,9 @@ class Supervisor:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
         self._doubts.pop(worker_id, None)
+        self._misnamed.pop(worker_id, None)
+        # fewer workers list fewer bases: said again if a registration makes one ambiguous
+        self._ambiguous = self._pool.ambiguous_adapters()
         # a worker added again under its id (a reload that changed it) has its own reasons
         self._said.pop(worker_id, None)
         self._stale.discard(worker_id)

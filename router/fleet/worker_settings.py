@@ -80,6 +80,7 @@ async def read_served_models(
     timeout_s: float,
     adapters: dict[str, str] | None = None,
     info_read: bool = False,
+    advertised: list[str] | None = None,
 ) -> tuple[str, ...]:
     """The models the worker of `config` serves: its config's, else the ones it advertises.
 
@@ -94,19 +95,28 @@ async def read_served_models(
 
     `info_read`: the caller tried the server info already (`info` None: it did not answer), so
     it is not asked again (a registration; a hung worker's would wait out its paths twice).
+
+    `advertised`, when given, is filled with the names the worker advertises in the answers
+    read anyway (its `served_model_name`, else its `/v1/models`; nothing is asked for them):
+    a configured name the worker does not advertise may be a config pointing at another
+    worker.
     """
     url = config.url.rstrip("/")
-    named: tuple[str, ...] | None = config.served_models or None
-    if named is None and info is not None:
-        named = models_from_server_info(info)
+    said = models_from_server_info(info) if info is not None else None
+    named: tuple[str, ...] | None = config.served_models or said
     if named is not None and adapters is None:
+        if advertised is not None:
+            advertised.extend(said or ())
         return named
     answer, unreachable = await _model_list(session, url, timeout_s)
     if adapters is not None:
         adapters.update(adapters_from_model_list(answer))
+    listed = models_from_model_list(answer)
+    if advertised is not None:
+        advertised.extend(said or listed or ())
     if named is not None:
         return named
-    if (listed := models_from_model_list(answer)) is not None:
+    if listed is not None:
         return listed
     if info is None and not info_read and spec.server_info_paths:
         try:

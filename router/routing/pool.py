@@ -22,6 +22,7 @@ import msgspec
 from indexer.engines import PdRole
 from router.config import BreakerConfig, WorkerConfig
 from router.errors import (
+    AmbiguousModelError,
     ConflictError,
     ModelUnavailableError,
     NotFoundError,
@@ -187,6 +188,8 @@ class WorkerPool:
         self._single: ModelChoice | None = ModelChoice("", "", None)
         self._names_adapters = False
         self._adapters: dict[str, str] = {}  # adapter -> base model, as the workers list them
+        # adapters that workers of several base models list: adapter -> those bases (`resolve`)
+        self._ambiguous: dict[str, tuple[str, ...]] = {}
         # names some worker served and none serves now: a one-pool fleet's any-name rule must
         # not hand their requests to the model left (a pool's last worker removed, or back
         # serving another model)
@@ -254,10 +257,21 @@ class WorkerPool:
         """Every name a worker serves, in the order the workers were added."""
         return tuple(self._by_model)
 
+    def ambiguous_adapters(self) -> dict[str, tuple[str, ...]]:
+        """The LoRA adapters that workers of several base models list by name, each with
+        those bases (sorted): requests naming one by itself are refused (`resolve`)."""
+        return dict(self._ambiguous)
+
     def resolve(self, model: str) -> ModelChoice:
         """The served model a request naming `model` goes to; UnknownModelError when the fleet
         serves several and none of them is `model` (or its base, in the `base:adapter` form),
-        or `model` is gone (`_refuse`)."""
+        or `model` is gone (`_refuse`); AmbiguousModelError when `model` is an adapter that
+        workers of several base models list."""
+        bases = self._ambiguous.get(model)
+        if bases is not None and model not in self._by_model:
+            # any pick would be a guess that changes with the workers (the last one listed
+            # won: removing an unrelated worker moved a tenant to another base model)
+            raise AmbiguousModelError(model, bases)
         parent = self._adapters.get(model)
         if parent is not None and model not in self._by_model and parent in self._by_model:
             # an adapter named by itself (vLLM): its base's pool, its pages its own namespace
@@ -318,9 +332,6 @@ class WorkerPool:
         self._by_model = {name: tuple(entries) for name, entries in by_model.items()}
         self._ever.update(by_model)
         self._gone = frozenset(self._ever.difference(by_model))
-        self._adapters = {
-            name: parent for e in self._everyone for name, parent in e.adapters.items()
-        }
         # vLLM workers only: a request naming another model names a LoRA adapter (`resolve`)
         self._names_adapters = bool(self._everyone) and all(
             e.config.engine == "vllm" for e in self._everyone
@@ -333,6 +344,7 @@ class WorkerPool:
         for name, entries in by_model.items():
             first = entries[0].cache_model
             self._cache_model[name] = first if groups.get(first) == groups[name] else name
+        self._index_adapters(groups)
         self._vllm_only = frozenset(
             cache
             for name, cache in self._cache_model.items()
@@ -344,6 +356,24 @@ class WorkerPool:
             self._single = ModelChoice(first_name, self._cache_model.get(first_name, ""), None)
         else:
             self._single = None
+
+    def _index_adapters(self, groups: dict[str, frozenset[str]]) -> None:
+        """Each adapter name the workers list, by the base model its cards name: one base
+        (or bases that are one pool's aliases, served by the same workers) is that base's;
+        several are ambiguous (`resolve`). A base no worker serves is a pool of its own: the
+        adapter may be that worker's, under a name its config replaced (fail closed)."""
+        parents: dict[str, set[str]] = {}
+        for entry in self._everyone:
+            for name, parent in entry.adapters.items():
+                parents.setdefault(name, set()).add(parent)
+        self._adapters, self._ambiguous = {}, {}
+        for name, bases in parents.items():
+            # a served base is its workers (aliases share them), an unserved one its own name
+            pools: set[frozenset[str] | str] = {groups.get(base) or base for base in bases}
+            if len(pools) == 1:
+                self._adapters[name] = min(bases)  # aliases of one pool: any names it
+            else:
+                self._ambiguous[name] = tuple(sorted(bases))
 
     def __iter__(self) -> Iterator[WorkerEntry]:
         return iter(self._everyone)

@@ -20,7 +20,7 @@ import pytest
 
 from indexer.engines import EngineName
 from router.config import BreakerConfig, HealthConfig, PolicyConfig, PolicyName, WorkerConfig
-from router.errors import UnknownModelError
+from router.errors import AmbiguousModelError, UnknownModelError
 from router.fleet.discovery import adapters_from_model_list
 from router.routing.pool import WorkerPool
 from router.service import RouterService
@@ -268,3 +268,67 @@ def test_a_vllm_adapter_its_base_lists_goes_to_that_base_in_a_fleet_of_several()
     assert adapters_from_model_list(
         {"data": [{"id": "base-a"}, {"id": "sql-lora", "parent": "base-a"}, {"id": 3}]}
     ) == {"sql-lora": "base-a"}
+
+
+def test_an_adapter_two_base_models_list_is_refused_whatever_the_worker_order() -> None:
+    """vLLM lists an adapter by name with its `parent`: when workers of two base models list
+    one name, the last worker's base won, so removing an unrelated worker (v3, base-v) moved
+    the name's requests from base-v to base-w while v1 still served it."""
+    listed = {"v1": "base-v", "v2": "base-w", "v3": "base-v"}
+    pool = WorkerPool(BreakerConfig())
+    for i, (wid, base) in enumerate(listed.items()):
+        entry = pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=wid, engine="vllm"))
+        adapters = {"shared": base} | ({"sql-lora": base} if base == "base-v" else {})
+        pool.set_models(entry, (base,), adapters)
+    for removed in ("", "v3"):
+        if removed:
+            pool.remove(removed)
+        with pytest.raises(AmbiguousModelError) as refused:
+            pool.resolve("shared")
+        assert refused.value.bases == ("base-v", "base-w")
+        assert pool.ambiguous_adapters() == {"shared": ("base-v", "base-w")}
+        # an adapter of one base is that base's, and the `base:adapter` spelling is unchanged
+        assert pool.resolve("sql-lora").model == "base-v"
+        assert (pool.resolve("base-w:shared").model, pool.resolve("base-w").adapter) == (
+            "base-w",
+            None,
+        )
+    pool.remove("v2")  # only base-v lists it now: it is base-v's again
+    choice = pool.resolve("shared")
+    assert (choice.model, choice.adapter, pool.ambiguous_adapters()) == ("base-v", "shared", {})
+
+
+def test_an_adapter_listed_under_aliases_of_one_pool_is_not_ambiguous() -> None:
+    """Two names of the same workers (vLLM `--served-model-name a b`, listed in another order
+    on each) are one pool: an adapter whose cards name either is that pool's."""
+    pool = WorkerPool(BreakerConfig())
+    for i, (names, parent) in enumerate([(("a", "b"), "a"), (("b", "a"), "b")]):
+        entry = pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}", engine="vllm"))
+        pool.set_models(entry, names, {"lora": parent})
+    pool.add(WorkerConfig(url="http://127.0.0.1:3", id="c", engine="vllm", model="c"))
+    choice = pool.resolve("lora")
+    assert (choice.model, choice.cache_model, choice.adapter) == ("a", "a", "lora")
+    assert pool.ambiguous_adapters() == {}
+
+
+@pytest.mark.parametrize(
+    ("names", "matched_under"),
+    [
+        ({"a": ("X", "x"), "b": ("X", "x")}, {"X": "X", "x": "X"}),  # listed alike: both X's
+        ({"a": ("X", "x"), "b": ("x",)}, {"X": "X", "x": "x"}),  # x is b's first name
+        ({"a": ("X", "x"), "c": ("X",)}, {"X": "X", "x": "x"}),  # only some list x
+        ({"a": ("X", "x"), "b": ("x", "X")}, {"X": "X", "x": "X"}),  # b's pages are x's
+    ],
+    ids=["alike", "another-first-name", "some-list-it", "another-order"],
+)
+def test_an_alias_is_matched_under_the_first_name_only_when_listed_alike(
+    names: dict[str, tuple[str, ...]], matched_under: dict[str, str]
+) -> None:
+    """What docs/router.md ("Model pools") says of aliases: a request is matched under one name,
+    its workers' first name only when that name has exactly the alias's workers, so a worker
+    gets KV matching only when its own first name (its events' namespace) is that name."""
+    pool = WorkerPool(BreakerConfig())
+    pool.add(WorkerConfig(url="http://127.0.0.1:9", id="other", model="Y"))  # several models
+    for i, (wid, served) in enumerate(names.items()):
+        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=wid, models=served))
+    assert {name: pool.resolve(name).cache_model for name in matched_under} == matched_under

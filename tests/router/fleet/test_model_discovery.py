@@ -8,11 +8,13 @@ a `parent`. Real servers on 127.0.0.1: reference workers, and a small OpenAI-onl
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Self
 
 import aiohttp
 import msgspec
+import pytest
 from aiohttp import web
 
 from router.config import WorkerConfig
@@ -43,18 +45,22 @@ def test_what_the_answers_say() -> None:
 
 
 class OpenAIBackend:
-    """An OpenAI-compatible server with one model and one LoRA adapter, and no /server_info."""
+    """An OpenAI-compatible server with one model and its LoRA adapters, and no /server_info
+    (vLLM's /v1/models: an adapter is a card whose `parent` is the base)."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: str = "base-x", adapters: tuple[str, ...] = ("lora-x",)) -> None:
+        self.base = base
+        self.adapters = adapters
         self.models_asked = 0
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def _models(self, request: web.Request) -> web.Response:
         self.models_asked += 1
-        cards = [
-            {"id": "base-x", "object": "model", "root": "base-x", "parent": None},
-            {"id": "lora-x", "object": "model", "root": "/adapters/x", "parent": "base-x"},
+        cards = [{"id": self.base, "object": "model", "root": self.base, "parent": None}]
+        cards += [
+            {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": self.base}
+            for name in self.adapters
         ]
         return web.json_response({"object": "list", "data": cards})
 
@@ -255,3 +261,82 @@ async def test_configured_events_for_fewer_ranks_than_the_worker_runs_are_refuse
         async with _router(whole) as fleet:
             _, workers = await fleet.admin("GET", "/workers")
             assert len(workers["workers"][0]["streams"]) == 2
+
+
+async def test_an_adapter_listed_under_two_base_models_is_refused_not_guessed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """v1 and v3 serve base-v, v2 base-w, and all three list the adapter `shared`: the last
+    worker's base won, so `shared` went to base-v until v3 was removed, then to base-w (v1
+    still served it). Now: one warning when it becomes ambiguous, a 400 naming both bases on
+    the proxy and on /v1/kv/query, and base-v's once only base-v lists it."""
+    caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+    async with (
+        OpenAIBackend("base-v", ("sql-lora", "shared")) as v1,
+        OpenAIBackend("base-w", ("shared",)) as v2,
+        OpenAIBackend("base-v", ("sql-lora", "shared")) as v3,
+        _router(*(
+            WorkerConfig(url=b.url, id=wid, engine="vllm", kv_events=False)
+            for wid, b in (("v1", v1), ("v2", v2), ("v3", v3))
+        )) as fleet,
+    ):  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "'shared'" in r.getMessage()]
+        assert len(said) == 1 and "'base-v', 'base-w'" in said[0], said
+        body = {"model": "shared", "prompt": "x", "max_tokens": 1}
+        for removed in ("", "v3"):
+            if removed:
+                assert (await fleet.admin("DELETE", f"/workers/{removed}"))[0] == 200
+            status, _, answer = await fleet.post("/v1/completions", body)
+            assert status == 400, answer
+            error = answer["error"]
+            assert (error["type"], error["bases"]) == ("AmbiguousModelError", ["base-v", "base-w"])
+            assert "distinct name" in error["message"]
+            query = {"model": "shared", "token_ids": [1, 2, 3]}
+            async with fleet.session.post(fleet.url + "/v1/kv/query", json=query) as resp:
+                refused = await resp.json()
+                assert resp.status == 400 and refused["error"]["type"] == "AmbiguousModelError"
+            status, headers, _ = await fleet.post("/v1/completions", {**body, "model": "sql-lora"})
+            assert status == 200 and headers["x-kvroute-worker"] in ("v1", "v3")
+        assert len([r for r in caplog.records if "'shared'" in r.getMessage()]) == 1
+        assert (await fleet.admin("DELETE", "/workers/v2"))[0] == 200
+        status, headers, _ = await fleet.post("/v1/completions", body)
+        assert status == 200 and headers["x-kvroute-worker"] == "v1"
+
+
+async def test_a_configured_model_the_worker_does_not_advertise_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The config's model wins over the one a worker advertises (a router-side name is
+    allowed), but when none of its names is advertised the URL may point at another model's
+    worker: it was taken without a word ("serves model-a" only)."""
+    caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+    reference = ReferenceConfig(model="model-s", time_scale=0.0)
+    async with (
+        ReferenceWorker(reference) as worker,
+        OpenAIBackend("base-x", ()) as backend,
+        OpenAIBackend("base-x", ()) as named_alike,
+        _router() as fleet,
+    ):
+        added = [
+            {"id": "ws", "url": worker.url, "model": "model-a"},  # SGLang: served_model_name
+            {"id": "vx", "url": backend.url, "model": "base-y", "engine": "vllm",
+             "kv_events": False},  # vLLM: its /v1/models
+            {"id": "ok", "url": named_alike.url, "model": "base-x", "models": ["alias"],
+             "engine": "vllm", "kv_events": False},
+        ]  # fmt: skip
+        for body in added:
+            status, answer = await fleet.admin("POST", "/workers", body)
+            assert status == 201, answer
+        said = [r.getMessage() for r in caplog.records if "advertises" in r.getMessage()]
+        assert said == [
+            "worker ws: the config says it serves 'model-a', it advertises 'model-s': routed "
+            "as the config says; check its url",
+            "worker vx: the config says it serves 'base-y', it advertises 'base-x': routed "
+            "as the config says; check its url",
+        ]
+        _, workers = await fleet.admin("GET", "/workers")
+        assert _models_of(workers) == {
+            "ws": ["model-a"],
+            "vx": ["base-y"],
+            "ok": ["base-x", "alias"],
+        }
