@@ -112,7 +112,11 @@ def describe_fleet(fleet: Fleet) -> str:
 
 
 async def _serve(
-    fleets: list[Fleet], router: RouterConfig | None = None, replicas: int = 1
+    fleets: list[Fleet],
+    router: RouterConfig | None = None,
+    replicas: int = 1,
+    *,
+    relay: bool = False,
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
         for fleet in fleets:
@@ -122,19 +126,24 @@ async def _serve(
             await wait_for_shutdown()
         else:
             routed = [w for fleet in fleets for w in _routed(fleet)]
-            if replicas > 1:
-                await _serve_replicas(router, routed, replicas)
+            if replicas > 1 or relay:
+                await _serve_replicas(router, routed, replicas, relay=relay)
             else:
                 await serve_fleet(router, routed, wait_for_shutdown)
     print("stopped", flush=True)
 
 
-async def _serve_replicas(router: RouterConfig, workers: list[RoutedWorker], n: int) -> None:
-    """`n` router replica processes on the router's port, one router through a local NATS."""
+async def _serve_replicas(
+    router: RouterConfig, workers: list[RoutedWorker], n: int, *, relay: bool = False
+) -> None:
+    """`n` router replica processes on the router's port, one router through a local NATS;
+    `relay`: they follow a `kvroute relay` run here (on a free port) instead of subscribing to
+    the workers themselves."""
     from router.cluster.server import NatsServer
     from router.commands.replicas import serve_processes
+    from router.service import RouterService
 
-    async with NatsServer() as nats:
+    async with NatsServer() as nats, contextlib.AsyncExitStack() as stack:
         print(
             f"nats-server (JetStream) for the replicas: {nats.url} "
             f"({nats.binary}, from {nats.found_in})",
@@ -144,6 +153,15 @@ async def _serve_replicas(router: RouterConfig, workers: list[RoutedWorker], n: 
         config = msgspec.structs.replace(
             router, cluster=cluster, workers=(*router.workers, *workers)
         )
+        if relay:
+            relayed = msgspec.structs.replace(
+                config, listen=msgspec.structs.replace(config.listen, port=0)
+            )
+            service = await stack.enter_async_context(RouterService(relayed, relay=True))
+            print(f"kvroute relay of the workers' KV events on {service.url}", flush=True)
+            config = msgspec.structs.replace(
+                config, cluster=msgspec.structs.replace(cluster, events="relay")
+            )
         with tempfile.TemporaryDirectory(prefix="kvroute-up-") as tmp:
             path = Path(tmp) / "router.json"  # what every replica reads (kvroute serve --config)
             path.write_bytes(msgspec.json.encode(config))
@@ -174,6 +192,12 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
     router.add_argument("--no-router", action="store_true", help="start the workers only")
     router.add_argument(
+        "--relay",
+        action="store_true",
+        help="run `kvroute relay` too and have the replicas follow it ([cluster] events = "
+        '"relay"), with a local nats-server as for --replicas',
+    )
+    router.add_argument(
         "--replicas",
         type=at_least(1),
         default=1,
@@ -202,7 +226,7 @@ def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -
     add_arguments(probe)
     defaults = vars(probe.parse_args([]))
     given = _given_options(probe, getattr(args, "command_line", None))
-    router_only = {"config", "router_port", "policy", "no_router", "replicas"}
+    router_only = {"config", "router_port", "policy", "no_router", "replicas", "relay"}
     actions = {action.dest: action for action in probe._actions}
     for key, value in fleet.items():
         if key not in defaults or key in router_only:
@@ -295,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     try:
-        run_loop(_serve(_fleets(args), router, args.replicas))  # uvloop, as `serve`
+        # uvloop, as `serve`
+        run_loop(_serve(_fleets(args), router, args.replicas, relay=args.relay))
     except PortTakenError as exc:
         print(
             f"kvroute up: {exc}: choose another --worker-port-base (worker i listens on base + "

@@ -59,6 +59,40 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
         assert len(replicas) == 2, "every connection went to the same replica"
 
 
+async def test_up_with_a_relay_serves_hits_through_it() -> None:
+    """`kvroute up --replicas 2 --relay`: the replicas hold what the relay writes, and a
+    prompt sent twice is predicted the second time."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--replicas", "2", "--relay", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        said = await asyncio.wait_for(_read_until(proc.stdout, "kvroute relay", lines), 60)
+        relay_url = said.split(" on ")[1].split()[0]
+        line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+        url = line.split("listening on ")[1].split()[0]
+        body = {
+            "text": "a prompt the relay carries to both replicas " * 4,
+            "sampling_params": {"max_new_tokens": 1},
+        }
+        async with aiohttp.ClientSession() as session:
+            matched = 0
+            for _ in range(100):  # until the relay's records reach the replica that answers
+                async with session.post(url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                    answer = await resp.json()
+                    matched = int(resp.headers["x-kvroute-matched-tokens"])
+                if matched:
+                    assert matched <= answer["meta_info"]["cached_tokens"]
+                    break
+                await asyncio.sleep(0.05)
+            assert matched > 0
+            async with session.get(relay_url + "/health") as resp:
+                assert (await resp.json())["relay"]["published"] > 0
+
+
 async def test_serve_processes_without_a_cluster_exits_2_saying_why(tmp_path: Path) -> None:
     config = tmp_path / "router.toml"
     config.write_text('[listen]\nport = 0\n[admin]\ntoken = "t"\n')
