@@ -36,6 +36,8 @@ from indexer.subscriptions import stream_id
 
 __all__ = ["FedStream", "FedStreams"]
 
+_ANOTHER_RELAY = "records of another relay process (a restart, or a second relay of this stream)"
+
 log = logging.getLogger(__name__)
 
 
@@ -62,6 +64,7 @@ class FedStream:
         clock: Callable[[], float],
         on_applied: Callable[[str, int], None] | None = None,
         verify_window_s: float = 10.0,
+        silent_after_s: float | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.worker = worker
@@ -70,10 +73,12 @@ class FedStream:
         self._clock = clock
         self._on_applied = on_applied
         self.verify_window_s = verify_window_s
+        # STALE once the relay said nothing for this long (its heartbeats come every
+        # cluster.heartbeat_interval_s): the follower passes cluster.heartbeat_timeout_s
         self.health = StreamHealth(
             stream_id,
             started_at=clock(),
-            stale_after_s=settings.stale_after_s,
+            stale_after_s=settings.stale_after_s if silent_after_s is None else silent_after_s,
             block_size=config.block_size,
             dp_rank=config.dp_rank,
         )
@@ -95,11 +100,14 @@ class FedStream:
 
     # ------------------------------------------------------------ records
 
-    def take(self, record: RelayRecord) -> None:
-        """Apply one record of this stream, in the order the relay wrote them."""
+    def take(self, record: RelayRecord, age_s: float = 0.0) -> None:
+        """Apply one record of this stream, in the order the relay wrote them; `age_s`: how
+        long ago it was written (JetStream's time of it: a record read back from the stream's
+        past says nothing of now)."""
         now = self._clock()
+        written = now - max(0.0, age_s)
         if record.kind is RelayKind.HEARTBEAT:
-            self._heartbeat(record, now)
+            self._heartbeat(record, now, written)
             return
         if self._proof is not None:
             if not self._prove_by_record(record):
@@ -107,22 +115,22 @@ class FedStream:
         elif self._epoch is None:
             self._epoch = record.epoch  # joined: from this record on
         elif record.epoch != self._epoch:
-            self._afresh(record.epoch, "the relay restarted", restart=True)
+            self._afresh(record.epoch, _ANOTHER_RELAY, restart=True)
         elif record.rseq <= self._rseq:
             return  # seen already (a redelivery)
         elif record.rseq > self._rseq + 1:
             self._afresh(record.epoch, f"{record.rseq - self._rseq - 1} relay record(s) missed")
         self._rseq = record.rseq
-        self._apply(record, now)
+        self._apply(record, written)
         self._relay_state = record.state
         self._show()
 
-    def _apply(self, record: RelayRecord, now: float) -> None:
+    def _apply(self, record: RelayRecord, written: float) -> None:
         kind = record.kind
         if kind is RelayKind.BATCH and record.seq is not None:
             applied = self.sink.apply(b"", record.seq, record.payload, replayed=record.replayed)
             self.tracker.last = record.seq
-            self.health.last_event_at = now
+            self.health.last_event_at = max(written, self.health.last_event_at or written)
             self.batches += 1
             if applied is None:
                 self.decode_errors += 1
@@ -142,10 +150,10 @@ class FedStream:
             self.sink.forget_seq()
             self.tracker.last = None
 
-    def _heartbeat(self, record: RelayRecord, now: float) -> None:
-        # the relay is alive; whether it hears the worker is its state (STALE when not, by
-        # the relay's own stale_after_s)
-        self.health.last_heard_at = now
+    def _heartbeat(self, record: RelayRecord, now: float, written: float) -> None:
+        # the relay was alive when it wrote this; whether it hears the worker is its state
+        # (STALE when not, by the relay's own stale_after_s)
+        self.health.last_heard_at = max(written, self.health.last_heard_at or written)
         if self._proof is not None:
             proof = self._proof
             if record.seq == proof.seq and record.digest == proof.digest():
@@ -158,7 +166,7 @@ class FedStream:
         elif self._epoch is None:
             self._epoch, self._rseq = record.epoch, record.rseq  # joined, holding nothing
         elif record.epoch != self._epoch:
-            self._afresh(record.epoch, "the relay restarted", restart=True)
+            self._afresh(record.epoch, _ANOTHER_RELAY, restart=True)
             self._rseq = record.rseq
         elif record.rseq > self._rseq:
             # the heartbeat follows every record it counts: those were lost
@@ -218,6 +226,8 @@ class FedStream:
         self._epoch = epoch
 
     def _restart_here(self, why: str) -> None:
+        # nothing is held any more: a restart suspected here has nothing left to prove
+        self._suspected_at = None
         dropped = self.sink.clear()
         self.sink.forget_seq()
         self.tracker.last = None
@@ -324,8 +334,10 @@ class FedStreams:
         *,
         on_applied: Callable[[str, int], None] | None = None,
         clock: Callable[[], float],
+        silent_after_s: float | None = None,
     ) -> None:
         self.settings = settings
+        self.silent_after_s = silent_after_s  # `FedStream`'s
         self._on_applied = on_applied
         self._clock = clock
         self.by_worker: dict[str, list[FedStream]] = {}
@@ -358,6 +370,7 @@ class FedStreams:
                 self.settings,
                 clock=self._clock,
                 on_applied=self._on_applied,
+                silent_after_s=self.silent_after_s,
             )
             fed.append(stream)
             self.by_stream[sid] = stream

@@ -96,6 +96,7 @@ class IndexerService:
         clock: Callable[[], float] = time.monotonic,
         tap: StreamTap | None = None,
         fed: bool = False,
+        fed_silent_after_s: float | None = None,
     ) -> None:
         self.config = config or IndexerConfig()
         self._clock = clock
@@ -103,8 +104,17 @@ class IndexerService:
         # `tap`: told everything the streams make the index do (`kvroute relay` republishes
         # it); `fed`: no subscriptions, the streams are applied from a relay's records
         self.tap = tap
+        # `fed_silent_after_s`: a fed stream is STALE once its relay said nothing this long
+        # (default: `stale_after_s`)
         self.fed = (
-            FedStreams(self.config, on_applied=self._on_applied, clock=clock) if fed else None
+            FedStreams(
+                self.config,
+                on_applied=self._on_applied,
+                clock=clock,
+                silent_after_s=fed_silent_after_s,
+            )
+            if fed
+            else None
         )
         self._subs = Subscriptions(
             self.config,
@@ -187,6 +197,11 @@ class IndexerService:
         for sub in await self._streams.stop(worker):
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
+            if self.tap is not None:
+                # what follows the relay drops it too: the worker's removals while it is not
+                # subscribed (or until it is again) would never reach the followers
+                self.tap.cleared(sub.stream_id)
+                self.tap.seq_forgotten(sub.stream_id)
 
     def suspect_restart(self, worker: str, why: str) -> None:
         """A sign the worker may have restarted (its health came back): prove its streams.

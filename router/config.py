@@ -465,8 +465,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     events: Literal["zmq", "relay"] = "zmq"
     # how long, and up to how many bytes, the relay's stream keeps records: a replica that
     # falls further behind (or starts from an older snapshot) rebuilds the streams it missed
-    relay_max_age_s: PositiveFloat = 900.0
-    relay_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 1 << 30
+    # (JetStream refuses a max age under 100 ms; under a few heartbeats nothing could follow)
+    relay_max_age_s: Annotated[float, msgspec.Meta(ge=10.0)] = 900.0
+    relay_max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 SNAPSHOT_MARGIN_S = 5.0
 # how often a stream this replica does not follow may re-read its worker's settings
 _REREAD_EVERY_S = 10.0
+# a followed stream with no record this long after the follower started is said once
+_SILENT_WARN_S = 15.0
 
 
 class RelayFollower:
@@ -69,6 +72,34 @@ class RelayFollower:
         self._unknown_said: set[str] = set()
         self._reread_at: dict[str, float] = {}
         self._sub: object | None = None
+        self.last_written: float | None = None  # the newest record's time (server clock)
+        self.heard: set[str] = set()  # streams that got a record
+        self._silent_said: set[str] = set()
+        self._started_at = clock()
+
+    async def resubscribe(self, js: JetStreamContext) -> None:
+        """After NATS came back: subscribe again from the newest record read (the stream is
+        made again if the server lost it; records seen already are skipped, and records lost
+        show as numbers skipped)."""
+        await self.stop()
+        last = self.last_written
+        # `start` reads from SNAPSHOT_MARGIN_S before `since`: from a second before the last
+        await self.start(js, since=None if last is None else last + SNAPSHOT_MARGIN_S - 1.0)
+
+    def check_silent(self) -> None:
+        """Say once of each followed stream that got no record at all for a while: its
+        worker is one the relay does not write (not in its config?)."""
+        if self._clock() - self._started_at < _SILENT_WARN_S:
+            return
+        for stream in self._streams:
+            if stream not in self.heard and stream not in self._silent_said:
+                self._silent_said.add(stream)
+                log.warning(
+                    "cluster: no record of stream %s from the relay in %.0f s: is a kvroute "
+                    "relay running with this worker in its config? Nothing of it is predicted",
+                    stream,
+                    _SILENT_WARN_S,
+                )
 
     async def start(self, js: JetStreamContext, *, since: float | None) -> None:
         """Subscribe: from shortly before `since` (a snapshot's wall time), or from the start
@@ -118,12 +149,18 @@ class RelayFollower:
                 log.debug("relay follower: unsubscribe failed (%s)", exc)
 
     async def _on_message(self, msg: Msg) -> None:
-        if not self.caught_up.is_set():
-            try:
-                if msg.metadata.num_pending == 0:
-                    self.caught_up.set()
-            except Exception:
-                pass
+        try:
+            meta = msg.metadata
+        except Exception:
+            self.malformed += 1
+            return
+        if not self.caught_up.is_set() and meta.num_pending == 0:
+            self.caught_up.set()
+        # how old the record is, by the server's clock of its arrival: a record read back
+        # from the stream's past says nothing of now (hosts' clocks agree to well within the
+        # heartbeat timeout this is compared with)
+        written = meta.timestamp.timestamp()
+        self.last_written = written
         try:
             record = relay_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -133,7 +170,8 @@ class RelayFollower:
         if stream is None:
             self._not_followed(record.stream)
             return
-        stream.take(record)
+        stream.take(record, time.time() - written)
+        self.heard.add(record.stream)
         self.applied += 1
 
     def _not_followed(self, stream: str) -> None:

@@ -87,11 +87,13 @@ class RelayPublisher:
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.published = 0
-        self.dropped = 0
+        self.published = 0  # handed to the NATS client (the server may still lose them)
+        self.dropped = 0  # never handed to it
+        self.lost_streams = 0  # times the server's stream was found gone and made again
         self.connected_once = False
         self._said: set[str] = set()
         self._closing = False
+        self._reconnected = False
 
     # ------------------------------------------------------------ the tap
 
@@ -229,6 +231,7 @@ class RelayPublisher:
         async def on_reconnected() -> None:
             self._said.discard("down")
             log.warning("relay: NATS answers again")
+            self._reconnected = True  # the stream is checked before anything is written
             self._wake.set()
 
         delay = 0.2
@@ -273,6 +276,10 @@ class RelayPublisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._reconnected:
+                # a server restarted without its store would take the records into nothing
+                self._reconnected = False
+                await self._check_stream()
             while queue:
                 if not nc.is_connected:
                     break  # reconnected_cb wakes us
@@ -288,6 +295,36 @@ class RelayPublisher:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             self.heartbeat()
+            await self._check_stream()
+
+    async def _check_stream(self) -> None:
+        """Make the stream again if the server lost it (restarted without its store): the
+        records written meanwhile are gone, so numbering starts over under a new epoch, and
+        the replicas start their streams afresh."""
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            return
+        js = nc.jetstream(timeout=2.0)
+        try:
+            await js.stream_info(relay_stream_name(self.config))
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except _NATS_ERRORS:
+            return  # NATS busy or away: the next heartbeat asks again
+        try:
+            await ensure_relay_stream(js, self.config)
+        except _NATS_ERRORS as exc:
+            self._say_once("recreate", f"relay: its stream is gone and not made again ({exc})")
+            return
+        self._said.discard("recreate")
+        self.lost_streams += 1
+        self.new_epoch()
+        log.warning(
+            "relay: JetStream stream %s was gone (the NATS server lost its store?): made "
+            "again; what was written meanwhile is lost, so the replicas start afresh",
+            relay_stream_name(self.config),
+        )
 
     def _say_once(self, kind: str, message: str) -> None:
         if kind not in self._said:

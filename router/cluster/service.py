@@ -410,8 +410,12 @@ class ClusterService:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
         await self._watch(newer_than=newer_than)
-        if self.config.events == "relay" and self.follower is None:
-            await self._follow(js, since=newer_than if warm and self.snapshot_at else None)
+        if self.config.events == "relay":
+            if self.follower is None:
+                await self._follow(js, since=newer_than if warm and self.snapshot_at else None)
+            elif not first:
+                # NATS came back (perhaps without its store): the consumer is made again
+                await self.follower.resubscribe(js)
         self._synced = True
         if warm and self.snapshot_at is not None:
             await self._streams_proven()
@@ -603,6 +607,8 @@ class ClusterService:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             self.outbox.heartbeat()
             self.peers.sweep()
+            if self.follower is not None:
+                self.follower.check_silent()
             if self._snapshot_due():
                 try:
                     await self.publish_snapshot()

@@ -311,7 +311,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         # a replica following `kvroute relay` opens no socket to a worker (`indexer.fed_stream`)
         fed = tap is None and config.cluster is not None and config.cluster.events == "relay"
         indexer = await relay_stack.enter_async_context(
-            IndexerService(indexer_config, tap=tap, fed=fed)
+            IndexerService(
+                indexer_config,
+                tap=tap,
+                fed=fed,
+                # a relay heartbeats every cluster.heartbeat_interval_s: silent past the
+                # timeout, what a replica holds of it is stale (not a quiet worker's 30 s)
+                fed_silent_after_s=config.cluster.heartbeat_timeout_s
+                if fed and config.cluster is not None
+                else None,
+            )
         )
         if tap is not None:
             tap.indexer = indexer

@@ -210,3 +210,29 @@ async def test_a_stream_the_relay_no_longer_hears_is_stale_here_too() -> None:
     take(svc, stale)
     assert state(svc) is StreamState.STALE
     assert matched(svc, A) == 0
+
+
+async def test_a_new_relay_process_ends_a_restart_suspected_here() -> None:
+    """The new relay's records are a stream started afresh: nothing is left to prove (its
+    count of checks starts over and could never pass the old relay's)."""
+    svc = await fed()
+    take(svc, batch(0, 0, stored(A, 10)), heartbeat(0, 0, stored(A, 10), checks=5))
+    svc.suspect_restart("w0", "its health check came back from down")
+    take(svc, batch(0, 3, stored(B, 20), epoch=EPOCH + 1))
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, A) == 0 and matched(svc, B) == 4
+
+
+async def test_records_read_from_the_relays_past_do_not_make_the_stream_fresh() -> None:
+    clock = Clock()
+    svc = IndexerService(IndexerConfig(), fed=True, clock=clock, fed_silent_after_s=3.0)
+    await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:1", block_size=4)])
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    stream.take(batch(0, 0, stored(A, 10)), age_s=10.0)
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=9.0)
+    assert state(svc) is StreamState.STALE  # written 9 s ago: the relay may be long gone
+    assert matched(svc, A) == 0
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=0.1)
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, A) == 4

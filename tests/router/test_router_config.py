@@ -237,6 +237,16 @@ def test_a_cluster_url_the_nats_client_would_refuse_is_refused_when_read(
 
 
 @pytest.mark.parametrize(
+    ("key", "value"),
+    [("relay_max_age_s", 0.05), ("relay_max_bytes", 1000), ("events", "kafka")],
+)
+def test_relay_settings_nats_would_refuse_are_refused_when_read(key: str, value: object) -> None:
+    # a max age under JetStream's 100 ms looped forever as "NATS does not answer"
+    with pytest.raises(ConfigError, match=f"cluster.{key}"):
+        parse_config({"cluster": {key: value}})
+
+
+@pytest.mark.parametrize(
     "url",
     [
         "http://kvuser:s3cret-pass@127.0.0.1:4222",

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import signal
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,7 +26,7 @@ from router.config import IndexerSection, RouterConfig
 from router.errors import ConfigError
 from router.service import RouterService
 from tests.router.cluster.conftest import cluster, replica_config, workers
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.worker import ReferenceWorker
 
 PROMPT = "a tenant's long system prompt that the relay carries to every replica " * 4
@@ -247,3 +251,104 @@ async def test_the_relay_refuses_a_config_without_a_cluster() -> None:
     async with workers(1) as (w0,):
         with pytest.raises(ConfigError, match=r"\[cluster\]"):
             RouterService(router_config([("w0", w0.url)]), relay=True)
+
+
+async def test_a_worker_the_relay_removes_and_adds_again_is_dropped_by_its_followers(
+    nats_server: NatsServer,
+) -> None:
+    """While the relay does not follow the worker, the worker's removals reach nobody: its
+    followers drop the stream when the relay drops it, not keep pages evicted meanwhile (the
+    worker's replay buffer, two batches, no longer holds the flush when it is added again)."""
+    async with (
+        workers(1, buffer_steps=2) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url) as r,
+        RouterService(follower_config(w0, nats_server.url, "a")) as a,
+    ):
+        fleet = Fleet(a, {"w0": w0}, session)
+        await fleet.warm()
+        await generate(session, a.url)
+        await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+        async with session.delete(r.url + "/admin/workers/w0", headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+        async with session.post(w0.url + "/flush_cache") as resp:
+            assert resp.status == 200
+        await past_the_buffer(session, w0)
+        body = {"id": "w0", "url": w0.url}
+        async with session.post(r.url + "/admin/workers", json=body, headers=AUTH) as resp:
+            assert resp.status in (201, 202), await resp.text()
+        await eventually(
+            lambda: _predicts_nothing(fleet), what="the follower to drop the removed stream"
+        )
+        got = await generate(session, a.url)
+        assert got[0] <= got[1]
+
+
+async def _predicts_nothing(fleet: Fleet) -> bool:
+    return await predicted(fleet) == 0
+
+
+async def test_a_replica_starting_after_the_relay_died_trusts_nothing_of_its_old_records(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A relay killed (no last word) leaves records in the stream that were true when it
+    wrote them: a replica starting later reads them as the past they are (stale), not as now,
+    while the worker evicts with nobody watching."""
+    async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+        config = tmp_path / "relay.json"
+        config.write_bytes(msgspec.json.encode(relay_config(w0, nats_server.url)))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "relay", "--config", str(config),
+            "--port", "0", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
+                fleet = Fleet(a, {"w0": w0}, session)
+                await fleet.warm()
+                await generate(session, a.url)
+                await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+        async with session.post(w0.url + "/flush_cache") as resp:
+            assert resp.status == 200
+        await asyncio.sleep(1.0)  # the relay's last heartbeat is older than the timeout (0.5 s)
+        async with RouterService(follower_config(w0, nats_server.url, "b")) as b:
+            fleet_b = Fleet(b, {"w0": w0}, session)
+            assert {s.stream: s.state for s in b.indexer.streams()}["w0#dp0"] == "stale"
+            assert await predicted(fleet_b) == 0
+
+
+async def test_a_nats_server_that_lost_its_store_gets_the_relays_stream_again(
+    tmp_path: Path,
+) -> None:
+    """The stream is gone with the store: the relay (or the follower, whichever checks first)
+    makes it again and the follower subscribes again, so new prompts are predicted again
+    instead of never (the records lost show as numbers skipped: the stream starts afresh)."""
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with (
+            workers(1) as (w0,),
+            aiohttp.ClientSession() as session,
+            relay(w0, nats.url),
+            RouterService(follower_config(w0, nats.url, "a")) as a,
+        ):
+            fleet = Fleet(a, {"w0": w0}, session)
+            await fleet.warm()
+            await nats.stop()
+            shutil.rmtree(tmp_path / "jetstream", ignore_errors=True)
+            await nats.start()
+            salts = iter(range(1000))
+
+            async def recovered() -> bool:
+                # a new tenant each time: records written before the stream was made again
+                # are lost (the follower then starts the stream afresh, as it should)
+                salt = f"after-{next(salts)}"
+                await generate(session, a.url, salt)
+                await asyncio.sleep(0.2)
+                return await _holds(fleet, 64, salt)
+
+            await eventually(recovered, timeout_s=20, what="the follower to read the stream again")
+    finally:
+        await nats.stop()
