@@ -20,6 +20,7 @@ worker when the router left the rank to the engine); `query` reports the marks a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
@@ -28,6 +29,7 @@ from typing import cast
 import msgspec
 
 from indexer.config import IndexerConfig, StreamConfig
+from indexer.errors import SnapshotError
 from indexer.fed_stream import FedStreams
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
@@ -66,6 +68,7 @@ __all__ = [
     "stream_id",
 ]
 
+log = logging.getLogger(__name__)
 
 # how long a loaded snapshot's streams wait for their workers to be subscribed (`load`)
 ORPHAN_GRACE_S = 600.0
@@ -178,9 +181,8 @@ class IndexerService:
             await self.remove_worker(worker)
 
         def sink_for(sid: str, cfg: StreamConfig) -> IndexSink | TappedSink:
-            self.index.add_stream(
-                sid, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
-            )
+            # a loaded snapshot's stream waiting for this worker must be of its shape
+            _adopt(self.index, sid, cfg, cfg.block_size)
             return self._sink(self.index, sid)
 
         subs = self._streams.start(worker, streams, sink_for)
@@ -586,14 +588,23 @@ class IndexerService:
 
         The snapshot's streams of workers not subscribed yet are kept for them (a warm start
         loads before the fleet is known), for `ORPHAN_GRACE_S`. A subscribed stream keeps this
-        process's counters (metrics never go back), not the snapshot's."""
-        index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
+        process's counters (metrics never go back), not the snapshot's. The live stream's
+        model, engine and block size (configured, or learned from its events) win: a snapshot
+        stream that says others is dropped (`_adopt`). Each load is logged: why it was
+        refused, or what it brought (each subscribed stream then logs whether its fence was
+        proven: `indexer.subscriber`)."""
+        try:
+            index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
+        except SnapshotError as exc:
+            log.warning("snapshot load refused (the index is unchanged): %s", exc)
+            raise
+        brought = {sid: index.entries(sid) for sid in index.streams()}
+        subscribed = dropped = 0
         for subs in self._workers.values():
             for sub in subs:
                 cfg = sub.config
-                index.add_stream(
-                    sub.stream_id, model=cfg.model, engine=cfg.engine, block_size=cfg.block_size
-                )
+                subscribed += sub.stream_id in brought
+                dropped += not _adopt(index, sub.stream_id, cfg, sub.block_size)
                 if self.index.has_stream(sub.stream_id):
                     index.set_counters(sub.stream_id, self.index.counters(sub.stream_id))
                 # continue from the snapshot's seq (once its fence is proven): live messages
@@ -606,6 +617,18 @@ class IndexerService:
             self.tap.new_epoch()
         self._loaded_at = self._clock()
         self._matches.invalidate()
+        waiting = len(brought) - subscribed
+        log.info(
+            "snapshot loaded: %d streams, %d entries; %d of subscribed workers (%d dropped: "
+            "another shape), each predicting nothing until its fence is proven (one line per "
+            "stream says so, or that it was cleared: its worker restarted since); %d kept "
+            "for workers not subscribed yet",
+            len(brought),
+            sum(brought.values()),
+            subscribed,
+            dropped,
+            waiting,
+        )
 
     def _sink(self, index: PrefixIndex, stream: str) -> IndexSink | TappedSink:
         sink = IndexSink(index, stream)
@@ -655,3 +678,34 @@ class IndexerService:
             # a waiter that timed out on an idle stream must not stay listed forever
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+
+def _adopt(index: PrefixIndex, stream: str, cfg: StreamConfig, block_size: int | None) -> bool:
+    """Register `stream` in `index` as the live stream is (its model, engine and block size,
+    configured or learned); False when the index held it in another shape (a snapshot of
+    another model, or made with another block size) and it was dropped whole.
+
+    Kept, such a stream would keep the snapshot's block size and refuse every later event of
+    the worker as a mismatch, or hold its entries in another model's namespace (misses)."""
+    known = index.has_stream(stream)
+    differ = []
+    if known:
+        have = index.block_size(stream)
+        if have is not None and block_size is not None and have != block_size:
+            differ.append(f"block size {have} in the snapshot, {block_size} live")
+        model, engine = index.stream_model(stream)
+        if model != cfg.model:
+            differ.append(f"model {model!r} in the snapshot, {cfg.model!r} live")
+        if engine != cfg.engine:
+            differ.append(f"engine {engine} in the snapshot, {cfg.engine} live")
+    if differ:
+        dropped = index.drop_stream(stream)
+        log.warning(
+            "stream %s: the snapshot's state is dropped (%d entries), it is not this stream's: "
+            "%s; the stream starts empty",
+            stream,
+            dropped,
+            "; ".join(differ),
+        )
+    index.add_stream(stream, model=cfg.model, engine=cfg.engine, block_size=block_size)
+    return not differ

@@ -176,6 +176,9 @@ class StreamSubscriber:
         # a restart candidate is pending: entries predict nothing until a replay proves them
         self._unverified = self.tracker.last is not None or bool(sink.entries())
         self._why_unverified = "state from a snapshot"
+        # the state came from a snapshot and its proof is still to come: its outcome is logged
+        # once, unlimited (`_loaded_outcome`), since an operator who loaded it asks about it
+        self._from_snapshot = self._unverified
         # a quiet stream whose probe went unanswered: batches the PUB dropped at its tail would
         # go unnoticed, so its entries predict nothing until a probe answers or the next live
         # batch follows on (fail closed; the entries are kept)
@@ -355,10 +358,12 @@ class StreamSubscriber:
             if self.sink.entries():
                 # entries no seq stands for (a snapshot without one): nothing can prove them
                 self._clear(f"{why}, with entries but no seq to prove them by")
+                self._loaded_outcome("cleared: entries but no seq to prove them by")
             self._trust()
             return
         if not self._has_replay:
             self._restart(f"{why} and without a replay socket nothing proves it did not restart")
+            self._loaded_outcome("cleared: no replay socket to prove it by")
             self._trust()
             return
         restarts = self.restarts
@@ -378,12 +383,25 @@ class StreamSubscriber:
                 answered = result.answered and (await self._replay(0)).answered
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: what was proven was the sink it replaced
+        if self.restarts == restarts and result.continuity is _Continuity.PROVEN:
+            self._loaded_outcome(f"proven at seq {last}: {self.sink.entries()} entries")
+        else:
+            self._loaded_outcome(
+                "not proven (the worker restarted since, or its replay does not reach back "
+                f"to seq {last}): cleared, {self.sink.entries()} entries rebuilt from it"
+            )
         self._trust()
         if answered:
             self._heard_whole()
         else:
             self._retry_soon()
         self._notify_last()
+
+    def _loaded_outcome(self, outcome: str) -> None:
+        """Say once what became of a snapshot's state (not rate-limited: once per load)."""
+        if self._from_snapshot:
+            self._from_snapshot = False
+            log.info("stream %s: state loaded from a snapshot %s", self.stream_id, outcome)
 
     @property
     def _has_replay(self) -> bool:
@@ -700,6 +718,14 @@ class StreamSubscriber:
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
         if self._unverified and result.continuity is not _Continuity.NONE:
+            if result.continuity is _Continuity.PROVEN and self.restarts == restarts:
+                self._loaded_outcome(f"proven at seq {before}: {self.sink.entries()} entries")
+            else:
+                self._loaded_outcome(
+                    f"not proven at seq {before} (the worker restarted since, or its replay "
+                    f"does not reach back to it): cleared, {self.sink.entries()} entries "
+                    "rebuilt from it"
+                )
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
         if joining and after != before and not self.config.replay_proven:
@@ -976,7 +1002,8 @@ class StreamSubscriber:
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)
-        if last_seq is not None or sink.entries():
+        self._from_snapshot = last_seq is not None or bool(sink.entries())
+        if self._from_snapshot:
             # the snapshot's state is unproven until the publisher's fence matches it
             self.suspect_restart("state loaded from a snapshot")
 

@@ -196,6 +196,11 @@ class PrefixIndex:
         """Whether `stream` is registered."""
         return stream in self._streams
 
+    def stream_model(self, stream: str) -> tuple[str, EngineName]:
+        """The model and engine a stream's entries are keyed under."""
+        st = self._streams[stream]
+        return st.model, st.engine.name
+
     def block_size(self, stream: str) -> int | None:
         """The stream's block size (configured or learned), None while unknown."""
         return self._streams[stream].block_size

@@ -3,7 +3,9 @@
 A capture subscribes exactly like the router's indexer (the same `StreamSubscriber`, so gaps
 are repaired through replay, epochs proven and restarts detected the same way) but sinks each
 accepted message into a `RecordingWriter` instead of an index (`RecordingSink`): in the order
-it was accepted, replayed batches flagged, malformed payloads kept byte for byte. Payloads are
+it was accepted, replayed batches flagged, malformed payloads kept byte for byte, and each clear
+of the stream the subscriber decides as a mark in between (`RecordMark`: not every clear shows
+in the seqs, and an offline replay must drop what the live index dropped). Payloads are
 decoded only to tell the subscriber whether they decode (a batch that does not is fetched
 again, as the router would), so the file holds what the live router would have applied.
 
@@ -32,7 +34,13 @@ from indexer.fence import BatchFence
 from indexer.index import StreamCounters
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Stored
-from indexer.recording.format import Record, RecordingError, RecordingWriter, Source
+from indexer.recording.format import (
+    Record,
+    RecordingError,
+    RecordingWriter,
+    RecordMark,
+    Source,
+)
 from indexer.sink import Applied
 from indexer.stats import StreamStats
 from indexer.subscriptions import Subscriptions
@@ -45,8 +53,9 @@ class RecordingSink:
 
     `write` says whether the message was written (False once the capture stops): `batches`
     and `decode_errors` count what was, so the capture's summary says what the file
-    holds even though its subscriber goes on accepting until it is stopped. `resume` is the
-    stream's last record in the file being appended to: the subscriber continues from it.
+    holds even though its subscriber goes on accepting until it is stopped. `mark` writes
+    the subscriber's clears (`RecordMark`). `resume` is the stream's last record in the file
+    being appended to: the subscriber continues from it.
     """
 
     def __init__(
@@ -55,9 +64,11 @@ class RecordingSink:
         write: Callable[[str, bytes, int, bytes, bool, bool], bool],
         block_size: int | None,
         resume: Record | None = None,
+        mark: Callable[[str, RecordMark, int | None], bool] | None = None,
     ) -> None:
         self.stream_id = stream_id
         self._write = write
+        self._mark = mark
         self._fence = None if resume is None else BatchFence.of(resume.seq, resume.payload)
         self._block_size = block_size
         self.batches = 0
@@ -91,6 +102,8 @@ class RecordingSink:
 
     def uncount(self, record: Record) -> None:
         """`record` was counted, then lost with a compressed chunk whose write failed."""
+        if record.mark:
+            return  # a decision, not a batch: never counted
         try:
             decode_batch(record.payload)
         except Exception:  # ProtocolError
@@ -99,11 +112,16 @@ class RecordingSink:
         self._count(-1, decoded=True)
 
     def clear(self) -> int:
-        """Nothing to drop: the file shows the decision, replay reproduces it."""
+        """Mark the clear in the file (a replay drops the stream's entries there); nothing
+        is held here to drop."""
+        if self._mark is not None:
+            self._mark(self.stream_id, RecordMark.CLEAR, self.last_seq())
         return 0
 
     def forget_seq(self) -> None:
-        """No fence any more."""
+        """No fence any more; marked in the file (a replay forgets the seq there too)."""
+        if self._mark is not None:
+            self._mark(self.stream_id, RecordMark.FORGET_SEQ, self.last_seq())
         self._fence = None
 
     def fence(self) -> BatchFence | None:
@@ -167,7 +185,11 @@ class Capture:
 
     def _sink(self, stream: str, config: StreamConfig) -> RecordingSink:
         sink = RecordingSink(
-            stream, self._write, config.block_size, self.writer.last_records.get(stream)
+            stream,
+            self._write,
+            config.block_size,
+            self.writer.last_records.get(stream),
+            self._write_mark,
         )
         self._sinks[stream] = sink
         return sink
@@ -250,6 +272,18 @@ class Capture:
         if self._max_bytes is not None and self.writer.bytes_written >= self._max_bytes:
             self.stop_by("max-bytes")
         return True
+
+    def _write_mark(self, stream: str, mark: RecordMark, seq: int | None) -> bool:
+        """Write one decision of a subscriber; False when it was not (as `_write`)."""
+        if self.stop.is_set():
+            return False
+        try:
+            written = self.writer.write_mark(stream, mark, seq)
+        except RecordingError as error:
+            self.fail(error)
+            return False
+        self.stats.records = self.writer.records_written - self._written_before
+        return written is not None
 
 
 def _stream_config(source: Source) -> StreamConfig:

@@ -26,6 +26,7 @@ one file format, each side written against the other.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import fcntl
 import os
@@ -47,6 +48,7 @@ __all__ = [
     "Damage",
     "Positioned",
     "Record",
+    "RecordMark",
     "RecordingError",
     "RecordingHeader",
     "RecordingReader",
@@ -54,9 +56,12 @@ __all__ = [
     "Source",
 ]
 
-FORMAT_VERSION = 2
-# version 1 had no `Record.run_start`: its replay runs that follow each other read as one
-_READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# version 1 had no `Record.run_start`: its replay runs that follow each other read as one;
+# version 2 had no `Record.mark`: the clears its subscriber decided are not in the file
+_READABLE_VERSIONS = (1, 2, 3)
+# the first version whose records carry the subscriber's clears (`RecordMark`)
+MARKS_VERSION = 3
 MAGIC = b"\x89KVREC\r\n"
 _SYNC = b"KVR\xfe"
 # sync, kind, flags, reserved, length, count, first_record, time, crc
@@ -100,6 +105,19 @@ class RecordingHeader(msgspec.Struct, frozen=True, kw_only=True):
     tool: str = "kvroute"
 
 
+class RecordMark(enum.IntEnum):
+    """What a record is: a message, or a decision the recorder's subscriber made (version 3).
+
+    A subscriber clears a stream for reasons the messages alone do not always show (a new
+    session's replay that starts right after the file's last seq yet proves nothing, a
+    replay socket found to be another publisher's): without the mark, an offline replay
+    would take the seqs as continuous and keep what the live index dropped."""
+
+    MESSAGE = 0  # an accepted message: `seq`, `payload`, `replayed`, `run_start`
+    CLEAR = 1  # the stream's entries were dropped (`StreamSink.clear`)
+    FORGET_SEQ = 2  # no seq and no fence are known any more: rebuilt from 0 (a restart)
+
+
 class Record(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaults=True):
     """One accepted message exactly as it arrived; `replayed` marks gap-repair replies.
 
@@ -117,6 +135,9 @@ class Record(msgspec.Struct, frozen=True, array_like=True, gc=False, omit_defaul
     payload: bytes
     replayed: bool = False
     run_start: bool = False
+    # not a message but a subscriber's decision (version 3): `seq` is the stream's last
+    # recorded seq then (0: none), `topic` and `payload` are empty
+    mark: RecordMark = RecordMark.MESSAGE
 
 
 class Positioned(msgspec.Struct, frozen=True, gc=False):
@@ -286,8 +307,14 @@ class RecordingReader:
             self.end_offset = offset
             yield frame
 
-    def records(self, *, from_time: float | None = None) -> Iterator[Positioned]:
-        """Every record in file order, from the first with recv_time >= from_time when given."""
+    def records(
+        self, *, from_time: float | None = None, marks: bool = False
+    ) -> Iterator[Positioned]:
+        """Every record in file order, from the first with recv_time >= from_time when given.
+
+        Only messages unless `marks`: the subscriber's decisions (`RecordMark`) are for the
+        readers that rebuild its state (an offline replay, a republisher); a mark keeps its
+        record number, so message numbers skip it."""
         start = self._data_start if from_time is None else self.offset_for_time(from_time)
         for frame in self._frames(start):
             if frame.kind == _KIND_SOURCES:
@@ -301,6 +328,8 @@ class RecordingReader:
                 return
             for i, record in enumerate(records):
                 if from_time is not None and record.recv_time < from_time:
+                    continue
+                if record.mark and not marks:
                     continue
                 self.records_read += 1
                 yield Positioned(frame.first_record + i, frame.offset, record)
@@ -385,6 +414,8 @@ class RecordingWriter:
         self._fd = fd
         # a version-1 file appended to stays version 1: its records carry no run starts
         self._run_starts = version >= 2
+        self._marks = version >= MARKS_VERSION  # nor clears (a version-2 file is upgraded)
+        self.version = version
         self._next = next_record
         self._last_time = last_time
         self._known = {s.stream: s for s in known}
@@ -507,7 +538,7 @@ class RecordingWriter:
             chunk_records=chunk_records,
             chunk_interval_s=chunk_interval_s,
             buffer_bytes=buffer_bytes,
-            version=scan.version,
+            version=_upgrade(path, scan.version),
         )
         if scan.damage is not None and cut_bytes > 0:
             writer.cut, writer.cut_bytes = scan.damage, cut_bytes
@@ -561,6 +592,20 @@ class RecordingWriter:
             replayed,
             run_start and replayed and self._run_starts,
         )
+        return self._put(record)
+
+    def write_mark(
+        self, stream: str, mark: RecordMark, seq: int | None, *, recv_time: float | None = None
+    ) -> int | None:
+        """Record a decision of the subscriber on `stream` (its last seq then: `seq`); returns
+        its record number, None in a file of a version without marks (nothing written)."""
+        if not self._marks:
+            return None
+        now = time.time() if recv_time is None else recv_time
+        self._last_time = max(self._last_time, now)
+        return self._put(Record(self._last_time, stream, b"", seq or 0, b"", mark=mark))
+
+    def _put(self, record: Record) -> int:
         number = self._next
         if not self._compress:
             body = _encoder.encode(record)
@@ -674,6 +719,32 @@ class RecordingWriter:
         self.close()
 
 
+def _upgrade(path: Path, version: int) -> int:
+    """The version an appended file is written in: a version-2 file becomes version 3 (its
+    header rewritten in place, same length), so the sessions appended to it record the
+    subscriber's clears; its records read alike in both (they carry no marks). A header that
+    would not keep its length (written by a build with other header fields) stays as it was."""
+    if version != 2:
+        return version
+    with path.open("r+b") as f:
+        f.seek(len(MAGIC))
+        try:
+            frame = _read_frame(f, len(MAGIC))
+        except _FrameError:
+            return version
+        if frame is None or frame.kind != _KIND_HEADER:
+            return version
+        header = msgspec.structs.replace(
+            _header_decoder.decode(frame.body), format_version=MARKS_VERSION
+        )
+        body = _encoder.encode(header)
+        if len(body) != len(frame.body):
+            return version
+        f.seek(len(MAGIC))
+        f.write(_pack_frame(_KIND_HEADER, body, at=frame.time))
+    return MARKS_VERSION
+
+
 def _lock(fd: int, path: Path) -> None:
     """Take the writer's exclusive lock on `fd`, or RecordingError when another writer holds
     it. A filesystem without locks (some network mounts) writes unlocked, as before locks."""
@@ -750,7 +821,11 @@ def _scan_for_append(path: Path) -> _AppendScan:
                     scan.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
                     break
                 for record in records:
-                    scan.last_records[record.stream] = record
+                    if not record.mark:
+                        scan.last_records[record.stream] = record
+                    elif record.mark is RecordMark.FORGET_SEQ:
+                        # rebuilt from 0: the next session joins, nothing to continue from
+                        scan.last_records.pop(record.stream, None)
                 scan.last_time = max(scan.last_time, frame.time, records[-1].recv_time)
                 scan.next_record = frame.first_record + frame.count
             scan.valid_end = frame.end

@@ -4,8 +4,14 @@ The recorder writes what the live subscriber accepted, in the order it applied i
 gap-repair batches included, flagged). Replaying therefore walks the same per-stream sequence
 decisions the live subscriber made: consecutive seqs apply; a jump that no replay filled was an
 unrepairable gap (the live subscriber cleared the stream, then went on); a decrease was an engine
-restart (cleared); a repeat is a duplicate (skipped). The resulting index is the one the live
-router held, which is what operators debugging an incident, and the round-trip test, compare.
+restart (cleared); a repeat is a duplicate (skipped). Clears the seqs do not show (a proof that
+failed with the seqs continuous) are marked in the file (`RecordMark`, version 3) and applied
+where they were decided. The resulting index is the one the live router held, which is what
+operators debugging an incident, and the round-trip test, compare.
+
+A window that starts after a stream's first record (`--from`) holds only part of its state: the
+index keeps no seq and no fence for it, so a router loading a dump of it rebuilds the stream
+from the worker instead of proving a fence over entries it never had.
 
 Also here: `synthesize_recording`, a realistic recording from a scripted SGLang-like fleet, so
 the index benchmark and the tests have a stream to replay without a capture at hand.
@@ -34,6 +40,7 @@ from indexer.recording.format import (
     Record,
     RecordingError,
     RecordingReader,
+    RecordMark,
     Source,
 )
 from indexer.sequence import SequenceTracker, SeqVerdict
@@ -60,15 +67,26 @@ class RecordFilter(msgspec.Struct, frozen=True, kw_only=True):
     streams: frozenset[str] | None = None
 
 
-def select_records(reader: RecordingReader, flt: RecordFilter) -> Iterator[Positioned]:
-    """Records of `reader` passing `flt`, in file order (time windows seek, never scan)."""
-    for positioned in reader.records(from_time=flt.from_time):
+def select_records(
+    reader: RecordingReader,
+    flt: RecordFilter,
+    *,
+    marks: bool = False,
+    cut: set[str] | None = None,
+) -> Iterator[Positioned]:
+    """Records of `reader` passing `flt`, in file order (time windows seek, never scan).
+
+    Messages only, unless `marks` (`RecordingReader.records`). `cut` collects the streams
+    that have a record before the window's `from_seq` (their state is not whole in it)."""
+    for positioned in reader.records(from_time=flt.from_time, marks=marks):
         record = positioned.record
         if flt.to_time is not None and record.recv_time > flt.to_time:
             return  # receive times never decrease in a recording
         if flt.streams is not None and record.stream not in flt.streams:
             continue
         if flt.from_seq is not None and record.seq < flt.from_seq:
+            if cut is not None and not record.mark:
+                cut.add(record.stream)
             continue
         if flt.to_seq is not None and record.seq > flt.to_seq:
             continue
@@ -157,6 +175,10 @@ class StreamReplay(msgspec.Struct, kw_only=True):
     decode_errors: int = 0
     refetches: int = 0  # live batches that did not decode, fetched again by replay
     lost_batches: int = 0  # batches that decoded neither live nor replayed: stream cleared
+    marked_clears: int = 0  # clears the recorder's subscriber marked in the file (version 3)
+    # the window starts after the stream's first record: its state is a part, so the index
+    # keeps no seq and no fence for it (a router loading a dump rebuilds it from the worker)
+    partial: bool = False
     skipped_events: int = 0
     unknown_parents: int = 0
     block_size_mismatches: int = 0
@@ -250,7 +272,8 @@ def replay_into_index(
     with RecordingReader(path) as reader:
         marked = reader.header.format_version >= 2
         started = time.perf_counter()
-        for positioned in select_records(reader, flt):
+        cut = _before_window(reader, flt)
+        for positioned in select_records(reader, flt, marks=True, cut=cut):
             record = positioned.record
             stats = streams.get(record.stream)
             if stats is None:
@@ -271,6 +294,9 @@ def replay_into_index(
     summary.decode_errors = sum(s.decode_errors for s in streams.values())
     summary.block_ops_per_s = ops / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
     for stats in streams.values():
+        if stats.stream in cut:
+            stats.partial = True
+            target.set_last_seq(stats.stream, None)  # no fence over a part of the state
         stats.entries = target.entries(stats.stream)
         counters = target.counters(stats.stream)
         stats.unknown_parents = counters.unknown_parents
@@ -292,6 +318,20 @@ def replay_into_index(
     ]
     summary.index_entries = len(target)
     return summary, target
+
+
+def _before_window(reader: RecordingReader, flt: RecordFilter) -> set[str]:
+    """The streams with a message before the window's `from_time` (a scan of the file up to
+    it, without decoding payloads; nothing to scan without a start time)."""
+    if flt.from_time is None:
+        return set()
+    before: set[str] = set()
+    for positioned in reader.records():
+        record = positioned.record
+        if record.recv_time >= flt.from_time:
+            break
+        before.add(record.stream)
+    return before
 
 
 def _add_stream(index: PrefixIndex, source: Source | None, stream: str) -> None:
@@ -373,6 +413,8 @@ def _sequence(
 def _apply_record(
     target: PrefixIndex, stats: StreamReplay, state: _StreamState, record: Record
 ) -> int:
+    if record.mark:
+        return _apply_mark(target, stats, state, record)
     stats.records += 1
     if record.replayed:
         stats.replayed_records += 1
@@ -397,3 +439,20 @@ def _apply_record(
     ops = _count_batch(stats, batch)
     target.apply(record.stream, batch, record.seq, record.payload)
     return ops
+
+
+def _apply_mark(
+    target: PrefixIndex, stats: StreamReplay, state: _StreamState, record: Record
+) -> int:
+    """Do what the recorder's subscriber did to the stream at this point (`RecordMark`)."""
+    if record.mark is RecordMark.CLEAR:
+        stats.marked_clears += 1
+        target.clear_stream(record.stream)
+    elif record.mark is RecordMark.FORGET_SEQ:
+        # the subscriber's restart: it rebuilds from 0 (the next seqs apply from there, and
+        # the restart is counted here rather than by the seq going back)
+        stats.restarts += 1
+        target.set_last_seq(record.stream, None)
+        state.tracker.reset()
+        state.refetch = None
+    return 0

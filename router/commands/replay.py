@@ -186,10 +186,16 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
         w(
             f"    {s.stream}: records {s.records} (replayed {s.replayed_records})  seq "
             f"{s.first_seq}..{s.last_seq}  gaps {s.gaps} (repaired by {s.replays} replays, "
-            f"lost {s.lost_gaps})  restarts {s.restarts}  decode errors {s.decode_errors}  "
-            f"unknown parents {s.unknown_parents}  block size {s.block_size} (mismatches "
-            f"{s.block_size_mismatches})  entries {s.entries}\n"
+            f"lost {s.lost_gaps})  restarts {s.restarts}  clears {s.marked_clears}  decode "
+            f"errors {s.decode_errors}  unknown parents {s.unknown_parents}  block size "
+            f"{s.block_size} (mismatches {s.block_size_mismatches})  entries {s.entries}\n"
         )
+        if s.partial:
+            w(
+                "      the window starts after this stream's first record: its state is a "
+                "part, kept with no seq and no fence (a router loading a dump of it rebuilds "
+                "the stream from the worker)\n"
+            )
     w("  namespaces (id, model, lora, salt fingerprint: blocks, tokens, holders):\n")
     for ns in summary.namespaces:
         holders = ", ".join(f"{k}={v}" for k, v in sorted(ns.holders.items()))

@@ -18,6 +18,7 @@ import pytest
 import zmq.asyncio
 
 from indexer.config import IndexerConfig, StreamConfig
+from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import EventBatch, Stored
@@ -489,3 +490,84 @@ async def test_a_proof_whose_answer_stopped_short_trusts_nothing_until_it_ends(
         assert all(state is not StreamState.SYNCED for state, seq in seen if seq != last + 3)
         assert view(svc.index, STREAM) == view(reference(old + missed), STREAM)
         assert svc.streams()[0].restarts == 0
+
+
+def _reshaped(snapshot: bytes, *, block_size: int = 4, model: str = "") -> bytes:
+    """`snapshot` whose stream is one of another shape, at the same seq: one page of
+    `block_size` tokens under `model`."""
+    index = load_index(snapshot)
+    last = index.last_seq(STREAM)
+    index.drop_stream(STREAM)
+    index.add_stream(STREAM, model=model, block_size=block_size)
+    page = Stored(
+        block_hashes=[77], parent=None, token_ids=list(range(block_size)), block_size=block_size
+    )
+    batch = EventBatch(ts=0.0, events=[page])
+    index.apply(STREAM, batch, last, encode_batch(batch))
+    return dump_index(index)
+
+
+@pytest.mark.parametrize(
+    ("shape", "said"),
+    [
+        ({"block_size": 8}, "block size 8 in the snapshot, 4 live"),
+        ({"model": "other-model"}, "model 'other-model' in the snapshot, '' live"),
+    ],
+)
+async def test_a_snapshot_stream_of_another_shape_is_dropped_at_load(
+    ctx: zmq.asyncio.Context,
+    caplog: pytest.LogCaptureFixture,
+    shape: dict[str, object],
+    said: str,
+) -> None:
+    """The live stream's block size (learned from its events here) and model win: kept, the
+    snapshot's block size refused every later event of the worker as a mismatch, and another
+    model's entries stayed in its namespace (misses)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        snapshot = _reshaped(svc.dump(), **shape)  # type: ignore[arg-type]
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            svc.load(snapshot)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert [m for m in warned if said in m and STREAM in m], warned
+        assert (svc.index.block_size(STREAM), svc.index.entries(STREAM)) == (4, 0)
+        assert svc.index.stream_model(STREAM)[0] == ""
+        loaded = [r.getMessage() for r in caplog.records if "snapshot loaded" in r.getMessage()]
+        assert loaded and "1 dropped" in loaded[0], loaded
+        # the worker's next batches apply (the stream rebuilds from its replay)
+        more = workload(seed=7, batches=3)
+        for batch in more:
+            await pub.publish(batch)
+        assert await svc.wait_applied(WORKER, len(old) + len(more) - 1)
+        assert svc.streams()[0].block_size_mismatches == 0
+        assert view(svc.index, STREAM) == view(reference(old + more), STREAM)
+
+
+async def test_every_snapshot_load_says_what_became_of_it(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line per load (refused: why; accepted: streams and entries), and one per loaded
+    stream once its fence is proven or it is cleared, whatever the rate limiter let through."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        _, snapshot, _ = await dump_then_restart(svc, pub, drop=False)
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            with pytest.raises(SnapshotError):
+                svc.load(b"not a snapshot")
+            entries = load_index(snapshot).entries(STREAM)
+            svc.load(snapshot)
+            await wait_until(lambda: synced(svc))
+            svc.load(svc.dump())  # the new process's own state: proven
+            await wait_until(lambda: synced(svc))
+        said = [r.getMessage() for r in caplog.records]
+        assert [m for m in said if "snapshot load refused" in m], said
+        loads = [m for m in said if m.startswith("snapshot loaded: ")]
+        assert len(loads) == 2, said
+        assert loads[0].startswith(f"snapshot loaded: 1 streams, {entries} entries; 1 of ")
+        outcomes = [
+            r.getMessage()
+            for r in caplog.records
+            if "state loaded from a snapshot" in r.getMessage() and r.levelno == logging.INFO
+        ]
+        assert len(outcomes) == 2, said
+        assert "not proven" in outcomes[0] and "cleared" in outcomes[0], outcomes
+        assert "proven at seq" in outcomes[1] and "not proven" not in outcomes[1], outcomes

@@ -102,7 +102,7 @@ def test_inspect_hides_salts_unless_asked(
         writer.write("w#dp0", b"kv", 3, empty, replayed=True)
     assert main(["record", "inspect", str(path), "--events"]) == 0
     out = capsys.readouterr().out
-    assert "format version 2" in out and "w#dp0" in out
+    assert "format version 3" in out and "w#dp0" in out
     assert "seq 2 topic b'kv' replayed, run start (" in out
     assert "seq 3 topic b'kv' replayed (" in out
     assert "BlockStored 1 pages x 2" in out and "MALFORMED" in out

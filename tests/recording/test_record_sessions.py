@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from indexer.protocol.events import Removed
 from indexer.recording.format import Record, RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
 from indexer.snapshot import dump_index
@@ -264,3 +265,47 @@ async def test_a_failed_compressed_write_is_not_counted_as_recorded(
     # later): whatever it is, the summary counts what the file holds, never the refused ones
     assert held <= 256
     assert _summary_counts(stdout) == (held, held, held)
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
+
+
+async def test_an_append_replays_the_clear_of_a_restart_found_at_the_seam(
+    tmp_path: Path,
+) -> None:
+    # The worker restarts between two sessions, and its new process has buffered exactly the
+    # seqs after the file's last one: the appended records look contiguous. The second
+    # session's subscriber clears the stream (the replay starts after our last batch: nothing
+    # proves the publisher unchanged); the replay must clear it there too, or it predicts the
+    # dead process's pages (false hits), with the new process's fence on them in a dump.
+    out = tmp_path / "seam.kvrec"
+    async with ReferenceWorker(WorkerConfig(time_scale=0.0, capacity_tokens=1024)) as worker:
+        sources = [_source(worker)]
+        last = await _traffic(worker, 20, seed=7) - 1
+        first = await record(RecordingWriter.create(out, sources), sources, duration_s=1.0)
+        assert first.records == last + 1
+        kv = worker.kv_events
+    restarted = WorkerConfig(
+        time_scale=0.0,
+        capacity_tokens=1024,
+        buffer_steps=5,
+        events_port=_port(kv.endpoints[0]),
+        replay_port=_port(kv.replay_endpoints[0]),
+    )
+    async with ReferenceWorker(restarted) as again:
+        publisher = again.ranks[0].publisher
+        while publisher.next_seq <= last:  # batches that remove nothing held, up to the seam
+            publisher.publish([Removed(block_hashes=[publisher.next_seq + 1])])
+        await _traffic(again, 5, seed=9)  # one stored batch each: seqs last+1 .. last+5
+        assert publisher.next_seq == last + 6, publisher.next_seq
+        second = await record(RecordingWriter.append(out, sources), sources, duration_s=1.0)
+        assert second.streams["w#dp0"]["clears"] == 1
+        # what a router subscribing to the new process now holds: its buffer, and nothing else
+        fresh = tmp_path / "fresh.kvrec"
+        await record(RecordingWriter.create(fresh, sources), sources, duration_s=1.0)
+    summary, index = replay_into_index(out)
+    assert canonical(dump_index(index)) == canonical(dump_index(replay_into_index(fresh)[1]))
+    assert index.last_seq("w#dp0") == last + 5
+    (stream,) = summary.streams
+    assert stream.marked_clears == 1

@@ -20,6 +20,7 @@ from indexer.recording.format import (
     RecordingError,
     RecordingReader,
     RecordingWriter,
+    RecordMark,
     Source,
 )
 
@@ -59,7 +60,7 @@ def test_round_trip_keeps_exact_bytes_and_metadata(tmp_path: Path, compress: boo
     _write(path, payloads, compress=compress)
     records, reader = _read_all(path)
     assert reader.damage is None
-    assert reader.header.format_version == 2
+    assert reader.header.format_version == 3
     assert list(reader.sources.values()) == SOURCES
     assert [r.payload for r in records] == payloads
     assert [r.seq for r in records] == [i // 2 for i in range(len(payloads))]
@@ -280,9 +281,66 @@ def test_a_version_1_file_is_read_and_appended_to_as_version_1(tmp_path: Path) -
     with RecordingWriter.append(path) as writer:
         # a version-1 reader could not read the mark: the file stays what it was
         writer.write("w0#dp0", b"kv", 6, b"p", replayed=True, run_start=True)
+        # nor a clear: written as a record, it would read as a message
+        assert writer.write_mark("w0#dp0", RecordMark.CLEAR, 6) is None
     records, reader = _read_all(path)
     assert reader.damage is None and reader.header.format_version == 1
     assert (records[-1].seq, records[-1].replayed, records[-1].run_start) == (6, True, False)
+
+
+def _set_version(path: Path, version: int) -> None:
+    """Rewrite the header's `format_version` (a one-byte msgpack int), its CRC recomputed."""
+    data = path.read_bytes()
+    start = len(MAGIC)
+    header = bytearray(data[start : start + 36])
+    length = int.from_bytes(header[8:12], "little")
+    body = bytearray(data[start + 36 : start + 36 + length])
+    at = body.index(b"format_version") + len(b"format_version")
+    body[at] = version
+    crc = zlib.crc32(bytes(header[4:32]) + bytes(body))
+    header[32:36] = crc.to_bytes(4, "little")
+    path.write_bytes(MAGIC + bytes(header) + bytes(body) + data[start + 36 + length :])
+
+
+def test_clear_marks_are_records_that_only_their_readers_see(tmp_path: Path) -> None:
+    path = tmp_path / "marks.kvrec"
+    with RecordingWriter.create(path, SOURCES[:1]) as writer:
+        writer.write("w0/0", b"kv", 0, b"a", recv_time=1.0)
+        assert writer.write_mark("w0/0", RecordMark.CLEAR, 0, recv_time=2.0) == 1
+        writer.write("w0/0", b"kv", 1, b"b", recv_time=3.0)
+        writer.write_mark("w0/0", RecordMark.FORGET_SEQ, 1, recv_time=4.0)
+    records, _ = _read_all(path)
+    assert [(r.seq, r.payload) for r in records] == [(0, b"a"), (1, b"b")]
+    with RecordingReader(path) as reader:
+        marked = [(p.number, p.record.mark) for p in reader.records(marks=True)]
+    assert marked == [
+        (0, RecordMark.MESSAGE),
+        (1, RecordMark.CLEAR),
+        (2, RecordMark.MESSAGE),
+        (3, RecordMark.FORGET_SEQ),
+    ]
+    # the stream was rebuilt from 0 at its end: an append has nothing to continue from
+    with RecordingWriter.append(path) as writer:
+        assert writer.last_records == {}
+
+
+def test_a_version_2_file_appended_to_becomes_version_3(tmp_path: Path) -> None:
+    # version 3 only adds marks: the version-2 records read alike, and the sessions appended
+    # record their subscriber's clears (an append is where a restart is found at the seam)
+    path = tmp_path / "v2.kvrec"
+    with RecordingWriter.create(path, SOURCES[:1]) as writer:
+        writer.write("w0/0", b"kv", 0, b"a", recv_time=1.0)
+    _set_version(path, 2)
+    with RecordingReader(path) as reader:
+        assert reader.header.format_version == 2
+    with RecordingWriter.append(path) as writer:
+        assert writer.last_records["w0/0"].seq == 0
+        writer.write_mark("w0/0", RecordMark.CLEAR, 0)
+    with RecordingReader(path) as reader:
+        assert reader.header.format_version == 3
+        marked = [p.record.mark for p in reader.records(marks=True)]
+        assert reader.damage is None
+    assert marked == [RecordMark.MESSAGE, RecordMark.CLEAR]
 
 
 def test_an_unknown_version_is_refused_by_name(tmp_path: Path) -> None:

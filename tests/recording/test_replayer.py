@@ -185,3 +185,26 @@ def test_filters_by_stream_seq_and_time(tmp_path: Path) -> None:
     window, _ = replay_into_index(path, flt=RecordFilter(from_time=105.0, to_time=109.5))
     assert window.records == 5
     assert window.first_time == 105.0 and window.last_time == 109.0
+
+
+def test_a_window_that_starts_mid_stream_keeps_no_fence(tmp_path: Path) -> None:
+    # a dump of it must not claim to be the stream's state: a router loading it would prove
+    # the fence and keep the stream synced with a part of its entries, never rebuilt
+    path = tmp_path / "r.kvrec"
+    rows = [("a", i, _store(i, parent=1000 + i - 1 if i else None), False) for i in range(6)]
+    rows += [("b", i, _store(100 + i), False) for i in range(2)]  # b starts at 106.0
+    _write(path, rows)
+    whole, index = replay_into_index(path)
+    assert index.fence("a") is not None and not any(s.partial for s in whole.streams)
+    for flt in (RecordFilter(from_seq=2), RecordFilter(from_time=102.0)):
+        summary, index = replay_into_index(path, flt=flt)
+        partial = {s.stream: s.partial for s in summary.streams}
+        assert partial["a"], flt
+        assert (index.last_seq("a"), index.fence("a")) == (None, None), flt
+    # a stream the window holds from its first record keeps its own
+    summary, index = replay_into_index(path, flt=RecordFilter(from_time=104.0))
+    assert {s.stream: s.partial for s in summary.streams} == {"a": True, "b": False}
+    assert index.fence("b") is not None and index.last_seq("b") == 1
+    # a window that ends early is the state at its end: its fence stands
+    summary, index = replay_into_index(path, flt=RecordFilter(to_seq=3))
+    assert index.last_seq("a") == 3 and index.fence("a") is not None
