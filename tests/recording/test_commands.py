@@ -342,7 +342,8 @@ engine = "vllm"
 model = "v"
 """
     )
-    sources = _config_sources(config)
+    sources, skipped = _config_sources(config)
+    assert not skipped
     assert [(s.stream, s.endpoint, s.replay_endpoint, s.dp_rank) for s in sources] == [
         ("a#dp0", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600", 0),
         ("a#dp1", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601", 1),
@@ -360,7 +361,7 @@ async def test_record_config_asks_the_worker_for_its_streams_and_model(tmp_path:
     async with worker:
         config.write_text(f'[[workers]]\nid = "w"\nurl = "{worker.url}"\n')
         # a blocking read, as the CLI does it: off this loop, which serves the worker
-        sources = await asyncio.to_thread(_config_sources, config)
+        sources, _ = await asyncio.to_thread(_config_sources, config)
     kv = worker.kv_events
     assert [(s.stream, s.endpoint, s.replay_endpoint) for s in sources] == [
         ("w#dp0", kv.endpoints[0], kv.replay_endpoints[0]),
@@ -388,6 +389,35 @@ def test_record_config_names_a_worker_it_cannot_ask(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"worker gone: cannot read the models of .*Connect"):
         _config_sources(config)
+
+
+async def test_record_config_records_the_workers_that_answer_and_names_the_one_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One worker of the config down (needing discovery) made the whole recording exit 2, as
+    an operator most needs it, while `kvroute serve` starts on the same config; the others are
+    recorded now and the one down is named in one line."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    worker = ReferenceWorker(WorkerConfig(model="served/by-it", time_scale=0.0))
+    config = tmp_path / "router.toml"
+    out = tmp_path / "up.kvrec"
+    async with worker:
+        config.write_text(
+            f'[[workers]]\nid = "up"\nurl = "{worker.url}"\n'
+            f'[[workers]]\nid = "gone"\nurl = "{gone}"\n'
+        )
+        args = ["record", "--config", str(config), "--out", str(out), "--duration", "0.3"]
+        # the CLI blocks: off this loop, which serves the worker
+        code = await asyncio.to_thread(main, args)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "gone" in line]
+    assert len(said) == 1, err
+    assert "worker gone is NOT recorded" in said[0] and f"cannot read server_info of {gone}" in said[0]
+    with RecordingReader(out) as reader:
+        assert [s.stream for s in reader.header.sources] == ["up#dp0"]
 
 
 def test_replay_reports_unwritable_dump_and_taken_port(
