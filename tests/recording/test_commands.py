@@ -415,7 +415,9 @@ async def test_record_config_records_the_workers_that_answer_and_names_the_one_d
     assert code == 0, err
     said = [line for line in err.splitlines() if "gone" in line]
     assert len(said) == 1, err
-    assert "worker gone is NOT recorded" in said[0] and f"cannot read server_info of {gone}" in said[0]
+    assert (
+        "worker gone is NOT recorded" in said[0] and f"cannot read server_info of {gone}" in said[0]
+    )
     with RecordingReader(out) as reader:
         assert [s.stream for s in reader.header.sources] == ["up#dp0"]
 
