@@ -9,9 +9,11 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
-- before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
-  `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
-  not decode a 415 and an `Expect` other than 100-continue a 417;
+- before routing, an `/admin` request without the admin token is a 401, ahead of anything
+  else said about it (what the limits are) and of any `100 Continue`; then a declared body
+  over `limits.max_body_bytes` is a 413 (ahead of any `100 Continue`, so the client never
+  sends it), a body in a `Content-Encoding` aiohttp does not decode a 415 and an `Expect`
+  other than 100-continue a 417;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -38,6 +40,7 @@ from aiohttp.streams import StreamReader
 
 from router.config import LimitsConfig
 from router.errors import (
+    AuthError,
     BadHttpRequestError,
     ExpectationFailedError,
     PayloadTooLargeError,
@@ -46,8 +49,11 @@ from router.errors import (
     TooManyConnectionsError,
     UnsupportedEncodingError,
 )
+from router.http.bearer import bearer_matches
 
 __all__ = [
+    "ADMIN_PREFIX",
+    "ADMIN_TOKEN",
     "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
@@ -64,6 +70,11 @@ log = logging.getLogger(__name__)
 
 # the one route whose body is bounded by limits.max_snapshot_bytes, not max_body_bytes
 SNAPSHOT_PATH = "/admin/index/load"
+# where the admin sub-application is mounted, and its bearer token when it has one (set when
+# the app is made; the token only changes with a restart): the listener refuses a request
+# without it before its own refusals, which would tell a stranger the admin API's limits
+ADMIN_PREFIX = "/admin"
+ADMIN_TOKEN: web.AppKey[str] = web.AppKey("admin_token")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
@@ -382,6 +393,7 @@ class GuardedServer(web.Server):
         # generation endpoints, `RouterRunner` fills it from the app); a request
         # with an `Expect` goes the app's way, which answers 100-continue
         self.direct: dict[str, _Handler] = {}
+        self.admin_token = ""  # "" = the admin API is open (loopback) or not served
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """`limits` for the connections accepted from now on (a reload); each open one keeps
@@ -417,6 +429,9 @@ class GuardedServer(web.Server):
 
     async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
         """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
+        if self.admin_token and not self._admin_allowed(request):
+            refusal = AuthError("admin API: missing or wrong bearer token")  # the app's words
+            return _json_answer(AuthError, str(refusal), refusal.headers())
         expect = request.headers.get(hdrs.EXPECT)
         if expect is not None and expect.lower() != "100-continue":
             return _json_answer(
@@ -448,6 +463,14 @@ class GuardedServer(web.Server):
                 return await direct(cast(web.Request, request))
         return await self._app_handler(request)
 
+    def _admin_allowed(self, request: web.BaseRequest) -> bool:
+        """False for an admin request without the admin token (the path as the app routes it,
+        so no spelling of it goes around the check)."""
+        path = request.path
+        if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
+            return True
+        return bearer_matches(request.headers.get(hdrs.AUTHORIZATION, ""), self.admin_token)
+
     def __call__(self) -> GuardedHandler:
         return GuardedHandler(self, loop=self._loop, **self._kwargs)
 
@@ -471,4 +494,5 @@ class RouterRunner(web.AppRunner):
         server = GuardedServer.adopt(await super()._make_server(), self._limits)
         # the app's direct routes (they reach its proxy once its resources are open)
         server.direct = self.app.get(DIRECT_ROUTES, {})
+        server.admin_token = self.app.get(ADMIN_TOKEN, "")
         return server
