@@ -151,6 +151,36 @@ def test_replay_refuses_what_would_do_nothing(
     assert not (tmp_path / "x.snap").exists()
 
 
+def test_replay_refuses_negative_seqs_and_waits_and_ports_past_65535(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--to seq:-1` and `--wait -1` were taken in silence; a --publish port whose streams'
+    ports run past 65535 failed at the bind with "cannot bind ...:65536: Invalid argument"."""
+    file = str(recording)  # two streams
+    publish = ["--publish", "tcp://127.0.0.1:0", "--linger", "0"]
+    cases = [
+        (["--to", "seq:-1"], "--to 'seq:-1': a seq is >= 0"),
+        (["--from", "seq:-1", "--to", "seq:5"], "--from 'seq:-1': a seq is >= 0"),
+        (["--wait", "-1", *publish], "--wait -1.0: seconds, >= 0"),
+        (["--wait", "0", "--publish", "tcp://127.0.0.1:0", "--linger", "-1"], "--linger -1.0"),
+        (
+            ["--publish", "tcp://127.0.0.1:65535"],
+            "--publish tcp://127.0.0.1:65535: 2 stream(s) publish and answer on ports "
+            "65535-65538 (one per stream and socket from the given port), past 65535: give a "
+            "port up to 65532, or 0 for free ports",
+        ),
+        (
+            ["--publish", "tcp://127.0.0.1:65532", "--replay-endpoint", "tcp://127.0.0.1:65535"],
+            "--replay-endpoint tcp://127.0.0.1:65535: 2 stream(s) answer on ports 65535-65536",
+        ),
+    ]
+    for args, said in cases:
+        assert main(["replay", file, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err and len(err.splitlines()) == 1, (args, err)
+        assert "Invalid argument" not in err
+
+
 def _tear(path: Path) -> None:
     """Cut the file a third from its end, mid-frame (as a crash would)."""
     data = path.read_bytes()
