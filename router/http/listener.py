@@ -9,11 +9,11 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
-- before routing, an `/admin` request without the admin token is a 401, ahead of anything
-  else said about it (what the limits are) and of any `100 Continue`; then a declared body
-  over `limits.max_body_bytes` is a 413 (ahead of any `100 Continue`, so the client never
-  sends it), a body in a `Content-Encoding` aiohttp does not decode a 415 and an `Expect`
-  other than 100-continue a 417;
+- before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
+  `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
+  not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
+  the admin token gets the admin API's 401 instead of any of them (a stranger learns nothing
+  of the limits), its body unread just the same;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -429,9 +429,24 @@ class GuardedServer(web.Server):
 
     async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
         """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
-        if self.admin_token and not self._admin_allowed(request):
-            refusal = AuthError("admin API: missing or wrong bearer token")  # the app's words
-            return _json_answer(AuthError, str(refusal), refusal.headers())
+        refused = self._refusal(request)
+        if refused is not None:
+            if self.admin_token and not self._admin_allowed(request):
+                # a stranger hears the admin API's 401 (its words), not what its limits are
+                auth = AuthError("admin API: missing or wrong bearer token")
+                return _json_answer(AuthError, str(auth), auth.headers())
+            return refused
+        if request.method == hdrs.METH_POST and hdrs.EXPECT not in request.headers:
+            direct = self.direct.get(request.path)
+            if direct is not None:
+                # the app's request factory made it: a web.Request, not yet routed
+                return await direct(cast(web.Request, request))
+        # the rest, an admin request without the token too, gets the app's answer (its 401
+        # counted by route in the metrics)
+        return await self._app_handler(request)
+
+    def _refusal(self, request: web.BaseRequest) -> web.Response | None:
+        """The listener's own refusal of `request` (417, 413, 415), None when it has none."""
         expect = request.headers.get(hdrs.EXPECT)
         if expect is not None and expect.lower() != "100-continue":
             return _json_answer(
@@ -456,12 +471,7 @@ class GuardedServer(web.Server):
                 f"in one of {accepted}, or not encoded",
                 {"Accept-Encoding": accepted},
             )
-        if expect is None and request.method == hdrs.METH_POST:
-            direct = self.direct.get(request.path)
-            if direct is not None:
-                # the app's request factory made it: a web.Request, not yet routed
-                return await direct(cast(web.Request, request))
-        return await self._app_handler(request)
+        return None
 
     def _admin_allowed(self, request: web.BaseRequest) -> bool:
         """False for an admin request without the admin token (the path as the app routes it,
