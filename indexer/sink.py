@@ -22,7 +22,7 @@ from indexer.index import PrefixIndex, StreamCounters
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import EventBatch
 
-__all__ = ["Applied", "IndexSink", "StreamSink"]
+__all__ = ["Applied", "IndexSink", "StreamSink", "keeps_entries"]
 
 
 class Applied(NamedTuple):
@@ -67,8 +67,17 @@ class StreamSink(Protocol):
         """Cumulative counters of what the events did, where the sink keeps them."""
 
 
+def keeps_entries(sink: StreamSink) -> bool:
+    """Whether `sink` holds entries that predict hits, so the subscriber's messages may speak
+    of them ("cleared 12 entries"). A sink says so with `keeps_entries = True` (an index's);
+    one that does not (a recording's: bytes, no cache state) is told of in other words."""
+    return getattr(sink, "keeps_entries", False) is True
+
+
 class IndexSink:
     """Decodes each batch and applies it to one stream of a `PrefixIndex`."""
+
+    keeps_entries = True
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 
 from indexer.fence import BatchFence
 from indexer.index import StreamCounters
-from indexer.sink import Applied, IndexSink
+from indexer.sink import Applied, IndexSink, keeps_entries
 from indexer.stats import StreamState
 
 __all__ = ["StreamHead", "StreamTap", "TappedSink"]
@@ -86,6 +86,11 @@ class TappedSink:
     def entries(self) -> int:
         """Blocks the stream holds."""
         return self.inner.entries()
+
+    @property
+    def keeps_entries(self) -> bool:
+        """The index's answer (`indexer.sink.keeps_entries`)."""
+        return keeps_entries(self.inner)
 
     def block_size(self) -> int | None:
         """Configured or learned."""

@@ -69,7 +69,7 @@ from indexer.protocol.frames import (
 )
 from indexer.replay_client import ReplayClient
 from indexer.sequence import SeqDecision, SequenceTracker, SeqVerdict
-from indexer.sink import StreamSink
+from indexer.sink import StreamSink, keeps_entries
 from indexer.stats import StreamState, StreamStats
 
 __all__ = ["StreamSubscriber"]
@@ -334,7 +334,12 @@ class StreamSubscriber:
         if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
         if not self._unverified:
-            self._warn("suspect", f"{why}: its entries predict nothing until a replay proves them")
+            self._warn(
+                "suspect",
+                f"{why}: its entries predict nothing until a replay proves them"
+                if keeps_entries(self.sink)
+                else f"{why}: checking through the replay socket whether its publisher restarted",
+            )
         self._unverified = True
         self._why_unverified = why
         self._enter(StreamState.UNVERIFIED)
@@ -451,7 +456,10 @@ class StreamSubscriber:
                 "tail",
                 "the replay socket did not answer to its end: batches dropped at the stream's "
                 "end would go unseen, so its entries predict nothing until it answers or the "
-                "next batch follows on",
+                "next batch follows on"
+                if keeps_entries(self.sink)
+                else "the replay socket did not answer to its end: batches dropped at the "
+                "stream's end would go unseen until it answers or the next batch follows on",
             )
         self._show_state()
 
@@ -895,8 +903,12 @@ class StreamSubscriber:
                 "dp-rank",
                 f"DP RANK MISMATCH: batch {seq} says dp rank {applied.dp_rank}, this stream is "
                 f"rank {self.config.dp_rank} (its events port is the rank-0 port + the rank): "
-                "its entries are dropped and nothing is predicted here; check the worker's "
-                "events endpoints and dp_size",
+                + (
+                    "its entries are dropped and nothing is predicted here"
+                    if keeps_entries(self.sink)
+                    else "the stream is reset (a router drops its entries here)"
+                )
+                + "; check the worker's events endpoints and dp_size",
             )
             self._clear(f"batch {seq} is dp rank {applied.dp_rank}'s, not this stream's")
         if not replayed:
@@ -941,7 +953,10 @@ class StreamSubscriber:
             self._show_state()
         dropped = self.sink.clear()
         self._clears += 1
-        self._warn("clear", f"cleared {dropped} entries: {reason}")
+        if keeps_entries(self.sink):
+            self._warn("clear", f"cleared {dropped} entries: {reason}")
+        else:  # a recording: nothing held, the file keeps the decision for a replay to repeat
+            self._warn("clear", f"stream reset (a router drops its entries here): {reason}")
 
     def _malformed(self, what: str) -> None:
         self.decode_errors += 1

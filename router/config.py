@@ -8,6 +8,7 @@ a default, so `RouterConfig(workers=(WorkerConfig(url=...),))` is a complete con
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -408,13 +409,32 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @property
     def server(self) -> tuple[str, str, int | None, str]:
-        """The server `url` names, spelled one way (`HTTP://A:80/` is `http://a`): two
-        entries of one server would make it two routing candidates, each with half its load."""
+        """The server `url` names, spelled one way (`HTTP://A:80/` is `http://a`,
+        `http://localhost:1` is `http://127.0.0.1:1`): two entries of one server would make it
+        two routing candidates, each with half its load."""
         parts = urlsplit(self.url)
         port = parts.port
         if port == {"http": 80, "https": 443}.get(parts.scheme.lower()):
             port = None
-        return (parts.scheme.lower(), (parts.hostname or "").lower(), port, parts.path.rstrip("/"))
+        host = _one_spelling(parts.hostname or "")
+        return (parts.scheme.lower(), host, port, parts.path.rstrip("/"))
+
+
+def _one_spelling(host: str) -> str:
+    """`host` spelled one way where its spelling alone says what it is: an IP literal in its
+    compressed form (`[0:0::1]` is `::1`), `localhost` as 127.0.0.1 (RFC 6761: it is the
+    loopback; the IPv4 one is where a worker on it listens). No other name is resolved: it
+    would block validation on DNS, tie it to the resolver's answer of the moment, and two
+    names of one address may be two servers (virtual hosts behind one proxy); a worker that
+    is another's server under a name is told apart at registration by its KV-event stream
+    (status `duplicate`, sent nothing)."""
+    host = host.lower().removesuffix(".")
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host
 
 
 def _port_parses(url: str) -> bool:
@@ -551,8 +571,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             first = seen.setdefault(worker.server, i)
             if first != i:
                 other = self.workers[first].worker_id
+                spelt = self.workers[first].url
+                urls = worker.url if spelt == worker.url else f"{spelt} and {worker.url}"
                 raise ValueError(
-                    f"workers {other!r} and {worker.worker_id!r} are one server ({worker.url}): "
+                    f"workers {other!r} and {worker.worker_id!r} are one server ({urls}): "
                     f"list it once (several dp ranks: dp_size) - at `$.workers[{i}].url`"
                 )
 

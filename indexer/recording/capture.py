@@ -58,6 +58,8 @@ class RecordingSink:
     being appended to: the subscriber continues from it.
     """
 
+    keeps_entries = False  # the file keeps the decisions, not a cache's state
+
     def __init__(
         self,
         stream_id: str,

@@ -170,31 +170,45 @@ def _sources(args: argparse.Namespace) -> list[Source]:
                 worker=args.worker,
             )
         ]
-    return _config_sources(args.config)
-
-
-def _config_sources(path: Path) -> list[Source]:
-    """Every KV-event stream of a router config (asking the worker for what it omits).
-
-    Each stream is recorded under the model the router would index it under, read the way
-    the router's supervisor reads it (`router.fleet.worker_settings`), so a replay of the file
-    names the same namespaces as the router does."""
-    from router.config import load_config
-
-    config = load_config(path)
-    sources = asyncio.run(_discover(config.workers))
-    if not sources:
-        raise ValueError(f"{path}: no worker publishes KV events")
+    sources, skipped = _config_sources(args.config)
+    for worker, why in skipped.items():
+        # a capture records the streams it starts with: a worker down now is left out, said
+        # once and not asked again (another `kvroute record` takes it once it answers)
+        print(
+            f"kvroute record: worker {worker} is NOT recorded (skipped, not retried): {why}",
+            file=sys.stderr,
+        )
     return sources
 
 
-async def _discover(workers: Sequence[WorkerConfig]) -> list[Source]:
+def _config_sources(path: Path) -> tuple[list[Source], dict[str, str]]:
+    """Every KV-event stream of a router config (asking the worker for what it omits), and
+    why each worker that could not be asked was not (by id: its streams are not recorded).
+
+    Each stream is recorded under the model the router would index it under, read the way
+    the router's supervisor reads it (`router.fleet.worker_settings`), so a replay of the file
+    names the same namespaces as the router does. A worker that does not answer is skipped,
+    not fatal: an incident is when one is down, and the others are what there is to record;
+    only a config none of whose streams can be recorded is refused."""
+    from router.config import load_config
+
+    config = load_config(path)
+    sources, skipped = asyncio.run(_discover(config.workers))
+    if not sources:
+        if skipped:
+            raise ValueError("; ".join(f"worker {w}: {why}" for w, why in skipped.items()))
+        raise ValueError(f"{path}: no worker publishes KV events")
+    return sources, skipped
+
+
+async def _discover(workers: Sequence[WorkerConfig]) -> tuple[list[Source], dict[str, str]]:
     import aiohttp
 
     from router.fleet.discovery import needs_discovery, streams_for
     from router.fleet.worker_settings import read_served_models, read_server_info
 
     sources: list[Source] = []
+    skipped: dict[str, str] = {}
     async with aiohttp.ClientSession() as session:
         for worker in workers:
             if not worker.kv_events:
@@ -205,11 +219,13 @@ async def _discover(workers: Sequence[WorkerConfig]) -> list[Source]:
                 if needs_discovery(worker):
                     info = await read_server_info(session, worker.url, spec, timeout_s=5.0)
                 models = await read_served_models(session, worker, spec, info, timeout_s=5.0)
+                streams = streams_for(worker, info, model=models[0] if models else "")
             except RouterError as exc:  # the worker, not the config: named with its id
-                raise ValueError(f"worker {worker.worker_id}: {exc}") from None
-            for s in streams_for(worker, info, model=models[0] if models else ""):
-                sources.append(_source(worker.worker_id, s))
-    return sources
+                # streams_for's words name it already
+                skipped[worker.worker_id] = str(exc).removeprefix(f"worker {worker.worker_id}: ")
+                continue
+            sources.extend(_source(worker.worker_id, s) for s in streams)
+    return sources, skipped
 
 
 def _source(worker: str, s: StreamConfig) -> Source:

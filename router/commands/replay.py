@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        _check_seq_bounds(args.start, args.end)
         with RecordingReader(args.file) as reader:
             flt = parse_window(reader, args.start, args.end)
             if args.stream:
@@ -211,6 +213,20 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
         )
 
 
+def _check_seq_bounds(start: str | None, end: str | None) -> None:
+    """ValueError for a negative `seq:N`: no record has one, and the bound was taken in
+    silence (`--to seq:-1` replayed nothing, `--from seq:-1` everything)."""
+    for flag, text in (("--from", start), ("--to", end)):
+        if text is None or not text.strip().startswith("seq:"):
+            continue
+        try:
+            seq = int(text.strip()[4:])
+        except ValueError:
+            continue  # not an integer: parse_window says so
+        if seq < 0:
+            raise ValueError(f"{flag} {text!r}: a seq is >= 0")
+
+
 def _parse_speed(text: str) -> float | None:
     if text == "max":
         return None
@@ -229,6 +245,11 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
             f"kvroute replay: --replay-buffer {args.replay_buffer}: must be >= 1", file=sys.stderr
         )
         return 2
+    for flag, seconds in (("--wait", args.wait), ("--linger", args.linger)):
+        # a negative one was taken as 0 in silence
+        if not 0 <= seconds < math.inf:
+            print(f"kvroute replay: {flag} {seconds}: seconds, >= 0", file=sys.stderr)
+            return 2
     try:
         config = RepublishConfig(
             endpoint=args.publish,
@@ -239,6 +260,7 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
         )
         with RecordingReader(args.file) as reader:
             sources = streams_of(reader, flt)
+        _check_ports(args.publish, args.replay_endpoint, len(sources))
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
@@ -247,6 +269,32 @@ def _publish(args: argparse.Namespace, flt: RecordFilter) -> int:
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_ports(publish: str, replay: str | None, streams: int) -> None:
+    """ValueError when the ports the streams take from the given ones run past 65535 (else the
+    bind of the first port out of range failed with ZMQ's words: "Invalid argument")."""
+    ranges = [("--publish", publish, streams, f"{streams} stream(s) publish on")]
+    if replay is not None:
+        ranges.append(("--replay-endpoint", replay, streams, f"{streams} stream(s) answer on"))
+    else:  # the replay ROUTERs take the ports right after the PUB ports
+        ranges[0] = (
+            "--publish",
+            publish,
+            2 * streams,
+            f"{streams} stream(s) publish and answer on",
+        )
+    for flag, endpoint, ports, what in ranges:
+        port = endpoint.rpartition(":")[2]
+        if not port.isdigit() or int(port) == 0:  # malformed is RepublishConfig's to say; 0: free
+            continue
+        first, last = int(port), int(port) + ports - 1
+        if last > 65535:
+            raise ValueError(
+                f"{flag} {endpoint}: {what} ports {first}-{last} (one per stream and socket "
+                f"from the given port), past 65535: give a port up to {65536 - ports}, or 0 "
+                "for free ports"
+            )
 
 
 def _records(path: Path, flt: RecordFilter, damaged: list[str]) -> Iterator[Record]:

@@ -45,7 +45,7 @@ from router.http.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.http.listener import DIRECT_ROUTES
+from router.http.listener import ADMIN_PREFIX, ADMIN_TOKEN, DIRECT_ROUTES
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
 from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
 from router.http.pd import PairDispatcher
@@ -440,7 +440,8 @@ def create_app(
     if config.admin.enabled:
         if not token:
             log.warning("admin API without a token (loopback only)")
-        app.add_subapp("/admin", create_admin_app(token))
+        app.add_subapp(ADMIN_PREFIX, create_admin_app(token))
+        app[ADMIN_TOKEN] = token  # the listener checks it ahead of its own refusals
         add_dashboard_routes(app, token)  # behind the admin token too (router.http.dashboard)
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_tokenizer_threads)

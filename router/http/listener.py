@@ -11,7 +11,9 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
   `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
-  not decode a 415 and an `Expect` other than 100-continue a 417;
+  not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
+  the admin token gets the admin API's 401 instead of any of them (a stranger learns nothing
+  of the limits), its body unread just the same;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -38,6 +40,7 @@ from aiohttp.streams import StreamReader
 
 from router.config import LimitsConfig
 from router.errors import (
+    AuthError,
     BadHttpRequestError,
     ExpectationFailedError,
     PayloadTooLargeError,
@@ -46,8 +49,11 @@ from router.errors import (
     TooManyConnectionsError,
     UnsupportedEncodingError,
 )
+from router.http.bearer import bearer_matches
 
 __all__ = [
+    "ADMIN_PREFIX",
+    "ADMIN_TOKEN",
     "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
@@ -64,6 +70,11 @@ log = logging.getLogger(__name__)
 
 # the one route whose body is bounded by limits.max_snapshot_bytes, not max_body_bytes
 SNAPSHOT_PATH = "/admin/index/load"
+# where the admin sub-application is mounted, and its bearer token when it has one (set when
+# the app is made; the token only changes with a restart): the listener refuses a request
+# without it before its own refusals, which would tell a stranger the admin API's limits
+ADMIN_PREFIX = "/admin"
+ADMIN_TOKEN: web.AppKey[str] = web.AppKey("admin_token")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
@@ -382,6 +393,7 @@ class GuardedServer(web.Server):
         # generation endpoints, `RouterRunner` fills it from the app); a request
         # with an `Expect` goes the app's way, which answers 100-continue
         self.direct: dict[str, _Handler] = {}
+        self.admin_token = ""  # "" = the admin API is open (loopback) or not served
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """`limits` for the connections accepted from now on (a reload); each open one keeps
@@ -417,6 +429,24 @@ class GuardedServer(web.Server):
 
     async def _before_routing(self, request: web.BaseRequest) -> web.StreamResponse:
         """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
+        refused = self._refusal(request)
+        if refused is not None:
+            if self.admin_token and not self._admin_allowed(request):
+                # a stranger hears the admin API's 401 (its words), not what its limits are
+                auth = AuthError("admin API: missing or wrong bearer token")
+                return _json_answer(AuthError, str(auth), auth.headers())
+            return refused
+        if request.method == hdrs.METH_POST and hdrs.EXPECT not in request.headers:
+            direct = self.direct.get(request.path)
+            if direct is not None:
+                # the app's request factory made it: a web.Request, not yet routed
+                return await direct(cast(web.Request, request))
+        # the rest, an admin request without the token too, gets the app's answer (its 401
+        # counted by route in the metrics)
+        return await self._app_handler(request)
+
+    def _refusal(self, request: web.BaseRequest) -> web.Response | None:
+        """The listener's own refusal of `request` (417, 413, 415), None when it has none."""
         expect = request.headers.get(hdrs.EXPECT)
         if expect is not None and expect.lower() != "100-continue":
             return _json_answer(
@@ -441,12 +471,15 @@ class GuardedServer(web.Server):
                 f"in one of {accepted}, or not encoded",
                 {"Accept-Encoding": accepted},
             )
-        if expect is None and request.method == hdrs.METH_POST:
-            direct = self.direct.get(request.path)
-            if direct is not None:
-                # the app's request factory made it: a web.Request, not yet routed
-                return await direct(cast(web.Request, request))
-        return await self._app_handler(request)
+        return None
+
+    def _admin_allowed(self, request: web.BaseRequest) -> bool:
+        """False for an admin request without the admin token (the path as the app routes it,
+        so no spelling of it goes around the check)."""
+        path = request.path
+        if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
+            return True
+        return bearer_matches(request.headers.get(hdrs.AUTHORIZATION, ""), self.admin_token)
 
     def __call__(self) -> GuardedHandler:
         return GuardedHandler(self, loop=self._loop, **self._kwargs)
@@ -471,4 +504,5 @@ class RouterRunner(web.AppRunner):
         server = GuardedServer.adopt(await super()._make_server(), self._limits)
         # the app's direct routes (they reach its proxy once its resources are open)
         server.direct = self.app.get(DIRECT_ROUTES, {})
+        server.admin_token = self.app.get(ADMIN_TOKEN, "")
         return server

@@ -48,7 +48,7 @@ class WorkerStatus(enum.StrEnum):
     # health-checked: sent nothing until then (`Supervisor.add`)
     CHECKING = "checking"
     # its KV events are another worker's stream (refused when it registered): the same server
-    # under another URL (`localhost` for `127.0.0.1`), or a copy-pasted `events`. Routed, it
+    # under a name the config cannot read as its address, or a copy-pasted `events`. Routed, it
     # would be a second candidate for one engine, with half its load each
     DUPLICATE = "duplicate"
     UNHEALTHY = "unhealthy"  # last health check failed

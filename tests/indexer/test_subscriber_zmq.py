@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
 from indexer.service import IndexerService
 from indexer.stats import StreamState
+from indexer.subscriber import StreamSubscriber
 from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload
 
 WORKER = "w0"
@@ -355,6 +357,44 @@ async def test_a_capture_records_every_message_in_order(
     # the replay also brings the live message that revealed the gap; its live copy is skipped
     replayed = [seq for seq, r in seen if r and seq >= start]
     assert replayed == [start + 4, start + 5, start + 6]
+
+
+async def test_a_capture_says_what_it_did_without_claiming_entries_a_router_does(
+    ctx: zmq.asyncio.Context, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kvroute record` logged the router's words ("its entries predict nothing until ...",
+    "cleared 0 entries") though a recording keeps no entries; the router's stay as they were."""
+    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+
+    async def restart(sub: StreamSubscriber, pub: ScriptedPublisher) -> None:
+        last = await publish_all(pub, workload(seed=1, batches=6))
+        await wait_until(lambda: sub.tracker.last == last)
+        sub.suspect_restart("the event connection dropped")
+        pub.restart()
+        await publish_all(pub, workload(seed=2, batches=3))
+        await wait_until(lambda: sub.restarts == 1)
+
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        capturing(pub, tmp_path / "r.kvrec", CONFIG) as running,
+    ):
+        await join(running, pub)
+        await restart(running._subs.all()[0], pub)
+    said = [r.getMessage() for r in caplog.records if r.name == "indexer.subscriber"]
+    assert any(
+        "the event connection dropped: checking through the replay socket" in m for m in said
+    )
+    assert any("stream reset (a router drops its entries here): " in m for m in said), said
+    assert not [m for m in said if "cleared" in m or "entries predict" in m]
+
+    caplog.clear()
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        await restart(svc._workers[WORKER][0], pub)
+    said = [r.getMessage() for r in caplog.records if r.name == "indexer.subscriber"]
+    assert any("the event connection dropped: its entries predict nothing until" in m for m in said)
+    assert any(re.search(r"cleared \d+ entries: ", m) for m in said), said
+    assert not [m for m in said if "stream reset" in m or "checking through" in m]
 
 
 async def test_service_query_dump_load_and_pending(ctx: zmq.asyncio.Context) -> None:

@@ -151,6 +151,36 @@ def test_replay_refuses_what_would_do_nothing(
     assert not (tmp_path / "x.snap").exists()
 
 
+def test_replay_refuses_negative_seqs_and_waits_and_ports_past_65535(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--to seq:-1` and `--wait -1` were taken in silence; a --publish port whose streams'
+    ports run past 65535 failed at the bind with "cannot bind ...:65536: Invalid argument"."""
+    file = str(recording)  # two streams
+    publish = ["--publish", "tcp://127.0.0.1:0", "--linger", "0"]
+    cases = [
+        (["--to", "seq:-1"], "--to 'seq:-1': a seq is >= 0"),
+        (["--from", "seq:-1", "--to", "seq:5"], "--from 'seq:-1': a seq is >= 0"),
+        (["--wait", "-1", *publish], "--wait -1.0: seconds, >= 0"),
+        (["--wait", "0", "--publish", "tcp://127.0.0.1:0", "--linger", "-1"], "--linger -1.0"),
+        (
+            ["--publish", "tcp://127.0.0.1:65535"],
+            "--publish tcp://127.0.0.1:65535: 2 stream(s) publish and answer on ports "
+            "65535-65538 (one per stream and socket from the given port), past 65535: give a "
+            "port up to 65532, or 0 for free ports",
+        ),
+        (
+            ["--publish", "tcp://127.0.0.1:65532", "--replay-endpoint", "tcp://127.0.0.1:65535"],
+            "--replay-endpoint tcp://127.0.0.1:65535: 2 stream(s) answer on ports 65535-65536",
+        ),
+    ]
+    for args, said in cases:
+        assert main(["replay", file, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err and len(err.splitlines()) == 1, (args, err)
+        assert "Invalid argument" not in err
+
+
 def _tear(path: Path) -> None:
     """Cut the file a third from its end, mid-frame (as a crash would)."""
     data = path.read_bytes()
@@ -342,7 +372,8 @@ engine = "vllm"
 model = "v"
 """
     )
-    sources = _config_sources(config)
+    sources, skipped = _config_sources(config)
+    assert not skipped
     assert [(s.stream, s.endpoint, s.replay_endpoint, s.dp_rank) for s in sources] == [
         ("a#dp0", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600", 0),
         ("a#dp1", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601", 1),
@@ -360,7 +391,7 @@ async def test_record_config_asks_the_worker_for_its_streams_and_model(tmp_path:
     async with worker:
         config.write_text(f'[[workers]]\nid = "w"\nurl = "{worker.url}"\n')
         # a blocking read, as the CLI does it: off this loop, which serves the worker
-        sources = await asyncio.to_thread(_config_sources, config)
+        sources, _ = await asyncio.to_thread(_config_sources, config)
     kv = worker.kv_events
     assert [(s.stream, s.endpoint, s.replay_endpoint) for s in sources] == [
         ("w#dp0", kv.endpoints[0], kv.replay_endpoints[0]),
@@ -388,6 +419,37 @@ def test_record_config_names_a_worker_it_cannot_ask(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"worker gone: cannot read the models of .*Connect"):
         _config_sources(config)
+
+
+async def test_record_config_records_the_workers_that_answer_and_names_the_one_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One worker of the config down (needing discovery) made the whole recording exit 2, as
+    an operator most needs it, while `kvroute serve` starts on the same config; the others are
+    recorded now and the one down is named in one line."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    worker = ReferenceWorker(WorkerConfig(model="served/by-it", time_scale=0.0))
+    config = tmp_path / "router.toml"
+    out = tmp_path / "up.kvrec"
+    async with worker:
+        config.write_text(
+            f'[[workers]]\nid = "up"\nurl = "{worker.url}"\n'
+            f'[[workers]]\nid = "gone"\nurl = "{gone}"\n'
+        )
+        args = ["record", "--config", str(config), "--out", str(out), "--duration", "0.3"]
+        # the CLI blocks: off this loop, which serves the worker
+        code = await asyncio.to_thread(main, args)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "gone" in line]
+    assert len(said) == 1, err
+    assert (
+        "worker gone is NOT recorded" in said[0] and f"cannot read server_info of {gone}" in said[0]
+    )
+    with RecordingReader(out) as reader:
+        assert [s.stream for s in reader.header.sources] == ["up#dp0"]
 
 
 def test_replay_reports_unwritable_dump_and_taken_port(

@@ -82,6 +82,28 @@ def test_cross_field_checks() -> None:
     parse_config({"workers": [{"url": "http://a:1", "id": "x"}, {"url": "http://a:2", "id": "y"}]})
 
 
+def test_localhost_and_its_address_are_one_server() -> None:
+    """`http://localhost:P/` beside `http://127.0.0.1:P` was taken (a reload answered 200 and
+    the second was `duplicate` once registered) while the same spelling twice is refused: the
+    spellings that say the same address are refused alike; other names are not resolved."""
+    pairs = [
+        ("http://127.0.0.1:7", "http://localhost:7/"),
+        ("http://127.0.0.1:7", "HTTP://LOCALHOST.:7"),
+        ("http://[::1]:7", "http://[0:0::1]:7"),
+    ]
+    for first, second in pairs:
+        workers = [{"url": first, "id": "x"}, {"url": second, "id": "y"}]
+        with pytest.raises(
+            ConfigError, match=f"'x' and 'y' are one server \\({re.escape(first)} and"
+        ):
+            parse_config({"workers": workers})
+    for first, second in [
+        ("http://localhost:7", "http://[::1]:7"),
+        ("http://127.0.0.2:7", "http://localhost:7"),
+    ]:
+        parse_config({"workers": [{"url": first, "id": "x"}, {"url": second, "id": "y"}]})
+
+
 @pytest.mark.parametrize(
     ("workers", "key"),
     [

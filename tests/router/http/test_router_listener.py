@@ -20,7 +20,7 @@ from router.config import LimitsConfig
 from router.http.listener import RefusalLog
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses, request_bytes, wait_eof
-from tests.router.conftest import router_config
+from tests.router.conftest import AUTH, router_config
 
 SECRET = b"tenant-SECRET-7b1e"
 FAST = 0.3  # the deadline under test
@@ -284,7 +284,7 @@ async def test_expectations_are_refused_in_json_and_a_too_large_body_before_100_
     async with _router() as router:
         for path in (b"/generate", b"/nope", b"/admin/route"):
             for value in (b"\xff\xfe", b"102-processing"):
-                raw = request_bytes(b"POST", path, [(b"Expect", value)], b"{}")
+                raw = request_bytes(b"POST", path, [(b"Expect", value), _ADMIN_AUTH], b"{}")
                 (response,) = parse_responses(await exchange(_port(router), raw))
                 assert response.status == 417, (path, value, response)
                 assert json_error(response)["type"] == "ExpectationFailedError"
@@ -294,6 +294,34 @@ async def test_expectations_are_refused_in_json_and_a_too_large_body_before_100_
         answer = await exchange(_port(router), raw.replace(b"Content-Length: 0", declared))
     (response,) = parse_responses(answer)
     assert response.status == 413 and json_error(response)["type"] == "PayloadTooLargeError"
+
+
+_ADMIN_AUTH = (b"Authorization", AUTH["Authorization"].encode())
+
+
+async def test_an_admin_request_without_the_token_is_a_401_before_any_limit_is_named() -> None:
+    """A snapshot load over limits.max_snapshot_bytes without a token got a 413 naming the
+    limit and its value: the listener's size check ran before the admin token was checked.
+    Now a stranger hears 401 and nothing else, still before the body is read (the 1 GiB
+    declared never comes) and before any 100-continue; with the token the limit holds."""
+    declared = b"Content-Length: 1073741824"
+    async with _router(max_snapshot_bytes=4096) as router:
+        port = _port(router)
+        wrong = (b"Authorization", b"Bearer wrong")
+        for path in (b"/admin/index/load", b"/admin/workers"):
+            for headers in ([], [wrong], [(b"Expect", b"100-continue")], [(b"Expect", b"nope")]):
+                raw = request_bytes(b"POST", path, headers).replace(b"Content-Length: 0", declared)
+                answer = await asyncio.wait_for(exchange(port, raw), 5)
+                (response,) = parse_responses(answer)
+                assert response.status == 401, (path, headers, response)
+                assert response.headers["www-authenticate"] == 'Bearer realm="kvroute"'
+                assert json_error(response)["type"] == "AuthError"
+                assert b"limits" not in answer and b"4096" not in answer
+        raw = request_bytes(b"POST", b"/admin/index/load", [_ADMIN_AUTH])
+        answer = await exchange(port, raw.replace(b"Content-Length: 0", declared))
+    (response,) = parse_responses(answer)
+    assert response.status == 413
+    assert "limits.max_snapshot_bytes" in json_error(response)["message"]
 
 
 # ------------------------------------------------------------- refusals that name the problem

@@ -295,40 +295,66 @@ async def test_a_file_adding_a_server_an_admin_added_changes_nothing(fleet: Relo
     assert status == 200 and answer["workers_added"] == ["w2"], answer
 
 
-async def test_a_server_under_another_name_is_not_a_second_candidate(fleet: Reloadable) -> None:
-    """`HTTP://LOCALHOST:p` is the `http://127.0.0.1:p` an admin added: the file's worker was
-    registered `ready` and routed by load beside it (one server, two candidates, each with
-    half its load), though its streams were refused as the other's. A worker whose KV events
-    are another worker's stream is that worker: `duplicate`, sent nothing."""
-    spare = fleet.spare.url
-    status, _ = await fleet.admin("POST", "/workers", {"id": "extra", "url": spare})
+async def test_a_worker_on_another_workers_stream_is_not_a_second_candidate(
+    fleet: Reloadable,
+) -> None:
+    """A file's worker whose KV events are the stream of the worker an admin added (a
+    copy-pasted `events`, or one server under a name the config cannot read as its address)
+    was registered `ready` and routed by load beside it (one engine, two candidates, each
+    with half its load), though its streams were refused as the other's. A worker whose KV
+    events are another worker's stream is that worker: `duplicate`, sent nothing.
+    (`localhost` beside its address is refused at validation: the next test.)"""
+    spare = fleet.spare
+    status, _ = await fleet.admin("POST", "/workers", {"id": "extra", "url": spare.url})
     assert status == 201
-    alias = spare.replace("http://127.0.0.1:", "HTTP://LOCALHOST:")
-    workers = {n: w.url for n, w in fleet.workers.items()} | {"y": alias}
-    fleet.path.write_text(_toml(workers))
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as other:
+        workers = {n: w.url for n, w in fleet.workers.items()} | {"y": other.url}
+        events = f'events = "{spare.kv_events.endpoints[0]}"\nblock_size = 16\n'
+        fleet.path.write_text(_toml(workers) + events)
+        status, answer = await fleet.reload()
+        assert status == 200 and answer["workers_added"] == ["y"], answer
+        assert "worker extra's stream already" in answer["not_registered"]["y"], answer
+
+        async def said_duplicate() -> bool:  # after its first health round too
+            _, listed = await fleet.admin("GET", "/workers")
+            row = next(w for w in listed["workers"] if w["id"] == "y")
+            # `duplicate` once checked (before: `checking`), and healthy: `ready` but for it
+            return bool(row["status"] == "duplicate" and row["healthy"])
+
+        await eventually(said_duplicate, what="y told apart as extra's duplicate")
+        plan = await fleet.route(_chat("tenant-dup"))
+        (listed,) = [c for c in plan["candidates"] if c["worker"] == "y"]
+        assert listed["status"] == "duplicate" and not listed["healthy"], listed  # not chosen
+        # the admin's worker gone, the file's is the stream's one entry, and routed
+        status, _ = await fleet.admin("DELETE", "/workers/extra")
+        assert status == 200
+
+        async def routable() -> bool:
+            _, listed = await fleet.admin("GET", "/workers")
+            return any(w["id"] == "y" and w["status"] == "ready" for w in listed["workers"])
+
+        await eventually(routable, what="y registered once extra left")
+
+
+async def test_localhost_beside_its_address_is_refused_as_one_server(fleet: Reloadable) -> None:
+    """A file listing `http://localhost:P/` beside `http://127.0.0.1:P` answered 200 (the
+    second `duplicate` once registered) while the same spelling twice is a 400: both are a
+    400 now, the running config kept; so is the file's localhost beside an admin's address."""
+    before = fleet.router.running_config
+    w0 = fleet.workers["w0"].url
+    for alias in (w0, w0.replace("http://127.0.0.1:", "http://localhost:") + "/"):
+        fleet.path.write_text(_toml({"w0": w0, "w1": fleet.workers["w1"].url, "y": alias}))
+        status, answer = await fleet.reload()
+        assert status == 400 and answer["error"]["type"] == "ReloadError", answer
+        assert "'w0' and 'y' are one server" in answer["error"]["message"], answer
+        assert fleet.router.running_config is before
+    status, _ = await fleet.admin("POST", "/workers", {"id": "extra", "url": fleet.spare.url})
+    assert status == 201
+    alias = fleet.spare.url.replace("http://127.0.0.1:", "http://localhost:")
+    fleet.path.write_text(_toml({n: w.url for n, w in fleet.workers.items()} | {"y": alias}))
     status, answer = await fleet.reload()
-    assert status == 200 and answer["workers_added"] == ["y"], answer
-    assert "worker extra's stream already" in answer["not_registered"]["y"], answer
-
-    async def said_duplicate() -> bool:  # after its first health round too
-        _, listed = await fleet.admin("GET", "/workers")
-        row = next(w for w in listed["workers"] if w["id"] == "y")
-        # `duplicate` once checked (before: `checking`), and healthy: `ready` but for it
-        return bool(row["status"] == "duplicate" and row["healthy"])
-
-    await eventually(said_duplicate, what="y told apart as extra's duplicate")
-    plan = await fleet.route(_chat("tenant-dup"))
-    (listed,) = [c for c in plan["candidates"] if c["worker"] == "y"]
-    assert listed["status"] == "duplicate" and not listed["healthy"], listed  # not chosen
-    # the admin's worker gone, the file's is the server's one entry, and routed
-    status, _ = await fleet.admin("DELETE", "/workers/extra")
-    assert status == 200
-
-    async def routable() -> bool:
-        _, listed = await fleet.admin("GET", "/workers")
-        return any(w["id"] == "y" and w["status"] == "ready" for w in listed["workers"])
-
-    await eventually(routable, what="y registered once extra left")
+    assert status == 400 and "'extra'" in answer["error"]["message"], answer
+    assert fleet.router.running_config is before
 
 
 async def test_the_answer_names_the_workers_that_could_not_be_registered(
