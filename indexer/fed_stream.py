@@ -31,7 +31,7 @@ from indexer.fence import BatchFence
 from indexer.health import StreamHealth
 from indexer.relay_record import RelayKind, RelayRecord
 from indexer.sink import StreamSink
-from indexer.stats import StreamState, StreamStats
+from indexer.stats import StreamState, StreamStats, stream_stats
 from indexer.subscriptions import stream_id
 
 __all__ = ["FedStream", "FedStreams"]
@@ -290,37 +290,23 @@ class FedStream:
         its socket fields are the worker's, as this replica discovered them)."""
         now = self._clock()
         last_event_at = self.health.last_event_at
-        counters = self.sink.counters()
-        return StreamStats(
-            stream=self.stream_id,
-            worker=self.worker,
-            endpoint=self.config.endpoint,
-            replay_endpoint=self.config.replay_endpoint,
-            topic=self.config.topic,
+        return stream_stats(
+            self.stream_id,
+            self.worker,
+            self.config,
+            self.sink.counters(),
             state=self.current_state(now),
             last_seq=self.tracker.last,
             block_size=self.sink.block_size(),
+            entries=self.sink.entries(),
+            last_event_age_s=None if last_event_at is None else now - last_event_at,
             batches=self.batches,
             events=self.events,
-            blocks_stored=counters.blocks_stored if counters else 0,
-            blocks_removed=counters.blocks_removed if counters else 0,
             gaps=self.gaps,
-            replays=0,
             restarts=self.restarts,
-            clears=counters.clears if counters else 0,
             decode_errors=self.decode_errors,
-            unknown_parents=counters.unknown_parents if counters else 0,
-            block_size_mismatches=counters.block_size_mismatches if counters else 0,
-            skipped_events=counters.skipped_events if counters else 0,
-            last_event_age_s=None if last_event_at is None else now - last_event_at,
-            entries=self.sink.entries(),
             verifications=self.verifications,
-            skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
-            dp_rank=self.config.dp_rank,
-            unknown_removes=counters.unknown_removes if counters else 0,
-            unindexable_blocks=counters.unindexable_blocks if counters else 0,
             rank_mismatches=self.rank_mismatches,
-            token_kind_mismatches=counters.token_kind_mismatches if counters else 0,
         )
 
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from indexer.namespace import Namespace
+
+if TYPE_CHECKING:
+    from indexer.config import StreamConfig
+    from indexer.index import StreamCounters
 
 __all__ = [
     "STATE_RANK",
@@ -16,6 +21,7 @@ __all__ = [
     "StreamState",
     "StreamStats",
     "WorkerMatch",
+    "stream_stats",
 ]
 
 
@@ -134,3 +140,69 @@ class NamespaceStats(msgspec.Struct):
     blocks: int
     tokens: int
     holders: dict[str, int]  # worker -> blocks
+
+
+def stream_stats(
+    stream: str,
+    worker: str,
+    config: StreamConfig,
+    counters: StreamCounters | None,
+    *,
+    state: StreamState,
+    last_seq: int | None,
+    block_size: int | None,
+    entries: int,
+    last_event_age_s: float | None,
+    batches: int,
+    events: int,
+    gaps: int,
+    restarts: int,
+    decode_errors: int,
+    verifications: int,
+    rank_mismatches: int,
+    clears: int = 0,
+    replays: int = 0,
+    probes: int = 0,
+    refetches: int = 0,
+    lost_batches: int = 0,
+    unanswered_replays: int = 0,
+) -> StreamStats:
+    """A stream's `StreamStats` (a subscriber's and a relay-fed stream's alike): its socket
+    fields from `config`, what its index did from `counters` (None: a sink that keeps none,
+    zeros, and `clears` its own count), the rest as given."""
+    done = counters
+    return StreamStats(
+        stream=stream,
+        worker=worker,
+        endpoint=config.endpoint,
+        replay_endpoint=config.replay_endpoint,
+        topic=config.topic,
+        state=state,
+        last_seq=last_seq,
+        block_size=block_size,
+        batches=batches,
+        events=events,
+        blocks_stored=done.blocks_stored if done else 0,
+        blocks_removed=done.blocks_removed if done else 0,
+        gaps=gaps,
+        replays=replays,
+        restarts=restarts,
+        clears=done.clears if done else clears,
+        decode_errors=decode_errors,
+        unknown_parents=done.unknown_parents if done else 0,
+        block_size_mismatches=done.block_size_mismatches if done else 0,
+        skipped_events=done.skipped_events if done else 0,
+        last_event_age_s=last_event_age_s,
+        entries=entries,
+        probes=probes,
+        refetches=refetches,
+        lost_batches=lost_batches,
+        unanswered_replays=unanswered_replays,
+        verifications=verifications,
+        skipped_group_blocks=done.skipped_group_blocks if done else 0,
+        dp_rank=config.dp_rank,
+        unknown_removes=done.unknown_removes if done else 0,
+        unindexable_blocks=done.unindexable_blocks if done else 0,
+        rank_mismatches=rank_mismatches,
+        token_kind_mismatches=done.token_kind_mismatches if done else 0,
+    )

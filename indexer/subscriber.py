@@ -70,7 +70,7 @@ from indexer.protocol.frames import (
 from indexer.replay_client import ReplayClient
 from indexer.sequence import SeqDecision, SequenceTracker, SeqVerdict
 from indexer.sink import StreamSink, keeps_entries
-from indexer.stats import StreamState, StreamStats
+from indexer.stats import StreamState, StreamStats, stream_stats
 
 __all__ = ["StreamSubscriber"]
 
@@ -1032,39 +1032,27 @@ class StreamSubscriber:
         last_event_at = self.health.last_event_at
         age = None if last_event_at is None else now - last_event_at
         state = self.current_state(now)
-        counters = self.sink.counters()
-        return StreamStats(
-            stream=self.stream_id,
-            worker=self.worker,
-            endpoint=self.config.endpoint,
-            replay_endpoint=self.config.replay_endpoint,
-            topic=self.config.topic,
+        return stream_stats(
+            self.stream_id,
+            self.worker,
+            self.config,
+            self.sink.counters(),
             state=state,
             last_seq=self.tracker.last,
             block_size=self.sink.block_size(),
+            entries=self.sink.entries(),
+            last_event_age_s=age,
             batches=self.batches,
             events=self.events,
-            blocks_stored=counters.blocks_stored if counters else 0,
-            blocks_removed=counters.blocks_removed if counters else 0,
             gaps=self.gaps,
-            replays=self.replays,
             restarts=self.restarts,
-            clears=counters.clears if counters else self._clears,
             decode_errors=self.decode_errors,
-            unknown_parents=counters.unknown_parents if counters else 0,
-            block_size_mismatches=counters.block_size_mismatches if counters else 0,
-            skipped_events=counters.skipped_events if counters else 0,
-            last_event_age_s=age,
-            entries=self.sink.entries(),
+            verifications=self.verifications,
+            rank_mismatches=self.rank_mismatches,
+            clears=self._clears,
+            replays=self.replays,
             probes=self.probes,
             refetches=self.refetches,
             lost_batches=self.lost_batches,
             unanswered_replays=self.unanswered_replays,
-            verifications=self.verifications,
-            skipped_group_blocks=counters.skipped_group_blocks if counters else 0,
-            dp_rank=self.config.dp_rank,
-            unknown_removes=counters.unknown_removes if counters else 0,
-            unindexable_blocks=counters.unindexable_blocks if counters else 0,
-            rank_mismatches=self.rank_mismatches,
-            token_kind_mismatches=counters.token_kind_mismatches if counters else 0,
         )

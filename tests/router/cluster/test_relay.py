@@ -78,6 +78,14 @@ async def past_the_buffer(session: aiohttp.ClientSession, worker: ReferenceWorke
             assert resp.status == 200
 
 
+async def index_prompt(fleet: Fleet, session: aiohttp.ClientSession) -> None:
+    """Send PROMPT through `fleet`'s router once its stream delivers, and wait until the
+    router's index holds it (through the relay, for a follower)."""
+    await fleet.warm()
+    await generate(session, fleet.url)
+    await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+
+
 async def predicted(fleet: Fleet, salt: str = "t") -> int:
     plan = await fleet.route({"text": PROMPT, "cache_salt": salt})
     return max((int(c["matched_tokens"]) for c in plan["candidates"]), default=0)
@@ -134,11 +142,9 @@ async def test_when_the_relay_stops_the_followers_stream_goes_stale_and_predicts
     ):
         fleet = Fleet(a, {"w0": w0}, session)
         async with relay(w0, nats_server.url):
-            await fleet.warm()
-            await generate(session, a.url)
-            await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+            await index_prompt(fleet, session)
             # an idle worker: the relay's heartbeats alone keep the stream trusted, longer
-            # than the follower's stale_after_s (1.5 s)
+            # than the indexer's stale_after_s (1.5 s) and the heartbeat timeout (0.5 s)
             await asyncio.sleep(2.0)
             states = {s.stream: s.state for s in a.indexer.streams()}
             assert states["w0#dp0"] == "synced"
@@ -167,9 +173,7 @@ async def test_a_relay_restart_that_missed_a_flush_leaves_no_false_hit(
     ):
         fleet = Fleet(a, {"w0": w0}, session)
         async with relay(w0, nats_server.url):
-            await fleet.warm()
-            await generate(session, a.url)
-            await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+            await index_prompt(fleet, session)
         async with session.post(w0.url + "/flush_cache") as resp:
             assert resp.status == 200
         await past_the_buffer(session, w0)
@@ -185,6 +189,18 @@ async def test_a_relay_restart_that_missed_a_flush_leaves_no_false_hit(
             assert got[0] <= got[1]
 
 
+async def _snapshot_from(
+    session: aiohttp.ClientSession, worker: ReferenceWorker, nats_url: str
+) -> None:
+    """A follower `a` indexes PROMPT through the relay running now and publishes the index
+    snapshot that a later replica starts from."""
+    async with RouterService(follower_config(worker, nats_url, "a")) as a:
+        fleet = Fleet(a, {"w0": worker}, session)
+        await index_prompt(fleet, session)
+        assert a.cluster is not None
+        assert await a.cluster.publish_snapshot() > 0
+
+
 async def test_a_warm_start_is_trusted_once_the_relay_shows_its_last_batch(
     nats_server: NatsServer,
 ) -> None:
@@ -193,13 +209,7 @@ async def test_a_warm_start_is_trusted_once_the_relay_shows_its_last_batch(
         aiohttp.ClientSession() as session,
         relay(w0, nats_server.url),
     ):
-        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
-            fleet_a = Fleet(a, {"w0": w0}, session)
-            await fleet_a.warm()
-            await generate(session, a.url)
-            await eventually(lambda: _holds(fleet_a, 64), what="the prompt to be indexed")
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0
+        await _snapshot_from(session, w0, nats_server.url)
         async with RouterService(follower_config(w0, nats_server.url, "c")) as c:
             assert c.cluster is not None and c.cluster.snapshot_at is not None
             # ready means proven: the first look at the prompt predicts the hit
@@ -215,18 +225,9 @@ async def test_a_snapshot_the_worker_moved_past_unseen_is_not_trusted(
     """The worker flushed after the snapshot while the relay was away, and its replay buffer
     (two batches) no longer holds the flush: the new relay's batches do not continue the
     snapshot's, so the warm start predicts nothing of it."""
-    async with (
-        workers(1, buffer_steps=2) as (w0,),
-        aiohttp.ClientSession() as session,
-        relay(w0, nats_server.url),
-    ):
-        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
-            fleet_a = Fleet(a, {"w0": w0}, session)
-            await fleet_a.warm()
-            await generate(session, a.url)
-            await eventually(lambda: _holds(fleet_a, 64), what="the prompt to be indexed")
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0
+    async with workers(1, buffer_steps=2) as (w0,), aiohttp.ClientSession() as session:
+        async with relay(w0, nats_server.url):
+            await _snapshot_from(session, w0, nats_server.url)
         async with session.post(w0.url + "/flush_cache") as resp:
             assert resp.status == 200
         await past_the_buffer(session, w0)
@@ -266,9 +267,7 @@ async def test_a_worker_the_relay_removes_and_adds_again_is_dropped_by_its_follo
         RouterService(follower_config(w0, nats_server.url, "a")) as a,
     ):
         fleet = Fleet(a, {"w0": w0}, session)
-        await fleet.warm()
-        await generate(session, a.url)
-        await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+        await index_prompt(fleet, session)
         async with session.delete(r.url + "/admin/workers/w0", headers=AUTH) as resp:
             assert resp.status == 200, await resp.text()
         async with session.post(w0.url + "/flush_cache") as resp:
@@ -304,9 +303,7 @@ async def test_a_replica_starting_after_the_relay_died_trusts_nothing_of_its_old
         try:
             async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
                 fleet = Fleet(a, {"w0": w0}, session)
-                await fleet.warm()
-                await generate(session, a.url)
-                await eventually(lambda: _holds(fleet, 64), what="the prompt to be indexed")
+                await index_prompt(fleet, session)
         finally:
             proc.send_signal(signal.SIGKILL)
             await proc.wait()
