@@ -75,9 +75,13 @@ class FedStream:
         self.verify_window_s = verify_window_s
         # STALE once the relay said nothing for this long (its heartbeats come every
         # cluster.heartbeat_interval_s): the follower passes cluster.heartbeat_timeout_s
+        self.added_at = clock()
+        # never fresh by default: until a record arrives as the relay writes it, nothing says
+        # the relay is alive (a subscriber's grace from its start would trust a dead relay's
+        # records read back from the stream)
         self.health = StreamHealth(
             stream_id,
-            started_at=clock(),
+            started_at=float("-inf"),
             stale_after_s=settings.stale_after_s if silent_after_s is None else silent_after_s,
             block_size=config.block_size,
             dp_rank=config.dp_rank,
@@ -87,6 +91,8 @@ class FedStream:
         self._rseq = -1
         self._relay_state = StreamState.SYNCING
         self._proof: BatchFence | None = None  # a loaded snapshot's last batch, to be shown
+        self._proof_since = 0.0  # when it began waiting for it
+        self._proof_cleared = False  # a clear or forgotten seq came meanwhile
         self._suspected_at: float | None = None  # a restart suspected here, not yet checked
         self._checks_then = 0
         self._checks = 0  # the relay's count of checks, as its last heartbeat said
@@ -97,20 +103,26 @@ class FedStream:
         self.verifications = 0  # snapshots and suspected restarts proven or refused
         self.decode_errors = 0
         self.rank_mismatches = 0
+        if sink.last_seq() is not None or sink.entries():
+            # a snapshot loaded before this worker was followed left its stream to the sink
+            self._hold_unproven()
 
     # ------------------------------------------------------------ records
 
-    def take(self, record: RelayRecord, age_s: float = 0.0) -> None:
-        """Apply one record of this stream, in the order the relay wrote them; `age_s`: how
-        long ago it was written (JetStream's time of it: a record read back from the stream's
-        past says nothing of now)."""
+    def take(self, record: RelayRecord, *, fresh: bool = True) -> None:
+        """Apply one record of this stream, in the order the relay wrote them. `fresh`: it
+        arrived as the relay wrote it (the follower had read the stream to its end); one read
+        back from the stream's past builds the state but says nothing of now: it keeps nothing
+        from going STALE."""
         now = self._clock()
-        written = now - max(0.0, age_s)
         if record.kind is RelayKind.HEARTBEAT:
-            self._heartbeat(record, now, written)
+            self._heartbeat(record, now, fresh)
             return
         if self._proof is not None:
             if not self._prove_by_record(record):
+                if fresh:
+                    self.health.last_heard_at = now  # the relay is alive
+                self._show()
                 return  # older than the snapshot, or the snapshot's own last batch
         elif self._epoch is None:
             self._epoch = record.epoch  # joined: from this record on
@@ -121,16 +133,17 @@ class FedStream:
         elif record.rseq > self._rseq + 1:
             self._afresh(record.epoch, f"{record.rseq - self._rseq - 1} relay record(s) missed")
         self._rseq = record.rseq
-        self._apply(record, written)
+        self._apply(record, now if fresh else None)
         self._relay_state = record.state
         self._show()
 
-    def _apply(self, record: RelayRecord, written: float) -> None:
+    def _apply(self, record: RelayRecord, fresh_at: float | None) -> None:
         kind = record.kind
         if kind is RelayKind.BATCH and record.seq is not None:
             applied = self.sink.apply(b"", record.seq, record.payload, replayed=record.replayed)
             self.tracker.last = record.seq
-            self.health.last_event_at = max(written, self.health.last_event_at or written)
+            if fresh_at is not None:
+                self.health.last_event_at = fresh_at
             self.batches += 1
             if applied is None:
                 self.decode_errors += 1
@@ -150,19 +163,22 @@ class FedStream:
             self.sink.forget_seq()
             self.tracker.last = None
 
-    def _heartbeat(self, record: RelayRecord, now: float, written: float) -> None:
-        # the relay was alive when it wrote this; whether it hears the worker is its state
-        # (STALE when not, by the relay's own stale_after_s)
-        self.health.last_heard_at = max(written, self.health.last_heard_at or written)
+    def _heartbeat(self, record: RelayRecord, now: float, fresh: bool) -> None:
+        if fresh:
+            # the relay is alive now; whether it hears the worker is its state (STALE when
+            # it has not lately: `IndexerService.stream_heads`)
+            self.health.last_heard_at = now
         if self._proof is not None:
             proof = self._proof
             if record.seq == proof.seq and record.digest == proof.digest():
                 self._proven(record, "its last batch is the relay's")
-            else:
-                self.verifications += 1
-                self._proof = None
-                self._restart_here("the relay's last batch is not the snapshot's")
+            elif now - self._proof_since > self.verify_window_s:
+                self._fail_proof(f"the relay did not show it within {self.verify_window_s:g} s")
                 self._epoch, self._rseq = record.epoch, record.rseq
+            elif record.seq is None or record.seq > proof.seq or self._proof_cleared:
+                self._fail_proof("the relay's last batch is not the snapshot's")
+                self._epoch, self._rseq = record.epoch, record.rseq
+            # else: older than the snapshot (read from before it was taken): wait on
         elif self._epoch is None:
             self._epoch, self._rseq = record.epoch, record.rseq  # joined, holding nothing
         elif record.epoch != self._epoch:
@@ -187,7 +203,13 @@ class FedStream:
         self._show()
 
     def _prove_by_record(self, record: RelayRecord) -> bool:
-        """A numbered record while a loaded snapshot waits for its proof: whether to apply it."""
+        """A numbered record while a loaded snapshot waits for its proof: whether to apply it.
+
+        The follower reads from a little before the snapshot was taken, so the relay's
+        records of the time before it come first: batches older than the snapshot's last one,
+        and clears and forgotten seqs that may be older too. Those are skipped, until the
+        snapshot's last batch proves it. After a clear or a forgotten seq, an older seq may be
+        a new publisher's, so it proves nothing either: the snapshot is dropped (fail closed)."""
         proof = self._proof
         assert proof is not None
         kind = record.kind
@@ -196,19 +218,24 @@ class FedStream:
                 self._proven(record, "the relay showed its last batch")
                 self._rseq = record.rseq
                 self._relay_state = record.state
-                self._show()
                 return False  # the snapshot holds it already
-            if record.seq < proof.seq:
+            if record.seq < proof.seq and not self._proof_cleared:
                 return False  # the relay's past before the snapshot: the snapshot holds it
+        elif kind in (RelayKind.CLEAR, RelayKind.FORGET_SEQ):
+            self._proof_cleared = True
+            return False
         elif kind is RelayKind.STATE:
             self._relay_state = record.state
             return False
-        # a later batch, a clear or a forgotten seq before the proof: not the snapshot's future
-        self.verifications += 1
-        self._proof = None
-        self._restart_here("the relay went past the snapshot's last batch unseen")
+        # a later batch, or an older one after a clear: not the snapshot's future
+        self._fail_proof("the relay went past the snapshot's last batch unseen")
         self._epoch = record.epoch
         return True
+
+    def _fail_proof(self, why: str) -> None:
+        self.verifications += 1
+        self._proof = None
+        self._restart_here(why)
 
     def _proven(self, record: RelayRecord, how: str) -> None:
         self.verifications += 1
@@ -262,11 +289,18 @@ class FedStream:
     def rebind(self, sink: StreamSink) -> None:
         """Switch to a loaded snapshot's sink: UNVERIFIED until the relay proves it."""
         self.sink = sink
+        self._hold_unproven()
+
+    def _hold_unproven(self) -> None:
+        """What the sink holds came from a snapshot: UNVERIFIED until the relay proves it."""
+        sink = self.sink
         self.health.block_size = self.config.block_size or sink.block_size()
         self.tracker.last = sink.last_seq()
         fence = sink.fence()
         if fence is not None:
             self._proof = fence
+            self._proof_since = self._clock()
+            self._proof_cleared = False
         elif sink.entries():
             sink.clear()  # entries no seq stands for: nothing can prove them
         self._show()

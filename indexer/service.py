@@ -529,15 +529,23 @@ class IndexerService:
     def stream_heads(self) -> list[StreamHead]:
         """Where each subscribed stream stands (a relay's heartbeats: `indexer.stream_tap`)."""
         now = self._clock()
+        # a stream not heard from for longer than its probes would take is not known to be
+        # as it stands: a relay whose loop stalled (stopped, swapped out) must not say so
+        # until it has taken what queued meanwhile (its followers trust a fresh heartbeat)
+        cfg = self.config
+        probed = 2 * cfg.probe_interval_s + cfg.replay_timeout_s
+        bound = min(cfg.stale_after_s, probed) if cfg.probe_interval_s > 0 else cfg.stale_after_s
         heads = []
         for subs in self._workers.values():
             for sub in subs:
                 fence = sub.sink.fence()
+                heard_age = now - sub.health.heard_at()
+                state = sub.health.current_state(now)
                 heads.append(
                     StreamHead(
                         sub.stream_id,
-                        sub.health.current_state(now),
-                        now - sub.health.heard_at(),
+                        StreamState.STALE if heard_age > bound else state,
+                        heard_age,
                         None if fence is None else fence.seq,
                         b"" if fence is None else fence.digest(),
                         sub.verifications + sub.restarts,

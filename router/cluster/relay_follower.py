@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import time
 from collections.abc import Callable
 
 import msgspec
@@ -75,7 +74,7 @@ class RelayFollower:
         self.last_written: float | None = None  # the newest record's time (server clock)
         self.heard: set[str] = set()  # streams that got a record
         self._silent_said: set[str] = set()
-        self._started_at = clock()
+        self._live = False  # read to the stream's end once (see `_on_message`)
 
     async def resubscribe(self, js: JetStreamContext) -> None:
         """After NATS came back: subscribe again from the newest record read (the stream is
@@ -89,9 +88,10 @@ class RelayFollower:
     def check_silent(self) -> None:
         """Say once of each followed stream that got no record at all for a while: its
         worker is one the relay does not write (not in its config?)."""
-        if self._clock() - self._started_at < _SILENT_WARN_S:
-            return
-        for stream in self._streams:
+        now = self._clock()
+        for stream, fed in self._streams.items():
+            if now - fed.added_at < _SILENT_WARN_S:
+                continue
             if stream not in self.heard and stream not in self._silent_said:
                 self._silent_said.add(stream)
                 log.warning(
@@ -113,8 +113,10 @@ class RelayFollower:
             consumer = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start
             )
+        self._live = False
         info = await js.stream_info(stream)
         if info.state.messages == 0:
+            self._live = True  # nothing to read back: what comes is written now
             self.caught_up.set()
         self._sub = await js.subscribe(
             f"{self.config.subject_prefix}.events.>",
@@ -154,13 +156,16 @@ class RelayFollower:
         except Exception:
             self.malformed += 1
             return
-        if not self.caught_up.is_set() and meta.num_pending == 0:
+        # fresh: it arrives as it was written, the stream read to its end before it. Records
+        # read back from the stream's past (a start, a resubscription) build the state but say
+        # nothing of now: a dead relay's last heartbeat must not look alive. No clock is
+        # compared: the hosts' and the server's may differ
+        pending = meta.num_pending
+        fresh = self._live and pending == 0
+        if pending == 0:
+            self._live = True
             self.caught_up.set()
-        # how old the record is, by the server's clock of its arrival: a record read back
-        # from the stream's past says nothing of now (hosts' clocks agree to well within the
-        # heartbeat timeout this is compared with)
-        written = meta.timestamp.timestamp()
-        self.last_written = written
+        self.last_written = meta.timestamp.timestamp()  # the server's clock: where to resume
         try:
             record = relay_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -170,7 +175,7 @@ class RelayFollower:
         if stream is None:
             self._not_followed(record.stream)
             return
-        stream.take(record, time.time() - written)
+        stream.take(record, fresh=fresh)
         self.heard.add(record.stream)
         self.applied += 1
 

@@ -468,7 +468,10 @@ class ClusterService:
         try:
             async with asyncio.timeout(self.config.startup_timeout_s / 2):
                 # polled: the indexer has no event for "every stream proven" (and needs none)
-                while any(s.state in _UNPROVEN for s in self._indexer.streams()):  # noqa: ASYNC110
+                # a follower of the relay waits for its fresh word too (what it read back from
+                # the stream says nothing of now: STALE until then)
+                unproven = _UNPROVEN if self.follower is None else (*_UNPROVEN, StreamState.STALE)
+                while any(s.state in unproven for s in self._indexer.streams()):  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
         except TimeoutError:
             log.warning("cluster: streams still unproven after the warm start; serving anyway")

@@ -17,7 +17,7 @@ from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import Cleared, Event, EventBatch, Stored, TokenId
 from indexer.relay_record import RelayKind, RelayRecord
 from indexer.service import IndexerService
-from indexer.stats import StreamState
+from indexer.stats import UNTRUSTED, StreamState
 
 NS = Namespace("", None, None)
 A: list[TokenId] = [1, 2, 3, 4, 9]  # one 4-token page and a last token
@@ -132,7 +132,7 @@ async def _snapshotted(payload_a: bytes) -> IndexerService:
 async def test_a_loaded_snapshot_predicts_nothing_until_the_relay_shows_its_last_batch() -> None:
     payload_a = stored(A, 10)
     svc = await _snapshotted(payload_a)
-    assert state(svc) is StreamState.UNVERIFIED
+    assert state(svc) in UNTRUSTED  # unproven (and nothing fresh heard yet)
     assert matched(svc, A) == 0  # held, not trusted
     take(svc, batch(0, 0, payload_a))  # the relay's own batch 0: the snapshot is its past
     assert state(svc) is StreamState.SYNCED
@@ -150,19 +150,25 @@ async def test_a_heartbeat_naming_the_snapshots_last_batch_proves_it() -> None:
 
 
 @pytest.mark.parametrize(
-    "first",
+    "records",
     [
-        pytest.param(batch(0, 0, stored(B, 20)), id="another batch at its seq"),
-        pytest.param(batch(4, 4, stored(B, 20)), id="a later batch"),
-        pytest.param(heartbeat(4, 4, stored(B, 20)), id="a heartbeat past it"),
+        pytest.param((batch(0, 0, stored(B, 20)),), id="another batch at its seq"),
+        pytest.param((batch(4, 4, stored(B, 20)),), id="a later batch"),
+        pytest.param((heartbeat(4, 4, stored(B, 20)),), id="a heartbeat past it"),
         pytest.param(
-            RelayRecord(RelayKind.CLEAR, STREAM, EPOCH, 3, StreamState.SYNCING), id="a clear"
+            (
+                RelayRecord(RelayKind.CLEAR, STREAM, EPOCH, 3, StreamState.SYNCING),
+                heartbeat(3, None),
+            ),
+            id="a clear, then nothing held",
         ),
     ],
 )
-async def test_a_snapshot_the_relay_does_not_continue_is_dropped(first: RelayRecord) -> None:
+async def test_a_snapshot_the_relay_does_not_continue_is_dropped(
+    records: tuple[RelayRecord, ...],
+) -> None:
     svc = await _snapshotted(stored(A, 10))
-    take(svc, first)
+    take(svc, *records)
     assert state(svc) is not StreamState.UNVERIFIED
     assert matched(svc, A) == 0
     assert svc.streams()[0].entries <= 1  # A is gone (B's page may have been applied)
@@ -224,15 +230,89 @@ async def test_a_new_relay_process_ends_a_restart_suspected_here() -> None:
 
 
 async def test_records_read_from_the_relays_past_do_not_make_the_stream_fresh() -> None:
+    """Read back from the stream (a replica starting after the relay died): they build the
+    state, but only a record arriving as it is written says the relay is alive now."""
     clock = Clock()
     svc = IndexerService(IndexerConfig(), fed=True, clock=clock, fed_silent_after_s=3.0)
     await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:1", block_size=4)])
     assert svc.fed is not None
     stream = svc.fed.by_stream[STREAM]
-    stream.take(batch(0, 0, stored(A, 10)), age_s=10.0)
-    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=9.0)
-    assert state(svc) is StreamState.STALE  # written 9 s ago: the relay may be long gone
+    clock.now += 5.0  # the replica started a while ago
+    stream.take(batch(0, 0, stored(A, 10)), fresh=False)
+    stream.take(heartbeat(0, 0, stored(A, 10)), fresh=False)
+    assert state(svc) is StreamState.STALE  # the relay may be long gone
     assert matched(svc, A) == 0
-    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=0.1)
+    stream.take(heartbeat(0, 0, stored(A, 10)), fresh=True)
     assert state(svc) is StreamState.SYNCED
     assert matched(svc, A) == 4
+
+
+async def test_a_snapshot_stream_a_worker_takes_up_later_waits_for_its_proof() -> None:
+    """A snapshot loaded before the worker was followed keeps its stream for it: when the
+    worker is added, the stream holds entries nothing has proven yet."""
+    payload_a = stored(A, 10)
+    first = await fed()
+    take(first, batch(0, 0, payload_a))
+    snapshot = first.dump()
+    svc = IndexerService(IndexerConfig(stale_after_s=5.0), fed=True, clock=Clock())
+    svc.load(snapshot)  # no worker yet: kept for it
+    await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:1", block_size=4)])
+    assert state(svc) in UNTRUSTED
+    assert matched(svc, A) == 0
+    take(svc, heartbeat(3, None))  # the relay holds nothing of it now (the worker restarted)
+    assert matched(svc, A) == 0 and svc.streams()[0].entries == 0
+
+
+async def test_records_older_than_the_snapshot_wait_for_its_last_batch() -> None:
+    """The follower reads from a little before the snapshot: the relay's older batches,
+    heartbeats and clears come first and are skipped, and the snapshot's last batch (here in
+    a heartbeat) still proves it."""
+    payload_a = stored(A, 10)
+    svc = await _snapshotted(payload_a)
+    take(
+        svc,
+        RelayRecord(RelayKind.CLEAR, STREAM, EPOCH, 0, StreamState.SYNCING),
+        heartbeat(0, None),
+        batch(1, 0, payload_a),  # the snapshot's last batch, after the clear
+    )
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
+
+
+async def test_an_older_heartbeat_does_not_refuse_the_snapshot() -> None:
+    payload_a = stored(A, 10)
+    first = await fed()
+    take(first, batch(0, 0, stored(B, 20)), batch(1, 1, payload_a))
+    snapshot = first.dump()  # ends on seq 1
+    svc = await fed()
+    svc.load(snapshot)
+    take(svc, heartbeat(0, 0, stored(B, 20)))  # written before the snapshot
+    assert state(svc) is StreamState.UNVERIFIED
+    take(svc, heartbeat(1, 1, payload_a))
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
+
+
+async def test_a_snapshot_not_proven_in_time_is_dropped() -> None:
+    clock = Clock()
+    payload_a = stored(A, 10)
+    first = await fed()
+    take(first, batch(0, 0, stored(B, 20)), batch(1, 1, payload_a))
+    snapshot = first.dump()
+    svc = await fed(clock)
+    svc.load(snapshot)
+    clock.now += 11.0
+    take(svc, heartbeat(0, 0, stored(B, 20)))
+    assert matched(svc, A) == 0 and svc.streams()[0].entries == 0
+
+
+async def test_a_relay_says_stale_of_a_stream_it_has_not_heard_for_longer_than_its_probes() -> None:
+    """A relay whose loop stalled (stopped, swapped out) must not vouch for its streams in the
+    first heartbeat after it wakes, before it took what queued meanwhile: a stream not heard
+    for longer than two probes and a replay's timeout is STALE in its heartbeats."""
+    clock = Clock()
+    config = IndexerConfig(probe_interval_s=2.0, replay_timeout_s=1.0)
+    async with IndexerService(config, clock=clock) as svc:
+        await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=4)])
+        clock.now += 4.0
+        assert [h.state for h in svc.stream_heads()] != [StreamState.STALE]
+        clock.now += 2.0  # 6 s unheard: more than 2 x 2 + 1
+        assert [h.state for h in svc.stream_heads()] == [StreamState.STALE]
