@@ -362,6 +362,9 @@ class FedStreams:
         self._clock = clock
         self.by_worker: dict[str, list[FedStream]] = {}
         self.by_stream: dict[str, FedStream] = {}
+        # told each stream started (the relay follower reads back what the relay's stream
+        # keeps of it, for one followed after its records were written)
+        self.on_added: Callable[[FedStream], None] | None = None
 
     async def __aenter__(self) -> FedStreams:
         return self
@@ -395,6 +398,9 @@ class FedStreams:
             fed.append(stream)
             self.by_stream[sid] = stream
         self.by_worker[worker] = fed
+        if self.on_added is not None:
+            for stream in fed:
+                self.on_added(stream)
         return fed
 
     async def stop(self, worker: str) -> list[FedStream]:

@@ -25,11 +25,13 @@ import logging
 from collections.abc import Callable
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from indexer.relay_record import relay_decoder
+from indexer.fed_stream import FedStream
+from indexer.relay_record import RelayRecord, relay_decoder, relay_subject
 from indexer.service import IndexerService
 from router.cluster.relay_publisher import ensure_relay_stream, relay_stream_name
 from router.config import ClusterConfig
@@ -46,6 +48,8 @@ SNAPSHOT_MARGIN_S = 5.0
 _REREAD_EVERY_S = 10.0
 # a followed stream with no record this long after the follower started is said once
 _SILENT_WARN_S = 15.0
+# reading a stream back ends when the relay's stream sends nothing of it for this long
+_READ_BACK_IDLE_S = 2.0
 
 
 class RelayFollower:
@@ -75,6 +79,12 @@ class RelayFollower:
         self.heard: set[str] = set()  # streams that got a record
         self._silent_said: set[str] = set()
         self._live = False  # read to the stream's end once (see `_on_message`)
+        self._js: JetStreamContext | None = None
+        # streams being read back (`_catch_up`): the records the main subscription brings
+        # meanwhile, with their freshness, applied after what was read back
+        self._catching: dict[str, list[tuple[RelayRecord, bool]]] = {}
+        self._catch_tasks: set[asyncio.Task[None]] = set()
+        indexer.fed.on_added = self._added
 
     async def resubscribe(self, js: JetStreamContext) -> None:
         """After NATS came back: subscribe again from the newest record read (the stream is
@@ -114,6 +124,7 @@ class RelayFollower:
                 deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start
             )
         self._live = False
+        self._js = js
         info = await js.stream_info(stream)
         if info.state.messages == 0:
             self._live = True  # nothing to read back: what comes is written now
@@ -140,8 +151,66 @@ class RelayFollower:
             "relay_records_malformed": float(self.malformed),
         }
 
+    def _added(self, fed: FedStream) -> None:
+        """A stream followed after the follower read the relay's stream to its end (a worker
+        added, a rank discovered): read back what the relay's stream keeps of it, so it starts
+        where the relay's records it missed would have left it (joined at the oldest kept)."""
+        if self._js is None or not self._live or fed.stream_id in self._catching:
+            return  # at start the main subscription reads the past itself
+        self._catching[fed.stream_id] = []
+        task = asyncio.create_task(self._catch_up(fed), name=f"kvroute-relay {fed.stream_id}")
+        self._catch_tasks.add(task)
+        task.add_done_callback(self._catch_tasks.discard)
+
+    async def _catch_up(self, fed: FedStream) -> None:
+        sid = fed.stream_id
+        read = 0
+        try:
+            read = await self._read_back(fed)
+        except Exception as exc:
+            log.info("cluster: stream %s not read back from the relay's stream (%s)", sid, exc)
+        finally:
+            brought = self._catching.pop(sid, [])
+            if self._streams.get(sid) is fed:
+                for record, fresh in brought:
+                    fed.take(record, fresh=fresh)
+        if read:
+            log.info("cluster: stream %s read back from the relay's stream (%d records)", sid, read)
+
+    async def _read_back(self, fed: FedStream) -> int:
+        """Feed `fed` the relay's records of it that the stream keeps (none fresh)."""
+        js = self._js
+        assert js is not None
+        subject = relay_subject(self.config.subject_prefix, fed.stream_id)
+        sub = await js.subscribe(
+            subject,
+            stream=relay_stream_name(self.config),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE),
+        )
+        read = 0
+        try:
+            while self._streams.get(fed.stream_id) is fed:
+                try:
+                    msg = await sub.next_msg(timeout=_READ_BACK_IDLE_S)
+                except nats.errors.TimeoutError:
+                    break  # nothing kept of it (or nothing more)
+                try:
+                    fed.take(relay_decoder.decode(msg.data), fresh=False)
+                    read += 1
+                except msgspec.DecodeError:
+                    self.malformed += 1
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return read
+
     async def stop(self) -> None:
         """Unsubscribe (the connection's owner closes the connection)."""
+        tasks = list(self._catch_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         sub, self._sub = self._sub, None
         unsubscribe = getattr(sub, "unsubscribe", None)
         if unsubscribe is not None:
@@ -174,6 +243,10 @@ class RelayFollower:
         stream = self._streams.get(record.stream)
         if stream is None:
             self._not_followed(record.stream)
+            return
+        waiting = self._catching.get(record.stream)
+        if waiting is not None:
+            waiting.append((record, fresh))
             return
         stream.take(record, fresh=fresh)
         self.heard.add(record.stream)

@@ -349,3 +349,30 @@ async def test_a_nats_server_that_lost_its_store_gets_the_relays_stream_again(
             await eventually(recovered, timeout_s=20, what="the follower to read the stream again")
     finally:
         await nats.stop()
+
+
+async def test_a_worker_a_replica_follows_later_is_read_back_from_the_relays_stream(
+    nats_server: NatsServer,
+) -> None:
+    """The relay wrote the worker's records before this replica followed it (added through
+    its admin API later): the replica reads back what the stream keeps, and the prompt the
+    worker cached before is predicted at once, not only once the worker stores anew."""
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url) as r,
+    ):
+        relay_fleet = Fleet(r, {"w0": w0}, session)
+        await relay_fleet.warm()
+        body = {"text": PROMPT, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
+        async with session.post(w0.url + "/generate", json=body) as resp:
+            assert resp.status == 200
+        await eventually(lambda: _holds(relay_fleet, 64), what="the relay to index the prompt")
+        later = msgspec.structs.replace(follower_config(w0, nats_server.url, "a"), workers=())
+        async with RouterService(later) as a:
+            fleet = Fleet(a, {"w0": w0}, session)
+            status, _ = await fleet.admin("POST", "/workers", {"id": "w0", "url": w0.url})
+            assert status in (201, 202)
+            await eventually(lambda: _holds(fleet, 64), what="the stream to be read back")
+            got = await generate(session, a.url)
+            assert 64 <= got[0] <= got[1]
