@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 
 from bench.routing_bench import seeds_from_args
@@ -123,6 +124,27 @@ def test_the_replica_target_is_stated_only_where_replicas_ran() -> None:
     alone = render_seed_summary([report], "kvroute bench routing")
     assert "Target (issue 14)" not in alone
     assert "| kv_hold | 1.100 (seed 1) | 1.100x | 1.100-1.100 | - |" in alone
+
+
+def test_a_replayed_trace_is_called_one_trace_not_a_trace_per_seed() -> None:
+    # the mooncake replay is the same requests whatever the seed (bench.workloads.SEED_INDEPENDENT)
+    reports = [_report(1, 60, 57), _report(2, 40, 40)]
+    for report in reports:
+        first = report.sections[0]
+        trace = msgspec.structs.replace(first, workload="mooncake", pressure=4.0)
+        dp = msgspec.structs.replace(first, workload="multi_tenant [dp 2 ranks]")
+        report.sections += [trace, dp]
+    text = render_seed_summary(reports, "kvroute bench routing --seeds 1,2")
+    assert "its own trace" not in text
+    intro = text.split("\n\n")[1]
+    assert "Each seed generates its own `multi_tenant` workload." in intro
+    assert "`mooncake` replays one trace in every seed" in intro
+    mooncake = text.split("## mooncake at KV pressure 4.00")[1]
+    assert mooncake.lstrip().startswith("Every seed replays one trace here (`mooncake`")
+    assert "Every seed replays one trace" not in text.split("## mooncake")[0]
+    # one seed has nothing to repeat
+    single = render_seed_summary(reports[:1], "kvroute bench routing --seeds 1")
+    assert "one trace" not in single
 
 
 def _peer_report(
