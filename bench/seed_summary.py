@@ -156,7 +156,7 @@ def _targets_table(targets: dict[str, list[tuple[int, TargetResult]]]) -> list[s
         counted = [r for r in results if r.met is not None]
         met_in = f"{sum(bool(r.met) for r in counted)} of {len(counted)}"
         shown = results[0].shown(median) if median is not None else "-"
-        row = " | ".join([name, *cells, shown, met_in, verdict(met)])
+        row = " | ".join([name, *cells, shown, met_in, results[0].judged(met)])
         lines.append(f"| {row} |")
     return [*lines, ""]
 
