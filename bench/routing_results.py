@@ -32,6 +32,7 @@ import msgspec
 __all__ = [
     "EXTERNAL_BASELINE",
     "TARGET_PRESSURE",
+    "UNVALIDATED_LATENCY",
     "AffinityProbe",
     "BenchReport",
     "EndpointIsolation",
@@ -193,6 +194,8 @@ class TargetResult(msgspec.Struct):
     met: bool | None  # None: cannot be evaluated (missing policy or failed run)
     detail: str
     at_most: bool = False  # met at or below the threshold (else at or above it)
+    # why the verdict means less than it says (printed beside it); "" when it stands as is
+    caveat: str = ""
 
     def holds(self, value: float | None) -> bool | None:
         """Whether `value` meets this target (None: no value)."""
@@ -213,10 +216,21 @@ class TargetResult(msgspec.Struct):
             return f"{value * 100:.1f}% of oracle"
         return "inf" if math.isinf(value) else f"{value:.2f}x"
 
+    def judged(self, met: bool | None) -> str:
+        """A verdict on this target (its own or a median's) with its caveat, if any."""
+        shown = verdict(met)
+        return f"{shown} ({self.caveat})" if self.caveat and met is not None else shown
+
 
 def verdict(met: bool | None) -> str:
     """A target's verdict as the reports print it (None: it could not be evaluated)."""
     return {True: "met", False: "**missed**", None: "n/a"}[met]
+
+
+# approx_tree's fidelity check compares hit rates only; its latency is not held to the real
+# router's (in the committed full run its TTFT p90 was 0.41x-2.72x sglang-router's), so a TTFT
+# verdict against it says nothing about SGLang's router
+UNVALIDATED_LATENCY = "against `approx_tree`, an approximation whose latency is not validated"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -295,6 +309,7 @@ def _ratio_target(
     field: str,
     threshold: float,
     at_most: bool,
+    caveat: str = "",
 ) -> TargetResult:
     a = rows.get(mine)
     b = rows.get(other)
@@ -316,6 +331,7 @@ def _ratio_target(
         met=None,
         detail=f"{mine}.{field} / {other}.{field} {relation} {threshold:g}",
         at_most=at_most,
+        caveat=caveat,
     )
     result.met = result.holds(value)
     return result
@@ -346,6 +362,7 @@ def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
         _ratio_target(
             section, rows, f"kv TTFT p90 <= 0.5x {base}", "kv", base,
             "ttft_p90_ms", 0.5, at_most=True,
+            caveat=UNVALIDATED_LATENCY if base == "approx_tree" else "",
         ),
         _ratio_target(
             section, rows, "kv hit rate >= oracle - 2%", "kv", "oracle",

@@ -2,8 +2,10 @@
 
 A single run's ratio between two policies moves by several percent from one seed to the next
 (measured: three `kv` replicas over one, on `multi_tenant` at KV pressure 2.5, 0.953x-1.016x over
-seeds 1-5), as much as the 2% a replica target allows. Each seed is its own trace, and every
-policy of a seed's run routes that same trace, so the ratio is taken within each seed and the
+seeds 1-5), as much as the 2% a replica target allows. A generated workload is its own per seed,
+a replayed trace the same in every seed (`bench.workloads.SEED_INDEPENDENT`: there the seed
+varies only the routers' seeded picks and the run's timing, and the report says so); every
+policy of a seed's run routes the same requests, so the ratio is taken within each seed and the
 median over seeds is what the report states, with the range beside it. Issue 16's targets (kv
 against SGLang's router and the oracle, index accuracy, isolation) are evaluated per seed as one
 run's report does, then judged on their median; a count that must be zero, in every seed.
@@ -26,6 +28,7 @@ from bench.routing_results import (
     summarize,
     verdict,
 )
+from bench.workloads import SEED_INDEPENDENT
 
 __all__ = [
     "ACCURACY_TARGET",
@@ -153,9 +156,44 @@ def _targets_table(targets: dict[str, list[tuple[int, TargetResult]]]) -> list[s
         counted = [r for r in results if r.met is not None]
         met_in = f"{sum(bool(r.met) for r in counted)} of {len(counted)}"
         shown = results[0].shown(median) if median is not None else "-"
-        row = " | ".join([name, *cells, shown, met_in, verdict(met)])
+        row = " | ".join([name, *cells, shown, met_in, results[0].judged(met)])
         lines.append(f"| {row} |")
     return [*lines, ""]
+
+
+_ONE_TRACE = (
+    "Every seed replays one trace here (`{workload}`: the trace's rows make the requests, the "
+    "seed does not): only the routers' seeded picks and the run's timing differ, so the range "
+    "is the spread from run to run on one trace, not over traces."
+)
+
+
+def _base(workload: str) -> str:
+    """A section's workload without its topology label (`multi_tenant [dp 2 ranks]`)."""
+    return workload.split(" [", 1)[0]
+
+
+def _listed(names: Sequence[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def _workloads_sentence(summaries: Sequence[tuple[int, _Rows]]) -> str:
+    """What a seed changes, workload by workload: a replayed trace stays one trace."""
+    names = list(dict.fromkeys(_base(w) for _, rows in summaries for w, _ in rows))
+    own = [n for n in names if n not in SEED_INDEPENDENT]
+    same = [n for n in names if n in SEED_INDEPENDENT]
+    out = ""
+    if own:
+        plural = "s" if len(own) > 1 else ""
+        out += f" Each seed generates its own {_listed(own)} workload{plural}."
+    if same and len(summaries) > 1:
+        out += (
+            f" {_listed(same)} replays one trace in every seed (the seed varies only the "
+            "routers' seeded picks and the run's timing), so its medians are over repeated "
+            "runs of one trace, not over traces."
+        )
+    return out
 
 
 def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
@@ -166,9 +204,9 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
     ratios = _ratios(summaries)
     intro = (
         f"Seeds {', '.join(map(str, seeds))}: one full run each (its report in `seed-N/`), "
-        "each seed its own trace, routed by every policy. A ratio is taken within one seed's "
-        "run (the same trace for both policies); the median over seeds is the figure, the "
-        "range its spread."
+        f"every policy routing the same requests.{_workloads_sentence(summaries)} A ratio is "
+        "taken within one seed's run (the same requests for both policies); the median over "
+        "seeds is the figure, the range its spread."
     )
     if any(e.policy in REPLICATED for entries in ratios.values() for e in entries):
         intro += (
@@ -193,6 +231,8 @@ def render_seed_summary(reports: Sequence[BenchReport], command: str) -> str:
     for key in sections:
         workload, pressure = key
         lines += [f"## {workload} at KV pressure {pressure:.2f}", ""]
+        if _base(workload) in SEED_INDEPENDENT and len(seeds) > 1:
+            lines += [_ONE_TRACE.format(workload=_base(workload)), ""]
         kv_rows = [(seed, summary.get(key, {}).get(_REFERENCE)) for seed, summary in summaries]
         kv_known = [(seed, row) for seed, row in kv_rows if row is not None]
         if kv_known:

@@ -14,7 +14,8 @@ Workloads:
   per group asking short questions after it. Unsalted.
 - `mooncake_replay`: rows of a Mooncake trace (`timestamp` ms, `input_length`, `output_length`,
   `hash_ids`); each hash id maps to a deterministic block of tokens so rows that share ids
-  share prefixes. `synthesize_mooncake_trace` made the shipped sample.
+  share prefixes. `synthesize_mooncake_trace` made the shipped sample. The seed does not change
+  it (`SEED_INDEPENDENT`): a replay is the trace's rows, so every seed replays one trace.
 
 Arrivals are open loop: the harness sends each request at its `arrival_s`, whatever the state
 of earlier ones. The KV pressure of a workload on a fleet is its working set (distinct
@@ -35,6 +36,7 @@ import msgspec
 from indexer.protocol.tokens import BYTE_OFFSET, VOCAB_SIZE, ByteTokenizer, render_chat
 
 __all__ = [
+    "SEED_INDEPENDENT",
     "BenchRequest",
     "MooncakeParams",
     "MultiTenantParams",
@@ -55,6 +57,12 @@ __all__ = [
 ]
 
 _TOKENIZER = ByteTokenizer()
+
+# Workloads whose requests the seed does not change. A trace replay is its rows: a seeded window
+# or sample of them would cut the multi-turn sessions whose shared prefixes are why a trace is
+# replayed, and `--trace FILE` must replay FILE, not part of it. So `--seeds` repeats one trace
+# (only the routers' seeded picks and the run's timing differ), and the reports say so.
+SEED_INDEPENDENT = frozenset({"mooncake"})
 _WORDS_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -314,7 +322,10 @@ def _block_tokens(hash_id: int, size: int) -> list[int]:
 
 
 def mooncake_replay(rows: Sequence[TraceRow], params: MooncakeParams, seed: int) -> Workload:
-    """Requests of a Mooncake trace: hash ids become token blocks, timestamps arrival times."""
+    """Requests of a Mooncake trace: hash ids become token blocks, timestamps arrival times.
+
+    `seed` is only recorded in the workload: the rows alone make the requests.
+    """
     if params.max_requests is not None:
         rows = rows[: params.max_requests]
     if not rows:

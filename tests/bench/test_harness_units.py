@@ -20,13 +20,14 @@ from bench.harness import (
     send_generate,
 )
 from bench.routing_bench import (
+    WORKLOADS,
     _command,
     add_arguments,
     build_workloads,
     rate_for_load,
     settings_from_args,
 )
-from bench.workloads import BenchRequest
+from bench.workloads import SEED_INDEPENDENT, BenchRequest
 from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker
 
@@ -59,6 +60,18 @@ def test_rate_from_load_fills_the_stated_share_of_prefill_capacity() -> None:
     assert workload.params["rate_rps"] == pytest.approx(
         rate_for_load(workload, settings.fleet, settings.load)
     )
+
+
+def test_what_a_seed_changes_is_what_the_reports_say_it_changes() -> None:
+    # `--seeds` reports call a seed-independent workload one trace replayed and every other one
+    # a workload of its own per seed: both halves must hold of the workloads the suite builds
+    def requests(seed: int) -> dict[str, list[BenchRequest]]:
+        settings = settings_from_args(_settings("--quick", "--seed", str(seed)))
+        return {w.name: w.requests for w in build_workloads(settings)}
+
+    one, two = requests(1), requests(2)
+    assert set(one) == set(WORKLOADS)
+    assert {name for name in WORKLOADS if one[name] == two[name]} == SEED_INDEPENDENT
 
 
 def test_bad_command_lines_are_refused() -> None:

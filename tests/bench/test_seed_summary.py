@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 
 from bench.routing_bench import seeds_from_args
@@ -125,6 +126,27 @@ def test_the_replica_target_is_stated_only_where_replicas_ran() -> None:
     assert "| kv_hold | 1.100 (seed 1) | 1.100x | 1.100-1.100 | - |" in alone
 
 
+def test_a_replayed_trace_is_called_one_trace_not_a_trace_per_seed() -> None:
+    # the mooncake replay is the same requests whatever the seed (bench.workloads.SEED_INDEPENDENT)
+    reports = [_report(1, 60, 57), _report(2, 40, 40)]
+    for report in reports:
+        first = report.sections[0]
+        trace = msgspec.structs.replace(first, workload="mooncake", pressure=4.0)
+        dp = msgspec.structs.replace(first, workload="multi_tenant [dp 2 ranks]")
+        report.sections += [trace, dp]
+    text = render_seed_summary(reports, "kvroute bench routing --seeds 1,2")
+    assert "its own trace" not in text
+    intro = text.split("\n\n")[1]
+    assert "Each seed generates its own `multi_tenant` workload." in intro
+    assert "`mooncake` replays one trace in every seed" in intro
+    mooncake = text.split("## mooncake at KV pressure 4.00")[1]
+    assert mooncake.lstrip().startswith("Every seed replays one trace here (`mooncake`")
+    assert "Every seed replays one trace" not in text.split("## mooncake")[0]
+    # one seed has nothing to repeat
+    single = render_seed_summary(reports[:1], "kvroute bench routing --seeds 1")
+    assert "one trace" not in single
+
+
 def _peer_report(
     seed: int, kv: int, peer: int, oracle: int, kv_ttft: float, leak: int = 0
 ) -> BenchReport:
@@ -160,6 +182,23 @@ def test_issue_16_targets_are_judged_on_the_median_over_seeds() -> None:
     assert "| 90.9% of oracle | 1 of 3 | **missed** |" in oracle
     assert row("kv index accuracy >= 98%").endswith("| 100.0% | 3 of 3 | met |")
     assert row("kv isolation violations = 0").endswith("| 0 tokens | 3 of 3 | met |")
+
+
+def test_a_ttft_median_against_approx_tree_says_its_latency_is_not_validated() -> None:
+    reports = [_report(seed, 60, 60) for seed in (1, 2)]
+    for report in reports:  # no sglang-router: the targets are read against approx_tree
+        report.sections[0].runs = [
+            _run("kv", 60, predicted=60, ttft_s=0.2),
+            _run("approx_tree", 40, ttft_s=1.0),
+        ]
+    lines = render_seed_summary(reports, "kvroute bench routing --seeds 1,2").splitlines()
+    ttft = next(line for line in lines if line.startswith("| kv TTFT p90"))
+    assert ttft.endswith(
+        "| 0.20x | 2 of 2 | met (against `approx_tree`, an approximation whose latency is not "
+        "validated) |"
+    )
+    hits = next(line for line in lines if line.startswith("| kv hit rate >= 1.2x approx_tree"))
+    assert hits.endswith("| 1.50x | 2 of 2 | met |")
 
 
 def test_a_leak_in_one_seed_fails_the_isolation_target_whatever_the_median() -> None:
