@@ -109,19 +109,20 @@ class FedStream:
 
     # ------------------------------------------------------------ records
 
-    def take(self, record: RelayRecord, *, fresh: bool = True) -> None:
-        """Apply one record of this stream, in the order the relay wrote them. `fresh`: it
-        arrived as the relay wrote it (the follower had read the stream to its end); one read
-        back from the stream's past builds the state but says nothing of now: it keeps nothing
-        from going STALE."""
+    def take(self, record: RelayRecord, *, age_s: float | None = 0.0) -> None:
+        """Apply one record of this stream, in the order the relay wrote them. `age_s`: how
+        long ago the relay wrote it, as the follower can tell (None: it cannot, a record read
+        back from the stream's past: it builds the state but says nothing of now, and keeps
+        nothing from going STALE)."""
         now = self._clock()
+        fresh_at = None if age_s is None else now - max(0.0, age_s)
         if record.kind is RelayKind.HEARTBEAT:
-            self._heartbeat(record, now, fresh)
+            self._heartbeat(record, now, fresh_at)
             return
         if self._proof is not None:
             if not self._prove_by_record(record):
-                if fresh:
-                    self.health.last_heard_at = now  # the relay is alive
+                if fresh_at is not None:
+                    self._heard(fresh_at)  # the relay was alive then
                 self._show()
                 return  # older than the snapshot, or the snapshot's own last batch
         elif self._epoch is None:
@@ -133,7 +134,7 @@ class FedStream:
         elif record.rseq > self._rseq + 1:
             self._afresh(record.epoch, f"{record.rseq - self._rseq - 1} relay record(s) missed")
         self._rseq = record.rseq
-        self._apply(record, now if fresh else None)
+        self._apply(record, fresh_at)
         self._relay_state = record.state
         self._show()
 
@@ -143,7 +144,7 @@ class FedStream:
             applied = self.sink.apply(b"", record.seq, record.payload, replayed=record.replayed)
             self.tracker.last = record.seq
             if fresh_at is not None:
-                self.health.last_event_at = fresh_at
+                self.health.last_event_at = max(fresh_at, self.health.last_event_at or fresh_at)
             self.batches += 1
             if applied is None:
                 self.decode_errors += 1
@@ -163,11 +164,14 @@ class FedStream:
             self.sink.forget_seq()
             self.tracker.last = None
 
-    def _heartbeat(self, record: RelayRecord, now: float, fresh: bool) -> None:
-        if fresh:
-            # the relay is alive now; whether it hears the worker is its state (STALE when
+    def _heard(self, at: float) -> None:
+        self.health.last_heard_at = max(at, self.health.last_heard_at or at)
+
+    def _heartbeat(self, record: RelayRecord, now: float, fresh_at: float | None) -> None:
+        if fresh_at is not None:
+            # the relay was alive then; whether it hears the worker is its state (STALE when
             # it has not lately: `IndexerService.stream_heads`)
-            self.health.last_heard_at = now
+            self._heard(fresh_at)
         if self._proof is not None:
             proof = self._proof
             if record.seq == proof.seq and record.digest == proof.digest():
@@ -190,7 +194,9 @@ class FedStream:
             self._rseq = record.rseq
         self._checks = record.checks
         if self._suspected_at is not None:
-            if record.checks > self._checks_then:
+            # risen: checked since; fallen: a new subscriber of the relay's (the worker
+            # registered anew there), which joined from the worker's replay: as good
+            if record.checks != self._checks_then:
                 self._suspected_at = None
                 self.verifications += 1
             elif now - self._suspected_at > self.verify_window_s:

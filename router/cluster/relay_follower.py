@@ -79,10 +79,12 @@ class RelayFollower:
         self.heard: set[str] = set()  # streams that got a record
         self._silent_said: set[str] = set()
         self._live = False  # read to the stream's end once (see `_on_message`)
+        # (server time, this host's monotonic time) of the last record delivered live
+        self._anchor: tuple[float, float] | None = None
         self._js: JetStreamContext | None = None
         # streams being read back (`_catch_up`): the records the main subscription brings
         # meanwhile, with their freshness, applied after what was read back
-        self._catching: dict[str, list[tuple[RelayRecord, bool]]] = {}
+        self._catching: dict[str, list[tuple[RelayRecord, float | None]]] = {}
         self._catch_tasks: set[asyncio.Task[None]] = set()
         indexer.fed.on_added = self._added
 
@@ -93,7 +95,8 @@ class RelayFollower:
         await self.stop()
         last = self.last_written
         # `start` reads from SNAPSHOT_MARGIN_S before `since`: from a second before the last
-        await self.start(js, since=None if last is None else last + SNAPSHOT_MARGIN_S - 1.0)
+        since = None if last is None else last + SNAPSHOT_MARGIN_S - 1.0
+        await self.start(js, since=since, why="again after a reconnect, from its last record")
 
     def check_silent(self) -> None:
         """Say once of each followed stream that got no record at all for a while: its
@@ -111,7 +114,9 @@ class RelayFollower:
                     _SILENT_WARN_S,
                 )
 
-    async def start(self, js: JetStreamContext, *, since: float | None) -> None:
+    async def start(
+        self, js: JetStreamContext, *, since: float | None, why: str = "from the snapshot"
+    ) -> None:
         """Subscribe: from shortly before `since` (a snapshot's wall time), or from the start
         of what the stream keeps."""
         await ensure_relay_stream(js, self.config)
@@ -124,6 +129,7 @@ class RelayFollower:
                 deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start
             )
         self._live = False
+        self._anchor = None  # a resubscription may be to another server
         self._js = js
         info = await js.stream_info(stream)
         if info.state.messages == 0:
@@ -140,7 +146,7 @@ class RelayFollower:
         log.info(
             "cluster: following the relay's stream %s (%s)",
             stream,
-            "cold: what it keeps" if since is None else "from the snapshot",
+            "cold: what it keeps" if since is None else why,
         )
 
     def gauges(self) -> dict[str, float]:
@@ -172,8 +178,8 @@ class RelayFollower:
         finally:
             brought = self._catching.pop(sid, [])
             if self._streams.get(sid) is fed:
-                for record, fresh in brought:
-                    fed.take(record, fresh=fresh)
+                for record, age in brought:
+                    fed.take(record, age_s=age)
         if read:
             log.info("cluster: stream %s read back from the relay's stream (%d records)", sid, read)
 
@@ -195,7 +201,7 @@ class RelayFollower:
                 except nats.errors.TimeoutError:
                     break  # nothing kept of it (or nothing more)
                 try:
-                    fed.take(relay_decoder.decode(msg.data), fresh=False)
+                    fed.take(relay_decoder.decode(msg.data), age_s=None)
                     read += 1
                 except msgspec.DecodeError:
                     self.malformed += 1
@@ -225,16 +231,22 @@ class RelayFollower:
         except Exception:
             self.malformed += 1
             return
-        # fresh: it arrives as it was written, the stream read to its end before it. Records
-        # read back from the stream's past (a start, a resubscription) build the state but say
-        # nothing of now: a dead relay's last heartbeat must not look alive. No clock is
-        # compared: the hosts' and the server's may differ
-        pending = meta.num_pending
-        fresh = self._live and pending == 0
-        if pending == 0:
+        # a record's age, by the server's clock alone: how far its time is behind the
+        # server's now, known from the last record delivered with nothing behind it (once the
+        # stream was read to its end) plus the time since on this host's monotonic clock. No
+        # two hosts' clocks are compared (they may differ). Until such a record, the ages are
+        # unknown: records read back from the stream's past (a start, a resubscription) say
+        # nothing of now, so a dead relay's last heartbeat never looks alive
+        written = meta.timestamp.timestamp()
+        now = self._clock()
+        if meta.num_pending == 0:
+            if self._live:
+                self._anchor = (written, now)
             self._live = True
             self.caught_up.set()
-        self.last_written = meta.timestamp.timestamp()  # the server's clock: where to resume
+        anchor = self._anchor
+        age = None if anchor is None else anchor[0] + (now - anchor[1]) - written
+        self.last_written = written  # where to resume (`resubscribe`)
         try:
             record = relay_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -246,9 +258,9 @@ class RelayFollower:
             return
         waiting = self._catching.get(record.stream)
         if waiting is not None:
-            waiting.append((record, fresh))
+            waiting.append((record, age))
             return
-        stream.take(record, fresh=fresh)
+        stream.take(record, age_s=age)
         self.heard.add(record.stream)
         self.applied += 1
 

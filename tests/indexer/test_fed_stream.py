@@ -238,11 +238,11 @@ async def test_records_read_from_the_relays_past_do_not_make_the_stream_fresh() 
     assert svc.fed is not None
     stream = svc.fed.by_stream[STREAM]
     clock.now += 5.0  # the replica started a while ago
-    stream.take(batch(0, 0, stored(A, 10)), fresh=False)
-    stream.take(heartbeat(0, 0, stored(A, 10)), fresh=False)
+    stream.take(batch(0, 0, stored(A, 10)), age_s=None)
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=None)
     assert state(svc) is StreamState.STALE  # the relay may be long gone
     assert matched(svc, A) == 0
-    stream.take(heartbeat(0, 0, stored(A, 10)), fresh=True)
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=0.0)
     assert state(svc) is StreamState.SYNCED
     assert matched(svc, A) == 4
 

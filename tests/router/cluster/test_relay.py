@@ -376,3 +376,32 @@ async def test_a_worker_a_replica_follows_later_is_read_back_from_the_relays_str
             await eventually(lambda: _holds(fleet, 64), what="the stream to be read back")
             got = await generate(session, a.url)
             assert 64 <= got[0] <= got[1]
+
+
+async def test_every_stream_of_a_live_relay_stays_fresh_on_an_idle_fleet(
+    nats_server: NatsServer,
+) -> None:
+    """The relay heartbeats its streams back to back: each is fresh, not only the last of
+    the burst (freshness is a record's age by the server's clock, not "nothing behind it")."""
+    async with (
+        workers(2) as (w0, w1),
+        aiohttp.ClientSession() as session,
+        RouterService(
+            router_config([("w0", w0.url), ("w1", w1.url)], cluster=cluster(nats_server.url)),
+            relay=True,
+        ),
+    ):
+        config = follower_config(w0, nats_server.url, "a")
+        config = msgspec.structs.replace(
+            config,
+            workers=(
+                *config.workers,
+                msgspec.structs.replace(config.workers[0], id="w1", url=w1.url),
+            ),
+        )
+        async with RouterService(config) as a:
+            fleet = Fleet(a, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            await asyncio.sleep(2.0)  # idle: longer than the heartbeat timeout (0.5 s)
+            states = {s.stream: s.state for s in a.indexer.streams()}
+            assert states == {"w0#dp0": "synced", "w1#dp0": "synced"}
