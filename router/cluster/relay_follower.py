@@ -239,13 +239,18 @@ class RelayFollower:
         # nothing of now, so a dead relay's last heartbeat never looks alive
         written = meta.timestamp.timestamp()
         now = self._clock()
+        anchor = self._anchor
+        # the server's now, as known before this record (None: not known yet)
+        server_now = None if anchor is None else anchor[0] + (now - anchor[1])
         if meta.num_pending == 0:
             if self._live:
-                self._anchor = (written, now)
+                # never backwards: a record that waited in this host's buffers (the loop
+                # paused, or behind) was last when the server sent it, not now
+                self._anchor = (written if server_now is None else max(written, server_now), now)
+                server_now = self._anchor[0]
             self._live = True
             self.caught_up.set()
-        anchor = self._anchor
-        age = None if anchor is None else anchor[0] + (now - anchor[1]) - written
+        age = None if server_now is None else server_now - written
         self.last_written = written  # where to resume (`resubscribe`)
         try:
             record = relay_decoder.decode(msg.data)
