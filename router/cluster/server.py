@@ -102,6 +102,10 @@ class NatsServer:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
+            # out of the terminal's process group: Ctrl-C reaches `kvroute up`, which stops
+            # the replicas and the relay while their NATS still answers, then stops it (it
+            # still dies with its parent)
+            start_new_session=True,
         )  # fmt: skip
         try:
             async with asyncio.timeout(timeout_s):
