@@ -18,12 +18,18 @@ from indexer.sink import StreamSink
 from indexer.stats import StreamState
 from indexer.subscriber import StreamSubscriber
 
-__all__ = ["Subscriptions", "stream_id"]
+__all__ = ["Subscriptions", "stream_id", "stream_worker"]
 
 
 def stream_id(worker: str, dp_rank: int) -> str:
     """The id of one (worker, dp rank) stream, as used in stats and the index."""
     return f"{worker}#dp{dp_rank}"
+
+
+def stream_worker(stream: str) -> str | None:
+    """The worker of a stream id (`stream_id`'s inverse); None when it is not one."""
+    worker, sep, rank = stream.rpartition("#dp")
+    return worker if sep and worker and rank.isdigit() else None
 
 
 class Subscriptions:

@@ -33,6 +33,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from indexer.fed_stream import FedStream
 from indexer.relay_record import RelayRecord, relay_decoder, relay_subject
 from indexer.service import IndexerService
+from indexer.subscriptions import stream_worker
 from router.cluster.relay_publisher import ensure_relay_stream, relay_stream_name
 from router.config import ClusterConfig
 
@@ -271,11 +272,14 @@ class RelayFollower:
 
     def _not_followed(self, stream: str) -> None:
         self.unknown += 1
-        worker = stream.rpartition("#dp")[0]
+        worker = stream_worker(stream)
         now = self._clock()
         # a rank this replica does not know its worker to have: read its settings again
-        due = now - self._reread_at.get(worker, -_REREAD_EVERY_S) >= _REREAD_EVERY_S
-        if worker and self.indexer.has_worker(worker) and due:
+        if (
+            worker is not None
+            and self.indexer.has_worker(worker)
+            and now - self._reread_at.get(worker, -_REREAD_EVERY_S) >= _REREAD_EVERY_S
+        ):
             self._reread_at[worker] = now
             for listener in self.indexer.restart_listeners:
                 listener(worker)

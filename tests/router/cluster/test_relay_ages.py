@@ -8,6 +8,9 @@ follower whose loop stalled while records queued)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from nats.aio.msg import Msg
 
 from indexer.config import IndexerConfig, StreamConfig
@@ -34,10 +37,11 @@ def delivered(seq: int, server_time: float, pending: int, rseq: int) -> Msg:
     return Msg(None, subject="kvroute.events.x", reply=reply, data=relay_encoder.encode(record))  # type: ignore[arg-type]
 
 
-async def test_a_record_that_waited_in_this_hosts_buffers_is_old_not_new() -> None:
-    """The follower's loop stalled: the relay's last heartbeat was delivered before it died,
-    and the follower reads it 7 s later. It is 7 s old (the relay may be long dead), not new."""
-    clock = Clock()
+@contextlib.asynccontextmanager
+async def following(clock: Clock) -> AsyncIterator[tuple[IndexerService, RelayFollower]]:
+    """A replica's fed index of w0 (STALE 3 s after the relay's last fresh word) and its
+    follower, which has read the relay's stream to its end, with the first heartbeat (written
+    at 500 on the server's clock) delivered live."""
     async with IndexerService(
         IndexerConfig(), fed=True, clock=clock, fed_silent_after_s=3.0
     ) as svc:
@@ -45,6 +49,14 @@ async def test_a_record_that_waited_in_this_hosts_buffers_is_old_not_new() -> No
         follower = RelayFollower(ClusterConfig(), svc, clock=clock)
         follower._live = True  # read to the stream's end already
         await follower._on_message(delivered(1, 500.0, 0, 0))
+        yield svc, follower
+
+
+async def test_a_record_that_waited_in_this_hosts_buffers_is_old_not_new() -> None:
+    """The follower's loop stalled: the relay's last heartbeat was delivered before it died,
+    and the follower reads it 7 s later. It is 7 s old (the relay may be long dead), not new."""
+    clock = Clock()
+    async with following(clock) as (svc, follower):
         assert svc.streams()[0].state is StreamState.SYNCED
         clock.now += 7.0  # stalled; meanwhile the server sent the heartbeat written at 501
         await follower._on_message(delivered(2, 501.0, 0, 0))
@@ -53,13 +65,7 @@ async def test_a_record_that_waited_in_this_hosts_buffers_is_old_not_new() -> No
 
 async def test_each_heartbeat_of_a_burst_is_fresh_not_only_the_last() -> None:
     clock = Clock()
-    async with IndexerService(
-        IndexerConfig(), fed=True, clock=clock, fed_silent_after_s=3.0
-    ) as svc:
-        await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:9", block_size=4)])
-        follower = RelayFollower(ClusterConfig(), svc, clock=clock)
-        follower._live = True
-        await follower._on_message(delivered(1, 500.0, 0, 0))
+    async with following(clock) as (svc, follower):
         clock.now += 1.0
         # this stream's heartbeat first in a burst: another stream's follows it
         await follower._on_message(delivered(2, 501.0, 1, 0))
