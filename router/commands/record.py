@@ -31,7 +31,7 @@ from indexer.fingerprint import salt_fingerprint
 from indexer.protocol.decode import decode_batch
 from indexer.protocol.events import Cleared, Removed, Stored, Unreadable
 from indexer.recording.capture import Capture, CaptureStats, capture
-from indexer.recording.format import RecordingReader, RecordingWriter, Source
+from indexer.recording.format import Record, RecordingReader, RecordingWriter, RecordMark, Source
 from indexer.recording.replay import replay_into_index
 from indexer.subscriptions import stream_id
 from router.commands.replay import print_summary, stdout_closed
@@ -61,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="record_action", metavar="ACTION")
     inspect = sub.add_parser("inspect", help="summarize a recording", description=_INSPECT_HELP)
     inspect.add_argument("file", type=Path, help="a recording made by `kvroute record`")
-    inspect.add_argument("--events", action="store_true", help="print every decoded event")
+    inspect.add_argument(
+        "--events",
+        action="store_true",
+        help="print every decoded event and the subscriber's clear / forget-seq marks, in order",
+    )
     inspect.add_argument(
         "--show-salts",
         action="store_true",
@@ -416,10 +420,33 @@ def _event_salt(event: Stored, show: bool) -> str:
     return "extra_keys[0]=[" + ", ".join(shown) + "]"
 
 
+def _mark_line(r: Record, has_seq: bool) -> str:
+    """A mark's line: what the subscriber decided there, and after which seq (`has_seq`:
+    a message of the stream came before it, since the last forget; a mark's own seq 0 also
+    means none)."""
+    where = f"after seq {r.seq}" if has_seq else "no seq yet"
+    if r.mark is RecordMark.CLEAR:
+        return f"MARK CLEAR ({where}): the subscriber dropped the stream's entries here"
+    return (
+        f"MARK FORGET SEQ ({where}): the subscriber forgot the stream's seq and fence here "
+        "(a restart: it rebuilds from the next seq)"
+    )
+
+
 def _print_events(reader: RecordingReader, out: TextIO, *, show_salts: bool) -> None:
-    for positioned in reader.records():
+    # marks too, in file order: a clear the seqs do not show is otherwise invisible here,
+    # yet the replay summarized below drops the stream's entries at it
+    with_seq: set[str] = set()
+    for positioned in reader.records(marks=True):
         r = positioned.record
         when = _utc(r.recv_time, "%H:%M:%S.%f")
+        if r.mark:
+            out.write(f"#{positioned.number} {when} {r.stream} ")
+            out.write(_mark_line(r, r.stream in with_seq) + "\n")
+            if r.mark is RecordMark.FORGET_SEQ:
+                with_seq.discard(r.stream)
+            continue
+        with_seq.add(r.stream)
         flag = (" replayed, run start" if r.run_start else " replayed") if r.replayed else ""
         out.write(
             f"#{positioned.number} {when} {r.stream} seq {r.seq} topic {r.topic!r}{flag} "

@@ -17,7 +17,7 @@ import zmq
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import StreamConfig
 from indexer.protocol import EventBatch, Stored, encode_batch
-from indexer.recording.format import RecordingReader, RecordingWriter, Source
+from indexer.recording.format import RecordingReader, RecordingWriter, RecordMark, Source
 from indexer.recording.replay import replay_into_index
 from indexer.recording.republish import RepublishConfig, Republisher
 from indexer.service import IndexerService
@@ -110,6 +110,34 @@ def test_inspect_hides_salts_unless_asked(
     assert "decode errors 1" in out
     assert main(["record", "inspect", str(path), "--events", "--show-salts"]) == 0
     assert "'s3cr3t'" in capsys.readouterr().out
+
+
+def test_inspect_events_shows_the_marks_in_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The subscriber's clear and forget-seq marks were left out of `--events`: a clear the
+    seqs do not show, which the replay below the list applies, was nowhere to be seen."""
+    path = tmp_path / "m.kvrec"
+    empty = encode_batch(EventBatch(ts=1.0, events=[]))
+    with RecordingWriter.create(path, [Source(stream="w#dp0", block_size=2)]) as writer:
+        writer.write_mark("w#dp0", RecordMark.CLEAR, None)  # e.g. a replay socket's answer
+        writer.write("w#dp0", b"kv", 4, empty)
+        writer.write("w#dp0", b"kv", 5, empty)
+        writer.write_mark("w#dp0", RecordMark.CLEAR, 5)
+        writer.write_mark("w#dp0", RecordMark.FORGET_SEQ, 5)
+        writer.write("w#dp0", b"kv", 0, empty)
+    assert main(["record", "inspect", str(path), "--events"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    assert [line.split(" ", 3)[3] for line in lines] == [
+        "MARK CLEAR (no seq yet): the subscriber dropped the stream's entries here",
+        "seq 4 topic b'kv' (12 bytes)",
+        "seq 5 topic b'kv' (12 bytes)",
+        "MARK CLEAR (after seq 5): the subscriber dropped the stream's entries here",
+        "MARK FORGET SEQ (after seq 5): the subscriber forgot the stream's seq and fence here "
+        "(a restart: it rebuilds from the next seq)",
+        "seq 0 topic b'kv' (12 bytes)",
+    ]
+    assert [line.split(" ", 1)[0] for line in lines] == [f"#{n}" for n in range(6)]
 
 
 def test_inspect_lists_streams_an_append_added(
