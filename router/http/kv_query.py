@@ -31,6 +31,7 @@ from router.config import RouterConfig
 from router.errors import AuthError, RequestError
 from router.http.bearer import bearer_matches, is_loopback
 from router.http.keys import CONFIG, PLANNER, TOKENIZER
+from router.http.listener import AUTH_GATES, AuthGate
 from router.prompt.request import Endpoint, ParsedRequest, check_salt_size, parse_body
 from router.routing.policy import Candidate
 
@@ -109,7 +110,7 @@ def _tokens(query: KvQuery, request: web.Request) -> list[int]:
         raise RequestError(f"messages cannot be rendered: {exc}") from exc
 
 
-def _check_token(request: web.Request, config: RouterConfig) -> None:
+def _check_token(request: web.BaseRequest, config: RouterConfig) -> None:
     token = config.query_token()
     if not token:
         # read per request, as the token is: a reload that empties the token on a listener
@@ -211,8 +212,25 @@ async def kv_routed(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(answer), content_type="application/json")
 
 
+def _token_gate(app: web.Application) -> AuthGate:
+    """The listener's check of the query token (`router.http.listener.AUTH_GATES`): ahead of
+    its own refusals (an oversized body's 413 would name the router's limits to anyone)."""
+
+    def gate(request: web.BaseRequest) -> AuthError | None:
+        if request.path not in (KV_QUERY_PATH, KV_ROUTED_PATH):
+            return None
+        try:
+            _check_token(request, app[CONFIG].current)
+        except AuthError as exc:
+            return exc
+        return None
+
+    return gate
+
+
 def add_kv_query_route(app: web.Application) -> None:
     """Serve POST /v1/kv/query and /v1/kv/routed on `app` (the error middleware makes errors
-    JSON)."""
+    JSON); their token is checked before the listener's refusals too."""
     app.router.add_post(KV_QUERY_PATH, kv_query)
     app.router.add_post(KV_ROUTED_PATH, kv_routed)
+    app[AUTH_GATES] = (*app.get(AUTH_GATES, ()), _token_gate(app))

@@ -12,8 +12,9 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
   `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
   not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
-  the admin token gets the admin API's 401 instead of any of them (a stranger learns nothing
-  of the limits), its body unread just the same;
+  the admin token, or a KV query API request without the query token (`AUTH_GATES`), gets
+  its API's 401 instead of any of them (a stranger learns nothing of the limits), its body
+  unread just the same;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -54,11 +55,13 @@ from router.http.bearer import bearer_matches
 __all__ = [
     "ADMIN_PREFIX",
     "ADMIN_TOKEN",
+    "AUTH_GATES",
     "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
     "SNAPSHOT_PATH",
+    "AuthGate",
     "GuardedHandler",
     "GuardedServer",
     "RefusalLog",
@@ -75,6 +78,11 @@ SNAPSHOT_PATH = "/admin/index/load"
 # without it before its own refusals, which would tell a stranger the admin API's limits
 ADMIN_PREFIX = "/admin"
 ADMIN_TOKEN: web.AppKey[str] = web.AppKey("admin_token")
+# other routes with a bearer token of their own (the KV query API's), refused the same way:
+# each gate says what the app would answer a request without the token (None: it may pass,
+# or it is not the gate's route); read per request, so a token a reload changes is honoured
+AuthGate = Callable[[web.BaseRequest], AuthError | None]
+AUTH_GATES: web.AppKey[tuple[AuthGate, ...]] = web.AppKey("auth_gates")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
@@ -394,6 +402,7 @@ class GuardedServer(web.Server):
         # with an `Expect` goes the app's way, which answers 100-continue
         self.direct: dict[str, _Handler] = {}
         self.admin_token = ""  # "" = the admin API is open (loopback) or not served
+        self.auth_gates: tuple[AuthGate, ...] = ()
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """`limits` for the connections accepted from now on (a reload); each open one keeps
@@ -431,9 +440,9 @@ class GuardedServer(web.Server):
         """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
         refused = self._refusal(request)
         if refused is not None:
-            if self.admin_token and not self._admin_allowed(request):
-                # a stranger hears the admin API's 401 (its words), not what its limits are
-                auth = AuthError("admin API: missing or wrong bearer token")
+            # a stranger hears the API's 401 (its words), not what its limits are
+            auth = self._unauthorized(request)
+            if auth is not None:
                 return _json_answer(AuthError, str(auth), auth.headers())
             return refused
         if request.method == hdrs.METH_POST and hdrs.EXPECT not in request.headers:
@@ -473,6 +482,16 @@ class GuardedServer(web.Server):
             )
         return None
 
+    def _unauthorized(self, request: web.BaseRequest) -> AuthError | None:
+        """The 401 the app would answer `request` for a missing or wrong token, if any."""
+        if self.admin_token and not self._admin_allowed(request):
+            return AuthError("admin API: missing or wrong bearer token")
+        for gate in self.auth_gates:
+            refused = gate(request)
+            if refused is not None:
+                return refused
+        return None
+
     def _admin_allowed(self, request: web.BaseRequest) -> bool:
         """False for an admin request without the admin token (the path as the app routes it,
         so no spelling of it goes around the check)."""
@@ -505,4 +524,5 @@ class RouterRunner(web.AppRunner):
         # the app's direct routes (they reach its proxy once its resources are open)
         server.direct = self.app.get(DIRECT_ROUTES, {})
         server.admin_token = self.app.get(ADMIN_TOKEN, "")
+        server.auth_gates = self.app.get(AUTH_GATES, ())
         return server

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from router.config import LimitsConfig
+from router.config import LimitsConfig, QueryConfig
 from router.http.listener import RefusalLog
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses, request_bytes, wait_eof
@@ -322,6 +322,35 @@ async def test_an_admin_request_without_the_token_is_a_401_before_any_limit_is_n
     (response,) = parse_responses(answer)
     assert response.status == 413
     assert "limits.max_snapshot_bytes" in json_error(response)["message"]
+
+
+async def test_a_kv_query_without_its_token_is_a_401_before_any_limit_is_named() -> None:
+    """An oversized POST /v1/kv/query without the query token got the listener's 413 naming
+    limits.max_body_bytes and its value, where /admin answers 401 first. Now the query API's
+    own 401 comes first there too (its words, before the body and any 100-continue), and a
+    request with the token still hears the limit."""
+    declared = b"Content-Length: 1073741824"
+    token = "query-token-4"
+    # each refusal drains the unsent body for min(2 s, body_timeout_s) before it closes
+    limits = LimitsConfig(max_body_bytes=4096, body_timeout_s=FAST)
+    config = router_config([], limits=limits, query=QueryConfig(token=token))
+    async with RouterService(config) as router:
+        port = _port(router)
+        wrong = (b"Authorization", b"Bearer wrong")
+        for path in (b"/v1/kv/query", b"/v1/kv/routed"):
+            for headers in ([], [wrong], [_ADMIN_AUTH], [(b"Expect", b"100-continue")]):
+                raw = request_bytes(b"POST", path, headers).replace(b"Content-Length: 0", declared)
+                answer = await asyncio.wait_for(exchange(port, raw), 5)
+                (response,) = parse_responses(answer)
+                assert response.status == 401, (path, headers, response)
+                assert response.headers["www-authenticate"] == 'Bearer realm="kvroute"'
+                assert "query token" in json_error(response)["message"]
+                assert b"limits" not in answer and b"4096" not in answer
+            raw = request_bytes(b"POST", path, [(b"Authorization", f"Bearer {token}".encode())])
+            answer = await exchange(port, raw.replace(b"Content-Length: 0", declared))
+            (response,) = parse_responses(answer)
+            assert response.status == 413, (path, response)
+            assert "limits.max_body_bytes" in json_error(response)["message"]
 
 
 # ------------------------------------------------------------- refusals that name the problem
