@@ -96,7 +96,8 @@ class AmbiguousModelError(RequestError):
 
     Either base could be meant, and a vLLM worker takes an adapter only by its own name (no
     `base:adapter`), so no request can say which: picking one sent a tenant to the other base
-    model whenever the workers changed. The answer names the bases.
+    model whenever the workers changed. The answer names the bases. `model` is always a name
+    the workers list (bounded by the fleet), so the rejection metric labels it with it.
     """
 
     def __init__(self, model: str, bases: tuple[str, ...]) -> None:

@@ -23,7 +23,13 @@ from aiohttp.web_protocol import RequestPayloadError
 from indexer.errors import IndexerError
 from indexer.service import IndexerConfig, IndexerService
 from router.config import LiveConfig, RouterConfig
-from router.errors import ConfigError, ModelUnavailableError, RouterError, UnknownModelError
+from router.errors import (
+    AmbiguousModelError,
+    ConfigError,
+    ModelUnavailableError,
+    RouterError,
+    UnknownModelError,
+)
 from router.fleet.supervisor import Supervisor
 from router.http import operations
 from router.http.admin import create_admin_app
@@ -103,13 +109,18 @@ async def answer_errors(
     `route()` (the route's template, never the raw path)."""
     details: dict[str, object] | None = None
     headers: dict[str, str] | None = None
-    unknown_model = False
+    model: str | None = None  # the label, when the error says it better than the request
     try:
         return await handler(request)
     except RouterError as exc:
         status, kind, message = exc.status, type(exc).__name__, str(exc)
         details, headers = exc.details(), exc.headers()
-        unknown_model = isinstance(exc, UnknownModelError | ModelUnavailableError)
+        if isinstance(exc, UnknownModelError | ModelUnavailableError):
+            model = UNKNOWN_MODEL
+        elif isinstance(exc, AmbiguousModelError):
+            # refused before it resolved to a served model: the adapter's own name, which
+            # workers list (the pool raises it for no other), says which one to rename
+            model = exc.model
     except IndexerError as exc:
         status, kind, message = 400, type(exc).__name__, str(exc)
     except web.HTTPException as exc:
@@ -145,8 +156,10 @@ async def answer_errors(
         log.exception("unexpected error handling %s %s", request.method, request.path)
         status, kind, message = 500, "InternalError", "internal router error (see the router log)"
     if metrics is not None:
-        # never the client's model string: one value stands for every model nobody serves
-        model = UNKNOWN_MODEL if unknown_model else request.get(REQUEST_MODEL, "")
+        # never the client's model string: one value stands for every model nobody serves,
+        # and an ambiguous adapter's name is one the workers list
+        if model is None:
+            model = request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
     given_id = request.headers.get(REQUEST_ID_HEADER)
     if given_id and well_formed_request_id(given_id):

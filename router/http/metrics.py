@@ -4,7 +4,9 @@ Labels are worker ids, endpoints, outcomes and served models only: never a salt,
 fingerprint (a label per tenant would be unbounded and would leak who is active), and never the
 client's `model` string: a request is labelled with the served model it resolved to (its pool's
 cache name, "" in a fleet whose workers name none), `UNKNOWN_MODEL` when it named a model the
-fleet does not serve, and "" when the router answered before reading a model at all.
+fleet does not serve, the adapter's own name when it named an adapter that workers of several
+base models list (`AmbiguousModelError`: a name the workers list, so bounded), and "" when the
+router answered before reading a model at all.
 """
 
 from __future__ import annotations

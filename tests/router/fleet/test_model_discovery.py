@@ -303,6 +303,34 @@ async def test_an_adapter_listed_under_two_base_models_is_refused_not_guessed(
         assert status == 200 and headers["x-kvroute-worker"] == "v1"
 
 
+async def test_an_ambiguous_adapters_refusals_are_counted_under_its_name() -> None:
+    """The 400s for an adapter that workers of two base models list were counted with an
+    empty `model` label, as if no model had been read: now under the adapter's name (one the
+    workers list: bounded by the fleet), on the proxy's routes and on /v1/kv/query, while a
+    made-up name is still `(unknown)` and never the client's string."""
+    async with (
+        OpenAIBackend("base-v", ("shared",)) as v1,
+        OpenAIBackend("base-w", ("shared",)) as v2,
+        _router(*(
+            WorkerConfig(url=b.url, id=wid, engine="vllm", kv_events=False)
+            for wid, b in (("v1", v1), ("v2", v2))
+        )) as fleet,
+    ):  # fmt: skip
+        for model in ("shared", "shared", "made-up-7"):
+            body = {"model": model, "prompt": "x", "max_tokens": 1}
+            assert (await fleet.post("/v1/completions", body))[0] in (400, 404)
+        query = {"model": "shared", "token_ids": [1, 2, 3]}
+        async with fleet.session.post(fleet.url + "/v1/kv/query", json=query) as resp:
+            assert resp.status == 400
+        async with fleet.session.get(fleet.url + "/metrics") as resp:
+            text = await resp.text()
+    rejected = "kvroute_rejected_requests_total{endpoint="
+    assert f'{rejected}"/v1/completions",error="AmbiguousModelError",model="shared"}} 2.0' in text
+    assert f'{rejected}"/v1/kv/query",error="AmbiguousModelError",model="shared"}} 1.0' in text
+    assert f'{rejected}"/v1/completions",error="UnknownModelError",model="(unknown)"}} 1.0' in text
+    assert 'error="AmbiguousModelError",model=""' not in text and "made-up" not in text
+
+
 async def test_a_configured_model_the_worker_does_not_advertise_is_warned_of(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
