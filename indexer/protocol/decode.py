@@ -27,6 +27,7 @@ import math
 import msgspec
 
 from indexer.errors import ProtocolError
+from indexer.protocol.encode import WireLayout
 from indexer.protocol.events import Event, EventBatch, Unreadable
 from indexer.protocol.wire import (
     KNOWN_TAGS,
@@ -41,7 +42,7 @@ from indexer.protocol.wire import (
     RawBatch,
 )
 
-__all__ = ["decode_batch"]
+__all__ = ["batch_layout", "decode_batch"]
 
 # Built once: msgspec decoders cache their type plans.
 _ARRAY_BATCH = msgspec.msgpack.Decoder(ArrayBatch)
@@ -73,6 +74,22 @@ def decode_batch(payload: bytes) -> EventBatch:
         # The contract is that only ProtocolError escapes (a subscriber counts and skips it);
         # the exception type stays in the reason so a decoder bug is still visible in logs.
         raise ProtocolError(f"undecodable KV-event payload ({type(exc).__name__}: {exc})") from exc
+
+
+def batch_layout(payload: bytes) -> tuple[WireLayout, int | None] | None:
+    """The layout of a batch's events (its first event's: real streams are homogeneous) and
+    its dp_rank, so a batch made to follow it (`encode_batch`) reads alike; None when it has
+    no event or is no batch. Never raises."""
+    try:
+        raw = _RAW_BATCH.decode(payload)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    head = memoryview(raw.events[0])[0] if raw.events and len(raw.events[0]) else -1
+    if head in _ARRAY_HEADS:
+        return "array", raw.dp_rank
+    if head in _MAP_HEADS:
+        return "map", raw.dp_rank
+    return None
 
 
 def _decode(payload: bytes) -> EventBatch:

@@ -15,11 +15,22 @@ Faults (seeded, so a failing run can be repeated):
 A recorded seq decrease (a real restart in the capture) also empties the buffer. The last
 message of each stream is never lost for good: a subscriber only notices a gap when a later
 message arrives, so a dropped or held tail is sent once more at the end.
+
+The recorder's marks (`RecordMark`, version 3), when `run` is given them: a clear becomes what
+an engine sends when it drops its cache, a batch of one `AllBlocksCleared` (in the layout and
+with the dp rank of the stream's recorded batches) at the seq after the last one sent, so a
+subscriber drops the stream's entries where the recorder's did; the stream's later seqs are
+one higher than recorded from there (until a restart in the recording starts them again). A
+forget-seq mark has no message on the wire (no event tells a subscriber to forget its seq: a
+restarted engine's seqs going back do, and those are republished as recorded): it is counted,
+not sent, and said once per run. A clear before a stream's first message is not sent either:
+the subscriber holds nothing of the stream yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,13 +41,16 @@ import zmq
 import zmq.asyncio
 
 from indexer.errors import IndexerError, ProtocolError
+from indexer.protocol.decode import batch_layout
+from indexer.protocol.encode import WireLayout, encode_batch
+from indexer.protocol.events import Cleared, EventBatch
 from indexer.protocol.frames import (
     build_live,
     build_replay_end,
     build_replay_reply,
     parse_replay_request,
 )
-from indexer.recording.format import Record, Source
+from indexer.recording.format import Record, RecordMark, Source
 
 __all__ = [
     "FaultPlan",
@@ -45,6 +59,10 @@ __all__ = [
     "Republisher",
     "parse_faults",
 ]
+
+log = logging.getLogger(__name__)
+
+_Message = tuple[bytes, int, bytes]  # topic, seq, payload
 
 
 class FaultPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +139,8 @@ class PublishedStream(msgspec.Struct, kw_only=True):
     replay_requests: int = 0
     replayed: int = 0
     last_seq: int | None = None
+    clears: int = 0  # clear marks, each sent as an AllBlocksCleared batch
+    forgets: int = 0  # forget-seq marks: nothing on the wire says them
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -142,12 +162,28 @@ class _Publisher:
         self.subscribers = 0
         self.subscribed = asyncio.Event()
         self.router = ctx.socket(zmq.ROUTER)
-        self.buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=max(1, buffer))
-        self.offset = 0  # subtracted from recorded seqs after an injected restart
+        self.buffer: deque[_Message] = deque(maxlen=max(1, buffer))
+        # subtracted from recorded seqs: after an injected restart, and less one per clear
+        # sent (each takes a seq of its own)
+        self.offset = 0
         self.restarted = False
         self.prev_recorded: int | None = None
-        self.held: tuple[bytes, int, bytes] | None = None
-        self.tail_lost: tuple[bytes, int, bytes] | None = None
+        self.last: _Message | None = None  # the last message put out (sent or not)
+        # the layout and dp rank of the stream's recorded batches, once one showed them
+        self.layout: tuple[WireLayout, int | None] | None = None
+        self.held: _Message | None = None
+        self.tail_lost: _Message | None = None
+
+    def wire_shape(self) -> tuple[WireLayout, int | None]:
+        """The layout and dp rank of the stream's latest batch that shows them (in the replay
+        buffer, else as last found), for a batch made to read like the recorded ones; the
+        newest layout of both engines, and no rank, when none did."""
+        for _, _, payload in reversed(self.buffer):
+            shape = batch_layout(payload)
+            if shape is not None:
+                self.layout = shape
+                break
+        return self.layout or ("map", None)
 
     def bind(self, pub_endpoint: str, replay_endpoint: str, sndhwm: int) -> None:
         for sock in (self.pub, self.router):
@@ -156,7 +192,7 @@ class _Publisher:
         self.info.endpoint = _bind(self.pub, pub_endpoint)
         self.info.replay_endpoint = _bind(self.router, replay_endpoint)
 
-    async def send(self, message: tuple[bytes, int, bytes]) -> None:
+    async def send(self, message: _Message) -> None:
         topic, seq, payload = message
         await self.pub.send_multipart(build_live(topic, seq, payload))
         self.info.sent += 1
@@ -224,6 +260,7 @@ class Republisher:
         self._publishers: dict[str, _Publisher] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._rng = random.Random(self.config.faults.seed)
+        self._forgets_said = False
 
     @property
     def streams(self) -> list[PublishedStream]:
@@ -293,7 +330,8 @@ class Republisher:
     async def run(
         self, records: Iterable[Record], *, on_sent: Callable[[Record], None] | None = None
     ) -> list[PublishedStream]:
-        """Send `records` (file order) at the recorded pace times `speed`, faults applied."""
+        """Send `records` (file order) at the recorded pace times `speed`, faults applied;
+        marks among them (`RecordingReader.records(marks=True)`) as the module says."""
         loop = asyncio.get_running_loop()
         speed = self.config.speed
         start = loop.time()
@@ -313,7 +351,10 @@ class Republisher:
                 # flat out, or a burst recorded at one instant: sends do not yield by
                 # themselves, so let the ROUTERs answer replay requests
                 await asyncio.sleep(0)
-            await self._emit(publisher, record)
+            if record.mark:
+                await self._emit_mark(publisher, record)
+            else:
+                await self._emit(publisher, record)
             if on_sent is not None:
                 on_sent(record)
         for publisher in self._publishers.values():
@@ -331,7 +372,33 @@ class Republisher:
             p.offset = record.seq
             p.buffer.clear()
             p.info.restarts += 1
-        message = (record.topic, record.seq - p.offset, record.payload)
+        await self._put(p, (record.topic, record.seq - p.offset, record.payload))
+
+    async def _emit_mark(self, p: _Publisher, record: Record) -> None:
+        if record.mark is RecordMark.FORGET_SEQ:
+            p.info.forgets += 1
+            if not self._forgets_said:
+                self._forgets_said = True
+                log.warning(
+                    "stream %s: a forget-seq mark is not republished (no message tells a "
+                    "subscriber to forget its seq; the clear before it is sent); this is "
+                    "said once per run, `forgets` counts them per stream",
+                    record.stream,
+                )
+            return
+        if record.mark is not RecordMark.CLEAR or p.last is None:
+            return  # before the stream's first message: nothing to clear yet
+        topic, seq, _ = p.last
+        layout, dp_rank = p.wire_shape()
+        payload = encode_batch(EventBatch(record.recv_time, [Cleared()], dp_rank), layout)
+        p.offset -= 1  # the recorded seqs after it follow it
+        p.info.clears += 1
+        await self._put(p, (topic, seq + 1, payload))
+
+    async def _put(self, p: _Publisher, message: _Message) -> None:
+        """Buffer `message` and send it, faults applied."""
+        faults = self.config.faults
+        p.last = message
         p.buffer.append(message)
         held, p.held = p.held, None
         if faults.reorder and held is None and self._rng.random() < faults.reorder:

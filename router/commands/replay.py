@@ -2,8 +2,9 @@
 
 `--into index` (default) decodes and applies as fast as possible and prints what the router
 would have known; `--publish tcp://HOST:PORT` plays the streams to a live router at the recorded
-pace (`--speed`), with optional faults. `--from/--to` take a time (`+SECONDS` after the first
-record, `SECONDSs`, or an ISO 8601 timestamp, UTC when naive) or a seq (`seq:N`).
+pace (`--speed`), with optional faults, each clear mark as an `AllBlocksCleared` batch.
+`--from/--to` take a time (`+SECONDS` after the first record, `SECONDSs`, or an ISO 8601
+timestamp, UTC when naive) or a seq (`seq:N`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--publish",
         metavar="tcp://HOST:PORT",
-        help="republish on PUB sockets (port + i per stream)",
+        help="republish on PUB sockets (port + i per stream); the recorder's clear marks go "
+        "out as AllBlocksCleared batches of their own (later seqs one higher), its forget-seq "
+        "marks are not sent (no message says them)",
     )
     parser.add_argument(
         "--replay-endpoint",
@@ -300,7 +303,8 @@ def _check_ports(publish: str, replay: str | None, streams: int) -> None:
 def _records(path: Path, flt: RecordFilter, damaged: list[str]) -> Iterator[Record]:
     """The selected records; a damage the reader stopped at is said and added to `damaged`."""
     with RecordingReader(path) as reader:
-        for positioned in select_records(reader, flt):
+        # the marks too: a subscriber must drop the stream's entries where the recorder's did
+        for positioned in select_records(reader, flt, marks=True):
             yield positioned.record
         if reader.damage is not None:
             d = reader.damage
@@ -329,5 +333,6 @@ def _print_published(streams: list[PublishedStream], out: TextIO) -> None:
         out.write(
             f"{s.stream}: sent {s.sent}  dropped {s.dropped}  duplicated {s.duplicated}  "
             f"reordered {s.reordered}  restarts {s.restarts}  replay requests "
-            f"{s.replay_requests} ({s.replayed} batches)  last seq {s.last_seq}\n"
+            f"{s.replay_requests} ({s.replayed} batches)  last seq {s.last_seq}  clears "
+            f"{s.clears} (sent)  forgets {s.forgets} (not sent)\n"
         )

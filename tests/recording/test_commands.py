@@ -16,7 +16,7 @@ import zmq
 
 from bench.synthetic_recording import SyntheticWorkload, synthesize_recording
 from indexer.config import StreamConfig
-from indexer.protocol import EventBatch, Stored, encode_batch
+from indexer.protocol import BlockHash, EventBatch, Stored, encode_batch
 from indexer.recording.format import RecordingReader, RecordingWriter, RecordMark, Source
 from indexer.recording.replay import replay_into_index
 from indexer.recording.republish import RepublishConfig, Republisher
@@ -373,6 +373,45 @@ async def test_replay_publish_cli_feeds_a_live_indexer(recording: Path) -> None:
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
     assert proc.returncode == 0, stderr
     assert b"dropped" in stdout
+
+
+async def test_replay_publish_sends_the_clears_so_a_subscriber_drops_the_pages(
+    tmp_path: Path,
+) -> None:
+    """A clear the recorder's subscriber decided with the seqs continuous (the restart an
+    --append found at its seam) was not republished: a router fed the replay kept the pages
+    the live one had dropped. Now it ends with the index an offline replay builds: only the
+    page stored after the clear."""
+    path = tmp_path / "cleared.kvrec"
+    source = Source(stream="w#dp0", topic="kv", block_size=2, model="sim", worker="w")
+
+    def stored(hashes: list[int], parent: int | None) -> bytes:
+        event = Stored(list[BlockHash](hashes), parent, list(range(2 * len(hashes))), 2)
+        return encode_batch(EventBatch(ts=1.0, events=[event]), "map")
+
+    with RecordingWriter.create(path, [source]) as writer:
+        writer.write("w#dp0", b"kv", 0, stored([1, 2], None))
+        writer.write("w#dp0", b"kv", 1, stored([3], 2))
+        writer.write_mark("w#dp0", RecordMark.CLEAR, 1)
+        writer.write_mark("w#dp0", RecordMark.FORGET_SEQ, 1)
+        writer.write("w#dp0", b"kv", 2, stored([10], None))
+    _, expected = replay_into_index(path)
+    assert len(expected) == 1  # what the live router held
+    publish = ["--publish", "tcp://127.0.0.1:0", "--speed", "max", "--wait", "20"]
+    proc = await _cli("replay", str(path), *publish, "--linger", "0.5")
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 20.0)).decode()
+    _, _, _, pub, _, replay = line.split()
+    async with IndexerService() as service:
+        config = StreamConfig(endpoint=pub, replay_endpoint=replay, topic="kv", model="sim")
+        await service.add_worker("w", [config])
+        out, err = await asyncio.wait_for(proc.communicate(), 20.0)
+        assert proc.returncode == 0, err
+        last = int(out.split(b"last seq ")[1].split()[0])
+        assert await service.wait_applied("w", last, timeout_s=10.0)
+        assert len(service.index) == len(expected) == 1
+    assert b"clears 1 (sent)  forgets 1 (not sent)" in out, out
+    assert b"forget-seq mark is not republished" in err
 
 
 def test_record_config_lists_every_stream_of_every_worker(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 
@@ -10,13 +11,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from indexer.protocol import Cleared, EventBatch, Removed, Stored, encode_batch
+from indexer.protocol.decode import batch_layout, decode_batch
 from indexer.protocol.frames import (
     ReplayData,
     build_replay_request,
     parse_live,
     parse_replay_reply,
 )
-from indexer.recording.format import Record, Source
+from indexer.recording.format import Record, RecordMark, Source
 from indexer.recording.republish import (
     FaultPlan,
     RepublishConfig,
@@ -147,6 +150,43 @@ async def test_restart_starts_seqs_over_and_empties_the_buffer() -> None:
     assert [p for _, p in live][40] == b"payload-40"
     assert [s for s, _ in replayed] == list(range(20))
     assert rep.streams[0].restarts == 1
+
+
+async def test_a_clear_mark_is_sent_as_an_all_blocks_cleared_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The recorder's marks were not republished: a subscriber kept the pages the recorder's
+    dropped. A clear now goes out as the engine's own AllBlocksCleared batch (the layout and
+    dp rank of the stream's batches) at the next seq, live and in the replay buffer, the later
+    seqs following it; a forget-seq mark has no message and is said once; a clear before the
+    stream's first message has nothing to clear."""
+    stored = Stored(block_hashes=[7], parent=None, token_ids=[1, 2], block_size=2)
+    batches = [
+        encode_batch(EventBatch(ts=1.0, events=[stored], dp_rank=1), "array"),
+        encode_batch(EventBatch(ts=2.0, events=[Removed(block_hashes=[7])], dp_rank=1), "array"),
+        encode_batch(EventBatch(ts=3.0, events=[stored], dp_rank=1), "array"),
+    ]
+    records = [
+        Record(50.0, "w0/0", b"", 0, b"", mark=RecordMark.CLEAR),
+        Record(50.1, "w0/0", b"kv", 0, batches[0]),
+        Record(50.2, "w0/0", b"kv", 1, batches[1]),
+        Record(50.3, "w0/0", b"", 1, b"", mark=RecordMark.CLEAR),
+        Record(50.3, "w0/0", b"", 1, b"", mark=RecordMark.FORGET_SEQ),
+        Record(50.4, "w0/0", b"", 1, b"", mark=RecordMark.FORGET_SEQ),
+        Record(50.5, "w0/0", b"kv", 2, batches[2]),
+    ]
+    caplog.set_level(logging.WARNING, logger="indexer.recording.republish")
+    live, replayed, rep = await _run(records, RepublishConfig(speed=None), count=4)
+    assert [s for s, _ in live] == [0, 1, 2, 3]
+    assert live == replayed
+    clear = live[2][1]
+    assert decode_batch(clear).events == [Cleared()]
+    assert batch_layout(clear) == ("array", 1)
+    assert [p for _, p in live[:2]] + [live[3][1]] == batches  # the recorded bytes as they were
+    info = rep.streams[0]
+    assert (info.clears, info.forgets, info.last_seq) == (1, 2, 3)
+    said = [r for r in caplog.records if "forget-seq mark" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_parse_faults() -> None:
