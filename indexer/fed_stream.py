@@ -16,8 +16,12 @@ relay's state, or a part of it, never more:
   past; anything else (a later batch first, a clear, another relay process) starts afresh;
 - a restart this replica suspects (the worker's health check came back from down) is
   UNVERIFIED until the relay has checked the stream again since (its heartbeat counts its
-  checks), or a clear or a new relay process came; a relay that checks nothing within
-  `verify_window_s` leaves the stream cleared (fail closed).
+  checks), or the stream held nothing here at a record the relay wrote after the worker was last
+  seen down (a clear, a new relay process, a stream the relay made anew: what it holds came
+  later, so from the process that came back); a relay that does neither within
+  `verify_window_s` leaves the stream cleared (fail closed). A stream that held nothing at such
+  a record already when the suspicion comes (the relay registered the worker anew before this
+  replica saw it come back) is not suspected at all.
 Pure and synchronous: the relay follower (`router.cluster.relay`) does the I/O.
 """
 
@@ -37,6 +41,11 @@ from indexer.subscriptions import stream_id
 __all__ = ["FedStream", "FedStreams"]
 
 _ANOTHER_RELAY = "records of another relay process (a restart, or a second relay of this stream)"
+# a record's time here is its age as the follower reads it (`take`), which may be short by the
+# delivery delay of the record the server's now was last known from (milliseconds, unless this
+# host's loop stalled): a stream counts as made anew after the worker was seen down only with
+# this much to spare
+ANEW_MARGIN_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +103,12 @@ class FedStream:
         self._proof_since = 0.0  # when it began waiting for it
         self._proof_cleared = False  # a clear or forgotten seq came meanwhile
         self._suspected_at: float | None = None  # a restart suspected here, not yet checked
+        self._down_at = 0.0  # when the worker was last seen down before it
+        # when the relay wrote the last record at which the stream held no entry here: all it
+        # holds came from later records (-inf: not known, a snapshot's or records of unknown
+        # age; None: no record taken yet)
+        self._anew_at: float | None = None
+        self._at = float("-inf")  # when the relay wrote the record at hand (`take`)
         self._checks_then = 0
         self._checks = 0  # the relay's count of checks, as its last heartbeat said
         self.batches = 0
@@ -116,13 +131,18 @@ class FedStream:
         nothing from going STALE)."""
         now = self._clock()
         fresh_at = None if age_s is None else now - max(0.0, age_s)
+        # when the relay wrote it, on this replica's clock (-inf: not known)
+        self._at = float("-inf") if fresh_at is None else fresh_at
         if record.kind is RelayKind.HEARTBEAT:
             self._heartbeat(record, now, fresh_at)
+            self._held_since()
+            self._show()
             return
         if self._proof is not None:
             if not self._prove_by_record(record):
                 if fresh_at is not None:
                     self._heard(fresh_at)  # the relay was alive then
+                self._held_since()
                 self._show()
                 return  # older than the snapshot, or the snapshot's own last batch
         elif self._epoch is None:
@@ -135,12 +155,15 @@ class FedStream:
             self._afresh(record.epoch, f"{record.rseq - self._rseq - 1} relay record(s) missed")
         self._rseq = record.rseq
         self._apply(record, fresh_at)
+        self._held_since()
         self._relay_state = record.state
         self._show()
 
     def _apply(self, record: RelayRecord, fresh_at: float | None) -> None:
         kind = record.kind
         if kind is RelayKind.BATCH and record.seq is not None:
+            if not self.sink.entries():
+                self._anew_at = self._at  # all it will hold comes from this batch on
             applied = self.sink.apply(b"", record.seq, record.payload, replayed=record.replayed)
             self.tracker.last = record.seq
             if fresh_at is not None:
@@ -157,12 +180,28 @@ class FedStream:
             if self._on_applied is not None:
                 self._on_applied(self.stream_id, record.seq)
         elif kind is RelayKind.CLEAR:
-            self.sink.clear()
-            if self._suspected_at is not None:
-                self._suspected_at = None  # the relay cleared it: nothing left to prove
+            self.sink.clear()  # `_held_since` decides what that proves
         elif kind is RelayKind.FORGET_SEQ:
             self.sink.forget_seq()
             self.tracker.last = None
+
+    def _held_since(self) -> None:
+        """After a record: a stream that holds no entry now holds nothing older than it, and
+        a restart suspected here before it was written has nothing left to prove."""
+        if not self.sink.entries():
+            self._anew_at = self._at
+        if self._suspected_at is not None and self._anew_since(self._down_at):
+            self._suspected_at = None
+            self.verifications += 1
+            log.info(
+                "stream %s: the relay's records since the worker came back left nothing older "
+                "here: trusted again",
+                self.stream_id,
+            )
+
+    def _anew_since(self, down_at: float) -> bool:
+        """Whether all the stream holds came from records the relay wrote after `down_at`."""
+        return self._anew_at is not None and self._anew_at > down_at + ANEW_MARGIN_S
 
     def _heard(self, at: float) -> None:
         self.health.last_heard_at = max(at, self.health.last_heard_at or at)
@@ -259,8 +298,7 @@ class FedStream:
         self._epoch = epoch
 
     def _restart_here(self, why: str) -> None:
-        # nothing is held any more: a restart suspected here has nothing left to prove
-        self._suspected_at = None
+        # a restart suspected here ends only if this record came after it (`_held_since`)
         dropped = self.sink.clear()
         self.sink.forget_seq()
         self.tracker.last = None
@@ -278,12 +316,28 @@ class FedStream:
         unproven = self._proof is not None or self._suspected_at is not None
         self.health.state = StreamState.UNVERIFIED if unproven else self._relay_state
 
-    def suspect_restart(self, why: str) -> None:
-        """A restart suspected here (the worker's health check came back from down)."""
+    def suspect_restart(self, why: str, *, down_at: float | None = None) -> None:
+        """A restart suspected here (the worker's health check came back from down).
+        `down_at`: when a health check last found the worker down (None: not known, now)."""
+        now = self._clock()
+        down_at = now if down_at is None else min(down_at, now)
         if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
-        if self._suspected_at is None:
-            self._suspected_at = self._clock()
+        if self._anew_since(down_at):
+            # the relay made the stream anew since (registered the worker anew before this
+            # replica saw it come back): what it holds is the new process's, and the relay
+            # has nothing left to check
+            log.info(
+                "stream %s: %s, but all it holds came from the relay's records since: trusted",
+                self.stream_id,
+                why,
+            )
+            return
+        if self._suspected_at is not None:
+            self._down_at = max(self._down_at, down_at)  # down again: only what came since
+        else:
+            self._suspected_at = now
+            self._down_at = down_at
             self._checks_then = self._checks
             log.warning(
                 "stream %s: %s: its entries predict nothing until the relay has checked it",
@@ -309,6 +363,8 @@ class FedStream:
             self._proof_cleared = False
         elif sink.entries():
             sink.clear()  # entries no seq stands for: nothing can prove them
+        # a snapshot's entries came from records of unknown time
+        self._anew_at = float("-inf") if sink.entries() else self._anew_at
         self._show()
 
     @property

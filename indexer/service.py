@@ -205,14 +205,21 @@ class IndexerService:
                 self.tap.cleared(sub.stream_id)
                 self.tap.seq_forgotten(sub.stream_id)
 
-    def suspect_restart(self, worker: str, why: str) -> None:
+    def suspect_restart(self, worker: str, why: str, *, down_age_s: float | None = None) -> None:
         """A sign the worker may have restarted (its health came back): prove its streams.
 
         Until the replay proves each stream's last batch unchanged (`indexer.fence`), the
         stream is UNVERIFIED and its entries predict no hit; an unproven stream is rebuilt.
+        `down_age_s`: how long ago a health check last found it down (a fed stream the relay
+        made anew since needs no proof: `FedStream.suspect_restart`).
         """
-        for sub in self._workers.get(worker, []):
-            sub.suspect_restart(why)
+        if self.fed is not None:
+            down_at = None if down_age_s is None else self._clock() - down_age_s
+            for fed in self.fed.by_worker.get(worker, []):
+                fed.suspect_restart(why, down_at=down_at)
+        else:
+            for sub in self._workers.get(worker, []):
+                sub.suspect_restart(why)
         self._matches.invalidate()
 
     def workers(self) -> list[str]:

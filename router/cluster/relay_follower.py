@@ -185,7 +185,9 @@ class RelayFollower:
             log.info("cluster: stream %s read back from the relay's stream (%d records)", sid, read)
 
     async def _read_back(self, fed: FedStream) -> int:
-        """Feed `fed` the relay's records of it that the stream keeps (none fresh)."""
+        """Feed `fed` the relay's records of it that the stream keeps, with their ages as the
+        main subscription tells them (a stream the relay made anew after the worker was last
+        seen down here needs no proof of a restart: `FedStream.suspect_restart`)."""
         js = self._js
         assert js is not None
         subject = relay_subject(self.config.subject_prefix, fed.stream_id)
@@ -201,8 +203,11 @@ class RelayFollower:
                     msg = await sub.next_msg(timeout=_READ_BACK_IDLE_S)
                 except nats.errors.TimeoutError:
                     break  # nothing kept of it (or nothing more)
+                server_now = self._server_now(self._clock())
+                written = msg.metadata.timestamp.timestamp()
+                age = None if server_now is None else server_now - written
                 try:
-                    fed.take(relay_decoder.decode(msg.data), age_s=None)
+                    fed.take(relay_decoder.decode(msg.data), age_s=age)
                     read += 1
                 except msgspec.DecodeError:
                     self.malformed += 1
@@ -240,9 +245,8 @@ class RelayFollower:
         # nothing of now, so a dead relay's last heartbeat never looks alive
         written = meta.timestamp.timestamp()
         now = self._clock()
-        anchor = self._anchor
         # the server's now, as known before this record (None: not known yet)
-        server_now = None if anchor is None else anchor[0] + (now - anchor[1])
+        server_now = self._server_now(now)
         if meta.num_pending == 0:
             if self._live:
                 # never backwards: a record that waited in this host's buffers (the loop
@@ -269,6 +273,12 @@ class RelayFollower:
         stream.take(record, age_s=age)
         self.heard.add(record.stream)
         self.applied += 1
+
+    def _server_now(self, now: float) -> float | None:
+        """The server's now as known from the last record delivered live (`_on_message`);
+        None until one was."""
+        anchor = self._anchor
+        return None if anchor is None else anchor[0] + (now - anchor[1])
 
     def _not_followed(self, stream: str) -> None:
         self.unknown += 1

@@ -736,6 +736,9 @@ class Supervisor:
             return healthy  # removed while probed: recording it would revive its metric series
         if id(entry) in self._adding:
             return healthy  # being added: its add checks it once registered (`add`)
+        now = self._clock()
+        if not healthy:
+            entry.seen_down_at = now
         came_back = False
         if not entry.checked:
             # its first check (added at run time): nothing came back, it only arrived
@@ -747,7 +750,13 @@ class Supervisor:
             if healthy and entry.discovered:
                 # down -> up may be a new process whose first batches we missed: its index
                 # entries predict nothing until the replay proves them (indexer.fence)
-                self._indexer.suspect_restart(entry.id, "its health check came back")
+                # (a relay's follower trusts streams the relay made anew since it was down)
+                down_at = entry.seen_down_at
+                self._indexer.suspect_restart(
+                    entry.id,
+                    "its health check came back",
+                    down_age_s=None if down_at is None else now - down_at,
+                )
                 came_back = True
         entry.healthy = healthy
         if healthy and not entry.discovered:

@@ -90,6 +90,8 @@ class WorkerEntry:
         # health check (`Supervisor.add`): a worker nobody checked may never answer, and the
         # requests sent meanwhile would hang until their timeout
         self.checked = True
+        # when a health check last found it down (the supervisor's clock; None: never)
+        self.seen_down_at: float | None = None
         self.draining = False
         self.breaker = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s)
         # set once the worker's streams are registered with the indexer

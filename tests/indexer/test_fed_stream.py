@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from indexer.config import IndexerConfig, StreamConfig
+from indexer.fed_stream import FedStream
 from indexer.fence import payload_digest
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
@@ -196,6 +197,110 @@ async def test_a_restart_the_relay_never_checks_drops_the_stream() -> None:
     assert matched(svc, A) == 0 and svc.streams()[0].entries == 0
 
 
+def clear(rseq: int) -> RelayRecord:
+    return RelayRecord(RelayKind.CLEAR, STREAM, EPOCH, rseq, StreamState.SYNCING)
+
+
+def restarted(svc: IndexerService, down_age_s: float) -> None:
+    """This replica's health check saw the worker come back, `down_age_s` after it last
+    found it down."""
+    svc.suspect_restart("w0", "its health check came back from down", down_age_s=down_age_s)
+
+
+@pytest.mark.parametrize("read_back", [False, True], ids=["live", "read back"])
+async def test_a_stream_the_relay_made_anew_since_the_worker_went_down_is_not_suspected(
+    read_back: bool,
+) -> None:
+    """The relay registered the worker anew (a restart with more ranks: it cleared the
+    stream and followed the new process) before this replica's health check saw the worker
+    come back: nothing is left for the relay to check. Before, the stream was UNVERIFIED and
+    dropped 10 s later (0 predicted against what the worker had cached)."""
+    clock = Clock()
+    svc = await fed(clock)
+    stream = svc.fed.by_stream[STREAM] if svc.fed is not None else None
+    assert stream is not None
+    stream.take(batch(0, 0, stored(A, 10)))  # the old process's page
+    clock.now += 1.0  # 101: a health check here finds the worker down
+    clock.now += 2.0  # 103: the relay has it back and registered anew
+    records = [clear(1), batch(2, 0, stored(B, 20))]
+    if read_back:
+        # a replica that registered the worker anew too reads its stream back: the records
+        # are the relay's past, but their ages are known
+        stream = await _followed_anew(svc)
+        clock.now += 0.5
+        for record in [batch(0, 0, stored(A, 10)), *records]:
+            stream.take(record, age_s=0.5)
+    else:
+        for record in records:
+            stream.take(record)
+    clock.now += 1.0  # 104: the health check here sees it back
+    restarted(svc, down_age_s=3.0 + (0.5 if read_back else 0.0))
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, B) == 4 and matched(svc, A) == 0
+    clock.now += 11.0  # past the verify window: nothing dropped
+    stream.take(heartbeat(2, 0, stored(B, 20)))
+    assert state(svc) is StreamState.SYNCED and matched(svc, B) == 4
+
+
+async def _followed_anew(svc: IndexerService) -> FedStream:
+    """The replica registers `w0` anew (its settings changed): a new stream, empty."""
+    await svc.add_worker("w0", [StreamConfig(endpoint="tcp://127.0.0.1:1", block_size=4)])
+    assert svc.fed is not None
+    return svc.fed.by_stream[STREAM]
+
+
+@pytest.mark.parametrize(
+    ("records", "ages"),
+    [
+        pytest.param((), (), id="nothing since"),
+        pytest.param((clear(1), batch(2, 0, stored(A, 10))), (3.5, 3.5), id="cleared before"),
+        pytest.param(
+            (clear(1), batch(2, 0, stored(A, 10))), (2.8, 2.8), id="cleared within the margin"
+        ),
+        pytest.param((clear(1), batch(2, 0, stored(A, 10))), (None, None), id="age unknown"),
+    ],
+)
+async def test_a_restart_suspected_where_the_relay_made_nothing_anew_since_stays_fail_closed(
+    records: tuple[RelayRecord, ...], ages: tuple[float | None, ...]
+) -> None:
+    """The worker restarted quickly and the relay may not have noticed: what the stream holds
+    may be the dead process's. Records the relay wrote before the worker was last seen down
+    here (or too close to it to tell, or of unknown age) prove nothing: UNVERIFIED, dropped
+    after the verify window unless the relay checks it."""
+    clock = Clock()
+    svc = await fed(clock)
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    stream.take(batch(0, 0, stored(A, 10)))
+    clock.now += 4.0  # 104: back; last seen down at 101
+    for record, age in zip(records, ages, strict=True):
+        stream.take(record, age_s=age)
+    restarted(svc, down_age_s=3.0)
+    assert state(svc) is StreamState.UNVERIFIED and matched(svc, A) == 0
+    clock.now += 11.0
+    stream.take(heartbeat(len(records), 0, stored(A, 10)))
+    assert matched(svc, A) == 0 and svc.streams()[0].entries == 0
+
+
+async def test_a_suspected_restart_ends_at_a_clear_written_after_it_not_one_read_late() -> None:
+    """A clear read back from the relay's past (age unknown) says nothing of the restart; one
+    written after the worker was seen down leaves nothing older to prove."""
+    clock = Clock()
+    svc = await fed(clock)
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    stream.take(batch(0, 0, stored(A, 10)))
+    clock.now += 4.0
+    restarted(svc, down_age_s=2.0)
+    stream.take(clear(1), age_s=None)
+    stream.take(batch(2, 1, stored(A, 10)), age_s=None)
+    assert state(svc) is StreamState.UNVERIFIED and matched(svc, A) == 0
+    clock.now += 1.0
+    stream.take(clear(3))
+    stream.take(batch(4, 0, stored(B, 20)))
+    assert state(svc) is StreamState.SYNCED and matched(svc, B) == 4
+
+
 async def test_a_silent_relay_makes_the_stream_stale() -> None:
     clock = Clock()
     svc = await fed(clock)
@@ -219,11 +324,14 @@ async def test_a_stream_the_relay_no_longer_hears_is_stale_here_too() -> None:
 
 
 async def test_a_new_relay_process_ends_a_restart_suspected_here() -> None:
-    """The new relay's records are a stream started afresh: nothing is left to prove (its
-    count of checks starts over and could never pass the old relay's)."""
-    svc = await fed()
+    """The new relay's records, written after the suspicion, are a stream started afresh:
+    nothing is left to prove (its count of checks starts over and could never pass the old
+    relay's)."""
+    clock = Clock()
+    svc = await fed(clock)
     take(svc, batch(0, 0, stored(A, 10)), heartbeat(0, 0, stored(A, 10), checks=5))
     svc.suspect_restart("w0", "its health check came back from down")
+    clock.now += 1.0
     take(svc, batch(0, 3, stored(B, 20), epoch=EPOCH + 1))
     assert state(svc) is StreamState.SYNCED
     assert matched(svc, A) == 0 and matched(svc, B) == 4

@@ -21,12 +21,14 @@ import aiohttp
 import msgspec
 import pytest
 
+from indexer.fed_stream import ANEW_MARGIN_S
 from router.cluster.server import NatsServer
-from router.config import IndexerSection, RouterConfig
+from router.config import HealthConfig, IndexerSection, RouterConfig
 from router.errors import ConfigError
 from router.service import RouterService
 from tests.router.cluster.conftest import cluster, replica_config, workers
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
 PROMPT = "a tenant's long system prompt that the relay carries to every replica " * 4
@@ -405,3 +407,71 @@ async def test_every_stream_of_a_live_relay_stays_fresh_on_an_idle_fleet(
             await asyncio.sleep(2.0)  # idle: longer than the heartbeat timeout (0.5 s)
             states = {s.stream: s.state for s in a.indexer.streams()}
             assert states == {"w0#dp0": "synced", "w1#dp0": "synced"}
+
+
+async def test_a_worker_the_relay_registered_anew_before_a_replica_saw_it_back_is_predicted(
+    nats_server: NatsServer,
+) -> None:
+    """The worker restarted with two ranks; the relay saw it back first, registered it anew
+    and indexed what the new process cached. The replica's health check then sees it come
+    back: what it holds came from the relay's records since it saw the worker down, so there
+    is nothing to prove. Before, its streams stayed UNVERIFIED (0 predicted against 64 cached)
+    and were dropped 10 s later, waiting for a check the relay had no reason to make."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16)
+    w0 = ReferenceWorker(first)
+    await w0.__aenter__()
+    try:
+        # the replica's health checks are this test's (a round now and then would race it)
+        replica = follower_config(
+            w0, nats_server.url, "a", health=HealthConfig(interval_s=3600, timeout_s=0.5)
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            relay(w0, nats_server.url) as r,
+            RouterService(replica) as a,
+        ):
+            entry = a.planner.pool.get("w0")
+            await a.supervisor.check(entry)
+            fleet = Fleet(a, {"w0": w0}, session)
+            await fleet.warm()
+            port = int(w0.url.rsplit(":", 1)[1])
+            await w0.__aexit__(None, None, None)
+            assert not await a.supervisor.check(entry)  # seen down here
+            await asyncio.sleep(2 * ANEW_MARGIN_S)  # the margin a record's age is read with
+            w0 = ReferenceWorker(msgspec.structs.replace(first, dp_size=2, port=port))
+            await w0.__aenter__()
+
+            async def relay_indexed_the_new_process() -> bool:
+                # straight to the worker: the replica does not route to it yet
+                body = {"text": PROMPT, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
+                async with session.post(w0.url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                streams = a.indexer.streams()
+                return (
+                    len(streams) == 2
+                    and sum(s.entries for s in streams) >= 4
+                    and _synced(a)
+                    # the relay's own health check saw it back too: no check of the relay's
+                    # is left to come and end a suspicion (the case this test is about)
+                    and r.planner.pool.get("w0").healthy
+                    and _synced(r)
+                )
+
+            await eventually(
+                relay_indexed_the_new_process, timeout_s=20, what="the relay's new registration"
+            )
+            assert await a.supervisor.check(entry)  # back, as this replica sees it
+
+            async def trusted() -> bool:
+                return _synced(a) and await predicted(fleet) >= 64
+
+            await eventually(trusted, timeout_s=5, what="the new process's pages to be predicted")
+            await asyncio.sleep(11.0)  # past the verify window (10 s): nothing dropped
+            got = await generate(session, a.url)
+            assert 64 <= got[0] <= got[1]
+    finally:
+        await w0.__aexit__(None, None, None)
+
+
+def _synced(service: RouterService) -> bool:
+    return all(s.state == "synced" for s in service.indexer.streams())
