@@ -34,6 +34,7 @@ __all__ = [
     "CLIENT_CLOSED_ERROR",
     "REQUEST_MODEL",
     "UNKNOWN_MODEL",
+    "WORKER_BROKE_OFF",
     "Histogram",
     "RouterMetrics",
 ]
@@ -46,6 +47,11 @@ UNKNOWN_MODEL = "(unknown)"  # one label value for every model nobody serves
 # histogram, which would hide exactly the bad cases
 CLIENT_CLOSED = 499
 CLIENT_CLOSED_ERROR = "ClientClosedRequest"
+# a streamed answer its worker broke off after its status line reached the client (the
+# connection dropped mid-stream): the `code` it counts under in `kvroute_requests`, nginx's
+# "bad gateway" for an upstream that failed. The client got the worker's status line (a 200)
+# and a cut body; counted as that status, an operator's error rate would never see the failure
+WORKER_BROKE_OFF = 502
 # the model label of a request once it is known, for the error middleware's rejection count
 REQUEST_MODEL = web.RequestKey("kvroute_model", str)
 

@@ -32,6 +32,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.http.decisions import Decision, DecisionStats
+from router.http.metrics import WORKER_BROKE_OFF
 from router.http.spans import SpanMaker, TraceSpan
 from router.http.tracing import PARSE_CONTEXT, TraceDecision, Tracing
 from router.http.usage import StreamTail, cached_tokens
@@ -199,12 +200,19 @@ class Observation:
             tail = self._tail = StreamTail()
         tail.feed(chunk)
 
-    def finish(self, status: int) -> None:
-        """The answer went out with `status`: count the outcome."""
+    def finish(self, status: int, broken_off: str | None = None) -> None:
+        """The answer went out with `status`: count the outcome. `broken_off`: the worker broke
+        the stream off after that (the error's class name); counted as WORKER_BROKE_OFF, as in
+        the request metrics, and with no usage (none came)."""
         decision = self._decision
         if decision is None:
             return
-        if self._tail is not None:
+        if broken_off is not None:
+            # events that came may carry cached_tokens (SGLang's /generate: every one), but an
+            # answer never finished is no success: neither in accuracy nor among the usage
+            # missing (`DecisionStats` counts those of a 200)
+            status = WORKER_BROKE_OFF
+        elif self._tail is not None:
             decision.cached_tokens = self._tail.cached_tokens()
         decision.status = status
         decision.duration_s = time.perf_counter() - self.started
@@ -390,12 +398,17 @@ class TracedObservation(Observation):
             span.set_attribute("http.response.status_code", status)
         self._end_upstream(reason)
 
-    def finish(self, status: int) -> None:
-        """The answer went out with `status`: count the outcome, close the upstream span."""
+    def finish(self, status: int, broken_off: str | None = None) -> None:
+        """The answer went out with `status`: count the outcome, close the upstream span. Both
+        spans keep the `status` the client was sent; one the worker broke off (`broken_off`)
+        ends in error with its `error.type`."""
         decision = self._decision
-        super().finish(status)
+        super().finish(status, broken_off)
         if decision is None:
             return
+        error = broken_off
+        if error is None and status >= 500:
+            error = f"HTTP {status}"
         span = self._upstream_span
         if span is not None:
             answered: dict[str, int | float] = {"http.response.status_code": status}
@@ -404,15 +417,18 @@ class TracedObservation(Observation):
             if decision.ttft_s is not None:
                 answered["kvroute.ttft_s"] = decision.ttft_s
             span.set_attributes(answered)
-            self._end_upstream(None if status < 500 else f"HTTP {status}")
-        if self._request_span is not None:
+            self._end_upstream(error)
+        request_span = self._request_span
+        if request_span is not None:
             # the request span names its worker too (a search by worker finds the request);
             # the rest of the decision is on its children: each attribute costs a few us
-            self._request_span.set_attributes(
+            request_span.set_attributes(
                 {"kvroute.worker": decision.chosen.worker, "http.response.status_code": status}
             )
-            if status >= 500:
-                self._request_span.set_status(self._tracing.error(f"HTTP {status}"))
+            if broken_off is not None:
+                request_span.set_attribute("error.type", broken_off)
+            if error is not None:
+                request_span.set_status(self._tracing.error(error))
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
@@ -501,7 +517,7 @@ class Unobserved(Observation):
     def chunk(self, chunk: bytes) -> None:
         """Nothing read."""
 
-    def finish(self, status: int) -> None:
+    def finish(self, status: int, broken_off: str | None = None) -> None:
         """Nothing counted."""
 
     def close(self, error: BaseException | None) -> None:

@@ -19,6 +19,8 @@ before answering is retried too. Whose fault a failed attempt was (the worker's,
 breaker, or the request's) is decided once the request has ended (`charge`). A client
 that disconnects cancels the handler (aiohttp's handler cancellation), which closes the
 upstream connection, which makes the worker abort; the request counts as 499 in the metrics.
+A worker that breaks a stream off once it began cannot be retried: its client's connection is
+closed (a cut body, not a clean end) and the request counts as 502 (`answer_code`).
 
 A model served by prefill/decode pairs is handed to the pair dispatcher (`router.http.pd`,
 `PairDispatch`) once its namespace is known; it forwards the decode side's answer through
@@ -53,7 +55,13 @@ from router.http.decisions import DecisionStats
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
 from router.http.holding import HeldRequest, HeldRequests
 from router.http.intake import read_request
-from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
+from router.http.metrics import (
+    CLIENT_CLOSED,
+    CLIENT_CLOSED_ERROR,
+    REQUEST_MODEL,
+    WORKER_BROKE_OFF,
+    RouterMetrics,
+)
 from router.http.observe import Observation, Observer, observation
 from router.http.upstream_client import (
     Origin,
@@ -84,6 +92,7 @@ __all__ = [
     "PairDispatch",
     "Proxy",
     "answer_code",
+    "broken_off",
     "charge",
     "refuses_rank",
 ]
@@ -147,12 +156,26 @@ def _client_left(request: web.Request) -> None:
     request[_CLIENT_LEFT] = True
 
 
+# set on a request whose worker broke its streamed answer off once bytes had reached the
+# client: the class name of the upstream error (`broken_off`)
+_BROKEN_OFF = web.RequestKey("kvroute_broken_off", str)
+
+
+def broken_off(request: web.Request) -> str | None:
+    """Why the worker broke `request`'s streamed answer off after its status went out to the
+    client (the upstream error's class name, the spans' `error.type`), or None."""
+    return request.get(_BROKEN_OFF)
+
+
 def answer_code(request: web.Request, status: int) -> int:
-    """The code a forwarded answer counts as in the metrics: the worker's `status`, or 499
-    (CLIENT_CLOSED) when the client left before it had all of it. A client leaving shows as
-    the handler's cancellation or, when the router was writing to it then (or cut a client
-    that stopped reading: `ClientStalledError`), as ConnectionResetError; both are 499."""
-    return CLIENT_CLOSED if request.get(_CLIENT_LEFT, False) else status
+    """The code a forwarded answer counts as in the metrics: the worker's `status`, 499
+    (CLIENT_CLOSED) when the client left before it had all of it, or 502 (WORKER_BROKE_OFF)
+    when the worker broke a stream off (`broken_off`). A client leaving shows as the handler's
+    cancellation or, when the router was writing to it then (or cut a client that stopped
+    reading: `ClientStalledError`), as ConnectionResetError; both are 499."""
+    if request.get(_CLIENT_LEFT, False):
+        return CLIENT_CLOSED
+    return WORKER_BROKE_OFF if _BROKEN_OFF in request else status
 
 
 def _none_routable(candidates: Sequence[Candidate]) -> str:
@@ -492,7 +515,7 @@ class Proxy:
                 time.perf_counter() - started,
                 ns.model,
             )
-            obs.finish(response.status)
+            obs.finish(response.status, broken_off(request))
             return response
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
@@ -843,6 +866,9 @@ class Proxy:
                     if not isinstance(exc, TimeoutError):
                         self._planner.record_failure(worker, hard=True)
                         log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
+                        # the client's status line said the worker's 200: counted as that,
+                        # the failure would show in no error rate (`answer_code`)
+                        request[_BROKEN_OFF] = type(exc).__name__
                     else:
                         log.info("a stream from worker %s was cut at the request deadline", worker)
                     upstream.close()

@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
+from router.http.keys import DECISIONS
 from router.http.proxy import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
@@ -29,7 +30,8 @@ _COMPLETIONS = "/v1/completions"
 class BadWorker:
     """A worker whose answer to each completion request is named by its `x-bad-mode` header:
     ok, 500 (a JSON error), drop (the connection closed unanswered: the engine crashed),
-    garbage (bytes that are not HTTP), slow (no answer for 30 s), stream (an endless SSE).
+    garbage (bytes that are not HTTP), slow (no answer for 30 s), stream (an endless SSE),
+    cut (a few SSE events, then the connection closed: the engine crashed mid-stream).
     `mode@name` applies to the worker `name` only; the others answer it (several: comma
     separated)."""
 
@@ -67,6 +69,16 @@ class BadWorker:
                 await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
                 await asyncio.sleep(0.01)
             return resp
+        if mode == "cut":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for n in range(3):
+                # each event with its cached_tokens, as SGLang's /generate events carry it
+                await resp.write(
+                    f'data: {{"n": {n}, "meta_info": {{"cached_tokens": 0}}}}\n\n'.encode()
+                )
+            transport.close()  # no last chunk: the client's parser sees the answer unended
+            await asyncio.sleep(30)
         return web.json_response({"worker": self.name, "choices": [{"text": "hi"}]})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -255,6 +267,38 @@ async def test_requests_their_clients_abandoned_count_as_499(
         after = await _metrics(session, router)
         assert after[latency] - before.get(latency, 0.0) == 2.0
         assert a.modes == ["slow", "stream"]
+
+
+async def test_a_stream_its_worker_broke_off_counts_as_502_not_as_its_200(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """A worker dying mid-stream: its client has the worker's 200 and a cut body, but the
+    request was counted as that 200 and among the successful answers without usage, so an
+    error rate never showed it. It counts as 502 (nginx's bad gateway), in the decisions too,
+    with no usage (prediction accuracy is over answers that came whole); the worker's circuit
+    opens at once, as before."""
+    a, _ = two
+    async with RouterService(_config([a])) as router:
+        body = {"prompt": "x", "stream": True}
+        headers = {"x-bad-mode": "cut"}
+        async with session.post(router.url + _COMPLETIONS, json=body, headers=headers) as resp:
+            assert resp.status == 200  # the worker's status line, sent with its first chunk
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        key = "kvroute_requests_total{code=502,endpoint=/v1/completions,model=m,worker=a}"
+
+        async def counted() -> bool:
+            return key in await _metrics(session, router)
+
+        await eventually(counted, what="the broken stream to be counted")
+        after = await _metrics(session, router)
+        requests = {k: v for k, v in after.items() if k.startswith("kvroute_requests_total{")}
+        assert requests == {key: 1.0}
+        usage = ("kvroute_usage_", "kvroute_prediction_outcomes_total")
+        assert not {k: v for k, v in after.items() if k.startswith(usage) and v}
+        assert [(d.status, d.cached_tokens) for d in router.app[DECISIONS].recent] == [(502, None)]
+        assert a.modes == ["cut"]
+        assert _state(router, "a") is BreakerState.OPEN
 
 
 async def test_a_client_leaving_during_a_retry_charges_no_worker(

@@ -9,6 +9,7 @@ sample ratio drops decided without the SDK, and every other decision left to it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -78,17 +79,26 @@ OTEL_VARS = (
 
 
 class Backend:
-    """An aiohttp server on 127.0.0.1 answering chat requests, keeping the headers it got."""
+    """An aiohttp server on 127.0.0.1 answering chat requests, keeping the headers it got;
+    `cut`: it streams two events, then closes the connection (the engine died mid-stream)."""
 
-    def __init__(self, status: int = 200) -> None:
+    def __init__(self, status: int = 200, *, cut: bool = False) -> None:
         self.status = status
+        self.cut = cut
         self.seen: list[dict[str, str]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.seen.append({k.lower(): v for k, v in request.headers.items()})
+        if self.cut:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"delta": {"content": "o"}}]}\n\n' * 2)
+            assert request.transport is not None
+            request.transport.close()  # no last chunk: the answer is unended
+            await asyncio.sleep(30)  # cancelled: its connection is closed
         if self.status != 200:
             return web.Response(status=self.status, text="overloaded")
         return web.Response(body=_ANSWER, content_type="application/json")
@@ -100,7 +110,10 @@ class Backend:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
-        self._runner, self.url = await serve_app(app, access_log=None)
+        # a handler of a cut answer waits until its connection is gone: cancelled then
+        self._runner, self.url = await serve_app(
+            app, access_log=None, handler_cancellation=self.cut
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -384,6 +397,37 @@ async def test_a_retry_is_a_failed_upstream_span_then_another(
     assert all(m is not None for m in ids)
     contexts = [s.context for s in upstream]
     assert [int(m.group(2), 16) for m in ids if m] == [c.span_id for c in contexts if c]
+
+
+async def test_a_stream_its_worker_broke_off_ends_both_spans_in_error(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """The client got the worker's 200 and a cut body: the request and upstream spans said
+    200, status UNSET, no `error.type` (only a WARNING line told). They keep the 200 that was
+    sent, and end in ERROR with the upstream error's class as `error.type`."""
+    async with Backend(cut=True) as cutting:
+        config = _config((_worker("b0", cutting),))
+        async with _traced_router(way, config, provider, exporter) as t:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(t.url + "/v1/chat/completions", json=CHAT | {"stream": True}) as r,
+            ):
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+
+            async def ended() -> bool:
+                return any(s.name == "POST /v1/chat/completions" for s in t.spans())
+
+            await eventually(ended, what="the request span to end")
+            named = _by_name(t.spans())
+    for name in ("POST /v1/chat/completions", "upstream"):
+        span = named[name]
+        assert span.status.status_code is StatusCode.ERROR, name
+        assert span.status.description == "UpstreamDroppedError", name
+        assert (span.attributes or {})["error.type"] == "UpstreamDroppedError", name
+        assert _count(span, "http.response.status_code") == 200, name  # what the client got
+    assert "kvroute.cached_tokens" not in (named["upstream"].attributes or {})
 
 
 async def test_dp_rank_and_matched_tokens_from_a_reference_worker(
