@@ -75,6 +75,7 @@ from router.http.proxy import (
     AttemptFailed,
     Proxy,
     answer_code,
+    broken_off,
     charge,
     refuses_rank,
 )
@@ -555,7 +556,7 @@ class PairDispatcher:
             ns.model,
         )
         if obs is not None:
-            obs.finish(response.status)
+            obs.finish(response.status, broken_off(request))
 
     async def _decode(
         self,

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from router.config import RouterConfig, TimeoutsConfig, TracingConfig, WorkerConfig
+from router.http.keys import DECISIONS
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
@@ -35,12 +36,18 @@ class FakePdWorker:
     """One side of a pair on 127.0.0.1: it advertises `role` (and itself as the bootstrap
     server) as SGLang does, keeps the headers of every generation request, and answers them at
     at once (with `status`: an engine's error) or never, nor the decode fetching KV from it
-    (`hang`)."""
+    (`hang`), or streams a few events and closes the connection (`cut`: the engine died
+    mid-stream)."""
 
     def __init__(
-        self, role: Literal["prefill", "decode"], *, hang: bool = False, status: int = 200
+        self,
+        role: Literal["prefill", "decode"],
+        *,
+        hang: bool = False,
+        status: int = 200,
+        cut: bool = False,
     ) -> None:
-        self.role, self.hang, self.status = role, hang, status
+        self.role, self.hang, self.status, self.cut = role, hang, status, cut
         self.seen: list[dict[str, str]] = []
         self.arrived = asyncio.Event()  # a generation request came
         self.url, self.port = "", 0
@@ -57,12 +64,19 @@ class FakePdWorker:
             info["disaggregation_bootstrap_port"] = self.port
         return web.json_response(info)
 
-    async def _generate(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append({k.lower(): v for k, v in request.headers.items()})
         self.arrived.set()
         if self.hang:
             await asyncio.sleep(3600)  # cancelled when the router lets go, or at cleanup
+        if self.cut:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"text": "o", "meta_info": {"cached_tokens": 0}}\n\n' * 2)
+            assert request.transport is not None
+            request.transport.close()  # no last chunk: the answer is unended
+            await asyncio.sleep(3600)  # cancelled at cleanup
         if self.status != 200:
             error = {"type": "engine_error", "message": f"engine says {self.status}"}
             return web.json_response({"error": error}, status=self.status)
@@ -412,6 +426,42 @@ async def _paired(router: RouterService) -> None:
         return router.planner.pool.disaggregated(MODEL)
 
     await eventually(paired, what="the roles to be discovered")
+
+
+async def test_a_stream_its_decode_broke_off_counts_as_502_not_as_its_200() -> None:
+    """A decode dying mid-stream: the client has its 200 and a cut body, and the request was
+    counted as that 200 (by its prefill worker). It counts as 502, as on the whole-request
+    path, in the decisions too, with no usage; the decode's circuit opens, as before."""
+    async with FakePdWorker("prefill") as p0, FakePdWorker("decode", cut=True) as d0:
+        config = _config(workers=(_fake("p0", p0), _fake("d0", d0)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            body = {"model": MODEL, "prompt": "cut short", "max_tokens": 4, "stream": True}
+            async with session.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvroute-worker"] == "d0"
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+
+            async def counted() -> list[str]:
+                async with session.get(router.url + "/metrics") as resp:
+                    text = await resp.text()
+                return [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("kvroute_requests_total{") and line.endswith(" 1.0")
+                ]
+
+            async def once() -> bool:
+                return bool(await counted())
+
+            await eventually(once, timeout_s=3.0, what="the broken stream to be counted")
+            (line,) = await counted()
+            assert 'code="502"' in line and 'worker="p0"' in line, line
+            decisions = router.app[DECISIONS].recent
+            assert [(d.status, d.cached_tokens) for d in decisions] == [(502, None)]
+            assert not router.planner.pool.get("d0").routable(router.planner.clock())
+            assert router.planner.pool.get("p0").routable(router.planner.clock())
 
 
 async def test_a_prefill_refusing_a_request_takes_back_the_marks_of_both_sides() -> None:
