@@ -8,8 +8,10 @@ back (maybe a new process, maybe serving another model) has its models read agai
 registered anew if they changed; so is a worker whose KV-event stream shows its publisher
 restarted (`IndexerService.restart_listeners`), or whose engine refused a rank the router told
 it (`reread`): a process restarted between two probes, or replaced behind a stable URL, never
-looks down to the health check, yet may run other dp ranks. Health rounds run every
-`health.interval_s` and probe all workers concurrently, each with its own timeout.
+looks down to the health check, yet may run other dp ranks. A worker registered anew as
+another process keeps its streams' counters, the restart counted (`IndexerService.add_worker`).
+Health rounds run every `health.interval_s` and probe all workers concurrently, each with its
+own timeout.
 """
 
 from __future__ import annotations
@@ -247,8 +249,10 @@ class Supervisor:
             port = spec.default_bootstrap_port
         return role, port
 
-    async def register(self, entry: WorkerEntry) -> None:
-        """Discover (if needed) the worker's models, role and KV-event streams, and subscribe."""
+    async def register(self, entry: WorkerEntry, *, restarted: bool = False) -> None:
+        """Discover (if needed) the worker's models, role and KV-event streams, and subscribe.
+        `restarted`: it is registered anew as another process (its streams count the restart:
+        `IndexerService.add_worker`)."""
         spec = engine_spec(entry.config.engine)
         discovering = needs_discovery(entry.config)
         info: dict[str, Any] | None
@@ -284,7 +288,7 @@ class Supervisor:
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
         if streams:  # a worker without events is routed by load alone
-            await self._indexer.add_worker(entry.id, streams)
+            await self._indexer.add_worker(entry.id, streams, restarted=restarted)
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models, adapters)
         self._say_ambiguous(entry)
@@ -385,12 +389,13 @@ class Supervisor:
         if [s.endpoint for s in streams] == entry.streams and sizes <= known | {None}:
             return False
         log.warning(
-            "worker %s came back with other settings (%d KV-event stream(s)): registered anew",
+            "worker %s runs other settings than it was registered with (%d KV-event "
+            "stream(s)): registered anew",
             entry.id,
             len(streams),
         )
         try:
-            await self.register(entry)
+            await self.register(entry, restarted=True)
         except RequestError as exc:
             self._refused(entry, exc)
         return True
@@ -409,7 +414,8 @@ class Supervisor:
         if models != entry.models and self._pool.find(entry.id) is entry:
             log.warning("worker %s now serves %s", entry.id, ", ".join(models) or "no model")
             try:
-                await self.register(entry)  # its cache is another model's: new streams
+                # its cache is another model's: new streams
+                await self.register(entry, restarted=True)
             except RequestError as exc:
                 log.warning("worker %s: %s", entry.id, exc)
             return True
@@ -469,7 +475,12 @@ class Supervisor:
             changed = await self._recheck_settings(entry)
             if changed is not None:
                 self._stale.discard(entry.id)
-                return changed or await self._recheck_models(entry)
+                anew = changed or await self._recheck_models(entry)
+                if not anew and self._pool.find(entry.id) is entry:
+                    # the restarts its streams counted were of processes like the registered
+                    # one: a re-registration from here on counts its own
+                    self._indexer.settled(entry.id)
+                return anew
         return False
 
     async def try_register(self, entry: WorkerEntry) -> RequestError | None:

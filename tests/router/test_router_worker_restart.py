@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import sys
@@ -40,6 +41,9 @@ from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
 PROBE_S = 0.1
+
+# /metrics' stream counters: (dp rank, worker) -> counter name -> value
+Counters = dict[tuple[int, str], dict[str, float]]
 
 _WORKER = """
 import asyncio, sys
@@ -353,3 +357,93 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
             assert entry.breaker.failures == 0
     finally:
         await w0.__aexit__(None, None, None)
+
+
+async def stream_counters(session: aiohttp.ClientSession, router: RouterService) -> Counters:
+    """Every `kvroute_stream_*_total` series of /metrics: (dp rank, worker) -> name -> value."""
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    series: Counters = {}
+    for match in re.finditer(r"^kvroute_stream_(\w+)_total\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
+        key = (int(labels["dp_rank"]), labels["worker"])
+        series.setdefault(key, {})[match[1]] = float(match[3])
+    return series
+
+
+def assert_carried(before: dict[str, float], after: dict[str, float], restarts: int) -> None:
+    """Every counter of one series kept (monotonic) and the restart counted."""
+    assert after.keys() == before.keys()
+    assert {k: v for k, v in after.items() if v < before[k]} == {}
+    assert after["restarts"] == before["restarts"] + restarts, (before, after)
+
+
+async def test_a_worker_registered_anew_keeps_its_streams_counters() -> None:
+    """A restart with other settings (page size, dp ranks) registers the worker anew: its
+    streams' counters used to start at 0 again (restarts 1 -> 0 in /metrics, a counter reset
+    to Prometheus, and no `increase()` for exactly that restart). Now the series of a rank it
+    keeps carries on, with the restart counted; a rank it no longer has goes as a removed
+    worker's series do, and a new rank's starts at 0."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w = ReferenceWorker(first)
+    await w.__aenter__()
+    try:
+        config = router_config(
+            [("w", w.url)],
+            health=HealthConfig(interval_s=0.1, timeout_s=0.5),
+            indexer=IndexerSection(probe_interval_s=PROBE_S),
+        )
+        ports = {
+            "port": int(w.url.rsplit(":", 1)[1]),
+            "events_port": int(w.kv_events.endpoints[0].rsplit(":", 1)[1]),
+            "replay_port": int(w.kv_events.replay_endpoints[0].rsplit(":", 1)[1]),
+        }
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            entry = router.planner.pool.get("w")
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+
+            async def served(n: int) -> bool:
+                for i in range(n):
+                    body = {"text": f"{n} ranks, page {router.indexer.block_size('w')} ({i})"}
+                    async with session.post(router.url + "/generate", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                return True
+
+            for step, (ranks, page) in enumerate(((1, 64), (2, 16))):
+                await served(4)
+
+                async def applied() -> bool:
+                    rows = router.indexer.streams()
+                    return all(r.batches > 0 and r.state == "synced" for r in rows)
+
+                await eventually(applied, what="batches on every rank")
+                before = await stream_counters(session, router)
+                await w.__aexit__(None, None, None)
+
+                async def down() -> bool:
+                    return not entry.healthy
+
+                await eventually(down, what="its health check to fail")
+                w = ReferenceWorker(
+                    msgspec.structs.replace(first, dp_size=ranks, page_size=page, **ports)
+                )
+                await w.__aenter__()
+
+                async def anew(ranks: int = ranks, page: int = page) -> bool:
+                    sizes = {c.block_size for c in router.indexer.stream_configs("w")}
+                    return await _settled(router, ranks) and sizes == {page}
+
+                await eventually(anew, what=f"registered anew with {ranks} rank(s)")
+
+                async def up() -> bool:
+                    return entry.routable(router.planner.clock())
+
+                await eventually(up, what="the worker back in rotation")
+                after = await stream_counters(session, router)
+                assert_carried(before[(0, "w")], after[(0, "w")], restarts=1)
+                if step == 0:
+                    assert (1, "w") not in after  # its rank 1 went: so did that series
+                else:
+                    assert after[(1, "w")]["restarts"] == 0  # a new rank starts at 0
+    finally:
+        await w.__aexit__(None, None, None)
