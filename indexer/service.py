@@ -577,6 +577,13 @@ class IndexerService:
     def _with_carried(self, stats: StreamStats) -> StreamStats:
         return carried_over(stats, self._carried.get(stats.stream))
 
+    def stale_streams(self, worker: str) -> int:
+        """How many of `worker`'s streams are STALE now: nothing heard from them (no batch
+        applied, no replay answered) for `stale_after_s`."""
+        now = self._clock()
+        health = self._health.get(worker, [])
+        return sum(h.current_state(now) is StreamState.STALE for h in health)
+
     def stream_configs(self, worker: str) -> list[StreamConfig]:
         """The configs `worker`'s streams were subscribed with, in the order given."""
         return [sub.config for sub in self._workers.get(worker, [])]

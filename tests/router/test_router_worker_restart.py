@@ -359,6 +359,45 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
         await w0.__aexit__(None, None, None)
 
 
+class Front:
+    """A stable URL in front of whichever worker is current, as a Kubernetes Service is in
+    front of its pod: the worker is replaced behind it without its health check ever failing."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._server = TestServer(app, host="127.0.0.1")
+        self._session: aiohttp.ClientSession | None = None
+        self.url = ""
+        self.asked: list[str] = []  # the paths asked, in order
+
+    async def __aenter__(self) -> Front:
+        self._session = aiohttp.ClientSession()
+        await self._server.start_server()
+        self.url = str(self._server.make_url("")).rstrip("/")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        self.asked.append(request.path)
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with self._session.request(
+            request.method,
+            self.target + request.path_qs,
+            data=await request.read(),
+            headers=headers,
+        ) as resp:
+            body = await resp.read()
+            kind = resp.headers.get("Content-Type", "application/json")
+            return web.Response(status=resp.status, body=body, headers={"Content-Type": kind})
+
+
 async def stream_counters(session: aiohttp.ClientSession, router: RouterService) -> Counters:
     """Every `kvroute_stream_*_total` series of /metrics: (dp rank, worker) -> name -> value."""
     async with session.get(router.url + "/metrics") as resp:
@@ -376,6 +415,79 @@ def assert_carried(before: dict[str, float], after: dict[str, float], restarts: 
     assert after.keys() == before.keys()
     assert {k: v for k, v in after.items() if v < before[k]} == {}
     assert after["restarts"] == before["restarts"] + restarts, (before, after)
+
+
+async def test_a_worker_replaced_behind_its_url_with_other_event_ports_is_registered_anew() -> None:
+    """A new process behind the worker's URL publishing on other event and replay ports (a
+    pod replaced behind a Service) never looks down to the health check, and its old sockets
+    never answer, so no stream sees a restart: the router kept subscribing to the dead ones,
+    routing it without KV affinity for good. Now a stream STALE while its worker is healthy
+    has its settings read again, and the worker is registered anew on the new ports: hits are
+    predicted again (never one of the old process's), and the restart is counted without the
+    series' counters going back."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16)
+    w1 = ReferenceWorker(first)
+    await w1.__aenter__()
+    try:
+        async with Front(w1.url) as front:
+            config = router_config(
+                [("w", front.url)],
+                health=HealthConfig(interval_s=0.1, timeout_s=0.5),
+                indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
+            )
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+                async def predicted(body: dict[str, Any]) -> int:
+                    async with session.post(
+                        router.url + "/admin/route", json=body, headers=AUTH
+                    ) as resp:
+                        plan = await resp.json()
+                    return sum(c["matched_tokens"] for c in plan["candidates"])
+
+                async def send(body: dict[str, Any]) -> tuple[int, int]:
+                    async with session.post(router.url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                        matched = int(resp.headers["x-kvroute-matched-tokens"])
+                        answer = await resp.json()
+                    return matched, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+                old = [prompt(i, "old") for i in range(4)]
+                for body in old:
+                    await send(body)
+
+                async def indexed(bodies: list[dict[str, Any]]) -> bool:
+                    return all([await predicted(b) > 0 for b in bodies])
+
+                await eventually(partial(indexed, old), what="the old prompts indexed")
+                before = (await stream_counters(session, router))[(0, "w")]
+
+                w2 = ReferenceWorker(first)  # other ephemeral event and replay ports
+                await w2.__aenter__()
+                front.target = w2.url
+                await w1.__aexit__(None, None, None)
+                w1 = w2
+
+                async def anew() -> bool:
+                    # never a hit of the dead process's cache meanwhile
+                    assert [await predicted(b) for b in old] == [0] * len(old)
+                    (cfg,) = router.indexer.stream_configs("w")
+                    return cfg.endpoint == w2.kv_events.endpoints[0]
+
+                await eventually(anew, what="the worker registered anew on its new ports")
+                assert router.planner.pool.get("w").healthy
+                new = [prompt(i, "new") for i in range(4)]
+                for body in new:
+                    assert await send(body) == (0, 0)
+                await eventually(partial(indexed, new), what="the new process's pages predicted")
+                for body in new + old:  # every prediction is what the worker reuses
+                    matched, cached = await send(body)
+                    assert matched == cached
+                    assert (cached > 0) == (" new " in body["prompt"])
+                after = (await stream_counters(session, router))[(0, "w")]
+                # no stream saw the restart: the re-registration counts it
+                assert_carried(before, after, restarts=1)
+    finally:
+        await w1.__aexit__(None, None, None)
 
 
 async def test_a_worker_registered_anew_keeps_its_streams_counters() -> None:
@@ -447,3 +559,32 @@ async def test_a_worker_registered_anew_keeps_its_streams_counters() -> None:
                     assert after[(1, "w")]["restarts"] == 0  # a new rank starts at 0
     finally:
         await w.__aexit__(None, None, None)
+
+
+async def test_a_stale_stream_of_a_healthy_worker_rereads_its_settings_backing_off() -> None:
+    """An idle worker without probes is STALE for good with unchanged settings: its server
+    info is read again at a back-off (`stale_after_s`, doubling to 8 times it), not on every
+    health round, and nothing is registered anew."""
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0)) as w, Front(w.url) as front:
+        stale_after_s = 0.2
+        config = router_config(
+            [("w", front.url)],
+            health=HealthConfig(interval_s=0.02, timeout_s=0.5),
+            indexer=IndexerSection(probe_interval_s=0, stale_after_s=stale_after_s),
+        )
+        async with RouterService(config) as router:
+            entry = router.planner.pool.get("w")
+
+            async def up() -> bool:
+                return entry.routable(router.planner.clock())
+
+            await eventually(up, what="the worker registered and healthy")
+            subscribed = router.indexer.stream_configs("w")
+            first = front.asked.count("/server_info")
+            # waits of 0.2, 0.4, 0.8, 1.6 s: three to four reads after the first, where a read
+            # per round would be about 150
+            await asyncio.sleep(stale_after_s + 3.2)
+            reads = front.asked.count("/server_info") - first
+            rounds = front.asked.count("/health")
+            assert 2 <= reads <= 6 < rounds, (reads, rounds)
+            assert router.indexer.stream_configs("w") == subscribed
