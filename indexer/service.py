@@ -45,6 +45,7 @@ from indexer.stats import (
     StreamState,
     StreamStats,
     WorkerMatch,
+    carried_over,
 )
 from indexer.stream_tap import StreamHead, StreamTap, TappedSink
 from indexer.subscriber import StreamSubscriber
@@ -152,6 +153,14 @@ class IndexerService:
         # told the worker whose stream saw its publisher restart (the router re-reads the
         # worker's settings: `router.fleet.supervisor`); synchronous, so each must be quick
         self.restart_listeners: list[Callable[[str], None]] = []
+        # per stream id, its counters from before its worker was registered anew (`add_worker`):
+        # added to its subscriber's, so each (worker, dp rank) series stays monotonic while the
+        # worker is subscribed
+        self._carried: dict[str, StreamStats] = {}
+        # per stream id, the restarts it had counted when its worker's settings were last found
+        # as registered (`settled`; else when it was subscribed): a re-registration because the
+        # worker is another process counts that restart unless the stream counted one since
+        self._settled_restarts: dict[str, int] = {}
 
     async def __aenter__(self) -> IndexerService:
         await self._streams.__aenter__()
@@ -170,14 +179,30 @@ class IndexerService:
 
     # -------------------------------------------------------------- workers
 
-    async def add_worker(self, worker: str, streams: Sequence[StreamConfig]) -> None:
-        """Subscribe to a worker's streams (replacing any it had); its entries start empty."""
+    async def add_worker(
+        self, worker: str, streams: Sequence[StreamConfig], *, restarted: bool = False
+    ) -> None:
+        """Subscribe to a worker's streams (replacing any it had); its entries start empty.
+
+        A worker subscribed already is registered anew: the stream of a dp rank it had keeps
+        its counters (`streams`; the entries it held count as a clear), one of a rank it no
+        longer has goes as a removed worker's does, one of a new rank starts at 0.
+        `restarted`: the worker is another process now (its settings changed), a restart each
+        of its streams counts unless it counted one itself since its worker's settings were
+        last read (`settled`). Before, a re-registration started every counter at 0 again:
+        Prometheus saw a counter reset, and no restart, for the restarts that changed a worker.
+        """
         ranks = [cfg.dp_rank for cfg in streams]
         if len(set(ranks)) != len(ranks):
             # checked before anything changes: a refused worker leaves no stream behind
             rank = next(r for r in ranks if ranks.count(r) > 1)
             raise ValueError(f"worker {worker!r} lists dp rank {rank} twice")
+        earlier: dict[str, StreamStats] = {}
+        settled: dict[str, int] = {}
         if worker in self._workers:
+            for was in self._workers[worker]:
+                earlier[was.stream_id] = self._with_carried(was.stats())
+                settled[was.stream_id] = self._settled_restarts.get(was.stream_id, 0)
             await self.remove_worker(worker)
 
         def sink_for(sid: str, cfg: StreamConfig) -> IndexSink | TappedSink:
@@ -190,7 +215,23 @@ class IndexerService:
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
             self._stream_health[sub.stream_id] = sub.health
+            if (before := earlier.get(sub.stream_id)) is not None:
+                missed = restarted and before.restarts <= settled[sub.stream_id]
+                carried = msgspec.structs.replace(
+                    before,
+                    restarts=before.restarts + int(missed),
+                    clears=before.clears + int(before.entries > 0),
+                )
+                self._carried[sub.stream_id] = carried
+                self._settled_restarts[sub.stream_id] = carried.restarts
         self._matches.invalidate()
+
+    def settled(self, worker: str) -> None:
+        """`worker`'s settings were read again and are the ones its streams were registered
+        with: the restarts its streams counted so far were of processes like it (a later
+        re-registration as another process counts its own restart, `add_worker`)."""
+        for sub in self._workers.get(worker, []):
+            self._settled_restarts[sub.stream_id] = self._with_carried(sub.stats()).restarts
 
     async def remove_worker(self, worker: str) -> None:
         """Stop a worker's subscriptions and drop its index entries."""
@@ -199,6 +240,9 @@ class IndexerService:
         for sub in await self._streams.stop(worker):
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
+            # its series go with it (a worker added again under its id starts them at 0)
+            self._carried.pop(sub.stream_id, None)
+            self._settled_restarts.pop(sub.stream_id, None)
             if self.tap is not None:
                 # what follows the relay drops it too: the worker's removals while it is not
                 # subscribed (or until it is again) would never reach the followers
@@ -526,8 +570,23 @@ class IndexerService:
         return hidden
 
     def streams(self) -> list[StreamStats]:
-        """State and counters of every stream."""
-        return [sub.stats() for subs in self._workers.values() for sub in subs]
+        """State and counters of every stream (each counter over every registration of its
+        worker since it was added: `add_worker`)."""
+        return [self._with_carried(sub.stats()) for subs in self._workers.values() for sub in subs]
+
+    def _with_carried(self, stats: StreamStats) -> StreamStats:
+        return carried_over(stats, self._carried.get(stats.stream))
+
+    def stale_streams(self, worker: str) -> int:
+        """How many of `worker`'s streams are STALE now: nothing heard from them (no batch
+        applied, no replay answered) for `stale_after_s`."""
+        now = self._clock()
+        health = self._health.get(worker, [])
+        return sum(h.current_state(now) is StreamState.STALE for h in health)
+
+    def stream_configs(self, worker: str) -> list[StreamConfig]:
+        """The configs `worker`'s streams were subscribed with, in the order given."""
+        return [sub.config for sub in self._workers.get(worker, [])]
 
     def health_of(self, stream: str) -> StreamHealth | None:
         """The state and times of one stream (None: not subscribed)."""

@@ -21,6 +21,7 @@ __all__ = [
     "StreamState",
     "StreamStats",
     "WorkerMatch",
+    "carried_over",
     "stream_stats",
 ]
 
@@ -140,6 +141,45 @@ class NamespaceStats(msgspec.Struct):
     blocks: int
     tokens: int
     holders: dict[str, int]  # worker -> blocks
+
+
+# the cumulative fields of `StreamStats` (Prometheus counters): what a (worker, dp rank) series
+# carries over when its worker is registered anew (`carried_over`)
+_COUNTERS = (
+    "batches",
+    "events",
+    "blocks_stored",
+    "blocks_removed",
+    "gaps",
+    "replays",
+    "restarts",
+    "clears",
+    "decode_errors",
+    "unknown_parents",
+    "block_size_mismatches",
+    "skipped_events",
+    "probes",
+    "refetches",
+    "lost_batches",
+    "unanswered_replays",
+    "verifications",
+    "skipped_group_blocks",
+    "unknown_removes",
+    "unindexable_blocks",
+    "rank_mismatches",
+    "token_kind_mismatches",
+)
+
+
+def carried_over(stats: StreamStats, earlier: StreamStats | None) -> StreamStats:
+    """`stats` with the counters of `earlier` (the same stream's before its worker was
+    registered anew; None: nothing) added: a series that went back to 0 would read as a counter
+    reset, and `increase()` would show nothing for the restart that caused it."""
+    if earlier is None:
+        return stats
+    return msgspec.structs.replace(
+        stats, **{name: getattr(stats, name) + getattr(earlier, name) for name in _COUNTERS}
+    )
 
 
 def stream_stats(

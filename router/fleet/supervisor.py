@@ -8,8 +8,11 @@ back (maybe a new process, maybe serving another model) has its models read agai
 registered anew if they changed; so is a worker whose KV-event stream shows its publisher
 restarted (`IndexerService.restart_listeners`), or whose engine refused a rank the router told
 it (`reread`): a process restarted between two probes, or replaced behind a stable URL, never
-looks down to the health check, yet may run other dp ranks. Health rounds run every
-`health.interval_s` and probe all workers concurrently, each with its own timeout.
+looks down to the health check, yet may run other dp ranks. One on other event ports shows
+no restart on the old ones either: a healthy worker whose stream went STALE is read again too
+(`_quiet_due`). A worker registered anew as another process keeps its streams' counters, the
+restart counted (`IndexerService.add_worker`). Health rounds run every `health.interval_s` and
+probe all workers concurrently, each with its own timeout.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ log = logging.getLogger(__name__)
 # its server does not answer yet (its events may be up before its HTTP server); then on each
 # health round until read
 _REREAD_TRIES = 10
+
+# a healthy worker whose KV-event stream went STALE has its settings read again at once, then
+# (while they are unchanged and the stream stays STALE) `indexer.stale_after_s` later, doubling
+# up to this many times it: an idle worker without probes is STALE for good, and asking its
+# server info every round would be noise; the cap bounds how late a change is seen then
+_QUIET_REREAD_MAX = 8
 
 # how many `health.timeout_s` an add (admin API, reload, another replica) waits for the worker's
 # registration and first health check before it answers, as the startup waits (`register_all`):
@@ -110,6 +119,12 @@ def _replay_proof(
             "config (another worker's sockets would predict that worker's cache)"
         )
     return [msgspec.structs.replace(s, replay_proven=False) for s in streams], note
+
+
+def _sockets(streams: list[StreamConfig]) -> list[tuple[int, str, str | None, str]]:
+    """What of a worker's streams says which sockets they are: another process may publish
+    on others (a rank, events, replay or topic that differs is a stream to subscribe anew)."""
+    return sorted((s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in streams)
 
 
 def _check_ranks(config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]) -> None:
@@ -190,6 +205,9 @@ class Supervisor:
         self._rereading: dict[int, asyncio.Task[bool]] = {}
         # workers that restarted and whose settings could not be read since (`_reread`)
         self._stale: set[str] = set()
+        # per worker with a STALE stream while healthy: when its settings may be read again
+        # for it, and the wait before the one after (`_quiet_due`)
+        self._quiet: dict[str, tuple[float, float]] = {}
         indexer.restart_listeners.append(self._stream_restarted)
 
     def reconfigure(self, health: HealthConfig) -> None:
@@ -247,8 +265,10 @@ class Supervisor:
             port = spec.default_bootstrap_port
         return role, port
 
-    async def register(self, entry: WorkerEntry) -> None:
-        """Discover (if needed) the worker's models, role and KV-event streams, and subscribe."""
+    async def register(self, entry: WorkerEntry, *, restarted: bool = False) -> None:
+        """Discover (if needed) the worker's models, role and KV-event streams, and subscribe.
+        `restarted`: it is registered anew as another process (its streams count the restart:
+        `IndexerService.add_worker`)."""
         spec = engine_spec(entry.config.engine)
         discovering = needs_discovery(entry.config)
         info: dict[str, Any] | None
@@ -284,7 +304,7 @@ class Supervisor:
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
         if streams:  # a worker without events is routed by load alone
-            await self._indexer.add_worker(entry.id, streams)
+            await self._indexer.add_worker(entry.id, streams, restarted=restarted)
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models, adapters)
         self._say_ambiguous(entry)
@@ -382,15 +402,17 @@ class Supervisor:
             return False
         sizes = {s.block_size for s in streams}
         known = {self._indexer.block_size(entry.id)}
-        if [s.endpoint for s in streams] == entry.streams and sizes <= known | {None}:
+        same = _sockets(streams) == _sockets(self._indexer.stream_configs(entry.id))
+        if same and sizes <= known | {None}:
             return False
         log.warning(
-            "worker %s came back with other settings (%d KV-event stream(s)): registered anew",
+            "worker %s runs other settings than it was registered with (%d KV-event "
+            "stream(s)): registered anew",
             entry.id,
             len(streams),
         )
         try:
-            await self.register(entry)
+            await self.register(entry, restarted=True)
         except RequestError as exc:
             self._refused(entry, exc)
         return True
@@ -409,7 +431,8 @@ class Supervisor:
         if models != entry.models and self._pool.find(entry.id) is entry:
             log.warning("worker %s now serves %s", entry.id, ", ".join(models) or "no model")
             try:
-                await self.register(entry)  # its cache is another model's: new streams
+                # its cache is another model's: new streams
+                await self.register(entry, restarted=True)
             except RequestError as exc:
                 log.warning("worker %s: %s", entry.id, exc)
             return True
@@ -469,7 +492,12 @@ class Supervisor:
             changed = await self._recheck_settings(entry)
             if changed is not None:
                 self._stale.discard(entry.id)
-                return changed or await self._recheck_models(entry)
+                anew = changed or await self._recheck_models(entry)
+                if not anew and self._pool.find(entry.id) is entry:
+                    # the restarts its streams counted were of processes like the registered
+                    # one: a re-registration from here on counts its own
+                    self._indexer.settled(entry.id)
+                return anew
         return False
 
     async def try_register(self, entry: WorkerEntry) -> RequestError | None:
@@ -716,6 +744,7 @@ class Supervisor:
         # a worker added again under its id (a reload that changed it) has its own reasons
         self._said.pop(worker_id, None)
         self._stale.discard(worker_id)
+        self._quiet.pop(worker_id, None)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
@@ -763,10 +792,35 @@ class Supervisor:
             # bounded: a worker that answers its health check but hangs in discovery must not
             # hold the round (every other worker's health) for its discovery's timeout
             await asyncio.wait({self.registering(entry)}, timeout=self._health.timeout_s)
-        elif healthy and (came_back or entry.id in self._stale):
+        elif healthy and (came_back or entry.id in self._stale or self._quiet_due(entry, now)):
             # bounded as a discovery is: a re-read left unfinished goes on in the background
             await asyncio.wait({self.rereading(entry)}, timeout=self._health.timeout_s)
         return healthy
+
+    def _quiet_due(self, entry: WorkerEntry, now: float) -> bool:
+        """Whether a healthy worker's settings are to be read again because a KV-event stream
+        of it is STALE: nothing heard from it (no batch, no replay answer) for
+        `indexer.stale_after_s` while its health checks pass. A new process on the same HTTP
+        port with other event ports (a pod replaced behind a Service, restarted between two
+        probes) looks like that: the old sockets never answer, so no stream ever sees a restart
+        (`_stream_restarted`), and no probe saw it down. STALE is the bound because it is when
+        the indexer gives the stream up as unheard anyway, and a busy machine's replay timeouts
+        alone do not make it. Read at once, then at a back-off while nothing changed
+        (`_QUIET_REREAD_MAX`). Before, such a worker was routed without KV affinity for good.
+        """
+        if not needs_discovery(entry.config) or not self._indexer.stale_streams(entry.id):
+            self._quiet.pop(entry.id, None)  # its streams are its config's, or are heard
+            return False
+        due, wait_s = self._quiet.get(entry.id, (now, 0.0))
+        if now < due:
+            return False
+        stale_after_s = self._indexer.config.stale_after_s
+        wait_s = min(2 * wait_s, _QUIET_REREAD_MAX * stale_after_s) if wait_s else stale_after_s
+        self._quiet[entry.id] = (now + wait_s, wait_s)
+        log.debug(
+            "worker %s: a KV-event stream is STALE while it is healthy: settings read", entry.id
+        )
+        return True
 
     async def check_all(self) -> None:
         """One health round over every worker."""

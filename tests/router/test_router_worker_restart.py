@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import sys
@@ -40,6 +41,9 @@ from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
 PROBE_S = 0.1
+
+# /metrics' stream counters: (dp rank, worker) -> counter name -> value
+Counters = dict[tuple[int, str], dict[str, float]]
 
 _WORKER = """
 import asyncio, sys
@@ -353,3 +357,234 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
             assert entry.breaker.failures == 0
     finally:
         await w0.__aexit__(None, None, None)
+
+
+class Front:
+    """A stable URL in front of whichever worker is current, as a Kubernetes Service is in
+    front of its pod: the worker is replaced behind it without its health check ever failing."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._server = TestServer(app, host="127.0.0.1")
+        self._session: aiohttp.ClientSession | None = None
+        self.url = ""
+        self.asked: list[str] = []  # the paths asked, in order
+
+    async def __aenter__(self) -> Front:
+        self._session = aiohttp.ClientSession()
+        await self._server.start_server()
+        self.url = str(self._server.make_url("")).rstrip("/")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        self.asked.append(request.path)
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with self._session.request(
+            request.method,
+            self.target + request.path_qs,
+            data=await request.read(),
+            headers=headers,
+        ) as resp:
+            body = await resp.read()
+            kind = resp.headers.get("Content-Type", "application/json")
+            return web.Response(status=resp.status, body=body, headers={"Content-Type": kind})
+
+
+async def stream_counters(session: aiohttp.ClientSession, router: RouterService) -> Counters:
+    """Every `kvroute_stream_*_total` series of /metrics: (dp rank, worker) -> name -> value."""
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    series: Counters = {}
+    for match in re.finditer(r"^kvroute_stream_(\w+)_total\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
+        key = (int(labels["dp_rank"]), labels["worker"])
+        series.setdefault(key, {})[match[1]] = float(match[3])
+    return series
+
+
+def assert_carried(before: dict[str, float], after: dict[str, float], restarts: int) -> None:
+    """Every counter of one series kept (monotonic) and the restart counted."""
+    assert after.keys() == before.keys()
+    assert {k: v for k, v in after.items() if v < before[k]} == {}
+    assert after["restarts"] == before["restarts"] + restarts, (before, after)
+
+
+async def test_a_worker_replaced_behind_its_url_with_other_event_ports_is_registered_anew() -> None:
+    """A new process behind the worker's URL publishing on other event and replay ports (a
+    pod replaced behind a Service) never looks down to the health check, and its old sockets
+    never answer, so no stream sees a restart: the router kept subscribing to the dead ones,
+    routing it without KV affinity for good. Now a stream STALE while its worker is healthy
+    has its settings read again, and the worker is registered anew on the new ports: hits are
+    predicted again (never one of the old process's), and the restart is counted without the
+    series' counters going back."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16)
+    w1 = ReferenceWorker(first)
+    await w1.__aenter__()
+    try:
+        async with Front(w1.url) as front:
+            config = router_config(
+                [("w", front.url)],
+                health=HealthConfig(interval_s=0.1, timeout_s=0.5),
+                indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
+            )
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+                async def predicted(body: dict[str, Any]) -> int:
+                    async with session.post(
+                        router.url + "/admin/route", json=body, headers=AUTH
+                    ) as resp:
+                        plan = await resp.json()
+                    return sum(c["matched_tokens"] for c in plan["candidates"])
+
+                async def send(body: dict[str, Any]) -> tuple[int, int]:
+                    async with session.post(router.url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                        matched = int(resp.headers["x-kvroute-matched-tokens"])
+                        answer = await resp.json()
+                    return matched, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+                old = [prompt(i, "old") for i in range(4)]
+                for body in old:
+                    await send(body)
+
+                async def indexed(bodies: list[dict[str, Any]]) -> bool:
+                    return all([await predicted(b) > 0 for b in bodies])
+
+                await eventually(partial(indexed, old), what="the old prompts indexed")
+                before = (await stream_counters(session, router))[(0, "w")]
+
+                w2 = ReferenceWorker(first)  # other ephemeral event and replay ports
+                await w2.__aenter__()
+                front.target = w2.url
+                await w1.__aexit__(None, None, None)
+                w1 = w2
+
+                async def anew() -> bool:
+                    # never a hit of the dead process's cache meanwhile
+                    assert [await predicted(b) for b in old] == [0] * len(old)
+                    (cfg,) = router.indexer.stream_configs("w")
+                    return cfg.endpoint == w2.kv_events.endpoints[0]
+
+                await eventually(anew, what="the worker registered anew on its new ports")
+                assert router.planner.pool.get("w").healthy
+                new = [prompt(i, "new") for i in range(4)]
+                for body in new:
+                    assert await send(body) == (0, 0)
+                await eventually(partial(indexed, new), what="the new process's pages predicted")
+                for body in new + old:  # every prediction is what the worker reuses
+                    matched, cached = await send(body)
+                    assert matched == cached
+                    assert (cached > 0) == (" new " in body["prompt"])
+                after = (await stream_counters(session, router))[(0, "w")]
+                # no stream saw the restart: the re-registration counts it
+                assert_carried(before, after, restarts=1)
+    finally:
+        await w1.__aexit__(None, None, None)
+
+
+async def test_a_worker_registered_anew_keeps_its_streams_counters() -> None:
+    """A restart with other settings (page size, dp ranks) registers the worker anew: its
+    streams' counters used to start at 0 again (restarts 1 -> 0 in /metrics, a counter reset
+    to Prometheus, and no `increase()` for exactly that restart). Now the series of a rank it
+    keeps carries on, with the restart counted; a rank it no longer has goes as a removed
+    worker's series do, and a new rank's starts at 0."""
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w = ReferenceWorker(first)
+    await w.__aenter__()
+    try:
+        config = router_config(
+            [("w", w.url)],
+            health=HealthConfig(interval_s=0.1, timeout_s=0.5),
+            indexer=IndexerSection(probe_interval_s=PROBE_S),
+        )
+        ports = {
+            "port": int(w.url.rsplit(":", 1)[1]),
+            "events_port": int(w.kv_events.endpoints[0].rsplit(":", 1)[1]),
+            "replay_port": int(w.kv_events.replay_endpoints[0].rsplit(":", 1)[1]),
+        }
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            entry = router.planner.pool.get("w")
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+
+            async def served(n: int) -> bool:
+                for i in range(n):
+                    body = {"text": f"{n} ranks, page {router.indexer.block_size('w')} ({i})"}
+                    async with session.post(router.url + "/generate", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                return True
+
+            for step, (ranks, page) in enumerate(((1, 64), (2, 16))):
+                await served(4)
+
+                async def applied() -> bool:
+                    rows = router.indexer.streams()
+                    return all(r.batches > 0 and r.state == "synced" for r in rows)
+
+                await eventually(applied, what="batches on every rank")
+                before = await stream_counters(session, router)
+                await w.__aexit__(None, None, None)
+
+                async def down() -> bool:
+                    return not entry.healthy
+
+                await eventually(down, what="its health check to fail")
+                w = ReferenceWorker(
+                    msgspec.structs.replace(first, dp_size=ranks, page_size=page, **ports)
+                )
+                await w.__aenter__()
+
+                async def anew(ranks: int = ranks, page: int = page) -> bool:
+                    sizes = {c.block_size for c in router.indexer.stream_configs("w")}
+                    return await _settled(router, ranks) and sizes == {page}
+
+                await eventually(anew, what=f"registered anew with {ranks} rank(s)")
+
+                async def up() -> bool:
+                    return entry.routable(router.planner.clock())
+
+                await eventually(up, what="the worker back in rotation")
+                after = await stream_counters(session, router)
+                assert_carried(before[(0, "w")], after[(0, "w")], restarts=1)
+                if step == 0:
+                    assert (1, "w") not in after  # its rank 1 went: so did that series
+                else:
+                    assert after[(1, "w")]["restarts"] == 0  # a new rank starts at 0
+    finally:
+        await w.__aexit__(None, None, None)
+
+
+async def test_a_stale_stream_of_a_healthy_worker_rereads_its_settings_backing_off() -> None:
+    """An idle worker without probes is STALE for good with unchanged settings: its server
+    info is read again at a back-off (`stale_after_s`, doubling to 8 times it), not on every
+    health round, and nothing is registered anew."""
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0)) as w, Front(w.url) as front:
+        stale_after_s = 0.2
+        config = router_config(
+            [("w", front.url)],
+            health=HealthConfig(interval_s=0.02, timeout_s=0.5),
+            indexer=IndexerSection(probe_interval_s=0, stale_after_s=stale_after_s),
+        )
+        async with RouterService(config) as router:
+            entry = router.planner.pool.get("w")
+
+            async def up() -> bool:
+                return entry.routable(router.planner.clock())
+
+            await eventually(up, what="the worker registered and healthy")
+            subscribed = router.indexer.stream_configs("w")
+            first = front.asked.count("/server_info")
+            # waits of 0.2, 0.4, 0.8, 1.6 s: three to four reads after the first, where a read
+            # per round would be about 150
+            await asyncio.sleep(stale_after_s + 3.2)
+            reads = front.asked.count("/server_info") - first
+            rounds = front.asked.count("/health")
+            assert 2 <= reads <= 6 < rounds, (reads, rounds)
+            assert router.indexer.stream_configs("w") == subscribed
