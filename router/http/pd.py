@@ -250,9 +250,14 @@ class _PairHooks(AnswerHooks):
         self._planner.record_failure(blamed.worker, hard=False)
         self.charged = blamed
 
-    async def before_commit(self) -> None:
+    async def before_commit(self, status: int) -> None:
         self._prefilled()
         task = self.task
+        if status >= 400:
+            # an error has no logprobs to merge: answered at once, as without return_logprob.
+            # Before, it waited for the prefill, which (SGLang's) answers only once its KV was
+            # fetched: a decode's 500 came after the prefill's own KV timeout, as its 504
+            self.merge = False
         if task is not None and (self.merge or task.done()):
             answer = _first_answer(await task)  # a failed prefill fails the attempt here
             items = answer if isinstance(answer, list) else [answer]

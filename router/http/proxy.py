@@ -244,9 +244,9 @@ class AnswerHooks:
         self.request_headers: dict[str, str] = {}  # set on the upstream request
         self.headers: dict[str, str] = {}  # set on the answer (after the proxy's own)
 
-    async def before_commit(self) -> None:
-        """Awaited once the worker answered, before anything reaches the client; raising
-        makes the attempt fail (AttemptFailed: retried)."""
+    async def before_commit(self, status: int) -> None:
+        """Awaited once the worker answered (`status`), before anything reaches the client;
+        raising makes the attempt fail (AttemptFailed: retried)."""
 
     def passes_through(self, status: int, last_try: bool) -> bool:
         """Whether the worker's 5xx `status` is the client's answer (else AttemptFailed). With
@@ -784,7 +784,7 @@ class Proxy:
                 payload = await upstream.read()
             if hooks is not None:
                 self._planner.first_byte(ticket)
-                await hooks.before_commit()
+                await hooks.before_commit(upstream.status)
                 payload = hooks.body(payload)
             if obs is not None:
                 obs.first_byte()
@@ -808,7 +808,7 @@ class Proxy:
         first = await upstream.readany()
         self._planner.first_byte(ticket)
         if hooks is not None:
-            await hooks.before_commit()
+            await hooks.before_commit(upstream.status)
         if obs is not None:
             obs.first_byte()
         return await self._stream(request, upstream, out, first, candidate.worker, hooks, deadline)

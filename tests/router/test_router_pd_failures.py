@@ -208,6 +208,34 @@ async def test_a_lone_decodes_error_is_passed_through_with_the_engines_body(
             assert _failures(router) == {"p0": 0, "p1": 0, "d0": 0}
 
 
+@pytest.mark.parametrize("status", [500, 400])
+@pytest.mark.parametrize("logprobs", [True, False])
+async def test_a_decodes_error_is_answered_at_once_with_return_logprob(
+    status: int, logprobs: bool
+) -> None:
+    """A decode's error has no logprobs to merge: it is the client's answer at once, blamed as
+    without `return_logprob`. Before, with it the router waited for the prefill, which
+    (SGLang's) answers only once a decode fetched its KV: the decode's 500 came after the
+    prefill's own KV timeout (with the reference workers: a 504 blaming the prefill)."""
+    async with (
+        FakePdWorker("prefill", hang=True) as p0,
+        FakePdWorker("decode", status=status) as d0,
+    ):
+        config = _config(workers=(_fake("p0", p0), _fake("d0", d0)))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=60.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            body = {**BODY, "return_logprob": logprobs}
+            async with asyncio.timeout(10):  # the prefill never answers: the deadline is 60 s
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    answer = await resp.json()
+            assert resp.status == status, answer
+            assert resp.headers["x-kvroute-worker"] == "d0"
+            assert answer == {"error": {"type": "engine_error", "message": f"engine says {status}"}}
+            assert p0.seen  # the prefill had the request: its leg was cut, not waited for
+            # the request failed on every decode it could go to: nobody charged (`charge`)
+            assert _failures(router) == {"p0": 0, "d0": 0}
+
+
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 async def test_a_prompt_every_prefill_fails_opens_no_prefill_circuit(
     engine: Literal["sglang", "vllm"],
