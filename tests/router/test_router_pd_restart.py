@@ -2,16 +2,22 @@
 
 A prefill whose bootstrap port is left to the system (SGLang's default, the reference worker's
 0) binds another one each start, and a process may come back as the other side of the pairs.
-Reference workers behind a real router: a prefill restarted with a new bootstrap port, and a
-prefill restarted as a decode.
+Reference workers behind a real router: a prefill restarted with a new bootstrap port (seen by
+the health check, or not seen at all until a decode cannot reach its old port), a prefill
+restarted as a decode, and a prefill whose bootstrap server its decodes never reach.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 from typing import Any
 
 import aiohttp
+import msgspec
+import pytest
 
+from router.config import HealthConfig, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from tests.router.test_router_pd import PROMPT, reference
@@ -27,6 +33,12 @@ def _ports(worker: ReferenceWorker) -> dict[str, int]:
         "events_port": int(worker.kv_events.endpoints[0].rsplit(":", 1)[1]),
         "replay_port": int(worker.kv_events.replay_endpoints[0].rsplit(":", 1)[1]),
     }
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def _generate(
@@ -80,6 +92,48 @@ async def test_a_prefill_back_with_another_bootstrap_port_is_paired_on_it() -> N
             assert _failures(router) == {"p0": 0, "d0": 0}
 
 
+async def test_a_prefill_restarted_unseen_is_read_again_when_its_decode_cannot_reach_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A prefill restarted between two health probes, its events not read (so nothing tells
+    the router): the first pair through it names the old bootstrap port, and its decode cannot
+    reach it. That failure is the prefill's side: its settings are read again, and the pair
+    retried on the new port, the worker not blamed. Before, the decode was blamed, its 502
+    passed through unlogged, for every pair, for good."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        ports = _ports(p0)
+        old = p0.disagg.bootstrap_port
+        # its events not read: nothing but its pairs can tell the router it restarted
+        unseen = [
+            WorkerConfig(url=w.url, id=i, kv_events=False) for i, w in (("p0", p0), ("d0", d0))
+        ]
+        config = msgspec.structs.replace(
+            router_config([], health=HealthConfig(interval_s=60, timeout_s=1)),
+            workers=tuple(unseen),
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            entry = router.planner.pool.get("p0")
+            status, _, answer = await _generate(session, router, 0)
+            assert status == 200, answer
+            await p0.__aexit__(None, None, None)
+            async with ReferenceWorker(reference("prefill", **ports)) as again:
+                assert entry.bootstrap_port == old != again.disagg.bootstrap_port
+                with caplog.at_level(logging.WARNING, logger="router"):
+                    status, headers, answer = await _generate(session, router, 1)
+                assert status == 200, answer
+                assert headers["x-kvroute-prefill-worker"] == "p0"
+                assert entry.bootstrap_port == again.disagg.bootstrap_port
+                said = [r.getMessage() for r in caplog.records]
+                assert any("came back as prefill" in line for line in said), said
+                assert any(
+                    f"has bootstrap port {entry.bootstrap_port} now" in line for line in said
+                )
+            assert _failures(router) == {"p0": 0, "d0": 0}
+
+
 async def test_a_prefill_restarted_as_a_decode_is_listed_and_used_as_one() -> None:
     """A process back on a prefill's URL as a decode: listed and paired as a decode. Before,
     the router kept it a prefill (its `/admin/workers` said so) and sent it prefill legs."""
@@ -116,3 +170,29 @@ async def test_a_prefill_restarted_as_a_decode_is_listed_and_used_as_one() -> No
                     assert status == 200, answer
                     assert headers["x-kvroute-worker"] == "p0"
                     assert headers["x-kvroute-prefill-worker"] == "p1"
+
+
+async def test_a_prefill_whose_bootstrap_server_cannot_be_reached_is_charged_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bootstrap port nobody listens on (here configured wrong; or the prefill's bootstrap
+    server died) fails every pair through the prefill: each failure is charged to it at once,
+    as a refused connection is, and said once, not per request. Before, the decode was blamed
+    and, alone, its 502 passed through: nobody charged, nothing logged, the prefill chosen
+    again for ever."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        wrong = WorkerConfig(url=p0.url, id="p0", role="prefill", bootstrap_port=_closed_port())
+        config = router_config([("d0", d0.url)])
+        config = msgspec.structs.replace(config, workers=(wrong, *config.workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            with caplog.at_level(logging.WARNING, logger="router"):
+                for i in range(2):
+                    status, _, answer = await _generate(session, router, i)
+                    assert status == 502, answer
+                    assert "could not reach its bootstrap server" in answer["error"]["message"]
+            assert _failures(router) == {"p0": 2, "d0": 0}
+            said = [r.getMessage() for r in caplog.records if "bootstrap server" in r.getMessage()]
+            assert len(said) == 1 and "prefill worker p0" in said[0], said
