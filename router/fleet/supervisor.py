@@ -159,6 +159,13 @@ def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
         )
 
 
+def _pairing(role: PdRole, bootstrap_port: int | None) -> str:
+    """A worker's side of the pairs, as a log line says it."""
+    if bootstrap_port is None:
+        return role
+    return f"{role} (bootstrap port {bootstrap_port})"
+
+
 class Supervisor:
     """Owns the pool's membership and health: the health loop, and the discoveries of workers
     that take longer than a health round waits (`registering`), are its background tasks."""
@@ -377,8 +384,9 @@ class Supervisor:
 
     async def _recheck_settings(self, entry: WorkerEntry) -> bool | None:
         """Read a returning worker's server info again: it may be a new process with other
-        settings on the same ports. Its KV capacity and concurrency are taken; another set of
-        streams (dp ranks, ports) or page size registers it anew. Returns whether it did (None:
+        settings on the same ports. Its KV capacity, concurrency, role and bootstrap port are
+        taken (`_recheck_role`); another set of streams (dp ranks, ports) or page size registers
+        it anew. Returns whether it did (None:
         its settings could not be read). Before, the first process's settings stayed:
         requests named ranks it no longer had (400s), and the forecast counted a pool it no
         longer had (false hits)."""
@@ -394,6 +402,7 @@ class Supervisor:
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
+        self._recheck_role(entry, spec, info)
         if not needs_discovery(entry.config):
             return False  # its streams are its config's
         try:
@@ -416,6 +425,28 @@ class Supervisor:
         except RequestError as exc:
             self._refused(entry, exc)
         return True
+
+    def _recheck_role(self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any]) -> None:
+        """Take the role and bootstrap port a returning worker advertises now (`_role`: its
+        config's first). A prefill whose bootstrap port is left to the system binds another
+        one each start, and a process may come back as the other side of the pairs. Before,
+        the first process's stayed, as nothing else in its settings changed: every pair
+        through it named a bootstrap port nobody listened on (the decode's 502
+        `kv_transfer_failed`, for good), or a decode worker was sent prefill legs."""
+        role, port = self._role(entry, spec, info)
+        was_role, was_port = entry.role, entry.bootstrap_port
+        if (role, port) == (was_role, was_port):
+            return
+        self._pool.set_role(entry, role, port)
+        if role != was_role:
+            # its turns (and approx_tree's prefixes) were taken as the other side's
+            self._policy.forget(entry.id)
+        log.warning(
+            "worker %s came back as %s, was %s",
+            entry.id,
+            _pairing(role, port),
+            _pairing(was_role, was_port),
+        )
 
     async def _recheck_models(self, entry: WorkerEntry) -> bool:
         """Read a returning worker's models again; register it anew when they changed

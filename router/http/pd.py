@@ -33,9 +33,12 @@ the worker blamed (`_PairHooks.blamed`). A decode that times out (answers 504, S
 the prefill's failure: SGLang's prefill answers once its KV is handed over, so the KV never
 came. A prefill that failed is blamed for its decode's failure (a prefill dying mid-transfer:
 its connection drops, or its decode's transfer is cut, whichever the router hears first; a
-decode's other failures wait `_BLAME_GRACE_S` to hear of it). Any other failure of the decode
-is its own. The engine's 5xx is the client's answer when the side it is blamed on has no other
-worker to retry on; the request deadline bounds it all. Failures are charged to the workers
+decode's other failures wait `_BLAME_GRACE_S` to hear of it). So is a decode that says it could
+not reach the prefill's bootstrap server (`_BOOTSTRAP_UNREACHABLE`): the prefill's settings are
+read again and the pair retried where its port or role changed (a restart the router missed),
+else it is charged at once. Any other failure of the decode is its own. The engine's 5xx is the
+client's answer when the side it is blamed on has no other worker to retry on; the request
+deadline bounds it all. Failures are charged to the workers
 blamed as a whole request's are (`router.http.proxy.charge`), side by side, once the request
 ended (`_Charges`): a prompt every prefill fails opens no circuit. An answer is counted by the
 task that wrote it (`PairDispatcher._answered`), whatever the client does next.
@@ -47,6 +50,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -98,6 +102,16 @@ _ROOMS = 2**63  # SGLang's router draws bootstrap rooms in [0, 2**63)
 _BLAME_GRACE_S = 1.0
 _json = msgspec.json.Encoder()
 _TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as a client sent it
+# a decode that could not reach its prefill's bootstrap server, as SGLang's decode says it
+# ("Could not fetch prefill parallel info from bootstrap_addr: host:port") and the reference
+# worker's (502 `kv_transfer_failed`, "cannot reach the prefill's bootstrap server host:port"):
+# the prefill's side of the pair failed (gone, or the router names a stale bootstrap port), not
+# the decode, which would else be blamed and the 5xx passed through for good, logged nowhere
+_BOOTSTRAP_UNREACHABLE = re.compile(
+    rb"Could not fetch prefill parallel info|cannot reach the prefill's bootstrap server"
+)
+# a prefill whose bootstrap server its decodes cannot reach is said at most this often
+_SAY_UNREACHABLE_S = 60.0
 
 
 class PrefillFailed(Exception):
@@ -118,6 +132,16 @@ class PrefillFailed(Exception):
         self.sent = sent  # whether the worker got the request (`AttemptFailed.sent`)
         # no answer within the request deadline: charged at once, as the proxy charges it
         self.timed_out = timed_out
+
+
+class _BootstrapUnreachable(PrefillFailed):
+    """The decode could not reach the prefill's bootstrap server at `port` (the one the pair
+    was told): the prefill's failure, charged at once unless its settings, read again, give
+    another port or role (then retried there, not blamed)."""
+
+    def __init__(self, message: str, *, port: int | None, status: int | None) -> None:
+        super().__init__(message, hard=False, status=status)
+        self.port = port
 
 
 class _Charges:
@@ -207,6 +231,9 @@ class _PairHooks(AnswerHooks):
             self.headers[PREFILL_RANK_HEADER] = str(prefill.dp_rank)
         self.task: asyncio.Task[bytes] | None = None  # SGLang: the prefill side, under way
         self.merge = False
+        self.bootstrap_port: int | None = None  # SGLang: the one the pair was told
+        # the decode said it could not reach that bootstrap server (`passes_through`)
+        self.unreachable = False
         self.verdict: Candidate | None = None  # whom the decode's 5xx was blamed on
         # the worker blamed for a failure passed through (charged as the request ends), or for
         # a timeout (charged at once)
@@ -236,7 +263,13 @@ class _PairHooks(AnswerHooks):
             )
         return self.prefill if kv_wait else self.decode
 
-    def passes_through(self, status: int, last_try: bool) -> bool:
+    def passes_through(self, status: int, last_try: bool, payload: bytes) -> bool:
+        if self.task is not None and _BOOTSTRAP_UNREACHABLE.search(payload[:4096]):
+            # the prefill's failure, never passed through: its settings are read again, and the
+            # pair retried where they changed (`PairDispatcher._bootstrap_moved`)
+            self.unreachable = True
+            self.verdict = self.prefill
+            return False
         # the engine's own error is the client's answer when no retry could avoid the worker
         # to blame: a decode's timeout with no other prefill left, or its own failure with no
         # other decode left (its body lost, the client would learn less)
@@ -251,9 +284,14 @@ class _PairHooks(AnswerHooks):
         self._planner.record_failure(blamed.worker, hard=False)
         self.charged = blamed
 
-    async def before_commit(self) -> None:
+    async def before_commit(self, status: int) -> None:
         self._prefilled()
         task = self.task
+        if status >= 400:
+            # an error has no logprobs to merge: answered at once, as without return_logprob.
+            # Before, it waited for the prefill, which (SGLang's) answers only once its KV was
+            # fetched: a decode's 500 came after the prefill's own KV timeout, as its 504
+            self.merge = False
         if task is not None and (self.merge or task.done()):
             answer = _first_answer(await task)  # a failed prefill fails the attempt here
             items = answer if isinstance(answer, list) else [answer]
@@ -318,6 +356,8 @@ class PairDispatcher:
         self._session = session
         self._metrics = metrics
         self._rooms = random.SystemRandom()
+        # per prefill worker, when its unreachable bootstrap server was last said
+        self._said_unreachable: dict[str, float] = {}
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -417,6 +457,7 @@ class PairDispatcher:
             )
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
+            unreachable = False
             hooks = _PairHooks(
                 prefill,
                 decode,
@@ -454,6 +495,15 @@ class PairDispatcher:
                 # show (vLLM's was never sent the request)
                 _withdraw(p_ticket, Withdraw.PENDING)
                 _withdraw(d_ticket, Withdraw.ALL if hooks.task is None else Withdraw.PENDING)
+                if isinstance(exc, _BootstrapUnreachable):
+                    moved = await self._bootstrap_moved(prefill.worker, exc.port, deadline)
+                    if moved is not None and not last_try:
+                        # the router's port was stale (a restart): not the worker's failure
+                        log.warning("prefill worker %s %s: retried", prefill.worker, moved)
+                        continue
+                    # its bootstrap server is gone (or configured wrong): charged at once, as
+                    # a refused connection is; an unchanged port fails the same on a retry
+                    unreachable = at_once = moved is None
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
                 at_once = not exc.sent
@@ -512,7 +562,10 @@ class PairDispatcher:
                 planner.record_failure(blamed.worker, hard=hard)
             else:  # the request's fault as much as the worker's, maybe: charged at its end
                 charges.failed(side, blamed.worker, hard)
-            log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
+            if unreachable:
+                self._say_unreachable(blamed.worker, reason)
+            else:
+                log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
             self._metrics.retries.labels(blamed.worker).inc()
             failures.append(f"{side} {blamed.worker}: {reason}")
         charges.settle(False)
@@ -522,6 +575,40 @@ class PairDispatcher:
             # told 502 would take a slow fleet for a broken one
             raise UpstreamTimeoutError(message)
         raise UpstreamError(message)
+
+    async def _bootstrap_moved(self, worker: str, told: int | None, deadline: float) -> str | None:
+        """What changed of prefill `worker`'s side of the pairs since it was told to a pair as
+        bootstrap port `told`, its settings read again now (`Proxy.ranks_changed`, bounded by
+        the request `deadline`); None: nothing."""
+        await self._proxy.ranks_changed(worker, deadline)
+        entry = self._pairs.planner.pool.find(worker)
+        if entry is None:
+            return "left the pool"
+        if entry.role != "prefill":
+            return f"is a {entry.role} worker now"
+        if entry.bootstrap_port != told:
+            return f"has bootstrap port {entry.bootstrap_port} now, not {told}"
+        return None
+
+    def _say_unreachable(self, worker: str, reason: str) -> None:
+        """Say that decodes cannot reach prefill `worker`'s bootstrap server: at most once per
+        `_SAY_UNREACHABLE_S` (each failed pair says it at DEBUG): every pair through it fails
+        until it is back or its circuit opens."""
+        now = time.monotonic()
+        said = self._said_unreachable.get(worker)
+        if said is not None and now - said < _SAY_UNREACHABLE_S:
+            log.debug("prefill worker %s failed before answering: %s", worker, reason)
+            return
+        if len(self._said_unreachable) >= 4096:
+            self._said_unreachable.clear()  # bounded: workers come and go
+        self._said_unreachable[worker] = now
+        log.warning(
+            "prefill worker %s failed before answering: %s; its settings read again give no "
+            "other bootstrap port: charged to it (said at most every %g s)",
+            worker,
+            reason,
+            _SAY_UNREACHABLE_S,
+        )
 
     def _answered(
         self,
@@ -586,14 +673,18 @@ class PairDispatcher:
 
     # ----------------------------------------------------------------- SGLang
 
-    def _bootstrap_fields(
-        self, endpoint: Endpoint, parsed: ParsedRequest, prefill: Candidate
-    ) -> dict[str, Any]:
-        """SGLang's bootstrap fields for one request: a room per item of a batch."""
+    def _bootstrap_port(self, prefill: Candidate) -> int:
+        """The bootstrap port the router knows for `prefill`."""
         entry = self._pairs.planner.pool.find(prefill.worker)
         port = entry.bootstrap_port if entry is not None else None
         if port is None:
             raise PrefillFailed("no bootstrap port known for it", hard=False, sent=False)
+        return port
+
+    def _bootstrap_fields(
+        self, endpoint: Endpoint, parsed: ParsedRequest, prefill: Candidate, port: int
+    ) -> dict[str, Any]:
+        """SGLang's bootstrap fields for one request: a room per item of a batch."""
         host = urlsplit(prefill.url).hostname or "127.0.0.1"
         count = _batch_size(parsed.body) if endpoint is Endpoint.GENERATE else None
         ranks = self._pairs.planner.indexer.dp_size(prefill.worker)
@@ -634,7 +725,8 @@ class PairDispatcher:
         proxy = self._proxy
         prefill, decode = hooks.prefill, hooks.decode
         p_ticket, ticket = tickets
-        fields = self._bootstrap_fields(endpoint, parsed, prefill)
+        hooks.bootstrap_port = port = self._bootstrap_port(prefill)
+        fields = self._bootstrap_fields(endpoint, parsed, prefill, port)
         # the rank the prefill runs on, told to both legs: the router's, else the client's,
         # forwarded as it wrote it (the router does not know the prefill's ranks). With it the
         # prefill skips its room check and the decode looks there (SGLang 0.5.23,
@@ -678,6 +770,13 @@ class PairDispatcher:
                     failure = prefill_task.exception()
                     if isinstance(failure, PrefillFailed | _PrefillRefused):
                         raise failure from exc
+                if hooks.unreachable:
+                    raise _BootstrapUnreachable(
+                        f"its decode {decode.worker} could not reach its bootstrap server at port "
+                        f"{hooks.bootstrap_port} ({exc})",
+                        port=hooks.bootstrap_port,
+                        status=exc.status,
+                    ) from exc
                 if blamed is prefill:
                     # retried on another prefill: this one took the request and sent no KV
                     raise PrefillFailed(

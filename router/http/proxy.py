@@ -267,15 +267,15 @@ class AnswerHooks:
         self.request_headers: dict[str, str] = {}  # set on the upstream request
         self.headers: dict[str, str] = {}  # set on the answer (after the proxy's own)
 
-    async def before_commit(self) -> None:
-        """Awaited once the worker answered, before anything reaches the client; raising
-        makes the attempt fail (AttemptFailed: retried)."""
+    async def before_commit(self, status: int) -> None:
+        """Awaited once the worker answered (`status`), before anything reaches the client;
+        raising makes the attempt fail (AttemptFailed: retried)."""
 
-    def passes_through(self, status: int, last_try: bool) -> bool:
-        """Whether the worker's 5xx `status` is the client's answer (else AttemptFailed). With
-        hooks, the caller charges the failure to whichever worker it blames (a pair's decode
-        may fail for its prefill): once the request ended (`charge`), or at once in
-        `timed_out`."""
+    def passes_through(self, status: int, last_try: bool, payload: bytes) -> bool:
+        """Whether the worker's 5xx `status` (its body: `payload`) is the client's answer (else
+        AttemptFailed). With hooks, the caller charges the failure to whichever worker it
+        blames (a pair's decode may fail for its prefill, and say so in its body): once the
+        request ended (`charge`), or at once in `timed_out`."""
         return last_try
 
     def timed_out(self) -> None:
@@ -769,14 +769,16 @@ class Proxy:
             # refused the request (4xx: SGLang validates before scheduling) stored nothing
             status = upstream.status
             ticket.withdraw = Withdraw.ALL if 400 <= status < 500 else Withdraw.PENDING
+        payload: bytes | None = None  # read already
         if upstream.status >= 500:
             if hooks is not None:
-                last_try = hooks.passes_through(upstream.status, last_try)
+                # read first: whom a pair's failure is blamed on may be in its body
+                payload = await upstream.read()
+                last_try = hooks.passes_through(upstream.status, last_try, payload)
             if not last_try:
                 raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
             # passed through, but still a failure: charged once the request ended (`charge`:
             # by `_route`, or the pair dispatcher's `_answered`)
-        payload: bytes | None = None  # read already
         if upstream.status == 400 and rank_moved is not None:
             payload = await upstream.read()
             if refuses_rank(upstream.status, payload) and await rank_moved():
@@ -807,7 +809,7 @@ class Proxy:
                 payload = await upstream.read()
             if hooks is not None:
                 self._planner.first_byte(ticket)
-                await hooks.before_commit()
+                await hooks.before_commit(upstream.status)
                 payload = hooks.body(payload)
             if obs is not None:
                 obs.first_byte()
@@ -831,7 +833,7 @@ class Proxy:
         first = await upstream.readany()
         self._planner.first_byte(ticket)
         if hooks is not None:
-            await hooks.before_commit()
+            await hooks.before_commit(upstream.status)
         if obs is not None:
             obs.first_byte()
         return await self._stream(request, upstream, out, first, candidate.worker, hooks, deadline)

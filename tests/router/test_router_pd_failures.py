@@ -46,8 +46,10 @@ class FakePdWorker:
         hang: bool = False,
         status: int = 200,
         cut: bool = False,
+        message: str = "",
     ) -> None:
         self.role, self.hang, self.status, self.cut = role, hang, status, cut
+        self.message = message  # its error's (else "engine says <status>")
         self.seen: list[dict[str, str]] = []
         self.arrived = asyncio.Event()  # a generation request came
         self.url, self.port = "", 0
@@ -78,7 +80,10 @@ class FakePdWorker:
             request.transport.close()  # no last chunk: the answer is unended
             await asyncio.sleep(3600)  # cancelled at cleanup
         if self.status != 200:
-            error = {"type": "engine_error", "message": f"engine says {self.status}"}
+            error = {
+                "type": "engine_error",
+                "message": self.message or f"engine says {self.status}",
+            }
             return web.json_response({"error": error}, status=self.status)
         answer: dict[str, Any] = {"text": "ok", "meta_info": {"cached_tokens": 0}}
         if request.path != "/generate":
@@ -220,6 +225,55 @@ async def test_a_lone_decodes_error_is_passed_through_with_the_engines_body(
             # the request failed on every decode it could go to: its own failure, as a whole
             # request's (`charge`), nobody charged
             assert _failures(router) == {"p0": 0, "p1": 0, "d0": 0}
+
+
+@pytest.mark.parametrize("status", [500, 400])
+@pytest.mark.parametrize("logprobs", [True, False])
+async def test_a_decodes_error_is_answered_at_once_with_return_logprob(
+    status: int, logprobs: bool
+) -> None:
+    """A decode's error has no logprobs to merge: it is the client's answer at once, blamed as
+    without `return_logprob`. Before, with it the router waited for the prefill, which
+    (SGLang's) answers only once a decode fetched its KV: the decode's 500 came after the
+    prefill's own KV timeout (with the reference workers: a 504 blaming the prefill)."""
+    async with (
+        FakePdWorker("prefill", hang=True) as p0,
+        FakePdWorker("decode", status=status) as d0,
+    ):
+        config = _config(workers=(_fake("p0", p0), _fake("d0", d0)))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=60.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            body = {**BODY, "return_logprob": logprobs}
+            async with asyncio.timeout(10):  # the prefill never answers: the deadline is 60 s
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    answer = await resp.json()
+            assert resp.status == status, answer
+            assert resp.headers["x-kvroute-worker"] == "d0"
+            assert answer == {"error": {"type": "engine_error", "message": f"engine says {status}"}}
+            assert p0.seen  # the prefill had the request: its leg was cut, not waited for
+            # the request failed on every decode it could go to: nobody charged (`charge`)
+            assert _failures(router) == {"p0": 0, "d0": 0}
+
+
+async def test_sglangs_decode_that_cannot_reach_the_bootstrap_server_is_the_prefills_failure() -> (
+    None
+):
+    """SGLang's decode says in its error that it could not reach its prefill's bootstrap server
+    ("Could not fetch prefill parallel info from bootstrap_addr"): the prefill is blamed and
+    charged at once. Before, the decode was blamed (a 500 while its prefill had not answered)
+    and, alone, its error passed through: nobody charged, the prefill chosen again for ever."""
+    said = "Could not fetch prefill parallel info from bootstrap_addr: 127.0.0.1:1"
+    async with (
+        FakePdWorker("prefill", hang=True) as p0,
+        FakePdWorker("decode", status=500, message=said) as d0,
+    ):
+        config = _config(workers=(_fake("p0", p0), _fake("d0", d0)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                answer = await resp.json()
+            assert resp.status == 502, answer
+            assert "prefill p0: its decode d0 could not reach" in answer["error"]["message"]
+            assert _failures(router) == {"p0": 1, "d0": 0}
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
