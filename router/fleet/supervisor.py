@@ -18,19 +18,18 @@ probe all workers concurrently, each with its own timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import aiohttp
-import msgspec
 
 from indexer.config import StreamConfig
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, WorkerConfig
 from router.errors import RequestError
+from router.fleet.advertised import check_ranks, check_topic, replay_proof, sockets
 from router.fleet.discovery import (
     capacity_from_server_info,
     flushes_by_salt,
@@ -75,88 +74,6 @@ class WorkerGauges(Protocol):
     def added(self, worker: str) -> None: ...
 
     def forget(self, worker: str) -> None: ...
-
-
-def _replay_proof(
-    config: WorkerConfig, info: dict[str, Any] | None, streams: list[StreamConfig]
-) -> tuple[list[StreamConfig], str | None]:
-    """`streams` marked with whether their replay sockets are known to be their publishers':
-    the worker advertises exactly these event and replay sockets. A configured pair that
-    cannot be compared (no server info, event sockets mapped on the way) is not. With them,
-    what to tell the operator when the worker advertises other event sockets than its config
-    gives (None: nothing): mapped ports, or another worker's sockets by a typo.
-
-    RequestError when a configured replay socket is not the one the worker advertises while
-    its event sockets are: another worker's would rebuild this worker's streams from that
-    worker's cache (false hits)."""
-    advertised: list[StreamConfig] = []
-    if info is not None:
-        bare = msgspec.structs.replace(config, events=None, replay=None)
-        with contextlib.suppress(RequestError):  # it advertises nothing usable
-            advertised = streams_for(bare, info)
-    note = None
-    told_events = [s.endpoint for s in advertised]
-    given_events = [s.endpoint for s in streams]
-    if advertised and told_events == given_events:
-        told = [s.replay_endpoint for s in advertised]
-        given = [s.replay_endpoint for s in streams]
-        if told == given:
-            return streams, None
-        if config.replay is not None and all(t is not None for t in told):
-            raise RequestError(
-                f"worker {config.worker_id}: replay {given} is not the replay socket it "
-                f"advertises ({told}) for these event sockets: another worker's would rebuild "
-                "its streams from that worker's cache; fix `replay` in its config (not "
-                "subscribed until then)"
-            )
-    elif advertised:
-        # not refused (ports may be mapped on the way), but said: before, the stream stayed
-        # `unverified` and nothing said why
-        note = (
-            f"it advertises event sockets {told_events}, its config gives {given_events}: "
-            "what its streams' replay brings predicts no hit until a live batch agrees with "
-            "it; unless the ports are mapped on the way, fix `events` (and `replay`) in its "
-            "config (another worker's sockets would predict that worker's cache)"
-        )
-    return [msgspec.structs.replace(s, replay_proven=False) for s in streams], note
-
-
-def _sockets(streams: list[StreamConfig]) -> list[tuple[int, str, str | None, str]]:
-    """What of a worker's streams says which sockets they are: another process may publish
-    on others (a rank, events, replay or topic that differs is a stream to subscribe anew)."""
-    return sorted((s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in streams)
-
-
-def _check_ranks(config: WorkerConfig, info: dict[str, Any], streams: list[StreamConfig]) -> None:
-    """RequestError when the streams a config spells out cover other dp ranks than the worker
-    says it runs: a rank left out is one the engine places requests on while the router
-    predicts them from another rank's pages (the check on discovered streams is
-    `streams_for`'s)."""
-    advertised = engine_spec(config.engine).advertised_events(info).get("dp_size")
-    if not isinstance(advertised, int) or isinstance(advertised, bool) or advertised < 1:
-        return
-    ranks = len({s.dp_rank for s in streams})
-    if streams and ranks != advertised:
-        raise RequestError(
-            f"worker {config.worker_id}: its config gives events for {ranks} dp rank(s), the "
-            f"worker advertises dp_size {advertised}: give dp_size = {advertised} (or one "
-            "endpoint per rank)"
-        )
-
-
-def _check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:
-    """RequestError when the configured topic is not a prefix of the one the worker says it
-    publishes under: its SUB (which matches by prefix) would receive nothing, and the stream
-    would look healthy while no hit is ever predicted for the worker."""
-    if config.topic is None:
-        return
-    advertised = engine_spec(config.engine).advertised_events(info).get("topic")
-    if isinstance(advertised, str) and not advertised.startswith(config.topic):
-        raise RequestError(
-            f"worker {config.worker_id}: topic {config.topic!r} is not the topic it publishes "
-            f"under ({advertised!r}), so nothing it publishes would arrive; fix `topic` in its "
-            "config, or leave it out to take the advertised one (not subscribed until then)"
-        )
 
 
 def _pairing(role: PdRole, bootstrap_port: int | None) -> str:
@@ -342,10 +259,10 @@ class Supervisor:
         when one cannot be trusted."""
         streams = streams_for(entry.config, discovered, model=models[0] if models else "")
         if info is not None:
-            _check_topic(entry.config, info)
-            _check_ranks(entry.config, info, streams)
+            check_topic(entry.config, info)
+            check_ranks(entry.config, info, streams)
         # discovering or not: configured replay sockets beside advertised ones are checked
-        streams, note = _replay_proof(entry.config, info, streams)
+        streams, note = replay_proof(entry.config, info, streams)
         if note is None:
             self._doubts.pop(entry.id, None)
         else:
@@ -411,7 +328,7 @@ class Supervisor:
             return False
         sizes = {s.block_size for s in streams}
         known = {self._indexer.block_size(entry.id)}
-        same = _sockets(streams) == _sockets(self._indexer.stream_configs(entry.id))
+        same = sockets(streams) == sockets(self._indexer.stream_configs(entry.id))
         if same and sizes <= known | {None}:
             return False
         log.warning(
@@ -621,7 +538,7 @@ class Supervisor:
 
     def doubt(self, worker: str) -> str | None:
         """What `worker`'s registration found suspect in its config, as logged (None: nothing):
-        registered all the same (`_replay_proof`)."""
+        registered all the same (`router.fleet.advertised.replay_proof`)."""
         return self._doubts.get(worker)
 
     def _doubt(self, worker: str, note: str) -> None:
