@@ -248,6 +248,10 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 1.0
     path: str = "/health"
+    # a healthy worker whose KV-event streams come from its `/server_info` has it read again
+    # this often, its streams looking fine or not (0: never): a pod replaced behind its URL
+    # while the old one runs on is caught without traffic (`Supervisor._settings_due`)
+    settings_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 
 class BreakerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -4,7 +4,9 @@ come from, health.
 - `supervisor`: pool membership (add, remove, registration with the indexer) and the health
   loop, the router's one background task;
 - `discovery`: a worker's KV-event streams, from its config and its `/server_info`, and what
-  its `/server_info` and `/v1/models` say it serves.
+  its `/server_info` and `/v1/models` say it serves;
+- `false_hits`: answers that keep reusing far less than predicted, the sign the router follows
+  another process than the one behind a worker's URL (the supervisor then checks it).
 
 Nothing is imported here, so `kvroute --help` stays light.
 """

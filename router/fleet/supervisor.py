@@ -10,9 +10,13 @@ restarted (`IndexerService.restart_listeners`), or whose engine refused a rank t
 it (`reread`): a process restarted between two probes, or replaced behind a stable URL, never
 looks down to the health check, yet may run other dp ranks. One on other event ports shows
 no restart on the old ones either: a healthy worker whose stream went STALE is read again too
-(`_quiet_due`). A worker registered anew as another process keeps its streams' counters, the
-restart counted (`IndexerService.add_worker`). Health rounds run every `health.interval_s` and
-probe all workers concurrently, each with its own timeout.
+(`_quiet_due`). One whose old process keeps running and answering on the old sockets (a
+rolling update's grace period) shows nothing of the kind: the answers tell, reusing far less
+than predicted again and again (`router.fleet.false_hits`), and its settings are read at once
+(`mispredicted`); and every `health.settings_interval_s` anyway (`_settings_due`), so a
+replaced pod is caught without traffic too. A worker registered anew as another process keeps
+its streams' counters, the restart counted (`IndexerService.add_worker`). Health rounds run
+every `health.interval_s` and probe all workers concurrently, each with its own timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from router.fleet.discovery import (
     needs_discovery,
     streams_for,
 )
+from router.fleet.false_hits import STREAK, FalseHitWatch
 from router.fleet.worker_settings import read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
@@ -132,6 +137,18 @@ class Supervisor:
         # per worker with a STALE stream while healthy: when its settings may be read again
         # for it, and the wait before the one after (`_quiet_due`)
         self._quiet: dict[str, tuple[float, float]] = {}
+        # per worker whose settings come from its server info: when they were last read
+        # (`_settings_due`)
+        self._read_at: dict[str, float] = {}
+        # per worker whose settings could not be read: until when that is not said again
+        # (`_unreadable`)
+        self._unread_until: dict[str, float] = {}
+        # per worker its answers found mispredicted: when it may be checked again
+        # (`mispredicted`), and the checks under way
+        self._doubted_until: dict[str, float] = {}
+        self._checks: set[asyncio.Task[None]] = set()
+        # told every answer's usage by the observer (`router.http.observe`)
+        self.watch = FalseHitWatch(indexer.block_size, self.mispredicted)
         indexer.restart_listeners.append(self._stream_restarted)
 
     def reconfigure(self, health: HealthConfig) -> None:
@@ -239,6 +256,9 @@ class Supervisor:
         entry.flushes_by_salt = flushes_by_salt(info)
         entry.max_running_requests = max_running_from_server_info(info)
         entry.discovered = True
+        if info is not None:
+            self._read_at[entry.id] = self._clock()
+        self.watch.forget(entry.id)  # a streak was the old registration's
         log.info(
             "worker %s: serves %s as %s, %d KV-event stream(s) registered",
             entry.id,
@@ -312,10 +332,13 @@ class Supervisor:
             return False
         try:
             info = await self.server_info(entry.url, spec)
-        except RequestError:
+        except RequestError as exc:
+            self._unreadable(entry, exc)
             return None  # not readable: what was known stays (`_reread` tries again)
         if self._pool.find(entry.id) is not entry:
             return False
+        self._read_at[entry.id] = self._clock()
+        self._unread_until.pop(entry.id, None)
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
@@ -531,7 +554,7 @@ class Supervisor:
 
     async def close(self) -> None:
         """Cancel the discoveries under way (the router is stopping)."""
-        tasks = [*self._registering.values(), *self._rereading.values()]
+        tasks = [*self._registering.values(), *self._rereading.values(), *self._checks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -693,6 +716,10 @@ class Supervisor:
         self._said.pop(worker_id, None)
         self._stale.discard(worker_id)
         self._quiet.pop(worker_id, None)
+        self._read_at.pop(worker_id, None)
+        self._unread_until.pop(worker_id, None)
+        self._doubted_until.pop(worker_id, None)
+        self.watch.forget(worker_id)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
@@ -740,7 +767,12 @@ class Supervisor:
             # bounded: a worker that answers its health check but hangs in discovery must not
             # hold the round (every other worker's health) for its discovery's timeout
             await asyncio.wait({self.registering(entry)}, timeout=self._health.timeout_s)
-        elif healthy and (came_back or entry.id in self._stale or self._quiet_due(entry, now)):
+        elif healthy and (
+            came_back
+            or entry.id in self._stale
+            or self._quiet_due(entry, now)
+            or self._settings_due(entry, now)
+        ):
             # bounded as a discovery is: a re-read left unfinished goes on in the background
             await asyncio.wait({self.rereading(entry)}, timeout=self._health.timeout_s)
         return healthy
@@ -769,6 +801,98 @@ class Supervisor:
             "worker %s: a KV-event stream is STALE while it is healthy: settings read", entry.id
         )
         return True
+
+    def _settings_due(self, entry: WorkerEntry, now: float) -> bool:
+        """Whether a healthy worker whose streams come from its server info has it read again
+        on the slow cadence (`health.settings_interval_s`, 0: never), its streams looking fine
+        or not: the safety net under `_quiet_due` and `mispredicted`, for a pod replaced
+        behind its URL while the old one runs on (its sockets answer: never STALE) and no
+        request tells (no traffic). One `/server_info` a minute per worker by default."""
+        every_s = self._health.settings_interval_s
+        if not every_s or not needs_discovery(entry.config):
+            return False
+        read_at = self._read_at.setdefault(entry.id, now)
+        if now - read_at < every_s:
+            return False
+        self._read_at[entry.id] = now  # once per cadence, read or not (`_unreadable` says)
+        log.debug("worker %s: settings read again (every %g s)", entry.id, every_s)
+        return True
+
+    def _unreadable(self, entry: WorkerEntry, exc: RequestError) -> None:
+        """Say that `entry`'s settings could not be read again, and why: at most once per
+        back-off interval (its STALE re-read's, else `indexer.stale_after_s`), and once per
+        burst of tries (`_REREAD_TRIES`). Before, nothing was said: a worker whose
+        `/server_info` broke (garbage, timeouts) was asked in bursts for good without a line in
+        the log."""
+        now = self._clock()
+        if now < self._unread_until.get(entry.id, now):
+            log.debug("worker %s: %s (still)", entry.id, exc)
+            return
+        wait_s = max(
+            self._quiet.get(entry.id, (now, 0.0))[1] or self._indexer.config.stale_after_s,
+            _REREAD_TRIES * self._health.timeout_s,
+        )
+        if len(self._unread_until) >= 4096:
+            self._unread_until.clear()  # bounded as `_said` is
+        self._unread_until[entry.id] = now + wait_s
+        log.warning(
+            "worker %s: its settings could not be read again (%s): what was known of it stays; "
+            "asked again later (said at most every %g s)",
+            entry.id,
+            exc,
+            wait_s,
+        )
+
+    def mispredicted(self, worker: str, predicted: int, cached: int) -> None:
+        """`worker`'s answers reused far less than predicted, `STREAK` in a row (the last:
+        `cached` of `predicted` tokens; `router.fleet.false_hits`): the index may follow
+        another process than the one behind its URL. Its settings are read at once, at most
+        once per `indexer.stale_after_s` (`_check_predictions`). Before, nothing acted on it:
+        a pod replaced while the old one ran on was predicted from the old pod's cache for
+        good (every request a false hit)."""
+        entry = self._pool.find(worker)
+        if entry is None or not entry.discovered or id(entry) in self._adding:
+            return  # its registration, under way or to come, reads them
+        now = self._clock()
+        if now < self._doubted_until.get(worker, now):
+            return
+        self._doubted_until[worker] = now + self._indexer.config.stale_after_s
+        log.info(
+            "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
+            "%d of %d): its settings read again",
+            worker,
+            STREAK,
+            cached,
+            predicted,
+        )
+        task = asyncio.create_task(
+            self._check_predictions(entry, predicted, cached), name=f"kvroute-doubt-{worker}"
+        )
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check_predictions(self, entry: WorkerEntry, predicted: int, cached: int) -> None:
+        """Read `entry`'s settings again (`rereading`): other sockets, ranks or page size
+        register it anew. The same settings (or none readable) put its streams in doubt: they
+        predict nothing until a replay proves them (`IndexerService.suspect_restart`), said in
+        one WARNING."""
+        anew = await self.rereading(entry)
+        if anew or self._pool.find(entry.id) is not entry or not entry.discovered:
+            return
+        if self._indexer.has_worker(entry.id):
+            self._indexer.suspect_restart(entry.id, "its answers reused far less than predicted")
+        log.warning(
+            "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
+            "%d of %d), and its settings %s: its KV-event streams predict nothing until a "
+            "replay proves them",
+            entry.id,
+            STREAK,
+            cached,
+            predicted,
+            "could not be read"
+            if entry.id in self._unread_until
+            else "are the ones it was registered with",
+        )
 
     async def check_all(self) -> None:
         """One health round over every worker."""

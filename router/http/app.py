@@ -355,6 +355,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
         observer = operations.start(app, indexer, load)
+        observer.watch = supervisor.watch  # answers that keep reusing far less: checked
         tokenizer = operations.proxy_tokenizer(app)
         app[PROXY] = proxy = Proxy(config, planner, upstream, tokenizer, app[METRICS], observer)
         app[METRICS].holding.set_function(proxy.held)

@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.fleet.false_hits import FalseHitWatch
 from router.http.decisions import Decision, DecisionStats
 from router.http.metrics import WORKER_BROKE_OFF
 from router.http.spans import SpanMaker, TraceSpan
@@ -88,6 +89,9 @@ class Observer:
         self.stats = stats
         self.tracing = tracing
         self.enabled = enabled  # `[observe] enabled`: false, every request is `Unobserved`
+        # told every answer's cached against predicted tokens: a worker whose answers keep
+        # reusing far less than predicted is checked (set by the app)
+        self.watch: FalseHitWatch | None = None
         # the statistics read a decision's block size when they count it, off the request path
         stats.block_size = block_size
 
@@ -217,7 +221,15 @@ class Observation:
         decision.status = status
         decision.duration_s = time.perf_counter() - self.started
         self._decision = None
-        self._observer.stats.told(decision)
+        observer = self._observer
+        observer.stats.told(decision)
+        cached = decision.cached_tokens
+        if cached is not None and status == 200 and observer.watch is not None:
+            chosen = decision.chosen
+            # the prediction as x-kvroute-matched-tokens said it (as `DecisionStats` counts)
+            observer.watch.answered(
+                chosen.worker, min(chosen.matched_tokens, chosen.predicted_tokens), cached
+            )
         if log.isEnabledFor(logging.DEBUG):
             chosen = decision.chosen
             log.debug(

@@ -371,6 +371,9 @@ class Front:
         self._session: aiohttp.ClientSession | None = None
         self.url = ""
         self.asked: list[str] = []  # the paths asked, in order
+        # when set, what the server-info paths answer (200) in place of the worker's: a broken
+        # one
+        self.server_info: bytes | None = None
 
     async def __aenter__(self) -> Front:
         self._session = aiohttp.ClientSession()
@@ -386,6 +389,8 @@ class Front:
     async def _forward(self, request: web.Request) -> web.Response:
         assert self._session is not None
         self.asked.append(request.path)
+        if request.path in ("/server_info", "/get_server_info") and self.server_info is not None:
+            return web.Response(body=self.server_info, content_type="application/json")
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         async with self._session.request(
             request.method,

@@ -1,0 +1,254 @@
+"""A pod replaced behind its URL while the old one keeps running: the old sockets answer every
+probe (never STALE), the health check never fails; the router's over-predictions
+(`router.fleet.false_hits`) and the slow settings cadence (`health.settings_interval_s`) catch
+it. And a worker whose `/server_info` cannot be read is said so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import partial
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.config import HealthConfig, IndexerSection
+from router.fleet.false_hits import GROSS_PAGES, STREAK, FalseHitWatch
+from router.service import RouterService
+from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.test_router_worker_restart import PROBE_S, Front
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+PAGE = 16
+
+
+def prompt(i: int, kind: str) -> dict[str, Any]:
+    """Prompts sharing no page with each other, long enough (well over GROSS_PAGES pages) for
+    a wrong cache to be told from an eviction."""
+    return {"prompt": f"{i} {kind} prompt: " + "lorem ipsum dolor " * 40, "max_tokens": 1}
+
+
+class Client:
+    """The router's answers: what it predicted, what the worker reused."""
+
+    def __init__(self, session: aiohttp.ClientSession, router: RouterService) -> None:
+        self._session = session
+        self._url = router.url
+
+    async def send(self, body: dict[str, Any]) -> tuple[int, int]:
+        """(x-kvroute-matched-tokens, the answer's cached_tokens)."""
+        async with self._session.post(self._url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            matched = int(resp.headers["x-kvroute-matched-tokens"])
+            answer = await resp.json()
+        return matched, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def predicted(self, body: dict[str, Any]) -> int:
+        async with self._session.post(self._url + "/admin/route", json=body, headers=AUTH) as resp:
+            plan = await resp.json()
+        return sum(c["matched_tokens"] for c in plan["candidates"])
+
+    async def indexed(self, bodies: list[dict[str, Any]]) -> bool:
+        return all([await self.predicted(b) > 0 for b in bodies])
+
+
+def on_ports_of(router: RouterService, worker: ReferenceWorker) -> bool:
+    (cfg,) = router.indexer.stream_configs("w")
+    return cfg.endpoint == worker.kv_events.endpoints[0]
+
+
+async def test_a_pod_replaced_while_the_old_one_runs_on_is_caught_by_its_false_hits() -> None:
+    """The old pod answers its replay probes, so its stream stays SYNCED, and the new one is
+    never read again: every request was predicted from the old pod's cache (QA: 12 of 12
+    false hits over 33 s). Now STREAK answers in a row reusing far less than predicted have
+    the worker's settings read at once: the new pod's event ports register it anew."""
+    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
+    async with (
+        ReferenceWorker(config) as old_pod,
+        ReferenceWorker(config) as new_pod,
+        Front(old_pod.url) as front,
+    ):
+        router_cfg = router_config(
+            [("w", front.url)],
+            # the slow cadence and the STALE re-read are far off: only the answers can tell
+            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=600.0),
+            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
+        )
+        async with RouterService(router_cfg) as router, aiohttp.ClientSession() as session:
+            client = Client(session, router)
+            old = [prompt(i, "old") for i in range(STREAK + 4)]
+            for body in old:
+                await client.send(body)
+            await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+
+            front.target = new_pod.url  # the old pod runs on, answering its probes
+            for body in old[:STREAK]:
+                matched, cached = await client.send(body)
+                assert matched > cached  # a false hit: the new pod never saw it
+
+            async def anew() -> bool:
+                return on_ports_of(router, new_pod)
+
+            await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
+            # the old pod's cache predicts nothing from here on
+            for body in old[STREAK:]:
+                assert await client.send(body) == (0, 0)
+            new = [prompt(i, "new") for i in range(4)]
+            for body in new:
+                await client.send(body)
+            await eventually(partial(client.indexed, new), what="the new pod's pages predicted")
+            for body in new:
+                matched, cached = await client.send(body)
+                assert matched == cached > 0
+            assert router.planner.pool.get("w").healthy
+
+
+async def test_false_hits_on_a_worker_with_unchanged_settings_put_its_streams_in_doubt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same streak where the worker still advertises the settings it was registered with
+    (here: the new pod behind a front that answers the old pod's `/server_info`): nothing to
+    register anew, so its streams predict nothing until a replay proves them, said in one
+    WARNING with the numbers."""
+    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
+    async with (
+        ReferenceWorker(config) as old_pod,
+        ReferenceWorker(config) as new_pod,
+        Front(old_pod.url) as front,
+    ):
+        router_cfg = router_config(
+            [("w", front.url)],
+            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=600.0),
+            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
+        )
+        async with RouterService(router_cfg) as router, aiohttp.ClientSession() as session:
+            client = Client(session, router)
+            old = [prompt(i, "old") for i in range(STREAK)]
+            for body in old:
+                await client.send(body)
+            await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+            async with session.get(old_pod.url + "/server_info") as resp:
+                front.server_info = await resp.read()
+            front.target = new_pod.url
+            caplog.set_level(logging.INFO)
+            verifications = router.indexer.streams()[0].verifications
+            for body in old:
+                matched, cached = await client.send(body)
+                assert matched > cached == 0
+
+            def said() -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.levelno == logging.WARNING and "in a row" in r.getMessage()
+                ]
+
+            async def doubted() -> bool:
+                return bool(said())
+
+            await eventually(doubted, timeout_s=5.0, what="its streams put in doubt")
+            assert said() == [
+                f"worker w: {STREAK} answers in a row reused far fewer tokens than predicted "
+                f"(the last: 0 of {matched}), and its settings are the ones it was registered "
+                "with: its KV-event streams predict nothing until a replay proves them"
+            ]
+            assert any("reused far less than predicted" in r.getMessage() for r in caplog.records)
+
+            async def proven_again() -> bool:
+                return router.indexer.streams()[0].verifications > verifications
+
+            await eventually(proven_again, what="the stream checked through its replay")
+            assert on_ports_of(router, old_pod)  # nothing registered anew
+
+
+async def test_a_replaced_pod_is_caught_without_traffic_by_the_settings_cadence() -> None:
+    """No request, no answer to tell: the healthy worker's `/server_info` is read again every
+    `health.settings_interval_s` all the same, and the new pod's ports register it anew."""
+    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
+    async with (
+        ReferenceWorker(config) as old_pod,
+        ReferenceWorker(config) as new_pod,
+        Front(old_pod.url) as front,
+    ):
+        router_cfg = router_config(
+            [("w", front.url)],
+            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=0.5),
+            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=30.0),
+        )
+        async with RouterService(router_cfg) as router:
+
+            async def registered() -> bool:
+                return router.indexer.has_worker("w") and on_ports_of(router, old_pod)
+
+            await eventually(registered, what="registered on the old pod's ports")
+            reads = front.asked.count("/server_info")
+            await asyncio.sleep(1.2)  # two cadences: read again, nothing changed
+            assert 1 <= front.asked.count("/server_info") - reads <= 4
+            assert on_ports_of(router, old_pod)
+            front.target = new_pod.url
+
+            async def anew() -> bool:
+                return on_ports_of(router, new_pod)
+
+            await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
+
+
+async def test_an_unreadable_server_info_is_said_once_per_back_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A healthy worker with a STALE stream has its settings read again at a back-off; one
+    whose `/server_info` answers garbage was asked in bursts without a line in the log. Now
+    each back-off interval says it once, with why."""
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0)) as w, Front(w.url) as front:
+        stale_after_s = 0.2
+        router_cfg = router_config(
+            [("w", front.url)],
+            health=HealthConfig(interval_s=0.02, timeout_s=0.1),
+            indexer=IndexerSection(probe_interval_s=0, stale_after_s=stale_after_s),
+        )
+        async with RouterService(router_cfg) as router:
+            entry = router.planner.pool.get("w")
+
+            async def up() -> bool:
+                return entry.routable(router.planner.clock())
+
+            await eventually(up, what="the worker registered and healthy")
+            front.server_info = b"<html>not json"
+            caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+            first = front.asked.count("/server_info")
+            # back-offs of 0.2, 0.4, 0.8, 1.6 s
+            await asyncio.sleep(stale_after_s + 2.0)
+            reads = front.asked.count("/server_info") - first
+            said = [
+                r.getMessage()
+                for r in caplog.records
+                if "settings could not be read again" in r.getMessage()
+            ]
+            assert said, reads
+            assert len(said) <= 4 < reads, (said, reads)
+            assert said[0].startswith("worker w: ")
+            assert "/get_server_info: DecodeError" in said[0]  # why, as the last path said
+
+
+def test_evictions_that_keep_a_prefix_head_or_confirm_a_prediction_never_make_a_streak() -> None:
+    """KV pressure between routing and admission loses a prefix's tail and keeps its head; a
+    wrong cache loses it all, answer after answer."""
+    told: list[tuple[str, int, int]] = []
+    watch = FalseHitWatch(lambda worker: PAGE, lambda *args: told.append(args))
+    for _ in range(3 * STREAK):
+        watch.answered("w", 320, 96)  # the head kept: 96 of 320, over a quarter
+        watch.answered("w", 320, 0)  # a prefix evicted whole
+        watch.answered("w", 320, 0)
+        watch.answered("w", 320, 0)
+        watch.answered("w", 320, 320)  # confirmed: the streak starts again
+        watch.answered("w", PAGE * (GROSS_PAGES - 1), 0)  # a short prompt tells nothing
+        watch.answered("w", 0, 0)  # nothing predicted: nothing to confirm
+    assert told == []
+    for _ in range(STREAK):
+        watch.answered("w", 0, 0)  # no prediction breaks a streak either
+        watch.answered("w", 304, 16)
+    assert told == [("w", 304, 16)]
+    watch.answered("w", 304, 16)  # a new streak starts from nothing
+    assert told == [("w", 304, 16)]
