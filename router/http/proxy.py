@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -378,7 +379,7 @@ class Proxy:
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
         # reads a worker's settings again, waiting at most the given seconds: whether it was
         # registered anew (`Supervisor.reread`; set by the app)
-        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
+        self.reread: Callable[[str, float], Coroutine[Any, Any, bool]] | None = None
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
         planner.on_progress = self._progressed
@@ -578,7 +579,11 @@ class Proxy:
         wait_s = min(deadline - time.monotonic(), self._config.health.timeout_s)
         if wait_s <= 0:
             return False
-        return await self.reread(worker, wait_s)
+        # the re-read, the registration and the subscribers it starts outlive this request:
+        # started from a context of their own, not the request's (its id on their log lines,
+        # its observation kept alive by them)
+        reread = asyncio.create_task(self.reread(worker, wait_s), context=contextvars.Context())
+        return await reread
 
     def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""

@@ -30,6 +30,7 @@ from aiohttp.test_utils import TestServer
 
 from indexer.protocol.events import EventBatch
 from router.config import HealthConfig, IndexerSection, LimitsConfig, WorkerConfig
+from router.http.observe import install_log_request_id
 from router.service import RouterService
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.router.conftest import (
@@ -407,6 +408,59 @@ async def test_a_rank_refused_while_the_server_info_is_unreadable_is_sent_withou
                 assert router.planner.pool.get("w").breaker.failures == 0
     finally:
         await w.__aexit__(None, None, None)
+
+
+async def test_a_registration_started_by_a_request_logs_without_its_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request refused a rank re-registers its worker: the re-read, the registration and
+    the subscribers it started ran in that request's context, so its id was on every line
+    they logged, minutes later too (`stream w#dp0: replay from 12 timed out`). Now only the
+    request's own lines carry it."""
+    factory = logging.getLogRecordFactory()
+    install_log_request_id()
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w = ReferenceWorker(first)
+    await w.__aenter__()
+    try:
+        config = router_config([("w", w.url)], health=HealthConfig(interval_s=60, timeout_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+            port = int(w.url.rsplit(":", 1)[1])
+            await w.__aexit__(None, None, None)
+            w = ReferenceWorker(msgspec.structs.replace(first, dp_size=1, port=port))
+            await w.__aenter__()
+            caplog.set_level(logging.INFO)
+            caplog.clear()
+            answers = await burst_to_stale_ranks(session, router)
+            assert all(status == 200 for status, _ in answers), answers
+            assert await _settled(router, 1)
+            retried = [r for r in caplog.records if "other dp ranks now" in r.message]
+            assert retried and all(_request_id(r) != "-" for r in retried)  # the request's
+            registered = [r for r in caplog.records if "registered anew" in r.message]
+            assert registered
+            said = len(caplog.records)
+            await w.__aexit__(None, None, None)  # the new subscriber says its worker went
+
+            async def went() -> bool:
+                return any(
+                    r.name == "indexer.subscriber" and "w#dp0" in r.message
+                    for r in caplog.records[said:]
+                )
+
+            await eventually(went, what="the new subscriber to log")
+            background = [
+                r for r in caplog.records if r.name.startswith(("indexer.", "router.fleet."))
+            ]
+            assert [(r.message, _request_id(r)) for r in background if _request_id(r) != "-"] == []
+    finally:
+        logging.setLogRecordFactory(factory)
+        await w.__aexit__(None, None, None)
+
+
+def _request_id(record: logging.LogRecord) -> object:
+    """What `install_log_request_id` put on the record."""
+    return getattr(record, "request_id", None)
 
 
 class Front:
