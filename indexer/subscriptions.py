@@ -9,6 +9,7 @@ It is an async context manager: leaving it stops every task and closes every soc
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable, Sequence
 
 import zmq.asyncio
@@ -104,8 +105,11 @@ class Subscriptions:
             )
         self.by_worker[worker] = subs
         for sub in subs:
+            # in a context of their own: a registration started on a request's path (a worker
+            # refusing a rank, read again) would give them that request's, its id on every line
+            # they log for as long as they run, and its observation kept alive with them
             self._tasks[sub.stream_id] = asyncio.create_task(
-                sub.run(), name=f"kv-events {sub.stream_id}"
+                sub.run(), name=f"kv-events {sub.stream_id}", context=contextvars.Context()
             )
         return subs
 

@@ -7,10 +7,12 @@ client, which every other outgoing request uses, cost a third more CPU per forwa
 When the chosen candidate is one data-parallel rank of its worker, the engine is told which:
 SGLang's `/generate` takes `routed_dp_rank` in the body (spliced in, every other byte as the
 client sent it), its OpenAI routes and every vLLM route the rank header (`indexer.engines`). A
-client that named a rank itself is routed to that rank and its request forwarded as it is. A
-worker refusing a rank the router chose (`refuses_rank`: it restarted with fewer) has its
-settings read again (`Proxy.ranks_changed`) and, registered anew, the request is retried on its
-new ranks without blaming it.
+client that named a rank itself is routed to that rank and its request forwarded as it is (a
+refusal is its answer). A worker refusing a rank the router chose (`refuses_rank`: it restarted
+with fewer) is not blamed: its settings are read again (`Proxy.ranks_changed`, waited for no
+longer than `health.timeout_s`) and, registered anew, the request is retried on its new ranks;
+when they cannot tell in time (its server info unreadable, slow) or no attempt is left, the
+request is sent to it again without a rank, the engine placing it (predicted no hit).
 
 A request may be retried on the next-best worker as long as no byte has reached the client: on
 a refused or dropped connection, or a 5xx status. Streams are forwarded chunk by chunk, and the
@@ -32,13 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -242,8 +246,29 @@ def refuses_rank(status: int, payload: bytes) -> bool:
 
 
 class _RankMoved(Exception):
-    """The worker refused the rank the router chose, and has other ranks now: the request is
-    tried again, on them, the worker not blamed."""
+    """The worker refused the rank the router chose: the request is tried again, the worker not
+    blamed; on its new ranks when its settings, read again, registered it anew (`anew`), else
+    without a rank."""
+
+    def __init__(self, worker: str, *, anew: bool) -> None:
+        super().__init__(f"worker {worker} refused the dp rank the router chose")
+        self.anew = anew
+
+
+def _unranked(candidate: Candidate) -> Candidate:
+    """`candidate`'s worker with no rank told (the engine picks one) and no hit predicted:
+    which rank the prompt lands on, and what it holds there, is the engine's to know."""
+    return msgspec.structs.replace(
+        candidate,
+        dp_rank=None,
+        matched_tokens=0,
+        matched_blocks=0,
+        pending_tokens=0,
+        by_medium={},
+        hit_tokens=0.0,
+        admission=None,
+        eviction=None,
+    )
 
 
 class AttemptFailed(Exception):
@@ -354,7 +379,7 @@ class Proxy:
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
         # reads a worker's settings again, waiting at most the given seconds: whether it was
         # registered anew (`Supervisor.reread`; set by the app)
-        self.reread: Callable[[str, float], Awaitable[bool]] | None = None
+        self.reread: Callable[[str, float], Coroutine[Any, Any, bool]] | None = None
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
         planner.on_progress = self._progressed
@@ -426,33 +451,44 @@ class Proxy:
         # failures after the worker got the request, charged once its end says whose they were
         sent_failures: list[tuple[str, bool]] = []
         attempts = 1 + config.limits.max_retries
-        for attempt in range(attempts):
-            if attempt:
-                # re-rank: health, drains and loads may have changed since the last attempt
-                plan = planner.plan(parsed, ns)
-            untried = [c for c in plan.ranked() if c.worker not in tried]
-            if not untried:
-                break
-            candidate = untried[0]
-            tried.add(candidate.worker)
-            # the last worker left (its other ranks are no retry: a failure is the worker's)
-            last_try = attempt == attempts - 1 or all(c.worker == candidate.worker for c in untried)
+        attempt = sends = 0
+        # the worker that refused the rank the router chose, its new ranks unknown: sent the
+        # request again without one (an attempt of its own: the engine ran nothing of it)
+        unranked: Candidate | None = None
+        while attempt < attempts:
+            engine_placed = unranked is not None
+            if unranked is not None:
+                candidate, unranked = unranked, None
+            else:
+                if attempt:
+                    # re-rank: health, drains and loads may have changed since the last attempt
+                    plan = planner.plan(parsed, ns)
+                untried = [c for c in plan.ranked() if c.worker not in tried]
+                if not untried:
+                    break
+                candidate = untried[0]
+                tried.add(candidate.worker)
+                # the last worker left (its other ranks are no retry: a failure is the worker's)
+                last_try = attempt == attempts - 1 or all(
+                    c.worker == candidate.worker for c in untried
+                )
             ticket = planner.commit(
                 ns,
                 parsed.tokens,
                 candidate,
-                first_try=attempt == 0,
+                first_try=sends == 0,
                 output_tokens=parsed.output_tokens,
                 keyed=parsed.keyed,
-                stores_prompt=parsed.stores_its_tokens,
+                # placed by the engine: which rank holds the prompt is unknown, nothing is
+                # marked (marks on every rank would predict hits on all but one: fail closed)
+                stores_prompt=parsed.stores_its_tokens and not engine_placed,
             )
-            obs.attempt(plan, candidate, attempt)
+            obs.attempt(plan, candidate, sends)
+            sends += 1
             body, rank_header = self.tell_rank(endpoint, parsed, candidate)
             rank_moved = None
             if candidate.dp_rank is not None and parsed.dp_rank is None:  # the router's rank
-                rank_moved = partial(
-                    self._rank_moved, candidate.worker, deadline, attempt < attempts - 1
-                )
+                rank_moved = partial(self.ranks_changed, candidate.worker, deadline)
             try:
                 response = await self.forward(
                     request,
@@ -465,12 +501,23 @@ class Proxy:
                     last_try=last_try,
                     rank_moved=rank_moved,
                 )
-            except _RankMoved:
-                # a rank it no longer has (restarted with fewer): retried, on the ranks it has
-                # now, the worker not blamed
-                log.warning("worker %s has other dp ranks now: retried", candidate.worker)
-                tried.discard(candidate.worker)
-                obs.failed("the worker has other dp ranks now", 400)
+            except _RankMoved as exc:
+                # a rank it no longer has (restarted with fewer): retried, the worker not blamed
+                obs.failed(str(exc), 400)
+                if exc.anew and attempt < attempts - 1:  # on the ranks it has now
+                    log.warning("worker %s has other dp ranks now: retried", candidate.worker)
+                    tried.discard(candidate.worker)
+                    attempt += 1
+                    continue
+                # its ranks could not be read in time (or no attempt is left to plan again):
+                # a 400 for the router's own stale rank would be the client's answer
+                log.warning(
+                    "worker %s refused dp rank %s, %s: retried without a rank",
+                    candidate.worker,
+                    candidate.dp_rank,
+                    "registered anew" if exc.anew else "its ranks not read in time",
+                )
+                unranked = _unranked(candidate)
                 continue
             except AttemptFailed as exc:
                 if exc.sent:
@@ -481,6 +528,7 @@ class Proxy:
                 self._metrics.retries.labels(candidate.worker).inc()
                 obs.failed(str(exc), exc.status)
                 failures.append(f"{candidate.worker}: {exc}")
+                attempt += 1
                 continue
             except asyncio.CancelledError:
                 # the client left before its answer was complete: counted where every proxied
@@ -520,20 +568,22 @@ class Proxy:
         self._charge(sent_failures, False, plan, tried)
         raise UpstreamError("every worker tried failed: " + "; ".join(failures))
 
-    async def _rank_moved(self, worker: str, deadline: float, retry: bool) -> bool:
-        """Whether a request `worker` refused for the rank the router told it is retried:
-        its settings, read again now, registered it anew (other ranks), and `retry` (the
-        request has an attempt left; on its last the refusal is the client's answer, and the
-        next requests go to the ranks read again)."""
-        return await self.ranks_changed(worker, deadline) and retry
-
     async def ranks_changed(self, worker: str, deadline: float) -> bool:
-        """Whether `worker`'s settings, read again now (waiting no longer than the request
-        `deadline` allows), registered it anew (other dp ranks)."""
+        """Whether `worker`'s settings, read again now, registered it anew (other dp ranks),
+        waiting no longer than `health.timeout_s` (nor the request `deadline`): what a live
+        worker is given to answer a probe. A live server answers its info in milliseconds; one
+        that did not by then is hung or broken, and its re-read (asked again `timeout_s`
+        apart, each read given 5 times that) goes on without the request waiting for it."""
         if self.reread is None:
             return False
-        wait_s = min(deadline - time.monotonic(), 5 * self._config.health.timeout_s)
-        return wait_s > 0 and await self.reread(worker, wait_s)
+        wait_s = min(deadline - time.monotonic(), self._config.health.timeout_s)
+        if wait_s <= 0:
+            return False
+        # the re-read, the registration and the subscribers it starts outlive this request:
+        # started from a context of their own, not the request's (its id on their log lines,
+        # its observation kept alive by them)
+        reread = asyncio.create_task(self.reread(worker, wait_s), context=contextvars.Context())
+        return await reread
 
     def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""
@@ -666,8 +716,8 @@ class Proxy:
     ) -> web.StreamResponse:
         """Forward `body` to `candidate` and pass its answer through (with `hooks`: the pair
         dispatcher's decode hop); AttemptFailed while a retry is still legal. `rank_moved`:
-        the router chose the candidate's rank; asked when the worker refuses it, whether the
-        request is tried again (_RankMoved)."""
+        the router chose the candidate's rank; asked when the worker refuses it whether its
+        ranks were read again anew (_RankMoved: the request is tried again either way)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
@@ -781,8 +831,8 @@ class Proxy:
             # by `_route`, or the pair dispatcher's `_answered`)
         if upstream.status == 400 and rank_moved is not None:
             payload = await upstream.read()
-            if refuses_rank(upstream.status, payload) and await rank_moved():
-                raise _RankMoved(f"worker {candidate.worker} has other dp ranks now")
+            if refuses_rank(upstream.status, payload):
+                raise _RankMoved(candidate.worker, anew=await rank_moved())
         out = _copy_headers(upstream.headers, _DROP)
         out[WORKER_HEADER] = candidate.worker
         # what the worker is predicted to reuse at admission; the index's raw answer beside it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,9 @@ STREAM = "w0#dp0"
 # No idle probe: these tests drop messages on purpose and check how the LIVE path notices; a
 # probe firing in a slow moment would repair the drop first (the probe has its own tests).
 CONFIG = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
+# what a router keeps of the request a task handles (`router.http.observe.OBSERVATION`: its id
+# on every log line of the task)
+REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("request", default=None)
 
 
 @pytest.fixture
@@ -763,3 +767,35 @@ async def test_a_batch_of_another_dp_rank_clears_the_stream_and_is_said(
         stats = svc.streams()[0]
         assert (stats.rank_mismatches, stats.entries) == (1, 0)
         assert "DP RANK MISMATCH: batch" in caplog.text and "says dp rank 1" in caplog.text
+
+
+async def test_a_subscriber_started_on_a_requests_path_runs_outside_its_context(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker registered from a request's path (the router reads a worker that refused a
+    rank again, and registers it anew) had its subscribers run in that request's context: its
+    id on every line they logged, for as long as they ran ("replay from 12 timed out" minutes
+    later, tagged with a request long gone), and its observation kept alive. Now they start
+    in a context of their own."""
+    said: list[tuple[str, str | None]] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            # called in the task that logs: what that task's context holds
+            said.append((record.getMessage(), REQUEST.get()))
+
+    handler = Said()
+    logger = logging.getLogger("indexer.subscriber")
+    logger.addHandler(handler)
+    try:
+        async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+            request = REQUEST.set("request-1")
+            try:
+                await connect(svc, pub)
+            finally:
+                REQUEST.reset(request)
+            await pub.send_raw([b"kv", b"\x00" * 3, b"payload"])  # a bad seq frame: a warning
+            await wait_until(lambda: any(STREAM in message for message, _ in said))
+    finally:
+        logger.removeHandler(handler)
+    assert [request for message, request in said if STREAM in message] == [None]

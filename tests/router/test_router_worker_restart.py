@@ -10,11 +10,13 @@ prediction it makes from the moment the worker died must be what the new process
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -28,12 +30,12 @@ from aiohttp.test_utils import TestServer
 
 from indexer.protocol.events import EventBatch
 from router.config import HealthConfig, IndexerSection, LimitsConfig, WorkerConfig
+from router.http.observe import install_log_request_id
 from router.service import RouterService
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.router.conftest import (
     AUTH,
     burst_to_stale_ranks,
-    check_rank_refusals,
     eventually,
     router_config,
 )
@@ -332,8 +334,8 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
     its streams cannot tell) refuses a rank the router chose ("routed_dp_rank=1 out of range
     [0, 1)"): that 400 was the client's answer, for as long as the router kept the old ranks.
     Now its settings are read again and the request retried on the ranks it has, the worker
-    not blamed; with no retry left (`max_retries = 0`) the 400 is the answer, and the next
-    requests go to the ranks read again."""
+    not blamed; with no retry left (`max_retries = 0`) it is sent again without a rank (the
+    400 used to be the answer), and the next requests go to the ranks read again."""
     first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
     w0 = ReferenceWorker(first)
     await w0.__aenter__()
@@ -350,13 +352,115 @@ async def test_a_worker_refusing_a_rank_it_no_longer_has_is_read_again_and_retri
             w0 = ReferenceWorker(msgspec.structs.replace(first, dp_size=1, port=port))
             await w0.__aenter__()
 
-            check_rank_refusals(await burst_to_stale_ranks(session, router), max_retries)
+            answers = await burst_to_stale_ranks(session, router)
+            assert all(status == 200 for status, _ in answers), answers
             assert await _settled(router, 1)
             entry = router.planner.pool.get("w")
             assert entry.routable(router.planner.clock())
             assert entry.breaker.failures == 0
     finally:
         await w0.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize("info", ["garbage", "slow"])
+async def test_a_rank_refused_while_the_server_info_is_unreadable_is_sent_without_one(
+    info: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker replaced behind its URL by one with fewer ranks (other event ports: no stream
+    tells) refuses a rank the router chose, and its server info cannot be read to say which
+    ranks it has now (garbage, or no answer). The request used to wait for the re-read (5
+    times `health.timeout_s`) and then get the engine's 400. Now it waits `health.timeout_s`
+    at most and is sent to the worker again without a rank, the engine placing it. A rank the
+    client named itself keeps its refusal: that one is the client's."""
+    timeout_s = 1.0
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w = ReferenceWorker(first)
+    await w.__aenter__()
+    try:
+        async with Front(w.url) as front:
+            config = router_config(
+                [("w", front.url)],
+                health=HealthConfig(interval_s=60, timeout_s=timeout_s),
+                limits=LimitsConfig(max_retries=2),
+            )
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+                await eventually(lambda: _settled(router, 2), what="two ranks registered")
+                second = ReferenceWorker(msgspec.structs.replace(first, dp_size=1))
+                await second.__aenter__()
+                front.info = info
+                front.target = second.url
+                await w.__aexit__(None, None, None)
+                w = second
+
+                caplog.set_level(logging.WARNING, logger="router.http.proxy")
+                started = time.monotonic()
+                answers = await burst_to_stale_ranks(session, router)
+                took = time.monotonic() - started
+                assert all(status == 200 for status, _ in answers), answers
+                unranked = [r for r in caplog.records if "retried without a rank" in r.message]
+                assert unranked  # the stale rank was chosen for some
+                assert took < 2.5 * timeout_s, took  # one bounded wait, not five
+                assert await _settled(router, 2)  # its ranks are still unknown
+                body = {"text": "rank 1, asked for", "routed_dp_rank": 1}
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    assert resp.status == 400
+                    assert "out of range" in await resp.text()
+                assert router.planner.pool.get("w").breaker.failures == 0
+    finally:
+        await w.__aexit__(None, None, None)
+
+
+async def test_a_registration_started_by_a_request_logs_without_its_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request refused a rank re-registers its worker: the re-read, the registration and
+    the subscribers it started ran in that request's context, so its id was on every line
+    they logged, minutes later too (`stream w#dp0: replay from 12 timed out`). Now only the
+    request's own lines carry it."""
+    factory = logging.getLogRecordFactory()
+    install_log_request_id()
+    first = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=2)
+    w = ReferenceWorker(first)
+    await w.__aenter__()
+    try:
+        config = router_config([("w", w.url)], health=HealthConfig(interval_s=60, timeout_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await eventually(lambda: _settled(router, 2), what="two ranks registered")
+            port = int(w.url.rsplit(":", 1)[1])
+            await w.__aexit__(None, None, None)
+            w = ReferenceWorker(msgspec.structs.replace(first, dp_size=1, port=port))
+            await w.__aenter__()
+            caplog.set_level(logging.INFO)
+            caplog.clear()
+            answers = await burst_to_stale_ranks(session, router)
+            assert all(status == 200 for status, _ in answers), answers
+            assert await _settled(router, 1)
+            retried = [r for r in caplog.records if "other dp ranks now" in r.message]
+            assert retried and all(_request_id(r) != "-" for r in retried)  # the request's
+            registered = [r for r in caplog.records if "registered anew" in r.message]
+            assert registered
+            said = len(caplog.records)
+            await w.__aexit__(None, None, None)  # the new subscriber says its worker went
+
+            async def went() -> bool:
+                return any(
+                    r.name == "indexer.subscriber" and "w#dp0" in r.message
+                    for r in caplog.records[said:]
+                )
+
+            await eventually(went, what="the new subscriber to log")
+            background = [
+                r for r in caplog.records if r.name.startswith(("indexer.", "router.fleet."))
+            ]
+            assert [(r.message, _request_id(r)) for r in background if _request_id(r) != "-"] == []
+    finally:
+        logging.setLogRecordFactory(factory)
+        await w.__aexit__(None, None, None)
+
+
+def _request_id(record: logging.LogRecord) -> object:
+    """What `install_log_request_id` put on the record."""
+    return getattr(record, "request_id", None)
 
 
 class Front:
@@ -374,6 +478,10 @@ class Front:
         # when set, what the server-info paths answer (200) in place of the worker's: a broken
         # one
         self.server_info: bytes | None = None
+        # how the server info is answered otherwise: forwarded, "garbage" (not JSON) or "slow"
+        # (no answer until the test ends)
+        self.info = "forwarded"
+        self._released = asyncio.Event()
 
     async def __aenter__(self) -> Front:
         self._session = aiohttp.ClientSession()
@@ -382,6 +490,7 @@ class Front:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._released.set()
         await self._server.close()
         if self._session is not None:
             await self._session.close()
@@ -389,8 +498,13 @@ class Front:
     async def _forward(self, request: web.Request) -> web.Response:
         assert self._session is not None
         self.asked.append(request.path)
-        if request.path in ("/server_info", "/get_server_info") and self.server_info is not None:
+        info_path = request.path in ("/server_info", "/get_server_info")
+        if info_path and self.server_info is not None:
             return web.Response(body=self.server_info, content_type="application/json")
+        if info_path and self.info != "forwarded":
+            if self.info == "slow":
+                await self._released.wait()
+            return web.Response(body=b"<html>not json", content_type="application/json")
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         async with self._session.request(
             request.method,
