@@ -132,6 +132,7 @@ class PolicyWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hit_weight: float | None = None
     decode_weight: float | None = None
     eviction_weight: float | None = None
+    room_weight: float | None = None
 
 
 class Target(msgspec.Struct, frozen=True):

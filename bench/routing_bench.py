@@ -191,6 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the router's [policy] eviction_weight for kv (default: the router's own default)",
     )
+    parser.add_argument(
+        "--kv-room-weight",
+        type=float,
+        default=None,
+        help="the router's [policy] room_weight for kv (default: the router's own default)",
+    )
 
 
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -210,7 +216,13 @@ def _policies(args: argparse.Namespace, sglang: bool) -> tuple[str, ...]:
     if sglang:  # beside the kvroute policy that mimics it
         policies.insert(policies.index("approx_tree") + 1, SGLANG_CACHE_AWARE)
     if any(
-        w is not None for w in (args.kv_hit_weight, args.kv_decode_weight, args.kv_eviction_weight)
+        w is not None
+        for w in (
+            args.kv_hit_weight,
+            args.kv_decode_weight,
+            args.kv_eviction_weight,
+            args.kv_room_weight,
+        )
     ):
         # show what the override buys: the router's defaults run right after the tuned kv
         policies.insert(1, KV_DEFAULT)
@@ -235,6 +247,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         ("--kv-hit-weight", args.kv_hit_weight),
         ("--kv-decode-weight", args.kv_decode_weight),
         ("--kv-eviction-weight", args.kv_eviction_weight),
+        ("--kv-room-weight", args.kv_room_weight),
     ):
         if value is not None and value < 0:
             raise SystemExit(f"{flag} must be >= 0")
@@ -277,6 +290,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
             hit_weight=args.kv_hit_weight,
             decode_weight=args.kv_decode_weight,
             eviction_weight=args.kv_eviction_weight,
+            room_weight=args.kv_room_weight,
         ),
         request_timeout_s=args.request_timeout,
         sglang_router_python=asked_python if sglang else None,
@@ -315,6 +329,8 @@ def _command(settings: SuiteSettings, out: Path) -> str:
         argv += ["--kv-decode-weight", f"{settings.weights.decode_weight:g}"]
     if settings.weights.eviction_weight is not None:
         argv += ["--kv-eviction-weight", f"{settings.weights.eviction_weight:g}"]
+    if settings.weights.room_weight is not None:
+        argv += ["--kv-room-weight", f"{settings.weights.room_weight:g}"]
     if settings.sglang_router_python_asked not in ("", sys.executable):
         argv += ["--sglang-router-python", settings.sglang_router_python_asked]
     argv += ["--out", str(out)]
@@ -648,6 +664,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
     hit = settings.weights.hit_weight
     decode = settings.weights.decode_weight
     evict = settings.weights.eviction_weight
+    room = settings.weights.room_weight
     fleet["kv_policy_weights"] = (
         f"hit_weight={defaults.hit_weight if hit is None else hit:g}"
         + (" (router default)" if hit is None else " (set by --kv-hit-weight)")
@@ -655,6 +672,8 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         + (" (router default)" if decode is None else " (set by --kv-decode-weight)")
         + f", eviction_weight={defaults.eviction_weight if evict is None else evict:g}"
         + (" (router default)" if evict is None else " (set by --kv-eviction-weight)")
+        + f", room_weight={defaults.room_weight if room is None else room:g}"
+        + (" (router default)" if room is None else " (set by --kv-room-weight)")
     )
     fleet["offered_load"] = (
         f"fixed rate {settings.rate_rps:g} req/s"

@@ -137,6 +137,12 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # tokens of reused blocks, held by no other worker, that the request's own allocation
     # would evict there (0: off)
     eviction_weight: NonNegativeFloat = 0.0
+    # room before reuse (router.routing.planner `_forecast`): score -= room_weight * the tokens
+    # the request's own allocation (its uncached prompt and output) would evict there, used
+    # or not. Where every pool is full it is nearly the same for every candidate (it adds
+    # room_weight to the weight of a hit); where some have room, a prefix a page or two long
+    # no longer pulls every new prompt onto the one full pool that holds it (0: off)
+    room_weight: NonNegativeFloat = 0.5
     # learn decode_weight (the running requests' cost in prefill tokens) from observed time to
     # first token (router.routing.balance), the configured value as the prior, worth this many
     # samples; bounded to [decode_weight / 4, decode_weight * 4]
@@ -164,7 +170,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 )
             if not math.isfinite(weight):
                 raise ValueError(f"policy.medium_weights.{tier} must be a finite number")
-        for name in ("hit_weight", "decode_weight", "eviction_weight"):
+        for name in ("hit_weight", "decode_weight", "eviction_weight", "room_weight"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"policy.{name} must be a finite number")
 

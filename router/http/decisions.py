@@ -104,9 +104,10 @@ class Decision:
         return best
 
     def reason(self) -> str:
-        """`prefix` (the longest match won), `load` (a longer match lost on load) or `none`."""
+        """`prefix` (the longest match won), `load` (a longer match lost on load), `room` (a
+        longer match lost on what the request would evict there) or `none`."""
         best = self.best()
-        return _reason(best.matched_tokens + best.pending_tokens, best is self.chosen)
+        return _reason(best, self.chosen)
 
     def explain(self) -> str:
         """One sentence on why the chosen worker got the request."""
@@ -126,6 +127,13 @@ class Decision:
             return (
                 f"{where} holds the longest prefix: {chosen.matched_tokens} of "
                 f"{self.prompt_tokens} tokens{pending}{forecast}, load {chosen.load:g}{retry}"
+            )
+        if reason == "room":
+            return (
+                f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
+                f"would evict {best.evicts_tokens} cached tokens for the rest (score "
+                f"{best.score:g}); {where} holds {held} and would evict {chosen.evicts_tokens} "
+                f"(score {chosen.score:g}){retry}"
             )
         return (
             f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
@@ -172,10 +180,14 @@ class Decision:
         }
 
 
-def _reason(best_held: int, chosen_is_best: bool) -> str:
-    if best_held == 0:
+def _reason(best: Candidate, chosen: Candidate) -> str:
+    if best.matched_tokens + best.pending_tokens == 0:
         return "none"
-    return "prefix" if chosen_is_best else "load"
+    if best is chosen:
+        return "prefix"
+    # not its load: what placing the request there would have evicted (`room_weight`)
+    room = best.evicts_tokens > chosen.evicts_tokens and best.load <= chosen.load
+    return "room" if room else "load"
 
 
 def _no_block_size(worker: str) -> int | None:
@@ -254,7 +266,7 @@ class DecisionStats:
                 # chosen one, and why the chosen one won
                 top = decision.best()
                 best = top.matched_tokens + top.pending_tokens
-                key = (model, _reason(best, top is chosen))
+                key = (model, _reason(top, chosen))
                 reasons[key] = reasons.get(key, 0) + 1
                 if block:  # else no stream says how long a block is: nothing in blocks
                     values = blocks.get(model)

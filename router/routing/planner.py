@@ -160,6 +160,15 @@ def _gpu_reused_tokens(candidate: Candidate) -> int:
     return max(0, candidate.predicted_tokens - offloaded_blocks * block_size)
 
 
+def _evicted_by(found: AdmissionForecast, new_tokens: int) -> int:
+    """What a request allocating `new_tokens` evicts where `found` was forecast, after the
+    requests ahead of it (0: it fits, or the capacity is unknown)."""
+    if found.capacity_tokens is None:
+        return 0
+    before = found.held_tokens + found.queued_tokens - found.capacity_tokens
+    return max(0, before + new_tokens) - max(0, before)
+
+
 class Planner:
     """Plans and commits routing decisions for a pool of workers."""
 
@@ -429,6 +438,8 @@ class Planner:
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
             candidate.hit_tokens *= found.kept_tokens / raw
+        own = max(0, len(tokens) - found.kept_tokens) + output_tokens
+        candidate.evicts_tokens = _evicted_by(found, own)
         if self._config.eviction_weight > 0 and block_size:
             kept_blocks = found.kept_tokens // block_size
 

@@ -12,13 +12,17 @@ reproducible and a dry run sees the tie-break the next real request would.
 Scores are "higher is better". For `kv`:
 
     score = hit_weight * hit_tokens - load - eviction_weight * evicted_hot_tokens
+            - room_weight * evicted_tokens
     load  = queued_prefill_tokens + decode_weight * running
 
 which orders workers exactly like the prefill work they would do for this request
 (prompt - hit) plus the work already queued on them, with the prompt length cancelling out.
 `evicted_hot_tokens` (`Candidate.eviction`, `router.routing.eviction_cost`) is what placing
 the request there would push out of the fleet's cache (0 unless `eviction_weight` is set);
-`decode_weight` is the config's, or the planner's learned one (`router.routing.balance`).
+`evicted_tokens` (`Candidate.evicts_tokens`) is everything the request's own allocation would
+evict there, used or not: where some pools have room, a prefix a page long no longer outweighs
+filling them. `decode_weight` is the config's, or the planner's learned one
+(`router.routing.balance`).
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ class Candidate(msgspec.Struct, gc=False):
     # the hot blocks its own allocation would evict there (`router.routing.eviction_cost`),
     # charged by `[policy] eviction_weight`; None: not computed (weight 0 or admission off)
     eviction: EvictionCost | None = None
+    # what its own allocation (the uncached prompt and output) would evict there, held blocks
+    # used or not, after what the requests ahead of it evict (`admission`; 0: it fits, or the
+    # capacity is unknown), charged by `[policy] room_weight`
+    evicts_tokens: int = 0
     # whether its rank can admit the request beside those in flight there (`Planner.has_room`,
     # asked with `[policy] hold_until_room`: the request waits while the first choice cannot);
     # None: not asked
@@ -230,10 +238,12 @@ class KvPolicy(Policy):
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         weight = self._config.hit_weight
         evict = self._config.eviction_weight
+        room = self._config.room_weight
         return [
             weight * v.hit_tokens
             - self.load(v)
             - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
+            - room * v.evicts_tokens
             for v in views
         ]
 

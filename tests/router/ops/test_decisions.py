@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,6 +84,16 @@ def test_explanations_say_why() -> None:
     row = d.to_builtins()
     assert row["best_worker"] == "a" and len(row["candidates"]) == 2  # type: ignore[arg-type]
     assert "forecast" not in d.explain()
+    # a longer match that lost on what the rest of the prompt would evict there, not on load
+    full = msgspec.structs.replace(_candidate("a", 4), evicts_tokens=450)
+    empty = _candidate("b", 0)
+    full.score, empty.score = 16 - 225, 0.0
+    d = Decision("id", "/generate", "m", "ns", 452, [empty, full], empty, 0, 4)
+    assert d.reason() == "room"
+    assert d.explain() == (
+        "a holds 4 tokens but would evict 450 cached tokens for the rest (score -209); "
+        "b holds 0 and would evict 0 (score 0)"
+    )
     # what the headers predict is said too when the forecast keeps less than the index holds
     a.pending_tokens = 32
     a.admission = AdmissionForecast(raw_tokens=96, kept_tokens=64, capacity_tokens=None)
