@@ -131,9 +131,9 @@ class Decision:
         if reason == "room":
             return (
                 f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
-                f"would evict {best.evicts_tokens} cached tokens for the rest (score "
-                f"{best.score:g}); {where} holds {held} and would evict {chosen.evicts_tokens} "
-                f"(score {chosen.score:g}){retry}"
+                f"would evict {best.evicts_tokens or 0} cached tokens for the rest (score "
+                f"{best.score:g}); {where} holds {held} and would evict "
+                f"{chosen.evicts_tokens or 0} (score {chosen.score:g}){retry}"
             )
         return (
             f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
@@ -186,7 +186,7 @@ def _reason(best: Candidate, chosen: Candidate) -> str:
     if best is chosen:
         return "prefix"
     # not its load: what placing the request there would have evicted (`room_weight`)
-    room = best.evicts_tokens > chosen.evicts_tokens and best.load <= chosen.load
+    room = (best.evicts_tokens or 0) > (chosen.evicts_tokens or 0) and best.load <= chosen.load
     return "room" if room else "load"
 
 
@@ -458,7 +458,8 @@ class DecisionCollector(Collector):
         reasons = CounterMetricFamily(
             "kvroute_route_decisions",
             "Routing decisions by why the chosen worker won: prefix (it held the longest "
-            "match), load (a longer match elsewhere lost on load), none (no worker held any)",
+            "match), load (a longer match elsewhere lost on load), room (a longer match "
+            "elsewhere lost on what the request would evict there), none (no worker held any)",
             labels=["model", "reason"],
         )
         for (model, reason), n in sorted(({} if empty else stats._reasons).items()):

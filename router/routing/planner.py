@@ -160,11 +160,11 @@ def _gpu_reused_tokens(candidate: Candidate) -> int:
     return max(0, candidate.predicted_tokens - offloaded_blocks * block_size)
 
 
-def _evicted_by(found: AdmissionForecast, new_tokens: int) -> int:
+def _evicted_by(found: AdmissionForecast, new_tokens: int) -> int | None:
     """What a request allocating `new_tokens` evicts where `found` was forecast, after the
-    requests ahead of it (0: it fits, or the capacity is unknown)."""
+    requests ahead of it (0: it fits; None: the capacity is unknown)."""
     if found.capacity_tokens is None:
-        return 0
+        return None
     before = found.held_tokens + found.queued_tokens - found.capacity_tokens
     return max(0, before + new_tokens) - max(0, before)
 

@@ -21,8 +21,8 @@ which orders workers exactly like the prefill work they would do for this reques
 the request there would push out of the fleet's cache (0 unless `eviction_weight` is set);
 `evicted_tokens` (`Candidate.evicts_tokens`) is everything the request's own allocation would
 evict there, used or not: where some pools have room, a prefix a page long no longer outweighs
-filling them. `decode_weight` is the config's, or the planner's learned one
-(`router.routing.balance`).
+filling them (charged only when every candidate's capacity is known). `decode_weight` is the
+config's, or the planner's learned one (`router.routing.balance`).
 """
 
 from __future__ import annotations
@@ -96,9 +96,10 @@ class Candidate(msgspec.Struct, gc=False):
     # charged by `[policy] eviction_weight`; None: not computed (weight 0 or admission off)
     eviction: EvictionCost | None = None
     # what its own allocation (the uncached prompt and output) would evict there, held blocks
-    # used or not, after what the requests ahead of it evict (`admission`; 0: it fits, or the
-    # capacity is unknown), charged by `[policy] room_weight`
-    evicts_tokens: int = 0
+    # used or not, after what the requests ahead of it evict (`admission`; 0: it fits),
+    # charged by `[policy] room_weight`; None: not forecast (capacity unknown, admission off,
+    # several ranks the engine picks among)
+    evicts_tokens: int | None = None
     # whether its rank can admit the request beside those in flight there (`Planner.has_room`,
     # asked with `[policy] hold_until_room`: the request waits while the first choice cannot);
     # None: not asked
@@ -239,11 +240,15 @@ class KvPolicy(Policy):
         weight = self._config.hit_weight
         evict = self._config.eviction_weight
         room = self._config.room_weight
+        # charged only where every candidate's is known: one not forecast would evict
+        # "nothing" and win every tie, its own pool full or not
+        if room and any(v.evicts_tokens is None for v in views):
+            room = 0.0
         return [
             weight * v.hit_tokens
             - self.load(v)
             - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
-            - room * v.evicts_tokens
+            - (room * v.evicts_tokens if room and v.evicts_tokens else 0.0)
             for v in views
         ]
 

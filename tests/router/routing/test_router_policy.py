@@ -53,6 +53,22 @@ def test_kv_weighs_the_hit_against_in_flight_load() -> None:
     assert ranked[1].load == 10 + 3 * 32
 
 
+def test_kv_charges_room_only_where_every_candidate_s_is_known() -> None:
+    policy = KvPolicy(PolicyConfig(hit_weight=4.0, room_weight=0.5))
+    # a holds a one-page head but its pool is full: 400 tokens evicted; b has room
+    a, b = _views(("a", 4, 0, 0), ("b", 0, 0, 0))
+    a.evicts_tokens, b.evicts_tokens = 400, 0
+    ranked = policy.rank([1] * 404, [a, b])
+    assert [c.worker for c in ranked] == ["b", "a"]
+    assert (ranked[0].score, ranked[1].score) == (0.0, 16 - 200)
+    # b's capacity unknown: not a bonus for b, no charge for anyone (the head decides)
+    a, b = _views(("a", 4, 0, 0), ("b", 0, 0, 0))
+    a.evicts_tokens, b.evicts_tokens = 400, None
+    ranked = policy.rank([1] * 404, [a, b])
+    assert [c.worker for c in ranked] == ["a", "b"]
+    assert (ranked[0].score, ranked[1].score) == (16.0, 0.0)
+
+
 def test_kv_ties_go_to_the_less_loaded_then_random() -> None:
     policy = KvPolicy(PolicyConfig(hit_weight=1.0, decode_weight=0.0))
     # same score (hit - load): a has hit 10 and load 10, b has hit 0 and load 0
