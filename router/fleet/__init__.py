@@ -3,6 +3,11 @@ come from, health.
 
 - `supervisor`: pool membership (add, remove, registration with the indexer) and the health
   loop, the router's one background task;
+- `reread_schedule`: when a registered worker's settings are read again (a restart its
+  streams saw, a STALE stream, mispredicted answers, the slow cadence), and how often settings
+  that cannot be read are said;
+- `registration_notes`: what the log says of each worker's registration (a refusal, a doubt,
+  models named otherwise, ambiguous adapters), each once;
 - `discovery`: a worker's KV-event streams, from its config and its `/server_info`, and what
   its `/server_info` and `/v1/models` say it serves;
 - `false_hits`: answers that keep reusing far less than predicted, the sign the router follows

@@ -10,13 +10,17 @@ restarted (`IndexerService.restart_listeners`), or whose engine refused a rank t
 it (`reread`): a process restarted between two probes, or replaced behind a stable URL, never
 looks down to the health check, yet may run other dp ranks. One on other event ports shows
 no restart on the old ones either: a healthy worker whose stream went STALE is read again too
-(`_quiet_due`). One whose old process keeps running and answering on the old sockets (a
-rolling update's grace period) shows nothing of the kind: the answers tell, reusing far less
-than predicted again and again (`router.fleet.false_hits`), and its settings are read at once
-(`mispredicted`); and every `health.settings_interval_s` anyway (`_settings_due`), so a
-replaced pod is caught without traffic too. A worker registered anew as another process keeps
-its streams' counters, the restart counted (`IndexerService.add_worker`). Health rounds run
-every `health.interval_s` and probe all workers concurrently, each with its own timeout.
+(`RereadSchedule.quiet_due`). One whose old process keeps running and answering on the old
+sockets (a rolling update's grace period) shows nothing of the kind: the answers tell, reusing
+far less than predicted again and again (`router.fleet.false_hits`), and its settings are read
+at once (`mispredicted`); and every `health.settings_interval_s` anyway
+(`RereadSchedule.settings_due`), so a replaced pod is caught without traffic too. When each of
+these is due, and how often unreadable settings are said, is `router.fleet.reread_schedule`'s
+to tell; the reading and the registration anew are here. A worker registered anew as another
+process keeps its streams' counters, the restart counted (`IndexerService.add_worker`). What a
+registration finds (a refusal, a doubt, models named otherwise) is said once per worker
+(`router.fleet.registration_notes`). Health rounds run every `health.interval_s` and probe all
+workers concurrently, each with its own timeout.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from router.fleet.discovery import (
     streams_for,
 )
 from router.fleet.false_hits import STREAK, FalseHitWatch
+from router.fleet.registration_notes import RegistrationNotes
+from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
 from router.fleet.worker_settings import read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
@@ -51,17 +57,6 @@ from router.routing.pool import WorkerEntry, WorkerPool
 __all__ = ["ADD_WAIT_TIMEOUTS", "Supervisor", "WorkerGauges"]
 
 log = logging.getLogger(__name__)
-
-# a restarted worker's settings are read again this many times, `health.timeout_s` apart, while
-# its server does not answer yet (its events may be up before its HTTP server); then on each
-# health round until read
-_REREAD_TRIES = 10
-
-# a healthy worker whose KV-event stream went STALE has its settings read again at once, then
-# (while they are unchanged and the stream stays STALE) `indexer.stale_after_s` later, doubling
-# up to this many times it: an idle worker without probes is STALE for good, and asking its
-# server info every round would be noise; the cap bounds how late a change is seen then
-_QUIET_REREAD_MAX = 8
 
 # how many `health.timeout_s` an add (admin API, reload, another replica) waits for the worker's
 # registration and first health check before it answers, as the startup waits (`register_all`):
@@ -111,15 +106,10 @@ class Supervisor:
         self._load = load
         self._metrics = metrics
         self._clock = clock
-        # per worker, the last reason it could not be registered that was logged (`_refused`)
-        self._said: dict[str, str] = {}
-        # per worker, what its registration found suspect but registered anyway (`_doubt`)
-        self._doubts: dict[str, str] = {}
-        # per worker, the configured and advertised models that contradict, as last said
-        # (`_check_named`)
-        self._misnamed: dict[str, str] = {}
-        # the adapters workers of several base models list, as last said (`_say_ambiguous`)
-        self._ambiguous: dict[str, tuple[str, ...]] = {}
+        # what was said of each worker's registration (`router.fleet.registration_notes`)
+        self._notes = RegistrationNotes(pool)
+        # when each worker's settings are read again (`router.fleet.reread_schedule`)
+        self._schedule = RereadSchedule(indexer, health, clock)
         # per worker entry, its discovery under way (an added one's: with its first health
         # check, `_join`): one at a time, and never awaited longer than a health round, the
         # startup or an add waits (a hung worker's discovery takes its whole timeout, 10 s a
@@ -132,20 +122,7 @@ class Supervisor:
         self._answering: set[int] = set()
         # per worker entry, the re-read of its settings under way (`rereading`)
         self._rereading: dict[int, asyncio.Task[bool]] = {}
-        # workers that restarted and whose settings could not be read since (`_reread`)
-        self._stale: set[str] = set()
-        # per worker with a STALE stream while healthy: when its settings may be read again
-        # for it, and the wait before the one after (`_quiet_due`)
-        self._quiet: dict[str, tuple[float, float]] = {}
-        # per worker whose settings come from its server info: when they were last read
-        # (`_settings_due`)
-        self._read_at: dict[str, float] = {}
-        # per worker whose settings could not be read: until when that is not said again
-        # (`_unreadable`)
-        self._unread_until: dict[str, float] = {}
-        # per worker its answers found mispredicted: when it may be checked again
-        # (`mispredicted`), and the checks under way
-        self._doubted_until: dict[str, float] = {}
+        # the checks of workers whose answers were mispredicted under way (`mispredicted`)
         self._checks: set[asyncio.Task[None]] = set()
         # told every answer's usage by the observer (`router.http.observe`)
         self.watch = FalseHitWatch(indexer.block_size, self.mispredicted)
@@ -154,6 +131,7 @@ class Supervisor:
     def reconfigure(self, health: HealthConfig) -> None:
         """Health checks by `health` from the next round on (a reload)."""
         self._health = health
+        self._schedule.reconfigure(health)
 
     async def server_info(self, url: str, spec: EngineSpec = SGLANG) -> dict[str, Any]:
         """A worker's settings from the first of its engine's server-info paths that answers."""
@@ -237,10 +215,10 @@ class Supervisor:
                 # several
                 self._pool.set_role(entry, role, bootstrap_port)
                 self._pool.set_models(entry, models, adapters)
-                self._say_ambiguous(entry)
+                self._notes.say_ambiguous(entry)
                 # a URL pointing at another worker is a likely cause of the refusal too (its
                 # streams: another worker's already)
-                self._check_named(entry, advertised)
+                self._notes.check_named(entry, advertised)
             raise
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
@@ -248,8 +226,8 @@ class Supervisor:
             await self._indexer.add_worker(entry.id, streams, restarted=restarted)
         self._pool.set_role(entry, role, bootstrap_port)
         self._pool.set_models(entry, models, adapters)
-        self._say_ambiguous(entry)
-        self._check_named(entry, advertised)
+        self._notes.say_ambiguous(entry)
+        self._notes.check_named(entry, advertised)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
@@ -257,7 +235,7 @@ class Supervisor:
         entry.max_running_requests = max_running_from_server_info(info)
         entry.discovered = True
         if info is not None:
-            self._read_at[entry.id] = self._clock()
+            self._schedule.read(entry.id)
         self.watch.forget(entry.id)  # a streak was the old registration's
         log.info(
             "worker %s: serves %s as %s, %d KV-event stream(s) registered",
@@ -283,10 +261,7 @@ class Supervisor:
             check_ranks(entry.config, info, streams)
         # discovering or not: configured replay sockets beside advertised ones are checked
         streams, note = replay_proof(entry.config, info, streams)
-        if note is None:
-            self._doubts.pop(entry.id, None)
-        else:
-            self._doubt(entry.id, note)
+        self._notes.doubted(entry.id, note)
         for stream in streams:
             other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
             if other is not None:
@@ -333,12 +308,11 @@ class Supervisor:
         try:
             info = await self.server_info(entry.url, spec)
         except RequestError as exc:
-            self._unreadable(entry, exc)
+            self._schedule.unreadable(entry, exc)
             return None  # not readable: what was known stays (`_reread` tries again)
         if self._pool.find(entry.id) is not entry:
             return False
-        self._read_at[entry.id] = self._clock()
-        self._unread_until.pop(entry.id, None)
+        self._schedule.readable(entry.id)
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
@@ -363,7 +337,7 @@ class Supervisor:
         try:
             await self.register(entry, restarted=True)
         except RequestError as exc:
-            self._refused(entry, exc)
+            self._notes.refused(entry, exc)
         return True
 
     def _recheck_role(self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any]) -> None:
@@ -418,7 +392,7 @@ class Supervisor:
         entry = self._pool.find(worker)
         if entry is None or not entry.discovered or id(entry) in self._adding:
             return  # its registration, under way or to come, reads them
-        self._stale.add(worker)
+        self._schedule.restarted(worker)
         self.rereading(entry)
 
     def rereading(self, entry: WorkerEntry) -> asyncio.Task[bool]:
@@ -454,15 +428,15 @@ class Supervisor:
     async def _reread(self, entry: WorkerEntry) -> bool:
         """`entry`'s settings, then its models, read again (`_recheck_settings`); a server that
         does not answer yet is asked again `health.timeout_s` apart, then on each health round
-        (`_stale`). Returns whether it was registered anew."""
-        for attempt in range(_REREAD_TRIES):
+        (`RereadSchedule.restarted`). Returns whether it was registered anew."""
+        for attempt in range(REREAD_TRIES):
             if attempt:
                 await asyncio.sleep(self._health.timeout_s)
             if self._pool.find(entry.id) is not entry:
                 return False
             changed = await self._recheck_settings(entry)
             if changed is not None:
-                self._stale.discard(entry.id)
+                self._schedule.read_settled(entry.id)
                 anew = changed or await self._recheck_models(entry)
                 if not anew and self._pool.find(entry.id) is entry:
                     # the restarts its streams counted were of processes like the registered
@@ -478,9 +452,9 @@ class Supervisor:
             await self.register(entry)
         except RequestError as exc:
             if id(entry) not in self._answering:
-                self._refused(entry, exc)
+                self._notes.refused(entry, exc)
             return exc
-        self._said.pop(entry.id, None)
+        self._notes.registered(entry.id)
         return None
 
     def registering(self, entry: WorkerEntry) -> asyncio.Task[RequestError | None]:
@@ -562,70 +536,11 @@ class Supervisor:
     def doubt(self, worker: str) -> str | None:
         """What `worker`'s registration found suspect in its config, as logged (None: nothing):
         registered all the same (`router.fleet.advertised.replay_proof`)."""
-        return self._doubts.get(worker)
-
-    def _doubt(self, worker: str, note: str) -> None:
-        """Say it once per worker and note (re-registrations would repeat it)."""
-        if self._doubts.get(worker) == note:
-            return
-        if len(self._doubts) >= 4096:
-            self._doubts.clear()  # bounded as `_said` is
-        self._doubts[worker] = note
-        log.warning("worker %s: %s", worker, note)
-
-    def _check_named(self, entry: WorkerEntry, advertised: list[str]) -> None:
-        """Say when none of the models `entry`'s config names is one it advertises (once per
-        worker and names: re-registrations would repeat it). The config's names are used all
-        the same (a router-side name is allowed); what this catches is a URL pointing at
-        another model's worker, whose requests it would answer with that model."""
-        configured = entry.config.served_models
-        if not configured or not advertised or set(configured) & set(advertised):
-            self._misnamed.pop(entry.id, None)
-            return
-        note = (
-            f"the config says it serves {', '.join(map(repr, configured))}, it advertises "
-            f"{', '.join(map(repr, advertised))}: routed as the config says; check its url"
-        )
-        if self._misnamed.get(entry.id) == note:
-            return
-        if len(self._misnamed) >= 4096:
-            self._misnamed.clear()  # bounded as `_said` is
-        self._misnamed[entry.id] = note
-        log.warning("worker %s: %s", entry.id, note)
-
-    def _say_ambiguous(self, entry: WorkerEntry) -> None:
-        """Say which adapter names `entry`'s registration made ambiguous (workers of several
-        base models list them: their requests are refused, `WorkerPool.resolve`): once per
-        name and bases, here rather than on each refused request."""
-        now = self._pool.ambiguous_adapters()
-        for name, bases in now.items():
-            if self._ambiguous.get(name) != bases:
-                log.warning(
-                    "worker %s: LoRA adapter %r is listed by workers of several base models "
-                    "(%s): requests naming it alone are refused (400) until each base's "
-                    "adapter is served under its own name",
-                    entry.id,
-                    name,
-                    ", ".join(repr(base) for base in bases),
-                )
-        self._ambiguous = now
+        return self._notes.doubt(worker)
 
     def refusal(self, worker: str) -> str | None:
         """Why `worker` could not be registered, as last logged (None: nothing logged)."""
-        return self._said.get(worker)
-
-    def _refused(self, entry: WorkerEntry, exc: RequestError) -> None:
-        """Say why `entry` cannot be registered: once, and again only when the reason changes
-        (the health rounds retry every `health.interval_s`: the same line every round would
-        bury the log)."""
-        said = str(exc).removeprefix(f"worker {entry.id}: ")  # the line names it already
-        if self._said.get(entry.id) == said:
-            log.debug("worker %s: %s (still)", entry.id, said)
-            return
-        if len(self._said) >= 4096:
-            self._said.clear()  # bounded: workers come and go; a line said again costs nothing
-        self._said[entry.id] = said
-        log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
+        return self._notes.refusal(worker)
 
     async def add(
         self, config: WorkerConfig, *, must_register: bool, draining: bool = False
@@ -708,17 +623,9 @@ class Supervisor:
     async def remove(self, worker_id: str) -> WorkerEntry:
         """Remove a worker from the pool, the index, the policy and the metrics."""
         entry = self._pool.remove(worker_id)
-        self._doubts.pop(worker_id, None)
-        self._misnamed.pop(worker_id, None)
-        # fewer workers list fewer bases: said again if a registration makes one ambiguous
-        self._ambiguous = self._pool.ambiguous_adapters()
-        # a worker added again under its id (a reload that changed it) has its own reasons
-        self._said.pop(worker_id, None)
-        self._stale.discard(worker_id)
-        self._quiet.pop(worker_id, None)
-        self._read_at.pop(worker_id, None)
-        self._unread_until.pop(worker_id, None)
-        self._doubted_until.pop(worker_id, None)
+        # a worker added again under its id (a reload that changed it) starts afresh
+        self._notes.forget(worker_id)
+        self._schedule.forget(worker_id)
         self.watch.forget(worker_id)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
@@ -767,81 +674,10 @@ class Supervisor:
             # bounded: a worker that answers its health check but hangs in discovery must not
             # hold the round (every other worker's health) for its discovery's timeout
             await asyncio.wait({self.registering(entry)}, timeout=self._health.timeout_s)
-        elif healthy and (
-            came_back
-            or entry.id in self._stale
-            or self._quiet_due(entry, now)
-            or self._settings_due(entry, now)
-        ):
+        elif healthy and (came_back or self._schedule.due(entry, now)):
             # bounded as a discovery is: a re-read left unfinished goes on in the background
             await asyncio.wait({self.rereading(entry)}, timeout=self._health.timeout_s)
         return healthy
-
-    def _quiet_due(self, entry: WorkerEntry, now: float) -> bool:
-        """Whether a healthy worker's settings are to be read again because a KV-event stream
-        of it is STALE: nothing heard from it (no batch, no replay answer) for
-        `indexer.stale_after_s` while its health checks pass. A new process on the same HTTP
-        port with other event ports (a pod replaced behind a Service, restarted between two
-        probes) looks like that: the old sockets never answer, so no stream ever sees a restart
-        (`_stream_restarted`), and no probe saw it down. STALE is the bound because it is when
-        the indexer gives the stream up as unheard anyway, and a busy machine's replay timeouts
-        alone do not make it. Read at once, then at a back-off while nothing changed
-        (`_QUIET_REREAD_MAX`). Before, such a worker was routed without KV affinity for good.
-        """
-        if not needs_discovery(entry.config) or not self._indexer.stale_streams(entry.id):
-            self._quiet.pop(entry.id, None)  # its streams are its config's, or are heard
-            return False
-        due, wait_s = self._quiet.get(entry.id, (now, 0.0))
-        if now < due:
-            return False
-        stale_after_s = self._indexer.config.stale_after_s
-        wait_s = min(2 * wait_s, _QUIET_REREAD_MAX * stale_after_s) if wait_s else stale_after_s
-        self._quiet[entry.id] = (now + wait_s, wait_s)
-        log.debug(
-            "worker %s: a KV-event stream is STALE while it is healthy: settings read", entry.id
-        )
-        return True
-
-    def _settings_due(self, entry: WorkerEntry, now: float) -> bool:
-        """Whether a healthy worker whose streams come from its server info has it read again
-        on the slow cadence (`health.settings_interval_s`, 0: never), its streams looking fine
-        or not: the safety net under `_quiet_due` and `mispredicted`, for a pod replaced
-        behind its URL while the old one runs on (its sockets answer: never STALE) and no
-        request tells (no traffic). One `/server_info` a minute per worker by default."""
-        every_s = self._health.settings_interval_s
-        if not every_s or not needs_discovery(entry.config):
-            return False
-        read_at = self._read_at.setdefault(entry.id, now)
-        if now - read_at < every_s:
-            return False
-        self._read_at[entry.id] = now  # once per cadence, read or not (`_unreadable` says)
-        log.debug("worker %s: settings read again (every %g s)", entry.id, every_s)
-        return True
-
-    def _unreadable(self, entry: WorkerEntry, exc: RequestError) -> None:
-        """Say that `entry`'s settings could not be read again, and why: at most once per
-        back-off interval (its STALE re-read's, else `indexer.stale_after_s`), and once per
-        burst of tries (`_REREAD_TRIES`). Before, nothing was said: a worker whose
-        `/server_info` broke (garbage, timeouts) was asked in bursts for good without a line in
-        the log."""
-        now = self._clock()
-        if now < self._unread_until.get(entry.id, now):
-            log.debug("worker %s: %s (still)", entry.id, exc)
-            return
-        wait_s = max(
-            self._quiet.get(entry.id, (now, 0.0))[1] or self._indexer.config.stale_after_s,
-            _REREAD_TRIES * self._health.timeout_s,
-        )
-        if len(self._unread_until) >= 4096:
-            self._unread_until.clear()  # bounded as `_said` is
-        self._unread_until[entry.id] = now + wait_s
-        log.warning(
-            "worker %s: its settings could not be read again (%s): what was known of it stays; "
-            "asked again later (said at most every %g s)",
-            entry.id,
-            exc,
-            wait_s,
-        )
 
     def mispredicted(self, worker: str, predicted: int, cached: int) -> None:
         """`worker`'s answers reused far less than predicted, `STREAK` in a row (the last:
@@ -853,10 +689,8 @@ class Supervisor:
         entry = self._pool.find(worker)
         if entry is None or not entry.discovered or id(entry) in self._adding:
             return  # its registration, under way or to come, reads them
-        now = self._clock()
-        if now < self._doubted_until.get(worker, now):
+        if not self._schedule.mispredicted_due(worker, self._clock()):
             return
-        self._doubted_until[worker] = now + self._indexer.config.stale_after_s
         log.info(
             "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
             "%d of %d): its settings read again",
@@ -890,7 +724,7 @@ class Supervisor:
             cached,
             predicted,
             "could not be read"
-            if entry.id in self._unread_until
+            if self._schedule.unread(entry.id)
             else "are the ones it was registered with",
         )
 

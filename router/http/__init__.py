@@ -2,9 +2,13 @@
 
 Request path: `listener` (aiohttp's server: client deadlines, connection cap, malformed HTTP) ->
 `app` (the application factory, error middleware, the resources it owns) -> `proxy` (the
-upstream hop: streaming, retries) -> `intake` (body and salt header within the limits, parsed by
-`router.prompt`) -> `router.routing` for the decision.
+upstream hop: retries; the answer back through `answer_relay`) -> `intake` (body and salt
+header within the limits, parsed by `router.prompt`) -> `router.routing` for the decision.
 
+- `answer_relay`: the worker's answer passed through to the client, whole or streamed;
+- `outcome`: what a forwarded request counts as (499, 502: `answer_code`) and whose fault its
+  failures were (`charge`);
+- `rank_refusal`: a worker refusing the dp rank the router told it, and the rank-less retry;
 - `admin`: the `/admin` API (workers, namespaces, streams, route dry run, index dump/load);
 - `dashboard/`: the live page at `/dashboard` (admin token), its login and the state it polls;
 - `metrics`: the Prometheus metrics of one router;

@@ -39,7 +39,7 @@ read again and the pair retried where its port or role changed (a restart the ro
 else it is charged at once. Any other failure of the decode is its own. The engine's 5xx is the
 client's answer when the side it is blamed on has no other worker to retry on; the request
 deadline bounds it all. Failures are charged to the workers
-blamed as a whole request's are (`router.http.proxy.charge`), side by side, once the request
+blamed as a whole request's are (`router.http.outcome.charge`), side by side, once the request
 ended (`_Charges`): a prompt every prefill fails opens no circuit. An answer is counted by the
 task that wrote it (`PairDispatcher._answered`), whatever the client does next.
 """
@@ -67,22 +67,19 @@ from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS, PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
-from router.http.metrics import CLIENT_CLOSED, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER, Observation, observation
-from router.http.proxy import (
+from router.http.answer_relay import (
     FORECAST_HEADER,
     MATCHED_HEADER,
     PENDING_HEADER,
     RAW_MATCHED_HEADER,
     RAW_PENDING_HEADER,
     AnswerHooks,
-    AttemptFailed,
-    Proxy,
-    answer_code,
-    broken_off,
-    charge,
-    refuses_rank,
 )
+from router.http.metrics import CLIENT_CLOSED, RouterMetrics
+from router.http.observe import REQUEST_ID_HEADER, Observation, observation
+from router.http.outcome import AttemptFailed, answer_code, broken_off, charge
+from router.http.proxy import Proxy
+from router.http.rank_refusal import refuses_rank
 from router.prompt.dp_rank import DP_RANK_HEADER, with_body_members
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.load import Ticket, Withdraw

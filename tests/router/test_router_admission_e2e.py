@@ -277,7 +277,7 @@ async def test_a_worker_refused_every_health_round_is_said_once(
     async with ReferenceWorker(cfg) as w0:
         wrong = WorkerConfig(url=w0.url, id="w0", topic="kv-events")
         config = msgspec.structs.replace(router_config([]), workers=(wrong,))
-        caplog.set_level(logging.DEBUG, logger="router.fleet.supervisor")
+        caplog.set_level(logging.DEBUG, logger="router.fleet.registration_notes")
         async with RouterService(config):
             # health rounds every 0.2 s: several retries, each refused the same way
             await asyncio.sleep(1.2)

@@ -216,7 +216,7 @@ async def test_an_unreadable_server_info_is_said_once_per_back_off(
 
             await eventually(up, what="the worker registered and healthy")
             front.server_info = b"<html>not json"
-            caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+            caplog.set_level(logging.WARNING, logger="router.fleet.reread_schedule")
             first = front.asked.count("/server_info")
             # back-offs of 0.2, 0.4, 0.8, 1.6 s
             await asyncio.sleep(stale_after_s + 2.0)

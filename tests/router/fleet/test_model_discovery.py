@@ -270,7 +270,7 @@ async def test_an_adapter_listed_under_two_base_models_is_refused_not_guessed(
     worker's base won, so `shared` went to base-v until v3 was removed, then to base-w (v1
     still served it). Now: one warning when it becomes ambiguous, a 400 naming both bases on
     the proxy and on /v1/kv/query, and base-v's once only base-v lists it."""
-    caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+    caplog.set_level(logging.WARNING, logger="router.fleet.registration_notes")
     async with (
         OpenAIBackend("base-v", ("sql-lora", "shared")) as v1,
         OpenAIBackend("base-w", ("shared",)) as v2,
@@ -337,7 +337,7 @@ async def test_a_configured_model_the_worker_does_not_advertise_is_warned_of(
     """The config's model wins over the one a worker advertises (a router-side name is
     allowed), but when none of its names is advertised the URL may point at another model's
     worker: it was taken without a word ("serves model-a" only)."""
-    caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+    caplog.set_level(logging.WARNING, logger="router.fleet.registration_notes")
     reference = ReferenceConfig(model="model-s", time_scale=0.0)
     async with (
         ReferenceWorker(reference) as worker,

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
 from router.http.keys import DECISIONS
-from router.http.proxy import refuses_rank
+from router.http.rank_refusal import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
 from tests.raw_http import request_bytes

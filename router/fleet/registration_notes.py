@@ -1,0 +1,125 @@
+"""What the log says about workers' registrations, each thing once.
+
+A worker is registered again and again: its refusals are retried on every health round, and a
+restart, a STALE stream or a reload registers it anew. What a registration finds (why it was
+refused, a replay socket it cannot trust, a config naming models the worker does not advertise,
+an adapter name workers of several base models list) is said when it is new or changed, never
+on every round: the same line every `health.interval_s` would bury the log. The admin API shows
+the last of them (`refusal`, `doubt`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from router.errors import RequestError
+from router.routing.pool import WorkerEntry, WorkerPool
+
+__all__ = ["RegistrationNotes"]
+
+log = logging.getLogger(__name__)
+
+# per kind of note, how many workers' are kept: workers come and go, and a line said again
+# costs nothing
+_KEPT = 4096
+
+
+class RegistrationNotes:
+    """The last thing said per worker about its registration, so that it is said once."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+        # per worker, the last reason it could not be registered that was logged (`refused`)
+        self._said: dict[str, str] = {}
+        # per worker, what its registration found suspect but registered anyway (`doubted`)
+        self._doubts: dict[str, str] = {}
+        # per worker, the configured and advertised models that contradict, as last said
+        # (`check_named`)
+        self._misnamed: dict[str, str] = {}
+        # the adapters workers of several base models list, as last said (`say_ambiguous`)
+        self._ambiguous: dict[str, tuple[str, ...]] = {}
+
+    def forget(self, worker: str) -> None:
+        """`worker` was removed from the pool: one added again under its id (a reload that
+        changed it) has its own reasons."""
+        self._doubts.pop(worker, None)
+        self._misnamed.pop(worker, None)
+        # fewer workers list fewer bases: said again if a registration makes one ambiguous
+        self._ambiguous = self._pool.ambiguous_adapters()
+        self._said.pop(worker, None)
+
+    def refusal(self, worker: str) -> str | None:
+        """Why `worker` could not be registered, as last logged (None: nothing logged)."""
+        return self._said.get(worker)
+
+    def registered(self, worker: str) -> None:
+        """`worker` was registered: a refusal after this is said again."""
+        self._said.pop(worker, None)
+
+    def refused(self, entry: WorkerEntry, exc: RequestError) -> None:
+        """Say why `entry` cannot be registered: once, and again only when the reason changes
+        (the health rounds retry every `health.interval_s`: the same line every round would
+        bury the log)."""
+        said = str(exc).removeprefix(f"worker {entry.id}: ")  # the line names it already
+        if self._said.get(entry.id) == said:
+            log.debug("worker %s: %s (still)", entry.id, said)
+            return
+        if len(self._said) >= _KEPT:
+            self._said.clear()
+        self._said[entry.id] = said
+        log.warning("worker %s: %s (retrying on each health round)", entry.id, said)
+
+    def doubt(self, worker: str) -> str | None:
+        """What `worker`'s registration found suspect in its config, as logged (None: nothing):
+        registered all the same (`router.fleet.advertised.replay_proof`)."""
+        return self._doubts.get(worker)
+
+    def doubted(self, worker: str, note: str | None) -> None:
+        """What `worker`'s registration found suspect now (None: nothing): said once per worker
+        and note (re-registrations would repeat it)."""
+        if note is None:
+            self._doubts.pop(worker, None)
+            return
+        if self._doubts.get(worker) == note:
+            return
+        if len(self._doubts) >= _KEPT:
+            self._doubts.clear()
+        self._doubts[worker] = note
+        log.warning("worker %s: %s", worker, note)
+
+    def check_named(self, entry: WorkerEntry, advertised: list[str]) -> None:
+        """Say when none of the models `entry`'s config names is one it advertises (once per
+        worker and names: re-registrations would repeat it). The config's names are used all
+        the same (a router-side name is allowed); what this catches is a URL pointing at
+        another model's worker, whose requests it would answer with that model."""
+        configured = entry.config.served_models
+        if not configured or not advertised or set(configured) & set(advertised):
+            self._misnamed.pop(entry.id, None)
+            return
+        note = (
+            f"the config says it serves {', '.join(map(repr, configured))}, it advertises "
+            f"{', '.join(map(repr, advertised))}: routed as the config says; check its url"
+        )
+        if self._misnamed.get(entry.id) == note:
+            return
+        if len(self._misnamed) >= _KEPT:
+            self._misnamed.clear()
+        self._misnamed[entry.id] = note
+        log.warning("worker %s: %s", entry.id, note)
+
+    def say_ambiguous(self, entry: WorkerEntry) -> None:
+        """Say which adapter names `entry`'s registration made ambiguous (workers of several
+        base models list them: their requests are refused, `WorkerPool.resolve`): once per
+        name and bases, here rather than on each refused request."""
+        now = self._pool.ambiguous_adapters()
+        for name, bases in now.items():
+            if self._ambiguous.get(name) != bases:
+                log.warning(
+                    "worker %s: LoRA adapter %r is listed by workers of several base models "
+                    "(%s): requests naming it alone are refused (400) until each base's "
+                    "adapter is served under its own name",
+                    entry.id,
+                    name,
+                    ", ".join(repr(base) for base in bases),
+                )
+        self._ambiguous = now

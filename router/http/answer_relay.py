@@ -1,0 +1,276 @@
+"""A worker's answer passed through to the client.
+
+The answer gets the router's own headers (the worker, the predicted and raw matches, the
+forecast, the rank told: `WORKER_HEADER`...), hop-by-hop headers dropped (`HOP_BY_HOP`, the
+same rule the request's copy follows). A whole answer is sent as one; a stream is forwarded
+chunk by chunk, and its response headers only sent once the worker produced its first chunk,
+so a worker that dies before answering is retried too (`AttemptFailed`). A worker that breaks
+a stream off after that is no retry: the client's connection is cut, and the request counts as
+502 (`router.http.outcome`). `AnswerHooks` is what a caller adds to one answer (the pair
+dispatcher, `router.http.pd`: headers naming both workers, a wait for the prefill side before
+anything is committed, the prefill's logprobs merged in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
+from router.http.observe import observation
+from router.http.outcome import AttemptFailed, client_left, mark_broken_off
+from router.http.rank_refusal import RankMoved, refuses_rank
+from router.http.upstream_client import UpstreamClientError, UpstreamResponse
+from router.routing.load import Ticket, Withdraw
+from router.routing.planner import Candidate, Planner
+
+__all__ = [
+    "DP_RANK_HEADER",
+    "FORECAST_HEADER",
+    "HOP_BY_HOP",
+    "MATCHED_HEADER",
+    "PENDING_HEADER",
+    "RAW_MATCHED_HEADER",
+    "RAW_PENDING_HEADER",
+    "WORKER_HEADER",
+    "AnswerHooks",
+    "copy_headers",
+    "relay_answer",
+]
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-kvroute-worker"
+MATCHED_HEADER = "x-kvroute-matched-tokens"
+PENDING_HEADER = "x-kvroute-pending-tokens"
+# the index's match before the admission-time discount (`router.routing.admission`)
+RAW_MATCHED_HEADER = "x-kvroute-raw-matched-tokens"
+RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
+# when the forecast kept less than the raw match: why the rest is lost (`AdmissionForecast.cause`)
+FORECAST_HEADER = "x-kvroute-forecast-lost"
+DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
+
+# hop-by-hop and framing headers are the proxy's own business on each side (both ways)
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+        "date",
+        "server",
+    )
+)
+
+
+def copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """`headers` without the ones in `drop` nor the ones their `Connection` names."""
+    # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
+    out = CIMultiDict(headers)
+    # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1): this hop's only
+    named = out.getall("Connection", ())
+    for name in drop:
+        if name in out:
+            del out[name]
+    for value in named:
+        for name in value.split(","):
+            out.popall(name.strip(), None)
+    return out
+
+
+class AnswerHooks:
+    """What a caller adds to one forwarded answer (the pair dispatcher); by default nothing."""
+
+    def __init__(self) -> None:
+        self.request_headers: dict[str, str] = {}  # set on the upstream request
+        self.headers: dict[str, str] = {}  # set on the answer (after the proxy's own)
+
+    async def before_commit(self, status: int) -> None:
+        """Awaited once the worker answered (`status`), before anything reaches the client;
+        raising makes the attempt fail (AttemptFailed: retried)."""
+
+    def passes_through(self, status: int, last_try: bool, payload: bytes) -> bool:
+        """Whether the worker's 5xx `status` (its body: `payload`) is the client's answer (else
+        AttemptFailed). With hooks, the caller charges the failure to whichever worker it
+        blames (a pair's decode may fail for its prefill, and say so in its body): once the
+        request ended (`charge`), or at once in `timed_out`."""
+        return last_try
+
+    def timed_out(self) -> None:
+        """The request deadline passed before the worker answered (UpstreamTimeoutError)."""
+
+    def body(self, payload: bytes) -> bytes:
+        """A whole (non-streamed) answer, as the client gets it."""
+        return payload
+
+    def chunk(self, data: bytes) -> bytes:
+        """One streamed chunk, as the client gets it."""
+        return data
+
+    def end(self) -> bytes:
+        """What the stream ends with, after the last chunk."""
+        return b""
+
+
+async def relay_answer(
+    planner: Planner,
+    request: web.Request,
+    upstream: UpstreamResponse,
+    candidate: Candidate,
+    ticket: Ticket,
+    *,
+    last_try: bool,
+    hooks: AnswerHooks | None = None,
+    deadline: float | None = None,
+    rank_moved: Callable[[], Awaitable[bool]] | None = None,
+) -> web.StreamResponse:
+    """Pass the worker's answer through; raises AttemptFailed while a retry is still legal,
+    RankMoved when the worker refused the rank the router chose (`rank_moved` given).
+    `deadline` (event-loop time) bounds the client's reading too: a client that stops
+    reading holds the request, its worker connection and its load no longer than that."""
+    if not 200 <= upstream.status < 300:
+        # its end takes back what routing marked (`Planner.withdraw`): a worker that
+        # refused the request (4xx: SGLang validates before scheduling) stored nothing
+        status = upstream.status
+        ticket.withdraw = Withdraw.ALL if 400 <= status < 500 else Withdraw.PENDING
+    payload: bytes | None = None  # read already
+    if upstream.status >= 500:
+        if hooks is not None:
+            # read first: whom a pair's failure is blamed on may be in its body
+            payload = await upstream.read()
+            last_try = hooks.passes_through(upstream.status, last_try, payload)
+        if not last_try:
+            raise AttemptFailed(f"HTTP {upstream.status}", hard=False, status=upstream.status)
+        # passed through, but still a failure: charged once the request ended (`charge`:
+        # by `Proxy._route`, or the pair dispatcher's `_answered`)
+    if upstream.status == 400 and rank_moved is not None:
+        payload = await upstream.read()
+        if refuses_rank(upstream.status, payload):
+            raise RankMoved(candidate.worker, anew=await rank_moved())
+    out = copy_headers(upstream.headers, HOP_BY_HOP)
+    out[WORKER_HEADER] = candidate.worker
+    # what the worker is predicted to reuse at admission; the index's raw answer beside it
+    matched, pending = candidate.predicted_split
+    out[MATCHED_HEADER] = str(matched)
+    out[PENDING_HEADER] = str(pending)
+    out[RAW_MATCHED_HEADER] = str(candidate.matched_tokens)
+    out[RAW_PENDING_HEADER] = str(candidate.pending_tokens)
+    if candidate.admission is not None and candidate.admission.cause:
+        out[FORECAST_HEADER] = candidate.admission.cause
+    if candidate.dp_rank is not None:
+        out[DP_RANK_HEADER] = str(candidate.dp_rank)
+    if hooks is not None:
+        out.update(hooks.headers)
+    obs = observation(request)
+    if obs is not None:
+        obs.response_headers(out)
+    streaming = payload is None and (
+        "text/event-stream" in upstream.headers.get("Content-Type", "")
+        or "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+    )
+    if not streaming:
+        if payload is None:
+            payload = await upstream.read()
+        if hooks is not None:
+            planner.first_byte(ticket)
+            await hooks.before_commit(upstream.status)
+            payload = hooks.body(payload)
+        if obs is not None:
+            obs.first_byte()
+        # the client has its answer before the router's bookkeeping (this request's own
+        # below, and its end's in the caller): at low concurrency that is latency saved
+        try:
+            response = await send_whole(request, upstream.status, out, payload, deadline=deadline)
+        except ConnectionResetError:  # gone, or cut at the deadline: the worker answered
+            response = SentResponse(upstream.status, out, False, 0)
+            client_left(request)
+        if hooks is None:
+            planner.first_byte(ticket)
+        if obs is not None:
+            obs.body(payload)
+        if upstream.status < 500:
+            planner.record_success(candidate.worker)
+        return response
+    # wait for the first chunk before committing headers: until then, a retry is legal
+    first = await upstream.readany()
+    planner.first_byte(ticket)
+    if hooks is not None:
+        await hooks.before_commit(upstream.status)
+    if obs is not None:
+        obs.first_byte()
+    return await _stream(planner, request, upstream, out, first, candidate.worker, hooks, deadline)
+
+
+async def _stream(
+    planner: Planner,
+    request: web.Request,
+    upstream: UpstreamResponse,
+    headers: CIMultiDict[str],
+    first: bytes,
+    worker: str,
+    hooks: AnswerHooks | None = None,
+    deadline: float | None = None,
+) -> web.StreamResponse:
+    """Pass a streamed answer through from its `first` chunk on, the response headers
+    committed; a worker breaking off from here is no retry."""
+    response = ChunkedResponse(status=upstream.status, headers=headers, deadline=deadline)
+    chunk = first
+    obs = observation(request)
+    try:
+        await response.prepare(request)
+        while chunk:
+            data = chunk if hooks is None else hooks.chunk(chunk)
+            await response.write(data)
+            if obs is not None:
+                obs.chunk(data)  # its usage is read once the stream ends
+            try:
+                chunk = await upstream.readany()
+            except (UpstreamClientError, TimeoutError) as exc:
+                # bytes already reached the client, so no retry; cut the connection so
+                # the client sees a truncated stream, not a clean end. The request deadline
+                # passing while the worker streams is no failure of it (it was answering:
+                # counted, a long generation would reopen a recovering worker's circuit)
+                if not isinstance(exc, TimeoutError):
+                    planner.record_failure(worker, hard=True)
+                    log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
+                    # the client's status line said the worker's 200: counted as that,
+                    # the failure would show in no error rate (`answer_code`)
+                    mark_broken_off(request, type(exc).__name__)
+                else:
+                    log.info("a stream from worker %s was cut at the request deadline", worker)
+                upstream.close()
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+        if hooks is not None and (tail := hooks.end()):
+            await response.write(tail)
+        await response.write_eof()
+    except ConnectionResetError:
+        # the client went away, or stopped reading until the deadline and was cut
+        # (`ClientStalledError`; left to `Proxy.forward`, either would count against the worker
+        # and retry a request whose bytes were sent); closing the upstream connection makes
+        # the worker abort. The worker was streaming: it works (a recovering worker's
+        # circuit closes on it, as on a whole answer)
+        upstream.close()
+        planner.record_success(worker)
+        client_left(request)
+        return response
+    except asyncio.CancelledError:
+        # the client went away and aiohttp cancelled the handler: the same (`Proxy.forward`
+        # closes the upstream connection)
+        planner.record_success(worker)
+        raise
+    if upstream.status < 500:  # a streamed 5xx is a failure (`Proxy._route` charges it)
+        planner.record_success(worker)
+    return response
