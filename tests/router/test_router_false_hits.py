@@ -6,9 +6,11 @@ it. And a worker whose `/server_info` cannot be read is said so."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
@@ -54,6 +56,38 @@ class Client:
         return all([await self.predicted(b) > 0 for b in bodies])
 
 
+class Pods(NamedTuple):
+    """Two pods, a front (the Service) pointing at the old one, and a router behind it."""
+
+    old: ReferenceWorker
+    new: ReferenceWorker
+    front: Front
+    router: RouterService
+
+
+@contextlib.asynccontextmanager
+async def old_pod_behind_front(
+    settings_interval_s: float = 600.0, stale_after_s: float = 1.0
+) -> AsyncIterator[Pods]:
+    """A router in front of worker `w`, served by the old pod until a test moves the front.
+    The default cadence and STALE re-read are far off: only the answers can tell."""
+    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
+    async with (
+        ReferenceWorker(config) as old_pod,
+        ReferenceWorker(config) as new_pod,
+        Front(old_pod.url) as front,
+    ):
+        router_cfg = router_config(
+            [("w", front.url)],
+            health=HealthConfig(
+                interval_s=0.1, timeout_s=0.5, settings_interval_s=settings_interval_s
+            ),
+            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=stale_after_s),
+        )
+        async with RouterService(router_cfg) as router:
+            yield Pods(old_pod, new_pod, front, router)
+
+
 def on_ports_of(router: RouterService, worker: ReferenceWorker) -> bool:
     (cfg,) = router.indexer.stream_configs("w")
     return cfg.endpoint == worker.kv_events.endpoints[0]
@@ -64,45 +98,34 @@ async def test_a_pod_replaced_while_the_old_one_runs_on_is_caught_by_its_false_h
     never read again: every request was predicted from the old pod's cache (QA: 12 of 12
     false hits over 33 s). Now STREAK answers in a row reusing far less than predicted have
     the worker's settings read at once: the new pod's event ports register it anew."""
-    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
-    async with (
-        ReferenceWorker(config) as old_pod,
-        ReferenceWorker(config) as new_pod,
-        Front(old_pod.url) as front,
-    ):
-        router_cfg = router_config(
-            [("w", front.url)],
-            # the slow cadence and the STALE re-read are far off: only the answers can tell
-            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=600.0),
-            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
-        )
-        async with RouterService(router_cfg) as router, aiohttp.ClientSession() as session:
-            client = Client(session, router)
-            old = [prompt(i, "old") for i in range(STREAK + 4)]
-            for body in old:
-                await client.send(body)
-            await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+    async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
+        _, new_pod, front, router = pods
+        client = Client(session, router)
+        old = [prompt(i, "old") for i in range(STREAK + 4)]
+        for body in old:
+            await client.send(body)
+        await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
 
-            front.target = new_pod.url  # the old pod runs on, answering its probes
-            for body in old[:STREAK]:
-                matched, cached = await client.send(body)
-                assert matched > cached  # a false hit: the new pod never saw it
+        front.target = new_pod.url  # the old pod runs on, answering its probes
+        for body in old[:STREAK]:
+            matched, cached = await client.send(body)
+            assert matched > cached  # a false hit: the new pod never saw it
 
-            async def anew() -> bool:
-                return on_ports_of(router, new_pod)
+        async def anew() -> bool:
+            return on_ports_of(router, new_pod)
 
-            await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
-            # the old pod's cache predicts nothing from here on
-            for body in old[STREAK:]:
-                assert await client.send(body) == (0, 0)
-            new = [prompt(i, "new") for i in range(4)]
-            for body in new:
-                await client.send(body)
-            await eventually(partial(client.indexed, new), what="the new pod's pages predicted")
-            for body in new:
-                matched, cached = await client.send(body)
-                assert matched == cached > 0
-            assert router.planner.pool.get("w").healthy
+        await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
+        # the old pod's cache predicts nothing from here on
+        for body in old[STREAK:]:
+            assert await client.send(body) == (0, 0)
+        new = [prompt(i, "new") for i in range(4)]
+        for body in new:
+            await client.send(body)
+        await eventually(partial(client.indexed, new), what="the new pod's pages predicted")
+        for body in new:
+            matched, cached = await client.send(body)
+            assert matched == cached > 0
+        assert router.planner.pool.get("w").healthy
 
 
 async def test_false_hits_on_a_worker_with_unchanged_settings_put_its_streams_in_doubt(
@@ -112,87 +135,67 @@ async def test_false_hits_on_a_worker_with_unchanged_settings_put_its_streams_in
     (here: the new pod behind a front that answers the old pod's `/server_info`): nothing to
     register anew, so its streams predict nothing until a replay proves them, said in one
     WARNING with the numbers."""
-    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
-    async with (
-        ReferenceWorker(config) as old_pod,
-        ReferenceWorker(config) as new_pod,
-        Front(old_pod.url) as front,
-    ):
-        router_cfg = router_config(
-            [("w", front.url)],
-            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=600.0),
-            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
-        )
-        async with RouterService(router_cfg) as router, aiohttp.ClientSession() as session:
-            client = Client(session, router)
-            old = [prompt(i, "old") for i in range(STREAK)]
-            for body in old:
-                await client.send(body)
-            await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
-            async with session.get(old_pod.url + "/server_info") as resp:
-                front.server_info = await resp.read()
-            front.target = new_pod.url
-            caplog.set_level(logging.INFO)
-            verifications = router.indexer.streams()[0].verifications
-            for body in old:
-                matched, cached = await client.send(body)
-                assert matched > cached == 0
+    async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
+        old_pod, new_pod, front, router = pods
+        client = Client(session, router)
+        old = [prompt(i, "old") for i in range(STREAK)]
+        for body in old:
+            await client.send(body)
+        await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+        async with session.get(old_pod.url + "/server_info") as resp:
+            front.server_info = await resp.read()
+        front.target = new_pod.url
+        caplog.set_level(logging.INFO)
+        verifications = router.indexer.streams()[0].verifications
+        for body in old:
+            matched, cached = await client.send(body)
+            assert matched > cached == 0
 
-            def said() -> list[str]:
-                return [
-                    r.getMessage()
-                    for r in caplog.records
-                    if r.levelno == logging.WARNING and "in a row" in r.getMessage()
-                ]
-
-            async def doubted() -> bool:
-                return bool(said())
-
-            await eventually(doubted, timeout_s=5.0, what="its streams put in doubt")
-            assert said() == [
-                f"worker w: {STREAK} answers in a row reused far fewer tokens than predicted "
-                f"(the last: 0 of {matched}), and its settings are the ones it was registered "
-                "with: its KV-event streams predict nothing until a replay proves them"
+        def said() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and "in a row" in r.getMessage()
             ]
-            assert any("reused far less than predicted" in r.getMessage() for r in caplog.records)
 
-            async def proven_again() -> bool:
-                return router.indexer.streams()[0].verifications > verifications
+        async def doubted() -> bool:
+            return bool(said())
 
-            await eventually(proven_again, what="the stream checked through its replay")
-            assert on_ports_of(router, old_pod)  # nothing registered anew
+        await eventually(doubted, timeout_s=5.0, what="its streams put in doubt")
+        assert said() == [
+            f"worker w: {STREAK} answers in a row reused far fewer tokens than predicted "
+            f"(the last: 0 of {matched}), and its settings are the ones it was registered "
+            "with: its KV-event streams predict nothing until a replay proves them"
+        ]
+        assert any("reused far less than predicted" in r.getMessage() for r in caplog.records)
+
+        async def proven_again() -> bool:
+            return router.indexer.streams()[0].verifications > verifications
+
+        await eventually(proven_again, what="the stream checked through its replay")
+        assert on_ports_of(router, old_pod)  # nothing registered anew
 
 
 async def test_a_replaced_pod_is_caught_without_traffic_by_the_settings_cadence() -> None:
     """No request, no answer to tell: the healthy worker's `/server_info` is read again every
     `health.settings_interval_s` all the same, and the new pod's ports register it anew."""
-    config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
-    async with (
-        ReferenceWorker(config) as old_pod,
-        ReferenceWorker(config) as new_pod,
-        Front(old_pod.url) as front,
-    ):
-        router_cfg = router_config(
-            [("w", front.url)],
-            health=HealthConfig(interval_s=0.1, timeout_s=0.5, settings_interval_s=0.5),
-            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=30.0),
-        )
-        async with RouterService(router_cfg) as router:
+    async with old_pod_behind_front(settings_interval_s=0.5, stale_after_s=30.0) as pods:
+        old_pod, new_pod, front, router = pods
 
-            async def registered() -> bool:
-                return router.indexer.has_worker("w") and on_ports_of(router, old_pod)
+        async def registered() -> bool:
+            return router.indexer.has_worker("w") and on_ports_of(router, old_pod)
 
-            await eventually(registered, what="registered on the old pod's ports")
-            reads = front.asked.count("/server_info")
-            await asyncio.sleep(1.2)  # two cadences: read again, nothing changed
-            assert 1 <= front.asked.count("/server_info") - reads <= 4
-            assert on_ports_of(router, old_pod)
-            front.target = new_pod.url
+        await eventually(registered, what="registered on the old pod's ports")
+        reads = front.asked.count("/server_info")
+        await asyncio.sleep(1.2)  # two cadences: read again, nothing changed
+        assert 1 <= front.asked.count("/server_info") - reads <= 4
+        assert on_ports_of(router, old_pod)
+        front.target = new_pod.url
 
-            async def anew() -> bool:
-                return on_ports_of(router, new_pod)
+        async def anew() -> bool:
+            return on_ports_of(router, new_pod)
 
-            await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
+        await eventually(anew, timeout_s=5.0, what="registered anew on the new pod's ports")
 
 
 async def test_an_unreadable_server_info_is_said_once_per_back_off(
