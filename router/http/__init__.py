@@ -9,6 +9,12 @@ header within the limits, parsed by `router.prompt`) -> `router.routing` for the
 - `outcome`: what a forwarded request counts as (499, 502: `answer_code`) and whose fault its
   failures were (`charge`);
 - `rank_refusal`: a worker refusing the dp rank the router told it, and the rank-less retry;
+- `pd`: the prefill/decode pair dispatcher (route a pair, send its two legs, retry), with
+  `pair_hooks` (one attempt as its decode's answer sees it: both workers named, blame, the
+  prefill's logprobs merged in), `pair_failure` (a pair's failures and how they are charged),
+  `bootstrap_fields` (the bootstrap host, port and room an SGLang pair's legs get),
+  `bootstrap_unreachable` (a decode that cannot reach its prefill's bootstrap server) and
+  `kv_transfer_params` (what a vLLM pair's legs get, prefill first);
 - `admin`: the `/admin` API (workers, namespaces, streams, route dry run, index dump/load);
 - `dashboard/`: the live page at `/dashboard` (admin token), its login and the state it polls;
 - `metrics`: the Prometheus metrics of one router;

@@ -7,8 +7,8 @@ chunk by chunk, and its response headers only sent once the worker produced its 
 so a worker that dies before answering is retried too (`AttemptFailed`). A worker that breaks
 a stream off after that is no retry: the client's connection is cut, and the request counts as
 502 (`router.http.outcome`). `AnswerHooks` is what a caller adds to one answer (the pair
-dispatcher, `router.http.pd`: headers naming both workers, a wait for the prefill side before
-anything is committed, the prefill's logprobs merged in).
+dispatcher's, `router.http.pair_hooks`: headers naming both workers, a wait for the prefill side
+before anything is committed, the prefill's logprobs merged in).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ is decided once it has ended (`router.http.outcome`: `charge`, `answer_code`).
 
 A model served by prefill/decode pairs is handed to the pair dispatcher (`router.http.pd`,
 `PairDispatch`) once its namespace is known; it forwards the decode side's answer through
-`forward` with `AnswerHooks` (`router.http.answer_relay`).
+`forward` with `AnswerHooks` (`router.http.answer_relay`; the pair's: `router.http.pair_hooks`).
 """
 
 from __future__ import annotations
