@@ -26,6 +26,7 @@ workers concurrently, each with its own timeout.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -124,6 +125,7 @@ class Supervisor:
         self._rereading: dict[int, asyncio.Task[bool]] = {}
         # the checks of workers whose answers were mispredicted under way (`mispredicted`)
         self._checks: set[asyncio.Task[None]] = set()
+        self._checking: set[str] = set()  # workers whose predictions are being checked
         # told every answer's usage by the observer (`router.http.observe`)
         self.watch = FalseHitWatch(indexer.block_size, self.mispredicted)
         indexer.restart_listeners.append(self._stream_restarted)
@@ -682,51 +684,47 @@ class Supervisor:
     def mispredicted(self, worker: str, predicted: int, cached: int) -> None:
         """`worker`'s answers reused far less than predicted, `STREAK` in a row (the last:
         `cached` of `predicted` tokens; `router.fleet.false_hits`): the index may follow
-        another process than the one behind its URL. Its settings are read at once, at most
-        once per `indexer.stale_after_s` (`_check_predictions`). Before, nothing acted on it:
-        a pod replaced while the old one ran on was predicted from the old pod's cache for
-        good (every request a false hit)."""
+        another process than the one behind its URL. Its streams are subscribed anew at once
+        and their entries dropped, then its settings are read again (`_check_predictions`), at
+        most once per `indexer.stale_after_s` and never twice at a time. Before, nothing acted
+        on it: a pod replaced while the old one ran on was predicted from the old pod's cache
+        for good (every request a false hit)."""
         entry = self._pool.find(worker)
         if entry is None or not entry.discovered or id(entry) in self._adding:
             return  # its registration, under way or to come, reads them
-        if not self._schedule.mispredicted_due(worker, self._clock()):
+        if worker in self._checking or not self._schedule.mispredicted_due(worker, self._clock()):
             return
-        log.info(
-            "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
-            "%d of %d): its settings read again",
-            worker,
-            STREAK,
-            cached,
-            predicted,
-        )
+        self._checking.add(worker)
+        # not the request's context: the check outlives it, and its lines are not its own
         task = asyncio.create_task(
-            self._check_predictions(entry, predicted, cached), name=f"kvroute-doubt-{worker}"
+            self._check_predictions(entry, predicted, cached),
+            name=f"kvroute-doubt-{worker}",
+            context=contextvars.Context(),
         )
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
+        task.add_done_callback(lambda _: self._checking.discard(worker))
 
     async def _check_predictions(self, entry: WorkerEntry, predicted: int, cached: int) -> None:
-        """Read `entry`'s settings again (`rereading`): other sockets, ranks or page size
-        register it anew. The same settings (or none readable) put its streams in doubt: they
-        predict nothing until a replay proves them (`IndexerService.suspect_restart`), said in
-        one WARNING."""
-        anew = await self.rereading(entry)
-        if anew or self._pool.find(entry.id) is not entry or not entry.discovered:
-            return
+        """Subscribe `entry`'s streams anew, their entries dropped (fail closed at once: a
+        replay over the old connections would only prove the old process again, while new
+        connections through a Service reach the pod behind it now), said in one WARNING; then
+        read its settings again (`rereading`): other sockets, ranks or page size register it
+        anew. Before, its streams were only put in doubt, after the whole read (up to two
+        minutes with a hanging `/server_info`): a replay over the old connection proved them
+        at once, and the false hits went on until the old pod exited."""
         if self._indexer.has_worker(entry.id):
-            self._indexer.suspect_restart(entry.id, "its answers reused far less than predicted")
+            await self._indexer.add_worker(entry.id, self._indexer.stream_configs(entry.id))
         log.warning(
             "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
-            "%d of %d), and its settings %s: its KV-event streams predict nothing until a "
-            "replay proves them",
+            "%d of %d): its KV-event streams are subscribed anew, their entries dropped, and "
+            "its settings read again (another process may be serving its URL)",
             entry.id,
             STREAK,
             cached,
             predicted,
-            "could not be read"
-            if self._schedule.unread(entry.id)
-            else "are the ones it was registered with",
         )
+        await self.rereading(entry)
 
     async def check_all(self) -> None:
         """One health round over every worker."""

@@ -56,7 +56,7 @@ from router.http.intake import read_request
 from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off, charge
-from router.http.rank_refusal import RankMoved, without_rank
+from router.http.rank_refusal import RankMoved, RankRetryNotices, without_rank
 from router.http.upstream_client import (
     Origin,
     UnsafeHeaderError,
@@ -154,6 +154,7 @@ class Proxy:
         self.reread: Callable[[str, float], Coroutine[Any, Any, bool]] | None = None
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
+        self._rank_retries = RankRetryNotices()  # rank-less retries, said once a minute
         planner.on_progress = self._progressed
 
     def reconfigure(self, config: RouterConfig) -> None:
@@ -283,8 +284,7 @@ class Proxy:
                     continue
                 # its ranks could not be read in time (or no attempt is left to plan again):
                 # a 400 for the router's own stale rank would be the client's answer
-                log.warning(
-                    "worker %s refused dp rank %s, %s: retried without a rank",
+                self._rank_retries.say(
                     candidate.worker,
                     candidate.dp_rank,
                     "registered anew" if exc.anew else "its ranks not read in time",

@@ -10,13 +10,21 @@ its 400.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 
 import msgspec
 
 from router.routing.planner import Candidate
 
-__all__ = ["RankMoved", "refuses_rank", "without_rank"]
+__all__ = ["RankMoved", "RankRetryNotices", "refuses_rank", "without_rank"]
+
+log = logging.getLogger(__name__)
+
+# how often a worker's rank-less retries are said at WARNING (each one at DEBUG): while its
+# `/server_info` stays unreadable every request to its stale rank is retried so
+_SAY_RETRY_S = 60.0
 
 
 # an engine refusing a dp rank it does not have: SGLang 0.5.23's tokenizer manager
@@ -59,3 +67,30 @@ def without_rank(candidate: Candidate) -> Candidate:
         admission=None,
         eviction=None,
     )
+
+
+class RankRetryNotices:
+    """When each worker's requests retried without a rank were last said."""
+
+    def __init__(self) -> None:
+        self._said: dict[str, float] = {}
+
+    def say(self, worker: str, rank: int | None, why: str) -> None:
+        """A request `worker` refused `rank` for goes again without one (`why`): a WARNING at
+        most every `_SAY_RETRY_S` per worker, each one at DEBUG. Before, one WARNING a request
+        for as long as the worker's settings could not be read (QA: 11 lines in 11 s)."""
+        now = time.monotonic()
+        said = self._said.get(worker)
+        if said is not None and now - said < _SAY_RETRY_S:
+            log.debug("worker %s refused dp rank %s, %s: retried without a rank", worker, rank, why)
+            return
+        if len(self._said) >= 4096:
+            self._said.clear()  # bounded: workers come and go
+        self._said[worker] = now
+        log.warning(
+            "worker %s refused dp rank %s, %s: retried without a rank (said at most every %g s)",
+            worker,
+            rank,
+            why,
+            _SAY_RETRY_S,
+        )
