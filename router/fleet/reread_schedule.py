@@ -6,9 +6,9 @@ a healthy worker's settings again when one of these says so:
 - a KV-event stream of it saw its publisher restart (`restarted`), until they are read;
 - a stream of it went STALE (`quiet_due`): a new process on other event ports shows no restart
   on the old ones, whose sockets never answer;
-- its answers reused far less than predicted again and again (`mispredicted_due`): an old
-  process still answering on the old sockets (a rolling update's grace period) shows nothing
-  else;
+- its answers reused far less than predicted again and again (the supervisor's
+  `mispredicted`): an old process still answering on the old sockets (a rolling update's grace
+  period) shows nothing else;
 - every `health.settings_interval_s` anyway (`settings_due`): a replaced pod is caught without
   traffic too.
 Settings that cannot be read are said at a back-off (`unreadable`), not on every try.
@@ -61,9 +61,6 @@ class RereadSchedule:
         # per worker whose settings could not be read: until when that is not said again
         # (`unreadable`)
         self._unread_until: dict[str, float] = {}
-        # per worker its answers found mispredicted: when it may be checked again
-        # (`mispredicted_due`)
-        self._doubted_until: dict[str, float] = {}
 
     def reconfigure(self, health: HealthConfig) -> None:
         """Cadences and back-offs by `health` from now on (a reload)."""
@@ -75,7 +72,6 @@ class RereadSchedule:
         self._quiet.pop(worker, None)
         self._read_at.pop(worker, None)
         self._unread_until.pop(worker, None)
-        self._doubted_until.pop(worker, None)
 
     def restarted(self, worker: str) -> None:
         """A stream of `worker` saw its publisher restart: due on every health round until its
@@ -135,7 +131,7 @@ class RereadSchedule:
     def settings_due(self, entry: WorkerEntry, now: float) -> bool:
         """Whether a healthy worker whose streams come from its server info has it read again
         on the slow cadence (`health.settings_interval_s`, 0: never), its streams looking fine
-        or not: the safety net under `quiet_due` and `mispredicted_due`, for a pod replaced
+        or not: the safety net under `quiet_due` and the false-hit watch, for a pod replaced
         behind its URL while the old one runs on (its sockets answer: never STALE) and no
         request tells (no traffic). One `/server_info` a minute per worker by default."""
         every_s = self._health.settings_interval_s
@@ -146,14 +142,6 @@ class RereadSchedule:
             return False
         self._read_at[entry.id] = now  # once per cadence, read or not (`unreadable` says)
         log.debug("worker %s: settings read again (every %g s)", entry.id, every_s)
-        return True
-
-    def mispredicted_due(self, worker: str, now: float) -> bool:
-        """Whether `worker`, whose answers keep reusing far less than predicted, is checked
-        now: at most once per `indexer.stale_after_s`."""
-        if now < self._doubted_until.get(worker, now):
-            return False
-        self._doubted_until[worker] = now + self._indexer.config.stale_after_s
         return True
 
     def unreadable(self, entry: WorkerEntry, exc: RequestError) -> None:

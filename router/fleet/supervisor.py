@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -64,6 +65,13 @@ log = logging.getLogger(__name__)
 # a worker that hangs would otherwise hold the answer for its discovery's whole timeout (five
 # health timeouts per path, one path after another: 40 s at the defaults)
 ADD_WAIT_TIMEOUTS = 2
+
+# a streak of false hits within this many `indexer.stale_after_s` of the last one escalates
+# (`_check_predictions`): the streams subscribed anew followed the wrong process again
+_DISTRUST_QUIET = 8
+# the longest a worker whose streams keep following the wrong process is left unfollowed, in
+# `indexer.stale_after_s` (its first time: twice that, then doubling)
+_QUARANTINE_MAX = 8
 
 
 class WorkerGauges(Protocol):
@@ -126,6 +134,10 @@ class Supervisor:
         # the checks of workers whose answers were mispredicted under way (`mispredicted`)
         self._checks: set[asyncio.Task[None]] = set()
         self._checking: set[str] = set()  # workers whose predictions are being checked
+        # per worker: how many streaks of false hits came close together, the last one when
+        self._distrust: dict[str, tuple[int, float]] = {}
+        # workers not followed for a while (`_check_predictions`): the streams they had
+        self._quarantined: dict[str, list[StreamConfig]] = {}
         # told every answer's usage by the observer (`router.http.observe`)
         self.watch = FalseHitWatch(indexer.block_size, self.mispredicted)
         indexer.restart_listeners.append(self._stream_restarted)
@@ -325,9 +337,12 @@ class Supervisor:
             streams = streams_for(entry.config, info, model=entry.cache_model)
         except RequestError:
             return False
+        # a worker left unfollowed (`_check_predictions`) is compared with the streams it had
+        left = self._quarantined.get(entry.id, [])
         sizes = {s.block_size for s in streams}
-        known = {self._indexer.block_size(entry.id)}
-        same = sockets(streams) == sockets(self._indexer.stream_configs(entry.id))
+        known = {self._indexer.block_size(entry.id)} | {c.block_size for c in left}
+        had = self._indexer.stream_configs(entry.id) or left
+        same = sockets(streams) == sockets(had)
         if same and sizes <= known | {None}:
             return False
         log.warning(
@@ -629,6 +644,7 @@ class Supervisor:
         self._notes.forget(worker_id)
         self._schedule.forget(worker_id)
         self.watch.forget(worker_id)
+        self._distrust.pop(worker_id, None)
         if self._indexer.has_worker(worker_id):
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
@@ -684,15 +700,13 @@ class Supervisor:
     def mispredicted(self, worker: str, predicted: int, cached: int) -> None:
         """`worker`'s answers reused far less than predicted, `STREAK` in a row (the last:
         `cached` of `predicted` tokens; `router.fleet.false_hits`): the index may follow
-        another process than the one behind its URL. Its streams are subscribed anew at once
-        and their entries dropped, then its settings are read again (`_check_predictions`), at
-        most once per `indexer.stale_after_s` and never twice at a time. Before, nothing acted
-        on it: a pod replaced while the old one ran on was predicted from the old pod's cache
-        for good (every request a false hit)."""
+        another process than the one behind its URL (`_check_predictions`), never checked
+        twice at a time. Before, nothing acted on it: a pod replaced while the old one ran on
+        was predicted from the old pod's cache for good (every request a false hit)."""
         entry = self._pool.find(worker)
         if entry is None or not entry.discovered or id(entry) in self._adding:
             return  # its registration, under way or to come, reads them
-        if worker in self._checking or not self._schedule.mispredicted_due(worker, self._clock()):
+        if worker in self._checking:
             return
         self._checking.add(worker)
         # not the request's context: the check outlives it, and its lines are not its own
@@ -706,25 +720,58 @@ class Supervisor:
         task.add_done_callback(lambda _: self._checking.discard(worker))
 
     async def _check_predictions(self, entry: WorkerEntry, predicted: int, cached: int) -> None:
-        """Subscribe `entry`'s streams anew, their entries dropped (fail closed at once: a
-        replay over the old connections would only prove the old process again, while new
-        connections through a Service reach the pod behind it now), said in one WARNING; then
-        read its settings again (`rereading`): other sockets, ranks or page size register it
-        anew. Before, its streams were only put in doubt, after the whole read (up to two
-        minutes with a hanging `/server_info`): a replay over the old connection proved them
-        at once, and the false hits went on until the old pod exited."""
-        if self._indexer.has_worker(entry.id):
-            await self._indexer.add_worker(entry.id, self._indexer.stream_configs(entry.id))
-        log.warning(
-            "worker %s: %d answers in a row reused far fewer tokens than predicted (the last: "
-            "%d of %d): its KV-event streams are subscribed anew, their entries dropped, and "
-            "its settings read again (another process may be serving its URL)",
-            entry.id,
-            STREAK,
-            cached,
-            predicted,
+        """Act on a streak of false hits, fail closed at once, and read `entry`'s settings
+        again (other sockets, ranks or page size register it anew).
+
+        The first streak subscribes its streams anew, their entries dropped: behind a Service
+        the new connections reach the pod serving its URL now (a replay over the old ones only
+        proved the old pod again: QA, 24 of 24 false hits until the old pod exited). A streak
+        again within `_DISTRUST_QUIET` of stale_after_s means the sockets themselves reach a
+        process that does not serve the URL (an old pod's own address, as its `/server_info`
+        gave it): the worker is not followed at all (routed by load, no hit) for
+        `stale_after_s` times 2, 4, ... (up to `_QUARANTINE_MAX`), then subscribed again and
+        judged again by its answers, unless its settings read meanwhile registered it anew."""
+        stale_after_s = self._indexer.config.stale_after_s
+        now = self._clock()
+        level, last = self._distrust.get(entry.id, (0, -math.inf))
+        level = 1 if now - last > _DISTRUST_QUIET * stale_after_s else level + 1
+        self._distrust[entry.id] = (level, now)
+        configs = list(self._indexer.stream_configs(entry.id))
+        what = (
+            f"worker {entry.id}: {STREAK} answers in a row reused far fewer tokens than "
+            f"predicted (the last: {cached} of {predicted})"
         )
-        await self.rereading(entry)
+        if level == 1 or not configs:
+            if configs:
+                await self._indexer.add_worker(entry.id, configs)
+            log.warning(
+                "%s: its KV-event streams are subscribed anew, their entries dropped, and its "
+                "settings read again (another process may be serving its URL)",
+                what,
+            )
+            self.rereading(entry)
+            return
+        quarantine_s = stale_after_s * min(2 ** (level - 1), _QUARANTINE_MAX)
+        self._quarantined[entry.id] = configs
+        await self._indexer.remove_worker(entry.id)
+        log.warning(
+            "%s, again since it was subscribed anew: its KV-event sockets reach a process that "
+            "does not serve its URL; not followed for %g s (routed by load, no hit predicted), "
+            "its settings read again",
+            what,
+            quarantine_s,
+        )
+        reread = self.rereading(entry)
+        try:
+            done, _ = await asyncio.wait({reread}, timeout=quarantine_s)
+            if done and not reread.cancelled() and reread.exception() is None and reread.result():
+                return  # registered anew on the sockets it advertises now
+            await asyncio.sleep(max(0.0, now + quarantine_s - self._clock()))
+        finally:
+            self._quarantined.pop(entry.id, None)
+        if self._pool.find(entry.id) is entry and not self._indexer.has_worker(entry.id):
+            await self._indexer.add_worker(entry.id, configs)
+            log.info("worker %s: its KV-event streams followed again", entry.id)
 
     async def check_all(self) -> None:
         """One health round over every worker."""

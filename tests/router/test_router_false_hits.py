@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -240,6 +240,57 @@ async def test_a_pod_replaced_behind_a_service_with_the_same_sockets_is_followed
             for body in new + old[STREAK:]:
                 matched, cached = await client.send(body)
                 assert matched == cached > 0
+
+
+async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_a_while(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The old pod's own sockets (its `/server_info` gave their address, and the front still
+    answers it: the settings look unchanged): subscribed anew, the streams followed the old
+    pod again, and every request was a false hit (QA: 30 of 30 over 44 s). A second streak
+    soon after leaves the worker unfollowed (routed by load, no hit predicted) for twice
+    `stale_after_s`, then follows it again, judged again by its answers."""
+    async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
+        old_pod, new_pod, front, router = pods
+        client = Client(session, router)
+        old = [prompt(i, "old") for i in range(3 * STREAK)]
+        for body in old:
+            await client.send(body)
+        await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+        async with session.get(old_pod.url + "/server_info") as resp:
+            front.server_info = await resp.read()  # the old pod's sockets, as it said them
+        front.target = new_pod.url
+        caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "in a row" in r.getMessage()]
+
+        for body in old[:STREAK]:
+            matched, cached = await client.send(body)
+            assert matched > cached == 0
+        await eventually(partial(_said, said, 1), what="the first streak acted on")
+        assert "subscribed anew" in said()[0]
+        # the new subscription reaches the old pod again: its replay brings its pages back
+        await eventually(partial(client.indexed, old[STREAK:]), what="the old pod followed again")
+        for body in old[STREAK : 2 * STREAK]:
+            matched, cached = await client.send(body)
+            assert matched > cached == 0
+        await eventually(partial(_said, said, 2), what="the second streak acted on")
+        assert "not followed for 2 s (routed by load, no hit predicted)" in said()[1]
+        # unfollowed: nothing is predicted of the old pod's cache
+        assert not router.indexer.has_worker("w")
+        for body in old[2 * STREAK :]:
+            assert await client.send(body) == (0, 0)
+
+        async def followed_again() -> bool:
+            return router.indexer.has_worker("w")
+
+        await eventually(followed_again, timeout_s=5.0, what="its streams followed again")
+        assert len(said()) == 2  # one line a streak
+
+
+async def _said(said: Callable[[], list[str]], lines: int) -> bool:
+    return len(said()) >= lines
 
 
 async def test_a_replaced_pod_is_caught_without_traffic_by_the_settings_cadence() -> None:
