@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -17,6 +19,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
+from router.http import rank_refusal
 from router.http.keys import DECISIONS
 from router.http.rank_refusal import refuses_rank
 from router.routing.breaker import BreakerState
@@ -333,3 +336,23 @@ def test_only_an_engines_rank_refusal_counts_as_one() -> None:
         b'{"error": {"message": "logprob_start_len out of range"}}',
     ):
         assert not refuses_rank(400, other)
+
+
+def test_rank_less_retries_are_said_once_a_while_with_the_count_unsaid(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One WARNING per interval per worker, each retry between at DEBUG, and the next WARNING
+    says how many went unsaid (before: one WARNING a request)."""
+    monkeypatch.setattr(rank_refusal, "_SAY_RETRY_S", 0.05)
+    caplog.set_level(logging.DEBUG, logger="router.http.rank_refusal")
+    notices = rank_refusal.RankRetryNotices()
+    for _ in range(4):
+        notices.say("a", 1, "its ranks not read in time")
+    notices.say("b", 0, "its ranks not read in time")
+    time.sleep(0.06)
+    notices.say("a", 1, "its ranks not read in time")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(" refused")[0] for w in warnings] == ["worker a", "worker b", "worker a"]
+    assert warnings[0].endswith("0 more since the last time)")
+    assert warnings[2].endswith("3 more since the last time)")
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 3
