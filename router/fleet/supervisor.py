@@ -48,7 +48,7 @@ from router.fleet.discovery import (
     needs_discovery,
     streams_for,
 )
-from router.fleet.false_hits import STREAK, FalseHitWatch
+from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch
 from router.fleet.registration_notes import RegistrationNotes
 from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
 from router.fleet.worker_settings import read_served_models, read_server_info
@@ -738,8 +738,8 @@ class Supervisor:
         self._distrust[entry.id] = (level, now)
         configs = list(self._indexer.stream_configs(entry.id))
         what = (
-            f"worker {entry.id}: {STREAK} answers in a row reused far fewer tokens than "
-            f"predicted (the last: {cached} of {predicted})"
+            f"worker {entry.id}: {STREAK} of its last {WINDOW} answers reused far fewer tokens "
+            f"than predicted (the last: {cached} of {predicted})"
         )
         if level == 1 or not configs:
             if configs:
@@ -771,6 +771,9 @@ class Supervisor:
             self._quarantined.pop(entry.id, None)
         if self._pool.find(entry.id) is entry and not self._indexer.has_worker(entry.id):
             await self._indexer.add_worker(entry.id, configs)
+            # the quiet window counts from here: a streak soon after escalates (before, it
+            # counted from the streak, so a long quarantine always started over at level 1)
+            self._distrust[entry.id] = (level, self._clock())
             log.info("worker %s: its KV-event streams followed again", entry.id)
 
     async def check_all(self) -> None:

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from router.config import HealthConfig, IndexerSection
-from router.fleet.false_hits import GROSS_PAGES, STREAK, FalseHitWatch
+from router.fleet.false_hits import GROSS_PAGES, STREAK, WINDOW, FalseHitWatch
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from tests.router.test_router_worker_restart import PROBE_S, Front
@@ -97,7 +97,7 @@ def on_ports_of(router: RouterService, worker: ReferenceWorker) -> bool:
 async def test_a_pod_replaced_while_the_old_one_runs_on_is_caught_by_its_false_hits() -> None:
     """The old pod answers its replay probes, so its stream stays SYNCED, and the new one is
     never read again: every request was predicted from the old pod's cache (QA: 12 of 12
-    false hits over 33 s). Now STREAK answers in a row reusing far less than predicted have
+    false hits over 33 s). Now STREAK of its last answers reusing far less than predicted have
     the worker's settings read at once: the new pod's event ports register it anew."""
     async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
         _, new_pod, front, router = pods
@@ -218,17 +218,17 @@ async def test_a_pod_replaced_behind_a_service_with_the_same_sockets_is_followed
                 assert matched > cached == 0  # a false hit: the new pod never saw it
 
             def said() -> list[str]:
-                return [r.getMessage() for r in caplog.records if "in a row" in r.getMessage()]
+                return [r.getMessage() for r in caplog.records if "of its last" in r.getMessage()]
 
             async def followed_anew() -> bool:
                 return bool(said())
 
             await eventually(followed_anew, timeout_s=5.0, what="the streams subscribed anew")
             assert said() == [
-                f"worker w: {STREAK} answers in a row reused far fewer tokens than predicted "
-                f"(the last: 0 of {matched}): its KV-event streams are subscribed anew, their "
-                "entries dropped, and its settings read again (another process may be serving "
-                "its URL)"
+                f"worker w: {STREAK} of its last {WINDOW} answers reused far fewer tokens than "
+                f"predicted (the last: 0 of {matched}): its KV-event streams are subscribed "
+                "anew, their entries dropped, and its settings read again (another process may "
+                "be serving its URL)"
             ]
             # the old pod's cache predicts nothing from here on, and the new pod's does
             for body in old[STREAK:]:
@@ -253,7 +253,7 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
     async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
         old_pod, new_pod, front, router = pods
         client = Client(session, router)
-        old = [prompt(i, "old") for i in range(3 * STREAK)]
+        old = [prompt(i, "old") for i in range(4 * STREAK)]
         for body in old:
             await client.send(body)
         await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
@@ -263,7 +263,7 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
         caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
 
         def said() -> list[str]:
-            return [r.getMessage() for r in caplog.records if "in a row" in r.getMessage()]
+            return [r.getMessage() for r in caplog.records if "of its last" in r.getMessage()]
 
         for body in old[:STREAK]:
             matched, cached = await client.send(body)
@@ -279,7 +279,7 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
         assert "not followed for 2 s (routed by load, no hit predicted)" in said()[1]
         # unfollowed: nothing is predicted of the old pod's cache
         assert not router.indexer.has_worker("w")
-        for body in old[2 * STREAK :]:
+        for body in old[2 * STREAK : 3 * STREAK]:
             assert await client.send(body) == (0, 0)
 
         async def followed_again() -> bool:
@@ -287,6 +287,14 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
 
         await eventually(followed_again, timeout_s=5.0, what="its streams followed again")
         assert len(said()) == 2  # one line a streak
+        # followed again, it follows the old pod again: the next streak doubles the quarantine
+        # (before, a quarantine longer than the quiet window started over at a resubscription)
+        await eventually(partial(client.indexed, old[3 * STREAK :]), what="the old pod followed")
+        for body in old[3 * STREAK :]:  # never sent to the new pod
+            matched, cached = await client.send(body)
+            assert matched > cached == 0
+        await eventually(partial(_said, said, 3), what="the third streak acted on")
+        assert "not followed for 4 s" in said()[2]
 
 
 async def _said(said: Callable[[], list[str]], lines: int) -> bool:
@@ -352,23 +360,26 @@ async def test_an_unreadable_server_info_is_said_once_per_back_off(
             assert "/get_server_info: DecodeError" in said[0]  # why, as the last path said
 
 
-def test_evictions_that_keep_a_prefix_head_or_confirm_a_prediction_never_make_a_streak() -> None:
-    """KV pressure between routing and admission loses a prefix's tail and keeps its head; a
-    wrong cache loses it all, answer after answer."""
+def test_evictions_that_keep_a_prefix_head_or_come_alone_never_make_a_streak() -> None:
+    """KV pressure between routing and admission loses a prefix's tail and keeps its head, or
+    now and then a whole prefix; a wrong cache loses every prediction but a shared prompt's."""
     told: list[tuple[str, int, int]] = []
     watch = FalseHitWatch(lambda worker: PAGE, lambda *args: told.append(args))
-    for _ in range(3 * STREAK):
+    for _ in range(4 * WINDOW):
         watch.answered("w", 320, 96)  # the head kept: 96 of 320, over a quarter
-        watch.answered("w", 320, 0)  # a prefix evicted whole
-        watch.answered("w", 320, 0)
-        watch.answered("w", 320, 0)
-        watch.answered("w", 320, 320)  # confirmed: the streak starts again
+        watch.answered("w", 320, 0)  # a prefix evicted whole, one in three
+        watch.answered("w", 320, 320)  # confirmed
         watch.answered("w", PAGE * (GROSS_PAGES - 1), 0)  # a short prompt tells nothing
         watch.answered("w", 0, 0)  # nothing predicted: nothing to confirm
     assert told == []
+    # the old pod followed, a shared system prompt a true hit between the false ones
     for _ in range(STREAK):
-        watch.answered("w", 0, 0)  # no prediction breaks a streak either
+        watch.answered("w", 384, 384)
         watch.answered("w", 304, 16)
     assert told == [("w", 304, 16)]
-    watch.answered("w", 304, 16)  # a new streak starts from nothing
+    watch.answered("w", 304, 16)  # counted afresh from there
     assert told == [("w", 304, 16)]
+    watch.forget("w")
+    for _ in range(STREAK):
+        watch.answered("x", 304, 0)  # in a row, on another worker
+    assert told == [("w", 304, 16), ("x", 304, 0)]
