@@ -762,6 +762,7 @@ class Supervisor:
             quarantine_s,
         )
         reread = self.rereading(entry)
+        entry.unfollowed_until = now + quarantine_s  # shown by /admin/workers
         try:
             done, _ = await asyncio.wait({reread}, timeout=quarantine_s)
             if done and not reread.cancelled() and reread.exception() is None and reread.result():
@@ -769,6 +770,7 @@ class Supervisor:
             await asyncio.sleep(max(0.0, now + quarantine_s - self._clock()))
         finally:
             self._quarantined.pop(entry.id, None)
+            entry.unfollowed_until = None
         if self._pool.find(entry.id) is entry and not self._indexer.has_worker(entry.id):
             await self._indexer.add_worker(entry.id, configs)
             # the quiet window counts from here: a streak soon after escalates (before, it

@@ -114,6 +114,11 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
         role=entry.role,
         queued_prefill_tokens=load.queued_prefill_tokens,
         running=load.running,
+        unfollowed_s=(
+            0.0
+            if entry.unfollowed_until is None
+            else round(max(0.0, entry.unfollowed_until - now), 3)
+        ),
     )
 
 

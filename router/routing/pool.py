@@ -74,6 +74,9 @@ class WorkerSummary(msgspec.Struct):
     role: PdRole  # prefill/decode disaggregation: "both" serves whole requests
     queued_prefill_tokens: int
     running: int
+    # seconds its KV events stay unfollowed, routed by load with no hit predicted: the
+    # false-hit watch's quarantine (`Supervisor._check_predictions`); 0: followed
+    unfollowed_s: float = 0.0
 
 
 class WorkerEntry:
@@ -92,6 +95,9 @@ class WorkerEntry:
         self.checked = True
         # when a health check last found it down (the supervisor's clock; None: never)
         self.seen_down_at: float | None = None
+        # until when its KV events are not followed (the false-hit watch's quarantine; the
+        # supervisor's clock; None: followed)
+        self.unfollowed_until: float | None = None
         self.draining = False
         self.breaker = CircuitBreaker(breaker.failure_threshold, breaker.cooldown_s)
         # set once the worker's streams are registered with the indexer

@@ -277,8 +277,9 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
             assert matched > cached == 0
         await eventually(partial(_said, said, 2), what="the second streak acted on")
         assert "not followed for 2 s (routed by load, no hit predicted)" in said()[1]
-        # unfollowed: nothing is predicted of the old pod's cache
+        # unfollowed: nothing is predicted of the old pod's cache, and /admin/workers says so
         assert not router.indexer.has_worker("w")
+        assert 0 < await unfollowed_s(session, router) <= 2.0
         for body in old[2 * STREAK : 3 * STREAK]:
             assert await client.send(body) == (0, 0)
 
@@ -287,6 +288,7 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
 
         await eventually(followed_again, timeout_s=5.0, what="its streams followed again")
         assert len(said()) == 2  # one line a streak
+        assert await unfollowed_s(session, router) == 0.0
         # followed again, it follows the old pod again: the next streak doubles the quarantine
         # (before, a quarantine longer than the quiet window started over at a resubscription)
         await eventually(partial(client.indexed, old[3 * STREAK :]), what="the old pod followed")
@@ -295,6 +297,12 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
             assert matched > cached == 0
         await eventually(partial(_said, said, 3), what="the third streak acted on")
         assert "not followed for 4 s" in said()[2]
+
+
+async def unfollowed_s(session: aiohttp.ClientSession, router: RouterService) -> float:
+    async with session.get(router.url + "/admin/workers", headers=AUTH) as resp:
+        (worker,) = (await resp.json())["workers"]
+    return float(worker["unfollowed_s"])
 
 
 async def _said(said: Callable[[], list[str]], lines: int) -> bool:
