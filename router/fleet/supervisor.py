@@ -132,8 +132,8 @@ class Supervisor:
         # per worker entry, the re-read of its settings under way (`rereading`)
         self._rereading: dict[int, asyncio.Task[bool]] = {}
         # the checks of workers whose answers were mispredicted under way (`mispredicted`)
-        self._checks: set[asyncio.Task[None]] = set()
-        self._checking: set[str] = set()  # workers whose predictions are being checked
+        # per worker, the check of its predictions under way (`mispredicted`)
+        self._checks: dict[str, asyncio.Task[None]] = {}
         # per worker: how many streaks of false hits came close together, the last one when
         self._distrust: dict[str, tuple[int, float]] = {}
         # workers not followed for a while (`_check_predictions`): the streams they had
@@ -545,7 +545,7 @@ class Supervisor:
 
     async def close(self) -> None:
         """Cancel the discoveries under way (the router is stopping)."""
-        tasks = [*self._registering.values(), *self._rereading.values(), *self._checks]
+        tasks = [*self._registering.values(), *self._rereading.values(), *self._checks.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -706,18 +706,16 @@ class Supervisor:
         entry = self._pool.find(worker)
         if entry is None or not entry.discovered or id(entry) in self._adding:
             return  # its registration, under way or to come, reads them
-        if worker in self._checking:
+        if worker in self._checks:
             return
-        self._checking.add(worker)
         # not the request's context: the check outlives it, and its lines are not its own
         task = asyncio.create_task(
             self._check_predictions(entry, predicted, cached),
             name=f"kvroute-doubt-{worker}",
             context=contextvars.Context(),
         )
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
-        task.add_done_callback(lambda _: self._checking.discard(worker))
+        self._checks[worker] = task
+        task.add_done_callback(lambda _: self._checks.pop(worker, None))
 
     async def _check_predictions(self, entry: WorkerEntry, predicted: int, cached: int) -> None:
         """Act on a streak of false hits, fail closed at once, and read `entry`'s settings

@@ -438,6 +438,7 @@ class Planner:
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:
             candidate.hit_tokens *= found.kept_tokens / raw
+        # its own allocation: the uncached prompt and the output it may generate there
         own = max(0, len(tokens) - found.kept_tokens) + output_tokens
         candidate.evicts_tokens = _evicted_by(found, own)
         if self._config.eviction_weight > 0 and block_size:
@@ -446,10 +447,9 @@ class Planner:
             def reused() -> set[int]:
                 return set(keys()[:kept_blocks:stride])  # a block per stretch, as the book
 
-            # its own allocation: the uncached prompt and the output it may generate there
             candidate.eviction = eviction_cost(
                 admission=found,
-                new_tokens=max(0, len(tokens) - found.kept_tokens) + output_tokens,
+                new_tokens=own,
                 # the book keeps a block per stretch: each stands for the stretch it starts
                 block_size=stretch,
                 book=self.recency.get(stream),
