@@ -129,7 +129,9 @@ async def test_a_pair_is_held_until_its_prefill_side_has_room() -> None:
     worker is; two slow prefills fill its pool, the third pair waits in the router."""
     from tests.router.test_router_pd import reference, warm
 
-    slow = {"capacity_tokens": 24 * PAGE, "time_scale": 1.0, "prefill_ms_per_token": 3.0}
+    # each prefill takes about 1.5 s: the third pair is held only until one of them ends, and
+    # at 3 ms a token (0.4 s) a loaded CI machine once polled the gauge too late to see it held
+    slow = {"capacity_tokens": 24 * PAGE, "time_scale": 1.0, "prefill_ms_per_token": 12.0}
     async with (
         ReferenceWorker(reference("prefill", **slow)) as p0,
         ReferenceWorker(reference("decode", capacity_tokens=64 * PAGE)) as d0,
