@@ -19,6 +19,7 @@
 - `config`, `stats`: the service's config and report structs;
 - `recording/`: the recording format, capture (`kvroute record`), offline replay, republish;
 - `fingerprint`: keyed fingerprints, the only way a salt or namespace is shown outside;
+- `log_throttle`: a log line said at most once per interval per key, counting those held back;
 - `backend`, `int_map`, `_intmap.c`, `_keychain.c`: the compiled core and its Python twins;
 - `errors`: the indexer's error tree.
 """

@@ -62,6 +62,7 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError, ReplayError
 from indexer.health import StreamHealth
+from indexer.log_throttle import LogThrottle
 from indexer.protocol.frames import (
     ReplayData,
     parse_live,
@@ -111,28 +112,6 @@ class _ReplayResult(NamedTuple):
     continuity: _Continuity
 
 
-class _RateLimiter:
-    """Allows one log line per kind per interval and counts the suppressed ones."""
-
-    __slots__ = ("_clock", "_interval_s", "_last", "_suppressed")
-
-    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
-        self._interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def allow(self, kind: str) -> int | None:
-        """None when suppressed, else how many lines of this kind were suppressed before."""
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return None
-        self._last[kind] = now
-        return self._suppressed.pop(kind, 0)
-
-
 class StreamSubscriber:
     """Subscribes to one stream and keeps its part of the index in sync; `run` is its task."""
 
@@ -162,7 +141,7 @@ class StreamSubscriber:
         self._on_state = on_state
         self._clock = clock
         self._topic = config.topic.encode()
-        self._limiter = _RateLimiter(self.settings.log_interval_s, clock)
+        self._limiter = LogThrottle(self.settings.log_interval_s, clock=clock)  # by kind
         self._replayer: ReplayClient | None = None  # the replay socket, made on first use
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
         # a counted replay run (a repair, a probe) has begun and applied nothing yet: its first

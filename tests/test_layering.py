@@ -46,6 +46,7 @@ INDEXER_SYNC_CORES = (
     "indexer.fence",
     "indexer.health",
     "indexer.index",
+    "indexer.log_throttle",
     "indexer.namespace",
     "indexer.protocol",
     "indexer.recording.format",

@@ -23,7 +23,9 @@ LOG_INTERVAL_S = 10.0
 
 
 class _RefusalLog:
-    """One WARNING line per interval, counting the lines held back."""
+    """One WARNING line per interval, counting the lines held back: `indexer.log_throttle`'s
+    rule with one key, copied, since the workers may import only the indexer's wire protocol
+    and engine specs (DESIGN.md section 1)."""
 
     def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s

@@ -7,7 +7,8 @@ through (`router.http.pair_hooks.PairHooks.passes_through`): the attempt fails w
 `BootstrapUnreachable`, the prefill's settings are read again (`bootstrap_moved`, through
 `Proxy.ranks_changed`) and the pair retried where its port or role changed (a restart the
 router missed), else it is charged at once. Every pair through such a prefill fails until it is
-back or its circuit opens: it is said at most once a minute per prefill (`UnreachableNotices`).
+back or its circuit opens: it is said at most once a minute per prefill, with how many failed
+pairs went unsaid since (`UnreachableNotices`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 
+from indexer.log_throttle import LogThrottle
 from router.http.pair_failure import PrefillFailed
 from router.http.proxy import Proxy
 from router.routing.planner import Planner
@@ -70,28 +73,26 @@ async def bootstrap_moved(
 
 
 class UnreachableNotices:
-    """When each prefill whose bootstrap server its decodes could not reach was last said."""
+    """When each prefill whose bootstrap server its decodes could not reach was last said, and
+    how many of its failed pairs went unsaid since."""
 
-    def __init__(self) -> None:
-        # per prefill worker, when its unreachable bootstrap server was last said
-        self._said: dict[str, float] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._throttle = LogThrottle(_SAY_UNREACHABLE_S, clock=clock)  # by prefill worker
 
     def say(self, worker: str, reason: str) -> None:
         """Say that decodes cannot reach prefill `worker`'s bootstrap server: at most once per
-        `_SAY_UNREACHABLE_S` (each failed pair says it at DEBUG): every pair through it fails
-        until it is back or its circuit opens."""
-        now = time.monotonic()
-        said = self._said.get(worker)
-        if said is not None and now - said < _SAY_UNREACHABLE_S:
+        `_SAY_UNREACHABLE_S` (each failed pair says it at DEBUG), with how many were said at
+        DEBUG since: every pair through it fails until it is back or its circuit opens."""
+        unsaid = self._throttle.allow(worker)
+        if unsaid is None:
             log.debug("prefill worker %s failed before answering: %s", worker, reason)
             return
-        if len(self._said) >= 4096:
-            self._said.clear()  # bounded: workers come and go
-        self._said[worker] = now
         log.warning(
             "prefill worker %s failed before answering: %s; its settings read again give no "
-            "other bootstrap port: charged to it (said at most every %g s)",
+            "other bootstrap port: charged to it (said at most every %g s; %d more since the "
+            "last time)",
             worker,
             reason,
             _SAY_UNREACHABLE_S,
+            unsaid,
         )

@@ -39,6 +39,7 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
+from indexer.log_throttle import LogThrottle
 from router.config import LimitsConfig
 from router.errors import (
     AuthError,
@@ -143,20 +144,14 @@ class RefusalLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._logger = logger
-        self._interval_s = interval_s
-        self._clock = clock
-        self._next = float("-inf")
-        self._suppressed = 0
+        # one key: every refusal shares the line, whoever the client and whatever the reason
+        self._throttle = LogThrottle(interval_s, max_keys=1, clock=clock)
 
     def note(self, message: str, *args: object) -> None:
         """Log `message % args` unless a line went out less than an interval ago."""
-        now = self._clock()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        self._next = now + self._interval_s
-        suppressed, self._suppressed = self._suppressed, 0
-        self._logger.warning(message + ", %d similar suppressed", *args, suppressed)
+        suppressed = self._throttle.allow("refused")
+        if suppressed is not None:
+            self._logger.warning(message + ", %d similar suppressed", *args, suppressed)
 
 
 def _error_body(error: type[RouterError], message: str) -> bytes:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 
 import msgspec
 
+from indexer.log_throttle import LogThrottle
 from router.routing.planner import Candidate
 
 __all__ = ["RankMoved", "RankRetryNotices", "refuses_rank", "without_rank"]
@@ -73,23 +75,18 @@ class RankRetryNotices:
     """When each worker's requests retried without a rank were last said, and how many went
     unsaid since."""
 
-    def __init__(self) -> None:
-        self._said: dict[str, tuple[float, int]] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._throttle = LogThrottle(_SAY_RETRY_S, clock=clock)  # by worker
 
     def say(self, worker: str, rank: int | None, why: str) -> None:
         """A request `worker` refused `rank` for goes again without one (`why`): a WARNING at
         most every `_SAY_RETRY_S` per worker, counting the ones said at DEBUG meanwhile.
         Before, one WARNING a request for as long as the worker's settings could not be read
         (QA: 11 lines in 11 s)."""
-        now = time.monotonic()
-        said, unsaid = self._said.get(worker, (-_SAY_RETRY_S, 0))
-        if now - said < _SAY_RETRY_S:
-            self._said[worker] = (said, unsaid + 1)
+        unsaid = self._throttle.allow(worker)
+        if unsaid is None:
             log.debug("worker %s refused dp rank %s, %s: retried without a rank", worker, rank, why)
             return
-        if len(self._said) >= 4096:
-            self._said.clear()  # bounded: workers come and go
-        self._said[worker] = (now, 0)
         log.warning(
             "worker %s refused dp rank %s, %s: retried without a rank (said at most every %g s; "
             "%d more since the last time)",

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from router.config import HealthConfig, WorkerConfig
+from router.http.bootstrap_unreachable import UnreachableNotices
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from tests.router.test_router_pd import PROMPT, reference
@@ -196,3 +197,30 @@ async def test_a_prefill_whose_bootstrap_server_cannot_be_reached_is_charged_and
             assert _failures(router) == {"p0": 2, "d0": 0}
             said = [r.getMessage() for r in caplog.records if "bootstrap server" in r.getMessage()]
             assert len(said) == 1 and "prefill worker p0" in said[0], said
+            assert said[0].endswith("(said at most every 60 s; 0 more since the last time)")
+
+
+def test_an_unreachable_bootstrap_server_is_said_once_a_while_with_the_count_unsaid(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One WARNING a minute per prefill, each failed pair between at DEBUG, and the next
+    WARNING says how many went unsaid, as the rank-less retries do (before: no count, so an
+    operator could not tell one failed pair a minute from a thousand)."""
+    now = [0.0]
+    notices = UnreachableNotices(clock=lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger="router.http.bootstrap_unreachable")
+    for _ in range(4):
+        notices.say("p0", "502 cannot reach the prefill's bootstrap server")
+        now[0] += 1.0
+    notices.say("p1", "502 cannot reach the prefill's bootstrap server")
+    now[0] = 60.0
+    notices.say("p0", "502 cannot reach the prefill's bootstrap server")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(" failed")[0] for w in warnings] == [
+        "prefill worker p0",
+        "prefill worker p1",
+        "prefill worker p0",
+    ]
+    assert warnings[0].endswith("0 more since the last time)")
+    assert warnings[2].endswith("3 more since the last time)")
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 3

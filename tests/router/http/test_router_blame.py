@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -339,17 +338,17 @@ def test_only_an_engines_rank_refusal_counts_as_one() -> None:
 
 
 def test_rank_less_retries_are_said_once_a_while_with_the_count_unsaid(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """One WARNING per interval per worker, each retry between at DEBUG, and the next WARNING
     says how many went unsaid (before: one WARNING a request)."""
-    monkeypatch.setattr(rank_refusal, "_SAY_RETRY_S", 0.05)
+    now = [0.0]
     caplog.set_level(logging.DEBUG, logger="router.http.rank_refusal")
-    notices = rank_refusal.RankRetryNotices()
+    notices = rank_refusal.RankRetryNotices(clock=lambda: now[0])
     for _ in range(4):
         notices.say("a", 1, "its ranks not read in time")
     notices.say("b", 0, "its ranks not read in time")
-    time.sleep(0.06)
+    now[0] = rank_refusal._SAY_RETRY_S
     notices.say("a", 1, "its ranks not read in time")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [w.split(" refused")[0] for w in warnings] == ["worker a", "worker b", "worker a"]
