@@ -16,8 +16,17 @@ gross over-prediction, on a worker with none lately, costs a compare and a dict 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
-__all__ = ["GROSS_PAGES", "GROSS_RATIO", "STREAK", "WINDOW", "FalseHitWatch"]
+__all__ = [
+    "GROSS_PAGES",
+    "GROSS_RATIO",
+    "STREAK",
+    "WATCH_ACTIONS",
+    "WINDOW",
+    "FalseHitWatch",
+    "WatchAction",
+]
 
 # What makes one answer a gross over-prediction: it reused less than 1/GROSS_RATIO of the
 # predicted tokens and fell short of them by at least GROSS_PAGES pages. KV pressure between
@@ -37,6 +46,11 @@ GROSS_PAGES = 4
 # makes a false one.
 STREAK = 4
 WINDOW = 8
+
+# What the supervisor did about a streak (`kvroute_false_hit_actions`): subscribed the worker's
+# streams anew, or, a second streak soon after, left it unfollowed a while
+WatchAction = Literal["resubscribed", "unfollowed"]
+WATCH_ACTIONS: tuple[WatchAction, ...] = ("resubscribed", "unfollowed")
 
 
 class FalseHitWatch:

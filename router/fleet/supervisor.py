@@ -48,7 +48,7 @@ from router.fleet.discovery import (
     needs_discovery,
     streams_for,
 )
-from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch
+from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch, WatchAction
 from router.fleet.registration_notes import RegistrationNotes
 from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
 from router.fleet.worker_settings import read_served_models, read_server_info
@@ -83,6 +83,8 @@ class WorkerGauges(Protocol):
     def added(self, worker: str) -> None: ...
 
     def forget(self, worker: str) -> None: ...
+
+    def false_hit_action(self, worker: str, action: WatchAction) -> None: ...
 
 
 def _pairing(role: PdRole, bootstrap_port: int | None) -> str:
@@ -740,6 +742,7 @@ class Supervisor:
             f"than predicted (the last: {cached} of {predicted})"
         )
         if level == 1 or not configs:
+            self._metrics.false_hit_action(entry.id, "resubscribed")
             if configs:
                 await self._indexer.add_worker(entry.id, configs)
             log.warning(
@@ -751,17 +754,21 @@ class Supervisor:
             return
         quarantine_s = stale_after_s * min(2 ** (level - 1), _QUARANTINE_MAX)
         self._quarantined[entry.id] = configs
-        await self._indexer.remove_worker(entry.id)
-        log.warning(
-            "%s, again since it was subscribed anew: its KV-event sockets reach a process that "
-            "does not serve its URL; not followed for %g s (routed by load, no hit predicted), "
-            "its settings read again",
-            what,
-            quarantine_s,
-        )
-        reread = self.rereading(entry)
-        entry.unfollowed_until = now + quarantine_s  # shown by /admin/workers
+        # before the await: a request routed from here on is predicted no hit there, and its
+        # answer is no measure of the index (`router.http.decisions` counts it apart); shown
+        # by /admin/workers, /metrics and the dashboard
+        entry.unfollowed_until = now + quarantine_s
+        self._metrics.false_hit_action(entry.id, "unfollowed")
         try:
+            await self._indexer.remove_worker(entry.id)
+            log.warning(
+                "%s, again since it was subscribed anew: its KV-event sockets reach a process "
+                "that does not serve its URL; not followed for %g s (routed by load, no hit "
+                "predicted), its settings read again",
+                what,
+                quarantine_s,
+            )
+            reread = self.rereading(entry)
             done, _ = await asyncio.wait({reread}, timeout=quarantine_s)
             if done and not reread.cancelled() and reread.exception() is None and reread.result():
                 return  # registered anew on the sockets it advertises now

@@ -114,11 +114,7 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
         role=entry.role,
         queued_prefill_tokens=load.queued_prefill_tokens,
         running=load.running,
-        unfollowed_s=(
-            0.0
-            if entry.unfollowed_until is None
-            else round(max(0.0, entry.unfollowed_until - now), 3)
-        ),
+        unfollowed_s=round(entry.unfollowed_s(now), 3),
     )
 
 

@@ -347,6 +347,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[METRICS].export_routable(
             lambda: {entry.id: entry.routable(planner.clock()) for entry in pool}
         )
+        app[METRICS].export_unfollowed(
+            lambda: {entry.id: entry.unfollowed_s(planner.clock()) for entry in pool}
+        )
         supervisor = Supervisor(
             pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock
         )

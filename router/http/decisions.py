@@ -7,6 +7,9 @@ answered, the tokens the worker says it served from cache against the tokens the
 predicted. That makes prediction accuracy a live number: `exact` when the worker reused exactly
 what the index said, `over` when it reused less (a false hit: the index believed in blocks the
 worker no longer had), `under` when it reused more (its events had not reached the index yet).
+An answer of a worker whose events the false-hit watch left unfollowed when it was routed
+(`Candidate.unfollowed`: predicted nothing, fail closed) is `unfollowed`, outside those three:
+counted as `under`, it made the accuracy look worse for a reason that is no index lag.
 
 The hot path only adds to plain Python numbers (a dict lookup and a few `+=`); the Prometheus
 families are built from them when `/metrics` is scraped (`DecisionCollector`), so a request
@@ -41,11 +44,22 @@ WINDOW_BUCKETS = 30
 RECENT_DECISIONS = 50
 
 # per (worker, dp rank, model) counters, in this order
-_ROUTED, _USAGE, _USAGE_PROMPT, _USAGE_PREDICTED, _CACHED, _EXACT, _OVER, _UNDER, _MISSING = range(
-    9
-)
-# per window bucket: requests, usage reports, their prompt, predicted and cached tokens, exact
-_W_FIELDS = 6
+(
+    _ROUTED,
+    _USAGE,
+    _USAGE_PROMPT,
+    _USAGE_PREDICTED,
+    _CACHED,
+    _EXACT,
+    _OVER,
+    _UNDER,
+    _MISSING,
+    _UNFOLLOWED,
+) = range(10)
+_ROW = 10
+# per window bucket: requests, usage reports, their prompt, predicted and cached tokens, exact,
+# unfollowed (reports outside the accuracy)
+_W_FIELDS = 7
 
 
 class Decision:
@@ -111,6 +125,15 @@ class Decision:
 
     def explain(self) -> str:
         """One sentence on why the chosen worker got the request."""
+        if self.chosen.unfollowed:
+            # why it predicted nothing there, whatever the worker reuses
+            return self._explain() + (
+                f"; {self.chosen.worker}'s KV events were unfollowed (false-hit watch): no hit "
+                "predicted there"
+            )
+        return self._explain()
+
+    def _explain(self) -> str:
         chosen, best = self.chosen, self.best()
         where = _target(chosen)
         held = chosen.matched_tokens + chosen.pending_tokens
@@ -174,6 +197,7 @@ class Decision:
                     "pending_tokens": c.pending_tokens,
                     "load": c.load,
                     "score": c.score,
+                    "unfollowed": c.unfollowed,
                 }
                 for c in self.candidates[:8]
             ],
@@ -286,7 +310,7 @@ class DecisionStats:
             target = (chosen.worker, chosen.dp_rank, model)
             row = targets.get(target)
             if row is None:
-                row = targets[target] = [0] * 9
+                row = targets[target] = [0] * _ROW
             row[_ROUTED] += 1
             if decision.status is None:
                 continue  # retried: no answer of its own to count
@@ -304,13 +328,19 @@ class DecisionStats:
                 row[_USAGE_PROMPT] += decision.prompt_tokens
                 row[_USAGE_PREDICTED] += predicted
                 row[_CACHED] += cached
-                outcome = _EXACT if cached == predicted else _OVER if cached < predicted else _UNDER
+                if chosen.unfollowed:
+                    outcome = _UNFOLLOWED  # predicted nothing on purpose: no index lag
+                elif cached == predicted:
+                    outcome = _EXACT
+                else:
+                    outcome = _OVER if cached < predicted else _UNDER
                 row[outcome] += 1
                 window[1] += 1
                 window[2] += decision.prompt_tokens
                 window[3] += predicted
                 window[4] += cached
                 window[5] += outcome == _EXACT
+                window[6] += outcome == _UNFOLLOWED
             elif decision.status == 200:
                 row[_MISSING] += 1
             keep_recent(decision)
@@ -350,24 +380,27 @@ class DecisionStats:
         return self._window[slot]
 
     def window(self) -> list[dict[str, float]]:
-        """The last 5 minutes, oldest first, one row per 10 s: requests, accuracy, hit rates."""
+        """The last 5 minutes, oldest first, one row per 10 s: requests, accuracy (over the
+        usage reports of followed workers), hit rates."""
         self.flush()
         now = int(self._clock()) // WINDOW_BUCKET_S
         rows = []
         for period in range(now - WINDOW_BUCKETS + 1, now + 1):
             slot = period % WINDOW_BUCKETS
             v = self._window[slot] if self._window_slot[slot] == period else [0] * _W_FIELDS
-            requests, usage, prompt, predicted, cached, exact = v
+            requests, usage, prompt, predicted, cached, exact, unfollowed = v
+            judged = usage - unfollowed
             rows.append(
                 {
                     "start": float(period * WINDOW_BUCKET_S),
                     "requests": requests,
                     "usage_reports": usage,
-                    "accuracy": exact / usage if usage else -1.0,
+                    "accuracy": exact / judged if judged else -1.0,
                     "hit_rate": cached / prompt if prompt else -1.0,
                     "predicted_hit_rate": predicted / prompt if prompt else -1.0,
                     # the counts behind the ratios, so coarser periods can be summed exactly
                     "exact": exact,
+                    "unfollowed": unfollowed,
                     "prompt_tokens": prompt,
                     "predicted_tokens": predicted,
                     "cached_tokens": cached,
@@ -390,7 +423,8 @@ _TARGET_COUNTERS = (
     ),
     (
         "kvroute_usage_reports",
-        "Answers whose usage reported cached_tokens (the requests prediction accuracy is over)",
+        "Answers whose usage reported cached_tokens (prediction accuracy is over those not "
+        "counted as the unfollowed outcome)",
         _USAGE,
     ),
     (
@@ -448,11 +482,18 @@ class DecisionCollector(Collector):
         outcomes = CounterMetricFamily(
             "kvroute_prediction_outcomes",
             "Answers by how the worker's cached_tokens compared with the prediction: exact, "
-            "over (it reused less than predicted: a false hit) or under (it reused more)",
+            "over (it reused less than predicted: a false hit) or under (it reused more); "
+            "unfollowed: the worker's KV events were left unfollowed by the false-hit watch "
+            "when it was routed (no hit predicted on purpose: not in the accuracy)",
             labels=[*labels, "outcome"],
         )
         for key, row in sorted(targets.items()):
-            for word, slot in (("exact", _EXACT), ("over", _OVER), ("under", _UNDER)):
+            for word, slot in (
+                ("exact", _EXACT),
+                ("over", _OVER),
+                ("under", _UNDER),
+                ("unfollowed", _UNFOLLOWED),
+            ):
                 outcomes.add_metric([*key, word], row[slot])
         yield outcomes
         reasons = CounterMetricFamily(

@@ -29,6 +29,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from router.fleet.false_hits import WATCH_ACTIONS, WatchAction
+
 __all__ = [
     "CLIENT_CLOSED",
     "CLIENT_CLOSED_ERROR",
@@ -174,6 +176,61 @@ class _RankInFlight(Collector):
         for (worker, rank), running in sorted(self.source().items()):
             family.add_metric([worker, str(rank)], running)
         yield family
+
+
+class _FalseHitWatch(Collector):
+    """The false-hit watch's doings per worker (`router.fleet.false_hits`,
+    `Supervisor._check_predictions`): `kvroute_worker_unfollowed_seconds`, read from the pool
+    when scraped, and `kvroute_false_hit_actions`, counted here as the supervisor acts.
+
+    Every worker of the pool has each action's series from 0: a series born at 1 shows no
+    `increase()`, so an alert would miss a worker's first action, the one that matters most.
+    """
+
+    def __init__(self) -> None:
+        # every worker's seconds left unfollowed (0: followed)
+        self.source: Callable[[], Mapping[str, float]] = dict
+        self.counts: dict[tuple[str, WatchAction], int] = {}
+
+    def forget(self, workers: Collection[str]) -> None:
+        """Drop the action counts of removed `workers`."""
+        if any(worker in workers for worker, _ in self.counts):
+            self.counts = {k: n for k, n in self.counts.items() if k[0] not in workers}
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "kvroute_worker_unfollowed_seconds",
+                "Seconds the worker's KV events stay unfollowed by the false-hit watch's "
+                "quarantine (routed by load, no hit predicted); 0 while followed",
+                labels=["worker"],
+            ),
+            CounterMetricFamily(
+                "kvroute_false_hit_actions",
+                "What the false-hit watch did about a worker whose answers kept reusing far "
+                "less than predicted: resubscribed (its streams subscribed anew) or unfollowed "
+                "(its streams left unfollowed a while)",
+                labels=["worker", "action"],
+            ),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metrics' names and types, without samples."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every worker's seconds left unfollowed and its actions so far."""
+        seconds, actions = self._families()
+        unfollowed = self.source()
+        for worker, left in sorted(unfollowed.items()):
+            seconds.add_metric([worker], left)
+        # a worker's late count (removed while the check ran) is dropped at the next scrape
+        for worker in sorted(set(unfollowed) | {w for w, _ in self.counts}):
+            for action in WATCH_ACTIONS:
+                actions.add_metric([worker, action], self.counts.get((worker, action), 0))
+        yield seconds
+        yield actions
 
 
 class _Cluster(Collector):
@@ -412,6 +469,8 @@ class RouterMetrics:
             "kvroute_worker_routable", "1 when the worker takes new requests"
         )
         r.register(self._routable)
+        self._watch = _FalseHitWatch()
+        r.register(self._watch)
         # what else keeps per-worker series (the decision statistics), told of removals too
         self._forgetters: list[Callable[[Collection[str]], None]] = []
         # removed workers whose late answers are dropped when scraped, until this monotonic time
@@ -454,6 +513,17 @@ class RouterMetrics:
         `kvroute_worker_routable`."""
         self._routable.source = routable
 
+    def export_unfollowed(self, unfollowed: Callable[[], Mapping[str, float]]) -> None:
+        """Export `unfollowed()` (every worker's seconds left unfollowed, 0: followed) as
+        `kvroute_worker_unfollowed_seconds`; its workers have `kvroute_false_hit_actions`
+        series from 0."""
+        self._watch.source = unfollowed
+
+    def false_hit_action(self, worker: str, action: WatchAction) -> None:
+        """Count what the false-hit watch did about `worker` (`kvroute_false_hit_actions`)."""
+        key = (worker, action)
+        self._watch.counts[key] = self._watch.counts.get(key, 0) + 1
+
     def added(self, worker: str) -> None:
         """`worker` joined the pool: a late answer under its id counts again (`forget`)."""
         if self._removed:
@@ -464,9 +534,9 @@ class RouterMetrics:
         self._forgetters.append(forget)
 
     def forget(self, worker: str) -> None:
-        """Drop a removed worker's series: retries, requests, tokens, and those of every
-        `forget_with` (its in-flight count leaves with the load tracker, its routable gauge
-        with the pool). A fleet whose
+        """Drop a removed worker's series: retries, requests, tokens, the false-hit watch's
+        actions, and those of every `forget_with` (its in-flight count leaves with the load
+        tracker, its routable and unfollowed gauges with the pool). A fleet whose
         workers come and go (autoscaling, discovery) would otherwise grow a series per worker
         it ever had. Answers of requests the worker was serving when removed still count
         until the next scrape drops them again (`LATE_ANSWERS_S`)."""
@@ -478,6 +548,7 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 self.retries.remove(worker)
         self._proxied.forget(workers)
+        self._watch.forget(workers)
         for forget in self._forgetters:
             forget(workers)
 

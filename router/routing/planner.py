@@ -476,6 +476,7 @@ class Planner:
             matched_blocks=match.matched_blocks,
             pending_tokens=match.pending_tokens,
             stream_state=stream_state,
+            unfollowed=entry.unfollowed_until is not None,
             by_medium=match.by_medium,
             hit_tokens=effective_hit(
                 matched_blocks=match.matched_blocks,

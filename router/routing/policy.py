@@ -81,6 +81,10 @@ class Candidate(msgspec.Struct, gc=False):
     pending_tokens: int = 0  # further tokens covered by recent routing decisions only
     # its rank's KV-event stream state (a worker's best one's), None without events
     stream_state: str | None = None
+    # its KV events are left unfollowed by the false-hit watch (`WorkerEntry.unfollowed_until`):
+    # no hit is predicted there, and its answer is no measure of the index
+    # (`router.http.decisions` counts it apart from the accuracy)
+    unfollowed: bool = False
     # the matched blocks per storage tier each is held in at best (e.g. {"GPU": 6, "CPU": 2})
     by_medium: dict[str, int] = {}
     hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)

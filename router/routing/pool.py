@@ -148,6 +148,12 @@ class WorkerEntry:
         """Whether new requests may go to this worker at `now`."""
         return self.status(now) is WorkerStatus.READY
 
+    def unfollowed_s(self, now: float) -> float:
+        """The seconds its KV events stay unfollowed from `now` (0: followed), as
+        `/admin/workers`, `/metrics` and the dashboard show them."""
+        until = self.unfollowed_until
+        return 0.0 if until is None else max(0.0, until - now)
+
 
 def split_adapter(model: str, served: Iterable[str]) -> tuple[str, str | None]:
     """SGLang's `base:adapter` spelling: (base model, LoRA adapter or None).

@@ -118,6 +118,22 @@ class Fleet:
         return max(held, default=0) >= tokens
 
 
+async def unfollow(router: RouterService, worker: str) -> None:
+    """Have the false-hit watch leave `worker`'s KV events unfollowed, as two streaks of false
+    hits close together do: through `Supervisor.mispredicted`, what `FalseHitWatch` calls. The
+    first subscribes its streams anew; the second, once the first is done, leaves them
+    unfollowed for twice `indexer.stale_after_s` (60 s at the default)."""
+    supervisor = router.supervisor
+    entry = router.planner.pool.get(worker)
+    supervisor.mispredicted(worker, 320, 0)
+
+    async def unfollowed() -> bool:
+        supervisor.mispredicted(worker, 320, 0)  # ignored while the first check runs
+        return entry.unfollowed_until is not None and not router.indexer.has_worker(worker)
+
+    await eventually(unfollowed, what=f"{worker}'s KV events unfollowed")
+
+
 async def serve_app(app: web.Application, **runner_options: Any) -> tuple[web.AppRunner, str]:
     """`app` served on an ephemeral port of 127.0.0.1: its runner (`cleanup()` stops it) and
     its base URL."""

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import HealthConfig, IndexerSection
 from router.fleet.false_hits import GROSS_PAGES, STREAK, WINDOW, FalseHitWatch
@@ -280,6 +281,11 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
         # unfollowed: nothing is predicted of the old pod's cache, and /admin/workers says so
         assert not router.indexer.has_worker("w")
         assert 0 < await unfollowed_s(session, router) <= 2.0
+        # and /metrics, for an alert: the seconds left, and what the watch did
+        metrics = await scrape(session, router)
+        assert 0 < metrics["kvroute_worker_unfollowed_seconds", "w", ""] <= 2.0
+        assert metrics["kvroute_false_hit_actions_total", "w", "resubscribed"] == 1
+        assert metrics["kvroute_false_hit_actions_total", "w", "unfollowed"] == 1
         for body in old[2 * STREAK : 3 * STREAK]:
             assert await client.send(body) == (0, 0)
 
@@ -303,6 +309,21 @@ async def unfollowed_s(session: aiohttp.ClientSession, router: RouterService) ->
     async with session.get(router.url + "/admin/workers", headers=AUTH) as resp:
         (worker,) = (await resp.json())["workers"]
     return float(worker["unfollowed_s"])
+
+
+async def scrape(
+    session: aiohttp.ClientSession, router: RouterService
+) -> dict[tuple[str, str, str], float]:
+    """The false-hit watch's samples of /metrics by (name, worker, action)."""
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.name, s.labels["worker"], s.labels.get("action", "")): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name in ("kvroute_worker_unfollowed_seconds", "kvroute_false_hit_actions")
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
 
 
 async def _said(said: Callable[[], list[str]], lines: int) -> bool:

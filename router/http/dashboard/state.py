@@ -58,6 +58,9 @@ class WorkerRow(msgspec.Struct, kw_only=True):
     model: str
     running: int
     queued_prefill_tokens: int
+    # seconds its KV events stay unfollowed by the false-hit watch (routed by load, no hit
+    # predicted), as `GET /admin/workers` says; 0: followed
+    unfollowed_s: float
 
 
 class RankRow(msgspec.Struct, kw_only=True):
@@ -107,7 +110,9 @@ class PeriodRow(msgspec.Struct, kw_only=True):
     seconds: int
     requests: int
     usage_reports: int
-    accuracy: float | None  # exact predictions / answers that reported cached tokens
+    # exact predictions / answers that reported cached tokens, but those of workers whose KV
+    # events were unfollowed (no hit predicted on purpose: `router.http.decisions`)
+    accuracy: float | None
     hit_rate: float | None  # cached tokens the workers reported / prompt tokens
     predicted_hit_rate: float | None  # cached tokens the index predicted / prompt tokens
 
@@ -169,12 +174,13 @@ def _period(rows: list[dict[str, float]]) -> PeriodRow:
 
     prompt = total("prompt_tokens")
     usage = total("usage_reports")
+    judged = usage - total("unfollowed")
     return PeriodRow(
         start=rows[0]["start"],
         seconds=WINDOW_BUCKET_S * len(rows),
         requests=int(total("requests")),
         usage_reports=int(usage),
-        accuracy=_ratio(total("exact"), usage),
+        accuracy=_ratio(total("exact"), judged),
         hit_rate=_ratio(total("cached_tokens"), prompt),
         predicted_hit_rate=_ratio(total("predicted_tokens"), prompt),
     )
@@ -270,6 +276,7 @@ def snapshot(app: web.Application, *, login: bool) -> DashboardState:
                 model=entry.cache_model,
                 running=load.running,
                 queued_prefill_tokens=load.queued_prefill_tokens,
+                unfollowed_s=round(entry.unfollowed_s(now), 1),
             )
         )
     stream_stats = indexer.streams()

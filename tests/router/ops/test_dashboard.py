@@ -16,7 +16,7 @@ from router.http.app import create_app
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import DashboardState, StreamRow, rank_rows
 from router.routing.load import LoadTracker
-from tests.router.conftest import AUTH, TOKEN, Fleet, eventually, router_config
+from tests.router.conftest import AUTH, TOKEN, Fleet, eventually, router_config, unfollow
 from tests.router.ops.test_metrics_live import PROMPT
 
 STATIC = resources.files("router.http.dashboard") / "static"
@@ -159,6 +159,31 @@ async def test_state_shows_the_fleet_after_traffic(fleet: Fleet) -> None:
     assert sum(m.requests for m in state.prediction.minutes) == 3
     for secret in (b"tenant-a", b"tenant-b", b"warm-up"):
         assert secret not in body  # salts never, fingerprints only
+
+
+async def test_state_shows_an_unfollowed_worker_and_keeps_its_answers_out_of_accuracy(
+    fleet: Fleet,
+) -> None:
+    """The false-hit watch's quarantine showed only in `GET /admin/workers`; and the hits of
+    the unfollowed worker's own cache, predicted nothing on purpose, were counted inexact:
+    the page's accuracy fell for a reason that is no index lag."""
+    await unfollow(fleet.router, "w0")
+    status, _ = await fleet.admin("POST", "/workers/w1/drain")
+    assert status == 200
+    for _ in range(2):  # a miss, then a hit on w0's own cache that nothing predicted
+        status, headers, _ = await fleet.post("/v1/chat/completions", chat("tenant-u"))
+        assert status == 200 and headers["x-kvroute-worker"] == "w0"
+    status, _, body = await get(fleet, "/dashboard/state", AUTH)
+    assert status == 200
+    state = msgspec.json.decode(body, type=DashboardState)
+    left = {w.id: w.unfollowed_s for w in state.workers}
+    assert 50 < left["w0"] <= 60 and left["w1"] == 0
+    total = state.prediction.total
+    assert total.usage_reports == 2 and total.accuracy is None  # none to judge the index by
+    assert (
+        total.hit_rate is not None and total.hit_rate > 0.4
+    )  # the hit is the fleet's all the same
+    assert "w0's KV events were unfollowed" in state.decisions[0].explanation
 
 
 def test_the_page_needs_nothing_from_the_network() -> None:

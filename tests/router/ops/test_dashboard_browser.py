@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router.conftest import TOKEN, Fleet, eventually
+from tests.router.conftest import TOKEN, Fleet, eventually, unfollow
 from tests.router.ops.browser import Browser, find_chromium
 from tests.router.ops.test_dashboard import chat
 
@@ -170,3 +170,29 @@ async def test_log_in_and_watch_the_fleet(fleet: Fleet, tmp_path: Path) -> None:
             return bool(await browser.evaluate(code) == 401)
 
         await eventually(refused, what="the state refused after logging out")
+
+
+async def test_an_unfollowed_worker_shows_as_such_with_the_seconds_left(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A worker whose KV events the false-hit watch leaves unfollowed (routed by load, no hit
+    predicted) looked `ready` with a `–` stream, as one without events: the page says so now,
+    on the worker and on its ranks, with the seconds left."""
+    assert CHROMIUM is not None
+    async with Browser(CHROMIUM, tmp_path / "profile") as browser:
+        await browser.navigate(fleet.url + "/dashboard")
+        await browser.until("!!document.getElementById('login')", what="the login form")
+        await log_in(browser)
+        await unfollow(fleet.router, "w0")
+        await browser.until(
+            "document.querySelector('#workers tr[data-key=\"w0\"]').textContent"
+            ".includes('unfollowed')",
+            what="w0 shown unfollowed",
+        )
+        rows = tables(await browser.evaluate("document.documentElement.outerHTML"))
+    workers = {r[0]: r[1] for r in rows["workers"]}
+    assert re.fullmatch(r"ready \(unfollowed, (5\d|60) s left\)", workers["w0"]), workers
+    assert workers["w1"] == "ready"
+    ranks = {(r[0], r[1]): r[2] for r in rows["ranks"]}
+    assert re.fullmatch(r"unfollowed, (5\d|60) s left", ranks["w0", "–"]), ranks
+    assert ranks["w1", "0"] == "synced"

@@ -186,3 +186,30 @@ def test_what_a_request_got_to_is_what_is_counted() -> None:
         )
         assert s[routed] == sent, worker
     assert list(stats.recent) == [second]
+
+
+def test_an_unfollowed_workers_answers_are_counted_apart_from_the_accuracy() -> None:
+    """A worker whose KV events the false-hit watch left unfollowed is predicted nothing on
+    purpose (fail closed); its answers reusing its own cache counted as `under`, and the
+    accuracy fell for a reason that is no index lag. They count as `unfollowed` now, in the
+    usage counters but out of the accuracy (the window's too)."""
+    stats = DecisionStats(clock=lambda: 1000.0)
+    a = _candidate("a", 64)
+    unfollowed = msgspec.structs.replace(_candidate("b", 0), unfollowed=True)
+    for chosen, cached in ((a, 64), (unfollowed, 0), (unfollowed, 96)):
+        d = Decision("id", "/v1/completions", "m", "ns", 100, [a, unfollowed], chosen, 0, 16)
+        d.status, d.cached_tokens = 200, cached
+        stats.told(d)
+    s = _samples(stats)
+    b_key = (("dp_rank", ""), ("model", "m"))
+    outcomes = {
+        word: s[("kvroute_prediction_outcomes_total", (*b_key, ("outcome", word), ("worker", "b")))]
+        for word in ("exact", "over", "under", "unfollowed")
+    }
+    assert outcomes == {"exact": 0, "over": 0, "under": 0, "unfollowed": 2}
+    b_usage = (*b_key, ("worker", "b"))
+    assert s[("kvroute_usage_reports_total", b_usage)] == 2
+    assert s[("kvroute_usage_cached_tokens_total", b_usage)] == 96  # the real hit rate keeps it
+    (row,) = [r for r in stats.window() if r["requests"]]
+    assert row["accuracy"] == 1.0 and row["unfollowed"] == 2 and row["cached_tokens"] == 160
+    assert "b's KV events were unfollowed (false-hit watch)" in stats.recent[-1].explain()

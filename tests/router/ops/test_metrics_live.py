@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.cluster.server import NatsServer
 from router.service import RouterService
 from tests.router.cluster.conftest import replica_config
-from tests.router.conftest import Fleet, eventually
+from tests.router.conftest import Fleet, eventually, unfollow
 
 PROMPT = "The quarterly report of the ACME support desk, section one. " * 6  # ~360 tokens
 
@@ -129,6 +129,50 @@ async def test_prediction_against_the_workers_usage(fleet: Fleet) -> None:
     for rows in samples.values():
         for labels, _ in rows:
             assert not secrets & set(labels.values()), labels
+
+
+async def test_the_false_hit_watch_shows_and_its_unfollowed_answers_are_kept_apart(
+    fleet: Fleet,
+) -> None:
+    """The watch's quarantine showed nowhere in /metrics (only in /admin/workers): no alert
+    could say "worker X is unfollowed" or count how often the watch acted. And the answers of
+    an unfollowed worker, predicted nothing on purpose, counted as `under` wherever it reused
+    its own cache: the accuracy fell for a reason that is no index lag."""
+    samples = await scrape(fleet)
+    for worker in ("w0", "w1"):  # from 0: increase() sees the first action
+        assert total(samples, "kvroute_worker_unfollowed_seconds", worker=worker) == 0
+        for action in ("resubscribed", "unfollowed"):
+            series = [v for got, v in samples["kvroute_false_hit_actions_total"]
+                      if got == {"worker": worker, "action": action}]  # fmt: skip
+            assert series == [0.0], (worker, action)
+    await unfollow(fleet.router, "w0")
+    samples = await scrape(fleet)
+    assert 50 < total(samples, "kvroute_worker_unfollowed_seconds", worker="w0") <= 60
+    assert total(samples, "kvroute_worker_unfollowed_seconds", worker="w1") == 0
+    actions = {(got["worker"], got["action"]): v
+               for got, v in samples["kvroute_false_hit_actions_total"]}  # fmt: skip
+    assert actions == {
+        ("w0", "resubscribed"): 1,
+        ("w0", "unfollowed"): 1,
+        ("w1", "resubscribed"): 0,
+        ("w1", "unfollowed"): 0,
+    }
+
+    status, _ = await fleet.admin("POST", "/workers/w1/drain")
+    assert status == 200  # every request to the unfollowed worker
+    cached = []
+    for _ in range(2):
+        status, headers, answer = await fleet.post("/v1/chat/completions", _chat("tenant-u"))
+        assert status == 200 and headers["x-kvroute-worker"] == "w0"
+        assert headers["x-kvroute-matched-tokens"] == "0"  # unfollowed: no hit predicted
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= 300  # its own cache, which the router did not follow
+    samples = await scrape(fleet)
+    outcomes = {got["outcome"]: v for got, v in samples["kvroute_prediction_outcomes_total"]
+                if got["worker"] == "w0"}  # fmt: skip
+    assert outcomes == {"exact": 0, "over": 0, "under": 0, "unfollowed": 2}
+    assert total(samples, "kvroute_usage_reports_total", worker="w0") == 2
+    assert total(samples, "kvroute_usage_cached_tokens_total", worker="w0") == cached[1]
 
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"

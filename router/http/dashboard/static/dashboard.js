@@ -20,6 +20,9 @@
   const clock = (t) => new Date(1000 * t).toLocaleTimeString("en-GB");
   const periodName = (i) => (i === 0 ? "last minute" : i + "–" + (i + 1) + " min ago");
   const target = (worker, rank) => (rank === null ? worker : worker + "#dp" + rank);
+  // a worker whose KV events the false-hit watch left unfollowed: routed by load, no hit
+  // predicted, for the seconds shown
+  const unfollowed = (left) => "unfollowed, " + Math.ceil(left) + " s left";
 
   function td(value, cls) {
     const cell = document.createElement("td");
@@ -124,12 +127,19 @@
     ], (m) => String(m.start));
 
     fill("workers", s.workers, (w) => [
-      [w.id], [w.status, "state-" + w.status.replace(/\W+/g, "-")], [w.role], [w.model || "–"],
+      [w.id],
+      w.unfollowed_s > 0
+        ? [w.status + " (" + unfollowed(w.unfollowed_s) + ")", "state-unfollowed"]
+        : [w.status, "state-" + w.status.replace(/\W+/g, "-")],
+      [w.role], [w.model || "–"],
       [int(w.running)], [int(w.queued_prefill_tokens)], [w.breaker], [w.url],
     ], (w) => w.id);
+    const left = new Map(s.workers.filter((w) => w.unfollowed_s > 0).map((w) => [w.id, w.unfollowed_s]));
     fill("ranks", s.ranks, (r) => [
       [r.worker], [r.dp_rank === null ? "–" : r.dp_rank],
-      [r.stream_state || "–", r.stream_state ? "state-" + r.stream_state : ""],
+      left.has(r.worker)
+        ? [unfollowed(left.get(r.worker)), "state-unfollowed"]
+        : [r.stream_state || "–", r.stream_state ? "state-" + r.stream_state : ""],
       [int(r.running)], [int(r.queued_prefill_tokens)], [int(r.kv_tokens)],
     ], (r) => target(r.worker, r.dp_rank));
     fill("streams", s.streams, (x) => [
