@@ -29,7 +29,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     model: str = DEFAULT_MODEL
-    # Simulated SGLang version string reported by /server_info and /get_server_info.
+    # Simulated SGLang version string reported by /server_info and /get_server_info; it also
+    # says how an OpenAI request's `model` names a LoRA adapter (0.5.17-0.5.22 split it at the
+    # first ":", 0.5.23 after the served name: `io_struct.parse_model_parameter`)
     version: str = "0.5.23-kvroute"
     host: str = "127.0.0.1"
     port: _Port = 0

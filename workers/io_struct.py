@@ -20,6 +20,7 @@ with `remote_host`/`remote_port`/`remote_request_id` on the decode side).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_COMPLETION_TOKENS",
     "DEFAULT_GENERATE_TOKENS",
     "DP_RANK_HEADER",
+    "SGLANG_VERSION",
     "ApiRequest",
     "Generation",
     "KvHandoff",
@@ -44,12 +46,16 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_generate",
+    "parse_model_parameter",
+    "splits_at_first_colon",
 ]
 
 # SGLang's /generate default, and OpenAI's for completions.
 DEFAULT_GENERATE_TOKENS = 128
 DEFAULT_COMPLETION_TOKENS = 16
 _TOKENIZER = ByteTokenizer()
+# the SGLang whose rules the parsers follow unless told another (`WorkerConfig.version`)
+SGLANG_VERSION = "0.5.23"
 # SGLang's OpenAI routes read it case-insensitively (as every HTTP header)
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 # SGLang's body field and its deprecated alias, in precedence order
@@ -381,12 +387,39 @@ def _openai_budget(body: Mapping[str, Any], *fields: str) -> int:
     return DEFAULT_COMPLETION_TOKENS
 
 
+def splits_at_first_colon(version: str) -> bool:
+    """Whether SGLang of `version` reads a `model` by its first ":" whatever it serves: 0.5.17
+    to 0.5.22 (their `_parse_model_parameter`); 0.5.23 matches its served name first."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return found is not None and (0, 5, 17) <= tuple(map(int, found.groups())) <= (0, 5, 22)
+
+
+def parse_model_parameter(model: str, served: str, version: str) -> tuple[str, str | None]:
+    """(base model, LoRA adapter or None) of an OpenAI request's `model`, as the SGLang
+    `version` this worker plays reads it (`OpenAIServingBase._parse_model_parameter`): 0.5.23
+    keeps its served name whole even with colons in it (an object-storage URI) and splits
+    after it; before, the first ":" split, so a served `org/m:v1` was adapter `v1` of `org/m`.
+    """
+    if ":" not in model:
+        return model, None
+    if not splits_at_first_colon(version):
+        if model == served:
+            return model, None
+        if model.startswith(served + ":"):
+            return served.strip(), model[len(served) + 1 :].strip() or None
+    base, adapter = model.split(":", 1)
+    return base.strip(), adapter.strip() or None
+
+
 def _openai_common(
     body: Mapping[str, Any],
     ids: list[int],
     budget: int,
     dp_rank_header: str | None,
     reuse_limit: int | None = None,
+    *,
+    served: str,
+    version: str,
 ) -> ApiRequest:
     n = body.get("n", 1)
     if n not in (1, None):
@@ -395,8 +428,8 @@ def _openai_common(
     if model is not None and not isinstance(model, str):
         raise RequestError("model must be a string")
     # SGLang's OpenAI routes: the model's `base:adapter` wins over `lora_path`
-    # (`_parse_model_parameter`, `_resolve_lora_path`; one served name without a colon here)
-    adapter = model.split(":", 1)[1].strip() if model is not None and ":" in model else ""
+    # (`_resolve_lora_path`)
+    adapter = None if model is None else parse_model_parameter(model, served, version)[1]
     namespace = Namespace(
         extra_key=normalize_key(body.get("extra_key"), "extra_key"),
         cache_salt=normalize_key(body.get("cache_salt"), "cache_salt"),
@@ -422,9 +455,16 @@ def _openai_common(
     )
 
 
-def parse_completion(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
+def parse_completion(
+    raw: object,
+    *,
+    dp_rank_header: str | None = None,
+    served: str = "",
+    version: str = SGLANG_VERSION,
+) -> ApiRequest:
     """OpenAI `POST /v1/completions`: one prompt, as text or token ids (and the value of the
-    request's `X-Data-Parallel-Rank` header, if any)."""
+    request's `X-Data-Parallel-Rank` header, if any); `served`: the model the worker serves,
+    `version`: the SGLang it plays (how `model` names an adapter: `parse_model_parameter`)."""
     body = _body(raw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -438,12 +478,21 @@ def parse_completion(raw: object, *, dp_rank_header: str | None = None) -> ApiRe
     # SGLang scores the whole prompt of an echo with logprobs: nothing of it is reused
     reuse_limit = 0 if body.get("echo") and body.get("logprobs") else None
     budget = _openai_budget(body, "max_tokens")
-    return _openai_common(body, ids, budget, dp_rank_header, reuse_limit)
+    return _openai_common(
+        body, ids, budget, dp_rank_header, reuse_limit, served=served, version=version
+    )
 
 
-def parse_chat(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
+def parse_chat(
+    raw: object,
+    *,
+    dp_rank_header: str | None = None,
+    served: str = "",
+    version: str = SGLANG_VERSION,
+) -> ApiRequest:
     """OpenAI `POST /v1/chat/completions`: messages through the shared chat template (and the
-    request's `X-Data-Parallel-Rank` header, if any)."""
+    request's `X-Data-Parallel-Rank` header, if any); `served` and `version` as for
+    `parse_completion`."""
     body = _body(raw)
     try:
         text = render_chat(body.get("messages"))  # type: ignore[arg-type]
@@ -455,4 +504,4 @@ def parse_chat(raw: object, *, dp_rank_header: str | None = None) -> ApiRequest:
     else:
         ids = _TOKENIZER.encode(text, add_bos=True)
     budget = _openai_budget(body, "max_completion_tokens", "max_tokens")
-    return _openai_common(body, ids, budget, dp_rank_header)
+    return _openai_common(body, ids, budget, dp_rank_header, served=served, version=version)

@@ -346,14 +346,20 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI text completions (the rank header as SGLang's OpenAI layer reads it)."""
     rank = request.headers.get(DP_RANK_HEADER)
-    api = parse_completion(await _json(request), dp_rank_header=rank)
+    cfg = _worker(request).config
+    api = parse_completion(
+        await _json(request), dp_rank_header=rank, served=cfg.model, version=cfg.version
+    )
     return await _openai(request, api, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completions through the shared byte tokenizer and chat template."""
     rank = request.headers.get(DP_RANK_HEADER)
-    api = parse_chat(await _json(request), dp_rank_header=rank)
+    cfg = _worker(request).config
+    api = parse_chat(
+        await _json(request), dp_rank_header=rank, served=cfg.model, version=cfg.version
+    )
     return await _openai(request, api, chat=True)
 
 
@@ -461,7 +467,11 @@ async def debug_match(request: web.Request) -> web.StreamResponse:
     probe.pop("stream", None)
     if "tokens" in probe:
         probe["input_ids"] = probe.pop("tokens")
-    api = parse_chat(body) if "messages" in body else parse_generate(probe)
+    cfg = _worker(request).config
+    if "messages" in body:
+        api = parse_chat(body, served=cfg.model, version=cfg.version)
+    else:
+        api = parse_generate(probe)
     if api.batch:
         raise RequestError("debug/match takes one prompt")
     item = api.items[0]

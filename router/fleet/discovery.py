@@ -36,6 +36,7 @@ __all__ = [
     "models_from_server_info",
     "needs_discovery",
     "streams_for",
+    "version_from_server_info",
     "worker_host",
 ]
 
@@ -161,6 +162,13 @@ def flushes_by_salt(info: Mapping[str, Any] | None) -> bool:
 def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     """How many requests one rank runs at once (`max_running_requests`), None if absent."""
     return _int(info.get("max_running_requests")) if info is not None else None
+
+
+def version_from_server_info(info: Mapping[str, Any] | None) -> str | None:
+    """The engine version the worker advertises (SGLang's `version`), None if absent: how it
+    reads an adapter from a request's `model` depends on it (`router.routing.pool`)."""
+    version = info.get("version") if info is not None else None
+    return version if isinstance(version, str) and version else None
 
 
 def streams_for(

@@ -47,6 +47,7 @@ from router.fleet.discovery import (
     max_running_from_server_info,
     needs_discovery,
     streams_for,
+    version_from_server_info,
 )
 from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch, WatchAction
 from router.fleet.registration_notes import RegistrationNotes
@@ -249,6 +250,7 @@ class Supervisor:
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.flushes_by_salt = flushes_by_salt(info)
         entry.max_running_requests = max_running_from_server_info(info)
+        entry.version = version_from_server_info(info)
         entry.discovered = True
         if info is not None:
             self._schedule.read(entry.id)
@@ -332,6 +334,7 @@ class Supervisor:
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
+        entry.version = version_from_server_info(info)  # another process may be another
         self._recheck_role(entry, spec, info)
         if not needs_discovery(entry.config):
             return False  # its streams are its config's

@@ -39,7 +39,7 @@ from indexer.service import (
 )
 from router.config import PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
-from router.prompt.request import KeyedItem, ParsedRequest
+from router.prompt.request import Endpoint, KeyedItem, ParsedRequest
 from router.routing.admission import (
     AdmissionForecast,
     RecencyBook,
@@ -119,6 +119,23 @@ _NO_MATCH = WorkerMatch(
     by_medium={},
     state=StreamState.STALE,
 )
+
+
+def _split_unknown(entry: WorkerEntry, model: str) -> str:
+    """Why a worker is predicted no hit for an OpenAI request whose `model` SGLang 0.5.17-0.5.22
+    split elsewhere than 0.5.23 does: its pages are another adapter's, or may be."""
+    shown = repr(model[:64])
+    if entry.version is not None and entry.splits_served_name_first is False:
+        return (
+            f"its SGLang {entry.version[:32]} reads the adapter of model {shown} at the "
+            "first ':' (0.5.17-0.5.22), another than the router's: no hit predicted"
+        )
+    version = "not advertised" if entry.version is None else repr(entry.version[:32])
+    return (
+        f"its SGLang version is {version}: whether it reads the adapter of model {shown} "
+        "after the served name (0.5.23) or at the first ':' (0.5.17-0.5.22) is not known: "
+        "no hit predicted"
+    )
 
 
 def _match_limit(tokens: Sequence[int], reuse_limit: int | None) -> int:
@@ -231,6 +248,9 @@ class Planner:
             output = PREFILL_OUTPUT_TOKENS
         elif output is None:
             output = self._config.admission_reserve_tokens
+        # SGLang's OpenAI routes read `base:adapter` from the model (`/generate` takes none)
+        openai = parsed.endpoint is not Endpoint.GENERATE
+        contested = openai and ":" in parsed.model and self.pool.split_contested(parsed.model)
         return self._plan(
             ns,
             parsed.tokens,
@@ -239,6 +259,7 @@ class Planner:
             policy or self.policy,
             output_tokens=output,
             reuse_limit=parsed.reuse_limit,
+            contested=parsed.model if contested else None,
         )
 
     def _plan(
@@ -251,7 +272,11 @@ class Planner:
         *,
         output_tokens: int,
         reuse_limit: int | None = None,
+        contested: str | None = None,
     ) -> Plan:
+        """`contested`: the request's model, when SGLang releases read its adapter otherwise
+        (`WorkerPool.split_contested`): the workers not known to read it as the router does
+        are predicted no hit (`_split_unknown`)."""
         now = self.clock()
         limit = _match_limit(tokens, reuse_limit)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
@@ -260,9 +285,13 @@ class Planner:
             if entry.role != role:
                 continue
             match = matches.get(entry.id, _NO_MATCH)
-            views.extend(
-                self._candidates(entry, match, now, pinned, ns, tokens, limit, output_tokens)
-            )
+            unpredicted = None
+            if contested is not None and not entry.splits_served_name_first:
+                match, unpredicted = _NO_MATCH, _split_unknown(entry, contested)
+            found = self._candidates(entry, match, now, pinned, ns, tokens, limit, output_tokens)
+            for candidate in found:
+                candidate.unpredicted = unpredicted
+            views.extend(found)
         chooser = policy or self.policy
         balance = None
         if self._config.balance_learning:
@@ -520,6 +549,8 @@ class Planner:
         recently used (the worker touches no blocks of these keys for it)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
+        # there its pages may be another namespace's than `ns` (`Plan` predicted it nothing)
+        stores_prompt = stores_prompt and candidate.unpredicted is None
         marked = (
             stores_prompt
             and self.policy.marks_pending

@@ -85,6 +85,10 @@ class Candidate(msgspec.Struct, gc=False):
     # no hit is predicted there, and its answer is no measure of the index
     # (`router.http.decisions` counts it apart from the accuracy)
     unfollowed: bool = False
+    # why no hit is predicted there whatever the index holds (None: predicted as it holds),
+    # e.g. its SGLang is not known to read the request's `model` as the router does
+    # (`Planner.plan`); nothing is marked pending there either
+    unpredicted: str | None = None
     # the matched blocks per storage tier each is held in at best (e.g. {"GPU": 6, "CPU": 2})
     by_medium: dict[str, int] = {}
     hit_tokens: float = 0.0  # the prefix it can give, as the policy weighs it (`effective_hit`)

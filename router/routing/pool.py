@@ -14,6 +14,7 @@ an await in the middle of an update, so it needs no lock.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Iterator
 from typing import NoReturn
 
@@ -36,7 +37,9 @@ __all__ = [
     "WorkerPool",
     "WorkerStatus",
     "WorkerSummary",
+    "first_colon_split",
     "split_adapter",
+    "splits_served_name_first",
 ]
 
 
@@ -124,6 +127,13 @@ class WorkerEntry:
         # the LoRA adapters it lists by name (vLLM's /v1/models cards with a parent): id ->
         # the base model's name
         self.adapters: dict[str, str] = {}
+        # the engine version its /server_info advertises (SGLang's `version`), None: unknown
+        self.version: str | None = None
+
+    @property
+    def splits_served_name_first(self) -> bool | None:
+        """Whether it reads a `model` holding ":" as `split_adapter` does (None: unknown)."""
+        return splits_served_name_first(self.config.engine, self.version)
 
     @property
     def cache_model(self) -> str:
@@ -155,6 +165,32 @@ class WorkerEntry:
         return 0.0 if until is None else max(0.0, until - now)
 
 
+# the SGLang releases kvroute supports whose OpenAI layer (`_parse_model_parameter`) reads a
+# `model` holding ":" as `split_adapter` does (0.5.23), and those that split it at the first
+# ":" whatever they serve (0.5.17-0.5.22: a served `org/m:v1` is adapter `v1` of `org/m`)
+_SERVED_NAME_FIRST = ((0, 5, 23), (0, 5, 23))
+_FIRST_COLON = ((0, 5, 17), (0, 5, 22))
+_RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?(?:[-+].*)?")
+
+
+def splits_served_name_first(engine: str, version: str | None) -> bool | None:
+    """Whether a worker reads a `model` holding ":" as `split_adapter` does: True for SGLang
+    0.5.23, False for 0.5.17-0.5.22 (the first ":" splits); None when not known (no version
+    advertised, a pre-release or another release). vLLM names an adapter by itself, never
+    as `base:adapter`: the router reads its requests its own way (`WorkerPool.resolve`)."""
+    if engine != "sglang":
+        return True
+    found = _RELEASE.fullmatch(version.strip()) if version else None
+    if found is None:
+        return None
+    release = tuple(map(int, found.groups()))
+    if _SERVED_NAME_FIRST[0] <= release <= _SERVED_NAME_FIRST[1]:
+        return True
+    if _FIRST_COLON[0] <= release <= _FIRST_COLON[1]:
+        return False
+    return None
+
+
 def split_adapter(model: str, served: Iterable[str]) -> tuple[str, str | None]:
     """SGLang's `base:adapter` spelling: (base model, LoRA adapter or None).
 
@@ -174,6 +210,14 @@ def split_adapter(model: str, served: Iterable[str]) -> tuple[str, str | None]:
         base, adapter = names[-1], model[len(names[-1]) + 1 :]
     else:
         base, adapter = model.split(":", 1)
+    return base.strip(), adapter.strip() or None
+
+
+def first_colon_split(model: str) -> tuple[str, str | None]:
+    """`model` as SGLang 0.5.17-0.5.22 read it: split at its first ":" whatever they serve."""
+    if ":" not in model:
+        return model, None
+    base, adapter = model.split(":", 1)
     return base.strip(), adapter.strip() or None
 
 
@@ -310,6 +354,12 @@ class WorkerPool:
             self._refuse(model)
         cache = self._cache_model[base]
         return ModelChoice(base, cache, adapter, cache not in self._vllm_only)
+
+    def split_contested(self, model: str) -> bool:
+        """Whether SGLang 0.5.17-0.5.22 read `model` (an OpenAI request's) otherwise than
+        `resolve` does: it is, or starts with, a served name holding a ":" (the first ":"
+        is then not where 0.5.23 splits)."""
+        return ":" in model and split_adapter(model, self._by_model) != first_colon_split(model)
 
     def _refuse(self, model: str) -> NoReturn:
         """A 404 only when the fleet is known not to serve `model` (every worker's models are

@@ -38,13 +38,17 @@ async def model_fleet(
     policy: PolicyName = "kv",
     configured: bool = True,
     health: HealthConfig | None = None,
+    versions: Sequence[str] = (),
 ) -> AsyncIterator[Fleet]:
     """One reference worker per entry of `models` (worker i serves models[i]) behind a router;
-    `configured`: the router's config names each worker's model, else it is discovered."""
+    `configured`: the router's config names each worker's model, else it is discovered;
+    `versions`: the SGLang version worker i plays (default: the reference worker's)."""
     async with contextlib.AsyncExitStack() as stack:
         workers: dict[str, ReferenceWorker] = {}
         for i, model in enumerate(models):
             cfg = ReferenceConfig(model=model, time_scale=0.0, page_size=16)
+            if i < len(versions):
+                cfg = msgspec.structs.replace(cfg, version=versions[i])
             workers[f"w{i}"] = await stack.enter_async_context(ReferenceWorker(cfg))
         entries = tuple(
             WorkerConfig(url=w.url, id=wid, model=models[i] if configured else "")
@@ -210,6 +214,75 @@ async def test_a_single_model_fleet_reads_the_adapter_as_sglang_does() -> None:
         assert plan["lora"] == "lora-2"
         plan = await fleet.route({"model": "m:", "prompt": "x"})  # an empty adapter is none
         assert plan["lora"] is None
+
+
+_PROMPT = "A tenant's long system prompt, cached under one adapter or none at all. " * 5
+
+
+async def _predicted_and_cached(fleet: Fleet, body: dict[str, Any]) -> tuple[int, int, int]:
+    """(tokens the router predicted, matched and pending, and the worker reported cached)."""
+    status, headers, answer = await fleet.post("/v1/completions", body)
+    assert status == 200, answer
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    matched = int(headers["x-kvroute-matched-tokens"])
+    return matched, int(headers["x-kvroute-pending-tokens"]), cached
+
+
+@pytest.mark.parametrize(
+    ("served", "seeded_lora", "model"),
+    [("org/m:v1", None, "org/m:v1"), ("s3://bk/m", "L1", "s3://bk/m:L1")],
+    ids=["served-name-with-colon", "uri-with-adapter"],
+)
+async def test_a_served_name_with_a_colon_is_predicted_as_sglang_0_5_23_caches_it(
+    served: str, seeded_lora: str | None, model: str
+) -> None:
+    # the reference worker split the model at its first ":" (SGLang before 0.5.23, whose
+    # version it advertises): predicted the pages /generate seeded, it reported none cached
+    async with model_fleet((served,)) as fleet:
+        await fleet.warm()
+        seed = {"text": _PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        status, _, answer = await fleet.post("/generate", {**seed, "lora_path": seeded_lora})
+        assert status == 200, answer
+        probe = {"model": model, "prompt": _PROMPT, "max_tokens": 1}
+        await eventually(lambda: fleet.holds(probe, "w0", 256), what="the seed indexed")
+        plan = await fleet.route(probe)
+        assert (plan["model"], plan["lora"]) == (served, seeded_lora)
+        assert plan["candidates"][0]["unpredicted"] is None
+        matched, pending, cached = await _predicted_and_cached(fleet, probe)
+        assert matched + pending == cached >= 256
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.17", "", "0.6.0rc1"])
+async def test_a_worker_not_known_to_split_after_the_served_name_is_predicted_no_hit(
+    version: str,
+) -> None:
+    # SGLang 0.5.17-0.5.22 read "s3://bk/m:L1" as adapter "//bk/m:L1" of "s3": the router
+    # predicted adapter L1's pages there (false hit); a version it does not know may too
+    async with model_fleet(("s3://bk/m",), versions=(version,)) as fleet:
+        await fleet.warm()
+        seed = {"text": _PROMPT, "lora_path": "L1", "sampling_params": {"max_new_tokens": 1}}
+        status, _, answer = await fleet.post("/generate", seed)
+        assert status == 200, answer
+        await eventually(lambda: fleet.holds(seed, "w0", 256), what="the seed indexed")
+        probe = {"model": "s3://bk/m:L1", "prompt": _PROMPT, "max_tokens": 1}
+        plan = await fleet.route(probe)
+        (candidate,) = plan["candidates"]
+        assert plan["lora"] == "L1" and candidate["matched_tokens"] == 0
+        assert "no hit predicted" in candidate["unpredicted"], candidate
+        assert (version or "not advertised") in candidate["unpredicted"]
+        # an old worker caches it under its own reading, another reads it as the router: no
+        # false hit either way
+        matched, pending, cached = await _predicted_and_cached(fleet, probe)
+        assert matched == pending == 0
+        assert (cached == 0) == (version in ("0.5.22", "0.5.17")), cached
+        # and nothing is marked pending in the router's reading of it
+        fresh = {**probe, "prompt": "Another prompt, sent once by its adapter's model. " * 6}
+        await _predicted_and_cached(fleet, fresh)
+        plan = await fleet.route({"text": fresh["prompt"], "lora_path": "L1"})
+        assert plan["candidates"][0]["pending_tokens"] == 0, plan
+        # a model no release splits otherwise is predicted as the index holds it
+        plan = await fleet.route({**seed, "model": "s3://bk/m"})
+        assert plan["candidates"][0]["matched_tokens"] >= 256
 
 
 _LABEL = re.compile(r'model="([^"]*)"')

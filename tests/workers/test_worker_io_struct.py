@@ -15,6 +15,7 @@ from workers.io_struct import (
     parse_chat,
     parse_completion,
     parse_generate,
+    parse_model_parameter,
 )
 
 
@@ -77,3 +78,39 @@ def test_openai_bodies() -> None:
         parse_completion({"prompt": "x", "n": 2})
     with pytest.raises(RequestError, match="messages"):
         parse_chat({"messages": "hello"})
+
+
+@pytest.mark.parametrize(
+    ("model", "served", "version", "expected"),
+    [
+        # SGLang 0.5.23 keeps its served name whole, colons and all, and splits after it
+        ("org/m:v1", "org/m:v1", "0.5.23", ("org/m:v1", None)),
+        ("org/m:v1:L1", "org/m:v1", "0.5.23-kvroute", ("org/m:v1", "L1")),
+        ("s3://bk/m", "s3://bk/m", "0.5.23", ("s3://bk/m", None)),
+        ("s3://bk/m: L1 ", "s3://bk/m", "0.5.23", ("s3://bk/m", "L1")),
+        ("other:L1", "s3://bk/m", "0.5.23", ("other", "L1")),  # no served name: first colon
+        ("m", "m", "0.5.23", ("m", None)),
+        # 0.5.17-0.5.22 split at the first ":" whatever they serve
+        ("org/m:v1", "org/m:v1", "0.5.22", ("org/m", "v1")),
+        ("s3://bk/m:L1", "s3://bk/m", "0.5.17", ("s3", "//bk/m:L1")),
+        ("s3://bk/m:", "s3://bk/m", "0.5.20.post1", ("s3", "//bk/m:")),
+    ],
+)
+def test_the_model_names_an_adapter_as_the_sglang_version_reads_it(
+    model: str, served: str, version: str, expected: tuple[str, str | None]
+) -> None:
+    assert parse_model_parameter(model, served, version) == expected
+
+
+def test_a_served_name_with_a_colon_is_the_base_model_on_the_openai_routes() -> None:
+    # the reference worker split at the first ":": a request naming its served model `org/m:v1`
+    # was cached as adapter `v1`'s, where the router (and SGLang 0.5.23) predict the base's
+    body = {"model": "org/m:v1", "prompt": "hello", "lora_path": "L1"}
+    (item,) = parse_completion(body, served="org/m:v1").items
+    assert item.namespace == Namespace(lora="L1")
+    messages = [{"role": "user", "content": "hello"}]
+    chat = {"model": "s3://bk/m:L2", "messages": messages}
+    (item,) = parse_chat(chat, served="s3://bk/m").items
+    assert item.namespace == Namespace(lora="L2")
+    (item,) = parse_chat(chat, served="s3://bk/m", version="0.5.21").items
+    assert item.namespace == Namespace(lora="//bk/m:L2")

@@ -9,7 +9,12 @@ from router.config import BreakerConfig, WorkerConfig
 from router.errors import ModelUnavailableError, UnknownModelError
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.namespace import request_namespace
-from router.routing.pool import ModelChoice, WorkerPool, split_adapter
+from router.routing.pool import (
+    ModelChoice,
+    WorkerPool,
+    split_adapter,
+    splits_served_name_first,
+)
 
 
 def _pool(*models: str | tuple[str, ...]) -> WorkerPool:
@@ -51,6 +56,36 @@ def test_split_adapter_reads_the_model_as_sglang_does(
     model: str, served: list[str], expected: tuple[str, str | None]
 ) -> None:
     assert split_adapter(model, served) == expected
+
+
+@pytest.mark.parametrize(
+    ("engine", "version", "expected"),
+    [
+        ("sglang", "0.5.23", True),
+        ("sglang", "0.5.23.post1", True),
+        ("sglang", "0.5.23-kvroute", True),  # the reference workers
+        ("sglang", "0.5.22", False),  # 0.5.17-0.5.22: the first ":" splits
+        ("sglang", "0.5.17", False),
+        ("sglang", "0.5.16", None),  # before the supported range: not read
+        ("sglang", "0.5.24", None),  # after it: not read either
+        ("sglang", "0.5.23rc0", None),
+        ("sglang", None, None),
+        ("sglang", "", None),
+        ("vllm", None, True),  # names an adapter by itself: read by `resolve`
+    ],
+)
+def test_how_a_worker_reads_a_model_with_a_colon_comes_from_its_sglang_version(
+    engine: str, version: str | None, expected: bool | None
+) -> None:
+    assert splits_served_name_first(engine, version) is expected
+
+
+def test_a_model_is_contested_where_the_first_colon_is_not_where_0_5_23_splits() -> None:
+    pool = _pool("org/m:v1", "s3://bk/m", "plain")
+    for model in ("org/m:v1", "org/m:v1:L1", "s3://bk/m", "s3://bk/m:L1"):
+        assert pool.split_contested(model), model
+    for model in ("plain", "plain:L1", "other:L1", "org/m", "s3"):
+        assert not pool.split_contested(model), model
 
 
 def test_a_fleet_of_several_models_plans_each_request_among_its_own_workers() -> None:
