@@ -47,6 +47,7 @@ __all__ = [
     "blocks_within",
     "chain_block_keys",
     "chain_keys",
+    "names_no_adapter",
     "namespace_seed",
     "partial_key",
     "py_chain",
@@ -78,6 +79,14 @@ class Namespace(msgspec.Struct, frozen=True):
             msgspec.structs.force_setattr(self, "lora", None)
         if self.extra_key == "":
             msgspec.structs.force_setattr(self, "extra_key", None)
+
+
+def names_no_adapter(name: str) -> bool:
+    """Whether a LoRA adapter name a request gives is one no engine loads: it holds a NUL, as
+    every `anonymous_lora` does. Taken as a namespace's `lora`, it could name the pages of
+    another adapter's id (a false hit, and a probe of that adapter's cache): the router
+    refuses it (`router.prompt.request`)."""
+    return "\x00" in name
 
 
 def anonymous_lora(lora_id: int) -> str:

@@ -32,7 +32,13 @@ from router.errors import AuthError, RequestError
 from router.http.bearer import bearer_matches, is_loopback
 from router.http.keys import CONFIG, PLANNER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
-from router.prompt.request import Endpoint, ParsedRequest, check_salt_size, parse_body
+from router.prompt.request import (
+    Endpoint,
+    ParsedRequest,
+    check_adapter_name,
+    check_salt_size,
+    parse_body,
+)
 from router.routing.policy import Candidate
 
 __all__ = [
@@ -147,6 +153,8 @@ def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namesp
     extra_key = query.extra_key or None
     if extra_key is not None:
         check_salt_size(extra_key, "extra_key", limits)
+    if query.lora:
+        check_adapter_name(query.lora, "lora")
     parsed = ParsedRequest(
         # as an OpenAI request: a `base:adapter` model names the adapter, as on the proxy
         # (`/generate` takes no model, so its namespace would drop the adapter)

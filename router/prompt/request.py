@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from indexer.namespace import names_no_adapter
 from indexer.protocol.tokens import ChatTemplateError
 from router.config import LimitsConfig
 from router.errors import RequestError
@@ -46,6 +47,7 @@ __all__ = [
     "Endpoint",
     "KeyedItem",
     "ParsedRequest",
+    "check_adapter_name",
     "check_salt_size",
     "detect_endpoint",
     "parse_body",
@@ -201,15 +203,27 @@ def _salt(
     raise RequestError(f"{field} must be a string")
 
 
+def check_adapter_name(name: str, field: str) -> None:
+    """RequestError naming `field` when `name` is no adapter an engine loads: the router's own
+    name for pages an event names by adapter id alone (`indexer.namespace.anonymous_lora`)
+    would match that adapter's pages (a false hit, and a probe of its cache)."""
+    if names_no_adapter(name):
+        raise RequestError(f"{field} holds a NUL character: no LoRA adapter is named so")
+
+
 def _lora(value: object) -> str | None:
     """The LoRA adapter `lora_path` names, as SGLang reads it: a string, or one per item of a
     batch (the batch is routed by its first item); "" and null mean the base model."""
     if value is None or isinstance(value, str):
+        if value:
+            check_adapter_name(value, "lora_path")
         return value or None
     if isinstance(value, list):
         for i, item in enumerate(value):
             if item is not None and not isinstance(item, str):
                 raise RequestError(f"lora_path[{i}] must be a string")
+            if item:
+                check_adapter_name(item, f"lora_path[{i}]")
         return (value[0] or None) if value else None
     raise RequestError("lora_path must be a string or a list of strings")
 

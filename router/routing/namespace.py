@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from indexer.fingerprint import Fingerprinter
 from indexer.service import Namespace
-from router.prompt.request import Endpoint, ParsedRequest
+from router.prompt.request import Endpoint, ParsedRequest, check_adapter_name
 from router.routing.pool import ModelChoice
 
 __all__ = ["Fingerprinter", "request_namespace"]
@@ -19,10 +19,12 @@ def request_namespace(parsed: ParsedRequest, choice: ModelChoice) -> Namespace:
     no `model`, so there only `lora_path` counts. The adapter is what SGLang publishes as the
     events' `lora_name` (a request's `lora_path` names a loaded adapter). vLLM workers ignore
     `lora_path` (an unknown field to them) and serve the base model, so a pool of them leaves
-    it out.
+    it out. An adapter the model names holding a NUL is refused (`check_adapter_name`): it
+    could be the index's name for another adapter's pages.
     """
     lora = parsed.lora if choice.reads_lora_path else None
     if choice.adapter is not None and parsed.endpoint is not Endpoint.GENERATE:
+        check_adapter_name(choice.adapter, "model")  # its adapter half, or itself (vLLM)
         lora = choice.adapter
     return Namespace(
         model=choice.cache_model,

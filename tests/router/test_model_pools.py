@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -19,6 +20,9 @@ import msgspec
 import pytest
 
 from indexer.engines import EngineName
+from indexer.namespace import Namespace, anonymous_lora
+from indexer.protocol.encode import WireLayout
+from indexer.protocol.tokens import ByteTokenizer
 from router.config import BreakerConfig, HealthConfig, PolicyConfig, PolicyName, WorkerConfig
 from router.errors import AmbiguousModelError, UnknownModelError
 from router.fleet.discovery import adapters_from_model_list
@@ -39,6 +43,7 @@ async def model_fleet(
     configured: bool = True,
     health: HealthConfig | None = None,
     versions: Sequence[str] = (),
+    event_format: WireLayout = "map",
 ) -> AsyncIterator[Fleet]:
     """One reference worker per entry of `models` (worker i serves models[i]) behind a router;
     `configured`: the router's config names each worker's model, else it is discovered;
@@ -46,7 +51,9 @@ async def model_fleet(
     async with contextlib.AsyncExitStack() as stack:
         workers: dict[str, ReferenceWorker] = {}
         for i, model in enumerate(models):
-            cfg = ReferenceConfig(model=model, time_scale=0.0, page_size=16)
+            cfg = ReferenceConfig(
+                model=model, time_scale=0.0, page_size=16, event_format=event_format
+            )
             if i < len(versions):
                 cfg = msgspec.structs.replace(cfg, version=versions[i])
             workers[f"w{i}"] = await stack.enter_async_context(ReferenceWorker(cfg))
@@ -283,6 +290,42 @@ async def test_a_worker_not_known_to_split_after_the_served_name_is_predicted_no
         # a model no release splits otherwise is predicted as the index holds it
         plan = await fleet.route({**seed, "model": "s3://bk/m"})
         assert plan["candidates"][0]["matched_tokens"] >= 256
+
+
+async def test_a_client_cannot_name_the_anonymous_adapter_of_the_array_layout() -> None:
+    # SGLang <= 0.5.19's arrays name an adapter by its id alone: the index files its pages
+    # under `anonymous_lora(id)`, a name a client could send as its own adapter and be
+    # predicted that adapter's pages (a false hit, and a probe of another tenant's cache)
+    async with model_fleet(("m-d",), event_format="array") as fleet:
+        await fleet.warm()
+        body = {"model": "m-d", "prompt": _PROMPT, "max_tokens": 1, "lora_path": "L1"}
+        status, _, answer = await fleet.post("/v1/completions", body)
+        assert status == 200, answer
+        anonymous = anonymous_lora(zlib.crc32(b"L1") or 1)
+        indexer = fleet.router.planner.indexer
+        tokens = ByteTokenizer().encode(_PROMPT)
+
+        async def indexed() -> bool:
+            held = indexer.query(Namespace("m-d", anonymous), tokens).get("w0")
+            return held is not None and held.matched_tokens >= 256
+
+        await eventually(indexed, what="the adapter's pages indexed by its id")
+        chat = [{"role": "user", "content": _PROMPT}]
+        for path, sent, field in [
+            ("/v1/completions", {**body, "lora_path": anonymous}, "lora_path"),
+            ("/generate", {"text": [_PROMPT, "x"], "lora_path": ["L1", anonymous]}, "[1]"),
+            ("/v1/chat/completions", {"model": "m-d:" + anonymous, "messages": chat}, "model"),
+            ("/v1/kv/query", {"model": "m-d", "lora": anonymous, "text": _PROMPT}, "lora"),
+            ("/v1/kv/query", {"model": "m-d:" + anonymous, "text": _PROMPT}, "model"),
+        ]:
+            status, _, answer = await fleet.post(path, sent)
+            assert status == 400, (path, answer)
+            assert answer["error"]["type"] == "RequestError", answer
+            message = answer["error"]["message"]
+            assert field in message and "NUL" in message, (path, message)
+        # the adapter by its name is still served (its pages: another namespace, no hit)
+        status, _, answer = await fleet.post("/v1/completions", body)
+        assert status == 200, answer
 
 
 _LABEL = re.compile(r'model="([^"]*)"')

@@ -111,6 +111,9 @@ def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
     [
         (Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": 5}, "lora_path"),
         (Endpoint.GENERATE, {"text": ["a", "b"], "lora_path": ["l", 5]}, "lora_path[1]"),
+        # the index's name for an adapter known by id alone (`anonymous_lora`): never a client's
+        (Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": "\x00lora_id:7"}, "lora_path"),
+        (Endpoint.GENERATE, {"text": ["a", "b"], "lora_path": [None, "\x00x"]}, "lora_path[1]"),
         (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": 5}, "cache_salt"),
         (Endpoint.COMPLETIONS, {"prompt": "x", "cache_salt": ["a"]}, "cache_salt"),
         (Endpoint.GENERATE, {"text": ["a"], "cache_salt": [1]}, "cache_salt[0]"),
