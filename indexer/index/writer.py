@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
+from indexer.index.held import HeldEvents, proven_page_size
 from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
@@ -154,6 +155,9 @@ class BatchWriter:
                 st.skipped_groups.add(ev.group_idx)
             outcome.skipped_group_blocks += len(ev.block_hashes)
             return
+        if st.held is not None:
+            outcome.skipped += st.held.hold(ev)  # itself counted when it is applied
+            return
         outcome.skipped += 1
         blocks = st.blocks
         for h in ev.block_hashes:
@@ -236,16 +240,11 @@ class BatchWriter:
                     extra_keys=ev.extra_keys[:usable],
                 )
                 hashes, n, tokens = ev.block_hashes, usable, ev.token_ids
+        if st.block_size is None and not self._sized_by(st, ev, outcome):
+            return
         if tokens and not self._token_kind(st, type(tokens[0]) is tuple):
             outcome.token_kind_mismatches += 1
             return
-        if st.block_size is None:
-            if n == 1 and not st.engine.page_size_from_one_page:
-                # a lone page may be a partial entry (vLLM), smaller than the stream's pages:
-                # its size decides nothing, and without a size it cannot be indexed (counted)
-                outcome.skipped += 1
-                return
-            self._index._set_block_size(st, page)
         block_size = st.block_size
         assert block_size is not None
         partial = False
@@ -309,6 +308,42 @@ class BatchWriter:
             medium = self._default_medium
         self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
         outcome.stored += n
+
+    def _sized_by(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> bool:
+        """Whether store `ev` on `st`, whose page size is unknown, may be applied now: it
+        proves the size (the events held before it are applied first), or it is held or
+        skipped (`EngineSpec.one_page_stores_held`)."""
+        held = st.held
+        if st.engine.one_page_stores_held:
+            size = proven_page_size(ev, held)
+            if size is None:
+                if held is None:
+                    held = st.held = HeldEvents()
+                outcome.skipped += held.hold(ev)
+                return False
+        elif len(ev.block_hashes) == 1:
+            outcome.skipped += 1  # a lone page decides nothing, and unsized is not indexed
+            return False
+        else:
+            size = ev.block_size
+        self._index._set_block_size(st, size)
+        if held is not None:
+            self.release(st, outcome)
+        return True
+
+    def release(self, st: IndexedStream, outcome: ApplyOutcome) -> None:
+        """Apply the events `st` held while its page size was unknown (now it is known)."""
+        held = st.held
+        if held is None:
+            return
+        st.held = None
+        for ev in held.events:
+            if type(ev) is Stored:
+                self.store(st, ev, outcome)
+            elif type(ev) is Removed:
+                self.remove(st, ev, outcome)
+            else:
+                self.forget(st, cast(Unreadable, ev), outcome)
 
     def _link(
         self,
@@ -569,6 +604,10 @@ class BatchWriter:
         outcome.removed += n
 
     def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
+        if st.held is not None:
+            # a stream holding events has no entries: its removals wait with its stores
+            outcome.skipped += st.held.hold(ev)
+            return
         blocks = st.blocks
         refs = st.refs
         medium = ev.medium
