@@ -17,8 +17,9 @@ flat array, or its dict twin:
   opaque ids, used only to resolve `parent_block_hash` and `BlockRemoved`.
 - rare cases live in small side dicts so the common entry costs one slot in each map: extra
   reference counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`),
-  entries in a non-default medium (`media` + per-tier tables), partial trailing pages
-  (`partial`).
+  entries in a non-default medium (`media` + per-tier tables), partial trailing pages and
+  blocks that can never match (below a partial page or a namespace change, or on a key
+  another namespace holds: `partial`).
 - pending entries (`indexer.index.pending`) have the same value shape, with their namespace's code.
 
 Applying: the steady SGLang store (a child of a known block, a namespace already seen, fresh

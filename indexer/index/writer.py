@@ -171,8 +171,9 @@ class BatchWriter:
         """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
 
         The fast path only runs when its outcome is exactly the general path's: a known
-        parent on this stream, full pages of the stream's size, an already seen (lora, salt),
-        the default medium, no pending or partial entries, hashes and keys all new.
+        parent on this stream in the event's namespace, full pages of the stream's size, an
+        already seen (lora, salt), the default medium, no pending or partial entries, hashes
+        and keys all new.
         """
         parent = ev.parent
         tokens = ev.token_ids
@@ -202,8 +203,11 @@ class BatchWriter:
             self._store_general(st, ev, outcome)
             return
         assert ns_id is not None and block_size is not None
-        keys = self._chain(prev, tokens, block_size, 0, -1)
         table = self._table
+        if (table.get(prev, 0) ^ single) & CODE_MASK:
+            self._store_general(st, ev, outcome)  # the parent is of another namespace
+            return
+        keys = self._chain(prev, tokens, block_size, 0, -1)
         if not table.isdisjoint(keys):
             self._store_general(st, ev, outcome)
             return
@@ -274,6 +278,14 @@ class BatchWriter:
             ns_id = self._event_namespace(st, ev, prev)
         if prev is None:
             prev = self._registry.seed(ns_id, block_size)
+        elif self._table.get(prev, 0) & NS_MASK != ns_id:
+            # a chain that changes namespace (SGLang never sends one: a radix path has one
+            # salt and one LoRA) goes on from the parent's key, which is the next key of the
+            # parent's namespace: in the table it would take that key from another stream's
+            # block of that namespace. No request of either namespace can match it, so it is
+            # held as below a partial page
+            self._store_partial(st, ev, prev, ns_id, outcome)
+            return
         if partial:
             self._store_partial(st, ev, prev, ns_id, outcome)
             return
