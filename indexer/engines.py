@@ -175,13 +175,15 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     pd_pairing: PdPairing
     advertised_role: Callable[[Mapping[str, Any]], tuple[PdRole | None, int | None]]
     default_bootstrap_port: int | None
-    # whether a one-page store shows the page size of a stream whose size is not configured:
-    # SGLang's recorder sends one event per page, so it must; vLLM sends each request's new
-    # full blocks in one event, and with fine-grained prefix hits (Mamba "align" hybrids) a
-    # partial entry inside a block as a one-page event with block_size = one hash block
-    # (0.33 `BlockPool.cache_partial_block`): learned from it, every later full block was a
-    # mismatch and nothing more was indexed on the rank
-    page_size_from_one_page: bool
+    # what a one-page store does on a stream whose page size is not known: no lone page shows
+    # the size, for it may be a partial one (SGLang's trailing partial page of a node; vLLM
+    # 0.33's partial entry inside a block with fine-grained prefix hits, Mamba "align"
+    # hybrids, as a store of one hash block). Learned from one, every later full page was a
+    # mismatch and nothing more was indexed on the rank. SGLang sends one event per page, so
+    # its one-page stores are held, in order with the stream's other events, until a page
+    # proves the size (`indexer.index.held`); vLLM sends each request's new full blocks in
+    # one event, so its one-page stores before the first of several pages are skipped
+    one_page_stores_held: bool
     # whether a store of a block the stream holds (same hash, same tier) is another copy that
     # gets its own removal: SGLang publishes a store per new radix node only, and a request
     # with an `extra_key` stores its own node of a page the plain tree holds (same hash:
@@ -206,7 +208,7 @@ SGLANG = EngineSpec(
     pd_pairing=PdPairing.BOOTSTRAP_ROOM,
     advertised_role=_sglang_role,
     default_bootstrap_port=SGLANG_BOOTSTRAP_PORT,
-    page_size_from_one_page=True,
+    one_page_stores_held=True,
     stored_again_is_copy=True,
 )
 
@@ -221,7 +223,7 @@ VLLM = EngineSpec(
     pd_pairing=PdPairing.KV_TRANSFER_PARAMS,
     advertised_role=_no_role,
     default_bootstrap_port=None,  # the prefill's answer says where its KV is
-    page_size_from_one_page=False,
+    one_page_stores_held=False,
     stored_again_is_copy=False,
 )
 

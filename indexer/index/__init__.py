@@ -5,6 +5,7 @@
   its own bookkeeping (counts, side tables, eviction), and its counters;
 - `values`: how a table value packs holders and namespace (`CODE_BITS`, `ns_code`);
 - `walk`: the query's one pass over a request's blocks; `PrefixMatch`, `StreamMatch`;
+- `held`: a stream's events held while its page size is unknown and no page proved it;
 - `pending`: routing-time pending marks with a TTL;
 - `registry`: namespace ids, codes, chain seeds and per-namespace sizes.
 

@@ -17,8 +17,9 @@ flat array, or its dict twin:
   opaque ids, used only to resolve `parent_block_hash` and `BlockRemoved`.
 - rare cases live in small side dicts so the common entry costs one slot in each map: extra
   reference counts (`refs`), a second engine hash of the same key on one stream (`dup_keys`),
-  entries in a non-default medium (`media` + per-tier tables), partial trailing pages
-  (`partial`).
+  entries in a non-default medium (`media` + per-tier tables), partial trailing pages and
+  blocks that can never match (below a partial page or a namespace change, or on a key
+  another namespace holds: `partial`).
 - pending entries (`indexer.index.pending`) have the same value shape, with their namespace's code.
 
 Applying: the steady SGLang store (a child of a known block, a namespace already seen, fresh
@@ -121,6 +122,11 @@ class PrefixIndex:
                 st.ns_cache.clear()
             if block_size is not None and st.block_size is None:
                 self._set_block_size(st, block_size)
+                if st.held is not None:
+                    # told the size (configured, or advertised) while waiting for a proof
+                    outcome = ApplyOutcome()
+                    self._writer.release(st, outcome)
+                    self._count(st, outcome)
             return
         slot = min(self._free_slots) if self._free_slots else len(self._streams)
         if self._free_slots:
@@ -335,6 +341,14 @@ class PrefixIndex:
         outcome = self._writer.apply(stream, st, batch)
         if st.lookahead and stream not in self._lookahead_streams:
             self._lookahead_streams[stream] = st
+        self._count(st, outcome)
+        if seq is not None:
+            st.last_seq = seq
+            st.fence = None if payload is None else BatchFence.of(seq, payload)
+        return outcome
+
+    @staticmethod
+    def _count(st: IndexedStream, outcome: ApplyOutcome) -> None:
         c = st.counters
         c.blocks_stored += outcome.stored
         c.blocks_removed += outcome.removed
@@ -344,10 +358,6 @@ class PrefixIndex:
         c.skipped_group_blocks += outcome.skipped_group_blocks
         c.unindexable_blocks += outcome.unindexable_blocks
         c.token_kind_mismatches += outcome.token_kind_mismatches
-        if seq is not None:
-            st.last_seq = seq
-            st.fence = None if payload is None else BatchFence.of(seq, payload)
-        return outcome
 
     # ---------------------------------------------------------------- queries
 

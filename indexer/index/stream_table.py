@@ -13,6 +13,7 @@ import msgspec
 
 from indexer.engines import EngineSpec
 from indexer.fence import BatchFence
+from indexer.index.held import HeldEvents
 from indexer.index.values import CODE_BITS
 from indexer.int_map import PyIntMap
 from indexer.protocol.events import BlockHash
@@ -67,6 +68,7 @@ class IndexedStream:
         "dup_keys",
         "engine",
         "fence",
+        "held",
         "last_seq",
         "lookahead",
         "media",
@@ -95,6 +97,9 @@ class IndexedStream:
         self.model = model
         self.engine = engine  # whose wire rules its events follow (indexer.engines)
         self.block_size = block_size
+        # its events while its page size is unknown and no page has proven it (SGLang:
+        # `indexer.index.held`); None when nothing is held
+        self.held: HeldEvents | None = None
         # whether its pages are SGLang EAGLE (prev, next) pairs (`indexer.namespace.Bigrams`):
         # learned from its first stored page like the block size (None: no page seen yet)
         self.bigram: bool | None = None
@@ -134,6 +139,7 @@ class IndexedStream:
         self.media.clear()
         self.partial.clear()
         self.ns_counts.clear()
+        self.held = None
 
     def evict(self, doomed: PyIntMap, ns_id: int) -> int:
         """Drop the entries of namespace `ns_id` whose keys are in `doomed`; returns how many.

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
+from indexer.index.held import HeldEvents, proven_page_size
 from indexer.index.media import best_medium
 from indexer.index.stream_table import ApplyOutcome, IndexedStream
 from indexer.index.values import CODE_BITS, CODE_MASK, NS_MASK
@@ -154,6 +155,9 @@ class BatchWriter:
                 st.skipped_groups.add(ev.group_idx)
             outcome.skipped_group_blocks += len(ev.block_hashes)
             return
+        if st.held is not None:
+            outcome.skipped += st.held.hold(ev)  # itself counted when it is applied
+            return
         outcome.skipped += 1
         blocks = st.blocks
         for h in ev.block_hashes:
@@ -167,8 +171,9 @@ class BatchWriter:
         """A `BlockStored`: the steady SGLang case inline, everything else in `_store_general`.
 
         The fast path only runs when its outcome is exactly the general path's: a known
-        parent on this stream, full pages of the stream's size, an already seen (lora, salt),
-        the default medium, no pending or partial entries, hashes and keys all new.
+        parent on this stream in the event's namespace, full pages of the stream's size, an
+        already seen (lora, salt), the default medium, no pending or partial entries, hashes
+        and keys all new.
         """
         parent = ev.parent
         tokens = ev.token_ids
@@ -198,8 +203,11 @@ class BatchWriter:
             self._store_general(st, ev, outcome)
             return
         assert ns_id is not None and block_size is not None
-        keys = self._chain(prev, tokens, block_size, 0, -1)
         table = self._table
+        if (table.get(prev, 0) ^ single) & CODE_MASK:
+            self._store_general(st, ev, outcome)  # the parent is of another namespace
+            return
+        keys = self._chain(prev, tokens, block_size, 0, -1)
         if not table.isdisjoint(keys):
             self._store_general(st, ev, outcome)
             return
@@ -236,16 +244,11 @@ class BatchWriter:
                     extra_keys=ev.extra_keys[:usable],
                 )
                 hashes, n, tokens = ev.block_hashes, usable, ev.token_ids
+        if st.block_size is None and not self._sized_by(st, ev, outcome):
+            return
         if tokens and not self._token_kind(st, type(tokens[0]) is tuple):
             outcome.token_kind_mismatches += 1
             return
-        if st.block_size is None:
-            if n == 1 and not st.engine.page_size_from_one_page:
-                # a lone page may be a partial entry (vLLM), smaller than the stream's pages:
-                # its size decides nothing, and without a size it cannot be indexed (counted)
-                outcome.skipped += 1
-                return
-            self._index._set_block_size(st, page)
         block_size = st.block_size
         assert block_size is not None
         partial = False
@@ -275,6 +278,14 @@ class BatchWriter:
             ns_id = self._event_namespace(st, ev, prev)
         if prev is None:
             prev = self._registry.seed(ns_id, block_size)
+        elif self._table.get(prev, 0) & NS_MASK != ns_id:
+            # a chain that changes namespace (SGLang never sends one: a radix path has one
+            # salt and one LoRA) goes on from the parent's key, which is the next key of the
+            # parent's namespace: in the table it would take that key from another stream's
+            # block of that namespace. No request of either namespace can match it, so it is
+            # held as below a partial page
+            self._store_partial(st, ev, prev, ns_id, outcome)
+            return
         if partial:
             self._store_partial(st, ev, prev, ns_id, outcome)
             return
@@ -309,6 +320,42 @@ class BatchWriter:
             medium = self._default_medium
         self._store_slow(st, hashes, keys, medium, code, ns_id, block_size)
         outcome.stored += n
+
+    def _sized_by(self, st: IndexedStream, ev: Stored, outcome: ApplyOutcome) -> bool:
+        """Whether store `ev` on `st`, whose page size is unknown, may be applied now: it
+        proves the size (the events held before it are applied first), or it is held or
+        skipped (`EngineSpec.one_page_stores_held`)."""
+        held = st.held
+        if st.engine.one_page_stores_held:
+            size = proven_page_size(ev, held)
+            if size is None:
+                if held is None:
+                    held = st.held = HeldEvents()
+                outcome.skipped += held.hold(ev)
+                return False
+        elif len(ev.block_hashes) == 1:
+            outcome.skipped += 1  # a lone page decides nothing, and unsized is not indexed
+            return False
+        else:
+            size = ev.block_size
+        self._index._set_block_size(st, size)
+        if held is not None:
+            self.release(st, outcome)
+        return True
+
+    def release(self, st: IndexedStream, outcome: ApplyOutcome) -> None:
+        """Apply the events `st` held while its page size was unknown (now it is known)."""
+        held = st.held
+        if held is None:
+            return
+        st.held = None
+        for ev in held.events:
+            if type(ev) is Stored:
+                self.store(st, ev, outcome)
+            elif type(ev) is Removed:
+                self.remove(st, ev, outcome)
+            else:
+                self.forget(st, cast(Unreadable, ev), outcome)
 
     def _link(
         self,
@@ -569,6 +616,10 @@ class BatchWriter:
         outcome.removed += n
 
     def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
+        if st.held is not None:
+            # a stream holding events has no entries: its removals wait with its stores
+            outcome.skipped += st.held.hold(ev)
+            return
         blocks = st.blocks
         refs = st.refs
         medium = ev.medium

@@ -42,13 +42,32 @@ class Reading:
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self.held: dict[Any, tuple[Namespace, tuple[Any, ...], bool]] = {}
-        # a vLLM stream learns its page size from a store of two or more pages (a lone page
-        # may be a partial entry); until then a one-page store is not held
-        self.sized = engine != "vllm"
+        # a stream learns its page size from a store of two or more pages, or (SGLang) from a
+        # one-page store another chains on; a lone page may be a partial one. Until then a
+        # vLLM one-page store is not held, and SGLang's events wait in order (`waiting`)
+        self.sized = False
+        self.waiting: list[dict[str, Any]] = []
 
     def apply(self, ev: dict[str, Any]) -> None:
+        if not self.sized and self.engine != "vllm" and ev["type"] != "AllBlocksCleared":
+            parent = _hash(ev.get("parent_block_hash"))
+            chained = any(
+                len(w["block_hashes"]) == 1
+                and _hash(w["block_hashes"][0]) == parent
+                and len(w["token_ids"]) == w["block_size"] >= ev["block_size"]
+                for w in self.waiting
+                if w["type"] == "BlockStored"
+            )
+            if ev["type"] != "BlockStored" or (len(ev["block_hashes"]) < 2 and not chained):
+                self.waiting.append(ev)
+                return
+            self.sized = True
+            for w in self.waiting:
+                self.apply(w)
+            self.waiting.clear()
         kind = ev["type"]
         if kind == "AllBlocksCleared":
+            self.waiting.clear()
             self.held.clear()
         elif kind == "BlockRemoved":
             for h in ev["block_hashes"]:
@@ -57,7 +76,7 @@ class Reading:
             self._store(ev)
 
     def _store(self, ev: dict[str, Any]) -> None:
-        if not self.sized:
+        if not self.sized:  # vLLM
             if len(ev["block_hashes"]) < 2:
                 return
             self.sized = True

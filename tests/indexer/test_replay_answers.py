@@ -255,9 +255,14 @@ async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounde
         assert len(svc._unsized_shadows) == _UNSIZED_LIMIT
         assert all(len(head) <= 256 for _, _, head, _, _ in svc._unsized_shadows)
         # the stream now predicts nothing plain, even for prompts none of them began
-        events: list[Event] = [Stored(block_hashes=[1], parent=None, token_ids=D[:4], block_size=4)]
+        # two pages: a lone one would not show the size (`indexer.index.held`)
+        events: list[Event] = [
+            Stored(
+                block_hashes=[1, 2], parent=None, token_ids=[*D[:4], 15, 16, 17, 18], block_size=4
+            )
+        ]
         assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, events)))
-        assert svc.index.entries(STREAM) == 1 and matched(svc, D) == 0
+        assert svc.index.entries(STREAM) == 2 and matched(svc, D) == 0
 
 
 async def test_a_join_from_an_unproven_replay_socket_waits_for_a_live_batch(
