@@ -637,6 +637,19 @@ class IndexerService:
         """Drop a namespace from the index (not from the workers); returns entries dropped."""
         return self.index.evict_namespace(namespace)
 
+    def held_namespaces(self) -> list[Namespace]:
+        """Every namespace the index has an entry of, pending marks included (`namespaces`
+        lists only those with blocks): what an eviction must reach."""
+        self._drop_orphans()
+        return self.index.held_namespaces()
+
+    def evict_salt(self, cache_salt: str | None) -> tuple[list[Namespace], int]:
+        """Drop every namespace of one salt (None: the unsalted ones), whatever its model,
+        adapter or extra_key, blocks and pending marks alike; returns them and the entries
+        dropped (pending marks are not entries: a namespace of marks alone drops 0)."""
+        targets = [ns for ns in self.held_namespaces() if ns.cache_salt == cache_salt]
+        return targets, sum(self.index.evict_namespace(ns) for ns in targets)
+
     # ------------------------------------------------------------ snapshots
 
     def dump(self) -> bytes:

@@ -192,6 +192,10 @@ class NoWorkerError(RouterError):
 
     status = 503
 
+    def headers(self) -> dict[str, str]:
+        """A passing state (workers down, being discovered or checked): worth a retry soon."""
+        return {"Retry-After": "1"}
+
 
 class ModelUnavailableError(NoWorkerError):
     """A request whose `model` no worker is known to serve, while the models of some workers

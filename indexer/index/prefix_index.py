@@ -275,11 +275,8 @@ class PrefixIndex:
         and shared values) is cleared, since a released id will name another namespace.
         """
         registry = self._registry
-        self.pending.expire()
-        live = self.pending.namespaces()
-        for st in self._streams.values():
-            live.update(ns_id for _, ns_id in st.partial.values())
-        idle = [i for i in registry.ids() if not registry.blocks[i] and i not in live]
+        live = self._live_ids()
+        idle = [i for i in registry.ids() if i not in live]
         registry.release(idle)
         if idle:
             for st in self._streams.values():
@@ -289,6 +286,24 @@ class PrefixIndex:
                     st.ns_counts.pop(ns_id, None)
         self._next_sweep = max(self._sweep_floor, 2 * len(registry))
         return len(idle)
+
+    def _live_ids(self) -> set[int]:
+        """Ids of the namespaces with an entry of any kind: unique keys in the table, pending
+        entries (expired ones are dropped first) or partial pages."""
+        registry = self._registry
+        self.pending.expire()
+        live = self.pending.namespaces()
+        for st in self._streams.values():
+            live.update(ns_id for _, ns_id in st.partial.values())
+        live.update(i for i in registry.ids() if registry.blocks[i])
+        return live
+
+    def held_namespaces(self) -> list[Namespace]:
+        """Every namespace with an entry of any kind, blocks or not: an eviction must reach the
+        ones that hold only pending marks (an extra_key's, whose pages no event shows, or one
+        whose events are still on their way), which `namespaces` does not list."""
+        names = self._registry.names
+        return [ns for i in sorted(self._live_ids()) if (ns := names[i]) is not None]
 
     def namespaces(self) -> list[NamespaceSize]:
         """Every namespace that holds blocks, with sizes and per-stream holders."""

@@ -149,11 +149,15 @@ def _first_time(reader: RecordingReader) -> float:
 
 
 def streams_of(reader: RecordingReader, flt: RecordFilter) -> list[Source]:
-    """Every stream the selected records hold, in first-seen order (one pass, no decoding)."""
-    seen: dict[str, None] = {}
+    """Every stream the selected records hold, sorted by stream id (one pass, no decoding).
+
+    The order `kvroute record inspect` lists them in, which `kvroute replay --publish` binds
+    ports in (stream i: PUB port + i): in first-record order, the port of a stream hung on
+    which worker happened to publish first during the capture."""
+    seen: set[str] = set()
     for positioned in select_records(reader, flt):
-        seen.setdefault(positioned.record.stream)
-    return [reader.sources.get(s) or Source(stream=s) for s in seen]
+        seen.add(positioned.record.stream)
+    return [reader.sources.get(s) or Source(stream=s) for s in sorted(seen)]
 
 
 class StreamReplay(msgspec.Struct, kw_only=True):

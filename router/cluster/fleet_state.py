@@ -181,10 +181,8 @@ class FleetState:
             return
         dropped = 0
         if record.cache_salt is not None:
-            salt = record.cache_salt or None
-            for stats in self._indexer.namespaces():
-                if stats.namespace.cache_salt == salt:
-                    dropped += self._indexer.evict_namespace(stats.namespace)
+            # pending marks too, of every extra_key: as the evicting replica drops them
+            _, dropped = self._indexer.evict_salt(record.cache_salt or None)
         elif record.namespace is not None:
             dropped = self._indexer.evict_namespace(record.namespace)
         else:

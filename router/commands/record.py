@@ -370,7 +370,8 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
             else:
                 # streams an append added are declared along the file, not in its header
                 collections.deque(reader, maxlen=0)
-            sources = dict(reader.sources)
+            # by stream id, as the summary's streams and the ports of `kvroute replay --publish`
+            sources = {stream: reader.sources[stream] for stream in sorted(reader.sources)}
         summary, _ = replay_into_index(args.file)
     except BrokenPipeError:
         raise  # stdout, not the file: `run` ends quietly

@@ -10,6 +10,8 @@ come from, health.
   models named otherwise, ambiguous adapters), each once;
 - `discovery`: a worker's KV-event streams, from its config and its `/server_info`, and what
   its `/server_info` and `/v1/models` say it serves;
+- `change`: whether a reload is changing the workers now, so a request it leaves briefly
+  without a routable worker waits for the change's end instead of failing;
 - `false_hits`: answers that keep reusing far less than predicted, the sign the router follows
   another process than the one behind a worker's URL (the supervisor then checks it).
 

@@ -214,9 +214,13 @@ async def evict_namespace(request: web.Request) -> web.Response:
         check_salt_size(body.cache_salt, "cache_salt", request.config_dict[CONFIG].current.limits)
     indexer = request.config_dict[INDEXER]
     fingerprint = request.config_dict[FINGERPRINT]
-    known = [s.namespace for s in indexer.namespaces()]
+    # every namespace the index has an entry of, not only those with blocks that GET
+    # /admin/namespaces lists: an extra_key's namespace holds pending marks alone (no event
+    # shows its pages), and the marks left behind by an eviction and flush of its salt
+    # predicted the pages just emptied, a false hit until they expired
+    held = indexer.held_namespaces()
     if body.namespace is not None:
-        targets = [ns for ns in known if fingerprint(ns) == body.namespace]
+        targets = [ns for ns in held if fingerprint(ns) == body.namespace]
         if not targets:
             # not echoed: a salt given in the wrong field would be sent back, and logged by
             # whatever records the answer
@@ -227,7 +231,8 @@ async def evict_namespace(request: web.Request) -> web.Response:
         salt = targets[0].cache_salt
     else:
         salt = body.cache_salt or None
-        targets = [ns for ns in known if ns.cache_salt == salt]
+        # any model, adapter or extra_key of the salt
+        targets = [ns for ns in held if ns.cache_salt == salt]
     if body.flush_workers and salt is None:
         raise RequestError(
             "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"

@@ -371,6 +371,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[RELOADER] = reloader = Reloader(
             live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher
         )
+        proxy.fleet_change = reloader.fleet_change  # a reload's gap waited out, not refused
         for worker in config.workers:
             pool.add(worker)
         health_task: asyncio.Task[None] | None = None

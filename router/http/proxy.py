@@ -46,9 +46,11 @@ from router.errors import (
     HoldTimeoutError,
     NoWorkerError,
     RequestError,
+    UnknownModelError,
     UpstreamError,
     UpstreamTimeoutError,
 )
+from router.fleet.change import FleetChange
 from router.http.answer_relay import HOP_BY_HOP, AnswerHooks, copy_headers, relay_answer
 from router.http.decisions import DecisionStats
 from router.http.holding import HeldRequest, HeldRequests
@@ -152,6 +154,8 @@ class Proxy:
         # reads a worker's settings again, waiting at most the given seconds: whether it was
         # registered anew (`Supervisor.reread`; set by the app)
         self.reread: Callable[[str, float], Coroutine[Any, Any, bool]] | None = None
+        # a reload's change of the workers under way (`Reloader.fleet_change`; set by the app)
+        self.fleet_change: FleetChange | None = None
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
         self._rank_retries = RankRetryNotices()  # rank-less retries, said once a minute
@@ -191,14 +195,28 @@ class Proxy:
             self.abandoned(request, endpoint)
             raise
         planner = self._planner
-        ns = planner.namespace(parsed)
+        deadline = time.monotonic() + config.timeouts.request_s
+        try:
+            ns = planner.namespace(parsed)
+        except (UnknownModelError, NoWorkerError):
+            # its model served by nobody for an instant of a reload (a worker renamed): served
+            # once the reload's change ends, not refused with a 404 a client does not retry
+            try:
+                if not await self._change_settled(deadline):
+                    raise
+            except asyncio.CancelledError:
+                self.abandoned(request, endpoint)
+                raise
+            ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self.pairs is not None and self.pairs.applies(ns.model):
             return await self.pairs.handle(request, endpoint, parsed, ns, started)
-        deadline = time.monotonic() + config.timeouts.request_s
         try:
             with obs.phase("route"):
                 plan = planner.plan(parsed, ns)
+                if plan.worker is None and await self._change_settled(deadline):
+                    # its workers being added or checked by a reload: planned once they are
+                    plan = planner.plan(parsed, ns)
                 if config.policy.hold_until_room:
                     plan = await self.hold_for_room(
                         plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
@@ -356,6 +374,20 @@ class Proxy:
         # its observation kept alive by them)
         reread = asyncio.create_task(self.reread(worker, wait_s), context=contextvars.Context())
         return await reread
+
+    async def _change_settled(self, deadline: float) -> bool:
+        """Whether a reload was changing the workers (`router.fleet.change`) and has ended, so
+        a request that found no worker for its model meanwhile is planned again; waits no
+        longer than the request's deadline (False then: refused as it was)."""
+        change = self.fleet_change
+        if change is None or not change.under_way:
+            return False
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await change.settled()
+        except TimeoutError:
+            return False
+        return True
 
     def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""

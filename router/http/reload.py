@@ -14,10 +14,16 @@ changes a running router:
    old ones are removed (a fleet swapped whole keeps serving, as long as the new ones register
    within the add's wait; else its model answers 503 until one does). A removed worker takes no new
    request; those it is serving finish. A worker whose settings changed is removed and added
-   again. Workers added or removed through the admin API since are left as they are: the diff
-   is the old file against the new one. A new worker is waited for as an admin add waits
-   (`ADD_WAIT_TIMEOUTS` health timeouts, all at once): one whose HTTP hangs goes on being
-   discovered in the background, `checking` meanwhile, and the answer says so.
+   again, and a worker renamed (its server under a new id: one server is one worker in the
+   pool) is removed before its new id is added. While these changes are under way
+   (`Reloader.fleet_change`), a request that finds no worker for its model, or only ones still
+   being checked, waits for their end and is then routed (`Proxy`), bounded by its deadline:
+   before, the requests of a rename got a 404 `UnknownModelError` (the model served by nobody
+   for an instant), then 503s until the new ids were checked. Workers added or removed through
+   the admin API since are left as they are: the diff is the old file against the new one. A
+   new worker is waited for as an admin add waits (`ADD_WAIT_TIMEOUTS` health timeouts, all at
+   once): one whose HTTP hangs goes on being discovered in the background, `checking`
+   meanwhile, and the answer says so.
 
 Keys that need a restart are kept at their running value and listed in the answer.
 """
@@ -36,6 +42,7 @@ import msgspec
 from router.config import LiveConfig, RouterConfig, WorkerConfig
 from router.config_diff import ConfigDiff, diff_configs
 from router.errors import ConfigError, NotFoundError, ReloadError
+from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
 from router.http.listener import GuardedServer
 from router.http.pd import PairDispatcher
@@ -98,6 +105,8 @@ class Reloader:
         self.cluster: ClusterService | None = None
         self._lock = asyncio.Lock()  # one reload at a time (a SIGHUP during a POST)
         self._running: set[asyncio.Task[ConfigDiff]] = set()
+        # under way while `apply` changes the workers: the proxy waits for its end
+        self.fleet_change = FleetChange()
 
     async def reload(self) -> ConfigDiff:
         """Read the file again and apply it; ReloadError (nothing changed) when it is invalid.
@@ -184,7 +193,13 @@ class Reloader:
         self._planner.pool.reconfigure(config.breaker)
         if self.listener is not None:
             self.listener.reconfigure(config.limits)
-        # 2. the fleet
+        # 2. the fleet: a request its changes leave without a worker meanwhile waits for the
+        # end instead of failing (`router.fleet.change`)
+        if diff.workers_added or diff.workers_removed or diff.workers_changed:
+            with self.fleet_change.changing():
+                await self._change_workers(config, diff)
+
+    async def _change_workers(self, config: RouterConfig, diff: ConfigDiff) -> None:
         by_id = {w.worker_id: w for w in config.workers}
         pool = self._planner.pool
         # an operator's drain outlives a change of the worker's settings

@@ -87,3 +87,23 @@ def test_reclaim_spares_pending_and_partial_namespaces(backend: Backend) -> None
     now[0] = 10.0  # the pending entry expires: its namespace goes at the next sweep
     assert index.reclaim_namespaces() == 1
     check_invariants(index)
+
+
+def test_held_namespaces_name_those_of_pending_marks_alone(backend: Backend) -> None:
+    """What an eviction must reach: a namespace of pending marks alone (an extra_key's, or one
+    whose events are on their way) is held, though `namespaces` (with blocks) lists it not."""
+    now = [0.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=5.0, backend=backend)
+    index.add_stream("s", model="m", block_size=PAGE)
+    marked = Namespace("m", None, "t", extra_key="view")
+    index.add_pending("s", marked, [1, 2, 3, 4])
+    store(index, "s", [8], [5, 6, 7, 8], "t")
+    store(index, "s", [9], [5, 6, 7, 9], "gone")
+    index.apply("s", EventBatch(0.0, [Removed(block_hashes=[9])]))
+    assert {s.namespace for s in index.namespaces()} == {Namespace("m", None, "t")}
+    assert set(index.held_namespaces()) == {marked, Namespace("m", None, "t")}
+    assert index.query(marked, [1, 2, 3, 4])["s"].pending_blocks == 1
+    index.evict_namespace(marked)
+    assert index.query(marked, [1, 2, 3, 4])["s"].pending_blocks == 0
+    now[0] = 10.0
+    assert index.held_namespaces() == [Namespace("m", None, "t")]

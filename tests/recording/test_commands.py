@@ -112,6 +112,44 @@ def test_inspect_hides_salts_unless_asked(
     assert "'s3cr3t'" in capsys.readouterr().out
 
 
+def _two_streams_wb_first(path: Path) -> None:
+    """wA#dp0 and wB#dp0, wB declared and recorded first (it published first in the capture)."""
+    empty = encode_batch(EventBatch(ts=1.0, events=[]))
+    sources = [Source(stream=f"{w}#dp0", block_size=2, topic="kv") for w in ("wB", "wA")]
+    with RecordingWriter.create(path, sources) as writer:
+        writer.write("wB#dp0", b"kv", 0, empty)
+        writer.write("wA#dp0", b"kv", 0, empty)
+
+
+async def test_replay_publish_binds_ports_in_the_order_inspect_lists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stream i publishes on PUB port + i, i counted in stream id order, the order `record
+    inspect` lists. Before, the streams took ports in first-record order: inspect listed wA#dp0
+    then wB#dp0, and wB#dp0 was bound to the first port."""
+    path = tmp_path / "two.kvrec"
+    _two_streams_wb_first(path)
+    assert main(["record", "inspect", str(path)]) == 0
+    listed = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()]
+    assert [s for s in listed if s.endswith("#dp0")][:2] == ["wA#dp0", "wB#dp0"]
+    for _ in range(5):
+        # a port free now may be taken by the time the child binds it: then another is tried
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
+        proc = await _cli("replay", str(path), *publish, "--wait", "0", "--linger", "0")
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        if b"Address already in use" not in err:
+            break
+    assert proc.returncode == 0, err
+    bound = [line.split()[1:4] for line in out.decode().splitlines() if line.startswith("stream ")]
+    assert bound == [
+        ["wA#dp0:", "PUB", f"tcp://127.0.0.1:{port}"],
+        ["wB#dp0:", "PUB", f"tcp://127.0.0.1:{port + 1}"],
+    ], out
+
+
 def test_inspect_events_shows_the_marks_in_order(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -151,6 +151,32 @@ async def test_namespace_eviction_clears_index_and_workers(fleet: Fleet) -> None
     assert status == 200 and _cached(answer) == 0
 
 
+async def test_evicting_a_salt_drops_the_pending_marks_of_its_extra_keys(fleet: Fleet) -> None:
+    """An extra_key's namespace holds pending marks alone (no event shows its pages). Before,
+    an eviction by salt reached only the namespaces with indexed blocks: after it flushed the
+    worker, the marks still predicted the whole prompt pending there (QA: matched 0 + pending
+    208, cached 0) until they expired."""
+    body = {"prompt": "an extra_key tenant's prompt " * 10, "max_tokens": 1}
+    body |= {"cache_salt": "ev-salt", "extra_key": "ev-key"}
+    status, headers, _ = await fleet.post("/v1/completions", body)
+    assert status == 200
+    plan = await fleet.route(body)
+    assert max(int(c["pending_tokens"]) for c in plan["candidates"]) >= 256  # marked
+
+    status, result = await fleet.admin(
+        "POST", "/namespaces/evict", {"cache_salt": "ev-salt", "flush_workers": True}
+    )
+    assert status == 200, result
+    assert result["flushed"] == {"w0": "ok", "w1": "ok"}
+    after = await fleet.route(body)
+    assert all(c["pending_tokens"] == 0 == c["matched_tokens"] for c in after["candidates"])
+    # the extra_key's namespace is named among the evicted, by fingerprint only
+    assert plan["namespace"] in result["namespaces"] and "ev-salt" not in str(result)
+    status, headers, answer = await fleet.post("/v1/completions", body)
+    assert status == 200 and _cached(answer) == 0
+    assert headers["x-kvroute-matched-tokens"] == "0" == headers["x-kvroute-pending-tokens"]
+
+
 async def test_evict_by_fingerprint_and_unknown_fingerprint(fleet: Fleet) -> None:
     body = {"prompt": "z" * 64, "max_tokens": 1, "cache_salt": "fp"}
     status, headers, _ = await fleet.post("/v1/completions", body)

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 
 from router.cluster.server import NatsServer
+from router.config import IndexerSection
 from router.http.keys import INDEXER
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, replica_config, workers
@@ -140,6 +141,52 @@ async def test_an_eviction_by_salt_reaches_replicas_whose_index_holds_what_this_
                 return all(c["matched_tokens"] == 0 for c in plan["candidates"])
 
             await eventually(evicted, what="b to evict the salt a evicted")
+
+
+async def test_an_eviction_by_salt_drops_every_replicas_pending_marks_of_its_extra_keys(
+    nats_server: NatsServer,
+) -> None:
+    """An extra_key's namespace holds pending marks alone (no event shows its pages), on the
+    replica that routed the request and on the others (its decision reached them). Before, a
+    replica applying an eviction by salt reached only the namespaces with indexed blocks: its
+    marks kept predicting the flushed pages pending until they expired."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url), ("w1", w1.url)]
+        refs = {"w0": w0, "w1": w1}
+        # marks that outlive the test's patience: only the eviction can drop them
+        long = IndexerSection(pending_ttl_s=60.0)
+        async with (
+            RouterService(replica_config(config, nats_server.url, "a", indexer=long)) as a,
+            RouterService(replica_config(config, nats_server.url, "b", indexer=long)) as b,
+        ):
+            on_a, on_b = Fleet(a, refs, session), Fleet(b, refs, session)
+            await on_a.warm()
+            await on_b.warm()
+            body = {"text": "an extra_key tenant's long prompt " * 8, "cache_salt": "tenant-k"}
+            body["extra_key"] = "view-k"
+            async with session.post(
+                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+            ) as resp:
+                assert resp.status == 200
+
+            async def pending(fleet: Fleet) -> int:
+                plan = await fleet.route(body)
+                return max(int(c["pending_tokens"]) for c in plan["candidates"])
+
+            async def marked() -> bool:
+                return await pending(on_b) >= 128
+
+            await eventually(marked, what="b to mark a's decision pending")
+            status, answer = await admin(
+                session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-k"}
+            )
+            assert status == 200 and answer["cluster"] == "shared", answer
+            assert await pending(on_a) == 0
+
+            async def dropped() -> bool:
+                return await pending(on_b) == 0
+
+            await eventually(dropped, timeout_s=5.0, what="b to drop the salt's pending marks")
 
 
 async def test_a_worker_whose_http_hangs_holds_no_replica_reading_the_fleet(

@@ -446,6 +446,74 @@ async def test_a_fleet_swapped_whole_in_one_reload_serves_throughout(fleet: Relo
         assert status == 200 and headers["x-kvroute-worker"] == "w2", answer
 
 
+async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadable) -> None:
+    """The same server under a new id: its old id goes before the new one is added, discovered
+    and checked (one server is one worker in the pool). Before, the requests of that gap were
+    refused: a 404 `UnknownModelError` listing no model (which OpenAI clients do not retry),
+    then 503s while the new id was discovered and checked. Now they wait for the reload's
+    change to end, and the new id serves them."""
+    named = {**_chat("t"), "model": DEFAULT_MODEL}
+    async with _Gate(fleet.spare.url) as gate:
+        gate.open.set()
+        fleet.path.write_text(_toml({"wA": gate.url}))
+        status, answer = await fleet.reload()
+        assert status == 200 and answer["workers_added"] == ["wA"], answer
+        status, headers, answer = await fleet.post("/v1/chat/completions", named)
+        assert status == 200 and headers["x-kvroute-worker"] == "wA", answer
+
+        gate.open.clear()  # the rename's discovery takes a while
+        asked = gate.info_asked
+        fleet.path.write_text(_toml({"wX": gate.url}))
+        reload = asyncio.create_task(fleet.reload())
+
+        async def discovering() -> bool:
+            return gate.info_asked > asked
+
+        await eventually(discovering, what="the new id's discovery")
+        # wA is gone, wX not registered: the fleet serves nothing for now
+        _, listed = await fleet.admin("GET", "/workers")
+        assert {w["id"]: w["status"] for w in listed["workers"]} == {"wX": "checking"}
+        sent = [asyncio.create_task(fleet.post("/v1/chat/completions", named)) for _ in range(3)]
+        unnamed = {"prompt": PROMPT, "max_tokens": 1}
+        sent.append(asyncio.create_task(fleet.post("/v1/completions", unnamed)))
+        await asyncio.sleep(0.2)
+        assert not any(task.done() for task in sent), [t.result() for t in sent if t.done()]
+        gate.open.set()
+        status, answer = await reload
+        assert status == 200, answer
+        assert (answer["workers_added"], answer["workers_removed"]) == (["wX"], ["wA"])
+        for status, headers, answer in await asyncio.gather(*sent):
+            assert status == 200 and headers["x-kvroute-worker"] == "wX", answer
+
+
+async def test_renames_back_and_forth_under_traffic_fail_no_request(fleet: Reloadable) -> None:
+    """The QA run: clients sending all along while the file renames both workers and back.
+    Before, each reload failed some of them: 404 (the pool empty for an instant), then 503."""
+    named = {**_chat("t"), "model": DEFAULT_MODEL}
+    urls = {wid: w.url for wid, w in fleet.workers.items()}
+    renamed = {"x" + wid: url for wid, url in urls.items()}
+    failed: list[tuple[int, Any]] = []
+    sent = 0
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            status, _, answer = await fleet.post("/v1/chat/completions", named)
+            sent += 1
+            if status != 200:
+                failed.append((status, answer))
+
+    clients = [asyncio.create_task(client()) for _ in range(3)]
+    for workers in (renamed, urls, renamed, urls):
+        fleet.path.write_text(_toml(workers))
+        status, answer = await fleet.reload()
+        assert status == 200 and sorted(answer["workers_added"]) == sorted(workers), answer
+    stop.set()
+    await asyncio.gather(*clients)
+    assert sent > 0 and not failed, failed[:3]
+
+
 async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
     fleet: Reloadable,
 ) -> None:
@@ -456,14 +524,16 @@ async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
     status, answer = await fleet.reload()
     assert status == 200 and answer["workers_removed"] == ["w0", "w1"], answer
     named = {**_chat("t"), "model": DEFAULT_MODEL}
-    status, _, answer = await fleet.post("/v1/chat/completions", named)
+    status, headers, answer = await fleet.post("/v1/chat/completions", named)
     assert status == 503, answer
     error = answer["error"]
     assert error["type"] == "ModelUnavailableError" and error["code"] == "model_not_available"
     assert "not known yet" in error["message"] and error["models"] == []
+    assert headers["Retry-After"] == "1"  # a client told when to come back
     unnamed = {"prompt": "hi", "max_tokens": 1}
-    status, _, answer = await fleet.post("/v1/completions", unnamed)
+    status, headers, answer = await fleet.post("/v1/completions", unnamed)
     assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
+    assert headers["Retry-After"] == "1"
 
 
 async def test_the_answer_warns_of_event_sockets_the_worker_does_not_advertise(
