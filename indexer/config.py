@@ -54,9 +54,9 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     model: str = ""
     # whether the replay socket is known to be this stream's publisher's (the worker
-    # advertises both sockets as these): when not, what a replay brings while joining predicts
-    # nothing until a live batch agrees with it (a `replay` behind mapped ports, or of an
-    # engine that advertises nothing, may be another worker's)
+    # advertises both sockets as these): when not, what a replay brings predicts nothing until
+    # the socket's bytes agree with the live stream's (a `replay` behind mapped ports, or of
+    # an engine that advertises nothing, may be another worker's)
     replay_proven: bool = True
 
 

@@ -20,6 +20,8 @@ live seq `live` (live seqs only grow on a healthy PUB; replays may run ahead of 
   A publisher counts from 0 per process, so a first live seq below the replayed run is
   either a new process or a replay answer that was not its buffer (a corrupt seq far ahead
   would otherwise make every later live seq a duplicate, for good): both clear the stream.
+  (The subscriber skips, before asking, a late live copy of a batch a replay applied whose
+  bytes are the same: it is not a restart; seqs alone cannot tell, so the tracker does not.)
 
 Verdicts for a REPLAYED message (`on_replay`), which fills a gap:
 - seq <= last     -> DUPLICATE (already applied: replay overlaps what we have);

@@ -11,6 +11,11 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
 - RESTART (seq went backwards): clear the stream and start over from the new seq;
 - a live seq beyond everything the replay just listed cannot be real (a corrupt seq frame):
   skipped and counted, unless the next seq follows it (a publisher that buffers nothing);
+  as it may have been real (an empty or stale answer), the stream predicts nothing
+  (DEGRADED) until a later live batch or a probe shows which;
+- a replay socket not known to be the publisher's (`StreamConfig.replay_proven`) is trusted
+  only once its bytes agree with the live stream's (`_trust_replay`); what it brought
+  before predicts nothing, and it never rebuilds a stream against a batch applied live;
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -93,6 +98,9 @@ _RETRY_FIRST_MS = 100
 _RETRY_MAX_MS = 2_000
 
 
+_SKIP = SeqDecision(SeqVerdict.DUPLICATE)
+
+
 def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=8).digest()
 
@@ -169,10 +177,19 @@ class StreamSubscriber:
         # proven real: it is not this publisher's (another worker's, by a config typo). What
         # it gave is cleared and it is never asked again: gaps clear, as without one
         self._replay_foreign = False
-        # what a replay brought while joining, from a replay socket not known to be this
-        # stream's publisher's (`StreamConfig.replay_proven`), predicts nothing until a live
-        # batch agrees with it (follows on, or is the same batch): `_confirm`
-        self._join_unconfirmed = False
+        # whether the replay socket is known to be this stream's publisher's: said by the
+        # config (`StreamConfig.replay_proven`: the worker advertises it), or proven by its
+        # bytes (`_trust_replay`): a batch it gave is the one the live stream delivered, or
+        # it gives back a batch applied live. Seqs alone prove nothing: another worker's
+        # buffer ending at seq n is "followed on" by this worker's live seq n + 1
+        self._replay_trusted = config.replay_proven
+        # what a replay socket not trusted yet brought predicts nothing until it is proven
+        # (`_confirm`), and a live batch that follows on it asks it for that batch (once)
+        self._replay_unconfirmed = False
+        self._proof_asked = False
+        # the seq of the last batch applied from the live stream (None: the last one came
+        # through a replay, or none since a clear): a replay's bytes at it prove the socket
+        self._last_live: int | None = None
         # a restart was found by the replay socket and no live batch has followed on since:
         # live batches beyond the new process's buffer are the dead one's (`_repair`)
         self._after_restart = False
@@ -401,11 +418,45 @@ class StreamSubscriber:
         self._phase = phase
         self._show_state()
 
-    def _confirm(self) -> None:
-        """A live batch agreed with what the replay socket gave: its state is the stream's."""
-        if self._join_unconfirmed:
-            self._join_unconfirmed = False
+    def _trust_replay(self) -> None:
+        """The replay socket gave (or gives back) a batch the live stream delivered, byte for
+        byte: it is this publisher's, and what it brought is the stream's."""
+        self._replay_trusted = True
+        if self._replay_unconfirmed:
+            self._replay_unconfirmed = False
             self._show_state()
+
+    async def _followed_on(self, seq: int, payload: bytes) -> None:
+        """Live batch `seq` was applied after what a replay socket not yet trusted brought:
+        following on in seq proves nothing (another worker's buffer ending at `seq` - 1 is
+        followed on too), so the socket is asked for `seq` once: a publisher buffers what it
+        sent, so its own socket gives this very batch back."""
+        if not self._replay_unconfirmed or self._proof_asked or not self._has_replay:
+            return
+        self._proof_asked = True
+        answered, copy = await self._replayed_copy(seq)
+        if copy is not None and _digest(copy) == _digest(payload):
+            self._trust_replay()
+        elif answered:
+            self._found_foreign(
+                f"live batch {seq} is not in what it gives back at that seq"
+                if copy is None
+                else f"it gives another batch than live batch {seq} at that seq"
+            )
+        # no usable answer: still unconfirmed; a probe's fence at a batch applied live, or a
+        # live copy of a batch it gave, proves it later
+
+    def _found_foreign(self, why: str) -> None:
+        """The replay socket is not this publisher's: what it gave goes, it is not asked again."""
+        self._replay_foreign = True
+        log.error(
+            "stream %s: the replay socket %s is another publisher's (%s; check `replay` in the "
+            "config): what it gave is cleared and it is not asked again",
+            self.stream_id,
+            self.config.replay_endpoint,
+            why,
+        )
+        self._clear("the replay socket is another publisher's")
 
     def _show_state(self) -> None:
         # a tail not known whole taints what the stream holds: also a part of a buffer that a
@@ -413,7 +464,7 @@ class StreamSubscriber:
         holds = self._phase is StreamState.SYNCED or (
             self._phase is StreamState.SYNCING and self.tracker.last is not None
         )
-        unproven = self._unverified or self._join_unconfirmed or (self._tail_unproven and holds)
+        unproven = self._unverified or self._replay_unconfirmed or (self._tail_unproven and holds)
         self._enter(StreamState.UNVERIFIED if unproven else self._phase)
 
     def _enter(self, state: StreamState) -> None:
@@ -481,6 +532,16 @@ class StreamSubscriber:
             await self._verify()
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
+        if (
+            prev_live is not None
+            and msg.seq < prev_live
+            and self._is_replayed(msg.seq, msg.payload)
+        ):
+            # a live copy of a batch a replay applied, arriving behind newer live batches (the
+            # PUB queued it late, the replay ran ahead of it): the same bytes, nothing new.
+            # Any other batch below the newest live seq is a restart (`SequenceTracker`)
+            self._trust_replay()
+            return
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
@@ -500,11 +561,19 @@ class StreamSubscriber:
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
-            self._confirm()
             await self._apply_live(msg.topic, msg.seq, msg.payload)
+            await self._followed_on(msg.seq, msg.payload)
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
+            self._suspect = None  # (a live seq skipped before this one was not real)
             self._set_phase(StreamState.SYNCED)
+        elif decision.verdict is SeqVerdict.DUPLICATE:
+            if self._suspect is not None and msg.seq < self._suspect:
+                # a live batch below the skipped seq, after it: live seqs only grow, so that
+                # one was not real (the repair that skipped it had read past this batch)
+                self._suspect = None
+                if self._phase is StreamState.DEGRADED:
+                    self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.GAP:
             assert decision.replay_from is not None
             await self._repair(
@@ -519,7 +588,7 @@ class StreamSubscriber:
         replayed = self._replayed.get(seq) if self._replayed else None
         if replayed is not None:
             if replayed == _digest(payload):
-                self._confirm()  # the live copy of a batch the replay gave: the same
+                self._trust_replay()  # the live copy of a batch the replay gave: the same
                 return decision
         else:
             # the batch applied last, sent again: its fence says whether it is the same
@@ -534,44 +603,47 @@ class StreamSubscriber:
         return await self._live_disagrees(seq, payload)
 
     async def _live_disagrees(self, seq: int, payload: bytes) -> SeqDecision:
-        """The live batch `seq` is not the batch a replay applied at that seq: the replay
-        socket is another publisher's (a `replay` pointing at another worker), or this
-        publisher restarted since. Its replay socket is asked for `seq` again: the live batch
-        there is a restart (rebuilt from its buffer); another batch there is a foreign
-        socket, whose batches are cleared and which is never asked again. Returns the verdict
-        on the live batch now."""
-        again = await self._replayed_copy(seq)
-        if again is not None and again == _digest(payload):
+        """The live batch `seq` is not the batch applied at that seq: the replay socket is
+        another publisher's (a `replay` pointing at another worker), this publisher restarted
+        since, or this live frame is the odd one. Its replay socket is asked for `seq` again:
+        the live batch there is a restart (rebuilt from its buffer); the batch applied there
+        from the live stream means the socket holds this publisher's batches and the live
+        frame is the odd one (skipped, counted); anything else is a foreign socket, whose
+        batches are cleared and which is never asked again. (Giving back a batch that it gave
+        itself proves nothing: only agreement with what the live stream delivered does.)
+        Returns the verdict on the live batch now."""
+        _, again = await self._replayed_copy(seq)
+        if again is not None and _digest(again) == _digest(payload):
+            self._trust_replay()  # it gives this live batch back: this publisher's
             self._restart(f"live batch {seq} is not the one replayed before: it restarted")
             await self._replay(0)
             self._notify_last()
-        else:
-            self._replay_foreign = True
-            log.error(
-                "stream %s: live batch %d is not the batch the replay socket %s gives at that "
-                "seq: it is another publisher's (check `replay` in the config); what it gave is "
-                "cleared and it is not asked again",
-                self.stream_id,
-                seq,
-                self.config.replay_endpoint,
+            return self.tracker.on_live(seq)
+        fence = self.sink.fence() if self._last_live == seq else None
+        if again is not None and fence is not None and fence.matches(seq, again):
+            self._trust_replay()
+            self._malformed(
+                f"live seq {seq} came again as another batch than the one applied, which "
+                "the replay socket gives at that seq: the odd frame is skipped"
             )
-            self._clear("the replay socket is another publisher's")
-            self.tracker.reset()
-            self.tracker.restart_at(seq)
+            return _SKIP
+        self._found_foreign(f"live batch {seq} is not the batch it gives at that seq")
+        self.tracker.reset()
+        self.tracker.restart_at(seq)
         return self.tracker.on_live(seq)
 
-    async def _replayed_copy(self, seq: int) -> bytes | None:
-        """The digest of the replay socket's batch at `seq` now (None: it has none there, or
-        gave no usable answer)."""
+    async def _replayed_copy(self, seq: int) -> tuple[bool, bytes | None]:
+        """Whether the replay socket answered to its end, and its batch at `seq` now (None: it
+        has none there, or gave no usable answer)."""
         found: bytes | None = None
         try:
             async with contextlib.aclosing(self._replay_client().replies(seq)) as replies:
                 async for reply in replies:
                     if reply.seq == seq:
-                        found = _digest(reply.payload)
+                        found = reply.payload
         except (TimeoutError, ReplayError):
-            return None
-        return found
+            return False, None
+        return True, found
 
     async def _apply_live(self, topic: bytes, seq: int, payload: bytes) -> None:
         """Apply a live batch; one that does not decode is fetched again (module docstring)."""
@@ -619,8 +691,6 @@ class StreamSubscriber:
             finally:
                 self._run_open = False
             answered, newest = result.answered, result.newest
-            if joining and newest is not None and not self.config.replay_proven:
-                self._join_unconfirmed = True  # until this live batch agrees (below)
         decision = await self._checked(self.tracker.on_live(seq), seq, payload)
         if (
             decision.verdict is SeqVerdict.GAP
@@ -641,9 +711,17 @@ class StreamSubscriber:
                     f"live seq {seq} is not in the restarted publisher's buffer: a batch of "
                     "the process before it, skipped",
                 )
+                self._set_phase(StreamState.SYNCED)
             else:
-                self._malformed(f"live seq {seq} is beyond everything the publisher buffers")
-            self._set_phase(StreamState.SYNCED)
+                # or the seq was real and the answer empty or stale (a publisher that buffers
+                # nothing, a replay behind its PUB): then the batches before it are missing,
+                # and one may have removed blocks the stream holds. It predicts nothing
+                # until the next live batch, or a probe bringing them, says which
+                self._malformed(
+                    f"live seq {seq} is beyond everything the publisher buffers: skipped, and "
+                    "the stream predicts nothing until the next batch shows whether it was real"
+                )
+                self._set_phase(StreamState.DEGRADED)
             self._notify_last()
             return
         if (
@@ -676,8 +754,8 @@ class StreamSubscriber:
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
-            self._confirm()
             await self._apply_live(topic, seq, payload)
+            await self._followed_on(seq, payload)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
 
@@ -715,9 +793,11 @@ class StreamSubscriber:
                 )
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
-        if joining and after != before and not self.config.replay_proven:
-            self._join_unconfirmed = True
-            self._show_state()
+        if self._suspect is not None and after is not None and after >= self._suspect:
+            # the probe brought the batches up to the skipped seq: it was real, none is missing
+            self._suspect = None
+            if self._phase is StreamState.DEGRADED:
+                self._set_phase(StreamState.SYNCED)
         if after != before and after is not None:
             # Batches the live path had not delivered (a dropped last batch, or ones published
             # before we subscribed): a gap repaired by a replay run, unless we were joining.
@@ -751,6 +831,12 @@ class StreamSubscriber:
         newest = await self._replay_client().newest()
         if newest is None or newest >= last:
             return None  # the publisher buffers nothing, or a race with new batches: no verdict
+        if self._unproven_against_live(last):
+            self._found_foreign(
+                f"its newest seq is {newest}, below live batch {last}, and it never gave back "
+                "a batch of this stream"
+            )
+            return True  # nothing is held from it, nothing is to be read again
         self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
         return (await self._replay(0)).answered
 
@@ -795,6 +881,9 @@ class StreamSubscriber:
                 self._clear(f"a replay answer applied in part was not this stream's: {exc}")
             return _ReplayResult(False, None, continuity)
         if continuity is _Continuity.BROKEN:
+            if self._unproven_against_live(start):
+                self._found_foreign(f"its batch {start} is not live batch {start}")
+                return _ReplayResult(False, None, continuity)  # a gap now clears, as without it
             self._restart(f"the publisher's batch {start} is not the one applied: it restarted")
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
@@ -811,10 +900,12 @@ class StreamSubscriber:
                 return continuity  # the fence batch itself is applied already
             if continuity is _Continuity.UNPROVEN:
                 # the buffer starts after our last batch: whether or not it follows it,
-                # nothing proves that it does, so our state is unknown
+                # nothing proves that it does, so our state is unknown (an answer from
+                # before the seq asked is no buffer we know how to hold to the fence either)
+                where = "after" if reply.seq > start else "before"
                 self._clear(
-                    f"replay starts at {reply.seq}, after our last batch {start}: "
-                    "nothing proves the publisher unchanged"
+                    f"replay asked from our last batch {start} starts at {reply.seq}, {where} "
+                    "it: nothing proves the publisher unchanged"
                 )
                 self.tracker.restart_at(reply.seq)
         if continuity is _Continuity.BROKEN:
@@ -833,6 +924,19 @@ class StreamSubscriber:
             else:
                 self._lose(reply.seq, "its replayed copy does not decode either")
         return continuity
+
+    def _is_replayed(self, seq: int, payload: bytes) -> bool:
+        """Whether `payload` is the batch a replay applied at `seq` (of the newest kept)."""
+        replayed = self._replayed.get(seq) if self._replayed else None
+        return replayed is not None and replayed == _digest(payload)
+
+    def _unproven_against_live(self, seq: int) -> bool:
+        """Whether a replay socket never proven contradicts batch `seq` that the live stream
+        delivered (applied last). A publisher buffers what it sent, so its own socket would
+        hold it: a restart of this publisher and another worker's socket look alike, and an
+        unproven socket's buffer must not rebuild the stream (it would predict the other
+        worker's cache, and take every later live batch for the dead process's)."""
+        return not self._replay_trusted and self._last_live == seq
 
     def _remember(self, seq: int, payload: bytes) -> None:
         """Keep the digest of a replayed batch, to check its live copy against (`_on_live`)."""
@@ -859,6 +963,14 @@ class StreamSubscriber:
         if applied is None:
             self._malformed(f"undecodable payload at seq {seq}")
             return False  # not applied: waiters hear of it once refetched or given up
+        if not replayed:
+            self._last_live = seq
+        else:
+            self._last_live = None
+            if not self._replay_trusted and not self._replay_unconfirmed:
+                self._replay_unconfirmed = True  # predicts nothing until the socket is proven
+                self._proof_asked = False
+                self._show_state()
         if self.health.block_size is None:
             self.health.block_size = self.sink.block_size()  # learned from the first store
         self.batches += 1
@@ -903,6 +1015,7 @@ class StreamSubscriber:
         self._clear(reason)
         self.tracker.reset()
         self.sink.forget_seq()
+        self._last_live = None
 
     def _restarted(self) -> None:
         """Count a restart and say so (`on_restart`): a new process on the same ports may run
@@ -927,8 +1040,8 @@ class StreamSubscriber:
 
     def _clear(self, reason: str) -> None:
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
-        if self._join_unconfirmed:
-            self._join_unconfirmed = False  # nothing unconfirmed is left
+        if self._replay_unconfirmed:
+            self._replay_unconfirmed = False  # nothing unconfirmed is left
             self._show_state()
         dropped = self.sink.clear()
         self._clears += 1
@@ -993,6 +1106,7 @@ class StreamSubscriber:
         self.sink = sink
         self._rebinds += 1
         self._replayed.clear()
+        self._last_live = None
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)

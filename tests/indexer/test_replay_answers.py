@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import pytest
@@ -316,3 +317,138 @@ async def test_newest_counts_the_answer_that_never_came(ctx: zmq.asyncio.Context
         client.close()
         router.close(linger=0)
     assert len(unanswered) == 2
+
+
+async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follows_on(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM (it advertises nothing) with `replay` on another worker's socket, whose buffer
+    ends right before this worker's next seq: the live batch "followed on" it, which lifted
+    `unverified`, and the other worker's A was predicted here (then a probe took the other
+    buffer for a restart and skipped every later live batch). A seq proves nothing: the
+    socket is asked for the live batch, does not have it, and is found out."""
+    history = encode_batch(stored(A, 10), "array")  # the other worker's cache: A
+    empty = encode_batch(EventBatch(1.0, []), "array")  # not byte-equal to its own
+    async with ScriptedPublisher(ctx) as own, IndexerService(CONFIG) as svc:
+
+        def other_buffer(start: int) -> list[list[bytes]]:
+            # the other worker's buffer ends at the seq before this one's newest
+            newest = own.next_seq - 2
+            replies = [
+                build_replay_reply(b"kv", s, history if s == 0 else empty)
+                for s in range(start, newest + 1)
+            ]
+            return [*replies, build_replay_end()]
+
+        async with ScriptedPublisher(ctx) as other:
+            other.answer_with = other_buffer
+            cfg = StreamConfig(
+                endpoint=own.endpoint,
+                replay_endpoint=other.replay_endpoint,
+                topic="kv",
+                block_size=4,
+                replay_proven=False,
+            )
+            await svc.add_worker(WORKER, [cfg])
+            caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+            for _ in range(100):  # the SUB's connection may still be on its way
+                seq = await own.publish(EventBatch(0.0, []))
+                if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+                    break
+            assert matched(svc, A) == 0  # not on the live batch's seq following on
+            sub = svc._workers[WORKER][0]
+            await wait_until(lambda: sub._replay_foreign)  # (asked once the batch applied)
+            assert svc.streams()[0].last_seq == seq
+            assert matched(svc, A) == 0  # the other worker's cache is not predicted here
+            assert svc.index.entries(STREAM) == 0
+            assert "another publisher's" in caplog.text
+            # this worker's own batches go on applying, and are predicted
+            later = await own.publish(stored(C, 20))
+            assert await svc.wait_applied(WORKER, later)
+            assert matched(svc, C) == 4
+            assert svc.streams()[0].state is StreamState.SYNCED
+
+
+async def test_an_unproven_replay_socket_is_proven_by_the_live_batch_it_gives_back(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The same join from the worker's own (unproven) socket: it gives the live batch back,
+    byte for byte, so what it brought is trusted."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await pub.publish(stored(A, 10), drop=True)  # history, published before the router
+        cfg = StreamConfig(
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint,
+            topic="kv",
+            block_size=4,
+            replay_proven=False,
+        )
+        await svc.add_worker(WORKER, [cfg])
+        for _ in range(100):  # the SUB's connection may still be on its way
+            seq = await pub.publish(EventBatch(0.0, []))
+            if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+                break
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert matched(svc, A) == 4
+        assert not svc._workers[WORKER][0]._replay_foreign
+
+
+def _buffer_of_nothing(start: int) -> list[list[bytes]]:
+    return [build_replay_end()]  # a publisher that buffers nothing
+
+
+def _stale_buffer(start: int) -> list[list[bytes]]:
+    # a view of the buffer from before the dropped batch: it ends at the seq asked from
+    return [
+        build_replay_reply(b"kv", start, encode_batch(stored(A, 10), "array")),
+        build_replay_end(),
+    ]
+
+
+@pytest.mark.parametrize("answer", [_buffer_of_nothing, _stale_buffer], ids=["empty", "stale"])
+async def test_a_live_seq_the_answer_does_not_hold_leaves_no_false_hit(
+    ctx: zmq.asyncio.Context, answer: object
+) -> None:
+    """A's eviction is dropped, the next live batch shows the gap, and the answer holds
+    neither (empty, or stale): that live seq was taken for a corrupt frame and the stream
+    set synced, so A was predicted for as long as the worker stayed idle. It may have been
+    real, so the stream predicts nothing until the next live batch says which."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        pub.answer_with = answer  # type: ignore[assignment]
+        a = await pub.publish(stored(A, 10))
+        assert await svc.wait_applied(WORKER, a)
+        assert matched(svc, A) == 4
+        await pub.publish(EventBatch(0.0, [Removed(block_hashes=[10])]), drop=True)
+        await pub.publish(stored(C, 20))  # shows the gap; the answer holds neither
+        await wait_until(lambda: svc.streams()[0].decode_errors == 1)
+        await asyncio.sleep(0.1)  # the worker stays idle
+        assert matched(svc, A) == 0  # never the block the dropped batch evicted
+        assert svc.streams()[0].state is StreamState.DEGRADED
+        # the next live batch follows the skipped one: it was real, the gap clears
+        pub.answer_with = None
+        last = await pub.publish(stored(D, 30))
+        assert await svc.wait_applied(WORKER, last)
+        assert matched(svc, A) == 0 and matched(svc, D) == 4
+        assert svc.streams()[0].state is StreamState.SYNCED
+
+
+async def test_an_answer_from_before_the_seq_asked_says_so(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked from our last batch 4, an answer from seq 0 was logged "starts at 0, after our
+    last batch 4"."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+
+        def from_zero(start: int) -> list[list[bytes]]:
+            replies = [build_replay_reply(b"kv", s, p) for s, p in pub.buffer]
+            return [*replies, build_replay_end()]
+
+        pub.answer_with = from_zero
+        await pub.publish(stored(A, 10), drop=True)
+        last = await pub.publish(stored(C, 20))
+        assert await svc.wait_applied(WORKER, last)
+        assert matched(svc, A) == 4 and matched(svc, C) == 4
+        assert re.search(r"asked from our last batch \d+ starts at 0, before it", caplog.text)

@@ -17,8 +17,9 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
+from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import Event, EventBatch, Removed, Stored, TokenId
-from indexer.protocol.frames import pack_seq
+from indexer.protocol.frames import build_live, pack_seq
 from indexer.recording.capture import Capture
 from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
@@ -732,6 +733,62 @@ async def test_another_publishers_replay_socket_is_found_out_and_its_entries_cle
         assert view(svc.index, STREAM) == view(reference(batches), STREAM) != {}
         assert len(other.replay_requests) == asked
         assert svc.streams()[0].last_seq == last
+
+
+def _stored(tokens: list[TokenId], block_hash: int) -> EventBatch:
+    events: list[Event] = [
+        Stored(block_hashes=[block_hash], parent=None, token_ids=tokens, block_size=4)
+    ]
+    return EventBatch(ts=0.0, events=events)
+
+
+def _hit(svc: IndexerService, tokens: list[TokenId]) -> int:
+    return svc.query(Namespace(), [*tokens, 99])[WORKER].matched_tokens
+
+
+async def test_an_odd_live_frame_at_an_applied_seq_is_skipped_and_the_socket_kept(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second live frame at the seq just applied, with other bytes: the replay socket gives
+    back the batch that was applied, so the odd one is the frame. It wrote off the socket for
+    good (an ERROR, the stream cleared, and every later gap cleared instead of repaired)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        seq = await pub.publish(_stored([1, 2, 3, 4], 10))
+        assert await svc.wait_applied(WORKER, seq)
+        odd = encode_batch(_stored([5, 6, 7, 8], 20), "array")
+        await pub.send_raw([b"kv", pack_seq(seq), odd])
+        await wait_until(lambda: svc.streams()[0].decode_errors == 1)
+        assert "ERROR" not in caplog.text and svc.streams()[0].clears == 0
+        assert _hit(svc, [1, 2, 3, 4]) == 4 and _hit(svc, [5, 6, 7, 8]) == 0
+        # a later gap is repaired through the same socket, not cleared
+        await pub.publish(_stored([11, 12, 13, 14], 30), drop=True)
+        last = await pub.publish(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.clears == 0 and stats.gaps == 1
+        assert _hit(svc, [1, 2, 3, 4]) == 4 and _hit(svc, [11, 12, 13, 14]) == 4
+
+
+async def test_a_late_live_copy_of_a_replayed_batch_is_no_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Live seq 2 shows a gap, the replay applies seq 1, then seq 1's own live copy arrives
+    (the same bytes, behind the newer one): counted as a restart, and the stream cleared."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        held = await pub.publish(_stored([1, 2, 3, 4], 10))
+        assert await svc.wait_applied(WORKER, held)
+        late = await pub.publish(EventBatch(ts=0.0, events=[Removed(block_hashes=[10])]), drop=True)
+        ahead = await pub.publish(_stored([5, 6, 7, 8], 20))
+        assert await svc.wait_applied(WORKER, ahead)  # seq `late` came through the replay
+        await pub.send_raw(build_live(b"kv", late, pub.buffer[late - pub.buffer[0][0]][1]))
+        last = await pub.publish(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        stats = svc.streams()[0]
+        assert stats.restarts == 0 and stats.clears == 0
+        assert _hit(svc, [1, 2, 3, 4]) == 0 and _hit(svc, [5, 6, 7, 8]) == 4
 
 
 async def test_removals_of_blocks_the_stream_does_not_hold_are_counted(

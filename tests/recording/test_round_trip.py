@@ -198,8 +198,9 @@ async def test_reorder_converges_while_the_buffer_holds_the_whole_stream(recordi
         if sum(p.reordered for p in published) > 0:
             break
     assert sum(p.reordered for p in published) > 0
-    # the subscriber reads a late seq as an engine restart and rebuilds from the replay buffer
-    assert sum(s.restarts for s in stats) > 0
+    # a late seq is the live copy of a batch the gap's replay already applied, the same
+    # bytes: skipped, never taken for an engine restart (which cleared and rebuilt the stream)
+    assert sum(s.restarts for s in stats) == 0
 
 
 async def test_offline_counts_match_the_recording_subscriber(
