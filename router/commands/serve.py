@@ -312,14 +312,18 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
         runner.run(main)
 
 
-def configure_logging(level: str) -> None:
-    """Log lines with the request each one was written for (`x-request-id`, "-" outside)."""
+def configure_logging(level: str, process: int | None = None) -> None:
+    """Log lines with the request each one was written for (`x-request-id`, "-" outside),
+    and under `--processes` the process that wrote it (`process=i`, its metrics label): the
+    children share the parent's stderr, and three alike "config reload refused" lines said
+    nothing of which process refused."""
     from router.http.observe import install_log_request_id
 
     install_log_request_id()
+    who = "" if process is None else f"process={process} "
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
+        format=f"%(asctime)s %(levelname)s {who}%(name)s [%(request_id)s]: %(message)s",
     )
 
 
@@ -345,7 +349,7 @@ def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
 
 def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:
     """Load the config and serve until interrupted."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "process_index", None))
     from router.http.memory import TRACEMALLOC_ENV, start_tracing
 
     if start_tracing():  # before the router allocates anything (see /admin/debug/memory)

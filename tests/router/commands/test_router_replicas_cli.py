@@ -265,3 +265,26 @@ async def test_each_process_has_its_own_metrics_series_and_port(tmp_path: Path) 
                 ):
                     shared = await _requests_total(s, router + "/metrics")
                     assert len(shared) <= 1 and all(shared[p] == first[int(p)][p] for p in shared)
+
+
+async def test_each_child_log_line_names_its_process(tmp_path: Path) -> None:
+    """The children share the parent's stderr: a bad file reloaded by SIGHUP gave two alike
+    `config reload refused` lines (`[-]` in place of anything saying who). Each names its
+    process now, as its metrics label does."""
+    config = tmp_path / "router.toml"
+    good = "[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{}'\n"
+    async with NatsServer() as nats:
+        config.write_text(good.format(nats.url))
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            config.write_text(good.format(nats.url) + "bogus_key = 1\n")
+            proc.send_signal(signal.SIGHUP)
+            refusals = [
+                await asyncio.wait_for(_read_until(proc.stdout, "reload refused", lines), 30)
+                for _ in range(2)
+            ]
+            assert {r.split(" ")[3] for r in refusals} == {"process=0", "process=1"}, refusals
+            config.write_text(good.format(nats.url))  # so the children stop as they started
