@@ -5,9 +5,10 @@ One Python process runs one event loop on one core; N processes use N. Each chil
 connections over them), and they are one router through the config's `[cluster]`: they share
 decisions, fleet and admin state over NATS. This parent only starts them, says where they
 listen, restarts one that dies (the others keep serving meanwhile), and stops them all on
-SIGINT or SIGTERM. A restart that fails (the config file broken since, a child that does not
-listen in time) is said and tried again later, the wait doubling from 1 s to 30 s: a child's
-trouble is never the others'.
+SIGINT or SIGTERM, each given the time a single router gives its requests in flight
+(`SHUTDOWN_TIMEOUT_S`, and a margin) before it is killed, which is said. A restart that fails
+(the config file broken since, a child that does not listen in time) is said and tried again
+later, the wait doubling from 1 s to 30 s: a child's trouble is never the others'.
 
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
@@ -33,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.config import RouterConfig
 from router.errors import ConfigError
+from router.http.listener import SHUTDOWN_TIMEOUT_S
 
 __all__ = ["serve_processes"]
 
@@ -40,6 +42,9 @@ _START_TIMEOUT_S = 60.0
 _RESTART_DELAY_S = 1.0  # the first wait before restarting a child that exited
 _RESTART_MAX_DELAY_S = 30.0  # the longest, after failed restarts or quick exits
 _STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop: wait 1 s again
+# a stopping child lets its requests run SHUTDOWN_TIMEOUT_S, then closes its cluster link and
+# index: killed after 10 s, it cut long generations a single router lets finish
+_STOP_MARGIN_S = 15.0
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
@@ -72,10 +77,17 @@ def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
 class _Child:
     """One replica process and the URL it reported."""
 
-    def __init__(self, index: int, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        cmd: list[str],
+        env: dict[str, str],
+        stop_timeout_s: float = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S,
+    ) -> None:
         self.index = index
         self.cmd = cmd
         self.env = env
+        self.stop_timeout_s = stop_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.started_at = 0.0  # loop time of the last start
@@ -107,10 +119,15 @@ class _Child:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            async with asyncio.timeout(10.0):
+            async with asyncio.timeout(self.stop_timeout_s):
                 await proc.wait()
         except TimeoutError:
-            proc.kill()
+            _say(
+                f"replica {self.index} did not stop within {self.stop_timeout_s:g} s of SIGTERM: "
+                "killed (requests it still served were cut)"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
 
 
