@@ -270,6 +270,62 @@ async def test_each_process_has_its_own_metrics_series_and_port(tmp_path: Path) 
                     assert len(shared) <= 1 and all(shared[p] == first[int(p)][p] for p in shared)
 
 
+async def _salt_answers(url: str, salt_bytes: int, tries: int = 20) -> set[int]:
+    """The statuses of `tries` completions with a `salt_bytes` salt, each on a new connection
+    (the kernel spreads them over the children: 20 all on one of two is 1 in 500,000)."""
+    body = {"model": "m", "prompt": "salted", "max_tokens": 1, "cache_salt": "s" * salt_bytes}
+    statuses: set[int] = set()
+    for _ in range(tries):
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.post(url + "/v1/completions", json=body) as resp,
+        ):
+            statuses.add(resp.status)
+    return statuses
+
+
+async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
+    """POST /admin/reload lands on one child: it reloaded alone, answered 200 with the change,
+    and the other process kept the old limits (only worker changes travel through the
+    cluster), silently. The child now has the parent SIGHUP the others, and says so."""
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        text = (
+            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats.url}'\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+        )
+        config.write_text(text)
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc), aiohttp.ClientSession() as session:
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            async with asyncio.timeout(30):
+                while len(await _replicas_answering(router)) < 2:
+                    pass
+            assert await _salt_answers(router, 100) == {200}
+            config.write_text(text + "[limits]\nmax_salt_bytes = 50\n")
+            admin = {"Authorization": "Bearer t"}
+            async with session.post(router + "/admin/reload", headers=admin) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert answer["changed"] == ["limits.max_salt_bytes"], answer
+            assert answer["processes"] == {"count": 2, "told": 1}, answer
+            # the other one applies it as its SIGHUP arrives, moments after the answer
+            async with asyncio.timeout(10):
+                while await _salt_answers(router, 100) != {400}:
+                    pass
+            # the same file again, on whichever child: nothing changes anywhere
+            async with session.post(router + "/admin/reload", headers=admin) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert answer["changed"] == [] and answer["processes"]["told"] == 1, answer
+            await asyncio.wait_for(_read_until(proc.stdout, "1 other replicas told", lines), 10)
+            assert await _salt_answers(router, 100) == {400}
+
+
 async def test_each_child_log_line_names_its_process(tmp_path: Path) -> None:
     """The children share the parent's stderr: a bad file reloaded by SIGHUP gave two alike
     `config reload refused` lines (`[-]` in place of anything saying who). Each names its
