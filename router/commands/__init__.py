@@ -3,7 +3,9 @@
 - `cli`: the dispatcher behind the `kvroute` console script (the verb table);
 - `serve`: `kvroute serve`, the router in front of an existing fleet;
 - `up`: `kvroute up`, reference workers and the router in one command;
-- `record`, `replay`: capture KV-event streams to a file, and play one back.
+- `record`, `replay`: capture KV-event streams to a file, and play one back;
+- `replicas`: `serve --processes N`, N children on one port, and `reload_link`, the line by
+  which a reload one child is asked for reaches the others.
 
 `kvroute worker` lives with the reference workers (`workers.command`), `kvroute bench` with the
 benchmarks (`bench.command`). Nothing is imported here, so `kvroute --help` stays light.

@@ -4,10 +4,12 @@ One Python process runs one event loop on one core; N processes use N. Each chil
 `kvroute serve` listening with SO_REUSEPORT on the same port (the kernel spreads new
 connections over them), and they are one router through the config's `[cluster]`: they share
 decisions, fleet and admin state over NATS. This parent only starts them, says where they
-listen, restarts one that dies (the others keep serving meanwhile), and stops them all on
-SIGINT or SIGTERM. A restart that fails (the config file broken since, a child that does not
-listen in time) is said and tried again later, the wait doubling from 1 s to 30 s: a child's
-trouble is never the others'.
+listen, restarts one that dies (the others keep serving meanwhile), passes a reload on to all
+of them (its own SIGHUP, or one child's `POST /admin/reload` through `reload_link`), and stops
+them all on SIGINT or SIGTERM, each given the time a single router gives its requests in flight
+(`SHUTDOWN_TIMEOUT_S`, and a margin) before it is killed, which is said. A restart that fails
+(the config file broken since, a child that does not listen in time) is said and tried again
+later, the wait doubling from 1 s to 30 s: a child's trouble is never the others'.
 
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
@@ -31,8 +33,10 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
+from router.commands.reload_link import answer_child
 from router.config import RouterConfig
 from router.errors import ConfigError
+from router.http.listener import SHUTDOWN_TIMEOUT_S
 
 __all__ = ["serve_processes"]
 
@@ -40,6 +44,9 @@ _START_TIMEOUT_S = 60.0
 _RESTART_DELAY_S = 1.0  # the first wait before restarting a child that exited
 _RESTART_MAX_DELAY_S = 30.0  # the longest, after failed restarts or quick exits
 _STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop: wait 1 s again
+# a stopping child lets its requests run SHUTDOWN_TIMEOUT_S, then closes its cluster link and
+# index: killed after 10 s, it cut long generations a single router lets finish
+_STOP_MARGIN_S = 15.0
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
@@ -70,25 +77,55 @@ def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
 
 
 class _Child:
-    """One replica process and the URL it reported."""
+    """One replica process, the URL it reported, and its reload link (`reload_link`)."""
 
-    def __init__(self, index: int, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        cmd: list[str],
+        env: dict[str, str],
+        tell_others: Callable[[int], tuple[int, int]] | None = None,
+        stop_timeout_s: float = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S,
+    ) -> None:
         self.index = index
         self.cmd = cmd
         self.env = env
+        # SIGHUP the children but this one: (told, of processes)
+        self._tell_others = tell_others
+        self.stop_timeout_s = stop_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.started_at = 0.0  # loop time of the last start
+        self._link: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.url = ""
         self.started_at = asyncio.get_running_loop().time()
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.cmd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            env=self.env,
-        )
+        if self._link is not None:
+            self._link.cancel()  # the last run's: that child is gone
+        # the reload link: our end answered here, theirs passed as --reload-fd
+        ours, theirs = socket.socketpair() if self._tell_others is not None else (None, None)
+        cmd = self.cmd if theirs is None else [*self.cmd, "--reload-fd", str(theirs.fileno())]
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                env=self.env,
+                pass_fds=() if theirs is None else (theirs.fileno(),),
+            )
+        except BaseException:
+            if ours is not None:
+                ours.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()  # the child's now
+        if ours is not None and self._tell_others is not None:
+            tell, index = self._tell_others, self.index
+            self._link = asyncio.get_running_loop().create_task(
+                answer_child(ours, lambda: tell(index)), name=f"kvroute-reload-link-{index}"
+            )
         assert self.proc.stdout is not None
         async with asyncio.timeout(_START_TIMEOUT_S):
             while not self.url:
@@ -107,11 +144,19 @@ class _Child:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            async with asyncio.timeout(10.0):
+            async with asyncio.timeout(self.stop_timeout_s):
                 await proc.wait()
         except TimeoutError:
-            proc.kill()
+            _say(
+                f"replica {self.index} did not stop within {self.stop_timeout_s:g} s of SIGTERM: "
+                "killed (requests it still served were cut)"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
+        finally:
+            if self._link is not None:
+                self._link.cancel()
 
 
 def _say(text: str) -> None:
@@ -195,6 +240,24 @@ async def serve_processes(
         "--reuse-port",
         "--exit-with-parent",
     ]  # fmt: skip
+
+    def hangup(but: int | None = None) -> int:
+        """SIGHUP every running child but `but`; how many. Each reloads the file itself (its
+        worker changes meet in the shared fleet); one restarting reads it as it starts."""
+        told = 0
+        for child in children:
+            if child.index != but and child.proc is not None and child.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGHUP)
+                    told += 1
+        return told
+
+    def reloaded(index: int) -> tuple[int, int]:
+        """Child `index` reloaded the file (`POST /admin/reload`): the others do too."""
+        told = hangup(but=index)
+        _say(f"replica {index} reloaded the config: {told} other replicas told to (SIGHUP)")
+        return told, processes
+
     children = [
         _Child(
             i,
@@ -205,16 +268,10 @@ async def serve_processes(
                 *(["--metrics-port", str(metrics_ports[i])] if metrics_ports[i] else []),
             ],
             env,
+            reloaded,
         )
         for i in range(processes)
     ]
-
-    def hangup() -> None:
-        # every replica reloads the file itself (its worker changes meet in the shared fleet)
-        for child in children:
-            if child.proc is not None and child.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGHUP)
 
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError):

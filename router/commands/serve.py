@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # ...which it is process i of: `process` label on its series, metrics on its own port
     parser.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--metrics-port", type=tcp_port, help=argparse.SUPPRESS)
+    # ...and whose end of the link to that parent is this descriptor (`reload_link`)
+    parser.add_argument("--reload-fd", type=int, help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -118,13 +120,17 @@ async def serve_until_stopped(
     config_source: ConfigSource | None = None,
     process: int | None = None,
     relay: bool = False,
+    reload_fd: int | None = None,
 ) -> None:
     """Run the router until SIGINT or SIGTERM, then shut down cleanly; SIGHUP reloads
     `config_source` (the file `config` came from).
 
     `proxy=False` runs the index and its APIs without the generation endpoints
-    (`kvroute indexer`). `process`: which replica process of `--processes` this is."""
+    (`kvroute indexer`). `process`: which replica process of `--processes` this is, and
+    `reload_fd` its link to the parent, through which `POST /admin/reload` reaches the others."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
+    from router.commands.reload_link import ReloadLink
+    from router.http.keys import RELOADER
     from router.service import RouterService
 
     stop = asyncio.Event()
@@ -141,6 +147,9 @@ async def serve_until_stopped(
         process=process,
         relay=relay,
     ) as router:
+        link = ReloadLink(reload_fd) if reload_fd is not None else None
+        if link is not None:
+            router.app[RELOADER].siblings = link.tell_siblings
         reloads: set[asyncio.Task[None]] = set()
 
         def hangup() -> None:
@@ -169,6 +178,8 @@ async def serve_until_stopped(
         await stop.wait()
         with contextlib.suppress(NotImplementedError):
             loop.remove_signal_handler(signal.SIGHUP)
+        if link is not None:
+            link.close()
     if orphaned is not None:
         orphaned.cancel()
 
@@ -312,14 +323,18 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
         runner.run(main)
 
 
-def configure_logging(level: str) -> None:
-    """Log lines with the request each one was written for (`x-request-id`, "-" outside)."""
+def configure_logging(level: str, process: int | None = None) -> None:
+    """Log lines with the request each one was written for (`x-request-id`, "-" outside),
+    and under `--processes` the process that wrote it (`process=i`, its metrics label): the
+    children share the parent's stderr, and three alike "config reload refused" lines said
+    nothing of which process refused."""
     from router.http.observe import install_log_request_id
 
     install_log_request_id()
+    who = "" if process is None else f"process={process} "
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
+        format=f"%(asctime)s %(levelname)s {who}%(name)s [%(request_id)s]: %(message)s",
     )
 
 
@@ -345,7 +360,7 @@ def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
 
 def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:
     """Load the config and serve until interrupted."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "process_index", None))
     from router.http.memory import TRACEMALLOC_ENV, start_tracing
 
     if start_tracing():  # before the router allocates anything (see /admin/debug/memory)
@@ -391,6 +406,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
                     config_source=source,
                     process=getattr(args, "process_index", None),
                     relay=relay,
+                    reload_fd=getattr(args, "reload_fd", None),
                 )
             )
     except ConfigError as exc:

@@ -377,9 +377,12 @@ async def reload_config(request: web.Request) -> web.Response:
     """POST /admin/reload: read the config file again and apply it (`router.http.reload`);
     400 naming the key of an invalid file, the running config kept."""
     reloader = request.config_dict[RELOADER]
-    diff = await reloader.reload()
+    diff, processes = await reloader.reload_everywhere()
     source = reloader.source
-    return _reply({"reloaded": source.path if source else None, **msgspec.to_builtins(diff)})
+    answer = {"reloaded": source.path if source else None, **msgspec.to_builtins(diff)}
+    if processes is not None:  # kvroute serve --processes N: the others told too
+        answer["processes"] = msgspec.to_builtins(processes)
+    return _reply(answer)
 
 
 def create_admin_app(token: str) -> web.Application:

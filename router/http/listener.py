@@ -61,6 +61,7 @@ __all__ = [
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
+    "SHUTDOWN_TIMEOUT_S",
     "SNAPSHOT_PATH",
     "AuthGate",
     "GuardedHandler",
@@ -499,6 +500,11 @@ class GuardedServer(web.Server):
         return GuardedHandler(self, loop=self._loop, **self._kwargs)
 
 
+# how long a stopping router lets its requests in flight run before cancelling them (aiohttp's
+# default, named: `kvroute serve --processes` waits this long for each child, and a margin)
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
 class RouterRunner(web.AppRunner):
     """`web.AppRunner` serving through `GuardedServer` with the router's limits."""
 
@@ -510,6 +516,7 @@ class RouterRunner(web.AppRunner):
             max_line_size=MAX_LINE_BYTES,
             max_field_size=MAX_FIELD_BYTES,
             max_headers=MAX_HEADERS,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             **kwargs,
         )
         self._limits = limits

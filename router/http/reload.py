@@ -26,6 +26,12 @@ changes a running router:
    meanwhile, and the answer says so.
 
 Keys that need a restart are kept at their running value and listed in the answer.
+
+Under `kvroute serve --processes N`, a SIGHUP to the parent reaches every process, but
+`POST /admin/reload` reaches the one the kernel handed the connection: `reload_everywhere`
+then tells the host's other processes, through the parent (`router.commands.reload_link`), to
+read the file too, and its answer says how many were told. A refused file is refused by every
+process alike (they read the same file), so the others are told only of a reload that applied.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -52,10 +58,13 @@ from router.routing.planner import Planner
 
 if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
     from router.cluster.service import ClusterService
+    from router.commands.reload_link import ProcessesTold
 
 __all__ = ["ConfigSource", "Reloader"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class ConfigSource:
@@ -103,8 +112,10 @@ class Reloader:
         # set once they exist: the listener when the server starts, the cluster link after it
         self.listener: GuardedServer | None = None
         self.cluster: ClusterService | None = None
+        # under --processes: tells the host's other processes to reload (`reload_link`)
+        self.siblings: Callable[[], Awaitable[ProcessesTold]] | None = None
         self._lock = asyncio.Lock()  # one reload at a time (a SIGHUP during a POST)
-        self._running: set[asyncio.Task[ConfigDiff]] = set()
+        self._running: set[asyncio.Task[object]] = set()
         # under way while `apply` changes the workers: the proxy waits for its end
         self.fleet_change = FleetChange()
 
@@ -114,12 +125,26 @@ class Reloader:
         The reload runs to its end even if the caller is cancelled (an admin client that
         hangs up): a fleet half changed would match neither file.
         """
-        task = asyncio.get_running_loop().create_task(self._reload(), name="kvroute-reload")
+        return await self._to_the_end(self._reload())
+
+    async def reload_everywhere(self) -> tuple[ConfigDiff, ProcessesTold | None]:
+        """`reload`, then under `--processes` the other processes told to reload too (what
+        was told; None for a router of one process): `POST /admin/reload`. Told even if the
+        caller is cancelled once this process has reloaded: else the processes would differ."""
+        return await self._to_the_end(self._reload_everywhere())
+
+    async def _reload_everywhere(self) -> tuple[ConfigDiff, ProcessesTold | None]:
+        diff = await self._reload()  # refused: the others would refuse the same file
+        siblings = self.siblings
+        return diff, None if siblings is None else await siblings()
+
+    async def _to_the_end(self, work: Coroutine[object, object, _T]) -> _T:
+        task = asyncio.get_running_loop().create_task(work, name="kvroute-reload")
         self._running.add(task)
         task.add_done_callback(self._finished)
         return await asyncio.shield(task)
 
-    def _finished(self, task: asyncio.Task[ConfigDiff]) -> None:
+    def _finished(self, task: asyncio.Task[object]) -> None:
         self._running.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: a refusal nobody awaited any more is logged already

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,9 +11,11 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cluster.server import NatsServer
+from router.commands.replicas import _Child
 from tests.router.commands.test_router_up_cli import _read_until
 from tests.subprocesses import ends_on_sigint
 from workers.config import WorkerConfig as ReferenceConfig
@@ -265,3 +268,141 @@ async def test_each_process_has_its_own_metrics_series_and_port(tmp_path: Path) 
                 ):
                     shared = await _requests_total(s, router + "/metrics")
                     assert len(shared) <= 1 and all(shared[p] == first[int(p)][p] for p in shared)
+
+
+async def _salt_answers(url: str, salt_bytes: int, tries: int = 20) -> set[int]:
+    """The statuses of `tries` completions with a `salt_bytes` salt, each on a new connection
+    (the kernel spreads them over the children: 20 all on one of two is 1 in 500,000)."""
+    body = {"model": "m", "prompt": "salted", "max_tokens": 1, "cache_salt": "s" * salt_bytes}
+    statuses: set[int] = set()
+    for _ in range(tries):
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.post(url + "/v1/completions", json=body) as resp,
+        ):
+            statuses.add(resp.status)
+    return statuses
+
+
+async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
+    """POST /admin/reload lands on one child: it reloaded alone, answered 200 with the change,
+    and the other process kept the old limits (only worker changes travel through the
+    cluster), silently. The child now has the parent SIGHUP the others, and says so."""
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        text = (
+            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats.url}'\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+        )
+        config.write_text(text)
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc), aiohttp.ClientSession() as session:
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            async with asyncio.timeout(30):
+                while len(await _replicas_answering(router)) < 2:
+                    pass
+            assert await _salt_answers(router, 100) == {200}
+            config.write_text(text + "[limits]\nmax_salt_bytes = 50\n")
+            admin = {"Authorization": "Bearer t"}
+            async with session.post(router + "/admin/reload", headers=admin) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert answer["changed"] == ["limits.max_salt_bytes"], answer
+            assert answer["processes"] == {"count": 2, "told": 1}, answer
+            # the other one applies it as its SIGHUP arrives, moments after the answer
+            async with asyncio.timeout(10):
+                while await _salt_answers(router, 100) != {400}:
+                    pass
+            # the same file again, on whichever child: nothing changes anywhere
+            async with session.post(router + "/admin/reload", headers=admin) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert answer["changed"] == [] and answer["processes"]["told"] == 1, answer
+            await asyncio.wait_for(_read_until(proc.stdout, "1 other replicas told", lines), 10)
+            assert await _salt_answers(router, 100) == {400}
+
+
+async def test_each_child_log_line_names_its_process(tmp_path: Path) -> None:
+    """The children share the parent's stderr: a bad file reloaded by SIGHUP gave two alike
+    `config reload refused` lines (`[-]` in place of anything saying who). Each names its
+    process now, as its metrics label does."""
+    config = tmp_path / "router.toml"
+    good = "[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{}'\n"
+    async with NatsServer() as nats:
+        config.write_text(good.format(nats.url))
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            config.write_text(good.format(nats.url) + "bogus_key = 1\n")
+            proc.send_signal(signal.SIGHUP)
+            refusals = [
+                await asyncio.wait_for(_read_until(proc.stdout, "reload refused", lines), 30)
+                for _ in range(2)
+            ]
+            assert {r.split(" ")[3] for r in refusals} == {"process=0", "process=1"}, refusals
+            config.write_text(good.format(nats.url))  # so the children stop as they started
+
+
+async def test_sigterm_lets_a_child_finish_a_long_request(tmp_path: Path) -> None:
+    """The parent gave each child 10 s after SIGTERM, then killed it: a 12-s generation was
+    cut without a word, which a single router (60 s of grace) lets finish."""
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=1.0, decode_ms_per_token=10.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        config.write_text(
+            f"[listen]\nport = 0\n[cluster]\nurl = '{nats.url}'\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+        )
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        try:
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            body = {"model": "m", "prompt": "a long one", "max_tokens": 1200, "stream": True}
+            events: list[bytes] = []
+            started = asyncio.get_running_loop().time()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(router + "/v1/completions", json=body) as resp,
+            ):
+                assert resp.status == 200
+                with contextlib.suppress(aiohttp.ClientPayloadError):  # cut: said below
+                    async for event in resp.content:
+                        if not event.strip():
+                            continue
+                        events.append(event)
+                        if len(events) == 1:  # the request is in flight
+                            proc.send_signal(signal.SIGTERM)
+            took = asyncio.get_running_loop().time() - started
+            assert events[-1].strip() == b"data: [DONE]", f"cut after {len(events)} events"
+            assert took > 10.0, took  # as long as a kill used to come after
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        out = "".join(lines) + (await proc.stdout.read()).decode(errors="replace")
+        assert "killed" not in out, out
+
+
+async def test_a_child_that_outlives_its_grace_is_killed_saying_so(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A child still running when its grace ends is killed, and the parent says which: a cut
+    request is never silent."""
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('listening on http://127.0.0.1:1', flush=True); time.sleep(60)"
+    )
+    child = _Child(3, [sys.executable, "-c", stubborn], dict(os.environ), stop_timeout_s=0.5)
+    await child.start()
+    await child.stop()
+    assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
+    assert "replica 3 did not stop within 0.5 s of SIGTERM: killed" in capfd.readouterr().err
