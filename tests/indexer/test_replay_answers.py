@@ -372,8 +372,9 @@ async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follow
 async def test_an_unproven_replay_socket_is_proven_by_the_live_batch_it_gives_back(
     ctx: zmq.asyncio.Context,
 ) -> None:
-    """The same join from the worker's own (unproven) socket: it gives the live batch back,
-    byte for byte, so what it brought is trusted."""
+    """The worker's own (unproven) socket, with no probe to take the history at join (as in
+    the test above): the history comes with the first live batch, and the socket gives that
+    batch back byte for byte, so what it brought is trusted."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await pub.publish(stored(A, 10), drop=True)  # history, published before the router
         cfg = StreamConfig(

@@ -132,16 +132,7 @@ async def test_replay_publish_binds_ports_in_the_order_inspect_lists(
     assert main(["record", "inspect", str(path)]) == 0
     listed = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()]
     assert [s for s in listed if s.endswith("#dp0")][:2] == ["wA#dp0", "wB#dp0"]
-    for _ in range(5):
-        # a port free now may be taken by the time the child binds it: then another is tried
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
-        proc = await _cli("replay", str(path), *publish, "--wait", "0", "--linger", "0")
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-        if b"Address already in use" not in err:
-            break
+    proc, port, out, err = await _replay_publish(path)
     assert proc.returncode == 0, err
     bound = [line.split()[1:4] for line in out.decode().splitlines() if line.startswith("stream ")]
     assert bound == [
@@ -255,17 +246,7 @@ def _tear(path: Path) -> None:
 
 async def test_replay_publish_of_a_damaged_file_exits_1(recording: Path) -> None:
     _tear(recording)
-    for _ in range(5):
-        # a port free now may be taken by the time the child binds it (another test's
-        # connection): then it says so, and another is tried
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
-        proc = await _cli("replay", str(recording), *publish, "--wait", "0", "--linger", "0")
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-        if b"Address already in use" not in err:
-            break
+    proc, _, out, err = await _replay_publish(recording)
     assert proc.returncode == 1, err
     assert b"recording damaged at byte" in err and b"sent" in out
 
@@ -298,6 +279,23 @@ def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) ->
     assert "--block-size 0" in capsys.readouterr().err
     assert main(["record", "--endpoint", "127.0.0.1:5557", "--out", "/nonexistent/x.kvrec"]) == 2
     assert "--endpoint '127.0.0.1:5557'" in capsys.readouterr().err
+
+
+async def _replay_publish(path: Path) -> tuple[asyncio.subprocess.Process, int, bytes, bytes]:
+    """`kvroute replay PATH --publish` at full speed on a free port: the process, its first
+    port and its output."""
+    for _ in range(5):
+        # a port free now may be taken by the time the child binds it (another test's
+        # connection): then it says so, and another is tried
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
+        proc = await _cli("replay", str(path), *publish, "--wait", "0", "--linger", "0")
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        if b"Address already in use" not in err:
+            break
+    return proc, port, out, err
 
 
 async def _cli(*args: str) -> asyncio.subprocess.Process:
