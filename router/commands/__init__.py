@@ -4,8 +4,8 @@
 - `serve`: `kvroute serve`, the router in front of an existing fleet;
 - `up`: `kvroute up`, reference workers and the router in one command;
 - `record`, `replay`: capture KV-event streams to a file, and play one back;
-- `replicas`: `serve --processes N`, N children on one port, and `reload_link`, the line by
-  which a reload one child is asked for reaches the others.
+- `replicas`: `serve --processes N`, N children on one port; a reload one child is asked for
+  reaches the others through the parent (`router.http.reload_link`, the line to each child).
 
 `kvroute worker` lives with the reference workers (`workers.command`), `kvroute bench` with the
 benchmarks (`bench.command`). Nothing is imported here, so `kvroute --help` stays light.

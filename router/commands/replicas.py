@@ -33,10 +33,10 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
-from router.commands.reload_link import answer_child
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
+from router.http.reload_link import answer_child
 
 __all__ = ["serve_processes"]
 

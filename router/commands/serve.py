@@ -129,8 +129,8 @@ async def serve_until_stopped(
     (`kvroute indexer`). `process`: which replica process of `--processes` this is, and
     `reload_fd` its link to the parent, through which `POST /admin/reload` reaches the others."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
-    from router.commands.reload_link import ReloadLink
     from router.http.keys import RELOADER
+    from router.http.reload_link import ReloadLink
     from router.service import RouterService
 
     stop = asyncio.Event()

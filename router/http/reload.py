@@ -29,7 +29,7 @@ Keys that need a restart are kept at their running value and listed in the answe
 
 Under `kvroute serve --processes N`, a SIGHUP to the parent reaches every process, but
 `POST /admin/reload` reaches the one the kernel handed the connection: `reload_everywhere`
-then tells the host's other processes, through the parent (`router.commands.reload_link`), to
+then tells the host's other processes, through the parent (`router.http.reload_link`), to
 read the file too, and its answer says how many were told. A refused file is refused by every
 process alike (they read the same file), so the others are told only of a reload that applied.
 """
@@ -58,7 +58,7 @@ from router.routing.planner import Planner
 
 if TYPE_CHECKING:  # nats is imported only by a router that has a [cluster]
     from router.cluster.service import ClusterService
-    from router.commands.reload_link import ProcessesTold
+    from router.http.reload_link import ProcessesTold
 
 __all__ = ["ConfigSource", "Reloader"]
 
