@@ -22,6 +22,12 @@ relay's state, or a part of it, never more:
   `verify_window_s` leaves the stream cleared (fail closed). A stream that held nothing at such
   a record already when the suspicion comes (the relay registered the worker anew before this
   replica saw it come back) is not suspected at all.
+- a restart of the worker's process the relay saw (its heartbeats count them), or a batch of
+  pages that do not fit the stream's block size, tells `on_restart` (the router reads the
+  worker's settings again, as a subscriber's restart does: another process may run another
+  page size, other ranks or another role); a mismatch is said as a subscriber says it, the
+  stream's state being the relay's (`synced` while the relay's own stream is). Only what the
+  relay wrote after the stream was followed tells: what came before is its registration's past.
 Pure and synchronous: the relay follower (`router.cluster.relay`) does the I/O.
 """
 
@@ -33,6 +39,7 @@ from collections.abc import Callable, Sequence
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.fence import BatchFence
 from indexer.health import StreamHealth
+from indexer.log_throttle import LogThrottle
 from indexer.relay_record import RelayKind, RelayRecord
 from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats, stream_stats
@@ -46,6 +53,10 @@ _ANOTHER_RELAY = "records of another relay process (a restart, or a second relay
 # host's loop stalled): a stream counts as made anew after the worker was seen down only with
 # this much to spare
 ANEW_MARGIN_S = 0.5
+# a stream whose batches keep not fitting its block size tells `on_restart` at most this often
+# (a worker whose settings read again are unchanged, e.g. a configured block_size that is wrong,
+# would otherwise have its server info asked on every batch)
+MISMATCH_REREAD_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +83,7 @@ class FedStream:
         *,
         clock: Callable[[], float],
         on_applied: Callable[[str, int], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
         verify_window_s: float = 10.0,
         silent_after_s: float | None = None,
     ) -> None:
@@ -81,6 +93,11 @@ class FedStream:
         self.sink = sink
         self._clock = clock
         self._on_applied = on_applied
+        self._on_restart = on_restart  # told the worker when it may run other settings
+        self._limiter = LogThrottle(settings.log_interval_s, clock=clock)
+        # the relay's epoch and its count of the worker's restarts, as its last heartbeat said
+        self._relay_restarts: tuple[int, int] | None = None
+        self._mismatch_told_at = float("-inf")
         self.verify_window_s = verify_window_s
         # STALE once the relay said nothing for this long (its heartbeats come every
         # cluster.heartbeat_interval_s): the follower passes cluster.heartbeat_timeout_s
@@ -175,6 +192,8 @@ class FedStream:
                 self.events += applied.events
                 if applied.dp_rank is not None and applied.dp_rank != self.config.dp_rank:
                     self.rank_mismatches += 1
+                if applied.block_size_mismatches and self._since_followed(fresh_at):
+                    self._mismatched(applied.block_size_mismatches, record.seq)
             if self.health.block_size is None:
                 self.health.block_size = self.sink.block_size()
             if self._on_applied is not None:
@@ -184,6 +203,37 @@ class FedStream:
         elif kind is RelayKind.FORGET_SEQ:
             self.sink.forget_seq()
             self.tracker.last = None
+
+    def _since_followed(self, fresh_at: float | None) -> bool:
+        """Whether a record the relay wrote at `fresh_at` came since the stream was followed
+        (None, a record of unknown age: not known to)."""
+        return fresh_at is not None and fresh_at >= self.added_at
+
+    def _mismatched(self, events: int, seq: int) -> None:
+        """Pages of batch `seq` do not fit the stream's block size: said as a subscriber says
+        it, and the worker's settings read again (a new process with another page size, whose
+        restart this replica heard of no other way). Before, nothing told: the stream said
+        `synced` and predicted nothing of the worker until the slow settings cadence (60 s)."""
+        now = self._clock()
+        suppressed = self._limiter.allow("block-size")
+        if suppressed is not None:
+            log.warning(
+                "stream %s: BLOCK SIZE MISMATCH: %d event(s) at seq %d have pages that do not "
+                "fit the stream's block size %s; they are NOT indexed and KV routing for this "
+                "worker will miss until its settings, read again now, say its page size%s",
+                self.stream_id,
+                events,
+                seq,
+                self.sink.block_size(),
+                f" ({suppressed} similar suppressed)" if suppressed else "",
+            )
+        if now - self._mismatch_told_at >= MISMATCH_REREAD_S:
+            self._mismatch_told_at = now
+            self._tell_restart()
+
+    def _tell_restart(self) -> None:
+        if self._on_restart is not None:
+            self._on_restart(self.worker)
 
     def _held_since(self) -> None:
         """After a record: a stream that holds no entry now holds nothing older than it, and
@@ -232,6 +282,7 @@ class FedStream:
             self._afresh(record.epoch, f"{record.rseq - self._rseq} relay record(s) missed")
             self._rseq = record.rseq
         self._checks = record.checks
+        self._relay_restarted(record, fresh_at)
         if self._suspected_at is not None:
             # risen: checked since; fallen: a new subscriber of the relay's (the worker
             # registered anew there), which joined from the worker's replay: as good
@@ -246,6 +297,27 @@ class FedStream:
                 )
         self._relay_state = record.state
         self._show()
+
+    def _relay_restarted(self, record: RelayRecord, fresh_at: float | None) -> None:
+        """Tell `on_restart` when the relay's count of the worker's restarts rose since its
+        last heartbeat (of the same relay process: another counts from 0), in a heartbeat
+        written since the stream was followed. Before, a restart reached only the relay's own
+        router: a replica followed the worker's old settings (page size, ranks, role) until
+        its health check saw it down or the slow settings cadence, 60 s."""
+        before = self._relay_restarts
+        self._relay_restarts = (record.epoch, record.restarts)
+        if (
+            before is not None
+            and before[0] == record.epoch
+            and record.restarts > before[1]
+            and self._since_followed(fresh_at)
+        ):
+            log.info(
+                "stream %s: the relay saw its publisher restart: the worker's settings are "
+                "read again",
+                self.stream_id,
+            )
+            self._tell_restart()
 
     def _prove_by_record(self, record: RelayRecord) -> bool:
         """A numbered record while a loaded snapshot waits for its proof: whether to apply it.
@@ -415,12 +487,14 @@ class FedStreams:
         settings: IndexerConfig,
         *,
         on_applied: Callable[[str, int], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
         clock: Callable[[], float],
         silent_after_s: float | None = None,
     ) -> None:
         self.settings = settings
         self.silent_after_s = silent_after_s  # `FedStream`'s
         self._on_applied = on_applied
+        self._on_restart = on_restart
         self._clock = clock
         self.by_worker: dict[str, list[FedStream]] = {}
         self.by_stream: dict[str, FedStream] = {}
@@ -455,6 +529,7 @@ class FedStreams:
                 self.settings,
                 clock=self._clock,
                 on_applied=self._on_applied,
+                on_restart=self._on_restart,
                 silent_after_s=self.silent_after_s,
             )
             fed.append(stream)

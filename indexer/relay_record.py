@@ -33,8 +33,8 @@ class RelayKind(enum.IntEnum):
     STATE = 3  # the stream entered `state`
     # unnumbered, every heartbeat interval: the relay is alive, stands at `rseq` with `state`
     # (STALE: it has not heard the worker for its stale_after_s; `heard_age_s` since it did),
-    # its last batch is `seq` (digest `digest`), and it has checked the stream for restarts
-    # `checks` times
+    # its last batch is `seq` (digest `digest`), it has checked the stream for restarts
+    # `checks` times and seen its publisher restart `restarts` times
     HEARTBEAT = 4
 
 
@@ -52,6 +52,11 @@ class RelayRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     digest: bytes = b""  # a heartbeat's: the last batch's `indexer.fence.payload_digest`
     heard_age_s: float = 0.0
     checks: int = 0
+    # a heartbeat's: the publisher restarts the relay counted on the stream while it followed
+    # its worker (a follower reads the worker's settings again when it rises: another process
+    # may run another page size, ranks or role); appended last, so a relay or a follower of
+    # the version before reads records of this one and the reverse (0: not said)
+    restarts: int = 0
 
 
 relay_encoder = msgspec.msgpack.Encoder()

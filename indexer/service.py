@@ -114,6 +114,7 @@ class IndexerService:
             FedStreams(
                 self.config,
                 on_applied=self._on_applied,
+                on_restart=self._on_restart,
                 clock=clock,
                 silent_after_s=fed_silent_after_s,
             )
@@ -605,6 +606,7 @@ class IndexerService:
         for subs in self._workers.values():
             for sub in subs:
                 fence = sub.sink.fence()
+                carried = self._carried.get(sub.stream_id)
                 heard_age = now - sub.health.heard_at()
                 state = sub.health.current_state(now)
                 heads.append(
@@ -615,6 +617,7 @@ class IndexerService:
                         None if fence is None else fence.seq,
                         b"" if fence is None else fence.digest(),
                         sub.verifications + sub.restarts,
+                        sub.restarts + (0 if carried is None else carried.restarts),
                     )
                 )
         return heads

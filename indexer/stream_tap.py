@@ -27,6 +27,9 @@ class StreamHead(NamedTuple):
     seq: int | None  # its last batch, and that batch's digest (b"": none)
     digest: bytes
     checks: int  # restart checks made so far (verifications and restarts)
+    # publisher restarts counted on the stream while its worker is registered (across its
+    # registrations anew, as /admin/streams counts them)
+    restarts: int = 0
 
 
 class StreamTap(Protocol):

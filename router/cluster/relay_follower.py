@@ -14,7 +14,8 @@ left off after a reconnect) and hands each record to its stream. Where it starts
 Records of a stream this replica does not follow are dropped (counted, and said once per
 stream); records of a rank its worker was not known to have make the router read the worker's
 settings again (a worker restarted with more ranks), as a stream restart does with direct
-subscriptions.
+subscriptions; so do a restart of the worker the relay counted, and pages that do not fit the
+stream's block size (a worker restarted with another page size), which each `FedStream` tells.
 """
 
 from __future__ import annotations

@@ -170,6 +170,7 @@ class RelayPublisher:
                 digest=head.digest,
                 heard_age_s=head.heard_age_s,
                 checks=head.checks,
+                restarts=head.restarts,
             )
             self._put(head.stream, record)
 

@@ -3,9 +3,10 @@
 A worker is registered again and again: its refusals are retried on every health round, and a
 restart, a STALE stream or a reload registers it anew. What a registration finds (why it was
 refused, a replay socket it cannot trust, a config naming models the worker does not advertise,
-an adapter name workers of several base models list) is said when it is new or changed, never
-on every round: the same line every `health.interval_s` would bury the log. The admin API shows
-the last of them (`refusal`, `doubt`).
+an adapter name workers of several base models list, a tokenizer that cannot be the router's)
+is said when it is new or changed, never on every round: the same line every
+`health.interval_s` would bury the log. The admin API shows the last of them (`refusal`,
+`doubt`, `tokenizer_mismatch`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ class RegistrationNotes:
         self._misnamed: dict[str, str] = {}
         # the adapters workers of several base models list, as last said (`say_ambiguous`)
         self._ambiguous: dict[str, tuple[str, ...]] = {}
+        # per worker, why its tokenizer cannot be the router's, as last said (`check_tokenizer`)
+        self._tokenizers: dict[str, str] = {}
 
     def forget(self, worker: str) -> None:
         """`worker` was removed from the pool: one added again under its id (a reload that
         changed it) has its own reasons."""
         self._doubts.pop(worker, None)
         self._misnamed.pop(worker, None)
+        self._tokenizers.pop(worker, None)
         # fewer workers list fewer bases: said again if a registration makes one ambiguous
         self._ambiguous = self._pool.ambiguous_adapters()
         self._said.pop(worker, None)
@@ -106,6 +110,27 @@ class RegistrationNotes:
             self._misnamed.clear()
         self._misnamed[entry.id] = note
         log.warning("worker %s: %s", entry.id, note)
+
+    def tokenizer_mismatch(self, worker: str) -> str | None:
+        """Why `worker`'s tokenizer cannot be the router's, as last said (None: it can, or
+        cannot be told)."""
+        return self._tokenizers.get(worker)
+
+    def check_tokenizer(self, worker: str, note: str | None) -> None:
+        """What `worker`'s settings, read just now, say of its tokenizer against the router's
+        (`router.fleet.tokenizer_match`; None: nothing wrong, or nothing to tell): said once
+        per worker and note, at registration and again when a re-read changes it. Before,
+        nothing said it: a router tokenizing otherwise than its workers predicted 0 everywhere,
+        its streams `synced`, and no counter rose."""
+        if note is None:
+            self._tokenizers.pop(worker, None)
+            return
+        if self._tokenizers.get(worker) == note:
+            return
+        if len(self._tokenizers) >= _KEPT:
+            self._tokenizers.clear()
+        self._tokenizers[worker] = note
+        log.warning("worker %s: %s", worker, note)
 
     def say_ambiguous(self, entry: WorkerEntry) -> None:
         """Say which adapter names `entry`'s registration made ambiguous (workers of several

@@ -37,7 +37,7 @@ import aiohttp
 from indexer.config import StreamConfig
 from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import IndexerService
-from router.config import HealthConfig, WorkerConfig
+from router.config import HealthConfig, TokenizerConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.advertised import check_ranks, check_topic, replay_proof, sockets
 from router.fleet.discovery import (
@@ -52,6 +52,7 @@ from router.fleet.discovery import (
 from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch, WatchAction
 from router.fleet.registration_notes import RegistrationNotes
 from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
+from router.fleet.tokenizer_match import tokenizer_mismatch
 from router.fleet.worker_settings import read_served_models, read_server_info
 from router.routing.load import LoadTracker
 from router.routing.policy import Policy
@@ -109,8 +110,13 @@ class Supervisor:
         load: LoadTracker,
         metrics: WorkerGauges,
         clock: Callable[[], float],
+        *,
+        tokenizer: TokenizerConfig | None = None,
     ) -> None:
         self._pool = pool
+        # the router's tokenizer, which each worker's advertised one is held against
+        # (`router.fleet.tokenizer_match`; None: not compared)
+        self._tokenizer = tokenizer
         self._indexer = indexer
         self._session = session
         self._health = health
@@ -245,6 +251,7 @@ class Supervisor:
         self._pool.set_models(entry, models, adapters)
         self._notes.say_ambiguous(entry)
         self._notes.check_named(entry, advertised)
+        self._check_tokenizer(entry, info)
         entry.streams = [s.endpoint for s in streams]
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
@@ -331,6 +338,7 @@ class Supervisor:
         if self._pool.find(entry.id) is not entry:
             return False
         self._schedule.readable(entry.id)
+        self._check_tokenizer(entry, info)
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
@@ -361,6 +369,16 @@ class Supervisor:
         except RequestError as exc:
             self._notes.refused(entry, exc)
         return True
+
+    def _check_tokenizer(self, entry: WorkerEntry, info: dict[str, Any] | None) -> None:
+        """Say when the tokenizer `entry`'s server info (just read; None: not read, what was
+        said stays) says cannot be the router's (once per worker and finding)."""
+        if info is not None and self._tokenizer is not None:
+            self._notes.check_tokenizer(entry.id, tokenizer_mismatch(self._tokenizer, info))
+
+    def tokenizer_mismatch(self, worker: str) -> str | None:
+        """Why `worker`'s tokenizer cannot be the router's, as logged (None: nothing)."""
+        return self._notes.tokenizer_mismatch(worker)
 
     def _recheck_role(self, entry: WorkerEntry, spec: EngineSpec, info: dict[str, Any]) -> None:
         """Take the role and bootstrap port a returning worker advertises now (`_role`: its

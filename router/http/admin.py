@@ -115,6 +115,7 @@ def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
         queued_prefill_tokens=load.queued_prefill_tokens,
         running=load.running,
         unfollowed_s=round(entry.unfollowed_s(now), 3),
+        tokenizer_mismatch=request.config_dict[SUPERVISOR].tokenizer_mismatch(entry.id),
     )
 
 

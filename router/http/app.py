@@ -351,7 +351,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             lambda: {entry.id: entry.unfollowed_s(planner.clock()) for entry in pool}
         )
         supervisor = Supervisor(
-            pool, indexer, session, config.health, policy, load, app[METRICS], planner.clock
+            pool,
+            indexer,
+            session,
+            config.health,
+            policy,
+            load,
+            app[METRICS],
+            planner.clock,
+            tokenizer=config.tokenizer,
         )
         app[SESSION] = session
         app[INDEXER] = indexer

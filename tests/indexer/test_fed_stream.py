@@ -8,10 +8,13 @@ lost, a new relay process, a snapshot that is not the relay's past, a restart su
 
 from __future__ import annotations
 
+import logging
+
+import msgspec
 import pytest
 
 from indexer.config import IndexerConfig, StreamConfig
-from indexer.fed_stream import FedStream
+from indexer.fed_stream import MISMATCH_REREAD_S, FedStream
 from indexer.fence import payload_digest
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
@@ -424,3 +427,75 @@ async def test_a_relay_says_stale_of_a_stream_it_has_not_heard_for_longer_than_i
         assert [h.state for h in svc.stream_heads()] != [StreamState.STALE]
         clock.now += 2.0  # 6 s unheard: more than 2 x 2 + 1
         assert [h.state for h in svc.stream_heads()] == [StreamState.STALE]
+
+
+def told(svc: IndexerService) -> list[str]:
+    """The workers the stream's restarts and mismatches are told of (the router's listener)."""
+    workers: list[str] = []
+    svc.restart_listeners.append(workers.append)
+    return workers
+
+
+def restarts(rseq: int, count: int, epoch: int = EPOCH) -> RelayRecord:
+    """A heartbeat saying the relay counted `count` restarts of the stream's publisher."""
+    return msgspec.structs.replace(heartbeat(rseq, None, epoch=epoch), restarts=count)
+
+
+async def test_a_restart_the_relay_counts_has_the_workers_settings_read_again() -> None:
+    """A new process with another page size, ranks or role: the router re-reads it as it does
+    for a restart its own subscriber sees. Before, nothing reached it (60 s of the old page
+    size: every prediction 0)."""
+    svc = await fed()
+    workers = told(svc)
+    take(svc, batch(0, 0, stored(A, 10)), restarts(0, 0))
+    assert workers == []  # the count it joined at: no restart seen
+    take(svc, restarts(0, 1))
+    assert workers == ["w0"]
+    take(svc, restarts(0, 1), restarts(0, 2, epoch=EPOCH + 1))
+    assert workers == ["w0"]  # the same count; another relay process's count of its own
+
+
+async def test_restarts_the_relay_counted_before_the_stream_was_followed_are_not_told() -> None:
+    """Read back from the relay's stream (the worker registered anew here: its restart is
+    what registered it), or of unknown age: the registration's past."""
+    clock = Clock()
+    svc = await fed(clock)
+    workers = told(svc)
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    clock.now += 5.0
+    stream.take(restarts(-1, 0), age_s=8.0)
+    stream.take(restarts(-1, 1), age_s=6.0)
+    stream.take(restarts(-1, 2), age_s=None)
+    assert workers == []
+    stream.take(restarts(-1, 3), age_s=0.1)
+    assert workers == ["w0"]
+
+
+def stored8(tokens: list[TokenId], block_hash: int) -> bytes:
+    """A page of 8 tokens: a worker restarted with page size 8."""
+    events: list[Event] = [
+        Stored(block_hashes=[block_hash], parent=None, token_ids=tokens, block_size=8)
+    ]
+    return encode_batch(EventBatch(0.0, events), "array")
+
+
+async def test_pages_of_another_size_are_said_and_have_the_settings_read_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay's restart count may not say it (a relay of the version before, a heartbeat
+    lost): pages that do not fit tell, at most every MISMATCH_REREAD_S, and are said as a
+    subscriber says them. Before, the stream said `synced`, with nothing in the log."""
+    clock = Clock()
+    svc = await fed(clock)
+    workers = told(svc)
+    page: list[TokenId] = [1, 2, 3, 4, 5, 6, 7, 8]
+    with caplog.at_level(logging.WARNING, logger="indexer.fed_stream"):
+        take(svc, batch(0, 0, stored8(page, 10)), batch(1, 1, stored8(page, 11)))
+    assert workers == ["w0"]
+    assert svc.streams()[0].block_size_mismatches == 2
+    said = [r.getMessage() for r in caplog.records if "BLOCK SIZE MISMATCH" in r.getMessage()]
+    assert len(said) == 1 and "block size 4" in said[0]
+    clock.now += MISMATCH_REREAD_S
+    take(svc, batch(2, 2, stored8(page, 12)))
+    assert workers == ["w0", "w0"]

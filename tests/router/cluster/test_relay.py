@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -471,6 +472,71 @@ async def test_a_worker_the_relay_registered_anew_before_a_replica_saw_it_back_i
             assert 64 <= got[0] <= got[1]
     finally:
         await w0.__aexit__(None, None, None)
+
+
+async def test_a_worker_restarted_with_another_page_size_between_probes_is_followed_at_once(
+    nats_server: NatsServer,
+) -> None:
+    """The worker came back with page size 32 before the replica's next probe: the relay saw
+    it (its subscriber and its own health checks), the replica's health check did not. The
+    relay's records tell the replica (the restart it counted, pages that do not fit), which
+    reads the worker's settings again, as a subscriber's restart makes a router do. Before,
+    the replica's stream stayed at 16, `synced`, every prediction 0, until the settings
+    cadence (60 s)."""
+    # the same event ports again, as an engine restarted with its flags: the relay's
+    # subscriber sees the restart (on new ports the relay finds it only once the stream is
+    # STALE, and its own probes may miss the restart too)
+    http, events, replay = free_ports(3)
+    first = ReferenceConfig(
+        time_scale=0.0, page_size=16, port=http, events_port=events, replay_port=replay
+    )
+    w0 = ReferenceWorker(first)
+    await w0.__aenter__()
+    try:
+        replica = follower_config(
+            w0,
+            nats_server.url,
+            "a",
+            # no probe of the replica's sees it down, no slow cadence reads it within the test
+            health=HealthConfig(interval_s=3600, timeout_s=0.5, settings_interval_s=60.0),
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            relay(w0, nats_server.url),
+            RouterService(replica) as a,
+        ):
+            fleet = Fleet(a, {"w0": w0}, session)
+            await fleet.warm()
+            assert a.indexer.block_size("w0") == 16
+            await w0.__aexit__(None, None, None)
+            w0 = ReferenceWorker(msgspec.structs.replace(first, page_size=32))
+            await w0.__aenter__()
+
+            async def followed() -> bool:
+                # straight to the worker: its pages of 32 reach the replica through the relay
+                body = {"text": PROMPT, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
+                async with session.post(w0.url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                return a.indexer.block_size("w0") == 32 and await predicted(fleet) >= 64
+
+            await eventually(followed, timeout_s=15, what="the replica to follow page size 32")
+            assert a.planner.pool.get("w0").healthy  # never seen down here
+            got = await generate(session, a.url)
+            assert 64 <= got[0] <= got[1]
+    finally:
+        await w0.__aexit__(None, None, None)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now (the worker binds them a moment later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _synced(service: RouterService) -> bool:
