@@ -44,7 +44,7 @@ def unsized() -> PrefixIndex:
 
 
 def test_a_partial_page_first_does_not_set_the_page_size() -> None:
-    """SGLang's one event per page: the size comes from the first page another chains on."""
+    """SGLang's one event per page: the size comes from the first run of pages in a batch."""
     index = unsized()
     apply(index, page(9, SHORT, size=2))
     assert index.block_size("s") is None and index.entries("s") == 0
@@ -75,6 +75,29 @@ def test_a_partial_child_proves_its_parent_whole() -> None:
     assert index.entries("s") == 2
 
 
+def test_a_child_in_a_later_batch_does_not_prove_a_partial_parent_whole() -> None:
+    """A 2-token partial page, then a 2-token store chained on it in a later batch: the chain
+    proved the page whole, the stream learned size 2, every later 4-token page was a mismatch
+    and [7, 8, ...] was predicted 2 tokens. A child in a later batch is another node, which
+    may hang off a partial page: only a run within one batch (one node's pages) proves."""
+    index = unsized()
+    apply(index, page(1, SHORT, size=2))
+    apply(index, page(2, [9, 10], parent=1, size=2))
+    assert index.block_size("s") is None and index.entries("s") == 0
+    assert index.query(NS, [7, 8, 9, 10, 11])["s"].blocks == 0
+    apply(index, page(11, TOKENS[:4]), page(12, TOKENS[4:8], parent=11))
+    assert index.block_size("s") == 4 and index.query(NS, [*TOKENS, 999])["s"].blocks == 2
+    assert index.counters("s").block_size_mismatches == 0
+
+
+def test_a_page_the_next_event_does_not_continue_proves_nothing() -> None:
+    """Within one batch too, a chained store proves its parent whole only as the event right
+    after it (the next page of the run `record_store` publishes for one node)."""
+    index = unsized()
+    apply(index, page(1, SHORT, size=2), page(5, [50, 51], size=2), page(2, [9, 10], 1, 2))
+    assert index.block_size("s") is None
+
+
 def test_a_child_larger_than_its_parent_proves_nothing() -> None:
     """A page is whole or its node's partial last one, so never larger than a whole page."""
     index = unsized()
@@ -85,24 +108,25 @@ def test_a_child_larger_than_its_parent_proves_nothing() -> None:
 def test_held_events_apply_in_order_once_the_size_is_known() -> None:
     """Removals and clears wait with the stores: the outcome is the configured stream's."""
     index = unsized()
-    apply(index, page(1, TOKENS[:4]), Removed(block_hashes=[1]), page(5, TOKENS[:4]))
+    apply(index, page(1, TOKENS[:4]), Removed(block_hashes=[1]))
     apply(index, Removed(block_hashes=[77]))  # a page never stored
-    apply(index, page(6, TOKENS[4:8], parent=5))
+    apply(index, page(5, TOKENS[:4]), page(6, TOKENS[4:8], parent=5))  # a run proves the size
     assert index.block_size("s") == 4 and index.query(NS, TOKENS)["s"].blocks == 2
     c = index.counters("s")
     assert (c.blocks_stored, c.blocks_removed, c.unknown_removes) == (3, 1, 1)
     configured = PrefixIndex()
     configured.add_stream("s", model="m", block_size=4)
-    apply(configured, page(1, TOKENS[:4]), Removed(block_hashes=[1]), page(5, TOKENS[:4]))
-    apply(configured, Removed(block_hashes=[77]), page(6, TOKENS[4:8], parent=5))
+    apply(configured, page(1, TOKENS[:4]), Removed(block_hashes=[1]))
+    apply(configured, Removed(block_hashes=[77]), page(5, TOKENS[:4]))
+    apply(configured, page(6, TOKENS[4:8], parent=5))
     assert configured.counters("s") == c and configured.entries("s") == index.entries("s")
 
     cleared = unsized()
     apply(cleared, page(1, TOKENS[:4]), Cleared(), page(2, TOKENS[4:8], parent=1))
     assert cleared.block_size("s") is None  # its parent went with the clear
-    apply(cleared, page(3, TOKENS[8:12], parent=2))
+    apply(cleared, page(3, TOKENS[8:12], parent=2), page(4, TOKENS[12:16], parent=3))
     assert cleared.block_size("s") == 4 and cleared.entries("s") == 0
-    assert cleared.counters("s").unknown_parents == 2
+    assert cleared.counters("s").unknown_parents == 3
 
 
 def test_a_size_told_later_applies_what_was_held() -> None:
@@ -125,10 +149,10 @@ def test_what_is_held_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     index = unsized()
     apply(index, *(page(10 + i, TOKENS[:4]) for i in range(5)))
     assert index.counters("s").skipped_events == 2
-    apply(index, page(20, TOKENS[4:8], parent=10))  # its parent went for room: no proof
+    apply(index, page(20, TOKENS[4:8], parent=10))  # its parent went for room
     assert index.block_size("s") is None and index.counters("s").skipped_events == 3
-    apply(index, page(21, TOKENS[4:8], parent=14))
-    # held were 13, 14 and 20 (whose parent is gone): a missed hit, never a false one
+    apply(index, page(21, TOKENS[:4]), page(22, TOKENS[4:8], parent=21))
+    # held were 14, 20 (whose parent is gone) and 21: a missed hit, never a false one
     assert index.block_size("s") == 4 and index.entries("s") == 3
     assert index.counters("s").unknown_parents == 1
 
