@@ -1043,10 +1043,13 @@ class StreamSubscriber:
         if self._replay_unconfirmed:
             self._replay_unconfirmed = False  # nothing unconfirmed is left
             self._show_state()
+        held = self.sink.held_events()
         dropped = self.sink.clear()
         self._clears += 1
         if keeps_entries(self.sink):
-            self._warn("clear", f"cleared {dropped} entries: {reason}")
+            # events held while the page size is unknown are no entries, yet go with them
+            also = f" and {held} held events (page size still unknown)" if held else ""
+            self._warn("clear", f"cleared {dropped} entries{also}: {reason}")
         else:  # a recording: nothing held, the file keeps the decision for a replay to repeat
             self._warn("clear", f"stream reset (a router drops its entries here): {reason}")
 
