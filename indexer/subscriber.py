@@ -999,7 +999,14 @@ class StreamSubscriber:
                     if keeps_entries(self.sink)
                     else "the stream is reset (a router drops its entries here)"
                 )
-                + "; check the worker's events endpoints and dp_size",
+                + (
+                    # the rank's events socket is right if its live batches say its rank:
+                    # this one came through the replay socket, so that is the one mapped wrong
+                    f"; it came through the replay socket {self.config.replay_endpoint}: check "
+                    "the worker's `replay` endpoints (one per rank, in rank order)"
+                    if replayed
+                    else "; check the worker's events endpoints and dp_size"
+                ),
             )
             self._clear(f"batch {seq} is dp rank {applied.dp_rank}'s, not this stream's")
         if not replayed:
