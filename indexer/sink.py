@@ -60,6 +60,10 @@ class StreamSink(Protocol):
     def entries(self) -> int:
         """What the stream's state holds now (0 when the sink keeps no state)."""
 
+    def held_events(self) -> int:
+        """Events held back unapplied while the page size is unknown (`indexer.index.held`):
+        no entries, yet a clear drops them too (0 when the sink holds none)."""
+
     def block_size(self) -> int | None:
         """The stream's block size once configured or learned."""
 
@@ -121,6 +125,10 @@ class IndexSink:
     def entries(self) -> int:
         """Blocks the stream holds."""
         return self.index.entries(self.stream_id) if self._has() else 0
+
+    def held_events(self) -> int:
+        """Events the stream holds back until its page size is known."""
+        return self.index.held_events(self.stream_id) if self._has() else 0
 
     def block_size(self) -> int | None:
         """Configured or learned from the first store."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import operator
 import time
 from collections import Counter
@@ -50,6 +51,8 @@ from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 5
 # versions 1-4 carry no digest: a damaged one could not be told from a sound one (start cold)
@@ -160,6 +163,15 @@ def dump_index(index: PrefixIndex) -> bytes:
     # or a refused request named), and a snapshot would carry their salts on for good
     referenced: set[int] = set()
     for name, st in index._streams.items():
+        if st.held is not None and st.held.events:
+            # not written: a stream loaded from the snapshot waits for a page that proves the
+            # size again, and a page held here is a missed hit there (never a false one)
+            log.warning(
+                "stream %s: %d events held while its page size is unknown are not in the "
+                "snapshot (a stream loaded from it learns the size from later events)",
+                name,
+                len(st.held.events),
+            )
         keys = list(st.blocks.values())
         ns_ids = [table[k] & NS_MASK for k in keys]
         referenced.update(ns_ids)

@@ -90,6 +90,10 @@ class TappedSink:
         """Blocks the stream holds."""
         return self.inner.entries()
 
+    def held_events(self) -> int:
+        """Events the stream holds back until its page size is known."""
+        return self.inner.held_events()
+
     @property
     def keeps_entries(self) -> bool:
         """The index's answer (`indexer.sink.keeps_entries`)."""

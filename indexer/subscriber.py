@@ -15,7 +15,9 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   (DEGRADED) until a later live batch or a probe shows which;
 - a replay socket not known to be the publisher's (`StreamConfig.replay_proven`) is trusted
   only once its bytes agree with the live stream's (`_trust_replay`); what it brought
-  before predicts nothing, and it never rebuilds a stream against a batch applied live;
+  before predicts nothing, and when it contradicts a batch applied live (a restart, or
+  another worker's socket: nothing tells which) the stream is rebuilt from it as after a
+  restart, predicting nothing until a live batch agrees (`_restart(unproven=True)`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -427,7 +429,7 @@ class StreamSubscriber:
             self._show_state()
 
     async def _followed_on(self, seq: int, payload: bytes) -> None:
-        """Live batch `seq` was applied after what a replay socket not yet trusted brought:
+        """Live batch `seq` follows on what a replay socket not yet trusted brought:
         following on in seq proves nothing (another worker's buffer ending at `seq` - 1 is
         followed on too), so the socket is asked for `seq` once: a publisher buffers what it
         sent, so its own socket gives this very batch back."""
@@ -447,16 +449,28 @@ class StreamSubscriber:
         # live copy of a batch it gave, proves it later
 
     def _found_foreign(self, why: str) -> None:
-        """The replay socket is not this publisher's: what it gave goes, it is not asked again."""
+        """The replay socket is not this publisher's: the stream is cleared, the socket is not
+        asked again, and the stream goes on as one without a replay socket (live batches only,
+        a gap clears it): no probe, so no tail left unproven and no rebuild pending."""
         self._replay_foreign = True
+        self._suspect = None
+        self._after_restart = False
         log.error(
             "stream %s: the replay socket %s is another publisher's (%s; check `replay` in the "
-            "config): what it gave is cleared and it is not asked again",
+            "config): it is not asked again, and what it gave is cleared (with any live batch "
+            "applied on top of it: they cannot be told apart); the stream goes on from the "
+            "live batches, and a gap clears it",
             self.stream_id,
             self.config.replay_endpoint,
             why,
         )
-        self._clear("the replay socket is another publisher's")
+        self._clear(
+            "the replay socket is another publisher's: what it gave, and any live batch "
+            "applied on top of it"
+        )
+        self._tail_proven(True)  # nothing to ask about the tail: as without a replay socket
+        if self.tracker.last is not None:
+            self._set_phase(StreamState.SYNCED)
 
     def _show_state(self) -> None:
         # a tail not known whole taints what the stream holds: also a part of a buffer that a
@@ -561,8 +575,10 @@ class StreamSubscriber:
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
-            await self._apply_live(msg.topic, msg.seq, msg.payload)
+            # asked before it is applied: a socket found out takes what it gave with it, and
+            # this batch, the worker's own, is kept (applied to the cleared stream)
             await self._followed_on(msg.seq, msg.payload)
+            await self._apply_live(msg.topic, msg.seq, msg.payload)
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
             self._suspect = None  # (a live seq skipped before this one was not real)
@@ -735,27 +751,24 @@ class StreamSubscriber:
             # the seq before this one was real after all, yet the replay socket's buffer ends
             # below it: a publisher buffers what it just sent, so that socket is not this
             # publisher's, and what it gave describes another worker's cache
-            self._replay_foreign = True
-            log.error(
-                "stream %s: the replay socket %s does not buffer this stream's seqs (it ends at "
-                "%d, the live stream is at %d): it is another publisher's (check `replay` in "
-                "the config); what it gave is cleared and it is not asked again",
-                self.stream_id,
-                self.config.replay_endpoint,
-                newest,
-                seq,
+            self._found_foreign(
+                f"it does not buffer this stream's seqs: its buffer ends at {newest}, the "
+                f"live stream is at {seq}"
             )
+            cleared = True
+        else:
+            cleared = False
         self._suspect = None
         if decision.verdict is SeqVerdict.GAP:
             # the replay did not reach this message (none configured, timed out, or too short)
-            if self.tracker.last is not None:
+            if self.tracker.last is not None and not cleared:
                 self._clear(f"gap before seq {seq} could not be repaired")
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
             self._after_restart = False  # a live batch follows on: the new process's own
+            await self._followed_on(seq, payload)  # (before it is applied, as in `_on_live`)
             await self._apply_live(topic, seq, payload)
-            await self._followed_on(seq, payload)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
 
@@ -782,6 +795,8 @@ class StreamSubscriber:
             self._run_open = False
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
+        if self._replay_foreign:
+            return  # found out meanwhile: the stream is one without a replay socket now
         if self._unverified and result.continuity is not _Continuity.NONE:
             if result.continuity is _Continuity.PROVEN and self.restarts == restarts:
                 self._loaded_outcome(f"proven at seq {before}: {self.sink.entries()} entries")
@@ -831,13 +846,10 @@ class StreamSubscriber:
         newest = await self._replay_client().newest()
         if newest is None or newest >= last:
             return None  # the publisher buffers nothing, or a race with new batches: no verdict
-        if self._unproven_against_live(last):
-            self._found_foreign(
-                f"its newest seq is {newest}, below live batch {last}, and it never gave back "
-                "a batch of this stream"
-            )
-            return True  # nothing is held from it, nothing is to be read again
-        self._restart(f"the publisher's newest seq is {newest}, below ours ({last}): it restarted")
+        self._restart(
+            f"the publisher's newest seq is {newest}, below ours ({last}): it restarted",
+            unproven=self._unproven_against_live(last),
+        )
         return (await self._replay(0)).answered
 
     async def _replay(self, start: int) -> _ReplayResult:
@@ -881,10 +893,10 @@ class StreamSubscriber:
                 self._clear(f"a replay answer applied in part was not this stream's: {exc}")
             return _ReplayResult(False, None, continuity)
         if continuity is _Continuity.BROKEN:
-            if self._unproven_against_live(start):
-                self._found_foreign(f"its batch {start} is not live batch {start}")
-                return _ReplayResult(False, None, continuity)  # a gap now clears, as without it
-            self._restart(f"the publisher's batch {start} is not the one applied: it restarted")
+            self._restart(
+                f"the publisher's batch {start} is not the one applied: it restarted",
+                unproven=self._unproven_against_live(start),
+            )
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
         return _ReplayResult(True, newest, continuity)
@@ -897,6 +909,9 @@ class StreamSubscriber:
         if continuing and continuity is _Continuity.NONE:
             continuity = self._check_fence(start, reply.seq, reply.payload)
             if continuity is _Continuity.PROVEN:
+                if self._last_live == start:
+                    # it gave back, byte for byte, the batch the live stream delivered there
+                    self._trust_replay()
                 return continuity  # the fence batch itself is applied already
             if continuity is _Continuity.UNPROVEN:
                 # the buffer starts after our last batch: whether or not it follows it,
@@ -933,9 +948,9 @@ class StreamSubscriber:
     def _unproven_against_live(self, seq: int) -> bool:
         """Whether a replay socket never proven contradicts batch `seq` that the live stream
         delivered (applied last). A publisher buffers what it sent, so its own socket would
-        hold it: a restart of this publisher and another worker's socket look alike, and an
-        unproven socket's buffer must not rebuild the stream (it would predict the other
-        worker's cache, and take every later live batch for the dead process's)."""
+        hold it unless the publisher restarted: a restart of this publisher (its startup
+        batches lost while the SUB reconnected) and another worker's socket look alike here.
+        Either way the stream's entries are not the worker's (`_restart(unproven=True)`)."""
         return not self._replay_trusted and self._last_live == seq
 
     def _remember(self, seq: int, payload: bytes) -> None:
@@ -999,19 +1014,43 @@ class StreamSubscriber:
                     if keeps_entries(self.sink)
                     else "the stream is reset (a router drops its entries here)"
                 )
-                + "; check the worker's events endpoints and dp_size",
+                + (
+                    # the rank's events socket is right if its live batches say its rank:
+                    # this one came through the replay socket, so that is the one mapped wrong
+                    f"; it came through the replay socket {self.config.replay_endpoint}: check "
+                    "the worker's `replay` endpoints (one per rank, in rank order)"
+                    if replayed
+                    else "; check the worker's events endpoints and dp_size"
+                ),
             )
             self._clear(f"batch {seq} is dp rank {applied.dp_rank}'s, not this stream's")
         if not replayed:
             self._notify(seq)
         return True
 
-    def _restart(self, reason: str) -> None:
-        """The publisher restarted (or may have): drop the stream's state, rebuild from 0."""
+    def _restart(self, reason: str, *, unproven: bool = False) -> None:
+        """The publisher restarted (or may have): drop the stream's state, rebuild from 0.
+
+        `unproven`: found by a replay socket never proven to be the publisher's, contradicting
+        a batch the live stream delivered. That is a restart of this publisher or another
+        worker's socket (a `replay` typo), and nothing tells which yet: it is counted and
+        rebuilt as a restart, but what the socket gives predicts nothing until a live batch
+        agrees with it (as at a join), and a live batch that contradicts what it gave finds
+        it out (`_live_disagrees`, `_followed_on`, a live seq beyond its buffer in `_repair`).
+        Flagging it foreign at once wrote off an honest worker's own socket at its first
+        restart: never asked again, every later gap cleared the stream."""
         self._restarted()
         # until a live batch follows on what the new process buffers, live batches of the one
-        # before it may still arrive (queued on our socket before it died): never its seqs
-        self._after_restart = True
+        # before it may still arrive (queued on our socket before it died): never its seqs.
+        # Not from an unproven socket: its buffer may be another worker's, whose seqs would
+        # then pass every live batch of this one off as the dead process's (the price: a
+        # dead process's batch still queued then contradicts the new buffer, as foreign)
+        self._after_restart = not unproven
+        if unproven:
+            reason += (
+                " (or its replay socket, never proven the publisher's, is another worker's: "
+                "what it gives predicts nothing until a live batch agrees with it)"
+            )
         self._clear(reason)
         self.tracker.reset()
         self.sink.forget_seq()
@@ -1043,10 +1082,13 @@ class StreamSubscriber:
         if self._replay_unconfirmed:
             self._replay_unconfirmed = False  # nothing unconfirmed is left
             self._show_state()
+        held = self.sink.held_events()
         dropped = self.sink.clear()
         self._clears += 1
         if keeps_entries(self.sink):
-            self._warn("clear", f"cleared {dropped} entries: {reason}")
+            # events held while the page size is unknown are no entries, yet go with them
+            also = f" and {held} held events (page size still unknown)" if held else ""
+            self._warn("clear", f"cleared {dropped} entries{also}: {reason}")
         else:  # a recording: nothing held, the file keeps the decision for a replay to repeat
             self._warn("clear", f"stream reset (a router drops its entries here): {reason}")
 

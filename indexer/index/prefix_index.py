@@ -233,6 +233,12 @@ class PrefixIndex:
         """Blocks the stream holds now (partial pages included)."""
         return self._streams[stream].entries()
 
+    def held_events(self, stream: str) -> int:
+        """Events the stream holds back while its page size is unknown (`indexer.index.held`):
+        not entries, yet a clear drops them too."""
+        held = self._streams[stream].held
+        return 0 if held is None else held.dropped()
+
     def counters(self, stream: str) -> StreamCounters:
         """The stream's cumulative counters (a live object: read, do not keep)."""
         return self._streams[stream].counters

@@ -63,6 +63,8 @@ class BatchWriter:
     def apply(self, stream: str, st: IndexedStream, batch: EventBatch) -> ApplyOutcome:
         """Apply one batch's events to stream `stream` (whose table is `st`)."""
         outcome = ApplyOutcome(skipped=batch.skipped)
+        if st.held is not None:
+            st.held.new_batch()  # a run of pages proves a size within one batch only
         store = self.store
         remove = self.remove
         for ev in batch.events:

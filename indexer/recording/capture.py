@@ -138,6 +138,10 @@ class RecordingSink:
         """A capture keeps no state of the cache."""
         return 0
 
+    def held_events(self) -> int:
+        """A capture holds nothing back."""
+        return 0
+
     def block_size(self) -> int | None:
         """Configured, or the first store's page size."""
         return self._block_size

@@ -61,8 +61,14 @@ class ScriptedPublisher:
         if endpoints is not None:
             # the ports of a publisher that died: a restarted process on the same sockets
             self.endpoint, self.replay_endpoint = endpoints
-            self.pub.bind(self.endpoint)
-            self.router.bind(self.replay_endpoint)
+            try:
+                self.pub.bind(self.endpoint)
+                self.router.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                # a port still taken: the caller may try again, leaving no socket open
+                self.pub.close(linger=0)
+                self.router.close(linger=0)
+                raise
         else:
             port = self.pub.bind_to_random_port("tcp://127.0.0.1")
             self.endpoint = f"tcp://127.0.0.1:{port}"

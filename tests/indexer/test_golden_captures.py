@@ -43,20 +43,26 @@ class Reading:
         self.engine = engine
         self.held: dict[Any, tuple[Namespace, tuple[Any, ...], bool]] = {}
         # a stream learns its page size from a store of two or more pages, or (SGLang) from a
-        # one-page store another chains on; a lone page may be a partial one. Until then a
-        # vLLM one-page store is not held, and SGLang's events wait in order (`waiting`)
+        # run: a one-page store chained on the whole one-page store held right before it in
+        # the same batch; a lone page may be a partial one. Until then a vLLM one-page store
+        # is not held, and SGLang's events wait in order (`waiting`)
         self.sized = False
         self.waiting: list[dict[str, Any]] = []
+        self.batch_starts = 0  # index in `waiting` where the current batch's events begin
+
+    def new_batch(self) -> None:
+        self.batch_starts = len(self.waiting)
 
     def apply(self, ev: dict[str, Any]) -> None:
         if not self.sized and self.engine != "vllm" and ev["type"] != "AllBlocksCleared":
             parent = _hash(ev.get("parent_block_hash"))
-            chained = any(
-                len(w["block_hashes"]) == 1
-                and _hash(w["block_hashes"][0]) == parent
-                and len(w["token_ids"]) == w["block_size"] >= ev["block_size"]
-                for w in self.waiting
-                if w["type"] == "BlockStored"
+            last = self.waiting[-1] if len(self.waiting) > self.batch_starts else None
+            chained = (
+                last is not None
+                and last["type"] == "BlockStored"
+                and len(last["block_hashes"]) == 1
+                and _hash(last["block_hashes"][0]) == parent
+                and len(last["token_ids"]) == last["block_size"] >= ev["block_size"]
             )
             if ev["type"] != "BlockStored" or (len(ev["block_hashes"]) < 2 and not chained):
                 self.waiting.append(ev)
@@ -68,6 +74,7 @@ class Reading:
         kind = ev["type"]
         if kind == "AllBlocksCleared":
             self.waiting.clear()
+            self.batch_starts = 0
             self.held.clear()
         elif kind == "BlockRemoved":
             for h in ev["block_hashes"]:
@@ -149,15 +156,24 @@ def _check(
     doc: dict[str, Any], messages: list[tuple[bytes, list[dict[str, Any]]]], index: PrefixIndex
 ) -> None:
     engine = _engine(doc)
-    index.add_stream("s", model=MODEL, engine=engine)  # type: ignore[arg-type]
     reading = Reading(engine)
+    done: list[EventBatch] = []
+    # after each event: a fresh index takes the batches before, then this batch up to the
+    # event, as one batch (a page size is proven by a run of pages within one batch, so
+    # one event a batch would not be what the engine published)
     for payload, expected_events in messages:
         batch = decode_batch(payload)
         assert len(batch.events) == len(expected_events)
-        for ev, want in zip(batch.events, expected_events, strict=True):
-            index.apply("s", EventBatch(batch.ts, [ev]))
+        reading.new_batch()
+        for k, want in enumerate(expected_events, start=1):
+            fresh = PrefixIndex(backend=index.backend)
+            fresh.add_stream("s", model=MODEL, engine=engine)  # type: ignore[arg-type]
+            for before in done:
+                fresh.apply("s", before)
+            fresh.apply("s", EventBatch(batch.ts, batch.events[:k]))
             reading.apply(want)
-            reading.check(index, "s")
+            reading.check(fresh, "s")
+        done.append(batch)
 
 
 def _live_files() -> list[Path]:

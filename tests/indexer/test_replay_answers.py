@@ -453,3 +453,110 @@ async def test_an_answer_from_before_the_seq_asked_says_so(
         assert await svc.wait_applied(WORKER, last)
         assert matched(svc, A) == 4 and matched(svc, C) == 4
         assert re.search(r"asked from our last batch \d+ starts at 0, before it", caplog.text)
+
+
+async def test_a_probe_that_gives_back_a_live_batch_proves_an_unproven_socket(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The idle probe asks from the last batch, which the live stream delivered: the socket
+    gave it back byte for byte (the fence), yet nothing marked it proven, so a socket proven
+    by no gap or join stayed untrusted, and the worker's first restart wrote it off."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
+        await connect(svc, pub, block_size=4, replay_proven=False)
+        (sub,) = svc._workers[WORKER]
+        pub.answer_with = None
+        a = await pub.publish(stored(A, 10))
+        assert await svc.wait_applied(WORKER, a)
+        probes = sub.probes
+        await wait_until(lambda: sub.probes >= probes + 2)  # asked from the live batch `a`
+        assert sub._replay_trusted
+
+
+async def _restarted(ctx: zmq.asyncio.Context, pub: ScriptedPublisher) -> ScriptedPublisher:
+    """A new process on `pub`'s ports. The SUB, reconnecting to its port meanwhile, may hold
+    it for a moment (a TCP connect to a free ephemeral port can meet itself): bind again."""
+    for _ in range(100):
+        try:
+            return ScriptedPublisher(ctx, endpoints=(pub.endpoint, pub.replay_endpoint))
+        except zmq.ZMQError:
+            await asyncio.sleep(0.02)
+    raise AssertionError("the dead publisher's ports stayed taken")
+
+
+async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM worker (it advertises nothing: its socket is unproven) restarts on the same
+    ports; its startup batches are lost while the SUB reconnects. Its socket no longer holds
+    the live batch applied last, which flagged it another publisher's for good (ERROR, no
+    restart counted, the new process's C never indexed, every later gap cleared). It is a
+    restart now: counted, rebuilt from the new buffer, which predicts nothing until a live
+    batch agrees with the socket; the socket is kept."""
+    async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
+        pub = ScriptedPublisher(ctx)
+        async with pub:
+            pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
+            await connect(svc, pub, block_size=4, replay_proven=False)
+            (sub,) = svc._workers[WORKER]
+            a = await pub.publish(stored(A, 10))
+            assert await svc.wait_applied(WORKER, a)
+            assert matched(svc, A) == 4 and not sub._replay_trusted
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        async with await _restarted(ctx, pub) as again:
+            await again.publish(EventBatch(0.0, [Cleared()]), drop=True)  # lost: reconnecting
+            await again.publish(stored(C, 20), drop=True)
+            await wait_until(lambda: svc.streams()[0].restarts == 1)
+            await wait_until(lambda: sub.tracker.last == 1)  # rebuilt from its buffer
+            assert not sub._replay_foreign and "another publisher's" not in caplog.text
+            assert matched(svc, A) == 0
+            assert matched(svc, C) == 0  # fail closed: nothing live agreed with it yet
+            assert svc.streams()[0].state is StreamState.UNVERIFIED
+            for _ in range(100):  # the SUB's connection may still be on its way
+                seq = await again.publish(stored(D, 30))
+                if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+                    break
+            await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+            assert matched(svc, C) == 4 and matched(svc, D) == 4 and matched(svc, A) == 0
+            assert svc.streams()[0].restarts == 1 and sub._replay_trusted
+
+
+async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_one(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`replay` on another worker's socket, which is found out by the probe (its batch at
+    our last seq is another one). It was flagged at once, the line said "what it gave is
+    cleared" though this worker's own entries went too, the next one falsely said the
+    socket "did not answer to its end", and the stream stayed unverified while idle. Now
+    that contradiction is a restart whose rebuild predicts nothing; this worker's next live
+    batch, which that socket does not hold, finds it out: the line says what is cleared,
+    the live batch is kept, and the stream is synced as one without a replay socket."""
+    async with (
+        ScriptedPublisher(ctx) as own,
+        ScriptedPublisher(ctx) as other,
+        IndexerService(PROBING) as svc,
+    ):
+        other.answer_with = _buffer_of_nothing  # the join brings nothing from it
+        await connect(
+            svc, own, block_size=4, replay_endpoint=other.replay_endpoint, replay_proven=False
+        )
+        (sub,) = svc._workers[WORKER]
+        a = await own.publish(stored(A, 10))
+        assert await svc.wait_applied(WORKER, a)
+        while other.next_seq <= a:  # the other worker's buffer reaches our last seq
+            await other.publish(stored(C, 20 + other.next_seq), drop=True)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        other.answer_with = None
+        await wait_until(lambda: svc.streams()[0].restarts == 1)
+        assert matched(svc, A) == 0 and matched(svc, C) == 0  # its buffer predicts nothing
+        seq = await own.publish(stored(D, 30))
+        assert await svc.wait_applied(WORKER, seq)
+        await wait_until(lambda: sub._replay_foreign)
+        asked = len(other.replay_requests)
+        await asyncio.sleep(0.3)  # several probe intervals of a quiet stream
+        stats = svc.streams()[0]
+        assert stats.state is StreamState.SYNCED and stats.last_seq == seq
+        assert matched(svc, D) == 4 and matched(svc, C) == 0
+        assert len(other.replay_requests) == asked  # not asked again
+        assert "did not answer" not in caplog.text
+        assert "what it gave is cleared (with any live batch applied on top" in caplog.text

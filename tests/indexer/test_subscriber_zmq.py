@@ -824,6 +824,26 @@ async def test_a_batch_of_another_dp_rank_clears_the_stream_and_is_said(
         stats = svc.streams()[0]
         assert (stats.rank_mismatches, stats.entries) == (1, 0)
         assert "DP RANK MISMATCH: batch" in caplog.text and "says dp rank 1" in caplog.text
+        assert "check the worker's events endpoints" in caplog.text
+
+
+async def test_a_batch_of_another_dp_rank_through_the_replay_names_the_replay(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0's live batches are rank 0's, and the batch of rank 1 came through the replay
+    socket (per-rank `replay` lists swapped): the warning said to check the events endpoints
+    and dp_size, which were right. It names the replay socket now."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)  # rank 0
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        stored = Stored(block_hashes=[3], parent=None, token_ids=[30, 31, 32, 33], block_size=4)
+        await pub.publish(EventBatch(0.0, [stored], 1), drop=True)  # repaired by the replay
+        seq = await pub.publish(EventBatch(0.0, [], 0))
+        assert await svc.wait_applied(WORKER, seq)
+        assert svc.streams()[0].rank_mismatches == 1
+        assert "DP RANK MISMATCH" in caplog.text
+        assert f"through the replay socket {pub.replay_endpoint}" in caplog.text
+        assert "check the worker's events endpoints" not in caplog.text
 
 
 async def test_a_subscriber_started_on_a_requests_path_runs_outside_its_context(
