@@ -454,6 +454,34 @@ async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadab
             assert status == 200 and headers["x-kvroute-worker"] == "wX", answer
 
 
+async def test_a_kv_query_during_a_rename_is_answered_by_the_new_id(fleet: Reloadable) -> None:
+    """`/v1/kv/query` waits for the change as the proxy does. Before, a query in the rename's
+    gap got a 404 `UnknownModelError` listing no model (QA: 1 of 80)."""
+    query = {"model": DEFAULT_MODEL, "text": PROMPT}
+    async with DiscoveryGate(fleet.spare.url) as gate:
+        gate.open.set()
+        fleet.path.write_text(_toml({"wA": gate.url}))
+        status, answer = await fleet.reload()
+        assert status == 200 and answer["workers_added"] == ["wA"], answer
+        gate.open.clear()
+        asked = gate.info_asked
+        fleet.path.write_text(_toml({"wX": gate.url}))
+        reload = asyncio.create_task(fleet.reload())
+
+        async def discovering() -> bool:
+            return gate.info_asked > asked
+
+        await eventually(discovering, what="the new id's discovery")
+        sent = asyncio.create_task(fleet.post("/v1/kv/query", query))
+        await asyncio.sleep(0.2)
+        assert not sent.done(), sent.result()
+        gate.open.set()
+        status, _, answer = await sent
+        assert status == 200, answer
+        assert [row["worker"] for row in answer["workers"]] == ["wX"]
+        assert (await reload)[0] == 200
+
+
 async def test_renames_back_and_forth_under_traffic_fail_no_request(fleet: Reloadable) -> None:
     """The QA run: clients sending all along while the file renames both workers and back.
     Before, each reload failed some of them: 404 (the pool empty for an instant), then 503."""
