@@ -202,14 +202,19 @@ class ModelUnavailableError(NoWorkerError):
     are not known yet (not registered: down, or still being discovered).
 
     The model may be theirs: a 404 says it is not served, and OpenAI clients do not retry one.
-    It becomes an `UnknownModelError` once every worker's models are known.
+    It becomes an `UnknownModelError` once every worker's models are known. A fleet with no
+    worker at all answers this too: it knows of no model it does not serve.
     """
 
     def __init__(self, model: str, served: tuple[str, ...], unknown: int) -> None:
         named = f"model {model[:64]!r}" if model else "no model"
+        why = (
+            f"the models of {unknown} worker(s) are not known yet (down, or being discovered)"
+            if unknown
+            else "the fleet has no worker now (being changed?)"
+        )
         super().__init__(
-            f"the request names {named}, which no worker is known to serve now; the models of "
-            f"{unknown} worker(s) are not known yet (down, or being discovered): retry later"
+            f"the request names {named}, which no worker is known to serve now; {why}: retry later"
         )
         self.model = model
         self.served = served

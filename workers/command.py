@@ -174,6 +174,14 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="model name the worker reports (default %(default)s)"
     )
+    parser.add_argument(
+        "--sglang-version",
+        default=defaults.version,
+        metavar="VERSION",
+        help="the SGLang version /server_info reports; it also decides how an OpenAI "
+        "request's model names a LoRA adapter (0.5.17-0.5.22: split at the first ':'; "
+        "default %(default)s)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +232,7 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
     """A WorkerConfig from parsed options (plus per-command overrides such as ports)."""
     fields: dict[str, object] = {
         "model": args.model,
+        "version": args.sglang_version,
         "page_size": args.page_size,
         "capacity_tokens": args.capacity_tokens,
         "host_capacity_tokens": args.host_capacity_tokens,
@@ -260,6 +269,7 @@ _FLAG_OF_FIELD = {
     "events_host": "--events",
     "events_port": "--events",
     "replay_port": "--replay",
+    "version": "--sglang-version",
 }
 
 

@@ -35,6 +35,7 @@ from indexer.service import IndexerService
 from router.cluster.wire import EvictionRecord, WorkerRecord
 from router.config import WorkerConfig
 from router.errors import NotFoundError
+from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
 from router.routing.pool import WorkerPool
 
@@ -57,9 +58,17 @@ class FleetState:
     """Reads and writes the shared fleet and evictions, and applies them to this replica."""
 
     def __init__(
-        self, replica: str, supervisor: Supervisor, pool: WorkerPool, indexer: IndexerService
+        self,
+        replica: str,
+        supervisor: Supervisor,
+        pool: WorkerPool,
+        indexer: IndexerService,
+        change: FleetChange | None = None,
     ) -> None:
         self._replica = replica
+        # the records' removals and adds, waited out by the requests they leave no worker
+        # (the reloader's, shared by the app: one change for the proxy to wait on)
+        self.change = change or FleetChange()
         self._supervisor = supervisor
         self._pool = pool
         self._indexer = indexer
@@ -125,12 +134,25 @@ class FleetState:
     # ----------------------------------------------------------------- applying
 
     async def apply_worker(self, value: bytes) -> None:
-        """Make this replica's pool agree with one worker record."""
+        """Make this replica's pool agree with one worker record.
+
+        Its removals and adds are a change of the fleet (`router.fleet.change`): a request
+        that finds no worker for its model meanwhile waits for their end, as during a reload
+        here. A worker renamed by another replica's reload (its server under a new id) comes
+        as the new id's record, then the old id's removal (`router.http.reload`): the new id
+        takes the server from the old one here in one change. Before, the removal came first
+        and the new id only once the reloading replica had registered it, and this replica's
+        requests of that gap got 404s naming no model, then 503s.
+        """
         try:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError as exc:
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
             return
+        with self.change.changing():
+            await self._apply(record)
+
+    async def _apply(self, record: WorkerRecord) -> None:
         entry = self._pool.find(record.id)
         if record.removed or record.config is None:
             if entry is not None:
@@ -140,6 +162,11 @@ class FleetState:
         if entry is None or entry.config != record.config:
             if entry is not None:
                 await self._remove(record.id)
+            # one server is one worker in the pool: the cluster's word is that it is this id now
+            server = record.config.server
+            for other in [e for e in self._pool if e.config.server == server]:
+                log.info("worker %s renamed %s by replica %s", other.id, record.id, record.by)
+                await self._remove(other.id)
             log.info("worker %s added by replica %s", record.id, record.by)
             # routed to once registered and health-checked here too (`Supervisor.add`), and
             # never before its drain applies; waited for a few health timeouts at most: a

@@ -48,6 +48,7 @@ from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
 from router.cluster.wire import Batch, Decision, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
+from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
 from router.routing.planner import Planner
 
@@ -129,6 +130,7 @@ class ClusterService:
         planner: Planner,
         supervisor: Supervisor,
         seed_workers: Sequence[WorkerConfig] = (),
+        fleet_change: FleetChange | None = None,
     ) -> None:
         self.config = config
         self.replica = config.replica_id or replica_name()
@@ -152,7 +154,11 @@ class ClusterService:
         # be the one coming back, with nothing of its own left
         self.peers.shadow_seen = self.outbox.remember
         self._instance = secrets.token_hex(8)
-        self.fleet = FleetState(self.replica, supervisor, planner.pool, planner.indexer)
+        # the fleet records' changes are waited out by requests as a reload's are: the
+        # reloader's `fleet_change`, which the proxy waits on
+        self.fleet = FleetState(
+            self.replica, supervisor, planner.pool, planner.indexer, fleet_change
+        )
         prefix = config.subject_prefix
         self.subject = f"{prefix}.replica.{self.replica}"
         self._fleet_bucket = f"{prefix}_fleet"

@@ -238,20 +238,27 @@ async def evict_namespace(request: web.Request) -> web.Response:
         raise RequestError(
             "flush_workers needs a salted namespace (an unsalted flush would empty whole caches)"
         )
+    pool = list(request.config_dict[PLANNER].pool)
+    entries = [e for e in pool if e.flushes_by_salt] if body.flush_workers else []
+    # A worker's flush empties the whole salt (every model, adapter and extra_key of it:
+    # the reference worker's `/flush_cache {"cache_salt"}`), so the index forgets the whole
+    # salt too, here and on every replica. Before, a namespace evicted with a flush dropped
+    # that namespace alone, and the salt's others went on predicting pages just flushed.
+    whole_salt = body.cache_salt is not None or bool(entries)
+    if whole_salt and body.namespace is not None:
+        targets = [ns for ns in held if ns.cache_salt == salt]
     dropped = sum(indexer.evict_namespace(ns) for ns in targets)
     sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
-        if body.cache_salt is not None:
+        if whole_salt:
             # by salt even when this index holds none of it: another replica's may
-            sharing = await cluster.salt_evicted(body.cache_salt)
+            sharing = await cluster.salt_evicted(salt or "")
         elif targets:
             sharing = await cluster.namespaces_evicted(targets)
     flushed: dict[str, str] = {}
     if body.flush_workers and salt is not None:
         # all at once: one unreachable worker must not hold the answer for 10 s per worker
         session = request.config_dict[SESSION]
-        pool = list(request.config_dict[PLANNER].pool)
-        entries = [e for e in pool if e.flushes_by_salt]
         results = await asyncio.gather(*(_flush(session, e.url, salt) for e in entries))
         flushed = {e.id: result for e, result in zip(entries, results, strict=True)}
         for e in pool:

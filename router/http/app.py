@@ -396,7 +396,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                     from router.cluster.service import ClusterService
 
                     cluster = await stack.enter_async_context(
-                        ClusterService(config.cluster, planner, supervisor, config.workers)
+                        ClusterService(
+                            config.cluster,
+                            planner,
+                            supervisor,
+                            config.workers,
+                            fleet_change=reloader.fleet_change,
+                        )
                     )
                     app[CLUSTER] = cluster
                     reloader.cluster = cluster  # reloaded workers are shared as admin's are

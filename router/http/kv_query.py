@@ -21,6 +21,7 @@ index without the admin API's power. docs/operations.md has the request and answ
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -28,9 +29,9 @@ from aiohttp import web
 
 from indexer.namespace import Namespace
 from router.config import RouterConfig
-from router.errors import AuthError, RequestError
+from router.errors import AuthError, NoWorkerError, RequestError, UnknownModelError
 from router.http.bearer import bearer_matches, is_loopback
-from router.http.keys import CONFIG, PLANNER, TOKENIZER
+from router.http.keys import CONFIG, PLANNER, RELOADER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
 from router.prompt.request import (
     Endpoint,
@@ -143,9 +144,10 @@ async def _read(request: web.Request, kind: type[Q]) -> Q:
         raise RequestError(str(exc)) from exc
 
 
-def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namespace]:
+async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namespace]:
     """The query as a request to plan, and its namespace as the proxy would cache it."""
-    limits = request.app[CONFIG].current.limits
+    config = request.app[CONFIG].current
+    limits = config.limits
     tokens = _tokens(query, request)
     salt = query.cache_salt or None
     if salt is not None:
@@ -167,7 +169,17 @@ def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namesp
         stream=False,
         extra_key=extra_key,
     )
-    ns = request.app[PLANNER].namespace(parsed)  # UnknownModelError (404) as the proxy would
+    planner = request.app[PLANNER]
+    try:
+        ns = planner.namespace(parsed)  # UnknownModelError (404) as the proxy would
+    except (UnknownModelError, NoWorkerError):
+        # its model served by nobody for an instant of a change (a worker renamed): answered
+        # once the change ends, as the proxy waits (it was a 404 listing no model)
+        reloader = request.app.get(RELOADER)
+        deadline = time.monotonic() + config.timeouts.request_s
+        if reloader is None or not await reloader.fleet_change.waited(deadline):
+            raise
+        ns = planner.namespace(parsed)
     if query.lora and ns.lora is None:
         # the gateway states the adapter: on vLLM workers, which read no `lora_path` from a
         # body, the proxy leaves the field out, but an adapter's pages are its own all the same
@@ -177,7 +189,7 @@ def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, Namesp
 
 async def kv_query(request: web.Request) -> web.Response:
     """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
-    parsed, ns = _parsed(request, await _read(request, KvQuery))
+    parsed, ns = await _parsed(request, await _read(request, KvQuery))
     planner = request.app[PLANNER]
     plan = planner.plan(parsed, ns)
     best = plan.candidates[0] if plan.candidates and plan.candidates[0].healthy else None
@@ -197,7 +209,7 @@ async def kv_query(request: web.Request) -> web.Response:
 async def kv_routed(request: web.Request) -> web.Response:
     """POST /v1/kv/routed: a gateway sent this request to (worker, rank) itself."""
     routed = await _read(request, KvRouted)
-    parsed, ns = _parsed(request, routed)
+    parsed, ns = await _parsed(request, routed)
     planner = request.app[PLANNER]
     worker, rank = routed.worker, routed.dp_rank
     if not any(e.id == worker for e in planner.pool.serving(ns.model)):

@@ -137,6 +137,15 @@ class PairDispatcher:
                 break
             with obs.phase("route") if obs is not None else contextlib.nullcontext():
                 plan = pairs.plan(parsed, ns)  # re-ranked each time: health and loads move
+                if attempt == 0 and (plan.prefill.worker is None or plan.decode.worker is None):
+                    # a side being renamed, added or checked by a change of the fleet: paired
+                    # once it is (it raised NoWorkerError at once, amid a rename under traffic)
+                    try:
+                        if await self._proxy.change_settled(deadline):
+                            plan = pairs.plan(parsed, ns)
+                    except asyncio.CancelledError:  # left while waiting: the proxy's count
+                        self._proxy.abandoned(request, endpoint)
+                        raise
                 if attempt == 0 and self._config.policy.hold_until_room:
                     # the prefill side is where the prefix is reused: held until it has room
                     try:

@@ -34,12 +34,14 @@ import contextlib
 import contextvars
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
+from indexer.engines import PdRole
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import (
@@ -96,6 +98,14 @@ _ROUTING_OVERRIDES = frozenset(
         "x-override-bootstrap-room",
     }
 )
+
+
+def _unpaired(roles: Counter[PdRole]) -> str:
+    """Why a model whose workers are all of one side of a pair takes no request: the side it
+    lacks, and the workers it has (it said "among 0", as if it had no worker at all)."""
+    ((role, count),) = roles.items()
+    side = "decode" if role == "prefill" else "prefill"
+    return f"no routable {side} worker among 0 (its {count} {role} worker(s) have no pair)"
 
 
 def _none_routable(candidates: Sequence[Candidate]) -> str:
@@ -199,41 +209,50 @@ class Proxy:
         try:
             ns = planner.namespace(parsed)
         except (UnknownModelError, NoWorkerError):
-            # its model served by nobody for an instant of a reload (a worker renamed): served
-            # once the reload's change ends, not refused with a 404 a client does not retry
+            # its model served by nobody for an instant of a change (a worker renamed): served
+            # once the change ends, not refused with a 404 a client does not retry
             try:
-                if not await self._change_settled(deadline):
+                if not await self.change_settled(deadline):
                     raise
             except asyncio.CancelledError:
                 self.abandoned(request, endpoint)
                 raise
             ns = planner.namespace(parsed)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
-        if self.pairs is not None and self.pairs.applies(ns.model):
-            return await self.pairs.handle(request, endpoint, parsed, ns, started)
+        if self._paired(ns):
+            return await self._to_pair(request, endpoint, parsed, ns, started)
+        paired = False
         try:
             with obs.phase("route"):
                 plan = planner.plan(parsed, ns)
-                if plan.worker is None and await self._change_settled(deadline):
-                    # its workers being added or checked by a reload: planned once they are
-                    plan = planner.plan(parsed, ns)
-                if config.policy.hold_until_room:
-                    plan = await self.hold_for_room(
-                        plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
-                    )
-                obs.planned(plan, ns.model)
+                if plan.worker is None and await self.change_settled(deadline):
+                    # its workers being added or checked by a change: planned once they are,
+                    # in the namespace and on the path the fleet has now (a pair's side
+                    # renamed left its model no pair meanwhile, planned as whole requests: it
+                    # is one again)
+                    ns = planner.namespace(parsed)
+                    paired = self._paired(ns)
+                    if not paired:
+                        plan = planner.plan(parsed, ns)
+                if not paired:
+                    if config.policy.hold_until_room:
+                        plan = await self.hold_for_room(
+                            plan, lambda: planner.plan(parsed, ns), _same_plan, deadline
+                        )
+                    obs.planned(plan, ns.model)
         except asyncio.CancelledError:  # left while held for a worker with room
             self.abandoned(request, endpoint)
             raise
+        if paired:
+            return await self._to_pair(request, endpoint, parsed, ns, started)
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
             if not plan.candidates:
                 # a model of pairs that lost one side (removed): it takes no whole requests
-                roles = {e.role for e in planner.pool.serving(ns.model)}
-                if len(roles) == 1 and roles != {"both"}:
-                    side = "decode" if roles == {"prefill"} else "prefill"
-                    raise NoWorkerError(f"no routable {side} worker among 0")
+                roles = Counter(e.role for e in planner.pool.serving(ns.model))
+                if roles and "both" not in roles:
+                    raise NoWorkerError(_unpaired(roles))
             raise NoWorkerError(_none_routable(plan.candidates))
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
@@ -375,19 +394,27 @@ class Proxy:
         reread = asyncio.create_task(self.reread(worker, wait_s), context=contextvars.Context())
         return await reread
 
-    async def _change_settled(self, deadline: float) -> bool:
-        """Whether a reload was changing the workers (`router.fleet.change`) and has ended, so
-        a request that found no worker for its model meanwhile is planned again; waits no
-        longer than the request's deadline (False then: refused as it was)."""
+    async def change_settled(self, deadline: float) -> bool:
+        """Whether a change of the workers was under way (a reload's, or another replica's
+        records: `router.fleet.change`) and has ended, so a request that found no worker for
+        its model meanwhile is planned again; waits no longer than `deadline` (False then:
+        refused as it was)."""
         change = self.fleet_change
-        if change is None or not change.under_way:
-            return False
-        try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await change.settled()
-        except TimeoutError:
-            return False
-        return True
+        return change is not None and await change.waited(deadline)
+
+    def _paired(self, ns: Namespace) -> bool:
+        return self.pairs is not None and self.pairs.applies(ns.model)
+
+    async def _to_pair(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        ns: Namespace,
+        started: float,
+    ) -> web.StreamResponse:
+        assert self.pairs is not None  # `_paired`
+        return await self.pairs.handle(request, endpoint, parsed, ns, started)
 
     def abandoned(self, request: web.Request, endpoint: Endpoint) -> None:
         """Count a request its client left before any worker was sent it (read, or held)."""

@@ -247,8 +247,12 @@ class Reloader:
             for worker_id in diff.workers_removed
             if (entry := pool.find(worker_id)) is not None and entry.config.server in claimed
         ]
+        # Their removal is told the other replicas only after the new ids' records: there the
+        # new id takes the server from the old one in one change (`FleetState.apply_worker`).
+        # Told first, it left their pools without the server until this replica had
+        # registered the new id (404s and 503s there, none here).
         for worker_id in first:
-            await self._remove(worker_id, publish=True)
+            await self._remove(worker_id, publish=False)
         for worker_id in diff.workers_changed:
             # the new record replaces the old one on every replica: no removal to publish
             await self._remove(worker_id, publish=False)
@@ -257,6 +261,8 @@ class Reloader:
         await asyncio.gather(
             *(self._add(by_id[worker_id], draining=worker_id in drained) for worker_id in added)
         )
+        for worker_id in first:
+            await self._publish_removal(worker_id)
         for worker_id in diff.workers_removed:
             if worker_id not in first:
                 await self._remove(worker_id, publish=True)
@@ -264,7 +270,11 @@ class Reloader:
     async def _remove(self, worker_id: str, *, publish: bool) -> None:
         with contextlib.suppress(NotFoundError):  # an admin removed it already
             await self._supervisor.remove(worker_id)
-        if publish and self.cluster is not None:
+        if publish:
+            await self._publish_removal(worker_id)
+
+    async def _publish_removal(self, worker_id: str) -> None:
+        if self.cluster is not None:
             await self.cluster.worker_changed(worker_id, None, removed=True)
 
     async def _add(self, config: WorkerConfig, *, draining: bool = False) -> None:

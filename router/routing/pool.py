@@ -368,8 +368,10 @@ class WorkerPool:
         """A 404 only when the fleet is known not to serve `model` (every worker's models are
         known); while some are not, a 503: it may be theirs. Before, a fleet swapped in one
         reload, or whose only worker was down, answered 404 (an OpenAI client does not retry
-        one) for a model it was about to serve again."""
-        if self._unknown:
+        one) for a model it was about to serve again. An empty pool knows of no model it does
+        not serve either (its workers being renamed, on a replica reading another's reload):
+        a 503 too, where it said "this fleet serves " and no model."""
+        if self._unknown or not self._everyone:
             raise ModelUnavailableError(model, self.served(), self._unknown)
         raise UnknownModelError(model, self.served())
 

@@ -143,6 +143,44 @@ async def serve_app(app: web.Application, **runner_options: Any) -> tuple[web.Ap
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
+class DiscoveryGate:
+    """A worker's HTTP API passed through, its `/server_info` held until `open` is set: a
+    worker whose discovery takes a while, as a loaded or distant one's does."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.open = asyncio.Event()
+        self.info_asked = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _pass(self, request: web.Request) -> web.Response:
+        if request.path in ("/server_info", "/get_server_info"):
+            self.info_asked += 1
+            await self.open.wait()
+        assert self._session is not None
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=await request.read()
+        ) as resp:
+            body = await resp.read()
+            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+
+    async def __aenter__(self) -> DiscoveryGate:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._pass)
+        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.open.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+
 @contextlib.asynccontextmanager
 async def one_worker_fleet(cfg: ReferenceConfig | None = None) -> AsyncIterator[Fleet]:
     """One reference worker, `w0` (no simulated latency, 16-token pages unless `cfg` says

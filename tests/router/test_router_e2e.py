@@ -177,6 +177,34 @@ async def test_evicting_a_salt_drops_the_pending_marks_of_its_extra_keys(fleet: 
     assert headers["x-kvroute-matched-tokens"] == "0" == headers["x-kvroute-pending-tokens"]
 
 
+async def test_evicting_a_namespace_with_a_flush_forgets_the_whole_salt(fleet: Fleet) -> None:
+    """A worker's flush empties the whole salt (every extra_key and model of it), so the
+    index forgets the whole salt too. Before, only the namespace named went: the salt's
+    extra_key namespace still predicted the prompt (QA: 196 tokens predicted, 0 reused)."""
+    keyed = {"prompt": "a flushed tenant's prompt " * 10, "max_tokens": 1}
+    keyed |= {"cache_salt": "fp-salt", "extra_key": "fp-key"}
+    plain = {k: v for k, v in keyed.items() if k != "extra_key"}
+    for body in (keyed, plain):
+        status, _, answer = await fleet.post("/v1/completions", body)
+        assert status == 200, answer
+    marked = await fleet.route(keyed)
+    assert max(int(c["pending_tokens"]) for c in marked["candidates"]) >= 240
+    fingerprint = (await fleet.route(plain))["namespace"]
+    assert fingerprint != marked["namespace"]
+
+    evict = {"namespace": fingerprint, "flush_workers": True}
+    status, result = await fleet.admin("POST", "/namespaces/evict", evict)
+    assert status == 200, result
+    assert result["flushed"] == {"w0": "ok", "w1": "ok"}
+    assert sorted(result["namespaces"]) == sorted([fingerprint, marked["namespace"]])
+    assert "fp-salt" not in str(result)  # fingerprints only
+    after = await fleet.route(keyed)
+    assert all(c["pending_tokens"] == 0 == c["matched_tokens"] for c in after["candidates"])
+    status, headers, answer = await fleet.post("/v1/completions", keyed)
+    assert status == 200 and _cached(answer) == 0
+    assert headers["x-kvroute-matched-tokens"] == "0" == headers["x-kvroute-pending-tokens"]
+
+
 async def test_evict_by_fingerprint_and_unknown_fingerprint(fleet: Fleet) -> None:
     body = {"prompt": "z" * 64, "max_tokens": 1, "cache_salt": "fp"}
     status, headers, _ = await fleet.post("/v1/completions", body)

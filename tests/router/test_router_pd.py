@@ -24,9 +24,11 @@ import msgspec
 import pytest
 
 from router.config import HealthConfig, LimitsConfig, PdConfig, WorkerConfig
+from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import (
     AUTH,
+    DiscoveryGate,
     burst_to_stale_ranks,
     check_rank_refusals,
     eventually,
@@ -680,3 +682,52 @@ async def test_a_prefill_refusing_a_rank_it_no_longer_has_is_read_again_and_retr
 
 async def _has_streams(router: RouterService, worker: str, n: int) -> bool:
     return len(router.planner.indexer.stream_ids(worker)) == n
+
+
+async def test_a_prefill_renamed_under_traffic_fails_no_request() -> None:
+    """The QA run: a reload renames the prefill worker (its server under a new id) while
+    requests come. Meanwhile the model has a decode worker and a new id whose role is not
+    known yet, so it is no pair: its requests were planned as whole requests, waited for the
+    reload, were planned again on that path and got "no routable worker among 0"; a request
+    that found the pair while the new id was checked got "no routable prefill worker among 1"
+    at once. Now both wait for the change's end and go to the pair."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p,
+        ReferenceWorker(reference("decode")) as d,
+        DiscoveryGate(p.url) as gate,
+        aiohttp.ClientSession() as session,
+    ):
+        gate.open.set()
+        file = {"c": router_config([("p1", gate.url), ("d1", d.url)])}
+        source = ConfigSource("pd.toml", lambda: file["c"])
+        async with RouterService(file["c"], config_source=source) as router:
+
+            async def send() -> tuple[int, str | None, Any]:
+                body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    answer = await resp.json(content_type=None)
+                    return resp.status, resp.headers.get("x-kvroute-prefill-worker"), answer
+
+            assert (await send())[:2] == (200, "p1")
+            gate.open.clear()
+            asked = gate.info_asked
+            file["c"] = router_config([("x1", gate.url), ("d1", d.url)])
+            reload = asyncio.create_task(admin_reload(session, router))
+
+            async def discovering() -> bool:
+                return gate.info_asked > asked
+
+            await eventually(discovering, what="the new id's discovery")
+            sent = [asyncio.create_task(send()) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            assert not any(t.done() for t in sent), [t.result() for t in sent if t.done()]
+            gate.open.set()
+            for status, prefill, answer in await asyncio.gather(*sent):
+                assert (status, prefill) == (200, "x1"), answer
+            assert (await reload)[0] == 200
+
+
+async def admin_reload(session: aiohttp.ClientSession, router: RouterService) -> tuple[int, Any]:
+    """POST /admin/reload."""
+    async with session.post(router.url + "/admin/reload", headers=AUTH) as resp:
+        return resp.status, await resp.json()

@@ -450,7 +450,10 @@ async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:
             async with session.post(router.url + "/generate", json=BODY) as resp:
                 assert resp.status == 503
                 message = (await resp.json())["error"]["message"]
-            assert message == "no routable decode worker among 0"
+            assert (
+                message
+                == "no routable decode worker among 0 (its 1 prefill worker(s) have no pair)"
+            )
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -20,6 +21,8 @@ from indexer.protocol import (
     decode_batch,
     parse_replay_reply,
 )
+from router.commands.up import add_arguments as add_up_arguments
+from workers.command import add_arguments, config_from_args
 from workers.config import WorkerConfig
 from workers.fleet import Fleet
 
@@ -134,3 +137,15 @@ async def test_cli_runs_until_sigint(argv: list[str], workers: int) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_the_sglang_version_is_an_option_of_worker_and_up() -> None:
+    """It decides how an OpenAI request's model names an adapter, and what /server_info
+    says; before, only a WorkerConfig in Python could set it."""
+    worker, up = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_arguments(worker)
+    add_up_arguments(up)
+    assert config_from_args(worker.parse_args([])).version == WorkerConfig().version
+    for parser in (worker, up):
+        args = parser.parse_args(["--sglang-version", "0.5.22"])
+        assert config_from_args(args).version == "0.5.22"

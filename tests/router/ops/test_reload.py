@@ -19,12 +19,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
-from tests.router.conftest import AUTH, TOKEN, Fleet, HungDiscovery, eventually, serve_app
+from tests.router.conftest import (
+    AUTH,
+    TOKEN,
+    DiscoveryGate,
+    Fleet,
+    HungDiscovery,
+    eventually,
+)
 from tests.subprocesses import ends_on_sigint
 from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
@@ -377,50 +383,12 @@ async def test_the_answer_names_the_workers_that_could_not_be_registered(
     assert answer["workers_added"] == ["w2"] and answer["not_registered"] == {}, answer
 
 
-class _Gate:
-    """A worker's HTTP API passed through, its `/server_info` held until `open` is set: a
-    worker whose discovery takes a while, as a loaded or distant one's does."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.open = asyncio.Event()
-        self.info_asked = 0
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    async def _pass(self, request: web.Request) -> web.Response:
-        if request.path in ("/server_info", "/get_server_info"):
-            self.info_asked += 1
-            await self.open.wait()
-        assert self._session is not None
-        async with self._session.request(
-            request.method, self.target + request.path_qs, data=await request.read()
-        ) as resp:
-            body = await resp.read()
-            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
-
-    async def __aenter__(self) -> _Gate:
-        self._session = aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._pass)
-        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.open.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
-
-
 async def test_a_fleet_swapped_whole_in_one_reload_serves_throughout(fleet: Reloadable) -> None:
     """The new worker is added, and checked, before the old ones go. Before, the old ones
     went first: until the new one was discovered its model was served by nobody, and requests
     naming it got 404 model_not_found (which OpenAI clients do not retry)."""
     named = {**_chat("t"), "model": DEFAULT_MODEL}
-    async with _Gate(fleet.spare.url) as gate:
+    async with DiscoveryGate(fleet.spare.url) as gate:
         fleet.path.write_text(_toml({"w2": gate.url}))
         reload = asyncio.create_task(fleet.reload())
 
@@ -453,7 +421,7 @@ async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadab
     then 503s while the new id was discovered and checked. Now they wait for the reload's
     change to end, and the new id serves them."""
     named = {**_chat("t"), "model": DEFAULT_MODEL}
-    async with _Gate(fleet.spare.url) as gate:
+    async with DiscoveryGate(fleet.spare.url) as gate:
         gate.open.set()
         fleet.path.write_text(_toml({"wA": gate.url}))
         status, answer = await fleet.reload()
@@ -484,6 +452,34 @@ async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadab
         assert (answer["workers_added"], answer["workers_removed"]) == (["wX"], ["wA"])
         for status, headers, answer in await asyncio.gather(*sent):
             assert status == 200 and headers["x-kvroute-worker"] == "wX", answer
+
+
+async def test_a_kv_query_during_a_rename_is_answered_by_the_new_id(fleet: Reloadable) -> None:
+    """`/v1/kv/query` waits for the change as the proxy does. Before, a query in the rename's
+    gap got a 404 `UnknownModelError` listing no model (QA: 1 of 80)."""
+    query = {"model": DEFAULT_MODEL, "text": PROMPT}
+    async with DiscoveryGate(fleet.spare.url) as gate:
+        gate.open.set()
+        fleet.path.write_text(_toml({"wA": gate.url}))
+        status, answer = await fleet.reload()
+        assert status == 200 and answer["workers_added"] == ["wA"], answer
+        gate.open.clear()
+        asked = gate.info_asked
+        fleet.path.write_text(_toml({"wX": gate.url}))
+        reload = asyncio.create_task(fleet.reload())
+
+        async def discovering() -> bool:
+            return gate.info_asked > asked
+
+        await eventually(discovering, what="the new id's discovery")
+        sent = asyncio.create_task(fleet.post("/v1/kv/query", query))
+        await asyncio.sleep(0.2)
+        assert not sent.done(), sent.result()
+        gate.open.set()
+        status, _, answer = await sent
+        assert status == 200, answer
+        assert [row["worker"] for row in answer["workers"]] == ["wX"]
+        assert (await reload)[0] == 200
 
 
 async def test_renames_back_and_forth_under_traffic_fail_no_request(fleet: Reloadable) -> None:

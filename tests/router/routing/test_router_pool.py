@@ -144,6 +144,20 @@ def test_a_model_is_unknown_only_once_every_workers_models_are_known() -> None:
     assert _ids(swapped, "m") == ["w9"]
 
 
+def test_an_empty_pool_refuses_no_model_as_unknown() -> None:
+    """Its last worker removed (renamed, on a replica reading another's reload): nothing is
+    known not to be served, so a 503 with Retry-After. Before, a 404 model_not_found saying
+    "this fleet serves " and no model, which OpenAI clients do not retry."""
+    pool = _pool("m")
+    pool.remove("w0")
+    for model in ("m", "m:adapter"):
+        with pytest.raises(ModelUnavailableError) as unsure:
+            pool.resolve(model)
+        assert unsure.value.status == 503 and unsure.value.served == ()
+        assert unsure.value.headers() == {"Retry-After": "1"}
+        assert "the fleet has no worker now" in str(unsure.value)
+
+
 def test_membership_and_discovery_reshape_the_pools() -> None:
     pool = _pool("a", "b")
     gone = pool.remove("w1")
