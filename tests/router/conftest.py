@@ -158,7 +158,7 @@ class DiscoveryGate:
     async def _pass(self, request: web.Request) -> web.Response:
         if request.path in ("/server_info", "/get_server_info"):
             self.info_asked += 1
-            await self.open.wait()
+            await self._held()
         assert self._session is not None
         async with self._session.request(
             request.method, self.target + request.path_qs, data=await request.read()
@@ -166,7 +166,10 @@ class DiscoveryGate:
             body = await resp.read()
             return web.Response(body=body, status=resp.status, content_type=resp.content_type)
 
-    async def __aenter__(self) -> DiscoveryGate:
+    async def _held(self) -> None:
+        await self.open.wait()
+
+    async def __aenter__(self) -> Self:
         self._session = aiohttp.ClientSession()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._pass)

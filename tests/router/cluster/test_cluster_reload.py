@@ -9,14 +9,13 @@ from unittest.mock import ANY
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from router.cluster.server import NatsServer
 from router.config import HealthConfig, RouterConfig
 from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, replica_config, workers
-from tests.router.conftest import eventually, serve_app
+from tests.router.conftest import DiscoveryGate, eventually
 from workers.config import DEFAULT_MODEL
 
 
@@ -50,51 +49,29 @@ async def test_a_reload_on_one_replica_reaches_every_replica(nats_server: NatsSe
             await eventually(agreed, what="replica b to apply a's reload")
 
 
-class _Turnstile:
+class _Turnstile(DiscoveryGate):
     """A worker's HTTP API passed through; once `close`d, each `/server_info` ask waits for a
     `let_one` (a discovery of this replica or of that one, in the order they ask)."""
 
     def __init__(self, target: str) -> None:
-        self.target = target
-        self.asked = 0
-        self.url = ""
-        self._open = True
+        super().__init__(target)
+        self.open.set()
         self._turns = asyncio.Semaphore(0)
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     def close(self) -> None:
-        self._open = False
+        self.open.clear()
 
     def let_one(self) -> None:
         self._turns.release()
 
-    async def _pass(self, request: web.Request) -> web.Response:
-        if request.path in ("/server_info", "/get_server_info"):
-            self.asked += 1
-            if not self._open:
-                await self._turns.acquire()
-        assert self._session is not None
-        async with self._session.request(
-            request.method, self.target + request.path_qs, data=await request.read()
-        ) as resp:
-            body = await resp.read()
-            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
-
-    async def __aenter__(self) -> _Turnstile:
-        self._session = aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._pass)
-        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
-        return self
+    async def _held(self) -> None:
+        if not self.open.is_set():
+            await self._turns.acquire()
 
     async def __aexit__(self, *exc: object) -> None:
         for _ in range(8):
             self._turns.release()
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        await super().__aexit__(*exc)
 
 
 async def _complete(session: aiohttp.ClientSession, router: RouterService) -> tuple[int, Any]:
@@ -127,14 +104,14 @@ async def test_a_rename_on_one_replica_fails_no_request_on_another(
         ):
             assert await _complete(session, b) == (200, ("w0", ANY))
             gate.close()
-            asked = gate.asked
+            asked = gate.info_asked
             renamed: Any = replica_config([("x0", gate.url)], nats_server.url, "a", health=health)
             file["a"] = msgspec.structs.replace(renamed, cluster=file["a"].cluster)
             reload = asyncio.create_task(admin(session, a, "POST", "/reload"))
 
             def asked_again(times: int) -> Callable[[], Awaitable[bool]]:
                 async def check() -> bool:
-                    return gate.asked >= asked + times
+                    return gate.info_asked >= asked + times
 
                 return check
 

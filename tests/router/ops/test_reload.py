@@ -414,6 +414,31 @@ async def test_a_fleet_swapped_whole_in_one_reload_serves_throughout(fleet: Relo
         assert status == 200 and headers["x-kvroute-worker"] == "w2", answer
 
 
+async def _registered_as(fleet: Reloadable, gate: DiscoveryGate, worker_id: str) -> None:
+    """The gated server reloaded in as `worker_id`, its discovery let through."""
+    gate.open.set()
+    fleet.path.write_text(_toml({worker_id: gate.url}))
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_added"] == [worker_id], answer
+
+
+async def _renaming_to(
+    fleet: Reloadable, gate: DiscoveryGate, worker_id: str
+) -> asyncio.Task[tuple[int, Any]]:
+    """A reload of the gated server under the id `worker_id`, under way: its discovery asked
+    and held (a rename's discovery that takes a while)."""
+    gate.open.clear()
+    asked = gate.info_asked
+    fleet.path.write_text(_toml({worker_id: gate.url}))
+    reload = asyncio.create_task(fleet.reload())
+
+    async def discovering() -> bool:
+        return gate.info_asked > asked
+
+    await eventually(discovering, what="the new id's discovery")
+    return reload
+
+
 async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadable) -> None:
     """The same server under a new id: its old id goes before the new one is added, discovered
     and checked (one server is one worker in the pool). Before, the requests of that gap were
@@ -422,22 +447,10 @@ async def test_requests_during_a_rename_are_served_by_the_new_id(fleet: Reloadab
     change to end, and the new id serves them."""
     named = {**_chat("t"), "model": DEFAULT_MODEL}
     async with DiscoveryGate(fleet.spare.url) as gate:
-        gate.open.set()
-        fleet.path.write_text(_toml({"wA": gate.url}))
-        status, answer = await fleet.reload()
-        assert status == 200 and answer["workers_added"] == ["wA"], answer
+        await _registered_as(fleet, gate, "wA")
         status, headers, answer = await fleet.post("/v1/chat/completions", named)
         assert status == 200 and headers["x-kvroute-worker"] == "wA", answer
-
-        gate.open.clear()  # the rename's discovery takes a while
-        asked = gate.info_asked
-        fleet.path.write_text(_toml({"wX": gate.url}))
-        reload = asyncio.create_task(fleet.reload())
-
-        async def discovering() -> bool:
-            return gate.info_asked > asked
-
-        await eventually(discovering, what="the new id's discovery")
+        reload = await _renaming_to(fleet, gate, "wX")
         # wA is gone, wX not registered: the fleet serves nothing for now
         _, listed = await fleet.admin("GET", "/workers")
         assert {w["id"]: w["status"] for w in listed["workers"]} == {"wX": "checking"}
@@ -459,19 +472,8 @@ async def test_a_kv_query_during_a_rename_is_answered_by_the_new_id(fleet: Reloa
     gap got a 404 `UnknownModelError` listing no model (QA: 1 of 80)."""
     query = {"model": DEFAULT_MODEL, "text": PROMPT}
     async with DiscoveryGate(fleet.spare.url) as gate:
-        gate.open.set()
-        fleet.path.write_text(_toml({"wA": gate.url}))
-        status, answer = await fleet.reload()
-        assert status == 200 and answer["workers_added"] == ["wA"], answer
-        gate.open.clear()
-        asked = gate.info_asked
-        fleet.path.write_text(_toml({"wX": gate.url}))
-        reload = asyncio.create_task(fleet.reload())
-
-        async def discovering() -> bool:
-            return gate.info_asked > asked
-
-        await eventually(discovering, what="the new id's discovery")
+        await _registered_as(fleet, gate, "wA")
+        reload = await _renaming_to(fleet, gate, "wX")
         sent = asyncio.create_task(fleet.post("/v1/kv/query", query))
         await asyncio.sleep(0.2)
         assert not sent.done(), sent.result()
