@@ -27,7 +27,10 @@ relay's state, or a part of it, never more:
   worker's settings again, as a subscriber's restart does: another process may run another
   page size, other ranks or another role); a mismatch is said as a subscriber says it, the
   stream's state being the relay's (`synced` while the relay's own stream is). Only what the
-  relay wrote after the stream was followed tells: what came before is its registration's past.
+  relay wrote after the stream was followed tells: what came before is its registration's past
+  (read back after the worker was registered anew: the old process's pages), and its pages
+  that do not fit count as `skipped_events`, not `block_size_mismatches` (a counter alerted
+  on, which counts only the mismatches said).
 Pure and synchronous: the relay follower (`router.cluster.relay`) does the I/O.
 """
 
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+
+import msgspec
 
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.fence import BatchFence
@@ -135,6 +140,12 @@ class FedStream:
         self.verifications = 0  # snapshots and suspected restarts proven or refused
         self.decode_errors = 0
         self.rank_mismatches = 0
+        # events of records written before the stream was followed (read back: another
+        # registration's, likely another process's pages) that do not fit its block size: not
+        # indexed, and counted as skipped, not as mismatches (`stats`). Before, each
+        # re-registration read the old process's records back and counted them again: QA saw
+        # 97 mismatches on a stream that never logged one
+        self.past_mismatches = 0
         if sink.last_seq() is not None or sink.entries():
             # a snapshot loaded before this worker was followed left its stream to the sink
             self._hold_unproven()
@@ -192,8 +203,11 @@ class FedStream:
                 self.events += applied.events
                 if applied.dp_rank is not None and applied.dp_rank != self.config.dp_rank:
                     self.rank_mismatches += 1
-                if applied.block_size_mismatches and self._since_followed(fresh_at):
-                    self._mismatched(applied.block_size_mismatches, record.seq)
+                mismatches = applied.block_size_mismatches
+                if mismatches and self._since_followed(fresh_at):
+                    self._mismatched(mismatches, record.seq)
+                else:
+                    self.past_mismatches += mismatches
             if self.health.block_size is None:
                 self.health.block_size = self.sink.block_size()
             if self._on_applied is not None:
@@ -458,7 +472,7 @@ class FedStream:
         its socket fields are the worker's, as this replica discovered them)."""
         now = self._clock()
         last_event_at = self.health.last_event_at
-        return stream_stats(
+        stats = stream_stats(
             self.stream_id,
             self.worker,
             self.config,
@@ -475,6 +489,15 @@ class FedStream:
             decode_errors=self.decode_errors,
             verifications=self.verifications,
             rank_mismatches=self.rank_mismatches,
+        )
+        if not self.past_mismatches:
+            return stats
+        # the index counted them as it counts any: what alerts on the counter sees only the
+        # mismatches this stream says (`_mismatched`)
+        return msgspec.structs.replace(
+            stats,
+            block_size_mismatches=stats.block_size_mismatches - self.past_mismatches,
+            skipped_events=stats.skipped_events + self.past_mismatches,
         )
 
 

@@ -121,9 +121,16 @@ class RegistrationNotes:
         (`router.fleet.tokenizer_match`; None: nothing wrong, or nothing to tell): said once
         per worker and note, at registration and again when a re-read changes it. Before,
         nothing said it: a router tokenizing otherwise than its workers predicted 0 everywhere,
-        its streams `synced`, and no counter rose."""
+        its streams `synced`, and no counter rose. A mismatch that ends (the worker restarted
+        with the router's kind of tokenizer) is said too: before, the WARNING stood last in the
+        log while the admin API no longer showed it."""
         if note is None:
-            self._tokenizers.pop(worker, None)
+            if self._tokenizers.pop(worker, None) is not None:
+                log.info(
+                    "worker %s: its server info no longer says a tokenizer the router's cannot "
+                    "be: the tokenizer mismatch is over",
+                    worker,
+                )
             return
         if self._tokenizers.get(worker) == note:
             return

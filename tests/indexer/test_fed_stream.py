@@ -499,3 +499,31 @@ async def test_pages_of_another_size_are_said_and_have_the_settings_read_again(
     clock.now += MISMATCH_REREAD_S
     take(svc, batch(2, 2, stored8(page, 12)))
     assert workers == ["w0", "w0"]
+
+
+async def test_pages_of_another_size_read_back_from_before_are_not_counted_as_mismatches(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Records the relay wrote before the stream was followed (read back after the worker was
+    registered anew with another page size, or of unknown age) are the old process's: skipped,
+    not said, not counted where alerts look. Before, each re-registration counted them again:
+    QA saw 97 `block_size_mismatches` on a stream that never logged one."""
+    clock = Clock()
+    svc = await fed(clock)
+    workers = told(svc)
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    page: list[TokenId] = [1, 2, 3, 4, 5, 6, 7, 8]
+    clock.now += 5.0
+    with caplog.at_level(logging.WARNING, logger="indexer.fed_stream"):
+        stream.take(batch(0, 0, stored8(page, 10)), age_s=8.0)
+        stream.take(batch(1, 1, stored8(page, 11)), age_s=None)
+        assert workers == [] and not caplog.records
+        stats = svc.streams()[0]
+        assert (stats.block_size_mismatches, stats.skipped_events) == (0, 2)
+        stream.take(batch(2, 2, stored8(page, 12)), age_s=0.1)  # live: a real mismatch
+    assert workers == ["w0"]
+    said = [r.getMessage() for r in caplog.records if "BLOCK SIZE MISMATCH" in r.getMessage()]
+    assert len(said) == 1
+    stats = svc.streams()[0]
+    assert (stats.block_size_mismatches, stats.skipped_events) == (1, 2)

@@ -15,11 +15,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.config import TokenizerConfig
 from router.fleet.tokenizer_match import tokenizer_mismatch
 from router.service import RouterService
-from tests.router.conftest import AUTH, router_config
+from tests.router.conftest import AUTH, router_config, serve_app
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -75,3 +76,70 @@ async def test_a_router_tokenizing_otherwise_than_its_worker_says_so_once(
     assert len(said) == 1, said
     assert said[0].startswith("worker w0: ") and "byte" in said[0] and str(QWEN) in said[0]
     assert shown is not None and "byte" in shown
+
+
+class TokenizerSwap:
+    """A reference worker's HTTP API passed through, its server info saying the tokenizer
+    `says` (None: the worker's own, byte): an SGLang worker restarted with another tokenizer,
+    which a reference worker cannot be."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.says: dict[str, Any] | None = None
+        self.url = ""
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def _pass(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=await request.read()
+        ) as resp:
+            body = await resp.read()
+            if self.says is None or request.path not in ("/server_info", "/get_server_info"):
+                return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+            info = await resp.json()
+        info.pop("tokenizer", None)
+        return web.json_response({**info, **self.says})
+
+    async def __aenter__(self) -> TokenizerSwap:
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._pass)
+        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+
+async def test_a_tokenizer_mismatch_that_ends_is_said_once_and_one_that_comes_back_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before, an ended mismatch was dropped silently: the WARNING stood last in the log while
+    /admin/workers no longer showed it (QA: byte, then hf, then byte again across restarts)."""
+    config = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with (
+        ReferenceWorker(config) as w0,
+        TokenizerSwap(w0.url) as swap,
+        aiohttp.ClientSession() as session,
+    ):
+        with caplog.at_level(logging.INFO, logger="router.fleet"):
+            async with RouterService(router_config([("w0", swap.url)], tokenizer=HF)) as router:
+                shown = [(await _workers(router, session))["w0"]["tokenizer_mismatch"]]
+                for says in ({"tokenizer_path": str(QWEN)}, None):
+                    swap.says = says  # restarted with a Hugging Face tokenizer, then byte
+                    for _ in range(2):  # the same finding read twice is said once
+                        await router.supervisor.reread("w0", 5.0)
+                    shown.append((await _workers(router, session))["w0"]["tokenizer_mismatch"])
+        said = [
+            (r.levelno, r.getMessage())
+            for r in caplog.records
+            if r.name.startswith("router.fleet") and "tokenizer" in r.getMessage()
+        ]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO, logging.WARNING], said
+    assert "mismatch is over" in said[1][1] and said[1][1].startswith("worker w0: ")
+    assert [s is not None for s in shown] == [True, False, True]
