@@ -36,7 +36,7 @@ from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
-from router.http.reload_link import answer_child
+from router.http.reload_link import ProcessesTold, answer_child
 
 __all__ = ["serve_processes"]
 
@@ -84,13 +84,13 @@ class _Child:
         index: int,
         cmd: list[str],
         env: dict[str, str],
-        tell_others: Callable[[int], tuple[int, int]] | None = None,
+        tell_others: Callable[[int], ProcessesTold] | None = None,
         stop_timeout_s: float = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S,
     ) -> None:
         self.index = index
         self.cmd = cmd
         self.env = env
-        # SIGHUP the children but this one: (told, of processes)
+        # SIGHUP the children but this one
         self._tell_others = tell_others
         self.stop_timeout_s = stop_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
@@ -252,11 +252,11 @@ async def serve_processes(
                     told += 1
         return told
 
-    def reloaded(index: int) -> tuple[int, int]:
+    def reloaded(index: int) -> ProcessesTold:
         """Child `index` reloaded the file (`POST /admin/reload`): the others do too."""
         told = hangup(but=index)
         _say(f"replica {index} reloaded the config: {told} other replicas told to (SIGHUP)")
-        return told, processes
+        return ProcessesTold(count=processes, told=told)
 
     children = [
         _Child(
