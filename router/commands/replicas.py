@@ -15,7 +15,8 @@ A reload reaches a child once it listens: one starting (or restarting) may have 
 before the reload was asked for, so it is sent SIGHUP as soon as it listens (its handler is up
 by then: signalled earlier, it died, and at first start the whole router with it). A SIGHUP to
 this parent while it stops the children is said and ignored, as each child ignores one in its
-grace (`router.commands.hangup`).
+grace (`router.commands.hangup`). Under `kvroute up --replicas` (`reload=False`) the file is
+one `up` wrote: there is nothing to reload, as `up` says of its own SIGHUP.
 
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
@@ -243,12 +244,14 @@ async def serve_processes(
     until: Callable[[], Awaitable[None]],
     announce: Callable[[str], None] = print,
     verb: str = "serve",
+    reload: bool = True,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
     `config` is that file's config with the command line's overrides (host, port, policy),
     which are passed on to every child. `verb`: what each child runs, `serve` (the proxy) or
-    `indexer` (the index and its query API only).
+    `indexer` (the index and its query API only). `reload=False`: the file is read once (no
+    reload by SIGHUP or `POST /admin/reload`; SIGHUP is left to the caller's handler).
     """
     if config.cluster is None:
         raise ConfigError(
@@ -279,6 +282,7 @@ async def serve_processes(
         "--log-level", log_level,
         "--reuse-port",
         "--exit-with-parent",
+        *([] if reload else ["--no-reload"]),
     ]  # fmt: skip
     stopping = False  # SIGHUP is ignored from then on: the children are in their grace
 
@@ -316,12 +320,13 @@ async def serve_processes(
                 *(["--metrics-port", str(metrics_ports[i])] if metrics_ports[i] else []),
             ],
             env,
-            reloaded,
+            reloaded if reload else None,
         )
         for i in range(processes)
     ]
 
-    hangup.install(asyncio.get_running_loop(), on_sighup)
+    if reload:
+        hangup.install(asyncio.get_running_loop(), on_sighup)
     try:
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}

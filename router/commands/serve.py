@@ -96,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=tcp_port, help=argparse.SUPPRESS)
     # ...and whose end of the link to that parent is this descriptor (`reload_link`)
     parser.add_argument("--reload-fd", type=int, help=argparse.SUPPRESS)
+    # ...or, under `kvroute up --replicas`, whose file `up` wrote once: no reload (as `up`)
+    parser.add_argument("--no-reload", action="store_true", help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -396,7 +398,11 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         from router.http.reload import ConfigSource
 
         # a reload reads the file again with the same overrides (a --port stays the port)
-        source = ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
+        source = (
+            None
+            if getattr(args, "no_reload", False)
+            else ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
+        )
         if processes > 1:
             from router.commands.replicas import serve_processes
 

@@ -181,7 +181,7 @@ async def _serve_replicas(
             path = Path(tmp) / "router.json"  # what every replica reads (kvroute serve --config)
             path.write_bytes(msgspec.json.encode(config))
             await serve_processes(
-                str(path), config, n, log_level="WARNING", until=wait_for_shutdown
+                str(path), config, n, log_level="WARNING", until=wait_for_shutdown, reload=False
             )
 
 

@@ -62,6 +62,16 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
                 await asyncio.sleep(0.05)
             async with session.post(url + "/generate", json=body) as resp:
                 assert resp.status == 200
+            # `up` has no config file to read again, with replicas as without: the file they
+            # were started from is one `up` wrote; reloading it changed nothing, and the 200
+            # and the silently passed-on SIGHUP said otherwise
+            async with session.post(url + "/admin/reload") as resp:
+                refusal = await resp.json()
+                assert resp.status == 400, refusal
+            assert "no config file to read again" in refusal["error"]["message"], refusal
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.wait_for(_read_until(proc.stdout, "SIGHUP ignored", lines), 10)
+            assert await _replicas_answering(url) <= replicas
         assert len(replicas) == 2, "every connection went to the same replica"
 
 
