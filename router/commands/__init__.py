@@ -6,6 +6,8 @@
 - `record`, `replay`: capture KV-event streams to a file, and play one back;
 - `replicas`: `serve --processes N`, N children on one port; a reload one child is asked for
   reaches the others through the parent (`router.http.reload_link`, the line to each child).
+- `hangup`: SIGHUP in a router process from its start to its exit, never its default action
+  (which ends the process): held until the verb's handler is up, ignored once the loop is closed.
 
 `kvroute worker` lives with the reference workers (`workers.command`), `kvroute bench` with the
 benchmarks (`bench.command`). Nothing is imported here, so `kvroute --help` stays light.

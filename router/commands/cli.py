@@ -42,6 +42,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bench.command", "run benchmarks and write reports to docs/benchmarks/"),
 }
 
+# the verbs that run a router, which a SIGHUP must never end: it is caught from here on, before
+# the verb is even imported (`router.commands.hangup`)
+_HOLD_SIGHUP = frozenset({"serve", "indexer", "relay", "up"})
+
 
 def _installed(module: str) -> bool:
     """Whether the verb's package is there, without importing it (find_spec of a submodule
@@ -89,6 +93,10 @@ def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, _Verb | 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvroute` console script."""
     words = sys.argv[1:] if argv is None else list(argv)
+    if _chosen(words) in _HOLD_SIGHUP:
+        from router.commands.hangup import hold
+
+        hold()
     parser, verb = build_parser(words)
     args = parser.parse_args(words)
     # what was typed, for a verb that must tell a typed option from its default (`kvroute up`'s

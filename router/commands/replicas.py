@@ -11,6 +11,13 @@ them all on SIGINT or SIGTERM, each given the time a single router gives its req
 (the config file broken since, a child that does not listen in time) is said and tried again
 later, the wait doubling from 1 s to 30 s: a child's trouble is never the others'.
 
+A reload reaches a child once it listens: one starting (or restarting) may have read the file
+before the reload was asked for, so it is sent SIGHUP as soon as it listens (its handler is up
+by then: signalled earlier, it died, and at first start the whole router with it). A SIGHUP to
+this parent while it stops the children is said and ignored, as each child ignores one in its
+grace (`router.commands.hangup`). Under `kvroute up --replicas` (`reload=False`) the file is
+one `up` wrote: there is nothing to reload, as `up` says of its own SIGHUP.
+
 With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
 port 0 and keeps it until the children are gone, so the port stays theirs.
 
@@ -31,12 +38,14 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
+from router.commands import hangup
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
-from router.http.reload_link import answer_child
+from router.http.reload_link import ProcessesTold, answer_child
 
 __all__ = ["serve_processes"]
 
@@ -84,23 +93,54 @@ class _Child:
         index: int,
         cmd: list[str],
         env: dict[str, str],
-        tell_others: Callable[[int], tuple[int, int]] | None = None,
+        tell_others: Callable[[int], ProcessesTold] | None = None,
         stop_timeout_s: float = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S,
     ) -> None:
         self.index = index
         self.cmd = cmd
         self.env = env
-        # SIGHUP the children but this one: (told, of processes)
+        # SIGHUP the children but this one (None: no reload, no link)
         self._tell_others = tell_others
         self.stop_timeout_s = stop_timeout_s
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.started_at = 0.0  # loop time of the last start
         self._link: asyncio.Task[None] | None = None
+        # spawned and not listening yet: it may have read the config file, its SIGHUP handler
+        # may not be up yet
+        self._starting = False
+        self._reload_due = False  # a reload asked for while starting: told once it listens
+
+    def reload(self) -> Literal["told", "starting"] | None:
+        """Have this child read the config file again: "told" (SIGHUP sent), "starting" (sent
+        once it listens), or None (not running: it reads the file as it starts)."""
+        if self._starting:
+            self._reload_due = True
+            return "starting"
+        if self.url and self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGHUP)
+                return "told"
+        return None
 
     async def start(self) -> None:
         self.url = ""
         self.started_at = asyncio.get_running_loop().time()
+        self._reload_due = False  # the new process reads the file after this
+        self._starting = True
+        try:
+            await self._start()
+        finally:
+            self._starting = False
+        if self._reload_due:
+            self._reload_due = False
+            _say(
+                f"replica {self.index} listening: told to read the config again (SIGHUP), as "
+                "asked while it started"
+            )
+            self.reload()
+
+    async def _start(self) -> None:
         if self._link is not None:
             self._link.cancel()  # the last run's: that child is gone
         # the reload link: our end answered here, theirs passed as --reload-fd
@@ -141,6 +181,7 @@ class _Child:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
+        self.url = ""  # no reload for it any more
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
@@ -203,12 +244,14 @@ async def serve_processes(
     until: Callable[[], Awaitable[None]],
     announce: Callable[[str], None] = print,
     verb: str = "serve",
+    reload: bool = True,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
     `config` is that file's config with the command line's overrides (host, port, policy),
     which are passed on to every child. `verb`: what each child runs, `serve` (the proxy) or
-    `indexer` (the index and its query API only).
+    `indexer` (the index and its query API only). `reload=False`: the file is read once (no
+    reload by SIGHUP or `POST /admin/reload`; SIGHUP is left to the caller's handler).
     """
     if config.cluster is None:
         raise ConfigError(
@@ -239,24 +282,33 @@ async def serve_processes(
         "--log-level", log_level,
         "--reuse-port",
         "--exit-with-parent",
+        *([] if reload else ["--no-reload"]),
     ]  # fmt: skip
+    stopping = False  # SIGHUP is ignored from then on: the children are in their grace
 
-    def hangup(but: int | None = None) -> int:
-        """SIGHUP every running child but `but`; how many. Each reloads the file itself (its
-        worker changes meet in the shared fleet); one restarting reads it as it starts."""
-        told = 0
-        for child in children:
-            if child.index != but and child.proc is not None and child.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGHUP)
-                    told += 1
-        return told
+    def tell(but: int | None = None) -> ProcessesTold:
+        """Have every child but `but` read the file again. Each reloads it itself (its worker
+        changes meet in the shared fleet); one starting is told once it listens."""
+        outcomes = [] if stopping else [c.reload() for c in children if c.index != but]
+        return ProcessesTold(
+            count=processes, told=outcomes.count("told"), starting=outcomes.count("starting")
+        )
 
-    def reloaded(index: int) -> tuple[int, int]:
+    def on_sighup() -> None:
+        if stopping:
+            _say("SIGHUP ignored: the replicas are stopping (each lets its requests finish)")
+        else:
+            tell()
+
+    def reloaded(index: int) -> ProcessesTold:
         """Child `index` reloaded the file (`POST /admin/reload`): the others do too."""
-        told = hangup(but=index)
-        _say(f"replica {index} reloaded the config: {told} other replicas told to (SIGHUP)")
-        return told, processes
+        told = tell(but=index)
+        starting = f", {told.starting} starting (told once listening)" if told.starting else ""
+        _say(
+            f"replica {index} reloaded the config: {told.told} other replicas told to (SIGHUP)"
+            + starting
+        )
+        return told
 
     children = [
         _Child(
@@ -268,14 +320,13 @@ async def serve_processes(
                 *(["--metrics-port", str(metrics_ports[i])] if metrics_ports[i] else []),
             ],
             env,
-            reloaded,
+            reloaded if reload else None,
         )
         for i in range(processes)
     ]
 
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError):
-        loop.add_signal_handler(signal.SIGHUP, hangup)
+    if reload:
+        hangup.install(asyncio.get_running_loop(), on_sighup)
     try:
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}
@@ -300,11 +351,15 @@ async def serve_processes(
         async with asyncio.TaskGroup() as group:
             keepers = [group.create_task(_keep(child)) for child in children]
             await until()
+            stopping = True
+            _say(
+                f"stopping the {processes} replicas (SIGTERM): each lets its requests in flight "
+                f"finish, for up to {children[0].stop_timeout_s:g} s"
+            )
             for keeper in keepers:
                 keeper.cancel()
     finally:
-        with contextlib.suppress(NotImplementedError):
-            loop.remove_signal_handler(signal.SIGHUP)
+        stopping = True  # SIGHUP's handler stays: removed, its default would end this process
         await asyncio.gather(*(child.stop() for child in children))
         if holder is not None:
             holder.close()

@@ -2,7 +2,9 @@
 
 The router itself (aiohttp, the indexer's ZMQ subscribers) is imported when it starts, so the
 verb's arguments load light (`kvroute serve --help`, and `kvroute up` reusing them). SIGHUP
-reloads the config file (`router.http.reload`) and logs one line saying what changed.
+reloads the config file (`router.http.reload`) and logs one line saying what changed; one that
+comes while the router starts reloads it once the router is up, and one in the shutdown grace is
+said and ignored (`router.commands.hangup`: never the default action, which ends the process).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
+from router.commands import hangup
 from router.config import PolicyName, RouterConfig, WorkerConfig, load_config, parse_config
 from router.errors import ConfigError
 
@@ -93,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=tcp_port, help=argparse.SUPPRESS)
     # ...and whose end of the link to that parent is this descriptor (`reload_link`)
     parser.add_argument("--reload-fd", type=int, help=argparse.SUPPRESS)
+    # ...or, under `kvroute up --replicas`, whose file `up` wrote once: no reload (as `up`)
+    parser.add_argument("--no-reload", action="store_true", help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -138,6 +143,31 @@ async def serve_until_stopped(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    log = logging.getLogger(__name__)
+    started: RouterService | None = None  # the router, once up
+    asked_early = False  # a reload asked for while the router was starting
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_sighup() -> None:
+        """SIGHUP, from before the router starts until the process exits: never its default
+        action (`router.commands.hangup`), which would cut the requests of a shutdown grace."""
+        nonlocal asked_early
+        if stop.is_set():
+            log.warning("SIGHUP ignored: shutting down (the config file is not read again)")
+        elif config_source is None:
+            log.warning(
+                "SIGHUP ignored: this router has no config file of its own to read again "
+                "(kvroute up wrote it once for its replicas)"
+            )
+        elif started is None:
+            asked_early = True
+            log.info("SIGHUP while starting: the config file is read again once the router is up")
+        else:
+            task = loop.create_task(_reload(started), name="kvroute-sighup")
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+    hangup.install(loop, on_sighup)
     orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
     async with RouterService(
         config,
@@ -147,18 +177,12 @@ async def serve_until_stopped(
         process=process,
         relay=relay,
     ) as router:
+        started = router
         link = ReloadLink(reload_fd) if reload_fd is not None else None
         if link is not None:
             router.app[RELOADER].siblings = link.tell_siblings
-        reloads: set[asyncio.Task[None]] = set()
-
-        def hangup() -> None:
-            task = loop.create_task(_reload(router), name="kvroute-sighup")
-            reloads.add(task)
-            task.add_done_callback(reloads.discard)
-
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signal.SIGHUP, hangup)
+        if asked_early and not stop.is_set():
+            on_sighup()  # the file may have changed after this process read it
         _freeze_startup_heap()
         if announce:
             query = "POST /v1/kv/query" if config.query.enabled else "query API off"
@@ -175,9 +199,7 @@ async def serve_until_stopped(
             if router.metrics_url:
                 print(f"kvroute metrics on {router.metrics_url}")
             sys.stdout.flush()
-        await stop.wait()
-        with contextlib.suppress(NotImplementedError):
-            loop.remove_signal_handler(signal.SIGHUP)
+        await stop.wait()  # SIGHUP is ignored from here on, said in one line
         if link is not None:
             link.close()
     if orphaned is not None:
@@ -258,18 +280,7 @@ async def serve_fleet(
     from router.service import RouterService
 
     config = msgspec.structs.replace(config, workers=(*config.workers, *workers))
-    loop = asyncio.get_running_loop()
     async with RouterService(config) as router:
-        # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads
-        # on it, but this fleet has no file of its own to read again (as POST /admin/reload
-        # answers here), so it is said and ignored
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(
-                signal.SIGHUP,
-                logging.getLogger(__name__).warning,
-                "SIGHUP ignored: kvroute up has no config file to reload (restart it to change "
-                "the fleet, or change workers through the admin API)",
-            )
         _freeze_startup_heap()
         print(
             f"\nkvroute router: {router.url}  (policy {config.policy.name}, "
@@ -319,8 +330,13 @@ def run_loop(main: Coroutine[object, object, None]) -> None:
         main.close()  # never run: no "coroutine was never awaited" warning beside the error
         raise
     logging.getLogger(__name__).info("event loop: %s", name)
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main)
+    finally:
+        # closing the loop gave SIGHUP its default action back: it would end the process
+        # mid-exit
+        hangup.ignore()
 
 
 def configure_logging(level: str, process: int | None = None) -> None:
@@ -382,7 +398,11 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         from router.http.reload import ConfigSource
 
         # a reload reads the file again with the same overrides (a --port stays the port)
-        source = ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
+        source = (
+            None
+            if getattr(args, "no_reload", False)
+            else ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
+        )
         if processes > 1:
             from router.commands.replicas import serve_processes
 

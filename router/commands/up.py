@@ -12,7 +12,10 @@ M decode workers (instead of `--workers`), which the router serves as pairs (`ro
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
+import logging
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -21,6 +24,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from router.commands import hangup
 from router.commands.serve import apply_overrides, run_loop, serve_fleet, tcp_port
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
@@ -118,6 +122,17 @@ async def _serve(
     *,
     relay: bool = False,
 ) -> None:
+    # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads on
+    # it, but `up` has no file of its own to read again (as POST /admin/reload answers here,
+    # on every replica), so it is said and ignored, from the workers' start to the last stop
+    hangup.install(
+        asyncio.get_running_loop(),
+        functools.partial(
+            logging.getLogger(__name__).warning,
+            "SIGHUP ignored: kvroute up has no config file to reload (restart it to change the "
+            "fleet, or change workers through the admin API)",
+        ),
+    )
     async with contextlib.AsyncExitStack() as stack:
         for fleet in fleets:
             await stack.enter_async_context(fleet)
@@ -166,7 +181,7 @@ async def _serve_replicas(
             path = Path(tmp) / "router.json"  # what every replica reads (kvroute serve --config)
             path.write_bytes(msgspec.json.encode(config))
             await serve_processes(
-                str(path), config, n, log_level="WARNING", until=wait_for_shutdown
+                str(path), config, n, log_level="WARNING", until=wait_for_shutdown, reload=False
             )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -16,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.cluster.server import NatsServer
 from router.commands.replicas import _Child
+from tests.router.commands.test_router_serve_cli import _true, refused
 from tests.router.commands.test_router_up_cli import _read_until
+from tests.router.conftest import eventually
 from tests.subprocesses import ends_on_sigint
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
@@ -59,6 +62,16 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
                 await asyncio.sleep(0.05)
             async with session.post(url + "/generate", json=body) as resp:
                 assert resp.status == 200
+            # `up` has no config file to read again, with replicas as without: the file they
+            # were started from is one `up` wrote; reloading it changed nothing, and the 200
+            # and the silently passed-on SIGHUP said otherwise
+            async with session.post(url + "/admin/reload") as resp:
+                refusal = await resp.json()
+                assert resp.status == 400, refusal
+            assert "no config file to read again" in refusal["error"]["message"], refusal
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.wait_for(_read_until(proc.stdout, "SIGHUP ignored", lines), 10)
+            assert await _replicas_answering(url) <= replicas
         assert len(replicas) == 2, "every connection went to the same replica"
 
 
@@ -326,6 +339,62 @@ async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
             assert await _salt_answers(router, 100) == {400}
 
 
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started and that still run (or are not reaped yet)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_a_reload_reaches_a_starting_or_restarting_child_once_it_listens(
+    tmp_path: Path,
+) -> None:
+    """The parent SIGHUPed every child not exited, listening or not: one still starting had no
+    handler yet and died of it. At first start that was the whole router (exit 2, "replica 0
+    exited before listening"); a child restarting after a crash died again (told 2 of 3, one of
+    them dead). A child starting may have read the file before the change, so it is told
+    once it listens, and the answer says so."""
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        text = (
+            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats.url}'\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+        )
+        config.write_text(text)
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc), aiohttp.ClientSession() as session:
+            await eventually(_true(lambda: len(_children(proc.pid)) == 2), 30, "2 children")
+            # both just spawned, neither listening yet: an edit, and its reload
+            config.write_text(text + "[limits]\nmax_salt_bytes = 50\n")
+            proc.send_signal(signal.SIGHUP)
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            assert "".join(lines).count("told to read the config again") == 2, lines
+            async with asyncio.timeout(10):  # both read it again once up
+                while await _salt_answers(router, 100) != {400}:
+                    pass
+
+            before = _children(proc.pid)
+            os.kill(before[0], signal.SIGKILL)
+            # its restart spawned, not listening yet
+            await eventually(_true(lambda: bool(set(_children(proc.pid)) - set(before))), 30)
+            spawned = set(_children(proc.pid)) - set(before)
+            config.write_text(text + "[limits]\nmax_salt_bytes = 60\n")
+            admin = {"Authorization": "Bearer t"}  # on the one child listening
+            async with session.post(router + "/admin/reload", headers=admin) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert answer["processes"] == {"count": 2, "told": 0, "starting": 1}, answer
+            await asyncio.wait_for(_read_until(proc.stdout, "1 starting (told once", lines), 10)
+            await asyncio.wait_for(_read_until(proc.stdout, "told to read the config", lines), 30)
+            async with asyncio.timeout(30):  # the restarted child lived through it
+                while len(await _replicas_answering(router)) < 2:
+                    pass
+            assert spawned <= set(_children(proc.pid))
+            assert await _salt_answers(router, 55) == {200}
+
+
 async def test_each_child_log_line_names_its_process(tmp_path: Path) -> None:
     """The children share the parent's stderr: a bad file reloaded by SIGHUP gave two alike
     `config reload refused` lines (`[-]` in place of anything saying who). Each names its
@@ -351,7 +420,10 @@ async def test_each_child_log_line_names_its_process(tmp_path: Path) -> None:
 
 async def test_sigterm_lets_a_child_finish_a_long_request(tmp_path: Path) -> None:
     """The parent gave each child 10 s after SIGTERM, then killed it: a 12-s generation was
-    cut without a word, which a single router (60 s of grace) lets finish."""
+    cut without a word, which a single router (60 s of grace) lets finish. A SIGHUP in that
+    grace, to the parent or a child, ended it at once (the handler went as the grace began):
+    the parent silently, its watchdog with it; a child cut its requests. It is said and
+    ignored."""
     config = tmp_path / "router.toml"
     cfg = ReferenceConfig(time_scale=1.0, decode_ms_per_token=10.0, page_size=16)
     async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
@@ -379,7 +451,18 @@ async def test_sigterm_lets_a_child_finish_a_long_request(tmp_path: Path) -> Non
                             continue
                         events.append(event)
                         if len(events) == 1:  # the request is in flight
+                            children = _children(proc.pid)
                             proc.send_signal(signal.SIGTERM)
+                            await asyncio.wait_for(
+                                _read_until(proc.stdout, "stopping the 2 replicas", lines), 10
+                            )
+                            port = int(router.rsplit(":", 1)[1])
+                            # each child is in its grace
+                            await eventually(functools.partial(refused, port), 10, "closed")
+                            for pid in (proc.pid, *children):
+                                # the child without a request in flight may be gone
+                                with contextlib.suppress(ProcessLookupError):
+                                    os.kill(pid, signal.SIGHUP)
             took = asyncio.get_running_loop().time() - started
             assert events[-1].strip() == b"data: [DONE]", f"cut after {len(events)} events"
             assert took > 10.0, took  # as long as a kill used to come after
@@ -390,6 +473,8 @@ async def test_sigterm_lets_a_child_finish_a_long_request(tmp_path: Path) -> Non
                 await proc.wait()
         out = "".join(lines) + (await proc.stdout.read()).decode(errors="replace")
         assert "killed" not in out, out
+        assert "SIGHUP ignored: the replicas are stopping" in out, out
+        assert "SIGHUP ignored: shutting down" in out, out  # the child serving the stream
 
 
 async def test_a_child_that_outlives_its_grace_is_killed_saying_so(

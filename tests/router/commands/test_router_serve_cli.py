@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shlex
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from router.cluster.server import NatsServer
 from tests.raw_http import wait_eof
+from tests.router.conftest import HungDiscovery, eventually
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 
 async def _run(*args: str, loop: str | None = None) -> asyncio.subprocess.Process:
@@ -206,3 +212,93 @@ async def test_serve_under_a_low_descriptor_limit_refuses_idle_floods_and_stays_
     assert "Too many open files" not in log
     assert "limits.max_connections = 1024 needs more file descriptors" in log
     assert log.count("(limits.max_connections)") <= 2, log  # rate-limited, not one per refusal
+
+
+def catches_sighup(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGHUP (its `SigCgt` mask, bit 0)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & 1 << (signal.SIGHUP - 1))
+
+
+async def refused(port: int) -> bool:
+    """Whether a connection to `port` on 127.0.0.1 is refused (nothing listens there)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    await writer.wait_closed()
+    return False
+
+
+async def test_a_sighup_while_starting_or_stopping_never_ends_serve(tmp_path: Path) -> None:
+    """SIGHUP's default action ended `kvroute serve` before its handler was up (the router
+    still starting) and after it was removed (the shutdown grace, cutting the requests it was
+    letting finish). It is caught from the process's start: one during startup is a reload
+    once the router is up, one during the grace is said and ignored."""
+    cfg = ReferenceConfig(time_scale=1.0, decode_ms_per_token=10.0, page_size=16)
+    async with ReferenceWorker(cfg) as worker, HungDiscovery() as hung:
+        config = tmp_path / "router.toml"
+        # the startup waits 2 health timeouts for the worker whose discovery hangs: 5 s
+        config.write_text(
+            "[listen]\nport = 0\n[health]\ntimeout_s = 2.5\n"
+            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
+            f"[[workers]]\nid = 'h'\nurl = '{hung.url}'\n"
+        )
+        proc = await _run("--config", str(config))
+        assert proc.stdout is not None and proc.stderr is not None
+        log = bytearray()
+        reading = asyncio.create_task(_collect(proc.stderr, log))
+        try:
+            # as soon as it is caught, at the latest 3 s in: still within the 5 s of startup
+            with contextlib.suppress(AssertionError):
+                await eventually(_true(catches_sighup, proc.pid), 3, "SIGHUP caught")
+            proc.send_signal(signal.SIGHUP)
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            assert "listening on" in line, (line, bytes(log).decode())
+            url = line.split("listening on ")[1].split()[0]
+            await eventually(_true(bytearray.__contains__, log, b"config reloaded from"), 30)
+            assert b"SIGHUP while starting" in log, bytes(log).decode()
+
+            body = {"model": "m", "prompt": "a long one", "max_tokens": 300, "stream": True}
+            events: list[bytes] = []
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/completions", json=body) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+                with contextlib.suppress(aiohttp.ClientPayloadError):  # cut: said below
+                    async for event in resp.content:
+                        if not event.strip():
+                            continue
+                        events.append(event)
+                        if len(events) == 1:  # in flight: the grace begins
+                            proc.send_signal(signal.SIGTERM)
+                            port = int(url.rsplit(":", 1)[1])  # the listener closes first
+                            await eventually(functools.partial(refused, port), 10, "closed")
+                            proc.send_signal(signal.SIGHUP)
+            assert events[-1].strip() == b"data: [DONE]", f"cut after {len(events)} events"
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+            await reading
+            assert b"SIGHUP ignored: shutting down" in log, bytes(log).decode()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            reading.cancel()
+
+
+def _true(check: Callable[..., bool], *args: Any) -> Callable[[], Awaitable[bool]]:
+    """`check(*args)` as `eventually` polls it."""
+
+    async def checked() -> bool:
+        return check(*args)
+
+    return checked
+
+
+async def _collect(stream: asyncio.StreamReader, into: bytearray) -> None:
+    """Append all of `stream` to `into` as it comes, until its end."""
+    while chunk := await stream.read(4096):
+        into += chunk

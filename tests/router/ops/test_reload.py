@@ -8,9 +8,12 @@ intact; an invalid file is a 400 naming the key and the running config keeps ser
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +25,7 @@ import pytest
 
 from router.config import load_config
 from router.http.reload import ConfigSource
+from router.http.reload_link import ProcessesTold, ReloadLink, answer_child
 from router.service import RouterService
 from tests.router.conftest import (
     AUTH,
@@ -655,3 +659,49 @@ async def test_a_worker_whose_http_hangs_holds_no_reload(fleet: Reloadable) -> N
         _, listed = await fleet.admin("GET", "/workers")
         assert {w["id"]: w["status"] for w in listed["workers"]}["h"] == "checking"
         assert hung.asked.get("/server_info") == 1  # its one discovery goes on
+
+
+async def test_a_closed_reload_link_never_touches_its_old_descriptor_number(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`--processes` child: the link closed at SIGTERM kept its descriptor number, and a
+    reload later in the grace wrapped whatever socket held that number by then (another part
+    of the router's), wrote into it, and closed it when the wrapper was collected. The warning
+    told the operator to SIGHUP a parent that was stopping everything."""
+    ours, theirs = socket.socketpair()
+    first, second = socket.socketpair()
+    with ours, first, second:
+        number = theirs.detach()
+        link = ReloadLink(number)
+        link.close()
+        os.dup2(first.fileno(), number)  # another socket takes the freed number
+        with socket.socket(fileno=number) as foreign:
+            told = await link.tell_siblings()
+            assert told == ProcessesTold(count=None, told=0, error="shutting down")
+            gc.collect()
+            foreign.sendall(b"still mine")  # open, and nothing was written into it
+            second.setblocking(False)
+            assert second.recv(64) == b"still mine"
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "shutting down" in warning and "SIGHUP" not in warning, warning
+
+
+async def test_a_late_answer_of_the_parent_is_not_taken_for_the_next_reloads() -> None:
+    """A parent stalled past the wait answered later anyway: that late answer stayed in the
+    socket and was taken for the next reload's, and every answer after was the one before's.
+    Answers carry their question's id now; a stale one is dropped."""
+    parent, child = socket.socketpair()
+    link = ReloadLink(child.detach(), timeout_s=0.3)
+    counter = itertools.count(1)
+
+    def tell_others() -> ProcessesTold:
+        return ProcessesTold(count=3, told=next(counter))  # each answer its own
+
+    stalled = await link.tell_siblings()  # nobody reads the parent's end yet
+    assert stalled.count is None and stalled.error == "TimeoutError", stalled
+    answering = asyncio.create_task(answer_child(parent, tell_others))
+    # the parent answers the stalled question (told 1) first, then this one (told 2)
+    assert await link.tell_siblings() == ProcessesTold(count=3, told=2)
+    assert await link.tell_siblings() == ProcessesTold(count=3, told=3)
+    link.close()
+    await asyncio.wait_for(answering, 5)  # the child's end closed: the parent's ends too
