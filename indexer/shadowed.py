@@ -36,14 +36,22 @@ stream still holds the key (its copy may still be there; a tail on the seed: as 
 stream holds a page of that namespace). Memory: a few dozen bytes a shadowed block (entries are
 shared by the blocks one request shadowed), kept in check by sweeps of what lapsed.
 
+A shadow is of the server's cache, not of the worker's id: a worker that leaves (removed,
+renamed, its id swapped with another's, registered anew) leaves its streams' shadows **parked**
+under what identifies the server's stream (`park`; the service names it by its events endpoint,
+topic and dp rank), and a stream added on that server's stream again takes them (`adopt`): its
+replay brings back the pages they cover, as plain ones. Parked, a shadow is kept until its time
+is past (no stream holds its key), and at least `MOVE_GRACE_S` after it moved, so the new
+stream's replay can bring back the keys that keep it.
+
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
-__all__ = ["Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
+__all__ = ["MOVE_GRACE_S", "Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -57,6 +65,10 @@ ShadowMark = tuple[str, tuple[int, ...], tuple[Shadow | None, ...], tuple[Shadow
 
 # shadows kept before the next sweep for ones no longer needed (doubles with what is kept)
 _FIRST_SWEEP = 4096
+# the least a shadow is kept after it was parked or adopted (`park`, `adopt`): past its time, a
+# shadow is kept by its stream holding its key, which a stream that is gone, or that a worker
+# just took and whose replay has not come yet, does not
+MOVE_GRACE_S = 300.0
 
 
 class ShadowedPrefixes:
@@ -64,6 +76,8 @@ class ShadowedPrefixes:
 
     def __init__(self) -> None:
         self._by_stream: dict[str, dict[int, Shadow]] = {}  # stream -> key -> its shadow
+        # the shadows of streams whose worker left, by the server's stream they were made on
+        self._parked: dict[Hashable, dict[int, Shadow]] = {}
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -120,6 +134,54 @@ class ShadowedPrefixes:
         if not shadows:
             del self._by_stream[stream]
 
+    def park(self, stream: str, server: Hashable, now: float) -> None:
+        """`stream`'s worker left: its shadows are kept for `server` (what identifies the
+        server's stream), for a stream added on it again (`adopt`), until they lapse."""
+        shadows = self._by_stream.pop(stream, None)
+        if shadows:
+            self._parked[server] = self._joined(self._parked.get(server), shadows, now)
+
+    def adopt(self, server: Hashable, stream: str, now: float) -> int:
+        """`stream` follows `server`'s stream: it takes the shadows parked for it (`park`);
+        returns how many."""
+        shadows = self._parked.pop(server, None)
+        if not shadows:
+            return 0
+        self._by_stream[stream] = self._joined(self._by_stream.get(stream), shadows, now)
+        return len(shadows)
+
+    def _joined(
+        self, into: dict[int, Shadow] | None, shadows: dict[int, Shadow], now: float
+    ) -> dict[int, Shadow]:
+        """`shadows` added to `into` (a key both have: shadowed by the extra_keys of either),
+        each kept at least `MOVE_GRACE_S` from `now`. Keys alike share their tuple still."""
+        at_least = now + MOVE_GRACE_S
+        # (id(mine), id(theirs)) -> (joined, mine, theirs): the two kept, so no id is reused
+        made: dict[tuple[int, int], tuple[Shadow, Shadow | None, Shadow]] = {}
+        out = into if into is not None else {}
+        for key, shadow in shadows.items():
+            mine = out.get(key)
+            found = made.get((id(mine), id(shadow)))
+            if found is not None:
+                joined = found[0]
+            else:
+                kept, named, tails = shadow
+                if mine is not None:
+                    kept = max(kept, mine[0])
+                    named, tails = named | mine[1], tails | mine[2]
+                joined = (max(kept, at_least), named, tails)
+                made[(id(mine), id(shadow))] = (joined, mine, shadow)
+            if mine is not None:
+                self._count -= 1  # one key, counted twice until now
+            out[key] = joined
+        return out
+
+    def has_key(self, key: int) -> bool:
+        """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""
+        return any(key in shadows for shadows in self._by_stream.values()) or any(
+            key in shadows for shadows in self._parked.values()
+        )
+
     def shadows(self, stream: str) -> dict[int, Shadow] | None:
         """The shadowed keys of `stream` (None: none); read, never change."""
         return self._by_stream.get(stream)
@@ -141,6 +203,15 @@ class ShadowedPrefixes:
                     dropped += 1
             if not shadows:
                 del self._by_stream[stream]
+        for server in list(self._parked):
+            # no stream holds a parked key: past its time, it goes
+            shadows = self._parked[server]
+            old = [key for key, shadow in shadows.items() if shadow[0] < now]
+            for key in old:
+                del shadows[key]
+            dropped += len(old)
+            if not shadows:
+                del self._parked[server]
         self._count -= dropped
         self._next_sweep = max(_FIRST_SWEEP, 2 * self._count)
         return dropped
