@@ -41,8 +41,9 @@ renamed, its id swapped with another's, registered anew) leaves its streams' sha
 under what identifies the server's stream (`park`; the service names it by its events endpoint,
 topic and dp rank), and a stream added on that server's stream again takes them (`adopt`): its
 replay brings back the pages they cover, as plain ones. Parked, a shadow is kept until its time
-is past (no stream holds its key), and at least `MOVE_GRACE_S` after it moved, so the new
-stream's replay can bring back the keys that keep it.
+is past (no stream holds its key), and at least `MOVE_GRACE_S` after it moved, as it is once
+taken, so the new stream's replay can bring back the keys that keep it. A move costs O(1):
+the stream's table goes whole (keys are joined only where two tables meet).
 
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
@@ -76,8 +77,11 @@ class ShadowedPrefixes:
 
     def __init__(self) -> None:
         self._by_stream: dict[str, dict[int, Shadow]] = {}  # stream -> key -> its shadow
-        # the shadows of streams whose worker left, by the server's stream they were made on
-        self._parked: dict[Hashable, dict[int, Shadow]] = {}
+        # the shadows of streams whose worker left, by the server's stream they were made on:
+        # (when they moved, key -> shadow)
+        self._parked: dict[Hashable, tuple[float, dict[int, Shadow]]] = {}
+        # streams that took parked shadows, and when (`adopt`)
+        self._moved_at: dict[str, float] = {}
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -137,49 +141,46 @@ class ShadowedPrefixes:
     def park(self, stream: str, server: Hashable, now: float) -> None:
         """`stream`'s worker left: its shadows are kept for `server` (what identifies the
         server's stream), for a stream added on it again (`adopt`), until they lapse."""
+        self._moved_at.pop(stream, None)
         shadows = self._by_stream.pop(stream, None)
         if shadows:
-            self._parked[server] = self._joined(self._parked.get(server), shadows, now)
+            parked = self._parked.get(server)
+            self._parked[server] = (now, self._joined(parked[1], shadows) if parked else shadows)
 
     def adopt(self, server: Hashable, stream: str, now: float) -> int:
         """`stream` follows `server`'s stream: it takes the shadows parked for it (`park`);
         returns how many."""
-        shadows = self._parked.pop(server, None)
-        if not shadows:
+        parked = self._parked.pop(server, None)
+        if parked is None:
             return 0
-        self._by_stream[stream] = self._joined(self._by_stream.get(stream), shadows, now)
+        shadows = parked[1]
+        mine = self._by_stream.get(stream)
+        self._by_stream[stream] = self._joined(mine, shadows) if mine else shadows
+        self._moved_at[stream] = now
         return len(shadows)
 
-    def _joined(
-        self, into: dict[int, Shadow] | None, shadows: dict[int, Shadow], now: float
-    ) -> dict[int, Shadow]:
-        """`shadows` added to `into` (a key both have: shadowed by the extra_keys of either),
-        each kept at least `MOVE_GRACE_S` from `now`. Keys alike share their tuple still."""
-        at_least = now + MOVE_GRACE_S
+    def _joined(self, into: dict[int, Shadow], shadows: dict[int, Shadow]) -> dict[int, Shadow]:
+        """`shadows` added to `into` (a key both have: shadowed by the extra_keys of either);
+        keys alike share their tuple still."""
         # (id(mine), id(theirs)) -> (joined, mine, theirs): the two kept, so no id is reused
         made: dict[tuple[int, int], tuple[Shadow, Shadow | None, Shadow]] = {}
-        out = into if into is not None else {}
         for key, shadow in shadows.items():
-            mine = out.get(key)
+            mine = into.get(key)
+            if mine is None:
+                into[key] = shadow
+                continue
             found = made.get((id(mine), id(shadow)))
-            if found is not None:
-                joined = found[0]
-            else:
-                kept, named, tails = shadow
-                if mine is not None:
-                    kept = max(kept, mine[0])
-                    named, tails = named | mine[1], tails | mine[2]
-                joined = (max(kept, at_least), named, tails)
-                made[(id(mine), id(shadow))] = (joined, mine, shadow)
-            if mine is not None:
-                self._count -= 1  # one key, counted twice until now
-            out[key] = joined
-        return out
+            if found is None:
+                joined = (max(shadow[0], mine[0]), shadow[1] | mine[1], shadow[2] | mine[2])
+                found = made[(id(mine), id(shadow))] = (joined, mine, shadow)
+            into[key] = found[0]
+            self._count -= 1  # one key, counted twice until now
+        return into
 
     def has_key(self, key: int) -> bool:
         """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""
         return any(key in shadows for shadows in self._by_stream.values()) or any(
-            key in shadows for shadows in self._parked.values()
+            key in shadows for _, shadows in self._parked.values()
         )
 
     def shadows(self, stream: str) -> dict[int, Shadow] | None:
@@ -194,7 +195,11 @@ class ShadowedPrefixes:
         """Drop the shadows past their time whose key their stream no longer holds
         (`holds(stream, keys)`, per key); returns how many were dropped."""
         dropped = 0
+        moved = now - MOVE_GRACE_S
+        self._moved_at = {s: at for s, at in self._moved_at.items() if at >= moved}
         for stream in list(self._by_stream):
+            if stream in self._moved_at:
+                continue  # its replay may not have brought back the keys that keep them yet
             shadows = self._by_stream[stream]
             old = [key for key, shadow in shadows.items() if shadow[0] < now]
             for key, held in zip(old, holds(stream, old), strict=True):
@@ -205,7 +210,9 @@ class ShadowedPrefixes:
                 del self._by_stream[stream]
         for server in list(self._parked):
             # no stream holds a parked key: past its time, it goes
-            shadows = self._parked[server]
+            at, shadows = self._parked[server]
+            if at >= moved:
+                continue
             old = [key for key, shadow in shadows.items() if shadow[0] < now]
             for key in old:
                 del shadows[key]
