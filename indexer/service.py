@@ -89,6 +89,18 @@ _SHADOW_LIMIT = 4_000_000
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
 
+# what identifies a server's stream whatever worker id follows it: its events endpoint, topic and
+# dp rank (one publisher is one engine's cache: `sharing` refuses a second worker on it)
+ServerStream = tuple[str, str, int]
+
+# a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
+# plain namespace, the prompt's leading tokens, its extra_key, kept until)
+_Unsized = tuple[str, Namespace, Sequence[Hashable], str, float]
+
+
+def _server_stream(cfg: StreamConfig) -> ServerStream:
+    return (cfg.endpoint, cfg.topic, cfg.dp_rank)
+
 
 class IndexerService:
     """Owns the index and one subscriber task per stream; see the module docstring."""
@@ -138,15 +150,18 @@ class IndexerService:
         self._matches = WorkerMatches(clock)
         # prefixes sent with an extra_key, which their events show as plain (`indexer.shadowed`)
         self._shadowed = ShadowedPrefixes()
-        # the same, sent to streams whose block size was not known yet: (stream, plain
-        # namespace, the prompt's leading tokens, its extra_key, kept until), made keys once
-        # it is
-        self._unsized_shadows: list[tuple[str, Namespace, Sequence[Hashable], str, float]] = []
+        # the same, sent to streams whose block size was not known yet, made keys once it is
+        self._unsized_shadows: list[_Unsized] = []
         # the seeds (parents of first blocks) that are tails of prompts with no full block,
         # and their namespace: such a tail is kept while its stream holds a page of it
         self._seeds: dict[int, Namespace] = {}
         # streams whose plain entries are all hidden: shadows that could not be kept there
         self._blanket: set[str] = set()
+        # the unsized shadows and blankets of streams whose worker left, by the server's stream
+        # (`_server_stream`), as `ShadowedPrefixes.park` keeps their shadows: for a worker
+        # added on that stream again (a rename, an id swap, an admin delete and add)
+        self._parked_unsized: dict[ServerStream, list[_Unsized]] = {}
+        self._parked_blanket: set[ServerStream] = set()
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -212,6 +227,8 @@ class IndexerService:
             return self._sink(self.index, sid)
 
         subs = self._streams.start(worker, streams, sink_for)
+        for sub in subs:
+            self._adopt_shadows(_server_stream(sub.config), sub.stream_id)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -235,10 +252,12 @@ class IndexerService:
             self._settled_restarts[sub.stream_id] = self._with_carried(sub.stats()).restarts
 
     async def remove_worker(self, worker: str) -> None:
-        """Stop a worker's subscriptions and drop its index entries."""
+        """Stop a worker's subscriptions and drop its index entries. Its streams' shadows are
+        kept for the server's streams (`_park_shadows`)."""
         self._health.pop(worker, None)
         self._matches.invalidate()
         for sub in await self._streams.stop(worker):
+            self._park_shadows(sub.stream_id, _server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
             # its series go with it (a worker added again under its id starts them at 0)
@@ -266,6 +285,34 @@ class IndexerService:
             for sub in self._workers.get(worker, []):
                 sub.suspect_restart(why)
         self._matches.invalidate()
+
+    def _park_shadows(self, stream: str, server: ServerStream) -> None:
+        """`stream` is no longer followed: its shadows (`indexer.shadowed`) are kept for the
+        server's stream it followed, which another worker id may follow next and replay the
+        server's history into: the pages an `extra_key` request stored there come back as
+        plain ones (before, the shadows stayed with the stream id, and a rename, an id swap or
+        an admin delete and add predicted plain requests those pages)."""
+        now = self._clock()
+        self._shadowed.park(stream, server, now)
+        unsized = [item for item in self._unsized_shadows if item[0] == stream]
+        if unsized:
+            self._unsized_shadows = [i for i in self._unsized_shadows if i[0] != stream]
+            kept = [i for i in self._parked_unsized.get(server, []) if i[4] >= now]
+            self._parked_unsized[server] = kept + unsized
+        if stream in self._blanket:
+            self._blanket.discard(stream)
+            self._parked_blanket.add(server)
+
+    def _adopt_shadows(self, server: ServerStream, stream: str) -> None:
+        """`stream` follows `server`'s stream: it takes the shadows left there
+        (`_park_shadows`)."""
+        now = self._clock()
+        self._shadowed.adopt(server, stream, now)
+        for _, plain, head, extra_key, until in self._parked_unsized.pop(server, []):
+            self._unsized_shadows.append((stream, plain, head, extra_key, until))
+        if server in self._parked_blanket:
+            self._parked_blanket.discard(server)
+            self._blanket.add(stream)
 
     def workers(self) -> list[str]:
         """Names of the subscribed workers."""
@@ -392,10 +439,8 @@ class IndexerService:
         return marks
 
     def _has_seed(self, seed: int) -> bool:
-        return any(
-            shadows is not None and seed in shadows
-            for shadows in map(self._shadowed.shadows, self.index.streams())
-        )
+        # a parked stream's seed too: the stream that adopts its shadows needs its namespace
+        return self._shadowed.has_key(seed)
 
     def _holds_shadowed(self, stream: str, keys: Sequence[int]) -> list[bool]:
         """For the sweep: whether `stream` still holds each shadowed key (a seed: a page of

@@ -36,14 +36,23 @@ stream still holds the key (its copy may still be there; a tail on the seed: as 
 stream holds a page of that namespace). Memory: a few dozen bytes a shadowed block (entries are
 shared by the blocks one request shadowed), kept in check by sweeps of what lapsed.
 
+A shadow is of the server's cache, not of the worker's id: a worker that leaves (removed,
+renamed, its id swapped with another's, registered anew) leaves its streams' shadows **parked**
+under what identifies the server's stream (`park`; the service names it by its events endpoint,
+topic and dp rank), and a stream added on that server's stream again takes them (`adopt`): its
+replay brings back the pages they cover, as plain ones. Parked, a shadow is kept until its time
+is past (no stream holds its key), and at least `MOVE_GRACE_S` after it moved, as it is once
+taken, so the new stream's replay can bring back the keys that keep it. A move costs O(1):
+the stream's table goes whole (keys are joined only where two tables meet).
+
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
-__all__ = ["Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
+__all__ = ["MOVE_GRACE_S", "Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
 
 _NONE: frozenset[str] = frozenset()
 
@@ -57,6 +66,10 @@ ShadowMark = tuple[str, tuple[int, ...], tuple[Shadow | None, ...], tuple[Shadow
 
 # shadows kept before the next sweep for ones no longer needed (doubles with what is kept)
 _FIRST_SWEEP = 4096
+# the least a shadow is kept after it was parked or adopted (`park`, `adopt`): past its time, a
+# shadow is kept by its stream holding its key, which a stream that is gone, or that a worker
+# just took and whose replay has not come yet, does not
+MOVE_GRACE_S = 300.0
 
 
 class ShadowedPrefixes:
@@ -64,6 +77,11 @@ class ShadowedPrefixes:
 
     def __init__(self) -> None:
         self._by_stream: dict[str, dict[int, Shadow]] = {}  # stream -> key -> its shadow
+        # the shadows of streams whose worker left, by the server's stream they were made on:
+        # (when they moved, key -> shadow)
+        self._parked: dict[Hashable, tuple[float, dict[int, Shadow]]] = {}
+        # streams that took parked shadows, and when (`adopt`)
+        self._moved_at: dict[str, float] = {}
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -120,6 +138,51 @@ class ShadowedPrefixes:
         if not shadows:
             del self._by_stream[stream]
 
+    def park(self, stream: str, server: Hashable, now: float) -> None:
+        """`stream`'s worker left: its shadows are kept for `server` (what identifies the
+        server's stream), for a stream added on it again (`adopt`), until they lapse."""
+        self._moved_at.pop(stream, None)
+        shadows = self._by_stream.pop(stream, None)
+        if shadows:
+            parked = self._parked.get(server)
+            self._parked[server] = (now, self._joined(parked[1], shadows) if parked else shadows)
+
+    def adopt(self, server: Hashable, stream: str, now: float) -> int:
+        """`stream` follows `server`'s stream: it takes the shadows parked for it (`park`);
+        returns how many."""
+        parked = self._parked.pop(server, None)
+        if parked is None:
+            return 0
+        shadows = parked[1]
+        mine = self._by_stream.get(stream)
+        self._by_stream[stream] = self._joined(mine, shadows) if mine else shadows
+        self._moved_at[stream] = now
+        return len(shadows)
+
+    def _joined(self, into: dict[int, Shadow], shadows: dict[int, Shadow]) -> dict[int, Shadow]:
+        """`shadows` added to `into` (a key both have: shadowed by the extra_keys of either);
+        keys alike share their tuple still."""
+        # (id(mine), id(theirs)) -> (joined, mine, theirs): the two kept, so no id is reused
+        made: dict[tuple[int, int], tuple[Shadow, Shadow | None, Shadow]] = {}
+        for key, shadow in shadows.items():
+            mine = into.get(key)
+            if mine is None:
+                into[key] = shadow
+                continue
+            found = made.get((id(mine), id(shadow)))
+            if found is None:
+                joined = (max(shadow[0], mine[0]), shadow[1] | mine[1], shadow[2] | mine[2])
+                found = made[(id(mine), id(shadow))] = (joined, mine, shadow)
+            into[key] = found[0]
+            self._count -= 1  # one key, counted twice until now
+        return into
+
+    def has_key(self, key: int) -> bool:
+        """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""
+        return any(key in shadows for shadows in self._by_stream.values()) or any(
+            key in shadows for _, shadows in self._parked.values()
+        )
+
     def shadows(self, stream: str) -> dict[int, Shadow] | None:
         """The shadowed keys of `stream` (None: none); read, never change."""
         return self._by_stream.get(stream)
@@ -132,7 +195,11 @@ class ShadowedPrefixes:
         """Drop the shadows past their time whose key their stream no longer holds
         (`holds(stream, keys)`, per key); returns how many were dropped."""
         dropped = 0
+        moved = now - MOVE_GRACE_S
+        self._moved_at = {s: at for s, at in self._moved_at.items() if at >= moved}
         for stream in list(self._by_stream):
+            if stream in self._moved_at:
+                continue  # its replay may not have brought back the keys that keep them yet
             shadows = self._by_stream[stream]
             old = [key for key, shadow in shadows.items() if shadow[0] < now]
             for key, held in zip(old, holds(stream, old), strict=True):
@@ -141,6 +208,17 @@ class ShadowedPrefixes:
                     dropped += 1
             if not shadows:
                 del self._by_stream[stream]
+        for server in list(self._parked):
+            # no stream holds a parked key: past its time, it goes
+            at, shadows = self._parked[server]
+            if at >= moved:
+                continue
+            old = [key for key, shadow in shadows.items() if shadow[0] < now]
+            for key in old:
+                del shadows[key]
+            dropped += len(old)
+            if not shadows:
+                del self._parked[server]
         self._count -= dropped
         self._next_sweep = max(_FIRST_SWEEP, 2 * self._count)
         return dropped

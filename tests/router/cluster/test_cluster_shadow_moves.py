@@ -1,0 +1,96 @@
+"""A replica applying another's rename or id swap moves its `extra_key` shadows with the servers.
+
+QA (xkswap_det.py over three replicas, swapxk.py): after replica a's reload renamed the workers
+or swapped their ids, the replicas that applied its record predicted plain requests the pages
+the `extra_key` requests had stored (their new ids' streams replayed them as plain pages, and
+the shadows stayed with the old ids' streams). Now each replica's shadows follow the servers'
+streams, as the reloading replica's do (`indexer.shadowed`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from indexer.namespace import Namespace
+from router.cluster.server import NatsServer
+from router.config import RouterConfig
+from router.http.reload import ConfigSource
+from router.service import RouterService
+from tests.router.cluster.conftest import admin, replica_config, workers
+from tests.router.conftest import eventually
+
+SALT = "tenant-a"
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(i * seed) % 200 + 5 for i in range(20 * 16 + 1)]
+
+
+async def _stored_on(router: RouterService, url: str, prompt: list[int]) -> str:
+    """The worker id `router` has on the server `url`, once its index holds `prompt`'s pages
+    there as plain pages of the salt (its events, or its replay, came in)."""
+    indexer = router.planner.indexer
+    found: list[str] = []
+
+    async def stored() -> bool:
+        entry = next((e for e in router.planner.pool if e.url == url), None)
+        if entry is None or not indexer.has_worker(entry.id):
+            return False
+        (stream,) = indexer.stream_ids(entry.id)
+        keys = indexer.block_keys(stream, Namespace(entry.cache_model, None, SALT), prompt)
+        found[:] = [entry.id]
+        return bool(keys) and all(indexer.index.holds(stream, keys))
+
+    await eventually(stored, what=f"the extra_key prompt's pages on {url} in the index")
+    return found[0]
+
+
+@pytest.mark.parametrize("change", ["rename", "swap"])
+async def test_a_replica_applying_a_rename_keeps_the_shadows_of_each_server(
+    nats_server: NatsServer, change: str
+) -> None:
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        before = [("w0", w0.url), ("w1", w1.url)]
+        file: dict[str, RouterConfig] = {"a": replica_config(before, nats_server.url, "a")}
+        source = ConfigSource("a.toml", lambda: file["a"])
+        async with (
+            RouterService(file["a"], config_source=source) as a,
+            RouterService(replica_config(before, nats_server.url, "b")) as b,
+        ):
+            sent: list[tuple[list[int], str]] = []
+            for i, seed in enumerate((7, 11, 13, 17)):
+                prompt = _prompt(seed)
+                body = {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}
+                via = (a, b)[i % 2]  # b shadows a's through its decisions, and a b's
+                async with session.post(via.url + "/generate", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    worker = resp.headers["x-kvroute-worker"]
+                url = dict(before)[worker]
+                for router in (a, b):
+                    await _stored_on(router, url, prompt)
+                sent.append((prompt, url))
+            after = {
+                "rename": [("z0", w0.url), ("z1", w1.url)],
+                "swap": [("w0", w1.url), ("w1", w0.url)],
+            }[change]
+            edited: Any = replica_config(after, nats_server.url, "a")
+            file["a"] = msgspec.structs.replace(edited, cluster=file["a"].cluster)
+            status, answer = await admin(session, a, "POST", "/reload")
+            assert status == 200, answer
+
+            async def applied() -> bool:
+                return {(e.id, e.url) for e in b.planner.pool} == set(after)
+
+            await eventually(applied, what="replica b to apply a's reload")
+            for prompt, url in sent:
+                plain = {"input_ids": prompt, "cache_salt": SALT}
+                for router in (b, a):  # b, which applied the record, first
+                    worker = await _stored_on(router, url, prompt)  # replayed by its new id
+                    status, plan = await admin(session, router, "POST", "/route", plain)
+                    assert status == 200, plan
+                    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+                    assert held[worker] == 0, (router.url, plan["candidates"])

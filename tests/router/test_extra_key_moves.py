@@ -1,0 +1,187 @@
+"""An `extra_key` request's shadow follows the worker's server, not its id.
+
+The pages a worker stores for an `extra_key` request reach the index as plain pages of its salt,
+so the router shadows that prompt's blocks on the stream it was sent to (`indexer.shadowed`).
+QA: after a reload that renamed the workers (the same servers) or swapped their ids, or an admin
+delete and add of the same server under another id, the new id's stream replayed the server's
+history, those pages came back as trusted plain ones, and a plain request of the prompts was
+predicted them: 4 of 4 false hits (predicted 156, cached 0). A settings change under the same id
+kept its shadows only because they were kept by the id. Now a leaving worker's shadows are kept
+for the server's stream (its events endpoint, topic and dp rank), and whatever id is added on that
+stream gets them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from indexer.namespace import Namespace
+from router.config import load_config
+from router.http.reload import ConfigSource
+from router.service import RouterService
+from tests.router.conftest import AUTH, TOKEN, Fleet, eventually, router_config
+from tests.router.test_router_pd import PdFleet, poke, reference
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+SALT = "tenant-a"
+
+
+def _toml(workers: dict[str, str]) -> str:
+    lines = ["[listen]", 'host = "127.0.0.1"', "port = 0", "[admin]", f'token = "{TOKEN}"']
+    lines += ["[health]", "interval_s = 0.2", "timeout_s = 0.5"]
+    for wid, url in workers.items():
+        lines += ["[[workers]]", f'id = "{wid}"', f'url = "{url}"']
+    return "\n".join(lines) + "\n"
+
+
+class Reloadable(Fleet):
+    """Two workers behind a router read from `path` (rewrite it, then `reload`)."""
+
+    path: Path
+
+    async def reload(self, workers: dict[str, str]) -> dict[str, Any]:
+        self.path.write_text(_toml(workers))
+        status, answer = await self.admin("POST", "/reload")
+        assert status == 200, answer
+        return answer  # type: ignore[no-any-return]
+
+
+@contextlib.asynccontextmanager
+async def reloadable(tmp_path: Path) -> AsyncIterator[Reloadable]:
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        path = tmp_path / "router.toml"
+        path.write_text(_toml({"w0": w0.url, "w1": w1.url}))
+        source = ConfigSource(str(path), lambda: load_config(path))
+        async with (
+            RouterService(source.load(), config_source=source) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            fleet = Reloadable(router, {"w0": w0, "w1": w1}, session)
+            fleet.path = path
+            await fleet.warm()
+            yield fleet
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(i * seed) % 200 + 5 for i in range(20 * 16 + 1)]
+
+
+async def _stored_as_plain(fleet: Fleet | PdFleet, worker: str, prompt: list[int]) -> None:
+    """Wait until the index holds `prompt`'s pages on `worker` as plain pages of the salt (its
+    stream's events, or the replay of its history, came in)."""
+    indexer = fleet.router.planner.indexer
+
+    async def stored() -> bool:
+        if not indexer.has_worker(worker):
+            return False
+        model = fleet.router.planner.pool.get(worker).cache_model
+        for stream in indexer.stream_ids(worker):  # the rank it went to
+            keys = indexer.block_keys(stream, Namespace(model, None, SALT), prompt)
+            if keys and all(indexer.index.holds(stream, keys)):
+                return True
+        return False
+
+    await eventually(stored, what=f"{worker}'s pages of the extra_key prompt in the index")
+
+
+async def _sent_with_extra_key(fleet: Fleet, prompt: list[int]) -> str:
+    """The server (its URL) an extra_key request of `prompt` went to, once its pages are in."""
+    body = {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}
+    status, headers, _ = await fleet.post("/generate", body)
+    assert status == 200
+    worker = headers["x-kvroute-worker"]
+    await _stored_as_plain(fleet, worker, prompt)
+    return str(fleet.router.planner.pool.get(worker).url)
+
+
+async def _no_false_hit(fleet: Fleet, prompt: list[int], server: str) -> None:
+    """The worker now on `server` holds `prompt`'s pages again (its new stream replayed them),
+    and a plain request of it is predicted none of them: the worker reuses none."""
+    worker = next(e.id for e in fleet.router.planner.pool if e.url == server)
+    await _stored_as_plain(fleet, worker, prompt)
+    plain = {"input_ids": prompt, "cache_salt": SALT}
+    plan = await fleet.route(plain)
+    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+    assert held[worker] == 0, plan["candidates"]
+    status, headers, answer = await fleet.post("/generate", plain)
+    assert status == 200
+    predicted = int(headers["x-kvroute-matched-tokens"])
+    assert predicted <= answer["meta_info"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("change", ["rename", "swap", "same"])
+async def test_a_reload_that_renames_the_workers_keeps_their_shadows(
+    tmp_path: Path, change: str
+) -> None:
+    async with reloadable(tmp_path) as fleet:
+        urls = {wid: w.url for wid, w in fleet.workers.items()}
+        sent = [(p, await _sent_with_extra_key(fleet, p)) for p in map(_prompt, (7, 11, 13))]
+        workers = {
+            "rename": {"z0": urls["w0"], "z1": urls["w1"]},
+            "swap": {"w0": urls["w1"], "w1": urls["w0"]},
+            "same": urls,  # the control: no change
+        }[change]
+        await fleet.reload(workers)
+        for prompt, server in sent:
+            await _no_false_hit(fleet, prompt, server)
+
+
+async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_path: Path) -> None:
+    async with reloadable(tmp_path) as fleet:
+        prompt = _prompt(7)
+        server = await _sent_with_extra_key(fleet, prompt)
+        old = next(e.id for e in fleet.router.planner.pool if e.url == server)
+        status, _ = await fleet.admin("DELETE", f"/workers/{old}")
+        assert status == 200
+        status, answer = await fleet.admin("POST", "/workers", {"id": "ad0", "url": server})
+        assert status == 201, answer
+        await _no_false_hit(fleet, prompt, server)
+
+
+async def test_a_prefill_with_two_ranks_renamed_keeps_the_shadows_of_each_rank() -> None:
+    """QA (pdxk.py): extra_key pairs, then the prefill worker (2 dp ranks) renamed: 3 of 3
+    plain pairs were predicted the extra_key copies on the prefill rank."""
+    async with (
+        ReferenceWorker(reference("prefill", dp_size=2)) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = PdFleet(router, session, {"p0": p0, "d0": d0})
+            counter = iter(range(1_000_000))
+
+            async def live() -> bool:
+                await poke(session, p0, d0, next(counter))
+                streams = router.planner.indexer.streams()
+                return len(streams) == 3 and all(s.last_seq is not None for s in streams)
+
+            await eventually(live, what="both prefill ranks' streams to reach the index")
+            prompts = [_prompt(seed) for seed in (7, 11, 13, 17)]
+            for prompt in prompts:
+                body = {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                await _stored_as_plain(fleet, "p0", prompt)
+            async with session.delete(router.url + "/admin/workers/p0", headers=AUTH) as resp:
+                assert resp.status == 200
+            added = {"id": "px", "url": p0.url}
+            async with session.post(router.url + "/admin/workers", json=added, headers=AUTH) as r:
+                assert r.status == 201, await r.text()
+            for prompt in prompts:
+                await _stored_as_plain(fleet, "px", prompt)  # the new streams replayed them
+                body = {"input_ids": prompt, "cache_salt": SALT}
+                plan = await fleet.route(body)
+                assert plan["prefill"]["candidates"][0]["matched_tokens"] == 0, plan["prefill"]
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    matched = int(resp.headers["x-kvroute-matched-tokens"])
+                    answer = await resp.json()
+                assert matched <= answer["meta_info"]["cached_tokens"] == 0
