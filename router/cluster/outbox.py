@@ -16,6 +16,10 @@ comes back: the one that made a shadow may be the one coming back, with nothing 
 request that stored nothing (`Withdraw.ALL`) takes its shadows back from what is kept too,
 unless a later shadow of the same head renewed them since: this replica's own at `finished`,
 another's through what `remember` returns (called by `Peers` when its `End` says so).
+
+Each pending mark and shadow names the server its worker id names here when it is made
+(`server_of`, `Pending.server`): a replica that has moved the id to another server by the time
+it applies the decision can tell. A kept shadow keeps the server it was made for.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ LAZY_S = 0.005
 MAX_SHADOWS = 8192
 
 
-# a kept shadow's key: (worker, rank, namespace, head as 8-byte ids)
-_Key = tuple[str, int | None, Namespace, bytes]
+# a kept shadow's key: (worker, its server then ("": not said), rank, namespace, head as
+# 8-byte ids)
+_Key = tuple[str, str, int | None, Namespace, bytes]
 # a kept shadow: (when it lapses, `clock`; which keeping it is, so a withdrawal takes back only
 # its own)
 _Kept = tuple[float, int]
@@ -75,9 +80,14 @@ class Outbox:
     """Decisions not yet published, and the requests in flight (for heartbeats)."""
 
     def __init__(
-        self, max_decisions: int = 65_536, clock: Callable[[], float] = time.monotonic
+        self,
+        max_decisions: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+        server_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self.max_decisions = max_decisions
+        # the server a worker id names here (`WorkerPool.server_of`; None: not said)
+        self._server_of = server_of
         self.wakeup = asyncio.Event()
         self._sending = False
         self._clock = clock
@@ -117,11 +127,12 @@ class Outbox:
         entry = None if ticket is None else self._open.get(id(ticket))
         if entry is not None and entry.ticket is not ticket:
             entry = None
+        server = self._server(worker)
         if self._sending:
             number = entry.number if entry is not None else 0
-            self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S, number))
+            self._put(Shadow(worker, dp_rank, ns, head, SHADOW_KEEP_S, number, server))
         try:
-            key = (worker, dp_rank, ns, array("q", head).tobytes())
+            key = (worker, server, dp_rank, ns, array("q", head).tobytes())
         except OverflowError:
             return  # ids beyond 64 bits, which no tokenizer makes: sent once, not kept
         kept = (self._clock() + SHADOW_KEEP_S, next(self._keepings))
@@ -137,7 +148,7 @@ class Outbox:
             head = array("q", shadow.tokens[:SHADOW_HEAD_TOKENS]).tobytes()
         except OverflowError:
             return None
-        key = (shadow.worker, shadow.dp_rank, shadow.namespace, head)
+        key = (shadow.worker, shadow.server, shadow.dp_rank, shadow.namespace, head)
         until = self._clock() + shadow.keep_s
         before = self._shadows.get(key)
         if before is not None and before[0] >= until:
@@ -161,10 +172,11 @@ class Outbox:
             if until <= now:
                 del self._shadows[key]
                 continue
-            worker, dp_rank, ns, head = key
+            worker, server, dp_rank, ns, head = key
             ids = array("q")
             ids.frombytes(head)
-            self._put(Shadow(worker, dp_rank, ns, ids.tolist(), until - now), force=True)
+            shadow = Shadow(worker, dp_rank, ns, ids.tolist(), until - now, 0, server)
+            self._put(shadow, force=True)
 
     def committed(
         self,
@@ -203,6 +215,7 @@ class Outbox:
                     held_tokens,
                     block_size,
                     sent,
+                    self._server(ticket.worker),
                 )
             )
         self._put(
@@ -215,6 +228,11 @@ class Outbox:
                 ticket.kv_tokens,
             )
         )
+
+    def _server(self, worker: str) -> str:
+        """The server `worker` names here now ("": not known)."""
+        server = None if self._server_of is None else self._server_of(worker)
+        return server or ""
 
     def first_byte(self, ticket: Ticket) -> None:
         """The worker answered a request."""

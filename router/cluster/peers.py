@@ -11,6 +11,15 @@ heartbeat lists the peer's requests in flight, and the tickets held for it are m
 kept to send again (`shadow_seen`, `Outbox.remember`); an `End` that withdraws its request's
 shadows takes back their keepings too, by the peer and its number for the request.
 
+A decision names a worker by id and by the server the id named where it was made
+(`Pending.server`). Ids move between servers (a reload that swaps two, a rename), and the
+replicas take each change in one after another, each when it reads the fleet record: for a
+moment two of them know one id as two servers. A pending mark made under the other mapping
+goes on the server it meant, under that server's id here (none: not marked), and a shadow
+whose id is another server here is not applied (`misaddressed` counts both): marked under the
+id, either would stand on a server that holds none of it, predicted hits a request would be
+sent for, until its TTL.
+
 Everything here runs on the one event loop without awaiting, like every index mutation.
 """
 
@@ -27,7 +36,7 @@ from indexer.service import IndexerService
 from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
 from router.routing.load import LoadTracker, Ticket, Withdraw
 
-__all__ = ["AdmissionBook", "Peers"]
+__all__ = ["AdmissionBook", "Peers", "Servers"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,14 @@ class AdmissionBook(Protocol):
     def keys_of(self, ns: Namespace, tokens: Sequence[int]) -> Callable[[str], list[int]]: ...
 
 
+class Servers(Protocol):
+    """Which server each worker id names on this replica (`router.routing.pool.WorkerPool`)."""
+
+    def server_of(self, worker_id: str) -> str | None: ...
+
+    def worker_at(self, server: str) -> str | None: ...
+
+
 class _Peer:
     __slots__ = ("instance", "kept", "last_seen", "marks", "pending", "tickets")
 
@@ -91,8 +108,10 @@ class Peers:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         book: AdmissionBook | None = None,
+        servers: Servers | None = None,
     ) -> None:
         self.me = me
+        self._servers = servers  # None: ids are taken as they come
         self._indexer = indexer
         self._load = load
         self._book = book
@@ -104,6 +123,9 @@ class Peers:
         # stream's (not marked there), and the (stream, theirs, ours) sizes already warned of
         self.unmatched_pages = 0
         self._warned: set[tuple[str, int, int]] = set()
+        # decisions whose id names another server here than where they were made (moved to the
+        # server meant, or not applied)
+        self.misaddressed = 0
         self._twin_said = False  # another replica with our id was reported
         # told the name of each replica heard from for the first time (or again after it was
         # dropped as silent): what it missed that lasts, it is sent again (`Outbox.shadowed`)
@@ -162,16 +184,17 @@ class Peers:
         load = self._load
         for d in batch.decisions:
             if isinstance(d, Pending):
-                if self._indexer.has_worker(d.worker):
-                    keys_of = self._keys_of(d)
+                worker = self._meant(d.worker, d.server)
+                if worker is not None and self._indexer.has_worker(worker):
+                    keys_of = self._keys_of(d, worker)
                     made = self._indexer.add_pending(
-                        d.namespace, d.tokens, d.worker, d.dp_rank, keys_of=keys_of
+                        d.namespace, d.tokens, worker, d.dp_rank, keys_of=keys_of
                     )
                     if made and d.ticket:
                         if len(peer.pending) >= _MAX_UNBEGUN:  # Begins were lost
                             del peer.pending[next(iter(peer.pending))]
                         peer.pending[d.ticket] = made
-                    self._take_in(peer, d, keys_of)
+                    self._take_in(peer, d, worker, keys_of)
             elif isinstance(d, Begin):
                 old = peer.tickets.pop(d.ticket, None)
                 if old is not None:
@@ -186,7 +209,10 @@ class Peers:
                 begun.marks = peer.marks.pop(d.ticket, [])
                 begun.pending = peer.pending.pop(d.ticket, [])
             elif isinstance(d, Shadow):
-                if self._indexer.has_worker(d.worker) and d.keep_s > 0:
+                # only where the id names the server meant: moving a shadow to a server's new
+                # id is the indexer's (`indexer.shadowed`), not the wire's
+                meant = d.keep_s > 0 and self._meant(d.worker, d.server) == d.worker
+                if meant and self._indexer.has_worker(d.worker):
                     shadows = self._indexer.shadow(
                         d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s
                     )
@@ -219,14 +245,25 @@ class Peers:
                 self._reconcile(peer, d)
         self.applied += len(batch.decisions)
 
-    def _keys_of(self, pending: Pending) -> Callable[[str], list[int]] | None:
+    def _meant(self, worker: str, server: str) -> str | None:
+        """The id here of the server a decision naming (`worker`, `server`) meant: `worker`
+        when it names that server here too (or the decision does not say), else the id of
+        that server here (None: not in this replica's fleet)."""
+        if not server or self._servers is None:
+            return worker
+        if self._servers.server_of(worker) == server:
+            return worker
+        self.misaddressed += 1
+        return self._servers.worker_at(server)
+
+    def _keys_of(self, pending: Pending, worker: str) -> Callable[[str], list[int]] | None:
         """The decision's block keys per stream: the ones it carries, on streams with its page
         size (none elsewhere: nothing is marked there); else the book's, made once from its
         tokens for the pending marks and the touch alike."""
         if pending.keys:
             index = self._indexer.index
             usable: set[str] = set()  # the streams with the keys' page size
-            for stream in self._indexer.stream_ids(pending.worker, pending.dp_rank):
+            for stream in self._indexer.stream_ids(worker, pending.dp_rank):
                 ours = index.block_size(stream) if index.has_stream(stream) else None
                 if ours == pending.block_size:
                     usable.add(stream)
@@ -253,7 +290,11 @@ class Peers:
         )
 
     def _take_in(
-        self, peer: _Peer, pending: Pending, keys_of: Callable[[str], list[int]] | None
+        self,
+        peer: _Peer,
+        pending: Pending,
+        worker: str,
+        keys_of: Callable[[str], list[int]] | None,
     ) -> None:
         """A peer's decision joins the admission forecast; its marks wait for its Begin."""
         if self._book is None or not pending.ticket:
@@ -261,7 +302,7 @@ class Peers:
         marks = self._book.book_decision(
             pending.namespace,
             pending.tokens,
-            pending.worker,
+            worker,
             pending.dp_rank,
             kept_tokens=pending.kept_tokens,
             held_tokens=pending.held_tokens,

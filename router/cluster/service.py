@@ -141,13 +141,16 @@ class ClusterService:
         self._planner = planner
         self._indexer = planner.indexer
         self._seed_workers = tuple(seed_workers)
-        self.outbox = Outbox()
+        # decisions name the server of each worker id besides the id: a replica that took an
+        # id swap in before or after the sender applies them where they were meant
+        self.outbox = Outbox(server_of=planner.pool.server_of)
         self.peers = Peers(
             self.replica,
             planner.indexer,
             planner.load,
             config.heartbeat_timeout_s,
             book=planner,
+            servers=planner.pool,
         )
         self.peers.joined = lambda _replica: self.outbox.resend_shadows()
         # the shadows other replicas sent are sent again too: the replica that made them may
@@ -283,6 +286,7 @@ class ClusterService:
             "decisions_published": float(self.published),
             "decisions_applied": float(self.peers.applied),
             "decisions_unmatched_pages": float(self.peers.unmatched_pages),
+            "decisions_misaddressed": float(self.peers.misaddressed),
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
             "evictions_applied": float(self.fleet.evictions_applied),

@@ -56,6 +56,13 @@ class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
     # older sender sends tokens only; an older receiver ignores these and marks nothing.
     block_size: int = 0
     keys: list[int] = []
+    # the server `worker` named when the sender decided (`WorkerPool.server_of`; "": a sender
+    # from before this field). Ids are names the replicas agree on through the fleet records,
+    # one after another: a decision sent while one replica had swapped two ids (or moved an
+    # id to another server) and another had not would mark the other server. A receiver that
+    # knows the id as another server marks the one meant, under its id there, or nothing
+    # (`Peers`); an older receiver ignores it and marks the id, as before.
+    server: str = ""
 
 
 class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
@@ -87,6 +94,10 @@ class Shadow(msgspec.Struct, tag="shadow", array_like=True, frozen=True):
     # the request's number (its `Begin`'s, which comes first; 0: none, a shadow sent again or
     # a gateway's): its `End` may withdraw the shadow (`End.withdraw`)
     ticket: int = 0
+    # the server `worker` named when the sender decided (as `Pending.server`): a receiver
+    # that knows the id as another server applies nothing (the shadow is the indexer's to
+    # follow across a rename, not the wire's)
+    server: str = ""
 
 
 class FirstByte(msgspec.Struct, tag="first_byte", array_like=True, frozen=True):

@@ -245,6 +245,9 @@ class _Cluster(Collector):
         "decisions_unmatched_pages": "Routing decisions of other replicas not marked on a "
         "stream here (one per stream): their block keys are for another page size than the "
         "stream's",
+        "decisions_misaddressed": "Routing decisions of other replicas whose worker id names "
+        "another server here than where they were made (ids swapped or renamed in between): "
+        "pending marks moved to the server meant, shadows not applied",
         "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
         "unsent_admin_writes": "Admin changes kept here until NATS takes them",
         "evictions_applied": "Namespace evictions of other replicas applied to the index here",
@@ -270,6 +273,7 @@ class _Cluster(Collector):
             "decisions_published",
             "decisions_applied",
             "decisions_unmatched_pages",
+            "decisions_misaddressed",
             "decisions_dropped",
             "evictions_applied",
             "relay_records_published",

@@ -74,6 +74,7 @@ from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket, Withdraw
 from router.routing.planner import Candidate, Plan, Planner
+from router.routing.pool import WorkerEntry
 
 __all__ = ["PairDispatch", "Proxy"]
 
@@ -106,6 +107,26 @@ def _unpaired(roles: Counter[PdRole]) -> str:
     ((role, count),) = roles.items()
     side = "decode" if role == "prefill" else "prefill"
     return f"no routable {side} worker among 0 (its {count} {role} worker(s) have no pair)"
+
+
+def _side_checked(entries: Sequence[WorkerEntry]) -> str | None:
+    """Why a model of pairs takes no request while a worker whose role is not known yet is
+    checked (a pair's side renamed or added, its server slow to answer): the pair waits for
+    that side, and the worker is no whole-request worker either. None: no such worker, or no
+    pair side for it to complete. (It said "no routable worker among 1", as if a worker were
+    missing, not being checked.)"""
+    checking = [e.id for e in entries if e.config.role is None and not e.discovered]
+    sides = Counter(e.role for e in entries if e.role != "both" and e.id not in checking)
+    if not checking or not sides:
+        return None
+    named = ", ".join(repr(w) for w in checking[:3]) + (" ..." if len(checking) > 3 else "")
+    have = ", ".join(f"{n} {role}" for role, n in sorted(sides.items()))
+    one = len(checking) == 1
+    return (
+        f"{'worker' if one else 'workers'} {named} {'is' if one else 'are'} being checked, "
+        f"{'its' if one else 'their'} side of a prefill/decode pair not known yet; the "
+        f"model's {have} worker(s) have no pair until then"
+    )
 
 
 def _none_routable(candidates: Sequence[Candidate]) -> str:
@@ -253,7 +274,9 @@ class Proxy:
                 roles = Counter(e.role for e in planner.pool.serving(ns.model))
                 if roles and "both" not in roles:
                     raise NoWorkerError(_unpaired(roles))
-            raise NoWorkerError(_none_routable(plan.candidates))
+            why = _none_routable(plan.candidates)
+            checking = _side_checked(planner.pool.serving(ns.model))
+            raise NoWorkerError(why if checking is None else f"{why}: {checking}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
         failures: list[str] = []

@@ -92,6 +92,11 @@ class WorkerEntry:
         self.config = config
         self.id = config.worker_id
         self.url = config.url.rstrip("/")
+        # its server spelled one way (`WorkerConfig.server`), as every replica spells it: what
+        # a decision on the wire names besides the id (`router.cluster.wire.Pending.server`)
+        scheme, host, port, path = config.server
+        host = f"[{host}]" if ":" in host else host
+        self.server = f"{scheme}://{host}{'' if port is None else f':{port}'}{path}"
         # optimistic until the first health check says otherwise: the startup registers and
         # checks its workers before it listens (`router.http.app`)
         self.healthy = True
@@ -242,6 +247,7 @@ class WorkerPool:
     def __init__(self, breaker: BreakerConfig) -> None:
         self._breaker = breaker
         self._workers: dict[str, WorkerEntry] = {}
+        self._by_server: dict[str, WorkerEntry] = {}  # `WorkerEntry.server` -> its entry
         # asked on every request, so kept and rebuilt on membership changes (`_reindex`)
         self._everyone: tuple[WorkerEntry, ...] = ()
         self._by_model: dict[str, tuple[WorkerEntry, ...]] = {}
@@ -277,6 +283,7 @@ class WorkerPool:
             if other.config.server == config.server:
                 raise ConflictError(f"{config.url} is worker {other.id!r} already")
         self._workers[entry.id] = entry
+        self._by_server[entry.server] = entry
         self._reindex()
         return entry
 
@@ -286,6 +293,8 @@ class WorkerPool:
             entry = self._workers.pop(worker_id)
         except KeyError:
             raise NotFoundError(f"no worker {worker_id!r}") from None
+        if self._by_server.get(entry.server) is entry:
+            del self._by_server[entry.server]
         self._reindex()
         return entry
 
@@ -313,6 +322,16 @@ class WorkerPool:
     def find(self, worker_id: str) -> WorkerEntry | None:
         """The worker with this id, or None."""
         return self._workers.get(worker_id)
+
+    def server_of(self, worker_id: str) -> str | None:
+        """The server (`WorkerEntry.server`) the id names here, or None: not in the pool."""
+        entry = self._workers.get(worker_id)
+        return None if entry is None else entry.server
+
+    def worker_at(self, server: str) -> str | None:
+        """The id of the worker at `server` (`WorkerEntry.server`) here, or None."""
+        entry = self._by_server.get(server)
+        return None if entry is None else entry.id
 
     def served(self) -> tuple[str, ...]:
         """Every name a worker serves, in the order the workers were added."""

@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import HealthConfig, LimitsConfig, PdConfig, WorkerConfig
+from router.config import HealthConfig, LimitsConfig, PdConfig, TimeoutsConfig, WorkerConfig
 from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import (
@@ -731,3 +731,61 @@ async def admin_reload(session: aiohttp.ClientSession, router: RouterService) ->
     """POST /admin/reload."""
     async with session.post(router.url + "/admin/reload", headers=AUTH) as resp:
         return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_a_request_that_outlasts_a_pair_sides_rename_says_the_side_is_being_checked(
+    side: str,
+) -> None:
+    """The QA run: a pair's side renamed while its server cannot answer (frozen): requests
+    with a 1 s deadline ended at it with a 503 and Retry-After (right), but the body said "no
+    routable worker among 1", as if the fleet lacked a worker, not that the renamed side was
+    being checked. It says so now, as a model whose workers are not known yet does."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p,
+        ReferenceWorker(reference("decode")) as d,
+        DiscoveryGate(p.url if side == "prefill" else d.url) as gate,
+        aiohttp.ClientSession() as session,
+    ):
+        gate.open.set()
+
+        def fleet(renamed: str) -> Any:
+            prefill = (renamed, gate.url) if side == "prefill" else ("p1", p.url)
+            decode = (renamed, gate.url) if side == "decode" else ("d1", d.url)
+            return router_config(
+                [prefill, decode],
+                health=HealthConfig(interval_s=0.2, timeout_s=3.0),
+                timeouts=TimeoutsConfig(request_s=1.0),
+            )
+
+        file = {"c": fleet("old")}
+        source = ConfigSource("pd.toml", lambda: file["c"])
+        async with RouterService(file["c"], config_source=source) as router:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+
+            async def send() -> tuple[int, str | None, Any]:
+                async with session.post(router.url + "/generate", json=body) as resp:
+                    answer = await resp.json(content_type=None)
+                    return resp.status, resp.headers.get("retry-after"), answer
+
+            assert (await send())[0] == 200
+            gate.open.clear()
+            asked = gate.info_asked
+            file["c"] = fleet("new")
+            reload = asyncio.create_task(admin_reload(session, router))
+
+            async def discovering() -> bool:
+                return gate.info_asked > asked
+
+            await eventually(discovering, what="the new id's discovery")
+            status, retry_after, answer = await send()
+            gate.open.set()
+            assert status == 503 and retry_after is not None, answer
+            assert answer["error"] == {
+                "type": "NoWorkerError",
+                "message": "no routable worker among 1: worker 'new' is being checked, its "
+                "side of a prefill/decode pair not known yet; the model's 1 "
+                f"{'decode' if side == 'prefill' else 'prefill'} worker(s) have no pair until "
+                "then",
+            }
+            assert (await reload)[0] == 200
