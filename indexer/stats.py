@@ -105,6 +105,9 @@ class StreamStats(msgspec.Struct):
     # events of SGLang EAGLE (prev, next) pairs on a stream of int pages, or the reverse, while
     # it held entries: not kept (a request is keyed one way per stream)
     token_kind_mismatches: int = 0
+    # live batches of a restarted worker's dead process, still queued on the socket when the
+    # restart was found: skipped
+    dead_batches: int = 0
 
 
 class RankMatch(msgspec.Struct):
@@ -168,6 +171,7 @@ _COUNTERS = (
     "unindexable_blocks",
     "rank_mismatches",
     "token_kind_mismatches",
+    "dead_batches",
 )
 
 
@@ -206,6 +210,7 @@ def stream_stats(
     refetches: int = 0,
     lost_batches: int = 0,
     unanswered_replays: int = 0,
+    dead_batches: int = 0,
 ) -> StreamStats:
     """A stream's `StreamStats` (a subscriber's and a relay-fed stream's alike): its socket
     fields from `config`, what its index did from `counters` (None: a sink that keeps none,
@@ -245,4 +250,5 @@ def stream_stats(
         unindexable_blocks=done.unindexable_blocks if done else 0,
         rank_mismatches=rank_mismatches,
         token_kind_mismatches=done.token_kind_mismatches if done else 0,
+        dead_batches=dead_batches,
     )

@@ -18,6 +18,11 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   before predicts nothing, and when it contradicts a batch applied live (a restart, or
   another worker's socket: nothing tells which) the stream is rebuilt from it as after a
   restart, predicting nothing until a live batch agrees (`_restart(unproven=True)`);
+  a batch it gives that names another dp rank finds it out at once (per-rank lists swapped);
+- after any restart, live batches that continue the run before it are the dead process's,
+  still queued on our socket: skipped, unless the new process's replay socket gives them back,
+  for `_DEAD_RUN_S`; past it such a run is a live publisher's, and an unproven socket that
+  showed the restart and was never confirmed by a live batch is another worker's (`_dead_batch`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -70,6 +75,7 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ProtocolError, ReplayError
 from indexer.health import StreamHealth
 from indexer.log_throttle import LogThrottle
+from indexer.protocol.decode import batch_dp_rank
 from indexer.protocol.frames import (
     ReplayData,
     parse_live,
@@ -98,6 +104,12 @@ _REPLAYED_KEPT = 4096
 # probe's back-off (to 60 s) would leave a quiet worker's new cache unpredicted for that long
 _RETRY_FIRST_MS = 100
 _RETRY_MAX_MS = 2_000
+# how long after a restart is found batches of the process before it may still arrive: what
+# was queued on our socket when it died (thousands of batches of a busy worker), read at the
+# stream's pace. Within it a live batch that continues the old run and is not the new
+# process's is skipped; past it, one is no queued batch: a replay socket that showed the
+# restart and was never confirmed by a live batch since is another worker's (`_dead_batch`)
+_DEAD_RUN_S = 5.0
 
 
 _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
@@ -192,9 +204,16 @@ class StreamSubscriber:
         # the seq of the last batch applied from the live stream (None: the last one came
         # through a replay, or none since a clear): a replay's bytes at it prove the socket
         self._last_live: int | None = None
-        # a restart was found by the replay socket and no live batch has followed on since:
-        # live batches beyond the new process's buffer are the dead one's (`_repair`)
+        # a restart was found less than `_DEAD_RUN_S` ago: live batches that continue the run
+        # before it (seqs beyond `_dead_seq`) and are not the new process's are the dead
+        # one's, still queued on our socket (`_dead_batch`; also `_checked`, `_repair`)
         self._after_restart = False
+        self._dead_seq: int | None = None  # the newest seq of that run seen live
+        self._restart_found_at = 0.0
+        # that restart was found by a replay socket not proven the publisher's: a run before
+        # it that still comes past `_DEAD_RUN_S`, no live batch having confirmed the socket,
+        # is no dead queue but this worker's own stream, and the socket another worker's
+        self._restart_unproven = False
         # the digests of the batches replays applied, by seq (the newest `_REPLAYED_KEPT`): a
         # live copy that arrives after its replayed one must be the same batch, or the replay
         # socket is not this publisher's (or the publisher restarted): see `_live_disagrees`
@@ -227,6 +246,7 @@ class StreamSubscriber:
         self.unanswered_replays = 0
         self.verifications = 0
         self.rank_mismatches = 0  # batches that said another dp rank than the stream's
+        self.dead_batches = 0  # live batches of a restarted publisher's dead process, skipped
         self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
@@ -448,26 +468,31 @@ class StreamSubscriber:
         # no usable answer: still unconfirmed; a probe's fence at a batch applied live, or a
         # live copy of a batch it gave, proves it later
 
-    def _found_foreign(self, why: str) -> None:
-        """The replay socket is not this publisher's: the stream is cleared, the socket is not
-        asked again, and the stream goes on as one without a replay socket (live batches only,
-        a gap clears it): no probe, so no tail left unproven and no rebuild pending."""
+    def _found_foreign(self, why: str, *, keep: bool = False) -> None:
+        """The replay socket is not this publisher's: the stream is cleared (unless `keep`:
+        it holds nothing the socket gave), the socket is not asked again, and the stream goes
+        on as one without a replay socket (live batches only, a gap clears it): no probe, so
+        no tail left unproven and no rebuild pending."""
         self._replay_foreign = True
         self._suspect = None
         self._after_restart = False
         log.error(
             "stream %s: the replay socket %s is another publisher's (%s; check `replay` in the "
-            "config): it is not asked again, and what it gave is cleared (with any live batch "
-            "applied on top of it: they cannot be told apart); the stream goes on from the "
-            "live batches, and a gap clears it",
+            "config): it is not asked again, and %s; the stream goes on from the live "
+            "batches, and a gap clears it",
             self.stream_id,
             self.config.replay_endpoint,
             why,
+            "the stream holds nothing it gave: its live batches are kept"
+            if keep
+            else "what it gave is cleared (with any live batch applied on top of it: they "
+            "cannot be told apart)",
         )
-        self._clear(
-            "the replay socket is another publisher's: what it gave, and any live batch "
-            "applied on top of it"
-        )
+        if not keep:
+            self._clear(
+                "the replay socket is another publisher's: what it gave, and any live batch "
+                "applied on top of it"
+            )
         self._tail_proven(True)  # nothing to ask about the tail: as without a replay socket
         if self.tracker.last is not None:
             self._set_phase(StreamState.SYNCED)
@@ -520,6 +545,8 @@ class StreamSubscriber:
         """A restart's proof or rebuild got no whole answer: what the stream holds (nothing of
         the publisher's, or a part) predicts nothing, and the replay socket is asked again
         after `_retry_ms` (doubling, capped), not at the probe's back-off."""
+        if not self._has_replay:
+            return  # found another publisher's meanwhile: nothing is asked again
         base_ms = int(self.settings.probe_interval_s * 1000)
         cap_ms = min(base_ms, _RETRY_MAX_MS) if base_ms > 0 else _RETRY_MAX_MS
         if self._retry_ms is None:
@@ -556,10 +583,14 @@ class StreamSubscriber:
             # Any other batch below the newest live seq is a restart (`SequenceTracker`)
             self._trust_replay()
             return
+        if self._after_restart and await self._dead_batch(msg.seq, msg.payload):
+            return
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         if decision.verdict is SeqVerdict.RESTART:
             self._restarted()
+            # the process before it may have left batches queued behind this one
+            self._after_restart_of(prev_live, unproven=False)
             if prev_live is None and replayed[1] is not None:
                 # below what a replay gave before any live batch: a new process, or a replay
                 # answer that was not the publisher's buffer (a corrupt seq far ahead, which
@@ -574,7 +605,6 @@ class StreamSubscriber:
                 self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
         if decision.verdict is SeqVerdict.APPLY:
-            self._after_restart = False  # a live batch follows on: the new process's own
             # asked before it is applied: a socket found out takes what it gave with it, and
             # this batch, the worker's own, is kept (applied to the cleared stream)
             await self._followed_on(msg.seq, msg.payload)
@@ -614,6 +644,7 @@ class StreamSubscriber:
         # another batch at a seq this stream applied
         if self._after_restart:
             # a batch of the process before the restart, still queued on our socket
+            self.dead_batches += 1
             self._warn("stale", f"live seq {seq} is the dead process's: skipped")
             return decision
         return await self._live_disagrees(seq, payload)
@@ -722,6 +753,7 @@ class StreamSubscriber:
             self._suspect = seq
             self.tracker.live = prev_live  # live order continues from before the bogus seq
             if self._after_restart:
+                self.dead_batches += 1
                 self._warn(
                     "stale",
                     f"live seq {seq} is not in the restarted publisher's buffer: a batch of "
@@ -766,7 +798,6 @@ class StreamSubscriber:
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
-            self._after_restart = False  # a live batch follows on: the new process's own
             await self._followed_on(seq, payload)  # (before it is applied, as in `_on_live`)
             await self._apply_live(topic, seq, payload)
         self._set_phase(StreamState.SYNCED)
@@ -860,6 +891,8 @@ class StreamSubscriber:
         replayed from 0 at once); an answer that starts later proves nothing, so the stream is
         cleared and rebuilt from what it holds (`continuity` says which).
         """
+        if not self._has_replay:
+            return _ReplayResult(False, None, _Continuity.NONE)  # found out: not asked again
         newest: int | None = None
         last = self.tracker.last
         continuing = last is not None and start == last
@@ -881,6 +914,9 @@ class StreamSubscriber:
                         self._unanswered()
                         raise ReplayError("a snapshot was loaded while it answered")
                     continuity = self._take_reply(reply, start, continuing, continuity)
+                    if self._replay_foreign:
+                        # found out by this reply: nothing more of it is read or applied
+                        return _ReplayResult(False, None, _Continuity.NONE)
                     newest = reply.seq if newest is None else max(newest, reply.seq)
         except TimeoutError:
             timeout_s = self.settings.replay_timeout_s
@@ -906,6 +942,20 @@ class StreamSubscriber:
     ) -> _Continuity:
         """Apply one reply of a replay asked from `start` (`_replay`); returns the continuity
         known after it."""
+        rank = batch_dp_rank(reply.payload)
+        if rank is not None and rank != self.config.dp_rank and not self._replay_trusted:
+            # a socket not proven this rank's giving another rank's batch: the per-rank
+            # `replay` lists are mapped wrong (swapped), and it is found out before its
+            # batch is applied. (Taken for a restart, it rebuilt and wiped the stream at
+            # every probe.) A socket proven the publisher's is its own: `_apply` clears
+            self.rank_mismatches += 1
+            self._found_foreign(
+                f"it gave batch {reply.seq} of dp rank {rank}, this stream is rank "
+                f"{self.config.dp_rank}: check the worker's `replay` endpoints (one per rank, "
+                "in rank order)",
+                keep=not self._replay_unconfirmed,
+            )
+            return continuity
         if continuing and continuity is _Continuity.NONE:
             continuity = self._check_fence(start, reply.seq, reply.payload)
             if continuity is _Continuity.PROVEN:
@@ -1036,16 +1086,16 @@ class StreamSubscriber:
         worker's socket (a `replay` typo), and nothing tells which yet: it is counted and
         rebuilt as a restart, but what the socket gives predicts nothing until a live batch
         agrees with it (as at a join), and a live batch that contradicts what it gave finds
-        it out (`_live_disagrees`, `_followed_on`, a live seq beyond its buffer in `_repair`).
-        Flagging it foreign at once wrote off an honest worker's own socket at its first
-        restart: never asked again, every later gap cleared the stream."""
+        it out (`_live_disagrees`, `_followed_on`, a live seq beyond its buffer in `_repair`),
+        or the run before the restart still coming past `_DEAD_RUN_S` while no live batch
+        confirmed the socket (`_dead_batch`). Flagging it foreign at once wrote off an
+        honest worker's own socket at its first restart: never asked again, every later gap
+        cleared the stream."""
         self._restarted()
-        # until a live batch follows on what the new process buffers, live batches of the one
-        # before it may still arrive (queued on our socket before it died): never its seqs.
-        # Not from an unproven socket: its buffer may be another worker's, whose seqs would
-        # then pass every live batch of this one off as the dead process's (the price: a
-        # dead process's batch still queued then contradicts the new buffer, as foreign)
-        self._after_restart = not unproven
+        # live batches of the process before it may still arrive (queued on our socket before
+        # it died): never applied (`_dead_batch`)
+        live = self.tracker.live
+        self._after_restart_of(self.tracker.last if live is None else live, unproven=unproven)
         if unproven:
             reason += (
                 " (or its replay socket, never proven the publisher's, is another worker's: "
@@ -1055,6 +1105,62 @@ class StreamSubscriber:
         self.tracker.reset()
         self.sink.forget_seq()
         self._last_live = None
+
+    def _after_restart_of(self, old: int | None, *, unproven: bool) -> None:
+        """A restart was found now; `old` is the newest seq the run before it showed live."""
+        self._after_restart = old is not None
+        self._dead_seq = old
+        self._restart_found_at = self._clock()
+        self._restart_unproven = unproven
+
+    async def _dead_batch(self, seq: int, payload: bytes) -> bool:
+        """Whether live batch `seq`, arriving after a restart was found, is the dead process's
+        (skipped, counted) rather than the new one's.
+
+        The dead process's queued batches continue its run: seqs beyond `_dead_seq`, in order.
+        The new process's are told apart by its replay socket (it buffers what it sends, so it
+        gives back each of its live batches), or, without one, by seq: a batch that continues
+        the old run is the dead one's, and one that might be the new process's (its next seq,
+        or the old run skipping seqs) clears the stream as well (fail closed: without a
+        replay socket a batch missed clears it anyway). Past `_DEAD_RUN_S` no queue is left:
+        a run that still comes then is a live publisher's. If only a replay socket never
+        confirmed said there was a restart, that socket is another worker's (whose buffer
+        is behind this one's seqs, or ahead with other batches): found out, and the stream
+        goes on as one without a replay socket."""
+        dead = self._dead_seq
+        if dead is None or seq <= dead or self._is_replayed(seq, payload):
+            return False  # not the old run's next, or a live copy of the new buffer's batch
+        if self._clock() - self._restart_found_at > _DEAD_RUN_S:
+            self._after_restart = False
+            if self._restart_unproven and not self._replay_trusted and self._has_replay:
+                self._found_foreign(
+                    f"it showed a restart {_DEAD_RUN_S:g} s ago, yet the run before it goes "
+                    f"on (live seq {seq}) and no live batch followed on its buffer since"
+                )
+                self.tracker.reset()  # rebuilt from the live stream, as without one
+            return False
+        last = self.tracker.last
+        nxt = 0 if last is None else last + 1
+        ambiguous = False
+        if seq >= nxt:
+            if self._has_replay:
+                answered, copy = await self._replayed_copy(seq)
+                if copy is not None and _digest(copy) == _digest(payload):
+                    self._trust_replay()  # the new process's: it gives this batch back
+                    return False
+                ambiguous = not answered  # no answer: it may be the new process's
+            else:
+                ambiguous = seq == nxt or seq != dead + 1
+        self._dead_seq = seq
+        self.dead_batches += 1
+        self._warn(
+            "stale",
+            f"live seq {seq} continues the run of the process before the restart, not the "
+            "new process's: a batch it left queued, skipped",
+        )
+        if ambiguous and (self.tracker.last is not None or self.sink.entries()):
+            self._clear(f"live seq {seq} may have been the restarted publisher's own")
+        return True
 
     def _restarted(self) -> None:
         """Count a restart and say so (`on_restart`): a new process on the same ports may run
@@ -1149,6 +1255,7 @@ class StreamSubscriber:
         self._rebinds += 1
         self._replayed.clear()
         self._last_live = None
+        self._after_restart = False  # the run it follows now is the snapshot's
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)
@@ -1190,4 +1297,5 @@ class StreamSubscriber:
             refetches=self.refetches,
             lost_batches=self.lost_batches,
             unanswered_replays=self.unanswered_replays,
+            dead_batches=self.dead_batches,
         )

@@ -42,7 +42,7 @@ from indexer.protocol.wire import (
     RawBatch,
 )
 
-__all__ = ["batch_layout", "decode_batch"]
+__all__ = ["batch_dp_rank", "batch_layout", "decode_batch"]
 
 # Built once: msgspec decoders cache their type plans.
 _ARRAY_BATCH = msgspec.msgpack.Decoder(ArrayBatch)
@@ -90,6 +90,16 @@ def batch_layout(payload: bytes) -> tuple[WireLayout, int | None] | None:
     if head in _MAP_HEADS:
         return "map", raw.dp_rank
     return None
+
+
+def batch_dp_rank(payload: bytes) -> int | None:
+    """The dp rank a batch says it is from (None: it says none, or it is no batch), read
+    without decoding its events, so a replayed batch of another rank can be refused before it
+    is applied. Never raises."""
+    try:
+        return _RAW_BATCH.decode(payload).dp_rank
+    except (msgspec.MsgspecError, RecursionError):
+        return None
 
 
 def _decode(payload: bytes) -> EventBatch:

@@ -104,6 +104,11 @@ _STREAM_COUNTERS = (
         "kvroute_stream_token_kind_mismatches",
         "Pages of the other token kind (EAGLE pairs or ints) than the stream holds: not kept",
     ),
+    (
+        "dead_batches",
+        "kvroute_stream_dead_batches",
+        "Live batches of a restarted worker's dead process, still queued: skipped",
+    ),
 )
 
 

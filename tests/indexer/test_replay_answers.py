@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
+from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ReplayError
 from indexer.namespace import Namespace
@@ -41,6 +42,9 @@ NS = Namespace("", None, None)
 A: list[TokenId] = [1, 2, 3, 4, 9]  # one 4-token page and a last token
 C: list[TokenId] = [5, 6, 7, 8, 9]
 D: list[TokenId] = [11, 12, 13, 14, 9]
+E: list[TokenId] = [15, 16, 17, 18, 9]
+F: list[TokenId] = [21, 22, 23, 24, 9]  # the dead process's pages
+G: list[TokenId] = [25, 26, 27, 28, 9]
 
 
 @pytest.fixture
@@ -522,15 +526,18 @@ async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
 
 
 async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_one(
-    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`replay` on another worker's socket, which is found out by the probe (its batch at
     our last seq is another one). It was flagged at once, the line said "what it gave is
     cleared" though this worker's own entries went too, the next one falsely said the
     socket "did not answer to its end", and the stream stayed unverified while idle. Now
     that contradiction is a restart whose rebuild predicts nothing; this worker's next live
-    batch, which that socket does not hold, finds it out: the line says what is cleared,
-    the live batch is kept, and the stream is synced as one without a replay socket."""
+    batches continue the run before it, so they are skipped as a dead process's queue for
+    the bound (`_DEAD_RUN_S`); one past it finds the socket out: the line says what is
+    cleared, that live batch is kept, and the stream is synced as one without a replay
+    socket."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)  # no dead queue lasts that long here
     async with (
         ScriptedPublisher(ctx) as own,
         ScriptedPublisher(ctx) as other,
@@ -549,14 +556,103 @@ async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_on
         other.answer_with = None
         await wait_until(lambda: svc.streams()[0].restarts == 1)
         assert matched(svc, A) == 0 and matched(svc, C) == 0  # its buffer predicts nothing
-        seq = await own.publish(stored(D, 30))
+        await own.publish(stored(D, 30))  # within the bound: taken for a dead queue's
+        await wait_until(lambda: sub.dead_batches == 1)
+        assert not sub._replay_foreign and matched(svc, D) == 0
+        await asyncio.sleep(0.35)
+        seq = await own.publish(stored(E, 40))
         assert await svc.wait_applied(WORKER, seq)
-        await wait_until(lambda: sub._replay_foreign)
+        assert sub._replay_foreign
         asked = len(other.replay_requests)
         await asyncio.sleep(0.3)  # several probe intervals of a quiet stream
         stats = svc.streams()[0]
         assert stats.state is StreamState.SYNCED and stats.last_seq == seq
-        assert matched(svc, D) == 4 and matched(svc, C) == 0
+        assert matched(svc, E) == 4 and matched(svc, C) == 0
         assert len(other.replay_requests) == asked  # not asked again
         assert "did not answer" not in caplog.text
         assert "what it gave is cleared (with any live batch applied on top" in caplog.text
+
+
+async def test_a_busy_workers_dead_batches_interleaved_after_its_restart_are_never_indexed(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy vLLM worker (its socket unproven) dies with batches queued on our socket and its
+    new process binds the same ports at once: the queued batches (continuing the dead run)
+    arrive after the new buffer showed the restart, interleaved with the new process's own.
+    The second of them flagged the honest socket another publisher's and every one after was
+    applied as the worker's cache: the dead process's pages a false hit. Now each is skipped
+    (counted), the new process's batches are kept, and the socket is proven by them."""
+    async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
+        pub = ScriptedPublisher(ctx)
+        async with pub:
+            pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
+            await connect(svc, pub, block_size=4, replay_proven=False)
+            (sub,) = svc._workers[WORKER]
+            a = await pub.publish(stored(A, 10))
+            assert await svc.wait_applied(WORKER, a)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        dead_seq = a
+
+        async def dead(tokens: list[TokenId]) -> None:
+            nonlocal dead_seq
+            dead_seq += 1  # the dead run goes on where it stood
+            payload = encode_batch(stored(tokens, 100 + dead_seq), "array")
+            await again.send_raw([b"kv", pack_seq(dead_seq), payload])
+
+        async with await _restarted(ctx, pub) as again:
+            await again.publish(stored(C, 20), drop=True)  # its first batch: buffered only
+            await wait_until(lambda: svc.streams()[0].restarts == 1)
+            for _ in range(100):  # the SUB's connection may still be on its way
+                await dead(F)
+                with contextlib.suppress(TimeoutError):
+                    await wait_until(lambda: sub.dead_batches > 0, timeout_s=0.1)
+                    break
+            d = await again.publish(stored(D, 30))  # the new process's, between dead ones
+            await dead(F)
+            await dead(G)
+            e = await again.publish(stored(E, 40))
+            await dead(G)
+            assert await svc.wait_applied(WORKER, e)
+            await wait_until(lambda: sub.dead_batches >= 4)
+            assert not sub._replay_foreign and "another publisher's" not in caplog.text
+            assert sub._replay_trusted and sub.tracker.last == e and d == e - 1
+            assert matched(svc, F) == 0 and matched(svc, G) == 0 and matched(svc, A) == 0
+            assert matched(svc, C) == 4 and matched(svc, D) == 4 and matched(svc, E) == 4
+            assert svc.streams()[0].restarts == 1
+            assert svc.streams()[0].state is StreamState.SYNCED
+
+
+async def test_a_replayed_batch_of_another_dp_rank_finds_the_socket_out(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Per-rank `replay` lists swapped (vLLM: unproven): rank 0's stream asks rank 1's socket.
+    Its batch of rank 1 cleared the stream, and the next probe's fence, which that socket
+    contradicts, was taken for a restart: both ranks wiped and counted restarted at every
+    probe (each a re-read of the worker), never an ERROR. The first such batch finds the
+    socket out now, before it is applied: rank 0's live batches are kept."""
+    async with (
+        ScriptedPublisher(ctx) as own,
+        ScriptedPublisher(ctx) as rank1,
+        IndexerService(PROBING) as svc,
+    ):
+        rank1.answer_with = _buffer_of_nothing  # the join brings nothing from it
+        await connect(
+            svc, own, block_size=4, replay_endpoint=rank1.replay_endpoint, replay_proven=False
+        )
+        (sub,) = svc._workers[WORKER]
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        a = await own.publish(EventBatch(0.0, stored(A, 10).events, 0))
+        assert await svc.wait_applied(WORKER, a)
+        while rank1.next_seq <= a + 1:  # rank 1's buffer reaches our seqs
+            await rank1.publish(EventBatch(0.0, stored(C, 20 + rank1.next_seq).events, 1))
+        rank1.answer_with = None
+        await wait_until(lambda: sub._replay_foreign)
+        asked = len(rank1.replay_requests)
+        await asyncio.sleep(0.3)  # several probe intervals
+        stats = svc.streams()[0]
+        assert stats.restarts == 0 and stats.rank_mismatches == 1
+        assert matched(svc, A) == 4 and matched(svc, C) == 0  # the live batch is kept
+        assert stats.state is StreamState.SYNCED
+        assert len(rank1.replay_requests) == asked  # not asked again
+        assert f"the replay socket {rank1.replay_endpoint} is another publisher's" in caplog.text
+        assert "of dp rank 1, this stream is rank 0" in caplog.text

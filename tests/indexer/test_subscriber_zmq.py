@@ -147,6 +147,31 @@ async def test_restart_clears_the_stream(ctx: zmq.asyncio.Context) -> None:
         assert stats.restarts == 1 and stats.last_seq == last
 
 
+async def test_without_a_replay_socket_a_dead_process_batches_after_a_restart_are_skipped(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A busy worker without a replay socket restarts on the same ports: the dead process's
+    batches still queued on our socket arrive interleaved with the new process's. Each one
+    was a gap that rebuilt the stream from it, and each new batch a restart: whichever came
+    last was the stream, the dead process's pages a false hit. Batches that continue the run
+    before the restart are skipped now (counted), the new process's applied."""
+    before = workload(seed=1, batches=4)
+    new = workload(seed=2, batches=3)
+    gone = workload(seed=3, batches=3)  # what the old process sent before it died
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+        last = await publish_all(pub, before, settle=svc)
+        pub.restart()
+        for i in range(3):
+            await pub.publish(new[i])  # the new process's, seq i
+            await pub.send_raw(build_live(b"kv", last + 1 + i, encode_batch(gone[i], "array")))
+        (sub,) = svc._workers[WORKER]
+        await wait_until(lambda: sub.dead_batches == 3)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        stats = svc.streams()[0]
+        assert stats.restarts == 1 and stats.last_seq == 2
+
+
 async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
     batches = workload(seed=5, batches=30)
     async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
