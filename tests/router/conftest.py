@@ -143,31 +143,30 @@ async def serve_app(app: web.Application, **runner_options: Any) -> tuple[web.Ap
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-class DiscoveryGate:
-    """A worker's HTTP API passed through, its `/server_info` held until `open` is set: a
-    worker whose discovery takes a while, as a loaded or distant one's does."""
+class WorkerPassThrough:
+    """A worker's HTTP API passed through a server of its own (`url`), for tests that stand
+    between a router and a worker: `_before` may hold a request, `_answer` rewrite an answer."""
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.open = asyncio.Event()
-        self.info_asked = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
+    async def _before(self, request: web.Request) -> None:
+        return None
+
+    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+        body = await resp.read()
+        return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+
     async def _pass(self, request: web.Request) -> web.Response:
-        if request.path in ("/server_info", "/get_server_info"):
-            self.info_asked += 1
-            await self._held()
+        await self._before(request)
         assert self._session is not None
         async with self._session.request(
             request.method, self.target + request.path_qs, data=await request.read()
         ) as resp:
-            body = await resp.read()
-            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
-
-    async def _held(self) -> None:
-        await self.open.wait()
+            return await self._answer(request, resp)
 
     async def __aenter__(self) -> Self:
         self._session = aiohttp.ClientSession()
@@ -177,11 +176,32 @@ class DiscoveryGate:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.open.set()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+
+
+class DiscoveryGate(WorkerPassThrough):
+    """A worker's HTTP API passed through, its `/server_info` held until `open` is set: a
+    worker whose discovery takes a while, as a loaded or distant one's does."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        self.open = asyncio.Event()
+        self.info_asked = 0
+
+    async def _before(self, request: web.Request) -> None:
+        if request.path in ("/server_info", "/get_server_info"):
+            self.info_asked += 1
+            await self._held()
+
+    async def _held(self) -> None:
+        await self.open.wait()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.open.set()
+        await super().__aexit__(*exc)
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ from aiohttp import web
 from router.config import TokenizerConfig
 from router.fleet.tokenizer_match import tokenizer_mismatch
 from router.service import RouterService
-from tests.router.conftest import AUTH, router_config, serve_app
+from tests.router.conftest import AUTH, WorkerPassThrough, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -78,42 +78,21 @@ async def test_a_router_tokenizing_otherwise_than_its_worker_says_so_once(
     assert shown is not None and "byte" in shown
 
 
-class TokenizerSwap:
+class TokenizerSwap(WorkerPassThrough):
     """A reference worker's HTTP API passed through, its server info saying the tokenizer
     `says` (None: the worker's own, byte): an SGLang worker restarted with another tokenizer,
     which a reference worker cannot be."""
 
     def __init__(self, target: str) -> None:
-        self.target = target
+        super().__init__(target)
         self.says: dict[str, Any] | None = None
-        self.url = ""
-        self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
 
-    async def _pass(self, request: web.Request) -> web.Response:
-        assert self._session is not None
-        async with self._session.request(
-            request.method, self.target + request.path_qs, data=await request.read()
-        ) as resp:
-            body = await resp.read()
-            if self.says is None or request.path not in ("/server_info", "/get_server_info"):
-                return web.Response(body=body, status=resp.status, content_type=resp.content_type)
-            info = await resp.json()
+    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+        if self.says is None or request.path not in ("/server_info", "/get_server_info"):
+            return await super()._answer(request, resp)
+        info = await resp.json()
         info.pop("tokenizer", None)
         return web.json_response({**info, **self.says})
-
-    async def __aenter__(self) -> TokenizerSwap:
-        self._session = aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._pass)
-        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
 
 
 async def test_a_tokenizer_mismatch_that_ends_is_said_once_and_one_that_comes_back_again(
