@@ -111,9 +111,10 @@ class _Child:
         self._starting = False
         self._reload_due = False  # a reload asked for while starting: told once it listens
 
-    def reload(self) -> Literal["told", "starting"] | None:
+    def reload(self) -> Literal["told", "starting", "restarting"]:
         """Have this child read the config file again: "told" (SIGHUP sent), "starting" (sent
-        once it listens), or None (not running: it reads the file as it starts)."""
+        once it listens), or "restarting" (not running, waiting to be restarted: it reads the
+        file as it starts)."""
         if self._starting:
             self._reload_due = True
             return "starting"
@@ -121,7 +122,7 @@ class _Child:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGHUP)
                 return "told"
-        return None
+        return "restarting"
 
     async def start(self) -> None:
         self.url = ""
@@ -291,7 +292,10 @@ async def serve_processes(
         changes meet in the shared fleet); one starting is told once it listens."""
         outcomes = [] if stopping else [c.reload() for c in children if c.index != but]
         return ProcessesTold(
-            count=processes, told=outcomes.count("told"), starting=outcomes.count("starting")
+            count=processes,
+            told=outcomes.count("told"),
+            starting=outcomes.count("starting"),
+            restarting=outcomes.count("restarting"),
         )
 
     def on_sighup() -> None:
@@ -304,9 +308,13 @@ async def serve_processes(
         """Child `index` reloaded the file (`POST /admin/reload`): the others do too."""
         told = tell(but=index)
         starting = f", {told.starting} starting (told once listening)" if told.starting else ""
+        restarting = (
+            f", {told.restarting} restarting (reading it as it starts)" if told.restarting else ""
+        )
         _say(
             f"replica {index} reloaded the config: {told.told} other replicas told to (SIGHUP)"
             + starting
+            + restarting
         )
         return told
 

@@ -44,6 +44,8 @@ class ProcessesTold(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     count: int | None  # N (None: the parent did not answer)
     told: int  # the other processes told to read the file now
     starting: int = 0  # others still starting: each is told once it listens
+    # others exited and waiting to be restarted: each reads the file as it starts
+    restarting: int = 0
     error: str | None = None  # why the others may not have been told
 
 

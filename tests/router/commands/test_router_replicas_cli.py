@@ -491,3 +491,16 @@ async def test_a_child_that_outlives_its_grace_is_killed_saying_so(
     await child.stop()
     assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
     assert "replica 3 did not stop within 0.5 s of SIGTERM: killed" in capfd.readouterr().err
+
+
+async def test_a_child_waiting_to_be_restarted_is_counted_as_restarting() -> None:
+    """A reload's answer counted a child that had exited and waited for its restart nowhere
+    (QA: `{"count": 3, "told": 1}`, one process unaccounted for): it reads the file as it
+    starts, and says so as `restarting`."""
+    listening = "print('listening on http://127.0.0.1:1', flush=True); import time; time.sleep(60)"
+    child = _Child(4, [sys.executable, "-c", listening], dict(os.environ), stop_timeout_s=5)
+    await child.start()
+    assert child.reload() == "told"  # SIGHUP's default ends the stand-in: as a crash would
+    assert child.proc is not None
+    await asyncio.wait_for(child.proc.wait(), 10)
+    assert child.reload() == "restarting"
