@@ -16,6 +16,9 @@
 - `health`: the stream health the per-worker answers read; `worker_matches`: those answers,
   with cached states (the service's query path);
 - `service`: `IndexerService`, the router's API (re-exports the structs it uses);
+- `shadowed`: prefixes sent with an `extra_key`, which their events show as plain;
+  `server_stream`: what identifies a server's stream across worker ids and spellings, which
+  parked shadows follow; `hosts`: which spellings of a host may name one machine;
 - `config`, `stats`: the service's config and report structs;
 - `recording/`: the recording format, capture (`kvroute record`), offline replay, republish;
 - `fingerprint`: keyed fingerprints, the only way a salt or namespace is shown outside;

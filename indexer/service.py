@@ -31,10 +31,12 @@ import msgspec
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import SnapshotError
 from indexer.fed_stream import FedStreams
+from indexer.fence import BatchFence
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
 from indexer.namespace import Namespace
+from indexer.server_stream import ServerStream, server_stream
 from indexer.shadowed import ShadowedPrefixes, ShadowMark, trusted_blocks
 from indexer.sink import IndexSink
 from indexer.snapshot import dump_index, load_index
@@ -89,17 +91,9 @@ _SHADOW_LIMIT = 4_000_000
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
 
-# what identifies a server's stream whatever worker id follows it: its events endpoint, topic and
-# dp rank (one publisher is one engine's cache: `sharing` refuses a second worker on it)
-ServerStream = tuple[str, str, int]
-
 # a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
 # plain namespace, the prompt's leading tokens, its extra_key, kept until)
 _Unsized = tuple[str, Namespace, Sequence[Hashable], str, float]
-
-
-def _server_stream(cfg: StreamConfig) -> ServerStream:
-    return (cfg.endpoint, cfg.topic, cfg.dp_rank)
 
 
 class IndexerService:
@@ -162,6 +156,11 @@ class IndexerService:
         # added on that stream again (a rename, an id swap, an admin delete and add)
         self._parked_unsized: dict[ServerStream, list[_Unsized]] = {}
         self._parked_blanket: set[ServerStream] = set()
+        # the fences (last batch applied) of the streams parked for each server's stream, and
+        # per stream that took them, until its publisher's seq shows whether it is the process
+        # they were made on (`_judge_adoption`): the fences and the unsized shadows it took
+        self._parked_fences: dict[ServerStream, list[BatchFence | None]] = {}
+        self._adopted: dict[str, tuple[list[BatchFence | None], list[_Unsized]]] = {}
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -228,7 +227,7 @@ class IndexerService:
 
         subs = self._streams.start(worker, streams, sink_for)
         for sub in subs:
-            self._adopt_shadows(_server_stream(sub.config), sub.stream_id)
+            self._adopt_shadows(server_stream(sub.config), sub.stream_id)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -257,7 +256,7 @@ class IndexerService:
         self._health.pop(worker, None)
         self._matches.invalidate()
         for sub in await self._streams.stop(worker):
-            self._park_shadows(sub.stream_id, _server_stream(sub.config))
+            self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
             # its series go with it (a worker added again under its id starts them at 0)
@@ -293,6 +292,8 @@ class IndexerService:
         plain ones (before, the shadows stayed with the stream id, and a rename, an id swap or
         an admin delete and add predicted plain requests those pages)."""
         now = self._clock()
+        self._adopted.pop(stream, None)
+        fence = self.index.fence(stream) if self.index.has_stream(stream) else None
         self._shadowed.park(stream, server, now)
         unsized = [item for item in self._unsized_shadows if item[0] == stream]
         if unsized:
@@ -302,17 +303,85 @@ class IndexerService:
         if stream in self._blanket:
             self._blanket.discard(stream)
             self._parked_blanket.add(server)
+        parked = set(cast("list[ServerStream]", self._shadowed.parked()))
+        parked |= self._parked_unsized.keys() | self._parked_blanket
+        if server in parked:
+            self._parked_fences.setdefault(server, []).append(fence)
+        # the fences of servers' streams whose shadows lapsed since
+        self._parked_fences = {s: f for s, f in self._parked_fences.items() if s in parked}
 
     def _adopt_shadows(self, server: ServerStream, stream: str) -> None:
         """`stream` follows `server`'s stream: it takes the shadows left there
-        (`_park_shadows`)."""
+        (`_park_shadows`), and a copy of those left on every stream it may be (the same port,
+        topic and rank on a host it may be: `indexer.server_stream`). Before, the endpoint was
+        compared as spelled: a worker renamed from `127.0.0.1` to `localhost` (or whose engine
+        advertised the other spelling) took none, and its replay's pages were trusted as plain
+        ones (a false hit). Until its publisher's seq shows it is the process they were made
+        on, or a new one (`_judge_adoption`), the shadows it took are told apart."""
         now = self._clock()
-        self._shadowed.adopt(server, stream, now)
-        for _, plain, head, extra_key, until in self._parked_unsized.pop(server, []):
-            self._unsized_shadows.append((stream, plain, head, extra_key, until))
-        if server in self._parked_blanket:
-            self._parked_blanket.discard(server)
-            self._blanket.add(stream)
+        mine = list(self._shadowed.shadows(stream) or ())  # (a stream just added has none)
+        # the shadows are parked by `ServerStream` alone (`_park_shadows`)
+        candidates = set(cast("list[ServerStream]", self._shadowed.parked()))
+        candidates |= self._parked_unsized.keys()
+        candidates |= self._parked_blanket
+        fences: list[BatchFence | None] = []
+        unsized: list[_Unsized] = []
+        for parked in candidates:
+            if not server.may_be(parked):
+                continue
+            take = server.same(parked)
+            self._shadowed.adopt(parked, stream, now, take=take)
+            items = (
+                self._parked_unsized.pop(parked, [])
+                if take
+                else self._parked_unsized.get(parked, [])
+            )
+            for _, plain, head, extra_key, until in items:
+                unsized.append((stream, plain, head, extra_key, until))
+            if parked in self._parked_blanket:
+                if take:
+                    self._parked_blanket.discard(parked)
+                self._blanket.add(stream)
+            fences += (
+                self._parked_fences.pop(parked, []) if take else self._parked_fences.get(parked, [])
+            )
+        self._unsized_shadows += unsized
+        if fences:
+            self._adopted[stream] = (fences, unsized)
+            self._shadowed.watch(stream, mine)
+
+    def _judge_adoption(self, stream: str, seq: int) -> None:
+        """`stream`'s first batch applied since it took parked shadows (`_adopt_shadows`): a
+        publisher whose seq `seq` is behind the last one applied on every stream they were
+        parked from (or at it, with another batch there) is another process, whose cache
+        holds none of what they covered: they go (before, a server started on a removed
+        worker's events port kept them, and its own plain pages were predicted nothing for
+        an hour). Anything else may be the same process: they stay (fail closed)."""
+        fences, unsized = self._adopted.pop(stream)
+        mine = self.index.fence(stream) if self.index.has_stream(stream) else None
+
+        def behind(fence: BatchFence | None) -> bool:
+            if fence is None:
+                return False  # nothing to tell it by
+            if seq != fence.seq:
+                return seq < fence.seq
+            return mine is not None and mine.seq == seq and mine.digest() != fence.digest()
+
+        if not all(behind(fence) for fence in fences):
+            self._shadowed.settle(stream)
+            return
+        dropped = self._shadowed.disown(stream)
+        if unsized:
+            gone = {id(item) for item in unsized}
+            self._unsized_shadows = [i for i in self._unsized_shadows if id(i) not in gone]
+        log.info(
+            "stream %s: its publisher is a new process (seq %d, behind the %s it follows): "
+            "the %d extra_key shadows it took from the one before are dropped",
+            stream,
+            seq,
+            "stream" if len(fences) == 1 else f"{len(fences)} streams",
+            dropped + len(unsized),
+        )
 
     def workers(self) -> list[str]:
         """Names of the subscribed workers."""
@@ -777,6 +846,8 @@ class IndexerService:
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)
+        if self._adopted and stream in self._adopted:
+            self._judge_adoption(stream, seq)  # before its adopted unsized shadows get keys
         if self._unsized_shadows:
             self._size_shadows(stream)
         for listener in self.applied_listeners:

@@ -43,14 +43,18 @@ topic and dp rank), and a stream added on that server's stream again takes them 
 replay brings back the pages they cover, as plain ones. Parked, a shadow is kept until its time
 is past (no stream holds its key), and at least `MOVE_GRACE_S` after it moved, as it is once
 taken, so the new stream's replay can bring back the keys that keep it. A move costs O(1):
-the stream's table goes whole (keys are joined only where two tables meet).
+the stream's table goes whole (keys are joined only where two tables meet). A stream that only
+may be the server's gets a copy (`adopt` without `take`). Until its publisher shows whether it
+is the process the shadows were made on, the keys marked on a stream that took them are told
+apart (`watch`): a new process's stream drops what it took (`disown`), the same one's keeps it
+(`settle`).
 
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 __all__ = ["MOVE_GRACE_S", "Shadow", "ShadowMark", "ShadowedPrefixes", "trusted_blocks"]
 
@@ -82,6 +86,9 @@ class ShadowedPrefixes:
         self._parked: dict[Hashable, tuple[float, dict[int, Shadow]]] = {}
         # streams that took parked shadows, and when (`adopt`)
         self._moved_at: dict[str, float] = {}
+        # streams whose adopted shadows may yet turn out another process's (`watch`): the keys
+        # marked there since, which `disown` keeps
+        self._since: dict[str, set[int]] = {}
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -98,6 +105,7 @@ class ShadowedPrefixes:
         until at least `until`, and `tail` (the last of them, or the seed when there are none)
         is its tail; returns what `withdraw` needs."""
         shadows = self._by_stream.setdefault(stream, {})
+        since = self._since.get(stream)
         made: dict[int, Shadow] = {}  # id(before) -> after: one tuple for alike keys
         befores: list[Shadow | None] = []
         afters: list[Shadow] = []
@@ -118,6 +126,8 @@ class ShadowedPrefixes:
             shadows[key] = after
             befores.append(before)
             afters.append(after)
+        if since is not None:
+            since.update(marked)
         return (stream, tuple(marked), tuple(befores), tuple(afters))
 
     def withdraw(self, mark: ShadowMark) -> None:
@@ -142,22 +152,61 @@ class ShadowedPrefixes:
         """`stream`'s worker left: its shadows are kept for `server` (what identifies the
         server's stream), for a stream added on it again (`adopt`), until they lapse."""
         self._moved_at.pop(stream, None)
+        self._since.pop(stream, None)
         shadows = self._by_stream.pop(stream, None)
         if shadows:
             parked = self._parked.get(server)
             self._parked[server] = (now, self._joined(parked[1], shadows) if parked else shadows)
 
-    def adopt(self, server: Hashable, stream: str, now: float) -> int:
+    def parked(self) -> list[Hashable]:
+        """The servers' streams shadows are parked for (`park`)."""
+        return list(self._parked)
+
+    def adopt(self, server: Hashable, stream: str, now: float, *, take: bool = True) -> int:
         """`stream` follows `server`'s stream: it takes the shadows parked for it (`park`);
-        returns how many."""
-        parked = self._parked.pop(server, None)
+        returns how many. Without `take` it gets a copy, and they stay parked (`stream` only
+        may be that server's: another stream added later may be it instead)."""
+        parked = self._parked.pop(server, None) if take else self._parked.get(server)
         if parked is None:
             return 0
         shadows = parked[1]
+        if not take:
+            shadows = dict(shadows)
+            self._count += len(shadows)  # `_joined` takes back the keys `stream` has
         mine = self._by_stream.get(stream)
         self._by_stream[stream] = self._joined(mine, shadows) if mine else shadows
         self._moved_at[stream] = now
         return len(shadows)
+
+    def watch(self, stream: str, mine: Iterable[int] = ()) -> None:
+        """`stream` took parked shadows (`adopt`) that a new process's would not keep: the
+        keys marked there from now on, and `mine` (its own from before), are told apart
+        (`disown`, `settle`)."""
+        self._since[stream] = set(mine)
+
+    def settle(self, stream: str) -> None:
+        """`stream`'s publisher is the process its adopted shadows were made on (or may be):
+        they stay, and nothing is told apart any longer."""
+        self._since.pop(stream, None)
+
+    def disown(self, stream: str) -> int:
+        """`stream`'s publisher is a new process (`watch`): the shadows it adopted covered a
+        cache that is gone. Only the keys marked there since `watch` stay (shadowed as they
+        are now: one an adopted shadow also named keeps its extra_keys, fail closed); returns
+        how many went."""
+        since = self._since.pop(stream, None)
+        shadows = self._by_stream.get(stream)
+        if since is None or shadows is None:
+            return 0
+        kept = {key: shadows[key] for key in since if key in shadows}
+        dropped = len(shadows) - len(kept)
+        self._count -= dropped
+        self._moved_at.pop(stream, None)
+        if kept:
+            self._by_stream[stream] = kept
+        else:
+            del self._by_stream[stream]
+        return dropped
 
     def _joined(self, into: dict[int, Shadow], shadows: dict[int, Shadow]) -> dict[int, Shadow]:
         """`shadows` added to `into` (a key both have: shadowed by the extra_keys of either);

@@ -15,10 +15,14 @@ A decision names a worker by id and by the server the id named where it was made
 (`Pending.server`). Ids move between servers (a reload that swaps two, a rename), and the
 replicas take each change in one after another, each when it reads the fleet record: for a
 moment two of them know one id as two servers. A pending mark made under the other mapping
-goes on the server it meant, under that server's id here (none: not marked), and a shadow
-whose id is another server here is not applied (`misaddressed` counts both): marked under the
-id, either would stand on a server that holds none of it, predicted hits a request would be
-sent for, until its TTL.
+goes on the server it meant, under that server's id here (none: not marked; a host spelled
+otherwise here counts only where it surely is one, as `localhost` and `[::1]` are: a pending
+mark on another server would be a false hit). A shadow goes on that server's id here, and on
+the id where it may name that server here (its host spelled in a way that may be the same:
+`indexer.hosts`): a shadow only hides, and one not applied trusts what it covers. Marked under
+the id, a pending mark would stand on a server that holds none of it, predicted hits a request
+would be sent for, until its TTL. `misaddressed` counts the decisions whose id names a server
+spelled otherwise here.
 
 Everything here runs on the one event loop without awaiting, like every index mutation.
 """
@@ -30,7 +34,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
+from urllib.parse import urlsplit
 
+from indexer.hosts import may_be_one_host, one_host
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
@@ -209,16 +215,14 @@ class Peers:
                 begun.marks = peer.marks.pop(d.ticket, [])
                 begun.pending = peer.pending.pop(d.ticket, [])
             elif isinstance(d, Shadow):
-                # only where the id names the server meant: moving a shadow to a server's new
-                # id is the indexer's (`indexer.shadowed`), not the wire's
-                meant = d.keep_s > 0 and self._meant(d.worker, d.server) == d.worker
-                if meant and self._indexer.has_worker(d.worker):
-                    shadows = self._indexer.shadow(
-                        d.namespace, d.tokens, d.worker, d.dp_rank, d.keep_s
-                    )
-                    owner = peer.tickets.get(d.ticket) if d.ticket else None
-                    if owner is not None:
-                        owner.shadows.extend(shadows)
+                owner = peer.tickets.get(d.ticket) if d.ticket else None
+                for worker in self._shadowed_at(d.worker, d.server) if d.keep_s > 0 else ():
+                    if self._indexer.has_worker(worker):
+                        shadows = self._indexer.shadow(
+                            d.namespace, d.tokens, worker, d.dp_rank, d.keep_s
+                        )
+                        if owner is not None:
+                            owner.shadows.extend(shadows)
                 if self.shadow_seen is not None and d.keep_s > 0:
                     take_back = self.shadow_seen(d)
                     if take_back is not None and d.ticket:
@@ -251,10 +255,31 @@ class Peers:
         that server here (None: not in this replica's fleet)."""
         if not server or self._servers is None:
             return worker
-        if self._servers.server_of(worker) == server:
+        here = self._servers.server_of(worker)
+        if here is not None and _one_server(here, server, surely=True):
             return worker
         self.misaddressed += 1
         return self._servers.worker_at(server)
+
+    def _shadowed_at(self, worker: str, server: str) -> list[str]:
+        """The ids here a shadow naming (`worker`, `server`) goes on: `worker` where it may
+        name that server here (spelled alike, or in a way that may be it: `indexer.hosts`),
+        and the id that server has here. Not applying a shadow trusts the pages it covers (a
+        false hit), applying one too many only hides them: before, `server` was compared as
+        spelled, and a replica whose config spells a worker's host otherwise (`[::1]` for
+        `127.0.0.1`, a name for its address) dropped every shadow the others sent for it."""
+        servers = self._servers
+        if not server or servers is None:
+            return [worker]
+        here = servers.server_of(worker)
+        if here == server:
+            return [worker]
+        self.misaddressed += 1
+        found = [worker] if here is not None and _one_server(here, server, surely=False) else []
+        other = servers.worker_at(server)
+        if other is not None and other != worker:
+            found.append(other)
+        return found
 
     def _keys_of(self, pending: Pending, worker: str) -> Callable[[str], list[int]] | None:
         """The decision's block keys per stream: the ones it carries, on streams with its page
@@ -380,3 +405,19 @@ class Peers:
         """Drop every peer (this replica is shutting down)."""
         for name in list(self._peers):
             self._drop(name, quiet=True)
+
+
+def _one_server(a: str, b: str, *, surely: bool) -> bool:
+    """Whether two servers (`WorkerEntry.server`: `scheme://host[:port]/path`, spelled one
+    way) are one (`surely`), or may be: the same scheme, port and path, on hosts that are one,
+    or may be (`indexer.hosts`)."""
+    if a == b:
+        return True
+    one, other = urlsplit(a), urlsplit(b)
+    hosts = one_host if surely else may_be_one_host
+    return (
+        (one.scheme, one.port, one.path) == (other.scheme, other.port, other.path)
+        and one.hostname is not None
+        and other.hostname is not None
+        and hosts(one.hostname, other.hostname)
+    )

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import zmq.asyncio
 
+from indexer.config import StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import BlockHash, Event, EventBatch, Removed, Stored, TokenId
+from indexer.server_stream import server_stream
 from indexer.service import IndexerService
 from indexer.shadowed import MOVE_GRACE_S, ShadowedPrefixes, trusted_blocks
 from tests.indexer.scripted import ScriptedPublisher
-from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect
+from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, wait_until
 
 PROMPT: list[TokenId] = list(range(1000, 1000 + 33))  # two 16-token pages and a last token
 OTHER: list[TokenId] = list(range(2000, 2000 + 17))
@@ -327,3 +330,129 @@ async def test_a_renamed_worker_keeps_the_shadows_made_before_its_block_size_was
         plain = Namespace("", None, "t")
         assert svc.query(plain, PROMPT)["renamed"].matched_tokens == 0
         assert svc.query(plain, OTHER)["renamed"].matched_tokens == (16 if kind == "unsized" else 0)
+
+
+def test_a_parked_shadow_is_copied_to_a_stream_that_may_be_its_server() -> None:
+    """A stream that only may be the parked one's server gets a copy (another may be it
+    too); the shadows a stream took are dropped, but for the keys marked there since, once
+    its publisher shows it is a new process (`disown`), and kept once it may be the same
+    (`settle`)."""
+    shadows = ShadowedPrefixes()
+    shadows.mark("a", [1, 2], 2, "k", until=10.0)
+    shadows.park("a", "server-1", now=5.0)
+    assert shadows.adopt("server-1", "x", now=6.0, take=False) == 2
+    assert shadows.parked() == ["server-1"] and len(shadows) == 4
+    assert shadows.adopt("server-1", "y", now=6.0) == 2 and shadows.parked() == []
+    shadows.watch("x")
+    shadows.mark("x", [2, 3], 3, "j", until=10.0)  # a request sent to x meanwhile
+    assert shadows.disown("x") == 1 and len(shadows) == 4
+    assert shadows.shadows("x") == {
+        2: (10.0, frozenset("jk"), frozenset("k")),  # also k's: it stays (fail closed)
+        3: (10.0, frozenset("j"), frozenset("j")),
+    }
+    shadows.watch("y")
+    shadows.settle("y")
+    assert shadows.disown("y") == 0 and len(shadows.shadows("y") or ()) == 2
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same", "may_be"),
+    [
+        ("tcp://127.0.0.1:5557", "tcp://localhost:5557", True, True),
+        ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", True, True),
+        ("tcp://0.0.0.0:5557", "tcp://ip6-localhost:5557", True, True),
+        ("tcp://10.0.0.7:5557", "tcp://[::ffff:10.0.0.7]:05557", True, True),
+        ("tcp://worker-0.svc:5557", "tcp://10.0.0.7:5557", False, True),  # a name: any host
+        ("tcp://*:5557", "tcp://10.0.0.7:5557", False, True),
+        ("tcp://10.0.0.7:5557", "tcp://10.0.0.8:5557", False, False),
+        ("tcp://127.0.0.1:5557", "tcp://10.0.0.8:5557", False, False),
+        ("tcp://localhost:5557", "tcp://localhost:5558", False, False),
+        ("ipc:///run/kv/../kv/w0", "ipc:///run/kv/w0", True, True),
+    ],
+)
+def test_a_servers_stream_is_known_across_the_spellings_of_its_host(
+    a: str, b: str, same: bool, may_be: bool
+) -> None:
+    one, other = server_stream(StreamConfig(a)), server_stream(StreamConfig(b))
+    assert (one.same(other), one.may_be(other)) == (same, may_be)
+    assert (other.same(one), other.may_be(one)) == (same, may_be)
+    assert not one.may_be(server_stream(StreamConfig(a, dp_rank=1)))
+
+
+async def _follow(
+    svc: IndexerService, pub: ScriptedPublisher, worker: str, cfg: StreamConfig
+) -> None:
+    """Add `worker` on `cfg` and wait until its SUB receives (empty batches published)."""
+    await svc.add_worker(worker, [cfg])
+    (sub,) = svc._workers[worker]
+    for _ in range(100):
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+        if await svc.wait_applied(worker, seq, timeout_s=0.1) and sub.tracker.live is not None:
+            return
+    raise AssertionError("subscriber never received anything")
+
+
+_STORED: list[Event] = [
+    Stored(block_hashes=[1, 2], parent=None, token_ids=PROMPT[:32], block_size=16, cache_salt="t")
+]
+
+
+@pytest.mark.parametrize("host", ["localhost", "[::ffff:127.0.0.1]"])
+async def test_a_worker_renamed_under_another_spelling_of_its_host_keeps_its_shadows(
+    ctx: zmq.asyncio.Context, host: str
+) -> None:
+    """QA (xk6.py lhost): a worker renamed and its URL spelled `localhost` instead of
+    `127.0.0.1` (its engine advertises the URL's host): the endpoint was compared as spelled,
+    the new id's stream took no shadows, and its replay's extra_key pages were predicted to
+    plain requests (4 of 4 false hits)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=16)
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, _STORED)))
+        svc.shadow(Namespace("", None, "t", "view"), PROMPT, WORKER, None, keep_s=60.0)
+        (cfg,) = svc.stream_configs(WORKER)
+        await svc.remove_worker(WORKER)
+        spelled = msgspec.structs.replace(cfg, endpoint=cfg.endpoint.replace("127.0.0.1", host))
+        await _follow(svc, pub, "renamed", spelled)
+        (stream,) = svc.stream_ids("renamed")
+        keys = svc.block_keys(stream, Namespace("", None, "t"), PROMPT)
+        await wait_until(lambda: all(svc.holds(stream, keys)))  # its replay brought them
+        assert svc.query(Namespace("", None, "t"), PROMPT)["renamed"].matched_tokens == 0
+
+
+@pytest.mark.parametrize("restarted", [True, False])
+async def test_a_new_process_on_a_removed_workers_ports_drops_the_shadows_it_took(
+    ctx: zmq.asyncio.Context, restarted: bool
+) -> None:
+    """QA (xk_newsrv.py): a worker removed, another server started on its events and replay
+    ports and added: it took the old one's shadows, and its own plain pages of those prompts
+    were predicted nothing (4 of 4, for an hour). Its seqs start behind the old one's: the
+    shadows it took go, those of requests sent to it since stay. The same process (no
+    restart) keeps them."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=16)
+        for _ in range(200):  # the old process's history runs ahead of the new one's
+            await pub.publish(EventBatch(0.0, []))
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(0.0, _STORED)))
+        keyed = Namespace("", None, "t", "view")
+        svc.shadow(keyed, PROMPT, WORKER, None, keep_s=60.0)
+        (cfg,) = svc.stream_configs(WORKER)
+        await svc.remove_worker(WORKER)
+        if restarted:
+            pub.restart()  # seq back to 0, nothing buffered: another process
+        await svc.add_worker("other", [cfg])
+        svc.shadow(keyed, OTHER, "other", None, keep_s=60.0)  # sent before its first batch
+        stored = [*_STORED, Stored(block_hashes=[3], parent=None, token_ids=OTHER[:16],
+                                   block_size=16, cache_salt="t")]  # fmt: skip
+        (sub,) = svc._workers["other"]
+        for _ in range(100):
+            seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+            if await svc.wait_applied("other", seq, timeout_s=0.1) and sub.tracker.live:
+                break
+        if restarted:  # the new process stores the prompts, each once
+            assert await svc.wait_applied("other", await pub.publish(EventBatch(0.0, stored)))
+        (stream,) = svc.stream_ids("other")
+        plain = Namespace("", None, "t")
+        keys = svc.block_keys(stream, plain, PROMPT)
+        await wait_until(lambda: all(svc.holds(stream, keys)))
+        assert svc.query(plain, PROMPT)["other"].matched_tokens == (32 if restarted else 0)
+        assert svc.query(plain, OTHER)["other"].matched_tokens == 0

@@ -163,7 +163,9 @@ async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() 
         assert marked("wB", "http://127.0.0.1:3") == set()  # a server not in the fleet here
         assert shadowed("wB", servers["wB"]) == {on_b}
         assert shadowed("wB", "") == {on_b}
-        assert shadowed("wB", servers["wA"]) == set()  # following a server is the indexer's
+        # the sender's wB is wA's server here: there (a shadow only hides; one not applied
+        # trusts the pages it covers)
+        assert shadowed("wB", servers["wA"]) == {on_a}
         assert peers.misaddressed == 4
         # a shadow kept to send again keeps the server it was made for, whatever the id names
         # by then
@@ -176,6 +178,40 @@ async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() 
         assert [(d.worker, d.server) for d in outbox.take() if isinstance(d, Shadow)] == [
             ("wB", servers["wB"])
         ]
+
+
+async def test_a_peers_decision_names_its_server_as_its_config_spells_it() -> None:
+    """The replicas' configs may spell one worker's host otherwise (`[::1]` for `127.0.0.1`,
+    an address for a name). A shadow was applied only where the server was spelled alike, so
+    a replica dropped every shadow another sent for such a worker, and trusted the pages they
+    covered (a false hit). A shadow now goes where the server may be the one meant; a pending
+    mark only where it surely is (one on another server would be a false hit)."""
+    servers = {"wA": "http://127.0.0.1:1", "wB": "http://worker-b.svc:2"}
+    async with IndexerService() as indexer:
+        pool = WorkerPool(BreakerConfig())
+        for worker, url in servers.items():
+            pool.add(WorkerConfig(url=url, id=worker))
+            await indexer.add_worker(worker, [StreamConfig(endpoint=_endpoint(), block_size=16)])
+        peers = Peers("me", indexer, LoadTracker(), 5.0, clock=lambda: 0.0, servers=pool)
+        (on_a,), (on_b,) = indexer.stream_ids("wA"), indexer.stream_ids("wB")
+        keyed = Namespace("m", None, "salt", "view-1")
+        number = itertools.count(1)
+
+        def applied(worker: str, server: str) -> tuple[set[str], set[str]]:
+            """The streams a peer's pending mark and shadow naming (worker, server) land on."""
+            n = next(number)
+            tokens = list(range(n, n + 64))
+            pending = Pending(worker, None, NS, tokens, n, server=server)
+            shadow = Shadow(worker, None, keyed, tokens, 60.0, n, server)
+            peers.apply(Batch("b", 0.0, [pending, Begin(n, worker, None, 64), shadow]))
+            ticket = peers._peers["b"].tickets[n]
+            return {s for s, _ in ticket.pending}, {mark[0] for mark in ticket.shadows}
+
+        assert applied("wA", "http://localhost:1") == ({on_a}, {on_a})  # one spelling here
+        assert applied("wA", "http://[::1]:1") == ({on_a}, {on_a})  # the loopback too
+        assert applied("wB", "http://10.0.0.9:2") == (set(), {on_b})  # its name's address?
+        assert applied("wA", "http://10.0.0.9:1") == (set(), set())  # surely another host
+        assert applied("wA", "http://127.0.0.1:3") == (set(), set())  # another port
 
 
 def test_a_decision_naming_its_server_is_read_by_a_replica_from_before_the_field() -> None:
