@@ -3,9 +3,11 @@ after another apply each other's decisions where they were meant."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -127,11 +129,12 @@ def _endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() -> None:
-    """Each way an id and a server can disagree between sender and receiver: the pending mark
-    follows the server (to its id here, or nowhere), the shadow is applied only where the id
-    names the server it was made for; a sender from before the field is taken at its word."""
-    servers = {"wA": "http://127.0.0.1:1", "wB": "http://127.0.0.1:2"}
+@contextlib.asynccontextmanager
+async def _receiver(
+    servers: dict[str, str],
+) -> AsyncIterator[tuple[WorkerPool, Peers, str, str]]:
+    """A replica's receiving side for workers wA and wB at `servers`: its pool, its `Peers`
+    and the stream ids of wA and wB in its index."""
     async with IndexerService() as indexer:
         pool = WorkerPool(BreakerConfig())
         for worker, url in servers.items():
@@ -139,6 +142,15 @@ async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() 
             await indexer.add_worker(worker, [StreamConfig(endpoint=_endpoint(), block_size=16)])
         peers = Peers("me", indexer, LoadTracker(), 5.0, clock=lambda: 0.0, servers=pool)
         (on_a,), (on_b,) = indexer.stream_ids("wA"), indexer.stream_ids("wB")
+        yield pool, peers, on_a, on_b
+
+
+async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() -> None:
+    """Each way an id and a server can disagree between sender and receiver: the pending mark
+    follows the server (to its id here, or nowhere), the shadow is applied only where the id
+    names the server it was made for; a sender from before the field is taken at its word."""
+    servers = {"wA": "http://127.0.0.1:1", "wB": "http://127.0.0.1:2"}
+    async with _receiver(servers) as (pool, peers, on_a, on_b):
         keyed = Namespace("m", None, "salt", "view-1")
         number = itertools.count(1)
 
@@ -187,13 +199,7 @@ async def test_a_peers_decision_names_its_server_as_its_config_spells_it() -> No
     covered (a false hit). A shadow now goes where the server may be the one meant; a pending
     mark only where it surely is (one on another server would be a false hit)."""
     servers = {"wA": "http://127.0.0.1:1", "wB": "http://worker-b.svc:2"}
-    async with IndexerService() as indexer:
-        pool = WorkerPool(BreakerConfig())
-        for worker, url in servers.items():
-            pool.add(WorkerConfig(url=url, id=worker))
-            await indexer.add_worker(worker, [StreamConfig(endpoint=_endpoint(), block_size=16)])
-        peers = Peers("me", indexer, LoadTracker(), 5.0, clock=lambda: 0.0, servers=pool)
-        (on_a,), (on_b,) = indexer.stream_ids("wA"), indexer.stream_ids("wB")
+    async with _receiver(servers) as (_, peers, on_a, on_b):
         keyed = Namespace("m", None, "salt", "view-1")
         number = itertools.count(1)
 
