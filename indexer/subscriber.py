@@ -21,8 +21,10 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   a batch it gives that names another dp rank finds it out at once (per-rank lists swapped);
 - after any restart, live batches that continue the run before it are the dead process's,
   still queued on our socket: skipped, unless the new process's replay socket gives them back,
-  for `_DEAD_RUN_S`; past it such a run is a live publisher's, and an unproven socket that
-  showed the restart and was never confirmed by a live batch is another worker's (`_dead_batch`);
+  for `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
+  nothing, and is cleared when that window ends). Past it such a batch is asked for too: an
+  unproven socket that showed the restart, was never confirmed by a live batch and does not
+  give it back is another worker's; otherwise it is a late queued one (`_dead_batch`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
