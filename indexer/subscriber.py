@@ -21,8 +21,10 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   a batch it gives that names another dp rank finds it out at once (per-rank lists swapped);
 - after any restart, live batches that continue the run before it are the dead process's,
   still queued on our socket: skipped, unless the new process's replay socket gives them back,
-  for `_DEAD_RUN_S`; past it such a run is a live publisher's, and an unproven socket that
-  showed the restart and was never confirmed by a live batch is another worker's (`_dead_batch`);
+  for `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
+  nothing, and is cleared when that window ends). Past it such a batch is asked for too: an
+  unproven socket that showed the restart, was never confirmed by a live batch and does not
+  give it back is another worker's; otherwise it is a late queued one (`_dead_batch`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -209,6 +211,10 @@ class StreamSubscriber:
         # one's, still queued on our socket (`_dead_batch`; also `_checked`, `_repair`)
         self._after_restart = False
         self._dead_seq: int | None = None  # the newest seq of that run seen live
+        # why the stream holds a batch applied in that window that nothing proved the new
+        # process's (None: it does not): it predicts nothing, and is cleared at the window's end
+        self._tainted: str | None = None
+        self._reopened = False  # a late batch of the old run opened the window once more
         self._restart_found_at = 0.0
         # that restart was found by a replay socket not proven the publisher's: a run before
         # it that still comes past `_DEAD_RUN_S`, no live batch having confirmed the socket,
@@ -305,8 +311,14 @@ class StreamSubscriber:
                     timeout_ms = self._probe_wait_ms if probing else None
                     if retrying:
                         timeout_ms = self._retry_ms
-                    if not await self._idle(poller, timeout_ms) and (probing or retrying):
-                        await self._probe()
+                    window_ms = self._window_left_ms()
+                    if window_ms is not None:  # a quiet tainted stream is cleared on time
+                        timeout_ms = window_ms if timeout_ms is None else min(timeout_ms, window_ms)
+                    if not await self._idle(poller, timeout_ms):
+                        if window_ms is not None and self._window_over():
+                            self._end_window()
+                        elif probing or retrying:
+                            await self._probe()
                     continue
                 frames = await sub.recv_multipart()
                 await self._on_live(frames)
@@ -475,7 +487,8 @@ class StreamSubscriber:
         no tail left unproven and no rebuild pending."""
         self._replay_foreign = True
         self._suspect = None
-        self._after_restart = False
+        self._end_window()  # a stream tainted in it is cleared now, not left predicting nothing
+        self._dead_seq = None
         log.error(
             "stream %s: the replay socket %s is another publisher's (%s; check `replay` in the "
             "config): it is not asked again, and %s; the stream goes on from the live "
@@ -504,7 +517,12 @@ class StreamSubscriber:
             self._phase is StreamState.SYNCING and self.tracker.last is not None
         )
         unproven = self._unverified or self._replay_unconfirmed or (self._tail_unproven and holds)
-        self._enter(StreamState.UNVERIFIED if unproven else self._phase)
+        if unproven:
+            self._enter(StreamState.UNVERIFIED)
+        elif self._tainted is not None:
+            self._enter(StreamState.DEGRADED)  # may hold a dead process's batch (`_tainted`)
+        else:
+            self._enter(self._phase)
 
     def _enter(self, state: StreamState) -> None:
         if state is self.health.state:
@@ -583,7 +601,9 @@ class StreamSubscriber:
             # Any other batch below the newest live seq is a restart (`SequenceTracker`)
             self._trust_replay()
             return
-        if self._after_restart and await self._dead_batch(msg.seq, msg.payload):
+        if self._after_restart and self._window_over():
+            self._end_window()
+        if self._dead_seq is not None and await self._dead_batch(msg.seq, msg.payload):
             return
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
@@ -1107,60 +1127,128 @@ class StreamSubscriber:
         self._last_live = None
 
     def _after_restart_of(self, old: int | None, *, unproven: bool) -> None:
-        """A restart was found now; `old` is the newest seq the run before it showed live."""
+        """A restart was found now; `old` is the newest seq the run before it showed live.
+        (Both callers clear the stream next: nothing tainted is left.)"""
         self._after_restart = old is not None
         self._dead_seq = old
         self._restart_found_at = self._clock()
         self._restart_unproven = unproven
+        self._reopened = False
+        self._set_tainted(None)
+
+    def _set_tainted(self, why: str | None) -> None:
+        """Whether the stream holds a batch of the window after a restart that nothing proved
+        the new process's (`why`: what it was): it predicts nothing (DEGRADED) until the
+        window ends, and is cleared then (`_end_window`)."""
+        if (why is None) == (self._tainted is None):
+            return
+        self._tainted = why
+        self._show_state()
+
+    def _end_window(self) -> None:
+        """The window after a restart is over: a stream tainted in it is cleared, once."""
+        if not self._after_restart:
+            return
+        self._after_restart = False
+        why = self._tainted
+        if why is None:
+            return
+        self._set_tainted(None)
+        if self.tracker.last is not None or self.sink.entries():
+            self._clear(
+                f"in the {_DEAD_RUN_S:g} s after the restart, {why}: the dead process's batches "
+                "cannot be told from the new one's, so the stream starts cold from the next batch",
+                kind="window",  # said once per window, apart from the restart's own clear
+            )
+
+    def _window_over(self) -> bool:
+        return self._clock() - self._restart_found_at > _DEAD_RUN_S
+
+    def _window_left_ms(self) -> int | None:
+        """How long until a tainted stream's window ends (None: no such window)."""
+        if self._tainted is None or not self._after_restart:
+            return None
+        left = self._restart_found_at + _DEAD_RUN_S - self._clock()
+        return max(int(left * 1000) + 1, 0)
+
+    def _skip_dead(self, seq: int, how: str) -> bool:
+        self._dead_seq = seq
+        self.dead_batches += 1
+        self._warn("stale", f"live seq {seq} continues the run before the restart: {how}")
+        return True
 
     async def _dead_batch(self, seq: int, payload: bytes) -> bool:
         """Whether live batch `seq`, arriving after a restart was found, is the dead process's
         (skipped, counted) rather than the new one's.
 
-        The dead process's queued batches continue its run: seqs beyond `_dead_seq`, in order.
-        The new process's are told apart by its replay socket (it buffers what it sends, so it
-        gives back each of its live batches), or, without one, by seq: a batch that continues
-        the old run is the dead one's, and one that might be the new process's (its next seq,
-        or the old run skipping seqs) clears the stream as well (fail closed: without a
-        replay socket a batch missed clears it anyway). Past `_DEAD_RUN_S` no queue is left:
-        a run that still comes then is a live publisher's. If only a replay socket never
-        confirmed said there was a restart, that socket is another worker's (whose buffer
-        is behind this one's seqs, or ahead with other batches): found out, and the stream
-        goes on as one without a replay socket."""
+        The dead process's queued batches continue its run: seqs beyond `_dead_seq`, in order;
+        the new process's are told apart only by its replay socket (it buffers what it sends,
+        so it gives back each of its live batches). Without that proof (no socket, or no
+        answer) nothing tells them apart, as seqs of both runs collide: within `_DEAD_RUN_S`
+        the new process's next seq is applied but taints the stream (predicts nothing, cleared
+        when the window ends), and any other is skipped. Past it a run that still continues
+        the old one is asked for the same way: a batch the socket does not give back is a
+        late queued one (skipped), or, if only a replay socket never confirmed said there was
+        a restart, that socket is another worker's. A late one nothing proves clears the
+        stream (it may be the new process's after a gap) and opens the window once more."""
         dead = self._dead_seq
         if dead is None or seq <= dead or self._is_replayed(seq, payload):
             return False  # not the old run's next, or a live copy of the new buffer's batch
-        if self._clock() - self._restart_found_at > _DEAD_RUN_S:
-            self._after_restart = False
-            if self._restart_unproven and not self._replay_trusted and self._has_replay:
-                self._found_foreign(
-                    f"it showed a restart {_DEAD_RUN_S:g} s ago, yet the run before it goes "
-                    f"on (live seq {seq}) and no live batch followed on its buffer since"
-                )
-                self.tracker.reset()  # rebuilt from the live stream, as without one
-            return False
+        within = not self._window_over()
+        if not within:
+            self._end_window()
         last = self.tracker.last
         nxt = 0 if last is None else last + 1
-        ambiguous = False
-        if seq >= nxt:
-            if self._has_replay:
-                answered, copy = await self._replayed_copy(seq)
-                if copy is not None and _digest(copy) == _digest(payload):
-                    self._trust_replay()  # the new process's: it gives this batch back
-                    return False
-                ambiguous = not answered  # no answer: it may be the new process's
-            else:
-                ambiguous = seq == nxt or seq != dead + 1
-        self._dead_seq = seq
-        self.dead_batches += 1
-        self._warn(
-            "stale",
-            f"live seq {seq} continues the run of the process before the restart, not the "
-            "new process's: a batch it left queued, skipped",
-        )
-        if ambiguous and (self.tracker.last is not None or self.sink.entries()):
-            self._clear(f"live seq {seq} may have been the restarted publisher's own")
-        return True
+        if not within and seq == nxt:
+            self._dead_seq = None  # the new run passed the old one's: nothing is left to tell
+            return False
+        answered, copy = False, None
+        if self._has_replay:
+            # (one round trip per batch of the old run's seqs, for the window only)
+            answered, copy = await self._replayed_copy(seq)
+            if copy is not None and _digest(copy) == _digest(payload):
+                self._trust_replay()  # the new process's: it gives this batch back
+                if not within:
+                    self._dead_seq = None
+                return False
+        if answered and not within:
+            if self._restart_unproven and not self._replay_trusted:
+                self._found_foreign(
+                    f"it showed a restart over {_DEAD_RUN_S:g} s ago, yet the run before it "
+                    f"goes on (live seq {seq}, which it does not give back) and no live batch "
+                    "followed on its buffer since"
+                )
+                self._dead_seq = None
+                self.tracker.reset()  # rebuilt from the live stream, as without one
+                return False
+            return self._skip_dead(seq, "not in the new process's buffer, a late queued batch")
+        if answered:
+            return self._skip_dead(seq, "not in the new process's buffer, a queued batch")
+        # nothing says whose it is
+        proof = "no replay socket" if not self._has_replay else "the replay did not answer"
+        if within:
+            self._set_tainted(f"a batch not proven the new process's ({proof}) was applied")
+            if seq == nxt:
+                self._warn(
+                    "stale",
+                    f"live seq {seq} may be the dead process's or the new one's ({proof}): "
+                    "applied, the stream predicts nothing until the window after the restart ends",
+                )
+                return False
+            return self._skip_dead(
+                seq, f"skipped ({proof}); the stream predicts nothing until the window ends"
+            )
+        if self._reopened:
+            self._dead_seq = None  # the old run goes on 10 s on: it is the live one
+            return False
+        # late: a long queue, or the new process's after a gap (which may have removed pages)
+        self._reopened = True
+        self._after_restart = True
+        self._restart_found_at = self._clock()
+        if self.tracker.last is not None or self.sink.entries():
+            self._clear(f"live seq {seq} may be a late queued batch of the dead process ({proof})")
+        self._set_tainted(f"a batch of the old run's seqs came late ({proof})")
+        return self._skip_dead(seq, f"skipped ({proof}); the window after the restart reopens")
 
     def _restarted(self) -> None:
         """Count a restart and say so (`on_restart`): a new process on the same ports may run
@@ -1183,7 +1271,7 @@ class StreamSubscriber:
         if self._on_applied is not None:
             self._on_applied(self.stream_id, seq)
 
-    def _clear(self, reason: str) -> None:
+    def _clear(self, reason: str, *, kind: str = "clear") -> None:
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
         if self._replay_unconfirmed:
             self._replay_unconfirmed = False  # nothing unconfirmed is left
@@ -1194,9 +1282,9 @@ class StreamSubscriber:
         if keeps_entries(self.sink):
             # events held while the page size is unknown are no entries, yet go with them
             also = f" and {held} held events (page size still unknown)" if held else ""
-            self._warn("clear", f"cleared {dropped} entries{also}: {reason}")
+            self._warn(kind, f"cleared {dropped} entries{also}: {reason}")
         else:  # a recording: nothing held, the file keeps the decision for a replay to repeat
-            self._warn("clear", f"stream reset (a router drops its entries here): {reason}")
+            self._warn(kind, f"stream reset (a router drops its entries here): {reason}")
 
     def _malformed(self, what: str) -> None:
         self.decode_errors += 1
@@ -1256,6 +1344,8 @@ class StreamSubscriber:
         self._replayed.clear()
         self._last_live = None
         self._after_restart = False  # the run it follows now is the snapshot's
+        self._dead_seq = None
+        self._set_tainted(None)
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
         self.tracker = SequenceTracker(last_seq)

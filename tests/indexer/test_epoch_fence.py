@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
+from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
@@ -353,6 +354,36 @@ async def test_batches_of_the_dead_process_still_queued_after_a_restart_are_not_
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
         assert not svc._workers[WORKER][0]._replay_foreign
         assert "another publisher's" not in caplog.text
+
+
+async def test_a_dead_backlog_drained_after_the_window_is_never_taken(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dead process's queued batches arrive after the window after the restart (a long
+    backlog). The first was skipped as a bad seq, the second flagged the worker's advertised
+    socket another publisher's and it and the rest were applied: the dead pages predicted.
+    Each is asked for now; the new process's socket does not give it back: skipped."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        old = await follow_old_epoch(svc, pub)
+        last = len(old) - 1
+        later = workload(seed=5, batches=3)  # what the old process sent before it died
+        pub.restart()
+        new = workload(seed=6, batches=2)
+        await pub.publish(new[0], drop=True)  # the new process's startup batch, buffered
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
+        sub = svc._workers[WORKER][0]
+        await wait_until(lambda: sub.tracker.last == 0)
+        await asyncio.sleep(0.35)  # past the window
+        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        for seq, batch in enumerate(later, start=last + 1):  # now read off the socket
+            await pub.send_raw(build_live(b"kv", seq, encode_batch(batch, "array")))
+        await wait_until(lambda: sub.dead_batches == len(later))
+        assert view(svc.index, STREAM) == view(reference(new[:1]), STREAM)
+        assert not sub._replay_foreign and "another publisher's" not in caplog.text
+        assert await svc.wait_applied(WORKER, await pub.publish(new[1]))
+        await wait_until(lambda: sub.tracker.last == 1)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
 
 
 async def test_a_new_process_whose_first_batch_we_see_is_our_last_seq_is_a_restart(

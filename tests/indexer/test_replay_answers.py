@@ -525,6 +525,40 @@ async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
             assert svc.streams()[0].restarts == 1 and sub._replay_trusted
 
 
+async def test_an_honest_unproven_socket_is_asked_before_an_idle_restart_flags_it(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM worker restarts and publishes past the old run's newest seq before the SUB
+    reconnects, then idles past the window after the restart: its next live batch, beyond
+    the old run's seqs, flagged its honest socket another publisher's without asking it.
+    The socket is asked for that batch now, gives it back, and is trusted."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
+        pub = ScriptedPublisher(ctx)
+        async with pub:
+            pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
+            await connect(svc, pub, block_size=4, replay_proven=False)
+            (sub,) = svc._workers[WORKER]
+            a = await pub.publish(stored(A, 10))
+            assert await svc.wait_applied(WORKER, a)
+        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        async with await _restarted(ctx, pub) as again:
+            while again.next_seq <= a + 1:  # lost while the SUB reconnects
+                await again.publish(stored(C, 20 + again.next_seq), drop=True)
+            await wait_until(lambda: svc.streams()[0].restarts == 1)
+            await wait_until(lambda: sub.tracker.last == a + 1)  # rebuilt from its buffer
+            await asyncio.sleep(0.35)  # idle past the window
+            for _ in range(100):  # the SUB's connection may still be on its way
+                seq = await again.publish(stored(D, 30))
+                if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
+                    break
+            await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+            assert not sub._replay_foreign and sub._replay_trusted
+            assert "another publisher's" not in caplog.text
+            assert matched(svc, D) == 4 and matched(svc, A) == 0
+            assert svc.streams()[0].restarts == 1
+
+
 async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_one(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq.asyncio
 
+from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
@@ -170,6 +171,38 @@ async def test_without_a_replay_socket_a_dead_process_batches_after_a_restart_ar
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
         stats = svc.streams()[0]
         assert stats.restarts == 1 and stats.last_seq == 2
+
+
+async def test_without_a_replay_socket_a_dead_batch_at_the_new_process_seq_is_never_predicted(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a replay socket, the new process's batches pass the old run's newest seq
+    before the dead process's queued batch at that seq arrives. The new one was skipped (as
+    the dead one's, counted) and the dead one then applied as the worker's: its page a false
+    hit for good. Nothing tells them apart, so the batch is applied but the stream predicts
+    nothing until the window after the restart ends, and is cleared then."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.5)
+    before = workload(seed=1, batches=4)
+    new = workload(seed=2, batches=16)
+    gone = workload(seed=3, batches=1)  # what the old process sent before it died
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+        last = await publish_all(pub, before, settle=svc)
+        pub.restart()
+        new_last = await publish_all(pub, new[: last + 2], settle=svc)
+        assert new_last == last + 1  # the new process is past the old run's newest seq
+        await pub.send_raw(build_live(b"kv", last + 1, encode_batch(gone[0], "array")))
+        (sub,) = svc._workers[WORKER]
+        await wait_until(lambda: sub.dead_batches == 1)  # the new batches were not counted
+        assert svc.streams()[0].state is StreamState.DEGRADED  # predicts nothing
+        # the window ends while the worker is idle: what it held is cleared, once
+        await wait_until(lambda: svc.streams()[0].entries == 0, timeout_s=2.0)
+        assert svc.streams()[0].state is StreamState.SYNCED
+        seq = await pub.publish(new[last + 2])
+        assert await svc.wait_applied(WORKER, seq)
+        stats = svc.streams()[0]  # the stream goes on from it, cold
+        assert stats.state is StreamState.SYNCED and stats.last_seq == seq
+        assert stats.restarts == 1 and stats.dead_batches == 1
 
 
 async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
