@@ -525,6 +525,22 @@ async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
             assert svc.streams()[0].restarts == 1 and sub._replay_trusted
 
 
+async def _unproven_worker_gone(
+    ctx: zmq.asyncio.Context, svc: IndexerService
+) -> tuple[ScriptedPublisher, subscriber.StreamSubscriber, int]:
+    """A worker joined through an unproven replay socket that gives nothing at join, its one
+    batch (A's page, seq returned) applied, then gone: its publisher closed, as a process
+    that died. The publisher (for `_restarted`) and the stream's subscriber are returned."""
+    pub = ScriptedPublisher(ctx)
+    async with pub:
+        pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
+        await connect(svc, pub, block_size=4, replay_proven=False)
+        (sub,) = svc._workers[WORKER]
+        a = await pub.publish(stored(A, 10))
+        assert await svc.wait_applied(WORKER, a)
+    return pub, sub, a
+
+
 async def test_an_honest_unproven_socket_is_asked_before_an_idle_restart_flags_it(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -534,13 +550,7 @@ async def test_an_honest_unproven_socket_is_asked_before_an_idle_restart_flags_i
     The socket is asked for that batch now, gives it back, and is trusted."""
     monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
     async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
-        pub = ScriptedPublisher(ctx)
-        async with pub:
-            pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
-            await connect(svc, pub, block_size=4, replay_proven=False)
-            (sub,) = svc._workers[WORKER]
-            a = await pub.publish(stored(A, 10))
-            assert await svc.wait_applied(WORKER, a)
+        pub, sub, a = await _unproven_worker_gone(ctx, svc)
         caplog.set_level(logging.WARNING, logger="indexer.subscriber")
         async with await _restarted(ctx, pub) as again:
             while again.next_seq <= a + 1:  # lost while the SUB reconnects
@@ -617,13 +627,7 @@ async def test_a_busy_workers_dead_batches_interleaved_after_its_restart_are_nev
     applied as the worker's cache: the dead process's pages a false hit. Now each is skipped
     (counted), the new process's batches are kept, and the socket is proven by them."""
     async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
-        pub = ScriptedPublisher(ctx)
-        async with pub:
-            pub.answer_with = _buffer_of_nothing  # the join brings nothing from it
-            await connect(svc, pub, block_size=4, replay_proven=False)
-            (sub,) = svc._workers[WORKER]
-            a = await pub.publish(stored(A, 10))
-            assert await svc.wait_applied(WORKER, a)
+        pub, sub, a = await _unproven_worker_gone(ctx, svc)
         caplog.set_level(logging.WARNING, logger="indexer.subscriber")
         dead_seq = a
 
