@@ -297,6 +297,15 @@ async def _salt_answers(url: str, salt_bytes: int, tries: int = 20) -> set[int]:
     return statuses
 
 
+def _one_worker_cluster(nats_url: str, worker_url: str) -> str:
+    """A router config: worker `w` at `worker_url`, admin token `t`, the cluster at
+    `nats_url`, any port."""
+    return (
+        f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats_url}'\n"
+        f"[[workers]]\nid = 'w'\nurl = '{worker_url}'\n"
+    )
+
+
 async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
     """POST /admin/reload lands on one child: it reloaded alone, answered 200 with the change,
     and the other process kept the old limits (only worker changes travel through the
@@ -304,10 +313,7 @@ async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
     config = tmp_path / "router.toml"
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
-        text = (
-            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats.url}'\n"
-            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
-        )
+        text = _one_worker_cluster(nats.url, worker.url)
         config.write_text(text)
         proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
         assert proc.stdout is not None
@@ -355,10 +361,7 @@ async def test_a_reload_reaches_a_starting_or_restarting_child_once_it_listens(
     config = tmp_path / "router.toml"
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
-        text = (
-            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n[cluster]\nurl = '{nats.url}'\n"
-            f"[[workers]]\nid = 'w'\nurl = '{worker.url}'\n"
-        )
+        text = _one_worker_cluster(nats.url, worker.url)
         config.write_text(text)
         proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
         assert proc.stdout is not None
