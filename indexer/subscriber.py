@@ -24,7 +24,10 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   for `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
   nothing, and is cleared when that window ends). Past it such a batch is asked for too: an
   unproven socket that showed the restart, was never confirmed by a live batch and does not
-  give it back is another worker's; otherwise it is a late queued one (`_dead_batch`);
+  give it back is another worker's; otherwise it is a late queued one (`_dead_batch`); a
+  restart found inside that window taints the stream the same way unless the replay socket
+  gives back the batch that showed it (`_unproven_storm`): a middle process's queued batch
+  goes back in seq just as a third process would;
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -607,7 +610,13 @@ class StreamSubscriber:
             return
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
+        storm: str | None = None
         if decision.verdict is SeqVerdict.RESTART:
+            if self._after_restart and not self._window_over():
+                # a restart inside the window of another: the batch that shows it may be a
+                # queued batch of the run before the last, its seq now below the newest (QA:
+                # two restarts within a second, the middle process's page predicted)
+                storm = await self._unproven_storm(msg.seq, msg.payload)
             self._restarted()
             # the process before it may have left batches queued behind this one
             self._after_restart_of(prev_live, unproven=False)
@@ -624,6 +633,14 @@ class StreamSubscriber:
             else:
                 self._clear(f"seq went back to {msg.seq}: publisher restarted")
             decision = self.tracker.on_live(msg.seq)
+            if storm is not None:  # applied now, or after a gap's repair below
+                self._set_tainted(f"a batch that showed a second restart was applied ({storm})")
+                self._warn(
+                    "stale",
+                    f"live seq {msg.seq} shows a second restart within {_DEAD_RUN_S:g} s and "
+                    f"may be a queued batch of a dead process ({storm}): applied, the stream "
+                    "predicts nothing until the window after this restart ends",
+                )
         if decision.verdict is SeqVerdict.APPLY:
             # asked before it is applied: a socket found out takes what it gave with it, and
             # this batch, the worker's own, is kept (applied to the cleared stream)
@@ -1170,6 +1187,16 @@ class StreamSubscriber:
             return None
         left = self._restart_found_at + _DEAD_RUN_S - self._clock()
         return max(int(left * 1000) + 1, 0)
+
+    async def _unproven_storm(self, seq: int, payload: bytes) -> str | None:
+        """Why live batch `seq`, going back below the newest seq within the window after a
+        restart, is not proven the newest process's (None: its replay socket gives it back)."""
+        if not self._has_replay:
+            return "no replay socket"
+        answered, copy = await self._replayed_copy(seq)
+        if copy is not None and _digest(copy) == _digest(payload):
+            return None
+        return "not in the replay socket's buffer" if answered else "the replay did not answer"
 
     def _skip_dead(self, seq: int, how: str) -> bool:
         self._dead_seq = seq

@@ -211,6 +211,42 @@ async def test_without_a_replay_socket_a_dead_batch_at_the_new_process_seq_is_ne
         assert stats.restarts == 1 and stats.dead_batches == 2
 
 
+async def test_without_a_replay_socket_a_middle_process_late_batch_is_never_predicted(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker without a replay socket restarts twice within the window: A, then B (seqs
+    0..3), then C (0..12). B's queued batch 4 arrives after C's 12: below the newest seq, so
+    it reads as one more restart, and it was applied and predicted as the worker's (QA
+    `two_norep`: B's page predicted, the worker never held it). A restart found inside the
+    window of another proves nothing about the batch that shows it: the stream predicts
+    nothing until that window ends, and is cleared then."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 1.0)
+    a, b, c = (workload(seed=s, batches=n) for s, n in ((1, 12), (2, 5), (3, 13)))
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+
+        async def run(batches: list[EventBatch], restarts: int) -> None:
+            pub.restart()
+            for batch in batches:
+                await pub.publish(batch)
+            done = svc.streams()[0].batches + len(batches)
+            await wait_until(lambda: svc.streams()[0].batches == done)
+            assert svc.streams()[0].restarts == restarts
+
+        await publish_all(pub, a[:11], settle=svc)  # A: seqs 0..10, its seq 11 queued
+        await run(b[:4], 1)  # B: seqs 0..3, its seq 4 still queued on our socket
+        await run(c, 2)  # C: seqs 0..12
+        await pub.send_raw(build_live(b"kv", 11, encode_batch(a[11], "array")))
+        (sub,) = svc._workers[WORKER]
+        await wait_until(lambda: sub.dead_batches == 1)  # skipped: beyond B's run
+        await pub.send_raw(build_live(b"kv", 4, encode_batch(b[4], "array")))
+        await wait_until(lambda: svc.streams()[0].restarts == 3)
+        assert svc.streams()[0].state is StreamState.DEGRADED  # predicts nothing
+        # the window ends while the worker is idle: B's batch is cleared, never predicted
+        await wait_until(lambda: svc.streams()[0].entries == 0, timeout_s=3.0)
+        assert svc.streams()[0].state is StreamState.SYNCED
+
+
 async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
     batches = workload(seed=5, batches=30)
     async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
