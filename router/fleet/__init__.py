@@ -7,8 +7,9 @@ come from, health.
   streams saw, a STALE stream, mispredicted answers, the slow cadence), and how often settings
   that cannot be read are said;
 - `registration_notes`: what the log says of each worker's registration (a refusal, a doubt,
-  models named otherwise, ambiguous adapters, a tokenizer that cannot be the router's), each
-  once;
+  models named otherwise, a configured role the worker does not advertise, ambiguous adapters,
+  a tokenizer that cannot be the router's), each once;
+- `pd_sides`: a model served by one side of the prefill/decode pairs only, said once;
 - `tokenizer_match`: whether the tokenizer a worker's server info says can be the router's;
 - `discovery`: a worker's KV-event streams, from its config and its `/server_info`, and what
   its `/server_info` and `/v1/models` say it serves;

@@ -3,7 +3,8 @@
 A worker is registered again and again: its refusals are retried on every health round, and a
 restart, a STALE stream or a reload registers it anew. What a registration finds (why it was
 refused, a replay socket it cannot trust, a config naming models the worker does not advertise,
-an adapter name workers of several base models list, a tokenizer that cannot be the router's)
+a configured role the worker does not advertise, an adapter name workers of several base models
+list, a tokenizer that cannot be the router's)
 is said when it is new or changed, never on every round: the same line every
 `health.interval_s` would bury the log. The admin API shows the last of them (`refusal`,
 `doubt`, `tokenizer_mismatch`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from indexer.engines import PdRole
 from router.errors import RequestError
 from router.routing.pool import WorkerEntry, WorkerPool
 
@@ -41,6 +43,9 @@ class RegistrationNotes:
         self._ambiguous: dict[str, tuple[str, ...]] = {}
         # per worker, why its tokenizer cannot be the router's, as last said (`check_tokenizer`)
         self._tokenizers: dict[str, str] = {}
+        # per worker, the configured and advertised roles that contradict, as last said
+        # (`check_role`)
+        self._roles: dict[str, str] = {}
 
     def forget(self, worker: str) -> None:
         """`worker` was removed from the pool: one added again under its id (a reload that
@@ -48,6 +53,7 @@ class RegistrationNotes:
         self._doubts.pop(worker, None)
         self._misnamed.pop(worker, None)
         self._tokenizers.pop(worker, None)
+        self._roles.pop(worker, None)
         # fewer workers list fewer bases: said again if a registration makes one ambiguous
         self._ambiguous = self._pool.ambiguous_adapters()
         self._said.pop(worker, None)
@@ -109,6 +115,30 @@ class RegistrationNotes:
         if len(self._misnamed) >= _KEPT:
             self._misnamed.clear()
         self._misnamed[entry.id] = note
+        log.warning("worker %s: %s", entry.id, note)
+
+    def check_role(self, entry: WorkerEntry, advertised: PdRole | None) -> None:
+        """Say when the role `entry`'s config gives contradicts the one the worker advertises
+        (`advertised`, SGLang's `disaggregation_mode`; None: it says none), once per worker and
+        roles (re-registrations, and re-reads of its settings, would repeat it). The config's
+        role is used all the same, as it is meant to override; what this catches is a role
+        written on the wrong worker: every pair through it fails, and its error (the decode
+        cannot reach the "prefill"'s bootstrap server) sends the operator to look at ports."""
+        configured = entry.config.role
+        if configured is None or advertised is None or configured == advertised:
+            self._roles.pop(entry.id, None)
+            return
+        note = (
+            f"the config says role {configured!r}, the worker advertises {advertised!r} (its "
+            f"disaggregation_mode): routed as a {configured} worker, as the config says, and "
+            "each pair through it is likely to fail; fix `role` in its config, or leave it "
+            "out to take the worker's"
+        )
+        if self._roles.get(entry.id) == note:
+            return
+        if len(self._roles) >= _KEPT:
+            self._roles.clear()
+        self._roles[entry.id] = note
         log.warning("worker %s: %s", entry.id, note)
 
     def tokenizer_mismatch(self, worker: str) -> str | None:

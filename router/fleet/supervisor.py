@@ -18,9 +18,10 @@ at once (`mispredicted`); and every `health.settings_interval_s` anyway
 these is due, and how often unreadable settings are said, is `router.fleet.reread_schedule`'s
 to tell; the reading and the registration anew are here. A worker registered anew as another
 process keeps its streams' counters, the restart counted (`IndexerService.add_worker`). What a
-registration finds (a refusal, a doubt, models named otherwise) is said once per worker
-(`router.fleet.registration_notes`). Health rounds run every `health.interval_s` and probe all
-workers concurrently, each with its own timeout.
+registration finds (a refusal, a doubt, models named otherwise, a configured role the worker
+does not advertise) is said once per worker (`router.fleet.registration_notes`). Health rounds
+run every `health.interval_s` and probe all workers concurrently, each with its own timeout;
+after each, a model served by one side of the pairs only is said (`router.fleet.pd_sides`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from router.fleet.discovery import (
     version_from_server_info,
 )
 from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch, WatchAction
+from router.fleet.pd_sides import PdSides
 from router.fleet.registration_notes import RegistrationNotes
 from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
 from router.fleet.tokenizer_match import tokenizer_mismatch
@@ -126,6 +128,8 @@ class Supervisor:
         self._clock = clock
         # what was said of each worker's registration (`router.fleet.registration_notes`)
         self._notes = RegistrationNotes(pool)
+        # the models served by one side of the pairs only, as said (`router.fleet.pd_sides`)
+        self._sides = PdSides()
         # when each worker's settings are read again (`router.fleet.reread_schedule`)
         self._schedule = RereadSchedule(indexer, health, clock)
         # per worker entry, its discovery under way (an added one's: with its first health
@@ -219,6 +223,8 @@ class Supervisor:
         else:
             info = await self._settings(entry, spec)
         role, bootstrap_port = self._role(entry, spec, info)
+        if info is not None:
+            self._notes.check_role(entry, spec.advertised_role(info)[0])
         # vLLM names a LoRA adapter by itself (SGLang: base:adapter): the ones it lists
         adapters: dict[str, str] | None = {} if spec.name == "vllm" else None
         # the server info was read above, once (None: it did not answer, or there is none)
@@ -388,6 +394,7 @@ class Supervisor:
         through it named a bootstrap port nobody listened on (the decode's 502
         `kv_transfer_failed`, for good), or a decode worker was sent prefill legs."""
         role, port = self._role(entry, spec, info)
+        self._notes.check_role(entry, spec.advertised_role(info)[0])
         was_role, was_port = entry.role, entry.bootstrap_port
         if (role, port) == (was_role, was_port):
             return
@@ -809,6 +816,7 @@ class Supervisor:
         entries = list(self._pool)
         if entries:
             await asyncio.gather(*(self.check(e) for e in entries))
+        self._sides.check(self._pool)
 
     async def run(self) -> None:
         """Health rounds until cancelled."""

@@ -5,6 +5,9 @@ Exception
 ├── PrefillFailed           the prefill side failed before the client got a byte: retried
 │   └── BootstrapUnreachable    its decode could not reach its bootstrap server
 │                               (`router.http.bootstrap_unreachable`)
+├── HandoffFailed           the prefill gave up handing its KV to a decode that had not
+│                           answered: the decode's failure, or either side's
+│                           (`router.http.pair_handoff`): retried
 └── PrefillRefused          the prefill side refused the request (a 4xx): the client's answer
 ```
 A failure of the decode side is the proxy's `router.http.outcome.AttemptFailed`.
@@ -18,11 +21,18 @@ side (`withdraw_at_least`).
 from __future__ import annotations
 
 from router.http.outcome import charge
+from router.http.pair_handoff import HandoffFault
 from router.routing.load import Ticket, Withdraw
 from router.routing.pd import PdPlan
 from router.routing.planner import Planner
 
-__all__ = ["PairCharges", "PrefillFailed", "PrefillRefused", "withdraw_at_least"]
+__all__ = [
+    "HandoffFailed",
+    "PairCharges",
+    "PrefillFailed",
+    "PrefillRefused",
+    "withdraw_at_least",
+]
 
 
 class PrefillFailed(Exception):
@@ -36,6 +46,7 @@ class PrefillFailed(Exception):
         status: int | None = None,
         sent: bool = True,
         timed_out: bool = False,
+        handoff: HandoffFault | None = None,
     ) -> None:
         super().__init__(message)
         self.hard = hard
@@ -43,6 +54,20 @@ class PrefillFailed(Exception):
         self.sent = sent  # whether the worker got the request (`AttemptFailed.sent`)
         # no answer within the request deadline: charged at once, as the proxy charges it
         self.timed_out = timed_out
+        # its 5xx says its KV handoff failed, and whose failure that is (`handoff_fault`)
+        self.handoff = handoff
+
+
+class HandoffFailed(Exception):
+    """The prefill of a pair gave up handing its KV over while its decode had not answered:
+    `fault` DECODE, the decode's failure (blamed: left out of the retry, charged as a decode
+    failure); EITHER, a side that cannot be told (both left out of the retry, neither
+    charged)."""
+
+    def __init__(self, message: str, *, fault: HandoffFault, status: int | None) -> None:
+        super().__init__(message)
+        self.fault = fault
+        self.status = status  # the prefill's HTTP status
 
 
 class PrefillRefused(Exception):

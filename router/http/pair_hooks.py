@@ -11,7 +11,9 @@ the prefill's failure: SGLang's prefill answers once its KV is handed over, so t
 came. A prefill that failed is blamed for its decode's failure (a prefill dying mid-transfer:
 its connection drops, or its decode's transfer is cut, whichever the router hears first). So is
 a decode that says it could not reach the prefill's bootstrap server
-(`router.http.bootstrap_unreachable`). Any other failure of the decode is its own. The engine's
+(`router.http.bootstrap_unreachable`). Any other failure of the decode is its own. A prefill
+that fails while its decode has not answered is judged by what it says
+(`router.http.pair_handoff`): no decode came for its KV, the decode's failure. The engine's
 5xx is the client's answer when the side it is blamed on has no other worker to retry on.
 
 Logprobs (SGLang, `return_logprob`): the prefill's `meta_info.input_token_logprobs` are put

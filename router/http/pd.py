@@ -22,8 +22,9 @@ retried, on its new ranks, without blaming it.
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
 the worker blamed (`router.http.pair_hooks.PairHooks.blamed`). A decode's failures other than a
 timeout wait `_BLAME_GRACE_S` to hear whether its prefill died mid-transfer (then the prefill
-is blamed). A decode that could not reach the prefill's bootstrap server has the prefill's
-settings read again and the pair retried where they changed
+is blamed). A prefill that gave up waiting for its decode to take the KV blames the decode, or
+both for the retry (`router.http.pair_handoff`). A decode that could not reach the prefill's
+bootstrap server has the prefill's settings read again and the pair retried where they changed
 (`router.http.bootstrap_unreachable`). The request deadline bounds it all. Failures are
 charged once the request ended (`router.http.pair_failure.PairCharges`). An answer is counted
 by the task that wrote it (`PairDispatcher._answered`), whatever the client does next.
@@ -56,11 +57,13 @@ from router.http.metrics import CLIENT_CLOSED, RouterMetrics
 from router.http.observe import REQUEST_ID_HEADER, Observation, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off
 from router.http.pair_failure import (
+    HandoffFailed,
     PairCharges,
     PrefillFailed,
     PrefillRefused,
     withdraw_at_least,
 )
+from router.http.pair_handoff import HandoffFault, handoff_fault
 from router.http.pair_hooks import (
     PREFILL_HEADER,
     PREFILL_RANK_HEADER,
@@ -212,6 +215,7 @@ class PairDispatcher:
             if obs is not None:
                 obs.attempt(plan.prefill, prefill, attempt)
             unreachable = False
+            blamed: Candidate | None  # None: the pair's failure, its side not told
             hooks = PairHooks(
                 prefill,
                 decode,
@@ -262,6 +266,14 @@ class PairDispatcher:
                     # its bootstrap server is gone (or configured wrong): charged at once, as
                     # a refused connection is; an unchanged port fails the same on a retry
                     unreachable = at_once = moved is None
+            except HandoffFailed as exc:
+                # the prefill gave up waiting for its decode to take the KV: the decode's
+                # failure, or either's (`router.http.pair_handoff`); charged, if at all, once
+                # the request ended, as a 5xx is
+                blamed = decode if exc.fault is HandoffFault.DECODE else None
+                hard, reason, status, at_once = False, str(exc), exc.status, False
+                withdraw_at_least(p_ticket, Withdraw.PENDING)
+                withdraw_at_least(d_ticket, Withdraw.PENDING)
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
                 at_once = not exc.sent
@@ -314,6 +326,21 @@ class PairDispatcher:
             if obs is not None:
                 obs.failed(reason, status)
             last_status = status
+            self._metrics.retries.labels((blamed or prefill).worker).inc()
+            if blamed is None:
+                # whichever side failed, a retry without either avoids it; neither is charged:
+                # blaming the wrong one would take a healthy worker out
+                failed["prefill"].add(prefill.worker)
+                failed["decode"].add(decode.worker)
+                log.warning(
+                    "the pair of prefill worker %s and decode worker %s failed before answering: "
+                    "%s; both left out of the retry, neither charged",
+                    prefill.worker,
+                    decode.worker,
+                    reason,
+                )
+                failures.append(f"prefill {prefill.worker} and decode {decode.worker}: {reason}")
+                continue
             side = "prefill" if blamed is prefill else "decode"
             failed[side].add(blamed.worker)
             if at_once:  # it never got the request, or did not answer within the deadline
@@ -324,7 +351,6 @@ class PairDispatcher:
                 self._unreachable.say(blamed.worker, reason)
             else:
                 log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
-            self._metrics.retries.labels(blamed.worker).inc()
             failures.append(f"{side} {blamed.worker}: {reason}")
         charges.settle(False)
         message = "every pair tried failed: " + "; ".join(failures)
@@ -433,6 +459,10 @@ class PairDispatcher:
                     decode_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await decode_task
+                    if isinstance(failure, PrefillFailed) and failure.handoff is not None:
+                        # it gave up waiting for its decode, which has not answered either:
+                        # not the prefill's failure alone (`router.http.pair_handoff`)
+                        raise _handoff_failed(failure, failure.handoff, prefill) from failure
                     raise failure
             try:
                 return await decode_task
@@ -445,6 +475,16 @@ class PairDispatcher:
                     await asyncio.wait({prefill_task}, timeout=_BLAME_GRACE_S)
                 if prefill_task.done() and not prefill_task.cancelled():
                     failure = prefill_task.exception()
+                    if (
+                        isinstance(failure, PrefillFailed)
+                        and failure.handoff is not None
+                        and not hooks.unreachable
+                    ):
+                        # both sides failed on the handoff, each waiting for the other: which
+                        # one broke it cannot be told
+                        raise _handoff_failed(
+                            failure, HandoffFault.EITHER, prefill, exc
+                        ) from failure
                     if isinstance(failure, PrefillFailed | PrefillRefused):
                         raise failure from exc
                 if hooks.unreachable:
@@ -572,7 +612,12 @@ class PairDispatcher:
             raise PrefillFailed(f"{type(exc).__name__}: {exc}", hard=False) from exc
         if status >= 500:
             ticket.withdraw = Withdraw.PENDING
-            raise PrefillFailed(f"HTTP {status}: {payload[:200]!r}", hard=False, status=status)
+            raise PrefillFailed(
+                f"HTTP {status}: {payload[:200]!r}",
+                hard=False,
+                status=status,
+                handoff=handoff_fault(payload),
+            )
         if status >= 400:
             ticket.withdraw = Withdraw.ALL
             raise PrefillRefused(status, payload)
@@ -584,6 +629,24 @@ class PairDispatcher:
         counting as queued prefill and as running there (once)."""
         self._pairs.planner.first_byte(ticket)
         self._pairs.planner.finish(ticket)
+
+
+def _handoff_failed(
+    failure: PrefillFailed,
+    fault: HandoffFault,
+    prefill: Candidate,
+    decode_said: Exception | None = None,
+) -> HandoffFailed:
+    """The failure of a pair whose prefill gave up handing its KV to its decode (`failure`),
+    as `fault` blames it, worded for the side blamed (with the decode's own failure,
+    `decode_said`, when it had one)."""
+    if fault is HandoffFault.DECODE:
+        message = f"it never took the KV of prefill {prefill.worker}, which says: {failure}"
+    else:
+        message = f"their KV handoff failed; prefill {prefill.worker} says: {failure}"
+        if decode_said is not None:
+            message += f"; the decode: {decode_said}"
+    return HandoffFailed(message, fault=fault, status=failure.status)
 
 
 def _prefill_side(plan: PdPlan) -> Plan:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from router.config import RouterConfig, TimeoutsConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS
+from router.http.pair_handoff import HandoffFault, handoff_fault
 from router.service import RouterService
 from tests.router.conftest import AUTH, eventually, router_config
 from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
@@ -35,9 +36,9 @@ BODY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
 class FakePdWorker:
     """One side of a pair on 127.0.0.1: it advertises `role` (and itself as the bootstrap
     server) as SGLang does, keeps the headers of every generation request, and answers them at
-    at once (with `status`: an engine's error) or never, nor the decode fetching KV from it
-    (`hang`), or streams a few events and closes the connection (`cut`: the engine died
-    mid-stream)."""
+    at once (with `status`: an engine's error, after `delay` seconds) or never, nor the decode
+    fetching KV from it (`hang`), or streams a few events and closes the connection (`cut`:
+    the engine died mid-stream)."""
 
     def __init__(
         self,
@@ -47,8 +48,10 @@ class FakePdWorker:
         status: int = 200,
         cut: bool = False,
         message: str = "",
+        delay: float = 0.0,
     ) -> None:
         self.role, self.hang, self.status, self.cut = role, hang, status, cut
+        self.delay = delay
         self.message = message  # its error's (else "engine says <status>")
         self.seen: list[dict[str, str]] = []
         self.arrived = asyncio.Event()  # a generation request came
@@ -80,6 +83,7 @@ class FakePdWorker:
             request.transport.close()  # no last chunk: the answer is unended
             await asyncio.sleep(3600)  # cancelled at cleanup
         if self.status != 200:
+            await asyncio.sleep(self.delay)
             error = {
                 "type": "engine_error",
                 "message": self.message or f"engine says {self.status}",
@@ -176,6 +180,120 @@ async def test_a_prefill_that_never_sends_its_kv_is_blamed_and_the_retry_takes_a
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvroute-prefill-worker"] == "p1"
             assert _failures(router) == {"hung": 1, "p1": 0, "d0": 0, "d1": 0}
+
+
+async def test_a_decode_that_never_takes_the_kv_is_blamed_and_the_retry_takes_another() -> None:
+    """A prefill that gave up waiting for its decode to take the KV (the reference worker's 504
+    "no decode worker fetched the KV") while the decode has not answered: the decode is hung,
+    so it is blamed and charged, and the retry goes to the other decode. Before, the prefill was
+    blamed and charged, and the retry paired the other prefill with the same hung decode: a
+    wedged decode took the healthy prefills out one after another."""
+    async with (
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=0.5)) as p0,
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=0.5)) as p1,
+        FakePdWorker("decode", hang=True) as hung,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        workers = router_config([("p0", p0.url), ("p1", p1.url), ("d1", d1.url)]).workers
+        config = _config(workers=(*workers, _fake("hung", hung)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            # the first pair is the hung decode's: the other is drained until it has the request
+            await _admin(session, router, "/workers/d1/drain")
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(hung.arrived.wait(), 10)
+            await _admin(session, router, "/workers/d1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-worker"] == "d1"
+            assert len(hung.seen) == 1
+            assert _failures(router) == {"p0": 0, "p1": 0, "hung": 1, "d1": 0}
+
+
+async def test_a_lone_decode_that_never_takes_the_kv_is_named_in_the_error() -> None:
+    """With no other decode to retry on, the client's error names the decode that never took
+    the KV, not its prefill (the request failed on every decode it could go to: nobody
+    charged, as a whole request's)."""
+    async with (
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=0.5)) as p0,
+        FakePdWorker("decode", hang=True) as hung,
+    ):
+        config = _config(workers=(WorkerConfig(url=p0.url, id="p0"), _fake("hung", hung)))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the prefill's role to be discovered")
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 504, await resp.text()
+                message = (await resp.json())["error"]["message"]
+            assert "decode hung: it never took the KV of prefill p0" in message
+            assert "no decode worker fetched the KV" in message
+            assert _failures(router) == {"p0": 0, "hung": 0}
+
+
+# what SGLang 0.5.23's prefill answers (500) when its KV handoff failed (`prefill.py`,
+# `disaggregation/common/conn.py`)
+_SGLANG_NO_DECODE = (
+    "Prefill bootstrap failed for request rank=0 req.rid='r1' req.bootstrap_room=7 with "
+    "exception KVTransferError(bootstrap_room=7): Request 7 timed out after 300.0s in "
+    "KVPoll.Bootstrapping"
+)
+_SGLANG_TRANSFER = (
+    "Prefill transfer failed for request rank=0 req.rid='r1' req.bootstrap_room=7 with "
+    "exception KVTransferError(bootstrap_room=7): Failed due to an unknown reason from another "
+    "rank"
+)
+
+
+def test_a_prefills_error_says_whose_failure_its_kv_handoff_was() -> None:
+    """No decode came for the KV: the decode's; the handoff failed in other words: either
+    side's; any other error: the prefill's own."""
+    no_decode = b'{"error": {"type": "kv_transfer_timeout", "message": "no decode worker '
+    assert handoff_fault(no_decode + b'fetched the KV within 2 s"}}') is HandoffFault.DECODE
+    assert handoff_fault(_SGLANG_NO_DECODE.encode()) is HandoffFault.DECODE
+    assert handoff_fault(_SGLANG_TRANSFER.encode()) is HandoffFault.EITHER
+    assert handoff_fault(b'{"error": {"type": "kv_transfer_failed"}}') is HandoffFault.EITHER
+    assert handoff_fault(b'{"error": {"message": "CUDA out of memory"}}') is None
+    assert handoff_fault(b"") is None
+
+
+@pytest.mark.parametrize(
+    ("said", "charged"),
+    [(_SGLANG_NO_DECODE, {"hung": 1}), (_SGLANG_TRANSFER, {})],
+    ids=["no-decode", "transfer-failed"],
+)
+async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says(
+    said: str, charged: dict[str, int]
+) -> None:
+    """SGLang's prefill that says no decode came for its KV (its 500, "timed out ... in
+    KVPoll.Bootstrapping"), while its decode has not answered: the decode is blamed and
+    charged. One that says its handoff failed in other words cannot tell whose failure it
+    was: the retry leaves out both, and neither is charged. Either way the prefill is not."""
+    async with (
+        FakePdWorker("prefill", status=500, message=said, delay=1.0) as fake,
+        FakePdWorker("decode", hang=True) as hung,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        workers = router_config([("p1", p1.url), ("d1", d1.url)]).workers
+        config = _config(workers=(_fake("fake", fake), _fake("hung", hung), *workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            # the first pair is the two fakes': the others are drained until they have it
+            await _admin(session, router, "/workers/p1/drain")
+            await _admin(session, router, "/workers/d1/drain")
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(asyncio.gather(fake.arrived.wait(), hung.arrived.wait()), 10)
+            # the retry's prefill is p1 whether or not the fake is left out of it: the fake
+            # keeps failing, which would blame whichever decode it went with
+            await _admin(session, router, "/workers/fake/drain")
+            await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            await _admin(session, router, "/workers/d1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-worker"] == "d1"
+            assert len(fake.seen) == len(hung.seen) == 1
+            assert _failures(router) == {"fake": 0, "hung": 0, "p1": 0, "d1": 0, **charged}
 
 
 async def test_the_deadline_of_a_pair_whose_prefill_never_answers_is_the_prefills() -> None:
