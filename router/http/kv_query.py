@@ -1,11 +1,11 @@
 """`POST /v1/kv/query`: kvroute's KV index as a service for other gateways.
 
 An Envoy / Gateway API endpoint picker, or another router, sends a prompt (token ids, text, or
-chat messages) with its namespace (model, LoRA adapter, cache_salt) and gets, per
-(worker, dp rank) of that model, the leading tokens held and in which storage tier, the stream's
-state, and the router's own view of load and score. The same planner as the proxy's answers
-(`Planner.plan`, read-only), so the numbers are those the router would route by; nothing is
-marked pending and nothing is routed.
+chat messages) with the fields of its namespace (model, `lora` for its lora_path, cache_salt)
+and gets, per (worker, dp rank) of that model, the leading tokens held and in which storage
+tier, the stream's state, and the router's own view of load and score. The same planner as the
+proxy's answers (`Planner.plan`, read-only), so the numbers are those the router would route
+by; nothing is marked pending and nothing is routed.
 
 `POST /v1/kv/routed` is the one thing a gateway tells the index: it sent a request with an
 SGLang `extra_key` to a worker. Such a request's pages reach the index as plain pages of its
@@ -63,7 +63,10 @@ class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The request body: exactly one of token_ids, text, messages."""
 
     model: str = ""  # any name the fleet serves ("" in a one-model fleet); "base:adapter" too
-    lora: str | None = None  # the LoRA adapter, as SGLang's lora_path names it
+    # a request's `lora_path`, read as the proxy reads it for the model's pool: an adapter of
+    # SGLang workers; nothing to vLLM workers, which ignore it and serve the base model (their
+    # adapter is named by `model`). The answer's `lora` is the adapter whose pages it counted
+    lora: str | None = None
     cache_salt: str | None = None  # "" or null: the unsalted namespace
     # SGLang's extra_key ("" or null: none): no KV event shows it, so nothing is predicted
     # from events (`unindexed`), only this router's pending marks of that key
@@ -164,6 +167,9 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
         body=b"",
         salt=salt,
         model=query.model,
+        # read by `request_namespace` as the proxy reads `lora_path`: on a pool of vLLM workers
+        # it names no adapter, since the request it stands for would run on the base model
+        # (read as the adapter's, gateways copying a client's lora_path got false hits)
         lora=query.lora or None,
         tokens=tokens,
         stream=False,
@@ -180,10 +186,6 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
         if reloader is None or not await reloader.fleet_change.waited(deadline):
             raise
         ns = planner.namespace(parsed)
-    if query.lora and ns.lora is None:
-        # the gateway states the adapter: on vLLM workers, which read no `lora_path` from a
-        # body, the proxy leaves the field out, but an adapter's pages are its own all the same
-        ns = msgspec.structs.replace(ns, lora=query.lora)
     return parsed, ns
 
 

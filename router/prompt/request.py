@@ -9,10 +9,12 @@ either engine (vLLM 0.33 reuses forwarded ids on chat requests only).
 
 The body is forwarded to the worker byte for byte unless a trusted salt header overrides the
 salt, in which case the body's `cache_salt` is rewritten so the worker caches the request in the
-namespace the router routed it in. `cache_salt` is validated the way the workers validate it (a
+namespace the router routed it in. `cache_salt` is validated the way SGLang validates it (a
 string, `""` meaning none, one per item in a batched `/generate`), so a malformed request is a
-400 naming the field here instead of a surprise on the worker. A data-parallel rank the client
-names (`router.prompt.dp_rank`) is read here too: the router then routes to that rank.
+400 naming the field here instead of a surprise on the worker. vLLM refuses `""` (and salts
+SGLang takes: long ones, `/`, `@`): its own 400 names the field, and is passed back. A
+data-parallel rank the client names (`router.prompt.dp_rank`) is read here too: the router then
+routes to that rank.
 """
 
 from __future__ import annotations
