@@ -74,7 +74,7 @@ from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket, Withdraw
 from router.routing.planner import Candidate, Plan, Planner
-from router.routing.pool import WorkerEntry
+from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 
 __all__ = ["PairDispatch", "Proxy"]
 
@@ -129,13 +129,23 @@ def _side_checked(entries: Sequence[WorkerEntry]) -> str | None:
     )
 
 
-def _none_routable(candidates: Sequence[Candidate]) -> str:
+def _none_routable(candidates: Sequence[Candidate], pool: WorkerPool, now: float) -> str:
     """Why a plan has no worker to send to, counted as an operator counts: workers, and their
-    ranks where they have several (each rank is a candidate)."""
+    ranks where they have several (each rank is a candidate); and how many are out because
+    their circuits are open, until when (a client told only "no routable worker" cannot tell
+    a fleet that is gone from one that failed and is back in seconds)."""
     workers = len({c.worker for c in candidates})
-    if workers == len(candidates):
-        return f"no routable worker among {workers}"
-    return f"no routable worker among {workers} ({len(candidates)} ranks)"
+    why = f"no routable worker among {workers}"
+    if workers != len(candidates):
+        why += f" ({len(candidates)} ranks)"
+    opened = {c.worker for c in candidates if c.status == WorkerStatus.CIRCUIT_OPEN}
+    waits = [e.breaker.admits_in(now) for w in opened if (e := pool.find(w)) is not None]
+    if not waits:
+        return why
+    return (
+        f"{why}: {len(waits)} with an open circuit after failures (breaker.cooldown_s), the "
+        f"first tried again in {min(waits):.1f} s"
+    )
 
 
 class PairDispatch(Protocol):
@@ -274,7 +284,7 @@ class Proxy:
                 roles = Counter(e.role for e in planner.pool.serving(ns.model))
                 if roles and "both" not in roles:
                     raise NoWorkerError(_unpaired(roles))
-            why = _none_routable(plan.candidates)
+            why = _none_routable(plan.candidates, planner.pool, planner.clock())
             checking = _side_checked(planner.pool.serving(ns.model))
             raise NoWorkerError(why if checking is None else f"{why}: {checking}")
         if plan.unindexed is not None:
@@ -609,6 +619,7 @@ class Proxy:
                         hooks=hooks,
                         deadline=loop_deadline,
                         rank_moved=rank_moved,
+                        stall_s=self._config.timeouts.connect_s,
                     )
                 except asyncio.CancelledError:
                     # the client disconnected: drop the upstream connection, do not reuse it
