@@ -584,6 +584,11 @@ class Proxy:
         ranks were read again anew (`RankMoved`: the request is tried again either way)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            log.warning(
+                "the request deadline (timeouts.request_s) passed before worker %s was sent it: "
+                "504",
+                candidate.worker,
+            )
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
         headers = copy_headers(request.headers, self._request_drop)
         headers["Content-Type"] = "application/json"
@@ -647,14 +652,15 @@ class Proxy:
                 self._planner.record_failure(candidate.worker, hard=False)
             else:
                 hooks.timed_out()
-            if headed:
-                raise UpstreamTimeoutError(
-                    f"worker {candidate.worker} sent the head of its answer but not its body "
-                    "within the request timeout (timeouts.request_s)"
-                ) from exc
+            what = "sent the head of its answer but not its body" if headed else "did not answer"
+            # a 504 is an upstream failure as much as a dropped connection: logged as those are
+            log.warning(
+                "worker %s %s within the request timeout (timeouts.request_s): 504",
+                candidate.worker,
+                what,
+            )
             raise UpstreamTimeoutError(
-                f"worker {candidate.worker} did not answer within the request timeout "
-                "(timeouts.request_s)"
+                f"worker {candidate.worker} {what} within the request timeout (timeouts.request_s)"
             ) from exc
 
     def _origin(self, url: str) -> tuple[Origin, str]:

@@ -436,6 +436,27 @@ async def test_a_stream_the_request_deadline_cuts_counts_as_504(
         assert ("sent nothing" in said[0]) == bool(charged), said
 
 
+@pytest.mark.usefixtures("log_request_ids")
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_worker_that_does_not_answer_in_time_is_logged(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """A 504 for a worker that did not answer within `timeouts.request_s` left no log line,
+    where every other upstream failure has a WARNING naming the worker and the request."""
+    caplog.set_level(logging.INFO)
+    async with BadWorker("a") as a:
+        config = _config([a], timeouts=TimeoutsConfig(request_s=0.5))
+        async with RouterService(config) as router:
+            body = {"prompt": "x", "stream": stream}
+            headers = {"x-bad-mode": "slow", "x-request-id": "late-1"}
+            async with session.post(router.url + _COMPLETIONS, json=body, headers=headers) as r:
+                assert r.status == 504
+                assert (await r.json())["error"]["type"] == "UpstreamTimeoutError"
+    said = _warnings(caplog, "late-1")
+    assert len(said) == 1, said
+    assert "worker a did not answer" in said[0] and "timeouts.request_s" in said[0]
+
+
 async def test_a_client_leaving_during_a_retry_charges_no_worker(
     session: aiohttp.ClientSession,
 ) -> None:
