@@ -4,11 +4,13 @@ The answer gets the router's own headers (the worker, the predicted and raw matc
 forecast, the rank told: `WORKER_HEADER`...), hop-by-hop headers dropped (`HOP_BY_HOP`, the
 same rule the request's copy follows). A whole answer is sent as one; a stream is forwarded
 chunk by chunk, and its response headers only sent once the worker produced its first chunk,
-so a worker that dies before answering is retried too (`AttemptFailed`). A worker that breaks
-a stream off after that is no retry: the client's connection is cut, and the request counts as
-502 (`router.http.outcome`). `AnswerHooks` is what a caller adds to one answer (the pair
-dispatcher's, `router.http.pair_hooks`: headers naming both workers, a wait for the prefill side
-before anything is committed, the prefill's logprobs merged in).
+so a worker that dies before answering is retried too (`AttemptFailed`). A stream cut after
+that is no retry: the client's connection is cut, and the request counts as a failure
+(`router.http.outcome`): 502 when its worker broke it off (one ordinary failure of the worker),
+504 when the request deadline passed (a failure of the worker only when it had stalled).
+`AnswerHooks` is what a caller adds to one answer (the pair dispatcher's,
+`router.http.pair_hooks`: headers naming both workers, a wait for the prefill side before
+anything is committed, the prefill's logprobs merged in).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.errors import UpstreamTimeoutError
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
+from router.http.metrics import DEADLINE_CUT
 from router.http.observe import observation
 from router.http.outcome import AttemptFailed, client_left, mark_broken_off
 from router.http.rank_refusal import RankMoved, refuses_rank
@@ -134,11 +138,13 @@ async def relay_answer(
     hooks: AnswerHooks | None = None,
     deadline: float | None = None,
     rank_moved: Callable[[], Awaitable[bool]] | None = None,
+    stall_s: float,
 ) -> web.StreamResponse:
     """Pass the worker's answer through; raises AttemptFailed while a retry is still legal,
     RankMoved when the worker refused the rank the router chose (`rank_moved` given).
     `deadline` (event-loop time) bounds the client's reading too: a client that stops
-    reading holds the request, its worker connection and its load no longer than that."""
+    reading holds the request, its worker connection and its load no longer than that.
+    A stream the deadline cuts after its worker sent nothing for `stall_s` charges it."""
     if not 200 <= upstream.status < 300:
         # its end takes back what routing marked (`Planner.withdraw`): a worker that
         # refused the request (4xx: SGLang validates before scheduling) stored nothing
@@ -209,7 +215,9 @@ async def relay_answer(
         await hooks.before_commit(upstream.status)
     if obs is not None:
         obs.first_byte()
-    return await _stream(planner, request, upstream, out, first, candidate.worker, hooks, deadline)
+    return await _stream(
+        planner, request, upstream, out, first, candidate.worker, stall_s, hooks, deadline
+    )
 
 
 async def _stream(
@@ -219,6 +227,7 @@ async def _stream(
     headers: CIMultiDict[str],
     first: bytes,
     worker: str,
+    stall_s: float,
     hooks: AnswerHooks | None = None,
     deadline: float | None = None,
 ) -> web.StreamResponse:
@@ -227,6 +236,7 @@ async def _stream(
     response = ChunkedResponse(status=upstream.status, headers=headers, deadline=deadline)
     chunk = first
     obs = observation(request)
+    loop = asyncio.get_running_loop()
     try:
         await response.prepare(request)
         while chunk:
@@ -234,21 +244,25 @@ async def _stream(
             await response.write(data)
             if obs is not None:
                 obs.chunk(data)  # its usage is read once the stream ends
+            # from here the wait is the worker's (the client took the chunk already)
+            asked = loop.time()
             try:
                 chunk = await upstream.readany()
             except (UpstreamClientError, TimeoutError) as exc:
-                # bytes already reached the client, so no retry; cut the connection so
-                # the client sees a truncated stream, not a clean end. The request deadline
-                # passing while the worker streams is no failure of it (it was answering:
-                # counted, a long generation would reopen a recovering worker's circuit)
-                if not isinstance(exc, TimeoutError):
-                    planner.record_failure(worker, hard=True)
-                    log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
-                    # the client's status line said the worker's 200: counted as that,
-                    # the failure would show in no error rate (`answer_code`)
-                    mark_broken_off(request, type(exc).__name__)
+                # bytes already reached the client, so no retry; cut the connection so the
+                # client sees a truncated stream, not a clean end, and count the request as
+                # the failure it is (its status line said the worker's 200: `answer_code`)
+                if isinstance(exc, TimeoutError):
+                    _deadline_cut(planner, request, worker, loop.time() - asked, stall_s)
                 else:
-                    log.info("a stream from worker %s was cut at the request deadline", worker)
+                    # one ordinary failure, as a 5xx: the prompt may be what crashes the
+                    # engine, and a client retrying it would carry it to every worker (hard,
+                    # each cut opened a circuit: two took a fleet of two out for the cooldown).
+                    # A worker really gone refuses the next request's connection: that opens
+                    # its circuit at once
+                    planner.record_failure(worker, hard=False)
+                    log.warning("worker %s failed mid-stream: %s", worker, type(exc).__name__)
+                    mark_broken_off(request, type(exc).__name__)
                 upstream.close()
                 if request.transport is not None:
                     request.transport.close()
@@ -274,3 +288,26 @@ async def _stream(
     if upstream.status < 500:  # a streamed 5xx is a failure (`Proxy._route` charges it)
         planner.record_success(worker)
     return response
+
+
+def _deadline_cut(
+    planner: Planner, request: web.Request, worker: str, silent_s: float, stall_s: float
+) -> None:
+    """The request deadline cut `worker`'s stream, after it had sent nothing for `silent_s`.
+
+    The client has a cut body: the request counts as 504 (it counted as the worker's 200).
+    A worker that was still streaming is not charged: a long generation is no sign of a
+    broken worker, and charged it would reopen a recovering worker's circuit. One that had
+    sent nothing for `stall_s` (`timeouts.connect_s`, what a worker is given to show it is
+    there) or longer has stalled: one ordinary failure, as a worker that never answered."""
+    stalled = silent_s >= stall_s
+    if stalled:
+        planner.record_failure(worker, hard=False)
+    log.warning(
+        "the stream of worker %s was cut at the request deadline (timeouts.request_s): %s",
+        worker,
+        f"it had sent nothing for {silent_s:.1f} s (stalled: one failure charged)"
+        if stalled
+        else "it was still streaming (no failure charged)",
+    )
+    mark_broken_off(request, UpstreamTimeoutError.__name__, DEADLINE_CUT)

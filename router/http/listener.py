@@ -14,7 +14,7 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
   not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
   the admin token, or a KV query API request without the query token (`AUTH_GATES`), gets
   its API's 401 instead of any of them (a stranger learns nothing of the limits), its body
-  unread just the same;
+  unread just the same; each of these answers echoes a well-formed `x-request-id`;
 - a malformed request gets a 400 JSON answer that names the kind of problem, never the bytes.
 
 Every refusal is logged through one `RefusalLog`: at most one line per
@@ -52,6 +52,7 @@ from router.errors import (
     UnsupportedEncodingError,
 )
 from router.http.bearer import bearer_matches
+from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -439,7 +440,12 @@ class GuardedServer(web.Server):
             # a stranger hears the API's 401 (its words), not what its limits are
             auth = self._unauthorized(request)
             if auth is not None:
-                return _json_answer(AuthError, str(auth), auth.headers())
+                refused = _json_answer(AuthError, str(auth), auth.headers())
+            # echoed as the app's refusals echo it (`router.http.app`), so the client can match
+            # the refusal to its request (a malformed id is not: never repeated, never logged)
+            given_id = request.headers.get(REQUEST_ID_HEADER)
+            if given_id and well_formed_request_id(given_id):
+                refused.headers[REQUEST_ID_HEADER] = given_id
             return refused
         if request.method == hdrs.METH_POST and hdrs.EXPECT not in request.headers:
             direct = self.direct.get(request.path)

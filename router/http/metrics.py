@@ -34,6 +34,7 @@ from router.fleet.false_hits import WATCH_ACTIONS, WatchAction
 __all__ = [
     "CLIENT_CLOSED",
     "CLIENT_CLOSED_ERROR",
+    "DEADLINE_CUT",
     "REQUEST_MODEL",
     "UNKNOWN_MODEL",
     "WORKER_BROKE_OFF",
@@ -54,6 +55,10 @@ CLIENT_CLOSED_ERROR = "ClientClosedRequest"
 # "bad gateway" for an upstream that failed. The client got the worker's status line (a 200)
 # and a cut body; counted as that status, an operator's error rate would never see the failure
 WORKER_BROKE_OFF = 502
+# a streamed answer the request deadline (`timeouts.request_s`) cut after its status line reached
+# the client: the `code` it counts under, as a 504 the router answers itself (the client has a
+# cut body, not the whole answer its 200 promised)
+DEADLINE_CUT = 504
 # the model label of a request once it is known, for the error middleware's rejection count
 REQUEST_MODEL = web.RequestKey("kvroute_model", str)
 

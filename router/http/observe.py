@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 
 from router.fleet.false_hits import FalseHitWatch
 from router.http.decisions import Decision, DecisionStats
-from router.http.metrics import WORKER_BROKE_OFF
+from router.http.outcome import BrokenOff
 from router.http.spans import SpanMaker, TraceSpan
 from router.http.tracing import PARSE_CONTEXT, TraceDecision, Tracing
 from router.http.usage import StreamTail, cached_tokens
@@ -204,10 +204,10 @@ class Observation:
             tail = self._tail = StreamTail()
         tail.feed(chunk)
 
-    def finish(self, status: int, broken_off: str | None = None) -> None:
-        """The answer went out with `status`: count the outcome. `broken_off`: the worker broke
-        the stream off after that (the error's class name); counted as WORKER_BROKE_OFF, as in
-        the request metrics, and with no usage (none came)."""
+    def finish(self, status: int, broken_off: BrokenOff | None = None) -> None:
+        """The answer went out with `status`: count the outcome. `broken_off`: the stream was
+        cut after that (its worker broke it off, or the request deadline passed); counted as
+        its code, as in the request metrics, and with no usage (none came)."""
         decision = self._decision
         if decision is None:
             return
@@ -215,7 +215,7 @@ class Observation:
             # events that came may carry cached_tokens (SGLang's /generate: every one), but an
             # answer never finished is no success: neither in accuracy nor among the usage
             # missing (`DecisionStats` counts those of a 200)
-            status = WORKER_BROKE_OFF
+            status = broken_off.code
         elif self._tail is not None:
             decision.cached_tokens = self._tail.cached_tokens()
         decision.status = status
@@ -410,15 +410,15 @@ class TracedObservation(Observation):
             span.set_attribute("http.response.status_code", status)
         self._end_upstream(reason)
 
-    def finish(self, status: int, broken_off: str | None = None) -> None:
+    def finish(self, status: int, broken_off: BrokenOff | None = None) -> None:
         """The answer went out with `status`: count the outcome, close the upstream span. Both
-        spans keep the `status` the client was sent; one the worker broke off (`broken_off`)
+        spans keep the `status` the client was sent; a stream cut after it began (`broken_off`)
         ends in error with its `error.type`."""
         decision = self._decision
         super().finish(status, broken_off)
         if decision is None:
             return
-        error = broken_off
+        error = None if broken_off is None else broken_off.error
         if error is None and status >= 500:
             error = f"HTTP {status}"
         span = self._upstream_span
@@ -438,7 +438,7 @@ class TracedObservation(Observation):
                 {"kvroute.worker": decision.chosen.worker, "http.response.status_code": status}
             )
             if broken_off is not None:
-                request_span.set_attribute("error.type", broken_off)
+                request_span.set_attribute("error.type", broken_off.error)
             if error is not None:
                 request_span.set_status(self._tracing.error(error))
 
@@ -529,7 +529,7 @@ class Unobserved(Observation):
     def chunk(self, chunk: bytes) -> None:
         """Nothing read."""
 
-    def finish(self, status: int, broken_off: str | None = None) -> None:
+    def finish(self, status: int, broken_off: BrokenOff | None = None) -> None:
         """Nothing counted."""
 
     def close(self, error: BaseException | None) -> None:

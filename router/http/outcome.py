@@ -4,16 +4,18 @@ Whose fault a failed attempt was (the worker's, for its circuit breaker, or the 
 decided once the request has ended (`charge`): an attempt that failed before any byte reached
 the client is an `AttemptFailed`, retried while a retry is legal. A client that disconnects
 cancels the handler (aiohttp's handler cancellation), which closes the upstream connection,
-which makes the worker abort; the request counts as 499 in the metrics. A worker that breaks a
-stream off once it began cannot be retried: its client's connection is closed (a cut body, not
-a clean end) and the request counts as 502 (`answer_code`). The single-worker proxy
-(`router.http.proxy`) and the pair dispatcher (`router.http.pd`) count and charge alike.
+which makes the worker abort; the request counts as 499 in the metrics. A stream cut once it
+began cannot be retried: its client's connection is closed (a cut body, not a clean end) and
+the request counts as a failure (`answer_code`): 502 when its worker broke it off, 504 when the
+request deadline cut it. The single-worker proxy (`router.http.proxy`) and the pair dispatcher
+(`router.http.pd`) count and charge alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 from aiohttp import web
 
 from router.http.metrics import CLIENT_CLOSED, WORKER_BROKE_OFF
@@ -21,6 +23,7 @@ from router.routing.planner import Planner
 
 __all__ = [
     "AttemptFailed",
+    "BrokenOff",
     "answer_code",
     "broken_off",
     "charge",
@@ -38,32 +41,41 @@ def client_left(request: web.Request) -> None:
     request[_CLIENT_LEFT] = True
 
 
-# set on a request whose worker broke its streamed answer off once bytes had reached the
-# client: the class name of the upstream error (`broken_off`)
-_BROKEN_OFF = web.RequestKey("kvroute_broken_off", str)
+class BrokenOff(msgspec.Struct, frozen=True):
+    """Why a streamed answer was cut after its status line went out to the client."""
+
+    error: str  # the upstream error's class name (the spans' `error.type`)
+    code: int  # what the request counts as (`answer_code`): its status line said the worker's
 
 
-def mark_broken_off(request: web.Request, error: str) -> None:
-    """`request`'s worker broke its streamed answer off with `error` (the upstream error's
-    class name) once its status had gone out: it counts as 502."""
-    request[_BROKEN_OFF] = error
+# set on a request whose streamed answer was cut once bytes had reached the client (`broken_off`)
+_BROKEN_OFF = web.RequestKey("kvroute_broken_off", BrokenOff)
 
 
-def broken_off(request: web.Request) -> str | None:
-    """Why the worker broke `request`'s streamed answer off after its status went out to the
-    client (the upstream error's class name, the spans' `error.type`), or None."""
+def mark_broken_off(request: web.Request, error: str, code: int = WORKER_BROKE_OFF) -> None:
+    """`request`'s streamed answer was cut with `error` (the upstream error's class name) once
+    its status had gone out: it counts as `code` (502: its worker broke it off; 504: the
+    request deadline passed)."""
+    request[_BROKEN_OFF] = BrokenOff(error, code)
+
+
+def broken_off(request: web.Request) -> BrokenOff | None:
+    """Why `request`'s streamed answer was cut after its status went out to the client, or
+    None."""
     return request.get(_BROKEN_OFF)
 
 
 def answer_code(request: web.Request, status: int) -> int:
     """The code a forwarded answer counts as in the metrics: the worker's `status`, 499
-    (CLIENT_CLOSED) when the client left before it had all of it, or 502 (WORKER_BROKE_OFF)
-    when the worker broke a stream off (`broken_off`). A client leaving shows as the handler's
-    cancellation or, when the router was writing to it then (or cut a client that stopped
-    reading: `ClientStalledError`), as ConnectionResetError; both are 499."""
+    (CLIENT_CLOSED) when the client left before it had all of it, or the code of a stream
+    cut after it began (`broken_off`: 502 by its worker, 504 by the request deadline). A
+    client leaving shows as the handler's cancellation or, when the router was writing to it
+    then (or cut a client that stopped reading: `ClientStalledError`), as ConnectionResetError;
+    both are 499."""
     if request.get(_CLIENT_LEFT, False):
         return CLIENT_CLOSED
-    return WORKER_BROKE_OFF if _BROKEN_OFF in request else status
+    cut = request.get(_BROKEN_OFF)
+    return status if cut is None else cut.code
 
 
 class AttemptFailed(Exception):

@@ -74,7 +74,7 @@ from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket, Withdraw
 from router.routing.planner import Candidate, Plan, Planner
-from router.routing.pool import WorkerEntry
+from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 
 __all__ = ["PairDispatch", "Proxy"]
 
@@ -129,13 +129,23 @@ def _side_checked(entries: Sequence[WorkerEntry]) -> str | None:
     )
 
 
-def _none_routable(candidates: Sequence[Candidate]) -> str:
+def _none_routable(candidates: Sequence[Candidate], pool: WorkerPool, now: float) -> str:
     """Why a plan has no worker to send to, counted as an operator counts: workers, and their
-    ranks where they have several (each rank is a candidate)."""
+    ranks where they have several (each rank is a candidate); and how many are out because
+    their circuits are open, until when (a client told only "no routable worker" cannot tell
+    a fleet that is gone from one that failed and is back in seconds)."""
     workers = len({c.worker for c in candidates})
-    if workers == len(candidates):
-        return f"no routable worker among {workers}"
-    return f"no routable worker among {workers} ({len(candidates)} ranks)"
+    why = f"no routable worker among {workers}"
+    if workers != len(candidates):
+        why += f" ({len(candidates)} ranks)"
+    opened = {c.worker for c in candidates if c.status == WorkerStatus.CIRCUIT_OPEN}
+    waits = [e.breaker.admits_in(now) for w in opened if (e := pool.find(w)) is not None]
+    if not waits:
+        return why
+    return (
+        f"{why}: {len(waits)} with an open circuit after failures (breaker.cooldown_s), the "
+        f"first tried again in {min(waits):.1f} s"
+    )
 
 
 class PairDispatch(Protocol):
@@ -274,7 +284,7 @@ class Proxy:
                 roles = Counter(e.role for e in planner.pool.serving(ns.model))
                 if roles and "both" not in roles:
                     raise NoWorkerError(_unpaired(roles))
-            why = _none_routable(plan.candidates)
+            why = _none_routable(plan.candidates, planner.pool, planner.clock())
             checking = _side_checked(planner.pool.serving(ns.model))
             raise NoWorkerError(why if checking is None else f"{why}: {checking}")
         if plan.unindexed is not None:
@@ -574,6 +584,11 @@ class Proxy:
         ranks were read again anew (`RankMoved`: the request is tried again either way)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            log.warning(
+                "the request deadline (timeouts.request_s) passed before worker %s was sent it: "
+                "504",
+                candidate.worker,
+            )
             raise UpstreamTimeoutError("request deadline passed before a worker answered")
         headers = copy_headers(request.headers, self._request_drop)
         headers["Content-Type"] = "application/json"
@@ -609,6 +624,7 @@ class Proxy:
                         hooks=hooks,
                         deadline=loop_deadline,
                         rank_moved=rank_moved,
+                        stall_s=self._config.timeouts.connect_s,
                     )
                 except asyncio.CancelledError:
                     # the client disconnected: drop the upstream connection, do not reuse it
@@ -636,14 +652,15 @@ class Proxy:
                 self._planner.record_failure(candidate.worker, hard=False)
             else:
                 hooks.timed_out()
-            if headed:
-                raise UpstreamTimeoutError(
-                    f"worker {candidate.worker} sent the head of its answer but not its body "
-                    "within the request timeout (timeouts.request_s)"
-                ) from exc
+            what = "sent the head of its answer but not its body" if headed else "did not answer"
+            # a 504 is an upstream failure as much as a dropped connection: logged as those are
+            log.warning(
+                "worker %s %s within the request timeout (timeouts.request_s): 504",
+                candidate.worker,
+                what,
+            )
             raise UpstreamTimeoutError(
-                f"worker {candidate.worker} did not answer within the request timeout "
-                "(timeouts.request_s)"
+                f"worker {candidate.worker} {what} within the request timeout (timeouts.request_s)"
             ) from exc
 
     def _origin(self, url: str) -> tuple[Origin, str]:

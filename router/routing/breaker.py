@@ -49,6 +49,12 @@ class CircuitBreaker:
         """Whether traffic may go to the worker at `now`."""
         return self.state(now) is not BreakerState.OPEN
 
+    def admits_in(self, now: float) -> float:
+        """Seconds from `now` until traffic may go to the worker again (0: it may now)."""
+        if self._opened_at is None:
+            return 0.0
+        return max(0.0, self._opened_at + self._cooldown_s - now)
+
     @property
     def failures(self) -> int:
         """Consecutive failures since the last success."""

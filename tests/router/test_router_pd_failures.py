@@ -606,7 +606,8 @@ async def _paired(router: RouterService) -> None:
 async def test_a_stream_its_decode_broke_off_counts_as_502_not_as_its_200() -> None:
     """A decode dying mid-stream: the client has its 200 and a cut body, and the request was
     counted as that 200 (by its prefill worker). It counts as 502, as on the whole-request
-    path, in the decisions too, with no usage; the decode's circuit opens, as before."""
+    path, in the decisions too, with no usage; the decode is charged one ordinary failure (as
+    on the whole-request path: a prompt that crashes every decode must not open every circuit)."""
     async with FakePdWorker("prefill") as p0, FakePdWorker("decode", cut=True) as d0:
         config = _config(workers=(_fake("p0", p0), _fake("d0", d0)))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
@@ -635,7 +636,8 @@ async def test_a_stream_its_decode_broke_off_counts_as_502_not_as_its_200() -> N
             assert 'code="502"' in line and 'worker="p0"' in line, line
             decisions = router.app[DECISIONS].recent
             assert [(d.status, d.cached_tokens) for d in decisions] == [(502, None)]
-            assert not router.planner.pool.get("d0").routable(router.planner.clock())
+            assert router.planner.pool.get("d0").breaker.failures == 1
+            assert router.planner.pool.get("d0").routable(router.planner.clock())
             assert router.planner.pool.get("p0").routable(router.planner.clock())
 
 

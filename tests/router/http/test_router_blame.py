@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import msgspec
@@ -17,9 +17,17 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import BreakerConfig, HealthConfig, LimitsConfig, PolicyConfig, RouterConfig
+from router.config import (
+    BreakerConfig,
+    HealthConfig,
+    LimitsConfig,
+    PolicyConfig,
+    RouterConfig,
+    TimeoutsConfig,
+)
 from router.http import rank_refusal
 from router.http.keys import DECISIONS
+from router.http.observe import install_log_request_id
 from router.http.rank_refusal import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
@@ -33,7 +41,8 @@ class BadWorker:
     """A worker whose answer to each completion request is named by its `x-bad-mode` header:
     ok, 500 (a JSON error), drop (the connection closed unanswered: the engine crashed),
     garbage (bytes that are not HTTP), slow (no answer for 30 s), stream (an endless SSE),
-    cut (a few SSE events, then the connection closed: the engine crashed mid-stream).
+    cut (a few SSE events, then the connection closed: the engine crashed mid-stream), stall
+    (two SSE events, then nothing for 30 s: the engine hung mid-stream).
     `mode@name` applies to the worker `name` only; the others answer it (several: comma
     separated)."""
 
@@ -80,6 +89,12 @@ class BadWorker:
                     f'data: {{"n": {n}, "meta_info": {{"cached_tokens": 0}}}}\n\n'.encode()
                 )
             transport.close()  # no last chunk: the client's parser sees the answer unended
+            await asyncio.sleep(30)
+        if mode == "stall":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for n in range(2):
+                await resp.write(f'data: {{"n": {n}}}\n\n'.encode())
             await asyncio.sleep(30)
         return web.json_response({"worker": self.name, "choices": [{"text": "hi"}]})
 
@@ -277,8 +292,8 @@ async def test_a_stream_its_worker_broke_off_counts_as_502_not_as_its_200(
     """A worker dying mid-stream: its client has the worker's 200 and a cut body, but the
     request was counted as that 200 and among the successful answers without usage, so an
     error rate never showed it. It counts as 502 (nginx's bad gateway), in the decisions too,
-    with no usage (prediction accuracy is over answers that came whole); the worker's circuit
-    opens at once, as before."""
+    with no usage (prediction accuracy is over answers that came whole); the worker is charged
+    one ordinary failure."""
     a, _ = two
     async with RouterService(_config([a])) as router:
         body = {"prompt": "x", "stream": True}
@@ -300,7 +315,146 @@ async def test_a_stream_its_worker_broke_off_counts_as_502_not_as_its_200(
         assert not {k: v for k, v in after.items() if k.startswith(usage) and v}
         assert [(d.status, d.cached_tokens) for d in router.app[DECISIONS].recent] == [(502, None)]
         assert a.modes == ["cut"]
-        assert _state(router, "a") is BreakerState.OPEN
+        assert router.planner.pool.get("a").breaker.failures == 1
+        assert _state(router, "a") is BreakerState.CLOSED
+
+
+async def _cut_stream(session: aiohttp.ClientSession, router: RouterService, rid: str) -> str:
+    """Send a stream its worker breaks off; the worker that had it."""
+    body = {"prompt": "x", "stream": True}
+    headers = {"x-bad-mode": "cut", "x-request-id": rid}
+    async with session.post(router.url + _COMPLETIONS, json=body, headers=headers) as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+        return resp.headers["x-kvroute-worker"]
+
+
+async def test_one_prompt_cut_mid_stream_on_every_worker_leaves_the_fleet_serving(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """A prompt whose stream the engine breaks off, sent again by its client (each stream cut
+    once its status went out: no retry by the router), reached both workers: each cut opened
+    its worker's circuit at once, and for `breaker.cooldown_s` every healthy request was a 503,
+    `/health` too. A cut counts one ordinary failure toward the threshold, as a 5xx does."""
+    a, b = two
+    config = _config(
+        [a, b],
+        policy=PolicyConfig(name="round_robin"),
+        breaker=BreakerConfig(failure_threshold=3, cooldown_s=30.0),
+    )
+    async with RouterService(config) as router:
+        cut = {await _cut_stream(session, router, f"poison-{n}") for n in range(2)}
+        assert cut == {"a", "b"} and a.modes == b.modes == ["cut"]
+        assert _state(router, "a") is _state(router, "b") is BreakerState.CLOSED
+        assert [await _post(session, router, "ok") for _ in range(4)] == [200] * 4
+        async with session.get(router.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_a_503_for_open_circuits_says_so_and_until_when(
+    two: tuple[BadWorker, BadWorker], session: aiohttp.ClientSession
+) -> None:
+    """Every worker out because its circuit opened was answered "no routable worker among 2",
+    as if the fleet were gone: the client and the operator could not tell it is back within
+    the cooldown."""
+    a, b = two
+    config = _config(
+        [a, b],
+        policy=PolicyConfig(name="round_robin"),
+        breaker=BreakerConfig(failure_threshold=1, cooldown_s=30.0),
+    )
+    async with RouterService(config) as router:
+        assert {await _cut_stream(session, router, f"cut-{n}") for n in range(2)} == {"a", "b"}
+        async with session.post(router.url + _COMPLETIONS, json={"prompt": "x"}) as resp:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+        assert error["type"] == "NoWorkerError"
+        message = error["message"]
+        prefix = (
+            "no routable worker among 2: 2 with an open circuit after failures "
+            "(breaker.cooldown_s), the first tried again in "
+        )
+        assert message.startswith(prefix) and message.endswith(" s"), message
+        assert 25.0 < float(message.removeprefix(prefix).removesuffix(" s")) <= 30.0
+
+
+@pytest.fixture
+def log_request_ids() -> Iterator[None]:
+    """Log records carry `request_id` (as `kvroute serve` sets up), undone afterwards."""
+    factory = logging.getLogRecordFactory()
+    install_log_request_id()
+    yield
+    logging.setLogRecordFactory(factory)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
+    """The WARNING lines logged for the request `rid`."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and getattr(r, "request_id", None) == rid
+    ]
+
+
+@pytest.mark.usefixtures("log_request_ids")
+@pytest.mark.parametrize(("mode", "charged"), [("stall", 1), ("stream", 0)])
+async def test_a_stream_the_request_deadline_cuts_counts_as_504(
+    session: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    charged: int,
+) -> None:
+    """A stream cut at `timeouts.request_s` was counted as the worker's 200 (metrics and
+    decisions), logged at INFO only, and a worker that hung mid-stream was never charged. Its
+    client has a cut body: it counts as 504, with a WARNING naming the worker (on the
+    request's id); a worker that had sent nothing for `timeouts.connect_s` is charged one
+    ordinary failure, one still streaming nothing."""
+    caplog.set_level(logging.INFO)
+    async with BadWorker("a") as a:
+        config = _config([a], timeouts=TimeoutsConfig(request_s=1.0, connect_s=0.3))
+        async with RouterService(config) as router:
+            body = {"prompt": "x", "stream": True}
+            headers = {"x-bad-mode": mode, "x-request-id": f"cut-{mode}"}
+            async with session.post(router.url + _COMPLETIONS, json=body, headers=headers) as r:
+                assert r.status == 200  # the worker's status line, sent with its first chunk
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()  # cut, not cleanly ended
+            key = "kvroute_requests_total{code=504,endpoint=/v1/completions,model=m,worker=a}"
+
+            async def counted() -> bool:
+                return key in await _metrics(session, router)
+
+            await eventually(counted, what="the cut stream to be counted")
+            after = await _metrics(session, router)
+            requests = {k: v for k, v in after.items() if k.startswith("kvroute_requests_total{")}
+            assert requests == {key: 1.0}
+            assert [d.status for d in router.app[DECISIONS].recent] == [504]
+            assert router.planner.pool.get("a").breaker.failures == charged
+        said = _warnings(caplog, f"cut-{mode}")
+        assert len(said) == 1 and "worker a" in said[0] and "timeouts.request_s" in said[0]
+        assert ("sent nothing" in said[0]) == bool(charged), said
+
+
+@pytest.mark.usefixtures("log_request_ids")
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_worker_that_does_not_answer_in_time_is_logged(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """A 504 for a worker that did not answer within `timeouts.request_s` left no log line,
+    where every other upstream failure has a WARNING naming the worker and the request."""
+    caplog.set_level(logging.INFO)
+    async with BadWorker("a") as a:
+        config = _config([a], timeouts=TimeoutsConfig(request_s=0.5))
+        async with RouterService(config) as router:
+            body = {"prompt": "x", "stream": stream}
+            headers = {"x-bad-mode": "slow", "x-request-id": "late-1"}
+            async with session.post(router.url + _COMPLETIONS, json=body, headers=headers) as r:
+                assert r.status == 504
+                assert (await r.json())["error"]["type"] == "UpstreamTimeoutError"
+    said = _warnings(caplog, "late-1")
+    assert len(said) == 1, said
+    assert "worker a did not answer" in said[0] and "timeouts.request_s" in said[0]
 
 
 async def test_a_client_leaving_during_a_retry_charges_no_worker(

@@ -413,6 +413,38 @@ async def test_a_body_in_an_encoding_the_router_cannot_decode_is_a_415() -> None
         assert response.status == 400  # read (a bad body), not refused for its coding
 
 
+async def test_every_refusal_of_a_read_request_echoes_its_well_formed_id() -> None:
+    """The app's refusals (a 400 for a bad body) echoed a client's `x-request-id`, the
+    listener's (413, 415, 417, its 401) did not: a client could not match those to its
+    request. Each echoes a well-formed id now, never a malformed one. The 413 names the size
+    declared beside the limit (the docs said no refusal names the value that broke it)."""
+    declared = b"Content-Length: 2000000"
+    refusals: list[tuple[int, list[tuple[bytes, bytes]], bytes]] = [
+        (400, [], b"{"),
+        (413, [(b"Expect", b"100-continue")], b""),  # 2 MB declared, never sent
+        (415, [(b"Content-Encoding", b"x-foo")], b"{}"),
+        (417, [(b"Expect", b"nope")], b"{}"),
+    ]
+    async with _router(max_body_bytes=1 << 20) as router:
+        port = _port(router)
+        for status, headers, body in refusals:
+            for rid, echoed in ((b"rid-413", "rid-413"), (b"bad id [x]", None)):
+                raw = request_bytes(b"POST", b"/generate", [(b"x-request-id", rid), *headers], body)
+                if status == 413:
+                    raw = raw.replace(b"Content-Length: 0", declared)
+                (response,) = parse_responses(await exchange(port, raw))
+                assert response.status == status, (status, rid, response)
+                assert response.headers.get("x-request-id") == echoed, (status, rid, response)
+                if status == 413:
+                    message = json_error(response)["message"]
+                    assert "2000000 bytes" in message and "limits.max_body_bytes" in message
+        # the listener's 401 for an admin request without the token, before any limit
+        raw = request_bytes(b"POST", b"/admin/index/load", [(b"x-request-id", b"rid-401")])
+        raw = raw.replace(b"Content-Length: 0", declared)
+        (response,) = parse_responses(await exchange(port, raw))
+        assert response.status == 401 and response.headers.get("x-request-id") == "rid-401"
+
+
 async def test_a_request_without_host_is_a_400_that_says_so() -> None:
     async with _router() as router:
         raw = b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n"
