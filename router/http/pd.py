@@ -70,7 +70,7 @@ from router.http.pair_hooks import (
     PairHooks,
     wants_logprobs,
 )
-from router.http.proxy import Proxy
+from router.http.proxy import Proxy, none_routable
 from router.http.rank_refusal import refuses_rank
 from router.prompt.dp_rank import DP_RANK_HEADER
 from router.prompt.request import Endpoint, ParsedRequest
@@ -172,10 +172,10 @@ class PairDispatcher:
                         f"no {unserved} worker has the dp rank {parsed.dp_rank} asked for"
                     )
                 side = "prefill" if not prefills else "decode"
-                total = len(
-                    plan.prefill.candidates if side == "prefill" else plan.decode.candidates
+                of_side = plan.prefill if side == "prefill" else plan.decode
+                raise NoWorkerError(
+                    none_routable(of_side.candidates, planner.pool, planner.clock(), side)
                 )
-                raise NoWorkerError(f"no routable {side} worker among {total}")
             prefill, decode = prefills[0], decodes[0]
             charges.tried["prefill"].add(prefill.worker)
             charges.tried["decode"].add(decode.worker)

@@ -129,13 +129,16 @@ def _side_checked(entries: Sequence[WorkerEntry]) -> str | None:
     )
 
 
-def _none_routable(candidates: Sequence[Candidate], pool: WorkerPool, now: float) -> str:
-    """Why a plan has no worker to send to, counted as an operator counts: workers, and their
+def none_routable(
+    candidates: Sequence[Candidate], pool: WorkerPool, now: float, side: str = ""
+) -> str:
+    """Why a plan (of a pair's `side`: "prefill", "decode") has no worker to send to,
+    counted as an operator counts: workers, and their
     ranks where they have several (each rank is a candidate); and how many are out because
     their circuits are open, until when (a client told only "no routable worker" cannot tell
     a fleet that is gone from one that failed and is back in seconds)."""
     workers = len({c.worker for c in candidates})
-    why = f"no routable worker among {workers}"
+    why = f"no routable {side + ' ' if side else ''}worker among {workers}"
     if workers != len(candidates):
         why += f" ({len(candidates)} ranks)"
     opened = {c.worker for c in candidates if c.status == WorkerStatus.CIRCUIT_OPEN}
@@ -284,7 +287,7 @@ class Proxy:
                 roles = Counter(e.role for e in planner.pool.serving(ns.model))
                 if roles and "both" not in roles:
                     raise NoWorkerError(_unpaired(roles))
-            why = _none_routable(plan.candidates, planner.pool, planner.clock())
+            why = none_routable(plan.candidates, planner.pool, planner.clock())
             checking = _side_checked(planner.pool.serving(ns.model))
             raise NoWorkerError(why if checking is None else f"{why}: {checking}")
         if plan.unindexed is not None:

@@ -232,6 +232,29 @@ async def test_a_lone_decode_that_never_takes_the_kv_is_named_in_the_error() -> 
             assert _failures(router) == {"p0": 0, "hung": 0}
 
 
+async def test_a_503_for_a_side_whose_circuits_are_open_says_so_and_until_when() -> None:
+    """A pair's side with no routable worker because its circuits opened: the 503 says so and
+    when the first is tried again, as on the whole-request path (it said only "no routable
+    decode worker among 1", as if the fleet were gone, not back in seconds)."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        config = _config(workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the workers' roles to be discovered")
+            router.planner.record_failure("d0", hard=True)  # what a refused connection does
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 503, await resp.text()
+                message = (await resp.json())["error"]["message"]
+            assert message.startswith("no routable decode worker among 1: 1 with an open circuit")
+            assert "tried again in" in message
+
+
 # what SGLang 0.5.23's prefill answers (500) when its KV handoff failed (`prefill.py`,
 # `disaggregation/common/conn.py`)
 _SGLANG_NO_DECODE = (
