@@ -70,6 +70,7 @@ from router.http.pair_hooks import (
     PairHooks,
     wants_logprobs,
 )
+from router.http.pair_stalls import PairStalls
 from router.http.proxy import Proxy, none_routable
 from router.http.rank_refusal import refuses_rank
 from router.prompt.dp_rank import DP_RANK_HEADER
@@ -106,6 +107,7 @@ class PairDispatcher:
         self._metrics = metrics
         self._bootstrap = BootstrapFields(pairs.planner)
         self._unreachable = UnreachableNotices()
+        self._stalls = PairStalls()
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -223,6 +225,7 @@ class PairDispatcher:
                 left,
                 partial(self._prefilled, p_ticket),
                 partial(self._answered, request, endpoint, parsed, ns, started, obs, charges),
+                self._stalls,
             )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
@@ -459,6 +462,11 @@ class PairDispatcher:
                     decode_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await decode_task
+                    if isinstance(failure, PrefillFailed) and failure.timed_out:
+                        # the deadline, the decode waiting too: its own timeout would have
+                        # come at the same moment, and is charged so (`PairHooks.timed_out`)
+                        hooks.timed_out(prefill_waiting=True)
+                        raise _stalled(hooks, failure)
                     if isinstance(failure, PrefillFailed) and failure.handoff is not None:
                         # it gave up waiting for its decode, which has not answered either:
                         # not the prefill's failure alone (`router.http.pair_handoff`)
@@ -503,11 +511,8 @@ class PairDispatcher:
                     ) from exc
                 raise
             except UpstreamTimeoutError as exc:
-                if hooks.charged is prefill:
-                    raise UpstreamTimeoutError(
-                        f"prefill {prefill.worker} sent decode {decode.worker} no KV within the "
-                        "request timeout"
-                    ) from exc
+                if hooks.charged is prefill or (hooks.charged is decode and hooks.stalled):
+                    raise _stalled(hooks, exc) from exc
                 raise
         finally:
             for task in (decode_task, prefill_task):
@@ -647,6 +652,22 @@ def _handoff_failed(
         if decode_said is not None:
             message += f"; the decode: {decode_said}"
     return HandoffFailed(message, fault=fault, status=failure.status)
+
+
+def _stalled(hooks: PairHooks, cause: Exception) -> UpstreamTimeoutError:
+    """The 504 of a pair whose request deadline passed with its decode not answered, worded
+    for the side charged (`PairHooks.timed_out`)."""
+    prefill, decode = hooks.prefill.worker, hooks.decode.worker
+    if hooks.charged is hooks.decode:
+        message = (
+            f"decode {decode} took no KV from prefill {prefill} within the request timeout (it "
+            "stalled so with another prefill before)"
+        )
+    else:
+        message = f"prefill {prefill} sent decode {decode} no KV within the request timeout"
+    error = UpstreamTimeoutError(message)
+    error.__cause__ = cause
+    return error
 
 
 def _prefill_side(plan: PdPlan) -> Plan:

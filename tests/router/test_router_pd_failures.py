@@ -341,6 +341,39 @@ async def test_the_deadline_of_a_pair_whose_prefill_never_answers_is_the_prefill
             assert _failures(router) == {"hung": 1, "d0": 0}
 
 
+async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_the_second_time() -> (
+    None
+):
+    """Both legs waiting past the deadline look alike whichever side is wedged (SGLang's
+    prefill waits for its decode to take the KV): charged to the prefill alone, a wedged
+    decode took every healthy prefill out in turn. The second stall of that decode, with
+    another prefill, is charged to the decode, and its client is told so."""
+    async with (
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p1,
+        FakePdWorker("decode", hang=True) as hung,
+    ):
+        workers = router_config([("p0", p0.url), ("p1", p1.url)]).workers
+        config = _config(workers=(*workers, _fake("hung", hung)))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            await eventually(paired, what="the workers' roles to be discovered")
+            messages = []
+            for prefill, other in (("p0", "p1"), ("p1", "p0")):
+                await _admin(session, router, f"/workers/{other}/drain")
+                await _admin(session, router, f"/workers/{prefill}/drain", {"drain": False})
+                async with session.post(router.url + "/generate", json=BODY) as resp:
+                    assert resp.status == 504, await resp.text()
+                    messages.append((await resp.json())["error"]["message"])
+            assert "prefill p0 sent decode hung no KV" in messages[0]
+            assert "decode hung took no KV from prefill p1" in messages[1]
+            assert _failures(router) == {"p0": 1, "p1": 0, "hung": 1}
+
+
 @pytest.mark.parametrize(("engine", "status"), [("vllm", 504), ("sglang", 500)])
 async def test_a_lone_decodes_error_is_passed_through_with_the_engines_body(
     engine: Literal["sglang", "vllm"], status: int
