@@ -138,6 +138,34 @@ def _split_unknown(entry: WorkerEntry, model: str) -> str:
     )
 
 
+def _adapter_reader(parsed: ParsedRequest, ns: Namespace) -> str | None:
+    """The one engine that reads the adapter of `ns` from `parsed` (None: no adapter, or
+    both read it alike). vLLM names an adapter by the request's `model` alone and ignores
+    `lora_path`; SGLang reads it from `lora_path` or a `base:adapter` model, and takes a model
+    it does not serve for its own. In a pool of both engines (given one model name), the pages
+    one engine cached for that adapter are not what the other serves the request from: QA saw
+    96 tokens predicted on a vLLM worker for a `lora_path` request it served from the base
+    model, 0 cached."""
+    if ns.lora is None:
+        return None
+    if parsed.endpoint is not Endpoint.GENERATE and ns.lora == parsed.model:
+        return None if parsed.lora == ns.lora else "vllm"  # named by itself
+    return "sglang"
+
+
+def _read_otherwise(entry: WorkerEntry, reader: str) -> str:
+    """Why a worker is predicted no hit for a request whose adapter only `reader` reads."""
+    how = (
+        "ignores lora_path and a base:adapter model"
+        if reader == "sglang"
+        else "reads no adapter from a model it does not serve"
+    )
+    return (
+        f"its engine ({entry.config.engine}) {how}: the adapter's pages there are not this "
+        "request's, no hit predicted"
+    )
+
+
 def _match_limit(tokens: Sequence[int], reuse_limit: int | None) -> int:
     """The leading tokens of the prompt a worker can reuse at most."""
     # Engines never reuse the cache for a prompt's last token (its logits must be computed),
@@ -260,6 +288,7 @@ class Planner:
             output_tokens=output,
             reuse_limit=parsed.reuse_limit,
             contested=parsed.model if contested else None,
+            read_by=_adapter_reader(parsed, ns),
         )
 
     def _plan(
@@ -273,10 +302,13 @@ class Planner:
         output_tokens: int,
         reuse_limit: int | None = None,
         contested: str | None = None,
+        read_by: str | None = None,
     ) -> Plan:
         """`contested`: the request's model, when SGLang releases read its adapter otherwise
         (`WorkerPool.split_contested`): the workers not known to read it as the router does
-        are predicted no hit (`_split_unknown`)."""
+        are predicted no hit (`_split_unknown`). `read_by`: the one engine that reads the
+        namespace's adapter from the request as the router did (`_adapter_reader`): workers
+        of another engine in the pool are predicted no hit."""
         now = self.clock()
         limit = _match_limit(tokens, reuse_limit)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
@@ -288,6 +320,8 @@ class Planner:
             unpredicted = None
             if contested is not None and not entry.splits_served_name_first:
                 match, unpredicted = _NO_MATCH, _split_unknown(entry, contested)
+            elif read_by is not None and entry.config.engine != read_by:
+                match, unpredicted = _NO_MATCH, _read_otherwise(entry, read_by)
             found = self._candidates(entry, match, now, pinned, ns, tokens, limit, output_tokens)
             for candidate in found:
                 candidate.unpredicted = unpredicted
