@@ -115,6 +115,9 @@ _RETRY_MAX_MS = 2_000
 # process's is skipped; past it, one is no queued batch: a replay socket that showed the
 # restart and was never confirmed by a live batch since is another worker's (`_dead_batch`)
 _DEAD_RUN_S = 5.0
+# digests kept of one replay answer in that window (a buffer's worth: SGLang keeps 10,000
+# batches by default)
+_WINDOW_COPIES = 16384
 
 
 _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
@@ -227,6 +230,10 @@ class StreamSubscriber:
         # live copy that arrives after its replayed one must be the same batch, or the replay
         # socket is not this publisher's (or the publisher restarted): see `_live_disagrees`
         self._replayed: OrderedDict[int, bytes] = OrderedDict()
+        # in the window after a restart: digests of the batches the new process's replay
+        # socket gave back when last asked (its buffer from the seq asked for on), so a burst
+        # of its live batches is proven by one answer, not one round trip each (`_dead_batch`)
+        self._window_copies: dict[int, bytes] = {}
         # bumped by `rebind`: a check that awaited across it judged the sink it replaced
         self._rebinds = 0
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
@@ -720,13 +727,18 @@ class StreamSubscriber:
         """Whether the replay socket answered to its end, and its batch at `seq` now (None: it
         has none there, or gave no usable answer)."""
         found: bytes | None = None
+        seen: dict[int, bytes] = {}
         try:
             async with contextlib.aclosing(self._replay_client().replies(seq)) as replies:
                 async for reply in replies:
                     if reply.seq == seq:
                         found = reply.payload
+                    if self._after_restart and len(seen) < _WINDOW_COPIES:
+                        seen[reply.seq] = _digest(reply.payload)
         except (TimeoutError, ReplayError):
             return False, None
+        if self._after_restart:
+            self._window_copies = seen  # the buffer as it stands now (it only grows)
         return True, found
 
     async def _apply_live(self, topic: bytes, seq: int, payload: bytes) -> None:
@@ -1148,6 +1160,7 @@ class StreamSubscriber:
         (Both callers clear the stream next: nothing tainted is left.)"""
         self._after_restart = old is not None
         self._dead_seq = old
+        self._window_copies = {}  # another process's buffer now
         self._restart_found_at = self._clock()
         self._restart_unproven = unproven
         self._reopened = False
@@ -1167,6 +1180,7 @@ class StreamSubscriber:
         if not self._after_restart:
             return
         self._after_restart = False
+        self._window_copies = {}
         why = self._tainted
         if why is None:
             return
@@ -1233,9 +1247,16 @@ class StreamSubscriber:
         # replay socket); it is asked for, or taken as late, below
         answered, copy = False, None
         if self._has_replay:
-            # (one round trip per batch of the old run's seqs, for the window only)
+            digest = _digest(payload)
+            if self._window_copies.get(seq) == digest:
+                # the buffer the new process gave back last holds this very batch: its own
+                self._trust_replay()
+                if not within:
+                    self._dead_seq = None
+                return False
+            # (one round trip per batch the last answer did not hold, for the window only)
             answered, copy = await self._replayed_copy(seq)
-            if copy is not None and _digest(copy) == _digest(payload):
+            if copy is not None and _digest(copy) == digest:
                 self._trust_replay()  # the new process's: it gives this batch back
                 if not within:
                     self._dead_seq = None
