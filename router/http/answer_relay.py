@@ -111,8 +111,10 @@ class AnswerHooks:
         request ended (`charge`), or at once in `timed_out`."""
         return last_try
 
-    def timed_out(self) -> None:
-        """The request deadline passed before the worker answered (UpstreamTimeoutError)."""
+    def timed_out(self) -> str | None:
+        """The request deadline passed before the worker answered (UpstreamTimeoutError):
+        the worker charged for it (None: the caller charges the worker it sent to)."""
+        return None
 
     def body(self, payload: bytes) -> bytes:
         """A whole (non-streamed) answer, as the client gets it."""

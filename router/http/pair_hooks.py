@@ -8,15 +8,15 @@ input logprobs, and decide whom a failure of the decode is charged to.
 Blame (`PairHooks.blamed`): a decode that times out (answers 504, SGLang's
 `kv_transfer_timeout`, or outlives the request deadline) while its prefill has not answered is
 the prefill's failure: SGLang's prefill answers once its KV is handed over, so the KV never
-came (at the request deadline with both legs waiting, a decode that stalled so before with
-another prefill is charged instead: `router.http.pair_stalls`). A prefill that failed is blamed
-for its decode's failure (a prefill dying mid-transfer: its connection drops, or its decode's
-transfer is cut, whichever the router hears first). So is a decode that says it could not reach
-the prefill's bootstrap server (`router.http.bootstrap_unreachable`). Any other failure of the
-decode is its own. A prefill that fails while its decode has not answered is judged by what it
-says (`router.http.pair_handoff`): no decode came for its KV, the decode's failure. The
-engine's 5xx is the client's answer when the side it is blamed on has no other worker to retry
-on.
+came (at the request deadline with both legs waiting, the side that failed so before with
+another partner is charged instead, else neither: `router.http.pair_faults`). A prefill that
+failed is blamed for its decode's failure (a prefill dying mid-transfer: its connection drops,
+or its decode's transfer is cut, whichever the router hears first). So is a decode that says it
+could not reach the prefill's bootstrap server (`router.http.bootstrap_unreachable`). Any other
+failure of the decode is its own. A prefill that fails while its decode has not answered is
+judged by what it says (`router.http.pair_handoff`): no decode came for its KV, the decode's
+failure. The engine's 5xx is the client's answer when the side it is blamed on has no other
+worker to retry on.
 
 Logprobs (SGLang, `return_logprob`): the prefill's `meta_info.input_token_logprobs` are put
 before the decode's, as SGLang's router merges them, in a whole answer or in each streamed
@@ -43,7 +43,7 @@ from router.http.answer_relay import (
 )
 from router.http.bootstrap_unreachable import says_unreachable
 from router.http.pair_failure import PrefillFailed, PrefillRefused
-from router.http.pair_stalls import PairStalls
+from router.http.pair_faults import PairFaults
 from router.routing.planner import Planner
 from router.routing.policy import Candidate
 
@@ -101,10 +101,10 @@ class PairHooks(AnswerHooks):
         left: dict[str, bool],
         prefilled: Callable[[], None],
         answered: Callable[[PairHooks, web.StreamResponse], None],
-        stalls: PairStalls | None = None,
+        faults: PairFaults | None = None,
     ) -> None:
         super().__init__()
-        self._stalls = stalls
+        self._faults = faults
         self.prefill, self.decode = prefill, decode
         self._planner = planner
         self._left = left  # per side: another worker of it is left to retry on
@@ -172,22 +172,27 @@ class PairHooks(AnswerHooks):
             self.charged = blamed
         return final
 
-    def timed_out(self, prefill_waiting: bool | None = None) -> None:
+    def timed_out(self, prefill_waiting: bool | None = None) -> str | None:
         """The request deadline passed before the decode answered: one ordinary failure
-        charged at once. With the prefill not answered either (`prefill_waiting`; by default
-        its task under way), the side that stalled before with another partner is charged
-        (`PairStalls`)."""
-        task, stalls = self.task, self._stalls
+        charged at once; returns the worker charged (None: nobody). With the prefill not
+        answered either (`prefill_waiting`; by default its task under way) the two look
+        alike: the side that failed so before with another partner is charged, else neither
+        (`PairFaults`; `stalled` says so)."""
+        task, faults = self.task, self._faults
         if prefill_waiting is None:
             prefill_waiting = task is not None and not task.done()
-        if prefill_waiting and stalls is not None:
-            side = stalls.charge(self.prefill.worker, self.decode.worker)
-            blamed = self.decode if side == "decode" else self.prefill
+        blamed: Candidate | None
+        if prefill_waiting and faults is not None:
             self.stalled = True
+            side = faults.blame(self.prefill.worker, self.decode.worker, None)
+            blamed = None if side is None else self.decode if side == "decode" else self.prefill
         else:
             blamed = self.blamed(True)
-        self._planner.record_failure(blamed.worker, hard=False)
         self.charged = blamed
+        if blamed is None:
+            return None
+        self._planner.record_failure(blamed.worker, hard=False)
+        return blamed.worker
 
     async def before_commit(self, status: int) -> None:
         self._prefilled()

@@ -63,6 +63,7 @@ from router.http.pair_failure import (
     PrefillRefused,
     withdraw_at_least,
 )
+from router.http.pair_faults import PairFaults, Side
 from router.http.pair_handoff import HandoffFault, handoff_fault
 from router.http.pair_hooks import (
     PREFILL_HEADER,
@@ -70,7 +71,6 @@ from router.http.pair_hooks import (
     PairHooks,
     wants_logprobs,
 )
-from router.http.pair_stalls import PairStalls
 from router.http.proxy import Proxy, none_routable
 from router.http.rank_refusal import refuses_rank
 from router.prompt.dp_rank import DP_RANK_HEADER
@@ -107,7 +107,7 @@ class PairDispatcher:
         self._metrics = metrics
         self._bootstrap = BootstrapFields(pairs.planner)
         self._unreachable = UnreachableNotices()
-        self._stalls = PairStalls()
+        self._faults = PairFaults()
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits and timeouts of `config` for the requests that start from now on."""
@@ -129,6 +129,7 @@ class PairDispatcher:
         pairs, planner = self._pairs, self._pairs.planner
         deadline = time.monotonic() + self._config.timeouts.request_s
         failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        failed_pairs: set[tuple[str, str]] = set()  # failed, the side not told
         failures: list[str] = []
         charges = PairCharges(planner)
         last_status: int | None = None
@@ -178,7 +179,10 @@ class PairDispatcher:
                 raise NoWorkerError(
                     none_routable(of_side.candidates, planner.pool, planner.clock(), side)
                 )
-            prefill, decode = prefills[0], decodes[0]
+            pair = _untried(prefills, decodes, failed_pairs)
+            if pair is None:
+                break  # (a retry: the first attempt always has one)
+            prefill, decode = pair
             charges.tried["prefill"].add(prefill.worker)
             charges.tried["decode"].add(decode.worker)
             # which side could be retried on another worker: a 5xx of the decode is the
@@ -225,7 +229,7 @@ class PairDispatcher:
                 left,
                 partial(self._prefilled, p_ticket),
                 partial(self._answered, request, endpoint, parsed, ns, started, obs, charges),
-                self._stalls,
+                self._faults,
             )
             try:
                 if planner.engine(prefill.worker).pd_pairing is PdPairing.KV_TRANSFER_PARAMS:
@@ -271,10 +275,16 @@ class PairDispatcher:
                     unreachable = at_once = moved is None
             except HandoffFailed as exc:
                 # the prefill gave up waiting for its decode to take the KV: the decode's
-                # failure, or either's (`router.http.pair_handoff`); charged, if at all, once
-                # the request ended, as a 5xx is
-                blamed = decode if exc.fault is HandoffFault.DECODE else None
+                # failure, or either's (`router.http.pair_handoff`), unless one side failed
+                # so before with another partner (`PairFaults`); charged, if at all, once the
+                # request ended, as a 5xx is
+                told: Side | None = "decode" if exc.fault is HandoffFault.DECODE else None
+                side_of = self._faults.blame(prefill.worker, decode.worker, told)
+                blamed = None if side_of is None else decode if side_of == "decode" else prefill
                 hard, reason, status, at_once = False, str(exc), exc.status, False
+                if side_of is not None and side_of != told:
+                    other = "decode" if side_of == "prefill" else "prefill"
+                    reason += f" (it failed so with another {other} before)"
                 withdraw_at_least(p_ticket, Withdraw.PENDING)
                 withdraw_at_least(d_ticket, Withdraw.PENDING)
             except AttemptFailed as exc:
@@ -331,13 +341,14 @@ class PairDispatcher:
             last_status = status
             self._metrics.retries.labels((blamed or prefill).worker).inc()
             if blamed is None:
-                # whichever side failed, a retry without either avoids it; neither is charged:
-                # blaming the wrong one would take a healthy worker out
-                failed["prefill"].add(prefill.worker)
-                failed["decode"].add(decode.worker)
+                # either side failed: the retry avoids this pair, each worker may go with
+                # another partner (leaving both out failed requests with a healthy pair
+                # untried, the only decode among them); neither is charged, blaming the wrong
+                # one would take a healthy worker out (its partners tell it later: `PairFaults`)
+                failed_pairs.add((prefill.worker, decode.worker))
                 log.warning(
                     "the pair of prefill worker %s and decode worker %s failed before answering: "
-                    "%s; both left out of the retry, neither charged",
+                    "%s; the retry takes another pair, neither charged",
                     prefill.worker,
                     decode.worker,
                     reason,
@@ -511,7 +522,7 @@ class PairDispatcher:
                     ) from exc
                 raise
             except UpstreamTimeoutError as exc:
-                if hooks.charged is prefill or (hooks.charged is decode and hooks.stalled):
+                if hooks.charged is prefill or hooks.stalled:
                     raise _stalled(hooks, exc) from exc
                 raise
         finally:
@@ -658,16 +669,39 @@ def _stalled(hooks: PairHooks, cause: Exception) -> UpstreamTimeoutError:
     """The 504 of a pair whose request deadline passed with its decode not answered, worded
     for the side charged (`PairHooks.timed_out`)."""
     prefill, decode = hooks.prefill.worker, hooks.decode.worker
-    if hooks.charged is hooks.decode:
+    if not hooks.stalled:
+        message = f"prefill {prefill} sent decode {decode} no KV within the request timeout"
+    elif hooks.charged is hooks.decode:
         message = (
             f"decode {decode} took no KV from prefill {prefill} within the request timeout (it "
-            "stalled so with another prefill before)"
+            "failed so with another prefill before)"
+        )
+    elif hooks.charged is hooks.prefill:
+        message = (
+            f"prefill {prefill} sent decode {decode} no KV within the request timeout (it "
+            "failed so with another decode before)"
         )
     else:
-        message = f"prefill {prefill} sent decode {decode} no KV within the request timeout"
+        message = (
+            f"neither prefill {prefill} nor decode {decode} answered within the request "
+            "timeout: no KV was handed over, and which of them is stuck is not known yet "
+            "(neither charged)"
+        )
     error = UpstreamTimeoutError(message)
     error.__cause__ = cause
     return error
+
+
+def _untried(
+    prefills: list[Candidate], decodes: list[Candidate], failed: set[tuple[str, str]]
+) -> tuple[Candidate, Candidate] | None:
+    """The best-ranked pair not among the `failed` pairs (prefill first: its prefix is the
+    reuse), or None."""
+    for prefill in prefills:
+        for decode in decodes:
+            if (prefill.worker, decode.worker) not in failed:
+                return prefill, decode
+    return None
 
 
 def _prefill_side(plan: PdPlan) -> Plan:

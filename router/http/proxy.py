@@ -651,16 +651,18 @@ class Proxy:
             raise AttemptFailed(f"connection dropped: {exc}", hard=True) from exc
         except TimeoutError as exc:
             ticket.withdraw = Withdraw.PENDING
+            charged: str | None = candidate.worker
             if hooks is None:
                 self._planner.record_failure(candidate.worker, hard=False)
-            else:
-                hooks.timed_out()
+            else:  # a pair's decode: charged to the side to blame (`PairHooks.timed_out`)
+                charged = hooks.timed_out()
             what = "sent the head of its answer but not its body" if headed else "did not answer"
             # a 504 is an upstream failure as much as a dropped connection: logged as those are
             log.warning(
-                "worker %s %s within the request timeout (timeouts.request_s): 504",
+                "worker %s %s within the request timeout (timeouts.request_s): 504, %s",
                 candidate.worker,
                 what,
+                "nobody charged" if charged is None else f"charged to worker {charged}",
             )
             raise UpstreamTimeoutError(
                 f"worker {candidate.worker} {what} within the request timeout (timeouts.request_s)"

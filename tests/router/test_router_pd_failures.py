@@ -319,26 +319,97 @@ async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says
             assert _failures(router) == {"fake": 0, "hung": 0, "p1": 0, "d1": 0, **charged}
 
 
-async def test_the_deadline_of_a_pair_whose_prefill_never_answers_is_the_prefills() -> None:
-    """Both sides waiting past the request deadline: the prefill never sent the KV its decode
-    waits for, so the 504 is charged to the prefill, not to the decode."""
+async def test_a_handoff_failed_on_either_side_retries_another_pair_with_the_only_decode() -> None:
+    """A prefill that says its KV handoff failed without saying on which side: the retry
+    avoids the pair, not both workers. Leaving both out failed the request with 502 while a
+    healthy pair (the other prefill with the only decode) was untried."""
+    async with (
+        FakePdWorker("prefill", status=500, message=_SGLANG_TRANSFER, delay=1.0) as fake,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        workers = router_config([("p1", p1.url), ("d0", d0.url)]).workers
+        config = _config(workers=(_fake("fake", fake), *workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _admin(session, router, "/workers/p1/drain")  # the first pair is the fake's
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(fake.arrived.wait(), 10)
+            await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+                assert resp.headers["x-kvroute-worker"] == "d0"
+            assert _failures(router) == {"fake": 0, "p1": 0, "d0": 0}
+
+
+async def test_a_prefill_saying_no_decode_came_with_two_decodes_is_blamed_itself() -> None:
+    """A prefill whose own bootstrap is broken says no decode came for its KV, with every
+    decode: the first failure is its decode's (what it says), the second, with another decode,
+    is the prefill's (`PairFaults`): it leaves the retry, and the request is served by a
+    healthy pair. Before, each decode it went with was blamed in turn, and the request failed
+    once the decodes ran out."""
+    async with (
+        FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, delay=0.5) as fake,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        workers = router_config([("p1", p1.url), ("d0", d0.url), ("d1", d1.url)]).workers
+        config = _config(workers=(_fake("fake", fake), *workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _admin(session, router, "/workers/p1/drain")  # first (fake, d0), then d1
+            await _admin(session, router, "/workers/d1/drain")
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(fake.arrived.wait(), 10)
+            await _admin(session, router, "/workers/d1/drain", {"drain": False})
+
+            async def second() -> bool:
+                return len(fake.seen) == 2
+
+            await eventually(second, what="the retry with the other decode")
+            await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+            assert len(fake.seen) == 2
+            # charged as the request ended: the first decode on what the prefill said, then
+            # the prefill itself (a healthy decode's next success clears its count)
+            assert _failures(router) == {"fake": 1, "p1": 0, "d0": 1, "d1": 0}
+
+
+async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tells() -> None:
+    """Both sides waiting past the request deadline look alike whichever is wedged (the decode
+    waits for the KV, SGLang's prefill for its decode to take it): the first such 504 charges
+    neither and says so. Paired with another decode, the prefill stalls again: it is the one
+    that fails with every partner, and is charged."""
     async with (
         FakePdWorker("prefill", hang=True) as hung,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d0,
+        ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d1,
     ):
-        config = _config(workers=(_fake("hung", hung), WorkerConfig(url=d0.url, id="d0")))
+        decodes = router_config([("d0", d0.url), ("d1", d1.url)]).workers
+        config = _config(workers=(_fake("hung", hung), *decodes))
         config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
 
             async def paired() -> bool:
                 return router.planner.pool.disaggregated(MODEL)
 
-            await eventually(paired, what="the decode's role to be discovered")
-            async with session.post(router.url + "/generate", json=BODY) as resp:
-                assert resp.status == 504, await resp.text()
-                message = (await resp.json())["error"]["message"]
-            assert "prefill hung sent decode d0 no KV" in message
-            assert _failures(router) == {"hung": 1, "d0": 0}
+            await eventually(paired, what="the decodes' roles to be discovered")
+            messages = []
+            for decode, other in (("d0", "d1"), ("d1", "d0")):
+                await _admin(session, router, f"/workers/{other}/drain")
+                await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
+                async with session.post(router.url + "/generate", json=BODY) as resp:
+                    assert resp.status == 504, await resp.text()
+                    messages.append((await resp.json())["error"]["message"])
+                if decode == "d0":
+                    assert _failures(router) == {"hung": 0, "d0": 0, "d1": 0}
+            assert "neither prefill hung nor decode d0 answered" in messages[0]
+            assert "(neither charged)" in messages[0]
+            assert "prefill hung sent decode d1 no KV" in messages[1]
+            assert "failed so with another decode before" in messages[1]
+            assert _failures(router) == {"hung": 1, "d0": 0, "d1": 0}
 
 
 async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_the_second_time() -> (
@@ -346,8 +417,9 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
 ):
     """Both legs waiting past the deadline look alike whichever side is wedged (SGLang's
     prefill waits for its decode to take the KV): charged to the prefill alone, a wedged
-    decode took every healthy prefill out in turn. The second stall of that decode, with
-    another prefill, is charged to the decode, and its client is told so."""
+    decode took every healthy prefill out in turn. The first such stall charges neither; the
+    second of that decode, with another prefill, is charged to the decode, and its client is
+    told so."""
     async with (
         ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
         ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p1,
@@ -369,9 +441,9 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
                 async with session.post(router.url + "/generate", json=BODY) as resp:
                     assert resp.status == 504, await resp.text()
                     messages.append((await resp.json())["error"]["message"])
-            assert "prefill p0 sent decode hung no KV" in messages[0]
+            assert "neither prefill p0 nor decode hung answered" in messages[0]
             assert "decode hung took no KV from prefill p1" in messages[1]
-            assert _failures(router) == {"p0": 1, "p1": 0, "hung": 1}
+            assert _failures(router) == {"p0": 0, "p1": 0, "hung": 1}
 
 
 @pytest.mark.parametrize(("engine", "status"), [("vllm", 504), ("sglang", 500)])
