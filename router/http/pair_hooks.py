@@ -88,6 +88,12 @@ def wants_logprobs(raw: bytes) -> bool:
     return isinstance(body, dict) and body.get("return_logprob") is True
 
 
+def _deadline_of(task: asyncio.Task[bytes]) -> bool:
+    """Whether a prefill's task, done, ended at the request deadline (not answered)."""
+    failure = None if task.cancelled() else task.exception()
+    return isinstance(failure, PrefillFailed) and failure.timed_out
+
+
 class PairHooks(AnswerHooks):
     """One attempt of a pair, as its decode side's answer sees it: both workers named; the
     prefill's fate checked before anything is committed; with `return_logprob`, the prefill's
@@ -180,7 +186,9 @@ class PairHooks(AnswerHooks):
         (`PairFaults`; `stalled` says so)."""
         task, faults = self.task, self._faults
         if prefill_waiting is None:
-            prefill_waiting = task is not None and not task.done()
+            prefill_waiting = task is not None and (
+                not task.done() or _deadline_of(task)  # its own deadline came at the same time
+            )
         blamed: Candidate | None
         if prefill_waiting and faults is not None:
             self.stalled = True
