@@ -26,8 +26,9 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   unproven socket that showed the restart, was never confirmed by a live batch and does not
   give it back is another worker's; otherwise it is a late queued one (`_dead_batch`); a
   restart found inside that window taints the stream the same way unless the replay socket
-  gives back the batch that showed it (`_unproven_storm`): a middle process's queued batch
-  goes back in seq just as a third process would;
+  gives back the batch that showed it (`_unproven_storm`; answered without it, the batch is
+  a dead one's, skipped): a middle process's queued batch goes back in seq just as a third
+  process would; so does, in that window, a batch past a gap nothing repaired (`_repair`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -115,6 +116,8 @@ _RETRY_MAX_MS = 2_000
 # process's is skipped; past it, one is no queued batch: a replay socket that showed the
 # restart and was never confirmed by a live batch since is another worker's (`_dead_batch`)
 _DEAD_RUN_S = 5.0
+# `_unproven_storm`'s answer for a batch the replay socket answered without
+_NOT_BUFFERED = "not in the replay socket's buffer"
 # digests kept of one replay answer in that window (a buffer's worth: SGLang keeps 10,000
 # batches by default)
 _WINDOW_COPIES = 16384
@@ -624,6 +627,18 @@ class StreamSubscriber:
                 # queued batch of the run before the last, its seq now below the newest (QA:
                 # two restarts within a second, the middle process's page predicted)
                 storm = await self._unproven_storm(msg.seq, msg.payload)
+                if storm == _NOT_BUFFERED:
+                    # the replay socket answered without it: not the newest process's (nor a
+                    # newer one's, whose socket would give it back), a dead one's queued batch.
+                    # Applied, it cleared the newest process's proven pages (QA)
+                    self.dead_batches += 1
+                    self._warn(
+                        "stale",
+                        f"live seq {msg.seq} goes back within {_DEAD_RUN_S:g} s of a restart and "
+                        "is not in the replay socket's buffer: a dead process's queued batch, "
+                        "skipped",
+                    )
+                    return
             self._restarted()
             # the process before it may have left batches queued behind this one
             self._after_restart_of(prev_live, unproven=False)
@@ -844,6 +859,12 @@ class StreamSubscriber:
             # the replay did not reach this message (none configured, timed out, or too short)
             if self.tracker.last is not None and not cleared:
                 self._clear(f"gap before seq {seq} could not be repaired")
+            if self._after_restart and not self._window_over():
+                # in the window after a restart a batch past a gap may be a dead process's
+                # queued one (QA: a middle process's seq 7 after the newest one's 0..3, its
+                # page predicted): applied, it predicts nothing until the window ends
+                proof = "no replay socket" if not self._has_replay else "the replay did not answer"
+                self._set_tainted(f"a batch past a gap nothing repaired was applied ({proof})")
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
@@ -1210,7 +1231,7 @@ class StreamSubscriber:
         answered, copy = await self._replayed_copy(seq)
         if copy is not None and _digest(copy) == _digest(payload):
             return None
-        return "not in the replay socket's buffer" if answered else "the replay did not answer"
+        return _NOT_BUFFERED if answered else "the replay did not answer"
 
     def _skip_dead(self, seq: int, how: str) -> bool:
         self._dead_seq = seq

@@ -247,6 +247,63 @@ async def test_without_a_replay_socket_a_middle_process_late_batch_is_never_pred
         assert svc.streams()[0].state is StreamState.SYNCED
 
 
+async def _restarted_with(
+    svc: IndexerService, pub: ScriptedPublisher, batches: list[EventBatch], restarts: int
+) -> None:
+    """The publisher restarts and publishes `batches`; until the stream shows it."""
+    pub.restart()
+    for batch in batches:
+        await pub.publish(batch)
+    want = (restarts, len(batches) - 1)
+    await wait_until(lambda: (svc.streams()[0].restarts, svc.streams()[0].last_seq) == want)
+
+
+async def test_without_a_replay_socket_a_dead_batch_past_a_gap_is_never_predicted(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart, a dead middle process's queued batch (its seq 7, its earlier batches
+    never seen) comes after the newest process's 0..3: a gap, which without a replay socket
+    cleared the stream and applied that batch as the worker's (QA: its page predicted while
+    the worker idled). In the window after a restart such a batch taints the stream: it
+    predicts nothing until the window ends, and is cleared then."""
+    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 1.0)
+    a, new, b = (workload(seed=s, batches=n) for s, n in ((1, 11), (2, 4), (3, 8)))
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, replay_endpoint=None)
+        await publish_all(pub, a, settle=svc)
+        pub.restart()
+        for batch in new:
+            await pub.publish(batch)
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and svc.streams()[0].last_seq == 3)
+        await pub.send_raw(build_live(b"kv", 7, encode_batch(b[7], "array")))
+        await wait_until(lambda: svc.streams()[0].last_seq == 7)
+        assert svc.streams()[0].state is StreamState.DEGRADED  # predicts nothing
+        await wait_until(lambda: svc.streams()[0].entries == 0, timeout_s=3.0)
+
+
+async def test_a_dead_batch_going_back_in_the_window_is_skipped_when_the_socket_lacks_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Two restarts within the window (A, B, then C), with a replay socket: B's queued batch 4
+    after C's 12 goes back in seq, as a third restart would. The socket, C's, answers without
+    it: a dead process's batch, skipped. It was applied instead, C's proven pages cleared and
+    the stream predicting nothing (QA), as if nothing could tell the two apart."""
+    a, b, c = (workload(seed=s, batches=n) for s, n in ((1, 12), (2, 5), (3, 13)))
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        await publish_all(pub, a[:11], settle=svc)
+        await _restarted_with(svc, pub, b[:4], restarts=1)
+        await _restarted_with(svc, pub, c, restarts=2)
+        (sub,) = svc._workers[WORKER]
+        await pub.send_raw(build_live(b"kv", 11, encode_batch(a[11], "array")))
+        await wait_until(lambda: sub.dead_batches == 1)
+        await pub.send_raw(build_live(b"kv", 4, encode_batch(b[4], "array")))
+        await wait_until(lambda: sub.dead_batches == 2)
+        stats = svc.streams()[0]
+        assert stats.restarts == 2 and stats.state is StreamState.SYNCED
+        assert view(svc.index, STREAM) == view(reference(c), STREAM)
+
+
 async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
     batches = workload(seed=5, batches=30)
     async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
