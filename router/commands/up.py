@@ -271,7 +271,10 @@ def _as_option(action: argparse.Action, key: str, value: object) -> object:
         try:
             value = action.type(str(value))
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-            raise ConfigError(f"[fleet] {key}: {exc or 'invalid value'} (got {value!r})") from None
+            said = str(exc) or "invalid value"
+            if str(value) not in said:  # the type's own words mostly quote it already
+                said += f" (got {value!r})"
+            raise ConfigError(f"[fleet] {key}: {said}") from None
     elif not isinstance(value, str):
         raise ConfigError(f"[fleet] {key}: expected a string, got {value!r}")
     if action.choices is not None and value not in action.choices:
