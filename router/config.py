@@ -232,6 +232,26 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         )
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _token_problem(key: str, token: str) -> str | None:
+    """Why `token` could never match a client's `Authorization: Bearer TOKEN` (whose value is
+    read without the spaces around it, `router.http.bearer`), which would lock the API it
+    guards out, silently; None when it can. The token itself is never said."""
+    if token and not token.strip():
+        problem = "is only whitespace"
+    elif token != token.strip():
+        problem = "begins or ends with whitespace"
+    elif _CONTROL.search(token):
+        problem = "holds a control character"
+    else:
+        return None
+    return (
+        f"{key} {problem}: no request's `Authorization: Bearer ...` could carry it - at `$.{key}`"
+    )
+
+
 class AdminConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The admin API under /admin."""
 
@@ -540,6 +560,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         return [redact_url(url) for url in self.servers]
 
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]*")  # RFC 9110 token ("": none)
+
+
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole router configuration (one TOML file)."""
 
@@ -565,6 +588,17 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     fleet: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if not _HEADER_NAME.fullmatch(self.salt_header):
+            # a name no request can carry: the trusted gateway's override would never apply
+            raise ValueError(
+                f"salt_header {self.salt_header!r} is not an HTTP header name (RFC 9110: "
+                "letters, digits and !#$%&'*+-.^_`|~, no spaces or colon) - at `$.salt_header`"
+            )
+        # here, not in their tables: msgspec would add the table's path to the key a refused
+        # reload names (`admin`, not `admin.token`)
+        for key, token in (("admin.token", self.admin.token), ("query.token", self.query.token)):
+            if problem := _token_problem(key, token):
+                raise ValueError(problem)
         # the key is spelled as msgspec spells a nested one (`_error_key` reads it back), so a
         # refused reload names it; the id may be the URL (no `id` given): then `url` is the key
         ids: dict[str, int] = {}

@@ -8,6 +8,8 @@
   reaches the others through the parent (`router.http.reload_link`, the line to each child).
 - `hangup`: SIGHUP in a router process from its start to its exit, never its default action
   (which ends the process): held until the verb's handler is up, ignored once the loop is closed.
+- `scratch`: the directory of `up --replicas` / `--relay` (the replicas' config, the JetStream
+  store), which does not outlive `up`, not even a kill -9.
 
 `kvroute worker` lives with the reference workers (`workers.command`), `kvroute bench` with the
 benchmarks (`bench.command`). Nothing is imported here, so `kvroute --help` stays light.

@@ -70,6 +70,14 @@ def _chosen(argv: Sequence[str]) -> str | None:
 
 def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, _Verb | None]:
     """The top-level parser for `argv`, and the verb it asks for (its arguments added)."""
+    parser, _, verb = _build(argv)
+    return parser, verb
+
+
+def _build(
+    argv: Sequence[str],
+) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None, _Verb | None]:
+    """`build_parser`, with the chosen verb's own parser (None: no verb, or not installed)."""
     parser = argparse.ArgumentParser(
         prog="kvroute",
         description="KV-aware, cache_salt-namespace-safe router for SGLang and vLLM fleets.",
@@ -77,6 +85,7 @@ def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, _Verb | 
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     chosen = _chosen(argv)
     verb: _Verb | None = None
+    verb_parser: argparse.ArgumentParser | None = None
     for name, (module, help_text) in VERBS.items():
         if name == chosen:
             verb = _load(module)
@@ -84,10 +93,11 @@ def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, _Verb | 
                 continue
         elif not _installed(module):
             continue
-        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        added = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen and verb is not None:
-            verb.add_arguments(verb_parser)
-    return parser, verb
+            verb.add_arguments(added)
+            verb_parser = added
+    return parser, verb_parser, verb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,8 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from router.commands.hangup import hold
 
         hold()
-    parser, verb = build_parser(words)
-    args = parser.parse_args(words)
+    parser, verb_parser, verb = _build(words)
+    args, extra = parser.parse_known_args(words)
+    if extra:
+        # said by the verb's parser, with its usage: the top level's (`kvroute [-h] VERB ...`)
+        # says nothing of the options the verb does take
+        (verb_parser or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     # what was typed, for a verb that must tell a typed option from its default (`kvroute up`'s
     # [fleet] table fills only the options not given)
     args.command_line = tuple(words)

@@ -4,8 +4,9 @@ Recording subscribes exactly like the router's indexer (same `StreamSubscriber`,
 repaired by replay and restarts detected the same way) and writes every message it accepts, in
 the order it is applied, through the subscriber's raw sink: replayed batches are flagged, and
 malformed payloads are kept byte for byte. Each record reaches the OS as it arrives, so Ctrl-C,
-SIGTERM, `--duration`, `--max-bytes` or a crash never lose what was written (SIGTERM stops it as
-Ctrl-C does: an open compressed chunk is closed, the summary printed, the exit status 0).
+SIGTERM, SIGHUP, `--duration`, `--max-bytes` or a crash never lose what was written (SIGTERM and
+SIGHUP stop it as Ctrl-C does: an open compressed chunk is closed, the summary printed, the exit
+status 0).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import errno
+import os
 import signal
 import sys
 import time
@@ -142,11 +145,26 @@ def _record(args: argparse.Namespace) -> int:
             on_ready=ready,
         )
     )
-    _print_done(args.out, writer, stats, sys.stdout)
-    if stats.error:
-        print(f"kvroute record: {stats.error}", file=sys.stderr)
-        return 1
-    return 0
+    try:
+        _print_done(args.out, writer, stats, sys.stdout)
+        if stats.error:
+            print(f"kvroute record: {stats.error}", file=sys.stderr)
+        sys.stdout.flush()
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        # the terminal hung up (SIGHUP's cause): nobody is left to read the summary, and the
+        # file is complete (closed as the capture ended), so this is no failure
+        _terminal_gone()
+    return 1 if stats.error else 0
+
+
+def _terminal_gone() -> None:
+    """Send stdout and stderr nowhere: the interpreter's last flush would fail on them again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (sys.stdout.fileno(), sys.stderr.fileno()):
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _sources(args: argparse.Namespace) -> list[Source]:
@@ -256,9 +274,9 @@ async def record(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> CaptureStats:
-    """Capture `sources` (`indexer.recording.capture`) until a limit, `stop`, Ctrl-C or
-    SIGTERM (what a service manager or `kill` sends: the same clean stop as Ctrl-C, so an open
-    compressed chunk reaches the file)."""
+    """Capture `sources` (`indexer.recording.capture`) until a limit, `stop`, Ctrl-C, SIGTERM
+    (what a service manager or `kill` sends) or SIGHUP (the terminal hung up): the same clean
+    stop as Ctrl-C for each, so an open compressed chunk reaches the file."""
     loop = asyncio.get_running_loop()
     live: list[_Progress] = []
 
@@ -293,7 +311,9 @@ async def record(
             shown.close()
 
 
-_STOP_SIGNALS = {signal.SIGINT: "ctrl-c", signal.SIGTERM: "sigterm"}
+# SIGHUP too: a terminal's hangup (an ssh session's end) is how a long capture often ends, and
+# its default action would lose the open compressed chunk and the summary
+_STOP_SIGNALS = {signal.SIGINT: "ctrl-c", signal.SIGTERM: "sigterm", signal.SIGHUP: "sighup"}
 
 
 class _Progress:
@@ -341,7 +361,9 @@ class _Progress:
         self._live.update(self._render(rate))
 
     def close(self) -> None:
-        self._live.stop()
+        # its last frame, to a terminal that may have hung up (EIO): the summary says the rest
+        with contextlib.suppress(OSError):
+            self._live.stop()
 
 
 def _print_done(path: Path, writer: RecordingWriter, stats: CaptureStats, out: TextIO) -> None:

@@ -12,7 +12,6 @@ SIGHUP reloads the config. See docs/router.md, "The event relay".
 from __future__ import annotations
 
 import argparse
-import sys
 
 from router.commands import serve
 
@@ -20,17 +19,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `kvroute relay` (those of `kvroute serve`, one process)."""
-    serve.add_arguments(parser)
+    """Options of `kvroute relay`: those of `kvroute serve` but --processes (the streams'
+    records are numbered by one process: two would write each stream twice) and --policy (it
+    routes nothing: no policy applies)."""
+    serve.add_arguments(parser, routes=False, processes=False)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the config and relay until interrupted."""
-    if getattr(args, "processes", 1) != 1:
-        # the streams' records are numbered by one process: two would write each stream twice
-        print(
-            "kvroute relay: --processes must be 1 (run one relay per set of workers)",
-            file=sys.stderr,
-        )
-        return 2
     return serve.run(args, proxy=False, relay=True)

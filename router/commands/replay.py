@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import datetime
 import math
 import os
 import signal
@@ -116,11 +117,12 @@ def _run(args: argparse.Namespace) -> int:
                         f"--stream {', '.join(unknown)}: not in {args.file} (its streams: "
                         f"{', '.join(sorted(reader.sources)) or 'none'})"
                     )
+                flt = msgspec.structs.replace(flt, streams=frozenset(args.stream))
+            if args.start is not None or args.end is not None:
+                _check_not_empty(reader, flt, args)
     except (OSError, IndexerError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
-    if args.stream:
-        flt = msgspec.structs.replace(flt, streams=frozenset(args.stream))
     if args.publish:
         # what only an index replay makes: refused, not silently left out
         index_only = [
@@ -214,6 +216,36 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
             f"  STOPPED at byte {d.offset} (record {d.record}): {d.kind}: {d.reason}; "
             "everything before it was replayed\n"
         )
+
+
+def _check_not_empty(reader: RecordingReader, flt: RecordFilter, args: argparse.Namespace) -> None:
+    """ValueError when --from/--to select no record of a file that has some: beyond either
+    end it replayed nothing (a 0-entry --dump) and exited 0, where --from after --to is
+    refused. A time window seeks: this costs a pass only when the window is empty or
+    selects by seq."""
+    if next(select_records(reader, flt), None) is not None or reader.damage is not None:
+        return  # a damaged file: the replay says where it stopped
+    first = last = None
+    seqs: list[int] = []
+    for positioned in select_records(reader, RecordFilter()):  # what +SECONDS counts from
+        record = positioned.record
+        first = record.recv_time if first is None else first
+        last = record.recv_time
+        seqs.append(record.seq)
+    if first is None or last is None:
+        return  # no record at all: no window to blame
+    given = " ".join(
+        f"{flag} {text!r}" for flag, text in (("--from", args.start), ("--to", args.end)) if text
+    )
+    raise ValueError(
+        f"{given}: the window is empty: no record of {args.file} is in it (its records: "
+        f"+0.0 to +{last - first:.1f} s, {_utc(first)} to {_utc(last)}; seq {min(seqs)} to "
+        f"{max(seqs)})"
+    )
+
+
+def _utc(unix_s: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, datetime.UTC).isoformat(timespec="seconds")
 
 
 def _check_seq_bounds(start: str | None, end: str | None) -> None:

@@ -62,16 +62,20 @@ def tcp_port(text: str) -> int:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `kvroute serve`."""
+def add_arguments(
+    parser: argparse.ArgumentParser, *, routes: bool = True, processes: bool = True
+) -> None:
+    """Options of `kvroute serve`; `routes=False`: no --policy (a verb that scores no
+    worker), `processes=False`: no --processes (a verb that must run as one process)."""
     parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
     parser.add_argument("--host", help="override listen.host")
     parser.add_argument("--port", type=tcp_port, help="override listen.port (0 = any free port)")
-    parser.add_argument(
-        "--policy",
-        choices=get_args(PolicyName),
-        help="override policy.name",
-    )
+    if routes:
+        parser.add_argument(
+            "--policy",
+            choices=get_args(PolicyName),
+            help="override policy.name",
+        )
     parser.add_argument(
         "--log-level",
         type=str.upper,  # logging knows only upper-case names; `debug` is as good
@@ -80,13 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LEVEL",
         help=f"{', '.join(LOG_LEVELS)}, in any case (default %(default)s)",
     )
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        help="replica processes on the one port (SO_REUSEPORT), one router through the "
-        "config's [cluster] (default %(default)s)",
-    )
+    if processes:
+        parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            help="replica processes on the one port (SO_REUSEPORT), one router through the "
+            "config's [cluster] (default %(default)s)",
+        )
     # a replica started by --processes: listen with SO_REUSEPORT beside its siblings
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     # ...and stop when that parent is gone, even if it was killed with no chance to say so

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import logging
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -156,29 +155,37 @@ async def _serve_replicas(
     the workers themselves."""
     from router.cluster.server import NatsServer
     from router.commands.replicas import serve_processes
+    from router.commands.scratch import WRITERS, scratch_directory
     from router.service import RouterService
 
-    async with NatsServer() as nats, contextlib.AsyncExitStack() as stack:
-        print(
-            f"nats-server (JetStream) for the replicas: {nats.url} "
-            f"({nats.binary}, from {nats.found_in})",
-            flush=True,
-        )
-        cluster = msgspec.structs.replace(router.cluster or ClusterConfig(), url=nats.url)
-        config = msgspec.structs.replace(
-            router, cluster=cluster, workers=(*router.workers, *workers)
-        )
-        if relay:
-            relayed = msgspec.structs.replace(
-                config, listen=msgspec.structs.replace(config.listen, port=0)
+    # the replicas' config (the admin token) and the JetStream store (the salts of evicted
+    # namespaces, in clear) in one directory that does not outlive `up`, not even a kill -9
+    with scratch_directory() as tmp:
+        (tmp / "nats").mkdir()
+        async with (
+            NatsServer(store_dir=tmp / "nats") as nats,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            (tmp / WRITERS).write_text(f"{nats.pid}\n")  # the watchdog waits for its end
+            print(
+                f"nats-server (JetStream) for the replicas: {nats.url} "
+                f"({nats.binary}, from {nats.found_in})",
+                flush=True,
             )
-            service = await stack.enter_async_context(RouterService(relayed, relay=True))
-            print(f"kvroute relay of the workers' KV events on {service.url}", flush=True)
+            cluster = msgspec.structs.replace(router.cluster or ClusterConfig(), url=nats.url)
             config = msgspec.structs.replace(
-                config, cluster=msgspec.structs.replace(cluster, events="relay")
+                router, cluster=cluster, workers=(*router.workers, *workers)
             )
-        with tempfile.TemporaryDirectory(prefix="kvroute-up-") as tmp:
-            path = Path(tmp) / "router.json"  # what every replica reads (kvroute serve --config)
+            if relay:
+                relayed = msgspec.structs.replace(
+                    config, listen=msgspec.structs.replace(config.listen, port=0)
+                )
+                service = await stack.enter_async_context(RouterService(relayed, relay=True))
+                print(f"kvroute relay of the workers' KV events on {service.url}", flush=True)
+                config = msgspec.structs.replace(
+                    config, cluster=msgspec.structs.replace(cluster, events="relay")
+                )
+            path = tmp / "router.json"  # what every replica reads (kvroute serve --config)
             path.write_bytes(msgspec.json.encode(config))
             await serve_processes(
                 str(path), config, n, log_level="WARNING", until=wait_for_shutdown, reload=False
@@ -264,7 +271,10 @@ def _as_option(action: argparse.Action, key: str, value: object) -> object:
         try:
             value = action.type(str(value))
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-            raise ConfigError(f"[fleet] {key}: {exc or 'invalid value'} (got {value!r})") from None
+            said = str(exc) or "invalid value"
+            if str(value) not in said:  # the type's own words mostly quote it already
+                said += f" (got {value!r})"
+            raise ConfigError(f"[fleet] {key}: {said}") from None
     elif not isinstance(value, str):
         raise ConfigError(f"[fleet] {key}: expected a string, got {value!r}")
     if action.choices is not None and value not in action.choices:

@@ -208,6 +208,39 @@ def test_replay_refuses_what_would_do_nothing(
     assert not (tmp_path / "x.snap").exists()
 
 
+@pytest.mark.parametrize(
+    "window",
+    [
+        ["--from", "+1000"],  # past the end
+        ["--to", "2001-01-01T00:00:00Z"],  # before the start
+        ["--from", "2030-01-01T00:00:00Z", "--to", "2031-01-01T00:00:00Z"],
+        ["--from", "seq:100000"],  # past every stream's last seq
+        ["--to", "+0.05", "--from", "seq:100000"],
+    ],
+)
+@pytest.mark.parametrize("publish", [False, True], ids=["index", "publish"])
+def test_a_window_beyond_the_recording_is_refused_as_an_empty_one(
+    recording: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    window: list[str],
+    publish: bool,
+) -> None:
+    """Before, `--from +1000` replayed nothing, wrote a 0-entry --dump and exited 0, where
+    `--from +3 --to +1` was refused: both select no record."""
+    dump = tmp_path / "x.snap"
+    how = (
+        ["--publish", "tcp://127.0.0.1:0", "--wait", "0", "--linger", "0"]
+        if publish
+        else ["--dump", str(dump)]
+    )
+    assert main(["replay", str(recording), *window, *how]) == 2
+    err = capsys.readouterr().err
+    assert "the window is empty" in err and window[1] in err, err
+    assert "+0.0" in err  # where the recording's records are, to choose another
+    assert not dump.exists()
+
+
 def test_replay_refuses_negative_seqs_and_waits_and_ports_past_65535(
     recording: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

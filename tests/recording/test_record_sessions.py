@@ -74,7 +74,9 @@ def _records(path: Path) -> list[Record]:
     return records
 
 
-async def _cli(*args: str, limit_file_bytes: int | None = None) -> asyncio.subprocess.Process:
+async def _cli(
+    *args: str, limit_file_bytes: int | None = None, stdout: int = asyncio.subprocess.PIPE
+) -> asyncio.subprocess.Process:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def limit() -> None:  # in the child: a full disk at this size (SIGXFSZ is ignored there)
@@ -86,7 +88,7 @@ async def _cli(*args: str, limit_file_bytes: int | None = None) -> asyncio.subpr
         "-m",
         "router.commands.cli",
         *args,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=stdout,
         stderr=asyncio.subprocess.PIPE,
         env=env,
         preexec_fn=None if limit_file_bytes is None else limit,
@@ -115,9 +117,15 @@ def _summary_counts(stdout: bytes) -> tuple[int, int, int]:
     return int(head[1]), int(head[2]), int(batches[1])
 
 
-async def test_sigterm_stops_a_compressed_recording_as_ctrl_c_does(
-    worker: ReferenceWorker, tmp_path: Path
+@pytest.mark.parametrize(
+    ("sig", "said"),
+    [(signal.SIGTERM, b"sigterm"), (signal.SIGHUP, b"sighup")],
+    ids=["sigterm", "sighup"],
+)
+async def test_a_stop_signal_stops_a_compressed_recording_as_ctrl_c_does(
+    worker: ReferenceWorker, tmp_path: Path, sig: signal.Signals, said: bytes
 ) -> None:
+    # SIGHUP: the terminal hung up (an ssh session's end), the usual end of a long capture
     history = await _traffic(worker, 30, seed=1)
     out = tmp_path / "term.kvrec"
     proc = await _cli("record", *_endpoint_args(worker), "--out", str(out), "--compress")
@@ -126,17 +134,54 @@ async def test_sigterm_stops_a_compressed_recording_as_ctrl_c_does(
         await _until_recorded(out, history - 1)  # joined: it records as the worker publishes
         published = await _traffic(worker, 5, seed=2)
         await asyncio.sleep(0.1)  # delivered, and held in the open chunk (flushed every 0.5 s)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, stderr  # as Ctrl-C: a clean stop, not a death by signal
-    assert b"stopped by sigterm" in stdout and b"Traceback" not in stderr
+    assert b"stopped by " + said in stdout and b"Traceback" not in stderr
     records = _records(out)
     assert [r.seq for r in records] == list(range(published))  # the open chunk too
     assert _summary_counts(stdout) == (published, published, published)
+
+
+async def test_a_hung_up_terminal_ends_a_recording_cleanly_though_it_cannot_show_it(
+    worker: ReferenceWorker, tmp_path: Path
+) -> None:
+    # an ssh session's end, for real: stdout is a terminal (the live table on it) whose other
+    # side is gone, where every write fails (EIO), then the SIGHUP that hangup sends
+    history = await _traffic(worker, 30, seed=1)
+    out = tmp_path / "hup.kvrec"
+    master, terminal = os.openpty()
+    loop = asyncio.get_running_loop()
+    shown = bytearray()  # what the terminal shows (drained, or the live table would block)
+    loop.add_reader(master, lambda: shown.extend(os.read(master, 65536)))
+    try:
+        proc = await _cli(
+            "record", *_endpoint_args(worker), "--out", str(out), "--compress", stdout=terminal
+        )
+    finally:
+        os.close(terminal)
+    try:
+        async with asyncio.timeout(20.0):  # its first line: on the terminal, as the table
+            while b"recording 1 stream(s)" not in shown:  # noqa: ASYNC110 (another process)
+                await asyncio.sleep(0.05)
+        await _until_recorded(out, history - 1)
+        published = await _traffic(worker, 5, seed=2)
+        await asyncio.sleep(0.1)  # held in the open chunk
+        loop.remove_reader(master)
+        os.close(master)
+        proc.send_signal(signal.SIGHUP)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 20.0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr  # nobody to read the summary: not a failure
+    assert b"Traceback" not in stderr
+    assert [r.seq for r in _records(out)] == list(range(published))
 
 
 async def test_a_second_recorder_cannot_write_into_a_file_being_recorded(

@@ -122,6 +122,37 @@ def test_a_worker_listed_twice_is_refused_naming_the_key(
 
 
 @pytest.mark.parametrize(
+    "name", ["X Salt: bad", "X-Salt:", "x-salt ", "Ünicode", "a\tb", "(x)", "x/y", '"q"']
+)
+def test_a_salt_header_that_is_no_header_name_is_refused_naming_it(name: str) -> None:
+    """A name no request can carry: the gateway's salt override never applied, silently."""
+    with pytest.raises(ConfigError, match="salt_header") as refused:
+        parse_config({"salt_header": name})
+    assert refused.value.key == "salt_header", refused.value
+
+
+@pytest.mark.parametrize("name", ["", "X-Tenant-Salt", "x_salt", "a!#$%&'*+-.^_`|~9"])
+def test_any_rfc_9110_token_is_a_salt_header(name: str) -> None:
+    assert parse_config({"salt_header": name}).salt_header == name
+
+
+@pytest.mark.parametrize("table", ["admin", "query"])
+@pytest.mark.parametrize("token", [" ", "\t \n", " s3cret", "s3cret ", "s3c\x00ret"])
+def test_a_token_no_bearer_header_can_carry_is_refused_naming_it(table: str, token: str) -> None:
+    """A client's `Bearer TOKEN` is read without the spaces around it: a token of spaces, or
+    with spaces around it, matched no request and locked the API out, silently."""
+    with pytest.raises(ConfigError, match=rf"{table}\.token") as refused:
+        parse_config({table: {"token": token}})
+    assert refused.value.key == f"{table}.token", refused.value
+    assert token.strip() == "" or token.strip() not in str(refused.value)  # never echoed
+
+
+@pytest.mark.parametrize("table", ["admin", "query"])
+def test_a_token_with_inner_spaces_is_still_a_token(table: str) -> None:
+    assert parse_config({table: {"token": "two words"}})
+
+
+@pytest.mark.parametrize(
     ("key", "value", "said"),
     [
         ("events", "garbage", "expected tcp://HOST:PORT"),

@@ -178,3 +178,47 @@ def test_a_port_past_65535_is_refused_by_name(verb: tuple[str, ...]) -> None:
         done = _kvroute(*verb, port)
         assert done.returncode == 2, done.stderr
         assert "port" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_relay_help_offers_no_option_the_relay_refuses_or_ignores() -> None:
+    out, _ = _imported("relay", "--help")
+    assert "--config" in out and "--port" in out
+    # one process writes each stream once; it routes nothing, so no policy applies
+    assert "--processes" not in out and "--policy" not in out
+    done = _kvroute("relay", "--config", "x.toml", "--processes", "2")
+    assert done.returncode == 2 and "usage: kvroute relay" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("verb", "needed"),
+    [
+        ("up", ()),
+        ("serve", ("--config", "x.toml")),
+        ("relay", ("--config", "x.toml")),
+        ("worker", ()),
+        ("replay", ("x.kvrec",)),
+    ],
+)
+def test_an_unknown_option_is_refused_with_the_verbs_usage(
+    verb: str, needed: tuple[str, ...]
+) -> None:
+    """Before, `kvroute up --bogus` printed `usage: kvroute [-h] VERB ...`: none of up's
+    options."""
+    done = _kvroute(verb, *needed, "--bogus", "x")
+    assert done.returncode == 2
+    assert f"usage: kvroute {verb} " in done.stderr, done.stderr
+    assert "unrecognized arguments: --bogus x" in done.stderr, done.stderr
+
+
+def test_a_fleet_value_refused_says_the_value_once() -> None:
+    from router.commands.cli import build_parser
+    from router.commands.up import _apply_fleet_table
+    from router.errors import ConfigError
+
+    parser, _ = build_parser(["up"])
+    args = parser.parse_args(["up"])
+    args.command_line = ("up",)
+    for value in ("two", 2.5):
+        with pytest.raises(ConfigError) as refused:
+            _apply_fleet_table(args, {"workers": value})
+        assert str(refused.value).count(str(value)) == 1, refused.value

@@ -231,6 +231,16 @@ async def test_an_invalid_file_is_a_400_naming_the_key_and_the_old_config_serves
     status, answer = await fleet.reload()
     assert status == 400 and answer["error"]["key"] == "policy.nmae"
 
+    # a salt header no request can carry (the gateway's override would never apply), and an
+    # admin token of spaces (no request's Bearer could carry it: the next reload locked out)
+    fleet.path.write_text('salt_header = "X Salt: bad"\n' + _toml({"w0": fleet.workers["w0"].url}))
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["key"] == "salt_header", answer
+    fleet.path.write_text(_toml({"w0": fleet.workers["w0"].url}).replace(TOKEN, "   "))
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["key"] == "admin.token", answer
+    assert fleet.router.running_config is before
+
 
 async def test_a_file_that_is_not_utf8_is_a_400_naming_it_and_the_old_config_serves(
     fleet: Reloadable,
