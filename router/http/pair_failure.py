@@ -60,14 +60,17 @@ class PrefillFailed(Exception):
 
 class HandoffFailed(Exception):
     """The prefill of a pair gave up handing its KV over while its decode had not answered:
-    `fault` DECODE, the decode's failure (blamed: left out of the retry, charged as a decode
-    failure); EITHER, a side that cannot be told (both left out of the retry, neither
-    charged)."""
+    `fault` DECODE, the decode's failure by the prefill's word; EITHER, a side it does not
+    tell. What the two workers did since may tell otherwise (`router.http.pair_faults`).
+    `said`: the prefill's failure, worded for it."""
 
-    def __init__(self, message: str, *, fault: HandoffFault, status: int | None) -> None:
+    def __init__(
+        self, message: str, *, fault: HandoffFault, status: int | None, said: str = ""
+    ) -> None:
         super().__init__(message)
         self.fault = fault
         self.status = status  # the prefill's HTTP status
+        self.said = said or message
 
 
 class PrefillRefused(Exception):
@@ -95,11 +98,23 @@ class PairCharges:
     def failed(self, side: str, worker: str, hard: bool) -> None:
         self.sent[side].append((worker, hard))
 
-    def settle(self, answered: bool) -> None:
-        """The request ended: `answered` (a worker answered it below 500)."""
+    def retract(self, side: str, worker: str) -> None:
+        """A failure charged to `worker` turned out another's: one of its charges goes."""
+        sent = self.sent[side]
+        for i, (charged, _) in enumerate(sent):
+            if charged == worker:
+                del sent[i]
+                return
+
+    def settle(self, answered: bool, served: tuple[str, str] = ("", "")) -> None:
+        """The request ended: `answered` (a worker answered it below 500), by the `served`
+        (prefill, decode) pair: a failure charged on the word of another worker to one that
+        then answered it was not its own, and is dropped."""
         if self._settled or self.plan is None:
             return
         self._settled = True
+        for side, worker in zip(("prefill", "decode"), served, strict=True):
+            self.sent[side] = [(w, hard) for w, hard in self.sent[side] if w != worker]
         for side, plan in (("prefill", self.plan.prefill), ("decode", self.plan.decode)):
             tried = self.tried[side]
             untried = any(c.worker not in tried for c in plan.ranked())

@@ -1,4 +1,5 @@
-"""Whose failure a pair's failed KV handoff was, told by its partners (`PairFaults`).
+"""Whose failure a pair's failed KV handoff was, told by what its two workers did since
+(`PairFaults`).
 
 Some failures of a prefill/decode pair do not say which side broke:
 - the request deadline passes with both legs still waiting: SGLang's prefill answers only once
@@ -7,52 +8,98 @@ Some failures of a prefill/decode pair do not say which side broke:
 - a prefill answers that its KV handoff failed without saying on which side (SGLang's "Prefill
   transfer failed ... KVTransferError");
 - a prefill answers that no decode came for its KV (SGLang's "timed out ... in
-  KVPoll.Bootstrapping"), which is the decode's failure, unless the prefill is the one whose
-  bootstrap is broken.
+  KVPoll.Bootstrapping"): the decode's failure by its word, unless its own bootstrap is broken.
 
-What tells them apart is the partner: a broken worker fails so with every worker it is paired
-with, a healthy one only with the broken one. Each such failure is remembered for a while, and
-a side that failed so before with another partner (while the other side had not) is the one
-blamed; otherwise the failure's own default (the decode for "no decode came", nobody for the
-others). Before, a deadline was always the prefill's (one wedged decode took every healthy
-prefill out in turn), and a handoff failure of either side left both workers out of the retry
-and charged neither (the only decode left out: the request failed with a healthy pair
-untried; a prefill whose transfer engine was broken never left rotation).
+A broken worker keeps failing, a healthy one answers the requests it gets with other partners.
+So each worker keeps the partners it failed with so (since its last answered request; an
+hour at most), and at such a failure the side that has failed so before while the other has
+not (it answered since, or never failed) is the one to blame; otherwise the failure's own word
+(the decode for "no decode came", nobody for the others). A worker blamed so explains its
+partners' failures with it: they are dropped from their records. Records of workers that left
+the pool are dropped. A pair that failed so is avoided by the next requests for a while
+(`avoided`) where another pair is left, so a wedged worker meets other partners instead of
+failing the same pair again with nothing learnt.
+
+Before (QA): a deadline was always the prefill's, and one wedged decode took every healthy
+prefill out in turn; then, judged by other partners alone, a record that outlived its verdict
+charged a healthy prefill, and a planner that kept picking the same pair never charged the
+wedged decode.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-__all__ = ["PairFaults", "Side"]
+__all__ = ["AVOID_S", "PairFaults", "Side"]
 
 Side = Literal["prefill", "decode"]
 
-# failures remembered: a broken worker fails each request paired with it (its queue fills at
-# once), so an hour and the last 64 cover it without growing with the fleet
+# a failure is evidence for an hour at most; a pair that failed is avoided for half a minute
 _MEMORY_S = 3600.0
-_KEPT = 64
+AVOID_S = 30.0
+_PAIRS_KEPT = 256  # pairs avoided at once, the oldest dropped first (bounded by the fleet)
 
 
 class PairFaults:
-    """The recent failures of pairs whose side was not told by the failure itself."""
+    """What each worker of pairs did since its failures whose side was not told."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._seen: deque[tuple[str, str, float]] = deque(maxlen=_KEPT)
+        # worker -> the partners it failed with so since it last answered, and when
+        self._failed_with: dict[str, dict[str, float]] = {}
+        self._avoid: dict[tuple[str, str], float] = {}  # (prefill, decode) -> when it failed
 
-    def blame(self, prefill: str, decode: str, default: Side | None) -> Side | None:
-        """The side to blame for this failure of `prefill` with `decode` (remembered): the
-        one that failed so before with another partner, else `default` (None: neither)."""
+    def blame(
+        self,
+        prefill: str,
+        decode: str,
+        default: Side | None,
+        present: Callable[[str], bool] = lambda _: True,
+    ) -> tuple[Side | None, bool]:
+        """The side to blame for this failure of `prefill` with `decode` (remembered), and
+        whether what the workers did told it: the one that failed so before while the other
+        has not, else `default` (None: neither). `present`: whether a worker is still in the
+        pool (records of the others are dropped)."""
         now = self._clock()
-        while self._seen and now - self._seen[0][2] > _MEMORY_S:
-            self._seen.popleft()
-        decode_before = any(d == decode and p != prefill for p, d, _ in self._seen)
-        prefill_before = any(p == prefill and d != decode for p, d, _ in self._seen)
-        self._seen.append((prefill, decode, now))
-        if decode_before != prefill_before:
-            return "decode" if decode_before else "prefill"
-        return default
+        self._prune(now, present)
+        prefill_before = bool(self._failed_with.get(prefill))
+        decode_before = bool(self._failed_with.get(decode))
+        self._avoid[(prefill, decode)] = now
+        if len(self._avoid) > _PAIRS_KEPT:
+            del self._avoid[min(self._avoid, key=self._avoid.__getitem__)]
+        if prefill_before != decode_before:
+            blamed, other = (prefill, decode) if prefill_before else (decode, prefill)
+            for record in self._failed_with.values():
+                record.pop(blamed, None)  # its partners' failures with it are explained
+            self._failed_with.setdefault(blamed, {})[other] = now
+            return ("prefill" if prefill_before else "decode"), True
+        self._failed_with.setdefault(prefill, {})[decode] = now
+        self._failed_with.setdefault(decode, {})[prefill] = now
+        return default, False
+
+    def answered(self, prefill: str, decode: str) -> None:
+        """The pair answered a request: neither worker is broken (its record goes), and the
+        pair is no longer avoided."""
+        self._failed_with.pop(prefill, None)
+        self._failed_with.pop(decode, None)
+        self._avoid.pop((prefill, decode), None)
+
+    def avoided(self) -> set[tuple[str, str]]:
+        """The pairs that failed so less than `AVOID_S` ago."""
+        if not self._avoid:
+            return set()
+        since = self._clock() - AVOID_S
+        return {pair for pair, at in self._avoid.items() if at > since}
+
+    def _prune(self, now: float, present: Callable[[str], bool]) -> None:
+        for worker in [w for w in self._failed_with if not present(w)]:
+            del self._failed_with[worker]
+        for record in self._failed_with.values():
+            for partner in [
+                p for p, at in record.items() if now - at > _MEMORY_S or not present(p)
+            ]:
+                del record[partner]
+        for pair in [p for p, at in self._avoid.items() if now - at > AVOID_S]:
+            del self._avoid[pair]

@@ -13,8 +13,9 @@ out one after another while the retry went back to the same wedged decode:
   (`router.http.bootstrap_unreachable`);
 - it says the handoff failed in any other words (SGLang's "Prefill transfer failed ...
   KVTransferError", the reference worker's `kv_transfer_*` errors): either side's
-  (`HandoffFault.EITHER`), which cannot be told from here. Both are left out of the retry,
-  neither is charged: blaming the wrong one would take a healthy worker out;
+  (`HandoffFault.EITHER`), which cannot be told from here. The retry avoids the pair, and
+  neither is charged: blaming the wrong one would take a healthy worker out (what the two do
+  next may tell: `router.http.pair_faults`);
 - anything else (another 5xx, a dropped connection, no answer within the request deadline):
   the prefill's own failure, as before.
 """

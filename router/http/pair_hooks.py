@@ -8,8 +8,8 @@ input logprobs, and decide whom a failure of the decode is charged to.
 Blame (`PairHooks.blamed`): a decode that times out (answers 504, SGLang's
 `kv_transfer_timeout`, or outlives the request deadline) while its prefill has not answered is
 the prefill's failure: SGLang's prefill answers once its KV is handed over, so the KV never
-came (at the request deadline with both legs waiting, the side that failed so before with
-another partner is charged instead, else neither: `router.http.pair_faults`). A prefill that
+came (at the request deadline with both legs waiting, the side that failed so before while the
+other answered since is charged instead, else neither: `router.http.pair_faults`). A prefill that
 failed is blamed for its decode's failure (a prefill dying mid-transfer: its connection drops,
 or its decode's transfer is cut, whichever the router hears first). So is a decode that says it
 could not reach the prefill's bootstrap server (`router.http.bootstrap_unreachable`). Any other
@@ -192,7 +192,10 @@ class PairHooks(AnswerHooks):
         blamed: Candidate | None
         if prefill_waiting and faults is not None:
             self.stalled = True
-            side = faults.blame(self.prefill.worker, self.decode.worker, None)
+            pool = self._planner.pool
+            side, _ = faults.blame(
+                self.prefill.worker, self.decode.worker, None, lambda w: pool.find(w) is not None
+            )
             blamed = None if side is None else self.decode if side == "decode" else self.prefill
         else:
             blamed = self.blamed(True)

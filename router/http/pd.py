@@ -22,13 +22,14 @@ retried, on its new ranks, without blaming it.
 Failure: until a byte reached the client, a failed pair is retried on another pair, leaving out
 the worker blamed (`router.http.pair_hooks.PairHooks.blamed`). A decode's failures other than a
 timeout wait `_BLAME_GRACE_S` to hear whether its prefill died mid-transfer (then the prefill
-is blamed). A prefill that gave up waiting for its decode to take the KV blames the decode, or
-both for the retry (`router.http.pair_handoff`). A decode that could not reach the prefill's
-bootstrap server has the prefill's settings read again and the pair retried where they changed
-(`router.http.bootstrap_unreachable`). The request deadline bounds it all. Failures are
-charged once the request ended (`router.http.pair_failure.PairCharges`). An answer is counted
-by the task that wrote it (`PairDispatcher._answered`), whatever the client does next.
-"""
+is blamed). A prefill that gave up waiting for its decode to take the KV blames the decode by
+its word, or neither, and the retry avoids the pair (`router.http.pair_handoff`); what the two
+workers did since may blame one (`router.http.pair_faults`). A decode that could not reach the
+prefill's bootstrap server has the prefill's settings read again and the pair retried where
+they changed (`router.http.bootstrap_unreachable`). The request deadline bounds it all.
+Failures are charged once the request ended (`router.http.pair_failure.PairCharges`). An answer
+is counted by the task that wrote it (`PairDispatcher._answered`), whatever the client does
+next."""
 
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ class PairDispatcher:
         deadline = time.monotonic() + self._config.timeouts.request_s
         failed: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         failed_pairs: set[tuple[str, str]] = set()  # failed, the side not told
+        # prefill -> the decodes charged on its word ("no decode came") in this request
+        on_its_word: dict[str, list[str]] = {}
         failures: list[str] = []
         charges = PairCharges(planner)
         last_status: int | None = None
@@ -179,7 +182,8 @@ class PairDispatcher:
                 raise NoWorkerError(
                     none_routable(of_side.candidates, planner.pool, planner.clock(), side)
                 )
-            pair = _untried(prefills, decodes, failed_pairs)
+            pair = _untried(prefills, decodes, failed_pairs | self._faults.avoided())
+            pair = pair or _untried(prefills, decodes, failed_pairs)
             if pair is None:
                 break  # (a retry: the first attempt always has one)
             prefill, decode = pair
@@ -222,6 +226,7 @@ class PairDispatcher:
                 obs.attempt(plan.prefill, prefill, attempt)
             unreachable = False
             blamed: Candidate | None  # None: the pair's failure, its side not told
+            on_word = False  # blamed on the other worker's word only (`HandoffFailed`)
             hooks = PairHooks(
                 prefill,
                 decode,
@@ -279,12 +284,22 @@ class PairDispatcher:
                 # so before with another partner (`PairFaults`); charged, if at all, once the
                 # request ended, as a 5xx is
                 told: Side | None = "decode" if exc.fault is HandoffFault.DECODE else None
-                side_of = self._faults.blame(prefill.worker, decode.worker, told)
+                side_of, shown = self._faults.blame(
+                    prefill.worker, decode.worker, told, lambda w: planner.pool.find(w) is not None
+                )
                 blamed = None if side_of is None else decode if side_of == "decode" else prefill
                 hard, reason, status, at_once = False, str(exc), exc.status, False
-                if side_of is not None and side_of != told:
+                # on the prefill's word alone, the retry avoids the pair, not the decode: it
+                # may be the prefill's own bootstrap (QA: the only decode left out, a healthy
+                # pair untried); it goes with another prefill, and is not charged if it answers
+                on_word = not shown
+                if shown:
                     other = "decode" if side_of == "prefill" else "prefill"
-                    reason += f" (it failed so with another {other} before)"
+                    reason = (
+                        f"{exc.said} (it failed so before, and the {other} answered since)"
+                        if side_of == "prefill"
+                        else f"{reason} (it failed so before, and the prefill answered since)"
+                    )
                 withdraw_at_least(p_ticket, Withdraw.PENDING)
                 withdraw_at_least(d_ticket, Withdraw.PENDING)
             except AttemptFailed as exc:
@@ -356,7 +371,14 @@ class PairDispatcher:
                 failures.append(f"prefill {prefill.worker} and decode {decode.worker}: {reason}")
                 continue
             side = "prefill" if blamed is prefill else "decode"
-            failed[side].add(blamed.worker)
+            if on_word:
+                failed_pairs.add((prefill.worker, decode.worker))
+                on_its_word.setdefault(prefill.worker, []).append(decode.worker)
+            else:
+                failed[side].add(blamed.worker)
+            if side == "prefill":  # its word about its decodes before is not taken now
+                for worker in on_its_word.pop(prefill.worker, []):
+                    charges.retract("decode", worker)
             if at_once:  # it never got the request, or did not answer within the deadline
                 planner.record_failure(blamed.worker, hard=hard)
             else:  # the request's fault as much as the worker's, maybe: charged at its end
@@ -395,7 +417,11 @@ class PairDispatcher:
         blamed = hooks.charged
         if response.status >= 500 and blamed is not None:  # a failure passed through
             charges.failed("prefill" if blamed is prefill else "decode", blamed.worker, False)
-        charges.settle(response.status < 500)
+        if response.status < 500:
+            self._faults.answered(prefill.worker, hooks.decode.worker)
+            charges.settle(True, (prefill.worker, hooks.decode.worker))
+        else:
+            charges.settle(False)
         hooks.counted = True
         self._metrics.record(
             endpoint.value,
@@ -476,7 +502,14 @@ class PairDispatcher:
                     if isinstance(failure, PrefillFailed) and failure.timed_out:
                         # the deadline, the decode waiting too: its own timeout would have
                         # come at the same moment, and is charged so (`PairHooks.timed_out`)
-                        hooks.timed_out(prefill_waiting=True)
+                        charged = hooks.timed_out(prefill_waiting=True)
+                        log.warning(
+                            "neither prefill worker %s nor decode worker %s answered within "
+                            "the request timeout (timeouts.request_s): 504, %s",
+                            prefill.worker,
+                            decode.worker,
+                            "nobody charged" if charged is None else f"charged to worker {charged}",
+                        )
                         raise _stalled(hooks, failure)
                     if isinstance(failure, PrefillFailed) and failure.handoff is not None:
                         # it gave up waiting for its decode, which has not answered either:
@@ -662,7 +695,8 @@ def _handoff_failed(
         message = f"their KV handoff failed; prefill {prefill.worker} says: {failure}"
         if decode_said is not None:
             message += f"; the decode: {decode_said}"
-    return HandoffFailed(message, fault=fault, status=failure.status)
+    said = f"its KV handoff failed; prefill {prefill.worker} says: {failure}"
+    return HandoffFailed(message, fault=fault, status=failure.status, said=said)
 
 
 def _stalled(hooks: PairHooks, cause: Exception) -> UpstreamTimeoutError:
@@ -674,12 +708,12 @@ def _stalled(hooks: PairHooks, cause: Exception) -> UpstreamTimeoutError:
     elif hooks.charged is hooks.decode:
         message = (
             f"decode {decode} took no KV from prefill {prefill} within the request timeout (it "
-            "failed so with another prefill before)"
+            "failed so before, and the prefill answered since)"
         )
     elif hooks.charged is hooks.prefill:
         message = (
             f"prefill {prefill} sent decode {decode} no KV within the request timeout (it "
-            "failed so with another decode before)"
+            "failed so before, and the decode answered since)"
         )
     else:
         message = (

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from router.config import RouterConfig, TimeoutsConfig, TracingConfig, WorkerConfig
+from router.http import pair_faults
 from router.http.keys import DECISIONS
 from router.http.pair_handoff import HandoffFault, handoff_fault
 from router.service import RouterService
@@ -344,10 +345,11 @@ async def test_a_handoff_failed_on_either_side_retries_another_pair_with_the_onl
 
 async def test_a_prefill_saying_no_decode_came_with_two_decodes_is_blamed_itself() -> None:
     """A prefill whose own bootstrap is broken says no decode came for its KV, with every
-    decode: the first failure is its decode's (what it says), the second, with another decode,
-    is the prefill's (`PairFaults`): it leaves the retry, and the request is served by a
-    healthy pair. Before, each decode it went with was blamed in turn, and the request failed
-    once the decodes ran out."""
+    decode: the first failure is its decode's on its word (the retry avoids the pair), the
+    second, with another decode, is the prefill's (`PairFaults`): it leaves the retry, the
+    decode charged on its word is not, and the request is served by a healthy pair. Before,
+    each decode it went with was blamed in turn, and the request failed once the decodes ran
+    out."""
     async with (
         FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, delay=0.5) as fake,
         ReferenceWorker(reference("prefill")) as p1,
@@ -372,9 +374,72 @@ async def test_a_prefill_saying_no_decode_came_with_two_decodes_is_blamed_itself
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvroute-prefill-worker"] == "p1"
             assert len(fake.seen) == 2
-            # charged as the request ended: the first decode on what the prefill said, then
-            # the prefill itself (a healthy decode's next success clears its count)
-            assert _failures(router) == {"fake": 1, "p1": 0, "d0": 1, "d1": 0}
+            # charged as the request ended: the prefill itself; the first decode, blamed on
+            # its word, no longer
+            assert _failures(router) == {"fake": 1, "p1": 0, "d0": 0, "d1": 0}
+
+
+async def test_a_pair_failing_at_the_deadline_is_avoided_and_its_hung_decode_charged_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One prefill, a hung decode and a healthy one, at the request deadline: the first such
+    504 charges neither, and the next requests avoid that pair for a while (its prefill
+    answers them with the other decode). Met again after that, the hung decode is the side
+    that failed while its partner answered since: charged. Before, a planner picking the same
+    pair each time charged nobody, ever, and each client waited the whole deadline."""
+    monkeypatch.setattr(pair_faults, "AVOID_S", 0.5)
+    async with (
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
+        FakePdWorker("decode", hang=True) as hung,
+        ReferenceWorker(reference("decode")) as d1,
+    ):
+        workers = router_config([("p0", p0.url), ("d1", d1.url)]).workers
+        config = _config(workers=(*workers, _fake("hung", hung)))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def paired() -> bool:
+                return router.planner.pool.disaggregated(MODEL)
+
+            async def post() -> tuple[int, str]:
+                async with session.post(router.url + "/generate", json=BODY) as resp:
+                    return resp.status, await resp.text()
+
+            await eventually(paired, what="the workers' roles to be discovered")
+            await _admin(session, router, "/workers/d1/drain")
+            status, text = await post()
+            assert status == 504 and "(neither charged)" in text
+            await _admin(session, router, "/workers/d1/drain", {"drain": False})
+            assert (await post())[0] == 200  # the pair avoided: p0 with d1
+            assert len(hung.seen) == 1
+            await asyncio.sleep(0.6)
+            await _admin(session, router, "/workers/d1/drain")
+            status, text = await post()
+            assert status == 504 and "decode hung took no KV from prefill p0" in text
+            assert _failures(router) == {"p0": 0, "d1": 0, "hung": 1}
+
+
+async def test_a_prefill_saying_no_decode_came_leaves_the_only_decode_to_the_retry() -> None:
+    """A prefill says no decode came for its KV: on its word the decode is blamed, but the
+    retry avoids the pair, not the decode (it may be the prefill's own bootstrap). With one
+    decode, the request failed with a healthy pair (the other prefill with it) untried; and
+    the decode, which then answers it, is not charged on that word."""
+    async with (
+        FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, delay=1.0) as fake,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        workers = router_config([("p1", p1.url), ("d0", d0.url)]).workers
+        config = _config(workers=(_fake("fake", fake), *workers))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _admin(session, router, "/workers/p1/drain")  # the first pair is the fake's
+            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+            await asyncio.wait_for(fake.arrived.wait(), 10)
+            await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            async with await asyncio.wait_for(sent, 10) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+            assert _failures(router) == {"fake": 0, "p1": 0, "d0": 0}
 
 
 async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tells() -> None:
@@ -408,7 +473,7 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
             assert "neither prefill hung nor decode d0 answered" in messages[0]
             assert "(neither charged)" in messages[0]
             assert "prefill hung sent decode d1 no KV" in messages[1]
-            assert "failed so with another decode before" in messages[1]
+            assert "failed so before, and the decode answered since" in messages[1]
             assert _failures(router) == {"hung": 1, "d0": 0, "d1": 0}
 
 
