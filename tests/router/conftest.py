@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import datetime as real_datetime
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -16,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from router.config import AdminConfig, HealthConfig, ListenConfig, RouterConfig, WorkerConfig
+from router.http.observe import install_log_request_id
 from router.prompt import chat_template as chat_template_module
 from router.service import RouterService
 from workers.config import WorkerConfig as ReferenceConfig
@@ -307,3 +309,12 @@ def frozen_now(monkeypatch: pytest.MonkeyPatch) -> None:
             return golden_now
 
     monkeypatch.setattr(chat_template_module, "datetime", Frozen)
+
+
+@pytest.fixture
+def log_request_ids() -> Iterator[None]:
+    """Log records carry `request_id` (as `kvroute serve` sets up), undone afterwards."""
+    factory = logging.getLogRecordFactory()
+    install_log_request_id()
+    yield
+    logging.setLogRecordFactory(factory)

@@ -220,11 +220,7 @@ async def test_a_lone_decode_that_never_takes_the_kv_is_named_in_the_error() -> 
     ):
         config = _config(workers=(WorkerConfig(url=p0.url, id="p0"), _fake("hung", hung)))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
-
-            await eventually(paired, what="the prefill's role to be discovered")
+            await _paired(router)
             async with session.post(router.url + "/generate", json=BODY) as resp:
                 assert resp.status == 504, await resp.text()
                 message = (await resp.json())["error"]["message"]
@@ -243,11 +239,7 @@ async def test_a_503_for_a_side_whose_circuits_are_open_says_so_and_until_when()
     ):
         config = _config(workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
-
-            await eventually(paired, what="the workers' roles to be discovered")
+            await _paired(router)
             router.planner.record_failure("d0", hard=True)  # what a refused connection does
             async with session.post(router.url + "/generate", json=BODY) as resp:
                 assert resp.status == 503, await resp.text()
@@ -320,12 +312,15 @@ async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says
             assert _failures(router) == {"fake": 0, "hung": 0, "p1": 0, "d1": 0, **charged}
 
 
-async def test_a_handoff_failed_on_either_side_retries_another_pair_with_the_only_decode() -> None:
-    """A prefill that says its KV handoff failed without saying on which side: the retry
-    avoids the pair, not both workers. Leaving both out failed the request with 502 while a
-    healthy pair (the other prefill with the only decode) was untried."""
+@pytest.mark.parametrize("said", [_SGLANG_TRANSFER, _SGLANG_NO_DECODE], ids=["either", "no-decode"])
+async def test_a_failed_handoff_retries_another_pair_with_the_only_decode(said: str) -> None:
+    """A prefill that says its KV handoff failed, on a side it does not tell, or on its
+    decode's ("no decode came", which its own broken bootstrap says as well): the retry
+    avoids the pair, not the decode. Leaving the decode out failed the request with 502
+    while a healthy pair (the other prefill with the only decode) was untried; the decode,
+    which then answers it, is not charged on the prefill's word."""
     async with (
-        FakePdWorker("prefill", status=500, message=_SGLANG_TRANSFER, delay=1.0) as fake,
+        FakePdWorker("prefill", status=500, message=said, delay=1.0) as fake,
         ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode")) as d0,
     ):
@@ -419,29 +414,6 @@ async def test_a_pair_failing_at_the_deadline_is_avoided_and_its_hung_decode_cha
             assert _failures(router) == {"p0": 0, "d1": 0, "hung": 1}
 
 
-async def test_a_prefill_saying_no_decode_came_leaves_the_only_decode_to_the_retry() -> None:
-    """A prefill says no decode came for its KV: on its word the decode is blamed, but the
-    retry avoids the pair, not the decode (it may be the prefill's own bootstrap). With one
-    decode, the request failed with a healthy pair (the other prefill with it) untried; and
-    the decode, which then answers it, is not charged on that word."""
-    async with (
-        FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, delay=1.0) as fake,
-        ReferenceWorker(reference("prefill")) as p1,
-        ReferenceWorker(reference("decode")) as d0,
-    ):
-        workers = router_config([("p1", p1.url), ("d0", d0.url)]).workers
-        config = _config(workers=(_fake("fake", fake), *workers))
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            await _admin(session, router, "/workers/p1/drain")  # the first pair is the fake's
-            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-            await asyncio.wait_for(fake.arrived.wait(), 10)
-            await _admin(session, router, "/workers/p1/drain", {"drain": False})
-            async with await asyncio.wait_for(sent, 10) as resp:
-                assert resp.status == 200, await resp.text()
-                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
-            assert _failures(router) == {"fake": 0, "p1": 0, "d0": 0}
-
-
 async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tells() -> None:
     """Both sides waiting past the request deadline look alike whichever is wedged (the decode
     waits for the KV, SGLang's prefill for its decode to take it): the first such 504 charges
@@ -456,11 +428,7 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
         config = _config(workers=(_fake("hung", hung), *decodes))
         config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
-
-            await eventually(paired, what="the decodes' roles to be discovered")
+            await _paired(router)
             messages = []
             for decode, other in (("d0", "d1"), ("d1", "d0")):
                 await _admin(session, router, f"/workers/{other}/drain")
@@ -494,11 +462,7 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
         config = _config(workers=(*workers, _fake("hung", hung)))
         config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
-
-            await eventually(paired, what="the workers' roles to be discovered")
+            await _paired(router)
             messages = []
             for prefill, other in (("p0", "p1"), ("p1", "p0")):
                 await _admin(session, router, f"/workers/{other}/drain")
@@ -751,11 +715,7 @@ async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:
     ):
         config = router_config([("p0", p0.url), ("d0", d0.url)])
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
-
-            await eventually(paired, what="the roles to be discovered")
+            await _paired(router)
             async with session.delete(router.url + "/admin/workers/d0", headers=AUTH) as resp:
                 assert resp.status == 200, await resp.text()
             async with session.post(router.url + "/generate", json=BODY) as resp:

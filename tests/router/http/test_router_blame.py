@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
@@ -27,7 +27,6 @@ from router.config import (
 )
 from router.http import rank_refusal
 from router.http.keys import DECISIONS
-from router.http.observe import install_log_request_id
 from router.http.rank_refusal import refuses_rank
 from router.routing.breaker import BreakerState
 from router.service import RouterService
@@ -164,9 +163,7 @@ async def test_a_request_that_fails_on_every_worker_opens_no_circuit(
             assert await _post(session, router, mode) in (500, 502)
         assert a.modes == b.modes == [mode] * count  # each was retried on the other
         assert _state(router, "a") is _state(router, "b") is BreakerState.CLOSED
-        assert [await _post(session, router, "ok") for _ in range(4)] == [200] * 4
-        async with session.get(router.url + "/health") as resp:
-            assert resp.status == 200
+        await _serves_everyone(session, router)
 
 
 async def test_a_worker_that_drops_a_request_another_answers_leaves_rotation_at_once(
@@ -347,9 +344,7 @@ async def test_one_prompt_cut_mid_stream_on_every_worker_leaves_the_fleet_servin
         cut = {await _cut_stream(session, router, f"poison-{n}") for n in range(2)}
         assert cut == {"a", "b"} and a.modes == b.modes == ["cut"]
         assert _state(router, "a") is _state(router, "b") is BreakerState.CLOSED
-        assert [await _post(session, router, "ok") for _ in range(4)] == [200] * 4
-        async with session.get(router.url + "/health") as resp:
-            assert resp.status == 200
+        await _serves_everyone(session, router)
 
 
 async def test_a_503_for_open_circuits_says_so_and_until_when(
@@ -377,15 +372,6 @@ async def test_a_503_for_open_circuits_says_so_and_until_when(
         )
         assert message.startswith(prefix) and message.endswith(" s"), message
         assert 25.0 < float(message.removeprefix(prefix).removesuffix(" s")) <= 30.0
-
-
-@pytest.fixture
-def log_request_ids() -> Iterator[None]:
-    """Log records carry `request_id` (as `kvroute serve` sets up), undone afterwards."""
-    factory = logging.getLogRecordFactory()
-    install_log_request_id()
-    yield
-    logging.setLogRecordFactory(factory)
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
@@ -509,3 +495,10 @@ def test_rank_less_retries_are_said_once_a_while_with_the_count_unsaid(
     assert warnings[0].endswith("0 more since the last time)")
     assert warnings[2].endswith("3 more since the last time)")
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 3
+
+
+async def _serves_everyone(session: aiohttp.ClientSession, router: RouterService) -> None:
+    """The fleet answers sound requests, and the router says it is healthy."""
+    assert [await _post(session, router, "ok") for _ in range(4)] == [200] * 4
+    async with session.get(router.url + "/health") as resp:
+        assert resp.status == 200

@@ -9,18 +9,16 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-import zmq.asyncio
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from router.commands.cli import build_parser
-from router.config import QueryConfig, WorkerConfig, load_config
+from router.config import QueryConfig, load_config
 from router.http.app import create_app
 from router.http.keys import RELOADER
 from router.http.reload import ConfigSource
 from router.service import RouterService
-from tests.indexer.scripted import ScriptedPublisher
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from tests.router.vllm_stub import vllm_payload, vllm_stub
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -203,69 +201,45 @@ async def test_lora_names_no_adapter_on_vllm_workers_as_on_the_proxy() -> None:
     adapter's pages, which the request it routes would not reuse there (a false hit)."""
     tokens = list(range(1, 17))  # 4 pages of 4
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async with vllm_stub(model="base-v") as (vllm, pub):
+        config = msgspec.structs.replace(router_config([]), workers=(vllm,))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    ctx = zmq.asyncio.Context()
-    try:
-        async with TestServer(app, host="127.0.0.1") as server, ScriptedPublisher(ctx) as pub:
-            vllm = WorkerConfig(
-                url=str(server.make_url("")),
-                id="v",
-                engine="vllm",
-                model="base-v",
-                events=pub.endpoint,
-                replay=pub.replay_endpoint,
-                block_size=4,
-                topic="kv",
-            )
-            config = msgspec.structs.replace(router_config([]), workers=(vllm,))
-            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            async def ask(body: dict[str, Any]) -> Any:
+                async with session.post(router.url + "/v1/kv/query", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
 
-                async def ask(body: dict[str, Any]) -> Any:
-                    async with session.post(router.url + "/v1/kv/query", json=body) as resp:
-                        assert resp.status == 200, await resp.text()
-                        return await resp.json()
+            async def live() -> bool:
+                await pub.publish_payload(vllm_payload())
+                (stream,) = router.indexer.streams()
+                return stream.state == "synced" and stream.last_seq is not None
 
-                async def live() -> bool:
-                    await pub.publish_payload(_vllm_payload())
-                    (stream,) = router.indexer.streams()
-                    return stream.state == "synced" and stream.last_seq is not None
+            await eventually(live, what="the stream to be live")
+            # the adapter's pages, as vLLM publishes them: its name in every block's keys
+            await pub.publish_payload(vllm_payload(_adapter_pages(tokens, "sql-lora")))
+            prompt = [*tokens, 99]
+            named = {"model": "sql-lora", "token_ids": prompt}
 
-                await eventually(live, what="the stream to be live")
-                # the adapter's pages, as vLLM publishes them: its name in every block's keys
-                await pub.publish_payload(_vllm_payload(_adapter_pages(tokens, "sql-lora")))
-                prompt = [*tokens, 99]
-                named = {"model": "sql-lora", "token_ids": prompt}
+            async def indexed() -> bool:
+                return bool((await ask(named))["workers"][0]["matched_tokens"] == 16)
 
-                async def indexed() -> bool:
-                    return bool((await ask(named))["workers"][0]["matched_tokens"] == 16)
-
-                await eventually(indexed, what="the adapter's pages indexed")
-                adapter = await ask(named)
-                base = await ask({"model": "base-v", "token_ids": prompt})
-                given = await ask({"model": "base-v", "lora": "sql-lora", "token_ids": prompt})
-                async with session.post(
-                    router.url + "/admin/route",
-                    json={"model": "base-v", "prompt": prompt, "lora_path": "sql-lora"},
-                    headers=AUTH,
-                ) as resp:
-                    routed = await resp.json()
-                # `lora` is read as the proxy reads lora_path: the base model's namespace
-                assert given["lora"] is routed["lora"] is base["lora"] is None
-                assert given["namespace"] == routed["namespace"] == base["namespace"]
-                assert given["workers"][0]["matched_tokens"] == 0
-                assert routed["candidates"][0]["matched_tokens"] == 0
-                assert adapter["lora"] == "sql-lora" and adapter["namespace"] != base["namespace"]
-    finally:
-        ctx.destroy(linger=0)
-
-
-def _vllm_payload(*events: dict[str, Any]) -> bytes:
-    """One vLLM 0.33 event batch (tagged-map events) as its publisher sends it."""
-    return msgspec.msgpack.encode([1767225600.25, list(events), 0])
+            await eventually(indexed, what="the adapter's pages indexed")
+            adapter = await ask(named)
+            base = await ask({"model": "base-v", "token_ids": prompt})
+            given = await ask({"model": "base-v", "lora": "sql-lora", "token_ids": prompt})
+            async with session.post(
+                router.url + "/admin/route",
+                json={"model": "base-v", "prompt": prompt, "lora_path": "sql-lora"},
+                headers=AUTH,
+            ) as resp:
+                routed = await resp.json()
+            # `lora` is read as the proxy reads lora_path: the base model's namespace
+            assert given["lora"] is routed["lora"] is base["lora"] is None
+            assert given["namespace"] == routed["namespace"] == base["namespace"]
+            assert given["workers"][0]["matched_tokens"] == 0
+            assert routed["candidates"][0]["matched_tokens"] == 0
+            assert adapter["lora"] == "sql-lora" and adapter["namespace"] != base["namespace"]
 
 
 def _adapter_pages(tokens: list[int], adapter: str) -> dict[str, Any]:

@@ -36,7 +36,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
 from router.http.keys import DECISIONS, TRACING
-from router.http.observe import install_log_request_id
 from router.http.tracing import (
     TraceDecision,
     Tracing,
@@ -205,15 +204,6 @@ async def traced(
 ) -> AsyncIterator[Traced]:
     async with _traced_router(way, _config((_worker("b0", backend),)), provider, exporter) as t:
         yield t
-
-
-@pytest.fixture
-def log_request_ids() -> Iterator[None]:
-    """Log records carry `request_id` (as `kvroute serve` sets up), undone afterwards."""
-    factory = logging.getLogRecordFactory()
-    install_log_request_id()
-    yield
-    logging.setLogRecordFactory(factory)
 
 
 async def _post(url: str, body: object, headers: dict[str, str] | None = None) -> Any:
