@@ -1,4 +1,4 @@
-"""Whose failure a pair's failed KV handoff was, told by what its two workers did since
+"""Whose failure a pair's failed KV handoff was, told by its workers' other partners
 (`PairFaults`).
 
 Some failures of a prefill/decode pair do not say which side broke:
@@ -10,20 +10,25 @@ Some failures of a prefill/decode pair do not say which side broke:
 - a prefill answers that no decode came for its KV (SGLang's "timed out ... in
   KVPoll.Bootstrapping"): the decode's failure by its word, unless its own bootstrap is broken.
 
-A broken worker keeps failing, a healthy one answers the requests it gets with other partners.
-So each worker keeps the partners it failed with so (since its last answered request; an
-hour at most), and at such a failure the side that has failed so before while the other has
-not (it answered since, or never failed) is the one to blame; otherwise the failure's own word
-(the decode for "no decode came", nobody for the others). A worker blamed so explains its
-partners' failures with it: they are dropped from their records. Records of workers that left
-the pool are dropped. A pair that failed so is avoided by the next requests for a while
-(`avoided`) where another pair is left, so a wedged worker meets other partners instead of
-failing the same pair again with nothing learnt.
+A broken worker fails so with every partner, a healthy one only with the broken one. So each
+worker keeps the partners it failed with so since it last answered a request (an hour at
+most; dropped when it leaves the pool), and at such a failure the side that failed so before
+with another partner, while the other side has not, is the one to blame; otherwise the
+failure's own word (the decode for "no decode came", nobody for the others). The worker
+blamed explains its partners' failures with it (dropped from their records), and its own
+record is spent. A pair that failed so is avoided by the next requests for a while
+(`avoided`) where another pair is left: its clients go to other pairs, and a wedged worker
+meets other partners.
+
+What it cannot tell: one prefill and one decode (neither is charged); one side of one worker
+(with a single prefill, a wedged decode is only avoided, never charged); a transient failure
+of a worker followed by another worker wedging charges the first one once (its next answered
+request clears its breaker's count).
 
 Before (QA): a deadline was always the prefill's, and one wedged decode took every healthy
-prefill out in turn; then, judged by other partners alone, a record that outlived its verdict
-charged a healthy prefill, and a planner that kept picking the same pair never charged the
-wedged decode.
+prefill out in turn; judged by "the other side answered since", a worker that merely got no
+traffic (its pairs avoided) was taken for a healthy one, and the only prefill was charged for
+a decode that wedged.
 """
 
 from __future__ import annotations
@@ -59,21 +64,26 @@ class PairFaults:
         present: Callable[[str], bool] = lambda _: True,
     ) -> tuple[Side | None, bool]:
         """The side to blame for this failure of `prefill` with `decode` (remembered), and
-        whether what the workers did told it: the one that failed so before while the other
-        has not, else `default` (None: neither). `present`: whether a worker is still in the
-        pool (records of the others are dropped)."""
+        whether the partners told it: the one that failed so before with another partner
+        while the other has not, else `default` (None: neither). `present`: whether a
+        worker is still in the pool (records of the others are dropped)."""
         now = self._clock()
         self._prune(now, present)
-        prefill_before = bool(self._failed_with.get(prefill))
-        decode_before = bool(self._failed_with.get(decode))
+        # with another partner: a worker that merely got no traffic, or one pair failing
+        # again, tells nothing (QA: the only prefill charged for a decode that wedged after a
+        # transient failure; a healthy decode for a prefill that stalls now and then)
+        prefill_before = any(w != decode for w in self._failed_with.get(prefill, {}))
+        decode_before = any(w != prefill for w in self._failed_with.get(decode, {}))
         self._avoid[(prefill, decode)] = now
         if len(self._avoid) > _PAIRS_KEPT:
             del self._avoid[min(self._avoid, key=self._avoid.__getitem__)]
         if prefill_before != decode_before:
-            blamed, other = (prefill, decode) if prefill_before else (decode, prefill)
+            blamed = prefill if prefill_before else decode
             for record in self._failed_with.values():
                 record.pop(blamed, None)  # its partners' failures with it are explained
-            self._failed_with.setdefault(blamed, {})[other] = now
+            # and its own record is spent: charged now, its breaker takes it from here (a
+            # worker that recovers, its pairs avoided, would be blamed on it again)
+            self._failed_with.pop(blamed, None)
             return ("prefill" if prefill_before else "decode"), True
         self._failed_with.setdefault(prefill, {})[decode] = now
         self._failed_with.setdefault(decode, {})[prefill] = now

@@ -8,8 +8,8 @@ input logprobs, and decide whom a failure of the decode is charged to.
 Blame (`PairHooks.blamed`): a decode that times out (answers 504, SGLang's
 `kv_transfer_timeout`, or outlives the request deadline) while its prefill has not answered is
 the prefill's failure: SGLang's prefill answers once its KV is handed over, so the KV never
-came (at the request deadline with both legs waiting, the side that failed so before while the
-other answered since is charged instead, else neither: `router.http.pair_faults`). A prefill that
+came (at the request deadline with both legs waiting, the side that failed so before with another
+partner is charged instead, else neither: `router.http.pair_faults`). A prefill that
 failed is blamed for its decode's failure (a prefill dying mid-transfer: its connection drops,
 or its decode's transfer is cut, whichever the router hears first). So is a decode that says it
 could not reach the prefill's bootstrap server (`router.http.bootstrap_unreachable`). Any other
@@ -27,6 +27,7 @@ error, which has none to merge.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,8 @@ __all__ = [
     "first_answer",
     "wants_logprobs",
 ]
+
+log = logging.getLogger(__name__)
 
 PREFILL_HEADER = "x-kvroute-prefill-worker"
 PREFILL_RANK_HEADER = "x-kvroute-prefill-dp-rank"
@@ -197,6 +200,14 @@ class PairHooks(AnswerHooks):
                 self.prefill.worker, self.decode.worker, None, lambda w: pool.find(w) is not None
             )
             blamed = None if side is None else self.decode if side == "decode" else self.prefill
+            # both named: whichever leg's timer fired first, the wedged one may be either
+            log.warning(
+                "neither prefill worker %s nor decode worker %s answered within the request "
+                "timeout (timeouts.request_s): 504, %s",
+                self.prefill.worker,
+                self.decode.worker,
+                "nobody charged" if blamed is None else f"charged to worker {blamed.worker}",
+            )
         else:
             blamed = self.blamed(True)
         self.charged = blamed

@@ -296,9 +296,9 @@ class PairDispatcher:
                 if shown:
                     other = "decode" if side_of == "prefill" else "prefill"
                     reason = (
-                        f"{exc.said} (it failed so before, and the {other} answered since)"
+                        f"{exc.said} (it failed so with another {other} before)"
                         if side_of == "prefill"
-                        else f"{reason} (it failed so before, and the prefill answered since)"
+                        else f"{reason} (it failed so with another prefill before)"
                     )
                 withdraw_at_least(p_ticket, Withdraw.PENDING)
                 withdraw_at_least(d_ticket, Withdraw.PENDING)
@@ -502,14 +502,7 @@ class PairDispatcher:
                     if isinstance(failure, PrefillFailed) and failure.timed_out:
                         # the deadline, the decode waiting too: its own timeout would have
                         # come at the same moment, and is charged so (`PairHooks.timed_out`)
-                        charged = hooks.timed_out(prefill_waiting=True)
-                        log.warning(
-                            "neither prefill worker %s nor decode worker %s answered within "
-                            "the request timeout (timeouts.request_s): 504, %s",
-                            prefill.worker,
-                            decode.worker,
-                            "nobody charged" if charged is None else f"charged to worker {charged}",
-                        )
+                        hooks.timed_out(prefill_waiting=True)  # (it says so in the log)
                         raise _stalled(hooks, failure)
                     if isinstance(failure, PrefillFailed) and failure.handoff is not None:
                         # it gave up waiting for its decode, which has not answered either:
@@ -708,12 +701,12 @@ def _stalled(hooks: PairHooks, cause: Exception) -> UpstreamTimeoutError:
     elif hooks.charged is hooks.decode:
         message = (
             f"decode {decode} took no KV from prefill {prefill} within the request timeout (it "
-            "failed so before, and the prefill answered since)"
+            "failed so with another prefill before)"
         )
     elif hooks.charged is hooks.prefill:
         message = (
             f"prefill {prefill} sent decode {decode} no KV within the request timeout (it "
-            "failed so before, and the decode answered since)"
+            "failed so with another decode before)"
         )
     else:
         message = (
