@@ -28,7 +28,8 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   restart found inside that window taints the stream the same way unless the replay socket
   gives back the batch that showed it (`_unproven_storm`; answered without it, the batch is
   a dead one's, skipped): a middle process's queued batch goes back in seq just as a third
-  process would; so does, in that window, a batch past a gap nothing repaired (`_repair`);
+  process would; so does, in that window, a batch past a gap nothing repaired (`_repair`),
+  and a batch at the new run's next seq that the dead run used too (`_window_proof`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit).
@@ -118,6 +119,7 @@ _RETRY_MAX_MS = 2_000
 _DEAD_RUN_S = 5.0
 # `_unproven_storm`'s answer for a batch the replay socket answered without
 _NOT_BUFFERED = "not in the replay socket's buffer"
+_DEAD = "dead"  # `_window_proof`'s answer for one
 # digests kept of one replay answer in that window (a buffer's worth: SGLang keeps 10,000
 # batches by default)
 _WINDOW_COPIES = 16384
@@ -618,6 +620,14 @@ class StreamSubscriber:
             self._end_window()
         if self._dead_seq is not None and await self._dead_batch(msg.seq, msg.payload):
             return
+        doubt = None
+        if self._collides(msg.seq):
+            # the new run's next seq, where the dead runs' seqs were too: a middle process's
+            # queued batch there was kept for good, the new one's own skipped as dead (QA)
+            doubt = await self._window_proof(msg.seq, msg.payload)
+            if doubt == _DEAD:
+                self._skip_collided(msg.seq)
+                return
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         storm: str | None = None
@@ -668,6 +678,8 @@ class StreamSubscriber:
             # this batch, the worker's own, is kept (applied to the cleared stream)
             await self._followed_on(msg.seq, msg.payload)
             await self._apply_live(msg.topic, msg.seq, msg.payload)
+            if doubt is not None:
+                self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
             self._suspect = None  # (a live seq skipped before this one was not real)
@@ -785,6 +797,10 @@ class StreamSubscriber:
         joining: bool,
     ) -> None:
         """Fill seqs start..seq-1 from the replay socket, then apply live message `seq`."""
+        # taken before the replay's wait: a batch that came inside the window after a restart
+        # is judged as one, however long the answer took (QA: judged after it, a dead batch
+        # met near the window's end was applied, predicted)
+        within = self._after_restart and not self._window_over()
         if not joining:
             self.gaps += 1
         if not joining or self.tracker.last is not None:
@@ -859,7 +875,7 @@ class StreamSubscriber:
             # the replay did not reach this message (none configured, timed out, or too short)
             if self.tracker.last is not None and not cleared:
                 self._clear(f"gap before seq {seq} could not be repaired")
-            if self._after_restart and not self._window_over():
+            if within:
                 # in the window after a restart a batch past a gap may be a dead process's
                 # queued one (QA: a middle process's seq 7 after the newest one's 0..3, its
                 # page predicted): applied, it predicts nothing until the window ends
@@ -868,8 +884,21 @@ class StreamSubscriber:
             self.tracker.restart_at(seq)
             decision = self.tracker.on_live(seq)
         if decision.verdict is SeqVerdict.APPLY:
+            doubt = None
+            if within and self._dead_seq is not None and seq <= self._dead_seq:
+                # following on what the replay filled proves nothing of it: a dead middle
+                # process's batch there was applied, the new one's own then skipped (QA)
+                doubt = await self._window_proof(seq, payload)
+                if doubt == _DEAD:
+                    self.tracker.last, self.tracker.live = seq - 1, prev_live
+                    self._skip_collided(seq)
+                    self._set_phase(StreamState.SYNCED)
+                    self._notify_last()
+                    return
             await self._followed_on(seq, payload)  # (before it is applied, as in `_on_live`)
             await self._apply_live(topic, seq, payload)
+            if doubt is not None:
+                self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
 
@@ -1232,6 +1261,42 @@ class StreamSubscriber:
         if copy is not None and _digest(copy) == _digest(payload):
             return None
         return _NOT_BUFFERED if answered else "the replay did not answer"
+
+    def _collides(self, seq: int) -> bool:
+        """Whether live batch `seq`, the stream's next, comes in the window after a restart
+        at a seq the dead run used too (its queued batches, or a middle process's, there)."""
+        last = self.tracker.last
+        return (
+            self._after_restart
+            and self._dead_seq is not None
+            and last is not None
+            and seq == last + 1
+            and seq <= self._dead_seq
+            and not self._window_over()
+        )
+
+    async def _window_proof(self, seq: int, payload: bytes) -> str | None:
+        """Whether live batch `seq` in the window after a restart is the new process's: None
+        (its replay socket gives it back, or gave it in its last answer), `_DEAD` (answered
+        without it: a dead process's queued batch), or why nothing proves it."""
+        digest = _digest(payload)
+        if self._is_replayed(seq, payload) or self._window_copies.get(seq) == digest:
+            return None
+        if not self._has_replay:
+            return "no replay socket"
+        answered, copy = await self._replayed_copy(seq)
+        if copy is not None and _digest(copy) == digest:
+            self._trust_replay()
+            return None
+        return _DEAD if answered else "the replay did not answer"
+
+    def _skip_collided(self, seq: int) -> None:
+        self.dead_batches += 1
+        self._warn(
+            "stale",
+            f"live seq {seq} is not in the new process's buffer: a dead process's queued batch "
+            "at the new run's next seq, skipped",
+        )
 
     def _skip_dead(self, seq: int, how: str) -> bool:
         self._dead_seq = seq

@@ -87,14 +87,21 @@ async def _drained(svc: IndexerService) -> None:
             last, since = now, loop.time()
 
 
+# seeds whose garbage left the replay socket trusted when they were chosen, so the known
+# history is checked whole in most runs (a random seed mostly gets it taken for another
+# publisher's; the timing of replays can still change that)
+_TRUSTED_SOCKET_SEEDS = (2228166063, 3536830228)
+
+
+@pytest.mark.parametrize("fixed", [None, *_TRUSTED_SOCKET_SEEDS], ids=["random", "s1", "s2"])
 async def test_garbage_on_the_wire_never_corrupts_the_stream(
-    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch, fixed: int | None
 ) -> None:
     # a garbage seq below the newest reads as a restart and opens the window after it; a
     # restart inside that window is held unproven (`_unproven_storm`), so the known history
     # below starts after the window, once the garbage is read
     monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
-    seed = int(os.environ.get("KVROUTE_FUZZ_SEED", random.randrange(2**32)))
+    seed = fixed or int(os.environ.get("KVROUTE_FUZZ_SEED", random.randrange(2**32)))
     print(f"seed={seed}")
     rng = random.Random(seed)
     noise = workload(seed=seed % 1000, batches=20)
@@ -126,7 +133,14 @@ async def test_garbage_on_the_wire_never_corrupts_the_stream(
             timeout_s=10,
         )
         assert not task.done(), f"seed={seed}: the subscriber task ended"
-        assert view(svc.index, STREAM) == view(reference(known), STREAM), f"seed={seed}"
+        held, want = view(svc.index, STREAM), view(reference(known), STREAM)
+        if svc._workers[WORKER][0]._replay_foreign:
+            # the garbage contradicted what the replay socket gives, so it was taken for
+            # another publisher's: with no socket, nothing proves the new run's batches in the
+            # window after its restart, and the stream holds nothing the worker does not
+            assert held.items() <= want.items(), f"seed={seed}"
+        else:
+            assert held == want, f"seed={seed}"
         stats = svc.streams()[0]
         # garbage is refused when decoded, or skipped unread when its seq, after a garbage seq
         # looked like a restart, continues the run before it (a dead process's batch)

@@ -304,6 +304,28 @@ async def test_a_dead_batch_going_back_in_the_window_is_skipped_when_the_socket_
         assert view(svc.index, STREAM) == view(reference(c), STREAM)
 
 
+async def test_a_dead_batch_at_the_new_runs_next_seq_is_asked_for_in_the_window(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """After a restart the new process publishes 0..3; a dead middle process's queued batch
+    comes at seq 4, the new run's next, before the new process's own 4. It followed on, so
+    it was applied and kept for good, and the new process's 4 skipped as the dead one's (QA).
+    In the window such a batch is asked for at the replay socket: not given back, skipped."""
+    a, new, b = (workload(seed=s, batches=n) for s, n in ((1, 11), (2, 6), (3, 5)))
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        await publish_all(pub, a, settle=svc)
+        await _restarted_with(svc, pub, new[:4], restarts=1)
+        (sub,) = svc._workers[WORKER]
+        await pub.send_raw(build_live(b"kv", 4, encode_batch(b[4], "array")))
+        await wait_until(lambda: sub.dead_batches == 1)
+        for batch in new[4:]:
+            await pub.publish(batch)
+        await wait_until(lambda: svc.streams()[0].last_seq == 5)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        assert svc.streams()[0].state is StreamState.SYNCED
+
+
 async def test_gap_older_than_the_buffer_clears_and_recovers(ctx: zmq.asyncio.Context) -> None:
     batches = workload(seed=5, batches=30)
     async with ScriptedPublisher(ctx, buffer_steps=3) as pub, IndexerService(CONFIG) as svc:
