@@ -200,13 +200,23 @@ class PairHooks(AnswerHooks):
                 self.prefill.worker, self.decode.worker, None, lambda w: pool.find(w) is not None
             )
             blamed = None if side is None else self.decode if side == "decode" else self.prefill
+            spared = blamed is not None and self._last_of_its_side(blamed.worker, side or "")
+            if spared:
+                # the partners' word is no proof: charged, the last worker of its side takes
+                # the model out for the cooldown (QA: a transient failure of the only
+                # prefill, then a decode wedging, and every request a 503)
+                blamed = None
             # both named: whichever leg's timer fired first, the wedged one may be either
             log.warning(
                 "neither prefill worker %s nor decode worker %s answered within the request "
                 "timeout (timeouts.request_s): 504, %s",
                 self.prefill.worker,
                 self.decode.worker,
-                "nobody charged" if blamed is None else f"charged to worker {blamed.worker}",
+                "nobody charged (the side it points at has no other worker)"
+                if spared
+                else "nobody charged"
+                if blamed is None
+                else f"charged to worker {blamed.worker}",
             )
         else:
             blamed = self.blamed(True)
@@ -215,6 +225,18 @@ class PairHooks(AnswerHooks):
             return None
         self._planner.record_failure(blamed.worker, hard=False)
         return blamed.worker
+
+    def _last_of_its_side(self, worker: str, role: str) -> bool:
+        """Whether `worker` is the only routable worker of its `role` for its model."""
+        pool = self._planner.pool
+        entry = pool.find(worker)
+        if entry is None:
+            return False
+        now = self._planner.clock()
+        return not any(
+            e.role == role and e.id != worker and e.routable(now)
+            for e in pool.serving(entry.cache_model)
+        )
 
     async def before_commit(self, status: int) -> None:
         self._prefilled()

@@ -421,11 +421,12 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
     that fails with every partner, and is charged."""
     async with (
         FakePdWorker("prefill", hang=True) as hung,
+        ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d0,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=30.0)) as d1,
     ):
-        decodes = router_config([("d0", d0.url), ("d1", d1.url)]).workers
-        config = _config(workers=(_fake("hung", hung), *decodes))
+        others = router_config([("p1", p1.url), ("d0", d0.url), ("d1", d1.url)]).workers
+        config = _config(workers=(_fake("hung", hung), *others))
         config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await _paired(router)
@@ -433,16 +434,27 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
             for decode, other in (("d0", "d1"), ("d1", "d0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
-                async with session.post(router.url + "/generate", json=BODY) as resp:
+                await _admin(session, router, "/workers/p1/drain")  # the pair is hung's
+                seen = len(hung.seen)
+                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+
+                async def arrived(seen: int = seen) -> bool:
+                    return len(hung.seen) > seen
+
+                await eventually(arrived, what="the request at the hung prefill")
+                # another prefill in rotation by the deadline: the hung one is not the last
+                # of its side (that one is never charged on its partners' word)
+                await _admin(session, router, "/workers/p1/drain", {"drain": False})
+                async with await asyncio.wait_for(sent, 10) as resp:
                     assert resp.status == 504, await resp.text()
                     messages.append((await resp.json())["error"]["message"])
                 if decode == "d0":
-                    assert _failures(router) == {"hung": 0, "d0": 0, "d1": 0}
+                    assert _failures(router) == {"hung": 0, "p1": 0, "d0": 0, "d1": 0}
             assert "neither prefill hung nor decode d0 answered" in messages[0]
             assert "(neither charged)" in messages[0]
             assert "prefill hung sent decode d1 no KV" in messages[1]
             assert "failed so with another decode before" in messages[1]
-            assert _failures(router) == {"hung": 1, "d0": 0, "d1": 0}
+            assert _failures(router) == {"hung": 1, "p1": 0, "d0": 0, "d1": 0}
 
 
 async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_the_second_time() -> (
@@ -457,8 +469,9 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
         ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
         ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p1,
         FakePdWorker("decode", hang=True) as hung,
+        ReferenceWorker(reference("decode")) as d1,
     ):
-        workers = router_config([("p0", p0.url), ("p1", p1.url)]).workers
+        workers = router_config([("p0", p0.url), ("p1", p1.url), ("d1", d1.url)]).workers
         config = _config(workers=(*workers, _fake("hung", hung)))
         config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
@@ -467,12 +480,48 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
             for prefill, other in (("p0", "p1"), ("p1", "p0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{prefill}/drain", {"drain": False})
-                async with session.post(router.url + "/generate", json=BODY) as resp:
+                await _admin(session, router, "/workers/d1/drain")  # the pair is hung's
+                seen = len(hung.seen)
+                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+
+                async def arrived(seen: int = seen) -> bool:
+                    return len(hung.seen) > seen
+
+                await eventually(arrived, what="the request at the hung decode")
+                # another decode in rotation by the deadline: the hung one is not the last
+                # of its side (that one is never charged on its partners' word)
+                await _admin(session, router, "/workers/d1/drain", {"drain": False})
+                async with await asyncio.wait_for(sent, 10) as resp:
                     assert resp.status == 504, await resp.text()
                     messages.append((await resp.json())["error"]["message"])
             assert "neither prefill p0 nor decode hung answered" in messages[0]
             assert "decode hung took no KV from prefill p1" in messages[1]
-            assert _failures(router) == {"p0": 0, "p1": 0, "hung": 1}
+            assert _failures(router) == {"p0": 0, "p1": 0, "d1": 0, "hung": 1}
+
+
+async def test_the_last_worker_of_a_side_is_never_charged_on_its_partners_word() -> None:
+    """A transient handoff failure of the only prefill with one decode, then the other decode
+    wedges: the prefill failed before with another partner, so its partners point at it, and
+    charged it took the model out for the cooldown (QA: every request a 503). The last worker
+    of its side is not charged on that word; the 504 says nobody was."""
+    async with (
+        ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
+        FakePdWorker("decode", hang=True) as hung,
+        FakePdWorker("decode", hang=True) as other,
+    ):
+        workers = router_config([("p0", p0.url)]).workers
+        config = _config(workers=(*workers, _fake("other", other), _fake("hung", hung)))
+        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _paired(router)
+            for decode, drained in (("other", "hung"), ("hung", "other")):
+                await _admin(session, router, f"/workers/{drained}/drain")
+                await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
+                async with session.post(router.url + "/generate", json=BODY) as resp:
+                    assert resp.status == 504, await resp.text()
+                    message = (await resp.json())["error"]["message"]
+            assert "(neither charged)" in message
+            assert _failures(router) == {"p0": 0, "other": 0, "hung": 0}
 
 
 @pytest.mark.parametrize(("engine", "status"), [("vllm", 504), ("sglang", 500)])
