@@ -434,20 +434,7 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
             for decode, other in (("d0", "d1"), ("d1", "d0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
-                await _admin(session, router, "/workers/p1/drain")  # the pair is hung's
-                seen = len(hung.seen)
-                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-
-                async def arrived(seen: int = seen) -> bool:
-                    return len(hung.seen) > seen
-
-                await eventually(arrived, what="the request at the hung prefill")
-                # another prefill in rotation by the deadline: the hung one is not the last
-                # of its side (that one is never charged on its partners' word)
-                await _admin(session, router, "/workers/p1/drain", {"drain": False})
-                async with await asyncio.wait_for(sent, 10) as resp:
-                    assert resp.status == 504, await resp.text()
-                    messages.append((await resp.json())["error"]["message"])
+                messages.append(await _stalled_with_a_spare(session, router, hung, "p1"))
                 if decode == "d0":
                     assert _failures(router) == {"hung": 0, "p1": 0, "d0": 0, "d1": 0}
             assert "neither prefill hung nor decode d0 answered" in messages[0]
@@ -480,20 +467,7 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
             for prefill, other in (("p0", "p1"), ("p1", "p0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{prefill}/drain", {"drain": False})
-                await _admin(session, router, "/workers/d1/drain")  # the pair is hung's
-                seen = len(hung.seen)
-                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-
-                async def arrived(seen: int = seen) -> bool:
-                    return len(hung.seen) > seen
-
-                await eventually(arrived, what="the request at the hung decode")
-                # another decode in rotation by the deadline: the hung one is not the last
-                # of its side (that one is never charged on its partners' word)
-                await _admin(session, router, "/workers/d1/drain", {"drain": False})
-                async with await asyncio.wait_for(sent, 10) as resp:
-                    assert resp.status == 504, await resp.text()
-                    messages.append((await resp.json())["error"]["message"])
+                messages.append(await _stalled_with_a_spare(session, router, hung, "d1"))
             assert "neither prefill p0 nor decode hung answered" in messages[0]
             assert "decode hung took no KV from prefill p1" in messages[1]
             assert _failures(router) == {"p0": 0, "p1": 0, "d1": 0, "hung": 1}
@@ -796,6 +770,27 @@ async def _pending(session: aiohttp.ClientSession, router: RouterService) -> dic
         for side in ("prefill", "decode")
         for c in plan[side]["candidates"]
     }
+
+
+async def _stalled_with_a_spare(
+    session: aiohttp.ClientSession, router: RouterService, hung: FakePdWorker, spare: str
+) -> str:
+    """One request to the `hung` worker's pair, past its deadline (504): the error message.
+    The `spare` worker of the hung one's side is drained until the hung one has the request,
+    then back in rotation by the deadline, so the hung one is not the last of its side (that
+    one is never charged on its partners' word)."""
+    await _admin(session, router, f"/workers/{spare}/drain")
+    seen = len(hung.seen)
+    sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+
+    async def arrived() -> bool:
+        return len(hung.seen) > seen
+
+    await eventually(arrived, what="the request at the hung worker")
+    await _admin(session, router, f"/workers/{spare}/drain", {"drain": False})
+    async with await asyncio.wait_for(sent, 10) as resp:
+        assert resp.status == 504, await resp.text()
+        return str((await resp.json())["error"]["message"])
 
 
 async def _paired(router: RouterService) -> None:
