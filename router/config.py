@@ -596,9 +596,16 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         # here, not in their tables: msgspec would add the table's path to the key a refused
         # reload names (`admin`, not `admin.token`)
-        for key, token in (("admin.token", self.admin.token), ("query.token", self.query.token)):
+        for key, token, env in (
+            ("admin.token", self.admin.token, ADMIN_TOKEN_ENV),
+            ("query.token", self.query.token, QUERY_TOKEN_ENV),
+        ):
             if problem := _token_problem(key, token):
                 raise ValueError(problem)
+            # the variable stands in for an empty key: held to the same rule (a whitespace-only
+            # one locked the API out as silently)
+            if not token and (problem := _token_problem(f"${env}", os.environ.get(env, ""))):
+                raise ValueError(problem.split(" - at ")[0] + f" (it stands in for {key})")
         # the key is spelled as msgspec spells a nested one (`_error_key` reads it back), so a
         # refused reload names it; the id may be the URL (no `id` given): then `url` is the key
         ids: dict[str, int] = {}

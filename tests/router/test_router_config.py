@@ -147,6 +147,22 @@ def test_a_token_no_bearer_header_can_carry_is_refused_naming_it(table: str, tok
     assert token.strip() == "" or token.strip() not in str(refused.value)  # never echoed
 
 
+@pytest.mark.parametrize(
+    ("env", "key"), [("KVROUTE_ADMIN_TOKEN", "admin.token"), ("KVROUTE_QUERY_TOKEN", "query.token")]
+)
+def test_a_token_variable_no_bearer_header_can_carry_is_refused_naming_it(
+    env: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variable stands in for an empty key, and a whitespace-only one locked the API out
+    as silently as the key did."""
+    monkeypatch.setenv(env, " s3cret ")
+    with pytest.raises(ConfigError, match=rf"\${env} begins or ends with whitespace") as refused:
+        parse_config({})
+    assert key in str(refused.value) and "s3cret" not in str(refused.value)
+    # a key that is set wins over the variable, which is then not read
+    assert parse_config({key.split(".")[0]: {"token": "fine"}})
+
+
 @pytest.mark.parametrize("table", ["admin", "query"])
 def test_a_token_with_inner_spaces_is_still_a_token(table: str) -> None:
     assert parse_config({table: {"token": "two words"}})
