@@ -26,7 +26,7 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   unproven socket that showed the restart, was never confirmed by a live batch and does not
   give it back is another worker's; otherwise it is a late queued one (`_dead_batch`); a
   restart found inside that window taints the stream the same way unless the replay socket
-  gives back the batch that showed it (`_unproven_storm`; answered without it, the batch is
+  gives back the batch that showed it (`_window_proof`; answered without it, the batch is
   a dead one's, skipped): a middle process's queued batch goes back in seq just as a third
   process would; so does, in that window, a batch past a gap nothing repaired (`_repair`),
   and a batch at the new run's next seq that the dead run used too (`_window_proof`);
@@ -117,9 +117,7 @@ _RETRY_MAX_MS = 2_000
 # process's is skipped; past it, one is no queued batch: a replay socket that showed the
 # restart and was never confirmed by a live batch since is another worker's (`_dead_batch`)
 _DEAD_RUN_S = 5.0
-# `_unproven_storm`'s answer for a batch the replay socket answered without
-_NOT_BUFFERED = "not in the replay socket's buffer"
-_DEAD = "dead"  # `_window_proof`'s answer for one
+_DEAD = "dead"  # `_window_proof`'s answer for a batch the replay socket answered without
 # digests kept of one replay answer in that window (a buffer's worth: SGLang keeps 10,000
 # batches by default)
 _WINDOW_COPIES = 16384
@@ -636,8 +634,8 @@ class StreamSubscriber:
                 # a restart inside the window of another: the batch that shows it may be a
                 # queued batch of the run before the last, its seq now below the newest (QA:
                 # two restarts within a second, the middle process's page predicted)
-                storm = await self._unproven_storm(msg.seq, msg.payload)
-                if storm == _NOT_BUFFERED:
+                storm = await self._window_proof(msg.seq, msg.payload)
+                if storm == _DEAD:
                     # the replay socket answered without it: not the newest process's (nor a
                     # newer one's, whose socket would give it back), a dead one's queued batch.
                     # Applied, it cleared the newest process's proven pages (QA)
@@ -1251,16 +1249,6 @@ class StreamSubscriber:
             return None
         left = self._restart_found_at + _DEAD_RUN_S - self._clock()
         return max(int(left * 1000) + 1, 0)
-
-    async def _unproven_storm(self, seq: int, payload: bytes) -> str | None:
-        """Why live batch `seq`, going back below the newest seq within the window after a
-        restart, is not proven the newest process's (None: its replay socket gives it back)."""
-        if not self._has_replay:
-            return "no replay socket"
-        answered, copy = await self._replayed_copy(seq)
-        if copy is not None and _digest(copy) == _digest(payload):
-            return None
-        return _NOT_BUFFERED if answered else "the replay did not answer"
 
     def _collides(self, seq: int) -> bool:
         """Whether live batch `seq`, the stream's next, comes in the window after a restart

@@ -98,7 +98,7 @@ async def test_garbage_on_the_wire_never_corrupts_the_stream(
     ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch, fixed: int | None
 ) -> None:
     # a garbage seq below the newest reads as a restart and opens the window after it; a
-    # restart inside that window is held unproven (`_unproven_storm`), so the known history
+    # restart inside that window is held unproven (`_window_proof`), so the known history
     # below starts after the window, once the garbage is read
     monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
     seed = fixed or int(os.environ.get("KVROUTE_FUZZ_SEED", random.randrange(2**32)))
