@@ -1,4 +1,4 @@
-"""`kvroute worker`: run one reference worker until Ctrl-C or SIGTERM.
+"""`kvroute worker`: run one reference worker until Ctrl-C, SIGTERM or SIGHUP.
 
 The knobs are shared with `kvroute up` (`add_worker_options`, `config_from_args`), so a fleet
 and a single worker are configured the same way.
@@ -283,17 +283,36 @@ def describe_kv_events(kv: KvEventsInfo) -> str:
     return "\n".join(lines)
 
 
-async def wait_for_shutdown() -> None:
-    """Return on SIGINT or SIGTERM (Ctrl-C included)."""
+async def wait_for_shutdown(*, hangup_stops: bool = False) -> None:
+    """Return on SIGINT or SIGTERM (Ctrl-C included), and with `hangup_stops` on SIGHUP too.
+
+    A lone worker stops on SIGHUP (its terminal hung up) the way it stops on Ctrl-C, closing
+    its sockets and saying so, where the default action ended it without a word. `kvroute up`
+    keeps its own SIGHUP handler (it says the signal is ignored) and leaves `hangup_stops`
+    off."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = [signal.SIGINT, signal.SIGTERM]
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    if hangup_stops:
+        signals.append(signal.SIGHUP)
+        loop.add_signal_handler(signal.SIGHUP, _hung_up, stop)
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def _hung_up(stop: asyncio.Event) -> None:
+    print(
+        "SIGHUP: stopping (a reference worker has no config to reload; run it under nohup or "
+        "a service manager to keep it past its terminal)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop.set()
 
 
 async def _serve(config: WorkerConfig) -> None:
@@ -305,7 +324,7 @@ async def _serve(config: WorkerConfig) -> None:
         elif config.role != "both":
             print(f"  {config.role}: fetches KV from its prefill workers", flush=True)
         print("Ctrl-C to stop", flush=True)
-        await wait_for_shutdown()
+        await wait_for_shutdown(hangup_stops=True)
     print("stopped", flush=True)
 
 

@@ -105,7 +105,10 @@ def test_fleet_port_bases_are_per_worker_and_per_rank() -> None:
     ],
     ids=["worker"],
 )
-async def test_cli_runs_until_sigint(argv: list[str], workers: int) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP], ids=["sigint", "sighup"])
+async def test_cli_runs_until_sigint(argv: list[str], workers: int, stop: signal.Signals) -> None:
+    """Ctrl-C stops it; so does a hangup (its terminal closed), cleanly and saying so, where
+    the default action of SIGHUP ended it with no word and no clean stop."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -130,9 +133,13 @@ async def test_cli_runs_until_sigint(argv: list[str], workers: int) -> None:
             for url in urls:
                 async with http.get(f"{url}/health") as resp:
                     assert resp.status == 200
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         async with asyncio.timeout(20):
             assert await proc.wait() == 0
+        assert proc.stderr is not None
+        said = (await proc.stderr.read()).decode()
+        assert ("SIGHUP: stopping" in said) == (stop == signal.SIGHUP), said
+        assert (await proc.stdout.read()).decode().strip().endswith("stopped")
     finally:
         if proc.returncode is None:
             proc.kill()
