@@ -14,7 +14,16 @@ Two buckets under the subject prefix:
 applies what it reads to its pool, so applying is idempotent. A write made while NATS is away is
 kept (the latest per key) and written when it returns, before the buckets are read again: in
 this process's memory only, so it is lost if the replica stops first (its admin answer said
-`"cluster": "pending"`, and stopping says what was lost).
+`"cluster": "pending"`, and stopping says what was lost). A kept worker change is written only
+over the record it was made against (the revision this replica had read of that key): one
+another replica changed meanwhile keeps that replica's change, and the kept one is dropped and
+said. Before, it was written over whatever was there, so the replica that came back last undid
+changes the others had made, and answered `"shared"`, during its absence (a removed worker back,
+draining; an undrain undone).
+
+A resync after the first (NATS came back) seeds the fleet bucket from this replica's pool, not
+from its config file: a bucket found empty (a server that lost its store) gets the fleet as the
+replicas ran it, drains, admin adds and removals included, instead of the files' workers.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import uuid
 from collections.abc import Sequence
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from indexer.namespace import Namespace
@@ -74,6 +83,11 @@ class FleetState:
         self._indexer = indexer
         # writes NATS did not take yet: (bucket, key) -> value, the latest per key
         self.unsent: dict[tuple[str, str], bytes] = {}
+        # the revision of each fleet record as this replica last read it: what a kept write
+        # was made against (absent: no record of that key was read)
+        self.revisions: dict[str, int] = {}
+        # of each kept worker write, the revision its key had here when it was first kept
+        self._unsent_over: dict[tuple[str, str], int | None] = {}
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
 
@@ -94,46 +108,105 @@ class FleetState:
         )
         return f"e.{uuid.uuid4().hex}", _json.encode(record)
 
-    async def seed(self, fleet: KeyValue, workers: Sequence[WorkerConfig]) -> None:
-        """Create the record of every worker of this replica's config that has none yet."""
-        for config in workers:
+    def keep_unsent(self, bucket: str, key: str, value: bytes) -> None:
+        """Keep a write NATS did not take, to make on resync over the record it was made
+        against (a worker's: `flush`)."""
+        if (bucket, key) not in self.unsent:
+            self._unsent_over[(bucket, key)] = self.revisions.get(key)
+        self.unsent[(bucket, key)] = value
+
+    async def seed(
+        self, fleet: KeyValue, workers: Sequence[WorkerConfig], *, running: bool = False
+    ) -> None:
+        """Create the record of every worker that has none yet: those of this replica's config
+        (`workers`), or, `running` (a resync: the bucket may have lost its records), those of
+        its pool as it runs, drains included, and the config's workers it no longer has as
+        removed."""
+        if not running:
+            records = [(c.worker_id, self.record_worker(c.worker_id, c)) for c in workers]
+        else:
+            held = {entry.id for entry in self._pool}
+            records = [
+                (e.id, self.record_worker(e.id, e.config, draining=e.draining)) for e in self._pool
+            ]
+            records += [
+                (c.worker_id, self.record_worker(c.worker_id, None, removed=True))
+                for c in workers
+                if c.worker_id not in held
+            ]
+        for worker_id, value in records:
             # a record already there is the cluster's word on the worker: it wins
             with contextlib.suppress(KeyWrongLastSequenceError):
-                await fleet.create(
-                    worker_key(config.worker_id), self.record_worker(config.worker_id, config)
-                )
+                await fleet.create(worker_key(worker_id), value)
 
     async def flush(self, buckets: dict[str, KeyValue]) -> None:
-        """Write what NATS did not take while it was away (raises on failure, keeps the rest)."""
+        """Write what NATS did not take while it was away (raises on failure, keeps the rest).
+
+        A worker's record is written only over the revision it was made against (none: only if
+        there is still no record); one changed meanwhile by another replica stands, and the
+        change kept here is dropped, in one WARNING line. An eviction is always written (its
+        key is its own)."""
         for (bucket, key), value in list(self.unsent.items()):
-            await buckets[bucket].put(key, value)
+            kv = buckets[bucket]
+            if key.startswith("w."):
+                over = self._unsent_over.get((bucket, key))
+                try:
+                    if over is None:
+                        await kv.create(key, value)
+                    else:
+                        await kv.update(key, value, last=over)
+                except KeyWrongLastSequenceError:
+                    if not await self._lost_record(kv, key, value):
+                        self._superseded(value)
+            else:
+                await kv.put(key, value)
             if self.unsent.get((bucket, key)) is value:
                 del self.unsent[(bucket, key)]
+                self._unsent_over.pop((bucket, key), None)
+
+    async def _lost_record(self, kv: KeyValue, key: str, value: bytes) -> bool:
+        """Write `value` if the bucket has no record of `key` at all (the server lost its
+        store: the change kept here is the newest word on it); whether it was written."""
+        try:
+            await kv.get(key)
+        except KeyNotFoundError:
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                await kv.create(key, value)
+                return True
+        return False
+
+    def _superseded(self, value: bytes) -> None:
+        said = self._describe(value)
+        log.warning(
+            "cluster: admin change made here while NATS was away not written (%s): another "
+            "replica changed that worker meanwhile, and its change stands",
+            said,
+        )
 
     def describe_unsent(self) -> list[str]:
         """The writes NATS did not take yet, as an operator would make them again ("w4
         drained"; an eviction without its namespace or salt)."""
-        said: list[str] = []
-        for (_, key), value in self.unsent.items():
-            if not key.startswith("w."):
-                said.append("a namespace eviction")
-                continue
-            try:
-                record = _worker_decoder.decode(value)
-            except msgspec.DecodeError:
-                said.append("a worker change")
-                continue
-            if record.removed or record.config is None:
-                said.append(f"{record.id} removed")
-            elif record.draining:
-                said.append(f"{record.id} drained")
-            else:
-                said.append(f"{record.id} added or undrained")
-        return said
+        return [
+            self._describe(value) if key.startswith("w.") else "a namespace eviction"
+            for (_, key), value in self.unsent.items()
+        ]
+
+    @staticmethod
+    def _describe(value: bytes) -> str:
+        """A worker record as the change an operator made ("w4 drained")."""
+        try:
+            record = _worker_decoder.decode(value)
+        except msgspec.DecodeError:
+            return "a worker change"
+        if record.removed or record.config is None:
+            return f"{record.id} removed"
+        if record.draining:
+            return f"{record.id} drained"
+        return f"{record.id} added or undrained"
 
     # ----------------------------------------------------------------- applying
 
-    async def apply_worker(self, value: bytes) -> None:
+    async def apply_worker(self, value: bytes, key: str = "", revision: int | None = None) -> None:
         """Make this replica's pool agree with one worker record.
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
@@ -144,6 +217,8 @@ class FleetState:
         and the new id only once the reloading replica had registered it, and this replica's
         requests of that gap got 404s naming no model, then 503s.
         """
+        if key and revision is not None:
+            self.revisions[key] = revision
         try:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError as exc:
@@ -204,8 +279,10 @@ class FleetState:
             return
         if newer_than is not None and record.at < newer_than:
             return
-        if record.by == self._replica:
-            return
+        # this process's own are marked seen as it makes them (`mark_evictions_seen`); one made
+        # under the same replica id by an earlier process applies like any other's. Before,
+        # it was skipped for its id: a replica with a fixed `replica_id` restarted from a
+        # snapshot older than its eviction kept the tenant, and spread it in its snapshots
         dropped = 0
         if record.cache_salt is not None:
             # pending marks too, of every extra_key: as the evicting replica drops them

@@ -410,7 +410,9 @@ class ClusterService:
             bucket=self._evictions_bucket, history=1, ttl=EVICTION_TTL_S
         )
         await self.fleet.flush(self._kv)  # what an operator changed here while NATS was away
-        await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers)
+        # after the first sync, from the pool as it runs: a bucket that lost its records gets
+        # the fleet the replicas ran, not the config files' workers (drains and removals undone)
+        await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers, running=not first)
         # the records already there: on this process's first read, those older than its index
         # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
         # Before, the first read after a start while NATS was away applied every record of
@@ -496,10 +498,10 @@ class ClusterService:
         fleet_read = asyncio.Event()
         evictions_read = asyncio.Event()
 
-        async def on_worker(key: str, value: bytes, initial: bool) -> None:
-            await self.fleet.apply_worker(value)
+        async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
+            await self.fleet.apply_worker(value, key, revision)
 
-        async def on_eviction(key: str, value: bytes, initial: bool) -> None:
+        async def on_eviction(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
 
         self._watchers = [
@@ -514,7 +516,7 @@ class ClusterService:
     async def _watch_bucket(
         self,
         bucket: str,
-        apply: Callable[[str, bytes, bool], Awaitable[None]],
+        apply: Callable[[str, bytes, bool, int], Awaitable[None]],
         read: asyncio.Event,
     ) -> None:
         watcher = await self._kv[bucket].watchall()
@@ -526,7 +528,7 @@ class ClusterService:
                 if entry.value is None or entry.operation is not None:
                     continue  # a delete or purge marker: records are never deleted by us
                 try:
-                    await apply(entry.key, entry.value, not read.is_set())
+                    await apply(entry.key, entry.value, not read.is_set(), entry.revision or 0)
                 except Exception:
                     log.exception("cluster: applying %s/%s failed", bucket, entry.key)
         finally:
@@ -537,14 +539,14 @@ class ClusterService:
         """Write one record now, or keep it for when NATS answers again."""
         kv = self._kv.get(bucket)
         if kv is None or not self.connected or self.status is not ClusterStatus.OK:
-            self.fleet.unsent[(bucket, key)] = value
+            self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
         try:
             async with asyncio.timeout(2.0):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
             log.warning("cluster: %s not written yet (%s): kept for the resync", key, exc)
-            self.fleet.unsent[(bucket, key)] = value
+            self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
         return Sharing.SHARED
 

@@ -246,6 +246,7 @@ async def serve_processes(
     announce: Callable[[str], None] = print,
     verb: str = "serve",
     reload: bool = True,
+    pointers: bool = False,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
@@ -355,6 +356,11 @@ async def serve_processes(
                 f"labelled process=0..{processes - 1}): set listen.metrics_port for a scrape "
                 "target per process"
             )
+        if pointers:  # `kvroute up`: what one router prints, under the replicas' one URL
+            from router.commands.serve import router_pointers
+
+            for line in router_pointers(min(urls), config):
+                announce(line)
         sys.stdout.flush()
         async with asyncio.TaskGroup() as group:
             keepers = [group.create_task(_keep(child)) for child in children]

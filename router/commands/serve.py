@@ -291,15 +291,22 @@ async def serve_fleet(
             f"\nkvroute router: {router.url}  (policy {config.policy.name}, "
             f"{len(config.workers)} workers)"
         )
-        print("try, through the router:")
-        print(curl_example(router.url))
-        auth = ' -H "Authorization: Bearer $TOKEN"' if config.admin_token() else ""
-        if config.admin.enabled:
-            print(f"admin:  curl -s{auth} {router.url}/admin/workers")
-            print(f"dashboard: {router.url}/dashboard (in a browser)")
-        print("Ctrl-C stops the router and every worker.")
+        for line in router_pointers(router.url, config):
+            print(line)
         sys.stdout.flush()
         await until()
+
+
+def router_pointers(url: str, config: RouterConfig) -> list[str]:
+    """What `kvroute up` prints under the router's URL: a request to try through it, where
+    the admin API and the dashboard are, how to stop (one router or its replicas alike)."""
+    lines = ["try, through the router:", curl_example(url)]
+    auth = ' -H "Authorization: Bearer $TOKEN"' if config.admin_token() else ""
+    if config.admin.enabled:
+        lines.append(f"admin:  curl -s{auth} {url}/admin/workers")
+        lines.append(f"dashboard: {url}/dashboard (in a browser)")
+    lines.append("Ctrl-C stops the router and every worker.")
+    return lines
 
 
 EVENT_LOOP_ENV = "KVROUTE_EVENT_LOOP"

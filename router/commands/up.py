@@ -188,7 +188,13 @@ async def _serve_replicas(
             path = tmp / "router.json"  # what every replica reads (kvroute serve --config)
             path.write_bytes(msgspec.json.encode(config))
             await serve_processes(
-                str(path), config, n, log_level="WARNING", until=wait_for_shutdown, reload=False
+                str(path),
+                config,
+                n,
+                log_level="WARNING",
+                until=wait_for_shutdown,
+                reload=False,
+                pointers=True,
             )
 
 

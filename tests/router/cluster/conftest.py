@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -76,3 +77,57 @@ async def health(session: aiohttp.ClientSession, router: RouterService) -> tuple
     """GET /health."""
     async with session.get(router.url + "/health") as resp:
         return resp.status, await resp.json()
+
+
+class CuttableLink:
+    """A TCP relay on a free loopback port to `port`, which a test cuts and restores: one
+    replica loses NATS while the others keep it (a partition no nats-server stop can make)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._pairs: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        """The NATS URL through the link."""
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def open(self) -> None:
+        """Listen (again, on the same port once it has one) and relay."""
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Stop listening and close every relayed connection, both ends."""
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._pairs):
+            writer.close()
+        await self._server.wait_closed()
+        self._server = None
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._pairs |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        finally:
+            self._pairs -= {writer, up_writer}
+
+    async def __aenter__(self) -> CuttableLink:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            await self.cut()

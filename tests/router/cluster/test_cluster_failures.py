@@ -19,7 +19,14 @@ import pytest
 
 from router.cluster.server import NatsServer, find_nats_server, free_port
 from router.service import RouterService
-from tests.router.cluster.conftest import admin, cluster, health, replica_config, workers
+from tests.router.cluster.conftest import (
+    CuttableLink,
+    admin,
+    cluster,
+    health,
+    replica_config,
+    workers,
+)
 from tests.router.conftest import TOKEN, Fleet, eventually
 
 _BODY = {"text": "hello replicas", "sampling_params": {"max_new_tokens": 1}}
@@ -207,6 +214,122 @@ async def test_an_admin_change_nats_did_not_take_is_answered_pending_and_said_lo
             assert len(lost) == 1, lost
             assert "w1 drained" in lost[0] and "w0 removed" in lost[0]
             assert "a namespace eviction" in lost[0] and "tenant-z" not in lost[0]
+    finally:
+        await nats.stop()
+
+
+async def _workers_seen(session: aiohttp.ClientSession, router: RouterService) -> dict[str, bool]:
+    """The workers `router` routes over: id -> draining."""
+    _, listed = await admin(session, router, "GET", "/workers")
+    return {w["id"]: bool(w["draining"]) for w in listed["workers"]}
+
+
+async def test_a_change_kept_through_a_partition_never_undoes_one_the_others_shared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replica a loses NATS while b keeps it. b removes w0 and then undrains w2, which a had
+    drained offline; a drains w0 and w1 offline. Before, a wrote its kept records over b's when
+    it came back: w0 returned (draining) and w2 was drained again on every replica, though b's
+    changes had answered "shared". Now a kept change is written only over the record it was
+    made against: w1's goes through, w0's and w2's are dropped and said."""
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with (
+            workers(4) as (w0, w1, w2, w3),
+            CuttableLink(nats.port) as link,
+            aiohttp.ClientSession() as session,
+        ):
+            # w3 is never changed: each replica keeps a worker to route to
+            fleet = [("w0", w0.url), ("w1", w1.url), ("w2", w2.url), ("w3", w3.url)]
+            async with (
+                RouterService(replica_config(fleet, link.url, "a")) as a,
+                RouterService(replica_config(fleet, nats.url, "b")) as b,
+            ):
+                status, answer = await admin(session, b, "POST", "/workers/w2/drain")
+                assert (status, answer["cluster"]) == (200, "shared")
+
+                async def a_has_w2_drained() -> bool:
+                    return (await _workers_seen(session, a)).get("w2") is True
+
+                await eventually(a_has_w2_drained, what="a to read b's drain of w2")
+                await link.cut()
+
+                async def a_degraded() -> bool:
+                    return await _status(session, a) == "degraded"
+
+                await eventually(a_degraded, what="a to notice it lost NATS")
+                assert await _status(session, b) == "ok"
+                status, answer = await admin(session, b, "DELETE", "/workers/w0")
+                assert answer == {"removed": "w0", "cluster": "shared"}
+                for worker in ("w0", "w1"):
+                    status, answer = await admin(session, a, "POST", f"/workers/{worker}/drain")
+                    assert (status, answer["cluster"]) == (200, "pending"), answer
+                status, answer = await admin(
+                    session, b, "POST", "/workers/w2/drain", {"drain": False}
+                )
+                assert (status, answer["cluster"]) == (200, "shared"), answer
+                await link.open()
+                agreed = {"w1": True, "w2": False, "w3": False}
+
+                async def resynced() -> bool:
+                    if await _status(session, a) != "ok":
+                        return False
+                    seen = [await _workers_seen(session, r) for r in (a, b)]
+                    return seen == [agreed, agreed]
+
+                await eventually(resynced, what="a to resync and both to agree", timeout_s=20)
+                # and it stays so: nothing of a's dropped changes comes back later
+                await asyncio.sleep(0.5)
+                for router in (a, b):
+                    assert await _workers_seen(session, router) == agreed
+                dropped = [
+                    r.getMessage() for r in caplog.records if "not written" in r.getMessage()
+                ]
+                assert len(dropped) == 1 and "w0 drained" in dropped[0], dropped
+    finally:
+        await nats.stop()
+
+
+async def test_a_store_lost_is_seeded_from_the_fleet_the_replicas_ran(tmp_path: Path) -> None:
+    """A nats-server restarted with an empty store: before, the running replicas seeded the
+    fleet bucket again from their config files on resync, which undid an admin removal and a
+    drain on every replica, and a replica started later routed over that fleet. Now they seed
+    it from their pools: w2 stays removed, w0 drained, w3 (added through the API) there."""
+    for store in ("first", "second"):
+        (tmp_path / store).mkdir()
+    nats = NatsServer(store_dir=tmp_path / "first")
+    await nats.start()
+    try:
+        async with workers(4) as (w0, w1, w2, w3), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url), ("w2", w2.url)]
+            async with (
+                RouterService(replica_config(fleet, nats.url, "a")) as a,
+                RouterService(replica_config(fleet, nats.url, "b")) as b,
+            ):
+                await admin(session, b, "DELETE", "/workers/w2")
+                await admin(session, a, "POST", "/workers/w0/drain")
+                status, _ = await admin(session, a, "POST", "/workers", {"id": "w3", "url": w3.url})
+                assert status in (200, 201)
+                ran = {"w0": True, "w1": False, "w3": False}
+
+                async def agreed() -> bool:
+                    return [await _workers_seen(session, r) for r in (a, b)] == [ran, ran]
+
+                await eventually(agreed, what="both replicas to take the admin changes")
+                await nats.stop()
+                nats = NatsServer(port=nats.port, store_dir=tmp_path / "second")  # empty
+                await nats.start()
+
+                async def resynced() -> bool:
+                    return {await _status(session, a), await _status(session, b)} == {"ok"}
+
+                await eventually(resynced, what="both to resync with the empty store")
+                await asyncio.sleep(0.5)  # what the resync's seeding wrote is applied
+                assert [await _workers_seen(session, r) for r in (a, b)] == [ran, ran]
+                async with RouterService(replica_config(fleet, nats.url, "c")) as c:
+                    assert await _workers_seen(session, c) == ran
     finally:
         await nats.stop()
 

@@ -10,7 +10,7 @@ import pytest
 from router.cluster.server import NatsServer
 from router.cluster.snapshots import publish_snapshot
 from router.service import RouterService
-from tests.router.cluster.conftest import replica_config, workers
+from tests.router.cluster.conftest import admin, replica_config, workers
 from tests.router.conftest import Fleet, eventually
 
 
@@ -69,3 +69,34 @@ async def test_a_damaged_snapshot_in_jetstream_is_refused_and_the_replica_starts
                 async with RouterService(replica_config(config, nats_server.url, "c")) as c:
                     assert c.cluster is not None and c.cluster.snapshot_at is None
             assert "does not match its digest" in caplog.text
+
+
+async def test_a_replica_restarted_under_its_id_applies_its_eviction_to_an_older_snapshot(
+    nats_server: NatsServer,
+) -> None:
+    """A fixed `replica_id` names the replica, not the process. Before, a replica restarted
+    under it skipped the eviction records bearing its id, taking them for its own process's:
+    loaded from a snapshot older than its eviction, it held the evicted tenant again (and put
+    it in its next snapshots, for every replica after it)."""
+    async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url)]
+        refs = {"w0": w0}
+        body = {"text": "a tenant about to leave the fleet " * 6, "cache_salt": "tenant-x"}
+        async with RouterService(replica_config(config, nats_server.url, "fixed")) as a:
+            on_a = Fleet(a, refs, session)
+            await on_a.warm()
+            async with session.post(
+                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+            ) as resp:
+                assert resp.status == 200
+            await eventually(lambda: on_a.holds(body, "w0", 64), what="a to index the prompt")
+            assert a.cluster is not None
+            assert await a.cluster.publish_snapshot() > 0  # holds the tenant
+            status, answer = await admin(
+                session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-x"}
+            )
+            assert (status, answer["cluster"]) == (200, "shared")
+            assert not await on_a.holds(body, "w0", 16)
+        async with RouterService(replica_config(config, nats_server.url, "fixed")) as again:
+            assert again.cluster is not None and again.cluster.snapshot_at is not None
+            assert not await Fleet(again, refs, session).holds(body, "w0", 16)

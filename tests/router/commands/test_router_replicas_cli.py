@@ -44,6 +44,11 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
         assert "nats://127.0.0.1:" in said and "from " in said  # where it came from
         line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
         url = line.split("listening on ")[1].split()[0]
+        # what one router prints under its URL, said of the replicas' one (before: nothing)
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops", lines), 10)
+        told = "".join(lines)
+        assert f"curl -s {url}/v1/chat/completions" in told, told
+        assert f"{url}/dashboard" in told and f"{url}/admin/workers" in told, told
         replicas: set[str] = set()
         body = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
         async with aiohttp.ClientSession() as session:
