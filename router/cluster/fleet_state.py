@@ -1,6 +1,6 @@
 """The fleet and the admin state, shared in JetStream KV: one truth for every replica.
 
-Two buckets under the subject prefix:
+Three buckets under the subject prefix:
 - `<prefix>_fleet`: one key per worker (`w.<base64url of its id>`), a `WorkerRecord` in JSON:
   its config, whether it is drained, or that it was removed. Every replica seeds the workers of
   its own config file with a create-if-absent, so replicas starting at once against an empty
@@ -9,6 +9,10 @@ Two buckets under the subject prefix:
 - `<prefix>_evictions`: namespaces evicted by an operator (random keys: the key shows nothing
   of the namespace), kept a day; a starting replica applies those newer than its index (its
   snapshot's, or, cold, its own start: `ClusterService._sync_once`).
+- `<prefix>_sessions`: the dashboard sessions logged out (`s.<session id>`, a `LogoutRecord`
+  with the session's expiry), kept a session's lifetime: every replica refuses their cookies
+  (`SessionBook`, the dashboard's `DashboardSession`), one started later too. A session id
+  opens nothing without the cookie's MAC (the admin token's), and is still never logged.
 
 `/admin` on any replica writes here after changing its own state; every replica (itself too)
 applies what it reads to its pool, so applying is idempotent. A write made while NATS is away is
@@ -34,6 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -41,26 +46,44 @@ from nats.js.kv import KeyValue
 
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
-from router.cluster.wire import EvictionRecord, WorkerRecord
+from router.cluster.wire import EvictionRecord, LogoutRecord, WorkerRecord
 from router.config import WorkerConfig
 from router.errors import NotFoundError
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
 from router.routing.pool import WorkerPool
 
-__all__ = ["EVICTION_TTL_S", "FleetState", "worker_key"]
+__all__ = ["EVICTION_TTL_S", "LOGOUT_TTL_S", "FleetState", "SessionBook", "worker_key"]
 
 log = logging.getLogger(__name__)
 
 EVICTION_TTL_S = 24 * 3600.0
+# a logout record outlives its session: the dashboard's session lifetime
+# (`router.http.dashboard.session.SESSION_S`, which a test holds this to)
+LOGOUT_TTL_S = 12 * 3600.0
+_LOGOUT = "s."  # the key prefix of a logout record, before the session id
 _worker_decoder = msgspec.json.Decoder(WorkerRecord)
 _eviction_decoder = msgspec.json.Decoder(EvictionRecord)
+_logout_decoder = msgspec.json.Decoder(LogoutRecord)
 _json = msgspec.json.Encoder()
 
 
 def worker_key(worker_id: str) -> str:
     """The KV key of a worker (ids are URLs; keys take only [-/_=.a-zA-Z0-9])."""
     return "w." + base64.urlsafe_b64encode(worker_id.encode()).decode().rstrip("=")
+
+
+class SessionBook(Protocol):
+    """Where the dashboard's logouts apply (`router.http.dashboard.session.DashboardSession`)."""
+
+    def revoke(self, sid: str, expiry: int) -> None:
+        """Refuse the session `sid` until `expiry`."""
+
+    def expect_revocations(self) -> None:
+        """Accept only the sessions started here until `revocations_known`."""
+
+    def revocations_known(self) -> None:
+        """The logouts of every replica are read: accept every session not ended."""
 
 
 class FleetState:
@@ -90,6 +113,7 @@ class FleetState:
         self._unsent_over: dict[tuple[str, str], int | None] = {}
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
+        self.sessions: SessionBook | None = None  # the dashboard's, behind an admin token
 
     # ------------------------------------------------------------------ writing
 
@@ -107,6 +131,10 @@ class FleetState:
             namespace=namespace, cache_salt=cache_salt, at=time.time(), by=self._replica
         )
         return f"e.{uuid.uuid4().hex}", _json.encode(record)
+
+    def record_logout(self, sid: str, expiry: int) -> tuple[str, bytes]:
+        """(key, JSON) of the record of a dashboard session logged out here."""
+        return _LOGOUT + sid, _json.encode(LogoutRecord(expiry=expiry, by=self._replica))
 
     def keep_unsent(self, bucket: str, key: str, value: bytes) -> None:
         """Keep a write NATS did not take, to make on resync over the record it was made
@@ -185,11 +213,17 @@ class FleetState:
 
     def describe_unsent(self) -> list[str]:
         """The writes NATS did not take yet, as an operator would make them again ("w4
-        drained"; an eviction without its namespace or salt)."""
-        return [
-            self._describe(value) if key.startswith("w.") else "a namespace eviction"
-            for (_, key), value in self.unsent.items()
-        ]
+        drained"; an eviction without its namespace or salt; "a dashboard logout")."""
+        return [self.describe(key, value) for (_, key), value in self.unsent.items()]
+
+    def describe(self, key: str, value: bytes) -> str:
+        """One write as the operator's change it is, naming no secret (no namespace, no salt,
+        no session id)."""
+        if key.startswith("w."):
+            return self._describe(value)
+        if key.startswith(_LOGOUT):
+            return "a dashboard logout"
+        return "a namespace eviction"
 
     @staticmethod
     def _describe(value: bytes) -> str:
@@ -300,6 +334,18 @@ class FleetState:
             time.time() - record.at,
             dropped,
         )
+
+    def apply_logout(self, key: str, value: bytes) -> None:
+        """End on this replica a dashboard session logged out on some replica (idempotent)."""
+        sessions = self.sessions
+        if sessions is None or not key.startswith(_LOGOUT):
+            return  # no admin token here: no sessions to end
+        try:
+            record = _logout_decoder.decode(value)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring an unreadable logout record: %s", exc)
+            return
+        sessions.revoke(key.removeprefix(_LOGOUT), record.expiry)
 
     def mark_evictions_seen(self, keys: Sequence[str]) -> None:
         """Records that need no applying here (this replica made them: its index has them)."""

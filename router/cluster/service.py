@@ -11,6 +11,11 @@ not answer in time the replica serves on local state, `status` says DEGRADED (as
 or after an outage) the replica resyncs (admin writes it kept, the whole fleet read again,
 a heartbeat listing its requests in flight) and says so in one line.
 
+Dashboard logouts are shared like admin changes (`session_ended`, the `<prefix>_sessions`
+bucket: `router.cluster.fleet_state`): a logout on one replica ends the session on all, kept for
+the resync while NATS is away. Until its first read of that bucket a replica accepts only the
+sessions it started itself (another's logout may be there: `SessionBook.expect_revocations`).
+
 Background tasks (connection, publisher, heartbeats, KV watchers) live in one TaskGroup owned
 here, each handling its own recoverable errors and stopping on cancel.
 """
@@ -41,7 +46,13 @@ from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
 from indexer.stats import StreamState
 from router.cluster.errors import ClusterError
-from router.cluster.fleet_state import EVICTION_TTL_S, FleetState, worker_key
+from router.cluster.fleet_state import (
+    EVICTION_TTL_S,
+    LOGOUT_TTL_S,
+    FleetState,
+    SessionBook,
+    worker_key,
+)
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
@@ -131,7 +142,10 @@ class ClusterService:
         supervisor: Supervisor,
         seed_workers: Sequence[WorkerConfig] = (),
         fleet_change: FleetChange | None = None,
+        sessions: SessionBook | None = None,
     ) -> None:
+        """`sessions`: the dashboard's (behind an admin token), which the logouts of every
+        replica end."""
         self.config = config
         self.replica = config.replica_id or replica_name()
         # the refusals (TLS not offered, credentials refused) logged since NATS last answered
@@ -162,10 +176,12 @@ class ClusterService:
         self.fleet = FleetState(
             self.replica, supervisor, planner.pool, planner.indexer, fleet_change
         )
+        self.fleet.sessions = sessions
         prefix = config.subject_prefix
         self.subject = f"{prefix}.replica.{self.replica}"
         self._fleet_bucket = f"{prefix}_fleet"
         self._evictions_bucket = f"{prefix}_evictions"
+        self._sessions_bucket = f"{prefix}_sessions"
         self._index_bucket = f"{prefix}_index"
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
@@ -197,6 +213,9 @@ class ClusterService:
     async def __aenter__(self) -> ClusterService:
         await self._group.__aenter__()
         self._planner.decisions = self.outbox
+        if self.fleet.sessions is not None:
+            # before the first request: the logouts made elsewhere are not read yet
+            self.fleet.sessions.expect_revocations()
         for loop in (self._connect, self._publisher, self._heartbeats):
             self._spawn(loop())
         try:
@@ -409,6 +428,9 @@ class ClusterService:
         self._kv[self._evictions_bucket] = await js.create_key_value(
             bucket=self._evictions_bucket, history=1, ttl=EVICTION_TTL_S
         )
+        self._kv[self._sessions_bucket] = await js.create_key_value(
+            bucket=self._sessions_bucket, history=1, ttl=LOGOUT_TTL_S
+        )
         await self.fleet.flush(self._kv)  # what an operator changed here while NATS was away
         # after the first sync, from the pool as it runs: a bucket that lost its records gets
         # the fleet the replicas ran, not the config files' workers (drains and removals undone)
@@ -422,6 +444,8 @@ class ClusterService:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
         await self._watch(newer_than=newer_than)
+        if self.fleet.sessions is not None:
+            self.fleet.sessions.revocations_known()
         if self.config.events == "relay":
             if self.follower is None:
                 await self._follow(js, since=newer_than if warm and self.snapshot_at else None)
@@ -491,12 +515,13 @@ class ClusterService:
     # ------------------------------------------------------------------ fleet and evictions
 
     async def _watch(self, *, newer_than: float | None) -> None:
-        """(Re)start the KV watchers; returns once both have applied what the buckets hold
+        """(Re)start the KV watchers; returns once they have applied what the buckets hold
         (of the eviction records there, only those after `newer_than`; None: all not seen)."""
         for task in self._watchers:
             task.cancel()
         fleet_read = asyncio.Event()
         evictions_read = asyncio.Event()
+        logouts_read = asyncio.Event()
 
         async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
             await self.fleet.apply_worker(value, key, revision)
@@ -504,14 +529,20 @@ class ClusterService:
         async def on_eviction(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
 
+        async def on_logout(key: str, value: bytes, initial: bool, revision: int) -> None:
+            self.fleet.apply_logout(key, value)
+
         self._watchers = [
             self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),
             self._group.create_task(
                 self._watch_bucket(self._evictions_bucket, on_eviction, evictions_read)
             ),
+            self._group.create_task(
+                self._watch_bucket(self._sessions_bucket, on_logout, logouts_read)
+            ),
         ]
-        await fleet_read.wait()
-        await evictions_read.wait()
+        for read in (fleet_read, evictions_read, logouts_read):
+            await read.wait()
 
     async def _watch_bucket(
         self,
@@ -530,7 +561,8 @@ class ClusterService:
                 try:
                     await apply(entry.key, entry.value, not read.is_set(), entry.revision or 0)
                 except Exception:
-                    log.exception("cluster: applying %s/%s failed", bucket, entry.key)
+                    said = self.fleet.describe(entry.key, entry.value)  # never a session id
+                    log.exception("cluster: applying %s (%s) failed", said, bucket)
         finally:
             with contextlib.suppress(*_NATS_ERRORS):
                 await watcher.stop()  # type: ignore[no-untyped-call]
@@ -545,7 +577,8 @@ class ClusterService:
             async with asyncio.timeout(2.0):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
-            log.warning("cluster: %s not written yet (%s): kept for the resync", key, exc)
+            said = self.fleet.describe(key, value)  # never a session id
+            log.warning("cluster: %s not written yet (%s): kept for the resync", said, exc)
             self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
         return Sharing.SHARED
@@ -574,6 +607,12 @@ class ClusterService:
         key, value = self.fleet.record_eviction(cache_salt=cache_salt)
         self.fleet.mark_evictions_seen([key])
         return await self._write(self._evictions_bucket, key, value)
+
+    async def session_ended(self, sid: str, expiry: int) -> Sharing:
+        """A dashboard session was logged out here (and ended here already): every replica,
+        one started later too, refuses its cookie until `expiry`."""
+        key, value = self.fleet.record_logout(sid, expiry)
+        return await self._write(self._sessions_bucket, key, value)
 
     # ------------------------------------------------------------------ decisions
 

@@ -26,6 +26,7 @@ __all__ = [
     "EvictionRecord",
     "FirstByte",
     "Heartbeat",
+    "LogoutRecord",
     "OpenTicket",
     "Pending",
     "Shadow",
@@ -177,6 +178,14 @@ class EvictionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # behind, or it never saw that tenant), and the others' must be evicted all the same
     cache_salt: str | None = None
     at: float  # time.time(): a warm start applies the evictions newer than its snapshot
+    by: str = ""
+
+
+class LogoutRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A dashboard session logged out on some replica (JetStream KV, key `s.<session id>`,
+    kept for a session's lifetime): every replica refuses its cookie until `expiry`."""
+
+    expiry: int  # the session's, in wall-clock seconds: its id is forgotten after that
     by: str = ""
 
 

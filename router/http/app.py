@@ -39,6 +39,7 @@ from router.http.keys import (
     CLUSTER,
     CONFIG,
     CONFIG_SOURCE,
+    DASHBOARD_SESSION,
     FINGERPRINT,
     INDEXER,
     METRICS,
@@ -402,6 +403,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                             supervisor,
                             config.workers,
                             fleet_change=reloader.fleet_change,
+                            sessions=app.get(DASHBOARD_SESSION),  # logouts end them everywhere
                         )
                     )
                     app[CLUSTER] = cluster

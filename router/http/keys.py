@@ -10,6 +10,7 @@ from aiohttp import web
 from indexer.service import IndexerService
 from router.config import LiveConfig
 from router.fleet.supervisor import Supervisor
+from router.http.dashboard.session import DashboardSession
 from router.http.decisions import DecisionStats
 from router.http.metrics import RouterMetrics
 from router.http.observe import Observer
@@ -29,6 +30,7 @@ __all__ = [
     "CLUSTER",
     "CONFIG",
     "CONFIG_SOURCE",
+    "DASHBOARD_SESSION",
     "DECISIONS",
     "FINGERPRINT",
     "INDEXER",
@@ -62,6 +64,8 @@ PROXY = web.AppKey("proxy", Proxy)
 CLUSTER: web.AppKey[ClusterService] = web.AppKey("cluster")
 # `kvroute relay`: the tap writing the index's streams to JetStream (router.cluster.relay_publisher)
 RELAY: web.AppKey[RelayPublisher] = web.AppKey("relay")
+# only behind an admin token: the dashboard's sessions, which the cluster's logouts end too
+DASHBOARD_SESSION = web.AppKey("dashboard_session", DashboardSession)
 PAIRS = web.AppKey("pairs", PairPlanner)  # prefill/decode pairs: their planning
 # operations (`router.http.operations`): decision stats, the observer, tracing when on
 DECISIONS = web.AppKey("decisions", DecisionStats)

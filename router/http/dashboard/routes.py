@@ -12,6 +12,10 @@ Every page is sent with a Content-Security-Policy allowing this origin only: the
 with no network beyond the router, and a value that slipped into the markup could not load or
 run anything.
 
+`POST /dashboard/logout` ends the session of the cookie it comes with (here, and with replicas
+on every replica: `router.cluster.service`), not only the browser's copy, and answers the
+redirect to the page whatever the cookie was.
+
 With no admin token configured (a loopback-only router, as the admin API allows) there is no
 login: the page and its state are open, like `/admin`.
 """
@@ -19,6 +23,7 @@ login: the page and its state are open, like `/admin`.
 from __future__ import annotations
 
 import html
+import logging
 import time
 from importlib import resources
 
@@ -28,8 +33,11 @@ from router.errors import AuthError
 from router.http.bearer import bearer_token
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import encode, snapshot
+from router.http.keys import CLUSTER, DASHBOARD_SESSION
 
 __all__ = ["PAGE_PATH", "add_dashboard_routes"]
+
+log = logging.getLogger(__name__)
 
 PAGE_PATH = "/dashboard"
 _STATIC = resources.files("router.http.dashboard") / "static"
@@ -59,7 +67,7 @@ class _Dashboard:
     """The handlers, over the files read once and the session of one admin token."""
 
     def __init__(self, token: str) -> None:
-        self._session = DashboardSession(token) if token else None
+        self.session = DashboardSession(token) if token else None
         self._page = _read("index.html").encode()
         self._login = _read("login.html")
         self._assets = {name: (_read(name).encode(), kind) for name, kind in _ASSETS.items()}
@@ -67,21 +75,21 @@ class _Dashboard:
         self._built_at = -_FRESH_S
 
     def _by_header(self, request: web.Request) -> bool:
-        session = self._session
+        session = self.session
         given = bearer_token(request.headers.get("Authorization", ""))
         return session is not None and given is not None and session.token_matches(given)
 
     def _authorized(self, request: web.Request) -> bool:
-        session = self._session
+        session = self.session
         if session is None:
             return True
         return session.valid(request.cookies.get(COOKIE)) or self._by_header(request)
 
     def _start_session(self, request: web.Request, response: web.Response) -> None:
-        assert self._session is not None
+        assert self.session is not None
         response.set_cookie(
             COOKIE,
-            self._session.issue(),
+            self.session.issue(),
             max_age=SESSION_S,
             path=PAGE_PATH,
             httponly=True,
@@ -102,7 +110,7 @@ class _Dashboard:
         response = web.Response(
             body=self._page, content_type="text/html", charset="utf-8", headers=_HEADERS
         )
-        session = self._session
+        session = self.session
         if session is not None and not session.valid(request.cookies.get(COOKIE)):
             self._start_session(request, response)  # came with the bearer header
         return response
@@ -112,17 +120,27 @@ class _Dashboard:
         form = await request.post()
         given = form.get("token")
         response = web.Response(status=303, headers={"Location": PAGE_PATH, **_HEADERS})
-        if self._session is None:
+        if self.session is None:
             return response  # nothing to log in to
-        if not isinstance(given, str) or not self._session.token_matches(given):
+        if not isinstance(given, str) or not self.session.token_matches(given):
             return self._login_form("That is not the admin token.")
         self._start_session(request, response)
         return response
 
     async def logout(self, request: web.Request) -> web.Response:
-        """POST /dashboard/logout: forget the session cookie."""
+        """POST /dashboard/logout: end the cookie's session (every replica's too) and drop it."""
         response = web.Response(status=303, headers={"Location": PAGE_PATH, **_HEADERS})
         response.del_cookie(COOKIE, path=PAGE_PATH)
+        session = self.session
+        ended = None if session is None else session.end(request.cookies.get(COOKIE))
+        cluster = request.config_dict.get(CLUSTER)
+        if ended is not None and cluster is not None:
+            sid, expiry = ended
+            if await cluster.session_ended(sid, expiry) == "pending":
+                log.warning(
+                    "dashboard: a logout ended its session on this replica only until NATS "
+                    "answers; the other replicas accept its cookie until then"
+                )
         return response
 
     async def state(self, request: web.Request) -> web.Response:
@@ -132,7 +150,7 @@ class _Dashboard:
         now = time.monotonic()
         if now - self._built_at > _FRESH_S:
             self._body, self._built_at = (
-                encode(snapshot(request.app, login=self._session is not None)),
+                encode(snapshot(request.app, login=self.session is not None)),
                 now,
             )
         return web.Response(
@@ -158,6 +176,8 @@ class _Dashboard:
 def add_dashboard_routes(app: web.Application, token: str) -> None:
     """Serve the dashboard on the router's app, behind `token` (the admin token; '' = open)."""
     dashboard = _Dashboard(token)
+    if dashboard.session is not None:
+        app[DASHBOARD_SESSION] = dashboard.session  # the cluster's logouts end its sessions
     app.router.add_get(PAGE_PATH, dashboard.page)
     app.router.add_post(PAGE_PATH + "/login", dashboard.login)
     app.router.add_post(PAGE_PATH + "/logout", dashboard.logout)

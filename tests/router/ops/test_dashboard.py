@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from http.cookies import SimpleCookie
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -35,8 +37,15 @@ def chat(salt: str) -> dict[str, Any]:
 Answer = tuple[int, CIMultiDictProxy[str], bytes]
 
 
+class Served(Protocol):
+    """A router to call: the fleet's, or a replica (`RouterService`)."""
+
+    @property
+    def url(self) -> str: ...
+
+
 async def call(
-    fleet: Fleet,
+    fleet: Served,
     method: str,
     path: str,
     headers: dict[str, str] | None = None,
@@ -52,14 +61,49 @@ async def call(
         return resp.status, resp.headers, await resp.read()
 
 
-async def get(fleet: Fleet, path: str, headers: dict[str, str] | None = None) -> Answer:
+async def get(fleet: Served, path: str, headers: dict[str, str] | None = None) -> Answer:
     """GET `path`."""
     return await call(fleet, "GET", path, headers)
 
 
-async def login(fleet: Fleet, token: str) -> Answer:
+async def login(fleet: Served, token: str) -> Answer:
     """POST the login form with `token`."""
     return await call(fleet, "POST", "/dashboard/login", form={"token": token})
+
+
+async def logged_in(fleet: Served) -> dict[str, str]:
+    """The Cookie header of a new session (a login with the right token)."""
+    status, headers, _ = await login(fleet, TOKEN)
+    assert status == 303
+    return {"Cookie": f"{COOKIE}={session_cookie(headers)[0]}"}
+
+
+async def logout(fleet: Served, cookie: dict[str, str] | None) -> None:
+    """POST the logout form with `cookie`: the redirect to the page, the cookie dropped."""
+    status, headers, _ = await call(fleet, "POST", "/dashboard/logout", cookie)
+    assert status == 303 and headers["Location"] == "/dashboard"
+    assert session_cookie(headers)[0] == ""
+
+
+async def state_status(fleet: Served, cookie: dict[str, str]) -> int:
+    """The status of `GET /dashboard/state` with `cookie` (200, or 401 with an AuthError)."""
+    status, _, body = await get(fleet, "/dashboard/state", cookie)
+    if status == 401:
+        assert msgspec.json.decode(body)["error"]["type"] == "AuthError"
+    return status
+
+
+async def shows_login_form(fleet: Served, cookie: dict[str, str]) -> bool:
+    """Whether `GET /dashboard` with `cookie` answers the login form (401) instead of the page."""
+    status, _, body = await get(fleet, "/dashboard", cookie)
+    assert (status == 401) == (b'action="/dashboard/login"' in body)
+    return status == 401
+
+
+def old_form(token: str, expiry: str) -> str:
+    """A cookie as issued before sessions had ids: `<expiry>.<HMAC(token, expiry)>`."""
+    key = f"kvroute-dashboard-session\0{token}".encode()
+    return f"{expiry}.{hmac.new(key, expiry.encode(), hashlib.sha256).hexdigest()}"
 
 
 def session_cookie(headers: CIMultiDictProxy[str]) -> tuple[str, dict[str, Any]]:
@@ -81,9 +125,9 @@ async def test_without_the_token_no_page_and_no_data(fleet: Fleet) -> None:
     for wrong in ("Bearer nope", f"Bearer {TOKEN}x", "Basic " + TOKEN, TOKEN):
         status, _, _ = await get(fleet, "/dashboard/state", {"Authorization": wrong})
         assert status == 401, wrong
-    forged = f"{9_999_999_999}.{'0' * 64}"
-    status, _, _ = await get(fleet, "/dashboard/state", {"Cookie": f"{COOKIE}={forged}"})
-    assert status == 401
+    for forged in (f"{9_999_999_999}.{'0' * 64}", f"{9_999_999_999}.{'0' * 32}.{'0' * 64}"):
+        status, _, _ = await get(fleet, "/dashboard/state", {"Cookie": f"{COOKIE}={forged}"})
+        assert status == 401
     status, _, body = await login(fleet, "not-the-token")
     assert status == 401 and b"not the admin token" in body
     # the files are code without data: served to anyone (the login form needs its stylesheet)
@@ -115,8 +159,50 @@ async def test_login_gives_a_strict_httponly_cookie_for_the_dashboard_only(fleet
     # the bearer header opens the page too, and starts a session for the page's polling
     status, headers, _ = await get(fleet, "/dashboard", AUTH)
     assert status == 200 and session_cookie(headers)[1]["httponly"]
-    status, headers, _ = await call(fleet, "POST", "/dashboard/logout", cookie)
-    assert status == 303 and session_cookie(headers)[0] == ""
+    await logout(fleet, cookie)
+
+
+async def test_a_cookie_replayed_after_logout_is_refused(fleet: Fleet) -> None:
+    """Before, logging out only told the browser to drop the cookie: its value, replayed (a
+    copy, a shared machine's history of it), opened the page and its state until its expiry."""
+    cookie = await logged_in(fleet)
+    assert await state_status(fleet, cookie) == 200 and not await shows_login_form(fleet, cookie)
+    await logout(fleet, cookie)
+    assert await state_status(fleet, cookie) == 401
+    assert await shows_login_form(fleet, cookie)
+    await logout(fleet, cookie)  # again: nothing left to end, the same redirect
+    assert await state_status(fleet, await logged_in(fleet)) == 200  # a new login is a new session
+
+
+async def test_each_login_is_its_own_session(fleet: Fleet) -> None:
+    """Before, the cookie was its expiry signed: two logins within one second got the same
+    cookie, and no session could be told from another."""
+    first, second = await logged_in(fleet), await logged_in(fleet)
+    assert first != second
+    # the bearer header starts a session of its own too
+    status, headers, _ = await get(fleet, "/dashboard", AUTH)
+    assert status == 200
+    third = {"Cookie": f"{COOKIE}={session_cookie(headers)[0]}"}
+    assert third not in (first, second)
+    await logout(fleet, first)
+    assert await state_status(fleet, first) == 401
+    assert await state_status(fleet, second) == await state_status(fleet, third) == 200
+    assert not await shows_login_form(fleet, second)
+
+
+async def test_logout_without_a_session_still_redirects(fleet: Fleet) -> None:
+    cookie = await logged_in(fleet)
+    expiry, _, rest = cookie["Cookie"].partition("=")[2].partition(".")
+    sid, _, mac = rest.partition(".")
+    for sent in (
+        None,
+        {"Cookie": f"{COOKIE}=junk"},
+        {"Cookie": f"{COOKIE}={old_form(TOKEN, expiry)}"},  # a session of no id
+        {"Cookie": f"{COOKIE}={expiry}.{sid}.{'0' * 64}"},  # a forged MAC ends nothing
+        {"Cookie": f"{COOKIE}={expiry}.{'0' * 32}.{mac}"},  # nor another session id
+    ):
+        await logout(fleet, sent)
+    assert await state_status(fleet, cookie) == 200
 
 
 async def test_state_shows_the_fleet_after_traffic(fleet: Fleet) -> None:
@@ -201,13 +287,53 @@ def test_session_cookies_expire_and_are_tied_to_the_token() -> None:
     cookie = session.issue()
     assert session.valid(cookie)
     assert not DashboardSession("other", clock=lambda: now[0]).valid(cookie)
-    expiry, _, mac = cookie.partition(".")
-    assert not session.valid(f"{int(expiry) + 1}.{mac}")  # a longer life is a forgery
-    for junk in ("", ".", "x.y", "²³.ab", cookie + "0", "\udcff.x"):
+    expiry, sid, mac = cookie.split(".")
+    assert len(sid) == 32 and sid != session.issue().split(".")[1]  # random: one per login
+    assert not session.valid(f"{int(expiry) + 1}.{sid}.{mac}")  # a longer life is a forgery
+    assert not session.valid(f"{expiry}.{'0' * 32}.{mac}")  # so is another session's id
+    assert not session.valid(old_form("secret", expiry))  # from before ids: log in again
+    for junk in ("", ".", "..", "x.y", "x.y.z", "²³.ab.cd", cookie + "0", "\udcff.x.y"):
         assert not session.valid(junk), junk
+    assert session.end(old_form("secret", expiry)) is None  # ends no session
     now[0] += SESSION_S
     assert not session.valid(cookie)
     assert session.token_matches("secret") and not session.token_matches("secret\udcff")
+
+
+def test_a_session_ended_stays_ended_until_its_expiry_then_is_forgotten() -> None:
+    now = [1_000_000.0]
+    session = DashboardSession("secret", clock=lambda: now[0])
+    first = session.issue()
+    now[0] += 3600
+    second = session.issue()
+    ended = session.end(first)
+    assert ended is not None and ended == (first.split(".")[1], int(first.split(".")[0]))
+    assert not session.valid(first) and session.valid(second)
+    assert session.end(first) is None  # ended already: nothing to share again
+    # a logout made on another replica (its record read from NATS): the same, by id
+    session.revoke(second.split(".")[1], int(second.split(".")[0]))
+    assert not session.valid(second) and session.revoked_sessions == 2
+    session.revoke("not-an-id", 2_000_000)  # a record no cookie can carry: not kept
+    session.revoke("0" * 32, int(now[0]))  # expired already: nothing to keep
+    assert session.revoked_sessions == 2
+    now[0] += SESSION_S - 3600  # the first one's expiry: it is pruned at the next logout
+    third = session.issue()
+    session.end(third)
+    assert session.revoked_sessions == 2  # the second and the third
+
+
+def test_a_replica_accepts_only_its_own_sessions_until_it_has_read_the_logouts() -> None:
+    """A replica that starts while NATS is away has not read the other replicas' logouts: a
+    session started elsewhere may be one of them, so its cookie is refused until they are read
+    (the user logs in again, here); a session started here is accepted."""
+    now = [1_000_000.0]
+    elsewhere = DashboardSession("secret", clock=lambda: now[0])
+    session = DashboardSession("secret", clock=lambda: now[0])
+    session.expect_revocations()
+    other, own = elsewhere.issue(), session.issue()
+    assert not session.valid(other) and session.valid(own)
+    session.revocations_known()
+    assert session.valid(other) and session.valid(own)
 
 
 def _stream(worker: str, rank: int, state: str = "synced") -> StreamRow:
