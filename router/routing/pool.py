@@ -6,6 +6,8 @@ keeps, per served name, the workers of that name, so a request is only ever plan
 workers of its model (`serving`). A fleet whose workers all serve the same names is one pool:
 it takes any `model` string, as SGLang does (it ignores the field; clients send "default"),
 but a name some worker served and none serves now: that model is gone, not another's alias.
+Only once every worker's models are known: a worker not registered yet may serve another
+model, so it takes nothing, and a name no known worker serves waits for it (a 503).
 
 Plain state, mutated only from the event loop (health checker, proxy, admin API), never across
 an await in the middle of an update, so it needs no lock.
@@ -345,8 +347,9 @@ class WorkerPool:
     def resolve(self, model: str) -> ModelChoice:
         """The served model a request naming `model` goes to; UnknownModelError when the fleet
         serves several and none of them is `model` (or its base, in the `base:adapter` form),
-        or `model` is gone (`_refuse`); AmbiguousModelError when `model` is an adapter that
-        workers of several base models list."""
+        or `model` is gone (`_refuse`: ModelUnavailableError instead while some worker's
+        models are not known, the fleet then being no one pool); AmbiguousModelError when
+        `model` is an adapter that workers of several base models list."""
         bases = self._ambiguous.get(model)
         if bases is not None and model not in self._by_model:
             # any pick would be a guess that changes with the workers (the last one listed
@@ -438,8 +441,14 @@ class WorkerPool:
             for name, cache in self._cache_model.items()
             if all(e.config.engine == "vllm" for e in by_model[name])
         )
-        # every named worker serving every name: one pool, which also takes unnamed workers
-        if len(set(groups.values())) <= 1:
+        # every named worker serving every name: one pool, which also takes unnamed workers;
+        # but only once every worker's models are known. A worker not registered yet (down at
+        # startup, its server info slow, just added) may serve another model: until it says,
+        # each request goes to the known workers of the name it gives, and a name no known
+        # worker serves is a 503 (`_refuse`). Before, the known workers' one model took every
+        # name meanwhile (a down model-y worker's requests were answered by model-x) and the
+        # unknown workers took the requests of that model too.
+        if not self._unknown and len(set(groups.values())) <= 1:
             first_name = next(iter(by_model), "")
             self._single = ModelChoice(first_name, self._cache_model.get(first_name, ""), None)
         else:
