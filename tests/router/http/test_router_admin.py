@@ -201,8 +201,10 @@ async def test_a_worker_being_added_takes_no_request_until_it_is_checked(fleet: 
     while its discovery goes on.
 
     Its models are not known meanwhile: the fleet's one model is served by its known workers,
-    and a request naming no model (which h may serve) is a 503 to retry. Before, the fleet was
-    one pool meanwhile, h its candidate too, and any name was answered by the known model."""
+    a request naming no model too (any model does for it: an add must not turn those away),
+    and a name no known worker serves (which h may serve) is a 503 to retry. Before, the fleet
+    was one pool meanwhile, h its candidate too, and any name was answered by the known
+    model."""
     async with HungDiscovery() as hung:
         status, added = await fleet.admin("POST", "/workers", {"url": hung.url, "id": "h"})
         assert status == 202 and added["status"] == "checking", added
@@ -222,7 +224,10 @@ async def test_a_worker_being_added_takes_no_request_until_it_is_checked(fleet: 
             status, headers, _ = await fleet.post("/v1/completions", body, timeout=_QUICK)
             assert status == 200 and headers["x-kvroute-worker"] in ("w0", "w1")
         unnamed = {"prompt": "fresh", "max_tokens": 1}
-        status, headers, answer = await fleet.post("/v1/completions", unnamed, timeout=_QUICK)
+        status, headers, _ = await fleet.post("/v1/completions", unnamed, timeout=_QUICK)
+        assert status == 200 and headers["x-kvroute-worker"] in ("w0", "w1")
+        other = {**unnamed, "model": "another-model"}
+        status, headers, answer = await fleet.post("/v1/completions", other, timeout=_QUICK)
         assert status == 503 and answer["error"]["type"] == "ModelUnavailableError", answer
         assert headers["Retry-After"] == "1"
         async with fleet.session.get(fleet.url + "/metrics") as resp:

@@ -125,10 +125,14 @@ def test_one_known_model_is_no_one_pool_while_a_workers_models_are_unknown(then:
     any name) were answered by w0's model, and w1 was sent x's requests."""
     pool = _pool("x", "")
     assert _ids(pool, "x") == ["w0"] and _ids(pool, "x:adapter") == ["w0"]
-    for model in ("y", "default", "", "y:adapter"):
+    for model in ("y", "y:adapter", "llama"):
         with pytest.raises(ModelUnavailableError) as unsure:
             pool.resolve(model)
         assert unsure.value.status == 503 and unsure.value.served == ("x",)
+    # a request naming no model takes the one the known workers serve, never w1 (else every
+    # such request would wait for a worker still loading its model, or one just added)
+    for model in ("default", ""):
+        assert _ids(pool, model) == ["w0"] and pool.resolve(model).model == "x"
     pool.set_models(pool.get("w1"), (then,))  # registered
     if then == "y":  # two models: each its own pool, any other name a 404
         assert _ids(pool, "x") == ["w0"] and _ids(pool, "y") == ["w1"]
