@@ -207,15 +207,16 @@ class ModelUnavailableError(NoWorkerError):
     """
 
     def __init__(self, model: str, served: tuple[str, ...], unknown: int) -> None:
-        named = f"model {model[:64]!r}" if model else "no model"
+        # no model: refused while no pool is known to take any name (`WorkerPool.resolve`)
+        named = "no model"
+        if model:
+            named = f"model {model[:64]!r}, which no worker is known to serve now"
         why = (
             f"the models of {unknown} worker(s) are not known yet (down, or being discovered)"
             if unknown
             else "the fleet has no worker now (being changed?)"
         )
-        super().__init__(
-            f"the request names {named}, which no worker is known to serve now; {why}: retry later"
-        )
+        super().__init__(f"the request names {named}; {why}: retry later")
         self.model = model
         self.served = served
 

@@ -282,13 +282,18 @@ class Proxy:
         if plan.worker is None:  # the best candidate is unroutable, so all are
             if not plan.candidates and parsed.dp_rank is not None:
                 raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
+            serving = planner.pool.serving(ns.model)
+            # a worker whose models are not known yet is in no model's pool (`WorkerPool.
+            # resolve`), but it may be this model's side of a pair, being checked
+            checking = _side_checked([*serving, *(e for e in planner.pool if e.models is None)])
+            if not plan.candidates and checking is not None:
+                raise NoWorkerError(f"no routable worker: {checking}")
             if not plan.candidates:
                 # a model of pairs that lost one side (removed): it takes no whole requests
-                roles = Counter(e.role for e in planner.pool.serving(ns.model))
+                roles = Counter(e.role for e in serving)
                 if roles and "both" not in roles:
                     raise NoWorkerError(_unpaired(roles))
             why = none_routable(plan.candidates, planner.pool, planner.clock())
-            checking = _side_checked(planner.pool.serving(ns.model))
             raise NoWorkerError(why if checking is None else f"{why}: {checking}")
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()

@@ -317,6 +317,7 @@ def parse_request(
     """Validate `raw` for `endpoint`; `header_salt` (trusted header) overrides the body's salt,
     `header_dp_rank` (the `X-Data-Parallel-Rank` header) the body's rank on the OpenAI routes."""
     body = parse_body(raw, limits)
+    model = _model(body.get("model"))
     batched = False
     reusable = None
     if endpoint is Endpoint.GENERATE:
@@ -347,7 +348,6 @@ def parse_request(
         else:
             body["cache_salt"] = salt
         forwarded = _encoder.encode(body)
-    model = body.get("model")
     stream = body.get("stream")
     keyed: tuple[KeyedItem, ...] = ()
     if batched:
@@ -356,7 +356,7 @@ def parse_request(
         endpoint=endpoint,
         body=forwarded,
         salt=salt,
-        model=model if isinstance(model, str) else "",
+        model=model,
         lora=_lora(body.get("lora_path")),
         tokens=tokens,
         stream=stream is True,
@@ -367,6 +367,27 @@ def parse_request(
         reuse_limit=reusable,
         keyed=keyed,
     )
+
+
+def _model(value: object) -> str:
+    """The model a request names ("": none, null included, as vLLM reads it). Another type is
+    a 400: the engines refuse it (SGLang's and vLLM's `model: str`), and a pool's workers
+    cannot be told from it. Before, it read as no model: a 404 "the request names no model"
+    in a fleet of several, forwarded to the engine to refuse in a fleet of one."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    raise RequestError(f"model must be a string, not {_json_kind(value)}")
+
+
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, as a client wrote it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 def _check_batch_lists(body: Mapping[str, Any], header_salt: str | None) -> None:

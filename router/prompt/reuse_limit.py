@@ -31,12 +31,20 @@ is predicted):
   `skip_radix_cache_insert`: the same ids with other vectors are other KV): nothing is
   predicted.
 
-Values of the wrong type are left to the engine to refuse (no cap). Pure functions of the
-decoded body.
+The fields are read as the engines read them, through pydantic models in lax mode: SGLang's
+OpenAI routes and vLLM's take `1`, `1.0` or `"true"` (`"yes"`, `"on"`, ...) as true and
+`"5"`, `5.0` or `true` as an int; SGLang 0.5.23 refuses such values on `/generate` (its JSON
+contract check, a 400), but its `GenerateReqInput` takes them the same lax way, and so may the
+releases before it. A value that some engine may read as asking for a cap caps; one the router
+cannot read as the engine would (and the engine should refuse) caps too, to what it can be
+sure of: nothing (fail closed). Before, only JSON `true` and integers counted: `"echo": 1`
+on a chat request, `"truncate_prompt_tokens": "5"` or `"add_special_tokens": "false"` were
+predicted the hits vLLM does not give. Pure functions of the decoded body.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +60,47 @@ _MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 _NO_PREFIX_FIELDS = (*_MEDIA_FIELDS, "positional_embed_overrides")
 
 
+# pydantic's lax bools from strings (case-insensitive; `str_as_bool`)
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+# a zero fraction pydantic strips from an int's string ("5.00" is 5)
+_ZERO_FRACTION = re.compile(r"\.0*$")
+
+
+def _lax_bool(value: object) -> bool | None:
+    """`value` (not null) as a pydantic bool in lax mode reads it; None: refused (or read in
+    a way the router does not know)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return value == 1
+    if isinstance(value, str):
+        word = value.lower()
+        return True if word in _TRUE_WORDS else False if word in _FALSE_WORDS else None
+    return None
+
+
+def _may_be_true(value: object) -> bool:
+    """Whether an engine may read the flag `value` as true: anything but null and the values
+    pydantic reads as false (fail closed on the ones it refuses)."""
+    return value is not None and _lax_bool(value) is not False
+
+
+def _lax_int(value: object) -> int | None:
+    """`value` (not null) as a pydantic int in lax mode reads it; None: refused (or read in
+    a way the router does not know)."""
+    if isinstance(value, int):  # a bool too: true is 1
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(_ZERO_FRACTION.sub("", value.strip()))
+        except ValueError:
+            return None
+    return None
+
+
 def _first(value: object) -> object:
     if isinstance(value, list):
         return value[0] if value else None
@@ -65,10 +114,15 @@ def generate_reuse_limit(body: Mapping[str, Any]) -> int | None:
         _holds_media(body.get(field)) for field in _NO_PREFIX_FIELDS
     ):
         return 0
-    start = _first(body.get("logprob_start_len"))
-    if _first(body.get("return_logprob")) is True and type(start) is int and start >= 0:
-        return start
-    return None
+    if not _may_be_true(_first(body.get("return_logprob"))):
+        return None
+    given = _first(body.get("logprob_start_len"))
+    if given is None:
+        return None  # -1: the output's logprobs only
+    start = _lax_int(given)
+    if start is None:
+        return 0  # where the engine would start scoring, the router cannot tell
+    return start if start >= 0 else None
 
 
 def _holds_media(value: object) -> bool:
@@ -81,8 +135,8 @@ def _holds_media(value: object) -> bool:
 
 def completion_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
     """The same for a `/v1/completions` body of a `prompt_tokens`-token prompt."""
-    logprobs = body.get("logprobs")
-    if body.get("echo") and logprobs is not None and logprobs is not False:
+    # vLLM scores the prompt for any `logprobs` (0, and false read as 0, included)
+    if _may_be_true(body.get("echo")) and body.get("logprobs") is not None:
         return 0
     if _caps_openai(body, prompt_tokens, special_tokens=True):
         return 0
@@ -91,7 +145,7 @@ def completion_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int |
 
 def chat_reuse_limit(body: Mapping[str, Any], prompt_tokens: int) -> int | None:
     """The same for a `/v1/chat/completions` body of a `prompt_tokens`-token prompt."""
-    if body.get("echo") is True or _caps_openai(body, prompt_tokens, special_tokens=False):
+    if _may_be_true(body.get("echo")) or _caps_openai(body, prompt_tokens, special_tokens=False):
         return 0
     messages = body.get("messages")
     if isinstance(messages, list) and any(_has_media(m) for m in messages):
@@ -109,10 +163,12 @@ def _caps_openai(body: Mapping[str, Any], prompt_tokens: int, *, special_tokens:
         # token ids the router would compute from a text prompt given beside them
         return True
     cut = body.get("truncate_prompt_tokens")
-    if type(cut) is int and 0 <= cut < prompt_tokens:
-        return True
+    if cut is not None:
+        length = _lax_int(cut)
+        if length is None or 0 <= length < prompt_tokens:
+            return True
     given = body.get("add_special_tokens")
-    return isinstance(given, bool) and given is not special_tokens
+    return given is not None and _lax_bool(given) is not special_tokens
 
 
 def _has_media(message: object) -> bool:

@@ -6,6 +6,9 @@ keeps, per served name, the workers of that name, so a request is only ever plan
 workers of its model (`serving`). A fleet whose workers all serve the same names is one pool:
 it takes any `model` string, as SGLang does (it ignores the field; clients send "default"),
 but a name some worker served and none serves now: that model is gone, not another's alias.
+Only once every worker's models are known: a worker not registered yet may serve another
+model, so it takes nothing, and a name no known worker serves waits for it (a 503); a request
+naming no model ("default", or none) goes meanwhile to the known workers if they serve one.
 
 Plain state, mutated only from the event loop (health checker, proxy, admin API), never across
 an await in the middle of an update, so it needs no lock.
@@ -178,6 +181,9 @@ class WorkerEntry:
 # ":" whatever they serve (0.5.17-0.5.22: a served `org/m:v1` is adapter `v1` of `org/m`)
 _SERVED_NAME_FIRST = ((0, 5, 23), (0, 5, 23))
 _FIRST_COLON = ((0, 5, 17), (0, 5, 22))
+# what a request that asks for no model in particular names (SGLang ignores the field; clients
+# send "default")
+_UNNAMED = frozenset(("", "default"))
 _RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?(?:[-+].*)?")
 
 
@@ -267,6 +273,7 @@ class WorkerPool:
         # workers whose models are not known yet (not registered): a name nobody is known to
         # serve may be theirs (`_refuse`)
         self._unknown = 0
+        self._known_one: str | None = None
 
     def reconfigure(self, breaker: BreakerConfig) -> None:
         """Every worker's breaker, and those of workers added later, with `breaker`'s bounds."""
@@ -345,8 +352,9 @@ class WorkerPool:
     def resolve(self, model: str) -> ModelChoice:
         """The served model a request naming `model` goes to; UnknownModelError when the fleet
         serves several and none of them is `model` (or its base, in the `base:adapter` form),
-        or `model` is gone (`_refuse`); AmbiguousModelError when `model` is an adapter that
-        workers of several base models list."""
+        or `model` is gone (`_refuse`: ModelUnavailableError instead while some worker's
+        models are not known, the fleet then being no one pool); AmbiguousModelError when
+        `model` is an adapter that workers of several base models list."""
         bases = self._ambiguous.get(model)
         if bases is not None and model not in self._by_model:
             # any pick would be a guess that changes with the workers (the last one listed
@@ -373,7 +381,13 @@ class WorkerPool:
                 adapter = model
             return ModelChoice(served, self._single.cache_model, adapter, not self._names_adapters)
         if base not in self._by_model:
-            self._refuse(model)
+            if model in _UNNAMED and self._known_one is not None:
+                # no model asked for, and the known workers serve one: theirs, while the others
+                # register (any model does for this client; a name would not). Else a worker
+                # still loading, or one just added, would turn every such request away
+                base = self._known_one
+            else:
+                self._refuse(model)
         cache = self._cache_model[base]
         return ModelChoice(base, cache, adapter, cache not in self._vllm_only)
 
@@ -438,12 +452,22 @@ class WorkerPool:
             for name, cache in self._cache_model.items()
             if all(e.config.engine == "vllm" for e in by_model[name])
         )
-        # every named worker serving every name: one pool, which also takes unnamed workers
-        if len(set(groups.values())) <= 1:
+        # every named worker serving every name: one pool, which also takes unnamed workers;
+        # but only once every worker's models are known. A worker not registered yet (down at
+        # startup, its server info slow, just added) may serve another model: until it says,
+        # each request goes to the known workers of the name it gives, and a name no known
+        # worker serves is a 503 (`_refuse`). Before, the known workers' one model took every
+        # name meanwhile (a down model-y worker's requests were answered by model-x) and the
+        # unknown workers took the requests of that model too.
+        one_known = len(set(groups.values())) <= 1
+        if not self._unknown and one_known:
             first_name = next(iter(by_model), "")
             self._single = ModelChoice(first_name, self._cache_model.get(first_name, ""), None)
         else:
             self._single = None
+        # the one model the known workers serve while others are unknown (`resolve`: what a
+        # request naming no model goes to meanwhile)
+        self._known_one = next(iter(by_model)) if by_model and one_known and self._unknown else None
 
     def _index_adapters(self, groups: dict[str, frozenset[str]]) -> None:
         """Each adapter name the workers list, by the base model its cards name: one base

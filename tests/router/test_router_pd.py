@@ -34,6 +34,7 @@ from tests.router.conftest import (
     eventually,
     router_config,
 )
+from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -740,7 +741,8 @@ async def test_a_request_that_outlasts_a_pair_sides_rename_says_the_side_is_bein
     """The QA run: a pair's side renamed while its server cannot answer (frozen): requests
     with a 1 s deadline ended at it with a 503 and Retry-After (right), but the body said "no
     routable worker among 1", as if the fleet lacked a worker, not that the renamed side was
-    being checked. It says so now, as a model whose workers are not known yet does."""
+    being checked. It says so now, as a model whose workers are not known yet does. (The
+    renamed side, its models not known, is no candidate: it said "among 1" while it was.)"""
     async with (
         ReferenceWorker(reference("prefill")) as p,
         ReferenceWorker(reference("decode")) as d,
@@ -763,8 +765,9 @@ async def test_a_request_that_outlasts_a_pair_sides_rename_says_the_side_is_bein
         async with RouterService(file["c"], config_source=source) as router:
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
 
-            async def send() -> tuple[int, str | None, Any]:
-                async with session.post(router.url + "/generate", json=body) as resp:
+            async def send(model: str | None = DEFAULT_MODEL) -> tuple[int, str | None, Any]:
+                named = body if model is None else {**body, "model": model}
+                async with session.post(router.url + "/generate", json=named) as resp:
                     answer = await resp.json(content_type=None)
                     return resp.status, resp.headers.get("retry-after"), answer
 
@@ -779,13 +782,17 @@ async def test_a_request_that_outlasts_a_pair_sides_rename_says_the_side_is_bein
 
             await eventually(discovering, what="the new id's discovery")
             status, retry_after, answer = await send()
+            unnamed = await send(None)
             gate.open.set()
             assert status == 503 and retry_after is not None, answer
             assert answer["error"] == {
                 "type": "NoWorkerError",
-                "message": "no routable worker among 1: worker 'new' is being checked, its "
+                "message": "no routable worker: worker 'new' is being checked, its "
                 "side of a prefill/decode pair not known yet; the model's 1 "
                 f"{'decode' if side == 'prefill' else 'prefill'} worker(s) have no pair until "
                 "then",
             }
+            # naming no model: the known workers' one model, hence the same answer (before,
+            # 'new' was in that pool, a candidate while its models were not known)
+            assert unnamed == (status, retry_after, answer)
             assert (await reload)[0] == 200

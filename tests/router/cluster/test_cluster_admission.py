@@ -41,7 +41,8 @@ async def _replica(
     config = PolicyConfig(name="kv")
     pool = WorkerPool(BreakerConfig())
     for i, endpoint in enumerate(endpoints):
-        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}"))
+        # registered, advertising no model: one pool
+        pool.set_models(pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}")), ())
         await indexer.add_worker(f"w{i}", [StreamConfig(endpoint=endpoint, block_size=block_size)])
     for entry in pool:
         entry.capacity_tokens = 4096

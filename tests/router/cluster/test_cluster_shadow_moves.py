@@ -83,7 +83,11 @@ async def test_a_replica_applying_a_rename_keeps_the_shadows_of_each_server(
             assert status == 200, answer
 
             async def applied() -> bool:
-                return {(e.id, e.url) for e in b.planner.pool} == set(after)
+                # and registered: a worker whose models are not known yet takes nothing (a
+                # request naming no model waits for it with a 503)
+                pool = b.planner.pool
+                ids = {(e.id, e.url) for e in pool}
+                return ids == set(after) and all(e.models is not None for e in pool)
 
             await eventually(applied, what="replica b to apply a's reload")
             for prompt, url in sent:

@@ -20,6 +20,7 @@ import pytest
 from router.cluster.server import NatsServer
 from tests.raw_http import wait_eof
 from tests.router.conftest import HungDiscovery, eventually
+from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -263,7 +264,14 @@ async def test_a_sighup_while_starting_or_stopping_never_ends_serve(tmp_path: Pa
             await eventually(_true(bytearray.__contains__, log, b"config reloaded from"), 30)
             assert b"SIGHUP while starting" in log, bytes(log).decode()
 
-            body = {"model": "m", "prompt": "a long one", "max_tokens": 300, "stream": True}
+            # named as the worker serves it: h's models are never known, so another name
+            # (which h may serve) is refused with a 503 meanwhile
+            body = {
+                "model": DEFAULT_MODEL,
+                "prompt": "a long one",
+                "max_tokens": 300,
+                "stream": True,
+            }
             events: list[bytes] = []
             async with (
                 aiohttp.ClientSession() as session,

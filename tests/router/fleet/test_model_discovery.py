@@ -192,6 +192,67 @@ async def test_a_worker_that_comes_back_serving_another_model_is_rediscovered() 
             await first.__aexit__(None, None, None)
 
 
+async def test_a_fleet_is_no_one_pool_while_a_workers_models_are_unknown() -> None:
+    """w1 (model-y) is down when the router starts, its models not known: the one known
+    model is not the fleet's only one. Requests naming model-y, or a name no known worker
+    serves, are 503s to retry, on every endpoint; model-x's go to w0 only, as do those that
+    name no model ("default", or none). Before, the fleet
+    was one pool of model-x meanwhile: model-y's requests (and 'llama') were answered 200 by
+    model-x, and /admin/route resolved model-y to model-x."""
+    first = ReferenceWorker(ReferenceConfig(model="model-y", time_scale=0.0))
+    await first.__aenter__()
+    port = int(first.url.rsplit(":", 1)[1])
+    y_url = first.url
+    await first.__aexit__(None, None, None)  # down from the start
+    async with ReferenceWorker(ReferenceConfig(model="model-x", time_scale=0.0)) as x:
+        workers = (WorkerConfig(url=x.url, id="w0"), WorkerConfig(url=y_url, id="w1"))
+        async with _router(*workers) as fleet:
+            bodies: dict[str, dict[str, Any]] = {
+                "/v1/completions": {"prompt": "which model?", "max_tokens": 1},
+                "/v1/chat/completions": {
+                    "messages": [{"role": "user", "content": "which model?"}],
+                    "max_tokens": 1,
+                },
+                "/generate": {"text": "which model?", "sampling_params": {"max_new_tokens": 1}},
+            }
+            for endpoint, body in bodies.items():
+                for model in ("model-y", "llama"):
+                    status, headers, answer = await fleet.post(endpoint, {**body, "model": model})
+                    assert status == 503, (endpoint, model, answer)
+                    assert answer["error"]["type"] == "ModelUnavailableError", answer
+                    assert headers["Retry-After"] == "1"
+                # model-x's go to w0; so do those naming no model in particular (any model
+                # does for them: a worker still loading must not turn them all away)
+                for model in ("model-x", "default", ""):
+                    named = {**body, "model": model} if model else body
+                    status, headers, answer = await fleet.post(endpoint, named)
+                    assert status == 200 and headers["x-kvroute-worker"] == "w0", answer
+            status, answer = await fleet.admin(
+                "POST", "/route", {"model": "model-y", "prompt": "x"}
+            )
+            assert status == 503 and answer["error"]["type"] == "ModelUnavailableError", answer
+            plan = await fleet.route({"model": "model-x", "prompt": "x"})
+            assert [c["worker"] for c in plan["candidates"]] == ["w0"]
+
+            y = ReferenceWorker(ReferenceConfig(model="model-y", time_scale=0.0, port=port))
+            async with y:
+
+                async def registered() -> bool:
+                    _, listed = await fleet.admin("GET", "/workers")
+                    return _models_of(listed)["w1"] == ["model-y"]
+
+                await eventually(registered, what="w1's models discovered once it is up")
+                body = {"model": "model-y", "prompt": "which model?", "max_tokens": 1}
+                status, headers, answer = await fleet.post("/v1/completions", body)
+                assert status == 200 and headers["x-kvroute-worker"] == "w1", answer
+                status, _, answer = await fleet.post("/v1/completions", {**body, "model": "llama"})
+                assert status == 404 and answer["error"]["type"] == "UnknownModelError", answer
+                # a wrong-typed model is the client's error, named (it read as no model: 404)
+                status, _, answer = await fleet.post("/v1/completions", {**body, "model": 123})
+                assert status == 400, answer
+                assert answer["error"]["message"] == "model must be a string, not a number"
+
+
 class StockSglang(OpenAIBackend):
     """An SGLang-like server whose `/server_info` has stock `kv_events_config` only."""
 

@@ -18,6 +18,7 @@ from router.errors import ConfigError
 from router.http.app import create_app
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, HungDiscovery, eventually, router_config
+from workers.config import DEFAULT_MODEL
 
 _QUICK = aiohttp.ClientTimeout(total=5)  # a request sent to the hung worker would hang
 
@@ -197,7 +198,13 @@ async def test_a_worker_being_added_takes_no_request_until_it_is_checked(fleet: 
     answers its health check but never its /server_info was sent requests (which hung until
     their timeout) for the whole discovery, then refused by the same admin call. Now the add
     answers 202 once it has waited a few health timeouts, and the worker stays `checking`
-    while its discovery goes on."""
+    while its discovery goes on.
+
+    Its models are not known meanwhile: the fleet's one model is served by its known workers,
+    a request naming no model too (any model does for it: an add must not turn those away),
+    and a name no known worker serves (which h may serve) is a 503 to retry. Before, the fleet
+    was one pool meanwhile, h its candidate too, and any name was answered by the known
+    model."""
     async with HungDiscovery() as hung:
         status, added = await fleet.admin("POST", "/workers", {"url": hung.url, "id": "h"})
         assert status == 202 and added["status"] == "checking", added
@@ -210,12 +217,19 @@ async def test_a_worker_being_added_takes_no_request_until_it_is_checked(fleet: 
         _, listed = await fleet.admin("GET", "/workers")
         row = next(w for w in listed["workers"] if w["id"] == "h")
         assert (row["status"], row["healthy"]) == ("checking", False), row
-        plan = await fleet.route({"prompt": "p", "max_tokens": 1})
-        assert {c["worker"]: c["healthy"] for c in plan["candidates"]}["h"] is False
+        plan = await fleet.route({"model": DEFAULT_MODEL, "prompt": "p", "max_tokens": 1})
+        assert sorted(c["worker"] for c in plan["candidates"]) == ["w0", "w1"], plan
         for i in range(6):
-            body = {"prompt": f"fresh {i}", "max_tokens": 1}
+            body = {"model": DEFAULT_MODEL, "prompt": f"fresh {i}", "max_tokens": 1}
             status, headers, _ = await fleet.post("/v1/completions", body, timeout=_QUICK)
             assert status == 200 and headers["x-kvroute-worker"] in ("w0", "w1")
+        unnamed = {"prompt": "fresh", "max_tokens": 1}
+        status, headers, _ = await fleet.post("/v1/completions", unnamed, timeout=_QUICK)
+        assert status == 200 and headers["x-kvroute-worker"] in ("w0", "w1")
+        other = {**unnamed, "model": "another-model"}
+        status, headers, answer = await fleet.post("/v1/completions", other, timeout=_QUICK)
+        assert status == 503 and answer["error"]["type"] == "ModelUnavailableError", answer
+        assert headers["Retry-After"] == "1"
         async with fleet.session.get(fleet.url + "/metrics") as resp:
             assert 'kvroute_worker_routable{worker="h"} 0.0' in await resp.text()
 

@@ -531,7 +531,8 @@ async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
 ) -> None:
     """The only worker down (its models unknown): the model may be its, so a 503 to retry.
     Before, a 404 model_not_found with an empty list of models (the model was "gone"), and a
-    request naming no model was sent to the dead worker (502)."""
+    request naming no model was sent to the dead worker (502), later refused as a bare
+    NoWorkerError (the dead worker its one pool's)."""
     fleet.path.write_text(_toml({"w9": "http://127.0.0.1:9"}))
     status, answer = await fleet.reload()
     assert status == 200 and answer["workers_removed"] == ["w0", "w1"], answer
@@ -544,7 +545,8 @@ async def test_a_model_whose_workers_are_not_known_yet_is_a_503_not_a_404(
     assert headers["Retry-After"] == "1"  # a client told when to come back
     unnamed = {"prompt": "hi", "max_tokens": 1}
     status, headers, answer = await fleet.post("/v1/completions", unnamed)
-    assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
+    assert status == 503 and answer["error"]["type"] == "ModelUnavailableError", answer
+    assert answer["error"]["message"].startswith("the request names no model; the models of 1")
     assert headers["Retry-After"] == "1"
 
 

@@ -97,6 +97,12 @@ def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
             _parse(endpoint, body)
 
 
+def test_a_null_or_absent_model_names_none() -> None:
+    for body in ({"prompt": "x"}, {"prompt": "x", "model": None}, {"prompt": "x", "model": ""}):
+        assert _parse(Endpoint.COMPLETIONS, body).model == ""
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": "x", "model": "m"}).model == "m"
+
+
 def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
     hi = [{"role": "user", "content": "hi"}]
     assert _parse(Endpoint.CHAT, {"messages": hi, "lora_path": "a"}).lora == "a"
@@ -126,6 +132,11 @@ def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
         (Endpoint.COMPLETIONS, {"prompt": []}, "prompt"),
         (Endpoint.CHAT, {"messages": "hi"}, "messages"),
         (Endpoint.CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+        # read as no model before: a 404 "names no model" in a fleet of several models
+        (Endpoint.COMPLETIONS, {"prompt": "x", "model": 123}, "model must be a string, not a n"),
+        (Endpoint.CHAT, {"messages": "hi", "model": ["m"]}, "model must be a string, not an array"),
+        (Endpoint.GENERATE, {"text": "x", "model": {"m": 1}}, "model must be a string, not an o"),
+        (Endpoint.GENERATE, {"text": "x", "model": True}, "model must be a string, not a boolean"),
     ],
 )
 def test_bad_fields_are_400s_naming_the_field(endpoint: Endpoint, body: object, field: str) -> None:

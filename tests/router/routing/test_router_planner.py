@@ -38,7 +38,9 @@ async def _planner(
     config = PolicyConfig(name=policy)  # type: ignore[arg-type]
     pool = WorkerPool(BreakerConfig())
     for i, model in enumerate(models):
-        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}", model=model))
+        entry = pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=f"w{i}", model=model))
+        if not model:  # registered, advertising none: routed as one pool
+            pool.set_models(entry, ())
         stream = StreamConfig(endpoint=_silent_endpoint(), block_size=16, model=model)
         await indexer.add_worker(f"w{i}", [stream])
     return Planner(config, build_policy(config), pool, indexer, LoadTracker(), Fingerprinter("k"))

@@ -36,7 +36,10 @@ async def _planner(indexer: IndexerService, policy: str, fleet: dict[str, int]) 
     config = PolicyConfig(name=policy)  # type: ignore[arg-type]
     pool = WorkerPool(BreakerConfig())
     for i, (worker, dp_size) in enumerate(fleet.items()):
-        pool.add(WorkerConfig(url=f"http://127.0.0.1:{i + 1}", id=worker, kv_events=dp_size > 0))
+        worker_config = WorkerConfig(
+            url=f"http://127.0.0.1:{i + 1}", id=worker, kv_events=dp_size > 0
+        )
+        pool.set_models(pool.add(worker_config), ())  # registered, advertising no model: one pool
         streams = [
             StreamConfig(endpoint=_silent_endpoint(), block_size=16, dp_rank=rank)
             for rank in range(dp_size)

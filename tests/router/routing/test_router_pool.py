@@ -101,7 +101,8 @@ def test_a_fleet_of_several_models_plans_each_request_among_its_own_workers() ->
 
 
 def test_a_one_model_fleet_takes_any_name_and_every_worker() -> None:
-    pool = _pool("m", "m", "")  # the third one's model is not known (yet)
+    pool = _pool("m", "m", "")
+    pool.set_models(pool.get("w2"), ())  # registered: it advertises no model
     for model in ("m", "default", "", "other:adapter"):
         assert _ids(pool, model) == ["w0", "w1", "w2"]
         assert pool.resolve(model).cache_model == "m"
@@ -109,8 +110,50 @@ def test_a_one_model_fleet_takes_any_name_and_every_worker() -> None:
     assert pool.resolve("other:adapter").adapter == "adapter"
     # a fleet that names no model at all is one pool too
     unnamed = _pool("", "")
+    for entry in unnamed:
+        unnamed.set_models(entry, ())
     assert unnamed.resolve("anything") == ModelChoice("", "", None)
     assert _ids(unnamed, "anything") == ["w0", "w1"]
+
+
+@pytest.mark.parametrize("then", ["y", "x"])
+def test_one_known_model_is_no_one_pool_while_a_workers_models_are_unknown(then: str) -> None:
+    """w1's models are not known yet (down when the router started, or its server info too
+    slow): it may serve another model than w0's. Each request goes to the known workers of
+    the name it gives, a name none of them serves is a 503 to retry, and w1 takes nothing
+    until it registers. Before, the fleet was one pool of x meanwhile: requests naming y (or
+    any name) were answered by w0's model, and w1 was sent x's requests."""
+    pool = _pool("x", "")
+    assert _ids(pool, "x") == ["w0"] and _ids(pool, "x:adapter") == ["w0"]
+    for model in ("y", "y:adapter", "llama"):
+        with pytest.raises(ModelUnavailableError) as unsure:
+            pool.resolve(model)
+        assert unsure.value.status == 503 and unsure.value.served == ("x",)
+    # a request naming no model takes the one the known workers serve, never w1 (else every
+    # such request would wait for a worker still loading its model, or one just added)
+    for model in ("default", ""):
+        assert _ids(pool, model) == ["w0"] and pool.resolve(model).model == "x"
+    pool.set_models(pool.get("w1"), (then,))  # registered
+    if then == "y":  # two models: each its own pool, any other name a 404
+        assert _ids(pool, "x") == ["w0"] and _ids(pool, "y") == ["w1"]
+        with pytest.raises(UnknownModelError):
+            pool.resolve("default")
+    else:  # one model after all: one pool again, taking any name
+        assert _ids(pool, "default") == ["w0", "w1"] and _ids(pool, "x") == ["w0", "w1"]
+
+
+def test_a_lone_worker_of_unknown_model_takes_nothing_until_it_registers() -> None:
+    """A fleet of one worker, down when the router started: a 503 to retry for any name (its
+    health check failing, it took nothing before either: a NoWorkerError). Once it registers,
+    a one-model fleet: any name is its."""
+    pool = _pool("")
+    for model in ("m", "default", ""):
+        with pytest.raises(ModelUnavailableError) as unsure:
+            pool.resolve(model)
+        assert unsure.value.served == () and "1 worker(s) are not known yet" in str(unsure.value)
+    pool.set_models(pool.get("w0"), ("m",))
+    for model in ("m", "default", ""):
+        assert _ids(pool, model) == ["w0"]
 
 
 def test_a_worker_of_unknown_model_takes_nothing_once_the_fleet_serves_several() -> None:
