@@ -12,6 +12,7 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,10 +27,12 @@ from router.errors import ConfigError
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
+    "MAX_CONFIG_BYTES",
     "QUERY_TOKEN_ENV",
     "AdminConfig",
     "BreakerConfig",
     "ClusterConfig",
+    "FieldError",
     "HealthConfig",
     "IndexerSection",
     "LimitsConfig",
@@ -47,6 +50,7 @@ __all__ = [
     "WorkerConfig",
     "load_config",
     "parse_config",
+    "read_config_file",
     "redact_url",
 ]
 
@@ -57,6 +61,17 @@ PolicyName = Literal["kv", "round_robin", "random", "least_load", "approx_tree"]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class FieldError(ValueError):
+    """A table's own check (`__post_init__`) refused one of its fields: `parse_config` adds
+    `field` to the path msgspec names (the table's), so the key a refused reload answers with
+    is `workers[2].url`, not `workers[2]`. To any other reader (`POST /admin/workers`) it is
+    the ValueError it always was."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ListenConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -71,8 +86,10 @@ class ListenConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and self.metrics_port == self.port:
-            raise ValueError(
-                f"listen.metrics_port {self.metrics_port} is listen.port: give it a port of its own"
+            raise FieldError(
+                "metrics_port",
+                f"listen.metrics_port {self.metrics_port} is listen.port: give it a port of its "
+                "own",
             )
 
 
@@ -164,15 +181,19 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for tier, weight in self.medium_weights.items():
             if tier not in MEDIUM_ORDER:
                 # a misspelled tier would earn nothing, silently
-                raise ValueError(
+                raise FieldError(
+                    "medium_weights",
                     f"policy.medium_weights: unknown tier {tier!r} (the engines' tiers: "
-                    f"{', '.join(MEDIUM_ORDER)})"
+                    f"{', '.join(MEDIUM_ORDER)})",
                 )
             if not math.isfinite(weight):
-                raise ValueError(f"policy.medium_weights.{tier} must be a finite number")
+                raise FieldError(
+                    f"medium_weights.{tier}",
+                    f"policy.medium_weights.{tier} must be a finite number",
+                )
         for name in ("hit_weight", "decode_weight", "eviction_weight", "room_weight"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"policy.{name} must be a finite number")
+                raise FieldError(name, f"policy.{name} must be a finite number")
 
 
 class PdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -216,11 +237,12 @@ class TokenizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     def __post_init__(self) -> None:
         if self.kind == "hf" and not self.path:
-            raise ValueError("tokenizer.path is required when tokenizer.kind = 'hf'")
+            raise FieldError("path", "tokenizer.path is required when tokenizer.kind = 'hf'")
         if self.kind == "byte" and self.offload_min_bytes:  # 0 and unset are fine
-            raise ValueError(
+            raise FieldError(
+                "offload_min_bytes",
                 "tokenizer.offload_min_bytes needs tokenizer.kind = 'hf' (the byte tokenizer "
-                "is Python and holds the GIL: a thread would only add a hop)"
+                "is Python and holds the GIL: a thread would only add a hop)",
             )
 
     def offload_bytes(self) -> int:
@@ -394,7 +416,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     def __post_init__(self) -> None:
         if not self.url.lower().startswith(("http://", "https://")):
-            raise ValueError(f"workers.url must start with http:// or https://, got {self.url!r}")
+            raise FieldError(
+                "url", f"workers.url must start with http:// or https://, got {self.url!r}"
+            )
         scheme, rest = self.url.split("://", 1)
         if scheme != scheme.lower():  # schemes are case-insensitive (RFC 3986): one spelling
             msgspec.structs.force_setattr(self, "url", f"{scheme.lower()}://{rest}")
@@ -404,28 +428,31 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             # port that does not parse: that is credentials too (an "@" in a path is not)
             # the router sends no credentials from a url, and the url would show (as the
             # worker's id, in metric labels, in logs): refused before anything quotes it
-            raise ValueError(
+            raise FieldError(
+                "url",
                 f"workers.url {redact_url(self.url)!r} carries credentials (user:password@): "
                 "the router does not send them, and would show them as the worker's id, in "
-                "logs and metrics"
+                "logs and metrics",
             )
         # checked here so a bad url is a 400 on POST /admin/workers, not a 500 from discovery
         try:
             parts = urlsplit(self.url)
             parts.port  # noqa: B018 - parsing the port is the check
         except ValueError as exc:
-            raise ValueError(f"workers.url {self.url!r}: {exc}") from None
+            raise FieldError("url", f"workers.url {self.url!r}: {exc}") from None
         if not parts.hostname:
-            raise ValueError(f"workers.url {self.url!r} names no host")
+            raise FieldError("url", f"workers.url {self.url!r} names no host")
 
         if any(not name.strip() for name in self.models):
-            raise ValueError("workers.models: a model name must not be empty")
+            raise FieldError("models", "workers.models: a model name must not be empty")
         for key, given in (("events", self.events), ("replay", self.replay)):
             for endpoint in [given] if isinstance(given, str) else given or ():
                 if problem := endpoint_problem(endpoint):
-                    raise ValueError(f"workers.{key} {shown_endpoint(endpoint)!r}: {problem}")
+                    raise FieldError(key, f"workers.{key} {shown_endpoint(endpoint)!r}: {problem}")
         if self.bootstrap_port is not None and self.role not in ("prefill", None):
-            raise ValueError("workers.bootstrap_port is a prefill worker's (role = 'prefill')")
+            raise FieldError(
+                "bootstrap_port", "workers.bootstrap_port is a prefill worker's (role = 'prefill')"
+            )
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -521,22 +548,23 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(
+            raise FieldError(
+                "heartbeat_timeout_s",
                 "cluster.heartbeat_timeout_s must be longer than cluster.heartbeat_interval_s "
-                "(a live replica would expire between two heartbeats)"
+                "(a live replica would expire between two heartbeats)",
             )
         urls = [self.url] if isinstance(self.url, str) else self.url
         if not urls or any(not u.startswith(("nats://", "tls://")) for u in urls):
-            raise ValueError(
-                f"cluster.url must be nats:// or tls:// URL(s), got {self.shown_servers!r}"
+            raise FieldError(
+                "url", f"cluster.url must be nats:// or tls:// URL(s), got {self.shown_servers!r}"
             )
         for url in urls:
             shown = redact_url(url)
             # the NATS client refuses these only inside the cluster's connect task, where the
             # failure surfaced as a cancelled startup with no word of the URL
             if "," in url:
-                raise ValueError(
-                    f"cluster.url {shown!r}: several servers go in a list, not a string"
+                raise FieldError(
+                    "url", f"cluster.url {shown!r}: several servers go in a list, not a string"
                 )
             try:
                 parts = urlsplit(url)
@@ -545,9 +573,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                 # urlsplit quotes what it took for the port: with user-info, that can be a
                 # piece of the password (one holding an unescaped "/")
                 said = str(exc) if "@" not in url else "its host or port does not parse"
-                raise ValueError(f"cluster.url {shown!r}: {said}") from None
+                raise FieldError("url", f"cluster.url {shown!r}: {said}") from None
             if not parts.hostname:
-                raise ValueError(f"cluster.url {shown!r} names no host")
+                raise FieldError("url", f"cluster.url {shown!r} names no host")
 
     @property
     def servers(self) -> list[str]:
@@ -665,24 +693,91 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> RouterConfi
     try:
         return msgspec.convert(data, RouterConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}", key=_error_key(str(exc))) from exc
+        message = str(exc)
+        key = _error_key(message)
+        refused = exc.__cause__  # what a table's own check raised (msgspec chains it)
+        if isinstance(refused, FieldError):
+            # msgspec's path is the table's (`workers[2]`): the field is the key
+            key = f"{key}.{refused.field}" if key else refused.field
+            message = f"{refused} - at `$.{key}`"
+        raise ConfigError(f"{source}: {message}", key=key) from exc
 
 
-def load_config(path: str | Path) -> RouterConfig:
-    """Read and validate a TOML config file."""
-    path = Path(path)
+# far above any real config (a fleet of thousands of workers is a few hundred kilobytes): a
+# bound on what a path that is no config (a log, a device behind a symlink) makes the router read
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+_NOT_A_FILE = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def read_config_file(path: str | Path, *, reloading: bool = False) -> bytes:
+    """The bytes of the config file at `path`, read once (ConfigError saying why not).
+
+    Only a regular file of at most `MAX_CONFIG_BYTES` is read, checked on the opened file
+    itself (a symlink is followed, to what it points at now). Before, anything was read to its
+    end: a FIFO at the path blocked the reading thread, the router's event loop on a reload,
+    until some process wrote to it; `/dev/zero` was read until the kernel killed the router. The
+    open does not block either (`O_NONBLOCK`: a FIFO's open waits for a writer without it).
+
+    `reloading`: read again for a running router, which refuses an empty file. At startup an
+    empty file is a router with defaults; read again it is more likely a file caught mid-save,
+    and applying it would drop every worker. The file is read once and these bytes are what is
+    parsed: before, the check read it, then the parser read it again, and a save that emptied
+    the file between the two applied it."""
     try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _NOT_A_FILE.get(stat.S_IFMT(mode), "of an unknown type")
+            raise ConfigError(f"{path}: is {kind}, not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError(
+                    f"{path}: larger than {MAX_CONFIG_BYTES} bytes ({MAX_CONFIG_BYTES >> 20} "
+                    "MiB), the most a config file may be: is this the config?"
+                )
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if reloading and not data.strip():
+        raise ConfigError(
+            f"{path} is empty (caught while being written?): applied, it would drop every worker"
+        )
+    return data
+
+
+def load_config(path: str | Path, *, reloading: bool = False) -> RouterConfig:
+    """Read and validate a TOML config file (`reloading`: see `read_config_file`)."""
+    return _parse_toml(read_config_file(path, reloading=reloading), source=str(path))
+
+
+def _parse_toml(data: bytes, *, source: str) -> RouterConfig:
+    """Validate the bytes of a TOML config file (`source`: its path, for the messages)."""
+    try:
+        parsed = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         # TOML is UTF-8 by definition; a file saved as UTF-16 or Latin-1 must not escape as a
         # traceback (serve) or a 500 (a reload), so it is refused like any invalid file
         bad = exc.object[exc.start]
         raise ConfigError(
-            f"{path}: not UTF-8 text (byte 0x{bad:02x} at offset {exc.start}); "
+            f"{source}: not UTF-8 text (byte 0x{bad:02x} at offset {exc.start}); "
             "TOML files must be UTF-8"
         ) from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-    return parse_config(data, source=str(path))
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    return parse_config(parsed, source=source)

@@ -18,13 +18,19 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
 import msgspec
 
 from router.commands import hangup
-from router.config import PolicyName, RouterConfig, WorkerConfig, load_config, parse_config
+from router.config import (
+    PolicyName,
+    RouterConfig,
+    WorkerConfig,
+    load_config,
+    parse_config,
+    read_config_file,
+)
 from router.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,6 +42,7 @@ __all__ = [
     "LOG_LEVELS",
     "add_arguments",
     "apply_overrides",
+    "config_source",
     "configure_logging",
     "curl_example",
     "read_config",
@@ -235,15 +242,27 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def read_config(path: str) -> RouterConfig:
-    """A TOML config file, or the JSON one `kvroute up --replicas` writes for its replicas."""
+def read_config(path: str, *, reloading: bool = False) -> RouterConfig:
+    """A TOML config file, or the JSON one `kvroute up --replicas` writes for its replicas
+    (read once, a regular file of bounded size; `reloading`: an empty one is refused,
+    `router.config.read_config_file`)."""
     if path.endswith(".json"):
+        raw = read_config_file(path, reloading=reloading)
         try:
-            data = msgspec.json.decode(Path(path).read_bytes())
-        except (OSError, msgspec.DecodeError) as exc:
+            data = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
         return parse_config(data, source=path)
-    return load_config(path)
+    return load_config(path, reloading=reloading)
+
+
+def config_source(args: argparse.Namespace) -> ConfigSource:
+    """What a reload reads: `args.config` again, with the same overrides (a --port stays the
+    port), read once and an empty file refused (`read_config(..., reloading=True)`)."""
+    from router.http.reload import ConfigSource
+
+    path: str = args.config
+    return ConfigSource(path, lambda: apply_overrides(read_config(path, reloading=True), args))
 
 
 async def _signalled() -> None:
@@ -407,14 +426,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         config = apply_overrides(read_config(args.config), args)
         if config.fleet is not None and not getattr(args, "reuse_port", False):
             _warn_fleet_table(args.config, config, "serve" if proxy else "indexer")
-        from router.http.reload import ConfigSource
-
-        # a reload reads the file again with the same overrides (a --port stays the port)
-        source = (
-            None
-            if getattr(args, "no_reload", False)
-            else ConfigSource(args.config, lambda: apply_overrides(read_config(args.config), args))
-        )
+        source = None if getattr(args, "no_reload", False) else config_source(args)
         if processes > 1:
             from router.commands.replicas import serve_processes
 

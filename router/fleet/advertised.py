@@ -17,7 +17,7 @@ from router.config import WorkerConfig
 from router.errors import RequestError
 from router.fleet.discovery import streams_for
 
-__all__ = ["check_ranks", "check_topic", "replay_proof", "sockets"]
+__all__ = ["block_size_note", "check_ranks", "check_topic", "replay_proof", "sockets"]
 
 
 def replay_proof(
@@ -85,6 +85,27 @@ def check_ranks(config: WorkerConfig, info: dict[str, Any], streams: list[Stream
             f"worker advertises dp_size {advertised}: give dp_size = {advertised} (or one "
             "endpoint per rank)"
         )
+
+
+def block_size_note(config: WorkerConfig, info: dict[str, Any] | None) -> str | None:
+    """What to tell the operator when the configured `block_size` contradicts the page size
+    the worker advertises (None: nothing, or nothing to compare). Registered all the same (the
+    config's is used, as it is meant to override), but every batch of its events then has
+    pages that do not fit its streams' block size: none is indexed, no hit is predicted for it.
+    Before, only the indexer said so, at the first event (BLOCK SIZE MISMATCH), and the reload
+    that set it answered with no warning."""
+    if config.block_size is None or info is None or not config.kv_events:
+        return None
+    advertised = engine_spec(config.engine).advertised_events(info).get("block_size")
+    if not isinstance(advertised, int) or isinstance(advertised, bool) or advertised < 1:
+        return None
+    if advertised == config.block_size:
+        return None
+    return (
+        f"the config says block_size {config.block_size}, the worker advertises page size "
+        f"{advertised}: none of its KV events' pages fit, so none is indexed and no hit is "
+        "predicted for it; fix `block_size` in its config, or leave it out to take the worker's"
+    )
 
 
 def check_topic(config: WorkerConfig, info: dict[str, Any]) -> None:

@@ -81,7 +81,7 @@ class RegistrationNotes:
 
     def doubt(self, worker: str) -> str | None:
         """What `worker`'s registration found suspect in its config, as logged (None: nothing):
-        registered all the same (`router.fleet.advertised.replay_proof`)."""
+        registered all the same (`router.fleet.advertised.replay_proof`, `block_size_note`)."""
         return self._doubts.get(worker)
 
     def doubted(self, worker: str, note: str | None) -> None:

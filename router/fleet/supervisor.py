@@ -40,7 +40,13 @@ from indexer.engines import SGLANG, EngineSpec, PdRole, engine_spec
 from indexer.service import IndexerService
 from router.config import HealthConfig, TokenizerConfig, WorkerConfig
 from router.errors import RequestError
-from router.fleet.advertised import check_ranks, check_topic, replay_proof, sockets
+from router.fleet.advertised import (
+    block_size_note,
+    check_ranks,
+    check_topic,
+    replay_proof,
+    sockets,
+)
 from router.fleet.discovery import (
     capacity_from_server_info,
     flushes_by_salt,
@@ -292,7 +298,9 @@ class Supervisor:
             check_ranks(entry.config, info, streams)
         # discovering or not: configured replay sockets beside advertised ones are checked
         streams, note = replay_proof(entry.config, info, streams)
-        self._notes.doubted(entry.id, note)
+        # what is suspect but registered all the same: the reload's answer warns of it
+        notes = [n for n in (note, block_size_note(entry.config, info)) if n is not None]
+        self._notes.doubted(entry.id, "; ".join(notes) or None)
         for stream in streams:
             other = self._indexer.sharing(entry.id, stream.endpoint, stream.topic)
             if other is not None:
@@ -582,7 +590,7 @@ class Supervisor:
 
     def doubt(self, worker: str) -> str | None:
         """What `worker`'s registration found suspect in its config, as logged (None: nothing):
-        registered all the same (`router.fleet.advertised.replay_proof`)."""
+        registered all the same (`router.fleet.advertised.replay_proof`, `block_size_note`)."""
         return self._notes.doubt(worker)
 
     def refusal(self, worker: str) -> str | None:

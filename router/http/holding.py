@@ -13,7 +13,8 @@ moved to another rank's queue takes its place there by age. Over `limits.max_hel
 oldest held request goes first (`release_oldest`: sent as planned, the worker queues it) and the
 new one is held in its place, so neither the cap nor the traffic arriving after a request lets a
 newer one overtake it (a held request used to see no room for as long as the over-the-cap
-requests sent at once kept its worker busy, and reached its deadline).
+requests sent at once kept its worker busy, and reached its deadline). A reload that turns
+`hold_until_room` off lets every held request go at once (`release_all`).
 
 Pure bookkeeping over asyncio events; the proxy owns the loop that waits (`Proxy.hold_for_room`).
 """
@@ -37,7 +38,8 @@ class HeldRequest:
     def __init__(self, target: Target, order: int) -> None:
         self.target = target
         self.order = order  # when it was first held: its place in any queue
-        # let go by `release_oldest`: out of the queues and the count, it goes as planned
+        # let go by `release_oldest` or `release_all`: out of the queues and the count, it goes
+        # as planned
         self.released = False
         self.woken = asyncio.Event()
 
@@ -96,6 +98,16 @@ class HeldRequests:
         oldest.woken.set()
         self.progressed(oldest.target)
         return True
+
+    def release_all(self) -> None:
+        """Let every held request go as planned (a reload turned `policy.hold_until_room` off:
+        the operator asked for no more holding, so none waits on for room)."""
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            for held in queue:
+                held.released = True
+                held.woken.set()
+        self.count = 0
 
     def leave(self, held: HeldRequest) -> None:
         """`held` goes (room found, or its deadline): the next in its queue looks next."""

@@ -193,6 +193,8 @@ class Proxy:
         self._origins: dict[str, tuple[Origin, str]] = {}  # worker URL -> (origin, base path)
         self._tokenizer = tokenizer
         self._metrics = metrics
+        # requests held for a worker with room (`hold_for_room`), woken as requests progress
+        self._holding = HeldRequests(_HOLD_POLL_S)
         self.reconfigure(config)
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
         # reads a worker's settings again, waiting at most the given seconds: whether it was
@@ -200,14 +202,13 @@ class Proxy:
         self.reread: Callable[[str, float], Coroutine[Any, Any, bool]] | None = None
         # a reload's change of the workers under way (`Reloader.fleet_change`; set by the app)
         self.fleet_change: FleetChange | None = None
-        # requests held for a worker with room (`hold_for_room`), woken as requests progress
-        self._holding = HeldRequests(_HOLD_POLL_S)
         self._rank_retries = RankRetryNotices()  # rank-less retries, said once a minute
         planner.on_progress = self._progressed
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Limits, timeouts and the salt header of `config` for the requests that start from
-        now on (a reload); a request in flight keeps its deadline and its retries."""
+        now on (a reload); a request in flight keeps its deadline and its retries. With
+        `policy.hold_until_room` off, the requests held already are let go."""
         self._config = config
         # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding);
         # an `Expect: 100-continue` was the router's to answer, and the body goes with the headers
@@ -215,6 +216,9 @@ class Proxy:
             {config.salt_header.lower()} if config.salt_header else set()
         )
         self._request_drop = HOP_BY_HOP | _ROUTING_OVERRIDES | request_only
+        if not config.policy.hold_until_room:
+            # turned off: the requests held already go now, each as planned when it wakes
+            self._holding.release_all()
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Route one generation request and stream the chosen worker's answer back."""

@@ -1,8 +1,8 @@
 """Reload without a restart: SIGHUP and `POST /admin/reload` re-read the router's config file.
 
-The file is read and validated first; an invalid one changes nothing (`ReloadError` names the
-key). Then `router.config_diff` says what differs, and `Reloader.apply` is the one path that
-changes a running router:
+The file is read (once, off the event loop: `ConfigSource`) and validated first; an invalid one
+changes nothing (`ReloadError` names the key). Then `router.config_diff` says what differs, and
+`Reloader.apply` is the one path that changes a running router:
 
 1. settings, all at once and without awaiting, so no request sees half of a reload: the
    running config (`LiveConfig`, what the proxy, the admin API and the KV query API read per
@@ -15,11 +15,12 @@ changes a running router:
    within the add's wait; else its model answers 503 until one does). A removed worker takes no new
    request; those it is serving finish. A worker whose settings changed is removed and added
    again, and a worker renamed (its server under a new id: one server is one worker in the
-   pool) is removed before its new id is added. While these changes are under way
-   (`Reloader.fleet_change`), a request that finds no worker for its model, or only ones still
-   being checked, waits for their end and is then routed (`Proxy`), bounded by its deadline:
-   before, the requests of a rename got a 404 `UnknownModelError` (the model served by nobody
-   for an instant), then 503s until the new ids were checked. Workers added or removed through
+   pool) is removed before its new id is added (a drain follows the server to it). While
+   these changes are under way (`Reloader.fleet_change`), a request that finds no worker for
+   its model, or only ones still being checked, waits for their end and is then routed
+   (`Proxy`), bounded by its deadline: before, the requests of a rename got a 404
+   `UnknownModelError` (the model served by nobody for an instant), then 503s until the new
+   ids were checked. Workers added or removed through
    the admin API since are left as they are: the diff is the old file against the new one. A
    new worker is waited for as an admin add waits (`ADD_WAIT_TIMEOUTS` health timeouts, all at
    once): one whose HTTP hangs goes on being discovered in the background, `checking`
@@ -40,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
@@ -69,23 +69,20 @@ _T = TypeVar("_T")
 
 class ConfigSource:
     """Where the running config came from: a file, read again by `load` with the same
-    command-line overrides applied (`kvroute serve --port` stays what it was)."""
+    command-line overrides applied (`kvroute serve --port` stays what it was).
+
+    `kvroute serve`'s loader reads the file once and parses those bytes, refusing what is no
+    regular file, one over `router.config.MAX_CONFIG_BYTES`, and an empty one (a file caught
+    mid-save: applied, it would drop every worker): `read_config_file(path, reloading=True)`.
+    `Reloader` runs it on a thread: a file on a stalled network mount holds the reload, not
+    the router."""
 
     def __init__(self, path: str, load: Callable[[], RouterConfig]) -> None:
         self.path = path
         self._load = load
 
     def load(self) -> RouterConfig:
-        """The file's config now (ConfigError naming the key when it is invalid).
-
-        An empty file is refused: at startup it is a router with defaults, but read again it
-        is more likely a file caught mid-save, and applying it would drop every worker."""
-        with contextlib.suppress(OSError):  # unreadable: the loader says so by name
-            if not Path(self.path).read_bytes().strip():
-                raise ConfigError(
-                    f"{self.path} is empty (caught while being written?): applied, it would "
-                    "drop every worker"
-                )
+        """The file's config now (ConfigError naming the key when it is invalid)."""
         return self._load()
 
 
@@ -158,7 +155,8 @@ class Reloader:
             )
         async with self._lock:
             try:
-                new = source.load()
+                # off the event loop: reading and parsing up to 16 MiB of TOML takes a while
+                new = await asyncio.to_thread(source.load)
             except ConfigError as exc:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise ReloadError(f"{exc} (the running config is kept)", key=exc.key) from exc
@@ -227,11 +225,22 @@ class Reloader:
     async def _change_workers(self, config: RouterConfig, diff: ConfigDiff) -> None:
         by_id = {w.worker_id: w for w in config.workers}
         pool = self._planner.pool
-        # an operator's drain outlives a change of the worker's settings
+        added = [*diff.workers_added, *diff.workers_changed]
+        # the server each arriving id takes (one server is one worker in the pool)
+        taking = {by_id[worker_id].server: worker_id for worker_id in added}
+        # An operator's drain outlives a change of the worker's settings, and follows its
+        # server to the new id in a rename. Before, a drained worker renamed came back under
+        # its new id ready, and took traffic again in the middle of its maintenance.
         drained = {
             worker_id
             for worker_id in diff.workers_changed
             if (entry := pool.find(worker_id)) is not None and entry.draining
+        } | {
+            taking[entry.config.server]
+            for worker_id in diff.workers_removed
+            if (entry := pool.find(worker_id)) is not None
+            and entry.draining
+            and entry.config.server in taking
         }
         # New workers first, checked (registered, health passed) before the old ones go: a
         # fleet swapped whole in one reload keeps a routable worker of its model throughout,
@@ -240,12 +249,10 @@ class Reloader:
         # served by nobody) until the new ones were discovered.
         # Only a leaving worker on a server an arriving one takes goes first (one server is one
         # worker in the pool), and a changed one is removed and added again under its id.
-        added = [*diff.workers_added, *diff.workers_changed]
-        claimed = {by_id[worker_id].server for worker_id in added}
         first = [
             worker_id
             for worker_id in diff.workers_removed
-            if (entry := pool.find(worker_id)) is not None and entry.config.server in claimed
+            if (entry := pool.find(worker_id)) is not None and entry.config.server in taking
         ]
         # Their removal is told the other replicas only after the new ids' records: there the
         # new id takes the server from the old one in one change (`FleetState.apply_worker`).

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import threading
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from router.config import (
+    MAX_CONFIG_BYTES,
     BreakerConfig,
     LimitsConfig,
     RouterConfig,
@@ -122,6 +127,46 @@ def test_a_worker_listed_twice_is_refused_naming_the_key(
 
 
 @pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        ({"policy": {"medium_weights": {"GPUU": 2.0}}}, "policy.medium_weights"),
+        ({"policy": {"medium_weights": {"CPU": float("inf")}}}, "policy.medium_weights.CPU"),
+        ({"policy": {"hit_weight": float("inf")}}, "policy.hit_weight"),
+        ({"policy": {"decode_weight": float("inf")}}, "policy.decode_weight"),
+        ({"listen": {"port": 9, "metrics_port": 9}}, "listen.metrics_port"),
+        ({"tokenizer": {"kind": "hf"}}, "tokenizer.path"),
+        ({"tokenizer": {"offload_min_bytes": 1}}, "tokenizer.offload_min_bytes"),
+        ({"cluster": {"url": "http://n:4222"}}, "cluster.url"),
+        ({"cluster": {"heartbeat_timeout_s": 0.5}}, "cluster.heartbeat_timeout_s"),
+        ({"workers": [{"url": "http://a:1"}, {"url": "ftp://x"}]}, "workers[1].url"),
+        ({"workers": [{"url": "http://u:p@a:1"}]}, "workers[0].url"),
+        ({"workers": [{"url": "http://a:99999"}]}, "workers[0].url"),
+        ({"workers": [{"url": "http://"}]}, "workers[0].url"),
+        ({"workers": [{"url": "http://a:1", "events": "udp://a:2"}]}, "workers[0].events"),
+        ({"workers": [{"url": "http://a:1", "replay": ["tcp://a:2", "x"]}]}, "workers[0].replay"),
+        ({"workers": [{"url": "http://a:1", "models": [" "]}]}, "workers[0].models"),
+        (
+            {"workers": [{"url": "http://a:1", "role": "decode", "bootstrap_port": 9}]},
+            "workers[0].bootstrap_port",
+        ),
+    ],
+)
+def test_a_tables_own_check_names_the_field(doc: dict[str, Any], key: str) -> None:
+    """A refused reload's `key` named only the table (`policy`, `workers[2]`) when the table's
+    `__post_init__` refused a field; the message's path names the field too now."""
+    with pytest.raises(ConfigError) as refused:
+        parse_config(doc)
+    assert refused.value.key == key, refused.value
+    assert str(refused.value).endswith(f" - at `$.{key}`"), refused.value
+
+
+def test_a_tables_own_check_is_a_value_error_outside_a_config() -> None:
+    """`POST /admin/workers` converts one worker: the same check, the same message."""
+    with pytest.raises(ValueError, match=r"^workers\.url must start with http"):
+        msgspec.convert({"url": "ftp://x"}, WorkerConfig)
+
+
+@pytest.mark.parametrize(
     "name", ["X Salt: bad", "X-Salt:", "x-salt ", "Ünicode", "a\tb", "(x)", "x/y", '"q"']
 )
 def test_a_salt_header_that_is_no_header_name_is_refused_naming_it(name: str) -> None:
@@ -216,6 +261,80 @@ def test_missing_and_broken_files_are_config_errors(tmp_path: Path) -> None:
     bad.write_text("[policy\nname = 1\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(bad)
+
+
+def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: Path) -> None:
+    """Before, anything at the path was read to its end: a FIFO blocked the reader (on a reload,
+    the router's event loop) until something wrote to it, and a symlink to /dev/zero was read
+    until the kernel killed the router. Neither the open nor the read blocks now."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.toml"
+    zero.symlink_to("/dev/zero")
+    for path, kind in ((fifo, "a FIFO"), (zero, "a character device"), (tmp_path, "a directory")):
+        with pytest.raises(ConfigError, match=f"is {kind}.*, not a regular file$") as refused:
+            load_config(path)
+        assert str(path) in str(refused.value)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"# " + b"x" * MAX_CONFIG_BYTES + b"\n")
+    with pytest.raises(ConfigError, match=r"larger than 16777216 bytes \(16 MiB\)"):
+        load_config(big)
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "nope.toml")
+    # through a symlink to a regular file, as a deployment tool links one
+    real = tmp_path / "real.toml"
+    real.write_text("[listen]\nport = 7\n")
+    link = tmp_path / "link.toml"
+    link.symlink_to(real)
+    assert load_config(link).listen.port == 7
+
+
+def test_an_empty_file_is_a_config_at_startup_and_refused_read_again(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    for content in (b"", b" \n\t\n"):
+        path.write_bytes(content)
+        assert load_config(path) == RouterConfig()
+        with pytest.raises(ConfigError, match="is empty"):
+            load_config(path, reloading=True)
+
+
+def test_a_file_saved_in_place_while_read_again_is_never_taken_empty(tmp_path: Path) -> None:
+    """A save that truncates the file and writes it again in place, under the reads of a
+    reload: the emptiness check read the file, then the parser read it again, and a
+    truncation between the two applied an empty file (every worker removed). The bytes
+    checked are the bytes parsed now: a read sees the whole file or is refused."""
+    from router.commands.serve import config_source
+
+    path = tmp_path / "router.toml"
+    text = '[[workers]]\nid = "a"\nurl = "http://127.0.0.1:1"\n' + "# padding\n" * 50
+    path.write_text(text)
+    source = config_source(argparse.Namespace(config=str(path)))
+    stop = threading.Event()
+
+    def save_in_place() -> None:
+        while not stop.is_set():
+            with path.open("w") as file:  # truncated here ...
+                file.flush()
+                stop.wait(0.0002)
+                file.write(text)  # ... and written again
+            stop.wait(0.0003)
+
+    writer = threading.Thread(target=save_in_place)
+    writer.start()
+    counts = {"whole": 0, "refused": 0, "emptied": 0}
+    try:
+        for _ in range(3000):
+            try:
+                config = source.load()
+            except ConfigError:  # empty (a read amid the write may also see a part of it)
+                counts["refused"] += 1
+                continue
+            counts["whole" if config.workers else "emptied"] += 1
+    finally:
+        stop.set()
+        writer.join()
+    assert counts["emptied"] == 0, counts
+    assert counts["whole"] and counts["refused"], counts  # the race did run both ways
 
 
 def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:

@@ -279,6 +279,31 @@ async def test_a_request_held_to_its_deadline_is_answered_with_nothing_committed
         assert await _metric(fleet, "kvroute_holding_requests") == 0.0
 
 
+async def test_a_reload_that_turns_holding_off_lets_the_held_requests_go() -> None:
+    """The operator turned holding off: the requests held already are sent at once (the
+    worker queues them), not held on for room. Before, they went at the next poll of a held
+    request (50 ms), and the docs said they stayed held."""
+    source: list[RouterConfig] = []
+    async with _fleet(True, 1024, source=source) as (fleet, w0):
+        long = [{**prompt(i), "sampling_params": {"max_new_tokens": 60}} for i in (1, 2)]
+        first = [asyncio.create_task(fleet.post("/generate", body)) for body in long]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        held = [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (3, 4)]
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 2.0), what="two held"
+        )
+        policy = msgspec.structs.replace(source[-1].policy, hold_until_room=False)
+        source.append(msgspec.structs.replace(source[-1], policy=policy))
+        diff = await fleet.router.reload()
+        assert diff.changed == ["policy.hold_until_room"], diff
+        assert await _metric(fleet, "kvroute_holding_requests") == 0.0  # let go by the reload
+        await eventually(lambda: _load_is(w0, 2, 2), what="both queue at the worker")
+        for task in [*first, *held]:
+            status, _, _ = await task
+            assert status == 200
+        assert await _metric(fleet, "kvroute_held_requests_total") == 2.0
+
+
 async def test_a_held_request_its_client_abandoned_is_counted() -> None:
     """A client that gives up while its request is held (the fleet is full) never reached a
     worker: it is counted with the requests the router ended itself, as ClientClosedRequest

@@ -135,6 +135,27 @@ async def test_a_config_that_is_not_utf8_exits_2_in_one_line_naming_it(
     assert lines[0].startswith(f"kvroute {verb}: {config}: not UTF-8"), lines
 
 
+@pytest.mark.parametrize("verb", ["serve", "indexer"])
+async def test_a_fifo_for_a_config_exits_2_in_one_line_naming_it(tmp_path: Path, verb: str) -> None:
+    """Before, the process waited on the FIFO for a writer, saying nothing."""
+    config = tmp_path / "router.toml"
+    os.mkfifo(config)
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "router.commands.cli", verb, "--config", str(config)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 2
+    lines = err.decode().splitlines()
+    assert lines == [f"kvroute {verb}: {config}: is a FIFO (named pipe), not a regular file"]
+
+
 @pytest.mark.parametrize("processes", ["1", "2"])
 async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
     tmp_path: Path, processes: str

@@ -88,7 +88,7 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Reloadable]:
     ):
         path = tmp_path / "router.toml"
         path.write_text(_toml({"w0": w0.url, "w1": w1.url}))
-        source = ConfigSource(str(path), lambda: load_config(path))
+        source = ConfigSource(str(path), lambda: load_config(path, reloading=True))
         async with (
             RouterService(source.load(), config_source=source) as router,
             aiohttp.ClientSession() as session,
@@ -239,6 +239,15 @@ async def test_an_invalid_file_is_a_400_naming_the_key_and_the_old_config_serves
     fleet.path.write_text(_toml({"w0": fleet.workers["w0"].url}).replace(TOKEN, "   "))
     status, answer = await fleet.reload()
     assert status == 400 and answer["error"]["key"] == "admin.token", answer
+    # a table's own check names the field, not the table (before: `workers[2]`, `policy`)
+    urls = {"w0": fleet.workers["w0"].url, "w1": fleet.workers["w1"].url, "w2": "ftp://x"}
+    fleet.path.write_text(_toml(urls))
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["key"] == "workers[2].url", answer
+    assert "at `$.workers[2].url`" in answer["error"]["message"]
+    fleet.path.write_text(_toml({"w0": urls["w0"]}, hit_weight=float("inf")))
+    status, answer = await fleet.reload()
+    assert status == 400 and answer["error"]["key"] == "policy.hit_weight", answer
     assert fleet.router.running_config is before
 
 
@@ -269,6 +278,23 @@ async def test_an_empty_file_is_refused_and_the_workers_stay(
     assert status == 400 and answer["error"]["type"] == "ReloadError", answer
     assert "is empty" in answer["error"]["message"]
     assert fleet.router.running_config is before and before.workers
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+
+
+async def test_a_fifo_at_the_path_is_refused_and_the_router_keeps_answering(
+    fleet: Reloadable,
+) -> None:
+    """Before, the reload read the FIFO on the event loop: /health and every request stalled,
+    and the reload never answered, until something wrote to the FIFO."""
+    before = fleet.router.running_config
+    fleet.path.unlink()
+    os.mkfifo(fleet.path)
+    status, answer = await asyncio.wait_for(fleet.reload(), 10)
+    assert status == 400 and answer["error"]["type"] == "ReloadError", answer
+    message = answer["error"]["message"]
+    assert "is a FIFO (named pipe), not a regular file" in message and "kept" in message
+    assert fleet.router.running_config is before
     status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
     assert status == 200
 
@@ -572,6 +598,25 @@ async def test_the_answer_warns_of_event_sockets_the_worker_does_not_advertise(
     assert answer["workers_changed"] == ["w0"] and answer["warnings"] == {}, answer
 
 
+async def test_the_answer_warns_of_a_block_size_the_worker_does_not_advertise(
+    fleet: Reloadable,
+) -> None:
+    """w1 configured with 32-token blocks, its pages 16: registered (the config overrides), but
+    none of its events' pages would fit. Before, only the indexer said so, at its first event
+    (BLOCK SIZE MISMATCH), and the reload's answer warned of nothing."""
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    fleet.path.write_text(text + "block_size = 32\n")  # the last worker's (w1)
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_changed"] == ["w1"], answer
+    assert answer["not_registered"] == {}
+    assert list(answer["warnings"]) == ["w1"], answer
+    warning = answer["warnings"]["w1"]
+    assert "block_size 32" in warning and "page size 16" in warning, warning
+    fleet.path.write_text(text + "block_size = 16\n")  # what it advertises: nothing to warn of
+    status, answer = await fleet.reload()
+    assert answer["workers_changed"] == ["w1"] and answer["warnings"] == {}, answer
+
+
 async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:
     status, _ = await fleet.admin("POST", "/workers/w1/drain")
     assert status == 200
@@ -582,6 +627,29 @@ async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Re
     assert fleet.router.planner.pool.get("w1").draining
     _, listed = await fleet.admin("GET", "/workers")
     assert {w["id"]: w["draining"] for w in listed["workers"]}["w1"] is True
+
+
+async def test_a_drained_worker_renamed_stays_drained_under_its_new_id(
+    fleet: Reloadable,
+) -> None:
+    """The drain follows the server: before, the new id came up ready, and traffic went back
+    to a server drained for maintenance; a server new to the pool is not drained."""
+    status, _ = await fleet.admin("POST", "/workers/w1/drain")
+    assert status == 200
+    urls = {n: w.url for n, w in fleet.workers.items()}
+    fleet.path.write_text(_toml({"w0": urls["w0"], "w1-new": urls["w1"], "w2": fleet.spare.url}))
+    status, answer = await fleet.reload()
+    assert status == 200, answer
+    assert sorted(answer["workers_added"]) == ["w1-new", "w2"], answer
+    assert answer["workers_removed"] == ["w1"], answer
+    pool = fleet.router.planner.pool
+    assert pool.get("w1-new").draining and not pool.get("w2").draining
+    _, listed = await fleet.admin("GET", "/workers")
+    drains = {w["id"]: w["draining"] for w in listed["workers"]}
+    assert drains == {"w0": False, "w1-new": True, "w2": False}, drains
+    for i in range(4):  # none of them reaches the drained server
+        status, headers, _ = await fleet.post("/v1/chat/completions", _chat(f"after-{i}"))
+        assert status == 200 and headers["x-kvroute-worker"] != "w1-new"
 
 
 async def test_reload_needs_a_config_file_and_the_admin_token() -> None:
