@@ -79,6 +79,9 @@ class SessionBook(Protocol):
     def revoke(self, sid: str, expiry: int) -> None:
         """Refuse the session `sid` until `expiry`."""
 
+    def ended(self) -> dict[str, int]:
+        """The sessions ended and not expired: id -> expiry."""
+
     def expect_revocations(self) -> None:
         """Accept only the sessions started here until `revocations_known`."""
 
@@ -110,16 +113,22 @@ class FleetState:
         # was made against (absent: no record of that key was read)
         self.revisions: dict[str, int] = {}
         # of each kept worker write, the revision its key had here when it was first kept
-        self._unsent_over: dict[tuple[str, str], int | None] = {}
+        # (None: no record), and None for all of it when this process had not read the
+        # bucket yet (started while NATS was away: it knows no revision to write over)
+        self._unsent_over: dict[tuple[str, str], tuple[int | None] | None] = {}
+        self.fleet_read = False  # the fleet bucket was read once since this process started
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
         self.sessions: SessionBook | None = None  # the dashboard's, behind an admin token
 
     # ------------------------------------------------------------------ writing
 
-    def record_worker(self, entry_id: str, config: WorkerConfig | None, **flags: bool) -> bytes:
-        """The JSON of a worker's record as this replica now holds it."""
-        record = WorkerRecord(id=entry_id, config=config, by=self._replica, **flags)
+    def record_worker(
+        self, entry_id: str, config: WorkerConfig | None, *, at: float = 0.0, **flags: bool
+    ) -> bytes:
+        """The JSON of a worker's record as this replica now holds it; `at`: when an operator
+        made the change (0: a seed)."""
+        record = WorkerRecord(id=entry_id, config=config, by=self._replica, at=at, **flags)
         return _json.encode(record)
 
     def record_eviction(
@@ -140,7 +149,8 @@ class FleetState:
         """Keep a write NATS did not take, to make on resync over the record it was made
         against (a worker's: `flush`)."""
         if (bucket, key) not in self.unsent:
-            self._unsent_over[(bucket, key)] = self.revisions.get(key)
+            read = (self.revisions.get(key),) if self.fleet_read else None
+            self._unsent_over[(bucket, key)] = read
         self.unsent[(bucket, key)] = value
 
     async def seed(
@@ -167,41 +177,69 @@ class FleetState:
             with contextlib.suppress(KeyWrongLastSequenceError):
                 await fleet.create(worker_key(worker_id), value)
 
+    async def seed_logouts(self, sessions_bucket: KeyValue) -> None:
+        """Write back the logouts this replica holds that the bucket has no record of (a
+        resync: a server that lost its store lost them, and a replica started after would
+        take their cookies again)."""
+        if self.sessions is None:
+            return
+        for sid, expiry in self.sessions.ended().items():
+            key, value = self.record_logout(sid, expiry)
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                await sessions_bucket.create(key, value)
+
     async def flush(self, buckets: dict[str, KeyValue]) -> None:
         """Write what NATS did not take while it was away (raises on failure, keeps the rest).
 
         A worker's record is written only over the revision it was made against (none: only if
-        there is still no record); one changed meanwhile by another replica stands, and the
-        change kept here is dropped, in one WARNING line. An eviction is always written (its
-        key is its own)."""
+        there is still no record); where another replica changed it meanwhile, that change
+        stands and the one kept here is dropped, in one WARNING line. A record that is no
+        operator's change (a seed: the store was lost and a replica wrote its pool back) is
+        written over. A change made before this process ever read the bucket (it started
+        while NATS was away) has no revision to go by: it is written over an older change
+        only (`WorkerRecord.at`). An eviction or a logout is always written (its key is its
+        own)."""
         for (bucket, key), value in list(self.unsent.items()):
             kv = buckets[bucket]
             if key.startswith("w."):
                 over = self._unsent_over.get((bucket, key))
-                try:
-                    if over is None:
-                        await kv.create(key, value)
-                    else:
-                        await kv.update(key, value, last=over)
-                except KeyWrongLastSequenceError:
-                    if not await self._lost_record(kv, key, value):
-                        self._superseded(value)
+                if over is None:
+                    await self._settle(kv, key, value, newer_wins=True)
+                else:
+                    try:
+                        if over[0] is None:
+                            await kv.create(key, value)
+                        else:
+                            await kv.update(key, value, last=over[0])
+                    except KeyWrongLastSequenceError:
+                        await self._settle(kv, key, value, newer_wins=False)
             else:
                 await kv.put(key, value)
             if self.unsent.get((bucket, key)) is value:
                 del self.unsent[(bucket, key)]
                 self._unsent_over.pop((bucket, key), None)
 
-    async def _lost_record(self, kv: KeyValue, key: str, value: bytes) -> bool:
-        """Write `value` if the bucket has no record of `key` at all (the server lost its
-        store: the change kept here is the newest word on it); whether it was written."""
+    async def _settle(self, kv: KeyValue, key: str, value: bytes, *, newer_wins: bool) -> None:
+        """Write a kept change the record it was made against is not (or is not known to be)
+        under: over no record (the store lost), over a seed, and, `newer_wins`, over a change
+        made before it; else it is dropped and said."""
         try:
-            await kv.get(key)
+            entry = await kv.get(key)
         except KeyNotFoundError:
             with contextlib.suppress(KeyWrongLastSequenceError):
                 await kv.create(key, value)
-                return True
-        return False
+                return
+        else:
+            mine = _worker_decoder.decode(value)
+            try:
+                theirs = _worker_decoder.decode(entry.value or b"")
+            except msgspec.DecodeError:
+                theirs = None  # unreadable: no operator's change this replica can weigh
+            if theirs is None or theirs.at == 0.0 or (newer_wins and theirs.at < mine.at):
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    await kv.update(key, value, last=entry.revision)
+                    return
+        self._superseded(value)
 
     def _superseded(self, value: bytes) -> None:
         said = self._describe(value)

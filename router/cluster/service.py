@@ -435,6 +435,8 @@ class ClusterService:
         # after the first sync, from the pool as it runs: a bucket that lost its records gets
         # the fleet the replicas ran, not the config files' workers (drains and removals undone)
         await self.fleet.seed(self._kv[self._fleet_bucket], self._seed_workers, running=not first)
+        if not first:
+            await self.fleet.seed_logouts(self._kv[self._sessions_bucket])
         # the records already there: on this process's first read, those older than its index
         # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
         # Before, the first read after a start while NATS was away applied every record of
@@ -444,6 +446,7 @@ class ClusterService:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
         await self._watch(newer_than=newer_than)
+        self.fleet.fleet_read = True
         if self.fleet.sessions is not None:
             self.fleet.sessions.revocations_known()
         if self.config.events == "relay":
@@ -588,7 +591,9 @@ class ClusterService:
         draining: bool = False,
     ) -> Sharing:  # fmt: skip
         """An operator added, drained or removed a worker here: tell every replica."""
-        value = self.fleet.record_worker(worker_id, config, removed=removed, draining=draining)
+        value = self.fleet.record_worker(
+            worker_id, config, at=time.time(), removed=removed, draining=draining
+        )
         return await self._write(self._fleet_bucket, worker_key(worker_id), value)
 
     async def namespaces_evicted(self, namespaces: Sequence[Namespace]) -> Sharing:

@@ -166,6 +166,10 @@ class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     removed: bool = False
     draining: bool = False
     by: str = ""  # the replica that wrote it (for operators reading the bucket)
+    # when an operator made the change (time.time()); 0: no operator's change, a seed from a
+    # config file or a pool. A change kept through an outage by a replica that never read the
+    # bucket is written over an older one only (`FleetState.flush`); any kept change over a seed
+    at: float = 0.0
 
 
 class EvictionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

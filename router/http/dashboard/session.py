@@ -105,6 +105,11 @@ class DashboardSession:
         self._revoked = {s: e for s, e in self._revoked.items() if e > now}
         self._revoked[sid] = expiry
 
+    def ended(self) -> dict[str, int]:
+        """The sessions ended and not expired: id -> expiry (a copy)."""
+        now = self._clock()
+        return {s: e for s, e in self._revoked.items() if e > now}
+
     @property
     def revoked_sessions(self) -> int:
         """How many ended sessions are held (each until its expiry)."""

@@ -146,3 +146,34 @@ async def test_a_replica_started_while_nats_is_away_accepts_its_own_sessions_onl
                     assert await state_status(c, fresh) == 200
     finally:
         await nats.stop()
+
+
+async def test_the_logouts_a_lost_store_forgot_are_written_back_on_resync(
+    tmp_path: Path,
+) -> None:
+    """A nats-server restarted with an empty store lost the logout records: the replica that
+    held the logout still refused the cookie, but one started after took it again. The
+    running replicas now write back the logouts they hold when they resync."""
+    for store in ("first", "second"):
+        (tmp_path / store).mkdir()
+    nats = NatsServer(store_dir=tmp_path / "first")
+    await nats.start()
+    try:
+        async with workers(1) as (w0,):
+            config = [("w0", w0.url)]
+            async with RouterService(replica_config(config, nats.url, "a")) as a:
+                cookie = await logged_in(a)
+                await logout(a, cookie)
+                await nats.stop()
+                nats = NatsServer(port=nats.port, store_dir=tmp_path / "second")  # empty
+                await nats.start()
+
+                async def resynced() -> bool:
+                    assert a.cluster is not None
+                    return a.cluster.status.value == "ok"
+
+                await eventually(resynced, what="a to resync with the empty store")
+                async with RouterService(replica_config(config, nats.url, "c")) as c:
+                    assert await state_status(c, cookie) == 401
+    finally:
+        await nats.stop()

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.cluster.fleet_state import worker_key
 from router.cluster.server import NatsServer, find_nats_server, free_port
 from router.service import RouterService
 from tests.router.cluster.conftest import (
@@ -330,6 +331,112 @@ async def test_a_store_lost_is_seeded_from_the_fleet_the_replicas_ran(tmp_path: 
                 assert [await _workers_seen(session, r) for r in (a, b)] == [ran, ran]
                 async with RouterService(replica_config(fleet, nats.url, "c")) as c:
                     assert await _workers_seen(session, c) == ran
+    finally:
+        await nats.stop()
+
+
+async def test_a_change_made_by_a_replica_started_while_nats_was_away_is_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica started while NATS was away has read no revision to write its kept changes
+    over. They were dropped when NATS came back, said as superseded by another replica though
+    none had touched those workers, and the replica undid them itself. Now such a change is
+    written over an older one (`WorkerRecord.at`), and stands."""
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    try:
+        async with workers(3) as (w0, w1, w2), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url), ("w2", w2.url)]
+            async with RouterService(replica_config(fleet, nats.url, "a")) as a:
+                await nats.stop()
+                late = cluster(nats.url, replica_id="c", startup_timeout_s=0.3)
+                async with RouterService(replica_config(fleet, nats.url, "c", cluster=late)) as c:
+                    assert await _status(session, c) == "degraded"
+                    status, answer = await admin(session, c, "POST", "/workers/w0/drain")
+                    assert (status, answer["cluster"]) == (200, "pending"), answer
+                    status, answer = await admin(session, c, "DELETE", "/workers/w1")
+                    assert answer == {"removed": "w1", "cluster": "pending"}
+                    await nats.start()
+                    changed = {"w0": True, "w2": False}
+
+                    async def agreed() -> bool:
+                        if {await _status(session, a), await _status(session, c)} != {"ok"}:
+                            return False
+                        return [await _workers_seen(session, r) for r in (a, c)] == [
+                            changed,
+                            changed,
+                        ]
+
+                    await eventually(agreed, what="c's changes written and taken by a")
+                    await asyncio.sleep(0.5)
+                    for router in (a, c):
+                        assert await _workers_seen(session, router) == changed
+            assert not [r for r in caplog.records if "not written" in r.getMessage()]
+    finally:
+        await nats.stop()
+
+
+async def test_a_change_kept_through_a_store_loss_is_written_over_the_reseeded_record(
+    tmp_path: Path,
+) -> None:
+    """a drains w0 while cut off; meanwhile the server loses its store, and b, resyncing
+    first, writes its pool back (w0 not drained). a's drain was made against the old store's
+    record: it was dropped as superseded, though the record over it was no operator's change
+    but b's seed. A seed is written over now, so the drain stands on every replica."""
+    for store in ("first", "second"):
+        (tmp_path / store).mkdir()
+    nats = NatsServer(store_dir=tmp_path / "first")
+    await nats.start()
+    try:
+        async with (
+            workers(2) as (w0, w1),
+            CuttableLink(nats.port) as link,
+            aiohttp.ClientSession() as session,
+        ):
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with (
+                RouterService(replica_config(fleet, link.url, "a")) as a,
+                RouterService(replica_config(fleet, nats.url, "b")) as b,
+            ):
+                # w0's record has some history: the revision a keeps is not the one the
+                # new store's first record of w0 gets by chance
+                for drain in (True, False, True, False):
+                    await admin(session, b, "POST", "/workers/w0/drain", {"drain": drain})
+
+                async def a_read_them() -> bool:
+                    assert a.cluster is not None
+                    return a.cluster.fleet.revisions.get(worker_key("w0"), 0) > 3
+
+                await eventually(a_read_them, what="a to read b's changes of w0")
+                await link.cut()
+
+                async def a_degraded() -> bool:
+                    return await _status(session, a) == "degraded"
+
+                await eventually(a_degraded, what="a to notice it lost NATS")
+                status, answer = await admin(session, a, "POST", "/workers/w0/drain")
+                assert (status, answer["cluster"]) == (200, "pending"), answer
+                await nats.stop()
+                nats = NatsServer(port=nats.port, store_dir=tmp_path / "second")  # empty
+                await nats.start()
+
+                async def b_resynced() -> bool:
+                    return await _status(session, b) == "ok"
+
+                await eventually(b_resynced, what="b to resync with the empty store")
+                await link.open()
+                drained = {"w0": True, "w1": False}
+
+                async def agreed() -> bool:
+                    if await _status(session, a) != "ok":
+                        return False
+                    return [await _workers_seen(session, r) for r in (a, b)] == [
+                        drained,
+                        drained,
+                    ]
+
+                await eventually(agreed, what="a's drain written over b's seed", timeout_s=20)
     finally:
         await nats.stop()
 
