@@ -762,12 +762,16 @@ def read_config_file(path: str | Path, *, reloading: bool = False) -> bytes:
 
 
 def load_config(path: str | Path, *, reloading: bool = False) -> RouterConfig:
-    """Read and validate a TOML config file (`reloading`: see `read_config_file`)."""
-    return _parse_toml(read_config_file(path, reloading=reloading), source=str(path))
+    """Read and validate a TOML config file (`reloading`: see `read_config_file`; a file of
+    comments only is refused too)."""
+    data = read_config_file(path, reloading=reloading)
+    return _parse_toml(data, source=str(path), settings_needed=reloading)
 
 
-def _parse_toml(data: bytes, *, source: str) -> RouterConfig:
-    """Validate the bytes of a TOML config file (`source`: its path, for the messages)."""
+def _parse_toml(data: bytes, *, source: str, settings_needed: bool = False) -> RouterConfig:
+    """Validate the bytes of a TOML config file (`source`: its path, for the messages;
+    `settings_needed`: a document without a single key is refused, as an empty file is: a
+    save caught after its opening comments, applied, would drop every worker)."""
     try:
         parsed = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -780,4 +784,9 @@ def _parse_toml(data: bytes, *, source: str) -> RouterConfig:
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+    if settings_needed and not parsed:
+        raise ConfigError(
+            f"{source} has no settings, comments only (caught while being written?): applied, "
+            "it would drop every worker"
+        )
     return parse_config(parsed, source=source)

@@ -475,8 +475,15 @@ def parse_completion(
         ids = _token_ids(prompt, "prompt")
     else:
         raise RequestError("prompt must be a string or a list of token ids")
-    # SGLang scores the whole prompt of an echo with logprobs: nothing of it is reused
-    reuse_limit = 0 if body.get("echo") and body.get("logprobs") else None
+    # SGLang scores the whole prompt of an echo with logprobs: nothing of it is reused. Read
+    # strictly, as this worker's /generate reads its flags: SGLang's OpenAI routes take lax
+    # values ("no", "0") as pydantic does, which Python's truthiness reads otherwise, so a
+    # value that is not a JSON boolean / integer is refused rather than guessed
+    echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise RequestError("logprobs must be an integer")
+    reuse_limit = 0 if echo and logprobs else None
     budget = _openai_budget(body, "max_tokens")
     return _openai_common(
         body, ids, budget, dp_rank_header, reuse_limit, served=served, version=version

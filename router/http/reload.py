@@ -228,20 +228,17 @@ class Reloader:
         added = [*diff.workers_added, *diff.workers_changed]
         # the server each arriving id takes (one server is one worker in the pool)
         taking = {by_id[worker_id].server: worker_id for worker_id in added}
-        # An operator's drain outlives a change of the worker's settings, and follows its
-        # server to the new id in a rename. Before, a drained worker renamed came back under
-        # its new id ready, and took traffic again in the middle of its maintenance.
-        drained = {
-            worker_id
-            for worker_id in diff.workers_changed
+        # An operator's drain is of a server: it outlives a change of the worker's settings
+        # and follows the server to whichever id the file gives it (a rename, two ids
+        # swapped). Before, a drained worker renamed came back under its new id ready, and
+        # took traffic again in the middle of its maintenance; with two ids swapped, the drain
+        # stayed with the id, on the other server.
+        drained_servers = {
+            entry.config.server
+            for worker_id in (*diff.workers_changed, *diff.workers_removed)
             if (entry := pool.find(worker_id)) is not None and entry.draining
-        } | {
-            taking[entry.config.server]
-            for worker_id in diff.workers_removed
-            if (entry := pool.find(worker_id)) is not None
-            and entry.draining
-            and entry.config.server in taking
         }
+        drained = {taking[server] for server in drained_servers if server in taking}
         # New workers first, checked (registered, health passed) before the old ones go: a
         # fleet swapped whole in one reload keeps a routable worker of its model throughout,
         # unless the new ones are still being discovered when the add's wait ends (503s then).

@@ -114,3 +114,20 @@ def test_a_served_name_with_a_colon_is_the_base_model_on_the_openai_routes() -> 
     assert item.namespace == Namespace(lora="L2")
     (item,) = parse_chat(chat, served="s3://bk/m", version="0.5.21").items
     assert item.namespace == Namespace(lora="//bk/m:L2")
+
+
+def test_a_completion_echo_with_logprobs_reuses_nothing_and_lax_values_are_refused() -> None:
+    """SGLang scores the whole prompt of an echo with logprobs. The worker read both fields by
+    Python's truthiness: `"echo": "no"` (false to SGLang's lax pydantic) capped the reuse
+    here, so a router predicting the hit SGLang gives counted as a false hit against it. Now
+    it reads JSON booleans and integers only, and refuses the rest, as its /generate does."""
+    prompt = {"prompt": "hello there", "max_tokens": 1}
+    assert parse_completion({**prompt, "echo": True, "logprobs": 1}).items[0].reuse_limit == 0
+    for kept in ({"echo": True, "logprobs": 0}, {"echo": False, "logprobs": 2}, {}):
+        assert parse_completion({**prompt, **kept}).items[0].reuse_limit is None, kept
+    for lax in ({"echo": "no", "logprobs": 1}, {"echo": 1, "logprobs": 1}):
+        with pytest.raises(RequestError, match="echo must be a boolean"):
+            parse_completion({**prompt, **lax})
+    for lax_count in ("0", 1.0, True):
+        with pytest.raises(RequestError, match="logprobs must be an integer"):
+            parse_completion({**prompt, "echo": True, "logprobs": lax_count})

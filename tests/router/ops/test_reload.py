@@ -267,16 +267,25 @@ async def test_a_file_that_is_not_utf8_is_a_400_naming_it_and_the_old_config_ser
     assert status == 200
 
 
-@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "is empty"),
+        (b"\n  \n", "is empty"),
+        # a save caught after the opening comments every shipped config starts with: before,
+        # it parsed as a config of defaults, and every worker was removed
+        (b"# kvroute router config\n#\n# [[workers]] below\n", "has no settings"),
+    ],
+)
 async def test_an_empty_file_is_refused_and_the_workers_stay(
-    fleet: Reloadable, content: bytes
+    fleet: Reloadable, content: bytes, said: str
 ) -> None:
     # a file caught mid-save: applied, it would remove every worker
     before = fleet.router.running_config
     fleet.path.write_bytes(content)
     status, answer = await fleet.reload()
     assert status == 400 and answer["error"]["type"] == "ReloadError", answer
-    assert "is empty" in answer["error"]["message"]
+    assert said in answer["error"]["message"], answer
     assert fleet.router.running_config is before and before.workers
     status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
     assert status == 200
@@ -650,6 +659,26 @@ async def test_a_drained_worker_renamed_stays_drained_under_its_new_id(
     for i in range(4):  # none of them reaches the drained server
         status, headers, _ = await fleet.post("/v1/chat/completions", _chat(f"after-{i}"))
         assert status == 200 and headers["x-kvroute-worker"] != "w1-new"
+
+
+async def test_a_drain_follows_its_server_when_a_reload_swaps_two_ids(
+    fleet: Reloadable,
+) -> None:
+    """w1's server drained, then a file that gives w0's server to w1 and w1's to w0. Before,
+    the drain stayed with the id: w1, now on the healthy server, was drained, and w0, now on
+    the server under maintenance, came up ready and took traffic."""
+    status, _ = await fleet.admin("POST", "/workers/w1/drain")
+    assert status == 200
+    urls = {n: w.url for n, w in fleet.workers.items()}
+    fleet.path.write_text(_toml({"w0": urls["w1"], "w1": urls["w0"]}))
+    status, answer = await fleet.reload()
+    assert status == 200 and sorted(answer["workers_changed"]) == ["w0", "w1"], answer
+    pool = fleet.router.planner.pool
+    assert pool.get("w0").draining and not pool.get("w1").draining
+    assert pool.get("w0").url == urls["w1"].rstrip("/")
+    for i in range(4):  # none of them reaches the drained server
+        status, headers, _ = await fleet.post("/v1/chat/completions", _chat(f"swapped-{i}"))
+        assert status == 200 and headers["x-kvroute-worker"] == "w1"
 
 
 async def test_reload_needs_a_config_file_and_the_admin_token() -> None:
