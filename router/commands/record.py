@@ -403,7 +403,7 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         doc = {"header": header, "sources": list(sources.values()), "summary": summary}
         out.write(msgspec.json.encode(doc).decode() + "\n")
-        return 1 if summary.damage is not None else 0
+        return 1 if summary.damaged else 0
     out.write(
         f"kvroute recording, format version {header.format_version}, created "
         f"{_utc(header.created_unix_s, '%Y-%m-%dT%H:%M:%S+00:00')} by {header.tool}\n"
@@ -416,7 +416,7 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
             f"model {s.model or '-'}\n"
         )
     print_summary(summary, out)
-    return 1 if summary.damage is not None else 0
+    return 1 if summary.damaged else 0
 
 
 def _utc(unix_s: float, form: str) -> str:
