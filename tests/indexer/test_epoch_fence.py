@@ -623,3 +623,56 @@ async def test_every_snapshot_load_says_what_became_of_it(
         assert len(outcomes) == 2, said
         assert "not proven" in outcomes[0] and "cleared" in outcomes[0], outcomes
         assert "proven at seq" in outcomes[1] and "not proven" not in outcomes[1], outcomes
+
+
+def _outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The once-per-load lines that say what became of a snapshot's stream."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "state loaded from a snapshot " in r.getMessage() and r.levelno == logging.INFO
+    ]
+
+
+async def test_a_proof_whose_replay_did_not_answer_says_so(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker stopped (SIGSTOP), its replay timed out: the line said "not proven (the worker
+    restarted since, or its replay does not reach back to seq N)", neither of which was so."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        pub.answer_with = lambda start: []  # no reply, no end marker: every replay times out
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            svc.load(svc.dump())
+            await wait_until(lambda: svc.streams()[0].state is not StreamState.UNVERIFIED)
+        (outcome,) = _outcomes(caplog)
+        assert f"its replay from seq {len(old) - 1} did not answer to its end" in outcome
+        assert "restarted" not in outcome and "reach back" not in outcome
+
+
+async def test_an_orphan_taken_up_by_another_process_is_not_said_proven(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot's orphan stream taken up by a worker that is another process, with fewer
+    seqs: the stream was cleared as "it restarted" (it never did), and the proof of what was
+    rebuilt from the new process then read `state loaded from a snapshot proven at seq 5`."""
+    async with ScriptedPublisher(ctx) as old_pub, IndexerService(LIVE_ONLY) as svc:
+        await follow_old_epoch(svc, old_pub)
+        for i in range(200):  # far ahead of what the other process will have sent
+            last = await old_pub.publish(EventBatch(ts=1000.0 + i, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        snapshot = svc.dump()
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            svc.load(snapshot)  # no worker yet: the stream is an orphan, kept for one
+            for batch in workload(seed=5, batches=6):  # another process, seqs far below
+                await pub.publish(batch, drop=True)  # all buffered: its replay gives them
+            cfg = StreamConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+            await svc.add_worker(WORKER, [cfg])
+            await wait_until(lambda: synced(svc) and svc.streams()[0].last_seq == 5)
+        outcomes = _outcomes(caplog)
+        assert len(outcomes) == 1, outcomes
+        assert outcomes[0].startswith(f"stream {STREAM}: state loaded from a snapshot not proven")
+        assert "not the process this state was taken from" in outcomes[0], outcomes
+        said = [r.getMessage() for r in caplog.records]
+        assert not [m for m in said if m.endswith(": it restarted")], said
