@@ -403,20 +403,23 @@ class StreamSubscriber:
         why = self._why_unverified
         rebinds = self._rebinds
         if last is None:
-            if self.sink.entries():
-                # entries no seq stands for (a snapshot without one): nothing can prove them
-                self._clear(
-                    f"{why}, with entries but no seq to prove them by",
-                    outcome="it has entries but no seq to prove them by",
-                )
-            self._trust()
+            if not self.sink.entries():
+                self._trust()
+                return
+            # entries no seq stands for (a snapshot without one, a `replay --from` dump's
+            # part of a stream): nothing can prove them
+            self._clear(
+                f"{why}, with entries but no seq to prove them by",
+                outcome="it has entries but no seq to prove them by",
+            )
+            await self._rebuild(rebinds)
             return
         if not self._has_replay:
             self._restart(
                 f"{why} and without a replay socket nothing proves it did not restart",
                 outcome="no replay socket to prove it by",
             )
-            self._trust()
+            self._trust()  # `synced`: a restarted process holds nothing either
             return
         restarts = self.restarts
         result = await self._replay(last)
@@ -447,6 +450,25 @@ class StreamSubscriber:
             self._loaded_outcome(f"proven at seq {last}: {self.sink.entries()} entries")
         # else the clear that dropped the snapshot's state said why (`_clear`)
         self._trust()
+        if answered:
+            self._heard_whole()
+        else:
+            self._retry_soon()
+        self._notify_last()
+
+    async def _rebuild(self, rebinds: int) -> None:
+        """The stream's entries were cleared while the worker still holds its cache (no seq
+        proves them): `syncing` until its replay's answer from 0, or its next live batch
+        without a replay socket, is applied, as at a join. Before, it read `synced` with 0
+        entries and no seq until the next probe rebuilt it, seconds later (the streams of a
+        partial dump, `kvroute replay --from`)."""
+        self._set_phase(StreamState.SYNCING)
+        self._trust()
+        if not self._has_replay:
+            return
+        answered = (await self._replay(0)).answered
+        if self._rebinds != rebinds:
+            return  # a snapshot loaded meanwhile: its own check follows
         if answered:
             self._heard_whole()
         else:
