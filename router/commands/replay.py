@@ -61,22 +61,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="replay ROUTER of the first stream (default: after the PUB ports)",
     )
-    parser.add_argument("--replay-buffer", type=int, default=10_000, help="batches kept per stream")
+    parser.add_argument(
+        "--replay-buffer",
+        type=int,
+        default=10_000,
+        help="batches each stream's replay ROUTER keeps (--publish; default 10000, SGLang's)",
+    )
     parser.add_argument(
         "--speed", default="1", help="pace multiplier of the recorded timing, or 'max' (default 1)"
     )
     parser.add_argument(
         "--faults", default="", help="drop=P,dup=P,reorder=P,restart-at=SEQ (with --publish)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
     parser.add_argument(
-        "--wait", type=float, default=10.0, help="seconds to wait for subscribers (--publish)"
+        "--seed", type=int, default=0, help="seed of the fault injection (--faults; default 0)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=10.0,
+        help="seconds to wait for subscribers (--publish; default 10)",
     )
     parser.add_argument(
         "--linger",
         type=float,
         default=2.0,
-        help="seconds to keep answering replay requests after the last message (--publish)",
+        help="seconds to keep answering replay requests after the last message (--publish; "
+        "default 2)",
     )
     parser.add_argument("--from", dest="start", help="first record: +SECONDS, ISO time or seq:N")
     parser.add_argument("--to", dest="end", help="last record: +SECONDS, ISO time or seq:N")
