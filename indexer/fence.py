@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["BatchFence", "payload_digest"]
+__all__ = ["DIGEST_BYTES", "BatchFence", "payload_digest"]
 
-_DIGEST_BYTES = 16
+# the size of every fence digest (a snapshot's fence of another size is no digest of ours)
+DIGEST_BYTES = 16
 
 
 def payload_digest(payload: bytes) -> bytes:
     """The digest snapshots store for a batch payload (BLAKE2b, 128 bits)."""
-    return hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest()
+    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()
 
 
 class BatchFence:

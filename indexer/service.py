@@ -825,7 +825,7 @@ class IndexerService:
         log.info(
             "snapshot loaded: %d streams, %d entries; %d of subscribed workers (%d dropped: "
             "another shape), each predicting nothing until its fence is proven (one line per "
-            "stream says so, or that it was cleared: its worker restarted since); %d kept "
+            "stream says which, or why it was cleared); %d kept "
             "for workers not subscribed yet",
             len(brought),
             sum(brought.values()),

@@ -22,7 +22,10 @@ counts as one copy, so a block an `extra_key` shadow covers (`indexer.shadowed`)
 once its copies are stored again (fails closed: a missed hit, never a false one).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
-snapshot raises `SnapshotError` and never leaves a half-loaded index behind. Each stream's
+snapshot raises `SnapshotError` and never leaves a half-loaded index behind. That includes each
+field's range (`_check_ranges`): a digest proves the bytes are the ones written, not that their
+writer was sound, and a last seq of -1 was taken as it was and crashed the stream's subscriber
+on every restart (its replay request could not be packed). Each stream's
 entries are linked into the shared table in whole-array passes (`_link_in_bulk`), the
 per-entry loop kept beside it as the reference the tests compare it with.
 """
@@ -43,12 +46,14 @@ import msgspec
 from indexer.backend import DEFAULT, Backend
 from indexer.engines import engine_spec
 from indexer.errors import SnapshotError
-from indexer.fence import BatchFence
+from indexer.fence import DIGEST_BYTES, BatchFence
 from indexer.index import CODE_MASK, NS_MASK, PrefixIndex, StreamCounters, ns_code
 from indexer.index.media import best_medium
 from indexer.index.stream_table import IndexedStream
 from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
+from indexer.protocol.frames import END_SEQ
+from indexer.protocol.wire import MAX_TOKENS_PER_EVENT
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
@@ -240,7 +245,8 @@ def _rebuild(
             raise ValueError(f"stream {s.stream!r} appears twice")
         if not len(s.hashes) == len(s.keys) == len(s.ns_ids):
             raise ValueError(f"stream {s.stream!r}: arrays of different lengths")
-        if s.hashes and (s.block_size is None or s.block_size <= 0):
+        _check_ranges(s)
+        if s.hashes and s.block_size is None:
             raise ValueError(f"stream {s.stream!r}: entries without a block size")
         st = index._new_stream(s.slot, s.model, engine_spec(s.engine))  # ValueError if unknown
         index._streams[s.stream] = st
@@ -255,8 +261,6 @@ def _rebuild(
                 raise ValueError(f"stream {s.stream!r}: a fence without a seq")
             st.fence = BatchFence(s.last_seq, digest=s.fence)
         st.counters = s.counters
-        if s.lookahead < 0 or any(g < 0 for g in s.skipped_groups):
-            raise ValueError(f"stream {s.stream!r}: a negative group or lookahead")
         st.skipped_groups = set(s.skipped_groups)
         st.lookahead = s.lookahead
         if s.lookahead:
@@ -288,6 +292,35 @@ def _rebuild(
     used = set(index._by_slot)
     index._free_slots = [i for i in range(max(used, default=-1) + 1) if i not in used]
     return index
+
+
+def _check_ranges(s: _StreamSnapshot) -> None:
+    """ValueError naming the first field of `s` that no index could hold, with its range.
+
+    Each bound is one the code that makes the value keeps: a seq is 64 unsigned bits on the
+    wire (`pack_seq`; the subscriber asks its replay from the last seq, so one out of range
+    failed at every attempt, the stream never synced); a page holds at least one token; a
+    fence is a digest of `indexer.fence`'s size (another size never matches: only a failed
+    proof, but no sound writer made it); counters count up from 0; a lookahead is the tokens
+    after a block that one event carries (the wire's bound on them); a KV-cache group index is
+    never negative (as on the wire)."""
+    where = f"stream {s.stream!r}"
+    if s.last_seq is not None and not 0 <= s.last_seq <= END_SEQ:
+        raise ValueError(f"{where}: last_seq {s.last_seq} is outside 0..2**64-1")
+    if s.block_size is not None and s.block_size < 1:
+        raise ValueError(f"{where}: block_size {s.block_size} is not a positive page size")
+    if s.fence is not None and len(s.fence) != DIGEST_BYTES:
+        raise ValueError(
+            f"{where}: fence of {len(s.fence)} bytes, not a {DIGEST_BYTES}-byte digest"
+        )
+    for name in s.counters.__struct_fields__:
+        value = getattr(s.counters, name)
+        if value < 0:
+            raise ValueError(f"{where}: counters.{name} {value} is negative")
+    if not 0 <= s.lookahead <= MAX_TOKENS_PER_EVENT:
+        raise ValueError(f"{where}: lookahead {s.lookahead} is outside 0..{MAX_TOKENS_PER_EVENT}")
+    if any(g < 0 for g in s.skipped_groups):
+        raise ValueError(f"{where}: skipped_groups holds a negative group index")
 
 
 def _link_in_bulk(index: PrefixIndex, st: IndexedStream, s: _StreamSnapshot) -> None:

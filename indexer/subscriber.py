@@ -403,16 +403,23 @@ class StreamSubscriber:
         why = self._why_unverified
         rebinds = self._rebinds
         if last is None:
-            if self.sink.entries():
-                # entries no seq stands for (a snapshot without one): nothing can prove them
-                self._clear(f"{why}, with entries but no seq to prove them by")
-                self._loaded_outcome("cleared: entries but no seq to prove them by")
-            self._trust()
+            if not self.sink.entries():
+                self._trust()
+                return
+            # entries no seq stands for (a snapshot without one, a `replay --from` dump's
+            # part of a stream): nothing can prove them
+            self._clear(
+                f"{why}, with entries but no seq to prove them by",
+                outcome="it has entries but no seq to prove them by",
+            )
+            await self._rebuild(rebinds)
             return
         if not self._has_replay:
-            self._restart(f"{why} and without a replay socket nothing proves it did not restart")
-            self._loaded_outcome("cleared: no replay socket to prove it by")
-            self._trust()
+            self._restart(
+                f"{why} and without a replay socket nothing proves it did not restart",
+                outcome="no replay socket to prove it by",
+            )
+            self._trust()  # `synced`: a restarted process holds nothing either
             return
         restarts = self.restarts
         result = await self._replay(last)
@@ -426,18 +433,22 @@ class StreamSubscriber:
                 return  # another sink's state now: its own check follows
             if self.restarts == restarts:
                 # no answer, or nothing at or after our seq and no older verdict: unproven
-                self._restart(f"{why} and the replay did not prove the publisher unchanged")
+                detail = (
+                    f"its replay from seq {last} did not answer to its end"
+                    if not result.answered
+                    else f"its replay holds nothing at or after seq {last}"
+                )
+                self._restart(
+                    f"{why}, and {detail}: nothing proves the publisher unchanged",
+                    outcome=detail,
+                )
                 # a socket that just timed out is asked again after a wait, not at once
                 answered = result.answered and (await self._replay(0)).answered
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: what was proven was the sink it replaced
         if self.restarts == restarts and result.continuity is _Continuity.PROVEN:
             self._loaded_outcome(f"proven at seq {last}: {self.sink.entries()} entries")
-        else:
-            self._loaded_outcome(
-                "not proven (the worker restarted since, or its replay does not reach back "
-                f"to seq {last}): cleared, {self.sink.entries()} entries rebuilt from it"
-            )
+        # else the clear that dropped the snapshot's state said why (`_clear`)
         self._trust()
         if answered:
             self._heard_whole()
@@ -445,8 +456,29 @@ class StreamSubscriber:
             self._retry_soon()
         self._notify_last()
 
+    async def _rebuild(self, rebinds: int) -> None:
+        """The stream's entries were cleared while the worker still holds its cache (no seq
+        proves them): `syncing` until its replay's answer from 0, or its next live batch
+        without a replay socket, is applied, as at a join. Before, it read `synced` with 0
+        entries and no seq until the next probe rebuilt it, seconds later (the streams of a
+        partial dump, `kvroute replay --from`)."""
+        self._set_phase(StreamState.SYNCING)
+        self._trust()
+        if not self._has_replay:
+            return
+        answered = (await self._replay(0)).answered
+        if self._rebinds != rebinds:
+            return  # a snapshot loaded meanwhile: its own check follows
+        if answered:
+            self._heard_whole()
+        else:
+            self._retry_soon()
+        self._notify_last()
+
     def _loaded_outcome(self, outcome: str) -> None:
-        """Say once what became of a snapshot's state (not rate-limited: once per load)."""
+        """Say once what became of a snapshot's state (not rate-limited: once per load): proven
+        here, or cleared (`_clear`, with the reason of the clear that dropped it, whichever
+        path found it: a proof, a probe that found the seqs gone back, a gap)."""
         if self._from_snapshot:
             self._from_snapshot = False
             log.info("stream %s: state loaded from a snapshot %s", self.stream_id, outcome)
@@ -928,12 +960,7 @@ class StreamSubscriber:
         if self._unverified and result.continuity is not _Continuity.NONE:
             if result.continuity is _Continuity.PROVEN and self.restarts == restarts:
                 self._loaded_outcome(f"proven at seq {before}: {self.sink.entries()} entries")
-            else:
-                self._loaded_outcome(
-                    f"not proven at seq {before} (the worker restarted since, or its replay "
-                    f"does not reach back to it): cleared, {self.sink.entries()} entries "
-                    "rebuilt from it"
-                )
+            # else the clear that dropped the snapshot's state said why (`_clear`)
             self._trust()  # proven, or rebuilt: either way nothing unproven is left
         after = self.tracker.last
         if self._suspect is not None and after is not None and after >= self._suspect:
@@ -975,7 +1002,7 @@ class StreamSubscriber:
         if newest is None or newest >= last:
             return None  # the publisher buffers nothing, or a race with new batches: no verdict
         self._restart(
-            f"the publisher's newest seq is {newest}, below ours ({last}): it restarted",
+            f"the publisher's newest seq is {newest}, below ours ({last}): {self._another_run()}",
             unproven=self._unproven_against_live(last),
         )
         return (await self._replay(0)).answered
@@ -1027,7 +1054,7 @@ class StreamSubscriber:
             return _ReplayResult(False, None, continuity)
         if continuity is _Continuity.BROKEN:
             self._restart(
-                f"the publisher's batch {start} is not the one applied: it restarted",
+                f"the publisher's batch {start} is not the one applied: {self._another_run()}",
                 unproven=self._unproven_against_live(start),
             )
             rebuilt = await self._replay(0)
@@ -1175,7 +1202,18 @@ class StreamSubscriber:
             self._notify(seq)
         return True
 
-    def _restart(self, reason: str, *, unproven: bool = False) -> None:
+    def _another_run(self) -> str:
+        """What a publisher whose seqs or batch disagree with ours is. State taken from
+        elsewhere (a snapshot, an earlier recording session) and not proven yet need not have
+        come from this very worker: one added under an orphan stream's id never restarted."""
+        if self._from_snapshot:
+            return (
+                "it is not the process this state was taken from (it restarted since, or "
+                "another one took its place)"
+            )
+        return "it restarted"
+
+    def _restart(self, reason: str, *, unproven: bool = False, outcome: str | None = None) -> None:
         """The publisher restarted (or may have): drop the stream's state, rebuild from 0.
 
         `unproven`: found by a replay socket never proven to be the publisher's, contradicting
@@ -1198,7 +1236,7 @@ class StreamSubscriber:
                 " (or its replay socket, never proven the publisher's, is another worker's: "
                 "what it gives predicts nothing until a live batch agrees with it)"
             )
-        self._clear(reason)
+        self._clear(reason, outcome=outcome)
         self.tracker.reset()
         self.sink.forget_seq()
         self._last_live = None
@@ -1395,7 +1433,10 @@ class StreamSubscriber:
         if self._on_applied is not None:
             self._on_applied(self.stream_id, seq)
 
-    def _clear(self, reason: str, *, kind: str = "clear") -> None:
+    def _clear(self, reason: str, *, kind: str = "clear", outcome: str | None = None) -> None:
+        """Drop the stream's entries. A snapshot's state dropped before anything proved it
+        says so once, with `outcome` (default: `reason`): the true reason, wherever found
+        (before, a proof after it said "proven" of what was rebuilt since)."""
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
         if self._replay_unconfirmed:
             self._replay_unconfirmed = False  # nothing unconfirmed is left
@@ -1409,6 +1450,7 @@ class StreamSubscriber:
             self._warn(kind, f"cleared {dropped} entries{also}: {reason}")
         else:  # a recording: nothing held, the file keeps the decision for a replay to repeat
             self._warn(kind, f"stream reset (a router drops its entries here): {reason}")
+        self._loaded_outcome(f"not proven, cleared: {outcome or reason}")
 
     def _malformed(self, what: str) -> None:
         self.decode_errors += 1

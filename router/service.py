@@ -154,6 +154,18 @@ class RouterService:
         return f"http://{host}:{self._port}"
 
     @property
+    def wildcard_bind(self) -> str | None:
+        """`HOST:PORT` the listener is bound to when that is every interface (`listen.host`
+        0.0.0.0, :: or empty), which `url` cannot say: it names this host's loopback address
+        (what a client on this host connects to). None when `url` is the address bound."""
+        if self._port is None:
+            raise RuntimeError("RouterService is not running")
+        host = self.config.listen.host
+        if host not in ("0.0.0.0", "::", ""):
+            return None
+        return f"[::]:{self._port}" if host == "::" else f"0.0.0.0:{self._port}"
+
+    @property
     def metrics_url(self) -> str:
         """Where `listen.metrics_port` serves /metrics ("" without one)."""
         port = self.config.listen.metrics_port

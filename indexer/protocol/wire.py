@@ -63,6 +63,12 @@ _GroupIdx: TypeAlias = Annotated[int, Meta(ge=0)]
 _Ts: TypeAlias = Annotated[float, Meta(ge=0)]
 _SpecKind: TypeAlias = Annotated[str, Meta(max_length=64)]
 _DpRank: TypeAlias = Annotated[int, Meta(ge=0)]
+# vLLM's lookahead hashing: per block, the tokens after it that its hash covers. The most of
+# them is the stream's lookahead, which a snapshot stores and checks against this same bound.
+_Lookahead: TypeAlias = Annotated[
+    list[Annotated[list[int], Meta(max_length=MAX_TOKENS_PER_EVENT)]],
+    Meta(max_length=MAX_HASHES_PER_EVENT),
+]
 
 
 def _stored(
@@ -138,7 +144,7 @@ class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: _Lookahead | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""
@@ -229,7 +235,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     extra_keys: _ExtraKeys | None = None
     group_idx: _GroupIdx | None = None
     kv_cache_spec_kind: _SpecKind | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: _Lookahead | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""

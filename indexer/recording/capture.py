@@ -155,7 +155,10 @@ class CaptureStats(msgspec.Struct, kw_only=True):
     """What one capture did, per stream and in total."""
 
     seconds: float = 0.0
-    records: int = 0
+    records: int = 0  # messages written (what `kvroute record inspect` and `replay` count)
+    # the subscriber's decisions written beside them (`RecordMark`: a clear, a forgotten seq);
+    # before, `records` counted them too, and said 2 more than inspect did after a restart
+    marks: int = 0
     streams: dict[str, dict[str, int]] = {}
     stopped_by: str = ""  # duration, max-bytes, ctrl-c, sigterm, write-error, stop (the caller's)
     error: str = ""  # why writing failed, empty when it did not
@@ -187,6 +190,7 @@ class Capture:
         self._sinks: dict[str, RecordingSink] = {}
         # a writer used before this capture: only what this one wrote (or lost) is its own
         self._written_before = writer.records_written
+        self._marks_before = writer.marks_written
         self._lost_before = len(writer.lost_records)
 
     def _sink(self, stream: str, config: StreamConfig) -> RecordingSink:
@@ -224,7 +228,7 @@ class Capture:
             except RecordingError as error:
                 self.fail(error)
             # what reached the file: records of a chunk whose write failed are not counted
-            self.stats.records = self.writer.records_written - self._written_before
+            self._count_written()
             for lost in self.writer.lost_records[self._lost_before :]:
                 if (sink := self._sinks.get(lost.stream)) is not None:
                     sink.uncount(lost)
@@ -274,7 +278,7 @@ class Capture:
         except RecordingError as error:  # disk full, file gone: stop, keep what was written
             self.fail(error)
             return False
-        self.stats.records = self.writer.records_written - self._written_before
+        self._count_written()
         if self._max_bytes is not None and self.writer.bytes_written >= self._max_bytes:
             self.stop_by("max-bytes")
         return True
@@ -288,8 +292,15 @@ class Capture:
         except RecordingError as error:
             self.fail(error)
             return False
-        self.stats.records = self.writer.records_written - self._written_before
+        self._count_written()
         return written is not None
+
+    def _count_written(self) -> None:
+        """What this capture wrote that reached the file (or is on its way), messages and
+        marks apart."""
+        marks = self.writer.marks_written - self._marks_before
+        self.stats.records = self.writer.records_written - self._written_before - marks
+        self.stats.marks = marks
 
 
 def _stream_config(source: Source) -> StreamConfig:

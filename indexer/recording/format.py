@@ -426,9 +426,13 @@ class RecordingWriter:
         self._chunk_started = 0.0
         self._buffer = bytearray()
         self._buffered_records = 0  # records in `_buffer`, lost with it if its write fails
+        self._buffered_marks = 0  # of which the subscriber's marks
         self._buffer_bytes = buffer_bytes
         self.bytes_written = os.lseek(fd, 0, os.SEEK_END)
         self.records_written = 0
+        # of `records_written`, the subscriber's marks (`write_mark`): decisions, not messages
+        self.marks_written = 0
+        self._earlier_marks = 0  # `append`: the marks earlier sessions wrote
         # `append`: the damaged tail it cut before writing, and how many bytes it was
         self.cut: Damage | None = None
         self.cut_bytes = 0
@@ -543,6 +547,7 @@ class RecordingWriter:
         if scan.damage is not None and cut_bytes > 0:
             writer.cut, writer.cut_bytes = scan.damage, cut_bytes
         writer.last_records = scan.last_records
+        writer._earlier_marks = scan.marks
         try:
             writer.add_sources(sources)
         except BaseException:
@@ -552,8 +557,15 @@ class RecordingWriter:
 
     @property
     def records(self) -> int:
-        """Records in the file so far, counting earlier sessions."""
+        """Records in the file so far, counting earlier sessions (marks included: they take
+        record numbers too)."""
         return self._next
+
+    @property
+    def messages(self) -> int:
+        """Messages in the file so far, counting earlier sessions: its records less the
+        subscriber's marks, what `kvroute record inspect` and `kvroute replay` count."""
+        return self._next - self._earlier_marks - self.marks_written
 
     def add_sources(self, sources: Iterable[Source]) -> None:
         """Declare streams not yet in the file (an `S` frame; known streams are skipped).
@@ -607,15 +619,18 @@ class RecordingWriter:
 
     def _put(self, record: Record) -> int:
         number = self._next
+        mark = int(bool(record.mark))
         if not self._compress:
             body = _encoder.encode(record)
             frame = _pack_frame(_KIND_RECORD, body, count=1, first=number, at=record.recv_time)
             self._next += 1
             self.records_written += 1
-            self._emit(frame, records=1)
+            self.marks_written += mark
+            self._emit(frame, records=1, marks=mark)
             return number
         self._next += 1
         self.records_written += 1
+        self.marks_written += mark
         if not self._chunk:
             self._chunk_started = time.monotonic()
         self._chunk.append(record)
@@ -646,49 +661,53 @@ class RecordingWriter:
             at=chunk[0].recv_time,
         )
         try:
-            self._emit(frame, records=len(chunk))
+            self._emit(frame, records=len(chunk), marks=sum(1 for r in chunk if r.mark))
         except RecordingError:
             self.lost_records.extend(chunk)
             raise
 
-    def _emit(self, frame: bytes, *, records: int = 0) -> None:
-        """Write `frame` (holding `records` records, already counted; uncounted if it fails)."""
+    def _emit(self, frame: bytes, *, records: int = 0, marks: int = 0) -> None:
+        """Write `frame` (holding `records` records, `marks` of them marks, already counted;
+        uncounted if it fails)."""
         if len(frame) - _FRAME.size > _MAX_FRAME:
             # readers treat longer frames as damage; refuse rather than write an unreadable tail
-            self._lost(records)
+            self._lost(records, marks)
             raise RecordingError(f"a frame of {len(frame)} bytes exceeds the format's limit")
         if self._buffer_bytes <= 0:
             try:
                 _write_all(self._fd, frame)
             except RecordingError:
-                self._lost(records)
+                self._lost(records, marks)
                 raise
             self.bytes_written += len(frame)
             return
         self._buffer += frame
         self._buffered_records += records
+        self._buffered_marks += marks
         if len(self._buffer) >= self._buffer_bytes:
             self._drain()
 
     def _drain(self) -> None:
         if not self._buffer:
             return
-        data, records = bytes(self._buffer), self._buffered_records
+        data, records, marks = bytes(self._buffer), self._buffered_records, self._buffered_marks
         # gone whatever happens: written, or lost with the failed write (never written twice
         # under record numbers a later write reuses)
         self._buffer.clear()
-        self._buffered_records = 0
+        self._buffered_records = self._buffered_marks = 0
         try:
             _write_all(self._fd, data)
         except RecordingError:
-            self._lost(records)
+            self._lost(records, marks)
             raise
         self.bytes_written += len(data)
 
-    def _lost(self, records: int) -> None:
-        """`records` counted records (the last ones numbered) did not reach the file."""
+    def _lost(self, records: int, marks: int) -> None:
+        """`records` counted records (the last ones numbered), `marks` of them marks, did not
+        reach the file."""
         self._next -= records
         self.records_written -= records
+        self.marks_written -= marks
 
     def flush(self) -> None:
         """Hand everything written so far to the OS (closes an open compressed chunk)."""
@@ -794,6 +813,7 @@ class _AppendScan(msgspec.Struct, kw_only=True):
     version: int
     known: dict[str, Source]
     next_record: int = 0
+    marks: int = 0  # the subscriber's marks among the records
     last_time: float = 0.0
     valid_end: int = 0
     damage: Damage | None = None
@@ -821,6 +841,7 @@ def _scan_for_append(path: Path) -> _AppendScan:
                     scan.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
                     break
                 for record in records:
+                    scan.marks += bool(record.mark)
                     if not record.mark:
                         scan.last_records[record.stream] = record
                     elif record.mark is RecordMark.FORGET_SEQ:

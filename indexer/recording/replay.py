@@ -11,7 +11,9 @@ operators debugging an incident, and the round-trip test, compare.
 
 A window that starts after a stream's first record (`--from`) holds only part of its state: the
 index keeps no seq and no fence for it, so a router loading a dump of it rebuilds the stream
-from the worker instead of proving a fence over entries it never had.
+from the worker instead of proving a fence over entries it never had. A time window seeks past
+damage that lies before it; the records between the damage and the window are then unknown, so
+every stream is partial, and the damage is reported (`ReplaySummary.damage_before_window`).
 
 Also here: `synthesize_recording`, a realistic recording from a scripted SGLang-like fleet, so
 the index benchmark and the tests have a stream to replay without a capture at hand.
@@ -50,6 +52,7 @@ __all__ = [
     "RecordFilter",
     "ReplaySummary",
     "StreamReplay",
+    "before_window",
     "parse_window",
     "replay_into_index",
     "select_records",
@@ -221,7 +224,16 @@ class ReplaySummary(msgspec.Struct, kw_only=True):
     index_entries: int = 0
     streams: list[StreamReplay] = []
     namespaces: list[NamespaceReplay] = []
-    damage: Damage | None = None
+    damage: Damage | None = None  # where reading stopped, inside the window
+    # damage before the window's start that its time seek read past: what the file held from
+    # there to the window is unknown (any stream may have had records in it), so every stream
+    # the window holds is partial
+    damage_before_window: Damage | None = None
+
+    @property
+    def damaged(self) -> bool:
+        """Damage stopped the replay or lies before its window: not all it asked for was read."""
+        return self.damage is not None or self.damage_before_window is not None
 
 
 class _StreamState:
@@ -276,7 +288,7 @@ def replay_into_index(
     with RecordingReader(path) as reader:
         marked = reader.header.format_version >= 2
         started = time.perf_counter()
-        cut = _before_window(reader, flt)
+        cut, skipped = before_window(reader, flt)
         for positioned in select_records(reader, flt, marks=True, cut=cut):
             record = positioned.record
             stats = streams.get(record.stream)
@@ -290,6 +302,10 @@ def replay_into_index(
             ops += _apply_record(target, stats, states[record.stream], record)
         summary.elapsed_s = time.perf_counter() - started
         summary.damage = reader.damage
+        if skipped is not None and (
+            reader.damage is None or reader.damage.offset != skipped.offset
+        ):
+            summary.damage_before_window = skipped  # else the window's read stopped there too
     summary.records = sum(s.records for s in streams.values())
     summary.batches = sum(s.batches for s in streams.values())
     summary.events = sum(s.events for s in streams.values())
@@ -298,7 +314,7 @@ def replay_into_index(
     summary.decode_errors = sum(s.decode_errors for s in streams.values())
     summary.block_ops_per_s = ops / summary.elapsed_s if summary.elapsed_s > 0 else 0.0
     for stats in streams.values():
-        if stats.stream in cut:
+        if stats.stream in cut or summary.damage_before_window is not None:
             stats.partial = True
             target.set_last_seq(stats.stream, None)  # no fence over a part of the state
         stats.entries = target.entries(stats.stream)
@@ -324,18 +340,22 @@ def replay_into_index(
     return summary, target
 
 
-def _before_window(reader: RecordingReader, flt: RecordFilter) -> set[str]:
+def before_window(reader: RecordingReader, flt: RecordFilter) -> tuple[set[str], Damage | None]:
     """The streams with a message before the window's `from_time` (a scan of the file up to
-    it, without decoding payloads; nothing to scan without a start time)."""
+    it, without decoding payloads; nothing to scan without a start time), and the damage that
+    stopped the scan short of the window (None: it reached the window, or the file's end).
+
+    The window's own read seeks by time, so it starts past such damage and would not see it:
+    the damage is only known here (the reader's next read clears `reader.damage`)."""
     if flt.from_time is None:
-        return set()
+        return set(), None
     before: set[str] = set()
     for positioned in reader.records():
         record = positioned.record
         if record.recv_time >= flt.from_time:
-            break
+            return before, None
         before.add(record.stream)
-    return before
+    return before, reader.damage
 
 
 def _add_stream(index: PrefixIndex, source: Source | None, stream: str) -> None:

@@ -29,6 +29,7 @@ from indexer.recording.format import Record, RecordingReader, Source
 from indexer.recording.replay import (
     RecordFilter,
     ReplaySummary,
+    before_window,
     parse_window,
     replay_into_index,
     select_records,
@@ -60,22 +61,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="replay ROUTER of the first stream (default: after the PUB ports)",
     )
-    parser.add_argument("--replay-buffer", type=int, default=10_000, help="batches kept per stream")
+    parser.add_argument(
+        "--replay-buffer",
+        type=int,
+        default=10_000,
+        help="batches each stream's replay ROUTER keeps (--publish; default 10000, SGLang's)",
+    )
     parser.add_argument(
         "--speed", default="1", help="pace multiplier of the recorded timing, or 'max' (default 1)"
     )
     parser.add_argument(
         "--faults", default="", help="drop=P,dup=P,reorder=P,restart-at=SEQ (with --publish)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
     parser.add_argument(
-        "--wait", type=float, default=10.0, help="seconds to wait for subscribers (--publish)"
+        "--seed", type=int, default=0, help="seed of the fault injection (--faults; default 0)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=10.0,
+        help="seconds to wait for subscribers (--publish; default 10)",
     )
     parser.add_argument(
         "--linger",
         type=float,
         default=2.0,
-        help="seconds to keep answering replay requests after the last message (--publish)",
+        help="seconds to keep answering replay requests after the last message (--publish; "
+        "default 2)",
     )
     parser.add_argument("--from", dest="start", help="first record: +SECONDS, ISO time or seq:N")
     parser.add_argument("--to", dest="end", help="last record: +SECONDS, ISO time or seq:N")
@@ -170,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
     else:
         print_summary(summary, sys.stdout)
-    return 1 if summary.damage is not None else 0
+    return 1 if summary.damaged else 0
 
 
 def print_summary(summary: ReplaySummary, out: TextIO) -> None:
@@ -189,6 +201,11 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
     )
     w(f"  final index: {summary.index_entries} entries\n")
     w("  streams:\n")
+    why = (
+        "the window starts past damage (below), so what came before it is unknown"
+        if summary.damage_before_window is not None
+        else "the window starts after this stream's first record"
+    )
     for s in summary.streams:
         w(
             f"    {s.stream}: records {s.records} (replayed {s.replayed_records})  seq "
@@ -199,9 +216,8 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
         )
         if s.partial:
             w(
-                "      the window starts after this stream's first record: its state is a "
-                "part, kept with no seq and no fence (a router loading a dump of it rebuilds "
-                "the stream from the worker)\n"
+                f"      {why}: its state is a part, kept with no seq and no fence (a router "
+                "loading a dump of it rebuilds the stream from the worker)\n"
             )
     w("  namespaces (id, model, lora, salt fingerprint: blocks, tokens, holders):\n")
     for ns in summary.namespaces:
@@ -209,6 +225,14 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
         w(
             f"    {ns.namespace}  {ns.model or '-'}, {ns.lora or '-'}, {ns.salt}: "
             f"{ns.blocks}, {ns.tokens}, {holders}\n"
+        )
+    if summary.damage_before_window is not None:
+        d = summary.damage_before_window
+        w(
+            f"  STOPPED at byte {d.offset} (record {d.record}) before the window: {d.kind}: "
+            f"{d.reason}; what the file holds from there to the window is unknown, so the "
+            "window (read from past the damage) holds every stream in part: none keeps a seq "
+            "or fence\n"
         )
     if summary.damage is not None:
         d = summary.damage
@@ -333,16 +357,26 @@ def _check_ports(publish: str, replay: str | None, streams: int) -> None:
 
 
 def _records(path: Path, flt: RecordFilter, damaged: list[str]) -> Iterator[Record]:
-    """The selected records; a damage the reader stopped at is said and added to `damaged`."""
+    """The selected records; a damage the reader stopped at, or one before the window that
+    its time seek read past, is said and added to `damaged` (as an index replay says both)."""
     with RecordingReader(path) as reader:
+        _, skipped = before_window(reader, flt)
         # the marks too: a subscriber must drop the stream's entries where the recorder's did
         for positioned in select_records(reader, flt, marks=True):
             yield positioned.record
-        if reader.damage is not None:
-            d = reader.damage
-            said = f"recording damaged at byte {d.offset} (record {d.record}): {d.reason}"
-            damaged.append(said)
-            print(said + "; everything before it was published", file=sys.stderr)
+        stopped = reader.damage
+    if skipped is not None and (stopped is None or stopped.offset != skipped.offset):
+        said = (
+            f"recording damaged at byte {skipped.offset} (record {skipped.record}) before the "
+            f"window: {skipped.reason}"
+        )
+        damaged.append(said)
+        print(said + "; the window, after it, was published", file=sys.stderr)
+    if stopped is not None:
+        said = f"recording damaged at byte {stopped.offset} (record {stopped.record}): "
+        said += stopped.reason
+        damaged.append(said)
+        print(said + "; everything before it was published", file=sys.stderr)
 
 
 async def _republish(

@@ -204,12 +204,19 @@ async def serve_until_stopped(
                 what = (
                     f"relay (KV events to {servers}, stream {config.cluster.subject_prefix}_events)"
                 )
+            # the URL first, as tools read it (the first word after "listening on"); a
+            # wildcard host is said beside it (before, 0.0.0.0 read as 127.0.0.1 only)
+            bound = router.wildcard_bind
+            where = (
+                f"all interfaces, bound to {bound}: {router.url} from this host; " if bound else ""
+            )
             print(
-                f"kvroute {what} listening on {router.url} (policy {config.policy.name}, "
-                f"index core {INDEX_BACKEND.name})"
+                f"kvroute {what} listening on {router.url} ({where}policy "
+                f"{config.policy.name}, index core {INDEX_BACKEND.name})"
             )
             if router.metrics_url:
-                print(f"kvroute metrics on {router.metrics_url}")
+                also = " (all interfaces)" if bound else ""
+                print(f"kvroute metrics on {router.metrics_url}{also}")
             sys.stdout.flush()
         await stop.wait()  # SIGHUP is ignored from here on, said in one line
         if link is not None:

@@ -284,16 +284,35 @@ async def test_a_probe_answered_across_a_snapshot_load_does_not_prove_the_snapsh
 async def test_a_snapshot_stream_with_entries_but_no_seq_is_not_trusted(
     ctx: zmq.asyncio.Context,
 ) -> None:
+    """Nothing can prove entries no seq stands for (a `kvroute replay --from` dump's part of
+    a stream): they go, and the stream rebuilds from the worker's replay at once, `syncing`
+    until that is read. Before, it read `synced` with 0 entries and no seq, and rebuilt only
+    at the next probe (with the probe off: never, until the worker published again)."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
-        await follow_old_epoch(svc, pub)
+        old = await follow_old_epoch(svc, pub)
         index = load_index(svc.dump())
         index.set_last_seq(STREAM, None)  # a snapshot that names no seq for its entries
+        withheld: list[int] = []
+
+        def first_unanswered(start: int) -> list[list[bytes]] | None:
+            if withheld:
+                return None
+            withheld.append(start)
+            return []  # no reply, no end marker: the first rebuild times out (and is seen)
+
+        pub.answer_with = first_unanswered
         svc.load(dump_index(index))
         assert len(svc.index) > 0
         assert svc.streams()[0].state is StreamState.UNVERIFIED
-        # nothing can prove entries no seq stands for: they go, and the stream goes on
-        await wait_until(lambda: svc.streams()[0].state is not StreamState.UNVERIFIED)
-        assert len(svc.index) == 0
+        seen: list[tuple[StreamState, int | None]] = []
+        rebuilt = states_until(
+            svc, lambda: synced(svc) and svc.streams()[0].last_seq == len(old) - 1, seen
+        )
+        await wait_until(rebuilt, timeout_s=3.0)
+        assert withheld == [0]  # asked from 0: nothing to continue from
+        assert (StreamState.SYNCING, None) in seen
+        assert (StreamState.SYNCED, None) not in seen  # cleared, it never read `synced`
+        assert view(svc.index, STREAM) == view(reference(old), STREAM)
 
 
 async def test_a_snapshot_keeps_this_process_counters_and_its_orphans_go_in_time(
@@ -623,3 +642,56 @@ async def test_every_snapshot_load_says_what_became_of_it(
         assert len(outcomes) == 2, said
         assert "not proven" in outcomes[0] and "cleared" in outcomes[0], outcomes
         assert "proven at seq" in outcomes[1] and "not proven" not in outcomes[1], outcomes
+
+
+def _outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The once-per-load lines that say what became of a snapshot's stream."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "state loaded from a snapshot " in r.getMessage() and r.levelno == logging.INFO
+    ]
+
+
+async def test_a_proof_whose_replay_did_not_answer_says_so(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker stopped (SIGSTOP), its replay timed out: the line said "not proven (the worker
+    restarted since, or its replay does not reach back to seq N)", neither of which was so."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        pub.answer_with = lambda start: []  # no reply, no end marker: every replay times out
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            svc.load(svc.dump())
+            await wait_until(lambda: svc.streams()[0].state is not StreamState.UNVERIFIED)
+        (outcome,) = _outcomes(caplog)
+        assert f"its replay from seq {len(old) - 1} did not answer to its end" in outcome
+        assert "restarted" not in outcome and "reach back" not in outcome
+
+
+async def test_an_orphan_taken_up_by_another_process_is_not_said_proven(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot's orphan stream taken up by a worker that is another process, with fewer
+    seqs: the stream was cleared as "it restarted" (it never did), and the proof of what was
+    rebuilt from the new process then read `state loaded from a snapshot proven at seq 5`."""
+    async with ScriptedPublisher(ctx) as old_pub, IndexerService(LIVE_ONLY) as svc:
+        await follow_old_epoch(svc, old_pub)
+        for i in range(200):  # far ahead of what the other process will have sent
+            last = await old_pub.publish(EventBatch(ts=1000.0 + i, events=[]))
+        assert await svc.wait_applied(WORKER, last)
+        snapshot = svc.dump()
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        with caplog.at_level(logging.INFO, logger="indexer"):
+            svc.load(snapshot)  # no worker yet: the stream is an orphan, kept for one
+            for batch in workload(seed=5, batches=6):  # another process, seqs far below
+                await pub.publish(batch, drop=True)  # all buffered: its replay gives them
+            cfg = StreamConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+            await svc.add_worker(WORKER, [cfg])
+            await wait_until(lambda: synced(svc) and svc.streams()[0].last_seq == 5)
+        outcomes = _outcomes(caplog)
+        assert len(outcomes) == 1, outcomes
+        assert outcomes[0].startswith(f"stream {STREAM}: state loaded from a snapshot not proven")
+        assert "not the process this state was taken from" in outcomes[0], outcomes
+        said = [r.getMessage() for r in caplog.records]
+        assert not [m for m in said if m.endswith(": it restarted")], said

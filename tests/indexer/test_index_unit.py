@@ -251,6 +251,41 @@ def test_a_snapshot_of_an_older_version_is_refused_and_says_start_cold() -> None
             load_index(old)
 
 
+# stream fields: 4 block_size, 5 last_seq, 12 counters, 13 fence, 15 skipped groups, 16 lookahead
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        (5, -1, "last_seq -1"),
+        (5, -(2**63), "last_seq -9223372036854775808"),
+        (4, 0, "block_size 0"),
+        (13, b"\x00", "fence of 1 bytes"),
+        (13, b"\x00" * 1_000_000, "fence of 1000000 bytes"),
+        (12, {"blocks_stored": -5}, "counters.blocks_stored -5"),
+        (16, -1, "lookahead -1"),
+        (16, 2**24 + 1, "lookahead 16777217"),
+        (15, [-1], "skipped_groups"),
+    ],
+)
+def test_a_field_out_of_its_range_is_refused_by_name(field: int, value: object, named: str) -> None:
+    """The digest proves the bytes, not their writer: a last_seq of -1 was loaded as it was,
+    and the stream's subscriber then failed at every start (`seq -1 does not fit in 64
+    unsigned bits`), the stream never synced."""
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])), 7)
+    doc = msgspec.msgpack.decode(_unseal(dump_index(index)))
+    doc["streams"][0][field] = value
+    if field == 4:  # a page size of 0 with no entries: nothing else is wrong with it
+        doc["streams"][0][6:9] = [[], [], []]
+    with pytest.raises(SnapshotError, match=f"stream 'a': {named}"):
+        load_index(_seal(msgspec.msgpack.encode(doc)))
+    # the bounds themselves load
+    doc = msgspec.msgpack.decode(_unseal(dump_index(index)))
+    doc["streams"][0][5] = 2**64 - 1
+    doc["streams"][0][16] = 2**24
+    loaded = load_index(_seal(msgspec.msgpack.encode(doc)))
+    assert (loaded.last_seq("a"), loaded.lookahead("a")) == (2**64 - 1, 2**24)
+
+
 def test_forged_entries_raise_whole_stream_checks() -> None:
     """The bulk load's checks: a hash twice in a stream, one key in two namespaces (across
     streams and within one), an unknown namespace id among known ones."""

@@ -284,6 +284,46 @@ async def test_replay_publish_of_a_damaged_file_exits_1(recording: Path) -> None
     assert b"recording damaged at byte" in err and b"sent" in out
 
 
+def _damaged_before_the_window(path: Path) -> None:
+    """Over 128 KiB (a time window seeks by bisection), times +0 to +1999 s; stream b starts at
+    +100 s, in the frame that is damaged."""
+    sources = [Source(stream=s, block_size=2) for s in ("a#dp0", "b#dp0")]
+    seqs = {"a#dp0": 0, "b#dp0": 0}
+    with RecordingWriter.create(path, sources) as writer:
+        for i in range(2000):
+            stream = "b#dp0" if i >= 100 and i % 2 == 0 else "a#dp0"
+            event = Stored(list[BlockHash]([i]), None, [i, i], 2)
+            payload = encode_batch(EventBatch(ts=float(i), events=[event]))
+            writer.write(stream, b"kv", seqs[stream], payload, recv_time=1000.0 + i)
+            seqs[stream] += 1
+    with RecordingReader(path) as reader:
+        offset = next(p.offset for p in reader if p.record.stream == "b#dp0")
+    data = bytearray(path.read_bytes())
+    data[offset + 40] ^= 1  # the frame's checksum fails
+    path.write_bytes(bytes(data))
+
+
+async def test_replay_from_a_time_past_damage_says_so_and_dumps_no_stream_whole(
+    tmp_path: Path,
+) -> None:
+    # the time seek read past the damage and the scan for earlier streams stopped at it in
+    # silence: exit 0, no STOPPED line, and b (its first record in the damaged frame) kept
+    # its seq and fence in the dump, claiming a whole stream
+    path, dump = tmp_path / "r.kvrec", tmp_path / "r.msgpack"
+    _damaged_before_the_window(path)
+    proc = await _cli("replay", str(path), "--from", "+1500", "--dump", str(dump))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, err
+    assert b"STOPPED at byte" in out and b"before the window" in out
+    index = load_index(dump.read_bytes())
+    assert len(index) > 0
+    assert all((index.last_seq(s), index.fence(s)) == (None, None) for s in ("a#dp0", "b#dp0"))
+    # a republish of the window says it too, with the same exit status
+    proc, _, out, err = await _replay_publish(path, "--from", "+1500")
+    assert proc.returncode == 1, err
+    assert b"before the window" in err and b"sent" in out
+
+
 def test_record_refuses_limits_and_ports_that_cannot_be(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -314,7 +354,9 @@ def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) ->
     assert "--endpoint '127.0.0.1:5557'" in capsys.readouterr().err
 
 
-async def _replay_publish(path: Path) -> tuple[asyncio.subprocess.Process, int, bytes, bytes]:
+async def _replay_publish(
+    path: Path, *more: str
+) -> tuple[asyncio.subprocess.Process, int, bytes, bytes]:
     """`kvroute replay PATH --publish` at full speed on a free port: the process, its first
     port and its output."""
     for _ in range(5):
@@ -324,7 +366,7 @@ async def _replay_publish(path: Path) -> tuple[asyncio.subprocess.Process, int, 
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         publish = ["--publish", f"tcp://127.0.0.1:{port}", "--speed", "max"]
-        proc = await _cli("replay", str(path), *publish, "--wait", "0", "--linger", "0")
+        proc = await _cli("replay", str(path), *publish, "--wait", "0", "--linger", "0", *more)
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         if b"Address already in use" not in err:
             break

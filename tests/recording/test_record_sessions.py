@@ -5,6 +5,7 @@ second session (`--append`) may do to a file."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import random
 import re
@@ -22,7 +23,7 @@ from indexer.recording.format import Record, RecordingReader, RecordingWriter, S
 from indexer.recording.replay import replay_into_index
 from indexer.snapshot import dump_index
 from router.commands.cli import main
-from router.commands.record import record
+from router.commands.record import _print_done, record
 from tests.recording.snapshots import canonical
 from workers.config import WorkerConfig
 from workers.worker import ReferenceWorker
@@ -111,7 +112,11 @@ async def _until_recorded(path: Path, seq: int) -> None:
 
 def _summary_counts(stdout: bytes) -> tuple[int, int, int]:
     """(recorded, in the file, the stream's batches) of a `kvroute record` summary."""
-    head = re.search(rb"recorded (\d+) records \((\d+) in the file", stdout)
+    head = re.search(
+        rb"recorded (\d+) records(?: and \d+ subscriber marks \(clear / forget-seq\))? "
+        rb"\((\d+) records in the file",
+        stdout,
+    )
     batches = re.search(rb"#dp0: batches (\d+)", stdout)
     assert head is not None and batches is not None, stdout
     return int(head[1]), int(head[2]), int(batches[1])
@@ -344,8 +349,18 @@ async def test_an_append_replays_the_clear_of_a_restart_found_at_the_seam(
             publisher.publish([Removed(block_hashes=[publisher.next_seq + 1])])
         await _traffic(again, 5, seed=9)  # one stored batch each: seqs last+1 .. last+5
         assert publisher.next_seq == last + 6, publisher.next_seq
-        second = await record(RecordingWriter.append(out, sources), sources, duration_s=1.0)
+        writer = RecordingWriter.append(out, sources)
+        second = await record(writer, sources, duration_s=1.0)
         assert second.streams["w#dp0"]["clears"] == 1
+        # the clear mark apart from the messages: it was counted as a sixth record, where
+        # inspect and replay count the messages
+        assert (second.records, second.marks) == (5, 1)
+        said = io.StringIO()
+        _print_done(out, writer, second, said)
+        assert said.getvalue().startswith(
+            f"recorded 5 records and 1 subscriber marks (clear / forget-seq) ({last + 6} "
+            "records in the file, "
+        ), said.getvalue()
         # what a router subscribing to the new process now holds: its buffer, and nothing else
         fresh = tmp_path / "fresh.kvrec"
         await record(RecordingWriter.create(fresh, sources), sources, duration_s=1.0)
@@ -354,3 +369,4 @@ async def test_an_append_replays_the_clear_of_a_restart_found_at_the_seam(
     assert index.last_seq("w#dp0") == last + 5
     (stream,) = summary.streams
     assert stream.marked_clears == 1
+    assert summary.records == last + 6  # what the summary above said the file holds

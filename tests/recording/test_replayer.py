@@ -11,7 +11,7 @@ import pytest
 from indexer.fingerprint import salt_fingerprint
 from indexer.index import PrefixIndex
 from indexer.protocol import EventBatch, Stored, decode_batch, encode_batch
-from indexer.recording.format import RecordingWriter, Source
+from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import RecordFilter, replay_into_index
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
@@ -208,3 +208,52 @@ def test_a_window_that_starts_mid_stream_keeps_no_fence(tmp_path: Path) -> None:
     # a window that ends early is the state at its end: its fence stands
     summary, index = replay_into_index(path, flt=RecordFilter(to_seq=3))
     assert index.last_seq("a") == 3 and index.fence("a") is not None
+
+
+def _damaged_before_the_window(path: Path) -> int:
+    """2,000 records (times 100.0 on, one a second) over 128 KiB, so a time window seeks by
+    bisection; a alone first, then a and b in turn, b's first record (seq 0, at 200.0) in the
+    frame that is damaged. Returns the damaged frame's offset."""
+    rows = [("a", i, _store(i), False) for i in range(100)]
+    for i in range(1900):
+        rows.append(
+            ("b", i // 2, _store(i), False) if i % 2 == 0 else ("a", 100 + i // 2, _store(i), False)
+        )
+    _write(path, rows)
+    with RecordingReader(path) as reader:
+        offset = next(p.offset for p in reader if p.record.stream == "b")
+    data = bytearray(path.read_bytes())
+    assert len(data) > 2 * 64 * 1024  # else nothing bisects: the read would start at 0
+    data[offset + 40] ^= 1  # in the frame's body: its checksum fails
+    path.write_bytes(bytes(data))
+    return offset
+
+
+def test_damage_before_a_time_window_is_reported_and_no_stream_kept_whole(
+    tmp_path: Path,
+) -> None:
+    # the window's time seek starts past the damage, and the scan for the streams that began
+    # earlier stopped at it: b's first record was in the damaged frame, so b looked whole and
+    # kept its seq and fence (a dump claimed the whole stream), and the replay said nothing
+    path = tmp_path / "r.kvrec"
+    offset = _damaged_before_the_window(path)
+    summary, index = replay_into_index(path, flt=RecordFilter(from_time=1900.0))
+    assert {s.stream: s.partial for s in summary.streams} == {"a": True, "b": True}
+    assert all((index.last_seq(s), index.fence(s)) == (None, None) for s in ("a", "b"))
+    assert summary.damage is None  # the window itself read to the end
+    assert summary.damage_before_window is not None and summary.damaged
+    assert (summary.damage_before_window.offset, summary.damage_before_window.kind) == (
+        offset,
+        "corrupt",
+    )
+    assert summary.records == 200
+    # damage inside the window stops it there, said once, as a whole replay
+    inside, _ = replay_into_index(path, flt=RecordFilter(from_time=150.0))
+    assert inside.damage is not None and inside.damage.offset == offset
+    assert inside.damage_before_window is None
+    # a seq window reads from the start: it stops at the damage too (and says so)
+    seqs, _ = replay_into_index(path, flt=RecordFilter(from_seq=500))
+    assert seqs.damage is not None and seqs.damage.offset == offset and seqs.records == 0
+    # a window that ends before the damage never reaches it: nothing to say
+    early, _ = replay_into_index(path, flt=RecordFilter(from_time=110.0, to_time=150.0))
+    assert not early.damaged and early.records == 41

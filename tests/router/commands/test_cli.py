@@ -66,6 +66,27 @@ def test_worker_and_up_help_show_the_defaults() -> None:
     assert "(default INFO)" in serve and "(default 1)" in serve
 
 
+def test_record_and_replay_help_show_the_defaults_and_what_goes_together() -> None:
+    """`--engine` had no help, `--worker`, `--duration` and replay's publish options showed no
+    default, the usage's `ACTION ...` read as a required word, and inspect's help did not say
+    that `--events` and `--json` are refused together."""
+    record, _ = _imported("record", "--help")
+    words = " ".join(record.split())  # argparse wraps the help at the terminal's width
+    assert "ACTION" not in record
+    assert "kvroute record (--config FILE | --endpoint tcp://HOST:PORT) --out FILE" in record
+    assert "kvroute record inspect FILE [--events | --json]" in record
+    assert "(default sglang)" in words and "(default worker)" in words
+    assert "(default: none, until Ctrl-C, SIGTERM or SIGHUP)" in words
+    inspect, _ = _imported("record", "inspect", "--help")
+    assert inspect.startswith("usage: kvroute record inspect ")
+    words = " ".join(inspect.split())
+    assert "in order (not with --json)" in words and "JSON (not with --events" in words
+    replay, _ = _imported("replay", "--help")
+    words = " ".join(replay.split())
+    for said in ("default 10000", "default 10)", "default 2)", "default 0)"):
+        assert said in words, said
+
+
 def _kvroute(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router.commands.cli", *argv],

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -59,6 +60,38 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
         _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert b"event loop: uvloop" in err  # the default where uvloop is installed
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_wildcard_host_is_said_to_listen_on_all_interfaces(tmp_path: Path) -> None:
+    """`listen.host = "0.0.0.0"` printed `listening on http://127.0.0.1:P` only, which reads as
+    bound to loopback: the line says all interfaces now, the URL still first for the tools
+    that take the word after "listening on"."""
+    config = tmp_path / "router.toml"
+    with contextlib.closing(socket.socket()) as probe:  # a free port for /metrics
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
+    listen = f'[listen]\nhost = "0.0.0.0"\nport = 0\nmetrics_port = {metrics_port}\n'
+    config.write_text(listen + '[admin]\ntoken = "t"\n')  # none: refused on 0.0.0.0
+    proc = await _run("--config", str(config))
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        url = line.split("listening on ")[1].split()[0]
+        port = url.rpartition(":")[2]
+        assert url == f"http://127.0.0.1:{port}", line
+        assert f"(all interfaces, bound to 0.0.0.0:{port}: {url} from this host; policy" in line
+        metrics = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert metrics.startswith("kvroute metrics on http://127.0.0.1:"), metrics
+        assert metrics.rstrip().endswith("/metrics (all interfaces)"), metrics
+        async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+            assert resp.status == 503  # no workers configured: it answers
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
     finally:
         if proc.returncode is None:
             proc.kill()
