@@ -14,6 +14,22 @@ from tests.router.cluster.conftest import admin, replica_config, workers
 from tests.router.conftest import Fleet, eventually
 
 
+async def _indexed_then_snapshotted(fleet: Fleet, body: dict[str, str]) -> str:
+    """Send `body` through `fleet`'s router once its streams deliver, wait until its index
+    holds the prompt, and publish its snapshot; returns the worker the prompt went to."""
+    await fleet.warm()
+    router, session = fleet.router, fleet.session
+    async with session.post(
+        router.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
+    ) as resp:
+        assert resp.status == 200
+        worker = resp.headers["x-kvroute-worker"]
+    await eventually(lambda: fleet.holds(body, worker, 64), what="the prompt indexed")
+    assert router.cluster is not None
+    assert await router.cluster.publish_snapshot() > 0
+    return worker
+
+
 async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
     nats_server: NatsServer,
 ) -> None:
@@ -22,16 +38,7 @@ async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
         refs = {"w0": w0, "w1": w1}
         body = {"text": "a conversation worth keeping warm " * 6, "cache_salt": "tenant-w"}
         async with RouterService(replica_config(config, nats_server.url, "a")) as a:
-            on_a = Fleet(a, refs, session)
-            await on_a.warm()
-            async with session.post(
-                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
-            ) as resp:
-                assert resp.status == 200
-                worker = resp.headers["x-kvroute-worker"]
-            await eventually(lambda: on_a.holds(body, worker, 64), what="a to index the prompt")
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0
+            worker = await _indexed_then_snapshotted(Fleet(a, refs, session), body)
             async with RouterService(replica_config(config, nats_server.url, "c")) as c:
                 assert c.cluster is not None and c.cluster.snapshot_at is not None
                 # ready means warm: the very first look at the prompt predicts the hit
@@ -84,14 +91,7 @@ async def test_a_replica_restarted_under_its_id_applies_its_eviction_to_an_older
         body = {"text": "a tenant about to leave the fleet " * 6, "cache_salt": "tenant-x"}
         async with RouterService(replica_config(config, nats_server.url, "fixed")) as a:
             on_a = Fleet(a, refs, session)
-            await on_a.warm()
-            async with session.post(
-                a.url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}
-            ) as resp:
-                assert resp.status == 200
-            await eventually(lambda: on_a.holds(body, "w0", 64), what="a to index the prompt")
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0  # holds the tenant
+            assert await _indexed_then_snapshotted(on_a, body) == "w0"  # holds the tenant
             status, answer = await admin(
                 session, a, "POST", "/namespaces/evict", {"cache_salt": "tenant-x"}
             )
