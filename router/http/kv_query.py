@@ -62,7 +62,9 @@ Q = TypeVar("Q", bound="KvQuery")
 class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The request body: exactly one of token_ids, text, messages."""
 
-    model: str = ""  # any name the fleet serves ("" in a one-model fleet); "base:adapter" too
+    # any name the fleet serves ("" or null: none, as a proxied request's null model reads; in
+    # a one-model fleet); "base:adapter" too
+    model: str | None = None
     # a request's `lora_path`, read as the proxy reads it for the model's pool: an adapter of
     # SGLang workers; nothing to vLLM workers, which ignore it and serve the base model (their
     # adapter is named by `model`). The answer's `lora` is the adapter whose pages it counted
@@ -166,7 +168,7 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
         endpoint=Endpoint.COMPLETIONS,
         body=b"",
         salt=salt,
-        model=query.model,
+        model=query.model or "",
         # read by `request_namespace` as the proxy reads `lora_path`: on a pool of vLLM workers
         # it names no adapter, since the request it stands for would run on the base model
         # (read as the adapter's, gateways copying a client's lora_path got false hits)

@@ -66,6 +66,10 @@ async def test_query_answers_what_the_router_routes_by(query_fleet: Fleet) -> No
     await eventually(indexed, what="the prompt indexed")
     _, answer = await _query(fleet, query)
     assert answer["version"] == 1 and answer["best"] == {"worker": holder, "dp_rank": None}
+    # a null model names none, as on the proxy (it was a 400 here: "Expected `str`, got null")
+    for unnamed in (None, ""):
+        status, same = await _query(fleet, {**query, "model": unnamed})
+        assert status == 200 and _by_worker(same) == _by_worker(answer), same
     assert answer["model"] == "kvroute/reference-byte-lm" and answer["prompt_tokens"] > 300
     row = _by_worker(answer)[holder]
     assert row["tiers"] == {"GPU": row["matched_blocks"]} and row["stream_state"] == "synced"
