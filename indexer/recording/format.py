@@ -316,23 +316,45 @@ class RecordingReader:
         readers that rebuild its state (an offline replay, a republisher); a mark keeps its
         record number, so message numbers skip it."""
         start = self._data_start if from_time is None else self.offset_for_time(from_time)
-        for frame in self._frames(start):
-            if frame.kind == _KIND_SOURCES:
-                self._add_sources(frame)
-                continue
-            try:
-                records = _decode_records(frame)
-            except _FrameError as exc:
-                self.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
-                self.end_offset = frame.offset
+        in_window = from_time is None
+        while True:
+            for frame in self._frames(start):
+                if frame.kind == _KIND_SOURCES:
+                    self._add_sources(frame)
+                    continue
+                try:
+                    records = _decode_records(frame)
+                except _FrameError as exc:
+                    self.damage = Damage(frame.offset, frame.first_record, exc.kind, exc.reason)
+                    self.end_offset = frame.offset
+                    break
+                for i, record in enumerate(records):
+                    if from_time is not None and record.recv_time < from_time:
+                        continue
+                    in_window = True
+                    if record.mark and not marks:
+                        continue
+                    self.records_read += 1
+                    yield Positioned(frame.first_record + i, frame.offset, record)
+            resumed = None if in_window else self._past_damage(from_time)
+            if resumed is None:
                 return
-            for i, record in enumerate(records):
-                if from_time is not None and record.recv_time < from_time:
-                    continue
-                if record.mark and not marks:
-                    continue
-                self.records_read += 1
-                yield Positioned(frame.first_record + i, frame.offset, record)
+            start = resumed
+
+    def _past_damage(self, from_time: float | None) -> int | None:
+        """Where a time window's read goes on after damage met before its first record: the
+        next good frame, if its records are still before the window (receive times never
+        decrease, so the damaged frame held none of the window's); None: stop there. The seek
+        lands up to 64 KiB before the window, so damage in that stretch stopped the read with
+        nothing of the window read (and said it was the window's). The caller learns of the
+        damage from its scan of what lies before the window (`replay.before_window`)."""
+        damage = self.damage
+        if from_time is None or damage is None:
+            return None
+        frame = self._frame_near(damage.offset + 1)
+        if frame is None or frame.time >= from_time:
+            return None
+        return frame.offset
 
     def __iter__(self) -> Iterator[Positioned]:
         return self.records()

@@ -247,6 +247,13 @@ def test_damage_before_a_time_window_is_reported_and_no_stream_kept_whole(
         "corrupt",
     )
     assert summary.records == 200
+    # a window that starts just past the damage, inside the 64 KiB its seek may land before:
+    # the read went from there, stopped at the damage with nothing of the window read, and
+    # the replay said the damage was the window's ("everything before it was replayed")
+    near, index = replay_into_index(path, flt=RecordFilter(from_time=210.0))
+    assert near.damage is None and near.damage_before_window is not None
+    assert near.damage_before_window.offset == offset
+    assert near.records == 2000 - 110 and {s.partial for s in near.streams} == {True}
     # damage inside the window stops it there, said once, as a whole replay
     inside, _ = replay_into_index(path, flt=RecordFilter(from_time=150.0))
     assert inside.damage is not None and inside.damage.offset == offset
