@@ -61,6 +61,9 @@ EVICTION_TTL_S = 24 * 3600.0
 # a logout record outlives its session: the dashboard's session lifetime
 # (`router.http.dashboard.session.SESSION_S`, which a test holds this to)
 LOGOUT_TTL_S = 12 * 3600.0
+# what a kept worker write was made against, besides a revision (`FleetState.flush`)
+_NO_RECORD = 0  # no record of the key was read (revisions start at 1)
+_NOT_READ = -1  # the bucket was not read yet by this process
 _LOGOUT = "s."  # the key prefix of a logout record, before the session id
 _worker_decoder = msgspec.json.Decoder(WorkerRecord)
 _eviction_decoder = msgspec.json.Decoder(EvictionRecord)
@@ -113,9 +116,9 @@ class FleetState:
         # was made against (absent: no record of that key was read)
         self.revisions: dict[str, int] = {}
         # of each kept worker write, the revision its key had here when it was first kept
-        # (None: no record), and None for all of it when this process had not read the
-        # bucket yet (started while NATS was away: it knows no revision to write over)
-        self._unsent_over: dict[tuple[str, str], tuple[int | None] | None] = {}
+        # (revisions start at 1: `_NO_RECORD` none, `_NOT_READ` the bucket not read yet by
+        # this process, started while NATS was away: it knows no revision to write over)
+        self._unsent_over: dict[tuple[str, str], int] = {}
         self.fleet_read = False  # the fleet bucket was read once since this process started
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
@@ -149,8 +152,8 @@ class FleetState:
         """Keep a write NATS did not take, to make on resync over the record it was made
         against (a worker's: `flush`)."""
         if (bucket, key) not in self.unsent:
-            read = (self.revisions.get(key),) if self.fleet_read else None
-            self._unsent_over[(bucket, key)] = read
+            over = self.revisions.get(key, _NO_RECORD) if self.fleet_read else _NOT_READ
+            self._unsent_over[(bucket, key)] = over
         self.unsent[(bucket, key)] = value
 
     async def seed(
@@ -202,15 +205,15 @@ class FleetState:
         for (bucket, key), value in list(self.unsent.items()):
             kv = buckets[bucket]
             if key.startswith("w."):
-                over = self._unsent_over.get((bucket, key))
-                if over is None:
+                over = self._unsent_over.get((bucket, key), _NOT_READ)
+                if over == _NOT_READ:
                     await self._settle(kv, key, value, newer_wins=True)
                 else:
                     try:
-                        if over[0] is None:
+                        if over == _NO_RECORD:
                             await kv.create(key, value)
                         else:
-                            await kv.update(key, value, last=over[0])
+                            await kv.update(key, value, last=over)
                     except KeyWrongLastSequenceError:
                         await self._settle(kv, key, value, newer_wins=False)
             else:
