@@ -768,6 +768,11 @@ def load_config(path: str | Path, *, reloading: bool = False) -> RouterConfig:
     return _parse_toml(data, source=str(path), settings_needed=reloading)
 
 
+def _holds_a_setting(table: dict[str, Any]) -> bool:
+    """Whether a parsed TOML table holds a key with a value, in itself or a table under it."""
+    return any(not isinstance(value, dict) or _holds_a_setting(value) for value in table.values())
+
+
 def _parse_toml(data: bytes, *, source: str, settings_needed: bool = False) -> RouterConfig:
     """Validate the bytes of a TOML config file (`source`: its path, for the messages;
     `settings_needed`: a document without a single key is refused, as an empty file is: a
@@ -784,9 +789,11 @@ def _parse_toml(data: bytes, *, source: str, settings_needed: bool = False) -> R
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    if settings_needed and not parsed:
+    if settings_needed and not _holds_a_setting(parsed):
+        # table headers with no key under them say as little as comments (`[listen]` alone: a
+        # save caught after its first line)
         raise ConfigError(
-            f"{source} has no settings, comments only (caught while being written?): applied, "
-            "it would drop every worker"
+            f"{source} has no settings, only comments or empty tables (caught while being "
+            "written?): applied, it would drop every worker"
         )
     return parse_config(parsed, source=source)

@@ -275,6 +275,10 @@ async def test_a_file_that_is_not_utf8_is_a_400_naming_it_and_the_old_config_ser
         # a save caught after the opening comments every shipped config starts with: before,
         # it parsed as a config of defaults, and every worker was removed
         (b"# kvroute router config\n#\n# [[workers]] below\n", "has no settings"),
+        # ... or after its first table header: before, `[listen]` alone was a config of
+        # defaults too
+        (b"# kvroute router config\n[listen]\n", "only comments or empty tables"),
+        (b"[policy]\n[policy.medium_weights]\n", "only comments or empty tables"),
     ],
 )
 async def test_an_empty_file_is_refused_and_the_workers_stay(
