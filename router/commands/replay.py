@@ -261,10 +261,19 @@ def _check_not_empty(reader: RecordingReader, flt: RecordFilter, args: argparse.
     given = " ".join(
         f"{flag} {text!r}" for flag, text in (("--from", args.start), ("--to", args.end)) if text
     )
+    damage = reader.damage
+    # records past damage are unknown: the span read is not the file's, and the window may lie
+    # in what could not be read (before, the span was given as the file's)
+    cut = (
+        ""
+        if damage is None
+        else f"; read up to damage at byte {damage.offset} (record {damage.record}): "
+        f"{damage.kind}: {damage.reason}, what lies past it is unknown"
+    )
     raise ValueError(
         f"{given}: the window is empty: no record of {args.file} is in it (its records: "
         f"+0.0 to +{last - first:.1f} s, {_utc(first)} to {_utc(last)}; seq {min(seqs)} to "
-        f"{max(seqs)})"
+        f"{max(seqs)}{cut})"
     )
 
 

@@ -277,6 +277,18 @@ def _tear(path: Path) -> None:
     path.write_bytes(data[: len(data) * 2 // 3])
 
 
+def test_an_empty_window_of_a_damaged_file_says_where_its_records_stop(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, the refusal gave the span read up to the damage as the file's records, with no
+    word of the damage: the window asked for may lie past it, in what could not be read."""
+    _tear(recording)
+    assert main(["replay", str(recording), "--to", "2001-01-01T00:00:00Z"]) == 2
+    err = capsys.readouterr().err
+    assert "the window is empty" in err, err
+    assert "read up to damage at byte" in err and "what lies past it is unknown" in err, err
+
+
 async def test_replay_publish_of_a_damaged_file_exits_1(recording: Path) -> None:
     _tear(recording)
     proc, _, out, err = await _replay_publish(recording)
