@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from indexer.service import IndexerService
-from router.config import RouterConfig
+from router.config import ListenConfig, RouterConfig
 from router.config_diff import ConfigDiff
 from router.errors import ConfigError
 from router.fleet.supervisor import Supervisor
@@ -31,6 +31,37 @@ if TYPE_CHECKING:
     from router.cluster.service import ClusterService
 
 __all__ = ["RouterService"]
+
+
+# tries at one port for every address of a host with several (port 0): the port the first bind
+# drew may be taken in another family meanwhile
+_ONE_PORT_TRIES = 8
+
+
+async def _start_on_one_port(runner: web.AppRunner, listen: ListenConfig, reuse_port: bool) -> None:
+    """Serve `runner` on `listen`, on one port for every address the host names.
+
+    A host that names several addresses (`""`: IPv6 and IPv4 every interface; a name that
+    resolves to both families) gets a socket each, and port 0 draws a port per socket: before,
+    the router said one (the first's, given as 0.0.0.0's) and IPv4 clients of that port reached
+    nothing. With port 0 the port the first socket drew is asked of all of them."""
+    port = listen.port
+    for _ in range(_ONE_PORT_TRIES):
+        site = web.TCPSite(runner, listen.host, port, reuse_port=reuse_port or None)
+        try:
+            await site.start()
+        except OSError:
+            await site.stop()  # registered with the runner before it failed
+            if port == listen.port:
+                raise  # the configured port: the caller says why
+            port = listen.port  # the drawn port is taken in another family: draw again
+            continue
+        drawn = {int(address[1]) for address in runner.addresses}
+        if len(drawn) == 1 or listen.port != 0:
+            return
+        port = int(runner.addresses[0][1])
+        await site.stop()
+    raise OSError(f"no free port is free on every address of {listen.host!r}")
 
 
 class RouterService:
@@ -72,14 +103,8 @@ class RouterService:
         await runner.setup()
         started = False
         try:
-            site = web.TCPSite(
-                runner,
-                self.config.listen.host,
-                self.config.listen.port,
-                reuse_port=self._reuse_port or None,
-            )
             try:
-                await site.start()
+                await _start_on_one_port(runner, self.config.listen, self._reuse_port)
             except OSError as exc:
                 # a port taken or an address this host lacks: the config's to fix, said in one
                 # line (`kvroute serve` prints a ConfigError and exits 2, no traceback)
@@ -147,11 +172,23 @@ class RouterService:
         if self._port is None:
             raise RuntimeError("RouterService is not running")
         host = self.config.listen.host
-        if host in ("0.0.0.0", "::", ""):
+        if host in ("0.0.0.0", ""):
             host = "127.0.0.1"
+        elif host == "::":
+            # IPv6 only (asyncio binds IPv6 sockets V6ONLY): before, 127.0.0.1 was said, where
+            # nothing listened
+            host = "[::1]"
         elif ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self._port}"
+
+    @property
+    def bound(self) -> list[tuple[str, int]]:
+        """(address, port) of every socket the router listens on (several where its host
+        names several addresses: `listen.host = ""` is IPv6 and IPv4)."""
+        if self._runner is None:
+            raise RuntimeError("RouterService is not running")
+        return [(str(address[0]), int(address[1])) for address in self._runner.addresses]
 
     @property
     def wildcard_bind(self) -> str | None:

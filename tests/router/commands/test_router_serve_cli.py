@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 
 from router.cluster.server import NatsServer
+from router.config import AdminConfig, ListenConfig, RouterConfig
+from router.service import RouterService
 from tests.raw_http import wait_eof
 from tests.router.conftest import HungDiscovery, eventually
 from workers.config import DEFAULT_MODEL
@@ -96,6 +98,43 @@ async def test_a_wildcard_host_is_said_to_listen_on_all_interfaces(tmp_path: Pat
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+async def test_an_empty_host_with_port_0_listens_on_one_port_in_both_families() -> None:
+    """`listen.host = ""` binds IPv6 and IPv4 every interface, a socket each: with port 0 each
+    drew its own port, the router said the first (the IPv6 one, as 0.0.0.0's), and IPv4
+    clients of the port it said reached nothing."""
+    config = RouterConfig(listen=ListenConfig(host="", port=0), admin=AdminConfig(token="t"))
+    async with RouterService(config) as router:
+        assert {address for address, _ in router.bound} == {"::", "0.0.0.0"}, router.bound
+        ports = {port for _, port in router.bound}
+        assert len(ports) == 1, router.bound
+        (port,) = ports
+        assert router.wildcard_bind == f"0.0.0.0:{port}"
+        async with aiohttp.ClientSession() as session:
+            for host in ("127.0.0.1", "[::1]"):
+                async with session.get(f"http://{host}:{port}/health") as resp:
+                    assert resp.status == 503, host  # no workers: it answers, on both
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+async def test_an_ipv6_wildcard_host_names_the_ipv6_loopback() -> None:
+    """`listen.host = "::"` binds IPv6 only: its URL said 127.0.0.1, where nothing listened."""
+    config = RouterConfig(listen=ListenConfig(host="::", port=0), admin=AdminConfig(token="t"))
+    async with RouterService(config) as router:
+        assert router.url.startswith("http://[::1]:"), router.url
+        async with aiohttp.ClientSession() as session, session.get(router.url + "/health") as resp:
+            assert resp.status == 503
 
 
 async def test_a_fleet_table_is_said_to_start_nothing_here(tmp_path: Path) -> None:
