@@ -4,7 +4,10 @@
 as a bearer header, which also starts a session), and a login form (401) for anyone else. The
 form posts the token to `POST /dashboard/login`, in the body, so it never sits in a URL, a
 history entry or an access log; a right token answers with the session cookie
-(`router.http.dashboard.session`) and a redirect to the page. The page polls
+(`router.http.dashboard.session`) and a redirect to the page; a wrong or missing token, the
+login form again (401) with the error on it; a body that is no readable form (another
+Content-Type, an unknown charset, a broken multipart: `router.http.dashboard.login_form`), a
+400 JSON error naming the problem. The page polls
 `GET /dashboard/state` (cookie or bearer; 401 JSON without) and renders it; the static files are
 code with no data in them, served to anyone, so the login form has its stylesheet.
 
@@ -31,6 +34,7 @@ from aiohttp import web
 
 from router.errors import AuthError
 from router.http.bearer import bearer_token
+from router.http.dashboard.login_form import form_token
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import encode, snapshot
 from router.http.keys import CLUSTER, DASHBOARD_SESSION
@@ -117,12 +121,13 @@ class _Dashboard:
 
     async def login(self, request: web.Request) -> web.Response:
         """POST /dashboard/login (form field `token`): a session and back to the page."""
-        form = await request.post()
-        given = form.get("token")
         response = web.Response(status=303, headers={"Location": PAGE_PATH, **_HEADERS})
         if self.session is None:
-            return response  # nothing to log in to
-        if not isinstance(given, str) or not self.session.token_matches(given):
+            return response  # nothing to log in to, whatever the body
+        given = await form_token(request)  # a body that is no readable form: a 400
+        if given is None:
+            return self._login_form("The form had no token.")
+        if not self.session.token_matches(given):
             return self._login_form("That is not the admin token.")
         self._start_session(request, response)
         return response

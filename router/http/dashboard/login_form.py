@@ -1,0 +1,76 @@
+"""The login form's body, read: its `token` field, or a RequestError naming what is wrong.
+
+`POST /dashboard/login` is the one route that takes a body from anyone, before any token is
+known, and aiohttp's form reader raises whatever its decoders raise on a malformed one: a
+charset Python does not know (LookupError), bytes that are not text in the charset given
+(UnicodeDecodeError), a multipart body without its boundary, cut short, with a part without a
+name, in an unknown transfer encoding or with a bad header line (ValueError, RuntimeError,
+binascii.Error, aiohttp's InvalidHeader). Each became a 500 and an ERROR traceback per request,
+for anyone to fill the log with. Here each is a 400 naming the problem (the error middleware
+answers it in JSON and logs nothing), as a body the router cannot read is everywhere else; the
+messages name the kind of fault, never the body's bytes (the token is among them).
+
+Too many fields is aiohttp's 413, which the middleware would word as a body over
+`limits.max_body_bytes`; here it is a 400 saying so. A body truly over the limit stays the
+middleware's 413.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from router.errors import RequestError
+
+__all__ = ["FORM_TYPES", "form_token"]
+
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+_SHOWN = 64  # a header value echoed in a message is clipped to this
+
+
+def _clipped(value: str) -> str:
+    return repr(value[:_SHOWN])
+
+
+async def form_token(request: web.Request) -> str | None:
+    """The form's `token` field as text; None when it has none (or it is a file, or a part
+    of a non-text type). Raises RequestError when the body is not a form that can be read."""
+    kind = request.content_type
+    if kind not in FORM_TYPES:
+        raise RequestError(
+            f"the login form is sent as {FORM_TYPES[0]} or {FORM_TYPES[1]} with a token "
+            f"field; this body's Content-Type is {_clipped(kind)}"
+        )
+    try:
+        form = await request.post()
+    except LookupError:
+        named = (
+            "a part's charset"
+            if kind == FORM_TYPES[1]
+            else f"charset {_clipped(request.charset or '')}"
+        )
+        raise RequestError(
+            f"the login form's {named} is not a text encoding Python knows"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the login form is not valid {exc.encoding} text") from None
+    except web.HTTPRequestEntityTooLarge:
+        if request.content.total_bytes > request.client_max_size:
+            raise  # over limits.max_body_bytes: the middleware's 413 says so
+        raise RequestError(
+            f"the login form has over {request.client_max_fields} fields; it takes one, token"
+        ) from None
+    except (ValueError, RuntimeError, HttpProcessingError) as exc:
+        # aiohttp's multipart reader: no boundary, cut short, a part without a name, a nested
+        # multipart, an unknown transfer encoding, bad base64 (binascii.Error is a ValueError),
+        # a malformed part header. Its message may quote the body, so only the kind is told
+        hint = ": check its boundary, its parts' headers and that it is whole"
+        raise RequestError(
+            f"the login form cannot be read as {kind} ({type(exc).__name__})"
+            + (hint if kind == FORM_TYPES[1] else "")
+        ) from None
+    for value in form.values():
+        if isinstance(value, web.FileField):
+            value.file.close()  # a part sent as a file: spooled by aiohttp, never a token
+    given = form.get("token")
+    return given if isinstance(given, str) else None
