@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.protocol.tokens import ByteTokenizer
@@ -137,6 +138,10 @@ async def _open_sse(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
+    if request.version < HttpVersion11:
+        # no chunks in HTTP/1.0: the stream ends where the connection does, so it closes
+        # after it even for a client asking to keep it (aiohttp alone would keep it)
+        response.force_close()
     await response.prepare(request)
     return response
 

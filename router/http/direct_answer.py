@@ -16,6 +16,11 @@ else it would hold the request, its worker's connection and its place in the wor
 for as long as it likes. What this does not cover
 (an HTTP/1.0 client, a status whose body must be empty, a header with a control character)
 goes through aiohttp as before, which also refuses what would be a header injection.
+
+A streamed answer to an HTTP/1.0 client has neither chunks (HTTP/1.0 has none) nor a length:
+its body ends where the connection does, so the connection is closed after it, whatever the
+client's `Connection: keep-alive` asked (aiohttp alone kept it, and that client waited for the
+idle timeout to see its answer end). A whole answer has its Content-Length and keeps it.
 """
 
 from __future__ import annotations
@@ -221,6 +226,11 @@ class ChunkedResponse(web.StreamResponse):
             return self._payload_writer
         head = _head(request, self.status, self.headers, "Transfer-Encoding: chunked")
         if head is None:
+            if request.version < HttpVersion11 and self.content_length is None:
+                # no chunks in HTTP/1.0: the body ends where the connection does. aiohttp
+                # frames it so but keeps the connection when the client asked to keep it,
+                # leaving that client waiting for an end until the idle timeout
+                self.force_close()
             encodable = _encodable(self.headers)
             if encodable is not self.headers:
                 self.headers.clear()

@@ -24,6 +24,7 @@ from tests.raw_http import (
     read_to_close,
     request_bytes,
     stalled_client,
+    wait_eof,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -258,6 +259,21 @@ async def test_a_streamed_answer_to_http_1_0_is_answered_as_aiohttp_does() -> No
     del t.headers["date"], m.headers["date"]
     assert (m.status, m.headers, m.body) == (t.status, t.headers, t.body)
     assert "transfer-encoding" not in m.headers  # HTTP/1.0 has no chunks: the body ends at close
+
+
+async def test_a_streamed_answer_to_http_1_0_closes_even_when_asked_to_keep_alive() -> None:
+    """Here it differs from aiohttp, which keeps the connection: its client waited for the
+    idle timeout to see the body end. The head stays aiohttp's (no `Connection: keep-alive`)."""
+    request = b"POST /direct HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n"
+    async with _stream_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(request)
+            (answer,) = parse_responses(await wait_eof(reader, 5.0))
+        finally:
+            writer.close()
+    assert answer.status == 200 and "connection" not in answer.headers
+    assert answer.body == b"".join(f"data: {{'n': {i}}}\n\n".encode() * (i + 1) for i in range(3))
 
 
 async def test_a_streamed_header_with_a_control_character_is_never_sent() -> None:
