@@ -7,8 +7,25 @@ from typing import Annotated
 import msgspec
 
 from indexer.engines import EngineName
+from indexer.protocol.wire import MAX_BLOCK_SIZE
 
-__all__ = ["IndexerConfig", "StreamConfig", "endpoint_problem", "shown_endpoint"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_DP_SIZE",
+    "IndexerConfig",
+    "StreamConfig",
+    "endpoint_problem",
+    "ranks_problem",
+    "shown_endpoint",
+]
+
+# The most data-parallel ranks one worker may have. The largest DP deployments run a few
+# hundred ranks per engine (wide expert parallelism, one attention DP rank per GPU); each rank
+# is a stream of its own, on a PUB port and a replay port of its own (rank r on the base port
+# + r), so 1024 leaves room past any of them while its ports fit in 1-65535 from most bases.
+# Checked before any per-rank list is built: a dp_size of 10**9 took the router's memory
+# building one endpoint per rank before a port was looked at.
+MAX_DP_SIZE = 1024
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -26,8 +43,28 @@ def endpoint_problem(endpoint: str) -> str | None:
     host, _, port = rest.rpartition(":")
     if not host:
         return "expected tcp://HOST:PORT"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        return f"the port must be 1-65535, got {port!r}"
+    # ASCII digits only, at most 5 of them: str.isdigit takes "²" (which int() refuses) and
+    # other scripts' digits, and int() refuses a string of over 4300 digits
+    if not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
+        return f"the port must be 1-65535, got {port[:16]!r}"
+    return None
+
+
+def ranks_problem(endpoint: str, dp_size: int) -> str | None:
+    """What is wrong with `dp_size` data-parallel ranks on `endpoint` (a sound one:
+    `endpoint_problem`), rank r on its port + r, None when nothing is: more ranks than
+    `MAX_DP_SIZE`, or ports past 65535."""
+    if dp_size > MAX_DP_SIZE:
+        return f"dp_size {dp_size} is over {MAX_DP_SIZE}, the most ranks a worker may have"
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None  # an ipc:// path has no port to offset (`dp_size` 1 only: discovery)
+    port = int(rest.rpartition(":")[2])
+    if port + dp_size - 1 > 65535:
+        return (
+            f"{dp_size} ranks from port {port} (rank r on port + r) run to port "
+            f"{port + dp_size - 1}, past 65535"
+        )
     return None
 
 
@@ -49,9 +86,10 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     endpoint: str  # "tcp://127.0.0.1:5557", the PUB of this (worker, dp rank)
     replay_endpoint: str | None = None  # ROUTER replay socket, or None (gaps then clear the stream)
     topic: str = ""  # subscription PREFIX (never compared for equality)
-    block_size: Annotated[int, msgspec.Meta(gt=0)] | None = None  # None: learned from the wire
+    # None: learned from the wire
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)] | None = None
     engine: EngineName = "sglang"  # its wire rules: indexer.engines
-    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_DP_SIZE)] = 0
     model: str = ""
     # whether the replay socket is known to be this stream's publisher's (the worker
     # advertises both sockets as these): when not, what a replay brings predicts nothing until

@@ -53,7 +53,7 @@ from indexer.index.stream_table import IndexedStream
 from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 from indexer.protocol.frames import END_SEQ
-from indexer.protocol.wire import MAX_TOKENS_PER_EVENT
+from indexer.protocol.wire import MAX_BLOCK_SIZE, MAX_TOKENS_PER_EVENT
 
 __all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
 
@@ -299,7 +299,8 @@ def _check_ranges(s: _StreamSnapshot) -> None:
 
     Each bound is one the code that makes the value keeps: a seq is 64 unsigned bits on the
     wire (`pack_seq`; the subscriber asks its replay from the last seq, so one out of range
-    failed at every attempt, the stream never synced); a page holds at least one token; a
+    failed at every attempt, the stream never synced); a page holds at least one token and at
+    most the wire's largest page (a namespace seed packs it as a msgpack int); a
     fence is a digest of `indexer.fence`'s size (another size never matches: only a failed
     proof, but no sound writer made it); counters count up from 0; a lookahead is the tokens
     after a block that one event carries (the wire's bound on them); a KV-cache group index is
@@ -307,8 +308,8 @@ def _check_ranges(s: _StreamSnapshot) -> None:
     where = f"stream {s.stream!r}"
     if s.last_seq is not None and not 0 <= s.last_seq <= END_SEQ:
         raise ValueError(f"{where}: last_seq {s.last_seq} is outside 0..2**64-1")
-    if s.block_size is not None and s.block_size < 1:
-        raise ValueError(f"{where}: block_size {s.block_size} is not a positive page size")
+    if s.block_size is not None and not 1 <= s.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{where}: block_size {s.block_size} is outside 1..{MAX_BLOCK_SIZE}")
     if s.fence is not None and len(s.fence) != DIGEST_BYTES:
         raise ValueError(
             f"{where}: fence of {len(s.fence)} bytes, not a {DIGEST_BYTES}-byte digest"

@@ -20,7 +20,13 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from indexer.config import endpoint_problem, shown_endpoint
+from indexer.config import (
+    MAX_BLOCK_SIZE,
+    MAX_DP_SIZE,
+    endpoint_problem,
+    ranks_problem,
+    shown_endpoint,
+)
 from indexer.engines import EngineName, PdRole
 from indexer.index.media import MEDIUM_ORDER
 from router.errors import ConfigError
@@ -52,6 +58,7 @@ __all__ = [
     "parse_config",
     "read_config_file",
     "redact_url",
+    "worker_id_problem",
 ]
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
@@ -396,8 +403,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     events: str | list[str] | None = None
     replay: str | list[str] | None = None
     engine: EngineName = "sglang"  # its wire, discovery and chat rules: indexer.engines
-    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    dp_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # tokens per KV page, at most 2**16 (`indexer.protocol.wire.MAX_BLOCK_SIZE`: why)
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)] | None = None
+    # data-parallel ranks, at most 1024 (`indexer.config.MAX_DP_SIZE`: why)
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_DP_SIZE)] | None = None
     topic: str | None = None
     # The model this worker serves: requests go only to workers of the model their body names
     # (a fleet serving one model takes any name). "" and no `models`: discovered from the
@@ -443,15 +452,50 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if not parts.hostname:
             raise FieldError("url", f"workers.url {self.url!r} names no host")
 
+        self._check_id()
         if any(not name.strip() for name in self.models):
             raise FieldError("models", "workers.models: a model name must not be empty")
         for key, given in (("events", self.events), ("replay", self.replay)):
             for endpoint in [given] if isinstance(given, str) else given or ():
                 if problem := endpoint_problem(endpoint):
                     raise FieldError(key, f"workers.{key} {shown_endpoint(endpoint)!r}: {problem}")
+        self._check_ranks()
         if self.bootstrap_port is not None and self.role not in ("prefill", None):
             raise FieldError(
                 "bootstrap_port", "workers.bootstrap_port is a prefill worker's (role = 'prefill')"
+            )
+
+    def _check_ranks(self) -> None:
+        """`dp_size` ranks on the rank-0 endpoints given (rank r on port + r), checked when
+        read: a 400 on POST /admin/workers, before discovery builds a list of them."""
+        if self.dp_size is None:
+            return
+        for key, given in (("events", self.events), ("replay", self.replay)):
+            if isinstance(given, str) and (problem := ranks_problem(given, self.dp_size)):
+                raise FieldError(
+                    "dp_size", f"workers.dp_size with {key} {shown_endpoint(given)!r}: {problem}"
+                )
+
+    def _check_id(self) -> None:
+        """Refuse a worker id that is not printable ASCII (`worker_id_problem`): the `id`
+        given, else the url it defaults to. A url's control characters are refused with an
+        `id` too: they would split its log lines, and `urlsplit` drops tabs and newlines, so
+        the url connected to would not be the url written."""
+        if bad := _CONTROL.search(self.url):
+            raise FieldError(
+                "url",
+                f"workers.url {redact_url(self.url)!r} holds a control character "
+                f"(U+{ord(bad.group()):04X}), which no url has",
+            )
+        if self.id:
+            if problem := worker_id_problem(self.id):
+                raise FieldError("id", f"workers.id {self.id!r} {problem}")
+        elif problem := worker_id_problem(self.url):
+            raise FieldError(
+                "url",
+                f"workers.url {redact_url(self.url)!r}, the worker's id without an `id`, "
+                f"{problem}: give the worker an ASCII `id` (or write the url in its ASCII "
+                "form: an xn-- host, a %-escaped path)",
             )
 
     @property
@@ -475,6 +519,32 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             port = None
         host = _one_spelling(parts.hostname or "")
         return (parts.scheme.lower(), host, port, parts.path.rstrip("/"))
+
+
+# a character of a worker id that is not printable ASCII (U+0020-U+007E); a control character
+# (C0, DEL, C1)
+_NOT_PRINTABLE_ASCII = re.compile(r"[^\x20-\x7e]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def worker_id_problem(worker_id: str) -> str | None:
+    """Why `worker_id` cannot be a worker's id, None when it can: an id is printable ASCII
+    (U+0020-U+007E). It is sent as it is in the `x-kvroute-worker` answer header (and the pair
+    headers), where a control character (C0, DEL, C1) is refused by aiohttp, which made every
+    answer of the worker a 500 after it ran, and a CR/LF would end the header; it is written in
+    log lines, which a newline would split. A non-ASCII character is no control character, but
+    HTTP carries only ASCII in a header (RFC 9110: other bytes are opaque, latin-1 to most
+    clients), so a client would read another id than the admin API's: refused too, rather
+    than encoded into a second spelling of the id."""
+    bad = _NOT_PRINTABLE_ASCII.search(worker_id)
+    if bad is None:
+        return None
+    code = ord(bad.group())
+    kind = "a control character" if _CONTROL.match(bad.group()) else "a non-ASCII character"
+    return (
+        f"holds {kind} (U+{code:04X}): a worker id is printable ASCII (U+0020-U+007E), as it "
+        "is sent in the x-kvroute-worker answer header and written in log lines"
+    )
 
 
 def _one_spelling(host: str) -> str:

@@ -47,6 +47,13 @@ MAX_HASHES_PER_EVENT = 1 << 20
 # Bounds a single event's token list (16 Mi tokens is far past any real coalesced step).
 MAX_TOKENS_PER_EVENT = 1 << 24
 MAX_EVENTS_PER_BATCH = 1 << 20
+# The largest page (block) size in tokens anything may name: events, a worker's config or its
+# /server_info, a snapshot, a recording. Far past what the engines run: vLLM's --block-size
+# choices stop at a few hundred tokens (hybrid Mamba models raise the attention block to match
+# a state page, to a few thousand at most), SGLang's --page-size is free but 1-256 in
+# practice. Every key chain takes the block size in (`indexer.namespace`: a msgpack int in the
+# namespace seed, a tuple of that many tokens per block), so a size past it is refused where
+# it comes in; 2**64 made every request of a model a 500 (an OverflowError in the seed).
 MAX_BLOCK_SIZE = 1 << 16
 # vLLM sends 32-byte SHA-256 digests; leave room for a wider digest, refuse anything larger.
 MAX_HASH_BYTES = 64

@@ -36,11 +36,12 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, Literal, Self
+from typing import Annotated, BinaryIO, Literal, Self
 
 import msgspec
 
 from indexer.errors import IndexerError
+from indexer.protocol.wire import MAX_BLOCK_SIZE
 
 __all__ = [
     "FORMAT_VERSION",
@@ -90,7 +91,8 @@ class Source(msgspec.Struct, frozen=True, kw_only=True):
     replay_endpoint: str | None = None
     topic: str = ""
     engine: str = "sglang"
-    block_size: int | None = None
+    # bounded as a worker's config is (a replay indexes by it: `indexer.namespace`)
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)] | None = None
     dp_rank: int = 0
     model: str = ""
     worker: str = ""

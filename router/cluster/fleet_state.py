@@ -47,7 +47,7 @@ from nats.js.kv import KeyValue
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import EvictionRecord, LogoutRecord, WorkerRecord
-from router.config import WorkerConfig
+from router.config import WorkerConfig, worker_id_problem
 from router.errors import NotFoundError
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -120,6 +120,11 @@ class FleetState:
         # this process, started while NATS was away: it knows no revision to write over)
         self._unsent_over: dict[tuple[str, str], int] = {}
         self.fleet_read = False  # the fleet bucket was read once since this process started
+        # the keys of the worker records this replica could not read, as they are now: an
+        # older version's record of an id this one refuses (a control character in it) is in
+        # no pool here, and is removed through this replica's admin API all the same
+        # (`unread_worker`)
+        self._unread: set[str] = set()
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
         self.sessions: SessionBook | None = None  # the dashboard's, behind an admin token
@@ -273,11 +278,13 @@ class FleetState:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError:
             return "a worker change"
+        # an id refused now (an older replica's record, removed here: `unread_worker`) quoted
+        shown = record.id if worker_id_problem(record.id) is None else repr(record.id)
         if record.removed or record.config is None:
-            return f"{record.id} removed"
+            return f"{shown} removed"
         if record.draining:
-            return f"{record.id} drained"
-        return f"{record.id} added or undrained"
+            return f"{shown} drained"
+        return f"{shown} added or undrained"
 
     # ----------------------------------------------------------------- applying
 
@@ -297,10 +304,20 @@ class FleetState:
         try:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError as exc:
+            # the message quotes what it refused with repr: no newline of an id splits it
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
+            if key:
+                self._unread.add(key)
             return
+        self._unread.discard(key)
         with self.change.changing():
             await self._apply(record)
+
+    def unread_worker(self, worker_id: str) -> bool:
+        """Whether the fleet bucket holds a record of `worker_id` this replica could not read
+        (`apply_worker`): no worker of the id is in its pool, but other replicas (of an older
+        version) may have one."""
+        return worker_key(worker_id) in self._unread
 
     async def _apply(self, record: WorkerRecord) -> None:
         entry = self._pool.find(record.id)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
-from indexer.config import StreamConfig, endpoint_problem, shown_endpoint
+from indexer.config import MAX_BLOCK_SIZE, StreamConfig, endpoint_problem, shown_endpoint
 from indexer.engines import ENGINES, engine_spec
 from indexer.errors import IndexerError, ProtocolError
 from indexer.fingerprint import salt_fingerprint
@@ -209,9 +209,9 @@ def _sources(args: argparse.Namespace) -> list[Source]:
     for flag, limit in (("--duration", args.duration), ("--max-bytes", args.max_bytes)):
         if limit is not None and not limit > 0:
             raise ValueError(f"{flag} {limit}: must be > 0")
-    if args.block_size is not None and args.block_size <= 0:
+    if args.block_size is not None and not 0 < args.block_size <= MAX_BLOCK_SIZE:
         # StreamConfig's bound is only checked when decoding, not when built here
-        raise ValueError(f"--block-size {args.block_size}: must be > 0")
+        raise ValueError(f"--block-size {args.block_size}: must be 1-{MAX_BLOCK_SIZE}")
     if args.endpoint is not None:
         return [
             Source(

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from indexer.config import endpoint_problem, shown_endpoint
+from indexer.config import MAX_BLOCK_SIZE, MAX_DP_SIZE, endpoint_problem, shown_endpoint
 from indexer.engines import engine_spec
 from indexer.service import StreamConfig
 from router.config import WorkerConfig
@@ -57,7 +57,8 @@ def _split(endpoint: str) -> tuple[str, str, int | None]:
     """(scheme://, host, port) of a ZMQ tcp endpoint."""
     scheme, sep, rest = endpoint.rpartition("://")
     host, _, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    # ASCII digits, 5 at most: int() refuses "²" (a digit to isdigit) and 4300 digits or more
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5):
         return endpoint, "", None
     return scheme + "://", host, int(port)
 
@@ -88,6 +89,15 @@ def _per_rank(
             raise RequestError(f"endpoint {spec!r} has no port to offset per dp rank")
         return [spec]
     first = port if base_port is None else base_port
+    # checked before the list is built (`dp_size` is bounded already: `streams_for`)
+    shown = shown_endpoint(spec)
+    if not 0 < first < 65536:
+        raise RequestError(f"endpoint {shown!r}: the port must be 1-65535, got {first}")
+    if first + dp_size - 1 > 65535:
+        raise RequestError(
+            f"endpoint {shown!r}: {dp_size} ranks from port {first} (rank r on port + r) run "
+            f"to port {first + dp_size - 1}, past 65535"
+        )
     return [f"{scheme}{bound}:{first + r}" for r in range(dp_size)]
 
 
@@ -201,6 +211,13 @@ def streams_for(
         else _endpoints(adv, "replay_endpoints", "replay_endpoint")
     )
     advertised_dp = _int(adv.get("dp_size"))
+    if advertised_dp is not None and advertised_dp > MAX_DP_SIZE:
+        # a rank is a stream, a port and a routing candidate: refused before any per-rank
+        # list is built (the worker is routed by load alone, no hit predicted for it)
+        raise RequestError(
+            f"worker {worker.worker_id}: advertises dp_size {advertised_dp}, over "
+            f"{MAX_DP_SIZE}, the most ranks a worker may have: its KV events are not followed"
+        )
     if worker.dp_size and advertised_dp and worker.dp_size != advertised_dp:
         # the ranks beyond the config's would go unsubscribed while the engine places requests
         # on them, or requests would name ranks it lacks: no stream is trusted (fail closed)
@@ -210,7 +227,22 @@ def streams_for(
             "worker's"
         )
     dp_size = worker.dp_size or advertised_dp or (len(events) if isinstance(events, list) else 1)
+    if dp_size > MAX_DP_SIZE:  # an advertised list of endpoints that long
+        raise RequestError(
+            f"worker {worker.worker_id}: {dp_size} ranks, over {MAX_DP_SIZE}, the most a worker "
+            "may have: its KV events are not followed"
+        )
     block_size = worker.block_size or _int(adv.get("block_size"))
+    if block_size is not None and block_size > MAX_BLOCK_SIZE:
+        # an advertised one (a config's is bounded when read, though not one built in code):
+        # every key of the worker's pages is chained from it, and 2**64 made each request of
+        # its model a 500
+        said = "advertises page size" if worker.block_size is None else "has page size"
+        raise RequestError(
+            f"worker {worker.worker_id}: {said} {block_size}, over "
+            f"{MAX_BLOCK_SIZE} tokens, the most kvroute takes: its KV events are not followed "
+            "(routed by load alone, no cache hit predicted for it)"
+        )
     topic = worker.topic if worker.topic is not None else adv.get("topic")
     base = None if worker.events is not None else _int(adv.get("endpoint_port_base"))
     replay_base = None if worker.replay is not None else _int(adv.get("replay_port_base"))

@@ -146,12 +146,25 @@ async def add_worker(request: web.Request) -> web.Response:
 
 
 async def delete_worker(request: web.Request) -> web.Response:
-    """DELETE /admin/workers/{id}."""
-    entry = await request.config_dict[SUPERVISOR].remove(request.match_info["id"])
+    """DELETE /admin/workers/{id}.
+
+    With a `[cluster]`, an id whose record in the shared fleet this replica could not read
+    (an older version's, of an id refused now: `WorkerConfig`) is removed from the fleet too,
+    though no worker of it is here: the replicas that took it drop it."""
+    worker_id = request.match_info["id"]
+    cluster = request.config_dict.get(CLUSTER)
+    if (
+        cluster is not None
+        and request.config_dict[PLANNER].pool.find(worker_id) is None
+        and cluster.fleet.unread_worker(worker_id)
+    ):
+        removed = worker_id
+    else:
+        removed = (await request.config_dict[SUPERVISOR].remove(worker_id)).id
     sharing = None
-    if (cluster := request.config_dict.get(CLUSTER)) is not None:
-        sharing = await cluster.worker_changed(entry.id, None, removed=True)
-    return _reply(_with_sharing({"removed": entry.id}, sharing))
+    if cluster is not None:
+        sharing = await cluster.worker_changed(removed, None, removed=True)
+    return _reply(_with_sharing({"removed": removed}, sharing))
 
 
 async def drain_worker(request: web.Request) -> web.Response:
@@ -398,8 +411,11 @@ def create_admin_app(token: str) -> web.Application:
     app = web.Application(middlewares=[_token_middleware(token)] if token else [])
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
-    app.router.add_post("/workers/{id:.+}/drain", drain_worker)
-    app.router.add_delete("/workers/{id:.+}", delete_worker)
+    # an id is any character (`.` leaves out a newline): a worker of an id with one, taken
+    # before ids were checked, could be neither drained nor removed (the router's 404), and an
+    # older replica's record of one is removed here (`delete_worker`)
+    app.router.add_post(r"/workers/{id:[\s\S]+}/drain", drain_worker)
+    app.router.add_delete(r"/workers/{id:[\s\S]+}", delete_worker)
     app.router.add_get("/namespaces", list_namespaces)
     app.router.add_post("/namespaces/evict", evict_namespace)
     app.router.add_get("/streams", list_streams)

@@ -258,6 +258,10 @@ def test_a_snapshot_of_an_older_version_is_refused_and_says_start_cold() -> None
         (5, -1, "last_seq -1"),
         (5, -(2**63), "last_seq -9223372036854775808"),
         (4, 0, "block_size 0"),
+        # packed into every namespace seed (2**64 overflowed it), a tuple of as many tokens a
+        # block: the wire's largest page is the most
+        (4, 2**64 - 1, "block_size 18446744073709551615 is outside 1..65536"),
+        (4, 2**16 + 1, "block_size 65537 is outside 1..65536"),
         (13, b"\x00", "fence of 1 bytes"),
         (13, b"\x00" * 1_000_000, "fence of 1000000 bytes"),
         (12, {"blocks_stored": -5}, "counters.blocks_stored -5"),

@@ -362,6 +362,9 @@ def test_record_needs_a_source_and_a_file(capsys: pytest.CaptureFixture[str]) ->
     bad = ["--endpoint", "tcp://127.0.0.1:1", "--block-size", "0"]
     assert main(["record", *bad, "--out", "/nonexistent/x.kvrec"]) == 2
     assert "--block-size 0" in capsys.readouterr().err
+    bad = ["--endpoint", "tcp://127.0.0.1:1", "--block-size", "65537"]  # the wire's largest: 2**16
+    assert main(["record", *bad, "--out", "/nonexistent/x.kvrec"]) == 2
+    assert "--block-size 65537: must be 1-65536" in capsys.readouterr().err
     assert main(["record", "--endpoint", "127.0.0.1:5557", "--out", "/nonexistent/x.kvrec"]) == 2
     assert "--endpoint '127.0.0.1:5557'" in capsys.readouterr().err
 

@@ -392,6 +392,18 @@ def test_not_a_recording_is_refused(tmp_path: Path) -> None:
         RecordingReader(path)
 
 
+def test_a_page_size_no_worker_may_have_is_refused_by_name(tmp_path: Path) -> None:
+    """A replay indexes a source's stream by its page size (packed into each namespace seed,
+    a tuple of that many tokens a block: `indexer.namespace`): one no worker may have is
+    refused when the file is opened, as a worker's config and the wire refuse it (2**16 the
+    most). Before, it was taken as it was."""
+    path = tmp_path / "big.kvrec"
+    with RecordingWriter.create(path, [Source(stream="w0#dp0", block_size=2**40)]):
+        pass  # a writer that did not check: the constructor does not
+    with pytest.raises(RecordingError, match=r"<= 65536 - at `\$\.sources\[0\]\.block_size`"):
+        RecordingReader(path)
+
+
 def test_create_refuses_to_replace_a_file(tmp_path: Path) -> None:
     path = tmp_path / "r.kvrec"
     RecordingWriter.create(path).close()

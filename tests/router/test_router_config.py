@@ -149,6 +149,24 @@ def test_a_worker_listed_twice_is_refused_naming_the_key(
             {"workers": [{"url": "http://a:1", "role": "decode", "bootstrap_port": 9}]},
             "workers[0].bootstrap_port",
         ),
+        # ids go out in the x-kvroute-worker header and into log lines as they are
+        (
+            {"workers": [{"url": "http://a:1"}, {"url": "http://b:1", "id": "w\nx"}]},
+            "workers[1].id",
+        ),
+        ({"workers": [{"url": "http://a:1", "id": "w\x7f"}]}, "workers[0].id"),
+        ({"workers": [{"url": "http://a:1", "id": "w\x9b"}]}, "workers[0].id"),
+        ({"workers": [{"url": "http://a:1", "id": "w\u00e9"}]}, "workers[0].id"),
+        ({"workers": [{"url": "http://a:1/\r\n", "id": "w"}]}, "workers[0].url"),
+        ({"workers": [{"url": "http://\u00e9.example:1"}]}, "workers[0].url"),  # the id
+        (
+            {"workers": [{"url": "http://a:1", "events": "tcp://a:65500", "dp_size": 64}]},
+            "workers[0].dp_size",
+        ),
+        (
+            {"workers": [{"url": "http://a:1", "replay": "tcp://a:65535", "dp_size": 2}]},
+            "workers[0].dp_size",
+        ),
     ],
 )
 def test_a_tables_own_check_names_the_field(doc: dict[str, Any], key: str) -> None:
@@ -158,6 +176,46 @@ def test_a_tables_own_check_names_the_field(doc: dict[str, Any], key: str) -> No
         parse_config(doc)
     assert refused.value.key == key, refused.value
     assert str(refused.value).endswith(f" - at `$.{key}`"), refused.value
+
+
+@pytest.mark.parametrize(
+    ("worker", "key", "said"),
+    [
+        # msgpack-encoded into every namespace seed: 2**64 made each request a 500
+        ({"block_size": 2**64}, "block_size", "<= 65536"),
+        ({"block_size": 65537}, "block_size", "<= 65536"),
+        # one stream, one port pair and one candidate per rank: 10**9 took the memory
+        ({"dp_size": 10**9}, "dp_size", "<= 1024"),
+        ({"dp_size": 1025}, "dp_size", "<= 1024"),
+    ],
+)
+def test_a_page_size_and_a_rank_count_are_bounded(
+    worker: dict[str, Any], key: str, said: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"workers": [{"url": "http://a:1", **worker}]})
+    assert refused.value.key == f"workers[0].{key}" and said in str(refused.value)
+    with pytest.raises(msgspec.ValidationError, match=f"{said} - at `\\$.{key}`"):
+        msgspec.convert({"url": "http://a:1", **worker}, WorkerConfig)  # POST /admin/workers
+
+
+def test_the_largest_page_size_and_rank_count_are_taken() -> None:
+    worker = WorkerConfig(
+        url="http://a:1",
+        events="tcp://a:5557",
+        replay="tcp://a:6600",
+        block_size=65536,
+        dp_size=1024,
+    )
+    assert (worker.block_size, worker.dp_size) == (65536, 1024)
+    WorkerConfig(url="http://a:1", events="tcp://a:64512", dp_size=1024)  # to port 65535
+
+
+@pytest.mark.parametrize("worker_id", ["w0", "a b", "a/b", "~!@#$%^&*()_+{}|:<>?", "x" * 300])
+def test_a_worker_id_is_any_printable_ascii(worker_id: str) -> None:
+    assert WorkerConfig(url="http://a:1", id=worker_id).worker_id == worker_id
+    # a url of another script is no id but may be the url, with an ASCII id
+    assert WorkerConfig(url="http://\u00e9.example:1", id=worker_id).worker_id == worker_id
 
 
 def test_a_tables_own_check_is_a_value_error_outside_a_config() -> None:

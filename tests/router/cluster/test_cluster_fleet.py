@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from typing import Any
 
 import aiohttp
+import nats
+import pytest
 
+from router.cluster.fleet_state import worker_key
 from router.cluster.server import NatsServer
 from router.config import IndexerSection
 from router.http.keys import INDEXER
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, replica_config, workers
 from tests.router.conftest import Fleet, HungDiscovery, eventually
+from workers.config import DEFAULT_MODEL
 
 
 async def _fleet(session: aiohttp.ClientSession, router: RouterService) -> dict[str, Any]:
@@ -220,3 +226,53 @@ async def test_a_worker_whose_http_hangs_holds_no_replica_reading_the_fleet(
             # the add's bound is 1 s (two health timeouts); h's discovery takes 5 s
             await eventually(drained_beside_h, timeout_s=2.5, what="b to apply the drain after h")
             assert (await _fleet(session, b))["h"]["status"] == "checking"
+
+
+async def test_an_older_replicas_record_of_an_id_refused_now_is_left_out_and_removable(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica of a version that took any id wrote a worker `w<LF>x` to the shared fleet.
+    Applied, it put the id in every answer's `x-kvroute-worker` header, which aiohttp refused:
+    each request the worker served was a 500 after it ran. This replica leaves the record out
+    (one WARNING, the id quoted), serves on, and removes it from the fleet when told to: the
+    admin route takes an id of any character."""
+    async with (
+        workers(2) as (w0, w1),
+        aiohttp.ClientSession() as session,
+        RouterService(replica_config([("w0", w0.url)], nats_server.url, "a")) as a,
+    ):
+        listener = await nats.connect(nats_server.url)
+        try:
+            fleet = await listener.jetstream().key_value("kvroute_fleet")
+            record = {"id": "w\nx", "config": {"url": w1.url, "id": "w\nx"}, "by": "old"}
+            with caplog.at_level(logging.WARNING, logger="router.cluster"):
+                await fleet.put(worker_key("w\nx"), json.dumps(record).encode())
+
+                async def refused() -> bool:
+                    return "unreadable worker record" in caplog.text
+
+                await eventually(refused, what="a to read the record")
+            said = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+            assert len(said) == 1 and "'w\\nx'" in said[0] and "\nx" not in said[0], said
+            assert list(await _fleet(session, a)) == ["w0"]
+            body = {"model": DEFAULT_MODEL, "prompt": "served on " * 8, "max_tokens": 2}
+            for _ in range(3):
+                async with session.post(a.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvroute-worker"] == "w0"
+            status, answer = await admin(session, a, "DELETE", "/workers/w%0Ax")
+            assert status == 200 and answer == {"removed": "w\nx", "cluster": "shared"}
+            entry = await fleet.get(worker_key("w\nx"))
+            assert json.loads(entry.value or b"")["removed"] is True
+            assert list(await _fleet(session, a)) == ["w0"]
+            cluster = a.cluster
+            assert cluster is not None
+
+            async def read_back() -> bool:  # the removal, which this replica reads
+                return not cluster.fleet.unread_worker("w\nx")
+
+            await eventually(read_back, what="a to read its removal back")
+            status, _ = await admin(session, a, "DELETE", "/workers/w%0Ax")
+            assert status == 404  # nothing more to remove
+        finally:
+            await listener.close()

@@ -97,6 +97,22 @@ def test_workers_without_events() -> None:
         ({"endpoint": "tcp://h:5557", "replay_endpoint": [None]}, "expected endpoint strings"),
         ({"endpoint": "tcp://h:99999", "block_size": 16}, "the port must be 1-65535"),
         ({"endpoint": "udp://h:5557", "block_size": 16}, "expected tcp://HOST:PORT"),
+        # a digit to str.isdigit that int() refuses: a ValueError, not a RequestError
+        ({"endpoint": "tcp://h:\u00b2", "block_size": 16}, "the port must be 1-65535"),
+        ({"endpoint": "tcp://h:" + "9" * 5000}, "the port must be 1-65535"),
+        # ranks past port 65535: refused before the per-rank list is built
+        ({"endpoint": "tcp://h:65000", "dp_size": 1000}, "run to port 65999, past 65535"),
+        (
+            {"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:65535", "dp_size": 2},
+            "run to port 65536, past 65535",
+        ),
+        ({"endpoint": "tcp://h:5557", "endpoint_port_base": 65535, "dp_size": 2}, "past 65535"),
+        # one stream per rank: over 1024 refused before any is built (10**9 took the memory)
+        ({"endpoint": "tcp://h:5557", "dp_size": 5000}, "advertises dp_size 5000, over 1024"),
+        ({"endpoint": "tcp://h:5557", "dp_size": 10**6}, "advertises dp_size 1000000, over"),
+        # every key of its pages is chained from the page size: 2**64 made each request a 500
+        ({"endpoint": "tcp://h:5557", "block_size": 2**64}, "page size 18446744073709551616"),
+        ({"endpoint": "tcp://h:5557", "block_size": 65537}, "page size 65537, over 65536"),
     ],
 )
 def test_what_a_worker_advertises_wrong_is_a_request_error(
@@ -107,6 +123,24 @@ def test_what_a_worker_advertises_wrong_is_a_request_error(
     worker = WorkerConfig(url="http://10.0.0.1:30000")
     with pytest.raises(RequestError, match=said):
         streams_for(worker, {"served_model_name": "m", "kv_events": advertised})
+
+
+def test_the_largest_page_size_and_rank_count_advertised_are_taken() -> None:
+    info = {"kv_events": {"endpoint": "tcp://h:64512", "dp_size": 1024, "block_size": 65536}}
+    streams = streams_for(WorkerConfig(url="http://10.0.0.1:30000"), info)
+    assert len(streams) == 1024 and streams[-1].endpoint == "tcp://h:65535"
+    assert {s.block_size for s in streams} == {65536}
+
+
+def test_an_advertised_sglang_page_size_past_the_bound_is_refused() -> None:
+    """SGLang's `page_size` beside its `kv_events_config`: the same bound as a descriptor's."""
+    config = {"publisher": "zmq", "endpoint": "tcp://*:5557"}
+    info = {"kv_events_config": json.dumps(config), "page_size": 2**64, "dp_size": 1}
+    with pytest.raises(RequestError, match="page size 18446744073709551616, over 65536"):
+        streams_for(WorkerConfig(url="http://gpu-7:30000"), info)
+    # a configured block size is the one taken (the advertised one is only warned of)
+    (stream,) = streams_for(WorkerConfig(url="http://gpu-7:30000", block_size=16), info)
+    assert stream.block_size == 16
 
 
 def test_a_configured_dp_size_the_worker_contradicts_is_refused() -> None:
