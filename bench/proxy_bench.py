@@ -1062,8 +1062,9 @@ async def _long_prompt_section(
             notes.append(f"sglang-router not measured on long prompts: {where}")
         else:
             try:
+                # registered for its CPU per request, as the tiny rows' sglang-router is
                 targets[_SGLANG_CACHE_AWARE] = await stack.enter_async_context(
-                    launch(sglang_python, [worker], policy="cache_aware")
+                    launch(sglang_python, [worker], policy="cache_aware", pids=_PIDS)
                 )
             except (RuntimeError, OSError) as exc:
                 notes.append(f"sglang-router not measured on long prompts: {exc}")
