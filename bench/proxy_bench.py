@@ -518,6 +518,8 @@ class _Section(msgspec.Struct):
     rates: dict[str, float]
     # CPU microseconds per request of the process serving each target (where it is known)
     cpu_us: dict[str, float] = {}
+    # each proxied target's added latency at p50, concurrency 1 (ms; against its paired directs)
+    added_p50_ms: dict[str, float] = {}
     concurrency: int = 0  # of the throughput runs
     requests: int = 0  # per target, at most
 
@@ -541,6 +543,7 @@ async def _measure(
         if name != "direct":  # against the direct samples taken alongside it
             d50, d99 = _pct(paired[name], 0.5), _pct(paired[name], 0.99)
             added = f"{(p50 - d50) * 1e3:.3f} / {(p99 - d99) * 1e3:.3f}"
+            section.added_p50_ms[name] = (p50 - d50) * 1e3
         section.lat_rows.append(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
@@ -969,7 +972,9 @@ async def _run(args: argparse.Namespace) -> str:
                 if not args.ops_only:
                     streamed = await _streamed_section(args, targets)
                     sections.append(streamed)
-                    notes += _streamed_notes(args, streamed.rates)
+                    notes += _streamed_notes(
+                        args, streamed.rates, streamed.cpu_us, streamed.added_p50_ms
+                    )
                 if args.ops_rounds > 0:
                     ops_lines = await _ops_cost(args, ops_targets)
                 if not args.ops_only:
@@ -1036,16 +1041,54 @@ async def _streamed_section(args: argparse.Namespace, targets: dict[str, str]) -
     )
 
 
-def _streamed_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
+# a requests/s ratio this far from what the CPU per request would give (either way) is not a
+# measure of capacity: at a fixed concurrency it follows each answer's latency
+_LATENCY_BOUND = 1.25
+
+
+def _streamed_notes(
+    args: argparse.Namespace,
+    rates: dict[str, float],
+    cpu_us: dict[str, float] | None = None,
+    added_p50_ms: dict[str, float] | None = None,
+) -> list[str]:
+    """The streamed section against sglang-router: CPU per request first (what a router process
+    that is the bottleneck can serve), then the requests/s ratios, each called latency-bound
+    where the CPU per request does not explain it (with the added latencies that do, if known).
+    """
     theirs = rates.get("sglang-router")
     if not theirs:
         return []
-    many = _replicas(args)
-    return [
-        f"streamed answers: {name} / sglang-router throughput ratio: {rates[name] / theirs:.2f}"
-        for name in ("kvroute", many)
-        if rates.get(name)
+    cpu_us = cpu_us or {}
+    added = added_p50_ms or {}
+    their_cpu = cpu_us.get("sglang-router")
+    names = [name for name in ("kvroute", _replicas(args)) if rates.get(name)]
+    notes = [
+        f"streamed answers: CPU per request {name} {cpu_us[name]:.0f} us, sglang-router "
+        f"{their_cpu:.0f} us ({cpu_us[name] / their_cpu:.2f}x): what each router spends on a "
+        "streamed answer, the measure of its capacity"
+        for name in names
+        if cpu_us.get(name) and their_cpu
     ]
+    for name in names:
+        ratio = rates[name] / theirs
+        note = f"streamed answers: {name} / sglang-router throughput ratio: {ratio:.2f}"
+        mine = cpu_us.get(name)
+        by_cpu = their_cpu / mine if mine and their_cpu else None
+        if by_cpu is not None and not 1 / _LATENCY_BOUND <= ratio / by_cpu <= _LATENCY_BOUND:
+            note += (
+                f" (latency-bound, not capacity: the CPU per request would give {by_cpu:.2f}x; "
+                f"at concurrency {args.concurrency} each client sends its next request when its "
+                "answer ends, so requests/s follow each answer's latency"
+            )
+            if name in added and "sglang-router" in added:
+                note += (
+                    f", and at concurrency 1 sglang-router adds {added['sglang-router']:.2f} ms "
+                    f"at p50 to a streamed answer, {name} {added[name]:.2f} ms"
+                )
+            note += ")"
+        notes.append(note)
+    return notes
 
 
 async def _long_prompt_section(
