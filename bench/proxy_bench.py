@@ -19,8 +19,8 @@ exporting over a network is not in the number), every request traced, 10% and 1%
 
 Three bare forwarders say how much of the gap to sglang-router is the server side: kvroute's
 (aiohttp's Application) with kvroute's upstream client and nothing else, the same on aiohttp's
-low-level server, and the floor, the thinnest forwarder Python can be (`bench.forwarder_floor`:
-an asyncio Protocol with httptools), all on kvroute's loop.
+low-level server, and a lean forwarder with no aiohttp in it (`bench.lean_forwarder`: an
+asyncio Protocol with httptools), all on kvroute's loop.
 
 It also re-checks the upstream-client choice (a bare forwarder on aiohttp's server with
 kvroute's own upstream client, `router.http.upstream_client`, versus the same forwarder with
@@ -278,10 +278,10 @@ async def _reference_role() -> None:
 
 
 async def _lean_role(kind: str, upstream: str) -> None:
-    """The floor or the parser lane (`bench.forwarder_floor`) in front of `upstream`."""
-    from bench.forwarder_floor import serve_floor, serve_parser_lane
+    """The lean forwarder or the parser lane (`bench.lean_forwarder`) in front of `upstream`."""
+    from bench.lean_forwarder import serve_lean, serve_parser_lane
 
-    serve = serve_floor if kind == "floor" else serve_parser_lane
+    serve = serve_lean if kind == "lean" else serve_parser_lane
     async with serve(upstream) as url:
         print(f"listening on {url}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -307,7 +307,7 @@ def _role_main(argv: Sequence[str]) -> None:
         asyncio.run(_reference_role())
         return
     # the server-side comparison runs on kvroute's own loop (uvloop where installed)
-    if argv[0] in ("floor", "parser-lane"):
+    if argv[0] in ("lean", "parser-lane"):
         run_loop(_lean_role(argv[0], argv[1]))
         return
     if argv[0] == "forwarder-lowlevel":
@@ -620,10 +620,10 @@ _SAMPLED = "kvroute, tracing on, 10% sampled (in-memory exporter)"
 # the sample a production fleet at thousands of requests/s would trace
 _SAMPLED_1 = "kvroute, tracing on, 1% sampled (in-memory exporter)"
 # bare forwarders with kvroute's upstream client, on kvroute's loop: its server side alone, the
-# same on aiohttp's low-level server, and the floor (`bench.forwarder_floor`)
+# same on aiohttp's low-level server, and the lean forwarder (`bench.lean_forwarder`)
 _APP_FORWARDER = "bare forwarder: aiohttp app + kvroute's upstream client"
 _LOW_FORWARDER = "bare forwarder: aiohttp low-level server + kvroute's upstream client"
-_FLOOR = "floor: asyncio Protocol + httptools + kvroute's upstream client"
+_LEAN = "lean forwarder: asyncio Protocol + httptools + kvroute's upstream client"
 _PARSER_LANE = (
     "bare forwarder: aiohttp's protocol and parser, no request or response objects, "
     "+ kvroute's upstream client"
@@ -824,7 +824,7 @@ async def _other_targets(
     targets["bare aiohttp forwarder"] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
     )
-    # kvroute's server side without kvroute, a leaner one, and the thinnest Python can be
+    # kvroute's server side without kvroute, a leaner one, and the lean forwarders
     for name, role in ((_APP_FORWARDER, "forwarder-app"), (_LOW_FORWARDER, "forwarder-lowlevel")):
         targets[name] = await stack.enter_async_context(
             _process(py, "-m", "bench.proxy_bench", role, backend)
@@ -832,9 +832,9 @@ async def _other_targets(
     targets[_PARSER_LANE] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "parser-lane", backend)
     )
-    # httptools is a main dependency (the upstream client's parser): the floor always runs
-    targets[_FLOOR] = await stack.enter_async_context(
-        _process(py, "-m", "bench.proxy_bench", "floor", backend)
+    # httptools is a main dependency (the upstream client's parser): the lean forwarder runs
+    targets[_LEAN] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "lean", backend)
     )
     sglang_python, where = args.sglang_router_found
     if sglang_python is None:
@@ -866,23 +866,23 @@ def _other_notes(
             f"{rates['kvroute'] / rates[_APP_FORWARDER]:.2f} (routing and the operations layer, "
             "on the same server side and loop)"
         )
-        for leaner in (_LOW_FORWARDER, _PARSER_LANE, _FLOOR):
+        for leaner in (_LOW_FORWARDER, _PARSER_LANE, _LEAN):
             if leaner in rates:
                 notes.append(
                     f"{leaner} / {_APP_FORWARDER} throughput ratio: "
                     f"{rates[leaner] / rates[_APP_FORWARDER]:.2f} (what a leaner server side buys)"
                 )
-    if _PARSER_LANE in rates and _FLOOR in rates:
+    if _PARSER_LANE in rates and _LEAN in rates:
         notes.append(
-            f"{_PARSER_LANE} / {_FLOOR} throughput ratio: "
-            f"{rates[_PARSER_LANE] / rates[_FLOOR]:.2f} (aiohttp's parser and connection "
+            f"{_PARSER_LANE} / {_LEAN} throughput ratio: "
+            f"{rates[_PARSER_LANE] / rates[_LEAN]:.2f} (aiohttp's parser and connection "
             "protocol against httptools': what keeping aiohttp's parser and its limits costs)"
         )
-    if _FLOOR in rates and "sglang-router" in rates:
+    if _LEAN in rates and "sglang-router" in rates:
         notes.append(
-            f"{_FLOOR} / sglang-router throughput ratio: "
-            f"{rates[_FLOOR] / rates['sglang-router']:.2f} (the thinnest one-process Python "
-            "forwarder on this loop, no routing at all, against SGLang's router on this machine)"
+            f"{_LEAN} / sglang-router throughput ratio: "
+            f"{rates[_LEAN] / rates['sglang-router']:.2f} (a one-process Python forwarder on "
+            "this loop, no routing at all, against SGLang's router on this machine)"
         )
     if _ASYNCIO in rates:
         notes.append(
