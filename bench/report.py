@@ -14,8 +14,10 @@ import msgspec
 
 from bench.isolation import ENDPOINTS
 from bench.routing_results import (
+    AFFINE,
     EXTERNAL_BASELINE,
     TARGET_PRESSURE,
+    UNVALIDATED_LATENCY,
     BenchReport,
     PolicyRun,
     WorkloadSection,
@@ -31,8 +33,6 @@ __all__ = ["closing_note", "render_markdown", "write_report"]
 
 # beyond this share of requests that find nothing cached, a TTFT p90 is a cold prefill
 _COLD_P90 = 0.10
-# below this share of the affinity probe's repeats kept, a router did not route by cache
-_AFFINE = 0.9
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -132,6 +132,18 @@ def _unvalidated_note(where: list[str]) -> str:
     )
 
 
+def _unaffine_note(where: list[str]) -> str:
+    """Why the verdicts against sglang-router are marked where it did not keep repeats."""
+    return (
+        f"On {'; '.join(where)}, `{EXTERNAL_BASELINE}` sent under {AFFINE:.0%} of the "
+        "affinity probe's repeats on an idle fleet back to their pages (the fidelity table): in "
+        "that mode it did not route by cache, so kv's lead over it there is mostly affinity it "
+        "does not keep. "
+        "Its verdicts are marked, with kv against `approx_tree`, which keeps the repeats, "
+        "beside them."
+    )
+
+
 def _fidelity_table(report: BenchReport) -> list[str]:
     """approx_tree (kvroute's mirror of SGLang's cache_aware) against the real sglang-router."""
     rows: list[str] = []
@@ -151,7 +163,7 @@ def _fidelity_table(report: BenchReport) -> list[str]:
             else None
         )
         probe = by_policy[EXTERNAL_BASELINE].affinity
-        if probe is not None and probe.share is not None and probe.share < _AFFINE:
+        if probe is not None and probe.share is not None and probe.share < AFFINE:
             unfaithful.append(
                 f"{section.workload} at KV pressure {section.pressure:.2f} "
                 f"({probe.kept} of {probe.repeats})"
@@ -188,7 +200,7 @@ def _fidelity_table(report: BenchReport) -> list[str]:
     if unfaithful:
         out += [
             "",
-            f"Where `{EXTERNAL_BASELINE}` kept fewer than {_AFFINE:.0%} of the affinity "
+            f"Where `{EXTERNAL_BASELINE}` kept fewer than {AFFINE:.0%} of the affinity "
             f"probe's repeats ({'; '.join(unfaithful)}), the real router did not apply its "
             "cache-aware policy even with nothing in flight: there the comparison measures "
             "that mode of sglang-router, not how faithful `approx_tree` is.",
@@ -325,6 +337,7 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
     ]
     evaluated = False
     caveats: list[str] = []
+    unaffine: list[str] = []
     for section in report.sections:
         if section.pressure < TARGET_PRESSURE:
             continue
@@ -334,12 +347,17 @@ def render_markdown(report: BenchReport, plots: dict[str, str]) -> str:
                 f"| {t.workload} | {section.pressure:.2f} | {t.target} | {t.shown()} "
                 f"| {t.judged(t.met)} |"
             )
-            if t.caveat:
-                caveats.append(f"{t.workload} at {section.pressure:.2f}")
+            where = f"{t.workload} at {section.pressure:.2f}"
+            if t.caveat == UNVALIDATED_LATENCY:
+                caveats.append(where)
+            elif t.caveat and where not in unaffine:
+                unaffine.append(where)
     if not evaluated:
         out.append(f"| - | - | no section ran at KV pressure >= {TARGET_PRESSURE:g} | - | n/a |")
     if caveats:
         out += ["", _unvalidated_note(caveats)]
+    if unaffine:
+        out += ["", _unaffine_note(unaffine)]
     out += _external_table(report)
     out += _fidelity_table(report)
     out += _bound_table(report)
