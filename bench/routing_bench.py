@@ -408,7 +408,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "the hit the request would get there (its cached prefix in the request's namespace, "
         "the prompt's last token left out), adds what its own in-flight requests "
         "there are about to cache, and takes the longest (ties: fewest in flight). It ignores "
-        "load, so it bounds affinity, not latency.",
+        "load. It is a greedy affinity oracle, not a bound: the longest match at each arrival "
+        "is not the placement that keeps the most reuse over the run (it copies a prefix "
+        "wherever it first lands and never weighs what a placement evicts), so a router can "
+        "exceed its hit rate.",
         "Open-loop arrivals: every request leaves at its scheduled time whatever happened to "
         "earlier ones; `multi_tenant` delays a conversation's next turn at least the think time.",
         "Routing overhead for router policies: paired tiny probes on the idle fleet after the "
@@ -439,9 +442,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
     notes.append(
         "`% of pooled bound`: the policy's hit rate over the hit rate of one LRU cache of the "
         "fleet's whole capacity on the same trace (`bench/pooled_bound.py`); partitioning the "
-        "capacity across workers can only lose against it, so the distance to 100% is what "
-        "routing could still win (the oracle's share says how much of it a router can reach). "
-        "A share a few points above 100% is LRU's own doing, not a better router: LRU is not "
+        "capacity across workers mostly loses against it, so the distance to 100% is roughly "
+        "what routing could still win (the oracle's share: what greedy longest-match placement "
+        "reaches). It is a reference, not a strict bound: a share a few points above 100% is "
+        "LRU's own doing, not a better router: LRU is not "
         "the optimal eviction, and the live fleet touches its caches in another order (at "
         "admission and completion, not arrival). `sglang_cache_aware` can also exceed it "
         "through what the isolation count cannot see: with the salt dropped, tenants that "

@@ -394,8 +394,10 @@ def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
             "ttft_p90_ms", 0.5, at_most=True,
             caveat=UNVALIDATED_LATENCY if base == "approx_tree" else unaffine,
         ),
+        # relative: kv's hit rate over the greedy oracle's (named "oracle - 2%" before, which
+        # read as two points)
         _ratio_target(
-            section, rows, "kv hit rate >= oracle - 2%", "kv", "oracle",
+            section, rows, "kv hit rate >= 0.98x oracle", "kv", "oracle",
             "hit_rate", 0.98, at_most=False,
         ),
     ]  # fmt: skip
