@@ -44,7 +44,9 @@ from bench.harness import (
     SGLANG_CACHE_AWARE,
     FleetSpec,
     PolicyWeights,
+    policy_config,
     run_policy,
+    settings_not_default,
 )
 from bench.isolation import workload_violations
 from bench.pooled_bound import pooled_replay, replay_hit_rate, ttft_floor_p90_ms
@@ -545,6 +547,38 @@ TOPOLOGY_NOTES = {
 }
 
 
+# why the benchmark's kv differs from the router's defaults, setting by setting
+_WHY_NOT_DEFAULT = {
+    "seed": "the run's --seed",
+    "admission_batch_window_ms": "the simulated fleet's decode step, decode_ms_per_token x "
+    "time_scale, as an operator sets it for their fleet",
+    "hit_weight": "--kv-hit-weight",
+    "decode_weight": "--kv-decode-weight",
+    "eviction_weight": "--kv-eviction-weight",
+    "room_weight": "--kv-room-weight",
+}
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def kv_settings_line(settings: SuiteSettings) -> str:
+    """Every setting of the benchmark's `kv` router that differs from the router's defaults,
+    with why (the Fleet section's line: "the router's defaults" would hide them)."""
+    config = policy_config("kv", settings.fleet, settings.seed, settings.weights)
+    described = []
+    for name, (value, default) in settings_not_default(config).items():
+        why = _WHY_NOT_DEFAULT.get(name)
+        described.append(
+            f"{name}={_shown(value)} (router default {_shown(default)}"
+            + (f"; {why})" if why else ")")
+        )
+    if not described:
+        return "the router's defaults, every one"
+    return "the router's defaults but " + ", ".join(described)
+
+
 def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
     """The fleet a topology runs on (its capacity is set per section from the pressure)."""
     if topology == "dp":
@@ -679,6 +713,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         + f", room_weight={defaults.room_weight if room is None else room:g}"
         + (" (router default)" if room is None else " (set by --kv-room-weight)")
     )
+    fleet["kv_settings"] = kv_settings_line(settings)
     fleet["offered_load"] = (
         f"fixed rate {settings.rate_rps:g} req/s"
         if settings.rate_rps is not None

@@ -22,3 +22,19 @@ def test_the_oracle_is_called_a_greedy_affinity_oracle_not_a_bound() -> None:
     assert "greedy affinity oracle, not a bound" in oracle and "bounds affinity" not in oracle
     (pooled,) = [n for n in notes if n.startswith("`% of pooled bound`")]
     assert "can only lose" not in pooled and "not a strict bound" in pooled
+
+
+def test_the_fleet_section_names_every_kv_setting_that_is_not_the_routers_default() -> None:
+    # the harness sets the batch window to the simulated decode step (0.4 ms, default 20 ms),
+    # which the report's "the router's defaults" hid
+    line = routing_bench.kv_settings_line(_settings())
+    assert line == (
+        "the router's defaults but seed=1 (router default 0; the run's --seed), "
+        "admission_batch_window_ms=0.4 (router default 20; the simulated fleet's decode step, "
+        "decode_ms_per_token x time_scale, as an operator sets it for their fleet)"
+    )
+    tuned = routing_bench.kv_settings_line(
+        _settings("--seed", "0", "--kv-hit-weight", "8", "--time-scale", "0.5")
+    )
+    assert tuned.startswith("the router's defaults but hit_weight=8 (router default 4; --kv-")
+    assert "admission_batch_window_ms=1 (router default 20;" in tuned and "seed=" not in tuned
