@@ -69,7 +69,7 @@ from bench.workloads import (
 )
 from router.config import PolicyConfig
 
-__all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suite"]
+__all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_order", "run_suite"]
 
 WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 # fleet shapes: `flat` (one cache per worker, every workload and pressure); `dp` (half the
@@ -421,6 +421,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "hop; for `oracle`, each request's `/debug/match` fan-out.",
         "Everything (workers, router, load generator) shares one event loop on a shared 2-core "
         "machine: absolute latencies include that contention; compare policies within a run.",
+        "Policies run one after another, each on a fresh fleet. Their order rotates by one "
+        "place per section, from an offset the seed sets (`bench.routing_bench.run_order`), so "
+        "the drift of a long run does not always fall on the same policy; the tables list "
+        "them in a fixed order all the same.",
     ]
     if KV_HOLD in settings.policies:
         notes.append(
@@ -589,6 +593,17 @@ def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
     return fleet
 
 
+def run_order(policies: list[str], seed: int, section: int) -> list[str]:
+    """The order the policies of one section run in: rotated one place per section from an
+    offset the seed sets, so the drift of a long run (the machine's load, what the earlier
+    fleets left behind) does not always fall on the same policy (the report lists them in
+    their fixed order all the same)."""
+    if not policies:
+        return []
+    shift = (seed + section) % len(policies)
+    return policies[shift:] + policies[:shift]
+
+
 def _plan(settings: SuiteSettings, workloads: list[Workload]) -> list[tuple[str, Workload, float]]:
     """(topology, workload, asked pressure) for every section, in report order."""
     plan = []
@@ -612,7 +627,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        for topology, workload, asked in _plan(settings, workloads):
+        for index, (topology, workload, asked) in enumerate(_plan(settings, workloads)):
             page = settings.fleet.page_size
             rate = float(workload.params["rate_rps"])  # type: ignore[arg-type]
             working = working_set_tokens(workload.requests, page)
@@ -635,9 +650,9 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 f"[bold]KV pressure {pressure:.2f}[/]"
                 + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
             )
-            runs: list[PolicyRun] = []
+            done: dict[str, PolicyRun] = {}
             policies = [p for p in settings.policies if topology != "pd" or p != ORACLE]
-            for policy in policies:
+            for policy in run_order(policies, settings.seed, index):
                 task = progress.add_task(
                     f"{label} p={pressure:.2f} {policy:<12}",
                     total=len(workload.requests),
@@ -669,7 +684,8 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 workload_violations(
                     workload.requests, run.records, page, by_worker=not spec.disaggregated
                 )
-                runs.append(run)
+                done[policy] = run
+            runs = [done[policy] for policy in policies]  # the report's fixed order
             # the host tier keeps a copy of what the GPU holds: the larger pool is what both keep
             pooled = caches * max(capacity, spec.host_capacity_tokens)
             replay = pooled_replay(workload.requests, page_size=page, capacity_tokens=pooled)

@@ -38,3 +38,19 @@ def test_the_fleet_section_names_every_kv_setting_that_is_not_the_routers_defaul
     )
     assert tuned.startswith("the router's defaults but hit_weight=8 (router default 4; --kv-")
     assert "admission_batch_window_ms=1 (router default 20;" in tuned and "seed=" not in tuned
+
+
+def test_the_policies_take_turns_at_running_first() -> None:
+    # kv ran first in every section, so a run's drift always fell on the same policy
+    policies = ["kv", "approx_tree", "sglang_cache_aware", "least_load", "oracle"]
+    orders = [routing_bench.run_order(policies, 1, section) for section in range(5)]
+    assert [order[0] for order in orders] == [
+        "approx_tree", "sglang_cache_aware", "least_load", "oracle", "kv",
+    ]  # fmt: skip
+    assert all(sorted(order) == sorted(policies) for order in orders)
+    # each one keeps the others' cyclic order, and the seed moves the offset
+    assert orders[0] == ["approx_tree", "sglang_cache_aware", "least_load", "oracle", "kv"]
+    assert routing_bench.run_order(policies, 2, 0) == orders[1]
+    assert routing_bench.run_order([], 1, 3) == []
+    (note,) = [n for n in routing_bench._notes(_settings()) if "order rotates" in n]
+    assert "the tables list them in a fixed order" in note
