@@ -232,7 +232,8 @@ def verdict(met: bool | None) -> str:
 
 
 # approx_tree's fidelity check compares hit rates only; its latency is not held to the real
-# router's (in the committed full run its TTFT p90 was 0.41x-2.72x sglang-router's), so a TTFT
+# router's (in the committed full run of 2026-12-05 23:14 UTC its TTFT p90 was 0.44x-2.26x
+# sglang-router's; 0.41x-2.72x in the run before), so a TTFT
 # verdict against it says nothing about SGLang's router
 UNVALIDATED_LATENCY = "against `approx_tree`, an approximation whose latency is not validated"
 
