@@ -70,8 +70,10 @@ __all__ = [
     "HarnessError",
     "PolicyWeights",
     "Target",
+    "policy_config",
     "run_policy",
     "send_generate",
+    "settings_not_default",
 ]
 
 ORACLE = "oracle"
@@ -470,6 +472,37 @@ async def _await_streams(
             await asyncio.sleep(0.05)
 
 
+def policy_config(
+    policy: str,
+    spec: FleetSpec,
+    seed: int,
+    weights: PolicyWeights,
+    *,
+    hold_until_room: bool = False,
+) -> PolicyConfig:
+    """The `[policy]` a router run of the benchmark gets (the report lists what in it differs
+    from the router's defaults: `settings_not_default`)."""
+    return PolicyConfig(
+        name=policy,  # type: ignore[arg-type]
+        seed=seed,
+        hold_until_room=hold_until_room,
+        # the fleet's decode step, as an operator sets it for theirs
+        admission_batch_window_ms=spec.decode_step_ms,
+        **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
+    )
+
+
+def settings_not_default(config: PolicyConfig) -> dict[str, tuple[object, object]]:
+    """Each setting of `config` that differs from the router's default: (its value, the
+    default's)."""
+    defaults = msgspec.structs.asdict(PolicyConfig())
+    return {
+        name: (value, defaults[name])
+        for name, value in msgspec.structs.asdict(config).items()
+        if value != defaults[name]
+    }
+
+
 @contextlib.asynccontextmanager
 async def _router(
     policy: str,
@@ -484,14 +517,7 @@ async def _router(
     config = RouterConfig(
         listen=ListenConfig(host="127.0.0.1", port=0),
         admin=AdminConfig(enabled=False),
-        policy=PolicyConfig(
-            name=policy,  # type: ignore[arg-type]
-            seed=seed,
-            hold_until_room=hold_until_room,
-            # the fleet's decode step, as an operator sets it for theirs
-            admission_batch_window_ms=spec.decode_step_ms,
-            **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
-        ),
+        policy=policy_config(policy, spec, seed, weights, hold_until_room=hold_until_room),
         workers=tuple(RoutedWorker(url=w.url, id=name) for name, w in fleet.items()),
     )
     async with RouterService(config) as service:

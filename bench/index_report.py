@@ -271,5 +271,5 @@ per block, and two 48-byte int objects per entry.
   between 3/8 and 3/4 (~30 bytes on average); per unique key one table slot (~40 bytes at this
   size, just past a doubling) shared by its holders, whose values are a few shared int
   objects: 30 + 40 / 2.4 = ~47, plus the side structures, ~52 bytes at this sharing and ~74
-  with none. Dynamo's Rust indexer is quoted at ~65 bytes per block.
+  with none.
 """

@@ -4,12 +4,14 @@ A router can only choose which worker's cache a request meets; whatever it choos
 holds at most its total capacity, split into partitions a prefix cannot span. One cache of that
 total capacity (same page size, the reference worker's own LRU radix cache), fed the same trace
 in arrival order, each request finding its prefix and then caching its prompt and output as a
-finished request does, needs no routing at all. Partitioning it can only lose: a prefix
+finished request does, needs no routing at all. Partitioning it mostly loses: a prefix
 copied into two workers takes twice the room, and a prefix on the wrong worker is a miss. It is
 offline and sequential (every request has finished before the next arrives), so it also ignores
-the siblings that miss because the first one is still in prefill: a ceiling, not a target.
-(LRU is not optimal, so a partition can in principle beat it on a pathological trace; the
-oracle's column says how far routing gets in practice.)
+the siblings that miss because the first one is still in prefill: a reference, not a target.
+It is not a strict bound either: LRU is not optimal eviction, and the live fleet touches its
+caches in another order, so routers have reached a few percent above it
+(docs/benchmarks/routing.md); the oracle's column says how far greedy longest-match routing
+gets.
 
 The same replay gives a floor for the time to first token: each request's uncached tokens,
 prefilled alone with no queue ahead (`ttft_floor_p90_ms`).

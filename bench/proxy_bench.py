@@ -19,8 +19,8 @@ exporting over a network is not in the number), every request traced, 10% and 1%
 
 Three bare forwarders say how much of the gap to sglang-router is the server side: kvroute's
 (aiohttp's Application) with kvroute's upstream client and nothing else, the same on aiohttp's
-low-level server, and the floor, the thinnest forwarder Python can be (`bench.forwarder_floor`:
-an asyncio Protocol with httptools), all on kvroute's loop.
+low-level server, and a lean forwarder with no aiohttp in it (`bench.lean_forwarder`: an
+asyncio Protocol with httptools), all on kvroute's loop.
 
 It also re-checks the upstream-client choice (a bare forwarder on aiohttp's server with
 kvroute's own upstream client, `router.http.upstream_client`, versus the same forwarder with
@@ -278,10 +278,10 @@ async def _reference_role() -> None:
 
 
 async def _lean_role(kind: str, upstream: str) -> None:
-    """The floor or the parser lane (`bench.forwarder_floor`) in front of `upstream`."""
-    from bench.forwarder_floor import serve_floor, serve_parser_lane
+    """The lean forwarder or the parser lane (`bench.lean_forwarder`) in front of `upstream`."""
+    from bench.lean_forwarder import serve_lean, serve_parser_lane
 
-    serve = serve_floor if kind == "floor" else serve_parser_lane
+    serve = serve_lean if kind == "lean" else serve_parser_lane
     async with serve(upstream) as url:
         print(f"listening on {url}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -307,7 +307,7 @@ def _role_main(argv: Sequence[str]) -> None:
         asyncio.run(_reference_role())
         return
     # the server-side comparison runs on kvroute's own loop (uvloop where installed)
-    if argv[0] in ("floor", "parser-lane"):
+    if argv[0] in ("lean", "parser-lane"):
         run_loop(_lean_role(argv[0], argv[1]))
         return
     if argv[0] == "forwarder-lowlevel":
@@ -518,6 +518,8 @@ class _Section(msgspec.Struct):
     rates: dict[str, float]
     # CPU microseconds per request of the process serving each target (where it is known)
     cpu_us: dict[str, float] = {}
+    # each proxied target's added latency at p50, concurrency 1 (ms; against its paired directs)
+    added_p50_ms: dict[str, float] = {}
     concurrency: int = 0  # of the throughput runs
     requests: int = 0  # per target, at most
 
@@ -541,6 +543,7 @@ async def _measure(
         if name != "direct":  # against the direct samples taken alongside it
             d50, d99 = _pct(paired[name], 0.5), _pct(paired[name], 0.99)
             added = f"{(p50 - d50) * 1e3:.3f} / {(p99 - d99) * 1e3:.3f}"
+            section.added_p50_ms[name] = (p50 - d50) * 1e3
         section.lat_rows.append(
             f"| {name} | {len(values)} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | "
             f"{statistics.fmean(values) * 1e3:.3f} | {added} |"
@@ -617,10 +620,10 @@ _SAMPLED = "kvroute, tracing on, 10% sampled (in-memory exporter)"
 # the sample a production fleet at thousands of requests/s would trace
 _SAMPLED_1 = "kvroute, tracing on, 1% sampled (in-memory exporter)"
 # bare forwarders with kvroute's upstream client, on kvroute's loop: its server side alone, the
-# same on aiohttp's low-level server, and the floor (`bench.forwarder_floor`)
+# same on aiohttp's low-level server, and the lean forwarder (`bench.lean_forwarder`)
 _APP_FORWARDER = "bare forwarder: aiohttp app + kvroute's upstream client"
 _LOW_FORWARDER = "bare forwarder: aiohttp low-level server + kvroute's upstream client"
-_FLOOR = "floor: asyncio Protocol + httptools + kvroute's upstream client"
+_LEAN = "lean forwarder: asyncio Protocol + httptools + kvroute's upstream client"
 _PARSER_LANE = (
     "bare forwarder: aiohttp's protocol and parser, no request or response objects, "
     "+ kvroute's upstream client"
@@ -821,7 +824,7 @@ async def _other_targets(
     targets["bare aiohttp forwarder"] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "forwarder", backend, "aiohttp")
     )
-    # kvroute's server side without kvroute, a leaner one, and the thinnest Python can be
+    # kvroute's server side without kvroute, a leaner one, and the lean forwarders
     for name, role in ((_APP_FORWARDER, "forwarder-app"), (_LOW_FORWARDER, "forwarder-lowlevel")):
         targets[name] = await stack.enter_async_context(
             _process(py, "-m", "bench.proxy_bench", role, backend)
@@ -829,9 +832,9 @@ async def _other_targets(
     targets[_PARSER_LANE] = await stack.enter_async_context(
         _process(py, "-m", "bench.proxy_bench", "parser-lane", backend)
     )
-    # httptools is a main dependency (the upstream client's parser): the floor always runs
-    targets[_FLOOR] = await stack.enter_async_context(
-        _process(py, "-m", "bench.proxy_bench", "floor", backend)
+    # httptools is a main dependency (the upstream client's parser): the lean forwarder runs
+    targets[_LEAN] = await stack.enter_async_context(
+        _process(py, "-m", "bench.proxy_bench", "lean", backend)
     )
     sglang_python, where = args.sglang_router_found
     if sglang_python is None:
@@ -863,23 +866,23 @@ def _other_notes(
             f"{rates['kvroute'] / rates[_APP_FORWARDER]:.2f} (routing and the operations layer, "
             "on the same server side and loop)"
         )
-        for leaner in (_LOW_FORWARDER, _PARSER_LANE, _FLOOR):
+        for leaner in (_LOW_FORWARDER, _PARSER_LANE, _LEAN):
             if leaner in rates:
                 notes.append(
                     f"{leaner} / {_APP_FORWARDER} throughput ratio: "
                     f"{rates[leaner] / rates[_APP_FORWARDER]:.2f} (what a leaner server side buys)"
                 )
-    if _PARSER_LANE in rates and _FLOOR in rates:
+    if _PARSER_LANE in rates and _LEAN in rates:
         notes.append(
-            f"{_PARSER_LANE} / {_FLOOR} throughput ratio: "
-            f"{rates[_PARSER_LANE] / rates[_FLOOR]:.2f} (aiohttp's parser and connection "
+            f"{_PARSER_LANE} / {_LEAN} throughput ratio: "
+            f"{rates[_PARSER_LANE] / rates[_LEAN]:.2f} (aiohttp's parser and connection "
             "protocol against httptools': what keeping aiohttp's parser and its limits costs)"
         )
-    if _FLOOR in rates and "sglang-router" in rates:
+    if _LEAN in rates and "sglang-router" in rates:
         notes.append(
-            f"{_FLOOR} / sglang-router throughput ratio: "
-            f"{rates[_FLOOR] / rates['sglang-router']:.2f} (the thinnest one-process Python "
-            "forwarder on this loop, no routing at all, against SGLang's router on this machine)"
+            f"{_LEAN} / sglang-router throughput ratio: "
+            f"{rates[_LEAN] / rates['sglang-router']:.2f} (a one-process Python forwarder on "
+            "this loop, no routing at all, against SGLang's router on this machine)"
         )
     if _ASYNCIO in rates:
         notes.append(
@@ -969,7 +972,9 @@ async def _run(args: argparse.Namespace) -> str:
                 if not args.ops_only:
                     streamed = await _streamed_section(args, targets)
                     sections.append(streamed)
-                    notes += _streamed_notes(args, streamed.rates)
+                    notes += _streamed_notes(
+                        args, streamed.rates, streamed.cpu_us, streamed.added_p50_ms
+                    )
                 if args.ops_rounds > 0:
                     ops_lines = await _ops_cost(args, ops_targets)
                 if not args.ops_only:
@@ -1036,16 +1041,54 @@ async def _streamed_section(args: argparse.Namespace, targets: dict[str, str]) -
     )
 
 
-def _streamed_notes(args: argparse.Namespace, rates: dict[str, float]) -> list[str]:
+# a requests/s ratio this far from what the CPU per request would give (either way) is not a
+# measure of capacity: at a fixed concurrency it follows each answer's latency
+_LATENCY_BOUND = 1.25
+
+
+def _streamed_notes(
+    args: argparse.Namespace,
+    rates: dict[str, float],
+    cpu_us: dict[str, float] | None = None,
+    added_p50_ms: dict[str, float] | None = None,
+) -> list[str]:
+    """The streamed section against sglang-router: CPU per request first (what a router process
+    that is the bottleneck can serve), then the requests/s ratios, each called latency-bound
+    where the CPU per request does not explain it (with the added latencies that do, if known).
+    """
     theirs = rates.get("sglang-router")
     if not theirs:
         return []
-    many = _replicas(args)
-    return [
-        f"streamed answers: {name} / sglang-router throughput ratio: {rates[name] / theirs:.2f}"
-        for name in ("kvroute", many)
-        if rates.get(name)
+    cpu_us = cpu_us or {}
+    added = added_p50_ms or {}
+    their_cpu = cpu_us.get("sglang-router")
+    names = [name for name in ("kvroute", _replicas(args)) if rates.get(name)]
+    notes = [
+        f"streamed answers: CPU per request {name} {cpu_us[name]:.0f} us, sglang-router "
+        f"{their_cpu:.0f} us ({cpu_us[name] / their_cpu:.2f}x): what each router spends on a "
+        "streamed answer, the measure of its capacity"
+        for name in names
+        if cpu_us.get(name) and their_cpu
     ]
+    for name in names:
+        ratio = rates[name] / theirs
+        note = f"streamed answers: {name} / sglang-router throughput ratio: {ratio:.2f}"
+        mine = cpu_us.get(name)
+        by_cpu = their_cpu / mine if mine and their_cpu else None
+        if by_cpu is not None and not 1 / _LATENCY_BOUND <= ratio / by_cpu <= _LATENCY_BOUND:
+            note += (
+                f" (latency-bound, not capacity: the CPU per request would give {by_cpu:.2f}x; "
+                f"at concurrency {args.concurrency} each client sends its next request when its "
+                "answer ends, so requests/s follow each answer's latency"
+            )
+            if name in added and "sglang-router" in added:
+                note += (
+                    f", and at concurrency 1 sglang-router adds {added['sglang-router']:.2f} ms "
+                    f"at p50 to a streamed answer, {name} {added[name]:.2f} ms"
+                )
+            note += ")"
+        notes.append(note)
+    return notes
 
 
 async def _long_prompt_section(
@@ -1062,8 +1105,9 @@ async def _long_prompt_section(
             notes.append(f"sglang-router not measured on long prompts: {where}")
         else:
             try:
+                # registered for its CPU per request, as the tiny rows' sglang-router is
                 targets[_SGLANG_CACHE_AWARE] = await stack.enter_async_context(
-                    launch(sglang_python, [worker], policy="cache_aware")
+                    launch(sglang_python, [worker], policy="cache_aware", pids=_PIDS)
                 )
             except (RuntimeError, OSError) as exc:
                 notes.append(f"sglang-router not measured on long prompts: {exc}")

@@ -44,7 +44,9 @@ from bench.harness import (
     SGLANG_CACHE_AWARE,
     FleetSpec,
     PolicyWeights,
+    policy_config,
     run_policy,
+    settings_not_default,
 )
 from bench.isolation import workload_violations
 from bench.pooled_bound import pooled_replay, replay_hit_rate, ttft_floor_p90_ms
@@ -67,7 +69,7 @@ from bench.workloads import (
 )
 from router.config import PolicyConfig
 
-__all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_suite"]
+__all__ = ["SuiteSettings", "add_arguments", "build_workloads", "run", "run_order", "run_suite"]
 
 WORKLOADS = ("multi_tenant", "shared_prefix", "mooncake")
 # fleet shapes: `flat` (one cache per worker, every workload and pressure); `dp` (half the
@@ -408,7 +410,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "the hit the request would get there (its cached prefix in the request's namespace, "
         "the prompt's last token left out), adds what its own in-flight requests "
         "there are about to cache, and takes the longest (ties: fewest in flight). It ignores "
-        "load, so it bounds affinity, not latency.",
+        "load. It is a greedy affinity oracle, not a bound: the longest match at each arrival "
+        "is not the placement that keeps the most reuse over the run (it copies a prefix "
+        "wherever it first lands and never weighs what a placement evicts), so a router can "
+        "exceed its hit rate.",
         "Open-loop arrivals: every request leaves at its scheduled time whatever happened to "
         "earlier ones; `multi_tenant` delays a conversation's next turn at least the think time.",
         "Routing overhead for router policies: paired tiny probes on the idle fleet after the "
@@ -416,6 +421,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
         "hop; for `oracle`, each request's `/debug/match` fan-out.",
         "Everything (workers, router, load generator) shares one event loop on a shared 2-core "
         "machine: absolute latencies include that contention; compare policies within a run.",
+        "Policies run one after another, each on a fresh fleet. Their order rotates by one "
+        "place per section, from an offset the seed sets (`bench.routing_bench.run_order`), so "
+        "the drift of a long run does not always fall on the same policy; the tables list "
+        "them in a fixed order all the same.",
     ]
     if KV_HOLD in settings.policies:
         notes.append(
@@ -439,9 +448,10 @@ def _notes(settings: SuiteSettings) -> list[str]:
     notes.append(
         "`% of pooled bound`: the policy's hit rate over the hit rate of one LRU cache of the "
         "fleet's whole capacity on the same trace (`bench/pooled_bound.py`); partitioning the "
-        "capacity across workers can only lose against it, so the distance to 100% is what "
-        "routing could still win (the oracle's share says how much of it a router can reach). "
-        "A share a few points above 100% is LRU's own doing, not a better router: LRU is not "
+        "capacity across workers mostly loses against it, so the distance to 100% is roughly "
+        "what routing could still win (the oracle's share: what greedy longest-match placement "
+        "reaches). It is a reference, not a strict bound: a share a few points above 100% is "
+        "LRU's own doing, not a better router: LRU is not "
         "the optimal eviction, and the live fleet touches its caches in another order (at "
         "admission and completion, not arrival). `sglang_cache_aware` can also exceed it "
         "through what the isolation count cannot see: with the salt dropped, tenants that "
@@ -541,6 +551,38 @@ TOPOLOGY_NOTES = {
 }
 
 
+# why the benchmark's kv differs from the router's defaults, setting by setting
+_WHY_NOT_DEFAULT = {
+    "seed": "the run's --seed",
+    "admission_batch_window_ms": "the simulated fleet's decode step, decode_ms_per_token x "
+    "time_scale, as an operator sets it for their fleet",
+    "hit_weight": "--kv-hit-weight",
+    "decode_weight": "--kv-decode-weight",
+    "eviction_weight": "--kv-eviction-weight",
+    "room_weight": "--kv-room-weight",
+}
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def kv_settings_line(settings: SuiteSettings) -> str:
+    """Every setting of the benchmark's `kv` router that differs from the router's defaults,
+    with why (the Fleet section's line: "the router's defaults" would hide them)."""
+    config = policy_config("kv", settings.fleet, settings.seed, settings.weights)
+    described = []
+    for name, (value, default) in settings_not_default(config).items():
+        why = _WHY_NOT_DEFAULT.get(name)
+        described.append(
+            f"{name}={_shown(value)} (router default {_shown(default)}"
+            + (f"; {why})" if why else ")")
+        )
+    if not described:
+        return "the router's defaults, every one"
+    return "the router's defaults but " + ", ".join(described)
+
+
 def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
     """The fleet a topology runs on (its capacity is set per section from the pressure)."""
     if topology == "dp":
@@ -549,6 +591,17 @@ def topology_fleet(fleet: FleetSpec, topology: str) -> FleetSpec:
         # `workers` counts the caches that reuse prefixes (the prefill side's) for the pressure
         return msgspec.structs.replace(fleet, workers=2, prefill_workers=2, decode_workers=2)
     return fleet
+
+
+def run_order(policies: list[str], seed: int, section: int) -> list[str]:
+    """The order the policies of one section run in: rotated one place per section from an
+    offset the seed sets, so the drift of a long run (the machine's load, what the earlier
+    fleets left behind) does not always fall on the same policy (the report lists them in
+    their fixed order all the same)."""
+    if not policies:
+        return []
+    shift = (seed + section) % len(policies)
+    return policies[shift:] + policies[:shift]
 
 
 def _plan(settings: SuiteSettings, workloads: list[Workload]) -> list[tuple[str, Workload, float]]:
@@ -574,7 +627,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        for topology, workload, asked in _plan(settings, workloads):
+        for index, (topology, workload, asked) in enumerate(_plan(settings, workloads)):
             page = settings.fleet.page_size
             rate = float(workload.params["rate_rps"])  # type: ignore[arg-type]
             working = working_set_tokens(workload.requests, page)
@@ -597,9 +650,9 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 f"[bold]KV pressure {pressure:.2f}[/]"
                 + (f" (asked {asked:g}; capacity floor {floor})" if pressure < asked else "")
             )
-            runs: list[PolicyRun] = []
+            done: dict[str, PolicyRun] = {}
             policies = [p for p in settings.policies if topology != "pd" or p != ORACLE]
-            for policy in policies:
+            for policy in run_order(policies, settings.seed, index):
                 task = progress.add_task(
                     f"{label} p={pressure:.2f} {policy:<12}",
                     total=len(workload.requests),
@@ -631,7 +684,8 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
                 workload_violations(
                     workload.requests, run.records, page, by_worker=not spec.disaggregated
                 )
-                runs.append(run)
+                done[policy] = run
+            runs = [done[policy] for policy in policies]  # the report's fixed order
             # the host tier keeps a copy of what the GPU holds: the larger pool is what both keep
             pooled = caches * max(capacity, spec.host_capacity_tokens)
             replay = pooled_replay(workload.requests, page_size=page, capacity_tokens=pooled)
@@ -675,6 +729,7 @@ async def run_suite(settings: SuiteSettings, console: Console, command: str) -> 
         + f", room_weight={defaults.room_weight if room is None else room:g}"
         + (" (router default)" if room is None else " (set by --kv-room-weight)")
     )
+    fleet["kv_settings"] = kv_settings_line(settings)
     fleet["offered_load"] = (
         f"fixed rate {settings.rate_rps:g} req/s"
         if settings.rate_rps is not None

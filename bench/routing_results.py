@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import msgspec
 
 __all__ = [
+    "AFFINE",
     "EXTERNAL_BASELINE",
     "TARGET_PRESSURE",
     "UNVALIDATED_LATENCY",
@@ -46,12 +47,15 @@ __all__ = [
     "isolation_violations",
     "percentile",
     "summarize",
+    "unaffine_caveat",
     "verdict",
 ]
 
 TARGET_PRESSURE = 2.0
 # the external baseline's policy name (bench.harness.SGLANG_CACHE_AWARE; report stays pure)
 EXTERNAL_BASELINE = "sglang_cache_aware"
+# below this share of the affinity probe's repeats kept, a router did not route by cache
+AFFINE = 0.9
 
 
 class RequestRecord(msgspec.Struct):
@@ -228,7 +232,8 @@ def verdict(met: bool | None) -> str:
 
 
 # approx_tree's fidelity check compares hit rates only; its latency is not held to the real
-# router's (in the committed full run its TTFT p90 was 0.41x-2.72x sglang-router's), so a TTFT
+# router's (in the committed full run of 2026-12-05 23:14 UTC its TTFT p90 was 0.44x-2.26x
+# sglang-router's; 0.41x-2.72x in the run before), so a TTFT
 # verdict against it says nothing about SGLang's router
 UNVALIDATED_LATENCY = "against `approx_tree`, an approximation whose latency is not validated"
 
@@ -343,6 +348,30 @@ def headline_baseline(section: WorkloadSection) -> str:
     return EXTERNAL_BASELINE if EXTERNAL_BASELINE in ran else "approx_tree"
 
 
+def unaffine_caveat(section: WorkloadSection, rows: dict[str, PolicySummary]) -> str:
+    """Why a target against sglang-router means less where it did not keep the affinity probe's
+    repeats (its PD mode did not: 4 of 8), with kv against `approx_tree`, which keeps them,
+    quoted beside it ("": it kept them, or was not probed)."""
+    run = next((r for r in section.runs if r.policy == EXTERNAL_BASELINE and r.records), None)
+    probe = None if run is None else run.affinity
+    if probe is None or probe.share is None or probe.share >= AFFINE:
+        return ""
+    out = (
+        f"sglang-router kept {probe.kept} of {probe.repeats} affinity repeats here: not "
+        "cache-aware routing"
+    )
+    kv, mirror = rows.get("kv"), rows.get("approx_tree")
+    if kv is not None and mirror is not None and mirror.completed:
+        hit = f"{kv.hit_rate / mirror.hit_rate:.2f}x" if mirror.hit_rate else "-"
+        ttft = (
+            f"{kv.ttft_p90_ms / mirror.ttft_p90_ms:.2f}x"
+            if kv.ttft_p90_ms is not None and mirror.ttft_p90_ms
+            else "-"
+        )
+        out += f"; kv against `approx_tree`, which keeps them: hit rate {hit}, TTFT p90 {ttft}"
+    return out
+
+
 def isolation_violations(run: PolicyRun) -> int:
     """Violating tokens of a run: over its workload plus every endpoint's probe."""
     return sum(r.violation_tokens for r in run.records if r.ok) + sum(
@@ -354,18 +383,22 @@ def evaluate_targets(section: WorkloadSection) -> list[TargetResult]:
     """The issue's acceptance targets on one section (meaningful at KV pressure >= 2)."""
     rows = {run.policy: summarize(run) for run in section.runs}
     base = headline_baseline(section)
+    # against sglang-router in a mode that did not route by cache, both verdicts say so
+    unaffine = unaffine_caveat(section, rows) if base == EXTERNAL_BASELINE else ""
     out = [
         _ratio_target(
             section, rows, f"kv hit rate >= 1.2x {base}", "kv", base,
-            "hit_rate", 1.2, at_most=False,
+            "hit_rate", 1.2, at_most=False, caveat=unaffine,
         ),
         _ratio_target(
             section, rows, f"kv TTFT p90 <= 0.5x {base}", "kv", base,
             "ttft_p90_ms", 0.5, at_most=True,
-            caveat=UNVALIDATED_LATENCY if base == "approx_tree" else "",
+            caveat=UNVALIDATED_LATENCY if base == "approx_tree" else unaffine,
         ),
+        # relative: kv's hit rate over the greedy oracle's (named "oracle - 2%" before, which
+        # read as two points)
         _ratio_target(
-            section, rows, "kv hit rate >= oracle - 2%", "kv", "oracle",
+            section, rows, "kv hit rate >= 0.98x oracle", "kv", "oracle",
             "hit_rate", 0.98, at_most=False,
         ),
     ]  # fmt: skip

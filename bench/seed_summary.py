@@ -156,9 +156,23 @@ def _targets_table(targets: dict[str, list[tuple[int, TargetResult]]]) -> list[s
         counted = [r for r in results if r.met is not None]
         met_in = f"{sum(bool(r.met) for r in counted)} of {len(counted)}"
         shown = results[0].shown(median) if median is not None else "-"
-        row = " | ".join([name, *cells, shown, met_in, results[0].judged(met)])
+        row = " | ".join([name, *cells, shown, met_in, _judged(rows, met)])
         lines.append(f"| {row} |")
     return [*lines, ""]
+
+
+def _judged(rows: Sequence[tuple[int, TargetResult]], met: bool | None) -> str:
+    """The verdict on the median with the seeds' caveat: as is where every seed has the same
+    one, else the first marked seed's, named, with how many seeds were marked."""
+    marked = [(seed, r) for seed, r in rows if r.caveat]
+    if not marked or len({r.caveat for _, r in rows}) == 1:
+        return rows[0][1].judged(met)
+    if met is None:
+        return verdict(met)
+    seed, first = marked[0]
+    return (
+        f"{verdict(met)} ({len(marked)} of {len(rows)} seeds marked; seed {seed}: {first.caveat})"
+    )
 
 
 _ONE_TRACE = (

@@ -370,6 +370,7 @@ async def soak(settings: argparse.Namespace) -> SoakReport:
                 worker_restarted=not settings.no_restart,
                 samples=samples,
                 growth=msgspec.convert(growth, list[dict[str, Any]]),
+                traced=not settings.no_trace,
             )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["Sample", "SoakReport", "growth_mb", "write_soak_report"]
+__all__ = ["Sample", "SoakReport", "growth_mb", "traced", "write_soak_report"]
 
 TARGET_MB_PER_30_MIN = 2.0
 _MB = 1024 * 1024
@@ -45,6 +45,9 @@ class SoakReport(msgspec.Struct):
     worker_restarted: bool
     samples: list[Sample]
     growth: list[dict[str, Any]]  # the router's top growing allocation sites since warm-up
+    # whether the router ran under tracemalloc (`--no-trace`: not); None in reports written
+    # before the field, where the samples tell (a traced heap is never 0 bytes)
+    traced: bool | None = None
 
 
 def _window(samples: list[Sample], start_s: float, end_s: float) -> list[Sample]:
@@ -69,6 +72,33 @@ def growth_mb(report: SoakReport, series: str, index: int = 0) -> float | None:
         return float(getattr(s, series))
 
     return (statistics.median(map(value, last)) - statistics.median(map(value, first))) / _MB
+
+
+def traced(report: SoakReport) -> bool:
+    """Whether the router's heap was traced in this run (else its heap series is all zeros)."""
+    if report.traced is not None:
+        return report.traced
+    return any(s.router_traced for s in report.samples)
+
+
+def _errors(report: SoakReport) -> str:
+    """The errors, and where a worker restart may have made some of them, only if any."""
+    if report.errors and report.worker_restarted:
+        return (
+            f"errors {report.errors:,} (a worker was killed and restarted halfway: requests "
+            "in flight on it count here)"
+        )
+    return f"errors {report.errors:,}"
+
+
+def _no_growth_sites(report: SoakReport) -> str:
+    """Why the report lists no allocation sites."""
+    if not traced(report):
+        return "(the router ran without tracemalloc (`--no-trace`): no allocation sites)"
+    last = report.samples[-1].t_s if report.samples else 0.0
+    if last < report.warmup_minutes * 60:
+        return "(no baseline was taken: the run ended before the warm-up did)"
+    return "(the router listed no growing sites: its baseline was not taken, or nothing grew)"
 
 
 def _mb(value: float | None) -> str:
@@ -111,12 +141,12 @@ def render(report: SoakReport, plot: str | None) -> str:
         "",
         f"Written by `{report.command}`. The router and {report.workers} reference workers run "
         "as their own processes on 127.0.0.1; see `bench/soak_bench.py` for the workload "
-        "(salted and unsalted, completions, chat and /generate, streaming, client disconnects, "
-        "a worker killed and restarted halfway).",
+        "(salted and unsalted, completions, chat and /generate, streaming, client disconnects"
+        + (", a worker killed and restarted halfway)." if report.worker_restarted else ").")
+        + ("" if traced(report) else " The router ran without tracemalloc (`--no-trace`)."),
         "",
-        f"- requests: {report.requests:,} ({rate:,.0f}/s), ok {report.ok:,}, errors "
-        f"{report.errors:,} (the restarted worker's in-flight requests among them), client "
-        f"disconnects {report.disconnects:,}",
+        f"- requests: {report.requests:,} ({rate:,.0f}/s), ok {report.ok:,}, "
+        f"{_errors(report)}, client disconnects {report.disconnects:,}",
         f"- warm-up {report.warmup_minutes:g} min, then {report.minutes:g} min measured; "
         f"concurrency {report.concurrency}",
         "",
@@ -128,6 +158,9 @@ def render(report: SoakReport, plot: str | None) -> str:
         "|---|---|---|",
     ]
     for name, value in rows:
+        if name == "router traced heap" and not traced(report):
+            out.append(f"| {name} | not traced (`--no-trace`) | - |")  # not a 0 MB growth
+            continue
         verdict = "-" if value is None else ("met" if value <= allowed else "**missed**")
         out.append(f"| {name} | {_mb(value)} | {verdict} |")
     out += ["", "## Router allocation sites that grew most since warm-up (tracemalloc)", ""]
@@ -139,7 +172,7 @@ def render(report: SoakReport, plot: str | None) -> str:
                 f"{g.get('size_diff_bytes', 0) / 1024:+,.0f} KiB | {g.get('count_diff', 0):+,} |"
             )
     else:
-        out.append("(no baseline was taken: the run ended before the warm-up did)")
+        out.append(_no_growth_sites(report))
     if plot:
         out += ["", f"![RSS over time]({plot})"]
     out += [
@@ -150,10 +183,12 @@ def render(report: SoakReport, plot: str | None) -> str:
     ]
     out.append("|---|---|---|---|---|")
     step = max(1, len(report.samples) // 40)
+    heap = traced(report)
     for s in report.samples[::step]:
         workers = " / ".join(f"{w / _MB:.1f}" for w in s.worker_rss)
+        traced_mb = f"{s.router_traced / _MB:.1f}" if heap else "-"
         out.append(
-            f"| {s.t_s / 60:.1f} | {s.router_rss / _MB:.1f} | {s.router_traced / _MB:.1f} | "
+            f"| {s.t_s / 60:.1f} | {s.router_rss / _MB:.1f} | {traced_mb} | "
             f"{workers} | {s.requests:,} |"
         )
     return "\n".join(out) + "\n"

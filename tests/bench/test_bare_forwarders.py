@@ -1,8 +1,8 @@
-"""The proxy benchmark's bare forwarders forward for real, to a backend on 127.0.0.1: the floor
-and the parser lane (`bench.forwarder_floor`) in process (bodies and statuses through, several
-requests on one connection, pipelined ones in order, a body that comes after its headers, a 502
-for a worker that is gone, a 400 for bytes that are no HTTP), and each forwarder role
-started as the benchmark starts it, a process on kvroute's loop."""
+"""The proxy benchmark's bare forwarders forward for real, to a backend on 127.0.0.1: the lean
+forwarder and the parser lane (`bench.lean_forwarder`) in process (bodies and statuses through,
+several requests on one connection, pipelined ones in order, a body that comes after its
+headers, a 502 for a worker that is gone, a 400 for bytes that are no HTTP), and each forwarder
+role started as the benchmark starts it, a process on kvroute's loop."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench.forwarder_floor import serve_floor, serve_parser_lane
+from bench.lean_forwarder import serve_lean, serve_parser_lane
 from bench.proxy_bench import _process
 
-# the floor (httptools) and the parser lane (aiohttp's parser, no request objects) alike
-_SERVE = pytest.mark.parametrize("serve", [serve_floor, serve_parser_lane], ids=["floor", "lane"])
+# the lean forwarder (httptools) and the parser lane (aiohttp's parser, no request objects) alike
+_SERVE = pytest.mark.parametrize("serve", [serve_lean, serve_parser_lane], ids=["lean", "lane"])
 _Serve = Callable[[str], AbstractAsyncContextManager[str]]
 
 
@@ -121,7 +121,7 @@ async def test_a_worker_that_is_gone_is_a_502(unused_tcp_port: int, serve: _Serv
         assert resp.status == 502
 
 
-@pytest.mark.parametrize("role", ["forwarder-app", "forwarder-lowlevel", "parser-lane", "floor"])
+@pytest.mark.parametrize("role", ["forwarder-app", "forwarder-lowlevel", "parser-lane", "lean"])
 async def test_each_forwarder_role_forwards(backend: str, role: str) -> None:
     async with (
         _process(sys.executable, "-m", "bench.proxy_bench", role, backend) as url,

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 
 import msgspec
+import pytest
 
-from bench.proxy_bench import _long_prompt_section, long_prompts
+from bench import sglang_router
+from bench.proxy_bench import _SGLANG_CACHE_AWARE, _long_prompt_section, long_prompts
 from router.service import RouterService
 from tests.router.conftest import router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -49,3 +51,32 @@ async def test_the_section_measures_direct_and_the_router_without_errors() -> No
     assert section.concurrency == 4 and section.requests == 60  # a tenth, at least 60
     assert "512-token prompts" in section.title
     assert notes == ["sglang-router not measured on long prompts: --skip-sglang-router"]
+
+
+@pytest.mark.skipif(
+    not sglang_router.installed(),
+    reason="no python at hand imports sglang_router (KVROUTE_SGLANG_ROUTER_PYTHON, the bench venv)",
+)
+async def test_sglang_routers_cpu_per_long_prompt_is_counted() -> None:
+    # the section once launched sglang-router without registering its process: its CPU was "-"
+    python = sglang_router.installed()
+    assert python
+    args = argparse.Namespace(
+        deadline_s=20.0,
+        throughput_requests=400,
+        concurrency=4,
+        rounds=2,
+        latency_requests=50,
+        long_prompt_tokens=512,
+        sglang_router_found=(python, "this test"),
+    )
+    notes: list[str] = []
+    async with (
+        ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker,
+        RouterService(router_config([("w0", worker.url)])) as router,
+    ):
+        section = await _long_prompt_section(args, worker.url, router.url, notes)
+    assert section.rates[_SGLANG_CACHE_AWARE] > 0
+    assert section.cpu_us[_SGLANG_CACHE_AWARE] > 0
+    row = next(r for r in section.tput_rows if r.startswith(f"| {_SGLANG_CACHE_AWARE} |"))
+    assert not row.rstrip(" |").endswith("-"), row

@@ -84,3 +84,30 @@ async def test_the_streamed_section_measures_each_target(backend: str, router: s
     ratio = section.rates["kvroute"] / 100.0
     (note,) = _streamed_notes(args, {"kvroute": section.rates["kvroute"], "sglang-router": 100.0})
     assert note.endswith(f"{ratio:.2f}")
+
+
+def test_the_streamed_notes_lead_with_cpu_and_call_a_latency_bound_ratio_so() -> None:
+    # the committed run of 2026-12-05: 2.58x the requests/s at 1.02x the CPU per request,
+    # sglang-router's streamed answers 41 ms slower each (its Nagle stall)
+    args = argparse.Namespace(concurrency=32, processes=2)
+    rates = {"kvroute": 3021.0, "kvroute --processes 2": 2916.0, "sglang-router": 1170.0}
+    cpu = {"kvroute": 215.0, "kvroute --processes 2": 300.0, "sglang-router": 210.0}
+    added = {"kvroute": 0.277, "kvroute --processes 2": 0.370, "sglang-router": 41.460}
+    notes = _streamed_notes(args, rates, cpu, added)
+    assert notes[0].startswith(
+        "streamed answers: CPU per request kvroute 215 us, sglang-router 210 us (1.02x)"
+    )
+    assert "kvroute --processes 2 300 us, sglang-router 210 us (1.43x)" in notes[1]
+    assert notes[2].startswith(
+        "streamed answers: kvroute / sglang-router throughput ratio: 2.58 (latency-bound, not "
+        "capacity: the CPU per request would give 0.98x; at concurrency 32"
+    )
+    assert "sglang-router adds 41.46 ms at p50 to a streamed answer, kvroute 0.28 ms)" in notes[2]
+    assert "ratio: 2.49 (latency-bound" in notes[3] and len(notes) == 4
+    # a ratio the CPU per request explains is left plain
+    even = _streamed_notes(
+        args,
+        {"kvroute": 2000.0, "sglang-router": 1000.0},
+        {"kvroute": 100.0, "sglang-router": 200.0},
+    )
+    assert even[1] == "streamed answers: kvroute / sglang-router throughput ratio: 2.00"

@@ -92,12 +92,12 @@ def test_targets_met_and_missed() -> None:
     assert met["kv isolation violations = 0"].value == 0
     missed = {t.target: t for t in evaluate_targets(_section(2.5, kv_cached=45))}
     assert missed["kv hit rate >= 1.2x approx_tree"].met is False
-    assert missed["kv hit rate >= oracle - 2%"].met is False
+    assert missed["kv hit rate >= 0.98x oracle"].met is False
     # a policy that never ran makes its targets unevaluable, not passed
     section = _section(2.5)
     section.runs = [r for r in section.runs if r.policy != "oracle"]
     gone = {t.target: t for t in evaluate_targets(section)}
-    assert gone["kv hit rate >= oracle - 2%"].met is None
+    assert gone["kv hit rate >= 0.98x oracle"].met is None
 
 
 def test_a_cross_salt_hit_misses_the_isolation_target() -> None:
@@ -170,7 +170,7 @@ def test_closing_note_explains_each_missed_target() -> None:
     )
     text = render_markdown(report, {})
     assert "## Closing note" in text
-    assert "kv hit rate >= oracle - 2% missed" in text
+    assert "kv hit rate >= 0.98x oracle missed" in text
     met = BenchReport(
         command="c", seed=1, mode="full", started_at="now", fleet={}, sections=[_section(2.5)]
     )
@@ -194,14 +194,21 @@ def test_closing_note_tells_an_oracle_bound_from_a_policy_gap() -> None:
         BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[bounded]),
         {},
     )
-    assert "The oracle itself reaches only 1.16x approx_tree" in text
+    assert "The greedy oracle itself reaches only 1.16x approx_tree" in text
     assert "pooled bound" not in text.split("## Closing note")[1]
     bounded.pooled_hit_rate = 0.8  # approx_tree is at 87.5% of it: 1.2x is out of reach
     text = render_markdown(
         BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[bounded]),
         {},
     )
-    assert "is 80.0%: approx_tree reaches 87.5% of it, so no router can reach 1.2x" in text
+    # LRU's pooled bound is no strict ceiling: the note says how far off the target is, not
+    # that no router can reach it (routers have passed the bound by a few points)
+    assert (
+        "is 80.0%: approx_tree reaches 87.5% of it, so 1.2x approx_tree would take 105.0% of it, "
+        "where the best policy of this run reached 101.2% (the bound is not strict"
+    ) in text
+    assert "no router can reach" not in text
+    assert "The greedy oracle itself reaches only 1.16x approx_tree" in text
     gap = _section(2.5, kv_cached=45)  # kv 1.12x approx_tree; oracle 2.02x
     text = render_markdown(
         BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[gap]),
@@ -346,3 +353,40 @@ def test_a_ttft_miss_is_explained_by_how_many_requests_were_cold() -> None:
     assert "30.0% of kv's requests found nothing" in cold
     assert "the p90 is a full prefill under any policy" in cold
     assert "the p90 is set less by cold prefills" not in cold
+
+
+def test_targets_against_a_peer_that_does_not_keep_repeats_are_marked() -> None:
+    # sglang-router's PD mode kept 4 of 8 repeats: the targets read against it were "met" bare
+    flat, pd = _section(2.5), _section(2.5)
+    pd.workload = "multi_tenant [prefill/decode 2P+2D]"
+    for section, kept in ((flat, 8), (pd, 4)):
+        peer = _run(EXTERNAL_BASELINE, 20, 0.05)
+        peer.affinity = AffinityProbe(repeats=8, kept=kept)
+        section.runs.append(peer)
+    marked = {t.target: t for t in evaluate_targets(pd)}
+    # kv 80% cached at 10 ms; approx_tree 40% at 50 ms
+    beside = (
+        "sglang-router kept 4 of 8 affinity repeats here: not cache-aware routing; kv against "
+        "`approx_tree`, which keeps them: hit rate 2.00x, TTFT p90 0.20x"
+    )
+    assert marked[f"kv hit rate >= 1.2x {EXTERNAL_BASELINE}"].caveat == beside
+    assert marked[f"kv TTFT p90 <= 0.5x {EXTERNAL_BASELINE}"].caveat == beside
+    assert marked["kv index accuracy >= 98%"].caveat == ""
+    assert all(not t.caveat for t in evaluate_targets(flat))
+    text = render_markdown(
+        BenchReport(command="c", seed=1, mode="full", started_at="", fleet={}, sections=[flat, pd]),
+        {},
+    )
+    assert f"| kv hit rate >= 1.2x {EXTERNAL_BASELINE} | 4.00x | met ({beside}) |" in text
+    assert (
+        f"| multi_tenant | 2.50 | kv hit rate >= 1.2x {EXTERNAL_BASELINE} | 4.00x | met |" in text
+    )
+    (note,) = [line for line in text.splitlines() if "mostly affinity it does not keep" in line]
+    assert note.startswith("On multi_tenant [prefill/decode 2P+2D] at 2.50, `sglang_cache_aware`")
+    assert "latency is not validated and" not in text
+    # a probe that did not run, or no approx_tree to quote: still marked, or not, as it knows
+    pd.runs = [r for r in pd.runs if r.policy != "approx_tree"]
+    (alone,) = {t.caveat for t in evaluate_targets(pd) if "1.2x" in t.target}
+    assert alone == "sglang-router kept 4 of 8 affinity repeats here: not cache-aware routing"
+    pd.runs[-1].affinity = None
+    assert not any(t.caveat for t in evaluate_targets(pd))

@@ -24,6 +24,9 @@ def test_tiny_routing_bench_writes_a_complete_report(tmp_path: Path) -> None:
     text = (tmp_path / "routing.md").read_text()
     assert "kvroute bench routing --quick --seed 3" in text
     assert "## Targets" in text and "## Results" in text
+    # every kv setting that is not the router's default is named (the batch window: 0.04 ms)
+    assert "- `kv_settings`: the router's defaults but seed=3 (router default 0" in text
+    assert "admission_batch_window_ms=0.04 (router default 20;" in text
     for png in ("routing_ttft_cdf.png", "routing_hit_rate_vs_pressure.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     # the external baseline joins when the environment names a python that has it
@@ -36,6 +39,9 @@ def test_tiny_routing_bench_writes_a_complete_report(tmp_path: Path) -> None:
         assert section["pressure"] > 0
         summaries = {s["policy"]: s for s in section["summaries"]}
         assert set(summaries) == expected
+        # whatever order they ran in (it rotates per section), the report's order is fixed
+        fixed = ("kv", "approx_tree", SGLANG_CACHE_AWARE, *POLICIES[2:])
+        assert list(summaries) == [p for p in fixed if p in expected]
         for policy, s in summaries.items():
             assert s["completed"] == s["requests"] == 6, (section["workload"], policy, s)
             assert s["failed"] == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.soak_report import Sample, SoakReport, growth_mb
+import msgspec
+
+from bench.soak_report import Sample, SoakReport, growth_mb, render
 from router.commands.cli import main
 
 MB = 1024 * 1024
@@ -45,3 +47,40 @@ def test_a_tiny_soak_runs_end_to_end(tmp_path: Path) -> None:
     assert data["growth"], "the router's tracemalloc baseline and growth sites"
     text = (tmp_path / "soak.md").read_text()
     assert "| router RSS |" in text and (tmp_path / "soak_rss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _rendered(**changes: object) -> str:
+    # 5 minutes of flat samples, every 10 s (warm-up 1 minute, 3 measured)
+    report = msgspec.structs.replace(_report([100 * MB] * 30), **changes)
+    return render(report, None)
+
+
+def test_errors_are_blamed_on_the_restart_only_when_there_are_errors_and_a_restart() -> None:
+    clean = _rendered(errors=0, worker_restarted=True)
+    assert ", errors 0, client disconnects" in clean and "restarted halfway:" not in clean
+    some = _rendered(errors=3, worker_restarted=True)
+    assert "errors 3 (a worker was killed and restarted halfway: requests in flight" in some
+    alone = _rendered(errors=3, worker_restarted=False)
+    assert ", errors 3, client disconnects" in alone
+    assert "a worker killed and restarted halfway" not in alone
+
+
+def test_an_untraced_run_says_its_heap_was_not_traced() -> None:
+    untraced = [
+        Sample(t_s=10.0 * i, router_rss=100 * MB, router_traced=0, worker_rss=[MB], requests=i)
+        for i in range(30)
+    ]
+    # a report written before the `traced` field: the all-zero heap series tells
+    for text in (_rendered(samples=untraced), _rendered(samples=untraced, traced=False)):
+        assert "| router traced heap | not traced (`--no-trace`) | - |" in text
+        assert "| router traced heap | +0.00 MB" not in text
+        assert "the run ended before the warm-up" not in text
+        assert "(the router ran without tracemalloc (`--no-trace`): no allocation sites)" in text
+        assert "| 0.0 | 100.0 | - | 1.0 | 0 |" in text
+    # traced, past the warm-up, yet no sites: not blamed on the warm-up either
+    traced = _rendered(traced=True)
+    assert "| router traced heap | +0.00 MB | met |" in traced
+    assert "(the router listed no growing sites" in traced
+    # a run that ended inside its warm-up
+    short = _rendered(samples=_report([MB] * 3).samples, traced=True)
+    assert "(no baseline was taken: the run ended before the warm-up did)" in short

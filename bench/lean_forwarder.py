@@ -1,18 +1,20 @@
-"""The floor of a Python HTTP proxy on this machine: how fast the thinnest forwarder can be.
+"""A lean forwarder: an asyncio Protocol with httptools, set beside kvroute in the proxy bench.
 
 `kvroute bench proxy` holds kvroute's throughput against SGLang's Rust router. This forwarder
-says how much of the gap any router written in Python would have: an `asyncio.Protocol` that
-parses requests with httptools (the C parser uvicorn uses) and forwards each body with
-kvroute's own upstream client (`router.http.upstream_client`), on uvloop. No routing, no
-headers passed on, no streaming, no limits, no error pages: a request whose forward fails gets
-a bare 502. It is a measuring stick, not a server; nothing in kvroute uses it.
+is one point of comparison for how much of the gap a router's own work accounts for: an
+`asyncio.Protocol` that parses requests with httptools (the C parser uvicorn uses) and forwards
+each body with kvroute's own upstream client (`router.http.upstream_client`), on uvloop. No
+routing, no headers passed on, no streaming, no limits, no error pages: a request whose forward
+fails gets a bare 502. It is a measuring stick, not a server; nothing in kvroute uses it. It is
+a lean forwarder, not a floor: the parser lane below, on aiohttp's parser, has matched or beaten
+its requests/s in some runs (docs/benchmarks/proxy.md).
 
 Requests on one connection are answered in the order they came (pipelining), each forwarded
 as soon as it is parsed.
 
 `serve_parser_lane` is the same forwarder on aiohttp's own connection protocol and C parser
 (`web.RequestHandler`, `feed_data`), answering from the parsed message: no `web.Request`, no
-`web.Response`, no handler task of aiohttp's. Set beside the floor and the bare aiohttp
+`web.Response`, no handler task of aiohttp's. Set beside the lean forwarder and the bare aiohttp
 forwarders, it says how much of aiohttp's server-side cost is its parser and how much its
 request and response objects, which decides whether a leaner server side for kvroute can keep
 aiohttp's parser and limits.
@@ -32,14 +34,14 @@ from aiohttp.streams import StreamReader
 
 from router.http.upstream_client import Origin, UpstreamClient
 
-__all__ = ["FloorForwarder", "ParserLaneForwarder", "serve_floor", "serve_parser_lane"]
+__all__ = ["LeanForwarder", "ParserLaneForwarder", "serve_lean", "serve_parser_lane"]
 
 _JSON = [("Content-Type", "application/json")]
 _DEADLINE_S = 30.0
 _CONNECT_TIMEOUT_S = 5.0
 
 
-class FloorForwarder(asyncio.Protocol):
+class LeanForwarder(asyncio.Protocol):
     """One client connection: parse, forward, answer in order."""
 
     def __init__(self, client: UpstreamClient, origin: Origin, base: str) -> None:
@@ -155,12 +157,12 @@ class _LaneServer(web.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve_floor(upstream: str, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Serve the floor forwarder in front of `upstream` on an ephemeral port; yields its URL."""
+async def serve_lean(upstream: str, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve the lean forwarder in front of `upstream` on an ephemeral port; yields its URL."""
     origin, base = Origin.split(upstream)
     async with UpstreamClient() as client:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: FloorForwarder(client, origin, base), host, 0)
+        server = await loop.create_server(lambda: LeanForwarder(client, origin, base), host, 0)
         port = server.sockets[0].getsockname()[1]
         try:
             yield f"http://{host}:{port}"
