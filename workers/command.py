@@ -289,30 +289,45 @@ async def wait_for_shutdown(*, hangup_stops: bool = False) -> None:
     A lone worker stops on SIGHUP (its terminal hung up) the way it stops on Ctrl-C, closing
     its sockets and saying so, where the default action ended it without a word. `kvroute up`
     keeps its own SIGHUP handler (it says the signal is ignored) and leaves `hangup_stops`
-    off."""
+    off.
+
+    The handlers stay until the event loop closes: a signal after the first (Ctrl-C again while
+    `kvroute up` lets its requests finish) is said once and ignored, as `kvroute serve` ignores
+    it. Before, they were removed at the first: the second ended the process by its default
+    action, with two tracebacks (SIGINT) or none (SIGTERM), cutting the requests in flight."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    said_again = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal said_again
+        if not stop.is_set():
+            if sig is signal.SIGHUP:
+                _hung_up()
+            stop.set()
+        elif not said_again:
+            said_again = True
+            print(
+                f"{sig.name} again: already stopping (requests in flight are let finish); ignored",
+                file=sys.stderr,
+                flush=True,
+            )
+
     signals = [signal.SIGINT, signal.SIGTERM]
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
     if hangup_stops:
         signals.append(signal.SIGHUP)
-        loop.add_signal_handler(signal.SIGHUP, _hung_up, stop)
-    try:
-        await stop.wait()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    await stop.wait()
 
 
-def _hung_up(stop: asyncio.Event) -> None:
+def _hung_up() -> None:
     print(
         "SIGHUP: stopping (a reference worker has no config to reload; run it under nohup or "
         "a service manager to keep it past its terminal)",
         file=sys.stderr,
         flush=True,
     )
-    stop.set()
 
 
 async def _serve(config: WorkerConfig) -> None:
