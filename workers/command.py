@@ -287,14 +287,13 @@ async def wait_for_shutdown(*, hangup_stops: bool = False) -> None:
     """Return on SIGINT or SIGTERM (Ctrl-C included), and with `hangup_stops` on SIGHUP too.
 
     A lone worker stops on SIGHUP (its terminal hung up) the way it stops on Ctrl-C, closing
-    its sockets and saying so, where the default action ended it without a word. `kvroute up`
-    keeps its own SIGHUP handler (it says the signal is ignored) and leaves `hangup_stops`
-    off.
+    its sockets and saying so, where the default action ended it without a word.
 
     The handlers stay until the event loop closes: a signal after the first (Ctrl-C again while
-    `kvroute up` lets its requests finish) is said once and ignored, as `kvroute serve` ignores
-    it. Before, they were removed at the first: the second ended the process by its default
-    action, with two tracebacks (SIGINT) or none (SIGTERM), cutting the requests in flight."""
+    the worker closes) is said once and ignored, as `kvroute serve` ignores it. Before, they
+    were removed at the first: the second ended the process by its default action, with a
+    traceback (SIGINT) or none (SIGTERM). (`kvroute up` has its own, from its first instant:
+    `router.commands.stopping`.)"""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     said_again = False

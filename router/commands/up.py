@@ -25,6 +25,7 @@ import msgspec
 
 from router.commands import hangup
 from router.commands.serve import apply_overrides, run_loop, serve_fleet, tcp_port
+from router.commands.stopping import Until, stoppable
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
@@ -33,7 +34,6 @@ from workers.command import (
     at_least,
     config_from_args,
     describe_kv_events,
-    wait_for_shutdown,
 )
 from workers.errors import PortTakenError, WorkerError
 from workers.fleet import Fleet
@@ -116,11 +116,15 @@ def describe_fleet(fleet: Fleet) -> str:
 
 async def _serve(
     fleets: list[Fleet],
-    router: RouterConfig | None = None,
-    replicas: int = 1,
+    router: RouterConfig | None,
+    replicas: int,
+    until: Until,
     *,
     relay: bool = False,
 ) -> None:
+    """Start `fleets` and the router (or its replicas) and keep them until `until()`
+    returns; what is started is stopped on the way out, a cancellation's too
+    (`router.commands.stopping`: a signal while starting)."""
     # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads on
     # it, but `up` has no file of its own to read again (as POST /admin/reload answers here,
     # on every replica), so it is said and ignored, from the workers' start to the last stop
@@ -137,18 +141,17 @@ async def _serve(
             await stack.enter_async_context(fleet)
             print(describe_fleet(fleet), flush=True)
         if router is None:
-            await wait_for_shutdown()
+            await until()
         else:
             routed = [w for fleet in fleets for w in _routed(fleet)]
             if replicas > 1 or relay:
-                await _serve_replicas(router, routed, replicas, relay=relay)
+                await _serve_replicas(router, routed, replicas, until, relay=relay)
             else:
-                await serve_fleet(router, routed, wait_for_shutdown)
-    print("stopped", flush=True)
+                await serve_fleet(router, routed, until)
 
 
 async def _serve_replicas(
-    router: RouterConfig, workers: list[RoutedWorker], n: int, *, relay: bool = False
+    router: RouterConfig, workers: list[RoutedWorker], n: int, until: Until, *, relay: bool = False
 ) -> None:
     """`n` router replica processes on the router's port, one router through a local NATS;
     `relay`: they follow a `kvroute relay` run here (on a free port) instead of subscribing to
@@ -192,7 +195,7 @@ async def _serve_replicas(
                 config,
                 n,
                 log_level="WARNING",
-                until=wait_for_shutdown,
+                until=until,
                 reload=False,
                 pointers=True,
             )
@@ -350,8 +353,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     try:
-        # uvloop, as `serve`
-        run_loop(_serve(_fleets(args), router, args.replicas, relay=args.relay))
+        fleets = _fleets(args)
+        # uvloop, as `serve`; SIGINT and SIGTERM handled before anything starts
+        run_loop(
+            stoppable(functools.partial(_serve, fleets, router, args.replicas, relay=args.relay))
+        )
     except PortTakenError as exc:
         print(
             f"kvroute up: {exc}: choose another --worker-port-base (worker i listens on base + "
@@ -362,4 +368,5 @@ def run(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
+    print("stopped", flush=True)  # after a stop while starting too
     return 0

@@ -266,7 +266,7 @@ async def test_a_second_ctrl_c_in_the_grace_lets_the_request_finish(
         "--router-port", "0", "--worker-port-base", "0",
         "--time-scale", "1", "--decode-ms-per-token", "10",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,  # Ctrl-C reaches the terminal's whole group: the replicas too
+        start_new_session=True,  # as a terminal starts it: Ctrl-C reaches its whole group
     )  # fmt: skip
     assert proc.stdout is not None
     lines: list[str] = []
