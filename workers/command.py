@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from workers.config import DEFAULT_MODEL, WorkerConfig
-from workers.errors import WorkerError
+from workers.errors import PortTakenError, WorkerError
 from workers.worker import KvEventsInfo, ReferenceWorker
 
 __all__ = [
@@ -352,6 +352,10 @@ def run(args: argparse.Namespace) -> int:
         replay_port = args.replay[1]
     else:
         replay_port = events_port + 100 if events_port else 0
+    clash = _own_port_clash(events_port, replay_port, args.dp_size)
+    if clash:
+        print(f"kvroute worker: {clash}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(
             args,
@@ -365,7 +369,32 @@ def run(args: argparse.Namespace) -> int:
             bootstrap_port=args.bootstrap_port,
         )
         asyncio.run(_serve(config))
+    except PortTakenError as exc:
+        flag = "--port" if exc.port == args.port else "--bootstrap-port"
+        print(
+            f"kvroute worker: {exc}: choose another {flag} (0 picks a free one), or stop what "
+            "holds it",
+            file=sys.stderr,
+        )
+        return 2
     except (msgspec.ValidationError, ValueError, WorkerError, OSError) as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _own_port_clash(events_port: int, replay_port: int, ranks: int) -> str:
+    """Why the ranks' event and replay ports (rank r on each base + r) overlap, or "".
+
+    The bind of the second range failed as if another process held the port ("cannot bind
+    ...: Address already in use"), where it was this worker's own socket of the first."""
+    if not events_port or not replay_port or abs(events_port - replay_port) >= ranks:
+        return ""
+    port = max(events_port, replay_port)
+    return (
+        f"--events port {events_port} and --replay port {replay_port} overlap with --dp "
+        f"{ranks}: DP rank r publishes on {events_port} + r and replays on {replay_port} + r, "
+        f"so port {port} would be both DP rank {port - events_port}'s events and DP rank "
+        f"{port - replay_port}'s replay socket; leave --replay out (the default, events + 100 "
+        f"({events_port + 100})) or start it at least {ranks} ports away from --events"
+    )
