@@ -362,10 +362,13 @@ async def serve_processes(
     try:
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}
+        noun = "router" if verb == "serve" else "indexer"
+        # one process is said as one (it said "1 router replica processes")
+        processes_said = "process" if processes == 1 else "processes"
         announce(
-            f"kvroute: {processes} {'router' if verb == 'serve' else 'indexer'} replica processes "
-            f"listening on {', '.join(sorted(urls))}"
-            f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.shown_servers)}"
+            f"kvroute: {processes} {noun} replica {processes_said} listening on "
+            f"{', '.join(sorted(urls))} (SO_REUSEPORT), one {noun} through NATS at "
+            f"{', '.join(config.cluster.shown_servers)}"
         )
         if metrics_ports[0] is not None:
             host = next(iter(urls)).rsplit(":", 1)[0]

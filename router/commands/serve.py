@@ -70,10 +70,15 @@ def tcp_port(text: str) -> int:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, *, routes: bool = True, processes: bool = True
+    parser: argparse.ArgumentParser,
+    *,
+    routes: bool = True,
+    processes: bool = True,
+    runs: str = "router",
 ) -> None:
     """Options of `kvroute serve`; `routes=False`: no --policy (a verb that scores no
-    worker), `processes=False`: no --processes (a verb that must run as one process)."""
+    worker), `processes=False`: no --processes (a verb that must run as one process), `runs`:
+    what the verb's processes are together, in --processes' help ("router", "indexer")."""
     parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
     parser.add_argument("--host", help="override listen.host")
     parser.add_argument("--port", type=tcp_port, help="override listen.port (0 = any free port)")
@@ -96,7 +101,7 @@ def add_arguments(
             "--processes",
             type=int,
             default=1,
-            help="replica processes on the one port (SO_REUSEPORT), one router through the "
+            help=f"replica processes on the one port (SO_REUSEPORT), one {runs} through the "
             "config's [cluster] (default %(default)s)",
         )
     # a replica started by --processes: listen with SO_REUSEPORT beside its siblings
@@ -210,9 +215,11 @@ async def serve_until_stopped(
             where = (
                 f"all interfaces, bound to {bound}: {router.url} from this host; " if bound else ""
             )
+            # the relay routes nothing (and refuses --policy): no policy said (it said one)
+            policy = "" if relay else f"policy {config.policy.name}, "
             lines = [
-                f"kvroute {what} listening on {router.url} ({where}policy "
-                f"{config.policy.name}, index core {INDEX_BACKEND.name})"
+                f"kvroute {what} listening on {router.url} ({where}{policy}index core "
+                f"{INDEX_BACKEND.name})"
             ]
             if router.metrics_url:
                 also = " (all interfaces)" if bound else ""

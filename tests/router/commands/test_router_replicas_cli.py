@@ -635,3 +635,25 @@ def _running(word: str) -> list[int]:
                 if word.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
                     found.append(int(entry.name))
     return found
+
+
+@pytest.mark.parametrize("level", [None, "info"], ids=["default", "info"])
+async def test_up_with_a_relay_alone_says_it_in_the_singular_and_passes_its_log_level(
+    level: str | None,
+) -> None:
+    """`kvroute up --workers 1 --relay` said "1 reference workers" and "1 router replica
+    processes"; `up` had no --log-level and held its replicas to WARNING. It takes one now,
+    passed on to its replicas (left out: WARNING, as before)."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--relay", "--router-port", "0", "--worker-port-base", "0",
+        "--time-scale", "0", *(["--log-level", level] if level else []),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops the router", lines), 60)
+        # the replica's first INFO line comes as it starts, before it listens
+    told = "".join(lines)
+    assert "1 reference worker (" in told and "1 reference workers" not in told, told
+    assert "1 router replica process listening on" in told, told
+    assert ("INFO process=0 router.commands.serve" in told) == (level == "info"), told

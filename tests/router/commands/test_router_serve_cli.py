@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -450,3 +451,37 @@ async def test_a_closed_stdout_does_not_end_serve_with_a_traceback(tmp_path: Pat
             proc.kill()
             await proc.wait()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+async def test_the_relay_says_where_it_listens_without_a_policy(tmp_path: Path) -> None:
+    """It routes nothing and refuses --policy, yet said "(policy kv, index core native)"."""
+    with socket.socket() as held:  # NATS that never answers: the relay listens all the same
+        held.bind(("127.0.0.1", 0))
+        config = tmp_path / "relay.toml"
+        config.write_text(
+            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n"
+            f"[cluster]\nurl = 'nats://127.0.0.1:{held.getsockname()[1]}'\n"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "relay", "--config", str(config),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 30)
+    assert "kvroute relay (KV events to nats://" in line and "listening on http://" in line
+    assert "policy" not in line and "index core " in line, line
+
+
+def test_the_processes_option_says_what_each_verb_runs() -> None:
+    """`kvroute indexer --processes` said "one router through the config's [cluster]"."""
+    from router.commands.cli import build_parser
+
+    for verb, noun in (("serve", "one router"), ("indexer", "one indexer")):
+        parser, _ = build_parser([verb, "--help"])
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        text = " ".join(sub.choices[verb].format_help().split())
+        assert f"{noun} through the config's [cluster]" in text, text
