@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--relay-requests", type=int, default=400, help="worker batches through the relay"
     )
     parser.add_argument("--relay-rate", type=float, default=100.0, help="their rate per second")
-    parser.add_argument("--output", default="docs/benchmarks/cluster.md")
+    parser.add_argument("--output", "--out", default="docs/benchmarks/cluster.md")
 
 
 def _replica(name: str, nats: str, workers: tuple[WorkerConfig, ...] = ()) -> RouterConfig:

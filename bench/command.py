@@ -51,7 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         suite_parser = sub.add_parser(name, help=help_text, description=help_text)
         suite.add_arguments(suite_parser)
+        _say_defaults(suite_parser)
         suite_parser.set_defaults(_suite_module=module)
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append its default to the help of every option that has one and does not say it yet
+    (before, no suite's help showed one: `--page-size PAGE_SIZE`, with no word of 16). None
+    (worked out at run time, which the help then says) and a flag's False say nothing."""
+    for action in parser._actions:
+        help_text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in help_text
+        ):
+            continue
+        action.help = f"{help_text} (default %(default)s)" if help_text else "default %(default)s"
 
 
 def run(args: argparse.Namespace) -> int:

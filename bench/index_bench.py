@@ -71,7 +71,7 @@ from router.routing.admission import RecencyBook, recency_stride
 
 __all__ = ["add_arguments", "run"]
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "index.md"
+DEFAULT_OUTPUT = Path("docs/benchmarks/index.md")  # below the working directory, as every suite
 
 
 def bench_ingest(
@@ -385,7 +385,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="index backend to measure (default: %(default)s); with native, the python "
         "backend is measured too, as the baseline",
     )
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", "--out", type=Path, default=DEFAULT_OUTPUT)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="paired rounds of the operations layer's routers alone, for its cost (each round "
         "--throughput-requests / --rounds requests per router); 0 skips",
     )
-    parser.add_argument("--output", default="docs/benchmarks/proxy.md")
+    parser.add_argument("--output", "--out", default="docs/benchmarks/proxy.md")
 
 
 # ---------------------------------------------------------------- helper processes (roles)

@@ -120,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in OUT/seed-N, and OUT/routing_seeds.md with every policy's hit rate over kv's taken "
         "seed by seed (median and range)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report directory")
+    parser.add_argument(
+        "--out", "--output", type=Path, default=DEFAULT_OUT, help="report directory"
+    )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"
     )

@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the router without tracemalloc (RSS only, no growth sites)",
     )
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--out", "--output", type=Path, default=Path("docs/benchmarks"))
 
 
 def _free_ports(n: int) -> list[int]:

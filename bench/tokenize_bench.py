@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--min-bytes", type=int, default=8192, help="offload threshold tried")
     parser.add_argument("--threads", default="1,2", help="offload thread counts tried (csv)")
-    parser.add_argument("--output", default="docs/benchmarks/tokenize.md")
+    parser.add_argument("--output", "--out", default="docs/benchmarks/tokenize.md")
 
 
 def _words(rng: random.Random) -> list[str]:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from workers.config import DEFAULT_MODEL, WorkerConfig
-from workers.errors import WorkerError
+from workers.errors import PortTakenError, WorkerError
 from workers.worker import KvEventsInfo, ReferenceWorker
 
 __all__ = [
@@ -287,32 +287,46 @@ async def wait_for_shutdown(*, hangup_stops: bool = False) -> None:
     """Return on SIGINT or SIGTERM (Ctrl-C included), and with `hangup_stops` on SIGHUP too.
 
     A lone worker stops on SIGHUP (its terminal hung up) the way it stops on Ctrl-C, closing
-    its sockets and saying so, where the default action ended it without a word. `kvroute up`
-    keeps its own SIGHUP handler (it says the signal is ignored) and leaves `hangup_stops`
-    off."""
+    its sockets and saying so, where the default action ended it without a word.
+
+    The handlers stay until the event loop closes: a signal after the first (Ctrl-C again while
+    the worker closes) is said once and ignored, as `kvroute serve` ignores it. Before, they
+    were removed at the first: the second ended the process by its default action, with a
+    traceback (SIGINT) or none (SIGTERM). (`kvroute up` has its own, from its first instant:
+    `router.commands.stopping`.)"""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    said_again = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal said_again
+        if not stop.is_set():
+            if sig is signal.SIGHUP:
+                _hung_up()
+            stop.set()
+        elif not said_again:
+            said_again = True
+            print(
+                f"{sig.name} again: already stopping (requests in flight are let finish); ignored",
+                file=sys.stderr,
+                flush=True,
+            )
+
     signals = [signal.SIGINT, signal.SIGTERM]
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
     if hangup_stops:
         signals.append(signal.SIGHUP)
-        loop.add_signal_handler(signal.SIGHUP, _hung_up, stop)
-    try:
-        await stop.wait()
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    await stop.wait()
 
 
-def _hung_up(stop: asyncio.Event) -> None:
+def _hung_up() -> None:
     print(
         "SIGHUP: stopping (a reference worker has no config to reload; run it under nohup or "
         "a service manager to keep it past its terminal)",
         file=sys.stderr,
         flush=True,
     )
-    stop.set()
 
 
 async def _serve(config: WorkerConfig) -> None:
@@ -338,6 +352,10 @@ def run(args: argparse.Namespace) -> int:
         replay_port = args.replay[1]
     else:
         replay_port = events_port + 100 if events_port else 0
+    clash = _own_port_clash(events_port, replay_port, args.dp_size)
+    if clash:
+        print(f"kvroute worker: {clash}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(
             args,
@@ -351,7 +369,32 @@ def run(args: argparse.Namespace) -> int:
             bootstrap_port=args.bootstrap_port,
         )
         asyncio.run(_serve(config))
+    except PortTakenError as exc:
+        flag = "--port" if exc.port == args.port else "--bootstrap-port"
+        print(
+            f"kvroute worker: {exc}: choose another {flag} (0 picks a free one), or stop what "
+            "holds it",
+            file=sys.stderr,
+        )
+        return 2
     except (msgspec.ValidationError, ValueError, WorkerError, OSError) as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _own_port_clash(events_port: int, replay_port: int, ranks: int) -> str:
+    """Why the ranks' event and replay ports (rank r on each base + r) overlap, or "".
+
+    The bind of the second range failed as if another process held the port ("cannot bind
+    ...: Address already in use"), where it was this worker's own socket of the first."""
+    if not events_port or not replay_port or abs(events_port - replay_port) >= ranks:
+        return ""
+    port = max(events_port, replay_port)
+    return (
+        f"--events port {events_port} and --replay port {replay_port} overlap with --dp "
+        f"{ranks}: DP rank r publishes on {events_port} + r and replays on {replay_port} + r, "
+        f"so port {port} would be both DP rank {port - events_port}'s events and DP rank "
+        f"{port - replay_port}'s replay socket; leave --replay out (the default, events + 100 "
+        f"({events_port + 100})) or start it at least {ranks} ports away from --events"
+    )

@@ -38,6 +38,7 @@ from aiohttp import web
 from workers.config import WorkerConfig
 from workers.errors import KvTransferError, KvTransferTimeoutError, RequestError
 from workers.io_struct import ApiRequest, Generation
+from workers.listener import bind_site
 from workers.scheduler import Job, QueueFullError
 
 __all__ = ["Disaggregation", "Handoff", "HandoffTable", "RemoteKv", "room_rank"]
@@ -143,7 +144,7 @@ class Disaggregation:
             await runner.setup()
             self._runner = runner
             site = web.TCPSite(runner, self.config.host, self.config.bootstrap_port)
-            await site.start()
+            await bind_site(site, "KV bootstrap port", self.config.bootstrap_port)
             self.bootstrap_port = int(runner.addresses[0][1])
         elif self.role == "decode":
             self._session = aiohttp.ClientSession(auto_decompress=False)

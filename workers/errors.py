@@ -4,7 +4,7 @@ WorkerError
 ├── RequestError       a request the HTTP API rejects (400): the message names the bad field
 ├── CacheBusyError     a full flush refused while requests hold cache pages (400, as SGLang)
 ├── PortRangeError     no free run of consecutive ports for the DP ranks' event streams
-├── PortTakenError     a fleet worker's HTTP port is another process's
+├── PortTakenError     a worker's HTTP (or KV bootstrap) port is another process's
 └── KvTransferError    a PD request's KV could not be handed over (502)
     └── KvTransferTimeoutError  the other side never came within kv_transfer_timeout_s (504)
 """
@@ -39,7 +39,12 @@ class PortRangeError(WorkerError):
 
 
 class PortTakenError(WorkerError):
-    """A fleet worker's HTTP port (its base + its index) is held by another process."""
+    """A worker's HTTP port (in a fleet, its base + its index) or KV bootstrap port is held by
+    another process; `port` is that port, for the caller to name the option that moves it."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
 
 
 class KvTransferError(WorkerError):

@@ -18,7 +18,6 @@ to `kv@<id>` (`topic_template`, `{id}` substituted). Leaving the context stops e
 from __future__ import annotations
 
 import contextlib
-import errno
 from types import TracebackType
 
 import msgspec
@@ -107,13 +106,9 @@ class Fleet:
                 config = self.worker_config(index)
                 try:
                     worker = await self._stack.enter_async_context(ReferenceWorker(config))
-                except OSError as exc:
-                    if exc.errno != errno.EADDRINUSE or not config.port:
-                        raise
-                    # said by worker and port: the bind's own words name neither
-                    raise PortTakenError(
-                        f"{self._id_prefix}{index}'s HTTP port {config.port} is taken"
-                    ) from exc
+                except PortTakenError as exc:
+                    # said by worker too: which of the fleet's holds the port
+                    raise PortTakenError(f"{self._id_prefix}{index}'s {exc}", exc.port) from exc
                 self.workers.append(
                     FleetWorker(
                         id=f"{self._id_prefix}{index}",

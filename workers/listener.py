@@ -9,13 +9,16 @@ logs at most one line per interval with a count of the lines held back. The rout
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Any
 
 from aiohttp import hdrs, web
 
-__all__ = ["QuietHandler", "QuietServer", "WorkerRunner"]
+from workers.errors import PortTakenError
+
+__all__ = ["QuietHandler", "QuietServer", "WorkerRunner", "bind_site"]
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +121,15 @@ class WorkerRunner(web.AppRunner):
             handler_cancellation=server.handler_cancellation,
             **server._kwargs,
         )
+
+
+async def bind_site(site: web.TCPSite, what: str, port: int) -> None:
+    """Start `site`; its port held by another process is a PortTakenError naming `what` and
+    the port (the bind's own "[Errno 98] error while attempting to bind on address" named
+    neither the port's use nor the option that moves it)."""
+    try:
+        await site.start()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE or not port:
+            raise
+        raise PortTakenError(f"{what} {port} is taken", port) from exc

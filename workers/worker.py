@@ -27,7 +27,7 @@ from workers.config import WorkerConfig
 from workers.disagg import Disaggregation, room_rank
 from workers.errors import CacheBusyError, RequestError, WorkerError
 from workers.io_struct import Generation
-from workers.listener import WorkerRunner
+from workers.listener import WorkerRunner, bind_site
 from workers.publisher import EventPublisher, bind_port_run
 from workers.scheduler import Job, RankScheduler
 from workers.server import build_app
@@ -180,7 +180,7 @@ class ReferenceWorker:
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
-        await site.start()
+        await bind_site(site, "HTTP port", cfg.port)
         port = self._runner.addresses[0][1]
         self._url = f"http://{cfg.host}:{port}"
 

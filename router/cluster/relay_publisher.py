@@ -14,6 +14,11 @@ one task with the client's core publish: the stream keeps what reaches the serve
 not (NATS away longer than the client buffers, or more than `QUEUE_LIMIT` records waiting) is
 dropped and counted; the followers see the numbers skipped and start those streams afresh, so a
 loss costs hits, never a false one.
+
+NATS that does not answer within `startup_timeout_s` of the start is said in one WARNING line
+(`relay degraded: ...`, naming the URL and the last error), and its answering after that in one
+more (`relay resynced: ...`), as a replica says them; `/health` says "degraded" meanwhile. The
+client retries a refused connection by itself, forever: before, nothing was said above DEBUG.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class RelayPublisher:
         self.dropped = 0  # never handed to it
         self.lost_streams = 0  # times the server's stream was found gone and made again
         self.connected_once = False
+        self._late = False  # NATS not written to at the start, said: its answer is said too
+        self._last_error = ""  # the client's last failed attempt, for that line
         self._said: set[str] = set()
         self._closing = False
         self._reconnected = False
@@ -180,6 +187,7 @@ class RelayPublisher:
         self._tasks = [
             asyncio.create_task(self._connect(), name="kvroute-relay-connect"),
             asyncio.create_task(self._heartbeats(), name="kvroute-relay-heartbeats"),
+            asyncio.create_task(self._startup_deadline(), name="kvroute-relay-deadline"),
         ]
         return self
 
@@ -223,7 +231,10 @@ class RelayPublisher:
         nc = NATS()
 
         async def on_error(exc: Exception) -> None:
-            log.debug("relay nats: %s: %s", type(exc).__name__, exc)
+            # every failed attempt lands here (the client retries a refused connect itself,
+            # forever): kept for the one line the startup deadline says
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            log.debug("relay nats: %s", self._last_error)
 
         async def on_disconnected() -> None:
             if self.connected_once and not self._closing:
@@ -253,11 +264,22 @@ class RelayPublisher:
                 await ensure_relay_stream(js, self.config)
                 break
             except _NATS_ERRORS as exc:
+                # an option the client refused at once, or a server that answers but would
+                # not make the stream (JetStream off): a refused connection never lands here
+                said = f"{type(exc).__name__}: {exc}"
+                self._last_error = said
                 self._say_once(
                     "connect",
-                    f"relay: NATS at {', '.join(self.config.shown_servers)} does not answer "
-                    f"({type(exc).__name__}: {exc}); still trying, records wait (bounded)",
+                    f"relay: NATS at {self._servers} "
+                    + (
+                        f"answers, but JetStream stream {relay_stream_name(self.config)} "
+                        f"was not made ({said})"
+                        if nc.is_connected
+                        else f"does not answer ({said})"
+                    )
+                    + "; still trying, records wait (bounded)",
                 )
+                self._late = True  # said: its end is said too, and the deadline says nothing
                 with contextlib.suppress(*_NATS_ERRORS):
                     await nc.close()
                 nc = NATS()
@@ -265,12 +287,36 @@ class RelayPublisher:
                 delay = min(delay * 2, 5.0)
         self._nc = nc
         self.connected_once = True
-        log.info(
-            "relay: writing the workers' KV events to JetStream stream %s (epoch %x)",
-            relay_stream_name(self.config),
-            self.epoch,
+        writing = (
+            f"writing the workers' KV events to JetStream stream "
+            f"{relay_stream_name(self.config)} (epoch {self.epoch:x})"
         )
+        if self._late:
+            log.warning("relay resynced: NATS at %s answers; %s", self._servers, writing)
+        else:
+            log.info("relay: %s", writing)
         await self._drain(nc)
+
+    @property
+    def _servers(self) -> str:
+        return ", ".join(self.config.shown_servers)
+
+    async def _startup_deadline(self) -> None:
+        """Say once that NATS has not answered within `startup_timeout_s`, as a replica does
+        (`cluster degraded: ...`): the client's own retries say nothing above DEBUG."""
+        await asyncio.sleep(self.config.startup_timeout_s)
+        if self.connected_once or self._late:
+            return  # connected, or the reason it is not was said already
+        self._late = True
+        last = f" (last attempt: {self._last_error})" if self._last_error else ""
+        log.warning(
+            "relay degraded: NATS at %s did not answer within %g s%s; nothing is written, the "
+            "records wait (bounded) and the replicas following this relay predict nothing "
+            "until NATS answers; still trying",
+            self._servers,
+            self.config.startup_timeout_s,
+            last,
+        )
 
     async def _drain(self, nc: NATS) -> None:
         queue = self._queue

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from router.cluster.errors import ClusterError
 
-__all__ = ["NatsServer", "find_nats_server", "free_port"]
+__all__ = ["NatsServer", "die_with_parent", "find_nats_server", "free_port"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -39,9 +39,10 @@ def find_nats_server() -> tuple[str, str]:
     )
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: Linux ends it (SIGTERM) when its parent dies, so a killed
-    `kvroute up` leaves no server behind. Elsewhere nothing happens."""
+    `kvroute up` leaves no server (nor replica, `router.commands.replicas`) behind. Elsewhere
+    nothing happens."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -101,7 +102,7 @@ class NatsServer:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             # out of the terminal's process group: Ctrl-C reaches `kvroute up`, which stops
             # the replicas and the relay while their NATS still answers, then stops it (it
             # still dies with its parent)

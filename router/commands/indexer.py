@@ -17,8 +17,9 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `kvroute indexer` (those of `kvroute serve`)."""
-    serve.add_arguments(parser)
+    """Options of `kvroute indexer` (those of `kvroute serve`; its --processes are one
+    indexer, where the help said one router)."""
+    serve.add_arguments(parser, runs="indexer")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,11 @@ them all on SIGINT or SIGTERM, each given the time a single router gives its req
 (the config file broken since, a child that does not listen in time) is said and tried again
 later, the wait doubling from 1 s to 30 s: a child's trouble is never the others'.
 
+The children run in a session of their own (Ctrl-C in the terminal reaches this parent, which
+stops them), and on Linux get SIGTERM when this parent dies, however it dies. The parent's
+SIGINT and SIGTERM handlers are up before the first child starts (`router.commands.stopping`):
+one while they start stops those started so far.
+
 A reload reaches a child once it listens: one starting (or restarting) may have read the file
 before the reload was asked for, so it is sent SIGHUP as soon as it listens (its handler is up
 by then: signalled earlier, it died, and at first start the whole router with it). A SIGHUP to
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -41,6 +47,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
+from router.cluster.server import die_with_parent
 from router.commands import hangup
 from router.config import RouterConfig
 from router.errors import ConfigError
@@ -154,6 +161,12 @@ class _Child:
                 stdout=asyncio.subprocess.PIPE,
                 env=self.env,
                 pass_fds=() if theirs is None else (theirs.fileno(),),
+                preexec_fn=functools.partial(_in_child, os.getpid()),
+                # out of the terminal's process group, as the nats-server: Ctrl-C reaches this
+                # parent alone, which stops every child (SIGTERM). In the group, a child still
+                # importing died of it with a KeyboardInterrupt traceback (its handler not up
+                # yet; an ignored SIGINT is not kept across uvloop's spawn)
+                start_new_session=True,
             )
         except BaseException:
             if ours is not None:
@@ -199,6 +212,16 @@ class _Child:
         finally:
             if self._link is not None:
                 self._link.cancel()
+
+
+def _in_child(parent: int) -> None:
+    """In the child, before exec: on Linux it gets SIGTERM when this parent dies
+    (`die_with_parent`). Its own exit check (`--exit-with-parent`) took the parent it first
+    saw for the one to outlive, so a child whose parent was killed while it still imported saw
+    its new parent (init, a subreaper) there and served on, orphaned, for good."""
+    die_with_parent()
+    if os.getppid() != parent:  # died before the line above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _say(text: str) -> None:
@@ -339,10 +362,13 @@ async def serve_processes(
     try:
         await asyncio.gather(*(child.start() for child in children))
         urls = {child.url for child in children}
+        noun = "router" if verb == "serve" else "indexer"
+        # one process is said as one (it said "1 router replica processes")
+        processes_said = "process" if processes == 1 else "processes"
         announce(
-            f"kvroute: {processes} {'router' if verb == 'serve' else 'indexer'} replica processes "
-            f"listening on {', '.join(sorted(urls))}"
-            f" (SO_REUSEPORT), one router through NATS at {', '.join(config.cluster.shown_servers)}"
+            f"kvroute: {processes} {noun} replica {processes_said} listening on "
+            f"{', '.join(sorted(urls))} (SO_REUSEPORT), one {noun} through NATS at "
+            f"{', '.join(config.cluster.shown_servers)}"
         )
         if metrics_ports[0] is not None:
             host = next(iter(urls)).rsplit(":", 1)[0]

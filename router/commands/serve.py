@@ -70,10 +70,15 @@ def tcp_port(text: str) -> int:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, *, routes: bool = True, processes: bool = True
+    parser: argparse.ArgumentParser,
+    *,
+    routes: bool = True,
+    processes: bool = True,
+    runs: str = "router",
 ) -> None:
     """Options of `kvroute serve`; `routes=False`: no --policy (a verb that scores no
-    worker), `processes=False`: no --processes (a verb that must run as one process)."""
+    worker), `processes=False`: no --processes (a verb that must run as one process), `runs`:
+    what the verb's processes are together, in --processes' help ("router", "indexer")."""
     parser.add_argument("--config", required=True, help="router TOML config (see configs/)")
     parser.add_argument("--host", help="override listen.host")
     parser.add_argument("--port", type=tcp_port, help="override listen.port (0 = any free port)")
@@ -96,7 +101,7 @@ def add_arguments(
             "--processes",
             type=int,
             default=1,
-            help="replica processes on the one port (SO_REUSEPORT), one router through the "
+            help=f"replica processes on the one port (SO_REUSEPORT), one {runs} through the "
             "config's [cluster] (default %(default)s)",
         )
     # a replica started by --processes: listen with SO_REUSEPORT beside its siblings
@@ -210,19 +215,34 @@ async def serve_until_stopped(
             where = (
                 f"all interfaces, bound to {bound}: {router.url} from this host; " if bound else ""
             )
-            print(
-                f"kvroute {what} listening on {router.url} ({where}policy "
-                f"{config.policy.name}, index core {INDEX_BACKEND.name})"
-            )
+            # the relay routes nothing (and refuses --policy): no policy said (it said one)
+            policy = "" if relay else f"policy {config.policy.name}, "
+            lines = [
+                f"kvroute {what} listening on {router.url} ({where}{policy}index core "
+                f"{INDEX_BACKEND.name})"
+            ]
             if router.metrics_url:
                 also = " (all interfaces)" if bound else ""
-                print(f"kvroute metrics on {router.metrics_url}{also}")
-            sys.stdout.flush()
+                lines.append(f"kvroute metrics on {router.metrics_url}{also}")
+            _announce(lines)
         await stop.wait()  # SIGHUP is ignored from here on, said in one line
         if link is not None:
             link.close()
     if orphaned is not None:
         orphaned.cancel()
+
+
+def _announce(lines: list[str]) -> None:
+    """Print `lines` on stdout; a pipe nobody reads any more (`kvroute serve | head -0`, or
+    a `--processes` child whose parent died: its exit check ends it) is let go quietly. Before,
+    BrokenPipeError ended the router with a traceback before it served."""
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:
+        # stdout onto /dev/null: the interpreter's own flush at exit would raise it again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 async def _reload(router: RouterService) -> None:
@@ -270,16 +290,6 @@ def config_source(args: argparse.Namespace) -> ConfigSource:
 
     path: str = args.config
     return ConfigSource(path, lambda: apply_overrides(read_config(path, reloading=True), args))
-
-
-async def _signalled() -> None:
-    """Return on SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 def curl_example(url: str, model: str = "kvroute/reference-byte-lm") -> str:
@@ -436,15 +446,19 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         source = None if getattr(args, "no_reload", False) else config_source(args)
         if processes > 1:
             from router.commands.replicas import serve_processes
+            from router.commands.stopping import stoppable
 
+            # SIGINT and SIGTERM handled before the first child starts
             run_loop(
-                serve_processes(
-                    args.config,
-                    config,
-                    processes,
-                    log_level=args.log_level,
-                    until=_signalled,
-                    verb="serve" if proxy else "indexer",  # children without the proxy too
+                stoppable(
+                    lambda until: serve_processes(
+                        args.config,
+                        config,
+                        processes,
+                        log_level=args.log_level,
+                        until=until,
+                        verb="serve" if proxy else "indexer",  # children without the proxy too
+                    )
                 )
             )
         else:

@@ -24,7 +24,15 @@ from typing import Any, get_args
 import msgspec
 
 from router.commands import hangup
-from router.commands.serve import apply_overrides, run_loop, serve_fleet, tcp_port
+from router.commands.serve import (
+    LOG_LEVELS,
+    apply_overrides,
+    configure_logging,
+    run_loop,
+    serve_fleet,
+    tcp_port,
+)
+from router.commands.stopping import Until, stoppable
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
 from router.errors import ConfigError, RouterError
@@ -33,7 +41,6 @@ from workers.command import (
     at_least,
     config_from_args,
     describe_kv_events,
-    wait_for_shutdown,
 )
 from workers.errors import PortTakenError, WorkerError
 from workers.fleet import Fleet
@@ -93,7 +100,11 @@ def describe_fleet(fleet: Fleet) -> str:
     # with several ranks the router routes to a (worker, rank) and tells the worker which
     each = f", {ranks} data-parallel ranks each" if ranks > 1 else ""
     role = "" if fleet.config.role == "both" else f"{fleet.config.role} "
-    lines = [f"{len(fleet.workers)} {role}reference workers ({fleet.config.model}{each}):"]
+    count = len(fleet.workers)
+    # one is said as one (it said "1 reference workers")
+    lines = [
+        f"{count} {role}reference worker{'' if count == 1 else 's'} ({fleet.config.model}{each}):"
+    ]
     for worker in fleet.workers:
         lines.append(f"{worker.id}: {worker.url}")
         lines.append(describe_kv_events(worker.kv_events))
@@ -116,11 +127,16 @@ def describe_fleet(fleet: Fleet) -> str:
 
 async def _serve(
     fleets: list[Fleet],
-    router: RouterConfig | None = None,
-    replicas: int = 1,
+    router: RouterConfig | None,
+    replicas: int,
+    until: Until,
     *,
     relay: bool = False,
+    log_level: str = "WARNING",
 ) -> None:
+    """Start `fleets` and the router (or its replicas) and keep them until `until()`
+    returns; what is started is stopped on the way out, a cancellation's too
+    (`router.commands.stopping`: a signal while starting)."""
     # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads on
     # it, but `up` has no file of its own to read again (as POST /admin/reload answers here,
     # on every replica), so it is said and ignored, from the workers' start to the last stop
@@ -137,18 +153,25 @@ async def _serve(
             await stack.enter_async_context(fleet)
             print(describe_fleet(fleet), flush=True)
         if router is None:
-            await wait_for_shutdown()
+            await until()
         else:
             routed = [w for fleet in fleets for w in _routed(fleet)]
             if replicas > 1 or relay:
-                await _serve_replicas(router, routed, replicas, relay=relay)
+                await _serve_replicas(
+                    router, routed, replicas, until, relay=relay, log_level=log_level
+                )
             else:
-                await serve_fleet(router, routed, wait_for_shutdown)
-    print("stopped", flush=True)
+                await serve_fleet(router, routed, until)
 
 
 async def _serve_replicas(
-    router: RouterConfig, workers: list[RoutedWorker], n: int, *, relay: bool = False
+    router: RouterConfig,
+    workers: list[RoutedWorker],
+    n: int,
+    until: Until,
+    *,
+    relay: bool = False,
+    log_level: str = "WARNING",
 ) -> None:
     """`n` router replica processes on the router's port, one router through a local NATS;
     `relay`: they follow a `kvroute relay` run here (on a free port) instead of subscribing to
@@ -191,8 +214,8 @@ async def _serve_replicas(
                 str(path),
                 config,
                 n,
-                log_level="WARNING",
-                until=wait_for_shutdown,
+                log_level=log_level,
+                until=until,
                 reload=False,
                 pointers=True,
             )
@@ -219,6 +242,15 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="override policy.name",
     )
     router.add_argument("--no-router", action="store_true", help="start the workers only")
+    router.add_argument(
+        "--log-level",
+        type=str.upper,  # logging knows only upper-case names; `debug` is as good
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help=f"{', '.join(LOG_LEVELS)}, in any case: log lines of this process (workers, router, "
+        "relay) as `kvroute serve` writes them, and of the --replicas processes (default: "
+        "WARNING and above, each as its bare message here, the replicas' as serve writes them)",
+    )
     router.add_argument(
         "--relay",
         action="store_true",
@@ -254,7 +286,7 @@ def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -
     add_arguments(probe)
     defaults = vars(probe.parse_args([]))
     given = _given_options(probe, getattr(args, "command_line", None))
-    router_only = {"config", "router_port", "policy", "no_router", "replicas", "relay"}
+    router_only = {"config", "router_port", "policy", "no_router", "replicas", "relay", "log_level"}
     actions = {action.dest: action for action in probe._actions}
     for key, value in fleet.items():
         if key not in defaults or key in router_only:
@@ -338,6 +370,10 @@ def _fleets(args: argparse.Namespace) -> list[Fleet]:
 def run(args: argparse.Namespace) -> int:
     """Start the fleet and the router; keep them up until Ctrl-C or SIGTERM."""
     router: RouterConfig | None = None
+    if args.log_level is not None:
+        # given: formatted as `kvroute serve` writes them; left out, as before (no setup: the
+        # WARNING lines and above, each its bare message)
+        configure_logging(args.log_level)
     try:
         # the [fleet] table shapes the workers with or without the router
         config = load_config(_config_path(args.config))
@@ -350,8 +386,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     try:
-        # uvloop, as `serve`
-        run_loop(_serve(_fleets(args), router, args.replicas, relay=args.relay))
+        fleets = _fleets(args)
+        # uvloop, as `serve`; SIGINT and SIGTERM handled before anything starts
+        run_loop(
+            stoppable(
+                functools.partial(
+                    _serve,
+                    fleets,
+                    router,
+                    args.replicas,
+                    relay=args.relay,
+                    log_level=args.log_level or "WARNING",  # the replicas', as before
+                )
+            )
+        )
     except PortTakenError as exc:
         print(
             f"kvroute up: {exc}: choose another --worker-port-base (worker i listens on base + "
@@ -362,4 +410,5 @@ def run(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, ValueError, WorkerError, OSError, RouterError) as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
+    print("stopped", flush=True)  # after a stop while starting too
     return 0

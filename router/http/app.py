@@ -219,7 +219,8 @@ def _direct_routes(app: web.Application) -> dict[str, _Handler]:
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while the routable workers can answer a request (one serves whole
     requests, or a prefill and a decode worker of one model make a pair), else 503; with a
-    [cluster], where this replica stands with the others ("ok", or "degraded": local state)."""
+    [cluster], where this replica stands with the others ("ok", or "degraded": local state).
+    `kvroute relay`'s says "degraded" (200) while its NATS does not answer."""
     return _health(request, _serves)
 
 
@@ -248,6 +249,10 @@ def _health(request: web.Request, serves_with: Callable[[list[WorkerEntry]], boo
     relay = request.app.get(RELAY)
     if relay is not None:
         body["relay"] = relay.describe()
+        if serves and not relay.connected:
+            # a relay without NATS writes nothing: not "ok" (before, only relay.status said
+            # it); still 200, as a degraded replica's, for what it does is NATS's to mend
+            body["status"] = "degraded"
     return web.Response(
         body=_json.encode(body), status=200 if serves else 503, content_type="application/json"
     )

@@ -427,6 +427,11 @@ def test_the_multi_model_example_serves_two_models() -> None:
     # the second 7B worker joins its pool once discovered
     assert pool.served() == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-32B-Instruct", "qwen-32b")
     assert pool.resolve("qwen-32b").cache_model == "Qwen/Qwen2.5-32B-Instruct"
+    # what its header says /v1/models and an unknown model's 404 list: those three names
+    # (before: "both models, once each", "the two models")
+    header = (CONFIGS / "multi-model.toml").read_text(encoding="utf-8").split("\n\n", 1)[0]
+    assert header.count("three names") == 2, header
+    assert "both models" not in header and "listing the two models" not in header, header
 
 
 def test_every_limit_and_timeout_is_documented() -> None:

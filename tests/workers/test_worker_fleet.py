@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
 
 import aiohttp
@@ -156,3 +157,62 @@ def test_the_sglang_version_is_an_option_of_worker_and_up() -> None:
     for parser in (worker, up):
         args = parser.parse_args(["--sglang-version", "0.5.22"])
         assert config_from_args(args).version == "0.5.22"
+
+
+async def _worker_refusal(*argv: str) -> str:
+    """`kvroute worker ARGV`, which must exit 2 at once: its stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "worker", "--time-scale", "0", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    said = err.decode()
+    assert proc.returncode == 2 and "Traceback" not in said, said
+    return said
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("replay_offset", [1, -1], ids=["replay-above", "replay-below"])
+async def test_dp_ranks_whose_event_and_replay_ports_overlap_are_refused_naming_both(
+    replay_offset: int,
+) -> None:
+    """The README's `--events ...:5557 --replay ...:5558` with `--dp 2`: rank 1 publishes on
+    5558, the port of rank 0's replay socket. The bind failed with "cannot bind ...: Address
+    already in use", as if another process held it: it was the worker's own socket. Both
+    ranges are named now, and the fix (the default, events + 100)."""
+    events = _free_port() + 1  # room below it for the replay-below case
+    replay = events + replay_offset
+    said = await _worker_refusal(
+        "--port", "0", "--dp", "2",
+        "--events", f"tcp://127.0.0.1:{events}", "--replay", f"tcp://127.0.0.1:{replay}",
+    )  # fmt: skip
+    clash = max(events, replay)
+    first, second = (
+        ("rank 1's events", "rank 0's replay")
+        if replay_offset > 0
+        else ("rank 0's events", "rank 1's replay")
+    )
+    assert f"port {clash} would be both DP {first} and DP {second} socket" in said, said
+    assert f"events + 100 ({events + 100})" in said and "already in use" not in said, said
+
+
+async def test_a_taken_http_port_names_the_option_that_moves_it() -> None:
+    """`kvroute up`, `serve` and `--metrics-port` name the option; the worker printed the bare
+    "[Errno 98] error while attempting to bind on address ...\""""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        said = await _worker_refusal("--port", str(port), "--events", "tcp://127.0.0.1:0")
+    assert f"HTTP port {port} is taken: choose another --port" in said, said
+    assert "[Errno" not in said, said

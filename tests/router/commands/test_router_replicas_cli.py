@@ -25,10 +25,13 @@ from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
 
-async def _kvroute(*args: str) -> asyncio.subprocess.Process:
+async def _kvroute(*args: str, session: bool = False) -> asyncio.subprocess.Process:
+    """`kvroute ARGS`; `session`: in a session (and process group) of its own, as a terminal
+    starts a command, for a Ctrl-C to the whole group (`os.killpg`)."""
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router.commands.cli", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=session,
     )  # fmt: skip
 
 
@@ -512,3 +515,145 @@ async def test_a_child_waiting_to_be_restarted_is_counted_as_restarting() -> Non
     assert child.proc is not None
     await asyncio.wait_for(child.proc.wait(), 10)
     assert child.reload() == "restarting"
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not reaped yet, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _signalled_while_starting(
+    proc: asyncio.subprocess.Process, sig: signal.Signals, children: int
+) -> tuple[str, list[int]]:
+    """Send `sig` to `proc` once it has spawned `children` replicas (none listening yet; SIGINT
+    to its whole group, as Ctrl-C), and return what it and they said until all were gone, and
+    the children's pids."""
+    assert proc.stdout is not None
+    try:
+
+        def spawned() -> bool:
+            return sum(_replica(pid) for pid in _children(proc.pid)) == children
+
+        await eventually(_true(spawned), 60, f"{children} replicas spawned")
+        kids = [pid for pid in _children(proc.pid) if _replica(pid)]
+        if sig is signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C: the terminal's whole group, children too
+        else:
+            proc.send_signal(sig)
+        # the output's end: every writer (the parent and each child) closed it
+        out = (await asyncio.wait_for(proc.stdout.read(), 90)).decode(errors="replace")
+        await asyncio.wait_for(proc.wait(), 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return out, kids
+
+
+def _replica(pid: int) -> bool:
+    """Whether `pid` is a replica child whose interpreter is up (importing kvroute, its own
+    handlers not up yet): a signal before that ends it by the default action, silently."""
+    try:
+        if b"--reuse-port" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+    return bool(ignored & (1 << (signal.SIGPIPE - 1)))  # Python ignores it as it starts
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+async def test_a_signal_while_the_replicas_start_stops_them_cleanly(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """The handler came once every child listened: a SIGTERM before (the first ~1.3 s) killed
+    the parent by its default action (exit -15), and its children lived on a few seconds,
+    each printing a BrokenPipeError traceback as it said where it listened. The handlers are
+    up before the first child starts: the children are stopped, the parent exits 0. Ctrl-C
+    to the terminal's group reached the children too, still importing: each died of a
+    KeyboardInterrupt traceback. They run in a session of their own now (the parent stops
+    them)."""
+    config = tmp_path / "router.toml"
+    async with NatsServer() as nats, ReferenceWorker(ReferenceConfig(time_scale=0.0)) as worker:
+        config.write_text(_one_worker_cluster(nats.url, worker.url))
+        proc = await _kvroute(
+            "serve", "--config", str(config), "--processes", "2", session=True
+        )  # fmt: skip
+        out, kids = await _signalled_while_starting(proc, sig, 2)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "BrokenPipe" not in out, out
+    assert f"{sig.name} while starting" in out, out
+    assert not [pid for pid in kids if _alive(pid)], out
+
+
+async def test_a_sigterm_while_up_starts_its_replicas_and_relay_stops_everything() -> None:
+    """As above, for `kvroute up --replicas 2 --relay`: its workers, relay and nats-server
+    in-process or its own, its replicas children."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--replicas", "2", "--relay", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+    )  # fmt: skip
+    out, kids = await _signalled_while_starting(proc, signal.SIGTERM, 2)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "BrokenPipe" not in out, out
+    assert "SIGTERM while starting" in out and "stopped" in out, out
+    assert not [pid for pid in kids if _alive(pid)], out
+
+
+async def test_replicas_whose_parent_is_killed_while_they_start_stop_quietly(
+    tmp_path: Path,
+) -> None:
+    """A parent killed (SIGKILL: no chance to stop anyone) while its children imported: each
+    took its new parent (init, a subreaper) for the one to outlive and served on, orphaned,
+    for good, or printed a BrokenPipeError traceback saying where it listened. They get
+    SIGTERM when the parent dies now, and that print is let go quietly."""
+    config = tmp_path / "router.toml"
+    async with NatsServer() as nats, ReferenceWorker(ReferenceConfig(time_scale=0.0)) as worker:
+        config.write_text(_one_worker_cluster(nats.url, worker.url))
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        try:
+            out, kids = await asyncio.wait_for(
+                _signalled_while_starting(proc, signal.SIGKILL, 2), 30
+            )
+        finally:
+            for pid in _running(str(config)):  # orphans: nobody else stops them
+                os.kill(pid, signal.SIGKILL)
+    assert len(kids) == 2 and not [pid for pid in kids if _alive(pid)], out
+    assert "Traceback" not in out and "BrokenPipe" not in out, out
+
+
+def _running(word: str) -> list[int]:
+    """The processes whose command line has `word`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if word.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("level", [None, "info"], ids=["default", "info"])
+async def test_up_with_a_relay_alone_says_it_in_the_singular_and_passes_its_log_level(
+    level: str | None,
+) -> None:
+    """`kvroute up --workers 1 --relay` said "1 reference workers" and "1 router replica
+    processes"; `up` had no --log-level and held its replicas to WARNING. It takes one now,
+    passed on to its replicas (left out: WARNING, as before)."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--relay", "--router-port", "0", "--worker-port-base", "0",
+        "--time-scale", "0", *(["--log-level", level] if level else []),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops the router", lines), 60)
+        # the replica's first INFO line comes as it starts, before it listens
+    told = "".join(lines)
+    assert "1 reference worker (" in told and "1 reference workers" not in told, told
+    assert "1 router replica process listening on" in told, told
+    assert ("INFO process=0 router.commands.serve" in told) == (level == "info"), told

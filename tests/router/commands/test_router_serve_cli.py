@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -405,3 +406,82 @@ async def _collect(stream: asyncio.StreamReader, into: bytearray) -> None:
     """Append all of `stream` to `into` as it comes, until its end."""
     while chunk := await stream.read(4096):
         into += chunk
+
+
+async def test_a_closed_stdout_does_not_end_serve_with_a_traceback(tmp_path: Path) -> None:
+    """Saying where it listens on a pipe nobody reads any more (`kvroute serve | head -0`, or a
+    `--processes` child whose parent died) raised BrokenPipeError: a traceback, and the
+    router ended before serving. It now serves on, saying nothing more on stdout."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "router.toml"
+    config.write_text(f'[listen]\nport = {port}\n[admin]\ntoken = "t"\n')
+    read, write = os.pipe()
+    os.close(read)  # nobody will read what it prints
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "serve", "--config", str(config),
+            stdout=write, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.stderr is not None
+    try:
+
+        async def answers() -> bool:
+            if proc.returncode is not None:
+                return True  # ended: said below
+            try:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(f"http://127.0.0.1:{port}/health") as resp,
+                ):
+                    return resp.status == 503  # up, with no worker
+            except aiohttp.ClientError:
+                return False
+
+        await eventually(answers, 30, "the router to answer")
+        assert proc.returncode is None, (await proc.stderr.read()).decode()
+        proc.send_signal(signal.SIGINT)
+        err = (await asyncio.wait_for(proc.stderr.read(), 30)).decode(errors="replace")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0, err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+async def test_the_relay_says_where_it_listens_without_a_policy(tmp_path: Path) -> None:
+    """It routes nothing and refuses --policy, yet said "(policy kv, index core native)"."""
+    with socket.socket() as held:  # NATS that never answers: the relay listens all the same
+        held.bind(("127.0.0.1", 0))
+        config = tmp_path / "relay.toml"
+        config.write_text(
+            f"[listen]\nport = 0\n[admin]\ntoken = 't'\n"
+            f"[cluster]\nurl = 'nats://127.0.0.1:{held.getsockname()[1]}'\n"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "relay", "--config", str(config),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 30)
+    assert "kvroute relay (KV events to nats://" in line and "listening on http://" in line
+    assert "policy" not in line and "index core " in line, line
+
+
+def test_the_processes_option_says_what_each_verb_runs() -> None:
+    """`kvroute indexer --processes` said "one router through the config's [cluster]"."""
+    from router.commands.cli import build_parser
+
+    for verb, noun in (("serve", "one router"), ("indexer", "one indexer")):
+        parser, _ = build_parser([verb, "--help"])
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        text = " ".join(sub.choices[verb].format_help().split())
+        assert f"{noun} through the config's [cluster]" in text, text

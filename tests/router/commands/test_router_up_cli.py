@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 import shutil
 import signal
 import socket
@@ -14,6 +16,8 @@ import aiohttp
 import pytest
 
 from tests.raw_http import json_error, parse_responses, wait_eof
+from tests.router.commands.test_router_serve_cli import refused
+from tests.router.conftest import eventually
 
 
 async def _read_until(stream: asyncio.StreamReader, marker: str, lines: list[str]) -> str:
@@ -243,3 +247,58 @@ async def test_up_with_prefill_and_decode_starts_a_pd_fleet_served_as_pairs() ->
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("shape", "url_marker"),
+    [([], "kvroute router:"), (["--replicas", "2"], "replica processes listening on")],
+    ids=["one-router", "replicas"],
+)
+async def test_a_second_ctrl_c_in_the_grace_lets_the_request_finish(
+    shape: list[str], url_marker: str
+) -> None:
+    """Ctrl-C again while `up` let a request finish (its shutdown grace) aborted it: two
+    tracebacks (KeyboardInterrupt, then "unhandled exception during asyncio.run() shutdown"),
+    exit 130 and the request cut, where `kvroute serve` ignores it. The handlers went at the
+    first signal; now a second one is said once and ignored, a third is not said again."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--workers", "1", *shape,
+        "--router-port", "0", "--worker-port-base", "0",
+        "--time-scale", "1", "--decode-ms-per-token", "10",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # as a terminal starts it: Ctrl-C reaches its whole group
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, url_marker, lines), 90)
+        url = line.split(url_marker)[1].split()[0]
+        port = int(url.rsplit(":", 1)[1])
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops", lines), 10)
+        body = {"model": "m", "prompt": "a long one", "max_tokens": 300, "stream": True}
+        events: list[bytes] = []
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/completions", json=body) as resp,
+        ):
+            assert resp.status == 200
+            async for event in resp.content:
+                if not event.strip():
+                    continue
+                events.append(event)
+                if len(events) == 1:  # in flight: Ctrl-C, and again once the grace began
+                    os.killpg(proc.pid, signal.SIGINT)
+                    await eventually(functools.partial(refused, port), 10, "the port closed")
+                    os.killpg(proc.pid, signal.SIGINT)
+                    await asyncio.sleep(0.2)
+                    os.killpg(proc.pid, signal.SIGINT)
+        assert events[-1].strip() == b"data: [DONE]", f"cut after {len(events)} events"
+        rest, _ = await asyncio.wait_for(proc.communicate(), 60)
+        said = "".join(lines) + rest.decode(errors="replace")
+        assert proc.returncode == 0, said
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert "Traceback" not in said, said
+    assert said.count("already stopping") == 1, said
