@@ -37,6 +37,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from indexer.relay_record import RelayKind, RelayRecord, relay_encoder, relay_subject
 from indexer.service import IndexerService
 from indexer.stats import StreamState
+from router.cluster.nats_client import TlsGuardedClient, TlsNotOffered
 from router.config import ClusterConfig
 
 __all__ = ["QUEUE_LIMIT", "RelayPublisher", "ensure_relay_stream", "relay_stream_name"]
@@ -228,13 +229,21 @@ class RelayPublisher:
         }
 
     async def _connect(self) -> None:
-        nc = NATS()
+        nc = TlsGuardedClient()
 
         async def on_error(exc: Exception) -> None:
             # every failed attempt lands here (the client retries a refused connect itself,
             # forever): kept for the one line the startup deadline says
             self._last_error = f"{type(exc).__name__}: {exc}"
             log.debug("relay nats: %s", self._last_error)
+            if isinstance(exc, TlsNotOffered):
+                # no waiting mends it: said at once, as a replica says it
+                self._say_once(
+                    "tls",
+                    "relay: a tls:// URL asked for TLS, but the NATS server did not offer it: "
+                    "not talking to it in plain text, credentials unsent (use nats:// to allow "
+                    "plain text); still trying",
+                )
 
         async def on_disconnected() -> None:
             if self.connected_once and not self._closing:
@@ -282,7 +291,7 @@ class RelayPublisher:
                 self._late = True  # said: its end is said too, and the deadline says nothing
                 with contextlib.suppress(*_NATS_ERRORS):
                     await nc.close()
-                nc = NATS()
+                nc = TlsGuardedClient()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self._nc = nc

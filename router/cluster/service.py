@@ -53,6 +53,7 @@ from router.cluster.fleet_state import (
     SessionBook,
     worker_key,
 )
+from router.cluster.nats_client import TlsGuardedClient, TlsNotOffered
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
@@ -73,40 +74,9 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
 
-class _TlsNotOffered(nats.errors.Error):
-    """A `tls://` server answered in plain text: CONNECT (and the credentials) not sent."""
-
-    def __str__(self) -> str:
-        return "the NATS server did not offer TLS"
-
-
 # how nats-server words a refused login in its -ERR (nats-py raises a bare `Error` with it
 # while connecting, `AuthorizationError` after): a bad user, password, token or credentials
 _AUTH_REFUSED = re.compile(r"authori[sz]ation|authentication", re.IGNORECASE)
-
-
-def _encrypted(nc: NATS) -> bool:
-    """Whether the client's socket speaks TLS now (nats-py has no public accessor for it)."""
-    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
-    if not isinstance(writer, asyncio.StreamWriter):
-        return False  # a transport this check does not know: taken as plain text
-    return writer.get_extra_info("ssl_object") is not None
-
-
-class _Client(NATS):
-    """The NATS client, that never sends CONNECT in plain text to a `tls://` server.
-
-    nats-py (2.16) upgrades to TLS only when the server's INFO says `tls_required`, whatever
-    the URL's scheme or a `tls=` context, then writes CONNECT, with the URL's user and password
-    or token, on whatever socket it has. CONNECT is built between the two, on the first connect
-    and on every reconnect: refusing there drops the socket before a byte of ours is on it,
-    and the client counts a failed attempt (`error_cb`) and tries again later."""
-
-    def _connect_command(self) -> bytes:
-        server = self._current_server
-        if server is not None and server.uri.scheme == "tls" and not _encrypted(self):
-            raise _TlsNotOffered
-        return super()._connect_command()
 
 
 class ClusterStatus(enum.StrEnum):
@@ -326,7 +296,7 @@ class ClusterService:
             self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
 
     async def _connect_once(self) -> None:
-        nc = _Client()
+        nc = TlsGuardedClient()
         interval = self.config.heartbeat_interval_s
         await nc.connect(
             servers=self.config.servers,
@@ -366,7 +336,7 @@ class ClusterService:
         None for the others (a server down or restarting: the startup timeout says that).
         Before, a refused login read as "did not answer within 5 s" (only DEBUG lines named
         the Authorization Violation)."""
-        if isinstance(exc, _TlsNotOffered):
+        if isinstance(exc, TlsNotOffered):
             return "tls", (
                 "a tls:// URL asked for TLS, but the NATS server did not offer it: not talking "
                 "to it in plain text, credentials unsent (use nats:// to allow plain text)"

@@ -28,7 +28,7 @@ from tests.router.cluster.conftest import (
     replica_config,
     workers,
 )
-from tests.router.conftest import TOKEN, Fleet, eventually
+from tests.router.conftest import TOKEN, Fleet, eventually, router_config
 
 _BODY = {"text": "hello replicas", "sampling_params": {"max_new_tokens": 1}}
 
@@ -582,6 +582,29 @@ async def test_a_tls_url_sends_no_credentials_to_a_plain_text_server(
     assert len(degraded) == 1, said
     assert "did not offer it" in degraded[0] and "credentials unsent" in degraded[0]
     assert not any("lost the connection" in m for m in said), said
+    assert not any("s3cret-pass" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_relay_with_a_tls_url_sends_no_credentials_to_a_plain_text_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`kvroute relay` connected with nats-py's own client, which writes CONNECT (the URL's
+    user and password) on a plain-text socket when the server offers no TLS, whatever the
+    URL's scheme: a tls:// URL sent its credentials in clear. It now refuses as replicas do."""
+    caplog.set_level(logging.DEBUG)
+    async with _plain_text_nats() as (port, received), workers(1) as (w0,):
+        url = f"tls://kvuser:s3cret-pass@127.0.0.1:{port}"
+        config = router_config([("w0", w0.url)], cluster=cluster(url, startup_timeout_s=0.5))
+        async with RouterService(config, relay=True):
+
+            async def tried() -> bool:
+                return len(received) >= 2 or any(received)
+
+            await eventually(tried, what="the relay to try the server")
+    assert not any(received), received  # not a byte: no CONNECT, so no user and no password
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    refusals = [m for m in said if "did not offer it" in m]
+    assert len(refusals) == 1 and "credentials unsent" in refusals[0], said
     assert not any("s3cret-pass" in r.getMessage() for r in caplog.records)
 
 
