@@ -176,6 +176,7 @@ class StreamSubscriber:
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
+        on_siblings: Callable[[StreamSubscriber], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -186,6 +187,10 @@ class StreamSubscriber:
         self._ctx = ctx
         self._on_applied = on_applied
         self._on_restart = on_restart  # told the worker when its publisher restarted
+        # told this subscriber when it found its publisher restarted on evidence of its own
+        # (not a check a sibling rank's restart asked for): the ranks of one server restart
+        # together, so the worker's other streams are to be suspected (`Subscriptions`)
+        self._on_siblings = on_siblings
         # told the stream and its new state whenever it changes (a relay republishes it)
         self._on_state = on_state
         self._clock = clock
@@ -204,6 +209,10 @@ class StreamSubscriber:
         # a restart candidate is pending: entries predict nothing until a replay proves them
         self._unverified = self.tracker.last is not None or bool(sink.entries())
         self._why_unverified = "state from a snapshot"
+        # the pending check was asked for by a sibling rank's restart only: a restart it finds
+        # is that one, which the siblings were told of (telling them again would suspect the
+        # rank that found it; without a replay socket each suspicion clears, back and forth)
+        self._by_sibling = False
         # the state came from a snapshot and its proof is still to come: its outcome is logged
         # once, unlimited (`_loaded_outcome`), since an operator who loaded it asks about it
         self._from_snapshot = self._unverified
@@ -404,11 +413,12 @@ class StreamSubscriber:
             self._connected = False
             self.suspect_restart("the event connection dropped")
 
-    def suspect_restart(self, why: str) -> None:
+    def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
 
         The stream turns UNVERIFIED at once (its entries predict no hit) and is checked against
-        its fence as soon as it is connected (module docstring).
+        its fence as soon as it is connected (module docstring). `sibling`: the sign is that
+        another rank of the worker found its own publisher restarted.
         """
         if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
@@ -419,6 +429,9 @@ class StreamSubscriber:
                 if keeps_entries(self.sink)
                 else f"{why}: checking through the replay socket whether its publisher restarted",
             )
+            self._by_sibling = sibling
+        else:
+            self._by_sibling = self._by_sibling and sibling  # a sign of its own counts
         self._unverified = True
         self._why_unverified = why
         self._enter(StreamState.UNVERIFIED)
@@ -532,6 +545,7 @@ class StreamSubscriber:
     def _trust(self) -> None:
         if self._unverified:
             self._unverified = False
+            self._by_sibling = False
             self._show_state()
 
     def _set_phase(self, phase: StreamState) -> None:
@@ -1493,6 +1507,11 @@ class StreamSubscriber:
         self.restarts += 1
         if self._on_restart is not None:
             self._on_restart(self.worker)
+        if self._on_siblings is not None and not (self._unverified and self._by_sibling):
+            # its other ranks (one server's) restarted too: before, a rank whose connection
+            # did not drop (behind a forwarder) and that was quiet predicted the dead process's
+            # pages until its own probe found out (QA: 288 tokens for about 1.2 s)
+            self._on_siblings(self)
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""
