@@ -11,6 +11,11 @@ relay's state, or a part of it, never more:
 - the stream's state is the relay's (a stream the relay is repairing or proving predicts
   nothing here either; one the relay has not heard from is STALE here too), and STALE when
   neither a record nor a heartbeat came from the relay within `stale_after_s`;
+- while the follower reads it from the relay's stored records (`catching_up`: a worker
+  followed after the relay wrote them, registered anew, or the follower reading what it
+  missed), it is SYNCING, which predicts nothing: each record read is the worker's past, a
+  page stored early and removed later among them. Before, each record set the relay's state
+  as written (`synced`), and such a page was predicted until its removal was read;
 - a loaded snapshot's state is UNVERIFIED until the relay shows the batch the snapshot ended on
   (its seq and digest, in a record or a heartbeat), which proves the snapshot is the relay's
   past; anything else (a later batch first, a clear, another relay process) starts afresh;
@@ -121,6 +126,7 @@ class FedStream:
         self._epoch: int | None = None  # the relay process followed, and its last record
         self._rseq = -1
         self._relay_state = StreamState.SYNCING
+        self._catching_up = False  # read from the relay's stored records (`catching_up`)
         self._proof: BatchFence | None = None  # a loaded snapshot's last batch, to be shown
         self._proof_since = 0.0  # when it began waiting for it
         self._proof_cleared = False  # a clear or forgotten seq came meanwhile
@@ -400,7 +406,19 @@ class FedStream:
 
     def _show(self) -> None:
         unproven = self._proof is not None or self._suspected_at is not None
-        self.health.state = StreamState.UNVERIFIED if unproven else self._relay_state
+        state = StreamState.UNVERIFIED if unproven else self._relay_state
+        if self._catching_up and state is StreamState.SYNCED:
+            state = StreamState.SYNCING  # the relay's past, read back: predicts nothing
+        self.health.state = state
+
+    def catching_up(self, reading: bool) -> None:
+        """Whether the follower is reading the stream from the relay's stored records (its
+        read-back, or the relay's stream read to its end after a start or a reconnect): what
+        it holds meanwhile is the worker's past, so it predicts nothing (SYNCING) until the
+        follower says it reached the records written now."""
+        if self._catching_up != reading:
+            self._catching_up = reading
+            self._show()
 
     def suspect_restart(self, why: str, *, down_at: float | None = None) -> None:
         """A restart suspected here (the worker's health check came back from down).

@@ -29,10 +29,13 @@ __all__ = [
 class StreamState(enum.StrEnum):
     """Health of one stream's picture in the index."""
 
-    # connected, first message or initial catch-up replay not done yet (also: a restart's
-    # rebuild whose replay timed out, asked again soon)
+    # being rebuilt from the publisher's replay buffer (a join, a restart's rebuild, a clear
+    # or a proof whose replay brings it forward): what it holds is the worker's past until the
+    # answer ended and the live batches queued meanwhile are applied
     SYNCING = "syncing"
-    SYNCED = "synced"  # every message up to last_seq applied in order
+    # every message up to last_seq applied in order, nothing known missing (also a stream that
+    # has heard nothing yet and has no replay buffer to read first: it holds nothing)
+    SYNCED = "synced"
     # batches are known missing (a gap, or one that did not decode) and are being fetched again
     DEGRADED = "degraded"
     # the publisher may have restarted (the event connection dropped, or the worker's health
@@ -55,7 +58,12 @@ STATE_RANK = {
 # still holds them, so they earn no affinity (fail closed). DEGRADED too: a batch the stream
 # misses may have removed blocks it holds (the prefix the worker evicted was predicted for as
 # long as the repair took, up to `replay_timeout_s`); the repair's end gives them back at once.
-UNTRUSTED = frozenset({StreamState.DEGRADED, StreamState.UNVERIFIED, StreamState.STALE})
+# SYNCING too: a stream read from the replay buffer holds the worker's past, pages stored early
+# in it and evicted later included, until it is caught up (before, they were predicted while
+# the buffer was read: a false hit at every join and rebuild of a busy worker)
+UNTRUSTED = frozenset(
+    {StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED, StreamState.STALE}
+)
 
 
 class StreamStats(msgspec.Struct):

@@ -32,7 +32,12 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   and a batch at the new run's next seq that the dead run used too (`_window_proof`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
-  (a lost batch may have held removals: keeping the entries could be a false hit).
+  (a lost batch may have held removals: keeping the entries could be a false hit);
+- a replay read onto a stream that holds nothing of the present (a join, a rebuild after a
+  clear or a restart, a proof) is a catch-up: each batch it applies is a past state of the
+  worker's cache (a page stored early in the buffer and evicted later is held until its
+  eviction is read), so the stream is SYNCING, which predicts nothing, until the answer ended
+  (or a live batch followed on it) and the loop found no live batch left queued (`_catch_up`).
 
 Epoch fence (`indexer.fence`): seqs cannot tell a restarted publisher from the old one, so
 every replay that continues the stream asks from the last applied seq, not the one after
@@ -139,6 +144,17 @@ class _Continuity(enum.Enum):
     UNPROVEN = "unproven"  # the answer started after our last seq: nothing proves it
 
 
+class _CatchUp(enum.Enum):
+    """How far a stream rebuilt from its publisher's replay buffer is (`_catch_up`)."""
+
+    # reading the buffer: what the stream holds is the publisher's past (pages stored early in
+    # it and evicted later are held until the batch that evicts them is read)
+    READING = "reading"
+    # the answer ended, or a live batch followed on what it gave: the live batches queued on
+    # the SUB meanwhile are the last of the past, applied once the loop reads them
+    DRAINING = "draining"
+
+
 class _ReplayResult(NamedTuple):
     answered: bool  # the publisher answered to the end marker
     newest: int | None  # the newest seq it sent (None: none)
@@ -160,6 +176,7 @@ class StreamSubscriber:
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
+        on_siblings: Callable[[StreamSubscriber], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -170,6 +187,10 @@ class StreamSubscriber:
         self._ctx = ctx
         self._on_applied = on_applied
         self._on_restart = on_restart  # told the worker when its publisher restarted
+        # told this subscriber when it found its publisher restarted on evidence of its own
+        # (not a check a sibling rank's restart asked for): the ranks of one server restart
+        # together, so the worker's other streams are to be suspected (`Subscriptions`)
+        self._on_siblings = on_siblings
         # told the stream and its new state whenever it changes (a relay republishes it)
         self._on_state = on_state
         self._clock = clock
@@ -188,6 +209,10 @@ class StreamSubscriber:
         # a restart candidate is pending: entries predict nothing until a replay proves them
         self._unverified = self.tracker.last is not None or bool(sink.entries())
         self._why_unverified = "state from a snapshot"
+        # the pending check was asked for by a sibling rank's restart only: a restart it finds
+        # is that one, which the siblings were told of (telling them again would suspect the
+        # rank that found it; without a replay socket each suspicion clears, back and forth)
+        self._by_sibling = False
         # the state came from a snapshot and its proof is still to come: its outcome is logged
         # once, unlimited (`_loaded_outcome`), since an operator who loaded it asks about it
         self._from_snapshot = self._unverified
@@ -239,16 +264,34 @@ class StreamSubscriber:
         self._window_copies: dict[int, bytes] = {}
         # bumped by `rebind`: a check that awaited across it judged the sink it replaced
         self._rebinds = 0
+        # the stream is being rebuilt from the replay buffer (a join, a restart's rebuild, a
+        # clear mid-answer, a proof): it predicts nothing (SYNCING) until it reached the
+        # present, its answer read to its end (or the live stream followed on) and the live
+        # batches queued meanwhile applied. Before, SYNCING was trusted and each state of the
+        # buffer was predicted as it was read: a page stored early and evicted later in it
+        # was a false hit (QA: 288 tokens matched, 0 cached) for as long as the reading took
+        self._catch_up: _CatchUp | None = None
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
-        self._phase = StreamState.SYNCING
+        # SYNCED while it holds nothing: nothing of the past to distrust, and the router's
+        # pending marks on it count. A stream that will read its replay buffer at once (the
+        # catch-up probe at connect) is SYNCING from the start, so nothing reads it caught up
+        # before it is; one without (no replay socket, or the probe off) catches up, if ever,
+        # when its first live batch shows a gap (`_replay`)
+        self._phase = StreamState.SYNCED
+        if not self._unverified and self._probes_at_connect:
+            self._catch_up = _CatchUp.READING
         # what the per-worker answers read (indexer.worker_matches): state, heard-at times
         self.health = StreamHealth(
             stream_id,
             started_at=clock(),
             stale_after_s=self.settings.stale_after_s,
             block_size=self._known_block_size(),
-            state=StreamState.UNVERIFIED if self._unverified else StreamState.SYNCING,
+            state=StreamState.UNVERIFIED
+            if self._unverified
+            else StreamState.SYNCING
+            if self._catch_up is not None
+            else StreamState.SYNCED,
             dp_rank=config.dp_rank,
         )
         self.batches = 0
@@ -300,7 +343,7 @@ class StreamSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         self._connected = False
-        probing = self.config.replay_endpoint is not None and self.settings.probe_interval_s > 0
+        probing = self._probes_at_connect
         try:
             if probing:
                 # catch up on what was published before we subscribed (and, when the state
@@ -317,6 +360,8 @@ class StreamSubscriber:
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
+                    if self._catch_up is _CatchUp.DRAINING:
+                        self._caught_up()  # nothing queued: the live batches are all applied
                     probing = probing and not self._replay_foreign
                     # a pending rebuild is asked for again sooner than a probe, and even when
                     # probing is off: nothing else reads a quiet new process's buffer
@@ -368,11 +413,12 @@ class StreamSubscriber:
             self._connected = False
             self.suspect_restart("the event connection dropped")
 
-    def suspect_restart(self, why: str) -> None:
+    def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
 
         The stream turns UNVERIFIED at once (its entries predict no hit) and is checked against
-        its fence as soon as it is connected (module docstring).
+        its fence as soon as it is connected (module docstring). `sibling`: the sign is that
+        another rank of the worker found its own publisher restarted.
         """
         if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
@@ -383,6 +429,9 @@ class StreamSubscriber:
                 if keeps_entries(self.sink)
                 else f"{why}: checking through the replay socket whether its publisher restarted",
             )
+            self._by_sibling = sibling
+        else:
+            self._by_sibling = self._by_sibling and sibling  # a sign of its own counts
         self._unverified = True
         self._why_unverified = why
         self._enter(StreamState.UNVERIFIED)
@@ -484,6 +533,11 @@ class StreamSubscriber:
             log.info("stream %s: state loaded from a snapshot %s", self.stream_id, outcome)
 
     @property
+    def _probes_at_connect(self) -> bool:
+        """Whether a session starts by reading the replay socket (and probes it when quiet)."""
+        return self.config.replay_endpoint is not None and self.settings.probe_interval_s > 0
+
+    @property
     def _has_replay(self) -> bool:
         """A replay socket to ask (configured, and not found to be another publisher's)."""
         return self.config.replay_endpoint is not None and not self._replay_foreign
@@ -491,6 +545,7 @@ class StreamSubscriber:
     def _trust(self) -> None:
         if self._unverified:
             self._unverified = False
+            self._by_sibling = False
             self._show_state()
 
     def _set_phase(self, phase: StreamState) -> None:
@@ -552,8 +607,11 @@ class StreamSubscriber:
                 "applied on top of it"
             )
         self._tail_proven(True)  # nothing to ask about the tail: as without a replay socket
+        self._catch_up = None  # what it gave is gone, or it gave nothing: no past is held
         if self.tracker.last is not None:
             self._set_phase(StreamState.SYNCED)
+        else:
+            self._show_state()
 
     def _show_state(self) -> None:
         # a tail not known whole taints what the stream holds: also a part of a buffer that a
@@ -566,8 +624,29 @@ class StreamSubscriber:
             self._enter(StreamState.UNVERIFIED)
         elif self._tainted is not None:
             self._enter(StreamState.DEGRADED)  # may hold a dead process's batch (`_tainted`)
+        elif self._catch_up is not None and self._phase is StreamState.SYNCED:
+            self._enter(StreamState.SYNCING)  # the publisher's past (`_catch_up`)
         else:
             self._enter(self._phase)
+
+    def _catching_up(self) -> None:
+        """A replay is about to rebuild the stream from its publisher's buffer (what it holds
+        now is nothing, or a state not proven the present): each batch it applies is a past
+        state of the worker's cache, so the stream predicts nothing until it is caught up."""
+        if self._catch_up is not _CatchUp.READING:
+            self._catch_up = _CatchUp.READING
+            self._show_state()
+
+    def _reached_end(self) -> None:
+        """The catch-up's answer ended, or a live batch followed on what it gave: the live
+        batches queued meanwhile are all that is left of the past (`_caught_up`)."""
+        if self._catch_up is _CatchUp.READING:
+            self._catch_up = _CatchUp.DRAINING
+
+    def _caught_up(self) -> None:
+        """The SUB holds no live batch more: the stream is the publisher's present again."""
+        self._catch_up = None
+        self._show_state()
 
     def _enter(self, state: StreamState) -> None:
         if state is self.health.state:
@@ -712,6 +791,7 @@ class StreamSubscriber:
                 self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
+            self._reached_end()  # (a catch-up's: the live stream carries it on)
             self._suspect = None  # (a live seq skipped before this one was not real)
             self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.DUPLICATE:
@@ -929,6 +1009,7 @@ class StreamSubscriber:
             await self._apply_live(topic, seq, payload)
             if doubt is not None:
                 self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
+            self._reached_end()  # (a catch-up's: the live stream carries it on)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
 
@@ -1023,6 +1104,10 @@ class StreamSubscriber:
         continuity = _Continuity.NONE
         rebinds = self._rebinds
         live = self.tracker.live
+        if last is None or self._unverified:
+            # a rebuild from the buffer (a join, after a clear), or a proof that may bring a
+            # snapshot's stream forward by thousands of batches: the past until caught up
+            self._catching_up()
         try:
             async with contextlib.aclosing(self._replay_client().replies(start)) as replies:
                 async for reply in replies:
@@ -1059,6 +1144,7 @@ class StreamSubscriber:
             )
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
+        self._reached_end()  # (a catch-up's: its buffer is read to the end)
         return _ReplayResult(True, newest, continuity)
 
     def _take_reply(
@@ -1097,6 +1183,7 @@ class StreamSubscriber:
                     "it: nothing proves the publisher unchanged"
                 )
                 self.tracker.restart_at(reply.seq)
+                self._catching_up()  # rebuilt from the rest of this answer: the past
         if continuity is _Continuity.BROKEN:
             return continuity  # read to the end marker: the answer belongs to this request
         decision = self.tracker.on_replay(reply.seq)
@@ -1105,6 +1192,7 @@ class StreamSubscriber:
             # (nothing to clear when we have nothing yet: joining mid-way, restarted)
             if self.tracker.last is not None:
                 self._clear(f"replay starts at {reply.seq}, needed {decision.replay_from}")
+                self._catching_up()  # rebuilt from the rest of this answer: the past
             self.tracker.restart_at(reply.seq)
             decision = self.tracker.on_replay(reply.seq)
         if decision.verdict is SeqVerdict.APPLY:
@@ -1419,6 +1507,11 @@ class StreamSubscriber:
         self.restarts += 1
         if self._on_restart is not None:
             self._on_restart(self.worker)
+        if self._on_siblings is not None and not (self._unverified and self._by_sibling):
+            # its other ranks (one server's) restarted too: before, a rank whose connection
+            # did not drop (behind a forwarder) and that was quiet predicted the dead process's
+            # pages until its own probe found out (QA: 288 tokens for about 1.2 s)
+            self._on_siblings(self)
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""
@@ -1511,6 +1604,7 @@ class StreamSubscriber:
         self._last_live = None
         self._after_restart = False  # the run it follows now is the snapshot's
         self._dead_seq = None
+        self._catch_up = None  # its proof (`_verify`) catches the loaded state up, if any
         self._set_tainted(None)
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()

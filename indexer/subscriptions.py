@@ -100,6 +100,7 @@ class Subscriptions:
                     on_applied=self._on_applied,
                     on_restart=self._on_restart,
                     on_state=self._on_state,
+                    on_siblings=self._suspect_siblings,
                     clock=self._clock,
                 )
             )
@@ -112,6 +113,23 @@ class Subscriptions:
                 sub.run(), name=f"kv-events {sub.stream_id}", context=contextvars.Context()
             )
         return subs
+
+    def _suspect_siblings(self, sub: StreamSubscriber) -> None:
+        """`sub` found its publisher restarted: the worker's other ranks are the same server's
+        processes, which restart together, so each is suspected at once (UNVERIFIED, proven or
+        rebuilt through its own replay socket; without one, cleared). Before, a rank whose
+        event connection did not drop (a forwarder between) and that stayed quiet predicted the
+        dead process's pages until its own idle probe found the restart."""
+        subs = self.by_worker.get(sub.worker, [])
+        if sub not in subs:
+            return  # a worker registered anew since: its streams are new subscribers
+        for other in subs:
+            if other is not sub:
+                other.suspect_restart(
+                    f"dp rank {sub.config.dp_rank} of its worker restarted (the ranks of one "
+                    "server restart together)",
+                    sibling=True,
+                )
 
     async def stop(self, worker: str) -> list[StreamSubscriber]:
         """Stop a worker's subscriber tasks; returns its subscribers (none if unknown)."""

@@ -10,6 +10,9 @@ left off after a reconnect) and hands each record to its stream. Where it starts
 - on a cold start, at the start of what the stream keeps (`relay_max_age_s`): each stream joins
   at its oldest record kept, as a subscriber joining mid-stream would.
 `caught_up` is set once the consumer has delivered everything the stream held when it began.
+Until then, and while a stream followed later is read back (`_catch_up`), the streams read are
+the workers' past: each predicts nothing (`FedStream.catching_up`) until its records reach the
+ones written now.
 
 Records of a stream this replica does not follow are dropped (counted, and said once per
 stream); records of a rank its worker was not known to have make the router read the worker's
@@ -135,8 +138,10 @@ class RelayFollower:
         self._js = js
         info = await js.stream_info(stream)
         if info.state.messages == 0:
-            self._live = True  # nothing to read back: what comes is written now
-            self.caught_up.set()
+            self._go_live()  # nothing to read back: what comes is written now
+        else:
+            for fed in self._streams.values():
+                fed.catching_up(True)  # what it missed comes first (`_go_live` ends it)
         self._sub = await js.subscribe(
             f"{self.config.subject_prefix}.events.>",
             stream=stream,
@@ -159,12 +164,29 @@ class RelayFollower:
             "relay_records_malformed": float(self.malformed),
         }
 
+    def _go_live(self) -> None:
+        """The relay's stream is read to its end: what comes next is written now, and every
+        stream not being read back on its own is caught up."""
+        self._live = True
+        self.caught_up.set()
+        for sid, fed in self._streams.items():
+            if sid not in self._catching:
+                fed.catching_up(False)
+
     def _added(self, fed: FedStream) -> None:
         """A stream followed after the follower read the relay's stream to its end (a worker
         added, a rank discovered): read back what the relay's stream keeps of it, so it starts
-        where the relay's records it missed would have left it (joined at the oldest kept)."""
-        if self._js is None or not self._live or fed.stream_id in self._catching:
-            return  # at start the main subscription reads the past itself
+        where the relay's records it missed would have left it (joined at the oldest kept).
+        It predicts nothing until that read-back and the records the main subscription brought
+        meanwhile are applied (before, each record read back set the relay's state as written,
+        `synced`: a page the worker stored early and evicted later was predicted)."""
+        if fed.stream_id in self._catching:
+            return
+        if self._js is None or not self._live:
+            # at start the main subscription reads the past itself: caught up with it
+            fed.catching_up(self._js is not None)
+            return
+        fed.catching_up(True)
         self._catching[fed.stream_id] = []
         task = asyncio.create_task(self._catch_up(fed), name=f"kvroute-relay {fed.stream_id}")
         self._catch_tasks.add(task)
@@ -182,6 +204,7 @@ class RelayFollower:
             if self._streams.get(sid) is fed:
                 for record, age in brought:
                     fed.take(record, age_s=age)
+                fed.catching_up(not self._live)  # the present, unless the follower is behind
         if read:
             log.info("cluster: stream %s read back from the relay's stream (%d records)", sid, read)
 
@@ -248,21 +271,23 @@ class RelayFollower:
         now = self._clock()
         # the server's now, as known before this record (None: not known yet)
         server_now = self._server_now(now)
-        if meta.num_pending == 0:
-            if self._live:
-                # never backwards: a record that waited in this host's buffers (the loop
-                # paused, or behind) was last when the server sent it, not now
-                self._anchor = (written if server_now is None else max(written, server_now), now)
-                server_now = self._anchor[0]
-            self._live = True
-            self.caught_up.set()
+        live = meta.num_pending == 0
+        if live and self._live:
+            # never backwards: a record that waited in this host's buffers (the loop paused,
+            # or behind) was last when the server sent it, not now
+            self._anchor = (written if server_now is None else max(written, server_now), now)
+            server_now = self._anchor[0]
         age = None if server_now is None else server_now - written
         self.last_written = written  # where to resume (`resubscribe`)
         try:
-            record = relay_decoder.decode(msg.data)
+            self._take(relay_decoder.decode(msg.data), age)
         except msgspec.DecodeError:
             self.malformed += 1
-            return
+        if live and not self._live:
+            self._go_live()  # once the last record read back is applied
+
+    def _take(self, record: RelayRecord, age: float | None) -> None:
+        """Hand one record of the main subscription to its stream (`age`: see `take`)."""
         stream = self._streams.get(record.stream)
         if stream is None:
             self._not_followed(record.stream)

@@ -22,11 +22,11 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
-from indexer.protocol.events import EventBatch, Stored
+from indexer.protocol.events import EventBatch, Stored, TokenId
 from indexer.protocol.frames import build_live, build_replay_reply
 from indexer.service import ORPHAN_GRACE_S, IndexerService
 from indexer.snapshot import dump_index, load_index
-from indexer.stats import StreamState
+from indexer.stats import StreamState, StreamStats
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import (
     STREAM,
@@ -695,3 +695,65 @@ async def test_an_orphan_taken_up_by_another_process_is_not_said_proven(
         assert "not the process this state was taken from" in outcomes[0], outcomes
         said = [r.getMessage() for r in caplog.records]
         assert not [m for m in said if m.endswith(": it restarted")], said
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
+    ctx: zmq.asyncio.Context, replay: bool
+) -> None:
+    """A worker of two ranks restarts; rank 0's stream finds it (its seq went back), rank 1's
+    connection did not drop (a forwarder between) and its new process is quiet. The ranks of
+    one server restart together: rank 1 is suspected the moment rank 0 finds the restart, and
+    proven (rebuilt from its new, empty buffer) or, without a replay socket, cleared. Before,
+    it predicted the dead process's page until its own probe found out (QA: 288 tokens for
+    about 1.2 s; without the probe, for good). Its restart, found by that check, is not told
+    to rank 0 again: without replay sockets each suspicion clears, and they would take turns."""
+    page: list[TokenId] = [1, 2, 3, 4]
+    stored = EventBatch(0.0, [Stored(block_hashes=[7], parent=None, token_ids=page, block_size=4)])
+
+    def rank(dp: int) -> StreamStats:
+        return next(s for s in svc.streams() if s.dp_rank == dp)
+
+    def predicted(dp: int) -> int:
+        return svc.query(Namespace(), [*page, 9])[WORKER].ranks[dp].matched_tokens
+
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        IndexerService(LIVE_ONLY) as svc,
+    ):
+        pubs = (r0, r1)
+        streams = [
+            StreamConfig(
+                endpoint=pub.endpoint,
+                replay_endpoint=pub.replay_endpoint if replay else None,
+                topic="kv",
+                block_size=4,
+                dp_rank=dp,
+            )
+            for dp, pub in enumerate(pubs)
+        ]
+        await svc.add_worker(WORKER, streams)
+        subs = sorted(svc._workers[WORKER], key=lambda sub: sub.config.dp_rank)
+        for sub, pub in zip(subs, pubs, strict=True):
+            for _ in range(100):  # until each SUB really receives (the slow joiner)
+                await pub.publish(EMPTY)
+                await asyncio.sleep(0.02)
+                if sub.tracker.live is not None:
+                    break
+        seq = await r1.publish(stored)
+        await wait_until(lambda: rank(1).last_seq == seq and rank(1).state is StreamState.SYNCED)
+        assert predicted(1) == 4
+        r0.restart()
+        r1.restart()  # same sockets: nothing drops, rank 1's new process publishes nothing
+        await r0.publish(EventBatch(1.0, []))  # seq 0: rank 0 sees its seq go back
+        await wait_until(lambda: rank(0).restarts == 1)
+        assert predicted(1) == 0  # at once, not at rank 1's next probe
+        await wait_until(lambda: rank(1).restarts == 1 and rank(1).state is StreamState.SYNCED)
+        assert rank(1).entries == 0 and predicted(1) == 0
+        seq = await r0.publish(stored)  # the new process's page on rank 0
+        await wait_until(lambda: rank(0).last_seq == seq)
+        await asyncio.sleep(0.3)  # no suspicion comes back to rank 0 from rank 1's restart
+        assert (rank(0).restarts, rank(1).restarts) == (1, 1)
+        if replay:  # (without one, the window after a restart predicts nothing: 5 s)
+            assert predicted(0) == 4 and rank(0).state is StreamState.SYNCED

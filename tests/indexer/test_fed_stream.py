@@ -527,3 +527,28 @@ async def test_pages_of_another_size_read_back_from_before_are_not_counted_as_mi
     assert len(said) == 1
     stats = svc.streams()[0]
     assert (stats.block_size_mismatches, stats.skipped_events) == (1, 2)
+
+
+async def test_a_stream_read_back_from_the_relays_records_predicts_none_of_that_past() -> None:
+    """The follower reads a stream's stored records back (a worker followed after the relay
+    wrote them, or registered anew): a page stored early in them and removed later is held
+    until its removal is read, and each record says `synced`, the relay's state when written.
+    Until the read-back is over the stream predicts nothing (before: A's page, which the worker
+    had evicted, was predicted while the records were read)."""
+    svc = await fed()
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    stream.catching_up(True)
+    take(svc, batch(0, 0, stored(A, 10)), batch(1, 1, stored(B, 20)))
+    assert (matched(svc, A), matched(svc, B)) == (0, 0)
+    assert state(svc) is StreamState.SYNCING and state(svc) in UNTRUSTED
+    take(svc, batch(2, 2, CLEARED), batch(3, 3, stored(B, 21)))
+    stream.catching_up(False)  # read to the end, and what came meanwhile applied
+    assert state(svc) is StreamState.SYNCED
+    assert (matched(svc, A), matched(svc, B)) == (0, 4)
+    # a stream the relay itself is repairing stays so when the read-back ends meanwhile
+    stream.catching_up(True)
+    take(svc, msgspec.structs.replace(batch(4, 4, stored(A, 11)), state=StreamState.DEGRADED))
+    assert state(svc) is StreamState.DEGRADED
+    stream.catching_up(False)
+    assert state(svc) is StreamState.DEGRADED and matched(svc, A) == 0

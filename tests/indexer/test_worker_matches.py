@@ -13,7 +13,7 @@ import random
 
 from indexer.health import StreamHealth
 from indexer.index.walk import PrefixMatch
-from indexer.stats import STATE_RANK, RankMatch, StreamState, WorkerMatch
+from indexer.stats import STATE_RANK, UNTRUSTED, RankMatch, StreamState, WorkerMatch
 from indexer.worker_matches import REFRESH_S, WorkerMatches
 
 STALE_AFTER_S = 5.0
@@ -23,7 +23,7 @@ STATES = [StreamState.SYNCING, StreamState.SYNCED, StreamState.DEGRADED, StreamS
 def _rank(sub: StreamHealth, found: PrefixMatch, now: float) -> RankMatch:
     """One rank's own answer: what its stream holds, nothing while it is untrusted."""
     state = sub.current_state(now)
-    if state in (StreamState.DEGRADED, StreamState.UNVERIFIED, StreamState.STALE):
+    if state in UNTRUSTED:
         return RankMatch(sub.dp_rank, 0, 0, 0, sub.block_size, {}, state)
     size = sub.block_size or 0
     held = found.blocks.get(sub.stream_id, 0)
@@ -38,8 +38,8 @@ def reference(
     """The uncached rule: best state among a worker's streams, best stream by matched tokens,
     and every stream's own answer in `ranks`, in the order the streams are given.
 
-    Streams kvroute cannot vouch for (DEGRADED, UNVERIFIED, STALE) are never the best: they
-    match nothing.
+    Streams kvroute cannot vouch for (SYNCING, DEGRADED, UNVERIFIED, STALE) are never the
+    best: they match nothing.
     """
     out = {}
     for worker, subs in workers.items():
@@ -51,7 +51,7 @@ def reference(
             s_state = sub.current_state(now)
             if STATE_RANK[s_state] < STATE_RANK[state]:
                 state = s_state
-            if s_state in (StreamState.DEGRADED, StreamState.UNVERIFIED, StreamState.STALE):
+            if s_state in UNTRUSTED:
                 continue
             bs = sub.block_size or 0
             held = found.blocks.get(sub.stream_id, 0)
@@ -163,7 +163,15 @@ def test_stale_exactly_at_the_deadline_and_back() -> None:
 
 def test_answers_are_fresh_dicts_with_one_entry_per_worker() -> None:
     workers = {
-        f"w{i}": [StreamHealth(f"w{i}#dp0", started_at=0.0, stale_after_s=30.0, block_size=16)]
+        f"w{i}": [
+            StreamHealth(
+                f"w{i}#dp0",
+                started_at=0.0,
+                stale_after_s=30.0,
+                block_size=16,
+                state=StreamState.SYNCED,
+            )
+        ]
         for i in range(3)
     }
     workers["none"] = []
@@ -205,16 +213,24 @@ def test_every_rank_is_answered_apart_and_the_best_one_on_top() -> None:
 def test_a_degraded_rank_predicts_nothing_and_is_not_its_workers_state() -> None:
     """A stream being repaired holds blocks the worker may have evicted: its rank answers
     nothing, and a worker with a trusted rank beside it takes that rank's state (a worker is
-    untrusted only when every rank is: before, DEGRADED outranked SYNCING)."""
+    untrusted only when every rank is: before, DEGRADED outranked SYNCING). A SYNCING rank
+    (read from its replay buffer: the worker's past) predicts nothing either."""
     subs = [
         StreamHealth(f"w#dp{dp}", started_at=0.0, stale_after_s=30.0, block_size=16, dp_rank=dp)
         for dp in range(2)
     ]
-    subs[0].state, subs[1].state = StreamState.DEGRADED, StreamState.SYNCING
+    subs[0].state, subs[1].state = StreamState.DEGRADED, StreamState.SYNCED
     found = PrefixMatch({"w#dp0": 8, "w#dp1": 2}, {}, {})
     got = WorkerMatches(lambda: 1.0).answer({"w": subs}, found, "GPU")["w"]
-    assert got.state is StreamState.SYNCING and got.matched_tokens == 32
+    assert got.state is StreamState.SYNCED and got.matched_tokens == 32
     assert [(r.state, r.matched_tokens) for r in got.ranks] == [
         (StreamState.DEGRADED, 0),
-        (StreamState.SYNCING, 32),
+        (StreamState.SYNCED, 32),
+    ]
+    subs[1].state = StreamState.SYNCING
+    got = WorkerMatches(lambda: 1.0).answer({"w": subs}, found, "GPU")["w"]
+    assert got.state is StreamState.SYNCING and got.matched_tokens == 0
+    assert [(r.state, r.matched_tokens) for r in got.ranks] == [
+        (StreamState.DEGRADED, 0),
+        (StreamState.SYNCING, 0),
     ]

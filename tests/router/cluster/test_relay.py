@@ -541,3 +541,71 @@ def free_ports(n: int) -> list[int]:
 
 def _synced(service: RouterService) -> bool:
     return all(s.state == "synced" for s in service.indexer.streams())
+
+
+async def test_a_stream_read_back_from_the_relays_stream_predicts_nothing_of_its_past(
+    nats_server: NatsServer,
+) -> None:
+    """The relay wrote PROMPT's pages, hundreds of batches after them, then the worker's flush;
+    a replica follows the worker only then (added through its admin API) and reads its records
+    back one at a time, each saying `synced` (the relay's state when written). Before, the
+    flushed prompt was predicted while they were read (QA: 288 tokens matched, 0 cached); now
+    the stream predicts nothing until the read-back and what came meanwhile are applied."""
+    async with (
+        workers(1, max_running_requests=1) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url) as r,
+    ):
+        relay_fleet = Fleet(r, {"w0": w0}, session)
+        await relay_fleet.warm()
+        body = {"text": PROMPT, "cache_salt": "t", "sampling_params": {"max_new_tokens": 1}}
+        async with session.post(w0.url + "/generate", json=body) as resp:
+            assert resp.status == 200
+        await eventually(lambda: _holds(relay_fleet, 64), what="the relay to index the prompt")
+        # one batch per prompt (one prompt a step), then the flush: the prompt is gone
+        fill = [[200, 201, i % 250 + 3] * 6 for i in range(300)]
+        filling = {"input_ids": fill, "sampling_params": {"max_new_tokens": 1}}
+        async with session.post(w0.url + "/generate", json=filling) as resp:
+            assert resp.status == 200
+        async with session.get(w0.url + "/flush_cache") as resp:
+            assert resp.status == 200
+
+        async def flushed() -> bool:
+            return await predicted(relay_fleet) == 0 and _synced(r)
+
+        await eventually(flushed, what="the relay to see the flush")
+        later = msgspec.structs.replace(follower_config(w0, nats_server.url, "a"), workers=())
+        async with RouterService(later) as a:
+            fleet = Fleet(a, {"w0": w0}, session)
+            cluster_service = a.cluster
+            assert cluster_service is not None and cluster_service.follower is not None
+            follower = cluster_service.follower
+            seen: list[int] = []
+            held_past = 0  # polls at which the stream held pages of the records read back
+            stop = asyncio.Event()
+
+            async def watch() -> None:
+                nonlocal held_past
+                while not stop.is_set():
+                    body = {"text": PROMPT, "cache_salt": "t"}
+                    status, plan = await fleet.admin("POST", "/route", body)
+                    if status == 200:  # (503 until the worker's models are discovered)
+                        seen.extend(int(c["matched_tokens"]) for c in plan["candidates"])
+                    held_past += sum(s.entries for s in a.indexer.streams())
+
+            task = asyncio.create_task(watch())
+            try:
+                status, _ = await fleet.admin("POST", "/workers", {"id": "w0", "url": w0.url})
+                assert status in (201, 202)
+
+                async def read_back() -> bool:
+                    return not follower._catching and _synced(a) and a.indexer.streams() != []
+
+                await eventually(read_back, timeout_s=20, what="the stream to be read back")
+            finally:
+                stop.set()
+                await task
+            assert seen and max(seen) == 0
+            assert held_past > 0  # it did hold the flushed prompt's past while reading
+            got = await generate(session, a.url)
+            assert got[0] <= got[1]

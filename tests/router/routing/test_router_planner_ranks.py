@@ -68,7 +68,9 @@ async def test_a_candidate_per_rank_and_one_for_single_rank_or_eventless_workers
     got = sorted((c.worker, c.dp_rank) for c in plan.candidates)
     assert got == [("dp1", None), ("dp2", 0), ("dp2", 1), ("plain", None)]
     states = {(c.worker, c.dp_rank): c.stream_state for c in plan.candidates}
-    assert states[("dp2", 1)] == "syncing" and states[("plain", None)] is None
+    # (a stream that heard nothing and has no replay buffer to catch up from holds nothing:
+    # synced, its pending marks trusted)
+    assert states[("dp2", 1)] == "synced" and states[("plain", None)] is None
 
 
 async def test_concurrent_requests_spread_over_ranks_when_hits_are_equal(
