@@ -13,6 +13,7 @@
   refetches, restart candidates; `replay_client`: its replay DEALER;
 - `sink`: where a subscriber's accepted batches go (`IndexSink`; `RecordingSink` in recording);
 - `subscriptions`: the subscriber tasks of a process, by worker;
+- `loop_watch`: whether the process's event loop ran lately (a stall may hide a restart);
 - `health`: the stream health the per-worker answers read; `worker_matches`: those answers,
   with cached states (the service's query path);
 - `service`: `IndexerService`, the router's API (re-exports the structs it uses);

@@ -35,6 +35,7 @@ from indexer.fence import BatchFence
 from indexer.health import StreamHealth
 from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
+from indexer.loop_watch import LoopWatch
 from indexer.namespace import Namespace
 from indexer.server_stream import ServerStream, server_stream
 from indexer.shadowed import ShadowedPrefixes, ShadowMark, trusted_blocks
@@ -176,13 +177,21 @@ class IndexerService:
         # as registered (`settled`; else when it was subscribed): a re-registration because the
         # worker is another process counts that restart unless the stream counted one since
         self._settled_restarts: dict[str, int] = {}
+        # a loop that did not run (the process stopped, the loop blocked) may have left a
+        # worker's restart unread on the sockets: the streams are proven again (`_stalled`).
+        # A fed stream's freshness is its relay's records (`indexer.fed_stream`)
+        self._watch = None if fed else LoopWatch(self._stalled)
 
     async def __aenter__(self) -> IndexerService:
         await self._streams.__aenter__()
+        if self._watch is not None:
+            self._watch.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         try:
+            if self._watch is not None:
+                await self._watch.stop()
             for worker in list(self._workers):
                 await self.remove_worker(worker)
         finally:  # even when cancelled meanwhile: no waiter left hanging, no socket left open
@@ -412,10 +421,29 @@ class IndexerService:
         plus one object per worker that matched something: states and "holds nothing" answers
         are cached (`indexer.worker_matches`).
         """
+        if self._watch is not None:
+            self._watch.check()  # (a stall not told yet: before anything is answered)
         found = self.index.match(namespace, tokens, limit)
         if (self._shadowed or self._blanket) and namespace.extra_key is None and found.blocks:
             self._hide_shadowed(found, namespace, tokens)
         return self._matches.answer(self._health, found, self.index.default_medium)
+
+    def _stalled(self, seconds: float) -> None:
+        """The event loop did not run for `seconds` (`indexer.loop_watch`): a worker may have
+        restarted meanwhile, its dropped connection or new batches still queued unread. Every
+        stream with a replay socket is suspected (UNVERIFIED) and proven through it at once,
+        as after a dropped connection: a round trip for a worker that did not restart. Streams
+        without one are left as they are: a suspicion clears those, and an idle worker's
+        would start cold after every stall. Before, the first requests after the process was
+        resumed were routed on a restarted worker's dead cache (QA: 288 tokens, 0 cached)."""
+        why = (
+            f"this process's event loop did not run for {seconds:.1f} s (stopped, or blocked): "
+            "what its sockets queued meanwhile is not read yet"
+        )
+        log.warning("%s: every stream with a replay socket is proven again", why)
+        for sub in self._subs.all():
+            if sub.proves_restarts:
+                sub.suspect_restart(why)
 
     def _hide_shadowed(
         self, found: PrefixMatch, namespace: Namespace, tokens: Sequence[Hashable]

@@ -533,6 +533,11 @@ class StreamSubscriber:
             log.info("stream %s: state loaded from a snapshot %s", self.stream_id, outcome)
 
     @property
+    def proves_restarts(self) -> bool:
+        """Whether a suspected restart is proven through a replay socket (else it clears)."""
+        return self._has_replay
+
+    @property
     def _probes_at_connect(self) -> bool:
         """Whether a session starts by reading the replay socket (and probes it when quiet)."""
         return self.config.replay_endpoint is not None and self.settings.probe_interval_s > 0
