@@ -102,9 +102,16 @@ def test_the_replica_policies_route_through_three_replicas_on_nats(tmp_path: Pat
 
 
 def test_a_run_per_seed_and_the_ratios_across_them(tmp_path: Path) -> None:
+    # kv must serve a hit for a ratio to exist. Each seed's six requests hold one sibling pair
+    # (a tenant's second conversation re-sending the first one's system prompt): at the
+    # default pressure the first one's pages can be evicted before the sibling arrives, and at
+    # 40 requests/s the sibling comes 0.1 s later, before a loaded machine has indexed them;
+    # CI saw both seeds without a hit. At pressure 0.5 the cache holds all six, and at
+    # 10 requests/s the siblings come 0.38 s (seed 4) and 0.42 s (seed 3) later: kv hit in
+    # both seeds in every one of 10 runs on 2 cores with 24 busy processes beside it.
     argv = [
-        "bench", "routing", "--quick", "--seeds", "3,4", "--requests", "6", "--rate", "40",
-        "--time-scale", "0.02", "--workloads", "multi_tenant",
+        "bench", "routing", "--quick", "--seeds", "3,4", "--requests", "6", "--rate", "10",
+        "--pressures", "0.5", "--time-scale", "0.02", "--workloads", "multi_tenant",
         "--policies", "kv,kv_replicas3_one", "--out", str(tmp_path),
     ]  # fmt: skip
     assert main(argv) == 0
@@ -122,12 +129,9 @@ def test_a_run_per_seed_and_the_ratios_across_them(tmp_path: Path) -> None:
     text = (tmp_path / "routing_seeds.md").read_text()
     assert "--seeds 3,4" in text
     assert "| kv | seed 3 | seed 4 | median |" in text
-    # a seed whose kv served nothing from cache gives no ratio (six requests can, on a loaded
-    # machine: CI saw both seeds without one), and a policy with no ratio in any seed no row
+    assert any(r is not None for r in ratios.values()), "kv served no hit in either seed"
+    # a seed whose kv served nothing from cache gives no ratio, so it is left out of the row
     rows = [line for line in text.splitlines() if line.startswith("| kv_replicas3_one |")]
-    if all(r is None for r in ratios.values()):
-        assert rows == []
-        return
     (row,) = rows
     for seed, ratio in ratios.items():
         assert (f"(seed {seed})" in row) == (ratio is not None)

@@ -74,9 +74,18 @@ async def test_an_adapters_pages_are_predicted_to_it_alone(layout: str) -> None:
         assert predicted == (cached(answer) if layout == "map" else 0)
         assert cached(answer) >= 256
         # an extra_key request of the adapter: its pages come as the adapter's plain ones
+        publisher = fleet.workers["w0"].ranks[0].publisher
+        published = publisher.next_seq
         await fleet.post("/v1/completions", {**adapter, "extra_key": "view"})
+        assert publisher.next_seq > published  # it stored pages of its own: events came
+
+        async def all_applied() -> bool:  # every batch the worker published, its included
+            _, streams = await fleet.admin("GET", "/streams")
+            last = {s["stream"]: s["last_seq"] for s in streams["streams"]}
+            return bool(last["w0#dp0"] == publisher.next_seq - 1)
+
+        await eventually(all_applied, what="the extra_key request's events in the index")
         plain = {k: v for k, v in adapter.items() if k != "lora_path"}
-        await asyncio.sleep(0.2)  # any events still on their way
         status, headers, answer = await fleet.post("/v1/completions", plain)
         assert status == 200
         assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached(answer)

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.fed_stream import ANEW_MARGIN_S
 from router.cluster.server import NatsServer
@@ -116,14 +117,21 @@ async def test_a_follower_holds_what_the_relay_subscribed_to_and_opens_no_worker
             assert again[0] >= 64
             assert again[0] <= again[1]
             streams = {s.stream: s for s in a.indexer.streams()}
-            assert streams["w0#dp0"].batches > 0
+            batches = streams["w0#dp0"].batches
+            assert batches > 0
             metrics = await (await session.get(a.url + "/metrics")).text()
-            assert "kvroute_cluster_relay_records_applied_total" in metrics
+            # every batch the replica's stream took came as one relay record, counted applied
+            # (so do the relay's heartbeats: at least, not equal)
+            applied = _sample(metrics, "kvroute_cluster_relay_records_applied_total")
+            assert applied >= batches
         status, body = await _health(session, r)
         assert status == 200 and body["relay"]["published"] > 0
         relay_metrics = await (await session.get(r.url + "/metrics")).text()
-        assert "kvroute_cluster_relay_records_published_total" in relay_metrics
-        assert "kvroute_stream_state{" in relay_metrics or "kvroute_stream" in relay_metrics
+        published = _sample(relay_metrics, "kvroute_cluster_relay_records_published_total")
+        assert published >= body["relay"]["published"]
+        # the relay follows w0 as a router does: its stream is proven
+        synced = {"worker": "w0", "dp_rank": "0", "state": "synced"}
+        assert _sample(relay_metrics, "kvroute_stream_state", **synced) == 1
 
 
 async def _holds(fleet: Fleet, tokens: int, salt: str = "t") -> bool:
@@ -133,6 +141,17 @@ async def _holds(fleet: Fleet, tokens: int, salt: str = "t") -> bool:
 async def _health(session: aiohttp.ClientSession, service: RouterService) -> tuple[int, Any]:
     async with session.get(service.url + "/health") as resp:
         return resp.status, await resp.json()
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The one sample `name` with `labels` among its labels in a `/metrics` answer."""
+    (value,) = (
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+    return value
 
 
 async def test_when_the_relay_stops_the_followers_stream_goes_stale_and_predicts_nothing(
