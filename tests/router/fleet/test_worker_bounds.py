@@ -75,6 +75,13 @@ async def _served(session: aiohttp.ClientSession, url: str) -> list[tuple[int, s
         ({"id": "w\ttab"}, "id"),
         # sent as raw UTF-8 in the header, which clients read as latin-1: another id
         ({"id": "\u00e9\U0001f600"}, "id"),
+        # unbounded: 9,000 characters could be neither drained nor removed (the admin path
+        # past aiohttp's request line), and aiohttp clients could not read its answers
+        ({"id": "L" * 9000}, "id"),
+        ({"id": "L" * 257}, "id"),
+        # the header drops outer spaces: clients read `a`, and nothing for a blank id
+        ({"id": "a "}, "id"),
+        ({"id": " "}, "id"),
     ],
 )
 async def test_a_worker_the_router_cannot_serve_is_a_400_naming_the_field(
@@ -88,6 +95,7 @@ async def test_a_worker_the_router_cannot_serve_is_a_400_naming_the_field(
     message = body["error"]["message"]
     assert f"workers.{named}" in message or f"$.{named}" in message, message
     assert "\n" not in message and "\r" not in message  # quoted: one log line, one header
+    assert len(message) < 1000  # a long id quoted clipped
     status, listed = await fleet.admin("GET", "/workers")
     assert [w["id"] for w in listed["workers"]] == ["w0", "w1"]
     for status, _ in await _served(fleet.session, fleet.url):
