@@ -34,6 +34,7 @@ from router.errors import ConfigError
 __all__ = [
     "ADMIN_TOKEN_ENV",
     "MAX_CONFIG_BYTES",
+    "MAX_WORKER_ID_LEN",
     "QUERY_TOKEN_ENV",
     "AdminConfig",
     "BreakerConfig",
@@ -58,6 +59,7 @@ __all__ = [
     "parse_config",
     "read_config_file",
     "redact_url",
+    "shown_worker_id",
     "worker_id_problem",
 ]
 
@@ -477,10 +479,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 )
 
     def _check_id(self) -> None:
-        """Refuse a worker id that is not printable ASCII (`worker_id_problem`): the `id`
-        given, else the url it defaults to. A url's control characters are refused with an
-        `id` too: they would split its log lines, and `urlsplit` drops tabs and newlines, so
-        the url connected to would not be the url written."""
+        """Refuse a worker id the router cannot carry (`worker_id_problem`): the `id` given,
+        else the url it defaults to. A url's control characters are refused with an `id`
+        too: they would split its log lines, and `urlsplit` drops tabs and newlines, so the
+        url connected to would not be the url written."""
         if bad := _CONTROL.search(self.url):
             raise FieldError(
                 "url",
@@ -489,13 +491,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if self.id:
             if problem := worker_id_problem(self.id):
-                raise FieldError("id", f"workers.id {self.id!r} {problem}")
-        elif problem := worker_id_problem(self.url):
+                raise FieldError("id", f"workers.id {shown_worker_id(self.id)} {problem}")
+        elif problem := worker_id_problem(self.worker_id):
             raise FieldError(
                 "url",
-                f"workers.url {redact_url(self.url)!r}, the worker's id without an `id`, "
-                f"{problem}: give the worker an ASCII `id` (or write the url in its ASCII "
-                "form: an xn-- host, a %-escaped path)",
+                f"workers.url {shown_worker_id(redact_url(self.url))}, the worker's id "
+                f"without an `id`, {problem}: give the worker an `id` of printable ASCII (or "
+                "write the url in its ASCII form: an xn-- host, a %-escaped path)",
             )
 
     @property
@@ -525,26 +527,64 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 # (C0, DEL, C1)
 _NOT_PRINTABLE_ASCII = re.compile(r"[^\x20-\x7e]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# the longest worker id, in characters (bytes: an id is ASCII). Room for any url a worker
+# has (a Kubernetes service's full name is under 160 characters), and small beside every
+# limit an id meets on its way out: %-escaped in an admin path at most 768 bytes of
+# aiohttp's 8190-byte request line; its NATS fleet key (base64) 342 characters of
+# nats-server's 4 KiB control line beside the longest subject prefix and a reply inbox;
+# in the x-kvroute-worker header (the pair headers carry two) well inside the 4-8 KiB a
+# reverse proxy keeps for an answer's headers (nginx's proxy_buffer_size). Before, there was
+# no bound: a 3,100-character id closed a replica's NATS connection for good (the server
+# refused the line), and one of 9,000 could be neither drained nor removed, its answers
+# unreadable to aiohttp clients
+MAX_WORKER_ID_LEN = 256
+_SHOWN_ID = 64  # an id quoted in a message is clipped to this
 
 
 def worker_id_problem(worker_id: str) -> str | None:
-    """Why `worker_id` cannot be a worker's id, None when it can: an id is printable ASCII
-    (U+0020-U+007E). It is sent as it is in the `x-kvroute-worker` answer header (and the pair
-    headers), where a control character (C0, DEL, C1) is refused by aiohttp, which made every
-    answer of the worker a 500 after it ran, and a CR/LF would end the header; it is written in
-    log lines, which a newline would split. A non-ASCII character is no control character, but
-    HTTP carries only ASCII in a header (RFC 9110: other bytes are opaque, latin-1 to most
+    """Why `worker_id` cannot be a worker's id, None when it can: an id is 1 to 256
+    (`MAX_WORKER_ID_LEN`) printable ASCII characters (U+0020-U+007E), neither beginning nor
+    ending with a space.
+
+    It is sent as it is in the `x-kvroute-worker` answer header (and the pair headers), where
+    a control character (C0, DEL, C1) is refused by aiohttp, which made every answer of the
+    worker a 500 after it ran, and a CR/LF would end the header; it is written in log lines,
+    which a newline would split. A non-ASCII character is no control character, but HTTP
+    carries only ASCII in a header (RFC 9110: other bytes are opaque, latin-1 to most
     clients), so a client would read another id than the admin API's: refused too, rather
-    than encoded into a second spelling of the id."""
+    than encoded into a second spelling of the id. A header's value loses its leading and
+    trailing spaces (RFC 9110 5.5), so `"a "` reached clients as `a`, and a blank id as
+    nothing. Its length: `MAX_WORKER_ID_LEN`."""
+    if not worker_id.strip(" "):
+        return "is blank: a worker id is 1 to 256 printable ASCII characters"
+    if len(worker_id) > MAX_WORKER_ID_LEN:
+        return (
+            f"is {len(worker_id)} characters long: a worker id is at most {MAX_WORKER_ID_LEN}, "
+            "as it travels in answer headers, admin paths and the cluster's NATS keys"
+        )
     bad = _NOT_PRINTABLE_ASCII.search(worker_id)
-    if bad is None:
-        return None
-    code = ord(bad.group())
-    kind = "a control character" if _CONTROL.match(bad.group()) else "a non-ASCII character"
-    return (
-        f"holds {kind} (U+{code:04X}): a worker id is printable ASCII (U+0020-U+007E), as it "
-        "is sent in the x-kvroute-worker answer header and written in log lines"
-    )
+    if bad is not None:
+        code = ord(bad.group())
+        kind = "a control character" if _CONTROL.match(bad.group()) else "a non-ASCII character"
+        return (
+            f"holds {kind} (U+{code:04X}): a worker id is printable ASCII (U+0020-U+007E), as "
+            "it is sent in the x-kvroute-worker answer header and written in log lines"
+        )
+    if worker_id != worker_id.strip(" "):
+        return (
+            "begins or ends with a space, which the x-kvroute-worker answer header drops: "
+            "clients would read another id"
+        )
+    return None
+
+
+def shown_worker_id(worker_id: str) -> str:
+    """`worker_id` quoted for a message (repr: no control character of it gets through),
+    clipped to 64 characters with its length said: a refused 9,000-character id would
+    otherwise fill the log line and the error answer."""
+    if len(worker_id) <= _SHOWN_ID:
+        return repr(worker_id)
+    return f"{worker_id[:_SHOWN_ID]!r}... ({len(worker_id)} characters)"
 
 
 def _one_spelling(host: str) -> str:

@@ -47,7 +47,7 @@ from nats.js.kv import KeyValue
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import EvictionRecord, LogoutRecord, WorkerRecord
-from router.config import WorkerConfig, worker_id_problem
+from router.config import WorkerConfig, shown_worker_id, worker_id_problem
 from router.errors import NotFoundError
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -279,7 +279,7 @@ class FleetState:
         except msgspec.DecodeError:
             return "a worker change"
         # an id refused now (an older replica's record, removed here: `unread_worker`) quoted
-        shown = record.id if worker_id_problem(record.id) is None else repr(record.id)
+        shown = record.id if worker_id_problem(record.id) is None else shown_worker_id(record.id)
         if record.removed or record.config is None:
             return f"{shown} removed"
         if record.draining:
@@ -306,6 +306,20 @@ class FleetState:
         except msgspec.DecodeError as exc:
             # the message quotes what it refused with repr: no newline of an id splits it
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
+            if key:
+                self._unread.add(key)
+            return
+        adds = not record.removed and record.config is not None
+        if adds and (problem := worker_id_problem(record.id)):
+            # its config's id is checked as it is read; the record's own is checked here (an
+            # older replica's, written before ids were bounded): left out as an unreadable
+            # record is, quoted clipped. A removal of such an id removes nothing here, and
+            # clears it (the one `DELETE /admin/workers/{id}` writes, read back)
+            log.warning(
+                "ignoring a worker record in the fleet bucket: its id %s %s",
+                shown_worker_id(record.id),
+                problem,
+            )
             if key:
                 self._unread.add(key)
             return

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 # afresh); at ~200 bytes a record, about 40 MB
 QUEUE_LIMIT = 200_000
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+# after a NATS client is closed for good, the pause before a new one connects, doubling up to
+# the cap while new ones close before writing anything
+_PAUSE_S = 0.5
+_MAX_PAUSE_S = 10.0
 
 
 def relay_stream_name(config: ClusterConfig) -> str:
@@ -229,6 +233,47 @@ class RelayPublisher:
         }
 
     async def _connect(self) -> None:
+        """Connect (retrying until NATS answers) and write; a client closed for good is
+        replaced. nats-py closes its client for good, and reconnects no more, on a server's
+        `-ERR` other than a stale connection or a permissions violation (a line past the
+        server's control line limit, credentials revoked while connected): before, the relay
+        then wrote nothing until restarted, and its followers predicted nothing. Now a new
+        client connects after a pause (doubling up to `_MAX_PAUSE_S` while each one closes
+        before it wrote anything), said once per reason; the records waiting are kept."""
+        pause = _PAUSE_S
+        while True:
+            closed = asyncio.Event()
+            nc = await self._open(closed)
+            self._nc = nc
+            self.connected_once = True
+            self._said.discard("down")
+            writing = (
+                f"writing the workers' KV events to JetStream stream "
+                f"{relay_stream_name(self.config)} (epoch {self.epoch:x})"
+            )
+            if self._late:
+                log.warning("relay resynced: NATS at %s answers; %s", self._servers, writing)
+            else:
+                log.info("relay: %s", writing)
+            published = self.published
+            await self._drain(nc, closed)
+            reason = f"{type(nc.last_error).__name__}: {nc.last_error}" if nc.last_error else ""
+            self._say_once(
+                f"closed {reason}",
+                "relay: the NATS client was closed for good"
+                + (f" ({reason})" if reason else "")
+                + "; connecting again with a new one, records wait (bounded)",
+            )
+            self._late = True  # its answering is said again
+            if self.published != published:
+                pause = _PAUSE_S  # it wrote meanwhile: a new incident
+                self._said = {k for k in self._said if not k.startswith("closed ")}
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
+
+    async def _open(self, closed: asyncio.Event) -> NATS:
+        """A client connected to NATS with the relay's stream made (retrying until both);
+        `closed` is set when the client is closed for good."""
         nc = TlsGuardedClient()
 
         async def on_error(exc: Exception) -> None:
@@ -255,6 +300,10 @@ class RelayPublisher:
             self._reconnected = True  # the stream is checked before anything is written
             self._wake.set()
 
+        async def on_closed() -> None:
+            closed.set()
+            self._wake.set()  # the writer sees it and returns
+
         delay = 0.2
         while True:
             try:
@@ -268,10 +317,11 @@ class RelayPublisher:
                     error_cb=on_error,
                     disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected,
+                    closed_cb=on_closed,
                 )
                 js = nc.jetstream(timeout=5.0)
                 await ensure_relay_stream(js, self.config)
-                break
+                return nc
             except _NATS_ERRORS as exc:
                 # an option the client refused at once, or a server that answers but would
                 # not make the stream (JetStream off): a refused connection never lands here
@@ -292,19 +342,9 @@ class RelayPublisher:
                 with contextlib.suppress(*_NATS_ERRORS):
                     await nc.close()
                 nc = TlsGuardedClient()
+                closed.clear()  # the closing of the client given up on is not ours
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        self._nc = nc
-        self.connected_once = True
-        writing = (
-            f"writing the workers' KV events to JetStream stream "
-            f"{relay_stream_name(self.config)} (epoch {self.epoch:x})"
-        )
-        if self._late:
-            log.warning("relay resynced: NATS at %s answers; %s", self._servers, writing)
-        else:
-            log.info("relay: %s", writing)
-        await self._drain(nc)
 
     @property
     def _servers(self) -> str:
@@ -327,11 +367,14 @@ class RelayPublisher:
             last,
         )
 
-    async def _drain(self, nc: NATS) -> None:
+    async def _drain(self, nc: NATS, closed: asyncio.Event) -> None:
+        """Write the queue through `nc` as NATS takes it; returns once `nc` is closed."""
         queue = self._queue
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if closed.is_set():
+                return
             if self._reconnected:
                 # a server restarted without its store would take the records into nothing
                 self._reconnected = False

@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 # what a NATS call may fail with: the client's errors, a deadline, a socket
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
+# after a NATS client is closed for good, the pause before a new one connects, doubling up to
+# the cap while new ones close before the replica resyncs (a server refusing each at once)
+_PAUSE_S = 0.5
+_MAX_PAUSE_S = 10.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
@@ -120,6 +124,9 @@ class ClusterService:
         self.replica = config.replica_id or replica_name()
         # the refusals (TLS not offered, credentials refused) logged since NATS last answered
         self._refusals_said: set[str] = set()
+        # why NATS clients were closed for good (`_connect`), said since the last resync
+        self._closes_said: set[str] = set()
+        self._resyncs = 0  # times this replica came in step with the others
         self._sync_error = ""  # the last sync failure logged: each new one is logged once
         self.status = ClusterStatus.WARMING
         self._planner = planner
@@ -251,6 +258,8 @@ class ClusterService:
 
     def _become_ok(self) -> None:
         self._refusals_said.clear()
+        self._closes_said.clear()
+        self._resyncs += 1
         if self.status is ClusterStatus.DEGRADED:
             log.warning(
                 "cluster resynced: NATS answers again, %d other replica(s) heard so far",
@@ -285,19 +294,60 @@ class ClusterService:
     # ------------------------------------------------------------------ connection
 
     async def _connect(self) -> None:
-        """Connect (retrying until NATS answers), then sync; reconnects are the client's.
+        """Connect (retrying until NATS answers), then sync; reconnects are the client's, and
+        a client closed for good is replaced.
+
+        nats-py closes its client for good, and tries no reconnect, on a server's `-ERR` other
+        than a stale connection or a permissions violation (a line past the server's control
+        line limit, credentials revoked while connected). Before, the replica then stayed
+        degraded until it was restarted. Now a new client connects after a pause (`_PAUSE_S`,
+        doubling up to `_MAX_PAUSE_S` while each one closes before the replica resynced) and
+        syncs as after an outage; the closing is said once per reason.
 
         A connect the client gives up on at once (an option it refuses) leaves this replica
         degraded for good, said in one line: raised, it would take the task group and the
         router's startup down with it, as a bare cancellation."""
-        try:
-            await self._connect_once()
-        except nats.errors.Error as exc:
-            self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
+        pause = _PAUSE_S
+        while True:
+            closed = asyncio.Event()
+            try:
+                nc = await self._open(closed)
+            except nats.errors.Error as exc:
+                self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
+                return
+            resyncs = self._resyncs
+            try:
+                await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
+            except _NATS_ERRORS:
+                pass  # closed meanwhile: `closed` is set, and a new client follows
+            else:
+                # a task, as a reconnect's sync is: a client closed meanwhile cancels it
+                # (`_on_disconnected`), where it could wait for a watcher that ended with it
+                self._sync_task = self._group.create_task(self._sync(first=True))
+            await closed.wait()
+            self.nats_errors += 1
+            reason = f"{type(nc.last_error).__name__}: {nc.last_error}" if nc.last_error else ""
+            if reason not in self._closes_said:
+                self._closes_said.add(reason)
+                log.warning(
+                    "cluster: the NATS client was closed for good%s; connecting again with a "
+                    "new one",
+                    f" ({reason})" if reason else "",
+                )
+            if self._resyncs != resyncs:
+                pause = _PAUSE_S  # it served in step meanwhile: this is a new incident
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
 
-    async def _connect_once(self) -> None:
+    async def _open(self, closed: asyncio.Event) -> NATS:
+        """A new client, connected (retrying until NATS answers); `closed` is set when it is
+        closed for good."""
         nc = TlsGuardedClient()
         interval = self.config.heartbeat_interval_s
+
+        async def on_closed() -> None:
+            closed.set()
+
         await nc.connect(
             servers=self.config.servers,
             name=self.replica,
@@ -311,11 +361,11 @@ class ClusterService:
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
+            closed_cb=on_closed,
         )
         self._nc = nc
         self._js = nc.jetstream(timeout=5.0)
-        await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
-        await self._sync(first=True)
+        return nc
 
     async def _on_error(self, exc: Exception) -> None:
         # every failed attempt lands here: the state changes are what gets logged, once

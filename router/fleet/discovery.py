@@ -16,6 +16,7 @@ model, not a model of its own: requests reach it as `base:adapter` or with `lora
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +28,8 @@ from router.config import WorkerConfig
 from router.errors import RequestError
 
 __all__ = [
+    "MAX_CAPACITY_TOKENS",
+    "MAX_RUNNING_REQUESTS",
     "adapters_from_model_list",
     "capacity_from_server_info",
     "flushes_by_salt",
@@ -35,6 +38,7 @@ __all__ = [
     "models_from_model_list",
     "models_from_server_info",
     "needs_discovery",
+    "settings_note",
     "streams_for",
     "version_from_server_info",
     "worker_host",
@@ -142,24 +146,78 @@ def adapters_from_model_list(answer: object) -> dict[str, str]:
     }
 
 
+# The largest KV pool, in tokens, a rank's settings may say: 2**40 (about 1.1e12), far past
+# any (a GPU's pool holds 10^5-10^7 tokens, a HiCache host tier of terabytes 10^9-10^10), and
+# small enough for the forecast's arithmetic (a ratio times a pool of 1e308 was a float
+# infinity, and `int()` of it raised). A larger one is taken as unknown, said once per worker.
+MAX_CAPACITY_TOKENS = 2**40
+# the most requests a rank may say it runs at once (SGLang's max_running_requests stays in the
+# thousands)
+MAX_RUNNING_REQUESTS = 2**20
+
+
 def capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
-    """The KV pool of one rank in tokens (SGLang's `max_total_num_tokens`), None if absent.
+    """The KV pool of one rank in tokens (SGLang's `max_total_num_tokens`), None if absent or
+    not a whole number of 1 to `MAX_CAPACITY_TOKENS` (`settings_note` says why).
 
     SGLang reports one scheduler's pool; every data-parallel rank has a pool of that size.
     """
-    return _int(info.get("max_total_num_tokens")) if info is not None else None
+    return _bounded(info.get("max_total_num_tokens"), MAX_CAPACITY_TOKENS) if info else None
 
 
 def host_capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     """The host tier of one rank in tokens (SGLang's HiCache: `enable_hierarchical_cache`, its
     pool `hicache_ratio` times the device pool, as `mem_cache/kv_cache_builder.py` sizes it in
-    0.5.23), None when there is none or it is not said."""
+    0.5.23), None when there is none, it is not said, or it is no finite size of 1 to
+    `MAX_CAPACITY_TOKENS` tokens: no host-tier hit is then predicted (fail closed)."""
     if info is None or info.get("enable_hierarchical_cache") is not True:
         return None
     ratio, device = info.get("hicache_ratio"), capacity_from_server_info(info)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or device is None:
         return None
-    return int(ratio * device) if ratio > 0 else None
+    try:
+        # a float product (an infinity past the largest float, never an error), checked
+        # before `int()`, which raised on an infinity; an integer ratio past the largest
+        # float cannot be made one
+        host = float(ratio) * device
+    except OverflowError:
+        return None
+    return int(host) if math.isfinite(host) and 1 <= host <= MAX_CAPACITY_TOKENS else None
+
+
+def settings_note(info: Mapping[str, Any] | None) -> str | None:
+    """What a worker's settings say of its capacity or concurrency that is taken as unknown
+    (None: nothing): a number out of range, or not a number (a worker, or what stands in its
+    place, may advertise anything). Said once per worker and note by the supervisor."""
+    if info is None:
+        return None
+    notes = []
+    checks = [
+        (
+            "max_total_num_tokens",
+            MAX_CAPACITY_TOKENS,
+            "its KV capacity is unknown (no admission forecast)",
+        ),
+        ("max_running_requests", MAX_RUNNING_REQUESTS, "its concurrency is unknown"),
+    ]
+    for key, most, meaning in checks:
+        value = info.get(key)
+        if value is not None and _bounded(value, most) is None:
+            notes.append(f"{key} {_shown(value)} is no whole number of 1 to {most}: {meaning}")
+    ratio = info.get("hicache_ratio")
+    tiered = info.get("enable_hierarchical_cache") is True and ratio is not None
+    if tiered and capacity_from_server_info(info) and host_capacity_from_server_info(info) is None:
+        notes.append(
+            f"hicache_ratio {_shown(ratio)} makes no host tier of 1 to {MAX_CAPACITY_TOKENS} "
+            "tokens: no host-tier hit predicted"
+        )
+    return "; ".join(notes) or None
+
+
+def _shown(value: object) -> str:
+    """An advertised value quoted in a log line, clipped (an integer may have 4,000 digits)."""
+    said = repr(value)
+    return said if len(said) <= 40 else f"{said[:40]}..."
 
 
 def flushes_by_salt(info: Mapping[str, Any] | None) -> bool:
@@ -170,8 +228,9 @@ def flushes_by_salt(info: Mapping[str, Any] | None) -> bool:
 
 
 def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
-    """How many requests one rank runs at once (`max_running_requests`), None if absent."""
-    return _int(info.get("max_running_requests")) if info is not None else None
+    """How many requests one rank runs at once (`max_running_requests`), None if absent or
+    not a whole number of 1 to `MAX_RUNNING_REQUESTS`."""
+    return _bounded(info.get("max_running_requests"), MAX_RUNNING_REQUESTS) if info else None
 
 
 def version_from_server_info(info: Mapping[str, Any] | None) -> str | None:
@@ -282,3 +341,9 @@ def _endpoints(adv: Mapping[str, Any], many: str, one: str) -> object:
 
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _bounded(value: object, most: int) -> int | None:
+    """`value` when it is a whole number of 1 to `most`, else None."""
+    got = _int(value)
+    return got if got is not None and got <= most else None

@@ -46,6 +46,8 @@ class RegistrationNotes:
         # per worker, the configured and advertised roles that contradict, as last said
         # (`check_role`)
         self._roles: dict[str, str] = {}
+        # per worker, the advertised settings taken as unknown, as last said (`check_settings`)
+        self._settings: dict[str, str] = {}
 
     def forget(self, worker: str) -> None:
         """`worker` was removed from the pool: one added again under its id (a reload that
@@ -54,6 +56,7 @@ class RegistrationNotes:
         self._misnamed.pop(worker, None)
         self._tokenizers.pop(worker, None)
         self._roles.pop(worker, None)
+        self._settings.pop(worker, None)
         # fewer workers list fewer bases: said again if a registration makes one ambiguous
         self._ambiguous = self._pool.ambiguous_adapters()
         self._said.pop(worker, None)
@@ -168,6 +171,22 @@ class RegistrationNotes:
             self._tokenizers.clear()
         self._tokenizers[worker] = note
         log.warning("worker %s: %s", worker, note)
+
+    def check_settings(self, worker: str, note: str | None) -> None:
+        """What `worker`'s settings, read just now, advertise that is taken as unknown
+        (`router.fleet.discovery.settings_note`; None: nothing): said once per worker and
+        note, at registration and when a re-read changes it. Before, an advertised
+        `hicache_ratio` of 1e308 made the registration raise (an ERROR traceback, a 500 on
+        `POST /admin/workers`), and absurd capacities were taken silently."""
+        if note is None:
+            self._settings.pop(worker, None)
+            return
+        if self._settings.get(worker) == note:
+            return
+        if len(self._settings) >= _KEPT:
+            self._settings.clear()
+        self._settings[worker] = note
+        log.warning("worker %s: its server info advertises %s", worker, note)
 
     def say_ambiguous(self, entry: WorkerEntry) -> None:
         """Say which adapter names `entry`'s registration made ambiguous (workers of several

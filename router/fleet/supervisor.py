@@ -53,6 +53,7 @@ from router.fleet.discovery import (
     host_capacity_from_server_info,
     max_running_from_server_info,
     needs_discovery,
+    settings_note,
     streams_for,
     version_from_server_info,
 )
@@ -257,23 +258,38 @@ class Supervisor:
             raise
         if self._pool.find(entry.id) is not entry:
             return  # removed while discovering (maybe replaced by another of its id)
+        # read before the streams are added: what a worker advertises is anything (bounded
+        # and checked there, `router.fleet.discovery`)
+        capacity = capacity_from_server_info(info)
+        host_capacity = host_capacity_from_server_info(info)
+        max_running = max_running_from_server_info(info)
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams, restarted=restarted)
-        self._pool.set_role(entry, role, bootstrap_port)
-        self._pool.set_models(entry, models, adapters)
-        self._notes.say_ambiguous(entry)
-        self._notes.check_named(entry, advertised)
-        self._check_tokenizer(entry, info)
-        entry.streams = [s.endpoint for s in streams]
-        entry.capacity_tokens = capacity_from_server_info(info)
-        entry.host_capacity_tokens = host_capacity_from_server_info(info)
-        entry.flushes_by_salt = flushes_by_salt(info)
-        entry.max_running_requests = max_running_from_server_info(info)
-        entry.version = version_from_server_info(info)
-        entry.discovered = True
-        if info is not None:
-            self._schedule.read(entry.id)
-        self.watch.forget(entry.id)  # a streak was the old registration's
+        try:
+            self._pool.set_role(entry, role, bootstrap_port)
+            self._pool.set_models(entry, models, adapters)
+            self._notes.say_ambiguous(entry)
+            self._notes.check_named(entry, advertised)
+            self._check_tokenizer(entry, info)
+            self._notes.check_settings(entry.id, settings_note(info))
+            entry.streams = [s.endpoint for s in streams]
+            entry.capacity_tokens = capacity
+            entry.host_capacity_tokens = host_capacity
+            entry.flushes_by_salt = flushes_by_salt(info)
+            entry.max_running_requests = max_running
+            entry.version = version_from_server_info(info)
+            entry.discovered = True
+            if info is not None:
+                self._schedule.read(entry.id)
+            self.watch.forget(entry.id)  # a streak was the old registration's
+        except Exception:
+            # no subscription outlives a registration that failed: before, a worker whose
+            # settings raised here (an advertised hicache_ratio of 1e308) kept its streams
+            # subscribed for good, unlisted, and its server under another id was `duplicate`
+            # (its stream taken) until the router restarted
+            if streams:
+                await self._indexer.remove_worker(entry.id)
+            raise
         log.info(
             "worker %s: serves %s as %s, %d KV-event stream(s) registered",
             entry.id,
@@ -353,6 +369,7 @@ class Supervisor:
             return False
         self._schedule.readable(entry.id)
         self._check_tokenizer(entry, info)
+        self._notes.check_settings(entry.id, settings_note(info))
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)

@@ -211,11 +211,39 @@ def test_the_largest_page_size_and_rank_count_are_taken() -> None:
     WorkerConfig(url="http://a:1", events="tcp://a:64512", dp_size=1024)  # to port 65535
 
 
-@pytest.mark.parametrize("worker_id", ["w0", "a b", "a/b", "~!@#$%^&*()_+{}|:<>?", "x" * 300])
+@pytest.mark.parametrize("worker_id", ["w0", "a b", "a/b", "~!@#$%^&*()_+{}|:<>?", "x" * 256])
 def test_a_worker_id_is_any_printable_ascii(worker_id: str) -> None:
     assert WorkerConfig(url="http://a:1", id=worker_id).worker_id == worker_id
     # a url of another script is no id but may be the url, with an ASCII id
     assert WorkerConfig(url="http://\u00e9.example:1", id=worker_id).worker_id == worker_id
+
+
+@pytest.mark.parametrize(
+    ("worker", "key", "said"),
+    [
+        # 3,100 characters closed a replica's NATS connection for good (its fleet key past
+        # nats-server's 4 KiB control line); 9,000 could be neither drained nor removed
+        ({"id": "x" * 257}, "id", "is 257 characters long"),
+        ({"id": "k" * 9000}, "id", "is 9000 characters long"),
+        ({"url": "http://a:1/" + "p" * 250}, "url", "is 261 characters long"),
+        # the x-kvroute-worker header drops a value's outer spaces: `a ` reached clients as `a`
+        ({"id": "a "}, "id", "begins or ends with a space"),
+        ({"id": " lead"}, "id", "begins or ends with a space"),
+        ({"id": "   "}, "id", "is blank"),
+        ({"url": "http://a:1/x "}, "url", "begins or ends with a space"),
+    ],
+)
+def test_a_worker_id_is_bounded_and_has_no_outer_space(
+    worker: dict[str, Any], key: str, said: str
+) -> None:
+    doc = {"workers": [{"url": "http://a:1", **worker}]}
+    with pytest.raises(ConfigError) as refused:
+        parse_config(doc)
+    assert refused.value.key == f"workers[0].{key}" and said in str(refused.value)
+    # the refused id is quoted clipped: a 9,000-character one would fill the line
+    assert len(str(refused.value)) < 600, str(refused.value)
+    with pytest.raises(msgspec.ValidationError, match=said):
+        msgspec.convert(doc["workers"][0], WorkerConfig)  # POST /admin/workers
 
 
 def test_a_tables_own_check_is_a_value_error_outside_a_config() -> None:

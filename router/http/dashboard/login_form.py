@@ -11,8 +11,11 @@ answers it in JSON and logs nothing), as a body the router cannot read is everyw
 messages name the kind of fault, never the body's bytes (the token is among them).
 
 Too many fields is aiohttp's 413, which the middleware would word as a body over
-`limits.max_body_bytes`; here it is a 400 saying so. A body truly over the limit stays the
-middleware's 413.
+`limits.max_body_bytes`; here it is a 400 saying so. aiohttp answers the same 413 for a
+urlencoded body whose %-escapes are no text in its charset (the codec's UnicodeError is a
+ValueError to its parser): that is told apart, and said as what it is (before, `charset=idna`
+with `token=%ff` was "over 1000 fields"). A body truly over the limit stays the middleware's
+413.
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ _SHOWN = 64  # a header value echoed in a message is clipped to this
 
 def _clipped(value: str) -> str:
     return repr(value[:_SHOWN])
+
+
+async def _too_many_fields(request: web.Request) -> bool:
+    """Whether a urlencoded body aiohttp refused has more fields than it takes: its rule
+    (yarl's `query_to_pairs`: as many `&` as the limit), on the body it read already."""
+    try:
+        text = (await request.read()).rstrip().decode(request.charset or "utf-8")
+    except (LookupError, ValueError):
+        return False
+    return text.count("&") >= request.client_max_fields
 
 
 async def form_token(request: web.Request) -> str | None:
@@ -52,11 +65,23 @@ async def form_token(request: web.Request) -> str | None:
         raise RequestError(
             f"the login form's {named} is not a text encoding Python knows"
         ) from None
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"the login form is not valid {exc.encoding} text") from None
+    except UnicodeError as exc:
+        # a UnicodeDecodeError names its codec; a codec's bare UnicodeError (punycode, idna)
+        # does not: the form's charset, clipped (it is the client's)
+        encoding = getattr(exc, "encoding", None)
+        if not isinstance(encoding, str):
+            encoding = _clipped(request.charset or "") if kind == FORM_TYPES[0] else "its part's"
+        raise RequestError(f"the login form is not valid {encoding} text") from None
     except web.HTTPRequestEntityTooLarge:
         if request.content.total_bytes > request.client_max_size:
             raise  # over limits.max_body_bytes: the middleware's 413 says so
+        if kind == FORM_TYPES[0] and not await _too_many_fields(request):
+            # aiohttp words every ValueError of the urlencoded parser so, the codec's too: a
+            # %-escape that is no text in the charset (`charset=idna`, `token=%ff`)
+            raise RequestError(
+                "the login form's %-escaped bytes are not valid "
+                f"{_clipped(request.charset or 'utf-8')} text"
+            ) from None
         raise RequestError(
             f"the login form has over {request.client_max_fields} fields; it takes one, token"
         ) from None

@@ -219,6 +219,56 @@ async def test_an_admin_change_nats_did_not_take_is_answered_pending_and_said_lo
         await nats.stop()
 
 
+async def test_a_nats_client_closed_for_good_is_replaced_and_the_replica_resyncs(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py closes its client for good on a server's -ERR (here a line past nats-server's
+    4 KiB control line, as a 3,100-character worker id's fleet key was; credentials revoked
+    while connected are another) and tries no reconnect. Before, the replica stayed degraded
+    until restarted, its admin changes kept unsent and the others' never applied. Now a new
+    client connects and the replica resyncs, each time it happens: a change made on it
+    meanwhile reaches the other replica, and the other's reach it."""
+    caplog.set_level(logging.WARNING, logger="router.cluster")
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        async with (
+            RouterService(replica_config(fleet, nats_server.url, "a")) as a,
+            RouterService(replica_config(fleet, nats_server.url, "b")) as b,
+        ):
+            cluster = a.cluster
+            assert cluster is not None
+            for drain, by, other in ((True, a, b), (False, b, a)):
+                closing = cluster._nc
+                assert closing is not None and closing.is_connected
+                # a real server's -ERR: it drops the client, which nats-py closes for good
+                await closing.publish("x" * 5000, b"")
+
+                async def closed() -> bool:
+                    return closing.is_closed  # noqa: B023 - awaited within the iteration
+
+                await eventually(closed, what="nats-server to drop the client")
+                # made while the new client is not in step yet (or already is: either way)
+                status, _ = await admin(session, by, "POST", "/workers/w1/drain", {"drain": drain})
+                assert status == 200
+
+                async def resynced() -> bool:
+                    if await _status(session, a) != "ok" or cluster._nc is closing:  # noqa: B023
+                        return False
+                    _, listed = await admin(session, other, "GET", "/workers")  # noqa: B023
+                    return any(
+                        w["id"] == "w1" and w["draining"] is drain  # noqa: B023
+                        for w in listed["workers"]
+                    )
+
+                await eventually(resynced, what="a new client, a resync and the drain shared")
+                await _serves(session, a)
+            said = [r.getMessage() for r in caplog.records if "closed for good" in r.getMessage()]
+            assert len(said) == 2, said  # once per incident (said again after a resync)
+            assert all("maximum control line exceeded" in line.lower() for line in said), said
+            assert _lines(caplog, "cluster resynced") == 2
+            assert "kvroute_cluster_degraded 0.0" in await _metrics(session, a)
+
+
 async def _workers_seen(session: aiohttp.ClientSession, router: RouterService) -> dict[str, bool]:
     """The workers `router` routes over: id -> draining."""
     _, listed = await admin(session, router, "GET", "/workers")

@@ -276,3 +276,53 @@ async def test_an_older_replicas_record_of_an_id_refused_now_is_left_out_and_rem
             assert status == 404  # nothing more to remove
         finally:
             await listener.close()
+
+
+async def test_a_long_or_spaced_id_is_refused_at_the_admin_and_in_an_older_replicas_records(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 3,100-character id was taken: its fleet key ("w." + base64) pushed the replica's
+    publish past nats-server's 4 KiB control line, the server dropped the client, and the
+    replica stayed degraded. Now the admin API refuses it (the cluster stays ok), and an older
+    replica's records of ids refused now (too long; an outer space, which the answer header
+    drops) are left out with one WARNING each, the id clipped, and removable."""
+    long_id = "k" * 300
+    async with (
+        workers(2) as (w0, w1),
+        aiohttp.ClientSession() as session,
+        RouterService(replica_config([("w0", w0.url)], nats_server.url, "a")) as a,
+    ):
+        status, body = await admin(
+            session, a, "POST", "/workers", {"url": w1.url, "id": "k" * 3100}
+        )
+        assert status == 400 and "is 3100 characters long" in body["error"]["message"], body
+        async with session.get(a.url + "/health") as resp:
+            assert (await resp.json())["cluster"]["status"] == "ok"
+        listener = await nats.connect(nats_server.url)
+        try:
+            fleet = await listener.jetstream().key_value("kvroute_fleet")
+            records = {
+                long_id: {"id": long_id, "config": {"url": w1.url, "id": long_id}, "by": "old"},
+                "a ": {"id": "a ", "config": {"url": w1.url, "id": "a "}, "by": "old"},
+            }
+            with caplog.at_level(logging.WARNING, logger="router.cluster"):
+                for worker_id, record in records.items():
+                    await fleet.put(worker_key(worker_id), json.dumps(record).encode())
+                cluster = a.cluster
+                assert cluster is not None
+
+                async def refused() -> bool:
+                    return all(cluster.fleet.unread_worker(w) for w in records)
+
+                await eventually(refused, what="a to read both records")
+            said = [r.getMessage() for r in caplog.records if "worker record" in r.getMessage()]
+            assert len(said) == 2, said
+            assert all(long_id not in line and len(line) < 600 for line in said), said
+            assert any("'a '" in line and "space" in line for line in said), said
+            assert list(await _fleet(session, a)) == ["w0"]
+            status, answer = await admin(session, a, "DELETE", f"/workers/{long_id}")
+            assert status == 200 and answer == {"removed": long_id, "cluster": "shared"}
+            async with session.get(a.url + "/health") as resp:
+                assert (await resp.json())["cluster"]["status"] == "ok"
+        finally:
+            await listener.close()

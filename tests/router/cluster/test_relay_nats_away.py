@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from nats import connect as nats_connect
+from nats import errors as nats_errors
 
 from router.cluster.server import NatsServer
 from router.service import RouterService
@@ -133,3 +135,61 @@ async def test_a_relay_whose_nats_answers_at_once_warns_nothing(
         await eventually(ok, timeout_s=10, what="the relay's health to say ok")
         await asyncio.sleep(1.0)  # past the startup timeout
     assert not _said(caplog, "relay degraded") and not _said(caplog, "relay resynced")
+
+
+async def test_a_relay_whose_nats_client_is_closed_for_good_connects_a_new_one_and_writes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """nats-py closes its client for good on a server's -ERR (here a line past nats-server's
+    4 KiB control line, as a record of a 2,000-character worker id's stream was: its subject
+    is the stream id in hex) and reconnects no more. Before, the relay wrote nothing from then
+    on, until restarted, and its followers predicted nothing. Now a new client connects, said
+    once, and the records reach the stream again."""
+    caplog.set_level(logging.INFO)
+    async with (
+        NatsServer() as nats,
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        _relay(w0, nats.port) as relay,
+    ):
+        publisher = relay.relay
+        assert publisher is not None
+        listener = await nats_connect(nats.url)
+        try:
+            js = listener.jetstream()
+
+            async def stored() -> int:
+                try:
+                    info = await js.stream_info("kvroute_events")
+                except nats_errors.Error:
+                    return 0
+                return int(info.state.messages)
+
+            async def ok() -> bool:
+                return bool((await _health(session, relay))[1]["status"] == "ok")
+
+            await eventually(ok, timeout_s=10, what="the relay's health to say ok")
+            closing = publisher._nc
+            assert closing is not None
+            await closing.publish("x" * 5000, b"")  # a real -ERR: the server drops the client
+
+            async def replaced() -> bool:
+                return closing.is_closed and publisher._nc is not closing and await ok()
+
+            await eventually(replaced, timeout_s=10, what="a new client")
+            before = await stored()
+            async with session.post(
+                w0.url + "/generate",
+                json={"text": "a prompt written after the new client", "sampling_params": {}},
+            ) as resp:
+                assert resp.status == 200
+
+            async def written() -> bool:
+                return await stored() > before
+
+            await eventually(written, timeout_s=10, what="records stored through the new client")
+        finally:
+            await listener.close()
+    closed = _said(caplog, "closed for good")
+    assert len(closed) == 1 and "maximum control line exceeded" in closed[0].lower(), closed
+    assert len(_said(caplog, "relay resynced")) == 1

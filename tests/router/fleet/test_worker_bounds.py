@@ -75,6 +75,13 @@ async def _served(session: aiohttp.ClientSession, url: str) -> list[tuple[int, s
         ({"id": "w\ttab"}, "id"),
         # sent as raw UTF-8 in the header, which clients read as latin-1: another id
         ({"id": "\u00e9\U0001f600"}, "id"),
+        # unbounded: 9,000 characters could be neither drained nor removed (the admin path
+        # past aiohttp's request line), and aiohttp clients could not read its answers
+        ({"id": "L" * 9000}, "id"),
+        ({"id": "L" * 257}, "id"),
+        # the header drops outer spaces: clients read `a`, and nothing for a blank id
+        ({"id": "a "}, "id"),
+        ({"id": " "}, "id"),
     ],
 )
 async def test_a_worker_the_router_cannot_serve_is_a_400_naming_the_field(
@@ -88,6 +95,7 @@ async def test_a_worker_the_router_cannot_serve_is_a_400_naming_the_field(
     message = body["error"]["message"]
     assert f"workers.{named}" in message or f"$.{named}" in message, message
     assert "\n" not in message and "\r" not in message  # quoted: one log line, one header
+    assert len(message) < 1000  # a long id quoted clipped
     status, listed = await fleet.admin("GET", "/workers")
     assert [w["id"] for w in listed["workers"]] == ["w0", "w1"]
     for status, _ in await _served(fleet.session, fleet.url):
@@ -145,3 +153,98 @@ async def test_advertised_settings_past_the_bounds_are_refused_and_the_worker_se
                 assert said in body["error"]["message"], body
         lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
         assert lines and lines[0].startswith("worker w1: "), caplog.text
+
+
+class SayingSettings(WorkerPassThrough):
+    """A reference worker's HTTP API passed through, its server info's top level saying `says`
+    on top of what the worker advertises."""
+
+    def __init__(self, target: str, says: dict[str, Any]) -> None:
+        super().__init__(target)
+        self.says = says
+
+    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+        if request.path not in ("/server_info", "/get_server_info"):
+            return await super()._answer(request, resp)
+        return web.json_response({**await resp.json(), **self.says})
+
+
+@pytest.mark.parametrize(
+    ("says", "said", "capacity", "host_capacity"),
+    [
+        # int(1e308 * pool) was a float infinity: OverflowError after the streams were
+        # subscribed, a 500, and the stream left subscribed for good
+        (
+            {"enable_hierarchical_cache": True, "hicache_ratio": 1e308},
+            "hicache_ratio 1e+308 makes no host tier",
+            True,
+            None,
+        ),
+        # past any float: the ratio times it raised too
+        (
+            {"max_total_num_tokens": 2**1030, "enable_hierarchical_cache": True},
+            f"max_total_num_tokens {str(2**1030)[:40]}...",
+            None,
+            None,
+        ),
+        (
+            {"max_running_requests": 2**100},
+            "max_running_requests 1267650600228229401496703205376",
+            True,
+            0,
+        ),
+    ],
+)
+async def test_advertised_capacities_past_the_bounds_are_taken_as_unknown_and_said_once(
+    fleet: Fleet,
+    caplog: pytest.LogCaptureFixture,
+    says: dict[str, Any],
+    said: str,
+    capacity: bool | None,
+    host_capacity: int | None,
+) -> None:
+    """The worker is registered (its events followed), its capacity or host tier or
+    concurrency unknown: no forecast from it, no host-tier hit predicted (fail closed)."""
+    async with (
+        ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as spare,
+        SayingSettings(spare.url, says) as absurd,
+    ):
+        with caplog.at_level(logging.WARNING, logger="router.fleet"):
+            status, body = await fleet.admin("POST", "/workers", {"url": absurd.url, "id": "w9"})
+            assert status == 201, body
+            assert fleet.router.indexer.stream_configs("w9") != []
+            entry = fleet.router.planner.pool.find("w9")
+            assert entry is not None
+            assert (entry.capacity_tokens is not None) is bool(capacity)
+            assert entry.host_capacity_tokens is None
+            if "max_running_requests" in says:
+                assert entry.max_running_requests is None
+        lines = [r.getMessage() for r in caplog.records if "advertises" in r.getMessage()]
+        assert len(lines) == 1 and said in lines[0], lines
+        assert lines[0].startswith("worker w9: its server info advertises ")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_registration_that_fails_after_subscribing_leaves_no_stream_behind(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A defect after the worker's streams were subscribed (an advertised hicache_ratio of
+    1e308 was one) made the add a 500 and left its stream subscribed for good, unlisted: the
+    same server under another id was `duplicate` (its stream taken) until a restart. The
+    failure is injected (no real one is left to trigger: the bounds above removed it)."""
+
+    def broken(info: object) -> str:
+        raise RuntimeError("a defect after the subscription")
+
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as spare:
+        with monkeypatch.context() as patched, caplog.at_level(logging.CRITICAL):
+            patched.setattr("router.fleet.supervisor.version_from_server_info", broken)
+            status, body = await fleet.admin("POST", "/workers", {"url": spare.url, "id": "w9"})
+        assert status == 500, body
+        assert fleet.router.indexer.stream_configs("w9") == []
+        assert spare.kv_events.endpoints[0] not in {
+            s.endpoint for w in ("w0", "w1") for s in fleet.router.indexer.stream_configs(w)
+        }
+        status, body = await fleet.admin("POST", "/workers", {"url": spare.url, "id": "w10"})
+        assert status == 201 and body["status"] != "duplicate", body
+        assert fleet.router.indexer.stream_configs("w10") != []
