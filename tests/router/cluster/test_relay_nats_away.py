@@ -59,17 +59,22 @@ def _said(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
     ]
 
 
+async def _warned(caplog: pytest.LogCaptureFixture) -> None:
+    """Until the relay said its startup-timeout warning."""
+
+    async def warned() -> bool:
+        return bool(_said(caplog, "relay degraded"))
+
+    await eventually(warned, timeout_s=10, what="the relay's startup-timeout warning")
+
+
 async def test_a_relay_whose_nats_refuses_warns_once_and_its_health_says_degraded(
     held_port: socket.socket, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = held_port.getsockname()[1]
     caplog.set_level(logging.INFO)
     async with workers(1) as (w0,), aiohttp.ClientSession() as session, _relay(w0, port) as relay:
-
-        async def warned() -> bool:
-            return bool(_said(caplog, "relay degraded"))
-
-        await eventually(warned, timeout_s=10, what="the relay's startup-timeout warning")
+        await _warned(caplog)
         status, body = await _health(session, relay)
         # the workers answer: 200 as a degraded replica's, but not a plain "ok"
         assert status == 200 and body["status"] == "degraded", body
@@ -89,11 +94,7 @@ async def test_a_relay_says_so_when_a_late_nats_answers_and_its_health_is_ok_aga
     port = held_port.getsockname()[1]
     caplog.set_level(logging.INFO)
     async with workers(1) as (w0,), aiohttp.ClientSession() as session, _relay(w0, port) as relay:
-
-        async def warned() -> bool:
-            return bool(_said(caplog, "relay degraded"))
-
-        await eventually(warned, timeout_s=10, what="the relay's startup-timeout warning")
+        await _warned(caplog)
         held_port.close()  # the port is free for the late server only now
         async with NatsServer(port=port):
 

@@ -23,17 +23,21 @@ _PROMPT = {"model": DEFAULT_MODEL, "prompt": "a prompt of a few words " * 4, "ma
 
 
 class Advertising(WorkerPassThrough):
-    """A reference worker's HTTP API passed through, its `kv_events` block saying `says` on
-    top of what the worker advertises: an engine advertising settings no router can take."""
+    """A reference worker's HTTP API passed through, its server info saying `says` on top of
+    what the worker advertises: in its `kv_events` block (`top=False`) or at its top level. An
+    engine advertising settings no router can take."""
 
-    def __init__(self, target: str, says: dict[str, Any]) -> None:
+    def __init__(self, target: str, says: dict[str, Any], *, top: bool = False) -> None:
         super().__init__(target)
         self.says = says
+        self.top = top
 
     async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
         if request.path not in ("/server_info", "/get_server_info"):
             return await super()._answer(request, resp)
         info = await resp.json()
+        if self.top:
+            return web.json_response({**info, **self.says})
         info["kv_events"] = {**info["kv_events"], **self.says}
         return web.json_response(info)
 
@@ -155,20 +159,6 @@ async def test_advertised_settings_past_the_bounds_are_refused_and_the_worker_se
         assert lines and lines[0].startswith("worker w1: "), caplog.text
 
 
-class SayingSettings(WorkerPassThrough):
-    """A reference worker's HTTP API passed through, its server info's top level saying `says`
-    on top of what the worker advertises."""
-
-    def __init__(self, target: str, says: dict[str, Any]) -> None:
-        super().__init__(target)
-        self.says = says
-
-    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
-        if request.path not in ("/server_info", "/get_server_info"):
-            return await super()._answer(request, resp)
-        return web.json_response({**await resp.json(), **self.says})
-
-
 @pytest.mark.parametrize(
     ("says", "said", "capacity", "host_capacity"),
     [
@@ -207,7 +197,7 @@ async def test_advertised_capacities_past_the_bounds_are_taken_as_unknown_and_sa
     concurrency unknown: no forecast from it, no host-tier hit predicted (fail closed)."""
     async with (
         ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as spare,
-        SayingSettings(spare.url, says) as absurd,
+        Advertising(spare.url, says, top=True) as absurd,
     ):
         with caplog.at_level(logging.WARNING, logger="router.fleet"):
             status, body = await fleet.admin("POST", "/workers", {"url": absurd.url, "id": "w9"})
