@@ -176,7 +176,7 @@ class StreamSubscriber:
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
-        on_siblings: Callable[[StreamSubscriber], None] | None = None,
+        on_siblings: Callable[[StreamSubscriber, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -187,9 +187,10 @@ class StreamSubscriber:
         self._ctx = ctx
         self._on_applied = on_applied
         self._on_restart = on_restart  # told the worker when its publisher restarted
-        # told this subscriber when it found its publisher restarted on evidence of its own
-        # (not a check a sibling rank's restart asked for): the ranks of one server restart
-        # together, so the worker's other streams are to be suspected (`Subscriptions`)
+        # told this subscriber and the sign when it found its publisher restarted on evidence
+        # of its own (not a check a sibling rank's restart asked for), or its event connection
+        # dropped: the ranks of one server restart together, so the worker's other streams are
+        # to be suspected (`Subscriptions`)
         self._on_siblings = on_siblings
         # told the stream and its new state whenever it changes (a relay republishes it)
         self._on_state = on_state
@@ -412,6 +413,13 @@ class StreamSubscriber:
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
             self.suspect_restart("the event connection dropped")
+            if self._on_siblings is not None:
+                # a candidate restart of the whole server: its other ranks are suspected now,
+                # held or not here (this stream's proof waits for the reconnect, and one that
+                # holds nothing has none). Before, they were told only once a proof found the
+                # restart: the new process served first, and with rank 0 quiet, never (QA:
+                # rank 1 predicted the dead process's 304 tokens, 0 cached)
+                self._on_siblings(self, "dropped its event connection")
 
     def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
@@ -1516,7 +1524,7 @@ class StreamSubscriber:
             # its other ranks (one server's) restarted too: before, a rank whose connection
             # did not drop (behind a forwarder) and that was quiet predicted the dead process's
             # pages until its own probe found out (QA: 288 tokens for about 1.2 s)
-            self._on_siblings(self)
+            self._on_siblings(self, "restarted")
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""
