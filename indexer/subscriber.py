@@ -202,6 +202,9 @@ class StreamSubscriber:
         # a counted replay run (a repair, a probe) has begun and applied nothing yet: its first
         # batch tells the sink so (a recording keeps the mark; see `Record.run_start`)
         self._run_open = False
+        # an idle probe's replay is being read: a batch it applies is one the live stream never
+        # delivered (a tail dropped with the connection up), the past (`_take_reply`)
+        self._probing = False
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
@@ -1039,6 +1042,7 @@ class StreamSubscriber:
         # whose startup batch we missed while reconnecting; see _check_restart).
         restarts = self.restarts
         self._run_open = True
+        self._probing = True
         try:
             result = await self._replay(0 if before is None else before)
             answered = result.answered  # (a restart found by the fence: its rebuild's answer)
@@ -1047,6 +1051,7 @@ class StreamSubscriber:
                 answered = answered if rebuilt is None else rebuilt
         finally:
             self._run_open = False
+            self._probing = False
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
         if self._replay_foreign:
@@ -1209,6 +1214,15 @@ class StreamSubscriber:
             self.tracker.restart_at(reply.seq)
             decision = self.tracker.on_replay(reply.seq)
         if decision.verdict is SeqVerdict.APPLY:
+            if self._probing:
+                # a probe found batches the live stream never delivered (a tail PUB dropped,
+                # the connection up): the worker's cache moved on past them, so the stream is
+                # the past until the answer ended and the live batches queued meanwhile are
+                # applied, as a catch-up (SYNCING). A probe finding nothing missing (its fence
+                # batch only) leaves the stream's trust as it was. Before, each was applied
+                # while `synced`: a page stored and evicted in the tail was predicted while
+                # the probe read it (QA: 304 tokens, 0 cached)
+                self._catching_up()
             if self._apply(reply.topic or b"", reply.seq, reply.payload, replayed=True):
                 self._remember(reply.seq, reply.payload)
             else:
