@@ -176,7 +176,7 @@ class StreamSubscriber:
         on_applied: Callable[[str, int], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
-        on_siblings: Callable[[StreamSubscriber], None] | None = None,
+        on_siblings: Callable[[StreamSubscriber, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream_id = stream_id
@@ -187,9 +187,10 @@ class StreamSubscriber:
         self._ctx = ctx
         self._on_applied = on_applied
         self._on_restart = on_restart  # told the worker when its publisher restarted
-        # told this subscriber when it found its publisher restarted on evidence of its own
-        # (not a check a sibling rank's restart asked for): the ranks of one server restart
-        # together, so the worker's other streams are to be suspected (`Subscriptions`)
+        # told this subscriber and the sign when it found its publisher restarted on evidence
+        # of its own (not a check a sibling rank's restart asked for), or its event connection
+        # dropped: the ranks of one server restart together, so the worker's other streams are
+        # to be suspected (`Subscriptions`)
         self._on_siblings = on_siblings
         # told the stream and its new state whenever it changes (a relay republishes it)
         self._on_state = on_state
@@ -201,6 +202,9 @@ class StreamSubscriber:
         # a counted replay run (a repair, a probe) has begun and applied nothing yet: its first
         # batch tells the sink so (a recording keeps the mark; see `Record.run_start`)
         self._run_open = False
+        # an idle probe's replay is being read: a batch it applies is one the live stream never
+        # delivered (a tail dropped with the connection up), the past (`_take_reply`)
+        self._probing = False
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
@@ -412,6 +416,13 @@ class StreamSubscriber:
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
             self.suspect_restart("the event connection dropped")
+            if self._on_siblings is not None:
+                # a candidate restart of the whole server: its other ranks are suspected now,
+                # held or not here (this stream's proof waits for the reconnect, and one that
+                # holds nothing has none). Before, they were told only once a proof found the
+                # restart: the new process served first, and with rank 0 quiet, never (QA:
+                # rank 1 predicted the dead process's 304 tokens, 0 cached)
+                self._on_siblings(self, "dropped its event connection")
 
     def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
@@ -1031,6 +1042,7 @@ class StreamSubscriber:
         # whose startup batch we missed while reconnecting; see _check_restart).
         restarts = self.restarts
         self._run_open = True
+        self._probing = True
         try:
             result = await self._replay(0 if before is None else before)
             answered = result.answered  # (a restart found by the fence: its rebuild's answer)
@@ -1039,6 +1051,7 @@ class StreamSubscriber:
                 answered = answered if rebuilt is None else rebuilt
         finally:
             self._run_open = False
+            self._probing = False
         if self._rebinds != rebinds:
             return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
         if self._replay_foreign:
@@ -1201,6 +1214,15 @@ class StreamSubscriber:
             self.tracker.restart_at(reply.seq)
             decision = self.tracker.on_replay(reply.seq)
         if decision.verdict is SeqVerdict.APPLY:
+            if self._probing:
+                # a probe found batches the live stream never delivered (a tail PUB dropped,
+                # the connection up): the worker's cache moved on past them, so the stream is
+                # the past until the answer ended and the live batches queued meanwhile are
+                # applied, as a catch-up (SYNCING). A probe finding nothing missing (its fence
+                # batch only) leaves the stream's trust as it was. Before, each was applied
+                # while `synced`: a page stored and evicted in the tail was predicted while
+                # the probe read it (QA: 304 tokens, 0 cached)
+                self._catching_up()
             if self._apply(reply.topic or b"", reply.seq, reply.payload, replayed=True):
                 self._remember(reply.seq, reply.payload)
             else:
@@ -1516,7 +1538,7 @@ class StreamSubscriber:
             # its other ranks (one server's) restarted too: before, a rank whose connection
             # did not drop (behind a forwarder) and that was quiet predicted the dead process's
             # pages until its own probe found out (QA: 288 tokens for about 1.2 s)
-            self._on_siblings(self)
+            self._on_siblings(self, "restarted")
 
     def _lose(self, seq: int, why: str) -> None:
         """Give up on batch `seq`: it may have removed blocks, so its stream's entries go."""

@@ -186,19 +186,22 @@ class Subscriptions:
             self._say_waiting(worker, waits, len(subs))
         return subs
 
-    def _suspect_siblings(self, sub: StreamSubscriber) -> None:
-        """`sub` found its publisher restarted: the worker's other ranks are the same server's
-        processes, which restart together, so each is suspected at once (UNVERIFIED, proven or
-        rebuilt through its own replay socket; without one, cleared). Before, a rank whose
-        event connection did not drop (a forwarder between) and that stayed quiet predicted the
-        dead process's pages until its own idle probe found the restart."""
+    def _suspect_siblings(self, sub: StreamSubscriber, sign: str) -> None:
+        """`sub` found its publisher restarted, or its event connection dropped (`sign` says
+        which): the worker's other ranks are the same server's processes, which restart
+        together, so each is suspected at once (UNVERIFIED, proven or rebuilt through its own
+        replay socket; without one, cleared). Before, a rank whose event connection did not
+        drop (a forwarder between) and that stayed quiet predicted the dead process's pages
+        until its own idle probe found the restart; and a drop told them nothing until its
+        proof ran after the reconnect (never, if the dropping rank held nothing), the new
+        process serving meanwhile."""
         subs = self.by_worker.get(sub.worker, [])
         if sub not in subs:
             return  # a worker registered anew since: its streams are new subscribers
         for other in subs:
             if other is not sub:
                 other.suspect_restart(
-                    f"dp rank {sub.config.dp_rank} of its worker restarted (the ranks of one "
+                    f"dp rank {sub.config.dp_rank} of its worker {sign} (the ranks of one "
                     "server restart together)",
                     sibling=True,
                 )

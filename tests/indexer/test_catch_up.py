@@ -221,3 +221,44 @@ async def test_live_batches_queued_during_a_catch_up_are_applied_before_it_is_tr
             await until(caught_up(svc, last))
         assert watch.predicted == []
         assert watch.held_unpredicted > 0
+
+
+async def test_a_tail_the_idle_probe_finds_is_the_past_until_caught_up(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A synced stream whose publisher's batches were dropped with the connection up (a PUB
+    at its high-water mark, a lossy hop): the idle probe reads them from the replay socket.
+    They are the worker's past, the prompt stored and evicted in them: the stream predicts
+    nothing from the first batch the probe brings until it is caught up. Before, the probe
+    applied them while `synced` (QA: 304 tokens predicted, 0 cached, during the read)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config(probe=True)) as svc:
+        await svc.add_worker(WORKER, [stream(pub)])
+        seq = await live_until_received(svc, pub)
+        await until(caught_up(svc, seq))
+        async with Watch(svc) as watch:
+            last = await history(pub)  # every live copy dropped: only the probe finds them
+            await until(caught_up(svc, last))
+        assert watch.predicted == []
+        assert watch.held_unpredicted > 0  # the probe did apply the evicted prompt
+        (stats,) = svc.streams()
+        assert stats.gaps == 1 and stats.restarts == 0 and stats.clears == 0
+
+
+async def test_an_idle_probe_that_finds_nothing_missing_keeps_the_stream_synced(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The probe of a quiet stream that misses nothing (its answer is the fence batch only)
+    does not flip its trust: no `syncing` at every probe."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config(probe=True)) as svc:
+        await svc.add_worker(WORKER, [stream(pub)])
+        await pub.publish(prompt_stored())
+        seq = await live_until_received(svc, pub)
+        await until(caught_up(svc, seq))
+        probes = svc.streams()[0].probes
+        seen: set[StreamState] = set()
+        async with asyncio.timeout(5.0):
+            while svc.streams()[0].probes < probes + 4:
+                seen.add(svc.streams()[0].state)
+                assert svc.query(NS, PROMPT)[WORKER].matched_tokens == 4 * PAGE
+                await asyncio.sleep(0)
+        assert seen == {StreamState.SYNCED}

@@ -757,3 +757,64 @@ async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
         assert (rank(0).restarts, rank(1).restarts) == (1, 1)
         if replay:  # (without one, the window after a restart predicts nothing: 5 s)
             assert predicted(0) == 4 and rank(0).state is StreamState.SYNCED
+
+
+@pytest.mark.parametrize("rank0_holds", [False, True], ids=["rank0-quiet", "rank0-holds"])
+async def test_a_rank_whose_connection_drops_makes_its_siblings_suspect_at_once(
+    ctx: zmq.asyncio.Context, rank0_holds: bool
+) -> None:
+    """A worker of two ranks dies: rank 0's event connection drops (a restart candidate, whose
+    proof waits for the reconnect), rank 1's does not (a forwarder between) and its new process
+    is quiet. Rank 1 predicts nothing from the drop on, before any proof. Before, siblings were
+    told only once a proof found the restart (the new process served first) and, when rank 0
+    held nothing, never: its suspicion stopped there (QA: 304 tokens matched, 0 cached)."""
+    page: list[TokenId] = [1, 2, 3, 4]
+    stored = EventBatch(0.0, [Stored(block_hashes=[7], parent=None, token_ids=page, block_size=4)])
+
+    def rank(dp: int) -> StreamStats:
+        return next(s for s in svc.streams() if s.dp_rank == dp)
+
+    def predicted(dp: int) -> int:
+        return svc.query(Namespace(), [*page, 9])[WORKER].ranks[dp].matched_tokens
+
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        IndexerService(LIVE_ONLY) as svc,
+    ):
+        pubs = (r0, r1)
+        streams = [
+            StreamConfig(
+                endpoint=pub.endpoint,
+                replay_endpoint=pub.replay_endpoint,
+                topic="kv",
+                block_size=4,
+                dp_rank=dp,
+            )
+            for dp, pub in enumerate(pubs)
+        ]
+        await svc.add_worker(WORKER, streams)
+        subs = sorted(svc._workers[WORKER], key=lambda sub: sub.config.dp_rank)
+        # rank 0 publishes nothing (it holds nothing, no seq): connected is all it is
+        await wait_until(lambda: subs[0]._connected)
+        for _ in range(100):  # until rank 1's SUB really receives (the slow joiner)
+            await r1.publish(EMPTY)
+            await asyncio.sleep(0.02)
+            if subs[1].tracker.live is not None:
+                break
+        seq = await r1.publish(stored)
+        await wait_until(lambda: rank(1).last_seq == seq and rank(1).state is StreamState.SYNCED)
+        if rank0_holds:
+            seq0 = await r0.publish(stored)
+            await wait_until(lambda: rank(0).last_seq == seq0 and predicted(0) == 4)
+        else:
+            assert subs[0].tracker.last is None and rank(0).entries == 0
+        assert predicted(1) == 4
+        r1.restart()  # same sockets (behind a forwarder): nothing drops on rank 1
+        r0.pub.close(linger=0)  # rank 0's process dies: its connection drops, no reconnect
+        r0.router.close(linger=0)
+        await wait_until(lambda: not subs[0]._connected)
+        await wait_until(lambda: predicted(1) == 0, timeout_s=1.0)
+        # rank 1 is proven through its own replay socket: the new process holds nothing
+        await wait_until(lambda: rank(1).restarts == 1 and rank(1).state is StreamState.SYNCED)
+        assert rank(1).entries == 0 and predicted(1) == 0 and predicted(0) == 0
