@@ -77,6 +77,10 @@ log = logging.getLogger(__name__)
 # health timeouts per path, one path after another: 40 s at the defaults)
 ADD_WAIT_TIMEOUTS = 2
 
+# health timeouts a false-hit streak waits for the worker's settings read again before its
+# streams are subscribed anew (`_check_predictions`); a re-read still running then registers
+# the worker anew itself if its sockets changed
+_REREAD_WAIT_ROUNDS = 2
 # a streak of false hits within this many `indexer.stale_after_s` of the last one escalates
 # (`_check_predictions`): the streams subscribed anew followed the wrong process again
 _DISTRUST_QUIET = 8
@@ -796,14 +800,32 @@ class Supervisor:
         )
         if level == 1 or not configs:
             self._metrics.false_hit_action(entry.id, "resubscribed")
-            if configs:
-                await self._indexer.add_worker(entry.id, configs)
             log.warning(
                 "%s: its KV-event streams are subscribed anew, their entries dropped, and its "
                 "settings read again (another process may be serving its URL)",
                 what,
             )
-            self.rereading(entry)
+            if not configs:
+                self.rereading(entry)
+                return
+            # not followed until the re-read ended: subscribed anew at once, the streams caught
+            # up over the old sockets and were trusted before a re-read that finds other
+            # sockets registered them (QA: one more false hit, 50 ms after the streak)
+            await self._indexer.remove_worker(entry.id)
+            reread = self.rereading(entry)
+            await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
+            anew = (
+                reread.done()
+                and not reread.cancelled()
+                and reread.exception() is None
+                and reread.result()
+            )
+            if (
+                not anew
+                and self._pool.find(entry.id) is entry
+                and not self._indexer.has_worker(entry.id)
+            ):
+                await self._indexer.add_worker(entry.id, configs)
             return
         quarantine_s = stale_after_s * min(2 ** (level - 1), _QUARANTINE_MAX)
         self._quarantined[entry.id] = configs

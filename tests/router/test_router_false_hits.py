@@ -130,6 +130,34 @@ async def test_a_pod_replaced_while_the_old_one_runs_on_is_caught_by_its_false_h
         assert router.planner.pool.get("w").healthy
 
 
+async def test_a_streak_follows_nothing_of_the_worker_while_its_settings_are_read_again() -> None:
+    """Before, the streak subscribed the worker's streams anew at once and read its settings
+    in parallel: the new subscription caught up over the old sockets (the old pod runs on) and
+    was trusted before the re-read could register the new pod's (QA: one more false hit 50 ms
+    after the streak). Now nothing of the worker is followed until the re-read ended (here
+    it hangs, so for two health timeouts)."""
+    async with old_pod_behind_front() as pods, aiohttp.ClientSession() as session:
+        _, new_pod, front, router = pods
+        client = Client(session, router)
+        old = [prompt(i, "old") for i in range(STREAK + 1)]
+        for body in old:
+            await client.send(body)
+        await eventually(partial(client.indexed, old), what="the old pod's prompts indexed")
+        front.target = new_pod.url
+        front.info = "slow"  # the re-read hangs
+        for body in old[:STREAK]:
+            matched, cached = await client.send(body)
+            assert matched > cached  # a false hit: the new pod never saw it
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.8  # within the two health timeouts (0.5 s each) it waits
+        polls = 0
+        while loop.time() < until:
+            assert await client.predicted(old[STREAK]) == 0
+            polls += 1
+            await asyncio.sleep(0.02)
+        assert polls > 10
+
+
 class TcpForward:
     """A Service's port: each new connection goes to the pod it points at now (`port`), the
     open ones stay where they were (as kube-proxy does)."""
