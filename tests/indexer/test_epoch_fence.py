@@ -160,6 +160,38 @@ async def test_a_dropped_connection_trusts_nothing_until_proven(ctx: zmq.asyncio
             assert len(old) > len(new)
 
 
+async def test_the_idle_probe_trusts_no_stream_whose_event_connection_is_down(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The events path down (a forwarder's PUB gone), the replay socket answering: the probe's
+    answer proves the stream only up to the moment it was read, and a SUB that is not connected
+    hears nothing published after it. Before, the idle probe trusted the suspected stream again
+    (QA: 288 tokens matched, 0 cached, after a flush the router could not hear)."""
+    async with IndexerService(PROBING) as svc:
+        pub = ScriptedPublisher(ctx)
+        async with pub:
+            await follow_old_epoch(svc, pub)
+            held = [
+                (Namespace("", None, e.cache_salt), list(e.token_ids))
+                for b in workload(seed=1, batches=8)
+                for e in b.events
+                if isinstance(e, Stored)
+            ]
+            namespace, tokens = next(
+                (ns, t) for ns, t in held if svc.query(ns, t)[WORKER].matched_blocks > 0
+            )  # a page the stream holds (the workload evicts some of its own)
+            pub.pub.close(linger=0)  # the events path goes; the replay socket answers on
+            await wait_until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+            probes = svc.streams()[0].probes
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 0.6  # a dozen probes at 0.05 s
+            while loop.time() < until:
+                assert svc.query(namespace, tokens)[WORKER].matched_blocks == 0
+                assert svc.streams()[0].state is StreamState.UNVERIFIED
+                await asyncio.sleep(0.01)
+            assert svc.streams()[0].probes > probes + 3  # the probe ran meanwhile
+
+
 async def test_a_health_transition_is_proven_and_keeps_the_entries(
     ctx: zmq.asyncio.Context,
 ) -> None:
