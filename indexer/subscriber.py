@@ -364,8 +364,13 @@ class StreamSubscriber:
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
-                    if self._catch_up is _CatchUp.DRAINING:
-                        self._caught_up()  # nothing queued: the live batches are all applied
+                    if self._catch_up is _CatchUp.DRAINING and self._connected:
+                        # nothing queued: the live batches are all applied. Not before the SUB
+                        # is connected: one that is not hears nothing published after the
+                        # answer (an events port wrong or unreachable, the replay socket
+                        # right), and the catch-up would be trusted, each eviction since a
+                        # false hit until the next probe
+                        self._caught_up()
                     probing = probing and not self._replay_foreign
                     # a pending rebuild is asked for again sooner than a probe, and even when
                     # probing is off: nothing else reads a quiet new process's buffer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -190,6 +191,36 @@ async def test_the_idle_probe_trusts_no_stream_whose_event_connection_is_down(
                 assert svc.streams()[0].state is StreamState.UNVERIFIED
                 await asyncio.sleep(0.01)
             assert svc.streams()[0].probes > probes + 3  # the probe ran meanwhile
+
+
+async def test_a_catch_up_whose_event_connection_never_came_is_not_trusted(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay socket answers, the events port reaches nothing (a wrong port, a forwarder
+    down): the catch-up applies the buffer, but a SUB that never connected hears nothing
+    published since. Before, the stream was `synced` as soon as the answer ended."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
+        doc = workload(seed=1, batches=8)
+        for batch in doc:
+            await pub.publish(batch)  # into the replay buffer; no subscriber yet
+        with socket.socket() as unused:  # a port nothing listens on
+            unused.bind(("127.0.0.1", 0))
+            nowhere = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
+        config = StreamConfig(endpoint=nowhere, replay_endpoint=pub.replay_endpoint, topic="kv")
+        await svc.add_worker(WORKER, [config])
+        await wait_until(lambda: len(svc.index) > 0)  # the buffer was read
+        held = [
+            (Namespace("", None, e.cache_salt), list(e.token_ids))
+            for b in doc
+            for e in b.events
+            if isinstance(e, Stored)
+        ]
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.5  # ten probes at 0.05 s
+        while loop.time() < until:
+            assert svc.streams()[0].state is StreamState.SYNCING
+            assert all(svc.query(ns, t)[WORKER].matched_blocks == 0 for ns, t in held)
+            await asyncio.sleep(0.02)
 
 
 async def test_a_health_transition_is_proven_and_keeps_the_entries(
