@@ -77,6 +77,8 @@ async def test_sglang_routers_cpu_per_long_prompt_is_counted() -> None:
     ):
         section = await _long_prompt_section(args, worker.url, router.url, notes)
     assert section.rates[_SGLANG_CACHE_AWARE] > 0
-    assert section.cpu_us[_SGLANG_CACHE_AWARE] > 0
+    # counted (a key: its process is known), whatever it measured: a few hundred requests
+    # may take less CPU than one /proc tick (10 ms), and read 0 (CI did, once)
+    assert _SGLANG_CACHE_AWARE in section.cpu_us, section.cpu_us
     row = next(r for r in section.tput_rows if r.startswith(f"| {_SGLANG_CACHE_AWARE} |"))
     assert not row.rstrip(" |").endswith("-"), row
