@@ -760,6 +760,27 @@ async def test_an_orphan_taken_up_by_another_process_is_not_said_proven(
         assert not [m for m in said if m.endswith(": it restarted")], said
 
 
+# a page one rank of a two-rank worker stores, for the DP tests below
+_DP_PAGE: list[TokenId] = [1, 2, 3, 4]
+_DP_STORED = EventBatch(
+    0.0, [Stored(block_hashes=[7], parent=None, token_ids=_DP_PAGE, block_size=4)]
+)
+
+
+def _dp_streams(pubs: tuple[ScriptedPublisher, ...], *, replay: bool) -> list[StreamConfig]:
+    """One stream per rank, rank r on `pubs[r]`'s sockets (its replay socket if `replay`)."""
+    return [
+        StreamConfig(
+            endpoint=pub.endpoint,
+            replay_endpoint=pub.replay_endpoint if replay else None,
+            topic="kv",
+            block_size=4,
+            dp_rank=dp,
+        )
+        for dp, pub in enumerate(pubs)
+    ]
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
 async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
     ctx: zmq.asyncio.Context, replay: bool
@@ -771,34 +792,22 @@ async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
     it predicted the dead process's page until its own probe found out (QA: 288 tokens for
     about 1.2 s; without the probe, for good). Its restart, found by that check, is not told
     to rank 0 again: without replay sockets each suspicion clears, and they would take turns."""
-    page: list[TokenId] = [1, 2, 3, 4]
-    stored = EventBatch(0.0, [Stored(block_hashes=[7], parent=None, token_ids=page, block_size=4)])
+    stored = _DP_STORED
 
     def rank(dp: int) -> StreamStats:
         return next(s for s in svc.streams() if s.dp_rank == dp)
 
     def predicted(dp: int) -> int:
-        return svc.query(Namespace(), [*page, 9])[WORKER].ranks[dp].matched_tokens
+        return svc.query(Namespace(), [*_DP_PAGE, 9])[WORKER].ranks[dp].matched_tokens
 
     async with (
         ScriptedPublisher(ctx) as r0,
         ScriptedPublisher(ctx) as r1,
         IndexerService(LIVE_ONLY) as svc,
     ):
-        pubs = (r0, r1)
-        streams = [
-            StreamConfig(
-                endpoint=pub.endpoint,
-                replay_endpoint=pub.replay_endpoint if replay else None,
-                topic="kv",
-                block_size=4,
-                dp_rank=dp,
-            )
-            for dp, pub in enumerate(pubs)
-        ]
-        await svc.add_worker(WORKER, streams)
+        await svc.add_worker(WORKER, _dp_streams((r0, r1), replay=replay))
         subs = sorted(svc._workers[WORKER], key=lambda sub: sub.config.dp_rank)
-        for sub, pub in zip(subs, pubs, strict=True):
+        for sub, pub in zip(subs, (r0, r1), strict=True):
             for _ in range(100):  # until each SUB really receives (the slow joiner)
                 await pub.publish(EMPTY)
                 await asyncio.sleep(0.02)
@@ -831,32 +840,20 @@ async def test_a_rank_whose_connection_drops_makes_its_siblings_suspect_at_once(
     is quiet. Rank 1 predicts nothing from the drop on, before any proof. Before, siblings were
     told only once a proof found the restart (the new process served first) and, when rank 0
     held nothing, never: its suspicion stopped there (QA: 304 tokens matched, 0 cached)."""
-    page: list[TokenId] = [1, 2, 3, 4]
-    stored = EventBatch(0.0, [Stored(block_hashes=[7], parent=None, token_ids=page, block_size=4)])
+    stored = _DP_STORED
 
     def rank(dp: int) -> StreamStats:
         return next(s for s in svc.streams() if s.dp_rank == dp)
 
     def predicted(dp: int) -> int:
-        return svc.query(Namespace(), [*page, 9])[WORKER].ranks[dp].matched_tokens
+        return svc.query(Namespace(), [*_DP_PAGE, 9])[WORKER].ranks[dp].matched_tokens
 
     async with (
         ScriptedPublisher(ctx) as r0,
         ScriptedPublisher(ctx) as r1,
         IndexerService(LIVE_ONLY) as svc,
     ):
-        pubs = (r0, r1)
-        streams = [
-            StreamConfig(
-                endpoint=pub.endpoint,
-                replay_endpoint=pub.replay_endpoint,
-                topic="kv",
-                block_size=4,
-                dp_rank=dp,
-            )
-            for dp, pub in enumerate(pubs)
-        ]
-        await svc.add_worker(WORKER, streams)
+        await svc.add_worker(WORKER, _dp_streams((r0, r1), replay=True))
         subs = sorted(svc._workers[WORKER], key=lambda sub: sub.config.dp_rank)
         # rank 0 publishes nothing (it holds nothing, no seq): connected is all it is
         await wait_until(lambda: subs[0]._connected)
