@@ -89,6 +89,12 @@ _DISTRUST_QUIET = 8
 _QUARANTINE_MAX = 8
 
 
+def _registered_anew(reread: asyncio.Task[bool]) -> bool:
+    """Whether a re-read of a worker's settings (`Supervisor.rereading`) that ended registered
+    it anew: a cancelled or failed one did not."""
+    return not reread.cancelled() and reread.exception() is None and reread.result()
+
+
 class WorkerGauges(Protocol):
     """The per-worker metrics the supervisor keeps (`router.http.metrics.RouterMetrics`).
 
@@ -499,7 +505,7 @@ class Supervisor:
             return False
         task = self.rereading(entry)
         done, _ = await asyncio.wait({task}, timeout=wait_s)
-        return bool(done) and not task.cancelled() and task.exception() is None and task.result()
+        return bool(done) and _registered_anew(task)
 
     async def _reread(self, entry: WorkerEntry) -> bool:
         """`entry`'s settings, then its models, read again (`_recheck_settings`); a server that
@@ -814,14 +820,8 @@ class Supervisor:
             await self._indexer.remove_worker(entry.id)
             reread = self.rereading(entry)
             await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
-            anew = (
-                reread.done()
-                and not reread.cancelled()
-                and reread.exception() is None
-                and reread.result()
-            )
             if (
-                not anew
+                not (reread.done() and _registered_anew(reread))
                 and self._pool.find(entry.id) is entry
                 and not self._indexer.has_worker(entry.id)
             ):
@@ -845,7 +845,7 @@ class Supervisor:
             )
             reread = self.rereading(entry)
             done, _ = await asyncio.wait({reread}, timeout=quarantine_s)
-            if done and not reread.cancelled() and reread.exception() is None and reread.result():
+            if done and _registered_anew(reread):
                 return  # registered anew on the sockets it advertises now
             await asyncio.sleep(max(0.0, now + quarantine_s - self._clock()))
         finally:
