@@ -1061,14 +1061,12 @@ class StreamSubscriber:
             return  # a snapshot loaded meanwhile: this answer judged the sink it replaced
         if self._replay_foreign:
             return  # found out meanwhile: the stream is one without a replay socket now
-        if self._unverified and not self._connected:
-            # what the answer brought is applied, but it proves the stream only up to now: a
-            # SUB that is not connected hears none of the batches published after it (an
-            # eviction among them), so it stays unproven until it reconnects and `_verify`
-            # runs. Before, the idle probe trusted it while its event connection was down
-            # (QA: a forwarder's PUB closed 8 s, a flush at +3 s: 288 tokens matched, 0 cached)
-            pass
-        elif self._unverified and result.continuity is not _Continuity.NONE:
+        # Not while the SUB is disconnected: what the answer brought is applied, but it proves
+        # the stream only up to now, and a SUB that is not connected hears none of the batches
+        # published after it (an eviction among them): it stays unproven until it reconnects
+        # and `_verify` runs. Before, the idle probe trusted it while its event connection was
+        # down (QA: a forwarder's PUB closed 8 s, a flush at +3 s: 288 matched, 0 cached)
+        if self._unverified and self._connected and result.continuity is not _Continuity.NONE:
             if result.continuity is _Continuity.PROVEN and self.restarts == restarts:
                 self._loaded_outcome(f"proven at seq {before}: {self.sink.entries()} entries")
             # else the clear that dropped the snapshot's state said why (`_clear`)
