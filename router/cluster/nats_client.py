@@ -1,4 +1,5 @@
-"""The NATS client kvroute connects with: it never sends CONNECT in plain text to a `tls://` server.
+"""The NATS client kvroute connects with: it never sends CONNECT in plain text to a `tls://` server;
+and how a client closed for good is replaced.
 
 Replicas (`router.cluster.service`) and the relay (`router.cluster.relay_publisher`) both use it:
 the relay connected with nats-py's own client, so a `tls://` URL whose server answered in plain
@@ -11,7 +12,7 @@ import asyncio
 import nats.errors
 from nats.aio.client import Client as NATS
 
-__all__ = ["TlsGuardedClient", "TlsNotOffered"]
+__all__ = ["Replacements", "TlsGuardedClient", "TlsNotOffered"]
 
 
 class TlsNotOffered(nats.errors.Error):
@@ -43,3 +44,41 @@ class TlsGuardedClient(NATS):
         if server is not None and server.uri.scheme == "tls" and not _encrypted(self):
             raise TlsNotOffered
         return super()._connect_command()
+
+
+class Replacements:
+    """The pauses between NATS clients that replace one closed for good, and which closings are
+    news.
+
+    nats-py closes its client for good, and reconnects no more, on a server's `-ERR` other than
+    a stale connection or a permissions violation (a line past the server's control line limit,
+    credentials revoked while connected). A replica or the relay then connects a new client
+    after a pause: `first_s`, doubling up to `longest_s` while each new client closes before it
+    did its work (a server refusing each at once). Within one such incident, a closing is said
+    once per reason; a client that did its work (`worked`) ends the incident."""
+
+    def __init__(self, first_s: float = 0.5, longest_s: float = 10.0) -> None:
+        self._first_s = first_s
+        self._longest_s = longest_s
+        self.pause_s = first_s
+        self._said: set[str] = set()
+
+    def worked(self) -> None:
+        """The client did its work (resynced, wrote): its closing, if any, is a new incident."""
+        self.pause_s = self._first_s
+        self._said.clear()
+
+    def closed(self, nc: NATS) -> str | None:
+        """Why nats-py closed `nc` for good ("" when it kept no error), or None when this
+        incident said that reason already."""
+        error = nc.last_error
+        reason = f"{type(error).__name__}: {error}" if error else ""
+        if reason in self._said:
+            return None
+        self._said.add(reason)
+        return reason
+
+    async def pause(self) -> None:
+        """Wait before the next client; the wait after it is twice as long (up to the cap)."""
+        await asyncio.sleep(self.pause_s)
+        self.pause_s = min(self.pause_s * 2, self._longest_s)

@@ -37,7 +37,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from indexer.relay_record import RelayKind, RelayRecord, relay_encoder, relay_subject
 from indexer.service import IndexerService
 from indexer.stats import StreamState
-from router.cluster.nats_client import TlsGuardedClient, TlsNotOffered
+from router.cluster.nats_client import Replacements, TlsGuardedClient, TlsNotOffered
 from router.config import ClusterConfig
 
 __all__ = ["QUEUE_LIMIT", "RelayPublisher", "ensure_relay_stream", "relay_stream_name"]
@@ -48,10 +48,6 @@ log = logging.getLogger(__name__)
 # afresh); at ~200 bytes a record, about 40 MB
 QUEUE_LIMIT = 200_000
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
-# after a NATS client is closed for good, the pause before a new one connects, doubling up to
-# the cap while new ones close before writing anything
-_PAUSE_S = 0.5
-_MAX_PAUSE_S = 10.0
 
 
 def relay_stream_name(config: ClusterConfig) -> str:
@@ -104,6 +100,8 @@ class RelayPublisher:
         self._late = False  # NATS not written to at the start, said: its answer is said too
         self._last_error = ""  # the client's last failed attempt, for that line
         self._said: set[str] = set()
+        # the pause before replacing a NATS client closed for good, and the reasons said
+        self._replacements = Replacements()
         self._closing = False
         self._reconnected = False
 
@@ -238,9 +236,8 @@ class RelayPublisher:
         `-ERR` other than a stale connection or a permissions violation (a line past the
         server's control line limit, credentials revoked while connected): before, the relay
         then wrote nothing until restarted, and its followers predicted nothing. Now a new
-        client connects after a pause (doubling up to `_MAX_PAUSE_S` while each one closes
-        before it wrote anything), said once per reason; the records waiting are kept."""
-        pause = _PAUSE_S
+        client connects after a pause (`Replacements`: doubling while each one closes before it
+        wrote anything), said once per reason; the records waiting are kept."""
         while True:
             closed = asyncio.Event()
             nc = await self._open(closed)
@@ -257,19 +254,17 @@ class RelayPublisher:
                 log.info("relay: %s", writing)
             published = self.published
             await self._drain(nc, closed)
-            reason = f"{type(nc.last_error).__name__}: {nc.last_error}" if nc.last_error else ""
-            self._say_once(
-                f"closed {reason}",
-                "relay: the NATS client was closed for good"
-                + (f" ({reason})" if reason else "")
-                + "; connecting again with a new one, records wait (bounded)",
-            )
-            self._late = True  # its answering is said again
             if self.published != published:
-                pause = _PAUSE_S  # it wrote meanwhile: a new incident
-                self._said = {k for k in self._said if not k.startswith("closed ")}
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
+                self._replacements.worked()  # it wrote meanwhile: a new incident
+            reason = self._replacements.closed(nc)
+            if reason is not None:
+                log.warning(
+                    "relay: the NATS client was closed for good%s; connecting again with a new "
+                    "one, records wait (bounded)",
+                    f" ({reason})" if reason else "",
+                )
+            self._late = True  # its answering is said again
+            await self._replacements.pause()
 
     async def _open(self, closed: asyncio.Event) -> NATS:
         """A client connected to NATS with the relay's stream made (retrying until both);

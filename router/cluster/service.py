@@ -53,7 +53,7 @@ from router.cluster.fleet_state import (
     SessionBook,
     worker_key,
 )
-from router.cluster.nats_client import TlsGuardedClient, TlsNotOffered
+from router.cluster.nats_client import Replacements, TlsGuardedClient, TlsNotOffered
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
@@ -70,10 +70,6 @@ log = logging.getLogger(__name__)
 
 # what a NATS call may fail with: the client's errors, a deadline, a socket
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
-# after a NATS client is closed for good, the pause before a new one connects, doubling up to
-# the cap while new ones close before the replica resyncs (a server refusing each at once)
-_PAUSE_S = 0.5
-_MAX_PAUSE_S = 10.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
@@ -124,9 +120,9 @@ class ClusterService:
         self.replica = config.replica_id or replica_name()
         # the refusals (TLS not offered, credentials refused) logged since NATS last answered
         self._refusals_said: set[str] = set()
-        # why NATS clients were closed for good (`_connect`), said since the last resync
-        self._closes_said: set[str] = set()
-        self._resyncs = 0  # times this replica came in step with the others
+        # the pause before replacing a NATS client closed for good, and the reasons said since
+        # the last resync (`_connect`)
+        self._replacements = Replacements()
         self._sync_error = ""  # the last sync failure logged: each new one is logged once
         self.status = ClusterStatus.WARMING
         self._planner = planner
@@ -258,8 +254,7 @@ class ClusterService:
 
     def _become_ok(self) -> None:
         self._refusals_said.clear()
-        self._closes_said.clear()
-        self._resyncs += 1
+        self._replacements.worked()
         if self.status is ClusterStatus.DEGRADED:
             log.warning(
                 "cluster resynced: NATS answers again, %d other replica(s) heard so far",
@@ -300,14 +295,13 @@ class ClusterService:
         nats-py closes its client for good, and tries no reconnect, on a server's `-ERR` other
         than a stale connection or a permissions violation (a line past the server's control
         line limit, credentials revoked while connected). Before, the replica then stayed
-        degraded until it was restarted. Now a new client connects after a pause (`_PAUSE_S`,
-        doubling up to `_MAX_PAUSE_S` while each one closes before the replica resynced) and
-        syncs as after an outage; the closing is said once per reason.
+        degraded until it was restarted. Now a new client connects after a pause (`Replacements`:
+        doubling while each one closes before the replica resynced) and syncs as after an
+        outage; the closing is said once per reason.
 
         A connect the client gives up on at once (an option it refuses) leaves this replica
         degraded for good, said in one line: raised, it would take the task group and the
         router's startup down with it, as a bare cancellation."""
-        pause = _PAUSE_S
         while True:
             closed = asyncio.Event()
             try:
@@ -315,7 +309,6 @@ class ClusterService:
             except nats.errors.Error as exc:
                 self._degrade(f"the NATS client refused to connect ({type(exc).__name__}: {exc})")
                 return
-            resyncs = self._resyncs
             try:
                 await nc.subscribe(f"{self.config.subject_prefix}.replica.*", cb=self._on_message)
             except _NATS_ERRORS:
@@ -326,18 +319,14 @@ class ClusterService:
                 self._sync_task = self._group.create_task(self._sync(first=True))
             await closed.wait()
             self.nats_errors += 1
-            reason = f"{type(nc.last_error).__name__}: {nc.last_error}" if nc.last_error else ""
-            if reason not in self._closes_said:
-                self._closes_said.add(reason)
+            reason = self._replacements.closed(nc)
+            if reason is not None:
                 log.warning(
                     "cluster: the NATS client was closed for good%s; connecting again with a "
                     "new one",
                     f" ({reason})" if reason else "",
                 )
-            if self._resyncs != resyncs:
-                pause = _PAUSE_S  # it served in step meanwhile: this is a new incident
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
+            await self._replacements.pause()
 
     async def _open(self, closed: asyncio.Event) -> NATS:
         """A new client, connected (retrying until NATS answers); `closed` is set when it is
