@@ -206,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="tcp://HOST:PORT",
         help="ROUTER replay endpoint of DP rank 0, on the --events host; rank r binds PORT + r "
-        "(default the events port + 100, or ephemeral when that is ephemeral)",
+        "(default the events port + 100, or + N with --dp-size N over 100; ephemeral when the "
+        "events port is)",
     )
     parser.add_argument(
         "--topic", default="", help="topic frame of every published message (default empty)"
@@ -351,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         replay_port = args.replay[1]
     else:
-        replay_port = events_port + 100 if events_port else 0
+        replay_port = _default_replay_port(events_port, args.dp_size)
     clash = _own_port_clash(events_port, replay_port, args.dp_size)
     if clash:
         print(f"kvroute worker: {clash}", file=sys.stderr)
@@ -383,6 +384,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_replay_port(events_port: int, ranks: int) -> int:
+    """The replay port of rank 0 when `--replay` is left out: 100 ports above the events port,
+    or as many as there are ranks when that is more, so the two ranges never overlap (with
+    `--dp-size` 600 the default was in the events' range, refused as a clash); ephemeral when
+    the events port is."""
+    return events_port + max(100, ranks) if events_port else 0
+
+
 def _own_port_clash(events_port: int, replay_port: int, ranks: int) -> str:
     """Why the ranks' event and replay ports (rank r on each base + r) overlap, or "".
 
@@ -395,6 +404,7 @@ def _own_port_clash(events_port: int, replay_port: int, ranks: int) -> str:
         f"--events port {events_port} and --replay port {replay_port} overlap with --dp "
         f"{ranks}: DP rank r publishes on {events_port} + r and replays on {replay_port} + r, "
         f"so port {port} would be both DP rank {port - events_port}'s events and DP rank "
-        f"{port - replay_port}'s replay socket; leave --replay out (the default, events + 100 "
-        f"({events_port + 100})) or start it at least {ranks} ports away from --events"
+        f"{port - replay_port}'s replay socket; leave --replay out (the default, "
+        f"{_default_replay_port(events_port, ranks)}) or start it at least {ranks} ports away "
+        "from --events"
     )

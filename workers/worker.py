@@ -31,6 +31,7 @@ from workers.listener import WorkerRunner, bind_site
 from workers.publisher import EventPublisher, bind_port_run
 from workers.scheduler import Job, RankScheduler
 from workers.server import build_app
+from workers.socket_room import size_for_ranks
 
 __all__ = ["KvEventsInfo", "ReferenceWorker"]
 
@@ -141,6 +142,7 @@ class ReferenceWorker:
     async def _start(self) -> None:
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
+        size_for_ranks(self._ctx, cfg.dp_size)
         host = cfg.events_host
         pubs, pub_base = bind_port_run(self._ctx, zmq.PUB, host, cfg.events_port, cfg.dp_size)
         replays, replay_base = bind_port_run(

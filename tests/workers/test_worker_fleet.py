@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import os
 import re
+import resource
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -23,7 +25,12 @@ from indexer.protocol import (
     parse_replay_reply,
 )
 from router.commands.up import add_arguments as add_up_arguments
-from workers.command import add_arguments, config_from_args
+from workers.command import (
+    _default_replay_port,
+    _own_port_clash,
+    add_arguments,
+    config_from_args,
+)
 from workers.config import WorkerConfig
 from workers.fleet import Fleet
 
@@ -203,7 +210,7 @@ async def test_dp_ranks_whose_event_and_replay_ports_overlap_are_refused_naming_
         else ("rank 0's events", "rank 1's replay")
     )
     assert f"port {clash} would be both DP {first} and DP {second} socket" in said, said
-    assert f"events + 100 ({events + 100})" in said and "already in use" not in said, said
+    assert f"(the default, {events + 100})" in said and "already in use" not in said, said
 
 
 async def test_a_taken_http_port_names_the_option_that_moves_it() -> None:
@@ -216,3 +223,68 @@ async def test_a_taken_http_port_names_the_option_that_moves_it() -> None:
         said = await _worker_refusal("--port", str(port), "--events", "tcp://127.0.0.1:0")
     assert f"HTTP port {port} is taken: choose another --port" in said, said
     assert "[Errno" not in said, said
+
+
+@pytest.mark.parametrize("ranks", [1, 100, 150, 1024])
+def test_the_default_replay_port_never_overlaps_the_ranks_events(ranks: int) -> None:
+    """With `--dp-size` over 100, the default replay port (events + 100) was inside the events'
+    range, and the worker refused its own defaults as a clash."""
+    replay = _default_replay_port(5557, ranks)
+    assert replay == 5557 + max(100, ranks)
+    assert _own_port_clash(5557, replay, ranks) == ""
+    assert _default_replay_port(0, ranks) == 0  # ephemeral events: ephemeral replay
+
+
+def _soft_descriptor_limit(soft: int, hard: int | None = None) -> Callable[[], None]:
+    def limit() -> None:
+        current_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, current_hard if hard is None else hard))
+
+    return limit
+
+
+async def test_a_worker_of_more_ranks_than_libzmq_holds_by_default_serves_each_one() -> None:
+    """520 ranks are 1,040 zmq sockets: past libzmq's default table of 1,023, the worker failed
+    to bind as if its ports were taken. Under a soft descriptor limit of 1,024 (the common
+    default) it raises the soft limit and serves the last rank's replay socket."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "worker", "--time-scale", "0",
+        "--port", "0", "--dp-size", "520", "--events", "tcp://127.0.0.1:0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_soft_descriptor_limit(1024),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        last = ""
+        async with asyncio.timeout(60):
+            while "Ctrl-C to stop" not in (line := (await proc.stdout.readline()).decode()):
+                assert line, "the worker ended before it served"
+                if line.strip().startswith("rank 519:"):
+                    last = line
+        replay = re.search(r"replay (tcp://\S+)", last)
+        assert replay is not None, last
+        ctx = zmq.asyncio.Context()
+        try:
+            await _replayed(ctx, replay.group(1))  # the last rank's replay socket answers
+        finally:
+            ctx.destroy(linger=0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+async def test_a_worker_of_more_ranks_than_its_hard_descriptor_limit_allows_is_refused() -> None:
+    """Told to hold more sockets than the process had descriptors for, libzmq aborted the
+    process ("Too many open files (src/ip_resolver.cpp:542)"); now the worker says what it
+    needs before its first socket."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "worker", "--time-scale", "0",
+        "--port", "0", "--dp-size", "600", "--events", "tcp://127.0.0.1:0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_soft_descriptor_limit(1024, 1024),
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    said = err.decode()
+    assert proc.returncode == 2, said
+    assert "--dp-size 600 needs about 2,656 file descriptors" in said, said
+    assert "at most 1,024" in said and "Traceback" not in said, said
