@@ -110,6 +110,9 @@ _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _MAX_AHEAD = 1 << 20
 # replayed batches remembered by seq, to check the live copies that arrive after them
 _REPLAYED_KEPT = 4096
+# kinds of session failure logged with their traceback; more (a session failing anew each
+# time) are said in one line each
+_TRACED_FAILURES = 8
 # a restart's rebuild whose replay did not answer to its end is asked again after this wait,
 # doubling up to the cap (or the probe interval, when shorter): the stream holds nothing of the
 # new process, or an unproven part, so asking often stalls nothing worth protecting, while the
@@ -197,6 +200,7 @@ class StreamSubscriber:
         self._clock = clock
         self._topic = config.topic.encode()
         self._limiter = LogThrottle(self.settings.log_interval_s, clock=clock)  # by kind
+        self._failures_traced: set[str] = set()  # the session failures logged with traceback
         self._replayer: ReplayClient | None = None  # the replay socket, made on first use
         self._suspect: int | None = None  # a live seq skipped as corrupt (see _repair)
         # a counted replay run (a repair, a probe) has begun and applied nothing yet: its first
@@ -327,12 +331,32 @@ class StreamSubscriber:
                 await self._session()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("stream %s: subscriber failed; restarting", self.stream_id)
+            except Exception as exc:
+                self._say_failure(exc)
                 if self._clock() - began > self.settings.restart_backoff_max_s:
                     backoff_s = 0.05  # a failure after a long healthy session starts over
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.settings.restart_backoff_max_s)
+
+    def _say_failure(self, exc: Exception) -> None:
+        """A session's failure: the first of its kind with its traceback, the same again at
+        most once a `log_interval_s`, in one line counting those held back. A session failing
+        in a loop (the process out of descriptors) logged a traceback at every restart, 20 a
+        second."""
+        kind = f"{type(exc).__name__}: {exc}"
+        held_back = self._limiter.allow(f"failed {kind}")
+        if held_back is None:
+            return
+        if kind not in self._failures_traced and len(self._failures_traced) < _TRACED_FAILURES:
+            self._failures_traced.add(kind)
+            log.exception("stream %s: subscriber failed; restarting", self.stream_id)
+            return
+        log.error(
+            "stream %s: subscriber failed again (%s; %d more since the last line); restarting",
+            self.stream_id,
+            kind,
+            held_back,
+        )
 
     async def _session(self) -> None:
         sub = self._ctx.socket(zmq.SUB)

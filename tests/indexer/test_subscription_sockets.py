@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import resource
 import socket
 import time
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from indexer.config import IndexerConfig
 from indexer.service import IndexerService, StreamConfig
 from indexer.stats import StreamState
 from indexer.subscriptions import socket_budget
@@ -155,3 +158,35 @@ async def test_streams_past_the_budget_wait_said_once_and_start_when_sockets_fre
     finally:
         await indexer.__aexit__(None, None, None)
     assert not [r for r in caplog.records if "subscriber failed" in r.getMessage()]
+
+
+async def test_a_session_failing_in_a_loop_says_its_traceback_once_then_a_line_an_interval(
+    caplog: pytest.LogCaptureFixture, ports: HeldPorts
+) -> None:
+    """The process out of descriptors (taken by something else than the streams): each session
+    fails at its first socket. It logged a traceback at every restart (30 in 1.5 s here); now
+    the first with its traceback, then one line a `log_interval_s` counting the others."""
+    caplog.set_level(logging.WARNING, logger="indexer")
+    streams = _silent_streams(ports, 1)
+    config = IndexerConfig(log_interval_s=0.4, restart_backoff_max_s=0.05)
+    with _descriptor_limit(256):
+        async with IndexerService(config) as indexer:
+            hog: list[int] = []
+            try:
+                with contextlib.suppress(OSError):
+                    while True:
+                        hog.append(os.open(os.devnull, os.O_RDONLY))
+                await indexer.add_worker("w", streams)
+                await asyncio.sleep(1.5)
+            finally:
+                for fd in hog:
+                    os.close(fd)
+    failed = [r for r in caplog.records if "subscriber failed" in r.getMessage()]
+    traced = [r.exc_text or "" for r in failed if r.exc_info is not None]
+    assert len(traced) == 1 and "ZMQError: Too many open files" in traced[0], traced
+    again = [r.getMessage() for r in failed if r.exc_info is None]
+    assert 1 <= len(again) <= 4, again  # one an interval of 0.4 s
+    assert all("failed again (ZMQError: Too many open files; " in line for line in again), again
+    counts = [re.search(r"; (\d+) more since", line) for line in again]
+    held_back = sum(int(count[1]) for count in counts if count is not None)
+    assert held_back >= 5, again  # the restarts went on (every 50 ms), said in the count
