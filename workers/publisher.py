@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -38,6 +39,7 @@ from indexer.protocol.frames import (
     parse_replay_request,
 )
 from workers.errors import PortRangeError
+from workers.port_runs import ephemeral_range, run_base
 from workers.replay_ring import ReplayRing
 
 __all__ = ["EventPublisher", "bind_port_run"]
@@ -50,12 +52,15 @@ _SNDHWM = 100_000
 DEFAULT_BUFFER_BYTES = 32 << 20
 _REPLAY_STALL_S = 5.0
 _PORT_ATTEMPTS = 64
+_RUNS = random.Random()  # the bases tried for runs of ports
 
 
 def bind_port_run(
     ctx: zmq.asyncio.Context, kind: int, host: str, base: int, count: int
 ) -> tuple[list[zmq.asyncio.Socket], int]:
-    """Bind `count` sockets of `kind` on host:base+r; base 0 picks a free run. Returns the base."""
+    """Bind `count` sockets of `kind` on host:base+r; base 0 picks a free run (outside the
+    kernel's ephemeral ports when there are several: `workers.port_runs`). Returns the base."""
+    ephemeral = ephemeral_range()
     for _ in range(_PORT_ATTEMPTS if base == 0 else 1):
         sockets: list[zmq.asyncio.Socket] = []
         rank = 0  # the rank being bound: a failure names its port
@@ -63,8 +68,11 @@ def bind_port_run(
             first = ctx.socket(kind)
             first.linger = 0
             sockets.append(first)
-            if base == 0:
-                port = first.bind_to_random_port(f"tcp://{host}", max_port=65536 - count)
+            if base == 0 and count == 1:
+                port = first.bind_to_random_port(f"tcp://{host}")
+            elif base == 0:
+                port = run_base(count, _RUNS, ephemeral)
+                first.bind(f"tcp://{host}:{port}")
             else:
                 port = base
                 first.bind(f"tcp://{host}:{port}")

@@ -253,12 +253,14 @@ async def test_a_worker_of_more_ranks_than_libzmq_holds_by_default_serves_each_o
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         preexec_fn=_soft_descriptor_limit(1024),
     )  # fmt: skip
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     try:
         last = ""
         async with asyncio.timeout(60):
             while "Ctrl-C to stop" not in (line := (await proc.stdout.readline()).decode()):
-                assert line, "the worker ended before it served"
+                if not line:
+                    said = (await proc.stderr.read()).decode()
+                    raise AssertionError(f"the worker ended before it served: {said}")
                 if line.strip().startswith("rank 519:"):
                     last = line
         replay = re.search(r"replay (tcp://\S+)", last)
