@@ -7,11 +7,16 @@ remove, drain) or an eviction is made here, then written to the state the replic
 every replica makes it too (`router.cluster.fleet_state`); its answer's `cluster` says whether
 it was (`"shared"`) or is kept here until NATS answers (`"pending"`: the other replicas do not
 make it yet, and it is lost if this replica stops first).
+
+Each change is said in one INFO line (`admin: ...`), naming the worker by its id and a namespace
+by its fingerprint (never a salt), as a reload's and another replica's changes are; an index
+load's line is the indexer's own (`snapshot loaded: ...`, what it brought).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -43,6 +48,8 @@ from router.prompt.request import Endpoint, check_salt_size, json_error
 from router.routing.pool import WorkerEntry, WorkerSummary
 
 __all__ = ["create_admin_app"]
+
+log = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _json = msgspec.json.Encoder()
@@ -94,6 +101,21 @@ def _with_sharing(payload: object, sharing: str | None) -> object:
     return {**msgspec.to_builtins(payload), "cluster": sharing}
 
 
+def _told(sharing: str | None) -> str:
+    """What the admin change's line says of the other replicas (nothing without a cluster)."""
+    return "" if sharing is None else f" (cluster: {sharing})"
+
+
+# fingerprints named in an eviction's line at most: a salt's extra_keys are a namespace each
+_NAMED_NAMESPACES = 8
+
+
+def _namespaces_named(fingerprints: list[str]) -> str:
+    shown = ", ".join(fingerprints[:_NAMED_NAMESPACES]) or "none"
+    rest = len(fingerprints) - _NAMED_NAMESPACES
+    return shown if rest <= 0 else f"{shown} and {rest} more"
+
+
 def _summary(request: web.Request, entry: WorkerEntry) -> WorkerSummary:
     planner = request.config_dict[PLANNER]
     now = planner.clock()
@@ -141,7 +163,9 @@ async def add_worker(request: web.Request) -> web.Response:
     summary = _with_sharing(_summary(request, entry), sharing)
     if supervisor.discovering(entry.id):
         why = supervisor.not_registered(entry.id) or "its first health check is under way"
+        log.info("admin: worker %s added, still being discovered%s", entry.id, _told(sharing))
         return _reply({**msgspec.to_builtins(summary), "not_registered": why}, status=202)
+    log.info("admin: worker %s added%s", entry.id, _told(sharing))
     return _reply(summary, status=201)
 
 
@@ -158,12 +182,18 @@ async def delete_worker(request: web.Request) -> web.Response:
         and request.config_dict[PLANNER].pool.find(worker_id) is None
         and cluster.fleet.unread_worker(worker_id)
     ):
-        removed = worker_id
+        removed, unread = worker_id, True
     else:
-        removed = (await request.config_dict[SUPERVISOR].remove(worker_id)).id
+        removed, unread = (await request.config_dict[SUPERVISOR].remove(worker_id)).id, False
     sharing = None
     if cluster is not None:
         sharing = await cluster.worker_changed(removed, None, removed=True)
+    if unread:
+        # repr: such an id may hold a newline (`WorkerConfig` checks ids now), a forged line
+        what = "removed from the shared fleet (no worker of it here)"
+        log.info("admin: worker %r %s%s", removed, what, _told(sharing))
+    else:
+        log.info("admin: worker %s removed%s", removed, _told(sharing))
     return _reply(_with_sharing({"removed": removed}, sharing))
 
 
@@ -171,10 +201,17 @@ async def drain_worker(request: web.Request) -> web.Response:
     """POST /admin/workers/{id}/drain: no new requests; in-flight ones finish."""
     body = _decode(await request.read(), DrainRequest)
     entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
-    entry.draining = body.drain
+    was, entry.draining = entry.draining, body.drain
     sharing = None
     if (cluster := request.config_dict.get(CLUSTER)) is not None:
         sharing = await cluster.worker_changed(entry.id, entry.config, draining=entry.draining)
+    log.info(
+        "admin: worker %s %s%s%s",
+        entry.id,
+        "drained: no new requests" if body.drain else "undrained: takes requests again",
+        " (it was already)" if was == body.drain else "",
+        _told(sharing),
+    )
     return _reply(_with_sharing(_summary(request, entry), sharing))
 
 
@@ -279,11 +316,23 @@ async def evict_namespace(request: web.Request) -> web.Response:
                 # SGLang's /flush_cache (0.5.23) takes no salt: it would empty every tenant's
                 # pages there, not this one's
                 flushed[e.id] = _NO_SALT_FLUSH
-    answer = {
-        "namespaces": sorted(fingerprint(ns) for ns in targets),
-        "entries_dropped": dropped,
-        "flushed": flushed,
-    }
+    names = sorted(fingerprint(ns) for ns in targets)
+    answer = {"namespaces": names, "entries_dropped": dropped, "flushed": flushed}
+    # each flush by its outcome's first word ("ok", "HTTP 500", "skipped", the error's type)
+    outcomes = ", ".join(f"{w} {result.partition(':')[0]}" for w, result in flushed.items())
+    how = ""
+    if body.cache_salt is not None:
+        how = " by cache_salt"
+    elif whole_salt:
+        how = " (every namespace of its salt: workers flush it)"
+    log.info(
+        "admin: namespace(s) evicted%s: %s (%d index entries dropped)%s%s",
+        how,
+        _namespaces_named(names),
+        dropped,
+        f"; workers flushed: {outcomes}" if flushed else "",
+        _told(sharing),
+    )
     return _reply(_with_sharing(answer, sharing))
 
 

@@ -5,7 +5,8 @@ chat messages) with the fields of its namespace (model, `lora` for its lora_path
 and gets, per (worker, dp rank) of that model, the leading tokens held and in which storage
 tier, the stream's state, and the router's own view of load and score. The same planner as the
 proxy's answers (`Planner.plan`, read-only), so the numbers are those the router would route
-by; nothing is marked pending and nothing is routed.
+by; nothing is marked pending and nothing is routed. A model served by prefill/decode pairs is
+answered with its prefill workers, where the pair's prompt is computed and its prefix reused.
 
 `POST /v1/kv/routed` is the one thing a gateway tells the index: it sent a request with an
 SGLang `extra_key` to a worker. Such a request's pages reach the index as plain pages of its
@@ -27,6 +28,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from indexer.engines import PdRole
 from indexer.namespace import Namespace
 from router.config import RouterConfig
 from router.errors import AuthError, NoWorkerError, RequestError, UnknownModelError
@@ -195,7 +197,12 @@ async def kv_query(request: web.Request) -> web.Response:
     """POST /v1/kv/query: per (worker, dp rank), what of the prompt it holds."""
     parsed, ns = await _parsed(request, await _read(request, KvQuery))
     planner = request.app[PLANNER]
-    plan = planner.plan(parsed, ns)
+    # a model served by prefill/decode pairs reuses a prefix on its prefill side: its prefill
+    # workers are the rows, ranked as the pair's prefill side is (`/admin/route`'s `prefill`).
+    # Before, every model was planned for `both` workers, which such a model has none of: an
+    # empty answer whatever its prefill workers held
+    role: PdRole = "prefill" if planner.pool.disaggregated(ns.model) else "both"
+    plan = planner.plan(parsed, ns, role=role)
     best = plan.candidates[0] if plan.candidates and plan.candidates[0].healthy else None
     answer = {
         "version": VERSION,
@@ -204,6 +211,7 @@ async def kv_query(request: web.Request) -> web.Response:
         "namespace": plan.namespace,  # keyed fingerprint, as in the admin API
         "prompt_tokens": plan.prompt_tokens,
         "unindexed": plan.unindexed,
+        "role": role,  # the role of the workers listed
         "best": None if best is None else {"worker": best.worker, "dp_rank": best.dp_rank},
         "workers": [_candidate_row(c) for c in plan.candidates],
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -152,6 +153,74 @@ async def test_index_dump_loads_back_and_garbage_is_refused(fleet: Fleet) -> Non
     ) as resp:
         assert resp.status == 400
     assert await fleet.holds(body, holder, 64)  # a refused snapshot leaves the index intact
+
+
+async def test_each_admin_change_is_one_info_line_naming_no_salt(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a removal, an add, a drain or undrain and an eviction left no line at all (a
+    reload and a snapshot load did): an operator could not tell from the log who took a
+    worker out, or when a tenant's pages went."""
+    salt = "tenant-secret-7f3a"
+    body = {"prompt": "s" * 80, "max_tokens": 1, "cache_salt": salt}
+    _, headers, _ = await fleet.post("/v1/completions", body)
+    await eventually(lambda: fleet.holds(body, headers["x-kvroute-worker"], 64), what="indexed")
+    caplog.set_level(logging.INFO)
+    logged: list[str] = []  # every line, held against the salt at the end
+
+    def said() -> list[str]:
+        """The admin lines since the last call, each checked to be one INFO line."""
+        logged.extend(r.getMessage() for r in caplog.records)
+        lines = [r for r in caplog.records if r.getMessage().startswith("admin: ")]
+        caplog.clear()
+        assert all(r.levelno == logging.INFO and r.name == "router.http.admin" for r in lines)
+        assert all("\n" not in r.getMessage() for r in lines)
+        return [r.getMessage() for r in lines]
+
+    assert (await fleet.admin("POST", "/workers/w0/drain"))[0] == 200
+    assert said() == ["admin: worker w0 drained: no new requests"]
+    assert (await fleet.admin("POST", "/workers/w0/drain"))[0] == 200
+    assert said() == ["admin: worker w0 drained: no new requests (it was already)"]
+    assert (await fleet.admin("POST", "/workers/w0/drain", {"drain": False}))[0] == 200
+    assert said() == ["admin: worker w0 undrained: takes requests again"]
+    assert (await fleet.admin("DELETE", "/workers/w1"))[0] == 200
+    assert said() == ["admin: worker w1 removed"]
+    url = fleet.workers["w1"].url
+    assert (await fleet.admin("POST", "/workers", {"url": url, "id": "back"}))[0] == 201
+    assert said() == ["admin: worker back added"]
+    # refused: nothing changed, nothing said (the answer says why)
+    assert (await fleet.admin("DELETE", "/workers/w1"))[0] == 404
+    assert (await fleet.admin("POST", "/namespaces/evict", {}))[0] == 400
+    assert said() == []
+
+    status, listed = await fleet.admin("GET", "/namespaces")
+    fingerprint = next(n["id"] for n in listed["namespaces"] if n["salted"])
+    status, evicted = await fleet.admin("POST", "/namespaces/evict", {"namespace": fingerprint})
+    assert status == 200 and evicted["namespaces"] == [fingerprint]
+    dropped = evicted["entries_dropped"]
+    assert dropped > 0
+    assert said() == [
+        f"admin: namespace(s) evicted: {fingerprint} ({dropped} index entries dropped)"
+    ]
+    evict = {"cache_salt": salt, "flush_workers": True}
+    status, evicted = await fleet.admin("POST", "/namespaces/evict", evict)
+    assert status == 200 and set(evicted["flushed"]) == {"w0", "back"}, evicted
+    assert said() == [
+        "admin: namespace(s) evicted by cache_salt: none (0 index entries dropped); "
+        "workers flushed: w0 ok, back ok"
+    ]
+
+    # a snapshot load's line is the indexer's, saying what the snapshot brought
+    async with fleet.session.get(fleet.url + "/admin/index/dump", headers=AUTH) as resp:
+        snapshot = await resp.read()
+    async with fleet.session.post(
+        fleet.url + "/admin/index/load", data=snapshot, headers=AUTH
+    ) as resp:
+        assert resp.status == 200
+    loaded = [r for r in caplog.records if r.getMessage().startswith("snapshot loaded: ")]
+    assert len(loaded) == 1 and loaded[0].levelno == logging.INFO
+    assert said() == []
+    assert logged and not [line for line in logged if salt in line]
 
 
 async def test_streams_report_state_and_counters(fleet: Fleet) -> None:

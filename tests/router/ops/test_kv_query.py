@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from router.http.keys import RELOADER
 from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
 from tests.router.vllm_stub import vllm_payload, vllm_stub
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
@@ -326,3 +328,73 @@ async def test_a_gateways_extra_key_request_is_told_and_plain_ones_are_not_predi
         ) as resp:
             error = await resp.json()
             assert resp.status == 400 and message in error["error"]["message"], error
+
+
+async def test_a_model_served_by_pairs_is_answered_with_its_prefill_workers() -> None:
+    """A prefill/decode model: the rows are its prefill workers, ranked as the pair's prefill
+    side is (`/admin/route`), in the router and in `kvroute indexer` alike. Before, both
+    planned for `both` workers, which such a model has none of: `"best": null, "workers": []`
+    while the proxy's next request matched the prefill worker's 96 tokens."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("prefill")) as p1,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        workers = {"p0": p0, "p1": p1, "d0": d0}
+        config = router_config([(name, w.url) for name, w in workers.items()])
+        async with (
+            RouterService(config) as router,
+            RouterService(config, proxy=False) as indexer,
+            aiohttp.ClientSession() as session,
+        ):
+            await warm(session, router, [p0, p1], [d0])
+            await warm(session, indexer, [p0, p1], [d0])
+            body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+            async with session.post(router.url + "/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                holder = resp.headers["x-kvroute-prefill-worker"]
+            other = "p1" if holder == "p0" else "p0"
+            # the indexer's gateway sends a pair straight to the workers: the other prefill
+            direct = [t + 1 for t in PROMPT]
+            pair = {**body, "input_ids": direct, "bootstrap_host": "127.0.0.1", "bootstrap_room": 7}
+            pair["bootstrap_port"] = workers[other].disagg.bootstrap_port
+            sent = await asyncio.gather(
+                session.post(workers[other].url + "/generate", json=pair),
+                session.post(d0.url + "/generate", json=pair),
+            )
+            for resp in sent:
+                assert resp.status == 200, await resp.text()
+                resp.release()
+            fleet = Fleet(router, workers, session)
+
+            async def query(url: str, ids: list[int]) -> Any:
+                async with session.post(url + "/v1/kv/query", json={"token_ids": ids}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+
+            async def held() -> bool:
+                plan = await fleet.route(body)
+                return bool(plan["prefill"]["candidates"][0]["matched_tokens"] == 6 * PAGE)
+
+            await eventually(held, what="the prefill's pages in the router's index")
+            answer = await query(router.url, PROMPT)
+            plan = await fleet.route(body)
+            assert answer["best"] == {"worker": holder, "dp_rank": None}, answer
+            assert answer["role"] == "prefill"
+            rows = _by_worker(answer)
+            assert set(rows) == {"p0", "p1"}  # the decode worker is no row
+            assert rows[holder]["matched_tokens"] == 6 * PAGE
+            assert {c["worker"]: c["matched_tokens"] for c in plan["prefill"]["candidates"]} == {
+                w: row["matched_tokens"] for w, row in rows.items()
+            }
+            async with session.post(router.url + "/generate", json=body) as resp:
+                assert int(resp.headers["x-kvroute-matched-tokens"]) == 6 * PAGE
+
+            async def in_indexer() -> bool:
+                answer = await query(indexer.url, direct)
+                return bool(answer["best"] == {"worker": other, "dp_rank": None})
+
+            await eventually(in_indexer, what="the gateway's pair in the standalone index")
+            alone = await query(indexer.url, direct)
+            assert alone["role"] == "prefill" and set(_by_worker(alone)) == {"p0", "p1"}
+            assert _by_worker(alone)[other]["matched_tokens"] == 6 * PAGE
