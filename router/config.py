@@ -331,6 +331,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_json_depth: Annotated[int, msgspec.Meta(ge=8, le=512)] = 128
     # a cache_salt (body, salt header or admin input) longer than this is a 400
     max_salt_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # a LoRA adapter name (lora_path, a model's adapter, the query API's lora) longer than
+    # this is a 400: Linux's PATH_MAX, as a name is at most a path (`check_adapter_name`)
+    max_adapter_name_bytes: Annotated[int, msgspec.Meta(ge=1)] = 4096
     # requests held at once for a worker with room (`policy.hold_until_room`); beyond this the
     # oldest held one is routed at once (the worker queues it) and the new one held in its
     # place (0: none is held). A held request's deadline is its timeouts.request_s, as anywhere

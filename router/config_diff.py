@@ -51,6 +51,7 @@ _LIVE: dict[str, frozenset[str] | None] = {
             "max_held_requests",
             "max_json_depth",
             "max_salt_bytes",
+            "max_adapter_name_bytes",
             "max_connections",
             "header_timeout_s",
             "body_timeout_s",

@@ -365,7 +365,7 @@ async def route_dry_run(request: web.Request) -> web.Response:
     parsed = await read_request(request, endpoint, config, request.config_dict[TOKENIZER])
     planner = request.config_dict[PLANNER]
     choice = planner.pool.resolve(parsed.model)  # UnknownModelError as the proxy would
-    ns = planner.namespace(parsed)
+    ns = planner.namespace(parsed, config.limits)
     pairs = request.config_dict.get(PAIRS)
     if pairs is not None and pairs.applies(ns.model):
         # a pair: the prefill side (where the prefix is reused) leads, both are explained

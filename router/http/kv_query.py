@@ -163,7 +163,7 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
     if extra_key is not None:
         check_salt_size(extra_key, "extra_key", limits)
     if query.lora:
-        check_adapter_name(query.lora, "lora")
+        check_adapter_name(query.lora, "lora", limits)
     parsed = ParsedRequest(
         # as an OpenAI request: a `base:adapter` model names the adapter, as on the proxy
         # (`/generate` takes no model, so its namespace would drop the adapter)
@@ -181,7 +181,7 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
     )
     planner = request.app[PLANNER]
     try:
-        ns = planner.namespace(parsed)  # UnknownModelError (404) as the proxy would
+        ns = planner.namespace(parsed, limits)  # UnknownModelError (404) as the proxy would
     except (UnknownModelError, NoWorkerError):
         # its model served by nobody for an instant of a change (a worker renamed): answered
         # once the change ends, as the proxy waits (it was a 404 listing no model)
@@ -189,7 +189,7 @@ async def _parsed(request: web.Request, query: KvQuery) -> tuple[ParsedRequest, 
         deadline = time.monotonic() + config.timeouts.request_s
         if reloader is None or not await reloader.fleet_change.waited(deadline):
             raise
-        ns = planner.namespace(parsed)
+        ns = planner.namespace(parsed, limits)
     return parsed, ns
 
 

@@ -245,7 +245,7 @@ class Proxy:
         planner = self._planner
         deadline = time.monotonic() + config.timeouts.request_s
         try:
-            ns = planner.namespace(parsed)
+            ns = planner.namespace(parsed, config.limits)
         except (UnknownModelError, NoWorkerError):
             # its model served by nobody for an instant of a change (a worker renamed): served
             # once the change ends, not refused with a 404 a client does not retry
@@ -255,7 +255,7 @@ class Proxy:
             except asyncio.CancelledError:
                 self.abandoned(request, endpoint)
                 raise
-            ns = planner.namespace(parsed)
+            ns = planner.namespace(parsed, config.limits)
         request[REQUEST_MODEL] = ns.model  # a served model's name: a bounded label
         if self._paired(ns):
             return await self._to_pair(request, endpoint, parsed, ns, started)
@@ -268,7 +268,7 @@ class Proxy:
                     # in the namespace and on the path the fleet has now (a pair's side
                     # renamed left its model no pair meanwhile, planned as whole requests: it
                     # is one again)
-                    ns = planner.namespace(parsed)
+                    ns = planner.namespace(parsed, config.limits)
                     paired = self._paired(ns)
                     if not paired:
                         plan = planner.plan(parsed, ns)

@@ -205,27 +205,39 @@ def _salt(
     raise RequestError(f"{field} must be a string")
 
 
-def check_adapter_name(name: str, field: str) -> None:
-    """RequestError naming `field` when `name` is no adapter an engine loads: the router's own
-    name for pages an event names by adapter id alone (`indexer.namespace.anonymous_lora`)
-    would match that adapter's pages (a false hit, and a probe of its cache)."""
+def check_adapter_name(name: str, field: str, limits: LimitsConfig) -> None:
+    """RequestError naming `field` (never the name) when `name` is no adapter an engine loads.
+
+    A NUL: the router's own name for pages an event names by adapter id alone
+    (`indexer.namespace.anonymous_lora`) would match that adapter's pages (a false hit, and a
+    probe of its cache). Longer than `limits.max_adapter_name_bytes`: a name is at most a path
+    (SGLang's `--lora-paths PATH` names the adapter by its path, vLLM's filesystem resolver by
+    its directory), and Linux opens none past PATH_MAX (4096 bytes), the default. Unbounded, a
+    client's 2 MB name became a namespace (a reference worker caches any name), held by the
+    index and listed by `/admin/namespaces` and the dashboard.
+    """
     if names_no_adapter(name):
         raise RequestError(f"{field} holds a NUL character: no LoRA adapter is named so")
+    if len(name.encode()) > limits.max_adapter_name_bytes:
+        raise RequestError(
+            f"{field} names a LoRA adapter longer than limits.max_adapter_name_bytes "
+            f"({limits.max_adapter_name_bytes} bytes)"
+        )
 
 
-def _lora(value: object) -> str | None:
+def _lora(value: object, limits: LimitsConfig) -> str | None:
     """The LoRA adapter `lora_path` names, as SGLang reads it: a string, or one per item of a
     batch (the batch is routed by its first item); "" and null mean the base model."""
     if value is None or isinstance(value, str):
         if value:
-            check_adapter_name(value, "lora_path")
+            check_adapter_name(value, "lora_path", limits)
         return value or None
     if isinstance(value, list):
         for i, item in enumerate(value):
             if item is not None and not isinstance(item, str):
                 raise RequestError(f"lora_path[{i}] must be a string")
             if item:
-                check_adapter_name(item, f"lora_path[{i}]")
+                check_adapter_name(item, f"lora_path[{i}]", limits)
         return (value[0] or None) if value else None
     raise RequestError("lora_path must be a string or a list of strings")
 
@@ -357,7 +369,7 @@ def parse_request(
         body=forwarded,
         salt=salt,
         model=model,
-        lora=_lora(body.get("lora_path")),
+        lora=_lora(body.get("lora_path"), limits),
         tokens=tokens,
         stream=stream is True,
         extra_key=_salt(body.get("extra_key"), limits, batched=batched, field="extra_key"),
@@ -415,6 +427,21 @@ def _item(value: object, i: int) -> object:
     return value
 
 
+def _batch_item(prompts: list[Any], field: str, i: int, tokenizer: PromptTokenizer) -> list[int]:
+    """The tokens of item `i` of the batch `field` holds, read as the engine reads its list: a
+    `text` item is a string, an `input_ids` one token ids, a `prompt` one either. Before, an
+    item that was no string was read as ids, and a bad one said "[1] must be a list of
+    integers": no field named, and wrong for text."""
+    prompt = prompts[i]
+    if isinstance(prompt, str) and field != "input_ids":
+        return tokenizer.text(prompt)
+    if field == "text":
+        raise RequestError(f"text[{i}] must be a string")
+    if field == "prompt" and not isinstance(prompt, list):
+        raise RequestError(f"prompt[{i}] must be a string or a list of token ids")
+    return _ids(prompt, f"{field}[{i}]")
+
+
 def _keyed_items(
     body: Mapping[str, Any],
     endpoint: Endpoint,
@@ -427,9 +454,10 @@ def _keyed_items(
     extra = body.get("extra_key")
     if extra is None:
         return ()
-    prompts = body.get("input_ids") if endpoint is Endpoint.GENERATE else body.get("prompt")
-    if endpoint is Endpoint.GENERATE and prompts is None:
-        prompts = body.get("text")
+    field = "prompt"
+    if endpoint is Endpoint.GENERATE:
+        field = "input_ids" if body.get("input_ids") is not None else "text"
+    prompts = body.get(field)
     if not isinstance(prompts, list):
         return ()
     out: list[KeyedItem] = []
@@ -438,8 +466,7 @@ def _keyed_items(
         if not isinstance(key, str) or not key:
             continue
         check_salt_size(key, f"extra_key[{i}]", limits)
-        prompt = prompts[i]
-        tokens = tokenizer.text(prompt) if isinstance(prompt, str) else _ids(prompt, f"[{i}]")
+        tokens = _batch_item(prompts, field, i, tokenizer)
         salt = _item(body.get("cache_salt"), i) if header_salt is None else header_salt
         lora = _item(body.get("lora_path"), i)
         out.append(

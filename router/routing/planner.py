@@ -37,7 +37,7 @@ from indexer.service import (
     StreamState,
     WorkerMatch,
 )
-from router.config import PolicyConfig
+from router.config import LimitsConfig, PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
 from router.prompt.request import Endpoint, KeyedItem, ParsedRequest
 from router.routing.admission import (
@@ -176,6 +176,8 @@ def _match_limit(tokens: Sequence[int], reuse_limit: int | None) -> int:
     return limit if reuse_limit is None else min(limit, reuse_limit)
 
 
+# a request's bounds where a caller names none (tests; the proxy passes its config's)
+_LIMITS = LimitsConfig()
 # what a candidate's `hidden` and its forecast's `why` say of entries an extra_key's shadow
 # hides: never the extra_key itself
 _SHADOWED = "extra_key shadow"
@@ -255,9 +257,10 @@ class Planner:
         self._config = config
         self.policy.reconfigure(config)
 
-    def namespace(self, parsed: ParsedRequest) -> Namespace:
-        """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it)."""
-        return request_namespace(parsed, self.pool.resolve(parsed.model))
+    def namespace(self, parsed: ParsedRequest, limits: LimitsConfig = _LIMITS) -> Namespace:
+        """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it; a
+        RequestError for an adapter its model names that `limits` refuse)."""
+        return request_namespace(parsed, self.pool.resolve(parsed.model), limits)
 
     def plan(
         self,

@@ -41,14 +41,21 @@ def test_live_keys_change_and_restart_keys_keep_their_running_value() -> None:
     new = RouterConfig(
         listen=ListenConfig(port=9000),
         policy=PolicyConfig(name="round_robin", hit_weight=1.0, approx_max_tree_size=8),
-        limits=LimitsConfig(max_retries=0, max_body_bytes=4096, idle_timeout_s=5.0),
+        limits=LimitsConfig(
+            max_retries=0, max_adapter_name_bytes=64, max_body_bytes=4096, idle_timeout_s=5.0
+        ),
         indexer=IndexerSection(pending_ttl_s=9.0),
         tracing=TracingConfig(enabled=True),
         cluster=ClusterConfig(),
         salt_header="x-tenant",
     )
     running, diff = diff_configs(old, new)
-    assert diff.changed == ["policy.hit_weight", "limits.max_retries", "salt_header"]
+    assert diff.changed == [
+        "policy.hit_weight",
+        "limits.max_retries",
+        "limits.max_adapter_name_bytes",  # read per request, as max_salt_bytes
+        "salt_header",
+    ]
     assert diff.needs_restart == [
         "listen.port",
         "policy.name",
@@ -60,7 +67,7 @@ def test_live_keys_change_and_restart_keys_keep_their_running_value() -> None:
         "cluster",
     ]
     assert running.policy == PolicyConfig(hit_weight=1.0)
-    assert running.limits == LimitsConfig(max_retries=0)
+    assert running.limits == LimitsConfig(max_retries=0, max_adapter_name_bytes=64)
     assert (running.listen, running.indexer, running.tracing) == (
         old.listen,
         old.indexer,

@@ -23,7 +23,14 @@ from indexer.engines import EngineName
 from indexer.namespace import Namespace, anonymous_lora
 from indexer.protocol.encode import WireLayout
 from indexer.protocol.tokens import ByteTokenizer
-from router.config import BreakerConfig, HealthConfig, PolicyConfig, PolicyName, WorkerConfig
+from router.config import (
+    BreakerConfig,
+    HealthConfig,
+    LimitsConfig,
+    PolicyConfig,
+    PolicyName,
+    WorkerConfig,
+)
 from router.errors import AmbiguousModelError, UnknownModelError
 from router.fleet.discovery import adapters_from_model_list
 from router.routing.pool import WorkerPool
@@ -326,6 +333,53 @@ async def test_a_client_cannot_name_the_anonymous_adapter_of_the_array_layout() 
         # the adapter by its name is still served (its pages: another namespace, no hit)
         status, _, answer = await fleet.post("/v1/completions", body)
         assert status == 200, answer
+
+
+async def test_adapter_names_are_bounded_everywhere_they_enter() -> None:
+    # the QA report: a 2 MB lora_path, `model` "base:" + 2 MB, or /v1/kv/query's lora were
+    # taken, and on reference workers (which cache any name) the name became a namespace:
+    # /admin/namespaces and /dashboard/state grew to 2.1 MB
+    limit = LimitsConfig().max_adapter_name_bytes
+    # (under 1 MiB a body: aiohttp's client warns of a larger one sent as bytes)
+    huge, at_limit = "L" * 1_000_000, "A" * limit
+    async with model_fleet(("m-e",)) as fleet:
+        await fleet.warm()
+        chat = [{"role": "user", "content": _PROMPT}]
+        completion = {"model": "m-e", "prompt": _PROMPT, "max_tokens": 1}
+        for path, sent, field in [
+            ("/v1/completions", {**completion, "lora_path": huge}, "lora_path"),
+            ("/v1/chat/completions", {"model": "m-e", "messages": chat, "lora_path": huge},
+             "lora_path"),
+            ("/generate", {"text": [_PROMPT, "x"], "lora_path": ["L1", huge]}, "lora_path[1]"),
+            ("/generate", {"input_ids": [[1, 2]], "lora_path": [huge]}, "lora_path[0]"),
+            ("/v1/completions", {**completion, "model": "m-e:" + huge}, "model"),
+            ("/v1/chat/completions", {"model": "m-e:" + huge, "messages": chat}, "model"),
+            ("/v1/kv/query", {"model": "m-e", "lora": huge, "text": _PROMPT}, "lora"),
+            ("/v1/kv/query", {"model": "m-e:" + huge, "text": _PROMPT}, "model"),
+        ]:  # fmt: skip
+            status, _, answer = await fleet.post(path, sent)
+            assert status == 400, (path, field, answer)
+            assert answer["error"]["type"] == "RequestError", answer
+            assert answer["error"]["message"] == (
+                f"{field} names a LoRA adapter longer than limits.max_adapter_name_bytes "
+                f"({limit} bytes)"
+            ), (path, answer)
+        status, answer = await fleet.admin("POST", "/route", {**completion, "lora_path": huge})
+        assert status == 400 and "lora_path names" in answer["error"]["message"], answer
+        # a name as long as the limit is an adapter like any other, by lora_path or by model
+        for sent in ({**completion, "lora_path": at_limit}, {**completion, "model": "m-e:A"}):
+            status, _, answer = await fleet.post("/v1/completions", sent)
+            assert status == 200, answer
+        plan = await fleet.route({**completion, "model": "m-e:" + at_limit})
+        assert plan["lora"] == at_limit
+
+        async def adapter_indexed() -> bool:
+            _, listed = await fleet.admin("GET", "/namespaces")
+            return any(row["lora"] == at_limit for row in listed["namespaces"])
+
+        await eventually(adapter_indexed, what="the adapter at the limit indexed")
+        _, listed = await fleet.admin("GET", "/namespaces")
+        assert max(len(row["lora"] or "") for row in listed["namespaces"]) == limit
 
 
 _LABEL = re.compile(r'model="([^"]*)"')

@@ -210,6 +210,52 @@ async def test_salts_over_max_salt_bytes_are_refused_everywhere_naming_the_limit
     assert status == 400 and "limits.max_salt_bytes" in error["message"], error
 
 
+# ------------------------------------------------------------------ adapter name length
+
+
+async def test_adapter_names_over_the_configured_limit_are_refused_on_every_route() -> None:
+    # the configured limit, not the default, on each route an adapter name enters by: the
+    # proxy's, the dry run and the query API (each reads its config's limits per request)
+    limits = LimitsConfig(max_adapter_name_bytes=8)
+    auth = (b"Authorization", b"Bearer " + TOKEN.encode())
+    over = "adapter-9"
+    async with RouterService(router_config([], limits=limits)) as router:
+        for path in (*PROXIED, b"/admin/route", b"/v1/kv/query"):
+            query = path == b"/v1/kv/query"
+            base = {"text": "x"} if query else json.loads(BODY)
+            lora = "lora" if query else "lora_path"
+            named = [(lora, over), ("model", "m:" + over)]
+            for field, value in named[:1] if path == b"/generate" else named:  # no model read
+                body = json.dumps(base | {field: value}).encode()
+                status, error = await _call(router, b"POST", path, [auth], body)
+                said = f"{field} names a LoRA adapter longer than limits.max_adapter_name_bytes"
+                assert (status, error.get("message")) == (400, said + " (8 bytes)"), (path, error)
+                fits = json.dumps(base | {field: value[:8]}).encode()
+                status, error = await _call(router, b"POST", path, [auth], fits)
+                assert status != 400, (path, field, error)  # no worker: 503 (or a dry run's 200)
+
+
+async def test_a_bad_later_item_of_a_keyed_batch_is_a_400_naming_field_and_index(
+    router: RouterService,
+) -> None:
+    # was "[1] must be a list of integers" for all three, a text item's too
+    for path, body, said in [
+        (b"/generate", {"text": ["a", 5], "extra_key": "k"}, "text[1] must be a string"),
+        (
+            b"/v1/completions",
+            {"prompt": ["a", "b", {}], "extra_key": ["k", "k", "k"]},
+            "prompt[2] must be a string or a list of token ids",
+        ),
+        (
+            b"/generate",
+            {"input_ids": [[1], [2], "c"], "extra_key": "k"},
+            "input_ids[2] must be a list of integers",
+        ),
+    ]:
+        status, error = await _call(router, b"POST", path, body=json.dumps(body).encode())
+        assert (status, error) == (400, {"type": "RequestError", "message": said}), path
+
+
 # ------------------------------------------------------- the dry run is as strict as the proxy
 
 _VALUES: dict[str, list[Any]] = {

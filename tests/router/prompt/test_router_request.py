@@ -7,7 +7,7 @@ import json
 import pytest
 
 from indexer.protocol.tokens import ByteTokenizer, render_chat
-from router.config import TokenizerConfig
+from router.config import LimitsConfig, TokenizerConfig
 from router.errors import RequestError
 from router.prompt.request import Endpoint, detect_endpoint, parse_body, parse_request
 from router.prompt.tokenizer import build_tokenizer
@@ -112,6 +112,33 @@ def test_lora_path_is_a_string_or_one_per_batch_item() -> None:
     assert _parse(Endpoint.GENERATE, {"text": ["a"], "lora_path": [None]}).lora is None
 
 
+def test_lora_path_is_bounded_by_max_adapter_name_bytes_every_item() -> None:
+    # the QA report: a 2 MB lora_path became a namespace (a reference worker caches any name)
+    limit = LimitsConfig().max_adapter_name_bytes
+    assert limit == 4096  # Linux's PATH_MAX: an adapter named by its path is at most that
+    at_limit, over = "L" * limit, "L" * (limit - 1) + "é"  # é is 2 bytes: one byte over
+    assert _parse(Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": at_limit}).lora == at_limit
+    too_long = "names a LoRA adapter longer than limits.max_adapter_name_bytes (4096 bytes)"
+    for endpoint, body, field in [
+        (Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": over}, "lora_path"),
+        (
+            Endpoint.CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "lora_path": over},
+            "lora_path",
+        ),
+        (Endpoint.GENERATE, {"text": ["a", "b"], "lora_path": [at_limit, over]}, "lora_path[1]"),
+        (Endpoint.GENERATE, {"input_ids": [[1], [2]], "lora_path": [over, None]}, "lora_path[0]"),
+        (Endpoint.COMPLETIONS, {"prompt": "x", "lora_path": "L" * 2_000_000}, "lora_path"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            _parse(endpoint, body)
+        assert str(info.value) == f"{field} {too_long}" and info.value.status == 400
+    small = LimitsConfig(max_adapter_name_bytes=2)
+    raw = json.dumps({"prompt": "x", "lora_path": "abc"}).encode()
+    with pytest.raises(RequestError, match=r"lora_path names .* \(2 bytes\)"):
+        parse_request(Endpoint.COMPLETIONS, raw, TOK, limits=small)
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "field"),
     [
@@ -144,6 +171,43 @@ def test_bad_fields_are_400s_naming_the_field(endpoint: Endpoint, body: object, 
         _parse(endpoint, body)
     assert field in str(info.value)
     assert info.value.status == 400
+
+
+_MUST_BE_IDS = "must be a list of integers"
+_STRING_OR_IDS = "must be a string or a list of token ids"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "said"),
+    [
+        (Endpoint.GENERATE, {"text": ["a", 5]}, "text[1] must be a string"),
+        (Endpoint.GENERATE, {"text": ["a", ["b"]]}, "text[1] must be a string"),
+        (Endpoint.GENERATE, {"input_ids": [[1], "b"]}, f"input_ids[1] {_MUST_BE_IDS}"),
+        (Endpoint.GENERATE, {"input_ids": [[1], [True]]}, f"input_ids[1] {_MUST_BE_IDS} ("),
+        (Endpoint.COMPLETIONS, {"prompt": ["a", 5]}, f"prompt[1] {_STRING_OR_IDS}"),
+        (Endpoint.COMPLETIONS, {"prompt": [[1], {}]}, f"prompt[1] {_STRING_OR_IDS}"),
+        (Endpoint.COMPLETIONS, {"prompt": [[1], ["x"]]}, f"prompt[1] {_MUST_BE_IDS} ("),
+    ],
+)
+def test_a_bad_later_item_of_a_keyed_batch_names_its_field_and_index(
+    endpoint: Endpoint, body: dict[str, object], said: str
+) -> None:
+    # the items after the first that carry an extra_key are tokenized (each shadows its own
+    # prompt): a bad one said "[1] must be a list of integers", naming no field, for text too
+    for extra_key in ("k", ["k", "k"]):
+        with pytest.raises(RequestError) as info:
+            _parse(endpoint, {**body, "extra_key": extra_key})
+        assert str(info.value).startswith(said), str(info.value)
+    _parse(endpoint, body)  # without one, only the first item is read: the engine's to refuse
+
+
+def test_the_later_items_of_a_keyed_batch_are_read_as_their_kind() -> None:
+    keyed = _parse(Endpoint.COMPLETIONS, {"prompt": ["a", [5, 6], "bc"], "extra_key": "k"})
+    assert [item.tokens for item in keyed.keyed] == [[5, 6], BYTES.encode("bc")]
+    keyed = _parse(Endpoint.GENERATE, {"text": ["a", "bc"], "extra_key": [None, "k"]})
+    assert [item.tokens for item in keyed.keyed] == [BYTES.encode("bc")]
+    keyed = _parse(Endpoint.GENERATE, {"input_ids": [[1], [2, 3]], "extra_key": "k"})
+    assert [item.tokens for item in keyed.keyed] == [[2, 3]]
 
 
 @pytest.mark.parametrize(

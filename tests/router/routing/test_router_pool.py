@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from indexer.engines import EngineName
-from router.config import BreakerConfig, WorkerConfig
-from router.errors import ModelUnavailableError, UnknownModelError
+from router.config import BreakerConfig, LimitsConfig, WorkerConfig
+from router.errors import ModelUnavailableError, RequestError, UnknownModelError
 from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.namespace import request_namespace
 from router.routing.pool import (
@@ -251,7 +252,7 @@ def test_only_pools_of_sglang_workers_read_lora_path_as_an_adapter() -> None:
                          tokens=[1, 2], stream=False)  # fmt: skip
 
     def lora(built: WorkerPool, model: str = "m") -> str | None:
-        return request_namespace(chat, built.resolve(model)).lora
+        return request_namespace(chat, built.resolve(model), LimitsConfig()).lora
 
     assert lora(pool("sglang", "sglang")) == "sql"
     # vLLM ignores the field (not one of its own) and serves the base model: its pages
@@ -260,8 +261,36 @@ def test_only_pools_of_sglang_workers_read_lora_path_as_an_adapter() -> None:
     several = pool("vllm", "sglang", models=("a", "b"))
     assert lora(several, "a") is None and lora(several, "b") == "sql"
     # an adapter named as the model stays the adapter on either engine, each by its spelling
-    assert request_namespace(chat, pool("vllm").resolve("sql-lora")).lora == "sql-lora"
-    assert request_namespace(chat, pool("sglang").resolve("m:ad")).lora == "ad"
+    limits = LimitsConfig()
+    assert request_namespace(chat, pool("vllm").resolve("sql-lora"), limits).lora == "sql-lora"
+    assert request_namespace(chat, pool("sglang").resolve("m:ad"), limits).lora == "ad"
+
+
+def test_an_adapter_the_model_names_is_bounded_and_the_served_name_is_not() -> None:
+    # the QA report: "<served>:" + 2 MB became a namespace of that name (so did a vLLM pool's
+    # unserved 2 MB model, read as an adapter's), listed by /admin/namespaces and the dashboard
+    limits = LimitsConfig(max_adapter_name_bytes=8)
+    long_served = "s" * 100
+    chat = ParsedRequest(endpoint=Endpoint.CHAT, body=b"", salt=None, model="", lora=None,
+                         tokens=[1], stream=False)  # fmt: skip
+
+    def namespace(engine: EngineName, model: str) -> str | None:
+        built = WorkerPool(BreakerConfig())
+        built.add(WorkerConfig(url="http://127.0.0.1:1", model=long_served, engine=engine))
+        asked = msgspec.structs.replace(chat, model=model)
+        return request_namespace(asked, built.resolve(model), limits).lora
+
+    assert namespace("sglang", long_served) is None  # a served name: as long as it is
+    assert namespace("sglang", long_served + ":a" * 4) == "a:a:a:a"  # 7 bytes
+    assert namespace("vllm", "é" * 4) == "é" * 4  # 8 bytes, named by itself
+    refused = r"^model names a LoRA adapter longer than limits.max_adapter_name_bytes \(8 bytes\)$"
+    over: list[tuple[EngineName, str]] = [
+        ("sglang", long_served + ":" + "a" * 9),
+        ("vllm", "é" * 4 + "x"),
+    ]
+    for engine, model in over:
+        with pytest.raises(RequestError, match=refused):
+            namespace(engine, model)
 
 
 def test_aliases_share_the_cache_of_their_first_name() -> None:
