@@ -1,13 +1,14 @@
 """A worker's answer passed through to the client.
 
 The answer gets the router's own headers (the worker, the predicted and raw matches, the
-forecast, the rank told: `WORKER_HEADER`...), hop-by-hop headers dropped (`HOP_BY_HOP`, the
-same rule the request's copy follows). A whole answer is sent as one; a stream is forwarded
-chunk by chunk, and its response headers only sent once the worker produced its first chunk,
-so a worker that dies before answering is retried too (`AttemptFailed`). A stream cut after
-that is no retry: the client's connection is cut, and the request counts as a failure
-(`router.http.outcome`): 502 when its worker broke it off (one ordinary failure of the worker),
-504 when the request deadline passed (a failure of the worker only when it had stalled).
+forecast, the rank told: `WORKER_HEADER`...), hop-by-hop headers dropped (`HOP_BY_HOP`, and
+those its `Connection` names: `connection_named`; the request's copy follows the same rule). A
+whole answer is sent as one; a stream is forwarded chunk by chunk, and its response headers
+only sent once the worker produced its first chunk, so a worker that dies before answering is
+retried too (`AttemptFailed`). A stream cut after that is no retry: the client's connection is
+cut, and the request counts as a failure (`router.http.outcome`): 502 when its worker broke it
+off (one ordinary failure of the worker), 504 when the request deadline passed (a failure of the
+worker only when it had stalled).
 `AnswerHooks` is what a caller adds to one answer (the pair dispatcher's,
 `router.http.pair_hooks`: headers naming both workers, a wait for the prefill side before
 anything is committed, the prefill's logprobs merged in).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -42,6 +43,7 @@ __all__ = [
     "RAW_PENDING_HEADER",
     "WORKER_HEADER",
     "AnswerHooks",
+    "connection_named",
     "copy_headers",
     "relay_answer",
 ]
@@ -78,18 +80,36 @@ HOP_BY_HOP = frozenset(
 )
 
 
+# `Connection` options that name no header but a hop-by-hop one already dropped (`close`
+# names none): a whole value that is one of them, the common case, is not parsed
+_PLAIN_CONNECTION = frozenset(("keep-alive", "close"))
+
+
+def connection_named(values: Iterable[str]) -> list[str]:
+    """The header names (lower case) that the `Connection` field `values` name, but keep-alive
+    and close: hop-by-hop too (RFC 9110 7.6.1), this hop's only, never forwarded."""
+    named: list[str] = []
+    for value in values:
+        if value.lower() in _PLAIN_CONNECTION:
+            continue
+        for token in value.split(","):
+            name = token.strip().lower()
+            if name and name not in _PLAIN_CONNECTION:
+                named.append(name)
+    return named
+
+
 def copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     """`headers` without the ones in `drop` nor the ones their `Connection` names."""
     # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
     out = CIMultiDict(headers)
-    # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1): this hop's only
-    named = out.getall("Connection", ())
+    connection = out.getall("Connection", ())
     for name in drop:
         if name in out:
             del out[name]
-    for value in named:
-        for name in value.split(","):
-            out.popall(name.strip(), None)
+    if connection:
+        for name in connection_named(connection):
+            out.popall(name, None)
     return out
 
 

@@ -8,7 +8,11 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 
 - headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
-- beyond `limits.max_connections` open connections a new one gets a 503 and is closed;
+- beyond `limits.max_connections` open connections a new one gets a 503 and is closed: its
+  writing side at once, then what it sent is read and dropped until it closes too, for at most
+  `CAPPED_LINGER_S` and `CAPPED_LINGER_BYTES`, and at most `MAX_LINGERING_REFUSALS` such
+  connections at a time (closing with its request unread would send a reset in place of the
+  close, and a client may lose the 503 to it);
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
   `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
   not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
@@ -58,10 +62,13 @@ __all__ = [
     "ADMIN_PREFIX",
     "ADMIN_TOKEN",
     "AUTH_GATES",
+    "CAPPED_LINGER_BYTES",
+    "CAPPED_LINGER_S",
     "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
+    "MAX_LINGERING_REFUSALS",
     "SHUTDOWN_TIMEOUT_S",
     "SNAPSHOT_PATH",
     "AuthGate",
@@ -99,8 +106,17 @@ MAX_HEADERS = 128
 # after refusing a request early (a 413 before its body), how long its body is still read and
 # discarded so the client gets to read the answer instead of a reset
 _LINGER_S = 2.0
-# descriptors kept for everything but client connections (event sockets, logs, the listener)
-_RESERVED_FDS = 64
+# a connection refused at the cap (its 503 written, its writing side shut): how long, and how
+# many bytes, what it sent is read and dropped before it is closed, so that the close is a FIN
+# and not a reset. Kept short: it is a connection over the cap, holding a descriptor. A client
+# that wrote its request at once has all of it in the kernel already, and closes on the 503.
+CAPPED_LINGER_S = 0.25
+CAPPED_LINGER_BYTES = 16 * 1024
+# at most this many refused connections linger at once; past it one is closed at once
+MAX_LINGERING_REFUSALS = 32
+# descriptors kept for everything but client connections (event sockets, logs, the listener),
+# and for the refused connections lingering
+_RESERVED_FDS = 64 + MAX_LINGERING_REFUSALS
 _json = msgspec.json.Encoder()
 
 # the request Content-Encodings aiohttp's parser decodes (its own list, brotli and zstandard when
@@ -226,6 +242,9 @@ class GuardedHandler(web.RequestHandler):
         self._in_request = False  # headers complete, response not finished
         self._deadline: asyncio.TimerHandle | None = None  # the header or the body deadline
         self._body_late = False
+        # refused at the cap and lingering (`_linger`): what it may still send before its close
+        self._refused: asyncio.Transport | None = None
+        self._linger_bytes = 0
 
     # ----------------------------------------------------------------- connection lifecycle
 
@@ -238,18 +257,46 @@ class GuardedHandler(web.RequestHandler):
                 server.open_connections,
             )
             message = f"the router is at its connection limit ({server.cap}); retry shortly"
-            # a TCP transport: uvloop's is no asyncio.WriteTransport subclass but writes alike
-            writer = cast(asyncio.WriteTransport, transport)
-            writer.write(_raw_answer(TooManyConnectionsError, message))
-            writer.close()
+            # a TCP transport: uvloop's is no asyncio.Transport subclass but works alike
+            refused = cast(asyncio.Transport, transport)
+            refused.write(_raw_answer(TooManyConnectionsError, message))
+            self._linger(refused)
             return
         self._started = True
         server.open_connections += 1
         super().connection_made(transport)
 
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """Close a refused connection once it has closed its side too, or after at most
+        `CAPPED_LINGER_S` and `CAPPED_LINGER_BYTES`: what it sends meanwhile is dropped.
+
+        Closing a socket with input unread makes the kernel send a reset, not a FIN: the client
+        then sees its connection reset after (or, where its kernel drops what it had not read,
+        in place of) the 503. Writing is shut at once, so the client reads the 503 and an end;
+        its own end closes the connection (aiohttp's `eof_received` lets asyncio close it).
+        """
+        lingering = self._guarded_by.lingering
+        if len(lingering) >= MAX_LINGERING_REFUSALS or not transport.can_write_eof():
+            transport.close()  # a flood over the cap: no descriptor held for it
+            return
+        transport.write_eof()
+        self._refused = transport
+        self._linger_bytes = CAPPED_LINGER_BYTES
+        lingering.add(self)
+        self._deadline = asyncio.get_running_loop().call_later(CAPPED_LINGER_S, transport.close)
+
+    def close_refused(self) -> None:
+        """Close a lingering refused connection now (the server stops)."""
+        if self._refused is not None:
+            self._refused.close()
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._started:
-            return  # refused: aiohttp never saw this connection
+            # refused: aiohttp never saw this connection
+            self._guarded_by.lingering.discard(self)
+            self._refused = None
+            self._cancel_deadline()
+            return
         self._started = False
         self._guarded_by.open_connections -= 1
         self._cancel_deadline()
@@ -257,6 +304,12 @@ class GuardedHandler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if not self._started:
+            if self._refused is not None:
+                # dropped; past the bound it is closed, with a reset if more is on its way:
+                # a client that sends this much to a refused connection is not waited for
+                self._linger_bytes -= len(data)
+                if self._linger_bytes < 0:
+                    self._refused.close()
             return
         if data and not self._in_request and self._deadline is None:
             # the first bytes of a request: its headers are now due
@@ -389,6 +442,8 @@ class GuardedServer(web.Server):
         self.limits = limits
         self.cap = connection_cap(limits)
         self.open_connections = 0
+        # connections refused at the cap whose close waits for their client's (`_linger`)
+        self.lingering: set[GuardedHandler] = set()
         self.refusals = RefusalLog(log, limits.refusal_log_interval_s)
         self._inner_factory = self.request_factory
         self.request_factory = self._make_guarded_request
@@ -501,6 +556,12 @@ class GuardedServer(web.Server):
         if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
             return True
         return bearer_matches(request.headers.get(hdrs.AUTHORIZATION, ""), self.admin_token)
+
+    async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - aiohttp's
+        # the refused connections still lingering are closed now, not left to their timers
+        for handler in list(self.lingering):
+            handler.close_refused()
+        await super().shutdown(timeout)
 
     def __call__(self) -> GuardedHandler:
         return GuardedHandler(self, loop=self._loop, **self._kwargs)

@@ -47,6 +47,7 @@ from indexer.engines import PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
+from router.http.answer_relay import connection_named
 from router.http.bootstrap_fields import BootstrapFields
 from router.http.bootstrap_unreachable import (
     BootstrapUnreachable,
@@ -607,12 +608,18 @@ class PairDispatcher:
             raise UpstreamTimeoutError("the request deadline passed before the prefill was asked")
         timeout = aiohttp.ClientTimeout(total=remaining, connect=self._config.timeouts.connect_s)
         headers: CIMultiDict[str] = CIMultiDict({"Content-Type": "application/json"})
+        # the client's headers this leg copies, but none its `Connection` names: those are the
+        # client's hop's only, as on the decode leg (`copy_headers`); before, this leg passed
+        # on an Authorization, a rank or a trace context the client had named there
+        hop_only = connection_named(request.headers.getall("Connection", ()))
         auth = request.headers.get("Authorization")
-        if auth is not None:
+        if auth is not None and "authorization" not in hop_only:
             headers["Authorization"] = auth
         if rank_header is not None:
             headers[rank_header] = str(prefill.dp_rank)
-        elif (named := request.headers.get(DP_RANK_HEADER)) is not None:
+        elif (named := request.headers.get(DP_RANK_HEADER)) is not None and (
+            DP_RANK_HEADER.lower() not in hop_only
+        ):
             # the client's rank, forwarded as it wrote it (the decode hop copies it too);
             # before, a prefill whose ranks the router does not know never got it
             headers[DP_RANK_HEADER] = named
@@ -620,7 +627,7 @@ class PairDispatcher:
         # untouched when well formed (else the router's); the client's trace context, replaced
         # by the attempt's span when the router traces
         for name in _TRACE_HEADERS:
-            if name in request.headers:
+            if name in request.headers and name not in hop_only:
                 headers[name] = request.headers[name]
         if request_id is None:
             request_id = request.headers.get(REQUEST_ID_HEADER)

@@ -6,7 +6,8 @@ reference worker short of stopping its process, so `FakePdWorker` (a small aioht
 Everything else is reference workers behind a real router: whom a decode's timeout is charged
 to, where the retry goes, the engine's error passed through when no retry is left, a pair's
 answer counted when the client closes its connection right after it, the request's id and
-trace context on both legs, and what a request is told when one side of the pairs is gone.
+trace context on both legs (and no header the client's `Connection` names on either), and what
+a request is told when one side of the pairs is gone.
 """
 
 from __future__ import annotations
@@ -729,6 +730,47 @@ async def test_both_legs_carry_the_request_id_and_the_trace_context() -> None:
                     # the trace continues: the client's trace id, the router's span if traced
                     assert parents[0] is not None and parents[0][3:35] == CLIENT_TRACEPARENT[3:35]
                     assert (parents[0] == CLIENT_TRACEPARENT) is not traced
+
+
+async def test_neither_leg_gets_a_header_the_client_named_in_connection() -> None:
+    """RFC 9110 7.6.1: what the client's `Connection` names is its hop's only. The decode leg
+    dropped it already; the prefill leg, which copies a few headers by name, passed on an
+    Authorization or a trace context named there."""
+    async with (
+        FakePdWorker("prefill") as sp,
+        FakePdWorker("decode") as sd,
+        FakePdWorker("prefill") as vp,
+        FakePdWorker("decode") as vd,
+    ):
+        body = {"model": MODEL, "prompt": "named", "max_tokens": 2}
+        sent = {
+            "Connection": "keep-alive, Authorization, TraceParent, X-Secret",
+            "Authorization": "Bearer for-the-router-only",
+            "traceparent": CLIENT_TRACEPARENT,
+            "X-Secret": "hop",
+            "X-Public": "end-to-end",
+        }
+        unnamed = {k: v for k, v in sent.items() if k != "Connection"}
+        for engine in ("sglang", "vllm"):
+            prefill, decode = (sp, sd) if engine == "sglang" else (vp, vd)
+            workers = (_fake("p", prefill, engine), _fake("d", decode, engine))
+            # named, then the same request without the names: both legs get them then
+            for headers in (sent, unnamed):
+                async with (
+                    RouterService(_config(workers=workers)) as router,
+                    aiohttp.ClientSession() as session,
+                    session.post(
+                        router.url + "/v1/completions", json=body, headers=headers
+                    ) as resp,
+                ):
+                    assert resp.status == 200, await resp.text()
+                assert decode.seen[-1]["x-public"] == "end-to-end"
+                for leg in (prefill.seen[-1], decode.seen[-1]):
+                    if headers is sent:
+                        assert not {"authorization", "traceparent", "x-secret"} & set(leg), leg
+                    else:
+                        assert leg["authorization"] == "Bearer for-the-router-only", leg
+                        assert leg["traceparent"] == CLIENT_TRACEPARENT
 
 
 async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,10 +19,11 @@ from typing import Any
 import pytest
 
 from router.config import LimitsConfig, QueryConfig
-from router.http.listener import RefusalLog
+from router.http.keys import RELOADER
+from router.http.listener import MAX_LINGERING_REFUSALS, RefusalLog
 from router.service import RouterService
 from tests.raw_http import exchange, json_error, parse_responses, request_bytes, wait_eof
-from tests.router.conftest import AUTH, router_config
+from tests.router.conftest import AUTH, eventually, router_config
 
 SECRET = b"tenant-SECRET-7b1e"
 FAST = 0.3  # the deadline under test
@@ -200,6 +203,96 @@ async def test_one_connection_over_the_cap_gets_a_503_and_one_log_line(
         held[0][1].close()
     lines = [r for r in caplog.records if "limits.max_connections" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+def _read_until_close(sock: socket.socket) -> tuple[bytes, bool]:
+    """What `sock` receives until the router closes it, and whether that close was a reset."""
+    chunks: list[bytes] = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        return b"".join(chunks), True
+    return b"".join(chunks), False
+
+
+async def test_a_client_writing_as_it_connects_over_the_cap_reads_its_503_and_an_eof() -> None:
+    """Before, the router wrote the 503 and closed with the request unread: its kernel then
+    sent a reset in place of the close, which a client takes for a failure (and a client whose
+    kernel had not taken in the 503 yet, or that discards on a reset, never sees it)."""
+    cap = 2
+    config = router_config([], limits=LimitsConfig(max_connections=cap))
+    body = json.dumps({"prompt": "x" * 5000}).encode()
+    requests = [
+        request_bytes(b"GET", b"/health", close=False),
+        request_bytes(b"POST", b"/v1/completions", [], body),
+    ]
+    async with RouterService(config) as router:
+        held = [await _served(router) for _ in range(cap)]
+        try:
+            for attempt in range(12):
+                # connected and written before the router's loop can accept it (the kernel
+                # completes the handshake from the listen backlog): the request is unread
+                # when the router refuses the connection, as with curl against a busy router
+                with socket.create_connection(("127.0.0.1", _port(router)), timeout=10) as sock:
+                    sock.sendall(requests[attempt % 2])
+                    answer, reset = await asyncio.to_thread(_read_until_close, sock)
+                responses = parse_responses(answer)
+                assert responses, f"attempt {attempt}: no answer"
+                assert responses[0].status == 503, (attempt, responses[0])
+                assert json_error(responses[0])["type"] == "TooManyConnectionsError"
+                assert not reset, f"attempt {attempt}: the 503 was followed by a reset"
+        finally:
+            for _, writer in held:
+                writer.close()
+
+
+async def test_a_refused_connection_is_read_briefly_then_closed() -> None:
+    """The drain after the 503 is bounded: a client that neither closes nor stops sending is
+    closed within a fraction of a second, and only a few dozen drain at once."""
+    cap = 1
+    config = router_config([], limits=LimitsConfig(max_connections=cap, idle_timeout_s=SLOW))
+    async with RouterService(config) as router:
+        listener = router.app[RELOADER].listener
+        assert listener is not None
+        held = [await _served(router) for _ in range(cap)]
+        try:
+            # silent, then endless: each is closed long before any client deadline
+            for flood in (False, True):
+                async with _connect(router) as (reader, writer):
+                    started = time.monotonic()
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                    assert head.startswith(b"HTTP/1.1 503"), head
+                    with contextlib.suppress(ConnectionError):
+                        while flood and not reader.at_eof():
+                            writer.write(b"x" * 4096)
+                            await writer.drain()
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(reader.read(65536), 0.01)
+                    await wait_eof(reader, 5)
+                    assert time.monotonic() - started < 2, flood
+            # many at once: the ones past the bound are closed at once, as before
+            peak = 0
+            clients = [await asyncio.open_connection("127.0.0.1", _port(router)) for _ in range(80)]
+            try:
+                for reader, _ in clients:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                    assert head.startswith(b"HTTP/1.1 503"), head
+                    peak = max(peak, len(listener.lingering))
+                for reader, _ in clients:
+                    await wait_eof(reader, 5)
+            finally:
+                for _, writer in clients:
+                    writer.close()
+            assert 0 < peak <= MAX_LINGERING_REFUSALS
+
+            async def none_lingering() -> bool:
+                return not listener.lingering
+
+            await eventually(none_lingering, what="the refused connections closed")
+        finally:
+            for _, writer in held:
+                writer.close()
 
 
 # ------------------------------------------------------------------------------- quiet logs

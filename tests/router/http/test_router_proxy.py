@@ -126,6 +126,15 @@ class Upstream:
                 raise
             await resp.write_eof()
             return resp
+        if self.mode in ("hop-named", "hop-named-sse"):  # headers for its hop only, named
+            named = {"Connection": "keep-alive, X-Private", "X-Private": "secret", "X-Public": "ok"}
+            if self.mode == "hop-named":
+                return web.json_response({"worker": self.name}, headers=named)
+            resp = web.StreamResponse(headers={**named, "Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if self.mode == "big":  # a whole answer far beyond what loopback buffers hold
             return web.Response(body=BIG_ANSWER, content_type="application/json")
         answer = web.json_response({"worker": self.name, "echo": body})
@@ -791,3 +800,47 @@ async def test_a_workers_trailer_fields_never_become_response_headers() -> None:
         b"content-type: text/event-stream"
     ]
     assert not [line for line in head_lines if line.startswith(b"set-cookie:")]
+
+
+async def test_headers_the_client_names_in_connection_stay_on_its_hop(
+    pair: tuple[Upstream, Upstream],
+) -> None:
+    """RFC 9110 7.6.1: a proxy removes every header its client's `Connection` names, in any
+    case and over several `Connection` lines, and passes the others on."""
+    a, _ = pair
+    body = json.dumps({"prompt": "x"}).encode()
+    named = [
+        (b"Connection", b"keep-alive, X-Secret"),
+        (b"X-Secret", b"hop"),
+        (b"X-Public", b"end-to-end"),
+        (b"connection", b" x-other ,,X-SECOND-secret "),
+        (b"X-Other", b"hop"),
+        (b"X-Second-Secret", b"hop"),
+    ]
+    plain = [(b"X-Public", b"end-to-end")]
+    async with RouterService(_plain([("a", a.url)])) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        for headers in (named, plain):
+            # with `Connection: close` too, a third line
+            raw = request_bytes(b"POST", b"/v1/completions", headers, body)
+            (response,) = parse_responses(await exchange(port, raw))
+            assert response.status == 200, response
+    assert len(a.headers) == 2
+    for seen in a.headers:
+        assert seen["x-public"] == "end-to-end"
+        assert not {"x-secret", "x-other", "x-second-secret"} & set(seen), seen
+
+
+@pytest.mark.parametrize("mode", ["hop-named", "hop-named-sse"])
+async def test_headers_an_aiohttp_worker_names_in_connection_stay_on_its_hop(
+    pair: tuple[Upstream, Upstream], mode: str
+) -> None:
+    a, _ = pair
+    a.mode = mode
+    body = json.dumps({"prompt": "x", "stream": mode.endswith("sse")}).encode()
+    async with RouterService(_plain([("a", a.url)])) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        answer = await exchange(port, request_bytes(b"POST", b"/v1/completions", [], body))
+    (response,) = parse_responses(answer)
+    assert response.status == 200, response
+    assert response.headers["x-public"] == "ok" and "x-private" not in response.headers
