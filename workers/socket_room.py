@@ -20,23 +20,29 @@ __all__ = ["DESCRIPTORS_PER_RANK", "size_for_ranks"]
 
 DESCRIPTORS_PER_RANK = 4  # measured: /proc/PID/fd of a worker of 100 and 200 ranks
 _SPARE_SOCKETS = 16  # beyond the ranks' own: libzmq's reaper, a PD transfer's
-_SPARE_DESCRIPTORS = 256  # the HTTP listener, its clients, PD's bootstrap, stdio
+# beyond the ranks' own: the HTTP listener, its clients, PD's bootstrap, stdio; the soft limit
+# is raised to leave the first, and a worker refused when the hard one leaves not even the second
+_SPARE_DESCRIPTORS = 256
+_LEAST_SPARE_DESCRIPTORS = 64
 
 
 def size_for_ranks(ctx: zmq.asyncio.Context, ranks: int) -> None:
-    """Size `ctx` (before its first socket) and the process's descriptor limit for `ranks`;
-    WorkerError when the hard limit leaves too few descriptors."""
+    """Size `ctx` (before its first socket) and the process's descriptor limit for `ranks`,
+    whatever their number (a soft limit of 1,024 runs out at about 250 ranks, well within
+    libzmq's default table: 300 ranks aborted); WorkerError when the hard limit leaves too few
+    descriptors."""
     sockets = 2 * ranks + _SPARE_SOCKETS
-    if sockets <= ctx.get(zmq.MAX_SOCKETS):
-        return  # the default table holds them; descriptors as any small process has
-    descriptors = DESCRIPTORS_PER_RANK * ranks + _SPARE_DESCRIPTORS
+    least = DESCRIPTORS_PER_RANK * ranks + _LEAST_SPARE_DESCRIPTORS
+    wanted = DESCRIPTORS_PER_RANK * ranks + _SPARE_DESCRIPTORS
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < descriptors:
-        if hard != resource.RLIM_INFINITY and hard < descriptors:
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft < least:
             raise WorkerError(
-                f"--dp-size {ranks} needs about {descriptors:,} file descriptors (4 a rank), "
+                f"--dp-size {ranks} needs at least {least:,} file descriptors (4 a rank), "
                 f"and this process may open at most {hard:,} (the hard limit of ulimit -n): "
                 "raise it, or run fewer ranks a worker"
             )
-        resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, hard))
-    ctx.set(zmq.MAX_SOCKETS, min(sockets, ctx.get(zmq.SOCKET_LIMIT)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if sockets > ctx.get(zmq.MAX_SOCKETS):
+        ctx.set(zmq.MAX_SOCKETS, min(sockets, ctx.get(zmq.SOCKET_LIMIT)))
