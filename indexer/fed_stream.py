@@ -11,6 +11,21 @@ relay's state, or a part of it, never more:
 - the stream's state is the relay's (a stream the relay is repairing or proving predicts
   nothing here either; one the relay has not heard from is STALE here too), and STALE when
   neither a record nor a heartbeat came from the relay within `stale_after_s`;
+- it is STALE as well while the relay that wrote it is not known alive now (`relay_lost`):
+  this replica's connection to NATS dropped (nothing the relay writes can reach it, as a
+  subscriber's socket that dropped), or the relay's presence (`RelayPresence`, several times
+  a heartbeat interval) stopped coming, which NATS tells of no other way: its process died,
+  or lost NATS. It is trusted again at a record it takes as written now (of known age), which
+  its relay, heard alive, wrote after the first presence heard of it since (`presence_n`):
+  the records of the stream the relay wrote before come first, so that record shows it caught
+  up (what the relay queued while NATS was away among them). Until then a record read back
+  (a resubscription after a reconnect, the false-hit watch reading the stream anew) trusts
+  nothing by its age alone.
+  Before, only silence made it STALE (`stale_after_s`, 3 s): a replica that had said it lost
+  NATS, or followed a killed relay, went on predicting pages the worker had flushed since
+  (QA: 8 and 16 false hits of 34 answers), and a dead relay's last records, read back under
+  3 s old, restored them. A relay of the version before, which says no presence (its
+  records' `presence_s` is 0), is trusted again at any record of known age;
 - while the follower reads it from the relay's stored records (`catching_up`: a worker
   followed after the relay wrote them, registered anew, or the follower reading what it
   missed), it is SYNCING, which predicts nothing: each record read is the worker's past, a
@@ -55,7 +70,7 @@ from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats, stream_stats
 from indexer.subscriptions import stream_id
 
-__all__ = ["FedStream", "FedStreams"]
+__all__ = ["FedStream", "FedStreams", "LiveRelays"]
 
 _ANOTHER_RELAY = "records of another relay process (a restart, or a second relay of this stream)"
 # a record's time here is its age as the follower reads it (`take`), which may be short by the
@@ -69,6 +84,46 @@ ANEW_MARGIN_S = 0.5
 MISMATCH_REREAD_S = 10.0
 
 log = logging.getLogger(__name__)
+
+
+class LiveRelays:
+    """The relay processes (epochs) heard alive lately: until when (this host's clock), and
+    the number of the first presence heard since each was last taken for gone. The follower
+    tells it what their presence says, the fed streams ask it. Pure."""
+
+    __slots__ = ("_heard",)
+
+    def __init__(self) -> None:
+        self._heard: dict[int, tuple[float, int]] = {}
+
+    def heard(self, epoch: int, n: int, *, now: float, until: float) -> None:
+        """`epoch` said its presence number `n` at `now`: taken for alive until `until`."""
+        known = self._heard.get(epoch)
+        first = n if known is None or known[0] < now else known[1]
+        self._heard[epoch] = (until, first)
+
+    def live(self, epoch: int, now: float) -> bool:
+        """Whether `epoch` was heard alive and its word has not run out at `now`."""
+        known = self._heard.get(epoch)
+        return known is not None and known[0] >= now
+
+    def vouches(self, record: RelayRecord, now: float) -> bool:
+        """Whether `record` was written by a relay alive now, after the first presence heard
+        of it since it was last taken for gone: every record of its stream written before that
+        came first, so the stream is caught up with the relay at it."""
+        known = self._heard.get(record.epoch)
+        return known is not None and known[0] >= now and record.presence_n > known[1]
+
+    def others_live(self, epoch: int | None, now: float) -> bool:
+        """Whether a relay process other than `epoch` is alive at `now` (a relay restarted)."""
+        return any(e != epoch and until >= now for e, (until, _) in self._heard.items())
+
+    def forget(self, epoch: int | None = None) -> None:
+        """`epoch` is gone (None: every relay: this replica's NATS connection dropped)."""
+        if epoch is None:
+            self._heard.clear()
+        else:
+            self._heard.pop(epoch, None)
 
 
 class _Position:
@@ -96,6 +151,7 @@ class FedStream:
         on_restart: Callable[[str], None] | None = None,
         verify_window_s: float = 10.0,
         silent_after_s: float | None = None,
+        relays: LiveRelays | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.worker = worker
@@ -108,6 +164,13 @@ class FedStream:
         # the relay's epoch and its count of the worker's restarts, as its last heartbeat said
         self._relay_restarts: tuple[int, int] | None = None
         self._mismatch_told_at = float("-inf")
+        # the relays heard alive (the follower's); a relay that says its presence is trusted
+        # only while it is among them
+        self._relays = LiveRelays() if relays is None else relays
+        # no record taken as written now from a relay known alive since the stream began or
+        # its relay was last lost (`relay_lost`): STALE, whatever the records' ages say
+        self._unheard = True
+        self._heard_epoch: int | None = None  # the relay of the last record taken as written now
         self.verify_window_s = verify_window_s
         # STALE once the relay said nothing for this long (its heartbeats come every
         # cluster.heartbeat_interval_s): the follower passes cluster.heartbeat_timeout_s
@@ -167,6 +230,10 @@ class FedStream:
         fresh_at = None if age_s is None else now - max(0.0, age_s)
         # when the relay wrote it, on this replica's clock (-inf: not known)
         self._at = float("-inf") if fresh_at is None else fresh_at
+        if fresh_at is not None and (record.presence_s <= 0 or self._relays.vouches(record, now)):
+            # written now by a relay alive now: what it wrote of this stream before came first
+            self._unheard = False
+            self._heard_epoch = record.epoch
         if record.kind is RelayKind.HEARTBEAT:
             self._heartbeat(record, now, fresh_at)
             self._held_since()
@@ -409,7 +476,31 @@ class FedStream:
         state = StreamState.UNVERIFIED if unproven else self._relay_state
         if self._catching_up and state is StreamState.SYNCED:
             state = StreamState.SYNCING  # the relay's past, read back: predicts nothing
+        if self._unheard:
+            state = StreamState.STALE  # its relay not known alive now (`relay_lost`)
         self.health.state = state
+
+    def relay_lost(self, epoch: int | None = None) -> bool:
+        """The relay process `epoch` is not heard alive any more (None: no relay can be heard,
+        this replica's connection to NATS dropped): a stream whose last record taken as
+        written now was that relay's predicts nothing (STALE) until a record of a relay alive
+        now comes (`take`). Returns whether the stream was trusted to be heard until now."""
+        if self._unheard or (epoch is not None and epoch != self._heard_epoch):
+            return False
+        self._unheard = True
+        self._show()
+        return True
+
+    @property
+    def relay_epoch(self) -> int | None:
+        """The relay process whose records the stream last took as written now (None: none)."""
+        return self._heard_epoch
+
+    @property
+    def heard(self) -> bool:
+        """Whether the relay of the last record taken as written now is known alive: a record
+        of it came since the stream began or its relay was last lost (`relay_lost`)."""
+        return not self._unheard
 
     def catching_up(self, reading: bool) -> None:
         """Whether the follower is reading the stream from the relay's stored records (its
@@ -534,6 +625,8 @@ class FedStreams:
     ) -> None:
         self.settings = settings
         self.silent_after_s = silent_after_s  # `FedStream`'s
+        # the relays heard alive: the follower tells it, every stream asks it
+        self.relays = LiveRelays()
         self._on_applied = on_applied
         self._on_restart = on_restart
         self._clock = clock
@@ -572,6 +665,7 @@ class FedStreams:
                 on_applied=self._on_applied,
                 on_restart=self._on_restart,
                 silent_after_s=self.silent_after_s,
+                relays=self.relays,
             )
             fed.append(stream)
             self.by_stream[sid] = stream
@@ -591,3 +685,17 @@ class FedStreams:
     def all(self) -> list[FedStream]:
         """Every fed stream, in worker order."""
         return [s for fed in self.by_worker.values() for s in fed]
+
+    def relay_of(self, worker: str) -> tuple[int | None, bool]:
+        """The relay process whose records `worker`'s streams last took as written now (None:
+        none yet, or a stream not followed), and whether every one of its streams has it heard
+        alive now (`FedStream.heard`): what the false-hit watch tells apart (a relay gone is
+        no fault of the worker's)."""
+        fed = self.by_worker.get(worker, [])
+        epochs = [s.relay_epoch for s in fed if s.relay_epoch is not None]
+        return (epochs[0] if epochs else None), bool(fed) and all(s.heard for s in fed)
+
+    def other_relay_live(self, epoch: int | None) -> bool:
+        """Whether a relay process other than `epoch` is heard alive now (the relay restarted:
+        it subscribed to the workers anew, and its streams start afresh here)."""
+        return self.relays.others_live(epoch, self._clock())

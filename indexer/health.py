@@ -38,7 +38,9 @@ class StreamHealth:
     ) -> None:
         self.stream_id = stream_id
         self.dp_rank = dp_rank  # which data-parallel rank of its worker this stream is
-        self.state = state  # what the subscriber last decided (never STALE: that is time)
+        # what the subscriber last decided: never STALE (that is time), but a fed stream's when
+        # the relay it follows is not known alive now (`indexer.fed_stream`)
+        self.state = state
         self.started_at = started_at
         self.stale_after_s = stale_after_s
         self.last_event_at: float | None = None  # last batch applied

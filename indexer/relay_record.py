@@ -10,18 +10,41 @@ without a socket to any worker.
 Records of one stream are numbered from 0 (`rseq`) within the relay process that wrote them
 (`epoch`, random at its start): a follower that sees a number skipped, or another epoch, knows
 it missed something (removals among it, maybe) and starts the stream afresh. A heartbeat takes
-no number: losing one loses nothing. Pure: no I/O.
+no number: losing one loses nothing.
+
+Besides, the relay says it is alive on `<prefix>.relay.presence` (`RelayPresence`, core NATS,
+not kept by the stream) several times a heartbeat interval, numbering what it says: NATS tells
+a subscriber nothing of a publisher's death, and a stream's heartbeats come too seldom to bound
+how long a follower trusts a dead relay's records (`heartbeat_timeout_s`, 3 s: QA saw 16 false
+hits in it). Every record says how often its relay does that (`presence_s`; 0: a relay of the
+version before, which does not) and how many it had said when it wrote the record
+(`presence_n`): a record written after a presence the follower heard comes, in its stream,
+after every record of that stream the relay wrote before. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 from indexer.stats import StreamState
 
-__all__ = ["RelayKind", "RelayRecord", "relay_decoder", "relay_encoder", "relay_subject"]
+__all__ = [
+    "PRESENCE_MISSES",
+    "RelayKind",
+    "RelayPresence",
+    "RelayRecord",
+    "presence_decoder",
+    "presence_subject",
+    "relay_decoder",
+    "relay_encoder",
+    "relay_subject",
+]
+
+# a relay whose presence has not come for this many of its intervals is taken for gone
+PRESENCE_MISSES = 3
 
 
 class RelayKind(enum.IntEnum):
@@ -57,13 +80,33 @@ class RelayRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     # may run another page size, ranks or role); appended last, so a relay or a follower of
     # the version before reads records of this one and the reverse (0: not said)
     restarts: int = 0
+    # how often the relay that wrote it says it is alive (`RelayPresence`), in seconds: a
+    # follower trusts the records of such a relay only while that word keeps coming (0: the
+    # relay does not say it, a relay of the version before: its records' ages alone tell)
+    presence_s: float = 0.0
+    presence_n: int = 0  # how many presences the relay had said when it wrote this record
+
+
+class RelayPresence(msgspec.Struct, frozen=True, array_like=True):
+    """The relay process `epoch` is alive and writing; it says so again within `every_s`.
+    `n`: how many it said before this one (records written after it say more)."""
+
+    epoch: int
+    every_s: Annotated[float, msgspec.Meta(gt=0.0)]
+    n: int
 
 
 relay_encoder = msgspec.msgpack.Encoder()
 relay_decoder = msgspec.msgpack.Decoder(RelayRecord)
+presence_decoder = msgspec.msgpack.Decoder(RelayPresence)
 
 
 def relay_subject(prefix: str, stream: str) -> str:
     """The NATS subject of one stream's records: `<prefix>.events.<stream, hex>` (a worker id
     may hold dots, which are NATS token separators)."""
     return f"{prefix}.events.{stream.encode().hex()}"
+
+
+def presence_subject(prefix: str) -> str:
+    """The NATS subject of the relay's presence (outside `<prefix>.events.>`: not kept)."""
+    return f"{prefix}.relay.presence"

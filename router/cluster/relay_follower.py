@@ -14,6 +14,12 @@ Until then, and while a stream followed later is read back (`_catch_up`), the st
 the workers' past: each predicts nothing (`FedStream.catching_up`) until its records reach the
 ones written now.
 
+Whether the relay is alive is heard apart, on `<prefix>.relay.presence` (core NATS: NATS says
+nothing to a subscriber when a publisher dies). A relay process not heard for `PRESENCE_MISSES`
+of the intervals it announces (0.75 s by default) is taken for gone, and so is every relay
+once this replica's connection to NATS drops (`disconnected`): the streams it wrote predict
+nothing at once (`FedStream.relay_lost`), until a record of a relay heard alive comes.
+
 Records of a stream this replica does not follow are dropped (counted, and said once per
 stream); records of a rank its worker was not known to have make the router read the worker's
 settings again (a worker restarted with more ranks), as a stream restart does with direct
@@ -30,12 +36,22 @@ from collections.abc import Callable
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from indexer.fed_stream import FedStream
-from indexer.relay_record import RelayRecord, relay_decoder, relay_subject
+from indexer.log_throttle import LogThrottle
+from indexer.relay_record import (
+    PRESENCE_MISSES,
+    RelayRecord,
+    presence_decoder,
+    presence_subject,
+    relay_decoder,
+    relay_subject,
+)
 from indexer.service import IndexerService
 from indexer.subscriptions import stream_worker
 from router.cluster.relay_publisher import ensure_relay_stream, relay_stream_name
@@ -91,17 +107,70 @@ class RelayFollower:
         # meanwhile, with their freshness, applied after what was read back
         self._catching: dict[str, list[tuple[RelayRecord, float | None]]] = {}
         self._catch_tasks: set[asyncio.Task[None]] = set()
+        # the relays heard alive (shared with the fed streams), and when each runs out
+        self._relays = indexer.fed.relays
+        self._presence_sub: Subscription | None = None
+        self._expiry: dict[int, asyncio.TimerHandle] = {}
+        self._lost_said = LogThrottle(indexer.config.log_interval_s, clock=clock)
         indexer.fed.on_added = self._added
 
-    async def resubscribe(self, js: JetStreamContext) -> None:
+    async def resubscribe(self, nc: NATS) -> None:
         """After NATS came back: subscribe again from the newest record read (the stream is
         made again if the server lost it; records seen already are skipped, and records lost
         show as numbers skipped)."""
-        await self.stop()
+        await self._unsubscribe()
         last = self.last_written
         # `start` reads from SNAPSHOT_MARGIN_S before `since`: from a second before the last
         since = None if last is None else last + SNAPSHOT_MARGIN_S - 1.0
-        await self.start(js, since=since, why="again after a reconnect, from its last record")
+        await self.start(nc, since=since, why="again after a reconnect, from its last record")
+
+    def disconnected(self) -> None:
+        """This replica's connection to NATS dropped: nothing any relay writes reaches it now,
+        so every stream predicts nothing at once (as a subscriber whose socket dropped), until
+        a record of a relay heard alive comes after the reconnect. Before, the streams were
+        trusted until their relay's silence ran past `heartbeat_timeout_s` (3 s)."""
+        for timer in self._expiry.values():
+            timer.cancel()
+        self._expiry.clear()
+        self._relays.forget()
+        for fed in self._streams.values():
+            fed.relay_lost()
+
+    async def _on_presence(self, msg: Msg) -> None:
+        try:
+            said = presence_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.malformed += 1
+            return
+        bound = PRESENCE_MISSES * said.every_s
+        now = self._clock()
+        self._relays.heard(said.epoch, said.n, now=now, until=now + bound)
+        timer = self._expiry.pop(said.epoch, None)
+        if timer is not None:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._expiry[said.epoch] = loop.call_later(bound, self._relay_silent, said.epoch, bound)
+
+    def _relay_silent(self, epoch: int, bound: float) -> None:
+        """The relay process `epoch` has not said it is alive for `bound` seconds: gone (its
+        process died, or it lost NATS)."""
+        self._expiry.pop(epoch, None)
+        self._relays.forget(epoch)
+        lost = [fed.stream_id for fed in self._streams.values() if fed.relay_lost(epoch)]
+        if not lost:
+            return
+        held_back = self._lost_said.allow("relay")
+        if held_back is not None:
+            log.warning(
+                "cluster: the relay (epoch %x) has not said it is alive for %.2g s (its process "
+                "stopped, or it lost NATS): %d stream(s) it wrote (%s) predict nothing until "
+                "its records come again%s",
+                epoch,
+                bound,
+                len(lost),
+                ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else ""),
+                f" ({held_back} similar suppressed)" if held_back else "",
+            )
 
     def check_silent(self) -> None:
         """Say once of each followed stream that got no record at all for a while: its
@@ -119,11 +188,14 @@ class RelayFollower:
                     _SILENT_WARN_S,
                 )
 
-    async def start(
-        self, js: JetStreamContext, *, since: float | None, why: str = "from the snapshot"
-    ) -> None:
+    async def start(self, nc: NATS, *, since: float | None, why: str = "from the snapshot") -> None:
         """Subscribe: from shortly before `since` (a snapshot's wall time), or from the start
-        of what the stream keeps."""
+        of what the stream keeps; and to the relay's presence."""
+        js = nc.jetstream(timeout=5.0)
+        # first: a record is trusted only while its relay is heard alive
+        self._presence_sub = await nc.subscribe(
+            presence_subject(self.config.subject_prefix), cb=self._on_presence
+        )
         await ensure_relay_stream(js, self.config)
         stream = relay_stream_name(self.config)
         if since is None:
@@ -243,17 +315,24 @@ class RelayFollower:
 
     async def stop(self) -> None:
         """Unsubscribe (the connection's owner closes the connection)."""
+        for timer in self._expiry.values():
+            timer.cancel()
+        self._expiry.clear()
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         tasks = list(self._catch_tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        sub, self._sub = self._sub, None
-        unsubscribe = getattr(sub, "unsubscribe", None)
-        if unsubscribe is not None:
-            try:
-                await unsubscribe()
-            except Exception as exc:
-                log.debug("relay follower: unsubscribe failed (%s)", exc)
+        for sub in (self._sub, self._presence_sub):
+            unsubscribe = getattr(sub, "unsubscribe", None)
+            if unsubscribe is not None:
+                try:
+                    await unsubscribe()
+                except Exception as exc:
+                    log.debug("relay follower: unsubscribe failed (%s)", exc)
+        self._sub = self._presence_sub = None
 
     async def _on_message(self, msg: Msg) -> None:
         try:

@@ -5,7 +5,11 @@ discovery, health checks, subscribers and index as `kvroute serve`, whose index 
 (`indexer.stream_tap`). Every batch applied, clear, forgotten seq and state change of each
 stream becomes a numbered `RelayRecord` on `<prefix>.events.<stream>`, kept by the JetStream
 stream `<prefix>_events` (created here, or by the first replica that follows it), and every
-`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Replicas with
+`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Four times a heartbeat interval
+(`presence_interval`) the relay says it is alive on `<prefix>.relay.presence`, in the order of its
+records: NATS tells no subscriber that a publisher died, so its followers take it for gone once
+that word stops (`PRESENCE_MISSES` intervals, 0.75 s by default) and trust its streams again at
+its next record. Replicas with
 `[cluster] events = "relay"` apply them (`router.cluster.relay_follower`): one subscription per
 worker for the whole fleet instead of one per worker and replica.
 
@@ -34,13 +38,26 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from indexer.relay_record import RelayKind, RelayRecord, relay_encoder, relay_subject
+from indexer.relay_record import (
+    RelayKind,
+    RelayPresence,
+    RelayRecord,
+    presence_subject,
+    relay_encoder,
+    relay_subject,
+)
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from router.cluster.nats_client import Replacements, TlsGuardedClient, TlsNotOffered
 from router.config import ClusterConfig
 
-__all__ = ["QUEUE_LIMIT", "RelayPublisher", "ensure_relay_stream", "relay_stream_name"]
+__all__ = [
+    "QUEUE_LIMIT",
+    "RelayPublisher",
+    "ensure_relay_stream",
+    "presence_interval",
+    "relay_stream_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +65,15 @@ log = logging.getLogger(__name__)
 # afresh); at ~200 bytes a record, about 40 MB
 QUEUE_LIMIT = 200_000
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+# how many times a heartbeat interval the relay says it is alive, and no more often than this
+_PRESENCE_PER_HEARTBEAT = 4
+_PRESENCE_MIN_S = 0.02
+
+
+def presence_interval(config: ClusterConfig) -> float:
+    """How often the relay says it is alive: a quarter of `heartbeat_interval_s` (0.25 s by
+    default: its followers take it for gone after `PRESENCE_MISSES` of these, 0.75 s)."""
+    return max(_PRESENCE_MIN_S, config.heartbeat_interval_s / _PRESENCE_PER_HEARTBEAT)
 
 
 def relay_stream_name(config: ClusterConfig) -> str:
@@ -88,6 +114,9 @@ class RelayPublisher:
         self.name = name
         self.indexer: IndexerService | None = None  # whose streams' heartbeats to send
         self.epoch = secrets.randbits(63)
+        self.presence_s = presence_interval(config)  # every record says it
+        self._presences = 0  # said so far: every record says how many
+        self._presence_subject = presence_subject(config.subject_prefix)
         self._rseq: dict[str, int] = {}
         self._queue: deque[tuple[str, bytes]] = deque()
         self._wake = asyncio.Event()
@@ -143,7 +172,16 @@ class RelayPublisher:
         if state is None:
             state = self._state_of(stream)
         record = RelayRecord(
-            kind, stream, self.epoch, rseq, state, seq=seq, payload=payload, replayed=replayed
+            kind,
+            stream,
+            self.epoch,
+            rseq,
+            state,
+            seq=seq,
+            payload=payload,
+            replayed=replayed,
+            presence_s=self.presence_s,
+            presence_n=self._presences,
         )
         self._put(stream, record)
 
@@ -181,8 +219,22 @@ class RelayPublisher:
                 heard_age_s=head.heard_age_s,
                 checks=head.checks,
                 restarts=head.restarts,
+                presence_s=self.presence_s,
+                presence_n=self._presences,
             )
             self._put(head.stream, record)
+
+    def presence(self) -> None:
+        """Say the relay is alive, behind the records queued before: a follower trusts a
+        stream again only at a record written after a presence it heard (`presence_n`), which
+        comes after every record of the stream written before. Not while NATS is away: a
+        queue of them would say nothing of now once written."""
+        if not self.connected:
+            return
+        said = RelayPresence(self.epoch, self.presence_s, self._presences)
+        self._presences += 1
+        self._queue.append((self._presence_subject, relay_encoder.encode(said)))
+        self._wake.set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -190,6 +242,7 @@ class RelayPublisher:
         self._tasks = [
             asyncio.create_task(self._connect(), name="kvroute-relay-connect"),
             asyncio.create_task(self._heartbeats(), name="kvroute-relay-heartbeats"),
+            asyncio.create_task(self._presence(), name="kvroute-relay-presence"),
             asyncio.create_task(self._startup_deadline(), name="kvroute-relay-deadline"),
         ]
         return self
@@ -380,10 +433,16 @@ class RelayPublisher:
                 subject, data = queue.popleft()
                 try:
                     await nc.publish(subject, data)
-                    self.published += 1
+                    if subject != self._presence_subject:  # records only
+                        self.published += 1
                 except _NATS_ERRORS as exc:
                     self.dropped += 1
                     self._say_once("publish", f"relay: a record not written ({exc})")
+
+    async def _presence(self) -> None:
+        while True:
+            await asyncio.sleep(self.presence_s)
+            self.presence()
 
     async def _heartbeats(self) -> None:
         while True:

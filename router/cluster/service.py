@@ -397,6 +397,9 @@ class ClusterService:
         self.outbox.clear()
         if self._sync_task is not None:
             self._sync_task.cancel()
+        if self.follower is not None:
+            # the relay's records cannot reach it now: its streams predict nothing at once
+            self.follower.disconnected()
         self._degrade("lost the connection to NATS")
 
     async def _on_reconnected(self) -> None:
@@ -428,8 +431,8 @@ class ClusterService:
                 delay = min(delay * 2, 5.0)
 
     async def _sync_once(self, *, warm: bool) -> None:
-        js = self._js
-        assert js is not None
+        js, nc = self._js, self._nc
+        assert js is not None and nc is not None
         first = not self._synced
         self._kv[self._fleet_bucket] = await js.create_key_value(
             bucket=self._fleet_bucket, history=1
@@ -460,10 +463,10 @@ class ClusterService:
             self.fleet.sessions.revocations_known()
         if self.config.events == "relay":
             if self.follower is None:
-                await self._follow(js, since=newer_than if warm and self.snapshot_at else None)
+                await self._follow(nc, since=newer_than if warm and self.snapshot_at else None)
             elif not first:
                 # NATS came back (perhaps without its store): the consumer is made again
-                await self.follower.resubscribe(js)
+                await self.follower.resubscribe(nc)
         self._synced = True
         if warm and self.snapshot_at is not None:
             await self._streams_proven()
@@ -497,11 +500,11 @@ class ClusterService:
         )
         return at
 
-    async def _follow(self, js: JetStreamContext, *, since: float | None) -> None:
+    async def _follow(self, nc: NATS, *, since: float | None) -> None:
         """Start applying the relay's records (`router.cluster.relay_follower`); a cold start
         waits (bounded) until what the relay's stream held is applied."""
         follower = RelayFollower(self.config, self._indexer, clock=time.monotonic)
-        await follower.start(js, since=since)
+        await follower.start(nc, since=since)
         self.follower = follower
         if since is None:
             try:

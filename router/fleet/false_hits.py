@@ -11,6 +11,10 @@ predicted for it, request after request. `FalseHitWatch` counts those per worker
 
 It runs on every answered request with usage (`Observation.finish`): an answer that is not a
 gross over-prediction, on a worker with none lately, costs a compare and a dict lookup.
+
+What the supervisor says it does about a streak is worded here (`resubscribed_why`,
+`unfollowed_why`): a replica fed by `kvroute relay` has no sockets of its own, and what it
+follows, and whose fault a streak may be, is the relay's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ __all__ = [
     "WINDOW",
     "FalseHitWatch",
     "WatchAction",
+    "resubscribed_why",
+    "unfollowed_why",
 ]
 
 # What makes one answer a gross over-prediction: it reused less than 1/GROSS_RATIO of the
@@ -100,3 +106,52 @@ class FalseHitWatch:
     def forget(self, worker: str) -> None:
         """`worker` left the pool (or was registered anew): its answers go with it."""
         self._recent.pop(worker, None)
+
+
+# a fed worker's relay, as `indexer.fed_stream.FedStreams.relay_of` tells it: the relay process
+# (epoch; None: no record of it taken as written now) whose records its streams follow, and
+# whether that relay is heard alive now; None: a worker followed through its own sockets
+RelaySource = tuple[int | None, bool] | None
+
+
+def _relay_named(epoch: int | None) -> str:
+    return "the relay" if epoch is None else f"the relay (epoch {epoch:x})"
+
+
+def resubscribed_why(relay: RelaySource) -> str:
+    """What a first streak does, and why it may have come (`Supervisor._check_predictions`)."""
+    if relay is None:
+        return (
+            "its KV-event streams are subscribed anew, their entries dropped, and its settings "
+            "read again (another process may be serving its URL)"
+        )
+    epoch, heard = relay
+    if not heard:
+        return (
+            f"{_relay_named(epoch)} whose records it follows is not heard alive (it stopped, or "
+            "it or this replica lost NATS): its streams predict nothing until the relay's "
+            "records come again, and are read anew from the relay's stream, their entries "
+            "dropped; its settings read again"
+        )
+    return (
+        f"its streams are read anew from {_relay_named(epoch)}'s stream, their entries "
+        "dropped, and its settings read again (the relay may follow another process than the "
+        "one serving its URL)"
+    )
+
+
+def unfollowed_why(relay: RelaySource, quarantine_s: float) -> str:
+    """What a streak soon after the first does (`Supervisor._check_predictions`)."""
+    if relay is None:
+        return (
+            "again since it was subscribed anew: its KV-event sockets reach a process that does "
+            f"not serve its URL; not followed for {quarantine_s:g} s (routed by load, no hit "
+            "predicted), its settings read again"
+        )
+    return (
+        f"again since its streams were read anew from {_relay_named(relay[0])}'s stream: the "
+        "relay's records of it keep disagreeing with its answers (the relay may follow a "
+        f"process that does not serve its URL); not followed for {quarantine_s:g} s, or until "
+        "another relay process writes it (routed by load, no hit predicted), its settings "
+        "read again"
+    )

@@ -57,7 +57,14 @@ from router.fleet.discovery import (
     streams_for,
     version_from_server_info,
 )
-from router.fleet.false_hits import STREAK, WINDOW, FalseHitWatch, WatchAction
+from router.fleet.false_hits import (
+    STREAK,
+    WINDOW,
+    FalseHitWatch,
+    WatchAction,
+    resubscribed_why,
+    unfollowed_why,
+)
 from router.fleet.pd_sides import PdSides
 from router.fleet.registration_notes import RegistrationNotes
 from router.fleet.reread_schedule import REREAD_TRIES, RereadSchedule
@@ -87,6 +94,8 @@ _DISTRUST_QUIET = 8
 # the longest a worker whose streams keep following the wrong process is left unfollowed, in
 # `indexer.stale_after_s` (its first time: twice that, then doubling)
 _QUARANTINE_MAX = 8
+# how often a fed worker's quarantine looks for another relay process (a restarted relay)
+_RELAY_POLL_S = 0.1
 
 
 def _registered_anew(reread: asyncio.Task[bool]) -> bool:
@@ -793,12 +802,27 @@ class Supervisor:
         process that does not serve the URL (an old pod's own address, as its `/server_info`
         gave it): the worker is not followed at all (routed by load, no hit) for
         `stale_after_s` times 2, 4, ... (up to `_QUARANTINE_MAX`), then subscribed again and
-        judged again by its answers, unless its settings read meanwhile registered it anew."""
+        judged again by its answers, unless its settings read meanwhile registered it anew.
+
+        A replica fed by the relay has no sockets of its own: its streams are the relay's
+        records, read anew from the relay's stream. A relay not heard alive (stopped, or NATS
+        away) is named as the cause, and such a streak escalates nothing (the relay's records
+        predict nothing until it is heard again: `indexer.fed_stream`); a relay heard alive
+        whose records mispredict again follows another process than the one serving the URL,
+        and the worker is left unfollowed until another relay process writes it (a restarted
+        relay subscribes anew) or the quarantine ends. Before, either was said as this
+        replica's sockets reaching another process, and a relay killed and restarted left the
+        worker unfollowed for a minute (QA: ~51 s after the relay was back)."""
         stale_after_s = self._indexer.config.stale_after_s
         now = self._clock()
+        fed = self._indexer.fed
+        relay = None if fed is None else fed.relay_of(entry.id)
         level, last = self._distrust.get(entry.id, (0, -math.inf))
         level = 1 if now - last > _DISTRUST_QUIET * stale_after_s else level + 1
-        self._distrust[entry.id] = (level, now)
+        if relay is not None and not relay[1]:
+            level = 1  # the relay's silence, no fault of what it follows: nothing escalates
+        else:
+            self._distrust[entry.id] = (level, now)
         configs = list(self._indexer.stream_configs(entry.id))
         what = (
             f"worker {entry.id}: {STREAK} of its last {WINDOW} answers reused far fewer tokens "
@@ -806,11 +830,7 @@ class Supervisor:
         )
         if level == 1 or not configs:
             self._metrics.false_hit_action(entry.id, "resubscribed")
-            log.warning(
-                "%s: its KV-event streams are subscribed anew, their entries dropped, and its "
-                "settings read again (another process may be serving its URL)",
-                what,
-            )
+            log.warning("%s: %s", what, resubscribed_why(relay))
             if not configs:
                 self.rereading(entry)
                 return
@@ -836,18 +856,21 @@ class Supervisor:
         self._metrics.false_hit_action(entry.id, "unfollowed")
         try:
             await self._indexer.remove_worker(entry.id)
-            log.warning(
-                "%s, again since it was subscribed anew: its KV-event sockets reach a process "
-                "that does not serve its URL; not followed for %g s (routed by load, no hit "
-                "predicted), its settings read again",
-                what,
-                quarantine_s,
-            )
+            log.warning("%s, %s", what, unfollowed_why(relay, quarantine_s))
             reread = self.rereading(entry)
-            done, _ = await asyncio.wait({reread}, timeout=quarantine_s)
-            if done and _registered_anew(reread):
-                return  # registered anew on the sockets it advertises now
-            await asyncio.sleep(max(0.0, now + quarantine_s - self._clock()))
+            # a fed worker's quarantine also ends once another relay process is heard
+            poll = quarantine_s if relay is None else _RELAY_POLL_S
+            while (left := now + quarantine_s - self._clock()) > 0:
+                if reread.done():
+                    await asyncio.sleep(min(left, poll))
+                else:
+                    await asyncio.wait({reread}, timeout=min(left, poll))
+                    if reread.done() and _registered_anew(reread):
+                        return  # registered anew on the sockets it advertises now
+                if fed is not None and relay is not None and fed.other_relay_live(relay[0]):
+                    log.info("worker %s: another relay process writes its streams", entry.id)
+                    level = 0  # judged afresh: the relay that mispredicted is gone
+                    break
         finally:
             self._quarantined.pop(entry.id, None)
             entry.unfollowed_until = None

@@ -552,3 +552,82 @@ async def test_a_stream_read_back_from_the_relays_records_predicts_none_of_that_
     assert state(svc) is StreamState.DEGRADED
     stream.catching_up(False)
     assert state(svc) is StreamState.DEGRADED and matched(svc, A) == 0
+
+
+# a relay that says its presence every 0.25 s (its followers take it for gone after 0.75 s)
+PRESENT_S = 0.25
+
+
+def said(record: RelayRecord, presence_n: int) -> RelayRecord:
+    """`record` as a relay that says its presence writes it, after `presence_n` of them."""
+    return msgspec.structs.replace(record, presence_s=PRESENT_S, presence_n=presence_n)
+
+
+async def _present() -> tuple[IndexerService, FedStream, Clock]:
+    """A fed stream of a relay heard alive (its presence 0 heard), holding A, trusted."""
+    clock = Clock()
+    svc = await fed(clock)
+    assert svc.fed is not None
+    stream = svc.fed.by_stream[STREAM]
+    svc.fed.relays.heard(EPOCH, 0, now=clock.now, until=clock.now + 3 * PRESENT_S)
+    stream.take(said(batch(0, 0, stored(A, 10)), 1))
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
+    return svc, stream, clock
+
+
+async def test_a_stream_predicts_nothing_at_once_when_this_replica_loses_nats() -> None:
+    """Nothing the relay writes can reach the replica: as a subscriber whose socket dropped,
+    not after the relay's silence (`stale_after_s`). Before, it stayed SYNCED for 3 s (QA: 8
+    false hits of 34 answers over 0.74 s after the replica said it lost NATS)."""
+    svc, stream, clock = await _present()
+    assert svc.fed is not None
+    svc.fed.relays.forget()
+    assert stream.relay_lost()
+    assert state(svc) is StreamState.STALE and matched(svc, A) == 0
+    # back: records read again before the relay is heard, fresh or not, trust nothing
+    clock.now += 5.0
+    stream.take(said(heartbeat(0, 0, stored(A, 10)), 4), age_s=0.0)
+    assert state(svc) is StreamState.STALE
+    # heard again (presence 9): a record written before that presence proves nothing, one
+    # written after it comes after everything of the stream the relay wrote before
+    svc.fed.relays.heard(EPOCH, 9, now=clock.now, until=clock.now + 3 * PRESENT_S)
+    stream.take(said(heartbeat(0, 0, stored(A, 10)), 9), age_s=0.0)
+    assert state(svc) is StreamState.STALE
+    stream.take(said(heartbeat(0, 0, stored(A, 10)), 10), age_s=0.0)
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
+
+
+async def test_records_of_a_relay_no_longer_heard_trust_nothing_by_their_age() -> None:
+    """The relay died: its last records, read back (the false-hit watch reading the stream
+    anew) with ages under `stale_after_s`, are its past, not now. Before, they restored the
+    prompts the worker had flushed since (QA: a second round of false hits)."""
+    svc, stream, clock = await _present()
+    assert svc.fed is not None
+    clock.now += 1.0  # the presence ran out: the follower forgets the relay
+    svc.fed.relays.forget(EPOCH)
+    assert stream.relay_lost(EPOCH)
+    stream.take(said(heartbeat(0, 0, stored(A, 10)), 5), age_s=0.5)
+    assert state(svc) is StreamState.STALE and matched(svc, A) == 0
+
+
+async def test_another_relay_gone_leaves_the_stream_trusted() -> None:
+    svc, stream, _ = await _present()
+    assert not stream.relay_lost(EPOCH + 1)  # not the relay whose records it took
+    assert state(svc) is StreamState.SYNCED
+
+
+async def test_a_relay_that_says_no_presence_is_trusted_again_at_its_next_fresh_record() -> None:
+    """A relay of the version before writes `presence_s` 0: its records' ages alone tell, as
+    before, but a replica that lost NATS still predicts nothing until one comes."""
+    clock = Clock()
+    svc = await fed(clock)
+    stream = svc.fed.by_stream[STREAM] if svc.fed is not None else None
+    assert stream is not None
+    take(svc, batch(0, 0, stored(A, 10)))
+    assert state(svc) is StreamState.SYNCED
+    stream.relay_lost()
+    assert state(svc) is StreamState.STALE
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=None)  # read back: of no known age
+    assert state(svc) is StreamState.STALE
+    stream.take(heartbeat(0, 0, stored(A, 10)), age_s=0.1)
+    assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
