@@ -96,6 +96,11 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the socket's bytes agree with the live stream's (a `replay` behind mapped ports, or of
     # an engine that advertises nothing, may be another worker's)
     replay_proven: bool = True
+    # the event and replay sockets the worker advertises for this rank (None: it advertises
+    # none, or was not asked): when the two configured ones disagree about the publisher, they
+    # say which of them is likely the wrong one (`indexer.subscriber`'s `_disagree`)
+    advertised_endpoint: str | None = None
+    advertised_replay: str | None = None
 
 
 class IndexerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -14,6 +14,11 @@ go uncounted). Whenever an
 answer is left before its end marker the socket is reset, so that late replies of one
 request are never read as the answer to the next. What the replies mean is the subscriber's
 business (`indexer.subscriber`).
+
+The DEALER is connected to the publisher's process itself (its events may come through a
+forwarder, which hides the process going away), so its connection is watched too: `connect`
+opens it ahead of any request, `link` (polled on `link_socket`) says whether a connection made
+before dropped (the process may have ended: a restart candidate) and whether it is up now.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
+from typing import NamedTuple, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from indexer.errors import ProtocolError, ReplayError
 from indexer.protocol.frames import (
@@ -34,10 +41,19 @@ from indexer.protocol.frames import (
     topic_matches,
 )
 
-__all__ = ["MAX_REPLIES", "ReplayClient"]
+__all__ = ["MAX_REPLIES", "ReplayClient", "ReplayLink"]
 
 # more replies than any engine buffers (SGLang and vLLM keep 10,000 batches by default)
 MAX_REPLIES = 1 << 20
+# what the DEALER's monitor reports: a connection made (handshake done) or lost
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class ReplayLink(NamedTuple):
+    """What the DEALER's connection did since last asked (`ReplayClient.link`)."""
+
+    dropped: bool  # a connection made before went away (the publisher's process may be gone)
+    up: bool  # a connection is made now
 
 
 class ReplayClient:
@@ -66,6 +82,11 @@ class ReplayClient:
         self._on_malformed = on_malformed
         self._on_unanswered = on_unanswered
         self._dealer: zmq.asyncio.Socket | None = None
+        # the DEALER's monitor, read without waiting (`link`): a plain socket over the same one
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_sync: zmq.Socket[bytes] | None = None
+        self._up = False  # a connection of the current DEALER is made
+        self._dropped = False  # one made before dropped since `link` last said so
 
     async def replies(self, start: int) -> AsyncGenerator[ReplayData, None]:
         """Every buffered batch from `start` of our topic, in the publisher's order.
@@ -134,17 +155,69 @@ class ReplayClient:
             return None
         return newest
 
+    def connect(self) -> None:
+        """Connect the DEALER now, if it is not: its connection is watched (`link`) even
+        while nothing is asked."""
+        self._socket()
+
+    @property
+    def link_socket(self) -> zmq.asyncio.Socket | None:
+        """The socket that turns readable when `link` has news (None: no DEALER now)."""
+        return self._monitor
+
+    def link(self) -> ReplayLink | None:
+        """What the DEALER's connection did since last asked (None: nothing), read without
+        waiting. A drop seen as the DEALER was closed (an answer left unended) is kept for
+        this."""
+        monitor = self._monitor_sync
+        if not self._dropped and (
+            monitor is None or not cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN
+        ):
+            return None
+        self._read_link()
+        dropped, self._dropped = self._dropped, False
+        return ReplayLink(dropped, self._up)
+
     def close(self) -> None:
         """Drop the socket (the next request connects a fresh one)."""
         if self._dealer is not None:
+            self._read_link()  # a drop it saw is still told (`link`)
+            with contextlib.suppress(zmq.ZMQError):
+                self._dealer.disable_monitor()
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             with contextlib.suppress(zmq.ZMQError):
                 self._dealer.close(linger=0)
-            self._dealer = None
+            self._dealer = self._monitor = self._monitor_sync = None
+            self._up = False
+
+    def _read_link(self) -> None:
+        monitor = self._monitor_sync
+        if monitor is None:
+            return
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us (the context is terminating)
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                # (a connection refused or never handshaken is no drop: nothing was there)
+                self._dropped = self._dropped or self._up
+                self._up = False
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            # before connecting, so that no event of the connection is missed
+            monitor = dealer.get_monitor_socket(_LINK_EVENTS)
             dealer.connect(self._endpoint)
             self._dealer = dealer
+            self._monitor = monitor
+            self._monitor_sync = zmq.Socket.shadow(monitor.underlying)
         return self._dealer

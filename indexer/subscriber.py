@@ -19,17 +19,24 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   another worker's socket: nothing tells which) the stream is rebuilt from it as after a
   restart, predicting nothing until a live batch agrees (`_restart(unproven=True)`);
   a batch it gives that names another dp rank finds it out at once (per-rank lists swapped);
-- after any restart, live batches that continue the run before it are the dead process's,
-  still queued on our socket: skipped, unless the new process's replay socket gives them back,
-  for `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
+- the live stream and the replay socket disagree about the publisher (a live batch the
+  socket does not give back, another batch than the one applied at a seq, a buffer that
+  ends below seqs the live stream proved real): either may be another worker's, so the
+  stream is cleared and takes and predicts nothing until the socket gives back a live batch
+  (`_disagree`, `_agree_check`), said in one ERROR naming both sockets and, by what the
+  worker advertises, the suspect;
+- after any restart, live batches that continue the run before it are the dead process's, still
+  queued on our socket: skipped, unless the new process's replay socket gives them back, for
+  `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
   nothing, and is cleared when that window ends). Past it such a batch is asked for too: an
   unproven socket that showed the restart, was never confirmed by a live batch and does not
-  give it back is another worker's; otherwise it is a late queued one (`_dead_batch`); a
-  restart found inside that window taints the stream the same way unless the replay socket
-  gives back the batch that showed it (`_window_proof`; answered without it, the batch is
-  a dead one's, skipped): a middle process's queued batch goes back in seq just as a third
-  process would; so does, in that window, a batch past a gap nothing repaired (`_repair`),
-  and a batch at the new run's next seq that the dead run used too (`_window_proof`);
+  give it back disagrees with the live stream (above); otherwise it is a late queued one
+  (`_dead_batch`); a restart found inside that window taints the stream the same way unless the
+  replay socket gives back the batch that showed it (`_window_proof`; answered without it, the
+  batch is a dead one's, skipped): a middle process's queued batch goes back in seq just as a
+  third process would; so does, in that window, a batch past a gap nothing repaired
+  (`_repair`), and a batch at the new run's next seq that the dead run used too
+  (`_window_proof`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit);
@@ -45,7 +52,9 @@ it, and the batch the publisher returns at that seq must be the one applied. A d
 batch is a restart (clear, replay from 0); an answer without it proves nothing and is
 treated the same (fail closed). Restart candidates make the stream UNVERIFIED (its entries
 predict no hit) until such a replay proves it: the event connection dropping (a socket
-monitor on the SUB sees it at once), the worker's health check coming back from down
+monitor on the SUB sees it at once), the replay connection dropping (the DEALER, connected at
+all times, has a monitor too: events through a forwarder keep the SUB connected while the
+worker restarts behind it; `_replay_link`), the worker's health check coming back from down
 (`suspect_restart`), and a snapshot loaded at startup. A proof whose replays all answered to
 their end proves the stream's tail too (SYNCED at once); one whose replay timed out (a busy
 machine) clears what it could not prove, trusts nothing it brought in part, and asks again
@@ -83,7 +92,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from indexer.config import IndexerConfig, StreamConfig
+from indexer.config import IndexerConfig, StreamConfig, shown_endpoint
 from indexer.errors import ProtocolError, ReplayError
 from indexer.health import StreamHealth
 from indexer.log_throttle import LogThrottle
@@ -130,6 +139,15 @@ _DEAD = "dead"  # `_window_proof`'s answer for a batch the replay socket answere
 # batches by default)
 _WINDOW_COPIES = 16384
 
+
+# live messages read between two looks at the replay DEALER's monitor while the SUB has more
+# queued (`_replay_link`; every time after an idle wait): a restart takes far longer than
+# reading these, and a look costs a microsecond or two
+_LINK_EVERY = 32
+# while a stream's event and replay sockets disagree (`_disagree`), a live batch is asked
+# of the replay socket at most this often as batches come (an answer from a seq far below its
+# newest is its whole buffer); a quiet stream asks for its newest at each probe
+_AGREE_EVERY_S = 1.0
 
 _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
 
@@ -281,6 +299,17 @@ class StreamSubscriber:
         self._catch_up: _CatchUp | None = None
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
+        # the replay DEALER's connection dropped and has not come back (`_replay_link`): a
+        # proof waits for it, as one waits for the SUB's
+        self._replay_lost = False
+        # the poller the DEALER's monitor is registered with, and that monitor (`_idle`)
+        self._link_polled: tuple[zmq.asyncio.Poller, zmq.asyncio.Socket] | None = None
+        self._link_due = 0  # loop passes until the next look at it (`_LINK_EVERY`)
+        # why the event and replay sockets disagree about the publisher (`_disagree`; None:
+        # they do not): the stream holds and predicts nothing until they agree
+        self._disagreeing: str | None = None
+        self._agree_asked_at: float | None = None  # when a live batch was last asked for
+        self._disagree_last: tuple[int, bytes] | None = None  # the newest live batch since
         # SYNCED while it holds nothing: nothing of the past to distrust, and the router's
         # pending marks on it count. A stream that will read its replay buffer at once (the
         # catch-up probe at connect) is SYNCING from the start, so nothing reads it caught up
@@ -382,7 +411,9 @@ class StreamSubscriber:
                 if cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN:
                     await self._on_monitor(monitor)
                     continue
-                if self._unverified and self._connected:
+                if self._replay_link():
+                    continue
+                if self._unverified and self._connected and not self._replay_away:
                     await self._verify()
                     continue
                 # The async poll costs a poller, futures and a timer: only pay for it when
@@ -425,6 +456,8 @@ class StreamSubscriber:
 
     async def _idle(self, poller: zmq.asyncio.Poller, timeout_ms: int | None) -> bool:
         """Wait for a readable socket (True), a requested check or the timeout (False)."""
+        self._poll_link(poller)
+        self._link_due = 0  # whatever woke it, the monitor is looked at next
         wake = self._wake
         if wake is None or wake.done():
             wake = self._wake = asyncio.get_running_loop().create_future()
@@ -452,6 +485,55 @@ class StreamSubscriber:
                 # restart: the new process served first, and with rank 0 quiet, never (QA:
                 # rank 1 predicted the dead process's 304 tokens, 0 cached)
                 self._on_siblings(self, "dropped its event connection")
+
+    def _replay_link(self) -> bool:
+        """Take what the replay DEALER's monitor says (True: it said something).
+
+        The DEALER is connected to the publisher's process itself, where the SUB may hear it
+        through a forwarder that stays connected while the process restarts behind it: its
+        connection dropping is a restart candidate, as the SUB's is (`_on_monitor`). Before,
+        a restart behind a forwarder was found only by a later batch or probe, and never when
+        the new process's first batches were lost and its next one followed on the dead run's
+        last seq: that batch became the fence every later probe proved (QA: the dead
+        process's 288 tokens predicted for good, 0 cached)."""
+        if not self._has_replay:
+            return False
+        if self._link_due > 0:
+            self._link_due -= 1
+            return False
+        self._link_due = _LINK_EVERY
+        client = self._replay_client()
+        client.connect()  # connected at all times: a process that ends drops it
+        news = client.link()
+        if news is None:
+            return False
+        if news.dropped:
+            self.suspect_restart("the replay connection dropped")
+            if self._on_siblings is not None:
+                self._on_siblings(self, "dropped its replay connection")
+        # the proof is asked once it is back: asked before, it waits on a socket that is
+        # down, times out and clears a worker that was only unreachable a moment
+        self._replay_lost = not news.up and (self._replay_lost or news.dropped)
+        return True
+
+    @property
+    def _replay_away(self) -> bool:
+        """Whether a proof waits for the replay DEALER's connection to come back."""
+        return self._replay_lost and self._has_replay
+
+    def _poll_link(self, poller: zmq.asyncio.Poller) -> None:
+        """Keep the replay DEALER's monitor in `poller`, so that its news wakes an idle
+        stream: the DEALER (and its monitor) is a new socket after each reset."""
+        replayer = self._replayer if self._has_replay else None
+        monitor = replayer.link_socket if replayer is not None else None
+        polled = self._link_polled
+        if polled is not None and polled[0] is poller:
+            if polled[1] is monitor:
+                return
+            poller.unregister(polled[1])
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        self._link_polled = None if monitor is None else (poller, monitor)
 
     def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
@@ -617,10 +699,10 @@ class StreamSubscriber:
         if copy is not None and _digest(copy) == _digest(payload):
             self._trust_replay()
         elif answered:
-            self._found_foreign(
-                f"live batch {seq} is not in what it gives back at that seq"
+            self._disagree(
+                f"live batch {seq} is not in what the replay socket gives back at that seq"
                 if copy is None
-                else f"it gives another batch than live batch {seq} at that seq"
+                else f"the replay socket gives another batch than live batch {seq} at that seq"
             )
         # no usable answer: still unconfirmed; a probe's fence at a batch applied live, or a
         # live copy of a batch it gave, proves it later
@@ -658,13 +740,132 @@ class StreamSubscriber:
         else:
             self._show_state()
 
+    def _disagree(self, why: str) -> None:
+        """The event socket and the replay socket disagree about the publisher (`why`): one
+        of them, or both, reach another publisher than this worker's (a typo in `events` or
+        `replay`, a forwarder or proxy re-pointed, ports mapped to another worker), and the
+        bytes cannot tell which. The stream is cleared and takes and predicts nothing
+        (UNVERIFIED) until they agree (`_while_disagreeing`, `_agree_check`); the replay
+        socket is asked for nothing else meanwhile (no repair; a probe asks for the newest
+        live batch instead). Before, the replay socket was taken for the wrong one (an ERROR
+        said so) and the stream went on from the live batches: with the events on another
+        worker's PUB, that worker's cache was predicted here for good (QA: 288 tokens, 0
+        cached)."""
+        self._disagreeing = why
+        self._agree_asked_at = None  # the next live batch is asked for at once
+        self._disagree_last = None
+        self._suspect = None
+        self._end_window()
+        self._dead_seq = None
+        log.error(
+            "stream %s: its event socket %s and its replay socket %s disagree about the "
+            "publisher (%s): either may reach another publisher than this worker's, or both "
+            "(a typo in `events` or `replay`, a forwarder or proxy re-pointed, ports mapped "
+            "to another worker); %s. The stream is cleared and predicts nothing until they "
+            "agree (a live batch the replay socket gives back)",
+            self.stream_id,
+            shown_endpoint(self.config.endpoint),
+            shown_endpoint(self.config.replay_endpoint or ""),
+            why,
+            self._which_disagrees(),
+        )
+        if self.tracker.last is not None or self.sink.entries():
+            self._clear("its event and replay sockets disagree about the publisher")
+        self.tracker.reset()
+        self.sink.forget_seq()
+        self._last_live = None
+        self._replayed.clear()
+        self._trust()  # nothing is held to prove
+        self._tail_proven(True)
+        self._retry_ms = None
+        self._catch_up = None
+        self._show_state()
+
+    def _which_disagrees(self) -> str:
+        """Which of the two sockets the worker's advertised ones point at (`_disagree`)."""
+        cfg = self.config
+        events, replay = cfg.advertised_endpoint, cfg.advertised_replay
+        if events is None:
+            return "the worker advertises no sockets to tell which"
+        right_events = events == cfg.endpoint
+        right_replay = replay is not None and replay == cfg.replay_endpoint
+        if right_events and right_replay:
+            return (
+                "both are the sockets the worker advertises: something on the way to one "
+                "of them (a forwarder, a proxy, a port mapping) reaches another publisher"
+            )
+        if right_replay:
+            return (
+                "the replay socket is the one the worker advertises and the event socket is "
+                f"not (it advertises {shown_endpoint(events)}): check `events`, or the "
+                "forwarder in front of it"
+            )
+        if right_events:
+            return (
+                "the event socket is the one the worker advertises and the replay socket is "
+                f"not (it advertises {shown_endpoint(replay or 'none')}): check `replay`"
+            )
+        return (
+            f"neither is what the worker advertises ({shown_endpoint(events)}, "
+            f"{shown_endpoint(replay or 'no replay socket')}): check both, unless ports are "
+            "mapped on the way"
+        )
+
+    async def _while_disagreeing(self, seq: int, payload: bytes) -> None:
+        """A live batch while the sockets disagree (`_disagree`): not taken, but kept as the
+        newest to ask the replay socket for (`_agree_check`)."""
+        self.health.last_event_at = self._clock()  # heard from, though nothing is taken
+        self._disagree_last = (seq, payload)
+        await self._agree_check()
+
+    async def _agree_check(self) -> None:
+        """Ask the replay socket for the newest live batch seen while the sockets disagree
+        and not asked for yet, unless one was asked for less than `_AGREE_EVERY_S` ago (a
+        probe asks for one that came meanwhile): giving it back byte for byte is their
+        agreement (the live stream's publisher is the replay socket's), and the stream is
+        rebuilt from that buffer, as at a join (SYNCING until caught up)."""
+        newest = self._disagree_last
+        asked = self._agree_asked_at
+        if self._disagreeing is None or newest is None:
+            return
+        if asked is not None and self._clock() - asked < _AGREE_EVERY_S:
+            return
+        self._agree_asked_at = self._clock()
+        self._disagree_last = None
+        seq, payload = newest
+        _, copy = await self._replayed_copy(seq)
+        if self._disagreeing is None or copy is None or _digest(copy) != _digest(payload):
+            return
+        log.warning(
+            "stream %s: its event and replay sockets agree again (live batch %d is the one the "
+            "replay socket gives): rebuilt from the replay socket",
+            self.stream_id,
+            seq,
+        )
+        self._disagreeing = None
+        self._disagree_last = None
+        self._trust_replay()
+        self.tracker.reset()
+        answered = (await self._replay(0)).answered
+        if answered:
+            self._heard_whole()
+        else:
+            self._retry_soon()
+        self._show_state()
+        self._notify_last()
+
     def _show_state(self) -> None:
         # a tail not known whole taints what the stream holds: also a part of a buffer that a
         # catch-up or a rebuild (SYNCING) applied before its answer stopped
         holds = self._phase is StreamState.SYNCED or (
             self._phase is StreamState.SYNCING and self.tracker.last is not None
         )
-        unproven = self._unverified or self._replay_unconfirmed or (self._tail_unproven and holds)
+        unproven = (
+            self._unverified
+            or self._replay_unconfirmed
+            or (self._tail_unproven and holds)
+            or self._disagreeing is not None
+        )
         if unproven:
             self._enter(StreamState.UNVERIFIED)
         elif self._tainted is not None:
@@ -753,6 +954,9 @@ class StreamSubscriber:
             self._malformed(f"bad live frames: {exc}")
             return
         if not topic_matches(msg.topic, self._topic):
+            return
+        if self._disagreeing is not None:
+            await self._while_disagreeing(msg.seq, msg.payload)
             return
         if self._unverified:
             # a live message proves we are connected: check before it is applied
@@ -895,15 +1099,16 @@ class StreamSubscriber:
         fence = self.sink.fence() if self._last_live == seq else None
         if again is not None and fence is not None and fence.matches(seq, again):
             self._trust_replay()
-            self._malformed(
-                f"live seq {seq} came again as another batch than the one applied, which "
-                "the replay socket gives at that seq: the odd frame is skipped"
+            # Before, this live frame was skipped as an odd one, and the next live batch,
+            # following on, was applied: events re-pointed at another worker's PUB had that
+            # worker's cache predicted here (QA)
+            self._disagree(
+                f"live seq {seq} came again as another batch than the one applied, which the "
+                "replay socket gives at that seq"
             )
             return _SKIP
-        self._found_foreign(f"live batch {seq} is not the batch it gives at that seq")
-        self.tracker.reset()
-        self.tracker.restart_at(seq)
-        return self.tracker.on_live(seq)
+        self._disagree(f"live batch {seq} is not the batch the replay socket gives at that seq")
+        return _SKIP
 
     async def _replayed_copy(self, seq: int) -> tuple[bool, bytes | None]:
         """Whether the replay socket answered to its end, and its batch at `seq` now (None: it
@@ -1017,18 +1222,16 @@ class StreamSubscriber:
         ):
             # the seq before this one was real after all, yet the replay socket's buffer ends
             # below it: a publisher buffers what it just sent, so that socket is not this
-            # publisher's, and what it gave describes another worker's cache
-            self._found_foreign(
-                f"it does not buffer this stream's seqs: its buffer ends at {newest}, the "
-                f"live stream is at {seq}"
+            # publisher's, or the live stream is not (another worker's cache either way)
+            self._disagree(
+                f"the replay socket does not buffer the live stream's seqs: its buffer ends "
+                f"at {newest}, the live stream is at {seq}"
             )
-            cleared = True
-        else:
-            cleared = False
+            return  # this batch is not taken either
         self._suspect = None
         if decision.verdict is SeqVerdict.GAP:
             # the replay did not reach this message (none configured, timed out, or too short)
-            if self.tracker.last is not None and not cleared:
+            if self.tracker.last is not None:
                 self._clear(f"gap before seq {seq} could not be repaired")
             if within:
                 # in the window after a restart a batch past a gap may be a dead process's
@@ -1060,6 +1263,9 @@ class StreamSubscriber:
 
     async def _probe(self) -> None:
         """Ask the replay socket for anything newer than what we applied (see probe_interval_s)."""
+        if self._disagreeing is not None:
+            await self._agree_check()  # (nothing is taken from it while they disagree)
+            return
         if self._replay_foreign:
             return
         before = self.tracker.last
@@ -1295,6 +1501,8 @@ class StreamSubscriber:
     def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> bool:
         """Hand one batch to the sink; False when the payload does not decode."""
         self.health.last_event_at = self._clock()
+        if self._disagreeing is not None:
+            return True  # the batch that showed the disagreement: nothing is taken now
         run_start = replayed and self._run_open
         self._run_open = self._run_open and not replayed
         applied = self.sink.apply(topic, seq, payload, replayed=replayed, run_start=run_start)
@@ -1524,14 +1732,12 @@ class StreamSubscriber:
                 return False
         if answered and not within:
             if self._restart_unproven and not self._replay_trusted:
-                self._found_foreign(
-                    f"it showed a restart over {_DEAD_RUN_S:g} s ago, yet the run before it "
-                    f"goes on (live seq {seq}, which it does not give back) and no live batch "
-                    "followed on its buffer since"
+                self._disagree(
+                    f"the replay socket showed a restart over {_DEAD_RUN_S:g} s ago, yet the "
+                    f"run before it goes on (live seq {seq}, which it does not give back) and "
+                    "no live batch followed on its buffer since"
                 )
-                self._dead_seq = None
-                self.tracker.reset()  # rebuilt from the live stream, as without one
-                return False
+                return True  # not taken: nothing is while they disagree
             return self._skip_dead(seq, "not in the new process's buffer, a late queued batch")
         if answered:
             return self._skip_dead(seq, "not in the new process's buffer, a queued batch")

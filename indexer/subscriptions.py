@@ -6,12 +6,13 @@ and a capture (`indexer.recording.capture`, sinks into a recording file) both ru
 It is an async context manager: leaving it stops every task and closes every socket.
 
 Sockets: a stream holds three zmq sockets (its SUB, the monitor PAIR it reads and the PAIR
-libzmq opens for the monitor) and a fourth with a replay endpoint (the DEALER), about six file
-descriptors with their mailboxes and TCP connections. The context may open as many sockets as
-the process may open descriptors (`RLIMIT_NOFILE`'s soft limit, within libzmq's own ceiling):
-libzmq's default of 1023 sockets stopped the router at about 255 streams whatever the limit,
-and a worker of 300 ranks made ~400 subscriber tracebacks in 8 s (`ZMQError: Too many open
-files`, each rank restarting in a loop). The streams together are given half of that
+libzmq opens for the monitor) and three more with a replay endpoint (the DEALER, connected at
+all times so that its monitor sees the publisher's process go, and that monitor's pair), about
+eight file descriptors with their mailboxes and TCP connections. The context may open as many
+sockets as the process may open descriptors (`RLIMIT_NOFILE`'s soft limit, within libzmq's own
+ceiling): libzmq's default of 1023 sockets stopped the router at about 255 streams whatever the
+limit, and a worker of 300 ranks made ~400 subscriber tracebacks in 8 s (`ZMQError: Too many
+open files`, each rank restarting in a loop). The streams together are given half of that
 (`socket_budget`), so they take at most about three quarters of the descriptors and the HTTP
 side keeps the rest. A stream that does not fit waits, subscribed to nothing (it predicts no
 hit: fail closed), until a worker's removal frees sockets, first come first served; that is
@@ -54,8 +55,9 @@ def socket_budget(socket_limit: int) -> tuple[int, int | None]:
 
 
 def _sockets_of(config: StreamConfig) -> int:
-    """The zmq sockets one stream's session holds (module docstring)."""
-    return 3 if config.replay_endpoint is None else 4
+    """The zmq sockets one stream's session holds (module docstring): its SUB and the SUB's
+    monitor (a pair of sockets), and with a replay socket its DEALER and the DEALER's."""
+    return 3 if config.replay_endpoint is None else 6
 
 
 def stream_id(worker: str, dp_rank: int) -> str:

@@ -40,6 +40,7 @@ def replay_proof(
     note = None
     told_events = [s.endpoint for s in advertised]
     given_events = [s.endpoint for s in streams]
+    streams = _with_advertised(streams, advertised)
     if advertised and told_events == given_events:
         told = [s.replay_endpoint for s in advertised]
         given = [s.replay_endpoint for s in streams]
@@ -62,6 +63,23 @@ def replay_proof(
             "config (another worker's sockets would predict that worker's cache)"
         )
     return [msgspec.structs.replace(s, replay_proven=False) for s in streams], note
+
+
+def _with_advertised(
+    streams: list[StreamConfig], advertised: list[StreamConfig]
+) -> list[StreamConfig]:
+    """`streams` with the sockets the worker advertises for their ranks: a stream whose
+    event and replay sockets disagree about the publisher says by them which one is likely
+    wrong."""
+    by_rank = {s.dp_rank: s for s in advertised}
+    return [
+        msgspec.structs.replace(
+            s, advertised_endpoint=told.endpoint, advertised_replay=told.replay_endpoint
+        )
+        if (told := by_rank.get(s.dp_rank)) is not None
+        else s
+        for s in streams
+    ]
 
 
 def sockets(streams: list[StreamConfig]) -> list[tuple[int, str, str | None, str]]:

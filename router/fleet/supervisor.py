@@ -836,16 +836,23 @@ class Supervisor:
                 return
             # not followed until the re-read ended: subscribed anew at once, the streams caught
             # up over the old sockets and were trusted before a re-read that finds other
-            # sockets registered them (QA: one more false hit, 50 ms after the streak)
-            await self._indexer.remove_worker(entry.id)
-            reread = self.rereading(entry)
-            await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
-            if (
-                not (reread.done() and _registered_anew(reread))
-                and self._pool.find(entry.id) is entry
-                and not self._indexer.has_worker(entry.id)
-            ):
-                await self._indexer.add_worker(entry.id, configs)
+            # sockets registered them (QA: one more false hit, 50 ms after the streak). The
+            # re-read compares the sockets it reads with these (`_recheck_settings`): before,
+            # it read the indexer's after the removal, none, and every first streak said the
+            # worker "runs other settings" and registered it anew, its sockets unchanged
+            self._quarantined[entry.id] = configs
+            try:
+                await self._indexer.remove_worker(entry.id)
+                reread = self.rereading(entry)
+                await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
+                if (
+                    not (reread.done() and _registered_anew(reread))
+                    and self._pool.find(entry.id) is entry
+                    and not self._indexer.has_worker(entry.id)
+                ):
+                    await self._indexer.add_worker(entry.id, configs)
+            finally:
+                self._quarantined.pop(entry.id, None)
             return
         quarantine_s = stale_after_s * min(2 ** (level - 1), _QUARANTINE_MAX)
         self._quarantined[entry.id] = configs

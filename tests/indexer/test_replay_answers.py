@@ -4,8 +4,9 @@ A scripted publisher on real ZMQ sockets answers the repair of a dropped batch w
 do not parse, another topic's batches, seqs that do not follow each other, or a batch far beyond
 anything the live stream showed: each is an answer that never came (the gap clears the stream,
 the live batch applies, later ones too), never a false hit from the batch the repair missed.
-A `replay` endpoint that is another worker's is found out when the live copies of the batches
-it gave differ from them. And `ReplayClient` bounds a whole answer, however slowly it drips.
+A `replay` endpoint that is another worker's shows when the live copies of the batches it gave
+differ from them: the two sockets disagree, and the stream predicts nothing (either may be the
+wrong one). And `ReplayClient` bounds a whole answer, however slowly it drips.
 """
 
 from __future__ import annotations
@@ -112,12 +113,29 @@ async def test_an_answer_that_is_not_the_streams_buffer_proves_nothing(
         assert svc.streams()[0].last_seq == last
 
 
+async def _until_disagreeing(
+    svc: IndexerService, pub: ScriptedPublisher, batch: EventBatch
+) -> subscriber.StreamSubscriber:
+    """Publish `batch` until the stream finds its sockets disagree (its SUB may still be on
+    its way at first)."""
+    (sub,) = svc._workers[WORKER]
+    for _ in range(100):
+        await pub.publish(batch)
+        with contextlib.suppress(TimeoutError):
+            await wait_until(lambda: sub._disagreeing is not None, timeout_s=0.1)
+            return sub
+    raise AssertionError("the sockets were never found to disagree")
+
+
 @pytest.mark.parametrize("config", [CONFIG, PROBING], ids=["on-a-gap", "when-joining"])
-async def test_a_replay_socket_of_another_worker_is_found_out_by_the_live_copies(
+async def test_a_replay_socket_of_another_worker_leaves_the_stream_predicting_nothing(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, config: IndexerConfig
 ) -> None:
-    """On a gap, or at once: joining, the catch-up probe takes the other worker's whole
-    buffer, and this worker's first live batches look like duplicates of it."""
+    """`replay` on another worker's socket: the live copies of the batches it gave differ
+    from them. It was written off and the stream went on from the live batches; yet the
+    bytes cannot tell which socket is the wrong one, and with the events on another worker's
+    PUB that worker's cache was predicted for good (QA). Now the two disagree: one ERROR
+    names both, and the stream holds and predicts nothing, this worker's batches included."""
     async with (
         ScriptedPublisher(ctx) as own,
         ScriptedPublisher(ctx) as other,
@@ -125,22 +143,23 @@ async def test_a_replay_socket_of_another_worker_is_found_out_by_the_live_copies
     ):
         for batch in workload(seed=3, batches=40):  # the other worker's history, buffered
             await other.publish(batch, drop=True)
-        # a config typo: this worker's replay is the other worker's socket
-        await connect(svc, own, block_size=4, replay_endpoint=other.replay_endpoint)
         caplog.set_level(logging.ERROR, logger="indexer.subscriber")
-        # a dropped batch: its repair asks the other worker's socket, whose batch at our
-        # last seq differs (a "restart"), and which then gives its whole buffer
-        await own.publish(stored(A, 10), drop=True)
-        last = await own.publish(stored(C, 20))
-
-        await wait_until(lambda: svc._workers[WORKER][0]._replay_foreign)
-        assert await svc.wait_applied(WORKER, last)
-        assert "another publisher's" in caplog.text
-        # nothing of the other worker's cache is left; this worker's live batches apply
-        assert svc.index.entries(STREAM) == 1 and matched(svc, C) == 4
-        later = await own.publish(stored(D, 30))
-        assert await svc.wait_applied(WORKER, later)
-        assert matched(svc, D) == 4 and svc.index.entries(STREAM) == 2
+        cfg = StreamConfig(
+            endpoint=own.endpoint, replay_endpoint=other.replay_endpoint, topic="kv", block_size=4
+        )
+        await svc.add_worker(WORKER, [cfg])
+        sub = await _until_disagreeing(svc, own, stored(C, 20))
+        assert (
+            f"its event socket {own.endpoint} and its replay socket {other.replay_endpoint} "
+            "disagree about the publisher"
+        ) in caplog.text
+        assert "the worker advertises no sockets to tell which" in caplog.text
+        await own.publish(stored(D, 30))
+        await asyncio.sleep(0.2)
+        assert svc.index.entries(STREAM) == 0  # nothing of either worker's cache
+        assert matched(svc, C) == 0 and matched(svc, D) == 0
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        assert sub._disagreeing is not None
 
 
 async def test_an_answer_that_never_ends_is_given_up_at_its_deadline(
@@ -330,7 +349,8 @@ async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follow
     ends right before this worker's next seq: the live batch "followed on" it, which lifted
     `unverified`, and the other worker's A was predicted here (then a probe took the other
     buffer for a restart and skipped every later live batch). A seq proves nothing: the
-    socket is asked for the live batch, does not have it, and is found out."""
+    socket is asked for the live batch and does not have it: the two sockets disagree, and
+    the stream predicts nothing (the events may be the wrong ones just as well)."""
     history = encode_batch(stored(A, 10), "array")  # the other worker's cache: A
     empty = encode_batch(EventBatch(1.0, []), "array")  # not byte-equal to its own
     async with ScriptedPublisher(ctx) as own, IndexerService(CONFIG) as svc:
@@ -355,22 +375,16 @@ async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follow
             )
             await svc.add_worker(WORKER, [cfg])
             caplog.set_level(logging.ERROR, logger="indexer.subscriber")
-            for _ in range(100):  # the SUB's connection may still be on its way
-                seq = await own.publish(EventBatch(0.0, []))
-                if await svc.wait_applied(WORKER, seq, timeout_s=0.1):
-                    break
-            assert matched(svc, A) == 0  # not on the live batch's seq following on
-            sub = svc._workers[WORKER][0]
-            await wait_until(lambda: sub._replay_foreign)  # (asked once the batch applied)
-            assert svc.streams()[0].last_seq == seq
+            await _until_disagreeing(svc, own, EventBatch(0.0, []))
             assert matched(svc, A) == 0  # the other worker's cache is not predicted here
             assert svc.index.entries(STREAM) == 0
-            assert "another publisher's" in caplog.text
-            # this worker's own batches go on applying, and are predicted
-            later = await own.publish(stored(C, 20))
-            assert await svc.wait_applied(WORKER, later)
-            assert matched(svc, C) == 4
-            assert svc.streams()[0].state is StreamState.SYNCED
+            assert "disagree about the publisher" in caplog.text
+            assert "not in what the replay socket gives back" in caplog.text
+            # nor are this worker's batches: nothing tells which socket is the wrong one
+            await own.publish(stored(C, 20))
+            await asyncio.sleep(0.2)
+            assert matched(svc, C) == 0 and svc.index.entries(STREAM) == 0
+            assert svc.streams()[0].state is StreamState.UNVERIFIED
 
 
 async def test_an_unproven_replay_socket_is_proven_by_the_live_batch_it_gives_back(
@@ -569,7 +583,7 @@ async def test_an_honest_unproven_socket_is_asked_before_an_idle_restart_flags_i
             assert svc.streams()[0].restarts == 1
 
 
-async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_one(
+async def test_a_foreign_socket_found_after_a_restart_leaves_the_stream_predicting_nothing(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`replay` on another worker's socket, which is found out by the probe (its batch at
@@ -604,17 +618,17 @@ async def test_a_foreign_socket_found_after_a_restart_leaves_a_stream_without_on
         await wait_until(lambda: sub.dead_batches == 1)
         assert not sub._replay_foreign and matched(svc, D) == 0
         await asyncio.sleep(0.35)
-        seq = await own.publish(stored(E, 40))
-        assert await svc.wait_applied(WORKER, seq)
-        assert sub._replay_foreign
+        await own.publish(stored(E, 40))
+        await wait_until(lambda: sub._disagreeing is not None)
         asked = len(other.replay_requests)
         await asyncio.sleep(0.3)  # several probe intervals of a quiet stream
         stats = svc.streams()[0]
-        assert stats.state is StreamState.SYNCED and stats.last_seq == seq
-        assert matched(svc, E) == 4 and matched(svc, C) == 0
-        assert len(other.replay_requests) == asked  # not asked again
+        assert stats.state is StreamState.UNVERIFIED and stats.entries == 0
+        assert matched(svc, E) == 0 and matched(svc, C) == 0
+        assert len(other.replay_requests) == asked  # no new live batch: nothing to ask for
         assert "did not answer" not in caplog.text
-        assert "what it gave is cleared (with any live batch applied on top" in caplog.text
+        assert "the run before it goes on" in caplog.text
+        assert "disagree about the publisher" in caplog.text
 
 
 async def test_a_busy_workers_dead_batches_interleaved_after_its_restart_are_never_indexed(

@@ -887,11 +887,13 @@ async def test_a_quiet_stream_whose_probe_goes_unanswered_predicts_nothing(
         assert svc.streams()[0].state is StreamState.SYNCED
 
 
-async def test_another_publishers_replay_socket_is_found_out_and_its_entries_cleared(
+async def test_another_publishers_replay_socket_leaves_the_stream_predicting_nothing(
     ctx: zmq.asyncio.Context,
 ) -> None:
     # `replay` pointing at another worker's socket (a config typo): what it gives describes
-    # that worker's cache, a false hit on this one for every prompt it holds
+    # that worker's cache, a false hit on this one for every prompt it holds. Nothing tells
+    # which of the two sockets is the wrong one, so nothing is predicted from either, and the
+    # replay socket is asked for a live batch at most once a second
     config = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
     async with (
         ScriptedPublisher(ctx) as other,
@@ -901,17 +903,24 @@ async def test_another_publishers_replay_socket_is_found_out_and_its_entries_cle
         await publish_all(other, workload(seed=3, batches=3))  # buffered there
         for _ in range(50):  # this publisher is further along than the other one's buffer
             await own.publish(EventBatch(ts=0.0, events=[]))
-        await connect(svc, own, replay_endpoint=other.replay_endpoint)
+        cfg = StreamConfig(endpoint=own.endpoint, replay_endpoint=other.replay_endpoint, topic="kv")
+        await svc.add_worker(WORKER, [cfg])
+        (sub,) = svc._workers[WORKER]
+        for _ in range(100):  # the SUB's connection may still be on its way
+            await own.publish(EventBatch(ts=0.0, events=[]))
+            await asyncio.sleep(0.05)
+            if sub._disagreeing is not None:
+                break
+        assert sub._disagreeing is not None
         assert view(svc.index, STREAM) == {}  # nothing of the other worker's cache is left
         asked = len(other.replay_requests)
-        batches = workload(seed=4, batches=3)
-        last = await publish_all(own, batches, settle=svc)
-        # several probe intervals of a quiet stream: the other socket is not asked again, so
-        # its buffer does not come back (as a "restart" whose seqs went back)
+        for batch in workload(seed=4, batches=3):  # nor of this one's
+            await own.publish(batch)
+        # several probe intervals: the newest live batch is asked for once
         await asyncio.sleep(0.3)
-        assert view(svc.index, STREAM) == view(reference(batches), STREAM) != {}
-        assert len(other.replay_requests) == asked
-        assert svc.streams()[0].last_seq == last
+        assert view(svc.index, STREAM) == {}
+        assert len(other.replay_requests) <= asked + 1
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
 
 
 def _stored(tokens: list[TokenId], block_hash: int) -> EventBatch:
@@ -925,12 +934,16 @@ def _hit(svc: IndexerService, tokens: list[TokenId]) -> int:
     return svc.query(Namespace(), [*tokens, 99])[WORKER].matched_tokens
 
 
-async def test_an_odd_live_frame_at_an_applied_seq_is_skipped_and_the_socket_kept(
+async def test_an_odd_live_frame_at_an_applied_seq_predicts_nothing_until_the_next_agrees(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A second live frame at the seq just applied, with other bytes: the replay socket gives
-    back the batch that was applied, so the odd one is the frame. It wrote off the socket for
-    good (an ERROR, the stream cleared, and every later gap cleared instead of repaired)."""
+    """A second live frame at the seq just applied, with other bytes, while the replay socket
+    gives back the batch that was applied: the live stream and the replay socket disagree
+    (QA: a proxy re-pointed at another worker's PUB showed first as such a frame, and that
+    worker's next batch, following on, was applied). The stream predicts nothing; the next
+    live batch, which the socket gives back, shows them agreeing again: rebuilt from the
+    socket, which is kept (a later gap is repaired through it). Writing it off for good, as
+    once, cleared every later gap instead."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)
         caplog.set_level(logging.WARNING, logger="indexer.subscriber")
@@ -938,15 +951,22 @@ async def test_an_odd_live_frame_at_an_applied_seq_is_skipped_and_the_socket_kep
         assert await svc.wait_applied(WORKER, seq)
         odd = encode_batch(_stored([5, 6, 7, 8], 20), "array")
         await pub.send_raw([b"kv", pack_seq(seq), odd])
-        await wait_until(lambda: svc.streams()[0].decode_errors == 1)
-        assert "ERROR" not in caplog.text and svc.streams()[0].clears == 0
+        (sub,) = svc._workers[WORKER]
+        await wait_until(lambda: sub._disagreeing is not None)
+        assert _hit(svc, [1, 2, 3, 4]) == 0 and _hit(svc, [5, 6, 7, 8]) == 0
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        agreed = await pub.publish(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, agreed)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert "agree again" in caplog.text
         assert _hit(svc, [1, 2, 3, 4]) == 4 and _hit(svc, [5, 6, 7, 8]) == 0
         # a later gap is repaired through the same socket, not cleared
+        clears = svc.streams()[0].clears
         await pub.publish(_stored([11, 12, 13, 14], 30), drop=True)
         last = await pub.publish(EventBatch(ts=0.0, events=[]))
         assert await svc.wait_applied(WORKER, last)
         stats = svc.streams()[0]
-        assert stats.clears == 0 and stats.gaps == 1
+        assert stats.clears == clears and stats.gaps == 1
         assert _hit(svc, [1, 2, 3, 4]) == 4 and _hit(svc, [11, 12, 13, 14]) == 4
 
 

@@ -58,7 +58,7 @@ def ports() -> Iterator[HeldPorts]:
 
 
 def _silent_streams(ports: HeldPorts, ranks: int) -> list[StreamConfig]:
-    """`ranks` streams with replay endpoints (four sockets each), nobody behind them."""
+    """`ranks` streams with replay endpoints (six sockets each), nobody behind them."""
     return [
         StreamConfig(
             endpoint=ports.endpoint(),
@@ -124,9 +124,9 @@ async def test_streams_past_the_budget_wait_said_once_and_start_when_sockets_fre
     caplog: pytest.LogCaptureFixture, ports: HeldPorts
 ) -> None:
     """A descriptor limit of 512: the context opens 512 sockets, the streams hold 256 of them,
-    64 streams of four. Of a worker of 80 ranks, 16 wait (one WARNING naming the limit, no
-    traceback), and another worker's stream waits behind them; removing a worker lets them
-    in, in order."""
+    42 streams of six (with a replay socket). Of a worker of 80 ranks, 38 wait (one WARNING
+    naming the limit, no traceback), and another worker's stream waits behind them; removing
+    a worker lets them in, in order."""
     caplog.set_level(logging.INFO, logger="indexer")
     with _descriptor_limit(512):
         indexer = await IndexerService().__aenter__()
@@ -135,13 +135,13 @@ async def test_streams_past_the_budget_wait_said_once_and_start_when_sockets_fre
         assert (subs.max_sockets, subs.socket_room) == (512, 256)
         await indexer.add_worker("big", _silent_streams(ports, 80))
         await indexer.add_worker("late", _silent_streams(ports, 1))
-        assert subs.waiting() == [*(f"big#dp{r}" for r in range(64, 80)), "late#dp0"]
-        await asyncio.sleep(0.5)  # the 64 sessions open their sockets meanwhile
+        assert subs.waiting() == [*(f"big#dp{r}" for r in range(42, 80)), "late#dp0"]
+        await asyncio.sleep(0.5)  # the 42 sessions open their sockets meanwhile
         said = [r for r in caplog.records if r.name == "indexer.subscriptions"]
         said = [r for r in said if r.levelno >= logging.WARNING]
         assert len(said) == 1, [r.getMessage() for r in said]  # once per log_interval_s
         line = said[0].getMessage()
-        assert "16 of its 80 KV-event stream(s) wait for zmq sockets" in line, line
+        assert "38 of its 80 KV-event stream(s) wait for zmq sockets" in line, line
         assert "RLIMIT_NOFILE 512" in line and "ulimit -n" in line, line
         # a waiting stream predicts nothing: it never applied anything
         waiting = indexer.health_of("big#dp70")

@@ -211,7 +211,9 @@ async def test_a_pod_replaced_behind_a_service_with_the_same_sockets_is_followed
     pod, still running, kept the router's open connections: putting the streams in doubt
     only had a replay over them prove the old pod again (QA: 24 of 24 false hits over 46 s,
     until the old pod exited). Now the streak subscribes the streams anew, their entries
-    dropped: the new connections reach the new pod, and its pages are predicted."""
+    dropped: the new connections reach the new pod, and its pages are predicted. Its settings
+    read again are the ones it had: it is not registered anew (the re-read compared them with
+    none, once: "runs other settings than it was registered with" at every first streak)."""
     config = ReferenceConfig(time_scale=0.0, page_size=PAGE)
     async with (
         ReferenceWorker(config) as old_pod,
@@ -269,6 +271,11 @@ async def test_a_pod_replaced_behind_a_service_with_the_same_sockets_is_followed
             for body in new + old[STREAK:]:
                 matched, cached = await client.send(body)
                 assert matched == cached > 0
+            assert not [m for m in said_all(caplog) if "runs other settings" in m]
+
+
+def said_all(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
 
 
 async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_a_while(

@@ -8,6 +8,7 @@ import pytest
 
 from router.config import WorkerConfig
 from router.errors import RequestError
+from router.fleet.advertised import replay_proof
 from router.fleet.discovery import needs_discovery, streams_for
 
 
@@ -57,6 +58,43 @@ def test_the_reference_workers_kv_events_block() -> None:
         ("tcp://127.0.0.1:41001", "tcp://127.0.0.1:42001"),
     ]
     assert streams[0].block_size == 16
+
+
+def test_configured_sockets_carry_the_ones_the_worker_advertises() -> None:
+    """A worker configured with events on another PUB (a typo, or a forwarder) and its own
+    replay socket: its streams are not proven, and carry what the worker advertises for
+    their rank, so that a stream whose two sockets disagree can say which is the suspect
+    (`indexer.subscriber`); streams whose sockets are the advertised ones carry them too."""
+    info = {
+        "kv_events": {
+            "publisher": "zmq",  # SGLang 0.5.23's descriptor
+            "endpoint_port_base": 41000,
+            "replay_endpoint_port_base": 42000,
+            "endpoint_host": "127.0.0.1",
+            "dp_size": 2,
+            "block_size": 16,
+            "topic": "",
+        }
+    }
+    worker = WorkerConfig(
+        url="http://127.0.0.1:30000",
+        events="tcp://127.0.0.1:51000",
+        replay="tcp://127.0.0.1:42000",
+        dp_size=2,
+    )
+    streams, note = replay_proof(worker, info, streams_for(worker, info))
+    assert note is not None and "tcp://127.0.0.1:51000" in note
+    assert [(s.replay_proven, s.advertised_endpoint, s.advertised_replay) for s in streams] == [
+        (False, "tcp://127.0.0.1:41000", "tcp://127.0.0.1:42000"),
+        (False, "tcp://127.0.0.1:41001", "tcp://127.0.0.1:42001"),
+    ]
+    right = WorkerConfig(url="http://127.0.0.1:30000")
+    streams, note = replay_proof(right, info, streams_for(right, info))
+    assert note is None
+    assert [(s.replay_proven, s.advertised_endpoint) for s in streams] == [
+        (True, "tcp://127.0.0.1:41000"),
+        (True, "tcp://127.0.0.1:41001"),
+    ]
 
 
 def test_stock_sglang_kv_events_config_with_a_wildcard_bind() -> None:

@@ -1,0 +1,480 @@
+"""A worker whose KV events reach the router through an XSUB/XPUB forwarder, its replay socket
+direct: restarts, and events that come from another worker's PUB.
+
+The router's SUB is connected to the forwarder, which stays up while the worker behind it
+restarts: the SUB never sees the process go. The replay DEALER is connected to the worker's
+process itself, and its connection dropping is the restart candidate (`indexer.subscriber`'s
+`_replay_link`). And events that come from another publisher than the replay socket's (`events`
+on another worker's PUB, the forwarder re-pointed) make the two disagree: nothing is predicted
+until they agree (`_disagree`). Real reference workers, stopped and started again on the same
+ports; a real forwarder (`tests.indexer.forwarder`). No idle probe runs within a test
+(`PROBE_S`): what finds a restart here is not a probe that happens to fall in the right moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import msgspec
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig, StreamConfig
+from indexer.namespace import Namespace
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from tests.indexer.forwarder import Forwarder
+from workers.cache import Namespace as CacheNamespace
+from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
+
+MODEL = "m"
+WORKER = "w"
+PROBE_S = 30.0  # far beyond any test: no idle probe finds what is tested here
+SETTINGS = IndexerConfig(probe_interval_s=PROBE_S, replay_timeout_s=1.0)
+
+
+def tokens(tag: str) -> list[int]:
+    """A prompt of 80 tokens (5 pages of 16) that shares no page with another tag's."""
+    text = (f"[{tag}] " + "lorem ipsum dolor sit amet " * 4).encode()[:80]
+    return [3 + byte for byte in text]
+
+
+class Restartable:
+    """A reference worker that stops and starts again on the same ports (a restart)."""
+
+    def __init__(self, dp_size: int = 1) -> None:
+        self.config = ReferenceConfig(time_scale=0.0, page_size=16, dp_size=dp_size)
+        self.worker: ReferenceWorker | None = None
+
+    async def start(self) -> ReferenceWorker:
+        worker = await ReferenceWorker(self.config).__aenter__()
+        kv = worker.kv_events
+        port = int(worker.url.rpartition(":")[2])
+        self.config = msgspec.structs.replace(
+            self.config,
+            port=port,
+            events_port=kv.endpoint_port_base,
+            replay_port=kv.replay_endpoint_port_base,
+        )
+        self.worker = worker
+        return worker
+
+    async def stop(self) -> None:
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            await worker.__aexit__(None, None, None)
+
+    @property
+    def live(self) -> ReferenceWorker:
+        assert self.worker is not None
+        return self.worker
+
+    def next_seq(self, rank: int = 0) -> int:
+        return self.live.ranks[rank].publisher.next_seq
+
+    def holds(self, prompt: list[int]) -> list[int]:
+        """What each rank caches of `prompt`, from the worker itself."""
+        return self.live.match(CacheNamespace(cache_salt=None), prompt)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def generate(
+    session: aiohttp.ClientSession, worker: ReferenceWorker, prompt: list[int], rank: int = 0
+) -> None:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 1},
+        "routed_dp_rank": rank,
+    }
+    async with session.post(f"{worker.url}/generate", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+def predicted(svc: IndexerService, prompt: list[int]) -> list[int]:
+    """The tokens of `prompt` the index predicts on each rank of the worker."""
+    return [r.matched_tokens for r in svc.query(Namespace(MODEL, None, None), prompt)[WORKER].ranks]
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():  # noqa: ASYNC110 (the service has no event for these)
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def streams_of(svc: IndexerService) -> list[StreamState]:
+    return [s.state for s in sorted(svc.streams(), key=lambda s: s.dp_rank)]
+
+
+async def forwarded_worker(
+    svc: IndexerService, worker: Restartable, forwarders: list[Forwarder]
+) -> None:
+    """Subscribe `worker`: each rank's events through its forwarder, its replay direct (and
+    wait until the subscriptions reached the worker: a batch published before is lost)."""
+    kv = worker.live.kv_events
+    await svc.add_worker(
+        WORKER,
+        [
+            StreamConfig(
+                endpoint=fwd.endpoint,
+                replay_endpoint=replay,
+                block_size=16,
+                model=MODEL,
+                dp_rank=rank,
+                replay_proven=False,  # its advertised event sockets are not these
+            )
+            for rank, (fwd, replay) in enumerate(zip(forwarders, kv.replay_endpoints, strict=True))
+        ],
+    )
+    for fwd in forwarders:
+        await fwd.subscribed()
+
+
+async def test_a_restart_behind_a_forwarder_whose_next_batch_follows_on_is_found(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The forwarder's path to the worker is away while the worker restarts: the new
+    process's batches up to the dead run's last seq L are lost, and its batch L + 1 arrives
+    live. It followed on in seq and was applied; it then was the fence every later probe
+    proved against the new process: the dead process's P was predicted for good (QA: 288
+    tokens, 0 cached). Its replay connection dropped with the dead process: now the stream
+    predicts nothing from then on, and the proof once it is back finds the restart."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        async with (
+            Forwarder(ctx, worker.live.kv_events.endpoint) as fwd,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd.connected(1)
+            await forwarded_worker(svc, worker, [fwd])
+            P = tokens("dead")
+            for i in range(4):  # the dead run: seqs 0 (startup) .. L
+                await generate(session, worker.live, tokens(f"dead-{i}"))
+            await generate(session, worker.live, P)
+            last = worker.next_seq() - 1
+            await until(
+                lambda: (
+                    svc.streams()[0].last_seq == last and streams_of(svc) == [StreamState.SYNCED]
+                ),
+                "the dead run applied",
+            )
+            assert predicted(svc, P) == [80]
+
+            fwd.dropping = True  # its path to the worker is away a moment
+            await worker.stop()
+            await worker.start()
+            await fwd.connected(2)  # the forwarder reaches the new process (and drops)
+            i = 0
+            while worker.next_seq() < last + 1:  # its batches up to seq L are lost
+                await generate(session, worker.live, tokens(f"lost-{i}"))
+                i += 1
+            assert worker.next_seq() == last + 1 and fwd.dropped > 0
+            fwd.dropping = False
+            R = tokens("new")
+            forwarded = fwd.forwarded
+            await generate(session, worker.live, R)  # seq L + 1: follows on the dead run
+            await until(lambda: fwd.forwarded > forwarded, "the new batch to be forwarded")
+            await until(
+                lambda: predicted(svc, R) == [80] and streams_of(svc) == [StreamState.SYNCED],
+                "the new process's batch to be predicted",
+            )
+            assert worker.holds(P) == [0]
+            assert predicted(svc, P) == [0]  # the dead process's page is not predicted
+            await asyncio.sleep(0.5)
+            assert predicted(svc, P) == [0]
+            assert svc.streams()[0].restarts >= 1
+    finally:
+        await worker.stop()
+
+
+async def test_a_worker_dying_behind_forwarders_predicts_nothing_at_once(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two dp ranks, each rank's events through a forwarder: a restart was invisible until
+    a new batch or a probe (QA: the first request after a 0.3 s restart matched 288, 0
+    cached; both ranks stayed synced ~0.7 s). Each rank's replay connection drops with the
+    process: both predict nothing at once, before any batch of the new process, and are
+    rebuilt from it once it is back (the quiet rank 1 too)."""
+    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    worker = Restartable(dp_size=2)
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        async with (
+            Forwarder(ctx, kv.endpoints[0]) as fwd0,
+            Forwarder(ctx, kv.endpoints[1]) as fwd1,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd0.connected(1)
+            await fwd1.connected(1)
+            await forwarded_worker(svc, worker, [fwd0, fwd1])
+            synced = [StreamState.SYNCED] * 2
+            P = tokens("dead")
+            for rank in range(2):
+                await generate(session, worker.live, P, rank)
+            await until(lambda: predicted(svc, P) == [80, 80], "P on both ranks")
+
+            await worker.stop()
+            # nothing of the new process has come (no batch, no probe): the drop alone
+            await until(lambda: predicted(svc, P) == [0, 0], "both ranks to predict nothing")
+            assert StreamState.SYNCED not in streams_of(svc)
+            assert "the replay connection dropped" in caplog.text
+
+            await worker.start()
+            await until(lambda: streams_of(svc) == synced, "both ranks proven or rebuilt")
+            await fwd0.connected(2)  # (its subscriptions reach the new process)
+            assert worker.holds(P) == [0, 0] and predicted(svc, P) == [0, 0]
+            Q = tokens("new")
+            await generate(session, worker.live, Q, 0)
+            await until(lambda: predicted(svc, Q) == [80, 0], "the new process's batch")
+            assert predicted(svc, P) == [0, 0]
+    finally:
+        await worker.stop()
+
+
+async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entries(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replay socket's connection drops and comes back, the worker unchanged (a network
+    blip): the stream predicts nothing meanwhile and is proven once it is back, its entries
+    kept (the proof's fence is the very batch it applied)."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        async with (
+            Forwarder(ctx, kv.endpoint) as fwd,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd.connected(1)
+            # the replay socket through a forwarder of its own: dropped and made again
+            # without the worker knowing
+            relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+            await relay.start()
+            try:
+                await svc.add_worker(
+                    WORKER,
+                    [
+                        StreamConfig(
+                            endpoint=fwd.endpoint,
+                            replay_endpoint=f"tcp://127.0.0.1:{relay.port}",
+                            block_size=16,
+                            model=MODEL,
+                        )
+                    ],
+                )
+                await until(lambda: streams_of(svc) == [StreamState.SYNCED], "the stream")
+                P = tokens("kept")
+                await generate(session, worker.live, P)
+                await until(lambda: predicted(svc, P) == [80], "P predicted")
+                caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+                before = svc.streams()[0]
+                verified = before.verifications
+                await relay.cut()  # the open connections go; new ones are taken again
+                await until(lambda: "the replay connection dropped" in caplog.text, "the drop")
+                await until(
+                    lambda: (
+                        svc.streams()[0].verifications > verified
+                        and streams_of(svc) == [StreamState.SYNCED]
+                    ),
+                    "the proof once it is back",
+                )
+                assert predicted(svc, P) == [80]
+                stats = svc.streams()[0]
+                assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
+            finally:
+                await relay.close()
+    finally:
+        await worker.stop()
+
+
+class _TcpRelay:
+    """A loopback TCP relay to `target` whose open connections can be cut."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()
+
+    async def close(self) -> None:
+        await self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+async def _never_predicted(
+    svc: IndexerService, prompts: list[list[int]], seconds: float
+) -> list[tuple[int, list[int]]]:
+    """Every (prompt index, prediction) with a token predicted, polled for `seconds`."""
+    seen: list[tuple[int, list[int]]] = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        seen += [(i, p) for i, prompt in enumerate(prompts) if any(p := predicted(svc, prompt))]
+        await asyncio.sleep(0.01)
+    return seen
+
+
+async def test_events_of_another_workers_pub_predict_nothing_and_the_log_says_which(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`events` on another worker's PUB, `replay` right (QA: the router blamed the replay
+    socket, "another publisher's", and followed the wrong events: the other worker's prompts
+    predicted here for good). The two disagree: the stream predicts nothing, and one ERROR
+    names both sockets and, by what the worker advertises, the event socket as the suspect."""
+    caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+    own, other = Restartable(), Restartable()
+    await own.start()
+    await other.start()
+    try:
+        async with IndexerService(SETTINGS) as svc, aiohttp.ClientSession() as session:
+            history = tokens("own-history")
+            await generate(session, own.live, history)  # buffered in its replay socket
+            mine, theirs = own.live.kv_events, other.live.kv_events
+            await svc.add_worker(
+                WORKER,
+                [
+                    StreamConfig(
+                        endpoint=theirs.endpoint,  # the typo
+                        replay_endpoint=mine.replay_endpoint,
+                        block_size=16,
+                        model=MODEL,
+                        replay_proven=False,  # (its advertised event socket is not this)
+                        advertised_endpoint=mine.endpoint,
+                        advertised_replay=mine.replay_endpoint,
+                    )
+                ],
+            )
+            await asyncio.sleep(0.3)  # the SUB connects (a batch before it is lost)
+            prompts = [tokens(f"other-{i}") for i in range(4)]
+            for prompt in prompts:
+                await generate(session, other.live, prompt)
+                await generate(session, own.live, tokens(f"own-{prompts.index(prompt)}"))
+            seen = await _never_predicted(svc, [history, *prompts], 1.5)
+            assert not seen, seen  # (index 0: this worker's own history)
+            assert streams_of(svc) == [StreamState.UNVERIFIED]
+            line = caplog.text
+            assert (
+                f"its event socket {theirs.endpoint} and its replay socket "
+                f"{mine.replay_endpoint} disagree about the publisher"
+            ) in line
+            assert "another publisher's" not in line  # no socket is blamed on the bytes alone
+            assert (
+                "the replay socket is the one the worker advertises and the event socket is "
+                f"not (it advertises {mine.endpoint}): check `events`"
+            ) in line
+    finally:
+        await own.stop()
+        await other.stop()
+
+
+async def test_a_forwarder_repointed_at_another_pub_predicts_nothing_until_it_is_back(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The forwarder the worker's events come through is re-pointed at another worker's PUB
+    (QA: that worker's batch at the seq applied showed as an "odd frame", skipped, and its
+    next one, following on, was applied: its prompts predicted here). The live stream and the
+    replay socket disagree: nothing is predicted; once the forwarder is back on the worker,
+    its next batch is one the replay socket gives back, and the stream is rebuilt from it."""
+    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    own, other = Restartable(), Restartable()
+    await own.start()
+    await other.start()
+    try:
+        mine, theirs = own.live.kv_events, other.live.kv_events
+        async with (
+            Forwarder(ctx, mine.endpoint) as fwd,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd.connected(1)
+            await svc.add_worker(
+                WORKER,
+                [
+                    StreamConfig(
+                        endpoint=fwd.endpoint,
+                        replay_endpoint=mine.replay_endpoint,
+                        block_size=16,
+                        model=MODEL,
+                        # the worker advertises these very sockets (a forwarder's address)
+                        advertised_endpoint=fwd.endpoint,
+                        advertised_replay=mine.replay_endpoint,
+                    )
+                ],
+            )
+            await fwd.subscribed()
+            P = tokens("own")
+            await generate(session, own.live, P)
+            await until(lambda: predicted(svc, P) == [80], "P predicted")
+            # the other worker has published as many batches as this one: its next one
+            # lands on the seq applied last
+            while other.next_seq() < own.next_seq() - 1:
+                await generate(session, other.live, tokens(f"other-early-{other.next_seq()}"))
+            fwd.repoint(theirs.endpoint)
+            await fwd.connected(2)
+            prompts = [tokens(f"other-{i}") for i in range(4)]
+            for prompt in prompts:
+                await generate(session, other.live, prompt)
+            seen = await _never_predicted(svc, prompts, 1.0)
+            assert not seen, seen
+            assert predicted(svc, P) == [0]  # this worker's evictions are not heard now
+            assert streams_of(svc) == [StreamState.UNVERIFIED]
+            assert "both are the sockets the worker advertises" in caplog.text
+
+            fwd.repoint(mine.endpoint)
+            await fwd.connected(3)
+            await asyncio.sleep(1.0)  # (`_AGREE_EVERY_S` since the last batch asked for)
+            W = tokens("own-again")
+            await generate(session, own.live, W)
+            await until(
+                lambda: predicted(svc, W) == [80] and streams_of(svc) == [StreamState.SYNCED],
+                "the stream rebuilt once they agree",
+            )
+            assert "agree again" in caplog.text
+            assert predicted(svc, P) == [80]  # rebuilt from the worker's own buffer
+            assert not any(any(predicted(svc, prompt)) for prompt in prompts)
+    finally:
+        await own.stop()
+        await other.stop()
