@@ -39,7 +39,9 @@ class StreamState(enum.StrEnum):
     # batches are known missing (a gap, or one that did not decode) and are being fetched again
     DEGRADED = "degraded"
     # the publisher may have restarted (the event connection dropped, or the worker's health
-    # check came back from down) and the replay has not proven it is the same process yet
+    # check came back from down) and the replay has not proven it is the same process yet;
+    # also a stream whose tail is not known whole: its probe went unanswered, or a probe found
+    # batches the connected SUB never delivered (the live path may be deaf: until a live batch)
     UNVERIFIED = "unverified"
     STALE = "stale"  # no message for stale_after_s (idle or dead worker)
 
@@ -92,6 +94,9 @@ class StreamStats(msgspec.Struct):
     last_event_age_s: float | None
     entries: int  # blocks held now
     probes: int = 0  # catch-up replay requests made while the stream was quiet
+    # of those, the ones that brought batches the connected SUB never delivered (the event
+    # path may be deaf): the stream then predicts nothing until a live batch follows on
+    undelivered_tails: int = 0
     # batches that failed to decode and were fetched again through the replay socket
     refetches: int = 0
     # batches that could not be decoded even from the replay: the stream was cleared for them
@@ -170,6 +175,7 @@ _COUNTERS = (
     "block_size_mismatches",
     "skipped_events",
     "probes",
+    "undelivered_tails",
     "refetches",
     "lost_batches",
     "unanswered_replays",
@@ -215,6 +221,7 @@ def stream_stats(
     clears: int = 0,
     replays: int = 0,
     probes: int = 0,
+    undelivered_tails: int = 0,
     refetches: int = 0,
     lost_batches: int = 0,
     unanswered_replays: int = 0,
@@ -248,6 +255,7 @@ def stream_stats(
         last_event_age_s=last_event_age_s,
         entries=entries,
         probes=probes,
+        undelivered_tails=undelivered_tails,
         refetches=refetches,
         lost_batches=lost_batches,
         unanswered_replays=unanswered_replays,

@@ -44,7 +44,13 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   clear or a restart, a proof) is a catch-up: each batch it applies is a past state of the
   worker's cache (a page stored early in the buffer and evicted later is held until its
   eviction is read), so the stream is SYNCING, which predicts nothing, until the answer ended
-  (or a live batch followed on it) and the loop found no live batch left queued (`_catch_up`).
+  (or a live batch followed on it) and the loop found no live batch left queued (`_catch_up`);
+  an answer asked before the SUB connected does not end it: once connected, the replay is
+  read once more (`_hear_end`), as what was published in between reached nobody;
+- an idle probe, asked with the SUB connected and the stream caught up, that brings batches
+  the SUB never delivered: the live path may be deaf (a forwarder that lost its upstream, its
+  SUB connection up), so the stream predicts nothing (UNVERIFIED) until a live batch follows
+  on (`_found_undelivered`).
 
 Epoch fence (`indexer.fence`): seqs cannot tell a restarted publisher from the old one, so
 every replay that continues the stream asks from the last applied seq, not the one after
@@ -297,6 +303,19 @@ class StreamSubscriber:
         # buffer was predicted as it was read: a page stored early and evicted later in it
         # was a false hit (QA: 288 tokens matched, 0 cached) for as long as the reading took
         self._catch_up: _CatchUp | None = None
+        # the catch-up's answer that ended it was asked before the SUB was connected: batches
+        # published after it and before the connection were never delivered (a PUB drops for a
+        # subscriber not connected yet), so once connected the replay is read once more
+        # (`_hear_end`) before the catch-up ends. Before, it ended at the connect: a flush in
+        # that window was predicted until the next probe (QA: 288 tokens matched, 0 cached)
+        self._end_unheard = False
+        # an idle probe, asked with the SUB connected and the stream caught up, found batches
+        # the SUB never delivered: the live path may be deaf (a forwarder that lost its
+        # upstream, a hop swallowing bytes, the connection up), so the stream predicts nothing
+        # (UNVERIFIED) until a live batch follows on what it holds (`_found_undelivered`).
+        # Before, it was trusted again once the probe's batches were applied: each eviction
+        # since was a false hit until the next probe, for good (QA: 4 of 4 rounds, 2 s each)
+        self._live_unproven = False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         # the replay DEALER's connection dropped and has not come back (`_replay_link`): a
@@ -346,6 +365,7 @@ class StreamSubscriber:
         self.verifications = 0
         self.rank_mismatches = 0  # batches that said another dp rank than the stream's
         self.dead_batches = 0  # live batches of a restarted publisher's dead process, skipped
+        self.undelivered_tails = 0  # idle probes that found batches the connected SUB missed
         self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
@@ -424,8 +444,14 @@ class StreamSubscriber:
                         # is connected: one that is not hears nothing published after the
                         # answer (an events port wrong or unreachable, the replay socket
                         # right), and the catch-up would be trusted, each eviction since a
-                        # false hit until the next probe
-                        self._caught_up()
+                        # false hit until the next probe; nor, once connected, before a
+                        # replay asked since has answered (`_end_unheard`)
+                        if not self._end_unheard:
+                            self._caught_up()
+                        elif self._retry_ms is None:
+                            await self._hear_end()
+                            continue
+                        # else its answer did not come: asked again on the retry's timer
                     probing = probing and not self._replay_foreign
                     # a pending rebuild is asked for again sooner than a probe, and even when
                     # probing is off: nothing else reads a quiet new process's buffer
@@ -734,6 +760,7 @@ class StreamSubscriber:
                 "applied on top of it"
             )
         self._tail_proven(True)  # nothing to ask about the tail: as without a replay socket
+        self._live_unproven = False  # the tails it showed are no evidence: it is another's
         self._catch_up = None  # what it gave is gone, or it gave nothing: no past is held
         if self.tracker.last is not None:
             self._set_phase(StreamState.SYNCED)
@@ -863,7 +890,7 @@ class StreamSubscriber:
         unproven = (
             self._unverified
             or self._replay_unconfirmed
-            or (self._tail_unproven and holds)
+            or ((self._tail_unproven or self._live_unproven) and holds)
             or self._disagreeing is not None
         )
         if unproven:
@@ -883,15 +910,34 @@ class StreamSubscriber:
             self._catch_up = _CatchUp.READING
             self._show_state()
 
-    def _reached_end(self) -> None:
+    def _reached_end(self, *, heard: bool = True) -> None:
         """The catch-up's answer ended, or a live batch followed on what it gave: the live
-        batches queued meanwhile are all that is left of the past (`_caught_up`)."""
-        if self._catch_up is _CatchUp.READING:
-            self._catch_up = _CatchUp.DRAINING
+        batches queued meanwhile are all that is left of the past (`_caught_up`). `heard`:
+        the answer was asked with the SUB connected (a live batch: it is), so every batch
+        published after it reaches the SUB; else one more replay is read once it is
+        connected (`_hear_end`)."""
+        if self._catch_up is None:
+            return
+        self._catch_up = _CatchUp.DRAINING
+        self._end_unheard = not heard
+
+    async def _hear_end(self) -> None:
+        """The SUB connected after the catch-up's answer was asked: what was published
+        between that answer and the connection reached nobody, so the replay is read once
+        more from the last applied seq (a probe: the fence, a restart checked). Its answer,
+        asked with the SUB connected, ends the catch-up; anything after it arrives live. One
+        replay round trip more at a join (the catch-up probe runs as the SUB connects)."""
+        if self._has_replay:
+            await self._probe()
+        if not self._has_replay:
+            self._end_unheard = False  # none to ask (found another's): the live batches only
+        elif self._end_unheard and self._retry_ms is None:
+            self._retry_soon()  # no answer: asked again after a wait, not at once
 
     def _caught_up(self) -> None:
         """The SUB holds no live batch more: the stream is the publisher's present again."""
         self._catch_up = None
+        self._end_unheard = False
         self._show_state()
 
     def _enter(self, state: StreamState) -> None:
@@ -1040,10 +1086,12 @@ class StreamSubscriber:
                 self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
             if self._tail_unproven:  # it follows on: nothing was dropped before it
                 self._tail_proven(True)
+            self._live_delivered(msg.seq, msg.payload)
             self._reached_end()  # (a catch-up's: the live stream carries it on)
             self._suspect = None  # (a live seq skipped before this one was not real)
             self._set_phase(StreamState.SYNCED)
         elif decision.verdict is SeqVerdict.DUPLICATE:
+            self._live_delivered(msg.seq, msg.payload)
             if self._suspect is not None and msg.seq < self._suspect:
                 # a live batch below the skipped seq, after it: live seqs only grow, so that
                 # one was not real (the repair that skipped it had read past this batch)
@@ -1258,6 +1306,7 @@ class StreamSubscriber:
             if doubt is not None:
                 self._set_tainted(f"a batch at a seq the dead run used too was applied ({doubt})")
             self._reached_end()  # (a catch-up's: the live stream carries it on)
+        self._live_delivered(seq, payload)  # (applied, or the repair ran ahead to it)
         self._set_phase(StreamState.SYNCED)
         self._notify_last()  # replayed messages notify only once repaired
 
@@ -1271,6 +1320,10 @@ class StreamSubscriber:
         before = self.tracker.last
         joining = not self._joined
         rebinds = self._rebinds
+        # the SUB connected and the stream caught up when asked: every batch published since
+        # the last answer or live batch should have reached the SUB, so one this brings it
+        # did not deliver (`_found_undelivered`)
+        watched = self._connected and self._catch_up is None and not self._unverified
         self.probes += 1
         # Ask from the last applied seq, not the one after it: its batch must come back
         # unchanged (the fence), and an answer without it means the seqs went back (a restart
@@ -1316,6 +1369,8 @@ class StreamSubscriber:
             self.replays += 1
             if not joining:
                 self.gaps += 1
+            if watched and self.restarts == restarts:
+                self._found_undelivered(before, after)
             self._notify(after)
         if not answered:
             if self._retry_ms is not None or self.restarts != restarts:
@@ -1328,6 +1383,41 @@ class StreamSubscriber:
             self._tail_proven(False)
             return
         self._heard_whole()
+
+    def _found_undelivered(self, before: int | None, after: int) -> None:
+        """An idle probe, asked with the SUB connected and the stream caught up, brought
+        batches up to `after` that the SUB never delivered. A PUB at its high-water mark drops
+        some; a live path that is deaf drops all (a ZMQ forwarder that lost its upstream, a
+        TCP hop swallowing bytes: the SUB's connection to it stays up, so nothing else tells),
+        and each eviction would be a false hit until the next probe. Nothing tells the two
+        apart but the next live batch: until one follows on, the stream predicts nothing
+        (UNVERIFIED), however many probes find nothing more (an idle worker stays untrusted
+        until it publishes; a busy one's next batch, milliseconds away, trusts it again)."""
+        self.undelivered_tails += 1
+        first = 0 if before is None else before + 1
+        self._warn(
+            "undelivered",
+            f"the idle probe found batches {first}..{after} the connected event socket never "
+            f"delivered (undelivered_tails {self.undelivered_tails}): the event path may be "
+            "deaf (a forwarder that lost its upstream, a hop dropping bytes) or the publisher "
+            "dropped them at its high-water mark; the stream predicts nothing until a live "
+            "batch follows on",
+        )
+        if not self._live_unproven:
+            self._live_unproven = True
+            self._show_state()
+
+    def _live_delivered(self, seq: int, payload: bytes) -> None:
+        """Live batch `seq` came and the stream stands at it: applied (it followed on), or
+        the same bytes a replay applied last (a probe or a repair ran ahead to it while it was
+        in flight). The live path delivers up to the present: trusted again. (A live copy
+        below the last applied seq proves nothing yet: the copies after it are to come.)"""
+        if not self._live_unproven or seq != self.tracker.last:
+            return
+        if self._last_live != seq and not self._is_replayed(seq, payload):
+            return
+        self._live_unproven = False
+        self._show_state()
 
     async def _check_restart(self, last: int) -> bool | None:
         """Clear and rebuild the stream when the publisher's newest buffered seq is below ours;
@@ -1362,6 +1452,7 @@ class StreamSubscriber:
         continuity = _Continuity.NONE
         rebinds = self._rebinds
         live = self.tracker.live
+        heard = self._connected  # what is published after its answer reaches the SUB
         if last is None or self._unverified:
             # a rebuild from the buffer (a join, after a clear), or a proof that may bring a
             # snapshot's stream forward by thousands of batches: the past until caught up
@@ -1402,7 +1493,7 @@ class StreamSubscriber:
             )
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
-        self._reached_end()  # (a catch-up's: its buffer is read to the end)
+        self._reached_end(heard=heard)  # (a catch-up's: its buffer is read to the end)
         return _ReplayResult(True, newest, continuity)
 
     def _take_reply(
@@ -1915,4 +2006,5 @@ class StreamSubscriber:
             lost_batches=self.lost_batches,
             unanswered_replays=self.unanswered_replays,
             dead_batches=self.dead_batches,
+            undelivered_tails=self.undelivered_tails,
         )

@@ -45,6 +45,11 @@ _STREAM_COUNTERS = (
     ("blocks_removed", "kvroute_stream_blocks_removed", "Blocks removed by the events applied"),
     ("probes", "kvroute_stream_probes", "Catch-up replay requests made while the stream was quiet"),
     (
+        "undelivered_tails",
+        "kvroute_stream_undelivered_tails",
+        "Idle probes that found batches the connected event socket never delivered",
+    ),
+    (
         "refetches",
         "kvroute_stream_refetches",
         "Batches that did not decode and were fetched again through the replay socket",

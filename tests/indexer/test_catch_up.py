@@ -24,6 +24,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import Event, EventBatch, Removed, Stored, TokenId
+from indexer.protocol.frames import build_live
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from tests.indexer.scripted import ScriptedPublisher
@@ -229,19 +230,51 @@ async def test_a_tail_the_idle_probe_finds_is_the_past_until_caught_up(
     """A synced stream whose publisher's batches were dropped with the connection up (a PUB
     at its high-water mark, a lossy hop): the idle probe reads them from the replay socket.
     They are the worker's past, the prompt stored and evicted in them: the stream predicts
-    nothing from the first batch the probe brings until it is caught up. Before, the probe
-    applied them while `synced` (QA: 304 tokens predicted, 0 cached, during the read)."""
+    nothing from the first batch the probe brings until it is caught up, and (the live path
+    having delivered none of them) until a live batch follows on. Before, the probe applied
+    them while `synced` (QA: 304 tokens predicted, 0 cached, during the read)."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(config(probe=True)) as svc:
         await svc.add_worker(WORKER, [stream(pub)])
         seq = await live_until_received(svc, pub)
         await until(caught_up(svc, seq))
         async with Watch(svc) as watch:
             last = await history(pub)  # every live copy dropped: only the probe finds them
+            await until(lambda: svc.streams()[0].last_seq == last)
+            await until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+            last = await pub.publish(filler(FILL + 10))  # a live batch follows on
             await until(caught_up(svc, last))
         assert watch.predicted == []
         assert watch.held_unpredicted > 0  # the probe did apply the evicted prompt
         (stats,) = svc.streams()
         assert stats.gaps == 1 and stats.restarts == 0 and stats.clears == 0
+        assert stats.undelivered_tails == 1
+
+
+async def test_the_live_copy_of_the_batch_a_probe_ran_ahead_to_trusts_the_stream_again(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A probe finds the newest batch before its live copy arrives (in flight, or late): the
+    stream is `unverified` (nothing yet shows the live path delivers), and the live copy of
+    that very batch, the same bytes, shows it does: `synced`, without waiting for another
+    batch. A live copy of an older batch does not (the copies after it are still to come)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(config(probe=True)) as svc:
+        await svc.add_worker(WORKER, [stream(pub)])
+        seq = await live_until_received(svc, pub)
+        await until(caught_up(svc, seq))
+        older = await pub.publish(filler(0), drop=True)
+        last = await pub.publish(prompt_stored(), drop=True)
+        await until(lambda: svc.streams()[0].last_seq == last)
+        await until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+        copies = dict(pub.buffer)
+        await pub.send_raw(build_live(pub.topic, older, copies[older]))
+        probes = svc.streams()[0].probes
+        await until(lambda: svc.streams()[0].probes > probes)  # read, and a probe since
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        assert svc.query(NS, PROMPT)[WORKER].matched_tokens == 0
+        await pub.send_raw(build_live(pub.topic, last, copies[last]))
+        await until(caught_up(svc, last))
+        assert svc.query(NS, PROMPT)[WORKER].matched_tokens == 4 * PAGE
+        assert svc.streams()[0].undelivered_tails == 1
 
 
 async def test_an_idle_probe_that_finds_nothing_missing_keeps_the_stream_synced(
