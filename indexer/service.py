@@ -188,6 +188,12 @@ class IndexerService:
             self._watch.start()
         return self
 
+    @property
+    def stream_descriptors(self) -> int:
+        """The file descriptors this process's streams may hold (`Subscriptions.
+        descriptor_room`; none when fed: a fed stream opens no socket), known once entered."""
+        return 0 if self.fed is not None else self._subs.descriptor_room
+
     async def __aexit__(self, *exc: object) -> None:
         try:
             if self._watch is not None:

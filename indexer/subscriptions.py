@@ -18,7 +18,9 @@ side keeps the rest. A stream that does not fit waits, subscribed to nothing (it
 hit: fail closed), until a worker's removal frees sockets, first come first served; that is
 said in one WARNING line per `log_interval_s` naming the limit to raise (`ulimit -n`), not a
 traceback per retry. The soft limit is not raised here: as for `limits.max_connections`
-(`router.http.listener.connection_cap`), the operator's limit stands and is named.
+(`router.http.listener.connection_cap`), the operator's limit stands and is named. The
+descriptors the streams may hold (`descriptor_room`) are kept out of the listener's connection
+budget, so client connections never take the ones a stream admitted later would need.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from indexer.subscriber import StreamSubscriber
 __all__ = ["Subscriptions", "socket_budget", "stream_id", "stream_worker"]
 
 log = logging.getLogger(__name__)
+
+# the descriptors of a stream's sockets, three for two: its SUB and its DEALER a mailbox and a
+# TCP connection each, its two monitor PAIRs a mailbox each (six for four sockets, four for
+# three; a router following one worker of 100 ranks with replay holds 622 descriptors)
+_DESCRIPTORS_PER_TWO_SOCKETS = 3
 
 
 def socket_budget(socket_limit: int) -> tuple[int, int | None]:
@@ -113,6 +120,13 @@ class Subscriptions:
         """The sockets the streams may hold together: half of `max_sockets` (the rest leaves
         room for sockets closed but not yet reaped by libzmq, and descriptors for the rest)."""
         return self.max_sockets // 2
+
+    @property
+    def descriptor_room(self) -> int:
+        """The file descriptors the streams may hold together: `socket_room`'s sockets, three
+        descriptors for two (0 before the context is entered, or for a process that never
+        enters it)."""
+        return -(-self.socket_room * _DESCRIPTORS_PER_TWO_SOCKETS // 2)
 
     def waiting(self) -> list[str]:
         """The streams waiting for zmq sockets (subscribed to nothing yet), in order."""

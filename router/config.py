@@ -338,7 +338,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # oldest held one is routed at once (the worker queues it) and the new one held in its
     # place (0: none is held). A held request's deadline is its timeouts.request_s, as anywhere
     max_held_requests: Annotated[int, msgspec.Meta(ge=0)] = 1024
-    # open client connections; one more gets a 503 (lowered to what RLIMIT_NOFILE can hold)
+    # open client connections; one more gets a 503 (lowered to what RLIMIT_NOFILE can hold
+    # beside the KV-event streams' share: `router.http.listener.connection_cap`)
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
     # a keep-alive connection with no request for this long is closed (above the 60 s idle
     # timeout of common load balancers, so they never reuse a connection the router closed)

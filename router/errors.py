@@ -19,6 +19,8 @@ RouterError                    500 unless a subclass says otherwise
 │                              models are not known yet (it may be theirs)
 ├── HoldTimeoutError           504: the deadline passed while held in the router (never sent)
 ├── TooManyConnectionsError    503: the listener is at limits.max_connections
+├── OutOfResourcesError        503: the router ran out of descriptors or socket memory opening a
+│                              connection to a worker (the worker not blamed)
 └── UpstreamError              502: every worker tried failed before answering
     └── UpstreamTimeoutError   504: the per-request deadline passed
 """
@@ -36,6 +38,7 @@ __all__ = [
     "ModelUnavailableError",
     "NoWorkerError",
     "NotFoundError",
+    "OutOfResourcesError",
     "PayloadTooLargeError",
     "ReloadError",
     "RequestError",
@@ -236,6 +239,18 @@ class TooManyConnectionsError(RouterError):
     """A connection beyond `limits.max_connections`: answered at once, then closed."""
 
     status = 503
+
+
+class OutOfResourcesError(RouterError):
+    """The router could not open a connection to a worker: its own descriptor limit, the
+    system's, or the kernel's socket memory ran out. No fault of the worker (not charged to
+    it), and no other worker would fare better (not retried)."""
+
+    status = 503
+
+    def headers(self) -> dict[str, str]:
+        """A passing state (connections close, descriptors free): worth a retry soon."""
+        return {"Retry-After": "1"}
 
 
 class UpstreamError(RouterError):

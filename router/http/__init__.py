@@ -6,6 +6,9 @@ upstream hop: retries; the answer back through `answer_relay`) -> `intake` (body
 header within the limits, parsed by `router.prompt`) -> `router.routing` for the decision.
 
 - `answer_relay`: the worker's answer passed through to the client, whole or streamed;
+- `hop_headers`: the hop-by-hop headers, and those a `Connection` field names, never forwarded;
+- `local_shortage`: a connection to a worker the router cannot open for want of its own
+  descriptors or socket memory: its 503, nobody charged;
 - `outcome`: what a forwarded request counts as (499, 502: `answer_code`) and whose fault its
   failures were (`charge`);
 - `rank_refusal`: a worker refusing the dp rank the router told it, and the rank-less retry;

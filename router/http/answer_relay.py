@@ -2,7 +2,8 @@
 
 The answer gets the router's own headers (the worker, the predicted and raw matches, the
 forecast, the rank told: `WORKER_HEADER`...), hop-by-hop headers dropped (`HOP_BY_HOP`, and
-those its `Connection` names: `connection_named`; the request's copy follows the same rule). A
+those its `Connection` names: `router.http.hop_headers`; the request's copy follows the same
+rule). A
 whole answer is sent as one; a stream is forwarded chunk by chunk, and its response headers
 only sent once the worker produced its first chunk, so a worker that dies before answering is
 retried too (`AttemptFailed`). A stream cut after that is no retry: the client's connection is
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from router.errors import UpstreamTimeoutError
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
+from router.http.hop_headers import HOP_BY_HOP, copy_headers
 from router.http.metrics import DEADLINE_CUT
 from router.http.observe import observation
 from router.http.outcome import AttemptFailed, client_left, mark_broken_off
@@ -36,15 +38,12 @@ from router.routing.planner import Candidate, Planner
 __all__ = [
     "DP_RANK_HEADER",
     "FORECAST_HEADER",
-    "HOP_BY_HOP",
     "MATCHED_HEADER",
     "PENDING_HEADER",
     "RAW_MATCHED_HEADER",
     "RAW_PENDING_HEADER",
     "WORKER_HEADER",
     "AnswerHooks",
-    "connection_named",
-    "copy_headers",
     "relay_answer",
 ]
 
@@ -59,58 +58,6 @@ RAW_PENDING_HEADER = "x-kvroute-raw-pending-tokens"
 # when the forecast kept less than the raw match: why the rest is lost (`AdmissionForecast.cause`)
 FORECAST_HEADER = "x-kvroute-forecast-lost"
 DP_RANK_HEADER = "x-kvroute-dp-rank"  # only when the engine was told a rank
-
-# hop-by-hop and framing headers are the proxy's own business on each side (both ways)
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "host",
-        "date",
-        "server",
-    )
-)
-
-
-# `Connection` options that name no header but a hop-by-hop one already dropped (`close`
-# names none): a whole value that is one of them, the common case, is not parsed
-_PLAIN_CONNECTION = frozenset(("keep-alive", "close"))
-
-
-def connection_named(values: Iterable[str]) -> list[str]:
-    """The header names (lower case) that the `Connection` field `values` name, but keep-alive
-    and close: hop-by-hop too (RFC 9110 7.6.1), this hop's only, never forwarded."""
-    named: list[str] = []
-    for value in values:
-        if value.lower() in _PLAIN_CONNECTION:
-            continue
-        for token in value.split(","):
-            name = token.strip().lower()
-            if name and name not in _PLAIN_CONNECTION:
-                named.append(name)
-    return named
-
-
-def copy_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """`headers` without the ones in `drop` nor the ones their `Connection` names."""
-    # copy, then delete: multidict does the case folding in C (3x faster than filtering here)
-    out = CIMultiDict(headers)
-    connection = out.getall("Connection", ())
-    for name in drop:
-        if name in out:
-            del out[name]
-    if connection:
-        for name in connection_named(connection):
-            out.popall(name, None)
-    return out
 
 
 class AnswerHooks:

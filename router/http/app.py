@@ -52,9 +52,9 @@ from router.http.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.http.listener import ADMIN_PREFIX, ADMIN_TOKEN, DIRECT_ROUTES
+from router.http.listener import ADMIN_PREFIX, ADMIN_TOKEN, DIRECT_ROUTES, STREAM_DESCRIPTORS
 from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
+from router.http.observe import REQUEST_ID_HEADER, client_request_id, well_formed_request_id
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
@@ -162,7 +162,7 @@ async def answer_errors(
         if model is None:
             model = request.get(REQUEST_MODEL, "")
         metrics.rejected.labels(route(), kind, model).inc()
-    given_id = request.headers.get(REQUEST_ID_HEADER)
+    given_id = client_request_id(request.headers)  # none its Connection names
     if given_id and well_formed_request_id(given_id):
         # echoed as on a proxied answer, so the client can match the refusal (a malformed
         # one is not: the router never repeats what it would not log)
@@ -369,6 +369,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         )
         app[SESSION] = session
         app[INDEXER] = indexer
+        # their whole share, kept out of the listener's connection budget (made after this)
+        app[STREAM_DESCRIPTORS] = indexer.stream_descriptors
         app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
         observer = operations.start(app, indexer, load)

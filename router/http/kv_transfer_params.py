@@ -17,7 +17,7 @@ from aiohttp import web
 
 from indexer.engines import VLLM_PREFILL_KV_TRANSFER_PARAMS
 from router.errors import RequestError
-from router.http.observe import REQUEST_ID_HEADER, observation
+from router.http.observe import client_request_id, observation
 from router.http.pair_failure import PrefillFailed
 from router.http.pair_hooks import first_answer
 from router.prompt.dp_rank import with_body_members
@@ -46,13 +46,13 @@ def prefill_body(endpoint: Endpoint, parsed: ParsedRequest) -> bytes:
 def pair_request_id(request: web.Request) -> str:
     """The `X-Request-Id` both legs carry, by which vLLM pairs them."""
     # the request's own (the client's well-formed one, else the router's), as the docs promise
-    # for any hop; with nothing observed the client's as it is, made up only when nothing
-    # names it
+    # for any hop; with nothing observed the client's as it is (not one its Connection names:
+    # hop-by-hop), made up only when nothing names it
     obs = observation(request)
     return (
         obs.request_id
         if obs is not None
-        else request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        else client_request_id(request.headers) or uuid.uuid4().hex
     )
 
 

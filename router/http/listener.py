@@ -12,7 +12,10 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
   writing side at once, then what it sent is read and dropped until it closes too, for at most
   `CAPPED_LINGER_S` and `CAPPED_LINGER_BYTES`, and at most `MAX_LINGERING_REFUSALS` such
   connections at a time (closing with its request unread would send a reset in place of the
-  close, and a client may lose the 503 to it);
+  close, and a client may lose the 503 to it); past them one is closed at once, after what
+  the kernel holds of its input is read and dropped (`CLOSED_AT_ONCE_DRAIN_BYTES`, no wait);
+- the cap is lowered to what the descriptor limit holds beside the KV-event streams' share
+  (`connection_cap`);
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
   `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
   not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import time
 from collections.abc import Awaitable, Callable
@@ -56,7 +60,7 @@ from router.errors import (
     UnsupportedEncodingError,
 )
 from router.http.bearer import bearer_matches
-from router.http.observe import REQUEST_ID_HEADER, well_formed_request_id
+from router.http.observe import REQUEST_ID_HEADER, client_request_id, well_formed_request_id
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -64,6 +68,7 @@ __all__ = [
     "AUTH_GATES",
     "CAPPED_LINGER_BYTES",
     "CAPPED_LINGER_S",
+    "CLOSED_AT_ONCE_DRAIN_BYTES",
     "DIRECT_ROUTES",
     "MAX_FIELD_BYTES",
     "MAX_HEADERS",
@@ -71,6 +76,7 @@ __all__ = [
     "MAX_LINGERING_REFUSALS",
     "SHUTDOWN_TIMEOUT_S",
     "SNAPSHOT_PATH",
+    "STREAM_DESCRIPTORS",
     "AuthGate",
     "GuardedHandler",
     "GuardedServer",
@@ -98,6 +104,10 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
 # middlewares (`GuardedServer.direct`), set when the app is made
 DIRECT_ROUTES: web.AppKey[dict[str, _Handler]] = web.AppKey("direct_routes")
+# the file descriptors the process's KV-event streams may hold, all of their share
+# (`indexer.subscriptions.Subscriptions.descriptor_room`), set when the app's resources open:
+# kept out of the connection budget (`connection_cap`)
+STREAM_DESCRIPTORS: web.AppKey[int] = web.AppKey("stream_descriptors")
 
 # aiohttp's own defaults, spelled out so docs/router.md can state them
 MAX_LINE_BYTES = 8190  # request line, and any one header line
@@ -112,10 +122,12 @@ _LINGER_S = 2.0
 # that wrote its request at once has all of it in the kernel already, and closes on the 503.
 CAPPED_LINGER_S = 0.25
 CAPPED_LINGER_BYTES = 16 * 1024
-# at most this many refused connections linger at once; past it one is closed at once
+# at most this many refused connections linger at once; past it one is closed at once, after
+# what the client sent already is read from the kernel and dropped (at most this much)
 MAX_LINGERING_REFUSALS = 32
-# descriptors kept for everything but client connections (event sockets, logs, the listener),
-# and for the refused connections lingering
+CLOSED_AT_ONCE_DRAIN_BYTES = 64 * 1024
+# descriptors kept for everything but client connections and the KV-event streams (the
+# listener, logs, zmq's own, health checks), and for the refused connections lingering
 _RESERVED_FDS = 64 + MAX_LINGERING_REFUSALS
 _json = msgspec.json.Encoder()
 
@@ -206,24 +218,52 @@ def _peer(transport: asyncio.BaseTransport | None) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
-def connection_cap(limits: LimitsConfig) -> int:
-    """`limits.max_connections`, lowered to what the process's descriptor limit can hold.
+def _drop_received(transport: asyncio.Transport) -> None:
+    """Read and drop what the kernel holds of `transport`'s input now, up to
+    `CLOSED_AT_ONCE_DRAIN_BYTES`, without waiting: closed with input unread, a socket sends a
+    reset. The transport has not read yet (it starts once `connection_made` returns), so
+    nothing is taken from under it; the socket is non-blocking (the event loop's)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    left = CLOSED_AT_ONCE_DRAIN_BYTES
+    try:
+        while left > 0:
+            # os.read, not the socket's recv: asyncio's socket wrapper warns on recv
+            chunk = os.read(sock.fileno(), min(left, 65536))
+            if not chunk:
+                return  # the client closed its side already
+            left -= len(chunk)
+    except OSError:  # BlockingIOError: all read; a reset: nothing more to spare it
+        return
+
+
+def connection_cap(limits: LimitsConfig, stream_descriptors: int = 0) -> int:
+    """`limits.max_connections`, lowered to what the process's descriptor limit can hold
+    beside `stream_descriptors`, the descriptors its KV-event streams may hold.
 
     A proxied request holds a client and an upstream connection; past the descriptor limit
     accept() fails (asyncio logs every failure), the router stops answering anyone, and a cap
-    it cannot reach would never refuse the connection that breaks it.
+    it cannot reach would never refuse the connection that breaks it. The streams' share is
+    kept whole, not what they hold now: a worker registered later opens its streams' sockets
+    then, and connections holding their descriptors would leave libzmq without any (it fails
+    the streams in a loop, or aborts the process). Before, only 96 descriptors were kept
+    beside the connections: a router following a worker of 100 ranks sat at 622 of 1,024
+    idle with a cap of 464, and 402 idle clients took the rest (new clients reset, /health
+    too, nothing logged).
     """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return limits.max_connections
-    budget = max(1, (soft - _RESERVED_FDS) // 2)
+    budget = max(1, (soft - _RESERVED_FDS - stream_descriptors) // 2)
     if limits.max_connections > budget:
         log.warning(
             "limits.max_connections = %d needs more file descriptors than RLIMIT_NOFILE = %d "
-            "allows (two per proxied connection, %d reserved): capping at %d; raise the limit "
-            "with `ulimit -n` to serve more",
+            "allows (two per proxied connection, %d kept for the KV-event streams, %d for the "
+            "rest): capping at %d; raise the limit with `ulimit -n` to serve more",
             limits.max_connections,
             soft,
+            stream_descriptors,
             _RESERVED_FDS,
             budget,
         )
@@ -277,7 +317,12 @@ class GuardedHandler(web.RequestHandler):
         """
         lingering = self._guarded_by.lingering
         if len(lingering) >= MAX_LINGERING_REFUSALS or not transport.can_write_eof():
-            transport.close()  # a flood over the cap: no descriptor held for it
+            # a flood over the cap: no descriptor held for it. What the client sent already
+            # is dropped first, so the close of one that wrote its whole request as it
+            # connected is a FIN; before, 45 of 300 such clients (past the 32 lingering) saw
+            # a reset after their 503
+            _drop_received(transport)
+            transport.close()
             return
         transport.write_eof()
         self._refused = transport
@@ -436,11 +481,14 @@ class GuardedServer(web.Server):
         *,
         limits: LimitsConfig,
         request_factory: Any = None,
+        stream_descriptors: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(handler, request_factory=request_factory, **kwargs)
         self.limits = limits
-        self.cap = connection_cap(limits)
+        # what the KV-event streams may hold, kept out of the cap (`connection_cap`)
+        self.stream_descriptors = stream_descriptors
+        self.cap = connection_cap(limits, stream_descriptors)
         self.open_connections = 0
         # connections refused at the cap whose close waits for their client's (`_linger`)
         self.lingering: set[GuardedHandler] = set()
@@ -462,15 +510,18 @@ class GuardedServer(web.Server):
         if limits.refusal_log_interval_s != self.limits.refusal_log_interval_s:
             self.refusals = RefusalLog(log, limits.refusal_log_interval_s)
         self.limits = limits
-        self.cap = connection_cap(limits)
+        self.cap = connection_cap(limits, self.stream_descriptors)
 
     @classmethod
-    def adopt(cls, server: web.Server, limits: LimitsConfig) -> GuardedServer:
+    def adopt(
+        cls, server: web.Server, limits: LimitsConfig, stream_descriptors: int = 0
+    ) -> GuardedServer:
         """A guarded server with the same handler, request factory and protocol options."""
         return cls(
             server.request_handler,
             limits=limits,
             request_factory=server.request_factory,
+            stream_descriptors=stream_descriptors,
             handler_cancellation=server.handler_cancellation,
             **server._kwargs,
         )
@@ -498,7 +549,7 @@ class GuardedServer(web.Server):
                 refused = _json_answer(AuthError, str(auth), auth.headers())
             # echoed as the app's refusals echo it (`router.http.app`), so the client can match
             # the refusal to its request (a malformed id is not: never repeated, never logged)
-            given_id = request.headers.get(REQUEST_ID_HEADER)
+            given_id = client_request_id(request.headers)  # none its Connection names
             if given_id and well_formed_request_id(given_id):
                 refused.headers[REQUEST_ID_HEADER] = given_id
             return refused
@@ -589,7 +640,8 @@ class RouterRunner(web.AppRunner):
         self._limits = limits
 
     async def _make_server(self) -> web.Server:
-        server = GuardedServer.adopt(await super()._make_server(), self._limits)
+        made = await super()._make_server()  # the app's resources are open once it returns
+        server = GuardedServer.adopt(made, self._limits, self.app.get(STREAM_DESCRIPTORS, 0))
         # the app's direct routes (they reach its proxy once its resources are open)
         server.direct = self.app.get(DIRECT_ROUTES, {})
         server.admin_token = self.app.get(ADMIN_TOKEN, "")

@@ -10,7 +10,10 @@ be three Python calls, on every hop of every request.
 
 `x-request-id`: a client's well-formed id (`well_formed_request_id`) is passed through to the
 worker untouched (and echoed back); a request without one, or with one that is not, gets one of
-the router's in its place, so every log line can name it: `install_log_request_id` puts the id
+the router's in its place, so every log line can name it. So does a request whose `Connection`
+names the header (`client_request_id`): the client made it its hop's only, and the router does
+not adopt it (before, it took the id as its own and set it on the worker's request, which the
+copy of the client's headers had dropped as hop-by-hop). `install_log_request_id` puts the id
 of the observation in the handler's task on every log record (`kvroute serve` logs it), and
 each request ends with a DEBUG line naming it. Only a well-formed id is written into log lines:
 a client's spaces and brackets would forge a line's level, logger and message of their own.
@@ -28,11 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-from multidict import CIMultiDict
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, MultiMapping
 
 from router.fleet.false_hits import FalseHitWatch
 from router.http.decisions import Decision, DecisionStats
+from router.http.hop_headers import connection_named
 from router.http.outcome import BrokenOff
 from router.http.spans import SpanMaker, TraceSpan
 from router.http.tracing import PARSE_CONTEXT, TraceDecision, Tracing
@@ -49,6 +53,7 @@ __all__ = [
     "Observer",
     "TracedObservation",
     "Unobserved",
+    "client_request_id",
     "install_log_request_id",
     "observation",
     "well_formed_request_id",
@@ -67,6 +72,17 @@ _NO_PHASE = contextlib.nullcontext()
 # Counted from 2**128 + (random << 64) so that `hex(n)[3:]` is the id, zero-padded: a third
 # of the cost of formatting the two halves with a width (0.26 against 0.64 us)
 _ID_COUNTER = itertools.count((1 << 128) | (int.from_bytes(os.urandom(8), "big") << 64))
+
+
+def client_request_id(headers: MultiMapping[str]) -> str | None:
+    """The client's `x-request-id` as it sent it; None without one, or when its `Connection`
+    names the header (hop-by-hop then: the client's hop's only, neither adopted nor passed on).
+    """
+    given = headers.get(REQUEST_ID_HEADER)
+    if given is None or hdrs.CONNECTION not in headers:
+        return given
+    named = connection_named(headers.getall(hdrs.CONNECTION))
+    return None if REQUEST_ID_HEADER in named else given
 
 
 def well_formed_request_id(value: str) -> bool:
@@ -138,9 +154,10 @@ class Observation:
         self.started = time.perf_counter()
         self.endpoint = endpoint._value_  # what `.value` returns, without enum's descriptor
         self.model = ""
-        given = request.headers.get(REQUEST_ID_HEADER)
-        # a client's id that is not well formed is replaced everywhere (the worker's logs take
-        # it too): the client gets back the id its request was logged under
+        given = client_request_id(request.headers)
+        # a client's id that is not well formed (or that its Connection names) is replaced
+        # everywhere (the worker's logs take it too): the client gets back the id its request
+        # was logged under
         self.request_id = (
             given
             if given is not None and _WELL_FORMED_ID.fullmatch(given) is not None

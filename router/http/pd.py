@@ -26,7 +26,9 @@ is blamed). A prefill that gave up waiting for its decode to take the KV blames 
 its word, or neither, and the retry avoids the pair (`router.http.pair_handoff`); what the two
 workers did since may blame one (`router.http.pair_faults`). A decode that could not reach the
 prefill's bootstrap server has the prefill's settings read again and the pair retried where
-they changed (`router.http.bootstrap_unreachable`). The request deadline bounds it all.
+they changed (`router.http.bootstrap_unreachable`). A leg the router could not even connect for
+want of its own descriptors is the router's 503, no retry, neither worker charged
+(`router.http.local_shortage`). The request deadline bounds it all.
 Failures are charged once the request ended (`router.http.pair_failure.PairCharges`). An answer
 is counted by the task that wrote it (`PairDispatcher._answered`), whatever the client does
 next."""
@@ -47,16 +49,17 @@ from indexer.engines import PdPairing
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import NoWorkerError, RequestError, UpstreamError, UpstreamTimeoutError
-from router.http.answer_relay import connection_named
 from router.http.bootstrap_fields import BootstrapFields
 from router.http.bootstrap_unreachable import (
     BootstrapUnreachable,
     UnreachableNotices,
     bootstrap_moved,
 )
+from router.http.hop_headers import connection_named
 from router.http.kv_transfer_params import decode_body, pair_request_id, prefill_body
+from router.http.local_shortage import local_shortage
 from router.http.metrics import CLIENT_CLOSED, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER, Observation, observation
+from router.http.observe import REQUEST_ID_HEADER, Observation, client_request_id, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off
 from router.http.pair_failure import (
     HandoffFailed,
@@ -629,8 +632,8 @@ class PairDispatcher:
         for name in _TRACE_HEADERS:
             if name in request.headers and name not in hop_only:
                 headers[name] = request.headers[name]
-        if request_id is None:
-            request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is None:  # not observed: the client's, unless hop-by-hop
+            request_id = client_request_id(request.headers)
         if request_id is not None:
             headers[REQUEST_ID_HEADER] = request_id
         obs = observation(request)
@@ -652,6 +655,9 @@ class PairDispatcher:
             ) from exc
         except aiohttp.ClientConnectorError as exc:
             ticket.withdraw = Withdraw.ALL
+            shortage = local_shortage(exc)
+            if shortage is not None:  # the router's own failure, as on the decode leg (`Proxy`)
+                raise self._proxy.shortages.refuse(prefill.worker, shortage) from exc
             raise PrefillFailed(f"connection lost: {exc}", hard=True, sent=False) from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
             ticket.withdraw = Withdraw.PENDING

@@ -53,10 +53,12 @@ from router.errors import (
     UpstreamTimeoutError,
 )
 from router.fleet.change import FleetChange
-from router.http.answer_relay import HOP_BY_HOP, AnswerHooks, copy_headers, relay_answer
+from router.http.answer_relay import AnswerHooks, relay_answer
 from router.http.decisions import DecisionStats
 from router.http.holding import HeldRequest, HeldRequests
+from router.http.hop_headers import HOP_BY_HOP, copy_headers
 from router.http.intake import read_request
+from router.http.local_shortage import ShortageLog, local_shortage
 from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
 from router.http.observe import Observation, Observer, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off, charge
@@ -195,6 +197,9 @@ class Proxy:
         self._metrics = metrics
         # requests held for a worker with room (`hold_for_room`), woken as requests progress
         self._holding = HeldRequests(_HOLD_POLL_S)
+        # a connection to a worker the router cannot open for want of its own descriptors
+        # (or socket memory): its 503, said once per interval (`router.http.local_shortage`)
+        self.shortages = ShortageLog(config.limits.refusal_log_interval_s)
         self.reconfigure(config)
         self.pairs: PairDispatch | None = None  # set by the app when pairs are possible
         # reads a worker's settings again, waiting at most the given seconds: whether it was
@@ -210,6 +215,8 @@ class Proxy:
         now on (a reload); a request in flight keeps its deadline and its retries. With
         `policy.hold_until_room` off, the requests held already are let go."""
         self._config = config
+        if config.limits.refusal_log_interval_s != self.shortages.interval_s:
+            self.shortages = ShortageLog(config.limits.refusal_log_interval_s)
         # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding);
         # an `Expect: 100-continue` was the router's to answer, and the body goes with the headers
         request_only = {"content-encoding", "expect"} | (
@@ -653,6 +660,12 @@ class Proxy:
             raise AttemptFailed(f"connect timeout: {exc}", hard=True, sent=False) from exc
         except UpstreamConnectError as exc:
             ticket.withdraw = Withdraw.ALL
+            shortage = local_shortage(exc)
+            if shortage is not None:
+                # the router could not make a socket: its own failure, no retry (any worker
+                # would fail alike), the worker not charged; before, a refused connection's
+                # 502 opened the healthy worker's circuit
+                raise self.shortages.refuse(candidate.worker, shortage) from exc
             raise AttemptFailed(str(exc), hard=True, sent=False) from exc
         except UpstreamDroppedError as exc:
             # it may have computed (and stored) the prompt before the connection dropped

@@ -11,8 +11,10 @@ them (no decompression: the proxy forwards `Content-Encoding` as it is), and no 
 
 Errors say what happened, so the proxy can tell a retry from a failure:
 `UpstreamConnectError` (refused, unreachable, or not connected within the connect timeout:
-`UpstreamConnectTimeout`), `UpstreamDroppedError` (the connection closed or sent something that
-is not HTTP before the answer ended) and `TimeoutError` (the request's deadline passed).
+`UpstreamConnectTimeout`; or the router's own socket not made, out of descriptors: its cause's
+errno tells, `router.http.local_shortage`), `UpstreamDroppedError` (the connection closed or
+sent something that is not HTTP before the answer ended) and `TimeoutError` (the request's
+deadline passed).
 
 A connection goes back to the pool only when its answer was read to the end and the worker
 allows keep-alive; an idle one is closed after `keepalive_s` (4 s, under uvicorn's 5 s default,

@@ -40,7 +40,8 @@ class FakePdWorker:
     server) as SGLang does, keeps the headers of every generation request, and answers them at
     at once (with `status`: an engine's error, after `delay` seconds) or never, nor the decode
     fetching KV from it (`hang`), or streams a few events and closes the connection (`cut`:
-    the engine died mid-stream)."""
+    the engine died mid-stream). Without `keep_alive`, every answer closes its connection
+    (a client never reuses one: each request connects anew)."""
 
     def __init__(
         self,
@@ -51,8 +52,10 @@ class FakePdWorker:
         cut: bool = False,
         message: str = "",
         delay: float = 0.0,
+        keep_alive: bool = True,
     ) -> None:
         self.role, self.hang, self.status, self.cut = role, hang, status, cut
+        self.keep_alive = keep_alive
         self.delay = delay
         self.message = message  # its error's (else "engine says <status>")
         self.seen: list[dict[str, str]] = []
@@ -112,6 +115,8 @@ class FakePdWorker:
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         app.router.add_get("/kv/{key}", self._kv)
+        if not self.keep_alive:
+            app.on_response_prepare.append(self._close_after)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -122,6 +127,10 @@ class FakePdWorker:
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    @staticmethod
+    async def _close_after(request: web.Request, response: web.StreamResponse) -> None:
+        response.force_close()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -735,7 +744,9 @@ async def test_both_legs_carry_the_request_id_and_the_trace_context() -> None:
 async def test_neither_leg_gets_a_header_the_client_named_in_connection() -> None:
     """RFC 9110 7.6.1: what the client's `Connection` names is its hop's only. The decode leg
     dropped it already; the prefill leg, which copies a few headers by name, passed on an
-    Authorization or a trace context named there."""
+    Authorization or a trace context named there. A request id named there is not adopted:
+    both legs and the answer carry the router's own (before, the router took it as its own and
+    set it on both legs again)."""
     async with (
         FakePdWorker("prefill") as sp,
         FakePdWorker("decode") as sd,
@@ -744,8 +755,9 @@ async def test_neither_leg_gets_a_header_the_client_named_in_connection() -> Non
     ):
         body = {"model": MODEL, "prompt": "named", "max_tokens": 2}
         sent = {
-            "Connection": "keep-alive, Authorization, TraceParent, X-Secret",
+            "Connection": "keep-alive, Authorization, TraceParent, X-Secret, X-Request-Id",
             "Authorization": "Bearer for-the-router-only",
+            "X-Request-Id": "cid-123",
             "traceparent": CLIENT_TRACEPARENT,
             "X-Secret": "hop",
             "X-Public": "end-to-end",
@@ -764,8 +776,11 @@ async def test_neither_leg_gets_a_header_the_client_named_in_connection() -> Non
                     ) as resp,
                 ):
                     assert resp.status == 200, await resp.text()
+                    echoed = resp.headers["x-request-id"]
                 assert decode.seen[-1]["x-public"] == "end-to-end"
+                assert (echoed == "cid-123") is (headers is unnamed), (engine, echoed)
                 for leg in (prefill.seen[-1], decode.seen[-1]):
+                    assert leg["x-request-id"] == echoed, (engine, leg)
                     if headers is sent:
                         assert not {"authorization", "traceparent", "x-secret"} & set(leg), leg
                     else:

@@ -806,18 +806,22 @@ async def test_headers_the_client_names_in_connection_stay_on_its_hop(
     pair: tuple[Upstream, Upstream],
 ) -> None:
     """RFC 9110 7.6.1: a proxy removes every header its client's `Connection` names, in any
-    case and over several `Connection` lines, and passes the others on."""
+    case and over several `Connection` lines, and passes the others on. A request id named
+    there is not adopted either: the worker and the answer carry the router's own (before, the
+    router took it as the request's id and set it on the worker's request again)."""
     a, _ = pair
     body = json.dumps({"prompt": "x"}).encode()
     named = [
         (b"Connection", b"keep-alive, X-Secret"),
         (b"X-Secret", b"hop"),
         (b"X-Public", b"end-to-end"),
-        (b"connection", b" x-other ,,X-SECOND-secret "),
+        (b"connection", b" x-other ,,X-SECOND-secret , X-Request-Id"),
         (b"X-Other", b"hop"),
         (b"X-Second-Secret", b"hop"),
+        (b"X-Request-Id", b"cid-123"),
     ]
-    plain = [(b"X-Public", b"end-to-end")]
+    plain = [(b"X-Public", b"end-to-end"), (b"X-Request-Id", b"cid-123")]
+    echoed: list[str] = []
     async with RouterService(_plain([("a", a.url)])) as router:
         port = int(router.url.rsplit(":", 1)[1])
         for headers in (named, plain):
@@ -825,10 +829,14 @@ async def test_headers_the_client_names_in_connection_stay_on_its_hop(
             raw = request_bytes(b"POST", b"/v1/completions", headers, body)
             (response,) = parse_responses(await exchange(port, raw))
             assert response.status == 200, response
+            echoed.append(response.headers["x-request-id"])
     assert len(a.headers) == 2
     for seen in a.headers:
         assert seen["x-public"] == "end-to-end"
         assert not {"x-secret", "x-other", "x-second-secret"} & set(seen), seen
+    # named: the router's own id, on the worker's request and the answer; else the client's
+    assert echoed[0] != "cid-123" and a.headers[0]["x-request-id"] == echoed[0]
+    assert echoed[1] == "cid-123" == a.headers[1]["x-request-id"]
 
 
 @pytest.mark.parametrize("mode", ["hop-named", "hop-named-sse"])
