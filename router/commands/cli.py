@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from router.commands.allocator import pin_mmap_threshold
 
     pin_mmap_threshold()  # before the verb allocates: see the module for the growth it stops
+    from router.commands.descriptor_limit import raise_descriptor_limit
+
+    raise_descriptor_limit()  # before any socket: the zmq context and the cap are sized from it
     try:
         return verb.run(args)
     except KeyboardInterrupt:

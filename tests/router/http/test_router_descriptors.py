@@ -34,17 +34,18 @@ from tests.router.test_router_pd_failures import MODEL, FakePdWorker
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
-_SOFT_LIMIT = 1024  # the common default
+_SOFT_LIMIT = 1024  # the common default (soft; here hard too)
 _RANKS = 100
 
 
-def _soft_descriptor_limit(soft: int) -> Callable[[], None]:
-    def limit() -> None:
-        resource.setrlimit(
-            resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-        )
+def _descriptor_limit(limit: int) -> Callable[[], None]:
+    """Soft and hard limit both: the router raises a soft limit to the hard one as it starts
+    (`router.commands.descriptor_limit`)."""
 
-    return limit
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return set_limit
 
 
 def _descriptors(pid: int) -> int:
@@ -53,12 +54,12 @@ def _descriptors(pid: int) -> int:
 
 @contextlib.asynccontextmanager
 async def _served_router(config: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
-    """`kvroute serve` under a soft descriptor limit of 1,024: the process and its port. After
+    """`kvroute serve` under a descriptor limit of 1,024: the process and its port. After
     the block it must stop on SIGINT; its stderr is left to read."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router.commands.cli", "serve", "--config", str(config),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_soft_descriptor_limit(_SOFT_LIMIT),
+        preexec_fn=_descriptor_limit(_SOFT_LIMIT),
     )  # fmt: skip
     assert proc.stdout is not None
     try:
