@@ -102,7 +102,7 @@ from indexer.config import IndexerConfig, StreamConfig, shown_endpoint
 from indexer.errors import ProtocolError, ReplayError
 from indexer.health import StreamHealth
 from indexer.log_throttle import LogThrottle
-from indexer.protocol.decode import batch_dp_rank
+from indexer.protocol.decode import batch_dp_rank, decode_batch
 from indexer.protocol.frames import (
     ReplayData,
     parse_live,
@@ -160,6 +160,16 @@ _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
 
 def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=8).digest()
+
+
+def _undecodable(payload: bytes) -> bool:
+    """Whether `payload` is no batch at all: garbage on the wire, never another publisher's
+    batch (a publisher sends batches), so it says nothing about which publisher is heard."""
+    try:
+        decode_batch(payload)
+    except ProtocolError:
+        return True
+    return False
 
 
 class _Continuity(enum.Enum):
@@ -806,6 +816,10 @@ class StreamSubscriber:
         self._tail_proven(True)
         self._retry_ms = None
         self._catch_up = None
+        # nothing is held: rebuilt as at a join once they agree (`_agree_check`). A DEGRADED
+        # phase left by a skipped seq (`_suspect`, dropped above) outlived it before: the
+        # rebuild's live batches were all duplicates, and the stream never left DEGRADED
+        self._phase = StreamState.SYNCING
         self._show_state()
 
     def _which_disagrees(self) -> str:
@@ -840,8 +854,12 @@ class StreamSubscriber:
 
     async def _while_disagreeing(self, seq: int, payload: bytes) -> None:
         """A live batch while the sockets disagree (`_disagree`): not taken, but kept as the
-        newest to ask the replay socket for (`_agree_check`)."""
+        newest to ask the replay socket for (`_agree_check`); garbage is skipped and counted
+        (no replay socket gives it back: asked for, it would only delay their agreement)."""
         self.health.last_event_at = self._clock()  # heard from, though nothing is taken
+        if _undecodable(payload):
+            self._malformed(f"undecodable payload at live seq {seq}: skipped")
+            return
         self._disagree_last = (seq, payload)
         await self._agree_check()
 
@@ -1125,6 +1143,12 @@ class StreamSubscriber:
             self.dead_batches += 1
             self._warn("stale", f"live seq {seq} is the dead process's: skipped")
             return decision
+        if _undecodable(payload):
+            # garbage, not another publisher's batch: skipped and counted, as before the
+            # sockets could disagree. Taken for a disagreement, each such frame cost the
+            # stream a clear and a rebuild (the fuzz test's garbage)
+            self._malformed(f"undecodable payload at live seq {seq}, already applied: skipped")
+            return _SKIP
         return await self._live_disagrees(seq, payload)
 
     async def _live_disagrees(self, seq: int, payload: bytes) -> SeqDecision:

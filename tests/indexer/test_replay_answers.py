@@ -27,6 +27,7 @@ from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import Cleared, Event, EventBatch, Removed, Stored, TokenId
 from indexer.protocol.frames import (
+    build_live,
     build_replay_end,
     build_replay_reply,
     pack_seq,
@@ -160,6 +161,50 @@ async def test_a_replay_socket_of_another_worker_leaves_the_stream_predicting_no
         assert matched(svc, C) == 0 and matched(svc, D) == 0
         assert svc.streams()[0].state is StreamState.UNVERIFIED
         assert sub._disagreeing is not None
+
+
+async def test_sockets_that_agree_again_leave_a_skipped_seq_behind(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A corrupt seq far ahead (skipped, DEGRADED until the next batch says whether it was
+    real), then an odd frame at the applied seq: the sockets disagree, and agree again at
+    the next live batch. The stream was rebuilt, yet stayed DEGRADED for good (the fuzz
+    test's garbage, then 12 batches that never made it SYNCED): the skipped seq it waited
+    on was dropped with everything else, and its rebuild's batches were all duplicates.
+    Now a disagreement starts the stream over as at a join, and the rebuild ends SYNCED."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 10)))
+        (sub,) = svc._workers[WORKER]
+        last = pub.next_seq - 1
+        await pub.send_raw(build_live(b"kv", 1 << 40, encode_batch(stored(D, 40), "array")))
+        await wait_until(lambda: sub._suspect is not None)
+        assert svc.streams()[0].state is StreamState.DEGRADED
+        await pub.send_raw(build_live(b"kv", last, encode_batch(stored(E, 50), "array")))
+        await wait_until(lambda: sub._disagreeing is not None)
+        await pub.publish(stored(C, 20))
+        await wait_until(lambda: sub._disagreeing is None)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED, timeout_s=2)
+        assert matched(svc, A) == 4 and matched(svc, C) == 4  # the publisher's own buffer
+        assert matched(svc, D) == 0 and matched(svc, E) == 0  # nothing of the odd frames
+
+
+async def test_garbage_at_an_applied_seq_is_skipped_and_counted(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A frame that is no batch at all at the seq applied last is garbage, never another
+    publisher's batch: skipped and counted, the stream kept. It was taken for the sockets
+    disagreeing (the stream cleared, predicting nothing until the next live batch)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 10)))
+        (sub,) = svc._workers[WORKER]
+        errors = svc.streams()[0].decode_errors
+        await pub.send_raw(build_live(b"kv", pub.next_seq - 1, b"\xc1not a batch"))
+        await wait_until(lambda: svc.streams()[0].decode_errors == errors + 1)
+        assert sub._disagreeing is None
+        assert svc.streams()[0].state is StreamState.SYNCED
+        assert matched(svc, A) == 4
 
 
 async def test_an_answer_that_never_ends_is_given_up_at_its_deadline(
