@@ -182,7 +182,9 @@ async def test_a_restart_behind_a_forwarder_whose_next_batch_follows_on_is_found
             while worker.next_seq() < last + 1:  # its batches up to seq L are lost
                 await generate(session, worker.live, tokens(f"lost-{i}"))
                 i += 1
-            assert worker.next_seq() == last + 1 and fwd.dropped > 0
+            # lost in the forwarder, or at the new PUB before the forwarder's subscription
+            # reached it (under load): either way the stream never saw them
+            assert worker.next_seq() == last + 1
             fwd.dropping = False
             R = tokens("new")
             forwarded = fwd.forwarded
