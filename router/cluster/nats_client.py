@@ -8,6 +8,7 @@ text got the URL's user and password in clear."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -77,6 +78,18 @@ class Replacements:
             return None
         self._said.add(reason)
         return reason
+
+    def say_closed(self, nc: NATS, log: logging.Logger, who: str, meanwhile: str = "") -> None:
+        """One WARNING that `who`'s client `nc` was closed for good and a new one connects
+        (`meanwhile`: what waits for it), unless this incident said its reason already."""
+        reason = self.closed(nc)
+        if reason is not None:
+            log.warning(
+                "%s: the NATS client was closed for good%s; connecting again with a new one%s",
+                who,
+                f" ({reason})" if reason else "",
+                f", {meanwhile}" if meanwhile else "",
+            )
 
     async def pause(self) -> None:
         """Wait before the next client; the wait after it is twice as long (up to the cap)."""

@@ -309,13 +309,7 @@ class RelayPublisher:
             await self._drain(nc, closed)
             if self.published != published:
                 self._replacements.worked()  # it wrote meanwhile: a new incident
-            reason = self._replacements.closed(nc)
-            if reason is not None:
-                log.warning(
-                    "relay: the NATS client was closed for good%s; connecting again with a new "
-                    "one, records wait (bounded)",
-                    f" ({reason})" if reason else "",
-                )
+            self._replacements.say_closed(nc, log, "relay", "records wait (bounded)")
             self._late = True  # its answering is said again
             await self._replacements.pause()
 

@@ -319,13 +319,7 @@ class ClusterService:
                 self._sync_task = self._group.create_task(self._sync(first=True))
             await closed.wait()
             self.nats_errors += 1
-            reason = self._replacements.closed(nc)
-            if reason is not None:
-                log.warning(
-                    "cluster: the NATS client was closed for good%s; connecting again with a "
-                    "new one",
-                    f" ({reason})" if reason else "",
-                )
+            self._replacements.say_closed(nc, log, "cluster")
             await self._replacements.pause()
 
     async def _open(self, closed: asyncio.Event) -> NATS:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import resource
-import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from router.service import RouterService
 from tests.raw_http import request_bytes, wait_eof
 from tests.router.conftest import eventually, router_config
 from tests.router.test_router_pd_failures import MODEL, FakePdWorker
+from tests.subprocesses import ends_on_sigint
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -62,17 +62,11 @@ async def _served_router(config: Path) -> AsyncIterator[tuple[asyncio.subprocess
         preexec_fn=_descriptor_limit(_SOFT_LIMIT),
     )  # fmt: skip
     assert proc.stdout is not None
-    try:
+    async with ends_on_sigint(proc):
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
         assert "listening on " in line, line
         url = line.split("listening on ")[1].split()[0]
         yield proc, int(url.rsplit(":", 1)[1])
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def _one_answer(
