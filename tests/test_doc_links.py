@@ -57,3 +57,14 @@ def test_every_link_reaches_its_file_and_heading(doc: Path) -> None:
         elif fragment and path.suffix == ".md" and fragment not in anchors(path):
             broken.append(f"{link}: no such heading")
     assert not broken, broken
+
+
+_CONFLICT = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_merge_conflict_is_left_in_a_doc(doc: Path) -> None:
+    """A merge of two branches left both sides of a table row in docs/router.md, with git's
+    markers, and the suite said nothing."""
+    found = _CONFLICT.search(doc.read_text())
+    assert found is None, f"{doc.name}: a merge conflict marker: {found.group(0)!r}"
