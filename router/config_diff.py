@@ -19,7 +19,7 @@ import msgspec
 
 from router.config import RouterConfig, WorkerConfig
 
-__all__ = ["ConfigDiff", "diff_configs"]
+__all__ = ["ConfigDiff", "diff_configs", "worker_settings"]
 
 # section -> its fields a running router takes live (None: every field)
 _LIVE: dict[str, frozenset[str] | None] = {
@@ -77,6 +77,10 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
     # workers added or changed that were registered, with what in their config to check (event
     # sockets other than the ones they advertise): their streams may predict nothing
     warnings: dict[str, str] = {}
+    # with a [cluster]: workers the file names, its entry unchanged by this reload, that run
+    # otherwise (or not at all) as the cluster's record has them, with why: the file's entry is
+    # not applied (an admin change, or another replica's newer file, stands)
+    kept_by_cluster: dict[str, str] = {}
 
     @property
     def empty(self) -> bool:
@@ -91,8 +95,11 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
 
     def summary(self) -> str:
         """One line for the log."""
+        kept = (
+            f"kept by the cluster (the file's entry not applied): {', '.join(self.kept_by_cluster)}"
+        )
         if self.empty:
-            return "nothing changed"
+            return "nothing changed" + (f"; {kept}" if self.kept_by_cluster else "")
         parts = []
         for label, keys in (
             ("workers added", self.workers_added),
@@ -108,6 +115,8 @@ class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
             parts.append(f"not registered yet: {waiting}")
         if self.warnings:
             parts.append("check: " + ", ".join(f"{k} ({why})" for k, why in self.warnings.items()))
+        if self.kept_by_cluster:
+            parts.append(kept)
         return "; ".join(parts)
 
 
@@ -146,6 +155,16 @@ def _workers(
     removed = [wid for wid in before if wid not in after]
     changed = [wid for wid, w in after.items() if wid in before and before[wid] != w]
     return added, removed, changed
+
+
+def worker_settings(mine: WorkerConfig, theirs: WorkerConfig) -> list[tuple[str, Any, Any]]:
+    """The settings of one worker that differ between two configs of it: (field, in `mine`,
+    in `theirs`), what a log line names (worker settings hold no secret: `WorkerConfig`)."""
+    return [
+        (name, getattr(mine, name), getattr(theirs, name))
+        for name in mine.__struct_fields__
+        if getattr(mine, name) != getattr(theirs, name)
+    ]
 
 
 def diff_configs(old: RouterConfig, new: RouterConfig) -> tuple[RouterConfig, ConfigDiff]:

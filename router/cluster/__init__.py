@@ -14,6 +14,9 @@ workers' events (derived state); what they share goes through NATS with JetStrea
 - `snapshots`: the index snapshot a new replica starts from (JetStream object store);
 - `service`: `ClusterService`, the connection and its background tasks, owned by the app;
 - `server`: a local `nats-server` process (tests, `kvroute up --replicas`, benchmarks);
+- `nats_client`: the NATS client (no credentials in plain text to a `tls://` server), a closed
+  one replaced, and one told to stop retrying;
+- `tasks`: background tasks stopped within a bound (a cancellation nats-py's connect loop lost);
 - `errors`: the error tree.
 
 Nothing is imported here, so `kvroute --help` stays light.

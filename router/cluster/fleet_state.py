@@ -2,10 +2,18 @@
 
 Three buckets under the subject prefix:
 - `<prefix>_fleet`: one key per worker (`w.<base64url of its id>`), a `WorkerRecord` in JSON:
-  its config, whether it is drained, or that it was removed. Every replica seeds the workers of
-  its own config file with a create-if-absent, so replicas starting at once against an empty
-  cluster agree (the union of their configs), and an admin removal, kept as a record, is not
-  undone by a replica restarting with the worker in its file.
+  its config, whether it is drained, or that it was removed, and the worker as the config file
+  last written into the fleet named it. Every replica seeds the workers of its own config file
+  with a create-if-absent, so replicas starting at once against an empty cluster agree (the
+  union of their configs), and an admin change (a removal, kept as a record, a drain, a worker
+  added again with other settings) is not undone by a replica restarting with the worker in
+  its file. A file whose entry for a worker differs both from the record and from the file the
+  record came from was edited since: a replica starting with it writes its entry, as a reload
+  does, when its file is the newer of the two, and every replica applies it (`seed`). Before,
+  the record always won, silently: a worker moved to another server in the file kept its old
+  URL on every replica, restarted or reloaded, for as long as the cluster kept its record. A
+  record that wins over the file is said in one WARNING line (at start, and at each reload:
+  `router.http.reload`).
 - `<prefix>_evictions`: namespaces evicted by an operator (random keys: the key shows nothing
   of the namespace), kept a day; a starting replica applies those newer than its index (its
   snapshot's, or, cold, its own start: `ClusterService._sync_once`).
@@ -48,6 +56,7 @@ from indexer.namespace import Namespace
 from indexer.service import IndexerService
 from router.cluster.wire import EvictionRecord, LogoutRecord, WorkerRecord
 from router.config import WorkerConfig, shown_worker_id, worker_id_problem
+from router.config_diff import worker_settings
 from router.errors import NotFoundError
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -128,6 +137,13 @@ class FleetState:
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
         self.sessions: SessionBook | None = None  # the dashboard's, behind an admin token
+        # the config file this replica started from (or last reloaded) and its modification
+        # time (None: no file, or its time unknown: its entries never win over a record)
+        self.file_path = ""
+        self.file_at: float | None = None
+        # of each worker record as last read or written here, the worker as the file behind it
+        # named it, and that file's time (`WorkerRecord.file`): an admin change carries them on
+        self._filed: dict[str, tuple[WorkerConfig | None, float]] = {}
 
     # ------------------------------------------------------------------ writing
 
@@ -135,9 +151,23 @@ class FleetState:
         self, entry_id: str, config: WorkerConfig | None, *, at: float = 0.0, **flags: bool
     ) -> bytes:
         """The JSON of a worker's record as this replica now holds it; `at`: when an operator
-        made the change (0: a seed)."""
-        record = WorkerRecord(id=entry_id, config=config, by=self._replica, at=at, **flags)
+        made the change (0: a seed). The file behind it is the one the record had (`filed`)."""
+        file, file_at = self._filed.get(worker_key(entry_id), (None, 0.0))
+        record = WorkerRecord(
+            id=entry_id,
+            config=config,
+            by=self._replica,
+            at=at,
+            file=file,
+            file_at=file_at,
+            **flags,
+        )
         return _json.encode(record)
+
+    def filed(self, worker_id: str, config: WorkerConfig | None) -> None:
+        """The config file (`file_at`'s, reloaded) names `worker_id` as `config` now (None:
+        not at all): the records written of it from now on say so."""
+        self._filed[worker_key(worker_id)] = (config, self.file_at or 0.0)
 
     def record_eviction(
         self, namespace: Namespace | None = None, *, cache_salt: str | None = None
@@ -169,21 +199,99 @@ class FleetState:
         its pool as it runs, drains included, and the config's workers it no longer has as
         removed."""
         if not running:
-            records = [(c.worker_id, self.record_worker(c.worker_id, c)) for c in workers]
-        else:
-            held = {entry.id for entry in self._pool}
-            records = [
-                (e.id, self.record_worker(e.id, e.config, draining=e.draining)) for e in self._pool
-            ]
-            records += [
-                (c.worker_id, self.record_worker(c.worker_id, None, removed=True))
-                for c in workers
-                if c.worker_id not in held
-            ]
+            # the config file's: a worker the cluster has a record of is weighed against it
+            for config in workers:
+                await self._seed_from_file(fleet, config)
+            return
+        held = {entry.id for entry in self._pool}
+        records = [
+            (e.id, self.record_worker(e.id, e.config, draining=e.draining)) for e in self._pool
+        ]
+        records += [
+            (c.worker_id, self.record_worker(c.worker_id, None, removed=True))
+            for c in workers
+            if c.worker_id not in held
+        ]
         for worker_id, value in records:
             # a record already there is the cluster's word on the worker: it wins
             with contextlib.suppress(KeyWrongLastSequenceError):
                 await fleet.create(worker_key(worker_id), value)
+
+    async def _seed_from_file(self, fleet: KeyValue, config: WorkerConfig) -> None:
+        """Create the record of a worker of this replica's config file, or, where the cluster
+        has one saying otherwise, write the file's entry if it is an edit newer than the file
+        the record came from (the module docstring), else say that the record wins."""
+        worker_id = config.worker_id
+        key = worker_key(worker_id)
+        file_at = self.file_at or 0.0
+        self._filed[key] = (config, file_at)
+        for _ in range(3):  # another replica's write between the read and ours: weighed again
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                await fleet.create(key, self.record_worker(worker_id, config))
+                return
+            try:
+                entry = await fleet.get(key)
+                record = _worker_decoder.decode(entry.value or b"")
+            except (KeyNotFoundError, msgspec.DecodeError):
+                return  # gone again, or unreadable (its read says so: `apply_worker`)
+            why = self._record_wins(record, config)
+            if why is None:
+                return
+            if why:
+                self._filed[key] = (record.file, record.file_at)
+                log.warning(
+                    "cluster: worker %s of %s%s is not applied: %s",
+                    worker_id,
+                    self.file_path or "the config",
+                    _settings(config, record.config if not record.removed else None),
+                    why,
+                )
+                return
+            # drained: a server's drain goes with the server (as a reload's: `Reloader`)
+            drained = record.draining and (
+                record.config is not None and record.config.server == config.server
+            )
+            value = self.record_worker(worker_id, config, at=time.time(), draining=drained)
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                await fleet.update(key, value, last=entry.revision)
+                log.warning(
+                    "cluster: worker %s changed in %s since the cluster's record (%s): written "
+                    "to the shared fleet, every replica applies it",
+                    worker_id,
+                    self.file_path or "the config",
+                    _settings(config, None if record.removed else record.config, changed=True),
+                )
+                return
+
+    def _record_wins(self, record: WorkerRecord, config: WorkerConfig) -> str | None:
+        """Why the cluster's `record` of a worker stands over `config`, this replica's file's
+        entry for it: None when they agree, "" when the file's entry is to be written."""
+        running = None if record.removed else record.config
+        if running == config:
+            return None
+        by = f"replica {record.by}" if record.by else "another replica"
+        how = (
+            "to use the file's entry, edit it and reload (SIGHUP or POST /admin/reload), or "
+            "change the worker through the admin API (DELETE, then POST /admin/workers)"
+        )
+        change = "removed it" if running is None else "changed it"
+        if record.file is not None or record.file_at:  # the file behind the record is known
+            if record.file == config:
+                return (
+                    f"the cluster's record stands: {by} {change} through the admin API after "
+                    f"this entry of the file was written into the fleet; {how}"
+                )
+            if self.file_at is not None and self.file_at > record.file_at:
+                return ""
+            return (
+                f"the cluster's record stands: it came from the config file of {by}, edited "
+                f"after this one; bring this file up to date, or, {how}"
+            )
+        # a record from before the file was kept in it: a seed is some file's, taken over by a
+        # file known to be edited (dated); an operator's change (or any removal) stands
+        if running is not None and not record.at and self.file_at is not None:
+            return ""
+        return f"the cluster's record stands ({by} {change}); {how}"
 
     async def seed_logouts(self, sessions_bucket: KeyValue) -> None:
         """Write back the logouts this replica holds that the bucket has no record of (a
@@ -303,6 +411,8 @@ class FleetState:
             self.revisions[key] = revision
         try:
             record = _worker_decoder.decode(value)
+            if key:
+                self._filed[key] = (record.file, record.file_at)
         except msgspec.DecodeError as exc:
             # the message quotes what it refused with repr: no newline of an id splits it
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
@@ -422,3 +532,16 @@ class FleetState:
     def mark_evictions_seen(self, keys: Sequence[str]) -> None:
         """Records that need no applying here (this replica made them: its index has them)."""
         self._seen_evictions.update(keys)
+
+
+def _settings(mine: WorkerConfig, theirs: WorkerConfig | None, *, changed: bool = False) -> str:
+    """How a file's entry (`mine`) differs from the cluster's record (`theirs`; None: removed):
+    `" (url X; the cluster's: url Y)"`, or, `changed`, `"url Y -> X"`."""
+    if theirs is None:
+        return "added back" if changed else ""
+    differ = worker_settings(mine, theirs)
+    if changed:
+        return ", ".join(f"{name} {old} -> {new}" for name, new, old in differ)
+    ours = ", ".join(f"{name} {new}" for name, new, _ in differ)
+    cluster = ", ".join(f"{name} {old}" for name, _, old in differ)
+    return f" ({ours}; the cluster's: {cluster})"

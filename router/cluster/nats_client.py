@@ -1,5 +1,5 @@
 """The NATS client kvroute connects with: it never sends CONNECT in plain text to a `tls://` server;
-and how a client closed for good is replaced.
+how a client closed for good is replaced; and how one is told to stop retrying.
 
 Replicas (`router.cluster.service`) and the relay (`router.cluster.relay_publisher`) both use it:
 the relay connected with nats-py's own client, so a `tls://` URL whose server answered in plain
@@ -13,7 +13,7 @@ import logging
 import nats.errors
 from nats.aio.client import Client as NATS
 
-__all__ = ["Replacements", "TlsGuardedClient", "TlsNotOffered"]
+__all__ = ["Replacements", "TlsGuardedClient", "TlsNotOffered", "stop_retrying"]
 
 
 class TlsNotOffered(nats.errors.Error):
@@ -45,6 +45,17 @@ class TlsGuardedClient(NATS):
         if server is not None and server.uri.scheme == "tls" and not _encrypted(self):
             raise TlsNotOffered
         return super()._connect_command()
+
+
+def stop_retrying(nc: NATS) -> None:
+    """Have `nc`'s connect and reconnect loops end at their next failed attempts (nats-py's
+    NoServersError), for a replica or relay that stops: with `max_reconnect_attempts=-1` they
+    retry forever, and a cancellation landing as an attempt fails is lost
+    (`router.cluster.tasks`). The client's own limit of attempts per server, read at each one,
+    is lowered to 1: a server that failed twice is dropped at once (one that failed less, after
+    one or two more attempts), and the client, out of servers, gives up (a limit of 0 would
+    drop none)."""
+    nc.options["max_reconnect_attempts"] = 1
 
 
 class Replacements:

@@ -48,7 +48,13 @@ from indexer.relay_record import (
 )
 from indexer.service import IndexerService
 from indexer.stats import StreamState
-from router.cluster.nats_client import Replacements, TlsGuardedClient, TlsNotOffered
+from router.cluster.nats_client import (
+    Replacements,
+    TlsGuardedClient,
+    TlsNotOffered,
+    stop_retrying,
+)
+from router.cluster.tasks import stop_tasks
 from router.config import ClusterConfig
 
 __all__ = [
@@ -74,6 +80,10 @@ def presence_interval(config: ClusterConfig) -> float:
     """How often the relay says it is alive: a quarter of `heartbeat_interval_s` (0.25 s by
     default: its followers take it for gone after `PRESENCE_MISSES` of these, 0.75 s)."""
     return max(_PRESENCE_MIN_S, config.heartbeat_interval_s / _PRESENCE_PER_HEARTBEAT)
+
+
+# how long a stop waits for the relay's tasks (`router.cluster.tasks`) before leaving them
+STOP_TIMEOUT_S = 5.0
 
 
 def relay_stream_name(config: ClusterConfig) -> str:
@@ -121,6 +131,7 @@ class RelayPublisher:
         self._queue: deque[tuple[str, bytes]] = deque()
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
+        self._connecting: NATS | None = None  # the newest client, connected or not yet
         self._tasks: list[asyncio.Task[None]] = []
         self.published = 0  # handed to the NATS client (the server may still lose them)
         self.dropped = 0  # never handed to it
@@ -248,10 +259,23 @@ class RelayPublisher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Stop the tasks (bounded: a cancellation lost while NATS was down made `kvroute
+        relay` ignore SIGTERM for good, `router.cluster.tasks`) and close the connection."""
         self._closing = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in (self._connecting, self._nc):
+            if client is not None:
+                stop_retrying(client)
+        left = await stop_tasks(self._tasks, STOP_TIMEOUT_S)
+        if left:
+            log.warning(
+                "relay: %d task(s) still running %g s after being told to stop, left behind "
+                "(%s); stopping anyway",
+                len(left),
+                STOP_TIMEOUT_S,
+                ", ".join(task.get_name() for task in left),
+            )
+        # the errors of those that ended are theirs (a connect given up on): not logged
+        await asyncio.gather(*(t for t in self._tasks if t.done()), return_exceptions=True)
         nc, self._nc = self._nc, None
         if nc is not None:
             with contextlib.suppress(*_NATS_ERRORS):
@@ -316,7 +340,7 @@ class RelayPublisher:
     async def _open(self, closed: asyncio.Event) -> NATS:
         """A client connected to NATS with the relay's stream made (retrying until both);
         `closed` is set when the client is closed for good."""
-        nc = TlsGuardedClient()
+        nc = self._connecting = TlsGuardedClient()
 
         async def on_error(exc: Exception) -> None:
             # every failed attempt lands here (the client retries a refused connect itself,
@@ -365,6 +389,8 @@ class RelayPublisher:
                 await ensure_relay_stream(js, self.config)
                 return nc
             except _NATS_ERRORS as exc:
+                if self._closing:
+                    raise  # told to try no more (`__aexit__`)
                 # an option the client refused at once, or a server that answers but would
                 # not make the stream (JetStream off): a refused connection never lands here
                 said = f"{type(exc).__name__}: {exc}"
@@ -383,7 +409,7 @@ class RelayPublisher:
                 self._late = True  # said: its end is said too, and the deadline says nothing
                 with contextlib.suppress(*_NATS_ERRORS):
                     await nc.close()
-                nc = TlsGuardedClient()
+                nc = self._connecting = TlsGuardedClient()
                 closed.clear()  # the closing of the client given up on is not ours
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

@@ -53,11 +53,17 @@ from router.cluster.fleet_state import (
     SessionBook,
     worker_key,
 )
-from router.cluster.nats_client import Replacements, TlsGuardedClient, TlsNotOffered
+from router.cluster.nats_client import (
+    Replacements,
+    TlsGuardedClient,
+    TlsNotOffered,
+    stop_retrying,
+)
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
+from router.cluster.tasks import StoppableTaskGroup
 from router.cluster.wire import Batch, Decision, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
 from router.fleet.change import FleetChange
@@ -70,6 +76,9 @@ log = logging.getLogger(__name__)
 
 # what a NATS call may fail with: the client's errors, a deadline, a socket
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
+# how long a stop waits for the background tasks to end, cancelling again those that lost a
+# cancellation (`router.cluster.tasks`), before it leaves them behind, said
+STOP_TIMEOUT_S = 5.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
@@ -157,9 +166,10 @@ class ClusterService:
         self._sessions_bucket = f"{prefix}_sessions"
         self._index_bucket = f"{prefix}_index"
         self._nc: NATS | None = None
+        self._connecting: NATS | None = None  # the newest client, connected or not yet
         self._js: JetStreamContext | None = None
         self._kv: dict[str, KeyValue] = {}
-        self._group = asyncio.TaskGroup()
+        self._group = StoppableTaskGroup()
         self._tasks: list[asyncio.Task[None]] = []
         self._watchers: list[asyncio.Task[None]] = []
         self._sync_task: asyncio.Task[None] | None = None
@@ -214,13 +224,25 @@ class ClusterService:
                 "again once NATS answers",
                 ", ".join(self.fleet.describe_unsent()),
             )
+        for client in (self._connecting, self._nc):
+            if client is not None:
+                stop_retrying(client)  # its connect loop ends even if a cancellation is lost
         for task in [*self._tasks, *self._watchers, self._sync_task]:
             if task is not None:
                 task.cancel()
         try:
             if self.follower is not None:
                 await self.follower.stop()
-            await self._group.__aexit__(None, None, None)
+            # bounded: a task that lost its cancellation made it wait forever (NATS down)
+            left = await self._group.stop(STOP_TIMEOUT_S)
+            if left:
+                log.warning(
+                    "cluster: %d background task(s) still running %g s after being told to "
+                    "stop, left behind (%s); stopping anyway",
+                    len(left),
+                    STOP_TIMEOUT_S,
+                    ", ".join(getattr(t.get_coro(), "__qualname__", t.get_name()) for t in left),
+                )
         finally:
             nc, self._nc = self._nc, None
             if nc is not None:
@@ -326,6 +348,7 @@ class ClusterService:
         """A new client, connected (retrying until NATS answers); `closed` is set when it is
         closed for good."""
         nc = TlsGuardedClient()
+        self._connecting = nc  # a stop makes it try no more (`__aexit__`)
         interval = self.config.heartbeat_interval_s
 
         async def on_closed() -> None:

@@ -170,6 +170,13 @@ class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # config file or a pool. A change kept through an outage by a replica that never read the
     # bucket is written over an older one only (`FleetState.flush`); any kept change over a seed
     at: float = 0.0
+    # the worker as the config file last written into the fleet named it (None: no file named
+    # it: removed from the file, or added through the admin API), and that file's modification
+    # time (0: unknown). A record from before these fields has neither. A replica starting with
+    # a file whose entry differs from both the record and `file` takes it as an operator's
+    # edit, and writes it if its file is the newer (`FleetState.seed`)
+    file: WorkerConfig | None = None
+    file_at: float = 0.0
 
 
 class EvictionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -12,7 +12,8 @@ them all on SIGINT or SIGTERM, each given the time a single router gives its req
 later, the wait doubling from 1 s to 30 s: a child's trouble is never the others'.
 
 The children run in a session of their own (Ctrl-C in the terminal reaches this parent, which
-stops them), and on Linux get SIGTERM when this parent dies, however it dies. The parent's
+stops them), and on Linux get SIGTERM when this parent dies, however it dies; a child whose
+stop then does not end within `STOP_TIMEOUT_S` ends itself (`router.commands.orphan`). The parent's
 SIGINT and SIGTERM handlers are up before the first child starts (`router.commands.stopping`):
 one while they start stops those started so far.
 
@@ -54,15 +55,17 @@ from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
 from router.http.reload_link import ProcessesTold, answer_child
 
-__all__ = ["serve_processes"]
+__all__ = ["STOP_TIMEOUT_S", "serve_processes"]
 
 _START_TIMEOUT_S = 60.0
 _RESTART_DELAY_S = 1.0  # the first wait before restarting a child that exited
 _RESTART_MAX_DELAY_S = 30.0  # the longest, after failed restarts or quick exits
 _STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop: wait 1 s again
 # a stopping child lets its requests run SHUTDOWN_TIMEOUT_S, then closes its cluster link and
-# index: killed after 10 s, it cut long generations a single router lets finish
+# index: killed after 10 s, it cut long generations a single router lets finish. A child whose
+# parent died ends itself after as long (`router.commands.orphan`)
 _STOP_MARGIN_S = 15.0
+STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S
 
 
 def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
@@ -101,7 +104,7 @@ class _Child:
         cmd: list[str],
         env: dict[str, str],
         tell_others: Callable[[int], ProcessesTold] | None = None,
-        stop_timeout_s: float = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
         self.index = index
         self.cmd = cmd

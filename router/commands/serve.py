@@ -185,7 +185,12 @@ async def serve_until_stopped(
             task.add_done_callback(reloads.discard)
 
     hangup.install(loop, on_sighup)
-    orphaned = asyncio.create_task(_orphaned(stop)) if exit_with_parent else None
+    if exit_with_parent:
+        from router.commands.orphan import watch_parent
+        from router.commands.replicas import STOP_TIMEOUT_S
+
+        # a stop that does not end by itself is ended after the grace the parent would give
+        watch_parent(lambda: _set_from_thread(loop, stop), STOP_TIMEOUT_S)
     async with RouterService(
         config,
         reuse_port=reuse_port,
@@ -228,8 +233,6 @@ async def serve_until_stopped(
         await stop.wait()  # SIGHUP is ignored from here on, said in one line
         if link is not None:
             link.close()
-    if orphaned is not None:
-        orphaned.cancel()
 
 
 def _announce(lines: list[str]) -> None:
@@ -251,12 +254,11 @@ async def _reload(router: RouterService) -> None:
         await router.reload()
 
 
-async def _orphaned(stop: asyncio.Event) -> None:
-    """Set `stop` once the parent process is gone (this process was handed to another)."""
-    parent = os.getppid()
-    while os.getppid() == parent:  # noqa: ASYNC110 - no event says "your parent died"
-        await asyncio.sleep(0.5)
-    stop.set()
+def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Set `event` of `loop` from another thread; once the loop is closed, nothing is left to
+    stop."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(event.set)
 
 
 def _freeze_startup_heap() -> None:

@@ -403,16 +403,19 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                     # nats is imported by a replica among others only
                     from router.cluster.service import ClusterService
 
-                    cluster = await stack.enter_async_context(
-                        ClusterService(
-                            config.cluster,
-                            planner,
-                            supervisor,
-                            config.workers,
-                            fleet_change=reloader.fleet_change,
-                            sessions=app.get(DASHBOARD_SESSION),  # logouts end them everywhere
-                        )
+                    service = ClusterService(
+                        config.cluster,
+                        planner,
+                        supervisor,
+                        config.workers,
+                        fleet_change=reloader.fleet_change,
+                        sessions=app.get(DASHBOARD_SESSION),  # logouts end them everywhere
                     )
+                    if (source := app.get(CONFIG_SOURCE)) is not None:
+                        # a worker's entry edited since the cluster's record wins over it
+                        service.fleet.file_path = source.path
+                        service.fleet.file_at = source.modified_at
+                    cluster = await stack.enter_async_context(service)
                     app[CLUSTER] = cluster
                     reloader.cluster = cluster  # reloaded workers are shared as admin's are
                     app[METRICS].export_cluster(cluster.gauges)

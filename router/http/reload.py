@@ -40,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from router.config import LiveConfig, RouterConfig, WorkerConfig
-from router.config_diff import ConfigDiff, diff_configs
+from router.config_diff import ConfigDiff, diff_configs, worker_settings
 from router.errors import ConfigError, NotFoundError, ReloadError
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -75,15 +76,31 @@ class ConfigSource:
     regular file, one over `router.config.MAX_CONFIG_BYTES`, and an empty one (a file caught
     mid-save: applied, it would drop every worker): `read_config_file(path, reloading=True)`.
     `Reloader` runs it on a thread: a file on a stalled network mount holds the reload, not
-    the router."""
+    the router.
+
+    `modified_at`: the file's modification time as last read (None: unknown), taken just
+    before: with a `[cluster]`, a worker's entry edited in a newer file than the one the
+    cluster's record came from is written over the record at start
+    (`router.cluster.fleet_state`)."""
 
     def __init__(self, path: str, load: Callable[[], RouterConfig]) -> None:
         self.path = path
         self._load = load
+        self.modified_at = _modified_at(path)  # made just after the start read it
 
     def load(self) -> RouterConfig:
         """The file's config now (ConfigError naming the key when it is invalid)."""
-        return self._load()
+        modified_at = _modified_at(self.path)  # before: an edit meanwhile reads as newer
+        config = self._load()
+        self.modified_at = modified_at
+        return config
+
+
+def _modified_at(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except (OSError, ValueError):
+        return None
 
 
 class Reloader:
@@ -166,14 +183,74 @@ class Reloader:
             except ReloadError as exc:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise
+            self._file_in_fleet(source, config, diff)
             await self.apply(config, diff)
             arrived = [*diff.workers_added, *diff.workers_changed]
             waiting = self._unregistered(arrived)
             doubts = {w: why for w in arrived if (why := self._supervisor.doubt(w)) is not None}
-            if waiting or doubts:
-                diff = msgspec.structs.replace(diff, not_registered=waiting, warnings=doubts)
+            kept = self._kept_by_cluster(source, config, diff)
+            if waiting or doubts or kept:
+                diff = msgspec.structs.replace(
+                    diff, not_registered=waiting, warnings=doubts, kept_by_cluster=kept
+                )
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
+
+    def _file_in_fleet(self, source: ConfigSource, config: RouterConfig, diff: ConfigDiff) -> None:
+        """With a `[cluster]`: the workers this reload changes are the file's edits, and the
+        records written of them say what the file names now (`FleetState.filed`), so a replica
+        starting later with this file takes them as the cluster's."""
+        if self.cluster is None:
+            return
+        fleet = self.cluster.fleet
+        fleet.file_path, fleet.file_at = source.path, source.modified_at
+        by_id = {w.worker_id: w for w in config.workers}
+        for worker_id in (*diff.workers_added, *diff.workers_changed):
+            fleet.filed(worker_id, by_id[worker_id])
+        for worker_id in diff.workers_removed:
+            fleet.filed(worker_id, None)
+
+    def _kept_by_cluster(
+        self, source: ConfigSource, config: RouterConfig, diff: ConfigDiff
+    ) -> dict[str, str]:
+        """With a `[cluster]`: the workers the file names, their entries unchanged by this
+        reload, that run otherwise (or not at all) as the cluster's record has them, with why,
+        each said in a WARNING line. The file's entry is applied when it is edited (a reload
+        diffs the file against the file as last read, so an admin change stands): before,
+        nothing said that the record won over the file (QA: `workers_changed: []`)."""
+        if self.cluster is None:
+            return {}
+        how = (
+            "to use the file's entry, edit it and reload, or change the worker through the "
+            "admin API (DELETE, then POST /admin/workers)"
+        )
+        moved = {*diff.workers_added, *diff.workers_changed}
+        kept: dict[str, str] = {}
+        for worker in config.workers:
+            if worker.worker_id in moved:
+                continue
+            entry = self._planner.pool.find(worker.worker_id)
+            if entry is None:
+                why = f"removed from the shared fleet (through the admin API); {how}"
+            elif entry.config != worker:
+                theirs = ", ".join(
+                    f"{name} {value}" for name, _, value in worker_settings(worker, entry.config)
+                )
+                why = (
+                    f"runs as the cluster's record has it ({theirs}): an admin change, or "
+                    f"another replica's newer config file; the entry did not change since this "
+                    f"replica last read the file; {how}"
+                )
+            else:
+                continue
+            kept[worker.worker_id] = why
+            log.warning(
+                "config reload: worker %s of %s is not applied: %s",
+                worker.worker_id,
+                source.path,
+                why,
+            )
+        return kept
 
     def _unregistered(self, worker_ids: list[str]) -> dict[str, str]:
         """The workers of `worker_ids` in the pool not registered yet, with why: still being
