@@ -425,8 +425,15 @@ async def test_every_stream_of_a_live_relay_stays_fresh_on_an_idle_fleet(
             fleet = Fleet(a, {"w0": w0, "w1": w1}, session)
             await fleet.warm()
             await asyncio.sleep(2.0)  # idle: longer than the heartbeat timeout (0.5 s)
-            states = {s.stream: s.state for s in a.indexer.streams()}
-            assert states == {"w0#dp0": "synced", "w1#dp0": "synced"}
+
+            # the relay's presence comes every 25 ms here, gone after 75 ms: on a loaded CI
+            # host a late one may make both streams STALE a moment (as it should), and the next
+            # record trusts them again; what must hold is that idle streams are fresh
+            async def fresh() -> bool:
+                states = {s.stream: s.state for s in a.indexer.streams()}
+                return states == {"w0#dp0": "synced", "w1#dp0": "synced"}
+
+            await eventually(fresh, timeout_s=1.0, what="both idle streams fresh")
 
 
 async def test_a_worker_the_relay_registered_anew_before_a_replica_saw_it_back_is_predicted(
