@@ -18,7 +18,12 @@ business (`indexer.subscriber`).
 The DEALER is connected to the publisher's process itself (its events may come through a
 forwarder, which hides the process going away), so its connection is watched too: `connect`
 opens it ahead of any request, `link` (polled on `link_socket`) says whether a connection made
-before dropped (the process may have ended: a restart candidate) and whether it is up now.
+before dropped (the process may have ended: a restart candidate) and whether it is up now. A
+request left unanswered (timed out, or proving nothing) counts as a drop too, once the socket
+is reset for it: the fresh connection may never complete its handshake with a hung process, or
+meet a new one (through a TCP hop that kept our side open while the process restarted), so no
+drop of its own would ever tell. Before, such a reset was silent: a worker killed and restarted
+while its answer hung was never suspected (QA: the dead process's 288 tokens predicted for good).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class ReplayLink(NamedTuple):
 
     dropped: bool  # a connection made before went away (the publisher's process may be gone)
     up: bool  # a connection is made now
+    # a request went unanswered and the socket was reset for it (counted as a drop: the
+    # process may have restarted meanwhile, unseen); apart, as only `dropped` is a sign of a
+    # whole server going away (its other ranks are suspected for it)
+    unanswered: bool = False
 
 
 class ReplayClient:
@@ -87,6 +96,7 @@ class ReplayClient:
         self._monitor_sync: zmq.Socket[bytes] | None = None
         self._up = False  # a connection of the current DEALER is made
         self._dropped = False  # one made before dropped since `link` last said so
+        self._unanswered = False  # a request went unanswered since `link` last said so
 
     async def replies(self, start: int) -> AsyncGenerator[ReplayData, None]:
         """Every buffered batch from `start` of our topic, in the publisher's order.
@@ -138,6 +148,7 @@ class ReplayClient:
                 yield reply
         except (TimeoutError, ReplayError):
             # raised here, never by the consumer (which leaving early closes us, not raises)
+            self._unanswered = True  # the reset below is a drop (module docstring)
             self._on_unanswered()
             raise
         finally:
@@ -167,16 +178,19 @@ class ReplayClient:
 
     def link(self) -> ReplayLink | None:
         """What the DEALER's connection did since last asked (None: nothing), read without
-        waiting. A drop seen as the DEALER was closed (an answer left unended) is kept for
-        this."""
+        waiting. A drop seen as the DEALER was closed (an answer left unended), and a request
+        left unanswered, are kept for this."""
         monitor = self._monitor_sync
-        if not self._dropped and (
-            monitor is None or not cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN
+        if (
+            not self._dropped
+            and not self._unanswered
+            and (monitor is None or not cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN)
         ):
             return None
         self._read_link()
         dropped, self._dropped = self._dropped, False
-        return ReplayLink(dropped, self._up)
+        unanswered, self._unanswered = self._unanswered, False
+        return ReplayLink(dropped, self._up, unanswered)
 
     def close(self) -> None:
         """Drop the socket (the next request connects a fresh one)."""

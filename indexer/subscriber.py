@@ -60,7 +60,10 @@ treated the same (fail closed). Restart candidates make the stream UNVERIFIED (i
 predict no hit) until such a replay proves it: the event connection dropping (a socket
 monitor on the SUB sees it at once), the replay connection dropping (the DEALER, connected at
 all times, has a monitor too: events through a forwarder keep the SUB connected while the
-worker restarts behind it; `_replay_link`), the worker's health check coming back from down
+worker restarts behind it; `_replay_link`), a replay answer that did not come (its DEALER
+reset: the proof then asks from the fence the last whole answer proved, `_owed_fence`, and no
+live batch is applied while the replay connection is away), the worker's health check coming
+back from down
 (`suspect_restart`), and a snapshot loaded at startup. A proof whose replays all answered to
 their end proves the stream's tail too (SYNCED at once); one whose replay timed out (a busy
 machine) clears what it could not prove, trusts nothing it brought in part, and asks again
@@ -100,6 +103,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.config import IndexerConfig, StreamConfig, shown_endpoint
 from indexer.errors import ProtocolError, ReplayError
+from indexer.fence import BatchFence
 from indexer.health import StreamHealth
 from indexer.log_throttle import LogThrottle
 from indexer.protocol.decode import batch_dp_rank, decode_batch
@@ -331,6 +335,21 @@ class StreamSubscriber:
         # the replay DEALER's connection dropped and has not come back (`_replay_link`): a
         # proof waits for it, as one waits for the SUB's
         self._replay_lost = False
+        # the stream's fence when a replay answer last came to its end: what the publisher was
+        # last proven to hold (None: nothing since the stream was cleared or started)
+        self._answered_fence: BatchFence | None = None
+        # a replay answer did not come (`_replay_link`): the publisher may have restarted
+        # unseen at any time since the last answer, and a live batch of the new process that
+        # followed on in seq may be the stream's newest batch, which it would prove. So the
+        # proof owed asks from this fence, the last answered one, not the newest (None: no
+        # such proof is owed). Before, it asked from the newest: through a TCP hop that hid
+        # the restart, the new process's batch proved itself (QA: 288 tokens, 0 cached)
+        self._owed_fence: BatchFence | None = None
+        self._proof_owed = False  # (the fence may be None: then the proof asks from the newest)
+        # that owed proof went unanswered too (the worker still slow, or away): nothing is
+        # cleared for it (the stream predicts nothing meanwhile), and it is asked again at the
+        # probe's back-off, or on a new sign (`suspect_restart`), not at every loop pass
+        self._owed_wait = False
         # the poller the DEALER's monitor is registered with, and that monitor (`_idle`)
         self._link_polled: tuple[zmq.asyncio.Poller, zmq.asyncio.Socket] | None = None
         self._link_due = 0  # loop passes until the next look at it (`_LINK_EVERY`)
@@ -443,7 +462,12 @@ class StreamSubscriber:
                     continue
                 if self._replay_link():
                     continue
-                if self._unverified and self._connected and not self._replay_away:
+                if (
+                    self._unverified
+                    and self._connected
+                    and not self._replay_away
+                    and not self._owed_wait
+                ):
                     await self._verify()
                     continue
                 # The async poll costs a poller, futures and a timer: only pay for it when
@@ -547,9 +571,27 @@ class StreamSubscriber:
             self.suspect_restart("the replay connection dropped")
             if self._on_siblings is not None:
                 self._on_siblings(self, "dropped its replay connection")
+        elif news.unanswered and self._answered_fence is not None and not self._proof_owed:
+            # the DEALER was reset for an answer that never came: its new connection may never
+            # be made with a hung process, or be made with a new one through a hop that kept
+            # our side open, so no drop would tell of a restart meanwhile. Before, a probe's
+            # timeout only left the tail unproven, and the next live batch that followed on
+            # in seq trusted it again: a worker killed and restarted while hung, its first
+            # batches lost behind a forwarder, had its dead cache predicted for good (QA: 288
+            # tokens matched, 0 cached). Its siblings are not suspected: each asks its own.
+            # Only once the socket answered whole since the stream's state began: one that
+            # never did (silent, or not this stream's) proves nothing to go back to, and the
+            # stream runs on its live batches as before (a gap it cannot repair clears). The
+            # owed proof's own timeouts are no news
+            self.suspect_restart("a replay answer did not come (its connection was reset)")
+            if self._unverified:
+                self._proof_owed = True
+                self._owed_fence = self._answered_fence
         # the proof is asked once it is back: asked before, it waits on a socket that is
         # down, times out and clears a worker that was only unreachable a moment
-        self._replay_lost = not news.up and (self._replay_lost or news.dropped)
+        self._replay_lost = not news.up and (
+            self._replay_lost or news.dropped or (news.unanswered and self._proof_owed)
+        )
         return True
 
     @property
@@ -592,6 +634,7 @@ class StreamSubscriber:
             self._by_sibling = self._by_sibling and sibling  # a sign of its own counts
         self._unverified = True
         self._why_unverified = why
+        self._owed_wait = False  # a new sign: an owed proof is asked now
         self._enter(StreamState.UNVERIFIED)
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
@@ -629,8 +672,19 @@ class StreamSubscriber:
             self._trust()  # `synced`: a restarted process holds nothing either
             return
         restarts = self.restarts
+        owed = self._owed_fence
+        if owed is not None and owed.seq < last:
+            last = owed.seq  # (a proof owed for an unanswered replay: see `_owed_fence`)
         result = await self._replay(last)
         answered = result.answered  # (a restart found by the fence: its rebuild's answer)
+        if (
+            self._proof_owed
+            and not result.answered
+            and self.restarts == restarts
+            and self._rebinds == rebinds
+        ):
+            self._owe_again()
+            return
         if result.continuity is _Continuity.NONE:
             if result.answered and result.newest is None:
                 # the publisher's seqs may have gone back
@@ -705,7 +759,22 @@ class StreamSubscriber:
         """A replay socket to ask (configured, and not found to be another publisher's)."""
         return self.config.replay_endpoint is not None and not self._replay_foreign
 
+    def _owe_again(self) -> None:
+        """The proof owed for an unanswered replay went unanswered too: a worker still slow
+        (or hung, or away) is not cleared for it, as it would be on a proof that found
+        something. What it holds predicts nothing (`unverified`), and the proof is asked again
+        at the probe's back-off (or soon, without the probe), from the same fence."""
+        self._owed_wait = True
+        if self._probes_at_connect:
+            base_ms = int(self.settings.probe_interval_s * 1000)
+            self._probe_wait_ms = min(self._probe_wait_ms * 2, max(base_ms, 60_000))
+            self._tail_proven(False)
+        else:
+            self._retry_soon()
+
     def _trust(self) -> None:
+        self._owed_fence = None  # proven (or cleared): nothing is owed
+        self._proof_owed = self._owed_wait = False
         if self._unverified:
             self._unverified = False
             self._by_sibling = False
@@ -1025,7 +1094,25 @@ class StreamSubscriber:
         if self._unverified:
             # a live message proves we are connected: check before it is applied
             self._connected = True
-            await self._verify()
+            self._link_due = 0
+            self._replay_link()  # (the link's news first: the check waits while it is away)
+            if self._replay_away:
+                # no proof while the replay connection is away: asked now, it would time out
+                # and clear a worker that is only unreachable. Nor is the batch applied: it
+                # would become the fence the proof is asked from, and a new process's batch
+                # that follows on the dead run's seqs would prove itself. Skipped (the stream
+                # predicts nothing meanwhile): the proof, once the connection is back, asks
+                # from the old fence, and its answer brings this batch. Before, the proof was
+                # asked at once, timed out, and cleared the stream; the live batches after it
+                # were skipped as the dead run's and the window's end cleared it again: never
+                # rebuilt (QA: 0 predicted of 288 cached, 15 s after the path healed)
+                return
+            if not self._owed_wait:
+                await self._verify()
+            # else an owed proof went unanswered (the socket connected, silent): not asked
+            # at every batch (each would wait out the timeout). The batch is applied and
+            # trusts nothing: the proof, asked again later, is asked from its own fence
+            # (`_owed_fence`), which no live batch moves
         joining, self._joined = not self._joined, True
         prev_live = self.tracker.live
         if (
@@ -1341,6 +1428,10 @@ class StreamSubscriber:
             return
         if self._replay_foreign:
             return
+        if self._owed_wait:
+            self._owed_wait = False
+            await self._verify()  # the proof owed, asked again (`_owe_again`)
+            return
         before = self.tracker.last
         joining = not self._joined
         rebinds = self._rebinds
@@ -1373,7 +1464,12 @@ class StreamSubscriber:
         # published after it (an eviction among them): it stays unproven until it reconnects
         # and `_verify` runs. Before, the idle probe trusted it while its event connection was
         # down (QA: a forwarder's PUB closed 8 s, a flush at +3 s: 288 matched, 0 cached)
-        if self._unverified and self._connected and result.continuity is not _Continuity.NONE:
+        if (
+            self._unverified
+            and self._connected
+            and result.continuity is not _Continuity.NONE
+            and not self._proof_owed  # (asked from the newest batch: `_verify` owes it)
+        ):
             if result.continuity is _Continuity.PROVEN and self.restarts == restarts:
                 self._loaded_outcome(f"proven at seq {before}: {self.sink.entries()} entries")
             # else the clear that dropped the snapshot's state said why (`_clear`)
@@ -1472,7 +1568,10 @@ class StreamSubscriber:
             return _ReplayResult(False, None, _Continuity.NONE)  # found out: not asked again
         newest: int | None = None
         last = self.tracker.last
-        continuing = last is not None and start == last
+        owed = self._owed_fence
+        continuing = last is not None and (
+            start == last or (owed is not None and start == owed.seq)
+        )
         continuity = _Continuity.NONE
         rebinds = self._rebinds
         live = self.tracker.live
@@ -1518,6 +1617,10 @@ class StreamSubscriber:
             rebuilt = await self._replay(0)
             return _ReplayResult(rebuilt.answered, rebuilt.newest, continuity)
         self._reached_end(heard=heard)  # (a catch-up's: its buffer is read to the end)
+        if not self._proof_owed or continuity is _Continuity.PROVEN:
+            # what the publisher was last proven to hold, unless a proof still owed is
+            # unmet: an answer that did not ask from the owed fence proves nothing of it
+            self._answered_fence = self.sink.fence()
         return _ReplayResult(True, newest, continuity)
 
     def _take_reply(
@@ -1608,7 +1711,9 @@ class StreamSubscriber:
         """The verdict on the first batch a continuing replay returned (asked from `start`)."""
         if seq != start:
             return _Continuity.UNPROVEN  # the buffer starts after our last batch
-        fence = self.sink.fence()
+        fence = self._owed_fence
+        if fence is None or fence.seq != start:
+            fence = self.sink.fence()
         if fence is not None and fence.matches(seq, payload):
             return _Continuity.PROVEN
         return _Continuity.BROKEN
@@ -1913,6 +2018,10 @@ class StreamSubscriber:
         says so once, with `outcome` (default: `reason`): the true reason, wherever found
         (before, a proof after it said "proven" of what was rebuilt since)."""
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
+        self._answered_fence = self._owed_fence = None  # nothing held is left to prove
+        # (an owed proof that went unanswered is still asked at its back-off, not at every
+        # live batch: the socket is as silent as it was)
+        self._proof_owed = False
         if self._replay_unconfirmed:
             self._replay_unconfirmed = False  # nothing unconfirmed is left
             self._show_state()
@@ -1956,6 +2065,8 @@ class StreamSubscriber:
 
     def _unanswered(self) -> None:
         self.unanswered_replays += 1
+        # its reset is a restart candidate (`_replay_link`): taken before any live batch is
+        self._link_due = 0
 
     def _close_replay(self) -> None:
         if self._replayer is not None:
@@ -1984,6 +2095,8 @@ class StreamSubscriber:
         self._rebinds += 1
         self._replayed.clear()
         self._last_live = None
+        self._answered_fence = self._owed_fence = None  # the fences of the state it replaced
+        self._proof_owed = self._owed_wait = False
         self._after_restart = False  # the run it follows now is the snapshot's
         self._dead_seq = None
         self._catch_up = None  # its proof (`_verify`) catches the loaded state up, if any

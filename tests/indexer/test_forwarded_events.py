@@ -307,33 +307,64 @@ async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entrie
 
 
 class _TcpRelay:
-    """A loopback TCP relay to `target` whose open connections can be cut."""
+    """A loopback TCP relay to `target` whose open connections can be cut. Switches: `held`
+    (bytes wait in the relay, both ways, until cleared: a worker that is slow to answer),
+    `sticky` (an upstream that closes is not closed downstream: a hop that hides the worker
+    going away) and `refusing` (new connections are closed at once: the worker unreachable)."""
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.port = 0
+        self.sticky = False
+        self.refusing = False
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+
+    @property
+    def held(self) -> bool:
+        return not self._flowing.is_set()
+
+    @held.setter
+    def held(self, held: bool) -> None:
+        if held:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        if self.refusing:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
         self._writers += [writer, up_writer]
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, downstream: bool
+        ) -> None:
             try:
                 while data := await src.read(65536):
+                    await self._flowing.wait()
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):
                 pass
             finally:
-                dst.close()
+                if not (downstream and self.sticky):
+                    dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(
+            pipe(reader, up_writer, downstream=False), pipe(up_reader, writer, downstream=True)
+        )
 
     async def cut(self) -> None:
         writers, self._writers = self._writers, []
@@ -341,6 +372,7 @@ class _TcpRelay:
             writer.close()
 
     async def close(self) -> None:
+        self.held = False
         await self.cut()
         if self._server is not None:
             self._server.close()
@@ -480,3 +512,256 @@ async def test_a_forwarder_repointed_at_another_pub_predicts_nothing_until_it_is
     finally:
         await own.stop()
         await other.stop()
+
+
+# an idle probe often, answered or not within a test: what times out here is a probe
+PROBING = IndexerConfig(probe_interval_s=0.3, replay_timeout_s=0.5)
+
+
+async def _relayed_worker(svc: IndexerService, fwd: Forwarder, relay: _TcpRelay) -> None:
+    """Subscribe the worker: its events through `fwd`, its replay socket through `relay`."""
+    await svc.add_worker(
+        WORKER,
+        [
+            StreamConfig(
+                endpoint=fwd.endpoint,
+                replay_endpoint=f"tcp://127.0.0.1:{relay.port}",
+                block_size=16,
+                model=MODEL,
+            )
+        ],
+    )
+    await fwd.subscribed()
+
+
+async def _proven_by_a_probe(svc: IndexerService, P: list[int], last: int) -> None:
+    """Wait until `P` (applied at seq `last`) is predicted and a probe answered after it."""
+    await until(
+        lambda: predicted(svc, P) == [80] and svc.streams()[0].last_seq == last, "P predicted"
+    )
+    probes = svc.streams()[0].probes
+    await until(lambda: svc.streams()[0].probes >= probes + 2, "a probe answered after P")
+    assert predicted(svc, P) == [80]
+
+
+async def _restart_losing_its_first_batches(
+    session: aiohttp.ClientSession, worker: Restartable, fwd: Forwarder, relay: _TcpRelay
+) -> list[int]:
+    """Restart the worker, its replay unreachable and its batches up to the dead run's last
+    seq lost on the forwarder's path, and publish its next batch, which follows on the dead
+    run in seq; the replay reachable again once it was forwarded. Returns that batch's prompt."""
+    last = worker.next_seq() - 1
+    fwd.dropping = True
+    relay.refusing = True
+    await worker.stop()
+    await worker.start()
+    await fwd.connected(2)
+    i = 0
+    while worker.next_seq() < last + 1:
+        await generate(session, worker.live, tokens(f"lost-{i}"))
+        i += 1
+    assert worker.next_seq() == last + 1
+    await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
+    fwd.dropping = False
+    R = tokens("new")
+    forwarded = fwd.forwarded
+    await generate(session, worker.live, R)
+    await until(lambda: fwd.forwarded > forwarded, "the new batch to be forwarded")
+    await asyncio.sleep(0.3)  # taken by the stream (applied, or skipped while a proof is owed)
+    relay.refusing = False
+    return R
+
+
+async def _restart_found(
+    svc: IndexerService, worker: Restartable, P: list[int], R: list[int]
+) -> None:
+    await until(
+        lambda: (
+            predicted(svc, R) == [80]
+            and predicted(svc, P) == [0]
+            and streams_of(svc) == [StreamState.SYNCED]
+        ),
+        "the restart found and the new process's batch predicted",
+        timeout_s=5.0,
+    )
+    assert worker.holds(P) == [0]
+    await asyncio.sleep(0.5)
+    assert predicted(svc, P) == [0]
+    assert svc.streams()[0].restarts >= 1
+
+
+async def test_a_worker_restarted_while_its_replay_answer_hung_is_found(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker hangs: a probe's answer times out, its DEALER is reset, and the new
+    connection never completes its handshake. The worker is killed and restarted, its first
+    batches lost behind the forwarder, its next one following on the dead run's seq. The new
+    connection's end was no drop (never made) and the timeout only left the tail unproven:
+    that batch followed on, was trusted, and the dead process's P was predicted for good (QA:
+    288 tokens, 0 cached). Now the unanswered replay counts as a drop: the proof it owes,
+    asked once the replay is back, finds the restart."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        await relay.start()
+        try:
+            async with (
+                Forwarder(ctx, kv.endpoint) as fwd,
+                IndexerService(PROBING) as svc,
+                aiohttp.ClientSession() as session,
+            ):
+                await fwd.connected(1)
+                await _relayed_worker(svc, fwd, relay)
+                P = tokens("dead")
+                await generate(session, worker.live, P)
+                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
+                unanswered = svc.streams()[0].unanswered_replays
+                relay.held = True  # hung: nothing it is sent is answered, no handshake either
+                await until(
+                    lambda: svc.streams()[0].unanswered_replays > unanswered, "a probe unanswered"
+                )
+                await relay.cut()  # killed: its connections close
+                relay.held = False
+                R = await _restart_losing_its_first_batches(session, worker, fwd, relay)
+                await _restart_found(svc, worker, P, R)
+        finally:
+            await relay.close()
+    finally:
+        await worker.stop()
+
+
+async def test_a_restart_behind_a_replay_hop_that_hides_it_is_found(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay socket is reached through a hop that keeps our side of the connection open
+    while the worker restarts behind it (QA: a TCP proxy): the DEALER sees no drop at all,
+    and the new process's batch that follows on the dead run's seq is applied as a
+    continuation. The next probe's answer does not come (nothing is behind our connection):
+    that is a drop now, and the proof it owes asks from the batch the last answered probe
+    proved, not the newest one (which the new process would give back): the restart is found.
+    Before, the dead process's P was predicted for good."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        relay.sticky = True
+        await relay.start()
+        try:
+            async with (
+                Forwarder(ctx, kv.endpoint) as fwd,
+                IndexerService(PROBING) as svc,
+                aiohttp.ClientSession() as session,
+            ):
+                await fwd.connected(1)
+                await _relayed_worker(svc, fwd, relay)
+                P = tokens("dead")
+                await generate(session, worker.live, P)
+                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
+                R = await _restart_losing_its_first_batches(session, worker, fwd, relay)
+                await _restart_found(svc, worker, P, R)
+        finally:
+            await relay.close()
+    finally:
+        await worker.stop()
+
+
+async def test_a_slow_replay_answer_costs_one_proof_and_keeps_the_entries(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker that is only slow: a probe's answer times out (a drop now: the stream
+    predicts nothing), and once its bytes come the stream is proven in one round trip, its
+    entries kept, nothing cleared."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        await relay.start()
+        try:
+            async with (
+                Forwarder(ctx, kv.endpoint) as fwd,
+                IndexerService(PROBING) as svc,
+                aiohttp.ClientSession() as session,
+            ):
+                await fwd.connected(1)
+                await _relayed_worker(svc, fwd, relay)
+                P = tokens("kept")
+                await generate(session, worker.live, P)
+                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
+                before = svc.streams()[0]
+                relay.held = True
+                await until(
+                    lambda: svc.streams()[0].unanswered_replays > before.unanswered_replays,
+                    "a probe unanswered",
+                )
+                assert predicted(svc, P) == [0]
+                relay.held = False
+                await until(
+                    lambda: predicted(svc, P) == [80] and streams_of(svc) == [StreamState.SYNCED],
+                    "proven once its bytes come",
+                    timeout_s=1.5,
+                )
+                stats = svc.streams()[0]
+                assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
+        finally:
+            await relay.close()
+    finally:
+        await worker.stop()
+
+
+async def test_a_replay_outage_longer_than_its_timeout_while_events_flow_is_rebuilt(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay path is away for longer than `replay_timeout_s` while the worker publishes.
+    Before, each live batch asked for the proof at once although the replay connection was
+    away: it timed out, the stream was cleared as after a restart, the batches after it were
+    skipped as the dead run's and the window's end cleared it again: never rebuilt (QA: Q
+    predicted 0 with 288 cached, 15 s after the path healed, a restart counted). Now nothing
+    is asked while it is away: once back, the proof from the fence brings what was published
+    meanwhile, nothing cleared."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        await relay.start()
+        try:
+            async with (
+                Forwarder(ctx, kv.endpoint) as fwd,
+                IndexerService(SETTINGS) as svc,
+                aiohttp.ClientSession() as session,
+            ):
+                await fwd.connected(1)
+                await _relayed_worker(svc, fwd, relay)
+                await until(lambda: streams_of(svc) == [StreamState.SYNCED], "the stream")
+                P = tokens("before")
+                await generate(session, worker.live, P)
+                await until(lambda: predicted(svc, P) == [80], "P predicted")
+                before = svc.streams()[0]
+                relay.refusing = True
+                await relay.cut()
+                await until(lambda: predicted(svc, P) == [0], "the drop seen")
+                Q, S = tokens("during"), tokens("later")
+                await generate(session, worker.live, Q)
+                await asyncio.sleep(1.5)  # past the replay timeout, events flowing
+                await generate(session, worker.live, S)
+                await asyncio.sleep(0.5)
+                relay.refusing = False
+                await until(
+                    lambda: (
+                        predicted(svc, Q) == [80]
+                        and predicted(svc, S) == [80]
+                        and streams_of(svc) == [StreamState.SYNCED]
+                    ),
+                    "rebuilt once the path is back",
+                    timeout_s=3.0,
+                )
+                stats = svc.streams()[0]
+                assert stats.restarts == before.restarts
+        finally:
+            await relay.close()
+    finally:
+        await worker.stop()
