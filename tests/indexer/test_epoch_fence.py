@@ -783,6 +783,16 @@ def _dp_streams(pubs: tuple[ScriptedPublisher, ...], *, replay: bool) -> list[St
     ]
 
 
+def _rank(svc: IndexerService, dp: int) -> StreamStats:
+    """The stats of rank `dp`'s stream of the DP worker."""
+    return next(s for s in svc.streams() if s.dp_rank == dp)
+
+
+def _dp_predicted(svc: IndexerService, dp: int) -> int:
+    """What rank `dp` is predicted to hold of `_DP_PAGE`."""
+    return svc.query(Namespace(), [*_DP_PAGE, 9])[WORKER].ranks[dp].matched_tokens
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
 async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
     ctx: zmq.asyncio.Context, replay: bool
@@ -795,12 +805,6 @@ async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
     about 1.2 s; without the probe, for good). Its restart, found by that check, is not told
     to rank 0 again: without replay sockets each suspicion clears, and they would take turns."""
     stored = _DP_STORED
-
-    def rank(dp: int) -> StreamStats:
-        return next(s for s in svc.streams() if s.dp_rank == dp)
-
-    def predicted(dp: int) -> int:
-        return svc.query(Namespace(), [*_DP_PAGE, 9])[WORKER].ranks[dp].matched_tokens
 
     async with (
         ScriptedPublisher(ctx) as r0,
@@ -816,21 +820,25 @@ async def test_a_restart_one_rank_finds_makes_its_sibling_ranks_suspect_at_once(
                 if sub.tracker.live is not None:
                     break
         seq = await r1.publish(stored)
-        await wait_until(lambda: rank(1).last_seq == seq and rank(1).state is StreamState.SYNCED)
-        assert predicted(1) == 4
+        await wait_until(
+            lambda: _rank(svc, 1).last_seq == seq and _rank(svc, 1).state is StreamState.SYNCED
+        )
+        assert _dp_predicted(svc, 1) == 4
         r0.restart()
         r1.restart()  # same sockets: nothing drops, rank 1's new process publishes nothing
         await r0.publish(EventBatch(1.0, []))  # seq 0: rank 0 sees its seq go back
-        await wait_until(lambda: rank(0).restarts == 1)
-        assert predicted(1) == 0  # at once, not at rank 1's next probe
-        await wait_until(lambda: rank(1).restarts == 1 and rank(1).state is StreamState.SYNCED)
-        assert rank(1).entries == 0 and predicted(1) == 0
+        await wait_until(lambda: _rank(svc, 0).restarts == 1)
+        assert _dp_predicted(svc, 1) == 0  # at once, not at rank 1's next probe
+        await wait_until(
+            lambda: _rank(svc, 1).restarts == 1 and _rank(svc, 1).state is StreamState.SYNCED
+        )
+        assert _rank(svc, 1).entries == 0 and _dp_predicted(svc, 1) == 0
         seq = await r0.publish(stored)  # the new process's page on rank 0
-        await wait_until(lambda: rank(0).last_seq == seq)
+        await wait_until(lambda: _rank(svc, 0).last_seq == seq)
         await asyncio.sleep(0.3)  # no suspicion comes back to rank 0 from rank 1's restart
-        assert (rank(0).restarts, rank(1).restarts) == (1, 1)
+        assert (_rank(svc, 0).restarts, _rank(svc, 1).restarts) == (1, 1)
         if replay:  # (without one, the window after a restart predicts nothing: 5 s)
-            assert predicted(0) == 4 and rank(0).state is StreamState.SYNCED
+            assert _dp_predicted(svc, 0) == 4 and _rank(svc, 0).state is StreamState.SYNCED
 
 
 @pytest.mark.parametrize("rank0_holds", [False, True], ids=["rank0-quiet", "rank0-holds"])
@@ -843,12 +851,6 @@ async def test_a_rank_whose_connection_drops_makes_its_siblings_suspect_at_once(
     told only once a proof found the restart (the new process served first) and, when rank 0
     held nothing, never: its suspicion stopped there (QA: 304 tokens matched, 0 cached)."""
     stored = _DP_STORED
-
-    def rank(dp: int) -> StreamStats:
-        return next(s for s in svc.streams() if s.dp_rank == dp)
-
-    def predicted(dp: int) -> int:
-        return svc.query(Namespace(), [*_DP_PAGE, 9])[WORKER].ranks[dp].matched_tokens
 
     async with (
         ScriptedPublisher(ctx) as r0,
@@ -865,18 +867,24 @@ async def test_a_rank_whose_connection_drops_makes_its_siblings_suspect_at_once(
             if subs[1].tracker.live is not None:
                 break
         seq = await r1.publish(stored)
-        await wait_until(lambda: rank(1).last_seq == seq and rank(1).state is StreamState.SYNCED)
+        await wait_until(
+            lambda: _rank(svc, 1).last_seq == seq and _rank(svc, 1).state is StreamState.SYNCED
+        )
         if rank0_holds:
             seq0 = await r0.publish(stored)
-            await wait_until(lambda: rank(0).last_seq == seq0 and predicted(0) == 4)
+            await wait_until(lambda: _rank(svc, 0).last_seq == seq0 and _dp_predicted(svc, 0) == 4)
         else:
-            assert subs[0].tracker.last is None and rank(0).entries == 0
-        assert predicted(1) == 4
+            assert subs[0].tracker.last is None and _rank(svc, 0).entries == 0
+        assert _dp_predicted(svc, 1) == 4
         r1.restart()  # same sockets (behind a forwarder): nothing drops on rank 1
         r0.pub.close(linger=0)  # rank 0's process dies: its connection drops, no reconnect
         r0.router.close(linger=0)
         await wait_until(lambda: not subs[0]._connected)
-        await wait_until(lambda: predicted(1) == 0, timeout_s=1.0)
+        await wait_until(lambda: _dp_predicted(svc, 1) == 0, timeout_s=1.0)
         # rank 1 is proven through its own replay socket: the new process holds nothing
-        await wait_until(lambda: rank(1).restarts == 1 and rank(1).state is StreamState.SYNCED)
-        assert rank(1).entries == 0 and predicted(1) == 0 and predicted(0) == 0
+        await wait_until(
+            lambda: _rank(svc, 1).restarts == 1 and _rank(svc, 1).state is StreamState.SYNCED
+        )
+        assert (
+            _rank(svc, 1).entries == 0 and _dp_predicted(svc, 1) == 0 and _dp_predicted(svc, 0) == 0
+        )

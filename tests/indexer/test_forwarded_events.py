@@ -14,6 +14,7 @@ ports; a real forwarder (`tests.indexer.forwarder`). No idle probe runs within a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -590,6 +591,46 @@ async def _restart_found(
     assert svc.streams()[0].restarts >= 1
 
 
+class _Hops(msgspec.Struct):
+    """A worker behind both hops (`_behind_hops`): events through a forwarder, replay through
+    a TCP relay, followed by `svc`."""
+
+    worker: Restartable
+    fwd: Forwarder
+    relay: _TcpRelay
+    svc: IndexerService
+    session: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def _behind_hops(
+    ctx: zmq.asyncio.Context, settings: IndexerConfig, *, sticky: bool = False
+) -> AsyncIterator[_Hops]:
+    """A restartable worker whose events reach a new indexer through a forwarder and whose
+    replay socket through a `_TcpRelay` (`sticky`: keeping our side open while the worker's
+    closes), followed; everything stopped after the block."""
+    worker = Restartable()
+    await worker.start()
+    try:
+        kv = worker.live.kv_events
+        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        relay.sticky = sticky
+        await relay.start()
+        try:
+            async with (
+                Forwarder(ctx, kv.endpoint) as fwd,
+                IndexerService(settings) as svc,
+                aiohttp.ClientSession() as session,
+            ):
+                await fwd.connected(1)
+                await _relayed_worker(svc, fwd, relay)
+                yield _Hops(worker, fwd, relay, svc, session)
+        finally:
+            await relay.close()
+    finally:
+        await worker.stop()
+
+
 async def test_a_worker_restarted_while_its_replay_answer_hung_is_found(
     ctx: zmq.asyncio.Context,
 ) -> None:
@@ -600,36 +641,19 @@ async def test_a_worker_restarted_while_its_replay_answer_hung_is_found(
     that batch followed on, was trusted, and the dead process's P was predicted for good (QA:
     288 tokens, 0 cached). Now the unanswered replay counts as a drop: the proof it owes,
     asked once the replay is back, finds the restart."""
-    worker = Restartable()
-    await worker.start()
-    try:
-        kv = worker.live.kv_events
-        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
-        await relay.start()
-        try:
-            async with (
-                Forwarder(ctx, kv.endpoint) as fwd,
-                IndexerService(PROBING) as svc,
-                aiohttp.ClientSession() as session,
-            ):
-                await fwd.connected(1)
-                await _relayed_worker(svc, fwd, relay)
-                P = tokens("dead")
-                await generate(session, worker.live, P)
-                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
-                unanswered = svc.streams()[0].unanswered_replays
-                relay.held = True  # hung: nothing it is sent is answered, no handshake either
-                await until(
-                    lambda: svc.streams()[0].unanswered_replays > unanswered, "a probe unanswered"
-                )
-                await relay.cut()  # killed: its connections close
-                relay.held = False
-                R = await _restart_losing_its_first_batches(session, worker, fwd, relay)
-                await _restart_found(svc, worker, P, R)
-        finally:
-            await relay.close()
-    finally:
-        await worker.stop()
+    async with _behind_hops(ctx, PROBING) as h:
+        P = tokens("dead")
+        await generate(h.session, h.worker.live, P)
+        await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
+        unanswered = h.svc.streams()[0].unanswered_replays
+        h.relay.held = True  # hung: nothing it is sent is answered, no handshake either
+        await until(
+            lambda: h.svc.streams()[0].unanswered_replays > unanswered, "a probe unanswered"
+        )
+        await h.relay.cut()  # killed: its connections close
+        h.relay.held = False
+        R = await _restart_losing_its_first_batches(h.session, h.worker, h.fwd, h.relay)
+        await _restart_found(h.svc, h.worker, P, R)
 
 
 async def test_a_restart_behind_a_replay_hop_that_hides_it_is_found(
@@ -642,30 +666,12 @@ async def test_a_restart_behind_a_replay_hop_that_hides_it_is_found(
     that is a drop now, and the proof it owes asks from the batch the last answered probe
     proved, not the newest one (which the new process would give back): the restart is found.
     Before, the dead process's P was predicted for good."""
-    worker = Restartable()
-    await worker.start()
-    try:
-        kv = worker.live.kv_events
-        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
-        relay.sticky = True
-        await relay.start()
-        try:
-            async with (
-                Forwarder(ctx, kv.endpoint) as fwd,
-                IndexerService(PROBING) as svc,
-                aiohttp.ClientSession() as session,
-            ):
-                await fwd.connected(1)
-                await _relayed_worker(svc, fwd, relay)
-                P = tokens("dead")
-                await generate(session, worker.live, P)
-                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
-                R = await _restart_losing_its_first_batches(session, worker, fwd, relay)
-                await _restart_found(svc, worker, P, R)
-        finally:
-            await relay.close()
-    finally:
-        await worker.stop()
+    async with _behind_hops(ctx, PROBING, sticky=True) as h:
+        P = tokens("dead")
+        await generate(h.session, h.worker.live, P)
+        await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
+        R = await _restart_losing_its_first_batches(h.session, h.worker, h.fwd, h.relay)
+        await _restart_found(h.svc, h.worker, P, R)
 
 
 async def test_a_slow_replay_answer_costs_one_proof_and_keeps_the_entries(
@@ -674,42 +680,25 @@ async def test_a_slow_replay_answer_costs_one_proof_and_keeps_the_entries(
     """A worker that is only slow: a probe's answer times out (a drop now: the stream
     predicts nothing), and once its bytes come the stream is proven in one round trip, its
     entries kept, nothing cleared."""
-    worker = Restartable()
-    await worker.start()
-    try:
-        kv = worker.live.kv_events
-        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
-        await relay.start()
-        try:
-            async with (
-                Forwarder(ctx, kv.endpoint) as fwd,
-                IndexerService(PROBING) as svc,
-                aiohttp.ClientSession() as session,
-            ):
-                await fwd.connected(1)
-                await _relayed_worker(svc, fwd, relay)
-                P = tokens("kept")
-                await generate(session, worker.live, P)
-                await _proven_by_a_probe(svc, P, worker.next_seq() - 1)
-                before = svc.streams()[0]
-                relay.held = True
-                await until(
-                    lambda: svc.streams()[0].unanswered_replays > before.unanswered_replays,
-                    "a probe unanswered",
-                )
-                assert predicted(svc, P) == [0]
-                relay.held = False
-                await until(
-                    lambda: predicted(svc, P) == [80] and streams_of(svc) == [StreamState.SYNCED],
-                    "proven once its bytes come",
-                    timeout_s=1.5,
-                )
-                stats = svc.streams()[0]
-                assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
-        finally:
-            await relay.close()
-    finally:
-        await worker.stop()
+    async with _behind_hops(ctx, PROBING) as h:
+        P = tokens("kept")
+        await generate(h.session, h.worker.live, P)
+        await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
+        before = h.svc.streams()[0]
+        h.relay.held = True
+        await until(
+            lambda: h.svc.streams()[0].unanswered_replays > before.unanswered_replays,
+            "a probe unanswered",
+        )
+        assert predicted(h.svc, P) == [0]
+        h.relay.held = False
+        await until(
+            lambda: predicted(h.svc, P) == [80] and streams_of(h.svc) == [StreamState.SYNCED],
+            "proven once its bytes come",
+            timeout_s=1.5,
+        )
+        stats = h.svc.streams()[0]
+        assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
 
 
 async def test_a_replay_outage_longer_than_its_timeout_while_events_flow_is_rebuilt(
@@ -722,46 +711,29 @@ async def test_a_replay_outage_longer_than_its_timeout_while_events_flow_is_rebu
     predicted 0 with 288 cached, 15 s after the path healed, a restart counted). Now nothing
     is asked while it is away: once back, the proof from the fence brings what was published
     meanwhile, nothing cleared."""
-    worker = Restartable()
-    await worker.start()
-    try:
-        kv = worker.live.kv_events
-        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
-        await relay.start()
-        try:
-            async with (
-                Forwarder(ctx, kv.endpoint) as fwd,
-                IndexerService(SETTINGS) as svc,
-                aiohttp.ClientSession() as session,
-            ):
-                await fwd.connected(1)
-                await _relayed_worker(svc, fwd, relay)
-                await until(lambda: streams_of(svc) == [StreamState.SYNCED], "the stream")
-                P = tokens("before")
-                await generate(session, worker.live, P)
-                await until(lambda: predicted(svc, P) == [80], "P predicted")
-                before = svc.streams()[0]
-                relay.refusing = True
-                await relay.cut()
-                await until(lambda: predicted(svc, P) == [0], "the drop seen")
-                Q, S = tokens("during"), tokens("later")
-                await generate(session, worker.live, Q)
-                await asyncio.sleep(1.5)  # past the replay timeout, events flowing
-                await generate(session, worker.live, S)
-                await asyncio.sleep(0.5)
-                relay.refusing = False
-                await until(
-                    lambda: (
-                        predicted(svc, Q) == [80]
-                        and predicted(svc, S) == [80]
-                        and streams_of(svc) == [StreamState.SYNCED]
-                    ),
-                    "rebuilt once the path is back",
-                    timeout_s=3.0,
-                )
-                stats = svc.streams()[0]
-                assert stats.restarts == before.restarts
-        finally:
-            await relay.close()
-    finally:
-        await worker.stop()
+    async with _behind_hops(ctx, SETTINGS) as h:
+        await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
+        P = tokens("before")
+        await generate(h.session, h.worker.live, P)
+        await until(lambda: predicted(h.svc, P) == [80], "P predicted")
+        before = h.svc.streams()[0]
+        h.relay.refusing = True
+        await h.relay.cut()
+        await until(lambda: predicted(h.svc, P) == [0], "the drop seen")
+        Q, S = tokens("during"), tokens("later")
+        await generate(h.session, h.worker.live, Q)
+        await asyncio.sleep(1.5)  # past the replay timeout, events flowing
+        await generate(h.session, h.worker.live, S)
+        await asyncio.sleep(0.5)
+        h.relay.refusing = False
+        await until(
+            lambda: (
+                predicted(h.svc, Q) == [80]
+                and predicted(h.svc, S) == [80]
+                and streams_of(h.svc) == [StreamState.SYNCED]
+            ),
+            "rebuilt once the path is back",
+            timeout_s=3.0,
+        )
+        stats = h.svc.streams()[0]
+        assert stats.restarts == before.restarts
