@@ -10,9 +10,10 @@ module imports its own layer and those below, never one above):
 - `routing/`: the decision, synchronous: `planner` (index lookup + health + load, ranked by a
   `policy`), `approx_tree`, `load`, `pool` (workers and the models they serve), `breaker`,
   `namespace`;
-- `fleet/`: the workers behind the router: `supervisor` (membership, health loop) and
-  `discovery` (KV-event streams and served models from a worker's config, `/server_info` and
-  `/v1/models`);
+- `fleet/`: the workers behind the router: `supervisor` (membership, health loop),
+  `registration` and `rereads` (registering a worker, and anew when its settings changed),
+  `false_hit_response` (what a streak of false hits does) and `discovery` (KV-event streams and
+  served models from a worker's config, `/server_info` and `/v1/models`);
 - `http/`: the router on the wire: `listener` -> `app` -> `proxy` (with `intake`), `admin`,
   `metrics`, `keys`;
 - `service`: `RouterService`, a whole router as an async context manager;

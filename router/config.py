@@ -307,7 +307,7 @@ class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     path: str = "/health"
     # a healthy worker whose KV-event streams come from its `/server_info` has it read again
     # this often, its streams looking fine or not (0: never): a pod replaced behind its URL
-    # while the old one runs on is caught without traffic (`Supervisor._settings_due`)
+    # while the old one runs on is caught without traffic (`RereadSchedule.settings_due`)
     settings_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 

@@ -1,8 +1,12 @@
 """The fleet behind the router: who its workers are, what they serve, where their KV events
 come from, health.
 
-- `supervisor`: pool membership (add, remove, registration with the indexer) and the health
-  loop, the router's one background task;
+- `supervisor`: the coordinator: pool membership (add, remove, discoveries in the background)
+  and the health loop, the router's one background task;
+- `registration`: registering a worker: its models, role and KV-event streams read, checked
+  and subscribed with the indexer and the pool;
+- `rereads`: a registered worker's settings and models read again, and the worker registered
+  anew when they changed;
 - `reread_schedule`: when a registered worker's settings are read again (a restart its
   streams saw, a STALE stream, mispredicted answers, the slow cadence), and how often settings
   that cannot be read are said;
@@ -16,7 +20,9 @@ come from, health.
 - `change`: whether a reload is changing the workers now, so a request it leaves briefly
   without a routable worker waits for the change's end instead of failing;
 - `false_hits`: answers that keep reusing far less than predicted, the sign the router follows
-  another process than the one behind a worker's URL (the supervisor then checks it).
+  another process than the one behind a worker's URL;
+- `false_hit_response`: what a streak of them does: the worker's streams subscribed anew, or,
+  a streak again soon after, left unfollowed a while.
 
 Nothing is imported here, so `kvroute --help` stays light.
 """

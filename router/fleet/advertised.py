@@ -1,7 +1,8 @@
 """A worker's config against what the worker advertises (`/server_info`): the checks that
 refuse a registration which would predict another process's or another worker's cache.
 
-Pure: the supervisor reads the server info and acts on what these say.
+Pure: the registration (`router.fleet.registration`, `router.fleet.rereads`) reads the server
+info and acts on what these say.
 """
 
 from __future__ import annotations

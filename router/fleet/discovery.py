@@ -188,7 +188,8 @@ def host_capacity_from_server_info(info: Mapping[str, Any] | None) -> int | None
 def settings_note(info: Mapping[str, Any] | None) -> str | None:
     """What a worker's settings say of its capacity or concurrency that is taken as unknown
     (None: nothing): a number out of range, or not a number (a worker, or what stands in its
-    place, may advertise anything). Said once per worker and note by the supervisor."""
+    place, may advertise anything). Said once per worker and note
+    (`router.fleet.registration_notes`)."""
     if info is None:
         return None
     notes = []

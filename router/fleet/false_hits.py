@@ -7,12 +7,13 @@ every replay probe, so the stream never goes STALE or UNVERIFIED, and the health
 fails. Only the answers tell: the worker reports `cached_tokens` far below what the index
 predicted for it, request after request. `FalseHitWatch` counts those per worker and, at
 `STREAK` of its last `WINDOW` answers that predicted enough, hands the worker to the supervisor
-(`Supervisor.mispredicted`), which subscribes its streams anew and reads its settings again.
+(`Supervisor.mispredicted`), which has `router.fleet.false_hit_response` subscribe its
+streams anew and read its settings again.
 
 It runs on every answered request with usage (`Observation.finish`): an answer that is not a
 gross over-prediction, on a worker with none lately, costs a compare and a dict lookup.
 
-What the supervisor says it does about a streak is worded here (`resubscribed_why`,
+What the false-hit response says it does about a streak is worded here (`resubscribed_why`,
 `unfollowed_why`): a replica fed by `kvroute relay` has no sockets of its own, and what it
 follows, and whose fault a streak may be, is the relay's.
 """
@@ -53,8 +54,8 @@ GROSS_PAGES = 4
 STREAK = 4
 WINDOW = 8
 
-# What the supervisor did about a streak (`kvroute_false_hit_actions`): subscribed the worker's
-# streams anew, or, a second streak soon after, left it unfollowed a while
+# What the false-hit response did about a streak (`kvroute_false_hit_actions`): subscribed the
+# worker's streams anew, or, a second streak soon after, left it unfollowed a while
 WatchAction = Literal["resubscribed", "unfollowed"]
 WATCH_ACTIONS: tuple[WatchAction, ...] = ("resubscribed", "unfollowed")
 
@@ -119,7 +120,7 @@ def _relay_named(epoch: int | None) -> str:
 
 
 def resubscribed_why(relay: RelaySource) -> str:
-    """What a first streak does, and why it may have come (`Supervisor._check_predictions`)."""
+    """What a first streak does, and why it may have come (`FalseHitResponse.respond`)."""
     if relay is None:
         return (
             "its KV-event streams are subscribed anew, their entries dropped, and its settings "
@@ -141,7 +142,7 @@ def resubscribed_why(relay: RelaySource) -> str:
 
 
 def unfollowed_why(relay: RelaySource, quarantine_s: float) -> str:
-    """What a streak soon after the first does (`Supervisor._check_predictions`)."""
+    """What a streak soon after the first does (`FalseHitResponse.respond`)."""
     if relay is None:
         return (
             "again since it was subscribed anew: its KV-event sockets reach a process that does "

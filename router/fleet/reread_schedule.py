@@ -1,8 +1,8 @@
 """When a registered worker's settings are read again, and how often failing to read them is said.
 
 A process restarted between two health probes, or replaced behind a stable URL, never looks
-down to the health check, yet may run other dp ranks, ports or page size. The supervisor reads
-a healthy worker's settings again when one of these says so:
+down to the health check, yet may run other dp ranks, ports or page size. `router.fleet.rereads`
+reads a healthy worker's settings again when one of these says so:
 - a KV-event stream of it saw its publisher restart (`restarted`), until they are read;
 - a stream of it went STALE (`quiet_due`): a new process on other event ports shows no restart
   on the old ones, whose sockets never answer;
@@ -42,7 +42,8 @@ _QUIET_REREAD_MAX = 8
 
 
 class RereadSchedule:
-    """Per worker, when its settings are due to be read again (the supervisor reads them)."""
+    """Per worker, when its settings are due to be read again (`router.fleet.rereads` reads
+    them)."""
 
     def __init__(
         self, indexer: IndexerService, health: HealthConfig, clock: Callable[[], float]

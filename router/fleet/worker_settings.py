@@ -1,7 +1,7 @@
 """What a worker says about itself over HTTP: its settings (`/server_info`) and its models.
 
-Read by the supervisor when a worker registers and by `kvroute record --config`, so a recording
-names the namespaces the router indexes under. The answers are interpreted by the pure
+Read when a worker registers (`router.fleet.registration`) and by `kvroute record --config`, so
+a recording names the namespaces the router indexes under. The answers are interpreted by the pure
 `router.fleet.discovery`.
 """
 

@@ -185,8 +185,8 @@ class _RankInFlight(Collector):
 
 class _FalseHitWatch(Collector):
     """The false-hit watch's doings per worker (`router.fleet.false_hits`,
-    `Supervisor._check_predictions`): `kvroute_worker_unfollowed_seconds`, read from the pool
-    when scraped, and `kvroute_false_hit_actions`, counted here as the supervisor acts.
+    `router.fleet.false_hit_response`): `kvroute_worker_unfollowed_seconds`, read from the pool
+    when scraped, and `kvroute_false_hit_actions`, counted here as the false-hit response acts.
 
     Every worker of the pool has each action's series from 0: a series born at 1 shows no
     `increase()`, so an alert would miss a worker's first action, the one that matters most.

@@ -81,7 +81,7 @@ class WorkerSummary(msgspec.Struct):
     queued_prefill_tokens: int
     running: int
     # seconds its KV events stay unfollowed, routed by load with no hit predicted: the
-    # false-hit watch's quarantine (`Supervisor._check_predictions`); 0: followed
+    # false-hit watch's quarantine (`FalseHitResponse.respond`); 0: followed
     unfollowed_s: float = 0.0
     # why the tokenizer its server info says cannot be the router's (None: it can, or it says
     # none): nothing of it is predicted (`router.fleet.tokenizer_match`)

@@ -243,7 +243,7 @@ async def test_a_pod_replaced_behind_a_service_with_the_same_sockets_is_followed
             front.target = new_pod.url  # the Service moves on; the old pod runs on
             events.port = port_of(new_pod.kv_events.endpoints[0])
             replay.port = port_of(new_pod.kv_events.replay_endpoints[0])
-            caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+            caplog.set_level(logging.WARNING, logger="router.fleet")
             for body in old[:STREAK]:
                 matched, cached = await client.send(body)
                 assert matched > cached == 0  # a false hit: the new pod never saw it
@@ -296,7 +296,7 @@ async def test_sockets_that_reach_the_old_pod_again_leave_the_worker_unfollowed_
         async with session.get(old_pod.url + "/server_info") as resp:
             front.server_info = await resp.read()  # the old pod's sockets, as it said them
         front.target = new_pod.url
-        caplog.set_level(logging.WARNING, logger="router.fleet.supervisor")
+        caplog.set_level(logging.WARNING, logger="router.fleet.false_hit_response")
 
         def said() -> list[str]:
             return [r.getMessage() for r in caplog.records if "of its last" in r.getMessage()]

@@ -228,7 +228,7 @@ async def test_a_registration_that_fails_after_subscribing_leaves_no_stream_behi
 
     async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as spare:
         with monkeypatch.context() as patched, caplog.at_level(logging.CRITICAL):
-            patched.setattr("router.fleet.supervisor.version_from_server_info", broken)
+            patched.setattr("router.fleet.registration.version_from_server_info", broken)
             status, body = await fleet.admin("POST", "/workers", {"url": spare.url, "id": "w9"})
         assert status == 500, body
         assert fleet.router.indexer.stream_configs("w9") == []
