@@ -24,6 +24,17 @@ is reset for it: the fresh connection may never complete its handshake with a hu
 meet a new one (through a TCP hop that kept our side open while the process restarted), so no
 drop of its own would ever tell. Before, such a reset was silent: a worker killed and restarted
 while its answer hung was never suspected (QA: the dead process's 288 tokens predicted for good).
+
+The DEALER's connection carries a ZMTP heartbeat: a PING every quarter of `timeout_s`, and the
+connection is dropped (a drop `link` tells, as any other) when nothing came back within
+`timeout_s` of one. The process's ZMQ I/O thread answers it, busy or not, so only a process that
+is gone, stopped, or cut off is silent that long. It is the one sign of a process that went away
+behind a hop that keeps our side of the connection open (a TCP proxy, a stateful middlebox):
+no close reaches us, and nothing was asked to time out. Before, only a request's timeout told,
+and a busy stream asks nothing (its idle probe never runs): a worker restarted behind such a
+hop, its first batches lost on the events' path, had its dead cache predicted for good (QA v13:
+288 tokens matched, 0 cached). The engines' replay ROUTERs (libzmq 4.2 and later) answer PINGs
+without being asked to; no TTL is sent, so they never drop us for our silence.
 """
 
 from __future__ import annotations
@@ -46,12 +57,20 @@ from indexer.protocol.frames import (
     topic_matches,
 )
 
-__all__ = ["MAX_REPLIES", "ReplayClient", "ReplayLink"]
+__all__ = ["MAX_REPLIES", "ReplayClient", "ReplayLink", "silence_bound_s"]
 
 # more replies than any engine buffers (SGLang and vLLM keep 10,000 batches by default)
 MAX_REPLIES = 1 << 20
 # what the DEALER's monitor reports: a connection made (handshake done) or lost
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# ZMTP heartbeat PINGs sent within one `timeout_s` (module docstring)
+_PINGS_PER_TIMEOUT = 4
+
+
+def silence_bound_s(timeout_s: float) -> float:
+    """How long after its process went silent a DEALER's connection is dropped, at most (by
+    libzmq's timers: a PING within a quarter of `timeout_s`, its answer awaited `timeout_s`)."""
+    return timeout_s * (1 + 1 / _PINGS_PER_TIMEOUT)
 
 
 class ReplayLink(NamedTuple):
@@ -228,6 +247,11 @@ class ReplayClient:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            # the process's pulse (module docstring): a PING every quarter of the replay
+            # timeout, the connection dropped when nothing came back within the timeout
+            timeout_ms = max(1, round(self._timeout_s * 1000))
+            dealer.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // _PINGS_PER_TIMEOUT))
+            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             # before connecting, so that no event of the connection is missed
             monitor = dealer.get_monitor_socket(_LINK_EVENTS)
             dealer.connect(self._endpoint)

@@ -59,11 +59,14 @@ batch is a restart (clear, replay from 0); an answer without it proves nothing a
 treated the same (fail closed). Restart candidates make the stream UNVERIFIED (its entries
 predict no hit) until such a replay proves it: the event connection dropping (a socket
 monitor on the SUB sees it at once), the replay connection dropping (the DEALER, connected at
-all times, has a monitor too: events through a forwarder keep the SUB connected while the
-worker restarts behind it; `_replay_link`), a replay answer that did not come (its DEALER
-reset: the proof then asks from the fence the last whole answer proved, `_owed_fence`, and no
-live batch is applied while the replay connection is away), the worker's health check coming
-back from down
+all times, has a monitor too, and a heartbeat that drops a connection whose process went
+silent, also behind a hop that hides its close: events through a forwarder keep the SUB
+connected while the worker restarts behind it; `_replay_link`), a replay answer that did not
+come (its DEALER reset). After either of those two the proof asks from an older fence than the
+newest (`_owed_fence`: a drop, from a batch applied before its process may have gone silent,
+`_settled_fence`; an unanswered replay, from the last whole answer's), as a new process's batch
+that followed on may have been applied before the sign was seen, and no live batch is applied
+while the replay connection is away; the worker's health check coming back from down
 (`suspect_restart`), and a snapshot loaded at startup. A proof whose replays all answered to
 their end proves the stream's tail too (SYNCED at once); one whose replay timed out (a busy
 machine) clears what it could not prove, trusts nothing it brought in part, and asks again
@@ -93,7 +96,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import NamedTuple, cast
 
@@ -112,7 +115,7 @@ from indexer.protocol.frames import (
     parse_live,
     topic_matches,
 )
-from indexer.replay_client import ReplayClient
+from indexer.replay_client import ReplayClient, silence_bound_s
 from indexer.sequence import SeqDecision, SequenceTracker, SeqVerdict
 from indexer.sink import StreamSink, keeps_entries
 from indexer.stats import StreamState, StreamStats, stream_stats
@@ -158,6 +161,15 @@ _LINK_EVERY = 32
 # of the replay socket at most this often as batches come (an answer from a seq far below its
 # newest is its whole buffer); a quiet stream asks for its newest at each probe
 _AGREE_EVERY_S = 1.0
+# A replay connection's drop comes up to `silence_bound_s` (1.25 x `replay_timeout_s`) after
+# its process went silent (the DEALER's heartbeat), and is read by the loop a little later
+# still (a look every `_LINK_EVERY` messages; a stall past `loop_watch.STALL_S` suspects every
+# stream anyway), libzmq's timers a little late on a loaded host: a batch applied longer than
+# the bound plus this slack before the drop was read came before the process went silent, so
+# it is one of that process's (`_settled_fence`)
+_SETTLE_SLACK_S = 1.0
+# how often the fence is noted with its time for that (one note per interval, not per batch)
+_FENCE_NOTE_S = 0.1
 
 _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
 
@@ -338,14 +350,18 @@ class StreamSubscriber:
         # the stream's fence when a replay answer last came to its end: what the publisher was
         # last proven to hold (None: nothing since the stream was cleared or started)
         self._answered_fence: BatchFence | None = None
-        # a replay answer did not come (`_replay_link`): the publisher may have restarted
-        # unseen at any time since the last answer, and a live batch of the new process that
-        # followed on in seq may be the stream's newest batch, which it would prove. So the
-        # proof owed asks from this fence, the last answered one, not the newest (None: no
-        # such proof is owed). Before, it asked from the newest: through a TCP hop that hid
-        # the restart, the new process's batch proved itself (QA: 288 tokens, 0 cached)
+        # the stream's fence, noted with the time it was applied at most every `_FENCE_NOTE_S`
+        # and one kept older than a drop's bound (`_settled_fence`), oldest first
+        self._noted_fences: deque[tuple[float, BatchFence]] = deque()
+        # a replay answer did not come, or the replay connection dropped (`_replay_link`): the
+        # publisher may have restarted unseen at any time since the last answer, and a live
+        # batch of the new process that followed on in seq may be the stream's newest batch,
+        # which it would prove. So the proof owed asks from this fence, the last answered
+        # one, not the newest (None: no such proof is owed). Before, it asked from the
+        # newest: through a TCP hop that hid the restart, the new process's batch proved
+        # itself (QA: 288 tokens, 0 cached)
         self._owed_fence: BatchFence | None = None
-        self._proof_owed = False  # (the fence may be None: then the proof asks from the newest)
+        self._proof_owed = False  # (set with `_owed_fence`, cleared by a proof or a clear)
         # that owed proof went unanswered too (the worker still slow, or away): nothing is
         # cleared for it (the stream predicts nothing meanwhile), and it is asked again at the
         # probe's back-off, or on a new sign (`suspect_restart`), not at every loop pass
@@ -567,6 +583,7 @@ class StreamSubscriber:
         news = client.link()
         if news is None:
             return False
+        broke = news.dropped
         if news.dropped:
             self.suspect_restart("the replay connection dropped")
             if self._on_siblings is not None:
@@ -584,9 +601,21 @@ class StreamSubscriber:
             # stream runs on its live batches as before (a gap it cannot repair clears). The
             # owed proof's own timeouts are no news
             self.suspect_restart("a replay answer did not come (its connection was reset)")
-            if self._unverified:
-                self._proof_owed = True
-                self._owed_fence = self._answered_fence
+            broke = True
+        if broke and self._unverified and not self._proof_owed:
+            # A drop may be seen late: through a hop that hides the process's close, only the
+            # heartbeat finds it, up to 1.25 x `replay_timeout_s` after the process went
+            # silent, and a new process's batch that followed on the dead run's seqs may have
+            # been applied meanwhile: proven from the newest fence, it gives itself back. So
+            # the proof asks from a fence applied before the process may have gone silent
+            # (`_settled_fence`: a busy stream re-proves its last seconds, not everything since
+            # its last whole answer, which its buffer may no longer hold), else from the last
+            # answered one. Before, a drop's proof asked from the newest batch (QA v3/v13 with
+            # the heartbeat: the dead process's 288 tokens proven, for good)
+            fence = self._settled_fence() if news.dropped else None
+            fence = fence or self._answered_fence
+            self._proof_owed = fence is not None
+            self._owed_fence = fence
         # the proof is asked once it is back: asked before, it waits on a socket that is
         # down, times out and clears a worker that was only unreachable a moment
         self._replay_lost = not news.up and (
@@ -674,7 +703,7 @@ class StreamSubscriber:
         restarts = self.restarts
         owed = self._owed_fence
         if owed is not None and owed.seq < last:
-            last = owed.seq  # (a proof owed for an unanswered replay: see `_owed_fence`)
+            last = owed.seq  # (a proof owed for a broken replay link: see `_owed_fence`)
         result = await self._replay(last)
         answered = result.answered  # (a restart found by the fence: its rebuild's answer)
         if (
@@ -1687,6 +1716,34 @@ class StreamSubscriber:
                 self._lose(reply.seq, "its replayed copy does not decode either")
         return continuity
 
+    def _note_fence(self, now: float) -> None:
+        """Note the stream's fence as of `now` (`_noted_fences`), keeping one older than a
+        drop's bound and the ones since."""
+        fence = self.sink.fence()
+        if fence is None:
+            return
+        noted = self._noted_fences
+        noted.append((now, fence))
+        settled = now - self._settle_s
+        while len(noted) > 1 and noted[1][0] <= settled:
+            noted.popleft()
+
+    @property
+    def _settle_s(self) -> float:
+        """How long before a replay connection's drop is read its process may have gone
+        silent, at most (`_SETTLE_SLACK_S`)."""
+        return silence_bound_s(self.settings.replay_timeout_s) + _SETTLE_SLACK_S
+
+    def _settled_fence(self) -> BatchFence | None:
+        """The newest fence applied before the process behind a replay connection that
+        dropped now may have gone silent (`_SETTLE_SLACK_S`): that process's batch, whatever
+        was applied since (None: the stream's state is all younger than that)."""
+        settled = self._clock() - self._settle_s
+        for at, fence in reversed(self._noted_fences):
+            if at <= settled:
+                return fence
+        return None
+
     def _is_replayed(self, seq: int, payload: bytes) -> bool:
         """Whether `payload` is the batch a replay applied at `seq` (of the newest kept)."""
         replayed = self._replayed.get(seq) if self._replayed else None
@@ -1720,7 +1777,7 @@ class StreamSubscriber:
 
     def _apply(self, topic: bytes, seq: int, payload: bytes, *, replayed: bool) -> bool:
         """Hand one batch to the sink; False when the payload does not decode."""
-        self.health.last_event_at = self._clock()
+        now = self.health.last_event_at = self._clock()
         if self._disagreeing is not None:
             return True  # the batch that showed the disagreement: nothing is taken now
         run_start = replayed and self._run_open
@@ -1737,6 +1794,9 @@ class StreamSubscriber:
                 self._replay_unconfirmed = True  # predicts nothing until the socket is proven
                 self._proof_asked = False
                 self._show_state()
+        noted = self._noted_fences
+        if not noted or now - noted[-1][0] >= _FENCE_NOTE_S:
+            self._note_fence(now)
         if self.health.block_size is None:
             self.health.block_size = self.sink.block_size()  # learned from the first store
         self.batches += 1
@@ -2019,6 +2079,7 @@ class StreamSubscriber:
         (before, a proof after it said "proven" of what was rebuilt since)."""
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
         self._answered_fence = self._owed_fence = None  # nothing held is left to prove
+        self._noted_fences.clear()
         # (an owed proof that went unanswered is still asked at its back-off, not at every
         # live batch: the socket is as silent as it was)
         self._proof_owed = False
@@ -2096,6 +2157,7 @@ class StreamSubscriber:
         self._replayed.clear()
         self._last_live = None
         self._answered_fence = self._owed_fence = None  # the fences of the state it replaced
+        self._noted_fences.clear()
         self._proof_owed = self._owed_wait = False
         self._after_restart = False  # the run it follows now is the snapshot's
         self._dead_seq = None

@@ -268,7 +268,7 @@ async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entrie
             await fwd.connected(1)
             # the replay socket through a forwarder of its own: dropped and made again
             # without the worker knowing
-            relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+            relay = TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
             await relay.start()
             try:
                 await svc.add_worker(
@@ -307,7 +307,7 @@ async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entrie
         await worker.stop()
 
 
-class _TcpRelay:
+class TcpRelay:
     """A loopback TCP relay to `target` whose open connections can be cut. Switches: `held`
     (bytes wait in the relay, both ways, until cleared: a worker that is slow to answer),
     `sticky` (an upstream that closes is not closed downstream: a hop that hides the worker
@@ -519,7 +519,7 @@ async def test_a_forwarder_repointed_at_another_pub_predicts_nothing_until_it_is
 PROBING = IndexerConfig(probe_interval_s=0.3, replay_timeout_s=0.5)
 
 
-async def _relayed_worker(svc: IndexerService, fwd: Forwarder, relay: _TcpRelay) -> None:
+async def _relayed_worker(svc: IndexerService, fwd: Forwarder, relay: TcpRelay) -> None:
     """Subscribe the worker: its events through `fwd`, its replay socket through `relay`."""
     await svc.add_worker(
         WORKER,
@@ -546,7 +546,7 @@ async def _proven_by_a_probe(svc: IndexerService, P: list[int], last: int) -> No
 
 
 async def _restart_losing_its_first_batches(
-    session: aiohttp.ClientSession, worker: Restartable, fwd: Forwarder, relay: _TcpRelay
+    session: aiohttp.ClientSession, worker: Restartable, fwd: Forwarder, relay: TcpRelay
 ) -> list[int]:
     """Restart the worker, its replay unreachable and its batches up to the dead run's last
     seq lost on the forwarder's path, and publish its next batch, which follows on the dead
@@ -591,29 +591,34 @@ async def _restart_found(
     assert svc.streams()[0].restarts >= 1
 
 
-class _Hops(msgspec.Struct):
-    """A worker behind both hops (`_behind_hops`): events through a forwarder, replay through
+class Hops(msgspec.Struct):
+    """A worker behind both hops (`behind_hops`): events through a forwarder, replay through
     a TCP relay, followed by `svc`."""
 
     worker: Restartable
     fwd: Forwarder
-    relay: _TcpRelay
+    relay: TcpRelay
     svc: IndexerService
     session: aiohttp.ClientSession
 
 
 @contextlib.asynccontextmanager
-async def _behind_hops(
-    ctx: zmq.asyncio.Context, settings: IndexerConfig, *, sticky: bool = False
-) -> AsyncIterator[_Hops]:
-    """A restartable worker whose events reach a new indexer through a forwarder and whose
-    replay socket through a `_TcpRelay` (`sticky`: keeping our side open while the worker's
-    closes), followed; everything stopped after the block."""
-    worker = Restartable()
+async def behind_hops(
+    ctx: zmq.asyncio.Context,
+    settings: IndexerConfig,
+    *,
+    sticky: bool = False,
+    worker: Restartable | None = None,
+) -> AsyncIterator[Hops]:
+    """A restartable worker (`worker`, or one of the defaults) whose events reach a new
+    indexer through a forwarder and whose replay socket through a `TcpRelay` (`sticky`:
+    keeping our side open while the worker's closes), followed; everything stopped after
+    the block."""
+    worker = worker or Restartable()
     await worker.start()
     try:
         kv = worker.live.kv_events
-        relay = _TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
+        relay = TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
         relay.sticky = sticky
         await relay.start()
         try:
@@ -624,7 +629,7 @@ async def _behind_hops(
             ):
                 await fwd.connected(1)
                 await _relayed_worker(svc, fwd, relay)
-                yield _Hops(worker, fwd, relay, svc, session)
+                yield Hops(worker, fwd, relay, svc, session)
         finally:
             await relay.close()
     finally:
@@ -641,7 +646,7 @@ async def test_a_worker_restarted_while_its_replay_answer_hung_is_found(
     that batch followed on, was trusted, and the dead process's P was predicted for good (QA:
     288 tokens, 0 cached). Now the unanswered replay counts as a drop: the proof it owes,
     asked once the replay is back, finds the restart."""
-    async with _behind_hops(ctx, PROBING) as h:
+    async with behind_hops(ctx, PROBING) as h:
         P = tokens("dead")
         await generate(h.session, h.worker.live, P)
         await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
@@ -666,7 +671,7 @@ async def test_a_restart_behind_a_replay_hop_that_hides_it_is_found(
     that is a drop now, and the proof it owes asks from the batch the last answered probe
     proved, not the newest one (which the new process would give back): the restart is found.
     Before, the dead process's P was predicted for good."""
-    async with _behind_hops(ctx, PROBING, sticky=True) as h:
+    async with behind_hops(ctx, PROBING, sticky=True) as h:
         P = tokens("dead")
         await generate(h.session, h.worker.live, P)
         await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
@@ -680,7 +685,7 @@ async def test_a_slow_replay_answer_costs_one_proof_and_keeps_the_entries(
     """A worker that is only slow: a probe's answer times out (a drop now: the stream
     predicts nothing), and once its bytes come the stream is proven in one round trip, its
     entries kept, nothing cleared."""
-    async with _behind_hops(ctx, PROBING) as h:
+    async with behind_hops(ctx, PROBING) as h:
         P = tokens("kept")
         await generate(h.session, h.worker.live, P)
         await _proven_by_a_probe(h.svc, P, h.worker.next_seq() - 1)
@@ -711,7 +716,7 @@ async def test_a_replay_outage_longer_than_its_timeout_while_events_flow_is_rebu
     predicted 0 with 288 cached, 15 s after the path healed, a restart counted). Now nothing
     is asked while it is away: once back, the proof from the fence brings what was published
     meanwhile, nothing cleared."""
-    async with _behind_hops(ctx, SETTINGS) as h:
+    async with behind_hops(ctx, SETTINGS) as h:
         await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
         P = tokens("before")
         await generate(h.session, h.worker.live, P)

@@ -1,0 +1,198 @@
+"""Faults on the replay link that nothing but silence shows: a worker behind a hop that keeps
+the router's replay connection open while the process behind it is gone (a TCP proxy, a
+stateful middlebox), and a worker that hangs.
+
+The replay DEALER is the one socket connected to the worker's process itself (its events may
+come through a forwarder that stays up), so its ZMTP heartbeat is the process's pulse: a PING
+every quarter of `replay_timeout_s`, the connection dropped when nothing came back within
+`replay_timeout_s` (`indexer.replay_client`). A drop is a restart candidate (`indexer.subscriber`'s
+`_replay_link`). No idle probe runs within a test (`PROBE_S`): a busy stream never probes, so
+what finds the fault here is the heartbeat, not a probe that happens to fall in the right
+moment. Real reference workers, a real forwarder, a real TCP relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from tests.indexer.test_forwarded_events import (
+    PROBE_S,
+    Hops,
+    Restartable,
+    behind_hops,
+    generate,
+    predicted,
+    streams_of,
+    tokens,
+    until,
+)
+
+REPLAY_TIMEOUT_S = 0.5
+SETTINGS = IndexerConfig(probe_interval_s=PROBE_S, replay_timeout_s=REPLAY_TIMEOUT_S)
+# a heartbeat slower than the restart test's restart: the new process's batches that follow on
+# are applied before the drop is seen
+SLOW_TIMEOUT_S = 2.0
+SLOW = IndexerConfig(probe_interval_s=PROBE_S, replay_timeout_s=SLOW_TIMEOUT_S)
+BUFFER = 64  # batches a busy worker's replay socket keeps (`buffer_steps`)
+
+
+def found_within(timeout_s: float) -> float:
+    """The heartbeat sees a silent process within 1.25 x `timeout_s` of its last bytes; the
+    rest is slack for a loaded host (the subscriber reads the drop at its next loop pass)."""
+    return 1.25 * timeout_s + 1.0
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def _proven(h: Hops, prompt: list[int]) -> None:
+    """Wait until `prompt`, the worker's newest batch, is predicted and the stream trusted."""
+    last = h.worker.next_seq() - 1
+    await until(
+        lambda: (
+            predicted(h.svc, prompt) == [80]
+            and h.svc.streams()[0].last_seq == last
+            and streams_of(h.svc) == [StreamState.SYNCED]
+        ),
+        "the prompt predicted",
+    )
+
+
+async def _unpredicted_at(svc: IndexerService, prompt: list[int]) -> float:
+    """The loop time at which `prompt` is first predicted nothing (polled every 10 ms)."""
+    loop = asyncio.get_running_loop()
+    while any(predicted(svc, prompt)):  # noqa: ASYNC110 (the service has no event for it)
+        await asyncio.sleep(0.01)
+    return loop.time()
+
+
+@contextlib.asynccontextmanager
+async def _busy(h: Hops, every_s: float = 0.1) -> AsyncIterator[list[list[int]]]:
+    """A batch of a new prompt every `every_s` while in the block (a busy worker, never idle
+    long enough for a probe); yields the prompts sent so far."""
+    sent: list[list[int]] = []
+
+    async def publish() -> None:
+        while True:
+            prompt = tokens(f"busy-{len(sent)}")
+            await generate(h.session, h.worker.live, prompt)
+            sent.append(prompt)
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(publish())
+    try:
+        yield sent
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_restart_hidden_by_a_replay_hop_is_found_on_a_busy_stream(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The worker restarts behind a replay hop that keeps the router's connection open (QA
+    v13: a TCP proxy); its first batches, up to the dead run's last seq, are lost on the
+    forwarder's path, and its next ones follow on the dead run in seq, one every 0.1 s.
+    Before, only an idle probe's unanswered request told (within `probe_interval_s` +
+    `replay_timeout_s` of a quiet worker), and a busy stream never probes: the dead process's
+    P was predicted for good (QA: 288 tokens matched, 0 cached, 12 s and on). Now the DEALER's
+    heartbeat goes unanswered and its connection drops. The drop comes after the new
+    process's batches were applied (`SLOW`), so its proof asks from the fence the last whole
+    answer proved, not from the newest batch (the new process's, which it gives back: with
+    the heartbeat alone, P was proven and predicted for good): the restart is found, and P is
+    predicted nothing within the heartbeat's bound, for good."""
+    async with behind_hops(ctx, SLOW, sticky=True) as h:
+        await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
+        P = tokens("dead")
+        await generate(h.session, h.worker.live, P)
+        await _proven(h, P)
+        last = h.worker.next_seq() - 1
+        loop = asyncio.get_running_loop()
+        watch = asyncio.create_task(_unpredicted_at(h.svc, P))
+        h.fwd.dropping = True  # the forwarder's path to the worker away a moment
+        stopped = loop.time()
+        await h.worker.stop()
+        await h.worker.start()
+        await h.fwd.connected(2)
+        i = 0
+        while h.worker.next_seq() < last + 1:  # the new process's seqs 0..L: lost
+            await generate(h.session, h.worker.live, tokens(f"lost-{i}"))
+            i += 1
+        await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
+        h.fwd.dropping = False
+        async with _busy(h) as sent:
+            found = await asyncio.wait_for(watch, found_within(SLOW_TIMEOUT_S))
+            assert found - stopped < found_within(SLOW_TIMEOUT_S)
+            await until(
+                lambda: (
+                    len(sent) > 5
+                    and predicted(h.svc, sent[-3]) == [80]
+                    and streams_of(h.svc) == [StreamState.SYNCED]
+                ),
+                "the new process's batches predicted",
+            )
+            assert h.worker.holds(P) == [0]
+            for _ in range(50):  # and the dead process's P never again, batches flowing
+                assert predicted(h.svc, P) == [0]
+                await asyncio.sleep(0.02)
+        assert h.svc.streams()[0].restarts >= 1
+
+
+async def test_a_hung_busy_worker_is_suspected_by_its_heartbeat_and_kept_once_it_answers(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A busy worker hangs (a stopped process: nothing it is sent is answered, not even the
+    heartbeat) and no replay is asked. Before, nothing saw it until a probe timed out, and a
+    busy stream, or one with the probe off, never: a watchdog's kill and restart behind a hop
+    that hides it left the dead cache predicted. Now the heartbeat's drop makes the stream
+    predict nothing within its bound; the worker answering again is proven in one round
+    trip, its entries kept: the proof asks from a batch applied before the worker went silent
+    (its buffer still holds it), not from the last whole answer (the join's, long out of a
+    busy worker's buffer: asked from there, the stream was cleared and rebuilt from the
+    buffer, P, stored before it, forgotten). A healthy quiet worker costs nothing: no drop
+    over many heartbeats."""
+    worker = Restartable()
+    worker.config = msgspec.structs.replace(worker.config, buffer_steps=BUFFER)
+    async with behind_hops(ctx, SETTINGS, worker=worker) as h:
+        P = tokens("kept")
+        await generate(h.session, h.worker.live, P)
+        await _proven(h, P)
+        before = h.svc.streams()[0]
+        await asyncio.sleep(8 * REPLAY_TIMEOUT_S)  # quiet, healthy: every PING answered
+        assert predicted(h.svc, P) == [80]
+        assert h.svc.streams()[0].verifications == before.verifications
+        async with _busy(h, every_s=0.01) as sent:  # the join's answer out of the buffer
+            await until(lambda: len(sent) > 3 * BUFFER, "a busy spell", timeout_s=30.0)
+        await _proven(h, sent[-1])
+        await asyncio.sleep(0.5)
+
+        loop = asyncio.get_running_loop()
+        watch = asyncio.create_task(_unpredicted_at(h.svc, P))
+        h.relay.held = True
+        hung = loop.time()
+        found = await asyncio.wait_for(watch, found_within(REPLAY_TIMEOUT_S))
+        assert found - hung < found_within(REPLAY_TIMEOUT_S)
+        assert streams_of(h.svc) == [StreamState.UNVERIFIED]
+        h.relay.held = False
+        await until(
+            lambda: predicted(h.svc, P) == [80] and streams_of(h.svc) == [StreamState.SYNCED],
+            "proven once it answers",
+            timeout_s=3.0,
+        )
+        stats = h.svc.streams()[0]
+        assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
+        assert stats.verifications > before.verifications
