@@ -20,11 +20,12 @@ record is spent. A pair that failed so is avoided by the next requests for a whi
 (`avoided`) where another pair is left: its clients go to other pairs, and a wedged worker
 meets other partners.
 
-What it cannot tell: one prefill and one decode (neither is charged); one side of one worker
-(with a single prefill, a wedged decode is only avoided, never charged); a transient failure
-of a worker followed by another worker wedging charges the first one once (its next answered
-request clears its breaker's count), unless it is the last routable worker of its side, which
-the partners' word never charges (`PairHooks.timed_out`).
+What it cannot tell: one prefill and one decode (neither is charged: a wedged one of either
+looks the same, and each is the last of its side); one side of one worker (with a single
+prefill, a wedged decode is only avoided, never charged); a transient failure of a worker
+followed by another worker wedging charges the first one once (its next answered request clears
+its breaker's count), unless it is the last routable worker of its side, which the partners'
+word never charges (`PairHooks.timed_out`).
 
 Before (QA): a deadline was always the prefill's, and one wedged decode took every healthy
 prefill out in turn; judged by "the other side answered since", a worker that merely got no
