@@ -121,6 +121,9 @@ class StreamStats(msgspec.Struct):
     # live batches of a restarted worker's dead process, still queued on the socket when the
     # restart was found: skipped
     dead_batches: int = 0
+    # live batches asked of the replay socket, whose bytes must be the live stream's (the
+    # live stream may be another publisher's, its seqs following on): about one a second
+    live_checks: int = 0
 
 
 class RankMatch(msgspec.Struct):
@@ -186,6 +189,7 @@ _COUNTERS = (
     "rank_mismatches",
     "token_kind_mismatches",
     "dead_batches",
+    "live_checks",
 )
 
 
@@ -226,6 +230,7 @@ def stream_stats(
     lost_batches: int = 0,
     unanswered_replays: int = 0,
     dead_batches: int = 0,
+    live_checks: int = 0,
 ) -> StreamStats:
     """A stream's `StreamStats` (a subscriber's and a relay-fed stream's alike): its socket
     fields from `config`, what its index did from `counters` (None: a sink that keeps none,
@@ -267,4 +272,5 @@ def stream_stats(
         rank_mismatches=rank_mismatches,
         token_kind_mismatches=done.token_kind_mismatches if done else 0,
         dead_batches=dead_batches,
+        live_checks=live_checks,
     )

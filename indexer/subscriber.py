@@ -8,7 +8,17 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   already covered by the replay are duplicates and skipped);
 - the replay cannot cover the gap (first replayed seq later than asked), no replay endpoint, or
   the replay times out: clear the stream and rebuild from what comes next;
-- RESTART (seq went backwards): clear the stream and start over from the new seq;
+- RESTART (seq went backwards): asked of the replay socket first (`_went_back`): a new
+  process's socket gives the batch back: clear the stream and start over from the new seq;
+  one whose process still holds what it gave back before never went back: the live stream
+  is another publisher's (the sockets disagree, below); no answer: a restart that predicts
+  nothing until its window ends;
+- a live batch that follows on is another publisher's all the same when the replay socket
+  lacks it (a forwarder re-pointed at a worker whose seqs follow on): each is asked for
+  before it is applied while few were asked lately, else the newest applied about once a
+  second (`_live_check`, `_LIVE_CHECK_S`): lacking it while it still holds the live batch
+  it gave back before (its process never restarted), the sockets disagree (below); lacking
+  that too, its process may be new (a restart racing the check): a restart candidate;
 - a live seq beyond everything the replay just listed cannot be real (a corrupt seq frame):
   skipped and counted, unless the next seq follows it (a publisher that buffers nothing);
   as it may have been real (an empty or stale answer), the stream predicts nothing
@@ -21,22 +31,24 @@ the worker's replay ROUTER. Every live message goes through the `SequenceTracker
   a batch it gives that names another dp rank finds it out at once (per-rank lists swapped);
 - the live stream and the replay socket disagree about the publisher (a live batch the
   socket does not give back, another batch than the one applied at a seq, a buffer that
-  ends below seqs the live stream proved real): either may be another worker's, so the
-  stream is cleared and takes and predicts nothing until the socket gives back a live batch
-  (`_disagree`, `_agree_check`), said in one ERROR naming both sockets and, by what the
-  worker advertises, the suspect;
+  ends below seqs the live stream proved real, a seq going back that it shows is no
+  restart, a run continuing the one before a restart two windows after it): either may be
+  another worker's, so the stream is cleared and takes and predicts nothing until the
+  socket gives back a live batch (`_disagree`, `_agree_check`), said in one ERROR naming
+  both sockets and, by what the worker advertises, the suspect;
 - after any restart, live batches that continue the run before it are the dead process's, still
   queued on our socket: skipped, unless the new process's replay socket gives them back, for
   `_DEAD_RUN_S`; one nothing proves (no socket, no answer) taints the stream (it predicts
   nothing, and is cleared when that window ends). Past it such a batch is asked for too: an
   unproven socket that showed the restart, was never confirmed by a live batch and does not
   give it back disagrees with the live stream (above); otherwise it is a late queued one
-  (`_dead_batch`); a restart found inside that window taints the stream the same way unless the
-  replay socket gives back the batch that showed it (`_window_proof`; answered without it, the
-  batch is a dead one's, skipped): a middle process's queued batch goes back in seq just as a
-  third process would; so does, in that window, a batch past a gap nothing repaired
-  (`_repair`), and a batch at the new run's next seq that the dead run used too
-  (`_window_proof`);
+  (`_dead_batch`), the stream UNVERIFIED until a live batch follows on, and one still coming
+  past a second window disagrees too; a restart found inside that window taints the stream
+  the same way unless the replay socket gives back the batch that showed it
+  (`_window_proof`; answered without it, the batch is a dead one's, skipped): a middle
+  process's queued batch goes back in seq just as a third process would; so does, in that
+  window, a batch past a gap nothing repaired (`_repair`), and a batch at the new run's next
+  seq that the dead run used too (`_window_proof`);
 - a payload that does not decode although its seq is intact: a gap of one batch, fetched
   again through the replay once; a copy that does not decode either clears the stream
   (a lost batch may have held removals: keeping the entries could be a false hit);
@@ -95,6 +107,7 @@ import contextlib
 import enum
 import hashlib
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -170,6 +183,22 @@ _AGREE_EVERY_S = 1.0
 _SETTLE_SLACK_S = 1.0
 # how often the fence is noted with its time for that (one note per interval, not per batch)
 _FENCE_NOTE_S = 0.1
+# a live batch applied is asked of the replay socket (`_live_check`): before it is applied
+# while fewer than `_LIVE_CHECK_BURST` were asked for in the last `_LIVE_CHECK_BURST` x
+# `_LIVE_CHECK_S` (a stream that publishes now and then: each batch), else at most once per
+# `_LIVE_CHECK_S` on average, the newest applied since being asked for when that is due. Its
+# publisher buffers what it sends before it answers, so another batch at that seq, or none,
+# means the live stream is another publisher's: a forwarder re-pointed at a worker whose seqs
+# follow on this one's, which no seq shows. So such a stream predicts the other worker's
+# cache for less than `_LIVE_CHECK_S`, if at all. A busy stream pays a round trip a second
+# (an answer from the seq asked for to the publisher's newest: a few batches, unless the
+# router lags); an unanswered one is asked again after a back-off, doubling to the cap
+_LIVE_CHECK_S = 1.0
+_LIVE_CHECK_BURST = 4
+_LIVE_CHECK_MAX_S = 60.0
+# `_went_back`'s answer for a live seq going back that the replay socket shows is no restart
+# (the two sockets disagree: `_disagree` was called)
+_ELSEWHERE = "elsewhere"
 
 _SKIP = SeqDecision(SeqVerdict.DUPLICATE)
 
@@ -206,6 +235,16 @@ class _CatchUp(enum.Enum):
     # the answer ended, or a live batch followed on what it gave: the live batches queued on
     # the SUB meanwhile are the last of the past, applied once the loop reads them
     DRAINING = "draining"
+
+
+class _Copy(NamedTuple):
+    """What the replay socket gave when asked from one seq (`_replay_at`)."""
+
+    answered: bool  # it answered to its end marker
+    payload: bytes | None  # its batch at the seq asked about (None: none, or no answer)
+    first: int | None  # the first seq it gave (None: none)
+    newest: int | None  # the newest seq it gave (None: none)
+    anchor: bytes | None = None  # its batch at the anchor seq asked about too (None: none)
 
 
 class _ReplayResult(NamedTuple):
@@ -340,7 +379,9 @@ class StreamSubscriber:
         # upstream, a hop swallowing bytes, the connection up), so the stream predicts nothing
         # (UNVERIFIED) until a live batch follows on what it holds (`_found_undelivered`).
         # Before, it was trusted again once the probe's batches were applied: each eviction
-        # since was a false hit until the next probe, for good (QA: 4 of 4 rounds, 2 s each)
+        # since was a false hit until the next probe, for good (QA: 4 of 4 rounds, 2 s each).
+        # Also set by a batch continuing the run before a restart past its window, which the
+        # replay socket does not give back (`_dead_batch`): the live path may be another's
         self._live_unproven = False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
@@ -374,6 +415,25 @@ class StreamSubscriber:
         self._disagreeing: str | None = None
         self._agree_asked_at: float | None = None  # when a live batch was last asked for
         self._disagree_last: tuple[int, bytes] | None = None  # the newest live batch since
+        # the newest live batch applied and not yet asked of the replay socket, and when the
+        # next may be asked (`_live_check`): a live stream whose batches follow on in seq may
+        # be another publisher's all the same (a forwarder re-pointed), which only the replay
+        # socket's bytes show. Before, nothing asked while batches came: that worker's
+        # prompts were predicted here for good (QA: 1,960 false hits in 15 s)
+        self._live_unchecked: tuple[int, bytes, BatchFence | None] | None = None
+        # the newest live batch the replay socket gave back (seq, digest): while its answers
+        # still hold it, its process is the one the stream followed (it never restarted), so a
+        # live batch it lacks is another publisher's; one that no longer holds it is a new
+        # process (`_anchor_held`). None: none since the stream began, restarted or disagreed
+        self._live_agreed: tuple[int, bytes] | None = None
+        # the checks' schedule (a generic cell rate: due once the clock is past this less
+        # the burst allowance) and the back-off after one that was not answered
+        self._live_check_at = 0.0
+        self._live_check_wait_s = _LIVE_CHECK_S
+        # the replay socket has given a batch: it buffers, so an answer without the seq asked
+        # about means it lacks it (one that never gave any may buffer nothing: it proves
+        # nothing either way)
+        self._replay_buffers = False
         # SYNCED while it holds nothing: nothing of the past to distrust, and the router's
         # pending marks on it count. A stream that will read its replay buffer at once (the
         # catch-up probe at connect) is SYNCING from the start, so nothing reads it caught up
@@ -411,6 +471,7 @@ class StreamSubscriber:
         self.rank_mismatches = 0  # batches that said another dp rank than the stream's
         self.dead_batches = 0  # live batches of a restarted publisher's dead process, skipped
         self.undelivered_tails = 0  # idle probes that found batches the connected SUB missed
+        self.live_checks = 0  # live batches asked of the replay socket (`_live_check`)
         self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
@@ -512,9 +573,18 @@ class StreamSubscriber:
                     window_ms = self._window_left_ms()
                     if window_ms is not None:  # a quiet tainted stream is cleared on time
                         timeout_ms = window_ms if timeout_ms is None else min(timeout_ms, window_ms)
+                    check_ms = self._live_check_left_ms()
+                    checking = check_ms is not None and (
+                        timeout_ms is None or check_ms < timeout_ms
+                    )
+                    if checking:  # the newest live batch applied is asked for on time
+                        timeout_ms = check_ms
                     if not await self._idle(poller, timeout_ms):
                         if window_ms is not None and self._window_over():
                             self._end_window()
+                        elif checking:
+                            if self._live_check_left_ms() == 0:
+                                await self._check_pending()
                         elif probing or retrying:
                             await self._probe()
                     continue
@@ -889,6 +959,8 @@ class StreamSubscriber:
         self._disagreeing = why
         self._agree_asked_at = None  # the next live batch is asked for at once
         self._disagree_last = None
+        self._live_unchecked = None  # (each live batch is asked for until they agree)
+        self._live_agreed = None
         self._suspect = None
         self._end_window()
         self._dead_seq = None
@@ -987,6 +1059,7 @@ class StreamSubscriber:
         )
         self._disagreeing = None
         self._disagree_last = None
+        self._live_unproven = False  # a live batch it gives back: the live path is its own
         self._trust_replay()
         self.tracker.reset()
         answered = (await self._replay(0)).answered
@@ -996,6 +1069,130 @@ class StreamSubscriber:
             self._retry_soon()
         self._show_state()
         self._notify_last()
+
+    async def _live_check(self, seq: int, payload: bytes) -> bool:
+        """Live batch `seq` is about to be applied (it follows on, or the gap before it was
+        repaired): asked of the replay socket now when a check is due (`_LIVE_CHECK_S`,
+        `_LIVE_CHECK_BURST`), else kept as the newest to ask for once one is
+        (`_check_pending`). False: the replay socket shows it is another publisher's
+        (`_disagree` was called: it is not taken)."""
+        if not self._has_replay:
+            return True
+        before = self.sink.fence()  # the batch applied before it (a fallback anchor)
+        if self._clock() < self._live_check_due or self._replay_away:
+            self._live_unchecked = (seq, payload, before)
+            return True
+        self._live_unchecked = None
+        if _undecodable(payload):
+            return True  # garbage, no publisher's batch: fetched again as it is applied
+        return await self._ask_live(seq, payload, before, applied=False)
+
+    def _live_check_left_ms(self) -> int | None:
+        """How long until the newest live batch applied is asked for (None: none is to be;
+        nor while a proof is pending, which asks first, or the replay connection is away)."""
+        if (
+            self._live_unchecked is None
+            or not self._has_replay
+            or self._unverified
+            or self._replay_away
+            or self._disagreeing is not None
+        ):
+            return None
+        return max(math.ceil((self._live_check_due - self._clock()) * 1000), 0)
+
+    @property
+    def _live_check_due(self) -> float:
+        """When the next live check may be asked (`_LIVE_CHECK_S`, `_LIVE_CHECK_BURST`)."""
+        return self._live_check_at - (_LIVE_CHECK_BURST - 1) * _LIVE_CHECK_S
+
+    async def _check_pending(self) -> None:
+        """Ask the replay socket for the newest live batch applied since the last check, now
+        that one is due: it was applied less than `_LIVE_CHECK_S` ago."""
+        pending, self._live_unchecked = self._live_unchecked, None
+        if pending is None or _undecodable(pending[1]):
+            return  # (garbage is no publisher's batch: its copy was fetched again, or lost)
+        await self._ask_live(*pending, applied=True)
+
+    def _anchor(self, seq: int, before: BatchFence | None) -> tuple[int, bytes] | None:
+        """What the replay socket must still hold if its process is the one the stream
+        followed up to live batch `seq`: the newest live batch it gave back, else the batch
+        applied right before `seq` (None: neither)."""
+        agreed = self._live_agreed
+        if agreed is not None and agreed[0] < seq:
+            return agreed
+        if before is not None and before.seq == seq - 1 and before.payload is not None:
+            return before.seq, _digest(before.payload)
+        return None
+
+    @staticmethod
+    def _anchor_held(copy: _Copy, anchor: tuple[int, bytes] | None) -> bool | None:
+        """Whether the answer `copy` (asked from at or below `anchor`'s seq) still holds the
+        anchor batch: True (its process is the one the stream followed: it never restarted
+        since), False (another batch there, or none: a new process), None (no anchor, or its
+        buffer rolled past it: nothing shown)."""
+        if anchor is None or (copy.first is not None and copy.first > anchor[0]):
+            return None
+        return copy.anchor is not None and _digest(copy.anchor) == anchor[1]
+
+    async def _ask_live(
+        self, seq: int, payload: bytes, before: BatchFence | None, *, applied: bool
+    ) -> bool:
+        """Whether the replay socket gives back live batch `seq` (`_live_check`), asked from
+        its anchor (`_anchor`) on. A publisher buffers what it sends before it answers, so
+        its own socket gives it back. When it does not, its answer says whose it is: still
+        holding the anchor, the socket's process is the one the stream followed, and the live
+        batch is another publisher's (the two sockets disagree: False); not holding it, its
+        process may be a new one (a restart racing the check: the batch applied is the dead
+        one's), a restart candidate for the epoch fence to prove (`suspect_restart`). No
+        answer, or a buffer that rolled past `seq` (the router lags), shows nothing: asked
+        again later."""
+        anchor = self._anchor(seq, before)
+        start = max(seq - 1, 0) if anchor is None else anchor[0]
+        self.live_checks += 1
+        copy = await self._replay_at(seq, start, None if anchor is None else anchor[0])
+        now = self._clock()
+        if not copy.answered:
+            # each wait stalls the live stream: not asked again at once (an unanswered request
+            # is a restart candidate of its own: `_replay_link`)
+            self._live_check_wait_s = min(self._live_check_wait_s * 2, _LIVE_CHECK_MAX_S)
+            # (no burst after it: the first check asked is due after the wait)
+            burst_s = (_LIVE_CHECK_BURST - 1) * _LIVE_CHECK_S
+            self._live_check_at = now + self._live_check_wait_s + burst_s
+            return True
+        self._live_check_wait_s = _LIVE_CHECK_S
+        self._live_check_at = max(self._live_check_at, now) + _LIVE_CHECK_S
+        digest = _digest(payload)
+        if copy.payload is not None and _digest(copy.payload) == digest:
+            self._trust_replay()
+            self._live_agreed = seq, digest
+            return True
+        if copy.payload is None and copy.first is not None and copy.first > seq:
+            return True  # its buffer no longer reaches back to `seq`: nothing shown
+        if copy.first is None and not self._replay_buffers:
+            return True  # a socket that never gave a batch may buffer none: nothing shown
+        held = self._anchor_held(copy, anchor)
+        lacks = f"live batch {seq} is not in what the replay socket gives back at that seq"
+        if copy.payload is not None:
+            why = f"the replay socket gives another batch than live batch {seq} at that seq"
+        elif copy.newest is not None:
+            why = f"{lacks} (its newest is {copy.newest})"
+        else:
+            why = f"{lacks} (it holds nothing from seq {start} on)"
+        when = "after it was applied" if applied else "before it is applied"
+        if held and anchor is not None:
+            self._disagree(
+                f"{why}, yet it still gives back batch {anchor[0]}, which the stream holds from "
+                f"it (asked {when}): its process never restarted, and the live stream's seqs "
+                "prove nothing"
+            )
+            return False
+        # (the batch is applied: the proof runs before anything is predicted again)
+        if held is None or anchor is None:
+            since = "nothing tells whether its process is a new one"
+        else:
+            since = f"nor does it give back batch {anchor[0]}: its process may be a new one"
+        self.suspect_restart(f"{why} (asked {when}), and {since}")
+        return True
 
     def _show_state(self) -> None:
         # a tail not known whole taints what the stream holds: also a part of a buffer that a
@@ -1169,8 +1366,13 @@ class StreamSubscriber:
         replayed = self.tracker.replayed_from, self.tracker.replayed_to
         decision = await self._checked(self.tracker.on_live(msg.seq), msg.seq, msg.payload)
         storm: str | None = None
+        unproven: str | None = None  # why nothing proved a restart shown by the seq alone
         if decision.verdict is SeqVerdict.RESTART:
-            if self._after_restart and not self._window_over():
+            if not self._after_restart or self._window_over():
+                unproven = await self._went_back(msg.seq, msg.payload, prev_live)
+                if unproven == _ELSEWHERE:
+                    return  # not taken: nothing is while the sockets disagree
+            else:
                 # a restart inside the window of another: the batch that shows it may be a
                 # queued batch of the run before the last, its seq now below the newest (QA:
                 # two restarts within a second, the middle process's page predicted)
@@ -1211,7 +1413,18 @@ class StreamSubscriber:
                     f"may be a queued batch of a dead process ({storm}): applied, the stream "
                     "predicts nothing until the window after this restart ends",
                 )
+            elif unproven is not None and self._after_restart:
+                # another publisher's batch (a forwarder re-pointed) goes back in seq too
+                self._set_tainted(f"a seq going back that nothing proved a restart ({unproven})")
+                self._warn(
+                    "stale",
+                    f"live seq {msg.seq} goes back and nothing proves its publisher restarted "
+                    f"({unproven}): taken for a restart, the stream predicts nothing until the "
+                    "window after it ends",
+                )
         if decision.verdict is SeqVerdict.APPLY:
+            if not await self._live_check(msg.seq, msg.payload):
+                return  # another publisher's (the sockets disagree): not taken
             # asked before it is applied: a socket found out takes what it gave with it, and
             # this batch, the worker's own, is kept (applied to the cleared stream)
             await self._followed_on(msg.seq, msg.payload)
@@ -1301,20 +1514,38 @@ class StreamSubscriber:
     async def _replayed_copy(self, seq: int) -> tuple[bool, bytes | None]:
         """Whether the replay socket answered to its end, and its batch at `seq` now (None: it
         has none there, or gave no usable answer)."""
+        copy = await self._replay_at(seq)
+        return copy.answered, copy.payload
+
+    async def _replay_at(
+        self, seq: int, start: int | None = None, anchor: int | None = None
+    ) -> _Copy:
+        """What the replay socket gives from `start` (default `seq`): its batch at `seq` (and
+        at `anchor`) and the seqs its answer spans (nothing when it gave no usable answer)."""
         found: bytes | None = None
+        at_anchor: bytes | None = None
+        first: int | None = None
+        newest: int | None = None
         seen: dict[int, bytes] = {}
         try:
-            async with contextlib.aclosing(self._replay_client().replies(seq)) as replies:
+            asked = seq if start is None else start
+            async with contextlib.aclosing(self._replay_client().replies(asked)) as replies:
                 async for reply in replies:
                     if reply.seq == seq:
                         found = reply.payload
+                    if reply.seq == anchor:
+                        at_anchor = reply.payload
+                    first = reply.seq if first is None else first
+                    newest = reply.seq
                     if self._after_restart and len(seen) < _WINDOW_COPIES:
                         seen[reply.seq] = _digest(reply.payload)
         except (TimeoutError, ReplayError):
-            return False, None
+            return _Copy(False, None, None, None)
         if self._after_restart:
             self._window_copies = seen  # the buffer as it stands now (it only grows)
-        return True, found
+        if first is not None:
+            self._replay_buffers = True
+        return _Copy(True, found, first, newest, at_anchor)
 
     async def _apply_live(self, topic: bytes, seq: int, payload: bytes) -> None:
         """Apply a live batch; one that does not decode is fetched again (module docstring)."""
@@ -1441,6 +1672,8 @@ class StreamSubscriber:
                     self._set_phase(StreamState.SYNCED)
                     self._notify_last()
                     return
+            if not await self._live_check(seq, payload):
+                return  # another publisher's (the sockets disagree): not taken
             await self._followed_on(seq, payload)  # (before it is applied, as in `_on_live`)
             await self._apply_live(topic, seq, payload)
             if doubt is not None:
@@ -1657,6 +1890,7 @@ class StreamSubscriber:
     ) -> _Continuity:
         """Apply one reply of a replay asked from `start` (`_replay`); returns the continuity
         known after it."""
+        self._replay_buffers = True  # (an empty answer from it now means it lacks the seq)
         rank = batch_dp_rank(reply.payload)
         if rank is not None and rank != self.config.dp_rank and not self._replay_trusted:
             # a socket not proven this rank's giving another rank's batch: the per-rank
@@ -1884,6 +2118,8 @@ class StreamSubscriber:
         self._after_restart = old is not None
         self._dead_seq = old
         self._window_copies = {}  # another process's buffer now
+        self._live_unchecked = None  # the dead process's: the new one's socket lacks it
+        self._live_agreed = None
         self._restart_found_at = self._clock()
         self._restart_unproven = unproven
         self._reopened = False
@@ -1953,6 +2189,59 @@ class StreamSubscriber:
             return None
         return _DEAD if answered else "the replay did not answer"
 
+    async def _went_back(self, seq: int, payload: bytes, prev_live: int | None) -> str | None:
+        """Whether live batch `seq`, whose seq goes back (below the newest live one,
+        `prev_live`; None: below what a replay gave before any live batch), shows a restart:
+        None (the replay socket gives it back: its process is new; or there is nothing to
+        ask, as ever), `_ELSEWHERE` (the socket's process never went back: it still holds
+        the newest live batch it gave back, `_live_agreed`, or with nothing to tell by, it
+        does not give this one back; so the live stream is another publisher's and
+        `_disagree` was called), or why nothing proves either (no answer, or a socket whose
+        process is new too and lacks the batch, a dead middle process's: taken for a
+        restart, which predicts nothing until its window ends).
+
+        A publisher buffers what it sends before it answers, so a new process's socket gives
+        its batch back. Before, a seq going back was a restart on its own: a forwarder
+        re-pointed at a worker whose seqs were behind this one's cleared the stream, rebuilt
+        it from this worker's buffer and then skipped the other worker's batches as the dead
+        process's while `synced`, deaf to this worker's own evictions (QA: 191 false hits in
+        15 s, no ERROR)."""
+        if not self._has_replay or _undecodable(payload):
+            return None  # no socket to ask (or garbage, no batch to ask for): as ever
+        if self._replay_away:
+            return "the replay connection is away"
+        anchor = self._live_agreed
+        at = None if anchor is None else anchor[0]
+        copy = await self._replay_at(seq, seq if at is None else min(seq, at), at)
+        if not copy.answered:
+            return "the replay did not answer"
+        if copy.payload is not None and _digest(copy.payload) == _digest(payload):
+            self._trust_replay()  # it gives back the batch that showed the restart
+            return None
+        if copy.first is None and not self._replay_buffers:
+            return None  # a socket that never gave a batch may buffer none: as without one
+        held = self._anchor_held(copy, anchor)
+        if held is False:
+            return "the replay socket's process is new too and does not give it back"
+        if copy.payload is not None:
+            gives = "another batch at that seq"
+        elif copy.first is None:
+            gives = f"nothing from seq {seq} on"
+        else:
+            gives = f"its batches {copy.first}..{copy.newest} and not that one"
+        if held and anchor is not None:
+            gives += f", and still batch {anchor[0]}, which it gave back before"
+        where = (
+            f"from {prev_live}"
+            if prev_live is not None
+            else "below the batches a replay gave before it"
+        )
+        self._disagree(
+            f"live seq {seq} goes back {where} as after a restart, yet the replay socket gives "
+            f"{gives}: a new process's socket gives back the batch it sent"
+        )
+        return _ELSEWHERE
+
     def _skip_collided(self, seq: int) -> None:
         self.dead_batches += 1
         self._warn(
@@ -2018,7 +2307,28 @@ class StreamSubscriber:
                     "no live batch followed on its buffer since"
                 )
                 return True  # not taken: nothing is while they disagree
-            return self._skip_dead(seq, "not in the new process's buffer, a late queued batch")
+            late_s = self._clock() - self._restart_found_at
+            if late_s > 2 * _DEAD_RUN_S:
+                # no queue lasts that long: the live stream is another publisher's (a forwarder
+                # re-pointed after the restart), and this worker's own batches go unheard.
+                # Before, such batches were skipped as late queued ones for good while the
+                # stream was `synced` (QA: each flush of the worker a false hit)
+                self._disagree(
+                    f"live batches continuing the run before the restart still come "
+                    f"{late_s:.1f} s after it (live seq {seq}, which the replay socket does "
+                    "not give back)"
+                )
+                return True
+            # a late queued batch, or another publisher's (and this worker's own batches go
+            # unheard): the stream predicts nothing until a live batch follows on it
+            if not self._live_unproven:
+                self._live_unproven = True
+                self._show_state()
+            return self._skip_dead(
+                seq,
+                "not in the new process's buffer, a late queued batch; the stream predicts "
+                "nothing until a live batch follows on",
+            )
         if answered:
             return self._skip_dead(seq, "not in the new process's buffer, a queued batch")
         # nothing says whose it is
@@ -2161,6 +2471,7 @@ class StreamSubscriber:
         self._proof_owed = self._owed_wait = False
         self._after_restart = False  # the run it follows now is the snapshot's
         self._dead_seq = None
+        self._live_unchecked = self._live_agreed = None
         self._catch_up = None  # its proof (`_verify`) catches the loaded state up, if any
         self._set_tainted(None)
         self.health.block_size = self._known_block_size()
@@ -2206,4 +2517,5 @@ class StreamSubscriber:
             unanswered_replays=self.unanswered_replays,
             dead_batches=self.dead_batches,
             undelivered_tails=self.undelivered_tails,
+            live_checks=self.live_checks,
         )

@@ -114,6 +114,11 @@ _STREAM_COUNTERS = (
         "kvroute_stream_dead_batches",
         "Live batches of a restarted worker's dead process, still queued: skipped",
     ),
+    (
+        "live_checks",
+        "kvroute_stream_live_checks",
+        "Live batches asked of the replay socket (the two must be one publisher's)",
+    ),
 )
 
 

@@ -482,10 +482,10 @@ async def test_a_live_seq_the_answer_does_not_hold_leaves_no_false_hit(
     real, so the stream predicts nothing until the next live batch says which."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)
-        pub.answer_with = answer  # type: ignore[assignment]
         a = await pub.publish(stored(A, 10))
-        assert await svc.wait_applied(WORKER, a)
+        assert await svc.wait_applied(WORKER, a)  # (asked of the socket as it is applied)
         assert matched(svc, A) == 4
+        pub.answer_with = answer  # type: ignore[assignment]
         await pub.publish(EventBatch(0.0, [Removed(block_hashes=[10])]), drop=True)
         await pub.publish(stored(C, 20))  # shows the gap; the answer holds neither
         await wait_until(lambda: svc.streams()[0].decode_errors == 1)
