@@ -258,9 +258,15 @@ async def test_a_503_for_a_side_whose_circuits_are_open_says_so_and_until_when()
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        config = _config(workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers))
+        # health checks that a stall of this process does not fail (a loaded host): the
+        # prefill taken for unhealthy made the 503 name the prefill side (CI, 2026-12-06)
+        config = _config(
+            workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers),
+            health=HealthConfig(interval_s=0.2, timeout_s=5.0),
+        )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await _paired(router)
+            await _in_rotation(router)
             router.planner.record_failure("d0", hard=True)  # what a refused connection does
             async with session.post(router.url + "/generate", json=BODY) as resp:
                 assert resp.status == 503, await resp.text()
