@@ -13,8 +13,10 @@ is held against the index is what the worker itself caches. No idle probe runs w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import aiohttp
 import pytest
@@ -70,6 +72,38 @@ async def _subscribe(
     await fwd.subscribed()
 
 
+class _Pair(NamedTuple):
+    """A worker followed through a forwarder (`own`: its replay socket direct), and another
+    busy worker (`other`) the forwarder can be re-pointed at."""
+
+    own: Restartable
+    other: Restartable
+    fwd: Forwarder
+    svc: IndexerService
+    session: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def _two_workers(ctx: zmq.asyncio.Context) -> AsyncIterator[_Pair]:
+    """Two reference workers, the first's events through a forwarder and followed (both
+    stopped at the end, whatever a test did to them)."""
+    own, other = Restartable(), Restartable()
+    await own.start()
+    await other.start()
+    try:
+        async with (
+            Forwarder(ctx, own.live.kv_events.endpoint) as fwd,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd.connected(1)
+            await _subscribe(svc, fwd, own.live.kv_events.replay_endpoint)
+            yield _Pair(own, other, fwd, svc, session)
+    finally:
+        await own.stop()
+        await other.stop()
+
+
 async def _repoint(svc: IndexerService, fwd: Forwarder, own: Restartable, to: str) -> None:
     """Re-point `fwd` at `to` once the stream has read all `own` published: a libzmq XSUB
     that drops a connection with a message still queued on it can abort the process."""
@@ -123,38 +157,24 @@ async def test_a_repointed_forwarder_whose_seqs_follow_on_is_found_before_its_ba
     live batch is asked of the replay socket before it is applied when no check was asked
     lately: the worker's socket does not have it, and the two sockets disagree at once."""
     caplog.set_level(logging.ERROR, logger="indexer.subscriber")
-    own, other = Restartable(), Restartable()
-    await own.start()
-    await other.start()
-    try:
-        mine, theirs = own.live.kv_events, other.live.kv_events
-        async with (
-            Forwarder(ctx, mine.endpoint) as fwd,
-            IndexerService(SETTINGS) as svc,
-            aiohttp.ClientSession() as session,
-        ):
-            await fwd.connected(1)
-            await _subscribe(svc, fwd, mine.replay_endpoint)
-            P = tokens("own")
-            await generate(session, own.live, P)
-            await until(lambda: predicted(svc, P) == [80], "P predicted")
-            while other.next_seq() < own.next_seq():
-                await generate(session, other.live, tokens(f"early-{other.next_seq()}"))
-            assert other.next_seq() == own.next_seq()  # its next batch follows on
-            await _repoint(svc, fwd, own, theirs.endpoint)
-            Y = tokens("other")
-            await generate(session, other.live, Y)
-            seen = await _false_hits(svc, 1.0, [(Y, lambda: own.holds(Y)[0])])
-            assert not seen, seen  # never predicted: asked before it was applied
-            assert streams_of(svc) == [StreamState.UNVERIFIED]
-            assert svc.streams()[0].restarts == 0  # no restart was taken for it
-            assert DISAGREE in caplog.text
-            assert "is not in what the replay socket gives back" in caplog.text
-            await _flush(session, own)  # unheard: the stream holds nothing to predict
-            assert predicted(svc, P) == [0]
-    finally:
-        await own.stop()
-        await other.stop()
+    async with _two_workers(ctx) as (own, other, fwd, svc, session):
+        P = tokens("own")
+        await generate(session, own.live, P)
+        await until(lambda: predicted(svc, P) == [80], "P predicted")
+        while other.next_seq() < own.next_seq():
+            await generate(session, other.live, tokens(f"early-{other.next_seq()}"))
+        assert other.next_seq() == own.next_seq()  # its next batch follows on
+        await _repoint(svc, fwd, own, other.live.kv_events.endpoint)
+        Y = tokens("other")
+        await generate(session, other.live, Y)
+        seen = await _false_hits(svc, 1.0, [(Y, lambda: own.holds(Y)[0])])
+        assert not seen, seen  # never predicted: asked before it was applied
+        assert streams_of(svc) == [StreamState.UNVERIFIED]
+        assert svc.streams()[0].restarts == 0  # no restart was taken for it
+        assert DISAGREE in caplog.text
+        assert "is not in what the replay socket gives back" in caplog.text
+        await _flush(session, own)  # unheard: the stream holds nothing to predict
+        assert predicted(svc, P) == [0]
 
 
 async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
@@ -166,52 +186,38 @@ async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
     less than that, and never again (before: for good, and this worker's own flushes unheard,
     its prompt predicted after it was gone)."""
     caplog.set_level(logging.ERROR, logger="indexer.subscriber")
-    own, other = Restartable(), Restartable()
-    await own.start()
-    await other.start()
-    try:
-        mine, theirs = own.live.kv_events, other.live.kv_events
-        async with (
-            Forwarder(ctx, mine.endpoint) as fwd,
-            IndexerService(SETTINGS) as svc,
-            aiohttp.ClientSession() as session,
-        ):
-            await fwd.connected(1)
-            await _subscribe(svc, fwd, mine.replay_endpoint)
-            P = tokens("own")
-            await generate(session, own.live, P)
-            await _busy(session, own, "own-busy", 2 * subscriber._LIVE_CHECK_BURST)
-            await until(lambda: predicted(svc, P) == [80], "P predicted")
-            while other.next_seq() < own.next_seq():
-                await generate(session, other.live, tokens(f"early-{other.next_seq()}"))
-            assert other.next_seq() == own.next_seq()
-            await _repoint(svc, fwd, own, theirs.endpoint)
-            prompts: list[list[int]] = []
+    async with _two_workers(ctx) as (own, other, fwd, svc, session):
+        P = tokens("own")
+        await generate(session, own.live, P)
+        await _busy(session, own, "own-busy", 2 * subscriber._LIVE_CHECK_BURST)
+        await until(lambda: predicted(svc, P) == [80], "P predicted")
+        while other.next_seq() < own.next_seq():
+            await generate(session, other.live, tokens(f"early-{other.next_seq()}"))
+        assert other.next_seq() == own.next_seq()
+        await _repoint(svc, fwd, own, other.live.kv_events.endpoint)
+        prompts: list[list[int]] = []
 
-            async def both_busy() -> None:
-                for i in range(12):  # the other worker caches, this one flushes and caches P
-                    prompts.extend(await _busy(session, other, f"other-{i}", 1))
-                    if i % 2:
-                        await generate(session, own.live, P)
-                    else:
-                        await _flush(session, own)
-                    await asyncio.sleep(0.1)
+        async def both_busy() -> None:
+            for i in range(12):  # the other worker caches, this one flushes and caches P
+                prompts.extend(await _busy(session, other, f"other-{i}", 1))
+                if i % 2:
+                    await generate(session, own.live, P)
+                else:
+                    await _flush(session, own)
+                await asyncio.sleep(0.1)
 
-            work = asyncio.create_task(both_busy())
-            truths = [(P, lambda: own.holds(P)[0])]
-            truths += [(tokens(f"other-{i}-0"), lambda: 0) for i in range(12)]
-            seen = await _false_hits(svc, 2.5, truths)
-            await work
-            # the other worker's first batches, applied before a check was due, and nothing
-            # after the check that found them
-            span = seen[-1][0] - seen[0][0] if seen else 0.0
-            assert span < subscriber._LIVE_CHECK_S + 0.25, seen
-            assert streams_of(svc) == [StreamState.UNVERIFIED]
-            assert svc.streams()[0].restarts == 0 and svc.streams()[0].live_checks > 0
-            assert caplog.text.count(DISAGREE) == 1  # one ERROR, however many batches
-    finally:
-        await own.stop()
-        await other.stop()
+        work = asyncio.create_task(both_busy())
+        truths = [(P, lambda: own.holds(P)[0])]
+        truths += [(tokens(f"other-{i}-0"), lambda: 0) for i in range(12)]
+        seen = await _false_hits(svc, 2.5, truths)
+        await work
+        # the other worker's first batches, applied before a check was due, and nothing
+        # after the check that found them
+        span = seen[-1][0] - seen[0][0] if seen else 0.0
+        assert span < subscriber._LIVE_CHECK_S + 0.25, seen
+        assert streams_of(svc) == [StreamState.UNVERIFIED]
+        assert svc.streams()[0].restarts == 0 and svc.streams()[0].live_checks > 0
+        assert caplog.text.count(DISAGREE) == 1  # one ERROR, however many batches
 
 
 @pytest.mark.parametrize("behind", [3, 8])
@@ -225,40 +231,26 @@ async def test_a_repointed_forwarder_whose_seqs_go_back_is_no_restart(
     The replay socket is asked for that batch: it is not the worker's, whose seqs never went
     back, so the two sockets disagree, and nothing is predicted."""
     caplog.set_level(logging.WARNING, logger="indexer.subscriber")
-    own, other = Restartable(), Restartable()
-    await own.start()
-    await other.start()
-    try:
-        mine, theirs = own.live.kv_events, other.live.kv_events
-        async with (
-            Forwarder(ctx, mine.endpoint) as fwd,
-            IndexerService(SETTINGS) as svc,
-            aiohttp.ClientSession() as session,
-        ):
-            await fwd.connected(1)
-            await _subscribe(svc, fwd, mine.replay_endpoint)
-            await generate(session, other.live, tokens("early"))
-            P = tokens("own")
-            await generate(session, own.live, P)
-            while own.next_seq() < other.next_seq() + behind:
-                await generate(session, own.live, tokens(f"own-{own.next_seq()}"))
-            await until(lambda: predicted(svc, P) == [80], "P predicted")
-            await _repoint(svc, fwd, own, theirs.endpoint)
-            Y = tokens("other")
-            await generate(session, other.live, Y)
-            await asyncio.sleep(0.3)  # its batch read (a replay round trip, or a rebuild)
-            await _flush(session, own)  # the worker's own flush, unheard
-            truths = [(P, lambda: own.holds(P)[0]), (Y, lambda: own.holds(Y)[0])]
-            truths += [(prompt, lambda: 0) for prompt in await _busy(session, other, "o", 3)]
-            seen = await _false_hits(svc, 1.0, truths)
-            assert not seen, seen
-            assert DISAGREE in caplog.text
-            stats = svc.streams()[0]
-            assert stats.restarts == 0 and stats.state is StreamState.UNVERIFIED
-            assert "goes back" in caplog.text and "publisher restarted" not in caplog.text
-    finally:
-        await own.stop()
-        await other.stop()
+    async with _two_workers(ctx) as (own, other, fwd, svc, session):
+        await generate(session, other.live, tokens("early"))
+        P = tokens("own")
+        await generate(session, own.live, P)
+        while own.next_seq() < other.next_seq() + behind:
+            await generate(session, own.live, tokens(f"own-{own.next_seq()}"))
+        await until(lambda: predicted(svc, P) == [80], "P predicted")
+        await _repoint(svc, fwd, own, other.live.kv_events.endpoint)
+        Y = tokens("other")
+        await generate(session, other.live, Y)
+        await asyncio.sleep(0.3)  # its batch read (a replay round trip, or a rebuild)
+        await _flush(session, own)  # the worker's own flush, unheard
+        truths = [(P, lambda: own.holds(P)[0]), (Y, lambda: own.holds(Y)[0])]
+        truths += [(prompt, lambda: 0) for prompt in await _busy(session, other, "o", 3)]
+        seen = await _false_hits(svc, 1.0, truths)
+        assert not seen, seen
+        assert DISAGREE in caplog.text
+        stats = svc.streams()[0]
+        assert stats.restarts == 0 and stats.state is StreamState.UNVERIFIED
+        assert "goes back" in caplog.text and "publisher restarted" not in caplog.text
 
 
 async def test_a_run_after_a_restart_that_the_replay_never_gives_back_ends_in_a_disagreement(
@@ -273,49 +265,35 @@ async def test_a_run_after_a_restart_that_the_replay_never_gives_back_ends_in_a_
     window is no queue, and the two sockets disagree."""
     monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.5)
     caplog.set_level(logging.ERROR, logger="indexer.subscriber")
-    own, other = Restartable(), Restartable()
-    await own.start()
-    await other.start()
-    try:
-        mine, theirs = own.live.kv_events, other.live.kv_events
-        async with (
-            Forwarder(ctx, mine.endpoint) as fwd,
-            IndexerService(SETTINGS) as svc,
-            aiohttp.ClientSession() as session,
-        ):
-            await fwd.connected(1)
-            await _subscribe(svc, fwd, mine.replay_endpoint)
-            await _busy(session, own, "old", 3)
-            await until(lambda: svc.streams()[0].last_seq == own.next_seq() - 1, "the old run")
-            await _busy(session, other, "ahead", own.next_seq() + 3)  # ahead of the old run
-            await own.stop()
-            await until(lambda: streams_of(svc) == [StreamState.UNVERIFIED], "the suspicion")
-            await own.start()  # a new process on the same ports
-            await fwd.connected(2)
-            await until(lambda: svc.streams()[0].restarts == 1, "the restart found")
-            P = tokens("new")
-            await generate(session, own.live, P)
-            await until(lambda: predicted(svc, P) == [80], "the new process's P predicted")
-            await _repoint(svc, fwd, own, theirs.endpoint)
-
-            async def other_busy() -> None:
-                for i in range(30):
-                    await generate(session, other.live, tokens(f"other-{i}"))
-                    await asyncio.sleep(0.05)
-
-            work = asyncio.create_task(other_busy())
-            await asyncio.sleep(0.7)  # past the window after the restart
-            await _flush(session, own)  # unheard
-            seen = await _false_hits(svc, 1.0, [(P, lambda: own.holds(P)[0])])
-            await work
-            assert not seen, seen
-            await until(lambda: DISAGREE in caplog.text, "the disagreement")
-            assert "still come" in caplog.text
-            stats = svc.streams()[0]
-            assert stats.state is StreamState.UNVERIFIED and stats.restarts == 1
-    finally:
+    async with _two_workers(ctx) as (own, other, fwd, svc, session):
+        await _busy(session, own, "old", 3)
+        await until(lambda: svc.streams()[0].last_seq == own.next_seq() - 1, "the old run")
+        await _busy(session, other, "ahead", own.next_seq() + 3)  # ahead of the old run
         await own.stop()
-        await other.stop()
+        await until(lambda: streams_of(svc) == [StreamState.UNVERIFIED], "the suspicion")
+        await own.start()  # a new process on the same ports
+        await fwd.connected(2)
+        await until(lambda: svc.streams()[0].restarts == 1, "the restart found")
+        P = tokens("new")
+        await generate(session, own.live, P)
+        await until(lambda: predicted(svc, P) == [80], "the new process's P predicted")
+        await _repoint(svc, fwd, own, other.live.kv_events.endpoint)
+
+        async def other_busy() -> None:
+            for i in range(30):
+                await generate(session, other.live, tokens(f"other-{i}"))
+                await asyncio.sleep(0.05)
+
+        work = asyncio.create_task(other_busy())
+        await asyncio.sleep(0.7)  # past the window after the restart
+        await _flush(session, own)  # unheard
+        seen = await _false_hits(svc, 1.0, [(P, lambda: own.holds(P)[0])])
+        await work
+        assert not seen, seen
+        await until(lambda: DISAGREE in caplog.text, "the disagreement")
+        assert "still come" in caplog.text
+        stats = svc.streams()[0]
+        assert stats.state is StreamState.UNVERIFIED and stats.restarts == 1
 
 
 async def test_a_seq_going_back_that_the_silent_replay_cannot_judge_predicts_nothing(
