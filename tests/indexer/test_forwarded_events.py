@@ -271,17 +271,7 @@ async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entrie
             relay = TcpRelay(int(kv.replay_endpoint.rpartition(":")[2]))
             await relay.start()
             try:
-                await svc.add_worker(
-                    WORKER,
-                    [
-                        StreamConfig(
-                            endpoint=fwd.endpoint,
-                            replay_endpoint=f"tcp://127.0.0.1:{relay.port}",
-                            block_size=16,
-                            model=MODEL,
-                        )
-                    ],
-                )
+                await _relayed_worker(svc, fwd, relay)
                 await until(lambda: streams_of(svc) == [StreamState.SYNCED], "the stream")
                 P = tokens("kept")
                 await generate(session, worker.live, P)
