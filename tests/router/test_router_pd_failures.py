@@ -165,6 +165,12 @@ def _fake(
     )
 
 
+# quick health rounds whose checks a stall of this process (a loaded host) does not fail: a
+# check in flight across a stall longer than the default 0.5 s timeout failed, and a worker
+# taken for unhealthy changed which side a test's error named or who was charged
+_STALL_PROOF_HEALTH = HealthConfig(interval_s=0.2, timeout_s=5.0)
+
+
 def _config(**fields: Any) -> RouterConfig:
     """A loopback router (admin token, quick health rounds) with `fields` set."""
     return msgspec.structs.replace(router_config([]), **fields)
@@ -258,11 +264,10 @@ async def test_a_503_for_a_side_whose_circuits_are_open_says_so_and_until_when()
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        # health checks that a stall of this process does not fail (a loaded host): the
-        # prefill taken for unhealthy made the 503 name the prefill side (CI, 2026-12-06)
+        # the prefill taken for unhealthy in a stall made the 503 name the prefill side (CI)
         config = _config(
             workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers),
-            health=HealthConfig(interval_s=0.2, timeout_s=5.0),
+            health=_STALL_PROOF_HEALTH,
         )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await _paired(router)
@@ -893,7 +898,7 @@ def _one_second_deadline(config: RouterConfig) -> RouterConfig:
     return msgspec.structs.replace(
         config,
         timeouts=TimeoutsConfig(request_s=1.0),
-        health=HealthConfig(interval_s=0.2, timeout_s=5.0),
+        health=_STALL_PROOF_HEALTH,
     )
 
 
