@@ -1152,6 +1152,9 @@ class StreamSubscriber:
         copy = await self._replay_at(seq, start, None if anchor is None else anchor[0])
         now = self._clock()
         if not copy.answered:
+            # a drop that ended the wait (the heartbeat's, of a process gone behind a hop) is
+            # taken now, before the batch is applied: the stream predicts nothing from here
+            self._replay_link()
             # each wait stalls the live stream: not asked again at once (an unanswered request
             # is a restart candidate of its own: `_replay_link`)
             self._live_check_wait_s = min(self._live_check_wait_s * 2, _LIVE_CHECK_MAX_S)
@@ -1317,6 +1320,13 @@ class StreamSubscriber:
         if self._disagreeing is not None:
             await self._while_disagreeing(msg.seq, msg.payload)
             return
+        if self._has_replay and not self._unverified and self._clock() >= self._live_check_due:
+            # a live check may be asked for this batch: the replay link's news first (a busy
+            # stream reads it every `_LINK_EVERY` batches). A drop already seen is a restart
+            # candidate, proven below before the batch is applied; asked on the DEALER's new
+            # connection instead, the check may meet a new process, which gives its own batch
+            self._link_due = 0
+            self._replay_link()
         if self._unverified:
             # a live message proves we are connected: check before it is applied
             self._connected = True

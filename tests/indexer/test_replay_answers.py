@@ -16,6 +16,7 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
 import zmq.asyncio
@@ -388,6 +389,112 @@ async def test_newest_counts_the_answer_that_never_came(ctx: zmq.asyncio.Context
         client.close()
         router.close(linger=0)
     assert len(unanswered) == 2
+
+
+async def test_a_request_ends_when_its_connection_drops(ctx: zmq.asyncio.Context) -> None:
+    """A request's answer ends as the connection it was sent on drops (the rest never comes),
+    told by `link` as a drop. Before, it waited out `timeout_s`, and the drop was read only
+    then: the heartbeat's drop of a process gone behind a hop waited for a live check's
+    timeout (QA v20: the dead process's cache predicted 1.9 s after the kill, not 1.25)."""
+    router = ctx.socket(zmq.ROUTER)  # takes the request, never answers, then goes away
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    unanswered: list[None] = []
+    client = ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{port}",
+        b"kv",
+        timeout_s=30.0,
+        yield_every=64,
+        on_malformed=lambda _: None,
+        on_unanswered=lambda: unanswered.append(None),
+    )
+
+    async def ask() -> None:
+        async with contextlib.aclosing(client.replies(7)) as replies:
+            async for _ in replies:
+                pass
+
+    loop = asyncio.get_running_loop()
+    try:
+        asking = asyncio.create_task(ask())
+        await router.recv_multipart()  # asked (on a connection made: its handshake is done)
+        closed_at = loop.time()
+        router.close(linger=0)
+        with pytest.raises(ReplayError, match="its connection dropped before the answer ended"):
+            await asyncio.wait_for(asking, 10.0)
+        assert loop.time() - closed_at < 5.0  # (was `timeout_s`, 30 s)
+        link = client.link()
+        assert link is not None and link.dropped and link.unanswered and not link.up
+    finally:
+        client.close()
+        router.close(linger=0)
+    assert len(unanswered) == 1
+
+
+async def test_a_drop_before_a_request_is_news_not_its_end(ctx: zmq.asyncio.Context) -> None:
+    """A drop seen before a request (a restart candidate for the caller) does not end the
+    request asked after it on the DEALER's new connection: that one is answered."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{port}",
+        b"kv",
+        timeout_s=5.0,
+        yield_every=64,
+        on_malformed=lambda _: None,
+    )
+    try:
+        assert await asyncio.wait_for(_answer_once(router, client, 7), 10.0) == [7]
+        router.close(linger=0)  # the connection drops (its process went away)...
+        router = await _rebound(ctx, port)  # ...and a new one binds the same port
+        await wait_until(lambda: _dropped_seen(client))
+        assert await asyncio.wait_for(_answer_once(router, client, 3), 10.0) == [3]
+        link = client.link()
+        assert link is not None and link.dropped and not link.unanswered
+    finally:
+        client.close()
+        router.close(linger=0)
+
+
+async def _rebound(ctx: zmq.asyncio.Context, port: int) -> zmq.asyncio.Socket:
+    """A ROUTER bound to `port` once the closed one let it go (libzmq closes in the
+    background)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    async with asyncio.timeout(5.0):
+        while True:
+            try:
+                router.bind(f"tcp://127.0.0.1:{port}")
+                return router
+            except zmq.ZMQError:
+                await asyncio.sleep(0.01)
+
+
+def _dropped_seen(client: ReplayClient) -> bool:
+    """Whether the DEALER's monitor has news (the first connection's handshake was read by
+    the first request: a drop), left for `link` to take."""
+    monitor = client.link_socket
+    return monitor is not None and bool(cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
+async def _answer_once(router: zmq.asyncio.Socket, client: ReplayClient, seq: int) -> list[int]:
+    """`client` asks from `seq`; `router` answers with that one batch and the end marker."""
+
+    async def answer() -> None:
+        identity, *body = await router.recv_multipart()
+        asked = parse_replay_request(body)
+        await router.send_multipart([identity, *build_replay_reply(b"kv", asked, b"x")])
+        await router.send_multipart([identity, *build_replay_end()])
+
+    answering = asyncio.create_task(answer())
+    try:
+        async with contextlib.aclosing(client.replies(seq)) as replies:
+            return [reply.seq async for reply in replies]
+    finally:
+        await answering
 
 
 async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follows_on(

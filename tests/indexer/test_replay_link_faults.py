@@ -196,3 +196,57 @@ async def test_a_hung_busy_worker_is_suspected_by_its_heartbeat_and_kept_once_it
         stats = h.svc.streams()[0]
         assert (stats.restarts, stats.clears) == (before.restarts, before.clears)
         assert stats.verifications > before.verifications
+
+
+async def test_a_restart_while_a_live_check_waits_on_the_dead_process_is_found_at_the_heartbeat(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The worker restarts behind a replay hop that keeps the router's connection open (QA
+    v20), its first batches lost behind the forwarder; its next batch, following on the dead
+    run's seqs, comes before the heartbeat can have dropped the connection (within
+    `replay_timeout_s` of the kill), and its live check is asked on that connection: of the
+    dead process. Before, the check waited out `replay_timeout_s`, and the heartbeat's drop
+    was read only then: the dead process's P was predicted until the resume plus the timeout
+    (QA: 1.9 s after the kill at a 1 s timeout; here 3.8 s and more). Now the drop ends the
+    check's wait: P is predicted nothing within the heartbeat's bound (1.25 x the timeout),
+    and the restart is proven."""
+    async with behind_hops(ctx, SLOW, sticky=True) as h:
+        await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
+        P = tokens("dead")
+        await generate(h.session, h.worker.live, P)
+        await _proven(h, P)
+        last = h.worker.next_seq() - 1
+        loop = asyncio.get_running_loop()
+        watch = asyncio.create_task(_unpredicted_at(h.svc, P))
+        h.fwd.dropping = True
+        stopped = loop.time()
+        await h.worker.stop()
+        await h.worker.start()
+        await h.fwd.connected(2)
+        i = 0
+        while h.worker.next_seq() < last + 1:  # the new process's seqs 0..L: lost
+            await generate(h.session, h.worker.live, tokens(f"lost-{i}"))
+            i += 1
+        await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
+        h.fwd.dropping = False
+        # before the heartbeat can drop the connection (at the earliest `replay_timeout_s`
+        # after the kill): the batch's check waits on the dead process
+        await asyncio.sleep(stopped + 0.9 * SLOW_TIMEOUT_S - loop.time())
+        assert not watch.done()
+        checks = h.svc.streams()[0].live_checks
+        await generate(h.session, h.worker.live, tokens("first"))
+        found = await asyncio.wait_for(watch, 3 * SLOW_TIMEOUT_S)
+        assert h.svc.streams()[0].live_checks > checks  # (the check was asked)
+        # the heartbeat's bound and a loop pass; before, 0.9 + 1 timeouts at the least
+        assert found - stopped < 1.25 * SLOW_TIMEOUT_S + 0.8
+        async with _busy(h) as sent:
+            await until(
+                lambda: (
+                    len(sent) > 3
+                    and predicted(h.svc, sent[-2]) == [80]
+                    and streams_of(h.svc) == [StreamState.SYNCED]
+                ),
+                "the new process's batches predicted",
+            )
+        assert h.worker.holds(P) == [0] and predicted(h.svc, P) == [0]
+        assert h.svc.streams()[0].restarts >= 1
