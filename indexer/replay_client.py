@@ -3,7 +3,8 @@
 The publisher answers a request "from seq N" with every batch it still buffers from N on,
 then an end marker (layouts in `indexer.protocol.frames`). `ReplayClient` sends the request
 and yields the replies, in order, until the end marker; an answer that stops short for
-`timeout_s` raises TimeoutError. A publisher's buffer is its own batches under its topic, with
+`timeout_s` (on a connection made, until its heartbeat can have dropped it: below) raises
+TimeoutError. A publisher's buffer is its own batches under its topic, with
 seqs that follow each other: an answer with frames that do not parse (reported to
 `on_malformed` too), a batch of another topic, a seq that does not follow the one before, or
 more replies or time than any buffer takes (`MAX_REPLIES`, `deadline_s`) is not this stream's
@@ -68,6 +69,9 @@ MAX_REPLIES = 1 << 20
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 # ZMTP heartbeat PINGs sent within one `timeout_s` (module docstring)
 _PINGS_PER_TIMEOUT = 4
+# a request's wait beyond the heartbeat's bound (`ReplayClient._silence_s`), in `timeout_s`:
+# libzmq's timers run late on a loaded host
+_DROP_SLACK = 0.1
 
 
 def silence_bound_s(timeout_s: float) -> float:
@@ -146,10 +150,11 @@ class ReplayClient:
                 left = deadline - loop.time()
                 if left <= 0:
                     raise ReplayError(f"the answer did not end within {self._deadline_s:g}s")
-                frames = await self._reply(min(self._timeout_s, left), drops)
+                wait_s = self._silence_s()
+                frames = await self._reply(min(wait_s, left), drops)
                 if frames is None:
-                    if self._timeout_s < left:
-                        raise TimeoutError(f"no reply within {self._timeout_s:g}s")
+                    if wait_s < left:
+                        raise TimeoutError(f"no reply within {wait_s:g}s")
                     raise ReplayError(f"the answer did not end within {self._deadline_s:g}s")
                 received += 1
                 if received > MAX_REPLIES:
@@ -180,6 +185,20 @@ class ReplayClient:
         finally:
             if not ended:
                 self.close()  # late replies of this request must not answer the next one
+
+    def _silence_s(self) -> float:
+        """How long a request waits for its next reply: `timeout_s`, and on a connection made,
+        until its heartbeat has had the time to drop it too (`silence_bound_s` and a slack).
+        So a process that went silent (gone behind a hop, hung) ends the request as a drop,
+        whose proof asks from a batch applied before the silence, and only one whose
+        heartbeat still passes (alive, its answer slow) as unanswered. Before, whichever came
+        first: a request sent just as the process went silent timed out before the drop, and
+        its proof asked from the last whole answer's fence, which a busy worker's buffer no
+        longer held: the stream was cleared and rebuilt (its entries lost) when the worker
+        only hung a moment."""
+        if not self._up:
+            return self._timeout_s  # (no heartbeat runs before the handshake)
+        return silence_bound_s(self._timeout_s) + _DROP_SLACK * self._timeout_s
 
     async def _reply(self, wait_s: float, drops: int) -> list[bytes] | None:
         """The next reply (None: none within `wait_s`), read as it is queued; waited for

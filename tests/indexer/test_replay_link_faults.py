@@ -22,12 +22,16 @@ import pytest
 import zmq.asyncio
 
 from indexer.config import IndexerConfig
+from indexer.errors import ReplayError
+from indexer.protocol.frames import build_replay_end, build_replay_reply, parse_replay_request
+from indexer.replay_client import ReplayClient
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from tests.indexer.test_forwarded_events import (
     PROBE_S,
     Hops,
     Restartable,
+    TcpRelay,
     behind_hops,
     generate,
     predicted,
@@ -250,3 +254,57 @@ async def test_a_restart_while_a_live_check_waits_on_the_dead_process_is_found_a
             )
         assert h.worker.holds(P) == [0] and predicted(h.svc, P) == [0]
         assert h.svc.streams()[0].restarts >= 1
+
+
+async def test_a_request_sent_as_its_process_goes_silent_ends_as_a_drop(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A request sent as the process behind a hop goes silent (hung, or gone where the hop
+    hides the close) waits until the heartbeat can drop the connection: it ends as a drop,
+    whose proof asks from a batch applied before the silence. Before, its own timeout
+    (`replay_timeout_s` from the request) and the heartbeat's (at most 1.25 x from the
+    silence) raced, and a timeout first made it unanswered, its proof asked from the last
+    whole answer's fence: on a busy worker, out of its buffer, so a worker that only hung a
+    moment was cleared and rebuilt (a flaky heartbeat test here, 1 run in 10 under load)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    relay = TcpRelay(router.bind_to_random_port("tcp://127.0.0.1"))
+    await relay.start()
+    client = ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{relay.port}",
+        b"kv",
+        timeout_s=REPLAY_TIMEOUT_S,
+        yield_every=64,
+        on_malformed=lambda _: None,
+    )
+
+    async def answer() -> None:
+        identity, *body = await router.recv_multipart()
+        seq = parse_replay_request(body)
+        await router.send_multipart([identity, *build_replay_reply(b"kv", seq, b"x")])
+        await router.send_multipart([identity, *build_replay_end()])
+
+    async def ask(seq: int) -> list[int]:
+        async with contextlib.aclosing(client.replies(seq)) as replies:
+            return [reply.seq async for reply in replies]
+
+    try:
+        answering = asyncio.create_task(answer())
+        assert await asyncio.wait_for(ask(7), 5.0) == [7]  # a connection made
+        await answering
+        for _ in range(5):  # each time: silent from the request on
+            relay.held = True
+            with pytest.raises(ReplayError, match="its connection dropped"):
+                await asyncio.wait_for(ask(8), 5 * REPLAY_TIMEOUT_S)
+            link = client.link()
+            assert link is not None and link.dropped and link.unanswered
+            relay.held = False
+            await relay.cut()  # (what the relay held for the dead connection goes with it)
+            answering = asyncio.create_task(answer())
+            assert await asyncio.wait_for(ask(7), 5.0) == [7]  # a new connection, answered
+            await answering
+    finally:
+        client.close()
+        await relay.close()
+        router.close(linger=0)
