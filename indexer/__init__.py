@@ -9,8 +9,9 @@
 - `snapshot`: versioned dump/load of an index;
 - `sequence`: the pure per-stream seq tracker (live subscriber and offline replayer);
 - `fence`: the epoch fence, which proves a publisher's seq L is still the batch applied at L;
-- `subscriber`: one ZMQ subscription per (worker, dp rank): gap repair, epoch proofs,
-  refetches, restart candidates; `replay_client`: its replay DEALER;
+- `stream/`: `StreamSubscriber`, one ZMQ subscription per (worker, dp rank), one module per
+  concept: gap repair, epoch proofs, refetches, restart candidates, live checks, the two
+  sockets' disagreement, the window after a restart; `replay_client`: its replay DEALER;
 - `sink`: where a subscriber's accepted batches go (`IndexSink`; `RecordingSink` in recording);
 - `subscriptions`: the subscriber tasks of a process, by worker;
 - `loop_watch`: whether the process's event loop ran lately (a stall may hide a restart);

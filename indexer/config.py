@@ -98,7 +98,7 @@ class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_proven: bool = True
     # the event and replay sockets the worker advertises for this rank (None: it advertises
     # none, or was not asked): when the two configured ones disagree about the publisher, they
-    # say which of them is likely the wrong one (`indexer.subscriber`'s `_disagree`)
+    # say which of them is likely the wrong one (`indexer.stream.disagreement`'s `_disagree`)
     advertised_endpoint: str | None = None
     advertised_replay: str | None = None
 

@@ -1,7 +1,7 @@
 """What a relay says of one stream: the batches its subscriber accepted and the decisions it made.
 
 `kvroute relay` (`router.cluster.relay`) runs the subscribers a router would run (gap repair,
-epoch fence, restart detection: `indexer.subscriber`) and republishes, per (worker, dp rank)
+epoch fence, restart detection: `indexer.stream`) and republishes, per (worker, dp rank)
 stream and in the order they happen, everything its index took from them: each accepted batch
 with the engine's seq, each clear, each state the stream entered. Replicas that follow the relay
 (`indexer.fed_stream`) apply the records in order and so hold what the relay's index holds,

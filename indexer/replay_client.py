@@ -14,7 +14,7 @@ subscriber's warnings are rate-limited: without it a replay socket that keeps ti
 go uncounted). Whenever an
 answer is left before its end marker the socket is reset, so that late replies of one
 request are never read as the answer to the next. What the replies mean is the subscriber's
-business (`indexer.subscriber`).
+business (`indexer.stream`).
 
 The DEALER is connected to the publisher's process itself (its events may come through a
 forwarder, which hides the process going away), so its connection is watched too: `connect`

@@ -50,8 +50,8 @@ from indexer.stats import (
     WorkerMatch,
     carried_over,
 )
+from indexer.stream.subscriber import StreamSubscriber
 from indexer.stream_tap import StreamHead, StreamTap, TappedSink
-from indexer.subscriber import StreamSubscriber
 from indexer.subscriptions import Subscriptions, stream_id
 from indexer.worker_matches import WorkerMatches
 
@@ -830,7 +830,7 @@ class IndexerService:
         model, engine and block size (configured, or learned from its events) win: a snapshot
         stream that says others is dropped (`_adopt`). Each load is logged: why it was
         refused, or what it brought (each subscribed stream then logs whether its fence was
-        proven: `indexer.subscriber`)."""
+        proven: `indexer.stream`)."""
         try:
             index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
         except SnapshotError as exc:

@@ -1,6 +1,6 @@
 """Where a subscriber hands the batches it accepts: the index, or a recording.
 
-A `StreamSubscriber` (`indexer.subscriber`) keeps one stream in sequence: it repairs gaps
+A `StreamSubscriber` (`indexer.stream`) keeps one stream in sequence: it repairs gaps
 through the replay socket, proves epochs, detects restarts. What it accepts goes, in the order
 it is accepted, to one `StreamSink`:
 - `IndexSink`: decodes and applies to a `PrefixIndex` (the router's indexer service);

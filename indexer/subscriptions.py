@@ -39,7 +39,7 @@ from indexer.config import IndexerConfig, StreamConfig
 from indexer.log_throttle import LogThrottle
 from indexer.sink import StreamSink
 from indexer.stats import StreamState
-from indexer.subscriber import StreamSubscriber
+from indexer.stream.subscriber import StreamSubscriber
 
 __all__ = ["Subscriptions", "socket_budget", "stream_id", "stream_worker"]
 

@@ -58,7 +58,7 @@ INDEXER_SYNC_CORES = (
 # the pure index and the wire protocol know nothing of streams, sockets or recordings
 INDEXER_FOUNDATIONS = ("indexer.index", "indexer.protocol")
 INDEXER_ABOVE_FOUNDATIONS = (
-    "indexer.subscriber",
+    "indexer.stream",
     "indexer.subscriptions",
     "indexer.service",
     "indexer.sink",
@@ -188,10 +188,10 @@ def test_the_checker_catches_violations() -> None:
     # the indexer's pure parts stay pure and below the stream machinery
     assert _violations("indexer.index.writer", "asyncio") is not None
     assert _violations("indexer.recording.format", "zmq") is not None
-    assert _violations("indexer.index.prefix_index", "indexer.subscriber") is not None
+    assert _violations("indexer.index.prefix_index", "indexer.stream.subscriber") is not None
     assert _violations("indexer.protocol.decode", "indexer.recording.format") is not None
-    assert _violations("indexer.subscriber", "zmq.asyncio") is None
-    assert _violations("indexer.subscriber", "indexer.index") is None
+    assert _violations("indexer.stream.subscriber", "zmq.asyncio") is None
+    assert _violations("indexer.stream.state", "indexer.index") is None
     assert _violations("router.routing.policy", "workers.cache") is not None
     assert _violations("router.commands.cli", "workers.command") is None
     assert _violations("router.commands.serve", "workers.fleet") is not None

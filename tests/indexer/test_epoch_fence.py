@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import zmq.asyncio
 
-from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
@@ -28,6 +27,7 @@ from indexer.protocol.frames import build_live, build_replay_reply
 from indexer.service import ORPHAN_GRACE_S, IndexerService
 from indexer.snapshot import dump_index, load_index
 from indexer.stats import StreamState, StreamStats
+from indexer.stream import restarts
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import (
     STREAM,
@@ -422,7 +422,7 @@ async def test_batches_of_the_dead_process_still_queued_after_a_restart_are_not_
         await pub.publish(new[0], drop=True)  # the new process's startup batch, buffered
         await wait_until(lambda: svc.streams()[0].restarts == 1 and synced(svc))
         await wait_until(lambda: svc._workers[WORKER][0].tracker.last == 0)
-        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        caplog.set_level(logging.ERROR, logger="indexer.stream")
         for seq, batch in enumerate(later, start=last + 1):  # now read off the socket
             await pub.send_raw(build_live(b"kv", seq, encode_batch(batch, "array")))
         sub = svc._workers[WORKER][0]
@@ -467,7 +467,7 @@ async def test_a_dead_backlog_drained_after_the_window_is_never_taken(
     backlog). The first was skipped as a bad seq, the second flagged the worker's advertised
     socket another publisher's and it and the rest were applied: the dead pages predicted.
     Each is asked for now; the new process's socket does not give it back: skipped."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.3)
     async with ScriptedPublisher(ctx) as pub, IndexerService(PROBING) as svc:
         old = await follow_old_epoch(svc, pub)
         last = len(old) - 1
@@ -479,7 +479,7 @@ async def test_a_dead_backlog_drained_after_the_window_is_never_taken(
         sub = svc._workers[WORKER][0]
         await wait_until(lambda: sub.tracker.last == 0)
         await asyncio.sleep(0.35)  # past the window
-        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        caplog.set_level(logging.ERROR, logger="indexer.stream")
         for seq, batch in enumerate(later, start=last + 1):  # now read off the socket
             await pub.send_raw(build_live(b"kv", seq, encode_batch(batch, "array")))
         await wait_until(lambda: sub.dead_batches == len(later))

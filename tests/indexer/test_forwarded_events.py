@@ -3,12 +3,13 @@ direct: restarts, and events that come from another worker's PUB.
 
 The router's SUB is connected to the forwarder, which stays up while the worker behind it
 restarts: the SUB never sees the process go. The replay DEALER is connected to the worker's
-process itself, and its connection dropping is the restart candidate (`indexer.subscriber`'s
-`_replay_link`). And events that come from another publisher than the replay socket's (`events`
-on another worker's PUB, the forwarder re-pointed) make the two disagree: nothing is predicted
-until they agree (`_disagree`). Real reference workers, stopped and started again on the same
-ports; a real forwarder (`tests.indexer.forwarder`). No idle probe runs within a test
-(`PROBE_S`): what finds a restart here is not a probe that happens to fall in the right moment.
+process itself, and its connection dropping is the restart candidate
+(`indexer.stream.restart_candidates`'s `_replay_link`). And events that come from another
+publisher than the replay socket's (`events` on another worker's PUB, the forwarder re-pointed)
+make the two disagree: nothing is predicted until they agree (`_disagree`). Real reference
+workers, stopped and started again on the same ports; a real forwarder
+(`tests.indexer.forwarder`). No idle probe runs within a test (`PROBE_S`): what finds a restart
+here is not a probe that happens to fall in the right moment.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ async def test_a_worker_dying_behind_forwarders_predicts_nothing_at_once(
     cached; both ranks stayed synced ~0.7 s). Each rank's replay connection drops with the
     process: both predict nothing at once, before any batch of the new process, and are
     rebuilt from it once it is back (the quiet rank 1 too)."""
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     worker = Restartable(dp_size=2)
     await worker.start()
     try:
@@ -276,7 +277,7 @@ async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entrie
                 P = tokens("kept")
                 await generate(session, worker.live, P)
                 await until(lambda: predicted(svc, P) == [80], "P predicted")
-                caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+                caplog.set_level(logging.WARNING, logger="indexer.stream")
                 before = svc.streams()[0]
                 verified = before.verifications
                 await relay.cut()  # the open connections go; new ones are taken again
@@ -389,7 +390,7 @@ async def test_events_of_another_workers_pub_predict_nothing_and_the_log_says_wh
     socket, "another publisher's", and followed the wrong events: the other worker's prompts
     predicted here for good). The two disagree: the stream predicts nothing, and one ERROR
     names both sockets and, by what the worker advertises, the event socket as the suspect."""
-    caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+    caplog.set_level(logging.ERROR, logger="indexer.stream")
     own, other = Restartable(), Restartable()
     await own.start()
     await other.start()
@@ -443,7 +444,7 @@ async def test_a_forwarder_repointed_at_another_pub_predicts_nothing_until_it_is
     next one, following on, was applied: its prompts predicted here). The live stream and the
     replay socket disagree: nothing is predicted; once the forwarder is back on the worker,
     its next batch is one the replay socket gives back, and the stream is rebuilt from it."""
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     own, other = Restartable(), Restartable()
     await own.start()
     await other.start()

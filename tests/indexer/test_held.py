@@ -204,7 +204,7 @@ async def test_a_restart_says_the_held_events_it_drops(
         seq = await pub.publish(EventBatch(0.0, [page(1, TOKENS[:4])]))
         assert await svc.wait_applied(WORKER, seq)
         assert svc.index.held_events(STREAM) == 1 and svc.index.entries(STREAM) == 0
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         pub.restart()  # seq back to 0: a new process
         await pub.publish(EventBatch(1.0, []))  # (not the bytes of connect's seq 0)
         await wait_until(lambda: svc.streams()[0].restarts == 1)

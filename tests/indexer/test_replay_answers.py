@@ -21,7 +21,6 @@ from typing import cast
 import pytest
 import zmq.asyncio
 
-from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.errors import ReplayError
 from indexer.namespace import Namespace
@@ -37,6 +36,8 @@ from indexer.protocol.frames import (
 from indexer.replay_client import ReplayClient
 from indexer.service import _UNSIZED_LIMIT, IndexerService
 from indexer.stats import StreamState
+from indexer.stream import restarts
+from indexer.stream.subscriber import StreamSubscriber
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, wait_until
 
@@ -117,7 +118,7 @@ async def test_an_answer_that_is_not_the_streams_buffer_proves_nothing(
 
 async def _until_disagreeing(
     svc: IndexerService, pub: ScriptedPublisher, batch: EventBatch
-) -> subscriber.StreamSubscriber:
+) -> StreamSubscriber:
     """Publish `batch` until the stream finds its sockets disagree (its SUB may still be on
     its way at first)."""
     (sub,) = svc._workers[WORKER]
@@ -145,7 +146,7 @@ async def test_a_replay_socket_of_another_worker_leaves_the_stream_predicting_no
     ):
         for batch in workload(seed=3, batches=40):  # the other worker's history, buffered
             await other.publish(batch, drop=True)
-        caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+        caplog.set_level(logging.ERROR, logger="indexer.stream")
         cfg = StreamConfig(
             endpoint=own.endpoint, replay_endpoint=other.replay_endpoint, topic="kv", block_size=4
         )
@@ -286,7 +287,7 @@ async def test_a_join_answer_far_ahead_does_not_deafen_the_stream(
         )
         await svc.add_worker(WORKER, [cfg])
         await wait_until(lambda: svc.streams()[0].last_seq == 1 << 40)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         # the worker (a fresh process: seqs from 0) flushes, then stores C
         await pub.publish(EventBatch(0.0, [Cleared()]))
         seq = -1
@@ -529,7 +530,7 @@ async def test_an_unproven_replay_socket_is_not_proven_by_a_live_seq_that_follow
                 replay_proven=False,
             )
             await svc.add_worker(WORKER, [cfg])
-            caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+            caplog.set_level(logging.ERROR, logger="indexer.stream")
             await _until_disagreeing(svc, own, EventBatch(0.0, []))
             assert matched(svc, A) == 0  # the other worker's cache is not predicted here
             assert svc.index.entries(STREAM) == 0
@@ -614,7 +615,7 @@ async def test_an_answer_from_before_the_seq_asked_says_so(
     last batch 4"."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
 
         def from_zero(start: int) -> list[list[bytes]]:
             replies = [build_replay_reply(b"kv", s, p) for s, p in pub.buffer]
@@ -675,7 +676,7 @@ async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
             a = await pub.publish(stored(A, 10))
             assert await svc.wait_applied(WORKER, a)
             assert matched(svc, A) == 4 and not sub._replay_trusted
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         async with await _restarted(ctx, pub) as again:
             await again.publish(EventBatch(0.0, [Cleared()]), drop=True)  # lost: reconnecting
             await again.publish(stored(C, 20), drop=True)
@@ -696,7 +697,7 @@ async def test_an_honest_restart_behind_an_unproven_replay_socket_is_a_restart(
 
 async def _unproven_worker_gone(
     ctx: zmq.asyncio.Context, svc: IndexerService
-) -> tuple[ScriptedPublisher, subscriber.StreamSubscriber, int]:
+) -> tuple[ScriptedPublisher, StreamSubscriber, int]:
     """A worker joined through an unproven replay socket that gives nothing at join, its one
     batch (A's page, seq returned) applied, then gone: its publisher closed, as a process
     that died. The publisher (for `_restarted`) and the stream's subscriber are returned."""
@@ -717,10 +718,10 @@ async def test_an_honest_unproven_socket_is_asked_before_an_idle_restart_flags_i
     reconnects, then idles past the window after the restart: its next live batch, beyond
     the old run's seqs, flagged its honest socket another publisher's without asking it.
     The socket is asked for that batch now, gives it back, and is trusted."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.3)
     async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
         pub, sub, a = await _unproven_worker_gone(ctx, svc)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         async with await _restarted(ctx, pub) as again:
             while again.next_seq <= a + 1:  # lost while the SUB reconnects
                 await again.publish(stored(C, 20 + again.next_seq), drop=True)
@@ -747,10 +748,10 @@ async def test_a_foreign_socket_found_after_a_restart_leaves_the_stream_predicti
     socket "did not answer to its end", and the stream stayed unverified while idle. Now
     that contradiction is a restart whose rebuild predicts nothing; this worker's next live
     batches continue the run before it, so they are skipped as a dead process's queue for
-    the bound (`_DEAD_RUN_S`); one past it finds the socket out: the line says what is
+    the bound (`DEAD_RUN_S`); one past it finds the socket out: the line says what is
     cleared, that live batch is kept, and the stream is synced as one without a replay
     socket."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)  # no dead queue lasts that long here
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.3)  # no dead queue lasts that long here
     async with (
         ScriptedPublisher(ctx) as own,
         ScriptedPublisher(ctx) as other,
@@ -765,7 +766,7 @@ async def test_a_foreign_socket_found_after_a_restart_leaves_the_stream_predicti
         assert await svc.wait_applied(WORKER, a)
         while other.next_seq <= a:  # the other worker's buffer reaches our last seq
             await other.publish(stored(C, 20 + other.next_seq), drop=True)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         other.answer_with = None
         await wait_until(lambda: svc.streams()[0].restarts == 1)
         assert matched(svc, A) == 0 and matched(svc, C) == 0  # its buffer predicts nothing
@@ -797,7 +798,7 @@ async def test_a_busy_workers_dead_batches_interleaved_after_its_restart_are_nev
     (counted), the new process's batches are kept, and the socket is proven by them."""
     async with IndexerService(CONFIG) as svc:  # no probe: nothing proves the socket first
         pub, sub, a = await _unproven_worker_gone(ctx, svc)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         dead_seq = a
 
         async def dead(tokens: list[TokenId]) -> None:
@@ -847,7 +848,7 @@ async def test_a_replayed_batch_of_another_dp_rank_finds_the_socket_out(
             svc, own, block_size=4, replay_endpoint=rank1.replay_endpoint, replay_proven=False
         )
         (sub,) = svc._workers[WORKER]
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         a = await own.publish(EventBatch(0.0, stored(A, 10).events, 0))
         assert await svc.wait_applied(WORKER, a)
         while rank1.next_seq <= a + 1:  # rank 1's buffer reaches our seqs

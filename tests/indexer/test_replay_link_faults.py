@@ -5,10 +5,11 @@ stateful middlebox), and a worker that hangs.
 The replay DEALER is the one socket connected to the worker's process itself (its events may
 come through a forwarder that stays up), so its ZMTP heartbeat is the process's pulse: a PING
 every quarter of `replay_timeout_s`, the connection dropped when nothing came back within
-`replay_timeout_s` (`indexer.replay_client`). A drop is a restart candidate (`indexer.subscriber`'s
-`_replay_link`). No idle probe runs within a test (`PROBE_S`): a busy stream never probes, so
-what finds the fault here is the heartbeat, not a probe that happens to fall in the right
-moment. Real reference workers, a real forwarder, a real TCP relay.
+`replay_timeout_s` (`indexer.replay_client`). A drop is a restart candidate
+(`indexer.stream.restart_candidates`'s `_replay_link`). No idle probe runs within a test
+(`PROBE_S`): a busy stream never probes, so what finds the fault here is the heartbeat, not a
+probe that happens to fall in the right moment. Real reference workers, a real forwarder, a
+real TCP relay.
 """
 
 from __future__ import annotations

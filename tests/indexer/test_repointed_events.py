@@ -2,7 +2,7 @@
 forwarder is re-pointed at another busy worker's PUB (an operator's slip, a forwarder's bug).
 
 The replay socket is the worker's own and answers from the worker's ring, so it is the truth
-about which publisher owns a seq: the live stream and it disagree (`indexer.subscriber`'s
+about which publisher owns a seq: the live stream and it disagree (`indexer.stream.disagreement`'s
 `_disagree`), and the stream predicts nothing, whether the other worker's seqs follow on this
 one's (`_live_check`), go back (`_went_back`: no restart, since the replay socket's process
 never went back), or, after a restart, continue the run before it past the window
@@ -22,11 +22,11 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
-from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.protocol.events import EventBatch, Stored
 from indexer.service import IndexerService
 from indexer.stats import StreamState
+from indexer.stream import restarts, state
 from tests.indexer.forwarder import Forwarder
 from tests.indexer.scripted import ScriptedPublisher
 from tests.indexer.test_forwarded_events import (
@@ -156,7 +156,7 @@ async def test_a_repointed_forwarder_whose_seqs_follow_on_is_found_before_its_ba
     good (QA: 1,960 false hits in 15 s, no ERROR), and this worker's flushes went unheard. A
     live batch is asked of the replay socket before it is applied when no check was asked
     lately: the worker's socket does not have it, and the two sockets disagree at once."""
-    caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+    caplog.set_level(logging.ERROR, logger="indexer.stream")
     async with _two_workers(ctx) as (own, other, fwd, svc, session):
         P = tokens("own")
         await generate(session, own.live, P)
@@ -182,14 +182,14 @@ async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
 ) -> None:
     """Both workers busy: the checks of this worker's last batches are spent, so the other
     worker's first batches, following on, are applied. The newest live batch applied is asked
-    for once a check is due (`_LIVE_CHECK_S`): the other worker's prompts are predicted for
+    for once a check is due (`LIVE_CHECK_S`): the other worker's prompts are predicted for
     less than that, and never again (before: for good, and this worker's own flushes unheard,
     its prompt predicted after it was gone)."""
-    caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+    caplog.set_level(logging.ERROR, logger="indexer.stream")
     async with _two_workers(ctx) as (own, other, fwd, svc, session):
         P = tokens("own")
         await generate(session, own.live, P)
-        await _busy(session, own, "own-busy", 2 * subscriber._LIVE_CHECK_BURST)
+        await _busy(session, own, "own-busy", 2 * state.LIVE_CHECK_BURST)
         await until(lambda: predicted(svc, P) == [80], "P predicted")
         while other.next_seq() < own.next_seq():
             await generate(session, other.live, tokens(f"early-{other.next_seq()}"))
@@ -214,7 +214,7 @@ async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
         # the other worker's first batches, applied before a check was due, and nothing
         # after the check that found them
         span = seen[-1][0] - seen[0][0] if seen else 0.0
-        assert span < subscriber._LIVE_CHECK_S + 0.25, seen
+        assert span < state.LIVE_CHECK_S + 0.25, seen
         assert streams_of(svc) == [StreamState.UNVERIFIED]
         assert svc.streams()[0].restarts == 0 and svc.streams()[0].live_checks > 0
         assert caplog.text.count(DISAGREE) == 1  # one ERROR, however many batches
@@ -230,7 +230,7 @@ async def test_a_repointed_forwarder_whose_seqs_go_back_is_no_restart(
     while `synced`, deaf to this worker's own flushes (QA: a false hit after each, no ERROR).
     The replay socket is asked for that batch: it is not the worker's, whose seqs never went
     back, so the two sockets disagree, and nothing is predicted."""
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     async with _two_workers(ctx) as (own, other, fwd, svc, session):
         await generate(session, other.live, tokens("early"))
         P = tokens("own")
@@ -263,8 +263,8 @@ async def test_a_run_after_a_restart_that_the_replay_never_gives_back_ends_in_a_
     for good while `synced`: the new process's flushes unheard, its prompt predicted after it
     was gone. Past the window the stream predicts nothing; a run still going on past one more
     window is no queue, and the two sockets disagree."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.5)
-    caplog.set_level(logging.ERROR, logger="indexer.subscriber")
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.5)
+    caplog.set_level(logging.ERROR, logger="indexer.stream")
     async with _two_workers(ctx) as (own, other, fwd, svc, session):
         await _busy(session, own, "old", 3)
         await until(lambda: svc.streams()[0].last_seq == own.next_seq() - 1, "the old run")
@@ -305,8 +305,8 @@ async def test_a_seq_going_back_that_the_silent_replay_cannot_judge_predicts_not
     predicted here. Taken for a restart, it predicts nothing now until the window after it
     ends (and the stream is cleared then). Both publishers are scripted (real sockets): a
     reference worker always answers, and publishes its seq 0 as it starts."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 1.0)
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     settings = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=0.3)
     Y = [5, 6, 7, 8, 9]  # one 4-token page and a last token
     page = Stored(block_hashes=[20], parent=None, token_ids=[*Y[:4]], block_size=4)

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from indexer import subscriber
 from indexer.config import IndexerConfig
 from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import EventBatch
 from indexer.protocol.frames import pack_seq
 from indexer.service import IndexerService
 from indexer.stats import StreamState
+from indexer.stream import restarts
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import STREAM, WORKER, connect, reference, view, wait_until
 
@@ -100,7 +100,7 @@ async def test_garbage_on_the_wire_never_corrupts_the_stream(
     # a garbage seq below the newest reads as a restart and opens the window after it; a
     # restart inside that window is held unproven (`_window_proof`), so the known history
     # below starts after the window, once the garbage is read
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.3)
     seed = fixed or int(os.environ.get("KVROUTE_FUZZ_SEED", random.randrange(2**32)))
     print(f"seed={seed}")
     rng = random.Random(seed)

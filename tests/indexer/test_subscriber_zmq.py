@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from indexer import subscriber
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.index import NS_MASK, PrefixIndex
 from indexer.namespace import Namespace
@@ -26,7 +25,8 @@ from indexer.recording.format import RecordingReader, RecordingWriter, Source
 from indexer.recording.replay import replay_into_index
 from indexer.service import IndexerService
 from indexer.stats import StreamState
-from indexer.subscriber import StreamSubscriber
+from indexer.stream import restarts
+from indexer.stream.subscriber import StreamSubscriber
 from tests.indexer.scripted import ScriptedPublisher, engine_hash, workload
 
 WORKER = "w0"
@@ -182,7 +182,7 @@ async def test_without_a_replay_socket_a_dead_batch_at_the_new_process_seq_is_ne
     the dead one's, counted) and the dead one then applied as the worker's: its page a false
     hit for good. Nothing tells them apart, so the batch is applied but the stream predicts
     nothing until the window after the restart ends, and is cleared then."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.5)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.5)
     before = workload(seed=1, batches=4)
     new = workload(seed=2, batches=16)
     gone = workload(seed=3, batches=1)  # what the old process sent before it died
@@ -221,7 +221,7 @@ async def test_without_a_replay_socket_a_middle_process_late_batch_is_never_pred
     `two_norep`: B's page predicted, the worker never held it). A restart found inside the
     window of another proves nothing about the batch that shows it: the stream predicts
     nothing until that window ends, and is cleared then."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 1.0)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 1.0)
     a, b, c = (workload(seed=s, batches=n) for s, n in ((1, 12), (2, 5), (3, 13)))
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, replay_endpoint=None)
@@ -267,7 +267,7 @@ async def test_without_a_replay_socket_a_dead_batch_past_a_gap_is_never_predicte
     cleared the stream and applied that batch as the worker's (QA: its page predicted while
     the worker idled). In the window after a restart such a batch taints the stream: it
     predicts nothing until the window ends, and is cleared then."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 1.0)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 1.0)
     a, new, b = (workload(seed=s, batches=n) for s, n in ((1, 11), (2, 4), (3, 8)))
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, replay_endpoint=None)
@@ -377,7 +377,7 @@ async def test_every_replay_timeout_is_counted_though_warnings_are_rate_limited(
     requests (and any the join made) count in `unanswered_replays`. Before, nothing counted
     them: the second timeout showed nowhere."""
     batches = workload(seed=8, batches=8)
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     async with ScriptedPublisher(ctx, answer_replays=False) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub)
         last = await publish_all(pub, batches, drop={2, 5})
@@ -550,7 +550,7 @@ async def test_a_capture_says_what_it_did_without_claiming_entries_a_router_does
 ) -> None:
     """`kvroute record` logged the router's words ("its entries predict nothing until ...",
     "cleared 0 entries") though a recording keeps no entries; the router's stay as they were."""
-    caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
 
     async def restart(sub: StreamSubscriber, pub: ScriptedPublisher) -> None:
         last = await publish_all(pub, workload(seed=1, batches=6))
@@ -566,7 +566,7 @@ async def test_a_capture_says_what_it_did_without_claiming_entries_a_router_does
     ):
         await join(running, pub)
         await restart(running._subs.all()[0], pub)
-    said = [r.getMessage() for r in caplog.records if r.name == "indexer.subscriber"]
+    said = [r.getMessage() for r in caplog.records if r.name == "indexer.stream"]
     assert any(
         "the event connection dropped: checking through the replay socket" in m for m in said
     )
@@ -577,7 +577,7 @@ async def test_a_capture_says_what_it_did_without_claiming_entries_a_router_does
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub)
         await restart(svc._workers[WORKER][0], pub)
-    said = [r.getMessage() for r in caplog.records if r.name == "indexer.subscriber"]
+    said = [r.getMessage() for r in caplog.records if r.name == "indexer.stream"]
     assert any("the event connection dropped: its entries predict nothing until" in m for m in said)
     assert any(re.search(r"cleared \d+ entries: ", m) for m in said), said
     assert not [m for m in said if "stream reset" in m or "checking through" in m]
@@ -950,7 +950,7 @@ async def test_an_odd_live_frame_at_an_applied_seq_predicts_nothing_until_the_ne
     once, cleared every later gap instead."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         seq = await pub.publish(_stored([1, 2, 3, 4], 10))
         assert await svc.wait_applied(WORKER, seq)
         odd = encode_batch(_stored([5, 6, 7, 8], 20), "array")
@@ -1015,7 +1015,7 @@ async def test_a_batch_of_another_dp_rank_clears_the_stream_and_is_said(
 
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)  # rank 0
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         for rank, block in ((0, 1), (None, 2)):
             seq = await pub.publish(EventBatch(0.0, [stored(block, 10 * block)], rank))
             assert await svc.wait_applied(WORKER, seq)
@@ -1038,7 +1038,7 @@ async def test_a_batch_of_another_dp_rank_through_the_replay_names_the_replay(
     and dp_size, which were right. It names the replay socket now."""
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
         await connect(svc, pub, block_size=4)  # rank 0
-        caplog.set_level(logging.WARNING, logger="indexer.subscriber")
+        caplog.set_level(logging.WARNING, logger="indexer.stream")
         stored = Stored(block_hashes=[3], parent=None, token_ids=[30, 31, 32, 33], block_size=4)
         await pub.publish(EventBatch(0.0, [stored], 1), drop=True)  # repaired by the replay
         seq = await pub.publish(EventBatch(0.0, [], 0))
@@ -1065,7 +1065,7 @@ async def test_a_subscriber_started_on_a_requests_path_runs_outside_its_context(
             said.append((record.getMessage(), REQUEST.get()))
 
     handler = Said()
-    logger = logging.getLogger("indexer.subscriber")
+    logger = logging.getLogger("indexer.stream")
     logger.addHandler(handler)
     try:
         async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
@@ -1088,7 +1088,7 @@ async def test_without_a_replay_socket_a_late_dead_batch_at_the_new_runs_next_se
     restart; then the dead process's queued batch arrives, at the new run's next seq. It was
     taken as the new run's (the window over) and its page predicted for good (QA). Nothing
     tells them apart without a replay socket: the stream is cleared and the batch skipped."""
-    monkeypatch.setattr(subscriber, "_DEAD_RUN_S", 0.3)
+    monkeypatch.setattr(restarts, "DEAD_RUN_S", 0.3)
     before = workload(seed=1, batches=6)
     new = workload(seed=2, batches=12)
     gone = workload(seed=3, batches=1)  # what the old process sent before it died

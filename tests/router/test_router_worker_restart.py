@@ -447,7 +447,7 @@ async def test_a_registration_started_by_a_request_logs_without_its_id(
 
             async def went() -> bool:
                 return any(
-                    r.name == "indexer.subscriber" and "w#dp0" in r.message
+                    r.name == "indexer.stream" and "w#dp0" in r.message
                     for r in caplog.records[said:]
                 )
 

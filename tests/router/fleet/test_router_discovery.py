@@ -64,7 +64,8 @@ def test_configured_sockets_carry_the_ones_the_worker_advertises() -> None:
     """A worker configured with events on another PUB (a typo, or a forwarder) and its own
     replay socket: its streams are not proven, and carry what the worker advertises for
     their rank, so that a stream whose two sockets disagree can say which is the suspect
-    (`indexer.subscriber`); streams whose sockets are the advertised ones carry them too."""
+    (`indexer.stream.disagreement`); streams whose sockets are the advertised ones carry them
+    too."""
     info = {
         "kv_events": {
             "publisher": "zmq",  # SGLang 0.5.23's descriptor
