@@ -119,3 +119,10 @@ class IndexerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (which an idle worker may never do). A publisher that answers is alive, so this also
     # keeps an idle but healthy stream from going STALE. 0 disables it.
     probe_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # How often a busy stream asks its replay socket for a live batch it applied (each batch
+    # of a quiet one, up to 4 in 4 intervals): the one check that a live stream which follows
+    # on in seq is its own worker's (a forwarder re-pointed at another worker predicts that
+    # worker's cache for up to this long). Each check is a replay round trip carrying the
+    # interval's batches: a fleet of many busy ranks may trade a longer window for less
+    # replay traffic. There is no off: without checks nothing shows a re-pointed forwarder
+    live_check_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0

@@ -3,7 +3,7 @@
 A live batch that follows on is another publisher's all the same when the replay socket
 lacks it (a forwarder re-pointed at a worker whose seqs follow on): each is asked for before
 it is applied while few were asked lately, else the newest applied about once a second
-(`_live_check`, `LIVE_CHECK_S` in `indexer.stream.state`): lacking it while it still holds
+(`_live_check`, `IndexerConfig.live_check_interval_s`): lacking it while it still holds
 the live batch it gave back before (its process never restarted), the sockets disagree
 (`indexer.stream.disagreement`); lacking that too, its process may be new (a restart racing
 the check): a restart candidate (`indexer.stream.restart_candidates`). A live batch at a seq
@@ -23,7 +23,6 @@ from indexer.sequence import SeqDecision, SeqVerdict
 from indexer.stream.state import (
     LIVE_CHECK_BURST,
     LIVE_CHECK_MAX_S,
-    LIVE_CHECK_S,
     SubscriberState,
     batch_digest,
     undecodable,
@@ -54,7 +53,7 @@ class LiveChecks(SubscriberState):
 
     async def _live_check(self, seq: int, payload: bytes) -> bool:
         """Live batch `seq` is about to be applied (it follows on, or the gap before it was
-        repaired): asked of the replay socket now when a check is due (`LIVE_CHECK_S`,
+        repaired): asked of the replay socket now when a check is due (`_live_check_s`,
         `LIVE_CHECK_BURST`), else kept as the newest to ask for once one is
         (`_check_pending`). False: the replay socket shows it is another publisher's
         (`_disagree` was called: it is not taken)."""
@@ -84,12 +83,12 @@ class LiveChecks(SubscriberState):
 
     @property
     def _live_check_due(self) -> float:
-        """When the next live check may be asked (`LIVE_CHECK_S`, `LIVE_CHECK_BURST`)."""
-        return self._live_check_at - (LIVE_CHECK_BURST - 1) * LIVE_CHECK_S
+        """When the next live check may be asked (`_live_check_s`, `LIVE_CHECK_BURST`)."""
+        return self._live_check_at - (LIVE_CHECK_BURST - 1) * self._live_check_s
 
     async def _check_pending(self) -> None:
         """Ask the replay socket for the newest live batch applied since the last check, now
-        that one is due: it was applied less than `LIVE_CHECK_S` ago."""
+        that one is due: it was applied less than `_live_check_s` ago."""
         pending, self._live_unchecked = self._live_unchecked, None
         if pending is None or undecodable(pending[1]):
             return  # (garbage is no publisher's batch: its copy was fetched again, or lost)
@@ -139,13 +138,15 @@ class LiveChecks(SubscriberState):
             self._replay_link()
             # each wait stalls the live stream: not asked again at once (an unanswered request
             # is a restart candidate of its own: `_replay_link`)
-            self._live_check_wait_s = min(self._live_check_wait_s * 2, LIVE_CHECK_MAX_S)
+            self._live_check_wait_s = min(
+                self._live_check_wait_s * 2, max(LIVE_CHECK_MAX_S, self._live_check_s)
+            )
             # (no burst after it: the first check asked is due after the wait)
-            burst_s = (LIVE_CHECK_BURST - 1) * LIVE_CHECK_S
+            burst_s = (LIVE_CHECK_BURST - 1) * self._live_check_s
             self._live_check_at = now + self._live_check_wait_s + burst_s
             return True
-        self._live_check_wait_s = LIVE_CHECK_S
-        self._live_check_at = max(self._live_check_at, now) + LIVE_CHECK_S
+        self._live_check_wait_s = self._live_check_s
+        self._live_check_at = max(self._live_check_at, now) + self._live_check_s
         digest = batch_digest(payload)
         if copy.payload is not None and batch_digest(copy.payload) == digest:
             self._trust_replay()

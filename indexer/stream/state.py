@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LIVE_CHECK_BURST",
     "LIVE_CHECK_MAX_S",
-    "LIVE_CHECK_S",
     "CatchUp",
     "SubscriberState",
     "batch_digest",
@@ -57,18 +56,18 @@ __all__ = [
 log = logging.getLogger("indexer.stream")
 
 # (the live checks' schedule, `indexer.stream.live_checks`'s: here, as the state starts their
-# back-off at `LIVE_CHECK_S`)
+# back-off at the interval)
 # a live batch applied is asked of the replay socket (`_live_check`): before it is applied
 # while fewer than `LIVE_CHECK_BURST` were asked for in the last `LIVE_CHECK_BURST` x
-# `LIVE_CHECK_S` (a stream that publishes now and then: each batch), else at most once per
-# `LIVE_CHECK_S` on average, the newest applied since being asked for when that is due. Its
-# publisher buffers what it sends before it answers, so another batch at that seq, or none,
-# means the live stream is another publisher's: a forwarder re-pointed at a worker whose seqs
-# follow on this one's, which no seq shows. So such a stream predicts the other worker's
-# cache for less than `LIVE_CHECK_S`, if at all. A busy stream pays a round trip a second
-# (an answer from the seq asked for to the publisher's newest: a few batches, unless the
-# router lags); an unanswered one is asked again after a back-off, doubling to the cap
-LIVE_CHECK_S = 1.0
+# `IndexerConfig.live_check_interval_s` (a stream that publishes now and then: each batch),
+# else at most once per interval on average, the newest applied since being asked for when
+# that is due. Its publisher buffers what it sends before it answers, so another batch at that
+# seq, or none, means the live stream is another publisher's: a forwarder re-pointed at a
+# worker whose seqs follow on this one's, which no seq shows. So such a stream predicts the
+# other worker's cache for less than the interval, if at all. A busy stream pays a round trip
+# an interval (an answer from the seq asked for to the publisher's newest: an interval's
+# batches, unless the router lags); an unanswered one is asked again after a back-off,
+# doubling to the cap
 LIVE_CHECK_BURST = 4
 LIVE_CHECK_MAX_S = 60.0
 
@@ -275,7 +274,8 @@ class SubscriberState(abc.ABC):
         # the checks' schedule (a generic cell rate: due once the clock is past this less
         # the burst allowance) and the back-off after one that was not answered
         self._live_check_at = 0.0
-        self._live_check_wait_s = LIVE_CHECK_S
+        self._live_check_s = self.settings.live_check_interval_s
+        self._live_check_wait_s = self._live_check_s
         # the replay socket has given a batch: it buffers, so an answer without the seq asked
         # about means it lacks it (one that never gave any may buffer nothing: it proves
         # nothing either way)

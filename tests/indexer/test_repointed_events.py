@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 import aiohttp
+import msgspec
 import pytest
 import zmq.asyncio
 
@@ -39,6 +40,8 @@ from tests.indexer.test_forwarded_events import (
     tokens,
     until,
 )
+from tests.indexer.test_subscriber_zmq import WORKER as SCRIPTED
+from tests.indexer.test_subscriber_zmq import connect
 
 SETTINGS = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=1.0)  # no idle probe here
 DISAGREE = "disagree about the publisher"
@@ -182,7 +185,7 @@ async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
 ) -> None:
     """Both workers busy: the checks of this worker's last batches are spent, so the other
     worker's first batches, following on, are applied. The newest live batch applied is asked
-    for once a check is due (`LIVE_CHECK_S`): the other worker's prompts are predicted for
+    for once a check is due (`live_check_interval_s`): the other worker's prompts are predicted for
     less than that, and never again (before: for good, and this worker's own flushes unheard,
     its prompt predicted after it was gone)."""
     caplog.set_level(logging.ERROR, logger="indexer.stream")
@@ -214,7 +217,7 @@ async def test_a_busy_repointed_stream_is_found_within_the_live_check_bound(
         # the other worker's first batches, applied before a check was due, and nothing
         # after the check that found them
         span = seen[-1][0] - seen[0][0] if seen else 0.0
-        assert span < state.LIVE_CHECK_S + 0.25, seen
+        assert span < IndexerConfig().live_check_interval_s + 0.25, seen
         assert streams_of(svc) == [StreamState.UNVERIFIED]
         assert svc.streams()[0].restarts == 0 and svc.streams()[0].live_checks > 0
         assert caplog.text.count(DISAGREE) == 1  # one ERROR, however many batches
@@ -332,3 +335,31 @@ async def test_a_seq_going_back_that_the_silent_replay_cannot_judge_predicts_not
         assert streams_of(svc) == [StreamState.DEGRADED]
         assert "nothing proves its publisher restarted" in caplog.text
         await until(lambda: svc.streams()[0].entries == 0, "cleared at the window's end")
+
+
+async def _checks_in(ctx: zmq.asyncio.Context, settings: IndexerConfig, seconds: float) -> int:
+    """The live checks a stream asks while its publisher sends a batch every 10 ms."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(settings) as svc:
+        await connect(svc, pub, block_size=4)
+        before = svc.streams()[0].live_checks
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while loop.time() < end:
+            await pub.publish(EventBatch(0.0, [Stored([pub.next_seq + 1], None, [1, 2, 3, 4], 4)]))
+            await asyncio.sleep(0.01)
+        seq = pub.next_seq - 1
+        assert await svc.wait_applied(SCRIPTED, seq, timeout_s=5.0)
+        return svc.streams()[0].live_checks - before
+
+
+async def test_the_live_check_interval_is_the_operators(ctx: zmq.asyncio.Context) -> None:
+    """`live_check_interval_s` sets how often a busy stream asks: a large fleet trades the
+    re-pointed forwarder's window for replay traffic (before, one a second, fixed)."""
+    seconds = 2.0
+    default = await _checks_in(ctx, SETTINGS, seconds)
+    fast = await _checks_in(
+        ctx, msgspec.structs.replace(SETTINGS, live_check_interval_s=0.2), seconds
+    )
+    # at most the burst and one an interval (the check's own schedule bounds it)
+    assert 0 < default <= state.LIVE_CHECK_BURST + seconds / 1.0 + 1
+    assert fast > default + 3, (fast, default)
