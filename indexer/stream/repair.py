@@ -174,6 +174,7 @@ class Repair(SubscriberState):
             return
         if self._replay_foreign:
             return
+        self._say_undelivered()  # (no live copy came since the last probe found them)
         if self._owed_wait:
             self._owed_wait = False
             await self._verify()  # the proof owed, asked again (`_owe_again`)
@@ -252,13 +253,27 @@ class Repair(SubscriberState):
 
     def _found_undelivered(self, before: int | None, after: int) -> None:
         """An idle probe, asked with the SUB connected and the stream caught up, brought
-        batches up to `after` that the SUB never delivered. A PUB at its high-water mark drops
+        batches up to `after` that the SUB has not delivered. A PUB at its high-water mark drops
         some; a live path that is deaf drops all (a ZMQ forwarder that lost its upstream, a
         TCP hop swallowing bytes: the SUB's connection to it stays up, so nothing else tells),
         and each eviction would be a false hit until the next probe. Nothing tells the two
         apart but the next live batch: until one follows on, the stream predicts nothing
         (UNVERIFIED), however many probes find nothing more (an idle worker stays untrusted
-        until it publishes; a busy one's next batch, milliseconds away, trusts it again)."""
+        until it publishes; a busy one's next batch, milliseconds away, trusts it again). Or
+        the probe ran ahead of a live batch in flight, whose copy comes next: so it is said
+        only once a later live batch comes without the copies, or at the next probe
+        (`_undelivered_unsaid`, `_say_undelivered`)."""
+        self._undelivered_unsaid = (before, after)
+        if not self._live_unproven:
+            self._live_unproven = True
+            self._show_state()
+
+    def _say_undelivered(self) -> None:
+        """Count and say the batches an idle probe found undelivered, if still unsaid."""
+        unsaid, self._undelivered_unsaid = self._undelivered_unsaid, None
+        if unsaid is None:
+            return
+        before, after = unsaid
         self.undelivered_tails += 1
         first = 0 if before is None else before + 1
         self._warn(
@@ -269,15 +284,18 @@ class Repair(SubscriberState):
             "dropped them at its high-water mark; the stream predicts nothing until a live "
             "batch follows on",
         )
-        if not self._live_unproven:
-            self._live_unproven = True
-            self._show_state()
 
     def _live_delivered(self, seq: int, payload: bytes) -> None:
         """Live batch `seq` came and the stream stands at it: applied (it followed on), or
         the same bytes a replay applied last (a probe or a repair ran ahead to it while it was
         in flight). The live path delivers up to the present: trusted again. (A live copy
         below the last applied seq proves nothing yet: the copies after it are to come.)"""
+        unsaid = self._undelivered_unsaid
+        if unsaid is not None and seq >= unsaid[1]:
+            if seq > unsaid[1] or not self._is_replayed(seq, payload):
+                self._say_undelivered()  # a later batch came, the probe's newest never did
+            else:
+                self._undelivered_unsaid = None  # its copy came: it was in flight
         if not self._live_unproven or seq != self.tracker.last:
             return
         if self._last_live != seq and not self._is_replayed(seq, payload):

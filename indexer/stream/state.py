@@ -228,6 +228,12 @@ class SubscriberState(abc.ABC):
         # Also set by a batch continuing the run before a restart past its window, which the
         # replay socket does not give back (`_dead_batch`): the live path may be another's
         self._live_unproven = False
+        # the batches (after the seq, up to the seq) such a probe found, not yet said: said
+        # (counted in `undelivered_tails`, one WARNING) once a later live batch comes without
+        # their live copies, or at the next probe; unsaid when the copy of the newest comes
+        # (the probe only ran ahead of a live batch in flight). Before, said at once: a probe
+        # racing a healthy stream's live batch warned of a deaf path (QA, 1 in a 60 s run)
+        self._undelivered_unsaid: tuple[int | None, int] | None = None
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
         self._connected = False  # the SUB's connection is up (per its monitor)
         # the replay DEALER's connection dropped and has not come back (`_replay_link`): a
@@ -421,6 +427,7 @@ class SubscriberState(abc.ABC):
         (before, a proof after it said "proven" of what was rebuilt since)."""
         self._replayed.clear()  # batches of the state dropped: nothing to check live ones by
         self._answered_fence = self._owed_fence = None  # nothing held is left to prove
+        self._undelivered_unsaid = None  # (what was missing is moot: nothing is held)
         self._noted_fences.clear()
         # (an owed proof that went unanswered is still asked at its back-off, not at every
         # live batch: the socket is as silent as it was)
