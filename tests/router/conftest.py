@@ -89,7 +89,11 @@ class Fleet:
         A ZMQ SUB only receives once its connection is up (the "slow joiner"), and a message
         published before that is recovered only when the next one reveals the gap. So: poke each
         rank of each worker (asking for it by `routed_dp_rank`) until its stream has applied
-        something.
+        something and is `synced`. Applied is not enough: a batch the join's catch-up read from
+        the replay buffer sets `last_seq` while the stream is still `syncing` (its SUB not
+        connected, or the replay asked once it was not answered yet), and a `syncing` stream
+        predicts nothing, pending marks included. Before, a test that routed at once could
+        find its worker predicted nothing right after a 200 (CI, loaded: `0 + 0 >= 256`).
         """
         pokes = iter(range(1_000_000))
         for wid, worker in self.workers.items():
@@ -107,7 +111,9 @@ class Fleet:
                         assert resp.status == 200, await resp.text()
                     _, streams = await self.admin("GET", "/streams")
                     return any(
-                        s["stream"] == f"{wid}#dp{rank}" and s["last_seq"] is not None
+                        s["stream"] == f"{wid}#dp{rank}"
+                        and s["last_seq"] is not None
+                        and s["state"] == "synced"
                         for s in streams["streams"]
                     )
 
