@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import pytest
@@ -368,21 +368,32 @@ async def test_a_join_from_an_unproven_replay_socket_waits_for_a_live_batch(
         assert matched(svc, A) == 4
 
 
+def _client(
+    ctx: zmq.asyncio.Context,
+    port: int,
+    *,
+    timeout_s: float,
+    on_unanswered: Callable[[], None] = lambda: None,
+) -> ReplayClient:
+    """A replay client of topic `kv` to a ROUTER on 127.0.0.1:`port`."""
+    return ReplayClient(
+        ctx,
+        f"tcp://127.0.0.1:{port}",
+        b"kv",
+        timeout_s=timeout_s,
+        yield_every=64,
+        on_malformed=lambda _: None,
+        on_unanswered=on_unanswered,
+    )
+
+
 async def test_newest_counts_the_answer_that_never_came(ctx: zmq.asyncio.Context) -> None:
     """`newest` (the restart check) swallows its timeout: `on_unanswered` still hears it."""
     router = ctx.socket(zmq.ROUTER)  # takes the request, never answers
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     unanswered: list[None] = []
-    client = ReplayClient(
-        ctx,
-        f"tcp://127.0.0.1:{port}",
-        b"kv",
-        timeout_s=0.2,
-        yield_every=64,
-        on_malformed=lambda _: None,
-        on_unanswered=lambda: unanswered.append(None),
-    )
+    client = _client(ctx, port, timeout_s=0.2, on_unanswered=lambda: unanswered.append(None))
     try:
         assert await client.newest() is None
         assert await client.newest() is None
@@ -401,15 +412,7 @@ async def test_a_request_ends_when_its_connection_drops(ctx: zmq.asyncio.Context
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     unanswered: list[None] = []
-    client = ReplayClient(
-        ctx,
-        f"tcp://127.0.0.1:{port}",
-        b"kv",
-        timeout_s=30.0,
-        yield_every=64,
-        on_malformed=lambda _: None,
-        on_unanswered=lambda: unanswered.append(None),
-    )
+    client = _client(ctx, port, timeout_s=30.0, on_unanswered=lambda: unanswered.append(None))
 
     async def ask() -> None:
         async with contextlib.aclosing(client.replies(7)) as replies:
@@ -439,14 +442,7 @@ async def test_a_drop_before_a_request_is_news_not_its_end(ctx: zmq.asyncio.Cont
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = ReplayClient(
-        ctx,
-        f"tcp://127.0.0.1:{port}",
-        b"kv",
-        timeout_s=5.0,
-        yield_every=64,
-        on_malformed=lambda _: None,
-    )
+    client = _client(ctx, port, timeout_s=5.0)
     try:
         assert await asyncio.wait_for(_answer_once(router, client, 7), 10.0) == [7]
         router.close(linger=0)  # the connection drops (its process went away)...

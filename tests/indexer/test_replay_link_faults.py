@@ -84,6 +84,31 @@ async def _unpredicted_at(svc: IndexerService, prompt: list[int]) -> float:
     return loop.time()
 
 
+async def _restarted_behind_the_hops(
+    h: Hops, prompt: list[int]
+) -> tuple[asyncio.Task[float], float]:
+    """`prompt` cached and proven, then the worker killed and restarted, its first batches
+    (seqs 0..L, L the dead run's last) lost behind the forwarder, so that its next one follows
+    on the dead run in seq. Returns the watch of when `prompt` is first predicted nothing and
+    the loop time of the kill."""
+    await generate(h.session, h.worker.live, prompt)
+    await _proven(h, prompt)
+    last = h.worker.next_seq() - 1
+    watch = asyncio.create_task(_unpredicted_at(h.svc, prompt))
+    h.fwd.dropping = True  # the forwarder's path to the worker away a moment
+    stopped = asyncio.get_running_loop().time()
+    await h.worker.stop()
+    await h.worker.start()
+    await h.fwd.connected(2)
+    i = 0
+    while h.worker.next_seq() < last + 1:  # the new process's seqs 0..L: lost
+        await generate(h.session, h.worker.live, tokens(f"lost-{i}"))
+        i += 1
+    await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
+    h.fwd.dropping = False
+    return watch, stopped
+
+
 @contextlib.asynccontextmanager
 async def _busy(h: Hops, every_s: float = 0.1) -> AsyncIterator[list[list[int]]]:
     """A batch of a new prompt every `every_s` while in the block (a busy worker, never idle
@@ -123,22 +148,7 @@ async def test_a_restart_hidden_by_a_replay_hop_is_found_on_a_busy_stream(
     async with behind_hops(ctx, SLOW, sticky=True) as h:
         await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
         P = tokens("dead")
-        await generate(h.session, h.worker.live, P)
-        await _proven(h, P)
-        last = h.worker.next_seq() - 1
-        loop = asyncio.get_running_loop()
-        watch = asyncio.create_task(_unpredicted_at(h.svc, P))
-        h.fwd.dropping = True  # the forwarder's path to the worker away a moment
-        stopped = loop.time()
-        await h.worker.stop()
-        await h.worker.start()
-        await h.fwd.connected(2)
-        i = 0
-        while h.worker.next_seq() < last + 1:  # the new process's seqs 0..L: lost
-            await generate(h.session, h.worker.live, tokens(f"lost-{i}"))
-            i += 1
-        await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
-        h.fwd.dropping = False
+        watch, stopped = await _restarted_behind_the_hops(h, P)
         async with _busy(h) as sent:
             found = await asyncio.wait_for(watch, found_within(SLOW_TIMEOUT_S))
             assert found - stopped < found_within(SLOW_TIMEOUT_S)
@@ -218,22 +228,8 @@ async def test_a_restart_while_a_live_check_waits_on_the_dead_process_is_found_a
     async with behind_hops(ctx, SLOW, sticky=True) as h:
         await until(lambda: streams_of(h.svc) == [StreamState.SYNCED], "the stream")
         P = tokens("dead")
-        await generate(h.session, h.worker.live, P)
-        await _proven(h, P)
-        last = h.worker.next_seq() - 1
+        watch, stopped = await _restarted_behind_the_hops(h, P)
         loop = asyncio.get_running_loop()
-        watch = asyncio.create_task(_unpredicted_at(h.svc, P))
-        h.fwd.dropping = True
-        stopped = loop.time()
-        await h.worker.stop()
-        await h.worker.start()
-        await h.fwd.connected(2)
-        i = 0
-        while h.worker.next_seq() < last + 1:  # the new process's seqs 0..L: lost
-            await generate(h.session, h.worker.live, tokens(f"lost-{i}"))
-            i += 1
-        await asyncio.sleep(0.2)  # (read and dropped by the forwarder, not passed on late)
-        h.fwd.dropping = False
         # before the heartbeat can drop the connection (at the earliest `replay_timeout_s`
         # after the kill): the batch's check waits on the dead process
         await asyncio.sleep(stopped + 0.9 * SLOW_TIMEOUT_S - loop.time())
