@@ -151,6 +151,14 @@ class LiveChecks(SubscriberState):
         if copy.payload is not None and batch_digest(copy.payload) == digest:
             self._trust_replay()
             self._live_agreed = seq, digest
+            if self._anchor_held(copy, anchor) and not self._proof_owed:
+                # its process holds the anchor too: the one the stream followed, holding
+                # its batches up to `seq`, which is what it was last proven to hold. Before,
+                # only a whole replay answer said so, and a stream too busy for an idle probe
+                # kept its join's: a request left unanswered later (a worker slow a moment)
+                # owed a proof from a fence long out of the buffer, and the stream was
+                # cleared and rebuilt, forgetting pages stored before the buffer's start
+                self._answered_fence = BatchFence.of(seq, payload)
             return True
         if copy.payload is None and copy.first is not None and copy.first > seq:
             return True  # its buffer no longer reaches back to `seq`: nothing shown

@@ -860,3 +860,48 @@ async def test_a_replayed_batch_of_another_dp_rank_finds_the_socket_out(
         assert len(rank1.replay_requests) == asked  # not asked again
         assert f"the replay socket {rank1.replay_endpoint} is another publisher's" in caplog.text
         assert "of dp rank 1, this stream is rank 0" in caplog.text
+
+
+async def test_a_busy_stream_left_unanswered_a_moment_is_proven_from_its_last_check(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A busy stream (no idle probe) whose replay socket answers a live check late, once (the
+    worker's Python slow a moment, its heartbeat passing): the check left unanswered is a
+    restart candidate, proven from a fence. Before, the fence was the last whole answer's, the
+    join's, out of a busy worker's buffer: the stream was cleared and rebuilt from the buffer,
+    forgetting the page stored before its start. Now a live check that found the anchor and
+    the live batch in the socket's buffer is that fence too: proven, the page kept."""
+    settings = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=0.3, live_check_interval_s=0.3)
+    async with ScriptedPublisher(ctx, buffer_steps=150) as pub, IndexerService(settings) as svc:
+        await connect(svc, pub, block_size=4)
+        await pub.publish(stored(A, 10))  # the page, stored early
+        for _ in range(300):  # a burst: the page's batch and the join's out of the buffer
+            await pub.publish(EventBatch(0.0, []))
+
+        async def busy(seconds: float, until: Callable[[], bool] = lambda: False) -> None:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + seconds
+            while loop.time() < end and not until():
+                await pub.publish(EventBatch(0.0, []))
+                await asyncio.sleep(0.02)
+
+        await busy(1.0)  # steady: live checks asked and agreed
+        assert await svc.wait_applied(WORKER, pub.next_seq - 1, timeout_s=5.0)
+        before = svc.streams()[0]
+        assert before.state is StreamState.SYNCED and matched(svc, A) == 4
+        asked = len(pub.replay_requests)
+        pub.answer_delay_s = 0.5  # past the check's wait (1.35 x 0.3 s): unanswered, once
+        await busy(5.0, lambda: len(pub.replay_requests) > asked)
+        pub.answer_delay_s = 0.0
+        await busy(5.0, lambda: svc.streams()[0].unanswered_replays > before.unanswered_replays)
+        await busy(
+            5.0,
+            lambda: (
+                svc.streams()[0].verifications > before.verifications
+                and svc.streams()[0].state is StreamState.SYNCED
+            ),
+        )
+        stats = svc.streams()[0]
+        assert stats.verifications > before.verifications  # (the candidate was proven)
+        assert (stats.clears, stats.restarts) == (before.clears, before.restarts), stats
+        assert stats.state is StreamState.SYNCED and matched(svc, A) == 4
