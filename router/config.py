@@ -362,6 +362,9 @@ class IndexerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # a quiet stream asks its replay socket for anything newer (and proves its epoch) this
     # often; 0 disables the probe
     probe_interval_s: NonNegativeFloat = 2.0
+    # a busy stream asks its replay socket for a live batch it applied this often (the check
+    # that shows a forwarder re-pointed at another worker: `IndexerConfig`); no off
+    live_check_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
     # each SUB socket's queue in messages (0: unbounded); what overflows it is dropped by ZMQ
     # and shows as a gap, repaired from the replay socket
     rcv_hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000

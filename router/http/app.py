@@ -310,6 +310,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         stale_after_s=section.stale_after_s,
         replay_timeout_s=section.replay_timeout_s,
         probe_interval_s=section.probe_interval_s,
+        live_check_interval_s=section.live_check_interval_s,
         rcv_hwm=section.rcv_hwm,
         log_interval_s=section.log_interval_s,
         restart_backoff_max_s=section.restart_backoff_max_s,

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from indexer.config import IndexerConfig
 from router.config import (
     MAX_CONFIG_BYTES,
     BreakerConfig,
@@ -568,17 +569,24 @@ async def test_the_indexer_section_reaches_the_indexer() -> None:
             "stale_after_s": 12.0,
             "replay_timeout_s": 0.25,
             "probe_interval_s": 0,
+            "live_check_interval_s": 7.5,
             "rcv_hwm": 7,
             "log_interval_s": 0,
             "restart_backoff_max_s": 1.5,
         }
     }
+    # every setting of the indexer an operator may need (the loop's yield is an internal);
+    # before, `live_check_interval_s` was the indexer's and no config file could set it
+    assert set(doc["indexer"]) == set(IndexerConfig.__struct_fields__) - {"yield_every"}
     section = parse_config(doc).indexer
     async with RouterService(router_config([], indexer=section)) as router:
         settings = router.planner.indexer.config
     assert {key: getattr(settings, key) for key in doc["indexer"]} == doc["indexer"]
     with pytest.raises(ConfigError, match="rcv_hwm"):
         parse_config({"indexer": {"rcv_hwm": -1}})
+    for bad in (0, -1, 3601, "x"):
+        with pytest.raises(ConfigError, match="live_check_interval_s"):
+            parse_config({"indexer": {"live_check_interval_s": bad}})
 
 
 def test_medium_weights_name_known_tiers_with_finite_weights() -> None:
