@@ -266,16 +266,18 @@ class LiveChecks(SubscriberState):
         seen: dict[int, bytes] = {}
         try:
             asked = seq if start is None else start
-            async with contextlib.aclosing(self._replay_client().replies(asked)) as replies:
-                async for reply in replies:
-                    if reply.seq == seq:
-                        found = reply.payload
-                    if reply.seq == anchor:
-                        at_anchor = reply.payload
-                    first = reply.seq if first is None else first
-                    newest = reply.seq
-                    if self._after_restart and len(seen) < _WINDOW_COPIES:
-                        seen[reply.seq] = batch_digest(reply.payload)
+            replies_from = self._replay_client().replies(asked)
+            with self._holding_live():
+                async with contextlib.aclosing(replies_from) as replies:
+                    async for reply in replies:
+                        if reply.seq == seq:
+                            found = reply.payload
+                        if reply.seq == anchor:
+                            at_anchor = reply.payload
+                        first = reply.seq if first is None else first
+                        newest = reply.seq
+                        if self._after_restart and len(seen) < _WINDOW_COPIES:
+                            seen[reply.seq] = batch_digest(reply.payload)
         except (TimeoutError, ReplayError):
             return Copy(False, None, None, None)
         if self._after_restart:

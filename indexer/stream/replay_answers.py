@@ -76,24 +76,26 @@ class ReplayAnswers(SubscriberState):
             # snapshot's stream forward by thousands of batches: the past until caught up
             self._catching_up()
         try:
-            async with contextlib.aclosing(self._replay_client().replies(start)) as replies:
-                async for reply in replies:
-                    # (joining, no live seq is known: any start is believable)
-                    far = live is not None and reply.seq > max(start, live) + _MAX_AHEAD
-                    if newest is None and far:
-                        self._unanswered()  # given up here: the client never learns it
-                        raise ReplayError(
-                            f"its answer starts at seq {reply.seq}, far beyond the live "
-                            f"stream's {live}"
-                        )
-                    if self._rebinds != rebinds:
-                        self._unanswered()
-                        raise ReplayError("a snapshot was loaded while it answered")
-                    continuity = self._take_reply(reply, start, continuing, continuity)
-                    if self._replay_foreign:
-                        # found out by this reply: nothing more of it is read or applied
-                        return ReplayResult(False, None, Continuity.NONE)
-                    newest = reply.seq if newest is None else max(newest, reply.seq)
+            replies_from = self._replay_client().replies(start)
+            with self._holding_live():
+                async with contextlib.aclosing(replies_from) as replies:
+                    async for reply in replies:
+                        # (joining, no live seq is known: any start is believable)
+                        far = live is not None and reply.seq > max(start, live) + _MAX_AHEAD
+                        if newest is None and far:
+                            self._unanswered()  # given up here: the client never learns it
+                            raise ReplayError(
+                                f"its answer starts at seq {reply.seq}, far beyond the live "
+                                f"stream's {live}"
+                            )
+                        if self._rebinds != rebinds:
+                            self._unanswered()
+                            raise ReplayError("a snapshot was loaded while it answered")
+                        continuity = self._take_reply(reply, start, continuing, continuity)
+                        if self._replay_foreign:
+                            # found out by this reply: nothing more of it is read or applied
+                            return ReplayResult(False, None, Continuity.NONE)
+                        newest = reply.seq if newest is None else max(newest, reply.seq)
         except TimeoutError:
             timeout_s = self.settings.replay_timeout_s
             self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")

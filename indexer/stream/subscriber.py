@@ -121,6 +121,7 @@ class StreamSubscriber(
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        self._sub_queued = lambda: bool(cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN)
         self._connected = False
         probing = self._probes_at_connect
         try:
@@ -146,6 +147,7 @@ class StreamSubscriber(
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
+                    self._caught_up_live()  # (nothing waits behind a replay answer now)
                     if self._catch_up is CatchUp.DRAINING and self._connected:
                         # nothing queued: the live batches are all applied. Not before the SUB
                         # is connected: one that is not hears nothing published after the
@@ -190,6 +192,7 @@ class StreamSubscriber(
                 if handled % self.settings.yield_every == 0:
                     await asyncio.sleep(0)
         finally:
+            self._sub_queued = lambda: False  # (its socket is closed below)
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
             monitor.close(linger=0)

@@ -905,3 +905,36 @@ async def test_a_busy_stream_left_unanswered_a_moment_is_proven_from_its_last_ch
         assert stats.verifications > before.verifications  # (the candidate was proven)
         assert (stats.clears, stats.restarts) == (before.clears, before.restarts), stats
         assert stats.state is StreamState.SYNCED and matched(svc, A) == 4
+
+
+async def test_live_batches_held_behind_a_slow_answer_are_no_false_hit(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A quiet stream's live batch is asked of the replay socket before it is applied (a live
+    check), and the answer is slow (a replay path gone silent: up to the heartbeat's bound);
+    the worker's next batch, an eviction, waits behind it on the SUB. Before, the stream stayed
+    `synced` for the whole wait and predicted the evicted page (QA v4: 0.85 s, 288 tokens). Now
+    once live batches have waited `HELD_BEHIND_S` behind an answer, it predicts nothing
+    (`degraded`) until the session has read them."""
+    settings = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=3.0, live_check_interval_s=0.2)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(settings) as svc:
+        await connect(svc, pub, block_size=4)
+        await pub.publish(stored(C, 20))
+        assert await svc.wait_applied(WORKER, pub.next_seq - 1, timeout_s=5.0)
+        await asyncio.sleep(1.0)  # (the checks' burst allowance back: the next one is asked first)
+        assert matched(svc, C) == 4 and svc.streams()[0].state is StreamState.SYNCED
+        pub.answer_delay_s = 1.5
+        asked = len(pub.replay_requests)
+        await pub.publish(stored(A, 10))  # asked of the replay socket before it is applied
+        await wait_until(lambda: len(pub.replay_requests) > asked)
+        pub.answer_delay_s = 0.0
+        removed = EventBatch(0.0, [Removed(block_hashes=[20])])
+        await pub.publish(removed)  # C evicted: queued behind the check's answer
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        await wait_until(lambda: matched(svc, C) == 0, timeout_s=5.0)
+        assert loop.time() - queued_at < 1.0  # (the answer comes 1.5 s after it was asked)
+        assert svc.streams()[0].state is StreamState.DEGRADED
+        assert await svc.wait_applied(WORKER, pub.next_seq - 1, timeout_s=5.0)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert matched(svc, C) == 0 and matched(svc, A) == 4
