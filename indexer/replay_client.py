@@ -126,6 +126,11 @@ class ReplayClient:
         self._up = False  # a connection of the current DEALER is made
         self._dropped = False  # one made before dropped since `link` last said so
         self._unanswered = False  # a request went unanswered since `link` last said so
+        # a connection was made since `link` last said so: read by a request (`replies` reads
+        # the monitor too), it is still `link`'s news. Before, a request that read it left
+        # `link` nothing to say, and a stream waiting for its replay connection to come back
+        # never heard that it had (QA v4 `down`: `unverified` 15 s after the path healed)
+        self._came_up = False
 
     async def replies(self, start: int) -> AsyncGenerator[ReplayData, None]:
         """Every buffered batch from `start` of our topic, in the publisher's order.
@@ -252,18 +257,20 @@ class ReplayClient:
 
     def link(self) -> ReplayLink | None:
         """What the DEALER's connection did since last asked (None: nothing), read without
-        waiting. A drop seen as the DEALER was closed (an answer left unended), and a request
-        left unanswered, are kept for this."""
+        waiting. A drop seen as the DEALER was closed (an answer left unended), a request
+        left unanswered, and a connection made that a request's wait read, are kept for this."""
         monitor = self._monitor_sync
         if (
             not self._dropped
             and not self._unanswered
+            and not self._came_up
             and (monitor is None or not cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN)
         ):
             return None
         self._read_link()
         dropped, self._dropped = self._dropped, False
         unanswered, self._unanswered = self._unanswered, False
+        self._came_up = False
         return ReplayLink(dropped, self._up, unanswered)
 
     def close(self) -> None:
@@ -292,7 +299,7 @@ class ReplayClient:
                 return
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._up = True
+                self._up = self._came_up = True
             elif event == zmq.EVENT_DISCONNECTED:
                 # (a connection refused or never handshaken is no drop: nothing was there)
                 self._drops += self._up

@@ -470,9 +470,40 @@ async def _rebound(ctx: zmq.asyncio.Context, port: int) -> zmq.asyncio.Socket:
                 await asyncio.sleep(0.01)
 
 
+async def test_a_connection_made_again_is_news_though_a_request_read_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The DEALER's connection dropped (told by `link`), came back, and a request read its
+    handshake while it waited: `link` still says it is up. Before, it said nothing, and a
+    stream waiting for its replay connection to come back never heard it had: `unverified`
+    15 s after the path healed, its probes answered all along (QA v4 `down`)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = _client(ctx, port, timeout_s=5.0)
+    try:
+        assert await asyncio.wait_for(_answer_once(router, client, 7), 10.0) == [7]
+        client.link()  # (the connection made: told)
+        router.close(linger=0)
+        await wait_until(lambda: _dropped_seen(client))
+        link = client.link()
+        assert link is not None and link.dropped and not link.up  # the drop, told
+        router = await _rebound(ctx, port)
+        await wait_until(lambda: _dropped_seen(client))  # the handshake, queued...
+        # ...and read by the request (before it is sent)
+        assert await asyncio.wait_for(_answer_once(router, client, 3), 10.0) == [3]
+        link = client.link()
+        assert link is not None and link.up and not link.dropped
+        assert client.link() is None  # (told once)
+    finally:
+        client.close()
+        router.close(linger=0)
+
+
 def _dropped_seen(client: ReplayClient) -> bool:
-    """Whether the DEALER's monitor has news (the first connection's handshake was read by
-    the first request: a drop), left for `link` to take."""
+    """Whether the DEALER's monitor has news (after a request read the connection's
+    handshake: a drop; after a drop: the handshake of the connection made again), left for
+    `link` or a request to take."""
     monitor = client.link_socket
     return monitor is not None and bool(cast(int, monitor.get(zmq.EVENTS)) & zmq.POLLIN)
 
