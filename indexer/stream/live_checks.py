@@ -267,7 +267,7 @@ class LiveChecks(SubscriberState):
         try:
             asked = seq if start is None else start
             replies_from = self._replay_client().replies(asked)
-            with self._holding_live():
+            with self._holding_live(timed=True):
                 async with contextlib.aclosing(replies_from) as replies:
                     async for reply in replies:
                         if reply.seq == seq:

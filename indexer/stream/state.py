@@ -73,8 +73,14 @@ LIVE_CHECK_BURST = 4
 LIVE_CHECK_MAX_S = 60.0
 # how long the stream's task may wait for a replay answer with live batches queued behind it
 # before the stream predicts nothing (`_holding_live`): a healthy answer takes a millisecond
-# or two; the queued batches may evict what the stream predicts
+# or two on a LAN; the queued batches may evict what the stream predicts. With the replay
+# socket far away, `HELD_ANSWERS_X` times its usual answer (the median of the last
+# `HELD_ANSWERS` live checks'), as a healthy answer holds the live batches that long too (QA:
+# at a 200 ms round trip every check made the stream `degraded`, 12% of a held prompt's hits
+# lost), up to `replay_timeout_s`
 HELD_BEHIND_S = 0.1
+HELD_ANSWERS = 8
+HELD_ANSWERS_X = 3.0
 
 
 def batch_digest(payload: bytes) -> bytes:
@@ -246,6 +252,8 @@ class SubscriberState(abc.ABC):
         # `synced` for the whole wait: a flush queued behind a check asked of a silent replay
         # path was a false hit until the heartbeat dropped it (QA v4: 0.85 s, 288 tokens)
         self._held_behind = False
+        # how long the last live checks took to be answered, newest last (`HELD_ANSWERS`)
+        self._answer_times: deque[float] = deque(maxlen=HELD_ANSWERS)
         # whether the SUB holds live messages not read yet (the session's socket; none before)
         self._sub_queued: Callable[[], bool] = lambda: False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
@@ -365,12 +373,22 @@ class SubscriberState(abc.ABC):
         else:
             self._enter(self._phase)
 
+    def _held_wait_s(self) -> float:
+        """How long live batches may wait behind a replay answer before the stream is behind
+        (`HELD_BEHIND_S`, or the socket's usual answer times `HELD_ANSWERS_X`)."""
+        times = self._answer_times
+        if not times:
+            return HELD_BEHIND_S
+        usual = sorted(times)[len(times) // 2]
+        return min(max(HELD_BEHIND_S, HELD_ANSWERS_X * usual), self.settings.replay_timeout_s)
+
     @contextlib.contextmanager
-    def _holding_live(self) -> Iterator[None]:
+    def _holding_live(self, *, timed: bool = False) -> Iterator[None]:
         """Around a replay answer awaited by the stream's task (the live path waits for it):
-        looked at every `HELD_BEHIND_S`, the stream predicts nothing (`_held_behind`) once live
-        batches are queued behind it, until the session has read the SUB empty again
-        (`_caught_up_live`)."""
+        looked at after `_held_wait_s`, then every `HELD_BEHIND_S`, the stream predicts nothing
+        (`_held_behind`) once live batches are queued behind it, until the session has read
+        the SUB empty again (`_caught_up_live`). `timed`: the answer's time counts among the
+        socket's usual ones."""
         loop = asyncio.get_running_loop()
         timer: asyncio.TimerHandle | None = None
 
@@ -383,9 +401,12 @@ class SubscriberState(abc.ABC):
                 self._held_behind = True
                 self._show_state()
 
-        timer = loop.call_later(HELD_BEHIND_S, look)
+        asked = loop.time()
+        timer = loop.call_later(self._held_wait_s(), look)
         try:
             yield
+            if timed:  # (answered: `timed` answers are one check's, a few batches)
+                self._answer_times.append(loop.time() - asked)
         finally:
             if timer is not None:
                 timer.cancel()

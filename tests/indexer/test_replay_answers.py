@@ -969,3 +969,43 @@ async def test_live_batches_held_behind_a_slow_answer_are_no_false_hit(
         assert await svc.wait_applied(WORKER, pub.next_seq - 1, timeout_s=5.0)
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert matched(svc, C) == 0 and matched(svc, A) == 4
+
+
+async def test_a_far_replay_socket_holds_live_batches_without_a_false_alarm(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A replay socket far away (every answer 0.2 s late) on a busy healthy stream: each live
+    check holds the live batches that long. Before, every check past `HELD_BEHIND_S` made the
+    stream `degraded` (QA: 200 ms round trip, 12% of a held prompt's hits lost); now the wait
+    allowed follows the socket's usual answer (3 x), and an answer far slower than that still
+    leaves nothing predicted that batches queued behind it may have evicted."""
+    settings = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=3.0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(settings) as svc:
+        await connect(svc, pub, block_size=4)
+        await pub.publish(stored(C, 20))
+        pub.answer_delay_s = 0.2
+        loop = asyncio.get_running_loop()
+
+        async def busy(seconds: float) -> list[StreamState]:
+            states: list[StreamState] = []
+            end = loop.time() + seconds
+            while loop.time() < end:
+                await pub.publish(EventBatch(0.0, []))
+                for _ in range(5):
+                    states.append(svc.streams()[0].state)
+                    await asyncio.sleep(0.01)
+            return states
+
+        await busy(2.5)  # the socket's usual answer learnt (its first checks)
+        checks = svc.streams()[0].live_checks
+        states = await busy(3.0)
+        assert svc.streams()[0].live_checks >= checks + 2  # (checks asked all along)
+        assert set(states) == {StreamState.SYNCED} and matched(svc, C) == 4
+        pub.answer_delay_s = 2.5  # the path goes silent: an answer far slower than usual
+        asked = len(pub.replay_requests)
+        await wait_until(lambda: len(pub.replay_requests) > asked, timeout_s=5.0)
+        await pub.publish(EventBatch(0.0, [Removed(block_hashes=[20])]))  # C evicted, queued
+        queued_at = loop.time()
+        await wait_until(lambda: matched(svc, C) == 0, timeout_s=5.0)
+        assert loop.time() - queued_at < 1.5  # (3 x 0.2 s and a look; the answer: 2.5 s)
+        pub.answer_delay_s = 0.0
