@@ -368,6 +368,14 @@ async def test_a_join_from_an_unproven_replay_socket_waits_for_a_live_batch(
         assert matched(svc, A) == 4
 
 
+def _replay_router(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, int]:
+    """A ROUTER on a free port of 127.0.0.1 standing for a worker's replay socket (it answers
+    as the test makes it), and that port."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    return router, router.bind_to_random_port("tcp://127.0.0.1")
+
+
 def _client(
     ctx: zmq.asyncio.Context,
     port: int,
@@ -389,9 +397,7 @@ def _client(
 
 async def test_newest_counts_the_answer_that_never_came(ctx: zmq.asyncio.Context) -> None:
     """`newest` (the restart check) swallows its timeout: `on_unanswered` still hears it."""
-    router = ctx.socket(zmq.ROUTER)  # takes the request, never answers
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _replay_router(ctx)  # takes the request, never answers
     unanswered: list[None] = []
     client = _client(ctx, port, timeout_s=0.2, on_unanswered=lambda: unanswered.append(None))
     try:
@@ -408,9 +414,7 @@ async def test_a_request_ends_when_its_connection_drops(ctx: zmq.asyncio.Context
     told by `link` as a drop. Before, it waited out `timeout_s`, and the drop was read only
     then: the heartbeat's drop of a process gone behind a hop waited for a live check's
     timeout (QA v20: the dead process's cache predicted 1.9 s after the kill, not 1.25)."""
-    router = ctx.socket(zmq.ROUTER)  # takes the request, never answers, then goes away
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _replay_router(ctx)  # takes the request, never answers, then goes away
     unanswered: list[None] = []
     client = _client(ctx, port, timeout_s=30.0, on_unanswered=lambda: unanswered.append(None))
 
@@ -439,9 +443,7 @@ async def test_a_request_ends_when_its_connection_drops(ctx: zmq.asyncio.Context
 async def test_a_drop_before_a_request_is_news_not_its_end(ctx: zmq.asyncio.Context) -> None:
     """A drop seen before a request (a restart candidate for the caller) does not end the
     request asked after it on the DEALER's new connection: that one is answered."""
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _replay_router(ctx)
     client = _client(ctx, port, timeout_s=5.0)
     try:
         assert await asyncio.wait_for(_answer_once(router, client, 7), 10.0) == [7]
@@ -477,9 +479,7 @@ async def test_a_connection_made_again_is_news_though_a_request_read_it(
     handshake while it waited: `link` still says it is up. Before, it said nothing, and a
     stream waiting for its replay connection to come back never heard it had: `unverified`
     15 s after the path healed, its probes answered all along (QA v4 `down`)."""
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _replay_router(ctx)
     client = _client(ctx, port, timeout_s=5.0)
     try:
         assert await asyncio.wait_for(_answer_once(router, client, 7), 10.0) == [7]
