@@ -159,7 +159,7 @@ class ReplayClient:
                 frames = await self._reply(min(wait_s, left), drops)
                 if frames is None:
                     if wait_s < left:
-                        raise TimeoutError(f"no reply within {wait_s:g}s")
+                        raise TimeoutError(f"{wait_s:g}s without a reply")
                     raise ReplayError(f"the answer did not end within {self._deadline_s:g}s")
                 received += 1
                 if received > MAX_REPLIES:

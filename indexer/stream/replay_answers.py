@@ -96,9 +96,10 @@ class ReplayAnswers(SubscriberState):
                             # found out by this reply: nothing more of it is read or applied
                             return ReplayResult(False, None, Continuity.NONE)
                         newest = reply.seq if newest is None else max(newest, reply.seq)
-        except TimeoutError:
-            timeout_s = self.settings.replay_timeout_s
-            self._warn("replay-timeout", f"replay from {start} timed out after {timeout_s}s")
+        except TimeoutError as exc:
+            # (the wait, which the client knows: `replay_timeout_s`, longer on a connection
+            # made, until its heartbeat can have dropped it)
+            self._warn("replay-timeout", f"replay from {start} timed out after {exc}")
             return ReplayResult(False, None, continuity)
         except ReplayError as exc:
             self._warn("replay-unusable", f"replay from {start} proves nothing: {exc}")
