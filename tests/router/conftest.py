@@ -38,6 +38,14 @@ async def eventually(
         await asyncio.sleep(0.02)
 
 
+# health rounds as quick as `router_config`'s whose checks a stall of this process does not
+# fail: on a loaded host (CI: two cores) the router and the in-process workers stop together,
+# a check in flight across a stall longer than 0.5 s failed, and its worker left rotation until
+# the next round (a 503, or a retry, that the test did not expect). For tests that are not
+# about the health check itself
+STALL_PROOF_HEALTH = HealthConfig(interval_s=0.2, timeout_s=5.0)
+
+
 def router_config(workers: list[tuple[str, str]], **overrides: Any) -> RouterConfig:
     """A loopback router on a free port in front of (id, url) workers, admin token set."""
     fields: dict[str, Any] = {

@@ -28,6 +28,7 @@ from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import (
     AUTH,
+    STALL_PROOF_HEALTH,
     DiscoveryGate,
     burst_to_stale_ranks,
     check_rank_refusals,
@@ -123,7 +124,9 @@ async def fleet() -> AsyncIterator[PdFleet]:
     ):
         workers = {"p0": p0, "p1": p1, "d0": d0, "d1": d1}
         # only urls: roles, bootstrap ports and event endpoints come from /server_info
-        config = router_config([(name, w.url) for name, w in workers.items()])
+        config = router_config(
+            [(name, w.url) for name, w in workers.items()], health=STALL_PROOF_HEALTH
+        )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await warm(session, router, [p0, p1], [d0, d1])
             yield PdFleet(router, session, workers)
@@ -292,7 +295,9 @@ async def test_vllm_style_pairs_go_prefill_first_and_decode_with_its_kv_transfer
             )
             for name, w, role in (("p0", p0, "prefill"), ("d0", d0, "decode"))
         ]
-        config = msgspec.structs.replace(router_config([]), workers=tuple(workers))
+        config = msgspec.structs.replace(
+            router_config([], health=STALL_PROOF_HEALTH), workers=tuple(workers)
+        )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await warm(session, router, [p0], [d0])
             body = {
@@ -339,7 +344,9 @@ async def test_a_decode_whose_kv_never_comes_is_a_clean_timeout_error() -> None:
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d1,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url), ("d1", d1.url)])
+        config = router_config(
+            [("p0", p0.url), ("d0", d0.url), ("d1", d1.url)], health=STALL_PROOF_HEALTH
+        )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             started = time.monotonic()
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
@@ -368,7 +375,9 @@ async def test_a_decode_timeout_is_a_timeout_when_the_other_prefill_is_drained()
         ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode", kv_transfer_timeout_s=0.5)) as d0,
     ):
-        config = router_config([("p0", p0.url), ("p1", p1.url), ("d0", d0.url)])
+        config = router_config(
+            [("p0", p0.url), ("p1", p1.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH
+        )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             async with session.post(router.url + "/admin/workers/p1/drain", headers=AUTH) as resp:
                 assert resp.status == 200, await resp.text()
@@ -418,6 +427,7 @@ async def test_a_prefill_killed_mid_transfer_fails_the_pair_and_another_pair_ans
         config = router_config(
             [("doomed", doomed_url), ("survivor", survivor.url), ("d0", d0.url)],
             pd=PdConfig(),
+            health=STALL_PROOF_HEALTH,
         )
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
 
@@ -453,7 +463,7 @@ async def test_the_prefill_side_stops_counting_as_load_once_it_has_answered() ->
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode", **slow)) as d0,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await warm(session, router, [p0], [d0])
             load = router.planner.load
@@ -484,7 +494,7 @@ async def test_the_prefill_side_stops_counting_as_queued_once_its_events_show_th
         ReferenceWorker(reference("prefill", **slow)) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await warm(session, router, [p0], [d0])
             load = router.planner.load
@@ -530,7 +540,7 @@ async def test_a_prefill_with_two_ranks_gets_a_room_that_names_the_rank_it_was_s
         ReferenceWorker(reference("prefill", dp_size=2)) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             counter = iter(range(1_000_000))
 
@@ -584,7 +594,7 @@ async def blind_prefill() -> AsyncIterator[tuple[RouterService, aiohttp.ClientSe
             return job
 
         p0.submit = seen  # type: ignore[method-assign]
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         config = msgspec.structs.replace(
             config,
             workers=(
@@ -699,7 +709,7 @@ async def test_a_prefill_renamed_under_traffic_fails_no_request() -> None:
         aiohttp.ClientSession() as session,
     ):
         gate.open.set()
-        file = {"c": router_config([("p1", gate.url), ("d1", d.url)])}
+        file = {"c": router_config([("p1", gate.url), ("d1", d.url)], health=STALL_PROOF_HEALTH)}
         source = ConfigSource("pd.toml", lambda: file["c"])
         async with RouterService(file["c"], config_source=source) as router:
 
@@ -712,7 +722,7 @@ async def test_a_prefill_renamed_under_traffic_fails_no_request() -> None:
             assert (await send())[:2] == (200, "p1")
             gate.open.clear()
             asked = gate.info_asked
-            file["c"] = router_config([("x1", gate.url), ("d1", d.url)])
+            file["c"] = router_config([("x1", gate.url), ("d1", d.url)], health=STALL_PROOF_HEALTH)
             reload = asyncio.create_task(admin_reload(session, router))
 
             async def discovering() -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import aiohttp
@@ -24,7 +24,6 @@ import pytest
 from aiohttp import web
 
 from router.config import (
-    HealthConfig,
     RouterConfig,
     TimeoutsConfig,
     TracingConfig,
@@ -33,8 +32,9 @@ from router.config import (
 from router.http import pair_faults
 from router.http.keys import DECISIONS
 from router.http.pair_handoff import HandoffFault, handoff_fault
+from router.http.reload import ConfigSource
 from router.service import RouterService
-from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.conftest import AUTH, STALL_PROOF_HEALTH, eventually, router_config
 from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
 from workers.worker import ReferenceWorker
 
@@ -45,10 +45,14 @@ BODY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
 class FakePdWorker:
     """One side of a pair on 127.0.0.1: it advertises `role` (and itself as the bootstrap
     server) as SGLang does, keeps the headers of every generation request, and answers them at
-    at once (with `status`: an engine's error, after `delay` seconds) or never, nor the decode
-    fetching KV from it (`hang`), or streams a few events and closes the connection (`cut`:
-    the engine died mid-stream). Without `keep_alive`, every answer closes its connection
-    (a client never reuses one: each request connects anew)."""
+    once (with `status`: an engine's error; `held`: each error once the test calls `release`)
+    or never, nor the decode fetching KV from it (`hang`), or streams a few events and closes
+    the connection (`cut`: the engine died mid-stream). Without `keep_alive`, every answer
+    closes its connection (a client never reuses one: each request connects anew).
+
+    A held error is let go when the test has put the retry's workers in rotation: an error
+    after a fixed delay raced the test's admin calls, and a stall of this process longer
+    than the delay (a loaded host) made the retry find them drained (502)."""
 
     def __init__(
         self,
@@ -58,17 +62,16 @@ class FakePdWorker:
         status: int = 200,
         cut: bool = False,
         message: str = "",
-        delay: float = 0.0,
+        held: bool = False,
         keep_alive: bool = True,
     ) -> None:
         self.role, self.hang, self.status, self.cut = role, hang, status, cut
         self.keep_alive = keep_alive
-        self.delay = delay
+        self.held = held
+        self._releases = asyncio.Semaphore(0)  # one a held error answer: `release`
         self.message = message  # its error's (else "engine says <status>")
         self.seen: list[dict[str, str]] = []
         self.arrived = asyncio.Event()  # a generation request came
-        # called as a generation request comes, before anything else it does (no await between)
-        self.on_arrival: Callable[[], None] | None = None
         self.url, self.port = "", 0
         self._runner: web.AppRunner | None = None
 
@@ -84,8 +87,6 @@ class FakePdWorker:
         return web.json_response(info)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        if self.on_arrival is not None:
-            self.on_arrival()
         body = await request.json()
         self.seen.append({k.lower(): v for k, v in request.headers.items()})
         self.arrived.set()
@@ -99,7 +100,8 @@ class FakePdWorker:
             request.transport.close()  # no last chunk: the answer is unended
             await asyncio.sleep(3600)  # cancelled at cleanup
         if self.status != 200:
-            await asyncio.sleep(self.delay)
+            if self.held:
+                await self._releases.acquire()
             error = {
                 "type": "engine_error",
                 "message": self.message or f"engine says {self.status}",
@@ -112,6 +114,10 @@ class FakePdWorker:
             if isinstance(params, dict) and params.get("do_remote_decode"):
                 answer["kv_transfer_params"] = {"remote_engine_id": "fake", "remote_block_ids": []}
         return web.json_response(answer)
+
+    def release(self) -> None:
+        """Let one held error answer go (the first request's first)."""
+        self._releases.release()
 
     async def _kv(self, request: web.Request) -> web.Response:
         await asyncio.sleep(3600)  # the KV never comes: the decode's own timeout answers
@@ -165,15 +171,12 @@ def _fake(
     )
 
 
-# quick health rounds whose checks a stall of this process (a loaded host) does not fail: a
-# check in flight across a stall longer than the default 0.5 s timeout failed, and a worker
-# taken for unhealthy changed which side a test's error named or who was charged
-_STALL_PROOF_HEALTH = HealthConfig(interval_s=0.2, timeout_s=5.0)
-
-
 def _config(**fields: Any) -> RouterConfig:
-    """A loopback router (admin token, quick health rounds) with `fields` set."""
-    return msgspec.structs.replace(router_config([]), **fields)
+    """A loopback router (admin token, quick health rounds that a stall does not fail) with
+    `fields` set. A worker taken for unhealthy in a stall changed which side a test's error
+    named or who was charged, or left a retry no worker: no test here is about the health
+    check itself."""
+    return msgspec.structs.replace(router_config([]), **{"health": STALL_PROOF_HEALTH, **fields})
 
 
 def _failures(router: RouterService) -> dict[str, int]:
@@ -200,13 +203,14 @@ async def test_a_prefill_that_never_sends_its_kv_is_blamed_and_the_retry_takes_a
         config = _config(workers=(_fake("hung", hung), *workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             # the first pair is the hung prefill's: the other is drained until it has the request
+            await _in_rotation(router)
             await _admin(session, router, "/workers/p1/drain")
-            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-            await asyncio.wait_for(hung.arrived.wait(), 10)
-            await _admin(session, router, "/workers/p1/drain", {"drain": False})
-            async with await asyncio.wait_for(sent, 10) as resp:
-                assert resp.status == 200, await resp.text()
-                assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+            async with _back_once_paired(router, "hung", "p1"):
+                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+                await asyncio.wait_for(hung.arrived.wait(), 10)
+                async with await asyncio.wait_for(sent, 10) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvroute-prefill-worker"] == "p1"
             assert _failures(router) == {"hung": 1, "p1": 0, "d0": 0, "d1": 0}
 
 
@@ -225,14 +229,21 @@ async def test_a_decode_that_never_takes_the_kv_is_blamed_and_the_retry_takes_an
         workers = router_config([("p0", p0.url), ("p1", p1.url), ("d1", d1.url)]).workers
         config = _config(workers=(*workers, _fake("hung", hung)))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            # the first pair is the hung decode's: the other is drained until it has the request
+            # the first pair is the hung decode's: the other decode is drained until it has the
+            # request, the other prefill all along (the old blame left the retry no prefill).
+            # The retry is p0's: ranked first only while the index trusted its prefix, it was
+            # p1's after a stall of this process over a second (a loaded host; the index then
+            # trusts nothing until a replay proves it, `indexer.loop_watch`), and p1 with the
+            # hung decode is a pair that the prefill's word alone does not rule out
+            await _in_rotation(router)
+            await _admin(session, router, "/workers/p1/drain")
             await _admin(session, router, "/workers/d1/drain")
-            sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-            await asyncio.wait_for(hung.arrived.wait(), 10)
-            await _admin(session, router, "/workers/d1/drain", {"drain": False})
-            async with await asyncio.wait_for(sent, 10) as resp:
-                assert resp.status == 200, await resp.text()
-                assert resp.headers["x-kvroute-worker"] == "d1"
+            async with _back_once_paired(router, "hung", "d1"):
+                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+                await asyncio.wait_for(hung.arrived.wait(), 10)
+                async with await asyncio.wait_for(sent, 10) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvroute-worker"] == "d1"
             assert len(hung.seen) == 1
             assert _failures(router) == {"p0": 0, "p1": 0, "hung": 1, "d1": 0}
 
@@ -264,11 +275,9 @@ async def test_a_503_for_a_side_whose_circuits_are_open_says_so_and_until_when()
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        # the prefill taken for unhealthy in a stall made the 503 name the prefill side (CI)
-        config = _config(
-            workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers),
-            health=_STALL_PROOF_HEALTH,
-        )
+        # the prefill taken for unhealthy in a stall made the 503 name the prefill side (CI):
+        # `_config`'s health checks
+        config = _config(workers=tuple(router_config([("p0", p0.url), ("d0", d0.url)]).workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await _paired(router)
             await _in_rotation(router)
@@ -319,7 +328,7 @@ async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says
     charged. One that says its handoff failed in other words cannot tell whose failure it
     was: the retry leaves out both, and neither is charged. Either way the prefill is not."""
     async with (
-        FakePdWorker("prefill", status=500, message=said, delay=1.0) as fake,
+        FakePdWorker("prefill", status=500, message=said, held=True) as fake,
         FakePdWorker("decode", hang=True) as hung,
         ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode")) as d1,
@@ -328,6 +337,7 @@ async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says
         config = _config(workers=(_fake("fake", fake), _fake("hung", hung), *workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             # the first pair is the two fakes': the others are drained until they have it
+            await _in_rotation(router)
             await _admin(session, router, "/workers/p1/drain")
             await _admin(session, router, "/workers/d1/drain")
             sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
@@ -337,6 +347,7 @@ async def test_sglangs_prefill_whose_kv_handoff_failed_is_blamed_by_what_it_says
             await _admin(session, router, "/workers/fake/drain")
             await _admin(session, router, "/workers/p1/drain", {"drain": False})
             await _admin(session, router, "/workers/d1/drain", {"drain": False})
+            fake.release()  # its error, the others in rotation
             async with await asyncio.wait_for(sent, 10) as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvroute-worker"] == "d1"
@@ -352,17 +363,19 @@ async def test_a_failed_handoff_retries_another_pair_with_the_only_decode(said: 
     while a healthy pair (the other prefill with the only decode) was untried; the decode,
     which then answers it, is not charged on the prefill's word."""
     async with (
-        FakePdWorker("prefill", status=500, message=said, delay=1.0) as fake,
+        FakePdWorker("prefill", status=500, message=said, held=True) as fake,
         ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode")) as d0,
     ):
         workers = router_config([("p1", p1.url), ("d0", d0.url)]).workers
         config = _config(workers=(_fake("fake", fake), *workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _in_rotation(router)
             await _admin(session, router, "/workers/p1/drain")  # the first pair is the fake's
             sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
             await asyncio.wait_for(fake.arrived.wait(), 10)
             await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            fake.release()  # its error, p1 in rotation
             async with await asyncio.wait_for(sent, 10) as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvroute-prefill-worker"] == "p1"
@@ -378,7 +391,7 @@ async def test_a_prefill_saying_no_decode_came_with_two_decodes_is_blamed_itself
     each decode it went with was blamed in turn, and the request failed once the decodes ran
     out."""
     async with (
-        FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, delay=0.5) as fake,
+        FakePdWorker("prefill", status=500, message=_SGLANG_NO_DECODE, held=True) as fake,
         ReferenceWorker(reference("prefill")) as p1,
         ReferenceWorker(reference("decode")) as d0,
         ReferenceWorker(reference("decode")) as d1,
@@ -386,17 +399,20 @@ async def test_a_prefill_saying_no_decode_came_with_two_decodes_is_blamed_itself
         workers = router_config([("p1", p1.url), ("d0", d0.url), ("d1", d1.url)]).workers
         config = _config(workers=(_fake("fake", fake), *workers))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await _in_rotation(router)
             await _admin(session, router, "/workers/p1/drain")  # first (fake, d0), then d1
             await _admin(session, router, "/workers/d1/drain")
             sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
             await asyncio.wait_for(fake.arrived.wait(), 10)
             await _admin(session, router, "/workers/d1/drain", {"drain": False})
+            fake.release()  # its first error, d1 in rotation
 
             async def second() -> bool:
                 return len(fake.seen) == 2
 
             await eventually(second, what="the retry with the other decode")
             await _admin(session, router, "/workers/p1/drain", {"drain": False})
+            fake.release()  # its second, p1 in rotation
             async with await asyncio.wait_for(sent, 10) as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvroute-prefill-worker"] == "p1"
@@ -413,36 +429,42 @@ async def test_a_pair_failing_at_the_deadline_is_avoided_by_the_next_requests(
     which side is wedged (with one prefill, the decode never fails with another partner), so
     neither is charged; the next requests avoid that pair for a while, its prefill answering
     them with the other decode. Before, a planner picking the same pair each time sent every
-    client to it, each waiting the whole deadline."""
-    monkeypatch.setattr(pair_faults, "AVOID_S", 0.5)
+    client to it, each waiting the whole deadline.
+
+    The window is ended by the test (`AVOID_S` 0), not waited out, and the request it steers
+    has a long deadline (a reload): a stall of this process (a loaded host) ended a window of
+    0.5 s before that request, or outlasted its deadline of 1 s."""
     async with (
         ReferenceWorker(reference("prefill", kv_transfer_timeout_s=30.0)) as p0,
         FakePdWorker("decode", hang=True) as hung,
         ReferenceWorker(reference("decode")) as d1,
     ):
         workers = router_config([("p0", p0.url), ("d1", d1.url)]).workers
-        config = _config(workers=(*workers, _fake("hung", hung)))
-        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+        configs = [_one_second_deadline(_config(workers=(*workers, _fake("hung", hung))))]
+        source = ConfigSource("test", lambda: configs[-1])
+        async with (
+            RouterService(configs[0], config_source=source) as router,
+            aiohttp.ClientSession() as session,
+        ):
 
-            async def paired() -> bool:
-                return router.planner.pool.disaggregated(MODEL)
+            async def deadline(request_s: float) -> None:
+                timeouts = TimeoutsConfig(request_s=request_s)
+                configs.append(msgspec.structs.replace(configs[0], timeouts=timeouts))
+                await router.reload()
 
-            async def post() -> tuple[int, str]:
-                async with session.post(router.url + "/generate", json=BODY) as resp:
-                    return resp.status, await resp.text()
-
-            await eventually(paired, what="the workers' roles to be discovered")
             await _admin(session, router, "/workers/d1/drain")
-            status, text = await post()
-            assert status == 504 and "(neither charged)" in text
+            assert "(neither charged)" in await _stalled(session, router)
             await _admin(session, router, "/workers/d1/drain", {"drain": False})
-            assert (await post())[0] == 200  # the pair avoided: p0 with d1
+            await deadline(60.0)
+            await _in_rotation(router)
+            async with session.post(router.url + "/generate", json=BODY) as resp:
+                assert resp.status == 200, await resp.text()  # the pair avoided: p0 with d1
             assert len(hung.seen) == 1
-            await asyncio.sleep(0.6)
+            monkeypatch.setattr(pair_faults, "AVOID_S", 0.0)  # the window over
+            await deadline(1.0)
             await _admin(session, router, "/workers/d1/drain")
-            status, text = await post()  # the window over, met again: still untold
-            assert status == 504 and "(neither charged)" in text
+            # met again: still untold
+            assert "(neither charged)" in await _stalled(session, router)
             assert _failures(router) == {"p0": 0, "d1": 0, "hung": 0}
 
 
@@ -466,7 +488,7 @@ async def test_the_deadline_of_a_hung_prefill_is_its_own_once_another_decode_tel
             for decode, other in (("d0", "d1"), ("d1", "d0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
-                messages.append(await _stalled_with_a_spare(session, router, hung, "p1"))
+                messages.append(await _stalled_with_a_spare(session, router, "hung", "p1"))
                 if decode == "d0":
                     assert _failures(router) == {"hung": 0, "p1": 0, "d0": 0, "d1": 0}
             assert "neither prefill hung nor decode d0 answered" in messages[0]
@@ -499,7 +521,7 @@ async def test_a_decode_stalling_with_two_prefills_at_the_deadline_is_charged_th
             for prefill, other in (("p0", "p1"), ("p1", "p0")):
                 await _admin(session, router, f"/workers/{other}/drain")
                 await _admin(session, router, f"/workers/{prefill}/drain", {"drain": False})
-                messages.append(await _stalled_with_a_spare(session, router, hung, "d1"))
+                messages.append(await _stalled_with_a_spare(session, router, "hung", "d1"))
             assert "neither prefill p0 nor decode hung answered" in messages[0]
             assert "decode hung took no KV from prefill p1" in messages[1]
             assert _failures(router) == {"p0": 0, "p1": 0, "d1": 0, "hung": 1}
@@ -517,15 +539,12 @@ async def test_the_last_worker_of_a_side_is_never_charged_on_its_partners_word()
     ):
         workers = router_config([("p0", p0.url)]).workers
         config = _config(workers=(*workers, _fake("other", other), _fake("hung", hung)))
-        config = msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
+        config = _one_second_deadline(config)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            await _paired(router)
             for decode, drained in (("other", "hung"), ("hung", "other")):
                 await _admin(session, router, f"/workers/{drained}/drain")
                 await _admin(session, router, f"/workers/{decode}/drain", {"drain": False})
-                async with session.post(router.url + "/generate", json=BODY) as resp:
-                    assert resp.status == 504, await resp.text()
-                    message = (await resp.json())["error"]["message"]
+                message = await _stalled(session, router)
             assert "(neither charged)" in message
             assert _failures(router) == {"p0": 0, "other": 0, "hung": 0}
 
@@ -701,7 +720,7 @@ async def test_a_pairs_answer_is_counted_when_the_client_closes_right_after_it()
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await warm(session, router, [p0], [d0])
             port = int(router.url.rsplit(":", 1)[1])
@@ -815,7 +834,7 @@ async def test_a_model_whose_decode_workers_are_all_removed_says_so() -> None:
         ReferenceWorker(reference("prefill")) as p0,
         ReferenceWorker(reference("decode")) as d0,
     ):
-        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        config = router_config([("p0", p0.url), ("d0", d0.url)], health=STALL_PROOF_HEALTH)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             await _paired(router)
             async with session.delete(router.url + "/admin/workers/d0", headers=AUTH) as resp:
@@ -851,55 +870,100 @@ async def _pending(session: aiohttp.ClientSession, router: RouterService) -> dic
     }
 
 
+# how often a request whose deadline passed before its pair was asked is sent again
+_SENDS = 5
+
+
+async def _to_the_deadline(session: aiohttp.ClientSession, router: RouterService) -> str | None:
+    """One request of BODY once every worker not drained is in rotation, answered 504 at its
+    deadline: the error message; None when the deadline passed before the router asked the
+    pair (this process stalled, a loaded host: such a 504 charges and remembers nothing, and
+    the caller sends the request again)."""
+    await _in_rotation(router)
+    async with session.post(router.url + "/generate", json=BODY) as resp:
+        status, text = resp.status, await resp.text()
+    assert status == 504, text
+    message = str(msgspec.json.decode(text)["error"]["message"])
+    return None if "deadline passed before" in message else message
+
+
+async def _stalled(session: aiohttp.ClientSession, router: RouterService) -> str:
+    """`_to_the_deadline`'s message, the request sent again while its deadline passed before
+    the pair was asked (a stall of this process: the test failed on that 504's message)."""
+    for _ in range(_SENDS):
+        if (message := await _to_the_deadline(session, router)) is not None:
+            return message
+    raise AssertionError(f"the request deadline passed before the pair was asked, {_SENDS} times")
+
+
+@contextlib.asynccontextmanager
+async def _back_once_paired(
+    router: RouterService, paired: str, *drained: str
+) -> AsyncIterator[None]:
+    """Within the block, the `drained` workers are put back in rotation (as POST
+    /admin/workers/{id}/drain {"drain": false} does it) once the router has paired the
+    `paired` worker for a request: its load counts the leg from the pair's choice on, before
+    either leg is sent. Polled from before the request, so after a stall of this process (a
+    loaded host) the poll's timer falls due before any the request armed (its deadline, a
+    worker's KV wait), and the workers are back before those fire. Put back by an admin call
+    once the test saw the request, they came back after such a stall and the retry found none
+    of them; put back as the fake got the request, the same when the stall came before it did
+    (the hung worker then the last of its side at the deadline, spared)."""
+    load = router.planner.load
+    entries = [router.planner.pool.get(wid) for wid in drained]
+    before = load.total(paired).running
+
+    async def back() -> None:
+        while load.total(paired).running <= before:  # noqa: ASYNC110 (no event tells a pair)
+            await asyncio.sleep(0.01)
+        for entry in entries:
+            entry.draining = False
+
+    task = asyncio.create_task(back())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def _stalled_with_a_spare(
-    session: aiohttp.ClientSession, router: RouterService, hung: FakePdWorker, spare: str
+    session: aiohttp.ClientSession, router: RouterService, hung: str, spare: str
 ) -> str:
     """One request to the `hung` worker's pair, past its deadline (504): the error message.
-    The `spare` worker of the hung one's side is drained until the hung one has the request,
-    then back in rotation by the deadline, so the hung one is not the last of its side (that
-    one is never charged on its partners' word).
+    The `spare` worker of the hung one's side is drained until the hung one is paired for the
+    request, then back in rotation by the deadline, so the hung one is not the last of its
+    side (that one is never charged on its partners' word).
 
     On a loaded host (CI: two cores, other tests beside) this process, router and workers
     alike, can stall for longer than the 1 s deadline:
-    - the spare is put back by the hung worker as the request comes, with no await between
-      (as the admin endpoint does it); put back by an admin call once a poll saw the request,
-      it came back after a stall past the deadline, the hung one the last of its side, spared;
+    - the spare is put back as the hung one is paired (`_back_once_paired`); put back by an
+      admin call once a poll saw the request, it came back after a stall past the deadline,
+      the hung one the last of its side, spared;
     - a request whose deadline passed before the router sent it to the pair (a 504 that
       charged and remembered nothing) is sent again; the test waited 10 s for a request the
       hung worker would never get, and failed."""
     entry = router.planner.pool.get(spare)
-
-    def back() -> None:
-        entry.draining = False  # what POST /admin/workers/{id}/drain {"drain": false} does
-
-    for _ in range(5):
+    for _ in range(_SENDS):
         await _in_rotation(router)
         await _admin(session, router, f"/workers/{spare}/drain")
-        hung.on_arrival = back
         try:
-            async with session.post(router.url + "/generate", json=BODY) as resp:
-                status, text = resp.status, await resp.text()
+            async with _back_once_paired(router, hung, spare):
+                message = await _to_the_deadline(session, router)
         finally:
-            hung.on_arrival = None
-            if entry.draining:  # the hung worker never got it
+            if entry.draining:  # the hung worker was never paired
                 await _admin(session, router, f"/workers/{spare}/drain", {"drain": False})
-        assert status == 504, text
-        message = str(msgspec.json.decode(text)["error"]["message"])
-        if "deadline passed before" not in message:
+        if message is not None:
             return message
-    raise AssertionError(f"the request deadline passed before the pair was asked, 5 times: {text}")
+    raise AssertionError(f"the request deadline passed before the pair was asked, {_SENDS} times")
 
 
 def _one_second_deadline(config: RouterConfig) -> RouterConfig:
-    """`config` with a 1 s request deadline, and health checks that a stall of this process
-    (a loaded host) does not fail: a check in flight across a stall longer than its 0.5 s
-    timeout failed, and a spare taken for unhealthy at the deadline left the hung worker the
-    last of its side, spared (`_stalled_with_a_spare`)."""
-    return msgspec.structs.replace(
-        config,
-        timeouts=TimeoutsConfig(request_s=1.0),
-        health=_STALL_PROOF_HEALTH,
-    )
+    """`config` (`_config`'s: its health checks a stall does not fail; a spare taken for
+    unhealthy at the deadline left the hung worker the last of its side, spared) with a 1 s
+    request deadline."""
+    return msgspec.structs.replace(config, timeouts=TimeoutsConfig(request_s=1.0))
 
 
 async def _in_rotation(router: RouterService) -> None:
@@ -1078,11 +1142,8 @@ async def test_a_lone_pair_at_the_deadline_charges_neither_whichever_side_is_wed
         config = _one_second_deadline(_config(workers=(*workers, _fake("hung", hung))))
         prefill, decode = ("healthy", "hung") if wedged == "decode" else ("hung", "healthy")
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            await _paired(router)
             for _ in range(2):
-                async with session.post(router.url + "/generate", json=BODY) as resp:
-                    assert resp.status == 504, await resp.text()
-                    message = (await resp.json())["error"]["message"]
+                message = await _stalled(session, router)
                 assert message.startswith(f"neither prefill {prefill} nor decode {decode}")
                 assert message.endswith("(neither charged)")
             assert _failures(router) == {"healthy": 0, "hung": 0}
@@ -1098,10 +1159,7 @@ async def test_a_lone_decode_stalling_after_its_prefill_answered_is_charged() ->
     ):
         config = _one_second_deadline(_config(workers=(_fake("p0", p0), _fake("d0", d0))))
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            await _paired(router)
-            async with session.post(router.url + "/generate", json=BODY) as resp:
-                assert resp.status == 504, await resp.text()
-                message = (await resp.json())["error"]["message"]
+            message = await _stalled(session, router)
             assert (
                 message
                 == "worker d0 did not answer within the request timeout (timeouts.request_s)"
