@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 
 from indexer.namespace import Namespace
+from indexer.stats import StreamState
 from router.config import load_config
 from router.http.reload import ConfigSource
 from router.service import RouterService
@@ -187,7 +188,9 @@ async def test_a_prefill_with_two_ranks_renamed_keeps_the_shadows_of_each_rank()
             async def live() -> bool:
                 await poke(session, p0, d0, next(counter))
                 streams = router.planner.indexer.streams()
-                return len(streams) == 3 and all(s.last_seq is not None for s in streams)
+                return len(streams) == 3 and all(
+                    s.last_seq is not None and s.state is StreamState.SYNCED for s in streams
+                )
 
             await eventually(live, what="both prefill ranks' streams to reach the index")
             prompts = [_prompt(seed) for seed in (7, 11, 13, 17)]

@@ -23,6 +23,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from indexer.stats import StreamState
 from router.config import HealthConfig, LimitsConfig, PdConfig, TimeoutsConfig, WorkerConfig
 from router.http.reload import ConfigSource
 from router.service import RouterService
@@ -91,7 +92,7 @@ async def warm(
             await poke(session, p, d, next(counter))
         streams = router.planner.indexer.streams()
         return len(streams) == len(prefills) + len(decodes) and all(
-            s.last_seq is not None for s in streams
+            s.last_seq is not None and s.state is StreamState.SYNCED for s in streams
         )
 
     await eventually(live, what="every stream to reach the index")
@@ -547,7 +548,9 @@ async def test_a_prefill_with_two_ranks_gets_a_room_that_names_the_rank_it_was_s
             async def live() -> bool:
                 await poke(session, p0, d0, next(counter))
                 streams = router.planner.indexer.streams()
-                return len(streams) == 3 and all(s.last_seq is not None for s in streams)
+                return len(streams) == 3 and all(
+                    s.last_seq is not None and s.state is StreamState.SYNCED for s in streams
+                )
 
             await eventually(live, what="both prefill ranks' streams to reach the index")
             url = router.url + "/generate"
