@@ -13,86 +13,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Coroutine
-from typing import Any, Self
 
 import aiohttp
 
 from router.config import IndexerSection
 from router.service import RouterService
 from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.test_router_false_hits import TcpForward, port_of
 from tests.router.test_router_worker_restart import Front
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
-
-
-class HeldConnections:
-    """A TCP port on 127.0.0.1 whose connections reach `target` only once `open` is set: a
-    subscriber's event connection that comes up late (a slow handshake on a loaded host)."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.removeprefix("tcp://").rsplit(":", 1)
-        self._host, self._port = host, int(port)
-        self.open = asyncio.Event()
-        self.endpoint = ""
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.endpoint = f"tcp://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        # tracked, so the exit cancels it (the server's own handler tasks are not)
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._spawn(self._join(reader, writer))
-
-    async def _join(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await self.open.wait()
-            up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
-        except (OSError, asyncio.CancelledError):
-            writer.close()
-            raise
-        self._spawn(self._pipe(reader, up_writer))
-        self._spawn(self._pipe(up_reader, writer))
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
 
 
 async def test_warm_waits_for_the_catch_up_not_the_first_batch_applied() -> None:
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     async with (
         ReferenceWorker(cfg) as w0,
-        HeldConnections(w0.kv_events.endpoints[0]) as held,
+        TcpForward(port_of(w0.kv_events.endpoints[0])) as held,
         Front(w0.url) as front,
         aiohttp.ClientSession() as session,
     ):
         # the worker advertises the held port as its event socket (its replay socket is its own)
         async with session.get(w0.url + "/server_info") as resp:
             info = await resp.json()
-        info["kv_events"]["endpoint_port_base"] = int(held.endpoint.rsplit(":", 1)[1])
+        held.opened.clear()  # its connections wait: the SUB's comes up late
+        info["kv_events"]["endpoint_port_base"] = held.listen
         front.server_info = json.dumps(info).encode()
         # the idle probe reads the pokes' batches from the replay buffer while the SUB waits
         config = router_config([("w0", front.url)], indexer=IndexerSection(probe_interval_s=0.1))
@@ -112,7 +57,7 @@ async def test_warm_waits_for_the_catch_up_not_the_first_batch_applied() -> None
                 # before, it returned here, with the stream still predicting nothing
                 done, _ = await asyncio.wait({warming}, timeout=0.5)
                 assert not done, "warm returned while the stream was syncing"
-                held.open.set()  # the SUB connects, the catch-up ends
+                held.opened.set()  # the SUB connects, the catch-up ends
                 await asyncio.wait_for(warming, timeout=10.0)
             finally:
                 warming.cancel()

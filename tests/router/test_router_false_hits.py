@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -160,32 +160,48 @@ async def test_a_streak_follows_nothing_of_the_worker_while_its_settings_are_rea
 
 class TcpForward:
     """A Service's port: each new connection goes to the pod it points at now (`port`), the
-    open ones stay where they were (as kube-proxy does)."""
+    open ones stay where they were (as kube-proxy does). While `opened` is clear, a new
+    connection waits before it reaches the pod (one that comes up late: a slow handshake on a
+    loaded host)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.listen = 0
+        self.opened = asyncio.Event()
+        self.opened.set()
         self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> TcpForward:
-        self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.listen = self._server.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._server is not None
         self._server.close()
-        for task in self._pipes:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        # tracked, so the exit cancels it (the server's own handler tasks are not)
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._spawn(self._connect(reader, writer))
 
     async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        for pipe in (self._pipe(reader, up_writer), self._pipe(up_reader, writer)):
-            task = asyncio.create_task(pipe)
-            self._pipes.add(task)
-            task.add_done_callback(self._pipes.discard)
+        try:
+            await self.opened.wait()
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except (OSError, asyncio.CancelledError):
+            writer.close()
+            raise
+        self._spawn(self._pipe(reader, up_writer))
+        self._spawn(self._pipe(up_reader, writer))
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
