@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from router.config import (
     RouterConfig,
@@ -190,6 +191,17 @@ async def _admin(
         assert resp.status == 200, await resp.text()
 
 
+async def _answered_past(
+    session: aiohttp.ClientSession, router: RouterService, hung: FakePdWorker
+) -> CIMultiDictProxy[str]:
+    """Send `BODY`; once the `hung` worker has it, the answer, a 200 (its headers)."""
+    sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
+    await asyncio.wait_for(hung.arrived.wait(), 10)
+    async with await asyncio.wait_for(sent, 10) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers
+
+
 async def test_a_prefill_that_never_sends_its_kv_is_blamed_and_the_retry_takes_another() -> None:
     """The decode's 504 (its KV never came) while its prefill has not answered is the prefill's
     failure: the retry goes to the other prefill, and no decode is charged."""
@@ -206,11 +218,8 @@ async def test_a_prefill_that_never_sends_its_kv_is_blamed_and_the_retry_takes_a
             await _in_rotation(router)
             await _admin(session, router, "/workers/p1/drain")
             async with _back_once_paired(router, "hung", "p1"):
-                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-                await asyncio.wait_for(hung.arrived.wait(), 10)
-                async with await asyncio.wait_for(sent, 10) as resp:
-                    assert resp.status == 200, await resp.text()
-                    assert resp.headers["x-kvroute-prefill-worker"] == "p1"
+                headers = await _answered_past(session, router, hung)
+                assert headers["x-kvroute-prefill-worker"] == "p1"
             assert _failures(router) == {"hung": 1, "p1": 0, "d0": 0, "d1": 0}
 
 
@@ -239,11 +248,8 @@ async def test_a_decode_that_never_takes_the_kv_is_blamed_and_the_retry_takes_an
             await _admin(session, router, "/workers/p1/drain")
             await _admin(session, router, "/workers/d1/drain")
             async with _back_once_paired(router, "hung", "d1"):
-                sent = asyncio.create_task(session.post(router.url + "/generate", json=BODY))
-                await asyncio.wait_for(hung.arrived.wait(), 10)
-                async with await asyncio.wait_for(sent, 10) as resp:
-                    assert resp.status == 200, await resp.text()
-                    assert resp.headers["x-kvroute-worker"] == "d1"
+                headers = await _answered_past(session, router, hung)
+                assert headers["x-kvroute-worker"] == "d1"
             assert len(hung.seen) == 1
             assert _failures(router) == {"p0": 0, "p1": 0, "hung": 1, "d1": 0}
 
