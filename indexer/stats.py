@@ -124,6 +124,9 @@ class StreamStats(msgspec.Struct):
     # live batches asked of the replay socket, whose bytes must be the live stream's (the
     # live stream may be another publisher's, its seqs following on): about one a second
     live_checks: int = 0
+    # times a gap its replay left unrepaired cleared the stream and it was rebuilt from the
+    # replay buffer afterwards (the pages the worker held from before the gap)
+    rebuilds: int = 0
 
 
 class RankMatch(msgspec.Struct):
@@ -190,6 +193,7 @@ _COUNTERS = (
     "token_kind_mismatches",
     "dead_batches",
     "live_checks",
+    "rebuilds",
 )
 
 
@@ -231,6 +235,7 @@ def stream_stats(
     unanswered_replays: int = 0,
     dead_batches: int = 0,
     live_checks: int = 0,
+    rebuilds: int = 0,
 ) -> StreamStats:
     """A stream's `StreamStats` (a subscriber's and a relay-fed stream's alike): its socket
     fields from `config`, what its index did from `counters` (None: a sink that keeps none,
@@ -273,4 +278,5 @@ def stream_stats(
         token_kind_mismatches=done.token_kind_mismatches if done else 0,
         dead_batches=dead_batches,
         live_checks=live_checks,
+        rebuilds=rebuilds,
     )

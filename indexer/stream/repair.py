@@ -34,7 +34,7 @@ from indexer.sink import keeps_entries
 from indexer.stats import StreamState
 from indexer.stream.replay_answers import Continuity
 from indexer.stream.restarts import DEAD
-from indexer.stream.state import CatchUp, SubscriberState
+from indexer.stream.state import REBUILD_FIRST_S, REBUILD_MAX_S, CatchUp, SubscriberState
 
 __all__ = ["Repair"]
 
@@ -136,6 +136,10 @@ class Repair(SubscriberState):
             # the replay did not reach this message (none configured, timed out, or too short)
             if self.tracker.last is not None:
                 self._clear(f"gap before seq {seq} could not be repaired")
+                if not answered:
+                    # unanswered (timed out, dropped): its buffer may answer later with
+                    # pages from before the gap the worker still holds
+                    self._owe_rebuild(seq)
             if within:
                 # in the window after a restart a batch past a gap may be a dead process's
                 # queued one (QA: a middle process's seq 7 after the newest one's 0..3, its
@@ -384,3 +388,56 @@ class Repair(SubscriberState):
         if self.tracker.last is None:
             self._set_phase(StreamState.SYNCING)  # nothing of the publisher's is held yet
         self._tail_proven(False)
+
+    def _owe_rebuild(self, held_from: int) -> None:
+        """The stream was cleared and holds only what it applied from seq `held_from` on, while
+        the worker may still hold pages stored before (an engine never announces a page it
+        keeps again): rebuild it from the replay socket's buffer `_rebuild_wait_s` from now
+        (`_rebuild_cleared`), busy or quiet. Before, nothing did: those pages were predicted nothing
+        until stored again (QA v20x: a busy stream, 12 s and counting)."""
+        if not self._has_replay or not keeps_entries(self.sink):
+            return  # (a recording keeps the gap as the events showed it)
+        self._rebuild_from = held_from
+        self._rebuild_at = self._clock() + self._rebuild_wait_s
+
+    def _rebuild_left_ms(self) -> int | None:
+        """How long until the owed rebuild is asked (0: now), or None: none owed, or not
+        askable yet (the replay connection away, the SUB not connected, a proof or a catch-up
+        under way, the window after a restart open: each ends by itself or says so)."""
+        at = self._rebuild_at
+        if at is None:
+            return None
+        if not self._has_replay:
+            self._rebuild_at = self._rebuild_from = None  # found another's: nothing to ask
+            return None
+        if (
+            not self._connected
+            or self._replay_away
+            or self._unverified
+            or self._disagreeing is not None
+            or self._catch_up is not None
+            or (self._after_restart and not self._window_over())
+        ):
+            return None
+        return max(int((at - self._clock()) * 1000) + 1, 0) if at > self._clock() else 0
+
+    async def _rebuild_cleared(self) -> None:
+        """Ask the replay socket for its whole buffer (`_rebuild_from`): one that starts before
+        the first seq the stream holds since its clear clears it again and rebuilds it from
+        the whole answer (the stream `syncing`, predicting nothing, until caught up, as at a
+        join); one that starts later has nothing more to give, and the answer is read as a
+        probe's. An answer that does not come to its end is asked again after twice the wait
+        (to `REBUILD_MAX_S`)."""
+        self._rebuild_at = None
+        self._rebuilding = True
+        try:
+            result = await self._replay(0)
+        finally:
+            self._rebuilding = False
+        if result.answered:
+            self._rebuild_from = None
+            self._rebuild_wait_s = REBUILD_FIRST_S
+            return
+        self._rebuild_wait_s = min(self._rebuild_wait_s * 2, REBUILD_MAX_S)
+        if self._rebuild_from is not None and self.tracker.last is not None:
+            self._owe_rebuild(self._rebuild_from)  # (a part read clears: `_take_reply`)

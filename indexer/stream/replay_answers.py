@@ -141,6 +141,8 @@ class ReplayAnswers(SubscriberState):
                 keep=not self._replay_unconfirmed,
             )
             return continuity
+        if self._rebuilding:
+            self._rebuild_begins(reply.seq)
         if continuing and continuity is Continuity.NONE:
             continuity = self._check_fence(start, reply.seq, reply.payload)
             if continuity is Continuity.PROVEN:
@@ -185,6 +187,24 @@ class ReplayAnswers(SubscriberState):
             else:
                 self._lose(reply.seq, "its replayed copy does not decode either")
         return continuity
+
+    def _rebuild_begins(self, first: int) -> None:
+        """The first batch of a rebuild's answer (`Repair._rebuild_cleared`) is `first`: a buffer
+        that holds batches from before the first seq the stream holds since its clear gives
+        those pages back, so the stream is cleared and rebuilt from the whole answer; a later
+        one has nothing to give, and the answer is read as a probe's."""
+        self._rebuilding = False
+        held_from, self._rebuild_from = self._rebuild_from, None
+        last = self.tracker.last
+        if held_from is None or last is None or first >= held_from or first > last:
+            return
+        self.rebuilds += 1
+        self._clear(
+            f"rebuilt from the replay buffer (seqs {first}..): the gap before seq {held_from} "
+            "cleared it, and the worker may still hold pages stored before it"
+        )
+        self.tracker.restart_at(first)
+        self._catching_up()  # rebuilt from this answer: the past until caught up
 
     def _unproven_against_live(self, seq: int) -> bool:
         """Whether a replay socket never proven contradicts batch `seq` that the live stream

@@ -70,6 +70,7 @@ class Restarts(SubscriberState):
                 "what it gives predicts nothing until a live batch agrees with it)"
             )
         self._clear(reason, outcome=outcome)
+        self._rebuild_at = self._rebuild_from = None  # (rebuilt from 0 now)
         self.tracker.reset()
         self.sink.forget_seq()
         self._last_live = None
@@ -126,6 +127,9 @@ class Restarts(SubscriberState):
                 "cannot be told from the new one's, so the stream starts cold from the next batch",
                 kind="window",  # said once per window, apart from the restart's own clear
             )
+            if self.tracker.last is not None:
+                # the new process's buffer holds what it stored in the window: given back
+                self._owe_rebuild(self.tracker.last + 1)
 
     def _window_over(self) -> bool:
         return self._clock() - self._restart_found_at > DEAD_RUN_S

@@ -81,6 +81,13 @@ LIVE_CHECK_MAX_S = 60.0
 HELD_BEHIND_S = 0.1
 HELD_ANSWERS = 8
 HELD_ANSWERS_X = 3.0
+# a stream cleared by a gap its replay left unrepaired (the answer timed out or dropped) holds
+# only what followed the gap, though the worker still holds pages stored before it, which it
+# never announces again: the stream is rebuilt from the replay socket's buffer this long
+# after the clear (`Repair._rebuild_cleared`), busy or quiet, the wait doubling to the cap
+# while the socket does not answer to the end
+REBUILD_FIRST_S = 1.0
+REBUILD_MAX_S = 60.0
 
 
 def batch_digest(payload: bytes) -> bytes:
@@ -154,6 +161,15 @@ class SubscriberState(abc.ABC):
         # an idle probe's replay is being read: a batch it applies is one the live stream never
         # delivered (a tail dropped with the connection up), the past (`_take_reply`)
         self._probing = False
+        # a rebuild is owed (`Repair._owe_rebuild`): when to ask for it (`_clock`; None:
+        # none owed), the first seq the stream holds since its clear (a buffer that starts
+        # after it has nothing to give back), and the wait before the next one owed
+        self._rebuild_at: float | None = None
+        self._rebuild_from: int | None = None
+        self._rebuild_wait_s = REBUILD_FIRST_S
+        # the rebuild's replay is being read: its first batch older than `_rebuild_from`
+        # clears the stream, which the rest of the answer rebuilds (`_take_reply`)
+        self._rebuilding = False
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
@@ -346,6 +362,7 @@ class SubscriberState(abc.ABC):
         self.dead_batches = 0  # live batches of a restarted publisher's dead process, skipped
         self.undelivered_tails = 0  # idle probes that found batches the connected SUB missed
         self.live_checks = 0  # live batches asked of the replay socket (`_live_check`)
+        self.rebuilds = 0  # streams a gap cleared, rebuilt from the buffer (`_rebuild_begins`)
         self._clears = 0  # for sinks that keep no counters of their own
         self._probe_wait_ms = int(self.settings.probe_interval_s * 1000)
 
@@ -578,6 +595,12 @@ class SubscriberState(abc.ABC):
     def _heard_whole(self) -> None: ...
     @abc.abstractmethod
     def _retry_soon(self) -> None: ...
+    @abc.abstractmethod
+    def _owe_rebuild(self, held_from: int) -> None: ...
+    @abc.abstractmethod
+    def _rebuild_left_ms(self) -> int | None: ...
+    @abc.abstractmethod
+    async def _rebuild_cleared(self) -> None: ...
 
     # indexer.stream.replay_answers
     @abc.abstractmethod

@@ -144,6 +144,10 @@ class StreamSubscriber(
                 ):
                     await self._verify()
                     continue
+                if self._rebuild_at is not None and self._rebuild_left_ms() == 0:
+                    # (looked at before each live batch too: a busy stream is never idle)
+                    await self._rebuild_cleared()
+                    continue
                 # The async poll costs a poller, futures and a timer: only pay for it when
                 # nothing is queued (a busy stream then reads at the probe-free rate).
                 if not cast(int, sub.get(zmq.EVENTS)) & zmq.POLLIN:
@@ -168,6 +172,12 @@ class StreamSubscriber(
                     timeout_ms = self._probe_wait_ms if probing else None
                     if retrying:
                         timeout_ms = self._retry_ms
+                    rebuild_ms = self._rebuild_left_ms()
+                    rebuilding = rebuild_ms is not None and (
+                        timeout_ms is None or rebuild_ms < timeout_ms
+                    )
+                    if rebuilding:  # (the loop's top asks for it once due)
+                        timeout_ms = rebuild_ms
                     window_ms = self._window_left_ms()
                     if window_ms is not None:  # a quiet tainted stream is cleared on time
                         timeout_ms = window_ms if timeout_ms is None else min(timeout_ms, window_ms)
@@ -183,6 +193,8 @@ class StreamSubscriber(
                         elif checking:
                             if self._live_check_left_ms() == 0:
                                 await self._check_pending()
+                        elif rebuilding:
+                            pass  # due: asked at the loop's top
                         elif probing or retrying:
                             await self._probe()
                     continue
@@ -492,6 +504,7 @@ class StreamSubscriber(
         self._dead_seq = None
         self._live_unchecked = self._live_agreed = None
         self._catch_up = None  # its proof (`_verify`) catches the loaded state up, if any
+        self._rebuild_at = self._rebuild_from = None  # (a rebuild of the state it replaced)
         self._set_tainted(None)
         self.health.block_size = self._known_block_size()
         last_seq = sink.last_seq()
@@ -537,4 +550,5 @@ class StreamSubscriber(
             dead_batches=self.dead_batches,
             undelivered_tails=self.undelivered_tails,
             live_checks=self.live_checks,
+            rebuilds=self.rebuilds,
         )

@@ -119,6 +119,11 @@ _STREAM_COUNTERS = (
         "kvroute_stream_live_checks",
         "Live batches asked of the replay socket (the two must be one publisher's)",
     ),
+    (
+        "rebuilds",
+        "kvroute_stream_rebuilds",
+        "Streams a gap cleared, rebuilt afterwards from the replay buffer",
+    ),
 )
 
 

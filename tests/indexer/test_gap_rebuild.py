@@ -1,0 +1,166 @@
+"""A stream that a gap cleared is rebuilt from its publisher's replay buffer afterwards.
+
+A gap whose replay goes unanswered (it timed out, or its connection dropped) clears the stream,
+which then holds only what followed the gap, while the worker still holds pages it stored
+before it and never announces them again. Before, nothing gave them back: a busy stream never
+idles for a probe, and a probe asks from the stream's last batch anyway (QA v20x: a restart
+landing in a repair, the new process's first prompts predicted nothing for the whole 12 s
+watch). Now the stream is rebuilt from the buffer `REBUILD_FIRST_S` after the clear, busy or
+quiet; while the buffer is read it is `syncing` and predicts nothing, as at a join.
+
+Real ZMQ on 127.0.0.1 (`ScriptedPublisher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from indexer.config import IndexerConfig
+from indexer.namespace import Namespace
+from indexer.protocol.events import EventBatch, Stored, TokenId
+from indexer.service import IndexerService
+from indexer.stats import StreamState
+from indexer.stream import repair, state
+from tests.indexer.scripted import ScriptedPublisher, workload
+from tests.indexer.test_subscriber_zmq import STREAM, WORKER, connect, reference, view, wait_until
+
+# no idle probe: nothing but the rebuild reads the buffer again
+CONFIG = IndexerConfig(replay_timeout_s=0.3, probe_interval_s=0)
+BUSY_GAP_S = 0.02  # between a busy worker's batches: never idle long enough for a probe
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture(autouse=True)
+def quick_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (state, repair):
+        monkeypatch.setattr(module, "REBUILD_FIRST_S", 0.5)
+
+
+async def _empty_batches_before(pub: ScriptedPublisher, svc: IndexerService) -> list[EventBatch]:
+    """What `connect` published (empty batches), as the reference's first batches."""
+    return [EventBatch(ts=0.0, events=[])] * pub.next_seq
+
+
+async def _gap_left_unrepaired(
+    pub: ScriptedPublisher, svc: IndexerService, before: list[EventBatch], lost: EventBatch
+) -> int:
+    """Publish `before` (applied), then `lost` with its live copy dropped and a batch after it
+    whose repair goes unanswered: the stream is cleared. Returns the seq of the batch after."""
+    last = -1
+    for batch in before:
+        last = await pub.publish(batch)
+    assert await svc.wait_applied(WORKER, last)
+    pub.answer_replays = False
+    await pub.publish(lost, drop=True)
+    after = await pub.publish(EventBatch(ts=0.0, events=[]))
+    await wait_until(lambda: svc.streams()[0].clears == 1)
+    assert svc.streams()[0].rebuilds == 0
+    pub.answer_replays = True
+    return after
+
+
+async def test_a_busy_stream_a_gap_cleared_is_rebuilt_from_the_buffer(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    batches = workload(seed=21, batches=40)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        published = await _empty_batches_before(pub, svc)
+        await _gap_left_unrepaired(pub, svc, batches[:20], batches[20])
+        published += [*batches[:21], EventBatch(ts=0.0, events=[])]
+        cleared = reference(published[-1:])  # what the clear left: nothing of the past
+        assert view(svc.index, STREAM) == view(cleared, STREAM)
+        # busy: a batch every 20 ms, for as long as the rebuild takes (bounded)
+        for batch in batches[21:]:
+            await pub.publish(batch)
+            published.append(batch)
+            await asyncio.sleep(BUSY_GAP_S)
+        for _ in range(200):
+            if svc.streams()[0].rebuilds:
+                break
+            published.append(EventBatch(ts=0.0, events=[]))
+            await pub.publish(published[-1])
+            await asyncio.sleep(BUSY_GAP_S)
+        assert await svc.wait_applied(WORKER, len(published) - 1)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        stats = svc.streams()[0]
+        assert (stats.rebuilds, stats.clears) == (1, 2)  # the gap's clear, the rebuild's
+        # every batch the worker published, those before the gap included
+        assert view(svc.index, STREAM) == view(reference(published), STREAM)
+
+
+async def test_a_quiet_stream_a_gap_cleared_is_rebuilt_without_a_probe(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    batches = workload(seed=22, batches=20)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        published = await _empty_batches_before(pub, svc)
+        after = await _gap_left_unrepaired(pub, svc, batches[:10], batches[10])
+        published += [*batches[:11], EventBatch(ts=0.0, events=[])]
+        assert svc.streams()[0].last_seq == after
+        await wait_until(lambda: svc.streams()[0].rebuilds == 1)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert view(svc.index, STREAM) == view(reference(published), STREAM)
+        assert svc.streams()[0].probes == 0  # (the rebuild is no probe)
+
+
+async def test_a_buffer_that_kept_nothing_from_before_the_gap_leaves_the_stream_alone(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """By the time the socket answers, its buffer starts after the gap: nothing to give back,
+    so the stream is not cleared again (it would predict nothing while read, for nothing)."""
+    batches = workload(seed=23, batches=30)
+    async with ScriptedPublisher(ctx, buffer_steps=4) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        await _gap_left_unrepaired(pub, svc, batches[:10], batches[10])
+        held = [EventBatch(ts=0.0, events=[])]  # the batch after the gap
+        pub.answer_replays = False
+        for batch in batches[11:]:  # more than the buffer keeps, all delivered
+            await pub.publish(batch)
+            held.append(batch)
+        pub.answer_replays = True
+        last = pub.next_seq - 1
+        assert await svc.wait_applied(WORKER, last)
+        requests = len(pub.replay_requests)
+        await wait_until(lambda: len(pub.replay_requests) > requests, timeout_s=5)
+        await asyncio.sleep(0.3)  # the rebuild's answer read
+        stats = svc.streams()[0]
+        assert (stats.rebuilds, stats.clears) == (0, 1)
+        assert 0 in pub.replay_requests[requests:]  # the rebuild asked for the whole buffer
+        assert view(svc.index, STREAM) == view(reference(held), STREAM)
+
+
+async def test_a_stream_being_rebuilt_predicts_nothing_until_caught_up(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The rebuild reads the worker's past: while its answer is read the stream is `syncing`
+    and predicts nothing, the page the gap's clear kept included, until caught up."""
+    page: list[TokenId] = [1, 2, 3, 4, 0]
+    stored = Stored(block_hashes=[77], parent=None, token_ids=page[:4], block_size=4)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        after = await _gap_left_unrepaired(
+            pub, svc, workload(seed=24, batches=5), EventBatch(ts=0.0, events=[])
+        )
+        # every answer (the rebuild's too): its batches, then its end, within the timeout
+        pub.end_delay_s = 0.25
+        assert svc.streams()[0].last_seq == after
+        seq = await pub.publish(EventBatch(ts=0.0, events=[stored]))
+        assert await svc.wait_applied(WORKER, seq)
+        assert svc.query(Namespace(), page)[WORKER].matched_tokens == 4
+        await wait_until(lambda: svc.streams()[0].rebuilds == 1)
+        assert svc.streams()[0].state is StreamState.SYNCING
+        assert svc.query(Namespace(), page)[WORKER].matched_tokens == 0
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert svc.query(Namespace(), page)[WORKER].matched_tokens == 4
