@@ -429,15 +429,43 @@ class Repair(SubscriberState):
         probe's. An answer that does not come to its end is asked again after twice the wait
         (to `REBUILD_MAX_S`)."""
         self._rebuild_at = None
+        heard, restarts = self._live_heard, self.restarts
         self._rebuilding = True
+        # what it applies is the past until the answer ended and the live batches queued
+        # meanwhile are read (`_take_reply`), whether it cleared the stream or not
+        self._probing = True
         try:
             result = await self._replay(0)
         finally:
-            self._rebuilding = False
+            self._rebuilding = self._probing = False
+        self._undelivered_since(heard, restarts)
         if result.answered:
             self._rebuild_from = None
             self._rebuild_wait_s = REBUILD_FIRST_S
             return
         self._rebuild_wait_s = min(self._rebuild_wait_s * 2, REBUILD_MAX_S)
-        if self._rebuild_from is not None and self.tracker.last is not None:
-            self._owe_rebuild(self._rebuild_from)  # (a part read clears: `_take_reply`)
+        if self._catch_up is not None and self.tracker.last is not None:
+            # cleared and rebuilt in part: the rest is asked for soon, as a join's would be
+            # (before, nothing asked again: `syncing` until a live batch or a probe)
+            self._retry_soon()
+        elif self._rebuild_from is not None and self.tracker.last is not None:
+            self._owe_rebuild(self._rebuild_from)  # nothing came: asked again later
+
+    def _undelivered_since(self, heard: int | None, restarts: int) -> None:
+        """A replay asked when the SUB's connection had delivered live seq `heard` (None:
+        none yet) left the stream at a later seq: those batches were published to that
+        connection, so either the live path delivers them next (the replay ran ahead of them)
+        or it is deaf (`_found_undelivered`: the stream predicts nothing until a live batch
+        follows on). A rebuild or a proof read while a forwarder's upstream was gone, its SUB
+        connection up, was otherwise trusted whole: each eviction after it a false hit until
+        the next probe (QA: 4.7 s)."""
+        after = self.tracker.last
+        if (
+            heard is None
+            or after is None
+            or after <= heard
+            or self.restarts != restarts
+            or self._live_heard is None  # (the SUB reconnected meanwhile)
+        ):
+            return
+        self._found_undelivered(heard, after)

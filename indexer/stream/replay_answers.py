@@ -201,7 +201,8 @@ class ReplayAnswers(SubscriberState):
         self.rebuilds += 1
         self._clear(
             f"rebuilt from the replay buffer (seqs {first}..): the gap before seq {held_from} "
-            "cleared it, and the worker may still hold pages stored before it"
+            "cleared it, and the worker may still hold pages stored before it",
+            kind="rebuild",  # (said apart from the gap's clear, a second before)
         )
         self.tracker.restart_at(first)
         self._catching_up()  # rebuilt from this answer: the past until caught up

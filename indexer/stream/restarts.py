@@ -71,6 +71,7 @@ class Restarts(SubscriberState):
             )
         self._clear(reason, outcome=outcome)
         self._rebuild_at = self._rebuild_from = None  # (rebuilt from 0 now)
+        self._live_heard = None  # (the run before it: the new one's seqs start over)
         self.tracker.reset()
         self.sink.forget_seq()
         self._last_live = None

@@ -255,6 +255,11 @@ class SubscriberState(abc.ABC):
         # Also set by a batch continuing the run before a restart past its window, which the
         # replay socket does not give back (`_dead_batch`): the live path may be another's
         self._live_unproven = False
+        # the newest live seq the SUB delivered on its present connection (None: none since
+        # it connected, or since a restart): a batch past it was published to that
+        # connection, so a replay that brings one the live path has not delivered found it
+        # deaf, or ran ahead of it (`Repair._undelivered_since`)
+        self._live_heard: int | None = None
         # the batches (after the seq, up to the seq) such a probe found, not yet said: said
         # (counted in `undelivered_tails`, one WARNING) once a later live batch comes without
         # their live copies, or at the next probe; unsaid when the copy of the newest comes
@@ -601,6 +606,8 @@ class SubscriberState(abc.ABC):
     def _rebuild_left_ms(self) -> int | None: ...
     @abc.abstractmethod
     async def _rebuild_cleared(self) -> None: ...
+    @abc.abstractmethod
+    def _undelivered_since(self, heard: int | None, restarts: int) -> None: ...
 
     # indexer.stream.replay_answers
     @abc.abstractmethod

@@ -232,8 +232,10 @@ class StreamSubscriber(
         event = parse_monitor_message(await monitor.recv_multipart())["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
+            self._live_heard = None
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
+            self._live_heard = None
             self.suspect_restart("the event connection dropped")
             if self._on_siblings is not None:
                 # a candidate restart of the whole server: its other ranks are suspected now,
@@ -253,6 +255,7 @@ class StreamSubscriber(
             return
         if not topic_matches(msg.topic, self._topic):
             return
+        self._live_heard = msg.seq
         if self._disagreeing is not None:
             await self._while_disagreeing(msg.seq, msg.payload)
             return

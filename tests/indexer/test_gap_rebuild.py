@@ -14,6 +14,7 @@ Real ZMQ on 127.0.0.1 (`ScriptedPublisher`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,6 +23,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored, TokenId
+from indexer.protocol.frames import build_replay_reply
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from indexer.stream import repair, state
@@ -164,3 +166,60 @@ async def test_a_stream_being_rebuilt_predicts_nothing_until_caught_up(
         assert svc.query(Namespace(), page)[WORKER].matched_tokens == 0
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert svc.query(Namespace(), page)[WORKER].matched_tokens == 4
+
+
+async def test_a_rebuild_bringing_batches_the_connected_sub_never_delivered_trusts_none(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The event path went deaf (a forwarder's upstream gone, its SUB connection up) after
+    the gap: the rebuild brings a page the live path never delivered, so it may miss the
+    eviction that follows too. The stream predicts nothing until a live batch follows on, as
+    when an idle probe finds such batches. Before (QA), the rebuild's catch-up was trusted
+    once read, and a flush the deaf path swallowed left the page predicted, 0 cached."""
+    page: list[TokenId] = [1, 2, 3, 4, 0]
+    stored = Stored(block_hashes=[77], parent=None, token_ids=page[:4], block_size=4)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        await _gap_left_unrepaired(
+            pub, svc, workload(seed=25, batches=5), EventBatch(ts=0.0, events=[])
+        )
+        undelivered = await pub.publish(EventBatch(ts=0.0, events=[stored]), drop=True)
+        await wait_until(lambda: svc.streams()[0].rebuilds == 1)
+        await wait_until(lambda: svc.streams()[0].last_seq == undelivered)
+        await asyncio.sleep(0.2)  # (the catch-up drained)
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        assert svc.query(Namespace(), page)[WORKER].matched_tokens == 0
+        # the live path is back: the next batch is a gap repaired, then followed on
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(ts=0.0, events=[])))
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert svc.query(Namespace(), page)[WORKER].matched_tokens == 4
+
+
+async def test_a_rebuild_whose_answer_stopped_short_is_asked_again_and_said(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rebuild cleared the stream and its answer stopped after two batches: the rest is
+    asked for soon, even on a quiet stream with the probe off. Before (QA), nothing asked
+    again: `syncing`, predicting nothing, for good. Its clear is said in its own line (the
+    gap's clear a second before no longer swallows it)."""
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
+    batches = workload(seed=26, batches=16)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        published = await _empty_batches_before(pub, svc)
+        await _gap_left_unrepaired(pub, svc, batches[:10], batches[10])
+        published += [*batches[:11], EventBatch(ts=0.0, events=[])]
+        cut: list[int] = []
+
+        def stop_short(start: int) -> list[list[bytes]] | None:
+            if cut or start != 0:
+                return None
+            cut.append(start)
+            return [build_replay_reply(pub.topic, seq, data) for seq, data in list(pub.buffer)[:2]]
+
+        pub.answer_with = stop_short
+        await wait_until(lambda: svc.streams()[0].rebuilds == 1)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert cut == [0]
+        assert view(svc.index, STREAM) == view(reference(published), STREAM)
+        assert "rebuilt from the replay buffer (seqs 0..)" in caplog.text
