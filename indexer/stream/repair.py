@@ -429,7 +429,10 @@ class Repair(SubscriberState):
         probe's. An answer that does not come to its end is asked again after twice the wait
         (to `REBUILD_MAX_S`)."""
         self._rebuild_at = None
-        heard, restarts = self._live_heard, self.restarts
+        heard, restarts, rebinds = self._live_heard, self.restarts, self._rebinds
+        fence = self._rebuild_fence = self.sink.fence()
+        unproven = fence is not None and self._unproven_against_live(fence.seq)
+        self._rebuild_broke = False
         self._rebuilding = True
         # what it applies is the past until the answer ended and the live batches queued
         # meanwhile are read (`_take_reply`), whether it cleared the stream or not
@@ -438,6 +441,26 @@ class Repair(SubscriberState):
             result = await self._replay(0)
         finally:
             self._rebuilding = self._probing = False
+            self._rebuild_fence = None
+        if fence is not None and self.restarts == restarts and self._rebinds == rebinds:
+            newest = result.newest
+            if self._rebuild_broke or (
+                result.answered and newest is not None and newest < fence.seq
+            ):
+                # a new process's buffer: what it rebuilt is that process's cache, yet the
+                # restart is counted and said, the worker's settings read again and its
+                # other ranks suspected, as any restart (QA: absorbed unsaid, `restarts` 0)
+                where = (
+                    f"another batch at seq {fence.seq}"
+                    if self._rebuild_broke
+                    else f"seqs up to {newest} only, below ours ({fence.seq})"
+                )
+                self._restart(
+                    f"the rebuild's buffer holds {where}: {self._another_run()}",
+                    unproven=unproven,
+                )
+                result = await self._replay(0)
+                restarts = self.restarts
         self._undelivered_since(heard, restarts)
         if result.answered:
             self._rebuild_from = None

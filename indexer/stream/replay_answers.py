@@ -143,6 +143,13 @@ class ReplayAnswers(SubscriberState):
             return continuity
         if self._rebuilding:
             self._rebuild_begins(reply.seq)
+        fence = self._rebuild_fence
+        if (
+            fence is not None
+            and reply.seq == fence.seq
+            and not fence.matches(reply.seq, reply.payload)
+        ):
+            self._rebuild_broke = True  # (applied all the same: `_rebuild_cleared` restarts)
         if continuing and continuity is Continuity.NONE:
             continuity = self._check_fence(start, reply.seq, reply.payload)
             if continuity is Continuity.PROVEN:

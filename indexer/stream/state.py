@@ -170,6 +170,11 @@ class SubscriberState(abc.ABC):
         # the rebuild's replay is being read: its first batch older than `_rebuild_from`
         # clears the stream, which the rest of the answer rebuilds (`_take_reply`)
         self._rebuilding = False
+        # the fence of what the stream held when the rebuild was asked: the buffer's batch at
+        # its seq must be the same (else, or a buffer ending below it, the publisher
+        # restarted: `_rebuild_broke`), as a probe's first batch must be
+        self._rebuild_fence: BatchFence | None = None
+        self._rebuild_broke = False
         # Until the SUB delivers its first message we are joining: what replay brings then
         # (the catch-up probe, or a repair of what the SUB missed while it connected) is the
         # worker's history, not a gap.
@@ -614,6 +619,10 @@ class SubscriberState(abc.ABC):
     async def _replay(self, start: int) -> ReplayResult: ...
     @abc.abstractmethod
     async def _check_restart(self, last: int) -> bool | None: ...
+    @abc.abstractmethod
+    def _unproven_against_live(self, seq: int) -> bool: ...
+    @abc.abstractmethod
+    def _another_run(self) -> str: ...
 
     # indexer.stream.live_checks
     @abc.abstractmethod

@@ -223,3 +223,28 @@ async def test_a_rebuild_whose_answer_stopped_short_is_asked_again_and_said(
         assert cut == [0]
         assert view(svc.index, STREAM) == view(reference(published), STREAM)
         assert "rebuilt from the replay buffer (seqs 0..)" in caplog.text
+
+
+async def test_a_rebuild_meeting_a_restarted_publisher_counts_the_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The worker restarted while the rebuild was owed and its first batches never reached
+    the SUB (the event path's restart unseen): the rebuild's buffer lacks the seq the stream
+    stands at. What it rebuilt is the new process's cache either way, but the restart is
+    counted, said and told (its settings read again, its other ranks suspected) as any other.
+    Before (QA), it was absorbed unsaid: `restarts` 0."""
+    told: list[str] = []
+    batches = workload(seed=27, batches=12)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        svc.restart_listeners.append(told.append)
+        await connect(svc, pub)
+        await _gap_left_unrepaired(pub, svc, batches[:8], batches[8])
+        pub.restart()
+        new = batches[9:]
+        for batch in new:
+            await pub.publish(batch, drop=True)
+        await wait_until(lambda: svc.streams()[0].restarts == 1)
+        await wait_until(lambda: svc.streams()[0].last_seq == len(new) - 1)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert told == [WORKER]
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
