@@ -34,7 +34,13 @@ from indexer.sink import keeps_entries
 from indexer.stats import StreamState
 from indexer.stream.replay_answers import Continuity
 from indexer.stream.restarts import DEAD
-from indexer.stream.state import REBUILD_FIRST_S, REBUILD_MAX_S, CatchUp, SubscriberState
+from indexer.stream.state import (
+    REBUILD_FIRST_S,
+    REBUILD_MAX_S,
+    CatchUp,
+    DeliveryMark,
+    SubscriberState,
+)
 
 __all__ = ["Repair"]
 
@@ -190,6 +196,7 @@ class Repair(SubscriberState):
         # the last answer or live batch should have reached the SUB, so one this brings it
         # did not deliver (`_found_undelivered`)
         watched = self._connected and self._catch_up is None and not self._unverified
+        mark = self._delivery_mark()
         self.probes += 1
         # Ask from the last applied seq, not the one after it: its batch must come back
         # unchanged (the fence), and an answer without it means the seqs went back (a restart
@@ -241,7 +248,9 @@ class Repair(SubscriberState):
             if not joining:
                 self.gaps += 1
             if watched and self.restarts == restarts:
-                self._found_undelivered(before, after)
+                self._found_undelivered(before, after, "the idle probe")
+            elif self.restarts != restarts:
+                self._undelivered_since(mark, "the idle probe's rebuild after a restart")
             self._notify(after)
         if not answered:
             if self._retry_ms is not None or self.restarts != restarts:
@@ -255,7 +264,7 @@ class Repair(SubscriberState):
             return
         self._heard_whole()
 
-    def _found_undelivered(self, before: int | None, after: int) -> None:
+    def _found_undelivered(self, before: int | None, after: int, by: str) -> None:
         """An idle probe, asked with the SUB connected and the stream caught up, brought
         batches up to `after` that the SUB has not delivered. A PUB at its high-water mark drops
         some; a live path that is deaf drops all (a ZMQ forwarder that lost its upstream, a
@@ -267,22 +276,22 @@ class Repair(SubscriberState):
         the probe ran ahead of a live batch in flight, whose copy comes next: so it is said
         only once a later live batch comes without the copies, or at the next probe
         (`_undelivered_unsaid`, `_say_undelivered`)."""
-        self._undelivered_unsaid = (before, after)
+        self._undelivered_unsaid = (before, after, by)
         if not self._live_unproven:
             self._live_unproven = True
             self._show_state()
 
     def _say_undelivered(self) -> None:
-        """Count and say the batches an idle probe found undelivered, if still unsaid."""
+        """Count and say the batches a replay found undelivered, if still unsaid."""
         unsaid, self._undelivered_unsaid = self._undelivered_unsaid, None
         if unsaid is None:
             return
-        before, after = unsaid
+        before, after, by = unsaid
         self.undelivered_tails += 1
         first = 0 if before is None else before + 1
         self._warn(
             "undelivered",
-            f"the idle probe found batches {first}..{after} the connected event socket never "
+            f"{by} found batches {first}..{after} the connected event socket never "
             f"delivered (undelivered_tails {self.undelivered_tails}): the event path may be "
             "deaf (a forwarder that lost its upstream, a hop dropping bytes) or the publisher "
             "dropped them at its high-water mark; the stream predicts nothing until a live "
@@ -429,7 +438,11 @@ class Repair(SubscriberState):
         probe's. An answer that does not come to its end is asked again after twice the wait
         (to `REBUILD_MAX_S`)."""
         self._rebuild_at = None
-        heard, restarts, rebinds = self._live_heard, self.restarts, self._rebinds
+        # a rebuild runs on a stream proven since its SUB connected: every batch past the one
+        # it stands at was published to that connection (QA: read behind a forwarder the SUB
+        # reconnected to, deaf, before any live batch came: trusted, a flush predicted)
+        mark = self._delivery_mark(fallback=self.tracker.last)
+        restarts, rebinds = self.restarts, self._rebinds
         fence = self._rebuild_fence = self.sink.fence()
         unproven = fence is not None and self._unproven_against_live(fence.seq)
         self._rebuild_broke = False
@@ -460,8 +473,7 @@ class Repair(SubscriberState):
                     unproven=unproven,
                 )
                 result = await self._replay(0)
-                restarts = self.restarts
-        self._undelivered_since(heard, restarts)
+        self._undelivered_since(mark, "the rebuild")
         if result.answered:
             self._rebuild_from = None
             self._rebuild_wait_s = REBUILD_FIRST_S
@@ -474,21 +486,41 @@ class Repair(SubscriberState):
         elif self._rebuild_from is not None and self.tracker.last is not None:
             self._owe_rebuild(self._rebuild_from)  # nothing came: asked again later
 
-    def _undelivered_since(self, heard: int | None, restarts: int) -> None:
-        """A replay asked when the SUB's connection had delivered live seq `heard` (None:
-        none yet) left the stream at a later seq: those batches were published to that
-        connection, so either the live path delivers them next (the replay ran ahead of them)
-        or it is deaf (`_found_undelivered`: the stream predicts nothing until a live batch
-        follows on). A rebuild or a proof read while a forwarder's upstream was gone, its SUB
-        connection up, was otherwise trusted whole: each eviction after it a false hit until
-        the next probe (QA: 4.7 s)."""
-        after = self.tracker.last
-        if (
-            heard is None
-            or after is None
-            or after <= heard
-            or self.restarts != restarts
-            or self._live_heard is None  # (the SUB reconnected meanwhile)
-        ):
+    def _delivery_mark(self, fallback: int | None = None) -> DeliveryMark:
+        """Where the live path stands as a replay is asked: the newest seq the SUB delivered
+        on its connection, else `fallback` (a seq every later batch is known published after,
+        to the same connection)."""
+        if self._live_heard is not None:
+            return DeliveryMark(
+                self._live_heard, self._live_heard_payload, self.restarts, self._sub_links
+            )
+        fence = self.sink.fence() if fallback is not None else None
+        payload = fence.payload if fence is not None and fence.seq == fallback else None
+        return DeliveryMark(fallback, payload, self.restarts, self._sub_links)
+
+    def _undelivered_since(self, mark: DeliveryMark, by: str) -> None:
+        """A replay asked at `mark` (`by` found it) left the stream at a later seq: those
+        batches were published to the SUB's connection, so either the live path delivers them
+        next (the replay ran ahead of them) or it is deaf (`_found_undelivered`: the stream
+        predicts nothing until a live batch follows on). A rebuild or a proof read while a
+        forwarder's upstream was gone, its SUB connection up, was otherwise trusted whole:
+        each eviction after it a false hit until the next probe (QA: 4.7 s). A restart found
+        meanwhile leaves `heard` the new run's only if the new buffer holds the very batch
+        there; else it was the dead run's, and every batch of the new one was published to the
+        SUB's connection after it (a hop between them outlived the dead process: before, QA,
+        a restart a proof found behind a deaf forwarder was trusted whole, the new process's
+        pages predicted after a flush it swallowed, 6 s and more). A SUB that reconnected
+        judges by nothing (what was published before its handshake reached nobody)."""
+        if self._sub_links != mark.links:
             return
-        self._found_undelivered(heard, after)
+        heard = mark.heard
+        if (
+            heard is not None
+            and self.restarts != mark.restarts
+            and (mark.payload is None or not self._is_replayed(heard, mark.payload))
+        ):
+            heard = -1
+        after = self.tracker.last
+        if heard is None or after is None or after <= heard:
+            return
+        self._found_undelivered(heard, after, by)

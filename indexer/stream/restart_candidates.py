@@ -168,7 +168,7 @@ class RestartCandidates(SubscriberState):
         last = self.tracker.last
         why = self._why_unverified
         rebinds = self._rebinds
-        heard = self._live_heard
+        mark = self._delivery_mark()
         if last is None:
             if not self.sink.entries():
                 self._trust()
@@ -228,7 +228,7 @@ class RestartCandidates(SubscriberState):
             self._loaded_outcome(f"proven at seq {last}: {self.sink.entries()} entries")
         # else the clear that dropped the snapshot's state said why (`_clear`)
         self._trust()
-        self._undelivered_since(heard, restarts)  # (what it brought past the live path)
+        self._undelivered_since(mark, "a restart's proof")  # (past the live path)
         if answered:
             self._heard_whole()
         else:

@@ -69,9 +69,9 @@ class Restarts(SubscriberState):
                 " (or its replay socket, never proven the publisher's, is another worker's: "
                 "what it gives predicts nothing until a live batch agrees with it)"
             )
-        self._clear(reason, outcome=outcome)
+        # (said apart from the clears: one a moment before, a gap's, would swallow it)
+        self._clear(reason, kind="restart", outcome=outcome)
         self._rebuild_at = self._rebuild_from = None  # (rebuilt from 0 now)
-        self._live_heard = None  # (the run before it: the new one's seqs start over)
         self.tracker.reset()
         self.sink.forget_seq()
         self._last_live = None

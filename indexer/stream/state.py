@@ -21,7 +21,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -46,6 +46,7 @@ __all__ = [
     "LIVE_CHECK_BURST",
     "LIVE_CHECK_MAX_S",
     "CatchUp",
+    "DeliveryMark",
     "SubscriberState",
     "batch_digest",
     "log",
@@ -114,6 +115,15 @@ class CatchUp(enum.Enum):
     # the answer ended, or a live batch followed on what it gave: the live batches queued on
     # the SUB meanwhile are the last of the past, applied once the loop reads them
     DRAINING = "draining"
+
+
+class DeliveryMark(NamedTuple):
+    """Where the live path stood as a replay was asked (`Repair._delivery_mark`)."""
+
+    heard: int | None  # the newest seq it delivered on its connection (or known published)
+    payload: bytes | None  # the batch at `heard` (None: not known)
+    restarts: int
+    links: int  # `_sub_links` then
 
 
 class SubscriberState(abc.ABC):
@@ -261,16 +271,20 @@ class SubscriberState(abc.ABC):
         # replay socket does not give back (`_dead_batch`): the live path may be another's
         self._live_unproven = False
         # the newest live seq the SUB delivered on its present connection (None: none since
-        # it connected, or since a restart): a batch past it was published to that
-        # connection, so a replay that brings one the live path has not delivered found it
-        # deaf, or ran ahead of it (`Repair._undelivered_since`)
+        # it connected) and that batch: a batch past it was published to that connection, so
+        # a replay that brings one the live path has not delivered found it deaf, or ran
+        # ahead of it (`Repair._undelivered_since`)
         self._live_heard: int | None = None
+        self._live_heard_payload: bytes | None = None
+        # the SUB's connection events seen (a handshake, a drop): a replay read across one
+        # judges nothing by `_live_heard`
+        self._sub_links = 0
         # the batches (after the seq, up to the seq) such a probe found, not yet said: said
         # (counted in `undelivered_tails`, one WARNING) once a later live batch comes without
         # their live copies, or at the next probe; unsaid when the copy of the newest comes
         # (the probe only ran ahead of a live batch in flight). Before, said at once: a probe
         # racing a healthy stream's live batch warned of a deaf path (QA, 1 in a 60 s run)
-        self._undelivered_unsaid: tuple[int | None, int] | None = None
+        self._undelivered_unsaid: tuple[int | None, int, str] | None = None
         # the stream's task has waited `HELD_BEHIND_S` for a replay answer (a live check, a
         # probe) while live batches queued behind it on the SUB (`_holding_live`): it is
         # behind the worker, so it predicts nothing (`degraded`) until the session has read
@@ -612,7 +626,9 @@ class SubscriberState(abc.ABC):
     @abc.abstractmethod
     async def _rebuild_cleared(self) -> None: ...
     @abc.abstractmethod
-    def _undelivered_since(self, heard: int | None, restarts: int) -> None: ...
+    def _delivery_mark(self, fallback: int | None = None) -> DeliveryMark: ...
+    @abc.abstractmethod
+    def _undelivered_since(self, mark: DeliveryMark, by: str) -> None: ...
 
     # indexer.stream.replay_answers
     @abc.abstractmethod

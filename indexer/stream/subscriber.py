@@ -230,12 +230,12 @@ class StreamSubscriber(
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> None:
         event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        self._live_heard = None  # (a new connection, or none: nothing heard on it yet)
+        self._sub_links += 1
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
-            self._live_heard = None
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
-            self._live_heard = None
             self.suspect_restart("the event connection dropped")
             if self._on_siblings is not None:
                 # a candidate restart of the whole server: its other ranks are suspected now,
@@ -255,7 +255,7 @@ class StreamSubscriber(
             return
         if not topic_matches(msg.topic, self._topic):
             return
-        self._live_heard = msg.seq
+        self._live_heard, self._live_heard_payload = msg.seq, msg.payload
         if self._disagreeing is not None:
             await self._while_disagreeing(msg.seq, msg.payload)
             return

@@ -179,7 +179,8 @@ async def test_a_restart_rebuilt_from_the_new_buffer_predicts_nothing_of_its_pas
 ) -> None:
     """A synced stream's idle probe finds a new process (its batch at our seq is another:
     `longer`; its newest seq is below ours: `shorter`), and rebuilds from the new buffer,
-    where the prompt was stored and evicted again."""
+    where the prompt was stored and evicted again. (None of the new run reached the SUB,
+    connected all along: it is trusted once a live batch follows on.)"""
     async with ScriptedPublisher(ctx) as pub, IndexerService(config(probe=True)) as svc:
         await svc.add_worker(WORKER, [stream(pub)])
         before = 5 if new_run == "longer" else 2 * FILL
@@ -192,7 +193,10 @@ async def test_a_restart_rebuilt_from_the_new_buffer_predicts_nothing_of_its_pas
             pub.restart()
             last = await history(pub)  # the new process's batches, missed live
             await until(lambda: svc.streams()[0].restarts == 1)
-            await until(caught_up(svc, last))
+            await until(lambda: svc.streams()[0].last_seq == last)
+            await until(lambda: svc.streams()[0].state is StreamState.UNVERIFIED)
+            followed = await pub.publish(EventBatch(0.0, []))
+            await until(caught_up(svc, followed))
         assert watch.predicted == []
         assert watch.held_unpredicted > 0
 

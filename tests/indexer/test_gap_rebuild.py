@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from indexer.config import IndexerConfig
+from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored, TokenId
 from indexer.protocol.frames import build_replay_reply
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from indexer.stream import repair, state
+from tests.indexer.late_forwarder import Forwarder, free_endpoint
 from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import STREAM, WORKER, connect, reference, view, wait_until
 
@@ -226,13 +227,16 @@ async def test_a_rebuild_whose_answer_stopped_short_is_asked_again_and_said(
 
 
 async def test_a_rebuild_meeting_a_restarted_publisher_counts_the_restart(
-    ctx: zmq.asyncio.Context,
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The worker restarted while the rebuild was owed and its first batches never reached
     the SUB (the event path's restart unseen): the rebuild's buffer lacks the seq the stream
     stands at. What it rebuilt is the new process's cache either way, but the restart is
     counted, said and told (its settings read again, its other ranks suspected) as any other.
-    Before (QA), it was absorbed unsaid: `restarts` 0."""
+    Before (QA), it was absorbed unsaid: `restarts` 0. The new run's batches were published
+    to the SUB's connection, which delivered none: the stream predicts nothing until a live
+    batch follows on (the live path may be deaf)."""
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
     told: list[str] = []
     batches = workload(seed=27, batches=12)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
@@ -245,6 +249,122 @@ async def test_a_rebuild_meeting_a_restarted_publisher_counts_the_restart(
             await pub.publish(batch, drop=True)
         await wait_until(lambda: svc.streams()[0].restarts == 1)
         await wait_until(lambda: svc.streams()[0].last_seq == len(new) - 1)
-        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        await asyncio.sleep(0.2)
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
         assert told == [WORKER]
         assert view(svc.index, STREAM) == view(reference(new), STREAM)
+        assert "the rebuild's buffer holds seqs up to 2 only, below ours" in caplog.text
+        new.append(EventBatch(ts=0.0, events=[]))
+        assert await svc.wait_applied(WORKER, await pub.publish(new[-1]))
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert view(svc.index, STREAM) == view(reference(new), STREAM)
+
+
+async def _through(
+    ctx: zmq.asyncio.Context, svc: IndexerService, pub: ScriptedPublisher, fwd: Forwarder
+) -> None:
+    """Add the worker with its events through `fwd` (its replay direct) and wait until the
+    SUB receives, as `connect` does."""
+    config = StreamConfig(
+        endpoint=fwd.endpoint, replay_endpoint=pub.replay_endpoint, topic="kv", block_size=4
+    )
+    await svc.add_worker(WORKER, [config])
+    for _ in range(100):
+        seq = await pub.publish(EventBatch(ts=0.0, events=[]))
+        live = svc._workers[WORKER][0].tracker.live
+        if await svc.wait_applied(WORKER, seq, timeout_s=0.1) and live is not None:
+            await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+            return
+    raise AssertionError("subscriber never received anything")
+
+
+async def _deaf_forwarder_at(ctx: zmq.asyncio.Context, upstream: str, endpoint: str) -> Forwarder:
+    """A forwarder that swallows everything, bound at `endpoint` once the one closed there
+    has let it go (zmq closes sockets in its own thread: the port may be taken a moment)."""
+    for _ in range(100):
+        fwd = Forwarder(ctx, upstream, endpoint)
+        fwd.swallow = True
+        try:
+            return await fwd.start()
+        except zmq.ZMQError:
+            await fwd.aclose()
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"{endpoint} never came free")
+
+
+def _page(tokens: list[TokenId], block_hash: int) -> EventBatch:
+    stored = Stored(block_hashes=[block_hash], parent=None, token_ids=tokens[:4], block_size=4)
+    return EventBatch(ts=0.0, events=[stored])
+
+
+async def test_a_rebuild_after_the_sub_reconnected_to_a_deaf_hop_trusts_nothing_it_missed(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forwarder came back deaf (its SUB side up, nothing from the worker) after the gap:
+    the stream's proof at the reconnect holds, then a page the worker stores never reaches
+    the SUB, and the rebuild brings it. No live batch came on the new connection, yet every
+    batch past the one the proven stream stood at was published to it: the stream predicts
+    nothing until a live batch follows on. Before (QA), it was trusted: the page, and a flush
+    the hop swallowed next, predicted for as long as the worker stayed quiet."""
+    for module in (state, repair):
+        monkeypatch.setattr(module, "REBUILD_FIRST_S", 2.5)  # (after the reconnect's proof)
+    q: list[TokenId] = [5, 6, 7, 8, 0]
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        endpoint = free_endpoint()
+        fwd = await Forwarder(ctx, pub.endpoint, endpoint).start()
+        try:
+            await _through(ctx, svc, pub, fwd)
+            await _gap_left_unrepaired(
+                pub, svc, workload(seed=28, batches=4), EventBatch(ts=0.0, events=[])
+            )
+            await fwd.aclose()
+            fwd = await _deaf_forwarder_at(ctx, pub.endpoint, endpoint)
+            await wait_until(lambda: svc.streams()[0].verifications >= 1)
+            await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+            assert svc.streams()[0].rebuilds == 0  # (the proof came first)
+            missed = await pub.publish(_page(q, 88))
+            await wait_until(lambda: svc.streams()[0].rebuilds == 1)
+            await wait_until(lambda: svc.streams()[0].last_seq == missed)
+            await asyncio.sleep(0.2)  # (the catch-up drained)
+            assert svc.streams()[0].state is StreamState.UNVERIFIED
+            assert svc.query(Namespace(), q)[WORKER].matched_tokens == 0
+            assert fwd.swallowed >= 1
+        finally:
+            await fwd.aclose()
+
+
+async def test_a_restart_a_proof_finds_behind_a_deaf_hop_trusts_nothing_of_the_new_run(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker restarted behind a forwarder that went deaf (the SUB's connection up all
+    along): a proof (its health check back) finds the restart and rebuilds from the new
+    process's buffer, none of which the SUB delivered though all of it was published to its
+    connection. The stream predicts nothing until a live batch of the new run follows on, and
+    the WARNING then names the proof. Before (QA), it was trusted whole: the new process's
+    pages predicted after a flush the hop swallowed, 6 s and more."""
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
+    q: list[TokenId] = [5, 6, 7, 8, 0]
+    async with (
+        ScriptedPublisher(ctx) as pub,
+        IndexerService(CONFIG) as svc,
+        Forwarder(ctx, pub.endpoint, free_endpoint()) as fwd,
+    ):
+        await _through(ctx, svc, pub, fwd)
+        last = 0
+        for batch in workload(seed=29, batches=4):
+            last = await pub.publish(batch)
+        assert await svc.wait_applied(WORKER, last)
+        fwd.swallow = True
+        pub.restart()
+        await pub.publish(_page(q, 88))  # the new process's seq 0: swallowed
+        svc.suspect_restart(WORKER, "its health check came back")
+        await wait_until(lambda: svc.streams()[0].restarts == 1)
+        await wait_until(lambda: svc.streams()[0].last_seq == 0)
+        await asyncio.sleep(0.2)
+        assert svc.streams()[0].state is StreamState.UNVERIFIED
+        assert svc.query(Namespace(), q)[WORKER].matched_tokens == 0
+        fwd.swallow = False
+        assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(ts=0.0, events=[])))
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert svc.query(Namespace(), q)[WORKER].matched_tokens == 4
+        assert "a restart's proof found batches 0..0" in caplog.text
