@@ -49,11 +49,6 @@ def quick_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, "REBUILD_FIRST_S", 0.5)
 
 
-async def _empty_batches_before(pub: ScriptedPublisher, svc: IndexerService) -> list[EventBatch]:
-    """What `connect` published (empty batches), as the reference's first batches."""
-    return [EventBatch(ts=0.0, events=[])] * pub.next_seq
-
-
 async def _gap_left_unrepaired(
     pub: ScriptedPublisher, svc: IndexerService, before: list[EventBatch], lost: EventBatch
 ) -> int:
@@ -72,15 +67,23 @@ async def _gap_left_unrepaired(
     return after
 
 
+async def _cleared(
+    pub: ScriptedPublisher, svc: IndexerService, batches: list[EventBatch], lost: int
+) -> list[EventBatch]:
+    """`connect`, then `_gap_left_unrepaired` with `batches[lost]` the batch lost; returns
+    every batch the worker published, in seq order (the reference of a whole rebuild)."""
+    await connect(svc, pub)
+    empties = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
+    await _gap_left_unrepaired(pub, svc, batches[:lost], batches[lost])
+    return [*empties, *batches[: lost + 1], EventBatch(ts=0.0, events=[])]
+
+
 async def test_a_busy_stream_a_gap_cleared_is_rebuilt_from_the_buffer(
     ctx: zmq.asyncio.Context,
 ) -> None:
     batches = workload(seed=21, batches=40)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
-        await connect(svc, pub)
-        published = await _empty_batches_before(pub, svc)
-        await _gap_left_unrepaired(pub, svc, batches[:20], batches[20])
-        published += [*batches[:21], EventBatch(ts=0.0, events=[])]
+        published = await _cleared(pub, svc, batches, 20)
         cleared = reference(published[-1:])  # what the clear left: nothing of the past
         assert view(svc.index, STREAM) == view(cleared, STREAM)
         # busy: a batch every 20 ms, for as long as the rebuild takes (bounded)
@@ -107,11 +110,8 @@ async def test_a_quiet_stream_a_gap_cleared_is_rebuilt_without_a_probe(
 ) -> None:
     batches = workload(seed=22, batches=20)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
-        await connect(svc, pub)
-        published = await _empty_batches_before(pub, svc)
-        after = await _gap_left_unrepaired(pub, svc, batches[:10], batches[10])
-        published += [*batches[:11], EventBatch(ts=0.0, events=[])]
-        assert svc.streams()[0].last_seq == after
+        published = await _cleared(pub, svc, batches, 10)
+        assert svc.streams()[0].last_seq == len(published) - 1
         await wait_until(lambda: svc.streams()[0].rebuilds == 1)
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert view(svc.index, STREAM) == view(reference(published), STREAM)
@@ -206,10 +206,7 @@ async def test_a_rebuild_whose_answer_stopped_short_is_asked_again_and_said(
     caplog.set_level(logging.WARNING, logger="indexer.stream")
     batches = workload(seed=26, batches=16)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
-        await connect(svc, pub)
-        published = await _empty_batches_before(pub, svc)
-        await _gap_left_unrepaired(pub, svc, batches[:10], batches[10])
-        published += [*batches[:11], EventBatch(ts=0.0, events=[])]
+        published = await _cleared(pub, svc, batches, 10)
         cut: list[int] = []
 
         def stop_short(start: int) -> list[list[bytes]] | None:
