@@ -5,11 +5,12 @@ discovery, health checks, subscribers and index as `kvroute serve`, whose index 
 (`indexer.stream_tap`). Every batch applied, clear, forgotten seq and state change of each
 stream becomes a numbered `RelayRecord` on `<prefix>.events.<stream>`, kept by the JetStream
 stream `<prefix>_events` (created here, or by the first replica that follows it), and every
-`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Four times a heartbeat interval
-(`presence_interval`) the relay says it is alive on `<prefix>.relay.presence`, in the order of its
-records: NATS tells no subscriber that a publisher died, so its followers take it for gone once
-that word stops (`PRESENCE_MISSES` intervals, 0.75 s by default) and trust its streams again at
-its next record. Replicas with
+`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Each record names the
+KV-event endpoint the stream is read from (`follows`), which the stream's id does not. Four
+times a heartbeat interval (`presence_interval`) the relay says it is alive on
+`<prefix>.relay.presence`, in the order of its records: NATS tells no subscriber that a
+publisher died, so its followers take it for gone once that word stops (`PRESENCE_MISSES`
+intervals, 0.75 s by default) and trust its streams again at its next record. Replicas with
 `[cluster] events = "relay"` apply them (`router.cluster.relay_follower`): one subscription per
 worker for the whole fleet instead of one per worker and replica.
 
@@ -128,6 +129,8 @@ class RelayPublisher:
         self._presences = 0  # said so far: every record says how many
         self._presence_subject = presence_subject(config.subject_prefix)
         self._rseq: dict[str, int] = {}
+        # the KV-event endpoint each stream is read from (`follows`): every record says it
+        self._sources: dict[str, str] = {}
         self._queue: deque[tuple[str, bytes]] = deque()
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
@@ -163,6 +166,12 @@ class RelayPublisher:
         """The stream entered `state`."""
         self._numbered(RelayKind.STATE, stream, state=state)
 
+    def follows(self, stream: str, source: str) -> None:
+        """The stream is read from the endpoint `source` from now on (its worker registered):
+        its records say so, and a follower whose worker of that id publishes elsewhere takes
+        none of them (`indexer.fed_stream`)."""
+        self._sources[stream] = source
+
     def new_epoch(self) -> None:
         """The index was replaced: numbering starts again under a new epoch."""
         self.epoch = secrets.randbits(63)
@@ -193,6 +202,7 @@ class RelayPublisher:
             replayed=replayed,
             presence_s=self.presence_s,
             presence_n=self._presences,
+            source=self._sources.get(stream, ""),
         )
         self._put(stream, record)
 
@@ -232,6 +242,7 @@ class RelayPublisher:
                 restarts=head.restarts,
                 presence_s=self.presence_s,
                 presence_n=self._presences,
+                source=self._sources.get(head.stream, ""),
             )
             self._put(head.stream, record)
 
