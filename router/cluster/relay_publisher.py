@@ -29,7 +29,6 @@ client retries a refused connection by itself, forever: before, nothing was said
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections import deque
@@ -53,6 +52,8 @@ from router.cluster.nats_client import (
     Replacements,
     TlsGuardedClient,
     TlsNotOffered,
+    attempt_error,
+    close_client,
     stop_retrying,
 )
 from router.cluster.tasks import stop_tasks
@@ -289,9 +290,10 @@ class RelayPublisher:
         await asyncio.gather(*(t for t in self._tasks if t.done()), return_exceptions=True)
         nc, self._nc = self._nc, None
         if nc is not None:
-            with contextlib.suppress(*_NATS_ERRORS):
-                async with asyncio.timeout(2.0):
-                    await nc.close()  # flushes what the client still buffers
+            # flushes what the client still buffers, if NATS answers
+            await close_client(nc, 2.0)
+        if self._connecting is not None and self._connecting is not nc:
+            await close_client(self._connecting, 2.0)  # one stopped mid-attempt: its socket
 
     @property
     def connected(self) -> bool:
@@ -356,7 +358,7 @@ class RelayPublisher:
         async def on_error(exc: Exception) -> None:
             # every failed attempt lands here (the client retries a refused connect itself,
             # forever): kept for the one line the startup deadline says
-            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._last_error = attempt_error(exc, self.config.servers)
             log.debug("relay nats: %s", self._last_error)
             if isinstance(exc, TlsNotOffered):
                 # no waiting mends it: said at once, as a replica says it
@@ -404,7 +406,7 @@ class RelayPublisher:
                     raise  # told to try no more (`__aexit__`)
                 # an option the client refused at once, or a server that answers but would
                 # not make the stream (JetStream off): a refused connection never lands here
-                said = f"{type(exc).__name__}: {exc}"
+                said = attempt_error(exc, self.config.servers)
                 self._last_error = said
                 self._say_once(
                     "connect",
@@ -418,8 +420,7 @@ class RelayPublisher:
                     + "; still trying, records wait (bounded)",
                 )
                 self._late = True  # said: its end is said too, and the deadline says nothing
-                with contextlib.suppress(*_NATS_ERRORS):
-                    await nc.close()
+                await close_client(nc, 2.0)
                 nc = self._connecting = TlsGuardedClient()
                 closed.clear()  # the closing of the client given up on is not ours
                 await asyncio.sleep(delay)
