@@ -50,7 +50,14 @@ relay's state, or a part of it, never more:
   relay wrote after the stream was followed tells: what came before is its registration's past
   (read back after the worker was registered anew: the old process's pages), and its pages
   that do not fit count as `skipped_events`, not `block_size_mismatches` (a counter alerted
-  on, which counts only the mismatches said).
+  on, which counts only the mismatches said);
+- a record names the KV-event endpoint the relay reads the stream from (`source`): one that
+  is not surely where this replica's worker of that id publishes (the id re-pointed at another
+  server on one side only) is not taken; the stream drops what it holds and is STALE, said in
+  one WARNING per worker, until the relay's records name its endpoint again, where it joins
+  afresh. Before, the stream's id alone matched records to it, and the old server's pages were
+  predicted on the new one. A relay of the version before names none: its records are taken
+  by the id, as they were.
 Pure and synchronous: the relay follower (`router.cluster.relay`) does the I/O.
 """
 
@@ -61,11 +68,12 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from indexer.config import IndexerConfig, StreamConfig
+from indexer.config import IndexerConfig, StreamConfig, shown_endpoint
 from indexer.fence import BatchFence
 from indexer.health import StreamHealth
 from indexer.log_throttle import LogThrottle
 from indexer.relay_record import RelayKind, RelayRecord
+from indexer.server_stream import same_endpoint
 from indexer.sink import StreamSink
 from indexer.stats import StreamState, StreamStats, stream_stats
 from indexer.subscriptions import stream_id
@@ -152,6 +160,7 @@ class FedStream:
         verify_window_s: float = 10.0,
         silent_after_s: float | None = None,
         relays: LiveRelays | None = None,
+        elsewhere_said: set[str] | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.worker = worker
@@ -167,6 +176,11 @@ class FedStream:
         # the relays heard alive (the follower's); a relay that says its presence is trusted
         # only while it is among them
         self._relays = LiveRelays() if relays is None else relays
+        # the endpoint the relay reads the stream from, while it is not this replica's
+        # worker's (`_elsewhere`): no record taken, STALE; and the workers said so (one line
+        # per worker, shared by its streams)
+        self._elsewhere: str | None = None
+        self._elsewhere_said = set() if elsewhere_said is None else elsewhere_said
         # no record taken as written now from a relay known alive since the stream began or
         # its relay was last lost (`relay_lost`): STALE, whatever the records' ages say
         self._unheard = True
@@ -226,6 +240,11 @@ class FedStream:
         long ago the relay wrote it, as the follower can tell (None: it cannot, a record read
         back from the stream's past: it builds the state but says nothing of now, and keeps
         nothing from going STALE)."""
+        if record.source and not same_endpoint(record.source, self.config.endpoint):
+            self._from_elsewhere(record.source)
+            return
+        if self._elsewhere is not None:
+            self._agreed(record.source)
         now = self._clock()
         fresh_at = None if age_s is None else now - max(0.0, age_s)
         # when the relay wrote it, on this replica's clock (-inf: not known)
@@ -259,6 +278,57 @@ class FedStream:
         self._held_since()
         self._relay_state = record.state
         self._show()
+
+    def _from_elsewhere(self, source: str) -> None:
+        """A record of the relay's subscriber reading `source`, which is not where this
+        replica's worker of that id publishes (the id re-pointed at another server through one
+        side's admin API or reload, not the other's): its pages are another server's. The
+        stream drops what it holds, takes none of those records and is STALE (nothing
+        predicted) until the relay's records name its endpoint again; then it joins afresh at
+        that record, as a stream followed anew. Before, records were matched by the stream's
+        id alone: QA saw the old server's prompt predicted on the new one (320 tokens, 0
+        cached, 8 of 12 answers), the stream `synced`, until the false-hit watch acted."""
+        if self._elsewhere is None:
+            # what it held, and what it waited to prove, was the other server's
+            self.sink.clear()
+            self.sink.forget_seq()
+            self.tracker.last = None
+            self._epoch, self._rseq = None, -1
+            self._proof = None
+            self._suspected_at = None
+            self._anew_at = None
+            self._relay_restarts = None
+            self._relay_state = StreamState.SYNCING
+        self._elsewhere = source
+        if not self._catching_up and self.worker not in self._elsewhere_said:
+            # read back, it may be the stream's past only (the relay re-pointed since)
+            self._elsewhere_said.add(self.worker)
+            log.warning(
+                "worker %s: the relay reads its KV events (stream %s) from %s, but this "
+                "replica's %s publishes them at %s: the id names another server here than on "
+                "the relay (changed on one side only?); the relay's records of it are not "
+                "taken and nothing of it is predicted until both name one server",
+                self.worker,
+                self.stream_id,
+                shown_endpoint(source),
+                self.worker,
+                shown_endpoint(self.config.endpoint),
+            )
+        self._show()
+
+    def _agreed(self, source: str) -> None:
+        """The relay's records name this replica's endpoint again (or no endpoint: a relay of
+        the version before): followed afresh from the record at hand."""
+        self._elsewhere = None
+        if self.worker in self._elsewhere_said:
+            self._elsewhere_said.discard(self.worker)
+            log.info(
+                "stream %s: the relay reads it from %s again, where this replica's %s "
+                "publishes: followed afresh from its next records",
+                self.stream_id,
+                shown_endpoint(source) if source else "(an endpoint it does not say)",
+                self.worker,
+            )
 
     def _apply(self, record: RelayRecord, fresh_at: float | None) -> None:
         kind = record.kind
@@ -476,8 +546,9 @@ class FedStream:
         state = StreamState.UNVERIFIED if unproven else self._relay_state
         if self._catching_up and state is StreamState.SYNCED:
             state = StreamState.SYNCING  # the relay's past, read back: predicts nothing
-        if self._unheard:
-            state = StreamState.STALE  # its relay not known alive now (`relay_lost`)
+        if self._unheard or self._elsewhere is not None:
+            # its relay not known alive now (`relay_lost`), or reading another server
+            state = StreamState.STALE
         self.health.state = state
 
     def relay_lost(self, epoch: int | None = None) -> bool:
@@ -627,6 +698,8 @@ class FedStreams:
         self.silent_after_s = silent_after_s  # `FedStream`'s
         # the relays heard alive: the follower tells it, every stream asks it
         self.relays = LiveRelays()
+        # the workers whose relay records name another endpoint than theirs, said
+        self.elsewhere_said: set[str] = set()
         self._on_applied = on_applied
         self._on_restart = on_restart
         self._clock = clock
@@ -666,6 +739,7 @@ class FedStreams:
                 on_restart=self._on_restart,
                 silent_after_s=self.silent_after_s,
                 relays=self.relays,
+                elsewhere_said=self.elsewhere_said,
             )
             fed.append(stream)
             self.by_stream[sid] = stream

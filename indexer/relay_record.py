@@ -19,7 +19,10 @@ how long a follower trusts a dead relay's records (`heartbeat_timeout_s`, 3 s: Q
 hits in it). Every record says how often its relay does that (`presence_s`; 0: a relay of the
 version before, which does not) and how many it had said when it wrote the record
 (`presence_n`): a record written after a presence the follower heard comes, in its stream,
-after every record of that stream the relay wrote before. Pure: no I/O.
+after every record of that stream the relay wrote before. Every record also says which
+KV-event endpoint the relay reads the stream from (`source`): the stream's id names only the
+worker, and a replica whose worker of that id is another server (re-pointed through one side's
+admin API) must not take the old server's pages for the new one's. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ class RelayRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     # relay does not say it, a relay of the version before: its records' ages alone tell)
     presence_s: float = 0.0
     presence_n: int = 0  # how many presences the relay had said when it wrote this record
+    # the KV-event endpoint the relay's subscriber of the stream reads (its
+    # `StreamConfig.endpoint`): a follower whose worker of that id publishes elsewhere (the id
+    # re-pointed at another server on one side only) takes none of its records
+    # (`FedStream.take`). Appended last: "" is a relay of the version before, which does not
+    # say it (its records are taken by the stream's id alone, as they were)
+    source: str = ""
 
 
 class RelayPresence(msgspec.Struct, frozen=True, array_like=True):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from indexer.config import StreamConfig
 from indexer.hosts import may_be_one_host, one_host
 
-__all__ = ["ServerStream", "server_stream"]
+__all__ = ["ServerStream", "same_endpoint", "server_stream"]
 
 
 class ServerStream(NamedTuple):
@@ -51,9 +51,23 @@ class ServerStream(NamedTuple):
 def server_stream(cfg: StreamConfig) -> ServerStream:
     """The server's stream `cfg` subscribes to (`tcp://HOST:PORT`, `ipc://PATH`: as
     `indexer.config.endpoint_problem` accepts them)."""
-    scheme, _, rest = cfg.endpoint.partition("://")
-    if scheme == "ipc":
-        return ServerStream(scheme, "", os.path.normpath(rest), cfg.topic, cfg.dp_rank)
-    host, _, port = rest.rpartition(":")
-    where = str(int(port)) if port.isdigit() else port
+    scheme, host, where = _endpoint(cfg.endpoint)
     return ServerStream(scheme, host, where, cfg.topic, cfg.dp_rank)
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """Whether two spellings of a KV-event endpoint surely name one socket (a relay's and a
+    replica's of one worker: `indexer.fed_stream`): one scheme, port or path, and hosts that
+    are surely one (`indexer.hosts.one_host`). Two that only may be one are not: taking
+    another server's events for this one's would predict pages it does not hold."""
+    one, other = _endpoint(a), _endpoint(b)
+    return one[0::2] == other[0::2] and one_host(one[1], other[1])
+
+
+def _endpoint(endpoint: str) -> tuple[str, str, str]:
+    """(scheme, host as spelled, port or normalized path) of `endpoint`."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc":
+        return scheme, "", os.path.normpath(rest)
+    host, _, port = rest.rpartition(":")
+    return scheme, host, str(int(port)) if port.isdigit() else port

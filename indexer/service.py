@@ -235,6 +235,12 @@ class IndexerService:
                 settled[was.stream_id] = self._settled_restarts.get(was.stream_id, 0)
             await self.remove_worker(worker)
 
+        if self.tap is not None:
+            # before any subscriber starts (its first state is told at once): every record
+            # of the new subscriptions names the endpoint they read, none of the old ones
+            for cfg in streams:
+                self.tap.follows(stream_id(worker, cfg.dp_rank), cfg.endpoint)
+
         def sink_for(sid: str, cfg: StreamConfig) -> IndexSink | TappedSink:
             # a loaded snapshot's stream waiting for this worker must be of its shape
             _adopt(self.index, sid, cfg, cfg.block_size)

@@ -50,6 +50,11 @@ class StreamTap(Protocol):
     def new_epoch(self) -> None:
         """The index was replaced (a snapshot loaded): what followed it must start afresh."""
 
+    def follows(self, stream: str, source: str) -> None:
+        """From now on the stream is read from the KV-event endpoint `source` (its worker
+        registered, or registered anew): what the tap is told of it after this is of that
+        endpoint's publisher."""
+
 
 class TappedSink:
     """An `IndexSink` whose every change is also told to a `StreamTap`."""

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from urllib.parse import unquote
 
 import nats.errors
 from nats.aio.client import Client as NATS
 
-__all__ = ["Replacements", "TlsGuardedClient", "TlsNotOffered", "stop_retrying"]
+__all__ = [
+    "Replacements",
+    "TlsGuardedClient",
+    "TlsNotOffered",
+    "attempt_error",
+    "close_client",
+    "stop_retrying",
+]
+
+log = logging.getLogger(__name__)
 
 
 class TlsNotOffered(nats.errors.Error):
@@ -56,6 +67,51 @@ def stop_retrying(nc: NATS) -> None:
     one or two more attempts), and the client, out of servers, gives up (a limit of 0 would
     drop none)."""
     nc.options["max_reconnect_attempts"] = 1
+
+
+def attempt_error(exc: BaseException, servers: Sequence[str]) -> str:
+    """A failed connect attempt as a log line may show it (`ConnectionRefusedError: [Errno
+    111] ...`): the type and the text, with the password or token of each of `servers` (as
+    written, and %-decoded, as the client sends it) hidden, should the text ever hold one."""
+    text = str(exc)
+    if not text and isinstance(exc, TimeoutError):
+        # nats-py's connect timeout says nothing: the TCP connect, or the server's INFO line
+        text = "no answer within the client's connect timeout (a server that is not NATS?)"
+    said = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    for url in servers:
+        rest = url.partition("://")[2]
+        at = rest.rfind("@")
+        if at < 0:
+            continue
+        info = rest[:at]
+        user, colon, password = info.partition(":")
+        secret = password if colon else user  # a token stands in the user's place
+        for text in sorted({info, secret, unquote(secret)} - {""}, key=len, reverse=True):
+            said = said.replace(text, "***")
+    return said
+
+
+async def close_client(nc: NATS, within_s: float) -> None:
+    """Close `nc` for a replica or relay that stops, within `within_s`, raising nothing.
+
+    nats-py's close writes what the client buffered to its transport before closing it. While
+    NATS is away (reconnecting) that transport is the connection that dropped: uvloop refuses
+    the write (`RuntimeError: unable to perform operation on <TCPTransport closed=True ...>`),
+    the close stops there (its subscriptions' tasks and callbacks left) and the error ended the
+    process with status 1 and a traceback (QA: a replica stopped after NATS was down ~20 s,
+    when its heartbeats had filled the buffer). What the client buffered then can reach no
+    server (it would go first on a new connection, which a stopping client never makes): it is
+    dropped first, and the close runs to its end. Connected, it is written as before."""
+    if not nc.is_connected:
+        # nats-py has no public way to drop it: its close writes `_pending` when its size says
+        nc._pending = []
+        nc._pending_data_size = 0
+    try:
+        async with asyncio.timeout(within_s):
+            await nc.close()
+    except (nats.errors.Error, TimeoutError, OSError, RuntimeError) as exc:
+        # a transport that refuses in some other way: the connection goes with the process
+        log.debug("NATS client not closed cleanly (%s: %s)", type(exc).__name__, exc)
 
 
 class Replacements:

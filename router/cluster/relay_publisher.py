@@ -5,11 +5,12 @@ discovery, health checks, subscribers and index as `kvroute serve`, whose index 
 (`indexer.stream_tap`). Every batch applied, clear, forgotten seq and state change of each
 stream becomes a numbered `RelayRecord` on `<prefix>.events.<stream>`, kept by the JetStream
 stream `<prefix>_events` (created here, or by the first replica that follows it), and every
-`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Four times a heartbeat interval
-(`presence_interval`) the relay says it is alive on `<prefix>.relay.presence`, in the order of its
-records: NATS tells no subscriber that a publisher died, so its followers take it for gone once
-that word stops (`PRESENCE_MISSES` intervals, 0.75 s by default) and trust its streams again at
-its next record. Replicas with
+`heartbeat_interval_s` each stream gets an unnumbered heartbeat. Each record names the
+KV-event endpoint the stream is read from (`follows`), which the stream's id does not. Four
+times a heartbeat interval (`presence_interval`) the relay says it is alive on
+`<prefix>.relay.presence`, in the order of its records: NATS tells no subscriber that a
+publisher died, so its followers take it for gone once that word stops (`PRESENCE_MISSES`
+intervals, 0.75 s by default) and trust its streams again at its next record. Replicas with
 `[cluster] events = "relay"` apply them (`router.cluster.relay_follower`): one subscription per
 worker for the whole fleet instead of one per worker and replica.
 
@@ -28,7 +29,6 @@ client retries a refused connection by itself, forever: before, nothing was said
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections import deque
@@ -52,6 +52,8 @@ from router.cluster.nats_client import (
     Replacements,
     TlsGuardedClient,
     TlsNotOffered,
+    attempt_error,
+    close_client,
     stop_retrying,
 )
 from router.cluster.tasks import stop_tasks
@@ -128,6 +130,8 @@ class RelayPublisher:
         self._presences = 0  # said so far: every record says how many
         self._presence_subject = presence_subject(config.subject_prefix)
         self._rseq: dict[str, int] = {}
+        # the KV-event endpoint each stream is read from (`follows`): every record says it
+        self._sources: dict[str, str] = {}
         self._queue: deque[tuple[str, bytes]] = deque()
         self._wake = asyncio.Event()
         self._nc: NATS | None = None
@@ -163,6 +167,12 @@ class RelayPublisher:
         """The stream entered `state`."""
         self._numbered(RelayKind.STATE, stream, state=state)
 
+    def follows(self, stream: str, source: str) -> None:
+        """The stream is read from the endpoint `source` from now on (its worker registered):
+        its records say so, and a follower whose worker of that id publishes elsewhere takes
+        none of them (`indexer.fed_stream`)."""
+        self._sources[stream] = source
+
     def new_epoch(self) -> None:
         """The index was replaced: numbering starts again under a new epoch."""
         self.epoch = secrets.randbits(63)
@@ -193,6 +203,7 @@ class RelayPublisher:
             replayed=replayed,
             presence_s=self.presence_s,
             presence_n=self._presences,
+            source=self._sources.get(stream, ""),
         )
         self._put(stream, record)
 
@@ -232,6 +243,7 @@ class RelayPublisher:
                 restarts=head.restarts,
                 presence_s=self.presence_s,
                 presence_n=self._presences,
+                source=self._sources.get(head.stream, ""),
             )
             self._put(head.stream, record)
 
@@ -278,9 +290,10 @@ class RelayPublisher:
         await asyncio.gather(*(t for t in self._tasks if t.done()), return_exceptions=True)
         nc, self._nc = self._nc, None
         if nc is not None:
-            with contextlib.suppress(*_NATS_ERRORS):
-                async with asyncio.timeout(2.0):
-                    await nc.close()  # flushes what the client still buffers
+            # flushes what the client still buffers, if NATS answers
+            await close_client(nc, 2.0)
+        if self._connecting is not None and self._connecting is not nc:
+            await close_client(self._connecting, 2.0)  # one stopped mid-attempt: its socket
 
     @property
     def connected(self) -> bool:
@@ -345,7 +358,7 @@ class RelayPublisher:
         async def on_error(exc: Exception) -> None:
             # every failed attempt lands here (the client retries a refused connect itself,
             # forever): kept for the one line the startup deadline says
-            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._last_error = attempt_error(exc, self.config.servers)
             log.debug("relay nats: %s", self._last_error)
             if isinstance(exc, TlsNotOffered):
                 # no waiting mends it: said at once, as a replica says it
@@ -393,7 +406,7 @@ class RelayPublisher:
                     raise  # told to try no more (`__aexit__`)
                 # an option the client refused at once, or a server that answers but would
                 # not make the stream (JetStream off): a refused connection never lands here
-                said = f"{type(exc).__name__}: {exc}"
+                said = attempt_error(exc, self.config.servers)
                 self._last_error = said
                 self._say_once(
                     "connect",
@@ -407,8 +420,7 @@ class RelayPublisher:
                     + "; still trying, records wait (bounded)",
                 )
                 self._late = True  # said: its end is said too, and the deadline says nothing
-                with contextlib.suppress(*_NATS_ERRORS):
-                    await nc.close()
+                await close_client(nc, 2.0)
                 nc = self._connecting = TlsGuardedClient()
                 closed.clear()  # the closing of the client given up on is not ours
                 await asyncio.sleep(delay)

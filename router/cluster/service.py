@@ -57,6 +57,8 @@ from router.cluster.nats_client import (
     Replacements,
     TlsGuardedClient,
     TlsNotOffered,
+    attempt_error,
+    close_client,
     stop_retrying,
 )
 from router.cluster.outbox import Outbox
@@ -184,6 +186,7 @@ class ClusterService:
         self.published = 0  # decisions published
         self.bad_messages = 0
         self.nats_errors = 0
+        self._last_error = ""  # the client's last failed attempt, for the startup line
         # the warm start: the snapshot's wall time, how long fetching and loading it took
         self.snapshot_at: float | None = None
         self.fetch_s: float | None = None  # of which reading it from JetStream
@@ -205,9 +208,13 @@ class ClusterService:
             async with asyncio.timeout(self.config.startup_timeout_s):
                 await self._ready.wait()
         except TimeoutError:
+            # why, when NATS never answered (a refused connection and a server that does not
+            # speak NATS read the same before), as `kvroute relay` says it
+            last = self._last_error if not self.connected else ""
             self._degrade(
                 f"NATS at {', '.join(self.config.shown_servers)} (or the shared fleet, or the warm "
                 f"start) did not answer within {self.config.startup_timeout_s:g} s"
+                + (f" (last attempt: {last})" if last else "")
             )
         self._serving = True
         return self
@@ -246,9 +253,11 @@ class ClusterService:
         finally:
             nc, self._nc = self._nc, None
             if nc is not None:
-                with contextlib.suppress(*_NATS_ERRORS):
-                    async with asyncio.timeout(2.0):
-                        await nc.close()
+                await close_client(nc, 2.0)
+            if self._connecting is not None and self._connecting is not nc:
+                # one stopped mid-attempt (its connect task cancelled) holds that attempt's
+                # socket: closed too (it was left to the garbage collector)
+                await close_client(self._connecting, 2.0)
             self.peers.clear()
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
@@ -376,7 +385,8 @@ class ClusterService:
     async def _on_error(self, exc: Exception) -> None:
         # every failed attempt lands here: the state changes are what gets logged, once
         self.nats_errors += 1
-        log.debug("nats: %s: %s", type(exc).__name__, exc)
+        self._last_error = attempt_error(exc, self.config.servers)
+        log.debug("nats: %s", self._last_error)
         refusal = self._refusal(exc)
         if refusal is None or refusal[0] in self._refusals_said:
             return

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from router.cluster.relay_publisher import RelayPublisher
+from router.cluster.server import NatsServer
 from router.cluster.tasks import StoppableTaskGroup, stop_tasks
 from router.config import ClusterConfig
 from router.service import RouterService
@@ -174,3 +175,49 @@ async def test_a_replica_says_what_it_left_behind(
         "cluster: 1 background task(s) still running 0.3 s after being told to stop, left "
         "behind (_Stubborn.run); stopping anyway"
     ], said
+
+
+# ---------------------------------------------------------------- a stop after NATS went away
+
+
+async def _stop_with_data_buffered(what: str) -> None:
+    """Connect a replica or the relay to a real nats-server, kill the server, have the client
+    buffer data for it (as a replica's heartbeats do after ~20 s down), then stop."""
+    async with NatsServer() as nats:
+        config = cluster(nats.url, replica_id="a")
+        if what == "replica":
+            router = RouterService(router_config([], cluster=config))
+            await router.__aenter__()
+            assert router.cluster is not None
+            client, leave = router.cluster._nc, router.__aexit__
+        else:
+            relay = await RelayPublisher(config, name="test-relay").__aenter__()
+            await _until(lambda: relay.connected, "the relay to connect")
+            client, leave = relay._nc, relay.__aexit__
+        try:
+            assert client is not None and client.is_connected
+            await nats.stop()
+            await _until(lambda: client.is_reconnecting, "the client to see NATS gone")
+            await client.publish("kvroute-test.buffered", b"waits for a server that is gone")
+            # what its close would write to the dropped connection's transport
+            assert client._pending_data_size > 0
+        finally:
+            await asyncio.wait_for(leave(None, None, None), _STOP_WITHIN_S + 5.0)
+        assert client.is_closed
+
+
+async def _until(check: Callable[[], bool], what: str) -> None:
+    async with asyncio.timeout(10.0):
+        while not check():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("what", ["replica", "relay"])
+def test_a_stop_after_nats_went_away_with_data_buffered_is_clean_on_uvloop(what: str) -> None:
+    """QA: a replica stopped after NATS had been down ~20 s exited with status 1 and a
+    traceback: nats-py's close wrote what its client buffered to the dropped connection's
+    transport, which uvloop refuses (`RuntimeError: unable to perform operation on
+    <TCPTransport closed=True ...>`), and the error left the rest of the stop undone."""
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_stop_with_data_buffered(what))
