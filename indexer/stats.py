@@ -94,8 +94,9 @@ class StreamStats(msgspec.Struct):
     last_event_age_s: float | None
     entries: int  # blocks held now
     probes: int = 0  # catch-up replay requests made while the stream was quiet
-    # of those, the ones that brought batches the connected SUB never delivered (the event
-    # path may be deaf): the stream then predicts nothing until a live batch follows on
+    # replays (idle probes, restart proofs, rebuilds) that brought batches the connected SUB
+    # never delivered (the event path may be deaf): the stream predicts nothing until a live
+    # batch follows on
     undelivered_tails: int = 0
     # batches that failed to decode and were fetched again through the replay socket
     refetches: int = 0

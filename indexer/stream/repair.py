@@ -514,13 +514,23 @@ class Repair(SubscriberState):
         if self._sub_links != mark.links:
             return
         heard = mark.heard
-        if (
+        new_run = (
             heard is not None
             and self.restarts != mark.restarts
             and (mark.payload is None or not self._is_replayed(heard, mark.payload))
-        ):
+        )
+        if new_run:
             heard = -1
         after = self.tracker.last
         if heard is None or after is None or after <= heard:
+            return
+        if new_run:
+            # a healthy hop loses the new process's first batches too (a forwarder reaches
+            # its new PUB only after it has published them): no sign of a deaf path, so
+            # nothing is counted or said (QA: every restart behind a healthy forwarder
+            # warned of one), yet the stream predicts nothing until a live batch follows on
+            if not self._live_unproven:
+                self._live_unproven = True
+                self._show_state()
             return
         self._found_undelivered(heard, after, by)

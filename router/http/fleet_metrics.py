@@ -47,7 +47,7 @@ _STREAM_COUNTERS = (
     (
         "undelivered_tails",
         "kvroute_stream_undelivered_tails",
-        "Idle probes that found batches the connected event socket never delivered",
+        "Replays (probes, proofs, rebuilds) that found batches the event socket never delivered",
     ),
     (
         "refetches",

@@ -336,9 +336,11 @@ async def test_a_restart_a_proof_finds_behind_a_deaf_hop_trusts_nothing_of_the_n
     """The worker restarted behind a forwarder that went deaf (the SUB's connection up all
     along): a proof (its health check back) finds the restart and rebuilds from the new
     process's buffer, none of which the SUB delivered though all of it was published to its
-    connection. The stream predicts nothing until a live batch of the new run follows on, and
-    the WARNING then names the proof. Before (QA), it was trusted whole: the new process's
-    pages predicted after a flush the hop swallowed, 6 s and more."""
+    connection. The stream predicts nothing until a live batch of the new run follows on.
+    Before (QA), it was trusted whole: the new process's pages predicted after a flush the
+    hop swallowed, 6 s and more. A healthy hop loses the new run's first batches too (it
+    reaches the new PUB after they were published), so this is not counted or warned of as
+    a deaf path (the first version did, at every restart behind a forwarder: QA)."""
     caplog.set_level(logging.WARNING, logger="indexer.stream")
     q: list[TokenId] = [5, 6, 7, 8, 0]
     async with (
@@ -364,4 +366,5 @@ async def test_a_restart_a_proof_finds_behind_a_deaf_hop_trusts_nothing_of_the_n
         assert await svc.wait_applied(WORKER, await pub.publish(EventBatch(ts=0.0, events=[])))
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert svc.query(Namespace(), q)[WORKER].matched_tokens == 4
-        assert "a restart's proof found batches 0..0" in caplog.text
+        assert svc.streams()[0].undelivered_tails == 0
+        assert "found batches" not in caplog.text

@@ -168,10 +168,18 @@ async def test_a_replica_started_while_nats_was_away_applies_only_the_evictions_
                     async def resynced() -> bool:
                         if {await _status(session, a), await _status(session, b)} != {"ok"}:
                             return False
-                        return not await on_a.holds(gone, "w0", 16)
+                        # kept and gone both read in one check: a stream a moment unproven
+                        # (a probe unanswered on a loaded machine) predicts neither, and
+                        # passed the second alone (CI: then `kept` failed). Had the older
+                        # eviction applied, `kept` would never be held again
+                        return await on_a.holds(kept, "w0", 64) and not await on_a.holds(
+                            gone, "w0", 16
+                        )
 
-                    await eventually(resynced, what="a to resync and apply b's late eviction")
-                    assert await on_a.holds(kept, "w0", 64)  # the older eviction did not apply
+                    await eventually(
+                        resynced,
+                        what="a to resync and apply b's late eviction, not the older one",
+                    )
                     assert "kvroute_cluster_evictions_applied_total 1.0" in await _metrics(
                         session, a
                     )
