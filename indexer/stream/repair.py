@@ -265,9 +265,10 @@ class Repair(SubscriberState):
         self._heard_whole()
 
     def _found_undelivered(self, before: int | None, after: int, by: str) -> None:
-        """An idle probe, asked with the SUB connected and the stream caught up, brought
-        batches up to `after` that the SUB has not delivered. A PUB at its high-water mark drops
-        some; a live path that is deaf drops all (a ZMQ forwarder that lost its upstream, a
+        """A replay (`by`: an idle probe asked with the SUB connected and the stream caught
+        up, a restart's proof, a rebuild: `_undelivered_since`) brought batches up to `after`
+        that the SUB has not delivered. A PUB at its high-water mark drops some; a live
+        path that is deaf drops all (a ZMQ forwarder that lost its upstream, a
         TCP hop swallowing bytes: the SUB's connection to it stays up, so nothing else tells),
         and each eviction would be a false hit until the next probe. Nothing tells the two
         apart but the next live batch: until one follows on, the stream predicts nothing
@@ -428,7 +429,8 @@ class Repair(SubscriberState):
             or (self._after_restart and not self._window_over())
         ):
             return None
-        return max(int((at - self._clock()) * 1000) + 1, 0) if at > self._clock() else 0
+        left = at - self._clock()
+        return int(left * 1000) + 1 if left > 0 else 0
 
     async def _rebuild_cleared(self) -> None:
         """Ask the replay socket for its whole buffer (`_rebuild_from`): one that starts before
@@ -511,26 +513,19 @@ class Repair(SubscriberState):
         a restart a proof found behind a deaf forwarder was trusted whole, the new process's
         pages predicted after a flush it swallowed, 6 s and more). A SUB that reconnected
         judges by nothing (what was published before its handshake reached nobody)."""
-        if self._sub_links != mark.links:
+        heard, after = mark.heard, self.tracker.last
+        if self._sub_links != mark.links or heard is None or after is None:
             return
-        heard = mark.heard
-        new_run = (
-            heard is not None
-            and self.restarts != mark.restarts
-            and (mark.payload is None or not self._is_replayed(heard, mark.payload))
-        )
-        if new_run:
-            heard = -1
-        after = self.tracker.last
-        if heard is None or after is None or after <= heard:
-            return
-        if new_run:
-            # a healthy hop loses the new process's first batches too (a forwarder reaches
-            # its new PUB only after it has published them): no sign of a deaf path, so
-            # nothing is counted or said (QA: every restart behind a healthy forwarder
-            # warned of one), yet the stream predicts nothing until a live batch follows on
+        if self.restarts != mark.restarts and (
+            mark.payload is None or not self._is_replayed(heard, mark.payload)
+        ):
+            # every batch of the new run came by replay only. A healthy hop loses the new
+            # process's first batches too (a forwarder reaches its new PUB only after it has
+            # published them): no sign of a deaf path, so nothing is counted or said (QA:
+            # every restart behind a healthy forwarder warned of one), yet the stream predicts
+            # nothing until a live batch follows on
             if not self._live_unproven:
                 self._live_unproven = True
                 self._show_state()
-            return
-        self._found_undelivered(heard, after, by)
+        elif after > heard:
+            self._found_undelivered(heard, after, by)
