@@ -11,6 +11,7 @@ treated the same (fail closed). An answer that starts far beyond the live stream
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 from typing import NamedTuple
@@ -75,11 +76,17 @@ class ReplayAnswers(SubscriberState):
             # a rebuild from the buffer (a join, after a clear), or a proof that may bring a
             # snapshot's stream forward by thousands of batches: the past until caught up
             self._catching_up()
+        loop = asyncio.get_running_loop()
+        timed = False  # the answer's first frame timed (`_first_answer`)
         try:
             replies_from = self._replay_client().replies(start)
             with self._holding_live():
+                asked = loop.time()
                 async with contextlib.aclosing(replies_from) as replies:
                     async for reply in replies:
+                        if not timed:
+                            timed = True
+                            self._first_answer(loop.time() - asked)
                         # (joining, no live seq is known: any start is believable)
                         far = live is not None and reply.seq > max(start, live) + _MAX_AHEAD
                         if newest is None and far:
@@ -96,6 +103,8 @@ class ReplayAnswers(SubscriberState):
                             # found out by this reply: nothing more of it is read or applied
                             return ReplayResult(False, None, Continuity.NONE)
                         newest = reply.seq if newest is None else max(newest, reply.seq)
+                if not timed:  # an empty buffer's answer: its end is its first frame
+                    self._first_answer(loop.time() - asked)
         except TimeoutError as exc:
             # (the wait, which the client knows: `replay_timeout_s`, longer on a connection
             # made, until its heartbeat can have dropped it)

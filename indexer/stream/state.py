@@ -294,6 +294,9 @@ class SubscriberState(abc.ABC):
         self._held_behind = False
         # how long the last live checks took to be answered, newest last (`HELD_ANSWERS`)
         self._answer_times: deque[float] = deque(maxlen=HELD_ANSWERS)
+        # `_answer_times` holds only the time to a replay answer's first frame, the socket's
+        # usual answer until the first live check's is known (`_first_answer`)
+        self._answer_seeded = False
         # whether the SUB holds live messages not read yet (the session's socket; none before)
         self._sub_queued: Callable[[], bool] = lambda: False
         self._wake: asyncio.Future[None] | None = None  # resolves when a check is requested
@@ -447,10 +450,23 @@ class SubscriberState(abc.ABC):
         try:
             yield
             if timed:  # (answered: `timed` answers are one check's, a few batches)
+                if self._answer_seeded:  # a check's own time replaces the first answer's
+                    self._answer_seeded = False
+                    self._answer_times.clear()
                 self._answer_times.append(loop.time() - asked)
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def _first_answer(self, seconds: float) -> None:
+        """A replay answer's first frame (a reply, or the end of an empty one) came `seconds`
+        after it was asked: the socket's usual answer while no live check has been timed
+        (`_held_wait_s`). Before, the first check of a far replay socket (a join's catch-up
+        answered 0.2 s late) was allowed `HELD_BEHIND_S`, and made a healthy stream
+        `degraded` for 0.26-0.6 s (QA)."""
+        if not self._answer_times:
+            self._answer_times.append(seconds)
+            self._answer_seeded = True
 
     def _caught_up_live(self) -> None:
         """The session found the SUB empty: no live batch waits behind anything."""
