@@ -12,6 +12,7 @@ header within the limits, parsed by `router.prompt`) -> `router.routing` for the
 - `outcome`: what a forwarded request counts as (499, 502: `answer_code`) and whose fault its
   failures were (`charge`);
 - `rank_refusal`: a worker refusing the dp rank the router told it, and the rank-less retry;
+- `no_worker`: why a request has no worker to go to (the 503's message, the dry run's too);
 - `pd`: the prefill/decode pair dispatcher (route a pair, send its two legs, retry), with
   `pair_hooks` (one attempt as its decode's answer sees it: both workers named, blame, the
   prefill's logprobs merged in), `pair_failure` (a pair's failures and how they are charged),

@@ -44,6 +44,7 @@ from router.http.keys import (
 )
 from router.http.listener import SNAPSHOT_PATH
 from router.http.memory import add_memory_routes
+from router.http.no_worker import no_pair, no_worker
 from router.prompt.request import Endpoint, check_salt_size, json_error
 from router.routing.pool import WorkerEntry, WorkerSummary
 
@@ -379,14 +380,18 @@ async def route_dry_run(request: web.Request) -> web.Response:
             side: {"worker": p.worker, "dp_rank": p.dp_rank, "candidates": p.candidates}
             for side, p in (("prefill", pd.prefill), ("decode", pd.decode))
         }
+        # a pair needs both sides: with either side out there is none, as the proxy's 503
+        # says (before, the prefill side's worker was named with no decode and no reason)
+        unpaired = no_pair(pd, planner.pool, planner.clock())
         return _reply(
             {
                 "mode": "prefill_decode",
-                "worker": pd.prefill.worker,
-                "decode_worker": pd.decode.worker,
+                "worker": None if unpaired else pd.prefill.worker,
+                "decode_worker": None if unpaired else pd.decode.worker,
+                "unroutable": unpaired,
                 "model": choice.model,
                 "lora": ns.lora,
-                "dp_rank": pd.prefill.dp_rank,
+                "dp_rank": None if unpaired else pd.prefill.dp_rank,
                 "namespace": pd.prefill.namespace,
                 "prompt_tokens": pd.prefill.prompt_tokens,
                 "endpoint": parsed.endpoint.value,
@@ -398,12 +403,15 @@ async def route_dry_run(request: web.Request) -> web.Response:
     plan = planner.plan(parsed, ns)
     # a shadow's hidden entries named, so they do not read as a cold cache
     planner.explain_hidden(plan.candidates, parsed, ns)
-    if not plan.candidates and parsed.dp_rank is not None:
-        # as the proxy answers it: a dry run says what the request would get
-        raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
+    # as the proxy answers it (a RequestError for a dp rank no worker has): a dry run says
+    # what the request would get
+    unroutable = None
+    if plan.worker is None:
+        unroutable = no_worker(plan, parsed, ns.model, planner.pool, planner.clock())
     return _reply(
         {
             "worker": plan.worker,
+            "unroutable": unroutable,
             # the served model it resolved to, and the LoRA adapter its namespace holds
             "model": choice.model,
             "lora": ns.lora,

@@ -409,8 +409,8 @@ class _Proxied(Collector):
             ),
             CounterMetricFamily(
                 "kvroute_matched_tokens",
-                "Prompt tokens the index predicted cached on the chosen worker, by worker and "
-                "model",
+                "Prompt tokens the index predicted cached on the chosen worker at admission "
+                "(x-kvroute-matched-tokens), by worker and model",
                 labels=["worker", "model"],
             ),
             HistogramMetricFamily(
@@ -496,7 +496,11 @@ class RouterMetrics:
         seconds: float,
         model: str = "",
     ) -> None:
-        """Count one proxied request of `model` (a served model's name, never client input)."""
+        """Count one proxied request of `model` (a served model's name, never client input);
+        `matched`: the prediction x-kvroute-matched-tokens carries (`Candidate.
+        predicted_split`'s first part), not the raw index match: under KV pressure that counts
+        prefixes the admission forecast says will be evicted first (it did, overstating the
+        predicted hit rate)."""
         self._proxied.record(endpoint, worker, str(code), model, prompt, matched, seconds)
 
     def export_in_flight(self, running: Callable[[], Mapping[str, int]]) -> None:

@@ -59,6 +59,7 @@ from router.http.hop_headers import connection_named
 from router.http.kv_transfer_params import decode_body, pair_request_id, prefill_body
 from router.http.local_shortage import local_shortage
 from router.http.metrics import CLIENT_CLOSED, RouterMetrics
+from router.http.no_worker import none_routable
 from router.http.observe import REQUEST_ID_HEADER, Observation, client_request_id, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off
 from router.http.pair_failure import (
@@ -76,7 +77,7 @@ from router.http.pair_hooks import (
     PairHooks,
     wants_logprobs,
 )
-from router.http.proxy import Proxy, none_routable
+from router.http.proxy import Proxy
 from router.http.rank_refusal import refuses_rank
 from router.prompt.dp_rank import DP_RANK_HEADER
 from router.prompt.request import Endpoint, ParsedRequest
@@ -257,7 +258,7 @@ class PairDispatcher:
                         prefill.worker,
                         CLIENT_CLOSED,
                         len(parsed.tokens),
-                        prefill.matched_tokens,
+                        prefill.predicted_split[0],
                         time.perf_counter() - started,
                         ns.model,
                     )
@@ -333,7 +334,7 @@ class PairDispatcher:
                     prefill.worker,
                     exc.status,
                     len(parsed.tokens),
-                    prefill.matched_tokens,
+                    prefill.predicted_split[0],
                     time.perf_counter() - started,
                     ns.model,
                 )
@@ -432,7 +433,7 @@ class PairDispatcher:
             prefill.worker,  # a pair's request counts where its prefix was matched
             answer_code(request, response.status),
             len(parsed.tokens),
-            prefill.matched_tokens,
+            prefill.predicted_split[0],
             time.perf_counter() - started,
             ns.model,
         )

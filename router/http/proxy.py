@@ -34,14 +34,12 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from indexer.engines import PdRole
 from indexer.service import Namespace
 from router.config import RouterConfig
 from router.errors import (
@@ -60,6 +58,7 @@ from router.http.hop_headers import HOP_BY_HOP, copy_headers
 from router.http.intake import read_request
 from router.http.local_shortage import ShortageLog, local_shortage
 from router.http.metrics import CLIENT_CLOSED, CLIENT_CLOSED_ERROR, REQUEST_MODEL, RouterMetrics
+from router.http.no_worker import no_worker
 from router.http.observe import Observation, Observer, observation
 from router.http.outcome import AttemptFailed, answer_code, broken_off, charge
 from router.http.rank_refusal import RankMoved, RankRetryNotices, without_rank
@@ -76,7 +75,6 @@ from router.prompt.request import Endpoint, ParsedRequest
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.load import Ticket, Withdraw
 from router.routing.planner import Candidate, Plan, Planner
-from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 
 __all__ = ["PairDispatch", "Proxy"]
 
@@ -101,56 +99,6 @@ _ROUTING_OVERRIDES = frozenset(
         "x-override-bootstrap-room",
     }
 )
-
-
-def _unpaired(roles: Counter[PdRole]) -> str:
-    """Why a model whose workers are all of one side of a pair takes no request: the side it
-    lacks, and the workers it has (it said "among 0", as if it had no worker at all)."""
-    ((role, count),) = roles.items()
-    side = "decode" if role == "prefill" else "prefill"
-    return f"no routable {side} worker among 0 (its {count} {role} worker(s) have no pair)"
-
-
-def _side_checked(entries: Sequence[WorkerEntry]) -> str | None:
-    """Why a model of pairs takes no request while a worker whose role is not known yet is
-    checked (a pair's side renamed or added, its server slow to answer): the pair waits for
-    that side, and the worker is no whole-request worker either. None: no such worker, or no
-    pair side for it to complete. (It said "no routable worker among 1", as if a worker were
-    missing, not being checked.)"""
-    checking = [e.id for e in entries if e.config.role is None and not e.discovered]
-    sides = Counter(e.role for e in entries if e.role != "both" and e.id not in checking)
-    if not checking or not sides:
-        return None
-    named = ", ".join(repr(w) for w in checking[:3]) + (" ..." if len(checking) > 3 else "")
-    have = ", ".join(f"{n} {role}" for role, n in sorted(sides.items()))
-    one = len(checking) == 1
-    return (
-        f"{'worker' if one else 'workers'} {named} {'is' if one else 'are'} being checked, "
-        f"{'its' if one else 'their'} side of a prefill/decode pair not known yet; the "
-        f"model's {have} worker(s) have no pair until then"
-    )
-
-
-def none_routable(
-    candidates: Sequence[Candidate], pool: WorkerPool, now: float, side: str = ""
-) -> str:
-    """Why a plan (of a pair's `side`: "prefill", "decode") has no worker to send to,
-    counted as an operator counts: workers, and their
-    ranks where they have several (each rank is a candidate); and how many are out because
-    their circuits are open, until when (a client told only "no routable worker" cannot tell
-    a fleet that is gone from one that failed and is back in seconds)."""
-    workers = len({c.worker for c in candidates})
-    why = f"no routable {side + ' ' if side else ''}worker among {workers}"
-    if workers != len(candidates):
-        why += f" ({len(candidates)} ranks)"
-    opened = {c.worker for c in candidates if c.status == WorkerStatus.CIRCUIT_OPEN}
-    waits = [e.breaker.admits_in(now) for w in opened if (e := pool.find(w)) is not None]
-    if not waits:
-        return why
-    return (
-        f"{why}: {len(waits)} with an open circuit after failures (breaker.cooldown_s), the "
-        f"first tried again in {min(waits):.1f} s"
-    )
 
 
 class PairDispatch(Protocol):
@@ -291,21 +239,7 @@ class Proxy:
         if paired:
             return await self._to_pair(request, endpoint, parsed, ns, started)
         if plan.worker is None:  # the best candidate is unroutable, so all are
-            if not plan.candidates and parsed.dp_rank is not None:
-                raise RequestError(f"no worker has the dp rank {parsed.dp_rank} asked for")
-            serving = planner.pool.serving(ns.model)
-            # a worker whose models are not known yet is in no model's pool (`WorkerPool.
-            # resolve`), but it may be this model's side of a pair, being checked
-            checking = _side_checked([*serving, *(e for e in planner.pool if e.models is None)])
-            if not plan.candidates and checking is not None:
-                raise NoWorkerError(f"no routable worker: {checking}")
-            if not plan.candidates:
-                # a model of pairs that lost one side (removed): it takes no whole requests
-                roles = Counter(e.role for e in serving)
-                if roles and "both" not in roles:
-                    raise NoWorkerError(_unpaired(roles))
-            why = none_routable(plan.candidates, planner.pool, planner.clock())
-            raise NoWorkerError(why if checking is None else f"{why}: {checking}")
+            raise NoWorkerError(no_worker(plan, parsed, ns.model, planner.pool, planner.clock()))
         if plan.unindexed is not None:
             self._metrics.unindexed.labels(plan.unindexed).inc()
         failures: list[str] = []
@@ -399,7 +333,7 @@ class Proxy:
                     candidate.worker,
                     CLIENT_CLOSED,
                     len(parsed.tokens),
-                    candidate.matched_tokens,
+                    candidate.predicted_split[0],
                     time.perf_counter() - started,
                     ns.model,
                 )
@@ -420,7 +354,7 @@ class Proxy:
                 candidate.worker,
                 answer_code(request, response.status),
                 len(parsed.tokens),
-                candidate.matched_tokens,
+                candidate.predicted_split[0],
                 time.perf_counter() - started,
                 ns.model,
             )

@@ -20,7 +20,7 @@ import pytest
 
 from router.config import WorkerConfig
 from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -87,12 +87,14 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert forecast["capacity_tokens"] == 24 * PAGE
     assert "evicted least recently used first" in forecast["why"]
 
+    before = await _matched_total(fleet)
     status, headers, answer = await fleet.post("/generate", a)
     assert status == 200
     assert int(headers["x-kvroute-raw-matched-tokens"]) == 8 * PAGE
     predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
     assert predicted == answer["meta_info"]["cached_tokens"] == 0
     assert headers["x-kvroute-forecast-lost"] == "evicted"  # why the raw match is not predicted
+    await _counted_as_predicted(fleet, headers, before)
     for task in [long_one, *queued]:
         status, _, _ = await task
         assert status == 200
@@ -108,6 +110,83 @@ async def _admission_case(fleet: Fleet, w0: ReferenceWorker) -> None:
 
 async def _queued(w0: ReferenceWorker, *, running: int, waiting: int) -> bool:
     return w0.ranks[0].load == (running, waiting)
+
+
+async def _matched_total(fleet: Fleet) -> float:
+    """`kvroute_matched_tokens_total`, every worker's and model's."""
+    async with fleet.session.get(fleet.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("kvroute_matched_tokens_total{")
+    )
+
+
+async def _counted_as_predicted(fleet: Fleet, headers: dict[str, str], before: float) -> None:
+    """The request that answered with `headers`, its raw match not predicted, is counted in
+    `kvroute_matched_tokens_total` (`before` it) and in the dashboard's recent decisions with
+    its prediction, as x-kvroute-matched-tokens says it. Both counted the raw match: under KV
+    pressure the predicted hit rate counted prefixes the forecast said would be evicted."""
+    (request_id,) = [v for k, v in headers.items() if k.lower() == "x-request-id"]
+    rows: list[dict[str, Any]] = []
+
+    async def told() -> bool:  # a decision is told once its request is counted
+        async with fleet.session.get(fleet.url + "/dashboard/state", headers=AUTH) as resp:
+            assert resp.status == 200
+            decisions = (await resp.json())["decisions"]
+        rows[:] = [d for d in decisions if d["request_id"] == request_id]
+        return bool(rows) and rows[0]["status"] is not None
+
+    await eventually(told, what="the request's decision to be told")
+    predicted = int(headers["x-kvroute-matched-tokens"])
+    raw = int(headers["x-kvroute-raw-matched-tokens"])
+    assert predicted < raw  # the case: part of the raw match not predicted
+    # the other requests in flight match nothing
+    assert await _matched_total(fleet) - before == predicted
+    assert rows[0]["matched_tokens"] == predicted
+    assert rows[0]["raw_matched_tokens"] == raw  # the index's, beside it
+
+
+async def test_a_pair_counts_its_prefill_sides_prediction_not_the_raw_match() -> None:
+    """As a whole request under KV pressure (`_admission_case`), a pair's request: its
+    prefill side's prediction is what the metric and the dashboard count."""
+    from tests.router.test_router_pd import reference, warm
+
+    pressed = reference(
+        "prefill",
+        capacity_tokens=24 * PAGE,
+        max_running_requests=1,  # one at a time: the others wait in the worker's queue
+        prefill_ms_per_token=10.0,  # a 9-page prompt prefills in about 1.3 s
+        time_scale=1.0,
+        kv_transfer_timeout_s=30.0,  # the decodes wait for the queued prefills (5 s: a 504)
+    )
+    patient = reference("decode", capacity_tokens=64 * PAGE, kv_transfer_timeout_s=30.0)
+    async with (
+        ReferenceWorker(pressed) as p0,
+        ReferenceWorker(patient) as d0,
+    ):
+        config = router_config([("p0", p0.url), ("d0", d0.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            await warm(session, router, [p0], [d0])
+            fleet = Fleet(router, {"p0": p0, "d0": d0}, session)
+            p0.flush_all()  # the warm-up pokes went around the router: start empty
+            await eventually(lambda: _empty(fleet), what="the flush to reach the index")
+            a = prompt(0)
+            assert (await fleet.post("/generate", a))[0] == 200
+            await eventually(lambda: fleet.holds(a, "p0", 8 * PAGE), what="prompt A indexed")
+            # a prefill runs, two queue behind it: their allocations will evict A first
+            ahead = [asyncio.create_task(fleet.post("/generate", prompt(1)))]
+            await eventually(lambda: _queued(p0, running=1, waiting=0), what="a prefill to run")
+            ahead += [asyncio.create_task(fleet.post("/generate", prompt(i))) for i in (2, 3)]
+            await eventually(lambda: _queued(p0, running=1, waiting=2), what="two to queue")
+            before = await _matched_total(fleet)
+            status, headers, body = await fleet.post("/generate", a)
+            assert status == 200 and headers["x-kvroute-prefill-worker"] == "p0", body
+            assert headers["x-kvroute-forecast-lost"] == "evicted"
+            await _counted_as_predicted(fleet, headers, before)
+            for task in ahead:
+                assert (await task)[0] == 200
 
 
 def sibling(shared: int, question: int) -> dict[str, Any]:

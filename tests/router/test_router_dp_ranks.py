@@ -117,12 +117,13 @@ async def test_the_dry_run_and_the_answer_name_the_rank() -> None:
             first["worker"],
             str(first["dp_rank"]),
         )
-        # none routable: counted in workers, their ranks beside (it said "among 4" of 2)
+        # none routable: counted in workers, their ranks beside (it said "among 4" of 2), and
+        # why they are out
         for worker in ("w0", "w1"):
             assert (await fleet.admin("POST", f"/workers/{worker}/drain"))[0] == 200
         status, _, answer = await fleet.post("/v1/completions", body)
         assert status == 503
-        assert answer["error"]["message"] == "no routable worker among 2 (4 ranks)"
+        assert answer["error"]["message"] == "no routable worker among 2 (4 ranks): 2 draining"
 
 
 async def test_two_concurrent_requests_spread_over_the_ranks() -> None:

@@ -329,3 +329,25 @@ async def test_a_held_request_its_client_abandoned_is_counted() -> None:
             status, _, _ = await task
             assert status == 200
         assert w0.ranks[0].load == (0, 0)
+
+
+async def test_a_held_request_whose_worker_is_drained_is_told_so() -> None:
+    """The worker a request waits for is drained (the model's only one): the request is
+    refused, and its 503 says the worker is draining (it said "no routable worker among 1", as
+    if the fleet were gone)."""
+    async with _fleet(True, 1024) as (fleet, w0):
+        long = [{**prompt(i), "sampling_params": {"max_new_tokens": 60}} for i in (1, 2)]
+        first = [asyncio.create_task(fleet.post("/generate", body)) for body in long]
+        await eventually(lambda: _load_is(w0, 2, 0), what="two requests running")
+        third = asyncio.create_task(fleet.post("/generate", prompt(3)))
+        await eventually(
+            lambda: _metric_is(fleet, "kvroute_holding_requests", 1.0), what="it is held"
+        )
+        assert (await fleet.admin("POST", "/workers/w0/drain"))[0] == 200
+        status, _, answer = await third
+        assert status == 503
+        assert answer["error"]["message"] == "no routable worker among 1: 1 draining"
+        assert w0.ranks[0].load == (2, 0)  # the worker never had it
+        for task in first:
+            status, _, _ = await task
+            assert status == 200

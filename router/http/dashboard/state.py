@@ -129,7 +129,10 @@ class DecisionRow(msgspec.Struct, kw_only=True):
     dp_rank: int | None
     attempt: int
     prompt_tokens: int
+    # the prediction at admission, as x-kvroute-matched-tokens said it (it showed the raw match,
+    # prefixes the forecast said would be evicted included), and that raw match beside it
     matched_tokens: int
+    raw_matched_tokens: int
     cached_tokens: int | None
     status: int | None
     ttft_s: float | None
@@ -207,7 +210,8 @@ def _decision(d: Decision) -> DecisionRow:
         dp_rank=chosen.dp_rank,
         attempt=d.attempt,
         prompt_tokens=d.prompt_tokens,
-        matched_tokens=chosen.matched_tokens,
+        matched_tokens=chosen.predicted_split[0],
+        raw_matched_tokens=chosen.matched_tokens,
         cached_tokens=d.cached_tokens,
         status=d.status,
         ttft_s=d.ttft_s,

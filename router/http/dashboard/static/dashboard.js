@@ -23,6 +23,11 @@
   // a worker whose KV events the false-hit watch left unfollowed: routed by load, no hit
   // predicted, for the seconds shown
   const unfollowed = (left) => "unfollowed, " + Math.ceil(left) + " s left";
+  // a decision's predicted match, and the index's raw one where the admission forecast said
+  // part of it would be evicted first
+  const matched = (d) =>
+    int(d.matched_tokens) +
+    (d.raw_matched_tokens > d.matched_tokens ? " (" + int(d.raw_matched_tokens) + " held)" : "");
 
   function td(value, cls) {
     const cell = document.createElement("td");
@@ -161,7 +166,7 @@
     fill("decisions", s.decisions, (d) => [
       [clock(d.at)], [d.request_id, "mono clip"],
       [target(d.worker, d.dp_rank) + (d.attempt ? " (retry " + d.attempt + ")" : "")],
-      [d.model || "–"], [d.namespace, "mono"], [int(d.prompt_tokens)], [int(d.matched_tokens)],
+      [d.model || "–"], [d.namespace, "mono"], [int(d.prompt_tokens)], [matched(d)],
       [int(d.cached_tokens)], [dash(d.status, String)], [secs(d.ttft_s)],
       [d.reason + ": " + d.explanation, "why"],
     ], (d) => d.request_id);
