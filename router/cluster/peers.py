@@ -124,7 +124,9 @@ class Peers:
         self._timeout_s = timeout_s
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
-        self.applied = 0  # decisions applied
+        # routing decisions applied: one per request a peer routed (its `Begin`), as the
+        # peer counts it published; not the pending marks, ends and heartbeats beside them
+        self.applied = 0
         # (decision, stream) pairs whose block keys were for pages other than this replica's
         # stream's (not marked there), and the (stream, theirs, ours) sizes already warned of
         self.unmatched_pages = 0
@@ -214,6 +216,7 @@ class Peers:
                 )
                 begun.marks = peer.marks.pop(d.ticket, [])
                 begun.pending = peer.pending.pop(d.ticket, [])
+                self.applied += 1
             elif isinstance(d, Shadow):
                 owner = peer.tickets.get(d.ticket) if d.ticket else None
                 for worker in self._shadowed_at(d.worker, d.server) if d.keep_s > 0 else ():
@@ -247,7 +250,6 @@ class Peers:
                         take_back()
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
-        self.applied += len(batch.decisions)
 
     def _meant(self, worker: str, server: str) -> str | None:
         """The id here of the server a decision naming (`worker`, `server`) meant: `worker`

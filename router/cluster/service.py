@@ -66,7 +66,7 @@ from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
 from router.cluster.tasks import StoppableTaskGroup
-from router.cluster.wire import Batch, Decision, batch_decoder, encoder
+from router.cluster.wire import Batch, Begin, Decision, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -183,7 +183,9 @@ class ClusterService:
         self._synced = False  # a sync read the eviction records once since the start
         self._closing = False
         self._last_snapshot = time.monotonic()
-        self.published = 0  # decisions published
+        # routing decisions published: one per request routed (its `Begin`), not the pending
+        # marks, shadows, first bytes, ends and heartbeats that go with them
+        self.published = 0
         self.bad_messages = 0
         self.nats_errors = 0
         self._last_error = ""  # the client's last failed attempt, for the startup line
@@ -686,7 +688,9 @@ class ClusterService:
                 continue
             try:
                 await self._publish(nc, decisions)
-                self.published += len(decisions)
+                # before, every message counted: 12 requests read 66 published (their pending
+                # marks, first bytes and ends, and the heartbeats), and an idle replica's rose
+                self.published += sum(type(d) is Begin for d in decisions)
             except _NATS_ERRORS:
                 self.outbox.dropped += len(decisions)
 

@@ -52,9 +52,21 @@ from router.http.keys import (
     SUPERVISOR,
     TOKENIZER,
 )
-from router.http.listener import ADMIN_PREFIX, ADMIN_TOKEN, DIRECT_ROUTES, STREAM_DESCRIPTORS
-from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics
-from router.http.observe import REQUEST_ID_HEADER, client_request_id, well_formed_request_id
+from router.http.listener import (
+    ADMIN_PREFIX,
+    ADMIN_TOKEN,
+    DIRECT_ROUTES,
+    REJECTIONS,
+    STREAM_DESCRIPTORS,
+)
+from router.http.metrics import REQUEST_MODEL, UNKNOWN_MODEL, RouterMetrics, route_template
+from router.http.observe import (
+    OBSERVATION,
+    REQUEST_ID_HEADER,
+    Unproxied,
+    client_request_id,
+    well_formed_request_id,
+)
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
@@ -92,22 +104,54 @@ def _error(
     return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
 
+# the generation endpoints: a request to one is named by its `Observation` (`router.http.proxy`)
+_PROXIED = frozenset(endpoint.value for endpoint in Endpoint)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Name a request the router answers itself (the admin API, the dashboard, /health): its
+    log lines name it and its answer carries it back, as a proxied request's do.
+
+    Before, only proxied requests had an id: an admin change's INFO line was logged under
+    `[-]`, and its answer did not echo the client's `x-request-id` (its 401 did).
+    """
+    resource = request.match_info.route.resource
+    if resource is not None and resource.canonical in _PROXIED:
+        return await handler(request)  # its Observation names it (and echoes it)
+    named = Unproxied.named(request.headers)
+    # reset after: the connection's task serves its next request under a name of its own
+    token = OBSERVATION.set(named)
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # a redirect (the error middleware answers the rest)
+        exc.headers[REQUEST_ID_HEADER] = named.request_id
+        raise
+    finally:
+        OBSERVATION.reset(token)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = named.request_id
+    return response
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Turn every error into the JSON error shape with the right status."""
-    return await answer_errors(
-        request, handler, request.config_dict.get(METRICS), lambda: _route_label(request)
-    )
+
+    async def route() -> str:
+        return await route_template(request.app.router, request, request.match_info)
+
+    return await answer_errors(request, handler, request.config_dict.get(METRICS), route)
 
 
 async def answer_errors(
     request: web.Request,
     handler: _Handler,
     metrics: RouterMetrics | None,
-    route: Callable[[], str],
+    route: Callable[[], Awaitable[str]],
 ) -> web.StreamResponse:
     """`handler`'s answer, or the JSON error of what it raised, counted in `metrics` under
-    `route()` (the route's template, never the raw path)."""
+    `route()` (the route's template, never the raw path: `route_template`)."""
     details: dict[str, object] | None = None
     headers: dict[str, str] | None = None
     model: str | None = None  # the label, when the error says it better than the request
@@ -161,7 +205,7 @@ async def answer_errors(
         # and an ambiguous adapter's name is one the workers list
         if model is None:
             model = request.get(REQUEST_MODEL, "")
-        metrics.rejected.labels(route(), kind, model).inc()
+        metrics.rejected.labels(await route(), kind, model).inc()
     given_id = client_request_id(request.headers)  # none its Connection names
     if given_id and well_formed_request_id(given_id):
         # echoed as on a proxied answer, so the client can match the refusal (a malformed
@@ -174,15 +218,6 @@ async def answer_errors(
         # then the connection is closed, not kept for whoever sent that much
         answer.force_close()
     return answer
-
-
-def _route_label(request: web.Request) -> str:
-    """The matched route's template (`/admin/workers/{id}/drain`), never the raw path.
-
-    Paths are client input: as a label they would be unbounded, one series per id ever tried.
-    """
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "-"
 
 
 def _proxy_handler(endpoint: Endpoint) -> _Handler:
@@ -204,11 +239,13 @@ def _direct_routes(app: web.Application) -> dict[str, _Handler]:
         async def serve(request: web.Request, endpoint: Endpoint = endpoint) -> web.StreamResponse:
             return await app[PROXY].handle(request, endpoint)
 
-        def label(path: str = endpoint.value) -> str:
+        async def label(path: str = endpoint.value) -> str:
             return path  # the route's template is the path itself
 
         async def handle(
-            request: web.Request, serve: _Handler = serve, label: Callable[[], str] = label
+            request: web.Request,
+            serve: _Handler = serve,
+            label: Callable[[], Awaitable[str]] = label,
         ) -> web.StreamResponse:
             return await answer_errors(request, serve, metrics, label)
 
@@ -454,8 +491,10 @@ def create_app(
             f"refusing to serve the admin API on {config.listen.host} without a token: set "
             "admin.token or KVROUTE_ADMIN_TOKEN, bind to 127.0.0.1, or set admin.enabled = false"
         )
+    # `[observe] enabled = false` names no request (the proxied ones neither)
+    named = [request_id_middleware] if config.observe.enabled else []
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes
+        middlewares=[*named, error_middleware], client_max_size=config.limits.max_body_bytes
     )
     app[CONFIG] = LiveConfig(config)
     if relay:
@@ -471,7 +510,14 @@ def create_app(
         proxy = False
     if config_source is not None:
         app[CONFIG_SOURCE] = config_source
-    app[METRICS] = RouterMetrics(labels=None if process is None else {"process": str(process)})
+    app[METRICS] = counted = RouterMetrics(
+        labels=None if process is None else {"process": str(process)}
+    )
+
+    def rejected(route: str, error: str) -> None:
+        counted.rejected.labels(route, error, "").inc()  # no body read: no model either
+
+    app[REJECTIONS] = rejected  # the listener's refusals, counted as the app's are
     app[TOKENIZER] = build_tokenizer(config.tokenizer)
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
     operations.install(app, config, tracer_provider)  # decision metrics, tracing

@@ -27,6 +27,10 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 Every refusal is logged through one `RefusalLog`: at most one line per
 `limits.refusal_log_interval_s`, with the client address and the reason, never header contents,
 and a count of the similar lines it kept back. A flood of bad clients cannot flood the log.
+Every refusal is counted too, each one (`REJECTIONS`: the app's `kvroute_rejected_requests`), by
+the route's template (`-` when the request was not read, or its path is no route) and the error
+type its answer names. Before, only the app's refusals were: a 413 for a declared body (what
+most clients send) never showed in the metric, nor in the log.
 """
 
 from __future__ import annotations
@@ -60,7 +64,14 @@ from router.errors import (
     UnsupportedEncodingError,
 )
 from router.http.bearer import bearer_matches
-from router.http.observe import REQUEST_ID_HEADER, client_request_id, well_formed_request_id
+from router.http.metrics import NO_ROUTE, route_template
+from router.http.observe import (
+    OBSERVATION,
+    REQUEST_ID_HEADER,
+    Unproxied,
+    client_request_id,
+    well_formed_request_id,
+)
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -74,6 +85,7 @@ __all__ = [
     "MAX_HEADERS",
     "MAX_LINE_BYTES",
     "MAX_LINGERING_REFUSALS",
+    "REJECTIONS",
     "SHUTDOWN_TIMEOUT_S",
     "SNAPSHOT_PATH",
     "STREAM_DESCRIPTORS",
@@ -104,6 +116,11 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the app's POST handlers by exact path that the listener calls past the app's router and
 # middlewares (`GuardedServer.direct`), set when the app is made
 DIRECT_ROUTES: web.AppKey[dict[str, _Handler]] = web.AppKey("direct_routes")
+# counts one refusal of the listener's (the route's template, `NO_ROUTE` when it has none;
+# the error type its answer names) where the app counts its own (`kvroute_rejected_requests`,
+# whose model label is "" here: no body was read), set when the app is made
+Rejections = Callable[[str, str], None]
+REJECTIONS: web.AppKey[Rejections] = web.AppKey("listener_rejections")
 # the file descriptors the process's KV-event streams may hold, all of their share
 # (`indexer.subscriptions.Subscriptions.descriptor_room`), set when the app's resources open:
 # kept out of the connection budget (`connection_cap`)
@@ -296,6 +313,7 @@ class GuardedHandler(web.RequestHandler):
                 _peer(transport),
                 server.open_connections,
             )
+            server.count_rejection(NO_ROUTE, TooManyConnectionsError.__name__)
             message = f"the router is at its connection limit ({server.cap}); retry shortly"
             # a TCP transport: uvloop's is no asyncio.Transport subclass but works alike
             refused = cast(asyncio.Transport, transport)
@@ -393,6 +411,7 @@ class GuardedHandler(web.RequestHandler):
             _peer(self.transport),
             seconds,
         )
+        self._guarded_by.count_rejection(NO_ROUTE, RequestTimeoutError.__name__)
         message = f"request headers not received within limits.header_timeout_s ({seconds} s)"
         self.transport.write(_raw_answer(RequestTimeoutError, message))
         self.force_close()
@@ -457,6 +476,9 @@ class GuardedHandler(web.RequestHandler):
                 request.remote,
                 type(exc).__name__ if exc is not None else f"HTTP {status}",
             )
+            # its path was not read (aiohttp hands over a stand-in request): no route to name.
+            # A 5xx above is not counted: it is a bug, or a client gone before its answer
+            self._guarded_by.count_rejection(NO_ROUTE, BadHttpRequestError.__name__)
             body = _error_body(BadHttpRequestError, reason)
         if request.writer.output_size > 0:
             # as aiohttp: part of an answer went out, the connection is beyond repair
@@ -464,6 +486,10 @@ class GuardedHandler(web.RequestHandler):
         resp = web.Response(status=status, body=body, content_type="application/json")
         resp.force_close()
         return resp
+
+
+def _uncounted(route: str, error: str) -> None:
+    """A server without the app's metrics counts no refusal."""
 
 
 def _decodable(codings: list[str]) -> bool:
@@ -503,6 +529,10 @@ class GuardedServer(web.Server):
         self.direct: dict[str, _Handler] = {}
         self.admin_token = ""  # "" = the admin API is open (loopback) or not served
         self.auth_gates: tuple[AuthGate, ...] = ()
+        # where a refusal is counted, and the app's routes it is counted under (`RouterRunner`
+        # sets both from the app; a bare server counts nothing and names no route)
+        self.count_rejection: Rejections = _uncounted
+        self.routes: web.UrlDispatcher | None = None
 
     def reconfigure(self, limits: LimitsConfig) -> None:
         """`limits` for the connections accepted from now on (a reload); each open one keeps
@@ -543,16 +573,31 @@ class GuardedServer(web.Server):
         """Refusals due before the app routes (aiohttp answers `Expect` ahead of middlewares)."""
         refused = self._refusal(request)
         if refused is not None:
+            error, answer = refused
             # a stranger hears the API's 401 (its words), not what its limits are
             auth = self._unauthorized(request)
             if auth is not None:
-                refused = _json_answer(AuthError, str(auth), auth.headers())
-            # echoed as the app's refusals echo it (`router.http.app`), so the client can match
-            # the refusal to its request (a malformed id is not: never repeated, never logged)
+                error, answer = AuthError, _json_answer(AuthError, str(auth), auth.headers())
+            route = NO_ROUTE if self.routes is None else await route_template(self.routes, request)
+            self.count_rejection(route, error.__name__)
             given_id = client_request_id(request.headers)  # none its Connection names
-            if given_id and well_formed_request_id(given_id):
-                refused.headers[REQUEST_ID_HEADER] = given_id
-            return refused
+            if given_id is not None and not well_formed_request_id(given_id):
+                given_id = None  # never repeated, never logged
+            # its line names it as its answer does, never the connection's request before
+            OBSERVATION.set(None if given_id is None else Unproxied(given_id))
+            # the route's template, never the path the client wrote
+            self.refusals.note(
+                "refused a request from %s to %s: %d %s",
+                request.remote,
+                route,
+                answer.status,
+                error.__name__,
+            )
+            # echoed as the app's refusals echo it (`router.http.app`), so the client can match
+            # the refusal to its request
+            if given_id is not None:
+                answer.headers[REQUEST_ID_HEADER] = given_id
+            return answer
         if request.method == hdrs.METH_POST and hdrs.EXPECT not in request.headers:
             direct = self.direct.get(request.path)
             if direct is not None:
@@ -562,28 +607,29 @@ class GuardedServer(web.Server):
         # counted by route in the metrics)
         return await self._app_handler(request)
 
-    def _refusal(self, request: web.BaseRequest) -> web.Response | None:
-        """The listener's own refusal of `request` (417, 413, 415), None when it has none."""
+    def _refusal(self, request: web.BaseRequest) -> tuple[type[RouterError], web.Response] | None:
+        """The listener's own refusal of `request` (417, 413, 415) and its error type, None
+        when it has none."""
         expect = request.headers.get(hdrs.EXPECT)
         if expect is not None and expect.lower() != "100-continue":
-            return _json_answer(
-                ExpectationFailedError, "the Expect header can only be 100-continue"
-            )
+            error: type[RouterError] = ExpectationFailedError
+            return error, _json_answer(error, "the Expect header can only be 100-continue")
         declared = request.content_length
         limit, key = self.limits.max_body_bytes, "max_body_bytes"
         if request.path == SNAPSHOT_PATH:
             limit, key = self.limits.max_snapshot_bytes, "max_snapshot_bytes"
         if declared is not None and declared > limit:
-            return _json_answer(
-                PayloadTooLargeError,
-                f"request body of {declared} bytes is over limits.{key} ({limit} bytes)",
+            error = PayloadTooLargeError
+            return error, _json_answer(
+                error, f"request body of {declared} bytes is over limits.{key} ({limit} bytes)"
             )
         codings = request.headers.getall(hdrs.CONTENT_ENCODING, ())
         if codings and request.body_exists and not _decodable(codings):
             # RFC 9110 15.5.16: a 415 says which codings would have been taken
             accepted = ", ".join(_DECODED)
-            return _json_answer(
-                UnsupportedEncodingError,
+            error = UnsupportedEncodingError
+            return error, _json_answer(
+                error,
                 f"the request body's Content-Encoding is not one the router decodes: send it "
                 f"in one of {accepted}, or not encoded",
                 {"Accept-Encoding": accepted},
@@ -646,4 +692,6 @@ class RouterRunner(web.AppRunner):
         server.direct = self.app.get(DIRECT_ROUTES, {})
         server.admin_token = self.app.get(ADMIN_TOKEN, "")
         server.auth_gates = self.app.get(AUTH_GATES, ())
+        server.count_rejection = self.app.get(REJECTIONS, _uncounted)
+        server.routes = self.app.router
         return server

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -35,11 +35,13 @@ __all__ = [
     "CLIENT_CLOSED",
     "CLIENT_CLOSED_ERROR",
     "DEADLINE_CUT",
+    "NO_ROUTE",
     "REQUEST_MODEL",
     "UNKNOWN_MODEL",
     "WORKER_BROKE_OFF",
     "Histogram",
     "RouterMetrics",
+    "route_template",
 ]
 
 UNKNOWN_MODEL = "(unknown)"  # one label value for every model nobody serves
@@ -61,6 +63,9 @@ WORKER_BROKE_OFF = 502
 DEADLINE_CUT = 504
 # the model label of a request once it is known, for the error middleware's rejection count
 REQUEST_MODEL = web.RequestKey("kvroute_model", str)
+# the `endpoint` of a request whose path is no route (or was never read): paths are client
+# input, one series per path ever tried would be unbounded
+NO_ROUTE = "-"
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -86,6 +91,35 @@ _LATENCY_BUCKETS = (
 # streams included) and are dropped from its series when scraped; a worker added back under
 # the same id before that counts again at once
 LATE_ANSWERS_S = 3600.0
+
+
+async def route_template(
+    router: web.UrlDispatcher,
+    request: web.BaseRequest,
+    match: web.UrlMappingMatchInfo | None = None,
+) -> str:
+    """The template of the route `request`'s path is (`/admin/workers/{id}/drain`), the
+    `endpoint` label; `NO_ROUTE` for a path that is none. `match`: what `router` resolved
+    the request to already, when it has.
+
+    A method the route does not take (a 405) is resolved again with one it takes (the first
+    in order, where routes of several methods match the path): aiohttp's 405 keeps no route,
+    and its refusals were counted under `-` as if the path were none.
+    """
+    # the app's requests are all `web.Request`s (its request factory makes them), the
+    # listener's, not yet routed, included
+    req = cast(web.Request, request)
+    if match is None:
+        match = await router.resolve(req)
+    resource = match.route.resource
+    if resource is not None:
+        return resource.canonical
+    refused = match.http_exception
+    if isinstance(refused, web.HTTPMethodNotAllowed) and refused.allowed_methods:
+        match = await router.resolve(req.clone(method=min(refused.allowed_methods)))
+        if match.route.resource is not None:
+            return match.route.resource.canonical
+    return NO_ROUTE
 
 
 class Histogram:

@@ -53,6 +53,7 @@ __all__ = [
     "Observer",
     "TracedObservation",
     "Unobserved",
+    "Unproxied",
     "client_request_id",
     "install_log_request_id",
     "observation",
@@ -590,3 +591,24 @@ def install_log_request_id() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
+
+
+class Unproxied(Unobserved):
+    """A request the router answers itself (the admin API, the dashboard, /health, the
+    listener's refusals): nothing is observed but its id, which names the log lines written
+    while it is handled (`install_log_request_id`) and goes back on its answer
+    (`router.http.app.request_id_middleware`)."""
+
+    __slots__ = ()
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    @classmethod
+    def named(cls, headers: MultiMapping[str]) -> Unproxied:
+        """Named by the client's well-formed id, else by one of the router's."""
+        given = client_request_id(headers)
+        if given is None or _WELL_FORMED_ID.fullmatch(given) is None:
+            given = hex(next(_ID_COUNTER))[3:]
+        return cls(given)

@@ -11,9 +11,10 @@ from typing import Any
 import aiohttp
 import nats
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.cluster.server import NatsServer
-from router.cluster.wire import Batch, End, Pending, batch_decoder
+from router.cluster.wire import Batch, End, Heartbeat, Pending, batch_decoder
 from router.config import PolicyConfig
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, replica_config, workers
@@ -145,6 +146,68 @@ async def test_decisions_made_close_together_go_as_one_message_and_a_quiet_repli
     stamps = [b.sent_at for _, b in arrived]
     gaps = [later - earlier for earlier, later in itertools.pairwise(stamps)]
     assert gaps and min(gaps) >= interval * 0.95, gaps
+
+
+async def _decision_counts(
+    session: aiohttp.ClientSession, router: RouterService
+) -> tuple[float, float]:
+    """`kvroute_cluster_decisions_published_total` and `_applied_total`, scraped."""
+    async with session.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    counts = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    prefix = "kvroute_cluster_decisions_"
+    return counts[prefix + "published_total"], counts[prefix + "applied_total"]
+
+
+async def test_the_decision_counters_count_routing_decisions_and_nothing_beside(
+    nats_server: NatsServer,
+) -> None:
+    """`kvroute_cluster_decisions_published`, "routing decisions this replica published",
+    counted every message it sent: a request's pending mark, begin, first byte and end, and
+    every heartbeat (12 requests read 66, and an idle replica's rose by 10 a second);
+    `_applied` alike. Each counts one per request routed now, idle heartbeats none."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        listener = await nats.connect(nats_server.url)
+        beats: list[Batch] = []
+
+        async def got(msg: Msg) -> None:
+            batch = batch_decoder.decode(msg.data)
+            if _has(batch, Heartbeat):
+                beats.append(batch)
+
+        try:
+            await listener.subscribe("kvroute.replica.a", cb=got)
+            async with (
+                RouterService(replica_config(fleet, nats_server.url, "a")) as a,
+                RouterService(replica_config(fleet, nats_server.url, "b")) as b,
+            ):
+                for i in range(5):
+                    await _post(session, a, f"request {i} routed by a, its own prompt")
+                for i in range(3):
+                    await _post(session, b, f"request {i} routed by b, its own prompt")
+
+                async def applied() -> bool:
+                    _, on_b = await _decision_counts(session, b)
+                    _, on_a = await _decision_counts(session, a)
+                    return (on_a, on_b) == (3, 5)
+
+                await eventually(applied, what="each replica to apply the other's decisions")
+                # idle: 5 heartbeats of a's (0.1 s apart) go out, none of them a decision
+                heard = len(beats)
+
+                async def idle() -> bool:
+                    return len(beats) >= heard + 5
+
+                await eventually(idle, what="a's heartbeats while idle")
+                assert await _decision_counts(session, a) == (5, 3)
+                assert await _decision_counts(session, b) == (3, 5)
+        finally:
+            await listener.close()
 
 
 def _has(batch: Batch, kind: type) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -19,6 +20,7 @@ from router.errors import ConfigError
 from router.http.app import create_app
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, HungDiscovery, eventually, router_config
+from tests.router.ops.test_metrics_live import scrape, total
 from workers.config import DEFAULT_MODEL
 
 _QUICK = aiohttp.ClientTimeout(total=5)  # a request sent to the hung worker would hang
@@ -404,3 +406,49 @@ async def test_a_dry_run_names_an_extra_key_shadow_rather_than_nothing_matched(
     plain_ns = Namespace(fleet.router.planner.pool.get(holder).cache_model, None, "tenant-a")
     assert set(indexer.shadow_hidden(plain_ns, prompt)) == set(indexer.stream_ids(holder))
     assert indexer.query(plain_ns, prompt)[holder].matched_tokens == 0
+
+
+async def test_an_admin_request_keeps_its_id_on_its_answer_and_its_log_line(
+    fleet: Fleet, log_request_ids: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only proxied requests had an id: an admin change's INFO line was logged under `[-]`
+    (the docs say every line written while handling a request names it), and its 200 did
+    not echo the client's `x-request-id` (its 401 did). Each request the router answers
+    itself is named now, by the client's well-formed id or one of the router's."""
+    caplog.set_level(logging.INFO, logger="router.http.admin")
+    url = fleet.url + "/admin/workers/w0/drain"
+    sent: list[tuple[str | None, str]] = []  # (the client's id, the answer's)
+    for given in ("admin-rid-1", None, "not [well] formed"):
+        headers = {**AUTH, **({} if given is None else {"x-request-id": given})}
+        async with fleet.session.post(url, json={"drain": False}, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            sent.append((given, resp.headers["x-request-id"]))
+    assert sent[0] == ("admin-rid-1", "admin-rid-1")
+    for given, answered in sent[1:]:
+        assert re.fullmatch(r"[0-9a-f]{32}", answered), (given, answered)  # the router's
+    lines = [r for r in caplog.records if r.getMessage().startswith("admin: worker w0")]
+    assert [getattr(r, "request_id", None) for r in lines] == [a for _, a in sent]
+    # a refusal and any other request the router answers itself are named alike
+    async with fleet.session.get(
+        fleet.url + "/admin/workers", headers={"x-request-id": "r-2"}
+    ) as resp:
+        assert resp.status == 401 and resp.headers["x-request-id"] == "r-2"
+    async with fleet.session.get(fleet.url + "/health", headers={"x-request-id": "r-3"}) as resp:
+        assert resp.headers["x-request-id"] == "r-3"
+
+
+async def test_a_405_on_a_route_is_counted_under_that_route(fleet: Fleet) -> None:
+    """aiohttp's 405 keeps no route: it was counted under `endpoint="-"`, which the docs
+    keep for paths that are no route."""
+    for method, path in (("GET", "/dashboard/login"), ("GET", "/admin/namespaces/evict")):
+        async with fleet.session.request(method, fleet.url + path, headers=AUTH) as resp:
+            assert resp.status == 405, (method, path)
+    async with fleet.session.get(fleet.url + "/no/such/route") as resp:
+        assert resp.status == 404
+    samples = await scrape(fleet)
+    name = "kvroute_rejected_requests_total"
+    assert total(samples, name, endpoint="/dashboard/login", error="HTTPMethodNotAllowed") == 1
+    route = "/admin/namespaces/evict"
+    assert total(samples, name, endpoint=route, error="HTTPMethodNotAllowed") == 1
+    assert total(samples, name, endpoint="-", error="HTTPMethodNotAllowed") == 0
+    assert total(samples, name, endpoint="-", error="HTTPNotFound") == 1

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import LimitsConfig, QueryConfig
 from router.http.keys import RELOADER
@@ -629,3 +630,105 @@ async def test_a_405_names_the_methods_allowed() -> None:
             assert json_error(response)["type"] == "HTTPMethodNotAllowed"
             allowed = {m.strip() for m in response.headers["allow"].split(",")}
             assert allowed == ({"POST"} if path == b"/v1/completions" else {"GET", "HEAD"})
+
+
+# ------------------------------------------------------------------ refusals in the metrics
+
+
+async def _rejected(router: RouterService) -> dict[tuple[str, str], float]:
+    """`kvroute_rejected_requests_total` by (endpoint, error), scraped over the socket."""
+    answer = await exchange(_port(router), request_bytes(b"GET", b"/metrics"))
+    (response,) = parse_responses(answer)
+    assert response.status == 200, response
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(response.body.decode()):
+        for sample in family.samples:
+            if sample.name == "kvroute_rejected_requests_total":
+                assert sample.labels["model"] == ""  # no body read: no model
+                counts[sample.labels["endpoint"], sample.labels["error"]] = sample.value
+    return counts
+
+
+async def test_the_listeners_refusals_are_counted_by_route_and_logged(
+    caplog: pytest.LogCaptureFixture, log_request_ids: None
+) -> None:
+    """Only the app's refusals were counted in kvroute_rejected_requests: the listener's 413
+    for a declared body (what most clients send; the same body chunked was counted), its
+    415, 417, its 401 and a malformed request's 400 were not, and but the 400 none was
+    logged. Each is counted now, under its route's template (`-`: no route, or no request
+    read) and the type its answer names, and logged (the template, never the path) under
+    the request's id when it sent a well-formed one."""
+    caplog.set_level(logging.WARNING, "router.http.listener")
+    declared = b"Content-Length: 2147483648"  # never sent; over max_snapshot_bytes too
+    nope = (b"Expect", b"nope")
+    errors = {
+        401: "AuthError",
+        413: "PayloadTooLargeError",
+        415: "UnsupportedEncodingError",
+        417: "ExpectationFailedError",
+    }
+    drain = "/admin/workers/{id}/drain"
+    refusals: list[tuple[bytes, list[tuple[bytes, bytes]], int, str]] = [
+        (b"/v1/completions", [], 413, "/v1/completions"),
+        (b"/generate", [(b"Content-Encoding", b"x-foo")], 415, "/generate"),
+        (b"/admin/workers/w1/drain", [_ADMIN_AUTH, nope], 417, drain),
+        (b"/admin/index/load", [], 401, "/admin/index/load"),  # a 413 with the token
+        (b"/no/such/route", [nope], 417, "-"),
+        # a method the route does not take: still its route (a 405 would be the app's)
+        (b"/health", [nope], 417, "/health"),
+    ]
+    async with _router(body_timeout_s=FAST, refusal_log_interval_s=0.001) as router:
+        before = await _rejected(router)
+        assert not [key for key in before if key[0] != "/metrics"], before
+        for path, headers, status, _ in refusals:
+            rid = (b"x-request-id", b"rid-%d" % status)
+            raw = request_bytes(b"POST", path, [*headers, rid], b"{}")
+            if status in (413, 401):
+                raw = raw.replace(b"Content-Length: 2\r\n\r\n{}", declared + b"\r\n\r\n")
+            (response,) = parse_responses(await exchange(_port(router), raw))
+            assert response.status == status, (path, response)
+            assert json_error(response)["type"] == errors[status]
+            await asyncio.sleep(0.002)  # past the log interval: each refusal has its line
+        (response,) = parse_responses(await exchange(_port(router), MALFORMED[0]))
+        assert response.status == 400
+        counted = await _rejected(router)
+    expected: dict[tuple[str, str], float] = {}
+    for _, _, status, route in refusals:
+        expected[route, errors[status]] = expected.get((route, errors[status]), 0) + 1
+    expected["-", "BadHttpRequestError"] = 1
+    assert counted == expected, counted
+    records = [r for r in caplog.records if r.name == "router.http.listener"]
+    lines = {r.getMessage(): getattr(r, "request_id", None) for r in records}
+    for _, _, status, route in refusals:
+        line = f"refused a request from 127.0.0.1 to {route}: {status} {errors[status]}"
+        named = [rid for x, rid in lines.items() if x.startswith(line)]
+        assert named == [f"rid-{status}"], (line, lines)
+    assert not [x for x in lines if "w1" in x or "no/such" in x], lines  # never the path
+
+
+async def test_a_header_timeout_and_the_connection_cap_are_counted_too() -> None:
+    """Answered before any request was read: counted under `-`."""
+    limits = LimitsConfig(max_connections=2, header_timeout_s=FAST)
+    async with RouterService(router_config([], limits=limits)) as router:
+        async with _connect(router) as (reader, writer):
+            writer.write(b"GET /hea")
+            (response,) = parse_responses(await wait_eof(reader, FAST + 5))
+            assert response.status == 408
+        held = [await _served(router), await _served(router)]
+        try:
+            (refused,) = parse_responses(await exchange(_port(router), b""))
+            assert refused.status == 503
+        finally:
+            for _, writer in held:
+                writer.close()
+        rejected: dict[tuple[str, str], float] = {}
+
+        async def scraped() -> bool:  # a slot frees once the server notices a close
+            nonlocal rejected
+            with contextlib.suppress(AssertionError):  # a 503 still, no metrics
+                rejected = await _rejected(router)
+            return bool(rejected)
+
+        await eventually(scraped, what="a slot freed")
+    assert rejected[("-", "RequestTimeoutError")] == 1, rejected
+    assert rejected[("-", "TooManyConnectionsError")] >= 1, rejected  # the tries meanwhile too

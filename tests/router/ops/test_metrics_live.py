@@ -194,16 +194,68 @@ async def test_grafana_dashboard_and_docs_use_exactly_the_exported_names(fleet: 
     status, _, _ = await fleet.post("/v1/chat/completions", _chat("tenant-a"))
     assert status == 200
     async with fleet.session.get(fleet.url + "/metrics") as resp:
-        exported = exported_names(await resp.text())
+        text = await resp.text()
+    exported = exported_names(text)
     dashboard = json.loads((DOCS / "grafana" / "kvroute.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"kvroute_[a-z_]+", e)}
     assert used and used <= exported, sorted(used - exported)
+    types = {family.name: family.type for family in text_string_to_metric_families(text)}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            _read_once_per_process(target["expr"], target["legendFormat"], types)
     # and every family the router exports is described in docs/operations.md
     described = _described_families()
     families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count", "_created"))}
     families = {n.removesuffix("_total") for n in families}
     assert families <= described | {f + "_total" for f in described}, sorted(families - described)
+
+
+# what every process holds a copy of (`kvroute serve --processes N`, replicas): each follows and
+# indexes every stream itself, so the stream and index families (counters included) say the
+# same of one stream in every process. Every gauge is a state read when scraped (load, which
+# with [cluster] is the fleet's in each process, routable, unfollowed): never added up either
+_COPIES = ("kvroute_stream_", "kvroute_namespace")
+_AGGREGATION = re.compile(r"\b(sum|max|min|count)\s*(?:by\s*\(([^)]*)\)\s*)?\(")
+
+
+def _aggregations(expr: str) -> list[tuple[int, int, str, set[str]]]:
+    """Each aggregation of `expr`: where its argument starts and ends, its kind, its labels."""
+    found = []
+    for match in _AGGREGATION.finditer(expr):
+        start = end = match.end() - 1  # its argument's opening parenthesis
+        depth = 0
+        for end in range(start, len(expr)):
+            depth += {"(": 1, ")": -1}.get(expr[end], 0)
+            if depth == 0:
+                break
+        labels = {x.strip() for x in (match.group(2) or "").split(",") if x.strip()}
+        found.append((start, end, match.group(1), labels))
+    return found
+
+
+def _read_once_per_process(expr: str, legend: str, types: dict[str, str]) -> None:
+    """Under `--processes N` every series comes once per process (`process="<i>"`): the
+    panels drew N lines of one legend ("In flight", "Index entries", "Stream event lag") and
+    summed the copies ("Workers routable" read 4 of 4 for 2 workers on 2 processes; one worker
+    restart showed as 2). Each selector is aggregated away from `process` now: a count of
+    what a process served summed, a copy or a state read once (max or min)."""
+    aggregations = _aggregations(expr)
+    for found in re.finditer(r"kvroute_[a-z_]+", expr):
+        name = found.group()
+        family = re.sub(r"_(total|bucket|sum|count)$", "", name)
+        around = sorted(
+            (a for a in aggregations if a[0] < found.start() < a[1]), key=lambda a: -a[0]
+        )
+        assert around, f"{name} drawn once per process: {expr}"
+        kind = around[0][2]  # the innermost
+        assert all("process" not in a[3] for a in around), expr
+        copy = family.startswith(_COPIES) or types.get(family) == "gauge"
+        assert (kind in ("max", "min")) if copy else (kind == "sum"), (kind, expr)
+    # one line per legend: the outermost aggregations keep what the legend names
+    outer = [a for a in aggregations if not any(b[0] < a[0] < b[1] for b in aggregations)]
+    kept = set().union(*(a[3] for a in outer)) - {"le"}
+    assert kept == set(re.findall(r"{{(\w+)}}", legend)), (legend, expr)
 
 
 def _described_families() -> set[str]:
