@@ -10,6 +10,16 @@ retried too (`AttemptFailed`). A stream cut after that is no retry: the client's
 cut, and the request counts as a failure (`router.http.outcome`): 502 when its worker broke it
 off (one ordinary failure of the worker), 504 when the request deadline passed (a failure of the
 worker only when it had stalled).
+
+An answer is a stream when it is SSE (`text/event-stream`), or chunked to a request that asked
+to stream (`ParsedRequest.stream`); any other is read whole (within the whole answer's bound),
+whatever its framing: a proxy or sidecar in front of the worker may re-chunk a whole JSON
+answer, which read whole is retried when cut and has its usage read as a whole answer's.
+Before, every chunked answer was relayed as a stream: cut, the client had a 200 and a cut body,
+and a batched `/generate` had its last item's `cached_tokens` held against its first item's
+prediction. A batch's usage is never read (`ParsedRequest.batched`), whole or streamed: it is
+every item's, the prediction its first item's.
+
 `AnswerHooks` is what a caller adds to one answer (the pair dispatcher's,
 `router.http.pair_hooks`: headers naming both workers, a wait for the prefill side before
 anything is committed, the prefill's logprobs merged in).
@@ -27,6 +37,7 @@ from multidict import CIMultiDict
 from router.errors import UpstreamTimeoutError
 from router.http.direct_answer import ChunkedResponse, SentResponse, send_whole
 from router.http.hop_headers import HOP_BY_HOP, copy_headers
+from router.http.intake import PARSED
 from router.http.metrics import DEADLINE_CUT
 from router.http.observe import observation
 from router.http.outcome import AttemptFailed, client_left, mark_broken_off
@@ -150,9 +161,12 @@ async def relay_answer(
     obs = observation(request)
     if obs is not None:
         obs.response_headers(out)
+    parsed = request[PARSED]
+    # chunked says nothing by itself: any hop may re-chunk a whole answer. What the client
+    # asked for does (and SSE is a stream whoever asked: a worker's stream, unbounded)
     streaming = payload is None and (
         "text/event-stream" in upstream.headers.get("Content-Type", "")
-        or "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+        or (parsed.stream and "chunked" in upstream.headers.get("Transfer-Encoding", "").lower())
     )
     if not streaming:
         if payload is None:
@@ -172,7 +186,7 @@ async def relay_answer(
             client_left(request)
         if hooks is None:
             planner.first_byte(ticket)
-        if obs is not None:
+        if obs is not None and not parsed.batched:  # a batch's usage is no one prediction's
             obs.body(payload)
         if upstream.status < 500:
             planner.record_success(candidate.worker)
@@ -204,15 +218,16 @@ async def _stream(
     committed; a worker breaking off from here is no retry."""
     response = ChunkedResponse(status=upstream.status, headers=headers, deadline=deadline)
     chunk = first
-    obs = observation(request)
+    # a batch's events are each one item's: its usage is no one prediction's (none is read)
+    usage = None if request[PARSED].batched else observation(request)
     loop = asyncio.get_running_loop()
     try:
         await response.prepare(request)
         while chunk:
             data = chunk if hooks is None else hooks.chunk(chunk)
             await response.write(data)
-            if obs is not None:
-                obs.chunk(data)  # its usage is read once the stream ends
+            if usage is not None:
+                usage.chunk(data)  # its usage is read once the stream ends
             # from here the wait is the worker's (the client took the chunk already)
             asked = loop.time()
             try:

@@ -151,7 +151,9 @@ async def answer_errors(
     route: Callable[[], Awaitable[str]],
 ) -> web.StreamResponse:
     """`handler`'s answer, or the JSON error of what it raised, counted in `metrics` under
-    `route()` (the route's template, never the raw path: `route_template`)."""
+    `route()` (the route's template, never the raw path: `route_template`). A proxied
+    request's trace says the status of that error as `router.http.observe.answered_status`
+    finds it: change both."""
     details: dict[str, object] | None = None
     headers: dict[str, str] | None = None
     model: str | None = None  # the label, when the error says it better than the request

@@ -4,6 +4,8 @@ The proxy and the `/admin/route` dry run both read requests here, so a dry run n
 to a request the proxy would refuse. The salt header is a gateway's statement of the tenant: it
 must come once (two values would leave the namespace to whichever one a hop reads first), be
 UTF-8 and fit `limits.max_salt_bytes`; its value is a secret, so errors name the header only.
+The request as parsed is kept on it (`PARSED`) for the steps after routing that answer what the
+client asked: whether its answer is a stream, whether it is a batch (`router.http.answer_relay`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from router.prompt.request import (
 )
 from router.prompt.tokenizer import PromptTokenizer
 
-__all__ = ["header_salt", "read_request"]
+__all__ = ["PARSED", "header_salt", "read_request"]
+
+# the request as `read_request` parsed it
+PARSED = web.RequestKey("kvroute_parsed", ParsedRequest)
 
 
 def header_salt(request: web.Request, config: RouterConfig) -> str | None:
@@ -72,5 +77,8 @@ async def read_request(
     offload = tokenizer.offload
     if offload is not None and offload.wants(len(raw)):
         # a long prompt: its encode (GIL released) leaves the loop free for other requests
-        return await asyncio.wrap_future(offload.submit(parse))
-    return parse()
+        parsed = await asyncio.wrap_future(offload.submit(parse))
+    else:
+        parsed = parse()
+    request[PARSED] = parsed
+    return parsed

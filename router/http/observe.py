@@ -17,6 +17,10 @@ copy of the client's headers had dropped as hop-by-hop). `install_log_request_id
 of the observation in the handler's task on every log record (`kvroute serve` logs it), and
 each request ends with a DEBUG line naming it. Only a well-formed id is written into log lines:
 a client's spaces and brackets would forge a line's level, logger and message of their own.
+
+Spans follow OpenTelemetry's HTTP conventions: the status code the client got on the request
+span, the router's own errors too (`answered_status`), ERROR for a 5xx only, and as `error.type`
+a class, one of a few values (`error_type`), never a message.
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict, MultiMapping
 
+from indexer.errors import IndexerError
+from router.errors import RouterError
 from router.fleet.false_hits import FalseHitWatch
 from router.http.decisions import Decision, DecisionStats
 from router.http.hop_headers import connection_named
-from router.http.outcome import BrokenOff
+from router.http.outcome import AttemptFailed, BrokenOff
+from router.http.pair_failure import PrefillFailed
 from router.http.spans import SpanMaker, TraceSpan
 from router.http.tracing import PARSE_CONTEXT, TraceDecision, Tracing
 from router.http.usage import StreamTail, cached_tokens
@@ -54,7 +62,9 @@ __all__ = [
     "TracedObservation",
     "Unobserved",
     "Unproxied",
+    "answered_status",
     "client_request_id",
+    "error_type",
     "install_log_request_id",
     "observation",
     "well_formed_request_id",
@@ -196,9 +206,12 @@ class Observation:
         """Headers for the worker: the request id (in place of a client's malformed one)."""
         headers[REQUEST_ID_HEADER] = self.request_id
 
-    def failed(self, reason: str, status: int | None = None) -> None:
-        """The attempt failed before any byte reached the client (a retry may follow);
-        `status`: the worker's HTTP status, when it answered one."""
+    def failed(
+        self, error: BaseException, status: int | None = None, reason: str | None = None
+    ) -> None:
+        """The attempt failed with `error` before any byte reached the client (a retry may
+        follow); `status`: the worker's HTTP status, when it answered one; `reason`: what to
+        say of it (default: the error's message)."""
 
     def first_byte(self) -> None:
         """The worker's first byte arrived: time to first token, at the router."""
@@ -421,12 +434,16 @@ class TracedObservation(Observation):
         for name, value in carrier.items():
             headers[name] = value  # replaces the client's: the worker's parent is ours
 
-    def failed(self, reason: str, status: int | None = None) -> None:
-        """The attempt failed before any byte reached the client: its span ends with it."""
+    def failed(
+        self, error: BaseException, status: int | None = None, reason: str | None = None
+    ) -> None:
+        """The attempt failed before any byte reached the client: its span ends with it, the
+        failure's class as `error.type` (`error_type`), what it said as the status's
+        description."""
         span = self._upstream_span
         if span is not None and status is not None:
             span.set_attribute("http.response.status_code", status)
-        self._end_upstream(reason)
+        self._end_upstream(error_type(error), str(error) if reason is None else reason)
 
     def finish(self, status: int, broken_off: BrokenOff | None = None) -> None:
         """The answer went out with `status`: count the outcome, close the upstream span. Both
@@ -436,9 +453,11 @@ class TracedObservation(Observation):
         super().finish(status, broken_off)
         if decision is None:
             return
+        # a cut stream's error is its class; a 5xx's, its status (OpenTelemetry's convention)
         error = None if broken_off is None else broken_off.error
+        said = error
         if error is None and status >= 500:
-            error = f"HTTP {status}"
+            error, said = str(status), f"HTTP {status}"
         span = self._upstream_span
         if span is not None:
             answered: dict[str, int | float] = {"http.response.status_code": status}
@@ -447,7 +466,7 @@ class TracedObservation(Observation):
             if decision.ttft_s is not None:
                 answered["kvroute.ttft_s"] = decision.ttft_s
             span.set_attributes(answered)
-            self._end_upstream(error)
+            self._end_upstream(error, said)
         request_span = self._request_span
         if request_span is not None:
             # the request span names its worker too (a search by worker finds the request);
@@ -455,10 +474,9 @@ class TracedObservation(Observation):
             request_span.set_attributes(
                 {"kvroute.worker": decision.chosen.worker, "http.response.status_code": status}
             )
-            if broken_off is not None:
-                request_span.set_attribute("error.type", broken_off.error)
             if error is not None:
-                request_span.set_status(self._tracing.error(error))
+                request_span.set_attribute("error.type", error)
+                request_span.set_status(self._tracing.error(said or error))
 
     def close(self, error: BaseException | None) -> None:
         """The handler is done (answered, raised or cancelled): end the request span."""
@@ -467,22 +485,34 @@ class TracedObservation(Observation):
         if span is None:
             return
         self._request_span = None
-        self._end_upstream(type(error).__name__ if error is not None else None)
         if self.model:
             span.set_attribute("kvroute.model", self.model)
-        if error is not None:
-            span.set_attribute("error.type", type(error).__name__)
-            span.set_status(self._tracing.error(type(error).__name__))
+        if error is None:
+            self._end_upstream(None)
+        else:
+            kind = type(error).__name__
+            self._end_upstream(kind)
+            # the router answered it itself (an error raised: `router.http.app.answer_errors`),
+            # or nobody (the client left): the status it sent, and ERROR for a 5xx or none,
+            # as for an answer a worker sent (a 4xx is the client's: UNSET)
+            status = answered_status(error)
+            span.set_attribute("error.type", kind)
+            if status is not None:
+                span.set_attribute("http.response.status_code", status)
+            if status is None or status >= 500:
+                span.set_status(self._tracing.error(kind))
         span.end()
 
-    def _end_upstream(self, error: str | None) -> None:
+    def _end_upstream(self, error: str | None, said: str | None = None) -> None:
+        """End the attempt's span; `error`: its `error.type` (and ERROR), `said` the status's
+        description (default: `error`)."""
         span = self._upstream_span
         if span is None:
             return
         self._upstream_span = None
         if error is not None:
             span.set_attribute("error.type", error)
-            span.set_status(self._tracing.error(error))
+            span.set_status(self._tracing.error(said or error))
         span.end()
 
 
@@ -532,7 +562,9 @@ class Unobserved(Observation):
     def outgoing(self, headers: CIMultiDict[str]) -> None:
         """Nothing added."""
 
-    def failed(self, reason: str, status: int | None = None) -> None:
+    def failed(
+        self, error: BaseException, status: int | None = None, reason: str | None = None
+    ) -> None:
         """Nothing kept."""
 
     def first_byte(self) -> None:
@@ -552,6 +584,40 @@ class Unobserved(Observation):
 
     def close(self, error: BaseException | None) -> None:
         """No span to end."""
+
+
+# what only carries a failed attempt: its `error.type` is what it carries (`error_type`)
+_CARRIERS = (AttemptFailed, PrefillFailed)
+
+
+def error_type(error: BaseException) -> str:
+    """A failed attempt's `error.type`: the class of what failed, one of a few values, as
+    OpenTelemetry's conventions want it (the message goes in the status's description). The
+    router's carriers of an attempt's failure (`AttemptFailed`, `PrefillFailed`, not their
+    subclasses: `BootstrapUnreachable` says more) stand for what they were raised from
+    (`UpstreamDroppedError`, `TimeoutError`), or, raised from nothing, for the worker's HTTP
+    status that failed the attempt (`"503"`). Before, it was the message (`connection dropped:
+    the worker closed ...`, `HTTP 503`): a value per message."""
+    while type(error) in _CARRIERS:
+        cause = error.__cause__
+        if cause is None:
+            status = getattr(error, "status", None)
+            return type(error).__name__ if status is None else str(status)
+        error = cause
+    return type(error).__name__
+
+
+def answered_status(error: BaseException) -> int | None:
+    """The status the router answers a request that raised `error` with, as
+    `router.http.app.answer_errors` answers it; None when it answers nothing (the client left:
+    the handler cancelled, or its connection reset)."""
+    if isinstance(error, RouterError | web.HTTPException):
+        return error.status
+    if isinstance(error, IndexerError | RequestPayloadError):
+        return 400
+    if isinstance(error, ConnectionResetError) or not isinstance(error, Exception):
+        return None
+    return 500  # a bug: answered as an InternalError
 
 
 def _target_attributes(candidate: Candidate) -> dict[str, str | int | float]:

@@ -265,6 +265,7 @@ class PairDispatcher:
                 raise
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status
+                error: Exception = exc
                 at_once = not exc.sent or exc.timed_out
                 # the decode got no KV: it stored nothing of the prompt but what its events
                 # show (vLLM's was never sent the request)
@@ -294,6 +295,7 @@ class PairDispatcher:
                 )
                 blamed = None if side_of is None else decode if side_of == "decode" else prefill
                 hard, reason, status, at_once = False, str(exc), exc.status, False
+                error = exc
                 # on the prefill's word alone, the retry avoids the pair, not the decode: it
                 # may be the prefill's own bootstrap (QA: the only decode left out, a healthy
                 # pair untried); it goes with another prefill, and is not charged if it answers
@@ -309,6 +311,7 @@ class PairDispatcher:
                 withdraw_at_least(d_ticket, Withdraw.PENDING)
             except AttemptFailed as exc:
                 blamed, hard, reason, status = decode, exc.hard, str(exc), exc.status
+                error = exc
                 at_once = not exc.sent
                 withdraw_at_least(p_ticket, Withdraw.PENDING)  # cut off, unless it answered already
             except PrefillRefused as exc:
@@ -357,7 +360,7 @@ class PairDispatcher:
                 planner.finish(p_ticket)
                 planner.finish(d_ticket)
             if obs is not None:
-                obs.failed(reason, status)
+                obs.failed(error, status, reason)
             last_status = status
             self._metrics.retries.labels((blamed or prefill).worker).inc()
             if blamed is None:

@@ -299,7 +299,7 @@ class Proxy:
                 )
             except RankMoved as exc:
                 # a rank it no longer has (restarted with fewer): retried, the worker not blamed
-                obs.failed(str(exc), 400)
+                obs.failed(exc, 400)
                 if exc.anew and attempt < attempts - 1:  # on the ranks it has now
                     log.warning("worker %s has other dp ranks now: retried", candidate.worker)
                     tried.discard(candidate.worker)
@@ -321,7 +321,7 @@ class Proxy:
                     planner.record_failure(candidate.worker, hard=exc.hard)
                 log.warning("worker %s failed before answering: %s", candidate.worker, exc)
                 self._metrics.retries.labels(candidate.worker).inc()
-                obs.failed(str(exc), exc.status)
+                obs.failed(exc, exc.status)
                 failures.append(f"{candidate.worker}: {exc}")
                 attempt += 1
                 continue

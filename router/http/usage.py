@@ -5,6 +5,8 @@ OpenAI routes in `usage.prompt_tokens_details.cached_tokens` (the whole body, or
 usage chunk when the client asked for `stream_options.include_usage`), SGLang's `/generate` in
 `meta_info.cached_tokens` (every streamed event carries it, the last one is final). Held against
 the index's prediction (`x-kvroute-matched-tokens`) it makes prediction accuracy a live metric.
+A batch (a list of prompts) is routed by its first prompt, but its usage is every item's: the
+relay reads none of it (`router.http.answer_relay`), whole or streamed.
 
 The router reads it without decoding the answer: the key is found from the end (`rfind`) and
 its integer read in place. A JSON key cannot hide inside a string value (a quote in a string is
@@ -73,5 +75,6 @@ class StreamTail:
         """The stream's final `cached_tokens`, if its tail carries one."""
         if not self._chunks:
             return None
-        # a batched /generate never streams: the last key is the request's
+        # a batch's stream is never fed here (its events are each item's): the last key is
+        # the request's
         return _last_value(b"".join(self._chunks))

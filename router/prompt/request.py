@@ -89,6 +89,9 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the batch's other items that carry an extra_key: what each stores is shown by events as
     # plain pages of its salt, so each shadows its own prompt (`indexer.shadowed`)
     keyed: tuple[KeyedItem, ...] = ()
+    # a list of prompts (a batched `/generate`, OpenAI's `prompt` list): routed by its first,
+    # its answer's usage is every item's (`router.http.answer_relay` reads none of it)
+    batched: bool = False
 
     @property
     def stores_its_tokens(self) -> bool:
@@ -378,6 +381,7 @@ def parse_request(
         output_tokens=output_tokens,
         reuse_limit=reusable,
         keyed=keyed,
+        batched=batched,
     )
 
 

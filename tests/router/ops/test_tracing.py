@@ -35,7 +35,12 @@ from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, g
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router.config import ObserveConfig, PolicyConfig, RouterConfig, TracingConfig, WorkerConfig
+from router.http.bootstrap_unreachable import BootstrapUnreachable
 from router.http.keys import DECISIONS, TRACING
+from router.http.observe import error_type
+from router.http.outcome import AttemptFailed
+from router.http.pair_failure import HandoffFailed, PrefillFailed
+from router.http.pair_handoff import HandoffFault
 from router.http.tracing import (
     TraceDecision,
     Tracing,
@@ -43,6 +48,7 @@ from router.http.tracing import (
     parse_traceparent,
     w3c_propagation,
 )
+from router.http.upstream_client import UpstreamDroppedError
 from router.service import RouterService
 from tests.router.conftest import eventually, router_config, serve_app
 from workers.config import WorkerConfig as ReferenceConfig
@@ -79,11 +85,13 @@ OTEL_VARS = (
 
 class Backend:
     """An aiohttp server on 127.0.0.1 answering chat requests, keeping the headers it got;
-    `cut`: it streams two events, then closes the connection (the engine died mid-stream)."""
+    `cut`: it streams two events, then closes the connection (the engine died mid-stream);
+    `drop`: it closes the connection before answering."""
 
-    def __init__(self, status: int = 200, *, cut: bool = False) -> None:
+    def __init__(self, status: int = 200, *, cut: bool = False, drop: bool = False) -> None:
         self.status = status
         self.cut = cut
+        self.drop = drop
         self.seen: list[dict[str, str]] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -91,6 +99,10 @@ class Backend:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.seen.append({k.lower(): v for k, v in request.headers.items()})
+        if self.drop:
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(30)  # cancelled: its connection is closed
         if self.cut:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -111,7 +123,7 @@ class Backend:
         app.router.add_get("/health", self._health)
         # a handler of a cut answer waits until its connection is gone: cancelled then
         self._runner, self.url = await serve_app(
-            app, access_log=None, handler_cancellation=self.cut
+            app, access_log=None, handler_cancellation=self.cut or self.drop
         )
         return self
 
@@ -337,9 +349,12 @@ async def test_a_client_trace_is_continued_and_its_sampling_followed(
     assert not int(backend.seen[-1]["traceparent"][-2:], 16) & 1  # the sampled flag is off
 
 
-async def test_a_bad_request_is_an_error_with_its_exception_on_the_parse_span(
+async def test_a_bad_request_is_a_400_with_its_exception_on_the_parse_span(
     traced: Traced, backend: Backend
 ) -> None:
+    """The request span of a refusal the router answers itself says its status, and a 4xx
+    leaves its status UNSET, as one a worker answered does (before: no status code, and
+    ERROR); `error.type` names the refusal's class."""
     resp = await _post(traced.url, {"model": "m", "messages": "not a list"}, {"x-request-id": "b1"})
     assert resp.status == 400
     assert resp.headers["x-request-id"] == "b1"  # a refusal echoes it as an answer does
@@ -353,7 +368,8 @@ async def test_a_bad_request_is_an_error_with_its_exception_on_the_parse_span(
     assert str(attrs["exception.type"]).endswith("RequestError")
     assert "messages" in str(attrs["exception.message"])
     assert "Traceback" in str(attrs["exception.stacktrace"])
-    assert root.status.status_code is StatusCode.ERROR
+    assert root.status.status_code is StatusCode.UNSET
+    assert _count(root, "http.response.status_code") == 400
     assert (root.attributes or {})["error.type"] == "RequestError"
     assert not backend.seen  # it never left the router
 
@@ -378,7 +394,8 @@ async def test_a_retry_is_a_failed_upstream_span_then_another(
     assert [(s.attributes or {})["kvroute.worker"] for s in upstream] == ["bad", "b0"]
     assert upstream[0].status.status_code is StatusCode.ERROR
     assert upstream[0].status.description == "HTTP 503"
-    assert (upstream[0].attributes or {})["error.type"] == "HTTP 503"
+    # an HTTP status that failed the attempt, as OpenTelemetry names it (before: "HTTP 503")
+    assert (upstream[0].attributes or {})["error.type"] == "503"
     assert _count(upstream[0], "http.response.status_code") == 503  # what the worker said
     assert _count(upstream[1], "http.response.status_code") == 200
     assert upstream[1].status.status_code is not StatusCode.ERROR
@@ -387,6 +404,89 @@ async def test_a_retry_is_a_failed_upstream_span_then_another(
     assert all(m is not None for m in ids)
     contexts = [s.context for s in upstream]
     assert [int(m.group(2), 16) for m in ids if m] == [c.span_id for c in contexts if c]
+
+
+async def test_every_worker_failing_is_a_502_whose_spans_name_each_failures_class(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """QA: the request span of the router's 502 had no `http.response.status_code`, and each
+    upstream span's `error.type` was the failure's free text (`connection dropped: the worker
+    closed ...`, `HTTP 503`), a value per message where the conventions want a few classes.
+    The text stays as the status description."""
+    async with Backend(drop=True) as dropping, Backend(status=503) as failing:
+        # round robin: the first request goes to the first worker (its 503 is no last try's,
+        # not passed through), the retry to the one that drops the connection
+        config = _config(
+            (_worker("fail", failing), _worker("drop", dropping)),
+            policy=PolicyConfig(name="round_robin"),
+        )
+        async with _traced_router(way, config, provider, exporter) as traced:
+            resp = await _post(traced.url, CHAT)
+            spans = traced.spans()
+    assert resp.status == 502
+    root = _by_name(tuple(s for s in spans if s.name != "upstream"))["POST /v1/chat/completions"]
+    assert _count(root, "http.response.status_code") == 502
+    assert root.status.status_code is StatusCode.ERROR
+    assert (root.attributes or {})["error.type"] == "UpstreamError"
+    upstream = sorted(
+        (s for s in spans if s.name == "upstream"), key=lambda s: _count(s, "kvroute.attempt")
+    )
+    failed = {(s.attributes or {})["kvroute.worker"]: s for s in upstream}
+    assert set(failed) == {"drop", "fail"}
+    assert (failed["drop"].attributes or {})["error.type"] == "UpstreamDroppedError"
+    assert "closed the connection" in str(failed["drop"].status.description)
+    assert "http.response.status_code" not in (failed["drop"].attributes or {})
+    assert (failed["fail"].attributes or {})["error.type"] == "503"
+    assert _count(failed["fail"], "http.response.status_code") == 503
+    assert all(s.status.status_code is StatusCode.ERROR for s in upstream)
+
+
+async def test_a_workers_5xx_passed_through_names_its_status_as_the_error(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """The last worker's 5xx is the client's answer: both spans say its status, in ERROR, with
+    the status as `error.type` (the upstream span said `HTTP 500`, the request span none)."""
+    async with Backend(status=500) as failing:
+        config = _config((_worker("fail", failing),))
+        async with _traced_router(way, config, provider, exporter) as traced:
+            resp = await _post(traced.url, CHAT)
+            spans = traced.spans()
+    assert resp.status == 500
+    named = _by_name(tuple(s for s in spans if s.name != "parse"))
+    for name in ("POST /v1/chat/completions", "upstream"):
+        span = named[name]
+        assert _count(span, "http.response.status_code") == 500, name
+        assert span.status.status_code is StatusCode.ERROR, name
+        assert (span.attributes or {})["error.type"] == "500", name
+
+
+def _raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
+    """`error` as `raise error from cause` leaves it."""
+    try:
+        raise error from cause
+    except BaseException as raised:
+        return raised
+
+
+def test_an_attempts_error_type_is_the_class_of_what_failed_it() -> None:
+    """The router's carriers of a failed attempt name what they carry, through a pair's too:
+    the error raised below them, else the worker's status; anything else is its own class."""
+    dropped = _raised(AttemptFailed("connection dropped: ...", hard=True), UpstreamDroppedError())
+    assert error_type(dropped) == "UpstreamDroppedError"
+    status = _raised(AttemptFailed("HTTP 503", hard=False, status=503))
+    assert error_type(status) == "503"
+    # a pair's prefill blamed for its decode's failure
+    assert error_type(_raised(PrefillFailed("no KV", hard=False, status=503), status)) == "503"
+    assert error_type(_raised(PrefillFailed("no KV", hard=False), dropped)) == (
+        "UpstreamDroppedError"
+    )
+    timed_out = _raised(PrefillFailed("no answer", hard=False, status=504), TimeoutError())
+    assert error_type(timed_out) == "TimeoutError"
+    assert error_type(PrefillFailed("no bootstrap port known", hard=False)) == "PrefillFailed"
+    unreachable = _raised(BootstrapUnreachable("gone", port=1, status=502), status)
+    assert error_type(unreachable) == "BootstrapUnreachable"
+    handoff = HandoffFailed("it never took the KV", fault=HandoffFault.DECODE, status=500)
+    assert error_type(_raised(handoff, PrefillFailed("x", hard=False))) == "HandoffFailed"
 
 
 async def test_a_stream_its_worker_broke_off_ends_both_spans_in_error(
