@@ -17,6 +17,18 @@ stop then does not end within `STOP_TIMEOUT_S` ends itself (`router.commands.orp
 SIGINT and SIGTERM handlers are up before the first child starts (`router.commands.stopping`):
 one while they start stops those started so far.
 
+A child runs what its siblings run, however often it is restarted: the parent hands each child,
+on its stdin, the config it read at the start (with the command line's overrides), and the child
+takes every restart-only key (`router.config_diff`: the tokenizer, the admin token, the
+indexer, [cluster]...) from it, and the rest (live keys, workers) from the file as it reads it,
+as a reload does; a file whose restart-only keys differ is said in one WARNING line naming them
+(`router.commands.serve`). The siblings run those keys at their start values, as a reload keeps
+them, so every child agrees on them until the whole router restarts. Before, a child restarted
+after a crash started from the file as edited since: a changed `admin.token` was taken by one
+process and not the others (the admin API answered 200 or 401 by connection), a changed
+tokenizer or indexer setting had processes predicting differently, and a file a start refuses
+(a tokenizer path that no longer exists) kept the child from coming back at all.
+
 A reload reaches a child once it listens: one starting (or restarting) may have read the file
 before the reload was asked for, so it is sent SIGHUP as soon as it listens (its handler is up
 by then: signalled earlier, it died, and at first start the whole router with it). A SIGHUP to
@@ -47,6 +59,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
+import msgspec
+
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.cluster.server import die_with_parent
 from router.commands import hangup
@@ -54,10 +68,12 @@ from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
 from router.http.reload_link import ProcessesTold, answer_child
+from router.http.start_checks import check_replicas
 
 __all__ = ["STOP_TIMEOUT_S", "serve_processes"]
 
 _START_TIMEOUT_S = 60.0
+_PIPE = asyncio.subprocess.PIPE  # a child's stdin, when it is handed its siblings' config
 _RESTART_DELAY_S = 1.0  # the first wait before restarting a child that exited
 _RESTART_MAX_DELAY_S = 30.0  # the longest, after failed restarts or quick exits
 _STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop: wait 1 s again
@@ -96,7 +112,10 @@ def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
 
 
 class _Child:
-    """One replica process, the URL it reported, and its reload link (`reload_link`)."""
+    """One replica process, the URL it reported, and its reload link (`reload_link`).
+
+    `running`: the config its siblings run (JSON), written to its stdin at each start; None:
+    none (its stdin is /dev/null)."""
 
     def __init__(
         self,
@@ -105,10 +124,12 @@ class _Child:
         env: dict[str, str],
         tell_others: Callable[[int], ProcessesTold] | None = None,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        running: bytes | None = None,
     ) -> None:
         self.index = index
         self.cmd = cmd
         self.env = env
+        self.running = running
         # SIGHUP the children but this one (None: no reload, no link)
         self._tell_others = tell_others
         self.stop_timeout_s = stop_timeout_s
@@ -160,7 +181,7 @@ class _Child:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *cmd,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL if self.running is None else _PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 env=self.env,
                 pass_fds=() if theirs is None else (theirs.fileno(),),
@@ -185,6 +206,7 @@ class _Child:
             )
         assert self.proc.stdout is not None
         async with asyncio.timeout(_START_TIMEOUT_S):
+            await self._hand_running()
             while not self.url:
                 line = (await self.proc.stdout.readline()).decode(errors="replace")
                 if not line:
@@ -193,6 +215,18 @@ class _Child:
                     self.url = line.split("listening on ", 1)[1].split()[0]
         # the rest of its stdout is not ours to read: discard it so the pipe never fills
         asyncio.get_running_loop().create_task(self.proc.stdout.read())
+
+    async def _hand_running(self) -> None:
+        """Write the config its siblings run to the child's stdin, then close it (the child
+        reads it whole before it starts)."""
+        stdin = None if self.proc is None else self.proc.stdin
+        if self.running is None or stdin is None:
+            return
+        # a child that died first says so by its stdout's end, read next
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            stdin.write(self.running)
+            await stdin.drain()
+        stdin.close()
 
     async def stop(self) -> None:
         proc = self.proc
@@ -281,20 +315,7 @@ async def serve_processes(
     `indexer` (the index and its query API only). `reload=False`: the file is read once (no
     reload by SIGHUP or `POST /admin/reload`; SIGHUP is left to the caller's handler).
     """
-    if config.cluster is None:
-        raise ConfigError(
-            "several replica processes need a [cluster] section (the NATS they agree through; "
-            "kvroute up --replicas N starts one)",
-            key="cluster",
-        )
-    if config.cluster.replica_id:
-        # every child reads the one file: under one id, each would drop the others'
-        # decisions and admin changes as its own
-        raise ConfigError(
-            f"cluster.replica_id {config.cluster.replica_id!r} names one process: with "
-            "several, leave it out (each replica draws its own)",
-            key="cluster.replica_id",
-        )
+    cluster = check_replicas(config)  # as each child's reload checks its file
     env = dict(os.environ)
     if not config.admin.fingerprint_key and not env.get(FINGERPRINT_KEY_ENV):
         # one key for all: a namespace id one replica lists is the id another evicts by
@@ -310,8 +331,11 @@ async def serve_processes(
         "--log-level", log_level,
         "--reuse-port",
         "--exit-with-parent",
+        "--running-config-stdin",
         *([] if reload else ["--no-reload"]),
     ]  # fmt: skip
+    # what every child runs of the restart-only keys, at a restart as at the start
+    running = msgspec.json.encode(config)
     stopping = False  # SIGHUP is ignored from then on: the children are in their grace
 
     def tell(but: int | None = None) -> ProcessesTold:
@@ -356,6 +380,7 @@ async def serve_processes(
             ],
             env,
             reloaded if reload else None,
+            running=running,
         )
         for i in range(processes)
     ]
@@ -371,7 +396,7 @@ async def serve_processes(
         announce(
             f"kvroute: {processes} {noun} replica {processes_said} listening on "
             f"{', '.join(sorted(urls))} (SO_REUSEPORT), one {noun} through NATS at "
-            f"{', '.join(config.cluster.shown_servers)}"
+            f"{', '.join(cluster.shown_servers)}"
         )
         if metrics_ports[0] is not None:
             host = next(iter(urls)).rsplit(":", 1)[0]

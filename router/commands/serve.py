@@ -42,6 +42,7 @@ __all__ = [
     "LOG_LEVELS",
     "add_arguments",
     "apply_overrides",
+    "as_siblings_run",
     "config_source",
     "configure_logging",
     "curl_example",
@@ -115,6 +116,9 @@ def add_arguments(
     parser.add_argument("--reload-fd", type=int, help=argparse.SUPPRESS)
     # ...or, under `kvroute up --replicas`, whose file `up` wrote once: no reload (as `up`)
     parser.add_argument("--no-reload", action="store_true", help=argparse.SUPPRESS)
+    # ...and whose restart-only keys are those of the config its parent writes to its stdin,
+    # what its siblings run (`router.commands.replicas`), whatever its file says since
+    parser.add_argument("--running-config-stdin", action="store_true", help=argparse.SUPPRESS)
 
 
 def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterConfig:
@@ -275,6 +279,34 @@ def read_config(path: str, *, reloading: bool = False) -> RouterConfig:
     return load_config(path, reloading=reloading)
 
 
+def as_siblings_run(config: RouterConfig, running: bytes, args: argparse.Namespace) -> RouterConfig:
+    """`config` (a `--processes` child's file) with every restart-only key at its value in
+    `running` (the JSON config its parent wrote to its stdin: what its siblings run), its
+    live keys and workers as the file has them, as a reload would take them. The keys whose
+    file value is not applied are said in one WARNING line.
+
+    Before, a child restarted after a crash ran the file as edited since: an `admin.token`
+    changed there was taken by it alone (the admin API answered 200 or 401 by connection), a
+    changed `[tokenizer]` or `[indexer]` had processes of one router predict otherwise."""
+    from router.config_diff import diff_configs
+
+    try:
+        data = msgspec.json.decode(running)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"the config on stdin (--running-config-stdin): {exc}") from exc
+    siblings = apply_overrides(parse_config(data, source="the parent's config"), args)
+    config, diff = diff_configs(siblings, config)
+    if diff.needs_restart:
+        logging.getLogger(__name__).warning(
+            "%s: %s differ%s from what the other replica processes run: kept at their value "
+            "(restart the whole router, the parent, to apply them)",
+            args.config,
+            ", ".join(diff.needs_restart),
+            "s" if len(diff.needs_restart) == 1 else "",
+        )
+    return config
+
+
 def config_source(args: argparse.Namespace) -> ConfigSource:
     """What a reload reads: `args.config` again, with the same overrides (a --port stays the
     port), read once and an empty file refused (`read_config(..., reloading=True)`)."""
@@ -433,6 +465,8 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         return 2
     try:
         config = apply_overrides(read_config(args.config), args)
+        if getattr(args, "running_config_stdin", False):
+            config = as_siblings_run(config, sys.stdin.buffer.read(), args)
         if config.fleet is not None and not getattr(args, "reuse_port", False):
             _warn_fleet_table(args.config, config, "serve" if proxy else "indexer")
         source = None if getattr(args, "no_reload", False) else config_source(args)

@@ -145,8 +145,11 @@ class Registrar:
         else:
             info = await self._settings(entry, spec)
         role, bootstrap_port = role_of(entry, spec, info)
+        advertised_port = None
         if info is not None:
-            self._notes.check_role(entry, spec.advertised_role(info)[0])
+            advertised_role, advertised_port = spec.advertised_role(info)
+            self._notes.check_role(entry, advertised_role)
+            self._notes.check_bootstrap_port(entry, role, advertised_port)
         # vLLM names a LoRA adapter by itself (SGLang: base:adapter): the ones it lists
         adapters: dict[str, str] | None = {} if spec.name == "vllm" else None
         # the server info was read above, once (None: it did not answer, or there is none)
@@ -164,7 +167,7 @@ class Registrar:
                 # the role it serves: a prefill worker taken for a whole-request one would be
                 # sent whole requests, and a worker of no known model takes none in a fleet of
                 # several
-                self._pool.set_role(entry, role, bootstrap_port)
+                self._pool.set_role(entry, role, bootstrap_port, advertised_port=advertised_port)
                 self._pool.set_models(entry, models, adapters)
                 self._notes.say_ambiguous(entry)
                 # a URL pointing at another worker is a likely cause of the refusal too (its
@@ -181,7 +184,7 @@ class Registrar:
         if streams:  # a worker without events is routed by load alone
             await self._indexer.add_worker(entry.id, streams, restarted=restarted)
         try:
-            self._pool.set_role(entry, role, bootstrap_port)
+            self._pool.set_role(entry, role, bootstrap_port, advertised_port=advertised_port)
             self._pool.set_models(entry, models, adapters)
             self._notes.say_ambiguous(entry)
             self._notes.check_named(entry, advertised)

@@ -3,8 +3,8 @@
 A worker is registered again and again: its refusals are retried on every health round, and a
 restart, a STALE stream or a reload registers it anew. What a registration finds (why it was
 refused, a replay socket it cannot trust, a config naming models the worker does not advertise,
-a configured role the worker does not advertise, an adapter name workers of several base models
-list, a tokenizer that cannot be the router's)
+a configured role or bootstrap port the worker does not advertise, an adapter name workers of
+several base models list, a tokenizer that cannot be the router's)
 is said when it is new or changed, never on every round: the same line every
 `health.interval_s` would bury the log. The admin API shows the last of them (`refusal`,
 `doubt`, `tokenizer_mismatch`).
@@ -46,6 +46,9 @@ class RegistrationNotes:
         # per worker, the configured and advertised roles that contradict, as last said
         # (`check_role`)
         self._roles: dict[str, str] = {}
+        # per worker, the configured and advertised bootstrap ports that differ, as last said
+        # (`check_bootstrap_port`)
+        self._ports: dict[str, str] = {}
         # per worker, the advertised settings taken as unknown, as last said (`check_settings`)
         self._settings: dict[str, str] = {}
 
@@ -56,6 +59,7 @@ class RegistrationNotes:
         self._misnamed.pop(worker, None)
         self._tokenizers.pop(worker, None)
         self._roles.pop(worker, None)
+        self._ports.pop(worker, None)
         self._settings.pop(worker, None)
         # fewer workers list fewer bases: said again if a registration makes one ambiguous
         self._ambiguous = self._pool.ambiguous_adapters()
@@ -142,6 +146,34 @@ class RegistrationNotes:
         if len(self._roles) >= _KEPT:
             self._roles.clear()
         self._roles[entry.id] = note
+        log.warning("worker %s: %s", entry.id, note)
+
+    def check_bootstrap_port(
+        self, entry: WorkerEntry, role: PdRole, advertised: int | None
+    ) -> None:
+        """Say when the bootstrap port `entry`'s config gives it, routed as a prefill worker
+        (`role`), is not the one the worker advertises (`advertised`, SGLang's
+        `disaggregation_bootstrap_port`; None: it says none), once per worker and ports (as
+        `check_role`). The config's port is told its decodes all the same, as it is meant to
+        override (a port mapped between the worker and its decodes); what this catches is a
+        port written wrong: every pair through it fails, and before, nothing said why but the
+        decodes' "cannot reach the bootstrap server", charged to the worker."""
+        configured = entry.config.bootstrap_port
+        if role != "prefill" or None in (configured, advertised) or configured == advertised:
+            self._ports.pop(entry.id, None)
+            return
+        note = (
+            f"the config says bootstrap_port {configured}, the worker advertises {advertised} "
+            f"(its disaggregation_bootstrap_port): its decodes are told {configured}, as the "
+            f"config says, and each pair through it fails unless {configured} reaches its "
+            "bootstrap server (a mapped port); fix `bootstrap_port` in its config, or leave it "
+            "out to take the worker's"
+        )
+        if self._ports.get(entry.id) == note:
+            return
+        if len(self._ports) >= _KEPT:
+            self._ports.clear()
+        self._ports[entry.id] = note
         log.warning("worker %s: %s", entry.id, note)
 
     def tokenizer_mismatch(self, worker: str) -> str | None:

@@ -203,11 +203,15 @@ class Rereads:
         through it named a bootstrap port nobody listened on (the decode's 502
         `kv_transfer_failed`, for good), or a decode worker was sent prefill legs."""
         role, port = role_of(entry, spec, info)
-        self._notes.check_role(entry, spec.advertised_role(info)[0])
+        advertised_role, advertised_port = spec.advertised_role(info)
+        self._notes.check_role(entry, advertised_role)
+        self._notes.check_bootstrap_port(entry, role, advertised_port)
         was_role, was_port = entry.role, entry.bootstrap_port
+        # the advertised port is kept even when the config's wins: a pair failing through it
+        # says both (`router.http.bootstrap_unreachable`)
+        self._pool.set_role(entry, role, port, advertised_port=advertised_port)
         if (role, port) == (was_role, was_port):
             return
-        self._pool.set_role(entry, role, port)
         if role != was_role:
             # its turns (and approx_tree's prefixes) were taken as the other side's
             self._policy.forget(entry.id)

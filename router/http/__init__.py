@@ -23,6 +23,7 @@ header within the limits, parsed by `router.prompt`) -> `router.routing` for the
 - `dashboard/`: the live page at `/dashboard` (admin token), its login and the state it polls;
 - `metrics`: the Prometheus metrics of one router;
 - `holding`: the requests `policy.hold_until_room` holds, queued by the rank each waits for;
+- `start_checks`: what a start refuses of a config, which a reload refuses alike;
 - `keys`: the typed application keys naming the app's shared objects.
 
 Nothing is imported here, so `kvroute --help` stays light.

@@ -25,7 +25,6 @@ from indexer.service import IndexerConfig, IndexerService
 from router.config import LiveConfig, RouterConfig
 from router.errors import (
     AmbiguousModelError,
-    ConfigError,
     ModelUnavailableError,
     RouterError,
     UnknownModelError,
@@ -33,7 +32,6 @@ from router.errors import (
 from router.fleet.supervisor import Supervisor
 from router.http import operations
 from router.http.admin import create_admin_app
-from router.http.bearer import is_loopback
 from router.http.dashboard.routes import add_dashboard_routes
 from router.http.keys import (
     CLUSTER,
@@ -49,6 +47,7 @@ from router.http.keys import (
     RELAY,
     RELOADER,
     SESSION,
+    START_CHECKS,
     SUPERVISOR,
     TOKENIZER,
 )
@@ -70,9 +69,9 @@ from router.http.observe import (
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
+from router.http.start_checks import StartChecks
 from router.http.upstream_client import UpstreamClient
 from router.prompt.request import Endpoint
-from router.prompt.tokenizer import build_tokenizer
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
 from router.routing.pd import PairPlanner
@@ -425,7 +424,14 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         proxy.reread = supervisor.reread
         # SIGHUP and POST /admin/reload: the one path that changes these parts' settings
         app[RELOADER] = reloader = Reloader(
-            live, app.get(CONFIG_SOURCE), planner, supervisor, proxy, pairs, dispatcher
+            live,
+            app.get(CONFIG_SOURCE),
+            planner,
+            supervisor,
+            proxy,
+            pairs,
+            dispatcher,
+            checks=app[START_CHECKS],
         )
         proxy.fleet_change = reloader.fleet_change  # a reload's gap waited out, not refused
         for worker in config.workers:
@@ -487,25 +493,17 @@ def create_app(
     `relay`: `kvroute relay` (no proxy either): the index's streams are written to the
     config's [cluster] NATS for the replicas that follow it (`router.cluster.relay_publisher`).
     """
+    # what a start refuses, as a reload refuses it (`router.http.start_checks`)
+    checks = StartChecks(relay=relay, replicas=process is not None)
+    tokenizer = checks.tokenizer(config)
     token = config.admin_token()
-    if config.admin.enabled and not token and not is_loopback(config.listen.host):
-        raise ConfigError(
-            f"refusing to serve the admin API on {config.listen.host} without a token: set "
-            "admin.token or KVROUTE_ADMIN_TOKEN, bind to 127.0.0.1, or set admin.enabled = false"
-        )
     # `[observe] enabled = false` names no request (the proxied ones neither)
     named = [request_id_middleware] if config.observe.enabled else []
     app = web.Application(
         middlewares=[*named, error_middleware], client_max_size=config.limits.max_body_bytes
     )
     app[CONFIG] = LiveConfig(config)
-    if relay:
-        if config.cluster is None:
-            raise ConfigError(
-                "the relay writes to the NATS of the config's [cluster], which it lacks: add "
-                "[cluster] url = ... (the replicas' own)",
-                key="cluster",
-            )
+    if relay and config.cluster is not None:  # a relay without one: refused above
         from router.cluster.relay_publisher import RelayPublisher  # nats: the relay's only
 
         app[RELAY] = RelayPublisher(config.cluster, name=f"kvroute-relay-{os.getpid()}")
@@ -520,7 +518,8 @@ def create_app(
         counted.rejected.labels(route, error, "").inc()  # no body read: no model either
 
     app[REJECTIONS] = rejected  # the listener's refusals, counted as the app's are
-    app[TOKENIZER] = build_tokenizer(config.tokenizer)
+    app[TOKENIZER] = tokenizer
+    app[START_CHECKS] = checks
     app[FINGERPRINT] = Fingerprinter(config.admin.fingerprint_key)
     operations.install(app, config, tracer_provider)  # decision metrics, tracing
     for endpoint in Endpoint if proxy else ():

@@ -8,7 +8,10 @@ through (`router.http.pair_hooks.PairHooks.passes_through`): the attempt fails w
 `Proxy.ranks_changed`) and the pair retried where its port or role changed (a restart the
 router missed), else it is charged at once. Every pair through such a prefill fails until it is
 back or its circuit opens: it is said at most once a minute per prefill, with how many failed
-pairs went unsaid since (`UnreachableNotices`).
+pairs went unsaid since (`UnreachableNotices`). A prefill whose config's `bootstrap_port` is not
+the one it advertises is said so (`advertised_otherwise`): the config's port is what its decodes
+are told, so reading its settings again moves nothing (before, the line said its settings "give
+no other bootstrap port", which sent the operator to the worker, not to the config).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from router.http.pair_failure import PrefillFailed
 from router.http.proxy import Proxy
 from router.routing.planner import Planner
 
-__all__ = ["BootstrapUnreachable", "UnreachableNotices", "bootstrap_moved", "says_unreachable"]
+__all__ = [
+    "BootstrapUnreachable",
+    "UnreachableNotices",
+    "advertised_otherwise",
+    "bootstrap_moved",
+    "says_unreachable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,15 @@ async def bootstrap_moved(
     return None
 
 
+def advertised_otherwise(planner: Planner, worker: str) -> int | None:
+    """The bootstrap port prefill `worker` advertises when its config's `bootstrap_port`,
+    the one its decodes are told, is another (None: the same, none advertised, or gone)."""
+    entry = planner.pool.find(worker)
+    if entry is None or entry.advertised_bootstrap_port in (None, entry.bootstrap_port):
+        return None
+    return entry.advertised_bootstrap_port
+
+
 class UnreachableNotices:
     """When each prefill whose bootstrap server its decodes could not reach was last said, and
     how many of its failed pairs went unsaid since."""
@@ -79,20 +97,29 @@ class UnreachableNotices:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._throttle = LogThrottle(_SAY_UNREACHABLE_S, clock=clock)  # by prefill worker
 
-    def say(self, worker: str, reason: str) -> None:
+    def say(self, worker: str, reason: str, *, advertised: int | None = None) -> None:
         """Say that decodes cannot reach prefill `worker`'s bootstrap server: at most once per
         `_SAY_UNREACHABLE_S` (each failed pair says it at DEBUG), with how many were said at
-        DEBUG since: every pair through it fails until it is back or its circuit opens."""
+        DEBUG since: every pair through it fails until it is back or its circuit opens.
+        `advertised`: the bootstrap port it advertises, which its config's overrides
+        (`advertised_otherwise`)."""
         unsaid = self._throttle.allow(worker)
         if unsaid is None:
             log.debug("prefill worker %s failed before answering: %s", worker, reason)
             return
+        why = (
+            "its settings read again give no other bootstrap port"
+            if advertised is None
+            else f"it advertises bootstrap port {advertised}, but its config's bootstrap_port "
+            "overrides it (fix `bootstrap_port` in its config, or leave it out to take the "
+            "worker's)"
+        )
         log.warning(
-            "prefill worker %s failed before answering: %s; its settings read again give no "
-            "other bootstrap port: charged to it (said at most every %g s; %d more since the "
-            "last time)",
+            "prefill worker %s failed before answering: %s; %s: charged to it (said at most "
+            "every %g s; %d more since the last time)",
             worker,
             reason,
+            why,
             _SAY_UNREACHABLE_S,
             unsaid,
         )

@@ -16,6 +16,7 @@ from router.http.metrics import RouterMetrics
 from router.http.observe import Observer
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
+from router.http.start_checks import StartChecks
 from router.http.tracing import Tracing
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.namespace import Fingerprinter
@@ -42,6 +43,7 @@ __all__ = [
     "RELAY",
     "RELOADER",
     "SESSION",
+    "START_CHECKS",
     "SUPERVISOR",
     "TOKENIZER",
     "TRACING",
@@ -52,6 +54,9 @@ CONFIG = web.AppKey("config", LiveConfig)
 # only when the router knows its config file (`kvroute serve`): what a reload reads again
 CONFIG_SOURCE = web.AppKey("config_source", ConfigSource)
 RELOADER = web.AppKey("reloader", Reloader)  # SIGHUP and POST /admin/reload
+# what a start refuses of a config (`router.http.start_checks`), as this process starts: a
+# reload checks its file the same way
+START_CHECKS = web.AppKey("start_checks", StartChecks)
 METRICS = web.AppKey("metrics", RouterMetrics)
 TOKENIZER = web.AppKey("tokenizer", PromptTokenizer)
 FINGERPRINT = web.AppKey("fingerprint", Fingerprinter)

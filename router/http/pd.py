@@ -53,6 +53,7 @@ from router.http.bootstrap_fields import BootstrapFields
 from router.http.bootstrap_unreachable import (
     BootstrapUnreachable,
     UnreachableNotices,
+    advertised_otherwise,
     bootstrap_moved,
 )
 from router.http.hop_headers import connection_named
@@ -392,7 +393,9 @@ class PairDispatcher:
             else:  # the request's fault as much as the worker's, maybe: charged at its end
                 charges.failed(side, blamed.worker, hard)
             if unreachable:
-                self._unreachable.say(blamed.worker, reason)
+                self._unreachable.say(
+                    blamed.worker, reason, advertised=advertised_otherwise(planner, blamed.worker)
+                )
             else:
                 log.warning("%s worker %s failed before answering: %s", side, blamed.worker, reason)
             failures.append(f"{side} {blamed.worker}: {reason}")

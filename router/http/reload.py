@@ -1,8 +1,11 @@
 """Reload without a restart: SIGHUP and `POST /admin/reload` re-read the router's config file.
 
-The file is read (once, off the event loop: `ConfigSource`) and validated first; an invalid one
-changes nothing (`ReloadError` names the key). Then `router.config_diff` says what differs, and
-`Reloader.apply` is the one path that changes a running router:
+The file is read (once, off the event loop: `ConfigSource`) and validated first, as a start
+validates it (`router.http.start_checks`: the tokenizer loads, the admin API has a token off
+loopback...), restart-only keys included; an invalid one changes nothing (`ReloadError` names
+the key). Before, only the parse was checked: a file a start refuses was answered 200 with the
+key under `needs_restart`, and the next restart failed. Then `router.config_diff` says what
+differs, and `Reloader.apply` is the one path that changes a running router:
 
 1. settings, all at once and without awaiting, so no request sees half of a reload: the
    running config (`LiveConfig`, what the proxy, the admin API and the KV query API read per
@@ -54,6 +57,7 @@ from router.fleet.supervisor import Supervisor
 from router.http.listener import GuardedServer
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
+from router.http.start_checks import StartChecks
 from router.routing.pd import PairPlanner
 from router.routing.planner import Planner
 
@@ -115,9 +119,13 @@ class Reloader:
         proxy: Proxy,
         pairs: PairPlanner,
         dispatcher: PairDispatcher | None,
+        *,
+        checks: StartChecks | None = None,
     ) -> None:
         self._live = live
         self.source = source
+        # what a start refuses of a config, as this process was started (`START_CHECKS`)
+        self._checks = checks or StartChecks()
         self._planner = planner
         self._supervisor = supervisor
         self._proxy = proxy
@@ -172,8 +180,9 @@ class Reloader:
             )
         async with self._lock:
             try:
-                # off the event loop: reading and parsing up to 16 MiB of TOML takes a while
-                new = await asyncio.to_thread(source.load)
+                # off the event loop: reading and parsing up to 16 MiB of TOML takes a while,
+                # and loading a tokenizer file longer
+                new = await asyncio.to_thread(self._checked, source, self._live.current)
             except ConfigError as exc:
                 log.warning("config reload refused, the running config is kept: %s", exc)
                 raise ReloadError(f"{exc} (the running config is kept)", key=exc.key) from exc
@@ -195,6 +204,13 @@ class Reloader:
                 )
         log.info("config reloaded from %s: %s", source.path, diff.summary())
         return diff
+
+    def _checked(self, source: ConfigSource, running: RouterConfig) -> RouterConfig:
+        """The file's config, refused (ConfigError naming the key) as a start would refuse it
+        (`StartChecks.reload`)."""
+        new = source.load()
+        self._checks.reload(new, running)
+        return new
 
     def _file_in_fleet(self, source: ConfigSource, config: RouterConfig, diff: ConfigDiff) -> None:
         """With a `[cluster]`: the workers this reload changes are the file's edits, and the

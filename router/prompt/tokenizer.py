@@ -134,22 +134,25 @@ class _HfEncoder:
 
 
 def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
-    """The configured tokenizer; a missing optional dependency is a ConfigError."""
+    """The configured tokenizer; a missing optional dependency, a tokenizer file or a chat
+    template that cannot be loaded is a ConfigError naming its key (`tokenizer.path`...): a
+    reload refuses such a file by it (`router.http.start_checks`)."""
     if config.kind == "byte":
-        return PromptTokenizer(ByteTokenizer(), "byte", load_chat_template(config))
+        return PromptTokenizer(ByteTokenizer(), "byte", _chat_template(config))
     try:
         import tokenizers
     except ImportError as exc:
         raise ConfigError(
-            "tokenizer.kind = 'hf' needs the optional extra: pip install 'kvroute[hf]'"
+            "tokenizer.kind = 'hf' needs the optional extra: pip install 'kvroute[hf]'",
+            key="tokenizer.kind",
         ) from exc
     try:
         hf = tokenizers.Tokenizer.from_file(config.path)
     except Exception as exc:
-        raise ConfigError(f"tokenizer.path {config.path!r}: {exc}") from exc
+        raise ConfigError(f"tokenizer.path {config.path!r}: {exc}", key="tokenizer.path") from exc
     # the template after the tokenizer: a missing tokenizer file is said first, alone (its
     # folder's missing template would be warned of before it)
-    template = load_chat_template(config)
+    template = _chat_template(config)
     offload = None
     if config.offload_bytes():
         offload = TokenizeOffload(config.offload_bytes(), config.offload_threads)
@@ -162,6 +165,16 @@ def build_tokenizer(config: TokenizerConfig) -> PromptTokenizer:
         text_special_tokens=True,
         bos_id=None if bos is None else hf.token_to_id(bos),
     )
+
+
+def _chat_template(config: TokenizerConfig) -> ModelChatTemplate | None:
+    """`load_chat_template`, its refusals naming `tokenizer.chat_template` (the template it
+    picks, or the one beside `tokenizer.path`) where they name no key of their own."""
+    try:
+        return load_chat_template(config)
+    except ConfigError as exc:
+        exc.key = exc.key or "tokenizer.chat_template"
+        raise
 
 
 def load_chat_template(config: TokenizerConfig) -> ModelChatTemplate | None:

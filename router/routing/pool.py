@@ -126,6 +126,9 @@ class WorkerEntry:
         # its part in prefill/decode pairs: the config's, else read when it registers
         self.role: PdRole = config.role or "both"
         self.bootstrap_port: int | None = config.bootstrap_port
+        # the bootstrap port its server info advertised when last read (None: none, or not
+        # read): the config's `bootstrap_port` is taken over it, and said when it differs
+        self.advertised_bootstrap_port: int | None = None
         # the KV pool of each of its ranks in tokens, as its /server_info advertised it when it
         # registered (`max_total_num_tokens`); None: unknown, no admission-time forecast
         self.capacity_tokens: int | None = None
@@ -408,10 +411,20 @@ class WorkerPool:
             raise ModelUnavailableError(model, self.served(), self._unknown)
         raise UnknownModelError(model, self.served())
 
-    def set_role(self, entry: WorkerEntry, role: PdRole, bootstrap_port: int | None) -> None:
-        """Record the prefill/decode role `entry` advertised; ignored once it left the pool."""
+    def set_role(
+        self,
+        entry: WorkerEntry,
+        role: PdRole,
+        bootstrap_port: int | None,
+        *,
+        advertised_port: int | None = None,
+    ) -> None:
+        """Record the prefill/decode role `entry` takes (its config's, else what it
+        advertised) and the bootstrap port it `advertised_port`; ignored once it left the
+        pool."""
         if self._workers.get(entry.id) is entry:
             entry.role, entry.bootstrap_port = role, bootstrap_port
+            entry.advertised_bootstrap_port = advertised_port
 
     def disaggregated(self, cache_model: str) -> bool:
         """Whether `cache_model` is served by prefill/decode pairs (it has workers of each)."""

@@ -195,9 +195,45 @@ async def test_a_prefill_whose_bootstrap_server_cannot_be_reached_is_charged_and
                     assert status == 502, answer
                     assert "could not reach its bootstrap server" in answer["error"]["message"]
             assert _failures(router) == {"p0": 2, "d0": 0}
-            said = [r.getMessage() for r in caplog.records if "bootstrap server" in r.getMessage()]
+            # (the registration said the ports differ: `..._does_not_advertise_is_said`)
+            said = [r.getMessage() for r in caplog.records if "failed before" in r.getMessage()]
             assert len(said) == 1 and "prefill worker p0" in said[0], said
             assert said[0].endswith("(said at most every 60 s; 0 more since the last time)")
+
+
+async def test_a_configured_bootstrap_port_the_prefill_does_not_advertise_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A `bootstrap_port` in the config wins over the one the prefill advertises (a mapped
+    port is meant to), and nothing said they differed: every pair through it failed, and the
+    line said its settings "give no other bootstrap port" while the worker advertised one. The
+    registration says both ports in a WARNING (as a contradicting `role`), and so does the
+    line of the failing pairs."""
+    async with (
+        ReferenceWorker(reference("prefill")) as p0,
+        ReferenceWorker(reference("decode")) as d0,
+    ):
+        advertised = p0.disagg.bootstrap_port
+        configured = _closed_port()
+        wrong = WorkerConfig(url=p0.url, id="p0", role="prefill", bootstrap_port=configured)
+        config = router_config([("d0", d0.url)])
+        config = msgspec.structs.replace(config, workers=(wrong, *config.workers))
+        caplog.set_level(logging.WARNING, logger="router")
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            noted = [r.getMessage() for r in caplog.records if "bootstrap_port" in r.getMessage()]
+            assert len(noted) == 1 and noted[0].startswith("worker p0: "), noted
+            assert f"the config says bootstrap_port {configured}, " in noted[0], noted
+            assert f"the worker advertises {advertised} " in noted[0], noted
+            status, _, answer = await _generate(session, router, 0)
+            assert status == 502, answer
+            # said once: the failed pair had its settings read again, the same ports
+            again = [r.getMessage() for r in caplog.records if "bootstrap_port" in r.getMessage()]
+            assert [line for line in again if line.startswith("worker p0: ")] == noted
+            said = [r.getMessage() for r in caplog.records if "failed before" in r.getMessage()]
+            assert len(said) == 1, said
+            assert f"bootstrap server at port {configured}" in said[0], said
+            assert f"it advertises bootstrap port {advertised}, but its config's" in said[0]
+            assert "give no other bootstrap port" not in said[0]
 
 
 def test_an_unreachable_bootstrap_server_is_said_once_a_while_with_the_count_unsaid(

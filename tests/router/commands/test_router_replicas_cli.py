@@ -217,6 +217,80 @@ async def test_a_failed_restart_is_retried_while_the_other_child_serves(tmp_path
         assert "s3cret-pass" not in out and "kvuser" not in out
 
 
+async def _admin_statuses(url: str, token: str, tries: int = 16) -> set[int]:
+    """The statuses of `GET /admin/workers` with `token`, each on a new connection (the
+    kernel spreads them over the children)."""
+    statuses: set[int] = set()
+    for _ in range(tries):
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.get(url + "/admin/workers", headers={"Authorization": f"Bearer {token}"}) as resp,
+        ):
+            statuses.add(resp.status)
+    return statuses
+
+
+async def test_a_restarted_child_runs_the_restart_only_keys_its_siblings_run(
+    tmp_path: Path,
+) -> None:
+    """A child restarted after a crash started from the file as edited since: a new
+    `admin.token` was taken by it alone (the admin API answered 200 or 401 by connection), as
+    were new indexer settings, and a tokenizer file a start refuses kept it from ever coming
+    back. It takes the restart-only keys from what its siblings run (the parent's
+    config, on its stdin), says the file's in a WARNING line, and the live keys from the
+    file."""
+    config = tmp_path / "router.toml"
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
+        text = _one_worker_cluster(nats.url, worker.url).replace("'t'", "'a1'")
+        config.write_text(text)
+        proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            line = await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = line.split("listening on ")[1].split()[0]
+            before: set[str] = set()
+            async with asyncio.timeout(30):
+                while len(before) < 2:
+                    before = await _replicas_answering(router)
+            edited = (
+                text.replace("'a1'", "'a2'")
+                + "[indexer]\npending_ttl_s = 7.0\n"
+                + "[limits]\nmax_salt_bytes = 50\n"
+            )
+            unloadable = "[tokenizer]\nkind = 'hf'\npath = '/nonexistent/tokenizer.json'\n"
+            config.write_text(edited + unloadable)  # and no reload: a crash comes first
+            killed = sorted(before)[0]
+            os.kill(int(killed.split("-")[-2]), signal.SIGKILL)
+            after: set[str] = set()
+            async with asyncio.timeout(30):  # before: "did not restart", every 2, 4, 8 s...
+                while len(after) < 2:
+                    after = await _replicas_answering(router)
+            assert killed not in after
+            # every process takes the token they all started with, and only it
+            assert await _admin_statuses(router, "a1") == {200}
+            assert await _admin_statuses(router, "a2") == {401}
+            said = await asyncio.wait_for(_read_until(proc.stdout, "differ from what", lines), 5)
+            for key in ("admin.token", "indexer.pending_ttl_s", "tokenizer.kind", "tokenizer.path"):
+                assert key in said, said
+            assert "max_salt_bytes" not in said, said  # live: the file's, as a reload's
+            # every process runs the same restart-only keys: a reload says the same of each
+            config.write_text(edited)  # a reload refuses the tokenizer a start refuses
+            for _ in range(8):
+                async with (
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+                    s.post(
+                        router + "/admin/reload", headers={"Authorization": "Bearer a1"}
+                    ) as resp,
+                ):
+                    answer = await resp.json()
+                    assert resp.status == 200, answer
+                    assert answer["needs_restart"] == ["admin.token", "indexer.pending_ttl_s"], (
+                        answer
+                    )
+
+
 def _free_port_pair() -> int:
     """A port p with p and p + 1 free on 127.0.0.1 (two processes' metrics ports)."""
     for _ in range(50):

@@ -332,6 +332,60 @@ async def test_keys_that_need_a_restart_are_reported_and_kept(fleet: Reloadable)
     assert answer["needs_restart"] == ["listen.port", "policy.name"] and not answer["changed"]
 
 
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "chat-templates"
+
+
+async def test_a_file_a_start_would_refuse_is_refused_naming_the_key(
+    fleet: Reloadable, tmp_path: Path
+) -> None:
+    """Restart-only keys are kept at their running value, and before only the parse was
+    checked: a tokenizer file that does not exist, or the admin API off loopback without a
+    token, was a 200 listing the key under `needs_restart`, and the next restart (a
+    `--processes` child's after a crash) exited 2 on it. The reload refuses what a start
+    refuses, by the key."""
+    pytest.importorskip("tokenizers")
+    before = fleet.router.running_config
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    refused = {
+        "tokenizer.path": text + '[tokenizer]\nkind = "hf"\npath = "/nonexistent/tokenizer.json"\n',
+        "tokenizer.chat_template": text + '[tokenizer]\nchat_template = "/nonexistent.jinja"\n',
+        "admin.token": text.replace('host = "127.0.0.1"', 'host = "0.0.0.0"').replace(
+            f'token = "{TOKEN}"', ""
+        ),
+    }
+    for key, refused_text in refused.items():
+        fleet.path.write_text(refused_text)
+        status, answer = await fleet.reload()
+        assert status == 400, (key, answer)
+        assert answer["error"]["key"] == key, answer
+        assert answer["error"]["kept"] == "running config"
+        assert fleet.router.running_config is before
+    assert "/nonexistent/tokenizer.json" in (await _refusal(fleet, refused["tokenizer.path"]))
+    assert "without a token" in (await _refusal(fleet, refused["admin.token"]))
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+
+    # a tokenizer a start loads is reloaded as before: kept for a restart, said so
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_bytes((FIXTURES / "qwen3-0.6b" / "tokenizer.json").read_bytes())
+    loadable = f'[tokenizer]\nkind = "hf"\npath = "{hf / "tokenizer.json"}"\n'
+    fleet.path.write_text(text + loadable + "[timeouts]\nrequest_s = 7.0\n")
+    status, answer = await fleet.reload()
+    assert status == 200, answer
+    assert answer["needs_restart"] == ["tokenizer.kind", "tokenizer.path"], answer
+    assert answer["changed"] == ["timeouts.request_s"], answer
+    assert fleet.router.running_config.tokenizer.kind == "byte"
+
+
+async def _refusal(fleet: Reloadable, text: str) -> str:
+    """The message of the reload of `text`, which must be refused."""
+    fleet.path.write_text(text)
+    status, answer = await fleet.reload()
+    assert status == 400, answer
+    return str(answer["error"]["message"])
+
+
 async def test_a_file_adding_a_server_an_admin_added_changes_nothing(fleet: Reloadable) -> None:
     """Checked before anything applies: before, the limit changed, the worker was not added,
     and the next reload of the same file said nothing changed."""
