@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 _KEPT = 4096
 
 
+def _warn_once(said: dict[str, str], worker: str, note: str) -> None:
+    """Say `note` of `worker` unless it is what `said` (each worker's last note, bounded)
+    holds: re-registrations and re-reads of its settings would repeat it."""
+    if said.get(worker) == note:
+        return
+    if len(said) >= _KEPT:
+        said.clear()
+    said[worker] = note
+    log.warning("worker %s: %s", worker, note)
+
+
 class RegistrationNotes:
     """The last thing said per worker about its registration, so that it is said once."""
 
@@ -97,12 +108,7 @@ class RegistrationNotes:
         if note is None:
             self._doubts.pop(worker, None)
             return
-        if self._doubts.get(worker) == note:
-            return
-        if len(self._doubts) >= _KEPT:
-            self._doubts.clear()
-        self._doubts[worker] = note
-        log.warning("worker %s: %s", worker, note)
+        _warn_once(self._doubts, worker, note)
 
     def check_named(self, entry: WorkerEntry, advertised: list[str]) -> None:
         """Say when none of the models `entry`'s config names is one it advertises (once per
@@ -117,12 +123,7 @@ class RegistrationNotes:
             f"the config says it serves {', '.join(map(repr, configured))}, it advertises "
             f"{', '.join(map(repr, advertised))}: routed as the config says; check its url"
         )
-        if self._misnamed.get(entry.id) == note:
-            return
-        if len(self._misnamed) >= _KEPT:
-            self._misnamed.clear()
-        self._misnamed[entry.id] = note
-        log.warning("worker %s: %s", entry.id, note)
+        _warn_once(self._misnamed, entry.id, note)
 
     def check_role(self, entry: WorkerEntry, advertised: PdRole | None) -> None:
         """Say when the role `entry`'s config gives contradicts the one the worker advertises
@@ -141,12 +142,7 @@ class RegistrationNotes:
             "each pair through it is likely to fail; fix `role` in its config, or leave it "
             "out to take the worker's"
         )
-        if self._roles.get(entry.id) == note:
-            return
-        if len(self._roles) >= _KEPT:
-            self._roles.clear()
-        self._roles[entry.id] = note
-        log.warning("worker %s: %s", entry.id, note)
+        _warn_once(self._roles, entry.id, note)
 
     def check_bootstrap_port(
         self, entry: WorkerEntry, role: PdRole, advertised: int | None
@@ -169,12 +165,7 @@ class RegistrationNotes:
             "bootstrap server (a mapped port); fix `bootstrap_port` in its config, or leave it "
             "out to take the worker's"
         )
-        if self._ports.get(entry.id) == note:
-            return
-        if len(self._ports) >= _KEPT:
-            self._ports.clear()
-        self._ports[entry.id] = note
-        log.warning("worker %s: %s", entry.id, note)
+        _warn_once(self._ports, entry.id, note)
 
     def tokenizer_mismatch(self, worker: str) -> str | None:
         """Why `worker`'s tokenizer cannot be the router's, as last said (None: it can, or

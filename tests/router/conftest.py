@@ -172,11 +172,13 @@ class WorkerPassThrough:
     async def _before(self, request: web.Request) -> None:
         return None
 
-    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _answer(
+        self, request: web.Request, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
         body = await resp.read()
         return web.Response(body=body, status=resp.status, content_type=resp.content_type)
 
-    async def _pass(self, request: web.Request) -> web.Response:
+    async def _pass(self, request: web.Request) -> web.StreamResponse:
         await self._before(request)
         assert self._session is not None
         async with self._session.request(

@@ -87,7 +87,9 @@ class TokenizerSwap(WorkerPassThrough):
         super().__init__(target)
         self.says: dict[str, Any] | None = None
 
-    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _answer(
+        self, request: web.Request, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
         if self.says is None or request.path not in ("/server_info", "/get_server_info"):
             return await super()._answer(request, resp)
         info = await resp.json()

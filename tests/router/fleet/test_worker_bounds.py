@@ -32,7 +32,9 @@ class Advertising(WorkerPassThrough):
         self.says = says
         self.top = top
 
-    async def _answer(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _answer(
+        self, request: web.Request, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
         if request.path not in ("/server_info", "/get_server_info"):
             return await super()._answer(request, resp)
         info = await resp.json()

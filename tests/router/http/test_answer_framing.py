@@ -24,7 +24,7 @@ from aiohttp import web
 from router.config import PolicyConfig, RouterConfig
 from router.http.keys import DECISIONS
 from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config, serve_app
+from tests.router.conftest import Fleet, WorkerPassThrough, eventually, router_config, serve_app
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -91,43 +91,20 @@ class Worker:
         await self._runner.cleanup()
 
 
-class Rechunking:
+class Rechunking(WorkerPassThrough):
     """A worker's API passed through a server of its own (`url`), every answer re-sent with
     `Transfer-Encoding: chunked` as a streaming sidecar or proxy sends it."""
 
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    async def _pass(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        async with self._session.request(
-            request.method, self.target + request.path_qs, data=await request.read()
-        ) as resp:
-            out = web.StreamResponse(
-                status=resp.status, headers={"Content-Type": resp.content_type}
-            )
-            out.enable_chunked_encoding()
-            await out.prepare(request)
-            async for data in resp.content.iter_any():
-                await out.write(data)
-            await out.write_eof()
-            return out
-
-    async def __aenter__(self) -> Rechunking:
-        self._session = aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._pass)
-        self._runner, self.url = await serve_app(app, shutdown_timeout=0.1)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+    async def _answer(
+        self, request: web.Request, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
+        out.enable_chunked_encoding()
+        await out.prepare(request)
+        async for data in resp.content.iter_any():
+            await out.write(data)
+        await out.write_eof()
+        return out
 
 
 def _plain(workers: list[tuple[str, str]], **overrides: Any) -> RouterConfig:
