@@ -63,6 +63,7 @@ from router.http.observe import (
     OBSERVATION,
     REQUEST_ID_HEADER,
     Unproxied,
+    answered_kind,
     client_request_id,
     well_formed_request_id,
 )
@@ -152,7 +153,7 @@ async def answer_errors(
     """`handler`'s answer, or the JSON error of what it raised, counted in `metrics` under
     `route()` (the route's template, never the raw path: `route_template`). A proxied
     request's trace says the status of that error as `router.http.observe.answered_status`
-    finds it: change both."""
+    finds it (change both); its kind is `answered_kind`'s, for both."""
     details: dict[str, object] | None = None
     headers: dict[str, str] | None = None
     model: str | None = None  # the label, when the error says it better than the request
@@ -172,12 +173,11 @@ async def answer_errors(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = type(exc).__name__
+        kind = answered_kind(exc)
         status, message = exc.status, exc.text or exc.reason
         if exc.status == 413:
             # aiohttp's `request.read` past `client_max_size` (a chunked or compressed body
             # growing over it): its text names neither the setting nor what to change
-            kind = "PayloadTooLargeError"
             message = (
                 f"the request body is over limits.max_body_bytes ({request.client_max_size} "
                 "bytes, counted after Content-Encoding is decoded)"
@@ -193,7 +193,7 @@ async def answer_errors(
         # a body the parser could not decode (broken chunking, a bad gzip stream): the
         # client's fault. The parser's message may quote body bytes, so only its kind is told
         cause = type(exc.__cause__ or exc).__name__
-        status, kind = 400, "BadHttpRequestError"
+        status, kind = 400, answered_kind(exc)
         message = f"the request body cannot be decoded ({cause}): check its chunking and encoding"
     except ConnectionResetError:
         raise  # the client is gone: nobody to answer

@@ -62,6 +62,7 @@ __all__ = [
     "TracedObservation",
     "Unobserved",
     "Unproxied",
+    "answered_kind",
     "answered_status",
     "client_request_id",
     "error_type",
@@ -263,14 +264,18 @@ class Observation:
             )
         if log.isEnabledFor(logging.DEBUG):
             chosen = decision.chosen
+            # the prediction, as x-kvroute-matched-tokens says it (the raw match read as a
+            # false hit where the admission forecast predicted its pages evicted)
             log.debug(
-                "request %s: %s %s -> %s rank %s, status %d, matched %d, cached %s, %.1f ms",
+                "request %s: %s %s -> %s rank %s, status %d, matched %d (held %d), cached %s, "
+                "%.1f ms",
                 self.request_id,
                 self.endpoint,
                 self.model or "-",
                 chosen.worker,
                 chosen.dp_rank,
                 status,
+                chosen.predicted_split[0],
                 chosen.matched_tokens,
                 decision.cached_tokens,
                 decision.duration_s * 1e3,
@@ -490,7 +495,7 @@ class TracedObservation(Observation):
         if error is None:
             self._end_upstream(None)
         else:
-            kind = type(error).__name__
+            kind = answered_kind(error)
             self._end_upstream(kind)
             # the router answered it itself (an error raised: `router.http.app.answer_errors`),
             # or nobody (the client left): the status it sent, and ERROR for a 5xx or none,
@@ -618,6 +623,17 @@ def answered_status(error: BaseException) -> int | None:
     if isinstance(error, ConnectionResetError) or not isinstance(error, Exception):
         return None
     return 500  # a bug: answered as an InternalError
+
+
+def answered_kind(error: BaseException) -> str:
+    """The error's kind as `router.http.app.answer_errors` names it to the client and in
+    `kvroute_rejected_requests` (a span said aiohttp's `HTTPRequestEntityTooLarge` where the
+    answer said `PayloadTooLargeError`)."""
+    if isinstance(error, web.HTTPException) and error.status == 413:
+        return "PayloadTooLargeError"
+    if isinstance(error, RequestPayloadError):
+        return "BadHttpRequestError"
+    return type(error).__name__
 
 
 def _target_attributes(candidate: Candidate) -> dict[str, str | int | float]:

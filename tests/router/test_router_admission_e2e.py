@@ -33,7 +33,9 @@ def prompt(i: int, pages: int = 8, out: int = 1) -> dict[str, Any]:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": out}}
 
 
-async def test_the_prediction_at_admission_equals_what_the_worker_reuses() -> None:
+async def test_the_prediction_at_admission_equals_what_the_worker_reuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cfg = ReferenceConfig(
         page_size=PAGE,
         capacity_tokens=24 * PAGE,
@@ -45,7 +47,12 @@ async def test_the_prediction_at_admission_equals_what_the_worker_reuses() -> No
     async with _one_worker(cfg) as (fleet, w0):
         w0.flush_all()  # the warm-up pokes went around the router: start empty
         await eventually(lambda: _empty(fleet), what="the flush to reach the index")
+        caplog.set_level(logging.DEBUG, logger="router.http.observe")
         await _admission_case(fleet, w0)
+    # the request line says the prediction, the raw match beside it (it said "matched 128,
+    # cached 0": a false hit to whoever reads the log)
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.http.observe"]
+    assert any(f"matched 0 (held {8 * PAGE}), cached 0" in line for line in lines), lines
 
 
 @contextlib.asynccontextmanager

@@ -374,6 +374,38 @@ async def test_a_bad_request_is_a_400_with_its_exception_on_the_parse_span(
     assert not backend.seen  # it never left the router
 
 
+async def test_a_body_over_the_limit_is_named_on_its_span_as_its_answer_names_it(
+    way: str, provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
+) -> None:
+    """A chunked body growing past `limits.max_body_bytes` is refused by aiohttp's read as its
+    `HTTPRequestEntityTooLarge`, which the answer and `kvroute_rejected_requests` name
+    `PayloadTooLargeError`: the request span's `error.type` says the same (it said aiohttp's
+    class)."""
+    config = _config((_worker("b0", backend),))
+    config = msgspec.structs.replace(
+        config, limits=msgspec.structs.replace(config.limits, max_body_bytes=1024)
+    )
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(8):
+            yield b"x" * 512
+        yield b'"}]}'
+
+    async with (
+        _traced_router(way, config, provider, exporter) as traced,
+        aiohttp.ClientSession() as session,
+        session.post(traced.url + "/v1/chat/completions", data=chunks()) as resp,
+    ):
+        answer = await resp.json()
+        assert resp.status == 413 and answer["error"]["type"] == "PayloadTooLargeError"
+        root = _by_name(traced.spans())["POST /v1/chat/completions"]
+        assert (root.attributes or {})["error.type"] == "PayloadTooLargeError"
+        assert _count(root, "http.response.status_code") == 413
+        assert root.status.status_code is StatusCode.UNSET
+        assert not backend.seen
+
+
 async def test_a_retry_is_a_failed_upstream_span_then_another(
     way: str, provider: TracerProvider, exporter: InMemorySpanExporter, backend: Backend
 ) -> None:
