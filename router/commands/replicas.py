@@ -56,7 +56,7 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -114,7 +114,7 @@ def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
 class _Child:
     """One replica process, the URL it reported, and its reload link (`reload_link`).
 
-    `running`: the config its siblings run (JSON), written to its stdin at each start; None:
+    `running`: the config its siblings run (MessagePack), written to its stdin at each start; None:
     none (its stdin is /dev/null)."""
 
     def __init__(
@@ -125,8 +125,11 @@ class _Child:
         tell_others: Callable[[int], ProcessesTold] | None = None,
         stop_timeout_s: float = STOP_TIMEOUT_S,
         running: bytes | None = None,
+        tell_siblings: Callable[[int], ProcessesTold] | None = None,
     ) -> None:
         self.index = index
+        # SIGHUP the children but this one, unsaid (`restarted`; None: no reload)
+        self._tell_siblings = tell_siblings
         self.cmd = cmd
         self.env = env
         self.running = running
@@ -171,6 +174,19 @@ class _Child:
                 "asked while it started"
             )
             self.reload()
+
+    def restarted(self) -> None:
+        """It listens again after a crash, the file's live keys taken as it reads it now: the
+        others read it too (SIGHUP), so one router runs one set (an edit not reloaded yet was
+        the restarted child's alone: a salt limit refused by one process in two, QA).
+        Nothing with reloads off: every child reads the file once, at its start."""
+        if self._tell_siblings is None:
+            return
+        told = self._tell_siblings(self.index)
+        _say(
+            f"replica {self.index} restarted: {told.told} other replicas told to read the "
+            "config again (SIGHUP), to run the live keys it took from the file"
+        )
 
     async def _start(self) -> None:
         if self._link is not None:
@@ -287,13 +303,15 @@ async def _keep(child: _Child) -> None:
             delay = min(delay * 2, _RESTART_MAX_DELAY_S)
             try:
                 await child.start()
-                break
             except (ConfigError, TimeoutError, OSError) as exc:
                 await child.stop()  # one that did not listen in time is still running
                 _say(
                     f"replica {child.index} did not restart ({type(exc).__name__}: {exc}); the "
                     f"others serve; trying again in {delay:g} s"
                 )
+                continue
+            child.restarted()
+            break
 
 
 async def serve_processes(
@@ -307,13 +325,20 @@ async def serve_processes(
     verb: str = "serve",
     reload: bool = True,
     pointers: bool = False,
+    overrides: Sequence[str] = (),
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
-    `config` is that file's config with the command line's overrides (host, port, policy),
-    which are passed on to every child. `verb`: what each child runs, `serve` (the proxy) or
-    `indexer` (the index and its query API only). `reload=False`: the file is read once (no
-    reload by SIGHUP or `POST /admin/reload`; SIGHUP is left to the caller's handler).
+    `config` is that file's config with the command line's overrides, `overrides` those the
+    operator gave of --host, --port and --policy (flags and values), passed on to every child
+    as given: a child's reload reads the file through them, so a key one of them fixes is not
+    the file's to change. (Every child was given all three: a reload of a file that moved
+    listen.host off loopback with no admin token answered 200 and the next start refused it,
+    a changed listen.port or policy.name was not even listed under needs_restart.) The port
+    the children share is passed too where the file leaves it to the OS (0). `verb`: what each
+    child runs, `serve` (the proxy) or `indexer` (the index and its query API only).
+    `reload=False`: the file is read once (no reload by SIGHUP or `POST /admin/reload`;
+    SIGHUP is left to the caller's handler).
     """
     cluster = check_replicas(config)  # as each child's reload checks its file
     env = dict(os.environ)
@@ -322,12 +347,18 @@ async def serve_processes(
         env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
     metrics_ports = _metrics_ports(config, processes)
     holder, port = _reserve(config.listen.host, config.listen.port)
+    given = list(overrides)
+    if "--port" in given:  # (0: the reserved one)
+        at = given.index("--port")
+        del given[at : at + 2]
+    shared_port = (
+        ["--port", str(port)] if port != config.listen.port or "--port" in overrides else []
+    )
     cmd = [
         sys.executable, "-m", "router.commands.cli", verb,
         "--config", config_path,
-        "--host", config.listen.host,
-        "--port", str(port),
-        "--policy", config.policy.name,
+        *given,
+        *shared_port,
         "--log-level", log_level,
         "--reuse-port",
         "--exit-with-parent",
@@ -335,7 +366,8 @@ async def serve_processes(
         *([] if reload else ["--no-reload"]),
     ]  # fmt: skip
     # what every child runs of the restart-only keys, at a restart as at the start
-    running = msgspec.json.encode(config)
+    # (MessagePack: JSON has no infinity, which float settings such as timeouts.request_s take)
+    running = msgspec.msgpack.encode(config)
     stopping = False  # SIGHUP is ignored from then on: the children are in their grace
 
     def tell(but: int | None = None) -> ProcessesTold:
@@ -381,6 +413,7 @@ async def serve_processes(
             env,
             reloaded if reload else None,
             running=running,
+            tell_siblings=(lambda index: tell(but=index)) if reload else None,
         )
         for i in range(processes)
     ]

@@ -136,6 +136,18 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
     return msgspec.structs.replace(config, listen=listen, policy=policy)
 
 
+def given_overrides(args: argparse.Namespace) -> list[str]:
+    """The --host, --port and --policy the operator gave (`apply_overrides`'), as flags."""
+    flags: list[str] = []
+    if getattr(args, "host", None):
+        flags += ["--host", args.host]
+    if getattr(args, "port", None) is not None:
+        flags += ["--port", str(args.port)]
+    if getattr(args, "policy", None):
+        flags += ["--policy", args.policy]
+    return flags
+
+
 async def serve_until_stopped(
     config: RouterConfig,
     *,
@@ -281,7 +293,7 @@ def read_config(path: str, *, reloading: bool = False) -> RouterConfig:
 
 def as_siblings_run(config: RouterConfig, running: bytes, args: argparse.Namespace) -> RouterConfig:
     """`config` (a `--processes` child's file) with every restart-only key at its value in
-    `running` (the JSON config its parent wrote to its stdin: what its siblings run), its
+    `running` (the config its parent wrote to its stdin, MessagePack: what its siblings run), its
     live keys and workers as the file has them, as a reload would take them. The keys whose
     file value is not applied are said in one WARNING line.
 
@@ -291,10 +303,24 @@ def as_siblings_run(config: RouterConfig, running: bytes, args: argparse.Namespa
     from router.config_diff import diff_configs
 
     try:
-        data = msgspec.json.decode(running)
+        data = msgspec.msgpack.decode(running)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"the config on stdin (--running-config-stdin): {exc}") from exc
     siblings = apply_overrides(parse_config(data, source="the parent's config"), args)
+    from router.http.start_checks import StartChecks
+
+    try:
+        # as the others' reload of this file judges it (they are told to read it once this
+        # process listens): one they refuse is not this one's to take a part of either
+        StartChecks(replicas=True).reload(config, siblings)
+    except ConfigError as exc:
+        logging.getLogger(__name__).warning(
+            "%s: refused as a reload refuses it (%s): this process runs what the other replica "
+            "processes run, live keys and workers included, until a reload of a fixed file",
+            args.config,
+            exc,
+        )
+        return siblings
     config, diff = diff_configs(siblings, config)
     if diff.needs_restart:
         logging.getLogger(__name__).warning(
@@ -484,6 +510,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
                         log_level=args.log_level,
                         until=until,
                         verb="serve" if proxy else "indexer",  # children without the proxy too
+                        overrides=given_overrides(args),
                     )
                 )
             )

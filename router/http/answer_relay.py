@@ -17,8 +17,9 @@ whatever its framing: a proxy or sidecar in front of the worker may re-chunk a w
 answer, which read whole is retried when cut and has its usage read as a whole answer's.
 Before, every chunked answer was relayed as a stream: cut, the client had a 200 and a cut body,
 and a batched `/generate` had its last item's `cached_tokens` held against its first item's
-prediction. A batch's usage is never read (`ParsedRequest.batched`), whole or streamed: it is
-every item's, the prediction its first item's.
+prediction. The usage of a batch of several prompts (`ParsedRequest.many_prompts`) is never
+read, whole or streamed: it is every item's, the prediction its first item's (a one-item list's
+is its item's, read as a single prompt's).
 
 `AnswerHooks` is what a caller adds to one answer (the pair dispatcher's,
 `router.http.pair_hooks`: headers naming both workers, a wait for the prefill side before
@@ -186,7 +187,7 @@ async def relay_answer(
             client_left(request)
         if hooks is None:
             planner.first_byte(ticket)
-        if obs is not None and not parsed.batched:  # a batch's usage is no one prediction's
+        if obs is not None and not parsed.many_prompts:  # a batch's usage is no one prediction's
             obs.body(payload)
         if upstream.status < 500:
             planner.record_success(candidate.worker)
@@ -219,7 +220,7 @@ async def _stream(
     response = ChunkedResponse(status=upstream.status, headers=headers, deadline=deadline)
     chunk = first
     # a batch's events are each one item's: its usage is no one prediction's (none is read)
-    usage = None if request[PARSED].batched else observation(request)
+    usage = None if request[PARSED].many_prompts else observation(request)
     loop = asyncio.get_running_loop()
     try:
         await response.prepare(request)

@@ -89,9 +89,11 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the batch's other items that carry an extra_key: what each stores is shown by events as
     # plain pages of its salt, so each shadows its own prompt (`indexer.shadowed`)
     keyed: tuple[KeyedItem, ...] = ()
-    # a list of prompts (a batched `/generate`, OpenAI's `prompt` list): routed by its first,
-    # its answer's usage is every item's (`router.http.answer_relay` reads none of it)
+    # a list of prompts (a batched `/generate`, OpenAI's `prompt` list): routed by its first
     batched: bool = False
+    # a list of more than one: its answer's usage is every item's, no one prediction's
+    # (`router.http.answer_relay` reads none of it); a one-item list's is its item's
+    many_prompts: bool = False
 
     @property
     def stores_its_tokens(self) -> bool:
@@ -365,8 +367,10 @@ def parse_request(
         forwarded = _encoder.encode(body)
     stream = body.get("stream")
     keyed: tuple[KeyedItem, ...] = ()
+    many = False
     if batched:
         keyed = _keyed_items(body, endpoint, tokenizer, limits, header_salt)
+        many = _batch_size(body, endpoint) > 1
     return ParsedRequest(
         endpoint=endpoint,
         body=forwarded,
@@ -382,7 +386,16 @@ def parse_request(
         reuse_limit=reusable,
         keyed=keyed,
         batched=batched,
+        many_prompts=many,
     )
+
+
+def _batch_size(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """The prompts of a batched request (`batched`: its list is checked already)."""
+    if endpoint is not Endpoint.GENERATE:
+        return len(body["prompt"])
+    input_ids = body.get("input_ids")
+    return len(input_ids if isinstance(input_ids, list) else body["text"])
 
 
 def _model(value: object) -> str:

@@ -230,6 +230,31 @@ async def _admin_statuses(url: str, token: str, tries: int = 16) -> set[int]:
     return statuses
 
 
+async def _salt_statuses(url: str, salt_bytes: int, tries: int = 16) -> set[int]:
+    """The statuses of a completion with a `salt_bytes` cache_salt, each on a new connection
+    (the kernel spreads them over the children)."""
+    statuses: set[int] = set()
+    body = {"model": "kvroute/reference-byte-lm", "prompt": "hi", "max_tokens": 1}
+    for _ in range(tries):
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.post(url + "/v1/completions", json=body | {"cache_salt": "s" * salt_bytes}) as resp,
+        ):
+            statuses.add(resp.status)
+    return statuses
+
+
+async def _crash_one(router: str, replica: str) -> set[str]:
+    """SIGKILL the child that answers as `replica` and wait until two answer again (without
+    it: the restarted one answers as another process); the replicas answering then."""
+    os.kill(int(replica.split("-")[-2]), signal.SIGKILL)
+    after: set[str] = set()
+    async with asyncio.timeout(30):  # before: "did not restart", every 2, 4, 8 s...
+        while len(after) < 2 or replica in after:
+            after = await _replicas_answering(router)
+    return after
+
+
 async def test_a_restarted_child_runs_the_restart_only_keys_its_siblings_run(
     tmp_path: Path,
 ) -> None:
@@ -238,11 +263,17 @@ async def test_a_restarted_child_runs_the_restart_only_keys_its_siblings_run(
     were new indexer settings, and a tokenizer file a start refuses kept it from ever coming
     back. It takes the restart-only keys from what its siblings run (the parent's
     config, on its stdin), says the file's in a WARNING line, and the live keys from the
-    file."""
+    file, which the others then read too (a salt limit edited and not reloaded was the
+    restarted child's alone: 400 or 200 by connection). The parent's config reaches the
+    children whole, an infinite timeout included (JSON wrote it null: no child started).
+    And a reload under --processes reads the file's host, port and policy (the children were
+    given them all on their command line, so a reload of a host off loopback with no admin
+    token answered 200, and a start refused the file)."""
     config = tmp_path / "router.toml"
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     async with NatsServer() as nats, ReferenceWorker(cfg) as worker:
         text = _one_worker_cluster(nats.url, worker.url).replace("'t'", "'a1'")
+        text += "[timeouts]\nrequest_s = inf\n"
         config.write_text(text)
         proc = await _kvroute("serve", "--config", str(config), "--processes", "2")
         assert proc.stdout is not None
@@ -260,23 +291,32 @@ async def test_a_restarted_child_runs_the_restart_only_keys_its_siblings_run(
                 + "[limits]\nmax_salt_bytes = 50\n"
             )
             unloadable = "[tokenizer]\nkind = 'hf'\npath = '/nonexistent/tokenizer.json'\n"
-            config.write_text(edited + unloadable)  # and no reload: a crash comes first
-            killed = sorted(before)[0]
-            os.kill(int(killed.split("-")[-2]), signal.SIGKILL)
-            after: set[str] = set()
-            async with asyncio.timeout(30):  # before: "did not restart", every 2, 4, 8 s...
-                while len(after) < 2:
-                    after = await _replicas_answering(router)
-            assert killed not in after
+            # a file a reload refuses, and no reload: a crash comes first
+            config.write_text(edited + unloadable)
+            first = await _crash_one(router, sorted(before)[0])
             # every process takes the token they all started with, and only it
             assert await _admin_statuses(router, "a1") == {200}
             assert await _admin_statuses(router, "a2") == {401}
+            said = await asyncio.wait_for(_read_until(proc.stdout, "refused as a reload", lines), 5)
+            assert "tokenizer.path" in said, said
+            # nothing of the file: its live salt limit neither, as the others refuse it whole
+            assert await _salt_statuses(router, 60) == {200}
+            # a file a reload takes, and no reload: the restart-only keys are the others', the
+            # live ones the file's, which the others are told to read too
+            config.write_text(edited)
+            (other,) = first & before  # the one not restarted yet
+            await _crash_one(router, other)
             said = await asyncio.wait_for(_read_until(proc.stdout, "differ from what", lines), 5)
-            for key in ("admin.token", "indexer.pending_ttl_s", "tokenizer.kind", "tokenizer.path"):
+            for key in ("admin.token", "indexer.pending_ttl_s"):
                 assert key in said, said
             assert "max_salt_bytes" not in said, said  # live: the file's, as a reload's
+            await asyncio.wait_for(_read_until(proc.stdout, "other replicas told", lines), 5)
+            async with asyncio.timeout(10):  # (the told process reloads as it gets to it)
+                # the file's 50, everywhere; no event says a reload is done: a poll
+                while await _salt_statuses(router, 60) != {400}:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+            assert await _admin_statuses(router, "a1") == {200}
             # every process runs the same restart-only keys: a reload says the same of each
-            config.write_text(edited)  # a reload refuses the tokenizer a start refuses
             for _ in range(8):
                 async with (
                     aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
@@ -289,6 +329,15 @@ async def test_a_restarted_child_runs_the_restart_only_keys_its_siblings_run(
                     assert answer["needs_restart"] == ["admin.token", "indexer.pending_ttl_s"], (
                         answer
                     )
+            # the file's host, as a start reads it: off loopback with no admin token, refused
+            config.write_text(edited.replace("[listen]\n", "[listen]\nhost = '0.0.0.0'\n"))
+            config.write_text(config.read_text().replace("token = 'a2'", "token = ''"))
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(router + "/admin/reload", headers={"Authorization": "Bearer a1"}) as resp,
+            ):
+                answer = await resp.json()
+                assert resp.status == 400 and answer["error"]["key"] == "admin.token", answer
 
 
 def _free_port_pair() -> int:

@@ -185,6 +185,27 @@ async def test_a_batched_answers_usage_is_no_one_predictions(
     assert decision.status == 200 and decision.cached_tokens is None
 
 
+async def test_a_one_prompt_lists_usage_is_its_prompts(session: aiohttp.ClientSession) -> None:
+    """A list of one prompt (clients that always send lists) has one prediction, its only
+    item's: its answer's usage is read as a single prompt's (the batch fix counted it as
+    missing, so such clients had no accuracy metric and no false-hit watch)."""
+    async with (
+        Worker("batch-usage") as worker,
+        RouterService(_plain([("w", worker.url)])) as router,
+    ):
+        async with session.post(router.url + "/v1/completions", json={"prompt": ["a"]}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        stats = router.app[DECISIONS]
+
+        async def counted() -> bool:
+            return len(stats.recent) == 1
+
+        await eventually(counted, what="the answer counted")
+        (decision,) = stats.recent
+    assert decision.status == 200 and decision.cached_tokens == 32
+
+
 async def test_a_batched_generate_answer_sent_chunked_is_no_false_hit(
     session: aiohttp.ClientSession,
 ) -> None:
