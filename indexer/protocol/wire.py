@@ -126,10 +126,16 @@ def _stored(
 # --- array layouts ------------------------------------------------------------------------
 
 
-class StoredMetadata(msgspec.Struct, gc=False):
-    """Slot 7 of SGLang 0.5.18-0.5.19's 8-slot `BlockStoredWithMetadata`; other keys ignored."""
+class StoredMetadata(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """Slot 7 of SGLang 0.5.18-0.5.19's 8-slot `BlockStoredWithMetadata`: its
+    `BlockStoredMetadata`, written only for a salted store, whose one field is the salt.
 
-    cache_salt: str | None = None
+    A map without a string `cache_salt`, or with a key it does not have, does not decode (the
+    event is `Unreadable`): before, such a map read as no salt, and a salted store whose key
+    was misspelled or damaged was predicted to unsalted requests (QA: 8 tokens of another
+    tenant's pages, nothing counted). A key SGLang adds later may be a namespace component."""
+
+    cache_salt: str
 
 
 class ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
@@ -227,8 +233,16 @@ class ArrayHashes(msgspec.Struct, array_like=True, gc=False):
 # --- map layouts --------------------------------------------------------------------------
 
 
-class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
-    """`BlockStored` as a map: SGLang >= 0.5.20 and vLLM >= 0.24 keys together."""
+class MapStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unknown_fields=True, gc=False
+):
+    """`BlockStored` as a map: SGLang >= 0.5.20 and vLLM >= 0.24 keys together.
+
+    A key neither engine writes makes the event `Unreadable` (fail closed): SGLang leaves
+    `cache_salt` out of an unsalted store, so a salted one whose key was misspelled or damaged
+    read as unsalted, and an unknown key may be a namespace component of a later engine
+    (before, unknown keys were ignored: QA, another tenant's pages predicted, nothing
+    counted)."""
 
     block_hashes: _Hashes
     token_ids: _Tokens
@@ -243,6 +257,10 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     group_idx: _GroupIdx | None = None
     kv_cache_spec_kind: _SpecKind | None = None
     lookahead_token_ids: _Lookahead | None = None
+    # vLLM's further keys, known and not read (as its array slots: `ArrayStored`)
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
     def normalize(self) -> Event:
         """The normalized `Stored`."""

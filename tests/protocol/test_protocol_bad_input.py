@@ -91,16 +91,25 @@ def test_hash_widths_are_kept() -> None:
     assert batch.events[0].block_hashes == hashes
 
 
-def test_unknown_keys_are_ignored_in_maps_and_slot7_metadata() -> None:
+def test_a_store_with_a_key_it_does_not_have_is_unreadable_not_unsalted() -> None:
+    """A salted store's `cache_salt` key misspelled or damaged, or a key neither engine writes
+    (a namespace component of a later engine, perhaps), in a map or in slot 7's metadata: the
+    event is `Unreadable`, its blocks forgotten. Before, unknown keys were ignored, so such a
+    store read as unsalted (SGLang leaves the key out of an unsalted map) and its pages were
+    predicted to unsalted requests (QA: another tenant's 8 tokens, nothing counted)."""
     batch = decode_batch(
         _batch(
             _map_stored(future_field={"x": [1]}, cache_salt="s"),
+            _map_stored(cache_slat="s"),
             _arr_stored(metadata={"cache_salt": "a", "other": 1}),
-            _arr_stored(metadata={"other": 1}),
+            _arr_stored(metadata={"cache_slat": "a"}),
+            _arr_stored(metadata={}),
+            _map_stored(cache_salt="kept", locality="LOCAL", ownership="x"),  # vLLM's keys
         )
     )
-    salts = [e.cache_salt for e in batch.events if isinstance(e, Stored)]
-    assert salts == ["s", "a", None]
+    assert [type(e) for e in batch.events] == [Unreadable] * 5 + [Stored]
+    kept = batch.events[-1]
+    assert isinstance(kept, Stored) and kept.cache_salt == "kept"
 
 
 def test_empty_salt_means_unsalted() -> None:

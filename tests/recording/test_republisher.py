@@ -131,6 +131,22 @@ async def test_drops_and_dups_leave_gaps_that_replay_fills() -> None:
     assert set(seqs) | {s for s, _ in replayed} == set(range(300))
 
 
+async def test_a_refetched_batch_is_no_second_message() -> None:
+    """The recorder keeps a batch whose live copy did not decode twice: the live copy, then
+    its refetch (`replayed`) at the same seq. That is one message of the engine's: sent live
+    as it arrived, its buffer holding the refetched copy. Before, both were sent and buffered,
+    so every replay answer held the seq twice, which the subscriber refuses (QA: a router
+    following the republisher never converged)."""
+    records = _records(6)
+    records.insert(3, Record(50.0025, "w0/0", b"kv", 2, b"refetched-2", replayed=True))
+    live, replayed, rep = await _run(records, RepublishConfig(speed=None))
+    assert [s for s, _ in live] == list(range(6))
+    assert live[2] == (2, b"payload-2")  # as it arrived live
+    assert [s for s, _ in replayed] == list(range(6))
+    assert replayed[2] == (2, b"refetched-2")  # as the engine's buffer held it
+    assert rep.streams[0].sent == 6
+
+
 async def test_reorder_sends_a_message_after_its_successor() -> None:
     records = _records(100)
     faults = FaultPlan(reorder=0.3, seed=7)
