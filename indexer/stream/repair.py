@@ -77,6 +77,8 @@ class Repair(SubscriberState):
             # it predicts nothing until the repair ends (`UNTRUSTED`)
             self._set_phase(StreamState.DEGRADED)
         answered, newest = False, None
+        # (a replay found unusable may clear the stream itself)
+        held, clears = self.tracker.last is not None, self._clears
         if self._has_replay:
             self.replays += 1
             # from the last applied seq, not `start`: its batch proves the epoch (fence)
@@ -87,6 +89,12 @@ class Repair(SubscriberState):
             finally:
                 self._run_open = False
             answered, newest = result.answered, result.newest
+            if held and not answered and self._clears > clears:
+                # an answer that proves nothing cleared the stream (one that starts after its
+                # last batch, then shows itself no buffer): an answer that never came, whose
+                # gap the cleared stream no longer sees below. Before, no rebuild was owed: the
+                # pages from before the gap were never predicted again (QA)
+                self._owe_rebuild(seq)
         decision = await self._checked(self.tracker.on_live(seq), seq, payload)
         if (
             decision.verdict is SeqVerdict.GAP

@@ -23,7 +23,7 @@ import zmq.asyncio
 from indexer.config import IndexerConfig, StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.events import EventBatch, Stored, TokenId
-from indexer.protocol.frames import build_replay_reply
+from indexer.protocol.frames import build_replay_end, build_replay_reply
 from indexer.service import IndexerService
 from indexer.stats import StreamState
 from indexer.stream import repair, state
@@ -116,6 +116,46 @@ async def test_a_quiet_stream_a_gap_cleared_is_rebuilt_without_a_probe(
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert view(svc.index, STREAM) == view(reference(published), STREAM)
         assert svc.streams()[0].probes == 0  # (the rebuild is no probe)
+
+
+async def test_a_gap_whose_answer_proved_nothing_is_rebuilt_once_the_socket_answers(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The repair's answer proves nothing (its batches in reverse order): it is an answer that
+    never came, so the stream it cleared is rebuilt once the socket answers as a buffer does.
+    Before, that answer's own clear left no rebuild owed: the pages from before the gap were
+    never predicted again (QA: 45 s of honest answers later)."""
+    batches = workload(seed=24, batches=20)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        published = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
+        for batch in batches[:10]:
+            last = await pub.publish(batch)
+        assert await svc.wait_applied(WORKER, last)
+        published += batches[:10]
+
+        def reversed_answer(start: int) -> list[list[bytes]]:
+            held = [build_replay_reply(b"kv", q, b) for q, b in pub.buffer if q >= start]
+            return [*held[::-1], build_replay_end()]
+
+        pub.answer_with = reversed_answer
+        await pub.publish(batches[10], drop=True)
+        published.append(batches[10])
+        published.append(EventBatch(ts=0.0, events=[]))
+        await pub.publish(published[-1])
+        await wait_until(lambda: svc.streams()[0].clears >= 1)
+        pub.answer_with = None
+        for _ in range(200):  # the worker goes on publishing (bounded)
+            if svc.streams()[0].rebuilds:
+                break
+            published.append(EventBatch(ts=0.0, events=[]))
+            await pub.publish(published[-1])
+            await asyncio.sleep(BUSY_GAP_S)
+        assert await svc.wait_applied(WORKER, len(published) - 1)
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
+        assert svc.streams()[0].rebuilds == 1
+        # every batch the worker published, those before the gap included
+        assert view(svc.index, STREAM) == view(reference(published), STREAM)
 
 
 async def test_a_buffer_that_kept_nothing_from_before_the_gap_leaves_the_stream_alone(
