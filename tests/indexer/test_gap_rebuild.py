@@ -78,6 +78,19 @@ async def _cleared(
     return [*empties, *batches[: lost + 1], EventBatch(ts=0.0, events=[])]
 
 
+async def _busy_until_rebuilt(
+    pub: ScriptedPublisher, svc: IndexerService, published: list[EventBatch]
+) -> None:
+    """The worker goes on publishing, an empty batch every `BUSY_GAP_S` (each added to
+    `published`), until the stream was rebuilt (bounded)."""
+    for _ in range(200):
+        if svc.streams()[0].rebuilds:
+            return
+        published.append(EventBatch(ts=0.0, events=[]))
+        await pub.publish(published[-1])
+        await asyncio.sleep(BUSY_GAP_S)
+
+
 async def test_a_busy_stream_a_gap_cleared_is_rebuilt_from_the_buffer(
     ctx: zmq.asyncio.Context,
 ) -> None:
@@ -91,12 +104,7 @@ async def test_a_busy_stream_a_gap_cleared_is_rebuilt_from_the_buffer(
             await pub.publish(batch)
             published.append(batch)
             await asyncio.sleep(BUSY_GAP_S)
-        for _ in range(200):
-            if svc.streams()[0].rebuilds:
-                break
-            published.append(EventBatch(ts=0.0, events=[]))
-            await pub.publish(published[-1])
-            await asyncio.sleep(BUSY_GAP_S)
+        await _busy_until_rebuilt(pub, svc, published)
         assert await svc.wait_applied(WORKER, len(published) - 1)
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         stats = svc.streams()[0]
@@ -145,12 +153,7 @@ async def test_a_gap_whose_answer_proved_nothing_is_rebuilt_once_the_socket_answ
         await pub.publish(published[-1])
         await wait_until(lambda: svc.streams()[0].clears >= 1)
         pub.answer_with = None
-        for _ in range(200):  # the worker goes on publishing (bounded)
-            if svc.streams()[0].rebuilds:
-                break
-            published.append(EventBatch(ts=0.0, events=[]))
-            await pub.publish(published[-1])
-            await asyncio.sleep(BUSY_GAP_S)
+        await _busy_until_rebuilt(pub, svc, published)
         assert await svc.wait_applied(WORKER, len(published) - 1)
         await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
         assert svc.streams()[0].rebuilds == 1

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from router.config import PolicyConfig, RouterConfig
+from router.http.decisions import Decision
 from router.http.keys import DECISIONS
 from router.service import RouterService
 from tests.router.conftest import Fleet, WorkerPassThrough, eventually, router_config, serve_app
@@ -157,6 +158,18 @@ async def test_an_sse_answer_is_a_stream_whoever_asked_for_it(
         assert (await resp.read()).strip() == b"data: [DONE]"
 
 
+async def _the_decision(router: RouterService) -> Decision:
+    """The one request's decision, once its answer is counted."""
+    stats = router.app[DECISIONS]
+
+    async def counted() -> bool:
+        return len(stats.recent) == 1
+
+    await eventually(counted, what="the answer counted")
+    (decision,) = stats.recent
+    return decision
+
+
 @pytest.mark.parametrize(
     ("mode", "path", "body"),
     [
@@ -175,13 +188,7 @@ async def test_a_batched_answers_usage_is_no_one_predictions(
         async with session.post(router.url + path, json=body) as resp:
             assert resp.status == 200
             await resp.read()
-        stats = router.app[DECISIONS]
-
-        async def counted() -> bool:
-            return len(stats.recent) == 1
-
-        await eventually(counted, what="the answer counted")
-        (decision,) = stats.recent
+        decision = await _the_decision(router)
     assert decision.status == 200 and decision.cached_tokens is None
 
 
@@ -196,13 +203,7 @@ async def test_a_one_prompt_lists_usage_is_its_prompts(session: aiohttp.ClientSe
         async with session.post(router.url + "/v1/completions", json={"prompt": ["a"]}) as resp:
             assert resp.status == 200
             await resp.read()
-        stats = router.app[DECISIONS]
-
-        async def counted() -> bool:
-            return len(stats.recent) == 1
-
-        await eventually(counted, what="the answer counted")
-        (decision,) = stats.recent
+        decision = await _the_decision(router)
     assert decision.status == 200 and decision.cached_tokens == 32
 
 
