@@ -124,8 +124,9 @@ class Peers:
         self._timeout_s = timeout_s
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
-        # routing decisions applied: one per request a peer routed (its `Begin`), as the
-        # peer counts it published; not the pending marks, ends and heartbeats beside them
+        # routing decisions applied: one per worker a peer sent a request to (its `Begin`: a
+        # retry's attempts and a pair's sides apart), as the peer counts it published; not
+        # the pending marks, ends and heartbeats beside them
         self.applied = 0
         # (decision, stream) pairs whose block keys were for pages other than this replica's
         # stream's (not marked there), and the (stream, theirs, ours) sizes already warned of

@@ -183,8 +183,9 @@ class ClusterService:
         self._synced = False  # a sync read the eviction records once since the start
         self._closing = False
         self._last_snapshot = time.monotonic()
-        # routing decisions published: one per request routed (its `Begin`), not the pending
-        # marks, shadows, first bytes, ends and heartbeats that go with them
+        # routing decisions published: one per worker a request was sent to (its `Begin`: a
+        # retry's attempts and a pair's sides apart), not the pending marks, shadows, first
+        # bytes, ends and heartbeats that go with them
         self.published = 0
         self.bad_messages = 0
         self.nats_errors = 0

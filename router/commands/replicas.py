@@ -326,13 +326,15 @@ async def serve_processes(
     reload: bool = True,
     pointers: bool = False,
     overrides: Sequence[str] = (),
+    port_given: bool = False,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
     `config` is that file's config with the command line's overrides, `overrides` those the
-    operator gave of --host, --port and --policy (flags and values), passed on to every child
-    as given: a child's reload reads the file through them, so a key one of them fixes is not
-    the file's to change. (Every child was given all three: a reload of a file that moved
+    operator gave of --host and --policy (flags and values), passed on to every child as
+    given, and the port they share where the operator gave one (`port_given`): a child's
+    reload reads the file through them, so a key one of them fixes is not the file's to
+    change. (Every child was given all three: a reload of a file that moved
     listen.host off loopback with no admin token answered 200 and the next start refused it,
     a changed listen.port or policy.name was not even listed under needs_restart.) The port
     the children share is passed too where the file leaves it to the OS (0). `verb`: what each
@@ -347,17 +349,12 @@ async def serve_processes(
         env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
     metrics_ports = _metrics_ports(config, processes)
     holder, port = _reserve(config.listen.host, config.listen.port)
-    given = list(overrides)
-    if "--port" in given:  # (0: the reserved one)
-        at = given.index("--port")
-        del given[at : at + 2]
-    shared_port = (
-        ["--port", str(port)] if port != config.listen.port or "--port" in overrides else []
-    )
+    # (a port 0, given or the file's, is the one reserved for them all)
+    shared_port = ["--port", str(port)] if port_given or port != config.listen.port else []
     cmd = [
         sys.executable, "-m", "router.commands.cli", verb,
         "--config", config_path,
-        *given,
+        *overrides,
         *shared_port,
         "--log-level", log_level,
         "--reuse-port",

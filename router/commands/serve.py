@@ -137,12 +137,11 @@ def apply_overrides(config: RouterConfig, args: argparse.Namespace) -> RouterCon
 
 
 def given_overrides(args: argparse.Namespace) -> list[str]:
-    """The --host, --port and --policy the operator gave (`apply_overrides`'), as flags."""
+    """The --host and --policy the operator gave (`apply_overrides`'), as flags (a --port
+    given is the port the children share, which `serve_processes` passes itself)."""
     flags: list[str] = []
     if getattr(args, "host", None):
         flags += ["--host", args.host]
-    if getattr(args, "port", None) is not None:
-        flags += ["--port", str(args.port)]
     if getattr(args, "policy", None):
         flags += ["--policy", args.policy]
     return flags
@@ -511,6 +510,7 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
                         until=until,
                         verb="serve" if proxy else "indexer",  # children without the proxy too
                         overrides=given_overrides(args),
+                        port_given=getattr(args, "port", None) is not None,
                     )
                 )
             )

@@ -89,9 +89,8 @@ class ParsedRequest(msgspec.Struct, frozen=True):
     # the batch's other items that carry an extra_key: what each stores is shown by events as
     # plain pages of its salt, so each shadows its own prompt (`indexer.shadowed`)
     keyed: tuple[KeyedItem, ...] = ()
-    # a list of prompts (a batched `/generate`, OpenAI's `prompt` list): routed by its first
-    batched: bool = False
-    # a list of more than one: its answer's usage is every item's, no one prediction's
+    # a list of more than one prompt (a batched `/generate`, OpenAI's `prompt` list; routed by
+    # its first): its answer's usage is every item's, no one prediction's
     # (`router.http.answer_relay` reads none of it); a one-item list's is its item's
     many_prompts: bool = False
 
@@ -385,7 +384,6 @@ def parse_request(
         output_tokens=output_tokens,
         reuse_limit=reusable,
         keyed=keyed,
-        batched=batched,
         many_prompts=many,
     )
 
