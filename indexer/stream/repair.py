@@ -489,8 +489,9 @@ class Repair(SubscriberState):
             self._rebuild_wait_s = REBUILD_FIRST_S
             return
         self._rebuild_wait_s = min(self._rebuild_wait_s * 2, REBUILD_MAX_S)
-        if self._catch_up is not None and self.tracker.last is not None:
-            # cleared and rebuilt in part: the rest is asked for soon, as a join's would be
+        if self._catch_up is not None:
+            # cleared and rebuilt in part, or its answer applied in part proved nothing (the
+            # stream rebuilt as at a join): the rest is asked for soon, as a join's would be
             # (before, nothing asked again: `syncing` until a live batch or a probe)
             self._retry_soon()
         elif self._rebuild_from is not None and self.tracker.last is not None:

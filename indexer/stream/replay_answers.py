@@ -113,8 +113,15 @@ class ReplayAnswers(SubscriberState):
         except ReplayError as exc:
             self._warn("replay-unusable", f"replay from {start} proves nothing: {exc}")
             if newest is not None:
-                # batches applied from an answer found out to be no buffer of this stream
+                # batches applied from an answer found out to be no buffer of this stream,
+                # and the seq they brought it to: nothing of either stands, so the stream is
+                # rebuilt from the buffer as at a join (a rebuild's answer: asked again soon).
+                # Before, the tracker stayed at the answer's seq, the stream `synced` and
+                # empty: the live batch the answer had applied was skipped as its duplicate,
+                # and a rebuild's own such answer used up the rebuild owed (QA: missed hits)
                 self._clear(f"a replay answer applied in part was not this stream's: {exc}")
+                self.tracker.restart_at(0)
+                self._catching_up()
             return ReplayResult(False, None, continuity)
         if continuity is Continuity.BROKEN:
             self._restart(

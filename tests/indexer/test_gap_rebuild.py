@@ -411,3 +411,46 @@ async def test_a_restart_a_proof_finds_behind_a_deaf_hop_trusts_nothing_of_the_n
         assert svc.query(Namespace(), q)[WORKER].matched_tokens == 4
         assert svc.streams()[0].undelivered_tails == 0
         assert "found batches" not in caplog.text
+
+
+@pytest.mark.parametrize("garbage", ["reversed", "far_seq_after"])
+async def test_a_rebuild_whose_own_answer_proved_nothing_is_owed_again(
+    ctx: zmq.asyncio.Context, garbage: str
+) -> None:
+    """The socket goes on answering garbage past the first rebuild (its batches in reverse
+    order; or every batch, then one at a seq far past them), then answers as a buffer does:
+    the stream, quiet since the gap, is rebuilt whole (an answer applied in part, then found
+    no buffer, leaves the stream to be rebuilt as at a join, asked again soon). Before (QA),
+    the first answer applied the live batch's seq before it proved nothing and its clear, and
+    the rebuild's own failed answer used up the rebuild owed: the stream ended `synced` and
+    empty, the pages from before the gap and the batch after it never predicted again."""
+    batches = workload(seed=30, batches=14)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub)
+        published = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
+        for batch in batches[:10]:
+            last = await pub.publish(batch)
+        assert await svc.wait_applied(WORKER, last)
+        published += batches[:10]
+        asked: list[int] = []
+
+        def garbage_answer(start: int) -> list[list[bytes]]:
+            asked.append(start)
+            held = [build_replay_reply(b"kv", q, b) for q, b in pub.buffer if q >= start]
+            if garbage == "reversed":
+                return [*held[::-1], build_replay_end()]
+            far = build_replay_reply(b"kv", 1 << 62, b"")
+            return [*held, far, build_replay_end()]
+
+        pub.answer_with = garbage_answer
+        await pub.publish(batches[10], drop=True)
+        published.append(batches[10])
+        published.append(batches[11])
+        await pub.publish(batches[11])  # quiet after it
+        # the repair's answer and the rebuild's (0.5 s on) both prove nothing
+        await wait_until(lambda: len(asked) >= 2 and 0 in asked[1:], timeout_s=5)
+        pub.answer_with = None
+        await wait_until(
+            lambda: view(svc.index, STREAM) == view(reference(published), STREAM), timeout_s=8
+        )
+        await wait_until(lambda: svc.streams()[0].state is StreamState.SYNCED)
