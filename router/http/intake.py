@@ -6,12 +6,16 @@ must come once (two values would leave the namespace to whichever one a hop read
 UTF-8 and fit `limits.max_salt_bytes`; its value is a secret, so errors name the header only.
 The request as parsed is kept on it (`PARSED`) for the steps after routing that answer what the
 client asked: whether its answer is a stream, whether it is a batch (`router.http.answer_relay`).
+A long body is parsed and tokenized on the tokenizer's threads (`parsed_off_loop`), here and for
+the KV query API (`router.http.kv_query`) alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -28,7 +32,9 @@ from router.prompt.request import (
 )
 from router.prompt.tokenizer import PromptTokenizer
 
-__all__ = ["PARSED", "header_salt", "read_request"]
+__all__ = ["PARSED", "header_salt", "parsed_off_loop", "read_request"]
+
+_T = TypeVar("_T")
 
 # the request as `read_request` parsed it
 PARSED = web.RequestKey("kvroute_parsed", ParsedRequest)
@@ -74,11 +80,18 @@ async def read_request(
         header_dp_rank=request.headers.get(DP_RANK_HEADER),
         limits=config.limits,
     )
-    offload = tokenizer.offload
-    if offload is not None and offload.wants(len(raw)):
-        # a long prompt: its encode (GIL released) leaves the loop free for other requests
-        parsed = await asyncio.wrap_future(offload.submit(parse))
-    else:
-        parsed = parse()
+    parsed = await parsed_off_loop(tokenizer, len(raw), parse)
     request[PARSED] = parsed
     return parsed
+
+
+async def parsed_off_loop(
+    tokenizer: PromptTokenizer, body_bytes: int, parse: Callable[[], _T]
+) -> _T:
+    """`parse()` (a body's decode and tokenizing) on the tokenizer's offload threads when a
+    body of `body_bytes` is long enough for them (`router.prompt.offload`), else right here."""
+    offload = tokenizer.offload
+    if offload is not None and offload.wants(body_bytes):
+        # a long prompt: its encode (GIL released) leaves the loop free for other requests
+        return await asyncio.wrap_future(offload.submit(parse))
+    return parse()

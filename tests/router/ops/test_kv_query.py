@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -13,11 +14,13 @@ import pytest
 from aiohttp import web
 
 from router.commands.cli import build_parser
-from router.config import QueryConfig, load_config
+from router.config import QueryConfig, TokenizerConfig, load_config
 from router.http.app import create_app
 from router.http.keys import RELOADER
 from router.http.reload import ConfigSource
+from router.prompt.tokenizer import build_tokenizer
 from router.service import RouterService
+from tests.router.chat_routing import FIXTURES as CHAT_FIXTURES
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
 from tests.router.vllm_stub import vllm_payload, vllm_stub
@@ -26,6 +29,7 @@ from workers.worker import ReferenceWorker
 
 QUERY_TOKEN = "gateway-token"
 QAUTH = {"Authorization": f"Bearer {QUERY_TOKEN}"}
+_A = TypeVar("_A")
 TEXT = "An endpoint picker asks kvroute which worker holds this prompt already. " * 5
 
 
@@ -398,3 +402,52 @@ async def test_a_model_served_by_pairs_is_answered_with_its_prefill_workers() ->
             alone = await query(indexer.url, direct)
             assert alone["role"] == "prefill" and set(_by_worker(alone)) == {"p0", "p1"}
             assert _by_worker(alone)[other]["matched_tokens"] == 6 * PAGE
+
+
+async def _stalled(answer: Awaitable[_A]) -> tuple[_A, float]:
+    """`answer`'s result, and the loop's longest stall (seconds) while it was awaited."""
+    longest = 0.0
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        result = await answer
+    finally:
+        done.set()
+        await ticker  # its last tick counts the stall that ended as the answer came
+    return result, longest
+
+
+async def test_a_long_query_is_tokenized_off_the_loop() -> None:
+    """A long `text` or `messages` is decoded and tokenized on the tokenizer's threads, as the
+    proxy's long bodies are, so the loop keeps answering other requests. Before, the query API
+    tokenized on the loop: a 1.5 MB prompt held every other request for ~0.7 s."""
+    pytest.importorskip("tokenizers")
+    hf = TokenizerConfig(kind="hf", path=str(CHAT_FIXTURES / "qwen3-0.6b" / "tokenizer.json"))
+    text = TEXT * 2000  # 720 KB, a few hundred ms of encode
+    alone = build_tokenizer(hf)
+    try:
+        started = time.perf_counter()
+        ids = alone.text(text)
+        encode_s = time.perf_counter() - started
+    finally:
+        alone.close()
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0:
+        config = router_config([("w0", w0.url)], query=QueryConfig(token=QUERY_TOKEN), tokenizer=hf)
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            for body in ({"text": text}, {"messages": [{"role": "user", "content": text}]}):
+                (status, answer), longest = await _stalled(_query(fleet, body))
+                assert status == 200, answer
+                assert answer["prompt_tokens"] >= len(ids)
+                # on the loop it stalled for the whole encode (0.31 of 0.36 s; 0.017 s now)
+                assert longest < encode_s / 2, (longest, encode_s)
