@@ -1,12 +1,13 @@
 """`POST /v1/kv/query`: kvroute's KV index as a service for other gateways.
 
 An Envoy / Gateway API endpoint picker, or another router, sends a prompt (token ids, text, or
-chat messages) with the fields of its namespace (model, `lora` for its lora_path, cache_salt)
-and gets, per (worker, dp rank) of that model, the leading tokens held and in which storage
-tier, the stream's state, and the router's own view of load and score. The same planner as the
-proxy's answers (`Planner.plan`, read-only), so the numbers are those the router would route
-by; nothing is marked pending and nothing is routed. A model served by prefill/decode pairs is
-answered with its prefill workers, where the pair's prompt is computed and its prefix reused.
+chat messages with the fields a chat renders beside them: tools, chat_template_kwargs, ...)
+with the fields of its namespace (model, `lora` for its lora_path, cache_salt) and gets, per
+(worker, dp rank) of that model, the leading tokens held and in which storage tier, the stream's
+state, and the router's own view of load and score. The same planner as the proxy's answers
+(`Planner.plan`, read-only), so the numbers are those the router would route by; nothing is
+marked pending and nothing is routed. A model served by prefill/decode pairs is answered with
+its prefill workers, where the pair's prompt is computed and its prefix reused.
 
 `POST /v1/kv/routed` is the one thing a gateway tells the index: it sent a request with an
 SGLang `extra_key` to a worker. Such a request's pages reach the index as plain pages of its
@@ -37,13 +38,16 @@ from router.http.bearer import bearer_matches, is_loopback
 from router.http.intake import parsed_off_loop
 from router.http.keys import CONFIG, PLANNER, RELOADER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
+from router.prompt.conventions import CHAT_REQUEST_FIELDS
 from router.prompt.request import (
     Endpoint,
     ParsedRequest,
+    chat_tokens,
     check_adapter_name,
     check_salt_size,
     parse_body,
 )
+from router.prompt.reuse_limit import chat_reuse_limit
 from router.prompt.tokenizer import PromptTokenizer
 from router.routing.policy import Candidate
 
@@ -81,6 +85,23 @@ class KvQuery(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token_ids: list[TokenId] | None = None  # the prompt as the engine tokenizes it (exact)
     text: str | None = None  # a completion prompt, tokenized by the router's tokenizer
     messages: list[dict[str, Any]] | None = None  # a chat, through the router's chat template
+    # With `messages` only: what a chat request adds to them and the engine renders into the
+    # prompt (`router.prompt.conventions.CHAT_REQUEST_FIELDS`), read and checked as the proxy
+    # reads them for `tokenizer.chat_engine` (so a bad one is the proxy's 400). Before, they
+    # were unknown fields: a chat with tools was matched by a prompt without them
+    tools: Any = None  # list of tool objects
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}
+    chat_template_kwargs: Any = None  # object: template variables
+    reasoning_effort: Any = None  # a tier (SGLang: or a number)
+    reasoning: Any = None  # SGLang's object: effort, enabled
+    documents: Any = None  # list of objects (vLLM)
+    add_generation_prompt: Any = None  # bool (vLLM)
+    continue_final_message: Any = None  # bool
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat request these `messages` and chat fields stand for, as the proxy reads it."""
+        chat = {name: getattr(self, name) for name in CHAT_REQUEST_FIELDS}
+        return {"messages": self.messages, **{k: v for k, v in chat.items() if v is not None}}
 
 
 class KvRouted(KvQuery, forbid_unknown_fields=True, kw_only=True):
@@ -115,15 +136,18 @@ def _tokens(query: KvQuery, tokenizer: PromptTokenizer) -> list[int]:
             "give exactly one of token_ids, text or messages"
             + (f" (got {', '.join(given)})" if given else "")
         )
+    if query.messages is not None:
+        # the proxy's own rendering of a chat body
+        return chat_tokens(query.chat_body(), tokenizer)
+    chat = [name for name in CHAT_REQUEST_FIELDS if getattr(query, name) is not None]
+    if chat:
+        raise RequestError(
+            f"{', '.join(chat)} go with messages only (rendered into a chat's prompt)"
+        )
     if query.token_ids is not None:
         return query.token_ids
-    if query.text is not None:
-        return tokenizer.text(query.text)
-    assert query.messages is not None
-    try:
-        return tokenizer.chat(query.messages)
-    except Exception as exc:  # a template's own complaint about the messages: the client's
-        raise RequestError(f"messages cannot be rendered: {exc}") from exc
+    assert query.text is not None
+    return tokenizer.text(query.text)
 
 
 def _check_token(request: web.BaseRequest, config: RouterConfig) -> None:
@@ -199,6 +223,12 @@ async def _parsed(
         tokens=tokens,
         stream=False,
         extra_key=extra_key,
+        # a chat with media parts: the engine's tokens are not these past the first one, so
+        # nothing is predicted, as on the proxy (the other fields that cap reuse are no query
+        # fields). Before, such a chat was predicted the hits of its text alone (false hits)
+        reuse_limit=(
+            None if query.messages is None else chat_reuse_limit(query.chat_body(), len(tokens))
+        ),
     )
     planner = request.app[PLANNER]
     try:

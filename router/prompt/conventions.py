@@ -44,6 +44,7 @@ from router.prompt.messages import (
 )
 
 __all__ = [
+    "CHAT_REQUEST_FIELDS",
     "CONVENTIONS",
     "SGLANG_CHAT",
     "VLLM_CHAT",
@@ -54,6 +55,19 @@ __all__ = [
     "check_chat_fields",
 ]
 
+# the request fields besides `messages` that some engine's convention renders into the prompt
+# (`chat_options` reads no others): the KV query API takes these too (`router.http.kv_query`),
+# so a gateway's chat is matched by the prompt the proxy would route it by
+CHAT_REQUEST_FIELDS = (
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "reasoning",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 # the reasoning_effort tiers vLLM accepts
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # SGLang 0.5.23's `ReasoningEffortTier` (protocol.py), DeepSeek's "ultra" included, top level or in

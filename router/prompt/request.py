@@ -49,6 +49,7 @@ __all__ = [
     "Endpoint",
     "KeyedItem",
     "ParsedRequest",
+    "chat_tokens",
     "check_adapter_name",
     "check_salt_size",
     "detect_endpoint",
@@ -297,7 +298,10 @@ def _completion_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[in
     raise RequestError("prompt must be a string, a list of strings or a list of token ids")
 
 
-def _chat_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
+def chat_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[int]:
+    """The prompt ids of a chat request body: its messages and the fields the engine renders
+    with them (`router.prompt.conventions`), or the ids it carries instead; RequestError when
+    they are bad. The proxy's, and the KV query API's for its `messages`."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise RequestError("messages must be a list")
@@ -349,7 +353,7 @@ def parse_request(
         output_tokens = completion_output_limit(body)
         reusable = completion_reuse_limit(body, len(tokens))
     else:
-        tokens = _chat_tokens(body, tokenizer)
+        tokens = chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
         reusable = chat_reuse_limit(body, len(tokens))
     if endpoint is Endpoint.GENERATE and batched:
