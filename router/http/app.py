@@ -386,8 +386,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         policy = build_policy(config.policy)
         pool = WorkerPool(config.breaker)
         load = LoadTracker()
-        app[METRICS].export_in_flight(load.running)
-        app[METRICS].export_rank_in_flight(load.running_by_rank)
         planner = Planner(config.policy, policy, pool, indexer, load, app[FINGERPRINT])
         app[METRICS].export_routable(
             lambda: {entry.id: entry.routable(planner.clock()) for entry in pool}
@@ -412,7 +410,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[STREAM_DESCRIPTORS] = indexer.stream_descriptors
         app[PLANNER] = planner
         app[SUPERVISOR] = supervisor
-        observer = operations.start(app, indexer, load)
+        observer = operations.start(app, indexer, load, pool)
         observer.watch = supervisor.watch  # answers that keep reusing far less: checked
         tokenizer = operations.proxy_tokenizer(app)
         app[PROXY] = proxy = Proxy(config, planner, upstream, tokenizer, app[METRICS], observer)

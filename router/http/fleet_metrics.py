@@ -3,9 +3,9 @@
 Per (worker, dp rank): the KV-event stream's state, event lag, index entries and every
 counter of the indexer's `StreamStats` (what `/admin/streams` shows: repairs, and what the
 index skipped, so an alert can watch each), and the router's in-flight load on that rank
-(`LoadTracker`). Per index: how many namespaces it holds
-and their sizes as a histogram. Nothing here is kept twice: every number is the one the
-indexer and the load tracker already hold for routing and for `/admin/streams`.
+(`LoadTracker`; every rank of the fleet's workers, at 0 while idle). Per index: how many
+namespaces it holds and their sizes as a histogram. Nothing here is kept twice: every number is
+the one the indexer and the load tracker already hold for routing and for `/admin/streams`.
 
 No namespace fingerprint and no salt is a label (one series per tenant would be unbounded and
 would say who is active): namespaces only as a size distribution; the largest ones by
@@ -14,7 +14,7 @@ fingerprint through `GET /admin/namespaces`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from indexer.service import IndexerService, StreamState
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, Target
 
 __all__ = ["NAMESPACE_TOKEN_BUCKETS", "FleetCollector"]
 
@@ -130,9 +130,16 @@ _STREAM_COUNTERS = (
 class FleetCollector(Collector):
     """Streams, per-rank load and namespace sizes, collected from the live objects."""
 
-    def __init__(self, indexer: IndexerService, load: LoadTracker) -> None:
+    def __init__(
+        self,
+        indexer: IndexerService,
+        load: LoadTracker,
+        fleet: Callable[[], Iterable[Target]] = tuple,
+    ) -> None:
         self._indexer = indexer
         self._load = load
+        # where the fleet's workers count their load: listed at 0 while idle
+        self._fleet = fleet
 
     def describe(self) -> Iterator[Metric]:
         """The families' names and types, without samples."""
@@ -190,7 +197,7 @@ class FleetCollector(Collector):
             "stored), per (worker, dp rank)",
             labels=["worker", "dp_rank"],
         )
-        targets = {} if empty else self._load.by_target()
+        targets = {} if empty else self._load.by_target(self._fleet())
         for (worker, rank), load in sorted(
             targets.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)
         ):

@@ -3,8 +3,9 @@
 `install` (when the app is built): the decision statistics and their Prometheus families,
 tracing (when on) and its shutdown as a cleanup context of its own, and the KV query API
 (served when it has a token of its own or the router listens on loopback only). `start` (when
-the app's resources open): the fleet families over the live indexer and load tracker, and the
-`Observer` the proxy reports each request to.
+the app's resources open): the fleet families and in-flight gauges over the live indexer, load
+tracker and pool (every worker of the pool listed, at 0 while idle), and the `Observer` the
+proxy reports each request to.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from router.http.kv_query import KV_QUERY_PATH, add_kv_query_route
 from router.http.observe import Observer
 from router.http.tracing import TracedTokenizer, build_tracing, tracing_wanted
 from router.prompt.tokenizer import PromptTokenizer
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, Target, load_keys
+from router.routing.pool import WorkerPool
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -80,9 +82,25 @@ def proxy_tokenizer(app: web.Application) -> PromptTokenizer:
     return tokenizer if tracing is None else TracedTokenizer(tokenizer)
 
 
-def start(app: web.Application, indexer: IndexerService, load: LoadTracker) -> Observer:
-    """The fleet families and the observer, once the indexer and load tracker exist."""
-    app[METRICS].registry.register(FleetCollector(indexer, load))
+def start(
+    app: web.Application, indexer: IndexerService, load: LoadTracker, pool: WorkerPool
+) -> Observer:
+    """The fleet families, the in-flight gauges and the observer, once the indexer, the load
+    tracker and the pool exist."""
+
+    def fleet() -> list[Target]:
+        # every worker of the pool where its requests count: its series at 0 from the moment
+        # it is added (again), not from its first request
+        return [
+            key
+            for entry in pool
+            for key in load_keys(entry.id, [s.dp_rank for s in indexer.stream_configs(entry.id)])
+        ]
+
+    metrics = app[METRICS]
+    metrics.export_in_flight(lambda: load.running(fleet()))
+    metrics.export_rank_in_flight(lambda: load.running_by_rank(fleet()))
+    metrics.registry.register(FleetCollector(indexer, load, fleet))
     enabled = app[CONFIG].current.observe.enabled
     observer = Observer(app[DECISIONS], indexer.block_size, app.get(TRACING), enabled=enabled)
     app[OBSERVER] = observer

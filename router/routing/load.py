@@ -25,15 +25,33 @@ one would see the rank as idle, pick it too, and be held as well.
 A worker with several data-parallel ranks runs one scheduler per rank, so its load is kept per
 rank: the rank the router told the engine to use. A request sent without a rank (a worker with
 one rank, or whose ranks are not known) counts under the rank `None`. Pure bookkeeping: no I/O.
+
+What is read for the metrics lists the fleet's workers too (`fleet`: their `load_keys`), at 0
+until a request is counted there: a worker's series exist from its registration, and again
+from the moment it is added back under its id (`forget` dropped its counters). Before, counters
+were made by the first request routed there, and dashboards saw a gap where the load was 0.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 
 from indexer.shadowed import ShadowMark
 
-__all__ = ["LoadTracker", "Ticket", "Withdraw", "WorkerLoad"]
+__all__ = ["LoadTracker", "Target", "Ticket", "Withdraw", "WorkerLoad", "load_keys"]
+
+# (worker, dp rank) a request's load is counted under (rank None: sent without a rank)
+Target = tuple[str, int | None]
+
+
+def load_keys(worker: str, stream_ranks: Sequence[int]) -> list[Target]:
+    """Where requests routed to `worker` count, given the dp ranks of its KV-event streams:
+    each rank of a worker with several streams (the planner offers each rank and names it),
+    else the worker as a whole (rank None: the engine picks, or it has one scheduler)."""
+    if len(stream_ranks) > 1:
+        return [(worker, rank) for rank in sorted(set(stream_ranks))]
+    return [(worker, None)]
 
 
 class Withdraw(enum.IntEnum):
@@ -245,34 +263,37 @@ class LoadTracker:
                 load.output_tokens -= ticket.output_tokens
                 load.sized -= 1
 
-    def running(self) -> dict[str, int]:
-        """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`)."""
-        return {
-            worker: sum(load.running for load in ranks.values())
-            for worker, ranks in self._loads.items()
-        }
+    def running(self, fleet: Iterable[Target] = ()) -> dict[str, int]:
+        """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`);
+        the workers of `fleet` at 0 when none is."""
+        out = dict.fromkeys((worker for worker, _ in fleet), 0)
+        for worker, ranks in self._loads.items():
+            out[worker] = sum(load.running for load in ranks.values())
+        return out
 
-    def running_by_rank(self) -> dict[tuple[str, int], int]:
-        """Requests in flight per (worker, dp rank), for requests sent with a rank.
+    def running_by_rank(self, fleet: Iterable[Target] = ()) -> dict[tuple[str, int], int]:
+        """Requests in flight per (worker, dp rank), for requests sent with a rank; the ranks
+        of `fleet` at 0 when none is.
 
         As bounded as the fleet: ranks are those the workers' streams name.
         """
-        return {
-            (worker, rank): load.running
-            for worker, ranks in self._loads.items()
-            for rank, load in ranks.items()
-            if rank is not None
-        }
+        out = {(worker, rank): 0 for worker, rank in fleet if rank is not None}
+        for worker, ranks in self._loads.items():
+            for rank, load in ranks.items():
+                if rank is not None:
+                    out[worker, rank] = load.running
+        return out
 
-    def by_target(self) -> dict[tuple[str, int | None], WorkerLoad]:
-        """The counters of every (worker, dp rank) seen (rank None: sent without a rank).
+    def by_target(self, fleet: Iterable[Target] = ()) -> dict[Target, WorkerLoad]:
+        """The counters of every (worker, dp rank) seen (rank None: sent without a rank), and
+        of each of `fleet` (zero counters, not kept, where none was seen).
 
         The live objects: read them, do not keep them (`kvroute_load_*` when scraped)."""
-        return {
-            (worker, rank): load
-            for worker, ranks in self._loads.items()
-            for rank, load in ranks.items()
-        }
+        out = {target: WorkerLoad() for target in fleet}
+        for worker, ranks in self._loads.items():
+            for rank, load in ranks.items():
+                out[worker, rank] = load
+        return out
 
     def forget(self, worker: str) -> None:
         """Drop a removed worker's counters (its open tickets then change only theirs, never

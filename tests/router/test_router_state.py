@@ -7,7 +7,7 @@ from router.http import metrics as metrics_module
 from router.http.metrics import RouterMetrics
 from router.routing.approx_tree import ApproxTree
 from router.routing.breaker import BreakerState, CircuitBreaker
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, load_keys
 from router.routing.pool import WorkerPool
 
 
@@ -245,6 +245,21 @@ def test_load_is_kept_per_dp_rank_and_summed_per_worker() -> None:
     assert loads.running() == {"w": 0} and loads.total("w").queued_prefill_tokens == 0
     loads.forget("w")
     assert loads.running() == {} and loads.running_by_rank() == {}
+    # the fleet's workers are listed at 0 while nothing is counted there (a worker of one
+    # stream counts without a rank, one of several per rank), counted ones as they are
+    fleet = [*load_keys("w", [0, 1]), *load_keys("one", [0]), *load_keys("bare", [])]
+    assert fleet == [("w", 0), ("w", 1), ("one", None), ("bare", None)]
+    loads.begin("w", 9, dp_rank=1)
+    assert loads.running(fleet) == {"w": 1, "one": 0, "bare": 0}
+    assert loads.running_by_rank(fleet) == {("w", 0): 0, ("w", 1): 1}
+    targets = loads.by_target(fleet)
+    assert {key: load.running for key, load in targets.items()} == {
+        ("w", 0): 0,
+        ("w", 1): 1,
+        ("one", None): 0,
+        ("bare", None): 0,
+    }
+    assert targets["w", 1] is loads.of("w", 1) and loads.by_target().keys() == {("w", 1)}
 
 
 def test_rank_in_flight_metrics_follow_the_load_tracker() -> None:
