@@ -123,6 +123,14 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.decode_ms_per_token * self.time_scale
 
     @property
+    def decode_step_weight(self) -> float:
+        """One decode step of its workers in prefill tokens (a router's `decode_step_weight`);
+        the router's default when a prefill token costs nothing."""
+        if self.prefill_ms_per_token <= 0:
+            return PolicyConfig().decode_step_weight
+        return self.decode_ms_per_token / self.prefill_ms_per_token
+
+    @property
     def disaggregated(self) -> bool:
         """Whether this is a prefill/decode fleet."""
         return self.prefill_workers > 0 and self.decode_workers > 0
@@ -488,6 +496,7 @@ def policy_config(
         hold_until_room=hold_until_room,
         # the fleet's decode step, as an operator sets it for theirs
         admission_batch_window_ms=spec.decode_step_ms,
+        decode_step_weight=spec.decode_step_weight,
         **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
     )
 

@@ -87,6 +87,7 @@ async def _replicas(
                     name="kv",
                     seed=seed + i,
                     admission_batch_window_ms=spec.decode_step_ms,
+                    decode_step_weight=spec.decode_step_weight,
                     **{k: v for k, v in msgspec.structs.asdict(weights).items() if v is not None},
                 ),
                 workers=tuple(RoutedWorker(url=url, id=name) for name, url in urls.items()),

@@ -558,6 +558,8 @@ _WHY_NOT_DEFAULT = {
     "seed": "the run's --seed",
     "admission_batch_window_ms": "the simulated fleet's decode step, decode_ms_per_token x "
     "time_scale, as an operator sets it for their fleet",
+    "decode_step_weight": "the simulated fleet's decode step in prefill tokens, "
+    "decode_ms_per_token / prefill_ms_per_token, as an operator sets it for their fleet",
     "hit_weight": "--kv-hit-weight",
     "decode_weight": "--kv-decode-weight",
     "eviction_weight": "--kv-eviction-weight",

@@ -115,6 +115,15 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # oracle's hit rate to load noise; 4.0 stays within a few percent of the oracle.
     hit_weight: NonNegativeFloat = 4.0
     decode_weight: NonNegativeFloat = 32.0
+    # a decode step's time in prefill tokens (the engine's time per output token over its
+    # prefill time per prompt token): a running request holds its place in the batch for its
+    # output tokens times this. A request sent to a (worker, rank) that runs as many requests
+    # as its `max_running_requests` waits in its queue until places free: (the requests in
+    # flight there beyond that limit, and itself) / the limit x a request's run, in prefill
+    # tokens, counted in its load and, by `kv`, taken off the hit it would find there
+    # (`router.routing.policy`). 200: the reference worker's (a 10 ms step, 0.05 ms per
+    # prompt token); set it to your engine's
+    decode_step_weight: NonNegativeFloat = 200.0
     # prefix blocks held off-GPU save less work (they must be loaded back first); both
     # engines' spellings (vLLM: CPU, STORAGE; SGLang HiCache: CPU_PINNED, DISK, EXTERNAL). A
     # medium not listed here earns nothing: kvroute cannot know what loading it back costs
@@ -170,8 +179,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # no longer pulls every new prompt onto the one full pool that holds it (0: off)
     room_weight: NonNegativeFloat = 0.5
     # learn decode_weight (the running requests' cost in prefill tokens) from observed time to
-    # first token (router.routing.balance), the configured value as the prior, worth this many
-    # samples; bounded to [decode_weight / 4, decode_weight * 4]
+    # first token of streamed answers (router.routing.balance; a whole answer's first byte
+    # comes after its decode), the configured value as the prior, worth this many samples;
+    # bounded to [decode_weight / 4, decode_weight * 4]
     balance_learning: bool = False
     balance_prior_samples: NonNegativeFloat = 20.0
     # approx_tree mirrors sglang-router 0.3.2's cache_aware policy, with its defaults: out of
@@ -200,7 +210,13 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                     f"medium_weights.{tier}",
                     f"policy.medium_weights.{tier} must be a finite number",
                 )
-        for name in ("hit_weight", "decode_weight", "eviction_weight", "room_weight"):
+        for name in (
+            "hit_weight",
+            "decode_weight",
+            "decode_step_weight",
+            "eviction_weight",
+            "room_weight",
+        ):
             if not math.isfinite(getattr(self, name)):
                 raise FieldError(name, f"policy.{name} must be a finite number")
 

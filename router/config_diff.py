@@ -30,6 +30,7 @@ _LIVE: dict[str, frozenset[str] | None] = {
             "seed",
             "hit_weight",
             "decode_weight",
+            "decode_step_weight",
             "room_weight",  # read per decision by the policy (the planner counts it always)
             "medium_weights",
             "approx_cache_threshold",

@@ -403,6 +403,8 @@ async def route_dry_run(request: web.Request) -> web.Response:
     plan = planner.plan(parsed, ns)
     # a shadow's hidden entries named, so they do not read as a cold cache
     planner.explain_hidden(plan.candidates, parsed, ns)
+    for candidate in plan.candidates:  # what a full batch there would make it wait
+        candidate.queue = planner.policy.explain_queue(candidate)
     # as the proxy answers it (a RequestError for a dp rank no worker has): a dry run says
     # what the request would get
     unroutable = None

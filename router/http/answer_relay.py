@@ -194,7 +194,8 @@ async def relay_answer(
         return response
     # wait for the first chunk before committing headers: until then, a retry is legal
     first = await upstream.readany()
-    planner.first_byte(ticket)
+    # a stream's first chunk is its first token (an error's is none): a time to first token
+    planner.first_byte(ticket, first_token=200 <= upstream.status < 300)
     if hooks is not None:
         await hooks.before_commit(upstream.status)
     if obs is not None:

@@ -2,8 +2,8 @@
 
 The `kv` score counts load in prefill tokens: `queued_prefill_tokens + decode_weight *
 running`, where `decode_weight` says how many prefill tokens one running request costs. The
-config's value is a guess about the engine's speeds; the router can measure it. Each answered
-request gives one sample of
+config's value is a guess about the engine's speeds; the router can measure it. Each streamed
+answer gives one sample of
 
     ttft_ms ~ prefill_ms_per_token * tokens + running_ms * running
 
@@ -13,6 +13,11 @@ forgetting, pulled toward the prior `decode_weight` (`[policy] balance_prior_sam
 samples' worth), so `decode_weight = running_ms / prefill_ms_per_token` follows the fleet,
 bounded to [prior / 4, prior * 4]. `[policy] balance_learning` turns it on; `/admin/route`
 shows the fit.
+
+Only a streamed answer's first chunk is its first token (`Planner.first_byte`): a whole answer's
+first byte comes once it has decoded too, and is no sample (before, it was one, and a fleet of
+whole answers fitted its decode as prefill); nor is a request sent behind a full batch, whose
+first token waits for the queue to drain (`router.routing.policy`, `queue_wait`).
 
 Pure and synchronous: no I/O.
 """

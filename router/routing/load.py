@@ -158,7 +158,8 @@ class Ticket:
         self.shadows: list[ShadowMark] = []
         self.withdraw = Withdraw.NOTHING
         # when it was sent, and the prefill tokens (its own included) and running requests
-        # on its rank then: one sample of the hit/load balance (`router.routing.balance`)
+        # on its rank then: one sample of the hit/load balance (`router.routing.balance`);
+        # None: no sample (sent behind a full batch, `Planner.commit`)
         self.sent_at: float | None = None
         self.ahead_tokens = 0
         self.ahead_running = 0

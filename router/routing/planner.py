@@ -532,6 +532,7 @@ class Planner:
         stream_state: str | None,
     ) -> Candidate:
         load = self.load.of(entry.id, dp_rank)
+        cap = self._running_cap(entry, dp_rank)
         return Candidate(
             worker=entry.id,
             url=entry.url,
@@ -557,7 +558,26 @@ class Planner:
             queued_prefill_tokens=load.queued_prefill_tokens + load.held_tokens,
             running=load.running,
             kv_tokens=load.kv_tokens,
+            running_cap=cap,
+            running_output_tokens=(
+                0.0
+                if cap is None
+                else load.output_per_request(self._config.admission_reserve_tokens)
+            ),
         )
+
+    @staticmethod
+    def _running_cap(entry: WorkerEntry, dp_rank: int | None) -> int | None:
+        """How many requests the candidate runs at once, the rest waiting in its queue
+        (`Policy.queue_wait`): its rank's `max_running_requests`, every rank's for a worker
+        offered whole (its engine picks the rank). None: unknown, or a prefill/decode side,
+        whose places are held by KV transfers rather than by outputs."""
+        cap = entry.max_running_requests
+        if cap is None or entry.role != "both":
+            return None
+        if dp_rank is None:
+            cap *= max(1, len(entry.streams), entry.config.dp_size or 1)
+        return cap
 
     def engine(self, worker: str) -> EngineSpec:
         """The engine rules of `worker` (how it is told a rank); SGLang's if it left the pool."""
@@ -618,7 +638,10 @@ class Planner:
         )
         ticket.marks = marks
         ticket.pending = pending
-        ticket.sent_at = self.clock()
+        # one sent behind a full batch first waits for a place: its time to first token is
+        # the queue's drain (`Policy.queue_wait`), which the balance's two terms cannot fit
+        cap = candidate.running_cap
+        ticket.sent_at = self.clock() if cap is None or ahead_running < cap else None
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
         entry = self.pool.find(candidate.worker)
@@ -807,12 +830,19 @@ class Planner:
         self.release_marks(ticket.marks, first_byte=first_byte)
         ticket.marks = []
 
-    def first_byte(self, ticket: Ticket) -> None:
+    def first_byte(self, ticket: Ticket, *, first_token: bool = False) -> None:
         """The worker answered: the request's prompt no longer counts as queued prefill
-        (once: a pair's prefill side may be told by its own answer and by its decode's)."""
+        (once: a pair's prefill side may be told by its own answer and by its decode's).
+
+        `first_token`: this is a streamed answer's first chunk, its first token, so the time
+        since it was sent is its time to first token: one sample of the balance fit
+        (`router.routing.balance`). A whole answer's first byte comes only once it has decoded
+        too, and a prefill side's once its decode has the KV: no sample. Before, every first
+        byte was one, and whole answers fitted their decode as prefill (0.124 ms per prompt
+        token against the streamed 0.052, decode_weight 118 against 53)."""
         if ticket.prefilled or ticket.done:
             return
-        if ticket.sent_at is not None:
+        if first_token and ticket.sent_at is not None:
             ttft_ms = (self.clock() - ticket.sent_at) * 1000.0
             self.balance.observe(ttft_ms, ticket.ahead_tokens, ticket.ahead_running)
         self.load.first_byte(ticket)

@@ -11,12 +11,20 @@ reproducible and a dry run sees the tie-break the next real request would.
 
 Scores are "higher is better". For `kv`:
 
-    score = hit_weight * hit_tokens - load - eviction_weight * evicted_hot_tokens
-            - room_weight * evicted_tokens
-    load  = queued_prefill_tokens + decode_weight * running
+    score = hit_weight * max(0, hit_tokens - queue_wait) - load
+            - eviction_weight * evicted_hot_tokens - room_weight * evicted_tokens
+    load  = queued_prefill_tokens + decode_weight * running + queue_wait
 
 which orders workers exactly like the prefill work they would do for this request
 (prompt - hit) plus the work already queued on them, with the prompt length cancelling out.
+`queue_wait` (`Policy.queue_wait`) is what the request would wait in the worker's queue for a
+place in its batch, in prefill tokens: 0 while fewer requests than its `max_running_requests`
+(`Candidate.running_cap`) are in flight there; beyond, the queue drains a batch's worth of
+requests per request's run (its output tokens x `decode_step_weight`). A hit found only after
+that wait saves that much less, so a holder whose queue outlasts most of the prefill its hit
+saves loses to a worker with a free place: a burst of one long prompt spreads over the fleet
+instead of queueing on the worker that first cached it. Before, a request waiting in the
+queue counted as one more running request (`decode_weight`), a fraction of its wait.
 `evicted_hot_tokens` (`Candidate.eviction`, `router.routing.eviction_cost`) is what placing
 the request there would push out of the fleet's cache (0 unless `eviction_weight` is set);
 `evicted_tokens` (`Candidate.evicts_tokens`) is everything the request's own allocation would
@@ -95,8 +103,21 @@ class Candidate(msgspec.Struct, gc=False):
     queued_prefill_tokens: int = 0
     running: int = 0
     kv_tokens: int = 0  # KV its running requests hold (counted on decode workers of PD pairs)
+    # how many requests it runs at once (its rank's `max_running_requests`; a worker offered
+    # whole, its ranks' together): a request beyond waits in the worker's queue
+    # (`Policy.queue_wait`). None: unknown, or a prefill/decode side (no wait counted)
+    running_cap: int | None = None
+    # the output tokens a request in flight there may generate, on average (their limits,
+    # `admission_reserve_tokens` for each that named none): how long one holds its place
+    running_output_tokens: float = 0.0
     load: float = 0.0  # set by `rank`: in-flight work in prefill-token equivalents
     score: float = 0.0  # set by `rank`: higher is better
+    # set by `rank`: what the request would wait there for a place in the batch, in prefill
+    # tokens (`Policy.queue_wait`; in `load`, and taken off the hit by `kv`)
+    queue_wait: float = 0.0
+    # that wait in words, told by the `/admin/route` dry run only (`Policy.explain_queue`;
+    # None on the request path, or where it waits for nothing)
+    queue: str | None = None
     # what of matched + pending the worker is predicted to still hold when it admits the
     # request, and why (`router.routing.admission`); None: not forecast (admission off)
     admission: AdmissionForecast | None = None
@@ -204,8 +225,42 @@ class Policy:
         self.decode_weight = config.decode_weight
 
     def load(self, view: Candidate) -> float:
-        """The in-flight work on a worker, in prefill-token equivalents."""
-        return view.queued_prefill_tokens + self.decode_weight * view.running
+        """The in-flight work on a worker, in prefill-token equivalents: its queued prefill,
+        its requests in flight, and the wait for a place in its batch."""
+        return (
+            view.queued_prefill_tokens + self.decode_weight * view.running + self.queue_wait(view)
+        )
+
+    def queue_wait(self, view: Candidate) -> float:
+        """What a request sent to the candidate would wait in its queue before it runs, in
+        prefill tokens: 0 while fewer than its `running_cap` requests are in flight there (or
+        the cap is unknown). Beyond, it is the (running - cap + 1)th to wait for a place, and
+        the batch frees `cap` places per request's run (`running_output_tokens` x
+        `decode_step_weight`), so the queue drains for (running - cap + 1) / cap of a run
+        before it starts. Each request in flight still counts `decode_weight` too: once it
+        runs, the batch it joins is as full."""
+        cap = view.running_cap
+        if cap is None or view.running < cap:
+            return 0.0
+        run = view.running_output_tokens * self._config.decode_step_weight
+        return (view.running - cap + 1) / cap * run
+
+    def explain_queue(self, view: Candidate) -> str | None:
+        """The candidate's queue wait in words (`Candidate.queue`), None: it waits for
+        nothing."""
+        wait = self.queue_wait(view)
+        cap = view.running_cap
+        if not wait or cap is None:
+            return None
+        ahead = view.running - cap + 1
+        output = round(view.running_output_tokens, 1)
+        step = self._config.decode_step_weight
+        return (
+            f"{view.running} requests in flight, {cap} run at once: it waits for {ahead} to "
+            f"finish, {ahead}/{cap} of a request's run ({output:g} output tokens x "
+            f"decode_step_weight {step:g} = {output * step:.0f} prefill tokens): {wait:.0f} "
+            "prefill tokens, counted in its load"
+        )
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
         raise NotImplementedError
@@ -224,6 +279,7 @@ class Policy:
         draws = self._draws(len(views))
         keyed = []
         for view, score, draw in zip(views, scores, draws, strict=True):
+            view.queue_wait = self.queue_wait(view)
             view.load = load = self.load(view)
             view.score = score
             keyed.append(((not view.healthy, -score, load, draw), view))
@@ -252,13 +308,19 @@ class KvPolicy(Policy):
         # "nothing" and win every tie, its own pool full or not
         if room and any(v.evicts_tokens is None for v in views):
             room = 0.0
+        # a hit found only after the wait for a place in the batch saves that much less
         return [
-            weight * v.hit_tokens
+            weight * max(0.0, v.hit_tokens - self.queue_wait(v))
             - self.load(v)
             - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
             - (room * v.evicts_tokens if room and v.evicts_tokens else 0.0)
             for v in views
         ]
+
+    def explain_queue(self, view: Candidate) -> str | None:
+        """As every policy's, and the hit it finds there saves that much less."""
+        said = super().explain_queue(view)
+        return None if said is None else said + ", and taken off the hit it would find there"
 
 
 class LeastLoadPolicy(Policy):
@@ -341,6 +403,10 @@ class ApproxTreePolicy(Policy):
     def load(self, view: Candidate) -> float:
         """Requests in flight on the worker: SGLang's thresholds count requests."""
         return float(view.running)
+
+    def queue_wait(self, view: Candidate) -> float:
+        """None: SGLang's policy knows no running limit (its requests in flight are all)."""
+        return 0.0
 
     def _imbalanced(self, loads: list[float]) -> bool:
         if not loads:

@@ -26,10 +26,14 @@ def test_the_oracle_is_called_a_greedy_affinity_oracle_not_a_bound() -> None:
 
 def test_the_fleet_section_names_every_kv_setting_that_is_not_the_routers_default() -> None:
     # the harness sets the batch window to the simulated decode step (0.4 ms, default 20 ms),
-    # which the report's "the router's defaults" hid
+    # which the report's "the router's defaults" hid, and the step in prefill tokens (2 ms
+    # over 0.5 ms: 4, default 200)
     line = routing_bench.kv_settings_line(_settings())
     assert line == (
         "the router's defaults but seed=1 (router default 0; the run's --seed), "
+        "decode_step_weight=4 (router default 200; the simulated fleet's decode step in "
+        "prefill tokens, decode_ms_per_token / prefill_ms_per_token, as an operator sets it "
+        "for their fleet), "
         "admission_batch_window_ms=0.4 (router default 20; the simulated fleet's decode step, "
         "decode_ms_per_token x time_scale, as an operator sets it for their fleet)"
     )

@@ -274,3 +274,62 @@ def test_a_reload_changes_the_decode_weight_of_the_next_decision(name: PolicyNam
     assert policy.load(view) == 10 + 32 * 3
     policy.reconfigure(PolicyConfig(name=name, decode_weight=1.0))
     assert policy.load(view) == 10 + 1 * 3
+
+
+def _capped(worker: str, hit: float, running: int, cap: int | None = 4) -> Candidate:
+    """A candidate running `running` requests of 32 output tokens, `cap` at once."""
+    (view,) = _views((worker, hit, 0, running))
+    view.running_cap, view.running_output_tokens = cap, 32.0
+    return view
+
+
+def test_kv_takes_the_wait_for_a_place_in_a_full_batch_off_the_hit_and_counts_it_as_load() -> None:
+    # a burst of one 4,000-token prompt: its holder runs 4 at once, and a request's run is 32
+    # output tokens x decode_step_weight 200 = 6,400 prefill tokens; the idle worker has none
+    policy = KvPolicy(PolicyConfig())
+    run = 32 * 200
+    # under its cap nothing waits: the hit wins as before
+    ranked = policy.rank([1] * 4000, [_capped("holder", 3984, 3), _capped("idle", 0, 0)])
+    assert ranked[0].worker == "holder" and ranked[0].queue_wait == 0
+    assert ranked[0].score == 4 * 3984 - 3 * 32
+    # full: the next waits for 1 of 4 places, a quarter of a run; the hit still saves more
+    ranked = policy.rank([1] * 4000, [_capped("holder", 3984, 4), _capped("idle", 0, 0)])
+    holder = ranked[0]
+    assert holder.worker == "holder" and holder.queue_wait == run / 4
+    assert holder.load == 4 * 32 + run / 4
+    assert holder.score == 4 * (3984 - run / 4) - holder.load
+    # 2 queued already: the third waits 3/4 of a run, longer than the hit's prefill: the idle
+    # worker prefills it sooner, and takes it (before, the holder won up to ~500 in flight)
+    ranked = policy.rank([1] * 4000, [_capped("holder", 3984, 6), _capped("idle", 0, 0)])
+    assert [c.worker for c in ranked] == ["idle", "holder"]
+    holder = ranked[1]
+    assert holder.queue_wait == 3 * run / 4 and holder.score == -(6 * 32 + 3 * run / 4)
+    assert policy.explain_queue(holder) == (
+        "6 requests in flight, 4 run at once: it waits for 3 to finish, 3/4 of a request's run "
+        "(32 output tokens x decode_step_weight 200 = 6400 prefill tokens): 4800 prefill "
+        "tokens, counted in its load, and taken off the hit it would find there"
+    )
+    assert policy.explain_queue(ranked[0]) is None
+
+
+def test_a_worker_whose_running_limit_is_unknown_waits_for_nothing() -> None:
+    policy = KvPolicy(PolicyConfig())
+    ranked = policy.rank([1] * 4000, [_capped("holder", 3984, 60, cap=None), _capped("idle", 0, 0)])
+    assert ranked[0].worker == "holder" and ranked[0].queue_wait == 0
+    assert ranked[0].load == 60 * 32 and policy.explain_queue(ranked[0]) is None
+
+
+def test_least_load_counts_the_wait_and_approx_tree_counts_requests() -> None:
+    # two queued on a worker of 4 places against 5 running on one of 8: the queue is longer
+    least = LeastLoadPolicy(PolicyConfig(decode_step_weight=10.0))
+    ranked = least.rank([1], [_capped("full", 0, 6), _capped("big", 0, 7, cap=8)])
+    assert [c.worker for c in ranked] == ["big", "full"]
+    assert ranked[1].load == 6 * 32 + 3 / 4 * 32 * 10
+    assert least.explain_queue(ranked[1]) is not None
+    assert "taken off the hit" not in (least.explain_queue(ranked[1]) or "")
+    # SGLang's cache_aware knows no running limit: approx_tree's load stays its requests
+    tree = ApproxTreePolicy(PolicyConfig())
+    ranked = tree.rank([1], [_capped("full", 0, 6), _capped("big", 0, 7, cap=8)])
+    assert [(c.worker, c.load, c.queue_wait) for c in ranked] == [
+        ("full", 6.0, 0.0), ("big", 7.0, 0.0),
+    ]  # fmt: skip
