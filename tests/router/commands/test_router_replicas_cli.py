@@ -168,6 +168,49 @@ async def test_a_replica_id_cannot_name_several_processes(tmp_path: Path) -> Non
     assert b"cluster.replica_id 'edge-1' names one process" in out
 
 
+async def test_a_second_replica_set_on_a_taken_port_is_refused(tmp_path: Path) -> None:
+    """A second `serve --processes 2` (or `indexer --processes 2`) on the first's port started
+    and said it listened: its children joined the first's SO_REUSEPORT group and the kernel
+    split connections between two routers (admin answers alternating between two fleets). It
+    is refused now as a single router is, exit 2, and the first's children, restarted after a
+    crash, still take the port (held by their parent)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    first, second = tmp_path / "first.toml", tmp_path / "second.toml"
+    async with NatsServer() as nats:
+        for path in (first, second):
+            path.write_text(
+                f"[cluster]\nurl = '{nats.url}'\nsubject_prefix = '{path.stem}'\n"
+                f"[[workers]]\nid = '{path.stem}-w'\nurl = 'http://127.0.0.1:9'\n"
+            )
+        proc = await _kvroute("serve", "--config", str(first), "--port", port, "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = f"http://127.0.0.1:{port}"
+            for verb in ("serve", "indexer"):
+                again = await _kvroute(
+                    verb, "--config", str(second), "--port", port, "--processes", "2"
+                )
+                try:
+                    out, _ = await asyncio.wait_for(again.communicate(), 30)
+                finally:
+                    if again.returncode is None:  # it serves beside the first: stopped
+                        again.send_signal(signal.SIGINT)
+                        await again.wait()
+                assert again.returncode == 2, out
+                assert f"cannot listen on 127.0.0.1:{port} (Address already in use)".encode() in (
+                    out
+                ), out
+            before: set[str] = set()
+            while len(before) < 2:
+                before |= await _replicas_answering(router)
+            after = await _crash_one(router, sorted(before)[0])  # restarted on the given port
+            assert len(after) == 2
+
+
 async def _replicas_answering(url: str, tries: int = 20) -> set[str]:
     """The replica ids answering `/health` on `url` over `tries` new connections (the kernel
     spreads them over the listening children); each must answer (503: a router without
