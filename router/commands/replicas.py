@@ -66,6 +66,7 @@ import msgspec
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.cluster.server import die_with_parent
 from router.commands import hangup
+from router.commands.serve import workers_said
 from router.commands.shared_port import hold_port
 from router.config import RouterConfig
 from router.errors import ConfigError
@@ -418,8 +419,8 @@ async def serve_processes(
         processes_said = "process" if processes == 1 else "processes"
         announce(
             f"kvroute: {processes} {noun} replica {processes_said} listening on "
-            f"{', '.join(sorted(urls))} (SO_REUSEPORT), one {noun} through NATS at "
-            f"{', '.join(cluster.shown_servers)}"
+            f"{', '.join(sorted(urls))} (SO_REUSEPORT; {workers_said(config)}), one {noun} "
+            f"through NATS at {', '.join(cluster.shown_servers)}"
         )
         if metrics_ports[0] is not None:
             host = next(iter(urls)).rsplit(":", 1)[0]
