@@ -277,6 +277,18 @@ def _config_path(name: str) -> Path:
     return path
 
 
+def _check_router(router: RouterConfig, *, replicas: bool) -> None:
+    """What the router's start refuses of its config (`router.http.start_checks`: a tokenizer
+    that does not load, the admin API off loopback without a token; under `replicas`, a
+    `replica_id`), refused before any worker starts. Before, the workers started and printed
+    how to reach them, then the router refused its config and they stopped again."""
+    from router.http.start_checks import StartChecks, check_replicas
+
+    StartChecks().tokenizer(router).close()  # built again by the router, after the workers
+    if replicas:  # `up` gives them a [cluster] of its own NATS
+        check_replicas(msgspec.structs.replace(router, cluster=router.cluster or ClusterConfig()))
+
+
 def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -> None:
     """Fill worker options from `[fleet]` wherever the command line did not give them (an
     option typed with its default value wins too)."""
@@ -382,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
             router = apply_overrides(
                 config, argparse.Namespace(port=args.router_port, policy=args.policy)
             )
+            _check_router(router, replicas=args.replicas > 1 or args.relay)
     except ConfigError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2

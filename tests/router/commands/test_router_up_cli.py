@@ -111,6 +111,32 @@ async def test_an_unknown_fleet_key_is_refused(tmp_path: Path, alone: list[str])
         assert proc.returncode == 2 and said in err
 
 
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]], ids=["one", "replicas"])
+async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_starts(
+    tmp_path: Path, replicas: list[str]
+) -> None:
+    """The workers started and printed their curl, then the router refused the tokenizer path
+    and they stopped: the router's start checks run first now."""
+    config = tmp_path / "fleet.toml"
+    missing = tmp_path / "no-such-model" / "tokenizer.json"
+    config.write_text(f"[tokenizer]\nkind = 'hf'\npath = '{missing}'\n[fleet]\nworkers = 1\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--config", str(config),
+        "--router-port", "0", "--worker-port-base", "0", *replicas,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 2, err
+    assert not out, out  # no worker was started (nor said)
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvroute up: ") and str(missing) in lines[0]
+
+
 async def test_a_taken_worker_port_names_the_option_that_moves_it() -> None:
     """The default base (31000) may be taken on a shared host: the bare bind error named no
     option, where a taken router port names --router-port."""
