@@ -1,7 +1,8 @@
 """`kvroute up`: the embedded fleet in one command.
 
 It starts N reference workers (`workers.fleet.Fleet`), then the router in front of them, both
-configured by `configs/local.toml` (`--config`): the router by its usual tables, the workers by
+configured by `configs/local.toml` (`--config`; shipped in the package too, as `local.toml`
+beside this module): the router by its usual tables, the workers by
 its `[fleet]` table (any worker option below, by its long name with `_` for `-`; an option given
 on the command line wins). It prints how to reach everything; Ctrl-C stops it all.
 
@@ -15,9 +16,10 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.resources
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -231,7 +233,8 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     router.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help="router config whose [fleet] table configures the workers (default %(default)s)",
+        help="router config whose [fleet] table configures the workers (default %(default)s; "
+        "the copy shipped with kvroute where there is none here)",
     )
     router.add_argument(
         "--router-port", type=tcp_port, help="override listen.port (0 = any free port)"
@@ -267,14 +270,25 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_path(name: str) -> Path:
-    """The config as given, else the copy shipped beside the package (run from anywhere)."""
+@contextlib.contextmanager
+def _config_file(name: str) -> Iterator[Path]:
+    """The config as given; else, relative, the repository's copy (an editable install run
+    from anywhere); else, for the default, the copy shipped in the package (`local.toml` beside
+    this module, package data: the same file as configs/local.toml). Before, an install from a
+    wheel, which holds no configs/, could not run `kvroute up` without --config."""
     path = Path(name)
-    if not path.exists() and not path.is_absolute():
-        shipped = Path(__file__).resolve().parents[2] / name
-        if shipped.exists():
-            return shipped
-    return path
+    if path.exists() or path.is_absolute():
+        yield path
+        return
+    beside = Path(__file__).resolve().parents[2] / name
+    if beside.exists():
+        yield beside
+    elif name == DEFAULT_CONFIG:
+        shipped = importlib.resources.files("router.commands") / Path(DEFAULT_CONFIG).name
+        with importlib.resources.as_file(shipped) as found:
+            yield found
+    else:
+        yield path  # no such file: said by the caller's read
 
 
 def _check_router(router: RouterConfig, *, replicas: bool) -> None:
@@ -388,7 +402,8 @@ def run(args: argparse.Namespace) -> int:
         configure_logging(args.log_level)
     try:
         # the [fleet] table shapes the workers with or without the router
-        config = load_config(_config_path(args.config))
+        with _config_file(args.config) as path:
+            config = load_config(path)
         _apply_fleet_table(args, config.fleet)
         if not args.no_router:
             router = apply_overrides(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import functools
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import signal
 import socket
 import sys
+import tomllib
 from pathlib import Path
 
 import aiohttp
@@ -328,3 +330,54 @@ async def test_a_second_ctrl_c_in_the_grace_lets_the_request_finish(
             await proc.wait()
     assert "Traceback" not in said, said
     assert said.count("already stopping") == 1, said
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_default_config_ships_in_the_package_as_configs_has_it() -> None:
+    """A wheel holds the packages only: `kvroute up` with no --config found no
+    configs/local.toml. The package carries a copy, declared as package data."""
+    shipped = ROOT / "router" / "commands" / "local.toml"
+    assert shipped.read_bytes() == (ROOT / "configs" / "local.toml").read_bytes(), (
+        "router/commands/local.toml must be configs/local.toml: copy one to the other"
+    )
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["router"]
+    assert any(fnmatch.fnmatch("commands/local.toml", p) for p in patterns), patterns
+
+
+async def test_up_runs_with_no_config_from_the_packages_alone(tmp_path: Path) -> None:
+    """As a wheel installs it: the packages (and their package data) alone, no configs/ beside
+    them, run from a directory without one."""
+    site = tmp_path / "site"
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in ("router", "workers", "indexer", "bench"):
+        for path in (ROOT / package).rglob("*"):
+            inside = path.relative_to(ROOT / package).as_posix()
+            data = declared["package-data"].get(package, [])
+            if (
+                path.is_file()
+                and "__pycache__" not in inside
+                and (path.suffix in (".py", ".so") or any(fnmatch.fnmatch(inside, p) for p in data))
+            ):
+                (site / package / inside).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, site / package / inside)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
+        assert "2 workers" in line, line  # local.toml's [fleet] workers = 2
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
