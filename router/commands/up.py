@@ -73,21 +73,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--worker-port-base",
-        type=int,
+        type=tcp_port,
         default=31000,
         help="HTTP port of worker 0; worker i listens on base + i (0 = ephemeral; "
         "default %(default)s)",
     )
     parser.add_argument(
         "--events-port-base",
-        type=int,
+        type=tcp_port,
         default=0,
         help="PUB port of worker 0 rank 0; worker i uses base + i * dp_size "
         "(0 = ephemeral, the default)",
     )
     parser.add_argument(
         "--replay-port-base",
-        type=int,
+        type=tcp_port,
         default=0,
         help="ROUTER replay port of worker 0 rank 0, like --events-port-base "
         "(0 = ephemeral, the default)",
@@ -366,16 +366,36 @@ def _routed(fleet: Fleet) -> list[RoutedWorker]:
     return [RoutedWorker(url=w.url, id=w.id) for w in fleet.workers]
 
 
+def _check_port_bases(args: argparse.Namespace, workers: int, dp_size: int) -> None:
+    """Refuse a port base whose last worker's port would be past 65535, naming the option and
+    the ports `workers` workers need. Before, the worker config refused it without either
+    (`port must be a port number (0 = ephemeral)`)."""
+    ranks = workers * dp_size  # the event and replay streams: one port per rank
+    for option, base, needed, each in (
+        ("--worker-port-base", args.worker_port_base, workers, "worker i listens on base + i"),
+        ("--events-port-base", args.events_port_base, ranks, "one port per worker and rank"),
+        ("--replay-port-base", args.replay_port_base, ranks, "one port per worker and rank"),
+    ):
+        if base and base + needed - 1 > 65535:
+            raise ValueError(
+                f"{option} {base}: {needed} ports are needed from it ({each}), up to "
+                f"{base + needed - 1}, past 65535: give a base of at most {65536 - needed}, or "
+                "0 for free ports"
+            )
+
+
 def _fleets(args: argparse.Namespace) -> list[Fleet]:
     """One fleet of `--workers`, or a prefill fleet and a decode fleet."""
     config = config_from_args(args)
     bases = {"events_port_base": args.events_port_base, "replay_port_base": args.replay_port_base}
     if not args.prefill and not args.decode:
+        _check_port_bases(args, args.workers, config.dp_size)
         return [Fleet(args.workers, config, http_port_base=args.worker_port_base, **bases)]
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("a prefill/decode fleet needs --prefill and --decode of at least 1")
     if args.events_port_base or args.replay_port_base:
         raise ValueError("a prefill/decode fleet takes ephemeral event ports")
+    _check_port_bases(args, args.prefill + args.decode, config.dp_size)
     http = args.worker_port_base
     return [
         Fleet(

@@ -139,6 +139,36 @@ async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_star
     assert len(lines) == 1 and lines[0].startswith("kvroute up: ") and str(missing) in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--worker-port-base", "65535"], "--worker-port-base 65535: 2 ports"),
+        (["--events-port-base", "65535"], "--events-port-base 65535: 2 ports"),
+        (["--replay-port-base", "65534", "--dp", "2"], "--replay-port-base 65534: 4 ports"),
+        (["--prefill", "1", "--decode", "2", "--worker-port-base", "65534"], "3 ports"),
+    ],
+    ids=["worker", "events", "replay-dp", "pd"],
+)
+async def test_a_port_base_too_high_for_the_fleet_names_the_option(
+    args: list[str], said: str
+) -> None:
+    """`port must be a port number (0 = ephemeral)` named neither the option nor why: worker-1
+    would need 65536."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--router-port", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and said in lines[0] and "past 65535" in lines[0], lines
+
+
 async def test_a_taken_worker_port_names_the_option_that_moves_it() -> None:
     """The default base (31000) may be taken on a shared host: the bare bind error named no
     option, where a taken router port names --router-port."""
