@@ -420,6 +420,25 @@ def run(args: argparse.Namespace) -> int:
         # given: formatted as `kvroute serve` writes them; left out, as before (no setup: the
         # WARNING lines and above, each its bare message)
         configure_logging(args.log_level)
+    if args.no_router:
+        # the router's options without a router: refused, not silently left out
+        router_only = [
+            flag
+            for flag, given in (
+                ("--relay", args.relay),
+                ("--replicas", args.replicas != 1),
+                ("--router-port", args.router_port is not None),
+                ("--policy", args.policy is not None),
+            )
+            if given
+        ]
+        if router_only:
+            print(
+                f"kvroute up: {', '.join(router_only)} and --no-router do not go together "
+                "(--no-router starts the workers only)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         # the [fleet] table shapes the workers with or without the router
         with _config_file(args.config) as path:

@@ -140,6 +140,30 @@ async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_star
 
 
 @pytest.mark.parametrize(
+    "args",
+    [["--relay"], ["--replicas", "2"], ["--router-port", "0", "--policy", "kv"]],
+    ids=["relay", "replicas", "port-policy"],
+)
+async def test_router_options_with_no_router_are_refused(args: list[str]) -> None:
+    """`--no-router --relay` (or `--replicas 2`) started the workers alone and said nothing of
+    the relay or replicas asked for."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--no-router", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and "and --no-router do not go together" in lines[0], lines
+    assert all(arg in lines[0] for arg in args if arg.startswith("--")), lines
+
+
+@pytest.mark.parametrize(
     ("args", "said"),
     [
         (["--worker-port-base", "65535"], "--worker-port-base 65535: 2 ports"),
