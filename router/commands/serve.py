@@ -167,15 +167,29 @@ async def serve_until_stopped(
     `reload_fd` its link to the parent, through which `POST /admin/reload` reaches the others."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.http.keys import RELOADER
+    from router.http.listener import SHUTDOWN_TIMEOUT_S
     from router.http.reload_link import ReloadLink
     from router.service import RouterService
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    log = logging.getLogger(__name__)
+
+    def on_stop(sig: signal.Signals) -> None:
+        """The first SIGINT or SIGTERM stops the router, said in one line (before, nothing
+        was said while its requests in flight ran on, up to a minute); any later one is
+        ignored, silently, as before."""
+        if not stop.is_set():
+            log.info(
+                "%s: stopping: requests in flight are let finish, for up to %g s",
+                sig.name,
+                SHUTDOWN_TIMEOUT_S,
+            )
+            stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    log = logging.getLogger(__name__)
+            loop.add_signal_handler(sig, on_stop, sig)
     started: RouterService | None = None  # the router, once up
     asked_early = False  # a reload asked for while the router was starting
     reloads: set[asyncio.Task[None]] = set()

@@ -18,10 +18,11 @@ import contextlib
 import functools
 import importlib.resources
 import logging
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import msgspec
 
@@ -46,6 +47,9 @@ from workers.command import (
 )
 from workers.errors import PortTakenError, WorkerError
 from workers.fleet import Fleet
+
+if TYPE_CHECKING:
+    from router.cluster.server import NatsServer
 
 __all__ = ["add_arguments", "describe_fleet", "run"]
 
@@ -150,20 +154,57 @@ async def _serve(
             "fleet, or change workers through the admin API)",
         ),
     )
+    from router.http.listener import SHUTDOWN_TIMEOUT_S
+    from workers.listener import SHUTDOWN_TIMEOUT_S as WORKER_SHUTDOWN_TIMEOUT_S
+
     async with contextlib.AsyncExitStack() as stack:
         for fleet in fleets:
             await stack.enter_async_context(fleet)
             print(describe_fleet(fleet), flush=True)
         if router is None:
-            await until()
+            await _said(
+                until,
+                "stopping the workers: each lets its requests in flight finish, for up to "
+                f"{WORKER_SHUTDOWN_TIMEOUT_S:g} s",
+            )()
         else:
             routed = [w for fleet in fleets for w in _routed(fleet)]
             if replicas > 1 or relay:
+                # the replicas' parent says how long it gives them (`router.commands.replicas`)
                 await _serve_replicas(
                     router, routed, replicas, until, relay=relay, log_level=log_level
                 )
             else:
-                await serve_fleet(router, routed, until)
+                stopping = (
+                    "stopping: the router lets its requests in flight finish, for up to "
+                    f"{SHUTDOWN_TIMEOUT_S:g} s, then the workers stop"
+                )
+                await serve_fleet(router, routed, _said(until, stopping))
+
+
+def _said(until: Until, stopping: str) -> Until:
+    """`until`, saying `stopping` on stderr once it returns: the first Ctrl-C of `up` said
+    nothing while the requests in flight ran on, up to a minute."""
+
+    async def said() -> None:
+        await until()
+        print(f"kvroute: {stopping}", file=sys.stderr, flush=True)
+
+    return said
+
+
+async def _watch_nats(nats: NatsServer) -> None:
+    """Say, in one stderr line, that the replicas' nats-server ended of itself (before: nothing
+    did, while the replicas went on alone). It is not started again: the replicas serve on, each
+    with its own state only, until `up` is restarted."""
+    code = await nats.exited()
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    print(
+        f"kvroute: the replicas' nats-server ({nats.url}) ended ({how}): each replica serves "
+        "on alone, sharing no decisions, fleet or admin changes, until kvroute up is restarted",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _serve_replicas(
@@ -192,6 +233,8 @@ async def _serve_replicas(
             contextlib.AsyncExitStack() as stack,
         ):
             (tmp / WRITERS).write_text(f"{nats.pid}\n")  # the watchdog waits for its end
+            watch = asyncio.get_running_loop().create_task(_watch_nats(nats))
+            stack.callback(watch.cancel)  # before nats stops (the stack exits first)
             print(
                 f"nats-server (JetStream) for the replicas: {nats.url} "
                 f"({nats.binary}, from {nats.found_in})",

@@ -83,6 +83,27 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
         assert len(replicas) == 2, "every connection went to the same replica"
 
 
+async def test_up_says_when_the_replicas_nats_server_dies() -> None:
+    """Killed, the replicas' nats-server left them each alone, and `up` said nothing."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--replicas", "2", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        said = await asyncio.wait_for(
+            _read_until(proc.stdout, "nats-server (JetStream)", lines), 60
+        )
+        url = said.split(" for the replicas: ")[1].split()[0]
+        await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+        (nats,) = [pid for pid in _children(proc.pid) if _named(pid, "nats-server")]
+        os.kill(nats, signal.SIGKILL)
+        line = await asyncio.wait_for(_read_until(proc.stdout, "nats-server (", lines), 10)
+        assert f"the replicas' nats-server ({url}) ended (killed by SIGKILL)" in line, line
+        assert "each replica serves on alone" in line, line
+
+
 async def test_up_with_a_relay_serves_hits_through_it() -> None:
     """`kvroute up --replicas 2 --relay`: the replicas hold what the relay writes, and a
     prompt sent twice is predicted the second time."""
@@ -517,6 +538,11 @@ async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
             assert answer["changed"] == [] and answer["processes"]["told"] == 1, answer
             await asyncio.wait_for(_read_until(proc.stdout, "1 other replicas told", lines), 10)
             assert await _salt_answers(router, 100) == {400}
+
+
+def _named(pid: int, name: str) -> bool:
+    """Whether process `pid` runs the program `name`."""
+    return Path(f"/proc/{pid}/comm").read_text().strip() == name
 
 
 def _children(pid: int) -> list[int]:

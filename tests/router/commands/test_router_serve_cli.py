@@ -64,6 +64,8 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
         _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert b"event loop: uvloop" in err  # the default where uvloop is installed
+        # the stop is said, with how long it may take (before: nothing)
+        assert b"SIGINT: stopping: requests in flight are let finish, for up to 60 s" in err
         warned = [x for x in err.decode().splitlines() if "lists no [[workers]]" in x]
         assert len(warned) == 1 and "every request is a 503" in warned[0], err.decode()
     finally:

@@ -86,6 +86,9 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
         rest, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert b"stopped" in rest
+        # the first Ctrl-C is said, with how long it may take (before: nothing, up to 60 s)
+        said = b"kvroute: stopping: the router lets its requests in flight finish, for up to 60 s"
+        assert said in rest, rest
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -431,6 +434,27 @@ async def test_up_runs_with_no_config_from_the_packages_alone(tmp_path: Path) ->
         proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_up_with_no_router_says_it_stops_its_workers() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--no-router", "--workers", "1",
+        "--worker-port-base", "0", "--time-scale", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops every worker", lines), 60)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        said = b"kvroute: stopping the workers: each lets its requests in flight finish, for up to"
+        assert said in rest, rest
     finally:
         if proc.returncode is None:
             proc.kill()
