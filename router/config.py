@@ -756,6 +756,13 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ids: dict[str, int] = {}
         for i, worker in enumerate(self.workers):
             first = ids.setdefault(worker.worker_id, i)
+            if first != i and not worker.id and not self.workers[first].id:
+                # each one's id is its url: one url listed twice, which "duplicate id" hid
+                raise ValueError(
+                    f"workers[{first}] and workers[{i}] are one url "
+                    f"({shown_worker_id(redact_url(worker.url))}, no id given: the url is the "
+                    f"id): list it once (several dp ranks: dp_size) - at `$.workers[{i}].url`"
+                )
             if first != i:
                 field = "id" if worker.id else "url"
                 raise ValueError(

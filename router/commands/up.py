@@ -67,13 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill",
         type=at_least(0),
         default=0,
-        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers)",
+        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers; "
+        "default %(default)s: no such fleet)",
     )
     parser.add_argument(
         "--decode",
         type=at_least(0),
         default=0,
-        help="decode workers of a prefill/decode fleet",
+        help="decode workers of a prefill/decode fleet (with --prefill; default %(default)s)",
     )
     parser.add_argument(
         "--worker-port-base",

@@ -50,8 +50,14 @@ def test_bad_keys_and_values_are_named(doc: dict[str, object], name: str) -> Non
 
 
 def test_cross_field_checks() -> None:
-    with pytest.raises(ConfigError, match="duplicate"):
+    # one url twice, without ids: said as one url (it was "duplicate id 'http://a:1'")
+    with pytest.raises(ConfigError, match=r"workers\[0\] and workers\[1\] are one url") as twice:
         parse_config({"workers": [{"url": "http://a:1"}, {"url": "http://a:1/"}]})
+    assert twice.value.key == "workers[1].url", twice.value.key
+    with pytest.raises(ConfigError, match="duplicate id 'x'"):
+        parse_config(
+            {"workers": [{"url": "http://a:1", "id": "x"}, {"url": "http://b:1", "id": "x"}]}
+        )
     with pytest.raises(ConfigError, match=r"tokenizer\.path"):
         parse_config({"tokenizer": {"kind": "hf"}})
     with pytest.raises(ConfigError, match="http"):
