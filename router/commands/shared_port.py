@@ -103,8 +103,13 @@ def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[s
     found: list[tuple[socket.AddressFamily, tuple[str, int]]] = []
     for family, _, _, _, address in infos:
         entry = (family, (str(address[0]), int(address[1])))
-        if family in (socket.AF_INET, socket.AF_INET6) and entry not in found:
-            found.append(entry)
+        if family not in (socket.AF_INET, socket.AF_INET6) or entry in found:
+            continue
+        try:
+            socket.socket(family, socket.SOCK_STREAM).close()
+        except OSError:
+            continue  # a family this host lacks (IPv6 off): asyncio skips it too
+        found.append(entry)
     return found
 
 

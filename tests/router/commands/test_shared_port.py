@@ -118,3 +118,20 @@ def test_port_0_draws_a_port_held_as_one_given() -> None:
         _child_listener(hold.port).close()
     finally:
         hold.close()
+
+
+def test_every_address_of_the_host_is_held() -> None:
+    """`listen.host = ""` is every interface, IPv4 and IPv6 alike: each is probed and held."""
+    port = _free_port()
+    hold = hold_port("", port)
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            hold_port("127.0.0.1", port)  # inside 0.0.0.0
+        child = socket.socket()
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        child.bind(("0.0.0.0", port))
+        child.listen()
+        child.close()
+    finally:
+        hold.close()
