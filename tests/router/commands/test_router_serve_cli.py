@@ -85,7 +85,12 @@ async def test_an_empty_or_comment_only_config_is_refused_at_start(tmp_path: Pat
     ):
         config.write_text(text)
         proc = await _run("--config", str(config))
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:  # it served (as it did): stopped, not left behind
+                proc.kill()
+                await proc.wait()
         assert proc.returncode == 2 and not out, (out, err)
         lines = err.decode().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"kvroute serve: {config} {said}"), lines
