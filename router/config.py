@@ -772,6 +772,13 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ids: dict[str, int] = {}
         for i, worker in enumerate(self.workers):
             first = ids.setdefault(worker.worker_id, i)
+            if first != i and not worker.id and not self.workers[first].id:
+                # each one's id is its url: one url listed twice, which "duplicate id" hid
+                raise ValueError(
+                    f"workers[{first}] and workers[{i}] are one url "
+                    f"({shown_worker_id(redact_url(worker.url))}, no id given: the url is the "
+                    f"id): list it once (several dp ranks: dp_size) - at `$.workers[{i}].url`"
+                )
             if first != i:
                 field = "id" if worker.id else "url"
                 raise ValueError(
@@ -858,11 +865,12 @@ def read_config_file(path: str | Path, *, reloading: bool = False) -> bytes:
     until some process wrote to it; `/dev/zero` was read until the kernel killed the router. The
     open does not block either (`O_NONBLOCK`: a FIFO's open waits for a writer without it).
 
-    `reloading`: read again for a running router, which refuses an empty file. At startup an
-    empty file is a router with defaults; read again it is more likely a file caught mid-save,
-    and applying it would drop every worker. The file is read once and these bytes are what is
-    parsed: before, the check read it, then the parser read it again, and a save that emptied
-    the file between the two applied it."""
+    An empty file is refused: read again for a running router (`reloading`) it is more likely
+    a file caught mid-save, and applying it would drop every worker; at a start it is no
+    router to run (before, one started on 127.0.0.1:8000 with no workers, every request a 503,
+    and nothing said why). The file is read once and these bytes are what is parsed: before,
+    the check read it, then the parser read it again, and a save that emptied the file between
+    the two applied it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -887,18 +895,26 @@ def read_config_file(path: str | Path, *, reloading: bool = False) -> bytes:
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    if reloading and not data.strip():
-        raise ConfigError(
-            f"{path} is empty (caught while being written?): applied, it would drop every worker"
-        )
+    if not data.strip():
+        raise ConfigError(f"{path} is empty{_why_settings_needed(reloading)}")
     return data
+
+
+def _why_settings_needed(reloading: bool) -> str:
+    """Why a file without a setting is refused, said after what it lacks."""
+    if reloading:
+        return " (caught while being written?): applied, it would drop every worker"
+    return (
+        ": a config gives at least the workers to route to ([[workers]]) or where to listen "
+        "([listen]); configs/ has examples"
+    )
 
 
 def load_config(path: str | Path, *, reloading: bool = False) -> RouterConfig:
     """Read and validate a TOML config file (`reloading`: see `read_config_file`; a file of
-    comments only is refused too)."""
+    comments and empty tables only is refused as an empty one is)."""
     data = read_config_file(path, reloading=reloading)
-    return _parse_toml(data, source=str(path), settings_needed=reloading)
+    return _parse_toml(data, source=str(path), reloading=reloading)
 
 
 def _holds_a_setting(table: dict[str, Any]) -> bool:
@@ -906,9 +922,9 @@ def _holds_a_setting(table: dict[str, Any]) -> bool:
     return any(not isinstance(value, dict) or _holds_a_setting(value) for value in table.values())
 
 
-def _parse_toml(data: bytes, *, source: str, settings_needed: bool = False) -> RouterConfig:
-    """Validate the bytes of a TOML config file (`source`: its path, for the messages;
-    `settings_needed`: a document without a single key is refused, as an empty file is: a
+def _parse_toml(data: bytes, *, source: str, reloading: bool = False) -> RouterConfig:
+    """Validate the bytes of a TOML config file (`source`: its path, for the messages). A
+    document without a single key is refused, as an empty file is (`reloading`: read again, a
     save caught after its opening comments, applied, would drop every worker)."""
     try:
         parsed = tomllib.loads(data.decode("utf-8"))
@@ -922,11 +938,11 @@ def _parse_toml(data: bytes, *, source: str, settings_needed: bool = False) -> R
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    if settings_needed and not _holds_a_setting(parsed):
+    if not _holds_a_setting(parsed):
         # table headers with no key under them say as little as comments (`[listen]` alone: a
         # save caught after its first line)
         raise ConfigError(
-            f"{source} has no settings, only comments or empty tables (caught while being "
-            "written?): applied, it would drop every worker"
+            f"{source} has no settings, only comments or empty tables"
+            + _why_settings_needed(reloading)
         )
     return parse_config(parsed, source=source)

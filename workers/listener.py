@@ -18,7 +18,7 @@ from aiohttp import hdrs, web
 
 from workers.errors import PortTakenError
 
-__all__ = ["QuietHandler", "QuietServer", "WorkerRunner", "bind_site"]
+__all__ = ["SHUTDOWN_TIMEOUT_S", "QuietHandler", "QuietServer", "WorkerRunner", "bind_site"]
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,17 @@ class QuietServer(web.Server):
         return QuietHandler(self, loop=self._loop, **self._kwargs)
 
 
+# how long a stopping worker lets its requests in flight run (aiohttp's default, said by
+# `kvroute up` as it stops)
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
 class WorkerRunner(web.AppRunner):
-    """`web.AppRunner` serving through `QuietServer`."""
+    """`web.AppRunner` serving through `QuietServer`, its requests in flight let run for
+    `SHUTDOWN_TIMEOUT_S` at a stop."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -135,6 +135,13 @@ class NatsServer:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
+    async def exited(self) -> int:
+        """Wait until the server process ends of itself (killed, crashed): its exit status
+        (negative: the signal that ended it). Cancel the wait before `stop`, which ends it too."""
+        if self._proc is None:
+            raise ClusterError("nats-server is not running")
+        return await self._proc.wait()
+
     async def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 5 s); its JetStream files stay."""
         proc, self._proc = self._proc, None

@@ -96,6 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# the options of a republish alone (flag, dest): given without --publish, they are refused
+_PUBLISH_ONLY = (
+    ("--replay-endpoint", "replay_endpoint"),
+    ("--replay-buffer", "replay_buffer"),
+    ("--speed", "speed"),
+    ("--faults", "faults"),
+    ("--seed", "seed"),
+    ("--wait", "wait"),
+    ("--linger", "linger"),
+)
+
+
 def stdout_closed() -> int:
     """The exit status once stdout's reader has gone (`| head`): quiet, as a Unix tool that
     SIGPIPE ends (128 + SIGPIPE), instead of a traceback or an error message."""
@@ -150,8 +162,19 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 2
         return _publish(args, flt)
-    if args.faults:
-        print("kvroute replay: --faults needs --publish", file=sys.stderr)
+    # what only a republish does: refused, not silently left out (`--speed 10` into an index
+    # ran as fast as ever; `--faults` alone was already refused)
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_arguments(defaults)
+    publish_only = [
+        flag for flag, dest in _PUBLISH_ONLY if getattr(args, dest) != defaults.get_default(dest)
+    ]
+    if publish_only:
+        print(
+            f"kvroute replay: {', '.join(publish_only)} need{'s' if len(publish_only) == 1 else ''}"
+            " --publish (an index replay applies the records at once, with no faults)",
+            file=sys.stderr,
+        )
         return 2
     dump = None
     if args.dump:

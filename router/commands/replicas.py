@@ -36,8 +36,10 @@ this parent while it stops the children is said and ignored, as each child ignor
 grace (`router.commands.hangup`). Under `kvroute up --replicas` (`reload=False`) the file is
 one `up` wrote: there is nothing to reload, as `up` says of its own SIGHUP.
 
-With port 0 the parent picks the port: it binds (without listening) a SO_REUSEPORT socket on
-port 0 and keeps it until the children are gone, so the port stays theirs.
+The parent holds the port until the children are gone (`router.commands.shared_port`): a port
+0 it draws, a port given it refuses when taken, as a single router does ("cannot listen on",
+exit 2). Before, a second `serve --processes` on a busy port joined the first's SO_REUSEPORT
+group, and the kernel split connections between two unrelated routers.
 
 Metrics are per process (each counts the requests it served). Child i labels every series
 `process="i"` (its index, kept across its restarts, so a restart reads as a counter reset of
@@ -64,6 +66,8 @@ import msgspec
 from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.cluster.server import die_with_parent
 from router.commands import hangup
+from router.commands.serve import workers_said
+from router.commands.shared_port import hold_port
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
@@ -82,17 +86,6 @@ _STABLE_S = 60.0  # a child that ran this long exited by accident, not in a loop
 # parent died ends itself after as long (`router.commands.orphan`)
 _STOP_MARGIN_S = 15.0
 STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + _STOP_MARGIN_S
-
-
-def _reserve(host: str, port: int) -> tuple[socket.socket | None, int]:
-    """(the socket keeping the port, the port): a free port when `port` is 0."""
-    if port:
-        return None, port
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, 0))
-    return sock, int(sock.getsockname()[1])
 
 
 def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
@@ -348,7 +341,8 @@ async def serve_processes(
         # one key for all: a namespace id one replica lists is the id another evicts by
         env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
     metrics_ports = _metrics_ports(config, processes)
-    holder, port = _reserve(config.listen.host, config.listen.port)
+    hold = hold_port(config.listen.host, config.listen.port)  # ConfigError: taken
+    port = hold.port
     # (a port 0, given or the file's, is the one reserved for them all)
     shared_port = ["--port", str(port)] if port_given or port != config.listen.port else []
     cmd = [
@@ -425,8 +419,8 @@ async def serve_processes(
         processes_said = "process" if processes == 1 else "processes"
         announce(
             f"kvroute: {processes} {noun} replica {processes_said} listening on "
-            f"{', '.join(sorted(urls))} (SO_REUSEPORT), one {noun} through NATS at "
-            f"{', '.join(cluster.shown_servers)}"
+            f"{', '.join(sorted(urls))} (SO_REUSEPORT; {workers_said(config)}), one {noun} "
+            f"through NATS at {', '.join(cluster.shown_servers)}"
         )
         if metrics_ports[0] is not None:
             host = next(iter(urls)).rsplit(":", 1)[0]
@@ -459,5 +453,4 @@ async def serve_processes(
     finally:
         stopping = True  # SIGHUP's handler stays: removed, its default would end this process
         await asyncio.gather(*(child.stop() for child in children))
-        if holder is not None:
-            holder.close()
+        hold.close()

@@ -167,15 +167,29 @@ async def serve_until_stopped(
     `reload_fd` its link to the parent, through which `POST /admin/reload` reaches the others."""
     from indexer.backend import DEFAULT as INDEX_BACKEND
     from router.http.keys import RELOADER
+    from router.http.listener import SHUTDOWN_TIMEOUT_S
     from router.http.reload_link import ReloadLink
     from router.service import RouterService
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    log = logging.getLogger(__name__)
+
+    def on_stop(sig: signal.Signals) -> None:
+        """The first SIGINT or SIGTERM stops the router, said in one line (before, nothing
+        was said while its requests in flight ran on, up to a minute); any later one is
+        ignored, silently, as before."""
+        if not stop.is_set():
+            log.info(
+                "%s: stopping: requests in flight are let finish, for up to %g s",
+                sig.name,
+                SHUTDOWN_TIMEOUT_S,
+            )
+            stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    log = logging.getLogger(__name__)
+            loop.add_signal_handler(sig, on_stop, sig)
     started: RouterService | None = None  # the router, once up
     asked_early = False  # a reload asked for while the router was starting
     reloads: set[asyncio.Task[None]] = set()
@@ -237,9 +251,10 @@ async def serve_until_stopped(
             )
             # the relay routes nothing (and refuses --policy): no policy said (it said one)
             policy = "" if relay else f"policy {config.policy.name}, "
+            # how many workers, as `up` says it: an empty fleet was not said at all
             lines = [
-                f"kvroute {what} listening on {router.url} ({where}{policy}index core "
-                f"{INDEX_BACKEND.name})"
+                f"kvroute {what} listening on {router.url} ({where}{policy}"
+                f"{workers_said(config)}, index core {INDEX_BACKEND.name})"
             ]
             if router.metrics_url:
                 also = " (all interfaces)" if bound else ""
@@ -248,6 +263,12 @@ async def serve_until_stopped(
         await stop.wait()  # SIGHUP is ignored from here on, said in one line
         if link is not None:
             link.close()
+
+
+def workers_said(config: RouterConfig) -> str:
+    """ "1 worker", "3 workers": the workers of `config`, said in a start line."""
+    count = len(config.workers)
+    return f"{count} worker{'' if count == 1 else 's'}"
 
 
 def _announce(lines: list[str]) -> None:
@@ -471,6 +492,21 @@ def _warn_fleet_table(path: str, config: RouterConfig, verb: str) -> None:
     )
 
 
+def _warn_no_workers(path: str, config: RouterConfig, proxy: bool) -> None:
+    """Say that the config lists no worker (once: not again by each --processes child), what
+    that means, and how workers come. Before, the router started as for any fleet and said
+    nothing: every request a 503, and no line said why."""
+    cluster = ", or another replica of its [cluster]" if config.cluster is not None else ""
+    meanwhile = "the index stays empty" if not proxy else "every request is a 503"
+    logging.getLogger(__name__).warning(
+        "%s lists no [[workers]]: %s until workers are added (POST /admin/workers, a reload of "
+        "the file%s)",
+        path,
+        meanwhile,
+        cluster,
+    )
+
+
 def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:
     """Load the config and serve until interrupted."""
     configure_logging(args.log_level, getattr(args, "process_index", None))
@@ -492,8 +528,12 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
         config = apply_overrides(read_config(args.config), args)
         if getattr(args, "running_config_stdin", False):
             config = as_siblings_run(config, sys.stdin.buffer.read(), args)
-        if config.fleet is not None and not getattr(args, "reuse_port", False):
+        if getattr(args, "reuse_port", False):
+            pass  # a --processes child: its parent said what there was to say of the file
+        elif config.fleet is not None:
             _warn_fleet_table(args.config, config, "serve" if proxy else "indexer")
+        elif not config.workers:
+            _warn_no_workers(args.config, config, proxy)
         source = None if getattr(args, "no_reload", False) else config_source(args)
         if processes > 1:
             from router.commands.replicas import serve_processes

@@ -1,7 +1,8 @@
 """`kvroute up`: the embedded fleet in one command.
 
 It starts N reference workers (`workers.fleet.Fleet`), then the router in front of them, both
-configured by `configs/local.toml` (`--config`): the router by its usual tables, the workers by
+configured by `configs/local.toml` (`--config`; shipped in the package too, as `local.toml`
+beside this module): the router by its usual tables, the workers by
 its `[fleet]` table (any worker option below, by its long name with `_` for `-`; an option given
 on the command line wins). It prints how to reach everything; Ctrl-C stops it all.
 
@@ -15,11 +16,13 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.resources
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import msgspec
 
@@ -45,6 +48,9 @@ from workers.command import (
 from workers.errors import PortTakenError, WorkerError
 from workers.fleet import Fleet
 
+if TYPE_CHECKING:
+    from router.cluster.server import NatsServer
+
 __all__ = ["add_arguments", "describe_fleet", "run"]
 
 
@@ -61,31 +67,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill",
         type=at_least(0),
         default=0,
-        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers)",
+        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers; "
+        "default %(default)s: no such fleet)",
     )
     parser.add_argument(
         "--decode",
         type=at_least(0),
         default=0,
-        help="decode workers of a prefill/decode fleet",
+        help="decode workers of a prefill/decode fleet (with --prefill; default %(default)s)",
     )
     parser.add_argument(
         "--worker-port-base",
-        type=int,
+        type=tcp_port,
         default=31000,
         help="HTTP port of worker 0; worker i listens on base + i (0 = ephemeral; "
         "default %(default)s)",
     )
     parser.add_argument(
         "--events-port-base",
-        type=int,
+        type=tcp_port,
         default=0,
         help="PUB port of worker 0 rank 0; worker i uses base + i * dp_size "
         "(0 = ephemeral, the default)",
     )
     parser.add_argument(
         "--replay-port-base",
-        type=int,
+        type=tcp_port,
         default=0,
         help="ROUTER replay port of worker 0 rank 0, like --events-port-base "
         "(0 = ephemeral, the default)",
@@ -148,20 +155,57 @@ async def _serve(
             "fleet, or change workers through the admin API)",
         ),
     )
+    from router.http.listener import SHUTDOWN_TIMEOUT_S
+    from workers.listener import SHUTDOWN_TIMEOUT_S as WORKER_SHUTDOWN_TIMEOUT_S
+
     async with contextlib.AsyncExitStack() as stack:
         for fleet in fleets:
             await stack.enter_async_context(fleet)
             print(describe_fleet(fleet), flush=True)
         if router is None:
-            await until()
+            await _said(
+                until,
+                "stopping the workers: each lets its requests in flight finish, for up to "
+                f"{WORKER_SHUTDOWN_TIMEOUT_S:g} s",
+            )()
         else:
             routed = [w for fleet in fleets for w in _routed(fleet)]
             if replicas > 1 or relay:
+                # the replicas' parent says how long it gives them (`router.commands.replicas`)
                 await _serve_replicas(
                     router, routed, replicas, until, relay=relay, log_level=log_level
                 )
             else:
-                await serve_fleet(router, routed, until)
+                stopping = (
+                    "stopping: the router lets its requests in flight finish, for up to "
+                    f"{SHUTDOWN_TIMEOUT_S:g} s, then the workers stop"
+                )
+                await serve_fleet(router, routed, _said(until, stopping))
+
+
+def _said(until: Until, stopping: str) -> Until:
+    """`until`, saying `stopping` on stderr once it returns: the first Ctrl-C of `up` said
+    nothing while the requests in flight ran on, up to a minute."""
+
+    async def said() -> None:
+        await until()
+        print(f"kvroute: {stopping}", file=sys.stderr, flush=True)
+
+    return said
+
+
+async def _watch_nats(nats: NatsServer) -> None:
+    """Say, in one stderr line, that the replicas' nats-server ended of itself (before: nothing
+    did, while the replicas went on alone). It is not started again: the replicas serve on, each
+    with its own state only, until `up` is restarted."""
+    code = await nats.exited()
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    print(
+        f"kvroute: the replicas' nats-server ({nats.url}) ended ({how}): each replica serves "
+        "on alone, sharing no decisions, fleet or admin changes, until kvroute up is restarted",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _serve_replicas(
@@ -190,6 +234,8 @@ async def _serve_replicas(
             contextlib.AsyncExitStack() as stack,
         ):
             (tmp / WRITERS).write_text(f"{nats.pid}\n")  # the watchdog waits for its end
+            watch = asyncio.get_running_loop().create_task(_watch_nats(nats))
+            stack.callback(watch.cancel)  # before nats stops (the stack exits first)
             print(
                 f"nats-server (JetStream) for the replicas: {nats.url} "
                 f"({nats.binary}, from {nats.found_in})",
@@ -231,7 +277,8 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     router.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        help="router config whose [fleet] table configures the workers (default %(default)s)",
+        help="router config whose [fleet] table configures the workers (default %(default)s; "
+        "the copy shipped with kvroute where there is none here)",
     )
     router.add_argument(
         "--router-port", type=tcp_port, help="override listen.port (0 = any free port)"
@@ -267,14 +314,37 @@ def _add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_path(name: str) -> Path:
-    """The config as given, else the copy shipped beside the package (run from anywhere)."""
+@contextlib.contextmanager
+def _config_file(name: str) -> Iterator[Path]:
+    """The config as given; else, relative, the repository's copy (an editable install run
+    from anywhere); else, for the default, the copy shipped in the package (`local.toml` beside
+    this module, package data: the same file as configs/local.toml). Before, an install from a
+    wheel, which holds no configs/, could not run `kvroute up` without --config."""
     path = Path(name)
-    if not path.exists() and not path.is_absolute():
-        shipped = Path(__file__).resolve().parents[2] / name
-        if shipped.exists():
-            return shipped
-    return path
+    if path.exists() or path.is_absolute():
+        yield path
+        return
+    beside = Path(__file__).resolve().parents[2] / name
+    if beside.exists():
+        yield beside
+    elif name == DEFAULT_CONFIG:
+        shipped = importlib.resources.files("router.commands") / Path(DEFAULT_CONFIG).name
+        with importlib.resources.as_file(shipped) as found:
+            yield found
+    else:
+        yield path  # no such file: said by the caller's read
+
+
+def _check_router(router: RouterConfig, *, replicas: bool) -> None:
+    """What the router's start refuses of its config (`router.http.start_checks`: a tokenizer
+    that does not load, the admin API off loopback without a token; under `replicas`, a
+    `replica_id`), refused before any worker starts. Before, the workers started and printed
+    how to reach them, then the router refused its config and they stopped again."""
+    from router.http.start_checks import StartChecks, check_replicas
+
+    StartChecks().tokenizer(router).close()  # built again by the router, after the workers
+    if replicas:  # `up` gives them a [cluster] of its own NATS
+        check_replicas(msgspec.structs.replace(router, cluster=router.cluster or ClusterConfig()))
 
 
 def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -> None:
@@ -340,16 +410,36 @@ def _routed(fleet: Fleet) -> list[RoutedWorker]:
     return [RoutedWorker(url=w.url, id=w.id) for w in fleet.workers]
 
 
+def _check_port_bases(args: argparse.Namespace, workers: int, dp_size: int) -> None:
+    """Refuse a port base whose last worker's port would be past 65535, naming the option and
+    the ports `workers` workers need. Before, the worker config refused it without either
+    (`port must be a port number (0 = ephemeral)`)."""
+    ranks = workers * dp_size  # the event and replay streams: one port per rank
+    for option, base, needed, each in (
+        ("--worker-port-base", args.worker_port_base, workers, "worker i listens on base + i"),
+        ("--events-port-base", args.events_port_base, ranks, "one port per worker and rank"),
+        ("--replay-port-base", args.replay_port_base, ranks, "one port per worker and rank"),
+    ):
+        if base and base + needed - 1 > 65535:
+            raise ValueError(
+                f"{option} {base}: {needed} ports are needed from it ({each}), up to "
+                f"{base + needed - 1}, past 65535: give a base of at most {65536 - needed}, or "
+                "0 for free ports"
+            )
+
+
 def _fleets(args: argparse.Namespace) -> list[Fleet]:
     """One fleet of `--workers`, or a prefill fleet and a decode fleet."""
     config = config_from_args(args)
     bases = {"events_port_base": args.events_port_base, "replay_port_base": args.replay_port_base}
     if not args.prefill and not args.decode:
+        _check_port_bases(args, args.workers, config.dp_size)
         return [Fleet(args.workers, config, http_port_base=args.worker_port_base, **bases)]
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("a prefill/decode fleet needs --prefill and --decode of at least 1")
     if args.events_port_base or args.replay_port_base:
         raise ValueError("a prefill/decode fleet takes ephemeral event ports")
+    _check_port_bases(args, args.prefill + args.decode, config.dp_size)
     http = args.worker_port_base
     return [
         Fleet(
@@ -374,14 +464,35 @@ def run(args: argparse.Namespace) -> int:
         # given: formatted as `kvroute serve` writes them; left out, as before (no setup: the
         # WARNING lines and above, each its bare message)
         configure_logging(args.log_level)
+    if args.no_router:
+        # the router's options without a router: refused, not silently left out
+        router_only = [
+            flag
+            for flag, given in (
+                ("--relay", args.relay),
+                ("--replicas", args.replicas != 1),
+                ("--router-port", args.router_port is not None),
+                ("--policy", args.policy is not None),
+            )
+            if given
+        ]
+        if router_only:
+            print(
+                f"kvroute up: {', '.join(router_only)} and --no-router do not go together "
+                "(--no-router starts the workers only)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         # the [fleet] table shapes the workers with or without the router
-        config = load_config(_config_path(args.config))
+        with _config_file(args.config) as path:
+            config = load_config(path)
         _apply_fleet_table(args, config.fleet)
         if not args.no_router:
             router = apply_overrides(
                 config, argparse.Namespace(port=args.router_port, policy=args.policy)
             )
+            _check_router(router, replicas=args.replicas > 1 or args.relay)
     except ConfigError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2

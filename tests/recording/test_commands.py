@@ -199,6 +199,10 @@ def test_replay_refuses_what_would_do_nothing(
         (["--from", "seq:9", "--to", "seq:2"], "the window is empty"),
         (["--speed", "abc", *publish], "--speed 'abc'"),
         (["--replay-buffer", "0", *publish], "--replay-buffer 0"),
+        # a republish's options into an index: refused (`--speed fast` ran as fast as ever)
+        (["--speed", "fast"], "--speed needs --publish"),
+        (["--faults", "drop=0.1"], "--faults needs --publish"),
+        (["--speed", "10", "--wait", "0", "--seed", "3"], "--speed, --seed, --wait need --publish"),
     ]
     for args, said in cases:
         assert main(["replay", file, *args]) == 2, args

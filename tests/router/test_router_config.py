@@ -50,8 +50,14 @@ def test_bad_keys_and_values_are_named(doc: dict[str, object], name: str) -> Non
 
 
 def test_cross_field_checks() -> None:
-    with pytest.raises(ConfigError, match="duplicate"):
+    # one url twice, without ids: said as one url (it was "duplicate id 'http://a:1'")
+    with pytest.raises(ConfigError, match=r"workers\[0\] and workers\[1\] are one url") as twice:
         parse_config({"workers": [{"url": "http://a:1"}, {"url": "http://a:1/"}]})
+    assert twice.value.key == "workers[1].url", twice.value.key
+    with pytest.raises(ConfigError, match="duplicate id 'x'"):
+        parse_config(
+            {"workers": [{"url": "http://a:1", "id": "x"}, {"url": "http://b:1", "id": "x"}]}
+        )
     with pytest.raises(ConfigError, match=r"tokenizer\.path"):
         parse_config({"tokenizer": {"kind": "hf"}})
     with pytest.raises(ConfigError, match="http"):
@@ -376,13 +382,18 @@ def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: Path) -> None:
     assert load_config(link).listen.port == 7
 
 
-def test_an_empty_file_is_a_config_at_startup_and_refused_read_again(tmp_path: Path) -> None:
+def test_an_empty_file_is_refused_at_startup_and_read_again(tmp_path: Path) -> None:
+    """At a start it was a config of defaults: a router of no workers on 127.0.0.1:8000."""
     path = tmp_path / "router.toml"
     for content in (b"", b" \n\t\n"):
         path.write_bytes(content)
-        assert load_config(path) == RouterConfig()
-        with pytest.raises(ConfigError, match="is empty"):
+        with pytest.raises(ConfigError, match=r"is empty: a config gives at least"):
+            load_config(path)
+        with pytest.raises(ConfigError, match=r"is empty \(caught while being written"):
             load_config(path, reloading=True)
+    path.write_bytes(b"# comments\n[listen]\n")
+    with pytest.raises(ConfigError, match="has no settings, only comments or empty tables: a"):
+        load_config(path)
 
 
 def test_a_file_saved_in_place_while_read_again_is_never_taken_empty(tmp_path: Path) -> None:

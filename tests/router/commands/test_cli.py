@@ -62,6 +62,9 @@ def test_worker_and_up_help_show_the_defaults() -> None:
     assert "default tcp://127.0.0.1:5557" in worker
     up, _ = _imported("up", "--help")
     assert "(block_size; default 16)" in up and "(default 2)" in up
+    words = " ".join(up.split())  # argparse wraps the help at the terminal's width
+    # --prefill and --decode said none
+    assert "default 0: no such fleet)" in words and "(with --prefill; default 0)" in words
     serve, _ = _imported("serve", "--help")
     assert "(default INFO)" in serve and "(default 1)" in serve
 

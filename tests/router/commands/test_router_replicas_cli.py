@@ -83,6 +83,27 @@ async def test_up_with_two_replicas_starts_nats_and_both_serve_one_fleet() -> No
         assert len(replicas) == 2, "every connection went to the same replica"
 
 
+async def test_up_says_when_the_replicas_nats_server_dies() -> None:
+    """Killed, the replicas' nats-server left them each alone, and `up` said nothing."""
+    proc = await _kvroute(
+        "up", "--workers", "1", "--replicas", "2", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        said = await asyncio.wait_for(
+            _read_until(proc.stdout, "nats-server (JetStream)", lines), 60
+        )
+        url = said.split(" for the replicas: ")[1].split()[0]
+        await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+        (nats,) = [pid for pid in _children(proc.pid) if _named(pid, "nats-server")]
+        os.kill(nats, signal.SIGKILL)
+        line = await asyncio.wait_for(_read_until(proc.stdout, "nats-server (", lines), 10)
+        assert f"the replicas' nats-server ({url}) ended (killed by SIGKILL)" in line, line
+        assert "each replica serves on alone" in line, line
+
+
 async def test_up_with_a_relay_serves_hits_through_it() -> None:
     """`kvroute up --replicas 2 --relay`: the replicas hold what the relay writes, and a
     prompt sent twice is predicted the second time."""
@@ -166,6 +187,49 @@ async def test_a_replica_id_cannot_name_several_processes(tmp_path: Path) -> Non
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert b"cluster.replica_id 'edge-1' names one process" in out
+
+
+async def test_a_second_replica_set_on_a_taken_port_is_refused(tmp_path: Path) -> None:
+    """A second `serve --processes 2` (or `indexer --processes 2`) on the first's port started
+    and said it listened: its children joined the first's SO_REUSEPORT group and the kernel
+    split connections between two routers (admin answers alternating between two fleets). It
+    is refused now as a single router is, exit 2, and the first's children, restarted after a
+    crash, still take the port (held by their parent)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    first, second = tmp_path / "first.toml", tmp_path / "second.toml"
+    async with NatsServer() as nats:
+        for path in (first, second):
+            path.write_text(
+                f"[cluster]\nurl = '{nats.url}'\nsubject_prefix = '{path.stem}'\n"
+                f"[[workers]]\nid = '{path.stem}-w'\nurl = 'http://127.0.0.1:9'\n"
+            )
+        proc = await _kvroute("serve", "--config", str(first), "--port", port, "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            router = f"http://127.0.0.1:{port}"
+            for verb in ("serve", "indexer"):
+                again = await _kvroute(
+                    verb, "--config", str(second), "--port", port, "--processes", "2"
+                )
+                try:
+                    out, _ = await asyncio.wait_for(again.communicate(), 30)
+                finally:
+                    if again.returncode is None:  # it serves beside the first: stopped
+                        again.send_signal(signal.SIGINT)
+                        await again.wait()
+                assert again.returncode == 2, out
+                assert f"cannot listen on 127.0.0.1:{port} (Address already in use)".encode() in (
+                    out
+                ), out
+            before: set[str] = set()
+            while len(before) < 2:
+                before |= await _replicas_answering(router)
+            after = await _crash_one(router, sorted(before)[0])  # restarted on the given port
+            assert len(after) == 2
 
 
 async def _replicas_answering(url: str, tries: int = 20) -> set[str]:
@@ -474,6 +538,11 @@ async def test_an_http_reload_reaches_every_process(tmp_path: Path) -> None:
             assert answer["changed"] == [] and answer["processes"]["told"] == 1, answer
             await asyncio.wait_for(_read_until(proc.stdout, "1 other replicas told", lines), 10)
             assert await _salt_answers(router, 100) == {400}
+
+
+def _named(pid: int, name: str) -> bool:
+    """Whether process `pid` runs the program `name`."""
+    return Path(f"/proc/{pid}/comm").read_text().strip() == name
 
 
 def _children(pid: int) -> list[int]:

@@ -53,6 +53,7 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert "listening on http://127.0.0.1:" in line and "round_robin" in line
         assert "index core native" in line or "index core python" in line
+        assert "0 workers" in line  # said as `up` says it (before: not at all)
         url = line.split("listening on ")[1].split()[0]
         async with aiohttp.ClientSession() as session:
             async with session.get(url + "/health") as resp:
@@ -63,10 +64,37 @@ async def test_serve_starts_answers_and_stops_cleanly_on_sigint(tmp_path: Path) 
         _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert b"event loop: uvloop" in err  # the default where uvloop is installed
+        # the stop is said, with how long it may take (before: nothing)
+        assert b"SIGINT: stopping: requests in flight are let finish, for up to 60 s" in err
+        warned = [x for x in err.decode().splitlines() if "lists no [[workers]]" in x]
+        assert len(warned) == 1 and "every request is a 503" in warned[0], err.decode()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_an_empty_or_comment_only_config_is_refused_at_start(tmp_path: Path) -> None:
+    """A reload refused these (caught mid-save), a start served them: a router on
+    127.0.0.1:8000 with no workers, every request a 503, nothing said. Refused in one line."""
+    config = tmp_path / "router.toml"
+    for text, said in (
+        ("", "is empty"),
+        (" \n\t\n", "is empty"),
+        ("# only a comment\n[listen]\n", "has no settings, only comments or empty tables"),
+    ):
+        config.write_text(text)
+        proc = await _run("--config", str(config))
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:  # it served (as it did): stopped, not left behind
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 2 and not out, (out, err)
+        lines = err.decode().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvroute serve: {config} {said}"), lines
+        assert "[[workers]]" in lines[0] and "caught while being written" not in lines[0]
 
 
 async def test_a_wildcard_host_is_said_to_listen_on_all_interfaces(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import functools
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import signal
 import socket
 import sys
+import tomllib
 from pathlib import Path
 
 import aiohttp
@@ -84,6 +86,9 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
         rest, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0
         assert b"stopped" in rest
+        # the first Ctrl-C is said, with how long it may take (before: nothing, up to 60 s)
+        said = b"kvroute: stopping: the router lets its requests in flight finish, for up to 60 s"
+        assert said in rest, rest
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -109,6 +114,86 @@ async def test_an_unknown_fleet_key_is_refused(tmp_path: Path, alone: list[str])
                 proc.kill()
                 await proc.wait()
         assert proc.returncode == 2 and said in err
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]], ids=["one", "replicas"])
+async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_starts(
+    tmp_path: Path, replicas: list[str]
+) -> None:
+    """The workers started and printed their curl, then the router refused the tokenizer path
+    and they stopped: the router's start checks run first now."""
+    config = tmp_path / "fleet.toml"
+    missing = tmp_path / "no-such-model" / "tokenizer.json"
+    config.write_text(f"[tokenizer]\nkind = 'hf'\npath = '{missing}'\n[fleet]\nworkers = 1\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--config", str(config),
+        "--router-port", "0", "--worker-port-base", "0", *replicas,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 2, err
+    assert not out, out  # no worker was started (nor said)
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvroute up: ") and str(missing) in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--relay"], ["--replicas", "2"], ["--router-port", "0", "--policy", "kv"]],
+    ids=["relay", "replicas", "port-policy"],
+)
+async def test_router_options_with_no_router_are_refused(args: list[str]) -> None:
+    """`--no-router --relay` (or `--replicas 2`) started the workers alone and said nothing of
+    the relay or replicas asked for."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--no-router", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and "and --no-router do not go together" in lines[0], lines
+    assert all(arg in lines[0] for arg in args if arg.startswith("--")), lines
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--worker-port-base", "65535"], "--worker-port-base 65535: 2 ports"),
+        (["--events-port-base", "65535"], "--events-port-base 65535: 2 ports"),
+        (["--replay-port-base", "65534", "--dp", "2"], "--replay-port-base 65534: 4 ports"),
+        (["--prefill", "1", "--decode", "2", "--worker-port-base", "65534"], "3 ports"),
+    ],
+    ids=["worker", "events", "replay-dp", "pd"],
+)
+async def test_a_port_base_too_high_for_the_fleet_names_the_option(
+    args: list[str], said: str
+) -> None:
+    """`port must be a port number (0 = ephemeral)` named neither the option nor why: worker-1
+    would need 65536."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--router-port", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and said in lines[0] and "past 65535" in lines[0], lines
 
 
 async def test_a_taken_worker_port_names_the_option_that_moves_it() -> None:
@@ -302,3 +387,75 @@ async def test_a_second_ctrl_c_in_the_grace_lets_the_request_finish(
             await proc.wait()
     assert "Traceback" not in said, said
     assert said.count("already stopping") == 1, said
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_default_config_ships_in_the_package_as_configs_has_it() -> None:
+    """A wheel holds the packages only: `kvroute up` with no --config found no
+    configs/local.toml. The package carries a copy, declared as package data."""
+    shipped = ROOT / "router" / "commands" / "local.toml"
+    assert shipped.read_bytes() == (ROOT / "configs" / "local.toml").read_bytes(), (
+        "router/commands/local.toml must be configs/local.toml: copy one to the other"
+    )
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["router"]
+    assert any(fnmatch.fnmatch("commands/local.toml", p) for p in patterns), patterns
+
+
+async def test_up_runs_with_no_config_from_the_packages_alone(tmp_path: Path) -> None:
+    """As a wheel installs it: the packages (and their package data) alone, no configs/ beside
+    them, run from a directory without one."""
+    site = tmp_path / "site"
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in ("router", "workers", "indexer", "bench"):
+        for path in (ROOT / package).rglob("*"):
+            inside = path.relative_to(ROOT / package).as_posix()
+            data = declared["package-data"].get(package, [])
+            if (
+                path.is_file()
+                and "__pycache__" not in inside
+                and (path.suffix in (".py", ".so") or any(fnmatch.fnmatch(inside, p) for p in data))
+            ):
+                (site / package / inside).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, site / package / inside)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--router-port", "0",
+        "--worker-port-base", "0", "--time-scale", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
+        assert "2 workers" in line, line  # local.toml's [fleet] workers = 2
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_up_with_no_router_says_it_stops_its_workers() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--no-router", "--workers", "1",
+        "--worker-port-base", "0", "--time-scale", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops every worker", lines), 60)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        said = b"kvroute: stopping the workers: each lets its requests in flight finish, for up to"
+        assert said in rest, rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,153 @@
+"""The port the `--processes` children share (`router.commands.replicas`), held by their parent.
+
+The children listen with SO_REUSEPORT, and Linux lets any socket of the same user that sets
+it too join their group: a second `kvroute serve --processes N` (or `up --replicas N`) on a
+busy port started, said it listened, and the kernel split new connections between two
+unrelated routers. A single router's port is refused when taken ("cannot listen on ...:
+Address already in use", exit 2); `hold_port` refuses it the same way, before any child
+starts:
+
+1. a probe socket without SO_REUSEPORT is bound to every address of the host: it fails if
+   anything listens there, or if another parent holds the port (step 2's socket). The probe
+   sets SO_REUSEADDR, as the children do: connections of a router stopped a moment ago
+   (TIME_WAIT) must not keep the port from a new one, as they do not keep it from a single
+   router;
+2. the probe is closed and a socket with SO_REUSEPORT alone (not SO_REUSEADDR) is bound in its
+   place, and kept, bound and not listening, until the children are gone. A child (restarted
+   or not) joins it; a later parent's probe, or a single router, conflicts with it even while
+   no child listens yet (starting, or all of them restarting).
+
+Between step 1's close and step 2's bind, a parent started at the same instant could pass its
+own probe too, and the two hold sockets would then share the port: the steps run under a lock
+per port, an abstract Unix socket (Linux; released by the kernel when the process ends, however
+it ends), held for those microseconds only. Another platform runs them without it.
+
+Port 0 draws a free port, held by a SO_REUSEPORT socket as in step 2: no one else holds it.
+What still joins a held port is a program of this user that sets SO_REUSEPORT itself: the
+kernel allows it, and nothing here can see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+from router.errors import ConfigError
+
+__all__ = ["PortHold", "hold_port"]
+
+_LOCK_WAIT_S = 2.0  # another parent holds the lock for microseconds: this is ample
+_LOCK_RETRY_S = 0.005
+
+
+class PortHold:
+    """The sockets keeping a port for the children, and the port (the one drawn, for 0)."""
+
+    def __init__(self, sockets: list[socket.socket], port: int) -> None:
+        self._sockets = sockets
+        self.port = port
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+
+
+def hold_port(host: str, port: int) -> PortHold:
+    """Hold `port` on `host` for SO_REUSEPORT listeners of this process's children, or raise
+    ConfigError, as a single router says it, when it is taken (module docstring)."""
+    try:
+        if not port:
+            return _draw(host)
+        addresses = _addresses(host, port)
+        with _locked(port):
+            for family, address in addresses:
+                _bind(family, address, reuse_port=False).close()
+            held: list[socket.socket] = []
+            try:
+                for family, address in addresses:
+                    held.append(_bind(family, address, reuse_port=True))
+            except OSError:
+                for sock in held:
+                    sock.close()
+                raise
+        return PortHold(held, port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another [listen] "
+            "host or port (serve --port, up --router-port), or stop what holds it",
+            key="listen.port",
+        ) from exc
+
+
+def _draw(host: str) -> PortHold:
+    """A free port, held (port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return PortHold([sock], int(sock.getsockname()[1]))
+
+
+def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[str, int]]]:
+    """Every address the children listen on, as asyncio's `create_server` finds them (`""`:
+    every interface, IPv4 and IPv6; a name: each address it resolves to)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    found: list[tuple[socket.AddressFamily, tuple[str, int]]] = []
+    for family, _, _, _, address in infos:
+        entry = (family, (str(address[0]), int(address[1])))
+        if family not in (socket.AF_INET, socket.AF_INET6) or entry in found:
+            continue
+        try:
+            socket.socket(family, socket.SOCK_STREAM).close()
+        except OSError:
+            continue  # a family this host lacks (IPv6 off): asyncio skips it too
+        found.append(entry)
+    return found
+
+
+def _bind(
+    family: socket.AddressFamily, address: tuple[str, int], *, reuse_port: bool
+) -> socket.socket:
+    """A TCP socket bound to `address`, not listening: step 1's probe, or step 2's hold."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6:
+            # as asyncio binds them: IPv6 only, so "::" and "0.0.0.0" are two sockets
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        option = socket.SO_REUSEPORT if reuse_port else socket.SO_REUSEADDR
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.contextmanager
+def _locked(port: int) -> Iterator[None]:
+    """Hold the lock of `port` among kvroute parents of this host (Linux; elsewhere none)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                lock.bind(f"\0kvroute-shared-port-{port}")
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_LOCK_RETRY_S)
+        yield
+    finally:
+        lock.close()

@@ -1,0 +1,137 @@
+"""`hold_port`: the port of `--processes` children, refused when taken, held against others."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from router.commands.shared_port import PortHold, hold_port
+from router.errors import ConfigError
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child_listener(port: int, *, reuse_port: bool = True) -> socket.socket:
+    """A socket as a child (or, `reuse_port=False`, a single router) listens: asyncio's
+    SO_REUSEADDR, and SO_REUSEPORT beside its siblings."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def test_a_held_port_takes_the_children_and_refuses_everyone_else() -> None:
+    port = _free_port()
+    hold = hold_port("127.0.0.1", port)
+    try:
+        assert hold.port == port
+        # before any child listens, a second parent is refused (before: it joined)
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}") as caught:
+            hold_port("127.0.0.1", port)
+        assert caught.value.key == "listen.port"
+        with pytest.raises(OSError):  # a single router too
+            _child_listener(port, reuse_port=False)
+        first = _child_listener(port)
+        second = _child_listener(port)  # the children share it
+        first.close()
+        _child_listener(port).close()  # a child restarted while its sibling serves
+        second.close()
+        _child_listener(port).close()  # ...or while none does: the hold kept the port
+        with pytest.raises(ConfigError):
+            hold_port("127.0.0.1", port)
+    finally:
+        hold.close()
+    hold_port("127.0.0.1", port).close()  # released
+
+
+def test_a_port_something_listens_on_is_refused() -> None:
+    port = _free_port()
+    for reuse_port in (False, True):  # a single router, or another parent's child
+        with (
+            _child_listener(port, reuse_port=reuse_port),
+            pytest.raises(ConfigError, match="Address already in use"),
+        ):
+            hold_port("127.0.0.1", port)
+
+
+def test_connections_of_a_router_just_stopped_do_not_keep_the_port() -> None:
+    """Server-side closes leave TIME_WAIT on the port: a single router takes it back
+    (SO_REUSEADDR), and so do the children."""
+    port = _free_port()
+    with _child_listener(port) as listener, socket.create_connection(("127.0.0.1", port)) as client:
+        accepted, _ = listener.accept()
+        accepted.close()  # the server closes first: its side waits
+        client.recv(1)
+    hold_port("127.0.0.1", port).close()
+
+
+def _race(port: int, parents: int) -> tuple[list[PortHold], list[ConfigError]]:
+    """`parents` threads asking `hold_port(port)` at one instant: what each got."""
+    barrier = threading.Barrier(parents)
+    held: list[PortHold] = []
+    refused: list[ConfigError] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            held.append(hold_port("127.0.0.1", port))
+        except ConfigError as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(parents)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return held, refused
+
+
+def test_parents_starting_at_once_never_both_hold_a_port() -> None:
+    """Between the probe and the hold another parent's probe would pass too: the lock keeps
+    exactly one of them (without it, two held the port within a few tries)."""
+    for _ in range(200):
+        held, refused = _race(_free_port(), 4)
+        for hold in held:
+            hold.close()
+        assert len(held) == 1 and len(refused) == 3, (held, refused)
+
+
+def test_port_0_draws_a_port_held_as_one_given() -> None:
+    hold = hold_port("127.0.0.1", 0)
+    try:
+        assert hold.port
+        with pytest.raises(ConfigError):
+            hold_port("127.0.0.1", hold.port)
+        _child_listener(hold.port).close()
+    finally:
+        hold.close()
+
+
+def test_every_address_of_the_host_is_held() -> None:
+    """`listen.host = ""` is every interface, IPv4 and IPv6 alike: each is probed and held."""
+    port = _free_port()
+    hold = hold_port("", port)
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            hold_port("127.0.0.1", port)  # inside 0.0.0.0
+        child = socket.socket()
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        child.bind(("0.0.0.0", port))
+        child.listen()
+        child.close()
+    finally:
+        hold.close()
