@@ -153,6 +153,12 @@ class Decision:
                 f"{where} holds the longest prefix: {chosen.matched_tokens} of "
                 f"{self.prompt_tokens} tokens{pending}{forecast}, load {chosen.load:g}{retry}"
             )
+        if best.unfit is not None and not best.healthy:
+            # not routable for this request: its pool cannot hold it
+            return (
+                f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
+                f"{best.unfit}; {where} holds {held}, load {chosen.load:g}{retry}"
+            )
         if reason == "room":
             return (
                 f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "

@@ -207,6 +207,21 @@ def _gpu_reused_tokens(candidate: Candidate) -> int:
     return max(0, candidate.predicted_tokens - offloaded_blocks * block_size)
 
 
+def _unfit(capacity_tokens: int | None, prompt_tokens: int, output_tokens: int) -> str | None:
+    """Why a rank with a KV pool of `capacity_tokens` cannot hold a request of `prompt_tokens`
+    that may generate `output_tokens` at all (None: it can, or its capacity is unknown): a
+    request runs with its whole prompt and output in the pool (SGLang's `max_total_num_tokens`;
+    the reference worker refuses it with a 400)."""
+    need = prompt_tokens + output_tokens
+    if capacity_tokens is None or need <= capacity_tokens:
+        return None
+    return (
+        f"its KV pool holds {capacity_tokens} tokens, fewer than the request's "
+        f"{prompt_tokens}-token prompt and the {output_tokens} tokens it may generate: it "
+        "cannot run there"
+    )
+
+
 def _evicted_by(found: AdmissionForecast, new_tokens: int) -> int | None:
     """What a request allocating `new_tokens` evicts where `found` was forecast, after the
     requests ahead of it (0: it fits; None: the capacity is unknown)."""
@@ -277,8 +292,11 @@ class Planner:
         the configured one); changes no state."""
         ns = namespace if namespace is not None else self.namespace(parsed)
         output = parsed.output_tokens
+        # the output it surely may generate, for the pools that cannot hold it at all (one
+        # that named no limit: its first token)
+        least = 1 if output is None else output
         if role == "prefill":
-            output = PREFILL_OUTPUT_TOKENS
+            output = least = PREFILL_OUTPUT_TOKENS
         elif output is None:
             output = self._config.admission_reserve_tokens
         # SGLang's OpenAI routes read `base:adapter` from the model (`/generate` takes none)
@@ -291,6 +309,7 @@ class Planner:
             role,
             policy or self.policy,
             output_tokens=output,
+            least_output_tokens=least,
             reuse_limit=parsed.reuse_limit,
             contested=parsed.model if contested else None,
             read_by=_adapter_reader(parsed, ns),
@@ -305,6 +324,7 @@ class Planner:
         policy: Policy | None = None,
         *,
         output_tokens: int,
+        least_output_tokens: int | None = None,
         reuse_limit: int | None = None,
         contested: str | None = None,
         read_by: str | None = None,
@@ -313,11 +333,14 @@ class Planner:
         (`WorkerPool.split_contested`): the workers not known to read it as the router does
         are predicted no hit (`_split_unknown`). `read_by`: the one engine that reads the
         namespace's adapter from the request as the router did (`_adapter_reader`): workers
-        of another engine in the pool are predicted no hit."""
+        of another engine in the pool are predicted no hit. `least_output_tokens`: the output
+        the request surely may generate (default `output_tokens`): a rank whose KV pool cannot
+        hold it and the prompt is not routable for it while another can (`_unfit`)."""
         now = self.clock()
         limit = _match_limit(tokens, reuse_limit)
         matches = self.indexer.query(ns, tokens, limit) if self.indexer.worker_count() else {}
         views: list[Candidate] = []
+        least = output_tokens if least_output_tokens is None else least_output_tokens
         for entry in self.pool.serving(ns.model):  # a request never leaves its model's pool
             if entry.role != role:
                 continue
@@ -328,9 +351,18 @@ class Planner:
             elif read_by is not None and entry.config.engine != read_by:
                 match, unpredicted = _NO_MATCH, _read_otherwise(entry, read_by)
             found = self._candidates(entry, match, now, pinned, ns, tokens, limit, output_tokens)
+            unfit = _unfit(entry.capacity_tokens, len(tokens), least)
             for candidate in found:
                 candidate.unpredicted = unpredicted
+                candidate.unfit = unfit
             views.extend(found)
+        if any(view.healthy and view.unfit is None for view in views):
+            # a rank whose pool cannot hold the request is not routable for it while another
+            # can: the worker would refuse it (before, one was chosen and its 400 passed to the
+            # client: QA, 8 of 12 2,000-token prompts to a 1,024-token pool beside an 8,192 one)
+            for view in views:
+                if view.unfit is not None:
+                    view.healthy = False
         chooser = policy or self.policy
         balance = None
         if self._config.balance_learning:

@@ -115,6 +115,14 @@ def test_explanations_say_why() -> None:
         "a holds 4 tokens but would evict 450 cached tokens for the rest (score -209); "
         "b holds 0 and would evict 0 (score 0)"
     )
+    # a longer match on a pool that cannot hold the request: not routable, and said so
+    small = msgspec.structs.replace(
+        _candidate("a", 64), healthy=False, unfit="its KV pool holds 1024 tokens, fewer ..."
+    )
+    d = Decision("id", "/generate", "m", "ns", 2000, [empty, small], empty, 0, 16)
+    assert d.explain() == (
+        "a holds 64 tokens but its KV pool holds 1024 tokens, fewer ...; b holds 0, load 0"
+    )
     # what the headers predict is said too when the forecast keeps less than the index holds
     a.pending_tokens = 32
     a.admission = AdmissionForecast(raw_tokens=96, kept_tokens=64, capacity_tokens=None)
