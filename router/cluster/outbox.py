@@ -226,6 +226,7 @@ class Outbox:
                 ticket.prefill_tokens,
                 ticket.output_tokens,
                 ticket.kv_tokens,
+                ticket.prompt_tokens,
             )
         )
 

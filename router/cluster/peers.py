@@ -214,6 +214,7 @@ class Peers:
                     d.dp_rank,
                     kv_tokens=d.kv_tokens,
                     output_tokens=d.output_tokens,
+                    prompt_tokens=d.prompt_tokens,
                 )
                 begun.marks = peer.marks.pop(d.ticket, [])
                 begun.pending = peer.pending.pop(d.ticket, [])

@@ -77,6 +77,10 @@ class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
     output_tokens: int | None = None
     # the KV a decode side holds while the request runs (0: not a decode side)
     kv_tokens: int = 0
+    # its whole prompt, cached or not (None: a sender from before this field; its uncached
+    # tokens count): the pages a running request keeps, which say whether the requests
+    # routed behind it wait for KV room (`router.routing.admission`)
+    prompt_tokens: int | None = None
 
 
 class Shadow(msgspec.Struct, tag="shadow", array_like=True, frozen=True):

@@ -3,10 +3,12 @@ recent decisions with their explanation, and a rolling window for the dashboard.
 
 Every proxied request is one decision: the blocks in its query, the fleet's best match, the
 chosen (worker, rank)'s match (the triple SGLang's router reports), and, once the worker
-answered, the tokens the worker says it served from cache against the tokens the index
-predicted. That makes prediction accuracy a live number: `exact` when the worker reused exactly
-what the index said, `over` when it reused less (a false hit: the index believed in blocks the
-worker no longer had), `under` when it reused more (its events had not reached the index yet).
+answered, the tokens the worker says it served from cache against the tokens the router
+predicted (from events and pending marks, as the response headers say them). That makes
+prediction accuracy a live number: `exact` when the worker reused exactly what the router said,
+`over` when it reused less (a false hit: the index believed in blocks the worker no longer had,
+or a request bringing them ran in the same batch), `under` when it reused more (its events had
+not reached the index yet, or the admission forecast gave up a prefix the worker kept).
 An answer of a worker whose events the false-hit watch left unfollowed when it was routed
 (`Candidate.unfollowed`: predicted nothing, fail closed) is `unfollowed`, outside those three:
 counted as `under`, it made the accuracy look worse for a reason that is no index lag.
@@ -150,6 +152,12 @@ class Decision:
             return (
                 f"{where} holds the longest prefix: {chosen.matched_tokens} of "
                 f"{self.prompt_tokens} tokens{pending}{forecast}, load {chosen.load:g}{retry}"
+            )
+        if best.unfit is not None and not best.healthy:
+            # not routable for this request: its pool cannot hold it
+            return (
+                f"{_target(best)} holds {best.matched_tokens + best.pending_tokens} tokens but "
+                f"{best.unfit}; {where} holds {held}, load {chosen.load:g}{retry}"
             )
         if reason == "room":
             return (
@@ -322,8 +330,11 @@ class DecisionStats:
             window[0] += 1
             cached = decision.cached_tokens
             if cached is not None:
-                # as x-kvroute-matched-tokens says (`Candidate.predicted_split`'s first part)
-                predicted = min(chosen.matched_tokens, chosen.predicted_tokens)
+                # what the router told the client it reuses: x-kvroute-matched-tokens and
+                # x-kvroute-pending-tokens (`Candidate.predicted_tokens`). Before, the pending
+                # part was left out, and a prefix predicted from a pending mark that the
+                # worker did not reuse (a false hit) counted as exact
+                predicted = chosen.predicted_tokens
                 row[_USAGE] += 1
                 row[_USAGE_PROMPT] += decision.prompt_tokens
                 row[_USAGE_PREDICTED] += predicted
@@ -434,7 +445,8 @@ _TARGET_COUNTERS = (
     ),
     (
         "kvroute_usage_predicted_tokens",
-        "Cached tokens the index predicted (x-kvroute-matched-tokens) for those answers",
+        "Cached tokens the router predicted (x-kvroute-matched-tokens plus "
+        "x-kvroute-pending-tokens) for those answers",
         _USAGE_PREDICTED,
     ),
     (

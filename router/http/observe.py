@@ -258,7 +258,11 @@ class Observation:
         cached = decision.cached_tokens
         if cached is not None and status == 200 and observer.watch is not None:
             chosen = decision.chosen
-            # the prediction as x-kvroute-matched-tokens said it (as `DecisionStats` counts)
+            # the prediction from events alone, as x-kvroute-matched-tokens said it (the
+            # outcomes count the pending part too): the watch looks for a worker whose events
+            # come from another cache, and a pending mark is the router's own guess at a
+            # request still on its way, missed under KV pressure on a healthy worker (QA: 11
+            # of 19 in one run), which must not have its streams subscribed anew
             observer.watch.answered(
                 chosen.worker, min(chosen.matched_tokens, chosen.predicted_tokens), cached
             )

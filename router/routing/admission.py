@@ -33,7 +33,10 @@ A block brought by a request still on its way (pending, or held now but lost bef
 request's own admission, which then computes it again) is there for this request only if
 the worker admits that request in an earlier batch: a worker matches every request of a
 batch against the cache as it was before the batch, and stores their prompts only when the
-batch's prefill ends (`WaitingDecisions` infers which requests it has admitted).
+batch's prefill ends (`WaitingDecisions` infers which requests it has admitted). One sent
+where the KV pool had no room for it beside the requests in flight waits until requests
+ending free enough pages, in a batch the router cannot tell: until then no request routed
+there is predicted a block it brings.
 
 Pure and synchronous: no I/O.
 """
@@ -74,13 +77,6 @@ _FEW_GROUPS = 8
 # how soon an idle worker takes a request in: what reaches it meanwhile joins the batch
 _NEXT_TURN_S = 0.001
 
-# a backlog at least this many requests longer than what a worker's pool holds at once is
-# admitted one request after another as pages come free (`WaitingDecisions.joins_batch`);
-# measured at KV pressure 4, flat and dp sections, seeds 1-5: where the rule changed the
-# prediction it was right 24 times and wrong 8 at this depth or more, but right 29 and wrong
-# 26 below it, a coin toss where the router keeps predicting no hit
-_DEEP_BACKLOG = 4
-
 # how long after its request answered a pending block still counts as on its way, and only
 # until the stream has published an event batch since that answer: its stores were published
 # before the answer left the worker, but may reach the router after it (event lag). Before,
@@ -103,9 +99,11 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     held_tokens: int = 0  # what its KV events say it holds now
     queued_tokens: int = 0  # what requests ahead of this one must still allocate
     evict_tokens: int = 0  # what it must evict before admitting this request
-    # requests like this one its pool holds beside those decoding (None: not known, or a
-    # side of a prefill/decode pair): a much longer backlog goes in one request at a time
-    pool_room: int | None = None
+    # the requests waiting there that were sent when the KV pool had no room for them beside
+    # those in flight, and have not had room since: the worker admits them as requests end
+    # and free pages, in batches the router cannot tell, so the blocks they bring are
+    # predicted to no request routed meanwhile (`WaitingDecisions.sent`)
+    awaiting_room: int = 0
     why: str = ""
     # why the tokens not kept are lost ("": none are): "evicted" (least recently used before
     # admission), "batched" (they come with a request the worker admits in the same batch),
@@ -288,6 +286,11 @@ class _Sent(msgspec.Struct, gc=False):
     seq: int | None  # the stream's last event batch applied when it was sent
     kept: int  # the leading blocks of its prompt it was predicted to reuse
     held: int  # those its events showed held then
+    # the pool had no room for it when it was sent, nor since: not admitted, as far as the
+    # router can tell (`WaitingDecisions.room_came` ends it)
+    blocked: bool = False
+    # the most KV it holds once admitted (whole prompt and output), as the load counts it
+    footprint: int = 0
 
 
 class WaitingDecisions:
@@ -303,9 +306,28 @@ class WaitingDecisions:
     with nothing unanswered ahead is admitted on the worker's next turn when nothing runs
     there, and within one decode step (`window_s`, which the router cannot see either) when
     requests are decoding; one sent before then goes in the same batch.
+
+    All of that holds only for a request the worker has KV room for. One sent when the pool
+    could not hold it beside the requests in flight (the caller says: `sent(room=False)`),
+    or behind one such, waits for requests to end and free pages: an answer or event batch
+    says nothing of it, and the worker admits it with whatever else has arrived by then. It
+    is not taken as admitted until the caller says the pool has room for it and everything
+    in flight ahead of it (`room_came`, at a request's end); from then on as one sent at that
+    moment. Before, such a request was taken as admitted at the first answer or event batch,
+    or a decode step after it was sent, and a request routed behind it, admitted in its
+    batch, was predicted the prefix it brings (QA: 416 tokens predicted, 0 cached, every
+    round).
     """
 
-    __slots__ = ("_answers", "_decisions", "_done", "_recomputing", "grace_s", "window_s")
+    __slots__ = (
+        "_answers",
+        "_blocked",
+        "_decisions",
+        "_done",
+        "_recomputing",
+        "grace_s",
+        "window_s",
+    )
 
     def __init__(self, window_s: float, grace_s: float = EVENT_GRACE_S) -> None:
         self.window_s = window_s
@@ -313,6 +335,7 @@ class WaitingDecisions:
         self._answers = 0  # first bytes seen on the stream
         self._decisions: dict[int, _Sent] = {}  # by stamp, oldest first
         self._recomputing = 0  # of those, the ones predicted to lose blocks held when sent
+        self._blocked = 0  # of those, the ones waiting for KV room (`_Sent.blocked`)
         # the decisions answered (or ended) within `grace_s`: stamp -> (when, the stream's
         # last event batch applied then), oldest first (`settled`)
         self._done: dict[int, tuple[float, int | None]] = {}
@@ -323,6 +346,11 @@ class WaitingDecisions:
     def __contains__(self, stamp: object) -> bool:
         return stamp in self._decisions
 
+    @property
+    def awaiting_room(self) -> int:
+        """How many waiting decisions wait for KV room (`sent(room=False)`)."""
+        return self._blocked
+
     def sent(
         self,
         stamp: int,
@@ -332,25 +360,37 @@ class WaitingDecisions:
         running: int,
         now: float,
         seq: int | None = None,
+        room: bool = True,
+        footprint_tokens: int = 0,
     ) -> None:
         """The decision of `stamp` went out, predicted to reuse `kept_blocks` of the
         `held_blocks` its events showed; `running`: requests in flight there before it;
-        `seq`: the stream's last event batch applied (None: none yet)."""
+        `seq`: the stream's last event batch applied (None: none yet); `room`: whether the
+        KV pool had room for it beside the requests in flight (True: or not known);
+        `footprint_tokens`: the KV it may hold, as the caller's load counts it (`room_came`)."""
         decisions = self._decisions
         if kept_blocks < held_blocks:
             self._recomputing += 1
-        if not decisions:
+        inf = float("inf")
+        if not room or self._blocked:
+            # it waits for pages to come free, behind any that waits already (first come,
+            # first served): admitted at no time the router can tell yet
+            sent = _Sent(-1, inf, seq, kept_blocks, held_blocks, True, footprint_tokens)
+            self._blocked += 1
+        elif not decisions:
             # the worker takes it on its next turn (idle), or at the end of the decode step
             by = now + (self.window_s if running else _NEXT_TURN_S)
-            decisions[stamp] = _Sent(-1, by, seq, kept_blocks, held_blocks)
-            return
-        last = decisions[next(reversed(decisions))]
-        if last.answers < 0 and now < last.by:
-            # the last one ahead is not admitted yet, but will be at a time known: this one
-            # arrived before then and goes in the same batch
-            decisions[stamp] = _Sent(-1, last.by, seq, kept_blocks, held_blocks)
-        else:  # the ones ahead are in a prefill (or wait for one): admitted when it ends
-            decisions[stamp] = _Sent(self._answers, float("inf"), seq, kept_blocks, held_blocks)
+            sent = _Sent(-1, by, seq, kept_blocks, held_blocks, False, footprint_tokens)
+        else:
+            last = decisions[next(reversed(decisions))]
+            if last.answers < 0 and now < last.by:
+                # the last one ahead is not admitted yet, but will be at a time known: this
+                # one arrived before then and goes in the same batch
+                by, answers = last.by, -1
+            else:  # the ones ahead are in a prefill (or wait for one): admitted when it ends
+                by, answers = inf, self._answers
+            sent = _Sent(answers, by, seq, kept_blocks, held_blocks, False, footprint_tokens)
+        decisions[stamp] = sent
 
     def answered(
         self, stamp: int, *, first_byte: bool, now: float = 0.0, seq: int | None = None
@@ -360,6 +400,8 @@ class WaitingDecisions:
         sent = self._decisions.pop(stamp, None)
         if sent is not None and sent.kept < sent.held:
             self._recomputing -= 1
+        if sent is not None and sent.blocked:
+            self._blocked -= 1
         if first_byte:
             self._answers += 1
         if sent is None:
@@ -386,10 +428,34 @@ class WaitingDecisions:
             return False
         return seq is not None and (then is None or seq > then)
 
+    def room_came(self, over_tokens: int, now: float, seq: int | None = None) -> None:
+        """A request ended there, at `now` (the stream's last event batch applied being
+        `seq`), and the requests in flight may hold `over_tokens` more KV than the pool has
+        (the caller's load: at most; negative: room to spare). A request waiting for room is
+        admitted on the worker's next step once what is in flight less the requests waiting
+        behind it (their footprints, first come, first served) fits: as if sent now with
+        requests decoding (within `window_s`, or at the next event batch); one sent before
+        then joins its batch."""
+        if not self._blocked:
+            return
+        behind = 0  # the footprints of the decisions after the one looked at
+        admit = False
+        for sent in reversed(self._decisions.values()):
+            # what waits behind only grows going back: once one fits, all ahead of it do
+            admit = admit or (sent.blocked and over_tokens <= behind)
+            if admit and sent.blocked:
+                sent.blocked = False
+                sent.answers, sent.by, sent.seq = -1, now + self.window_s, seq
+                self._blocked -= 1
+            behind += sent.footprint
+
     def admitted(self, stamp: int, now: float, seq: int | None = None) -> bool:
         """Whether the worker has (probably) admitted the waiting request of `stamp`, at
-        `now`, with `seq` the stream's last event batch applied."""
+        `now`, with `seq` the stream's last event batch applied (never while it waits for KV
+        room: `sent`)."""
         sent = self._decisions[stamp]
+        if sent.blocked:
+            return False
         if now >= sent.by or (sent.answers >= 0 and self._answers > sent.answers):
             return True
         # a batch published since: a step ended after it was sent
@@ -403,7 +469,7 @@ class WaitingDecisions:
         seq: int | None,
         batch_room: int | None,
         trickles: bool = False,
-        pool_room: int | None = None,
+        running_cap: int | None = None,
     ) -> bool:
         """Whether a request routed now is admitted in the same batch as the waiting one of
         `stamp` (so it finds nothing that one brings): not if that one is admitted already,
@@ -415,17 +481,21 @@ class WaitingDecisions:
         4: 2-7 requests a batch; the one right behind shared it about half the time, one
         further back about a quarter of the time).
 
-        A worker whose KV pool holds far fewer requests than wait there (`pool_room`: the
-        requests like this one it holds beside those decoding; None: unknown) admits that
-        backlog as running requests finish and free their pages, one or two at a time: when
-        the backlog is `_DEEP_BACKLOG` or more requests longer than that, a request is taken
-        to be admitted after the one of `stamp`, never in its batch."""
+        One that waits for KV room (`sent(room=False)`) is admitted when requests end and
+        free pages, with whatever has arrived by then, in a batch the router cannot tell: a
+        request routed now is taken to share it unless the running cap (`running_cap`, the
+        worker's `max_running_requests`; None: unknown) cannot take both and those between
+        them. The room the requests decoding leave now (`batch_room`) says nothing of that
+        batch: they end to make room. Before, a backlog four or more requests longer than
+        the pool held was taken to be admitted one request after another, and a request
+        routed behind was predicted the blocks of the one ahead: QA found that wrong more
+        often than right (11 of 19, 300 requests on three 1,024-token pools)."""
+        if self._decisions[stamp].blocked:
+            return running_cap is None or self.behind(stamp) + 2 <= running_cap
         if trickles and batch_room is not None and len(self._decisions) + 1 > batch_room:
             # a step there admits only what the pages freed allow: an answer or event batch
             # since it was sent does not say it was among those taken in
             return self.behind(stamp) == 0
-        if pool_room is not None and len(self._decisions) + 1 >= pool_room + _DEEP_BACKLOG:
-            return False
         if self.admitted(stamp, now, seq):
             return False
         if batch_room is None:
@@ -485,7 +555,7 @@ def forecast(
     batch_room: int | None = None,
     stride: int = 1,
     trickles: bool = False,
-    pool_room: int | None = None,
+    running_cap: int | None = None,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
@@ -498,10 +568,10 @@ def forecast(
     has answered, yet is not in the events, was evicted or never stored. A block that a
     waiting request brings is reused only if the worker admitted that request already, or if
     the next batch there (`batch_room` requests at most; None: unknown) cannot take both
-    (else both run in one batch; on a worker that `trickles`, or whose pool holds `pool_room`
-    requests beside those decoding, see `WaitingDecisions.joins_batch`). The book holds every
-    `stride`-th block of a path (`recency_stride`), each standing for the `stride` blocks it
-    starts.
+    (else both run in one batch; on a worker that `trickles`, or for a request that waits
+    for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`). The
+    book holds every `stride`-th block of a path (`recency_stride`), each standing for the
+    `stride` blocks it starts.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -514,7 +584,7 @@ def forecast(
         held_tokens=held_tokens,
         queued_tokens=queued,
         evict_tokens=evict,
-        pool_room=pool_room,
+        awaiting_room=0 if waiting is None else waiting.awaiting_room,
     )
     if not raw_tokens or not block_size:
         out.why = "nothing matched"
@@ -564,7 +634,7 @@ def forecast(
                     seq=seq,
                     batch_room=batch_room,
                     trickles=trickles,
-                    pool_room=pool_room,
+                    running_cap=running_cap,
                 ):
                     return _BATCHED
             elif own is not None and j >= matched_blocks and waiting.settled(own, now, seq):
@@ -606,6 +676,11 @@ def forecast(
         if cause == _BATCHED
         else ""
     )
+    if batched and out.awaiting_room:
+        batched += (
+            f" (requests waiting there for KV room: {out.awaiting_room}; the worker admits "
+            "them as requests end, in batches the router cannot tell)"
+        )
     if not evict:
         out.why = fits + (
             f"; {lost_tokens} pending tokens are not on their way any more (the requests that "

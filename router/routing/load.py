@@ -17,6 +17,12 @@ their end (`queued_prefill_tokens` drops them at the first byte, but their pages
 their output, `allocated_tokens` is the KV they allocate beyond the cache they reuse, what
 `policy.hold_until_room` holds a request against (`Planner.has_room`).
 
+`prompt_tokens` counts their whole prompts, cached or not: a running request keeps the pages of
+its cached prefix too (a worker locks them), so with whole outputs, `footprint_tokens` is a
+bound the KV the requests in flight hold cannot exceed (a prefix two of them share is counted
+twice): the admission forecast takes a request as waiting for KV room beside them when that
+bound and its own footprint do not fit the pool (`Planner.book_decision`).
+
 `held_tokens` counts the uncached prompts of the requests `policy.hold_until_room` holds in the
 router for the rank (they have not been sent): the `kv` score counts them as queued there, as it
 would if they waited in the worker's queue. Without that, every request arriving behind a held
@@ -35,7 +41,7 @@ were made by the first request routed there, and dashboards saw a gap where the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from indexer.shadowed import ShadowMark
 
@@ -70,6 +76,7 @@ class WorkerLoad:
         "held_tokens",
         "kv_tokens",
         "output_tokens",
+        "prompt_tokens",
         "queued_prefill_tokens",
         "running",
         "sized",
@@ -80,8 +87,10 @@ class WorkerLoad:
         self.queued_prefill_tokens = 0
         self.running = 0
         self.kv_tokens = 0
-        # the uncached prompts of the requests in flight, until they end
+        # the uncached prompts of the requests in flight, until they end, and their whole
+        # prompts (a sender that did not say counts its uncached prompt: `LoadTracker.begin`)
         self.uncached_tokens = 0
+        self.prompt_tokens = 0
         # the output limits of the requests in flight that named one (`sized` of them)
         self.output_tokens = 0
         self.sized = 0
@@ -95,6 +104,13 @@ class WorkerLoad:
         unsized = max(0, self.running - self.sized)
         outputs = self.output_tokens + unsized * default
         return self.uncached_tokens + round(outputs * output_ratio)
+
+    def footprint_tokens(self, default: int) -> int:
+        """The most KV the requests in flight can hold: their whole prompts (a cached prefix's
+        pages are kept while a request runs) and whole outputs (`default` for each that named
+        none)."""
+        unsized = max(0, self.running - self.sized)
+        return self.prompt_tokens + self.output_tokens + unsized * default
 
     def output_per_request(self, default: int) -> float:
         """The output tokens an in-flight request may generate, on average (`default` for
@@ -120,6 +136,7 @@ class Ticket:
         "pending",
         "prefill_tokens",
         "prefilled",
+        "prompt_tokens",
         "queued",
         "sent_at",
         "shadows",
@@ -135,6 +152,7 @@ class Ticket:
         kv_tokens: int = 0,
         output_tokens: int | None = None,
         load: WorkerLoad | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         # the counters it was counted in: a worker removed and added again under the same id
         # has new ones, which its requests from before must not decrement
@@ -142,6 +160,8 @@ class Ticket:
         self.worker = worker
         self.dp_rank = dp_rank
         self.prefill_tokens = prefill_tokens
+        # its whole prompt (None: not known, its uncached part counts in the load)
+        self.prompt_tokens = prompt_tokens
         self.kv_tokens = kv_tokens
         self.output_tokens = output_tokens
         self.prefilled = False
@@ -170,6 +190,9 @@ class LoadTracker:
 
     def __init__(self) -> None:
         self._loads: dict[str, dict[int | None, WorkerLoad]] = {}
+        # told of each request's end, after its counters dropped (its pages are free: the
+        # admission forecast's requests waiting for KV room there may go in)
+        self.end_listeners: list[Callable[[Ticket], None]] = []
 
     def of(self, worker: str, dp_rank: int | None = None) -> WorkerLoad:
         """The counters of one rank of `worker` (None: sent without a rank), zero when idle."""
@@ -187,6 +210,7 @@ class LoadTracker:
         for load in self._loads.get(worker, {}).values():
             out.queued_prefill_tokens += load.queued_prefill_tokens
             out.uncached_tokens += load.uncached_tokens
+            out.prompt_tokens += load.prompt_tokens
             out.running += load.running
             out.kv_tokens += load.kv_tokens
             out.output_tokens += load.output_tokens
@@ -201,10 +225,12 @@ class LoadTracker:
         dp_rank: int | None = None,
         kv_tokens: int = 0,
         output_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> Ticket:
         """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens (and,
         to a decode worker, this much KV it will hold while it runs; `output_tokens`: the
-        output it may generate, None: not known)."""
+        output it may generate, None: not known; `prompt_tokens`: its whole prompt, None: not
+        known, its uncached tokens are counted)."""
         load = self.of(worker, dp_rank)
         load.queued_prefill_tokens += prefill_tokens
         load.uncached_tokens += prefill_tokens
@@ -213,7 +239,10 @@ class LoadTracker:
         if output_tokens is not None:
             load.output_tokens += output_tokens
             load.sized += 1
-        return Ticket(worker, prefill_tokens, dp_rank, kv_tokens, output_tokens, load)
+        load.prompt_tokens += prefill_tokens if prompt_tokens is None else prompt_tokens
+        return Ticket(
+            worker, prefill_tokens, dp_rank, kv_tokens, output_tokens, load, prompt_tokens
+        )
 
     def hold(self, worker: str, dp_rank: int | None, prefill_tokens: int) -> None:
         """A request with this many uncached tokens waits in the router for this rank."""
@@ -259,10 +288,14 @@ class LoadTracker:
         if load is not None:
             load.running -= 1
             load.uncached_tokens -= ticket.prefill_tokens
+            prompt = ticket.prompt_tokens
+            load.prompt_tokens -= ticket.prefill_tokens if prompt is None else prompt
             load.kv_tokens -= ticket.kv_tokens
             if ticket.output_tokens is not None:
                 load.output_tokens -= ticket.output_tokens
                 load.sized -= 1
+        for listener in self.end_listeners:
+            listener(ticket)
 
     def running(self, fleet: Iterable[Target] = ()) -> dict[str, int]:
         """Requests in flight per worker, over all its ranks (`kvroute_in_flight_requests`);

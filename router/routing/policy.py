@@ -79,7 +79,9 @@ class Candidate(msgspec.Struct, gc=False):
 
     worker: str
     url: str
-    healthy: bool  # health check ok, circuit closed, not draining (the worker's, every rank's)
+    # health check ok, circuit closed, not draining (the worker's, every rank's), and its pool
+    # can hold the request where another's can (`unfit`)
+    healthy: bool
     status: str  # why it does or does not take traffic (`WorkerStatus`)
     # the data-parallel rank the engine is told to use; None: the worker has one rank, or its
     # ranks are unknown (no KV events), and the engine picks
@@ -133,6 +135,11 @@ class Candidate(msgspec.Struct, gc=False):
     # asked with `[policy] hold_until_room`: the request waits while the first choice cannot);
     # None: not asked
     room: bool | None = None
+    # why its KV pool cannot hold this request at all, its prompt and output limit over the
+    # rank's `max_total_num_tokens` (None: it can, or its capacity is unknown): not routable
+    # for it (`healthy` false) while another candidate can hold it, else left to the worker
+    # to refuse, as before (`Planner.plan`)
+    unfit: str | None = None
     # why the index's entries for this prompt there are not counted though it holds some,
     # told by the `/admin/route` dry run only (`Planner.explain_hidden`; None on the request
     # path): "extra_key shadow" (`indexer.shadowed`), so a shadow does not read as a cold cache

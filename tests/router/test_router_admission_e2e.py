@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from router.config import WorkerConfig
+from router.config import IndexerSection, PolicyConfig, WorkerConfig
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
@@ -56,10 +56,13 @@ async def test_the_prediction_at_admission_equals_what_the_worker_reuses(
 
 
 @contextlib.asynccontextmanager
-async def _one_worker(cfg: ReferenceConfig) -> AsyncIterator[tuple[Fleet, ReferenceWorker]]:
-    """One reference worker behind a real router, its stream live."""
+async def _one_worker(
+    cfg: ReferenceConfig, **overrides: Any
+) -> AsyncIterator[tuple[Fleet, ReferenceWorker]]:
+    """One reference worker behind a real router (its config's `overrides`), its stream
+    live."""
     async with ReferenceWorker(cfg) as w0:
-        config = router_config([("w0", w0.url)])
+        config = router_config([("w0", w0.url)], **overrides)
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             fleet = Fleet(router, {"w0": w0}, session)
             await fleet.warm()
@@ -255,6 +258,102 @@ async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
     assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
     assert "x-kvroute-forecast-lost" not in headers  # nothing dropped
+    status, _, _ = await first
+    assert status == 200
+
+
+def long_sibling(shared: int, question: int) -> dict[str, Any]:
+    """A prompt of 20 pages of prefix `shared` and a page of its own question (337 tokens),
+    8 tokens out: 22 pages of KV."""
+    ids = prompt(shared, pages=20)["input_ids"][: 20 * PAGE]
+    ids += [(question * 53 + k) % 200 + 3 for k in range(PAGE + 1)]
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}
+
+
+async def test_a_request_waiting_for_kv_room_is_not_taken_as_admitted() -> None:
+    cfg = ReferenceConfig(
+        page_size=PAGE,
+        capacity_tokens=64 * PAGE,
+        max_running_requests=8,  # the running cap leaves room: only the KV pool holds back
+        prefill_ms_per_token=2.0,  # a 21-page prompt takes about 0.7 s to prefill
+        decode_ms_per_token=10.0,
+        time_scale=1.0,
+    )
+    # a decode step of 1 ms: the router takes a request sent beside a decoding one as
+    # admitted almost at once, had the pool room for it or not (before: no matter); pending
+    # marks that outlive the long request's 2.4 s
+    policy = PolicyConfig(admission_batch_window_ms=1.0)
+    indexer = IndexerSection(pending_ttl_s=10.0)
+    async with _one_worker(cfg, policy=policy, indexer=indexer) as (fleet, w0):
+        await _waits_for_room_case(fleet, w0, shared=70)
+        await _room_came_case(fleet, w0, shared=71)
+
+
+async def _hog(fleet: Fleet, i: int) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """A 481-token prompt streaming 240 tokens (46 of the pool's 64 pages, until it ends),
+    once it has answered (its first token out)."""
+    body = prompt(i, pages=30) | {"stream": True}
+    body["sampling_params"] = {"max_new_tokens": 240}
+    answered = asyncio.Event()
+
+    async def run() -> None:
+        async with fleet.session.post(fleet.url + "/generate", json=body) as resp:
+            assert resp.status == 200
+            async for _ in resp.content.iter_any():
+                answered.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(answered.wait(), 10.0)
+    return task, answered
+
+
+async def _predicted(headers: dict[str, str]) -> int:
+    return int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
+
+
+async def _waits_for_room_case(fleet: Fleet, w0: ReferenceWorker, shared: int) -> None:
+    # a long request decodes, holding 46 pages; the first sibling needs 22 of the 18 left:
+    # the worker keeps it waiting until the long one ends
+    hog, _ = await _hog(fleet, 60)
+    first = asyncio.create_task(fleet.post("/generate", long_sibling(shared, 1)))
+    await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to wait")
+    # the second sibling waits behind it, and both go in one batch when the long one ends:
+    # neither finds the prefix. Before, the first was taken as admitted a decode step after
+    # it was sent, and the second was predicted the 320 tokens it marked pending
+    plan = await fleet.route(long_sibling(shared, 2))
+    (only,) = plan["candidates"]
+    assert only["pending_tokens"] == 20 * PAGE
+    forecast = only["admission"]
+    assert forecast["kept_tokens"] == 0 and forecast["awaiting_room"] == 1, forecast
+    assert "wait for KV room" in forecast["why"] or "for KV room: 1" in forecast["why"]
+    status, headers, answer = await fleet.post("/generate", long_sibling(shared, 2))
+    assert status == 200
+    assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 0
+    assert headers["x-kvroute-forecast-lost"] == "batched"
+    status, _, reply = await first
+    assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
+    await hog
+
+
+async def _room_seen(fleet: Fleet, body: dict[str, Any]) -> bool:
+    """Whether the router has seen the long request end (the client may see it first)."""
+    (only,) = (await fleet.route(body))["candidates"]
+    return bool(only["running"] == 1 and only["admission"]["awaiting_room"] == 0)
+
+
+async def _room_came_case(fleet: Fleet, w0: ReferenceWorker, shared: int) -> None:
+    # the same, but the long request ends before the second sibling is routed: the router
+    # sees the pages come free, takes the first sibling as admitted on the worker's next
+    # step, and the second, which comes in after its prefill, is predicted the prefix
+    hog, _ = await _hog(fleet, 61)
+    first = asyncio.create_task(fleet.post("/generate", long_sibling(shared, 1)))
+    await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to wait")
+    await hog
+    await eventually(lambda: _queued(w0, running=1, waiting=0), what="the sibling to go in")
+    await eventually(lambda: _room_seen(fleet, long_sibling(shared, 2)), what="the hog's end")
+    status, headers, answer = await fleet.post("/generate", long_sibling(shared, 2))
+    assert status == 200
+    assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 20 * PAGE
     status, _, _ = await first
     assert status == 200
 

@@ -81,3 +81,28 @@ async def test_without_room_weight_the_shared_page_pulls_every_prompt_to_one_poo
     placed, cached = await _fleet_run(room_weight=0.0)
     assert len(placed) == 1  # the page's holder wins every time: the other pool stays empty
     assert min(cached) <= PAGE  # and evicted what the fleet had room for
+
+
+async def test_a_prompt_too_big_for_one_pool_goes_to_the_pool_that_holds_it() -> None:
+    small = ReferenceConfig(page_size=16, capacity_tokens=1024, time_scale=0.01)
+    big = ReferenceConfig(page_size=16, capacity_tokens=8192, time_scale=0.01)
+    async with ReferenceWorker(small) as w0, ReferenceWorker(big) as w1:
+        config = router_config([("w0", w0.url), ("w1", w1.url)])
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            # 2,000 prompt tokens and 4 out: w0's pool cannot hold them. Before, w0 was
+            # chosen for 8 of 12 such prompts (QA) and its 400 went to the client
+            for i in range(6):
+                ids = [(i * 31 + k) % 200 + 3 for k in range(2000)]
+                body: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}
+                plan = await fleet.route(body)
+                (unfit,) = [c for c in plan["candidates"] if c["worker"] == "w0"]
+                assert plan["worker"] == "w1" and not unfit["healthy"]
+                assert "KV pool holds 1024 tokens" in unfit["unfit"]
+                status, headers, _ = await fleet.post("/generate", body)
+                assert status == 200 and headers["x-kvroute-worker"] == "w1"
+            # too big for both: the worker it goes to refuses it, as before
+            body = {"input_ids": [9] * 9000, "sampling_params": {"max_new_tokens": 4}}
+            status, _, answer = await fleet.post("/generate", body)
+            assert status == 400 and "do not fit" in answer["error"]["message"], answer

@@ -48,7 +48,7 @@ async def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_li
     outbox.committed(NS, [1, 2, 3], quiet, marked=True)  # NATS away: nothing buffered
     assert outbox.take() == []
     outbox.sending = True
-    ticket = load.begin("w1", 5, 1)
+    ticket = load.begin("w1", 5, 1, prompt_tokens=7)
     outbox.committed(NS, (4, 5), ticket, marked=True)
     outbox.first_byte(ticket)
     outbox.first_byte(ticket)  # once only
@@ -57,7 +57,7 @@ async def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_li
     sent = outbox.take()
     assert sent[:4] == [
         Pending("w1", 1, NS, [4, 5], 2),
-        Begin(2, "w1", 1, 5),
+        Begin(2, "w1", 1, 5, prompt_tokens=7),
         FirstByte(2),
         End(1),
     ]
@@ -152,8 +152,11 @@ async def test_a_begin_carries_the_output_limit_and_one_without_it_still_decodes
     async with IndexerService() as indexer:
         peers = Peers("me", indexer, theirs, timeout_s=1.0, clock=Clock())
         peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3, 64), Begin(2, "w0", None, 3)]))
+        # and its whole prompt, where it says it (the KV it may hold: 9 beside its output)
+        peers.apply(Batch("b", 0.0, [Begin(3, "w0", None, 3, 64, prompt_tokens=9)]))
     mine = theirs.of("w0")
-    assert (mine.running, mine.output_tokens, mine.sized) == (2, 64, 1)
+    assert (mine.running, mine.output_tokens, mine.sized) == (3, 128, 2)
+    assert mine.prompt_tokens == 3 + 3 + 9  # the uncached prompt where it is not said
 
 
 async def test_shadows_outlive_an_outage_and_are_sent_again_until_they_lapse() -> None:

@@ -73,6 +73,27 @@ def test_outcomes_reasons_and_blocks() -> None:
     assert all(row["requests"] == 0 for row in stats.window())
 
 
+def test_a_prediction_from_pending_marks_counts_in_the_outcome() -> None:
+    # what the router told the client it reuses: 0 from events, 320 pending (its headers
+    # said x-kvroute-matched-tokens: 0, x-kvroute-pending-tokens: 320)
+    stats = DecisionStats(clock=lambda: 1000.0)
+    pending = msgspec.structs.replace(_candidate("a", 0), pending_tokens=320)
+    for cached in (0, 320):  # the worker reused none of it (a false hit), then all of it
+        d = Decision("id", "/generate", "m", "ns", 337, [pending], pending, 0, 16)
+        d.status, d.cached_tokens = 200, cached
+        stats.told(d)
+    s = _samples(stats)
+    key = (("dp_rank", ""), ("model", "m"), ("worker", "a"))
+    outcomes = {
+        word: s[("kvroute_prediction_outcomes_total", (*key[:2], ("outcome", word), key[2]))]
+        for word in ("exact", "over", "under")
+    }
+    # before, the pending part was left out: the false hit counted as exact, the hit as under
+    assert outcomes == {"exact": 1, "over": 1, "under": 0}
+    assert s[("kvroute_usage_predicted_tokens_total", key)] == 640
+    assert stats.window()[-1]["accuracy"] == 1 / 2
+
+
 def test_explanations_say_why() -> None:
     a, b = _candidate("a", 64, load=500), _candidate("b", 0, load=10)
     d = Decision("id", "/generate", "m", "ns", 100, [b, a], b, 0, 16)
@@ -93,6 +114,14 @@ def test_explanations_say_why() -> None:
     assert d.explain() == (
         "a holds 4 tokens but would evict 450 cached tokens for the rest (score -209); "
         "b holds 0 and would evict 0 (score 0)"
+    )
+    # a longer match on a pool that cannot hold the request: not routable, and said so
+    small = msgspec.structs.replace(
+        _candidate("a", 64), healthy=False, unfit="its KV pool holds 1024 tokens, fewer ..."
+    )
+    d = Decision("id", "/generate", "m", "ns", 2000, [empty, small], empty, 0, 16)
+    assert d.explain() == (
+        "a holds 64 tokens but its KV pool holds 1024 tokens, fewer ...; b holds 0, load 0"
     )
     # what the headers predict is said too when the forecast keeps less than the index holds
     a.pending_tokens = 32

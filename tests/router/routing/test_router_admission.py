@@ -162,7 +162,7 @@ def _over_blocks_1_to_3(
     now: float,
     room: int | None = None,
     trickles: bool = False,
-    pool_room: int | None = None,
+    running_cap: int | None = None,
     seq: int | None = None,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
@@ -183,7 +183,7 @@ def _over_blocks_1_to_3(
         seq=seq,
         batch_room=room,
         trickles=trickles,
-        pool_room=pool_room,
+        running_cap=running_cap,
     )
 
 
@@ -195,10 +195,19 @@ def _pending(
     room: int | None = None,
     trickles: bool = False,
     seq: int | None = None,
+    running_cap: int | None = None,
 ) -> int:
     """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
     found = _over_blocks_1_to_3(
-        book, waiting, held=4, queued=8, now=now, room=room, trickles=trickles, seq=seq
+        book,
+        waiting,
+        held=4,
+        queued=8,
+        now=now,
+        room=room,
+        trickles=trickles,
+        seq=seq,
+        running_cap=running_cap,
     )
     return found.kept_tokens
 
@@ -323,25 +332,79 @@ def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_
     assert not waiting.joins_batch(last, now=5.0, seq=8, batch_room=5, trickles=False)
 
 
-def test_a_backlog_far_beyond_what_the_pool_holds_is_admitted_one_request_after_another() -> None:
-    book, waiting, _, stamp = _behind_a_prefill()
-    for n in range(2):  # two more waiting behind the one that brings blocks 2 and 3
-        other = book.touch([20 + n])
-        waiting.sent(other, kept_blocks=0, held_blocks=1, running=2 + n, now=0.02)
-    assert len(waiting) == 4
-    # the running cap has room for all: the same batch as the one that brings the blocks
-    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8)
-    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=5)
-    # the pool holds three such requests beside those decoding, and five wait with the one
-    # routed now: a backlog that short may still go in together (measured: a coin toss), so
-    # the router keeps predicting no hit
-    assert waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=3)
-    # the pool holds one such request: the worker takes the backlog in as pages come free,
-    # so a request routed now comes in after the one that brings the blocks
-    assert not waiting.joins_batch(stamp, now=0.03, seq=None, batch_room=8, pool_room=1)
-    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=0.03, room=8, pool_room=1)
-    assert found.kept_tokens == 12 and found.cause == "" and found.pool_room == 1
-    assert _pending(book, waiting, now=0.03, room=8) == 4  # no pool room known: batched
+def _waits_for_room(footprint: int = 40) -> tuple[RecencyBook, WaitingDecisions, int]:
+    """A request decoding there (answered), and one over blocks 1-3 (`stamp`) sent when the
+    pool had no room for it beside that one, predicted to find block 1 and so bringing 2
+    and 3."""
+    book = RecencyBook()
+    waiting = WaitingDecisions(0.02)
+    ahead = book.touch([9])
+    waiting.sent(ahead, kept_blocks=0, held_blocks=0, running=0, now=0.0, seq=6)
+    waiting.answered(ahead, first_byte=True, now=0.01, seq=6)  # it decodes, holding pages
+    stamp = book.touch([1, 2, 3])
+    waiting.sent(
+        stamp,
+        kept_blocks=1,
+        held_blocks=1,
+        running=1,
+        now=0.02,
+        seq=6,
+        room=False,
+        footprint_tokens=footprint,
+    )
+    return book, waiting, stamp
+
+
+def test_a_request_waiting_for_kv_room_is_not_taken_as_admitted() -> None:
+    book, waiting, stamp = _waits_for_room()
+    assert waiting.awaiting_room == 1
+    # a decode step's time, an answer, an event batch since: none says the worker took it
+    # in (it waits for pages to come free). Before, each did, and a request routed behind
+    # it, admitted in its batch once pages came free, was predicted blocks 2 and 3
+    other = book.touch([7])
+    waiting.sent(other, kept_blocks=0, held_blocks=0, running=2, now=0.03, seq=6)
+    waiting.answered(other, first_byte=True, now=0.04, seq=7)
+    assert not waiting.admitted(stamp, 5.0, seq=9)
+    assert _pending(book, waiting, now=5.0, seq=9) == 4
+    # the room the requests decoding leave in the running batch says nothing of the batch
+    # it goes in (they end to make room): only the running cap bounds it
+    assert _pending(book, waiting, now=5.0, seq=9, room=1) == 4
+    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=5.0, seq=9)
+    assert found.cause == "batched" and found.awaiting_room == 1
+    assert "for KV room: 1" in found.why
+    # a request sent behind it waits too (first come, first served), room or not
+    behind = book.touch([8])
+    waiting.sent(behind, kept_blocks=0, held_blocks=0, running=2, now=5.0, seq=9)
+    assert waiting.awaiting_room == 2 and not waiting.admitted(behind, 9.0, seq=12)
+    # more between them than one batch takes: a request routed now comes in a later batch
+    assert _pending(book, waiting, now=5.0, seq=9, running_cap=2) == 12
+    assert _pending(book, waiting, now=5.0, seq=9, running_cap=3) == 4
+
+
+def test_a_request_waiting_for_kv_room_goes_in_once_what_is_ahead_of_it_fits() -> None:
+    book, waiting, stamp = _waits_for_room(footprint=40)
+    behind = book.touch([8])
+    waiting.sent(behind, kept_blocks=0, held_blocks=0, running=2, now=0.03, footprint_tokens=30)
+    # a request ended, and what is in flight is still 31 tokens over the pool: the one
+    # behind (30) does not make up for it, and the worker keeps both waiting
+    waiting.room_came(31, now=1.0, seq=8)
+    assert waiting.awaiting_room == 2
+    # 30 over: without the one behind, what is in flight fits; it goes in on the next step
+    waiting.room_came(30, now=1.0, seq=8)
+    assert waiting.awaiting_room == 1
+    assert waiting.admitted(stamp, 1.03, seq=8)
+    assert not waiting.admitted(behind, 9.0, seq=12)
+    # as one sent at that moment with requests decoding: admitted within the window, or at
+    # the next event batch; a request routed before then shares its batch
+    assert _pending(book, waiting, now=1.01, seq=8) == 4
+    assert _pending(book, waiting, now=1.03, seq=8) == 12
+    assert _pending(book, waiting, now=1.01, seq=9) == 12
+    waiting.room_came(-5, now=2.0, seq=9)  # room to spare: the one behind goes in too
+    assert waiting.awaiting_room == 0 and waiting.admitted(behind, 2.03, seq=9)
+    # the count follows requests that end while they wait
+    _, gone, stamp = _waits_for_room()
+    gone.answered(stamp, first_byte=False, now=1.0)
+    assert gone.awaiting_room == 0
 
 
 def test_blocks_stored_since_a_waiting_request_was_sent_are_its_finished_prefill() -> None:

@@ -406,3 +406,46 @@ async def test_the_book_keeps_a_backlogs_prompts_however_deep(
     assert len(book) == 16
     assert [kept(keys) for _, keys in backlog] == [False] * 32 + [True]
     assert kept(last)
+
+
+async def test_a_pool_too_small_for_the_request_is_not_routable_while_another_holds_it(
+    indexer: IndexerService,
+) -> None:
+    planner = await _planner(indexer, "kv")
+    small, big = planner.pool.find("w0"), planner.pool.find("w1")
+    assert small is not None and big is not None
+    small.capacity_tokens, big.capacity_tokens = 1024, 8192
+    # 2,000 prompt tokens and 4 out: only the big pool holds them. Before, the small one was
+    # chosen as often as not (its charge for evicting was only what overflowed its pool)
+    # and its worker's 400 went to the client
+    req = parse_request(
+        Endpoint.COMPLETIONS, json.dumps({"prompt": "x" * 2000, "max_tokens": 4}).encode(), TOK
+    )
+    ns = planner.namespace(req)
+    plan = planner.plan(req, ns)
+    assert plan.worker == "w1" and [c.worker for c in plan.ranked()] == ["w1"]
+    (unfit,) = [c for c in plan.candidates if c.worker == "w0"]
+    assert not unfit.healthy and unfit.status == "ready"
+    assert unfit.unfit is not None and "holds 1024 tokens" in unfit.unfit
+    assert "2000-token prompt and the 4 tokens it may generate" in unfit.unfit
+    # a capacity not known is no reason: the worker may hold it
+    small.capacity_tokens = None
+    assert {c.worker for c in planner.plan(req, ns).ranked()} == {"w0", "w1"}
+    # none can hold it: both stay routable, and the worker refuses it (a 400), as before
+    small.capacity_tokens, big.capacity_tokens = 1024, 1500
+    plan = planner.plan(req, ns)
+    assert len(plan.ranked()) == 2 and all(c.unfit is not None for c in plan.candidates)
+    # a request that names no output limit (chat) counts its first token only here; a
+    # prefill side of a pair generates that token only
+    big.capacity_tokens = 8192
+    chat = parse_request(
+        Endpoint.CHAT,
+        json.dumps({"messages": [{"role": "user", "content": "x" * 1900}]}).encode(),
+        TOK,
+    )
+    assert chat.output_tokens is None
+    tight = len(chat.tokens) + 1
+    small.capacity_tokens = tight
+    assert {c.worker for c in planner.plan(chat, ns).ranked()} == {"w0", "w1"}
+    small.capacity_tokens = tight - 1
+    assert [c.worker for c in planner.plan(chat, ns).ranked()] == ["w1"]
