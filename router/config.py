@@ -179,9 +179,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # no longer pulls every new prompt onto the one full pool that holds it (0: off)
     room_weight: NonNegativeFloat = 0.5
     # learn decode_weight (the running requests' cost in prefill tokens) from observed time to
-    # first token of streamed answers (router.routing.balance; a whole answer's first byte
-    # comes after its decode), the configured value as the prior, worth this many samples;
-    # bounded to [decode_weight / 4, decode_weight * 4]
+    # first token of streamed answers sent with no whole answer queued ahead (router.routing.
+    # balance; a whole answer's first byte comes after its decode), the configured value as
+    # the prior, worth this many samples; bounded to [decode_weight / 4, decode_weight * 4]
     balance_learning: bool = False
     balance_prior_samples: NonNegativeFloat = 20.0
     # approx_tree mirrors sglang-router 0.3.2's cache_aware policy, with its defaults: out of

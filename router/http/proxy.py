@@ -278,6 +278,8 @@ class Proxy:
                 # placed by the engine: which rank holds the prompt is unknown, nothing is
                 # marked (marks on every rank would predict hits on all but one: fail closed)
                 stores_prompt=parsed.stores_its_tokens and not engine_placed,
+                # a whole answer's first byte comes after its decode (`WorkerLoad.blind`)
+                whole_answer=not parsed.stream,
             )
             obs.attempt(plan, candidate, sends)
             sends += 1

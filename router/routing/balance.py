@@ -18,6 +18,10 @@ Only a streamed answer's first chunk is its first token (`Planner.first_byte`): 
 first byte comes once it has decoded too, and is no sample (before, it was one, and a fleet of
 whole answers fitted its decode as prefill); nor is a request sent behind a full batch, whose
 first token waits for the queue to drain (`router.routing.policy`, `queue_wait`).
+A streamed answer sent while a whole one counts as queued prefill on its rank is no sample
+either: the whole one counts so until its first byte, after its decode, so the queue ahead may
+hold prompts prefilled long ago (before, it was a sample: half the answers whole drove
+decode_weight to its floor). The estimate counts the answers that were none.
 
 Pure and synchronous: no I/O.
 """
@@ -39,12 +43,17 @@ class BalanceEstimate(msgspec.Struct, frozen=True, gc=False):
     prefill_ms_per_token: float | None  # None until a sample arrived
     running_ms: float | None
     samples: float  # the forgetting-weighted number of samples
+    # answers that could be no sample since the start: whole ones (their first byte comes
+    # after their decode), and streamed ones sent while a whole answer was counted as queued
+    # prefill on their rank (it may have been prefilled long ago: `WorkerLoad.blind`)
+    whole_answers: int = 0
+    behind_whole: int = 0
 
 
 class BalanceModel:
     """Online ridge fit of TTFT against queued prefill tokens and running requests."""
 
-    __slots__ = ("_n", "_prior", "_prior_n", "_sxx", "_sxy")
+    __slots__ = ("_n", "_prior", "_prior_n", "_sxx", "_sxy", "behind_whole", "whole_answers")
 
     def __init__(self, prior_decode_weight: float, prior_samples: float = 20.0) -> None:
         self._prior = prior_decode_weight
@@ -53,6 +62,9 @@ class BalanceModel:
         # sums of x x^T and x y for x = (tokens, running), y = ttft_ms
         self._sxx = [0.0, 0.0, 0.0]  # tt, tr, rr
         self._sxy = [0.0, 0.0]
+        # answers that were no sample (`BalanceEstimate`), counted by the planner
+        self.whole_answers = 0
+        self.behind_whole = 0
 
     def observe(self, ttft_ms: float, tokens: int, running: int) -> None:
         """One answered request: its TTFT and what was ahead of it when it was sent."""
@@ -67,12 +79,18 @@ class BalanceModel:
         sxy[1] = sxy[1] * f + running * ttft_ms
         self._n = self._n * f + 1.0
 
+    @property
+    def samples(self) -> float:
+        """The forgetting-weighted number of samples so far."""
+        return self._n
+
     def estimate(self) -> BalanceEstimate:
         """The current fit; the prior alone until samples arrive."""
-        prior = self._prior
+        prior, n = self._prior, self._n
         tt, tr, rr = self._sxx
-        if self._n <= 0 or tt <= 0:
-            return BalanceEstimate(prior, prior, None, None, self._n)
+        unsampled = {"whole_answers": self.whole_answers, "behind_whole": self.behind_whole}
+        if n <= 0 or tt <= 0:
+            return BalanceEstimate(prior, prior, None, None, n, **unsampled)
         # the prior's prefill cost: the one-parameter fit with the prior decode weight
         p0 = (self._sxy[0] + prior * self._sxy[1]) / (tt + 2 * prior * tr + prior * prior * rr)
         q0 = prior * p0
@@ -84,10 +102,10 @@ class BalanceModel:
         y1 = self._sxy[1] + lam_r * q0
         det = a * d - b * b
         if det <= 0:
-            return BalanceEstimate(prior, prior, p0, q0, self._n)
+            return BalanceEstimate(prior, prior, p0, q0, n, **unsampled)
         p = (d * y0 - b * y1) / det
         q = (a * y1 - b * y0) / det
         if p <= 0:
-            return BalanceEstimate(prior, prior, p, q, self._n)
+            return BalanceEstimate(prior, prior, p, q, n, **unsampled)
         weight = min(max(q / p, prior / 4), prior * 4) if prior > 0 else 0.0
-        return BalanceEstimate(weight, prior, p, q, self._n)
+        return BalanceEstimate(weight, prior, p, q, n, **unsampled)

@@ -73,6 +73,7 @@ class WorkerLoad:
     """In-flight counters of one worker (or one dp rank of it)."""
 
     __slots__ = (
+        "blind",
         "held_tokens",
         "kv_tokens",
         "output_tokens",
@@ -96,6 +97,11 @@ class WorkerLoad:
         self.sized = 0
         # the uncached prompts of the requests held in the router for this rank (not sent)
         self.held_tokens = 0
+        # how many of the requests counted as queued prefill may have been prefilled long
+        # ago: whole answers, whose first byte comes only once they have decoded too
+        # (`LoadTracker.begin`, `blind`); a time to first token measured behind one is no
+        # sample of the balance fit (`Planner.commit`)
+        self.blind = 0
 
     def allocated_tokens(self, default: int, output_ratio: float = 1.0) -> int:
         """The KV the requests in flight allocate beyond the cache they reuse: their uncached
@@ -127,6 +133,7 @@ class Ticket:
     __slots__ = (
         "ahead_running",
         "ahead_tokens",
+        "blind",
         "done",
         "dp_rank",
         "kv_tokens",
@@ -169,6 +176,8 @@ class Ticket:
         # whether its prompt still counts as queued prefill (until its first byte, or until
         # the events show a prefill side has computed it)
         self.queued = True
+        # whether it counts in its load's `blind` while queued (a whole answer)
+        self.blind = False
         # (stream, recency stamp) of the decision on each stream it was sent to, while its
         # prompt is on its way (`router.routing.admission`); set by the planner
         self.marks: list[tuple[str, int]] = []
@@ -216,6 +225,7 @@ class LoadTracker:
             out.output_tokens += load.output_tokens
             out.sized += load.sized
             out.held_tokens += load.held_tokens
+            out.blind += load.blind
         return out
 
     def begin(
@@ -226,12 +236,17 @@ class LoadTracker:
         kv_tokens: int = 0,
         output_tokens: int | None = None,
         prompt_tokens: int | None = None,
+        *,
+        blind: bool = False,
     ) -> Ticket:
         """A request was sent to `worker` (rank `dp_rank`) with this many uncached tokens (and,
         to a decode worker, this much KV it will hold while it runs; `output_tokens`: the
         output it may generate, None: not known; `prompt_tokens`: its whole prompt, None: not
-        known, its uncached tokens are counted)."""
+        known, its uncached tokens are counted). `blind`: when its prompt is computed will not
+        be known (a whole answer answers after its decode): it counts in `WorkerLoad.blind`
+        until it stops counting as queued prefill."""
         load = self.of(worker, dp_rank)
+        load.blind += blind
         load.queued_prefill_tokens += prefill_tokens
         load.uncached_tokens += prefill_tokens
         load.running += 1
@@ -240,9 +255,11 @@ class LoadTracker:
             load.output_tokens += output_tokens
             load.sized += 1
         load.prompt_tokens += prefill_tokens if prompt_tokens is None else prompt_tokens
-        return Ticket(
+        ticket = Ticket(
             worker, prefill_tokens, dp_rank, kv_tokens, output_tokens, load, prompt_tokens
         )
+        ticket.blind = blind
+        return ticket
 
     def hold(self, worker: str, dp_rank: int | None, prefill_tokens: int) -> None:
         """A request with this many uncached tokens waits in the router for this rank."""
@@ -277,6 +294,7 @@ class LoadTracker:
         load = self._load(ticket)
         if load is not None:
             load.queued_prefill_tokens -= ticket.prefill_tokens
+            load.blind -= ticket.blind
 
     def end(self, ticket: Ticket) -> None:
         """The request finished, failed or was cancelled (idempotent)."""

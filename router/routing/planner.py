@@ -20,6 +20,7 @@ retries stay per worker: a failure is the worker's, so a retry goes to another w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -64,6 +65,12 @@ __all__ = ["SHADOW_KEEP_S", "Candidate", "Plan", "Planner", "unindexed_reason"]
 # than any request waits and runs, so its pages are stored and their events in by then (after
 # that, for as long as the stream still holds the prefix: `indexer.shadowed`)
 SHADOW_KEEP_S = 3600.0
+
+# answers that could be no balance sample (whole, or streamed behind a whole one) before the log
+# says the fit has too few samples (once, `Planner._sampled`)
+THIN_UNSAMPLED = 100
+
+_log = logging.getLogger(__name__)
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -265,6 +272,8 @@ class Planner:
         # a request's end frees pages: the requests waiting there for KV room may go in
         load.end_listeners.append(self._room_freed)
         self.balance = BalanceModel(config.decode_weight, config.balance_prior_samples)
+        # whether the log said the balance fit has too few samples (`_sampled`)
+        self._thin_said = False
         # the prompt being routed: its block keys, made once for every candidate's forecast,
         # its pending marks and its recency
         self.keys = PromptKeys(indexer)
@@ -622,6 +631,7 @@ class Planner:
         output_tokens: int | None = None,
         keyed: Sequence[KeyedItem] = (),
         stores_prompt: bool = True,
+        whole_answer: bool = False,
     ) -> Ticket:
         """Record that the request goes to `candidate`; returns its load ticket.
 
@@ -631,7 +641,9 @@ class Planner:
         extra_key (`shadow`). `stores_prompt` False: the engine may store the prompt under
         other keys than these tokens' (a request that can reuse nothing the router can
         predict: `ParsedRequest.reuse_limit` 0), so nothing is marked pending, nor made
-        recently used (the worker touches no blocks of these keys for it)."""
+        recently used (the worker touches no blocks of these keys for it). `whole_answer`: the
+        client gets its answer whole, whose first byte comes only once it has decoded too:
+        until then it counts as queued prefill of unknown state (`WorkerLoad.blind`)."""
         if first_try:
             self.policy.record(tokens, candidate.target)
         # there its pages may be another namespace's than `ns` (`Plan` predicted it nothing)
@@ -665,6 +677,7 @@ class Planner:
             candidate.dp_rank,
             output_tokens=output_tokens,
             prompt_tokens=len(tokens),
+            blind=whole_answer,
         )
         ticket.marks = marks
         ticket.pending = pending
@@ -672,6 +685,8 @@ class Planner:
         # the queue's drain (`Policy.queue_wait`), which the balance's two terms cannot fit
         cap = candidate.running_cap
         ticket.sent_at = self.clock() if cap is None or ahead_running < cap else None
+        if self._config.balance_learning:
+            self._sampled(ticket, whole_answer=whole_answer, blind_ahead=before.blind)
         ticket.ahead_tokens = ahead_tokens + ticket.prefill_tokens
         ticket.ahead_running = ahead_running
         entry = self.pool.find(candidate.worker)
@@ -681,6 +696,41 @@ class Planner:
         # after `share`: the other replicas know the request by then, and tie its shadows to it
         ticket.shadows = self.shadow(ns, tokens, candidate.worker, candidate.dp_rank, keyed, ticket)
         return ticket
+
+    def _sampled(self, ticket: Ticket, *, whole_answer: bool, blind_ahead: int) -> None:
+        """Whether the request can be a sample of the balance fit. A whole answer cannot (its
+        first byte comes after its decode); nor can a streamed one sent while a whole answer
+        was counted as queued prefill on its rank (`blind_ahead`, not counting itself): that
+        one may have been prefilled long ago and be decoding now, and the fit would spread
+        the time to first token over prefill that was not ahead. Before, it was a sample: half
+        the answers whole drove decode_weight to its floor (prior / 4). A fleet where that
+        leaves the fit too few samples is said once in the log."""
+        balance = self.balance
+        if whole_answer:
+            balance.whole_answers += 1
+        elif blind_ahead and ticket.sent_at is not None:
+            balance.behind_whole += 1
+            ticket.sent_at = None
+        else:
+            return
+        unsampled = balance.whole_answers + balance.behind_whole
+        if (
+            not self._thin_said
+            and unsampled >= THIN_UNSAMPLED
+            and balance.samples < self._config.balance_prior_samples
+        ):
+            self._thin_said = True
+            _log.warning(
+                "balance learning has %.0f samples after %d answers that could be none "
+                "(%d whole, %d streamed behind a whole one on their rank): decode_weight "
+                "stays near the configured %s until streamed answers arrive with no whole "
+                "answer queued ahead (/admin/route: the plan's balance)",
+                balance.samples,
+                unsampled,
+                balance.whole_answers,
+                balance.behind_whole,
+                self._config.decode_weight,
+            )
 
     def share(
         self, ns: Namespace, tokens: Sequence[int], candidate: Candidate, ticket: Ticket, *,
