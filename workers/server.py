@@ -328,10 +328,18 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
 
     try:
         response = await _open_sse(request)
-        if chat:
-            await response.write(chunk(None, None, role=True))
+        # chat's first chunk (the role) goes once the first token exists, as SGLang's
+        # serving_chat sends it (in its loop over the outputs, just before the first one's):
+        # a router takes the first chunk as the first token. Before, it went at once, before
+        # the prefill, and the router's balance fit learned nothing from streamed chat
+        role = chat
         async for token in job.tokens():
+            if role:
+                role = False
+                await response.write(chunk(None, None, role=True))
             await response.write(chunk(_TOKENIZER.decode([token]), None))
+        if role:  # no output at all: the role still comes first
+            await response.write(chunk(None, None, role=True))
         await response.write(chunk(None, _finish_reason(job)))
         if api.include_usage:
             await response.write(_sse(head | {"choices": [], "usage": _usage(job)}))

@@ -194,7 +194,9 @@ async def relay_answer(
         return response
     # wait for the first chunk before committing headers: until then, a retry is legal
     first = await upstream.readany()
-    # a stream's first chunk is its first token (an error's is none): a time to first token
+    # a stream's first chunk is its first token (an error's is none): a time to first token.
+    # Its content is not read: SGLang sends a chat stream's role chunk with the first output,
+    # and an upstream that sends it before the prefill fools the balance fit (docs/router.md)
     planner.first_byte(ticket, first_token=200 <= upstream.status < 300)
     if hooks is not None:
         await hooks.before_commit(upstream.status)

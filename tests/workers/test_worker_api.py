@@ -564,3 +564,27 @@ async def test_debug_match_says_what_the_request_would_report_as_cached(
         assert match["cached_tokens"] == match["ranks"][0] == reported, fields
         assert match["held_tokens"] == match["held_ranks"][0] == 4 * PAGE
     assert reported == 2 * PAGE
+
+
+async def test_streamed_chat_sends_its_role_chunk_with_the_first_token() -> None:
+    """SGLang's serving_chat sends the role chunk once the first output exists, so a router
+    takes a stream's first chunk as its first token. Before, the reference worker sent it at
+    once, before the prefill (3 ms against a 300 ms prefill here)."""
+    cfg = WorkerConfig(prefill_ms_per_token=1.0, decode_ms_per_token=5.0, time_scale=1.0)
+    body = {
+        "model": cfg.model,
+        "messages": [{"role": "user", "content": "a" * 300}],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    async with ReferenceWorker(cfg) as worker, aiohttp.ClientSession() as session:
+        started = asyncio.get_running_loop().time()
+        async with session.post(worker.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            first = await resp.content.readline()
+            waited = asyncio.get_running_loop().time() - started
+            rest = await resp.read()
+    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["delta"]["role"] == "assistant"
+    assert waited >= 0.25  # the prompt's prefill (300 tokens at 1 ms) came first
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith(b"data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events)
