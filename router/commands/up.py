@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill",
         type=at_least(0),
         default=0,
-        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers; "
-        "default %(default)s: no such fleet)",
+        help="prefill workers of a prefill/decode fleet (with --decode; in place of --workers, "
+        "refused with it; default %(default)s: no such fleet)",
     )
     parser.add_argument(
         "--decode",
@@ -347,6 +347,14 @@ def _check_router(router: RouterConfig, *, replicas: bool) -> None:
         check_replicas(msgspec.structs.replace(router, cluster=router.cluster or ClusterConfig()))
 
 
+def _typed(args: argparse.Namespace) -> set[str] | None:
+    """The options of `up` the command line gave (a default value typed too), or None where
+    it is not known (`run` called directly: then a value other than the default counts)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)
+    return _given_options(probe, getattr(args, "command_line", None))
+
+
 def _apply_fleet_table(args: argparse.Namespace, fleet: dict[str, Any] | None) -> None:
     """Fill worker options from `[fleet]` wherever the command line did not give them (an
     option typed with its default value wins too)."""
@@ -487,7 +495,20 @@ def run(args: argparse.Namespace) -> int:
         # the [fleet] table shapes the workers with or without the router
         with _config_file(args.config) as path:
             config = load_config(path)
+        typed = _typed(args)
+        workers_given = "workers" in typed if typed is not None else args.workers != 2
         _apply_fleet_table(args, config.fleet)
+        if workers_given and (args.prefill or args.decode):
+            # a prefill/decode fleet replaces --workers: it was dropped without a word
+            on_line = typed is None or {"prefill", "decode"} & typed
+            source = "--prefill/--decode" if on_line else "[fleet] prefill/decode"
+            print(
+                f"kvroute up: --workers {args.workers} and {source} do not go together (a "
+                "prefill/decode fleet is --prefill N prefill workers and --decode M decode "
+                "workers, in place of --workers)",
+                file=sys.stderr,
+            )
+            return 2
         if not args.no_router:
             router = apply_overrides(
                 config, argparse.Namespace(port=args.router_port, policy=args.policy)

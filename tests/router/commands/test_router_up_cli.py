@@ -459,3 +459,36 @@ async def test_up_with_no_router_says_it_stops_its_workers() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "fleet"),
+    [
+        (["--workers", "3", "--prefill", "1", "--decode", "1"], ""),
+        (["--workers", "2", "--prefill", "1", "--decode", "1"], ""),
+        (["--workers", "3"], "prefill = 1\ndecode = 1\n"),
+    ],
+    ids=["workers-3", "workers-default-value", "fleet-table"],
+)
+async def test_workers_with_prefill_decode_is_refused(
+    tmp_path: Path, args: list[str], fleet: str
+) -> None:
+    """`--workers 3 --prefill 1 --decode 1` started a 1 + 1 fleet and dropped --workers
+    without a word."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"[fleet]\n{fleet}")
+    given = ["--config", str(config)] if fleet else []  # else the default config
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", *given,
+        "--router-port", "0", "--worker-port-base", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and "--workers" in lines[0] and "do not go together" in lines[0]
