@@ -22,7 +22,11 @@ own probe too, and the two hold sockets would then share the port: the steps run
 per port, an abstract Unix socket (Linux; released by the kernel when the process ends, however
 it ends), held for those microseconds only. Another platform runs them without it.
 
-Port 0 draws a free port, held by a SO_REUSEPORT socket as in step 2: no one else holds it.
+Port 0 draws a free port on the host's first address (a socket as step 1's, which keeps it
+until the lock is taken), then runs steps 1 and 2 on that port for every address, drawing again
+when another address has it taken. Before, only the first address was held (an IPv4 one: for
+`""` or a name that resolves to 127.0.0.1 and ::1 too, [::]:P or [::1]:P was left to anyone).
+
 What still joins a held port is a program of this user that sets SO_REUSEPORT itself: the
 kernel allows it, and nothing here can see it.
 """
@@ -30,6 +34,8 @@ kernel allows it, and nothing here can see it.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import socket
 import sys
 import time
@@ -66,15 +72,7 @@ def hold_port(host: str, port: int) -> PortHold:
         with _locked(port):
             for family, address in addresses:
                 _bind(family, address, reuse_port=False).close()
-            held: list[socket.socket] = []
-            try:
-                for family, address in addresses:
-                    held.append(_bind(family, address, reuse_port=True))
-            except OSError:
-                for sock in held:
-                    sock.close()
-                raise
-        return PortHold(held, port)
+            return PortHold(_hold_all(addresses), port)
     except OSError as exc:
         raise ConfigError(
             f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another [listen] "
@@ -83,17 +81,44 @@ def hold_port(host: str, port: int) -> PortHold:
         ) from exc
 
 
+_DRAW_TRIES = 20  # a drawn port taken on another address of the host: another draw
+
+
 def _draw(host: str) -> PortHold:
-    """A free port, held (port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A free port on every address of `host`, held (port 0)."""
+    addresses = _addresses(host, 0)
+    if not addresses:
+        raise OSError(errno.EADDRNOTAVAIL, f"no address to listen on for {host!r}")
+    for _ in range(_DRAW_TRIES):
+        family, (first, _) = addresses[0]
+        probe = _bind(family, (first, 0), reuse_port=False)  # keeps the port until locked
+        port = int(probe.getsockname()[1])
+        on_port = [(f, (a, port)) for f, (a, _) in addresses]
+        try:
+            with _locked(port):
+                probe.close()
+                for each_family, address in on_port[1:]:
+                    _bind(each_family, address, reuse_port=False).close()
+                return PortHold(_hold_all(on_port), port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+        finally:
+            probe.close()
+    raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+
+
+def _hold_all(addresses: list[tuple[socket.AddressFamily, tuple[str, int]]]) -> list[socket.socket]:
+    """Step 2 on every address: the hold sockets, or none (OSError) when one is refused."""
+    held: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, 0))
+        for family, address in addresses:
+            held.append(_bind(family, address, reuse_port=True))
     except OSError:
-        sock.close()
+        for sock in held:
+            sock.close()
         raise
-    return PortHold([sock], int(sock.getsockname()[1]))
+    return held
 
 
 def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[str, int]]]:

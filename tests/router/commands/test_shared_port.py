@@ -135,3 +135,27 @@ def test_every_address_of_the_host_is_held() -> None:
         child.close()
     finally:
         hold.close()
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6 on this host")
+def test_a_drawn_port_is_held_on_every_address_of_the_host() -> None:
+    """Port 0 on `""` (0.0.0.0 and ::) held the IPv4 address alone: [::]:P was anyone's."""
+    hold = hold_port("", 0)
+    try:
+        for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+            with socket.socket(family) as other, pytest.raises(OSError):
+                if family == socket.AF_INET6:
+                    other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind((address, hold.port))
+    finally:
+        hold.close()
