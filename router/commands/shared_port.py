@@ -27,6 +27,10 @@ until the lock is taken), then runs steps 1 and 2 on that port for every address
 when another address has it taken. Before, only the first address was held (an IPv4 one: for
 `""` or a name that resolves to 127.0.0.1 and ::1 too, [::]:P or [::1]:P was left to anyone).
 
+`kvroute up` holds its router's port so, before its workers start, for one router (which then
+listens with SO_REUSEPORT beside the hold) as for `--replicas`: before, a taken port was found
+only once the workers, and the replicas' nats-server, were up and had printed how to reach them.
+
 What still joins a held port is a program of this user that sets SO_REUSEPORT itself: the
 kernel allows it, and nothing here can see it.
 """
@@ -43,7 +47,7 @@ from collections.abc import Iterator
 
 from router.errors import ConfigError
 
-__all__ = ["PortHold", "hold_port"]
+__all__ = ["PortHold", "hold_port", "port_taken"]
 
 _LOCK_WAIT_S = 2.0  # another parent holds the lock for microseconds: this is ample
 _LOCK_RETRY_S = 0.005
@@ -62,9 +66,10 @@ class PortHold:
         self._sockets = []
 
 
-def hold_port(host: str, port: int) -> PortHold:
+def hold_port(host: str, port: int, *, option: str = "serve --port") -> PortHold:
     """Hold `port` on `host` for SO_REUSEPORT listeners of this process's children, or raise
-    ConfigError, as a single router says it, when it is taken (module docstring)."""
+    ConfigError, as a single router says it, when it is taken (module docstring); `option`:
+    the command line's option that moves the port, named in the refusal."""
     try:
         if not port:
             return _draw(host)
@@ -74,11 +79,29 @@ def hold_port(host: str, port: int) -> PortHold:
                 _bind(family, address, reuse_port=False).close()
             return PortHold(_hold_all(addresses), port)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another [listen] "
-            "host or port (serve --port, up --router-port), or stop what holds it",
-            key="listen.port",
-        ) from exc
+        raise port_taken(host, port, exc, option) from exc
+
+
+def port_taken(host: str, port: int, exc: OSError, option: str) -> ConfigError:
+    """The refusal of a port that cannot be listened on, in one wording for one router and
+    `--processes` alike: the OS's reason as it names it ("Address already in use"), never
+    asyncio's rewording of it, and what `host` binds where it is `""`."""
+    reason = exc.strerror or str(exc)
+    if exc.errno and reason.startswith("error while attempting to bind"):
+        reason = os.strerror(exc.errno)  # asyncio's: "...('127.0.0.1', P): address already..."
+    return ConfigError(
+        f"cannot listen on {_shown(host, port)} ({reason}): choose another [listen] host "
+        f"or port ({option}), or stop what holds it",
+        key="listen.port",
+    )
+
+
+def _shown(host: str, port: int) -> str:
+    """`host` and `port` as a refusal names them: `""` is every interface, IPv4 and IPv6 (it
+    was shown as nothing, "cannot listen on :8000"), an IPv6 address is bracketed."""
+    if not host:
+        return f"0.0.0.0:{port} and [::]:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 _DRAW_TRIES = 20  # a drawn port taken on another address of the host: another draw

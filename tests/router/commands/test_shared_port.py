@@ -159,3 +159,18 @@ def test_a_drawn_port_is_held_on_every_address_of_the_host() -> None:
                 other.bind((address, hold.port))
     finally:
         hold.close()
+
+
+def test_the_refusal_shows_what_an_empty_host_binds_and_the_option_given() -> None:
+    """`""` was shown as nothing ("cannot listen on :8000"), and every command's refusal
+    named "serve --port, up --router-port"."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            hold_port("", port, option="indexer --port")
+    said = str(caught.value)
+    shown = f"cannot listen on 0.0.0.0:{port} and [::]:{port} (Address already in use)"
+    assert said.startswith(shown), said
+    assert "(indexer --port)" in said and "up --router-port" not in said
