@@ -67,7 +67,7 @@ from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.cluster.server import die_with_parent
 from router.commands import hangup
 from router.commands.serve import workers_said
-from router.commands.shared_port import hold_port
+from router.commands.shared_port import PortHold, hold_port
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
@@ -320,6 +320,7 @@ async def serve_processes(
     pointers: bool = False,
     overrides: Sequence[str] = (),
     port_given: bool = False,
+    hold: PortHold | None = None,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
@@ -333,7 +334,8 @@ async def serve_processes(
     the children share is passed too where the file leaves it to the OS (0). `verb`: what each
     child runs, `serve` (the proxy) or `indexer` (the index and its query API only).
     `reload=False`: the file is read once (no reload by SIGHUP or `POST /admin/reload`;
-    SIGHUP is left to the caller's handler).
+    SIGHUP is left to the caller's handler). `hold`: the port held already, by a caller that
+    holds it before it starts anything else (`kvroute up`); closed here as one held here is.
     """
     cluster = check_replicas(config)  # as each child's reload checks its file
     env = dict(os.environ)
@@ -341,7 +343,8 @@ async def serve_processes(
         # one key for all: a namespace id one replica lists is the id another evicts by
         env[FINGERPRINT_KEY_ENV] = secrets.token_hex(32)
     metrics_ports = _metrics_ports(config, processes)
-    hold = hold_port(config.listen.host, config.listen.port)  # ConfigError: taken
+    if hold is None:  # ConfigError: taken
+        hold = hold_port(config.listen.host, config.listen.port, option=f"{verb} --port")
     port = hold.port
     # (a port 0, given or the file's, is the one reserved for them all)
     shared_port = ["--port", str(port)] if port_given or port != config.listen.port else []

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, get_args
 
 import msgspec
@@ -220,13 +220,17 @@ async def serve_until_stopped(
 
         # a stop that does not end by itself is ended after the grace the parent would give
         watch_parent(lambda: _set_from_thread(loop, stop), STOP_TIMEOUT_S)
-    async with RouterService(
-        config,
-        reuse_port=reuse_port,
-        proxy=proxy,
-        config_source=config_source,
-        process=process,
-        relay=relay,
+    verb = "relay" if relay else "serve" if proxy else "indexer"
+    async with listening(
+        RouterService(
+            config,
+            reuse_port=reuse_port,
+            proxy=proxy,
+            config_source=config_source,
+            process=process,
+            relay=relay,
+        ),
+        f"{verb} --port",
     ) as router:
         started = router
         link = ReloadLink(reload_fd) if reload_fd is not None else None
@@ -382,16 +386,21 @@ async def serve_fleet(
     config: RouterConfig,
     workers: Sequence[WorkerConfig],
     until: Callable[[], Awaitable[None]],
+    *,
+    reuse_port: bool = False,
 ) -> None:
     """Run the router of `config` in front of `workers` (added to its own) until `until()`.
 
     `kvroute up` calls this once its reference workers are up; it prints the router URL, a
-    curl example, where the admin API is and the dashboard.
+    curl example, where the admin API is and the dashboard. `reuse_port`: listen beside the
+    socket `up` holds the port with from before its workers start (`shared_port.hold_port`).
     """
     from router.service import RouterService
 
     config = msgspec.structs.replace(config, workers=(*config.workers, *workers))
-    async with RouterService(config) as router:
+    async with listening(
+        RouterService(config, reuse_port=reuse_port), "up --router-port"
+    ) as router:
         settle_collector()
         print(
             f"\nkvroute router: {router.url}  (policy {config.policy.name}, "
@@ -401,6 +410,28 @@ async def serve_fleet(
             print(line)
         sys.stdout.flush()
         await until()
+
+
+@contextlib.asynccontextmanager
+async def listening(service: RouterService, option: str) -> AsyncIterator[RouterService]:
+    """`service`, started and stopped; a port it cannot listen on refused as `hold_port`
+    refuses it (`shared_port.port_taken`: one wording for one router and `--processes`, the
+    option of this command that moves it). Before, one router said asyncio's "error while
+    attempting to bind on address ('127.0.0.1', P): address already in use", `--processes`
+    "Address already in use", and `kvroute indexer` was told of "serve --port, up
+    --router-port"."""
+    from router.commands.shared_port import port_taken
+
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            started = await stack.enter_async_context(service)
+        except ConfigError as exc:
+            cause = exc.__cause__
+            if exc.key != "listen.port" or not isinstance(cause, OSError):
+                raise
+            listen = service.config.listen
+            raise port_taken(listen.host, listen.port, cause, option) from cause
+        yield started
 
 
 def router_pointers(url: str, config: RouterConfig) -> list[str]:

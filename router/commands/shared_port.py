@@ -22,7 +22,15 @@ own probe too, and the two hold sockets would then share the port: the steps run
 per port, an abstract Unix socket (Linux; released by the kernel when the process ends, however
 it ends), held for those microseconds only. Another platform runs them without it.
 
-Port 0 draws a free port, held by a SO_REUSEPORT socket as in step 2: no one else holds it.
+Port 0 draws a free port on the host's first address (a socket as step 1's, which keeps it
+until the lock is taken), then runs steps 1 and 2 on that port for every address, drawing again
+when another address has it taken. Before, only the first address was held (an IPv4 one: for
+`""` or a name that resolves to 127.0.0.1 and ::1 too, [::]:P or [::1]:P was left to anyone).
+
+`kvroute up` holds its router's port so, before its workers start, for one router (which then
+listens with SO_REUSEPORT beside the hold) as for `--replicas`: before, a taken port was found
+only once the workers, and the replicas' nats-server, were up and had printed how to reach them.
+
 What still joins a held port is a program of this user that sets SO_REUSEPORT itself: the
 kernel allows it, and nothing here can see it.
 """
@@ -30,6 +38,8 @@ kernel allows it, and nothing here can see it.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import socket
 import sys
 import time
@@ -37,7 +47,7 @@ from collections.abc import Iterator
 
 from router.errors import ConfigError
 
-__all__ = ["PortHold", "hold_port"]
+__all__ = ["PortHold", "hold_port", "port_taken"]
 
 _LOCK_WAIT_S = 2.0  # another parent holds the lock for microseconds: this is ample
 _LOCK_RETRY_S = 0.005
@@ -56,9 +66,10 @@ class PortHold:
         self._sockets = []
 
 
-def hold_port(host: str, port: int) -> PortHold:
+def hold_port(host: str, port: int, *, option: str = "serve --port") -> PortHold:
     """Hold `port` on `host` for SO_REUSEPORT listeners of this process's children, or raise
-    ConfigError, as a single router says it, when it is taken (module docstring)."""
+    ConfigError, as a single router says it, when it is taken (module docstring); `option`:
+    the command line's option that moves the port, named in the refusal."""
     try:
         if not port:
             return _draw(host)
@@ -66,34 +77,71 @@ def hold_port(host: str, port: int) -> PortHold:
         with _locked(port):
             for family, address in addresses:
                 _bind(family, address, reuse_port=False).close()
-            held: list[socket.socket] = []
-            try:
-                for family, address in addresses:
-                    held.append(_bind(family, address, reuse_port=True))
-            except OSError:
-                for sock in held:
-                    sock.close()
-                raise
-        return PortHold(held, port)
+            return PortHold(_hold_all(addresses), port)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another [listen] "
-            "host or port (serve --port, up --router-port), or stop what holds it",
-            key="listen.port",
-        ) from exc
+        raise port_taken(host, port, exc, option) from exc
+
+
+def port_taken(host: str, port: int, exc: OSError, option: str) -> ConfigError:
+    """The refusal of a port that cannot be listened on, in one wording for one router and
+    `--processes` alike: the OS's reason as it names it ("Address already in use"), never
+    asyncio's rewording of it, and what `host` binds where it is `""`."""
+    reason = exc.strerror or str(exc)
+    if exc.errno and reason.startswith("error while attempting to bind"):
+        reason = os.strerror(exc.errno)  # asyncio's: "...('127.0.0.1', P): address already..."
+    return ConfigError(
+        f"cannot listen on {_shown(host, port)} ({reason}): choose another [listen] host "
+        f"or port ({option}), or stop what holds it",
+        key="listen.port",
+    )
+
+
+def _shown(host: str, port: int) -> str:
+    """`host` and `port` as a refusal names them: `""` is every interface, IPv4 and IPv6 (it
+    was shown as nothing, "cannot listen on :8000"), an IPv6 address is bracketed."""
+    if not host:
+        return f"0.0.0.0:{port} and [::]:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_DRAW_TRIES = 20  # a drawn port taken on another address of the host: another draw
 
 
 def _draw(host: str) -> PortHold:
-    """A free port, held (port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A free port on every address of `host`, held (port 0)."""
+    addresses = _addresses(host, 0)
+    if not addresses:
+        raise OSError(errno.EADDRNOTAVAIL, f"no address to listen on for {host!r}")
+    for _ in range(_DRAW_TRIES):
+        family, (first, _) = addresses[0]
+        probe = _bind(family, (first, 0), reuse_port=False)  # keeps the port until locked
+        port = int(probe.getsockname()[1])
+        on_port = [(f, (a, port)) for f, (a, _) in addresses]
+        try:
+            with _locked(port):
+                probe.close()
+                for each_family, address in on_port[1:]:
+                    _bind(each_family, address, reuse_port=False).close()
+                return PortHold(_hold_all(on_port), port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+        finally:
+            probe.close()
+    raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+
+
+def _hold_all(addresses: list[tuple[socket.AddressFamily, tuple[str, int]]]) -> list[socket.socket]:
+    """Step 2 on every address: the hold sockets, or none (OSError) when one is refused."""
+    held: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, 0))
+        for family, address in addresses:
+            held.append(_bind(family, address, reuse_port=True))
     except OSError:
-        sock.close()
+        for sock in held:
+            sock.close()
         raise
-    return PortHold([sock], int(sock.getsockname()[1]))
+    return held
 
 
 def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[str, int]]]:

@@ -35,6 +35,7 @@ from router.commands.serve import (
     serve_fleet,
     tcp_port,
 )
+from router.commands.shared_port import PortHold, hold_port
 from router.commands.stopping import Until, stoppable
 from router.config import ClusterConfig, PolicyName, RouterConfig, load_config
 from router.config import WorkerConfig as RoutedWorker
@@ -67,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill",
         type=at_least(0),
         default=0,
-        help="prefill workers of a prefill/decode fleet (with --decode; replaces --workers; "
-        "default %(default)s: no such fleet)",
+        help="prefill workers of a prefill/decode fleet (with --decode; in place of --workers, "
+        "refused with it; default %(default)s: no such fleet)",
     )
     parser.add_argument(
         "--decode",
@@ -138,12 +139,14 @@ async def _serve(
     replicas: int,
     until: Until,
     *,
+    hold: PortHold | None = None,
     relay: bool = False,
     log_level: str = "WARNING",
 ) -> None:
     """Start `fleets` and the router (or its replicas) and keep them until `until()`
     returns; what is started is stopped on the way out, a cancellation's too
-    (`router.commands.stopping`: a signal while starting)."""
+    (`router.commands.stopping`: a signal while starting). `hold`: the router's port, held
+    since before the workers started (`router` listens on it, `hold.port`)."""
     # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads on
     # it, but `up` has no file of its own to read again (as POST /admin/reload answers here,
     # on every replica), so it is said and ignored, from the workers' start to the last stop
@@ -173,14 +176,17 @@ async def _serve(
             if replicas > 1 or relay:
                 # the replicas' parent says how long it gives them (`router.commands.replicas`)
                 await _serve_replicas(
-                    router, routed, replicas, until, relay=relay, log_level=log_level
+                    router, routed, replicas, until, hold=hold, relay=relay, log_level=log_level
                 )
             else:
                 stopping = (
                     "stopping: the router lets its requests in flight finish, for up to "
                     f"{SHUTDOWN_TIMEOUT_S:g} s, then the workers stop"
                 )
-                await serve_fleet(router, routed, _said(until, stopping))
+                # beside the hold (SO_REUSEPORT), which keeps the port till the router is gone
+                await serve_fleet(
+                    router, routed, _said(until, stopping), reuse_port=hold is not None
+                )
 
 
 def _said(until: Until, stopping: str) -> Until:
@@ -214,6 +220,7 @@ async def _serve_replicas(
     n: int,
     until: Until,
     *,
+    hold: PortHold | None = None,
     relay: bool = False,
     log_level: str = "WARNING",
 ) -> None:
@@ -264,6 +271,7 @@ async def _serve_replicas(
                 until=until,
                 reload=False,
                 pointers=True,
+                hold=hold,
             )
 
 
@@ -483,19 +491,58 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    hold: PortHold | None = None
     try:
         # the [fleet] table shapes the workers with or without the router
         with _config_file(args.config) as path:
             config = load_config(path)
+        typed = _typed(args)
+        workers_given = "workers" in typed if typed is not None else args.workers != 2
         _apply_fleet_table(args, config.fleet)
+        if workers_given and (args.prefill or args.decode):
+            # a prefill/decode fleet replaces --workers: it was dropped without a word
+            on_line = typed is None or {"prefill", "decode"} & typed
+            source = "--prefill/--decode" if on_line else "[fleet] prefill/decode"
+            print(
+                f"kvroute up: --workers {args.workers} and {source} do not go together (a "
+                "prefill/decode fleet is --prefill N prefill workers and --decode M decode "
+                "workers, in place of --workers)",
+                file=sys.stderr,
+            )
+            return 2
         if not args.no_router:
             router = apply_overrides(
                 config, argparse.Namespace(port=args.router_port, policy=args.policy)
             )
             _check_router(router, replicas=args.replicas > 1 or args.relay)
+            # held from now until the router is gone: refused before any worker (or the
+            # replicas' nats-server) starts, and not taken by another while they start
+            hold = hold_port(router.listen.host, router.listen.port, option="up --router-port")
+            router = msgspec.structs.replace(
+                router, listen=msgspec.structs.replace(router.listen, port=hold.port)
+            )
     except ConfigError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run_fleets(args, router, hold)
+    finally:
+        if hold is not None:
+            hold.close()
+
+
+def _typed(args: argparse.Namespace) -> set[str] | None:
+    """The options of `up` the command line gave (a default value typed too), or None where
+    it is not known (`run` called directly: then a value other than the default counts)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)
+    return _given_options(probe, getattr(args, "command_line", None))
+
+
+def _run_fleets(
+    args: argparse.Namespace, router: RouterConfig | None, hold: PortHold | None
+) -> int:
+    """The fleets and the router of `run`, its checks passed (the router's port held)."""
     try:
         fleets = _fleets(args)
         # uvloop, as `serve`; SIGINT and SIGTERM handled before anything starts
@@ -506,6 +553,7 @@ def run(args: argparse.Namespace) -> int:
                     fleets,
                     router,
                     args.replicas,
+                    hold=hold,
                     relay=args.relay,
                     log_level=args.log_level or "WARNING",  # the replicas', as before
                 )

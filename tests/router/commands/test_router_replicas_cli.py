@@ -757,7 +757,7 @@ def _replica(pid: int) -> bool:
         if b"--reuse-port" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # it ended as it was read
         return False
     ignored = int(status.split("SigIgn:")[1].split()[0], 16)
     return bool(ignored & (1 << (signal.SIGPIPE - 1)))  # Python ignores it as it starts

@@ -276,8 +276,38 @@ async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
         proc = await _run("--config", str(config), "--processes", processes)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}".encode() in err
+    # one wording for both (one router said asyncio's "error while attempting to bind on
+    # address ('127.0.0.1', P): address already in use")
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use)".encode() in err
+    assert b"(serve --port)" in err
     assert b"Traceback" not in err
+
+
+@pytest.mark.parametrize("verb", ["serve", "indexer"])
+async def test_a_port_in_use_names_the_option_of_the_command_refused(
+    tmp_path: Path, verb: str
+) -> None:
+    """`kvroute indexer` was told to choose "serve --port, up --router-port"."""
+    holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = holder.sockets[0].getsockname()[1]
+    config = tmp_path / "router.toml"
+    config.write_text(f"[listen]\nhost = '127.0.0.1'\nport = {port}\n")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", verb, "--config", str(config),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        holder.close()
+        await holder.wait_closed()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2, lines
+    said = [line for line in lines if "cannot listen" in line]
+    assert said == [
+        f"kvroute {verb}: cannot listen on 127.0.0.1:{port} (Address already in use): choose "
+        f"another [listen] host or port ({verb} --port), or stop what holds it"
+    ], lines
 
 
 async def _idle_connection(port: int) -> bytes:

@@ -459,3 +459,95 @@ async def test_up_with_no_router_says_it_stops_its_workers() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]], ids=["one", "replicas"])
+async def test_a_taken_router_port_is_refused_before_any_worker_starts(
+    replicas: list[str],
+) -> None:
+    """The workers (and, for --replicas, the nats-server) started and printed how to reach
+    them, then the router refused its port: the port is held before anything starts now."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.commands.cli", "up", "--workers", "1",
+            "--router-port", str(port), "--worker-port-base", "0", *replicas,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 2, err
+    assert not out, out  # no worker, no nats-server was started (nor said)
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvroute up: cannot listen on 127.0.0.1:{port} (Address already")
+    assert "--router-port" in lines[0]
+
+
+async def test_the_router_port_is_held_from_before_the_workers_start() -> None:
+    """Between the check and the router's start nothing else can take the port: a listener
+    that tries while the workers start is refused, and the router serves on it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", "--workers", "1",
+        "--router-port", str(port), "--worker-port-base", "0",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        await asyncio.wait_for(_read_until(proc.stdout, "reference worker", lines), 30)
+        with socket.socket() as late, pytest.raises(OSError):  # no SO_REUSEADDR/PORT either
+            late.bind(("127.0.0.1", port))
+        said = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 30)
+        assert f"http://127.0.0.1:{port}" in said
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "fleet"),
+    [
+        (["--workers", "3", "--prefill", "1", "--decode", "1"], ""),
+        (["--workers", "2", "--prefill", "1", "--decode", "1"], ""),
+        (["--workers", "3"], "prefill = 1\ndecode = 1\n"),
+    ],
+    ids=["workers-3", "workers-default-value", "fleet-table"],
+)
+async def test_workers_with_prefill_decode_is_refused(
+    tmp_path: Path, args: list[str], fleet: str
+) -> None:
+    """`--workers 3 --prefill 1 --decode 1` started a 1 + 1 fleet and dropped --workers
+    without a word."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"[fleet]\n{fleet}")
+    given = ["--config", str(config)] if fleet else []  # else the default config
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", *given,
+        "--router-port", "0", "--worker-port-base", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1 and "--workers" in lines[0] and "do not go together" in lines[0]

@@ -135,3 +135,42 @@ def test_every_address_of_the_host_is_held() -> None:
         child.close()
     finally:
         hold.close()
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6 on this host")
+def test_a_drawn_port_is_held_on_every_address_of_the_host() -> None:
+    """Port 0 on `""` (0.0.0.0 and ::) held the IPv4 address alone: [::]:P was anyone's."""
+    hold = hold_port("", 0)
+    try:
+        for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+            with socket.socket(family) as other, pytest.raises(OSError):
+                if family == socket.AF_INET6:
+                    other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind((address, hold.port))
+    finally:
+        hold.close()
+
+
+def test_the_refusal_shows_what_an_empty_host_binds_and_the_option_given() -> None:
+    """`""` was shown as nothing ("cannot listen on :8000"), and every command's refusal
+    named "serve --port, up --router-port"."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            hold_port("", port, option="indexer --port")
+    said = str(caught.value)
+    shown = f"cannot listen on 0.0.0.0:{port} and [::]:{port} (Address already in use)"
+    assert said.startswith(shown), said
+    assert "(indexer --port)" in said and "up --router-port" not in said
