@@ -216,6 +216,7 @@ class Outbox:
                     block_size,
                     sent,
                     self._server(ticket.worker),
+                    ticket.output_tokens,
                 )
             )
         self._put(
@@ -272,7 +273,8 @@ class Outbox:
             return
         open_ = [
             OpenTicket(e.number, e.ticket.worker, e.ticket.dp_rank, e.ticket.prefill_tokens,
-                       e.answered, e.ticket.kv_tokens)
+                       e.answered, e.ticket.kv_tokens, e.ticket.output_tokens,
+                       e.ticket.prompt_tokens)
             for e in self._open.values()
         ]  # fmt: skip
         self._put(Heartbeat(open_), force=True)

@@ -71,6 +71,7 @@ class AdmissionBook(Protocol):
         kept_tokens: int,
         held_tokens: int,
         keys_of: Callable[[str], list[int]] | None = None,
+        output_tokens: int | None = None,
     ) -> list[tuple[str, int]]: ...
 
     def release_marks(self, marks: list[tuple[str, int]], *, first_byte: bool) -> None: ...
@@ -336,6 +337,7 @@ class Peers:
             kept_tokens=pending.kept_tokens,
             held_tokens=pending.held_tokens,
             keys_of=keys_of,
+            output_tokens=pending.output_tokens,
         )
         if not marks:
             return
@@ -376,7 +378,12 @@ class Peers:
             ticket = peer.tickets.get(number)
             if ticket is None:
                 ticket = peer.tickets[number] = self._load.begin(
-                    t.worker, t.prefill_tokens, t.dp_rank, kv_tokens=t.kv_tokens
+                    t.worker,
+                    t.prefill_tokens,
+                    t.dp_rank,
+                    kv_tokens=t.kv_tokens,
+                    output_tokens=t.output_tokens,
+                    prompt_tokens=t.prompt_tokens,
                 )
             if t.prefilled and not ticket.prefilled:
                 self._load.first_byte(ticket)

@@ -64,6 +64,12 @@ class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
     # knows the id as another server marks the one meant, under its id there, or nothing
     # (`Peers`); an older receiver ignores it and marks the id, as before.
     server: str = ""
+    # the output the request may generate (None: not known, or a sender from before this
+    # field): the receiver judges whether the pool has room for it beside the requests in
+    # flight as the sender did. Before, it booked the reserve (16 tokens) in its place, took
+    # a request waiting for room as admitted, and predicted a request it routed behind it the
+    # prefix the worker admitted in the same batch (QA: a false hit across replicas)
+    output_tokens: int | None = None
 
 
 class Begin(msgspec.Struct, tag="begin", array_like=True, frozen=True):
@@ -130,6 +136,10 @@ class OpenTicket(msgspec.Struct, array_like=True, frozen=True):
     prefill_tokens: int
     prefilled: bool
     kv_tokens: int = 0  # as `Begin.kv_tokens`
+    # as `Begin.output_tokens` and `Begin.prompt_tokens` (a ticket a heartbeat rebuilds,
+    # its Begin lost, counts its whole footprint in the pool)
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):

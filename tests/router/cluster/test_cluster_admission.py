@@ -203,3 +203,41 @@ async def test_a_failed_requests_marks_are_withdrawn_on_every_replica(withdraw: 
         assert [pending(p) for p in (sender, receiver)] == [0, 0]
         kept = 0 if withdraw is Withdraw.ALL else made  # a 5xx may have stored: fail closed
         assert [shadows(p) for p in (sender, receiver)] == [kept, kept]
+
+
+async def test_a_peers_request_waiting_for_room_is_waiting_on_every_replica() -> None:
+    """The sender's request P cannot fit beside a long one decoding (its output counted): it
+    waits for room, and a request behind it is predicted none of P's prefix. The receiver
+    booked P with the reserve (16 tokens) for its output, as the `Pending` carried none: P fit
+    there, was taken as admitted, and the request behind it, routed by that replica, was
+    predicted P's prefix, which the worker admitted in the same batch (QA: 4 of 4 rounds,
+    176 tokens predicted, 0 cached)."""
+    clock = [100.0]
+    endpoints = [_endpoint(), _endpoint()]
+    async with AsyncExitStack() as stack:
+        sender = await _replica(stack, endpoints, clock)
+        outbox = _publishing(sender)
+        receiver = await _replica(stack, endpoints, clock)
+        peers = _applying(receiver, clock)
+        long = _request("a long answer")
+        ns = sender.namespace(long)
+        chosen = sender.plan(long, ns).ranked()[0]
+        # with its prompt, 3,727 tokens of the 4,096-token pool: P's 232 fit beside it with
+        # the reserve's 16 for its output, not with its 300
+        decoding = sender.commit(ns, long.tokens, chosen, first_try=True, output_tokens=3500)
+        sender.first_byte(decoding)  # admitted, decoding
+        waiting = _request("P, a question of its own")
+        sender.commit(ns, waiting.tokens, chosen, first_try=True, output_tokens=300)
+        peers.apply(Batch("a", 0.0, outbox.take()))
+        # time passes and the worker publishes: a request with room would be admitted by now
+        clock[0] += 1.0
+        for planner in (sender, receiver):
+            for stream in planner.indexer.stream_ids(chosen.worker):
+                planner.indexer.index.apply(stream, EventBatch(ts=0.0, events=[]), seq=1)
+
+        for planner in (sender, receiver):
+            plan = planner.plan(_request("R, behind it"), planner.namespace(long))
+            best = next(c for c in plan.candidates if c.worker == chosen.worker)
+            assert best.admission is not None
+            assert best.admission.awaiting_room == 1, best.admission.why
+            assert (best.pending_tokens, best.predicted_tokens) == (192, 0), best.admission.why

@@ -48,7 +48,7 @@ async def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_li
     outbox.committed(NS, [1, 2, 3], quiet, marked=True)  # NATS away: nothing buffered
     assert outbox.take() == []
     outbox.sending = True
-    ticket = load.begin("w1", 5, 1, prompt_tokens=7)
+    ticket = load.begin("w1", 5, 1, output_tokens=30, prompt_tokens=7)
     outbox.committed(NS, (4, 5), ticket, marked=True)
     outbox.first_byte(ticket)
     outbox.first_byte(ticket)  # once only
@@ -56,12 +56,14 @@ async def test_the_outbox_buffers_decisions_only_while_sending_and_heartbeats_li
     outbox.heartbeat()
     sent = outbox.take()
     assert sent[:4] == [
-        Pending("w1", 1, NS, [4, 5], 2),
-        Begin(2, "w1", 1, 5, prompt_tokens=7),
+        Pending("w1", 1, NS, [4, 5], 2, output_tokens=30),
+        Begin(2, "w1", 1, 5, output_tokens=30, prompt_tokens=7),
         FirstByte(2),
         End(1),
     ]
-    assert sent[4] == Heartbeat([OpenTicket(2, "w1", 1, 5, True)])
+    assert sent[4] == Heartbeat(
+        [OpenTicket(2, "w1", 1, 5, True, output_tokens=30, prompt_tokens=7)]
+    )
     assert outbox.in_flight() == 1
 
 
@@ -117,10 +119,13 @@ async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones(
         peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 10), Begin(2, "w0", None, 7)]))
         assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (2, 17)
         # End(1) was lost, a Begin(3) too: the heartbeat lists what is really in flight
-        peers.apply(Batch("b", 0.0, [Heartbeat([OpenTicket(2, "w0", None, 7, True),
-                                                OpenTicket(3, "w1", 0, 4, False)])]))  # fmt: skip
+        lost = OpenTicket(3, "w1", 0, 4, False, 0, output_tokens=300, prompt_tokens=500)
+        peers.apply(Batch("b", 0.0, [Heartbeat([OpenTicket(2, "w0", None, 7, True), lost])]))
         assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (1, 0)
         assert (load.of("w1", 0).running, load.of("w1", 0).queued_prefill_tokens) == (1, 4)
+        # the rebuilt ticket holds its whole prompt and output in the pool (before: its
+        # uncached 4 tokens and the reserve, as if it had named no output)
+        assert load.of("w1", 0).footprint_tokens(16) == 800
         clock.now += 0.5
         assert peers.sweep() == []
         clock.now += 0.6
