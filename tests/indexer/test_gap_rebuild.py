@@ -78,6 +78,19 @@ async def _cleared(
     return [*empties, *batches[: lost + 1], EventBatch(ts=0.0, events=[])]
 
 
+async def _connected_with(
+    pub: ScriptedPublisher, svc: IndexerService, batches: list[EventBatch]
+) -> list[EventBatch]:
+    """`connect`, then `batches` published and applied; returns every batch the worker
+    published, in seq order."""
+    await connect(svc, pub)
+    published = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
+    for batch in batches:
+        last = await pub.publish(batch)
+    assert await svc.wait_applied(WORKER, last)
+    return [*published, *batches]
+
+
 async def _busy_until_rebuilt(
     pub: ScriptedPublisher, svc: IndexerService, published: list[EventBatch]
 ) -> None:
@@ -135,12 +148,7 @@ async def test_a_gap_whose_answer_proved_nothing_is_rebuilt_once_the_socket_answ
     never predicted again (QA: 45 s of honest answers later)."""
     batches = workload(seed=24, batches=20)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
-        await connect(svc, pub)
-        published = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
-        for batch in batches[:10]:
-            last = await pub.publish(batch)
-        assert await svc.wait_applied(WORKER, last)
-        published += batches[:10]
+        published = await _connected_with(pub, svc, batches[:10])
 
         def reversed_answer(start: int) -> list[list[bytes]]:
             held = [build_replay_reply(b"kv", q, b) for q, b in pub.buffer if q >= start]
@@ -426,12 +434,7 @@ async def test_a_rebuild_whose_own_answer_proved_nothing_is_owed_again(
     empty, the pages from before the gap and the batch after it never predicted again."""
     batches = workload(seed=30, batches=14)
     async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
-        await connect(svc, pub)
-        published = [EventBatch(ts=0.0, events=[])] * pub.next_seq  # what `connect` published
-        for batch in batches[:10]:
-            last = await pub.publish(batch)
-        assert await svc.wait_applied(WORKER, last)
-        published += batches[:10]
+        published = await _connected_with(pub, svc, batches[:10])
         asked: list[int] = []
 
         def garbage_answer(start: int) -> list[list[bytes]]:

@@ -11,7 +11,9 @@ streamed one is a sample, as the plan's `balance` in `/admin/route` shows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -33,13 +35,15 @@ def prompt(i: int, *, stream: bool) -> dict[str, Any]:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": 10}, "stream": stream}
 
 
-async def _samples(fleet: Fleet) -> float:
-    plan = await fleet.route(prompt(99, stream=False))
-    return float(plan["balance"]["samples"])
-
-
-async def test_only_streamed_answers_feed_the_balance_fit() -> None:
-    cfg = ReferenceConfig(prefill_ms_per_token=0.05, decode_ms_per_token=5.0, time_scale=1.0)
+@contextlib.asynccontextmanager
+async def _learning_fleet(*, timed: bool) -> AsyncIterator[tuple[Fleet, aiohttp.ClientSession]]:
+    """A router learning its balance in front of one reference worker, warm; `timed`: the
+    worker takes 0.05 ms per prompt token and 5 ms per decode step, else no time at all."""
+    cfg = (
+        ReferenceConfig(prefill_ms_per_token=0.05, decode_ms_per_token=5.0, time_scale=1.0)
+        if timed
+        else ReferenceConfig(time_scale=0.0)
+    )
     async with ReferenceWorker(cfg) as w0:
         config = router_config(
             [("w0", w0.url)],
@@ -49,19 +53,29 @@ async def test_only_streamed_answers_feed_the_balance_fit() -> None:
         async with RouterService(config) as router, aiohttp.ClientSession() as session:
             fleet = Fleet(router, {"w0": w0}, session)
             await fleet.warm()
-            for i in range(ANSWERS):
-                status, _, answer = await fleet.post("/generate", prompt(i, stream=False))
-                assert status == 200 and answer["meta_info"]["completion_tokens"] == 10
-            # whole answers: their first byte came after their decode, no sample (before: 6)
-            assert await _samples(fleet) == 0
-            for i in range(ANSWERS, 2 * ANSWERS):
-                body = prompt(i, stream=True)
-                async with session.post(fleet.url + "/generate", json=body) as resp:
-                    assert resp.status == 200
-                    assert resp.headers["Content-Type"].startswith("text/event-stream")
-                    await resp.read()
-            # each streamed answer is one (the fit forgets 0.5% of the past per sample)
-            assert 0.97 * ANSWERS < await _samples(fleet) <= ANSWERS
+            yield fleet, session
+
+
+async def _samples(fleet: Fleet) -> float:
+    plan = await fleet.route(prompt(99, stream=False))
+    return float(plan["balance"]["samples"])
+
+
+async def test_only_streamed_answers_feed_the_balance_fit() -> None:
+    async with _learning_fleet(timed=True) as (fleet, session):
+        for i in range(ANSWERS):
+            status, _, answer = await fleet.post("/generate", prompt(i, stream=False))
+            assert status == 200 and answer["meta_info"]["completion_tokens"] == 10
+        # whole answers: their first byte came after their decode, no sample (before: 6)
+        assert await _samples(fleet) == 0
+        for i in range(ANSWERS, 2 * ANSWERS):
+            body = prompt(i, stream=True)
+            async with session.post(fleet.url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                await resp.read()
+        # each streamed answer is one (the fit forgets 0.5% of the past per sample)
+        assert 0.97 * ANSWERS < await _samples(fleet) <= ANSWERS
 
 
 async def _balance(fleet: Fleet) -> dict[str, Any]:
@@ -81,52 +95,35 @@ async def test_a_streamed_answer_behind_a_whole_one_is_no_sample() -> None:
     has decoded: a streamed answer sent meanwhile would fit its time to first token against
     prefill long done (QA: half the answers whole drove decode_weight to its floor, prior / 4).
     It is no sample now; the plan's balance counts both kinds of answer that were none."""
-    cfg = ReferenceConfig(prefill_ms_per_token=0.05, decode_ms_per_token=5.0, time_scale=1.0)
-    async with ReferenceWorker(cfg) as w0:
-        config = router_config(
-            [("w0", w0.url)],
-            health=STALL_PROOF_HEALTH,
-            policy=PolicyConfig(balance_learning=True),
-        )
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            whole = prompt(0, stream=False)
-            whole["sampling_params"]["max_new_tokens"] = 60  # decodes for 300 ms
-            long_answer = asyncio.create_task(fleet.post("/generate", whole))
-            await asyncio.sleep(0.1)  # prefilled (10 ms) and decoding, still queued for the load
-            await _stream(session, fleet.url, prompt(1, stream=True))
-            status, _, _ = await long_answer
-            assert status == 200
-            balance = await _balance(fleet)
-            # before: the streamed answer was a sample (1), counted nothing as none
-            assert balance["samples"] == 0
-            assert (balance["whole_answers"], balance["behind_whole"]) == (1, 1)
-            # with no whole answer in flight, a streamed answer is a sample again
-            await _stream(session, fleet.url, prompt(2, stream=True))
-            balance = await _balance(fleet)
-            assert balance["samples"] == 1 and balance["behind_whole"] == 1
+    async with _learning_fleet(timed=True) as (fleet, session):
+        whole = prompt(0, stream=False)
+        whole["sampling_params"]["max_new_tokens"] = 60  # decodes for 300 ms
+        long_answer = asyncio.create_task(fleet.post("/generate", whole))
+        await asyncio.sleep(0.1)  # prefilled (10 ms) and decoding, still queued for the load
+        await _stream(session, fleet.url, prompt(1, stream=True))
+        status, _, _ = await long_answer
+        assert status == 200
+        balance = await _balance(fleet)
+        # before: the streamed answer was a sample (1), counted nothing as none
+        assert balance["samples"] == 0
+        assert (balance["whole_answers"], balance["behind_whole"]) == (1, 1)
+        # with no whole answer in flight, a streamed answer is a sample again
+        await _stream(session, fleet.url, prompt(2, stream=True))
+        balance = await _balance(fleet)
+        assert balance["samples"] == 1 and balance["behind_whole"] == 1
 
 
 async def test_too_few_samples_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
     """A fleet whose answers are all whole learns nothing: the log says so once, after
     `THIN_UNSAMPLED` of them, and the plan's balance counts them."""
-    async with ReferenceWorker(ReferenceConfig(time_scale=0.0)) as w0:
-        config = router_config(
-            [("w0", w0.url)],
-            health=STALL_PROOF_HEALTH,
-            policy=PolicyConfig(balance_learning=True),
-        )
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            with caplog.at_level(logging.WARNING, logger="router.routing.planner"):
-                for i in range(THIN_UNSAMPLED + 5):
-                    status, _, _ = await fleet.post("/generate", prompt(i % 7, stream=False))
-                    assert status == 200
-            said = [r for r in caplog.records if "balance learning has" in r.getMessage()]
-            assert len(said) == 1
-            assert f"{THIN_UNSAMPLED} answers that could be none" in said[0].getMessage()
-            balance = await _balance(fleet)
-            assert balance["samples"] == 0
-            assert balance["whole_answers"] == THIN_UNSAMPLED + 5
+    async with _learning_fleet(timed=False) as (fleet, _):
+        with caplog.at_level(logging.WARNING, logger="router.routing.planner"):
+            for i in range(THIN_UNSAMPLED + 5):
+                status, _, _ = await fleet.post("/generate", prompt(i % 7, stream=False))
+                assert status == 200
+        said = [r for r in caplog.records if "balance learning has" in r.getMessage()]
+        assert len(said) == 1
+        assert f"{THIN_UNSAMPLED} answers that could be none" in said[0].getMessage()
+        balance = await _balance(fleet)
+        assert balance["samples"] == 0
+        assert balance["whole_answers"] == THIN_UNSAMPLED + 5

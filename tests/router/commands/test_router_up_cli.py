@@ -20,6 +20,7 @@ import pytest
 from tests.raw_http import json_error, parse_responses, wait_eof
 from tests.router.commands.test_router_serve_cli import refused
 from tests.router.conftest import eventually
+from tests.subprocesses import ends_on_sigint
 
 
 async def _read_until(stream: asyncio.StreamReader, marker: str, lines: list[str]) -> str:
@@ -239,7 +240,7 @@ async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Pa
     )
     assert proc.stdout is not None
     lines: list[str] = []
-    try:
+    async with ends_on_sigint(proc):
         line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
         url = line.split("kvroute router:")[1].split()[0]
         reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
@@ -248,13 +249,6 @@ async def test_up_serves_through_the_same_guarded_listener_as_serve(tmp_path: Pa
         writer.close()
         (response,) = parse_responses(answer)
         assert response.status == 408 and json_error(response)["type"] == "RequestTimeoutError"
-        proc.send_signal(signal.SIGINT)
-        await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
@@ -278,7 +272,7 @@ async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
     )
     assert proc.stdout is not None
     lines: list[str] = []
-    try:
+    async with ends_on_sigint(proc):
         line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
         url = line.split("kvroute router:")[1].split()[0]
         assert any("2 data-parallel ranks each" in text for text in lines)
@@ -292,13 +286,6 @@ async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
             assert sorted(c["dp_rank"] for c in plan["candidates"]) == [0, 1]
             async with session.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200 and resp.headers["x-kvroute-dp-rank"] in ("0", "1")
-        proc.send_signal(signal.SIGINT)
-        await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_up_with_prefill_and_decode_starts_a_pd_fleet_served_as_pairs() -> None:
@@ -428,16 +415,9 @@ async def test_up_runs_with_no_config_from_the_packages_alone(tmp_path: Path) ->
     )  # fmt: skip
     assert proc.stdout is not None
     lines: list[str] = []
-    try:
+    async with ends_on_sigint(proc):
         line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
         assert "2 workers" in line, line  # local.toml's [fleet] workers = 2
-        proc.send_signal(signal.SIGINT)
-        await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_up_with_no_router_says_it_stops_its_workers() -> None:
