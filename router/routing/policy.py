@@ -270,6 +270,7 @@ class Policy:
         )
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
+        """Each candidate's score; `rank` has filled in their `load` and `queue_wait`."""
         raise NotImplementedError
 
     def _draws(self, n: int, salt: int = 0) -> list[int]:
@@ -282,14 +283,15 @@ class Policy:
 
     def rank(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[Candidate]:
         """Every candidate, best first (unhealthy ones last), its load and score filled in."""
+        for view in views:  # once each: the scores read them
+            view.queue_wait = self.queue_wait(view)
+            view.load = self.load(view)
         scores = self._scores(tokens, views)
         draws = self._draws(len(views))
         keyed = []
         for view, score, draw in zip(views, scores, draws, strict=True):
-            view.queue_wait = self.queue_wait(view)
-            view.load = load = self.load(view)
             view.score = score
-            keyed.append(((not view.healthy, -score, load, draw), view))
+            keyed.append(((not view.healthy, -score, view.load, draw), view))
         keyed.sort(key=lambda pair: pair[0])
         return [view for _, view in keyed]
 
@@ -317,8 +319,8 @@ class KvPolicy(Policy):
             room = 0.0
         # a hit found only after the wait for a place in the batch saves that much less
         return [
-            weight * max(0.0, v.hit_tokens - self.queue_wait(v))
-            - self.load(v)
+            weight * max(0.0, v.hit_tokens - v.queue_wait)
+            - v.load
             - (evict * v.eviction.sole_hot_tokens if v.eviction is not None else 0.0)
             - (room * v.evicts_tokens if room and v.evicts_tokens else 0.0)
             for v in views
@@ -336,7 +338,7 @@ class LeastLoadPolicy(Policy):
     name = "least_load"
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
-        return [-self.load(v) for v in views]
+        return [-v.load for v in views]
 
 
 class RandomPolicy(Policy):
@@ -423,7 +425,7 @@ class ApproxTreePolicy(Policy):
         return high - low > cfg.approx_balance_abs and high > low * cfg.approx_balance_rel
 
     def _scores(self, tokens: Sequence[int], views: Sequence[Candidate]) -> list[float]:
-        loads = [self.load(v) for v in views]
+        loads = [v.load for v in views]
         if self._imbalanced([load for load, v in zip(loads, views, strict=True) if v.healthy]):
             return [-load for load in loads]
         matched, holder = self._tree.prefix_match(tokens)

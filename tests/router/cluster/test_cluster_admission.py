@@ -66,6 +66,17 @@ def _applying(planner: Planner, clock: list[float]) -> Peers:
     return Peers("b", planner.indexer, planner.load, 5.0, clock=lambda: clock[0], book=planner)
 
 
+async def _sender_and_receiver(
+    stack: AsyncExitStack, clock: list[float]
+) -> tuple[Planner, Outbox, Planner, Peers]:
+    """Two replicas over the same two workers: the sender's decisions go to its outbox, the
+    receiver takes in what the outbox sends (`peers.apply`)."""
+    endpoints = [_endpoint(), _endpoint()]
+    sender = await _replica(stack, endpoints, clock)
+    receiver = await _replica(stack, endpoints, clock)
+    return sender, _publishing(sender), receiver, _applying(receiver, clock)
+
+
 def _request(question: str):  # type: ignore[no-untyped-def]
     body = {"prompt": "S" * 200 + question, "model": "m", "cache_salt": "t"}
     return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
@@ -73,12 +84,8 @@ def _request(question: str):  # type: ignore[no-untyped-def]
 
 async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_sender() -> None:
     clock = [100.0]
-    endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
-        sender = await _replica(stack, endpoints, clock)
-        outbox = _publishing(sender)
-        receiver = await _replica(stack, endpoints, clock)
-        peers = _applying(receiver, clock)
+        sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
 
         first = _request("first question")
         ns = sender.namespace(first)
@@ -170,12 +177,8 @@ async def test_a_failed_requests_marks_are_withdrawn_on_every_replica(withdraw: 
     its shadows too when the worker stored nothing for sure (before, a refused request's marks
     steered the siblings of every replica to a worker that held nothing for them)."""
     clock = [100.0]
-    endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
-        sender = await _replica(stack, endpoints, clock)
-        outbox = _publishing(sender)
-        receiver = await _replica(stack, endpoints, clock)
-        peers = _applying(receiver, clock)
+        sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
         body = {"prompt": "S" * 200 + "q", "model": "m", "cache_salt": "t", "extra_key": "k"}
         keyed = parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
         first = _request("first question")
@@ -213,12 +216,8 @@ async def test_a_peers_request_waiting_for_room_is_waiting_on_every_replica() ->
     predicted P's prefix, which the worker admitted in the same batch (QA: 4 of 4 rounds,
     176 tokens predicted, 0 cached)."""
     clock = [100.0]
-    endpoints = [_endpoint(), _endpoint()]
     async with AsyncExitStack() as stack:
-        sender = await _replica(stack, endpoints, clock)
-        outbox = _publishing(sender)
-        receiver = await _replica(stack, endpoints, clock)
-        peers = _applying(receiver, clock)
+        sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
         long = _request("a long answer")
         ns = sender.namespace(long)
         chosen = sender.plan(long, ns).ranked()[0]

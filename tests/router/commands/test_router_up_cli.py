@@ -23,6 +23,25 @@ from tests.router.conftest import eventually
 from tests.subprocesses import ends_on_sigint
 
 
+async def _refused_in_one_line(*args: str) -> str:
+    """Run `kvroute up ARGS`, which must refuse: exit 2, nothing on stdout (no worker, no
+    nats-server started, nor said), one line on stderr; returns that line."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, err)
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
 async def _read_until(stream: asyncio.StreamReader, marker: str, lines: list[str]) -> str:
     while True:
         line = (await stream.readline()).decode()
@@ -126,21 +145,10 @@ async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_star
     config = tmp_path / "fleet.toml"
     missing = tmp_path / "no-such-model" / "tokenizer.json"
     config.write_text(f"[tokenizer]\nkind = 'hf'\npath = '{missing}'\n[fleet]\nworkers = 1\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.commands.cli", "up", "--config", str(config),
-        "--router-port", "0", "--worker-port-base", "0", *replicas,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 2, err
-    assert not out, out  # no worker was started (nor said)
-    lines = err.decode().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvroute up: ") and str(missing) in lines[0]
+    line = await _refused_in_one_line(
+        "--config", str(config), "--router-port", "0", "--worker-port-base", "0", *replicas
+    )
+    assert line.startswith("kvroute up: ") and str(missing) in line
 
 
 @pytest.mark.parametrize(
@@ -151,20 +159,9 @@ async def test_a_router_config_a_start_refuses_is_refused_before_any_worker_star
 async def test_router_options_with_no_router_are_refused(args: list[str]) -> None:
     """`--no-router --relay` (or `--replicas 2`) started the workers alone and said nothing of
     the relay or replicas asked for."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.commands.cli", "up", "--no-router", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    lines = err.decode().splitlines()
-    assert proc.returncode == 2 and not out, (out, err)
-    assert len(lines) == 1 and "and --no-router do not go together" in lines[0], lines
-    assert all(arg in lines[0] for arg in args if arg.startswith("--")), lines
+    line = await _refused_in_one_line("--no-router", *args)
+    assert "and --no-router do not go together" in line, line
+    assert all(arg in line for arg in args if arg.startswith("--")), line
 
 
 @pytest.mark.parametrize(
@@ -182,19 +179,8 @@ async def test_a_port_base_too_high_for_the_fleet_names_the_option(
 ) -> None:
     """`port must be a port number (0 = ephemeral)` named neither the option nor why: worker-1
     would need 65536."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.commands.cli", "up", "--router-port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    lines = err.decode().splitlines()
-    assert proc.returncode == 2 and not out, (out, err)
-    assert len(lines) == 1 and said in lines[0] and "past 65535" in lines[0], lines
+    line = await _refused_in_one_line("--router-port", "0", *args)
+    assert said in line and "past 65535" in line, line
 
 
 async def test_a_taken_worker_port_names_the_option_that_moves_it() -> None:
@@ -451,23 +437,11 @@ async def test_a_taken_router_port_is_refused_before_any_worker_starts(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.commands.cli", "up", "--workers", "1",
-            "--router-port", str(port), "--worker-port-base", "0", *replicas,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 30)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    assert proc.returncode == 2, err
-    assert not out, out  # no worker, no nats-server was started (nor said)
-    lines = err.decode().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"kvroute up: cannot listen on 127.0.0.1:{port} (Address already")
-    assert "--router-port" in lines[0]
+        line = await _refused_in_one_line(
+            "--workers", "1", "--router-port", str(port), "--worker-port-base", "0", *replicas
+        )
+    assert line.startswith(f"kvroute up: cannot listen on 127.0.0.1:{port} (Address already")
+    assert "--router-port" in line
 
 
 async def test_the_router_port_is_held_from_before_the_workers_start() -> None:
@@ -517,17 +491,7 @@ async def test_workers_with_prefill_decode_is_refused(
     config = tmp_path / "fleet.toml"
     config.write_text(f"[fleet]\n{fleet}")
     given = ["--config", str(config)] if fleet else []  # else the default config
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.commands.cli", "up", *given,
-        "--router-port", "0", "--worker-port-base", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    lines = err.decode().splitlines()
-    assert proc.returncode == 2 and not out, (out, err)
-    assert len(lines) == 1 and "--workers" in lines[0] and "do not go together" in lines[0]
+    line = await _refused_in_one_line(
+        *given, "--router-port", "0", "--worker-port-base", "0", *args
+    )
+    assert "--workers" in line and "do not go together" in line, line
