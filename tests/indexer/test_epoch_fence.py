@@ -89,7 +89,9 @@ async def new_run_heard(svc: IndexerService, pub: ScriptedPublisher) -> None:
     """A restart whose new run the SUB, connected all along (the scripted publisher keeps its
     sockets, as a hop between it and the router would), delivered none of is rebuilt by
     replay and stays unproven (the path may be deaf: `Repair._undelivered_since`): a live
-    batch of the new run follows on, and it is `synced`."""
+    batch of the new run follows on, and it is `synced`. (The rebuild's answer may still be
+    read, `syncing`, when its last batch is applied: its end is waited for.)"""
+    await wait_until(lambda: svc.streams()[0].state is not StreamState.SYNCING)
     assert svc.streams()[0].state is StreamState.UNVERIFIED
     assert await svc.wait_applied(WORKER, await pub.publish(EMPTY))
     await wait_until(lambda: synced(svc))
