@@ -134,11 +134,16 @@ class RouterService:
 
     async def _serve_metrics(self, port: int) -> web.AppRunner:
         """GET /metrics alone on `port`: a scrape target that is this process, whichever
-        process of `--processes` the shared port would have handed the scrape to."""
+        process of `--processes` the shared port would have handed the scrape to. With
+        `reuse_port` it listens beside the socket its parent (`--processes`, `kvroute up`) holds
+        the port with from before anything started (`router.commands.shared_port`)."""
         runner = web.AppRunner(create_metrics_app(self.app), access_log=None)
         await runner.setup()
         try:
-            await web.TCPSite(runner, self.config.listen.host, port).start()
+            site = web.TCPSite(
+                runner, self.config.listen.host, port, reuse_port=self._reuse_port or None
+            )
+            await site.start()
         except OSError as exc:
             await runner.cleanup()
             raise ConfigError(

@@ -45,7 +45,10 @@ Metrics are per process (each counts the requests it served). Child i labels eve
 `process="i"` (its index, kept across its restarts, so a restart reads as a counter reset of
 its own series), and with `listen.metrics_port` P serves /metrics alone on P + i: one scrape
 target per process. The shared port's /metrics answers from whichever child took the
-connection, so a scrape of it sees one process's series at a time.
+connection, so a scrape of it sees one process's series at a time. The parent holds those ports
+too, from before the first child starts (`hold_metrics`): a taken one is refused as a taken
+router port is, where child i found it, said it in asyncio's words, and left the parent to say
+"replica i exited before listening" once its siblings had started and joined the cluster.
 """
 
 from __future__ import annotations
@@ -67,14 +70,14 @@ from indexer.fingerprint import FINGERPRINT_KEY_ENV
 from router.cluster.server import die_with_parent
 from router.commands import hangup
 from router.commands.serve import workers_said
-from router.commands.shared_port import PortHold, hold_port
+from router.commands.shared_port import PortHold, hold_port, hold_ports
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.http.listener import SHUTDOWN_TIMEOUT_S
 from router.http.reload_link import ProcessesTold, answer_child
 from router.http.start_checks import check_replicas
 
-__all__ = ["STOP_TIMEOUT_S", "serve_processes"]
+__all__ = ["STOP_TIMEOUT_S", "hold_metrics", "serve_processes"]
 
 _START_TIMEOUT_S = 60.0
 _PIPE = asyncio.subprocess.PIPE  # a child's stdin, when it is handed its siblings' config
@@ -102,6 +105,22 @@ def _metrics_ports(config: RouterConfig, processes: int) -> list[int | None]:
             key="listen.metrics_port",
         )
     return list(ports)
+
+
+def hold_metrics(config: RouterConfig, processes: int) -> PortHold | None:
+    """The metrics port of each of `processes` (one: the router's own, `listen.metrics_port`),
+    checked and held until the caller closes the hold (None: no metrics port), or ConfigError
+    naming `listen.metrics_port` when one is taken. The listeners of a `RouterService` started
+    with `reuse_port` join it."""
+    ports = [port for port in _metrics_ports(config, processes) if port is not None]
+    if not ports:
+        return None
+    option = "listen.metrics_port"
+    if processes > 1:
+        option += f"; process i of {processes} serves metrics on it + i"
+    return hold_ports(
+        config.listen.host, ports, option=option, key="listen.metrics_port", serving="metrics"
+    )
 
 
 class _Child:
@@ -321,6 +340,7 @@ async def serve_processes(
     overrides: Sequence[str] = (),
     port_given: bool = False,
     hold: PortHold | None = None,
+    metrics_hold: PortHold | None = None,
 ) -> None:
     """Run `processes` replicas of the router of `config_path` until `until()` returns.
 
@@ -336,6 +356,7 @@ async def serve_processes(
     `reload=False`: the file is read once (no reload by SIGHUP or `POST /admin/reload`;
     SIGHUP is left to the caller's handler). `hold`: the port held already, by a caller that
     holds it before it starts anything else (`kvroute up`); closed here as one held here is.
+    `metrics_hold`: the children's metrics ports (`hold_metrics`), held already, alike.
     """
     cluster = check_replicas(config)  # as each child's reload checks its file
     env = dict(os.environ)
@@ -345,6 +366,12 @@ async def serve_processes(
     metrics_ports = _metrics_ports(config, processes)
     if hold is None:  # ConfigError: taken
         hold = hold_port(config.listen.host, config.listen.port, option=f"{verb} --port")
+    if metrics_hold is None:
+        try:
+            metrics_hold = hold_metrics(config, processes)  # ConfigError: one is taken
+        except ConfigError:
+            hold.close()
+            raise
     port = hold.port
     # (a port 0, given or the file's, is the one reserved for them all)
     shared_port = ["--port", str(port)] if port_given or port != config.listen.port else []
@@ -457,3 +484,5 @@ async def serve_processes(
         stopping = True  # SIGHUP's handler stays: removed, its default would end this process
         await asyncio.gather(*(child.stop() for child in children))
         hold.close()
+        if metrics_hold is not None:
+            metrics_hold.close()

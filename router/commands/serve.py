@@ -419,7 +419,8 @@ async def listening(service: RouterService, option: str) -> AsyncIterator[Router
     option of this command that moves it). Before, one router said asyncio's "error while
     attempting to bind on address ('127.0.0.1', P): address already in use", `--processes`
     "Address already in use", and `kvroute indexer` was told of "serve --port, up
-    --router-port"."""
+    --router-port". A taken `listen.metrics_port` is refused in the same words, naming that key
+    (it said asyncio's, "cannot serve metrics on ... (error while attempting to bind ...)")."""
     from router.commands.shared_port import port_taken
 
     async with contextlib.AsyncExitStack() as stack:
@@ -427,10 +428,21 @@ async def listening(service: RouterService, option: str) -> AsyncIterator[Router
             started = await stack.enter_async_context(service)
         except ConfigError as exc:
             cause = exc.__cause__
-            if exc.key != "listen.port" or not isinstance(cause, OSError):
+            if not isinstance(cause, OSError):
                 raise
             listen = service.config.listen
-            raise port_taken(listen.host, listen.port, cause, option) from cause
+            if exc.key == "listen.port":
+                raise port_taken(listen.host, listen.port, cause, option) from cause
+            if exc.key == "listen.metrics_port" and listen.metrics_port is not None:
+                raise port_taken(
+                    listen.host,
+                    listen.metrics_port,
+                    cause,
+                    "listen.metrics_port",
+                    key=exc.key,
+                    serving="metrics",
+                ) from cause
+            raise
         yield started
 
 

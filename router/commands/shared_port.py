@@ -31,6 +31,12 @@ when another address has it taken. Before, only the first address was held (an I
 listens with SO_REUSEPORT beside the hold) as for `--replicas`: before, a taken port was found
 only once the workers, and the replicas' nats-server, were up and had printed how to reach them.
 
+`listen.metrics_port` (and, under `--processes`, each child's metrics_port + i) is held the same
+way (`hold_ports`, refused in the same words naming that key), and a metrics listener of a
+process that listens beside a hold joins it: before, a taken metrics port was found once the
+router, or the `--processes` children, `up`'s workers and nats-server, had started, and was said
+in asyncio's words ("error while attempting to bind on address ('127.0.0.1', P): ...").
+
 What still joins a held port is a program of this user that sets SO_REUSEPORT itself: the
 kernel allows it, and nothing here can see it.
 """
@@ -47,7 +53,7 @@ from collections.abc import Iterator
 
 from router.errors import ConfigError
 
-__all__ = ["PortHold", "hold_port", "port_taken"]
+__all__ = ["PortHold", "hold_port", "hold_ports", "port_taken"]
 
 _LOCK_WAIT_S = 2.0  # another parent holds the lock for microseconds: this is ample
 _LOCK_RETRY_S = 0.005
@@ -66,10 +72,17 @@ class PortHold:
         self._sockets = []
 
 
-def hold_port(host: str, port: int, *, option: str = "serve --port") -> PortHold:
+def hold_port(
+    host: str,
+    port: int,
+    *,
+    option: str = "serve --port",
+    key: str = "listen.port",
+    serving: str = "",
+) -> PortHold:
     """Hold `port` on `host` for SO_REUSEPORT listeners of this process's children, or raise
-    ConfigError, as a single router says it, when it is taken (module docstring); `option`:
-    the command line's option that moves the port, named in the refusal."""
+    ConfigError, as a single router says it, when it is taken (module docstring); `option`,
+    `key`, `serving`: as `port_taken` names them in the refusal."""
     try:
         if not port:
             return _draw(host)
@@ -79,20 +92,43 @@ def hold_port(host: str, port: int, *, option: str = "serve --port") -> PortHold
                 _bind(family, address, reuse_port=False).close()
             return PortHold(_hold_all(addresses), port)
     except OSError as exc:
-        raise port_taken(host, port, exc, option) from exc
+        raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
 
 
-def port_taken(host: str, port: int, exc: OSError, option: str) -> ConfigError:
+def hold_ports(
+    host: str, ports: list[int], *, option: str, key: str, serving: str = ""
+) -> PortHold:
+    """Hold every port of `ports` (none is 0) as `hold_port` holds one, or none of them
+    (ConfigError: the first taken); the hold's `port` is the first."""
+    held: list[socket.socket] = []
+    try:
+        for port in ports:
+            one = hold_port(host, port, option=option, key=key, serving=serving)
+            held += one._sockets
+    except ConfigError:
+        for sock in held:
+            sock.close()
+        raise
+    return PortHold(held, ports[0])
+
+
+def port_taken(
+    host: str, port: int, exc: OSError, option: str, *, key: str = "listen.port", serving: str = ""
+) -> ConfigError:
     """The refusal of a port that cannot be listened on, in one wording for one router and
     `--processes` alike: the OS's reason as it names it ("Address already in use"), never
-    asyncio's rewording of it, and what `host` binds where it is `""`."""
+    asyncio's rewording of it, and what `host` binds where it is `""`. `key`: the port's config
+    key ([listen] port or metrics_port), `option`: what moves it (a command line's option, or
+    the key itself where none does), `serving`: what was to listen there when it is not the
+    router ("metrics")."""
     reason = exc.strerror or str(exc)
     if exc.errno and reason.startswith("error while attempting to bind"):
         reason = os.strerror(exc.errno)  # asyncio's: "...('127.0.0.1', P): address already..."
+    served = f" for {serving}" if serving else ""
     return ConfigError(
-        f"cannot listen on {_shown(host, port)} ({reason}): choose another [listen] host "
-        f"or port ({option}), or stop what holds it",
-        key="listen.port",
+        f"cannot listen on {_shown(host, port)}{served} ({reason}): choose another [listen] host "
+        f"or {key.rpartition('.')[2]} ({option}), or stop what holds it",
+        key=key,
     )
 
 

@@ -140,13 +140,15 @@ async def _serve(
     until: Until,
     *,
     hold: PortHold | None = None,
+    metrics_hold: PortHold | None = None,
     relay: bool = False,
     log_level: str = "WARNING",
 ) -> None:
     """Start `fleets` and the router (or its replicas) and keep them until `until()`
     returns; what is started is stopped on the way out, a cancellation's too
     (`router.commands.stopping`: a signal while starting). `hold`: the router's port, held
-    since before the workers started (`router` listens on it, `hold.port`)."""
+    since before the workers started (`router` listens on it, `hold.port`); `metrics_hold`:
+    its `listen.metrics_port` (the replicas': one each), alike."""
     # SIGHUP's default would end the whole fleet without a word; `kvroute serve` reloads on
     # it, but `up` has no file of its own to read again (as POST /admin/reload answers here,
     # on every replica), so it is said and ignored, from the workers' start to the last stop
@@ -176,7 +178,14 @@ async def _serve(
             if replicas > 1 or relay:
                 # the replicas' parent says how long it gives them (`router.commands.replicas`)
                 await _serve_replicas(
-                    router, routed, replicas, until, hold=hold, relay=relay, log_level=log_level
+                    router,
+                    routed,
+                    replicas,
+                    until,
+                    hold=hold,
+                    metrics_hold=metrics_hold,
+                    relay=relay,
+                    log_level=log_level,
                 )
             else:
                 stopping = (
@@ -221,6 +230,7 @@ async def _serve_replicas(
     until: Until,
     *,
     hold: PortHold | None = None,
+    metrics_hold: PortHold | None = None,
     relay: bool = False,
     log_level: str = "WARNING",
 ) -> None:
@@ -253,8 +263,11 @@ async def _serve_replicas(
                 router, cluster=cluster, workers=(*router.workers, *workers)
             )
             if relay:
+                # no metrics port of its own: it took the replicas' (listen.metrics_port), and
+                # replica 0 exited before listening
                 relayed = msgspec.structs.replace(
-                    config, listen=msgspec.structs.replace(config.listen, port=0)
+                    config,
+                    listen=msgspec.structs.replace(config.listen, port=0, metrics_port=None),
                 )
                 service = await stack.enter_async_context(RouterService(relayed, relay=True))
                 print(f"kvroute relay of the workers' KV events on {service.url}", flush=True)
@@ -272,6 +285,7 @@ async def _serve_replicas(
                 reload=False,
                 pointers=True,
                 hold=hold,
+                metrics_hold=metrics_hold,
             )
 
 
@@ -467,7 +481,6 @@ def _fleets(args: argparse.Namespace) -> list[Fleet]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the fleet and the router; keep them up until Ctrl-C or SIGTERM."""
-    router: RouterConfig | None = None
     if args.log_level is not None:
         # given: formatted as `kvroute serve` writes them; left out, as before (no setup: the
         # WARNING lines and above, each its bare message)
@@ -491,7 +504,20 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    holds: list[PortHold] = []  # the router's port, its metrics port(s): closed at the end
+    try:
+        return _checked_run(args, holds)
+    finally:
+        for each in holds:
+            each.close()
+
+
+def _checked_run(args: argparse.Namespace, holds: list[PortHold]) -> int:
+    """`run` from the config on: its checks, then the fleets and the router, the router's
+    ports held (appended to `holds`) from before anything starts."""
+    router: RouterConfig | None = None
     hold: PortHold | None = None
+    metrics_hold: PortHold | None = None
     try:
         # the [fleet] table shapes the workers with or without the router
         with _config_file(args.config) as path:
@@ -518,17 +544,21 @@ def run(args: argparse.Namespace) -> int:
             # held from now until the router is gone: refused before any worker (or the
             # replicas' nats-server) starts, and not taken by another while they start
             hold = hold_port(router.listen.host, router.listen.port, option="up --router-port")
+            holds.append(hold)
             router = msgspec.structs.replace(
                 router, listen=msgspec.structs.replace(router.listen, port=hold.port)
             )
+            from router.commands.replicas import hold_metrics
+
+            # ...and its metrics port(s) alike: before, a taken one was found by the router
+            # (or replica 0) once the workers (and nats-server) had started
+            metrics_hold = hold_metrics(router, args.replicas)  # one: the router's own
+            if metrics_hold is not None:
+                holds.append(metrics_hold)
     except ConfigError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
-    try:
-        return _run_fleets(args, router, hold)
-    finally:
-        if hold is not None:
-            hold.close()
+    return _run_fleets(args, router, hold, metrics_hold)
 
 
 def _typed(args: argparse.Namespace) -> set[str] | None:
@@ -540,9 +570,12 @@ def _typed(args: argparse.Namespace) -> set[str] | None:
 
 
 def _run_fleets(
-    args: argparse.Namespace, router: RouterConfig | None, hold: PortHold | None
+    args: argparse.Namespace,
+    router: RouterConfig | None,
+    hold: PortHold | None,
+    metrics_hold: PortHold | None,
 ) -> int:
-    """The fleets and the router of `run`, its checks passed (the router's port held)."""
+    """The fleets and the router of `run`, its checks passed (the router's ports held)."""
     try:
         fleets = _fleets(args)
         # uvloop, as `serve`; SIGINT and SIGTERM handled before anything starts
@@ -554,6 +587,7 @@ def _run_fleets(
                     router,
                     args.replicas,
                     hold=hold,
+                    metrics_hold=metrics_hold,
                     relay=args.relay,
                     log_level=args.log_level or "WARNING",  # the replicas', as before
                 )

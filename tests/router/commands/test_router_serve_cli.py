@@ -283,6 +283,40 @@ async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
     assert b"Traceback" not in err
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_a_metrics_port_in_use_is_refused_as_a_port_in_use(
+    tmp_path: Path, processes: str
+) -> None:
+    """A taken listen.metrics_port was said in asyncio's words ("cannot serve metrics on ...
+    (error while attempting to bind on address ('127.0.0.1', P): address already in use)"),
+    and under --processes by child 0, once both children had started and joined the cluster,
+    then "replica 0 exited before listening". It is refused as a taken listen.port is, and
+    under --processes by the parent, before any child starts."""
+    holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = holder.sockets[0].getsockname()[1]
+    config = tmp_path / "router.toml"
+    text = f"[listen]\nhost = '127.0.0.1'\nport = 0\nmetrics_port = {port}\n"
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(holder.wait_closed)
+        stack.callback(holder.close)
+        if processes != "1":  # replica processes agree through a real nats-server
+            nats = await stack.enter_async_context(NatsServer())
+            text += f"[cluster]\nurl = '{nats.url}'\n"
+        config.write_text(text)
+        proc = await _run("--config", str(config), "--processes", processes)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2, lines
+    who = "" if processes == "1" else "; process i of 2 serves metrics on it + i"
+    assert lines[-1] == (
+        f"kvroute serve: cannot listen on 127.0.0.1:{port} for metrics (Address already in use): "
+        f"choose another [listen] host or metrics_port (listen.metrics_port{who}), or stop what "
+        "holds it"
+    ), lines
+    if processes != "1":
+        assert not [line for line in lines if "process=" in line], lines  # no child started
+
+
 @pytest.mark.parametrize("verb", ["serve", "indexer"])
 async def test_a_port_in_use_names_the_option_of_the_command_refused(
     tmp_path: Path, verb: str

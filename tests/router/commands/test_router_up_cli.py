@@ -444,6 +444,74 @@ async def test_a_taken_router_port_is_refused_before_any_worker_starts(
     assert "--router-port" in line
 
 
+def _metrics_config(tmp_path: Path, metrics_port: int) -> Path:
+    """A config for `up` of one worker on free ports whose router has `metrics_port`."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f"[listen]\nhost = '127.0.0.1'\nport = 0\nmetrics_port = {metrics_port}\n"
+        "[tokenizer]\nkind = 'byte'\n[fleet]\nworkers = 1\nworker_port_base = 0\ntime_scale = 0\n"
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    ("router", "who"),
+    [
+        ([], ""),
+        (["--replicas", "2"], "; process i of 2 serves metrics on it + i"),
+        (["--relay"], ""),
+    ],
+    ids=["one", "replicas", "relay"],
+)
+async def test_a_taken_metrics_port_is_refused_before_any_worker_starts(
+    tmp_path: Path, router: list[str], who: str
+) -> None:
+    """The worker (and, for --replicas and --relay, the nats-server) started and printed how
+    to reach it, then the router (or replica 0) refused listen.metrics_port in asyncio's words
+    ("cannot serve metrics on ... (error while attempting to bind on address ...)"): it is
+    held before anything starts now, and refused as a taken router port is."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = await _refused_in_one_line("--config", str(_metrics_config(tmp_path, port)), *router)
+    assert line == (
+        f"kvroute up: cannot listen on 127.0.0.1:{port} for metrics (Address already in use): "
+        f"choose another [listen] host or metrics_port (listen.metrics_port{who}), or stop what "
+        "holds it"
+    )
+
+
+@pytest.mark.parametrize("relay", [[], ["--relay"]], ids=["one", "relay"])
+async def test_the_metrics_port_is_held_from_before_the_workers_start_and_served(
+    tmp_path: Path, relay: list[str]
+) -> None:
+    """A listener that tries listen.metrics_port while the workers start is refused (before,
+    it took the port and the router failed), and the router (under --relay, replica 0) serves
+    /metrics on it: the relay took it for itself, and replica 0 exited before listening."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.commands.cli", "up",
+        "--config", str(_metrics_config(tmp_path, port)), *relay,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    lines: list[str] = []
+    async with ends_on_sigint(proc):
+        assert proc.stdout is not None
+        await asyncio.wait_for(_read_until(proc.stdout, "reference worker", lines), 30)
+        with socket.socket() as late, pytest.raises(OSError):  # no SO_REUSEADDR/PORT either
+            late.bind(("127.0.0.1", port))
+        await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C stops the router", lines), 30)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+        ):
+            assert resp.status == 200
+            assert "kvroute_requests_total" in await resp.text()
+
+
 async def test_the_router_port_is_held_from_before_the_workers_start() -> None:
     """Between the check and the router's start nothing else can take the port: a listener
     that tries while the workers start is refused, and the router serves on it."""

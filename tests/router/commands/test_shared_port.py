@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from router.commands.shared_port import PortHold, hold_port
+from router.commands.shared_port import PortHold, hold_port, hold_ports
 from router.errors import ConfigError
 
 
@@ -174,3 +174,28 @@ def test_the_refusal_shows_what_an_empty_host_binds_and_the_option_given() -> No
     shown = f"cannot listen on 0.0.0.0:{port} and [::]:{port} (Address already in use)"
     assert said.startswith(shown), said
     assert "(indexer --port)" in said and "up --router-port" not in said
+
+
+def test_ports_are_held_all_or_none() -> None:
+    """`hold_ports` (the metrics port of each `--processes` child): one taken refuses them all,
+    naming its key, and leaves none held."""
+    first, second = _free_port(), _free_port()
+    with _child_listener(second, reuse_port=False):
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{second} for metrics") as caught:
+            hold_ports(
+                "127.0.0.1",
+                [first, second],
+                option="listen.metrics_port",
+                key="listen.metrics_port",
+                serving="metrics",
+            )
+        assert caught.value.key == "listen.metrics_port"
+    hold = hold_ports("127.0.0.1", [first, second], option="x", key="listen.metrics_port")
+    try:
+        assert hold.port == first
+        for port in (first, second):
+            _child_listener(port).close()  # a child joins its own
+            with pytest.raises(ConfigError):
+                hold_port("127.0.0.1", port)
+    finally:
+        hold.close()
