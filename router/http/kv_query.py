@@ -130,6 +130,7 @@ def _candidate_row(c: Candidate) -> dict[str, Any]:
 
 
 def _tokens(query: KvQuery, tokenizer: PromptTokenizer) -> list[int]:
+    """The query's prompt as token ids, one token at least (RequestError: none, or a bad one)."""
     given = [name for name in ("token_ids", "text", "messages") if getattr(query, name) is not None]
     if len(given) != 1:
         raise RequestError(
@@ -138,16 +139,32 @@ def _tokens(query: KvQuery, tokenizer: PromptTokenizer) -> list[int]:
         )
     if query.messages is not None:
         # the proxy's own rendering of a chat body
-        return chat_tokens(query.chat_body(), tokenizer)
+        tokens = chat_tokens(query.chat_body(), tokenizer)
+        return _not_empty(tokens, "messages", "the chat template renders them to no tokens")
     chat = [name for name in CHAT_REQUEST_FIELDS if getattr(query, name) is not None]
     if chat:
         raise RequestError(
             f"{', '.join(chat)} go with messages only (rendered into a chat's prompt)"
         )
     if query.token_ids is not None:
-        return query.token_ids
+        return _not_empty(query.token_ids, "token_ids", "an empty list")
     assert query.text is not None
-    return tokenizer.text(query.text)
+    said = "an empty string" if not query.text else "the tokenizer gives it no tokens"
+    return _not_empty(tokenizer.text(query.text), "text", said)
+
+
+def _not_empty(tokens: list[int], field: str, why: str) -> list[int]:
+    """`tokens`, or the 400 of a prompt of none. Before, such a query was a 200 that every
+    worker matched nothing of (a `/v1/kv/routed` a 200 too), where the worker refuses the
+    request it stands for (the proxy forwards an empty prompt as it is, the engine's to judge:
+    the reference workers' 400 "text must be a non-empty string"): a gateway took "nothing
+    cached anywhere" for an answer about a request that does not run."""
+    if not tokens:
+        raise RequestError(
+            f"{field} gives no prompt tokens ({why}): a query needs a prompt of at least one "
+            "token, as a worker does"
+        )
+    return tokens
 
 
 def _check_token(request: web.BaseRequest, config: RouterConfig) -> None:

@@ -126,6 +126,50 @@ async def test_query_token_and_bad_input(query_fleet: Fleet) -> None:
         assert status == 400 and "max_json_depth (128)" in error["error"]["message"], error
 
 
+async def test_a_query_without_prompt_tokens_is_a_400(query_fleet: Fleet) -> None:
+    """`"token_ids": []` and `"text": ""` were a 200 that every worker matched nothing of (and a
+    `/v1/kv/routed` of them a 200): an answer about a request no engine runs (the proxy
+    forwards such a prompt, and the worker refuses it with its own 400)."""
+    fleet = query_fleet
+    routed = {"worker": "w0"}
+    for body, said in (
+        ({"token_ids": []}, "token_ids gives no prompt tokens (an empty list)"),
+        ({"text": ""}, "text gives no prompt tokens (an empty string)"),
+    ):
+        for path, extra in (("/v1/kv/query", {}), ("/v1/kv/routed", routed)):
+            status, _, error = await fleet.post(path, {**body, **extra}, headers=QAUTH)
+            assert status == 400, (path, body, error)
+            assert error["error"]["type"] == "RequestError", error
+            assert error["error"]["message"].startswith(said), error
+    # the proxy leaves an empty prompt to the engine, which refuses it: the query agrees
+    status, _, error = await fleet.post("/generate", {"text": ""})
+    assert status == 400 and "non-empty" in error["error"]["message"], error
+
+
+async def test_a_chat_the_template_renders_to_nothing_is_a_400(tmp_path: Path) -> None:
+    """Messages a chat template renders to no tokens: the query's 400 names them (it was a
+    200 matching nothing)."""
+    template = tmp_path / "contents.jinja"  # the messages' contents, nothing around them
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    async with ReferenceWorker(ReferenceConfig(time_scale=0.0, page_size=16)) as worker:
+        tokenizer = TokenizerConfig(chat_template=str(template))
+        config = router_config([("w0", worker.url)], tokenizer=tokenizer)
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+
+            async def query(content: str) -> tuple[int, Any]:
+                body = {"messages": [{"role": "user", "content": content}]}
+                async with session.post(router.url + "/v1/kv/query", json=body) as resp:
+                    return resp.status, await resp.json()
+
+            status, answer = await query("hi")
+            assert status == 200 and answer["prompt_tokens"] == 2, answer
+            status, error = await query("")
+            assert status == 400 and error["error"]["type"] == "RequestError", error
+            assert error["error"]["message"].startswith(
+                "messages gives no prompt tokens (the chat template renders them to no tokens)"
+            ), error
+
+
 async def test_off_loopback_the_query_token_is_read_per_request(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
