@@ -917,9 +917,69 @@ def load_config(path: str | Path, *, reloading: bool = False) -> RouterConfig:
     return _parse_toml(data, source=str(path), reloading=reloading)
 
 
-def _holds_a_setting(table: dict[str, Any]) -> bool:
-    """Whether a parsed TOML table holds a key with a value, in itself or a table under it."""
-    return any(not isinstance(value, dict) or _holds_a_setting(value) for value in table.values())
+# no kvroute setting nests more than three tables deep (`[[workers]]` > `lora` > a name): a
+# document past this is no config, and anything that walks it recursively (the settings check,
+# a reload's comparison, an encoder) would end in a RecursionError rather than a refusal
+MAX_CONFIG_DEPTH = 32
+
+
+def _holds_a_setting(table: dict[str, Any], *, source: str) -> bool:
+    """Whether a parsed TOML document holds a key with a value, in itself or a table under it;
+    ConfigError naming the key when tables or arrays nest past `MAX_CONFIG_DEPTH`.
+
+    Iterative: a 3,000-part dotted key (`a.a.a... = 1`, which tomllib reads without
+    recursing) made the recursive walk raise a RecursionError, a 500 to `POST /admin/reload`
+    and a traceback from `kvroute serve`."""
+    holds = False
+    # (value, its trail, its depth); a trail is (the parent's trail, a key or an array index),
+    # a link per value rather than a path copied into each
+    pending: list[tuple[object, _Trail, int]] = [(table, None, 0)]
+    while pending:
+        value, trail, depth = pending.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            path = _key_path(trail)
+            raise ConfigError(
+                f"{source}: `{_clipped_key(path)}` nests more than {MAX_CONFIG_DEPTH} tables or "
+                "arrays deep, far past any kvroute setting: is this the config?",
+                key=str(path[0]),
+            )
+        if isinstance(value, dict):
+            pending.extend((v, (trail, k), depth + 1) for k, v in value.items())
+        else:
+            holds = True
+            if isinstance(value, list):
+                pending.extend((v, (trail, i), depth + 1) for i, v in enumerate(value))
+    return holds
+
+
+_Trail = tuple["_Trail", str | int] | None
+
+
+def _key_path(trail: _Trail) -> list[str | int]:
+    """The keys and array indexes from the document down to the value of `trail`."""
+    path: list[str | int] = []
+    while trail is not None:
+        trail, part = trail
+        path.append(part)
+    return path[::-1]
+
+
+def _clipped_key(path: list[str | int]) -> str:
+    """A key path as TOML dots it (array items as `[i]`), its middle left out when long."""
+    if len(path) > 5:
+        return f"{_dotted(path[:3])} ... {_dotted(path[-1:])}"
+    return _dotted(path)
+
+
+def _dotted(path: list[str | int]) -> str:
+    """`path` as TOML writes a key: dotted, array items as `[i]`."""
+    said = ""
+    for part in path:
+        if isinstance(part, int):
+            said += f"[{part}]"
+        else:
+            said += f".{part}" if said else part
+    return said
 
 
 def _parse_toml(data: bytes, *, source: str, reloading: bool = False) -> RouterConfig:
@@ -938,7 +998,14 @@ def _parse_toml(data: bytes, *, source: str, reloading: bool = False) -> RouterC
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
-    if not _holds_a_setting(parsed):
+    except RecursionError as exc:
+        # tomllib recurses once per nested array or inline table: a few hundred (`x = [[[...`)
+        # exhaust the stack, which escaped as a 500 (a reload) or a traceback (serve)
+        raise ConfigError(
+            f"{source}: invalid TOML: arrays or inline tables nest too deep to read "
+            f"(a config nests at most {MAX_CONFIG_DEPTH}): is this the config?"
+        ) from exc
+    if not _holds_a_setting(parsed, source=source):
         # table headers with no key under them say as little as comments (`[listen]` alone: a
         # save caught after its first line)
         raise ConfigError(

@@ -289,9 +289,17 @@ def _announce(lines: list[str]) -> None:
 
 
 async def _reload(router: RouterService) -> None:
-    """A SIGHUP: reload (the reloader logs the one line: what changed, or the bad key)."""
-    with contextlib.suppress(ConfigError):
+    """A SIGHUP: reload (the reloader logs the one line: what changed, or the bad key).
+
+    Anything else a reload raises is a defect, logged here once with its traceback: nobody
+    awaits this task, so it escaped as asyncio's "Task exception was never retrieved" (a
+    RecursionError from a deeply nested file did, before it was refused as a ConfigError)."""
+    try:
         await router.reload()
+    except ConfigError:
+        pass  # logged by the reloader, naming the key
+    except Exception:
+        logging.getLogger(__name__).exception("config reload on SIGHUP failed")
 
 
 def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
@@ -311,6 +319,8 @@ def read_config(path: str, *, reloading: bool = False) -> RouterConfig:
             data = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
+        except RecursionError as exc:  # as a TOML file's (`router.config._parse_toml`)
+            raise ConfigError(f"{path}: JSON nests too deep to read: is this the config?") from exc
         return parse_config(data, source=path)
     return load_config(path, reloading=reloading)
 

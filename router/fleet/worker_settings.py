@@ -35,6 +35,51 @@ def _failure(path: str, exc: Exception, timeout_s: float) -> str:
     return f"{path}: {type(exc).__name__}: {exc}"
 
 
+# a real server info is a few KiB (SGLang's, every server argument: about 10 KiB), a model list
+# as much per model: past this an answer is no settings document, and reading it whole held it
+# in the router's memory (64 MB of it took the router from 64 to 130 MB)
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+class _Unreadable(Exception):
+    """A worker's answer that is not a JSON document the router reads (the reason)."""
+
+
+async def _json_answer(resp: aiohttp.ClientResponse) -> object:
+    """The JSON document of `resp`, read up to `MAX_ANSWER_BYTES` (decompressed); _Unreadable
+    saying why when it is longer, not JSON, or nested too deep to decode."""
+    cap = MAX_ANSWER_BYTES
+    too_long = _Unreadable(f"answer longer than {cap >> 20} MiB, more than any worker's settings")
+    if resp.content_length is not None and resp.content_length > cap:
+        raise too_long  # said before a byte of it is read
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await resp.content.read(cap + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            raise too_long
+    try:
+        return msgspec.json.decode(b"".join(chunks))
+    except msgspec.DecodeError as exc:
+        raise _Unreadable(f"DecodeError: {exc}") from exc
+    except RecursionError as exc:
+        # msgspec recurses per array or object: 100,000 nested arrays escaped as a 500 (an
+        # admin add) or a traceback in the log (a discovery in the background)
+        raise _Unreadable("JSON nested too deep to decode") from exc
+
+
+def _kind(value: object) -> str:
+    """What a JSON value is, said where an object was expected."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an array" if isinstance(value, list) else "a string"
+
+
 async def read_server_info(
     session: aiohttp.ClientSession, url: str, spec: EngineSpec = SGLANG, *, timeout_s: float
 ) -> dict[str, Any]:
@@ -44,12 +89,17 @@ async def read_server_info(
     for path in spec.server_info_paths:
         try:
             async with session.get(url.rstrip("/") + path, timeout=timeout) as resp:
-                if resp.status == 200:
-                    info = msgspec.json.decode(await resp.read())
-                    if isinstance(info, dict):
-                        return info
-                last = f"{path}: HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+                if resp.status != 200:
+                    last = f"{path}: HTTP {resp.status}"
+                    continue
+                info = await _json_answer(resp)
+                if isinstance(info, dict):
+                    return info
+                # before, "HTTP 200", which named nothing wrong
+                last = f"{path}: HTTP 200 with {_kind(info)}, not a JSON object"
+        except _Unreadable as exc:
+            last = f"{path}: {exc}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
             last = _failure(path, exc, timeout_s)
     raise RequestError(f"cannot read server_info of {url}: {last}")
 
@@ -64,10 +114,10 @@ async def _model_list(
         async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
             if resp.status != 200:
                 return None, ""
-            return msgspec.json.decode(await resp.read()), ""
+            return await _json_answer(resp), ""
     except (aiohttp.ClientError, TimeoutError) as exc:
         return None, _failure("/v1/models", exc, timeout_s)
-    except msgspec.DecodeError:
+    except _Unreadable:
         return None, ""  # answered, but with no model list
 
 

@@ -236,6 +236,43 @@ async def test_a_config_that_is_not_utf8_exits_2_in_one_line_naming_it(
     assert lines[0].startswith(f"kvroute {verb}: {config}: not UTF-8"), lines
 
 
+# a file nested past what anything reads: tomllib's recursion (arrays, inline tables) and the
+# settings check's (a dotted key, which tomllib reads without recursing)
+_TOO_DEEP = {
+    "arrays": ("x = " + "[" * 3000 + "]" * 3000, "nest too deep to read"),
+    "inline tables": ("x = " + "{a = " * 3000 + "1" + "}" * 3000, "nest too deep to read"),
+    "dotted key": (".".join(["a"] * 3000) + " = 1", "`a.a.a ... a` nests more than 32"),
+}
+
+
+@pytest.mark.parametrize("verb", ["serve", "indexer", "up"])
+@pytest.mark.parametrize("shape", sorted(_TOO_DEEP))
+async def test_a_config_nested_too_deep_exits_2_in_one_line_naming_it(
+    tmp_path: Path, verb: str, shape: str
+) -> None:
+    """Before, a RecursionError: exit 1 and a traceback of 3,000 lines."""
+    config = tmp_path / "router.toml"
+    nested, said = _TOO_DEEP[shape]
+    config.write_text(nested + '\n[listen]\nport = 0\n[admin]\ntoken = "t"\n')
+    # `up`: refused before any worker starts
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "router.commands.cli", verb, "--config", str(config)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and not out, (out, lines[-3:])
+    assert len(lines) == 1, lines[-3:]
+    assert lines[0].startswith(f"kvroute {verb}: {config}: "), lines
+    assert said in lines[0], lines
+
+
 @pytest.mark.parametrize("verb", ["serve", "indexer"])
 async def test_a_fifo_for_a_config_exits_2_in_one_line_naming_it(tmp_path: Path, verb: str) -> None:
     """Before, the process waited on the FIFO for a writer, saying nothing."""

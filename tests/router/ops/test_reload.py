@@ -11,6 +11,7 @@ import asyncio
 import gc
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.config import load_config
+from router.config import RouterConfig, load_config
 from router.http.reload import ConfigSource
 from router.http.reload_link import ProcessesTold, ReloadLink, answer_child
 from router.service import RouterService
@@ -291,6 +292,36 @@ async def test_an_empty_file_is_refused_and_the_workers_stay(
     assert status == 400 and answer["error"]["type"] == "ReloadError", answer
     assert said in answer["error"]["message"], answer
     assert fleet.router.running_config is before and before.workers
+    status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
+    assert status == 200
+
+
+# nested past what anything reads: tomllib recurses per array or inline table, the settings
+# check (before) per table of a dotted key, which tomllib reads without recursing
+_TOO_DEEP = {
+    "arrays": ("x = " + "[" * 3000 + "]" * 3000, "nest too deep to read"),
+    "dotted key": (".".join(["a"] * 3000) + " = 1", "`a.a.a ... a` nests more than 32"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_TOO_DEEP))
+async def test_a_file_nested_too_deep_is_a_400_and_the_old_config_serves(
+    fleet: Reloadable, shape: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a RecursionError: a 500 InternalError and an ERROR traceback."""
+    before = fleet.router.running_config
+    nested, said = _TOO_DEEP[shape]
+    fleet.path.write_text(nested + "\n" + _toml({"w0": fleet.workers["w0"].url}))
+    with caplog.at_level(logging.WARNING):
+        status, answer = await fleet.reload()
+    assert status == 400, answer
+    assert answer["error"]["type"] == "ReloadError" and answer["error"]["kept"] == "running config"
+    message = answer["error"]["message"]
+    assert str(fleet.path) in message and said in message, message
+    assert fleet.router.running_config is before
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.levelname for r in warned] == ["WARNING"], [r.getMessage()[:200] for r in warned]
+    assert said in warned[0].getMessage() and warned[0].exc_info is None
     status, _, _ = await fleet.post("/v1/chat/completions", _chat("t"))
     assert status == 200
 
@@ -789,6 +820,43 @@ async def test_sighup_reloads_kvroute_serve(tmp_path: Path) -> None:
                 refused = await _log_line(proc.stderr, "reload refused")
                 assert str(path) in refused and "not UTF-8" in refused
                 assert await workers() == ["w0", "w1"]
+
+                # before, "Task exception was never retrieved" and a RecursionError's traceback
+                path.write_text(".".join(["a"] * 3000) + " = 1\n" + _toml({"w0": w0.url}))
+                proc.send_signal(signal.SIGHUP)
+                refused = await _log_line(proc.stderr, "reload refused")
+                assert "WARNING" in refused and "nests more than 32" in refused, refused
+                assert await workers() == ["w0", "w1"]
+
+
+async def test_a_sighup_reload_that_fails_otherwise_is_logged_once_as_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload failing with anything but a ConfigError (a defect): `kvroute serve`'s SIGHUP
+    task logs it once, with its traceback. Before, only ConfigError was caught and nobody
+    awaited the task: asyncio's "Task exception was never retrieved", at garbage collection.
+    The fault is the file loader's, as a RecursionError from a nested file was."""
+    from router.commands.serve import _reload
+
+    path = tmp_path / "router.toml"
+    path.write_text(_toml({}))
+
+    def broken() -> RouterConfig:
+        raise RuntimeError("a defect of the loader")
+
+    source = ConfigSource(str(path), broken)
+    async with RouterService(load_config(path), config_source=source) as router:
+        before = router.running_config
+        with caplog.at_level(logging.WARNING):
+            task = asyncio.get_running_loop().create_task(_reload(router))
+            await asyncio.wait({task}, timeout=10)
+        assert task.done() and task.exception() is None
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [(r.levelname, r.getMessage()) for r in errors] == [
+            ("ERROR", "config reload on SIGHUP failed")
+        ]
+        assert errors[0].exc_info is not None and "a defect" in str(errors[0].exc_info[1])
+        assert router.running_config is before
 
 
 async def _log_line(stream: asyncio.StreamReader, marker: str) -> str:
