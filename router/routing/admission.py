@@ -59,6 +59,7 @@ __all__ = [
     "WaitingDecisions",
     "forecast",
     "recency_stride",
+    "stretch_keys",
     "unforecast",
 ]
 
@@ -530,6 +531,23 @@ def recency_stride(block_size: int) -> int:
     return max(1, RECENCY_SAMPLE_TOKENS // max(1, block_size))
 
 
+def stretch_keys(keys: Sequence[int], stride: int) -> list[int]:
+    """The keys of a path's blocks (root first) the recency book keeps: the last block of each
+    stretch of `stride` blocks, and of a last, shorter one its last block. A request that uses
+    a block uses every block above it, so the last block's recency is a lower bound of its
+    stretch's: a stretch is never taken as more recent than any of its blocks. The first
+    block stood for its stretch until 2026-12-06, an upper bound: a prompt that left a busy
+    shared prefix inside a stretch had its own blocks there taken as recent as the shared
+    one, and predicted held after the worker had evicted them (QA, pages of 1-8 tokens:
+    matched 16, cached 8-12, every round)."""
+    if stride == 1:
+        return list(keys)
+    kept = list(keys[stride - 1 :: stride])
+    if len(keys) % stride:
+        kept.append(keys[-1])
+    return kept
+
+
 def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) -> AdmissionForecast:
     """No discount: the raw match is the prediction, for the reason given."""
     return AdmissionForecast(
@@ -570,8 +588,8 @@ def forecast(
     the next batch there (`batch_room` requests at most; None: unknown) cannot take both
     (else both run in one batch; on a worker that `trickles`, or for a request that waits
     for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`). The
-    book holds every `stride`-th block of a path (`recency_stride`), each standing for the
-    `stride` blocks it starts.
+    book holds the last block of each stretch of `stride` blocks (`stretch_keys`), standing for
+    the stretch it ends.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
@@ -610,21 +628,35 @@ def forecast(
     # average), in whole pages
     private = in_flight * -(-(reserve_tokens + (block_size - 1) // 2) // block_size)
 
+    last = len(blocks) - 1
+
+    def sample(j: int) -> int:
+        # the book keeps the last block of each stretch (`stretch_keys`): it stands for its
+        # stretch; where the match ends inside one, the match's own last block
+        return blocks[min(j - j % stride + stride - 1, last)]
+
     def stamp_of(j: int) -> int | None:
         # a block no decision touched is as recent as the nearest touched one above it (a
-        # path is touched together); with none above it, it is the oldest (None). The book
-        # keeps every `stride`-th block: the one starting a block's stretch stands for it
-        if book is not None:
-            for k in range(j - j % stride, -1, -stride):
-                stamp = book.stamp(blocks[k])
-                if stamp is not None:
-                    return stamp
+        # path is touched together); with none above it, it is the oldest (None). Not where
+        # the match ends inside a stretch whose own last block no decision ended at: the
+        # requests that used its blocks went on past it, down other paths, and left their
+        # recency on keys this prompt does not have. A block above stands for nothing there,
+        # and the stretch is the oldest (it may be a colder prompt's, left under a hot prefix)
+        if book is None:
+            return None
+        end = j - j % stride + stride - 1
+        if end > last:
+            return book.stamp(blocks[last])
+        for k in range(end, -1, -stride):
+            stamp = book.stamp(blocks[k])
+            if stamp is not None:
+                return stamp
         return None
 
     def lost(j: int) -> str:
         """Why block `j` is gone when the request is admitted ("": it is not)."""
         if book is not None and waiting is not None:
-            own = book.stamp(blocks[j - j % stride])
+            own = book.stamp(sample(j))
             if own is not None and own in waiting:
                 # the request of the block's latest decision computes it (it was not to find
                 # it) and has not been admitted: this request joins its batch, finds nothing

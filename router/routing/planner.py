@@ -47,6 +47,7 @@ from router.routing.admission import (
     WaitingDecisions,
     forecast,
     recency_stride,
+    stretch_keys,
     unforecast,
 )
 from router.routing.balance import BalanceEstimate, BalanceModel
@@ -548,12 +549,12 @@ class Planner:
             kept_blocks = found.kept_tokens // block_size
 
             def reused() -> set[int]:
-                return set(keys()[:kept_blocks:stride])  # a block per stretch, as the book
+                return set(stretch_keys(keys()[:kept_blocks], stride))  # as the book keeps
 
             candidate.eviction = eviction_cost(
                 admission=found,
                 new_tokens=own,
-                # the book keeps a block per stretch: each stands for the stretch it starts
+                # the book keeps a block per stretch: each stands for the stretch it ends
                 block_size=stretch,
                 book=self.recency.get(stream),
                 holder_counts=self.indexer.holder_counts,
@@ -874,7 +875,7 @@ class Planner:
                 book = self.recency[stream] = RecencyBook()
             block = self.indexer.index.block_size(stream) or 1
             stride = recency_stride(block)
-            kept = keys[::stride]  # a block per stretch: what the forecast reads
+            kept = stretch_keys(keys, stride)  # a block per stretch: what the forecast reads
             stamp = book.touch(kept)
             waiting = self._waiting(stream)
             # a peer's decision may carry keys and no tokens: its prompt is as long as them

@@ -14,6 +14,7 @@ from router.routing.admission import (
     WaitingDecisions,
     forecast,
     recency_stride,
+    stretch_keys,
 )
 from tests.indexer.backends import native_or_skip
 
@@ -436,33 +437,59 @@ def test_an_event_batch_after_it_was_sent_says_the_worker_took_it_in() -> None:
 
 def test_the_book_keeps_a_block_per_stretch_and_each_stands_for_its_stretch() -> None:
     assert [recency_stride(b) for b in (1, 4, 16, 64)] == [16, 4, 1, 1]
-    # blocks of 1 token, a stretch of 4 kept per decision: 0, 4, 8 of a 12-block path
+    # the last block of each stretch, and of a shorter last one its last block
+    assert stretch_keys(list(range(10)), 4) == [3, 7, 9]
+    assert stretch_keys(list(range(8)), 4) == [3, 7]
+    assert stretch_keys([5, 6], 1) == [5, 6]
+    # blocks of 1 token, a stretch of 4 kept per decision: 3, 7, 11 of a 12-block path
     book = RecencyBook()
     old = list(range(100, 112))
-    book.touch(old[::4])
+    book.touch(stretch_keys(old, 4))
     for n in range(3):  # three newer paths of 12 blocks: 9 book entries, 36 blocks
-        book.touch(list(range(200 + 12 * n, 212 + 12 * n))[::4])
-
-    def kept(pool: int) -> int:
-        return forecast(
-            raw_tokens=12,
-            matched_tokens=12,
-            capacity_tokens=pool,
-            held_tokens=pool,
-            queued_tokens=4,
-            in_flight=0,
-            reserve_tokens=0,
-            block_size=1,
-            keys=lambda: old,
-            book=book,
-            waiting=WaitingDecisions(0.0),
-            stride=4,
-        ).kept_tokens
+        book.touch(stretch_keys(list(range(200 + 12 * n, 212 + 12 * n)), 4))
 
     # 12 entries newer or as new as the old path's stand for 48 blocks: a 48-block pool keeps
     # it, a 47-block one (held full, 4 tokens queued) does not
-    assert kept(48) == 12
-    assert kept(47) == 0
+    assert _kept_at_stride(book, old, 48) == 12
+    assert _kept_at_stride(book, old, 47) == 0
+
+
+def _kept_at_stride(book: RecencyBook, keys: list[int], pool: int, raw: int = 12) -> int:
+    """What a forecast keeps of `raw` matched tokens of `keys` (blocks of 1 token, the book
+    keeping one per 4), the pool held full and 4 tokens queued."""
+    return forecast(
+        raw_tokens=raw,
+        matched_tokens=raw,
+        capacity_tokens=pool,
+        held_tokens=pool,
+        queued_tokens=4,
+        in_flight=0,
+        reserve_tokens=0,
+        block_size=1,
+        keys=lambda: keys,
+        book=book,
+        waiting=WaitingDecisions(0.0),
+        stride=4,
+    ).kept_tokens
+
+
+def test_a_prompt_that_leaves_a_hot_prefix_inside_a_stretch_is_as_old_as_its_own_blocks() -> None:
+    # X: 2 blocks every prompt shares, then 10 of its own, routed first; then three prompts
+    # through the same 2 blocks. The first stretch of X (its 2 shared blocks and 2 of its
+    # own) is as old as X: its own blocks there are evicted with the rest of X. When the
+    # stretch's first block stood for it, the shared block's recency kept all 4: QA's false
+    # hit on pages of 1-8 tokens (matched 16, cached 8-12, every round)
+    book = RecencyBook()
+    x = [1, 2, *range(300, 310)]
+    book.touch(stretch_keys(x, 4))
+    for n in range(3):
+        book.touch(stretch_keys([1, 2, *range(400 + 20 * n, 410 + 20 * n)], 4))
+    assert _kept_at_stride(book, x, 47) == 0
+    assert _kept_at_stride(book, x, 48) == 12
+    # a match that ends inside a stretch at a block no decision ended at (X's first 6 blocks,
+    # another prompt having stored them) is the oldest there: the requests that used those
+    # blocks left their recency on other keys
+    assert _kept_at_stride(book, x, 48, raw=6) == 4
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])
