@@ -169,7 +169,14 @@ class Peers:
                     self.me,
                 )
             return
-        self.delays.append(time.time() - batch.sent_at)
+        # how long ago the sender decided: its pending marks live what is left of the TTL.
+        # Before, each one lived the whole TTL from its arrival: decisions NATS held up (a
+        # stalled server, shorter than the heartbeat timeout) were marked as fresh on workers
+        # that had flushed them since (QA: `pending 560` predicted on a worker with nothing).
+        # A sender's clock behind ours makes them older (fewer marks: fail closed); one ahead
+        # would make them younger than now: taken as now (replicas' clocks are NTP-synced)
+        age_s = max(time.time() - batch.sent_at, 0.0)
+        self.delays.append(age_s)
         peer = self._peers.get(batch.replica)
         now = self._clock()
         if peer is None:
@@ -198,7 +205,7 @@ class Peers:
                 if worker is not None and self._indexer.has_worker(worker):
                     keys_of = self._keys_of(d, worker)
                     made = self._indexer.add_pending(
-                        d.namespace, d.tokens, worker, d.dp_rank, keys_of=keys_of
+                        d.namespace, d.tokens, worker, d.dp_rank, keys_of=keys_of, age_s=age_s
                     )
                     if made and d.ticket:
                         if len(peer.pending) >= _MAX_UNBEGUN:  # Begins were lost
