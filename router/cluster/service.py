@@ -81,6 +81,9 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 # how long a stop waits for the background tasks to end, cancelling again those that lost a
 # cancellation (`router.cluster.tasks`), before it leaves them behind, said
 STOP_TIMEOUT_S = 5.0
+# how long an admin write waits for NATS before it is kept for the resync (and the cluster is
+# called degraded: NATS hangs)
+WRITE_TIMEOUT_S = 2.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
@@ -619,14 +622,48 @@ class ClusterService:
             self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
         try:
-            async with asyncio.timeout(2.0):
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
             said = self.fleet.describe(key, value)  # never a session id
-            log.warning("cluster: %s not written yet (%s): kept for the resync", said, exc)
+            # a deadline's TimeoutError says nothing of itself (before: "not written yet ()")
+            why = str(exc) or (
+                f"NATS did not answer within {WRITE_TIMEOUT_S:g} s"
+                if isinstance(exc, TimeoutError)
+                else type(exc).__name__
+            )
+            log.warning("cluster: %s not written yet (%s): kept for the resync", said, why)
             self.fleet.keep_unsent(bucket, key, value)
+            if isinstance(exc, TimeoutError) and self.connected:
+                self._stalled()
             return Sharing.PENDING
         return Sharing.SHARED
+
+    def _stalled(self) -> None:
+        """An admin write timed out on a connection still open: NATS hangs (stopped, its host
+        stalled). Degraded at once, and resynced (the write kept, sent) once NATS answers a
+        flush. Before, `/health` said ok until the client's pings went unanswered (twice the
+        ping interval, ~6 s by default) while admin writes timed out, and had the stall ended
+        sooner no resync came: only a resync flushes the writes kept."""
+        if self.status is ClusterStatus.DEGRADED or self._closing:
+            return
+        self._degrade(f"NATS did not answer an admin write within {WRITE_TIMEOUT_S:g} s")
+        self._spawn(self._resync_when_answering())
+
+    async def _resync_when_answering(self) -> None:
+        """Flush until NATS answers, then resync as after a reconnect (a lost connection's
+        reconnect resyncs of itself: this ends then)."""
+        while self.status is ClusterStatus.DEGRADED and not self._closing:
+            nc = self._nc
+            if nc is None or not nc.is_connected:
+                return
+            try:
+                await nc.flush(timeout=1)
+            except _NATS_ERRORS:
+                await asyncio.sleep(0.1)  # a flush refused at once must not spin
+                continue
+            await self._on_reconnected()
+            return
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,
