@@ -39,7 +39,16 @@ from urllib.parse import urlsplit
 from indexer.hosts import may_be_one_host, one_host
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
-from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
+from router.cluster.wire import (
+    Batch,
+    Begin,
+    End,
+    FirstByte,
+    Goodbye,
+    Heartbeat,
+    Pending,
+    Shadow,
+)
 from router.routing.load import LoadTracker, Ticket, Withdraw
 
 __all__ = ["AdmissionBook", "Peers", "Servers"]
@@ -260,6 +269,9 @@ class Peers:
                         take_back()
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
+            elif isinstance(d, Goodbye):
+                self._drop(batch.replica, stopped=True)
+                return  # sent last: nothing of it follows
 
     def _meant(self, worker: str, server: str) -> str | None:
         """The id here of the server a decision naming (`worker`, `server`) meant: `worker`
@@ -404,7 +416,7 @@ class Peers:
             self._drop(name)
         return gone
 
-    def _drop(self, name: str, *, quiet: bool = False) -> None:
+    def _drop(self, name: str, *, quiet: bool = False, stopped: bool = False) -> None:
         peer = self._peers.pop(name)
         for ticket in peer.tickets.values():
             self._end(ticket)
@@ -412,6 +424,13 @@ class Peers:
             for marks in peer.marks.values():
                 self._book.release_marks(marks, first_byte=False)
         if quiet:
+            return
+        if stopped:  # it said so (`Goodbye`): no failure
+            log.info(
+                "replica %s stopped: its %d requests in flight no longer count",
+                name,
+                len(peer.tickets),
+            )
             return
         log.warning(
             "replica %s is silent: its %d requests in flight no longer count",

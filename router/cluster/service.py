@@ -66,7 +66,7 @@ from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
 from router.cluster.tasks import StoppableTaskGroup
-from router.cluster.wire import Batch, Begin, Decision, batch_decoder, encoder
+from router.cluster.wire import Batch, Begin, Decision, Goodbye, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -259,12 +259,26 @@ class ClusterService:
         finally:
             nc, self._nc = self._nc, None
             if nc is not None:
+                await self._say_goodbye(nc)
                 await close_client(nc, 2.0)
             if self._connecting is not None and self._connecting is not nc:
                 # one stopped mid-attempt (its connect task cancelled) holds that attempt's
                 # socket: closed too (it was left to the garbage collector)
                 await close_client(self._connecting, 2.0)
             self.peers.clear()
+
+    async def _say_goodbye(self, nc: NATS) -> None:
+        """Tell the others this replica stops (`Goodbye`), after everything it published (its
+        publisher has stopped): the close writes it out. Not connected, nothing is sent (the
+        others find it silent, as after a crash)."""
+        if not nc.is_connected:
+            return
+        data = encoder.encode(Batch(self.replica, time.time(), [Goodbye()], self._instance))
+        with contextlib.suppress(*_NATS_ERRORS):
+            # publish buffers, and waits only on a full buffer: bounded all the same (a stop
+            # never waits on NATS for long)
+            async with asyncio.timeout(0.5):
+                await nc.publish(self.subject, data)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = self._group.create_task(coro)
@@ -558,7 +572,15 @@ class ClusterService:
                 while any(s.state in unproven for s in self._indexer.streams()):  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
         except TimeoutError:
-            log.warning("cluster: streams still unproven after the warm start; serving anyway")
+            # the one WARNING of a warm start: loading says itself at INFO per stream (each
+            # one's proof, or its clear, follows), since every warm start loads every stream
+            unproven_now = sorted(s.stream for s in self._indexer.streams() if s.state in unproven)
+            log.warning(
+                "cluster: %d stream(s) still unproven after the warm start (%s): they predict "
+                "nothing until a replay proves them; serving anyway",
+                len(unproven_now),
+                ", ".join(unproven_now[:8]) + (", ..." if len(unproven_now) > 8 else ""),
+            )
 
     # ------------------------------------------------------------------ fleet and evictions
 

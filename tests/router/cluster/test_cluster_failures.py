@@ -856,3 +856,48 @@ async def test_an_admin_write_nats_hangs_on_degrades_at_once_and_resyncs_when_it
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
+
+
+async def test_a_replica_stopped_gracefully_is_said_stopped_and_its_load_ends_at_once(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a replica's graceful stop (SIGTERM) published nothing: the others counted its
+    load until `heartbeat_timeout_s`, then said it `silent` in a WARNING, as for a crash. It
+    now says goodbye last (`Goodbye`, alone in its batch): the others drop it at once, INFO."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+
+    def config(name: str) -> ClusterConfig:
+        # a silence noticed only after 5 s: what comes sooner is the goodbye
+        fields = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 5.0, "replica_id": name}
+        return cluster(nats_server.url, **fields)
+
+    async with workers(1) as (w0,):
+        fleet = [("w0", w0.url)]
+        async with RouterService(
+            replica_config(fleet, nats_server.url, "a", cluster=config("a"))
+        ) as a:
+            assert a.cluster is not None
+            peers = a.cluster.peers
+            async with RouterService(
+                replica_config(fleet, nats_server.url, "b", cluster=config("b"))
+            ):
+
+                async def b_heard() -> bool:
+                    return peers.live() == ["b"]
+
+                await eventually(b_heard, what="a to hear b")
+            stopped = time.monotonic()
+
+            async def b_gone() -> bool:
+                return peers.live() == []
+
+            await eventually(b_gone, what="a to drop b", timeout_s=3.0)
+            assert time.monotonic() - stopped < 3.0  # not the 5 s of a silence
+            said = [
+                (r.levelno, r.getMessage()) for r in caplog.records if "replica b" in r.getMessage()
+            ]
+            assert (
+                logging.INFO,
+                "replica b stopped: its 0 requests in flight no longer count",
+            ) in said
+            assert not [m for level, m in said if level >= logging.WARNING], said

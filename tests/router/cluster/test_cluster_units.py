@@ -18,6 +18,7 @@ from router.cluster.wire import (
     Decision,
     End,
     FirstByte,
+    Goodbye,
     Heartbeat,
     OpenTicket,
     Pending,
@@ -134,6 +135,36 @@ async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones(
         assert peers.sweep() == ["b"]
         assert load.running() == {"w0": 0, "w1": 0}
         assert peers.live() == []
+
+
+class _BatchBeforeGoodbye(msgspec.Struct, array_like=True, frozen=True):
+    """`Batch` as a replica from before `Goodbye` decodes it."""
+
+    replica: str
+    sent_at: float
+    decisions: list[Pending | Begin | Shadow | FirstByte | End | Heartbeat]
+    instance: str = ""
+
+
+async def test_a_goodbye_drops_the_peer_at_once_and_an_older_replica_drops_only_its_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    load = LoadTracker()
+    async with IndexerService() as indexer:
+        peers = Peers("me", indexer, load, timeout_s=60.0)
+        peers.apply(Batch("b", time.time(), [Begin(1, "w0", None, 10)]))
+        assert (peers.live(), load.of("w0").running) == (["b"], 1)
+        with caplog.at_level("INFO", logger="router.cluster.peers"):
+            peers.apply(Batch("b", time.time(), [Goodbye()]))
+        assert (peers.live(), load.of("w0").running) == ([], 0)  # not after 60 s
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert said == [("INFO", "replica b stopped: its 1 requests in flight no longer count")]
+    # a replica from before it refuses the batch (dropped and counted by `_on_message`): the
+    # goodbye goes alone in its own, so nothing else is lost with it
+    old = msgspec.msgpack.Decoder(_BatchBeforeGoodbye)
+    with pytest.raises(msgspec.ValidationError):
+        old.decode(encoder.encode(Batch("b", 1.0, [Goodbye()])))
+    assert old.decode(encoder.encode(Batch("b", 1.0, [End(1)]))).decisions == [End(1)]
 
 
 def test_batches_round_trip_with_the_namespace_whole() -> None:

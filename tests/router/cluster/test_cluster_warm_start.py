@@ -31,8 +31,10 @@ async def _indexed_then_snapshotted(fleet: Fleet, body: dict[str, str]) -> str:
 
 
 async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
-    nats_server: NatsServer,
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="indexer")
+    caplog.set_level(logging.INFO, logger="router.cluster")
     async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
         config = [("w0", w0.url), ("w1", w1.url)]
         refs = {"w0": w0, "w1": w1}
@@ -49,6 +51,12 @@ async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
                     assert resp.status == 200
                     assert resp.headers["x-kvroute-worker"] == worker
                     assert int(resp.headers["x-kvroute-matched-tokens"]) >= 64
+        # each stream's load and proof are routine (INFO); before, every warm start said one
+        # WARNING per stream, `state loaded from a snapshot: its entries predict nothing ...`
+        loaded = [r for r in caplog.records if "state loaded from a snapshot" in r.getMessage()]
+        assert len(loaded) == 4, loaded  # loaded, proven: 2 streams (c's)
+        assert {r.levelno for r in loaded} == {logging.INFO}
+        assert not [r for r in caplog.records if "unproven" in r.getMessage()]
 
 
 async def test_a_damaged_snapshot_in_jetstream_is_refused_and_the_replica_starts_cold(
