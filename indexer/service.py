@@ -833,13 +833,13 @@ class IndexerService:
     def load(self, data: bytes) -> None:
         """Replace the index with a snapshot; raises SnapshotError and keeps the old one.
 
-        The snapshot's streams of workers not subscribed yet are kept for them (a warm start
-        loads before the fleet is known), for `ORPHAN_GRACE_S`. A subscribed stream keeps this
-        process's counters (metrics never go back), not the snapshot's. The live stream's
-        model, engine and block size (configured, or learned from its events) win: a snapshot
-        stream that says others is dropped (`_adopt`). Each load is logged: why it was
-        refused, or what it brought (each subscribed stream then logs whether its fence was
-        proven: `indexer.stream`)."""
+        The snapshot's streams of workers not subscribed yet are kept for them (a worker
+        still being discovered at a warm start, or added later), for `ORPHAN_GRACE_S`. A
+        subscribed stream keeps this process's counters (metrics never go back), not the
+        snapshot's. The live stream's model, engine and block size (configured, or learned
+        from its events) win: a snapshot stream that says others is dropped (`_adopt`). Each
+        load is logged: why it was refused, or what it brought (each subscribed stream then
+        logs whether its fence was proven: `indexer.stream`)."""
         try:
             index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
         except SnapshotError as exc:

@@ -500,11 +500,19 @@ class ClusterService:
         # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
         # Before, the first read after a start while NATS was away applied every record of
         # the day, dropping pages stored since from this replica's index alone, for good
+        for task in self._watchers:
+            task.cancel()
+        self._watchers = []
+        # the fleet before the snapshot: a worker id the cluster re-pointed (another server
+        # than this replica's config file names) is followed at the cluster's server when the
+        # snapshot's stream of it is proven. Before, the warm start proved that stream against
+        # the file's server and cleared it (`the publisher's newest seq is 0, below ours`)
+        await self._watch_fleet()
         newer_than: float | None = None
         if first:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
-        await self._watch(newer_than=newer_than)
+        await self._watch_records(newer_than=newer_than)
         self.fleet.fleet_read = True
         if self.fleet.sessions is not None:
             self.fleet.sessions.revocations_known()
@@ -584,17 +592,25 @@ class ClusterService:
 
     # ------------------------------------------------------------------ fleet and evictions
 
-    async def _watch(self, *, newer_than: float | None) -> None:
-        """(Re)start the KV watchers; returns once they have applied what the buckets hold
-        (of the eviction records there, only those after `newer_than`; None: all not seen)."""
-        for task in self._watchers:
-            task.cancel()
+    async def _watch_fleet(self) -> None:
+        """Start the fleet bucket's watcher; returns once it has applied what the bucket holds
+        (the watchers before it are cancelled: `_sync_once`)."""
         fleet_read = asyncio.Event()
-        evictions_read = asyncio.Event()
-        logouts_read = asyncio.Event()
 
         async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
             await self.fleet.apply_worker(value, key, revision)
+
+        self._watchers.append(
+            self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read))
+        )
+        await fleet_read.wait()
+
+    async def _watch_records(self, *, newer_than: float | None) -> None:
+        """Start the evictions' and logouts' watchers; returns once they have applied what the
+        buckets hold (of the eviction records there, only those after `newer_than`; None: all
+        not seen)."""
+        evictions_read = asyncio.Event()
+        logouts_read = asyncio.Event()
 
         async def on_eviction(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
@@ -602,8 +618,7 @@ class ClusterService:
         async def on_logout(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_logout(key, value)
 
-        self._watchers = [
-            self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),
+        self._watchers += [
             self._group.create_task(
                 self._watch_bucket(self._evictions_bucket, on_eviction, evictions_read)
             ),
@@ -611,7 +626,7 @@ class ClusterService:
                 self._watch_bucket(self._sessions_bucket, on_logout, logouts_read)
             ),
         ]
-        for read in (fleet_read, evictions_read, logouts_read):
+        for read in (evictions_read, logouts_read):
             await read.wait()
 
     async def _watch_bucket(
