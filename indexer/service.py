@@ -624,9 +624,12 @@ class IndexerService:
         dp_rank: int | None = None,
         *,
         keys_of: Callable[[str], Sequence[int]] | None = None,
+        age_s: float = 0.0,
     ) -> list[PendingMark]:
-        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s;
-        returns the marks made, for `withdraw_pending` should the request fail.
+        """Mark a just-routed request's prefix as pending on `worker` for pending_ttl_s (less
+        `age_s`: another replica routed it that long ago, and NATS may have held it up; one
+        the TTL old marks nothing); returns the marks made, for `withdraw_pending` should
+        the request fail.
 
         With `dp_rank`, only that rank's stream is marked: the request was sent there, and its
         other ranks are other caches. None (the engine picks the rank): every stream of it.
@@ -638,7 +641,7 @@ class IndexerService:
         for sub in self._workers.get(worker, []):
             if dp_rank is None or sub.config.dp_rank == dp_rank:
                 keys = keys_of(sub.stream_id) if keys_of is not None else None
-                if index.add_pending(sub.stream_id, namespace, tokens, keys or None):
+                if index.add_pending(sub.stream_id, namespace, tokens, keys or None, age_s=age_s):
                     made.append((sub.stream_id, index.pending.generation))
         return made
 
@@ -830,13 +833,13 @@ class IndexerService:
     def load(self, data: bytes) -> None:
         """Replace the index with a snapshot; raises SnapshotError and keeps the old one.
 
-        The snapshot's streams of workers not subscribed yet are kept for them (a warm start
-        loads before the fleet is known), for `ORPHAN_GRACE_S`. A subscribed stream keeps this
-        process's counters (metrics never go back), not the snapshot's. The live stream's
-        model, engine and block size (configured, or learned from its events) win: a snapshot
-        stream that says others is dropped (`_adopt`). Each load is logged: why it was
-        refused, or what it brought (each subscribed stream then logs whether its fence was
-        proven: `indexer.stream`)."""
+        The snapshot's streams of workers not subscribed yet are kept for them (a worker
+        still being discovered at a warm start, or added later), for `ORPHAN_GRACE_S`. A
+        subscribed stream keeps this process's counters (metrics never go back), not the
+        snapshot's. The live stream's model, engine and block size (configured, or learned
+        from its events) win: a snapshot stream that says others is dropped (`_adopt`). Each
+        load is logged: why it was refused, or what it brought (each subscribed stream then
+        logs whether its fence was proven: `indexer.stream`)."""
         try:
             index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
         except SnapshotError as exc:

@@ -11,9 +11,15 @@ Layout, built for bulk work (every routed request marks its whole prefix, ~512 k
   fill`, the same shape as the index's table values (the index fills in the namespace code), so
   the query ORs and ANDs both in the same C-level pass;
 - per slot, a packed map key -> generation of the latest `add` that marked it there;
-- a FIFO of marks `(deadline, slot, generation, ns id, keys, earlier)`, one per `add`. The
-  TTL is constant, so deadlines are ordered; expiring a mark drops its keys that no later mark
-  refreshed (their generation is still the mark's), in C-level passes.
+- a FIFO of marks `(deadline, slot, generation, ns id, keys, earlier)`, one per `add`, in
+  deadline order; expiring a mark drops its keys that no later mark refreshed (their
+  generation is still the mark's), in C-level passes. A mark made here lives the whole TTL and
+  goes at the end. Another replica's decision (`add(..., age_s=)`) lives what is left of the
+  TTL since it was made, and goes where its deadline falls (near the end: it is milliseconds
+  old, unless NATS held it up; one older than the TTL marks nothing). Before, a decision NATS
+  held up for 2.6 s was marked for a whole TTL on arrival, on a worker flushed since: QA saw
+  `pending 560` predicted there. Expiring such a shorter mark drops the keys it refreshed even
+  where an earlier mark on them stands (fail closed: a pending key lost early, never kept late).
 
 A mark is withdrawn (`withdraw`) when its request failed (the worker refused it, or it never
 reached the worker): nothing is on its way. Its keys go back to the mark before it that made
@@ -46,8 +52,8 @@ class PendingTable:
         "_generation",
         "_gens",
         "_int_map",
+        "_live",
         "_shift",
-        "_withdrawn",
         "bits",
         "max_entries",
         "ttl_s",
@@ -73,7 +79,9 @@ class PendingTable:
         self._gens: dict[int, PyIntMap] = {}  # slot -> key -> generation of its latest mark
         self._fifo: deque[_Mark] = deque()
         self._generation = 0
-        self._withdrawn: set[int] = set()  # generations withdrawn before their expiry
+        # the generations of the marks standing (in `_fifo`): the keys a withdrawn mark took
+        # over go back to the ones among them (deadlines do not follow generations)
+        self._live: set[int] = set()
 
     @property
     def generation(self) -> int:
@@ -83,13 +91,25 @@ class PendingTable:
     def __len__(self) -> int:
         return sum(map(len, self._gens.values()))
 
-    def add(self, keys: Iterable[int], slot: int, ns_id: int, fill: int | None = None) -> int:
-        """Mark `keys` pending on stream `slot` until now + TTL; returns how many were marked.
+    def add(
+        self,
+        keys: Iterable[int],
+        slot: int,
+        ns_id: int,
+        fill: int | None = None,
+        *,
+        age_s: float = 0.0,
+    ) -> int:
+        """Mark `keys` pending on stream `slot` until now + TTL - `age_s`; returns how many
+        were marked.
 
         `fill` (default: the table's) is ORed into the low bits of each key's value; the index
         passes the namespace's code so a query can tell another namespace's pending entry.
+        `age_s`: how long ago the routing decision was made (another replica's, delivered
+        late); one the TTL old or older marks nothing.
         """
-        if self.ttl_s <= 0:
+        left_s = self.ttl_s - max(age_s, 0.0)
+        if self.ttl_s <= 0 or left_s <= 0:
             return 0
         marked = list(keys)
         room = self.max_entries - len(self)
@@ -111,8 +131,17 @@ class PendingTable:
             bits.assign(marked, bit)  # a new prefix: one shared value object for all its keys
         else:
             bits.or_many(marked, bit)
-        deadline = self._clock() + self.ttl_s
-        self._fifo.append((deadline, slot, self._generation, ns_id, marked, earlier))
+        deadline = self._clock() + left_s
+        mark = (deadline, slot, self._generation, ns_id, marked, earlier)
+        fifo = self._fifo
+        if not fifo or fifo[-1][0] <= deadline:
+            fifo.append(mark)  # a whole TTL, or the marks after it all end before it
+        else:
+            at = len(fifo) - 1  # a shorter mark: before the marks that end after it
+            while at > 0 and fifo[at - 1][0] > deadline:
+                at -= 1
+            fifo.insert(at, mark)
+        self._live.add(self._generation)
         return len(marked)
 
     def withdraw(self, slot: int, generation: int) -> int:
@@ -120,34 +149,33 @@ class PendingTable:
         its keys that no later mark refreshed, or give them back to the standing mark before
         it; returns how many were dropped (0: the mark expired or is not there)."""
         self.expire()
+        live = self._live
+        if generation not in live:
+            return 0
         fifo = self._fifo
-        # a failure comes soon after its mark: look from the newest
+        # a failure comes soon after its mark: look from the newest (it is there)
         for i in range(len(fifo) - 1, -1, -1):
             mark = fifo[i]
-            if mark[2] == generation and mark[1] == slot:
+            if mark[2] == generation:
                 break
-            if mark[2] < generation:
-                return 0
         else:
             return 0
+        if mark[1] != slot:
+            return 0
         del fifo[i]
+        live.discard(generation)
         gens = self._gens.get(slot)
         if gens is None:
             return 0
         _, _, _, _, keys, earlier = mark
         current = gens.get_many(keys, 0)
         mine = list(map(generation.__eq__, current))
-        oldest = fifo[0][2] if fifo else generation
-        withdrawn = self._withdrawn
-        if withdrawn:
-            self._withdrawn = withdrawn = {g for g in withdrawn if g >= oldest}
-        withdrawn.add(generation)
         back: list[tuple[int, int]] = []
         if earlier is not None:
             back = [
                 (key, old)
                 for key, old, own in zip(keys, earlier, mine, strict=True)
-                if own and old >= oldest and old not in withdrawn
+                if own and old in live
             ]
             gens.update(back)
         restored = {key for key, _ in back}
@@ -167,6 +195,7 @@ class PendingTable:
     def _retire(self, mark: _Mark) -> None:
         """Drop the keys of `mark` that no later mark refreshed."""
         _, slot, generation, _, keys, _ = mark
+        self._live.discard(generation)
         gens = self._gens.get(slot)
         if gens is not None:
             current = gens.get_many(keys, 0)
@@ -218,3 +247,4 @@ class PendingTable:
         self.bits.clear()
         self._gens.clear()
         self._fifo.clear()
+        self._live.clear()

@@ -388,11 +388,15 @@ class PrefixIndex:
         namespace: Namespace,
         tokens: Sequence[int],
         keys: Sequence[int] | None = None,
+        *,
+        age_s: float = 0.0,
     ) -> int:
         """Mark a routed request's full blocks as pending on `stream`; returns blocks marked.
 
         `keys`: the blocks' keys on `stream` as `block_keys` gives them, when the caller has
-        them (the router made them for its forecast); None: made here."""
+        them (the router made them for its forecast); None: made here. `age_s`: how long ago
+        the request was routed (another replica's decision): the mark lives what is left of
+        the TTL (`PendingTable.add`)."""
         st = self._streams.get(stream)
         if st is None or st.block_size is None:
             return 0
@@ -409,7 +413,7 @@ class PrefixIndex:
         if not table.isdisjoint(keys):
             held = map(st.sbit.__and__, table.get_many(keys, 0))
             fresh = list(compress(keys, map(not_, held)))
-        return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id])
+        return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id], age_s=age_s)
 
     def withdraw_pending(self, stream: str, generation: int) -> int:
         """Take back the pending mark `generation` (`PendingTable.generation` right after the

@@ -20,6 +20,7 @@ held).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, cast
 
 import zmq
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from indexer.stream.subscriber import StreamSubscriber
 
 __all__ = ["RestartCandidates"]
+
+log = logging.getLogger("indexer.stream")
 
 # live messages read between two looks at the replay DEALER's monitor while the SUB has more
 # queued (`_replay_link`; every time after an idle wait): a restart takes far longer than
@@ -129,22 +132,28 @@ class RestartCandidates(SubscriberState):
             poller.register(monitor, zmq.POLLIN)
         self._link_polled = None if monitor is None else (poller, monitor)
 
-    def suspect_restart(self, why: str, *, sibling: bool = False) -> None:
+    def suspect_restart(self, why: str, *, sibling: bool = False, routine: bool = False) -> None:
         """A sign that the publisher may have restarted: trust nothing until a replay proves it.
 
         The stream turns UNVERIFIED at once (its entries predict no hit) and is checked against
         its fence as soon as it is connected (module docstring). `sibling`: the sign is that
-        another rank of the worker found its own publisher restarted.
+        another rank of the worker found its own publisher restarted. `routine`: no sign, a
+        snapshot's state loaded, said at INFO: every warm start did it, one WARNING per stream
+        proven milliseconds later; its outcome is said once (`_loaded_outcome`), a clear
+        with a WARNING, and a cluster's warm start warns of the streams still unproven.
         """
         if self.tracker.last is None and not self.sink.entries():
             return  # nothing held, nothing to prove
         if not self._unverified:
-            self._warn(
-                "suspect",
+            said = (
                 f"{why}: its entries predict nothing until a replay proves them"
                 if keeps_entries(self.sink)
-                else f"{why}: checking through the replay socket whether its publisher restarted",
+                else f"{why}: checking through the replay socket whether its publisher restarted"
             )
+            if routine:
+                log.info("stream %s: %s", self.stream_id, said)
+            else:
+                self._warn("suspect", said)
             self._by_sibling = sibling
         else:
             self._by_sibling = self._by_sibling and sibling  # a sign of its own counts

@@ -515,7 +515,7 @@ class StreamSubscriber(
         self._from_snapshot = last_seq is not None or bool(sink.entries())
         if self._from_snapshot:
             # the snapshot's state is unproven until the publisher's fence matches it
-            self.suspect_restart("state loaded from a snapshot")
+            self.suspect_restart("state loaded from a snapshot", routine=True)
 
     def current_state(self, now: float | None = None) -> StreamState:
         """The state, STALE when nothing (event or probe answer) arrived for stale_after_s."""

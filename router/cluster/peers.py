@@ -39,7 +39,16 @@ from urllib.parse import urlsplit
 from indexer.hosts import may_be_one_host, one_host
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
-from router.cluster.wire import Batch, Begin, End, FirstByte, Heartbeat, Pending, Shadow
+from router.cluster.wire import (
+    Batch,
+    Begin,
+    End,
+    FirstByte,
+    Goodbye,
+    Heartbeat,
+    Pending,
+    Shadow,
+)
 from router.routing.load import LoadTracker, Ticket, Withdraw
 
 __all__ = ["AdmissionBook", "Peers", "Servers"]
@@ -169,7 +178,14 @@ class Peers:
                     self.me,
                 )
             return
-        self.delays.append(time.time() - batch.sent_at)
+        # how long ago the sender decided: its pending marks live what is left of the TTL.
+        # Before, each one lived the whole TTL from its arrival: decisions NATS held up (a
+        # stalled server, shorter than the heartbeat timeout) were marked as fresh on workers
+        # that had flushed them since (QA: `pending 560` predicted on a worker with nothing).
+        # A sender's clock behind ours makes them older (fewer marks: fail closed); one ahead
+        # would make them younger than now: taken as now (replicas' clocks are NTP-synced)
+        age_s = max(time.time() - batch.sent_at, 0.0)
+        self.delays.append(age_s)
         peer = self._peers.get(batch.replica)
         now = self._clock()
         if peer is None:
@@ -198,7 +214,7 @@ class Peers:
                 if worker is not None and self._indexer.has_worker(worker):
                     keys_of = self._keys_of(d, worker)
                     made = self._indexer.add_pending(
-                        d.namespace, d.tokens, worker, d.dp_rank, keys_of=keys_of
+                        d.namespace, d.tokens, worker, d.dp_rank, keys_of=keys_of, age_s=age_s
                     )
                     if made and d.ticket:
                         if len(peer.pending) >= _MAX_UNBEGUN:  # Begins were lost
@@ -253,6 +269,9 @@ class Peers:
                         take_back()
             elif isinstance(d, Heartbeat):
                 self._reconcile(peer, d)
+            elif isinstance(d, Goodbye):
+                self._drop(batch.replica, stopped=True)
+                return  # sent last: nothing of it follows
 
     def _meant(self, worker: str, server: str) -> str | None:
         """The id here of the server a decision naming (`worker`, `server`) meant: `worker`
@@ -397,7 +416,7 @@ class Peers:
             self._drop(name)
         return gone
 
-    def _drop(self, name: str, *, quiet: bool = False) -> None:
+    def _drop(self, name: str, *, quiet: bool = False, stopped: bool = False) -> None:
         peer = self._peers.pop(name)
         for ticket in peer.tickets.values():
             self._end(ticket)
@@ -405,6 +424,13 @@ class Peers:
             for marks in peer.marks.values():
                 self._book.release_marks(marks, first_byte=False)
         if quiet:
+            return
+        if stopped:  # it said so (`Goodbye`): no failure
+            log.info(
+                "replica %s stopped: its %d requests in flight no longer count",
+                name,
+                len(peer.tickets),
+            )
             return
         log.warning(
             "replica %s is silent: its %d requests in flight no longer count",

@@ -66,7 +66,7 @@ from router.cluster.peers import Peers
 from router.cluster.relay_follower import RelayFollower
 from router.cluster.snapshots import fetch_snapshot, publish_snapshot
 from router.cluster.tasks import StoppableTaskGroup
-from router.cluster.wire import Batch, Begin, Decision, batch_decoder, encoder
+from router.cluster.wire import Batch, Begin, Decision, Goodbye, batch_decoder, encoder
 from router.config import ClusterConfig, WorkerConfig
 from router.fleet.change import FleetChange
 from router.fleet.supervisor import Supervisor
@@ -81,6 +81,9 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 # how long a stop waits for the background tasks to end, cancelling again those that lost a
 # cancellation (`router.cluster.tasks`), before it leaves them behind, said
 STOP_TIMEOUT_S = 5.0
+# how long an admin write waits for NATS before it is kept for the resync (and the cluster is
+# called degraded: NATS hangs)
+WRITE_TIMEOUT_S = 2.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
 
@@ -256,12 +259,26 @@ class ClusterService:
         finally:
             nc, self._nc = self._nc, None
             if nc is not None:
+                await self._say_goodbye(nc)
                 await close_client(nc, 2.0)
             if self._connecting is not None and self._connecting is not nc:
                 # one stopped mid-attempt (its connect task cancelled) holds that attempt's
                 # socket: closed too (it was left to the garbage collector)
                 await close_client(self._connecting, 2.0)
             self.peers.clear()
+
+    async def _say_goodbye(self, nc: NATS) -> None:
+        """Tell the others this replica stops (`Goodbye`), after everything it published (its
+        publisher has stopped): the close writes it out. Not connected, nothing is sent (the
+        others find it silent, as after a crash)."""
+        if not nc.is_connected:
+            return
+        data = encoder.encode(Batch(self.replica, time.time(), [Goodbye()], self._instance))
+        with contextlib.suppress(*_NATS_ERRORS):
+            # publish buffers, and waits only on a full buffer: bounded all the same (a stop
+            # never waits on NATS for long)
+            async with asyncio.timeout(0.5):
+                await nc.publish(self.subject, data)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = self._group.create_task(coro)
@@ -483,11 +500,19 @@ class ClusterService:
         # (its start, or the snapshot it loaded) are not applied; later, every one not seen.
         # Before, the first read after a start while NATS was away applied every record of
         # the day, dropping pages stored since from this replica's index alone, for good
+        for task in self._watchers:
+            task.cancel()
+        self._watchers = []
+        # the fleet before the snapshot: a worker id the cluster re-pointed (another server
+        # than this replica's config file names) is followed at the cluster's server when the
+        # snapshot's stream of it is proven. Before, the warm start proved that stream against
+        # the file's server and cleared it (`the publisher's newest seq is 0, below ours`)
+        await self._watch_fleet()
         newer_than: float | None = None
         if first:
             loaded = await self._warm_start(js) if warm else None
             newer_than = self._started_at if loaded is None else loaded
-        await self._watch(newer_than=newer_than)
+        await self._watch_records(newer_than=newer_than)
         self.fleet.fleet_read = True
         if self.fleet.sessions is not None:
             self.fleet.sessions.revocations_known()
@@ -555,21 +580,37 @@ class ClusterService:
                 while any(s.state in unproven for s in self._indexer.streams()):  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
         except TimeoutError:
-            log.warning("cluster: streams still unproven after the warm start; serving anyway")
+            # the one WARNING of a warm start: loading says itself at INFO per stream (each
+            # one's proof, or its clear, follows), since every warm start loads every stream
+            unproven_now = sorted(s.stream for s in self._indexer.streams() if s.state in unproven)
+            log.warning(
+                "cluster: %d stream(s) still unproven after the warm start (%s): they predict "
+                "nothing until a replay proves them; serving anyway",
+                len(unproven_now),
+                ", ".join(unproven_now[:8]) + (", ..." if len(unproven_now) > 8 else ""),
+            )
 
     # ------------------------------------------------------------------ fleet and evictions
 
-    async def _watch(self, *, newer_than: float | None) -> None:
-        """(Re)start the KV watchers; returns once they have applied what the buckets hold
-        (of the eviction records there, only those after `newer_than`; None: all not seen)."""
-        for task in self._watchers:
-            task.cancel()
+    async def _watch_fleet(self) -> None:
+        """Start the fleet bucket's watcher; returns once it has applied what the bucket holds
+        (the watchers before it are cancelled: `_sync_once`)."""
         fleet_read = asyncio.Event()
-        evictions_read = asyncio.Event()
-        logouts_read = asyncio.Event()
 
         async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
             await self.fleet.apply_worker(value, key, revision)
+
+        self._watchers.append(
+            self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read))
+        )
+        await fleet_read.wait()
+
+    async def _watch_records(self, *, newer_than: float | None) -> None:
+        """Start the evictions' and logouts' watchers; returns once they have applied what the
+        buckets hold (of the eviction records there, only those after `newer_than`; None: all
+        not seen)."""
+        evictions_read = asyncio.Event()
+        logouts_read = asyncio.Event()
 
         async def on_eviction(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_eviction(key, value, newer_than=newer_than if initial else None)
@@ -577,8 +618,7 @@ class ClusterService:
         async def on_logout(key: str, value: bytes, initial: bool, revision: int) -> None:
             self.fleet.apply_logout(key, value)
 
-        self._watchers = [
-            self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read)),
+        self._watchers += [
             self._group.create_task(
                 self._watch_bucket(self._evictions_bucket, on_eviction, evictions_read)
             ),
@@ -586,7 +626,7 @@ class ClusterService:
                 self._watch_bucket(self._sessions_bucket, on_logout, logouts_read)
             ),
         ]
-        for read in (fleet_read, evictions_read, logouts_read):
+        for read in (evictions_read, logouts_read):
             await read.wait()
 
     async def _watch_bucket(
@@ -619,14 +659,48 @@ class ClusterService:
             self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
         try:
-            async with asyncio.timeout(2.0):
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await kv.put(key, value)
         except _NATS_ERRORS as exc:
             said = self.fleet.describe(key, value)  # never a session id
-            log.warning("cluster: %s not written yet (%s): kept for the resync", said, exc)
+            # a deadline's TimeoutError says nothing of itself (before: "not written yet ()")
+            why = str(exc) or (
+                f"NATS did not answer within {WRITE_TIMEOUT_S:g} s"
+                if isinstance(exc, TimeoutError)
+                else type(exc).__name__
+            )
+            log.warning("cluster: %s not written yet (%s): kept for the resync", said, why)
             self.fleet.keep_unsent(bucket, key, value)
+            if isinstance(exc, TimeoutError) and self.connected:
+                self._stalled()
             return Sharing.PENDING
         return Sharing.SHARED
+
+    def _stalled(self) -> None:
+        """An admin write timed out on a connection still open: NATS hangs (stopped, its host
+        stalled). Degraded at once, and resynced (the write kept, sent) once NATS answers a
+        flush. Before, `/health` said ok until the client's pings went unanswered (twice the
+        ping interval, ~6 s by default) while admin writes timed out, and had the stall ended
+        sooner no resync came: only a resync flushes the writes kept."""
+        if self.status is ClusterStatus.DEGRADED or self._closing:
+            return
+        self._degrade(f"NATS did not answer an admin write within {WRITE_TIMEOUT_S:g} s")
+        self._spawn(self._resync_when_answering())
+
+    async def _resync_when_answering(self) -> None:
+        """Flush until NATS answers, then resync as after a reconnect (a lost connection's
+        reconnect resyncs of itself: this ends then)."""
+        while self.status is ClusterStatus.DEGRADED and not self._closing:
+            nc = self._nc
+            if nc is None or not nc.is_connected:
+                return
+            try:
+                await nc.flush(timeout=1)
+            except _NATS_ERRORS:
+                await asyncio.sleep(0.1)  # a flush refused at once must not spin
+                continue
+            await self._on_reconnected()
+            return
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,

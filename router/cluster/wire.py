@@ -25,6 +25,7 @@ __all__ = [
     "End",
     "EvictionRecord",
     "FirstByte",
+    "Goodbye",
     "Heartbeat",
     "LogoutRecord",
     "OpenTicket",
@@ -152,9 +153,18 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     open: list[OpenTicket]
 
 
+class Goodbye(msgspec.Struct, tag="goodbye", array_like=True, frozen=True):
+    """The sender stops (a graceful stop): its requests in flight no longer count, at once,
+    and it is said stopped (INFO), not silent. Before, the others took a stop for a crash: its
+    load counted until `heartbeat_timeout_s`, then a WARNING said it silent. Sent last, alone
+    in its batch: a replica from before it drops that batch (an unknown type), nothing else,
+    and finds the sender silent as before."""
+
+
 # a replica drops a batch holding a decision type it does not know (a new type is not an
-# optional field): the replicas of one cluster run the same kvroute version
-Decision = Pending | Begin | Shadow | FirstByte | End | Heartbeat
+# optional field): the replicas of one cluster run the same kvroute version, and a new type
+# goes alone in its batch (`Goodbye`)
+Decision = Pending | Begin | Shadow | FirstByte | End | Heartbeat | Goodbye
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):

@@ -732,7 +732,7 @@ async def test_every_snapshot_load_says_what_became_of_it(
         outcomes = [
             r.getMessage()
             for r in caplog.records
-            if "state loaded from a snapshot" in r.getMessage() and r.levelno == logging.INFO
+            if "state loaded from a snapshot " in r.getMessage() and r.levelno == logging.INFO
         ]
         assert len(outcomes) == 2, said
         assert "not proven" in outcomes[0] and "cleared" in outcomes[0], outcomes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from contextlib import AsyncExitStack
 
 import pytest
@@ -91,7 +92,7 @@ async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_
         ns = sender.namespace(first)
         chosen = sender.plan(first, ns).ranked()[0]
         ticket = sender.commit(ns, first.tokens, chosen, first_try=True)
-        peers.apply(Batch("a", 0.0, outbox.take()))
+        peers.apply(Batch("a", time.time(), outbox.take()))
 
         def sibling(planner: Planner) -> tuple[int, int, str]:
             plan = planner.plan(_request("second question"), receiver.namespace(first))
@@ -107,7 +108,7 @@ async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_
         # since, and the grace for events on their way passed): neither predicts it
         sender.first_byte(ticket)
         sender.finish(ticket)
-        peers.apply(Batch("a", 0.0, outbox.take()))
+        peers.apply(Batch("a", time.time(), outbox.take()))
         clock[0] += EVENT_GRACE_S
         for planner in (sender, receiver):
             for stream in planner.indexer.stream_ids(chosen.worker):
@@ -153,7 +154,7 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         old = Pending(pending.worker, pending.dp_rank, ns, list(first.tokens), pending.ticket,
                       pending.kept_tokens, pending.held_tokens)  # fmt: skip
         for planner, decision in ((by_keys, pending), (by_tokens, old)):
-            _applying(planner, clock).apply(Batch("a", 0.0, [decision, *sent[1:]]))
+            _applying(planner, clock).apply(Batch("a", time.time(), [decision, *sent[1:]]))
         bits, books = _marks(by_keys, want)
         assert (bits, books) == _marks(by_tokens, want) == _marks(sender, want)
         assert bits and books == {stream: [0] * len(want)}  # marked, and touched by decision 0
@@ -162,12 +163,39 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         mismatched = _applying(other_pages, clock)
         with caplog.at_level(logging.WARNING, logger="router.cluster.peers"):
             for _ in range(3):
-                mismatched.apply(Batch("a", 0.0, [pending]))
+                mismatched.apply(Batch("a", time.time(), [pending]))
         assert _marks(other_pages, want) == ({}, {})
         assert mismatched.unmatched_pages == 3  # 3 decisions on the one stream
         (warning,) = [r.getMessage() for r in caplog.records]
         assert f"{stream} come with block keys for 16-token pages" in warning
         assert "8-token pages" in warning
+
+
+async def test_a_peers_decision_held_up_past_the_pending_ttl_marks_nothing() -> None:
+    """A decision NATS delivers late (a stalled server, shorter than the heartbeat timeout)
+    marks what is left of the TTL since it was sent: one older than the TTL marks nothing.
+    Before, each mark lived a whole TTL from its arrival: QA stopped NATS 2.6 s while one
+    replica routed prompts and the workers were flushed; the other then predicted `pending
+    560` on a worker holding nothing (3 of 3 rounds). Its load and book still count."""
+    clock = [100.0]
+    async with AsyncExitStack() as stack:
+        sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
+        first = _request("first question")
+        ns = sender.namespace(first)
+        chosen = sender.plan(first, ns).ranked()[0]
+        sender.commit(ns, first.tokens, chosen, first_try=True)
+        sent = outbox.take()
+        ttl = receiver.indexer.config.pending_ttl_s
+
+        def pending() -> int:
+            plan = receiver.plan(_request("second question"), receiver.namespace(first))
+            return max(c.pending_tokens for c in plan.candidates)
+
+        peers.apply(Batch("a", time.time() - ttl - 0.6, sent))
+        assert pending() == 0
+        assert receiver.load.of(chosen.worker).running == 1  # its request counts all the same
+        peers.apply(Batch("a", time.time(), sent))  # sent just now: marked
+        assert pending() == 192
 
 
 @pytest.mark.parametrize("withdraw", [Withdraw.PENDING, Withdraw.ALL])
@@ -187,7 +215,7 @@ async def test_a_failed_requests_marks_are_withdrawn_on_every_replica(withdraw: 
             ns = sender.namespace(request)
             chosen = sender.plan(request, ns).ranked()[0]
             tickets.append(sender.commit(ns, request.tokens, chosen, first_try=True))
-        peers.apply(Batch("a", 0.0, outbox.take()))
+        peers.apply(Batch("a", time.time(), outbox.take()))
 
         def pending(planner: Planner) -> int:
             plan = planner.plan(_request("second question"), planner.namespace(first))
@@ -202,7 +230,7 @@ async def test_a_failed_requests_marks_are_withdrawn_on_every_replica(withdraw: 
         for ticket in tickets:
             ticket.withdraw = withdraw
             sender.finish(ticket)
-        peers.apply(Batch("a", 0.0, outbox.take()))
+        peers.apply(Batch("a", time.time(), outbox.take()))
         assert [pending(p) for p in (sender, receiver)] == [0, 0]
         kept = 0 if withdraw is Withdraw.ALL else made  # a 5xx may have stored: fail closed
         assert [shadows(p) for p in (sender, receiver)] == [kept, kept]
@@ -227,7 +255,7 @@ async def test_a_peers_request_waiting_for_room_is_waiting_on_every_replica() ->
         sender.first_byte(decoding)  # admitted, decoding
         waiting = _request("P, a question of its own")
         sender.commit(ns, waiting.tokens, chosen, first_try=True, output_tokens=300)
-        peers.apply(Batch("a", 0.0, outbox.take()))
+        peers.apply(Batch("a", time.time(), outbox.take()))
         # time passes and the worker publishes: a request with room would be admitted by now
         clock[0] += 1.0
         for planner in (sender, receiver):

@@ -158,14 +158,14 @@ async def test_a_peers_decision_goes_to_the_server_it_names_under_its_id_here() 
             """The streams a peer's pending mark naming (worker, server) lands on here."""
             n = next(number)
             pending = Pending(worker, None, NS, list(range(n, n + 64)), n, server=server)
-            peers.apply(Batch("b", 0.0, [pending, Begin(n, worker, None, 64)]))
+            peers.apply(Batch("b", time.time(), [pending, Begin(n, worker, None, 64)]))
             return {stream for stream, _ in peers._peers["b"].tickets[n].pending}
 
         def shadowed(worker: str, server: str) -> set[str]:
             """The streams a peer's shadow naming (worker, server) lands on here."""
             n = next(number)
             shadow = Shadow(worker, None, keyed, list(range(n, n + 64)), 60.0, n, server)
-            peers.apply(Batch("b", 0.0, [Begin(n, worker, None, 64), shadow]))
+            peers.apply(Batch("b", time.time(), [Begin(n, worker, None, 64), shadow]))
             return {mark[0] for mark in peers._peers["b"].tickets[n].shadows}
 
         assert marked("wB", servers["wB"]) == {on_b}  # both know wB as that server
@@ -209,7 +209,7 @@ async def test_a_peers_decision_names_its_server_as_its_config_spells_it() -> No
             tokens = list(range(n, n + 64))
             pending = Pending(worker, None, NS, tokens, n, server=server)
             shadow = Shadow(worker, None, keyed, tokens, 60.0, n, server)
-            peers.apply(Batch("b", 0.0, [pending, Begin(n, worker, None, 64), shadow]))
+            peers.apply(Batch("b", time.time(), [pending, Begin(n, worker, None, 64), shadow]))
             ticket = peers._peers["b"].tickets[n]
             return {s for s, _ in ticket.pending}, {mark[0] for mark in ticket.shadows}
 

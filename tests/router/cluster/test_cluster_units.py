@@ -18,6 +18,7 @@ from router.cluster.wire import (
     Decision,
     End,
     FirstByte,
+    Goodbye,
     Heartbeat,
     OpenTicket,
     Pending,
@@ -112,15 +113,17 @@ async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones(
     async with IndexerService() as indexer:
         peers = Peers("me", indexer, load, timeout_s=1.0, clock=clock)
         for ticket in (1, 2):  # our id from NATS, which echoes nothing: a twin, ignored
-            peers.apply(Batch("me", 0.0, [Begin(ticket, "w0", None, 10)]))
+            peers.apply(Batch("me", time.time(), [Begin(ticket, "w0", None, 10)]))
         assert load.of("w0").running == 0
         twins = [r for r in caplog.records if "another replica uses this replica_id" in r.message]
         assert len(twins) == 1  # said once, not per batch
-        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 10), Begin(2, "w0", None, 7)]))
+        peers.apply(Batch("b", time.time(), [Begin(1, "w0", None, 10), Begin(2, "w0", None, 7)]))
         assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (2, 17)
         # End(1) was lost, a Begin(3) too: the heartbeat lists what is really in flight
         lost = OpenTicket(3, "w1", 0, 4, False, 0, output_tokens=300, prompt_tokens=500)
-        peers.apply(Batch("b", 0.0, [Heartbeat([OpenTicket(2, "w0", None, 7, True), lost])]))
+        peers.apply(
+            Batch("b", time.time(), [Heartbeat([OpenTicket(2, "w0", None, 7, True), lost])])
+        )
         assert (load.of("w0").running, load.of("w0").queued_prefill_tokens) == (1, 0)
         assert (load.of("w1", 0).running, load.of("w1", 0).queued_prefill_tokens) == (1, 4)
         # the rebuilt ticket holds its whole prompt and output in the pool (before: its
@@ -132,6 +135,36 @@ async def test_peers_apply_load_heal_it_from_heartbeats_and_expire_silent_ones(
         assert peers.sweep() == ["b"]
         assert load.running() == {"w0": 0, "w1": 0}
         assert peers.live() == []
+
+
+class _BatchBeforeGoodbye(msgspec.Struct, array_like=True, frozen=True):
+    """`Batch` as a replica from before `Goodbye` decodes it."""
+
+    replica: str
+    sent_at: float
+    decisions: list[Pending | Begin | Shadow | FirstByte | End | Heartbeat]
+    instance: str = ""
+
+
+async def test_a_goodbye_drops_the_peer_at_once_and_an_older_replica_drops_only_its_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    load = LoadTracker()
+    async with IndexerService() as indexer:
+        peers = Peers("me", indexer, load, timeout_s=60.0)
+        peers.apply(Batch("b", time.time(), [Begin(1, "w0", None, 10)]))
+        assert (peers.live(), load.of("w0").running) == (["b"], 1)
+        with caplog.at_level("INFO", logger="router.cluster.peers"):
+            peers.apply(Batch("b", time.time(), [Goodbye()]))
+        assert (peers.live(), load.of("w0").running) == ([], 0)  # not after 60 s
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert said == [("INFO", "replica b stopped: its 1 requests in flight no longer count")]
+    # a replica from before it refuses the batch (dropped and counted by `_on_message`): the
+    # goodbye goes alone in its own, so nothing else is lost with it
+    old = msgspec.msgpack.Decoder(_BatchBeforeGoodbye)
+    with pytest.raises(msgspec.ValidationError):
+        old.decode(encoder.encode(Batch("b", 1.0, [Goodbye()])))
+    assert old.decode(encoder.encode(Batch("b", 1.0, [End(1)]))).decisions == [End(1)]
 
 
 def test_batches_round_trip_with_the_namespace_whole() -> None:
@@ -146,7 +179,7 @@ async def test_a_begin_carries_the_output_limit_and_one_without_it_still_decodes
     outbox.committed(NS, [1], load.begin("w0", 3, output_tokens=64), marked=False)
     (sent,) = outbox.take()
     assert sent == Begin(1, "w0", None, 3, 64)
-    wire = encoder.encode(Batch("a", 0.0, [sent]))
+    wire = encoder.encode(Batch("a", time.time(), [sent]))
     assert batch_decoder.decode(wire).decisions == [Begin(1, "w0", None, 3, 64)]
     # a replica from before the field sends four slots: the limit is unknown there
     old = msgspec.msgpack.encode(["a", 0.0, [["begin", 1, "w0", None, 3]]])
@@ -156,9 +189,9 @@ async def test_a_begin_carries_the_output_limit_and_one_without_it_still_decodes
     theirs = LoadTracker()
     async with IndexerService() as indexer:
         peers = Peers("me", indexer, theirs, timeout_s=1.0, clock=Clock())
-        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3, 64), Begin(2, "w0", None, 3)]))
+        peers.apply(Batch("b", time.time(), [Begin(1, "w0", None, 3, 64), Begin(2, "w0", None, 3)]))
         # and its whole prompt, where it says it (the KV it may hold: 9 beside its output)
-        peers.apply(Batch("b", 0.0, [Begin(3, "w0", None, 3, 64, prompt_tokens=9)]))
+        peers.apply(Batch("b", time.time(), [Begin(3, "w0", None, 3, 64, prompt_tokens=9)]))
     mine = theirs.of("w0")
     assert (mine.running, mine.output_tokens, mine.sized) == (3, 128, 2)
     assert mine.prompt_tokens == 3 + 3 + 9  # the uncached prompt where it is not said
@@ -189,7 +222,7 @@ async def test_shadows_outlive_an_outage_and_are_sent_again_until_they_lapse() -
     outbox.resend_shadows()
     assert [d.worker for d in outbox.take() if isinstance(d, Shadow)] == ["w1"]
     # what the wire carries comes back whole
-    again = batch_decoder.decode(encoder.encode(Batch("r", 0.0, sent)))
+    again = batch_decoder.decode(encoder.encode(Batch("r", time.time(), sent)))
     assert again.decisions == sent
 
 
@@ -246,20 +279,20 @@ async def test_a_shadow_another_replica_withdrew_is_not_sent_again_here() -> Non
     async with IndexerService() as indexer:
         peers = Peers("me", indexer, LoadTracker(), timeout_s=60.0, clock=clock)
         peers.shadow_seen = outbox.remember  # as `ClusterService` wires them
-        peers.apply(Batch("b", 0.0, [Begin(1, "w0", None, 3), shadow([1, 2, 3], 1)]))
-        peers.apply(Batch("c", 0.0, [Begin(1, "w1", None, 3), shadow([1, 2, 3], 1, "w1")]))
-        peers.apply(Batch("b", 0.0, [Begin(2, "w0", None, 3), shadow([4, 5, 6], 2)]))
+        peers.apply(Batch("b", time.time(), [Begin(1, "w0", None, 3), shadow([1, 2, 3], 1)]))
+        peers.apply(Batch("c", time.time(), [Begin(1, "w1", None, 3), shadow([1, 2, 3], 1, "w1")]))
+        peers.apply(Batch("b", time.time(), [Begin(2, "w0", None, 3), shadow([4, 5, 6], 2)]))
         clock.now += 1  # a later shadow of the same head, by another request: it renews it
-        peers.apply(Batch("b", 0.0, [Begin(3, "w0", None, 3), shadow([4, 5, 6], 3)]))
+        peers.apply(Batch("b", time.time(), [Begin(3, "w0", None, 3), shadow([4, 5, 6], 3)]))
         assert len(resent()) == 3
         # b's requests 1 and 2 are refused (withdraw everything), its request 3 simply ends
         ends: list[Decision] = [End(1, int(Withdraw.ALL)), End(2, int(Withdraw.ALL)), End(3)]
-        peers.apply(Batch("b", 0.0, ends))
+        peers.apply(Batch("b", time.time(), ends))
         # 1's is gone; 2's was renewed by 3 (which stored): kept; c's number 1 is not b's
         assert sorted(resent()) == [("w0", [4, 5, 6]), ("w1", [1, 2, 3])]
         assert peers._peers["b"].kept == {}
         # c's End was lost: its heartbeat lists nothing open, and the record goes, the shadow
         # stays (fail closed)
-        peers.apply(Batch("c", 0.0, [Heartbeat([])]))
+        peers.apply(Batch("c", time.time(), [Heartbeat([])]))
         assert peers._peers["c"].kept == {}
         assert ("w1", [1, 2, 3]) in resent()

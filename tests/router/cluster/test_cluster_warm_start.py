@@ -31,8 +31,10 @@ async def _indexed_then_snapshotted(fleet: Fleet, body: dict[str, str]) -> str:
 
 
 async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
-    nats_server: NatsServer,
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="indexer")
+    caplog.set_level(logging.INFO, logger="router.cluster")
     async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
         config = [("w0", w0.url), ("w1", w1.url)]
         refs = {"w0": w0, "w1": w1}
@@ -49,6 +51,12 @@ async def test_a_new_replica_loads_the_snapshot_and_its_first_request_hits(
                     assert resp.status == 200
                     assert resp.headers["x-kvroute-worker"] == worker
                     assert int(resp.headers["x-kvroute-matched-tokens"]) >= 64
+        # each stream's load and proof are routine (INFO); before, every warm start said one
+        # WARNING per stream, `state loaded from a snapshot: its entries predict nothing ...`
+        loaded = [r for r in caplog.records if "state loaded from a snapshot" in r.getMessage()]
+        assert len(loaded) == 4, loaded  # loaded, proven: 2 streams (c's)
+        assert {r.levelno for r in loaded} == {logging.INFO}
+        assert not [r for r in caplog.records if "unproven" in r.getMessage()]
 
 
 async def test_a_damaged_snapshot_in_jetstream_is_refused_and_the_replica_starts_cold(
@@ -100,3 +108,38 @@ async def test_a_replica_restarted_under_its_id_applies_its_eviction_to_an_older
         async with RouterService(replica_config(config, nats_server.url, "fixed")) as again:
             assert again.cluster is not None and again.cluster.snapshot_at is not None
             assert not await Fleet(again, refs, session).holds(body, "w0", 16)
+
+
+async def test_a_worker_the_cluster_re_pointed_stays_warm_on_a_replica_started_with_the_old_file(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """w1 re-pointed through the admin API (DELETE, then POST with another server); a replica
+    started with the config file naming its old server. Before, its warm start proved the
+    snapshot's stream of w1 against the file's server (the fleet record applied after it) and
+    cleared it (`the publisher's newest seq is 0, below ours (8)`): cold on w1, whose replay
+    (2 batches kept) could not bring it back. Now the fleet applies first."""
+    caplog.set_level(logging.WARNING)
+    async with workers(2, buffer_steps=2) as (old, new), aiohttp.ClientSession() as session:
+        config = [("w1", old.url)]
+        refs = {"w1": new}
+        body = {"text": "a prompt on the server w1 names now " * 6, "cache_salt": "tenant-r"}
+        async with RouterService(replica_config(config, nats_server.url, "a")) as a:
+            assert (await admin(session, a, "DELETE", "/workers/w1"))[0] == 200
+            moved = await admin(session, a, "POST", "/workers", {"id": "w1", "url": new.url})
+            assert moved[0] == 201, moved
+            on_a = Fleet(a, refs, session)
+            await on_a.warm()
+            for i in range(4):  # the prompt's batch, then more: past the 2 the replay keeps
+                text = body["text"] if i == 0 else f"another prompt {i} " * 12
+                async with session.post(
+                    a.url + "/generate",
+                    json={**body, "text": text, "sampling_params": {"max_new_tokens": 1}},
+                ) as resp:
+                    assert resp.status == 200
+            assert await _indexed_then_snapshotted(on_a, {**body, "text": "x " * 40}) == "w1"
+            assert await on_a.holds(body, "w1", 64)
+            async with RouterService(replica_config(config, nats_server.url, "c")) as c:
+                assert c.cluster is not None and c.cluster.snapshot_at is not None
+                assert await Fleet(c, refs, session).holds(body, "w1", 64)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "below ours" in m or "cleared" in m], said
