@@ -81,8 +81,7 @@ _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClusterError)
 # how long a stop waits for the background tasks to end, cancelling again those that lost a
 # cancellation (`router.cluster.tasks`), before it leaves them behind, said
 STOP_TIMEOUT_S = 5.0
-# how long an admin write waits for NATS before it is kept for the resync (and the cluster is
-# called degraded: NATS hangs)
+# how long an admin write waits for NATS before it is kept for the resync
 WRITE_TIMEOUT_S = 2.0
 # streams whose entries cannot hit yet (a gap being repaired too: it ends within a replay)
 _UNPROVEN = (StreamState.SYNCING, StreamState.DEGRADED, StreamState.UNVERIFIED)
@@ -273,7 +272,10 @@ class ClusterService:
         others find it silent, as after a crash)."""
         if not nc.is_connected:
             return
-        data = encoder.encode(Batch(self.replica, time.time(), [Goodbye()], self._instance))
+        # what the publisher had not sent yet goes first (the last requests' ends: before, they
+        # were dropped, and the others said it stopped with requests in flight it had ended)
+        said = [*self.outbox.take(), Goodbye()]
+        data = encoder.encode(Batch(self.replica, time.time(), said, self._instance))
         with contextlib.suppress(*_NATS_ERRORS):
             # publish buffers, and waits only on a full buffer: bounded all the same (a stop
             # never waits on NATS for long)
@@ -671,36 +673,8 @@ class ClusterService:
             )
             log.warning("cluster: %s not written yet (%s): kept for the resync", said, why)
             self.fleet.keep_unsent(bucket, key, value)
-            if isinstance(exc, TimeoutError) and self.connected:
-                self._stalled()
             return Sharing.PENDING
         return Sharing.SHARED
-
-    def _stalled(self) -> None:
-        """An admin write timed out on a connection still open: NATS hangs (stopped, its host
-        stalled). Degraded at once, and resynced (the write kept, sent) once NATS answers a
-        flush. Before, `/health` said ok until the client's pings went unanswered (twice the
-        ping interval, ~6 s by default) while admin writes timed out, and had the stall ended
-        sooner no resync came: only a resync flushes the writes kept."""
-        if self.status is ClusterStatus.DEGRADED or self._closing:
-            return
-        self._degrade(f"NATS did not answer an admin write within {WRITE_TIMEOUT_S:g} s")
-        self._spawn(self._resync_when_answering())
-
-    async def _resync_when_answering(self) -> None:
-        """Flush until NATS answers, then resync as after a reconnect (a lost connection's
-        reconnect resyncs of itself: this ends then)."""
-        while self.status is ClusterStatus.DEGRADED and not self._closing:
-            nc = self._nc
-            if nc is None or not nc.is_connected:
-                return
-            try:
-                await nc.flush(timeout=1)
-            except _NATS_ERRORS:
-                await asyncio.sleep(0.1)  # a flush refused at once must not spin
-                continue
-            await self._on_reconnected()
-            return
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from typing import Any
 
 import aiohttp
 import nats
+import pytest
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -347,3 +349,40 @@ async def test_a_replica_back_under_its_id_is_told_the_shadows_it_made_before(
                 await eventually(told, what="the new a to index the pages and be told the shadow")
                 plan = await _route(session, again, prompt)
                 assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
+
+
+async def test_a_replica_stopping_sends_its_last_ends_before_its_goodbye(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that ends while its replica stops (the stop lets it finish) is told ended
+    with the goodbye: the others say the replica stopped with none in flight. Before, its
+    end waited in the buffer for the next batch, which the stop dropped, and the others
+    logged it stopped with a request in flight it had answered (QA: `its 1 requests`)."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+    async with workers(2, **SLOW) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        async with RouterService(replica_config(fleet, nats_server.url, "a")) as a:
+            async with RouterService(replica_config(fleet, nats_server.url, "b")) as b:
+                body = _body("a long question " * 20)  # about 1.3 s of prefill
+                answer = asyncio.create_task(session.post(b.url + "/generate", json=body))
+
+                async def seen_on_a() -> bool:
+                    return sum((await _running(session, a)).values()) == 1
+
+                await eventually(seen_on_a, what="a to count b's request")
+            # b stopped once its request was answered
+            resp = await answer
+            assert resp.status == 200
+            resp.release()
+
+            def said() -> list[str]:
+                return [
+                    r.getMessage() for r in caplog.records if "replica b stopped" in r.getMessage()
+                ]
+
+            async def told() -> bool:
+                return bool(said())
+
+            await eventually(told, what="a to hear b's goodbye")
+            assert said() == ["replica b stopped: its 0 requests in flight no longer count"]
+            assert await _running(session, a) == {"w0": 0, "w1": 0}

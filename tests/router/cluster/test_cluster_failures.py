@@ -801,13 +801,12 @@ def _stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
-async def test_an_admin_write_nats_hangs_on_degrades_at_once_and_resyncs_when_it_answers(
+async def test_an_admin_write_nats_hangs_on_says_why_it_is_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """NATS stopped (SIGSTOP: the connection stays open) for less than the client's pings
-    take to notice. Before, the drain's line said `not written yet ()` (a deadline's empty
-    message), `/health` said ok meanwhile, and had NATS answered again before the pings gave
-    up, no resync would have sent the drain kept."""
+    take to notice: the drain waits 2 s, is kept for the resync, and its line says why.
+    Before, it said `not written yet ()` (a deadline's empty message)."""
     caplog.set_level(logging.WARNING, logger="router.cluster")
     nats = NatsServer(store_dir=tmp_path)
     await nats.start()
@@ -822,10 +821,9 @@ async def test_an_admin_write_nats_hangs_on_degrades_at_once_and_resyncs_when_it
     try:
         async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
             fleet = [("w0", w0.url), ("w1", w1.url)]
-            async with (
-                RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
-                RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
-            ):
+            async with RouterService(
+                replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))
+            ) as a:
                 os.kill(pid, signal.SIGSTOP)
                 try:
 
@@ -835,69 +833,13 @@ async def test_an_admin_write_nats_hangs_on_degrades_at_once_and_resyncs_when_it
                     await eventually(nats_stopped, what="nats-server to stop")
                     status, answer = await admin(session, a, "POST", "/workers/w1/drain")
                     assert (status, answer["cluster"]) == (200, "pending")
-                    assert await _status(session, a) == "degraded"  # at once
                 finally:
                     os.kill(pid, signal.SIGCONT)
                 (line,) = [
                     r.getMessage() for r in caplog.records if "not written" in r.getMessage()
                 ]
                 assert "(NATS did not answer within 2 s)" in line, line
-                assert _lines(caplog, "cluster degraded: NATS did not answer an admin write") == 1
-
-                async def resynced() -> bool:
-                    if await _status(session, a) != "ok":
-                        return False
-                    _, listed = await admin(session, b, "GET", "/workers")
-                    return any(w["id"] == "w1" and w["draining"] for w in listed["workers"])
-
-                await eventually(resynced, what="a to resync and b to apply a's drain")
-                assert _lines(caplog, "lost the connection") == 0  # the pings never gave up
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
-
-
-async def test_a_replica_stopped_gracefully_is_said_stopped_and_its_load_ends_at_once(
-    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Before, a replica's graceful stop (SIGTERM) published nothing: the others counted its
-    load until `heartbeat_timeout_s`, then said it `silent` in a WARNING, as for a crash. It
-    now says goodbye last (`Goodbye`, alone in its batch): the others drop it at once, INFO."""
-    caplog.set_level(logging.INFO, logger="router.cluster")
-
-    def config(name: str) -> ClusterConfig:
-        # a silence noticed only after 5 s: what comes sooner is the goodbye
-        fields = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 5.0, "replica_id": name}
-        return cluster(nats_server.url, **fields)
-
-    async with workers(1) as (w0,):
-        fleet = [("w0", w0.url)]
-        async with RouterService(
-            replica_config(fleet, nats_server.url, "a", cluster=config("a"))
-        ) as a:
-            assert a.cluster is not None
-            peers = a.cluster.peers
-            async with RouterService(
-                replica_config(fleet, nats_server.url, "b", cluster=config("b"))
-            ):
-
-                async def b_heard() -> bool:
-                    return peers.live() == ["b"]
-
-                await eventually(b_heard, what="a to hear b")
-            stopped = time.monotonic()
-
-            async def b_gone() -> bool:
-                return peers.live() == []
-
-            await eventually(b_gone, what="a to drop b", timeout_s=3.0)
-            assert time.monotonic() - stopped < 3.0  # not the 5 s of a silence
-            said = [
-                (r.levelno, r.getMessage()) for r in caplog.records if "replica b" in r.getMessage()
-            ]
-            assert (
-                logging.INFO,
-                "replica b stopped: its 0 requests in flight no longer count",
-            ) in said
-            assert not [m for level, m in said if level >= logging.WARNING], said
