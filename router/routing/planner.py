@@ -497,6 +497,8 @@ class Planner:
         block_size = self.indexer.index.block_size(stream)
         stride = recency_stride(block_size or 1)
         stretch = None if block_size is None else block_size * stride
+        holds = self.indexer.index.holds
+        unseen = waiting.unseen(self.clock(), lambda key: holds(stream, [key])[0])
 
         # the forecast and the eviction charge may both need the prompt's block keys: made
         # once, and only when asked (a plain memo: functools.cache costs a microsecond to
@@ -514,7 +516,8 @@ class Planner:
             matched_tokens=candidate.matched_tokens,
             capacity_tokens=capacity,
             held_tokens=held,
-            queued_tokens=load.queued_prefill_tokens,
+            # and the prompts of requests that answered, stored, and are not in the events yet
+            queued_tokens=load.queued_prefill_tokens + unseen * (block_size or 0),
             # only the requests a rank runs at once hold private pages; the rest wait
             in_flight=min(load.running, entry.max_running_requests or load.running),
             reserve_tokens=reserve,
@@ -894,6 +897,8 @@ class Planner:
                 or not in_flight.running
                 or in_flight.footprint_tokens(reserve) + footprint <= capacity,
                 footprint_tokens=footprint,
+                stores_blocks=max(0, len(keys) - held_tokens // block),
+                probe=keys[-1],
             )
             marks.append((stream, stamp))
             # the blocks the stream can hold, and this prompt's (on their way, not held yet)
