@@ -85,6 +85,10 @@ _NEXT_TURN_S = 0.001
 # the time on a loaded router (`forecast`, `WaitingDecisions.settled`)
 EVENT_GRACE_S = 0.25
 
+# how long after its answer a request's stores not in the events count as held all the same
+# (`WaitingDecisions.unseen`): event batches reach the router tens of milliseconds after the
+# answer on a loaded router (hundreds at worst, QA); past this, they were evicted or never made
+UNSEEN_S = 1.0
 # why a block is gone at admission (`forecast`)
 _EVICTED = "evicted"
 _ANSWERED = "answered"
@@ -292,6 +296,10 @@ class _Sent(msgspec.Struct, gc=False):
     blocked: bool = False
     # the most KV it holds once admitted (whole prompt and output), as the load counts it
     footprint: int = 0
+    # the blocks of its prompt the events did not show held when it was sent (what it stores
+    # once its prefill ends), and its prompt's last block (seen held: they are in the events)
+    stores: int = 0
+    probe: int | None = None
 
 
 class WaitingDecisions:
@@ -326,6 +334,7 @@ class WaitingDecisions:
         "_decisions",
         "_done",
         "_recomputing",
+        "_unseen",
         "grace_s",
         "window_s",
     )
@@ -340,6 +349,9 @@ class WaitingDecisions:
         # the decisions answered (or ended) within `grace_s`: stamp -> (when, the stream's
         # last event batch applied then), oldest first (`settled`)
         self._done: dict[int, tuple[float, int | None]] = {}
+        # the decisions answered within `UNSEEN_S` whose stores the events may not show yet:
+        # stamp -> (when, blocks stored, the prompt's last block), oldest first (`unseen`)
+        self._unseen: dict[int, tuple[float, int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._decisions)
@@ -363,12 +375,16 @@ class WaitingDecisions:
         seq: int | None = None,
         room: bool = True,
         footprint_tokens: int = 0,
+        stores_blocks: int = 0,
+        probe: int | None = None,
     ) -> None:
         """The decision of `stamp` went out, predicted to reuse `kept_blocks` of the
         `held_blocks` its events showed; `running`: requests in flight there before it;
         `seq`: the stream's last event batch applied (None: none yet); `room`: whether the
         KV pool had room for it beside the requests in flight (True: or not known);
-        `footprint_tokens`: the KV it may hold, as the caller's load counts it (`room_came`)."""
+        `footprint_tokens`: the KV it may hold, as the caller's load counts it (`room_came`);
+        `stores_blocks`: the blocks of its prompt the events did not show held, `probe` its
+        prompt's last block (`unseen`)."""
         decisions = self._decisions
         if kept_blocks < held_blocks:
             self._recomputing += 1
@@ -391,6 +407,7 @@ class WaitingDecisions:
             else:  # the ones ahead are in a prefill (or wait for one): admitted when it ends
                 by, answers = inf, self._answers
             sent = _Sent(answers, by, seq, kept_blocks, held_blocks, False, footprint_tokens)
+        sent.stores, sent.probe = stores_blocks, probe
         decisions[stamp] = sent
 
     def answered(
@@ -405,6 +422,14 @@ class WaitingDecisions:
             self._blocked -= 1
         if first_byte:
             self._answers += 1
+            if sent is not None and sent.stores and sent.probe is not None:
+                unseen = self._unseen
+                while unseen:  # bounded without `unseen` asked: those past their time go
+                    oldest = next(iter(unseen))
+                    if unseen[oldest][0] >= now - UNSEEN_S:
+                        break
+                    del unseen[oldest]
+                unseen[stamp] = (now, sent.stores, sent.probe)
         if sent is None:
             return  # its end after its answer: the answer started the grace
         done = self._done
@@ -428,6 +453,25 @@ class WaitingDecisions:
         if now - at < self.grace_s:
             return False
         return seq is not None and (then is None or seq > then)
+
+    def unseen(self, now: float, held: Callable[[int], bool]) -> int:
+        """The blocks the worker holds and the events do not show yet: the prompts of the
+        requests that answered within `UNSEEN_S` and stored blocks not held when they were sent,
+        until the stream's events show their last block (`held`). A worker publishes a
+        prefill's stores as it ends, but they may reach the router after the answer; until
+        then the prompt counts neither as queued (the load drops it at the answer) nor as held,
+        and a pool forecast that short evicts nothing it will evict (QA: 320 tokens predicted,
+        none cached, every round with event batches 0.3 s late)."""
+        unseen = self._unseen
+        if not unseen:
+            return 0
+        total = 0
+        for stamp, (at, blocks, probe) in list(unseen.items()):
+            if now - at > UNSEEN_S or held(probe):
+                del unseen[stamp]
+            else:
+                total += blocks
+        return total
 
     def room_came(self, over_tokens: int, now: float, seq: int | None = None) -> None:
         """A request ended there, at `now` (the stream's last event batch applied being

@@ -15,7 +15,7 @@ from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerCo
 from router.errors import UnknownModelError
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
-from router.routing.admission import EVENT_GRACE_S
+from router.routing.admission import EVENT_GRACE_S, UNSEEN_S, WaitingDecisions
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
@@ -449,3 +449,53 @@ async def test_a_pool_too_small_for_the_request_is_not_routable_while_another_ho
     assert {c.worker for c in planner.plan(chat, ns).ranked()} == {"w0", "w1"}
     small.capacity_tokens = tight - 1
     assert [c.worker for c in planner.plan(chat, ns).ranked()] == ["w1"]
+
+
+async def test_an_answered_prompt_counts_against_the_pool_until_the_events_show_it(
+    indexer: IndexerService,
+) -> None:
+    """A request that answered has stored its prompt, but the events saying so may reach the
+    router later: meanwhile the prompt counts as queued (allocated, not in `held`). Before,
+    the load dropped it at the answer and `held` gained it only with the events: the pool
+    looked a prompt emptier, and a forecast of no eviction predicted a prefix the worker
+    then evicted (QA: 320 tokens predicted, none cached, with events 0.3 s late)."""
+    planner = await _planner(indexer, "kv")
+    clock = [100.0]
+    planner.clock = lambda: clock[0]
+    for entry in planner.pool:
+        entry.capacity_tokens = 4096
+    first = _request("x" * 1600)
+    ns = planner.namespace(first)
+    chosen = planner.plan(first, ns).ranked()[0]
+    ticket = planner.commit(ns, first.tokens, chosen, first_try=True, output_tokens=10)
+
+    def queued() -> int:
+        plan = planner.plan(_request("y" * 64), ns)
+        there = next(c for c in plan.candidates if c.worker == chosen.worker)
+        assert there.admission is not None
+        return there.admission.queued_tokens
+
+    prompt = len(first.tokens)
+    assert queued() == prompt + 10  # its uncached prompt, and its output beside it
+    planner.first_byte(ticket)
+    stored = prompt // 16 * 16  # its whole blocks: what its events will show
+    assert queued() == stored + 10  # no longer queued prefill: stored, not in the events yet
+    clock[0] += UNSEEN_S + 0.01  # no event in a second: evicted or never made
+    assert queued() == 10
+    planner.finish(ticket)
+
+
+def test_stores_not_in_the_events_count_until_their_last_block_is_held() -> None:
+    waiting = WaitingDecisions(0.0)
+    for stamp, probe in ((0, 100), (1, 200)):
+        waiting.sent(
+            stamp, kept_blocks=0, held_blocks=0, running=0, now=0.0, stores_blocks=5, probe=probe
+        )
+    held: set[int] = set()
+    assert waiting.unseen(0.0, held.__contains__) == 0  # none answered yet: queued
+    waiting.answered(0, first_byte=True, now=0.1)
+    waiting.answered(1, first_byte=True, now=0.2)
+    assert waiting.unseen(0.3, held.__contains__) == 10
+    held.add(100)  # the first one's stores reached the index
+    assert waiting.unseen(0.3, held.__contains__) == 5
+    assert waiting.unseen(0.2 + UNSEEN_S + 0.01, held.__contains__) == 0
