@@ -7,11 +7,12 @@ import logging
 import socket
 import time
 from contextlib import AsyncExitStack
+from typing import Any
 
 import pytest
 
 from indexer.protocol.events import EventBatch
-from indexer.service import IndexerService, StreamConfig
+from indexer.service import IndexerService, Namespace, StreamConfig
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.wire import Batch, Pending
@@ -19,10 +20,10 @@ from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerCo
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
 from router.routing.admission import EVENT_GRACE_S
-from router.routing.load import LoadTracker, Withdraw
+from router.routing.load import LoadTracker, Ticket, Withdraw
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
-from router.routing.policy import build_policy
+from router.routing.policy import Candidate, build_policy
 from router.routing.pool import WorkerPool
 
 TOK = build_tokenizer(TokenizerConfig())
@@ -83,15 +84,21 @@ def _request(question: str):  # type: ignore[no-untyped-def]
     return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
 
 
+def _sent(sender: Planner, request: Any, **commit: Any) -> tuple[Namespace, Candidate, Ticket]:
+    """`request` planned and committed by `sender` to its first choice: (namespace, chosen
+    candidate, ticket)."""
+    ns = sender.namespace(request)
+    chosen = sender.plan(request, ns).ranked()[0]
+    return ns, chosen, sender.commit(ns, request.tokens, chosen, first_try=True, **commit)
+
+
 async def test_a_sibling_of_a_peers_request_meets_the_same_batch_rule_as_on_the_sender() -> None:
     clock = [100.0]
     async with AsyncExitStack() as stack:
         sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
 
         first = _request("first question")
-        ns = sender.namespace(first)
-        chosen = sender.plan(first, ns).ranked()[0]
-        ticket = sender.commit(ns, first.tokens, chosen, first_try=True)
+        _, chosen, ticket = _sent(sender, first)
         peers.apply(Batch("a", time.time(), outbox.take()))
 
         def sibling(planner: Planner) -> tuple[int, int, str]:
@@ -139,9 +146,7 @@ async def test_a_peers_decision_carries_block_keys_and_marks_what_its_tokens_wou
         by_tokens = await _replica(stack, endpoints, clock)
         other_pages = await _replica(stack, endpoints, clock, block_size=8)
         first = _request("first question")
-        ns = sender.namespace(first)
-        chosen = sender.plan(first, ns).ranked()[0]
-        sender.commit(ns, first.tokens, chosen, first_try=True)
+        ns, chosen, _ = _sent(sender, first)
         sent = outbox.take()
         pending = sent[0]
         assert isinstance(pending, Pending)
@@ -181,9 +186,7 @@ async def test_a_peers_decision_held_up_past_the_pending_ttl_marks_nothing() -> 
     async with AsyncExitStack() as stack:
         sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
         first = _request("first question")
-        ns = sender.namespace(first)
-        chosen = sender.plan(first, ns).ranked()[0]
-        sender.commit(ns, first.tokens, chosen, first_try=True)
+        _, chosen, _ = _sent(sender, first)
         sent = outbox.take()
         ttl = receiver.indexer.config.pending_ttl_s
 

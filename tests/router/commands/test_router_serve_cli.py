@@ -23,6 +23,7 @@ from router.cluster.server import NatsServer
 from router.config import AdminConfig, ListenConfig, RouterConfig
 from router.service import RouterService
 from tests.raw_http import wait_eof
+from tests.router.commands.refusal import refused_in_one_line
 from tests.router.conftest import HungDiscovery, eventually
 from workers.config import DEFAULT_MODEL
 from workers.config import WorkerConfig as ReferenceConfig
@@ -224,16 +225,8 @@ async def test_a_config_that_is_not_utf8_exits_2_in_one_line_naming_it(
 ) -> None:
     config = tmp_path / "router.toml"
     config.write_bytes(b"\xff\xfe[listen]\n")
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "router.commands.cli", verb, "--config", str(config)),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 2
-    lines = err.decode().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"kvroute {verb}: {config}: not UTF-8"), lines
+    line = await refused_in_one_line(verb, "--config", str(config))
+    assert line.startswith(f"kvroute {verb}: {config}: not UTF-8"), line
 
 
 # a file nested past what anything reads: tomllib's recursion (arrays, inline tables) and the
@@ -255,22 +248,9 @@ async def test_a_config_nested_too_deep_exits_2_in_one_line_naming_it(
     nested, said = _TOO_DEEP[shape]
     config.write_text(nested + '\n[listen]\nport = 0\n[admin]\ntoken = "t"\n')
     # `up`: refused before any worker starts
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "router.commands.cli", verb, "--config", str(config)),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    lines = err.decode().splitlines()
-    assert proc.returncode == 2 and not out, (out, lines[-3:])
-    assert len(lines) == 1, lines[-3:]
-    assert lines[0].startswith(f"kvroute {verb}: {config}: "), lines
-    assert said in lines[0], lines
+    line = await refused_in_one_line(verb, "--config", str(config))
+    assert line.startswith(f"kvroute {verb}: {config}: "), line
+    assert said in line, line
 
 
 @pytest.mark.parametrize("verb", ["serve", "indexer"])
@@ -294,25 +274,36 @@ async def test_a_fifo_for_a_config_exits_2_in_one_line_naming_it(tmp_path: Path,
     assert lines == [f"kvroute {verb}: {config}: is a FIFO (named pipe), not a regular file"]
 
 
-@pytest.mark.parametrize("processes", ["1", "2"])
-async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
-    tmp_path: Path, processes: str
-) -> None:
-    # a real listener holds the port (without SO_REUSEPORT, so replicas cannot share it either)
+async def _serve_with_a_port_held(
+    tmp_path: Path, processes: str, ports: Callable[[int], str]
+) -> tuple[int, int | None, bytes]:
+    """`kvroute serve --processes N` on a config whose [listen] `ports(port)` names a port a
+    real listener holds (without SO_REUSEPORT, so replicas cannot share it either), its
+    replicas agreeing through a real nats-server: (the port, exit code, stderr)."""
     holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = holder.sockets[0].getsockname()[1]
     config = tmp_path / "router.toml"
-    text = f"[listen]\nhost = '127.0.0.1'\nport = {port}\n"
+    text = "[listen]\nhost = '127.0.0.1'\n" + ports(port)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(holder.wait_closed)
         stack.callback(holder.close)
-        if processes != "1":  # replica processes agree through a real nats-server
+        if processes != "1":
             nats = await stack.enter_async_context(NatsServer())
             text += f"[cluster]\nurl = '{nats.url}'\n"
         config.write_text(text)
         proc = await _run("--config", str(config), "--processes", processes)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2
+    return port, proc.returncode, err
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
+    tmp_path: Path, processes: str
+) -> None:
+    port, returncode, err = await _serve_with_a_port_held(
+        tmp_path, processes, lambda port: f"port = {port}\n"
+    )
+    assert returncode == 2
     # one wording for both (one router said asyncio's "error while attempting to bind on
     # address ('127.0.0.1', P): address already in use")
     assert f"cannot listen on 127.0.0.1:{port} (Address already in use)".encode() in err
@@ -329,21 +320,11 @@ async def test_a_metrics_port_in_use_is_refused_as_a_port_in_use(
     and under --processes by child 0, once both children had started and joined the cluster,
     then "replica 0 exited before listening". It is refused as a taken listen.port is, and
     under --processes by the parent, before any child starts."""
-    holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-    port = holder.sockets[0].getsockname()[1]
-    config = tmp_path / "router.toml"
-    text = f"[listen]\nhost = '127.0.0.1'\nport = 0\nmetrics_port = {port}\n"
-    async with contextlib.AsyncExitStack() as stack:
-        stack.push_async_callback(holder.wait_closed)
-        stack.callback(holder.close)
-        if processes != "1":  # replica processes agree through a real nats-server
-            nats = await stack.enter_async_context(NatsServer())
-            text += f"[cluster]\nurl = '{nats.url}'\n"
-        config.write_text(text)
-        proc = await _run("--config", str(config), "--processes", processes)
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    port, returncode, err = await _serve_with_a_port_held(
+        tmp_path, processes, lambda port: f"port = 0\nmetrics_port = {port}\n"
+    )
     lines = err.decode().splitlines()
-    assert proc.returncode == 2, lines
+    assert returncode == 2, lines
     who = "" if processes == "1" else "; process i of 2 serves metrics on it + i"
     assert lines[-1] == (
         f"kvroute serve: cannot listen on 127.0.0.1:{port} for metrics (Address already in use): "

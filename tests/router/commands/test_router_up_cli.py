@@ -18,28 +18,15 @@ import aiohttp
 import pytest
 
 from tests.raw_http import json_error, parse_responses, wait_eof
+from tests.router.commands.refusal import refused_in_one_line
 from tests.router.commands.test_router_serve_cli import refused
 from tests.router.conftest import eventually
 from tests.subprocesses import ends_on_sigint
 
 
 async def _refused_in_one_line(*args: str) -> str:
-    """Run `kvroute up ARGS`, which must refuse: exit 2, nothing on stdout (no worker, no
-    nats-server started, nor said), one line on stderr; returns that line."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.commands.cli", "up", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    lines = err.decode().splitlines()
-    assert proc.returncode == 2 and not out, (out, err)
-    assert len(lines) == 1, lines
-    return lines[0]
+    """`kvroute up ARGS`, which must refuse in one line (`refused_in_one_line`)."""
+    return await refused_in_one_line("up", *args)
 
 
 async def _read_until(stream: asyncio.StreamReader, marker: str, lines: list[str]) -> str:

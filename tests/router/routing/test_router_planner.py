@@ -57,6 +57,14 @@ def _request(prompt: str, salt: str | None = None, model: str = "m"):  # type: i
     return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
 
 
+def _queued_on(planner: Planner, ns: Namespace, worker: str, prompt: str) -> int:
+    """The admission forecast's queued tokens on `worker` for a request of `prompt`."""
+    plan = planner.plan(_request(prompt), ns)
+    there = next(c for c in plan.candidates if c.worker == worker)
+    assert there.admission is not None
+    return there.admission.queued_tokens
+
+
 async def test_kv_decisions_add_pending_entries_that_siblings_follow(
     indexer: IndexerService,
 ) -> None:
@@ -188,10 +196,7 @@ async def test_the_output_a_running_request_names_counts_against_the_pool(
     assert (load.output_tokens, load.sized) == (300, 1)
 
     def queued() -> int:
-        plan = planner.plan(_request("x" * 64), ns)
-        again = next(c for c in plan.candidates if c.worker == chosen.worker)
-        assert again.admission is not None
-        return again.admission.queued_tokens
+        return _queued_on(planner, ns, chosen.worker, "x" * 64)
 
     # its uncached prompt, and the 300 tokens its output may take beside it
     assert queued() == 64 + 300
@@ -470,10 +475,7 @@ async def test_an_answered_prompt_counts_against_the_pool_until_the_events_show_
     ticket = planner.commit(ns, first.tokens, chosen, first_try=True, output_tokens=10)
 
     def queued() -> int:
-        plan = planner.plan(_request("y" * 64), ns)
-        there = next(c for c in plan.candidates if c.worker == chosen.worker)
-        assert there.admission is not None
-        return there.admission.queued_tokens
+        return _queued_on(planner, ns, chosen.worker, "y" * 64)
 
     prompt = len(first.tokens)
     assert queued() == prompt + 10  # its uncached prompt, and its output beside it
