@@ -43,6 +43,10 @@ VALUES = st.one_of(
 SHAPES = st.sampled_from(["list", "tuple", "iter"])
 MISSING = object()  # a default no map holds
 
+# 100 examples of 50 steps: 10-20 s a test on a quiet two-core machine, and over the suite's
+# 60 s once under load (CI, 2026-12-06): hypothesis's time is no finding here
+pytestmark = pytest.mark.timeout(240)
+
 SETTINGS = hypothesis.settings(
     max_examples=int(os.environ.get("KVROUTE_STATEFUL_EXAMPLES", "100")),
     stateful_step_count=50,
