@@ -191,6 +191,15 @@ class FleetState:
             self._unsent_over[(bucket, key)] = over
         self.unsent[(bucket, key)] = value
 
+    def written(self, bucket: str, key: str) -> None:
+        """A newer change of the record `key` was written: one kept for it is obsolete. Before,
+        after NATS hung on a write (kept, yet applied once NATS resumed), the change made
+        again as the docs advise was shared while the kept one stayed: counted in
+        `kvroute_cluster_unsent_admin_writes`, dropped at the next resync as "another
+        replica's change", or said lost at a stop."""
+        if self.unsent.pop((bucket, key), None) is not None:
+            self._unsent_over.pop((bucket, key), None)
+
     async def seed(
         self, fleet: KeyValue, workers: Sequence[WorkerConfig], *, running: bool = False
     ) -> None:

@@ -674,6 +674,8 @@ class ClusterService:
             log.warning("cluster: %s not written yet (%s): kept for the resync", said, why)
             self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
+        # a change kept for the same record is older than this one, written: it goes
+        self.fleet.written(bucket, key)
         return Sharing.SHARED
 
     async def worker_changed(
