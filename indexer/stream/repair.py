@@ -255,10 +255,13 @@ class Repair(SubscriberState):
             self.replays += 1
             if not joining:
                 self.gaps += 1
-            if watched and self.restarts == restarts:
-                self._found_undelivered(before, after, "the idle probe")
-            elif self.restarts != restarts:
+            if self.restarts != restarts or mark.restarts != restarts:
+                # a rebuild after a restart: found by this probe, or before it with no live
+                # batch of the new run heard since (CI: a proof cut as the process died, then
+                # the new process's buffer, by replay only, was trusted whole)
                 self._undelivered_since(mark, "the idle probe's rebuild after a restart")
+            elif watched:
+                self._found_undelivered(before, after, "the idle probe")
             self._notify(after)
         if not answered:
             if self._retry_ms is not None or self.restarts != restarts:
@@ -503,7 +506,10 @@ class Repair(SubscriberState):
         to the same connection)."""
         if self._live_heard is not None:
             return DeliveryMark(
-                self._live_heard, self._live_heard_payload, self.restarts, self._sub_links
+                self._live_heard,
+                self._live_heard_payload,
+                self._live_heard_restarts,
+                self._sub_links,
             )
         fence = self.sink.fence() if fallback is not None else None
         payload = fence.payload if fence is not None and fence.seq == fallback else None

@@ -122,7 +122,7 @@ class DeliveryMark(NamedTuple):
 
     heard: int | None  # the newest seq it delivered on its connection (or known published)
     payload: bytes | None  # the batch at `heard` (None: not known)
-    restarts: int
+    restarts: int  # `restarts` as `heard` was heard (a restart since: it was the dead run's)
     links: int  # `_sub_links` then
 
 
@@ -276,6 +276,11 @@ class SubscriberState(abc.ABC):
         # ahead of it (`Repair._undelivered_since`)
         self._live_heard: int | None = None
         self._live_heard_payload: bytes | None = None
+        # `restarts` when it was heard: a restart found since (a proof cut as the process
+        # died, before the new one was up) leaves it the dead run's, and a mark taken after
+        # that restart must judge it so (CI: the new process's buffer, by replay only, was
+        # trusted whole, though nothing showed the live path reached the new process)
+        self._live_heard_restarts = 0
         # the SUB's connection events seen (a handshake, a drop): a replay read across one
         # judges nothing by `_live_heard`
         self._sub_links = 0

@@ -256,6 +256,7 @@ class StreamSubscriber(
         if not topic_matches(msg.topic, self._topic):
             return
         self._live_heard, self._live_heard_payload = msg.seq, msg.payload
+        self._live_heard_restarts = self.restarts
         if self._disagreeing is not None:
             await self._while_disagreeing(msg.seq, msg.payload)
             return

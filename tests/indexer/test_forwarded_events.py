@@ -121,10 +121,14 @@ def streams_of(svc: IndexerService) -> list[StreamState]:
 
 
 async def forwarded_worker(
-    svc: IndexerService, worker: Restartable, forwarders: list[Forwarder]
+    svc: IndexerService,
+    worker: Restartable,
+    forwarders: list[Forwarder],
+    replays: list[str] | None = None,
 ) -> None:
-    """Subscribe `worker`: each rank's events through its forwarder, its replay direct (and
-    wait until the subscriptions reached the worker: a batch published before is lost)."""
+    """Subscribe `worker`: each rank's events through its forwarder, its replay direct or
+    through `replays` (and wait until the subscriptions reached the worker: a batch published
+    before is lost)."""
     kv = worker.live.kv_events
     await svc.add_worker(
         WORKER,
@@ -137,7 +141,9 @@ async def forwarded_worker(
                 dp_rank=rank,
                 replay_proven=False,  # its advertised event sockets are not these
             )
-            for rank, (fwd, replay) in enumerate(zip(forwarders, kv.replay_endpoints, strict=True))
+            for rank, (fwd, replay) in enumerate(
+                zip(forwarders, replays or kv.replay_endpoints, strict=True)
+            )
         ],
     )
     for fwd in forwarders:
@@ -260,6 +266,65 @@ async def test_a_worker_dying_behind_forwarders_predicts_nothing_at_once(
         await worker.stop()
 
 
+async def test_a_restart_found_before_the_new_process_is_up_waits_for_its_live_batch(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, but rank 0's proof (asked as rank 1's replay connection dropped) reaches the
+    dying process and drops before its answer ends (CI, one run in many): the restart is
+    found before the new process is up, and the new process's buffer, read by the retry's
+    replay, was trusted whole (`synced`) though nothing showed the forwarder reached the new
+    process: the seq its SUB heard last was the dead run's, judged as the new one's. It waits
+    for a live batch of the new run, as when the new process's answer finds the restart."""
+    caplog.set_level(logging.WARNING, logger="indexer.stream")
+    worker = Restartable(dp_size=2)
+    await worker.start()
+    kv = worker.live.kv_events
+    relay = TcpRelay(int(kv.replay_endpoints[0].rpartition(":")[2]))
+    await relay.start()
+    try:
+        async with (
+            Forwarder(ctx, kv.endpoints[0]) as fwd0,
+            Forwarder(ctx, kv.endpoints[1]) as fwd1,
+            IndexerService(SETTINGS) as svc,
+            aiohttp.ClientSession() as session,
+        ):
+            await fwd0.connected(1)
+            await fwd1.connected(1)
+            replays = [f"tcp://127.0.0.1:{relay.port}", kv.replay_endpoints[1]]
+            await forwarded_worker(svc, worker, [fwd0, fwd1], replays)
+            P = tokens("dead")
+            for rank in range(2):
+                await generate(session, worker.live, P, rank)
+            await until(lambda: predicted(svc, P) == [80, 80], "P on both ranks")
+
+            # rank 0's proof reaches a process that dies unanswering (whichever comes first,
+            # the proof or the death: the hop hides the close until the heartbeat drops it)
+            relay.swallowing = relay.sticky = True
+            await worker.stop()
+            cut = "its replay from seq 1 did not answer to its end"
+            await until(lambda: cut in caplog.text, "rank 0's proof cut with the process")
+            assert [s.restarts for s in svc.streams()] == [1, 0]
+            relay.swallowing = relay.sticky = False
+            await relay.cut()
+            await worker.start()
+            unproven = [StreamState.UNVERIFIED] * 2
+            await until(
+                lambda: (
+                    [s.restarts for s in svc.streams()] == [1, 1] and streams_of(svc) == unproven
+                ),
+                "both ranks rebuilt, unproven until the new process publishes",
+            )
+            await fwd0.connected(2)
+            Q = tokens("new")
+            await generate(session, worker.live, Q, 0)
+            await until(lambda: predicted(svc, Q) == [80, 0], "the new process's batch")
+            assert streams_of(svc) == [StreamState.SYNCED, StreamState.UNVERIFIED]
+            assert predicted(svc, P) == [0, 0]
+    finally:
+        await relay.close()
+        await worker.stop()
+
+
 async def test_a_replay_connection_that_drops_without_a_restart_keeps_the_entries(
     ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -311,13 +376,15 @@ class TcpRelay:
     """A loopback TCP relay to `target` whose open connections can be cut. Switches: `held`
     (bytes wait in the relay, both ways, until cleared: a worker that is slow to answer),
     `sticky` (an upstream that closes is not closed downstream: a hop that hides the worker
-    going away) and `refusing` (new connections are closed at once: the worker unreachable)."""
+    going away), `refusing` (new connections are closed at once: the worker unreachable) and
+    `swallowing` (what comes from downstream is dropped: a request the worker never reads)."""
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.port = 0
         self.sticky = False
         self.refusing = False
+        self.swallowing = False
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._server: asyncio.Server | None = None
@@ -354,6 +421,8 @@ class TcpRelay:
         ) -> None:
             try:
                 while data := await src.read(65536):
+                    if self.swallowing and not downstream:
+                        continue
                     await self._flowing.wait()
                     dst.write(data)
                     await dst.drain()

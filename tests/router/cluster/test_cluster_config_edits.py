@@ -139,7 +139,8 @@ async def test_an_admin_change_stands_over_an_unchanged_file_and_is_said(
                 status, _ = await admin(
                     session, b, "POST", "/workers", {"url": new.url, "id": "w0"}
                 )
-                assert status == 201
+                # (202: its discovery outlasted the add's wait, on a loaded machine: CI)
+                assert status in (201, 202)
                 await _agree(session, [a, b], moved, "both replicas to take the admin's move")
             async with _replica(path) as a:
                 await _agree(session, [a, b], moved, "a restarted to keep the admin's move")
