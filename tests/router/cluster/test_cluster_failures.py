@@ -857,3 +857,61 @@ async def test_an_admin_write_nats_hangs_on_says_why_it_is_kept(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
+
+
+async def test_an_admin_write_nats_took_late_is_no_longer_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS hung on the write past its deadline (kept for the resync), then answered and took
+    it: read back as this replica's own record, it is no longer kept, and nothing says
+    another replica changed it. Before, it stayed counted unsent, and at the next resync its
+    own record was taken for another replica's change (WARNING) or said lost at a stop."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    assert nats.pid is not None
+    pid = nats.pid
+
+    def slow_pings(name: str) -> ClusterConfig:
+        return cluster(nats.url, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, replica_id=name)
+
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with (
+                RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
+                RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
+            ):
+                os.kill(pid, signal.SIGSTOP)
+                try:
+
+                    async def nats_stopped() -> bool:
+                        return _stopped(pid)
+
+                    await eventually(nats_stopped, what="nats-server to stop")
+                    status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+                    assert (status, answer["cluster"]) == (200, "pending")
+                    assert await _unsent(session, a) == 1
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+
+                async def taken_late() -> bool:
+                    return await _unsent(session, a) == 0
+
+                await eventually(taken_late, what="the kept drain to be known written")
+
+                async def b_drained() -> bool:
+                    status, answer = await admin(session, b, "GET", "/workers")
+                    return status == 200 and any(
+                        w["id"] == "w1" and w["draining"] for w in answer["workers"]
+                    )
+
+                await eventually(b_drained, what="the other replica to take the drain")
+        said = [r.getMessage() for r in caplog.records]
+        assert "cluster: w1 drained was written after all (NATS answered late)" in said, said
+        assert not [m for m in said if "another replica changed" in m], said
+        assert not [m for m in said if "lost" in m], said
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await nats.stop()
