@@ -35,7 +35,7 @@ from indexer.namespace import Namespace
 from router.config import LimitsConfig, RouterConfig
 from router.errors import AuthError, NoWorkerError, RequestError, UnknownModelError
 from router.http.bearer import bearer_matches, is_loopback
-from router.http.intake import parsed_off_loop
+from router.http.intake import header_salt, parsed_off_loop
 from router.http.keys import CONFIG, PLANNER, RELOADER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
 from router.prompt.conventions import CHAT_REQUEST_FIELDS
@@ -218,8 +218,12 @@ async def _parsed(
     would cache it."""
     config = request.app[CONFIG].current
     limits = config.limits
-    salt = query.cache_salt or None
-    if salt is not None:
+    # the trusted gateway's header overrides the body's salt, as on the proxy: the namespace
+    # the request it asks about is cached in (before, ignored here: a gateway that salts by
+    # the header got the unsalted namespace's hits for a salted request, false hits)
+    by_header = header_salt(request, config)
+    salt = (query.cache_salt if by_header is None else by_header) or None
+    if salt is not None and by_header is None:
         check_salt_size(salt, "cache_salt", limits)
     extra_key = query.extra_key or None
     if extra_key is not None:

@@ -92,6 +92,59 @@ async def test_query_answers_what_the_router_routes_by(query_fleet: Fleet) -> No
     assert other["namespace"] != answer["namespace"]
 
 
+async def test_the_salt_header_names_the_querys_namespace_as_on_the_proxy() -> None:
+    """`salt_header` set (a trusted gateway salts by it): a query carrying the header is
+    answered in the namespace the proxy caches such a request in, the header over the body's
+    `cache_salt`. Before, the query ignored it: a gateway asking about a request salted by the
+    header got the unsalted namespace's hits (false hits), and the salted one's none."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    async with ReferenceWorker(cfg) as w0, ReferenceWorker(cfg) as w1:
+        config = router_config(
+            [("w0", w0.url), ("w1", w1.url)],
+            query=QueryConfig(token=QUERY_TOKEN),
+            salt_header="X-Tenant",
+        )
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0, "w1": w1}, session)
+            await fleet.warm()
+            # cached unsalted, and again in tenant-a's namespace (the header's)
+            body = {"model": "m", "prompt": TEXT, "max_tokens": 2}
+            status, _, _ = await fleet.post("/v1/completions", body)
+            assert status == 200
+            status, headers, _ = await fleet.post(
+                "/v1/completions", {**body, "cache_salt": "ignored"}, headers={"X-Tenant": "a"}
+            )
+            assert status == 200
+            holder = headers["x-kvroute-worker"]
+
+            def tenant(salt: str) -> dict[str, str]:
+                return {**QAUTH, "X-Tenant": salt}
+
+            query = {"model": "m", "text": TEXT}
+
+            async def indexed() -> bool:
+                status, answer = await _query(fleet, query, tenant("a"))
+                assert status == 200, answer
+                return bool(_by_worker(answer)[holder]["matched_tokens"] >= 300)
+
+            await eventually(indexed, what="the header's namespace indexed")
+            _, by_header = await _query(fleet, {**query, "cache_salt": "b"}, tenant("a"))
+            assert _by_worker(by_header)[holder]["matched_tokens"] >= 300, by_header
+            _, by_body = await _query(fleet, {**query, "cache_salt": "a"})
+            assert by_body["namespace"] == by_header["namespace"]
+            # another tenant's header: nothing, whatever the body says or the unsalted holds
+            _, other = await _query(fleet, {**query, "cache_salt": "a"}, tenant("b"))
+            assert all(r["matched_tokens"] == 0 for r in other["workers"]), other
+            _, plain = await _query(fleet, query)
+            assert plain["namespace"] not in (by_header["namespace"], other["namespace"])
+            assert any(r["matched_tokens"] >= 300 for r in plain["workers"]), plain
+            # the header given twice is refused naming it, as on the proxy
+            twice = [*QAUTH.items(), ("X-Tenant", "a"), ("X-Tenant", "b")]
+            async with session.post(fleet.url + "/v1/kv/query", json=query, headers=twice) as r:
+                status, error = r.status, await r.json()
+            assert status == 400 and "X-Tenant header is given 2 times" in error["error"]["message"]
+
+
 async def test_query_token_and_bad_input(query_fleet: Fleet) -> None:
     fleet = query_fleet
     ok = {"token_ids": [1, 2, 3]}
