@@ -560,6 +560,23 @@ def _warn_no_workers(path: str, config: RouterConfig, proxy: bool) -> None:
     )
 
 
+def _check_ports(config: RouterConfig, verb: str) -> None:
+    """Refuse a taken `listen.port` or `listen.metrics_port` before anything starts, in the
+    words `listening` says it in (ConfigError). The service binds them after its startup (a
+    NATS connection, a snapshot's load, the workers' discovery: seconds): before, a taken port
+    was said only then, under the startup's log lines. (Checked, not held: one process binds
+    them without SO_REUSEPORT, as it always did.)"""
+    from router.commands.replicas import hold_metrics
+    from router.commands.shared_port import hold_port
+
+    listen = config.listen
+    if listen.port:
+        hold_port(listen.host, listen.port, option=f"{verb} --port").close()
+    metrics = hold_metrics(config, 1)
+    if metrics is not None:
+        metrics.close()
+
+
 def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:
     """Load the config and serve until interrupted."""
     configure_logging(args.log_level, getattr(args, "process_index", None))
@@ -608,6 +625,8 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
                 )
             )
         else:
+            if not getattr(args, "reuse_port", False):  # (a child: its parent holds them)
+                _check_ports(config, "relay" if relay else "serve" if proxy else "indexer")
             run_loop(
                 serve_until_stopped(
                     config,

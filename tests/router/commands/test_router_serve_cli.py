@@ -311,6 +311,48 @@ async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
     assert b"Traceback" not in err
 
 
+@pytest.mark.parametrize("taken", ["port", "metrics_port"])
+async def test_a_taken_port_is_refused_before_the_fleet_is_discovered(
+    tmp_path: Path, taken: str
+) -> None:
+    """One router: a taken port is refused at once, in its one line, not after its startup
+    waited for the workers' discovery (a worker whose HTTP hangs: two health timeouts, 16 s).
+    Before, the service found it as it bound, after that wait, under the startup's lines."""
+    hung: list[asyncio.StreamWriter] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)  # accepted, never answered
+        await reader.read()
+
+    worker = await asyncio.start_server(hang, "127.0.0.1", 0)
+    holder = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = holder.sockets[0].getsockname()[1]
+    worker_port = worker.sockets[0].getsockname()[1]
+    listen = f"port = {port}\n" if taken == "port" else f"port = 0\nmetrics_port = {port}\n"
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f"[listen]\nhost = '127.0.0.1'\n{listen}[health]\ntimeout_s = 8.0\n"
+        f"[[workers]]\nid = 'w0'\nurl = 'http://127.0.0.1:{worker_port}'\n"
+    )
+    try:
+        proc = await _run("--config", str(config))
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        for writer in hung:
+            writer.close()
+        for server in (worker, holder):
+            server.close()
+    assert proc.returncode == 2
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
+    assert f"listen.{taken}" in lines[0] or "(serve --port)" in lines[0], lines
+
+
 @pytest.mark.parametrize("processes", ["1", "2"])
 async def test_a_metrics_port_in_use_is_refused_as_a_port_in_use(
     tmp_path: Path, processes: str
