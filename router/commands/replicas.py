@@ -474,9 +474,11 @@ async def serve_processes(
             keepers = [group.create_task(_keep(child)) for child in children]
             await until()
             stopping = True
+            # (`up --relay` runs one: "the 1 replicas" was said)
+            them = "the replica" if processes == 1 else f"the {processes} replicas"
             _say(
-                f"stopping the {processes} replicas (SIGTERM): each lets its requests in flight "
-                f"finish, for up to {children[0].stop_timeout_s:g} s"
+                f"stopping {them} (SIGTERM): each lets its requests in flight finish, for up "
+                f"to {children[0].stop_timeout_s:g} s"
             )
             for keeper in keepers:
                 keeper.cancel()

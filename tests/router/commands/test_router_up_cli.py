@@ -497,6 +497,10 @@ async def test_the_metrics_port_is_held_from_before_the_workers_start_and_served
         ):
             assert resp.status == 200
             assert "kvroute_requests_total" in await resp.text()
+    if relay:  # its one replica's stop, said in the singular ("the 1 replicas" was said)
+        assert proc.stdout is not None
+        rest = (await proc.stdout.read()).decode()
+        assert "stopping the replica (SIGTERM)" in rest, rest
 
 
 async def test_the_router_port_is_held_from_before_the_workers_start() -> None:
