@@ -125,8 +125,13 @@ async def test_a_failed_request_is_retried_only_within_its_model() -> None:
     async with model_fleet(("model-a", "model-b"), health=slow) as fleet:
         await fleet.workers["w0"].__aexit__(None, None, None)
         status, _, answer = await fleet.post("/v1/completions", _body("", "model-a", "x", "t"))
-        assert status == 502 and answer["error"]["type"] == "UpstreamError", answer
-        assert "w1" not in answer["error"]["message"]  # never tried on model-b's worker
+        # the proxy finds it gone (502), or the check its dropped event connection brings
+        # does first (503: CI, a loaded machine); either way model-b's worker is never tried
+        assert (status, answer["error"]["type"]) in {
+            (502, "UpstreamError"),
+            (503, "NoWorkerError"),
+        }, answer
+        assert "w1" not in answer["error"]["message"]
         status, _, answer = await fleet.post("/v1/completions", _body("", "model-a", "x", "t"))
         assert status == 503 and answer["error"]["type"] == "NoWorkerError", answer
         status, headers, _ = await fleet.post("/v1/completions", _body("", "model-b", "x", "t"))
