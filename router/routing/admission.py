@@ -103,6 +103,9 @@ class AdmissionForecast(msgspec.Struct, gc=False):
     capacity_tokens: int | None  # the rank's KV pool (None: unknown, no forecast)
     held_tokens: int = 0  # what its KV events say it holds now
     queued_tokens: int = 0  # what requests ahead of this one must still allocate
+    # of `queued_tokens`, the prompts of requests that answered whose stores the events do not
+    # show yet (`WaitingDecisions.unseen`): the forecast counts them, the room charge does not
+    unseen_tokens: int = 0
     evict_tokens: int = 0  # what it must evict before admitting this request
     # the requests waiting there that were sent when the KV pool had no room for them beside
     # those in flight, and have not had room since: the worker admits them as requests end
@@ -608,6 +611,7 @@ def forecast(
     queued_tokens: int,
     in_flight: int,
     reserve_tokens: int,
+    unseen_tokens: int = 0,
     block_size: int | None,
     keys: Callable[[], Sequence[int]],
     book: RecencyBook | None,
@@ -637,7 +641,7 @@ def forecast(
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
-    queued = queued_tokens + in_flight * reserve_tokens
+    queued = queued_tokens + unseen_tokens + in_flight * reserve_tokens
     evict = max(0, held_tokens + queued - capacity_tokens)
     out = AdmissionForecast(
         raw_tokens=raw_tokens,
@@ -645,6 +649,7 @@ def forecast(
         capacity_tokens=capacity_tokens,
         held_tokens=held_tokens,
         queued_tokens=queued,
+        unseen_tokens=unseen_tokens,
         evict_tokens=evict,
         awaiting_room=0 if waiting is None else waiting.awaiting_room,
     )

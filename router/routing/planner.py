@@ -230,13 +230,13 @@ def _unfit(capacity_tokens: int | None, prompt_tokens: int, output_tokens: int) 
     )
 
 
-def _evicted_by(found: AdmissionForecast, new_tokens: int, unseen_tokens: int = 0) -> int | None:
+def _evicted_by(found: AdmissionForecast, new_tokens: int) -> int | None:
     """What a request allocating `new_tokens` evicts where `found` was forecast, after the
-    requests ahead of it (0: it fits; None: the capacity is unknown), leaving out of `found`'s
-    queue the `unseen_tokens` it counts (stores not in the events yet)."""
+    requests ahead of it (0: it fits; None: the capacity is unknown), from the events' view:
+    the stores not in them yet (`unseen_tokens`) left out of the queue."""
     if found.capacity_tokens is None:
         return None
-    before = found.held_tokens + found.queued_tokens - unseen_tokens - found.capacity_tokens
+    before = found.held_tokens + found.queued_tokens - found.unseen_tokens - found.capacity_tokens
     return max(0, before + new_tokens) - max(0, before)
 
 
@@ -517,8 +517,9 @@ class Planner:
             matched_tokens=candidate.matched_tokens,
             capacity_tokens=capacity,
             held_tokens=held,
+            queued_tokens=load.queued_prefill_tokens,
             # and the prompts of requests that answered, stored, and are not in the events yet
-            queued_tokens=load.queued_prefill_tokens + unseen * (block_size or 0),
+            unseen_tokens=unseen * (block_size or 0),
             # only the requests a rank runs at once hold private pages; the rest wait
             in_flight=min(load.running, entry.max_running_requests or load.running),
             reserve_tokens=reserve,
@@ -551,7 +552,7 @@ class Planner:
         # the room charge as before, from the events' view: counting the stores not in them
         # yet there too moved the routing benchmark's hit rates 0.2-1.8 points down in one
         # sitting (2026-12-06), the forecast alone none beyond its noise
-        candidate.evicts_tokens = _evicted_by(found, own, unseen * (block_size or 0))
+        candidate.evicts_tokens = _evicted_by(found, own)
         if self._config.eviction_weight > 0 and block_size:
             kept_blocks = found.kept_tokens // block_size
 

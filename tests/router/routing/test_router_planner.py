@@ -15,7 +15,12 @@ from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerCo
 from router.errors import UnknownModelError
 from router.prompt.request import Endpoint, parse_request
 from router.prompt.tokenizer import build_tokenizer
-from router.routing.admission import EVENT_GRACE_S, UNSEEN_S, WaitingDecisions
+from router.routing.admission import (
+    EVENT_GRACE_S,
+    UNSEEN_S,
+    AdmissionForecast,
+    WaitingDecisions,
+)
 from router.routing.load import LoadTracker
 from router.routing.namespace import Fingerprinter
 from router.routing.planner import Planner
@@ -57,12 +62,17 @@ def _request(prompt: str, salt: str | None = None, model: str = "m"):  # type: i
     return parse_request(Endpoint.COMPLETIONS, json.dumps(body).encode(), TOK)
 
 
-def _queued_on(planner: Planner, ns: Namespace, worker: str, prompt: str) -> int:
-    """The admission forecast's queued tokens on `worker` for a request of `prompt`."""
+def _admission_on(planner: Planner, ns: Namespace, worker: str, prompt: str) -> AdmissionForecast:
+    """The admission forecast on `worker` for a request of `prompt`."""
     plan = planner.plan(_request(prompt), ns)
     there = next(c for c in plan.candidates if c.worker == worker)
     assert there.admission is not None
-    return there.admission.queued_tokens
+    return there.admission
+
+
+def _queued_on(planner: Planner, ns: Namespace, worker: str, prompt: str) -> int:
+    """The admission forecast's queued tokens on `worker` for a request of `prompt`."""
+    return _admission_on(planner, ns, worker, prompt).queued_tokens
 
 
 async def test_kv_decisions_add_pending_entries_that_siblings_follow(
@@ -474,16 +484,18 @@ async def test_an_answered_prompt_counts_against_the_pool_until_the_events_show_
     chosen = planner.plan(first, ns).ranked()[0]
     ticket = planner.commit(ns, first.tokens, chosen, first_try=True, output_tokens=10)
 
-    def queued() -> int:
-        return _queued_on(planner, ns, chosen.worker, "y" * 64)
+    def queued() -> tuple[int, int]:
+        found = _admission_on(planner, ns, chosen.worker, "y" * 64)
+        return found.queued_tokens, found.unseen_tokens  # (shown by /admin/route)
 
     prompt = len(first.tokens)
-    assert queued() == prompt + 10  # its uncached prompt, and its output beside it
+    assert queued() == (prompt + 10, 0)  # its uncached prompt, and its output beside it
     planner.first_byte(ticket)
     stored = prompt // 16 * 16  # its whole blocks: what its events will show
-    assert queued() == stored + 10  # no longer queued prefill: stored, not in the events yet
+    # no longer queued prefill: stored, not in the events yet
+    assert queued() == (stored + 10, stored)
     clock[0] += UNSEEN_S + 0.01  # no event in a second: evicted or never made
-    assert queued() == 10
+    assert queued() == (10, 0)
     planner.finish(ticket)
 
 
