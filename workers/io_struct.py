@@ -413,13 +413,14 @@ def parse_model_parameter(model: str, served: str, version: str) -> tuple[str, s
 
 def _openai_common(
     body: Mapping[str, Any],
-    ids: list[int],
+    prompts: list[list[int]],
     budget: int,
     dp_rank_header: str | None,
     reuse_limit: int | None = None,
     *,
     served: str,
     version: str,
+    batch: bool = False,
 ) -> ApiRequest:
     n = body.get("n", 1)
     if n not in (1, None):
@@ -430,25 +431,36 @@ def _openai_common(
     # SGLang's OpenAI routes: the model's `base:adapter` wins over `lora_path`
     # (`_resolve_lora_path`)
     adapter = None if model is None else parse_model_parameter(model, served, version)[1]
-    namespace = Namespace(
-        extra_key=normalize_key(body.get("extra_key"), "extra_key"),
-        cache_salt=normalize_key(body.get("cache_salt"), "cache_salt"),
-        lora=adapter or normalize_key(body.get("lora_path"), "lora_path"),
-    )
+    count = len(prompts)
+    if batch:  # one value for all, or a list of one per item, as a batched /generate
+        extras = normalize_keys(body.get("extra_key"), "extra_key", count)
+        salts = normalize_keys(body.get("cache_salt"), "cache_salt", count)
+        loras = normalize_keys(body.get("lora_path"), "lora_path", count)
+    else:
+        extras = [normalize_key(body.get("extra_key"), "extra_key")]
+        salts = [normalize_key(body.get("cache_salt"), "cache_salt")]
+        loras = [normalize_key(body.get("lora_path"), "lora_path")]
     rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise RequestError("rid must be a string")
-    item = Generation(
-        input_ids=ids,
-        namespace=namespace,
-        max_new_tokens=budget,
-        dp_rank=dp_rank_from_header(dp_rank_header, _dp_rank(body)),
-        rid=rid,
-        handoff=kv_handoffs(body, 1)[0],
-        reuse_limit=reuse_limit,
-    )
+    rids = rid if batch and isinstance(rid, list) else [rid] * count
+    if len(rids) != count or not all(r is None or isinstance(r, str) for r in rids):
+        raise RequestError("rid must be a string (or one string per batch item)")
+    dp_rank = dp_rank_from_header(dp_rank_header, _dp_rank(body))
+    handoffs = kv_handoffs(body, count)
+    items = [
+        Generation(
+            input_ids=prompts[i],
+            namespace=Namespace(extra_key=extras[i], cache_salt=salts[i], lora=adapter or loras[i]),
+            max_new_tokens=budget,
+            dp_rank=dp_rank,
+            rid=rids[i],
+            handoff=handoffs[i],
+            reuse_limit=reuse_limit,
+        )
+        for i in range(count)
+    ]
     return ApiRequest(
-        items=[item],
+        items=items,
+        batch=batch,
         stream=_bool(body, "stream"),
         include_usage=_stream_usage(body),
         model=model,
@@ -462,17 +474,24 @@ def parse_completion(
     served: str = "",
     version: str = SGLANG_VERSION,
 ) -> ApiRequest:
-    """OpenAI `POST /v1/completions`: one prompt, as text or token ids (and the value of the
-    request's `X-Data-Parallel-Rank` header, if any); `served`: the model the worker serves,
-    `version`: the SGLang it plays (how `model` names an adapter: `parse_model_parameter`)."""
+    """OpenAI `POST /v1/completions`: one prompt, as text or token ids, or a batch of them (a
+    list of strings, or of token id lists: one choice each, `index` its place, as SGLang runs
+    them) (and the value of the request's `X-Data-Parallel-Rank` header, if any); `served`: the
+    model the worker serves, `version`: the SGLang it plays (how `model` names an adapter:
+    `parse_model_parameter`)."""
     body = _body(raw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    prompts: list[list[int]]
     if isinstance(prompt, str):
-        ids = _text_ids(prompt, "prompt")
+        prompts = [_text_ids(prompt, "prompt")]
+    elif batch:
+        assert isinstance(prompt, list)
+        prompts = [_batch_prompt(p, i, type(prompt[0])) for i, p in enumerate(prompt)]
     elif isinstance(prompt, list):
-        ids = _token_ids(prompt, "prompt")
+        prompts = [_token_ids(prompt, "prompt")]
     else:
         raise RequestError("prompt must be a string or a list of token ids")
     # SGLang scores the whole prompt of an echo with logprobs: nothing of it is reused. Read
@@ -486,8 +505,26 @@ def parse_completion(
     reuse_limit = 0 if echo and logprobs else None
     budget = _openai_budget(body, "max_tokens")
     return _openai_common(
-        body, ids, budget, dp_rank_header, reuse_limit, served=served, version=version
+        body,
+        prompts,
+        budget,
+        dp_rank_header,
+        reuse_limit,
+        served=served,
+        version=version,
+        batch=batch,
     )
+
+
+def _batch_prompt(prompt: object, index: int, kind: type) -> list[int]:
+    """Item `index` of a batched completions prompt: all strings, or all token id lists (as
+    SGLang reads the batch by its first item's kind)."""
+    field = f"prompt[{index}]"
+    if not isinstance(prompt, kind):
+        raise RequestError(f"{field}: a batch of prompts is all strings or all token id lists")
+    if isinstance(prompt, str):
+        return _text_ids(prompt, field)
+    return _token_ids(prompt, field)
 
 
 def parse_chat(
@@ -511,4 +548,4 @@ def parse_chat(
     else:
         ids = _TOKENIZER.encode(text, add_bos=True)
     budget = _openai_budget(body, "max_completion_tokens", "max_tokens")
-    return _openai_common(body, ids, budget, dp_rank_header, served=served, version=version)
+    return _openai_common(body, [ids], budget, dp_rank_header, served=served, version=version)

@@ -275,19 +275,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def _usage(job: Job) -> dict[str, Any]:
+def _usage(jobs: list[Job]) -> dict[str, Any]:
+    """The OpenAI usage of a request's jobs (a batch's summed over its items, as SGLang's)."""
+    prompt = sum(len(job.prompt) for job in jobs)
+    output = sum(len(job.output) for job in jobs)
     return {
-        "prompt_tokens": len(job.prompt),
-        "completion_tokens": len(job.output),
-        "total_tokens": len(job.prompt) + len(job.output),
-        "prompt_tokens_details": {"cached_tokens": job.reported_cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        "prompt_tokens_details": {"cached_tokens": sum(job.reported_cached_tokens for job in jobs)},
     }
 
 
 async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.StreamResponse:
     worker = _worker(request)
     api = await worker.disagg.prepare(api)
-    (job,) = _submit_all(worker, api)
+    jobs = _submit_all(worker, api)  # (one, or a batched completion's items)
     model = api.model or worker.config.model
     prefix = "chatcmpl" if chat else "cmpl"
     head = {
@@ -297,25 +300,32 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
         "model": model,
     }
     prefill = worker.disagg.role == "prefill"
-    params = await _prefilled(worker, api, [job]) if prefill else None
+    params = await _prefilled(worker, api, jobs) if prefill else None
     if not api.stream or prefill:
         if not prefill:
-            await _run(worker, [job])
-        text = _TOKENIZER.decode(job.output)
-        reason = _finish_reason(job)
-        choice: dict[str, Any]
-        if chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            await _run(worker, jobs)
+        choices: list[dict[str, Any]] = []
+        for index, job in enumerate(jobs):
+            text = _TOKENIZER.decode(job.output)
+            reason = _finish_reason(job)
+            if chat:
+                message = {"role": "assistant", "content": text}
+                choices.append(
+                    {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+                )
+            else:
+                choices.append(
+                    {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+                )
         body: dict[str, Any] = head | {"object": "chat.completion" if chat else "text_completion"}
-        body |= {"choices": [choice], "usage": _usage(job)}
+        body |= {"choices": choices, "usage": _usage(jobs)}
         if params is not None:
             body["kv_transfer_params"] = params  # vLLM: where the decode side pulls the KV
         return await _answer_once(request, api, body)
 
-    def chunk(delta: str | None, reason: str | None, *, role: bool = False) -> bytes:
+    def chunk(
+        delta: str | None, reason: str | None, *, role: bool = False, index: int = 0
+    ) -> bytes:
         piece: dict[str, Any]
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -323,7 +333,8 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
                 d["content"] = delta
             piece = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
         else:
-            piece = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            text = delta or ""
+            piece = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         return _sse(head | {"choices": [piece]})
 
     try:
@@ -333,25 +344,31 @@ async def _openai(request: web.Request, api: ApiRequest, *, chat: bool) -> web.S
         # a router takes the first chunk as the first token. Before, it went at once, before
         # the prefill, and the router's balance fit learned nothing from streamed chat
         role = chat
-        async for token in job.tokens():
-            if role:
+        # a batch's items one after the other, each chunk naming its item (`index`): they
+        # run together, and a client reads any order (SGLang interleaves them)
+        for index, job in enumerate(jobs):
+            async for token in job.tokens():
+                if role:
+                    role = False
+                    await response.write(chunk(None, None, role=True))
+                await response.write(chunk(_TOKENIZER.decode([token]), None, index=index))
+            if role:  # no output at all: the role still comes first
                 role = False
                 await response.write(chunk(None, None, role=True))
-            await response.write(chunk(_TOKENIZER.decode([token]), None))
-        if role:  # no output at all: the role still comes first
-            await response.write(chunk(None, None, role=True))
-        await response.write(chunk(None, _finish_reason(job)))
+            await response.write(chunk(None, _finish_reason(job), index=index))
         if api.include_usage:
-            await response.write(_sse(head | {"choices": [], "usage": _usage(job)}))
+            await response.write(_sse(head | {"choices": [], "usage": _usage(jobs)}))
         await response.write(_DONE)
     except asyncio.CancelledError:
-        worker.cancel(job)
+        for job in jobs:
+            worker.cancel(job)
         raise
     except ConnectionResetError:
         # the client went away mid-stream (aiohttp's ClientConnectionResetError): its job is
         # cancelled and there is nobody left to answer; raised on, aiohttp would log a whole
         # traceback per disconnect (4,037 of them in a 30-minute `kvroute bench soak`)
-        worker.cancel(job)
+        for job in jobs:
+            worker.cancel(job)
         log.debug("client went away mid-stream on %s", request.path)
     return response
 

@@ -123,6 +123,21 @@ async def test_generate_with_input_ids_routes_by_those_ids(fleet: Fleet) -> None
     assert answer["meta_info"]["cached_tokens"] == int(headers["x-kvroute-matched-tokens"]) == 160
 
 
+async def test_a_batched_completion_routes_by_its_first_prompt(fleet: Fleet) -> None:
+    """A list of prompts (SGLang runs each): routed by the first, as a batched `/generate`; its
+    answer is every item's, so no one prediction is held against its usage."""
+    first = "The first prompt of a batch decides where the batch goes, " * 4
+    body = {"model": "m", "prompt": [first, "a second item"], "max_tokens": 2, "cache_salt": "b"}
+    status, headers, answer = await fleet.post("/v1/completions", body)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    holder = headers["x-kvroute-worker"]
+    single = {"model": "m", "prompt": first, "max_tokens": 2, "cache_salt": "b"}
+    await eventually(lambda: fleet.holds(single, holder, 160), what="the first prompt indexed")
+    status, headers, _ = await fleet.post("/v1/completions", body)
+    assert status == 200 and headers["x-kvroute-worker"] == holder
+
+
 async def test_namespace_eviction_clears_index_and_workers(fleet: Fleet) -> None:
     body = _chat("evict-me", "hi")
     status, headers, _ = await fleet.post("/v1/chat/completions", body)

@@ -14,6 +14,7 @@ from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 
 from indexer.protocol import ByteTokenizer, render_chat
+from workers.cache import Namespace as CacheNamespace
 from workers.config import WorkerConfig
 from workers.io_struct import Generation
 from workers.scheduler import Job
@@ -101,6 +102,55 @@ async def test_openai_completions_with_token_prompt(worker: ReferenceWorker) -> 
             assert out.usage is not None and out.usage.prompt_tokens_details is not None
             assert out.usage.prompt_tokens_details.cached_tokens == expected_cached
             assert len(out.choices[0].text) == 3
+
+
+async def test_a_batch_of_completion_prompts_runs_each_in_its_namespace(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """`prompt` as a list of strings, or of token id lists: one choice per item (`index` its
+    place), usage summed over the items, each cached in its own namespace (`cache_salt` one
+    value or one per item), as SGLang runs a batched completion. It was a 400 here ("prompt
+    must be a string or a list of token ids"), so `kvroute up` refused what SGLang takes."""
+    texts = ["the first prompt of a batch, long enough", "and a second one, also long enough"]
+    body = {"prompt": texts, "max_tokens": 3, "cache_salt": ["a", "b"]}
+    for cached in (0, 1):
+        async with http.post(f"{worker.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert all(len(c["text"]) == 3 for c in answer["choices"])
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 6
+        prompt_tokens = [len(ByteTokenizer().encode(t)) for t in texts]
+        assert usage["prompt_tokens"] == sum(prompt_tokens)
+        reused = sum((n - 1) // PAGE * PAGE for n in prompt_tokens)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == reused * cached
+    # each item in its own namespace: "a" holds the first prompt, not the second
+    a_ids = ByteTokenizer().encode(texts[0])
+    assert worker.match(CacheNamespace(cache_salt="a"), a_ids)[0] > 0
+    assert worker.match(CacheNamespace(cache_salt="b"), a_ids)[0] == 0
+    # token id lists, streamed: every item's chunks name it, the usage is the batch's
+    ids = [list(range(100, 130)), list(range(200, 230))]
+    streamed = {"prompt": ids, "max_tokens": 2, "stream": True}
+    streamed["stream_options"] = {"include_usage": True}
+    async with http.post(f"{worker.url}/v1/completions", json=streamed) as resp:
+        events = await _sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+    ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks}
+    assert ends == {0: "length", 1: "length"}
+    texts_by_item = [[c for c in chunks if c["choices"][0]["index"] == i] for i in (0, 1)]
+    assert [len(item) for item in texts_by_item] == [3, 3]  # two tokens and the end, each
+    (usage,) = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (60, 4)
+    # refused as SGLang's types refuse them: mixed kinds, a salt list of another length
+    for bad, said in (
+        ({"prompt": ["text", [1, 2]]}, "prompt[1]: a batch of prompts is all strings or all"),
+        ({"prompt": texts, "cache_salt": ["a"]}, "cache_salt has 1 values for a batch of 2"),
+    ):
+        async with http.post(f"{worker.url}/v1/completions", json=bad) as resp:
+            assert resp.status == 400
+            assert said in (await resp.json())["error"]["message"]
 
 
 async def _sse(resp: aiohttp.ClientResponse) -> list[object]:
