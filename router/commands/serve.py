@@ -564,17 +564,21 @@ def _check_ports(config: RouterConfig, verb: str) -> None:
     """Refuse a taken `listen.port` or `listen.metrics_port` before anything starts, in the
     words `listening` says it in (ConfigError). The service binds them after its startup (a
     NATS connection, a snapshot's load, the workers' discovery: seconds): before, a taken port
-    was said only then, under the startup's log lines. (Checked, not held: one process binds
-    them without SO_REUSEPORT, as it always did.)"""
-    from router.commands.replicas import hold_metrics
-    from router.commands.shared_port import hold_port
+    was said only then, under the startup's log lines. (Checked as the service binds them,
+    not held: one process listens without SO_REUSEPORT, as it always did.)"""
+    from router.commands.shared_port import check_port
 
     listen = config.listen
     if listen.port:
-        hold_port(listen.host, listen.port, option=f"{verb} --port").close()
-    metrics = hold_metrics(config, 1)
-    if metrics is not None:
-        metrics.close()
+        check_port(listen.host, listen.port, option=f"{verb} --port")
+    if listen.metrics_port:
+        check_port(
+            listen.host,
+            listen.metrics_port,
+            option="listen.metrics_port",
+            key="listen.metrics_port",
+            serving="metrics",
+        )
 
 
 def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) -> int:

@@ -95,6 +95,21 @@ def hold_port(
         raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
 
 
+def check_port(
+    host: str, port: int, *, option: str, key: str = "listen.port", serving: str = ""
+) -> None:
+    """Refuse `port` on `host` (ConfigError, as `hold_port` words it) when one router, which
+    binds it with asyncio's SO_REUSEADDR and no SO_REUSEPORT, could not: checked, not held. A
+    hold binds with SO_REUSEPORT alone, which Linux refuses beside the TIME_WAIT of such a
+    listener: a `kvroute serve` restarted on its port was refused for a minute after it had
+    served a client (QA)."""
+    try:
+        for family, address in _addresses(host, port):
+            _bind(family, address, reuse_port=False).close()
+    except OSError as exc:
+        raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
+
+
 def hold_ports(
     host: str, ports: list[int], *, option: str, key: str, serving: str = ""
 ) -> PortHold:

@@ -311,6 +311,35 @@ async def test_a_port_in_use_exits_2_in_one_line_without_a_traceback(
     assert b"Traceback" not in err
 
 
+async def test_a_router_restarted_on_its_port_takes_it_back(tmp_path: Path) -> None:
+    """Stopped after serving a client (the connections it closed wait in TIME_WAIT on the
+    port), `kvroute serve` starts again on the same port at once. The check of a taken port
+    before the startup held it with SO_REUSEPORT alone, which Linux refuses beside those:
+    exit 2, "Address already in use", for about a minute (QA)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "router.toml"
+    config.write_text(f"[listen]\nhost = '127.0.0.1'\nport = {port}\n")
+    for run in range(2):
+        proc = await _run("--config", str(config))
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            assert f"listening on http://127.0.0.1:{port}" in line, (run, line)
+            async with aiohttp.ClientSession() as session:  # kept alive: the router closes it
+                for _ in range(3):
+                    async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                        assert resp.status == 503  # no workers
+                proc.send_signal(signal.SIGINT)
+                await asyncio.wait_for(proc.communicate(), 30)
+            assert proc.returncode == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
 @pytest.mark.parametrize("taken", ["port", "metrics_port"])
 async def test_a_taken_port_is_refused_before_the_fleet_is_discovered(
     tmp_path: Path, taken: str
