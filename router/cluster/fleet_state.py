@@ -80,6 +80,11 @@ _logout_decoder = msgspec.json.Decoder(LogoutRecord)
 _json = msgspec.json.Encoder()
 
 
+# how long a write NATS took late is weighed against the records read after it (`_late`): the
+# other writes of its stall land within moments of NATS resuming
+LATE_WINDOW_S = 30.0
+
+
 def worker_key(worker_id: str) -> str:
     """The KV key of a worker (ids are URLs; keys take only [-/_=.a-zA-Z0-9])."""
     return "w." + base64.urlsafe_b64encode(worker_id.encode()).decode().rstrip("=")
@@ -134,6 +139,19 @@ class FleetState:
         # no pool here, and is removed through this replica's admin API all the same
         # (`unread_worker`)
         self._unread: set[str] = set()
+        # of each worker record, this replica's change NATS took late (`_landed`), as (`at`,
+        # the record, when it was read back), for `LATE_WINDOW_S`: the writes NATS hung on
+        # land in any order once it resumes, and the fleet bucket keeps one revision, so an
+        # earlier change another replica made during the stall may land after it; read, it is
+        # written over with this one again (`newer_than`). Before, the change that reached
+        # NATS last stood: a removal made after a drain on another replica, both during a NATS
+        # stall, ended drained everywhere (QA). Only such writes are weighed by their `at`:
+        # replicas' clocks need not agree for changes made while NATS answers
+        self._late: dict[str, tuple[float, bytes, float]] = {}
+        # the kept writes that went to NATS unanswered (`keep_unsent(sent=True)`), as sent: a
+        # change kept while NATS was known away never reached it, and is weighed only at the
+        # resync, against the revision it was made against (`flush`)
+        self._sent_unanswered: dict[tuple[str, str], bytes] = {}
         self._seen_evictions: set[str] = set()
         self.evictions_applied = 0
         self.sessions: SessionBook | None = None  # the dashboard's, behind an admin token
@@ -183,13 +201,16 @@ class FleetState:
         """(key, JSON) of the record of a dashboard session logged out here."""
         return _LOGOUT + sid, _json.encode(LogoutRecord(expiry=expiry, by=self._replica))
 
-    def keep_unsent(self, bucket: str, key: str, value: bytes) -> None:
+    def keep_unsent(self, bucket: str, key: str, value: bytes, *, sent: bool = False) -> None:
         """Keep a write NATS did not take, to make on resync over the record it was made
-        against (a worker's: `flush`)."""
+        against (a worker's: `flush`); `sent`: it went to NATS, which did not answer in time
+        and may still take it (`newer_than` weighs it against what NATS takes meanwhile)."""
         if (bucket, key) not in self.unsent:
             over = self.revisions.get(key, _NO_RECORD) if self.fleet_read else _NOT_READ
             self._unsent_over[(bucket, key)] = over
         self.unsent[(bucket, key)] = value
+        if sent:
+            self._sent_unanswered[(bucket, key)] = value
 
     def written(self, bucket: str, key: str) -> None:
         """A newer change of the record `key` was written: one kept for it is obsolete. Before,
@@ -199,6 +220,7 @@ class FleetState:
         replica's change", or said lost at a stop."""
         if self.unsent.pop((bucket, key), None) is not None:
             self._unsent_over.pop((bucket, key), None)
+            self._sent_unanswered.pop((bucket, key), None)
 
     def _landed(self, key: str, value: bytes) -> None:
         """`value`, read back as the record `key`: a write kept here unsent as this is was
@@ -211,8 +233,13 @@ class FleetState:
         for slot in landed:
             del self.unsent[slot]
             self._unsent_over.pop(slot, None)
+            self._sent_unanswered.pop(slot, None)
             said = self.describe(key, value)  # never a salt or a session id
             log.info("cluster: %s was written after all (NATS answered late)", said)
+            if key.startswith("w."):
+                with contextlib.suppress(msgspec.DecodeError):
+                    at = _worker_decoder.decode(value).at
+                    self._late[key] = (at, value, time.monotonic())
 
     async def seed(
         self, fleet: KeyValue, workers: Sequence[WorkerConfig], *, running: bool = False
@@ -357,6 +384,7 @@ class FleetState:
             if self.unsent.get((bucket, key)) is value:
                 del self.unsent[(bucket, key)]
                 self._unsent_over.pop((bucket, key), None)
+                self._sent_unanswered.pop((bucket, key), None)
 
     async def _settle(self, kv: KeyValue, key: str, value: bytes, *, newer_wins: bool) -> None:
         """Write a kept change the record it was made against is not (or is not known to be)
@@ -422,8 +450,13 @@ class FleetState:
 
     # ----------------------------------------------------------------- applying
 
-    async def apply_worker(self, value: bytes, key: str = "", revision: int | None = None) -> None:
-        """Make this replica's pool agree with one worker record.
+    async def apply_worker(
+        self, value: bytes, key: str = "", revision: int | None = None
+    ) -> bytes | None:
+        """Make this replica's pool agree with one worker record; or, when it is an operator's
+        change older than one this replica applied or keeps for that worker (a late write:
+        `newer_than`), leave the pool as it is and return the newer record, for the caller to
+        write over this one (revision `revision`).
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
         that finds no worker for its model meanwhile waits for their end, as during a reload
@@ -437,6 +470,8 @@ class FleetState:
             self.revisions[key] = revision
         if key:
             self._landed(key, value)
+            if (newer := self.newer_than(key, value)) is not None:
+                return newer
         try:
             record = _worker_decoder.decode(value)
             if key:
@@ -446,7 +481,7 @@ class FleetState:
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
             if key:
                 self._unread.add(key)
-            return
+            return None
         adds = not record.removed and record.config is not None
         if adds and (problem := worker_id_problem(record.id)):
             # its config's id is checked as it is read; the record's own is checked here (an
@@ -460,10 +495,49 @@ class FleetState:
             )
             if key:
                 self._unread.add(key)
-            return
+            return None
         self._unread.discard(key)
         with self.change.changing():
             await self._apply(record)
+        return None
+
+    def newer_than(self, key: str, value: bytes) -> bytes | None:
+        """This replica's change of the worker record `key` that NATS has not taken yet, or
+        took late (within `LATE_WINDOW_S`), if it was made after `value`, the record just read
+        (else None). A kept change made before `value` is another replica's later change's to
+        stand: dropped, and said. A seed (`at` 0) is no operator's change: it neither wins
+        nor loses here."""
+        try:
+            theirs = _worker_decoder.decode(value)
+        except msgspec.DecodeError:
+            return None
+        if theirs.at <= 0:
+            return None
+        best: tuple[float, bytes] | None = None
+        late = self._late.get(key)
+        if late is not None:
+            if time.monotonic() - late[2] > LATE_WINDOW_S or theirs.at > late[0]:
+                del self._late[key]  # past the stall's writes, or a later change stands
+            else:
+                best = late[0], late[1]
+        for slot, kept in list(self.unsent.items()):
+            if slot[1] != key or self._sent_unanswered.get(slot) != kept:
+                continue  # (one never sent is weighed at the resync, by revision: `flush`)
+            try:
+                mine = _worker_decoder.decode(kept)
+            except msgspec.DecodeError:
+                continue
+            if mine.at > theirs.at:
+                if best is None or mine.at > best[0]:
+                    best = (mine.at, kept)
+            else:  # made before the change read: that one stands
+                del self.unsent[slot]
+                self._unsent_over.pop(slot, None)
+                self._sent_unanswered.pop(slot, None)
+                self._superseded(kept)
+        if best is None or best[0] <= theirs.at or best[1] == value:
+            return None
+        return best[1]
 
     def unread_worker(self, worker_id: str) -> bool:
         """Whether the fleet bucket holds a record of `worker_id` this replica could not read

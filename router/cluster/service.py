@@ -600,7 +600,11 @@ class ClusterService:
         fleet_read = asyncio.Event()
 
         async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
-            await self.fleet.apply_worker(value, key, revision)
+            newer = await self.fleet.apply_worker(value, key, revision)
+            if newer is not None:
+                # a late write of an earlier change: the newer one, written again (a task:
+                # the watcher reads on while NATS answers)
+                self._group.create_task(self._write_again(key, newer, revision))
 
         self._watchers.append(
             self._group.create_task(self._watch_bucket(self._fleet_bucket, on_worker, fleet_read))
@@ -672,11 +676,35 @@ class ClusterService:
                 else type(exc).__name__
             )
             log.warning("cluster: %s not written yet (%s): kept for the resync", said, why)
-            self.fleet.keep_unsent(bucket, key, value)
+            self.fleet.keep_unsent(bucket, key, value, sent=True)
             return Sharing.PENDING
         # a change kept for the same record is older than this one, written: it goes
         self.fleet.written(bucket, key)
         return Sharing.SHARED
+
+    async def _write_again(self, key: str, value: bytes, revision: int) -> None:
+        """Write `value`, a newer change of the worker record `key` than the one NATS holds at
+        `revision` (a late write of an earlier change), over that revision only: a change made
+        since is read by the watcher, and weighed again there."""
+        kv = self._kv.get(self._fleet_bucket)
+        if kv is None:
+            return
+        said = self.fleet.describe(key, value)
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                await kv.update(key, value, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return  # another write came first: the watcher weighs it
+        except _NATS_ERRORS as exc:
+            log.warning("cluster: %s not written again (%s): kept for the resync", said, exc)
+            self.fleet.keep_unsent(self._fleet_bucket, key, value, sent=True)
+            return
+        self.fleet.written(self._fleet_bucket, key)
+        log.info(
+            "cluster: %s written again: an earlier change of that worker reached NATS after it "
+            "(NATS had hung on both)",
+            said,
+        )
 
     async def worker_changed(
         self, worker_id: str, config: WorkerConfig | None, *, removed: bool = False,

@@ -915,3 +915,61 @@ async def test_an_admin_write_nats_took_late_is_no_longer_kept(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
+
+
+async def test_changes_nats_took_late_in_another_order_end_as_the_operators_made_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS hung on two replicas' writes (a drain on a, then a removal of the same worker on
+    b): once it resumed, it took them in any order (QA: b's first, 4 of 4), and the bucket
+    keeps one revision. The removal, made last, stands on every replica, and nothing stays
+    kept. Before, the write that reached NATS last stood: w1 ended drained on both, b's
+    removal kept unsent for good, said lost at its stop."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    assert nats.pid is not None
+    pid = nats.pid
+
+    def slow_pings(name: str) -> ClusterConfig:
+        return cluster(nats.url, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, replica_id=name)
+
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with (
+                RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
+                RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
+            ):
+                os.kill(pid, signal.SIGSTOP)
+                try:
+
+                    async def nats_stopped() -> bool:
+                        return _stopped(pid)
+
+                    await eventually(nats_stopped, what="nats-server to stop")
+                    status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+                    assert (status, answer["cluster"]) == (200, "pending")
+                    status, answer = await admin(session, b, "DELETE", "/workers/w1")
+                    assert (status, answer["cluster"]) == (200, "pending")
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+
+                async def removed_everywhere() -> bool:
+                    for replica in (a, b):
+                        status, answer = await admin(session, replica, "GET", "/workers")
+                        if status != 200 or any(w["id"] == "w1" for w in answer["workers"]):
+                            return False
+                        if await _unsent(session, replica) != 0:
+                            return False
+                    return True
+
+                await eventually(removed_everywhere, what="the removal to stand on both")
+                await asyncio.sleep(1.0)  # nothing undoes it after
+                assert await removed_everywhere()
+        said = [r.getMessage() for r in caplog.records]
+        assert not [m for m in said if "lost" in m], said
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await nats.stop()
