@@ -490,6 +490,12 @@ class Repair(SubscriberState):
         if result.answered:
             self._rebuild_from = None
             self._rebuild_wait_s = REBUILD_FIRST_S
+            if self._phase is StreamState.SYNCING:
+                # a stream that held nothing (a snapshot did not know it: `rebind`) read the
+                # worker's whole buffer, as a join's probe does (its catch-up, if any, still
+                # shows it `syncing` until the live batches queued meanwhile are read)
+                self._heard_whole()
+            self._notify_last()  # (what it applied: the waiters of a seq it brought)
             return
         self._rebuild_wait_s = min(self._rebuild_wait_s * 2, REBUILD_MAX_S)
         if self._catch_up is not None:

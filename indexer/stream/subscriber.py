@@ -517,6 +517,16 @@ class StreamSubscriber(
         if self._from_snapshot:
             # the snapshot's state is unproven until the publisher's fence matches it
             self.suspect_restart("state loaded from a snapshot", routine=True)
+        elif self._has_replay and keeps_entries(sink):
+            # a stream the snapshot does not know holds none of what its worker keeps: the
+            # whole buffer is read at once, `syncing` until then, as at a join. Before, it
+            # read `synced`, empty, until the next probe (which took the buffer for batches a
+            # deaf path had lost) or, the probe off, the worker's next batch (QA)
+            self._set_phase(StreamState.SYNCING)
+            self._rebuild_from = 0
+            self._rebuild_at = self._clock()
+            if self._wake is not None and not self._wake.done():
+                self._wake.set_result(None)  # (a quiet stream's poll waits for no timer)
 
     def current_state(self, now: float | None = None) -> StreamState:
         """The state, STALE when nothing (event or probe answer) arrived for stale_after_s."""

@@ -392,6 +392,33 @@ async def test_a_snapshot_stream_with_entries_but_no_seq_is_not_trusted(
         assert view(svc.index, STREAM) == view(reference(old), STREAM)
 
 
+async def test_a_stream_the_snapshot_lacks_is_rebuilt_from_the_replay_at_once(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot that does not know a subscribed stream (another router's, of other workers)
+    leaves it empty: it is `syncing` while the worker's whole buffer is read, at once, and
+    then holds what it held. Before, it read `synced` with no seq and no entries (predicting
+    none of what the worker holds) until the next probe, which also said the event path
+    might be deaf (its batches were delivered, to the state the load replaced), or, with
+    the probe off, until the worker published again (QA: 560 tokens held, 0 predicted)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(LIVE_ONLY) as svc:
+        old = await follow_old_epoch(svc, pub)
+        async with IndexerService(LIVE_ONLY) as other:
+            foreign = other.dump()  # knows no stream of this worker
+        seen: list[tuple[StreamState, int | None]] = []
+        with caplog.at_level(logging.WARNING, logger="indexer"):
+            svc.load(foreign)
+            stats = svc.streams()[0]
+            assert (stats.state, stats.last_seq) == (StreamState.SYNCING, None)
+            rebuilt = states_until(
+                svc, lambda: synced(svc) and svc.streams()[0].last_seq == len(old) - 1, seen
+            )
+            await wait_until(rebuilt, timeout_s=3.0)
+        assert (StreamState.SYNCED, None) not in seen  # empty, it never read `synced`
+        assert view(svc.index, STREAM) == view(reference(old), STREAM)
+        assert not [r for r in caplog.records if "deaf" in r.getMessage()], caplog.text
+
+
 async def test_a_snapshot_keeps_this_process_counters_and_its_orphans_go_in_time(
     ctx: zmq.asyncio.Context,
 ) -> None:
