@@ -613,9 +613,13 @@ class FedStream:
         self._show()
 
     def rebind(self, sink: StreamSink) -> None:
-        """Switch to a loaded snapshot's sink: UNVERIFIED until the relay proves it."""
+        """Switch to a loaded snapshot's sink: UNVERIFIED until the relay proves it (what the
+        relay's stream keeps of it is read back: `FedStreams.on_rebound`). One the snapshot
+        does not know holds nothing: it joins again at the first record read."""
         self.sink = sink
         self._hold_unproven()
+        if self._proof is None:
+            self._epoch, self._rseq = None, -1
 
     def _hold_unproven(self) -> None:
         """What the sink holds came from a snapshot: UNVERIFIED until the relay proves it."""
@@ -708,6 +712,10 @@ class FedStreams:
         # told each stream started (the relay follower reads back what the relay's stream
         # keeps of it, for one followed after its records were written)
         self.on_added: Callable[[FedStream], None] | None = None
+        # told each stream a snapshot loaded into the running index replaced the state of
+        # (the follower reads back what the relay's stream keeps of it: the batch the snapshot
+        # ended on, and what follows)
+        self.on_rebound: Callable[[FedStream], None] | None = None
 
     async def __aenter__(self) -> FedStreams:
         return self

@@ -859,6 +859,9 @@ class IndexerService:
                 # not know rebuild from 0
                 sub.rebind(self._sink(index, sub.stream_id))
         self.index = index
+        if self.fed is not None and (rebound := self.fed.on_rebound) is not None:
+            for fed in self.fed.all():
+                rebound(fed)
         if self.tap is not None:
             # what follows the relay held the index this one replaces: they start afresh
             self.tap.new_epoch()

@@ -113,6 +113,7 @@ class RelayFollower:
         self._expiry: dict[int, asyncio.TimerHandle] = {}
         self._lost_said = LogThrottle(indexer.config.log_interval_s, clock=clock)
         indexer.fed.on_added = self._added
+        indexer.fed.on_rebound = self._rebound
 
     async def resubscribe(self, nc: NATS) -> None:
         """After NATS came back: subscribe again from the newest record read (the stream is
@@ -263,6 +264,18 @@ class RelayFollower:
         task = asyncio.create_task(self._catch_up(fed), name=f"kvroute-relay {fed.stream_id}")
         self._catch_tasks.add(task)
         task.add_done_callback(self._catch_tasks.discard)
+
+    def _rebound(self, fed: FedStream) -> None:
+        """A snapshot was loaded into the running index (`POST /admin/index/load`): read back
+        what the relay's stream keeps of `fed`, the records the main subscription brings held
+        until then, so a stream held unproven finds the batch the snapshot ended on and applies
+        what follows, and one the snapshot did not know is rebuilt as one followed anew.
+        Before, only a warm start read from the snapshot's time: the next live heartbeat, past
+        the snapshot, dropped every stream behind it (pages the worker still held predicted
+        nothing until stored again; QA). At a start, the main subscription reads from the
+        snapshot's time itself (`start`)."""
+        if self._js is not None and self._live:
+            self._added(fed)
 
     async def _catch_up(self, fed: FedStream) -> None:
         sid = fed.stream_id

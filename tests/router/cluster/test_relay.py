@@ -241,6 +241,44 @@ async def test_a_warm_start_is_trusted_once_the_relay_shows_its_last_batch(
             assert 64 <= got[0] <= got[1]
 
 
+async def test_a_snapshot_loaded_into_a_running_follower_is_proven_by_the_relays_past(
+    nats_server: NatsServer,
+) -> None:
+    """`POST /admin/index/load` on a follower of the relay, of a snapshot the worker has moved
+    past (another tenant's prompt stored since): the relay's stream is read back for it, the
+    snapshot proven at its last batch and what came since applied. Before, only a warm start
+    read from the snapshot's time: the next live heartbeat, past the snapshot, dropped it,
+    and the prompt the worker still held was predicted nothing (QA: 592 tokens held, 0)."""
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        relay(w0, nats_server.url),
+        RouterService(follower_config(w0, nats_server.url, "a")) as a,
+    ):
+        fleet = Fleet(a, {"w0": w0}, session)
+        await index_prompt(fleet, session)
+        async with session.get(a.url + "/admin/index/dump", headers=AUTH) as resp:
+            assert resp.status == 200
+            snapshot = await resp.read()
+        got = await generate(session, a.url, salt="since")  # the worker moves past it
+        assert got[1] == 0
+
+        async def since_indexed() -> bool:
+            return await predicted(fleet, salt="since") >= 64
+
+        await eventually(since_indexed, what="the later prompt indexed")
+        await asyncio.sleep(1.0)  # the relay's heartbeats past the snapshot go by
+        async with session.post(a.url + "/admin/index/load", data=snapshot, headers=AUTH) as resp:
+            assert resp.status == 200, await resp.text()
+
+        async def both_predicted() -> bool:
+            return await predicted(fleet) >= 64 and await predicted(fleet, salt="since") >= 64
+
+        await eventually(both_predicted, what="the snapshot proven and the rest applied")
+        got = await generate(session, a.url)
+        assert 64 <= got[0] <= got[1]
+
+
 async def test_a_snapshot_the_worker_moved_past_unseen_is_not_trusted(
     nats_server: NatsServer,
 ) -> None:
