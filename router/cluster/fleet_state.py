@@ -223,12 +223,12 @@ class FleetState:
             self._sent_unanswered.pop((bucket, key), None)
 
     def _landed(self, key: str, value: bytes) -> None:
-        """`value`, read back as the record `key`: a write kept here unsent as this is was
-        taken by NATS after all (it hung past the write's deadline, then answered), and is no
-        longer kept. Before, it stayed: counted in `kvroute_cluster_unsent_admin_writes`, and
-        at the next resync its own record, newer than the revision it was made against, was
-        taken for another replica's change ("not written", WARNING), or it was said lost at a
-        stop (replica QA: NATS SIGSTOPped 2.6 s)."""
+        """`value`, read back as the record `key`, is a write kept here unsent: NATS took it
+        after all (it hung past the write's deadline, then answered), and it is no longer
+        kept (it is remembered a while as a late write: `_late`). Before, it stayed: counted
+        in `kvroute_cluster_unsent_admin_writes`, and at the next resync its own record, newer
+        than the revision it was made against, was taken for another replica's change ("not
+        written", WARNING), or it was said lost at a stop (replica QA: NATS SIGSTOPped 2.6 s)."""
         landed = [slot for slot, kept in self.unsent.items() if slot[1] == key and kept == value]
         for slot in landed:
             del self.unsent[slot]
@@ -454,9 +454,9 @@ class FleetState:
         self, value: bytes, key: str = "", revision: int | None = None
     ) -> bytes | None:
         """Make this replica's pool agree with one worker record; or, when it is an operator's
-        change older than one this replica applied or keeps for that worker (a late write:
-        `newer_than`), leave the pool as it is and return the newer record, for the caller to
-        write over this one (revision `revision`).
+        change older than this replica's own change of that worker that NATS hung on (kept
+        unsent, or taken late: `newer_than`), leave the pool as it is and return that newer
+        record, for the caller to write over this one (revision `revision`).
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
         that finds no worker for its model meanwhile waits for their end, as during a reload
