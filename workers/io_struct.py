@@ -331,10 +331,7 @@ def parse_generate(raw: object) -> ApiRequest:
     stream = _bool(body, "stream")
     if stream and batch:
         raise RequestError("stream is not supported for batched requests")
-    rid = body.get("rid")
-    rids = rid if isinstance(rid, list) else [rid] * n
-    if len(rids) != n or not all(r is None or isinstance(r, str) for r in rids):
-        raise RequestError("rid must be a string (or one string per batch item)")
+    rids = _rids(body.get("rid"), n, batch=batch)
     dp_rank = _dp_rank(body)
     handoffs = kv_handoffs(body, n)
     logprobs = _bool(body, "return_logprob")
@@ -361,6 +358,18 @@ def parse_generate(raw: object) -> ApiRequest:
         for i in range(n)
     ]
     return ApiRequest(items=items, batch=batch, stream=stream, return_logprob=logprobs)
+
+
+def _rids(rid: object, count: int, *, batch: bool) -> list[str | None]:
+    """Each item's request id: a batch's one string is `rid_i` per item, as SGLang names them
+    (`GenerateReqInput._normalize_rid`; every item had the same one here), or one per item."""
+    if batch and isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)]
+    rids: list[object] = list(rid) if batch and isinstance(rid, list) else [rid] * count
+    checked = [r for r in rids if r is None or isinstance(r, str)]
+    if len(rids) != count or len(checked) != count:
+        raise RequestError("rid must be a string (or one string per batch item)")
+    return checked
 
 
 def _logprob_starts(value: object, count: int) -> list[int | None]:
@@ -440,10 +449,7 @@ def _openai_common(
         extras = [normalize_key(body.get("extra_key"), "extra_key")]
         salts = [normalize_key(body.get("cache_salt"), "cache_salt")]
         loras = [normalize_key(body.get("lora_path"), "lora_path")]
-    rid = body.get("rid")
-    rids = rid if batch and isinstance(rid, list) else [rid] * count
-    if len(rids) != count or not all(r is None or isinstance(r, str) for r in rids):
-        raise RequestError("rid must be a string (or one string per batch item)")
+    rids = _rids(body.get("rid"), count, batch=batch)
     dp_rank = dp_rank_from_header(dp_rank_header, _dp_rank(body))
     handoffs = kv_handoffs(body, count)
     items = [

@@ -125,6 +125,12 @@ async def test_a_batch_of_completion_prompts_runs_each_in_its_namespace(
         assert usage["prompt_tokens"] == sum(prompt_tokens)
         reused = sum((n - 1) // PAGE * PAGE for n in prompt_tokens)
         assert usage["prompt_tokens_details"]["cached_tokens"] == reused * cached
+    # one rid for the batch names each item `rid_i`, as SGLang (every item had the same one)
+    async with http.post(f"{worker.url}/v1/completions", json={**body, "rid": "same"}) as resp:
+        assert (await resp.json())["id"] == "cmpl-same_0"
+    generate = {"text": texts, "rid": "same", "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{worker.url}/generate", json=generate) as resp:
+        assert [item["meta_info"]["id"] for item in await resp.json()] == ["same_0", "same_1"]
     # each item in its own namespace: "a" holds the first prompt, not the second
     a_ids = ByteTokenizer().encode(texts[0])
     assert worker.match(CacheNamespace(cache_salt="a"), a_ids)[0] > 0
