@@ -973,3 +973,59 @@ async def test_changes_nats_took_late_in_another_order_end_as_the_operators_made
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
+
+
+@pytest.mark.parametrize("stall_s", [1.0], ids=["under-the-write-deadline"])
+async def test_changes_a_short_stall_delivers_in_another_order_end_as_made(
+    tmp_path: Path, stall_s: float
+) -> None:
+    """NATS stalled shorter than a write's deadline: a drain on a, then a removal of the same
+    worker on b, both answered "shared" once it resumes, which it applies in any order (QA:
+    8 of 8 the drain last). The removal, made last, stands everywhere. Before, only writes
+    that timed out were weighed: the drain, applied last, stood on every replica."""
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+    assert nats.pid is not None
+    pid = nats.pid
+
+    def slow_pings(name: str) -> ClusterConfig:
+        return cluster(nats.url, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, replica_id=name)
+
+    try:
+        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            async with (
+                RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
+                RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
+            ):
+                os.kill(pid, signal.SIGSTOP)
+                try:
+
+                    async def nats_stopped() -> bool:
+                        return _stopped(pid)
+
+                    await eventually(nats_stopped, what="nats-server to stop")
+                    drain = asyncio.create_task(admin(session, a, "POST", "/workers/w1/drain"))
+                    await asyncio.sleep(0.2)
+                    remove = asyncio.create_task(admin(session, b, "DELETE", "/workers/w1"))
+                    await asyncio.sleep(stall_s - 0.2)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                for task in (drain, remove):
+                    status, answer = await task
+                    assert (status, answer["cluster"]) == (200, "shared"), answer
+
+                async def removed_everywhere() -> bool:
+                    for replica in (a, b):
+                        status, answer = await admin(session, replica, "GET", "/workers")
+                        if status != 200 or any(w["id"] == "w1" for w in answer["workers"]):
+                            return False
+                    return True
+
+                await eventually(removed_everywhere, what="the removal to stand on both")
+                await asyncio.sleep(1.0)  # nothing undoes it after
+                assert await removed_everywhere()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await nats.stop()
