@@ -80,6 +80,11 @@ _logout_decoder = msgspec.json.Decoder(LogoutRecord)
 _json = msgspec.json.Encoder()
 
 
+# how long a write NATS took late is weighed against the records read after it (`_late`): the
+# other writes of its stall land within moments of NATS resuming
+LATE_WINDOW_S = 30.0
+
+
 def worker_key(worker_id: str) -> str:
     """The KV key of a worker (ids are URLs; keys take only [-/_=.a-zA-Z0-9])."""
     return "w." + base64.urlsafe_b64encode(worker_id.encode()).decode().rstrip("=")
@@ -134,18 +139,15 @@ class FleetState:
         # no pool here, and is removed through this replica's admin API all the same
         # (`unread_worker`)
         self._unread: set[str] = set()
-        # of each worker record, the newest operator's change (`at` > 0) this replica knows:
-        # applied, written here, or its own write read back, as (`at`, the record). Writes
-        # NATS stalled on (a stall of any length, or one replica's link hanging) land in any
-        # order once it resumes, and the fleet bucket keeps one revision, so an earlier change
-        # may land after a later one; read, it is written over with the later one again
-        # (`newer_than`). Before, the change that reached NATS last stood: a removal made
-        # after a drain on another replica, both during a NATS stall, ended drained
-        # everywhere, and an undrain was undone by a drain one replica's hung link delivered
-        # late (QA). Changes are ordered by `at`, their replicas' clocks: keep them in sync
-        self._newest: dict[str, tuple[float, bytes]] = {}
-        # of each worker record, the last one applied here: (revision, `at`, the record)
-        self._applied: dict[str, tuple[int, float, bytes]] = {}
+        # of each worker record, this replica's change NATS took late (`_landed`), as (`at`,
+        # the record, when it was read back), for `LATE_WINDOW_S`: the writes NATS hung on
+        # land in any order once it resumes, and the fleet bucket keeps one revision, so an
+        # earlier change another replica made during the stall may land after it; read, it is
+        # written over with this one again (`newer_than`). Before, the change that reached
+        # NATS last stood: a removal made after a drain on another replica, both during a NATS
+        # stall, ended drained everywhere (QA). Only such writes are weighed by their `at`:
+        # replicas' clocks need not agree for changes made while NATS answers
+        self._late: dict[str, tuple[float, bytes, float]] = {}
         # the kept writes that went to NATS unanswered (`keep_unsent(sent=True)`), as sent: a
         # change kept while NATS was known away never reached it, and is weighed only at the
         # resync, against the revision it was made against (`flush`)
@@ -210,52 +212,20 @@ class FleetState:
         if sent:
             self._sent_unanswered[(bucket, key)] = value
 
-    def written(
-        self, bucket: str, key: str, value: bytes | None = None, revision: int | None = None
-    ) -> int | None:
+    def written(self, bucket: str, key: str) -> None:
         """A newer change of the record `key` was written: one kept for it is obsolete. Before,
         after NATS hung on a write (kept, yet applied once NATS resumed), the change made
         again as the docs advise was shared while the kept one stayed: counted in
         `kvroute_cluster_unsent_admin_writes`, dropped at the next resync as "another
-        replica's change", or said lost at a stop. `value` (written at `revision`) is the
-        newest change of that worker known here; returned: the revision to write it over
-        again, when an earlier change NATS stored after it was applied here first (else
-        None)."""
+        replica's change", or said lost at a stop."""
         if self.unsent.pop((bucket, key), None) is not None:
             self._unsent_over.pop((bucket, key), None)
             self._sent_unanswered.pop((bucket, key), None)
-        if value is None or not key.startswith("w."):
-            return None
-        self._note_newest(key, value)
-        applied = self._applied.get(key)
-        if revision is None or applied is None:
-            return None
-        applied_revision, applied_at, applied_value = applied
-        try:
-            at = _worker_decoder.decode(value).at
-        except msgspec.DecodeError:
-            return None
-        if applied_revision > revision and 0 < applied_at < at and applied_value != value:
-            # an earlier change NATS stored after this one, applied here before this write's
-            # answer came: the revision to write this over (`newer_than`: the other order)
-            return applied_revision
-        return None
-
-    def _note_newest(self, key: str, value: bytes) -> None:
-        """`value` is an operator's change of the worker record `key` known here: the newest
-        one known, unless a later one is (`_newest`)."""
-        try:
-            at = _worker_decoder.decode(value).at
-        except msgspec.DecodeError:
-            return
-        known = self._newest.get(key)
-        if at > 0 and (known is None or at >= known[0]):
-            self._newest[key] = (at, value)
 
     def _landed(self, key: str, value: bytes) -> None:
         """`value`, read back as the record `key`, is a write kept here unsent: NATS took it
         after all (it hung past the write's deadline, then answered), and it is no longer
-        kept (it is the newest change known of that worker: `_newest`). Before, it stayed: counted
+        kept (it is remembered a while as a late write: `_late`). Before, it stayed: counted
         in `kvroute_cluster_unsent_admin_writes`, and at the next resync its own record, newer
         than the revision it was made against, was taken for another replica's change ("not
         written", WARNING), or it was said lost at a stop (replica QA: NATS SIGSTOPped 2.6 s)."""
@@ -267,7 +237,9 @@ class FleetState:
             said = self.describe(key, value)  # never a salt or a session id
             log.info("cluster: %s was written after all (NATS answered late)", said)
             if key.startswith("w."):
-                self._note_newest(key, value)
+                with contextlib.suppress(msgspec.DecodeError):
+                    at = _worker_decoder.decode(value).at
+                    self._late[key] = (at, value, time.monotonic())
 
     async def seed(
         self, fleet: KeyValue, workers: Sequence[WorkerConfig], *, running: bool = False
@@ -482,9 +454,9 @@ class FleetState:
         self, value: bytes, key: str = "", revision: int | None = None
     ) -> bytes | None:
         """Make this replica's pool agree with one worker record; or, when it is an operator's
-        change older than one this replica knows of that worker (applied, written, or its own
-        kept unsent after NATS hung on it: `newer_than`), leave the pool as it is and return
-        that newer record, for the caller to write over this one (revision `revision`).
+        change older than this replica's own change of that worker that NATS hung on (kept
+        unsent, or taken late: `newer_than`), leave the pool as it is and return that newer
+        record, for the caller to write over this one (revision `revision`).
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
         that finds no worker for its model meanwhile waits for their end, as during a reload
@@ -500,14 +472,10 @@ class FleetState:
             self._landed(key, value)
             if (newer := self.newer_than(key, value)) is not None:
                 return newer
-            with contextlib.suppress(msgspec.DecodeError):
-                at = _worker_decoder.decode(value).at
-                self._applied[key] = (revision or 0, at, value)
         try:
             record = _worker_decoder.decode(value)
             if key:
                 self._filed[key] = (record.file, record.file_at)
-                self._note_newest(key, value)
         except msgspec.DecodeError as exc:
             # the message quotes what it refused with repr: no newline of an id splits it
             log.warning("ignoring an unreadable worker record in the fleet bucket: %s", exc)
@@ -534,19 +502,24 @@ class FleetState:
         return None
 
     def newer_than(self, key: str, value: bytes) -> bytes | None:
-        """The newest operator's change of the worker record `key` this replica knows (applied,
-        written, or its own that NATS has not answered yet), if it was made after `value`,
-        the record just read (else None): `value` is an earlier change that reached NATS
-        late. A kept change made before `value` is another replica's later change's to stand:
-        dropped, and said. A seed (`at` 0) is no operator's change: it neither wins nor loses
-        here."""
+        """This replica's change of the worker record `key` that NATS has not taken yet, or
+        took late (within `LATE_WINDOW_S`), if it was made after `value`, the record just read
+        (else None). A kept change made before `value` is another replica's later change's to
+        stand: dropped, and said. A seed (`at` 0) is no operator's change: it neither wins
+        nor loses here."""
         try:
             theirs = _worker_decoder.decode(value)
         except msgspec.DecodeError:
             return None
         if theirs.at <= 0:
             return None
-        best = self._newest.get(key)
+        best: tuple[float, bytes] | None = None
+        late = self._late.get(key)
+        if late is not None:
+            if time.monotonic() - late[2] > LATE_WINDOW_S or theirs.at > late[0]:
+                del self._late[key]  # past the stall's writes, or a later change stands
+            else:
+                best = late[0], late[1]
         for slot, kept in list(self.unsent.items()):
             if slot[1] != key or self._sent_unanswered.get(slot) != kept:
                 continue  # (one never sent is weighed at the resync, by revision: `flush`)

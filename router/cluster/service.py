@@ -666,7 +666,7 @@ class ClusterService:
             return Sharing.PENDING
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                revision = await kv.put(key, value)
+                await kv.put(key, value)
         except _NATS_ERRORS as exc:
             said = self.fleet.describe(key, value)  # never a session id
             # a deadline's TimeoutError says nothing of itself (before: "not written yet ()")
@@ -679,11 +679,7 @@ class ClusterService:
             self.fleet.keep_unsent(bucket, key, value, sent=True)
             return Sharing.PENDING
         # a change kept for the same record is older than this one, written: it goes
-        over = self.fleet.written(bucket, key, value, revision)
-        if over is not None:
-            # an earlier change NATS stored after this one (a stall delivered them in
-            # another order), applied here already: this one again, over it
-            self._group.create_task(self._write_again(key, value, over))
+        self.fleet.written(bucket, key)
         return Sharing.SHARED
 
     async def _write_again(self, key: str, value: bytes, revision: int) -> None:
@@ -703,9 +699,10 @@ class ClusterService:
             log.warning("cluster: %s not written again (%s): kept for the resync", said, exc)
             self.fleet.keep_unsent(self._fleet_bucket, key, value, sent=True)
             return
-        self.fleet.written(self._fleet_bucket, key, value)
+        self.fleet.written(self._fleet_bucket, key)
         log.info(
-            "cluster: %s written again: an earlier change of that worker reached NATS after it",
+            "cluster: %s written again: an earlier change of that worker reached NATS after it "
+            "(NATS had hung on both)",
             said,
         )
 
