@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
@@ -859,14 +859,18 @@ async def test_an_admin_write_nats_hangs_on_says_why_it_is_kept(
         await nats.stop()
 
 
-async def test_an_admin_write_nats_took_late_is_no_longer_kept(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """NATS hung on the write past its deadline (kept for the resync), then answered and took
-    it: read back as this replica's own record, it is no longer kept, and nothing says
-    another replica changed it. Before, it stayed counted unsent, and at the next resync its
-    own record was taken for another replica's change (WARNING) or said lost at a stop."""
-    caplog.set_level(logging.INFO, logger="router.cluster")
+class _StallableFleet(NamedTuple):
+    """Two replicas `a` and `b` over two workers, on a nats-server whose process `pid` the
+    test stops and resumes (`_stalled`), pings slow enough that no client calls it lost."""
+
+    pid: int
+    session: aiohttp.ClientSession
+    a: RouterService
+    b: RouterService
+
+
+@contextlib.asynccontextmanager
+async def _stallable_fleet(tmp_path: Path) -> AsyncIterator[_StallableFleet]:
     nats = NatsServer(store_dir=tmp_path)
     await nats.start()
     assert nats.pid is not None
@@ -882,39 +886,58 @@ async def test_an_admin_write_nats_took_late_is_no_longer_kept(
                 RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
                 RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
             ):
-                os.kill(pid, signal.SIGSTOP)
-                try:
-
-                    async def nats_stopped() -> bool:
-                        return _stopped(pid)
-
-                    await eventually(nats_stopped, what="nats-server to stop")
-                    status, answer = await admin(session, a, "POST", "/workers/w1/drain")
-                    assert (status, answer["cluster"]) == (200, "pending")
-                    assert await _unsent(session, a) == 1
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-
-                async def taken_late() -> bool:
-                    return await _unsent(session, a) == 0
-
-                await eventually(taken_late, what="the kept drain to be known written")
-
-                async def b_drained() -> bool:
-                    status, answer = await admin(session, b, "GET", "/workers")
-                    return status == 200 and any(
-                        w["id"] == "w1" and w["draining"] for w in answer["workers"]
-                    )
-
-                await eventually(b_drained, what="the other replica to take the drain")
-        said = [r.getMessage() for r in caplog.records]
-        assert "cluster: w1 drained was written after all (NATS answered late)" in said, said
-        assert not [m for m in said if "another replica changed" in m], said
-        assert not [m for m in said if "lost" in m], said
+                yield _StallableFleet(pid, session, a, b)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         await nats.stop()
+
+
+@contextlib.asynccontextmanager
+async def _stalled(pid: int) -> AsyncIterator[None]:
+    """nats-server `pid` stopped (its connections open) for the block, resumed after it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+
+        async def nats_stopped() -> bool:
+            return _stopped(pid)
+
+        await eventually(nats_stopped, what="nats-server to stop")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_an_admin_write_nats_took_late_is_no_longer_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS hung on the write past its deadline (kept for the resync), then answered and took
+    it: read back as this replica's own record, it is no longer kept, and nothing says
+    another replica changed it. Before, it stayed counted unsent, and at the next resync its
+    own record was taken for another replica's change (WARNING) or said lost at a stop."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+    async with _stallable_fleet(tmp_path) as (pid, session, a, b):
+        async with _stalled(pid):
+            status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+            assert (status, answer["cluster"]) == (200, "pending")
+            assert await _unsent(session, a) == 1
+
+        async def taken_late() -> bool:
+            return await _unsent(session, a) == 0
+
+        await eventually(taken_late, what="the kept drain to be known written")
+
+        async def b_drained() -> bool:
+            status, answer = await admin(session, b, "GET", "/workers")
+            return status == 200 and any(
+                w["id"] == "w1" and w["draining"] for w in answer["workers"]
+            )
+
+        await eventually(b_drained, what="the other replica to take the drain")
+    said = [r.getMessage() for r in caplog.records]
+    assert "cluster: w1 drained was written after all (NATS answered late)" in said, said
+    assert not [m for m in said if "another replica changed" in m], said
+    assert not [m for m in said if "lost" in m], said
 
 
 async def test_changes_nats_took_late_in_another_order_end_as_the_operators_made_them(
@@ -926,50 +949,24 @@ async def test_changes_nats_took_late_in_another_order_end_as_the_operators_made
     kept. Before, the write that reached NATS last stood: w1 ended drained on both, b's
     removal kept unsent for good, said lost at its stop."""
     caplog.set_level(logging.INFO, logger="router.cluster")
-    nats = NatsServer(store_dir=tmp_path)
-    await nats.start()
-    assert nats.pid is not None
-    pid = nats.pid
+    async with _stallable_fleet(tmp_path) as (pid, session, a, b):
+        async with _stalled(pid):
+            status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+            assert (status, answer["cluster"]) == (200, "pending")
+            status, answer = await admin(session, b, "DELETE", "/workers/w1")
+            assert (status, answer["cluster"]) == (200, "pending")
 
-    def slow_pings(name: str) -> ClusterConfig:
-        return cluster(nats.url, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, replica_id=name)
+        async def removed_everywhere() -> bool:
+            for replica in (a, b):
+                status, answer = await admin(session, replica, "GET", "/workers")
+                if status != 200 or any(w["id"] == "w1" for w in answer["workers"]):
+                    return False
+                if await _unsent(session, replica) != 0:
+                    return False
+            return True
 
-    try:
-        async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
-            fleet = [("w0", w0.url), ("w1", w1.url)]
-            async with (
-                RouterService(replica_config(fleet, nats.url, "a", cluster=slow_pings("a"))) as a,
-                RouterService(replica_config(fleet, nats.url, "b", cluster=slow_pings("b"))) as b,
-            ):
-                os.kill(pid, signal.SIGSTOP)
-                try:
-
-                    async def nats_stopped() -> bool:
-                        return _stopped(pid)
-
-                    await eventually(nats_stopped, what="nats-server to stop")
-                    status, answer = await admin(session, a, "POST", "/workers/w1/drain")
-                    assert (status, answer["cluster"]) == (200, "pending")
-                    status, answer = await admin(session, b, "DELETE", "/workers/w1")
-                    assert (status, answer["cluster"]) == (200, "pending")
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-
-                async def removed_everywhere() -> bool:
-                    for replica in (a, b):
-                        status, answer = await admin(session, replica, "GET", "/workers")
-                        if status != 200 or any(w["id"] == "w1" for w in answer["workers"]):
-                            return False
-                        if await _unsent(session, replica) != 0:
-                            return False
-                    return True
-
-                await eventually(removed_everywhere, what="the removal to stand on both")
-                await asyncio.sleep(1.0)  # nothing undoes it after
-                assert await removed_everywhere()
-        said = [r.getMessage() for r in caplog.records]
-        assert not [m for m in said if "lost" in m], said
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-        await nats.stop()
+        await eventually(removed_everywhere, what="the removal to stand on both")
+        await asyncio.sleep(1.0)  # nothing undoes it after
+        assert await removed_everywhere()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "lost" in m], said
