@@ -65,8 +65,9 @@ async def test_a_burst_of_one_long_prompt_spreads_once_its_holder_s_batch_is_ful
 
             await eventually(waits, what="a worker's batch to fill")
             placed = await asyncio.gather(*burst)
-    # before: all 8 on the worker that cached the prompt first
-    assert sorted(placed.count(w) for w in ("w0", "w1")) == [BURST // 2] * 2, placed
+    # before: all 8 on the worker that cached the prompt first; the even split is the
+    # usual outcome, one more on either side when a loaded machine shifts a finish
+    assert min(placed.count(w) for w in ("w0", "w1")) >= BURST // 2 - 1, placed
     full = said[0]
     assert full["running"] >= 2 and full["queue_wait"] > 0
     queued = full["queued_prefill_tokens"]

@@ -126,7 +126,7 @@ async def test_a_worker_the_cluster_re_pointed_stays_warm_on_a_replica_started_w
         async with RouterService(replica_config(config, nats_server.url, "a")) as a:
             assert (await admin(session, a, "DELETE", "/workers/w1"))[0] == 200
             moved = await admin(session, a, "POST", "/workers", {"id": "w1", "url": new.url})
-            assert moved[0] == 201, moved
+            assert moved[0] in (201, 202), moved  # 202: discovery outlasted the add's wait
             on_a = Fleet(a, refs, session)
             await on_a.warm()
             for i in range(4):  # the prompt's batch, then more: past the 2 the replay keeps
