@@ -45,7 +45,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -80,9 +80,16 @@ _logout_decoder = msgspec.json.Decoder(LogoutRecord)
 _json = msgspec.json.Encoder()
 
 
-# how long a write NATS took late is weighed against the records read after it (`_late`): the
-# other writes of its stall land within moments of NATS resuming
-LATE_WINDOW_S = 30.0
+class _Change:
+    """This replica's last operator change of one worker record, as sent to NATS: its `at`,
+    its JSON, and the revision NATS stored it at (None: not known yet, its write unanswered)."""
+
+    __slots__ = ("at", "revision", "value")
+
+    def __init__(self, at: float, value: bytes, revision: int | None = None) -> None:
+        self.at = at
+        self.value = value
+        self.revision = revision
 
 
 def worker_key(worker_id: str) -> str:
@@ -139,15 +146,19 @@ class FleetState:
         # no pool here, and is removed through this replica's admin API all the same
         # (`unread_worker`)
         self._unread: set[str] = set()
-        # of each worker record, this replica's change NATS took late (`_landed`), as (`at`,
-        # the record, when it was read back), for `LATE_WINDOW_S`: the writes NATS hung on
-        # land in any order once it resumes, and the fleet bucket keeps one revision, so an
-        # earlier change another replica made during the stall may land after it; read, it is
-        # written over with this one again (`newer_than`). Before, the change that reached
-        # NATS last stood: a removal made after a drain on another replica, both during a NATS
-        # stall, ended drained everywhere (QA). Only such writes are weighed by their `at`:
-        # replicas' clocks need not agree for changes made while NATS answers
-        self._late: dict[str, tuple[float, bytes, float]] = {}
+        # of each worker record, this replica's last operator change sent to NATS (`sending`,
+        # `wrote`): NATS takes the writes it hung on in any order once it resumes, and the
+        # fleet bucket keeps one revision, so another replica's change made without seeing
+        # this one (`WorkerRecord.seen`) may land after it; read, the later of the two by
+        # `at` is written over it again (`newer_than`). Before, the change that reached NATS
+        # last stood: a removal made after a drain on another replica, both during a NATS
+        # stall, ended drained everywhere (QA), and so did one made during a stall shorter
+        # than the write deadline, or behind one replica's hung link. Changes that saw each
+        # other are never weighed by `at`: replicas' clocks need not agree (QA: a replica 10 s
+        # behind undid an undrain made after its drain when every change was weighed so)
+        self._mine: dict[str, _Change] = {}
+        # the wall clock an operator's change is stamped with (`WorkerRecord.at`)
+        self.clock: Callable[[], float] = time.time
         # the kept writes that went to NATS unanswered (`keep_unsent(sent=True)`), as sent: a
         # change kept while NATS was known away never reached it, and is weighed only at the
         # resync, against the revision it was made against (`flush`)
@@ -169,18 +180,58 @@ class FleetState:
         self, entry_id: str, config: WorkerConfig | None, *, at: float = 0.0, **flags: bool
     ) -> bytes:
         """The JSON of a worker's record as this replica now holds it; `at`: when an operator
-        made the change (0: a seed). The file behind it is the one the record had (`filed`)."""
-        file, file_at = self._filed.get(worker_key(entry_id), (None, 0.0))
+        made the change (0: a seed). The file behind it is the one the record had (`filed`);
+        it names the revision of the record this replica knows last (`WorkerRecord.seen`)."""
+        key = worker_key(entry_id)
+        file, file_at = self._filed.get(key, (None, 0.0))
         record = WorkerRecord(
             id=entry_id,
             config=config,
             by=self._replica,
             at=at,
+            seen=self._seen(key),
             file=file,
             file_at=file_at,
             **flags,
         )
         return _json.encode(record)
+
+    def _seen(self, key: str) -> int:
+        """The newest revision of the record `key` this replica read or wrote."""
+        mine = self._mine.get(key)
+        written = mine.revision if mine is not None and mine.revision is not None else 0
+        return max(self.revisions.get(key, 0), written)
+
+    def sending(self, key: str, value: bytes) -> None:
+        """An operator's change of the worker record `key` goes to NATS now (`value`)."""
+        with contextlib.suppress(msgspec.DecodeError):
+            at = _worker_decoder.decode(value).at
+            if at > 0:
+                self._mine[key] = _Change(at, value)
+
+    def wrote(self, key: str, value: bytes, revision: int) -> None:
+        """NATS stored `value`, this replica's change of the record `key` (or that change
+        written again: `newer_than`), at `revision`."""
+        mine = self._mine.get(key)
+        if mine is not None and self._same_change(mine, value):
+            mine.value, mine.revision = value, revision
+
+    def _sent(self, key: str, value: bytes, revision: int) -> None:
+        """A kept change of the worker record `key` written at the resync, at `revision`:
+        weighed from now on as a change sent (`newer_than`)."""
+        self.sending(key, value)
+        self.wrote(key, value, revision)
+
+    def _same_change(self, mine: _Change, value: bytes) -> bool:
+        """Whether the worker record `value` is the change `mine`, as sent or written again
+        (which names another revision as seen)."""
+        if value == mine.value:
+            return True
+        try:
+            record = _worker_decoder.decode(value)
+        except msgspec.DecodeError:
+            return False
+        return record.by == self._replica and record.at == mine.at
 
     def filed(self, worker_id: str, config: WorkerConfig | None) -> None:
         """The config file (`file_at`'s, reloaded) names `worker_id` as `config` now (None:
@@ -211,6 +262,10 @@ class FleetState:
         self.unsent[(bucket, key)] = value
         if sent:
             self._sent_unanswered[(bucket, key)] = value
+        elif (mine := self._mine.get(key)) is not None and mine.value != value:
+            # a change NATS never saw supersedes the one sent before: the resync weighs it
+            # (`flush`), and the older one is not written again over another replica's
+            del self._mine[key]
 
     def written(self, bucket: str, key: str) -> None:
         """A newer change of the record `key` was written: one kept for it is obsolete. Before,
@@ -225,7 +280,8 @@ class FleetState:
     def _landed(self, key: str, value: bytes) -> None:
         """`value`, read back as the record `key`, is a write kept here unsent: NATS took it
         after all (it hung past the write's deadline, then answered), and it is no longer
-        kept (it is remembered a while as a late write: `_late`). Before, it stayed: counted
+        kept (`newer_than` weighs it against the changes NATS took around it). Before, it
+        stayed: counted
         in `kvroute_cluster_unsent_admin_writes`, and at the next resync its own record, newer
         than the revision it was made against, was taken for another replica's change ("not
         written", WARNING), or it was said lost at a stop (replica QA: NATS SIGSTOPped 2.6 s)."""
@@ -236,10 +292,6 @@ class FleetState:
             self._sent_unanswered.pop(slot, None)
             said = self.describe(key, value)  # never a salt or a session id
             log.info("cluster: %s was written after all (NATS answered late)", said)
-            if key.startswith("w."):
-                with contextlib.suppress(msgspec.DecodeError):
-                    at = _worker_decoder.decode(value).at
-                    self._late[key] = (at, value, time.monotonic())
 
     async def seed(
         self, fleet: KeyValue, workers: Sequence[WorkerConfig], *, running: bool = False
@@ -301,7 +353,7 @@ class FleetState:
             drained = record.draining and (
                 record.config is not None and record.config.server == config.server
             )
-            value = self.record_worker(worker_id, config, at=time.time(), draining=drained)
+            value = self.record_worker(worker_id, config, at=self.clock(), draining=drained)
             with contextlib.suppress(KeyWrongLastSequenceError):
                 await fleet.update(key, value, last=entry.revision)
                 log.warning(
@@ -374,11 +426,13 @@ class FleetState:
                 else:
                     try:
                         if over == _NO_RECORD:
-                            await kv.create(key, value)
+                            revision = await kv.create(key, value)
                         else:
-                            await kv.update(key, value, last=over)
+                            revision = await kv.update(key, value, last=over)
                     except KeyWrongLastSequenceError:
                         await self._settle(kv, key, value, newer_wins=False)
+                    else:
+                        self._sent(key, value, revision)
             else:
                 await kv.put(key, value)
             if self.unsent.get((bucket, key)) is value:
@@ -394,7 +448,7 @@ class FleetState:
             entry = await kv.get(key)
         except KeyNotFoundError:
             with contextlib.suppress(KeyWrongLastSequenceError):
-                await kv.create(key, value)
+                self._sent(key, value, await kv.create(key, value))
                 return
         else:
             if entry.value == value:
@@ -407,7 +461,7 @@ class FleetState:
                 theirs = None  # unreadable: no operator's change this replica can weigh
             if theirs is None or theirs.at == 0.0 or (newer_wins and theirs.at < mine.at):
                 with contextlib.suppress(KeyWrongLastSequenceError):
-                    await kv.update(key, value, last=entry.revision)
+                    self._sent(key, value, await kv.update(key, value, last=entry.revision))
                     return
         self._superseded(value)
 
@@ -454,9 +508,9 @@ class FleetState:
         self, value: bytes, key: str = "", revision: int | None = None
     ) -> bytes | None:
         """Make this replica's pool agree with one worker record; or, when it is an operator's
-        change older than this replica's own change of that worker that NATS hung on (kept
-        unsent, or taken late: `newer_than`), leave the pool as it is and return that newer
-        record, for the caller to write over this one (revision `revision`).
+        change made before this replica's own last change of that worker and without seeing it
+        (`newer_than`), leave the pool as it is and return this replica's change again, for
+        the caller to write over this one (revision `revision`).
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
         that finds no worker for its model meanwhile waits for their end, as during a reload
@@ -470,7 +524,7 @@ class FleetState:
             self.revisions[key] = revision
         if key:
             self._landed(key, value)
-            if (newer := self.newer_than(key, value)) is not None:
+            if (newer := self.newer_than(key, value, revision)) is not None:
                 return newer
         try:
             record = _worker_decoder.decode(value)
@@ -501,43 +555,57 @@ class FleetState:
             await self._apply(record)
         return None
 
-    def newer_than(self, key: str, value: bytes) -> bytes | None:
-        """This replica's change of the worker record `key` that NATS has not taken yet, or
-        took late (within `LATE_WINDOW_S`), if it was made after `value`, the record just read
-        (else None). A kept change made before `value` is another replica's later change's to
-        stand: dropped, and said. A seed (`at` 0) is no operator's change: it neither wins
-        nor loses here."""
+    def newer_than(self, key: str, value: bytes, revision: int | None = None) -> bytes | None:
+        """This replica's last change of the worker record `key`, to write again over `value`
+        (read at `revision`), when `value` is another replica's change made without seeing it
+        and before it (by `at`); else None.
+
+        A change that names as seen (`WorkerRecord.seen`) the revision NATS stored this
+        replica's at, or a later one, was made after reading it: it stands, whatever the
+        clocks say. One that did not see it (NATS hung on both, or on one replica's link, and
+        took them in any order) is concurrent with it: the later by `at` stands on every
+        replica, the one whose change it is writing it again over the other. A change of this
+        replica's still unanswered cannot have been seen (NATS would have been read to store
+        it first), so it is weighed by `at` alone; kept, and made before `value`, it is
+        dropped, and said. A seed (`at` 0) is no operator's change: it neither wins nor loses
+        here. The change written again names `revision` as seen: the replica whose change it
+        covers takes it as made after its own, and nothing goes back and forth."""
+        mine = self._mine.get(key)
+        if mine is None:
+            return None
+        if self._same_change(mine, value):
+            # read back (before its write's answer, perhaps): stored at `revision`
+            mine.value = value
+            if revision is not None:
+                mine.revision = revision
+            return None
         try:
             theirs = _worker_decoder.decode(value)
         except msgspec.DecodeError:
             return None
         if theirs.at <= 0:
             return None
-        best: tuple[float, bytes] | None = None
-        late = self._late.get(key)
-        if late is not None:
-            if time.monotonic() - late[2] > LATE_WINDOW_S or theirs.at > late[0]:
-                del self._late[key]  # past the stall's writes, or a later change stands
-            else:
-                best = late[0], late[1]
-        for slot, kept in list(self.unsent.items()):
-            if slot[1] != key or self._sent_unanswered.get(slot) != kept:
-                continue  # (one never sent is weighed at the resync, by revision: `flush`)
-            try:
-                mine = _worker_decoder.decode(kept)
-            except msgspec.DecodeError:
-                continue
-            if mine.at > theirs.at:
-                if best is None or mine.at > best[0]:
-                    best = (mine.at, kept)
-            else:  # made before the change read: that one stands
-                del self.unsent[slot]
-                self._unsent_over.pop(slot, None)
-                self._sent_unanswered.pop(slot, None)
-                self._superseded(kept)
-        if best is None or best[0] <= theirs.at or best[1] == value:
+        if mine.revision is not None:
+            if revision is not None and revision <= mine.revision:
+                return None  # stored before this replica's (read late): written over already
+            if theirs.seen >= mine.revision:
+                del self._mine[key]  # made after reading this replica's change: it stands
+                return None
+        if theirs.at >= mine.at:
+            del self._mine[key]  # made later: it stands
+            for slot, kept in list(self.unsent.items()):
+                if slot[1] == key and self._sent_unanswered.get(slot) == kept:
+                    del self.unsent[slot]
+                    self._unsent_over.pop(slot, None)
+                    self._sent_unanswered.pop(slot, None)
+                    self._superseded(kept)
             return None
-        return best[1]
+        try:
+            record = _worker_decoder.decode(mine.value)
+        except msgspec.DecodeError:  # (its own encoding: cannot fail)
+            return None
+        seen = max(revision or 0, theirs.seen, record.seen)
+        return _json.encode(msgspec.structs.replace(record, seen=seen))
 
     def unread_worker(self, worker_id: str) -> bool:
         """Whether the fleet bucket holds a record of `worker_id` this replica could not read

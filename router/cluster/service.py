@@ -664,9 +664,12 @@ class ClusterService:
         if kv is None or not self.connected or self.status is not ClusterStatus.OK:
             self.fleet.keep_unsent(bucket, key, value)
             return Sharing.PENDING
+        worker = bucket == self._fleet_bucket
+        if worker:
+            self.fleet.sending(key, value)
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                await kv.put(key, value)
+                revision = await kv.put(key, value)
         except _NATS_ERRORS as exc:
             said = self.fleet.describe(key, value)  # never a session id
             # a deadline's TimeoutError says nothing of itself (before: "not written yet ()")
@@ -680,19 +683,22 @@ class ClusterService:
             return Sharing.PENDING
         # a change kept for the same record is older than this one, written: it goes
         self.fleet.written(bucket, key)
+        if worker:
+            self.fleet.wrote(key, value, revision)
         return Sharing.SHARED
 
     async def _write_again(self, key: str, value: bytes, revision: int) -> None:
-        """Write `value`, a newer change of the worker record `key` than the one NATS holds at
-        `revision` (a late write of an earlier change), over that revision only: a change made
-        since is read by the watcher, and weighed again there."""
+        """Write `value`, this replica's change of the worker record `key`, again over the
+        change NATS holds at `revision` (made before it, without seeing it: `newer_than`),
+        over that revision only: a change made since is read by the watcher, and weighed
+        again there."""
         kv = self._kv.get(self._fleet_bucket)
         if kv is None:
             return
         said = self.fleet.describe(key, value)
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                await kv.update(key, value, last=revision)
+                written = await kv.update(key, value, last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return  # another write came first: the watcher weighs it
         except _NATS_ERRORS as exc:
@@ -700,9 +706,10 @@ class ClusterService:
             self.fleet.keep_unsent(self._fleet_bucket, key, value, sent=True)
             return
         self.fleet.written(self._fleet_bucket, key)
+        self.fleet.wrote(key, value, written)
         log.info(
-            "cluster: %s written again: an earlier change of that worker reached NATS after it "
-            "(NATS had hung on both)",
+            "cluster: %s written again: another replica's earlier change of that worker, made "
+            "without seeing it, reached NATS after it (NATS or that replica's link had hung)",
             said,
         )
 
@@ -712,7 +719,7 @@ class ClusterService:
     ) -> Sharing:  # fmt: skip
         """An operator added, drained or removed a worker here: tell every replica."""
         value = self.fleet.record_worker(
-            worker_id, config, at=time.time(), removed=removed, draining=draining
+            worker_id, config, at=self.fleet.clock(), removed=removed, draining=draining
         )
         return await self._write(self._fleet_bucket, worker_key(worker_id), value)
 

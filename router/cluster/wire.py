@@ -194,6 +194,11 @@ class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # config file or a pool. A change kept through an outage by a replica that never read the
     # bucket is written over an older one only (`FleetState.flush`); any kept change over a seed
     at: float = 0.0
+    # the revision of this record's key the writing replica had read (or written) when the
+    # change was made (0: none): a change made after reading another replica's one stands over
+    # it, whatever the two replicas' clocks say; only changes that did not see each other (NATS
+    # hung on both, or on one replica's link) are ordered by `at` (`FleetState.newer_than`)
+    seen: int = 0
     # the worker as the config file last written into the fleet named it (None: no file named
     # it: removed from the file, or added through the admin API), and that file's modification
     # time (0: unknown). A record from before these fields has neither. A replica starting with

@@ -81,13 +81,28 @@ async def health(session: aiohttp.ClientSession, router: RouterService) -> tuple
 
 class CuttableLink:
     """A TCP relay on a free loopback port to `port`, which a test cuts and restores: one
-    replica loses NATS while the others keep it (a partition no nats-server stop can make)."""
+    replica loses NATS while the others keep it (a partition no nats-server stop can make).
+    `held`: what either side sends waits in the link until it is cleared (one replica's link
+    hung a moment, its connection open)."""
 
     def __init__(self, port: int) -> None:
         self.target = port
         self.port = 0
         self._server: asyncio.Server | None = None
         self._pairs: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._flowing.is_set()
+
+    @held.setter
+    def held(self, held: bool) -> None:
+        if held:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
 
     @property
     def url(self) -> str:
@@ -115,6 +130,7 @@ class CuttableLink:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 while data := await src.read(65536):
+                    await self._flowing.wait()
                     dst.write(data)
                     await dst.drain()
             dst.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiohttp
+import nats as nats_client
 import pytest
 
 from router.cluster.fleet_state import worker_key
@@ -970,3 +971,92 @@ async def test_changes_nats_took_late_in_another_order_end_as_the_operators_made
         assert await removed_everywhere()
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "lost" in m], said
+
+
+async def test_a_change_one_replicas_hung_link_delivered_after_a_later_one_does_not_stand(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """b's link to NATS hung a moment (under the write deadline: both answered "shared"): b's
+    drain, made first, reached NATS after a's removal of the same worker, made without seeing
+    it. The removal, made last, stands on both replicas; b takes a's write again as made after
+    its own (it names b's drain as seen), and nothing goes back and forth. Before, the change
+    that reached NATS last stood: w1 came back, drained, on both (only writes NATS left
+    unanswered were weighed)."""
+    caplog.set_level(logging.INFO, logger="router.cluster")
+    nats = NatsServer(store_dir=tmp_path)
+    await nats.start()
+
+    def slow_pings(name: str, url: str) -> ClusterConfig:
+        return cluster(url, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, replica_id=name)
+
+    try:
+        async with (
+            workers(2) as (w0, w1),
+            aiohttp.ClientSession() as session,
+            CuttableLink(nats.port) as link,
+        ):
+            fleet = [("w0", w0.url), ("w1", w1.url)]
+            config_a = replica_config(fleet, nats.url, "a", cluster=slow_pings("a", nats.url))
+            config_b = replica_config(fleet, link.url, "b", cluster=slow_pings("b", link.url))
+            async with RouterService(config_a) as a, RouterService(config_b) as b:
+                link.held = True
+                drain = asyncio.create_task(admin(session, b, "POST", "/workers/w1/drain"))
+                await asyncio.sleep(0.2)  # b's drain waits in the link, made first
+                status, answer = await admin(session, a, "DELETE", "/workers/w1")
+                assert (status, answer["cluster"]) == (200, "shared")
+                await asyncio.sleep(0.3)
+                link.held = False  # b's drain reaches NATS after the removal
+                status, answer = await drain
+                assert (status, answer["cluster"]) == (200, "shared")
+
+                async def removed_everywhere() -> bool:
+                    return all(["w1" not in await _workers_seen(session, r) for r in (a, b)])
+
+                await eventually(removed_everywhere, what="the removal to stand on both")
+                revision = await _revision(nats.url, "w1")
+                await asyncio.sleep(1.0)  # nothing undoes it after, and nothing is written
+                assert await removed_everywhere()
+                assert await _revision(nats.url, "w1") == revision
+    finally:
+        await nats.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "w1 removed written again" in m], said
+
+
+async def test_a_change_made_after_reading_another_stands_whatever_the_clocks_say(
+    tmp_path: Path,
+) -> None:
+    """NATS healthy; b's clock runs 10 s behind a's. a drains w1; b reads the drain, then
+    undrains it: b's record is stamped before a's, but it names a's as seen, so it stands on
+    both. (Weighing every change by its stamp undid the undrain: QA, a reverted rule.)"""
+    async with _stallable_fleet(tmp_path) as (_, session, a, b):
+        assert b.cluster is not None
+        b.cluster.fleet.clock = lambda: time.time() - 10.0
+        status, answer = await admin(session, a, "POST", "/workers/w1/drain")
+        assert (status, answer["cluster"]) == (200, "shared")
+
+        async def drained_on_b() -> bool:
+            return (await _workers_seen(session, b)).get("w1") is True
+
+        await eventually(drained_on_b, what="b to read the drain")
+        status, answer = await admin(session, b, "POST", "/workers/w1/drain", {"drain": False})
+        assert (status, answer["cluster"]) == (200, "shared")
+
+        async def undrained_everywhere() -> bool:
+            return all([(await _workers_seen(session, r)).get("w1") is False for r in (a, b)])
+
+        await eventually(undrained_everywhere, what="the undrain to stand on both")
+        await asyncio.sleep(1.0)  # nothing undoes it after
+        assert await undrained_everywhere()
+
+
+async def _revision(url: str, worker_id: str) -> int:
+    """The revision of `worker_id`'s record in the fleet bucket, read with a client of its
+    own."""
+    nc = await nats_client.connect(url)
+    try:
+        kv = await nc.jetstream().key_value("kvroute_fleet")
+        entry = await kv.get(worker_key(worker_id))
+        return entry.revision or 0
+    finally:
+        await nc.close()
