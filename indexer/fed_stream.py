@@ -33,7 +33,9 @@ relay's state, or a part of it, never more:
   as written (`synced`), and such a page was predicted until its removal was read;
 - a loaded snapshot's state is UNVERIFIED until the relay shows the batch the snapshot ended on
   (its seq and digest, in a record or a heartbeat), which proves the snapshot is the relay's
-  past; anything else (a later batch first, a clear, another relay process) starts afresh;
+  past; anything else (a later batch first, a clear, another relay process) starts afresh,
+  from the relay's records the proof skipped (read from before the snapshot's last batch)
+  when they run unbroken to the record that failed it;
 - a restart this replica suspects (the worker's health check came back from down) is
   UNVERIFIED until the relay has checked the stream again since (its heartbeat counts its
   checks), or the stream held nothing here at a record the relay wrote after the worker was last
@@ -90,6 +92,10 @@ ANEW_MARGIN_S = 0.5
 # (a worker whose settings read again are unchanged, e.g. a configured block_size that is wrong,
 # would otherwise have its server info asked on every batch)
 MISMATCH_REREAD_S = 10.0
+# the records a loaded snapshot's proof skips that are kept, to apply should the proof fail
+# (`FedStream._skipped`): a read-back from a little before the snapshot is a few heartbeats'
+# worth; past this many, the stream joins afresh at the failing record as before
+MAX_SKIPPED = 4096
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +213,13 @@ class FedStream:
         self._proof: BatchFence | None = None  # a loaded snapshot's last batch, to be shown
         self._proof_since = 0.0  # when it began waiting for it
         self._proof_cleared = False  # a clear or forgotten seq came meanwhile
+        # the numbered records the proof skipped (the relay's past before the snapshot's last
+        # batch), with when the relay wrote each (None: not known): applied should the proof
+        # fail, so the stream holds what they stored instead of only what follows the failing
+        # record. Before, a prompt stored in them was predicted nothing until stored again
+        # (QA: a snapshot loaded into a running follower, from another fleet or too old). None:
+        # more than `MAX_SKIPPED` came, not kept
+        self._skipped: list[tuple[RelayRecord, float | None]] | None = []
         self._suspected_at: float | None = None  # a restart suspected here, not yet checked
         self._down_at = 0.0  # when the worker was last seen down before it
         # when the relay wrote the last record at which the stream held no entry here: all it
@@ -259,7 +272,7 @@ class FedStream:
             self._show()
             return
         if self._proof is not None:
-            if not self._prove_by_record(record):
+            if not self._prove_by_record(record, fresh_at):
                 if fresh_at is not None:
                     self._heard(fresh_at)  # the relay was alive then
                 self._held_since()
@@ -295,6 +308,7 @@ class FedStream:
             self.tracker.last = None
             self._epoch, self._rseq = None, -1
             self._proof = None
+            self._skipped = []
             self._suspected_at = None
             self._anew_at = None
             self._relay_restarts = None
@@ -424,10 +438,10 @@ class FedStream:
                 self._proven(record, "its last batch is the relay's")
             elif now - self._proof_since > self.verify_window_s:
                 self._fail_proof(f"the relay did not show it within {self.verify_window_s:g} s")
-                self._epoch, self._rseq = record.epoch, record.rseq
+                self._apply_skipped(record.epoch, record.rseq)
             elif record.seq is None or record.seq > proof.seq or self._proof_cleared:
                 self._fail_proof("the relay's last batch is not the snapshot's")
-                self._epoch, self._rseq = record.epoch, record.rseq
+                self._apply_skipped(record.epoch, record.rseq)
             # else: older than the snapshot (read from before it was taken): wait on
         elif self._epoch is None:
             self._epoch, self._rseq = record.epoch, record.rseq  # joined, holding nothing
@@ -476,7 +490,7 @@ class FedStream:
             )
             self._tell_restart()
 
-    def _prove_by_record(self, record: RelayRecord) -> bool:
+    def _prove_by_record(self, record: RelayRecord, fresh_at: float | None) -> bool:
         """A numbered record while a loaded snapshot waits for its proof: whether to apply it.
 
         The follower reads from a little before the snapshot was taken, so the relay's
@@ -494,17 +508,53 @@ class FedStream:
                 self._relay_state = record.state
                 return False  # the snapshot holds it already
             if record.seq < proof.seq and not self._proof_cleared:
-                return False  # the relay's past before the snapshot: the snapshot holds it
+                # the relay's past before the snapshot: the snapshot holds it
+                return self._skip(record, fresh_at)
         elif kind in (RelayKind.CLEAR, RelayKind.FORGET_SEQ):
             self._proof_cleared = True
-            return False
+            return self._skip(record, fresh_at)
         elif kind is RelayKind.STATE:
             self._relay_state = record.state
-            return False
+            return self._skip(record, fresh_at)
         # a later batch, or an older one after a clear: not the snapshot's future
         self._fail_proof("the relay went past the snapshot's last batch unseen")
-        self._epoch = record.epoch
+        self._apply_skipped(record.epoch, record.rseq - 1)
         return True
+
+    def _skip(self, record: RelayRecord, fresh_at: float | None) -> bool:
+        """Keep a record the proof skips (`_skipped`); False: not applied now."""
+        skipped = self._skipped
+        if skipped is not None:
+            if len(skipped) < MAX_SKIPPED:
+                skipped.append((record, fresh_at))
+            else:
+                self._skipped = None
+        return False
+
+    def _apply_skipped(self, epoch: int, last: int) -> None:
+        """The proof failed at a record of relay `epoch` that follows record `last`: apply the
+        records it skipped, when they run unbroken up to `last` in that relay's numbering (the
+        stream joins at the first of them, as at any record); else the stream joins at the
+        record at hand. Either way it follows `epoch` from `last` on."""
+        skipped, self._skipped = self._skipped, []
+        self._epoch, self._rseq = epoch, last
+        if not skipped:
+            return
+        first = skipped[0][0].rseq
+        unbroken = all(r.epoch == epoch and r.rseq == first + i for i, (r, _) in enumerate(skipped))
+        if not unbroken or skipped[-1][0].rseq != last:
+            return
+        for record, fresh_at in skipped:
+            self._at = float("-inf") if fresh_at is None else fresh_at
+            if record.kind is RelayKind.STATE:
+                self._relay_state = record.state
+            else:
+                self._apply(record, fresh_at)
+        log.info(
+            "stream %s: the %d relay record(s) read before the failed proof are applied",
+            self.stream_id,
+            len(skipped),
+        )
 
     def _fail_proof(self, why: str) -> None:
         self.verifications += 1
@@ -514,6 +564,7 @@ class FedStream:
     def _proven(self, record: RelayRecord, how: str) -> None:
         self.verifications += 1
         self._proof = None
+        self._skipped = []  # the snapshot holds what they did
         self._epoch, self._rseq = record.epoch, record.rseq
         log.debug("stream %s: the loaded snapshot is proven (%s)", self.stream_id, how)
 
@@ -630,6 +681,7 @@ class FedStream:
         if fence is not None:
             self._proof = fence
             self._proof_since = self._clock()
+            self._skipped = []
             self._proof_cleared = False
         elif sink.entries():
             sink.clear()  # entries no seq stands for: nothing can prove them

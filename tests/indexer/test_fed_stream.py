@@ -389,6 +389,52 @@ async def test_records_older_than_the_snapshot_wait_for_its_last_batch() -> None
     assert state(svc) is StreamState.SYNCED and matched(svc, A) == 4
 
 
+def _other_snapshot() -> bytes:
+    """A snapshot of another history than the relay's below: it ends on batch 1 (C stored)."""
+    return stored([11, 12, 13, 14, 9], 30)
+
+
+async def _loaded_from_elsewhere() -> IndexerService:
+    first = await fed()
+    take(first, batch(0, 0, stored(A, 10)), batch(1, 1, _other_snapshot()))
+    snapshot = first.dump()
+    svc = await fed()
+    svc.load(snapshot)
+    return svc
+
+
+@pytest.mark.parametrize("fails_at", ["a batch", "a heartbeat"])
+async def test_what_the_relay_stored_before_a_failed_proof_is_predicted(fails_at: str) -> None:
+    """A snapshot that is not the relay's past, loaded into a running follower: the records
+    read from before its last seq are skipped while it waits for its proof; when the proof
+    fails, they are applied (they run unbroken to the failing record). Before, the stream
+    joined at the failing record only: B, stored before it, was predicted nothing until the
+    worker stored it again (QA)."""
+    svc = await _loaded_from_elsewhere()
+    take(svc, batch(0, 0, stored(B, 20)))  # older than the snapshot's last seq: skipped
+    assert state(svc) is StreamState.UNVERIFIED
+    if fails_at == "a batch":
+        take(svc, batch(1, 1, stored(A, 10)))  # its seq 1 is not the snapshot's
+        assert matched(svc, A) == 4
+    else:
+        take(svc, heartbeat(0, 0, stored(B, 20)))  # older: waits on
+        assert state(svc) is StreamState.UNVERIFIED
+        take(svc, heartbeat(0, 5, stored(B, 20)))  # the relay is past the snapshot
+    assert state(svc) is StreamState.SYNCED
+    assert matched(svc, B) == 4
+    assert matched(svc, [11, 12, 13, 14, 9]) == 0  # the snapshot's own: gone
+
+
+async def test_skipped_records_with_a_hole_are_not_applied_after_a_failed_proof() -> None:
+    """The skipped records do not run unbroken to the failing one (a record lost between):
+    the stream joins at the failing record, holding nothing older."""
+    svc = await _loaded_from_elsewhere()
+    take(svc, batch(0, 0, stored(B, 20)))
+    take(svc, batch(2, 1, stored(A, 10)))  # record 1 never came
+    assert matched(svc, B) == 0
+    assert matched(svc, A) == 4
+
+
 async def test_an_older_heartbeat_does_not_refuse_the_snapshot() -> None:
     payload_a = stored(A, 10)
     first = await fed()
