@@ -22,6 +22,18 @@ own probe too, and the two hold sockets would then share the port: the steps run
 per port, an abstract Unix socket (Linux; released by the kernel when the process ends, however
 it ends), held for those microseconds only. Another platform runs them without it.
 
+A hold also keeps a claim of its port, another abstract Unix socket, for as long as it holds
+it (Linux): a later parent, and a single router's check (`check_port`), are refused by it
+whatever socket options its hold could use. That lets step 2 fall back, where Linux refuses
+SO_REUSEPORT alone beside the TIME_WAIT of a listener without it (the connections of a single
+router stopped a moment ago: step 1's probe passed, so nothing listens and no hold is there),
+to a hold with SO_REUSEADDR as well, which that TIME_WAIT does not keep out. Before, `kvroute
+serve --processes N` (or `up`) on the port a single `kvroute serve` had just left, after it
+served a client, was refused for about a minute. Such a hold keeps out every kvroute router and
+parent, but not another program that binds without SO_REUSEPORT while no child listens (then
+the children say the port taken as they start); once a child listens, nothing without
+SO_REUSEPORT can.
+
 Port 0 draws a free port on the host's first address (a socket as step 1's, which keeps it
 until the lock is taken), then runs steps 1 and 2 on that port for every address, drawing again
 when another address has it taken. Before, only the first address was held (an IPv4 one: for
@@ -88,9 +100,15 @@ def hold_port(
             return _draw(host)
         addresses = _addresses(host, port)
         with _locked(port):
-            for family, address in addresses:
-                _bind(family, address, reuse_port=False).close()
-            return PortHold(_hold_all(addresses), port)
+            claim = _claim(port)
+            try:
+                for family, address in addresses:
+                    _bind(family, address, reuse_port=False).close()
+                return PortHold(_hold_all(addresses, claim), port)
+            except OSError:
+                if claim is not None:
+                    claim.close()
+                raise
     except OSError as exc:
         raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
 
@@ -102,10 +120,14 @@ def check_port(
     binds it with asyncio's SO_REUSEADDR and no SO_REUSEPORT, could not: checked, not held. A
     hold binds with SO_REUSEPORT alone, which Linux refuses beside the TIME_WAIT of such a
     listener: a `kvroute serve` restarted on its port was refused for a minute after it had
-    served a client (QA)."""
+    served a client (QA). A port a `--processes` parent holds is refused too (its claim:
+    module docstring), though its hold may let this bind pass."""
     try:
         for family, address in _addresses(host, port):
             _bind(family, address, reuse_port=False).close()
+        claim = _claim(port)
+        if claim is not None:
+            claim.close()
     except OSError as exc:
         raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
 
@@ -171,9 +193,15 @@ def _draw(host: str) -> PortHold:
         try:
             with _locked(port):
                 probe.close()
-                for each_family, address in on_port[1:]:
-                    _bind(each_family, address, reuse_port=False).close()
-                return PortHold(_hold_all(on_port), port)
+                claim = _claim(port)
+                try:
+                    for each_family, address in on_port[1:]:
+                        _bind(each_family, address, reuse_port=False).close()
+                    return PortHold(_hold_all(on_port, claim), port)
+                except OSError:
+                    if claim is not None:
+                        claim.close()
+                    raise
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
@@ -182,12 +210,28 @@ def _draw(host: str) -> PortHold:
     raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
 
 
-def _hold_all(addresses: list[tuple[socket.AddressFamily, tuple[str, int]]]) -> list[socket.socket]:
-    """Step 2 on every address: the hold sockets, or none (OSError) when one is refused."""
+def _hold_all(
+    addresses: list[tuple[socket.AddressFamily, tuple[str, int]]], claim: socket.socket | None
+) -> list[socket.socket]:
+    """Step 2 on every address: the hold sockets (and `claim`, the port's claim, kept with
+    them), or none (OSError) when one is refused. With a claim, a hold refused beside a
+    TIME_WAIT binds with SO_REUSEADDR too (module docstring)."""
+    try:
+        held = _bind_all(addresses, reuse_address=False)
+    except OSError as exc:
+        if claim is None or exc.errno != errno.EADDRINUSE:
+            raise
+        held = _bind_all(addresses, reuse_address=True)
+    return held if claim is None else [*held, claim]
+
+
+def _bind_all(
+    addresses: list[tuple[socket.AddressFamily, tuple[str, int]]], *, reuse_address: bool
+) -> list[socket.socket]:
     held: list[socket.socket] = []
     try:
         for family, address in addresses:
-            held.append(_bind(family, address, reuse_port=True))
+            held.append(_bind(family, address, reuse_port=True, reuse_address=reuse_address))
     except OSError:
         for sock in held:
             sock.close()
@@ -213,21 +257,42 @@ def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[s
 
 
 def _bind(
-    family: socket.AddressFamily, address: tuple[str, int], *, reuse_port: bool
+    family: socket.AddressFamily,
+    address: tuple[str, int],
+    *,
+    reuse_port: bool,
+    reuse_address: bool = False,
 ) -> socket.socket:
-    """A TCP socket bound to `address`, not listening: step 1's probe, or step 2's hold."""
+    """A TCP socket bound to `address`, not listening: step 1's probe (SO_REUSEADDR), or step
+    2's hold (SO_REUSEPORT, and `reuse_address` SO_REUSEADDR too)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         if family == socket.AF_INET6:
             # as asyncio binds them: IPv6 only, so "::" and "0.0.0.0" are two sockets
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        option = socket.SO_REUSEPORT if reuse_port else socket.SO_REUSEADDR
-        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_address or not reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def _claim(port: int) -> socket.socket | None:
+    """The claim of `port` a hold keeps for its life (Linux; elsewhere None), or OSError
+    (EADDRINUSE) when another process holds it (module docstring)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0kvroute-held-port-{port}")
+    except OSError:
+        claim.close()
+        raise
+    return claim
 
 
 @contextlib.contextmanager

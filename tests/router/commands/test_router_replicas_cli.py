@@ -232,6 +232,43 @@ async def test_a_second_replica_set_on_a_taken_port_is_refused(tmp_path: Path) -
             assert len(after) == 2
 
 
+async def test_replicas_start_on_the_port_a_single_router_just_left(tmp_path: Path) -> None:
+    """`kvroute serve` served a client and stopped (its connections wait in TIME_WAIT on the
+    port); `serve --processes 2` on that port starts at once and both children answer.
+    Before, its hold (SO_REUSEPORT alone) was refused beside that TIME_WAIT: exit 2,
+    "Address already in use", for about a minute (QA)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    router = f"http://127.0.0.1:{port}"
+    async with NatsServer() as nats:
+        config = tmp_path / "router.toml"
+        config.write_text(f"[cluster]\nurl = '{nats.url}'\n")
+        single = await _kvroute("serve", "--config", str(config), "--port", port)
+        assert single.stdout is not None
+        try:
+            await asyncio.wait_for(_read_until(single.stdout, "listening on", []), 60)
+            async with aiohttp.ClientSession() as session:  # kept alive: the router closes it
+                for _ in range(3):
+                    async with session.get(router + "/health") as resp:
+                        assert resp.status in (200, 503)
+                single.send_signal(signal.SIGINT)
+                await asyncio.wait_for(single.communicate(), 30)
+        finally:
+            if single.returncode is None:
+                single.kill()
+                await single.wait()
+        assert single.returncode == 0
+        proc = await _kvroute("serve", "--config", str(config), "--port", port, "--processes", "2")
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with ends_on_sigint(proc):
+            await asyncio.wait_for(_read_until(proc.stdout, "replica processes", lines), 60)
+            answering: set[str] = set()
+            while len(answering) < 2:
+                answering |= await _replicas_answering(router)
+
+
 async def _replicas_answering(url: str, tries: int = 20) -> set[str]:
     """The replica ids answering `/health` on `url` over `tries` new connections (the kernel
     spreads them over the listening children); each must answer (503: a router without

@@ -73,9 +73,16 @@ def test_connections_of_a_router_just_stopped_do_not_keep_the_port(reuse_port: b
     (SO_REUSEADDR: its check passes), and so do the children. Linux refuses a bind with
     SO_REUSEPORT alone, a hold's, beside the TIME_WAIT of a listener without it (a single
     router's): its check held the port, and a `kvroute serve` restarted on its port was
-    refused for a minute after it had served a client (QA). (A hold after a single router's
-    TIME_WAIT, `serve --processes` on the port it left, is still refused that minute.)"""
+    refused for a minute after it had served a client (QA)."""
     port = _free_port()
+    _serve_one_connection(port, reuse_port=reuse_port)
+    check_port("127.0.0.1", port, option="serve --port")
+    hold_port("127.0.0.1", port).close()
+
+
+def _serve_one_connection(port: int, *, reuse_port: bool) -> None:
+    """A router on `port` served a client and stopped, closing first: its side of the
+    connection waits in TIME_WAIT on the port."""
     with (
         _child_listener(port, reuse_port=reuse_port) as listener,
         socket.create_connection(("127.0.0.1", port)) as client,
@@ -83,9 +90,34 @@ def test_connections_of_a_router_just_stopped_do_not_keep_the_port(reuse_port: b
         accepted, _ = listener.accept()
         accepted.close()  # the server closes first: its side waits
         client.recv(1)
-    check_port("127.0.0.1", port, option="serve --port")
-    if reuse_port:
-        hold_port("127.0.0.1", port).close()
+
+
+def test_a_port_a_single_router_just_left_is_held_and_kept_from_every_kvroute() -> None:
+    """`serve --processes N` on the port a single router left a moment ago: Linux refuses
+    SO_REUSEPORT alone beside the TIME_WAIT of its connections, so the hold binds with
+    SO_REUSEADDR too (before: refused for a minute, "Address already in use"). The port's
+    claim keeps it all the same from another parent and from a single router's check, and
+    the children share it."""
+    port = _free_port()
+    _serve_one_connection(port, reuse_port=False)
+    with socket.socket() as strict, pytest.raises(OSError):  # what the hold met before
+        strict.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        strict.bind(("127.0.0.1", port))
+    hold = hold_port("127.0.0.1", port)
+    try:
+        with pytest.raises(ConfigError, match="Address already in use"):
+            hold_port("127.0.0.1", port)  # another parent
+        with pytest.raises(ConfigError, match="Address already in use"):
+            check_port("127.0.0.1", port, option="serve --port")  # a single router
+        first = _child_listener(port)
+        second = _child_listener(port)  # the children share it
+        with pytest.raises(OSError):
+            _child_listener(port, reuse_port=False)  # nothing else, once one listens
+        first.close()
+        second.close()
+    finally:
+        hold.close()
+    check_port("127.0.0.1", port, option="serve --port")  # released
 
 
 def _race(port: int, parents: int) -> tuple[list[PortHold], list[ConfigError]]:
