@@ -610,9 +610,21 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
             _warn_no_workers(args.config, config, proxy)
         source = None if getattr(args, "no_reload", False) else config_source(args)
         if processes > 1:
-            from router.commands.replicas import serve_processes
+            from router.commands.replicas import hold_metrics, serve_processes
+            from router.commands.shared_port import hold_port
             from router.commands.stopping import stoppable
+            from router.http.start_checks import check_replicas
 
+            verb = "serve" if proxy else "indexer"  # children without the proxy too
+            # refused (a cluster missing, a port taken) in one line, before the event loop
+            # says itself: before, "event loop: uvloop" came first
+            check_replicas(config)
+            hold = hold_port(config.listen.host, config.listen.port, option=f"{verb} --port")
+            try:
+                metrics_hold = hold_metrics(config, processes)
+            except ConfigError:
+                hold.close()
+                raise
             # SIGINT and SIGTERM handled before the first child starts
             run_loop(
                 stoppable(
@@ -622,9 +634,11 @@ def run(args: argparse.Namespace, *, proxy: bool = True, relay: bool = False) ->
                         processes,
                         log_level=args.log_level,
                         until=until,
-                        verb="serve" if proxy else "indexer",  # children without the proxy too
+                        verb=verb,
                         overrides=given_overrides(args),
                         port_given=getattr(args, "port", None) is not None,
+                        hold=hold,
+                        metrics_hold=metrics_hold,
                     )
                 )
             )
