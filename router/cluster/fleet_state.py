@@ -157,6 +157,19 @@ class FleetState:
         # other are never weighed by `at`: replicas' clocks need not agree (QA: a replica 10 s
         # behind undid an undrain made after its drain when every change was weighed so)
         self._mine: dict[str, _Change] = {}
+        # of each worker record, this replica's change that gave way to a later one (a
+        # concurrent one by `at`, or one made after reading it): should NATS store a write of it
+        # after that (its first, unanswered then, or one written again), the change that stands
+        # (`_standing`) is written again over it. Before, it stood on every replica when the
+        # replica whose change it overwrote had restarted meanwhile (QA: an undrain answered
+        # "shared", undone by a drain made before it)
+        self._gave_way: dict[str, _Change] = {}
+        # of each worker record, the change that stands as read here (`_weigh_standing`): the
+        # last one read, unless it is a change made before the one standing and without
+        # seeing it (concurrent with it, and landed after it); with the revision it was read
+        # at. What a change of this replica's that gave way is written over with, should it
+        # land (before, the record it overwrote, which may itself be such an earlier change)
+        self._standing: dict[str, tuple[bytes, WorkerRecord, int]] = {}
         # the wall clock an operator's change is stamped with (`WorkerRecord.at`)
         self.clock: Callable[[], float] = time.time
         # the kept writes that went to NATS unanswered (`keep_unsent(sent=True)`), as sent: a
@@ -208,6 +221,7 @@ class FleetState:
             at = _worker_decoder.decode(value).at
             if at > 0:
                 self._mine[key] = _Change(at, value)
+                self._gave_way.pop(key, None)  # a newer change of this replica's
 
     def wrote(self, key: str, value: bytes, revision: int) -> None:
         """NATS stored `value`, this replica's change of the record `key` (or that change
@@ -520,12 +534,8 @@ class FleetState:
         and the new id only once the reloading replica had registered it, and this replica's
         requests of that gap got 404s naming no model, then 503s.
         """
-        if key and revision is not None:
-            self.revisions[key] = revision
-        if key:
-            self._landed(key, value)
-            if (newer := self.newer_than(key, value, revision)) is not None:
-                return newer
+        if key and (newer := self.weigh(key, value, revision)) is not None:
+            return newer
         try:
             record = _worker_decoder.decode(value)
             if key:
@@ -555,21 +565,59 @@ class FleetState:
             await self._apply(record)
         return None
 
+    def weigh(self, key: str, value: bytes, revision: int | None) -> bytes | None:
+        """Take the worker record `key` read at `revision` as read (a write kept here that it
+        is, landed), and say what to write over it (`newer_than`; None: apply it)."""
+        if revision is not None:
+            self.revisions[key] = revision
+        self._landed(key, value)
+        newer = self.newer_than(key, value, revision)
+        if revision is not None:
+            self._weigh_standing(key, value, revision)
+        return newer
+
+    def _weigh_standing(self, key: str, value: bytes, revision: int) -> None:
+        """Whether `value`, read at `revision`, is the change that stands now (`_standing`)."""
+        try:
+            record = _worker_decoder.decode(value)
+        except msgspec.DecodeError:
+            self._standing.pop(key, None)
+            return
+        standing = self._standing.get(key)
+        if standing is not None:
+            _, was, at_revision = standing
+            saw = record.seen >= at_revision or record.over == at_revision
+            same = record.by == was.by and record.at == was.at
+            if not saw and not same and record.at < was.at:
+                return  # concurrent with the one standing, and made before it
+        self._standing[key] = (value, record, revision)
+
     def newer_than(self, key: str, value: bytes, revision: int | None = None) -> bytes | None:
-        """This replica's last change of the worker record `key`, to write again over `value`
-        (read at `revision`), when `value` is another replica's change made without seeing it
-        and before it (by `at`); else None.
+        """The record to write over `value`, the worker record `key` read at `revision`, or
+        None: this replica's last change of it, when `value` is another replica's change made
+        before it without seeing it; or the record `value` overwrote, when `value` is a change
+        of this replica's that gave way to that record before NATS stored it.
 
         A change that names as seen (`WorkerRecord.seen`) the revision NATS stored this
-        replica's at, or a later one, was made after reading it: it stands, whatever the
-        clocks say. One that did not see it (NATS hung on both, or on one replica's link, and
-        took them in any order) is concurrent with it: the later by `at` stands on every
-        replica, the one whose change it is writing it again over the other. A change of this
-        replica's still unanswered cannot have been seen (NATS would have been read to store
-        it first), so it is weighed by `at` alone; kept, and made before `value`, it is
-        dropped, and said. A seed (`at` 0) is no operator's change: it neither wins nor loses
-        here. The change written again names `revision` as seen: the replica whose change it
-        covers takes it as made after its own, and nothing goes back and forth."""
+        replica's at, or a later one, was made after reading it, and one written over exactly
+        that revision (`over`) was weighed against it: either stands, whatever the clocks say.
+        One that did neither (NATS hung on both, or on one replica's link, and took them in
+        any order) is concurrent with it: the later by `at` stands on every replica, the one
+        whose change it is writing it again over the other, naming the revision it overwrote
+        (`over`), and nothing goes back and forth. A change of this replica's still
+        unanswered cannot have been seen (NATS would have been read to store it first), so it
+        is weighed by `at` alone; made before `value`, it gives way (kept, it is dropped, and
+        said), and should NATS store it after all, the record it lands over is written again
+        over it (`_gave_way`): the replica whose change that was may have restarted since,
+        knowing nothing of it. A seed (`at` 0) is no operator's change: it neither wins nor
+        loses here."""
+        gave_way = self._gave_way.get(key)
+        if gave_way is not None and self._same_change(gave_way, value):
+            del self._gave_way[key]  # landed after the change it gave way to: that again
+            standing = self._standing.get(key)
+            if standing is None or revision is None:
+                return None
+            return self._written_over(standing[0], revision)
         mine = self._mine.get(key)
         if mine is None:
             return None
@@ -587,12 +635,22 @@ class FleetState:
             return None
         if mine.revision is not None:
             if revision is not None and revision <= mine.revision:
-                return None  # stored before this replica's (read late): written over already
-            if theirs.seen >= mine.revision:
-                del self._mine[key]  # made after reading this replica's change: it stands
+                # stored before this replica's change, which NATS stored over it (its answer
+                # came before the watch read this far): a later one, it stands, and this
+                # replica's is written over as it is read (`_gave_way`)
+                if theirs.at > mine.at:
+                    del self._mine[key]
+                    self._gave_way[key] = mine
+                return None
+            if theirs.seen >= mine.revision or theirs.over == mine.revision:
+                # made after reading this replica's change: it stands (and over another write
+                # of this replica's change NATS may still store: its first, or one again)
+                del self._mine[key]
+                self._gave_way[key] = mine
                 return None
         if theirs.at >= mine.at:
             del self._mine[key]  # made later: it stands
+            self._gave_way[key] = mine  # NATS may still store a write of it
             for slot, kept in list(self.unsent.items()):
                 if slot[1] == key and self._sent_unanswered.get(slot) == kept:
                     del self.unsent[slot]
@@ -600,12 +658,16 @@ class FleetState:
                     self._sent_unanswered.pop(slot, None)
                     self._superseded(kept)
             return None
+        return None if revision is None else self._written_over(mine.value, revision)
+
+    @staticmethod
+    def _written_over(value: bytes, revision: int) -> bytes | None:
+        """The worker record `value`, to write over the one at `revision` (`over`)."""
         try:
-            record = _worker_decoder.decode(mine.value)
-        except msgspec.DecodeError:  # (its own encoding: cannot fail)
+            record = _worker_decoder.decode(value)
+        except msgspec.DecodeError:
             return None
-        seen = max(revision or 0, theirs.seen, record.seen)
-        return _json.encode(msgspec.structs.replace(record, seen=seen))
+        return _json.encode(msgspec.structs.replace(record, over=revision))
 
     def unread_worker(self, worker_id: str) -> bool:
         """Whether the fleet bucket holds a record of `worker_id` this replica could not read

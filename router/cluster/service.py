@@ -708,8 +708,8 @@ class ClusterService:
         self.fleet.written(self._fleet_bucket, key)
         self.fleet.wrote(key, value, written)
         log.info(
-            "cluster: %s written again: another replica's earlier change of that worker, made "
-            "without seeing it, reached NATS after it (NATS or that replica's link had hung)",
+            "cluster: %s written again: an earlier change of that worker, made without seeing "
+            "it, reached NATS after it (NATS or a replica's link had hung)",
             said,
         )
 

@@ -199,6 +199,11 @@ class WorkerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # it, whatever the two replicas' clocks say; only changes that did not see each other (NATS
     # hung on both, or on one replica's link) are ordered by `at` (`FleetState.newer_than`)
     seen: int = 0
+    # the revision of this record's key it was written over after weighing that record: a
+    # change written again over a concurrent earlier one (`FleetState.newer_than`), whose `seen`
+    # stays what its operator had read (0: none). The replica whose change sat at that revision
+    # takes it as made after its own; any other weighs it as the change it is
+    over: int = 0
     # the worker as the config file last written into the fleet named it (None: no file named
     # it: removed from the file, or added through the admin API), and that file's modification
     # time (0: unknown). A record from before these fields has neither. A replica starting with

@@ -978,8 +978,9 @@ async def test_a_change_one_replicas_hung_link_delivered_after_a_later_one_does_
 ) -> None:
     """b's link to NATS hung a moment (under the write deadline: both answered "shared"): b's
     drain, made first, reached NATS after a's removal of the same worker, made without seeing
-    it. The removal, made last, stands on both replicas; b takes a's write again as made after
-    its own (it names b's drain as seen), and nothing goes back and forth. Before, the change
+    it. The removal, made last, stands on both replicas; b takes a's write again as weighed
+    against its own (it names the revision of b's drain as the one it was written over), and
+    nothing goes back and forth. Before, the change
     that reached NATS last stood: w1 came back, drained, on both (only writes NATS left
     unanswered were weighed)."""
     caplog.set_level(logging.INFO, logger="router.cluster")
