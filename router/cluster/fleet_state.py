@@ -631,7 +631,10 @@ class FleetState:
             theirs = _worker_decoder.decode(value)
         except msgspec.DecodeError:
             return None
-        if theirs.at <= 0:
+        if theirs.at <= 0 or theirs.by == self._replica:
+            # a seed; or an earlier change of this replica's, read after its next was sent (the
+            # watch behind the admin API): made before it, here (before, it was taken for a
+            # concurrent one, and the next written again over it for nothing)
             return None
         if mine.revision is not None:
             if revision is not None and revision <= mine.revision:

@@ -143,3 +143,20 @@ def test_the_change_made_last_stands_when_a_replica_restarts_after_its_change() 
     for seed in range(400):
         ats, stands, _ = _run(seed, 3, restart=True)
         assert _decode(stands).at == ats[-1], (seed, _decode(stands))
+
+
+def test_a_replicas_earlier_change_read_after_its_next_was_sent_is_no_conflict() -> None:
+    """A drain, then an undrain on the same replica before its watch read the drain back: the
+    drain is the replica's own earlier change, not a concurrent one to write the undrain again
+    over (before: written again for nothing, an INFO line in normal operation)."""
+    replica = _Replica("r0", 0)
+    bucket = _Bucket(replica.state.record_worker("w1", None, draining=False))
+    _read(replica, bucket, [])
+    drain = replica.state.record_worker("w1", None, at=1000.0, draining=True)
+    replica.state.sending(KEY, drain)
+    replica.state.wrote(KEY, drain, bucket.put(drain))
+    undrain = replica.state.record_worker("w1", None, at=1001.0, draining=False)
+    replica.state.sending(KEY, undrain)  # on its way
+    flying: list[_Write] = []
+    _read(replica, bucket, flying)  # the drain, read now
+    assert flying == []
