@@ -33,6 +33,11 @@ said. Before, it was written over whatever was there, so the replica that came b
 changes the others had made, and answered `"shared"`, during its absence (a removed worker back,
 draining; an undrain undone).
 
+Changes of one worker made on several replicas while NATS hung on them (or on one replica's
+link) reach the bucket in any order: each record names the revision its replica had read
+(`seen`), a change that saw another stands over it, and of two that did not see each other the
+later by `at` is written again over the earlier wherever NATS stored them (`newer_than`).
+
 A resync after the first (NATS came back) seeds the fleet bucket from this replica's pool, not
 from its config file: a bucket found empty (a server that lost its store) gets the fleet as the
 replicas ran it, drains, admin adds and removals included, instead of the files' workers.
@@ -238,7 +243,7 @@ class FleetState:
 
     def _same_change(self, mine: _Change, value: bytes) -> bool:
         """Whether the worker record `value` is the change `mine`, as sent or written again
-        (which names another revision as seen)."""
+        (which names the revision it was written over: `over`)."""
         if value == mine.value:
             return True
         try:
@@ -295,10 +300,10 @@ class FleetState:
         """`value`, read back as the record `key`, is a write kept here unsent: NATS took it
         after all (it hung past the write's deadline, then answered), and it is no longer
         kept (`newer_than` weighs it against the changes NATS took around it). Before, it
-        stayed: counted
-        in `kvroute_cluster_unsent_admin_writes`, and at the next resync its own record, newer
-        than the revision it was made against, was taken for another replica's change ("not
-        written", WARNING), or it was said lost at a stop (replica QA: NATS SIGSTOPped 2.6 s)."""
+        stayed: counted in `kvroute_cluster_unsent_admin_writes`, and at the next resync its
+        own record, newer than the revision it was made against, was taken for another
+        replica's change ("not written", WARNING), or it was said lost at a stop (replica QA:
+        NATS SIGSTOPped 2.6 s)."""
         landed = [slot for slot, kept in self.unsent.items() if slot[1] == key and kept == value]
         for slot in landed:
             del self.unsent[slot]
@@ -479,8 +484,19 @@ class FleetState:
                     return
         self._superseded(value)
 
-    def _superseded(self, value: bytes) -> None:
+    def _superseded(self, value: bytes, *, sent: bool = False) -> None:
+        """Say that a kept change gives way to another replica's; `sent`: it went to NATS
+        unanswered, and may still land there (then written over: `newer_than`). Before, such
+        a change was said "not written" though NATS stored it, to have it written over."""
         said = self._describe(value)
+        if sent:
+            log.warning(
+                "cluster: admin change made here while NATS hung (%s) gives way: another "
+                "replica changed that worker later, and its change stands (should NATS store "
+                "this one still, that change is written again over it)",
+                said,
+            )
+            return
         log.warning(
             "cluster: admin change made here while NATS was away not written (%s): another "
             "replica changed that worker meanwhile, and its change stands",
@@ -595,8 +611,8 @@ class FleetState:
     def newer_than(self, key: str, value: bytes, revision: int | None = None) -> bytes | None:
         """The record to write over `value`, the worker record `key` read at `revision`, or
         None: this replica's last change of it, when `value` is another replica's change made
-        before it without seeing it; or the record `value` overwrote, when `value` is a change
-        of this replica's that gave way to that record before NATS stored it.
+        before it without seeing it; or the change that stands (`_standing`), when `value` is
+        a change of this replica's that gave way to a later one and that NATS stored after it.
 
         A change that names as seen (`WorkerRecord.seen`) the revision NATS stored this
         replica's at, or a later one, was made after reading it, and one written over exactly
@@ -607,10 +623,10 @@ class FleetState:
         (`over`), and nothing goes back and forth. A change of this replica's still
         unanswered cannot have been seen (NATS would have been read to store it first), so it
         is weighed by `at` alone; made before `value`, it gives way (kept, it is dropped, and
-        said), and should NATS store it after all, the record it lands over is written again
-        over it (`_gave_way`): the replica whose change that was may have restarted since,
-        knowing nothing of it. A seed (`at` 0) is no operator's change: it neither wins nor
-        loses here."""
+        said), and should NATS store it after all, the change that stands is written again
+        over it (`_gave_way`): the replica whose change that is may have restarted since,
+        knowing nothing of it. A seed (`at` 0) is no operator's change, and an earlier change
+        of this replica's is no concurrent one: neither wins nor loses here."""
         gave_way = self._gave_way.get(key)
         if gave_way is not None and self._same_change(gave_way, value):
             del self._gave_way[key]  # landed after the change it gave way to: that again
@@ -659,7 +675,7 @@ class FleetState:
                     del self.unsent[slot]
                     self._unsent_over.pop(slot, None)
                     self._sent_unanswered.pop(slot, None)
-                    self._superseded(kept)
+                    self._superseded(kept, sent=True)
             return None
         return None if revision is None else self._written_over(mine.value, revision)
 
