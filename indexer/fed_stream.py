@@ -544,12 +544,14 @@ class FedStream:
         unbroken = all(r.epoch == epoch and r.rseq == first + i for i, (r, _) in enumerate(skipped))
         if not unbroken or skipped[-1][0].rseq != last:
             return
+        at_hand = self._at  # (the failing record's, for what follows it)
         for record, fresh_at in skipped:
             self._at = float("-inf") if fresh_at is None else fresh_at
             if record.kind is RelayKind.STATE:
                 self._relay_state = record.state
             else:
                 self._apply(record, fresh_at)
+        self._at = at_hand
         log.info(
             "stream %s: the %d relay record(s) read before the failed proof are applied",
             self.stream_id,
