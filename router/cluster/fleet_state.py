@@ -588,25 +588,33 @@ class FleetState:
             self.revisions[key] = revision
         self._landed(key, value)
         newer = self.newer_than(key, value, revision)
-        if revision is not None:
-            self._weigh_standing(key, value, revision)
+        if revision is not None and not self._weigh_standing(key, value, revision):
+            # a change made before the one that stands, without seeing it, stored over it:
+            # written over with that one, by whichever replica reads it so first (before,
+            # only by the replica whose change it overwrote, which may have restarted, or
+            # skipped it: NATS keeps one revision, and a watch behind skips those written
+            # over meanwhile)
+            standing = self._standing[key][0]
+            newer = newer or self._written_over(standing, revision)
         return newer
 
-    def _weigh_standing(self, key: str, value: bytes, revision: int) -> None:
-        """Whether `value`, read at `revision`, is the change that stands now (`_standing`)."""
+    def _weigh_standing(self, key: str, value: bytes, revision: int) -> bool:
+        """Whether `value`, read at `revision`, is the change that stands now (`_standing`):
+        not when it is a change made before the one standing, without seeing it."""
         try:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError:
             self._standing.pop(key, None)
-            return
+            return True
         standing = self._standing.get(key)
         if standing is not None:
             _, was, at_revision = standing
             saw = record.seen >= at_revision or record.over == at_revision
             same = record.by == was.by and record.at == was.at
             if not saw and not same and record.at < was.at:
-                return  # concurrent with the one standing, and made before it
+                return False  # concurrent with the one standing, and made before it
         self._standing[key] = (value, record, revision)
+        return True
 
     def newer_than(self, key: str, value: bytes, revision: int | None = None) -> bytes | None:
         """The record to write over `value`, the worker record `key` read at `revision`, or

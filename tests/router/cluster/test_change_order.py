@@ -57,12 +57,15 @@ class _Write:
         self.revision: int | None = None  # stored at (None: not yet, or refused)
 
 
-def _run(seed: int, changes: int, *, restart: bool = False) -> tuple[list[float], bytes, int]:
+def _run(
+    seed: int, changes: int, *, restart: bool = False, skip: float = 0.0
+) -> tuple[list[float], bytes, int]:
     """Replicas each make one change of w1 without seeing the others' (NATS hung on them);
     the writes and their answers go in a random order, some answers lost (timed out: kept),
-    replicas read as they go, and, `restart`, one replica restarts (a new process under its
-    id) once its change is stored. Returns the changes' `at`s, the record that stands, and
-    the revisions written."""
+    replicas read as they go (a read behind skipping to the newest revision with chance
+    `skip`: NATS keeps one revision of a key), and, `restart`, one replica restarts (a new
+    process under its id) once its change is stored. Returns the changes' `at`s, the record
+    that stands, and the revisions written."""
     rng = random.Random(seed)
     seed_record = FleetState("seed", cast(Any, None), cast(Any, None), cast(Any, None))
     bucket = _Bucket(seed_record.record_worker("w1", None, draining=False))
@@ -108,6 +111,8 @@ def _run(seed: int, changes: int, *, restart: bool = False) -> tuple[list[float]
                 state.written("fleet", KEY)
         else:
             replica = rng.choice([r for r in replicas if r.read < bucket.revision])
+            if bucket.revision - replica.read > 1 and rng.random() < skip:
+                replica.read = bucket.revision - 1  # written over before it was read
             _read(replica, bucket, flying)
         if not restarted and all(w.last is not None for w in flying):
             # every change stored or on its way: one replica's process restarts, and its
@@ -127,10 +132,14 @@ def _read(replica: _Replica, bucket: _Bucket, flying: list[_Write]) -> None:
         flying.append(_Write(replica, again, replica.read))
 
 
+@pytest.mark.parametrize("skip", [0.0, 0.3], ids=["every-revision-read", "revisions-skipped"])
 @pytest.mark.parametrize("changes", [2, 3, 4])
-def test_the_change_made_last_stands_whatever_order_nats_took_them_in(changes: int) -> None:
+def test_the_change_made_last_stands_whatever_order_nats_took_them_in(
+    changes: int, skip: float
+) -> None:
+    """Also when replicas' watches skip revisions written over before they read them."""
     for seed in range(400):
-        ats, stands, revisions = _run(seed, changes)
+        ats, stands, revisions = _run(seed, changes, skip=skip)
         assert _decode(stands).at == ats[-1], (seed, _decode(stands))
         # each change stored once, and each written again at most once per other change
         assert revisions <= 1 + changes * changes, (seed, revisions)
@@ -160,3 +169,26 @@ def test_a_replicas_earlier_change_read_after_its_next_was_sent_is_no_conflict()
     flying: list[_Write] = []
     _read(replica, bucket, flying)  # the drain, read now
     assert flying == []
+
+
+def test_any_replica_that_reads_an_earlier_change_over_a_later_one_writes_the_later_back() -> None:
+    """r2's change (made last) is stored, then r1's, made before it without seeing it, over
+    it; r2 has restarted since (it knows nothing of its change) and r1 missed r2's. r0, which
+    made no change, read both: it writes r2's back over r1's. Before, only the replica whose
+    change was overwritten did: r2's change was lost (with a watch skipping the revision
+    written over, 383 of 6,000 simulated runs with a restart ended with an earlier change,
+    145 now: those where no live replica read the later change)."""
+    observer = _Replica("r0", 0)
+    seed = observer.state.record_worker("w1", None, draining=False)
+    bucket = _Bucket(seed)
+    later = _Replica("r2", 0).state.record_worker("w1", None, at=2000.0, draining=True)
+    earlier = _Replica("r1", 0).state.record_worker("w1", None, at=1000.0, removed=True)
+    bucket.put(later)
+    bucket.put(earlier)
+    flying: list[_Write] = []
+    for _ in range(3):
+        _read(observer, bucket, flying)
+    (write,) = flying
+    assert write.last == 3
+    record = _decode(write.value)
+    assert (record.by, record.at, record.draining, record.over) == ("r2", 2000.0, True, 3)
