@@ -241,6 +241,15 @@ class FleetState:
         self.sending(key, value)
         self.wrote(key, value, revision)
 
+    def _same_worker_change(self, kept: bytes, value: bytes) -> bool:
+        """Whether the worker records `kept` (this replica's) and `value` are one operator
+        change of this replica's, as sent or written again."""
+        try:
+            ours, read = _worker_decoder.decode(kept), _worker_decoder.decode(value)
+        except msgspec.DecodeError:
+            return False
+        return ours.at > 0 and read.by == ours.by == self._replica and read.at == ours.at
+
     def _same_change(self, mine: _Change, value: bytes) -> bool:
         """Whether the worker record `value` is the change `mine`, as sent or written again
         (which names the revision it was written over: `over`)."""
@@ -303,8 +312,15 @@ class FleetState:
         stayed: counted in `kvroute_cluster_unsent_admin_writes`, and at the next resync its
         own record, newer than the revision it was made against, was taken for another
         replica's change ("not written", WARNING), or it was said lost at a stop (replica QA:
-        NATS SIGSTOPped 2.6 s)."""
-        landed = [slot for slot, kept in self.unsent.items() if slot[1] == key and kept == value]
+        NATS SIGSTOPped 2.6 s). A worker record is matched as the change it is, written
+        again by another replica too (`_written_over`: its `over` differs): before, only its
+        bytes were, and a change read back only so stayed kept (QA: counted unsent for 40 s,
+        until the next change of that worker)."""
+        landed = [
+            slot
+            for slot, kept in self.unsent.items()
+            if slot[1] == key and (kept == value or self._same_worker_change(kept, value))
+        ]
         for slot in landed:
             del self.unsent[slot]
             self._unsent_over.pop(slot, None)

@@ -192,3 +192,22 @@ def test_any_replica_that_reads_an_earlier_change_over_a_later_one_writes_the_la
     assert write.last == 3
     record = _decode(write.value)
     assert (record.by, record.at, record.draining, record.over) == ("r2", 2000.0, True, 3)
+
+
+def test_a_kept_change_read_back_as_another_replica_wrote_it_again_is_no_longer_kept() -> None:
+    """A change kept unsent here (NATS hung past the deadline, then stored it) that the watch
+    reads only as another replica wrote it again (its `over` differs: the first write was
+    written over before it was read) is known written. Before, only its bytes matched: it
+    stayed counted unsent until the next change of that worker (QA, 40 s)."""
+    replica = _Replica("r1", 0)
+    bucket = _Bucket(replica.state.record_worker("w1", None, draining=False))
+    _read(replica, bucket, [])
+    change = replica.state.record_worker("w1", None, at=1000.0, draining=False)
+    replica.state.sending(KEY, change)
+    replica.state.keep_unsent("fleet", KEY, change, sent=True)  # its answer timed out
+    stored = bucket.put(change)
+    again = msgspec.structs.replace(_decode(change), over=stored)
+    bucket.put(msgspec.json.encode(again))  # another replica's write of it, over it
+    replica.read = stored  # (the first write written over before the watch read it)
+    _read(replica, bucket, [])
+    assert replica.state.unsent == {}
