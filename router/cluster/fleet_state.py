@@ -554,9 +554,10 @@ class FleetState:
         self, value: bytes, key: str = "", revision: int | None = None
     ) -> bytes | None:
         """Make this replica's pool agree with one worker record; or, when it is an operator's
-        change made before this replica's own last change of that worker and without seeing it
-        (`newer_than`), leave the pool as it is and return this replica's change again, for
-        the caller to write over this one (revision `revision`).
+        change made before the one that stands (this replica's own last change of that worker,
+        or another's read before) and without seeing it (`weigh`), leave the pool as it is and
+        return the one that stands, for the caller to write over this one (revision
+        `revision`).
 
         Its removals and adds are a change of the fleet (`router.fleet.change`): a request
         that finds no worker for its model meanwhile waits for their end, as during a reload

@@ -602,8 +602,8 @@ class ClusterService:
         async def on_worker(key: str, value: bytes, initial: bool, revision: int) -> None:
             newer = await self.fleet.apply_worker(value, key, revision)
             if newer is not None:
-                # a late write of an earlier change: the newer one, written again (a task:
-                # the watcher reads on while NATS answers)
+                # an earlier change stored over the one that stands: that one, written again
+                # (a task: the watcher reads on while NATS answers)
                 self._group.create_task(self._write_again(key, newer, revision))
 
         self._watchers.append(
@@ -688,10 +688,11 @@ class ClusterService:
         return Sharing.SHARED
 
     async def _write_again(self, key: str, value: bytes, revision: int) -> None:
-        """Write `value`, this replica's change of the worker record `key`, again over the
-        change NATS holds at `revision` (made before it, without seeing it: `newer_than`),
-        over that revision only: a change made since is read by the watcher, and weighed
-        again there."""
+        """Write `value`, the change of the worker record `key` that stands (this replica's,
+        or another's it writes back: `FleetState.weigh`), again over the change NATS holds at
+        `revision` (made before it, without seeing it), over that revision only: a change
+        made since is read by the watcher, and weighed again there (another replica writing
+        the same back first makes this one's refused, quietly)."""
         kv = self._kv.get(self._fleet_bucket)
         if kv is None:
             return

@@ -355,7 +355,8 @@ async def serve_processes(
     child runs, `serve` (the proxy) or `indexer` (the index and its query API only).
     `reload=False`: the file is read once (no reload by SIGHUP or `POST /admin/reload`;
     SIGHUP is left to the caller's handler). `hold`: the port held already, by a caller that
-    holds it before it starts anything else (`kvroute up`); closed here as one held here is.
+    holds it before it starts anything else (`kvroute up`, and `serve --processes` before
+    its event loop); closed here as one held here is.
     `metrics_hold`: the children's metrics ports (`hold_metrics`), held already, alike.
     """
     cluster = check_replicas(config)  # as each child's reload checks its file
