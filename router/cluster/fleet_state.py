@@ -244,22 +244,23 @@ class FleetState:
     def _same_worker_change(self, kept: bytes, value: bytes) -> bool:
         """Whether the worker records `kept` (this replica's) and `value` are one operator
         change of this replica's, as sent or written again."""
-        try:
-            ours, read = _worker_decoder.decode(kept), _worker_decoder.decode(value)
-        except msgspec.DecodeError:
-            return False
-        return ours.at > 0 and read.by == ours.by == self._replica and read.at == ours.at
+        at = self._made_here_at(kept)
+        return at is not None and at > 0 and self._made_here_at(value) == at
 
     def _same_change(self, mine: _Change, value: bytes) -> bool:
         """Whether the worker record `value` is the change `mine`, as sent or written again
         (which names the revision it was written over: `over`)."""
-        if value == mine.value:
-            return True
+        return value == mine.value or self._made_here_at(value) == mine.at
+
+    def _made_here_at(self, value: bytes) -> float | None:
+        """The `at` of the worker record `value` when this replica made it (None: another
+        replica's, or unreadable): a change is told by its replica and `at`, whatever
+        revisions it names."""
         try:
             record = _worker_decoder.decode(value)
         except msgspec.DecodeError:
-            return False
-        return record.by == self._replica and record.at == mine.at
+            return None
+        return record.at if record.by == self._replica else None
 
     def filed(self, worker_id: str, config: WorkerConfig | None) -> None:
         """The config file (`file_at`'s, reloaded) names `worker_id` as `config` now (None:

@@ -100,15 +100,7 @@ def hold_port(
             return _draw(host)
         addresses = _addresses(host, port)
         with _locked(port):
-            claim = _claim(port)
-            try:
-                for family, address in addresses:
-                    _bind(family, address, reuse_port=False).close()
-                return PortHold(_hold_all(addresses, claim), port)
-            except OSError:
-                if claim is not None:
-                    claim.close()
-                raise
+            return _claimed_hold(port, addresses, addresses)
     except OSError as exc:
         raise port_taken(host, port, exc, option, key=key, serving=serving) from exc
 
@@ -193,21 +185,31 @@ def _draw(host: str) -> PortHold:
         try:
             with _locked(port):
                 probe.close()
-                claim = _claim(port)
-                try:
-                    for each_family, address in on_port[1:]:
-                        _bind(each_family, address, reuse_port=False).close()
-                    return PortHold(_hold_all(on_port, claim), port)
-                except OSError:
-                    if claim is not None:
-                        claim.close()
-                    raise
+                return _claimed_hold(port, on_port[1:], on_port)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
         finally:
             probe.close()
     raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+
+
+def _claimed_hold(
+    port: int,
+    probed: list[tuple[socket.AddressFamily, tuple[str, int]]],
+    addresses: list[tuple[socket.AddressFamily, tuple[str, int]]],
+) -> PortHold:
+    """Under the port's lock: its claim, step 1's probe of each of `probed`, and step 2 on
+    each of `addresses`; OSError, nothing kept, when one is refused."""
+    claim = _claim(port)
+    try:
+        for family, address in probed:
+            _bind(family, address, reuse_port=False).close()
+        return PortHold(_hold_all(addresses, claim), port)
+    except OSError:
+        if claim is not None:
+            claim.close()
+        raise
 
 
 def _hold_all(
