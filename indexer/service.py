@@ -40,7 +40,7 @@ from indexer.namespace import Namespace
 from indexer.server_stream import ServerStream, server_stream
 from indexer.shadowed import ShadowedPrefixes, ShadowMark, trusted_blocks
 from indexer.sink import IndexSink
-from indexer.snapshot import dump_index, load_index
+from indexer.snapshot import KeptShadows, dump_index, load_snapshot
 from indexer.stats import (
     UNTRUSTED,
     NamespaceStats,
@@ -813,9 +813,16 @@ class IndexerService:
     # ------------------------------------------------------------ snapshots
 
     def dump(self) -> bytes:
-        """A versioned msgpack snapshot of the whole index."""
+        """A versioned msgpack snapshot of the whole index and of the `extra_key` shadows."""
         self._drop_orphans()
-        return dump_index(self.index)
+        kept = KeptShadows(
+            at=self._clock(),
+            streams=self._shadowed.by_stream(),
+            seeds=dict(self._seeds),
+            blanket=set(self._blanket),
+            unsized=list(self._unsized_shadows),
+        )
+        return dump_index(self.index, kept)
 
     def _drop_orphans(self) -> None:
         """Drop the streams a loaded snapshot brought that no worker took up within
@@ -841,7 +848,9 @@ class IndexerService:
         load is logged: why it was refused, or what it brought (each subscribed stream then
         logs whether its fence was proven: `indexer.stream`)."""
         try:
-            index = load_index(data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s)
+            index, shadows = load_snapshot(
+                data, clock=self._clock, pending_ttl_s=self.config.pending_ttl_s
+            )
         except SnapshotError as exc:
             log.warning("snapshot load refused (the index is unchanged): %s", exc)
             raise
@@ -865,6 +874,7 @@ class IndexerService:
         if self.tap is not None:
             # what follows the relay held the index this one replaces: they start afresh
             self.tap.new_epoch()
+        taken = 0 if shadows is None else self._take_loaded_shadows(shadows)
         self._loaded_at = self._clock()
         self._matches.invalidate()
         waiting = len(brought) - subscribed
@@ -872,13 +882,69 @@ class IndexerService:
             "snapshot loaded: %d streams, %d entries; %d of subscribed workers (%d dropped: "
             "another shape), each predicting nothing until its fence is proven (one line per "
             "stream says which, or why it was cleared); %d kept "
-            "for workers not subscribed yet",
+            "for workers not subscribed yet; %s",
             len(brought),
             sum(brought.values()),
             subscribed,
             dropped,
             waiting,
+            "no extra_key shadows in it (a version 5 snapshot)"
+            if shadows is None
+            else f"{taken} extra_key shadows added",
         )
+
+    def _take_loaded_shadows(self, kept: KeptShadows) -> int:
+        """Add the `extra_key` shadows a loaded snapshot kept to this process's; returns how
+        many blocks they shadow. They only hide: a shadow one stream has twice is shadowed by
+        the extra_keys of both. Before, a snapshot carried none, and a router that loaded one
+        (or a replica that started from the cluster's) trusted the pages an `extra_key`
+        request had stored, which events show as plain, for a plain request of its salt: a
+        false hit until they were evicted.
+
+        Each stream that got some is judged as one that took a left worker's shadows
+        (`_judge_adoption`) against the snapshot's fence: a publisher that turns out to be a
+        new process (its cache holds none of those pages) drops them, the same one keeps
+        them. The pages' copies are not in a snapshot: a block a shadow covers is trusted only
+        once the events store its copies again (fail closed)."""
+        taken = 0
+        fresh: dict[str, list[_Unsized]] = {}
+        # this process's own shadows of each stream, kept whatever its publisher turns out
+        mine: dict[str, list[int]] = {}
+        for stream, shadows in kept.streams.items():
+            fresh[stream] = []
+            mine[stream] = list(self._shadowed.shadows(stream) or ())
+            self._shadowed.include(stream, shadows)
+            taken += len(shadows)
+        for seed, plain in kept.seeds.items():
+            self._seeds.setdefault(seed, plain)
+        self._blanket |= kept.blanket
+        for stream, plain, head, extra_key, until in kept.unsized:
+            if stream in self._blanket:
+                continue
+            if len(self._unsized_shadows) >= _UNSIZED_LIMIT:
+                self._blanket.add(stream)  # as `_shadow_unsized` does beyond its bound
+                continue
+            item = (stream, plain, array("q", cast(Sequence[int], head)), extra_key, until)
+            self._unsized_shadows.append(item)
+            fresh.setdefault(stream, []).append(item)
+            taken += 1
+        for stream, unsized in fresh.items():
+            own = mine.get(stream)
+            if own is None:  # unsized shadows alone: what the stream has is this process's
+                own = list(self._shadowed.shadows(stream) or ())
+            if unsized:
+                # keyed at once where the page size is known (else at its first batch): an
+                # unsized shadow hides nothing
+                self._size_shadows(stream)
+            fence = self.index.fence(stream) if self.index.has_stream(stream) else None
+            adopted = self._adopted.get(stream)
+            if adopted is None:
+                self._adopted[stream] = ([fence], unsized)
+                self._shadowed.watch(stream, own)
+            else:
+                adopted[0].append(fence)
+                adopted[1].extend(unsized)
+        return taken
 
     def _sink(self, index: PrefixIndex, stream: str) -> IndexSink | TappedSink:
         sink = IndexSink(index, stream)

@@ -226,6 +226,21 @@ class ShadowedPrefixes:
             self._count -= 1  # one key, counted twice until now
         return into
 
+    def by_stream(self) -> dict[str, dict[int, Shadow]]:
+        """Every stream's shadowed keys (a copy of the mapping; the tuples are shared: read,
+        never change): what a snapshot keeps (`indexer.snapshot`)."""
+        return {stream: dict(shadows) for stream, shadows in self._by_stream.items()}
+
+    def include(self, stream: str, shadows: Mapping[int, Shadow]) -> None:
+        """Add `shadows` (a loaded snapshot's, `by_stream`) to `stream`'s: a key both have is
+        shadowed by the extra_keys of either, until the later time. Only ever hides more."""
+        if not shadows:
+            return
+        taken = dict(shadows)
+        self._count += len(taken)  # `_joined` takes back the keys `stream` has
+        mine = self._by_stream.get(stream)
+        self._by_stream[stream] = self._joined(mine, taken) if mine else taken
+
     def has_key(self, key: int) -> bool:
         """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""
         return any(key in shadows for shadows in self._by_stream.values()) or any(

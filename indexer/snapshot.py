@@ -1,13 +1,16 @@
 """Versioned msgpack snapshots of a whole `PrefixIndex` (a restarted router starts warm).
 
-Layout (version 5): a map with `format` ("kvroute-index"), `version`, `digest` and `body`. The
+Layout (version 6): a map with `format` ("kvroute-index"), `version`, `digest` and `body`. The
 body is the msgpack of the index: `hash_probe` (the key scheme's probe value: a runtime whose
 `hash` mixes differently refuses the snapshot instead of silently mismatching), `namespaces`
 ([id, namespace] pairs) and `streams`, each with its block size, engine, model, last applied
 seq and parallel arrays of engine hashes, block keys and namespace ids, the rare side tables
 (reference counts, media with the copies per storage tier, partial pages), the digest of the
 batch at the last seq (its epoch fence, `indexer.fence`), its skipped KV-cache groups, its
-lookahead and whether its pages are SGLang EAGLE (prev, next) pairs. `digest` is BLAKE2b-256
+lookahead and whether its pages are SGLang EAGLE (prev, next) pairs; and `shadows`, the
+`extra_key` shadows of the service that wrote it (`indexer.shadowed`: each stream's shadowed
+keys, the seeds that are tails, the streams hidden whole, the shadows still waiting for a
+page size), each time as the seconds it had left. `digest` is BLAKE2b-256
 of the body's bytes, checked before anything in the body is decoded: a snapshot damaged on disk
 or on the way (one flipped bit in an engine hash made an entry that the worker's removal never
 named again: a false hit for good) is refused, never half-trusted. It detects damage, not
@@ -15,11 +18,14 @@ forgery: whoever may load a snapshot may write any index (the admin API is the g
 
 Versions 1-4 had no digest and are refused: a router upgraded past them starts cold (it
 rebuilds each stream from its worker's replay and events), which costs hits for a while and
-never a false one. The shared table is not stored: it is rebuilt from the streams, which also
-re-derives every size. Pending entries are not stored (they live for seconds), nor are the
-copies each key was stored again (`PrefixIndex.extra_copies`): after a load every held page
-counts as one copy, so a block an `extra_key` shadow covers (`indexer.shadowed`) is trusted only
-once its copies are stored again (fails closed: a missed hit, never a false one).
+never a false one. Version 5 had no shadows and is read as having none (what a router that
+loaded one trusted before: an `extra_key` request's pages for a plain request of its salt);
+a release before version 6 refuses a version 6 snapshot (it starts cold). The shared table
+is not stored: it is rebuilt from the streams, which also re-derives every size. Pending
+entries are not stored (they live for seconds), nor are the copies each key was stored again
+(`PrefixIndex.extra_copies`): after a load every held page counts as one copy, so a block an
+`extra_key` shadow covers (`indexer.shadowed`) is trusted only once its copies are stored
+again (fails closed: a missed hit, never a false one).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
 snapshot raises `SnapshotError` and never leaves a half-loaded index behind. That includes each
@@ -35,11 +41,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from itertools import compress
+from typing import NamedTuple
 
 import msgspec
 
@@ -54,14 +62,18 @@ from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 from indexer.protocol.frames import END_SEQ
 from indexer.protocol.wire import MAX_BLOCK_SIZE, MAX_TOKENS_PER_EVENT
+from indexer.shadowed import Shadow
 
-__all__ = ["SNAPSHOT_VERSION", "dump_index", "load_index"]
+__all__ = ["SNAPSHOT_VERSION", "KeptShadows", "dump_index", "load_index", "load_snapshot"]
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 5
-# versions 1-4 carry no digest: a damaged one could not be told from a sound one (start cold)
-_READABLE_VERSIONS = (5,)
+SNAPSHOT_VERSION = 6
+# versions 1-4 carry no digest: a damaged one could not be told from a sound one (start cold);
+# version 5 has no `shadows` (read as none: the gap version 6 closes)
+_READABLE_VERSIONS = (5, 6)
+# the signed 64-bit range of a shadowed prompt's head tokens (kept as `array("q")`)
+_TOKEN_MIN, _TOKEN_MAX = -(1 << 63), (1 << 63) - 1
 _FORMAT = "kvroute-index"
 _DIGEST_BYTES = 32
 
@@ -92,10 +104,40 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     lookahead: int
 
 
+class _Shadows(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The `extra_key` shadows (`indexer.shadowed`) of the service that wrote the snapshot,
+    each time as the seconds it had left then (negative: past it, kept while the stream holds
+    the key). The keys one request shadowed share one kind, as they share one tuple."""
+
+    # (seconds left, the extra_keys whose prompt has the key, those whose tail it is)
+    kinds: list[tuple[float, list[str], list[str]]]
+    # (stream, its shadowed keys, the kind of each)
+    streams: list[tuple[str, list[int], list[int]]]
+    # the seeds that are tails of prompts with no full block, and their plain namespace
+    seeds: list[tuple[int, Namespace]]
+    # streams whose plain entries are all hidden
+    blanket: list[str]
+    # shadows sent before the stream's page size was known: (stream, plain namespace, the
+    # prompt's head tokens, its extra_key, seconds left)
+    unsized: list[tuple[str, Namespace, list[int], str, float]]
+
+
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
     hash_probe: int
     namespaces: list[tuple[int, Namespace]]
     streams: list[_StreamSnapshot]
+    shadows: _Shadows | None = None  # version 6
+
+
+class KeptShadows(NamedTuple):
+    """A service's `extra_key` shadows as a snapshot keeps them: every time (each `Shadow`'s
+    first field, each unsized shadow's last) in the terms of the clock that read `at`."""
+
+    at: float
+    streams: dict[str, dict[int, Shadow]]
+    seeds: dict[int, Namespace]
+    blanket: set[str]
+    unsized: list[tuple[str, Namespace, Sequence[Hashable], str, float]]
 
 
 class _Sealed(msgspec.Struct, forbid_unknown_fields=True):
@@ -159,8 +201,8 @@ def _unseal(data: bytes) -> memoryview:
     return sealed.body
 
 
-def dump_index(index: PrefixIndex) -> bytes:
-    """Serialize `index` (without pending entries)."""
+def dump_index(index: PrefixIndex, shadows: KeptShadows | None = None) -> bytes:
+    """Serialize `index` (without pending entries) and the service's `shadows`."""
     table = index._table
     streams = []
     # the namespaces the snapshot refers to, and no other: the registry keeps ids nothing
@@ -204,8 +246,43 @@ def dump_index(index: PrefixIndex) -> bytes:
         )
     names = index._registry.names
     namespaces = [(i, ns) for i in sorted(referenced) if (ns := names[i]) is not None]
-    body = _encoder.encode(_Body(hash_probe=HASH_PROBE, namespaces=namespaces, streams=streams))
+    body = _encoder.encode(
+        _Body(
+            hash_probe=HASH_PROBE,
+            namespaces=namespaces,
+            streams=streams,
+            shadows=None if shadows is None else _shadows_out(shadows),
+        )
+    )
     return _seal(body)
+
+
+def _shadows_out(kept: KeptShadows) -> _Shadows:
+    """`kept` as the snapshot writes it: times as seconds left, one kind per shared tuple."""
+    at = kept.at
+    kinds: list[tuple[float, list[str], list[str]]] = []
+    kind_of: dict[int, int] = {}  # id(shadow) -> its kind (`kept` holds every tuple meanwhile)
+    streams = []
+    for stream, shadows in kept.streams.items():
+        keys = list(shadows)
+        which = []
+        for shadow in shadows.values():
+            kind = kind_of.get(id(shadow))
+            if kind is None:
+                kind = kind_of[id(shadow)] = len(kinds)
+                kinds.append((shadow[0] - at, sorted(shadow[1]), sorted(shadow[2])))
+            which.append(kind)
+        streams.append((stream, keys, which))
+    return _Shadows(
+        kinds=kinds,
+        streams=streams,
+        seeds=list(kept.seeds.items()),
+        blanket=sorted(kept.blanket),
+        unsized=[
+            (stream, plain, list(head), extra_key, until - at)  # type: ignore[arg-type]
+            for stream, plain, head, extra_key, until in kept.unsized
+        ],
+    )
 
 
 def load_index(
@@ -216,6 +293,19 @@ def load_index(
     backend: Backend = DEFAULT,
 ) -> PrefixIndex:
     """Rebuild an index from `dump_index` output; raises SnapshotError on anything wrong."""
+    return load_snapshot(data, clock=clock, pending_ttl_s=pending_ttl_s, backend=backend)[0]
+
+
+def load_snapshot(
+    data: bytes,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    pending_ttl_s: float = 2.0,
+    backend: Backend = DEFAULT,
+) -> tuple[PrefixIndex, KeptShadows | None]:
+    """The index of `dump_index` output and the shadows it kept (None: a snapshot without
+    them, version 5, or written without a service's); raises SnapshotError on anything wrong
+    in either."""
     body = _unseal(data)
     try:
         snap = _body_decoder.decode(body)
@@ -224,9 +314,44 @@ def load_index(
     if snap.hash_probe != HASH_PROBE:
         raise SnapshotError("snapshot was made with another block-key hash; start cold")
     try:
-        return _rebuild(snap, clock, pending_ttl_s, backend)
+        index = _rebuild(snap, clock, pending_ttl_s, backend)
+        shadows = None if snap.shadows is None else _shadows_in(snap.shadows, clock())
     except (ValueError, KeyError, IndexError, TypeError, OverflowError) as exc:
         raise SnapshotError(f"inconsistent snapshot: {exc}") from exc
+    return index, shadows
+
+
+def _shadows_in(wire: _Shadows, at: float) -> KeptShadows:
+    """The shadows a snapshot kept, their times from `at` on; ValueError naming the first
+    field that is not one a service could have written."""
+    kinds: list[Shadow] = []
+    for i, (left, named, tails) in enumerate(wire.kinds):
+        if not math.isfinite(left):
+            raise ValueError(f"shadows.kinds[{i}]: seconds left {left} is not finite")
+        kinds.append((at + left, frozenset(named), frozenset(tails)))
+    streams: dict[str, dict[int, Shadow]] = {}
+    for stream, keys, which in wire.streams:
+        if stream in streams:
+            raise ValueError(f"shadows: stream {stream!r} appears twice")
+        if len(keys) != len(which):
+            raise ValueError(f"shadows: stream {stream!r}: arrays of different lengths")
+        if which and not 0 <= min(which) <= max(which) < len(kinds):
+            raise ValueError(f"shadows: stream {stream!r}: a kind outside 0..{len(kinds) - 1}")
+        streams[stream] = dict(zip(keys, map(kinds.__getitem__, which), strict=True))
+    unsized: list[tuple[str, Namespace, Sequence[Hashable], str, float]] = []
+    for i, (stream, plain, head, extra_key, left) in enumerate(wire.unsized):
+        if not math.isfinite(left):
+            raise ValueError(f"shadows.unsized[{i}]: seconds left {left} is not finite")
+        if head and not _TOKEN_MIN <= min(head) <= max(head) <= _TOKEN_MAX:
+            raise ValueError(f"shadows.unsized[{i}]: a token outside the signed 64-bit range")
+        unsized.append((stream, plain, head, extra_key, at + left))
+    return KeptShadows(
+        at=at,
+        streams=streams,
+        seeds=dict(wire.seeds),
+        blanket=set(wire.blanket),
+        unsized=unsized,
+    )
 
 
 def _rebuild(

@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
+import msgspec
 import pytest
 
 from indexer.namespace import Namespace, namespace_seed, request_keys
 from router.routing.planner import unindexed_reason
-from tests.router.conftest import Fleet, eventually, one_worker_fleet
+from router.service import RouterService
+from tests.router.conftest import AUTH, Fleet, eventually, one_worker_fleet, router_config
 from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -273,3 +277,98 @@ async def _sent_and_stored_as_plain(
 
     await eventually(stored, what="the extra_key pages in the index as plain ones")
     return str(holder)
+
+
+async def _dump(fleet: Fleet) -> bytes:
+    async with fleet.session.get(fleet.url + "/admin/index/dump", headers=AUTH) as resp:
+        assert resp.status == 200
+        return await resp.read()
+
+
+async def _load(fleet: Fleet, data: bytes) -> None:
+    url = fleet.url + "/admin/index/load"
+    async with fleet.session.post(url, data=data, headers=AUTH) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_router_that_loads_a_dump_keeps_its_extra_key_shadows() -> None:
+    """A snapshot carried no shadows: a router that loaded another's dump (or a replica that
+    started from the cluster's snapshot with no other replica left to send them again)
+    predicted an `extra_key` request's pages, plain ones to its events, to a plain request of
+    its salt. On the old code: predicted 320 tokens, cached 0."""
+    async with one_worker_fleet() as fleet:
+        prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+        keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
+        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+        assert all(c["matched_tokens"] == 0 for c in (await fleet.route(plain))["candidates"])
+        data = await _dump(fleet)
+
+        config = router_config([("w0", fleet.workers["w0"].url)])
+        async with RouterService(config) as router:
+            fresh = Fleet(router, fleet.workers, fleet.session)
+            await fresh.warm()
+            # started afresh, it replayed the worker's history: the extra_key's pages are
+            # plain ones to it (the gap a router without the dump keeps, documented)
+            await eventually(lambda: fresh.holds(plain, "w0", 320), what="the replayed pages")
+            await _load(fresh, data)
+
+            async def proven() -> bool:  # a loaded stream predicts once its fence is proven
+                _, streams = await fresh.admin("GET", "/streams")
+                return all(s["state"] == "synced" for s in streams["streams"])
+
+            await eventually(proven, what="the loaded stream proven")
+            other = {"input_ids": prompt, "cache_salt": "tenant-b"}
+            await fresh.post("/generate", other)
+            # the other salt's plain copy is predicted (the load did not hide the stream)...
+            await eventually(lambda: fresh.holds(other, "w0", 320), what="the other salt's pages")
+            # ...and the salt of the extra_key's request is predicted what the worker reuses
+            plan = await fresh.route(plain)
+            assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan["candidates"]
+            status, headers, answer = await fresh.post("/generate", plain)
+            assert status == 200
+            assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
+
+
+async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> None:
+    """The shadows a dump kept covered the cache of the process it followed: a worker
+    restarted since (a new process on the same ports, its batches numbered from 0 again) holds
+    none of those pages, and its own plain pages of the prompt are predicted as it reuses
+    them (kept, they would be predicted nothing until they lapsed: a missed hit an hour)."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+    plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+    async with ReferenceWorker(cfg) as first:
+        ports = {
+            "port": int(first.url.rstrip("/").rsplit(":", 1)[1]),
+            "events_port": first.kv_events.endpoint_port_base,
+            "replay_port": first.kv_events.replay_endpoint_port_base,
+        }
+        async with (
+            RouterService(router_config([("w0", first.url)])) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            fleet = Fleet(router, {"w0": first}, session)
+            await fleet.warm()
+            for n in range(6):  # the first process's seq runs ahead of the second's
+                await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
+            keyed = {**plain, "extra_key": "view-1"}
+            await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+            data = await _dump(fleet)
+    second_cfg = msgspec.structs.replace(cfg, **ports)
+    async with (
+        ReferenceWorker(second_cfg) as second,
+        RouterService(router_config([("w0", second.url)])) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = Fleet(router, {"w0": second}, session)
+        await fleet.warm()
+        await _load(fleet, data)
+        # the new process stores the prompt plain: its first batch after the load shows
+        # it is not the process the dump followed
+        status, _, _ = await fleet.post("/generate", plain)
+        assert status == 200
+        await eventually(lambda: fleet.holds(plain, "w0", 320), what="the plain pages predicted")
+        status, headers, answer = await fleet.post("/generate", {**plain, "rid": "again"})
+        assert status == 200
+        assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)

@@ -143,3 +143,41 @@ async def test_a_worker_the_cluster_re_pointed_stays_warm_on_a_replica_started_w
                 assert await Fleet(c, refs, session).holds(body, "w1", 64)
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "below ours" in m or "cleared" in m], said
+
+
+async def test_a_cluster_restarted_whole_keeps_the_extra_key_shadows_of_its_snapshot(
+    nats_server: NatsServer,
+) -> None:
+    """Every replica stopped at once (a rollout, a crash): none is left to send the shadows of
+    the last hour again, and the snapshot carried none, so the first replica back predicted an
+    `extra_key` request's pages (plain ones to the events) to a plain request of its salt. On
+    the old code: 320 tokens predicted, 0 cached."""
+    async with workers(1) as (w0,), aiohttp.ClientSession() as session:
+        config = [("w0", w0.url)]
+        refs = {"w0": w0}
+        prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+        plain = {"input_ids": prompt, "cache_salt": "tenant-x"}
+        keyed = {**plain, "extra_key": "view-1", "sampling_params": {"max_new_tokens": 1}}
+        async with RouterService(replica_config(config, nats_server.url, "a")) as a:
+            on_a = Fleet(a, refs, session)
+            await on_a.warm()
+            async with session.post(a.url + "/generate", json=keyed) as resp:
+                assert resp.status == 200
+            # its pages are in a's index as plain ones of the salt (hidden by the shadow)
+            other = {**plain, "cache_salt": "tenant-y"}
+            async with session.post(a.url + "/generate", json=other) as resp:
+                assert resp.status == 200
+            await eventually(lambda: on_a.holds(other, "w0", 320), what="a to index the pages")
+            assert not await on_a.holds(plain, "w0", 16)
+            assert a.cluster is not None
+            assert await a.cluster.publish_snapshot() > 0
+        async with RouterService(replica_config(config, nats_server.url, "c")) as c:
+            assert c.cluster is not None and c.cluster.snapshot_at is not None
+            on_c = Fleet(c, refs, session)
+            assert await on_c.holds(other, "w0", 320)  # warm from the snapshot
+            assert not await on_c.holds(plain, "w0", 16)
+            async with session.post(c.url + "/generate", json=plain) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+                assert int(resp.headers["x-kvroute-matched-tokens"]) == 0
+                assert answer["meta_info"]["cached_tokens"] == 0
