@@ -22,10 +22,10 @@ never a false one. Version 5 had no shadows and is read as having none (what a r
 loaded one trusted before: an `extra_key` request's pages for a plain request of its salt);
 a release before version 6 refuses a version 6 snapshot (it starts cold). The shared table
 is not stored: it is rebuilt from the streams, which also re-derives every size. Pending
-entries are not stored (they live for seconds), nor are the copies each key was stored again
-(`PrefixIndex.extra_copies`): after a load every held page counts as one copy, so a block an
-`extra_key` shadow covers (`indexer.shadowed`) is trusted only once its copies are stored
-again (fails closed: a missed hit, never a false one).
+entries are not stored (they live for seconds). The copies each key was stored again since its
+last removal (`PrefixIndex.extra_copies`) are (version 6), as the stream's events left them at
+its last seq: before, every held page counted as one copy after a load, so a block an
+`extra_key` shadow covers was trusted only once its copies were stored again (a missed hit).
 
 Loading validates everything into a fresh index and only then returns it, so a damaged
 snapshot raises `SnapshotError` and never leaves a half-loaded index behind. That includes each
@@ -72,6 +72,8 @@ SNAPSHOT_VERSION = 6
 # versions 1-4 carry no digest: a damaged one could not be told from a sound one (start cold);
 # version 5 has no `shadows` (read as none: the gap version 6 closes)
 _READABLE_VERSIONS = (5, 6)
+# more copies of one page than a worker could hold (one per extra_key and the plain one)
+_MAX_COPIES = 1 << 32
 # the signed 64-bit range of a shadowed prompt's head tokens (kept as `array("q")`)
 _TOKEN_MIN, _TOKEN_MAX = -(1 << 63), (1 << 63) - 1
 _FORMAT = "kvroute-index"
@@ -102,6 +104,9 @@ class _StreamSnapshot(msgspec.Struct, array_like=True, forbid_unknown_fields=Tru
     bigram: bool | None
     skipped_groups: list[int]
     lookahead: int
+    # the copies of a key stored again since its last removal (`PrefixIndex.extra_copies`),
+    # which tell a plain copy of an `extra_key` shadow's block (version 6; none in version 5)
+    again: list[tuple[int, int]] = []
 
 
 class _Shadows(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -242,6 +247,7 @@ def dump_index(index: PrefixIndex, shadows: KeptShadows | None = None) -> bytes:
                 bigram=st.bigram,
                 skipped_groups=sorted(st.skipped_groups),
                 lookahead=st.lookahead,
+                again=list(st.again.items()),
             )
         )
     names = index._registry.names
@@ -402,6 +408,12 @@ def _rebuild(
             if not 0 < ns_id < size:
                 raise ValueError(f"stream {s.stream!r}: bad partial entry")
             st.partial[h] = (key, ns_id)
+        if s.again:
+            keys = set(s.keys)
+            for key, n in s.again:
+                if key not in keys or not 1 <= n < _MAX_COPIES:
+                    raise ValueError(f"stream {s.stream!r}: bad copies entry")
+                st.again[key] = n
         for h, media in s.media:
             key = st.blocks[h]
             held = dict(media)

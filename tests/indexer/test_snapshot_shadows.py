@@ -12,6 +12,7 @@ import pytest
 
 from indexer.errors import SnapshotError
 from indexer.namespace import Namespace
+from indexer.protocol.events import Removed
 from indexer.shadowed import Shadow
 from indexer.snapshot import (
     SNAPSHOT_VERSION,
@@ -128,3 +129,31 @@ def test_shadows_no_service_could_write_are_refused_by_name(
 def test_shadows_of_the_wrong_types_are_refused(path: tuple[object, ...], value: object) -> None:
     with pytest.raises(SnapshotError, match="damaged snapshot body"):
         load_index(_damaged(path, value))
+
+
+def test_the_copies_of_a_page_survive_a_snapshot() -> None:
+    """SGLang stores an `extra_key`'s copy of a plain page as a second `BlockStored` of the same
+    hash: the copies counted since the key's last removal tell a plain copy apart."""
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="tenant")), 1)
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="tenant")), 2)
+    index.apply("a", batch(stored([1], TOKENS[:4], cache_salt="tenant")), 3)
+    copies = dict(index.extra_copies("a"))
+    assert sorted(copies.values()) == [1, 2]
+    loaded = load_index(dump_index(index))
+    assert dict(loaded.extra_copies("a")) == copies
+    loaded.apply("a", batch(Removed(block_hashes=[1])), 4)  # which copy went is not known
+    assert sorted(loaded.extra_copies("a").values()) == [1]
+
+
+@pytest.mark.parametrize("again", [[[12345, 1]], [[None, 1]], [[0, 0]], [[0, 2**32]]])
+def test_copies_of_a_key_the_stream_does_not_hold_are_refused(again: list[list[object]]) -> None:
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8])), 1)
+    body = msgspec.msgpack.decode(_unseal(dump_index(index)))
+    (stream,) = [s for s in body["streams"] if s[0] == "a"]
+    if again[0][0] == 0:
+        again[0][0] = stream[7][0]  # a key the stream holds, with a count no worker has
+    stream[17] = again
+    with pytest.raises(SnapshotError):
+        load_index(_seal(msgspec.msgpack.encode(body)))

@@ -372,3 +372,45 @@ async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> N
         status, headers, answer = await fleet.post("/generate", {**plain, "rid": "again"})
         assert status == 200
         assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)
+
+
+async def test_a_loaded_dump_keeps_the_copies_that_tell_a_plain_page_apart() -> None:
+    """A prompt sent plain and with an `extra_key`: the worker holds two copies of each page,
+    one of them plain, and the plain request is predicted its whole hit. A dump did not keep
+    how many copies each page has: the router that loaded it predicted the plain prompt
+    nothing until the worker stored its copies again (a missed hit; 0 of 320 on the old
+    code)."""
+    async with one_worker_fleet() as fleet:
+        prompt = [(i * 13) % 200 + 5 for i in range(20 * 16 + 1)]
+        plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+        await fleet.post("/generate", plain)
+        await eventually(lambda: fleet.holds(plain, "w0", 320), what="the plain pages")
+        keyed = {**plain, "extra_key": "view-1"}
+        status, _, _ = await fleet.post("/generate", keyed)
+        assert status == 200
+        indexer = fleet.router.planner.indexer
+        (stream,) = indexer.stream_ids("w0")
+
+        async def copied() -> bool:  # the extra_key's copies are in: each page held twice
+            return len(indexer.index.extra_copies(stream)) >= 20
+
+        await eventually(copied, what="the extra_key's copies stored")
+        assert await fleet.holds(plain, "w0", 320)
+        data = await _dump(fleet)
+
+        async with RouterService(router_config([("w0", fleet.workers["w0"].url)])) as router:
+            fresh = Fleet(router, fleet.workers, fleet.session)
+            await fresh.warm()
+            await _load(fresh, data)
+            await eventually(lambda: fresh.holds(plain, "w0", 320), what="the plain hit")
+            status, headers, answer = await fresh.post("/generate", {**plain, "rid": "again"})
+            assert status == 200
+            assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)
+            # the extra_key's own prompt, sent plain, is still told apart
+            keyed_only = [(i * 17) % 200 + 5 for i in range(20 * 16 + 1)]
+            only = {"input_ids": keyed_only, "cache_salt": "tenant-a", "extra_key": "view-2"}
+            await _sent_and_stored_as_plain(fresh, only, keyed_only, "tenant-a")
+            status, headers, answer = await fresh.post(
+                "/generate", {"input_ids": keyed_only, "cache_salt": "tenant-a"}
+            )
+            assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
