@@ -38,7 +38,7 @@ from indexer.index.walk import PrefixMatch
 from indexer.loop_watch import LoopWatch
 from indexer.namespace import Namespace
 from indexer.server_stream import ServerStream, server_stream
-from indexer.shadowed import ShadowedPrefixes, ShadowMark, trusted_blocks
+from indexer.shadowed import Shadow, ShadowedPrefixes, ShadowMark, trusted_blocks
 from indexer.sink import IndexSink
 from indexer.snapshot import KeptShadows, dump_index, load_snapshot
 from indexer.stats import (
@@ -368,8 +368,26 @@ class IndexerService:
             )
         self._unsized_shadows += unsized
         if fences:
+            self._adopt_loaded(stream, fences, unsized, mine)
+
+    def _adopt_loaded(
+        self,
+        stream: str,
+        fences: list[BatchFence | None],
+        unsized: list[_Unsized],
+        mine: Sequence[int],
+    ) -> None:
+        """`stream` took shadows made on the process(es) of `fences`: until its publisher
+        shows whether it is one of them (`_judge_adoption`), they are told apart from `mine`
+        (its own). A stream that took some before and is not judged yet adds these to those
+        (before, the later ones replaced the earlier fences)."""
+        adopted = self._adopted.get(stream)
+        if adopted is None:
             self._adopted[stream] = (fences, unsized)
             self._shadowed.watch(stream, mine)
+            return
+        adopted[0].extend(fences)
+        adopted[1].extend(unsized)
 
     def _judge_adoption(self, stream: str, seq: int) -> None:
         """`stream`'s first batch applied since it took parked shadows (`_adopt_shadows`): a
@@ -815,12 +833,28 @@ class IndexerService:
     def dump(self) -> bytes:
         """A versioned msgpack snapshot of the whole index and of the `extra_key` shadows."""
         self._drop_orphans()
+        parked = cast("dict[ServerStream, dict[int, Shadow]]", self._shadowed.by_server())
         kept = KeptShadows(
             at=self._clock(),
             streams=self._shadowed.by_stream(),
             seeds=dict(self._seeds),
             blanket=set(self._blanket),
             unsized=list(self._unsized_shadows),
+            servers={
+                sub.stream_id: server_stream(sub.config)
+                for subs in self._workers.values()
+                for sub in subs
+            },
+            parked={
+                server: (parked.get(server, {}), list(self._parked_fences.get(server, [])))
+                for server in parked.keys() | self._parked_fences.keys()
+            },
+            parked_unsized=[
+                (server, plain, head, extra_key, until)
+                for server, items in self._parked_unsized.items()
+                for _, plain, head, extra_key, until in items
+            ],
+            parked_blanket=set(self._parked_blanket),
         )
         return dump_index(self.index, kept)
 
@@ -895,55 +929,87 @@ class IndexerService:
 
     def _take_loaded_shadows(self, kept: KeptShadows) -> int:
         """Add the `extra_key` shadows a loaded snapshot kept to this process's; returns how
-        many blocks they shadow. They only hide: a shadow one stream has twice is shadowed by
-        the extra_keys of both. Before, a snapshot carried none, and a router that loaded one
-        (or a replica that started from the cluster's) trusted the pages an `extra_key`
-        request had stored, which events show as plain, for a plain request of its salt: a
-        false hit until they were evicted.
+        many it had. They only hide: a key shadowed twice is shadowed by the extra_keys of
+        both. Before, a snapshot carried none, and a router that loaded one (or a replica that
+        started from the cluster's) trusted the pages an `extra_key` request had stored, which
+        events show as plain, for a plain request of its salt: a false hit until evicted.
 
-        Each stream that got some is judged as one that took a left worker's shadows
-        (`_judge_adoption`) against the snapshot's fence: a publisher that turns out to be a
-        new process (its cache holds none of those pages) drops them, the same one keeps
-        them. The pages' copies are not in a snapshot: a block a shadow covers is trusted only
-        once the events store its copies again (fail closed)."""
+        A shadow is of the server's cache: each stream's go to the server's stream it followed
+        in the snapshot, parked there as a leaving worker's are (`_park_shadows`, with the
+        snapshot's fence of the stream), and every stream here that follows (or may follow)
+        that server takes them (`_adopt_shadows`), under whatever worker id; one added later
+        takes them then. A stream that took them keeps them while its publisher may be the
+        process the snapshot followed (`_judge_adoption`): a new process's cache holds none of
+        those pages. The snapshot's parked shadows are parked here too. A stream whose server
+        the snapshot does not name keeps its shadows under its id."""
+        now = self._clock()
+        index = self.index
         taken = 0
-        fresh: dict[str, list[_Unsized]] = {}
-        # this process's own shadows of each stream, kept whatever its publisher turns out
-        mine: dict[str, list[int]] = {}
+        servers = kept.servers
+        parked: dict[str, ServerStream] = {}  # stream -> the server its shadows were parked for
+        own: dict[str, list[int]] = {}  # streams kept by id: this process's shadows there
+        by_id: dict[str, list[_Unsized]] = {}
         for stream, shadows in kept.streams.items():
-            fresh[stream] = []
-            mine[stream] = list(self._shadowed.shadows(stream) or ())
-            self._shadowed.include(stream, shadows)
             taken += len(shadows)
+            server = servers.get(stream)
+            if server is not None:
+                self._shadowed.park_loaded(server, shadows, now)
+                parked[stream] = server
+                continue
+            own.setdefault(stream, list(self._shadowed.shadows(stream) or ()))
+            self._shadowed.include(stream, shadows)
+            by_id.setdefault(stream, [])
         for seed, plain in kept.seeds.items():
             self._seeds.setdefault(seed, plain)
-        self._blanket |= kept.blanket
+        room = _UNSIZED_LIMIT - len(self._unsized_shadows)
         for stream, plain, head, extra_key, until in kept.unsized:
-            if stream in self._blanket:
-                continue
-            if len(self._unsized_shadows) >= _UNSIZED_LIMIT:
-                self._blanket.add(stream)  # as `_shadow_unsized` does beyond its bound
-                continue
-            item = (stream, plain, array("q", cast(Sequence[int], head)), extra_key, until)
-            self._unsized_shadows.append(item)
-            fresh.setdefault(stream, []).append(item)
             taken += 1
-        for stream, unsized in fresh.items():
-            own = mine.get(stream)
-            if own is None:  # unsized shadows alone: what the stream has is this process's
-                own = list(self._shadowed.shadows(stream) or ())
-            if unsized:
+            server = servers.get(stream)
+            item = (stream, plain, array("q", cast(Sequence[int], head)), extra_key, until)
+            if server is not None:
+                if room <= 0:
+                    self._parked_blanket.add(server)  # beyond the bound: hidden whole
+                else:
+                    self._parked_unsized.setdefault(server, []).append(item)
+                    room -= 1
+                parked[stream] = server
+                continue
+            own.setdefault(stream, list(self._shadowed.shadows(stream) or ()))
+            if room <= 0:
+                self._blanket.add(stream)
+                continue
+            self._unsized_shadows.append(item)
+            by_id.setdefault(stream, []).append(item)
+            room -= 1
+        for stream in kept.blanket:
+            server = servers.get(stream)
+            if server is not None:
+                self._parked_blanket.add(server)
+                parked[stream] = server
+            else:
+                self._blanket.add(stream)
+        for stream, server in parked.items():
+            fence = index.fence(stream) if index.has_stream(stream) else None
+            self._parked_fences.setdefault(server, []).append(fence)
+        for server, (shadows, fences) in kept.parked.items():
+            taken += len(shadows)
+            self._shadowed.park_loaded(server, shadows, now)
+            self._parked_fences.setdefault(server, []).extend(fences)
+        for server, plain, head, extra_key, until in kept.parked_unsized:
+            taken += 1
+            item = ("", plain, array("q", cast(Sequence[int], head)), extra_key, until)
+            self._parked_unsized.setdefault(server, []).append(item)
+        self._parked_blanket |= kept.parked_blanket
+        for subs in self._workers.values():
+            for sub in subs:
+                self._adopt_shadows(server_stream(sub.config), sub.stream_id)
+        for stream, unsized in by_id.items():
+            if unsized and index.has_stream(stream):
                 # keyed at once where the page size is known (else at its first batch): an
                 # unsized shadow hides nothing
                 self._size_shadows(stream)
-            fence = self.index.fence(stream) if self.index.has_stream(stream) else None
-            adopted = self._adopted.get(stream)
-            if adopted is None:
-                self._adopted[stream] = ([fence], unsized)
-                self._shadowed.watch(stream, own)
-            else:
-                adopted[0].append(fence)
-                adopted[1].extend(unsized)
+            fence = index.fence(stream) if index.has_stream(stream) else None
+            self._adopt_loaded(stream, [fence], unsized, own[stream])
         return taken
 
     def _sink(self, index: PrefixIndex, stream: str) -> IndexSink | TappedSink:

@@ -231,6 +231,11 @@ class ShadowedPrefixes:
         never change): what a snapshot keeps (`indexer.snapshot`)."""
         return {stream: dict(shadows) for stream, shadows in self._by_stream.items()}
 
+    def by_server(self) -> dict[Hashable, dict[int, Shadow]]:
+        """The shadows parked for each server's stream (`park`; copies of the mappings, the
+        tuples shared): what a snapshot keeps of them."""
+        return {server: dict(shadows) for server, (_, shadows) in self._parked.items()}
+
     def include(self, stream: str, shadows: Mapping[int, Shadow]) -> None:
         """Add `shadows` (a loaded snapshot's, `by_stream`) to `stream`'s: a key both have is
         shadowed by the extra_keys of either, until the later time. Only ever hides more."""
@@ -240,6 +245,16 @@ class ShadowedPrefixes:
         self._count += len(taken)  # `_joined` takes back the keys `stream` has
         mine = self._by_stream.get(stream)
         self._by_stream[stream] = self._joined(mine, taken) if mine else taken
+
+    def park_loaded(self, server: Hashable, shadows: Mapping[int, Shadow], now: float) -> None:
+        """Park `shadows` (a loaded snapshot's) for `server`, beside any parked there, as if
+        its stream had just left (`park`): a stream that follows it takes them (`adopt`)."""
+        if not shadows:
+            return
+        taken = dict(shadows)
+        self._count += len(taken)
+        parked = self._parked.get(server)
+        self._parked[server] = (now, self._joined(parked[1], taken) if parked else taken)
 
     def has_key(self, key: int) -> bool:
         """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""

@@ -10,11 +10,13 @@ batch at the last seq (its epoch fence, `indexer.fence`), its skipped KV-cache g
 lookahead and whether its pages are SGLang EAGLE (prev, next) pairs; and `shadows`, the
 `extra_key` shadows of the service that wrote it (`indexer.shadowed`: each stream's shadowed
 keys, the seeds that are tails, the streams hidden whole, the shadows still waiting for a
-page size), each time as the seconds it had left. `digest` is BLAKE2b-256
-of the body's bytes, checked before anything in the body is decoded: a snapshot damaged on disk
-or on the way (one flipped bit in an engine hash made an entry that the worker's removal never
-named again: a false hit for good) is refused, never half-trusted. It detects damage, not
-forgery: whoever may load a snapshot may write any index (the admin API is the guard).
+page size, the server's stream each stream followed, and the shadows parked for the servers
+of workers that left, with their streams' fences), each time as the seconds it had left.
+`digest` is BLAKE2b-256 of the body's bytes, checked before anything in the body is decoded:
+a snapshot damaged on disk or on the way (one flipped bit in an engine hash made an entry that
+the worker's removal never named again: a false hit for good) is refused, never half-trusted.
+It detects damage, not forgery: whoever may load a snapshot may write any index (the admin API
+is the guard).
 
 Versions 1-4 had no digest and are refused: a router upgraded past them starts cold (it
 rebuilds each stream from its worker's replay and events), which costs hits for a while and
@@ -62,6 +64,7 @@ from indexer.namespace import HASH_PROBE, Namespace
 from indexer.protocol.events import BlockHash
 from indexer.protocol.frames import END_SEQ
 from indexer.protocol.wire import MAX_BLOCK_SIZE, MAX_TOKENS_PER_EVENT
+from indexer.server_stream import ServerStream
 from indexer.shadowed import Shadow
 
 __all__ = ["SNAPSHOT_VERSION", "KeptShadows", "dump_index", "load_index", "load_snapshot"]
@@ -125,6 +128,16 @@ class _Shadows(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # shadows sent before the stream's page size was known: (stream, plain namespace, the
     # prompt's head tokens, its extra_key, seconds left)
     unsized: list[tuple[str, Namespace, list[int], str, float]]
+    # the server's stream each stream followed (a stream id names a worker, which a loading
+    # router may call otherwise: the shadows go with the server, as a renamed worker's do)
+    servers: list[tuple[str, ServerStream]] = []
+    # the shadows parked for the servers' streams of workers that left (`ShadowedPrefixes.park`):
+    # (server's stream, keys, the kind of each, the fences of the streams parked there: seq
+    # and digest, None where a stream had applied nothing)
+    parked: list[tuple[ServerStream, list[int], list[int], list[tuple[int, bytes] | None]]] = []
+    # the parked unsized shadows and hidden streams, by server's stream
+    parked_unsized: list[tuple[ServerStream, Namespace, list[int], str, float]] = []
+    parked_blanket: list[ServerStream] = []
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True):
@@ -143,6 +156,11 @@ class KeptShadows(NamedTuple):
     seeds: dict[int, Namespace]
     blanket: set[str]
     unsized: list[tuple[str, Namespace, Sequence[Hashable], str, float]]
+    servers: dict[str, ServerStream]
+    # server's stream -> (its shadows, the fences of the streams parked there)
+    parked: dict[ServerStream, tuple[dict[int, Shadow], list[BatchFence | None]]]
+    parked_unsized: list[tuple[ServerStream, Namespace, Sequence[Hashable], str, float]]
+    parked_blanket: set[ServerStream]
 
 
 class _Sealed(msgspec.Struct, forbid_unknown_fields=True):
@@ -268,9 +286,8 @@ def _shadows_out(kept: KeptShadows) -> _Shadows:
     at = kept.at
     kinds: list[tuple[float, list[str], list[str]]] = []
     kind_of: dict[int, int] = {}  # id(shadow) -> its kind (`kept` holds every tuple meanwhile)
-    streams = []
-    for stream, shadows in kept.streams.items():
-        keys = list(shadows)
+
+    def kinds_of(shadows: dict[int, Shadow]) -> list[int]:
         which = []
         for shadow in shadows.values():
             kind = kind_of.get(id(shadow))
@@ -278,7 +295,20 @@ def _shadows_out(kept: KeptShadows) -> _Shadows:
                 kind = kind_of[id(shadow)] = len(kinds)
                 kinds.append((shadow[0] - at, sorted(shadow[1]), sorted(shadow[2])))
             which.append(kind)
-        streams.append((stream, keys, which))
+        return which
+
+    streams = [
+        (stream, list(shadows), kinds_of(shadows)) for stream, shadows in kept.streams.items()
+    ]
+    parked = [
+        (
+            server,
+            list(shadows),
+            kinds_of(shadows),
+            [None if f is None else (f.seq, f.digest()) for f in fences],
+        )
+        for server, (shadows, fences) in kept.parked.items()
+    ]
     return _Shadows(
         kinds=kinds,
         streams=streams,
@@ -288,6 +318,13 @@ def _shadows_out(kept: KeptShadows) -> _Shadows:
             (stream, plain, list(head), extra_key, until - at)  # type: ignore[arg-type]
             for stream, plain, head, extra_key, until in kept.unsized
         ],
+        servers=list(kept.servers.items()),
+        parked=parked,
+        parked_unsized=[
+            (server, plain, list(head), extra_key, until - at)  # type: ignore[arg-type]
+            for server, plain, head, extra_key, until in kept.parked_unsized
+        ],
+        parked_blanket=sorted(kept.parked_blanket),
     )
 
 
@@ -335,28 +372,55 @@ def _shadows_in(wire: _Shadows, at: float) -> KeptShadows:
         if not math.isfinite(left):
             raise ValueError(f"shadows.kinds[{i}]: seconds left {left} is not finite")
         kinds.append((at + left, frozenset(named), frozenset(tails)))
+
+    def shadows_of(where: str, keys: list[int], which: list[int]) -> dict[int, Shadow]:
+        if len(keys) != len(which):
+            raise ValueError(f"shadows: {where}: arrays of different lengths")
+        if which and not 0 <= min(which) <= max(which) < len(kinds):
+            raise ValueError(f"shadows: {where}: a kind outside 0..{len(kinds) - 1}")
+        return dict(zip(keys, map(kinds.__getitem__, which), strict=True))
+
+    def head_of(where: str, head: list[int], left: float) -> list[int]:
+        if not math.isfinite(left):
+            raise ValueError(f"shadows.{where}: seconds left {left} is not finite")
+        if head and not _TOKEN_MIN <= min(head) <= max(head) <= _TOKEN_MAX:
+            raise ValueError(f"shadows.{where}: a token outside the signed 64-bit range")
+        return head
+
     streams: dict[str, dict[int, Shadow]] = {}
     for stream, keys, which in wire.streams:
         if stream in streams:
             raise ValueError(f"shadows: stream {stream!r} appears twice")
-        if len(keys) != len(which):
-            raise ValueError(f"shadows: stream {stream!r}: arrays of different lengths")
-        if which and not 0 <= min(which) <= max(which) < len(kinds):
-            raise ValueError(f"shadows: stream {stream!r}: a kind outside 0..{len(kinds) - 1}")
-        streams[stream] = dict(zip(keys, map(kinds.__getitem__, which), strict=True))
-    unsized: list[tuple[str, Namespace, Sequence[Hashable], str, float]] = []
-    for i, (stream, plain, head, extra_key, left) in enumerate(wire.unsized):
-        if not math.isfinite(left):
-            raise ValueError(f"shadows.unsized[{i}]: seconds left {left} is not finite")
-        if head and not _TOKEN_MIN <= min(head) <= max(head) <= _TOKEN_MAX:
-            raise ValueError(f"shadows.unsized[{i}]: a token outside the signed 64-bit range")
-        unsized.append((stream, plain, head, extra_key, at + left))
+        streams[stream] = shadows_of(f"stream {stream!r}", keys, which)
+    parked: dict[ServerStream, tuple[dict[int, Shadow], list[BatchFence | None]]] = {}
+    for i, (server, keys, which, fences) in enumerate(wire.parked):
+        if server in parked:
+            raise ValueError(f"shadows: parked[{i}]: its server's stream appears twice")
+        for fence in fences:
+            if fence is not None and (
+                not 0 <= fence[0] <= END_SEQ or len(fence[1]) != DIGEST_BYTES
+            ):
+                raise ValueError(f"shadows: parked[{i}]: a fence no stream could have")
+        parked[server] = (
+            shadows_of(f"parked[{i}]", keys, which),
+            [None if f is None else BatchFence(f[0], digest=f[1]) for f in fences],
+        )
     return KeptShadows(
         at=at,
         streams=streams,
         seeds=dict(wire.seeds),
         blanket=set(wire.blanket),
-        unsized=unsized,
+        unsized=[
+            (stream, plain, head_of(f"unsized[{i}]", head, left), extra_key, at + left)
+            for i, (stream, plain, head, extra_key, left) in enumerate(wire.unsized)
+        ],
+        servers=dict(wire.servers),
+        parked=parked,
+        parked_unsized=[
+            (server, plain, head_of(f"parked_unsized[{i}]", head, left), extra_key, at + left)
+            for i, (server, plain, head, extra_key, left) in enumerate(wire.parked_unsized)
+        ],
+        parked_blanket=set(wire.parked_blanket),
     )
 
 

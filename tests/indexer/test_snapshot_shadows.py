@@ -11,8 +11,11 @@ import msgspec
 import pytest
 
 from indexer.errors import SnapshotError
+from indexer.fence import DIGEST_BYTES, BatchFence
 from indexer.namespace import Namespace
 from indexer.protocol.events import Removed
+from indexer.server_stream import ServerStream
+from indexer.service import IndexerService
 from indexer.shadowed import Shadow
 from indexer.snapshot import (
     SNAPSHOT_VERSION,
@@ -26,6 +29,8 @@ from indexer.snapshot import (
 from tests.indexer.test_index_unit import TOKENS, batch, make, stored
 
 PLAIN = Namespace("m", None, "tenant")
+SERVER_A = ServerStream("tcp", "127.0.0.1", "5557", "", 0)
+SERVER_GONE = ServerStream("tcp", "10.0.0.9", "5557", "kv", 1)
 
 
 def kept_at(at: float) -> KeptShadows:
@@ -40,6 +45,12 @@ def kept_at(at: float) -> KeptShadows:
         seeds={77: PLAIN},
         blanket={"c"},
         unsized=[("d", PLAIN, array("q", [5, 6, 7]), "view-4", at + 60.0)],
+        servers={"a": SERVER_A},
+        parked={
+            SERVER_GONE: ({21: one, 22: tail}, [BatchFence(9, digest=b"d" * DIGEST_BYTES), None])
+        },
+        parked_unsized=[(SERVER_GONE, PLAIN, array("q", [8]), "view-5", at + 30.0)],
+        parked_blanket={SERVER_GONE},
     )
 
 
@@ -67,6 +78,19 @@ def test_shadows_survive_a_snapshot_with_their_time_left() -> None:
         "view-4",
         1060.0,
     )
+    assert shadows.servers == {"a": SERVER_A}
+    (parked, fences) = shadows.parked[SERVER_GONE]
+    assert parked[21] == a[11] and parked[22] == a[13]
+    assert [(f.seq, f.digest()) if f else None for f in fences] == [(9, b"d" * DIGEST_BYTES), None]
+    ((server, plain, head, extra_key, until),) = shadows.parked_unsized
+    assert (server, plain, list(head), extra_key, until) == (
+        SERVER_GONE,
+        PLAIN,
+        [8],
+        "view-5",
+        1030.0,
+    )
+    assert shadows.parked_blanket == {SERVER_GONE}
 
 
 def test_an_index_dumped_without_a_service_has_no_shadows() -> None:
@@ -112,6 +136,10 @@ def _damaged(path: tuple[object, ...], value: object) -> bytes:
         ((1, 1, 0), "a", "stream 'a' appears twice"),
         ((4, 0, 2), [1, 2**63], r"shadows.unsized\[0\]: a token outside the signed 64-bit"),
         ((4, 0, 4), -math.inf, r"shadows.unsized\[0\]: seconds left -inf is not finite"),
+        ((6, 0, 2), [0, 7], r"parked\[0\]: a kind outside 0..2"),
+        ((6, 0, 3), [[9, b"short"]], r"parked\[0\]: a fence no stream could have"),
+        ((6, 0, 3), [[-1, b"d" * 16]], r"parked\[0\]: a fence no stream could have"),
+        ((7, 0, 2), [2**63], r"shadows.parked_unsized\[0\]: a token outside"),
     ],
 )
 def test_shadows_no_service_could_write_are_refused_by_name(
@@ -157,3 +185,20 @@ def test_copies_of_a_key_the_stream_does_not_hold_are_refused(again: list[list[o
     stream[17] = again
     with pytest.raises(SnapshotError):
         load_index(_seal(msgspec.msgpack.encode(body)))
+
+
+def test_a_service_loads_shadows_of_streams_its_snapshot_holds_nothing_of() -> None:
+    """QA: an orphan stream dropped from a router's index kept its shadow waiting for a page
+    size, so that router's next dump named a stream it did not hold; loading it raised
+    `KeyError` halfway (a 500, the index swapped, the load's log line and cache reset skipped;
+    a cluster replica starting from it did not start)."""
+    service = IndexerService()
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="tenant")), 4)
+    kept = kept_at(0.0)._replace(servers={})
+    service.load(dump_index(index, kept))
+    assert len(service._shadowed) == 7  # every stream's keys and the parked ones, none lost
+    assert service._shadowed.parked() == [SERVER_GONE]
+    assert [item[0] for item in service._unsized_shadows] == ["d"]
+    again = load_snapshot(service.dump())[1]
+    assert again is not None and set(again.streams) == {"a", "b"}

@@ -414,3 +414,36 @@ async def test_a_loaded_dump_keeps_the_copies_that_tell_a_plain_page_apart() -> 
                 "/generate", {"input_ids": keyed_only, "cache_salt": "tenant-a"}
             )
             assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
+
+
+@pytest.mark.parametrize("when", ["configured", "added after the load"])
+async def test_a_dump_loaded_where_the_worker_has_another_id_keeps_its_shadows(when: str) -> None:
+    """QA: the dump's shadows stayed under the dumping router's stream id (`w0#dp0`): a router
+    that calls the same server `wx` (or adds it later through the admin API under that id)
+    predicted the extra_key's pages to a plain request (320 tokens, 0 cached). A shadow is of
+    the server's cache: it goes with the server the stream followed, as a renamed worker's."""
+    async with one_worker_fleet() as fleet:
+        prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+        keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
+        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        data = await _dump(fleet)
+        url = fleet.workers["w0"].url
+        workers = [("wx", url)] if when == "configured" else []
+        async with RouterService(router_config(workers)) as router:
+            fresh = Fleet(router, {"wx": fleet.workers["w0"]}, fleet.session)
+            if when == "configured":
+                await fresh.warm()
+            await _load(fresh, data)
+            if when != "configured":
+                status, answer = await fresh.admin("POST", "/workers", {"id": "wx", "url": url})
+                assert status in (201, 202), answer
+                await fresh.warm()
+            plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+            other = {"input_ids": prompt, "cache_salt": "tenant-b"}
+            await fresh.post("/generate", other)
+            # its events are in (the other salt's copy predicted), the plain one still hidden
+            await eventually(lambda: fresh.holds(other, "wx", 320), what="the other salt's pages")
+            assert not await fresh.holds(plain, "wx", 16)
+            status, headers, answer = await fresh.post("/generate", plain)
+            assert status == 200
+            assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
