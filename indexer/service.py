@@ -327,9 +327,13 @@ class IndexerService:
         parked = set(cast("list[ServerStream]", self._shadowed.parked()))
         parked |= self._parked_unsized.keys() | self._parked_blanket
         if server in parked:
-            self._parked_fences.setdefault(server, []).append(fence)
+            self._park_fences(server, [fence])
         # the fences of servers' streams whose shadows lapsed since
         self._parked_fences = {s: f for s, f in self._parked_fences.items() if s in parked}
+
+    def _park_fences(self, server: ServerStream, fences: Sequence[BatchFence | None]) -> None:
+        """Keep `fences` for the shadows parked for `server` (`_add_fences`)."""
+        _add_fences(self._parked_fences.setdefault(server, []), fences)
 
     def _adopt_shadows(self, server: ServerStream, stream: str) -> None:
         """`stream` follows `server`'s stream: it takes the shadows left there
@@ -386,7 +390,7 @@ class IndexerService:
             self._adopted[stream] = (fences, unsized)
             self._shadowed.watch(stream, mine)
             return
-        adopted[0].extend(fences)
+        _add_fences(adopted[0], fences)
         adopted[1].extend(unsized)
 
     def _judge_adoption(self, stream: str, seq: int) -> None:
@@ -847,7 +851,7 @@ class IndexerService:
             },
             parked={
                 server: (parked.get(server, {}), list(self._parked_fences.get(server, [])))
-                for server in parked.keys() | self._parked_fences.keys()
+                for server in parked.keys() | self._parked_unsized.keys() | self._parked_blanket
             },
             parked_unsized=[
                 (server, plain, head, extra_key, until)
@@ -989,12 +993,11 @@ class IndexerService:
             else:
                 self._blanket.add(stream)
         for stream, server in parked.items():
-            fence = index.fence(stream) if index.has_stream(stream) else None
-            self._parked_fences.setdefault(server, []).append(fence)
+            self._park_fences(server, [index.fence(stream) if index.has_stream(stream) else None])
         for server, (shadows, fences) in kept.parked.items():
             taken += len(shadows)
             self._shadowed.park_loaded(server, shadows, now)
-            self._parked_fences.setdefault(server, []).extend(fences)
+            self._park_fences(server, fences)
         for server, plain, head, extra_key, until in kept.parked_unsized:
             taken += 1
             item = ("", plain, array("q", cast(Sequence[int], head)), extra_key, until)
@@ -1062,6 +1065,18 @@ class IndexerService:
             # a waiter that timed out on an idle stream must not stay listed forever
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+
+def _add_fences(kept: list[BatchFence | None], fences: Sequence[BatchFence | None]) -> None:
+    """Add to `kept` each of `fences` it does not have: a fence kept twice judges nothing more
+    (QA: a router loading its own dump again and again doubled them each time, 32,768 after 16
+    loads, each written into every later dump)."""
+    seen = {None if f is None else (f.seq, f.digest()) for f in kept}
+    for fence in fences:
+        mark = None if fence is None else (fence.seq, fence.digest())
+        if mark not in seen:
+            seen.add(mark)
+            kept.append(fence)
 
 
 def _adopt(index: PrefixIndex, stream: str, cfg: StreamConfig, block_size: int | None) -> bool:

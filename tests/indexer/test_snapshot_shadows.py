@@ -202,3 +202,17 @@ def test_a_service_loads_shadows_of_streams_its_snapshot_holds_nothing_of() -> N
     assert [item[0] for item in service._unsized_shadows] == ["d"]
     again = load_snapshot(service.dump())[1]
     assert again is not None and set(again.streams) == {"a", "b"}
+
+
+def test_loading_a_dump_again_and_again_keeps_each_fence_once() -> None:
+    """QA: the fences of the parked shadows were added at each load, and written back into the
+    next dump: a router loading its own dump 16 times held 32,768 of them."""
+    service = IndexerService()
+    index = make()
+    index.apply("a", batch(stored([1, 2], TOKENS[:8], cache_salt="tenant")), 4)
+    data = dump_index(index, kept_at(0.0))
+    for _ in range(4):
+        service.load(data)
+        data = service.dump()
+    fences = service._parked_fences
+    assert {server: len(kept) for server, kept in fences.items()} == {SERVER_A: 1, SERVER_GONE: 2}
