@@ -318,7 +318,9 @@ async def test_a_join_answer_far_ahead_does_not_deafen_the_stream(
         # and the stream goes on: later live batches apply
         later = await pub.publish(stored(D, 30))
         await wait_until(lambda: svc.streams()[0].last_seq == later)
-        assert matched(svc, D) == 4
+        # (predicted once the stream is trusted again: a probe or proof the rebuild started
+        # may still be ending on a loaded machine, CI: `matched 0` the moment D was applied)
+        await wait_until(lambda: matched(svc, D) == 4)
 
 
 async def test_prompts_shadowed_on_a_stream_that_never_says_its_size_stay_bounded(
