@@ -393,26 +393,53 @@ class IndexerService:
         _add_fences(adopted[0], fences)
         adopted[1].extend(unsized)
 
+    def _settled_at(self, stream: str) -> bool:
+        """Whether a batch `stream` applied now is its publisher's present (the stream
+        `synced`), which `_judge_adoption` may judge by. A batch applied while it syncs,
+        rebuilds or is unproven may be its past read back: a replay buffer's oldest, or a new
+        relay process's catch-up of the worker's buffer from seq 0 (QA: a relay restart took
+        the worker, which had not restarted, for a new process, and the shadows a replica had
+        loaded from the cluster's snapshot were dropped: 320 tokens predicted, 0 cached). Until
+        a batch comes synced, the shadows it took stay (fail closed)."""
+        health = self._stream_health.get(stream)
+        return health is not None and health.state is StreamState.SYNCED
+
     def _judge_adoption(self, stream: str, seq: int) -> None:
         """`stream`'s first batch applied since it took parked shadows (`_adopt_shadows`): a
         publisher whose seq `seq` is behind the last one applied on every stream they were
         parked from (or at it, with another batch there) is another process, whose cache
         holds none of what they covered: they go (before, a server started on a removed
         worker's events port kept them, and its own plain pages were predicted nothing for
-        an hour). Anything else may be the same process: they stay (fail closed)."""
-        fences, unsized = self._adopted.pop(stream)
-        mine = self.index.fence(stream) if self.index.has_stream(stream) else None
+        an hour). Anything else may be the same process: they stay (fail closed).
 
-        def behind(fence: BatchFence | None) -> bool:
+        A relay follower's (`self.fed`) batch behind a fence proves nothing: a new relay
+        process's records read the worker's buffer back from its oldest batch, seq 0 for a
+        worker that never restarted (QA: the shadows a replica loaded from the cluster's
+        snapshot were dropped at a relay restart: 320 tokens predicted, 0 cached). There the
+        batch at the fence's seq tells, by its digest; the judgment waits for it, the shadows
+        kept meanwhile, and one past it unseen may be the same process."""
+        fences, unsized = self._adopted[stream]
+        mine = self.index.fence(stream) if self.index.has_stream(stream) else None
+        relayed = self.fed is not None
+
+        def other(fence: BatchFence | None) -> bool | None:
+            """Whether the publisher is another process than `fence`'s (None: not known yet)."""
             if fence is None:
                 return False  # nothing to tell it by
             if seq != fence.seq:
-                return seq < fence.seq
+                if seq > fence.seq or not relayed:
+                    return seq < fence.seq
+                return None
             return mine is not None and mine.seq == seq and mine.digest() != fence.digest()
 
-        if not all(behind(fence) for fence in fences):
+        verdicts = [other(fence) for fence in fences]
+        if False in verdicts:
+            del self._adopted[stream]
             self._shadowed.settle(stream)
             return
+        if None in verdicts:
+            return  # (a relay's past read back: the next batches tell)
+        del self._adopted[stream]
         dropped = self._shadowed.disown(stream)
         if unsized:
             gone = {id(item) for item in unsized}
@@ -1027,7 +1054,7 @@ class IndexerService:
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)
-        if self._adopted and stream in self._adopted:
+        if self._adopted and stream in self._adopted and self._settled_at(stream):
             self._judge_adoption(stream, seq)  # before its adopted unsized shadows get keys
         if self._unsized_shadows:
             self._size_shadows(stream)

@@ -673,3 +673,55 @@ async def test_a_stream_read_back_from_the_relays_stream_predicts_nothing_of_its
             assert held_past > 0  # it did hold the flushed prompt's past while reading
             got = await generate(session, a.url)
             assert got[0] <= got[1]
+
+
+async def test_a_relay_restart_keeps_the_extra_key_shadows_a_replica_loaded(
+    nats_server: NatsServer,
+) -> None:
+    """QA: a follower that started from the cluster's snapshot took its `extra_key` shadows,
+    judged by the worker's next batch. A new relay process reads the worker's buffer back from
+    its oldest batch, seq 0, which the judgment took for a new worker process: the shadows were
+    dropped, and a plain request of the salt was predicted the extra_key's pages (320 tokens,
+    0 cached). The worker never restarted."""
+    prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+    plain: dict[str, Any] = {"input_ids": prompt, "cache_salt": "tenant-x"}
+    other = {**plain, "cache_salt": "tenant-y"}
+    one = {"max_new_tokens": 1}
+    async with (
+        workers(1) as (w0,),
+        aiohttp.ClientSession() as session,
+        contextlib.AsyncExitStack() as first_relay,
+    ):
+        await first_relay.enter_async_context(relay(w0, nats_server.url))
+        async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
+            on_a = Fleet(a, {"w0": w0}, session)
+            await on_a.warm()
+            for body in ({**plain, "extra_key": "view-1"}, other):
+                async with session.post(
+                    a.url + "/generate", json={**body, "sampling_params": one}
+                ) as resp:
+                    assert resp.status == 200
+            await eventually(lambda: on_a.holds(other, "w0", 320), what="a to index them")
+            assert not await on_a.holds(plain, "w0", 16)
+            assert a.cluster is not None
+            assert await a.cluster.publish_snapshot() > 0
+        async with RouterService(follower_config(w0, nats_server.url, "c")) as c:
+            on_c = Fleet(c, {"w0": w0}, session)
+            assert await on_c.holds(other, "w0", 320)  # warm from the snapshot
+            assert not await on_c.holds(plain, "w0", 16)
+            await first_relay.aclose()
+            async with relay(w0, nats_server.url):
+
+                async def afresh() -> bool:
+                    stats = {s.stream: s for s in c.indexer.streams()}["w0#dp0"]
+                    return stats.restarts >= 1 and stats.state == "synced"
+
+                await eventually(afresh, what="c to follow the new relay")
+                await eventually(lambda: on_c.holds(other, "w0", 320), what="its records")
+                assert not await on_c.holds(plain, "w0", 16)
+                body = {**plain, "sampling_params": one}
+                async with session.post(c.url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                    answer = await resp.json()
+                    assert int(resp.headers["x-kvroute-matched-tokens"]) == 0
+                    assert answer["meta_info"]["cached_tokens"] == 0
