@@ -239,22 +239,24 @@ class ShadowedPrefixes:
     def include(self, stream: str, shadows: Mapping[int, Shadow]) -> None:
         """Add `shadows` (a loaded snapshot's, `by_stream`) to `stream`'s: a key both have is
         shadowed by the extra_keys of either, until the later time. Only ever hides more."""
-        if not shadows:
-            return
-        taken = dict(shadows)
-        self._count += len(taken)  # `_joined` takes back the keys `stream` has
-        mine = self._by_stream.get(stream)
-        self._by_stream[stream] = self._joined(mine, taken) if mine else taken
+        if shadows:
+            self._by_stream[stream] = self._added(self._by_stream.get(stream), shadows)
 
     def park_loaded(self, server: Hashable, shadows: Mapping[int, Shadow], now: float) -> None:
         """Park `shadows` (a loaded snapshot's) for `server`, beside any parked there, as if
         its stream had just left (`park`): a stream that follows it takes them (`adopt`)."""
-        if not shadows:
-            return
+        if shadows:
+            parked = self._parked.get(server)
+            self._parked[server] = (now, self._added(parked[1] if parked else None, shadows))
+
+    def _added(
+        self, into: dict[int, Shadow] | None, shadows: Mapping[int, Shadow]
+    ) -> dict[int, Shadow]:
+        """A copy of `shadows`, counted, joined into `into` (`_joined` takes back the keys
+        `into` has)."""
         taken = dict(shadows)
         self._count += len(taken)
-        parked = self._parked.get(server)
-        self._parked[server] = (now, self._joined(parked[1], taken) if parked else taken)
+        return self._joined(into, taken) if into else taken
 
     def has_key(self, key: int) -> bool:
         """Whether any stream, or any parked server's stream, shadows `key` (a seed's tail)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 
@@ -21,7 +20,6 @@ from router.routing.planner import unindexed_reason
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, one_worker_fleet, router_config
 from workers.config import WorkerConfig as ReferenceConfig
-from workers.worker import ReferenceWorker
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -338,31 +336,19 @@ async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> N
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
-    async with ReferenceWorker(cfg) as first:
+    async with one_worker_fleet(cfg) as fleet:
+        first = fleet.workers["w0"]
         ports = {
             "port": int(first.url.rstrip("/").rsplit(":", 1)[1]),
             "events_port": first.kv_events.endpoint_port_base,
             "replay_port": first.kv_events.replay_endpoint_port_base,
         }
-        async with (
-            RouterService(router_config([("w0", first.url)])) as router,
-            aiohttp.ClientSession() as session,
-        ):
-            fleet = Fleet(router, {"w0": first}, session)
-            await fleet.warm()
-            for n in range(6):  # the first process's seq runs ahead of the second's
-                await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
-            keyed = {**plain, "extra_key": "view-1"}
-            await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
-            data = await _dump(fleet)
-    second_cfg = msgspec.structs.replace(cfg, **ports)
-    async with (
-        ReferenceWorker(second_cfg) as second,
-        RouterService(router_config([("w0", second.url)])) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        fleet = Fleet(router, {"w0": second}, session)
-        await fleet.warm()
+        for n in range(6):  # the first process's seq runs ahead of the second's
+            await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
+        keyed = {**plain, "extra_key": "view-1"}
+        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        data = await _dump(fleet)
+    async with one_worker_fleet(msgspec.structs.replace(cfg, **ports)) as fleet:
         await _load(fleet, data)
         # the new process stores the prompt plain: its first batch after the load shows
         # it is not the process the dump followed

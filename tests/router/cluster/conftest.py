@@ -13,7 +13,7 @@ import pytest
 from router.cluster.server import NatsServer
 from router.config import ClusterConfig, IndexerSection, RouterConfig
 from router.service import RouterService
-from tests.router.conftest import AUTH, router_config
+from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -147,3 +147,21 @@ class CuttableLink:
     async def __aexit__(self, *exc: object) -> None:
         if self._server is not None:
             await self.cut()
+
+
+async def extra_key_snapshot(fleet: Fleet, plain: dict[str, Any]) -> dict[str, Any]:
+    """Through `fleet`'s replica (its worker `w0`): `plain` (a prompt of 20 pages of 16
+    tokens and one more) sent with an `extra_key`, then under another salt; once the index holds
+    the other salt's pages and hides the extra_key's from `plain`, the replica publishes its
+    snapshot. Returns the other salt's body."""
+    await fleet.warm()
+    other = {**plain, "cache_salt": "tenant-y"}
+    for body in ({**plain, "extra_key": "view-1"}, other):
+        body = {**body, "sampling_params": {"max_new_tokens": 1}}
+        async with fleet.session.post(fleet.url + "/generate", json=body) as resp:
+            assert resp.status == 200
+    await eventually(lambda: fleet.holds(other, "w0", 320), what="the pages indexed")
+    assert not await fleet.holds(plain, "w0", 16)
+    assert fleet.router.cluster is not None
+    assert await fleet.router.cluster.publish_snapshot() > 0
+    return other

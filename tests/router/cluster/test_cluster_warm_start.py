@@ -10,7 +10,7 @@ import pytest
 from router.cluster.server import NatsServer
 from router.cluster.snapshots import publish_snapshot
 from router.service import RouterService
-from tests.router.cluster.conftest import admin, replica_config, workers
+from tests.router.cluster.conftest import admin, extra_key_snapshot, replica_config, workers
 from tests.router.conftest import Fleet, eventually
 
 
@@ -157,20 +157,8 @@ async def test_a_cluster_restarted_whole_keeps_the_extra_key_shadows_of_its_snap
         refs = {"w0": w0}
         prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
         plain = {"input_ids": prompt, "cache_salt": "tenant-x"}
-        keyed = {**plain, "extra_key": "view-1", "sampling_params": {"max_new_tokens": 1}}
         async with RouterService(replica_config(config, nats_server.url, "a")) as a:
-            on_a = Fleet(a, refs, session)
-            await on_a.warm()
-            async with session.post(a.url + "/generate", json=keyed) as resp:
-                assert resp.status == 200
-            # its pages are in a's index as plain ones of the salt (hidden by the shadow)
-            other = {**plain, "cache_salt": "tenant-y"}
-            async with session.post(a.url + "/generate", json=other) as resp:
-                assert resp.status == 200
-            await eventually(lambda: on_a.holds(other, "w0", 320), what="a to index the pages")
-            assert not await on_a.holds(plain, "w0", 16)
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0
+            other = await extra_key_snapshot(Fleet(a, refs, session), plain)
         async with RouterService(replica_config(config, nats_server.url, "c")) as c:
             assert c.cluster is not None and c.cluster.snapshot_at is not None
             on_c = Fleet(c, refs, session)

@@ -28,7 +28,7 @@ from router.cluster.server import NatsServer
 from router.config import HealthConfig, IndexerSection, RouterConfig
 from router.errors import ConfigError
 from router.service import RouterService
-from tests.router.cluster.conftest import cluster, replica_config, workers
+from tests.router.cluster.conftest import cluster, extra_key_snapshot, replica_config, workers
 from tests.router.conftest import AUTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
@@ -685,8 +685,6 @@ async def test_a_relay_restart_keeps_the_extra_key_shadows_a_replica_loaded(
     0 cached). The worker never restarted."""
     prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
     plain: dict[str, Any] = {"input_ids": prompt, "cache_salt": "tenant-x"}
-    other = {**plain, "cache_salt": "tenant-y"}
-    one = {"max_new_tokens": 1}
     async with (
         workers(1) as (w0,),
         aiohttp.ClientSession() as session,
@@ -694,17 +692,7 @@ async def test_a_relay_restart_keeps_the_extra_key_shadows_a_replica_loaded(
     ):
         await first_relay.enter_async_context(relay(w0, nats_server.url))
         async with RouterService(follower_config(w0, nats_server.url, "a")) as a:
-            on_a = Fleet(a, {"w0": w0}, session)
-            await on_a.warm()
-            for body in ({**plain, "extra_key": "view-1"}, other):
-                async with session.post(
-                    a.url + "/generate", json={**body, "sampling_params": one}
-                ) as resp:
-                    assert resp.status == 200
-            await eventually(lambda: on_a.holds(other, "w0", 320), what="a to index them")
-            assert not await on_a.holds(plain, "w0", 16)
-            assert a.cluster is not None
-            assert await a.cluster.publish_snapshot() > 0
+            other = await extra_key_snapshot(Fleet(a, {"w0": w0}, session), plain)
         async with RouterService(follower_config(w0, nats_server.url, "c")) as c:
             on_c = Fleet(c, {"w0": w0}, session)
             assert await on_c.holds(other, "w0", 320)  # warm from the snapshot
@@ -719,7 +707,7 @@ async def test_a_relay_restart_keeps_the_extra_key_shadows_a_replica_loaded(
                 await eventually(afresh, what="c to follow the new relay")
                 await eventually(lambda: on_c.holds(other, "w0", 320), what="its records")
                 assert not await on_c.holds(plain, "w0", 16)
-                body = {**plain, "sampling_params": one}
+                body = {**plain, "sampling_params": {"max_new_tokens": 1}}
                 async with session.post(c.url + "/generate", json=body) as resp:
                     assert resp.status == 200
                     answer = await resp.json()
