@@ -35,7 +35,7 @@ from router.errors import AmbiguousModelError, UnknownModelError
 from router.fleet.discovery import adapters_from_model_list
 from router.routing.pool import WorkerPool
 from router.service import RouterService
-from tests.router.conftest import Fleet, eventually, router_config
+from tests.router.conftest import STALL_PROOF_HEALTH, Fleet, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -69,7 +69,9 @@ async def model_fleet(
             for i, (wid, w) in enumerate(workers.items())
         )
         config = router_config([], policy=PolicyConfig(name=policy))
-        config = msgspec.structs.replace(config, workers=entries, health=health or config.health)
+        # not about the health check: a stall of this loaded process must not fail one (CI)
+        health = health or STALL_PROOF_HEALTH
+        config = msgspec.structs.replace(config, workers=entries, health=health)
         router = await stack.enter_async_context(RouterService(config))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield Fleet(router, workers, session)
