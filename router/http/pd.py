@@ -216,7 +216,7 @@ class PairDispatcher:
                 parsed.tokens,
                 prefill,
                 first_try=first,
-                keyed=parsed.keyed,
+                keyed=planner.keyed(parsed),
                 stores_prompt=parsed.stores_its_tokens,
             )
             d_ticket = pairs.commit_decode(
@@ -225,7 +225,7 @@ class PairDispatcher:
                 decode,
                 first_try=first,
                 output_tokens=parsed.output_tokens,
-                keyed=parsed.keyed,
+                keyed=planner.keyed(parsed),
                 stores_prompt=parsed.stores_its_tokens,
             )
             if obs is not None:

@@ -274,7 +274,7 @@ class Proxy:
                 candidate,
                 first_try=sends == 0,
                 output_tokens=parsed.output_tokens,
-                keyed=parsed.keyed,
+                keyed=planner.keyed(parsed),
                 # placed by the engine: which rank holds the prompt is unknown, nothing is
                 # marked (marks on every rank would predict hits on all but one: fail closed)
                 stores_prompt=parsed.stores_its_tokens and not engine_placed,

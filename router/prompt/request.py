@@ -109,7 +109,7 @@ class KeyedItem(msgspec.Struct, frozen=True):
 
     tokens: list[int]
     salt: str | None
-    lora: str | None
+    lora: str | None  # its own `lora_path` (None: "", null, or none given: the base model)
     extra_key: str
 
 

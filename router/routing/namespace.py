@@ -8,7 +8,11 @@ from router.config import LimitsConfig
 from router.prompt.request import Endpoint, ParsedRequest, check_adapter_name
 from router.routing.pool import ModelChoice
 
-__all__ = ["Fingerprinter", "request_namespace"]
+__all__ = ["Fingerprinter", "KeyedShadow", "keyed_namespaces", "request_namespace"]
+
+# one item of a batch (not the first) sent with an extra_key: its namespace and its tokens,
+# which it shadows where its batch goes (`Planner.shadow`)
+KeyedShadow = tuple[Namespace, list[int]]
 
 
 def request_namespace(
@@ -37,3 +41,24 @@ def request_namespace(
         cache_salt=parsed.salt or None,
         extra_key=parsed.extra_key or None,
     )
+
+
+def keyed_namespaces(parsed: ParsedRequest, choice: ModelChoice) -> tuple[KeyedShadow, ...]:
+    """The namespace of each item of a batch (after the first) that carries an extra_key, as
+    `request_namespace` reads the first's: the adapter the model names on an OpenAI route for
+    every item (SGLang gives it precedence over `lora_path`), else the item's own `lora_path`
+    ("" and null: the base model), none where the workers ignore `lora_path` (vLLM).
+
+    Before, an item without an adapter of its own took the first item's, and on an OpenAI
+    route an item's `lora_path` won over the model's adapter: its shadow went on another
+    adapter's pages than the worker stored it under, and a plain request of the item's
+    namespace was predicted the extra_key's pages (QA: 288 tokens, 0 cached)."""
+    adapter = choice.adapter if parsed.endpoint is not Endpoint.GENERATE else None
+    out: list[KeyedShadow] = []
+    for item in parsed.keyed:
+        lora = adapter
+        if lora is None and choice.reads_lora_path:
+            lora = item.lora
+        ns = Namespace(choice.cache_model, lora, item.salt, item.extra_key)
+        out.append((ns, item.tokens))
+    return tuple(out)

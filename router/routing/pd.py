@@ -23,8 +23,9 @@ import msgspec
 from indexer.service import Namespace
 from router.config import PdConfig, PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
-from router.prompt.request import KeyedItem, ParsedRequest
+from router.prompt.request import ParsedRequest
 from router.routing.load import Ticket
+from router.routing.namespace import KeyedShadow
 from router.routing.planner import Plan, Planner
 from router.routing.policy import Candidate, KvPolicy, Policy, build_policy
 
@@ -114,7 +115,7 @@ class PairPlanner:
         candidate: Candidate,
         *,
         first_try: bool,
-        keyed: Sequence[KeyedItem] = (),
+        keyed: Sequence[KeyedShadow] = (),
         stores_prompt: bool = True,
     ) -> Ticket:
         """The prefill side is committed like any request: pending marks, policy, load. It
@@ -137,7 +138,7 @@ class PairPlanner:
         *,
         first_try: bool,
         output_tokens: int | None = None,
-        keyed: Sequence[KeyedItem] = (),
+        keyed: Sequence[KeyedShadow] = (),
         stores_prompt: bool = True,
     ) -> Ticket:
         """The decode side: its policy learns the choice, the prompt it will hold is marked

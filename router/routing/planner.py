@@ -40,7 +40,7 @@ from indexer.service import (
 )
 from router.config import LimitsConfig, PolicyConfig
 from router.prompt.output_limit import PREFILL_OUTPUT_TOKENS
-from router.prompt.request import Endpoint, KeyedItem, ParsedRequest
+from router.prompt.request import Endpoint, ParsedRequest
 from router.routing.admission import (
     AdmissionForecast,
     RecencyBook,
@@ -54,7 +54,12 @@ from router.routing.balance import BalanceEstimate, BalanceModel
 from router.routing.decisions import DecisionSink
 from router.routing.eviction_cost import eviction_cost
 from router.routing.load import LoadTracker, Ticket, Withdraw
-from router.routing.namespace import Fingerprinter, request_namespace
+from router.routing.namespace import (
+    Fingerprinter,
+    KeyedShadow,
+    keyed_namespaces,
+    request_namespace,
+)
 from router.routing.policy import Candidate, Policy, effective_hit
 from router.routing.pool import WorkerEntry, WorkerPool, WorkerStatus
 from router.routing.prefill_watch import PrefillWatch
@@ -289,6 +294,13 @@ class Planner:
         """The cache namespace `parsed` lives in (UnknownModelError: no worker serves it; a
         RequestError for an adapter its model names that `limits` refuse)."""
         return request_namespace(parsed, self.pool.resolve(parsed.model), limits)
+
+    def keyed(self, parsed: ParsedRequest) -> tuple[KeyedShadow, ...]:
+        """The namespaces and tokens of `parsed`'s batch items (after the first) that carry
+        an extra_key (`keyed_namespaces`), for `commit` to shadow; () for most requests."""
+        if not parsed.keyed:
+            return ()
+        return keyed_namespaces(parsed, self.pool.resolve(parsed.model))
 
     def plan(
         self,
@@ -638,7 +650,7 @@ class Planner:
         *,
         first_try: bool,
         output_tokens: int | None = None,
-        keyed: Sequence[KeyedItem] = (),
+        keyed: Sequence[KeyedShadow] = (),
         stores_prompt: bool = True,
         whole_answer: bool = False,
     ) -> Ticket:
@@ -767,7 +779,7 @@ class Planner:
         tokens: Sequence[int],
         worker: str,
         dp_rank: int | None,
-        keyed: Sequence[KeyedItem] = (),
+        keyed: Sequence[KeyedShadow] = (),
         ticket: Ticket | None = None,
     ) -> list[ShadowMark]:
         """What a request with an extra_key stores on (worker, rank) (each item of a batch
@@ -778,9 +790,7 @@ class Planner:
         if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(worker):
             return []  # the common request: nothing to shadow, no lookup on its path
         shadows = [(ns, tokens)] if ns.extra_key is not None else []
-        for item in keyed:
-            item_ns = Namespace(ns.model, item.lora or ns.lora, item.salt, item.extra_key)
-            shadows.append((item_ns, item.tokens))
+        shadows.extend(keyed)
         made: list[ShadowMark] = []
         for shadow_ns, shadow_tokens in shadows:
             made.extend(

@@ -256,6 +256,62 @@ async def test_every_item_of_a_batch_with_an_extra_key_shadows_its_prompt(
     assert held[holder] == 0
 
 
+MODEL = "kvroute/reference-byte-lm"  # what the reference worker serves
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "batch", "lora"),
+    [
+        # item 1 names no adapter of its own: the base model's pages, not item 0's adapter's
+        ("/generate", {"lora_path": ["ad", ""], "extra_key": [None, "k1"]}, None),
+        ("/generate", {"lora_path": ["ad", None], "extra_key": "k1"}, None),
+        # the model's adapter wins over lora_path for every item (SGLang's OpenAI routes)
+        (
+            "/v1/completions",
+            {"model": f"{MODEL}:ad", "lora_path": ["x", "y"], "extra_key": [None, "k1"]},
+            "ad",
+        ),
+    ],
+    ids=["base-item", "base-item-key-for-all", "model-adapter"],
+)
+async def test_a_batch_items_shadow_is_in_the_adapter_the_worker_stores_it_under(
+    fleet: Fleet, endpoint: str, batch: dict[str, Any], lora: str | None
+) -> None:
+    """QA: an item with an extra_key was shadowed under another adapter than the worker
+    stored it under (one naming none took the first item's; on an OpenAI route its
+    `lora_path` won over the model's adapter), and a plain request of its namespace was
+    predicted the extra_key's pages: 288 tokens, 0 cached."""
+    a = [(i * 7) % 200 + 5 for i in range(20 * 16 + 1)]
+    b = [(i * 13) % 200 + 5 for i in range(20 * 16 + 1)]
+    field = "input_ids" if endpoint == "/generate" else "prompt"
+    body = {**batch, field: [a, b], "cache_salt": "tenant-a"}
+    if endpoint != "/generate":
+        body["max_tokens"] = 1
+    status, headers, _ = await fleet.post(endpoint, body)
+    assert status == 200
+    holder = headers["x-kvroute-worker"]
+    indexer = fleet.router.planner.indexer
+    (stream,) = indexer.stream_ids(holder)
+    model = fleet.router.planner.pool.get(holder).cache_model
+    plain_ns = Namespace(model, lora, "tenant-a")
+
+    async def stored() -> bool:  # item 1's pages, plain ones of its namespace to the events
+        keys = indexer.block_keys(stream, plain_ns, b)
+        return bool(keys) and all(indexer.index.holds(stream, keys))
+
+    await eventually(stored, what="the extra_key item's pages in the index as plain ones")
+    plain: dict[str, Any] = {field: b, "cache_salt": "tenant-a"}
+    if endpoint != "/generate":
+        plain.update(model=batch["model"], max_tokens=1)
+    plan = await fleet.route(plain, endpoint)
+    held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+    assert held[holder] == 0, plan["candidates"]
+    status, headers, answer = await fleet.post(endpoint, plain)
+    assert status == 200
+    worker_cached = cached_tokens(answer) if endpoint == "/generate" else cached(answer)
+    assert int(headers["x-kvroute-matched-tokens"]) == 0 == worker_cached
+
+
 async def _sent_and_stored_as_plain(
     fleet: Fleet, body: dict[str, Any], prompt: list[int], salt: str
 ) -> str:
