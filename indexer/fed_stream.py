@@ -162,7 +162,7 @@ class FedStream:
         *,
         clock: Callable[[], float],
         on_applied: Callable[[str, int], None] | None = None,
-        on_restart: Callable[[str], None] | None = None,
+        on_restart: Callable[[str, str], None] | None = None,
         verify_window_s: float = 10.0,
         silent_after_s: float | None = None,
         relays: LiveRelays | None = None,
@@ -404,7 +404,7 @@ class FedStream:
 
     def _tell_restart(self) -> None:
         if self._on_restart is not None:
-            self._on_restart(self.worker)
+            self._on_restart(self.worker, self.stream_id)
 
     def _held_since(self) -> None:
         """After a record: a stream that holds no entry now holds nothing older than it, and
@@ -748,7 +748,7 @@ class FedStreams:
         settings: IndexerConfig,
         *,
         on_applied: Callable[[str, int], None] | None = None,
-        on_restart: Callable[[str], None] | None = None,
+        on_restart: Callable[[str, str], None] | None = None,
         clock: Callable[[], float],
         silent_after_s: float | None = None,
     ) -> None:

@@ -445,11 +445,11 @@ class IndexerService:
             gone = {id(item) for item in unsized}
             self._unsized_shadows = [i for i in self._unsized_shadows if id(i) not in gone]
         log.info(
-            "stream %s: its publisher is a new process (seq %d, behind the %s it follows): "
-            "the %d extra_key shadows it took from the one before are dropped",
+            "stream %s: its publisher is a new process (seq %d, behind the last batch of "
+            "the %s they were made on): the %d extra_key shadows made before it are dropped",
             stream,
             seq,
-            "stream" if len(fences) == 1 else f"{len(fences)} streams",
+            "process" if len(fences) == 1 else f"{len(fences)} processes",
             dropped + len(unsized),
         )
 
@@ -1048,9 +1048,37 @@ class IndexerService:
 
     # -------------------------------------------------------------- waiting
 
-    def _on_restart(self, worker: str) -> None:
+    def _on_restart(self, worker: str, stream: str) -> None:
         for listener in self.restart_listeners:
             listener(worker)
+        self._judge_own_shadows(stream)
+
+    def _judge_own_shadows(self, stream: str) -> None:
+        """`stream`'s publisher restarted, or may have (its stream says so before it clears):
+        the `extra_key` shadows made there are judged as a renamed worker's are, by its last
+        batch (`_judge_adoption`). A new process's cache holds none of those pages; kept, a
+        prompt first sent with an `extra_key` and then stored plain by the new process was
+        predicted nothing there for as long as it stayed hot (the shadow lives while its
+        stream holds the key). A sign that was no restart (a garbage live frame, a relay's
+        block-size warning) changes nothing: the same process's seq goes on past the fence."""
+        unsized = [item for item in self._unsized_shadows if item[0] == stream]
+        if not (self._shadowed.shadows(stream) or unsized):
+            return
+        if not self.index.has_stream(stream):
+            return  # no batch to tell the next process by: kept (fail closed)
+        fence = self.index.fence(stream)
+        if fence is None:
+            return
+        adopted = self._adopted.get(stream)
+        if adopted is not None:
+            # every shadow there now, its own made since it took the others included, was
+            # made on the process that just ended
+            self._shadowed.watch(stream, ())
+            _add_fences(adopted[0], [fence])
+            known = {id(item) for item in adopted[1]}
+            adopted[1].extend(item for item in unsized if id(item) not in known)
+            return
+        self._adopt_loaded(stream, [fence], unsized, ())
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)

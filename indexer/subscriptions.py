@@ -86,7 +86,7 @@ class Subscriptions:
         settings: IndexerConfig,
         *,
         on_applied: Callable[[str, int], None] | None = None,
-        on_restart: Callable[[str], None] | None = None,
+        on_restart: Callable[[str, str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
         clock: Callable[[], float],
     ) -> None:

@@ -82,7 +82,7 @@ class Restarts(SubscriberState):
         no health probe need have seen it down (a quick restart, a pod behind a stable URL)."""
         self.restarts += 1
         if self._on_restart is not None:
-            self._on_restart(self.worker)
+            self._on_restart(self.worker, self.stream_id)
         if self._on_siblings is not None and not (self._unverified and self._by_sibling):
             # its other ranks (one server's) restarted too: before, a rank whose connection
             # did not drop (behind a forwarder) and that was quiet predicted the dead process's

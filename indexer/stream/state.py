@@ -139,7 +139,7 @@ class SubscriberState(abc.ABC):
         settings: IndexerConfig | None = None,
         *,
         on_applied: Callable[[str, int], None] | None = None,
-        on_restart: Callable[[str], None] | None = None,
+        on_restart: Callable[[str, str], None] | None = None,
         on_state: Callable[[str, StreamState], None] | None = None,
         on_siblings: Callable[[StreamSubscriber, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -151,7 +151,7 @@ class SubscriberState(abc.ABC):
         self.settings = settings or IndexerConfig()
         self._ctx = ctx
         self._on_applied = on_applied
-        self._on_restart = on_restart  # told the worker when its publisher restarted
+        self._on_restart = on_restart  # told the worker and stream when its publisher restarted
         # told this subscriber and the sign when it found its publisher restarted on evidence
         # of its own (not a check a sibling rank's restart asked for), or its event connection
         # dropped: the ranks of one server restart together, so the worker's other streams are

@@ -10,6 +10,7 @@ siblings to the worker that just took it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import msgspec
@@ -20,6 +21,7 @@ from router.routing.planner import unindexed_reason
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, one_worker_fleet, router_config
 from workers.config import WorkerConfig as ReferenceConfig
+from workers.worker import ReferenceWorker
 
 
 def cached(answer: dict[str, Any]) -> int:
@@ -414,6 +416,48 @@ async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> N
         status, headers, answer = await fleet.post("/generate", {**plain, "rid": "again"})
         assert status == 200
         assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)
+
+
+async def test_a_restarted_workers_extra_key_shadows_go_with_the_process_that_stored_them() -> None:
+    """The shadows of an `extra_key` request's pages cover the process that stored them: the
+    worker restarted (a new process on the same ports, its batches numbered from 0 again)
+    holds none of those pages, and the prompt it then stores plain is predicted as it reuses
+    it. Before, the shadows stayed while the stream held their keys: the new process's plain
+    pages of the prompt were predicted nothing for as long as the prompt stayed hot (on the
+    old code: predicted 0, cached 320, for good)."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
+    plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
+    async with one_worker_fleet(cfg) as fleet, contextlib.AsyncExitStack() as stack:
+        first = fleet.workers["w0"]
+        ports = {
+            "port": int(first.url.rstrip("/").rsplit(":", 1)[1]),
+            "events_port": first.kv_events.endpoint_port_base,
+            "replay_port": first.kv_events.replay_endpoint_port_base,
+        }
+        for n in range(6):  # the first process's seq runs ahead of the second's
+            await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
+        keyed = {**plain, "extra_key": "view-1"}
+        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        await first.__aexit__(None, None, None)
+        second = ReferenceWorker(msgspec.structs.replace(cfg, **ports))
+        fleet.workers["w0"] = await stack.enter_async_context(second)
+        status, _, answer = await fleet.post("/generate", plain)
+        assert status == 200 and cached_tokens(answer) == 0  # a new process: nothing cached
+        for n in range(3):
+            # batches of the new process, each one its publisher's present once the stream
+            # has found the restart and synced: the first of those shows it is a new process
+            await fleet.post("/generate", {**plain, "cache_salt": f"later-{n}"})
+            if await fleet.holds(plain, "w0", 320):
+                break
+            await asyncio.sleep(0.3)
+        await eventually(lambda: fleet.holds(plain, "w0", 320), what="the plain pages predicted")
+        status, headers, answer = await fleet.post("/generate", {**plain, "rid": "again"})
+        assert status == 200
+        assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)
+        # the extra_key's own request is still never predicted from events
+        status, headers, _ = await fleet.post("/generate", {**keyed, "rid": "keyed-again"})
+        assert status == 200 and int(headers["x-kvroute-matched-tokens"]) == 0
 
 
 async def test_a_loaded_dump_keeps_the_copies_that_tell_a_plain_page_apart() -> None:
