@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
@@ -88,6 +89,14 @@ SHADOW_HEAD_TOKENS = _UNSIZED_HEAD
 # bytes a shadow; a tail that early hides more, never shows a copy that is not plain)
 _SHADOW_BLOCKS = 2048
 _SHADOW_LIMIT = 4_000_000
+# a restart of a stream's publisher judges only the shadows marked there longer ago than this
+# (`_judge_own_shadows`): a request marked since may have reached the new process before its
+# stream found it, and how long that takes is not bounded by anything the stream sees (a
+# forwarder in front hides the restart until the new process publishes; a stalled loop reads
+# the old process's last batches after marks made for the new one). The keys marked within
+# it are kept per stream, up to `_RECENT_MARK_KEYS`: past that, a restart judges nothing
+RESTART_DOUBT_S = 300.0
+_RECENT_MARK_KEYS = 1 << 18
 
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
@@ -162,6 +171,9 @@ class IndexerService:
         # they were made on (`_judge_adoption`): the fences and the unsized shadows it took
         self._parked_fences: dict[ServerStream, list[BatchFence | None]] = {}
         self._adopted: dict[str, tuple[list[BatchFence | None], list[_Unsized]]] = {}
+        # per stream, the keys shadowed there within `RESTART_DOUBT_S` (when, keys), oldest
+        # first, with how many keys that is and when the newest it had to forget was marked
+        self._recent_marks: dict[str, _RecentMarks] = {}
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -314,6 +326,7 @@ class IndexerService:
         an admin delete and add predicted plain requests those pages)."""
         now = self._clock()
         self._adopted.pop(stream, None)
+        self._recent_marks.pop(stream, None)
         fence = self.index.fence(stream) if self.index.has_stream(stream) else None
         self._shadowed.park(stream, server, now)
         unsized = [item for item in self._unsized_shadows if item[0] == stream]
@@ -586,6 +599,7 @@ class IndexerService:
         """Shadow a prompt's chains of block keys on `stream` (its seed the tail of a prompt
         with no full block)."""
         seed, keys = chains
+        self._remember_marks(stream, seed, keys)
         marks = [
             self._shadowed.mark(stream, chain, chain[-1], extra_key, until)
             for chain in keys
@@ -595,6 +609,22 @@ class IndexerService:
             self._seeds[seed] = plain
             marks.append(self._shadowed.mark(stream, (), seed, extra_key, until))
         return marks
+
+    def _remember_marks(self, stream: str, seed: int, chains: list[list[int]]) -> None:
+        """Keep what `_mark` shadows on `stream` for `RESTART_DOUBT_S` (`_judge_own_shadows`)."""
+        now = self._clock()
+        recent = self._recent_marks.get(stream)
+        if recent is None:
+            recent = self._recent_marks[stream] = _RecentMarks()
+        marked = [seed, *(key for chain in chains for key in chain)]
+        recent.marks.append((now, marked))
+        recent.keys += len(marked)
+        horizon = now - RESTART_DOUBT_S
+        while recent.marks and (recent.marks[0][0] < horizon or recent.keys > _RECENT_MARK_KEYS):
+            at, old = recent.marks.popleft()
+            recent.keys -= len(old)
+            if at >= horizon:
+                recent.forgot_at = at  # forgotten while still doubtful
 
     def _has_seed(self, seed: int) -> bool:
         # a parked stream's seed too: the stream that adopts its shadows needs its namespace
@@ -1055,37 +1085,45 @@ class IndexerService:
 
     def _judge_own_shadows(self, stream: str) -> None:
         """`stream`'s publisher restarted, or may have (its stream says so before it clears):
-        the `extra_key` shadows made there before its last batch was applied are judged as a
-        renamed worker's are, by that batch (`_judge_adoption`). A new process's cache holds
-        none of those pages; kept, a prompt first sent with an `extra_key` and then stored
-        plain by the new process was predicted nothing there for as long as it stayed hot (the
-        shadow lives while its stream holds the key). A sign that was no restart (a garbage
-        live frame, a relay's block-size warning) changes nothing: the same process's seq goes
-        on past the fence.
+        the `extra_key` shadows marked there longer than `RESTART_DOUBT_S` ago are judged as a
+        renamed worker's are, by its last batch (`_judge_adoption`). A new process's cache
+        holds none of those pages; kept, a prompt first sent with an `extra_key` and then
+        stored plain by the new process was predicted nothing there for as long as it stayed
+        hot (the shadow lives while its stream holds the key). A sign that was no restart (a
+        garbage live frame, a relay's block-size warning) changes nothing: the same process's
+        seq goes on past the fence.
 
-        The shadows marked since that batch stay whatever the judgment says: their requests
-        may have gone to the new process before its stream found it (QA: an `extra_key`
-        request 80-150 ms after a restart had its shadow dropped with the old ones, and the
-        next plain request was predicted its 320 tokens, 0 cached). So do the shadows still
-        waiting for a page size (fail closed)."""
+        The shadows marked within `RESTART_DOUBT_S` stay whatever the judgment says: their
+        requests may have reached the new process before its stream found it. QA found two
+        such false hits in earlier versions of this rule, each a plain request predicted the
+        new process's extra_key pages (320 tokens, 0 cached): an extra_key request 80-150 ms
+        after a restart, judged with the old shadows; and one marked while the old process's
+        last batches waited unread behind a stalled loop, taken as older than them when they
+        were applied. So do the shadows still waiting for a page size (fail closed)."""
         if not self._shadowed.shadows(stream) or not self.index.has_stream(stream):
             return  # (no batch to tell the next process by: kept)
         fence = self.index.fence(stream)
         if fence is None:
             return
-        fresh = self._shadowed.fresh(stream)
+        recent = self._recent_marks.get(stream)
+        mine: set[int] = set()
+        if recent is not None:
+            horizon = self._clock() - RESTART_DOUBT_S
+            if recent.forgot_at is not None and recent.forgot_at >= horizon:
+                return  # more marked lately than it keeps: no shadow can be told old
+            for at, keys in recent.marks:
+                if at >= horizon:
+                    mine.update(keys)
         adopted = self._adopted.get(stream)
         if adopted is not None:
-            # the shadows it took, and its own made since, are all older than its last batch
-            self._shadowed.watch(stream, fresh)
+            # the shadows it took, and its own marked before the doubt, are judged alike
+            self._shadowed.watch(stream, mine)
             _add_fences(adopted[0], [fence])
             return
-        self._adopt_loaded(stream, [fence], [], sorted(fresh))
+        self._adopt_loaded(stream, [fence], [], sorted(mine))
 
     def _on_applied(self, stream: str, seq: int) -> None:
         self._matches.on_applied(stream)
-        if self._shadowed:
-            self._shadowed.applied(stream)
         if self._adopted and stream in self._adopted and self._settled_at(stream):
             self._judge_adoption(stream, seq)  # before its adopted unsized shadows get keys
         if self._unsized_shadows:
@@ -1124,6 +1162,17 @@ class IndexerService:
             # a waiter that timed out on an idle stream must not stay listed forever
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+
+class _RecentMarks:
+    """The keys shadowed on one stream within `RESTART_DOUBT_S` (`_remember_marks`)."""
+
+    __slots__ = ("forgot_at", "keys", "marks")
+
+    def __init__(self) -> None:
+        self.marks: deque[tuple[float, list[int]]] = deque()
+        self.keys = 0
+        self.forgot_at: float | None = None
 
 
 def _add_fences(kept: list[BatchFence | None], fences: Sequence[BatchFence | None]) -> None:

@@ -89,10 +89,6 @@ class ShadowedPrefixes:
         # streams whose adopted shadows may yet turn out another process's (`watch`): the keys
         # marked there since, which `disown` keeps
         self._since: dict[str, set[int]] = {}
-        # per stream, the keys marked there since its last event batch was applied (`applied`):
-        # a request they came with may have gone to a process that has published nothing yet
-        # (`fresh`)
-        self._fresh: dict[str, set[int]] = {}
         self._count = 0
         self._next_sweep = _FIRST_SWEEP
 
@@ -132,20 +128,7 @@ class ShadowedPrefixes:
             afters.append(after)
         if since is not None:
             since.update(marked)
-        fresh = self._fresh.get(stream)
-        if fresh is None:
-            fresh = self._fresh[stream] = set()
-        fresh.update(marked)
         return (stream, tuple(marked), tuple(befores), tuple(afters))
-
-    def applied(self, stream: str) -> None:
-        """An event batch of `stream` was applied: what was marked there before it is no
-        longer `fresh`."""
-        self._fresh.pop(stream, None)
-
-    def fresh(self, stream: str) -> set[int]:
-        """The keys marked on `stream` since its last event batch was applied."""
-        return set(self._fresh.get(stream, ()))
 
     def withdraw(self, mark: ShadowMark) -> None:
         """The request of `mark` stored nothing: each key goes back to what it was before (not
@@ -170,7 +153,6 @@ class ShadowedPrefixes:
         server's stream), for a stream added on it again (`adopt`), until they lapse."""
         self._moved_at.pop(stream, None)
         self._since.pop(stream, None)
-        self._fresh.pop(stream, None)
         shadows = self._by_stream.pop(stream, None)
         if shadows:
             parked = self._parked.get(server)

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from indexer import service
 from indexer.namespace import Namespace, namespace_seed, request_keys
 from router.routing.planner import unindexed_reason
 from router.service import RouterService
@@ -418,13 +419,17 @@ async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> N
         assert int(headers["x-kvroute-matched-tokens"]) == 320 == cached_tokens(answer)
 
 
-async def test_a_restarted_workers_extra_key_shadows_go_with_the_process_that_stored_them() -> None:
+async def test_a_restarted_workers_extra_key_shadows_go_with_the_process_that_stored_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The shadows of an `extra_key` request's pages cover the process that stored them: the
     worker restarted (a new process on the same ports, its batches numbered from 0 again)
     holds none of those pages, and the prompt it then stores plain is predicted as it reuses
     it. Before, the shadows stayed while the stream held their keys: the new process's plain
     pages of the prompt were predicted nothing for as long as the prompt stayed hot (on the
-    old code: predicted 0, cached 320, for good)."""
+    old code: predicted 0, cached 320, for good). Shadows marked within `RESTART_DOUBT_S` of
+    the restart stay (their requests may have reached the new process): shortened here."""
+    monkeypatch.setattr(service, "RESTART_DOUBT_S", 1.0)
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     prompt = [(i * 11) % 200 + 5 for i in range(20 * 16 + 1)]
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
@@ -439,6 +444,7 @@ async def test_a_restarted_workers_extra_key_shadows_go_with_the_process_that_st
             await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
         keyed = {**plain, "extra_key": "view-1"}
         await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        await asyncio.sleep(1.1)  # marked before the doubt
         await first.__aexit__(None, None, None)
         second = ReferenceWorker(msgspec.structs.replace(cfg, **ports))
         fleet.workers["w0"] = await stack.enter_async_context(second)
