@@ -387,6 +387,25 @@ async def test_a_router_that_loads_a_dump_keeps_its_extra_key_shadows() -> None:
             assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
 
 
+def _ports_of(worker: ReferenceWorker) -> dict[str, int]:
+    """What a new process of `worker` binds to be it again: its HTTP, events and replay ports."""
+    return {
+        "port": int(worker.url.rstrip("/").rsplit(":", 1)[1]),
+        "events_port": worker.kv_events.endpoint_port_base,
+        "replay_port": worker.kv_events.replay_endpoint_port_base,
+    }
+
+
+async def _keyed_after_a_run(fleet: Fleet, plain: dict[str, Any]) -> dict[str, Any]:
+    """Six batches of other salts (this process's seq runs ahead of a next one's), then
+    `plain` sent with an extra_key, its pages in the index as plain ones; that request."""
+    for n in range(6):
+        await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
+    keyed = {**plain, "extra_key": "view-1"}
+    await _sent_and_stored_as_plain(fleet, keyed, plain["input_ids"], plain["cache_salt"])
+    return keyed
+
+
 async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> None:
     """The shadows a dump kept covered the cache of the process it followed: a worker
     restarted since (a new process on the same ports, its batches numbered from 0 again) holds
@@ -397,15 +416,8 @@ async def test_a_loaded_dumps_shadows_go_when_the_worker_is_a_new_process() -> N
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
     async with one_worker_fleet(cfg) as fleet:
         first = fleet.workers["w0"]
-        ports = {
-            "port": int(first.url.rstrip("/").rsplit(":", 1)[1]),
-            "events_port": first.kv_events.endpoint_port_base,
-            "replay_port": first.kv_events.replay_endpoint_port_base,
-        }
-        for n in range(6):  # the first process's seq runs ahead of the second's
-            await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
-        keyed = {**plain, "extra_key": "view-1"}
-        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        ports = _ports_of(first)
+        await _keyed_after_a_run(fleet, plain)
         data = await _dump(fleet)
     async with one_worker_fleet(msgspec.structs.replace(cfg, **ports)) as fleet:
         await _load(fleet, data)
@@ -435,15 +447,8 @@ async def test_a_restarted_workers_extra_key_shadows_go_with_the_process_that_st
     plain = {"input_ids": prompt, "cache_salt": "tenant-a"}
     async with one_worker_fleet(cfg) as fleet, contextlib.AsyncExitStack() as stack:
         first = fleet.workers["w0"]
-        ports = {
-            "port": int(first.url.rstrip("/").rsplit(":", 1)[1]),
-            "events_port": first.kv_events.endpoint_port_base,
-            "replay_port": first.kv_events.replay_endpoint_port_base,
-        }
-        for n in range(6):  # the first process's seq runs ahead of the second's
-            await fleet.post("/generate", {**plain, "cache_salt": f"other-{n}"})
-        keyed = {**plain, "extra_key": "view-1"}
-        await _sent_and_stored_as_plain(fleet, keyed, prompt, "tenant-a")
+        ports = _ports_of(first)
+        keyed = await _keyed_after_a_run(fleet, plain)
         await asyncio.sleep(1.1)  # marked before the doubt
         await first.__aexit__(None, None, None)
         second = ReferenceWorker(msgspec.structs.replace(cfg, **ports))
