@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import zmq.asyncio
@@ -100,13 +100,6 @@ class Watch:
                 elif held:
                     self.held_unpredicted += 1
             await asyncio.sleep(0)
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def config(*, probe: bool) -> IndexerConfig:

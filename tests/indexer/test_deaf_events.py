@@ -42,13 +42,6 @@ NS = Namespace(MODEL)
 
 
 @pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 async def worker() -> AsyncIterator[ReferenceWorker]:
     async with ReferenceWorker(WorkerConfig(time_scale=0.0, page_size=PAGE)) as w:
         yield w

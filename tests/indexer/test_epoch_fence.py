@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import zmq.asyncio
@@ -42,13 +42,6 @@ from tests.indexer.test_subscriber_zmq import (
 PROBING = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0.05)
 LIVE_ONLY = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
 EMPTY = EventBatch(ts=0.0, events=[])
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 async def follow_old_epoch(svc: IndexerService, pub: ScriptedPublisher) -> list[EventBatch]:

@@ -83,13 +83,6 @@ class Restartable:
         return self.live.match(CacheNamespace(cache_salt=None), prompt)
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 async def generate(
     session: aiohttp.ClientSession, worker: ReferenceWorker, prompt: list[int], rank: int = 0
 ) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
@@ -34,13 +33,6 @@ from tests.indexer.test_subscriber_zmq import STREAM, WORKER, connect, reference
 # no idle probe: nothing but the rebuild reads the buffer again
 CONFIG = IndexerConfig(replay_timeout_s=0.3, probe_interval_s=0)
 BUSY_GAP_S = 0.02  # between a busy worker's batches: never idle long enough for a probe
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ whole block (a false hit).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
@@ -157,13 +156,6 @@ def test_what_is_held_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     # held were 14, 20 (whose parent is gone) and 21: a missed hit, never a false one
     assert index.block_size("s") == 4 and index.entries("s") == 3
     assert index.counters("s").unknown_parents == 1
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 async def test_a_worker_whose_first_store_is_a_partial_page_is_indexed(

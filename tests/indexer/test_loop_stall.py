@@ -10,9 +10,8 @@ it is resumed) and queries before it yields, as a request handler run first woul
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -29,13 +28,6 @@ from tests.indexer.test_subscriber_zmq import WORKER, connect, wait_until
 CONFIG = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
 PAGE: list[TokenId] = [1, 2, 3, 4]
 STORED = EventBatch(0.0, [Stored(block_hashes=[7], parent=None, token_ids=PAGE, block_size=4)])
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def predicted(svc: IndexerService) -> int:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import cast
 
 import pytest
@@ -49,13 +49,6 @@ D: list[TokenId] = [11, 12, 13, 14, 9]
 E: list[TokenId] = [15, 16, 17, 18, 9]
 F: list[TokenId] = [21, 22, 23, 24, 9]  # the dead process's pages
 G: list[TokenId] = [25, 26, 27, 28, 9]
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def stored(tokens: list[TokenId], block_hash: int) -> EventBatch:

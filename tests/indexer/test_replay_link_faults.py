@@ -56,13 +56,6 @@ def found_within(timeout_s: float) -> float:
     return 1.25 * timeout_s + 1.0
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 async def _proven(h: Hops, prompt: list[int]) -> None:
     """Wait until `prompt`, the worker's newest batch, is predicted and the stream trusted."""
     last = h.worker.next_seq() - 1

@@ -47,13 +47,6 @@ SETTINGS = IndexerConfig(probe_interval_s=30.0, replay_timeout_s=1.0)  # no idle
 DISAGREE = "disagree about the publisher"
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 async def _subscribe(
     svc: IndexerService, fwd: Forwarder, replay: str, block_size: int = 16
 ) -> None:

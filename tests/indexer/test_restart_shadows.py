@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
@@ -34,13 +33,6 @@ from tests.indexer.test_subscriber_zmq import CONFIG, WORKER, connect, wait_unti
 KEYED = Namespace("", None, None, "view-1")  # sent with an extra_key
 PLAIN = Namespace("", None, None)
 DOUBT_S = 1.0
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,6 @@ first events say the size (the events of that very prompt among them).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import msgspec
 import pytest
 import zmq.asyncio
@@ -24,13 +22,6 @@ from tests.indexer.test_subscriber_zmq import CONFIG, STREAM, WORKER, connect, w
 
 PROMPT: list[TokenId] = list(range(1000, 1000 + 33))  # two 16-token pages and a last token
 OTHER: list[TokenId] = list(range(2000, 2000 + 17))
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_a_shadow_outlives_its_time_while_the_stream_holds_its_key() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
@@ -29,13 +28,6 @@ from tests.indexer.scripted import ScriptedPublisher, workload
 from tests.indexer.test_subscriber_zmq import STREAM, WORKER, connect, reference, view, wait_until
 
 MESSAGES = 400  # garbage and valid messages per run: bounded, a second or so
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _garbage(rng: random.Random, valid: list[bytes], next_seq: int) -> list[bytes]:

@@ -39,13 +39,6 @@ CONFIG = IndexerConfig(replay_timeout_s=0.5, probe_interval_s=0)
 REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("request", default=None)
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def view(index: PrefixIndex, stream: str) -> dict[object, tuple[int, Namespace | None]]:
     """What a stream holds: engine hash -> (block key, namespace)."""
     st = index._streams[stream]
