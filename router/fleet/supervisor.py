@@ -38,6 +38,7 @@ from router.config import HealthConfig, TokenizerConfig, WorkerConfig
 from router.errors import RequestError
 from router.fleet.false_hit_response import FalseHitResponse
 from router.fleet.false_hits import FalseHitWatch, WatchAction
+from router.fleet.health_probe import probe_health
 from router.fleet.pd_sides import PdSides
 from router.fleet.registration import Registrar
 from router.fleet.registration_notes import RegistrationNotes
@@ -342,13 +343,10 @@ class Supervisor:
 
     async def check(self, entry: WorkerEntry) -> bool:
         """Probe one worker's health endpoint; registers its streams once it is up."""
-        timeout = aiohttp.ClientTimeout(total=self._health.timeout_s)
-        try:
-            async with self._session.get(entry.url + self._health.path, timeout=timeout) as resp:
-                healthy = resp.status == 200
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError):
-            healthy = False
+        # a check the router's own stall expired is made again (`router.fleet.health_probe`)
+        healthy = await probe_health(
+            self._session, entry.url + self._health.path, self._health.timeout_s, worker=entry.id
+        )
         if self._pool.find(entry.id) is not entry:
             return healthy  # removed while probed: recording it would revive its metric series
         if id(entry) in self._adding:
