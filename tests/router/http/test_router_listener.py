@@ -436,7 +436,8 @@ async def test_an_admin_request_without_the_token_is_a_401_before_any_limit_is_n
     Now a stranger hears 401 and nothing else, still before the body is read (the 1 GiB
     declared never comes) and before any 100-continue; with the token the limit holds."""
     declared = b"Content-Length: 1073741824"
-    async with _router(max_snapshot_bytes=4096) as router:
+    # each refusal drains the unsent body for min(2 s, body_timeout_s) before it closes
+    async with _router(max_snapshot_bytes=4096, body_timeout_s=FAST) as router:
         port = _port(router)
         wrong = (b"Authorization", b"Bearer wrong")
         for path in (b"/admin/index/load", b"/admin/workers"):
@@ -591,7 +592,8 @@ async def test_every_refusal_of_a_read_request_echoes_its_well_formed_id() -> No
         (415, [(b"Content-Encoding", b"x-foo")], b"{}"),
         (417, [(b"Expect", b"nope")], b"{}"),
     ]
-    async with _router(max_body_bytes=1 << 20) as router:
+    # a refusal of an unsent body drains it for min(2 s, body_timeout_s) before it closes
+    async with _router(max_body_bytes=1 << 20, body_timeout_s=FAST) as router:
         port = _port(router)
         for status, headers, body in refusals:
             for rid, echoed in ((b"rid-413", "rid-413"), (b"bad id [x]", None)):
