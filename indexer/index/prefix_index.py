@@ -172,7 +172,6 @@ class PrefixIndex:
         if st is None:
             return 0
         dropped = self.clear_stream(stream, count=False)
-        self.pending.discard_slot(st.slot)
         if st.block_size is not None:
             self._leave_shape(st)
         del self._streams[stream]
@@ -182,7 +181,16 @@ class PrefixIndex:
         return dropped
 
     def clear_stream(self, stream: str, *, count: bool = True) -> int:
-        """Drop exactly one stream's entries (AllBlocksCleared, restart, lost gap)."""
+        """Drop exactly one stream's entries (AllBlocksCleared, restart, lost gap), and its
+        pending marks.
+
+        A mark says a request routed there will store those blocks. Across a clear nothing
+        tells whether it did before (its blocks gone with the rest) or will after: a plain
+        request's mark goes when its stores arrive, but an `extra_key` request's never does
+        (no event shows its pages), and after a restart the request died with the old process.
+        Kept, they were predicted for up to `pending_ttl_s` (QA: 256 tokens pending after a
+        flush and after a restart, 0 cached). Dropped: at worst a sibling of a request still
+        queued across a clear is predicted no reuse, a missed hit."""
         st = self._streams.get(stream)
         if st is None:
             return 0
@@ -190,6 +198,7 @@ class PrefixIndex:
         for h, key in st.blocks.items():
             self._writer.unlink(st, h, key)
         st.forget_entries()
+        self.pending.discard_slot(st.slot)
         if count:
             st.counters.clears += 1
         return dropped

@@ -119,6 +119,11 @@ def _candidate_row(c: Candidate) -> dict[str, Any]:
         "matched_tokens": c.matched_tokens,
         "matched_blocks": c.matched_blocks,
         "pending_tokens": c.pending_tokens,
+        # what the proxy would tell a client sent there (x-kvroute-matched-tokens plus
+        # x-kvroute-pending-tokens): the two above, less what the admission forecast expects
+        # the worker to evict before it admits the request. Without it a gateway read the raw
+        # match as the hit (QA: 592 tokens, the router predicting 0 and the worker reusing 0)
+        "predicted_tokens": c.predicted_tokens,
         "tiers": c.by_medium,
         "stream_state": c.stream_state,
         "routable": c.healthy,

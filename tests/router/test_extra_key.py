@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
 from indexer import service
 from indexer.namespace import Namespace, namespace_seed, request_keys
+from router.config import IndexerSection
 from router.routing.planner import unindexed_reason
 from router.service import RouterService
 from tests.router.conftest import AUTH, Fleet, eventually, one_worker_fleet, router_config
@@ -555,3 +557,58 @@ async def test_a_dump_loaded_where_the_worker_has_another_id_keeps_its_shadows(w
             status, headers, answer = await fresh.post("/generate", plain)
             assert status == 200
             assert int(headers["x-kvroute-matched-tokens"]) == 0 == cached_tokens(answer)
+
+
+async def _clears(fleet: Fleet) -> int:
+    """How many times w0's stream had its entries dropped wholesale."""
+    _, streams = await fleet.admin("GET", "/streams")
+    (row,) = streams["streams"]
+    return int(row["clears"])
+
+
+@pytest.mark.parametrize("loss", ["flush", "restart"])
+async def test_a_keyed_requests_pending_marks_go_when_its_worker_loses_its_cache(
+    loss: str,
+) -> None:
+    """An `extra_key` request's pending marks steer its siblings to the worker that took it,
+    and no event takes them back (none shows its pages). A flush or a restart of the worker
+    dropped the stream's entries and left the marks: until they lapsed the same request was
+    predicted its whole prompt pending there, 0 cached (QA: 256 tokens, at the default 2 s).
+    A clear drops them now (they live 60 s here: past the test on the code before)."""
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16)
+    prompt = [(i * 7) % 200 + 5 for i in range(20 * 16 + 1)]
+    keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
+    async with contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(ReferenceWorker(cfg))
+        config = router_config([("w0", first.url)], indexer=IndexerSection(pending_ttl_s=60.0))
+        router = await stack.enter_async_context(RouterService(config))
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        fleet = Fleet(router, {"w0": first}, session)
+        await fleet.warm()
+        status, _, answer = await fleet.post("/generate", keyed)
+        assert status == 200 and cached_tokens(answer) == 0
+        (before,) = (await fleet.route(keyed))["candidates"]
+        assert before["pending_tokens"] == 320  # what steers its siblings there
+
+        if loss == "flush":
+            # counted from here: a stall of a loaded machine may have had the stream cleared
+            # and rebuilt already
+            clears = await _clears(fleet)
+            async with session.post(first.url + "/flush_cache") as resp:
+                assert resp.status == 200
+
+            async def cleared() -> bool:
+                return await _clears(fleet) > clears
+
+            await eventually(cleared, what="the flush applied")
+        else:
+            ports = _ports_of(first)
+            await first.__aexit__(None, None, None)
+            second = ReferenceWorker(msgspec.structs.replace(cfg, **ports))
+            fleet.workers["w0"] = await stack.enter_async_context(second)
+            await _found_a_new_process(fleet)
+        (after,) = (await fleet.route(keyed))["candidates"]
+        assert after["pending_tokens"] == 0, after
+        status, headers, answer = await fleet.post("/generate", {**keyed, "rid": "again"})
+        assert status == 200
+        assert int(headers["x-kvroute-pending-tokens"]) == 0 == cached_tokens(answer)

@@ -548,3 +548,60 @@ async def test_a_long_query_is_tokenized_off_the_loop() -> None:
                 assert answer["prompt_tokens"] >= len(ids)
                 # on the loop it stalled for the whole encode (0.31 of 0.36 s; 0.017 s now)
                 assert longest < encode_s / 2, (longest, encode_s)
+
+
+def _prose(tag: str, chars: int) -> str:
+    return ((tag + " ") * (chars // (len(tag) + 1) + 1))[:chars]
+
+
+async def test_a_rows_predicted_tokens_is_what_the_proxy_predicts_at_admission() -> None:
+    """A prefix the requests queued ahead will evict before the worker admits the prompt: the
+    proxy predicts none of it, and the worker reuses none. The query gave only the raw match
+    (QA: 592 tokens), which a gateway took for the hit; `predicted_tokens` says the proxy's."""
+    # one request runs at a time in a 2,048-token pool: a 1,500-token prompt queued behind a
+    # long decode evicts a 600-token prefix before anything after it is admitted
+    cfg = ReferenceConfig(
+        time_scale=1.0,
+        page_size=16,
+        capacity_tokens=2048,
+        max_running_requests=1,
+        prefill_ms_per_token=0.05,
+        decode_ms_per_token=10.0,
+    )
+    prefix = {"text": _prose("prefix", 600), "sampling_params": {"max_new_tokens": 1}}
+    async with ReferenceWorker(cfg) as w0:
+        config = router_config([("w0", w0.url)], query=QueryConfig(token=QUERY_TOKEN))
+        async with RouterService(config) as router, aiohttp.ClientSession() as session:
+            fleet = Fleet(router, {"w0": w0}, session)
+            await fleet.warm()
+            status, _, _ = await fleet.post("/generate", prefix)
+            assert status == 200
+            await eventually(lambda: fleet.holds(prefix, "w0", 592), what="the prefix indexed")
+            running = asyncio.create_task(
+                fleet.post("/generate", {"text": "C", "sampling_params": {"max_new_tokens": 400}})
+            )
+            big = {"text": _prose("big", 1500), "sampling_params": {"max_new_tokens": 5}}
+            try:
+                await asyncio.sleep(0.2)  # the decode admitted first: it holds the one place
+                queued_big = asyncio.create_task(fleet.post("/generate", big))
+                rows: list[dict[str, Any]] = []
+
+                async def big_in_flight() -> bool:  # routed: in the router's in-flight view
+                    status, answer = await _query(fleet, {"text": prefix["text"]})
+                    assert status == 200
+                    rows[:] = answer["workers"]
+                    return int(rows[0]["queued_prefill_tokens"]) >= 1000
+
+                await eventually(big_in_flight, what="the big prompt in flight")
+                (row,) = rows
+                (planned,) = (await fleet.route(prefix))["candidates"]
+                status, headers, sent = await fleet.post("/generate", {**prefix, "rid": "again"})
+                await queued_big
+            finally:
+                await running
+    assert row["matched_tokens"] == 592  # the raw match: what the events show
+    held = planned["matched_tokens"] + planned["pending_tokens"]
+    assert row["predicted_tokens"] == min(held, planned["admission"]["kept_tokens"]) == 0, planned
+    assert status == 200
+    predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
+    assert predicted == 0 == sent["meta_info"]["cached_tokens"]
