@@ -199,6 +199,7 @@ class PrefixIndex:
             self._writer.unlink(st, h, key)
         st.forget_entries()
         self.pending.discard_slot(st.slot)
+        st.cleared_at = self.clock()
         if count:
             st.counters.clears += 1
         return dropped
@@ -405,9 +406,14 @@ class PrefixIndex:
         `keys`: the blocks' keys on `stream` as `block_keys` gives them, when the caller has
         them (the router made them for its forecast); None: made here. `age_s`: how long ago
         the request was routed (another replica's decision): the mark lives what is left of
-        the TTL (`PendingTable.add`)."""
+        the TTL (`PendingTable.add`); one routed before the stream was last cleared marks
+        nothing (the clear dropped the marks of its time: `clear_stream`; taken after it, a
+        mark held up on its way, by NATS or a stalled loop, would be predicted on a worker
+        that flushed or restarted since the request reached it)."""
         st = self._streams.get(stream)
         if st is None or st.block_size is None:
+            return 0
+        if age_s and st.cleared_at is not None and self.clock() - age_s < st.cleared_at:
             return 0
         self.pending.expire()
         ns_id = self._intern(namespace)

@@ -64,6 +64,7 @@ class IndexedStream:
         "bit",
         "block_size",
         "blocks",
+        "cleared_at",
         "counters",
         "dup_keys",
         "engine",
@@ -107,6 +108,9 @@ class IndexedStream:
         # what proves the publisher's batch `last_seq` is still the one applied (indexer.fence)
         self.fence: BatchFence | None = None
         self.counters = StreamCounters()
+        # when its entries and pending marks were last dropped wholesale (the index's clock;
+        # None: never): another replica's mark made before then is not taken
+        self.cleared_at: float | None = None
         # engine hash -> block key, values packed as int64 in the compiled map
         self.blocks = int_map(True)
         self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1

@@ -151,6 +151,35 @@ def test_pending_entries_expire_and_are_replaced() -> None:
     assert (got.blocks, got.pending_blocks) == (2, 0) and len(index.pending) == 0
 
 
+@pytest.mark.parametrize("how", ["event", "restart"])
+def test_a_clear_drops_the_streams_pending_marks_and_older_ones_coming_late(how: str) -> None:
+    """A clear (AllBlocksCleared, or the stream's restart or lost gap) drops the stream's
+    pending marks with its entries: nothing tells whether their requests stored before it (an
+    extra_key request's mark is never taken back by an event). A mark another replica made
+    before the clear, arriving after it (held up by NATS), marks nothing; one made after does.
+    """
+    now = [10.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.add_stream("b", model="m", block_size=4)
+    keyed = Namespace("m", None, "s", extra_key="view-1")
+    assert index.add_pending("a", keyed, TOKENS) == 4
+    assert index.add_pending("b", keyed, TOKENS) == 4
+    now[0] = 11.0
+    if how == "event":
+        index.apply("a", batch(Cleared()))
+    else:
+        index.clear_stream("a")
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == 0
+    assert index.query(keyed, TOKENS)["b"].pending_blocks == 4  # another stream's stay
+    now[0] = 12.0
+    # routed 1.5 s ago (before the clear), told now: nothing; routed 0.5 s ago: marked
+    assert index.add_pending("a", keyed, TOKENS, age_s=1.5) == 0
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == 0
+    assert index.add_pending("a", keyed, TOKENS, age_s=0.5) == 4
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == 4
+
+
 def test_evict_namespace_and_drop_stream() -> None:
     index = make()
     salted = Namespace("m", None, "s")
