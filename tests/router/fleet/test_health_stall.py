@@ -8,8 +8,10 @@ long GC pass or a CPU-starved process), or hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -58,13 +60,9 @@ async def _rounds(router: RouterService, session: aiohttp.ClientSession, count: 
         assert await _health(session, router) == 200
 
 
-async def test_a_stall_of_the_routers_loop_takes_no_healthy_worker_out_of_rotation(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A check in flight when the process stopped for 1 s expired as it came back (its timer
-    ran before the task the answer woke): the worker went unhealthy, and alone in the fleet,
-    the router answered 503 for a stall of its own. Its check is made again now."""
-    caplog.set_level(logging.DEBUG, logger="router.fleet")
+@contextlib.asynccontextmanager
+async def _fleet() -> AsyncIterator[tuple[HealthFaults, RouterService, aiohttp.ClientSession]]:
+    """A reference worker behind `HealthFaults`, its router past two health rounds."""
     async with (
         ReferenceWorker(ReferenceConfig(time_scale=0.0)) as worker,
         HealthFaults(worker.url) as faults,
@@ -72,6 +70,17 @@ async def test_a_stall_of_the_routers_loop_takes_no_healthy_worker_out_of_rotati
         aiohttp.ClientSession() as session,
     ):
         await _rounds(router, session, 2)
+        yield faults, router, session
+
+
+async def test_a_stall_of_the_routers_loop_takes_no_healthy_worker_out_of_rotation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A check in flight when the process stopped for 1 s expired as it came back (its timer
+    ran before the task the answer woke): the worker went unhealthy, and alone in the fleet,
+    the router answered 503 for a stall of its own. Its check is made again now."""
+    caplog.set_level(logging.DEBUG, logger="router.fleet")
+    async with _fleet() as (faults, router, session):
         faults.stalls = 1
         await asyncio.wait_for(faults.done.wait(), 5)
         await _rounds(router, session, 3)
@@ -88,13 +97,7 @@ async def test_a_hung_worker_is_still_found_across_a_stall(
     """The check made again is no second chance for a worker that does not answer: it times
     out on time, and the worker goes unhealthy."""
     caplog.set_level(logging.DEBUG, logger="router.fleet")
-    async with (
-        ReferenceWorker(ReferenceConfig(time_scale=0.0)) as worker,
-        HealthFaults(worker.url) as faults,
-        RouterService(router_config([("w0", faults.url)], health=HEALTH)) as router,
-        aiohttp.ClientSession() as session,
-    ):
-        await _rounds(router, session, 2)
+    async with _fleet() as (faults, router, session):
         faults.hang = True
         faults.stalls = 1
         started = time.monotonic()
