@@ -39,8 +39,8 @@ async def probe_health(
 ) -> bool:
     """Whether `url` answers 200 within `timeout_s` (checked again once when the router's loop
     was held up as the first check expired)."""
+    loop = asyncio.get_running_loop()
     for attempt in range(2):
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 async with session.get(url, timeout=_NO_CLIENT_TIMEOUT) as resp:

@@ -223,13 +223,16 @@ class DiscoveryGate(WorkerPassThrough):
 
 
 @contextlib.asynccontextmanager
-async def one_worker_fleet(cfg: ReferenceConfig | None = None) -> AsyncIterator[Fleet]:
+async def one_worker_fleet(
+    cfg: ReferenceConfig | None = None, **router_overrides: Any
+) -> AsyncIterator[Fleet]:
     """One reference worker, `w0` (no simulated latency, 16-token pages unless `cfg` says
-    otherwise), behind a kv router, its stream delivering to the index."""
+    otherwise), behind a kv router (`router_config` with `router_overrides`), its stream
+    delivering to the index."""
     cfg = cfg or ReferenceConfig(time_scale=0.0, page_size=16)
     async with (
         ReferenceWorker(cfg) as w0,
-        RouterService(router_config([("w0", w0.url)])) as router,
+        RouterService(router_config([("w0", w0.url)], **router_overrides)) as router,
         aiohttp.ClientSession() as session,
     ):
         fleet = Fleet(router, {"w0": w0}, session)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 
@@ -578,13 +577,9 @@ async def test_a_keyed_requests_pending_marks_go_when_its_worker_loses_its_cache
     cfg = ReferenceConfig(time_scale=0.0, page_size=16)
     prompt = [(i * 7) % 200 + 5 for i in range(20 * 16 + 1)]
     keyed = {"input_ids": prompt, "cache_salt": "tenant-a", "extra_key": "view-1"}
-    async with contextlib.AsyncExitStack() as stack:
-        first = await stack.enter_async_context(ReferenceWorker(cfg))
-        config = router_config([("w0", first.url)], indexer=IndexerSection(pending_ttl_s=60.0))
-        router = await stack.enter_async_context(RouterService(config))
-        session = await stack.enter_async_context(aiohttp.ClientSession())
-        fleet = Fleet(router, {"w0": first}, session)
-        await fleet.warm()
+    ttl = IndexerSection(pending_ttl_s=60.0)
+    async with one_worker_fleet(cfg, indexer=ttl) as fleet, contextlib.AsyncExitStack() as stack:
+        first = fleet.workers["w0"]
         status, _, answer = await fleet.post("/generate", keyed)
         assert status == 200 and cached_tokens(answer) == 0
         (before,) = (await fleet.route(keyed))["candidates"]
@@ -594,7 +589,7 @@ async def test_a_keyed_requests_pending_marks_go_when_its_worker_loses_its_cache
             # counted from here: a stall of a loaded machine may have had the stream cleared
             # and rebuilt already
             clears = await _clears(fleet)
-            async with session.post(first.url + "/flush_cache") as resp:
+            async with fleet.session.post(first.url + "/flush_cache") as resp:
                 assert resp.status == 200
 
             async def cleared() -> bool:

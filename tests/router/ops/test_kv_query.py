@@ -21,7 +21,7 @@ from router.http.reload import ConfigSource
 from router.prompt.tokenizer import build_tokenizer
 from router.service import RouterService
 from tests.router.chat_routing import FIXTURES as CHAT_FIXTURES
-from tests.router.conftest import AUTH, Fleet, eventually, router_config
+from tests.router.conftest import AUTH, Fleet, eventually, one_worker_fleet, router_config
 from tests.router.test_router_pd import PAGE, PROMPT, reference, warm
 from tests.router.vllm_stub import vllm_payload, vllm_stub
 from workers.config import WorkerConfig as ReferenceConfig
@@ -569,36 +569,32 @@ async def test_a_rows_predicted_tokens_is_what_the_proxy_predicts_at_admission()
         decode_ms_per_token=10.0,
     )
     prefix = {"text": _prose("prefix", 600), "sampling_params": {"max_new_tokens": 1}}
-    async with ReferenceWorker(cfg) as w0:
-        config = router_config([("w0", w0.url)], query=QueryConfig(token=QUERY_TOKEN))
-        async with RouterService(config) as router, aiohttp.ClientSession() as session:
-            fleet = Fleet(router, {"w0": w0}, session)
-            await fleet.warm()
-            status, _, _ = await fleet.post("/generate", prefix)
-            assert status == 200
-            await eventually(lambda: fleet.holds(prefix, "w0", 592), what="the prefix indexed")
-            running = asyncio.create_task(
-                fleet.post("/generate", {"text": "C", "sampling_params": {"max_new_tokens": 400}})
-            )
-            big = {"text": _prose("big", 1500), "sampling_params": {"max_new_tokens": 5}}
-            try:
-                await asyncio.sleep(0.2)  # the decode admitted first: it holds the one place
-                queued_big = asyncio.create_task(fleet.post("/generate", big))
-                rows: list[dict[str, Any]] = []
+    async with one_worker_fleet(cfg, query=QueryConfig(token=QUERY_TOKEN)) as fleet:
+        status, _, _ = await fleet.post("/generate", prefix)
+        assert status == 200
+        await eventually(lambda: fleet.holds(prefix, "w0", 592), what="the prefix indexed")
+        running = asyncio.create_task(
+            fleet.post("/generate", {"text": "C", "sampling_params": {"max_new_tokens": 400}})
+        )
+        big = {"text": _prose("big", 1500), "sampling_params": {"max_new_tokens": 5}}
+        try:
+            await asyncio.sleep(0.2)  # the decode admitted first: it holds the one place
+            queued_big = asyncio.create_task(fleet.post("/generate", big))
+            rows: list[dict[str, Any]] = []
 
-                async def big_in_flight() -> bool:  # routed: in the router's in-flight view
-                    status, answer = await _query(fleet, {"text": prefix["text"]})
-                    assert status == 200
-                    rows[:] = answer["workers"]
-                    return int(rows[0]["queued_prefill_tokens"]) >= 1000
+            async def big_in_flight() -> bool:  # routed: in the router's in-flight view
+                status, answer = await _query(fleet, {"text": prefix["text"]})
+                assert status == 200
+                rows[:] = answer["workers"]
+                return int(rows[0]["queued_prefill_tokens"]) >= 1000
 
-                await eventually(big_in_flight, what="the big prompt in flight")
-                (row,) = rows
-                (planned,) = (await fleet.route(prefix))["candidates"]
-                status, headers, sent = await fleet.post("/generate", {**prefix, "rid": "again"})
-                await queued_big
-            finally:
-                await running
+            await eventually(big_in_flight, what="the big prompt in flight")
+            (row,) = rows
+            (planned,) = (await fleet.route(prefix))["candidates"]
+            status, headers, sent = await fleet.post("/generate", {**prefix, "rid": "again"})
+            await queued_big
+        finally:
+            await running
     assert row["matched_tokens"] == 592  # the raw match: what the events show
     held = planned["matched_tokens"] + planned["pending_tokens"]
     assert row["predicted_tokens"] == min(held, planned["admission"]["kept_tokens"]) == 0, planned
