@@ -25,6 +25,15 @@ A mark is withdrawn (`withdraw`) when its request failed (the worker refused it,
 reached the worker): nothing is on its way. Its keys go back to the mark before it that made
 them pending there (`earlier`: the generations they had, kept only when some had one), as
 long as that one stands; else they are dropped.
+
+A mark of a namespace no event shows (an `extra_key`'s: the engine publishes its pages as
+plain pages of its salt) is never replaced by a store, so nothing but its deadline would take
+it back once its pages are gone: a worker that evicted them (or flushed its salt) within the
+TTL was predicted them pending, 0 cached (QA: 144 tokens). Its keys are **twinned** with the
+plain keys of the same blocks (`twin`), and a removal of a plain key's page on the stream drops
+the twins' marks there (`removed`): which copy went no event says, so the keyed one is taken
+for gone (a missed hit at worst). The engine evicts leaves first, so a removal drops a prefix's
+marks from the block it took on, as the match stops at the first key not marked.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ __all__ = ["PendingTable"]
 # deadline, slot, generation, ns id, keys, the keys' generations before it (None: all 0)
 _Mark = tuple[float, int, int, int, list[int], list[int] | None]
 
+# a stream's twins (`PendingTable.twin`) are swept of the keys no longer marked once they are
+# this many, then at twice what is left: they stay within ~2x the stream's marks
+_FIRST_TWIN_SWEEP = 4096
+
 
 class PendingTable:
     """Block key -> stream-slot bitmask with per-(key, slot) deadlines."""
@@ -54,9 +67,11 @@ class PendingTable:
         "_int_map",
         "_live",
         "_shift",
+        "_twin_sweep",
         "bits",
         "max_entries",
         "ttl_s",
+        "twins",
     )
 
     def __init__(
@@ -82,6 +97,11 @@ class PendingTable:
         # the generations of the marks standing (in `_fifo`): the keys a withdrawn mark took
         # over go back to the ones among them (deadlines do not follow generations)
         self._live: set[int] = set()
+        # slot -> plain key -> the key(s) marked there of the same block in namespaces no event
+        # shows (`twin`); one int, or a tuple where several extra_keys have one. Read outside
+        # (the writer asks it before a removal), never replaced
+        self.twins: dict[int, dict[int, int | tuple[int, ...]]] = {}
+        self._twin_sweep: dict[int, int] = {}  # slot -> its twins' size that sweeps them
 
     @property
     def generation(self) -> int:
@@ -210,11 +230,81 @@ class PendingTable:
             gens.pop_many(keys, None)
             if not gens:
                 del self._gens[slot]
+                self.twins.pop(slot, None)  # twins of nothing marked
+                self._twin_sweep.pop(slot, None)
         bits = self.bits
         rest = list(map((~(1 << (slot + self._shift))).__and__, bits.get_many(keys, 0)))
         held = list(map(bool, map(self._shift.__rrshift__, rest)))  # any stream bit left
         bits.update(compress(zip(keys, rest, strict=True), held))
         bits.pop_many(list(compress(keys, map(not_, held))), None)
+
+    def twin(self, slot: int, plain: Iterable[int], keys: Iterable[int]) -> None:
+        """`keys`, marked on `slot` in a namespace no event shows, are the blocks whose pages
+        events show under `plain` (the same blocks' keys in the namespace the engine publishes
+        them in, one for one): a removal of one of those pages there drops its twin's marks
+        (`removed`)."""
+        twins = self.twins.get(slot)
+        if twins is None:
+            twins = self.twins[slot] = {}
+        pairs = list(zip(plain, keys, strict=False))  # fewer plain keys: those blocks only
+        if twins.keys().isdisjoint(p for p, _ in pairs):
+            twins.update(pairs)  # the common case, in C: a new prefix
+        else:
+            for p, k in pairs:
+                had = twins.get(p)
+                if had is None:
+                    twins[p] = k
+                elif isinstance(had, int):
+                    if had != k:
+                        twins[p] = (had, k)  # another extra_key's copy of the same block
+                elif k not in had:
+                    twins[p] = (*had, k)
+        if len(twins) >= self._twin_sweep.get(slot, _FIRST_TWIN_SWEEP):
+            self._sweep_twins(slot, twins)
+
+    def removed(self, slot: int, plain: Iterable[int]) -> int:
+        """Pages of `plain` keys went from `slot`: their twins' marks there go (`twin`);
+        returns how many were marked."""
+        twins = self.twins.get(slot)
+        gens = self._gens.get(slot)
+        if not twins or gens is None:
+            return 0
+        gone: list[int] = []
+        for p in plain:
+            t = twins.pop(p, None)
+            if t is None:
+                continue
+            if isinstance(t, int):
+                gone.append(t)
+            else:
+                gone.extend(t)
+        if not gone:
+            return 0
+        marked = list(compress(gone, map((0).__ne__, gens.get_many(gone, 0))))
+        self._drop(slot, marked)
+        return len(marked)
+
+    def _sweep_twins(self, slot: int, twins: dict[int, int | tuple[int, ...]]) -> None:
+        """Forget the twins of keys no longer marked on `slot`."""
+        gens = self._gens.get(slot)
+        if gens is None:
+            kept: dict[int, int | tuple[int, ...]] = {}
+        else:
+            kept = {}
+            for p, t in twins.items():
+                if isinstance(t, int):
+                    if t in gens:
+                        kept[p] = t
+                else:
+                    left = tuple(k for k in t if k in gens)
+                    if left:
+                        kept[p] = left[0] if len(left) == 1 else left
+        if kept:
+            self.twins[slot] = kept
+            self._twin_sweep[slot] = max(2 * len(kept), _FIRST_TWIN_SWEEP)
+        else:
+            self.twins.pop(slot, None)
+            self._twin_sweep.pop(slot, None)
 
     def discard(self, key: int, slot: int) -> None:
         """Forget one (key, slot) entry, e.g. because the real block arrived."""
@@ -224,6 +314,8 @@ class PendingTable:
 
     def discard_slot(self, slot: int) -> None:
         """Forget every entry of one stream slot (the slot is being dropped or reused)."""
+        self.twins.pop(slot, None)
+        self._twin_sweep.pop(slot, None)
         gens = self._gens.get(slot)
         if gens is not None:
             self._drop(slot, [k for k in gens if isinstance(k, int)])
@@ -248,3 +340,5 @@ class PendingTable:
         self._gens.clear()
         self._fifo.clear()
         self._live.clear()
+        self.twins.clear()
+        self._twin_sweep.clear()

@@ -417,10 +417,10 @@ class PrefixIndex:
             return 0
         self.pending.expire()
         ns_id = self._intern(namespace)
+        paged: Sequence[Hashable] = Bigrams(tokens) if st.bigram else tokens
         if keys is None:
             seed = self._registry.seed(ns_id, st.block_size)
-            keyed: Sequence[Hashable] = Bigrams(tokens) if st.bigram else tokens
-            keys = self._chain(seed, keyed, st.block_size, 0, -1)
+            keys = self._chain(seed, paged, st.block_size, 0, -1)
         # keys the stream already holds need no pending mark (C-level passes, no per-key step;
         # a prompt nobody holds, the common case for a new prefix, skips even those)
         table = self._table
@@ -428,7 +428,19 @@ class PrefixIndex:
         if not table.isdisjoint(keys):
             held = map(st.sbit.__and__, table.get_many(keys, 0))
             fresh = list(compress(keys, map(not_, held)))
-        return self.pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id], age_s=age_s)
+        pending = self.pending
+        marked = pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id], age_s=age_s)
+        if marked and namespace.extra_key is not None:
+            # no store ever takes these marks back: a removal of the pages they stand for,
+            # which events show as plain ones of the salt, does (`PendingTable.twin`)
+            plain = msgspec.structs.replace(namespace, extra_key=None)
+            found = self._registry.find(plain)
+            size = st.block_size
+            seed = (
+                namespace_seed(plain, size) if found is None else self._registry.seed(found, size)
+            )
+            pending.twin(st.slot, self._chain(seed, paged, size, 0, len(keys)), keys)
+        return marked
 
     def withdraw_pending(self, stream: str, generation: int) -> int:
         """Take back the pending mark `generation` (`PendingTable.generation` right after the

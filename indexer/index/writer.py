@@ -55,6 +55,7 @@ class BatchWriter:
         self._tiers = index._tiers
         self._registry = index._registry
         self._pending = index.pending
+        self._twins = index.pending.twins
         self._chain = index.backend.chain
         self._partial = index.backend.partial
         self._default_medium = index.default_medium
@@ -573,6 +574,10 @@ class BatchWriter:
         outcome.stored += len(ev.block_hashes)
 
     def remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
+        if self._twins and st.slot in self._twins and st.held is None:
+            # pages an extra_key's request may have stored: its marks go with them
+            gone = st.blocks.get_many(ev.block_hashes, None)
+            self._pending.removed(st.slot, [key for key in gone if key is not None])
         if (
             st.refs
             or st.media

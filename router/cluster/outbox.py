@@ -197,8 +197,10 @@ class Outbox:
             return
         if marked:
             # the keys stand for the tokens (`Pending.keys`); an extra_key's plain twin goes
-            # as a `Shadow` of its own (`shadowed`)
-            if keys and block_size:
+            # as a `Shadow` of its own (`shadowed`). Not an extra_key's: a receiver ties its
+            # marks to the plain keys of the same blocks (`PendingTable.twin`), which it makes
+            # from the tokens (such requests are few)
+            if keys and block_size and ns.extra_key is None:
                 ids: list[int] = []
                 sent = list(keys)
             else:

@@ -55,7 +55,9 @@ class Pending(msgspec.Struct, tag="pending", array_like=True, frozen=True):
     # marks and touches the blocks without decoding thousands of token ids (an 8k-token
     # prompt: 512 keys for 8,192 ids) and hashing them again. A receiver whose stream has
     # other pages cannot use them and marks nothing there (no hit is predicted from it). An
-    # older sender sends tokens only; an older receiver ignores these and marks nothing.
+    # older sender sends tokens only; an older receiver ignores these and marks nothing. An
+    # extra_key's decision comes with its tokens: the receiver ties its marks to the plain
+    # pages of the same blocks, whose removal drops them (`PendingTable.twin`).
     block_size: int = 0
     keys: list[int] = []
     # the server `worker` named when the sender decided (`WorkerPool.server_of`; "": a sender

@@ -180,6 +180,39 @@ def test_a_clear_drops_the_streams_pending_marks_and_older_ones_coming_late(how:
     assert index.query(keyed, TOKENS)["a"].pending_blocks == 4
 
 
+def test_a_removal_of_the_pages_an_extra_keys_request_stored_drops_its_marks_from_there() -> None:
+    """An `extra_key` request's pages come as plain pages of its salt, so no store takes its
+    marks back. A removal of one of them took them for up to the TTL (QA: 144 tokens
+    predicted after the worker evicted or flushed them, 0 cached); now each removal drops the
+    marks of the same blocks (every extra_key's: which copy went no event says) from the block
+    it took on, on that stream only, and a removal of another salt's pages changes nothing."""
+    index = PrefixIndex(pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.add_stream("b", model="m", block_size=4)
+    keyed = Namespace("m", None, "s", extra_key="view-1")
+    other = Namespace("m", None, "s", extra_key="view-2")
+    for ns in (keyed, other):
+        assert index.add_pending("a", ns, TOKENS) == 4
+    assert index.add_pending("b", keyed, TOKENS) == 4
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
+    index.apply("a", batch(stored([9], TOKENS[:4], cache_salt="t")))
+
+    def pending(ns: Namespace, stream: str) -> int:
+        return index.query(ns, TOKENS)[stream].pending_blocks
+
+    index.apply("a", batch(Removed(block_hashes=[9])))  # another salt's page
+    assert (pending(keyed, "a"), pending(other, "a")) == (4, 4)
+    index.apply("a", batch(Removed(block_hashes=[4])))  # the leaf first, as engines evict
+    assert (pending(keyed, "a"), pending(other, "a"), pending(keyed, "b")) == (3, 3, 4)
+    index.apply("a", batch(Removed(block_hashes=[3, 2, 1])))
+    assert (pending(keyed, "a"), pending(other, "a"), pending(keyed, "b")) == (0, 0, 4)
+    # a sibling routed after the removal marks its blocks again, and is tied to them again
+    assert index.add_pending("a", keyed, TOKENS) == 4
+    index.apply("a", batch(stored([5, 6], TOKENS[:8], cache_salt="s")))
+    index.apply("a", batch(Removed(block_hashes=[6])))
+    assert pending(keyed, "a") == 1
+
+
 def test_evict_namespace_and_drop_stream() -> None:
     index = make()
     salted = Namespace("m", None, "s")

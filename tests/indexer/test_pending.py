@@ -182,3 +182,38 @@ def test_late_marks_against_a_per_entry_model(backend: Backend) -> None:
             if gens and gens[-1] in standing:
                 want[key] = want.get(key, 0) | 1 << slot
         assert {k: v >> SHIFT for k, v in table.bits.items()} == want
+
+
+def test_twins_go_with_their_plain_keys_and_stay_within_the_marks(backend: Backend) -> None:
+    """Keys marked in a namespace no event shows are tied to the plain keys of the same blocks
+    (`twin`): a removal of a plain key drops its twins' marks on that slot, every extra_key's
+    that has one; the ties of marks that lapsed are swept, and go with their slot's marks."""
+    now = [0.0]
+    table = PendingTable(lambda: now[0], 2.0, shift=SHIFT, int_map=backend.int_map)
+    table.add([11, 12, 13], slot=0, ns_id=1)
+    table.twin(0, [1, 2, 3], [11, 12, 13])
+    table.add([21, 22], slot=0, ns_id=2)  # another extra_key's copy of blocks 1 and 2
+    table.twin(0, [1, 2], [21, 22])
+    table.add([11, 12, 13], slot=1, ns_id=1)
+    table.twin(1, [1, 2, 3], [11, 12, 13])
+    assert table.removed(0, [7]) == 0  # a plain key with no twin
+    assert table.removed(0, [2]) == 2 and (marks(table, 12), marks(table, 22)) == (0b10, 0)
+    assert (marks(table, 11), marks(table, 13), marks(table, 21)) == (0b11, 0b11, 1)
+    assert table.removed(0, [2]) == 0  # its twins went with it
+    assert table.removed(1, [1, 3]) == 2 and marks(table, 11) == marks(table, 13) == 1
+    table.discard_slot(0)
+    assert 0 not in table.twins and 1 in table.twins
+    now[0] = 3.0
+    table.expire()
+    assert not table.twins and len(table) == 0  # no mark left on the slot: no twins
+    # prompt after prompt, each one's marks lapsing once the next is made: a sweep keeps the
+    # ties of the marked keys only
+    for i in range(4):
+        now[0] = 10.0 * i
+        keys = list(range(10_000 * i + 1, 10_000 * i + 3001))
+        table.add(keys, slot=2, ns_id=1)
+        table.expire()
+        table.twin(2, [k + 500_000 for k in keys], keys)
+    assert len(table.twins[2]) == 3000
+    assert table.removed(2, [1 + 500_000, 20_001 + 500_000]) == 0  # lapsed: nothing to drop
+    assert table.removed(2, [30_001 + 500_000]) == 1 and marks(table, 30_001) == 0

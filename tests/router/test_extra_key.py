@@ -607,3 +607,54 @@ async def test_a_keyed_requests_pending_marks_go_when_its_worker_loses_its_cache
         status, headers, answer = await fleet.post("/generate", {**keyed, "rid": "again"})
         assert status == 200
         assert int(headers["x-kvroute-pending-tokens"]) == 0 == cached_tokens(answer)
+
+
+@pytest.mark.parametrize("removal", ["salt_flush", "eviction"])
+async def test_a_keyed_requests_pending_marks_go_with_the_pages_its_worker_removes(
+    removal: str,
+) -> None:
+    """No event takes an `extra_key` request's pending marks back, so a worker that removed
+    its pages (its own flush of the salt, or an LRU eviction) within the TTL was predicted
+    them pending, 0 cached (QA: 144 tokens). A removal of the plain pages they stand for drops
+    them from the block it took on: here the eviction of one prompt's own leaf leaves the
+    prefix it shares with its sibling marked, as the worker keeps it."""
+    head = [(i * 7) % 200 + 5 for i in range(10 * 16)]
+    first, second = (
+        {
+            "input_ids": head + [start + i for i in range(10 * 16 + 1)],
+            "cache_salt": "tenant-a",
+            "extra_key": "view-1",
+            "sampling_params": {"max_new_tokens": 1},
+        }
+        for start in (300, 600)
+    )
+    # 40 pages: the two prompts (30) and a plain one of 10 evict the older leaf (10 pages)
+    cfg = ReferenceConfig(time_scale=0.0, page_size=16, capacity_tokens=640)
+    ttl = IndexerSection(pending_ttl_s=60.0)  # past the test: only a removal drops them
+    async with one_worker_fleet(cfg, indexer=ttl) as fleet:
+        for body in (first, second):
+            status, _, _ = await fleet.post("/generate", body)
+            assert status == 200
+        (before,) = (await fleet.route(first))["candidates"]
+        assert before["pending_tokens"] == 320
+        if removal == "salt_flush":
+            url = fleet.workers["w0"].url + "/flush_cache"
+            async with fleet.session.post(url, json={"cache_salt": "tenant-a"}) as resp:
+                assert resp.status == 200
+            kept = 0
+        else:
+            plain = {"input_ids": list(range(1000, 1160)), "cache_salt": "tenant-a"}
+            status, _, _ = await fleet.post("/generate", plain)
+            assert status == 200
+            kept = 160
+
+        async def dropped() -> bool:
+            (row,) = (await fleet.route(first))["candidates"]
+            return int(row["pending_tokens"]) < 320
+
+        await eventually(dropped, what="the removal applied")
+        (after,) = (await fleet.route(first))["candidates"]
+        assert after["pending_tokens"] == kept, after
+        status, headers, answer = await fleet.post("/generate", {**first, "rid": "again"})
+        assert status == 200
+        assert int(headers["x-kvroute-pending-tokens"]) == kept == cached_tokens(answer)

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.cluster.server import NatsServer
 from router.cluster.wire import Batch, End, Goodbye, Heartbeat, Pending, batch_decoder
-from router.config import PolicyConfig
+from router.config import IndexerSection, PolicyConfig
 from router.service import RouterService
 from tests.router.cluster.conftest import admin, cluster, replica_config, workers
 from tests.router.conftest import eventually
@@ -250,6 +250,46 @@ async def test_an_extra_key_request_on_one_replica_shadows_its_plain_twin_on_the
             await eventually(seen, what="b to index the pages and shadow them")
             plan = await _route(session, b, prompt)
             assert all(c["matched_tokens"] == 0 for c in plan["candidates"]), plan
+
+
+async def test_an_extra_key_requests_marks_on_the_others_go_with_the_pages_its_worker_removes(
+    nats_server: NatsServer,
+) -> None:
+    """Another replica's marks of an `extra_key` request go when its worker removes the pages
+    they stand for, as the sender's do (`PendingTable.twin`): the decision comes with its
+    tokens, so the receiver knows which plain pages they are. Sent as block keys only, they
+    stood until they lapsed: the same request sent to b was predicted its prompt pending, 0
+    cached, after the worker flushed the salt."""
+    async with workers(2) as (w0, w1), aiohttp.ClientSession() as session:
+        fleet = [("w0", w0.url), ("w1", w1.url)]
+        ttl = IndexerSection(pending_ttl_s=60.0)  # past the test: only a removal drops them
+        async with (
+            RouterService(replica_config(fleet, nats_server.url, "a", indexer=ttl)) as a,
+            RouterService(replica_config(fleet, nats_server.url, "b", indexer=ttl)) as b,
+        ):
+            prompt = "a prompt a tenant sends under its own extra_key, pages long " * 4
+            keyed = {**_body(prompt), "extra_key": "view-1"}
+            async with session.post(a.url + "/generate", json=keyed) as resp:
+                assert resp.status == 200, await resp.text()
+                holder = resp.headers["x-kvroute-worker"]
+
+            async def pending_on_b() -> int:
+                status, plan = await admin(session, b, "POST", "/route?endpoint=/generate", keyed)
+                assert status == 200, plan
+                return sum(c["pending_tokens"] for c in plan["candidates"] if c["worker"] == holder)
+
+            async def marked() -> bool:
+                return await pending_on_b() > 0
+
+            await eventually(marked, what="b to mark a's request pending")
+            url = (w0 if holder == "w0" else w1).url + "/flush_cache"
+            async with session.post(url, json={"cache_salt": "tenant-a"}) as resp:
+                assert resp.status == 200
+
+            async def dropped() -> bool:
+                return await pending_on_b() == 0
+
+            await eventually(dropped, what="b to drop them with the removed pages")
 
 
 async def test_a_shadow_reaches_replicas_that_join_later_whatever_the_senders_policy(
