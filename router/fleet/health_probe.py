@@ -8,11 +8,11 @@ times out as the loop comes back. Every worker checked across the stall then wen
 once, and the router answered 503 "no routable worker" for a fault of its own (seen in the test
 suite beside other processes: four healthy workers out of rotation together).
 
-A timeout whose timer ran late (`LATE_S` past its deadline: the loop was held up at the moment
-the check expired) is therefore no verdict: the check is made once more, at once. The second
-check's verdict stands whatever its timer did (a loop too busy to tell does not keep a hung
-worker in rotation), so a worker that hangs is still found, within about two timeouts; one that
-is down refuses the connection, with no timeout to wait for.
+A timeout whose timer ran late (`router.late_timeout.LATE_S` past its deadline: the loop was held
+up at the moment the check expired) is therefore no verdict: the check is made once more, at once.
+The second check's verdict stands whatever its timer did (a loop too busy to tell does not keep a
+hung worker in rotation), so a worker that hangs is still found, within about two timeouts; one
+that is down refuses the connection, with no timeout to wait for.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import logging
 
 import aiohttp
 
-__all__ = ["LATE_S", "probe_health"]
+from router.late_timeout import late_by
+
+__all__ = ["probe_health"]
 
 log = logging.getLogger(__name__)
 
-# how late an expired check's timer may run and still be the worker's timeout. Far above a
-# running loop's timer jitter (about a millisecond), below the stalls that fail checks
-LATE_S = 0.05
 # the deadline is the check's own (asyncio.timeout), not aiohttp's: aiohttp rounds a timeout
 # over 5 s up to a whole second, which would read as a late timer
 _NO_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=None)
@@ -39,7 +38,6 @@ async def probe_health(
 ) -> bool:
     """Whether `url` answers 200 within `timeout_s` (checked again once when the router's loop
     was held up as the first check expired)."""
-    loop = asyncio.get_running_loop()
     for attempt in range(2):
         try:
             async with asyncio.timeout(timeout_s) as deadline:
@@ -50,9 +48,8 @@ async def probe_health(
         except aiohttp.ClientError:
             return False
         except TimeoutError:
-            expired_at = deadline.when()
-            late = None if expired_at is None else loop.time() - expired_at
-            if late is None or late < LATE_S or attempt:
+            late = late_by(deadline)
+            if late is None or attempt:
                 return False
             # one line a worker: DEBUG (the stall itself is the indexer's WARNING)
             log.debug(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -42,6 +42,7 @@ from router.prompt.conventions import CHAT_REQUEST_FIELDS
 from router.prompt.request import (
     Endpoint,
     ParsedRequest,
+    TokenId,
     chat_tokens,
     check_adapter_name,
     check_salt_size,
@@ -64,7 +65,6 @@ KV_QUERY_PATH = "/v1/kv/query"
 KV_ROUTED_PATH = "/v1/kv/routed"
 VERSION = 1
 _json = msgspec.json.Encoder()
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 Q = TypeVar("Q", bound="KvQuery")
 
 

@@ -9,12 +9,13 @@ answer parsed by llhttp (`httptools`, the parser uvicorn uses) into a status, he
 chunks, and one timer per request for its deadline. Bodies are passed on as the worker sent
 them (no decompression: the proxy forwards `Content-Encoding` as it is), and no cookie is kept.
 
-Errors say what happened, so the proxy can tell a retry from a failure:
-`UpstreamConnectError` (refused, unreachable, or not connected within the connect timeout:
-`UpstreamConnectTimeout`; or the router's own socket not made, out of descriptors: its cause's
-errno tells, `router.http.local_shortage`), `UpstreamDroppedError` (the connection closed or
-sent something that is not HTTP before the answer ended) and `TimeoutError` (the request's
-deadline passed).
+Errors say what happened, so the proxy can tell a retry from a failure: `UpstreamConnectError`
+(refused, unreachable, or not connected within the connect timeout: `UpstreamConnectTimeout`,
+unless the router's own stall expired it, when the connection is made again once,
+`router.late_timeout`; or the router's own socket not made, out of descriptors: its cause's errno
+tells, `router.http.local_shortage`), `UpstreamDroppedError` (the connection closed or sent
+something that is not HTTP before the answer ended) and `TimeoutError` (the request's deadline
+passed).
 
 A connection goes back to the pool only when its answer was read to the end and the worker
 allows keep-alive; an idle one is closed after `keepalive_s` (4 s, under uvicorn's 5 s default,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -33,6 +35,8 @@ from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
+
+from router.late_timeout import late_by
 
 __all__ = [
     "Exchange",
@@ -45,6 +49,8 @@ __all__ = [
     "UpstreamDroppedError",
     "UpstreamResponse",
 ]
+
+log = logging.getLogger(__name__)
 
 # bytes of answer buffered before the socket stops being read (a slow client slows the worker)
 _HIGH_WATER = 256 * 1024
@@ -522,31 +528,44 @@ class UpstreamClient:
                     return conn
                 conn.close()
                 self._open.discard(conn)
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise TimeoutError("the request's deadline passed")
-        connect_timeout = min(connect_timeout_s, remaining)
-        try:
-            async with asyncio.timeout(connect_timeout):
-                _, protocol = await loop.create_connection(
-                    lambda: _Connection(loop, origin, self._open.discard),
-                    origin.host,
-                    origin.port,
-                    ssl=self._tls() if origin.tls else None,
-                )
-        except TimeoutError:
-            if connect_timeout < connect_timeout_s:
-                raise TimeoutError("the request's deadline passed while connecting") from None
-            raise UpstreamConnectTimeout(
-                f"no connection to {origin.netloc} within {connect_timeout_s:g} s"
-            ) from None
-        except OSError as exc:
-            raise UpstreamConnectError(
-                f"cannot connect to {origin.netloc}: {exc.strerror or exc}"
-            ) from exc
-        assert isinstance(protocol, _Connection)
-        self._open.add(protocol)
-        return protocol
+        for attempt in range(2):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError("the request's deadline passed")
+            connect_timeout = min(connect_timeout_s, remaining)
+            try:
+                async with asyncio.timeout(connect_timeout) as scope:
+                    _, protocol = await loop.create_connection(
+                        lambda: _Connection(loop, origin, self._open.discard),
+                        origin.host,
+                        origin.port,
+                        ssl=self._tls() if origin.tls else None,
+                    )
+            except TimeoutError:
+                if connect_timeout < connect_timeout_s:
+                    raise TimeoutError("the request's deadline passed while connecting") from None
+                late = late_by(scope)
+                if late is not None and not attempt:
+                    # the router's own stall expired it (`router.late_timeout`): the worker
+                    # may have accepted all along, so a second connect has the verdict
+                    log.debug(
+                        "connecting to %s expired while the router's loop was held up (its "
+                        "timer ran %.0f ms late): connecting again",
+                        origin.netloc,
+                        late * 1e3,
+                    )
+                    continue
+                raise UpstreamConnectTimeout(
+                    f"no connection to {origin.netloc} within {connect_timeout_s:g} s"
+                ) from None
+            except OSError as exc:
+                raise UpstreamConnectError(
+                    f"cannot connect to {origin.netloc}: {exc.strerror or exc}"
+                ) from exc
+            assert isinstance(protocol, _Connection)
+            self._open.add(protocol)
+            return protocol
+        raise AssertionError("not reached: the second attempt returns or raises")
 
     def _release(self, conn: _Connection) -> None:
         reusable = conn.reusable()

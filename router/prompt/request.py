@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -49,6 +49,7 @@ __all__ = [
     "Endpoint",
     "KeyedItem",
     "ParsedRequest",
+    "TokenId",
     "chat_tokens",
     "check_adapter_name",
     "check_salt_size",
@@ -56,6 +57,11 @@ __all__ = [
     "parse_body",
     "parse_request",
 ]
+
+
+# a token id as a body may give one: no engine's vocabulary has a negative id or one past 32 bits
+# (the query API's `token_ids` are held to the same, `router.http.kv_query`)
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 
 class Endpoint(enum.StrEnum):
@@ -248,12 +254,13 @@ def _lora(value: object, limits: LimitsConfig) -> str | None:
 
 
 def _ids(value: object, field: str) -> list[int]:
-    """Token ids as a list of ints (bools and floats are not), checked in one C-level pass:
-    a Python loop over an 8k-token prompt cost more than routing it."""
+    """Token ids as a list of ints (bools and floats are not) from 0 to 2**32 - 1, checked in
+    one C-level pass: a Python loop over an 8k-token prompt cost more than routing it. Before,
+    any int went (a negative id to the worker; the query API refused them)."""
     if not isinstance(value, list):
         raise RequestError(f"{field} must be a list of integers")
     try:
-        return msgspec.convert(value, list[int])
+        return msgspec.convert(value, list[TokenId])
     except msgspec.ValidationError as exc:  # names the item: "got `bool` - at `$[3]`"
         raise RequestError(f"{field} must be a list of integers ({exc})") from None
 

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from router.config import HealthConfig
-from router.fleet.health_probe import LATE_S
+from router.late_timeout import LATE_S
 from router.service import RouterService
 from tests.router.conftest import WorkerPassThrough, eventually, router_config
 from workers.config import WorkerConfig as ReferenceConfig

@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
@@ -214,8 +215,10 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
             assert not isinstance(caught.value, UpstreamConnectTimeout)
 
 
-async def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
-    # a full accept queue: Linux drops the SYN, so the connect hangs as to an unreachable host
+@contextlib.contextmanager
+def _never_accepting() -> Iterator[Origin]:
+    """A listener whose accept queue is full: Linux drops the SYN, so a connect hangs as to an
+    unreachable host."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
@@ -227,19 +230,51 @@ async def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
             with contextlib.suppress(BlockingIOError):
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
-        await asyncio.sleep(0.1)
         try:
-            async with _client() as client:
-                deadline = asyncio.get_running_loop().time() + 10
-                origin = Origin("127.0.0.1", port, False, f"127.0.0.1:{port}")
-                with pytest.raises(UpstreamConnectTimeout, match=r"within 0\.3 s"):
-                    async with client.post(
-                        origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=0.3
-                    ):
-                        pass
+            yield Origin("127.0.0.1", port, False, f"127.0.0.1:{port}")
         finally:
             for filler in fillers:
                 filler.close()
+
+
+async def _connect(client: UpstreamClient, origin: Origin, connect_timeout_s: float) -> int:
+    """A POST with 10 s to answer and `connect_timeout_s` to connect: its status."""
+    deadline = asyncio.get_running_loop().time() + 10
+    async with client.post(
+        origin, "/generate", [], b"{}", deadline=deadline, connect_timeout_s=connect_timeout_s
+    ) as response:
+        await response.read()
+        return response.status
+
+
+async def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
+    with _never_accepting() as origin:
+        await asyncio.sleep(0.1)
+        async with _client() as client:
+            with pytest.raises(UpstreamConnectTimeout, match=r"within 0\.3 s"):
+                await _connect(client, origin, 0.3)
+
+
+async def test_a_connect_the_routers_own_stall_expired_is_made_again() -> None:
+    """A connect in flight while the router's loop stalled past the connect timeout expired as
+    the loop came back, though the worker had accepted (the loop runs the expired timer before
+    the task the connection wakes): a retry and a failure charged to a healthy worker. A timer
+    that ran late is no verdict: the connection is made again, once."""
+    async with ScriptedServer.answering(b'{"ok": true}') as server, _client() as client:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            loop.call_soon(time.sleep, 0.5)  # the stall, once the connect is under way
+            assert await _connect(client, server.origin, 0.2) == 200
+            client._idle.clear()  # the next one connects anew
+    with _never_accepting() as origin:
+        await asyncio.sleep(0.1)
+        async with _client() as client:
+            loop.call_soon(time.sleep, 0.5)
+            started = loop.time()
+            # a worker that does not accept still times out: the second connect's verdict
+            with pytest.raises(UpstreamConnectTimeout, match=r"within 0\.2 s"):
+                await _connect(client, origin, 0.2)
+            assert loop.time() - started >= 0.5 + 0.2
 
 
 async def test_the_deadline_bounds_a_slow_answer_and_drops_its_connection() -> None:

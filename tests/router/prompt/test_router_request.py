@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -236,3 +237,27 @@ def test_dry_run_endpoint_detection() -> None:
     assert detect_endpoint({"input_ids": [1]}) is Endpoint.GENERATE
     with pytest.raises(RequestError):
         detect_endpoint({"foo": 1})
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field", "body"),
+    [
+        (Endpoint.GENERATE, "input_ids", lambda ids: {"input_ids": ids}),
+        (Endpoint.GENERATE, "input_ids[0]", lambda ids: {"input_ids": [ids, [1]]}),
+        (Endpoint.COMPLETIONS, "prompt", lambda ids: {"prompt": ids}),
+        (Endpoint.COMPLETIONS, "prompt[0]", lambda ids: {"prompt": [ids]}),
+    ],
+)
+def test_token_ids_out_of_any_vocabulary_are_refused_as_the_query_api_refuses_them(
+    endpoint: Endpoint, field: str, body: Callable[[list[int]], object]
+) -> None:
+    """No engine's vocabulary has a negative id or one past 32 bits: the proxy passed them on
+    (the worker's to refuse, or to fail on) where `/v1/kv/query` refused them."""
+    edges = [0, 5, (1 << 32) - 1]
+    assert _parse(endpoint, body(edges)).tokens == edges
+    for bad in (-1, 1 << 32):
+        with pytest.raises(RequestError) as info:
+            _parse(endpoint, body([5, bad]))
+        said = str(info.value)
+        assert said.startswith(f"{field} must be a list of integers"), said
+        assert "`$[1]`" in said, said
