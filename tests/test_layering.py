@@ -23,6 +23,7 @@ ROUTER_LAYERS = (
     "router.config_diff",  # what a reload changes (pure)
     "router.prompt",  # request body -> tokens: parsing, tokenizer, chat templates, conventions
     "router.routing",  # the decision: planner, policies, load, pool, breakers
+    "router.late_timeout",  # a timeout the router's own stall expired (asyncio's clock only)
     "router.fleet",  # membership, discovery, health
     "router.cluster",  # replicas as one router: decisions, fleet state, snapshots on NATS
     "router.http",  # the aiohttp application, proxy, admin API, metrics
