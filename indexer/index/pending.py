@@ -324,6 +324,16 @@ class PendingTable:
         """Ids of the namespaces that may have entries (every unexpired mark's)."""
         return {mark[3] for mark in self._fifo}
 
+    def discard_slot_namespaces(self, slot: int, ns_ids: set[int]) -> None:
+        """Forget every entry of these namespaces on one slot."""
+        kept: deque[_Mark] = deque()
+        for mark in self._fifo:
+            if mark[1] == slot and mark[3] in ns_ids:
+                self._retire(mark)
+            else:
+                kept.append(mark)
+        self._fifo = kept
+
     def discard_namespace(self, ns_id: int) -> None:
         """Forget every entry of one namespace (it is being evicted)."""
         kept: deque[_Mark] = deque()

@@ -58,9 +58,12 @@ from indexer.index.writer import BatchWriter
 from indexer.namespace import Bigrams, Namespace, blocks_within, namespace_seed
 from indexer.protocol.events import EventBatch
 
-__all__ = ["DEFAULT_MEDIUM", "PrefixIndex"]
+__all__ = ["DEFAULT_MEDIUM", "LATE_MARK_S", "PrefixIndex"]
 
 DEFAULT_MEDIUM = "GPU"
+# another replica's decision older than this came late (NATS held it up: decisions propagate
+# in well under a millisecond on loopback), so a removal since may have taken pages it marks
+LATE_MARK_S = 0.05
 
 
 def _medium_rank(medium: str) -> int:
@@ -342,6 +345,11 @@ class PrefixIndex:
         keys = [k for k, v in table.items() if v & NS_MASK == ns_id]
         doomed = self.backend.int_map(True)
         doomed.assign(keys, 0)
+        pending = self.pending
+        for slot, twins in list(pending.twins.items()):
+            # the index no longer follows these pages: their removal would drop no marks of
+            # an extra_key's request tied to them (`PendingTable.twin`), so they go now
+            pending.removed(slot, [p for p in twins if p in doomed])
         table.pop_many(keys, None)
         for tier_medium, tier in list(self._tiers.items()):
             for k in [k for k in tier if k in doomed]:
@@ -370,6 +378,8 @@ class PrefixIndex:
             self.add_stream(stream)
             st = self._streams[stream]
         outcome = self._writer.apply(stream, st, batch)
+        if outcome.removed:
+            st.removed_at = self.clock()
         if st.lookahead and stream not in self._lookahead_streams:
             self._lookahead_streams[stream] = st
         self._count(st, outcome)
@@ -413,7 +423,15 @@ class PrefixIndex:
         st = self._streams.get(stream)
         if st is None or st.block_size is None:
             return 0
-        if age_s and st.cleared_at is not None and self.clock() - age_s < st.cleared_at:
+        if age_s:
+            made_at = self.clock() - age_s
+            if st.cleared_at is not None and made_at < st.cleared_at:
+                return 0
+            if age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at:
+                return 0
+        if namespace.extra_key is not None and namespace.lora is not None and st.lora_by_id:
+            # its pages come under the adapter's number, not its name: no removal of them
+            # could be told to drop the marks (`PendingTable.twin`), so none is made
             return 0
         self.pending.expire()
         ns_id = self._intern(namespace)
@@ -441,6 +459,21 @@ class PrefixIndex:
             )
             pending.twin(st.slot, self._chain(seed, paged, size, 0, len(keys)), keys)
         return marked
+
+    def names_lora_by_id(self, st: IndexedStream) -> None:
+        """Stream `st`'s events name a LoRA adapter by number only: an `extra_key` request's
+        marks of a named adapter there are tied to pages of the name's namespace
+        (`PendingTable.twin`), which its events never show, so no removal would drop them.
+        They go now, and no more are made (`add_pending`)."""
+        st.lora_by_id = True
+        names = self._registry.names
+        doomed = set()
+        for ns_id in self.pending.namespaces():
+            ns = names[ns_id]
+            if ns is not None and ns.extra_key is not None and ns.lora is not None:
+                doomed.add(ns_id)
+        if doomed:
+            self.pending.discard_slot_namespaces(st.slot, doomed)
 
     def withdraw_pending(self, stream: str, generation: int) -> int:
         """Take back the pending mark `generation` (`PendingTable.generation` right after the

@@ -72,12 +72,14 @@ class IndexedStream:
         "held",
         "last_seq",
         "lookahead",
+        "lora_by_id",
         "media",
         "model",
         "ns_cache",
         "ns_counts",
         "partial",
         "refs",
+        "removed_at",
         "sbit",
         "singles",
         "skipped_groups",
@@ -111,6 +113,12 @@ class IndexedStream:
         # when its entries and pending marks were last dropped wholesale (the index's clock;
         # None: never): another replica's mark made before then is not taken
         self.cleared_at: float | None = None
+        # when a batch last removed pages there (the index's clock; None: never): another
+        # replica's mark held up past it may stand for pages gone since (`add_pending`)
+        self.removed_at: float | None = None
+        # whether its events named a LoRA adapter by number only (SGLang <= 0.5.19's array
+        # layout): its pages of a named adapter come under another namespace than the name's
+        self.lora_by_id = False
         # engine hash -> block key, values packed as int64 in the compiled map
         self.blocks = int_map(True)
         self.refs: dict[BlockHash, int] = {}  # engine hash -> reference count, only when > 1

@@ -94,6 +94,8 @@ class BatchWriter:
         lora = ev.lora_name if ev.lora_name else None
         if lora is None and ev.lora_id is not None and ev.lora_id != 0:
             lora = anonymous_lora(ev.lora_id)
+            if not st.lora_by_id:
+                self._index.names_lora_by_id(st)
         salt = ev.cache_salt or None
         if salt is None and (st.engine.salt_in_root_extra_keys or ev.extra_keys is not None):
             if parent_key is not None:
@@ -163,6 +165,10 @@ class BatchWriter:
             return
         outcome.skipped += 1
         blocks = st.blocks
+        if self._twins and st.slot in self._twins:
+            # a removal, maybe: an extra_key's marks tied to these pages go with them
+            gone = blocks.get_many(ev.block_hashes, None)
+            self._pending.removed(st.slot, [key for key in gone if key is not None])
         for h in ev.block_hashes:
             if st.partial.pop(h, None) is not None:
                 st.refs.pop(h, None)

@@ -12,6 +12,7 @@ import pytest
 from indexer.engines import EngineName
 from indexer.errors import SnapshotError
 from indexer.index import PrefixIndex
+from indexer.index.prefix_index import LATE_MARK_S
 from indexer.index.registry import NamespaceRegistry
 from indexer.namespace import (
     HASH_PROBE,
@@ -21,7 +22,7 @@ from indexer.namespace import (
     namespace_seed,
     request_keys,
 )
-from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored
+from indexer.protocol.events import BlockHash, Cleared, EventBatch, Removed, Stored, Unreadable
 from indexer.snapshot import _seal, _unseal, dump_index, load_index
 
 NS = Namespace("m")
@@ -211,6 +212,79 @@ def test_a_removal_of_the_pages_an_extra_keys_request_stored_drops_its_marks_fro
     index.apply("a", batch(stored([5, 6], TOKENS[:8], cache_salt="s")))
     index.apply("a", batch(Removed(block_hashes=[6])))
     assert pending(keyed, "a") == 1
+
+
+def _keyed_index(now: list[float]) -> tuple[PrefixIndex, Namespace]:
+    """An index of streams a and b, a holding TOKENS as plain pages 1-4 of salt s, and an
+    extra_key request of that salt marked pending on a."""
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.add_stream("b", model="m", block_size=4)
+    keyed = Namespace("m", None, "s", extra_key="view-1")
+    assert index.add_pending("a", keyed, TOKENS) == 4
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
+    return index, keyed
+
+
+@pytest.mark.parametrize("how", ["unreadable", "evicted_namespace"])
+def test_pages_the_index_stops_following_drop_the_extra_key_marks_tied_to_them(how: str) -> None:
+    """An event naming the pages that did not decode (a removal, maybe), or an eviction of
+    their namespace from the index alone (the worker's removal of them comes later, of pages
+    the index no longer knows): either way the marks tied to them went on standing, and a
+    sibling was predicted pages the worker evicted since (QA: 160 tokens, 0 cached)."""
+    now = [10.0]
+    index, keyed = _keyed_index(now)
+    if how == "unreadable":
+        index.apply("a", batch(Unreadable("BlockRemoved", block_hashes=[3])))
+        left = 2
+    else:
+        assert index.evict_namespace(Namespace("m", None, "s")) == 4
+        left = 0
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == left
+
+
+def test_another_replicas_late_mark_is_not_taken_past_a_removal_on_its_stream() -> None:
+    """A decision NATS held up past a removal on the stream may stand for pages stored and
+    removed meanwhile (QA: a late decision marked 160 tokens after the worker had flushed
+    them, plain requests too). One made before the stream's last removal and more than
+    `LATE_MARK_S` old marks nothing; an on-time one, or one made after, marks as before."""
+    now = [10.0]
+    index, keyed = _keyed_index(now)
+    other = Namespace("m", None, "t")
+    now[0] = 11.0
+    index.apply("a", batch(Removed(block_hashes=[4])))
+    now[0] = 12.0
+    assert index.add_pending("a", other, TOKENS, age_s=1.5) == 0  # routed before the removal
+    assert index.add_pending("a", other, TOKENS, age_s=0.5) == 4  # after it
+    assert index.add_pending("b", other, TOKENS, age_s=1.5) == 4  # another stream
+    now[0] = 11.0 + LATE_MARK_S / 2
+    index.apply("a", batch(Removed(block_hashes=[3])))
+    # on time (propagation takes well under LATE_MARK_S): not judged by removals
+    assert index.add_pending("a", keyed, TOKENS, age_s=LATE_MARK_S / 2) == 4
+
+
+def test_an_extra_keys_marks_of_a_named_adapter_go_where_events_number_adapters() -> None:
+    """SGLang <= 0.5.19 (the array layout) names an adapter by number only: its pages of an
+    adapter come under `anonymous_lora(id)`, never the name's namespace, so an `extra_key`
+    request's marks of a named adapter, tied to the name's pages, were never dropped by their
+    removal (QA, critical: 160 tokens predicted after a flush or an eviction, 0 cached). The
+    first page a stream shows by number drops them, and no more are made there."""
+    index = PrefixIndex(pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.add_stream("b", model="m", block_size=4)
+    adapter = Namespace("m", "sql", "s", extra_key="view-1")
+    base = Namespace("m", None, "s", extra_key="view-1")
+    for stream in ("a", "b"):
+        for ns in (adapter, base):
+            assert index.add_pending(stream, ns, TOKENS) == 4
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s", lora_id=7)))
+
+    def pending(ns: Namespace, stream: str) -> int:
+        return index.query(ns, TOKENS)[stream].pending_blocks
+
+    assert (pending(adapter, "a"), pending(base, "a"), pending(adapter, "b")) == (0, 4, 4)
+    assert index.add_pending("a", adapter, TOKENS) == 0
+    assert index.add_pending("a", base, TOKENS) == 4 and index.add_pending("b", adapter, TOKENS)
 
 
 def test_evict_namespace_and_drop_stream() -> None:
