@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from indexer.hosts import may_be_one_host, one_host
 from indexer.namespace import Namespace
 from indexer.service import IndexerService
+from router.cluster.sender_clock import SenderClock
 from router.cluster.wire import (
     Batch,
     Begin,
@@ -97,10 +98,11 @@ class Servers(Protocol):
 
 
 class _Peer:
-    __slots__ = ("instance", "kept", "last_seen", "marks", "pending", "tickets")
+    __slots__ = ("clock", "instance", "kept", "last_seen", "marks", "pending", "tickets")
 
     def __init__(self, now: float, instance: str = "") -> None:
         self.last_seen = now
+        self.clock = SenderClock()  # how far its wall clock runs ahead of ours
         self.instance = instance  # its process's token (`Batch.instance`)
         self.tickets: dict[int, Ticket] = {}
         # the forecast's marks of a request whose Pending came, by its number, until its Begin
@@ -178,14 +180,8 @@ class Peers:
                     self.me,
                 )
             return
-        # how long ago the sender decided: its pending marks live what is left of the TTL.
-        # Before, each one lived the whole TTL from its arrival: decisions NATS held up (a
-        # stalled server, shorter than the heartbeat timeout) were marked as fresh on workers
-        # that had flushed them since (QA: `pending 560` predicted on a worker with nothing).
-        # A sender's clock behind ours makes them older (fewer marks: fail closed); one ahead
-        # would make them younger than now: taken as now (replicas' clocks are NTP-synced)
-        age_s = max(time.time() - batch.sent_at, 0.0)
-        self.delays.append(age_s)
+        reading = time.time() - batch.sent_at
+        self.delays.append(max(reading, 0.0))
         peer = self._peers.get(batch.replica)
         now = self._clock()
         if peer is None:
@@ -207,6 +203,13 @@ class Peers:
                 if self.joined is not None:
                     self.joined(batch.replica)
         peer.last_seen = now
+        # how long ago the sender decided: its pending marks live what is left of the TTL.
+        # Before, each one lived the whole TTL from its arrival: decisions NATS held up (a
+        # stalled server, shorter than the heartbeat timeout) were marked as fresh on workers
+        # that had flushed them since (QA: `pending 560` predicted on a worker with nothing).
+        # A sender's clock behind ours makes them older (fewer marks: fail closed); one ahead,
+        # as far as its messages show it, is allowed for (`router.cluster.sender_clock`)
+        age_s = max(reading + peer.clock.ahead_s(reading, now), 0.0)
         load = self._load
         for d in batch.decisions:
             if isinstance(d, Pending):

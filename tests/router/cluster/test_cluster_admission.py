@@ -15,6 +15,7 @@ from indexer.protocol.events import EventBatch
 from indexer.service import IndexerService, Namespace, StreamConfig
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
+from router.cluster.sender_clock import WINDOW_S, SenderClock
 from router.cluster.wire import Batch, Pending
 from router.config import BreakerConfig, PolicyConfig, TokenizerConfig, WorkerConfig
 from router.prompt.request import Endpoint, parse_request
@@ -199,6 +200,41 @@ async def test_a_peers_decision_held_up_past_the_pending_ttl_marks_nothing() -> 
         assert receiver.load.of(chosen.worker).running == 1  # its request counts all the same
         peers.apply(Batch("a", time.time(), sent))  # sent just now: marked
         assert pending() == 192
+
+
+async def test_a_held_decision_of_a_peer_whose_clock_runs_ahead_is_aged_by_the_lead() -> None:
+    """A sender whose wall clock runs ahead made its decisions look younger than they were:
+    one held up past the TTL (by 2.6 s here) read as sent just now, with the sender 3 s ahead,
+    and was marked for a whole TTL on pages its worker may have flushed since. A message of its
+    that reads as arriving 3 s before it was sent shows the lead, and the peer's later ages
+    count it: the held decision marks nothing, an on-time one as before."""
+    clock = [100.0]
+    async with AsyncExitStack() as stack:
+        sender, outbox, receiver, peers = await _sender_and_receiver(stack, clock)
+        first = _request("first question")
+        _sent(sender, first)
+        sent = outbox.take()
+        ttl = receiver.indexer.config.pending_ttl_s
+
+        def pending() -> int:
+            plan = receiver.plan(_request("second question"), receiver.namespace(first))
+            return max(c.pending_tokens for c in plan.candidates)
+
+        lead = 3.0
+        peers.apply(Batch("a", time.time() + lead, []))  # on time: its clock is 3 s ahead
+        peers.apply(Batch("a", time.time() + lead - ttl - 0.6, sent))
+        assert pending() == 0
+        peers.apply(Batch("a", time.time() + lead, sent))  # on time: marked
+        assert pending() == 192
+
+
+def test_a_senders_lead_is_the_least_reading_of_the_last_minute() -> None:
+    clock = SenderClock()
+    assert clock.ahead_s(0.002, now=0.0) == 0.0  # behind or on time: no lead shown
+    assert clock.ahead_s(-1.5, now=1.0) == 1.5
+    assert clock.ahead_s(-0.5, now=2.0) == 1.5  # a later, larger reading: the least stands
+    assert clock.ahead_s(0.8, now=WINDOW_S + 1.5) == 0.5  # the -1.5 went out of the window
+    assert clock.ahead_s(0.8, now=WINDOW_S + 2.5) == 0.0  # and the -0.5: its clock stepped back
 
 
 @pytest.mark.parametrize("withdraw", [Withdraw.PENDING, Withdraw.ALL])
