@@ -378,8 +378,6 @@ class PrefixIndex:
             self.add_stream(stream)
             st = self._streams[stream]
         outcome = self._writer.apply(stream, st, batch)
-        if outcome.removed:
-            st.removed_at = self.clock()
         if st.lookahead and stream not in self._lookahead_streams:
             self._lookahead_streams[stream] = st
         self._count(st, outcome)
@@ -429,9 +427,10 @@ class PrefixIndex:
                 return 0
             if age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at:
                 return 0
-        if namespace.extra_key is not None and namespace.lora is not None and st.lora_by_id:
-            # its pages come under the adapter's number, not its name: no removal of them
-            # could be told to drop the marks (`PendingTable.twin`), so none is made
+        if namespace.lora is not None and st.lora_by_id:
+            # its pages come under the adapter's number, not its name: no store of them takes
+            # the marks back, no removal of them drops them (`PendingTable.twin`), so none is
+            # made (`names_lora_by_id`)
             return 0
         self.pending.expire()
         ns_id = self._intern(namespace)
@@ -461,16 +460,17 @@ class PrefixIndex:
         return marked
 
     def names_lora_by_id(self, st: IndexedStream) -> None:
-        """Stream `st`'s events name a LoRA adapter by number only: an `extra_key` request's
-        marks of a named adapter there are tied to pages of the name's namespace
-        (`PendingTable.twin`), which its events never show, so no removal would drop them.
-        They go now, and no more are made (`add_pending`)."""
+        """Stream `st`'s events name a LoRA adapter by number only: a request's marks of a
+        named adapter there stand for pages of the name's namespace, which its events never
+        show, so no store of the pages takes them back and no removal drops them (an
+        `extra_key` request's are tied to them: `PendingTable.twin`). They go now, and no
+        more are made (`add_pending`): such siblings are not steered together there."""
         st.lora_by_id = True
         names = self._registry.names
         doomed = set()
         for ns_id in self.pending.namespaces():
             ns = names[ns_id]
-            if ns is not None and ns.extra_key is not None and ns.lora is not None:
+            if ns is not None and ns.lora is not None:
                 doomed.add(ns_id)
         if doomed:
             self.pending.discard_slot_namespaces(st.slot, doomed)

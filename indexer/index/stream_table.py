@@ -113,8 +113,9 @@ class IndexedStream:
         # when its entries and pending marks were last dropped wholesale (the index's clock;
         # None: never): another replica's mark made before then is not taken
         self.cleared_at: float | None = None
-        # when a batch last removed pages there (the index's clock; None: never): another
-        # replica's mark held up past it may stand for pages gone since (`add_pending`)
+        # when a batch last removed pages there, known or not, or had an event that did not
+        # decode (the index's clock; None: never): another replica's mark held up past it may
+        # stand for pages gone since (`add_pending`)
         self.removed_at: float | None = None
         # whether its events named a LoRA adapter by number only (SGLang <= 0.5.19's array
         # layout): its pages of a named adapter come under another namespace than the name's

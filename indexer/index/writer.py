@@ -68,6 +68,7 @@ class BatchWriter:
             st.held.new_batch()  # a run of pages proves a size within one batch only
         store = self.store
         remove = self.remove
+        removing = False  # a removal (maybe: an event that did not decode), known pages or not
         for ev in batch.events:
             if type(ev) is Stored:
                 if ev.kv_cache_spec_kind is not None and not self._reusable(st, ev):
@@ -77,6 +78,7 @@ class BatchWriter:
                     st.lookahead = ev.lookahead  # `PrefixIndex.match` trims by it
                 store(st, ev, outcome)
             elif type(ev) is Removed:
+                removing = True
                 if ev.group_idx is not None and ev.group_idx in st.skipped_groups:
                     outcome.skipped_group_blocks += len(ev.block_hashes)
                     continue  # that group's blocks were never indexed
@@ -85,9 +87,12 @@ class BatchWriter:
                 self._index.clear_stream(stream)
                 outcome.cleared = True
             elif type(ev) is Unreadable:
+                removing = True
                 self.forget(st, ev, outcome)
             else:
                 outcome.skipped += 1
+        if removing:
+            st.removed_at = self._index.clock()
         return outcome
 
     def _event_namespace(self, st: IndexedStream, ev: Stored, parent_key: int | None) -> int:

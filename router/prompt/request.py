@@ -274,6 +274,7 @@ def _first(value: list[Any], field: str) -> object:
 def _generate_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> tuple[list[int], bool]:
     if (input_ids := body.get("input_ids")) is not None:
         if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+            _check_later_items(input_ids, "input_ids", tok)
             return _ids(input_ids[0], "input_ids[0]"), True
         return _ids(input_ids, "input_ids"), False
     text = body.get("text")
@@ -297,6 +298,8 @@ def _completion_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[in
         return tok.text(prompt)
     if isinstance(prompt, list):
         first = _first(prompt, "prompt")
+        if isinstance(first, str | list):
+            _check_later_items(prompt, "prompt", tok)
         if isinstance(first, str):
             return tok.text(first)
         if isinstance(first, list):
@@ -466,6 +469,16 @@ def _batch_item(prompts: list[Any], field: str, i: int, tokenizer: PromptTokeniz
     if field == "prompt" and not isinstance(prompt, list):
         raise RequestError(f"prompt[{i}] must be a string or a list of token ids")
     return _ids(prompt, f"{field}[{i}]")
+
+
+def _check_later_items(prompts: list[Any], field: str, tokenizer: PromptTokenizer) -> None:
+    """Hold a batch's items after the first to what the first is held to (token ids in range,
+    `_batch_item`), without tokenizing a text item: before, only the first was read (and those
+    with an extra_key), and a later item's id past 32 bits reached the worker (the reference
+    worker answered it 200)."""
+    for i in range(1, len(prompts)):
+        if not isinstance(prompts[i], str) or field == "input_ids":
+            _batch_item(prompts, field, i, tokenizer)
 
 
 def _keyed_items(

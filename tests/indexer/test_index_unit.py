@@ -261,29 +261,39 @@ def test_another_replicas_late_mark_is_not_taken_past_a_removal_on_its_stream() 
     index.apply("a", batch(Removed(block_hashes=[3])))
     # on time (propagation takes well under LATE_MARK_S): not judged by removals
     assert index.add_pending("a", keyed, TOKENS, age_s=LATE_MARK_S / 2) == 4
+    # a removal of pages the index does not know, or an event that did not decode, counts
+    # too: what the worker removed is not known (QA: a late mark taken after either)
+    for event in (Removed(block_hashes=[99]), Unreadable("BlockRemoved", block_hashes=[98])):
+        now[0] += 10.0
+        index.apply("b", batch(event))
+        now[0] += 1.0
+        assert index.add_pending("b", other, TOKENS[:8], age_s=1.5) == 0
 
 
-def test_an_extra_keys_marks_of_a_named_adapter_go_where_events_number_adapters() -> None:
+def test_marks_of_a_named_adapter_go_where_events_number_adapters() -> None:
     """SGLang <= 0.5.19 (the array layout) names an adapter by number only: its pages of an
     adapter come under `anonymous_lora(id)`, never the name's namespace, so an `extra_key`
     request's marks of a named adapter, tied to the name's pages, were never dropped by their
-    removal (QA, critical: 160 tokens predicted after a flush or an eviction, 0 cached). The
-    first page a stream shows by number drops them, and no more are made there."""
+    removal (QA, critical: 160 tokens predicted after a flush or an eviction, 0 cached), nor
+    were a plain request's taken back by their store. The first page a stream shows by number
+    drops them, and no more are made there."""
     index = PrefixIndex(pending_ttl_s=60.0)
     index.add_stream("a", model="m", block_size=4)
     index.add_stream("b", model="m", block_size=4)
     adapter = Namespace("m", "sql", "s", extra_key="view-1")
+    plain = Namespace("m", "sql", "s")  # its marks are never taken back by a store there
     base = Namespace("m", None, "s", extra_key="view-1")
     for stream in ("a", "b"):
-        for ns in (adapter, base):
+        for ns in (adapter, plain, base):
             assert index.add_pending(stream, ns, TOKENS) == 4
     index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s", lora_id=7)))
 
     def pending(ns: Namespace, stream: str) -> int:
         return index.query(ns, TOKENS)[stream].pending_blocks
 
-    assert (pending(adapter, "a"), pending(base, "a"), pending(adapter, "b")) == (0, 4, 4)
-    assert index.add_pending("a", adapter, TOKENS) == 0
+    assert [pending(ns, "a") for ns in (adapter, plain, base)] == [0, 0, 4]
+    assert [pending(ns, "b") for ns in (adapter, plain, base)] == [4, 4, 4]
+    assert index.add_pending("a", adapter, TOKENS) == 0 == index.add_pending("a", plain, TOKENS)
     assert index.add_pending("a", base, TOKENS) == 4 and index.add_pending("b", adapter, TOKENS)
 
 

@@ -660,20 +660,25 @@ async def test_a_keyed_requests_pending_marks_go_with_the_pages_its_worker_remov
         assert int(headers["x-kvroute-pending-tokens"]) == kept == cached_tokens(answer)
 
 
-async def test_a_keyed_request_of_an_adapter_is_not_marked_where_events_number_adapters() -> None:
-    """An array-layout worker (SGLang <= 0.5.19) names an adapter by number: the pages of an
-    `extra_key` request of adapter `sql` came under `anonymous_lora(id)`, its marks were tied
-    to the name's pages, and no removal dropped them (QA, critical: 160 tokens predicted after
-    the worker flushed the salt, 0 cached). Once its events number adapters, no such mark
-    stands there: the request is predicted nothing, as the worker gives after the flush."""
+@pytest.mark.parametrize("keyed", [True, False])
+async def test_a_request_of_an_adapter_is_not_marked_where_events_number_adapters(
+    keyed: bool,
+) -> None:
+    """An array-layout worker (SGLang <= 0.5.19) names an adapter by number: the pages of a
+    request of adapter `sql` came under `anonymous_lora(id)`, so an `extra_key` request's
+    marks were tied to the name's pages and no removal dropped them (QA, critical: 160 tokens
+    predicted after the worker flushed the salt, 0 cached), and a plain request's were never
+    taken back by their store. Once its events number adapters, no such mark stands there:
+    the request is predicted nothing, as the worker gives after the flush."""
     cfg = ReferenceConfig(time_scale=0.0, page_size=16, event_format="array")
-    body = {
+    body: dict[str, Any] = {
         "input_ids": [(i * 7) % 200 + 5 for i in range(10 * 16 + 1)],
         "cache_salt": "tenant-a",
-        "extra_key": "view-1",
         "lora_path": "sql",
         "sampling_params": {"max_new_tokens": 1},
     }
+    if keyed:
+        body["extra_key"] = "view-1"
     ttl = IndexerSection(pending_ttl_s=60.0)
     async with one_worker_fleet(cfg, indexer=ttl) as fleet:
         status, _, _ = await fleet.post("/generate", body)
