@@ -103,6 +103,10 @@ class PrefixIndex:
         self._sweep_floor = max(namespace_sweep, 1)
         self._next_sweep = self._sweep_floor
         self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, int_map=backend.int_map)
+        # another replica's decisions not marked on a stream because they came late (one per
+        # stream): past the TTL, made before the stream was last cleared, or held past
+        # `LATE_MARK_S` across a removal there (`add_pending`)
+        self.late_marks = 0
         self._writer = BatchWriter(self)  # after every table it writes to exists
 
     # ---------------------------------------------------------------- streams
@@ -423,9 +427,12 @@ class PrefixIndex:
             return 0
         if age_s:
             made_at = self.clock() - age_s
-            if st.cleared_at is not None and made_at < st.cleared_at:
-                return 0
-            if age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at:
+            if (
+                age_s >= self.pending.ttl_s
+                or (st.cleared_at is not None and made_at < st.cleared_at)
+                or (age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at)
+            ):
+                self.late_marks += 1
                 return 0
         if namespace.lora is not None and st.lora_by_id:
             # its pages come under the adapter's number, not its name: no store of them takes

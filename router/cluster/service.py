@@ -333,6 +333,7 @@ class ClusterService:
             "decisions_applied": float(self.peers.applied),
             "decisions_unmatched_pages": float(self.peers.unmatched_pages),
             "decisions_misaddressed": float(self.peers.misaddressed),
+            "decisions_late": float(self._indexer.index.late_marks),
             "decisions_dropped": float(self.outbox.dropped),
             "unsent_admin_writes": float(len(self.fleet.unsent)),
             "evictions_applied": float(self.fleet.evictions_applied),

@@ -287,6 +287,9 @@ class _Cluster(Collector):
         "decisions_misaddressed": "Routing decisions of other replicas whose worker id names "
         "another server here than where they were made (ids swapped or renamed in between): "
         "pending marks moved to the server meant, shadows not applied",
+        "decisions_late": "Routing decisions of other replicas not marked on a stream here "
+        "(one per stream) because they came late: past the pending TTL, made before the "
+        "stream was last cleared, or held past 50 ms across a removal there",
         "decisions_dropped": "Routing decisions not published (buffer full or NATS error)",
         "unsent_admin_writes": "Admin changes kept here until NATS takes them",
         "evictions_applied": "Namespace evictions of other replicas applied to the index here",
@@ -313,6 +316,7 @@ class _Cluster(Collector):
             "decisions_applied",
             "decisions_unmatched_pages",
             "decisions_misaddressed",
+            "decisions_late",
             "decisions_dropped",
             "evictions_applied",
             "relay_records_published",

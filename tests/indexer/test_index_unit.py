@@ -257,6 +257,7 @@ def test_another_replicas_late_mark_is_not_taken_past_a_removal_on_its_stream() 
     assert index.add_pending("a", other, TOKENS, age_s=1.5) == 0  # routed before the removal
     assert index.add_pending("a", other, TOKENS, age_s=0.5) == 4  # after it
     assert index.add_pending("b", other, TOKENS, age_s=1.5) == 4  # another stream
+    assert index.late_marks == 1  # counted: `kvroute_cluster_decisions_late`
     now[0] = 11.0 + LATE_MARK_S / 2
     index.apply("a", batch(Removed(block_hashes=[3])))
     # on time (propagation takes well under LATE_MARK_S): not judged by removals

@@ -197,6 +197,7 @@ async def test_a_peers_decision_held_up_past_the_pending_ttl_marks_nothing() -> 
 
         peers.apply(Batch("a", time.time() - ttl - 0.6, sent))
         assert pending() == 0
+        assert receiver.indexer.index.late_marks == 1  # counted (its one stream)
         assert receiver.load.of(chosen.worker).running == 1  # its request counts all the same
         peers.apply(Batch("a", time.time(), sent))  # sent just now: marked
         assert pending() == 192
@@ -223,7 +224,7 @@ async def test_a_held_decision_of_a_peer_whose_clock_runs_ahead_is_aged_by_the_l
         lead = 3.0
         peers.apply(Batch("a", time.time() + lead, []))  # on time: its clock is 3 s ahead
         peers.apply(Batch("a", time.time() + lead - ttl - 0.6, sent))
-        assert pending() == 0
+        assert pending() == 0 and receiver.indexer.index.late_marks == 1
         peers.apply(Batch("a", time.time() + lead, sent))  # on time: marked
         assert pending() == 192
 

@@ -81,6 +81,7 @@ async def test_nats_down_at_start_serves_degraded_then_resyncs(
                 exported = await _metrics(session, a)
                 assert "kvroute_cluster_degraded 0.0" in exported
                 assert "kvroute_cluster_decisions_unmatched_pages_total 0.0" in exported  # agreed
+                assert "kvroute_cluster_decisions_late_total 0.0" in exported  # none held
                 assert _lines(caplog, "cluster resynced") == 1
 
 
