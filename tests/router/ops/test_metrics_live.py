@@ -276,8 +276,8 @@ async def test_a_replicas_cluster_series_are_described_and_counters_are_counters
         text = await resp.text()
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     cluster = {name: kind for name, kind in types.items() if name.startswith("kvroute_cluster_")}
-    assert len(cluster) == 9, cluster
-    for total in ("published", "applied", "unmatched_pages", "misaddressed", "dropped"):
+    assert len(cluster) == 10, cluster
+    for total in ("published", "applied", "unmatched_pages", "misaddressed", "late", "dropped"):
         assert cluster.pop(f"kvroute_cluster_decisions_{total}") == "counter"
     assert cluster.pop("kvroute_cluster_evictions_applied") == "counter"
     assert set(cluster.values()) == {"gauge"}, cluster  # states: degraded, replicas, unsent
