@@ -115,11 +115,11 @@ async def baseline(request: web.Request) -> web.Response:
     """POST: take the snapshot later growth is measured against (409 when not tracing)."""
     if not tracemalloc.is_tracing():
         message = f"tracemalloc is off: start the router with {TRACEMALLOC_ENV}=N"
-        return web.json_response(
-            {"error": {"type": "ConflictError", "message": message}}, status=409
-        )
+        error = {"error": {"type": "ConflictError", "message": message}}
+        return web.Response(body=_json.encode(error), status=409, content_type="application/json")
     request.app[_BASELINE][:] = [_snapshot()]
-    return web.json_response({"baseline": True, "traced_bytes": tracemalloc.get_traced_memory()[0]})
+    done = {"baseline": True, "traced_bytes": tracemalloc.get_traced_memory()[0]}
+    return web.Response(body=_json.encode(done), content_type="application/json")
 
 
 def add_memory_routes(app: web.Application) -> None:
