@@ -102,8 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_router_arguments(parser)
 
 
-def describe_fleet(fleet: Fleet) -> str:
-    """What a new user needs to reach every worker."""
+def describe_fleet(fleet: Fleet, *, routed: bool = False) -> str:
+    """What a new user needs to reach every worker; `routed`: a router is started in front of
+    them, whose own lines say how to try it (a `curl` straight to a worker, printed first, was
+    what a new user copied: QA, no x-kvroute-* headers in its answer)."""
     ranks = fleet.config.dp_size
     # with several ranks the router routes to a (worker, rank) and tells the worker which
     each = f", {ranks} data-parallel ranks each" if ranks > 1 else ""
@@ -118,7 +120,7 @@ def describe_fleet(fleet: Fleet) -> str:
         lines.append(describe_kv_events(worker.kv_events))
         if worker.worker.disagg.bootstrap_port is not None:
             lines.append(f"  KV bootstrap port {worker.worker.disagg.bootstrap_port}")
-    if fleet.config.role != "both":
+    if fleet.config.role != "both" or routed:
         return "\n".join(lines)
     first = fleet.workers[0].url
     lines += [
@@ -166,7 +168,7 @@ async def _serve(
     async with contextlib.AsyncExitStack() as stack:
         for fleet in fleets:
             await stack.enter_async_context(fleet)
-            print(describe_fleet(fleet), flush=True)
+            print(describe_fleet(fleet, routed=router is not None), flush=True)
         if router is None:
             await _said(
                 until,

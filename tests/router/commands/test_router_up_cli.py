@@ -61,6 +61,10 @@ async def test_up_starts_workers_and_router_and_its_curl_example_works() -> None
         url = line.split("kvroute router:")[1].split()[0]
         await asyncio.wait_for(_read_until(proc.stdout, "Ctrl-C", lines), 10)
         start = next(i for i, text in enumerate(lines) if text.startswith("curl -s " + url))
+        # the first curl is the router's, and one Ctrl-C line: a worker's curl, printed first,
+        # was what a new user copied (QA: no x-kvroute-* headers in its answer)
+        assert min(i for i, text in enumerate(lines) if "curl" in text) == start, lines
+        assert sum("Ctrl-C" in text for text in lines) == 1, lines
         command = lines[start].rstrip().removesuffix("\\") + lines[start + 1].strip()
         if shutil.which("curl") and shutil.which("bash"):
             shell = await asyncio.create_subprocess_exec(
