@@ -446,9 +446,12 @@ def _inspect(args: argparse.Namespace, out: TextIO) -> int:
     )
     out.write("sources:\n")
     for s in sources.values():
+        # none given when it was recorded: the stream's pages say it (the summary's line),
+        # and "None" here beside that number read as a contradiction (QA)
+        size = "not set (learned from its pages)" if s.block_size is None else s.block_size
         out.write(
             f"  {s.stream}: {s.engine} {s.endpoint or '-'} replay {s.replay_endpoint or '-'} "
-            f"topic {s.topic!r} block size {s.block_size} dp rank {s.dp_rank} "
+            f"topic {s.topic!r} block size {size} dp rank {s.dp_rank} "
             f"model {s.model or '-'}\n"
         )
     print_summary(summary, out)

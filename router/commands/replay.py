@@ -235,7 +235,8 @@ def print_summary(summary: ReplaySummary, out: TextIO) -> None:
             f"{s.first_seq}..{s.last_seq}  gaps {s.gaps} (repaired by {s.replays} replays, "
             f"lost {s.lost_gaps})  restarts {s.restarts}  clears {s.marked_clears}  decode "
             f"errors {s.decode_errors}  unknown parents {s.unknown_parents}  block size "
-            f"{s.block_size} (mismatches {s.block_size_mismatches})  entries {s.entries}\n"
+            f"{'unknown' if s.block_size is None else s.block_size} (mismatches "
+            f"{s.block_size_mismatches})  entries {s.entries}\n"
         )
         if s.partial:
             w(

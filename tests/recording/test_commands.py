@@ -112,6 +112,20 @@ def test_inspect_hides_salts_unless_asked(
     assert "'s3cr3t'" in capsys.readouterr().out
 
 
+def test_inspect_says_a_block_size_not_set_is_learned_not_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "unsized.kvrec"
+    event = Stored(block_hashes=[7], parent=None, token_ids=[1, 2], block_size=2)
+    with RecordingWriter.create(path, [Source(stream="w#dp0")]) as writer:
+        writer.write("w#dp0", b"kv", 0, encode_batch(EventBatch(ts=1.0, events=[event])))
+    assert main(["record", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "block size not set (learned from its pages)" in out and "None" not in out, out
+    # none learned from its one page either (it holds no entry): said so, not "None"
+    assert "block size unknown (mismatches 0)" in out
+
+
 def _two_streams_wb_first(path: Path) -> None:
     """wA#dp0 and wB#dp0, wB declared and recorded first (it published first in the capture)."""
     empty = encode_batch(EventBatch(ts=1.0, events=[]))
