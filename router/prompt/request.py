@@ -274,8 +274,9 @@ def _first(value: list[Any], field: str) -> object:
 def _generate_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> tuple[list[int], bool]:
     if (input_ids := body.get("input_ids")) is not None:
         if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-            _check_later_items(input_ids, "input_ids", tok)
-            return _ids(input_ids[0], "input_ids[0]"), True
+            first_ids = _ids(input_ids[0], "input_ids[0]")
+            _check_later_items(input_ids, "input_ids", tok)  # a bad first is said first
+            return first_ids, True
         return _ids(input_ids, "input_ids"), False
     text = body.get("text")
     if isinstance(text, str):
@@ -298,12 +299,13 @@ def _completion_tokens(body: Mapping[str, Any], tok: PromptTokenizer) -> list[in
         return tok.text(prompt)
     if isinstance(prompt, list):
         first = _first(prompt, "prompt")
-        if isinstance(first, str | list):
-            _check_later_items(prompt, "prompt", tok)
         if isinstance(first, str):
+            _check_later_items(prompt, "prompt", tok)
             return tok.text(first)
         if isinstance(first, list):
-            return _ids(first, "prompt[0]")
+            first_ids = _ids(first, "prompt[0]")
+            _check_later_items(prompt, "prompt", tok)  # a bad first is said first
+            return first_ids
         return _ids(prompt, "prompt")
     raise RequestError("prompt must be a string, a list of strings or a list of token ids")
 
