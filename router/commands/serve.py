@@ -412,9 +412,10 @@ async def serve_fleet(
         RouterService(config, reuse_port=reuse_port), "up --router-port"
     ) as router:
         settle_collector()
+        count = len(config.workers)
         print(
             f"\nkvroute router: {router.url}  (policy {config.policy.name}, "
-            f"{len(config.workers)} workers)"
+            f"{count} worker{'' if count == 1 else 's'})"
         )
         for line in router_pointers(router.url, config):
             print(line)

@@ -252,6 +252,7 @@ async def test_up_with_dp_ranks_routes_to_a_rank() -> None:
     async with ends_on_sigint(proc):
         line = await asyncio.wait_for(_read_until(proc.stdout, "kvroute router:", lines), 60)
         url = line.split("kvroute router:")[1].split()[0]
+        assert line.rstrip().endswith("(policy kv, 1 worker)"), line  # said "1 workers"
         assert any("2 data-parallel ranks each" in text for text in lines)
         async with aiohttp.ClientSession() as session:
             async with session.get(url + "/admin/workers") as resp:
