@@ -326,19 +326,17 @@ class PendingTable:
 
     def discard_slot_namespaces(self, slot: int, ns_ids: set[int]) -> None:
         """Forget every entry of these namespaces on one slot."""
-        kept: deque[_Mark] = deque()
-        for mark in self._fifo:
-            if mark[1] == slot and mark[3] in ns_ids:
-                self._retire(mark)
-            else:
-                kept.append(mark)
-        self._fifo = kept
+        self._retire_where(lambda mark: mark[1] == slot and mark[3] in ns_ids)
 
     def discard_namespace(self, ns_id: int) -> None:
         """Forget every entry of one namespace (it is being evicted)."""
+        self._retire_where(lambda mark: mark[3] == ns_id)
+
+    def _retire_where(self, doomed: Callable[[_Mark], bool]) -> None:
+        """Retire every standing mark `doomed` says, keeping the others in order."""
         kept: deque[_Mark] = deque()
         for mark in self._fifo:
-            if mark[3] == ns_id:
+            if doomed(mark):
                 self._retire(mark)
             else:
                 kept.append(mark)

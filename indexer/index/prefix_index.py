@@ -428,7 +428,7 @@ class PrefixIndex:
         if age_s:
             made_at = self.clock() - age_s
             if (
-                age_s >= self.pending.ttl_s
+                0 < self.pending.ttl_s <= age_s  # (no TTL: no marks at all, none late)
                 or (st.cleared_at is not None and made_at < st.cleared_at)
                 or (age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at)
             ):
@@ -458,12 +458,8 @@ class PrefixIndex:
             # no store ever takes these marks back: a removal of the pages they stand for,
             # which events show as plain ones of the salt, does (`PendingTable.twin`)
             plain = msgspec.structs.replace(namespace, extra_key=None)
-            found = self._registry.find(plain)
-            size = st.block_size
-            seed = (
-                namespace_seed(plain, size) if found is None else self._registry.seed(found, size)
-            )
-            pending.twin(st.slot, self._chain(seed, paged, size, 0, len(keys)), keys)
+            seed = self._seed(plain, st.block_size)
+            pending.twin(st.slot, self._chain(seed, paged, st.block_size, 0, len(keys)), keys)
         return marked
 
     def names_lora_by_id(self, st: IndexedStream) -> None:
@@ -611,10 +607,7 @@ class PrefixIndex:
         if st is None or st.block_size is None:
             return None
         size = st.block_size
-        ns_id = self._registry.find(namespace)
-        seed = (
-            namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
-        )
+        seed = self._seed(namespace, size)
         kinds = (False, True) if st.bigram is None else (st.bigram,)
         chains = []
         for bigram in kinds:
@@ -622,6 +615,14 @@ class PrefixIndex:
             keyed: Sequence[Hashable] = Bigrams(tokens, count * size + 1) if bigram else tokens
             chains.append(self._chain(seed, keyed, size, 0, count) if count else [])
         return seed, chains
+
+    def _seed(self, namespace: Namespace, size: int) -> int:
+        """The parent key of a first block of `namespace` in `size`-token pages, whether or
+        not the index has met the namespace (nothing is interned)."""
+        ns_id = self._registry.find(namespace)
+        return (
+            namespace_seed(namespace, size) if ns_id is None else self._registry.seed(ns_id, size)
+        )
 
     def holds_namespace(self, stream: str, namespace: Namespace) -> bool:
         """Whether `stream` holds any block of `namespace` per its events."""

@@ -171,9 +171,7 @@ class BatchWriter:
         outcome.skipped += 1
         blocks = st.blocks
         if self._twins and st.slot in self._twins:
-            # a removal, maybe: an extra_key's marks tied to these pages go with them
-            gone = blocks.get_many(ev.block_hashes, None)
-            self._pending.removed(st.slot, [key for key in gone if key is not None])
+            self._drop_twins(st, ev.block_hashes)  # a removal, maybe
         for h in ev.block_hashes:
             if st.partial.pop(h, None) is not None:
                 st.refs.pop(h, None)
@@ -586,9 +584,7 @@ class BatchWriter:
 
     def remove(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
         if self._twins and st.slot in self._twins and st.held is None:
-            # pages an extra_key's request may have stored: its marks go with them
-            gone = st.blocks.get_many(ev.block_hashes, None)
-            self._pending.removed(st.slot, [key for key in gone if key is not None])
+            self._drop_twins(st, ev.block_hashes)
         if (
             st.refs
             or st.media
@@ -632,6 +628,12 @@ class BatchWriter:
                     self._registry.blocks[ns_id] -= 1
                     self._registry.tokens[ns_id] -= st.block_size or 0
         outcome.removed += n
+
+    def _drop_twins(self, st: IndexedStream, hashes: list[BlockHash]) -> None:
+        """Pages an `extra_key` request may have stored went: the marks tied to them go
+        (`PendingTable.twin`)."""
+        gone = st.blocks.get_many(hashes, None)
+        self._pending.removed(st.slot, [key for key in gone if key is not None])
 
     def _remove_slow(self, st: IndexedStream, ev: Removed, outcome: ApplyOutcome) -> None:
         if st.held is not None:

@@ -271,6 +271,14 @@ def test_another_replicas_late_mark_is_not_taken_past_a_removal_on_its_stream() 
         assert index.add_pending("b", other, TOKENS[:8], age_s=1.5) == 0
 
 
+def test_no_pending_ttl_counts_no_late_mark() -> None:
+    """With pending marks off (`pending_ttl_s` 0) another replica's decision marks nothing
+    for that reason alone: it is not counted as late (every one was)."""
+    index = PrefixIndex(pending_ttl_s=0.0)
+    index.add_stream("a", model="m", block_size=4)
+    assert index.add_pending("a", NS, TOKENS, age_s=0.01) == 0 and index.late_marks == 0
+
+
 def test_marks_of_a_named_adapter_go_where_events_number_adapters() -> None:
     """SGLang <= 0.5.19 (the array layout) names an adapter by number only: its pages of an
     adapter come under `anonymous_lora(id)`, never the name's namespace, so an `extra_key`
