@@ -121,6 +121,9 @@ class IndexerService:
         self.config = config or IndexerConfig()
         self._clock = clock
         self.index = PrefixIndex(clock=clock, pending_ttl_s=self.config.pending_ttl_s)
+        # other replicas' marks will come (`expect_peer_marks`): an index loaded in place of
+        # this one logs its removals too
+        self._peer_marks = False
         # `tap`: told everything the streams make the index do (`kvroute relay` republishes
         # it); `fed`: no subscriptions, the streams are applied from a relay's records
         self.tap = tap
@@ -724,6 +727,13 @@ class IndexerService:
                     made.append((sub.stream_id, index.pending.generation))
         return made
 
+    def expect_peer_marks(self) -> None:
+        """Other replicas' decisions will mark pending here (`add_pending` with `age_s`): the
+        index keeps the keys of its removals from now on to judge them (`log_removals`),
+        a loaded one too, so the first of them is judged like the rest."""
+        self._peer_marks = True
+        self.index.log_removals()
+
     def withdraw_pending(self, marks: Sequence[PendingMark]) -> None:
         """The request of these marks (`add_pending`'s) failed: the worker stores nothing for
         it, so its prefix is no longer on its way there (a sibling's marks stand)."""
@@ -963,6 +973,8 @@ class IndexerService:
                 # not know rebuild from 0
                 sub.rebind(self._sink(index, sub.stream_id))
         self.index = index
+        if self._peer_marks:
+            index.log_removals()
         if self.fed is not None and (rebound := self.fed.on_rebound) is not None:
             for fed in self.fed.all():
                 rebound(fed)

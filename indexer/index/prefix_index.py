@@ -62,7 +62,8 @@ __all__ = ["DEFAULT_MEDIUM", "LATE_MARK_S", "PrefixIndex"]
 
 DEFAULT_MEDIUM = "GPU"
 # another replica's decision older than this came late (NATS held it up: decisions propagate
-# in well under a millisecond on loopback), so a removal since may have taken pages it marks
+# in well under a millisecond on loopback), so a removal since of pages no key names (unknown
+# to the index, or an event that did not decode) may have taken pages it marks
 LATE_MARK_S = 0.05
 
 
@@ -103,10 +104,13 @@ class PrefixIndex:
         self._sweep_floor = max(namespace_sweep, 1)
         self._next_sweep = self._sweep_floor
         self.pending = PendingTable(clock, pending_ttl_s, shift=CODE_BITS, int_map=backend.int_map)
-        # another replica's decisions not marked on a stream because they came late (one per
-        # stream): past the TTL, made before the stream was last cleared, or held past
-        # `LATE_MARK_S` across a removal there (`add_pending`)
+        # another replica's decisions not marked, or not wholly, on a stream because they came
+        # late (one per stream): past the TTL, made before the stream was last cleared, held
+        # past `LATE_MARK_S` across a removal there of unknown pages, or made before a removal
+        # of some of its blocks (`add_pending`)
         self.late_marks = 0
+        # when the writer began logging the keys of removals (`log_removals`; None: not)
+        self._removals_since: float | None = None
         self._writer = BatchWriter(self)  # after every table it writes to exists
 
     # ---------------------------------------------------------------- streams
@@ -207,6 +211,7 @@ class PrefixIndex:
         st.forget_entries()
         self.pending.discard_slot(st.slot)
         st.cleared_at = self.clock()
+        st.removals.clear()  # every mark made before now is refused whole (`add_pending`)
         if count:
             st.counters.clears += 1
         return dropped
@@ -421,16 +426,34 @@ class PrefixIndex:
         the TTL (`PendingTable.add`); one routed before the stream was last cleared marks
         nothing (the clear dropped the marks of its time: `clear_stream`; taken after it, a
         mark held up on its way, by NATS or a stalled loop, would be predicted on a worker
-        that flushed or restarted since the request reached it)."""
+        that flushed or restarted since the request reached it), and a block whose page left
+        the stream since the request was routed is not marked (the request may have stored it
+        and the worker evicted it meanwhile: `RemovalLog`)."""
         st = self._streams.get(stream)
         if st is None or st.block_size is None:
             return 0
+        made_at = 0.0
         if age_s:
-            made_at = self.clock() - age_s
+            now = self.clock()
+            made_at = now - age_s
+            if self._removals_since is None:
+                self.log_removals()  # no replica said it would be told (`log_removals`)
+            since = self._removals_since
             if (
                 0 < self.pending.ttl_s <= age_s  # (no TTL: no marks at all, none late)
                 or (st.cleared_at is not None and made_at < st.cleared_at)
-                or (age_s > LATE_MARK_S and st.removed_at is not None and made_at < st.removed_at)
+                or (
+                    age_s > LATE_MARK_S
+                    and st.unknown_removed_at is not None
+                    and made_at < st.unknown_removed_at
+                )
+                # made before the log began: any removal since may have taken its pages
+                or (
+                    since is not None
+                    and made_at < since
+                    and st.removed_at is not None
+                    and made_at < st.removed_at
+                )
             ):
                 self.late_marks += 1
                 return 0
@@ -445,6 +468,24 @@ class PrefixIndex:
         if keys is None:
             seed = self._registry.seed(ns_id, st.block_size)
             keys = self._chain(seed, paged, st.block_size, 0, -1)
+        plain: Sequence[int] | None = None
+        if namespace.extra_key is not None:
+            # its pages come as plain pages of the salt: their keys stand for its blocks
+            plain_ns = msgspec.structs.replace(namespace, extra_key=None)
+            seed = self._seed(plain_ns, st.block_size)
+            plain = self._chain(seed, paged, st.block_size, 0, len(keys))
+        if age_s and st.removals:
+            gone = st.removals.gone_since(plain if plain is not None else keys, made_at)
+            if gone is not None:
+                # blocks whose pages left the stream since the request was routed: it may
+                # have stored them and the worker evicted them meanwhile (flushed, or LRU)
+                self.late_marks += 1
+                kept = list(map(not_, gone))
+                keys = list(compress(keys, kept))
+                if plain is not None:
+                    plain = list(compress(plain, kept))
+                if not keys:
+                    return 0
         # keys the stream already holds need no pending mark (C-level passes, no per-key step;
         # a prompt nobody holds, the common case for a new prefix, skips even those)
         table = self._table
@@ -454,13 +495,20 @@ class PrefixIndex:
             fresh = list(compress(keys, map(not_, held)))
         pending = self.pending
         marked = pending.add(fresh, st.slot, ns_id, self._registry.codes[ns_id], age_s=age_s)
-        if marked and namespace.extra_key is not None:
+        if marked and plain is not None:
             # no store ever takes these marks back: a removal of the pages they stand for,
             # which events show as plain ones of the salt, does (`PendingTable.twin`)
-            plain = msgspec.structs.replace(namespace, extra_key=None)
-            seed = self._seed(plain, st.block_size)
-            pending.twin(st.slot, self._chain(seed, paged, st.block_size, 0, len(keys)), keys)
+            pending.twin(st.slot, plain, keys)
         return marked
+
+    def log_removals(self) -> None:
+        """Keep the keys each batch removes, for the pending TTL, from now on: other
+        replicas' marks will come (`add_pending` judges them by what was removed since they
+        were made). A router alone never calls it and pays nothing for them; the first mark
+        of another replica calls it when nothing did before."""
+        if self._removals_since is None and self.pending.ttl_s > 0:
+            self._removals_since = self.clock()
+            self._writer.logs_removals = True
 
     def names_lora_by_id(self, st: IndexedStream) -> None:
         """Stream `st`'s events name a LoRA adapter by number only: a request's marks of a

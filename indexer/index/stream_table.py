@@ -14,6 +14,7 @@ import msgspec
 from indexer.engines import EngineSpec
 from indexer.fence import BatchFence
 from indexer.index.held import HeldEvents
+from indexer.index.removal_log import RemovalLog
 from indexer.index.values import CODE_BITS
 from indexer.int_map import PyIntMap
 from indexer.protocol.events import BlockHash
@@ -79,11 +80,13 @@ class IndexedStream:
         "ns_counts",
         "partial",
         "refs",
+        "removals",
         "removed_at",
         "sbit",
         "singles",
         "skipped_groups",
         "slot",
+        "unknown_removed_at",
     )
 
     def __init__(
@@ -114,9 +117,14 @@ class IndexedStream:
         # None: never): another replica's mark made before then is not taken
         self.cleared_at: float | None = None
         # when a batch last removed pages there, known or not, or had an event that did not
-        # decode (the index's clock; None: never): another replica's mark held up past it may
-        # stand for pages gone since (`add_pending`)
+        # decode (the index's clock; None: never); and when one last removed pages the index
+        # did not know or had such an event: another replica's mark held up past it may stand
+        # for pages gone since that no key names (`add_pending`)
         self.removed_at: float | None = None
+        self.unknown_removed_at: float | None = None
+        # the keys its batches removed, for the pending TTL, in a replica of a cluster
+        # (`PrefixIndex.log_removals`): a mark of a block removed since it was made is refused
+        self.removals = RemovalLog()
         # whether its events named a LoRA adapter by number only (SGLang <= 0.5.19's array
         # layout): its pages of a named adapter come under another namespace than the name's
         self.lora_by_id = False

@@ -58,6 +58,14 @@ class BatchWriter:
         self._twins = index.pending.twins
         self._chain = index.backend.chain
         self._partial = index.backend.partial
+        # whether the keys each batch removes are kept for the pending TTL (`RemovalLog`): in
+        # a replica of a cluster (`PrefixIndex.log_removals`), never in a router alone
+        self.logs_removals = False
+        # this batch so far: whether it removed pages (maybe: an event that did not decode),
+        # whether some were not known (no key names them), and the keys it removed (logged)
+        self._removing = False
+        self._unknown = False
+        self._gone: list[int] = []
         self._default_medium = index.default_medium
         self._values: dict[int, int] = {}
 
@@ -68,7 +76,6 @@ class BatchWriter:
             st.held.new_batch()  # a run of pages proves a size within one batch only
         store = self.store
         remove = self.remove
-        removing = False  # a removal (maybe: an event that did not decode), known pages or not
         for ev in batch.events:
             if type(ev) is Stored:
                 if ev.kv_cache_spec_kind is not None and not self._reusable(st, ev):
@@ -78,7 +85,7 @@ class BatchWriter:
                     st.lookahead = ev.lookahead  # `PrefixIndex.match` trims by it
                 store(st, ev, outcome)
             elif type(ev) is Removed:
-                removing = True
+                self._removing = True
                 if ev.group_idx is not None and ev.group_idx in st.skipped_groups:
                     outcome.skipped_group_blocks += len(ev.block_hashes)
                     continue  # that group's blocks were never indexed
@@ -87,13 +94,29 @@ class BatchWriter:
                 self._index.clear_stream(stream)
                 outcome.cleared = True
             elif type(ev) is Unreadable:
-                removing = True
+                self._removing = self._unknown = True
                 self.forget(st, ev, outcome)
             else:
                 outcome.skipped += 1
-        if removing:
-            st.removed_at = self._index.clock()
+        if self._removing:
+            self._date_removals(st)
         return outcome
+
+    def _date_removals(self, st: IndexedStream) -> None:
+        """Date the removals `st` was just told (`add_pending` judges another replica's marks
+        by them): its last removal, its last of pages no key names, the keys removed."""
+        self._removing = False
+        st.removed_at = now = self._index.clock()
+        if self._unknown:
+            self._unknown = False
+            st.unknown_removed_at = now
+        gone = self._gone
+        if gone:
+            self._gone = []
+            log = st.removals
+            log.add(gone, now)
+            # no mark older than the TTL is taken: removals before then refuse nothing
+            log.forget_before(now - self._pending.ttl_s)
 
     def _event_namespace(self, st: IndexedStream, ev: Stored, parent_key: int | None) -> int:
         lora = ev.lora_name if ev.lora_name else None
@@ -365,9 +388,13 @@ class BatchWriter:
             if type(ev) is Stored:
                 self.store(st, ev, outcome)
             elif type(ev) is Removed:
+                self._removing = True
                 self.remove(st, ev, outcome)
             else:
+                self._removing = self._unknown = True
                 self.forget(st, cast(Unreadable, ev), outcome)
+        if self._removing:  # called outside a batch too (`PrefixIndex.add_stream`)
+            self._date_removals(st)
 
     def _link(
         self,
@@ -605,6 +632,8 @@ class BatchWriter:
             self._remove_slow(st, ev, outcome)
             return
         keys = cast(list[int], popped)
+        if self.logs_removals:
+            self._gone += keys
         # the common case, in C: every hash known, each key held by this stream alone, in
         # one namespace; pop them all, then put back whatever another stream still holds
         table = self._table
@@ -676,10 +705,13 @@ class BatchWriter:
             if key is None:
                 if st.partial.pop(h, None) is None:
                     st.counters.unknown_removes += 1
+                    self._unknown = True  # pages the index never knew, or no longer does
                 else:
                     outcome.removed += 1
                 continue
             self.unlink(st, h, key)
+            if self.logs_removals:
+                self._gone.append(key)
             outcome.removed += 1
 
     def _drop_hash(self, st: IndexedStream, h: BlockHash, key: int) -> None:

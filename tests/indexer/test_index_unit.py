@@ -243,32 +243,80 @@ def test_pages_the_index_stops_following_drop_the_extra_key_marks_tied_to_them(h
     assert index.query(keyed, TOKENS)["a"].pending_blocks == left
 
 
-def test_another_replicas_late_mark_is_not_taken_past_a_removal_on_its_stream() -> None:
+def test_another_replicas_late_mark_is_not_taken_for_blocks_removed_since() -> None:
     """A decision NATS held up past a removal on the stream may stand for pages stored and
     removed meanwhile (QA: a late decision marked 160 tokens after the worker had flushed
-    them, plain requests too). One made before the stream's last removal and more than
-    `LATE_MARK_S` old marks nothing; an on-time one, or one made after, marks as before."""
+    them). A block whose page left the stream after the decision was made is not marked, at
+    any lateness (a time threshold let one held 20-50 ms through); a removal of other pages
+    there refuses nothing (it refused the whole decision, another salt's too)."""
     now = [10.0]
-    index, keyed = _keyed_index(now)
-    other = Namespace("m", None, "t")
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    for stream in ("a", "b"):
+        index.add_stream(stream, model="m", block_size=4)
+    salted = Namespace("m", None, "s")
+    # the keys of removals are logged from the first mark of another replica on (a router
+    # alone pays nothing for them)
+    assert index.add_pending("b", Namespace("m", None, "v"), TOKENS, age_s=0.001) == 4
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
     now[0] = 11.0
-    index.apply("a", batch(Removed(block_hashes=[4])))
-    now[0] = 12.0
-    assert index.add_pending("a", other, TOKENS, age_s=1.5) == 0  # routed before the removal
-    assert index.add_pending("a", other, TOKENS, age_s=0.5) == 4  # after it
-    assert index.add_pending("b", other, TOKENS, age_s=1.5) == 4  # another stream
-    assert index.late_marks == 1  # counted: `kvroute_cluster_decisions_late`
+    index.apply("a", batch(Removed(block_hashes=[4, 3])))  # the two last pages, LRU
     now[0] = 11.0 + LATE_MARK_S / 2
-    index.apply("a", batch(Removed(block_hashes=[3])))
-    # on time (propagation takes well under LATE_MARK_S): not judged by removals
-    assert index.add_pending("a", keyed, TOKENS, age_s=LATE_MARK_S / 2) == 4
-    # a removal of pages the index does not know, or an event that did not decode, counts
-    # too: what the worker removed is not known (QA: a late mark taken after either)
+    # routed 10 ms before the removal, taken 15 ms after it: blocks 1-2 are held (no mark
+    # needed), 3-4 went since it was made and are not marked (the request's own pages, maybe)
+    assert index.add_pending("a", salted, TOKENS, age_s=LATE_MARK_S / 2 + 0.01) == 0
+    assert index.query(salted, TOKENS)["a"].pending_blocks == 0
+    assert index.late_marks == 1  # counted: `kvroute_cluster_decisions_late`
+    # made after the removal: marked, as on time
+    assert index.add_pending("a", salted, TOKENS, age_s=LATE_MARK_S / 4) == 2
+    assert index.late_marks == 1
+    # another salt's request, made long before that removal: its blocks did not go, marked
+    other = Namespace("m", None, "t")
+    now[0] = 12.0
+    assert index.add_pending("a", other, TOKENS, age_s=1.5) == 4
+    assert index.add_pending("b", salted, TOKENS, age_s=1.5) == 4  # another stream
+    assert index.late_marks == 1
+    # a removal of pages the index does not know, or an event that did not decode: what the
+    # worker removed is not known, and a decision held past `LATE_MARK_S` across it marks
+    # nothing (QA: a late mark taken after either); an on-time one still marks
+    third = Namespace("m", None, "u")
     for event in (Removed(block_hashes=[99]), Unreadable("BlockRemoved", block_hashes=[98])):
         now[0] += 10.0
         index.apply("b", batch(event))
         now[0] += 1.0
-        assert index.add_pending("b", other, TOKENS[:8], age_s=1.5) == 0
+        assert index.add_pending("b", third, TOKENS[:8], age_s=1.5) == 0
+        assert index.add_pending("b", third, TOKENS[:8], age_s=LATE_MARK_S / 2) == 2
+    assert index.late_marks == 3
+
+
+def test_a_late_extra_key_mark_is_not_taken_for_pages_removed_since() -> None:
+    """An `extra_key` request's pages come as plain pages of its salt: another replica's late
+    decision for one is judged by the removals of those (its own keys never show)."""
+    now = [10.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    keyed = Namespace("m", None, "s", extra_key="view-1")
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
+    now[0] = 10.5
+    # made before the log of removals began (at this first mark of another replica), and a
+    # removal came since: what it took is not known, so nothing is marked
+    index.apply("a", batch(Removed(block_hashes=[99])))
+    assert index.add_pending("a", keyed, TOKENS, age_s=0.01) == 0
+    assert index.late_marks == 1
+    now[0] = 11.0
+    index.apply("a", batch(Removed(block_hashes=[4, 3])))
+    now[0] = 11.02
+    # made 10 ms before the removal: the plain pages of blocks 3-4 went since, so those
+    # blocks are not marked; 1-2 are (no store ever shows an extra_key's own pages)
+    assert index.add_pending("a", keyed, TOKENS, age_s=0.03) == 2
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == 2
+    assert index.late_marks == 2
+    # the marks made are tied to their pages as a local decision's are: a removal drops them
+    index.apply("a", batch(Removed(block_hashes=[2])))
+    assert index.query(keyed, TOKENS)["a"].pending_blocks == 1
+    # the log keeps a removal as long as a mark can come late (the TTL), no longer
+    now[0] = 80.0
+    index.apply("a", batch(Removed(block_hashes=[1])))
+    assert len(index._streams["a"].removals) == 1
 
 
 def test_no_pending_ttl_counts_no_late_mark() -> None:

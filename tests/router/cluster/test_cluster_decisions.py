@@ -19,7 +19,13 @@ from router.cluster.server import NatsServer
 from router.cluster.wire import Batch, End, Goodbye, Heartbeat, Pending, batch_decoder
 from router.config import IndexerSection, PolicyConfig
 from router.service import RouterService
-from tests.router.cluster.conftest import admin, cluster, replica_config, workers
+from tests.router.cluster.conftest import (
+    CuttableLink,
+    admin,
+    cluster,
+    replica_config,
+    workers,
+)
 from tests.router.conftest import eventually
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
@@ -290,6 +296,87 @@ async def test_an_extra_key_requests_marks_on_the_others_go_with_the_pages_its_w
                 return await pending_on_b() == 0
 
             await eventually(dropped, what="b to drop them with the removed pages")
+
+
+@pytest.mark.parametrize("flushed", ["another_salt", "its_salt"])
+async def test_a_held_decision_is_judged_by_the_pages_removed_meanwhile(
+    nats_server: NatsServer, flushed: str
+) -> None:
+    """a's link to NATS hangs while it routes an `extra_key` request (whose siblings follow
+    its pending marks) and the worker flushes a salt; b applies the flush, then a's decision
+    comes, late. Another salt's flush took none of the request's pages: b marks them (a time
+    rule refused the whole decision for any removal on the stream, a missed hit for every
+    sibling sent to b); a flush of the request's own salt took them: b marks none of them."""
+    async with (
+        workers(1) as (w0,),
+        CuttableLink(nats_server.port) as link,
+        aiohttp.ClientSession() as session,
+    ):
+        fleet = [("w0", w0.url)]
+        ttl = IndexerSection(pending_ttl_s=60.0)  # past the test: only removals count
+        async with (
+            RouterService(
+                replica_config(fleet, link.url, "a", indexer=ttl, cluster=_patient(link.url, "a"))
+            ) as a,
+            RouterService(
+                replica_config(
+                    fleet, nats_server.url, "b", indexer=ttl, cluster=_patient(nats_server.url, "b")
+                )
+            ) as b,
+        ):
+            other = {**_body("another tenant's prompt, pages long " * 5), "cache_salt": "o"}
+            async with session.post(w0.url + "/generate", json=other) as resp:
+                assert resp.status == 200, await resp.text()
+
+            async def other_on_b() -> int:
+                status, plan = await admin(session, b, "POST", "/route?endpoint=/generate", other)
+                assert status == 200, plan
+                return int(plan["candidates"][0]["matched_tokens"])
+
+            await eventually(lambda: _positive(other_on_b()), what="b to index the other salt")
+            keyed = {**_body("a tenant's prompt under its own extra_key, pages long " * 4)}
+            keyed["extra_key"] = "view-1"
+            link.held = True
+            async with session.post(a.url + "/generate", json=keyed) as resp:
+                assert resp.status == 200, await resp.text()
+            salt = "o" if flushed == "another_salt" else "tenant-a"
+            async with session.post(w0.url + "/flush_cache", json={"cache_salt": salt}) as resp:
+                assert resp.status == 200
+            index = b.indexer.index
+            (stream,) = index.streams()
+            removed = index.counters(stream).blocks_removed
+
+            async def b_applied_the_flush() -> bool:
+                return index.counters(stream).blocks_removed > removed
+
+            await eventually(b_applied_the_flush, what="b to apply the flush")
+            late = index.late_marks
+            link.held = False
+
+            async def pending_on_b() -> int:
+                status, plan = await admin(session, b, "POST", "/route?endpoint=/generate", keyed)
+                assert status == 200, plan
+                return int(plan["candidates"][0]["pending_tokens"])
+
+            if flushed == "another_salt":
+                await eventually(lambda: _positive(pending_on_b()), what="b to mark a's request")
+                assert index.late_marks == late
+            else:
+
+                async def judged() -> bool:
+                    return index.late_marks > late
+
+                await eventually(judged, what="b to judge a's late decision")
+                assert await pending_on_b() == 0
+
+
+async def _positive(value: Any) -> bool:
+    return bool(await value > 0)
+
+
+def _patient(url: str, name: str) -> Any:
+    """A replica that keeps a peer whose link hangs a second (heartbeats late, not lost)."""
+    return cluster(url, replica_id=name, heartbeat_timeout_s=5.0)
 
 
 async def test_a_shadow_reaches_replicas_that_join_later_whatever_the_senders_policy(
