@@ -360,7 +360,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # a keep-alive connection with no request for this long is closed (above the 60 s idle
     # timeout of common load balancers, so they never reuse a connection the router closed)
     idle_timeout_s: PositiveFloat = 75.0
-    # a request's headers must be complete this long after its first byte, else 408
+    # a request's headers must be complete this long after its first byte (a new connection's
+    # first request: after the connect; one that sent nothing by then is closed), else 408
     header_timeout_s: PositiveFloat = 10.0
     # a request's body must be complete this long after its headers, else 408
     body_timeout_s: PositiveFloat = 60.0

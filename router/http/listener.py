@@ -6,7 +6,9 @@ connections it may hold, and it logs every malformed request at ERROR with a tra
 raw header line, a salt header included. `RouterRunner` serves the app with `GuardedServer`,
 whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 
-- headers must be complete `limits.header_timeout_s` after their first byte, else 408 and close;
+- a new connection's first request must have its headers complete `limits.header_timeout_s`
+  after the connect (one that sent nothing by then is closed, with no answer), a later one's
+  that long after its first byte, else 408 and close;
 - a body must be complete `limits.body_timeout_s` after its headers, else 408 and close;
 - beyond `limits.max_connections` open connections a new one gets a 503 and is closed: its
   writing side at once, then what it sent is read and dropped until it closes too, for at most
@@ -299,6 +301,7 @@ class GuardedHandler(web.RequestHandler):
         self._in_request = False  # headers complete, response not finished
         self._deadline: asyncio.TimerHandle | None = None  # the header or the body deadline
         self._body_late = False
+        self._sent_nothing = False  # a new connection that has not sent a byte yet
         # refused at the cap and lingering (`_linger`): what it may still send before its close
         self._refused: asyncio.Transport | None = None
         self._linger_bytes = 0
@@ -323,6 +326,13 @@ class GuardedHandler(web.RequestHandler):
         self._started = True
         server.open_connections += 1
         super().connection_made(transport)
+        # a new connection's first request is due from the connect, not from its first byte:
+        # one that sends nothing was held until the idle timeout (75 s), and 1,024 of them
+        # locked every client out (503) for as long, round after round
+        self._sent_nothing = True
+        self._deadline = asyncio.get_running_loop().call_later(
+            self._limits.header_timeout_s, self._headers_late
+        )
 
     def _linger(self, transport: asyncio.Transport) -> None:
         """Close a refused connection once it has closed its side too, or after at most
@@ -374,11 +384,14 @@ class GuardedHandler(web.RequestHandler):
                 if self._linger_bytes < 0:
                     self._refused.close()
             return
-        if data and not self._in_request and self._deadline is None:
-            # the first bytes of a request: its headers are now due
-            self._deadline = asyncio.get_running_loop().call_later(
-                self._limits.header_timeout_s, self._headers_late
-            )
+        if data:
+            self._sent_nothing = False
+            if not self._in_request and self._deadline is None:
+                # the first bytes of a later request on the connection: its headers are now
+                # due (the first request's were due from the connect already)
+                self._deadline = asyncio.get_running_loop().call_later(
+                    self._limits.header_timeout_s, self._headers_late
+                )
         super().data_received(data)
 
     def _cancel_deadline(self) -> None:
@@ -405,13 +418,26 @@ class GuardedHandler(web.RequestHandler):
         if self._in_request or self.transport is None:
             return
         seconds = self._limits.header_timeout_s
+        self._guarded_by.count_rejection(NO_ROUTE, RequestTimeoutError.__name__)
+        if self._sent_nothing:
+            self._guarded_by.refusals.note(
+                "closed a connection from %s: nothing sent within %s s of connecting "
+                "(limits.header_timeout_s)",
+                _peer(self.transport),
+                seconds,
+            )
+            # closed without a 408: no request was begun, so there is none to answer. A client
+            # that connected ahead of its request (a pool's pre-connect) and writes it as the
+            # close arrives would read a 408 as that request's answer; a bare close is what
+            # clients take for a connection gone stale, and retry on a new one
+            self.force_close()
+            return
         self._guarded_by.refusals.note(
             "closed a connection from %s: request headers incomplete after %s s "
             "(limits.header_timeout_s)",
             _peer(self.transport),
             seconds,
         )
-        self._guarded_by.count_rejection(NO_ROUTE, RequestTimeoutError.__name__)
         message = f"request headers not received within limits.header_timeout_s ({seconds} s)"
         self.transport.write(_raw_answer(RequestTimeoutError, message))
         self.force_close()

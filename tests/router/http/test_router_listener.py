@@ -85,6 +85,30 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() 
     assert answer == b"" and FAST * 0.8 < elapsed < FAST + 3
 
 
+async def test_a_new_connection_that_sends_nothing_is_closed_at_the_header_timeout() -> None:
+    """Not held until the idle timeout: 1,024 silent sockets locked every client out (QA)."""
+    async with _router(header_timeout_s=FAST) as router:
+        async with _connect(router) as (reader, _):
+            elapsed, answer = await _closed_after(reader, time.monotonic())
+        rejected = await _rejected(router)
+    assert answer == b""  # no request was begun: closed, with no answer
+    assert FAST * 0.8 < elapsed < FAST + 3  # the idle timeout (30 s) did not do it
+    assert rejected[("-", "RequestTimeoutError")] == 1, rejected
+
+
+async def test_a_keep_alive_connection_idle_past_the_header_timeout_still_serves() -> None:
+    """Between requests a connection is the idle timeout's: only a new one's first request is
+    due from the connect."""
+    async with _router(header_timeout_s=FAST) as router, _connect(router) as (reader, writer):
+        for pause in (0.0, FAST * 3):
+            await asyncio.sleep(pause)  # idle between the two requests, past the header timeout
+            writer.write(request_bytes(b"GET", b"/metrics", close=False))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readexactly(length), 5)
+
+
 async def test_half_a_request_line_is_closed_after_the_header_timeout() -> None:
     async with _router(header_timeout_s=FAST) as router, _connect(router) as (reader, writer):
         started = time.monotonic()
