@@ -6,6 +6,8 @@ upstream hop: retries; the answer back through `answer_relay`) -> `intake` (body
 header within the limits, parsed by `router.prompt`) -> `router.routing` for the decision.
 
 - `answer_relay`: the worker's answer passed through to the client, whole or streamed;
+- `request_body`: a request body decoded from its Content-Encoding (the listener leaves it
+  as sent), whole or refused;
 - `hop_headers`: the hop-by-hop headers, and those a `Connection` field names, never forwarded;
 - `local_shortage`: a connection to a worker the router cannot open for want of its own
   descriptors or socket memory: its 503, nobody charged;

@@ -45,6 +45,7 @@ from router.http.keys import (
 from router.http.listener import SNAPSHOT_PATH
 from router.http.memory import add_memory_routes
 from router.http.no_worker import no_pair, no_worker
+from router.http.request_body import decode_body, read_body
 from router.prompt.request import Endpoint, check_salt_size, json_error
 from router.routing.pool import WorkerEntry, WorkerSummary
 
@@ -155,7 +156,7 @@ async def add_worker(request: web.Request) -> web.Response:
     refused, settings that cannot be trusted) before the answer; 202 when it is still being
     discovered after a few health timeouts (`Supervisor.add`): in the pool, `checking`, with
     `not_registered` saying why, its discovery going on in the background."""
-    config = _decode(await request.read(), WorkerConfig)
+    config = _decode(await read_body(request), WorkerConfig)
     supervisor = request.config_dict[SUPERVISOR]
     entry = await supervisor.add(config, must_register=True)
     sharing = None
@@ -200,7 +201,7 @@ async def delete_worker(request: web.Request) -> web.Response:
 
 async def drain_worker(request: web.Request) -> web.Response:
     """POST /admin/workers/{id}/drain: no new requests; in-flight ones finish."""
-    body = _decode(await request.read(), DrainRequest)
+    body = _decode(await read_body(request), DrainRequest)
     entry = request.config_dict[PLANNER].pool.get(request.match_info["id"])
     was, entry.draining = entry.draining, body.drain
     sharing = None
@@ -259,7 +260,7 @@ async def _flush(session: aiohttp.ClientSession, url: str, salt: str) -> str:
 
 async def evict_namespace(request: web.Request) -> web.Response:
     """POST /admin/namespaces/evict: drop a namespace from the index, optionally from workers."""
-    body = _decode(await request.read(), EvictRequest)
+    body = _decode(await read_body(request), EvictRequest)
     if (body.cache_salt is None) == (body.namespace is None):
         raise RequestError("give exactly one of cache_salt or namespace")
     if body.cache_salt is not None:
@@ -442,14 +443,19 @@ async def load_index(request: web.Request) -> web.Response:
     (aiohttp's `client_max_size`, which `request.read` applies): a dump of a large index is
     larger than any request."""
     limit = request.config_dict[CONFIG].current.limits.max_snapshot_bytes
+    too_large = PayloadTooLargeError(
+        f"the snapshot is over limits.max_snapshot_bytes ({limit} bytes)"
+    )
     data = bytearray()
     async for chunk in request.content.iter_any():
         data += chunk
         if len(data) > limit:
-            raise PayloadTooLargeError(
-                f"the snapshot is over limits.max_snapshot_bytes ({limit} bytes)"
-            )
-    request.config_dict[INDEXER].load(bytes(data))
+            raise too_large
+    try:
+        decoded = await decode_body(request, bytes(data), limit)
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    request.config_dict[INDEXER].load(decoded)
     return _reply({"loaded": True})
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from indexer.errors import IndexerError
@@ -70,6 +71,7 @@ from router.http.observe import (
 from router.http.pd import PairDispatcher
 from router.http.proxy import Proxy
 from router.http.reload import ConfigSource, Reloader
+from router.http.request_body import DECODED_CODINGS
 from router.http.start_checks import StartChecks
 from router.http.upstream_client import UpstreamClient
 from router.prompt.request import Endpoint
@@ -190,11 +192,22 @@ async def answer_errors(
             if name.lower() not in ("content-type", "content-length")
         } or None
     except RequestPayloadError as exc:
-        # a body the parser could not decode (broken chunking, a bad gzip stream): the
-        # client's fault. The parser's message may quote body bytes, so only its kind is told
-        cause = type(exc.__cause__ or exc).__name__
+        # a body that could not be read (broken chunking: aiohttp's parser) or decoded (a
+        # broken or cut-short Content-Encoding: `router.http.request_body`): the client's
+        # fault. The parser's message may quote body bytes, so only its kind is told
+        cause = exc.__cause__ or exc
         status, kind = 400, answered_kind(exc)
-        message = f"the request body cannot be decoded ({cause}): check its chunking and encoding"
+        message = (
+            f"the request body cannot be decoded ({type(cause).__name__}): check its chunking "
+            "and encoding"
+        )
+        coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+        if isinstance(cause, ContentEncodingError) and coding in DECODED_CODINGS:
+            # the coding is one of the router's own names (never the client's bytes)
+            message = (
+                f"the request body cannot be decoded (ContentEncodingError): it is not a whole, "
+                f"valid {coding} stream"
+            )
     except ConnectionResetError:
         raise  # the client is gone: nobody to answer
     except Exception:

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import RequestError
+from router.http.request_body import read_body
 from router.prompt.dp_rank import DP_RANK_HEADER
 from router.prompt.request import (
     Endpoint,
@@ -68,7 +69,7 @@ async def read_request(
 ) -> ParsedRequest:
     """Read and validate one request for `endpoint` (None: inferred from the body)."""
     salt = header_salt(request, config)
-    raw = await request.read()
+    raw = await read_body(request)
     if endpoint is None:
         endpoint = detect_endpoint(parse_body(raw, config.limits))
     parse = partial(

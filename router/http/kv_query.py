@@ -38,6 +38,7 @@ from router.http.bearer import bearer_matches, is_loopback
 from router.http.intake import header_salt, parsed_off_loop
 from router.http.keys import CONFIG, PLANNER, RELOADER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
+from router.http.request_body import read_body
 from router.prompt.conventions import CHAT_REQUEST_FIELDS
 from router.prompt.request import (
     Endpoint,
@@ -210,7 +211,7 @@ async def _read(request: web.Request, kind: type[Q]) -> tuple[Q, list[int]]:
     """
     config: RouterConfig = request.app[CONFIG].current
     _check_token(request, config)
-    raw = await request.read()
+    raw = await read_body(request)
     tokenizer = request.app[TOKENIZER]
     decode = partial(_decoded, raw, kind, tokenizer, config.limits)
     return await parsed_off_loop(tokenizer, len(raw), decode)

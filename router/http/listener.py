@@ -19,7 +19,7 @@ whose protocol `GuardedHandler` (aiohttp's `RequestHandler`) adds:
 - the cap is lowered to what the descriptor limit holds beside the KV-event streams' share
   (`connection_cap`);
 - before routing, a declared body over `limits.max_body_bytes` is a 413 (ahead of any
-  `100 Continue`, so the client never sends it), a body in a `Content-Encoding` aiohttp does
+  `100 Continue`, so the client never sends it), a body in a `Content-Encoding` the router does
   not decode a 415 and an `Expect` other than 100-continue a 417; an `/admin` request without
   the admin token, or a KV query API request without the query token (`AUTH_GATES`), gets
   its API's 401 instead of any of them (a stranger learns nothing of the limits), its body
@@ -49,7 +49,6 @@ from typing import Any, cast
 import msgspec
 from aiohttp import hdrs, http_exceptions, web
 from aiohttp.abc import AbstractStreamWriter
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
@@ -74,6 +73,7 @@ from router.http.observe import (
     client_request_id,
     well_formed_request_id,
 )
+from router.http.request_body import DECODED_CODINGS
 
 __all__ = [
     "ADMIN_PREFIX",
@@ -150,11 +150,8 @@ CLOSED_AT_ONCE_DRAIN_BYTES = 64 * 1024
 _RESERVED_FDS = 64 + MAX_LINGERING_REFUSALS
 _json = msgspec.json.Encoder()
 
-# the request Content-Encodings aiohttp's parser decodes (its own list, brotli and zstandard when
-# their packages are there); any other one it leaves as it is, and the body would be read as
-# if it were not encoded at all
-_DECODED = ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
-_ACCEPTED_CODINGS = frozenset(("", "identity", *_DECODED))
+# any other request Content-Encoding would be read as if the body were not encoded at all
+_ACCEPTED_CODINGS = frozenset(("", "identity", *DECODED_CODINGS))
 
 # what a malformed request did wrong, by aiohttp's exception class (most specific first)
 _MALFORMED: tuple[tuple[type[Exception], str], ...] = (
@@ -519,8 +516,8 @@ def _uncounted(route: str, error: str) -> None:
 
 
 def _decodable(codings: list[str]) -> bool:
-    """Whether aiohttp decodes a body sent with these `Content-Encoding` values: a single one
-    it knows (two codings, or two header lines, are left as they are by its parser)."""
+    """Whether the router decodes a body sent with these `Content-Encoding` values: a single
+    one it knows (`router.http.request_body`; two codings, or two header lines, it does not)."""
     return len(codings) == 1 and codings[0].strip().lower() in _ACCEPTED_CODINGS
 
 
@@ -652,7 +649,7 @@ class GuardedServer(web.Server):
         codings = request.headers.getall(hdrs.CONTENT_ENCODING, ())
         if codings and request.body_exists and not _decodable(codings):
             # RFC 9110 15.5.16: a 415 says which codings would have been taken
-            accepted = ", ".join(_DECODED)
+            accepted = ", ".join(DECODED_CODINGS)
             error = UnsupportedEncodingError
             return error, _json_answer(
                 error,
@@ -702,6 +699,9 @@ class RouterRunner(web.AppRunner):
         super().__init__(
             app,
             keepalive_timeout=limits.idle_timeout_s,
+            # bodies are decoded by the handlers (`router.http.request_body`): aiohttp's parser
+            # took a gzip body cut short for a whole one
+            auto_decompress=False,
             lingering_time=min(_LINGER_S, limits.body_timeout_s),
             max_line_size=MAX_LINE_BYTES,
             max_field_size=MAX_FIELD_BYTES,

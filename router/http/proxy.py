@@ -165,7 +165,7 @@ class Proxy:
         self._config = config
         if config.limits.refusal_log_interval_s != self.shortages.interval_s:
             self.shortages = ShortageLog(config.limits.refusal_log_interval_s)
-        # the body is forwarded as the router read it: decoded (aiohttp undoes Content-Encoding);
+        # the body is forwarded as the router read it: decoded (`router.http.request_body`);
         # an `Expect: 100-continue` was the router's to answer, and the body goes with the headers
         request_only = {"content-encoding", "expect"} | (
             {config.salt_header.lower()} if config.salt_header else set()

@@ -20,10 +20,10 @@ with `token=%ff` was "over 1000 fields"). A body truly over the limit stays the 
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from router.errors import RequestError
+from router.errors import RequestError, UnsupportedEncodingError
 
 __all__ = ["FORM_TYPES", "form_token"]
 
@@ -48,6 +48,11 @@ async def _too_many_fields(request: web.Request) -> bool:
 async def form_token(request: web.Request) -> str | None:
     """The form's `token` field as text; None when it has none (or it is a file, or a part
     of a non-text type). Raises RequestError when the body is not a form that can be read."""
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if coding not in ("", "identity") and request.content.total_compressed_bytes is None:
+        # aiohttp's form reader reads the body as sent, and the router's listener leaves it
+        # encoded (`router.http.request_body`); no browser encodes a form
+        raise UnsupportedEncodingError("the login form is sent without a Content-Encoding")
     kind = request.content_type
     if kind not in FORM_TYPES:
         raise RequestError(

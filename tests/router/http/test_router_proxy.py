@@ -441,6 +441,45 @@ async def test_a_compressed_request_body_reaches_the_worker_decoded(
     assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
 
 
+async def test_a_gzip_body_cut_short_or_broken_is_a_400_naming_gzip_never_forwarded(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession
+) -> None:
+    """aiohttp's parser checked that a deflate stream ended, not a gzip one (QA): a body
+    without its CRC32 and length trailer, or cut in its deflate data, was forwarded as whole,
+    and one with a broken header read as empty ("request body is empty")."""
+    a, _ = pair
+    whole = gzip.compress(b'{"prompt": "x", "cache_salt": "t"}')
+    bad_crc = bytearray(whole)
+    bad_crc[-8] ^= 0xFF
+    broken = {
+        "no trailer": whole[:-8],
+        "no length": whole[:-4],
+        "cut in the deflate data": whole[:20],
+        "header only": whole[:10],
+        "a broken header": b"\x1f\x8b\x08\x00garbage",
+        "a bad CRC32": bytes(bad_crc),
+        "bytes after the member": whole + b"GARBAGE",
+    }
+    async with RouterService(_plain([("a", a.url)])) as router:
+        for what, body in broken.items():
+            async with session.post(
+                router.url + "/v1/completions", data=body, headers={"Content-Encoding": "gzip"}
+            ) as resp:
+                assert resp.status == 400, (what, await resp.text())
+                error = (await resp.json())["error"]
+            assert error["type"] == "BadHttpRequestError", (what, error)
+            assert "(ContentEncodingError)" in error["message"], (what, error)
+            assert "valid gzip stream" in error["message"], (what, error)
+        assert a.bodies == []  # none reached the worker
+        # a whole one is routed; a bomb still stops at limits.max_body_bytes (16 MiB)
+        for body, status in ((whole, 200), (gzip.compress(bytes(17 << 20)), 413)):
+            async with session.post(
+                router.url + "/v1/completions", data=body, headers={"Content-Encoding": "gzip"}
+            ) as resp:
+                assert resp.status == status, await resp.text()
+    assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
+
+
 async def test_salts_never_reach_logs_or_metrics(
     pair: tuple[Upstream, Upstream],
     session: aiohttp.ClientSession,

@@ -9,6 +9,7 @@ traceback in the log, one per request.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import logging
 from collections.abc import AsyncIterator
 
@@ -217,3 +218,15 @@ async def test_without_an_admin_token_there_is_no_login_whatever_the_body() -> N
         for _, content_type, body, _ in MALFORMED[:6]:
             answer = await _post(router, content_type, body)
             assert answer.status == 303, answer
+
+
+async def test_an_encoded_form_is_a_415_not_read_as_sent() -> None:
+    """The router's listener leaves bodies as sent (`router.http.request_body`), and aiohttp's
+    form reader would read a gzip'd form's bytes as the form."""
+    async with _router() as router:
+        headers = [(b"Content-Type", FORM), (b"Content-Encoding", b"gzip")]
+        body = gzip.compress(b"token=" + SECRET)
+        request = request_bytes(b"POST", b"/dashboard/login", headers, body)
+        (answer,) = parse_responses(await exchange(_port(router), request))
+    assert answer.status == 415, answer
+    assert "Content-Encoding" in json_error(answer)["message"]
