@@ -10,11 +10,11 @@ either engine (vLLM 0.33 reuses forwarded ids on chat requests only).
 The body is forwarded to the worker byte for byte unless a trusted salt header overrides the
 salt, in which case the body's `cache_salt` is rewritten so the worker caches the request in the
 namespace the router routed it in. `cache_salt` is validated the way SGLang validates it (a
-string, `""` meaning none, one per item in a batched `/generate`), so a malformed request is a
-400 naming the field here instead of a surprise on the worker. vLLM refuses `""` (and salts
-SGLang takes: long ones, `/`, `@`): its own 400 names the field, and is passed back. A
-data-parallel rank the client names (`router.prompt.dp_rank`) is read here too: the router then
-routes to that rank.
+string, `""` meaning none, one per item of a batch, `/generate`'s or a completion's), so a
+malformed request is a 400 naming the field here instead of a surprise on the worker. vLLM
+refuses `""` (and salts SGLang takes: long ones, `/`, `@`): its own 400 names the field, and
+is passed back. A data-parallel rank the client names (`router.prompt.dp_rank`) is read here
+too: the router then routes to that rank.
 """
 
 from __future__ import annotations
@@ -368,8 +368,8 @@ def parse_request(
         tokens = chat_tokens(body, tokenizer)
         output_tokens = chat_output_limit(body)
         reusable = chat_reuse_limit(body, len(tokens))
-    if endpoint is Endpoint.GENERATE and batched:
-        _check_batch_lists(body, header_salt)
+    if batched:
+        _check_batch_lists(body, endpoint, header_salt)
     forwarded = raw
     if header_salt is None:
         salt = _salt(body.get("cache_salt"), limits, batched=batched)
@@ -433,13 +433,20 @@ def _json_kind(value: object) -> str:
     return "an object" if isinstance(value, dict) else type(value).__name__
 
 
-def _check_batch_lists(body: Mapping[str, Any], header_salt: str | None) -> None:
-    """A batched `/generate` gives `cache_salt` and `extra_key` once, or one per prompt:
-    SGLang (0.5.23, `GenerateReqInput._normalize_cache_salt`) refuses a list of another
-    length, which the router would route by its first item all the same."""
-    prompts = body.get("input_ids")
-    if prompts is None:
-        prompts = body.get("text")
+def _check_batch_lists(
+    body: Mapping[str, Any], endpoint: Endpoint, header_salt: str | None
+) -> None:
+    """A batch (`/generate`'s, or `/v1/completions`' list of prompts) gives `cache_salt` and
+    `extra_key` once, or one per prompt: SGLang (0.5.23, `GenerateReqInput._normalize_cache_salt`,
+    which a completion's lists reach as they are) refuses a list of another length, which the
+    router would route by its first item all the same. Before, a completion's was not checked:
+    routed, with a prediction, for the worker to refuse."""
+    if endpoint is Endpoint.COMPLETIONS:
+        prompts = body.get("prompt")
+    else:
+        prompts = body.get("input_ids")
+        if prompts is None:
+            prompts = body.get("text")
     if not isinstance(prompts, list):
         return
     for field in ("extra_key",) if header_salt is not None else ("cache_salt", "extra_key"):

@@ -256,6 +256,43 @@ async def test_a_bad_later_item_of_a_keyed_batch_is_a_400_naming_field_and_index
         assert (status, error) == (400, {"type": "RequestError", "message": said}), path
 
 
+async def test_a_completion_batch_with_a_salt_list_of_another_length_is_the_routers_400() -> None:
+    """As a batched `/generate`'s is: SGLang (0.5.23) hands a completion's lists to
+    `GenerateReqInput`, which refuses a list of another length than the batch. Before, the
+    router routed it (with a prediction, by its first item) and the worker refused it (QA)."""
+    prompts = ["the batch's first prompt, of a few tokens", "other"]
+    async with (
+        ReferenceWorker(ReferenceConfig(time_scale=0)) as worker,
+        RouterService(router_config([("w0", worker.url)], salt_header=SALT_HEADER)) as router,
+    ):
+        for field, value in [
+            ("cache_salt", ["A"]),
+            ("cache_salt", ["A", "B", "C"]),
+            ("extra_key", ["k"]),
+        ]:
+            body = {"prompt": prompts, field: value, "max_tokens": 1}
+            request = request_bytes(b"POST", b"/v1/completions", [], json.dumps(body).encode())
+            (response,) = parse_responses(await exchange(_port(router), request))
+            said = (
+                f"{field} has {len(value)} items for a batch of 2 prompts: give one per prompt, "
+                "or one string for all"
+            )
+            assert (response.status, json_error(response)) == (
+                400,
+                {"type": "RequestError", "message": said},
+            ), (field, value)
+            assert "x-kvroute-worker" not in response.headers  # never routed
+        # one per prompt, or a salt header in place of the body's list: routed and answered
+        body = {"prompt": prompts, "cache_salt": ["A", "B"], "max_tokens": 1}
+        for headers in ([], [(SALT_HEADER.encode(), b"tenant")]):
+            salted = dict(body, cache_salt=["A"]) if headers else body
+            raw = json.dumps(salted).encode()
+            request = request_bytes(b"POST", b"/v1/completions", headers, raw)
+            (response,) = parse_responses(await exchange(_port(router), request))
+            assert response.status == 200, (headers, response)
+            assert response.headers["x-kvroute-worker"] == "w0"
+
+
 # ------------------------------------------------------- the dry run is as strict as the proxy
 
 _VALUES: dict[str, list[Any]] = {

@@ -73,6 +73,11 @@ def test_trusted_header_overrides_and_rewrites_the_salt() -> None:
     assert _parse(Endpoint.GENERATE, batch, header="hdr").salt == "hdr"
     with pytest.raises(RequestError, match="cache_salt has 1 items for a batch of 2"):
         _parse(Endpoint.GENERATE, batch)
+    # a completion's list of prompts alike (was routed for the worker to refuse)
+    listed = {"prompt": ["a", "b"], "cache_salt": ["a", "b", "c"]}
+    assert _parse(Endpoint.COMPLETIONS, listed, header="hdr").salt == "hdr"
+    with pytest.raises(RequestError, match="cache_salt has 3 items for a batch of 2"):
+        _parse(Endpoint.COMPLETIONS, listed)
 
 
 def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
