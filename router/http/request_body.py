@@ -114,6 +114,9 @@ async def decode_body(request: web.BaseRequest, raw: bytes, limit: int) -> bytes
 
 async def read_body(request: web.Request) -> bytes:
     """`request`'s body, decoded (`decode_body`), bounded by `client_max_size`."""
+    if hdrs.CONTENT_ENCODING not in request.headers:
+        # the common case, at the cost it had: aiohttp keeps what `read` read for a second read
+        return await request.read()
     decoded = request.get(_DECODED)
     if decoded is None:
         # aiohttp bounds what was sent by client_max_size, and the decode bounds what it makes
