@@ -28,7 +28,7 @@ from aiohttp.typedefs import Middleware
 from indexer.service import Namespace
 from router.config import WorkerConfig
 from router.errors import AuthError, NotFoundError, PayloadTooLargeError, RequestError
-from router.http.bearer import bearer_matches
+from router.http.bearer import bears_token
 from router.http.intake import read_request
 from router.http.keys import (
     CLUSTER,
@@ -89,7 +89,7 @@ def _decode(raw: bytes, kind: type[_T]) -> _T:
 def _token_middleware(token: str) -> Middleware:
     @web.middleware
     async def check(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if not bearer_matches(request.headers.get("Authorization", ""), token):
+        if not bears_token(request.headers, token):
             raise AuthError("admin API: missing or wrong bearer token")
         return await handler(request)
 

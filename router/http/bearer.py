@@ -4,7 +4,9 @@ they may go without one (a listener only this machine reaches).
 RFC 6750 over RFC 7235: the scheme is case-insensitive (`bearer t` is `Bearer t`), the token is
 compared in constant time, and a header that is not UTF-8 (it reaches aiohttp as lone
 surrogates) is just another wrong token. A refusal names the scheme it wants in
-`WWW-Authenticate` (`AuthError.headers`).
+`WWW-Authenticate` (`AuthError.headers`). A request with two `Authorization` headers bears
+no token (`bears_token`): a proxy in front that reads the other one would let through what the
+router refuses, or refuse what it lets through.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-__all__ = ["bearer_matches", "bearer_token", "is_loopback"]
+from aiohttp import hdrs
+from multidict import MultiMapping
+
+__all__ = ["bearer_matches", "bearer_token", "bears_token", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
@@ -37,3 +42,9 @@ def bearer_matches(authorization: str, token: str) -> bool:
     if given is None:
         return False
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
+
+
+def bears_token(headers: MultiMapping[str], token: str) -> bool:
+    """True when the request has one `Authorization` header and it carries exactly `token`."""
+    given = headers.getall(hdrs.AUTHORIZATION, ())
+    return len(given) == 1 and bearer_matches(given[0], token)

@@ -34,7 +34,7 @@ from indexer.engines import PdRole
 from indexer.namespace import Namespace
 from router.config import LimitsConfig, RouterConfig
 from router.errors import AuthError, NoWorkerError, RequestError, UnknownModelError
-from router.http.bearer import bearer_matches, is_loopback
+from router.http.bearer import bears_token, is_loopback
 from router.http.intake import header_salt, parsed_off_loop
 from router.http.keys import CONFIG, PLANNER, RELOADER, TOKENIZER
 from router.http.listener import AUTH_GATES, AuthGate
@@ -184,7 +184,7 @@ def _check_token(request: web.BaseRequest, config: RouterConfig) -> None:
             "KV query API: refused without query.token (or KVROUTE_QUERY_TOKEN) on a "
             "listener that is not loopback"
         )
-    if not bearer_matches(request.headers.get("Authorization", ""), token):
+    if not bears_token(request.headers, token):
         raise AuthError("KV query API: missing or wrong bearer token (the query token)")
 
 

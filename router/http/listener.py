@@ -64,7 +64,7 @@ from router.errors import (
     TooManyConnectionsError,
     UnsupportedEncodingError,
 )
-from router.http.bearer import bearer_matches
+from router.http.bearer import bears_token
 from router.http.metrics import NO_ROUTE, route_template
 from router.http.observe import (
     OBSERVATION,
@@ -675,7 +675,7 @@ class GuardedServer(web.Server):
         path = request.path
         if path != ADMIN_PREFIX and not path.startswith(ADMIN_PREFIX + "/"):
             return True
-        return bearer_matches(request.headers.get(hdrs.AUTHORIZATION, ""), self.admin_token)
+        return bears_token(request.headers, self.admin_token)
 
     async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - aiohttp's
         # the refused connections still lingering are closed now, not left to their timers

@@ -30,7 +30,7 @@ import logging
 import time
 from importlib import resources
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from router.errors import AuthError
 from router.http.bearer import bearer_token
@@ -80,8 +80,11 @@ class _Dashboard:
 
     def _by_header(self, request: web.Request) -> bool:
         session = self.session
-        given = bearer_token(request.headers.get("Authorization", ""))
-        return session is not None and given is not None and session.token_matches(given)
+        given = request.headers.getall(hdrs.AUTHORIZATION, ())
+        if session is None or len(given) != 1:  # two bear no token (`bears_token`)
+            return False
+        token = bearer_token(given[0])
+        return token is not None and session.token_matches(token)
 
     def _authorized(self, request: web.Request) -> bool:
         session = self.session

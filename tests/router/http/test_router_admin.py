@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import msgspec
 import pytest
+from multidict import CIMultiDict
 
 from indexer.index import PrefixIndex
 from indexer.namespace import Namespace
@@ -63,6 +64,21 @@ async def test_the_bearer_scheme_is_case_insensitive(fleet: Fleet) -> None:
         headers = {"Authorization": wrong}
         async with fleet.session.get(fleet.url + "/admin/workers", headers=headers) as resp:
             assert resp.status == 401, wrong
+
+
+async def test_two_authorization_headers_bear_no_token(fleet: Fleet) -> None:
+    """The token and a wrong one, in either order (or twice): a proxy in front that reads the
+    other header would disagree with the router on who may pass (QA: the token first, a wrong
+    one second, and a `DELETE /admin/workers/w1` removed the worker)."""
+    right, wrong = AUTH["Authorization"], "Bearer wrong"
+    for pair in ((right, wrong), (wrong, right), (right, right)):
+        headers = CIMultiDict([("Authorization", pair[0]), ("Authorization", pair[1])])
+        for method, path in (("GET", "/admin/workers"), ("DELETE", "/admin/workers/w1")):
+            async with fleet.session.request(method, fleet.url + path, headers=headers) as resp:
+                assert resp.status == 401, (pair, method)
+                assert (await resp.json())["error"]["type"] == "AuthError"
+    status, workers = await fleet.admin("GET", "/workers")
+    assert status == 200 and [w["id"] for w in workers["workers"]] == ["w0", "w1"]
 
 
 def test_admin_without_a_token_only_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Mapping
 from http.cookies import SimpleCookie
 from importlib import resources
 from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import AdminConfig
 from router.http.app import create_app
@@ -48,7 +49,7 @@ async def call(
     fleet: Served,
     method: str,
     path: str,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     form: dict[str, str] | None = None,
 ) -> Answer:
     """Status, headers and body of one request, with no cookie jar and no redirect followed."""
@@ -61,7 +62,7 @@ async def call(
         return resp.status, resp.headers, await resp.read()
 
 
-async def get(fleet: Served, path: str, headers: dict[str, str] | None = None) -> Answer:
+async def get(fleet: Served, path: str, headers: Mapping[str, str] | None = None) -> Answer:
     """GET `path`."""
     return await call(fleet, "GET", path, headers)
 
@@ -125,6 +126,10 @@ async def test_without_the_token_no_page_and_no_data(fleet: Fleet) -> None:
     for wrong in ("Bearer nope", f"Bearer {TOKEN}x", "Basic " + TOKEN, TOKEN):
         status, _, _ = await get(fleet, "/dashboard/state", {"Authorization": wrong})
         assert status == 401, wrong
+    # the token and another: two headers bear no token (a proxy in front may read the other)
+    twice = CIMultiDict([("Authorization", f"Bearer {TOKEN}"), ("Authorization", "Bearer x")])
+    status, _, _ = await get(fleet, "/dashboard/state", twice)
+    assert status == 401
     for forged in (f"{9_999_999_999}.{'0' * 64}", f"{9_999_999_999}.{'0' * 32}.{'0' * 64}"):
         status, _, _ = await get(fleet, "/dashboard/state", {"Cookie": f"{COOKIE}={forged}"})
         assert status == 401

@@ -12,6 +12,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from router.commands.cli import build_parser
 from router.config import QueryConfig, TokenizerConfig, load_config
@@ -148,7 +149,8 @@ async def test_the_salt_header_names_the_querys_namespace_as_on_the_proxy() -> N
 async def test_query_token_and_bad_input(query_fleet: Fleet) -> None:
     fleet = query_fleet
     ok = {"token_ids": [1, 2, 3]}
-    for headers in ({}, AUTH, {"Authorization": "Bearer nope"}):
+    twice = CIMultiDict([("Authorization", QAUTH["Authorization"]), ("Authorization", "x")])
+    for headers in ({}, AUTH, {"Authorization": "Bearer nope"}, twice):
         status, error = await _query(fleet, ok, headers)
         assert status == 401 and error["error"]["type"] == "AuthError"
     status, answer = await _query(fleet, ok)
