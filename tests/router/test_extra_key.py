@@ -390,17 +390,24 @@ async def test_a_router_that_loads_a_dump_keeps_its_extra_key_shadows() -> None:
 
 async def _found_a_new_process(fleet: Fleet) -> None:
     """Until w0's stream has found its publisher a new process (a restart counted) and is
-    synced again. The shadows are judged by a batch applied synced; one applied while the
-    stream still proves or rebuilds proves nothing, and when the request's store was all the
-    new process published, a loaded machine (CI) left them standing (the tests sent it at
-    once and failed there about half the time beside two busy loops)."""
+    synced again, and the worker is ready again. The shadows are judged by a batch applied
+    synced; one applied while the stream still proves or rebuilds proves nothing, and when the
+    request's store was all the new process published, a loaded machine (CI) left them
+    standing (the tests sent it at once and failed there about half the time beside two busy
+    loops). A health check made while the old process was gone marks the worker unhealthy
+    until the next one passes: a request sent before then is a 503 (CI, once)."""
 
     async def found() -> bool:
         _, streams = await fleet.admin("GET", "/streams")
         rows = streams["streams"]
         return bool(rows) and all(r["state"] == "synced" and r["restarts"] >= 1 for r in rows)
 
+    async def ready() -> bool:
+        _, listed = await fleet.admin("GET", "/workers")
+        return all(w["status"] == "ready" for w in listed["workers"])
+
     await eventually(found, what="the stream synced after finding a new process")
+    await eventually(ready, what="the worker ready again after its restart")
 
 
 def _ports_of(worker: ReferenceWorker) -> dict[str, int]:
