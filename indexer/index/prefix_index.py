@@ -447,13 +447,9 @@ class PrefixIndex:
                     and st.unknown_removed_at is not None
                     and made_at < st.unknown_removed_at
                 )
-                # made before the log began: any removal since may have taken its pages
-                or (
-                    since is not None
-                    and made_at < since
-                    and st.removed_at is not None
-                    and made_at < st.removed_at
-                )
+                # made before the log began (this index's start, or its load): what was
+                # removed since is not known, nor what removed before this index was built
+                or (since is not None and made_at < since)
             ):
                 self.late_marks += 1
                 return 0

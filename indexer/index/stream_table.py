@@ -81,7 +81,6 @@ class IndexedStream:
         "partial",
         "refs",
         "removals",
-        "removed_at",
         "sbit",
         "singles",
         "skipped_groups",
@@ -116,11 +115,9 @@ class IndexedStream:
         # when its entries and pending marks were last dropped wholesale (the index's clock;
         # None: never): another replica's mark made before then is not taken
         self.cleared_at: float | None = None
-        # when a batch last removed pages there, known or not, or had an event that did not
-        # decode (the index's clock; None: never); and when one last removed pages the index
-        # did not know or had such an event: another replica's mark held up past it may stand
-        # for pages gone since that no key names (`add_pending`)
-        self.removed_at: float | None = None
+        # when a batch last removed pages there the index did not know, or had an event that
+        # did not decode (the index's clock; None: never): another replica's mark held up past
+        # it may stand for pages gone since that no key names (`add_pending`)
         self.unknown_removed_at: float | None = None
         # the keys its batches removed, for the pending TTL, in a replica of a cluster
         # (`PrefixIndex.log_removals`): a mark of a block removed since it was made is refused

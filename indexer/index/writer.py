@@ -104,9 +104,11 @@ class BatchWriter:
 
     def _date_removals(self, st: IndexedStream) -> None:
         """Date the removals `st` was just told (`add_pending` judges another replica's marks
-        by them): its last removal, its last of pages no key names, the keys removed."""
+        by them): its last of pages no key names, and the keys removed."""
         self._removing = False
-        st.removed_at = now = self._index.clock()
+        if not (self._unknown or self._gone):
+            return
+        now = self._index.clock()
         if self._unknown:
             self._unknown = False
             st.unknown_removed_at = now
@@ -670,6 +672,11 @@ class BatchWriter:
             outcome.skipped += st.held.hold(ev)
             return
         blocks = st.blocks
+        if self.logs_removals:
+            # every known page it names, whichever copy or tier went: as an `extra_key`
+            # request's marks go on any removal of their page (`_drop_twins`), and a copy left
+            # (another radix node, the host tier) still holds the key, which needs no mark
+            self._gone += [key for key in blocks.get_many(ev.block_hashes, None) if key is not None]
         refs = st.refs
         medium = ev.medium
         default = self._default_medium
@@ -710,8 +717,6 @@ class BatchWriter:
                     outcome.removed += 1
                 continue
             self.unlink(st, h, key)
-            if self.logs_removals:
-                self._gone.append(key)
             outcome.removed += 1
 
     def _drop_hash(self, st: IndexedStream, h: BlockHash, key: int) -> None:

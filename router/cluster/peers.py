@@ -131,6 +131,9 @@ class Peers:
         self.me = me
         self._servers = servers  # None: ids are taken as they come
         self._indexer = indexer
+        # the peers' decisions are judged by what was removed since each was made, from the
+        # first one on (`IndexerService.expect_peer_marks`)
+        indexer.expect_peer_marks()
         self._load = load
         self._book = book
         self._timeout_s = timeout_s

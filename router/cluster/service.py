@@ -140,7 +140,6 @@ class ClusterService:
         self.status = ClusterStatus.WARMING
         self._planner = planner
         self._indexer = planner.indexer
-        self._indexer.expect_peer_marks()  # the others' decisions are judged from the start
         self._seed_workers = tuple(seed_workers)
         # decisions name the server of each worker id besides the id: a replica that took an
         # id swap in before or after the sender applies them where they were meant

@@ -14,6 +14,7 @@ from indexer.errors import SnapshotError
 from indexer.index import PrefixIndex
 from indexer.index.prefix_index import LATE_MARK_S
 from indexer.index.registry import NamespaceRegistry
+from indexer.index.removal_log import MOST_KEYS_READ, RemovalLog
 from indexer.namespace import (
     HASH_PROBE,
     Namespace,
@@ -163,6 +164,7 @@ def test_a_clear_drops_the_streams_pending_marks_and_older_ones_coming_late(how:
     index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
     index.add_stream("a", model="m", block_size=4)
     index.add_stream("b", model="m", block_size=4)
+    index.log_removals()  # as a replica of a cluster does at its start
     keyed = Namespace("m", None, "s", extra_key="view-1")
     assert index.add_pending("a", keyed, TOKENS) == 4
     assert index.add_pending("b", keyed, TOKENS) == 4
@@ -254,9 +256,9 @@ def test_another_replicas_late_mark_is_not_taken_for_blocks_removed_since() -> N
     for stream in ("a", "b"):
         index.add_stream(stream, model="m", block_size=4)
     salted = Namespace("m", None, "s")
-    # the keys of removals are logged from the first mark of another replica on (a router
+    # the keys of removals are logged in a replica of a cluster, from its start (a router
     # alone pays nothing for them)
-    assert index.add_pending("b", Namespace("m", None, "v"), TOKENS, age_s=0.001) == 4
+    index.log_removals()
     index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
     now[0] = 11.0
     index.apply("a", batch(Removed(block_hashes=[4, 3])))  # the two last pages, LRU
@@ -296,12 +298,7 @@ def test_a_late_extra_key_mark_is_not_taken_for_pages_removed_since() -> None:
     index.add_stream("a", model="m", block_size=4)
     keyed = Namespace("m", None, "s", extra_key="view-1")
     index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
-    now[0] = 10.5
-    # made before the log of removals began (at this first mark of another replica), and a
-    # removal came since: what it took is not known, so nothing is marked
-    index.apply("a", batch(Removed(block_hashes=[99])))
-    assert index.add_pending("a", keyed, TOKENS, age_s=0.01) == 0
-    assert index.late_marks == 1
+    index.log_removals()
     now[0] = 11.0
     index.apply("a", batch(Removed(block_hashes=[4, 3])))
     now[0] = 11.02
@@ -309,7 +306,7 @@ def test_a_late_extra_key_mark_is_not_taken_for_pages_removed_since() -> None:
     # blocks are not marked; 1-2 are (no store ever shows an extra_key's own pages)
     assert index.add_pending("a", keyed, TOKENS, age_s=0.03) == 2
     assert index.query(keyed, TOKENS)["a"].pending_blocks == 2
-    assert index.late_marks == 2
+    assert index.late_marks == 1
     # the marks made are tied to their pages as a local decision's are: a removal drops them
     index.apply("a", batch(Removed(block_hashes=[2])))
     assert index.query(keyed, TOKENS)["a"].pending_blocks == 1
@@ -317,6 +314,67 @@ def test_a_late_extra_key_mark_is_not_taken_for_pages_removed_since() -> None:
     now[0] = 80.0
     index.apply("a", batch(Removed(block_hashes=[1])))
     assert len(index._streams["a"].removals) == 1
+
+
+def test_a_removal_log_reads_a_bounded_window_and_forgets_past_it() -> None:
+    """A question reads the removals since the mark, newest first: exact for a few, and past
+    `MOST_KEYS_READ` keys the mark is refused whole (after a NATS stall the held decisions come
+    at once, each reading its whole window: QA measured 24 ms a mark). Forgotten batches
+    refuse nothing."""
+    log = RemovalLog()
+    for t in range(10):
+        log.add([100 + t, 200 + t], float(t))
+    assert log.gone_since([105, 106, 1], 5.5) == [False, True, False]
+    assert log.gone_since([1, 2], 5.5) is None
+    log.forget_before(7.0)
+    assert len(log) == 3 and log.gone_since([106, 107], 0.0) == [False, True]
+    log.add(list(range(1000, 1000 + MOST_KEYS_READ - 6)), 10.0)
+    assert log.gone_since([1, 2], 6.5) is None  # the budget read whole: none of them
+    log.add([5000], 11.0)
+    assert log.gone_since([1, 2], 6.5) == [True, True]  # more than the budget since: all
+    assert log.gone_since([5000, 1], 10.5) == [True, False]
+    log.clear()
+    assert len(log) == 0 and log.gone_since([1], 0.0) is None
+
+
+@pytest.mark.parametrize("how", ["host_tier", "one_of_two_copies"])
+def test_a_late_mark_is_judged_by_a_removal_of_any_copy_of_its_page(how: str) -> None:
+    """A page held in two tiers (SGLang's HiCache: GPU, then the host) or as two radix copies
+    leaves the stream one removal at a time; each removal is logged, as an `extra_key`
+    request's marks go on any of them (QA, critical: a late mark survived the host tier's
+    removal of pages the GPU had evicted, 160 tokens predicted, 0 cached; and one of two
+    copies' removal)."""
+    now = [10.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.log_removals()
+    keyed = Namespace("m", None, "s", extra_key="view-1")
+    salted = Namespace("m", None, "s")
+    now[0] = 11.0
+    index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))
+    if how == "host_tier":
+        index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s", medium="CPU")))
+        index.apply("a", batch(Removed(block_hashes=[4, 3])))  # from every tier
+    else:
+        index.apply("a", batch(stored([1, 2, 3, 4], TOKENS, cache_salt="s")))  # a second copy
+        index.apply("a", batch(Removed(block_hashes=[4, 3])))  # one copy of each
+    now[0] = 11.02
+    assert index.add_pending("a", keyed, TOKENS, age_s=0.03) == 2  # blocks 1-2 only
+    assert index.add_pending("a", salted, TOKENS, age_s=0.03) == 0  # held, or removed since
+
+
+def test_a_late_mark_made_before_the_index_logged_removals_marks_nothing() -> None:
+    """What was removed before the log began (a replica's start, an index loaded from a
+    snapshot) is not known: a peer's mark made before then marks nothing, whether or not a
+    removal was seen since (QA: a replica warm-started from a snapshot taken after a flush
+    took a decision held across it, 160 tokens predicted, 0 cached)."""
+    now = [10.0]
+    index = PrefixIndex(clock=lambda: now[0], pending_ttl_s=60.0)
+    index.add_stream("a", model="m", block_size=4)
+    index.log_removals()
+    now[0] = 10.5
+    assert index.add_pending("a", NS, TOKENS, age_s=1.0) == 0 and index.late_marks == 1
+    assert index.add_pending("a", NS, TOKENS, age_s=0.4) == 4  # made after: marked
 
 
 def test_no_pending_ttl_counts_no_late_mark() -> None:
