@@ -8,28 +8,33 @@ deflate data) was taken as whole and forwarded, and one with a broken header rea
 (`read_body`), decoded whole: a gzip or deflate body whose every member does not end, or that
 has bytes after its last one, gets the 400 a body aiohttp could not decode gets
 (`RequestPayloadError` from a `ContentEncodingError`, answered by
-`router.http.app.answer_errors`). br and zstd are decoded by aiohttp's own decoders, as they
-were. The decoded body is bounded as aiohttp bounded it, by `client_max_size`
-(`limits.max_body_bytes`), with its 413: a gzip bomb stops at the limit.
+`router.http.app.answer_errors`). br and zstd are held to the same: whole, nothing after the
+end (aiohttp's decoders of them never asked). The decoded body is bounded as aiohttp bounded
+it, by `client_max_size` (`limits.max_body_bytes`), with its 413: a gzip bomb stops at the
+limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import zlib
 
+import brotli
 from aiohttp import hdrs, web
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD, BrotliDecompressor, ZSTDDecompressor
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
+if sys.version_info >= (3, 14):
+    from compression.zstd import ZstdDecompressor
+else:
+    from backports.zstd import ZstdDecompressor
+
 __all__ = ["DECODED_CODINGS", "decode_body", "read_body"]
 
-# the request Content-Encodings the router decodes (br and zstd when their packages are there,
-# as aiohttp decodes them); the listener refuses any other one with a 415
-DECODED_CODINGS = (
-    ("gzip", "deflate") + (("br",) if HAS_BROTLI else ()) + (("zstd",) if HAS_ZSTD else ())
-)
+# the request Content-Encodings the router decodes (Brotli and, before Python 3.14,
+# backports.zstd are dependencies); the listener refuses any other one with a 415
+DECODED_CODINGS = ("gzip", "deflate", "br", "zstd")
 
 # the body as `read_body` decoded it, for a handler that reads it again
 _DECODED = web.RequestKey("kvroute_decoded_body", bytes)
@@ -61,20 +66,45 @@ def _inflated(raw: bytes, wbits: int, limit: int) -> bytes:
     return bytes(out)
 
 
-def _decoded_with_aiohttp(raw: bytes, coding: str, limit: int) -> bytes:
-    """`raw` decoded by aiohttp's br or zstd decoder, at most `limit` bytes."""
-    decoder = BrotliDecompressor() if coding == "br" else ZSTDDecompressor()
+def _unbrotli(raw: bytes, limit: int) -> bytes:
+    """`raw` as one whole br stream, at most `limit` bytes; ContentEncodingError unless it
+    ends (aiohttp's own decoder never asks: a body cut short read as whatever it held, an
+    admin `{"drain": false}` cut to nothing drained the worker)."""
+    decoder = brotli.Decompressor()
     try:
-        out = decoder.decompress_sync(raw, limit + 1)
-        while decoder.data_available and len(out) <= limit:
-            more = decoder.decompress_sync(b"", limit + 1 - len(out))
+        out: bytes = decoder.process(raw, limit + 1)
+        while not decoder.is_finished() and len(out) <= limit:
+            more: bytes = decoder.process(b"", limit + 1 - len(out))
             if not more:
                 break
             out += more
-    except Exception:  # each package raises its own error for bytes that are not its coding
+    except Exception:  # brotli's error for bytes that are not br, or bytes after its end
         raise ContentEncodingError("not a valid stream") from None
     if len(out) > limit:
         raise _TooLarge
+    if not decoder.is_finished():
+        raise ContentEncodingError("the stream is cut short")
+    return out
+
+
+def _unzstd(raw: bytes, limit: int) -> bytes:
+    """`raw` as whole zstd frames, one after another, at most `limit` bytes;
+    ContentEncodingError unless the last one ends the body."""
+    out = b""
+    rest = raw
+    while rest:
+        decoder = ZstdDecompressor()
+        try:
+            out += decoder.decompress(rest, limit + 1 - len(out))
+            while not decoder.eof and not decoder.needs_input and len(out) <= limit:
+                out += decoder.decompress(b"", limit + 1 - len(out))
+        except Exception:  # zstd's error for bytes that are not a frame
+            raise ContentEncodingError("not a valid stream") from None
+        if len(out) > limit:
+            raise _TooLarge
+        if not decoder.eof:
+            raise ContentEncodingError("the stream is cut short")
+        rest = decoder.unused_data
     return out
 
 
@@ -86,7 +116,7 @@ def _decoded(raw: bytes, coding: str, limit: int) -> bytes:
         # raw deflate, which some clients send as "deflate"
         wbits = zlib.MAX_WBITS if raw[0] & 0xF == 8 else -zlib.MAX_WBITS
         return _inflated(raw, wbits, limit)
-    return _decoded_with_aiohttp(raw, coding, limit)
+    return _unbrotli(raw, limit) if coding == "br" else _unzstd(raw, limit)
 
 
 async def decode_body(request: web.BaseRequest, raw: bytes, limit: int) -> bytes:

@@ -49,7 +49,9 @@ async def form_token(request: web.Request) -> str | None:
     """The form's `token` field as text; None when it has none (or it is a file, or a part
     of a non-text type). Raises RequestError when the body is not a form that can be read."""
     coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
-    if coding not in ("", "identity") and request.content.total_compressed_bytes is None:
+    # (an empty body's reader has no such count: aiohttp made no decoder for it either)
+    decoded = getattr(request.content, "total_compressed_bytes", None) is not None
+    if coding not in ("", "identity") and not decoded:
         # aiohttp's form reader reads the body as sent, and the router's listener leaves it
         # encoded (`router.http.request_body`); no browser encodes a form
         raise UnsupportedEncodingError("the login form is sent without a Content-Encoding")

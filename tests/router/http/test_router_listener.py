@@ -574,7 +574,7 @@ async def test_a_body_in_brotli_or_zstandard_is_decoded_like_gzip() -> None:
     Python < 3.14), which kvroute did not install: such a body was refused while its headers
     were parsed, with an HTTP/1.0 400 that echoed no request id, where the 415 (or the body's
     own error) was due. Installed, the body reaches the handler decoded, the same as gzip's."""
-    import brotli  # type: ignore[import-untyped]
+    import brotli
 
     try:
         from compression import zstd  # type: ignore[import-not-found]

@@ -480,6 +480,44 @@ async def test_a_gzip_body_cut_short_or_broken_is_a_400_naming_gzip_never_forwar
     assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
 
 
+@pytest.mark.parametrize("coding", ["br", "zstd"])
+async def test_a_br_or_zstd_body_cut_short_is_a_400_naming_it_never_forwarded(
+    pair: tuple[Upstream, Upstream], session: aiohttp.ClientSession, coding: str
+) -> None:
+    """aiohttp's br and zstd decoders never checked that the stream ended (QA): a body cut
+    short read as what it held (an admin `{"drain": false}` cut to nothing drained the worker,
+    its default). Now whole or a 400, as gzip."""
+    a, _ = pair
+    text = b'{"prompt": "x", "cache_salt": "t"}' + b" " * 512
+    whole = _compressed(text, coding)
+    async with RouterService(_plain([("a", a.url)])) as router:
+        for what, body in (("cut short", whole[:-1]), ("bytes after it", whole + b"GARBAGE")):
+            async with session.post(
+                router.url + "/v1/completions", data=body, headers={"Content-Encoding": coding}
+            ) as resp:
+                assert resp.status == 400, (what, await resp.text())
+                error = (await resp.json())["error"]
+            assert f"valid {coding} stream" in error["message"], (what, error)
+        assert a.bodies == []
+        async with session.post(
+            router.url + "/v1/completions", data=whole, headers={"Content-Encoding": coding}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+    assert a.bodies == [{"prompt": "x", "cache_salt": "t"}]
+
+
+def _compressed(data: bytes, coding: str) -> bytes:
+    import brotli
+
+    if coding == "br":
+        return bytes(brotli.compress(data))
+    try:
+        from compression import zstd  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        from backports import zstd  # type: ignore[no-redef,unused-ignore]
+    return bytes(zstd.compress(data))
+
+
 async def test_salts_never_reach_logs_or_metrics(
     pair: tuple[Upstream, Upstream],
     session: aiohttp.ClientSession,
