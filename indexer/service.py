@@ -177,6 +177,9 @@ class IndexerService:
         # per stream, the keys shadowed there within `RESTART_DOUBT_S` (when, keys), oldest
         # first, with how many keys that is and when the newest it had to forget was marked
         self._recent_marks: dict[str, _RecentMarks] = {}
+        # per stream of a worker that left, the server's stream it followed and its recent
+        # marks, for the same stream id registered again (`_carry_recent`)
+        self._left: dict[str, tuple[ServerStream, _RecentMarks]] = {}
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -264,6 +267,7 @@ class IndexerService:
         subs = self._streams.start(worker, streams, sink_for)
         for sub in subs:
             self._adopt_shadows(server_stream(sub.config), sub.stream_id)
+            self._carry_recent(server_stream(sub.config), sub.stream_id)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -292,6 +296,12 @@ class IndexerService:
         self._health.pop(worker, None)
         self._matches.invalidate()
         for sub in await self._streams.stop(worker):
+            recent = self._recent_marks.get(sub.stream_id)
+            if recent is not None and recent.marks:
+                horizon = self._clock() - RESTART_DOUBT_S
+                # (those of ids not registered again go once their marks are past doubt)
+                self._left = {s: v for s, v in self._left.items() if v[1].marks[-1][0] >= horizon}
+                self._left[sub.stream_id] = (server_stream(sub.config), recent)
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
@@ -346,6 +356,33 @@ class IndexerService:
             self._park_fences(server, [fence])
         # the fences of servers' streams whose shadows lapsed since
         self._parked_fences = {s: f for s, f in self._parked_fences.items() if s in parked}
+
+    def _carry_recent(self, server: ServerStream, stream: str) -> None:
+        """`stream` is registered again (its worker's settings changed, or an admin deleted
+        and added it): the shadows marked on it within `RESTART_DOUBT_S` go on standing there,
+        whatever the judgment of the process it follows now (`_judge_adoption`). Their
+        requests were sent to the worker's URL while the router still followed the stream it
+        had, and may have reached the process this one follows: a worker restarted on other
+        KV-event ports between two health checks served them, and its replay brought their
+        pages as plain ones (QA: plain requests predicted 288-304 tokens, 0 cached; so did a
+        Service's URL moved to another pod). When the server's stream is another one, it takes
+        a copy of the old one's shadows (`adopt(take=False)`: the old server may come back),
+        judged by the old stream's fences like a renamed worker's."""
+        left = self._left.pop(stream, None)
+        if left is None:
+            return
+        old, recent = left
+        now = self._clock()
+        horizon = now - RESTART_DOUBT_S
+        keys = {key for at, marked in recent.marks if at >= horizon for key in marked}
+        if not keys:
+            return
+        self._recent_marks[stream] = recent  # `_judge_own_shadows` spares them too
+        if not server.may_be(old) and self._shadowed.adopt(old, stream, now, take=False):
+            self._adopt_loaded(stream, list(self._parked_fences.get(old, [])), [], sorted(keys))
+        if stream in self._adopted:
+            # taken before: `_adopt_shadows` watched it with none of its own
+            self._shadowed.watch(stream, keys)
 
     def _park_fences(self, server: ServerStream, fences: Sequence[BatchFence | None]) -> None:
         """Keep `fences` for the shadows parked for `server` (`_add_fences`)."""

@@ -173,6 +173,42 @@ async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_pa
         await _no_false_hit(fleet, prompt, server)
 
 
+async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
+    tmp_path: Path,
+) -> None:
+    """w0 restarts on its URL with other KV-event ports, and an extra_key request is sent to
+    it before the router reads its settings again: the router still follows the old
+    process's endpoint and shadows the prompt there, while the new process stores its pages.
+    Registered again (here by an admin delete and add; the supervisor's re-read does the
+    same), the new stream replays them as plain pages: the shadows made in the last
+    `RESTART_DOUBT_S` go on standing on it (QA: parked for the old endpoint alone, they were
+    never taken, and plain requests were predicted 288-304 tokens, 0 cached)."""
+    async with reloadable(tmp_path) as fleet, contextlib.AsyncExitStack() as stack:
+        status, _ = await fleet.admin("POST", "/workers/w1/drain", {"drain": True})
+        assert status == 200
+        first = fleet.workers["w0"]
+        server = first.url.rstrip("/")
+        await first.__aexit__(None, None, None)
+        port = int(server.rsplit(":", 1)[1])
+        cfg = ReferenceConfig(time_scale=0.0, page_size=16, port=port)  # new event ports
+        fleet.workers["w0"] = await stack.enter_async_context(ReferenceWorker(cfg))
+
+        async def ready() -> bool:
+            _, listed = await fleet.admin("GET", "/workers")
+            return any(w["id"] == "w0" and w["status"] == "ready" for w in listed["workers"])
+
+        await eventually(ready, what="w0 ready again")
+        prompt = _prompt(11)
+        body = {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}
+        status, headers, _ = await fleet.post("/generate", body)
+        assert status == 200 and headers["x-kvroute-worker"] == "w0"
+        status, _ = await fleet.admin("DELETE", "/workers/w0")
+        assert status == 200
+        status, answer = await fleet.admin("POST", "/workers", {"id": "w0", "url": server})
+        assert status == 201, answer
+        await _no_false_hit(fleet, prompt, answer["url"])
+
+
 async def test_a_prefill_with_two_ranks_renamed_keeps_the_shadows_of_each_rank() -> None:
     """QA (pdxk.py): extra_key pairs, then the prefill worker (2 dp ranks) renamed: 3 of 3
     plain pairs were predicted the extra_key copies on the prefill rank."""
