@@ -297,10 +297,10 @@ class IndexerService:
         self._matches.invalidate()
         for sub in await self._streams.stop(worker):
             recent = self._recent_marks.get(sub.stream_id)
-            if recent is not None and recent.marks:
+            if recent is not None and recent.last() is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
                 # (those of ids not registered again go once their marks are past doubt)
-                self._left = {s: v for s, v in self._left.items() if v[1].marks[-1][0] >= horizon}
+                self._left = {s: v for s, v in self._left.items() if v[1].since(horizon)}
                 self._left[sub.stream_id] = (server_stream(sub.config), recent)
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
@@ -375,14 +375,21 @@ class IndexerService:
         now = self._clock()
         horizon = now - RESTART_DOUBT_S
         keys = {key for at, marked in recent.marks if at >= horizon for key in marked}
-        if not keys:
+        # more marked lately than it keeps: no shadow can be told old, all stay (fail closed)
+        doubtful = recent.forgot_at is not None and recent.forgot_at >= horizon
+        if not keys and not doubtful:
             return
         self._recent_marks[stream] = recent  # `_judge_own_shadows` spares them too
         if not server.may_be(old) and self._shadowed.adopt(old, stream, now, take=False):
+            if doubtful:
+                return  # the copy is not judged: kept until it lapses
             self._adopt_loaded(stream, list(self._parked_fences.get(old, [])), [], sorted(keys))
         if stream in self._adopted:
             # taken before: `_adopt_shadows` watched it with none of its own
-            self._shadowed.watch(stream, keys)
+            if doubtful:
+                self._shadowed.settle(stream)
+            else:
+                self._shadowed.watch(stream, keys)
 
     def _park_fences(self, server: ServerStream, fences: Sequence[BatchFence | None]) -> None:
         """Keep `fences` for the shadows parked for `server` (`_add_fences`)."""
@@ -1224,6 +1231,18 @@ class _RecentMarks:
         self.marks: deque[tuple[float, list[int]]] = deque()
         self.keys = 0
         self.forgot_at: float | None = None
+
+    def last(self) -> float | None:
+        """When the newest mark it keeps, or had to forget, was made (None: none)."""
+        kept = self.marks[-1][0] if self.marks else None
+        if self.forgot_at is None:
+            return kept
+        return self.forgot_at if kept is None else max(kept, self.forgot_at)
+
+    def since(self, horizon: float) -> bool:
+        """Whether a mark it keeps, or had to forget, was made at `horizon` or after."""
+        last = self.last()
+        return last is not None and last >= horizon
 
 
 def _add_fences(kept: list[BatchFence | None], fences: Sequence[BatchFence | None]) -> None:

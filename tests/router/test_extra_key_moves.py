@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+import indexer.service as indexer_service
 from indexer.namespace import Namespace
 from indexer.stats import StreamState
 from router.config import load_config
@@ -173,8 +174,9 @@ async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_pa
         await _no_false_hit(fleet, prompt, server)
 
 
+@pytest.mark.parametrize("kept", ["all_recent", "more_than_kept"])
 async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
 ) -> None:
     """w0 restarts on its URL with other KV-event ports, and an extra_key request is sent to
     it before the router reads its settings again: the router still follows the old
@@ -182,7 +184,11 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
     Registered again (here by an admin delete and add; the supervisor's re-read does the
     same), the new stream replays them as plain pages: the shadows made in the last
     `RESTART_DOUBT_S` go on standing on it (QA: parked for the old endpoint alone, they were
-    never taken, and plain requests were predicted 288-304 tokens, 0 cached)."""
+    never taken, and plain requests were predicted 288-304 tokens, 0 cached). A stream that
+    shadowed more than it keeps a record of (`more_than_kept`) cannot tell its recent shadows
+    from old ones: it keeps them all."""
+    if kept == "more_than_kept":
+        monkeypatch.setattr(indexer_service, "_RECENT_MARK_KEYS", 4)
     async with reloadable(tmp_path) as fleet, contextlib.AsyncExitStack() as stack:
         status, _ = await fleet.admin("POST", "/workers/w1/drain", {"drain": True})
         assert status == 200
