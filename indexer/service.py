@@ -179,7 +179,8 @@ class IndexerService:
         self._recent_marks: dict[str, _RecentMarks] = {}
         # per stream of a worker that left, the server's stream it followed and its recent
         # marks, for the same stream id registered again (`_carry_recent`)
-        self._left: dict[str, tuple[ServerStream, _RecentMarks]] = {}
+        self._left: dict[str, tuple[ServerStream, _RecentMarks, str | None]] = {}
+        self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
         self.applied_listeners: list[Callable[[str], None]] = []
@@ -228,7 +229,12 @@ class IndexerService:
     # -------------------------------------------------------------- workers
 
     async def add_worker(
-        self, worker: str, streams: Sequence[StreamConfig], *, restarted: bool = False
+        self,
+        worker: str,
+        streams: Sequence[StreamConfig],
+        *,
+        restarted: bool = False,
+        url: str | None = None,
     ) -> None:
         """Subscribe to a worker's streams (replacing any it had); its entries start empty.
 
@@ -239,6 +245,8 @@ class IndexerService:
         of its streams counts unless it counted one itself since its worker's settings were
         last read (`settled`). Before, a re-registration started every counter at 0 again:
         Prometheus saw a counter reset, and no restart, for the restarts that changed a worker.
+        `url`: where the worker is served (None: not told), which says whether a worker added
+        again under its id is the same one (`_carry_recent`).
         """
         ranks = [cfg.dp_rank for cfg in streams]
         if len(set(ranks)) != len(ranks):
@@ -265,9 +273,10 @@ class IndexerService:
             return self._sink(self.index, sid)
 
         subs = self._streams.start(worker, streams, sink_for)
+        self._urls[worker] = url
         for sub in subs:
             self._adopt_shadows(server_stream(sub.config), sub.stream_id)
-            self._carry_recent(server_stream(sub.config), sub.stream_id)
+            self._carry_recent(server_stream(sub.config), sub.stream_id, url)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -295,13 +304,14 @@ class IndexerService:
         kept for the server's streams (`_park_shadows`)."""
         self._health.pop(worker, None)
         self._matches.invalidate()
+        url = self._urls.pop(worker, None)
         for sub in await self._streams.stop(worker):
             recent = self._recent_marks.get(sub.stream_id)
             if recent is not None and recent.last() is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
                 # (those of ids not registered again go once their marks are past doubt)
                 self._left = {s: v for s, v in self._left.items() if v[1].since(horizon)}
-                self._left[sub.stream_id] = (server_stream(sub.config), recent)
+                self._left[sub.stream_id] = (server_stream(sub.config), recent, url)
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
@@ -357,7 +367,7 @@ class IndexerService:
         # the fences of servers' streams whose shadows lapsed since
         self._parked_fences = {s: f for s, f in self._parked_fences.items() if s in parked}
 
-    def _carry_recent(self, server: ServerStream, stream: str) -> None:
+    def _carry_recent(self, server: ServerStream, stream: str, url: str | None) -> None:
         """`stream` is registered again (its worker's settings changed, or an admin deleted
         and added it): the shadows marked on it within `RESTART_DOUBT_S` go on standing there,
         whatever the judgment of the process it follows now (`_judge_adoption`). Their
@@ -367,11 +377,16 @@ class IndexerService:
         pages as plain ones (QA: plain requests predicted 288-304 tokens, 0 cached; so did a
         Service's URL moved to another pod). When the server's stream is another one, it takes
         a copy of the old one's shadows (`adopt(take=False)`: the old server may come back),
-        judged by the old stream's fences like a renamed worker's."""
+        judged by the old stream's fences like a renamed worker's. An id added again at another
+        URL (a swap of two workers' ids, an id moved to another server) is another worker: its
+        requests went to the old URL, whose server keeps their shadows, and carried here they
+        hid the new server's own plain pages (QA: 8 of 16 plain candidates, for 90 s and more)."""
         left = self._left.pop(stream, None)
         if left is None:
             return
-        old, recent = left
+        old, recent, was = left
+        if url is not None and was is not None and url != was:
+            return
         now = self._clock()
         horizon = now - RESTART_DOUBT_S
         keys = {key for at, marked in recent.marks if at >= horizon for key in marked}

@@ -138,6 +138,43 @@ async def test_a_reload_that_renames_the_workers_keeps_their_shadows(
             await _no_false_hit(fleet, prompt, server)
 
 
+async def test_ids_swapped_by_a_reload_hide_nothing_of_the_other_servers_plain_pages(
+    tmp_path: Path,
+) -> None:
+    """w0's server took an extra_key request of a prompt and w1's the plain one; a reload
+    swaps their URLs. w0 now follows the server holding the prompt plain, and is predicted
+    its pages: the shadows of w0's recent requests stay with the server they went to (QA: an
+    id registered again carried them to its new server, 8 of 16 plain candidates hidden there
+    for 90 s and more)."""
+    async with reloadable(tmp_path) as fleet:
+        urls = {wid: w.url for wid, w in fleet.workers.items()}
+        prompt = _prompt(13)
+        for target, other, body in (
+            ("w0", "w1", {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}),
+            ("w1", "w0", {"input_ids": prompt, "cache_salt": SALT}),
+        ):
+            status, _ = await fleet.admin("POST", f"/workers/{other}/drain", {"drain": True})
+            assert status == 200
+            status, headers, _ = await fleet.post("/generate", body)
+            assert status == 200 and headers["x-kvroute-worker"] == target
+            await _stored_as_plain(fleet, target, prompt)
+            status, _ = await fleet.admin("POST", f"/workers/{other}/drain", {"drain": False})
+            assert status == 200
+        await fleet.reload({"w0": urls["w1"], "w1": urls["w0"]})
+        await _stored_as_plain(fleet, "w0", prompt)
+        plain = {"input_ids": prompt, "cache_salt": SALT}
+
+        async def predicted_on_w0() -> bool:
+            plan = await fleet.route(plain)
+            held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+            return bool(held["w0"] == 320)
+
+        await eventually(predicted_on_w0, what="w0's new server's plain pages predicted")
+        plan = await fleet.route(plain)
+        held = {c["worker"]: c["matched_tokens"] for c in plan["candidates"]}
+        assert held["w1"] == 0, plan["candidates"]  # the extra_key's pages, hidden still
+
+
 async def test_a_rename_that_spells_the_servers_host_otherwise_keeps_their_shadows(
     tmp_path: Path,
 ) -> None:
