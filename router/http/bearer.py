@@ -17,7 +17,7 @@ import ipaddress
 from aiohttp import hdrs
 from multidict import MultiMapping
 
-__all__ = ["bearer_matches", "bearer_token", "bears_token", "is_loopback"]
+__all__ = ["bearer_matches", "bearer_token", "bears_token", "is_loopback", "sole_bearer_token"]
 
 
 def is_loopback(host: str) -> bool:
@@ -42,6 +42,13 @@ def bearer_matches(authorization: str, token: str) -> bool:
     if given is None:
         return False
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode())
+
+
+def sole_bearer_token(headers: MultiMapping[str]) -> str | None:
+    """The bearer token of the request's one `Authorization` header; None without one, with
+    another scheme, or with two headers (they bear no token)."""
+    given = headers.getall(hdrs.AUTHORIZATION, ())
+    return bearer_token(given[0]) if len(given) == 1 else None
 
 
 def bears_token(headers: MultiMapping[str], token: str) -> bool:

@@ -30,10 +30,10 @@ import logging
 import time
 from importlib import resources
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from router.errors import AuthError
-from router.http.bearer import bearer_token
+from router.http.bearer import sole_bearer_token
 from router.http.dashboard.login_form import form_token
 from router.http.dashboard.session import COOKIE, SESSION_S, DashboardSession
 from router.http.dashboard.state import encode, snapshot
@@ -80,11 +80,8 @@ class _Dashboard:
 
     def _by_header(self, request: web.Request) -> bool:
         session = self.session
-        given = request.headers.getall(hdrs.AUTHORIZATION, ())
-        if session is None or len(given) != 1:  # two bear no token (`bears_token`)
-            return False
-        token = bearer_token(given[0])
-        return token is not None and session.token_matches(token)
+        token = sole_bearer_token(request.headers)
+        return session is not None and token is not None and session.token_matches(token)
 
     def _authorized(self, request: web.Request) -> bool:
         session = self.session
