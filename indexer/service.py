@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 from array import array
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
@@ -38,6 +37,7 @@ from indexer.index import PrefixIndex
 from indexer.index.walk import PrefixMatch
 from indexer.loop_watch import LoopWatch
 from indexer.namespace import Namespace
+from indexer.recent_marks import RecentMarks
 from indexer.server_stream import ServerStream, server_stream
 from indexer.shadowed import Shadow, ShadowedPrefixes, ShadowMark, trusted_blocks
 from indexer.sink import IndexSink
@@ -97,6 +97,12 @@ _SHADOW_LIMIT = 4_000_000
 # it are kept per stream, up to `_RECENT_MARK_KEYS`: past that, a restart judges nothing
 RESTART_DOUBT_S = 300.0
 _RECENT_MARK_KEYS = 1 << 18
+# the prompt heads (`SHADOW_HEAD_TOKENS` each, 1 KiB) kept per stream for the same time, to
+# shadow them again in a new page size (`_carry_recent`): past it, the oldest heads'
+# namespaces are kept instead, and past as many of those the stream is hidden whole
+# (`indexer.recent_marks`)
+_RECENT_HEADS = 1024
+_RECENT_NAMESPACES = 4096
 
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
@@ -174,12 +180,12 @@ class IndexerService:
         # they were made on (`_judge_adoption`): the fences and the unsized shadows it took
         self._parked_fences: dict[ServerStream, list[BatchFence | None]] = {}
         self._adopted: dict[str, tuple[list[BatchFence | None], list[_Unsized]]] = {}
-        # per stream, the keys shadowed there within `RESTART_DOUBT_S` (when, keys), oldest
-        # first, with how many keys that is and when the newest it had to forget was marked
-        self._recent_marks: dict[str, _RecentMarks] = {}
-        # per stream of a worker that left, the server's stream it followed and its recent
-        # marks, for the same stream id registered again (`_carry_recent`)
-        self._left: dict[str, tuple[ServerStream, _RecentMarks, str | None]] = {}
+        # per stream, the keys and prompt heads shadowed there within `RESTART_DOUBT_S`
+        self._recent_marks: dict[str, RecentMarks] = {}
+        # per stream of a worker that left, the server's stream it followed, its recent
+        # marks, its worker's URL and its block size, for the same stream id registered again
+        # (`_carry_recent`)
+        self._left: dict[str, tuple[ServerStream, RecentMarks, str | None, int | None]] = {}
         self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
@@ -307,11 +313,12 @@ class IndexerService:
         url = self._urls.pop(worker, None)
         for sub in await self._streams.stop(worker):
             recent = self._recent_marks.get(sub.stream_id)
-            if recent is not None and recent.last() is not None:
+            if recent is not None and recent.newest is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
                 # (those of ids not registered again go once their marks are past doubt)
                 self._left = {s: v for s, v in self._left.items() if v[1].since(horizon)}
-                self._left[sub.stream_id] = (server_stream(sub.config), recent, url)
+                size = self.index.block_size(sub.stream_id)
+                self._left[sub.stream_id] = (server_stream(sub.config), recent, url, size)
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
@@ -380,22 +387,45 @@ class IndexerService:
         judged by the old stream's fences like a renamed worker's. An id added again at another
         URL (a swap of two workers' ids, an id moved to another server) is another worker: its
         requests went to the old URL, whose server keeps their shadows, and carried here they
-        hid the new server's own plain pages (QA: 8 of 16 plain candidates, for 90 s and more)."""
+        hid the new server's own plain pages (QA: 8 of 16 plain candidates, for 90 s and more).
+
+        A worker restarted with another page size stored those requests' pages in blocks the
+        shadows' keys never match: their prompt heads are shadowed again in the new size
+        (`_shadow_heads_again`)."""
         left = self._left.pop(stream, None)
         if left is None:
             return
-        old, recent, was = left
+        old, recent, was, size = left
         if url is not None and was is not None and url != was:
             return
         now = self._clock()
         horizon = now - RESTART_DOUBT_S
-        keys = {key for at, marked in recent.marks if at >= horizon for key in marked}
+        keys = recent.keys_since(horizon)
         # more marked lately than it keeps: no shadow can be told old, all stay (fail closed)
-        doubtful = recent.forgot_at is not None and recent.forgot_at >= horizon
-        if not keys and not doubtful:
+        doubtful = recent.forgot_keys_since(horizon)
+        # (a size not known yet may turn out the old one: the heads hide more than needed)
+        resized = size is None or self.index.block_size(stream) != size
+        if not (keys or doubtful or (resized and recent.since(horizon))):
             return
         self._recent_marks[stream] = recent  # `_judge_own_shadows` spares them too
-        if not server.may_be(old) and self._shadowed.adopt(old, stream, now, take=False):
+        if keys or doubtful:
+            self._carry_keys(old, server, stream, keys, doubtful=doubtful)
+        if resized:
+            # after the judgment is set up: the keys it makes are the stream's own marks
+            self._shadow_heads_again(stream, recent, horizon)
+
+    def _carry_keys(
+        self,
+        old: ServerStream,
+        server: ServerStream,
+        stream: str,
+        keys: set[int],
+        *,
+        doubtful: bool,
+    ) -> None:
+        """`_carry_recent`'s shadows of the old stream's recent `keys` (every shadow, when
+        `doubtful`), for `stream` registered again on `server`."""
+        if not server.may_be(old) and self._shadowed.adopt(old, stream, self._clock(), take=False):
             if doubtful:
                 return  # the copy is not judged: kept until it lapses
             self._adopt_loaded(stream, list(self._parked_fences.get(old, [])), [], sorted(keys))
@@ -405,6 +435,27 @@ class IndexerService:
                 self._shadowed.settle(stream)
             else:
                 self._shadowed.watch(stream, keys)
+
+    def _shadow_heads_again(self, stream: str, recent: RecentMarks, horizon: float) -> None:
+        """Shadow on `stream` the heads of the prompts shadowed on it since `horizon`, in its
+        block size (once it is known): a namespace whose heads were forgotten is shadowed
+        from its seed, and a stream that forgot namespaces too is hidden whole (fail closed).
+        The head's last block is its tail, as another replica's shadow's is."""
+        if recent.forgot_heads_since(horizon):
+            self._blanket.add(stream)
+            log.info(
+                "stream %s: more extra_key requests were sent here lately than it keeps a "
+                "record of, and its block size changed: its plain pages predict no hit",
+                stream,
+            )
+            return
+        index = self.index
+        for plain, extra_key, head, until in list(recent.heads_since(horizon)):
+            chains = index.chain_keys(stream, plain, head, _SHADOW_BLOCKS)
+            if chains is None:
+                self._shadow_unsized(stream, plain, head, extra_key, until)  # keyed once known
+            else:
+                self._mark(stream, plain, chains, extra_key, until)
 
     def _park_fences(self, server: ServerStream, fences: Sequence[BatchFence | None]) -> None:
         """Keep `fences` for the shadows parked for `server` (`_add_fences`)."""
@@ -633,10 +684,16 @@ class IndexerService:
         if extra_key is None:
             return made
         plain = msgspec.structs.replace(namespace, extra_key=None)
-        until = self._clock() + keep_s
+        now = self._clock()
+        until = now + keep_s
         index = self.index
         blocks = 1 if len(self._shadowed) >= _SHADOW_LIMIT else _SHADOW_BLOCKS
         for stream in self.stream_ids(worker, dp_rank):
+            # kept a while, to shadow it again should the worker restart with another page
+            # size (`_carry_recent`)
+            self._recent(stream).remember_head(
+                now, plain, tokens, extra_key, until, now - RESTART_DOUBT_S
+            )
             chains = index.chain_keys(stream, plain, tokens, blocks)
             if chains is None:
                 if index.has_stream(stream):
@@ -675,18 +732,19 @@ class IndexerService:
     def _remember_marks(self, stream: str, seed: int, chains: list[list[int]]) -> None:
         """Keep what `_mark` shadows on `stream` for `RESTART_DOUBT_S` (`_judge_own_shadows`)."""
         now = self._clock()
+        marked = [seed, *(key for chain in chains for key in chain)]
+        self._recent(stream).remember_keys(now, marked, now - RESTART_DOUBT_S)
+
+    def _recent(self, stream: str) -> RecentMarks:
         recent = self._recent_marks.get(stream)
         if recent is None:
-            recent = self._recent_marks[stream] = _RecentMarks()
-        marked = [seed, *(key for chain in chains for key in chain)]
-        recent.marks.append((now, marked))
-        recent.keys += len(marked)
-        horizon = now - RESTART_DOUBT_S
-        while recent.marks and (recent.marks[0][0] < horizon or recent.keys > _RECENT_MARK_KEYS):
-            at, old = recent.marks.popleft()
-            recent.keys -= len(old)
-            if at >= horizon:
-                recent.forgot_at = at  # forgotten while still doubtful
+            recent = self._recent_marks[stream] = RecentMarks(
+                most_keys=_RECENT_MARK_KEYS,
+                most_heads=_RECENT_HEADS,
+                most_namespaces=_RECENT_NAMESPACES,
+                head_tokens=_UNSIZED_HEAD,
+            )
+        return recent
 
     def _has_seed(self, seed: int) -> bool:
         # a parked stream's seed too: the stream that adopts its shadows needs its namespace
@@ -1180,11 +1238,9 @@ class IndexerService:
         mine: set[int] = set()
         if recent is not None:
             horizon = self._clock() - RESTART_DOUBT_S
-            if recent.forgot_at is not None and recent.forgot_at >= horizon:
+            if recent.forgot_keys_since(horizon):
                 return  # more marked lately than it keeps: no shadow can be told old
-            for at, keys in recent.marks:
-                if at >= horizon:
-                    mine.update(keys)
+            mine = recent.keys_since(horizon)
         if stream in self._adopted:
             # the shadows it took, and its own marked before the doubt, are judged alike, by
             # the fences it took them with: the stream's fence now may be a batch of the new
@@ -1235,29 +1291,6 @@ class IndexerService:
             # a waiter that timed out on an idle stream must not stay listed forever
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
-
-
-class _RecentMarks:
-    """The keys shadowed on one stream within `RESTART_DOUBT_S` (`_remember_marks`)."""
-
-    __slots__ = ("forgot_at", "keys", "marks")
-
-    def __init__(self) -> None:
-        self.marks: deque[tuple[float, list[int]]] = deque()
-        self.keys = 0
-        self.forgot_at: float | None = None
-
-    def last(self) -> float | None:
-        """When the newest mark it keeps, or had to forget, was made (None: none)."""
-        kept = self.marks[-1][0] if self.marks else None
-        if self.forgot_at is None:
-            return kept
-        return self.forgot_at if kept is None else max(kept, self.forgot_at)
-
-    def since(self, horizon: float) -> bool:
-        """Whether a mark it keeps, or had to forget, was made at `horizon` or after."""
-        last = self.last()
-        return last is not None and last >= horizon
 
 
 def _add_fences(kept: list[BatchFence | None], fences: Sequence[BatchFence | None]) -> None:

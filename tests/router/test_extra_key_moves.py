@@ -211,7 +211,17 @@ async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_pa
         await _no_false_hit(fleet, prompt, server)
 
 
-@pytest.mark.parametrize("kept", ["all_recent", "more_than_kept"])
+@pytest.mark.parametrize(
+    "kept",
+    [
+        "all_recent",
+        "more_than_kept",
+        "page_size_8",
+        "page_size_32",
+        "page_size_8_more_heads_than_kept",
+        "page_size_8_more_namespaces_than_kept",
+    ],
+)
 async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
 ) -> None:
@@ -223,9 +233,20 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
     `RESTART_DOUBT_S` go on standing on it (QA: parked for the old endpoint alone, they were
     never taken, and plain requests were predicted 288-304 tokens, 0 cached). A stream that
     shadowed more than it keeps a record of (`more_than_kept`) cannot tell its recent shadows
-    from old ones: it keeps them all."""
+    from old ones: it keeps them all.
+
+    Restarted with another page size (`page_size_N`), the worker stored the prompt in pages
+    the shadows' keys never match (QA: 8-token pages after 16, a false hit until evicted): the
+    prompt's head is shadowed again in the new size; a stream that kept fewer heads than it
+    shadowed lately shadows their namespace from its seed, and one that kept fewer namespaces
+    hides its plain pages whole."""
     if kept == "more_than_kept":
         monkeypatch.setattr(indexer_service, "_RECENT_MARK_KEYS", 4)
+    if kept.endswith(("_more_heads_than_kept", "_more_namespaces_than_kept")):
+        monkeypatch.setattr(indexer_service, "_RECENT_HEADS", 0)
+    if kept.endswith("_more_namespaces_than_kept"):
+        monkeypatch.setattr(indexer_service, "_RECENT_NAMESPACES", 0)
+    page = int(kept.split("_")[2]) if kept.startswith("page_size_") else 16
     async with reloadable(tmp_path) as fleet, contextlib.AsyncExitStack() as stack:
         status, _ = await fleet.admin("POST", "/workers/w1/drain", {"drain": True})
         assert status == 200
@@ -233,7 +254,7 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
         server = first.url.rstrip("/")
         await first.__aexit__(None, None, None)
         port = int(server.rsplit(":", 1)[1])
-        cfg = ReferenceConfig(time_scale=0.0, page_size=16, port=port)  # new event ports
+        cfg = ReferenceConfig(time_scale=0.0, page_size=page, port=port)  # new event ports
         fleet.workers["w0"] = await stack.enter_async_context(ReferenceWorker(cfg))
 
         async def ready() -> bool:
