@@ -237,17 +237,12 @@ async def test_replicas_start_on_the_port_a_single_router_just_left(tmp_path: Pa
     port); `serve --processes 2` on that port starts at once and both children answer.
     Before, its hold (SO_REUSEPORT alone) was refused beside that TIME_WAIT: exit 2,
     "Address already in use", for about a minute (QA)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    router = f"http://127.0.0.1:{port}"
     async with NatsServer() as nats:
         config = tmp_path / "router.toml"
         config.write_text(f"[cluster]\nurl = '{nats.url}'\n")
-        single = await _kvroute("serve", "--config", str(config), "--port", port)
-        assert single.stdout is not None
+        port, single = await _serve_on_a_free_port(config)
+        router = f"http://127.0.0.1:{port}"
         try:
-            await asyncio.wait_for(_read_until(single.stdout, "listening on", []), 60)
             async with aiohttp.ClientSession() as session:  # kept alive: the router closes it
                 for _ in range(3):
                     async with session.get(router + "/health") as resp:
@@ -267,6 +262,30 @@ async def test_replicas_start_on_the_port_a_single_router_just_left(tmp_path: Pa
             answering: set[str] = set()
             while len(answering) < 2:
                 answering |= await _replicas_answering(router)
+
+
+async def _serve_on_a_free_port(config: Path) -> tuple[str, asyncio.subprocess.Process]:
+    """`kvroute serve` on a port found free, listening; another port when something took that
+    one between the probe and the router's bind (CI: another test's socket did, once)."""
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+        single = await _kvroute("serve", "--config", str(config), "--port", port)
+        assert single.stdout is not None
+        lines: list[str] = []
+        try:
+            await asyncio.wait_for(_read_until(single.stdout, "listening on", lines), 60)
+            return port, single
+        except AssertionError:
+            await single.wait()
+            if "(Address already in use)" not in "".join(lines):
+                raise
+        except BaseException:
+            single.kill()
+            await single.wait()
+            raise
+    raise AssertionError("no free port kept long enough for kvroute serve to bind it")
 
 
 async def _replicas_answering(url: str, tries: int = 20) -> set[str]:
