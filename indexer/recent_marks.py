@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
-from typing import cast
+from typing import TypeVar, cast
 
 from indexer.namespace import Namespace
 
@@ -32,6 +32,7 @@ __all__ = ["RecentMarks"]
 _HeadKey = tuple[Namespace, str, bytes]
 # when it was last shadowed, and until when its shadow is kept
 _When = tuple[float, float]
+_K = TypeVar("_K")
 
 
 class RecentMarks:
@@ -71,7 +72,7 @@ class RecentMarks:
         """`marked` were shadowed at `now`; what was marked before `horizon` goes."""
         self.marks.append((now, marked))
         self.keys += len(marked)
-        self.newest = now
+        self.newest = _later(self.newest, now)
         while self.marks and (self.marks[0][0] < horizon or self.keys > self._most_keys):
             at, old = self.marks.popleft()
             self.keys -= len(old)
@@ -89,7 +90,7 @@ class RecentMarks:
     ) -> None:
         """A prompt of `tokens` was shadowed at `now` in `plain` for `extra_key`, kept until
         `until`; heads marked before `horizon` go."""
-        self.newest = now
+        self.newest = _later(self.newest, now)
         try:
             packed = array("I", cast("Sequence[int]", tokens[: self.head_tokens])).tobytes()
         except (TypeError, OverflowError):
@@ -121,6 +122,17 @@ class RecentMarks:
             if when >= horizon:
                 self.forgot_heads_at = max(when, self.forgot_heads_at or when)
 
+    def absorb(self, other: RecentMarks) -> None:
+        """Add `other`'s record to this one (a new stream taking those of several), in time
+        order; its bounds apply from the next mark on."""
+        self.marks = deque(sorted([*self.marks, *other.marks], key=lambda mark: mark[0]))
+        self.keys += other.keys
+        self.forgot_at = _later(self.forgot_at, other.forgot_at)
+        self.heads = _merged(self.heads, other.heads)
+        self.namespaces = _merged(self.namespaces, other.namespaces)
+        self.forgot_heads_at = _later(self.forgot_heads_at, other.forgot_heads_at)
+        self.newest = _later(self.newest, other.newest)
+
     def keys_since(self, horizon: float) -> set[int]:
         """The keys marked at `horizon` or after (those it still keeps)."""
         return {key for at, marked in self.marks if at >= horizon for key in marked}
@@ -149,3 +161,16 @@ class RecentMarks:
     def since(self, horizon: float) -> bool:
         """Whether a mark was made here at `horizon` or after (kept or forgotten since)."""
         return self.newest is not None and self.newest >= horizon
+
+
+def _later(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _merged(a: OrderedDict[_K, _When], b: OrderedDict[_K, _When]) -> OrderedDict[_K, _When]:
+    """`a` and `b` in one, oldest first: an entry both have, at its latest time and until."""
+    joined = dict(a)
+    for key, (at, until) in b.items():
+        was = joined.get(key)
+        joined[key] = (at, until) if was is None else (max(at, was[0]), max(until, was[1]))
+    return OrderedDict(sorted(joined.items(), key=lambda item: item[1][0]))

@@ -24,7 +24,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import msgspec
 
@@ -107,6 +107,25 @@ _RECENT_NAMESPACES = 4096
 # a pending mark made (`add_pending`): (stream, the index's generation of it)
 PendingMark = tuple[str, int]
 
+
+# a stream of a worker that left, for its id registered again (`_carry_recent`): the worker,
+# the server's stream it followed, its recent marks, the worker's URL and the stream's block
+# size then
+class _Left(NamedTuple):
+    worker: str
+    server: ServerStream
+    recent: RecentMarks
+    url: str | None
+    block_size: int | None
+
+
+# a request with an `extra_key` sent to a worker while it is registered anew, between its old
+# streams' end and its new ones' start (`IndexerService.add_worker`): its namespace, prompt,
+# dp rank and how long its shadow is kept
+_Meanwhile = tuple[Namespace, Sequence[Hashable], int | None, float]
+# the most of those kept for one registration (past it, its new streams are hidden whole)
+_MEANWHILE_LIMIT = 4096
+
 # a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
 # plain namespace, the prompt's leading tokens, its extra_key, kept until)
 _Unsized = tuple[str, Namespace, Sequence[Hashable], str, float]
@@ -185,7 +204,10 @@ class IndexerService:
         # per stream of a worker that left, the server's stream it followed, its recent
         # marks, its worker's URL and its block size, for the same stream id registered again
         # (`_carry_recent`)
-        self._left: dict[str, tuple[ServerStream, RecentMarks, str | None, int | None]] = {}
+        self._left: dict[str, _Left] = {}
+        # workers being registered anew: the `extra_key` requests sent to each meanwhile, which
+        # its new streams shadow (`shadow`, `add_worker`)
+        self._meanwhile: dict[str, list[_Meanwhile]] = {}
         self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
@@ -251,8 +273,9 @@ class IndexerService:
         of its streams counts unless it counted one itself since its worker's settings were
         last read (`settled`). Before, a re-registration started every counter at 0 again:
         Prometheus saw a counter reset, and no restart, for the restarts that changed a worker.
-        `url`: where the worker is served (None: not told), which says whether a worker added
-        again under its id is the same one (`_carry_recent`).
+        `url`: where the worker is served, the server spelled one way (`localhost` as
+        `127.0.0.1`; None: not told), which says whether a worker added again under its id is
+        the same one (`_carry_recent`).
         """
         ranks = [cfg.dp_rank for cfg in streams]
         if len(set(ranks)) != len(ranks):
@@ -265,7 +288,14 @@ class IndexerService:
             for was in self._workers[worker]:
                 earlier[was.stream_id] = self._with_carried(was.stats())
                 settled[was.stream_id] = self._settled_restarts.get(was.stream_id, 0)
-            await self.remove_worker(worker)
+            # requests keep being routed to it while its old streams wind down: their
+            # shadows wait for the new streams (before, they were shadowed nowhere: QA)
+            self._meanwhile.setdefault(worker, [])
+            try:
+                await self.remove_worker(worker)
+            except BaseException:
+                self._meanwhile.pop(worker, None)
+                raise
 
         if self.tap is not None:
             # before any subscriber starts (its first state is told at once): every record
@@ -278,11 +308,20 @@ class IndexerService:
             _adopt(self.index, sid, cfg, cfg.block_size)
             return self._sink(self.index, sid)
 
-        subs = self._streams.start(worker, streams, sink_for)
+        try:
+            subs = self._streams.start(worker, streams, sink_for)
+        finally:
+            meanwhile = self._meanwhile.pop(worker, [])
         self._urls[worker] = url
+        # the worker's streams that left, each rank's: a rank it did not have before may have
+        # taken any of their requests (the engine picks the rank of one sent with none)
+        lefts = [left for left in self._left.values() if left.worker == worker]
         for sub in subs:
             self._adopt_shadows(server_stream(sub.config), sub.stream_id)
-            self._carry_recent(server_stream(sub.config), sub.stream_id, url)
+            own = self._left.pop(sub.stream_id, None)
+            self._carry_recent(
+                server_stream(sub.config), sub.stream_id, url, lefts if own is None else [own]
+            )
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -297,6 +336,25 @@ class IndexerService:
                 self._carried[sub.stream_id] = carried
                 self._settled_restarts[sub.stream_id] = carried.restarts
         self._matches.invalidate()
+        self._shadow_meanwhile(worker, meanwhile)
+
+    def _shadow_meanwhile(self, worker: str, meanwhile: list[_Meanwhile]) -> None:
+        """Shadow on `worker`'s new streams the `extra_key` requests sent to it while it was
+        registered anew (`shadow`); one of a rank it no longer has on all of them. Past
+        `_MEANWHILE_LIMIT` of them, its streams' plain pages are hidden whole (fail closed)."""
+        if len(meanwhile) > _MEANWHILE_LIMIT:
+            self._blanket.update(self.stream_ids(worker))
+            return
+        now = self._clock()
+        ranks = {sub.config.dp_rank for sub in self._workers.get(worker, [])}
+        for namespace, tokens, dp_rank, until in meanwhile:
+            rank = dp_rank if dp_rank in ranks else None
+            self.shadow(namespace, tokens, worker, rank, max(until - now, 0.0))
+
+    def may_shadow(self, worker: str) -> bool:
+        """Whether an `extra_key` request sent to `worker` is shadowed (`shadow`): it is
+        subscribed, or being registered anew (O(1))."""
+        return worker in self._workers or worker in self._meanwhile
 
     def settled(self, worker: str) -> None:
         """`worker`'s settings were read again and are the ones its streams were registered
@@ -316,9 +374,10 @@ class IndexerService:
             if recent is not None and recent.newest is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
                 # (those of ids not registered again go once their marks are past doubt)
-                self._left = {s: v for s, v in self._left.items() if v[1].since(horizon)}
+                self._left = {s: v for s, v in self._left.items() if v.recent.since(horizon)}
                 size = self.index.block_size(sub.stream_id)
-                self._left[sub.stream_id] = (server_stream(sub.config), recent, url, size)
+                left = _Left(worker, server_stream(sub.config), recent, url, size)
+                self._left[sub.stream_id] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
             self._stream_health.pop(sub.stream_id, None)
@@ -374,7 +433,9 @@ class IndexerService:
         # the fences of servers' streams whose shadows lapsed since
         self._parked_fences = {s: f for s, f in self._parked_fences.items() if s in parked}
 
-    def _carry_recent(self, server: ServerStream, stream: str, url: str | None) -> None:
+    def _carry_recent(
+        self, server: ServerStream, stream: str, url: str | None, lefts: Sequence[_Left]
+    ) -> None:
         """`stream` is registered again (its worker's settings changed, or an admin deleted
         and added it): the shadows marked on it within `RESTART_DOUBT_S` go on standing there,
         whatever the judgment of the process it follows now (`_judge_adoption`). Their
@@ -389,52 +450,58 @@ class IndexerService:
         requests went to the old URL, whose server keeps their shadows, and carried here they
         hid the new server's own plain pages (QA: 8 of 16 plain candidates, for 90 s and more).
 
+        `lefts`: the stream's own record when it had one, else (a rank the worker did not
+        have) those of every stream the worker had: the engine may have placed a request sent
+        to any of them on this rank (QA: a worker restarted with two ranks in place of one
+        took an `extra_key` request on its new rank, and a plain request was predicted its
+        pages there, 288 tokens, 0 cached).
+
         A worker restarted with another page size stored those requests' pages in blocks the
         shadows' keys never match: their prompt heads are shadowed again in the new size
         (`_shadow_heads_again`)."""
-        left = self._left.pop(stream, None)
-        if left is None:
-            return
-        old, recent, was, size = left
-        if url is not None and was is not None and url != was:
+        lefts = [left for left in lefts if url is None or left.url is None or left.url == url]
+        if not lefts:
             return
         now = self._clock()
         horizon = now - RESTART_DOUBT_S
-        keys = recent.keys_since(horizon)
-        # more marked lately than it keeps: no shadow can be told old, all stay (fail closed)
-        doubtful = recent.forgot_keys_since(horizon)
+        size = self.index.block_size(stream)
+        if len(lefts) == 1:
+            recent = lefts[0].recent
+        else:
+            recent = self._new_recent()
+            for left in lefts:
+                recent.absorb(left.recent)
+        carried = [
+            (left.server, left.recent.keys_since(horizon), left.recent.forgot_keys_since(horizon))
+            for left in lefts
+        ]
         # (a size not known yet may turn out the old one: the heads hide more than needed)
-        resized = size is None or self.index.block_size(stream) != size
-        if not (keys or doubtful or (resized and recent.since(horizon))):
+        resized = any(left.block_size is None or left.block_size != size for left in lefts)
+        if not any(keys or doubtful for _, keys, doubtful in carried) and not (
+            resized and recent.since(horizon)
+        ):
             return
         self._recent_marks[stream] = recent  # `_judge_own_shadows` spares them too
-        if keys or doubtful:
-            self._carry_keys(old, server, stream, keys, doubtful=doubtful)
+        for old, keys, doubtful in carried:
+            # a copy of another server's stream's shadows, judged by its fences; one that
+            # marked more lately than it keeps is not: none can be told old (fail closed)
+            if (
+                (keys or doubtful)
+                and not server.may_be(old)
+                and self._shadowed.adopt(old, stream, now, take=False)
+                and not doubtful
+            ):
+                fences = list(self._parked_fences.get(old, []))
+                self._adopt_loaded(stream, fences, [], sorted(keys))
+        if stream in self._adopted:
+            # (taken before, by `_adopt_shadows`, it was watched with none of its own)
+            if any(doubtful for _, _, doubtful in carried):
+                self._shadowed.settle(stream)
+            else:
+                self._shadowed.watch(stream, set().union(*(keys for _, keys, _ in carried)))
         if resized:
             # after the judgment is set up: the keys it makes are the stream's own marks
             self._shadow_heads_again(stream, recent, horizon)
-
-    def _carry_keys(
-        self,
-        old: ServerStream,
-        server: ServerStream,
-        stream: str,
-        keys: set[int],
-        *,
-        doubtful: bool,
-    ) -> None:
-        """`_carry_recent`'s shadows of the old stream's recent `keys` (every shadow, when
-        `doubtful`), for `stream` registered again on `server`."""
-        if not server.may_be(old) and self._shadowed.adopt(old, stream, self._clock(), take=False):
-            if doubtful:
-                return  # the copy is not judged: kept until it lapses
-            self._adopt_loaded(stream, list(self._parked_fences.get(old, [])), [], sorted(keys))
-        if stream in self._adopted:
-            # taken before: `_adopt_shadows` watched it with none of its own
-            if doubtful:
-                self._shadowed.settle(stream)
-            else:
-                self._shadowed.watch(stream, keys)
 
     def _shadow_heads_again(self, stream: str, recent: RecentMarks, horizon: float) -> None:
         """Shadow on `stream` the heads of the prompts shadowed on it since `horizon`, in its
@@ -686,6 +753,11 @@ class IndexerService:
         plain = msgspec.structs.replace(namespace, extra_key=None)
         now = self._clock()
         until = now + keep_s
+        meanwhile = self._meanwhile.get(worker)
+        if meanwhile is not None and worker not in self._workers:
+            if len(meanwhile) <= _MEANWHILE_LIMIT:
+                meanwhile.append((namespace, tokens, dp_rank, until))
+            return made
         index = self.index
         blocks = 1 if len(self._shadowed) >= _SHADOW_LIMIT else _SHADOW_BLOCKS
         for stream in self.stream_ids(worker, dp_rank):
@@ -738,13 +810,17 @@ class IndexerService:
     def _recent(self, stream: str) -> RecentMarks:
         recent = self._recent_marks.get(stream)
         if recent is None:
-            recent = self._recent_marks[stream] = RecentMarks(
-                most_keys=_RECENT_MARK_KEYS,
-                most_heads=_RECENT_HEADS,
-                most_namespaces=_RECENT_NAMESPACES,
-                head_tokens=_UNSIZED_HEAD,
-            )
+            recent = self._recent_marks[stream] = self._new_recent()
         return recent
+
+    @staticmethod
+    def _new_recent() -> RecentMarks:
+        return RecentMarks(
+            most_keys=_RECENT_MARK_KEYS,
+            most_heads=_RECENT_HEADS,
+            most_namespaces=_RECENT_NAMESPACES,
+            head_tokens=_UNSIZED_HEAD,
+        )
 
     def _has_seed(self, seed: int) -> bool:
         # a parked stream's seed too: the stream that adopts its shadows needs its namespace

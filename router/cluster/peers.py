@@ -245,7 +245,7 @@ class Peers:
             elif isinstance(d, Shadow):
                 owner = peer.tickets.get(d.ticket) if d.ticket else None
                 for worker in self._shadowed_at(d.worker, d.server) if d.keep_s > 0 else ():
-                    if self._indexer.has_worker(worker):
+                    if self._indexer.may_shadow(worker):  # (registered anew: kept)
                         shadows = self._indexer.shadow(
                             d.namespace, d.tokens, worker, d.dp_rank, d.keep_s
                         )

@@ -141,7 +141,7 @@ class FalseHitResponse:
                     and self._pool.find(entry.id) is entry
                     and not self._indexer.has_worker(entry.id)
                 ):
-                    await self._indexer.add_worker(entry.id, configs, url=entry.url)
+                    await self._indexer.add_worker(entry.id, configs, url=entry.server)
             finally:
                 self._quarantined.pop(entry.id, None)
             return
@@ -173,7 +173,7 @@ class FalseHitResponse:
             self._quarantined.pop(entry.id, None)
             entry.unfollowed_until = None
         if self._pool.find(entry.id) is entry and not self._indexer.has_worker(entry.id):
-            await self._indexer.add_worker(entry.id, configs, url=entry.url)
+            await self._indexer.add_worker(entry.id, configs, url=entry.server)
             # the quiet window counts from here: a streak soon after escalates (before, it
             # counted from the streak, so a long quarantine always started over at level 1)
             self._distrust[entry.id] = (level, self._clock())

@@ -182,7 +182,7 @@ class Registrar:
         host_capacity = host_capacity_from_server_info(info)
         max_running = max_running_from_server_info(info)
         if streams:  # a worker without events is routed by load alone
-            await self._indexer.add_worker(entry.id, streams, restarted=restarted, url=entry.url)
+            await self._indexer.add_worker(entry.id, streams, restarted=restarted, url=entry.server)
         try:
             self._pool.set_role(entry, role, bootstrap_port, advertised_port=advertised_port)
             self._pool.set_models(entry, models, adapters)

@@ -787,7 +787,7 @@ class Planner:
         take them for their own (`indexer.shadowed`). Returns the shadows made here, which
         its `ticket` (None: a request routed by a gateway, `router.http.kv_query`) takes
         back, here and on the other replicas, if it stores nothing (`Withdraw.ALL`)."""
-        if (ns.extra_key is None and not keyed) or not self.indexer.has_worker(worker):
+        if (ns.extra_key is None and not keyed) or not self.indexer.may_shadow(worker):
             return []  # the common request: nothing to shadow, no lookup on its path
         shadows = [(ns, tokens)] if ns.extra_key is not None else []
         shadows.extend(keyed)

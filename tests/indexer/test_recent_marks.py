@@ -71,3 +71,24 @@ def test_keys_past_the_bound_say_when_the_newest_forgotten_was_marked() -> None:
     recent.remember_keys(9.0, [6], horizon=3.5)  # the rest is past doubt: forgotten quietly
     assert recent.keys_since(0.0) == {6} and recent.keys == 1
     assert not recent.forgot_keys_since(1.5)
+
+
+def test_records_absorbed_keep_both_in_time_order() -> None:
+    one, two = _marks(), _marks()
+    one.remember_keys(1.0, [1], horizon=0.0)
+    two.remember_keys(2.0, [2], horizon=0.0)
+    one.remember_keys(3.0, [3], horizon=0.0)
+    one.remember_head(1.0, A, [1], "k", 10.0, horizon=0.0)
+    two.remember_head(2.0, A, [1], "k", 30.0, horizon=0.0)  # the same head, later
+    two.remember_head(0.5, B, [2], "k", 5.0, horizon=0.0)
+    two.forgot_at = 1.5
+    merged = _marks()
+    merged.absorb(one)
+    merged.absorb(two)
+    assert [at for at, _ in merged.marks] == [1.0, 2.0, 3.0] and merged.keys == 3
+    assert merged.keys_since(1.5) == {2, 3} and merged.forgot_keys_since(1.5)
+    assert _heads(merged, 0.0) == [(B, "k", [2], 5.0), (A, "k", [1], 30.0)]
+    assert merged.newest == 3.0
+    # the bounds hold again at the next mark: the oldest key goes
+    merged.remember_keys(4.0, [4], horizon=1.5)
+    assert merged.keys_since(0.0) == {2, 3, 4}

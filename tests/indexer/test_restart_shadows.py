@@ -26,6 +26,7 @@ from indexer.protocol.events import EventBatch, TokenId
 from indexer.protocol.frames import build_live
 from indexer.service import IndexerService
 from indexer.stats import StreamState
+from indexer.stream.subscriber import StreamSubscriber
 from tests.indexer.scripted import ScriptedPublisher
 from tests.indexer.test_replay_answers import A, C, D, matched, stored
 from tests.indexer.test_subscriber_zmq import CONFIG, WORKER, connect, wait_until
@@ -128,5 +129,42 @@ async def test_a_sign_of_a_restart_that_was_none_keeps_the_shadows(
             assert seq > last
             assert await svc.wait_applied(WORKER, seq)
         await wait_until(lambda: _synced(svc) and matched(svc, later) == 4)
+        assert _held(svc, A)
+        assert matched(svc, A) == 0
+
+
+async def test_an_extra_key_request_sent_while_its_worker_is_registered_anew_is_shadowed(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker is registered anew (its settings read again) while requests are routed to
+    it: one with an `extra_key` sent while its old streams wind down, when it has no stream,
+    is shadowed on the new ones. Before, it was shadowed nowhere, and a plain request was
+    predicted the pages the worker stored for it (QA, with that moment widened: 288 tokens
+    predicted, 0 cached; it lasts some milliseconds a registration)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        (old,) = svc._workers[WORKER]
+        stopped, resume = asyncio.Event(), asyncio.Event()
+        stop = svc._subs.stop
+
+        async def slow_stop(worker: str) -> list[StreamSubscriber]:
+            subs = await stop(worker)
+            stopped.set()
+            await resume.wait()  # the old streams still winding down
+            return subs
+
+        monkeypatch.setattr(svc._subs, "stop", slow_stop)
+        again = asyncio.create_task(svc.add_worker(WORKER, [old.config], url="http://w:1"))
+        await stopped.wait()
+        assert not svc.has_worker(WORKER)
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        resume.set()
+        await again
+        (sub,) = svc._workers[WORKER]
+        for _ in range(100):  # until the new SUB really receives
+            seq = await pub.publish(EventBatch(0.0, []))
+            if await svc.wait_applied(WORKER, seq, timeout_s=0.1) and sub.tracker.live:
+                break
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 40)))
         assert _held(svc, A)
         assert matched(svc, A) == 0

@@ -29,6 +29,7 @@ from router.http.reload import ConfigSource
 from router.service import RouterService
 from tests.router.conftest import AUTH, TOKEN, Fleet, eventually, router_config
 from tests.router.test_router_pd import PdFleet, poke, reference
+from workers.cache import Namespace as CacheNamespace
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
 
@@ -220,6 +221,9 @@ async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_pa
         "page_size_32",
         "page_size_8_more_heads_than_kept",
         "page_size_8_more_namespaces_than_kept",
+        "page_size_8_added_as_localhost",
+        "two_ranks",
+        "two_ranks_page_size_32",
     ],
 )
 async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
@@ -239,14 +243,22 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
     the shadows' keys never match (QA: 8-token pages after 16, a false hit until evicted): the
     prompt's head is shadowed again in the new size; a stream that kept fewer heads than it
     shadowed lately shadows their namespace from its seed, and one that kept fewer namespaces
-    hides its plain pages whole."""
+    hides its plain pages whole. Added again under another spelling of its URL
+    (`localhost`), it is the same server (QA: the heads were not carried, 288 tokens
+    predicted, 0 cached).
+
+    Restarted with two dp ranks in place of one (`two_ranks`), the worker placed the request
+    on its new rank 1 (the router names no rank to a worker of one): the new rank's stream
+    takes the recent shadows of the ranks the worker had (QA: 288 tokens predicted, 0 cached,
+    on rank 1)."""
     if kept == "more_than_kept":
         monkeypatch.setattr(indexer_service, "_RECENT_MARK_KEYS", 4)
     if kept.endswith(("_more_heads_than_kept", "_more_namespaces_than_kept")):
         monkeypatch.setattr(indexer_service, "_RECENT_HEADS", 0)
     if kept.endswith("_more_namespaces_than_kept"):
         monkeypatch.setattr(indexer_service, "_RECENT_NAMESPACES", 0)
-    page = int(kept.split("_")[2]) if kept.startswith("page_size_") else 16
+    page = int(kept.split("page_size_")[1].split("_")[0]) if "page_size_" in kept else 16
+    ranks = 2 if kept.startswith("two_ranks") else 1
     async with reloadable(tmp_path) as fleet, contextlib.AsyncExitStack() as stack:
         status, _ = await fleet.admin("POST", "/workers/w1/drain", {"drain": True})
         assert status == 200
@@ -254,7 +266,7 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
         server = first.url.rstrip("/")
         await first.__aexit__(None, None, None)
         port = int(server.rsplit(":", 1)[1])
-        cfg = ReferenceConfig(time_scale=0.0, page_size=page, port=port)  # new event ports
+        cfg = ReferenceConfig(time_scale=0.0, page_size=page, port=port, dp_size=ranks)
         fleet.workers["w0"] = await stack.enter_async_context(ReferenceWorker(cfg))
 
         async def ready() -> bool:
@@ -262,12 +274,22 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
             return any(w["id"] == "w0" and w["status"] == "ready" for w in listed["workers"])
 
         await eventually(ready, what="w0 ready again")
+        if ranks == 2:  # the worker's next request (round robin) goes to its rank 1
+            other = {"input_ids": _prompt(13), "cache_salt": SALT}
+            status, headers, _ = await fleet.post("/generate", other)
+            assert status == 200 and headers["x-kvroute-worker"] == "w0"
         prompt = _prompt(11)
         body = {"input_ids": prompt, "cache_salt": SALT, "extra_key": "K9"}
         status, headers, _ = await fleet.post("/generate", body)
         assert status == 200 and headers["x-kvroute-worker"] == "w0"
+        if ranks == 2:
+            keyed = CacheNamespace(extra_key="K9", cache_salt=SALT)
+            held = fleet.workers["w0"].match(keyed, prompt)
+            assert held[1] > held[0], held  # (the worker's own cache says where it went)
         status, _ = await fleet.admin("DELETE", "/workers/w0")
         assert status == 200
+        if kept.endswith("_added_as_localhost"):
+            server = server.replace("127.0.0.1", "localhost")
         status, answer = await fleet.admin("POST", "/workers", {"id": "w0", "url": server})
         assert status == 201, answer
         await _no_false_hit(fleet, prompt, answer["url"])
