@@ -119,11 +119,11 @@ class _Left(NamedTuple):
     block_size: int | None
 
 
-# a request with an `extra_key` sent to a worker while it is registered anew, between its old
-# streams' end and its new ones' start (`IndexerService.add_worker`): its namespace, prompt,
-# dp rank and how long its shadow is kept
+# a request with an `extra_key` sent to a worker while it is not followed, to be followed again
+# (`IndexerService.remove_worker(returning=True)`: registered anew, or put aside by the false-hit
+# watch): its namespace, prompt head, dp rank and until when its shadow is kept
 _Meanwhile = tuple[Namespace, Sequence[Hashable], int | None, float]
-# the most of those kept for one registration (past it, its new streams are hidden whole)
+# the most of those kept for one worker (past it, its streams are hidden whole)
 _MEANWHILE_LIMIT = 4096
 
 # a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
@@ -179,6 +179,7 @@ class IndexerService:
         self._health: dict[str, list[StreamHealth]] = {}  # the same streams, as queries see them
         self._stream_health: dict[str, StreamHealth] = {}  # the same, by stream
         self._waiters: list[tuple[str, int, asyncio.Future[bool]]] = []
+        self._applied_seq: dict[str, int] = {}  # stream -> the last seq applied (`wait_applied`)
         self._matches = WorkerMatches(clock)
         # prefixes sent with an extra_key, which their events show as plain (`indexer.shadowed`)
         self._shadowed = ShadowedPrefixes()
@@ -205,9 +206,13 @@ class IndexerService:
         # marks, its worker's URL and its block size, for the same stream id registered again
         # (`_carry_recent`)
         self._left: dict[str, _Left] = {}
-        # workers being registered anew: the `extra_key` requests sent to each meanwhile, which
-        # its new streams shadow (`shadow`, `add_worker`)
+        # workers not followed for a while (`remove_worker(returning=True)`): the `extra_key`
+        # requests sent to each meanwhile, which its streams shadow once it is followed again,
+        # and the (dp rank, server's stream) it followed, which keep them should it not be
         self._meanwhile: dict[str, list[_Meanwhile]] = {}
+        self._meanwhile_servers: dict[str, list[tuple[int, ServerStream]]] = {}
+        # per worker that left, the streams it had (`_carry_recent`: a rank it had is its own)
+        self._left_streams: dict[str, set[str]] = {}
         self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
@@ -290,12 +295,7 @@ class IndexerService:
                 settled[was.stream_id] = self._settled_restarts.get(was.stream_id, 0)
             # requests keep being routed to it while its old streams wind down: their
             # shadows wait for the new streams (before, they were shadowed nowhere: QA)
-            self._meanwhile.setdefault(worker, [])
-            try:
-                await self.remove_worker(worker)
-            except BaseException:
-                self._meanwhile.pop(worker, None)
-                raise
+            await self.remove_worker(worker, returning=True)
 
         if self.tap is not None:
             # before any subscriber starts (its first state is told at once): every record
@@ -308,20 +308,29 @@ class IndexerService:
             _adopt(self.index, sid, cfg, cfg.block_size)
             return self._sink(self.index, sid)
 
-        try:
-            subs = self._streams.start(worker, streams, sink_for)
-        finally:
-            meanwhile = self._meanwhile.pop(worker, [])
+        subs = self._streams.start(worker, streams, sink_for)
+        meanwhile = self._meanwhile.pop(worker, [])
+        self._meanwhile_servers.pop(worker, None)
         self._urls[worker] = url
-        # the worker's streams that left, each rank's: a rank it did not have before may have
+        # the streams of the worker's last registration; a rank it did not have then may have
         # taken any of their requests (the engine picks the rank of one sent with none)
-        lefts = [left for left in self._left.values() if left.worker == worker]
-        for sub in subs:
+        had = self._left_streams.pop(worker, set())
+        lefts = {s: left for s, left in self._left.items() if left.worker == worker}
+        for stream in lefts:
+            del self._left[stream]
+        mine = [left for s, left in lefts.items() if s in had]
+        # the new ranks first: they copy the shadows parked for the ranks it had, which the
+        # streams of those ranks take (before, rank 1 found rank 0's taken already: QA)
+        for sub in [
+            *(s for s in subs if s.stream_id not in had),
+            *(s for s in subs if s.stream_id in had),
+        ]:
+            if sub.stream_id not in had:
+                self._carry_recent(server_stream(sub.config), sub.stream_id, url, mine)
             self._adopt_shadows(server_stream(sub.config), sub.stream_id)
-            own = self._left.pop(sub.stream_id, None)
-            self._carry_recent(
-                server_stream(sub.config), sub.stream_id, url, lefts if own is None else [own]
-            )
+            own = lefts.get(sub.stream_id) if sub.stream_id in had else None
+            if own is not None:
+                self._carry_recent(server_stream(sub.config), sub.stream_id, url, [own])
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -363,13 +372,28 @@ class IndexerService:
         for sub in self._workers.get(worker, []):
             self._settled_restarts[sub.stream_id] = self._with_carried(sub.stats()).restarts
 
-    async def remove_worker(self, worker: str) -> None:
+    async def remove_worker(self, worker: str, *, returning: bool = False) -> None:
         """Stop a worker's subscriptions and drop its index entries. Its streams' shadows are
-        kept for the server's streams (`_park_shadows`)."""
+        kept for the server's streams (`_park_shadows`).
+
+        `returning`: it is to be followed again (`add_worker`) while requests are still sent
+        to it (registered anew; put aside by the false-hit watch): the `extra_key` requests
+        sent meanwhile are shadowed on its streams then (before, nowhere: QA, a plain request
+        predicted their pages, 288 tokens, 0 cached). Removed for good instead, it leaves them
+        for the server's streams it followed, as its shadows are."""
         self._health.pop(worker, None)
         self._matches.invalidate()
         url = self._urls.pop(worker, None)
-        for sub in await self._streams.stop(worker):
+        if returning:
+            self._meanwhile.setdefault(worker, [])
+        subs = await self._streams.stop(worker)
+        if subs:
+            self._left_streams[worker] = {sub.stream_id for sub in subs}
+            if returning:
+                self._meanwhile_servers[worker] = [
+                    (sub.config.dp_rank, server_stream(sub.config)) for sub in subs
+                ]
+        for sub in subs:
             recent = self._recent_marks.get(sub.stream_id)
             if recent is not None and recent.newest is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
@@ -380,6 +404,7 @@ class IndexerService:
                 self._left[sub.stream_id] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
+            self._applied_seq.pop(sub.stream_id, None)
             self._stream_health.pop(sub.stream_id, None)
             # its series go with it (a worker added again under its id starts them at 0)
             self._carried.pop(sub.stream_id, None)
@@ -389,6 +414,25 @@ class IndexerService:
                 # subscribed (or until it is again) would never reach the followers
                 self.tap.cleared(sub.stream_id)
                 self.tap.seq_forgotten(sub.stream_id)
+        if not returning:
+            self._park_meanwhile(worker)
+
+    def _park_meanwhile(self, worker: str) -> None:
+        """`worker`, not followed since it was put aside, is removed: the `extra_key` requests
+        sent to it meanwhile are kept for the server's streams it followed, as shadows not
+        keyed yet (`_adopt_shadows` keys them on a stream added there)."""
+        meanwhile = self._meanwhile.pop(worker, [])
+        servers = self._meanwhile_servers.pop(worker, [])
+        ranks = {rank for rank, _ in servers}
+        for rank, server in servers:
+            if len(meanwhile) > _MEANWHILE_LIMIT:
+                self._parked_blanket.add(server)
+                continue
+            parked = self._parked_unsized.setdefault(server, [])
+            for namespace, head, dp_rank, until in meanwhile:
+                if dp_rank in (None, rank) or dp_rank not in ranks:
+                    plain = msgspec.structs.replace(namespace, extra_key=None)
+                    parked.append(("", plain, head, cast(str, namespace.extra_key), until))
 
     def suspect_restart(self, worker: str, why: str, *, down_age_s: float | None = None) -> None:
         """A sign the worker may have restarted (its health came back): prove its streams.
@@ -465,12 +509,9 @@ class IndexerService:
         now = self._clock()
         horizon = now - RESTART_DOUBT_S
         size = self.index.block_size(stream)
-        if len(lefts) == 1:
-            recent = lefts[0].recent
-        else:
-            recent = self._new_recent()
-            for left in lefts:
-                recent.absorb(left.recent)
+        recent = self._new_recent()  # (a copy: new ranks take the same records)
+        for left in lefts:
+            recent.absorb(left.recent)
         carried = [
             (left.server, left.recent.keys_since(horizon), left.recent.forgot_keys_since(horizon))
             for left in lefts
@@ -755,8 +796,8 @@ class IndexerService:
         until = now + keep_s
         meanwhile = self._meanwhile.get(worker)
         if meanwhile is not None and worker not in self._workers:
-            if len(meanwhile) <= _MEANWHILE_LIMIT:
-                meanwhile.append((namespace, tokens, dp_rank, until))
+            if len(meanwhile) <= _MEANWHILE_LIMIT:  # (one more: the bound was passed)
+                meanwhile.append((namespace, tokens[:_UNSIZED_HEAD], dp_rank, until))
             return made
         index = self.index
         blocks = 1 if len(self._shadowed) >= _SHADOW_LIMIT else _SHADOW_BLOCKS
@@ -1328,6 +1369,7 @@ class IndexerService:
         self._adopt_loaded(stream, [fence], [], sorted(mine))
 
     def _on_applied(self, stream: str, seq: int) -> None:
+        self._applied_seq[stream] = seq
         self._matches.on_applied(stream)
         if self._adopted and stream in self._adopted and self._settled_at(stream):
             self._judge_adoption(stream, seq)  # before its adopted unsized shadows get keys
@@ -1348,7 +1390,15 @@ class IndexerService:
         self._waiters = still
 
     def _worker_reached(self, worker: str, seq: int) -> bool:
-        seen = [s.tracker.last for s in self._workers.get(worker, []) if s.tracker.last is not None]
+        # applied, not only accepted: a live batch's seq is taken (`tracker.last`) before a
+        # live check asks the replay socket for it, and it is applied only after the answer
+        # (CI: a test read the index while its batch waited on that round trip)
+        applied = self._applied_seq
+        seen = [
+            applied.get(s.stream_id, -1)
+            for s in self._workers.get(worker, [])
+            if s.tracker.last is not None
+        ]
         return bool(seen) and all(last >= seq for last in seen)
 
     async def wait_applied(self, worker: str, seq: int, timeout_s: float = 5.0) -> bool:

@@ -133,7 +133,7 @@ class FalseHitResponse:
             # "runs other settings" and registered it anew, its sockets unchanged
             self._quarantined[entry.id] = configs
             try:
-                await self._indexer.remove_worker(entry.id)
+                await self._indexer.remove_worker(entry.id, returning=True)
                 reread = self._rereading(entry)
                 await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
                 if (
@@ -153,7 +153,7 @@ class FalseHitResponse:
         entry.unfollowed_until = now + quarantine_s
         self._count(entry.id, "unfollowed")
         try:
-            await self._indexer.remove_worker(entry.id)
+            await self._indexer.remove_worker(entry.id, returning=True)
             log.warning("%s, %s", what, unfollowed_why(relay, quarantine_s))
             reread = self._rereading(entry)
             # a fed worker's quarantine also ends once another relay process is heard

@@ -334,7 +334,7 @@ class Supervisor:
         self._schedule.forget(worker_id)
         self.watch.forget(worker_id)
         self._false_hits.forget(worker_id)
-        if self._indexer.has_worker(worker_id):
+        if self._indexer.may_shadow(worker_id):  # (subscribed, or put aside to be again)
             await self._indexer.remove_worker(worker_id)
         self._policy.forget(worker_id)
         self._load.forget(worker_id)

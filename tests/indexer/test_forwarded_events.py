@@ -100,13 +100,24 @@ def predicted(svc: IndexerService, prompt: list[int]) -> list[int]:
     return [r.matched_tokens for r in svc.query(Namespace(MODEL, None, None), prompt)[WORKER].ranks]
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def until(
+    predicate: Callable[[], bool],
+    what: str,
+    timeout_s: float = 10.0,
+    seen: Callable[[], object] | None = None,
+) -> None:
+    """Wait for `predicate`; on a timeout, say what `seen` shows then."""
     try:
         async with asyncio.timeout(timeout_s):
             while not predicate():  # noqa: ASYNC110 (the service has no event for these)
                 await asyncio.sleep(0.01)
     except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
+        shown = "" if seen is None else f" (seen: {seen()})"
+        raise AssertionError(f"timed out waiting for {what}{shown}") from None
+
+
+def restarts_and_states(svc: IndexerService) -> list[tuple[int, StreamState]]:
+    return [(s.restarts, s.state) for s in sorted(svc.streams(), key=lambda s: s.dp_rank)]
 
 
 def streams_of(svc: IndexerService) -> list[StreamState]:
@@ -247,6 +258,7 @@ async def test_a_worker_dying_behind_forwarders_predicts_nothing_at_once(
                     [s.restarts for s in svc.streams()] == [1, 1] and streams_of(svc) == unproven
                 ),
                 "both ranks rebuilt, unproven until the new process publishes",
+                seen=lambda: restarts_and_states(svc),
             )
             await fwd0.connected(2)  # (its subscriptions reach the new process)
             assert worker.holds(P) == [0, 0] and predicted(svc, P) == [0, 0]
@@ -306,6 +318,7 @@ async def test_a_restart_found_before_the_new_process_is_up_waits_for_its_live_b
                     [s.restarts for s in svc.streams()] == [1, 1] and streams_of(svc) == unproven
                 ),
                 "both ranks rebuilt, unproven until the new process publishes",
+                seen=lambda: restarts_and_states(svc),
             )
             await fwd0.connected(2)
             Q = tokens("new")

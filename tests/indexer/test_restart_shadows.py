@@ -20,6 +20,7 @@ import pytest
 import zmq.asyncio
 
 from indexer import service
+from indexer.config import StreamConfig
 from indexer.namespace import Namespace
 from indexer.protocol.encode import encode_batch
 from indexer.protocol.events import EventBatch, TokenId
@@ -168,3 +169,91 @@ async def test_an_extra_key_request_sent_while_its_worker_is_registered_anew_is_
         assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 40)))
         assert _held(svc, A)
         assert matched(svc, A) == 0
+
+
+def _rank_cfg(pub: ScriptedPublisher, rank: int) -> StreamConfig:
+    return StreamConfig(
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        topic="kv",
+        block_size=4,
+        dp_rank=rank,
+    )
+
+
+async def _receiving(svc: IndexerService, pub: ScriptedPublisher, stream: str) -> None:
+    """Publish empty batches until `stream`'s SUB really receives (the slow joiner)."""
+    (sub,) = [s for s in svc._workers[WORKER] if s.stream_id == stream]
+    for _ in range(100):
+        seq = await pub.publish(EventBatch(0.0, []))
+        await asyncio.sleep(0.02)
+        if sub.tracker.live is not None and (sub.tracker.last or -1) >= seq:
+            return
+    raise AssertionError(f"{stream} never received anything")
+
+
+def _rank_matched(svc: IndexerService, rank: int, tokens: list[TokenId]) -> int:
+    return svc.query(PLAIN, tokens)[WORKER].ranks[rank].matched_tokens
+
+
+@pytest.mark.parametrize("before", [[0], [0, 1, 0]], ids=["one_rank", "two_ranks_then_one"])
+async def test_a_rank_the_worker_did_not_have_takes_the_shadows_of_those_it_had(
+    ctx: zmq.asyncio.Context, before: list[int]
+) -> None:
+    """The worker comes back with two dp ranks where it had one (after two, `two_ranks_then_one`):
+    an `extra_key` request sent to it with no rank shortly before may have been placed on the
+    new rank 1, which its replay then shows as plain pages. Rank 1 takes rank 0's recent
+    shadows. QA found two ways it did not: rank 0, back on its own sockets, took its shadows
+    first and rank 1 copied none; and rank 1's own record from the registration before the last
+    (two ranks, then one) was taken for its own, so it took none of rank 0's (288 tokens
+    predicted, 0 cached)."""
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        IndexerService(CONFIG) as svc,
+    ):
+        pubs = (r0, r1)
+        for ranks in before:
+            await svc.add_worker(WORKER, [_rank_cfg(pubs[r], r) for r in range(ranks + 1)])
+            for r in range(ranks + 1):
+                await _receiving(svc, pubs[r], f"{WORKER}#dp{r}")
+            if ranks:
+                svc.shadow(KEYED, C, WORKER, 1, keep_s=3600.0)  # rank 1's own, then
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)  # rank 0 is all it has
+        await svc.add_worker(WORKER, [_rank_cfg(r0, 0), _rank_cfg(r1, 1)])
+        await _receiving(svc, r1, f"{WORKER}#dp1")
+        assert await svc.wait_applied(WORKER, await r1.publish(stored(A, 50)))
+        stream = svc.stream_ids(WORKER, 1)[0]
+        assert all(svc.index.holds(stream, svc.block_keys(stream, PLAIN, A)))
+        assert _rank_matched(svc, 1, A) == 0
+
+
+@pytest.mark.parametrize("back", ["followed_again", "removed_then_added_as_another_id"])
+async def test_an_extra_key_request_sent_while_its_worker_is_put_aside_is_shadowed(
+    ctx: zmq.asyncio.Context, back: str
+) -> None:
+    """The false-hit watch stops following a worker for a while (`remove_worker(returning=
+    True)`), and requests are still routed to it by load: one with an `extra_key` is shadowed
+    once it is followed again, or, removed meanwhile, by the stream added on its server under
+    whatever id. Before, it was shadowed nowhere (QA: 288 tokens predicted, 0 cached)."""
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        (old,) = svc._workers[WORKER]
+        await svc.remove_worker(WORKER, returning=True)
+        assert svc.may_shadow(WORKER) and not svc.has_worker(WORKER)
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        worker = WORKER
+        if back == "removed_then_added_as_another_id":
+            await svc.remove_worker(WORKER)
+            assert not svc.may_shadow(WORKER)
+            worker = "w9"
+        await svc.add_worker(worker, [old.config])
+        (sub,) = svc._workers[worker]
+        for _ in range(100):  # until the new SUB really receives
+            seq = await pub.publish(EventBatch(0.0, []))
+            if await svc.wait_applied(worker, seq, timeout_s=0.1) and sub.tracker.live:
+                break
+        assert await svc.wait_applied(worker, await pub.publish(stored(A, 40)))
+        stream = svc.stream_ids(worker)[0]
+        assert all(svc.index.holds(stream, svc.block_keys(stream, PLAIN, A)))
+        assert svc.query(PLAIN, A)[worker].matched_tokens == 0
