@@ -100,13 +100,8 @@ class RecentMarks:
         key = (plain, extra_key, packed)
         was = self.heads.pop(key, None)
         self.heads[key] = (now, until if was is None else max(until, was[1]))
-        while self.heads:
-            first, (at, kept) = next(iter(self.heads.items()))
-            if at >= horizon and len(self.heads) <= self._most_heads:
-                break
-            del self.heads[first]
-            if at >= horizon:
-                self._remember_namespace(at, first[0], first[1], kept, horizon)
+        for (forgot, forgot_key, _), (at, kept) in _trimmed(self.heads, self._most_heads, horizon):
+            self._remember_namespace(at, forgot, forgot_key, kept, horizon)
 
     def _remember_namespace(
         self, at: float, plain: Namespace, extra_key: str, until: float, horizon: float
@@ -114,13 +109,8 @@ class RecentMarks:
         key = (plain, extra_key)
         was = self.namespaces.pop(key, None)
         self.namespaces[key] = (at, until) if was is None else (max(at, was[0]), max(until, was[1]))
-        while self.namespaces:
-            first, (when, _) = next(iter(self.namespaces.items()))
-            if when >= horizon and len(self.namespaces) <= self._most_namespaces:
-                break
-            del self.namespaces[first]
-            if when >= horizon:
-                self.forgot_heads_at = max(when, self.forgot_heads_at or when)
+        for _, (when, _) in _trimmed(self.namespaces, self._most_namespaces, horizon):
+            self.forgot_heads_at = _later(self.forgot_heads_at, when)
 
     def absorb(self, other: RecentMarks) -> None:
         """Add `other`'s record to this one (a new stream taking those of several), in time
@@ -161,6 +151,21 @@ class RecentMarks:
     def since(self, horizon: float) -> bool:
         """Whether a mark was made here at `horizon` or after (kept or forgotten since)."""
         return self.newest is not None and self.newest >= horizon
+
+
+def _trimmed(entries: OrderedDict[_K, _When], most: int, horizon: float) -> list[tuple[_K, _When]]:
+    """Drop the oldest of `entries` (oldest first) marked before `horizon`, and those past
+    `most`; returns the ones dropped that were marked at `horizon` or after (forgotten while
+    still doubtful)."""
+    forgotten = []
+    while entries:
+        first, when = next(iter(entries.items()))
+        if when[0] >= horizon and len(entries) <= most:
+            break
+        del entries[first]
+        if when[0] >= horizon:
+            forgotten.append((first, when))
+    return forgotten
 
 
 def _later(a: float | None, b: float | None) -> float | None:

@@ -113,6 +113,7 @@ PendingMark = tuple[str, int]
 # size then
 class _Left(NamedTuple):
     worker: str
+    dp_rank: int
     server: ServerStream
     recent: RecentMarks
     url: str | None
@@ -319,18 +320,27 @@ class IndexerService:
         for stream in lefts:
             del self._left[stream]
         mine = [left for s, left in lefts.items() if s in had]
+        # the streams other ids left at this URL lately (a rename, two ids swapped): their
+        # requests went to the server this worker is now (before, a worker renamed as it
+        # restarted on other ports or page size took none: QA)
+        moved = [left for left in self._left.values() if url is not None and left.url == url]
+
+        def moved_to(rank: int) -> list[_Left]:
+            return [left for left in moved if left.dp_rank == rank] or moved
+
         # the new ranks first: they copy the shadows parked for the ranks it had, which the
         # streams of those ranks take (before, rank 1 found rank 0's taken already: QA)
         for sub in [
             *(s for s in subs if s.stream_id not in had),
             *(s for s in subs if s.stream_id in had),
         ]:
-            if sub.stream_id not in had:
-                self._carry_recent(server_stream(sub.config), sub.stream_id, url, mine)
-            self._adopt_shadows(server_stream(sub.config), sub.stream_id)
-            own = lefts.get(sub.stream_id) if sub.stream_id in had else None
-            if own is not None:
-                self._carry_recent(server_stream(sub.config), sub.stream_id, url, [own])
+            server, stream, rank = server_stream(sub.config), sub.stream_id, sub.config.dp_rank
+            if stream not in had:
+                self._carry_recent(server, stream, url, mine)
+            self._adopt_shadows(server, stream)
+            # (after: those on this server's stream spare what it took, as its own do)
+            own = lefts.get(stream) if stream in had else None
+            self._carry_recent(server, stream, url, [*([own] if own else []), *moved_to(rank)])
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -400,7 +410,8 @@ class IndexerService:
                 # (those of ids not registered again go once their marks are past doubt)
                 self._left = {s: v for s, v in self._left.items() if v.recent.since(horizon)}
                 size = self.index.block_size(sub.stream_id)
-                left = _Left(worker, server_stream(sub.config), recent, url, size)
+                server = server_stream(sub.config)
+                left = _Left(worker, sub.config.dp_rank, server, recent, url, size)
                 self._left[sub.stream_id] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self.index.drop_stream(sub.stream_id)
@@ -510,6 +521,8 @@ class IndexerService:
         horizon = now - RESTART_DOUBT_S
         size = self.index.block_size(stream)
         recent = self._new_recent()  # (a copy: new ranks take the same records)
+        if (carried_before := self._recent_marks.get(stream)) is not None:
+            recent.absorb(carried_before)
         for left in lefts:
             recent.absorb(left.recent)
         carried = [

@@ -161,11 +161,7 @@ async def test_an_extra_key_request_sent_while_its_worker_is_registered_anew_is_
         svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
         resume.set()
         await again
-        (sub,) = svc._workers[WORKER]
-        for _ in range(100):  # until the new SUB really receives
-            seq = await pub.publish(EventBatch(0.0, []))
-            if await svc.wait_applied(WORKER, seq, timeout_s=0.1) and sub.tracker.live:
-                break
+        await _receiving(svc, pub, svc.stream_ids(WORKER)[0])
         assert await svc.wait_applied(WORKER, await pub.publish(stored(A, 40)))
         assert _held(svc, A)
         assert matched(svc, A) == 0
@@ -183,7 +179,7 @@ def _rank_cfg(pub: ScriptedPublisher, rank: int) -> StreamConfig:
 
 async def _receiving(svc: IndexerService, pub: ScriptedPublisher, stream: str) -> None:
     """Publish empty batches until `stream`'s SUB really receives (the slow joiner)."""
-    (sub,) = [s for s in svc._workers[WORKER] if s.stream_id == stream]
+    (sub,) = [s for subs in svc._workers.values() for s in subs if s.stream_id == stream]
     for _ in range(100):
         seq = await pub.publish(EventBatch(0.0, []))
         await asyncio.sleep(0.02)
@@ -248,11 +244,7 @@ async def test_an_extra_key_request_sent_while_its_worker_is_put_aside_is_shadow
             assert not svc.may_shadow(WORKER)
             worker = "w9"
         await svc.add_worker(worker, [old.config])
-        (sub,) = svc._workers[worker]
-        for _ in range(100):  # until the new SUB really receives
-            seq = await pub.publish(EventBatch(0.0, []))
-            if await svc.wait_applied(worker, seq, timeout_s=0.1) and sub.tracker.live:
-                break
+        await _receiving(svc, pub, svc.stream_ids(worker)[0])
         assert await svc.wait_applied(worker, await pub.publish(stored(A, 40)))
         stream = svc.stream_ids(worker)[0]
         assert all(svc.index.holds(stream, svc.block_keys(stream, PLAIN, A)))

@@ -224,6 +224,8 @@ async def test_an_admin_delete_and_add_under_another_id_keeps_the_shadows(tmp_pa
         "page_size_8_added_as_localhost",
         "two_ranks",
         "two_ranks_page_size_32",
+        "renamed",
+        "renamed_page_size_8",
     ],
 )
 async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
@@ -250,7 +252,9 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
     Restarted with two dp ranks in place of one (`two_ranks`), the worker placed the request
     on its new rank 1 (the router names no rank to a worker of one): the new rank's stream
     takes the recent shadows of the ranks the worker had (QA: 288 tokens predicted, 0 cached,
-    on rank 1)."""
+    on rank 1). Added back under another id (`renamed`), it is still the server those requests
+    went to: the new id takes the recent shadows the old one left at its URL (QA: none taken,
+    288 tokens predicted, 0 cached)."""
     if kept == "more_than_kept":
         monkeypatch.setattr(indexer_service, "_RECENT_MARK_KEYS", 4)
     if kept.endswith(("_more_heads_than_kept", "_more_namespaces_than_kept")):
@@ -290,7 +294,8 @@ async def test_a_worker_restarted_on_other_event_ports_keeps_its_recent_shadows(
         assert status == 200
         if kept.endswith("_added_as_localhost"):
             server = server.replace("127.0.0.1", "localhost")
-        status, answer = await fleet.admin("POST", "/workers", {"id": "w0", "url": server})
+        new_id = "w9" if kept.startswith("renamed") else "w0"
+        status, answer = await fleet.admin("POST", "/workers", {"id": new_id, "url": server})
         assert status == 201, answer
         await _no_false_hit(fleet, prompt, answer["url"])
 
