@@ -191,11 +191,15 @@ class IndexerService:
         self._seeds: dict[int, Namespace] = {}
         # streams whose plain entries are all hidden: shadows that could not be kept there
         self._blanket: set[str] = set()
+        # when each was last hidden so (`_cover`): a new process found on it later than
+        # `RESTART_DOUBT_S` after that holds none of those copies (`_judge_adoption`)
+        self._blanket_at: dict[str, float] = {}
         # the unsized shadows and blankets of streams whose worker left, by the server's stream
         # (`_server_stream`), as `ShadowedPrefixes.park` keeps their shadows: for a worker
         # added on that stream again (a rename, an id swap, an admin delete and add)
         self._parked_unsized: dict[ServerStream, list[_Unsized]] = {}
         self._parked_blanket: set[ServerStream] = set()
+        self._parked_blanket_at: dict[ServerStream, float] = {}
         # the fences (last batch applied) of the streams parked for each server's stream, and
         # per stream that took them, until its publisher's seq shows whether it is the process
         # they were made on (`_judge_adoption`): the fences and the unsized shadows it took
@@ -362,7 +366,8 @@ class IndexerService:
         registered anew (`shadow`); one of a rank it no longer has on all of them. Past
         `_MEANWHILE_LIMIT` of them, its streams' plain pages are hidden whole (fail closed)."""
         if len(meanwhile) > _MEANWHILE_LIMIT:
-            self._blanket.update(self.stream_ids(worker))
+            for stream in self.stream_ids(worker):
+                self._cover(stream)
             return
         now = self._clock()
         ranks = {sub.config.dp_rank for sub in self._workers.get(worker, [])}
@@ -414,6 +419,7 @@ class IndexerService:
                 left = _Left(worker, sub.config.dp_rank, server, recent, url, size)
                 self._left[sub.stream_id] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
+            self._blanket_at.pop(sub.stream_id, None)
             self.index.drop_stream(sub.stream_id)
             self._applied_seq.pop(sub.stream_id, None)
             self._stream_health.pop(sub.stream_id, None)
@@ -437,7 +443,7 @@ class IndexerService:
         ranks = {rank for rank, _ in servers}
         for rank, server in servers:
             if len(meanwhile) > _MEANWHILE_LIMIT:
-                self._parked_blanket.add(server)
+                self._cover_parked(server)
                 continue
             parked = self._parked_unsized.setdefault(server, [])
             for namespace, head, dp_rank, until in meanwhile:
@@ -480,7 +486,7 @@ class IndexerService:
             self._parked_unsized[server] = kept + unsized
         if stream in self._blanket:
             self._blanket.discard(stream)
-            self._parked_blanket.add(server)
+            self._cover_parked(server, self._blanket_at.pop(stream, None))
         parked = set(cast("list[ServerStream]", self._shadowed.parked()))
         parked |= self._parked_unsized.keys() | self._parked_blanket
         if server in parked:
@@ -563,7 +569,7 @@ class IndexerService:
         from its seed, and a stream that forgot namespaces too is hidden whole (fail closed).
         The head's last block is its tail, as another replica's shadow's is."""
         if recent.forgot_heads_since(horizon):
-            self._blanket.add(stream)
+            self._cover(stream)
             log.info(
                 "stream %s: more extra_key requests were sent here lately than it keeps a "
                 "record of, and its block size changed: its plain pages predict no hit",
@@ -577,6 +583,18 @@ class IndexerService:
                 self._shadow_unsized(stream, plain, head, extra_key, until)  # keyed once known
             else:
                 self._mark(stream, plain, chains, extra_key, until)
+
+    def _cover(self, stream: str, at: float | None = None) -> None:
+        """Hide every plain entry of `stream` (`_blanket`), as of `at` (None: now)."""
+        at = self._clock() if at is None else at
+        self._blanket.add(stream)
+        self._blanket_at[stream] = max(at, self._blanket_at.get(stream, at))
+
+    def _cover_parked(self, server: ServerStream, at: float | None = None) -> None:
+        """`_cover` for the stream added on `server`'s stream next (`_adopt_shadows`)."""
+        at = self._clock() if at is None else at
+        self._parked_blanket.add(server)
+        self._parked_blanket_at[server] = max(at, self._parked_blanket_at.get(server, at))
 
     def _park_fences(self, server: ServerStream, fences: Sequence[BatchFence | None]) -> None:
         """Keep `fences` for the shadows parked for `server` (`_add_fences`)."""
@@ -611,9 +629,11 @@ class IndexerService:
             for _, plain, head, extra_key, until in items:
                 unsized.append((stream, plain, head, extra_key, until))
             if parked in self._parked_blanket:
+                at = self._parked_blanket_at.get(parked)
                 if take:
                     self._parked_blanket.discard(parked)
-                self._blanket.add(stream)
+                    self._parked_blanket_at.pop(parked, None)
+                self._cover(stream, at)
             fences += (
                 self._parked_fences.pop(parked, []) if take else self._parked_fences.get(parked, [])
             )
@@ -691,6 +711,16 @@ class IndexerService:
         if unsized:
             gone = {id(item) for item in unsized}
             self._unsized_shadows = [i for i in self._unsized_shadows if id(i) not in gone]
+        covered = self._blanket_at.get(stream)
+        if covered is not None and covered < self._clock() - RESTART_DOUBT_S:
+            # hidden whole for copies of the process that ended (before, for good: QA)
+            self._blanket.discard(stream)
+            del self._blanket_at[stream]
+            log.info(
+                "stream %s: its plain pages predict hits again: the process whose extra_key "
+                "copies could not all be told apart has ended",
+                stream,
+            )
         log.info(
             "stream %s: its publisher is a new process (seq %d, behind the last batch of "
             "the %s they were made on): the %d extra_key shadows made before it are dropped",
@@ -925,7 +955,7 @@ class IndexerService:
         except (TypeError, OverflowError):
             head = None  # not plain token ids: nothing to key them by later
         if head is None or len(waiting) >= _UNSIZED_LIMIT:
-            self._blanket.add(stream)
+            self._cover(stream)
             return
         waiting.append((stream, plain, head, extra_key, until))
 
@@ -1288,7 +1318,7 @@ class IndexerService:
             item = (stream, plain, array("q", cast(Sequence[int], head)), extra_key, until)
             if server is not None:
                 if room <= 0:
-                    self._parked_blanket.add(server)  # beyond the bound: hidden whole
+                    self._cover_parked(server)  # beyond the bound: hidden whole
                 else:
                     self._parked_unsized.setdefault(server, []).append(item)
                     room -= 1
@@ -1296,7 +1326,7 @@ class IndexerService:
                 continue
             own.setdefault(stream, list(self._shadowed.shadows(stream) or ()))
             if room <= 0:
-                self._blanket.add(stream)
+                self._cover(stream)
                 continue
             self._unsized_shadows.append(item)
             by_id.setdefault(stream, []).append(item)
@@ -1304,10 +1334,10 @@ class IndexerService:
         for stream in kept.blanket:
             server = servers.get(stream)
             if server is not None:
-                self._parked_blanket.add(server)
+                self._cover_parked(server)
                 parked[stream] = server
             else:
-                self._blanket.add(stream)
+                self._cover(stream)
         for stream, server in parked.items():
             self._park_fences(server, [index.fence(stream) if index.has_stream(stream) else None])
         for server, (shadows, fences) in kept.parked.items():
@@ -1318,7 +1348,8 @@ class IndexerService:
             taken += 1
             item = ("", plain, array("q", cast(Sequence[int], head)), extra_key, until)
             self._parked_unsized.setdefault(server, []).append(item)
-        self._parked_blanket |= kept.parked_blanket
+        for server in kept.parked_blanket:
+            self._cover_parked(server)
         for subs in self._workers.values():
             for sub in subs:
                 self._adopt_shadows(server_stream(sub.config), sub.stream_id)
@@ -1359,7 +1390,9 @@ class IndexerService:
         after a restart, judged with the old shadows; and one marked while the old process's
         last batches waited unread behind a stalled loop, taken as older than them when they
         were applied. So do the shadows still waiting for a page size (fail closed)."""
-        if not self._shadowed.shadows(stream) or not self.index.has_stream(stream):
+        if not (self._shadowed.shadows(stream) or stream in self._blanket):
+            return
+        if not self.index.has_stream(stream):
             return  # (no batch to tell the next process by: kept)
         fence = self.index.fence(stream)
         if fence is None:

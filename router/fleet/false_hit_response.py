@@ -169,6 +169,14 @@ class FalseHitResponse:
                     log.info("worker %s: another relay process writes its streams", entry.id)
                     level = 0  # judged afresh: the relay that mispredicted is gone
                     break
+            # what it runs now, read before its streams are followed again: it may have
+            # restarted with other settings since the first read (more dp ranks: followed on
+            # the old ones, a rank-0 page was predicted to a request the engine put on rank 1;
+            # QA, 4 of 9 prompts, until the next re-read registered it anew)
+            reread = self._rereading(entry)
+            await asyncio.wait({reread}, timeout=_REREAD_WAIT_ROUNDS * self._health.timeout_s)
+            if reread.done() and registered_anew(reread):
+                return
         finally:
             self._quarantined.pop(entry.id, None)
             entry.unfollowed_until = None

@@ -249,3 +249,37 @@ async def test_an_extra_key_request_sent_while_its_worker_is_put_aside_is_shadow
         stream = svc.stream_ids(worker)[0]
         assert all(svc.index.holds(stream, svc.block_keys(stream, PLAIN, A)))
         assert svc.query(PLAIN, A)[worker].matched_tokens == 0
+
+
+@pytest.mark.parametrize("found", ["after_the_doubt", "within_the_doubt"])
+async def test_a_stream_hidden_whole_predicts_again_once_a_new_process_is_found_later(
+    ctx: zmq.asyncio.Context,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    found: str,
+) -> None:
+    """More `extra_key` requests than it keeps were sent to a worker it did not follow: its
+    stream is hidden whole (fail closed). A new process found there `RESTART_DOUBT_S` after
+    holds none of their copies: its plain pages predict again. Before, the stream stayed
+    hidden for good, across restarts and re-registrations (QA: 0 of 288 on every probe).
+    Found within the doubt, the new process may have served them: it stays hidden."""
+    caplog.set_level(logging.INFO, logger="indexer")
+    monkeypatch.setattr(service, "_MEANWHILE_LIMIT", 0)
+    async with ScriptedPublisher(ctx) as pub, IndexerService(CONFIG) as svc:
+        await connect(svc, pub, block_size=4)
+        (old,) = svc._workers[WORKER]
+        await svc.remove_worker(WORKER, returning=True)
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)  # one more than it keeps
+        await svc.add_worker(WORKER, [old.config])
+        await _receiving(svc, pub, svc.stream_ids(WORKER)[0])
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(C, 40)))
+        assert _held(svc, C) and matched(svc, C) == 0  # hidden whole
+        if found == "after_the_doubt":
+            await asyncio.sleep(DOUBT_S + 0.1)
+        pub.restart()
+        await pub.publish(stored(C, 41))
+        await wait_until(lambda: svc.streams()[0].restarts == 1 and _synced(svc))
+        await pub.publish(EventBatch(0.0, []))
+        await wait_until(lambda: "its publisher is a new process" in caplog.text)
+        assert _held(svc, C)
+        assert matched(svc, C) == (4 if found == "after_the_doubt" else 0)

@@ -9,18 +9,20 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from functools import partial
 from typing import Any, NamedTuple
 
 import aiohttp
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import HealthConfig, IndexerSection
 from router.fleet.false_hits import GROSS_PAGES, STREAK, WINDOW, FalseHitWatch
 from router.service import RouterService
-from tests.router.conftest import AUTH, eventually, router_config
+from tests.router.conftest import AUTH, eventually, router_config, unfollow
 from tests.router.test_router_worker_restart import PROBE_S, Front
 from workers.config import WorkerConfig as ReferenceConfig
 from workers.worker import ReferenceWorker
@@ -463,3 +465,57 @@ def test_evictions_that_keep_a_prefix_head_or_come_alone_never_make_a_streak() -
     for _ in range(STREAK):
         watch.answered("x", 304, 0)  # in a row, on another worker
     assert told == [("w", 304, 16), ("x", 304, 0)]
+
+
+def _two_free_ports() -> int:
+    """A port of 127.0.0.1 free now with the next one free too (rank 1 binds base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return int(base)
+    raise AssertionError("no two free ports in a row")
+
+
+async def test_a_worker_restarted_with_more_ranks_while_unfollowed_is_read_again_first() -> None:
+    """The false-hit watch leaves the worker unfollowed; meanwhile it restarts on its ports
+    with two dp ranks, unseen (no health probe falls in the gap). When the quarantine ends,
+    its settings are read again before its streams are followed: it is registered with both
+    ranks. Before, it was followed again on the one rank it had at the streak, the new
+    process's rank 0 trusted at once, and a request the engine placed on rank 1 was predicted
+    rank 0's pages (QA: 4 of 9 prompts, 288 tokens, 0 cached) until a later re-read."""
+    first = ReferenceConfig(
+        time_scale=0.0,
+        page_size=16,
+        events_port=_two_free_ports(),
+        replay_port=_two_free_ports(),
+    )
+    async with ReferenceWorker(first) as w0:
+        config = router_config(
+            [("w", w0.url)],
+            health=HealthConfig(interval_s=600.0, timeout_s=0.5, settings_interval_s=600.0),
+            indexer=IndexerSection(probe_interval_s=PROBE_S, stale_after_s=1.0),
+        )
+        async with RouterService(config) as router:
+            indexer = router.planner.indexer
+            await eventually(lambda: _ranks(router, 1), what="one rank registered")
+            await unfollow(router, "w")  # for 2 s
+            port = int(w0.url.rsplit(":", 1)[1])
+            await w0.__aexit__(None, None, None)
+            second = msgspec.structs.replace(first, port=port, dp_size=2)
+            async with ReferenceWorker(second):
+
+                async def followed() -> bool:
+                    return indexer.has_worker("w")
+
+                await eventually(followed, timeout_s=10.0, what="followed again")
+                assert len(indexer.stream_ids("w")) == 2
+
+
+async def _ranks(router: RouterService, ranks: int) -> bool:
+    return len(router.planner.indexer.stream_ids("w")) == ranks
