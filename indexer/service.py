@@ -558,7 +558,8 @@ class IndexerService:
             if any(doubtful for _, _, doubtful in carried):
                 self._shadowed.settle(stream)
             else:
-                self._shadowed.watch(stream, set().union(*(keys for _, keys, _ in carried)))
+                # (every key carried here so far: a stream carried twice keeps the first's)
+                self._shadowed.watch(stream, recent.keys_since(horizon))
         if resized:
             # after the judgment is set up: the keys it makes are the stream's own marks
             self._shadow_heads_again(stream, recent, horizon)

@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from indexer.protocol.events import EventBatch
+from indexer.stats import StreamState
 from router.config import HealthConfig, IndexerSection, LimitsConfig, WorkerConfig
 from router.http.observe import install_log_request_id
 from router.service import RouterService
@@ -588,6 +589,16 @@ async def test_a_worker_replaced_behind_its_url_with_other_event_ports_is_regist
                 front.target = w2.url
                 await w1.__aexit__(None, None, None)
                 w1 = w2
+
+                async def noticed() -> bool:
+                    # (its connection's drop reaches the stream a moment after the exit: CI
+                    # once read a prediction in between)
+                    configs = router.indexer.stream_configs("w")
+                    moved = [c.endpoint for c in configs] == w2.kv_events.endpoints
+                    states = [s.state for s in router.indexer.streams() if s.worker == "w"]
+                    return moved or StreamState.SYNCED not in states
+
+                await eventually(noticed, what="the old process's death seen by its stream")
 
                 async def anew() -> bool:
                     # never a hit of the dead process's cache meanwhile
