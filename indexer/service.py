@@ -194,6 +194,8 @@ class IndexerService:
         # when each was last hidden so (`_cover`): a new process found on it later than
         # `RESTART_DOUBT_S` after that holds none of those copies (`_judge_adoption`)
         self._blanket_at: dict[str, float] = {}
+        # per stream to be judged, the time before which its blanket may be lifted then
+        self._judged_from: dict[str, float] = {}
         # the unsized shadows and blankets of streams whose worker left, by the server's stream
         # (`_server_stream`), as `ShadowedPrefixes.park` keeps their shadows: for a worker
         # added on that stream again (a rename, an id swap, an admin delete and add)
@@ -216,6 +218,10 @@ class IndexerService:
         # and the (dp rank, server's stream) it followed, which keep them should it not be
         self._meanwhile: dict[str, list[_Meanwhile]] = {}
         self._meanwhile_servers: dict[str, list[tuple[int, ServerStream]]] = {}
+        self._meanwhile_urls: dict[str, str | None] = {}
+        # the same of workers removed meanwhile, by the URL they were sent to (when, items):
+        # for a worker added there next, under any id (`_orphaned_meanwhile`)
+        self._orphaned: dict[str, tuple[float, list[_Meanwhile]]] = {}
         # per worker that left, the streams it had (`_carry_recent`: a rank it had is its own)
         self._left_streams: dict[str, set[str]] = {}
         self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
@@ -316,35 +322,55 @@ class IndexerService:
         subs = self._streams.start(worker, streams, sink_for)
         meanwhile = self._meanwhile.pop(worker, [])
         self._meanwhile_servers.pop(worker, None)
+        self._meanwhile_urls.pop(worker, None)
         self._urls[worker] = url
         # the streams of the worker's last registration; a rank it did not have then may have
         # taken any of their requests (the engine picks the rank of one sent with none)
         had = self._left_streams.pop(worker, set())
         lefts = {s: left for s, left in self._left.items() if left.worker == worker}
-        for stream in lefts:
-            del self._left[stream]
+        for stream, left in lefts.items():
+            if url is None or left.url is None or left.url == url:
+                # (one left at another URL stays for the id added there: a swap's other half)
+                del self._left[stream]
         mine = [left for s, left in lefts.items() if s in had]
         # the streams other ids left at this URL lately (a rename, two ids swapped): their
         # requests went to the server this worker is now (before, a worker renamed as it
         # restarted on other ports or page size took none: QA)
-        moved = [left for left in self._left.values() if url is not None and left.url == url]
+        moved = [
+            left
+            for left in self._left.values()
+            if url is not None and left.url == url and left.worker != worker
+        ]
 
         def moved_to(rank: int) -> list[_Left]:
             return [left for left in moved if left.dp_rank == rank] or moved
 
-        # the new ranks first: they copy the shadows parked for the ranks it had, which the
-        # streams of those ranks take (before, rank 1 found rank 0's taken already: QA)
-        for sub in [
-            *(s for s in subs if s.stream_id not in had),
-            *(s for s in subs if s.stream_id in had),
-        ]:
+        plan: list[tuple[ServerStream, str, list[_Left], list[_Left]]] = []
+        for sub in subs:
             server, stream, rank = server_stream(sub.config), sub.stream_id, sub.config.dp_rank
-            if stream not in had:
-                self._carry_recent(server, stream, url, mine)
+            own = lefts.get(stream)
+            carrying = ([own] if own else []) if stream in had else list(mine)
+            carrying += moved_to(rank)
+            plan.append(
+                (
+                    server,
+                    stream,
+                    [left for left in carrying if not server.may_be(left.server)],
+                    [left for left in carrying if server.may_be(left.server)],
+                )
+            )
+        # copies of other servers' streams' shadows first, then what each stream takes of its
+        # own server's stream: a rank copying from a server's stream another rank takes would
+        # find it taken (QA: rank 1 of a worker back with two ranks, renamed or not, took none)
+        for server, stream, elsewhere, _ in plan:
+            if elsewhere:
+                self._carry_recent(server, stream, url, elsewhere)
+        for server, stream, _, _ in plan:
             self._adopt_shadows(server, stream)
-            # (after: those on this server's stream spare what it took, as its own do)
-            own = lefts.get(stream) if stream in had else None
-            self._carry_recent(server, stream, url, [*([own] if own else []), *moved_to(rank)])
+        for server, stream, _, here in plan:
+            if here:  # (after: they spare what it took, as its own marks do)
+                self._carry_recent(server, stream, url, here)
+        self._shadow_meanwhile(worker, self._orphaned_meanwhile(url))
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -375,6 +401,14 @@ class IndexerService:
             rank = dp_rank if dp_rank in ranks else None
             self.shadow(namespace, tokens, worker, rank, max(until - now, 0.0))
 
+    def _orphaned_meanwhile(self, url: str | None) -> list[_Meanwhile]:
+        """The `extra_key` requests sent to `url` while the worker there was not followed,
+        and was removed since (`_park_meanwhile`), within `RESTART_DOUBT_S`."""
+        if url is None or url not in self._orphaned:
+            return []
+        at, items = self._orphaned.pop(url)
+        return items if at >= self._clock() - RESTART_DOUBT_S else []
+
     def may_shadow(self, worker: str) -> bool:
         """Whether an `extra_key` request sent to `worker` is shadowed (`shadow`): it is
         subscribed, or being registered anew (O(1))."""
@@ -401,6 +435,7 @@ class IndexerService:
         url = self._urls.pop(worker, None)
         if returning:
             self._meanwhile.setdefault(worker, [])
+            self._meanwhile_urls.setdefault(worker, url)
         subs = await self._streams.stop(worker)
         if subs:
             self._left_streams[worker] = {sub.stream_id for sub in subs}
@@ -420,6 +455,7 @@ class IndexerService:
                 self._left[sub.stream_id] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self._blanket_at.pop(sub.stream_id, None)
+            self._judged_from.pop(sub.stream_id, None)
             self.index.drop_stream(sub.stream_id)
             self._applied_seq.pop(sub.stream_id, None)
             self._stream_health.pop(sub.stream_id, None)
@@ -440,6 +476,15 @@ class IndexerService:
         keyed yet (`_adopt_shadows` keys them on a stream added there)."""
         meanwhile = self._meanwhile.pop(worker, [])
         servers = self._meanwhile_servers.pop(worker, [])
+        url = self._meanwhile_urls.pop(worker, None)
+        if meanwhile and url is not None:
+            # and for the URL they were sent to: a server that moved to other event ports
+            # meanwhile is followed there by whatever id is added at it (QA: none took them)
+            now = self._clock()
+            self._orphaned = {
+                u: v for u, v in self._orphaned.items() if v[0] >= now - RESTART_DOUBT_S
+            }
+            self._orphaned.setdefault(url, (now, []))[1].extend(meanwhile)
         ranks = {rank for rank, _ in servers}
         for rank, server in servers:
             if len(meanwhile) > _MEANWHILE_LIMIT:
@@ -585,6 +630,13 @@ class IndexerService:
             else:
                 self._mark(stream, plain, chains, extra_key, until)
 
+    def _doubt_from(self, stream: str) -> None:
+        """`stream`'s next judgment (`_judge_adoption`) lifts a blanket set before now less
+        `RESTART_DOUBT_S` only: one set since may be of requests the new process served (the
+        earliest such time asked, where asked twice)."""
+        horizon = self._clock() - RESTART_DOUBT_S
+        self._judged_from[stream] = min(horizon, self._judged_from.get(stream, horizon))
+
     def _cover(self, stream: str, at: float | None = None) -> None:
         """Hide every plain entry of `stream` (`_blanket`), as of `at` (None: now)."""
         at = self._clock() if at is None else at
@@ -635,6 +687,7 @@ class IndexerService:
                     self._parked_blanket.discard(parked)
                     self._parked_blanket_at.pop(parked, None)
                 self._cover(stream, at)
+                self._doubt_from(stream)
             fences += (
                 self._parked_fences.pop(parked, []) if take else self._parked_fences.get(parked, [])
             )
@@ -703,6 +756,7 @@ class IndexerService:
         verdicts = [other(fence) for fence in fences]
         if False in verdicts:
             del self._adopted[stream]
+            self._judged_from.pop(stream, None)
             self._shadowed.settle(stream)
             return
         if None in verdicts:
@@ -713,7 +767,8 @@ class IndexerService:
             gone = {id(item) for item in unsized}
             self._unsized_shadows = [i for i in self._unsized_shadows if id(i) not in gone]
         covered = self._blanket_at.get(stream)
-        if covered is not None and covered < self._clock() - RESTART_DOUBT_S:
+        doubted = self._judged_from.pop(stream, None)
+        if covered is not None and doubted is not None and covered < doubted:
             # hidden whole for copies of the process that ended (before, for good: QA)
             self._blanket.discard(stream)
             del self._blanket_at[stream]
@@ -1413,6 +1468,7 @@ class IndexerService:
             # showed on a loaded machine)
             self._shadowed.watch(stream, mine)
             return
+        self._doubt_from(stream)
         self._adopt_loaded(stream, [fence], [], sorted(mine))
 
     def _on_applied(self, stream: str, seq: int) -> None:

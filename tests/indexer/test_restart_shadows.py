@@ -283,3 +283,76 @@ async def test_a_stream_hidden_whole_predicts_again_once_a_new_process_is_found_
         await wait_until(lambda: "its publisher is a new process" in caplog.text)
         assert _held(svc, C)
         assert matched(svc, C) == (4 if found == "after_the_doubt" else 0)
+
+
+async def _stores_a(svc: IndexerService, pub: ScriptedPublisher, worker: str, rank: int) -> None:
+    """`pub`, the process `worker`'s rank `rank` follows now, stores A plain (the events show
+    the page of an `extra_key` request so): it is held there, and predicted nothing."""
+    stream = svc.stream_ids(worker, rank)[0]
+    await _receiving(svc, pub, stream)
+    assert await svc.wait_applied(worker, await pub.publish(stored(A, 60)))
+    assert all(svc.index.holds(stream, svc.block_keys(stream, PLAIN, A)))
+    assert svc.query(PLAIN, A)[worker].ranks[rank].matched_tokens == 0
+
+
+async def test_a_worker_renamed_as_it_came_back_with_more_ranks_hides_them_on_each(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker of one rank is added back under another id at its URL with two ranks: the
+    new id's rank 1 takes the old id's recent shadows too. Before, its rank 0 took the
+    shadows parked on its own sockets before rank 1 copied them (QA: 3 of 3, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        IndexerService(CONFIG) as svc,
+    ):
+        await svc.add_worker(WORKER, [_rank_cfg(r0, 0)], url="http://w:1")
+        await _receiving(svc, r0, svc.stream_ids(WORKER)[0])
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.add_worker("w9", [_rank_cfg(r0, 0), _rank_cfg(r1, 1)], url="http://w:1")
+        await _stores_a(svc, r1, "w9", 1)
+
+
+async def test_two_ids_swapped_as_one_moved_to_other_ports_keep_its_recent_shadows(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """w0's server restarted on other KV-event ports (`moved`) and served an `extra_key`
+    request while the router still followed its old ones; a reload then swaps the two ids,
+    w0 added first. w9, added at w0's URL on the new ports, takes w0's recent shadows.
+    Before, adding w0 at w9's URL dropped its records at its own URL (QA: 2 of 2, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as old,
+        ScriptedPublisher(ctx) as other,
+        ScriptedPublisher(ctx) as moved,
+        IndexerService(CONFIG) as svc,
+    ):
+        await svc.add_worker(WORKER, [_rank_cfg(old, 0)], url="http://a:1")
+        await svc.add_worker("w9", [_rank_cfg(other, 0)], url="http://b:1")
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.remove_worker("w9")
+        await svc.add_worker(WORKER, [_rank_cfg(other, 0)], url="http://b:1")
+        await svc.add_worker("w9", [_rank_cfg(moved, 0)], url="http://a:1")
+        await _stores_a(svc, moved, "w9", 0)
+
+
+@pytest.mark.parametrize("as_id", [WORKER, "w9"])
+async def test_a_worker_put_aside_then_added_again_on_other_ports_hides_what_it_was_sent(
+    ctx: zmq.asyncio.Context, as_id: str
+) -> None:
+    """Put aside by the false-hit watch, the worker restarts on other KV-event ports and is
+    sent an `extra_key` request; an admin deletes it and adds its URL again (under its id or
+    another): the new stream takes the requests sent to that URL meanwhile. Before, they were
+    kept for its old sockets alone (QA: 1 of 1 each, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as old,
+        ScriptedPublisher(ctx) as moved,
+        IndexerService(CONFIG) as svc,
+    ):
+        await svc.add_worker(WORKER, [_rank_cfg(old, 0)], url="http://a:1")
+        await svc.remove_worker(WORKER, returning=True)
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.add_worker(as_id, [_rank_cfg(moved, 0)], url="http://a:1")
+        await _stores_a(svc, moved, as_id, 0)
