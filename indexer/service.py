@@ -998,6 +998,9 @@ class IndexerService:
         (`_blanket`: fail closed) rather than memory growing with every request. The head's
         last block is its tail: what follows counts as the extra_key's."""
         if stream in self._blanket:
+            # not kept: the blanket stands for it, from now on (`_judge_adoption` lifts it
+            # only for a new process found `RESTART_DOUBT_S` after its last such request)
+            self._cover(stream)
             return
         waiting = self._unsized_shadows
         if len(waiting) >= _UNSIZED_LIMIT:
