@@ -212,7 +212,8 @@ class IndexerService:
         # per stream of a worker that left, the server's stream it followed, its recent
         # marks, its worker's URL and its block size, for the same stream id registered again
         # (`_carry_recent`)
-        self._left: dict[str, _Left] = {}
+        # (keyed by stream and URL: an id that left two URLs lately left a record at each)
+        self._left: dict[tuple[str, str | None], _Left] = {}
         # workers not followed for a while (`remove_worker(returning=True)`): the `extra_key`
         # requests sent to each meanwhile, which its streams shadow once it is followed again,
         # and the (dp rank, server's stream) it followed, which keep them should it not be
@@ -327,11 +328,12 @@ class IndexerService:
         # the streams of the worker's last registration; a rank it did not have then may have
         # taken any of their requests (the engine picks the rank of one sent with none)
         had = self._left_streams.pop(worker, set())
-        lefts = {s: left for s, left in self._left.items() if left.worker == worker}
-        for stream, left in lefts.items():
-            if url is None or left.url is None or left.url == url:
+        lefts: dict[str, _Left] = {}  # stream -> its record at this URL
+        for key, left in list(self._left.items()):
+            if left.worker == worker and (url is None or left.url is None or left.url == url):
                 # (one left at another URL stays for the id added there: a swap's other half)
-                del self._left[stream]
+                del self._left[key]
+                lefts[key[0]] = left
         mine = [left for s, left in lefts.items() if s in had]
         # the streams other ids left at this URL lately (a rename, two ids swapped): their
         # requests went to the server this worker is now (before, a worker renamed as it
@@ -343,7 +345,13 @@ class IndexerService:
         ]
 
         def moved_to(rank: int) -> list[_Left]:
-            return [left for left in moved if left.dp_rank == rank] or moved
+            # each id's record of that rank, else (a rank it did not have) all of its records
+            # (before, one id's record of the rank hid another's of other ranks: QA)
+            taken: list[_Left] = []
+            for gone in {left.worker for left in moved}:
+                its = [left for left in moved if left.worker == gone]
+                taken += [left for left in its if left.dp_rank == rank] or its
+            return taken
 
         plan: list[tuple[ServerStream, str, list[_Left], list[_Left]]] = []
         for sub in subs:
@@ -448,11 +456,11 @@ class IndexerService:
             if recent is not None and recent.newest is not None:
                 horizon = self._clock() - RESTART_DOUBT_S
                 # (those of ids not registered again go once their marks are past doubt)
-                self._left = {s: v for s, v in self._left.items() if v.recent.since(horizon)}
+                self._left = {k: v for k, v in self._left.items() if v.recent.since(horizon)}
                 size = self.index.block_size(sub.stream_id)
                 server = server_stream(sub.config)
                 left = _Left(worker, sub.config.dp_rank, server, recent, url, size)
-                self._left[sub.stream_id] = left
+                self._left[sub.stream_id, url] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self._blanket_at.pop(sub.stream_id, None)
             self._judged_from.pop(sub.stream_id, None)

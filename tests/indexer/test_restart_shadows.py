@@ -356,3 +356,47 @@ async def test_a_worker_put_aside_then_added_again_on_other_ports_hides_what_it_
         await svc.remove_worker(WORKER)
         await svc.add_worker(as_id, [_rank_cfg(moved, 0)], url="http://a:1")
         await _stores_a(svc, moved, as_id, 0)
+
+
+async def test_renames_through_fewer_ranks_and_back_take_each_ids_recent_shadows(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """w0 (two ranks) is renamed w1 (one rank), which is sent an `extra_key` request, then w2
+    (two ranks again), all at one URL: w2's rank 1 takes w1's rank-0 shadows as well as w0's
+    rank-1 ones. Before, w0's record of rank 1 stood for the rank alone (QA: 2 of 2, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        IndexerService(CONFIG) as svc,
+    ):
+        url = "http://w:1"
+        await svc.add_worker(WORKER, [_rank_cfg(r0, 0), _rank_cfg(r1, 1)], url=url)
+        svc.shadow(KEYED, C, WORKER, None, keep_s=3600.0)  # a record of each rank
+        await svc.remove_worker(WORKER)
+        await svc.add_worker("w1", [_rank_cfg(r0, 0)], url=url)
+        svc.shadow(KEYED, A, "w1", None, keep_s=3600.0)
+        await svc.remove_worker("w1")
+        await svc.add_worker("w2", [_rank_cfg(r0, 0), _rank_cfg(r1, 1)], url=url)
+        await _stores_a(svc, r1, "w2", 1)
+
+
+async def test_an_id_that_left_two_urls_lately_leaves_its_shadows_at_each(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """w0 at URL a, whose server restarted on other event ports, is sent an `extra_key`
+    request, then moved to URL b and sent another; w9 is added at a on the new ports: it takes
+    what w0 marked at a. Before, w0's record at b replaced the one at a (QA: 2 of 2, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as old,
+        ScriptedPublisher(ctx) as other,
+        ScriptedPublisher(ctx) as moved,
+        IndexerService(CONFIG) as svc,
+    ):
+        await svc.add_worker(WORKER, [_rank_cfg(old, 0)], url="http://a:1")
+        svc.shadow(KEYED, A, WORKER, None, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.add_worker(WORKER, [_rank_cfg(other, 0)], url="http://b:1")
+        svc.shadow(KEYED, C, WORKER, None, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.add_worker("w9", [_rank_cfg(moved, 0)], url="http://a:1")
+        await _stores_a(svc, moved, "w9", 0)
