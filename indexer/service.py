@@ -223,8 +223,10 @@ class IndexerService:
         # the same of workers removed meanwhile, by the URL they were sent to (when, items):
         # for a worker added there next, under any id (`_orphaned_meanwhile`)
         self._orphaned: dict[str, tuple[float, list[_Meanwhile]]] = {}
-        # per worker that left, the streams it had (`_carry_recent`: a rank it had is its own)
-        self._left_streams: dict[str, set[str]] = {}
+        # per worker that left and its URL, the streams it had there (`_carry_recent`: a rank
+        # it had at that URL is its own; QA: one it had only elsewhere since took none of its
+        # records here)
+        self._left_streams: dict[tuple[str, str | None], set[str]] = {}
         self._urls: dict[str, str | None] = {}  # worker -> its URL, as `add_worker` was told
         # told the stream id after each event batch applied (the router's load bookkeeping:
         # `router.routing.prefill_watch`); synchronous, so each must be quick and not raise
@@ -327,7 +329,7 @@ class IndexerService:
         self._urls[worker] = url
         # the streams of the worker's last registration; a rank it did not have then may have
         # taken any of their requests (the engine picks the rank of one sent with none)
-        had = self._left_streams.pop(worker, set())
+        had = self._left_streams.pop((worker, url), set())
         lefts: dict[str, _Left] = {}  # stream -> its record at this URL
         for key, left in list(self._left.items()):
             if left.worker == worker and (url is None or left.url is None or left.url == url):
@@ -446,7 +448,7 @@ class IndexerService:
             self._meanwhile_urls.setdefault(worker, url)
         subs = await self._streams.stop(worker)
         if subs:
-            self._left_streams[worker] = {sub.stream_id for sub in subs}
+            self._left_streams[worker, url] = {sub.stream_id for sub in subs}
             if returning:
                 self._meanwhile_servers[worker] = [
                     (sub.config.dp_rank, server_stream(sub.config)) for sub in subs

@@ -400,3 +400,28 @@ async def test_an_id_that_left_two_urls_lately_leaves_its_shadows_at_each(
         await svc.remove_worker(WORKER)
         await svc.add_worker("w9", [_rank_cfg(moved, 0)], url="http://a:1")
         await _stores_a(svc, moved, "w9", 0)
+
+
+async def test_an_id_back_at_a_url_it_left_takes_its_records_there_for_each_rank(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """w0 (two ranks) at URL a is sent an `extra_key` request on rank 1, moved to URL b (one
+    rank) and back to a within the doubt: its rank 1 takes its own rank-1 record at a. Before,
+    the ranks of its last registration (at b: rank 0 only) decided, and rank 1 took none of
+    its own (QA: 4 of 4 rank-1 requests, 3 of 3 runs, 288/0)."""
+    async with (
+        ScriptedPublisher(ctx) as r0,
+        ScriptedPublisher(ctx) as r1,
+        ScriptedPublisher(ctx) as other,
+        ScriptedPublisher(ctx) as m0,
+        ScriptedPublisher(ctx) as m1,
+        IndexerService(CONFIG) as svc,
+    ):
+        # a's server restarted on other event ports (m0, m1) and took the request on rank 1
+        await svc.add_worker(WORKER, [_rank_cfg(r0, 0), _rank_cfg(r1, 1)], url="http://a:1")
+        svc.shadow(KEYED, A, WORKER, 1, keep_s=3600.0)
+        await svc.remove_worker(WORKER)
+        await svc.add_worker(WORKER, [_rank_cfg(other, 0)], url="http://b:1")
+        await svc.remove_worker(WORKER)
+        await svc.add_worker(WORKER, [_rank_cfg(m0, 0), _rank_cfg(m1, 1)], url="http://a:1")
+        await _stores_a(svc, m1, WORKER, 1)
