@@ -632,13 +632,8 @@ class IndexerService:
                 stream,
             )
             return
-        index = self.index
         for plain, extra_key, head, until in list(recent.heads_since(horizon)):
-            chains = index.chain_keys(stream, plain, head, _SHADOW_BLOCKS)
-            if chains is None:
-                self._shadow_unsized(stream, plain, head, extra_key, until)  # keyed once known
-            else:
-                self._mark(stream, plain, chains, extra_key, until)
+            self._shadow_on(stream, plain, head, extra_key, until, _SHADOW_BLOCKS)
 
     def _doubt_from(self, stream: str) -> None:
         """`stream`'s next judgment (`_judge_adoption`) lifts a blanket set before now less
@@ -908,7 +903,6 @@ class IndexerService:
             if len(meanwhile) <= _MEANWHILE_LIMIT:  # (one more: the bound was passed)
                 meanwhile.append((namespace, tokens[:_UNSIZED_HEAD], dp_rank, until))
             return made
-        index = self.index
         blocks = 1 if len(self._shadowed) >= _SHADOW_LIMIT else _SHADOW_BLOCKS
         for stream in self.stream_ids(worker, dp_rank):
             # kept a while, to shadow it again should the worker restart with another page
@@ -916,18 +910,30 @@ class IndexerService:
             self._recent(stream).remember_head(
                 now, plain, tokens, extra_key, until, now - RESTART_DOUBT_S
             )
-            chains = index.chain_keys(stream, plain, tokens, blocks)
-            if chains is None:
-                if index.has_stream(stream):
-                    # its first events will say the size: the keys are made then
-                    # (`_on_applied`); such a shadow is never withdrawn (fail closed)
-                    self._shadow_unsized(stream, plain, tokens, extra_key, until)
-                continue
-            made.extend(self._mark(stream, plain, chains, extra_key, until))
+            made.extend(self._shadow_on(stream, plain, tokens, extra_key, until, blocks))
         if self._shadowed.due():
             self._shadowed.sweep(self._clock(), self._holds_shadowed)
             self._seeds = {s: ns for s, ns in self._seeds.items() if self._has_seed(s)}
         return made
+
+    def _shadow_on(
+        self,
+        stream: str,
+        plain: Namespace,
+        tokens: Sequence[Hashable],
+        extra_key: str,
+        until: float,
+        blocks: int,
+    ) -> list[ShadowMark]:
+        """Shadow a prompt's first `blocks` blocks on `stream`; one whose block size is not
+        known yet is kept as its head, keyed by its first events (`_on_applied`), and never
+        withdrawn (fail closed)."""
+        chains = self.index.chain_keys(stream, plain, tokens, blocks)
+        if chains is not None:
+            return self._mark(stream, plain, chains, extra_key, until)
+        if self.index.has_stream(stream):
+            self._shadow_unsized(stream, plain, tokens, extra_key, until)
+        return []
 
     def _mark(
         self,
