@@ -145,6 +145,12 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
         help="running batch size per DP rank; more requests wait in a queue (default %(default)s)",
     )
     latency.add_argument(
+        "--overlap-schedule",
+        action="store_true",
+        help="form the next batch while a prefill runs, before its prompts are cached, as "
+        "SGLang's default overlap scheduler does (advertised in /server_info; default: off)",
+    )
+    latency.add_argument(
         "--max-queued-requests",
         type=int,
         default=defaults.max_queued_requests,
@@ -247,6 +253,7 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> WorkerCon
         "time_scale": args.time_scale,
         "max_running_requests": args.max_running_requests,
         "max_queued_requests": args.max_queued_requests,
+        "overlap_schedule": args.overlap_schedule,
         "context_length": args.context_length,
         "transfer_ms_per_token": args.transfer_ms_per_token,
         "kv_transfer_timeout_s": args.kv_transfer_timeout,

@@ -78,6 +78,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # `flush_cache_by_salt` in /server_info); false: it empties the whole cache, as SGLang's
     # (0.5.23: its /flush_cache takes no salt), and says nothing
     flush_by_salt: bool = True
+    # SGLang's overlap scheduler (on unless `--disable-overlap-schedule`): the next batch is
+    # formed while a prefill batch runs, before that batch's prompts are cached, so a request
+    # admitted right behind its sibling finds none of the sibling's prompt. Off here by default
+    # (advertised as `disable_overlap_schedule` in /server_info, which the router reads)
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         # msgspec checks Meta constraints only when decoding; direct construction needs these.

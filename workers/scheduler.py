@@ -277,20 +277,28 @@ class RankScheduler:
         return admitted
 
     async def _prefill(self, jobs: list[Job]) -> None:
-        uncached = sum(
-            len(job.prompt) - job.cached_tokens for job in jobs if not job.generation.kv_transferred
-        )
-        loaded = sum(job.loaded_tokens for job in jobs)
-        await self._sleep_ms(
-            self.config.prefill_ms_per_token * uncached
-            + self.config.host_load_ms_per_token * loaded
-        )
-        for job in jobs:
-            self._cache_tokens(job, job.prompt)
-            if job.planned and not job.cancelled:
-                job.emit_next()
-        self._retire()
-        self._publish()
+        while jobs:
+            uncached = sum(
+                len(job.prompt) - job.cached_tokens
+                for job in jobs
+                if not job.generation.kv_transferred
+            )
+            loaded = sum(job.loaded_tokens for job in jobs)
+            await self._sleep_ms(
+                self.config.prefill_ms_per_token * uncached
+                + self.config.host_load_ms_per_token * loaded
+            )
+            # SGLang's overlap scheduler forms the next batch while this one runs, so that
+            # batch is matched against the cache before these prompts are in it (0.5.23's
+            # `event_loop_overlap`: `get_next_batch_to_run` before `process_batch_result`)
+            following = self._admit() if self.config.overlap_schedule else []
+            for job in jobs:
+                self._cache_tokens(job, job.prompt)
+                if job.planned and not job.cancelled:
+                    job.emit_next()
+            self._retire(following)
+            self._publish()
+            jobs = following
 
     async def _decode(self) -> None:
         await self._sleep_ms(self.config.decode_ms_per_token)
@@ -300,10 +308,13 @@ class RankScheduler:
         self._retire()
         self._publish()
 
-    def _retire(self) -> None:
+    def _retire(self, starting: list[Job] | None = None) -> None:
+        """Retire the finished jobs; `starting`: jobs admitted whose prefill has not run."""
         still: list[Job] = []
         for job in self._running:
-            if job.cancelled or len(job.output) >= len(job.planned):
+            if starting and job in starting:
+                still.append(job)
+            elif job.cancelled or len(job.output) >= len(job.planned):
                 # SGLang caches prompt + output except the last token (its KV is never made).
                 self._cache_tokens(job, job.prompt + job.output[:-1])
                 assert job.node is not None

@@ -458,6 +458,7 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             # not SGLang's: its /flush_cache takes no salt and empties the whole cache; this
             # worker flushes one salt's pages, and says so for the router's evictions
             "flush_cache_by_salt": cfg.flush_by_salt,
+            "disable_overlap_schedule": not cfg.overlap_schedule,
             "internal_states": [
                 {"dp_rank": r, "running": run, "waiting": wait}
                 for r, (run, wait) in enumerate(loads)

@@ -234,6 +234,18 @@ def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     return _bounded(info.get("max_running_requests"), MAX_RUNNING_REQUESTS) if info else None
 
 
+def overlaps_prefills(engine: str, info: Mapping[str, Any] | None) -> bool:
+    """Whether the worker forms its next batch before it caches the prompts of the prefill batch
+    it runs, so that a request admitted right behind another finds none of that one's prompt:
+    SGLang's overlap scheduler (0.5.23 `event_loop_overlap` calls `get_next_batch_to_run`
+    before `process_batch_result`, which caches the prompts), on unless its server args say
+    `disable_overlap_schedule`; not said, it is taken as on (fail closed). vLLM caches a
+    block when it allocates it for a step, so one scheduled after finds it."""
+    if engine != "sglang":
+        return False
+    return info is None or info.get("disable_overlap_schedule") is not True
+
+
 def version_from_server_info(info: Mapping[str, Any] | None) -> str | None:
     """The engine version the worker advertises (SGLang's `version`), None if absent: how it
     reads an adapter from a request's `model` depends on it (`router.routing.pool`)."""

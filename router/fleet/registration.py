@@ -33,6 +33,7 @@ from router.fleet.discovery import (
     host_capacity_from_server_info,
     max_running_from_server_info,
     needs_discovery,
+    overlaps_prefills,
     settings_note,
     streams_for,
     version_from_server_info,
@@ -195,6 +196,7 @@ class Registrar:
             entry.host_capacity_tokens = host_capacity
             entry.flushes_by_salt = flushes_by_salt(info)
             entry.max_running_requests = max_running
+            entry.overlaps_prefills = overlaps_prefills(entry.config.engine, info)
             entry.version = version_from_server_info(info)
             entry.discovered = True
             if info is not None:

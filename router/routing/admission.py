@@ -33,10 +33,12 @@ A block brought by a request still on its way (pending, or held now but lost bef
 request's own admission, which then computes it again) is there for this request only if
 the worker admits that request in an earlier batch: a worker matches every request of a
 batch against the cache as it was before the batch, and stores their prompts only when the
-batch's prefill ends (`WaitingDecisions` infers which requests it has admitted). One sent
-where the KV pool had no room for it beside the requests in flight waits until requests
-ending free enough pages, in a batch the router cannot tell: until then no request routed
-there is predicted a block it brings.
+batch's prefill ends (`WaitingDecisions` infers which requests it has admitted); on a worker
+that forms its next batch while a prefill runs (SGLang's overlap scheduler), only once that
+request has answered, whose prefill's prompts are cached by then. One sent where the KV pool
+had no room for it beside the requests in flight waits until requests ending free enough
+pages, in a batch the router cannot tell: until then no request routed there is predicted a
+block it brings.
 
 Pure and synchronous: no I/O.
 """
@@ -518,9 +520,20 @@ class WaitingDecisions:
         batch_room: int | None,
         trickles: bool = False,
         running_cap: int | None = None,
+        overlaps: bool = False,
     ) -> bool:
         """Whether a request routed now is admitted in the same batch as the waiting one of
-        `stamp` (so it finds nothing that one brings): not if that one is admitted already,
+        `stamp`, or in one formed before that one's prefill is cached (so it finds nothing
+        that one brings).
+
+        On a worker that `overlaps` (SGLang's overlap scheduler, its default) the next batch
+        is formed while a prefill batch runs, before its prompts are cached: a request admitted
+        right behind one still prefilling finds none of its prompt. Nothing the router sees
+        tells that apart from a later batch until the one of `stamp` answers (its prompt is
+        cached by then), so there a request routed while it waits is taken to find nothing it
+        brings, wherever it stands.
+
+        Elsewhere: not if that one is admitted already,
         nor if the next batch (`batch_room` requests at most; None: unknown) cannot take both
         and those between them. On a worker that `trickles` (a prefill side, whose pages stay
         locked until its decode fetches them) a backlog longer than a batch is admitted a few
@@ -538,6 +551,8 @@ class WaitingDecisions:
         the pool held was taken to be admitted one request after another, and a request
         routed behind was predicted the blocks of the one ahead: QA found that wrong more
         often than right (11 of 19, 300 requests on three 1,024-token pools)."""
+        if overlaps:
+            return True
         if self._decisions[stamp].blocked:
             return running_cap is None or self.behind(stamp) + 2 <= running_cap
         if trickles and batch_room is not None and len(self._decisions) + 1 > batch_room:
@@ -622,6 +637,7 @@ def forecast(
     stride: int = 1,
     trickles: bool = False,
     running_cap: int | None = None,
+    overlaps: bool = False,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
@@ -635,7 +651,8 @@ def forecast(
     waiting request brings is reused only if the worker admitted that request already, or if
     the next batch there (`batch_room` requests at most; None: unknown) cannot take both
     (else both run in one batch; on a worker that `trickles`, or for a request that waits
-    for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`). The
+    for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`; on one
+    that `overlaps` its batches with prefills, never before that request answers). The
     book holds the last block of each stretch of `stride` blocks (`stretch_keys`), standing for
     the stretch it ends.
     """
@@ -716,6 +733,7 @@ def forecast(
                     batch_room=batch_room,
                     trickles=trickles,
                     running_cap=running_cap,
+                    overlaps=overlaps,
                 ):
                     return _BATCHED
             elif own is not None and j >= matched_blocks and waiting.settled(own, now, seq):
@@ -752,8 +770,14 @@ def forecast(
     out.cause = cause if kept < raw_tokens else ""
     lost_tokens = raw_tokens - kept
     batched = (
-        f"; {lost_tokens} matched tokens come with a request the worker has not admitted "
-        "yet, and a batch finds nothing its own requests bring"
+        (
+            f"; {lost_tokens} matched tokens come with a request that has not answered yet, "
+            "and the worker forms its next batch before it caches a running prefill's prompts "
+            "(SGLang's overlap scheduler)"
+            if overlaps
+            else f"; {lost_tokens} matched tokens come with a request the worker has not "
+            "admitted yet, and a batch finds nothing its own requests bring"
+        )
         if cause == _BATCHED
         else ""
     )

@@ -262,6 +262,53 @@ async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert status == 200
 
 
+async def test_behind_an_overlap_schedulers_prefill_a_sibling_is_predicted_nothing_it_brings() -> (
+    None
+):
+    # a worker that forms its next batch while a prefill runs (SGLang's default), before
+    # that prefill's prompts are cached, and says so in its server info
+    cfg = ReferenceConfig(
+        page_size=PAGE,
+        capacity_tokens=64 * PAGE,
+        max_running_requests=8,
+        prefill_ms_per_token=4.0,
+        decode_ms_per_token=1.0,
+        time_scale=1.0,
+        overlap_schedule=True,
+    )
+    async with _one_worker(cfg) as (fleet, w0):
+        blocker = asyncio.create_task(fleet.post("/generate", prompt(42)))
+        await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
+        first = asyncio.create_task(fleet.post("/generate", sibling(12, 1)))
+        await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to queue")
+        status, _, _ = await blocker
+        assert status == 200
+        # the first sibling went into the batch formed while the blocker ran, and prefills
+        # now; the second is formed into a batch before that prefill's prompt is cached
+        plan = await fleet.route(sibling(12, 2))
+        (only,) = plan["candidates"]
+        assert only["pending_tokens"] == 8 * PAGE  # the index's mark
+        assert only["admission"]["kept_tokens"] == 0
+        assert "overlap scheduler" in only["admission"]["why"], only["admission"]["why"]
+        status, headers, answer = await fleet.post("/generate", sibling(12, 2))
+        assert status == 200
+        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
+            headers["x-kvroute-pending-tokens"]
+        )
+        # before, 128 predicted (the rule of a worker that caches before it batches again)
+        assert predicted == answer["meta_info"]["cached_tokens"] == 0
+        assert headers["x-kvroute-forecast-lost"] == "batched"
+        status, _, reply = await first
+        assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
+        # answered, its prompt is cached: a sibling sent now finds it
+        status, headers, answer = await fleet.post("/generate", sibling(12, 3))
+        assert status == 200
+        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
+            headers["x-kvroute-pending-tokens"]
+        )
+        assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
+
+
 def long_sibling(shared: int, question: int) -> dict[str, Any]:
     """A prompt of 20 pages of prefix `shared` and a page of its own question (337 tokens),
     8 tokens out: 22 pages of KV."""

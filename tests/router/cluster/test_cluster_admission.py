@@ -39,7 +39,8 @@ def _endpoint() -> str:
 async def _replica(
     stack: AsyncExitStack, endpoints: list[str], clock: list[float], block_size: int = 16
 ) -> Planner:
-    """A kv planner over two workers with a 4,096-token pool each (silent streams)."""
+    """A kv planner over two workers with a 4,096-token pool each (silent streams), neither
+    overlapping its batches with a prefill."""
     indexer = await stack.enter_async_context(IndexerService())
     config = PolicyConfig(name="kv")
     pool = WorkerPool(BreakerConfig())
@@ -49,6 +50,8 @@ async def _replica(
         await indexer.add_worker(f"w{i}", [StreamConfig(endpoint=endpoint, block_size=block_size)])
     for entry in pool:
         entry.capacity_tokens = 4096
+        # it caches a prefill's prompts before it forms its next batch: the batch rule's case
+        entry.overlaps_prefills = False
     planner = Planner(
         config, build_policy(config), pool, indexer, LoadTracker(), Fingerprinter("k")
     )

@@ -252,3 +252,34 @@ def test_a_host_tier_is_read_as_sglangs_hicache_sizes_it() -> None:
         None,
     ):
         assert host_capacity_from_server_info(off) is None
+
+
+def test_an_sglang_worker_overlaps_its_batches_unless_its_server_args_say_not() -> None:
+    from router.fleet.discovery import overlaps_prefills
+
+    # SGLang's default: the next batch is formed while a prefill runs
+    assert overlaps_prefills("sglang", {"max_total_num_tokens": 1000})
+    assert overlaps_prefills("sglang", {"disable_overlap_schedule": False})
+    # a value that is not `true` does not turn it off (fail closed), nor does no answer
+    assert overlaps_prefills("sglang", {"disable_overlap_schedule": "true"})
+    assert overlaps_prefills("sglang", None)
+    assert not overlaps_prefills("sglang", {"disable_overlap_schedule": True})
+    # vLLM caches a block as it allocates it for a step
+    assert not overlaps_prefills("vllm", {"max_total_num_tokens": 1000})
+
+
+async def test_the_reference_worker_says_whether_it_overlaps_and_the_router_reads_it() -> None:
+    import aiohttp
+
+    from router.service import RouterService
+    from tests.router.conftest import Fleet, router_config
+    from workers.config import WorkerConfig as ReferenceConfig
+    from workers.worker import ReferenceWorker
+
+    for overlap in (False, True):
+        async with ReferenceWorker(ReferenceConfig(time_scale=0.0, overlap_schedule=overlap)) as w0:
+            config = router_config([("w0", w0.url)])
+            async with RouterService(config) as router, aiohttp.ClientSession() as session:
+                await Fleet(router, {"w0": w0}, session).warm()
+                entry = router.planner.pool.find("w0")
+                assert entry is not None and entry.overlaps_prefills is overlap

@@ -165,6 +165,7 @@ def _over_blocks_1_to_3(
     trickles: bool = False,
     running_cap: int | None = None,
     seq: int | None = None,
+    overlaps: bool = False,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
     pending), on a 100-token pool with nothing to evict."""
@@ -185,6 +186,7 @@ def _over_blocks_1_to_3(
         batch_room=room,
         trickles=trickles,
         running_cap=running_cap,
+        overlaps=overlaps,
     )
 
 
@@ -197,6 +199,7 @@ def _pending(
     trickles: bool = False,
     seq: int | None = None,
     running_cap: int | None = None,
+    overlaps: bool = False,
 ) -> int:
     """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
     found = _over_blocks_1_to_3(
@@ -209,6 +212,7 @@ def _pending(
         trickles=trickles,
         seq=seq,
         running_cap=running_cap,
+        overlaps=overlaps,
     )
     return found.kept_tokens
 
@@ -310,6 +314,23 @@ def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks(
     assert waiting.behind(stamp) == 1
     assert _pending(book, waiting, room=2) == 12
     assert _pending(book, waiting, room=3) == 4
+
+
+def test_an_overlap_scheduler_gives_no_block_a_request_brings_before_it_answers() -> None:
+    book, waiting, ahead, stamp = _behind_a_prefill()
+    # the request ahead answered: the one of `stamp` is in the prefill batch now, and one
+    # routed now comes in a later batch, which finds the blocks it brings
+    waiting.answered(ahead, first_byte=True, now=0.02, seq=3)
+    assert _pending(book, waiting, now=0.03, seq=3) == 12
+    # but a worker that forms its next batch while that prefill runs matches it against the
+    # cache before the prefill's prompts are in it: nothing it brings, however long since
+    assert _pending(book, waiting, now=0.03, seq=3, overlaps=True) == 4
+    assert _pending(book, waiting, now=5.0, seq=9, room=1, overlaps=True) == 4
+    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=5.0, overlaps=True)
+    assert found.cause == "batched" and "overlap scheduler" in found.why, found.why
+    # once it answered, its prompt is cached (its stores may still be on their way)
+    waiting.answered(stamp, first_byte=True, now=5.1, seq=9)
+    assert _pending(book, waiting, now=5.2, seq=9, overlaps=True) == 12
 
 
 def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_ahead() -> None:
