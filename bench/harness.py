@@ -116,6 +116,9 @@ class FleetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_workers: int = 0
     decode_workers: int = 0
     transfer_ms_per_token: float = 0.002
+    # its workers form their next batch before caching a running prefill's prompts, as
+    # SGLang's default overlap scheduler does (`workers.config.WorkerConfig.overlap_schedule`)
+    overlap_schedule: bool = False
 
     @property
     def decode_step_ms(self) -> float:
@@ -438,6 +441,7 @@ async def _fleet(spec: FleetSpec) -> AsyncIterator[dict[str, ReferenceWorker]]:
         host_capacity_tokens=spec.host_capacity_tokens,
         host_load_ms_per_token=spec.host_load_ms_per_token,
         transfer_ms_per_token=spec.transfer_ms_per_token,
+        overlap_schedule=spec.overlap_schedule,
     )
     roles = (
         pd_names(spec.prefill_workers, spec.decode_workers)

@@ -169,6 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.5)
     parser.add_argument("--decode-ms-per-token", type=float, default=2.0)
     parser.add_argument("--max-running-requests", type=int, default=8)
+    parser.add_argument(
+        "--overlap-schedule",
+        action="store_true",
+        help="workers form their next batch while a prefill runs, before caching its prompts, "
+        "as SGLang's default overlap scheduler does (default: they cache first)",
+    )
     parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument(
@@ -275,6 +281,7 @@ def settings_from_args(args: argparse.Namespace) -> SuiteSettings:
         decode_ms_per_token=args.decode_ms_per_token,
         max_running_requests=args.max_running_requests,
         time_scale=args.time_scale,
+        overlap_schedule=args.overlap_schedule,
     )
     return SuiteSettings(
         seed=args.seed,
@@ -327,6 +334,8 @@ def _command(settings: SuiteSettings, out: Path) -> str:
     argv += ["--decode-ms-per-token", f"{f.decode_ms_per_token:g}"]
     argv += ["--max-running-requests", str(f.max_running_requests)]
     argv += ["--time-scale", f"{f.time_scale:g}"]
+    if f.overlap_schedule:
+        argv.append("--overlap-schedule")
     if settings.weights.hit_weight is not None:
         argv += ["--kv-hit-weight", f"{settings.weights.hit_weight:g}"]
     if settings.weights.decode_weight is not None:

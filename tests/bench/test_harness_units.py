@@ -15,6 +15,7 @@ from bench.harness import (
     FleetSpec,
     PolicyWeights,
     Target,
+    _fleet,
     _Oracle,
     _shared_pages,
     send_generate,
@@ -82,6 +83,17 @@ def test_bad_command_lines_are_refused() -> None:
     fixed = settings_from_args(_settings("--quick", "--rate", "5", "--workloads", "mooncake"))
     (workload,) = build_workloads(fixed)
     assert workload.params["rate_rps"] == 5.0
+
+
+async def test_an_overlapping_fleet_is_asked_for_echoed_and_built() -> None:
+    settings = settings_from_args(_settings("--quick", "--overlap-schedule"))
+    assert settings.fleet.overlap_schedule
+    assert "--overlap-schedule" in _command(settings, Path("out"))
+    assert "overlap" not in _command(settings_from_args(_settings("--quick")), Path("out"))
+    spec = msgspec.structs.replace(settings.fleet, workers=1, capacity_tokens=1024, time_scale=0)
+    async with _fleet(spec) as fleet:
+        (worker,) = fleet.values()
+        assert worker.config.overlap_schedule
 
 
 def test_a_kv_weight_override_runs_beside_the_defaults_and_is_echoed() -> None:
