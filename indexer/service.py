@@ -54,6 +54,7 @@ from indexer.stats import (
 from indexer.stream.subscriber import StreamSubscriber
 from indexer.stream_tap import StreamHead, StreamTap, TappedSink
 from indexer.subscriptions import Subscriptions, stream_id
+from indexer.waiting_shadows import Waiting, WaitingShadows
 from indexer.worker_matches import WorkerMatches
 
 __all__ = [
@@ -126,6 +127,10 @@ class _Left(NamedTuple):
 _Meanwhile = tuple[Namespace, Sequence[Hashable], int | None, float]
 # the most of those kept for one worker (past it, its streams are hidden whole)
 _MEANWHILE_LIMIT = 4096
+# the most of other replicas' shadows kept for servers no worker is followed at here
+# (`shadow_at`), every URL together (past it, a worker added where one was forgotten is hidden
+# whole): a prompt head a shadow, 2 KiB packed
+_WAITING_LIMIT = 4096
 
 # a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
 # plain namespace, the prompt's leading tokens, its extra_key, kept until)
@@ -223,6 +228,9 @@ class IndexerService:
         # the same of workers removed meanwhile, by the URL they were sent to (when, items):
         # for a worker added there next, under any id (`_orphaned_meanwhile`)
         self._orphaned: dict[str, tuple[float, list[_Meanwhile]]] = {}
+        # other replicas' `extra_key` requests sent to a URL no worker is followed at here
+        # (`shadow_at`): for the worker added there next, under any id
+        self._waiting = WaitingShadows(most=_WAITING_LIMIT)
         # per worker that left and its URL, the streams it had there (`_carry_recent`: a rank
         # it had at that URL is its own; QA: one it had only elsewhere since took none of its
         # records here)
@@ -381,6 +389,7 @@ class IndexerService:
             if here:  # (after: they spare what it took, as its own marks do)
                 self._carry_recent(server, stream, url, here)
         self._shadow_meanwhile(worker, self._orphaned_meanwhile(url))
+        self._take_waiting(worker, url)
         # in rank order: a query lists a worker's ranks in the order of its streams here
         self._health[worker] = sorted((sub.health for sub in subs), key=lambda h: h.dp_rank)
         for sub in subs:
@@ -418,6 +427,45 @@ class IndexerService:
             return []
         at, items = self._orphaned.pop(url)
         return items if at >= self._clock() - RESTART_DOUBT_S else []
+
+    def shadow_at(
+        self,
+        url: str,
+        namespace: Namespace,
+        tokens: Sequence[Hashable],
+        dp_rank: int | None,
+        keep_s: float,
+    ) -> None:
+        """Another replica sent a request with an `extra_key` (in `namespace`) to the server
+        at `url` (`WorkerEntry.server`), which no worker followed here is: its registration is
+        under way (an id added, renamed, deleted and added again, there or by a reload here),
+        or has not begun. Kept for the worker added there next, within `RESTART_DOUBT_S`
+        (`indexer.waiting_shadows`). Before, the shadow was dropped, and once the worker was
+        followed here a plain request was predicted the request's pages (QA: 288 tokens
+        predicted, 0 cached)."""
+        if namespace.extra_key is None or keep_s <= 0:
+            return
+        now = self._clock()
+        try:
+            head: Sequence[Hashable] = array(
+                "q", cast(Sequence[int], tokens[:_UNSIZED_HEAD])
+            )  # 8 bytes a token
+        except (TypeError, OverflowError):
+            head = tuple(tokens[:_UNSIZED_HEAD])  # not plain token ids
+        shadow = Waiting(namespace, head, dp_rank, now + keep_s)
+        self._waiting.keep(url, shadow, now, now - RESTART_DOUBT_S)
+
+    def _take_waiting(self, worker: str, url: str | None) -> None:
+        """`worker` was added at `url`: it shadows what other replicas sent there while no
+        worker was followed at it (`shadow_at`); its streams are hidden whole if some of that
+        had to be forgotten (fail closed)."""
+        if url is None:
+            return
+        taken, forgot = self._waiting.take(url, self._clock() - RESTART_DOUBT_S)
+        self._shadow_meanwhile(worker, [*taken])
+        if forgot:
+            for stream in self.stream_ids(worker):
+                self._cover(stream)
 
     def may_shadow(self, worker: str) -> bool:
         """Whether an `extra_key` request sent to `worker` is shadowed (`shadow`): it is

@@ -220,6 +220,43 @@ async def test_a_peers_decision_names_its_server_as_its_config_spells_it() -> No
         assert applied("wA", "http://127.0.0.1:3") == (set(), set())  # another port
 
 
+async def test_a_peers_shadow_for_a_server_not_followed_here_yet_waits_for_its_worker() -> None:
+    """A shadow naming an id this replica is still registering (in its pool, not followed
+    yet), or a server no id is at here yet, is applied by the worker added at that server. A
+    server whose host only may be one here keeps it too (when unsure, hide). Before, each was
+    dropped (QA: a rename on another replica, 3 of 3, 288 tokens predicted, 0 cached)."""
+    servers = {"wA": "http://127.0.0.1:1", "wB": "http://worker-b.svc:2"}
+    async with _receiver(servers) as (pool, peers, _, on_b):
+        indexer = peers._indexer
+        keyed = Namespace("m", None, "salt", "view-1")
+        tokens = {n: list(range(n, n + 64)) for n in (1, 2, 3)}
+
+        def shadowed(stream: str, n: int) -> bool:
+            made = indexer.index.chain_keys(stream, NS, tokens[n], 8)
+            assert made is not None  # (its page size is configured)
+            keys = {key for chain in made[1] for key in chain}
+            return bool(keys) and keys <= set(indexer._shadowed.shadows(stream) or {})
+
+        pool.add(WorkerConfig(url="http://127.0.0.1:3", id="wC"))  # its registration under way
+        sent = [
+            Shadow("wC", None, keyed, tokens[1], 60.0, 1, "http://127.0.0.1:3"),
+            Shadow("wD", None, keyed, tokens[2], 60.0, 2, "http://127.0.0.1:4"),  # none there
+            Shadow("wB", None, keyed, tokens[3], 60.0, 3, "http://10.0.0.9:2"),  # wB's, maybe
+        ]
+        peers.apply(Batch("b", time.time(), sent))
+        assert shadowed(on_b, 3)
+        pool.add(WorkerConfig(url="http://127.0.0.1:4", id="wD"))
+        for worker, n in (("wC", 1), ("wD", 2)):
+            url = pool.server_of(worker)
+            assert url is not None
+            await indexer.add_worker(
+                worker, [StreamConfig(endpoint=_endpoint(), block_size=16)], url=url
+            )
+            (stream,) = indexer.stream_ids(worker)
+            assert shadowed(stream, n), worker
+        assert len(indexer._waiting) == 1  # wB's, kept for the server it may be
+
+
 def test_a_decision_naming_its_server_is_read_by_a_replica_from_before_the_field() -> None:
     """Fields are appended with defaults: an older replica decodes the decision whole but for
     the server (and takes the id at its word, as before)."""

@@ -1,0 +1,93 @@
+"""Other replicas' `extra_key` shadows for a server no worker is followed at here yet.
+
+A replica that adds a worker (an admin rename, an id deleted and added again, a reload) routes
+`extra_key` requests to it as soon as it is registered there, and publishes a shadow for each
+(`router.cluster`). Another replica may still be registering it (reading its `/server_info`,
+subscribing: some milliseconds on loopback, seconds for a slow worker), or not have it in its
+pool yet: no stream here to shadow them on. Dropped, those shadows left the pages their
+requests stored to be predicted to plain requests once the worker was followed here (QA: 288
+tokens predicted, 0 cached). They wait here, by the server's URL (`WorkerEntry.server`, spelled
+as every replica spells it), for the worker added there next (`IndexerService.add_worker`),
+each for `RESTART_DOUBT_S` after it came (the caller says when that began).
+
+Bounded: past `most` shadows (of every URL together), the oldest go, and the URL it was for
+is marked as having forgotten one (a worker added there within the doubt of that is hidden
+whole: fail closed); past `most` URLs so marked, every URL is.
+
+Pure bookkeeping: the service feeds it and asks it; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from indexer.namespace import Namespace
+
+__all__ = ["Waiting", "WaitingShadows"]
+
+
+class Waiting(NamedTuple):
+    """One shadow waiting for its server's worker: its namespace (with the `extra_key`), the
+    prompt's head, the dp rank it was sent to (None: the engine chose) and until when it is
+    kept."""
+
+    namespace: Namespace
+    head: Sequence[Hashable]
+    dp_rank: int | None
+    until: float
+
+
+class WaitingShadows:
+    """Shadows by the URL of the server they were sent to, oldest first."""
+
+    __slots__ = ("_forgot", "_forgot_all_at", "_items", "_most")
+
+    def __init__(self, *, most: int) -> None:
+        self._most = most
+        self._items: deque[tuple[float, str, Waiting]] = deque()  # (when it came, URL, shadow)
+        # per URL, when the newest shadow it had to forget came, oldest first; and when one of
+        # a URL it had to forget without a record came (past `most` URLs)
+        self._forgot: dict[str, float] = {}
+        self._forgot_all_at: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keep(self, url: str, shadow: Waiting, now: float, horizon: float) -> None:
+        """`shadow` was sent to the server at `url`, which no worker here follows yet (what
+        came before `horizon` is let go)."""
+        self._trim(horizon)
+        if len(self._items) >= self._most:
+            at, gone, _ = self._items.popleft()
+            if self._forgot.pop(gone, None) is not None or len(self._forgot) < self._most:
+                self._forgot[gone] = at  # (last: the record stays oldest first)
+            else:
+                self._forgot_all_at = at
+        self._items.append((now, url, shadow))
+
+    def take(self, url: str, horizon: float) -> tuple[list[Waiting], bool]:
+        """The shadows kept for `url` since `horizon`, which the worker added there takes
+        (they are kept no longer), and whether it must be hidden whole as well (some of
+        them were forgotten)."""
+        self._trim(horizon)
+        taken = [shadow for _, u, shadow in self._items if u == url]
+        if taken:
+            self._items = deque(item for item in self._items if item[1] != url)
+        forgot = self._forgot.pop(url, None) is not None or self._forgot_all_at is not None
+        return taken, forgot
+
+    def _trim(self, horizon: float) -> None:
+        """Let go of what came before `horizon`."""
+        items = self._items
+        while items and items[0][0] < horizon:
+            items.popleft()
+        forgot = self._forgot
+        while forgot:
+            oldest = next(iter(forgot))
+            if forgot[oldest] >= horizon:
+                break
+            del forgot[oldest]
+        if self._forgot_all_at is not None and self._forgot_all_at < horizon:
+            self._forgot_all_at = None
