@@ -20,7 +20,15 @@ from indexer.service import IndexerService, StreamConfig
 from router.cluster.outbox import Outbox
 from router.cluster.peers import Peers
 from router.cluster.server import NatsServer
-from router.cluster.wire import Batch, Begin, Pending, Shadow, batch_decoder, encoder
+from router.cluster.wire import (
+    Batch,
+    Begin,
+    Decision,
+    Pending,
+    Shadow,
+    batch_decoder,
+    encoder,
+)
 from router.config import BreakerConfig, RouterConfig, WorkerConfig
 from router.http.reload import ConfigSource
 from router.routing.load import LoadTracker
@@ -238,7 +246,7 @@ async def test_a_peers_shadow_for_a_server_not_followed_here_yet_waits_for_its_w
             return bool(keys) and keys <= set(indexer._shadowed.shadows(stream) or {})
 
         pool.add(WorkerConfig(url="http://127.0.0.1:3", id="wC"))  # its registration under way
-        sent = [
+        sent: list[Decision] = [
             Shadow("wC", None, keyed, tokens[1], 60.0, 1, "http://127.0.0.1:3"),
             Shadow("wD", None, keyed, tokens[2], 60.0, 2, "http://127.0.0.1:4"),  # none there
             Shadow("wB", None, keyed, tokens[3], 60.0, 3, "http://10.0.0.9:2"),  # wB's, maybe
