@@ -99,8 +99,16 @@ class RegistrationNotes:
 
     def doubt(self, worker: str) -> str | None:
         """What `worker`'s registration found suspect in its config, as logged (None: nothing):
-        registered all the same (`router.fleet.advertised.replay_proof`, `block_size_note`)."""
-        return self._doubts.get(worker)
+        registered all the same (`router.fleet.advertised.replay_proof`, `block_size_note`; a
+        role, bootstrap port or model its config gives that the worker contradicts). Before,
+        a reload's answer named only the first kind: a prefill configured `role = "decode"`
+        was said in the log alone, and the answer warned of nothing."""
+        said = [
+            note
+            for kind in (self._doubts, self._roles, self._ports, self._misnamed)
+            if (note := kind.get(worker)) is not None
+        ]
+        return "; ".join(said) or None
 
     def doubted(self, worker: str, note: str | None) -> None:
         """What `worker`'s registration found suspect now (None: nothing): said once per worker

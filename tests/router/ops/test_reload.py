@@ -715,6 +715,22 @@ async def test_the_answer_warns_of_a_block_size_the_worker_does_not_advertise(
     assert answer["workers_changed"] == ["w1"] and answer["warnings"] == {}, answer
 
 
+async def test_the_answer_warns_of_a_role_the_worker_contradicts(fleet: Reloadable) -> None:
+    """w1 configured as a decode worker, which does both (SGLang's disaggregation_mode
+    "null"): routed as the config says, but every pair through it would fail. Before, only the
+    log said so; the reload's answer warned of nothing (QA)."""
+    text = _toml({n: w.url for n, w in fleet.workers.items()})
+    fleet.path.write_text(text + 'role = "decode"\n')  # the last worker's (w1)
+    status, answer = await fleet.reload()
+    assert status == 200 and answer["workers_changed"] == ["w1"], answer
+    assert list(answer["warnings"]) == ["w1"], answer
+    warning = answer["warnings"]["w1"]
+    assert "the config says role 'decode', the worker advertises 'both'" in warning, warning
+    fleet.path.write_text(text)  # its own role: nothing to warn of
+    status, answer = await fleet.reload()
+    assert answer["workers_changed"] == ["w1"] and answer["warnings"] == {}, answer
+
+
 async def test_a_drained_worker_stays_drained_when_a_reload_changes_it(fleet: Reloadable) -> None:
     status, _ = await fleet.admin("POST", "/workers/w1/drain")
     assert status == 200
