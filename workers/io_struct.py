@@ -487,8 +487,10 @@ def parse_completion(
     `parse_model_parameter`)."""
     body = _body(raw)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    # a list of one string or one id list is a batch of one, as SGLang 0.5.23 runs it
+    # (`GenerateReqInput._determine_batch_size`): its `cache_salt` may be a list of one. Before,
+    # it was read as the one prompt, and a list of one salt was refused (QA: a request the
+    # router routed, and SGLang takes)
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
     prompts: list[list[int]]
     if isinstance(prompt, str):

@@ -159,6 +159,29 @@ async def test_a_batch_of_completion_prompts_runs_each_in_its_namespace(
             assert said in (await resp.json())["error"]["message"]
 
 
+async def test_a_list_of_one_prompt_is_a_batch_of_one_that_takes_a_list_of_one_salt(
+    worker: ReferenceWorker, http: aiohttp.ClientSession
+) -> None:
+    """SGLang 0.5.23 reads `prompt: [[ids]]` (or `["text"]`) as a batch of one, whose
+    `cache_salt` may be a list of one. Here it was read as the one prompt, and the salt list
+    refused with a 400 (QA: a request the router routes)."""
+    ids = list(range(100, 140))
+    for prompt in ([ids], [ByteTokenizer().decode(ids)]):
+        body = {"prompt": prompt, "max_tokens": 2, "cache_salt": ["tenant-a"]}
+        for cached in (0, 1):
+            async with http.post(f"{worker.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+            assert [c["index"] for c in answer["choices"]] == [0]
+            details = answer["usage"]["prompt_tokens_details"]
+            reusable = (answer["usage"]["prompt_tokens"] - 1) // PAGE * PAGE
+            assert details["cached_tokens"] == cached * reusable
+        # in that salt's namespace, not the unsalted one
+        assert worker.match(CacheNamespace(cache_salt="tenant-a"), ids)[0] > 0
+        assert worker.match(CacheNamespace(), ids)[0] == 0
+        worker.flush_all()
+
+
 async def _sse(resp: aiohttp.ClientResponse) -> list[object]:
     events: list[object] = []
     async for raw in resp.content:

@@ -84,12 +84,17 @@ def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
     assert _parse(Endpoint.GENERATE, {"text": "x", "cache_salt": ""}).salt is None
     batched = _parse(Endpoint.GENERATE, {"text": ["a", "b"], "cache_salt": ["s1", "s2"]})
     assert batched.salt == "s1"
-    # a completion's list of prompts is a batch as well (SGLang's CompletionRequest)
-    prompts: list[object] = [["a", "b"], [[1, 2], [3, 4]]]
+    # a completion's list of prompts is a batch as well (SGLang's CompletionRequest), a list
+    # of one too
+    prompts: list[object] = [["a", "b"], [[1, 2], [3, 4]], ["a"], [[1, 2]]]
     for prompt in prompts:
         listed = _parse(
             Endpoint.COMPLETIONS,
-            {"prompt": prompt, "cache_salt": ["s1", "s2"], "extra_key": ["k1", "k2"]},
+            {
+                "prompt": prompt,
+                "cache_salt": ["s1", "s2"][: len(prompt)],
+                "extra_key": ["k1", "k2"][: len(prompt)],
+            },
         )
         assert (listed.salt, listed.extra_key) == ("s1", "k1")
     # one prompt takes one salt; a chat request is one conversation
