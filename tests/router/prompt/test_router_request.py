@@ -86,7 +86,7 @@ def test_empty_salt_means_none_and_batches_carry_one_per_item() -> None:
     assert batched.salt == "s1"
     # a completion's list of prompts is a batch as well (SGLang's CompletionRequest), a list
     # of one too
-    prompts: list[object] = [["a", "b"], [[1, 2], [3, 4]], ["a"], [[1, 2]]]
+    prompts: list[list[object]] = [["a", "b"], [[1, 2], [3, 4]], ["a"], [[1, 2]]]
     for prompt in prompts:
         listed = _parse(
             Endpoint.COMPLETIONS,
