@@ -149,6 +149,12 @@ async def test_a_decode_whose_kv_never_comes_answers_504_within_its_timeout(
     assert status == 504, answer
     assert answer["error"]["type"] == "kv_transfer_timeout"
     assert time.monotonic() - started < 1.0 * 2 + 1
+    # the prefill's bootstrap server gives up on its own timeout, which may end just after the
+    # decode's (both 1 s): it closes the room then (the check flaked 1 run in 6 right away)
+    for _ in range(40):
+        if not prefill.disagg.handoffs:
+            break
+        await asyncio.sleep(0.05)
     assert len(prefill.disagg.handoffs) == 0
 
 
