@@ -263,6 +263,11 @@ class PairDispatcher:
                         time.perf_counter() - started,
                         ns.model,
                     )
+                # a side that had not answered may store none of the prompt (its request
+                # aborted): its pending marks go, as a single worker's do (`Proxy`)
+                for ticket in (p_ticket, d_ticket):
+                    if not ticket.prefilled:
+                        withdraw_at_least(ticket, Withdraw.PENDING)
                 raise
             except PrefillFailed as exc:
                 blamed, hard, reason, status = prefill, exc.hard, str(exc), exc.status

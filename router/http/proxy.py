@@ -342,6 +342,13 @@ class Proxy:
                 # nobody is charged: the request did not run out of workers, its client left
                 # (an earlier attempt's 5xx would charge a worker for a request a retry may
                 # well have answered)
+                if not ticket.prefilled:
+                    # before the worker's first byte: it drops a request whose client left
+                    # (SGLang aborts it), queued or prefilling, and may store none of its
+                    # prompt; what it did store its events show. Before, its pending marks
+                    # stood through their grace, and a sibling sent right after was predicted
+                    # the prompt (QA: 128 tokens predicted, 0 cached)
+                    ticket.withdraw = max(ticket.withdraw, Withdraw.PENDING)
                 raise
             except Exception:  # the request ends here (its deadline passed, ...)
                 self._charge(sent_failures, False, plan, tried)

@@ -309,6 +309,52 @@ async def test_behind_an_overlap_schedulers_prefill_a_sibling_is_predicted_nothi
         assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
 
 
+@pytest.mark.parametrize("where", ["queued", "prefilling"])
+async def test_a_request_whose_client_left_before_its_answer_marks_nothing_pending(
+    where: str,
+) -> None:
+    # its client leaves while it waits in the worker's queue, or while the worker prefills it
+    # on an overlapping scheduler: the worker drops it (or forms the next batch before
+    # caching it), and a sibling sent right after finds none of its prompt
+    cfg = ReferenceConfig(
+        page_size=PAGE,
+        capacity_tokens=64 * PAGE,
+        max_running_requests=1 if where == "queued" else 8,
+        prefill_ms_per_token=4.0,
+        decode_ms_per_token=20.0,
+        time_scale=1.0,
+        overlap_schedule=where == "prefilling",
+    )
+    async with _one_worker(cfg) as (fleet, w0):
+        blocker = None
+        if where == "queued":
+            decoding = {
+                "input_ids": prompt(43)["input_ids"],
+                "sampling_params": {"max_new_tokens": 40},
+            }
+            blocker = asyncio.create_task(fleet.post("/generate", decoding))
+            await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
+        first = asyncio.create_task(fleet.post("/generate", sibling(13, 1)))
+        running, waiting = (1, 1) if where == "queued" else (1, 0)
+        await eventually(
+            lambda: _queued(w0, running=running, waiting=waiting), what="the sibling to reach it"
+        )
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.02)
+        status, headers, answer = await fleet.post("/generate", sibling(13, 2))
+        assert status == 200
+        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
+            headers["x-kvroute-pending-tokens"]
+        )
+        # before, its pending marks stood through their grace: 128 predicted
+        assert predicted == answer["meta_info"]["cached_tokens"] == 0
+        if blocker is not None:
+            status, _, _ = await blocker
+            assert status == 200
+
+
 def long_sibling(shared: int, question: int) -> dict[str, Any]:
     """A prompt of 20 pages of prefix `shared` and a page of its own question (337 tokens),
     8 tokens out: 22 pages of KV."""
