@@ -459,6 +459,8 @@ async def server_info(request: web.Request) -> web.StreamResponse:
             # worker flushes one salt's pages, and says so for the router's evictions
             "flush_cache_by_salt": cfg.flush_by_salt,
             "disable_overlap_schedule": not cfg.overlap_schedule,
+            # SGLang's chunk budget per batch (-1: none): this worker never splits a prompt
+            "chunked_prefill_size": -1,
             "internal_states": [
                 {"dp_rank": r, "running": run, "waiting": wait}
                 for r, (run, wait) in enumerate(loads)

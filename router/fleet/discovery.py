@@ -31,6 +31,7 @@ __all__ = [
     "MAX_CAPACITY_TOKENS",
     "MAX_RUNNING_REQUESTS",
     "adapters_from_model_list",
+    "caches_prompts_late",
     "capacity_from_server_info",
     "flushes_by_salt",
     "host_capacity_from_server_info",
@@ -234,16 +235,27 @@ def max_running_from_server_info(info: Mapping[str, Any] | None) -> int | None:
     return _bounded(info.get("max_running_requests"), MAX_RUNNING_REQUESTS) if info else None
 
 
-def overlaps_prefills(engine: str, info: Mapping[str, Any] | None) -> bool:
-    """Whether the worker forms its next batch before it caches the prompts of the prefill batch
-    it runs, so that a request admitted right behind another finds none of that one's prompt:
-    SGLang's overlap scheduler (0.5.23 `event_loop_overlap` calls `get_next_batch_to_run`
-    before `process_batch_result`, which caches the prompts), on unless its server args say
-    `disable_overlap_schedule`; not said, it is taken as on (fail closed). vLLM caches a
-    block when it allocates it for a step, so one scheduled after finds it."""
-    if engine != "sglang":
-        return False
-    return info is None or info.get("disable_overlap_schedule") is not True
+def caches_prompts_late(engine: str, info: Mapping[str, Any] | None) -> bool:
+    """Whether the worker may form a batch after it admitted a request and before it has
+    cached that request's whole prompt, so that a request admitted right behind it finds none,
+    or only part, of that prompt:
+    - SGLang's overlap scheduler forms its next batch before it caches the prompts of the
+      prefill running (0.5.23 `event_loop_overlap` calls `get_next_batch_to_run` before
+      `process_batch_result`), on unless its server args say `disable_overlap_schedule`;
+    - chunked prefill splits a prompt over several batches when it does not fit what is left
+      of one batch's token budget (SGLang's `chunked_prefill_size`, -1 for none; vLLM's
+      `max_num_batched_tokens`, which nothing advertises), and caches each part as it ends.
+    So only an SGLang worker that says it neither overlaps nor chunks (a chunk budget of -1,
+    or one no batch can fill: as large as its KV pool) caches each prompt before it batches
+    again; anything not said is taken as late (fail closed), vLLM's always."""
+    if engine != "sglang" or info is None:
+        return True
+    if info.get("disable_overlap_schedule") is not True:
+        return True
+    chunk, pool = info.get("chunked_prefill_size"), capacity_from_server_info(info)
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        return True
+    return chunk > 0 and (pool is None or chunk < pool)
 
 
 def version_from_server_info(info: Mapping[str, Any] | None) -> str | None:

@@ -28,12 +28,12 @@ from router.config import HealthConfig, TokenizerConfig
 from router.errors import RequestError
 from router.fleet.advertised import block_size_note, check_ranks, check_topic, replay_proof
 from router.fleet.discovery import (
+    caches_prompts_late,
     capacity_from_server_info,
     flushes_by_salt,
     host_capacity_from_server_info,
     max_running_from_server_info,
     needs_discovery,
-    overlaps_prefills,
     settings_note,
     streams_for,
     version_from_server_info,
@@ -196,7 +196,7 @@ class Registrar:
             entry.host_capacity_tokens = host_capacity
             entry.flushes_by_salt = flushes_by_salt(info)
             entry.max_running_requests = max_running
-            entry.overlaps_prefills = overlaps_prefills(entry.config.engine, info)
+            entry.caches_prompts_late = caches_prompts_late(entry.config.engine, info)
             entry.version = version_from_server_info(info)
             entry.discovered = True
             if info is not None:

@@ -25,11 +25,11 @@ from router.config import HealthConfig
 from router.errors import RequestError
 from router.fleet.advertised import sockets
 from router.fleet.discovery import (
+    caches_prompts_late,
     capacity_from_server_info,
     host_capacity_from_server_info,
     max_running_from_server_info,
     needs_discovery,
-    overlaps_prefills,
     settings_note,
     streams_for,
     version_from_server_info,
@@ -168,7 +168,7 @@ class Rereads:
         entry.capacity_tokens = capacity_from_server_info(info)
         entry.host_capacity_tokens = host_capacity_from_server_info(info)
         entry.max_running_requests = max_running_from_server_info(info)
-        entry.overlaps_prefills = overlaps_prefills(entry.config.engine, info)
+        entry.caches_prompts_late = caches_prompts_late(entry.config.engine, info)
         entry.version = version_from_server_info(info)  # another process may be another
         self._recheck_role(entry, spec, info)
         if not needs_discovery(entry.config):

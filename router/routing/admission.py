@@ -34,8 +34,9 @@ request's own admission, which then computes it again) is there for this request
 the worker admits that request in an earlier batch: a worker matches every request of a
 batch against the cache as it was before the batch, and stores their prompts only when the
 batch's prefill ends (`WaitingDecisions` infers which requests it has admitted); on a worker
-that forms its next batch while a prefill runs (SGLang's overlap scheduler), only once that
-request has answered, whose prefill's prompts are cached by then. One sent where the KV pool
+that may batch again before that prompt is cached (SGLang's overlap scheduler forms its next
+batch while a prefill runs; chunked prefill splits a prompt over batches), only once that
+request has answered, whose prompt is cached by then. One sent where the KV pool
 had no room for it beside the requests in flight waits until requests ending free enough
 pages, in a batch the router cannot tell: until then no request routed there is predicted a
 block it brings.
@@ -520,18 +521,19 @@ class WaitingDecisions:
         batch_room: int | None,
         trickles: bool = False,
         running_cap: int | None = None,
-        overlaps: bool = False,
+        cached_late: bool = False,
     ) -> bool:
         """Whether a request routed now is admitted in the same batch as the waiting one of
-        `stamp`, or in one formed before that one's prefill is cached (so it finds nothing
+        `stamp`, or in one formed before that one's prompt is cached (so it finds nothing
         that one brings).
 
-        On a worker that `overlaps` (SGLang's overlap scheduler, its default) the next batch
-        is formed while a prefill batch runs, before its prompts are cached: a request admitted
-        right behind one still prefilling finds none of its prompt. Nothing the router sees
-        tells that apart from a later batch until the one of `stamp` answers (its prompt is
-        cached by then), so there a request routed while it waits is taken to find nothing it
-        brings, wherever it stands.
+        On a worker whose prompts are `cached_late` (SGLang's overlap scheduler, its default,
+        forms the next batch while a prefill batch runs, before its prompts are cached; chunked
+        prefill splits a prompt over several batches) a request admitted right behind one
+        still prefilling finds none, or only part, of its prompt. Nothing the router sees tells
+        that apart from a later batch until the one of `stamp` answers (its prompt is cached by
+        then), so there a request routed while it waits is taken to find nothing it brings,
+        wherever it stands.
 
         Elsewhere: not if that one is admitted already,
         nor if the next batch (`batch_room` requests at most; None: unknown) cannot take both
@@ -551,7 +553,7 @@ class WaitingDecisions:
         the pool held was taken to be admitted one request after another, and a request
         routed behind was predicted the blocks of the one ahead: QA found that wrong more
         often than right (11 of 19, 300 requests on three 1,024-token pools)."""
-        if overlaps:
+        if cached_late:
             return True
         if self._decisions[stamp].blocked:
             return running_cap is None or self.behind(stamp) + 2 <= running_cap
@@ -637,7 +639,7 @@ def forecast(
     stride: int = 1,
     trickles: bool = False,
     running_cap: int | None = None,
-    overlaps: bool = False,
+    cached_late: bool = False,
 ) -> AdmissionForecast:
     """The part of a `raw_tokens` match (whole blocks: the first `matched_tokens` from events,
     the rest from pending marks) still held when the request is admitted.
@@ -652,7 +654,7 @@ def forecast(
     the next batch there (`batch_room` requests at most; None: unknown) cannot take both
     (else both run in one batch; on a worker that `trickles`, or for a request that waits
     for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`; on one
-    that `overlaps` its batches with prefills, never before that request answers). The
+    whose prompts are `cached_late`, never before that request answers). The
     book holds the last block of each stretch of `stride` blocks (`stretch_keys`), standing for
     the stretch it ends.
     """
@@ -733,7 +735,7 @@ def forecast(
                     batch_room=batch_room,
                     trickles=trickles,
                     running_cap=running_cap,
-                    overlaps=overlaps,
+                    cached_late=cached_late,
                 ):
                     return _BATCHED
             elif own is not None and j >= matched_blocks and waiting.settled(own, now, seq):
@@ -772,9 +774,9 @@ def forecast(
     batched = (
         (
             f"; {lost_tokens} matched tokens come with a request that has not answered yet, "
-            "and the worker forms its next batch before it caches a running prefill's prompts "
-            "(SGLang's overlap scheduler)"
-            if overlaps
+            "and the worker may batch again before it has cached that prompt (SGLang's "
+            "overlap scheduler, chunked prefill)"
+            if cached_late
             else f"; {lost_tokens} matched tokens come with a request the worker has not "
             "admitted yet, and a batch finds nothing its own requests bring"
         )

@@ -555,7 +555,7 @@ class Planner:
             trickles=entry.role == "prefill",
             # no batch takes more: what bounds the batch of a request waiting for KV room
             running_cap=entry.max_running_requests,
-            overlaps=entry.overlaps_prefills,
+            cached_late=entry.caches_prompts_late,
         )
         candidate.admission = found
         if found.kept_tokens < raw and self._config.admission_scoring:

@@ -136,9 +136,9 @@ class WorkerEntry:
         self.host_capacity_tokens: int | None = None
         # how many requests each rank runs at once (`max_running_requests`), None: unknown
         self.max_running_requests: int | None = None
-        # whether it forms a batch before caching the prompts of the prefill running
-        # (`router.fleet.discovery.overlaps_prefills`; until read: yes, fail closed)
-        self.overlaps_prefills = True
+        # whether it may batch again before a prompt it admitted is cached (overlap scheduler,
+        # chunked prefill: `router.fleet.discovery.caches_prompts_late`; until read: yes)
+        self.caches_prompts_late = True
         # whether its /flush_cache can empty one salt's pages (its /server_info says so)
         self.flushes_by_salt = False
         # the LoRA adapters it lists by name (vLLM's /v1/models cards with a parent): id ->

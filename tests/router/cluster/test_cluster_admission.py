@@ -51,7 +51,7 @@ async def _replica(
     for entry in pool:
         entry.capacity_tokens = 4096
         # it caches a prefill's prompts before it forms its next batch: the batch rule's case
-        entry.overlaps_prefills = False
+        entry.caches_prompts_late = False
     planner = Planner(
         config, build_policy(config), pool, indexer, LoadTracker(), Fingerprinter("k")
     )

@@ -254,21 +254,34 @@ def test_a_host_tier_is_read_as_sglangs_hicache_sizes_it() -> None:
         assert host_capacity_from_server_info(off) is None
 
 
-def test_an_sglang_worker_overlaps_its_batches_unless_its_server_args_say_not() -> None:
-    from router.fleet.discovery import overlaps_prefills
+def test_only_an_sglang_worker_that_neither_overlaps_nor_chunks_caches_prompts_at_once() -> None:
+    from router.fleet.discovery import caches_prompts_late
 
+    at_once = {"disable_overlap_schedule": True, "chunked_prefill_size": -1}
+    assert not caches_prompts_late("sglang", at_once)
+    # a chunk budget no batch can fill: as large as the KV pool
+    pool = {"disable_overlap_schedule": True, "max_total_num_tokens": 4096}
+    assert not caches_prompts_late("sglang", {**pool, "chunked_prefill_size": 4096})
     # SGLang's default: the next batch is formed while a prefill runs
-    assert overlaps_prefills("sglang", {"max_total_num_tokens": 1000})
-    assert overlaps_prefills("sglang", {"disable_overlap_schedule": False})
-    # a value that is not `true` does not turn it off (fail closed), nor does no answer
-    assert overlaps_prefills("sglang", {"disable_overlap_schedule": "true"})
-    assert overlaps_prefills("sglang", None)
-    assert not overlaps_prefills("sglang", {"disable_overlap_schedule": True})
-    # vLLM caches a block as it allocates it for a step
-    assert not overlaps_prefills("vllm", {"max_total_num_tokens": 1000})
+    assert caches_prompts_late("sglang", {**at_once, "disable_overlap_schedule": False})
+    assert caches_prompts_late("sglang", {"max_total_num_tokens": 1000})
+    # a prompt split over batches when it does not fit what is left of one's budget
+    assert caches_prompts_late("sglang", {**pool, "chunked_prefill_size": 2048})
+    assert caches_prompts_late("sglang", {**at_once, "chunked_prefill_size": 8192})
+    # what is not said, or said in another type, is taken as late (fail closed)
+    for unsaid in (
+        {"disable_overlap_schedule": True},
+        {**at_once, "disable_overlap_schedule": "true"},
+        {**at_once, "chunked_prefill_size": True},
+        {**at_once, "chunked_prefill_size": "-1"},
+        None,
+    ):
+        assert caches_prompts_late("sglang", unsaid), unsaid
+    # vLLM chunks its prefills (its budget, `max_num_batched_tokens`, is not advertised)
+    assert caches_prompts_late("vllm", at_once)
 
 
-async def test_the_reference_worker_says_whether_it_overlaps_and_the_router_reads_it() -> None:
+async def test_the_reference_worker_says_if_it_caches_late_and_the_router_reads_it() -> None:
     import aiohttp
 
     from router.service import RouterService
@@ -282,4 +295,4 @@ async def test_the_reference_worker_says_whether_it_overlaps_and_the_router_read
             async with RouterService(config) as router, aiohttp.ClientSession() as session:
                 await Fleet(router, {"w0": w0}, session).warm()
                 entry = router.planner.pool.find("w0")
-                assert entry is not None and entry.overlaps_prefills is overlap
+                assert entry is not None and entry.caches_prompts_late is overlap

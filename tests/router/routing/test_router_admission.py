@@ -165,7 +165,7 @@ def _over_blocks_1_to_3(
     trickles: bool = False,
     running_cap: int | None = None,
     seq: int | None = None,
-    overlaps: bool = False,
+    cached_late: bool = False,
 ) -> AdmissionForecast:
     """A 12-token match over blocks 1, 2, 3, the first `held` tokens from events (the rest
     pending), on a 100-token pool with nothing to evict."""
@@ -186,7 +186,7 @@ def _over_blocks_1_to_3(
         batch_room=room,
         trickles=trickles,
         running_cap=running_cap,
-        overlaps=overlaps,
+        cached_late=cached_late,
     )
 
 
@@ -199,7 +199,7 @@ def _pending(
     trickles: bool = False,
     seq: int | None = None,
     running_cap: int | None = None,
-    overlaps: bool = False,
+    cached_late: bool = False,
 ) -> int:
     """Blocks 1, 2, 3: block 1 from events, 2 and 3 pending (12 tokens matched)."""
     found = _over_blocks_1_to_3(
@@ -212,7 +212,7 @@ def _pending(
         trickles=trickles,
         seq=seq,
         running_cap=running_cap,
-        overlaps=overlaps,
+        cached_late=cached_late,
     )
     return found.kept_tokens
 
@@ -324,13 +324,13 @@ def test_an_overlap_scheduler_gives_no_block_a_request_brings_before_it_answers(
     assert _pending(book, waiting, now=0.03, seq=3) == 12
     # but a worker that forms its next batch while that prefill runs matches it against the
     # cache before the prefill's prompts are in it: nothing it brings, however long since
-    assert _pending(book, waiting, now=0.03, seq=3, overlaps=True) == 4
-    assert _pending(book, waiting, now=5.0, seq=9, room=1, overlaps=True) == 4
-    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=5.0, overlaps=True)
+    assert _pending(book, waiting, now=0.03, seq=3, cached_late=True) == 4
+    assert _pending(book, waiting, now=5.0, seq=9, room=1, cached_late=True) == 4
+    found = _over_blocks_1_to_3(book, waiting, held=4, queued=8, now=5.0, cached_late=True)
     assert found.cause == "batched" and "overlap scheduler" in found.why, found.why
     # once it answered, its prompt is cached (its stores may still be on their way)
     waiting.answered(stamp, first_byte=True, now=5.1, seq=9)
-    assert _pending(book, waiting, now=5.2, seq=9, overlaps=True) == 12
+    assert _pending(book, waiting, now=5.2, seq=9, cached_late=True) == 12
 
 
 def test_a_prefill_side_in_a_backlog_shares_a_batch_only_with_the_request_right_ahead() -> None:

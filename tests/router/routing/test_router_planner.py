@@ -164,7 +164,7 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     planner.clock = lambda: clock[0]
     for entry in planner.pool:
         entry.capacity_tokens = 4096
-        entry.overlaps_prefills = False  # it caches a prefill's prompts, then batches again
+        entry.caches_prompts_late = False  # it caches a prefill's prompts, then batches again
     first = _request("S" * 200 + "first question", salt="t")
     ns = planner.namespace(first)
     chosen = planner.plan(first, ns).ranked()[0]
@@ -182,7 +182,7 @@ async def test_a_pending_mark_whose_request_answered_without_storing_predicts_no
     # a worker that forms its next batch while that prefill runs (SGLang's overlap
     # scheduler) gives the sibling none of it until it answers
     for entry in planner.pool:
-        entry.overlaps_prefills = True
+        entry.caches_prompts_late = True
     best = next(c for c in planner.plan(sibling).candidates if c.worker == chosen.worker)
     assert best.pending_tokens == 192 and best.predicted_tokens == 0
     assert best.admission is not None and "overlap scheduler" in best.admission.why
