@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
@@ -199,6 +200,10 @@ class IndexerService:
         # when each was last hidden so (`_cover`): a new process found on it later than
         # `RESTART_DOUBT_S` after that holds none of those copies (`_judge_adoption`)
         self._blanket_at: dict[str, float] = {}
+        # of those, the ones hidden only for a time, and until when (`_cover`, `_lapse`): the
+        # shadows they stand for would have lapsed by then; the soonest of those times
+        self._blanket_until: dict[str, float] = {}
+        self._next_lapse = math.inf
         # per stream to be judged, the time before which its blanket may be lifted then
         self._judged_from: dict[str, float] = {}
         # the unsized shadows and blankets of streams whose worker left, by the server's stream
@@ -463,9 +468,11 @@ class IndexerService:
             return
         taken, forgot = self._waiting.take(url, self._clock() - RESTART_DOUBT_S)
         self._shadow_meanwhile(worker, [*taken])
-        if forgot:
+        if forgot is not None:
+            # until the forgotten ones would have lapsed: before, for good, until a new process
+            # was found on it (QA: 4,600 shadows while a replica could not register the worker)
             for stream in self.stream_ids(worker):
-                self._cover(stream)
+                self._cover(stream, until=forgot)
 
     def may_shadow(self, worker: str) -> bool:
         """Whether an `extra_key` request sent to `worker` is shadowed (`shadow`): it is
@@ -513,6 +520,7 @@ class IndexerService:
                 self._left[sub.stream_id, url] = left
             self._park_shadows(sub.stream_id, server_stream(sub.config))
             self._blanket_at.pop(sub.stream_id, None)
+            self._blanket_until.pop(sub.stream_id, None)
             self._judged_from.pop(sub.stream_id, None)
             self.index.drop_stream(sub.stream_id)
             self._applied_seq.pop(sub.stream_id, None)
@@ -588,7 +596,9 @@ class IndexerService:
             kept = [i for i in self._parked_unsized.get(server, []) if i[4] >= now]
             self._parked_unsized[server] = kept + unsized
         if stream in self._blanket:
+            # (parked for good: the worker added there next holds it until a new process)
             self._blanket.discard(stream)
+            self._blanket_until.pop(stream, None)
             self._cover_parked(server, self._blanket_at.pop(stream, None))
         parked = set(cast("list[ServerStream]", self._shadowed.parked()))
         parked |= self._parked_unsized.keys() | self._parked_blanket
@@ -690,11 +700,37 @@ class IndexerService:
         horizon = self._clock() - RESTART_DOUBT_S
         self._judged_from[stream] = min(horizon, self._judged_from.get(stream, horizon))
 
-    def _cover(self, stream: str, at: float | None = None) -> None:
-        """Hide every plain entry of `stream` (`_blanket`), as of `at` (None: now)."""
+    def _cover(self, stream: str, at: float | None = None, until: float | None = None) -> None:
+        """Hide every plain entry of `stream` (`_blanket`), as of `at` (None: now), until
+        `until` (None: until a new process is found on it, `_judge_adoption`; a stream hidden
+        so stays so)."""
         at = self._clock() if at is None else at
+        timed = self._blanket_until
+        if until is None:
+            timed.pop(stream, None)
+        elif stream not in self._blanket or stream in timed:
+            timed[stream] = max(until, timed.get(stream, until))
+            self._next_lapse = min(self._next_lapse, timed[stream])
         self._blanket.add(stream)
         self._blanket_at[stream] = max(at, self._blanket_at.get(stream, at))
+
+    def _lapse(self) -> None:
+        """Lift the blankets whose time is up (`_cover(until=...)`)."""
+        now = self._clock()
+        if now < self._next_lapse:
+            return
+        timed = self._blanket_until
+        for stream, until in list(timed.items()):
+            if until <= now:
+                del timed[stream]
+                self._blanket.discard(stream)
+                self._blanket_at.pop(stream, None)
+                log.info(
+                    "stream %s: its plain pages predict hits again: the extra_key shadows it "
+                    "was hidden for would have lapsed by now",
+                    stream,
+                )
+        self._next_lapse = min(timed.values(), default=math.inf)
 
     def _cover_parked(self, server: ServerStream, at: float | None = None) -> None:
         """`_cover` for the stream added on `server`'s stream next (`_adopt_shadows`)."""
@@ -825,6 +861,7 @@ class IndexerService:
             # hidden whole for copies of the process that ended (before, for good: QA)
             self._blanket.discard(stream)
             del self._blanket_at[stream]
+            self._blanket_until.pop(stream, None)
             log.info(
                 "stream %s: its plain pages predict hits again: the process whose extra_key "
                 "copies could not all be told apart has ended",
@@ -871,6 +908,8 @@ class IndexerService:
         if self._watch is not None:
             self._watch.check()  # (a stall not told yet: before anything is answered)
         found = self.index.match(namespace, tokens, limit)
+        if self._blanket_until:
+            self._lapse()
         if (self._shadowed or self._blanket) and namespace.extra_key is None and found.blocks:
             self._hide_shadowed(found, namespace, tokens)
         return self._matches.answer(self._health, found, self.index.default_medium)

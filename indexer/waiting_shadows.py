@@ -11,8 +11,9 @@ as every replica spells it), for the worker added there next (`IndexerService.ad
 each for `RESTART_DOUBT_S` after it came (the caller says when that began).
 
 Bounded: past `most` shadows (of every URL together), the oldest go, and the URL it was for
-is marked as having forgotten one (a worker added there within the doubt of that is hidden
-whole: fail closed); past `most` URLs so marked, every URL is.
+is marked as having forgotten one, until when the forgotten ones would have been kept (a
+worker added there within the doubt of that is hidden whole until then: fail closed); past
+`most` URLs so marked, every URL is.
 
 Pure bookkeeping: the service feeds it and asks it; no I/O.
 """
@@ -42,15 +43,16 @@ class Waiting(NamedTuple):
 class WaitingShadows:
     """Shadows by the URL of the server they were sent to, oldest first."""
 
-    __slots__ = ("_forgot", "_forgot_all_at", "_items", "_most")
+    __slots__ = ("_forgot", "_forgot_all", "_items", "_most")
 
     def __init__(self, *, most: int) -> None:
         self._most = most
         self._items: deque[tuple[float, str, Waiting]] = deque()  # (when it came, URL, shadow)
-        # per URL, when the newest shadow it had to forget came, oldest first; and when one of
-        # a URL it had to forget without a record came (past `most` URLs)
-        self._forgot: dict[str, float] = {}
-        self._forgot_all_at: float | None = None
+        # per URL, when the newest shadow it had to forget came and until when the ones it
+        # forgot were to be kept, oldest first; and the same of those it had to forget without
+        # a record of their URL (past `most` URLs)
+        self._forgot: dict[str, tuple[float, float]] = {}
+        self._forgot_all: tuple[float, float] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -60,23 +62,26 @@ class WaitingShadows:
         came before `horizon` is let go)."""
         self._trim(horizon)
         if len(self._items) >= self._most:
-            at, gone, _ = self._items.popleft()
-            if self._forgot.pop(gone, None) is not None or len(self._forgot) < self._most:
-                self._forgot[gone] = at  # (last: the record stays oldest first)
+            at, gone, lost = self._items.popleft()
+            before = self._forgot.pop(gone, None)
+            if before is not None or len(self._forgot) < self._most:
+                until = lost.until if before is None else max(before[1], lost.until)
+                self._forgot[gone] = (at, until)  # (last: the record stays oldest first)
             else:
-                self._forgot_all_at = at
+                until = lost.until if self._forgot_all is None else self._forgot_all[1]
+                self._forgot_all = (at, max(until, lost.until))
         self._items.append((now, url, shadow))
 
-    def take(self, url: str, horizon: float) -> tuple[list[Waiting], bool]:
+    def take(self, url: str, horizon: float) -> tuple[list[Waiting], float | None]:
         """The shadows kept for `url` since `horizon`, which the worker added there takes
-        (they are kept no longer), and whether it must be hidden whole as well (some of
-        them were forgotten)."""
+        (they are kept no longer), and until when it must be hidden whole as well (some of
+        them were forgotten, which would have been kept until then; None: none was)."""
         self._trim(horizon)
         taken = [shadow for _, u, shadow in self._items if u == url]
         if taken:
             self._items = deque(item for item in self._items if item[1] != url)
-        forgot = self._forgot.pop(url, None) is not None or self._forgot_all_at is not None
-        return taken, forgot
+        forgot = [f[1] for f in (self._forgot.pop(url, None), self._forgot_all) if f is not None]
+        return taken, max(forgot, default=None)
 
     def _trim(self, horizon: float) -> None:
         """Let go of what came before `horizon`."""
@@ -86,8 +91,8 @@ class WaitingShadows:
         forgot = self._forgot
         while forgot:
             oldest = next(iter(forgot))
-            if forgot[oldest] >= horizon:
+            if forgot[oldest][0] >= horizon:
                 break
             del forgot[oldest]
-        if self._forgot_all_at is not None and self._forgot_all_at < horizon:
-            self._forgot_all_at = None
+        if self._forgot_all is not None and self._forgot_all[0] < horizon:
+            self._forgot_all = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 import zmq.asyncio
@@ -455,12 +456,14 @@ async def test_a_worker_added_where_peers_shadows_were_forgotten_is_hidden_whole
 ) -> None:
     """Past the bound of shadows kept for URLs no worker is followed at, the oldest go, and a
     worker added at a URL that lost one within the doubt predicts none of its plain pages
-    (fail closed); one added at a URL whose shadows were all kept is hidden no more than them."""
+    (fail closed) until the lost ones would have lapsed; one added at a URL whose shadows were
+    all kept is hidden no more than them."""
     monkeypatch.setattr(service, "_WAITING_LIMIT", 1)
+    now = [time.monotonic()]
     async with (
         ScriptedPublisher(ctx) as pub,
         ScriptedPublisher(ctx) as other,
-        IndexerService(CONFIG) as svc,
+        IndexerService(CONFIG, clock=lambda: now[0]) as svc,
     ):
         svc.shadow_at("http://a:1", KEYED, A, None, keep_s=3600.0)
         svc.shadow_at("http://b:1", KEYED, A, None, keep_s=3600.0)  # a:1's is forgotten
@@ -473,3 +476,11 @@ async def test_a_worker_added_where_peers_shadows_were_forgotten_is_hidden_whole
         # C was sent with no extra_key: hidden only where the forgotten one may be
         assert svc.query(PLAIN, C)[WORKER].ranks[0].matched_tokens == 0
         assert svc.query(PLAIN, C)["w9"].ranks[0].matched_tokens == 4
+        # until the forgotten shadow would have lapsed (before, for good: QA, a replica that
+        # could not register the worker while 4,600 were sent to it)
+        now[0] += 3599.0
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(D, 51)))  # (not stale)
+        assert svc.query(PLAIN, C)[WORKER].ranks[0].matched_tokens == 0
+        now[0] += 2.0
+        assert await svc.wait_applied(WORKER, await pub.publish(stored(D, 52)))
+        assert svc.query(PLAIN, C)[WORKER].ranks[0].matched_tokens == 4
