@@ -240,13 +240,25 @@ async def _same_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
         assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
 
 
-async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
-    blocker = asyncio.create_task(fleet.post("/generate", prompt(41)))
+_Answer = tuple[int, dict[str, str], Any]
+
+
+async def _first_sibling_taken_in(
+    fleet: Fleet, w0: ReferenceWorker, blocker: int, shared: int
+) -> asyncio.Task[_Answer]:
+    """A prefill (`prompt(blocker)`) runs, the first sibling of `shared` queues behind it, and
+    the blocker answers: the worker has taken the sibling in, and prefills it (its task)."""
+    running = asyncio.create_task(fleet.post("/generate", prompt(blocker)))
     await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
-    first = asyncio.create_task(fleet.post("/generate", sibling(11, 1)))
+    first = asyncio.create_task(fleet.post("/generate", sibling(shared, 1)))
     await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to queue")
-    status, _, _ = await blocker
+    status, _, _ = await running
     assert status == 200
+    return first
+
+
+async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
+    first = await _first_sibling_taken_in(fleet, w0, 41, 11)
     # the blocker answered: the worker took the first sibling in and prefills it now, so
     # the second one comes in a later batch and finds the prefix the first one stores
     plan = await fleet.route(sibling(11, 2))
@@ -255,8 +267,7 @@ async def _later_batch_case(fleet: Fleet, w0: ReferenceWorker) -> None:
     assert only["admission"]["kept_tokens"] == 8 * PAGE, only["admission"]["why"]
     status, headers, answer = await fleet.post("/generate", sibling(11, 2))
     assert status == 200
-    predicted = int(headers["x-kvroute-matched-tokens"]) + int(headers["x-kvroute-pending-tokens"])
-    assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
+    assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 8 * PAGE
     assert "x-kvroute-forecast-lost" not in headers  # nothing dropped
     status, _, _ = await first
     assert status == 200
@@ -277,12 +288,7 @@ async def test_behind_an_overlap_schedulers_prefill_a_sibling_is_predicted_nothi
         overlap_schedule=True,
     )
     async with _one_worker(cfg) as (fleet, w0):
-        blocker = asyncio.create_task(fleet.post("/generate", prompt(42)))
-        await eventually(lambda: _queued(w0, running=1, waiting=0), what="the blocker to run")
-        first = asyncio.create_task(fleet.post("/generate", sibling(12, 1)))
-        await eventually(lambda: _queued(w0, running=1, waiting=1), what="the sibling to queue")
-        status, _, _ = await blocker
-        assert status == 200
+        first = await _first_sibling_taken_in(fleet, w0, 42, 12)
         # the first sibling went into the batch formed while the blocker ran, and prefills
         # now; the second is formed into a batch before that prefill's prompt is cached
         plan = await fleet.route(sibling(12, 2))
@@ -292,21 +298,15 @@ async def test_behind_an_overlap_schedulers_prefill_a_sibling_is_predicted_nothi
         assert "overlap scheduler" in only["admission"]["why"], only["admission"]["why"]
         status, headers, answer = await fleet.post("/generate", sibling(12, 2))
         assert status == 200
-        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
-            headers["x-kvroute-pending-tokens"]
-        )
         # before, 128 predicted (the rule of a worker that caches before it batches again)
-        assert predicted == answer["meta_info"]["cached_tokens"] == 0
+        assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 0
         assert headers["x-kvroute-forecast-lost"] == "batched"
         status, _, reply = await first
         assert status == 200 and reply["meta_info"]["cached_tokens"] == 0
         # answered, its prompt is cached: a sibling sent now finds it
         status, headers, answer = await fleet.post("/generate", sibling(12, 3))
         assert status == 200
-        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
-            headers["x-kvroute-pending-tokens"]
-        )
-        assert predicted == answer["meta_info"]["cached_tokens"] == 8 * PAGE
+        assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 8 * PAGE
 
 
 @pytest.mark.parametrize("where", ["queued", "prefilling"])
@@ -345,11 +345,8 @@ async def test_a_request_whose_client_left_before_its_answer_marks_nothing_pendi
         await asyncio.sleep(0.02)
         status, headers, answer = await fleet.post("/generate", sibling(13, 2))
         assert status == 200
-        predicted = int(headers["x-kvroute-matched-tokens"]) + int(
-            headers["x-kvroute-pending-tokens"]
-        )
         # before, its pending marks stood through their grace: 128 predicted
-        assert predicted == answer["meta_info"]["cached_tokens"] == 0
+        assert await _predicted(headers) == answer["meta_info"]["cached_tokens"] == 0
         if blocker is not None:
             status, _, _ = await blocker
             assert status == 200
