@@ -36,10 +36,10 @@ batch against the cache as it was before the batch, and stores their prompts onl
 batch's prefill ends (`WaitingDecisions` infers which requests it has admitted); on a worker
 that may batch again before that prompt is cached (SGLang's overlap scheduler forms its next
 batch while a prefill runs; chunked prefill splits a prompt over batches), only once that
-request has answered, whose prompt is cached by then. One sent where the KV pool
-had no room for it beside the requests in flight waits until requests ending free enough
-pages, in a batch the router cannot tell: until then no request routed there is predicted a
-block it brings.
+request has answered, whose prompt is cached by then. One sent where the KV pool had no room
+for it beside the requests in flight waits until requests ending free enough pages, in a
+batch the router cannot tell: until then no request routed there is predicted a block it
+brings.
 
 Pure and synchronous: no I/O.
 """
@@ -654,9 +654,9 @@ def forecast(
     the next batch there (`batch_room` requests at most; None: unknown) cannot take both
     (else both run in one batch; on a worker that `trickles`, or for a request that waits
     for KV room, see `WaitingDecisions.joins_batch`, with the worker's `running_cap`; on one
-    whose prompts are `cached_late`, never before that request answers). The
-    book holds the last block of each stretch of `stride` blocks (`stretch_keys`), standing for
-    the stretch it ends.
+    whose prompts are `cached_late`, never before that request answers). The book holds the
+    last block of each stretch of `stride` blocks (`stretch_keys`), standing for the stretch it
+    ends.
     """
     if capacity_tokens is None:
         return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
