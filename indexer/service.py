@@ -212,6 +212,8 @@ class IndexerService:
         self._parked_unsized: dict[ServerStream, list[_Unsized]] = {}
         self._parked_blanket: set[ServerStream] = set()
         self._parked_blanket_at: dict[ServerStream, float] = {}
+        # of those, the ones hidden only for a time, and until when (`_cover`'s `until`)
+        self._parked_blanket_until: dict[ServerStream, float] = {}
         # the fences (last batch applied) of the streams parked for each server's stream, and
         # per stream that took them, until its publisher's seq shows whether it is the process
         # they were made on (`_judge_adoption`): the fences and the unsized shadows it took
@@ -596,10 +598,12 @@ class IndexerService:
             kept = [i for i in self._parked_unsized.get(server, []) if i[4] >= now]
             self._parked_unsized[server] = kept + unsized
         if stream in self._blanket:
-            # (parked for good: the worker added there next holds it until a new process)
+            # for the worker added there next, for as long as it had left (QA: a second rename
+            # within the hour hid the next worker for good)
             self._blanket.discard(stream)
-            self._blanket_until.pop(stream, None)
-            self._cover_parked(server, self._blanket_at.pop(stream, None))
+            self._cover_parked(
+                server, self._blanket_at.pop(stream, None), self._blanket_until.pop(stream, None)
+            )
         parked = set(cast("list[ServerStream]", self._shadowed.parked()))
         parked |= self._parked_unsized.keys() | self._parked_blanket
         if server in parked:
@@ -732,9 +736,16 @@ class IndexerService:
                 )
         self._next_lapse = min(timed.values(), default=math.inf)
 
-    def _cover_parked(self, server: ServerStream, at: float | None = None) -> None:
+    def _cover_parked(
+        self, server: ServerStream, at: float | None = None, until: float | None = None
+    ) -> None:
         """`_cover` for the stream added on `server`'s stream next (`_adopt_shadows`)."""
         at = self._clock() if at is None else at
+        timed = self._parked_blanket_until
+        if until is None:
+            timed.pop(server, None)
+        elif server not in self._parked_blanket or server in timed:
+            timed[server] = max(until, timed.get(server, until))
         self._parked_blanket.add(server)
         self._parked_blanket_at[server] = max(at, self._parked_blanket_at.get(server, at))
 
@@ -772,10 +783,12 @@ class IndexerService:
                 unsized.append((stream, plain, head, extra_key, until))
             if parked in self._parked_blanket:
                 at = self._parked_blanket_at.get(parked)
+                lapses = self._parked_blanket_until.get(parked)
                 if take:
                     self._parked_blanket.discard(parked)
                     self._parked_blanket_at.pop(parked, None)
-                self._cover(stream, at)
+                    self._parked_blanket_until.pop(parked, None)
+                self._cover(stream, at, lapses)
                 self._doubt_from(stream)
             fences += (
                 self._parked_fences.pop(parked, []) if take else self._parked_fences.get(parked, [])

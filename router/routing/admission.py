@@ -63,6 +63,7 @@ __all__ = [
     "forecast",
     "recency_stride",
     "stretch_keys",
+    "unbooked",
     "unforecast",
 ]
 
@@ -438,6 +439,14 @@ class WaitingDecisions:
                 unseen[stamp] = (now, sent.stores, sent.probe)
         if sent is None:
             return  # its end after its answer: the answer started the grace
+        if not first_byte:
+            # ended unanswered: its pending marks were taken back (failed, refused, or its
+            # client left: the proxy's `Withdraw`), so one left on a block it touched last is
+            # another request's, which may not have answered either: nothing says it is on
+            # its way (`settled` at once). Before, it counted through this one's grace, and a
+            # sibling sent right after a cancelled one was predicted the prefix that a request
+            # still queued ahead brings (QA: 128 tokens predicted, 0 cached)
+            return
         done = self._done
         while done:  # those past their grace need no entry: `settled` says so without one
             oldest = next(iter(done))
@@ -619,6 +628,22 @@ def unforecast(raw_tokens: int, why: str, capacity_tokens: int | None = None) ->
     )
 
 
+def unbooked(found: AdmissionForecast, matched_tokens: int) -> AdmissionForecast:
+    """`found`, a raw match no book of the requests on their way could discount (`unforecast`),
+    on a worker whose prompts are cached late (SGLang's overlap scheduler, chunked prefill, vLLM):
+    the match's pending part is not predicted, as `WaitingDecisions.joins_batch` would drop the
+    blocks a request not answered yet brings, and nothing here tells which answered. Before,
+    a worker of unknown capacity (every vLLM worker) was predicted them whole (QA)."""
+    lost = found.raw_tokens - matched_tokens
+    if lost > 0:
+        found.kept_tokens, found.cause = matched_tokens, _BATCHED
+        found.why += (
+            f"; its {lost} pending tokens are not predicted: the worker may batch again before "
+            "a prompt it admitted is cached, and no book of the requests on their way is kept"
+        )
+    return found
+
+
 def forecast(
     *,
     raw_tokens: int,
@@ -659,7 +684,8 @@ def forecast(
     ends.
     """
     if capacity_tokens is None:
-        return unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
+        found = unforecast(raw_tokens, "capacity unknown (no max_total_num_tokens): raw match used")
+        return unbooked(found, matched_tokens) if cached_late else found
     queued = queued_tokens + unseen_tokens + in_flight * reserve_tokens
     evict = max(0, held_tokens + queued - capacity_tokens)
     out = AdmissionForecast(

@@ -48,6 +48,7 @@ from router.routing.admission import (
     forecast,
     recency_stride,
     stretch_keys,
+    unbooked,
     unforecast,
 )
 from router.routing.balance import BalanceEstimate, BalanceModel
@@ -488,7 +489,12 @@ class Planner:
         streams = self.indexer.stream_ids(entry.id, candidate.dp_rank)
         if len(streams) != 1:
             why = "no KV-event stream" if not streams else "several ranks, the engine picks"
-            candidate.admission = unforecast(raw, why, entry.capacity_tokens)
+            whole = unforecast(raw, why, entry.capacity_tokens)
+            if entry.caches_prompts_late:
+                whole = unbooked(whole, candidate.matched_tokens)
+                if whole.kept_tokens < raw and self._config.admission_scoring:
+                    candidate.hit_tokens *= whole.kept_tokens / raw
+            candidate.admission = whole
             return
         # A match that reaches an offload tier is forecast the same way, in a pool the size of
         # the host tier where the worker advertises one (SGLang's HiCache keeps a copy of

@@ -316,6 +316,23 @@ def test_a_full_running_batch_admits_one_at_a_time_so_the_next_finds_the_blocks(
     assert _pending(book, waiting, room=3) == 4
 
 
+def test_a_request_that_ended_unanswered_leaves_no_mark_it_touched_last_on_its_way() -> None:
+    book, waiting, _, _ = _behind_a_prefill()
+    # a request waits, bringing blocks 2 and 3; a sibling sent behind it touches
+    # them last, and its client leaves before an answer (its own marks taken back)
+    sibling = book.touch([1, 2, 3])
+    waiting.sent(sibling, kept_blocks=1, held_blocks=1, running=2, now=0.02)
+    waiting.answered(sibling, first_byte=False, now=0.03, seq=None)
+    # the marks left on 2 and 3 are the waiting one's: not on their way for a request routed
+    # now (before, they counted through the sibling's grace: 12 tokens, the worker found 4)
+    assert _pending(book, waiting, now=0.04) == 4
+    # one that answered is read through its grace as before
+    answered = book.touch([1, 2, 3])
+    waiting.sent(answered, kept_blocks=3, held_blocks=1, running=2, now=0.05)
+    waiting.answered(answered, first_byte=True, now=0.06, seq=None)
+    assert _pending(book, waiting, now=0.07) == 12
+
+
 def test_an_overlap_scheduler_gives_no_block_a_request_brings_before_it_answers() -> None:
     book, waiting, ahead, stamp = _behind_a_prefill()
     # the request ahead answered: the one of `stamp` is in the prefill batch now, and one
