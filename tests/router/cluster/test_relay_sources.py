@@ -28,6 +28,16 @@ from tests.router.cluster.test_relay import (
 from tests.router.conftest import Fleet, eventually
 
 
+async def _registered(service: RouterService, worker: str) -> None:
+    """Wait (up to 10 s) until `worker` is registered on `service`: its models known."""
+    for _ in range(200):
+        entry = service.planner.pool.find(worker)
+        if entry is not None and entry.models is not None:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{worker} was not registered within 10 s")
+
+
 async def _stream_state(service: RouterService) -> str:
     return {s.stream: s.state for s in service.indexer.streams()}.get("w0#dp0", "")
 
@@ -50,6 +60,9 @@ async def test_an_id_re_pointed_on_the_replica_alone_predicts_nothing_of_the_old
         caplog.set_level(logging.WARNING, logger="indexer.fed_stream")
         status, body = await admin(session, a, "POST", "/workers", {"id": "w0", "url": new.url})
         assert status in (201, 202), body
+        # a 202 (its registration still under way on a loaded machine) takes no request until
+        # its models are known: the first one was a 503 once on CI
+        await _registered(a, "w0")
         fleet = Fleet(a, {"w0": new}, session)
         # read back and followed on: the relay's records keep naming the old server's socket
         for _ in range(8):
