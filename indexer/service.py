@@ -25,7 +25,7 @@ import math
 import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeVar, cast
 
 import msgspec
 
@@ -136,6 +136,24 @@ _WAITING_LIMIT = 4096
 # a shadow sent to a stream whose block size was not known yet (`_shadow_unsized`): (stream,
 # plain namespace, the prompt's leading tokens, its extra_key, kept until)
 _Unsized = tuple[str, Namespace, Sequence[Hashable], str, float]
+
+
+_K = TypeVar("_K")
+
+
+def _hidden_until(
+    timed: dict[_K, float], key: _K, hidden: bool, until: float | None
+) -> float | None:
+    """Record in `timed` that `key` (a blanket, `hidden` already or not) is hidden until
+    `until` (None: for good); returns when it lapses now (None: never). One hidden for good
+    stays so; two times keep the later."""
+    if until is None:
+        timed.pop(key, None)
+        return None
+    if hidden and key not in timed:
+        return None
+    timed[key] = max(until, timed.get(key, until))
+    return timed[key]
 
 
 class IndexerService:
@@ -709,12 +727,9 @@ class IndexerService:
         `until` (None: until a new process is found on it, `_judge_adoption`; a stream hidden
         so stays so)."""
         at = self._clock() if at is None else at
-        timed = self._blanket_until
-        if until is None:
-            timed.pop(stream, None)
-        elif stream not in self._blanket or stream in timed:
-            timed[stream] = max(until, timed.get(stream, until))
-            self._next_lapse = min(self._next_lapse, timed[stream])
+        lapses = _hidden_until(self._blanket_until, stream, stream in self._blanket, until)
+        if lapses is not None:
+            self._next_lapse = min(self._next_lapse, lapses)
         self._blanket.add(stream)
         self._blanket_at[stream] = max(at, self._blanket_at.get(stream, at))
 
@@ -741,11 +756,8 @@ class IndexerService:
     ) -> None:
         """`_cover` for the stream added on `server`'s stream next (`_adopt_shadows`)."""
         at = self._clock() if at is None else at
-        timed = self._parked_blanket_until
-        if until is None:
-            timed.pop(server, None)
-        elif server not in self._parked_blanket or server in timed:
-            timed[server] = max(until, timed.get(server, until))
+        hidden = server in self._parked_blanket
+        _hidden_until(self._parked_blanket_until, server, hidden, until)
         self._parked_blanket.add(server)
         self._parked_blanket_at[server] = max(at, self._parked_blanket_at.get(server, at))
 

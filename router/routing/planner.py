@@ -492,9 +492,7 @@ class Planner:
             whole = unforecast(raw, why, entry.capacity_tokens)
             if entry.caches_prompts_late:
                 whole = unbooked(whole, candidate.matched_tokens)
-                if whole.kept_tokens < raw and self._config.admission_scoring:
-                    candidate.hit_tokens *= whole.kept_tokens / raw
-            candidate.admission = whole
+            self._admit_forecast(candidate, whole)
             return
         # A match that reaches an offload tier is forecast the same way, in a pool the size of
         # the host tier where the worker advertises one (SGLang's HiCache keeps a copy of
@@ -563,9 +561,7 @@ class Planner:
             running_cap=entry.max_running_requests,
             cached_late=entry.caches_prompts_late,
         )
-        candidate.admission = found
-        if found.kept_tokens < raw and self._config.admission_scoring:
-            candidate.hit_tokens *= found.kept_tokens / raw
+        self._admit_forecast(candidate, found)
         # its own allocation: the uncached prompt and the output it may generate there
         own = max(0, len(tokens) - found.kept_tokens) + output_tokens
         # the room charge as before, from the events' view: counting the stores not in them
@@ -587,6 +583,13 @@ class Planner:
                 holder_counts=self.indexer.holder_counts,
                 reused=reused,
             )
+
+    def _admit_forecast(self, candidate: Candidate, found: AdmissionForecast) -> None:
+        """`found` is what `candidate` predicts; with `admission_scoring`, its hit is scored
+        in proportion to what of the raw match it keeps."""
+        candidate.admission = found
+        if found.kept_tokens < found.raw_tokens and self._config.admission_scoring:
+            candidate.hit_tokens *= found.kept_tokens / found.raw_tokens
 
     def _candidate(
         self,
